@@ -1,0 +1,1 @@
+//! Exact CPU codecs for every storage format the kernels read or write.

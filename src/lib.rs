@@ -1,0 +1,7 @@
+//! megamoe: kernels, CPU references and benchmarks for DeepSeek-V4-class MoE inference on Hopper.
+//!
+//! Layout (see DESIGN §1): `formats` (exact CPU codecs), `gpu` (driver runtime), `ops` (one module per
+//! kernel family: launcher + CPU reference), `model` (DSV4 config, weights, reference decode),
+//! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands).
+
+pub mod formats;
