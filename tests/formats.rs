@@ -522,7 +522,8 @@ fn nvfp4_quantize_dequantize_error_bound() {
                 (rows * cols / 2, rows * cols / 16)
             );
             check_nvfp4(&x, &q, None);
-            // a caller-given global scale (larger than needed) follows the same rule
+            // a caller-given global scale follows the same rule: here at least twice the row's own and,
+            // for small rows, far larger (so tiny, subnormal and zero block scales are exercised too)
             let gs: Vec<f32> = (0..rows)
                 .map(|_| pow2_f32(rng.random_range(-10..10)))
                 .collect();

@@ -219,9 +219,9 @@ pub fn dequantize_weight_128x128(w: &Fp8BlockWeight) -> Vec<f32> {
 /// DSV4 FP8 simulation: quantize -> dequantize in place with the DSV4 FP8 rule, one scale per `block`
 /// contiguous values (DSV4 uses 64 for the KV nope dims, 128 for activations). This is the real e4m3
 /// round trip (see dsv4-architecture §2 on the version caveat). Errors: `block == 0`,
-/// `x.len() % block != 0`, non-finite or `|x| > 2^127` input (x is then unchanged).
+/// `!x.len().is_multiple_of(block)`, non-finite or `|x| > 2^127` input (x is then unchanged).
 pub fn fp8_sim(x: &mut [f32], block: usize) -> Result<()> {
-    if block == 0 || x.len() % block != 0 {
+    if block == 0 || !x.len().is_multiple_of(block) {
         bail!(
             "fp8::fp8_sim: length {} is not a positive multiple of block {block}",
             x.len()

@@ -100,7 +100,7 @@ impl Mxfp4Matrix {
     #[inline]
     pub fn code(&self, row: usize, k: usize) -> u8 {
         let byte = self.data[(row * self.cols + k) / 2];
-        if k % 2 == 0 {
+        if k.is_multiple_of(2) {
             byte & 0xF
         } else {
             byte >> 4
@@ -115,7 +115,7 @@ impl Mxfp4Matrix {
 }
 
 fn check_shape(rows: usize, cols: usize) -> Result<()> {
-    if cols == 0 || cols % BLOCK != 0 {
+    if cols == 0 || !cols.is_multiple_of(BLOCK) {
         bail!("mxfp4: cols = {cols} must be a positive multiple of {BLOCK}");
     }
     if rows.checked_mul(cols).is_none() {
@@ -176,9 +176,9 @@ pub fn dequantize(m: &Mxfp4Matrix) -> Vec<f32> {
 
 /// DSV4 FP4 simulation: quantize -> dequantize in place, one scale per `block` contiguous values
 /// (DSV4 uses 32). The result of each value is exactly `e2m1 * 2^e` of [`quantize`].
-/// Errors: `block == 0`, `x.len() % block != 0`, non-finite or `|x| > 2^127` input (x is then unchanged).
+/// Errors: `block == 0`, `!x.len().is_multiple_of(block)`, non-finite or `|x| > 2^127` input (x is then unchanged).
 pub fn fp4_sim(x: &mut [f32], block: usize) -> Result<()> {
-    if block == 0 || x.len() % block != 0 {
+    if block == 0 || !x.len().is_multiple_of(block) {
         bail!(
             "mxfp4::fp4_sim: length {} is not a positive multiple of block {block}",
             x.len()
@@ -283,7 +283,7 @@ pub fn to_nvfp4(m: &Mxfp4Matrix) -> (Nvfp4Rows, ConversionReport) {
             for k in h * nvfp4::BLOCK..(h + 1) * nvfp4::BLOCK {
                 let code = e2m1::encode_rne(e2m1::decode(m.code(r, k)) * factor);
                 let byte = &mut data[(r * m.cols + k) / 2];
-                *byte = if k % 2 == 0 {
+                *byte = if k.is_multiple_of(2) {
                     (*byte & 0xF0) | code
                 } else {
                     (*byte & 0x0F) | (code << 4)

@@ -125,7 +125,7 @@ impl Nvfp4Rows {
     #[inline]
     pub fn code(&self, row: usize, k: usize) -> u8 {
         let byte = self.data[(row * self.cols + k) / 2];
-        if k % 2 == 0 {
+        if k.is_multiple_of(2) {
             byte & 0xF
         } else {
             byte >> 4
@@ -140,7 +140,7 @@ impl Nvfp4Rows {
 }
 
 fn check_shape(rows: usize, cols: usize) -> Result<()> {
-    if cols == 0 || cols % BLOCK != 0 {
+    if cols == 0 || !cols.is_multiple_of(BLOCK) {
         bail!("nvfp4: cols = {cols} must be a positive multiple of {BLOCK}");
     }
     if rows.checked_mul(cols).is_none() {
