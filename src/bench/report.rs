@@ -128,6 +128,21 @@ pub fn report_from_csv_dir(dir: &Path) -> Result<PathBuf> {
     write_report(dir, &sections)
 }
 
+/// Where one GPU's results live: `results_root/<gpu name in lowercase, runs of other characters
+/// replaced by one '-'>`, e.g. `results/nvidia-h200`; `results_root/unknown-gpu` for an empty name.
+pub fn results_dir_for_gpu(results_root: &Path, gpu: &str) -> PathBuf {
+    let mut name = String::new();
+    for c in gpu.trim().chars() {
+        if c.is_ascii_alphanumeric() {
+            name.push(c.to_ascii_lowercase());
+        } else if !name.is_empty() && !name.ends_with('-') {
+            name.push('-');
+        }
+    }
+    let name = name.trim_end_matches('-');
+    results_root.join(if name.is_empty() { "unknown-gpu" } else { name })
+}
+
 /// The dimension column a set of rows was swept along: among tokens, rows, batch, ctx and cols,
 /// the one with the most distinct values (at least two), ties broken in that order; `bytes` only
 /// when none of those varies. `bytes` comes last because it is usually derived from the real axis
@@ -392,6 +407,20 @@ mod tests {
             .map(|(v, m, n)| (v.to_string(), *m, *n))
             .collect();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn gpu_directory_names() {
+        let root = Path::new("results");
+        assert_eq!(
+            results_dir_for_gpu(root, "NVIDIA H200"),
+            root.join("nvidia-h200")
+        );
+        assert_eq!(
+            results_dir_for_gpu(root, " NVIDIA H100 80GB HBM3 (PCIe) "),
+            root.join("nvidia-h100-80gb-hbm3-pcie")
+        );
+        assert_eq!(results_dir_for_gpu(root, ""), root.join("unknown-gpu"));
     }
 
     #[test]
