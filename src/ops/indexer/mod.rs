@@ -14,6 +14,7 @@
 //!   `-inf` scores are ordinary (lowest) values; `-0` ranks as `+0`. ReLU is `fmaxf(x, 0)` (NaN -> 0).
 //!   The CPU reference follows the same rules and the stress suite tests them.
 
+pub mod bench;
 pub mod reference;
 pub mod stress;
 
@@ -52,7 +53,12 @@ pub struct KeyCacheGpu {
 
 impl KeyCacheGpu {
     pub fn upload(gpu: &Gpu, host: &KeyCacheHost) -> Result<KeyCacheGpu> {
-        ensure!(host.capacity > 0 && host.batch > 0, "empty key cache ({} x {})", host.batch, host.capacity);
+        ensure!(
+            host.capacity > 0 && host.batch > 0,
+            "empty key cache ({} x {})",
+            host.batch,
+            host.capacity
+        );
         ensure!(
             host.codes.len() == host.batch * host.capacity * host.format.code_bytes()
                 && host.scales.len() == host.batch * host.capacity * reference::SCALE_BYTES,
@@ -68,8 +74,17 @@ impl KeyCacheGpu {
     }
 
     /// A cache with every byte set to `pattern` (0xFF poisons: NaN codes and scales).
-    pub fn filled(gpu: &Gpu, format: KeyFormat, batch: usize, capacity: usize, pattern: u8) -> Result<KeyCacheGpu> {
-        ensure!(capacity > 0 && batch > 0, "empty key cache ({batch} x {capacity})");
+    pub fn filled(
+        gpu: &Gpu,
+        format: KeyFormat,
+        batch: usize,
+        capacity: usize,
+        pattern: u8,
+    ) -> Result<KeyCacheGpu> {
+        ensure!(
+            capacity > 0 && batch > 0,
+            "empty key cache ({batch} x {capacity})"
+        );
         Ok(KeyCacheGpu {
             format,
             batch,
@@ -97,12 +112,28 @@ impl KeyCacheGpu {
 
 /// Quantize `n` new raw keys (`raw`: f32 `[n, 128]` on the device, before the Hadamard transform) into the
 /// cache at flat slots `slots[i] = b * capacity + j` (checked here, uploaded per call).
-pub fn write_keys(gpu: &Gpu, cache: &mut KeyCacheGpu, raw: &CudaSlice<f32>, slots: &[i32]) -> Result<()> {
+pub fn write_keys(
+    gpu: &Gpu,
+    cache: &mut KeyCacheGpu,
+    raw: &CudaSlice<f32>,
+    slots: &[i32],
+) -> Result<()> {
     let n = slots.len();
-    ensure!(raw.len() == n * HEAD_DIM, "raw keys hold {} floats, expected {n} x 128", raw.len());
+    ensure!(
+        raw.len() == n * HEAD_DIM,
+        "raw keys hold {} floats, expected {n} x 128",
+        raw.len()
+    );
     let num_slots = cache.batch * cache.capacity;
-    ensure!(num_slots <= i32::MAX as usize, "cache too large for i32 slots");
-    if let Some((i, s)) = slots.iter().enumerate().find(|(_, &s)| s < 0 || s as usize >= num_slots) {
+    ensure!(
+        num_slots <= i32::MAX as usize,
+        "cache too large for i32 slots"
+    );
+    if let Some((i, s)) = slots
+        .iter()
+        .enumerate()
+        .find(|(_, &s)| s < 0 || s as usize >= num_slots)
+    {
         bail!("slot {s} of key {i} is outside the cache (0..{num_slots})");
     }
     if n == 0 {
@@ -116,8 +147,15 @@ pub fn write_keys(gpu: &Gpu, cache: &mut KeyCacheGpu, raw: &CudaSlice<f32>, slot
     let f = gpu.function(FAMILY, name)?;
     let (n_i, slots_i) = (n as i32, num_slots as i32);
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(raw).arg(&slots_dev).arg(&n_i).arg(&slots_i).arg(&mut cache.codes).arg(&mut cache.scales);
-    unsafe { b.launch(launch_cfg((n.div_ceil(8) as u32, 1, 1), (256, 1, 1), 0)) }.map(|_| ()).map_err(|e| anyhow::anyhow!("indexer write_keys launch: {e:?}"))
+    b.arg(raw)
+        .arg(&slots_dev)
+        .arg(&n_i)
+        .arg(&slots_i)
+        .arg(&mut cache.codes)
+        .arg(&mut cache.scales);
+    unsafe { b.launch(launch_cfg((n.div_ceil(8) as u32, 1, 1), (256, 1, 1), 0)) }
+        .map(|_| ())
+        .map_err(|e| anyhow::anyhow!("indexer write_keys launch: {e:?}"))
 }
 
 /// Queries of one call: `batch` sequences x `next_n` tokens.
@@ -132,7 +170,14 @@ pub struct QueryBatch {
 
 impl QueryBatch {
     /// Validate (shapes, next_n in {1, 2}, no NaN q code, finite w, num_valid >= 0) and upload.
-    pub fn upload(gpu: &Gpu, batch: usize, next_n: usize, q_codes: &[u8], w: &[f32], num_valid: &[i32]) -> Result<QueryBatch> {
+    pub fn upload(
+        gpu: &Gpu,
+        batch: usize,
+        next_n: usize,
+        q_codes: &[u8],
+        w: &[f32],
+        num_valid: &[i32],
+    ) -> Result<QueryBatch> {
         validate_queries(batch, next_n, q_codes, w, num_valid)?;
         Ok(QueryBatch {
             batch,
@@ -147,20 +192,49 @@ impl QueryBatch {
         self.batch * self.next_n
     }
     pub fn max_valid(&self) -> usize {
-        self.num_valid_host.iter().copied().max().unwrap_or(0).max(0) as usize
+        self.num_valid_host
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(0) as usize
     }
 }
 
 /// The launcher's input policy, callable without a GPU (the tests exercise it on the CPU).
-pub fn validate_queries(batch: usize, next_n: usize, q_codes: &[u8], w: &[f32], num_valid: &[i32]) -> Result<()> {
+pub fn validate_queries(
+    batch: usize,
+    next_n: usize,
+    q_codes: &[u8],
+    w: &[f32],
+    num_valid: &[i32],
+) -> Result<()> {
     ensure!(batch > 0, "batch must be at least 1");
-    ensure!(next_n == 1 || next_n == 2, "next_n = {next_n}: only 1 and 2 query tokens per sequence are supported");
+    ensure!(
+        next_n == 1 || next_n == 2,
+        "next_n = {next_n}: only 1 and 2 query tokens per sequence are supported"
+    );
     let rows = batch * next_n;
-    ensure!(q_codes.len() == rows * NUM_HEADS * HEAD_DIM, "q holds {} codes, expected {rows} x 64 x 128", q_codes.len());
-    ensure!(w.len() == rows * NUM_HEADS, "w holds {} weights, expected {rows} x 64", w.len());
-    ensure!(num_valid.len() == rows, "num_valid has {} entries, expected one per row ({rows})", num_valid.len());
+    ensure!(
+        q_codes.len() == rows * NUM_HEADS * HEAD_DIM,
+        "q holds {} codes, expected {rows} x 64 x 128",
+        q_codes.len()
+    );
+    ensure!(
+        w.len() == rows * NUM_HEADS,
+        "w holds {} weights, expected {rows} x 64",
+        w.len()
+    );
+    ensure!(
+        num_valid.len() == rows,
+        "num_valid has {} entries, expected one per row ({rows})",
+        num_valid.len()
+    );
     if let Some(i) = q_codes.iter().position(|&c| c & 0x7F == e4m3::NAN_CODE) {
-        bail!("q code {i} is an e4m3 NaN (0x{:02X}): rejected before launch", q_codes[i]);
+        bail!(
+            "q code {i} is an e4m3 NaN (0x{:02X}): rejected before launch",
+            q_codes[i]
+        );
     }
     if let Some(i) = w.iter().position(|v| !v.is_finite()) {
         bail!("w[{i}] = {} is not finite: rejected before launch", w[i]);
@@ -172,12 +246,39 @@ pub fn validate_queries(batch: usize, next_n: usize, q_codes: &[u8], w: &[f32], 
 }
 
 /// Scores `[rows, score_stride]` for `j < num_valid[row]` (entries past it are not written).
-pub fn logits(gpu: &Gpu, q: &QueryBatch, cache: &KeyCacheGpu, scores: &mut CudaSlice<f32>, score_stride: usize) -> Result<()> {
-    ensure!(cache.batch == q.batch, "cache has {} sequences, queries {}", cache.batch, q.batch);
-    ensure!(score_stride >= cache.capacity.min(q.max_valid()), "score_stride {score_stride} is shorter than the visible entries");
-    ensure!(scores.len() >= q.rows() * score_stride, "scores buffer holds {} floats, need {}", scores.len(), q.rows() * score_stride);
-    if let Some(i) = q.num_valid_host.iter().position(|&n| n as usize > cache.capacity) {
-        bail!("num_valid[{i}] = {} exceeds the cache capacity {}", q.num_valid_host[i], cache.capacity);
+pub fn logits(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+) -> Result<()> {
+    ensure!(
+        cache.batch == q.batch,
+        "cache has {} sequences, queries {}",
+        cache.batch,
+        q.batch
+    );
+    ensure!(
+        score_stride >= cache.capacity.min(q.max_valid()),
+        "score_stride {score_stride} is shorter than the visible entries"
+    );
+    ensure!(
+        scores.len() >= q.rows() * score_stride,
+        "scores buffer holds {} floats, need {}",
+        scores.len(),
+        q.rows() * score_stride
+    );
+    if let Some(i) = q
+        .num_valid_host
+        .iter()
+        .position(|&n| n as usize > cache.capacity)
+    {
+        bail!(
+            "num_valid[{i}] = {} exceeds the cache capacity {}",
+            q.num_valid_host[i],
+            cache.capacity
+        );
     }
     let max_n = q.max_valid();
     if max_n == 0 {
@@ -192,9 +293,20 @@ pub fn logits(gpu: &Gpu, q: &QueryBatch, cache: &KeyCacheGpu, scores: &mut CudaS
     let f = gpu.function(FAMILY, name)?;
     let (cap, stride) = (cache.capacity as i32, score_stride as i32);
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&q.q).arg(&q.w).arg(&cache.codes).arg(&cache.scales).arg(&q.num_valid).arg(&cap).arg(scores).arg(&stride);
+    b.arg(&q.q)
+        .arg(&q.w)
+        .arg(&cache.codes)
+        .arg(&cache.scales)
+        .arg(&q.num_valid)
+        .arg(&cap)
+        .arg(scores)
+        .arg(&stride);
     let grid = (max_n.div_ceil(LOGITS_CTA_KEYS) as u32, q.batch as u32, 1);
-    drv(unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), 0)) }, "indexer logits launch").map(|_| ())
+    drv(
+        unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), 0)) },
+        "indexer logits launch",
+    )
+    .map(|_| ())
 }
 
 /// Output and scratch of the top-k for `rows` rows of at most `max_n` entries.
@@ -211,7 +323,10 @@ pub struct TopkBuffers {
 
 impl TopkBuffers {
     pub fn new(gpu: &Gpu, rows: usize, k: usize, max_n: usize) -> Result<TopkBuffers> {
-        ensure!((1..=TOPK_MAX_K).contains(&k), "k = {k}: supported 1..={TOPK_MAX_K}");
+        ensure!(
+            (1..=TOPK_MAX_K).contains(&k),
+            "k = {k}: supported 1..={TOPK_MAX_K}"
+        );
         ensure!(rows > 0, "no rows");
         ensure!(max_n < i32::MAX as usize / 2, "max_n {max_n} too large");
         let chunks = max_n.div_ceil(TOPK_CHUNK).max(1);
@@ -232,7 +347,10 @@ impl TopkBuffers {
 fn set_smem(f: &cudarc::driver::CudaFunction, bytes: usize) -> Result<()> {
     if bytes > 48 * 1024 {
         drv(
-            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32),
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            ),
             "setting max dynamic shared memory",
         )?;
     }
@@ -249,31 +367,83 @@ pub fn topk(
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
     let rows = bufs.rows;
-    ensure!(num_valid_host.len() == rows && num_valid.len() >= rows, "num_valid has {} entries, expected {rows}", num_valid_host.len());
-    ensure!(scores.len() >= rows * score_stride, "scores buffer holds {} floats, need {}", scores.len(), rows * score_stride);
-    if let Some(i) = num_valid_host.iter().position(|&n| n < 0 || n as usize > score_stride.min(bufs.max_n)) {
-        bail!("num_valid[{i}] = {} outside 0..={}", num_valid_host[i], score_stride.min(bufs.max_n));
+    ensure!(
+        num_valid_host.len() == rows && num_valid.len() >= rows,
+        "num_valid has {} entries, expected {rows}",
+        num_valid_host.len()
+    );
+    ensure!(
+        scores.len() >= rows * score_stride,
+        "scores buffer holds {} floats, need {}",
+        scores.len(),
+        rows * score_stride
+    );
+    if let Some(i) = num_valid_host
+        .iter()
+        .position(|&n| n < 0 || n as usize > score_stride.min(bufs.max_n))
+    {
+        bail!(
+            "num_valid[{i}] = {} outside 0..={}",
+            num_valid_host[i],
+            score_stride.min(bufs.max_n)
+        );
     }
     let max_n = num_valid_host.iter().copied().max().unwrap_or(0) as usize;
     let chunks = max_n.div_ceil(TOPK_CHUNK).max(1);
     let chunk_cap = max_n.clamp(1, TOPK_CHUNK);
-    let (k, stride, cap_i, cstride) = (bufs.k as i32, score_stride as i32, chunk_cap as i32, bufs.cand_stride as i32);
+    let (k, stride, cap_i, cstride) = (
+        bufs.k as i32,
+        score_stride as i32,
+        chunk_cap as i32,
+        bufs.cand_stride as i32,
+    );
 
     let f1 = gpu.function(FAMILY, "indexer_topk_chunk")?;
     let smem1 = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 4 * chunk_cap;
     set_smem(&f1, smem1)?;
     let mut b = gpu.stream.launch_builder(&f1);
-    b.arg(scores).arg(&stride).arg(num_valid).arg(&k).arg(&cap_i);
-    b.arg(&mut bufs.cand_keys).arg(&mut bufs.cand_idx).arg(&cstride).arg(&mut bufs.out_idx).arg(&mut bufs.out_score);
-    drv(unsafe { b.launch(launch_cfg((chunks as u32, rows as u32, 1), (TOPK_THREADS, 1, 1), smem1 as u32)) }, "indexer top-k stage 1")?;
+    b.arg(scores)
+        .arg(&stride)
+        .arg(num_valid)
+        .arg(&k)
+        .arg(&cap_i);
+    b.arg(&mut bufs.cand_keys)
+        .arg(&mut bufs.cand_idx)
+        .arg(&cstride)
+        .arg(&mut bufs.out_idx)
+        .arg(&mut bufs.out_score);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (chunks as u32, rows as u32, 1),
+                (TOPK_THREADS, 1, 1),
+                smem1 as u32,
+            ))
+        },
+        "indexer top-k stage 1",
+    )?;
     if chunks > 1 {
         let f2 = gpu.function(FAMILY, "indexer_topk_merge")?;
         let smem2 = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * MERGE_SMEM_CAP;
         set_smem(&f2, smem2)?;
         let mut b = gpu.stream.launch_builder(&f2);
-        b.arg(&stride).arg(num_valid).arg(&k).arg(&bufs.cand_keys).arg(&bufs.cand_idx).arg(&cstride);
+        b.arg(&stride)
+            .arg(num_valid)
+            .arg(&k)
+            .arg(&bufs.cand_keys)
+            .arg(&bufs.cand_idx)
+            .arg(&cstride);
         b.arg(&mut bufs.out_idx).arg(&mut bufs.out_score);
-        drv(unsafe { b.launch(launch_cfg((rows as u32, 1, 1), (TOPK_THREADS, 1, 1), smem2 as u32)) }, "indexer top-k merge")?;
+        drv(
+            unsafe {
+                b.launch(launch_cfg(
+                    (rows as u32, 1, 1),
+                    (TOPK_THREADS, 1, 1),
+                    smem2 as u32,
+                ))
+            },
+            "indexer top-k merge",
+        )?;
     }
     Ok(())
 }
@@ -297,9 +467,21 @@ impl IndexerBuffers {
 }
 
 /// Logits then top-k (two launches; top-k stage 2 only when a row exceeds one chunk).
-pub fn run(gpu: &Gpu, q: &QueryBatch, cache: &KeyCacheGpu, bufs: &mut IndexerBuffers) -> Result<()> {
+pub fn run(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+) -> Result<()> {
     logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
-    topk(gpu, &bufs.scores, bufs.score_stride, &q.num_valid, &q.num_valid_host, &mut bufs.topk)
+    topk(
+        gpu,
+        &bufs.scores,
+        bufs.score_stride,
+        &q.num_valid,
+        &q.num_valid_host,
+        &mut bufs.topk,
+    )
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -325,37 +507,114 @@ impl BaselineBuffers {
 }
 
 /// Baseline logits: dequantize the visible keys to fp32, then an fp32 CUDA-core "einsum".
-pub fn baseline_logits(gpu: &Gpu, q: &QueryBatch, cache: &KeyCacheGpu, base: &mut BaselineBuffers, scores: &mut CudaSlice<f32>, score_stride: usize) -> Result<()> {
-    ensure!(cache.batch == q.batch && base.keys_f32.len() >= cache.batch * cache.capacity * HEAD_DIM, "baseline buffers do not match the cache");
-    ensure!(scores.len() >= q.rows() * score_stride && score_stride >= q.max_valid(), "scores buffer too small");
-    if let Some(i) = q.num_valid_host.iter().position(|&n| n as usize > cache.capacity) {
-        bail!("num_valid[{i}] exceeds the cache capacity {}", cache.capacity);
+pub fn baseline_logits(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    base: &mut BaselineBuffers,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+) -> Result<()> {
+    ensure!(
+        cache.batch == q.batch && base.keys_f32.len() >= cache.batch * cache.capacity * HEAD_DIM,
+        "baseline buffers do not match the cache"
+    );
+    ensure!(
+        scores.len() >= q.rows() * score_stride && score_stride >= q.max_valid(),
+        "scores buffer too small"
+    );
+    if let Some(i) = q
+        .num_valid_host
+        .iter()
+        .position(|&n| n as usize > cache.capacity)
+    {
+        bail!(
+            "num_valid[{i}] exceeds the cache capacity {}",
+            cache.capacity
+        );
     }
-    let (fp4, next_n, cap, stride) = ((cache.format == KeyFormat::Mxfp4) as i32, q.next_n as i32, cache.capacity as i32, score_stride as i32);
+    let (fp4, next_n, cap, stride) = (
+        (cache.format == KeyFormat::Mxfp4) as i32,
+        q.next_n as i32,
+        cache.capacity as i32,
+        score_stride as i32,
+    );
     let f = gpu.function(FAMILY, "indexer_baseline_dequant")?;
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&cache.codes).arg(&cache.scales).arg(&fp4).arg(&q.num_valid).arg(&next_n).arg(&cap).arg(&mut base.keys_f32);
+    b.arg(&cache.codes)
+        .arg(&cache.scales)
+        .arg(&fp4)
+        .arg(&q.num_valid)
+        .arg(&next_n)
+        .arg(&cap)
+        .arg(&mut base.keys_f32);
     let gx = (cache.capacity * HEAD_DIM).div_ceil(256) as u32;
-    drv(unsafe { b.launch(launch_cfg((gx, q.batch as u32, 1), (256, 1, 1), 0)) }, "baseline dequant")?;
+    drv(
+        unsafe { b.launch(launch_cfg((gx, q.batch as u32, 1), (256, 1, 1), 0)) },
+        "baseline dequant",
+    )?;
     let f = gpu.function(FAMILY, "indexer_baseline_logits_f32")?;
     let smem = 2 * 64 * 129 * 4;
     set_smem(&f, smem)?;
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&q.q).arg(&q.w).arg(&base.keys_f32).arg(&q.num_valid).arg(&next_n).arg(&cap).arg(scores).arg(&stride);
+    b.arg(&q.q)
+        .arg(&q.w)
+        .arg(&base.keys_f32)
+        .arg(&q.num_valid)
+        .arg(&next_n)
+        .arg(&cap)
+        .arg(scores)
+        .arg(&stride);
     let gx = cache.capacity.div_ceil(64) as u32;
-    drv(unsafe { b.launch(launch_cfg((gx, q.batch as u32, 1), (256, 1, 1), smem as u32)) }, "baseline logits").map(|_| ())
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (gx, q.batch as u32, 1),
+                (256, 1, 1),
+                smem as u32,
+            ))
+        },
+        "baseline logits",
+    )
+    .map(|_| ())
 }
 
 /// Baseline top-k: bitonic sort of every full row (one launch per compare-exchange step), then take k.
-pub fn baseline_topk(gpu: &Gpu, scores: &CudaSlice<f32>, score_stride: usize, q: &QueryBatch, base: &mut BaselineBuffers, out: &mut TopkBuffers) -> Result<()> {
+pub fn baseline_topk(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    q: &QueryBatch,
+    base: &mut BaselineBuffers,
+    out: &mut TopkBuffers,
+) -> Result<()> {
     let rows = q.rows();
-    ensure!(base.sort.len() >= rows * base.npad && out.rows == rows, "baseline sort buffer does not match");
-    ensure!(q.max_valid() <= base.npad.min(score_stride), "rows longer than the sort buffer");
+    ensure!(
+        base.sort.len() >= rows * base.npad && out.rows == rows,
+        "baseline sort buffer does not match"
+    );
+    ensure!(
+        q.max_valid() <= base.npad.min(score_stride),
+        "rows longer than the sort buffer"
+    );
     let (stride, npad_i, k) = (score_stride as i32, base.npad as i32, out.k as i32);
     let f = gpu.function(FAMILY, "indexer_baseline_sort_init")?;
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(scores).arg(&stride).arg(&q.num_valid).arg(&npad_i).arg(&mut base.sort);
-    drv(unsafe { b.launch(launch_cfg((base.npad.div_ceil(256) as u32, rows as u32, 1), (256, 1, 1), 0)) }, "baseline sort init")?;
+    b.arg(scores)
+        .arg(&stride)
+        .arg(&q.num_valid)
+        .arg(&npad_i)
+        .arg(&mut base.sort);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (base.npad.div_ceil(256) as u32, rows as u32, 1),
+                (256, 1, 1),
+                0,
+            ))
+        },
+        "baseline sort init",
+    )?;
     let step = gpu.function(FAMILY, "indexer_baseline_bitonic_step")?;
     let pairs_grid = ((base.npad / 2).div_ceil(256) as u32, rows as u32, 1);
     let mut size = 2usize;
@@ -365,52 +624,39 @@ pub fn baseline_topk(gpu: &Gpu, scores: &CudaSlice<f32>, score_stride: usize, q:
             let (size_i, st_i) = (size as i32, st as i32);
             let mut b = gpu.stream.launch_builder(&step);
             b.arg(&mut base.sort).arg(&npad_i).arg(&size_i).arg(&st_i);
-            drv(unsafe { b.launch(launch_cfg(pairs_grid, (256, 1, 1), 0)) }, "baseline bitonic step")?;
+            drv(
+                unsafe { b.launch(launch_cfg(pairs_grid, (256, 1, 1), 0)) },
+                "baseline bitonic step",
+            )?;
             st /= 2;
         }
         size *= 2;
     }
     let f = gpu.function(FAMILY, "indexer_baseline_sort_gather")?;
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&base.sort).arg(&npad_i).arg(&stride).arg(&q.num_valid).arg(&k).arg(&mut out.out_idx).arg(&mut out.out_score);
-    drv(unsafe { b.launch(launch_cfg((out.k.div_ceil(256) as u32, rows as u32, 1), (256, 1, 1), 0)) }, "baseline gather").map(|_| ())
+    b.arg(&base.sort)
+        .arg(&npad_i)
+        .arg(&stride)
+        .arg(&q.num_valid)
+        .arg(&k)
+        .arg(&mut out.out_idx)
+        .arg(&mut out.out_score);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (out.k.div_ceil(256) as u32, rows as u32, 1),
+                (256, 1, 1),
+                0,
+            ))
+        },
+        "baseline gather",
+    )
+    .map(|_| ())
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Bench hook (the integrator wires it to bench::Row once that lands).
+// Bench inputs and timing (the sweep hook is in [`bench`]).
 // ---------------------------------------------------------------------------------------------------------
-
-/// One timed point of the indexer sweep.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct IndexerBenchRow {
-    pub variant: String,
-    pub format: &'static str,
-    pub ctx: usize,
-    pub num_valid: usize,
-    pub batch: usize,
-    pub next_n: usize,
-    pub k: usize,
-    /// Median device times (us): logits alone, top-k alone, both back to back.
-    pub logits_us: f64,
-    pub topk_us: f64,
-    pub total_us: f64,
-    /// Key-cache bytes read (entries x entry bytes), and key bytes / logits time.
-    pub key_bytes: usize,
-    pub key_gbps: f64,
-    /// Bytes read + written by the logits pass (keys, q, w, scores), for % of copy bandwidth.
-    pub logits_bytes: usize,
-    pub flops: f64,
-    pub baseline: &'static str,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
-}
 
 /// Random inputs of one sweep point on the device (keys written by the GPU writer; never zeros).
 pub struct BenchInputs {
@@ -418,23 +664,36 @@ pub struct BenchInputs {
     pub cache: KeyCacheGpu,
 }
 
-pub fn bench_inputs(gpu: &Gpu, format: KeyFormat, batch: usize, next_n: usize, num_valid: usize, seed: u64) -> Result<BenchInputs> {
+pub fn bench_inputs(
+    gpu: &Gpu,
+    format: KeyFormat,
+    batch: usize,
+    next_n: usize,
+    num_valid: usize,
+    seed: u64,
+) -> Result<BenchInputs> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let rows = batch * next_n;
-    let q_codes: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM).map(|_| reference::random_e4m3(&mut rng)).collect();
-    let w: Vec<f32> = (0..rows * NUM_HEADS).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let q_codes: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+        .map(|_| reference::random_e4m3(&mut rng))
+        .collect();
+    let w: Vec<f32> = (0..rows * NUM_HEADS)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
     let nv = vec![num_valid as i32; rows];
     let q = QueryBatch::upload(gpu, batch, next_n, &q_codes, &w, &nv)?;
     let capacity = num_valid.max(1);
     let mut cache = KeyCacheGpu::filled(gpu, format, batch, capacity, 0)?;
-    // Raw keys in chunks so the host buffer stays small.
+    // Raw keys in slabs so the host buffer stays small.
     let per = 65536usize;
     let total = batch * capacity;
     let mut start = 0;
     while start < total {
         let n = per.min(total - start);
-        let raw: Vec<f32> = (0..n * HEAD_DIM).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let raw: Vec<f32> = (0..n * HEAD_DIM)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
         let slots: Vec<i32> = (start..start + n).map(|s| s as i32).collect();
         let raw_dev = gpu.upload(&raw)?;
         write_keys(gpu, &mut cache, &raw_dev, &slots)?;
@@ -444,61 +703,75 @@ pub fn bench_inputs(gpu: &Gpu, format: KeyFormat, batch: usize, next_n: usize, n
     Ok(BenchInputs { q, cache })
 }
 
-/// Time one sweep point: `variant` = "fused" (ours: logits + top-k) or "baseline" (seeds' path).
-pub fn bench_point(gpu: &Gpu, variant: &str, inp: &BenchInputs, ctx: usize, k: usize, plan: TimingPlan) -> Result<IndexerBenchRow> {
+/// Timing samples (us) of one variant: logits alone, top-k alone, both back to back.
+pub struct IndexerSamples {
+    pub logits: Vec<f64>,
+    pub topk: Vec<f64>,
+    pub total: Vec<f64>,
+}
+
+/// Time `variant` = "fused" (ours: tensor-core logits + radix-select top-k) or "baseline" (the seeds' path).
+pub fn time_variant(
+    gpu: &Gpu,
+    variant: &str,
+    inp: &BenchInputs,
+    k: usize,
+    plan: TimingPlan,
+) -> Result<IndexerSamples> {
+    let (q, cache) = (&inp.q, &inp.cache);
+    let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
+    let stride = bufs.score_stride;
+    match variant {
+        "fused" => {
+            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+            let IndexerBuffers {
+                scores, topk: tb, ..
+            } = &mut bufs;
+            let topk_s = gpu.time_us(plan, || {
+                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
+            })?;
+            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
+            Ok(IndexerSamples {
+                logits: logits_s,
+                topk: topk_s,
+                total,
+            })
+        }
+        "baseline" => {
+            let mut base = BaselineBuffers::new(gpu, q.batch, q.rows(), cache.capacity)?;
+            let logits_s = gpu.time_us(plan, || {
+                baseline_logits(gpu, q, cache, &mut base, &mut bufs.scores, stride)
+            })?;
+            let IndexerBuffers {
+                scores, topk: tb, ..
+            } = &mut bufs;
+            let topk_s = gpu.time_us(plan, || {
+                baseline_topk(gpu, scores, stride, q, &mut base, tb)
+            })?;
+            let total = gpu.time_us(plan, || {
+                baseline_logits(gpu, q, cache, &mut base, &mut bufs.scores, stride)?;
+                let IndexerBuffers {
+                    scores, topk: tb, ..
+                } = &mut bufs;
+                baseline_topk(gpu, scores, stride, q, &mut base, tb)
+            })?;
+            Ok(IndexerSamples {
+                logits: logits_s,
+                topk: topk_s,
+                total,
+            })
+        }
+        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
+    }
+}
+
+/// Bytes one call moves: (logits: keys + q + w read, scores written; top-k: scores read, k x 8 B written).
+pub fn traffic_bytes(inp: &BenchInputs, k: usize) -> (u64, u64) {
     let (q, cache) = (&inp.q, &inp.cache);
     let n = q.max_valid();
     let rows = q.rows();
-    let mut bufs = IndexerBuffers::new(gpu, rows, cache.capacity, k)?;
-    let stride = bufs.score_stride;
-    let (logits_us, topk_us, total_us, baseline) = match variant {
-        "fused" | "ours" => {
-            let l = median(gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?);
-            let IndexerBuffers { scores, topk: tb, .. } = &mut bufs;
-            let t = median(gpu.time_us(plan, || topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb))?);
-            let a = median(gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?);
-            (l, t, a, "baseline")
-        }
-        "baseline" => {
-            let mut base = BaselineBuffers::new(gpu, q.batch, rows, cache.capacity)?;
-            let l = median(gpu.time_us(plan, || baseline_logits(gpu, q, cache, &mut base, &mut bufs.scores, stride))?);
-            let IndexerBuffers { scores, topk: tb, .. } = &mut bufs;
-            let t = median(gpu.time_us(plan, || baseline_topk(gpu, scores, stride, q, &mut base, tb))?);
-            let a = median(gpu.time_us(plan, || {
-                baseline_logits(gpu, q, cache, &mut base, &mut bufs.scores, stride)?;
-                let IndexerBuffers { scores, topk: tb, .. } = &mut bufs;
-                baseline_topk(gpu, scores, stride, q, &mut base, tb)
-            })?);
-            (l, t, a, "")
-        }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
-    };
     let key_bytes = q.batch * cache.bytes_for(n);
-    let logits_bytes = key_bytes + rows * NUM_HEADS * (HEAD_DIM + 4) + rows * n * 4;
-    Ok(IndexerBenchRow {
-        variant: variant.to_string(),
-        format: cache.format.name(),
-        ctx,
-        num_valid: n,
-        batch: q.batch,
-        next_n: q.next_n,
-        k,
-        logits_us,
-        topk_us,
-        total_us,
-        key_bytes,
-        key_gbps: key_bytes as f64 / (logits_us * 1e3),
-        logits_bytes,
-        flops: (rows * n * NUM_HEADS * HEAD_DIM * 2) as f64,
-        baseline,
-    })
-}
-
-/// Device-to-device copy bandwidth (bytes read + written per second, GB/s) over `bytes`, the denominator
-/// of "% of copy bandwidth".
-pub fn copy_bandwidth_gbps(gpu: &Gpu, bytes: usize, plan: TimingPlan) -> Result<f64> {
-    let src = gpu.poisoned::<u8>(bytes, 0x3C)?;
-    let mut dst = gpu.zeros::<u8>(bytes)?;
-    let t = median(gpu.time_us(plan, || drv(gpu.stream.memcpy_dtod(&src, &mut dst), "dtod copy"))?);
-    Ok(2.0 * bytes as f64 / (t * 1e3))
+    let logits = key_bytes + rows * NUM_HEADS * (HEAD_DIM + 4) + rows * n * 4;
+    let topk = rows * n * 4 + rows * k * 8;
+    (logits as u64, topk as u64)
 }

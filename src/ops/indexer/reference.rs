@@ -8,12 +8,12 @@
 //! * Top-k: the total order "score descending, index ascending" over the canonical scores
 //!   (NaN -> -inf, -0 -> +0), exactly `min(k, num_valid)` indices then `-1` padding.
 //!
-//! Private stop-gap: the single-entry codecs below (`quantize_key_fp8`, `quantize_key_mxfp4`, ...) mirror the
-//! rule that `formats::indexer_key` will carry on main; once it lands, they should delegate to it.
+//! The single-entry codecs are `formats::indexer_key` (132 B / 68 B entries); the cache stores each entry's
+//! codes and its 4 scale bytes in two planes (same bytes, split) so the GPU's 16-byte loads stay aligned.
 
 use anyhow::{bail, Result};
 
-use crate::formats::{e2m1, e4m3, ue8m0};
+use crate::formats::{e2m1, e4m3, indexer_key, ue8m0};
 
 /// Dimension of one index key / query head.
 pub const HEAD_DIM: usize = 128;
@@ -27,8 +27,6 @@ pub const MXFP4_CODE_BYTES: usize = 64;
 pub const SCALE_BYTES: usize = 4;
 /// MXFP4 block length along the head dim.
 pub const MXFP4_BLOCK: usize = 32;
-/// FP8 amax floor (DSV4 act_quant) and e4m3 max.
-pub const FP8_AMAX_FLOOR: f32 = 1e-4;
 /// 1/sqrt(128) rounded to f32 (bits 0x3DB504F3). The GPU uses the same bits.
 pub const HADAMARD_SCALE_BITS: u32 = 0x3DB5_04F3;
 
@@ -95,35 +93,26 @@ pub fn hadamard_128(x: &mut [f32; HEAD_DIM]) {
     }
 }
 
-/// FP8 index key: `scale = max(amax, 1e-4) / 448` (one f32 division), `code = e4m3(x / scale)`.
-pub fn quantize_key_fp8(x: &[f32; HEAD_DIM]) -> ([u8; FP8_CODE_BYTES], f32) {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let scale = amax.max(FP8_AMAX_FLOOR) / e4m3::MAX;
+/// FP8 index key via [`indexer_key::encode_fp8`]: `scale = max(amax, 1e-4) / 448` (one f32 division),
+/// `code = e4m3(x / scale)`. Split into the two planes the cache stores. Errors on non-finite input.
+pub fn quantize_key_fp8(x: &[f32; HEAD_DIM]) -> Result<([u8; FP8_CODE_BYTES], f32)> {
+    let e = indexer_key::encode_fp8(x)?;
     let mut codes = [0u8; FP8_CODE_BYTES];
-    for (c, v) in codes.iter_mut().zip(x) {
-        *c = e4m3::encode_rne(v / scale);
-    }
-    (codes, scale)
+    codes.copy_from_slice(&e[..FP8_CODE_BYTES]);
+    Ok((codes, f32::from_le_bytes([e[128], e[129], e[130], e[131]])))
 }
 
-/// MXFP4 index key: per 32-block `s = 2^ceil(log2(max(amax, 6*2^-126) / 6))` (ue8m0), `code = e2m1(x / s)`.
-pub fn quantize_key_mxfp4(x: &[f32; HEAD_DIM]) -> ([u8; MXFP4_CODE_BYTES], [u8; SCALE_BYTES]) {
-    let floor = 6.0 * f32::powi(2.0, -126);
+/// MXFP4 index key via [`indexer_key::encode_mxfp4`]: per 32-block `s = 2^ceil(log2(max(amax, 6*2^-126)
+/// / 6))` (ue8m0), `code = e2m1(x / s)`, dim 2i in the low nibble. Errors on non-finite input.
+pub fn quantize_key_mxfp4(
+    x: &[f32; HEAD_DIM],
+) -> Result<([u8; MXFP4_CODE_BYTES], [u8; SCALE_BYTES])> {
+    let e = indexer_key::encode_mxfp4(x)?;
     let mut packed = [0u8; MXFP4_CODE_BYTES];
     let mut scales = [0u8; SCALE_BYTES];
-    for blk in 0..HEAD_DIM / MXFP4_BLOCK {
-        let xs = &x[blk * MXFP4_BLOCK..(blk + 1) * MXFP4_BLOCK];
-        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let code = ue8m0::pow2_scale_for(amax.max(floor), e2m1::MAX);
-        scales[blk] = code;
-        let s = ue8m0::decode(code);
-        for i in (0..MXFP4_BLOCK).step_by(2) {
-            let lo = e2m1::encode_rne(xs[i] / s);
-            let hi = e2m1::encode_rne(xs[i + 1] / s);
-            packed[(blk * MXFP4_BLOCK + i) / 2] = e2m1::pack(lo, hi);
-        }
-    }
-    (packed, scales)
+    packed.copy_from_slice(&e[..MXFP4_CODE_BYTES]);
+    scales.copy_from_slice(&e[MXFP4_CODE_BYTES..]);
+    Ok((packed, scales))
 }
 
 /// Dequantized value of dim `d` of an FP8 entry (f64, exact).
@@ -167,23 +156,31 @@ impl KeyCacheHost {
         b * self.capacity + j
     }
 
-    /// Hadamard-transform and quantize `x` into `slot` (the CPU twin of the GPU writer).
-    pub fn write_key(&mut self, slot: usize, raw: &[f32; HEAD_DIM]) {
+    /// Hadamard-transform and quantize `x` into `slot` (the CPU twin of the GPU writer). Errors on a
+    /// non-finite key or a slot outside the cache.
+    pub fn write_key(&mut self, slot: usize, raw: &[f32; HEAD_DIM]) -> Result<()> {
+        if slot >= self.batch * self.capacity {
+            bail!(
+                "slot {slot} outside the cache ({} entries)",
+                self.batch * self.capacity
+            );
+        }
         let mut x = *raw;
         hadamard_128(&mut x);
         let cb = self.format.code_bytes();
         match self.format {
             KeyFormat::Fp8 => {
-                let (codes, scale) = quantize_key_fp8(&x);
+                let (codes, scale) = quantize_key_fp8(&x)?;
                 self.codes[slot * cb..(slot + 1) * cb].copy_from_slice(&codes);
                 self.scales[slot * 4..slot * 4 + 4].copy_from_slice(&scale.to_le_bytes());
             }
             KeyFormat::Mxfp4 => {
-                let (packed, scales) = quantize_key_mxfp4(&x);
+                let (packed, scales) = quantize_key_mxfp4(&x)?;
                 self.codes[slot * cb..(slot + 1) * cb].copy_from_slice(&packed);
                 self.scales[slot * 4..slot * 4 + 4].copy_from_slice(&scales);
             }
         }
+        Ok(())
     }
 
     /// The dequantized key at `slot` in f64 (exact: every stored value is a dyadic rational in f64 range).
@@ -194,7 +191,9 @@ impl KeyCacheHost {
         let mut out = [0.0f64; HEAD_DIM];
         for (d, o) in out.iter_mut().enumerate() {
             *o = match self.format {
-                KeyFormat::Fp8 => fp8_value(codes, f32::from_le_bytes([sc[0], sc[1], sc[2], sc[3]]), d),
+                KeyFormat::Fp8 => {
+                    fp8_value(codes, f32::from_le_bytes([sc[0], sc[1], sc[2], sc[3]]), d)
+                }
                 KeyFormat::Mxfp4 => mxfp4_value(codes, sc, d),
             };
         }
@@ -219,7 +218,12 @@ pub fn relu(x: f64) -> f64 {
 /// Reference logits: `scores[row][j]` for `j < num_valid[row]`, row = b * next_n + t.
 /// `q_codes`: e4m3 `[rows, 64, 128]`; `w`: f32 `[rows, 64]` (the per-token q scale already folded in).
 /// The sum runs in f64 over the stored quantized values and starts at +0 (so an all-zero row is +0).
-pub fn logits(shape: &IndexerShape, q_codes: &[u8], w: &[f32], cache: &KeyCacheHost) -> Vec<Vec<f32>> {
+pub fn logits(
+    shape: &IndexerShape,
+    q_codes: &[u8],
+    w: &[f32],
+    cache: &KeyCacheHost,
+) -> Vec<Vec<f32>> {
     let rows = shape.batch * shape.next_n;
     let mut out = Vec::with_capacity(rows);
     for row in 0..rows {
@@ -245,7 +249,14 @@ pub fn logits(shape: &IndexerShape, q_codes: &[u8], w: &[f32], cache: &KeyCacheH
 }
 
 /// An upper bound on `|sum_h w_h relu(q_h . k_j)|`'s rounding error scale: `sum_h |w_h| sum_d |q_hd k_jd|`.
-pub fn logit_magnitude(shape: &IndexerShape, q_codes: &[u8], w: &[f32], cache: &KeyCacheHost, row: usize, j: usize) -> f64 {
+pub fn logit_magnitude(
+    shape: &IndexerShape,
+    q_codes: &[u8],
+    w: &[f32],
+    cache: &KeyCacheHost,
+    row: usize,
+    j: usize,
+) -> f64 {
     let b = row / shape.next_n;
     let k = cache.key_f64(cache.slot(b, j));
     let mut m = 0.0;
@@ -284,7 +295,11 @@ pub fn order_key(s: f32) -> u32 {
 /// canonical scores, then `-1` up to `k`.
 pub fn topk(scores: &[f32], k: usize) -> Vec<i32> {
     let mut idx: Vec<usize> = (0..scores.len()).collect();
-    idx.sort_by(|&a, &b| order_key(scores[b]).cmp(&order_key(scores[a])).then(a.cmp(&b)));
+    idx.sort_by(|&a, &b| {
+        order_key(scores[b])
+            .cmp(&order_key(scores[a]))
+            .then(a.cmp(&b))
+    });
     let mut out: Vec<i32> = idx.iter().take(k).map(|&i| i as i32).collect();
     out.resize(k, -1);
     out
@@ -298,7 +313,13 @@ pub fn check_topk_exact(scores: &[f32], k: usize, got: &[i32]) -> std::result::R
         return Err(format!("got {} indices, want {k}", got.len()));
     }
     if let Some(p) = (0..k).find(|&p| got[p] != want[p]) {
-        let sc = |i: i32| if i >= 0 && (i as usize) < scores.len() { scores[i as usize] } else { f32::NAN };
+        let sc = |i: i32| {
+            if i >= 0 && (i as usize) < scores.len() {
+                scores[i as usize]
+            } else {
+                f32::NAN
+            }
+        };
         return Err(format!(
             "position {p}: got index {} (score {:e}), want {} (score {:e}); n = {}, k = {k}",
             got[p],

@@ -27,7 +27,7 @@ use cudarc::driver::sys::CUevent_flags;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::reference::{self, KeyCacheHost, KeyFormat, IndexerShape, HEAD_DIM, NUM_HEADS};
+use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
 use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers};
 use crate::gpu::Gpu;
 
@@ -121,11 +121,18 @@ impl StressReport {
 
 /// Enqueued work must finish within `timeout`; polls an event, never blocks on the device.
 pub fn wait_watched(gpu: &Gpu, timeout: Duration) -> Result<bool> {
-    let ev = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(|e| anyhow!("event: {e:?}"))?;
-    ev.record(&gpu.stream).map_err(|e| anyhow!("event record: {e:?}"))?;
+    let ev = gpu
+        .ctx
+        .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+        .map_err(|e| anyhow!("event: {e:?}"))?;
+    ev.record(&gpu.stream)
+        .map_err(|e| anyhow!("event record: {e:?}"))?;
     let start = Instant::now();
     loop {
-        if ev.try_is_complete().map_err(|e| anyhow!("a launch failed (cuEventQuery): {e:?}"))? {
+        if ev
+            .try_is_complete()
+            .map_err(|e| anyhow!("a launch failed (cuEventQuery): {e:?}"))?
+        {
             return Ok(true);
         }
         if start.elapsed() > timeout {
@@ -144,7 +151,10 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn fail(&mut self, case: &str, detail: String) {
-        self.rep.failures.push(StressFailure { case: case.to_string(), detail });
+        self.rep.failures.push(StressFailure {
+            case: case.to_string(),
+            detail,
+        });
     }
     /// Wait for the group; false = hung (recorded; the caller stops).
     fn watch(&mut self, what: &str) -> Result<bool> {
@@ -152,7 +162,10 @@ impl Ctx<'_> {
         if wait_watched(self.gpu, self.opts.watchdog)? {
             Ok(true)
         } else {
-            self.rep.hung = Some(format!("{what}: no completion within {:?}", self.opts.watchdog));
+            self.rep.hung = Some(format!(
+                "{what}: no completion within {:?}",
+                self.opts.watchdog
+            ));
             Ok(false)
         }
     }
@@ -168,15 +181,26 @@ enum Pattern {
     Descending,
     Specials,
 }
-const PATTERNS: [Pattern; 7] =
-    [Pattern::Random, Pattern::AllEqual, Pattern::AllZero, Pattern::ThreeValues, Pattern::Ascending, Pattern::Descending, Pattern::Specials];
+const PATTERNS: [Pattern; 7] = [
+    Pattern::Random,
+    Pattern::AllEqual,
+    Pattern::AllZero,
+    Pattern::ThreeValues,
+    Pattern::Ascending,
+    Pattern::Descending,
+    Pattern::Specials,
+];
 
 fn make_scores(rng: &mut ChaCha8Rng, n: usize, p: Pattern) -> Vec<f32> {
     match p {
         Pattern::Random => (0..n).map(|_| rng.random_range(-10.0f32..10.0)).collect(),
         Pattern::AllEqual => vec![1.25; n],
-        Pattern::AllZero => (0..n).map(|i| if i % 3 == 0 { -0.0 } else { 0.0 }).collect(),
-        Pattern::ThreeValues => (0..n).map(|_| [0.0f32, 1.0, 2.0][rng.random_range(0..3)]).collect(),
+        Pattern::AllZero => (0..n)
+            .map(|i| if i % 3 == 0 { -0.0 } else { 0.0 })
+            .collect(),
+        Pattern::ThreeValues => (0..n)
+            .map(|_| [0.0f32, 1.0, 2.0][rng.random_range(0..3)])
+            .collect(),
         Pattern::Ascending => (0..n).map(|i| i as f32 * 0.5).collect(),
         Pattern::Descending => (0..n).map(|i| -(i as f32)).collect(),
         Pattern::Specials => (0..n)
@@ -195,9 +219,16 @@ fn make_scores(rng: &mut ChaCha8Rng, n: usize, p: Pattern) -> Vec<f32> {
 fn check_row(scores: &[f32], k: usize, idx: &[i32], sc: &[f32]) -> std::result::Result<(), String> {
     reference::check_topk_exact(scores, k, idx)?;
     for j in 0..k {
-        let want = if idx[j] >= 0 { reference::canonical_score(scores[idx[j] as usize]) } else { f32::NEG_INFINITY };
+        let want = if idx[j] >= 0 {
+            reference::canonical_score(scores[idx[j] as usize])
+        } else {
+            f32::NEG_INFINITY
+        };
         if sc[j].to_bits() != want.to_bits() {
-            return Err(format!("score at position {j}: got {:e}, want {:e}", sc[j], want));
+            return Err(format!(
+                "score at position {j}: got {:e}, want {:e}",
+                sc[j], want
+            ));
         }
     }
     Ok(())
@@ -217,7 +248,12 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
     let nv_dev = gpu.upload(&nv)?;
     let mut bufs = TopkBuffers::new(gpu, rows.len(), k, max_n)?;
     super::topk(gpu, &scores, stride, &nv_dev, &nv, &mut bufs)?;
-    let what = format!("{label}: top-k k={k}, {} rows, num_valid {}..={}", rows.len(), nv.iter().min().unwrap_or(&0), max_n);
+    let what = format!(
+        "{label}: top-k k={k}, {} rows, num_valid {}..={}",
+        rows.len(),
+        nv.iter().min().unwrap_or(&0),
+        max_n
+    );
     if !cx.watch(&what)? {
         return Ok(false);
     }
@@ -234,7 +270,22 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
 
 fn special_lengths(k: usize, max: usize) -> Vec<usize> {
     let c = super::TOPK_CHUNK;
-    let mut v = vec![k - 1, k, k + 1, 2 * k + 1, c - 1, c, c + 1, 2 * c - 1, 2 * c + 1, 8 * c, 8 * c + 1, 131_071, 131_073, max];
+    let mut v = vec![
+        k - 1,
+        k,
+        k + 1,
+        2 * k + 1,
+        c - 1,
+        c,
+        c + 1,
+        2 * c - 1,
+        2 * c + 1,
+        8 * c,
+        8 * c + 1,
+        131_071,
+        131_073,
+        max,
+    ];
     v.retain(|&n| n <= max && n > 0);
     v
 }
@@ -261,14 +312,23 @@ fn stress_topk(cx: &mut Ctx) -> Result<bool> {
         }
         // Edge lengths around k and the chunk size, every pattern.
         for len in special_lengths(k, cx.opts.random_max) {
-            let rows: Vec<Vec<f32>> = PATTERNS.iter().map(|&p| make_scores(&mut cx.rng, len, p)).collect();
+            let rows: Vec<Vec<f32>> = PATTERNS
+                .iter()
+                .map(|&p| make_scores(&mut cx.rng, len, p))
+                .collect();
             if !topk_group(cx, "edge", &rows, k)? {
                 return Ok(false);
             }
         }
         // Random lengths up to random_max, mixed in one launch (rows of different lengths and chunk counts).
-        let lens: Vec<usize> = (0..cx.opts.random_cases).map(|_| cx.rng.random_range(1..=cx.opts.random_max)).collect();
-        let rows: Vec<Vec<f32>> = lens.iter().enumerate().map(|(i, &l)| make_scores(&mut cx.rng, l, PATTERNS[i % PATTERNS.len()])).collect();
+        let lens: Vec<usize> = (0..cx.opts.random_cases)
+            .map(|_| cx.rng.random_range(1..=cx.opts.random_max))
+            .collect();
+        let rows: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| make_scores(&mut cx.rng, l, PATTERNS[i % PATTERNS.len()]))
+            .collect();
         if !topk_group(cx, "random", &rows, k)? {
             return Ok(false);
         }
@@ -295,16 +355,20 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
     let mut host = KeyCacheHost::new(format, batch, capacity);
     let mut raw = Vec::new();
     let mut slots = Vec::new();
-    let same_key: Vec<f32> = (0..HEAD_DIM).map(|_| cx.rng.random_range(-3.0f32..3.0)).collect();
+    let same_key: Vec<f32> = (0..HEAD_DIM)
+        .map(|_| cx.rng.random_range(-3.0f32..3.0))
+        .collect();
     for (b, &n) in lens.iter().enumerate() {
         for j in 0..n {
             let key: Vec<f32> = if b == identical_seq {
                 same_key.clone()
             } else {
                 let amp = [0.01f32, 1.0, 40.0][cx.rng.random_range(0..3)];
-                (0..HEAD_DIM).map(|_| cx.rng.random_range(-amp..amp)).collect()
+                (0..HEAD_DIM)
+                    .map(|_| cx.rng.random_range(-amp..amp))
+                    .collect()
             };
-            host.write_key(host.slot(b, j), key.as_slice().try_into().unwrap());
+            host.write_key(host.slot(b, j), key.as_slice().try_into()?)?;
             raw.extend_from_slice(&key);
             slots.push(host.slot(b, j) as i32);
         }
@@ -320,7 +384,9 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
     cx.rep.cases += 1;
     for &s in &slots {
         let s = s as usize;
-        if got.codes[s * cb..(s + 1) * cb] != host.codes[s * cb..(s + 1) * cb] || got.scales[s * 4..s * 4 + 4] != host.scales[s * 4..s * 4 + 4] {
+        if got.codes[s * cb..(s + 1) * cb] != host.codes[s * cb..(s + 1) * cb]
+            || got.scales[s * 4..s * 4 + 4] != host.scales[s * 4..s * 4 + 4]
+        {
             let d = (0..cb).find(|&d| got.codes[s * cb + d] != host.codes[s * cb + d]);
             cx.fail(&format!("{label} writer slot {s}"), format!("GPU entry differs from the CPU writer (first code byte {d:?}; scales {:?} vs {:?})", &got.scales[s * 4..s * 4 + 4], &host.scales[s * 4..s * 4 + 4]));
             break;
@@ -329,13 +395,19 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
 
     // Queries: row b*next_n + t sees lens[b] - (next_n - 1 - t) entries (the earlier token sees one fewer).
     let rows = batch * next_n;
-    let mut q_codes: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM).map(|_| reference::random_e4m3(&mut cx.rng)).collect();
+    let mut q_codes: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+        .map(|_| reference::random_e4m3(&mut cx.rng))
+        .collect();
     for t in 0..next_n {
         let r = zero_q_seq * next_n + t;
         q_codes[r * NUM_HEADS * HEAD_DIM..(r + 1) * NUM_HEADS * HEAD_DIM].fill(0);
     }
-    let w: Vec<f32> = (0..rows * NUM_HEADS).map(|_| cx.rng.random_range(-1.0f32..1.0)).collect();
-    let nv: Vec<i32> = (0..rows).map(|r| (lens[r / next_n] as i64 - (next_n - 1 - r % next_n) as i64).max(0) as i32).collect();
+    let w: Vec<f32> = (0..rows * NUM_HEADS)
+        .map(|_| cx.rng.random_range(-1.0f32..1.0))
+        .collect();
+    let nv: Vec<i32> = (0..rows)
+        .map(|r| (lens[r / next_n] as i64 - (next_n - 1 - r % next_n) as i64).max(0) as i32)
+        .collect();
     let q = QueryBatch::upload(gpu, batch, next_n, &q_codes, &w, &nv)?;
     let mut bufs = IndexerBuffers::new(gpu, rows, capacity, k)?;
     super::run(gpu, &q, &cache, &mut bufs)?;
@@ -346,7 +418,11 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
     let idx = gpu.download(&bufs.topk.out_idx)?;
     let tsc = gpu.download(&bufs.topk.out_score)?;
     let stride = bufs.score_stride;
-    let shape = IndexerShape { batch, next_n, num_valid: nv.clone() };
+    let shape = IndexerShape {
+        batch,
+        next_n,
+        num_valid: nv.clone(),
+    };
     // Tolerance: e4m3 products are exact in fp32; the tensor core accumulates with a reduced-precision
     // fp32 adder (~2^-13 relative to the running magnitude on Hopper FP8) over 4 k-steps plus our fp32
     // epilogue, so |gpu - ref| <= 2^-9 * sum_h |w_h| sum_d |q_hd k_d| leaves a 4x margin on that.
@@ -357,7 +433,11 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
         cx.rep.cases += 1;
         let case = format!("{label} row={r} num_valid={n}");
         // Sampled logits vs the f64 reference (all of them for short rows).
-        let samples: Vec<usize> = if n <= 256 { (0..n).collect() } else { (0..256).map(|_| cx.rng.random_range(0..n)).collect() };
+        let samples: Vec<usize> = if n <= 256 {
+            (0..n).collect()
+        } else {
+            (0..256).map(|_| cx.rng.random_range(0..n)).collect()
+        };
         let mut worst: Option<(usize, f32, f64, f64)> = None;
         for &j in &samples {
             let want = reference_logit(&shape, &q_codes, &w, &host, r, j);
@@ -368,25 +448,45 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
             }
         }
         if let Some((j, g, wv, e)) = worst {
-            cx.fail(&case, format!("logit j={j}: gpu {g:e} vs ref {wv:e} (abs err {e:e})"));
+            cx.fail(
+                &case,
+                format!("logit j={j}: gpu {g:e} vs ref {wv:e} (abs err {e:e})"),
+            );
         }
         if r / next_n == zero_q_seq && row_scores.iter().any(|&s| s.to_bits() != 0) {
             cx.fail(&case, "all-zero ReLU row: a score is not exactly +0".into());
         }
-        if let Err(e) = check_row(row_scores, k, &idx[r * k..(r + 1) * k], &tsc[r * k..(r + 1) * k]) {
-            cx.fail(&case, format!("top-k vs reference top-k of the GPU scores: {e}"));
+        if let Err(e) = check_row(
+            row_scores,
+            k,
+            &idx[r * k..(r + 1) * k],
+            &tsc[r * k..(r + 1) * k],
+        ) {
+            cx.fail(
+                &case,
+                format!("top-k vs reference top-k of the GPU scores: {e}"),
+            );
         }
     }
     Ok(true)
 }
 
-fn reference_logit(shape: &IndexerShape, q_codes: &[u8], w: &[f32], cache: &KeyCacheHost, row: usize, j: usize) -> f64 {
+fn reference_logit(
+    shape: &IndexerShape,
+    q_codes: &[u8],
+    w: &[f32],
+    cache: &KeyCacheHost,
+    row: usize,
+    j: usize,
+) -> f64 {
     let b = row / shape.next_n;
     let k = cache.key_f64(cache.slot(b, j));
     let mut s = 0.0;
     for h in 0..NUM_HEADS {
         let base = (row * NUM_HEADS + h) * HEAD_DIM;
-        let dot: f64 = (0..HEAD_DIM).map(|d| crate::formats::e4m3::decode(q_codes[base + d]) as f64 * k[d]).sum();
+        let dot: f64 = (0..HEAD_DIM)
+            .map(|d| crate::formats::e4m3::decode(q_codes[base + d]) as f64 * k[d])
+            .sum();
         s += w[row * NUM_HEADS + h] as f64 * reference::relu(dot);
     }
     s
@@ -395,14 +495,30 @@ fn reference_logit(shape: &IndexerShape, q_codes: &[u8], w: &[f32], cache: &KeyC
 /// The stress suite; see the module docs. Stops at the first hang (`report.hung`).
 pub fn run_stress(gpu: &Gpu, opts: &StressOptions) -> Result<StressReport> {
     let start = Instant::now();
-    let mut cx = Ctx { gpu, opts, rep: StressReport { seed: opts.seed, ..Default::default() }, rng: ChaCha8Rng::seed_from_u64(opts.seed) };
+    let mut cx = Ctx {
+        gpu,
+        opts,
+        rep: StressReport {
+            seed: opts.seed,
+            ..Default::default()
+        },
+        rng: ChaCha8Rng::seed_from_u64(opts.seed),
+    };
     // The input policy (no GPU involved): NaN q codes and non-finite w never reach a launch.
     let q_nan = vec![0x7Fu8; NUM_HEADS * HEAD_DIM];
     cx.rep.cases += 2;
     if super::validate_queries(1, 1, &q_nan, &[1.0; NUM_HEADS], &[1]).is_ok() {
         cx.fail("policy", "a NaN q code was accepted".into());
     }
-    if super::validate_queries(1, 1, &vec![0x38u8; NUM_HEADS * HEAD_DIM], &[f32::INFINITY; NUM_HEADS], &[1]).is_ok() {
+    if super::validate_queries(
+        1,
+        1,
+        &vec![0x38u8; NUM_HEADS * HEAD_DIM],
+        &[f32::INFINITY; NUM_HEADS],
+        &[1],
+    )
+    .is_ok()
+    {
         cx.fail("policy", "an infinite w was accepted".into());
     }
     let mut alive = stress_topk(&mut cx)?;
