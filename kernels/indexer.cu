@@ -25,10 +25,14 @@
 // (n-tile, k-step)); q's per-token scale is folded into w by the caller (relu(s x) = s relu(x), s > 0).
 // Epilogue per n-tile: relu (fmaxf: NaN -> 0, same in the reference) and * w, accumulated per key in fp32;
 // then the 4 lanes of a group are summed and the FP8 entry scale is applied (scale > 0 commutes with relu).
-// Byte budget: a warp tile of 64 keys reads 8 KB of FP8 keys with 32 16-byte loads per lane... i.e. 128 B
-// per key with no reuse, and 32 mma per 16 keys per query token (16 KFLOP per key per token). At 4.8 TB/s
-// and 132 B/key, next_n = 1 needs ~590 TFLOPS of mma.sync FP8 over the whole GPU: near the mma.sync ceiling,
-// so next_n = 2 is expected to be tensor-issue-bound rather than HBM-bound (wgmma would lift that).
+// Work split: a warp tile is 2 m-tiles = 32 keys (A fragments stay in 32 registers), a CTA of 8 warps
+// covers 1024 keys; the q fragments are re-read from shared memory per (n-tile, k-step): 8 KB of lds per
+// 4 KB of keys, well under the shared-memory bandwidth. 0 spills (ptxas), 120-128 registers, 2 CTAs/SM
+// (mxfp4 with next_n = 2: 168 registers, 1 CTA/SM).
+// Byte/cycle budget: a key costs 128 B (+4 B scale) of HBM and, per query token, 16 KFLOP = 32 mma.sync
+// m16n8k32 per 16 keys. At 4.8 TB/s and 132 B/key, next_n = 1 needs ~590 TFLOPS of FP8 mma.sync across the
+// GPU, close to what mma.sync (not wgmma) can issue on Hopper, so next_n = 1 sits at the edge of HBM-bound
+// and next_n = 2 is tensor-issue-bound; wgmma is the next step if the sweep shows it.
 //
 // ---- Top-k (k <= 2048) ----------------------------------------------------------------------------------
 // Total order: composite = (order_key(score) << 32) | ~index (u64; NaN -> -inf, -0 -> +0). The composite

@@ -123,7 +123,7 @@ pub fn fp8_value(codes: &[u8], scale: f32, d: usize) -> f64 {
 /// Dequantized value of dim `d` of an MXFP4 entry (f64, exact).
 pub fn mxfp4_value(packed: &[u8], scales: &[u8], d: usize) -> f64 {
     let (lo, hi) = e2m1::unpack(packed[d / 2]);
-    let code = if d % 2 == 0 { lo } else { hi };
+    let code = if d.is_multiple_of(2) { lo } else { hi };
     e2m1::decode(code) as f64 * ue8m0::decode(scales[d / MXFP4_BLOCK]) as f64
 }
 

@@ -443,7 +443,9 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
             let want = reference_logit(&shape, &q_codes, &w, &host, r, j);
             let mag = reference::logit_magnitude(&shape, &q_codes, &w, &host, r, j);
             let err = (row_scores[j] as f64 - want).abs();
-            if !(err <= tol_rel * mag + 1e-30) && worst.is_none_or(|(_, _, _, e)| err > e) {
+            // NaN errors count as failures too.
+            let within = err <= tol_rel * mag + 1e-30;
+            if !within && worst.is_none_or(|(_, _, _, e)| err > e) {
                 worst = Some((j, row_scores[j], want, err));
             }
         }
