@@ -247,6 +247,80 @@ fn launcher_input_policy_rejects_bad_queries() {
     );
 }
 
+/// A sequential model of the kernel's block_select + block_collect (kernels/indexer.cu), same digits, same
+/// early exit, same selection predicate: checks the algorithm (not the CUDA code) against the reference.
+fn model_radix_topk(scores: &[f32], k: usize) -> Vec<i32> {
+    let comp = |i: usize| ((reference::order_key(scores[i]) as u64) << 32) | (!(i as u32)) as u64;
+    let m = scores.len();
+    let kk = k.min(m);
+    if kk == 0 {
+        return vec![-1; k];
+    }
+    let (mut prefix, mut rem, mut shift, all) = (0u64, kk as u32, 64u32, kk >= m);
+    if !all {
+        for pass in 0..8u32 {
+            let sd = 56 - 8 * pass;
+            let mut hist = [0u32; 256];
+            for i in 0..m {
+                let c = comp(i);
+                if pass == 0 || (c >> (sd + 8)) == (prefix >> (sd + 8)) {
+                    hist[((c >> sd) & 0xFF) as usize] += 1;
+                }
+            }
+            let (mut incl, mut found) = (0u32, None);
+            for t in 0..256 {
+                let v = hist[255 - t];
+                let excl = incl;
+                incl += v;
+                if excl < rem && incl >= rem {
+                    assert!(found.is_none(), "two buckets chosen");
+                    found = Some((255 - t, rem - excl, v));
+                }
+            }
+            let (bucket, new_rem, count) = found.expect("no bucket holds the rem-th element");
+            prefix |= (bucket as u64) << sd;
+            rem = new_rem;
+            shift = sd;
+            if count == rem {
+                break;
+            }
+            assert!(pass < 7, "radix select did not terminate");
+        }
+    }
+    let mut sel: Vec<u64> = (0..m)
+        .map(comp)
+        .filter(|&c| all || (c >> shift) >= (prefix >> shift))
+        .collect();
+    assert_eq!(sel.len(), kk, "selected {} elements, want {kk}", sel.len());
+    sel.sort_unstable_by(|a, b| b.cmp(a));
+    let mut out: Vec<i32> = sel.iter().map(|&c| !(c as u32) as i32).collect();
+    out.resize(k, -1);
+    out
+}
+
+#[test]
+fn radix_select_model_matches_reference_topk() {
+    let (_, mut rng) = seeded("radix_model");
+    for case in 0..300 {
+        let n =
+            [0usize, 1, 2, 7, 100, 511, 512, 513, 1000, 3000][case % 10] + rng.random_range(0..3);
+        let k = [1usize, 5, 512, 1024, 2048][rng.random_range(0..5)];
+        let scores: Vec<f32> = (0..n)
+            .map(|_| match (case / 10) % 4 {
+                0 => rng.random_range(-1.0f32..1.0),
+                1 => 3.5,
+                2 => [0.0f32, -0.0, 1.0, f32::NAN, f32::NEG_INFINITY][rng.random_range(0..5)],
+                _ => rng.random_range(0..4) as f32,
+            })
+            .collect();
+        assert_eq!(
+            model_radix_topk(&scores, k),
+            reference::topk(&scores, k),
+            "case {case}: n {n} k {k}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // GPU
 // ---------------------------------------------------------------------------------------------------------
