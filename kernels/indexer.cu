@@ -352,8 +352,16 @@ __device__ void block_select(const Src& src, int m, int kk, SelectShared& sh, ui
                 const uint64_t c = src.comp(i);
                 if (pass == 0 || (c >> (sd + 8)) == (prefix >> (sd + 8))) digit = (uint32_t)(c >> sd) & 0xFFu;
             }
-            const unsigned peers = __match_any_sync(FULL, digit);
-            if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[digit], (uint32_t)__popc(peers));
+            // Warp-aggregated counting. Fast paths (votes only): the whole warp in one bucket (typical of
+            // the first, exponent-heavy digits), or no lane still matching the prefix (typical of later
+            // passes). Otherwise one atomic per distinct digit. All branches are warp-uniform.
+            const uint32_t d0 = __shfl_sync(FULL, digit, 0);
+            if (__all_sync(FULL, digit == d0)) {
+                if (lane == 0 && d0 < 256) atomicAdd(&sh.hist[d0], 32u);
+            } else if (__any_sync(FULL, digit < 256)) {
+                const unsigned peers = __match_any_sync(FULL, digit);
+                if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[digit], (uint32_t)__popc(peers));
+            }
         }
         __syncthreads();
         // Inclusive scan of the histogram from the top bucket down (threads 0..255 <-> buckets 255..0).
