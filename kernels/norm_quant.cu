@@ -22,9 +22,10 @@
 //   mhc_mix_partial<NMIX>: grid (S = 4D/128, ceil(T/32)), 128 threads. Lane = token, warp = 32-column slice
 //     of the CTA's 128 columns; F rows are read with warp-uniform addresses (broadcast), X with 16-B loads.
 //     Writes part[s][t][0..NMIX) = partial F.x and part[s][t][NMIX] = partial sum x^2.
-//   mhc_pre_finish_*: one CTA per token: reduce the S partials (fixed order), rho, sigmoids, Sinkhorn on 16
-//     lanes (pairwise shuffle sums, the CPU reference's order), u = sum pre_i X_i -> BF16, then the same
-//     RMSNorm + quant code as above. Outputs pre/post/C (fp32), u (BF16), rstd, quantized y.
+//   mhc_pre_finish_*: two CTAs per token, both reduce the S partials (fixed order) and compute rho; one runs
+//     post + the Sinkhorn (one thread, 40 dependent normalizations: the decode critical path), the other
+//     pre, u = sum pre_i X_i -> BF16 and the same RMSNorm + quant code as above, concurrently.
+//     Outputs pre/post/C (fp32), u (BF16), rstd, quantized y.
 //   mhc_post: X'[k] = post_k y + sum_j C[j][k] X[j], fp32 (explicit rn ops, no FMA), BF16 store.
 // Bytes per decode token (D = 4096): F 1.5 MB (shared by all tokens of a launch), X 32 KB, out ~ 2-8 KB.
 //
@@ -54,9 +55,6 @@ __device__ __forceinline__ void load8(const float* p, float v[8]) {
     float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
-
-// Round to BF16 (nearest even) and back: the value a BF16 store would hold.
-__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half)
@@ -105,6 +103,47 @@ __device__ float block_max(float v, float* red) {
     return s;
 }
 
+// ---- division-free e2m1(fl(a / scale)) for one 16-block ------------------------------------------------------
+// The reference encodes code = e2m1_ladder(fl(y / scale)). The ladder compares q = fl(y/scale) with
+// t in {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5}: `q > t` for t in {0.25, 1.25, 2.5, 5} and `q >= t` for t in
+// {0.75, 1.75, 3.5}. Identities used (scale > 0 finite, a = |y| finite, round-to-nearest-even division):
+//  * fl(a/s) > t  <=>  a/s > t + ulp(t)/2 (the midpoint to t's successor; at a tie fl rounds to t, whose last
+//    mantissa bit is 0). fl(a/s) >= t <=> a/s >= t - ulp(t)/2 (none of 0.75, 1.75, 3.5 is a power of two, so
+//    ulp below t = ulp(t); a tie again rounds to the even t).
+//  * a/s > M <=> a > M*s, and M*s is exact in f64 (M has 25 significant bits, s at most 24: 49 <= 53).
+//  * For an f32 a and a real P: a > P <=> a > RD32(P) <=> a >= nextup(RD32(P)); a >= P <=> a >= RU32(P).
+// So with B_i as below, code magnitude = #{i : a >= B_i}, found by a 3-level binary search (B is ascending).
+// tests/norm_quant.rs emulates this exact computation on the CPU against formats::e2m1 (near-threshold cases
+// included). Define NQ_E2M1_BY_DIVISION to use the straightforward IEEE division + ladder instead.
+struct E2m1Thresholds {
+    float b[7];
+};
+
+__device__ __forceinline__ float nextup_pos(float x) { return __uint_as_float(__float_as_uint(x) + 1u); }
+
+__device__ __forceinline__ E2m1Thresholds e2m1_thresholds(float scale) {
+    const double s = (double)scale;
+    E2m1Thresholds t;
+    t.b[0] = nextup_pos(__double2float_rd(__dmul_rn(s, 0.25 + 0x1p-26)));
+    t.b[1] = __double2float_ru(__dmul_rn(s, 0.75 - 0x1p-25));
+    t.b[2] = nextup_pos(__double2float_rd(__dmul_rn(s, 1.25 + 0x1p-24)));
+    t.b[3] = __double2float_ru(__dmul_rn(s, 1.75 - 0x1p-24));
+    t.b[4] = nextup_pos(__double2float_rd(__dmul_rn(s, 2.5 + 0x1p-23)));
+    t.b[5] = __double2float_ru(__dmul_rn(s, 3.5 - 0x1p-23));
+    t.b[6] = nextup_pos(__double2float_rd(__dmul_rn(s, 5.0 + 0x1p-22)));
+    return t;
+}
+
+// Code of y (sign in bit 3, kept for -0 like formats::e2m1). Requires scale != 0.
+__device__ __forceinline__ uint32_t e2m1_code_thr(float y, const E2m1Thresholds& t) {
+    const float a = fabsf(y);
+    const bool p2 = a >= t.b[3];
+    const bool p1 = a >= (p2 ? t.b[5] : t.b[1]);
+    const bool p0 = a >= (p2 ? (p1 ? t.b[6] : t.b[4]) : (p1 ? t.b[2] : t.b[0]));
+    const uint32_t m = (p2 ? 4u : 0u) | (p1 ? 2u : 0u) | (p0 ? 1u : 0u);
+    return m | ((__float_as_uint(y) >> 28) & 8u);
+}
+
 // Row outputs (pointers already at this row).
 struct RowOut {
     uint8_t* q;             // NVFP4: packed codes [D/2]; FP8: codes [D]
@@ -136,7 +175,12 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
                 float wv[8];
                 load8(w + c * 8, wv);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) v[k][e] = bf16_round(__fmul_rn(wv[e], __fmul_rn(v[k][e], rstd)));
+                for (int e = 0; e < 8; e += 2) {  // one paired RNE conversion per two values
+                    const uint32_t pk = pack_bf16x2(__fmul_rn(wv[e], __fmul_rn(v[k][e], rstd)),
+                                                    __fmul_rn(wv[e + 1], __fmul_rn(v[k][e + 1], rstd)));
+                    v[k][e] = bf16_lo(pk);
+                    v[k][e + 1] = bf16_hi(pk);
+                }
             }
         }
     }
@@ -162,12 +206,15 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
                 // 1/2^(sc-127) = 2^(127-sc) is code 254-sc (code 0 = 2^-127 for sc = 254): exact, so
                 // x * inv equals the IEEE x / scale (same real number, one rounding).
                 const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));
-                uint32_t lo = 0, hi = 0;
+                // Pairs through cvt.rn.satfinite.e4m3x2.f32 (the rule of mm::e4m3_encode, two at a time);
+                // .x goes to the low byte.
+                uint32_t w4[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) lo |= (uint32_t)mm::e4m3_encode(v[k][e] * inv) << (8 * e);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) hi |= (uint32_t)mm::e4m3_encode(v[k][4 + e] * inv) << (8 * e);
-                *reinterpret_cast<uint2*>(o.q + c * 8) = make_uint2(lo, hi);
+                for (int p = 0; p < 4; ++p)
+                    w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k][2 * p] * inv, v[k][2 * p + 1] * inv),
+                                                               __NV_SATFINITE, __NV_E4M3);
+                *reinterpret_cast<uint2*>(o.q + c * 8) =
+                    make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
                 if ((c & 15) == 0) o.scales[c >> 4] = sc;
             }
         }
@@ -191,8 +238,16 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
                 const uint8_t s = mm::nvfp4_block_scale(ab, gs);
                 const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
                 uint32_t packed = 0;
+#ifdef NQ_E2M1_BY_DIVISION
 #pragma unroll
                 for (int e = 0; e < 8; ++e) packed |= (uint32_t)mm::nvfp4_element(v[k][e], scale) << (4 * e);
+#else
+                if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
+                    const E2m1Thresholds thr = e2m1_thresholds(scale);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) packed |= e2m1_code_thr(v[k][e], thr) << (4 * e);
+                }
+#endif
                 *reinterpret_cast<uint32_t*>(o.q + c * 4) = packed;
                 if ((c & 1) == 0) o.scales[c >> 1] = s;
             }
@@ -271,48 +326,87 @@ __device__ void mhc_mix_partial(const __nv_bfloat16* __restrict__ X, const float
         const int t = blockIdx.y * 32 + l;
         if (t < T) {
             const float v = ((red[0][j][l] + red[1][j][l]) + red[2][j][l]) + red[3][j][l];
-            part[((long)s * T + t) * (NMIX + 1) + j] = v;
+            part[((long)t * (NMIX + 1) + j) * gridDim.x + s] = v;  // [T][NMIX+1][S]: S contiguous
         }
     }
 }
 
 __device__ __forceinline__ float sigmoid_f(float z) { return __fdiv_rn(1.f, __fadd_rn(1.f, expf(-z))); }
 
-// Sum over the 4 lanes of a row (lane bits 0-1) or a column (bits 2-3) of a 16-lane 4x4 tile, pairwise:
-// (a+b)+(c+d), the order of the CPU reference.
-__device__ __forceinline__ float quad_sum(float v, int m1, int m2) {
-    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m1));
-    return __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m2));
-}
-
-// All 32 lanes of a warp call this; lanes 16j..16j+15 form one 4x4 tile (xor 1..8 stays inside it), lane =
-// 4j + k holds C[j][k]; z = its logit. Returns the Sinkhorn result.
-__device__ float sinkhorn_lane(float z) {
-    float mx = fmaxf(z, __shfl_xor_sync(0xffffffffu, z, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float e = expf(__fsub_rn(z, mx));
-    float c = __fadd_rn(__fdiv_rn(e, quad_sum(e, 1, 2)), 1e-6f);
-    c = __fdiv_rn(c, __fadd_rn(quad_sum(c, 4, 8), 1e-6f));
-    for (int it = 1; it < 20; ++it) {
-        c = __fdiv_rn(c, __fadd_rn(quad_sum(c, 1, 2), 1e-6f));
-        c = __fdiv_rn(c, __fadd_rn(quad_sum(c, 4, 8), 1e-6f));
-    }
-    return c;
-}
-
 __device__ __forceinline__ float mix_logit(float rho, float dot, float s, float b) {
     return __fadd_rn(__fmul_rn(__fmul_rn(rho, dot), s), b);
 }
 
-// Reduce the split-K partials of `token` into mix[0..NMIX] (mix[NMIX] = sum of squares), fixed order.
+// Reduce the split-K partials of `token` into mix[0..NMIX] (mix[NMIX] = sum of squares) in a fixed order:
+// warp w takes the 32-wide blocks of splits w, w + nw, ...; in each block lane l loads split 32b + l (0 past
+// S) for all NMIX+1 mixes at once (all loads in flight: this is the decode critical path), an xor tree sums
+// the 32 lanes, blocks add up in order; then the warps' sums add up in warp order.
+// tests/norm_quant.rs (reduce_like_gpu) replays exactly this order on the CPU.
 template <int NMIX>
-__device__ void reduce_partials(const float* __restrict__ part, int S, int T, int token, float* mix) {
+__device__ void reduce_partials(const float* __restrict__ part, int S, int token, float* mix, float* wsum) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int j = warp; j <= NMIX; j += nw) {
-        float v = 0.f;
-        for (int s = lane; s < S; s += 32) v += part[((long)s * T + token) * (NMIX + 1) + j];
-        v = warp_sum(v);
-        if (lane == 0) mix[j] = v;
+    const float* base = part + (long)token * (NMIX + 1) * S;
+    float acc[NMIX + 1];
+#pragma unroll
+    for (int j = 0; j <= NMIX; ++j) acc[j] = 0.f;
+    for (int sb = warp; sb * 32 < S; sb += nw) {
+        const int s = sb * 32 + lane;
+        float v[NMIX + 1];
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) v[j] = s < S ? __ldcg(base + (long)j * S + s) : 0.f;
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) acc[j] += warp_sum(v[j]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) wsum[warp * (NMIX + 1) + j] = acc[j];
+    }
+    __syncthreads();
+    if (threadIdx.x <= NMIX) {
+        float total = 0.f;
+        for (int w = 0; w < nw; ++w) total += wsum[w * (NMIX + 1) + threadIdx.x];
+        mix[threadIdx.x] = total;
+    }
+    __syncthreads();
+}
+
+// 4x4 Sinkhorn of DSV4 in one thread (no shuffles: the decode critical path is 40 dependent normalizations).
+// z: logits row-major [j][k]. Order as the CPU reference (reference::sinkhorn): row softmax (e * (1/sum)) + eps,
+// column normalization, 19 x (rows, columns); every normalization multiplies by the correctly rounded
+// reciprocal 1/(pairwise sum + eps): one rounding more than a division, the same in the reference.
+__device__ void sinkhorn_thread(const float (&z)[16], float (&c)[16]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float mx = fmaxf(fmaxf(z[4 * j], z[4 * j + 1]), fmaxf(z[4 * j + 2], z[4 * j + 3]));
+        float e[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) e[k] = expf(__fsub_rn(z[4 * j + k], mx));
+        const float r = __frcp_rn(__fadd_rn(__fadd_rn(e[0], e[1]), __fadd_rn(e[2], e[3])));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) c[4 * j + k] = __fadd_rn(__fmul_rn(e[k], r), 1e-6f);
+    }
+    auto cols = [&]() {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float r = __frcp_rn(
+                __fadd_rn(__fadd_rn(__fadd_rn(c[k], c[4 + k]), __fadd_rn(c[8 + k], c[12 + k])), 1e-6f));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) c[4 * j + k] = __fmul_rn(c[4 * j + k], r);
+        }
+    };
+    auto rows = [&]() {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float r = __frcp_rn(__fadd_rn(
+                __fadd_rn(__fadd_rn(c[4 * j], c[4 * j + 1]), __fadd_rn(c[4 * j + 2], c[4 * j + 3])), 1e-6f));
+#pragma unroll
+            for (int k = 0; k < 4; ++k) c[4 * j + k] = __fmul_rn(c[4 * j + k], r);
+        }
+    };
+    cols();
+    for (int it = 1; it < 20; ++it) {
+        rows();
+        cols();
     }
 }
 
@@ -322,16 +416,24 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
     float xs[4][8];
 #pragma unroll
     for (int i = 0; i < 4; ++i) load8(Xt + (long)i * D + c * 8, xs[i]);
+    float acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-        float acc = __fmul_rn(pre[0], xs[0][e]);
+        acc[e] = __fmul_rn(pre[0], xs[0][e]);
 #pragma unroll
-        for (int i = 1; i < 4; ++i) acc = __fadd_rn(acc, __fmul_rn(pre[i], xs[i][e]));
-        v[e] = bf16_round(acc);
+        for (int i = 1; i < 4; ++i) acc[e] = __fadd_rn(acc[e], __fmul_rn(pre[i], xs[i][e]));
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+        const uint32_t pk = pack_bf16x2(acc[e], acc[e + 1]);
+        v[e] = bf16_lo(pk);
+        v[e + 1] = bf16_hi(pk);
     }
 }
 
-// One CTA per token. HEAD: NMIX = 4, no post / Sinkhorn (hc_head).
+// Grid (T, HEAD ? 1 : 2). blockIdx.y == 1: the coefficient CTA (post + Sinkhorn -> comb), which runs
+// concurrently with blockIdx.y == 0: pre, u = sum pre_i X_i, RMSNorm(u) + quant (u does not need C).
+// HEAD: NMIX = 4, no post / Sinkhorn (hc_head).
 template <int KIND, bool HEAD>
 __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S, int T,
                                int D, const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
@@ -340,29 +442,32 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
                                __nv_bfloat16* bf, float* rstd) {
     constexpr int NMIX = HEAD ? 4 : 24;
     __shared__ float red[MAX_WARPS];
+    __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
     __shared__ float mix[NMIX + 1];
     __shared__ float pre_s[4];
     const int t = blockIdx.x;
-    reduce_partials<NMIX>(part, S, T, t, mix);
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
-        if (lane < 4) {
-            const float p = __fadd_rn(sigmoid_f(mix_logit(rho, mix[lane], hc_scale[0], hc_base[lane])), 1e-6f);
-            pre_s[lane] = p;
-            pre_out[t * 4 + lane] = p;
-            if (!HEAD) {
-                const float z = mix_logit(rho, mix[4 + lane], hc_scale[1], hc_base[4 + lane]);
-                post_out[t * 4 + lane] = __fmul_rn(2.f, sigmoid_f(z));
-            }
+    reduce_partials<NMIX>(part, S, t, mix, wsum);
+    const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
+    if (!HEAD && blockIdx.y == 1) {
+        if (threadIdx.x < 4) {
+            const int i = threadIdx.x;
+            const float z = mix_logit(rho, mix[4 + i], hc_scale[1], hc_base[4 + i]);
+            post_out[t * 4 + i] = __fmul_rn(2.f, sigmoid_f(z));
+        } else if (threadIdx.x == 32 || (threadIdx.x == 4 && blockDim.x == 32)) {
+            float z[16], c[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) z[i] = mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]);
+            sinkhorn_thread(z, c);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) comb_out[t * 16 + i] = c[i];
         }
-        if (!HEAD) {
-            const int l16 = lane & 15;
-            const float z = mix_logit(rho, mix[8 + l16], hc_scale[2], hc_base[8 + l16]);
-            const float c = sinkhorn_lane(z);  // lanes 16..31 compute a duplicate, unused
-            if (lane < 16) comb_out[t * 16 + lane] = c;
-        }
+        return;
+    }
+    if (threadIdx.x < 4) {
+        const int i = threadIdx.x;
+        const float p = __fadd_rn(sigmoid_f(mix_logit(rho, mix[i], hc_scale[0], hc_base[i])), 1e-6f);
+        pre_s[i] = p;
+        pre_out[t * 4 + i] = p;
     }
     __syncthreads();
     float pre[4] = {pre_s[0], pre_s[1], pre_s[2], pre_s[3]};
@@ -420,8 +525,8 @@ extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, 
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
 }
 
-// mHC split-K mixes: grid (4D/128, ceil(T/32)), block 128. X [T, 4, D] BF16, F [NMIX, 4D] f32,
-// part [S, T, NMIX+1] f32.
+// mHC split-K mixes: grid (S = 4D/128, ceil(T/32)), block 128. X [T, 4, D] BF16, F [NMIX, 4D] f32,
+// part [T, NMIX+1, S] f32.
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24(const __nv_bfloat16* X, const float* F,
                                                                    float* part, int T, int D4) {
     mhc_mix_partial<24>(X, F, part, T, D4);
@@ -431,7 +536,7 @@ extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial4(const __nv_bf
     mhc_mix_partial<4>(X, F, part, T, D4);
 }
 
-// mHC finish: grid (T), block as RMSNorm. hc_scale [3], hc_base [24], w [D]; outputs pre/post [T,4],
+// mHC finish: grid (T, 2), block as RMSNorm. hc_scale [3], hc_base [24], w [D]; outputs pre/post [T,4],
 // comb [T,16] (row-major [j][k]), u [T,D] BF16, rstd [T] (RMSNorm of u), and the quantized RMSNorm(u).
 #define MHC_PRE_COMMON                                                                                            \
     const __nv_bfloat16 *X, const float *part, int S, int T, int D, const float *hc_scale, const float *hc_base, \
@@ -449,7 +554,7 @@ extern "C" __global__ void mhc_pre_finish_bf16(MHC_PRE_COMMON, __nv_bfloat16* y,
     mhc_pre_finish<KIND_BF16, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr,
                                      nullptr, nullptr, y, rstd);
 }
-// hc_head: part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.
+// hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.
 extern "C" __global__ void mhc_head_finish_bf16(const __nv_bfloat16* X, const float* part, int S, int T, int D,
                                                 const float* hc_scale, const float* hc_base,
                                                 const __nv_bfloat16* w, float eps, float* pre, __nv_bfloat16* u,
@@ -543,10 +648,14 @@ extern "C" __global__ void mhc_unfused_sinkhorn(const float* rho, const float* d
         pre[t * 4 + lane] = __fadd_rn(sigmoid_f(mix_logit(r, dots[t * 24 + lane], hc_scale[0], hc_base[lane])), 1e-6f);
         post[t * 4 + lane] =
             __fmul_rn(2.f, sigmoid_f(mix_logit(r, dots[t * 24 + 4 + lane], hc_scale[1], hc_base[4 + lane])));
+    } else if (lane == 4) {
+        float z[16], c[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) z[i] = mix_logit(r, dots[t * 24 + 8 + i], hc_scale[2], hc_base[8 + i]);
+        sinkhorn_thread(z, c);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) comb[t * 16 + i] = c[i];
     }
-    const int l16 = lane & 15;
-    const float c = sinkhorn_lane(mix_logit(r, dots[t * 24 + 8 + l16], hc_scale[2], hc_base[8 + l16]));
-    if (lane < 16) comb[t * 16 + lane] = c;
 }
 
 // u = sum_i pre_i X_i -> BF16. grid (ceil(D/8/64), T), block 64.

@@ -99,9 +99,18 @@ impl RowsIn<'_> {
 
 /// Device buffers of a normalized + quantized output.
 pub enum QuantBufs {
-    Nvfp4 { data: CudaSlice<u8>, scales: CudaSlice<u8>, global_scale: CudaSlice<f32> },
-    Fp8 { data: CudaSlice<u8>, scales: CudaSlice<u8> },
-    Bf16 { y: CudaSlice<bf16> },
+    Nvfp4 {
+        data: CudaSlice<u8>,
+        scales: CudaSlice<u8>,
+        global_scale: CudaSlice<f32>,
+    },
+    Fp8 {
+        data: CudaSlice<u8>,
+        scales: CudaSlice<u8>,
+    },
+    Bf16 {
+        y: CudaSlice<bf16>,
+    },
 }
 
 /// The output of one RMSNorm(+quant) over `rows` rows of `d`.
@@ -116,7 +125,12 @@ pub struct NormOutputs {
 
 impl NormOutputs {
     /// Buffers poisoned with 0xFF (NaN for f32/bf16/e4m3; codes are checked against the reference).
-    pub fn alloc_poisoned(gpu: &Gpu, format: OutFormat, rows: usize, d: usize) -> Result<NormOutputs> {
+    pub fn alloc_poisoned(
+        gpu: &Gpu,
+        format: OutFormat,
+        rows: usize,
+        d: usize,
+    ) -> Result<NormOutputs> {
         check_rows(rows, d)?;
         let q = match format {
             OutFormat::Nvfp4 => QuantBufs::Nvfp4 {
@@ -124,18 +138,31 @@ impl NormOutputs {
                 scales: gpu.poisoned(rows * d / 16, 0xFF)?,
                 global_scale: gpu.poisoned(rows, 0xFF)?,
             },
-            OutFormat::Fp8 => {
-                QuantBufs::Fp8 { data: gpu.poisoned(rows * d, 0xFF)?, scales: gpu.poisoned(rows * d / 128, 0xFF)? }
-            }
-            OutFormat::Bf16 => QuantBufs::Bf16 { y: gpu.poisoned(rows * d, 0xFF)? },
+            OutFormat::Fp8 => QuantBufs::Fp8 {
+                data: gpu.poisoned(rows * d, 0xFF)?,
+                scales: gpu.poisoned(rows * d / 128, 0xFF)?,
+            },
+            OutFormat::Bf16 => QuantBufs::Bf16 {
+                y: gpu.poisoned(rows * d, 0xFF)?,
+            },
         };
-        Ok(NormOutputs { rows, d, format, q, rstd: gpu.poisoned(rows, 0xFF)? })
+        Ok(NormOutputs {
+            rows,
+            d,
+            format,
+            q,
+            rstd: gpu.poisoned(rows, 0xFF)?,
+        })
     }
 
     /// Re-poison every buffer (before a checked run).
     pub fn poison(&mut self, gpu: &Gpu) -> Result<()> {
         match &mut self.q {
-            QuantBufs::Nvfp4 { data, scales, global_scale } => {
+            QuantBufs::Nvfp4 {
+                data,
+                scales,
+                global_scale,
+            } => {
                 gpu.fill_bytes(data, 0xFF)?;
                 gpu.fill_bytes(scales, 0xFF)?;
                 gpu.fill_bytes(global_scale, 0xFF)?;
@@ -151,7 +178,11 @@ impl NormOutputs {
 
     pub fn download(&self, gpu: &Gpu) -> Result<HostNormOutputs> {
         let q = match &self.q {
-            QuantBufs::Nvfp4 { data, scales, global_scale } => HostQuant::Nvfp4(reference::Nvfp4Rows {
+            QuantBufs::Nvfp4 {
+                data,
+                scales,
+                global_scale,
+            } => HostQuant::Nvfp4(reference::Nvfp4Rows {
                 rows: self.rows,
                 cols: self.d,
                 data: gpu.download(data)?,
@@ -164,9 +195,14 @@ impl NormOutputs {
                 data: gpu.download(data)?,
                 scales: gpu.download(scales)?,
             }),
-            QuantBufs::Bf16 { y } => HostQuant::Bf16(gpu.download(y)?.iter().map(|v| v.to_f32()).collect()),
+            QuantBufs::Bf16 { y } => {
+                HostQuant::Bf16(gpu.download(y)?.iter().map(|v| v.to_f32()).collect())
+            }
         };
-        Ok(HostNormOutputs { q, rstd: gpu.download(&self.rstd)? })
+        Ok(HostNormOutputs {
+            q,
+            rstd: gpu.download(&self.rstd)?,
+        })
     }
 }
 
@@ -233,7 +269,10 @@ fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
 /// Upload host f32 values after checking they are all finite.
 pub fn upload_checked_f32(gpu: &Gpu, what: &str, v: &[f32]) -> Result<CudaSlice<f32>> {
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-        bail!("norm_quant: `{what}` has a non-finite value {} at index {i}", v[i]);
+        bail!(
+            "norm_quant: `{what}` has a non-finite value {} at index {i}",
+            v[i]
+        );
     }
     gpu.upload(v)
 }
@@ -241,13 +280,22 @@ pub fn upload_checked_f32(gpu: &Gpu, what: &str, v: &[f32]) -> Result<CudaSlice<
 /// Upload host values as BF16 after checking they are all finite.
 pub fn upload_checked_bf16(gpu: &Gpu, what: &str, v: &[f32]) -> Result<CudaSlice<bf16>> {
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-        bail!("norm_quant: `{what}` has a non-finite value {} at index {i}", v[i]);
+        bail!(
+            "norm_quant: `{what}` has a non-finite value {} at index {i}",
+            v[i]
+        );
     }
     gpu.upload(&crate::formats::bf16::to_bf16_vec(v))
 }
 
 /// Fused RMSNorm + quantization of `rows` rows of `d` with weight `w` (BF16 [d]) into `out`.
-pub fn rmsnorm_quant(gpu: &Gpu, x: RowsIn<'_>, w: &CudaSlice<bf16>, eps: f32, out: &mut NormOutputs) -> Result<()> {
+pub fn rmsnorm_quant(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+) -> Result<()> {
     let (rows, d) = (out.rows, out.d);
     check_rows(rows, d)?;
     check_eps(eps)?;
@@ -264,7 +312,11 @@ pub fn rmsnorm_quant(gpu: &Gpu, x: RowsIn<'_>, w: &CudaSlice<bf16>, eps: f32, ou
     };
     b.arg(w);
     match &mut out.q {
-        QuantBufs::Nvfp4 { data, scales, global_scale } => {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
             b.arg(data).arg(scales).arg(global_scale);
         }
         QuantBufs::Fp8 { data, scales } => {
@@ -288,7 +340,11 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
     let cfg = launch_cfg((rows as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
     let d_i = d as i32;
     match &mut out.q {
-        QuantBufs::Nvfp4 { data, scales, global_scale } => {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
             let f = gpu.function(FAMILY, "quant_nvfp4_bf16in")?;
             let mut b = gpu.stream.launch_builder(&f);
             b.arg(y).arg(data).arg(scales).arg(global_scale).arg(&d_i);
@@ -300,7 +356,9 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
             b.arg(y).arg(data).arg(scales).arg(&d_i);
             drv(unsafe { b.launch(cfg) }, "quant_fp8_bf16in")?;
         }
-        QuantBufs::Bf16 { .. } => bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8"),
+        QuantBufs::Bf16 { .. } => {
+            bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8")
+        }
     }
     Ok(())
 }
@@ -322,7 +380,9 @@ pub fn rmsnorm_then_quant(
     if out.format == OutFormat::Bf16 {
         return Ok(());
     }
-    let QuantBufs::Bf16 { y } = &staging.q else { unreachable!("checked above") };
+    let QuantBufs::Bf16 { y } = &staging.q else {
+        unreachable!("checked above")
+    };
     quantize_bf16_rows(gpu, y, out)
 }
 
@@ -341,7 +401,12 @@ pub struct MhcWeights {
 
 impl MhcWeights {
     /// A sub-layer boundary (`hc_attn_*` / `hc_ffn_*`) and its RMSNorm weight (BF16-rounded on upload).
-    pub fn upload(gpu: &Gpu, p: &reference::MhcParams, norm_weight: &[f32], d: usize) -> Result<MhcWeights> {
+    pub fn upload(
+        gpu: &Gpu,
+        p: &reference::MhcParams,
+        norm_weight: &[f32],
+        d: usize,
+    ) -> Result<MhcWeights> {
         check_rows(1, d)?;
         check_len("hc mix fn", p.mix_fn.len(), reference::HC_MIX * 4 * d)?;
         check_len("norm weight", norm_weight.len(), d)?;
@@ -392,12 +457,17 @@ pub struct MhcPreOutputs {
     pub u: CudaSlice<bf16>,
     /// RMSNorm(u; weight) in the requested format, and its rstd.
     pub normed: NormOutputs,
-    /// Split-K workspace [S, T, nmix+1] (sized for 24 mixes).
+    /// Split-K workspace [T, nmix+1, S] (sized for 24 mixes).
     partials: CudaSlice<f32>,
 }
 
 impl MhcPreOutputs {
-    pub fn alloc_poisoned(gpu: &Gpu, format: OutFormat, tokens: usize, d: usize) -> Result<MhcPreOutputs> {
+    pub fn alloc_poisoned(
+        gpu: &Gpu,
+        format: OutFormat,
+        tokens: usize,
+        d: usize,
+    ) -> Result<MhcPreOutputs> {
         check_rows(tokens, 4 * d)?;
         Ok(MhcPreOutputs {
             tokens,
@@ -411,8 +481,8 @@ impl MhcPreOutputs {
         })
     }
 
-    /// The split-K partials of the last launch, `[S, T, nmix+1]` with `S = mix_splits(d)`: entry
-    /// `[s][t][j]` is the partial `F_j . x` over columns `[128 s, 128 s + 128)` of 4D, `j = nmix` the partial
+    /// The split-K partials of the last launch, `[T, nmix+1, S]` with `S = mix_splits(d)`: entry
+    /// `[t][j][s]` is the partial `F_j . x` over columns `[128 s, 128 s + 128)` of 4D, `j = nmix` the partial
     /// sum of squares. Tests reduce them in the kernel's order to check the rest exactly.
     pub fn partials(&self) -> &CudaSlice<f32> {
         &self.partials
@@ -432,19 +502,47 @@ pub fn mix_splits(d: usize) -> usize {
     4 * d / MIX_COLS
 }
 
+/// Largest hidden size of the mHC kernels: the finish kernel uses up to 128 registers per thread, so its
+/// D/32 threads must stay <= 512.
+pub const MHC_MAX_D: usize = 16384;
+
 fn check_mhc(x: &CudaSlice<bf16>, w: &MhcWeights, out: &MhcPreOutputs) -> Result<()> {
+    if out.d > MHC_MAX_D {
+        bail!(
+            "mhc: hidden size {} is above the supported {MHC_MAX_D}",
+            out.d
+        );
+    }
     if w.d != out.d {
-        bail!("mhc: weights are for D = {}, outputs for D = {}", w.d, out.d);
+        bail!(
+            "mhc: weights are for D = {}, outputs for D = {}",
+            w.d,
+            out.d
+        );
     }
     check_rows(out.tokens, 4 * out.d)?;
     check_len("X", x.len(), out.tokens * 4 * out.d)
 }
 
-fn launch_mix_partial(gpu: &Gpu, x: &CudaSlice<bf16>, w: &MhcWeights, tokens: usize, part: &mut CudaSlice<f32>) -> Result<()> {
-    let name = if w.nmix == reference::HC_MIX { "mhc_mix_partial24" } else { "mhc_mix_partial4" };
+fn launch_mix_partial(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    tokens: usize,
+    part: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let name = if w.nmix == reference::HC_MIX {
+        "mhc_mix_partial24"
+    } else {
+        "mhc_mix_partial4"
+    };
     let f = gpu.function(FAMILY, name)?;
     let splits = mix_splits(w.d);
-    let cfg = launch_cfg((splits as u32, tokens.div_ceil(32) as u32, 1), (128, 1, 1), 0);
+    let cfg = launch_cfg(
+        (splits as u32, tokens.div_ceil(32) as u32, 1),
+        (128, 1, 1),
+        0,
+    );
     let (t_i, d4_i) = (tokens as i32, (4 * w.d) as i32);
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(x).arg(&w.mix_fn).arg(part).arg(&t_i).arg(&d4_i);
@@ -453,24 +551,49 @@ fn launch_mix_partial(gpu: &Gpu, x: &CudaSlice<bf16>, w: &MhcWeights, tokens: us
 }
 
 /// Fused mHC boundary: `(pre, post, C, u) = hc_pre(X)`, then `RMSNorm(u; weight)` in `out.normed.format`.
-/// Two launches (split-K mixes over ~4D/128 CTAs, then one CTA per token); `x` is `[T, 4, D]` BF16.
-pub fn mhc_pre(gpu: &Gpu, x: &CudaSlice<bf16>, w: &MhcWeights, eps: f32, out: &mut MhcPreOutputs) -> Result<()> {
+/// Two launches (split-K mixes over 4D/128 x ceil(T/32) CTAs, then two CTAs per token); `x` is `[T, 4, D]`.
+pub fn mhc_pre(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    out: &mut MhcPreOutputs,
+) -> Result<()> {
     check_mhc(x, w, out)?;
     check_eps(eps)?;
     if w.nmix != reference::HC_MIX {
-        bail!("mhc_pre needs sub-layer weights (24 mixes), got {} (head weights go to hc_head)", w.nmix);
+        bail!(
+            "mhc_pre needs sub-layer weights (24 mixes), got {} (head weights go to hc_head)",
+            w.nmix
+        );
     }
     let (tokens, d) = (out.tokens, out.d);
     launch_mix_partial(gpu, x, w, tokens, &mut out.partials)?;
     let name = format!("mhc_pre_finish_{}", out.normed.format.name());
     let f = gpu.function(FAMILY, &name)?;
-    let cfg = launch_cfg((tokens as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
+    // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn, concurrently.
+    let cfg = launch_cfg((tokens as u32, 2, 1), (row_block_threads(d), 1, 1), 0);
     let (s_i, t_i, d_i) = (mix_splits(d) as i32, tokens as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(x).arg(&out.partials).arg(&s_i).arg(&t_i).arg(&d_i).arg(&w.scale).arg(&w.base).arg(&w.norm_weight);
-    b.arg(&eps).arg(&mut out.pre).arg(&mut out.post).arg(&mut out.comb).arg(&mut out.u);
+    b.arg(x)
+        .arg(&out.partials)
+        .arg(&s_i)
+        .arg(&t_i)
+        .arg(&d_i)
+        .arg(&w.scale)
+        .arg(&w.base)
+        .arg(&w.norm_weight);
+    b.arg(&eps)
+        .arg(&mut out.pre)
+        .arg(&mut out.post)
+        .arg(&mut out.comb)
+        .arg(&mut out.u);
     match &mut out.normed.q {
-        QuantBufs::Nvfp4 { data, scales, global_scale } => {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
             b.arg(data).arg(scales).arg(global_scale);
         }
         QuantBufs::Fp8 { data, scales } => {
@@ -487,21 +610,40 @@ pub fn mhc_pre(gpu: &Gpu, x: &CudaSlice<bf16>, w: &MhcWeights, eps: f32, out: &m
 
 /// `hc_head`: pre = sigmoid mixes (no Sinkhorn), u = sum pre_i X_i (BF16), then RMSNorm(u; norm.weight)
 /// as BF16 into `out.normed` (which must be BF16). `post` and `comb` are not written.
-pub fn hc_head(gpu: &Gpu, x: &CudaSlice<bf16>, w: &MhcWeights, eps: f32, out: &mut MhcPreOutputs) -> Result<()> {
+pub fn hc_head(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    out: &mut MhcPreOutputs,
+) -> Result<()> {
     check_mhc(x, w, out)?;
     check_eps(eps)?;
     if w.nmix != reference::HC_HEAD_MIX {
         bail!("hc_head needs head weights (4 mixes), got {}", w.nmix);
     }
     let (tokens, d) = (out.tokens, out.d);
-    let QuantBufs::Bf16 { y } = &mut out.normed.q else { bail!("hc_head writes BF16: allocate the outputs with OutFormat::Bf16") };
+    let QuantBufs::Bf16 { y } = &mut out.normed.q else {
+        bail!("hc_head writes BF16: allocate the outputs with OutFormat::Bf16")
+    };
     launch_mix_partial(gpu, x, w, tokens, &mut out.partials)?;
     let f = gpu.function(FAMILY, "mhc_head_finish_bf16")?;
     let cfg = launch_cfg((tokens as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
     let (s_i, t_i, d_i) = (mix_splits(d) as i32, tokens as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(x).arg(&out.partials).arg(&s_i).arg(&t_i).arg(&d_i).arg(&w.scale).arg(&w.base).arg(&w.norm_weight);
-    b.arg(&eps).arg(&mut out.pre).arg(&mut out.u).arg(y).arg(&mut out.normed.rstd);
+    b.arg(x)
+        .arg(&out.partials)
+        .arg(&s_i)
+        .arg(&t_i)
+        .arg(&d_i)
+        .arg(&w.scale)
+        .arg(&w.base)
+        .arg(&w.norm_weight);
+    b.arg(&eps)
+        .arg(&mut out.pre)
+        .arg(&mut out.u)
+        .arg(y)
+        .arg(&mut out.normed.rstd);
     drv(unsafe { b.launch(cfg) }, "mhc_head_finish_bf16")?;
     Ok(())
 }
@@ -526,7 +668,11 @@ pub fn mhc_post(
     check_len("post", post.len(), tokens * 4)?;
     check_len("comb", comb.len(), tokens * 16)?;
     let f = gpu.function(FAMILY, "mhc_post")?;
-    let cfg = launch_cfg(((d / 8).div_ceil(64) as u32, tokens as u32, 1), (64, 1, 1), 0);
+    let cfg = launch_cfg(
+        ((d / 8).div_ceil(64) as u32, tokens as u32, 1),
+        (64, 1, 1),
+        0,
+    );
     let d_i = d as i32;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(y).arg(x).arg(post).arg(comb).arg(x_out).arg(&d_i);
@@ -542,7 +688,10 @@ pub struct MhcUnfusedScratch {
 
 impl MhcUnfusedScratch {
     pub fn alloc(gpu: &Gpu, tokens: usize) -> Result<MhcUnfusedScratch> {
-        Ok(MhcUnfusedScratch { rho: gpu.zeros(tokens)?, dots: gpu.zeros(tokens * reference::HC_MIX)? })
+        Ok(MhcUnfusedScratch {
+            rho: gpu.zeros(tokens)?,
+            dots: gpu.zeros(tokens * reference::HC_MIX)?,
+        })
     }
 }
 
@@ -561,7 +710,11 @@ pub fn mhc_pre_unfused(
     check_mhc(x, w, out)?;
     check_eps(eps)?;
     let (tokens, d) = (out.tokens, out.d);
-    if w.nmix != reference::HC_MIX || scratch.rho.len() < tokens || staging.rows != tokens || staging.d != d {
+    if w.nmix != reference::HC_MIX
+        || scratch.rho.len() < tokens
+        || staging.rows != tokens
+        || staging.d != d
+    {
         bail!("mhc_pre_unfused: scratch/staging sized for a different shape, or head weights");
     }
     let (d_i, d4_i) = (d as i32, (4 * d) as i32);
@@ -569,28 +722,60 @@ pub fn mhc_pre_unfused(
     let f = gpu.function(FAMILY, "mhc_unfused_rms")?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(x).arg(&mut scratch.rho).arg(&d4_i).arg(&eps);
-    drv(unsafe { b.launch(launch_cfg((t, 1, 1), (256, 1, 1), 0)) }, "mhc_unfused_rms")?;
+    drv(
+        unsafe { b.launch(launch_cfg((t, 1, 1), (256, 1, 1), 0)) },
+        "mhc_unfused_rms",
+    )?;
     let f = gpu.function(FAMILY, "mhc_unfused_gemv")?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(x).arg(&w.mix_fn).arg(&mut scratch.dots).arg(&d4_i);
-    drv(unsafe { b.launch(launch_cfg((t, 1, 1), (256, 1, 1), 0)) }, "mhc_unfused_gemv")?;
+    drv(
+        unsafe { b.launch(launch_cfg((t, 1, 1), (256, 1, 1), 0)) },
+        "mhc_unfused_gemv",
+    )?;
     let f = gpu.function(FAMILY, "mhc_unfused_sinkhorn")?;
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&scratch.rho).arg(&scratch.dots).arg(&w.scale).arg(&w.base);
+    b.arg(&scratch.rho)
+        .arg(&scratch.dots)
+        .arg(&w.scale)
+        .arg(&w.base);
     b.arg(&mut out.pre).arg(&mut out.post).arg(&mut out.comb);
-    drv(unsafe { b.launch(launch_cfg((t, 1, 1), (32, 1, 1), 0)) }, "mhc_unfused_sinkhorn")?;
+    drv(
+        unsafe { b.launch(launch_cfg((t, 1, 1), (32, 1, 1), 0)) },
+        "mhc_unfused_sinkhorn",
+    )?;
     let f = gpu.function(FAMILY, "mhc_unfused_apply")?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(x).arg(&out.pre).arg(&mut out.u).arg(&d_i);
-    drv(unsafe { b.launch(launch_cfg(((d / 8).div_ceil(64) as u32, t, 1), (64, 1, 1), 0)) }, "mhc_unfused_apply")?;
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                ((d / 8).div_ceil(64) as u32, t, 1),
+                (64, 1, 1),
+                0,
+            ))
+        },
+        "mhc_unfused_apply",
+    )?;
     if out.normed.format == OutFormat::Bf16 {
-        return rmsnorm_quant(gpu, RowsIn::Bf16(&out.u), &w.norm_weight, eps, &mut out.normed);
+        return rmsnorm_quant(
+            gpu,
+            RowsIn::Bf16(&out.u),
+            &w.norm_weight,
+            eps,
+            &mut out.normed,
+        );
     }
     rmsnorm_quant(gpu, RowsIn::Bf16(&out.u), &w.norm_weight, eps, staging)?;
-    let QuantBufs::Bf16 { y } = &staging.q else { bail!("mhc_pre_unfused: staging must be BF16") };
+    let QuantBufs::Bf16 { y } = &staging.q else {
+        bail!("mhc_pre_unfused: staging must be BF16")
+    };
     quantize_bf16_rows(gpu, y, &mut out.normed)?;
     // The unfused chain's rstd is the staging RMSNorm's; copy it so callers read it in one place.
-    drv(gpu.stream.memcpy_dtod(&staging.rstd, &mut out.normed.rstd), "copy rstd")
+    drv(
+        gpu.stream.memcpy_dtod(&staging.rstd, &mut out.normed.rstd),
+        "copy rstd",
+    )
 }
 
 // ---- benchmark hooks (wired into crate::bench by the integrator) ------------------------------------------
@@ -611,10 +796,24 @@ pub struct BenchPoint {
 
 /// Variants of the row kernels: `fused_<fmt>`, `unfused_<fmt>` (fmt in nvfp4, fp8, bf16; bf16 has only
 /// the one kernel) and `copy` (device-to-device copy of the same number of bytes, the bandwidth reference).
-pub const ROW_VARIANTS: &[&str] = &["fused_nvfp4", "unfused_nvfp4", "fused_fp8", "unfused_fp8", "fused_bf16", "copy"];
+pub const ROW_VARIANTS: &[&str] = &[
+    "fused_nvfp4",
+    "unfused_nvfp4",
+    "fused_fp8",
+    "unfused_fp8",
+    "fused_bf16",
+    "copy",
+];
 
 /// Time one row-kernel variant on BF16 rows `[rows, d]` of seeded random data.
-pub fn bench_rows(gpu: &Gpu, variant: &str, rows: usize, d: usize, seed: u64, plan: TimingPlan) -> Result<BenchPoint> {
+pub fn bench_rows(
+    gpu: &Gpu,
+    variant: &str,
+    rows: usize,
+    d: usize,
+    seed: u64,
+    plan: TimingPlan,
+) -> Result<BenchPoint> {
     check_rows(rows, d)?;
     let host = random_rows(rows, d, seed);
     let x = upload_checked_bf16(gpu, "x", &host)?;
@@ -634,13 +833,17 @@ pub fn bench_rows(gpu: &Gpu, variant: &str, rows: usize, d: usize, seed: u64, pl
     match kind {
         "copy" => {
             let mut dst = gpu.zeros::<bf16>(rows * d)?;
-            let s = gpu.time_us(plan, || drv(gpu.stream.memcpy_dtod(&x, &mut dst), "memcpy_dtod"))?;
+            let s = gpu.time_us(plan, || {
+                drv(gpu.stream.memcpy_dtod(&x, &mut dst), "memcpy_dtod")
+            })?;
             Ok(point(4 * (rows * d) as u64, s, None))
         }
         "fused" => {
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let s = gpu.time_us(plan, || rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out))?;
+            let s = gpu.time_us(plan, || {
+                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
+            })?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
             let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
             Ok(point(bytes, s, base))
@@ -649,12 +852,17 @@ pub fn bench_rows(gpu: &Gpu, variant: &str, rows: usize, d: usize, seed: u64, pl
             let format = OutFormat::parse(fmt)?;
             let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, rows, d)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let s = gpu.time_us(plan, || rmsnorm_then_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut staging, &mut out))?;
+            let s = gpu.time_us(plan, || {
+                rmsnorm_then_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut staging, &mut out)
+            })?;
             // Same useful bytes as the fused kernel: the staging round trip is the baseline's overhead.
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
             Ok(point(bytes, s, None))
         }
-        _ => bail!("unknown rmsnorm_quant variant `{variant}` (known: {})", ROW_VARIANTS.join(", ")),
+        _ => bail!(
+            "unknown rmsnorm_quant variant `{variant}` (known: {})",
+            ROW_VARIANTS.join(", ")
+        ),
     }
 }
 
@@ -676,7 +884,14 @@ pub const MHC_VARIANTS: &[&str] = &[
 ];
 
 /// Time one mHC variant for `tokens` tokens of hidden size `d`.
-pub fn bench_mhc(gpu: &Gpu, variant: &str, tokens: usize, d: usize, seed: u64, plan: TimingPlan) -> Result<BenchPoint> {
+pub fn bench_mhc(
+    gpu: &Gpu,
+    variant: &str,
+    tokens: usize,
+    d: usize,
+    seed: u64,
+    plan: TimingPlan,
+) -> Result<BenchPoint> {
     check_rows(tokens, 4 * d)?;
     let xs = random_rows(tokens * 4, d, seed);
     let x = upload_checked_bf16(gpu, "X", &xs)?;
@@ -696,8 +911,14 @@ pub fn bench_mhc(gpu: &Gpu, variant: &str, tokens: usize, d: usize, seed: u64, p
         let post = gpu.upload(&vec![1.0f32; tokens * 4])?;
         let comb = gpu.upload(&vec![0.25f32; tokens * 16])?;
         let mut xo = gpu.zeros::<bf16>(tokens * 4 * d)?;
-        let s = gpu.time_us(plan, || mhc_post(gpu, &y, &x, &post, &comb, tokens, d, &mut xo))?;
-        return Ok(point(2 * x_bytes + (tokens * d * 2 + tokens * 80) as u64, s, None));
+        let s = gpu.time_us(plan, || {
+            mhc_post(gpu, &y, &x, &post, &comb, tokens, d, &mut xo)
+        })?;
+        return Ok(point(
+            2 * x_bytes + (tokens * d * 2 + tokens * 80) as u64,
+            s,
+            None,
+        ));
     }
     let params = random_mhc_params(d, reference::HC_MIX, seed ^ 2);
     let nw = random_weight(d, seed ^ 3);
@@ -713,7 +934,9 @@ pub fn bench_mhc(gpu: &Gpu, variant: &str, tokens: usize, d: usize, seed: u64, p
         Some(r) => (true, r),
         None => (false, variant),
     };
-    let (kind, fmt) = rest.split_once('_').ok_or_else(|| anyhow::anyhow!("unknown mhc variant `{variant}`"))?;
+    let (kind, fmt) = rest
+        .split_once('_')
+        .ok_or_else(|| anyhow::anyhow!("unknown mhc variant `{variant}`"))?;
     let format = OutFormat::parse(fmt)?;
     let w = MhcWeights::upload(gpu, &params, &nw, d)?;
     let mut out = MhcPreOutputs::alloc_poisoned(gpu, format, tokens, d)?;
@@ -722,7 +945,10 @@ pub fn bench_mhc(gpu: &Gpu, variant: &str, tokens: usize, d: usize, seed: u64, p
     let fused = match kind {
         "fused" => true,
         "unfused" => false,
-        _ => bail!("unknown mhc variant `{variant}` (known: {})", MHC_VARIANTS.join(", ")),
+        _ => bail!(
+            "unknown mhc variant `{variant}` (known: {})",
+            MHC_VARIANTS.join(", ")
+        ),
     };
     let mut run = |out: &mut MhcPreOutputs| {
         if fused {
@@ -778,7 +1004,9 @@ pub fn random_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
 pub fn random_weight(d: usize, seed: u64) -> Vec<f32> {
     use rand::Rng;
     let mut r = rng(seed);
-    (0..d).map(|_| crate::formats::bf16::round(r.random_range(0.5..1.5))).collect()
+    (0..d)
+        .map(|_| crate::formats::bf16::round(r.random_range(0.5..1.5)))
+        .collect()
 }
 
 /// mHC parameters of realistic size: mix weights ~ U(-1,1) * 1.5/sqrt(4D) (so mixes are O(1)), scales
@@ -796,5 +1024,9 @@ pub fn random_mhc_params(d: usize, nmix: usize, seed: u64) -> reference::MhcPara
     for b in &mut base {
         *b = r.random_range(-1.0..1.0);
     }
-    reference::MhcParams { mix_fn, scale, base }
+    reference::MhcParams {
+        mix_fn,
+        scale,
+        base,
+    }
 }

@@ -50,13 +50,26 @@ pub fn rstd_from_sum_sq(ss: f32, n: usize, eps: f32) -> f32 {
 
 /// `y = bf16(w * (x * rstd))`, returned as f32 values (exactly representable in BF16).
 pub fn rmsnorm_row_with_rstd(x: &[f32], w: &[f32], rstd: f32) -> Vec<f32> {
-    x.iter().zip(w).map(|(&v, &wv)| bf16::round(wv * (v * rstd))).collect()
+    x.iter()
+        .zip(w)
+        .map(|(&v, &wv)| bf16::round(wv * (v * rstd)))
+        .collect()
 }
 
 /// RMSNorm of `rows` rows of length `d`: (y as BF16-rounded f32 [rows*d], rstd [rows]).
-pub fn rmsnorm_rows(x: &[f32], rows: usize, d: usize, w: &[f32], eps: f32) -> Result<(Vec<f32>, Vec<f32>)> {
+pub fn rmsnorm_rows(
+    x: &[f32],
+    rows: usize,
+    d: usize,
+    w: &[f32],
+    eps: f32,
+) -> Result<(Vec<f32>, Vec<f32>)> {
     if x.len() != rows * d || w.len() != d {
-        bail!("rmsnorm_rows: x has {} values, w {}; expected {rows}x{d} and {d}", x.len(), w.len());
+        bail!(
+            "rmsnorm_rows: x has {} values, w {}; expected {rows}x{d} and {d}",
+            x.len(),
+            w.len()
+        );
     }
     let mut y = Vec::with_capacity(rows * d);
     let mut rstd = Vec::with_capacity(rows);
@@ -88,14 +101,24 @@ pub struct Nvfp4Rows {
 /// that both agree and this copy goes away.
 pub fn quantize_nvfp4_row(y: &[f32], data: &mut [u8], scales: &mut [u8]) -> f32 {
     let amax_row = y.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let gs = if amax_row == 0.0 { 1.0 } else { amax_row / 2688.0 };
+    let gs = if amax_row == 0.0 {
+        1.0
+    } else {
+        amax_row / 2688.0
+    };
     for (b, block) in y.chunks(NVFP4_BLOCK).enumerate() {
         let amax_b = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let s = e4m3::encode_rne(amax_b / (6.0 * gs));
         scales[b] = s;
         let scale = e4m3::decode(s) * gs;
         for (p, pair) in block.chunks(2).enumerate() {
-            let code = |v: f32| if scale == 0.0 { 0 } else { e2m1::encode_rne(v / scale) };
+            let code = |v: f32| {
+                if scale == 0.0 {
+                    0
+                } else {
+                    e2m1::encode_rne(v / scale)
+                }
+            };
             data[b * NVFP4_BLOCK / 2 + p] = e2m1::pack(code(pair[0]), code(pair[1]));
         }
     }
@@ -105,7 +128,10 @@ pub fn quantize_nvfp4_row(y: &[f32], data: &mut [u8], scales: &mut [u8]) -> f32 
 /// [`quantize_nvfp4_row`] over `rows` rows of `cols` (a multiple of 16).
 pub fn quantize_nvfp4_rows(y: &[f32], rows: usize, cols: usize) -> Result<Nvfp4Rows> {
     if cols % NVFP4_BLOCK != 0 || y.len() != rows * cols {
-        bail!("quantize_nvfp4_rows: {} values for {rows}x{cols} (cols must be a multiple of 16)", y.len());
+        bail!(
+            "quantize_nvfp4_rows: {} values for {rows}x{cols} (cols must be a multiple of 16)",
+            y.len()
+        );
     }
     let mut out = Nvfp4Rows {
         rows,
@@ -152,9 +178,17 @@ pub fn quantize_fp8_row(y: &[f32], data: &mut [u8], scales: &mut [u8]) {
 /// [`quantize_fp8_row`] over `rows` rows of `cols` (a multiple of 128).
 pub fn quantize_fp8_rows(y: &[f32], rows: usize, cols: usize) -> Result<Fp8Rows> {
     if cols % FP8_BLOCK != 0 || y.len() != rows * cols {
-        bail!("quantize_fp8_rows: {} values for {rows}x{cols} (cols must be a multiple of 128)", y.len());
+        bail!(
+            "quantize_fp8_rows: {} values for {rows}x{cols} (cols must be a multiple of 128)",
+            y.len()
+        );
     }
-    let mut out = Fp8Rows { rows, cols, data: vec![0; rows * cols], scales: vec![0; rows * cols / FP8_BLOCK] };
+    let mut out = Fp8Rows {
+        rows,
+        cols,
+        data: vec![0; rows * cols],
+        scales: vec![0; rows * cols / FP8_BLOCK],
+    };
     for r in 0..rows {
         quantize_fp8_row(
             &y[r * cols..(r + 1) * cols],
@@ -175,38 +209,46 @@ pub fn mhc_dots(x: &[f32], f: &[f32], nmix: usize) -> (f32, Vec<f32>) {
     let n = x.len();
     let rho = row_rstd(x, RMS_EPS);
     let dots = (0..nmix)
-        .map(|j| f[j * n..(j + 1) * n].iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>() as f32)
+        .map(|j| {
+            f[j * n..(j + 1) * n]
+                .iter()
+                .zip(x)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum::<f64>() as f32
+        })
         .collect();
     (rho, dots)
 }
 
 /// 4x4 Sinkhorn of DSV4 (§3.4), in the kernel's order: row softmax + eps, column normalization, then 19
-/// rounds of (row, column) normalization, each `c / (sum + eps)`. Sums are pairwise, `(a+b)+(c+d)`, the
-/// order of the kernel's shuffle tree. `logits` is row-major `[j][k]`.
+/// rounds of (row, column) normalization. Sums are pairwise, `(a+b)+(c+d)`. Each normalization
+/// `c / (sum + eps)` is computed as `c * (1 / (sum + eps))` with a correctly rounded reciprocal (so the
+/// kernel needs 4 reciprocals instead of 16 divisions per step, on its latency-critical path); that is at
+/// most one extra rounding per step against a true division. `logits` is row-major `[j][k]`.
 pub fn sinkhorn(logits: &[f32; 16]) -> [f32; 16] {
     let mut c = [0f32; 16];
     for j in 0..4 {
         let row = &logits[4 * j..4 * j + 4];
         let mx = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         let e: Vec<f32> = row.iter().map(|&v| (v - mx).exp()).collect();
-        let s = (e[0] + e[1]) + (e[2] + e[3]);
+        let r = 1.0 / ((e[0] + e[1]) + (e[2] + e[3]));
         for k in 0..4 {
-            c[4 * j + k] = e[k] / s + HC_EPS;
+            c[4 * j + k] = e[k] * r + HC_EPS;
         }
     }
     let normalize_cols = |c: &mut [f32; 16]| {
         for k in 0..4 {
-            let s = (c[k] + c[4 + k]) + (c[8 + k] + c[12 + k]) + HC_EPS;
+            let r = 1.0 / ((c[k] + c[4 + k]) + (c[8 + k] + c[12 + k]) + HC_EPS);
             for j in 0..4 {
-                c[4 * j + k] /= s;
+                c[4 * j + k] *= r;
             }
         }
     };
     let normalize_rows = |c: &mut [f32; 16]| {
         for j in 0..4 {
-            let s = (c[4 * j] + c[4 * j + 1]) + (c[4 * j + 2] + c[4 * j + 3]) + HC_EPS;
+            let r = 1.0 / ((c[4 * j] + c[4 * j + 1]) + (c[4 * j + 2] + c[4 * j + 3]) + HC_EPS);
             for k in 0..4 {
-                c[4 * j + k] /= s;
+                c[4 * j + k] *= r;
             }
         }
     };
@@ -252,7 +294,11 @@ pub fn mhc_coefficients(rho: f32, dots: &[f32], scale: &[f32; 3], base: &[f32; 2
     for (i, l) in logits.iter_mut().enumerate() {
         *l = z(8 + i, scale[2]);
     }
-    MhcPre { pre, post, comb: sinkhorn(&logits) }
+    MhcPre {
+        pre,
+        post,
+        comb: sinkhorn(&logits),
+    }
 }
 
 /// `u = sum_i pre_i X[i]` in the order `((p0 x0 + p1 x1) + p2 x2) + p3 x3` (no FMA), rounded to BF16.
@@ -279,7 +325,12 @@ pub fn mhc_pre_token(x: &[f32], p: &MhcParams) -> (MhcPre, Vec<f32>) {
 }
 
 /// `hc_head` of one token (§3.5): `pre_i = sigmoid(rho * dot_i * s + b_i) + eps`, `u = bf16(sum pre_i X_i)`.
-pub fn hc_head_token(x: &[f32], head_fn: &[f32], scale: f32, base: &[f32; 4]) -> ([f32; 4], Vec<f32>) {
+pub fn hc_head_token(
+    x: &[f32],
+    head_fn: &[f32],
+    scale: f32,
+    base: &[f32; 4],
+) -> ([f32; 4], Vec<f32>) {
     let (rho, dots) = mhc_dots(x, head_fn, HC_HEAD_MIX);
     let mut pre = [0f32; 4];
     for i in 0..4 {
