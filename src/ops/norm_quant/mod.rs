@@ -237,7 +237,7 @@ pub fn check_rows(rows: usize, d: usize) -> Result<()> {
     if rows == 0 {
         bail!("norm_quant: rows must be >= 1");
     }
-    if d == 0 || d % 128 != 0 || d > MAX_D {
+    if d == 0 || !d.is_multiple_of(128) || d > MAX_D {
         bail!("norm_quant: hidden size {d} must be a positive multiple of 128 and at most {MAX_D}");
     }
     if rows > i32::MAX as usize || rows.checked_mul(4 * d).is_none_or(|n| n > (1usize << 40)) {

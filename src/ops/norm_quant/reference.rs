@@ -127,7 +127,7 @@ pub fn quantize_nvfp4_row(y: &[f32], data: &mut [u8], scales: &mut [u8]) -> f32 
 
 /// [`quantize_nvfp4_row`] over `rows` rows of `cols` (a multiple of 16).
 pub fn quantize_nvfp4_rows(y: &[f32], rows: usize, cols: usize) -> Result<Nvfp4Rows> {
-    if cols % NVFP4_BLOCK != 0 || y.len() != rows * cols {
+    if !cols.is_multiple_of(NVFP4_BLOCK) || y.len() != rows * cols {
         bail!(
             "quantize_nvfp4_rows: {} values for {rows}x{cols} (cols must be a multiple of 16)",
             y.len()
@@ -177,7 +177,7 @@ pub fn quantize_fp8_row(y: &[f32], data: &mut [u8], scales: &mut [u8]) {
 
 /// [`quantize_fp8_row`] over `rows` rows of `cols` (a multiple of 128).
 pub fn quantize_fp8_rows(y: &[f32], rows: usize, cols: usize) -> Result<Fp8Rows> {
-    if cols % FP8_BLOCK != 0 || y.len() != rows * cols {
+    if !cols.is_multiple_of(FP8_BLOCK) || y.len() != rows * cols {
         bail!(
             "quantize_fp8_rows: {} values for {rows}x{cols} (cols must be a multiple of 128)",
             y.len()
