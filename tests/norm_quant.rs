@@ -238,7 +238,9 @@ fn mhc_reference_matches_f64_formulas() {
             );
         }
     }
-    // The test parameters' Sinkhorn outputs (what the GPU tests see) are doubly stochastic to 1e-5.
+    // The test parameters' Sinkhorn outputs (what the GPU tests see): columns sum to 1 within 1e-5 (they
+    // are normalized last), rows within 1e-4 (20 iterations, logits up to ~+-3 here; see
+    // sinkhorn_is_doubly_stochastic for the 1e-5 regime).
     for t in 0..16u64 {
         let xt = nq::random_rows(4, d, seed ^ (100 + t));
         let (ct, _) = r::mhc_pre_token(&xt, &p);
@@ -246,7 +248,7 @@ fn mhc_reference_matches_f64_formulas() {
             let row: f32 = (0..4).map(|k| ct.comb[4 * i + k]).sum();
             let col: f32 = (0..4).map(|j| ct.comb[4 * j + i]).sum();
             assert!(
-                (row - 1.0).abs() < 1e-5 && (col - 1.0).abs() < 1e-5,
+                (row - 1.0).abs() < 1e-4 && (col - 1.0).abs() < 1e-5,
                 "seed {seed} token {t}: sums {row} / {col}"
             );
         }

@@ -13,5 +13,6 @@ use crate::bench::runner::BenchKernel;
 pub fn bench_kernels() -> Vec<BenchKernel> {
     let mut v = Vec::new();
     v.extend(nvfp4::bench::kernels());
+    v.extend(norm_quant::bench::kernels());
     v
 }

@@ -18,6 +18,7 @@
 //! Non-finite inputs are not rejected on the device path (that would cost a pass over the data); the
 //! host-side helpers ([`upload_checked_f32`], [`MhcWeights::upload`]) reject them.
 
+pub mod bench;
 pub mod reference;
 
 use anyhow::{bail, Result};
@@ -1009,12 +1010,12 @@ pub fn random_weight(d: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// mHC parameters of realistic size: mix weights ~ U(-1,1) * 1.5/sqrt(4D) (so mixes are O(1)), scales
+/// mHC parameters of realistic size: mix weights ~ U(-1,1)/sqrt(4D) (so mixes are O(1)), scales
 /// around 1, bases ~ U(-1, 1).
 pub fn random_mhc_params(d: usize, nmix: usize, seed: u64) -> reference::MhcParams {
     use rand::Rng;
     let mut r = rng(seed);
-    let a = 1.5 / ((4 * d) as f32).sqrt();
+    let a = 1.0 / ((4 * d) as f32).sqrt();
     let mix_fn = (0..nmix * 4 * d).map(|_| r.random_range(-a..a)).collect();
     let mut scale = [0f32; 3];
     for s in &mut scale {

@@ -16,7 +16,7 @@
 
 use anyhow::{bail, Result};
 
-use crate::formats::{bf16, e2m1, e4m3, ue8m0};
+use crate::formats::{bf16, e2m1, fp8, nvfp4};
 
 /// DSV4 `rms_norm_eps`.
 pub const RMS_EPS: f32 = 1e-6;
@@ -34,8 +34,6 @@ pub const HC_HEAD_MIX: usize = 4;
 pub const NVFP4_BLOCK: usize = 16;
 /// FP8 activation block length along a row.
 pub const FP8_BLOCK: usize = 128;
-/// DSV4's floor on the FP8 block amax.
-pub const FP8_AMAX_FLOOR: f32 = 1e-4;
 
 /// `rstd = 1 / sqrt(sum(x^2) / D + eps)`: the sum in f64 rounded once to f32, the rest one f32 op each.
 pub fn row_rstd(x: &[f32], eps: f32) -> f32 {
@@ -82,121 +80,44 @@ pub fn rmsnorm_rows(
     Ok((y, rstd))
 }
 
-/// NVFP4 rows with a per-row global scale: codes packed two per byte (lower index in the low nibble),
-/// e4m3 block scales per 16, fp32 global scale per row. Dequant: `e2m1 * e4m3 * global_scale[row]`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Nvfp4Rows {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: Vec<u8>,
-    pub scales: Vec<u8>,
-    pub global_scale: Vec<f32>,
-}
+pub use crate::formats::fp8::Fp8Act as Fp8Rows;
+pub use crate::formats::nvfp4::Nvfp4Rows;
 
-/// NVFP4 quantization of one row, the rule of kernels/common/formats.cuh `nvfp4_*`:
-/// `gs = amax_row / 2688` (1 for an all-zero row); per 16-block `s = e4m3(amax_b / (6 gs))`,
-/// `scale = decode(s) * gs`, `code = e2m1(x / scale)` (0 when scale is 0).
-///
-/// Private stop-gap until `formats::nvfp4::quantize_rows` lands on main; the tests will then check
-/// that both agree and this copy goes away.
+/// NVFP4 quantization of one row with the codec's rule (`formats::nvfp4`: `gs = amax_row / 2688`,
+/// e4m3 block scales per 16, e2m1 codes of `x / (decode(s) * gs)`); returns the row's global scale.
 pub fn quantize_nvfp4_row(y: &[f32], data: &mut [u8], scales: &mut [u8]) -> f32 {
-    let amax_row = y.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let gs = if amax_row == 0.0 {
-        1.0
-    } else {
-        amax_row / 2688.0
-    };
-    for (b, block) in y.chunks(NVFP4_BLOCK).enumerate() {
-        let amax_b = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let s = e4m3::encode_rne(amax_b / (6.0 * gs));
-        scales[b] = s;
-        let scale = e4m3::decode(s) * gs;
-        for (p, pair) in block.chunks(2).enumerate() {
-            let code = |v: f32| {
-                if scale == 0.0 {
-                    0
-                } else {
-                    e2m1::encode_rne(v / scale)
-                }
-            };
-            data[b * NVFP4_BLOCK / 2 + p] = e2m1::pack(code(pair[0]), code(pair[1]));
+    let gs = nvfp4::row_global_scale(y);
+    let mut codes = [0u8; NVFP4_BLOCK];
+    for (b, block) in y.chunks_exact(NVFP4_BLOCK).enumerate() {
+        scales[b] = nvfp4::quantize_block(block, gs, &mut codes);
+        for (p, pair) in codes.chunks_exact(2).enumerate() {
+            data[b * NVFP4_BLOCK / 2 + p] = e2m1::pack(pair[0], pair[1]);
         }
     }
     gs
 }
 
-/// [`quantize_nvfp4_row`] over `rows` rows of `cols` (a multiple of 16).
+/// NVFP4 rows of BF16-rounded normalized values: `formats::nvfp4::quantize_rows`.
 pub fn quantize_nvfp4_rows(y: &[f32], rows: usize, cols: usize) -> Result<Nvfp4Rows> {
-    if !cols.is_multiple_of(NVFP4_BLOCK) || y.len() != rows * cols {
-        bail!(
-            "quantize_nvfp4_rows: {} values for {rows}x{cols} (cols must be a multiple of 16)",
-            y.len()
-        );
-    }
-    let mut out = Nvfp4Rows {
-        rows,
-        cols,
-        data: vec![0; rows * cols / 2],
-        scales: vec![0; rows * cols / NVFP4_BLOCK],
-        global_scale: vec![0.0; rows],
-    };
-    for r in 0..rows {
-        out.global_scale[r] = quantize_nvfp4_row(
-            &y[r * cols..(r + 1) * cols],
-            &mut out.data[r * cols / 2..(r + 1) * cols / 2],
-            &mut out.scales[r * cols / NVFP4_BLOCK..(r + 1) * cols / NVFP4_BLOCK],
-        );
-    }
-    Ok(out)
+    nvfp4::quantize_rows(y, rows, cols)
 }
 
-/// FP8 e4m3 activations, one ue8m0 (power-of-two) scale per 128 contiguous values of a row.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Fp8Rows {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: Vec<u8>,
-    /// UE8M0 codes [rows, cols/128].
-    pub scales: Vec<u8>,
-}
-
-/// DSV4 `act_quant`: per 128-block `scale = 2^ceil(log2(max(amax, 1e-4) / 448))`, `code = e4m3(x / scale)`.
-/// Division by a power of two is exact (no rounding) unless the quotient is subnormal, where it is
-/// correctly rounded: the kernel's multiplication by the exact reciprocal gives the same value.
+/// DSV4 `act_quant` of one row (`formats::fp8`): per 128-block `scale = 2^ceil(log2(max(amax, 1e-4) /
+/// 448))`, `code = e4m3(x / scale)`. The kernel multiplies by the exact reciprocal power of two instead:
+/// the same real number, rounded once, so the same code.
 pub fn quantize_fp8_row(y: &[f32], data: &mut [u8], scales: &mut [u8]) {
     for (b, block) in y.chunks(FP8_BLOCK).enumerate() {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let code = ue8m0::pow2_scale_for(amax.max(FP8_AMAX_FLOOR), e4m3::MAX);
-        scales[b] = code;
-        let scale = ue8m0::decode(code);
-        for (i, &v) in block.iter().enumerate() {
-            data[b * FP8_BLOCK + i] = e4m3::encode_rne(v / scale);
-        }
+        let end = (b * FP8_BLOCK + block.len()).min(data.len());
+        scales[b] = fp8::quantize_block(block, &mut data[b * FP8_BLOCK..end]);
     }
 }
 
-/// [`quantize_fp8_row`] over `rows` rows of `cols` (a multiple of 128).
+/// FP8 1x128 rows: `formats::fp8::quantize_act_1x128` (cols a multiple of 128 here).
 pub fn quantize_fp8_rows(y: &[f32], rows: usize, cols: usize) -> Result<Fp8Rows> {
-    if !cols.is_multiple_of(FP8_BLOCK) || y.len() != rows * cols {
-        bail!(
-            "quantize_fp8_rows: {} values for {rows}x{cols} (cols must be a multiple of 128)",
-            y.len()
-        );
+    if !cols.is_multiple_of(FP8_BLOCK) {
+        bail!("quantize_fp8_rows: cols = {cols} must be a multiple of 128");
     }
-    let mut out = Fp8Rows {
-        rows,
-        cols,
-        data: vec![0; rows * cols],
-        scales: vec![0; rows * cols / FP8_BLOCK],
-    };
-    for r in 0..rows {
-        quantize_fp8_row(
-            &y[r * cols..(r + 1) * cols],
-            &mut out.data[r * cols..(r + 1) * cols],
-            &mut out.scales[r * cols / FP8_BLOCK..(r + 1) * cols / FP8_BLOCK],
-        );
-    }
-    Ok(out)
+    fp8::quantize_act_1x128(y, rows, cols)
 }
 
 fn sigmoid(z: f32) -> f32 {
