@@ -1000,3 +1000,61 @@ fn division_free_e2m1_equals_the_reference_encoder() {
     }
     eprintln!("division-free e2m1: {checked} values agree");
 }
+
+#[test]
+fn exec_entries_run_the_cpu_reference() {
+    use megamoe::ops::exec::{HostTensor, TensorMap};
+    let seed = fresh_seed("exec_entries_run_the_cpu_reference");
+    let kernels = megamoe::ops::exec::kernels();
+    let find = |n: &str| {
+        kernels
+            .iter()
+            .find(|k| k.name == n)
+            .unwrap_or_else(|| panic!("exec kernel {n} missing"))
+    };
+    let (rows, d) = (3, 256);
+    let x = nq::random_rows(rows, d, seed);
+    let w = nq::random_weight(d, seed ^ 1);
+    let mut inp = TensorMap::new();
+    inp.insert(
+        "x".into(),
+        HostTensor::from_bf16(vec![rows, d], &bf16::to_bf16_vec(&x)),
+    );
+    inp.insert("weight".into(), HostTensor::from_f32(vec![d], &w));
+    let out = (find("rmsnorm_fp8").run)(&inp, None).unwrap();
+    let (y, rstd) = r::rmsnorm_rows(&x, rows, d, &w, r::RMS_EPS).unwrap();
+    let q = r::quantize_fp8_rows(&y, rows, d).unwrap();
+    assert_eq!(out["data"].bytes, q.data);
+    assert_eq!(out["scales"].bytes, q.scales);
+    assert_eq!(out["rstd"].to_f32().unwrap(), rstd);
+    // a wrong shape is a clear error
+    inp.insert(
+        "weight".into(),
+        HostTensor::from_f32(vec![d + 1], &nq::random_weight(d + 1, seed)),
+    );
+    let err = (find("rmsnorm_bf16").run)(&inp, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("weight"), "{err}");
+
+    let t = 2;
+    let xs = nq::random_rows(4 * t, d, seed ^ 2);
+    let p = nq::random_mhc_params(d, r::HC_MIX, seed ^ 3);
+    let mut inp = TensorMap::new();
+    inp.insert(
+        "X".into(),
+        HostTensor::from_bf16(vec![t, 4, d], &bf16::to_bf16_vec(&xs)),
+    );
+    inp.insert(
+        "hc_fn".into(),
+        HostTensor::from_f32(vec![24, 4 * d], &p.mix_fn),
+    );
+    inp.insert("hc_scale".into(), HostTensor::from_f32(vec![3], &p.scale));
+    inp.insert("hc_base".into(), HostTensor::from_f32(vec![24], &p.base));
+    inp.insert("weight".into(), HostTensor::from_f32(vec![d], &w));
+    let out = (find("mhc_pre_bf16").run)(&inp, None).unwrap();
+    let (c1, u1) = r::mhc_pre_token(&xs[4 * d..8 * d], &p);
+    assert_eq!(&out["comb"].to_f32().unwrap()[16..32], &c1.comb);
+    assert_eq!(&out["u"].to_f32().unwrap()[d..2 * d], &u1[..]);
+    assert_eq!(out["y"].shape, vec![t, d]);
+}

@@ -19,7 +19,10 @@
 //! host-side helpers ([`upload_checked_f32`], [`MhcWeights::upload`]) reject them.
 
 pub mod bench;
+pub mod exec;
 pub mod reference;
+
+pub use exec::exec_kernels;
 
 use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
