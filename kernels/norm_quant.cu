@@ -14,9 +14,12 @@
 // a 128-block is a 16-lane half-warp. Every reduction is a fixed tree: identical result in every thread.
 //
 // Byte budget (D = 4096, BF16 in): 8192 B read per row; writes NVFP4 2048 + 256 + 4 B, FP8 4096 + 32 B,
-// BF16 8192 B. At ~4.3 TB/s a 4096x4096 NVFP4 pass moves 43 MB ~ 10 us. Per element the fused NVFP4 path
-// spends ~30 instructions (the e2m1 ladder and an IEEE division that the exact rule needs), which is the
-// same order as the memory time on an H200: this is the kernel to profile first if it misses 85%.
+// BF16 8192 B. At ~4.3 TB/s a 4096x4096 NVFP4 pass moves 43 MB ~ 10 us. Instruction budget: an H200 issues
+// ~1e12 warp-instructions/s, i.e. ~60 per element of that pass before issue becomes the limit next to HBM;
+// the exact e2m1 rule would cost an IEEE division (~10 SASS instructions) plus a 7-step ladder per element,
+// so the NVFP4 path uses a division-free exact encoder (per-block thresholds, 3 compares per element, see
+// e2m1_thresholds) and paired BF16 / e4m3 conversions. ~55 PTX instructions per element remain for NVFP4
+// (FP8 ~28, BF16 ~18): the NVFP4 kernel is the one to profile first if it misses 85% of copy bandwidth.
 //
 // mHC boundary, split-K + finish (2 launches, graph friendly, no inter-CTA waiting):
 //   mhc_mix_partial<NMIX>: grid (S = 4D/128, ceil(T/32)), 128 threads. Lane = token, warp = 32-column slice
