@@ -5,6 +5,7 @@
 pub mod exec;
 pub mod indexer;
 pub mod inputs;
+pub mod norm_quant;
 pub mod nvfp4;
 
 use crate::bench::runner::BenchKernel;
@@ -13,6 +14,7 @@ use crate::bench::runner::BenchKernel;
 pub fn bench_kernels() -> Vec<BenchKernel> {
     let mut v = Vec::new();
     v.extend(nvfp4::bench::kernels());
+    v.extend(norm_quant::bench::kernels());
     v.extend(indexer::bench::kernels());
     v
 }

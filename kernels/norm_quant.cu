@@ -1,0 +1,674 @@
+// norm_quant: fused RMSNorm -> {NVFP4, FP8 1x128, BF16} and the fused DSV4 mHC boundary (pre, post, head).
+//
+// Design
+// ------
+// RMSNorm rows (rmsnorm_*): one CTA per row, blockDim = roundup32(D/8/CH) threads (CH = 4 chunks of 8 values
+// per thread; D = 4096 -> 128 threads, 7168 -> 224). Each thread loads its chunks with 16-byte loads (two for
+// fp32 input) into registers; the row is never re-read from HBM. Pass 1: sum of squares -> block reduce ->
+// rstd. Pass 2: y = bf16(w * (x * rstd)) in registers; then the quantizer:
+//   * NVFP4: row amax (second block reduce) -> gs = amax/2688; 16-block amax = own 8 values + lane^1;
+//            e4m3 block scale, e2m1 codes (exact formats.cuh rule), 4 bytes of codes per thread.
+//   * FP8:   128-block amax over 16 lanes (xor 1..8), ue8m0 scale, e4m3 codes, 8 bytes per thread.
+//   * BF16:  16 bytes per thread.
+// Chunk c of a row belongs to thread c % blockDim; blockDim % 32 == 0, so a 16-block is lanes (2i, 2i+1) and
+// a 128-block is a 16-lane half-warp. Every reduction is a fixed tree: identical result in every thread.
+//
+// Byte budget (D = 4096, BF16 in): 8192 B read per row; writes NVFP4 2048 + 256 + 4 B, FP8 4096 + 32 B,
+// BF16 8192 B. At ~4.3 TB/s a 4096x4096 NVFP4 pass moves 43 MB ~ 10 us. Instruction budget: an H200 issues
+// ~1e12 warp-instructions/s, i.e. ~60 per element of that pass before issue becomes the limit next to HBM;
+// the exact e2m1 rule would cost an IEEE division (~10 SASS instructions) plus a 7-step ladder per element,
+// so the NVFP4 path uses a division-free exact encoder (per-block thresholds, 3 compares per element, see
+// e2m1_thresholds) and paired BF16 / e4m3 conversions. ~55 PTX instructions per element remain for NVFP4
+// (FP8 ~28, BF16 ~18): the NVFP4 kernel is the one to profile first if it misses 85% of copy bandwidth.
+//
+// mHC boundary, split-K + finish (2 launches, graph friendly, no inter-CTA waiting):
+//   mhc_mix_partial<NMIX>: grid (S = 4D/128, ceil(T/32)), 128 threads. Lane = token, warp = 32-column slice
+//     of the CTA's 128 columns; F rows are read with warp-uniform addresses (broadcast), X with 16-B loads.
+//     Writes part[s][t][0..NMIX) = partial F.x and part[s][t][NMIX] = partial sum x^2.
+//   mhc_pre_finish_*: two CTAs per token, both reduce the S partials (fixed order) and compute rho; one runs
+//     post + the Sinkhorn (one thread, 40 dependent normalizations: the decode critical path), the other
+//     pre, u = sum pre_i X_i -> BF16 and the same RMSNorm + quant code as above, concurrently.
+//     Outputs pre/post/C (fp32), u (BF16), rstd, quantized y.
+//   mhc_post: X'[k] = post_k y + sum_j C[j][k] X[j], fp32 (explicit rn ops, no FMA), BF16 store.
+// Bytes per decode token (D = 4096): F 1.5 MB (shared by all tokens of a launch), X 32 KB, out ~ 2-8 KB.
+//
+// Rounding points (the CPU reference in src/ops/norm_quant/reference.rs has the same): rstd = 1/sqrt(ss/D+eps)
+// with IEEE ops; t = x*rstd, y = w*t (fp32, no FMA), y -> BF16; quantizers see the BF16 y. Only the fp32
+// sums (sum of squares, F.x) have a reduction order different from the reference.
+#include "common/formats.cuh"
+
+namespace {
+
+constexpr int CH = 4;         // 8-element chunks per thread
+constexpr int MAX_WARPS = 32;
+
+enum Kind { KIND_NVFP4 = 0, KIND_FP8 = 1, KIND_BF16 = 2 };
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float v[8]) {
+    uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+    v[0] = bf16_lo(r.x); v[1] = bf16_hi(r.x); v[2] = bf16_lo(r.y); v[3] = bf16_hi(r.y);
+    v[4] = bf16_lo(r.z); v[5] = bf16_hi(r.z); v[6] = bf16_lo(r.w); v[7] = bf16_hi(r.w);
+}
+
+__device__ __forceinline__ void load8(const float* p, float v[8]) {
+    float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half)
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void store8_bf16(__nv_bfloat16* p, const float v[8]) {
+    uint4 r;
+    r.x = pack_bf16x2(v[0], v[1]); r.y = pack_bf16x2(v[2], v[3]);
+    r.z = pack_bf16x2(v[4], v[5]); r.w = pack_bf16x2(v[6], v[7]);
+    *reinterpret_cast<uint4*>(p) = r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;  // xor butterfly: every lane adds the same two operands at each level -> identical results
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum, identical in every thread: warp trees, then warp partials summed in warp order.
+__device__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s += red[w];
+    __syncthreads();
+    return s;
+}
+
+__device__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s = fmaxf(s, red[w]);
+    __syncthreads();
+    return s;
+}
+
+// ---- division-free e2m1(fl(a / scale)) for one 16-block ------------------------------------------------------
+// The reference encodes code = e2m1_ladder(fl(y / scale)). The ladder compares q = fl(y/scale) with
+// t in {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5}: `q > t` for t in {0.25, 1.25, 2.5, 5} and `q >= t` for t in
+// {0.75, 1.75, 3.5}. Identities used (scale > 0 finite, a = |y| finite, round-to-nearest-even division):
+//  * fl(a/s) > t  <=>  a/s > t + ulp(t)/2 (the midpoint to t's successor; at a tie fl rounds to t, whose last
+//    mantissa bit is 0). fl(a/s) >= t <=> a/s >= t - ulp(t)/2 (none of 0.75, 1.75, 3.5 is a power of two, so
+//    ulp below t = ulp(t); a tie again rounds to the even t).
+//  * a/s > M <=> a > M*s, and M*s is exact in f64 (M has 25 significant bits, s at most 24: 49 <= 53).
+//  * For an f32 a and a real P: a > P <=> a > RD32(P) <=> a >= nextup(RD32(P)); a >= P <=> a >= RU32(P).
+// So with B_i as below, code magnitude = #{i : a >= B_i}, found by a 3-level binary search (B is ascending).
+// tests/norm_quant.rs emulates this exact computation on the CPU against formats::e2m1 (near-threshold cases
+// included). Define NQ_E2M1_BY_DIVISION to use the straightforward IEEE division + ladder instead.
+struct E2m1Thresholds {
+    float b[7];
+};
+
+__device__ __forceinline__ float nextup_pos(float x) { return __uint_as_float(__float_as_uint(x) + 1u); }
+
+__device__ __forceinline__ E2m1Thresholds e2m1_thresholds(float scale) {
+    const double s = (double)scale;
+    E2m1Thresholds t;
+    t.b[0] = nextup_pos(__double2float_rd(__dmul_rn(s, 0.25 + 0x1p-26)));
+    t.b[1] = __double2float_ru(__dmul_rn(s, 0.75 - 0x1p-25));
+    t.b[2] = nextup_pos(__double2float_rd(__dmul_rn(s, 1.25 + 0x1p-24)));
+    t.b[3] = __double2float_ru(__dmul_rn(s, 1.75 - 0x1p-24));
+    t.b[4] = nextup_pos(__double2float_rd(__dmul_rn(s, 2.5 + 0x1p-23)));
+    t.b[5] = __double2float_ru(__dmul_rn(s, 3.5 - 0x1p-23));
+    t.b[6] = nextup_pos(__double2float_rd(__dmul_rn(s, 5.0 + 0x1p-22)));
+    return t;
+}
+
+// Code of y (sign in bit 3, kept for -0 like formats::e2m1). Requires scale != 0.
+__device__ __forceinline__ uint32_t e2m1_code_thr(float y, const E2m1Thresholds& t) {
+    const float a = fabsf(y);
+    const bool p2 = a >= t.b[3];
+    const bool p1 = a >= (p2 ? t.b[5] : t.b[1]);
+    const bool p0 = a >= (p2 ? (p1 ? t.b[6] : t.b[4]) : (p1 ? t.b[2] : t.b[0]));
+    const uint32_t m = (p2 ? 4u : 0u) | (p1 ? 2u : 0u) | (p0 ? 1u : 0u);
+    return m | ((__float_as_uint(y) >> 28) & 8u);
+}
+
+// Row outputs (pointers already at this row).
+struct RowOut {
+    uint8_t* q;             // NVFP4: packed codes [D/2]; FP8: codes [D]
+    uint8_t* scales;        // NVFP4: e4m3 [D/16]; FP8: ue8m0 [D/128]
+    float* gsa;             // NVFP4: one f32
+    __nv_bfloat16* bf;      // BF16: [D]
+    float* rstd;            // one f32 (written by thread 0)
+};
+
+// RMSNorm (NORM) and quantization of one row held in registers: v[k] is chunk tid + k*blockDim (valid
+// when < nchunks; invalid chunks hold zeros). All threads of the block must call this.
+template <int KIND, bool NORM>
+__device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
+                               float eps, const RowOut& o, float* red) {
+    const int tid = threadIdx.x, bd = blockDim.x;
+    if (NORM) {
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < CH; ++k)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss = fmaf(v[k][e], v[k][e], ss);
+        ss = block_sum(ss, red);
+        const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+        if (tid == 0 && o.rstd) *o.rstd = rstd;
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            if (c < nchunks) {
+                float wv[8];
+                load8(w + c * 8, wv);
+#pragma unroll
+                for (int e = 0; e < 8; e += 2) {  // one paired RNE conversion per two values
+                    const uint32_t pk = pack_bf16x2(__fmul_rn(wv[e], __fmul_rn(v[k][e], rstd)),
+                                                    __fmul_rn(wv[e + 1], __fmul_rn(v[k][e + 1], rstd)));
+                    v[k][e] = bf16_lo(pk);
+                    v[k][e + 1] = bf16_hi(pk);
+                }
+            }
+        }
+    }
+    if (KIND == KIND_BF16) {
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            if (c < nchunks) store8_bf16(o.bf + c * 8, v[k]);
+        }
+    } else if (KIND == KIND_FP8) {
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            float amax = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[k][e]));
+            // A 128-block is chunks 16b..16b+15 = the 16 lanes of a half warp (bd % 32 == 0). All lanes
+            // shuffle (invalid chunks are whole half warps: nchunks % 16 == 0).
+#pragma unroll
+            for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            if (c < nchunks) {
+                const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
+                // 1/2^(sc-127) = 2^(127-sc) is code 254-sc (code 0 = 2^-127 for sc = 254): exact, so
+                // x * inv equals the IEEE x / scale (same real number, one rounding).
+                const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));
+                // Pairs through cvt.rn.satfinite.e4m3x2.f32 (the rule of mm::e4m3_encode, two at a time);
+                // .x goes to the low byte.
+                uint32_t w4[4];
+#pragma unroll
+                for (int p = 0; p < 4; ++p)
+                    w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k][2 * p] * inv, v[k][2 * p + 1] * inv),
+                                                               __NV_SATFINITE, __NV_E4M3);
+                *reinterpret_cast<uint2*>(o.q + c * 8) =
+                    make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
+                if ((c & 15) == 0) o.scales[c >> 4] = sc;
+            }
+        }
+    } else {  // NVFP4
+        float amax = 0.f;
+#pragma unroll
+        for (int k = 0; k < CH; ++k)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[k][e]));
+        const float amax_row = block_max(amax, red);
+        const float gs = mm::nvfp4_global_scale(amax_row);
+        if (tid == 0) *o.gsa = gs;
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            float ab = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ab = fmaxf(ab, fabsf(v[k][e]));
+            ab = fmaxf(ab, __shfl_xor_sync(0xffffffffu, ab, 1));  // 16-block = chunks (2i, 2i+1)
+            if (c < nchunks) {
+                const uint8_t s = mm::nvfp4_block_scale(ab, gs);
+                const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+                uint32_t packed = 0;
+#ifdef NQ_E2M1_BY_DIVISION
+#pragma unroll
+                for (int e = 0; e < 8; ++e) packed |= (uint32_t)mm::nvfp4_element(v[k][e], scale) << (4 * e);
+#else
+                if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
+                    const E2m1Thresholds thr = e2m1_thresholds(scale);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) packed |= e2m1_code_thr(v[k][e], thr) << (4 * e);
+                }
+#endif
+                *reinterpret_cast<uint32_t*>(o.q + c * 4) = packed;
+                if ((c & 1) == 0) o.scales[c >> 1] = s;
+            }
+        }
+    }
+}
+
+template <typename Tin, int KIND, bool NORM>
+__device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __restrict__ w, uint8_t* q,
+                             uint8_t* scales, float* gsa, __nv_bfloat16* bf, float* rstd, int D, float eps) {
+    __shared__ float red[MAX_WARPS];
+    const long row = blockIdx.x;
+    const int nchunks = D / 8;
+    float v[CH][8];
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c < nchunks) {
+            load8(x + row * D + c * 8, v[k]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[k][e] = 0.f;
+        }
+    }
+    RowOut o;
+    o.q = KIND == KIND_NVFP4 ? q + row * (D / 2) : q + row * D;
+    o.scales = KIND == KIND_NVFP4 ? scales + row * (D / 16) : scales + row * (D / 128);
+    o.gsa = gsa + row;
+    o.bf = bf + row * D;
+    o.rstd = rstd ? rstd + row : nullptr;
+    norm_quant_row<KIND, NORM>(v, nchunks, D, w, eps, o, red);
+}
+
+// ---- mHC -----------------------------------------------------------------------------------------------------
+
+constexpr int MIX_COLS = 128;   // columns of 4D per CTA in mhc_mix_partial
+constexpr int MIX_THREADS = 128;
+
+template <int NMIX>
+__device__ void mhc_mix_partial(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F,
+                                float* __restrict__ part, int T, int D4) {
+    __shared__ float red[MIX_THREADS / 32][NMIX + 1][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int s = blockIdx.x;
+    const int token = blockIdx.y * 32 + lane;
+    const bool valid = token < T;
+    const int c0 = s * MIX_COLS + warp * (MIX_COLS / 4);
+    float acc[NMIX + 1];
+#pragma unroll
+    for (int j = 0; j <= NMIX; ++j) acc[j] = 0.f;
+#pragma unroll
+    for (int it = 0; it < MIX_COLS / 4 / 8; ++it) {
+        const int c = c0 + it * 8;
+        float xv[8];
+        if (valid) {
+            load8(X + (long)token * D4 + c, xv);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xv[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[NMIX] = fmaf(xv[e], xv[e], acc[NMIX]);
+#pragma unroll
+        for (int j = 0; j < NMIX; ++j) {
+            float fv[8];
+            load8(F + (long)j * D4 + c, fv);  // warp-uniform address: one broadcast transaction
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[j] = fmaf(fv[e], xv[e], acc[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j <= NMIX; ++j) red[warp][j][lane] = acc[j];
+    __syncthreads();
+    for (int i = threadIdx.x; i < (NMIX + 1) * 32; i += MIX_THREADS) {
+        const int j = i / 32, l = i % 32;
+        const int t = blockIdx.y * 32 + l;
+        if (t < T) {
+            const float v = ((red[0][j][l] + red[1][j][l]) + red[2][j][l]) + red[3][j][l];
+            part[((long)t * (NMIX + 1) + j) * gridDim.x + s] = v;  // [T][NMIX+1][S]: S contiguous
+        }
+    }
+}
+
+__device__ __forceinline__ float sigmoid_f(float z) { return __fdiv_rn(1.f, __fadd_rn(1.f, expf(-z))); }
+
+__device__ __forceinline__ float mix_logit(float rho, float dot, float s, float b) {
+    return __fadd_rn(__fmul_rn(__fmul_rn(rho, dot), s), b);
+}
+
+// Reduce the split-K partials of `token` into mix[0..NMIX] (mix[NMIX] = sum of squares) in a fixed order:
+// warp w takes the 32-wide blocks of splits w, w + nw, ...; in each block lane l loads split 32b + l (0 past
+// S) for all NMIX+1 mixes at once (all loads in flight: this is the decode critical path), an xor tree sums
+// the 32 lanes, blocks add up in order; then the warps' sums add up in warp order.
+// tests/norm_quant.rs (reduce_like_gpu) replays exactly this order on the CPU.
+template <int NMIX>
+__device__ void reduce_partials(const float* __restrict__ part, int S, int token, float* mix, float* wsum) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float* base = part + (long)token * (NMIX + 1) * S;
+    float acc[NMIX + 1];
+#pragma unroll
+    for (int j = 0; j <= NMIX; ++j) acc[j] = 0.f;
+    for (int sb = warp; sb * 32 < S; sb += nw) {
+        const int s = sb * 32 + lane;
+        float v[NMIX + 1];
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) v[j] = s < S ? __ldcg(base + (long)j * S + s) : 0.f;
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) acc[j] += warp_sum(v[j]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) wsum[warp * (NMIX + 1) + j] = acc[j];
+    }
+    __syncthreads();
+    if (threadIdx.x <= NMIX) {
+        float total = 0.f;
+        for (int w = 0; w < nw; ++w) total += wsum[w * (NMIX + 1) + threadIdx.x];
+        mix[threadIdx.x] = total;
+    }
+    __syncthreads();
+}
+
+// 4x4 Sinkhorn of DSV4 in one thread (no shuffles: the decode critical path is 40 dependent normalizations).
+// z: logits row-major [j][k]. Order as the CPU reference (reference::sinkhorn): row softmax (e * (1/sum)) + eps,
+// column normalization, 19 x (rows, columns); every normalization multiplies by the correctly rounded
+// reciprocal 1/(pairwise sum + eps): one rounding more than a division, the same in the reference.
+__device__ void sinkhorn_thread(const float (&z)[16], float (&c)[16]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float mx = fmaxf(fmaxf(z[4 * j], z[4 * j + 1]), fmaxf(z[4 * j + 2], z[4 * j + 3]));
+        float e[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) e[k] = expf(__fsub_rn(z[4 * j + k], mx));
+        const float r = __frcp_rn(__fadd_rn(__fadd_rn(e[0], e[1]), __fadd_rn(e[2], e[3])));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) c[4 * j + k] = __fadd_rn(__fmul_rn(e[k], r), 1e-6f);
+    }
+    auto cols = [&]() {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float r = __frcp_rn(
+                __fadd_rn(__fadd_rn(__fadd_rn(c[k], c[4 + k]), __fadd_rn(c[8 + k], c[12 + k])), 1e-6f));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) c[4 * j + k] = __fmul_rn(c[4 * j + k], r);
+        }
+    };
+    auto rows = [&]() {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float r = __frcp_rn(__fadd_rn(
+                __fadd_rn(__fadd_rn(c[4 * j], c[4 * j + 1]), __fadd_rn(c[4 * j + 2], c[4 * j + 3])), 1e-6f));
+#pragma unroll
+            for (int k = 0; k < 4; ++k) c[4 * j + k] = __fmul_rn(c[4 * j + k], r);
+        }
+    };
+    cols();
+    for (int it = 1; it < 20; ++it) {
+        rows();
+        cols();
+    }
+}
+
+// u chunk = ((p0 x0 + p1 x1) + p2 x2) + p3 x3, BF16-rounded; written to u and kept in v.
+__device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict__ Xt, int D, int c,
+                                                const float* pre, float v[8]) {
+    float xs[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) load8(Xt + (long)i * D + c * 8, xs[i]);
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        acc[e] = __fmul_rn(pre[0], xs[0][e]);
+#pragma unroll
+        for (int i = 1; i < 4; ++i) acc[e] = __fadd_rn(acc[e], __fmul_rn(pre[i], xs[i][e]));
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+        const uint32_t pk = pack_bf16x2(acc[e], acc[e + 1]);
+        v[e] = bf16_lo(pk);
+        v[e + 1] = bf16_hi(pk);
+    }
+}
+
+// Grid (T, HEAD ? 1 : 2). blockIdx.y == 1: the coefficient CTA (post + Sinkhorn -> comb), which runs
+// concurrently with blockIdx.y == 0: pre, u = sum pre_i X_i, RMSNorm(u) + quant (u does not need C).
+// HEAD: NMIX = 4, no post / Sinkhorn (hc_head).
+template <int KIND, bool HEAD>
+__device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S, int T,
+                               int D, const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
+                               const __nv_bfloat16* __restrict__ w, float eps, float* pre_out, float* post_out,
+                               float* comb_out, __nv_bfloat16* u_out, uint8_t* q, uint8_t* scales, float* gsa,
+                               __nv_bfloat16* bf, float* rstd) {
+    constexpr int NMIX = HEAD ? 4 : 24;
+    __shared__ float red[MAX_WARPS];
+    __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
+    __shared__ float mix[NMIX + 1];
+    __shared__ float pre_s[4];
+    const int t = blockIdx.x;
+    reduce_partials<NMIX>(part, S, t, mix, wsum);
+    const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
+    if (!HEAD && blockIdx.y == 1) {
+        if (threadIdx.x < 4) {
+            const int i = threadIdx.x;
+            const float z = mix_logit(rho, mix[4 + i], hc_scale[1], hc_base[4 + i]);
+            post_out[t * 4 + i] = __fmul_rn(2.f, sigmoid_f(z));
+        } else if (threadIdx.x == 32 || (threadIdx.x == 4 && blockDim.x == 32)) {
+            float z[16], c[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) z[i] = mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]);
+            sinkhorn_thread(z, c);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) comb_out[t * 16 + i] = c[i];
+        }
+        return;
+    }
+    if (threadIdx.x < 4) {
+        const int i = threadIdx.x;
+        const float p = __fadd_rn(sigmoid_f(mix_logit(rho, mix[i], hc_scale[0], hc_base[i])), 1e-6f);
+        pre_s[i] = p;
+        pre_out[t * 4 + i] = p;
+    }
+    __syncthreads();
+    float pre[4] = {pre_s[0], pre_s[1], pre_s[2], pre_s[3]};
+    const int nchunks = D / 8;
+    const __nv_bfloat16* Xt = X + (long)t * 4 * D;
+    float v[CH][8];
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c < nchunks) {
+            apply_pre_chunk(Xt, D, c, pre, v[k]);
+            store8_bf16(u_out + (long)t * D + c * 8, v[k]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[k][e] = 0.f;
+        }
+    }
+    RowOut o;
+    o.q = KIND == KIND_NVFP4 ? q + (long)t * (D / 2) : q + (long)t * D;
+    o.scales = KIND == KIND_NVFP4 ? scales + (long)t * (D / 16) : scales + (long)t * (D / 128);
+    o.gsa = gsa + t;
+    o.bf = bf + (long)t * D;
+    o.rstd = rstd + t;
+    norm_quant_row<KIND, true>(v, nchunks, D, w, eps, o, red);
+}
+
+}  // namespace
+
+// ---- entry points ------------------------------------------------------------------------------------------------
+// RMSNorm rows: grid (rows), block roundup32(ceil(D/8/4)); x [rows, D], w [D] BF16, rstd [rows] (may be null).
+
+#define RMSNORM_ENTRIES(TIN, SUFFIX)                                                                               \
+    extern "C" __global__ void rmsnorm_nvfp4_##SUFFIX(const TIN* x, const __nv_bfloat16* w, uint8_t* q,           \
+                                                      uint8_t* scales, float* gsa, float* rstd, int D, float eps) { \
+        rmsnorm_rows<TIN, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);                         \
+    }                                                                                                              \
+    extern "C" __global__ void rmsnorm_fp8_##SUFFIX(const TIN* x, const __nv_bfloat16* w, uint8_t* q,             \
+                                                    uint8_t* scales, float* rstd, int D, float eps) {             \
+        rmsnorm_rows<TIN, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);                       \
+    }                                                                                                              \
+    extern "C" __global__ void rmsnorm_bf16_##SUFFIX(const TIN* x, const __nv_bfloat16* w, __nv_bfloat16* y,      \
+                                                     float* rstd, int D, float eps) {                             \
+        rmsnorm_rows<TIN, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);                     \
+    }
+
+RMSNORM_ENTRIES(__nv_bfloat16, bf16in)
+RMSNORM_ENTRIES(float, f32in)
+
+// Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).
+extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
+                                              int D) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
+}
+extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
+    rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
+}
+
+// mHC split-K mixes: grid (S = 4D/128, ceil(T/32)), block 128. X [T, 4, D] BF16, F [NMIX, 4D] f32,
+// part [T, NMIX+1, S] f32.
+extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24(const __nv_bfloat16* X, const float* F,
+                                                                   float* part, int T, int D4) {
+    mhc_mix_partial<24>(X, F, part, T, D4);
+}
+extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial4(const __nv_bfloat16* X, const float* F,
+                                                                  float* part, int T, int D4) {
+    mhc_mix_partial<4>(X, F, part, T, D4);
+}
+
+// mHC finish: grid (T, 2), block as RMSNorm. hc_scale [3], hc_base [24], w [D]; outputs pre/post [T,4],
+// comb [T,16] (row-major [j][k]), u [T,D] BF16, rstd [T] (RMSNorm of u), and the quantized RMSNorm(u).
+#define MHC_PRE_COMMON                                                                                            \
+    const __nv_bfloat16 *X, const float *part, int S, int T, int D, const float *hc_scale, const float *hc_base, \
+        const __nv_bfloat16 *w, float eps, float *pre, float *post, float *comb, __nv_bfloat16 *u
+extern "C" __global__ void mhc_pre_finish_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
+                                                float* rstd) {
+    mhc_pre_finish<KIND_NVFP4, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
+                                      gsa, nullptr, rstd);
+}
+extern "C" __global__ void mhc_pre_finish_fp8(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
+    mhc_pre_finish<KIND_FP8, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
+                                    nullptr, nullptr, rstd);
+}
+extern "C" __global__ void mhc_pre_finish_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
+    mhc_pre_finish<KIND_BF16, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr,
+                                     nullptr, nullptr, y, rstd);
+}
+// hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.
+extern "C" __global__ void mhc_head_finish_bf16(const __nv_bfloat16* X, const float* part, int S, int T, int D,
+                                                const float* hc_scale, const float* hc_base,
+                                                const __nv_bfloat16* w, float eps, float* pre, __nv_bfloat16* u,
+                                                __nv_bfloat16* y, float* rstd) {
+    mhc_pre_finish<KIND_BF16, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, nullptr, nullptr, u,
+                                    nullptr, nullptr, nullptr, y, rstd);
+}
+
+// mHC post: grid (ceil(D/8/64), T), block 64. Xout[t][k] = post[t][k] y[t] + sum_j comb[t][j][k] X[t][j].
+extern "C" __global__ void __launch_bounds__(64) mhc_post(const __nv_bfloat16* y, const __nv_bfloat16* X,
+                                                         const float* post, const float* comb,
+                                                         __nv_bfloat16* Xout, int D) {
+    const int t = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= D / 8) return;
+    float yv[8], xs[4][8], p[4], cm[16];
+    load8(y + (long)t * D + c * 8, yv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) load8(X + ((long)t * 4 + j) * D + c * 8, xs[j]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) p[k] = __ldg(post + t * 4 + k);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) cm[i] = __ldg(comb + t * 16 + i);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float o[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float acc = __fmul_rn(p[k], yv[e]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc = __fadd_rn(acc, __fmul_rn(cm[4 * j + k], xs[j][e]));
+            o[e] = acc;
+        }
+        store8_bf16(Xout + ((long)t * 4 + k) * D + c * 8, o);
+    }
+}
+
+// ---- op-by-op mHC baseline (the chain the seeds describe): rms, GEMV, Sinkhorn, apply; then the RMSNorm and
+// quant kernels above. One CTA per token for the reductions, no split-K.
+extern "C" __global__ void __launch_bounds__(256) mhc_unfused_rms(const __nv_bfloat16* X, float* rho, int D4,
+                                                                 float eps) {
+    __shared__ float red[MAX_WARPS];
+    const int t = blockIdx.x;
+    float ss = 0.f;
+    for (int c = threadIdx.x * 8; c < D4; c += blockDim.x * 8) {
+        float v[8];
+        load8(X + (long)t * D4 + c, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(v[e], v[e], ss);
+    }
+    ss = block_sum(ss, red);
+    if (threadIdx.x == 0) rho[t] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D4), eps)));
+}
+
+// dots [T, 24] = F . x (raw; rho applied by the Sinkhorn kernel).
+extern "C" __global__ void __launch_bounds__(256) mhc_unfused_gemv(const __nv_bfloat16* X, const float* F,
+                                                                  float* dots, int D4) {
+    __shared__ float red[24][8];
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float acc[24];
+#pragma unroll
+    for (int j = 0; j < 24; ++j) acc[j] = 0.f;
+    for (int c = threadIdx.x * 4; c < D4; c += blockDim.x * 4) {
+        const uint2 r = __ldg(reinterpret_cast<const uint2*>(X + (long)t * D4 + c));
+        const float xv[4] = {bf16_lo(r.x), bf16_hi(r.x), bf16_lo(r.y), bf16_hi(r.y)};
+#pragma unroll
+        for (int j = 0; j < 24; ++j) {
+            const float4 f = __ldg(reinterpret_cast<const float4*>(F + (long)j * D4 + c));
+            acc[j] = fmaf(f.x, xv[0], fmaf(f.y, xv[1], fmaf(f.z, xv[2], fmaf(f.w, xv[3], acc[j]))));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 24; ++j) {
+        const float v = warp_sum(acc[j]);
+        if (lane == 0) red[j][warp] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < 24) {
+        float s = 0.f;
+        for (int w = 0; w < 8; ++w) s += red[threadIdx.x][w];
+        dots[t * 24 + threadIdx.x] = s;
+    }
+}
+
+// One warp per token: pre, post, comb from rho and dots.
+extern "C" __global__ void mhc_unfused_sinkhorn(const float* rho, const float* dots, const float* hc_scale,
+                                                const float* hc_base, float* pre, float* post, float* comb) {
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const float r = rho[t];
+    if (lane < 4) {
+        pre[t * 4 + lane] = __fadd_rn(sigmoid_f(mix_logit(r, dots[t * 24 + lane], hc_scale[0], hc_base[lane])), 1e-6f);
+        post[t * 4 + lane] =
+            __fmul_rn(2.f, sigmoid_f(mix_logit(r, dots[t * 24 + 4 + lane], hc_scale[1], hc_base[4 + lane])));
+    } else if (lane == 4) {
+        float z[16], c[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) z[i] = mix_logit(r, dots[t * 24 + 8 + i], hc_scale[2], hc_base[8 + i]);
+        sinkhorn_thread(z, c);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) comb[t * 16 + i] = c[i];
+    }
+}
+
+// u = sum_i pre_i X_i -> BF16. grid (ceil(D/8/64), T), block 64.
+extern "C" __global__ void __launch_bounds__(64) mhc_unfused_apply(const __nv_bfloat16* X, const float* pre,
+                                                                  __nv_bfloat16* u, int D) {
+    const int t = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= D / 8) return;
+    const float p[4] = {pre[t * 4], pre[t * 4 + 1], pre[t * 4 + 2], pre[t * 4 + 3]};
+    float v[8];
+    apply_pre_chunk(X + (long)t * 4 * D, D, c, p, v);
+    store8_bf16(u + (long)t * D + c * 8, v);
+}

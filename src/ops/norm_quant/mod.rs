@@ -1,0 +1,1036 @@
+//! Fused RMSNorm + quantization and the fused DSV4 mHC boundary (kernels/norm_quant.cu).
+//!
+//! * [`rmsnorm_quant`]: rows `[rows, D]` (BF16 or f32, D a multiple of 128, at most 32768) -> RMSNorm with
+//!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch.
+//! * [`rmsnorm_then_quant`]: the unfused baseline (RMSNorm kernel -> BF16 in HBM -> quantize kernel). It
+//!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
+//! * [`mhc_pre`]: the mHC boundary `hc_pre` + RMSNorm + quant, as a split-K mix kernel plus a per-token
+//!   finish kernel; [`mhc_pre_unfused`] is the op-by-op chain (rms, GEMV, Sinkhorn, apply, RMSNorm,
+//!   quant: 6 launches); [`mhc_post`] and [`hc_head`].
+//!
+//! Layouts: NVFP4 codes `[rows, D/2]` (lower index in the low nibble), e4m3 scales `[rows, D/16]`,
+//! global scale `[rows]` f32; FP8 codes `[rows, D]`, ue8m0 scale codes `[rows, D/128]`; residual streams
+//! `X` of a token `[4, D]` BF16 stream-major (so `[T, 4, D]` for T tokens); mHC mix weights `[24, 4D]` f32.
+//! `rstd` (the per-row `1/sqrt(mean(x^2)+eps)` of the RMSNorm) is always written: the tests use it to
+//! separate the reduction-order effect from everything else, and it costs 4 bytes per row.
+//! The same `eps` is used for the mHC residual RMS and the sub-layer RMSNorm (both 1e-6 in DSV4).
+//!
+//! Non-finite inputs are not rejected on the device path (that would cost a pass over the data); the
+//! host-side helpers ([`upload_checked_f32`], [`MhcWeights::upload`]) reject them.
+
+pub mod bench;
+pub mod exec;
+pub mod reference;
+
+pub use exec::exec_kernels;
+
+use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use crate::gpu::timing::TimingPlan;
+use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
+
+/// Kernel family name (kernels/norm_quant.cu).
+pub const FAMILY: &str = "norm_quant";
+/// Chunks of 8 values per thread in the row kernels (`CH` in the .cu).
+const CHUNKS_PER_THREAD: usize = 4;
+/// Largest supported hidden size: 1024 threads x 4 chunks x 8 values.
+pub const MAX_D: usize = 1024 * CHUNKS_PER_THREAD * 8;
+/// Columns of 4D per CTA of the split-K mix kernel (`MIX_COLS`).
+const MIX_COLS: usize = 128;
+
+/// The dtype a normalized row is written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutFormat {
+    Nvfp4,
+    Fp8,
+    Bf16,
+}
+
+impl OutFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            OutFormat::Nvfp4 => "nvfp4",
+            OutFormat::Fp8 => "fp8",
+            OutFormat::Bf16 => "bf16",
+        }
+    }
+    pub fn parse(s: &str) -> Result<OutFormat> {
+        match s {
+            "nvfp4" => Ok(OutFormat::Nvfp4),
+            "fp8" => Ok(OutFormat::Fp8),
+            "bf16" => Ok(OutFormat::Bf16),
+            _ => bail!("unknown output format `{s}` (nvfp4, fp8, bf16)"),
+        }
+    }
+    /// Bytes written per row of `d` values (rstd excluded).
+    pub fn row_bytes(self, d: usize) -> usize {
+        match self {
+            OutFormat::Nvfp4 => d / 2 + d / 16 + 4,
+            OutFormat::Fp8 => d + d / 128,
+            OutFormat::Bf16 => 2 * d,
+        }
+    }
+}
+
+/// Input rows on the device.
+pub enum RowsIn<'a> {
+    Bf16(&'a CudaSlice<bf16>),
+    F32(&'a CudaSlice<f32>),
+}
+
+impl RowsIn<'_> {
+    fn len(&self) -> usize {
+        match self {
+            RowsIn::Bf16(s) => s.len(),
+            RowsIn::F32(s) => s.len(),
+        }
+    }
+    fn suffix(&self) -> &'static str {
+        match self {
+            RowsIn::Bf16(_) => "bf16in",
+            RowsIn::F32(_) => "f32in",
+        }
+    }
+    pub fn elem_bytes(&self) -> usize {
+        match self {
+            RowsIn::Bf16(_) => 2,
+            RowsIn::F32(_) => 4,
+        }
+    }
+}
+
+/// Device buffers of a normalized + quantized output.
+pub enum QuantBufs {
+    Nvfp4 {
+        data: CudaSlice<u8>,
+        scales: CudaSlice<u8>,
+        global_scale: CudaSlice<f32>,
+    },
+    Fp8 {
+        data: CudaSlice<u8>,
+        scales: CudaSlice<u8>,
+    },
+    Bf16 {
+        y: CudaSlice<bf16>,
+    },
+}
+
+/// The output of one RMSNorm(+quant) over `rows` rows of `d`.
+pub struct NormOutputs {
+    pub rows: usize,
+    pub d: usize,
+    pub format: OutFormat,
+    pub q: QuantBufs,
+    /// Per-row `1/sqrt(mean(x^2) + eps)`.
+    pub rstd: CudaSlice<f32>,
+}
+
+impl NormOutputs {
+    /// Buffers poisoned with 0xFF (NaN for f32/bf16/e4m3; codes are checked against the reference).
+    pub fn alloc_poisoned(
+        gpu: &Gpu,
+        format: OutFormat,
+        rows: usize,
+        d: usize,
+    ) -> Result<NormOutputs> {
+        check_rows(rows, d)?;
+        let q = match format {
+            OutFormat::Nvfp4 => QuantBufs::Nvfp4 {
+                data: gpu.poisoned(rows * d / 2, 0xFF)?,
+                scales: gpu.poisoned(rows * d / 16, 0xFF)?,
+                global_scale: gpu.poisoned(rows, 0xFF)?,
+            },
+            OutFormat::Fp8 => QuantBufs::Fp8 {
+                data: gpu.poisoned(rows * d, 0xFF)?,
+                scales: gpu.poisoned(rows * d / 128, 0xFF)?,
+            },
+            OutFormat::Bf16 => QuantBufs::Bf16 {
+                y: gpu.poisoned(rows * d, 0xFF)?,
+            },
+        };
+        Ok(NormOutputs {
+            rows,
+            d,
+            format,
+            q,
+            rstd: gpu.poisoned(rows, 0xFF)?,
+        })
+    }
+
+    /// Re-poison every buffer (before a checked run).
+    pub fn poison(&mut self, gpu: &Gpu) -> Result<()> {
+        match &mut self.q {
+            QuantBufs::Nvfp4 {
+                data,
+                scales,
+                global_scale,
+            } => {
+                gpu.fill_bytes(data, 0xFF)?;
+                gpu.fill_bytes(scales, 0xFF)?;
+                gpu.fill_bytes(global_scale, 0xFF)?;
+            }
+            QuantBufs::Fp8 { data, scales } => {
+                gpu.fill_bytes(data, 0xFF)?;
+                gpu.fill_bytes(scales, 0xFF)?;
+            }
+            QuantBufs::Bf16 { y } => gpu.fill_bytes(y, 0xFF)?,
+        }
+        gpu.fill_bytes(&mut self.rstd, 0xFF)
+    }
+
+    pub fn download(&self, gpu: &Gpu) -> Result<HostNormOutputs> {
+        let q = match &self.q {
+            QuantBufs::Nvfp4 {
+                data,
+                scales,
+                global_scale,
+            } => HostQuant::Nvfp4(reference::Nvfp4Rows {
+                rows: self.rows,
+                cols: self.d,
+                data: gpu.download(data)?,
+                scales: gpu.download(scales)?,
+                global_scale: gpu.download(global_scale)?,
+            }),
+            QuantBufs::Fp8 { data, scales } => HostQuant::Fp8(reference::Fp8Rows {
+                rows: self.rows,
+                cols: self.d,
+                data: gpu.download(data)?,
+                scales: gpu.download(scales)?,
+            }),
+            QuantBufs::Bf16 { y } => {
+                HostQuant::Bf16(gpu.download(y)?.iter().map(|v| v.to_f32()).collect())
+            }
+        };
+        Ok(HostNormOutputs {
+            q,
+            rstd: gpu.download(&self.rstd)?,
+        })
+    }
+}
+
+/// Host copy of a quantized output.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HostQuant {
+    Nvfp4(reference::Nvfp4Rows),
+    Fp8(reference::Fp8Rows),
+    /// BF16 values widened to f32.
+    Bf16(Vec<f32>),
+}
+
+impl HostQuant {
+    /// The CPU reference's encoding of BF16-rounded normalized rows `y` in `format`.
+    pub fn encode(format: OutFormat, y: &[f32], rows: usize, d: usize) -> Result<HostQuant> {
+        Ok(match format {
+            OutFormat::Nvfp4 => HostQuant::Nvfp4(reference::quantize_nvfp4_rows(y, rows, d)?),
+            OutFormat::Fp8 => HostQuant::Fp8(reference::quantize_fp8_rows(y, rows, d)?),
+            OutFormat::Bf16 => HostQuant::Bf16(y.to_vec()),
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct HostNormOutputs {
+    pub q: HostQuant,
+    pub rstd: Vec<f32>,
+}
+
+/// Shape rules of the row kernels.
+pub fn check_rows(rows: usize, d: usize) -> Result<()> {
+    if rows == 0 {
+        bail!("norm_quant: rows must be >= 1");
+    }
+    if d == 0 || !d.is_multiple_of(128) || d > MAX_D {
+        bail!("norm_quant: hidden size {d} must be a positive multiple of 128 and at most {MAX_D}");
+    }
+    if rows > i32::MAX as usize || rows.checked_mul(4 * d).is_none_or(|n| n > (1usize << 40)) {
+        bail!("norm_quant: {rows} rows of {d} is too large");
+    }
+    Ok(())
+}
+
+fn check_eps(eps: f32) -> Result<()> {
+    if !(eps.is_finite() && eps > 0.0) {
+        bail!("norm_quant: eps must be finite and > 0, got {eps}");
+    }
+    Ok(())
+}
+
+/// Threads per CTA of the row kernels: enough for `CHUNKS_PER_THREAD` chunks each, a multiple of 32.
+pub fn row_block_threads(d: usize) -> u32 {
+    let threads = (d / 8).div_ceil(CHUNKS_PER_THREAD);
+    (threads.div_ceil(32) * 32) as u32
+}
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        bail!("norm_quant: `{what}` has {got} elements, expected {want}");
+    }
+    Ok(())
+}
+
+/// Upload host f32 values after checking they are all finite.
+pub fn upload_checked_f32(gpu: &Gpu, what: &str, v: &[f32]) -> Result<CudaSlice<f32>> {
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        bail!(
+            "norm_quant: `{what}` has a non-finite value {} at index {i}",
+            v[i]
+        );
+    }
+    gpu.upload(v)
+}
+
+/// Upload host values as BF16 after checking they are all finite.
+pub fn upload_checked_bf16(gpu: &Gpu, what: &str, v: &[f32]) -> Result<CudaSlice<bf16>> {
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        bail!(
+            "norm_quant: `{what}` has a non-finite value {} at index {i}",
+            v[i]
+        );
+    }
+    gpu.upload(&crate::formats::bf16::to_bf16_vec(v))
+}
+
+/// Fused RMSNorm + quantization of `rows` rows of `d` with weight `w` (BF16 [d]) into `out`.
+pub fn rmsnorm_quant(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_rows(rows, d)?;
+    check_eps(eps)?;
+    check_len("x", x.len(), rows * d)?;
+    check_len("weight", w.len(), d)?;
+    let name = format!("rmsnorm_{}_{}", out.format.name(), x.suffix());
+    let f = gpu.function(FAMILY, &name)?;
+    let cfg = launch_cfg((rows as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
+    let d_i = d as i32;
+    let mut b = gpu.stream.launch_builder(&f);
+    match &x {
+        RowsIn::Bf16(s) => b.arg(*s),
+        RowsIn::F32(s) => b.arg(*s),
+    };
+    b.arg(w);
+    match &mut out.q {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
+            b.arg(data).arg(scales).arg(global_scale);
+        }
+        QuantBufs::Fp8 { data, scales } => {
+            b.arg(data).arg(scales);
+        }
+        QuantBufs::Bf16 { y } => {
+            b.arg(y);
+        }
+    }
+    b.arg(&mut out.rstd).arg(&d_i).arg(&eps);
+    drv(unsafe { b.launch(cfg) }, &name)?;
+    Ok(())
+}
+
+/// Second kernel of the unfused chain: quantize BF16 rows `y` [rows, d] to NVFP4 or FP8 (no norm).
+/// `out.rstd` is left untouched.
+pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_rows(rows, d)?;
+    check_len("y", y.len(), rows * d)?;
+    let cfg = launch_cfg((rows as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
+    let d_i = d as i32;
+    match &mut out.q {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
+            let f = gpu.function(FAMILY, "quant_nvfp4_bf16in")?;
+            let mut b = gpu.stream.launch_builder(&f);
+            b.arg(y).arg(data).arg(scales).arg(global_scale).arg(&d_i);
+            drv(unsafe { b.launch(cfg) }, "quant_nvfp4_bf16in")?;
+        }
+        QuantBufs::Fp8 { data, scales } => {
+            let f = gpu.function(FAMILY, "quant_fp8_bf16in")?;
+            let mut b = gpu.stream.launch_builder(&f);
+            b.arg(y).arg(data).arg(scales).arg(&d_i);
+            drv(unsafe { b.launch(cfg) }, "quant_fp8_bf16in")?;
+        }
+        QuantBufs::Bf16 { .. } => {
+            bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8")
+        }
+    }
+    Ok(())
+}
+
+/// The unfused baseline: RMSNorm kernel writing BF16 `staging` [rows, d] (rstd into `out.rstd`), then the
+/// quantize kernel. For a BF16 `out` it is just the RMSNorm kernel.
+pub fn rmsnorm_then_quant(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    staging: &mut NormOutputs,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    if staging.format != OutFormat::Bf16 || staging.rows != out.rows || staging.d != out.d {
+        bail!("rmsnorm_then_quant: staging must be BF16 with the output's shape");
+    }
+    rmsnorm_quant(gpu, x, w, eps, staging)?;
+    if out.format == OutFormat::Bf16 {
+        return Ok(());
+    }
+    let QuantBufs::Bf16 { y } = &staging.q else {
+        unreachable!("checked above")
+    };
+    quantize_bf16_rows(gpu, y, out)
+}
+
+// ---- mHC ----------------------------------------------------------------------------------------------------
+
+/// One mHC boundary's parameters on the device, plus the sub-layer's RMSNorm weight.
+pub struct MhcWeights {
+    pub d: usize,
+    /// 24 for a sub-layer boundary, 4 for the head.
+    pub nmix: usize,
+    pub mix_fn: CudaSlice<f32>,
+    pub scale: CudaSlice<f32>,
+    pub base: CudaSlice<f32>,
+    pub norm_weight: CudaSlice<bf16>,
+}
+
+impl MhcWeights {
+    /// A sub-layer boundary (`hc_attn_*` / `hc_ffn_*`) and its RMSNorm weight (BF16-rounded on upload).
+    pub fn upload(
+        gpu: &Gpu,
+        p: &reference::MhcParams,
+        norm_weight: &[f32],
+        d: usize,
+    ) -> Result<MhcWeights> {
+        check_rows(1, d)?;
+        check_len("hc mix fn", p.mix_fn.len(), reference::HC_MIX * 4 * d)?;
+        check_len("norm weight", norm_weight.len(), d)?;
+        Ok(MhcWeights {
+            d,
+            nmix: reference::HC_MIX,
+            mix_fn: upload_checked_f32(gpu, "hc mix fn", &p.mix_fn)?,
+            scale: upload_checked_f32(gpu, "hc scale", &p.scale)?,
+            base: upload_checked_f32(gpu, "hc base", &p.base)?,
+            norm_weight: upload_checked_bf16(gpu, "norm weight", norm_weight)?,
+        })
+    }
+
+    /// The final head (`hc_head_fn` [4, 4D], `hc_head_scale` [1], `hc_head_base` [4]) and `norm.weight`.
+    pub fn upload_head(
+        gpu: &Gpu,
+        head_fn: &[f32],
+        scale: f32,
+        base: &[f32; 4],
+        norm_weight: &[f32],
+        d: usize,
+    ) -> Result<MhcWeights> {
+        check_rows(1, d)?;
+        check_len("hc head fn", head_fn.len(), reference::HC_HEAD_MIX * 4 * d)?;
+        check_len("norm weight", norm_weight.len(), d)?;
+        Ok(MhcWeights {
+            d,
+            nmix: reference::HC_HEAD_MIX,
+            mix_fn: upload_checked_f32(gpu, "hc head fn", head_fn)?,
+            scale: upload_checked_f32(gpu, "hc head scale", &[scale])?,
+            base: upload_checked_f32(gpu, "hc head base", base)?,
+            norm_weight: upload_checked_bf16(gpu, "norm weight", norm_weight)?,
+        })
+    }
+}
+
+/// Outputs of [`mhc_pre`] / [`hc_head`] for `tokens` tokens.
+pub struct MhcPreOutputs {
+    pub tokens: usize,
+    pub d: usize,
+    /// [T, 4]
+    pub pre: CudaSlice<f32>,
+    /// [T, 4] (unused by the head)
+    pub post: CudaSlice<f32>,
+    /// [T, 16], row-major C[j][k] (unused by the head)
+    pub comb: CudaSlice<f32>,
+    /// [T, D] BF16: the sub-layer input before its RMSNorm.
+    pub u: CudaSlice<bf16>,
+    /// RMSNorm(u; weight) in the requested format, and its rstd.
+    pub normed: NormOutputs,
+    /// Split-K workspace [T, nmix+1, S] (sized for 24 mixes).
+    partials: CudaSlice<f32>,
+}
+
+impl MhcPreOutputs {
+    pub fn alloc_poisoned(
+        gpu: &Gpu,
+        format: OutFormat,
+        tokens: usize,
+        d: usize,
+    ) -> Result<MhcPreOutputs> {
+        check_rows(tokens, 4 * d)?;
+        Ok(MhcPreOutputs {
+            tokens,
+            d,
+            pre: gpu.poisoned(tokens * 4, 0xFF)?,
+            post: gpu.poisoned(tokens * 4, 0xFF)?,
+            comb: gpu.poisoned(tokens * 16, 0xFF)?,
+            u: gpu.poisoned(tokens * d, 0xFF)?,
+            normed: NormOutputs::alloc_poisoned(gpu, format, tokens, d)?,
+            partials: gpu.zeros(mix_splits(d) * tokens * (reference::HC_MIX + 1))?,
+        })
+    }
+
+    /// The split-K partials of the last launch, `[T, nmix+1, S]` with `S = mix_splits(d)`: entry
+    /// `[t][j][s]` is the partial `F_j . x` over columns `[128 s, 128 s + 128)` of 4D, `j = nmix` the partial
+    /// sum of squares. Tests reduce them in the kernel's order to check the rest exactly.
+    pub fn partials(&self) -> &CudaSlice<f32> {
+        &self.partials
+    }
+
+    pub fn poison(&mut self, gpu: &Gpu) -> Result<()> {
+        gpu.fill_bytes(&mut self.pre, 0xFF)?;
+        gpu.fill_bytes(&mut self.post, 0xFF)?;
+        gpu.fill_bytes(&mut self.comb, 0xFF)?;
+        gpu.fill_bytes(&mut self.u, 0xFF)?;
+        self.normed.poison(gpu)
+    }
+}
+
+/// Split-K CTAs over 4D (`4D / MIX_COLS`).
+pub fn mix_splits(d: usize) -> usize {
+    4 * d / MIX_COLS
+}
+
+/// Largest hidden size of the mHC kernels: the finish kernel uses up to 128 registers per thread, so its
+/// D/32 threads must stay <= 512.
+pub const MHC_MAX_D: usize = 16384;
+
+fn check_mhc(x: &CudaSlice<bf16>, w: &MhcWeights, out: &MhcPreOutputs) -> Result<()> {
+    if out.d > MHC_MAX_D {
+        bail!(
+            "mhc: hidden size {} is above the supported {MHC_MAX_D}",
+            out.d
+        );
+    }
+    if w.d != out.d {
+        bail!(
+            "mhc: weights are for D = {}, outputs for D = {}",
+            w.d,
+            out.d
+        );
+    }
+    check_rows(out.tokens, 4 * out.d)?;
+    check_len("X", x.len(), out.tokens * 4 * out.d)
+}
+
+fn launch_mix_partial(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    tokens: usize,
+    part: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let name = if w.nmix == reference::HC_MIX {
+        "mhc_mix_partial24"
+    } else {
+        "mhc_mix_partial4"
+    };
+    let f = gpu.function(FAMILY, name)?;
+    let splits = mix_splits(w.d);
+    let cfg = launch_cfg(
+        (splits as u32, tokens.div_ceil(32) as u32, 1),
+        (128, 1, 1),
+        0,
+    );
+    let (t_i, d4_i) = (tokens as i32, (4 * w.d) as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(x).arg(&w.mix_fn).arg(part).arg(&t_i).arg(&d4_i);
+    drv(unsafe { b.launch(cfg) }, name)?;
+    Ok(())
+}
+
+/// Fused mHC boundary: `(pre, post, C, u) = hc_pre(X)`, then `RMSNorm(u; weight)` in `out.normed.format`.
+/// Two launches (split-K mixes over 4D/128 x ceil(T/32) CTAs, then two CTAs per token); `x` is `[T, 4, D]`.
+pub fn mhc_pre(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    out: &mut MhcPreOutputs,
+) -> Result<()> {
+    check_mhc(x, w, out)?;
+    check_eps(eps)?;
+    if w.nmix != reference::HC_MIX {
+        bail!(
+            "mhc_pre needs sub-layer weights (24 mixes), got {} (head weights go to hc_head)",
+            w.nmix
+        );
+    }
+    let (tokens, d) = (out.tokens, out.d);
+    launch_mix_partial(gpu, x, w, tokens, &mut out.partials)?;
+    let name = format!("mhc_pre_finish_{}", out.normed.format.name());
+    let f = gpu.function(FAMILY, &name)?;
+    // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn, concurrently.
+    let cfg = launch_cfg((tokens as u32, 2, 1), (row_block_threads(d), 1, 1), 0);
+    let (s_i, t_i, d_i) = (mix_splits(d) as i32, tokens as i32, d as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(x)
+        .arg(&out.partials)
+        .arg(&s_i)
+        .arg(&t_i)
+        .arg(&d_i)
+        .arg(&w.scale)
+        .arg(&w.base)
+        .arg(&w.norm_weight);
+    b.arg(&eps)
+        .arg(&mut out.pre)
+        .arg(&mut out.post)
+        .arg(&mut out.comb)
+        .arg(&mut out.u);
+    match &mut out.normed.q {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
+            b.arg(data).arg(scales).arg(global_scale);
+        }
+        QuantBufs::Fp8 { data, scales } => {
+            b.arg(data).arg(scales);
+        }
+        QuantBufs::Bf16 { y } => {
+            b.arg(y);
+        }
+    }
+    b.arg(&mut out.normed.rstd);
+    drv(unsafe { b.launch(cfg) }, &name)?;
+    Ok(())
+}
+
+/// `hc_head`: pre = sigmoid mixes (no Sinkhorn), u = sum pre_i X_i (BF16), then RMSNorm(u; norm.weight)
+/// as BF16 into `out.normed` (which must be BF16). `post` and `comb` are not written.
+pub fn hc_head(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    out: &mut MhcPreOutputs,
+) -> Result<()> {
+    check_mhc(x, w, out)?;
+    check_eps(eps)?;
+    if w.nmix != reference::HC_HEAD_MIX {
+        bail!("hc_head needs head weights (4 mixes), got {}", w.nmix);
+    }
+    let (tokens, d) = (out.tokens, out.d);
+    let QuantBufs::Bf16 { y } = &mut out.normed.q else {
+        bail!("hc_head writes BF16: allocate the outputs with OutFormat::Bf16")
+    };
+    launch_mix_partial(gpu, x, w, tokens, &mut out.partials)?;
+    let f = gpu.function(FAMILY, "mhc_head_finish_bf16")?;
+    let cfg = launch_cfg((tokens as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
+    let (s_i, t_i, d_i) = (mix_splits(d) as i32, tokens as i32, d as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(x)
+        .arg(&out.partials)
+        .arg(&s_i)
+        .arg(&t_i)
+        .arg(&d_i)
+        .arg(&w.scale)
+        .arg(&w.base)
+        .arg(&w.norm_weight);
+    b.arg(&eps)
+        .arg(&mut out.pre)
+        .arg(&mut out.u)
+        .arg(y)
+        .arg(&mut out.normed.rstd);
+    drv(unsafe { b.launch(cfg) }, "mhc_head_finish_bf16")?;
+    Ok(())
+}
+
+/// `hc_post`: `x_out[t][k] = post[t][k] y[t] + sum_j comb[t][j][k] x[t][j]` (fp32, BF16 store).
+/// `y` [T, D], `x`/`x_out` [T, 4, D], `post` [T, 4], `comb` [T, 16].
+#[allow(clippy::too_many_arguments)]
+pub fn mhc_post(
+    gpu: &Gpu,
+    y: &CudaSlice<bf16>,
+    x: &CudaSlice<bf16>,
+    post: &CudaSlice<f32>,
+    comb: &CudaSlice<f32>,
+    tokens: usize,
+    d: usize,
+    x_out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check_rows(tokens, 4 * d)?;
+    check_len("y", y.len(), tokens * d)?;
+    check_len("X", x.len(), tokens * 4 * d)?;
+    check_len("X out", x_out.len(), tokens * 4 * d)?;
+    check_len("post", post.len(), tokens * 4)?;
+    check_len("comb", comb.len(), tokens * 16)?;
+    let f = gpu.function(FAMILY, "mhc_post")?;
+    let cfg = launch_cfg(
+        ((d / 8).div_ceil(64) as u32, tokens as u32, 1),
+        (64, 1, 1),
+        0,
+    );
+    let d_i = d as i32;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(y).arg(x).arg(post).arg(comb).arg(x_out).arg(&d_i);
+    drv(unsafe { b.launch(cfg) }, "mhc_post")?;
+    Ok(())
+}
+
+/// Scratch of the op-by-op mHC chain.
+pub struct MhcUnfusedScratch {
+    rho: CudaSlice<f32>,
+    dots: CudaSlice<f32>,
+}
+
+impl MhcUnfusedScratch {
+    pub fn alloc(gpu: &Gpu, tokens: usize) -> Result<MhcUnfusedScratch> {
+        Ok(MhcUnfusedScratch {
+            rho: gpu.zeros(tokens)?,
+            dots: gpu.zeros(tokens * reference::HC_MIX)?,
+        })
+    }
+}
+
+/// The op-by-op baseline: rms kernel, GEMV kernel (one CTA per token, no split-K), Sinkhorn kernel, apply
+/// kernel (u BF16), then the RMSNorm kernel (BF16 into `staging`) and the quantize kernel: 6 launches
+/// (5 for a BF16 output, where `staging` is unused and the RMSNorm writes `out.normed` directly).
+pub fn mhc_pre_unfused(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    scratch: &mut MhcUnfusedScratch,
+    staging: &mut NormOutputs,
+    out: &mut MhcPreOutputs,
+) -> Result<()> {
+    check_mhc(x, w, out)?;
+    check_eps(eps)?;
+    let (tokens, d) = (out.tokens, out.d);
+    if w.nmix != reference::HC_MIX
+        || scratch.rho.len() < tokens
+        || staging.rows != tokens
+        || staging.d != d
+    {
+        bail!("mhc_pre_unfused: scratch/staging sized for a different shape, or head weights");
+    }
+    let (d_i, d4_i) = (d as i32, (4 * d) as i32);
+    let t = tokens as u32;
+    let f = gpu.function(FAMILY, "mhc_unfused_rms")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(x).arg(&mut scratch.rho).arg(&d4_i).arg(&eps);
+    drv(
+        unsafe { b.launch(launch_cfg((t, 1, 1), (256, 1, 1), 0)) },
+        "mhc_unfused_rms",
+    )?;
+    let f = gpu.function(FAMILY, "mhc_unfused_gemv")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(x).arg(&w.mix_fn).arg(&mut scratch.dots).arg(&d4_i);
+    drv(
+        unsafe { b.launch(launch_cfg((t, 1, 1), (256, 1, 1), 0)) },
+        "mhc_unfused_gemv",
+    )?;
+    let f = gpu.function(FAMILY, "mhc_unfused_sinkhorn")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&scratch.rho)
+        .arg(&scratch.dots)
+        .arg(&w.scale)
+        .arg(&w.base);
+    b.arg(&mut out.pre).arg(&mut out.post).arg(&mut out.comb);
+    drv(
+        unsafe { b.launch(launch_cfg((t, 1, 1), (32, 1, 1), 0)) },
+        "mhc_unfused_sinkhorn",
+    )?;
+    let f = gpu.function(FAMILY, "mhc_unfused_apply")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(x).arg(&out.pre).arg(&mut out.u).arg(&d_i);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                ((d / 8).div_ceil(64) as u32, t, 1),
+                (64, 1, 1),
+                0,
+            ))
+        },
+        "mhc_unfused_apply",
+    )?;
+    if out.normed.format == OutFormat::Bf16 {
+        return rmsnorm_quant(
+            gpu,
+            RowsIn::Bf16(&out.u),
+            &w.norm_weight,
+            eps,
+            &mut out.normed,
+        );
+    }
+    rmsnorm_quant(gpu, RowsIn::Bf16(&out.u), &w.norm_weight, eps, staging)?;
+    let QuantBufs::Bf16 { y } = &staging.q else {
+        bail!("mhc_pre_unfused: staging must be BF16")
+    };
+    quantize_bf16_rows(gpu, y, &mut out.normed)?;
+    // The unfused chain's rstd is the staging RMSNorm's; copy it so callers read it in one place.
+    drv(
+        gpu.stream.memcpy_dtod(&staging.rstd, &mut out.normed.rstd),
+        "copy rstd",
+    )
+}
+
+// ---- benchmark hooks (wired into crate::bench by the integrator) ------------------------------------------
+
+/// One timed point: samples in microseconds and the bytes a perfect kernel moves (inputs read once,
+/// outputs written once).
+#[derive(Debug, Clone)]
+pub struct BenchPoint {
+    pub kernel: &'static str,
+    pub variant: String,
+    pub rows: usize,
+    pub d: usize,
+    pub bytes: u64,
+    pub samples_us: Vec<f64>,
+    /// The variant this one is raced against (None for a baseline).
+    pub baseline: Option<String>,
+}
+
+/// Variants of the row kernels: `fused_<fmt>`, `unfused_<fmt>` (fmt in nvfp4, fp8, bf16; bf16 has only
+/// the one kernel) and `copy` (device-to-device copy of the same number of bytes, the bandwidth reference).
+pub const ROW_VARIANTS: &[&str] = &[
+    "fused_nvfp4",
+    "unfused_nvfp4",
+    "fused_fp8",
+    "unfused_fp8",
+    "fused_bf16",
+    "copy",
+];
+
+/// Time one row-kernel variant on BF16 rows `[rows, d]` of seeded random data.
+pub fn bench_rows(
+    gpu: &Gpu,
+    variant: &str,
+    rows: usize,
+    d: usize,
+    seed: u64,
+    plan: TimingPlan,
+) -> Result<BenchPoint> {
+    check_rows(rows, d)?;
+    let host = random_rows(rows, d, seed);
+    let x = upload_checked_bf16(gpu, "x", &host)?;
+    let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
+    let eps = reference::RMS_EPS;
+    let in_bytes = (rows * d * 2 + d * 2) as u64;
+    let (kind, fmt) = variant.split_once('_').unwrap_or((variant, "bf16"));
+    let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
+        kernel: "rmsnorm_quant",
+        variant: variant.to_string(),
+        rows,
+        d,
+        bytes,
+        samples_us: samples,
+        baseline,
+    };
+    match kind {
+        "copy" => {
+            let mut dst = gpu.zeros::<bf16>(rows * d)?;
+            let s = gpu.time_us(plan, || {
+                drv(gpu.stream.memcpy_dtod(&x, &mut dst), "memcpy_dtod")
+            })?;
+            Ok(point(4 * (rows * d) as u64, s, None))
+        }
+        "fused" => {
+            let format = OutFormat::parse(fmt)?;
+            let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
+            let s = gpu.time_us(plan, || {
+                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
+            })?;
+            let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
+            let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
+            Ok(point(bytes, s, base))
+        }
+        "unfused" => {
+            let format = OutFormat::parse(fmt)?;
+            let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, rows, d)?;
+            let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
+            let s = gpu.time_us(plan, || {
+                rmsnorm_then_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut staging, &mut out)
+            })?;
+            // Same useful bytes as the fused kernel: the staging round trip is the baseline's overhead.
+            let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
+            Ok(point(bytes, s, None))
+        }
+        _ => bail!(
+            "unknown rmsnorm_quant variant `{variant}` (known: {})",
+            ROW_VARIANTS.join(", ")
+        ),
+    }
+}
+
+/// Variants of the mHC boundary: `fused_<fmt>`, `unfused_<fmt>`, `graph_fused_<fmt>`,
+/// `graph_unfused_<fmt>` (CUDA-graph replay: the decode regime), `post`, `head`.
+pub const MHC_VARIANTS: &[&str] = &[
+    "fused_nvfp4",
+    "unfused_nvfp4",
+    "fused_fp8",
+    "unfused_fp8",
+    "fused_bf16",
+    "unfused_bf16",
+    "graph_fused_nvfp4",
+    "graph_unfused_nvfp4",
+    "graph_fused_fp8",
+    "graph_unfused_fp8",
+    "post",
+    "head",
+];
+
+/// Time one mHC variant for `tokens` tokens of hidden size `d`.
+pub fn bench_mhc(
+    gpu: &Gpu,
+    variant: &str,
+    tokens: usize,
+    d: usize,
+    seed: u64,
+    plan: TimingPlan,
+) -> Result<BenchPoint> {
+    check_rows(tokens, 4 * d)?;
+    let xs = random_rows(tokens * 4, d, seed);
+    let x = upload_checked_bf16(gpu, "X", &xs)?;
+    let eps = reference::RMS_EPS;
+    let x_bytes = (tokens * 4 * d * 2) as u64;
+    let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
+        kernel: "mhc",
+        variant: variant.to_string(),
+        rows: tokens,
+        d,
+        bytes,
+        samples_us: samples,
+        baseline,
+    };
+    if variant == "post" {
+        let y = upload_checked_bf16(gpu, "y", &random_rows(tokens, d, seed ^ 1))?;
+        let post = gpu.upload(&vec![1.0f32; tokens * 4])?;
+        let comb = gpu.upload(&vec![0.25f32; tokens * 16])?;
+        let mut xo = gpu.zeros::<bf16>(tokens * 4 * d)?;
+        let s = gpu.time_us(plan, || {
+            mhc_post(gpu, &y, &x, &post, &comb, tokens, d, &mut xo)
+        })?;
+        return Ok(point(
+            2 * x_bytes + (tokens * d * 2 + tokens * 80) as u64,
+            s,
+            None,
+        ));
+    }
+    let params = random_mhc_params(d, reference::HC_MIX, seed ^ 2);
+    let nw = random_weight(d, seed ^ 3);
+    if variant == "head" {
+        let hf = random_mhc_params(d, reference::HC_HEAD_MIX, seed ^ 4);
+        let w = MhcWeights::upload_head(gpu, &hf.mix_fn, 1.0, &[0.1, -0.1, 0.2, 0.0], &nw, d)?;
+        let mut out = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Bf16, tokens, d)?;
+        let s = gpu.time_us(plan, || hc_head(gpu, &x, &w, eps, &mut out))?;
+        let bytes = x_bytes + (4 * 4 * d * 4 + d * 2 + tokens * (4 * d + 16 + 4)) as u64;
+        return Ok(point(bytes, s, None));
+    }
+    let (graph, rest) = match variant.strip_prefix("graph_") {
+        Some(r) => (true, r),
+        None => (false, variant),
+    };
+    let (kind, fmt) = rest
+        .split_once('_')
+        .ok_or_else(|| anyhow::anyhow!("unknown mhc variant `{variant}`"))?;
+    let format = OutFormat::parse(fmt)?;
+    let w = MhcWeights::upload(gpu, &params, &nw, d)?;
+    let mut out = MhcPreOutputs::alloc_poisoned(gpu, format, tokens, d)?;
+    let mut scratch = MhcUnfusedScratch::alloc(gpu, tokens)?;
+    let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, tokens, d)?;
+    let fused = match kind {
+        "fused" => true,
+        "unfused" => false,
+        _ => bail!(
+            "unknown mhc variant `{variant}` (known: {})",
+            MHC_VARIANTS.join(", ")
+        ),
+    };
+    let mut run = |out: &mut MhcPreOutputs| {
+        if fused {
+            mhc_pre(gpu, &x, &w, eps, out)
+        } else {
+            mhc_pre_unfused(gpu, &x, &w, eps, &mut scratch, &mut staging, out)
+        }
+    };
+    let s = if graph {
+        run(&mut out)?; // loads the module and checks shapes outside the capture
+        gpu.synchronize()?;
+        let g = gpu.capture(|| run(&mut out))?;
+        gpu.time_graph_us(&g, plan, 20)?
+    } else {
+        gpu.time_us(plan, || run(&mut out))?
+    };
+    // Inputs once (X, F, norm weight, scale/base), outputs once (pre, post, C, u, rstd, quantized y).
+    let bytes = x_bytes
+        + (reference::HC_MIX * 4 * d * 4 + d * 2 + 27 * 4) as u64
+        + (tokens * (24 * 4 + 2 * d + 4 + format.row_bytes(d))) as u64;
+    let base = fused.then(|| format!("{}unfused_{fmt}", if graph { "graph_" } else { "" }));
+    Ok(point(bytes, s, base))
+}
+
+// ---- seeded inputs shared by tests and benchmarks ------------------------------------------------------------
+
+fn rng(seed: u64) -> rand_chacha::ChaCha8Rng {
+    use rand::SeedableRng;
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// Rows of roughly unit-normal values with a per-row magnitude 2^-4 .. 2^4 and per-16-block factor
+/// 2^-2 .. 2^2 (so block scales differ), BF16-representable (rounded), never all zero.
+pub fn random_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
+    use rand::Rng;
+    let mut r = rng(seed);
+    let mut v = Vec::with_capacity(rows * d);
+    for _ in 0..rows {
+        let row_scale = 2f32.powf(r.random_range(-4.0..4.0));
+        let mut block = 1.0;
+        for c in 0..d {
+            if c % 16 == 0 {
+                block = 2f32.powf(r.random_range(-2.0..2.0));
+            }
+            let n: f32 = (0..4).map(|_| r.random::<f32>()).sum::<f32>() - 2.0;
+            v.push(crate::formats::bf16::round(n * 1.732 * row_scale * block));
+        }
+    }
+    v
+}
+
+/// An RMSNorm weight around 1 (0.5 .. 1.5), BF16-representable.
+pub fn random_weight(d: usize, seed: u64) -> Vec<f32> {
+    use rand::Rng;
+    let mut r = rng(seed);
+    (0..d)
+        .map(|_| crate::formats::bf16::round(r.random_range(0.5..1.5)))
+        .collect()
+}
+
+/// mHC parameters of realistic size: mix weights ~ U(-1,1)/sqrt(4D) (so mixes are O(1)), scales
+/// around 1, bases ~ U(-1, 1).
+pub fn random_mhc_params(d: usize, nmix: usize, seed: u64) -> reference::MhcParams {
+    use rand::Rng;
+    let mut r = rng(seed);
+    let a = 1.0 / ((4 * d) as f32).sqrt();
+    let mix_fn = (0..nmix * 4 * d).map(|_| r.random_range(-a..a)).collect();
+    let mut scale = [0f32; 3];
+    for s in &mut scale {
+        *s = r.random_range(0.5..1.5);
+    }
+    let mut base = [0f32; 24];
+    for b in &mut base {
+        *b = r.random_range(-1.0..1.0);
+    }
+    reference::MhcParams {
+        mix_fn,
+        scale,
+        base,
+    }
+}
