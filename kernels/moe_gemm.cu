@@ -276,67 +276,90 @@ __device__ __forceinline__ void moe_gemm_body(const uint8_t* __restrict__ w_code
     const int stages = k_split / kStageK;
     const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
 
-    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const int split = (int)(item % splits);
+    // Where work item `item` lives: its token rows, K range, and this lane's weight pointers.
+    struct ItemPos {
+        int row0, ntok, split, n;
+        const uint8_t* codes;
+        const uint8_t* scales;
+    };
+    auto locate = [&](long long item) {
+        ItemPos p;
+        p.split = (int)(item % splits);
         const long long rest = item / splits;
         const int n_tile = (int)(rest % n_tiles);
         const int et = (int)(rest / n_tiles);
-        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et (and a nonzero tile count)
+        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et: the expert owning token tile et
         while (lo < hi) {
-            int mid = (lo + hi + 1) >> 1;
+            const int mid = (lo + hi + 1) >> 1;
             if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
         }
-        const int e = lo;
         int start, count;
-        grp.expert_rows(e, start, count);
-        const int tile = et - s_tile_prefix[e];
-        const int row0 = start + tile * TN;
-        const int ntok = min(TN, count - tile * TN);
-        const int kbase = split * k_split;
+        grp.expert_rows(lo, start, count);
+        const int tile = et - s_tile_prefix[lo];
+        p.row0 = start + tile * TN;
+        p.ntok = min(TN, count - tile * TN);
+        const int kbase = p.split * k_split;
+        p.n = n_tile * kBlockN + warp * 16 + g;
+        const size_t wrow = (size_t)lo * N + p.n;
+        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
+        p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
+        return p;
+    };
 
-        const size_t wrow = (size_t)e * N + (size_t)n_tile * kBlockN + warp * 16 + g;
-        const uint8_t* codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
-        const uint8_t* scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
-
-        float acc[NT][4];
+    // One flat sequence of (item, stage) steps, so that the weights of the next step -- the next stage of this
+    // item or the first stage of the next item -- are always in flight while this step computes. The register
+    // double buffer alternates with the step parity (both branches keep the buffer index static).
+    long long item = blockIdx.x;
+    if (item >= items) return;
+    ItemPos cur = locate(item);
+    float acc[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-
-        WChunk wbuf[2][kChunksPerStage];
-        load_stage(wbuf[0], codes, scales, 8 * codes_row, 8 * scales_row);
-        for (int st = 0; st < stages; ++st) {
-            // Register double buffer: even stages compute from wbuf[0], odd from wbuf[1] (indices stay static).
-            if ((st & 1) == 0) {
-                if (st + 1 < stages)
-                    load_stage(wbuf[1], codes + (st + 1) * (kStageK / 2), scales + (st + 1) * (kStageK / 16),
-                               8 * codes_row, 8 * scales_row);
-            } else {
-                if (st + 1 < stages)
-                    load_stage(wbuf[0], codes + (st + 1) * (kStageK / 2), scales + (st + 1) * (kStageK / 16),
-                               8 * codes_row, 8 * scales_row);
-            }
-            __syncthreads();  // the previous stage's reads of s_act are done
-            stage_activations<TN>(s_act, act, act_scales, act_is_nvfp4, K, row0, ntok, kbase + st * kStageK);
-            __syncthreads();
-            if ((st & 1) == 0) compute_stage<NT>(acc, wbuf[0], s_act, g, t);
-            else compute_stage<NT>(acc, wbuf[1], s_act, g, t);
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    WChunk wbuf[2][kChunksPerStage];
+    load_stage(wbuf[0], cur.codes, cur.scales, 8 * codes_row, 8 * scales_row);
+    int st = 0;
+    for (unsigned step = 0;; ++step) {
+        // Next step's coordinates.
+        const bool last_stage = st + 1 == stages;
+        const long long next_item = last_stage ? item + gridDim.x : item;
+        const bool has_next = next_item < items;
+        ItemPos nxt = cur;
+        if (last_stage && has_next) nxt = locate(next_item);
+        const int next_st = last_stage ? 0 : st + 1;
+        if (has_next) {
+            const uint8_t* c = nxt.codes + next_st * (kStageK / 2);
+            const uint8_t* sc = nxt.scales + next_st * (kStageK / 16);
+            if ((step & 1) == 0) load_stage(wbuf[1], c, sc, 8 * codes_row, 8 * scales_row);
+            else load_stage(wbuf[0], c, sc, 8 * codes_row, 8 * scales_row);
         }
+        __syncthreads();  // the previous step's reads of s_act are done
+        stage_activations<TN>(s_act, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok,
+                              cur.split * k_split + st * kStageK);
+        __syncthreads();
+        if ((step & 1) == 0) compute_stage<NT>(acc, wbuf[0], s_act, g, t);
+        else compute_stage<NT>(acc, wbuf[1], s_act, g, t);
 
-        // acc holds sum * 2^-9 (see the dequant identity); * 512 is exact in fp32.
-        const int n = n_tile * kBlockN + warp * 16 + g;
-        float* out = partial + (size_t)split * grp.rows_total * N;
+        if (last_stage) {
+            // acc holds sum * 2^-9 (see the dequant identity); * 512 is exact in fp32.
+            float* out = partial + (size_t)cur.split * grp.rows_total * N;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const int tk = nt * 8 + 2 * t;
-            if (tk < ntok) {
-                out[(size_t)(row0 + tk) * N + n] = acc[nt][0] * 512.f;
-                out[(size_t)(row0 + tk) * N + n + 8] = acc[nt][2] * 512.f;
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tk = nt * 8 + 2 * t;
+                if (tk < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
+                }
+                if (tk + 1 < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
+                }
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
             }
-            if (tk + 1 < ntok) {
-                out[(size_t)(row0 + tk + 1) * N + n] = acc[nt][1] * 512.f;
-                out[(size_t)(row0 + tk + 1) * N + n + 8] = acc[nt][3] * 512.f;
-            }
+            if (!has_next) break;
         }
+        item = next_item;
+        cur = nxt;
+        st = next_st;
     }
 }
 
@@ -462,5 +485,34 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combin
             y += reduce_splits(partial, splits, rows_total, N, row, n) * (sa * gsb[(size_t)e * N + n]);
         }
         out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+    }
+}
+
+// Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block
+// scales are e4m3 codes in [0x28, 0x37] (2^-2 .. 0.94, never NaN), so timings never run on zeros.
+extern "C" __global__ void moe_gemm_fill_bench_weights(uint8_t* __restrict__ codes, unsigned long long n_codes,
+                                                       uint8_t* __restrict__ scales, unsigned long long n_scales,
+                                                       unsigned int seed) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n_codes + n_scales; i += stride) {
+        unsigned int h = (unsigned int)(i * 0x9E3779B97F4A7C15ull >> 32) ^ seed;
+        h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x846CA68Bu; h ^= h >> 16;
+        if (i < n_codes) codes[i] = (uint8_t)h;
+        else scales[i - n_codes] = (uint8_t)(0x28 + (h & 0xF));
+    }
+}
+
+// Baseline support: dequantize NVFP4 rows to BF16 (value = bf16((e2m1 * s) * gs)), one thread per element pair.
+extern "C" __global__ void moe_gemm_dequant_rows_bf16(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                                      const float* __restrict__ global, long long rows, int K,
+                                                      __nv_bfloat16* __restrict__ out) {
+    const long long pairs = rows * (long long)(K / 2);
+    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < pairs; p += (long long)gridDim.x * blockDim.x) {
+        const long long r = p / (K / 2);
+        const int k = (int)(p - r * (K / 2)) * 2;
+        const float s = mm::e4m3_decode(scales[r * (K / 16) + k / 16]) * global[r];
+        const uint8_t b = codes[p];
+        out[r * K + k] = __float2bfloat16_rn(e2m1_value(b & 0xF) * s);
+        out[r * K + k + 1] = __float2bfloat16_rn(e2m1_value(b >> 4) * s);
     }
 }

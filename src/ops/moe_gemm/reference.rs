@@ -256,20 +256,27 @@ pub fn grouped_gemm_acc_f64(w: &ExpertWeights, a: &Activations, g: &Grouping) ->
     let (rows, n, k) = (g.rows_total(), w.n, w.k);
     let mut acc = vec![0.0f64; rows * n];
     let mut abs = vec![0.0f64; rows * n];
-    let mut arow = vec![0.0f64; k];
+    // A rows decoded once (exact in f64); each weight row decoded once per expert, through an e4m3 table.
+    let a_dec: Vec<f64> = (0..rows).flat_map(|m| (0..k).map(move |kk| (m, kk))).map(|(m, kk)| a.unscaled(m, kk) as f64).collect();
+    let e4m3_table: Vec<f64> = (0..=255u8).map(|c| e4m3::decode(c) as f64).collect();
     let mut wrow = vec![0.0f64; k];
     for e in 0..w.experts {
-        for m in g.expert_rows(e) {
-            for (kk, v) in arow.iter_mut().enumerate() {
-                *v = a.unscaled(m, kk) as f64;
+        let owned = g.expert_rows(e);
+        if owned.is_empty() {
+            continue;
+        }
+        for nn in 0..n {
+            let r = e * n + nn;
+            for (kk, v) in wrow.iter_mut().enumerate() {
+                let byte = w.rows.codes[(r * k + kk) / 2];
+                let code = if kk % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                *v = e2m1::decode(code) as f64 * e4m3_table[w.rows.scales[(r * k + kk) / NVFP4_BLOCK] as usize];
             }
-            for nn in 0..n {
-                for (kk, v) in wrow.iter_mut().enumerate() {
-                    *v = w.unscaled(e, nn, kk) as f64;
-                }
+            for m in owned.clone() {
+                let arow = &a_dec[m * k..(m + 1) * k];
                 let (mut s, mut sa) = (0.0f64, 0.0f64);
-                for kk in 0..k {
-                    let p = arow[kk] * wrow[kk];
+                for (x, y) in arow.iter().zip(&wrow) {
+                    let p = x * y;
                     s += p;
                     sa += p.abs();
                 }
