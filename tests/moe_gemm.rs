@@ -153,9 +153,12 @@ fn reference_gemm_matches_a_dense_f64_product_of_dequantized_operands() {
                 for j in 0..topk {
                     let (row, ex) = (rb.token_rows[t * topk + j] as usize, rb.expert(t, j));
                     for nn in 0..n {
-                        let dense: f64 = (0..k).map(|kk| adeq[row * k + kk] as f64 * wdeq[(ex * n + nn) * k + kk] as f64).sum();
+                        let terms = (0..k).map(|kk| adeq[row * k + kk] as f64 * wdeq[(ex * n + nn) * k + kk] as f64);
+                        let (dense, dense_abs) = terms.fold((0.0, 0.0), |(s, a), p| (s + p, a + p.abs()));
                         let got = d[row * n + nn];
-                        assert!((got - dense).abs() <= 1e-6 * dense.abs().max(1e-20), "token {t} j {j} n {nn}: {got} vs {dense}");
+                        // dequantize() rounds each (e2m1 * s) * gs to f32 (2^-24 relative) on both operands.
+                        let tol = 3.0 * U * dense_abs + 1e-30;
+                        assert!((got - dense).abs() <= tol, "token {t} j {j} n {nn}: {got} vs {dense} (tol {tol:e})");
                     }
                 }
             }
@@ -215,7 +218,7 @@ fn bad_groupings_and_shapes_are_errors() {
 }
 
 #[test]
-fn config_heuristic_splits_k_only_when_the_grid_would_be_empty() {
+fn config_heuristic_splits_k_only_when_the_grid_would_be_underfilled() {
     let c = GemmConfig::choose(132, 1.0, 6, 4096, 4096);
     assert_eq!(c.token_tile, 8);
     assert!(c.splits >= 2 && 4096 % (c.splits * mg::STAGE_K) == 0, "{c:?}");
@@ -527,7 +530,7 @@ fn gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes() {
 fn gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes() {
     let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes") else { return };
     let mut rng = seeded("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes");
-    check_l1_l2(&gpu, "Pro 7168/3072, 6 experts, 2 tokens", 7168, 3072, 6, 2, &mut rng);
+    check_l1_l2(&gpu, "Pro 7168/3072, 6 experts, 1 token", 7168, 3072, 6, 1, &mut rng);
 }
 
 #[test]
@@ -544,6 +547,9 @@ fn gpu_masked_decode_step_replays_as_a_graph_with_new_counts() {
     let cfg = GemmConfig::choose(gpu.info.sm_count as usize, 1.0, 8, n, k);
     let mut ws = Workspace::new(&gpu, cfg.splits, experts * cap, n).unwrap();
     let mut out = gpu.poisoned::<bf16>(experts * cap * n, 0xFF).unwrap();
+    // One eager run first: loads the module and sets attributes outside the capture.
+    mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out).unwrap();
+    gpu.synchronize().unwrap();
     let graph = gpu.capture(|| mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out)).unwrap();
     // New counts written into the same device buffer: the captured launch must follow them.
     let counts2: Vec<i32> = (0..experts).map(|_| rng.random_range(0..=cap as i32)).collect();

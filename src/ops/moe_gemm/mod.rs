@@ -165,14 +165,14 @@ impl GemmConfig {
     /// Heuristic from what the host knows without reading device counts: the expected rows per active expert
     /// and the expected number of active experts. Picks the smallest token tile that holds the rows, then the
     /// K split count with the least estimated time `ceil(items * s / slots) / s` (wave quantization over the
-    /// persistent CTA slots: 2 per SM for tiles <= 16 tokens), plus a small per-split cost for the fp32 partials.
+    /// persistent CTA slots: 2 per SM for tiles <= 16 tokens), times 5% per extra split for the fp32 partials.
     pub fn choose(sm_count: usize, rows_per_active_expert: f64, active_experts: usize, n: usize, k: usize) -> GemmConfig {
         let token_tile = TOKEN_TILES.iter().copied().find(|&t| t as f64 >= rows_per_active_expert).unwrap_or(64);
         let per_sm = if token_tile <= 16 { 2 } else { 1 };
         let slots = sm_count.max(1) * per_sm;
         let tiles = (rows_per_active_expert / token_tile as f64).ceil().max(1.0) as usize;
         let items = active_experts.max(1) * tiles * (n / BLOCK_N).max(1);
-        let cost = |s: usize| (items * s).div_ceil(slots) as f64 / s as f64 + 0.02 * s as f64;
+        let cost = |s: usize| (items * s).div_ceil(slots) as f64 / s as f64 * (1.0 + 0.05 * (s - 1) as f64);
         let splits = [1usize, 2, 4, 8]
             .into_iter()
             .filter(|&s| k % (s * STAGE_K) == 0)
