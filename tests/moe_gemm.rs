@@ -10,22 +10,31 @@
 //! relative errors, orders of magnitude above both. BF16 outputs add half a bf16 ulp (2^-9 relative).
 
 use half::bf16;
+use megamoe::formats::{e2m1, e4m3};
 use megamoe::gpu::{gpu_for_test, Gpu};
 use megamoe::ops::moe_gemm::reference::{
-    apply_global_scales, combine_l2_f64, dequant_pair_like_kernel, grouped_gemm_acc_f64, quantize_rows_nvfp4, swiglu_l1_f64,
-    Activations, ExpertWeights, Grouping, Nvfp4Rows,
+    apply_global_scales, combine_l2_f64, dequant_pair_like_kernel, grouped_gemm_acc_f64,
+    quantize_rows_nvfp4, swiglu_l1_f64, Activations, ExpertWeights, Grouping, Nvfp4Rows,
 };
-use megamoe::ops::moe_gemm::{self as mg, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output, RoutedBatch, Workspace};
-use megamoe::formats::{e2m1, e4m3};
+use megamoe::ops::moe_gemm::{
+    self as mg, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output,
+    RoutedBatch, Workspace,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const U: f64 = 1.0 / 16_777_216.0; // 2^-24
 
 fn seeded(test: &str) -> ChaCha8Rng {
-    let seed = std::env::var("MOE_GEMM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-    });
+    let seed = std::env::var("MOE_GEMM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
     eprintln!("{test}: seed {seed} (rerun with MOE_GEMM_SEED={seed})");
     ChaCha8Rng::seed_from_u64(seed)
 }
@@ -55,7 +64,11 @@ fn nvfp4_element_times_block_scale_is_exact_in_bf16() {
     for c in 0u8..16 {
         for s in (0u8..=255).filter(|s| s & 0x7F != 0x7F) {
             let v = e2m1::decode(c) * e4m3::decode(s);
-            assert_eq!(bf16::from_f32(v).to_f32(), v, "e2m1 code {c} x e4m3 code {s:#x}");
+            assert_eq!(
+                bf16::from_f32(v).to_f32(),
+                v,
+                "e2m1 code {c} x e4m3 code {s:#x}"
+            );
         }
     }
 }
@@ -73,8 +86,17 @@ fn kernel_register_dequant_is_exact_for_every_code_and_scale() {
                 for s in (0u8..=255).filter(|s| s & 0x7F != 0x7F && s & 0x80 == 0) {
                     let (a, b) = dequant_pair_like_kernel(word, i, s);
                     let sv = e4m3::decode(s);
-                    assert_eq!(a, e2m1::decode(lo as u8) * sv, "lo code {lo} nibble {i} scale {s:#x}");
-                    assert_eq!(b, e2m1::decode(hi as u8) * sv, "hi code {hi} nibble {} scale {s:#x}", i + 4);
+                    assert_eq!(
+                        a,
+                        e2m1::decode(lo as u8) * sv,
+                        "lo code {lo} nibble {i} scale {s:#x}"
+                    );
+                    assert_eq!(
+                        b,
+                        e2m1::decode(hi as u8) * sv,
+                        "hi code {hi} nibble {} scale {s:#x}",
+                        i + 4
+                    );
                 }
             }
         }
@@ -91,7 +113,9 @@ fn quantizer_follows_the_nvfp4_rule_and_bounds_the_error() {
     assert_eq!(q.global[5], 1.0);
     let deq = q.dequantize();
     for r in 0..rows {
-        let amax = x[r * cols..(r + 1) * cols].iter().fold(0f32, |m, v| m.max(v.abs()));
+        let amax = x[r * cols..(r + 1) * cols]
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()));
         if amax > 0.0 {
             assert_eq!(q.global[r], amax / 2688.0, "row {r}");
         }
@@ -102,7 +126,12 @@ fn quantizer_follows_the_nvfp4_rule_and_bounds_the_error() {
                 // Half the largest e2m1 gap (2, between 4 and 6) times the scale, plus the e4m3 rounding of the
                 // block scale that can push the block max past 6 * scale (saturation): <= 1.07 * scale.
                 let err = (x[idx] as f64 - deq[idx] as f64).abs();
-                assert!(err <= 1.07 * scale + 1e-30, "row {r} block {b} elem {i}: x {} deq {} scale {scale}", x[idx], deq[idx]);
+                assert!(
+                    err <= 1.07 * scale + 1e-30,
+                    "row {r} block {b} elem {i}: x {} deq {} scale {scale}",
+                    x[idx],
+                    deq[idx]
+                );
             }
         }
     }
@@ -130,7 +159,9 @@ fn reference_gemm_matches_a_dense_f64_product_of_dequantized_operands() {
         let wdeq = w.rows.dequantize();
         for cap in [Some(16), None] {
             // Experts 0 and 4 never chosen: empty groups.
-            let choices: Vec<usize> = (0..tokens * topk).map(|i| [1, 2, 3, 5, 6, 7, 8][(i * 5 + i / 3) % 7]).collect();
+            let choices: Vec<usize> = (0..tokens * topk)
+                .map(|i| [1, 2, 3, 5, 6, 7, 8][(i * 5 + i / 3) % 7])
+                .collect();
             let choices = fix_distinct(choices, tokens, topk, &[1, 2, 3, 5, 6, 7, 8]);
             let rb = RoutedBatch::from_choices(tokens, e, topk, choices, cap).unwrap();
             let xf = random_rows(&mut rng, tokens, k, 1.0);
@@ -153,19 +184,29 @@ fn reference_gemm_matches_a_dense_f64_product_of_dequantized_operands() {
                 for j in 0..topk {
                     let (row, ex) = (rb.token_rows[t * topk + j] as usize, rb.expert(t, j));
                     for nn in 0..n {
-                        let terms = (0..k).map(|kk| adeq[row * k + kk] as f64 * wdeq[(ex * n + nn) * k + kk] as f64);
-                        let (dense, dense_abs) = terms.fold((0.0, 0.0), |(s, a), p| (s + p, a + p.abs()));
+                        let terms = (0..k).map(|kk| {
+                            adeq[row * k + kk] as f64 * wdeq[(ex * n + nn) * k + kk] as f64
+                        });
+                        let (dense, dense_abs) =
+                            terms.fold((0.0, 0.0), |(s, a), p| (s + p, a + p.abs()));
                         let got = d[row * n + nn];
                         // dequantize() rounds each (e2m1 * s) * gs to f32 (2^-24 relative) on both operands.
                         let tol = 3.0 * U * dense_abs + 1e-30;
-                        assert!((got - dense).abs() <= tol, "token {t} j {j} n {nn}: {got} vs {dense} (tol {tol:e})");
+                        assert!(
+                            (got - dense).abs() <= tol,
+                            "token {t} j {j} n {nn}: {got} vs {dense} (tol {tol:e})"
+                        );
                     }
                 }
             }
             if let Grouping::Masked { capacity, counts } = &rb.grouping {
                 for (ex, &c) in counts.iter().enumerate() {
                     for slot in c as usize..*capacity {
-                        assert!(d[(ex * capacity + slot) * n..(ex * capacity + slot + 1) * n].iter().all(|v| *v == 0.0));
+                        assert!(
+                            d[(ex * capacity + slot) * n..(ex * capacity + slot + 1) * n]
+                                .iter()
+                                .all(|v| *v == 0.0)
+                        );
                     }
                 }
             }
@@ -189,7 +230,9 @@ fn fix_distinct(mut c: Vec<usize>, tokens: usize, topk: usize, pool: &[usize]) -
 
 #[test]
 fn swiglu_reference_applies_the_dsv4_clamp() {
-    let g = Grouping::Contiguous { offsets: vec![0, 1] };
+    let g = Grouping::Contiguous {
+        offsets: vec![0, 1],
+    };
     // gate 20 -> 10 (clamped above), up 20 -> 10; gate -20 stays (no clamp below), up -20 -> -10.
     let d = vec![20.0, -20.0, 0.5, 20.0, -20.0, 3.0];
     let h = swiglu_l1_f64(&d, 3, &[2.0], &g);
@@ -201,15 +244,37 @@ fn swiglu_reference_applies_the_dsv4_clamp() {
 
 #[test]
 fn bad_groupings_and_shapes_are_errors() {
-    assert!(Grouping::Masked { capacity: 4, counts: vec![1, 5] }.validate().is_err());
-    assert!(Grouping::Masked { capacity: 4, counts: vec![-1] }.validate().is_err());
-    assert!(Grouping::Contiguous { offsets: vec![0, 5, 3] }.validate().is_err());
-    assert!(Grouping::Contiguous { offsets: vec![1, 5] }.validate().is_err());
-    assert!(Grouping::Contiguous { offsets: vec![0, 0, 7] }.validate().is_ok());
+    assert!(Grouping::Masked {
+        capacity: 4,
+        counts: vec![1, 5]
+    }
+    .validate()
+    .is_err());
+    assert!(Grouping::Masked {
+        capacity: 4,
+        counts: vec![-1]
+    }
+    .validate()
+    .is_err());
+    assert!(Grouping::Contiguous {
+        offsets: vec![0, 5, 3]
+    }
+    .validate()
+    .is_err());
+    assert!(Grouping::Contiguous {
+        offsets: vec![1, 5]
+    }
+    .validate()
+    .is_err());
+    assert!(Grouping::Contiguous {
+        offsets: vec![0, 0, 7]
+    }
+    .validate()
+    .is_ok());
     assert!(mg::check_gemm_shape(100, 512).is_err());
     assert!(mg::check_gemm_shape(128, 100).is_err());
     assert!(mg::check_gemm_shape(4096, 7168).is_ok());
-    let mut w = ExpertWeights::quantize_per_row(&vec![0.25f32; 2 * 16], 1, 2, 16).unwrap();
+    let mut w = ExpertWeights::quantize_per_row(&[0.25f32; 2 * 16], 1, 2, 16).unwrap();
     w.rows.scales[1] = 0x7F;
     assert!(w.validate().is_err());
     let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -221,7 +286,10 @@ fn bad_groupings_and_shapes_are_errors() {
 fn config_heuristic_splits_k_only_when_the_grid_would_be_underfilled() {
     let c = GemmConfig::choose(132, 1.0, 6, 4096, 4096);
     assert_eq!(c.token_tile, 8);
-    assert!(c.splits >= 2 && 4096 % (c.splits * mg::STAGE_K) == 0, "{c:?}");
+    assert!(
+        c.splits >= 2 && 4096 % (c.splits * mg::STAGE_K) == 0,
+        "{c:?}"
+    );
     let c = GemmConfig::choose(132, 384.0, 256, 4096, 4096);
     assert_eq!((c.token_tile, c.splits), (64, 1));
 }
@@ -229,7 +297,12 @@ fn config_heuristic_splits_k_only_when_the_grid_would_be_underfilled() {
 // ------------------------------------------------------------------------------------------------- GPU checks
 
 /// A row per routed (token, expert) pair gathered from token activations, in the chosen A format.
-fn gathered_activations(rng: &mut impl Rng, rb: &RoutedBatch, k: usize, nvfp4: bool) -> Activations {
+fn gathered_activations(
+    rng: &mut impl Rng,
+    rb: &RoutedBatch,
+    k: usize,
+    nvfp4: bool,
+) -> Activations {
     let xf = random_rows(rng, rb.tokens, k, 1.0);
     let rows = rb.grouping.rows_total();
     let mut g = Vec::with_capacity(rows * k);
@@ -243,7 +316,11 @@ fn gathered_activations(rng: &mut impl Rng, rb: &RoutedBatch, k: usize, nvfp4: b
     if nvfp4 {
         Activations::Nvfp4(quantize_rows_nvfp4(&g, rows, k).unwrap())
     } else {
-        Activations::Bf16 { rows, k, data: g.iter().map(|v| bf16::from_f32(*v)).collect() }
+        Activations::Bf16 {
+            rows,
+            k,
+            data: g.iter().map(|v| bf16::from_f32(*v)).collect(),
+        }
     }
 }
 
@@ -259,9 +336,14 @@ struct DevA {
 impl DevA {
     fn upload(gpu: &Gpu, a: &Activations) -> DevA {
         match a {
-            Activations::Bf16 { rows, k, data } => {
-                DevA { bf: Some(gpu.upload(data).unwrap()), codes: None, scales: None, global: None, rows: *rows, k: *k }
-            }
+            Activations::Bf16 { rows, k, data } => DevA {
+                bf: Some(gpu.upload(data).unwrap()),
+                codes: None,
+                scales: None,
+                global: None,
+                rows: *rows,
+                k: *k,
+            },
             Activations::Nvfp4(q) => DevA {
                 bf: None,
                 codes: Some(gpu.upload(&q.codes).unwrap()),
@@ -274,7 +356,11 @@ impl DevA {
     }
     fn view(&self) -> DeviceActivations<'_> {
         match &self.bf {
-            Some(data) => DeviceActivations::Bf16 { rows: self.rows, k: self.k, data },
+            Some(data) => DeviceActivations::Bf16 {
+                rows: self.rows,
+                k: self.k,
+                data,
+            },
             None => DeviceActivations::Nvfp4 {
                 rows: self.rows,
                 k: self.k,
@@ -290,11 +376,23 @@ impl DevA {
 fn gpu_accumulator(gpu: &Gpu, ws: &Workspace) -> Vec<f64> {
     let p = gpu.download(&ws.partial).unwrap();
     let len = ws.rows_total * ws.n;
-    (0..len).map(|i| (0..ws.splits).fold(0f32, |a, s| a + p[s * len + i]) as f64).collect()
+    (0..len)
+        .map(|i| (0..ws.splits).fold(0f32, |a, s| a + p[s * len + i]) as f64)
+        .collect()
 }
 
 /// Check the fp32 accumulator against the f64 reference (bounds in the file header). Returns max abs error.
-fn check_accumulator(label: &str, got: &[f64], exact: &[f64], abs: &[f64], k: usize, splits: usize, owned: &dyn Fn(usize) -> bool, n: usize) -> f64 {
+#[allow(clippy::too_many_arguments)]
+fn check_accumulator(
+    label: &str,
+    got: &[f64],
+    exact: &[f64],
+    abs: &[f64],
+    k: usize,
+    splits: usize,
+    owned: &dyn Fn(usize) -> bool,
+    n: usize,
+) -> f64 {
     let per_elem = (k + splits + 16) as f64 * 2.0 * U;
     let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
     for i in 0..exact.len() {
@@ -318,12 +416,24 @@ fn check_accumulator(label: &str, got: &[f64], exact: &[f64], abs: &[f64], k: us
     let rel = if den > 0.0 { (num / den).sqrt() } else { 0.0 };
     let bound = 8.0 * (k as f64).sqrt() * U + (k as f64 / 16.0) * U;
     eprintln!("{label}: accumulator max |err| {max_abs:e}, rel L2 {rel:e} (bound {bound:e})");
-    assert!(rel <= bound, "{label}: relative L2 error {rel:e} > {bound:e}");
+    assert!(
+        rel <= bound,
+        "{label}: relative L2 error {rel:e} > {bound:e}"
+    );
     max_abs
 }
 
 #[allow(clippy::too_many_arguments)]
-fn check_plain(gpu: &Gpu, label: &str, w: &ExpertWeights, dw: &DeviceExpertWeights, rb: &RoutedBatch, nvfp4: bool, cfgs: &[GemmConfig], rng: &mut impl Rng) {
+fn check_plain(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    nvfp4: bool,
+    cfgs: &[GemmConfig],
+    rng: &mut impl Rng,
+) {
     let a = gathered_activations(rng, rb, w.k, nvfp4);
     let da = DevA::upload(gpu, &a);
     let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
@@ -331,32 +441,39 @@ fn check_plain(gpu: &Gpu, label: &str, w: &ExpertWeights, dw: &DeviceExpertWeigh
     let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
     let d = apply_global_scales(&exact, w, &a, &rb.grouping);
     for &cfg in cfgs {
-    let mut ws = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
-    gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-    let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
-    mg::grouped_gemm_bf16(gpu, dw, &da.view(), &dg, &cfg, &mut ws, &mut out).unwrap();
-    gpu.synchronize().unwrap();
-    let label = format!("{label} [{} A, {cfg:?}, rows {rows}]", if nvfp4 { "NVFP4" } else { "BF16" });
-    let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
-    let got = gpu_accumulator(gpu, &ws);
-    check_accumulator(&label, &got, &exact, &abs, w.k, cfg.splits, &owned, w.n);
-    let out = gpu.download(&out).unwrap();
-    let per_elem = (w.k + cfg.splits + 16) as f64 * 2.0 * U;
-    for r in 0..rows {
-        let e = rb.grouping.expert_of_row(r);
-        for nn in 0..w.n {
-            let i = r * w.n + nn;
-            let o = out[i].to_f32() as f64;
-            match e {
-                None => assert!(out[i].to_bits() == 0, "{label}: unowned row {r} col {nn} = {o} (must be written as 0)"),
-                Some(e) => {
-                    let scale = a.global(r) as f64 * w.global(e, nn) as f64;
-                    let tol = d[i].abs() * (1.0 / 256.0) + 2.0 * scale * per_elem * abs[i] + 1e-30;
-                    assert!((o - d[i]).abs() <= tol, "{label}: out row {r} (expert {e}) col {nn}: gpu {o} ref {} tol {tol:e}", d[i]);
+        let mut ws = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+        let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
+        mg::grouped_gemm_bf16(gpu, dw, &da.view(), &dg, &cfg, &mut ws, &mut out).unwrap();
+        gpu.synchronize().unwrap();
+        let label = format!(
+            "{label} [{} A, {cfg:?}, rows {rows}]",
+            if nvfp4 { "NVFP4" } else { "BF16" }
+        );
+        let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+        let got = gpu_accumulator(gpu, &ws);
+        check_accumulator(&label, &got, &exact, &abs, w.k, cfg.splits, &owned, w.n);
+        let out = gpu.download(&out).unwrap();
+        let per_elem = (w.k + cfg.splits + 16) as f64 * 2.0 * U;
+        for r in 0..rows {
+            let e = rb.grouping.expert_of_row(r);
+            for nn in 0..w.n {
+                let i = r * w.n + nn;
+                let o = out[i].to_f32() as f64;
+                match e {
+                    None => assert!(
+                        out[i].to_bits() == 0,
+                        "{label}: unowned row {r} col {nn} = {o} (must be written as 0)"
+                    ),
+                    Some(e) => {
+                        let scale = a.global(r) as f64 * w.global(e, nn) as f64;
+                        let tol =
+                            d[i].abs() * (1.0 / 256.0) + 2.0 * scale * per_elem * abs[i] + 1e-30;
+                        assert!((o - d[i]).abs() <= tol, "{label}: out row {r} (expert {e}) col {nn}: gpu {o} ref {} tol {tol:e}", d[i]);
+                    }
                 }
             }
         }
-    }
     }
 }
 
@@ -366,7 +483,9 @@ fn quantized_weights(rng: &mut impl Rng, e: usize, n: usize, k: usize) -> Expert
 
 #[test]
 fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
-    let Some(gpu) = gpu_for_test("gpu_masked_and_contiguous_token_counts_both_a_formats") else { return };
+    let Some(gpu) = gpu_for_test("gpu_masked_and_contiguous_token_counts_both_a_formats") else {
+        return;
+    };
     let mut rng = seeded("gpu_masked_and_contiguous_token_counts_both_a_formats");
     // One expert per count in the list (4096 gets its own smaller-K check below); two empty experts.
     let counts = [0usize, 1, 2, 3, 7, 8, 16, 63, 64, 65, 127, 256, 0];
@@ -376,17 +495,37 @@ fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
     let choices_for = |counts: &[usize]| -> (usize, Vec<usize>) {
         // top-1 routing so each expert gets exactly its count.
         let tokens: usize = counts.iter().sum();
-        (tokens, counts.iter().enumerate().flat_map(|(ex, &c)| std::iter::repeat_n(ex, c)).collect())
+        (
+            tokens,
+            counts
+                .iter()
+                .enumerate()
+                .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+                .collect(),
+        )
     };
     let (tokens, choices) = choices_for(&counts);
     for cap in [Some(256), None] {
         let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
         let cfgs: Vec<GemmConfig> = [(8, 1), (16, 2), (32, 1), (64, 2)]
             .iter()
-            .map(|&(token_tile, splits)| GemmConfig { token_tile, splits, ctas: 2 * gpu.info.sm_count as u32 })
+            .map(|&(token_tile, splits)| GemmConfig {
+                token_tile,
+                splits,
+                ctas: 2 * gpu.info.sm_count as u32,
+            })
             .collect();
         for nvfp4 in [false, true] {
-            check_plain(&gpu, &format!("counts {counts:?} cap {cap:?}"), &w, &dw, &rb, nvfp4, &cfgs, &mut rng);
+            check_plain(
+                &gpu,
+                &format!("counts {counts:?} cap {cap:?}"),
+                &w,
+                &dw,
+                &rb,
+                nvfp4,
+                &cfgs,
+                &mut rng,
+            );
         }
     }
     // 4096 rows for one expert (contiguous, prefill tile), small N and K to keep the CPU reference fast.
@@ -401,7 +540,10 @@ fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
 
 #[test]
 fn gpu_routings_6_of_256_and_6_of_384_with_the_default_config() {
-    let Some(gpu) = gpu_for_test("gpu_routings_6_of_256_and_6_of_384_with_the_default_config") else { return };
+    let Some(gpu) = gpu_for_test("gpu_routings_6_of_256_and_6_of_384_with_the_default_config")
+    else {
+        return;
+    };
     let mut rng = seeded("gpu_routings_6_of_256_and_6_of_384_with_the_default_config");
     for (experts, tokens) in [(256usize, 1usize), (256, 37), (384, 64)] {
         let (n, k) = (128, 512);
@@ -409,17 +551,42 @@ fn gpu_routings_6_of_256_and_6_of_384_with_the_default_config() {
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         for cap in [Some(tokens), None] {
             let rb = RoutedBatch::random(&mut rng, tokens, experts, 6, cap).unwrap();
-            let active = (0..experts).filter(|&x| !rb.grouping.expert_rows(x).is_empty()).count();
-            let cfg = GemmConfig::choose(gpu.info.sm_count as usize, (tokens * 6) as f64 / active as f64, active, n, k);
+            let active = (0..experts)
+                .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+                .count();
+            let cfg = GemmConfig::choose(
+                gpu.info.sm_count as usize,
+                (tokens * 6) as f64 / active as f64,
+                active,
+                n,
+                k,
+            );
             for nvfp4 in [false, true] {
-                check_plain(&gpu, &format!("6 of {experts}, {tokens} tokens"), &w, &dw, &rb, nvfp4, &[cfg], &mut rng);
+                check_plain(
+                    &gpu,
+                    &format!("6 of {experts}, {tokens} tokens"),
+                    &w,
+                    &dw,
+                    &rb,
+                    nvfp4,
+                    &[cfg],
+                    &mut rng,
+                );
             }
         }
     }
 }
 
 /// L1 (W13, SwiGLU + NVFP4) then L2 (W2, combine) on DSV4 shapes with a few physical experts.
-fn check_l1_l2(gpu: &Gpu, label: &str, hidden: usize, inter: usize, experts: usize, tokens: usize, rng: &mut impl Rng) {
+fn check_l1_l2(
+    gpu: &Gpu,
+    label: &str,
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    tokens: usize,
+    rng: &mut impl Rng,
+) {
     let topk = 6.min(experts);
     let w13 = quantized_weights(rng, experts, 2 * inter, hidden);
     let w2 = quantized_weights(rng, experts, hidden, inter);
@@ -427,7 +594,9 @@ fn check_l1_l2(gpu: &Gpu, label: &str, hidden: usize, inter: usize, experts: usi
     let d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
     let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
     let rows = rb.grouping.rows_total();
-    let active = (0..experts).filter(|&x| !rb.grouping.expert_rows(x).is_empty()).count();
+    let active = (0..experts)
+        .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+        .count();
     let rpe = (tokens * topk) as f64 / active as f64;
     let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
     let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
@@ -445,14 +614,26 @@ fn check_l1_l2(gpu: &Gpu, label: &str, hidden: usize, inter: usize, experts: usi
     let (exact, abs) = grouped_gemm_acc_f64(&w13, &a, &rb.grouping).unwrap();
     let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
     let got = gpu_accumulator(gpu, &ws1);
-    check_accumulator(&format!("{label} L1 {cfg1:?}"), &got, &exact, &abs, hidden, cfg1.splits, &owned, 2 * inter);
+    check_accumulator(
+        &format!("{label} L1 {cfg1:?}"),
+        &got,
+        &exact,
+        &abs,
+        hidden,
+        cfg1.splits,
+        &owned,
+        2 * inter,
+    );
     let d = apply_global_scales(&exact, &w13, &a, &rb.grouping);
     let h_ref = swiglu_l1_f64(&d, inter, &routing, &rb.grouping);
     let h_gpu = gpu.download(l1.h_f32.as_ref().unwrap()).unwrap();
     let per_elem = (hidden + cfg1.splits + 16) as f64 * 2.0 * U;
     for r in 0..rows {
         let Some(e) = rb.grouping.expert_of_row(r) else {
-            assert!(h_gpu[r * inter..(r + 1) * inter].iter().all(|v| *v == 0.0), "{label}: padding row {r} h not 0");
+            assert!(
+                h_gpu[r * inter..(r + 1) * inter].iter().all(|v| *v == 0.0),
+                "{label}: padding row {r} h not 0"
+            );
             continue;
         };
         for j in 0..inter {
@@ -464,9 +645,14 @@ fn check_l1_l2(gpu: &Gpu, label: &str, hidden: usize, inter: usize, experts: usi
             let g = d[gi].min(10.0);
             let u = d[ui].clamp(-10.0, 10.0);
             let silu = g / (1.0 + (-g).exp());
-            let tol = routing[r] as f64 * (1.1 * u.abs() * dg_ + silu.abs() * du) + 8.0 * U * 2.0 * h_ref[r * inter + j].abs() + 1e-30;
+            let tol = routing[r] as f64 * (1.1 * u.abs() * dg_ + silu.abs() * du)
+                + 8.0 * U * 2.0 * h_ref[r * inter + j].abs()
+                + 1e-30;
             let (hg, hr) = (h_gpu[r * inter + j] as f64, h_ref[r * inter + j]);
-            assert!((hg - hr).abs() <= tol, "{label}: h row {r} (expert {e}) col {j}: gpu {hg} ref {hr} tol {tol:e}");
+            assert!(
+                (hg - hr).abs() <= tol,
+                "{label}: h row {r} (expert {e}) col {j}: gpu {hg} ref {hr} tol {tol:e}"
+            );
         }
     }
     // NVFP4 quantization of h: bit-exact against the CPU quantizer applied to the GPU's own fp32 h.
@@ -479,13 +665,27 @@ fn check_l1_l2(gpu: &Gpu, label: &str, hidden: usize, inter: usize, experts: usi
         global: gpu.download(&l1.global).unwrap(),
     };
     for r in 0..rows {
-        assert_eq!(q_gpu.global[r].to_bits(), q_cpu.global[r].to_bits(), "{label}: h global scale row {r}");
+        assert_eq!(
+            q_gpu.global[r].to_bits(),
+            q_cpu.global[r].to_bits(),
+            "{label}: h global scale row {r}"
+        );
     }
     if let Some(i) = (0..q_cpu.scales.len()).find(|&i| q_cpu.scales[i] != q_gpu.scales[i]) {
-        panic!("{label}: h block scale {i} (row {}): gpu {:#x} cpu {:#x}", i / (inter / 16), q_gpu.scales[i], q_cpu.scales[i]);
+        panic!(
+            "{label}: h block scale {i} (row {}): gpu {:#x} cpu {:#x}",
+            i / (inter / 16),
+            q_gpu.scales[i],
+            q_cpu.scales[i]
+        );
     }
     if let Some(i) = (0..q_cpu.codes.len()).find(|&i| q_cpu.codes[i] != q_gpu.codes[i]) {
-        panic!("{label}: h code byte {i} (row {}): gpu {:#x} cpu {:#x}", i / (inter / 2), q_gpu.codes[i], q_cpu.codes[i]);
+        panic!(
+            "{label}: h code byte {i} (row {}): gpu {:#x} cpu {:#x}",
+            i / (inter / 2),
+            q_gpu.codes[i],
+            q_cpu.codes[i]
+        );
     }
 
     // L2 on the GPU's NVFP4 h (so L1 rounding does not enter the L2 check).
@@ -495,11 +695,30 @@ fn check_l1_l2(gpu: &Gpu, label: &str, hidden: usize, inter: usize, experts: usi
     let dtr = gpu.upload(&rb.token_rows).unwrap();
     let mut y = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
     mg::launch_partial(gpu, &d2, &l1.as_activations(), &dg, &cfg2, &mut ws2).unwrap();
-    mg::launch_finish_l2(gpu, &ws2, &dg, &d2, &l1.as_activations(), &dtr, topk, &mut y).unwrap();
+    mg::launch_finish_l2(
+        gpu,
+        &ws2,
+        &dg,
+        &d2,
+        &l1.as_activations(),
+        &dtr,
+        topk,
+        &mut y,
+    )
+    .unwrap();
     gpu.synchronize().unwrap();
     let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
     let got2 = gpu_accumulator(gpu, &ws2);
-    check_accumulator(&format!("{label} L2 {cfg2:?}"), &got2, &exact2, &abs2, inter, cfg2.splits, &owned, hidden);
+    check_accumulator(
+        &format!("{label} L2 {cfg2:?}"),
+        &got2,
+        &exact2,
+        &abs2,
+        inter,
+        cfg2.splits,
+        &owned,
+        hidden,
+    );
     let d2v = apply_global_scales(&exact2, &w2, &a2, &rb.grouping);
     let y_ref = combine_l2_f64(&d2v, hidden, &rb.token_rows, topk, &rb.grouping);
     let y = gpu.download(&y).unwrap();
@@ -510,32 +729,63 @@ fn check_l1_l2(gpu: &Gpu, label: &str, hidden: usize, inter: usize, experts: usi
             for j in 0..topk {
                 let r = rb.token_rows[t * topk + j] as usize;
                 let e = rb.expert(t, j);
-                tol += 2.0 * a2.global(r) as f64 * w2.global(e, nn) as f64 * per2 * abs2[r * hidden + nn] + 8.0 * U * d2v[r * hidden + nn].abs();
+                tol += 2.0
+                    * a2.global(r) as f64
+                    * w2.global(e, nn) as f64
+                    * per2
+                    * abs2[r * hidden + nn]
+                    + 8.0 * U * d2v[r * hidden + nn].abs();
             }
             let (o, rf) = (y[t * hidden + nn].to_f32() as f64, y_ref[t * hidden + nn]);
             tol += rf.abs() / 256.0;
-            assert!((o - rf).abs() <= tol, "{label}: L2 out token {t} col {nn}: gpu {o} ref {rf} tol {tol:e}");
+            assert!(
+                (o - rf).abs() <= tol,
+                "{label}: L2 out token {t} col {nn}: gpu {o} ref {rf} tol {tol:e}"
+            );
         }
     }
 }
 
 #[test]
 fn gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes() {
-    let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes") else { return };
+    let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes") else {
+        return;
+    };
     let mut rng = seeded("gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes");
-    check_l1_l2(&gpu, "Flash 4096/2048, 8 experts, 3 tokens", 4096, 2048, 8, 3, &mut rng);
+    check_l1_l2(
+        &gpu,
+        "Flash 4096/2048, 8 experts, 3 tokens",
+        4096,
+        2048,
+        8,
+        3,
+        &mut rng,
+    );
 }
 
 #[test]
 fn gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes() {
-    let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes") else { return };
+    let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes") else {
+        return;
+    };
     let mut rng = seeded("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes");
-    check_l1_l2(&gpu, "Pro 7168/3072, 6 experts, 1 token", 7168, 3072, 6, 1, &mut rng);
+    check_l1_l2(
+        &gpu,
+        "Pro 7168/3072, 6 experts, 1 token",
+        7168,
+        3072,
+        6,
+        1,
+        &mut rng,
+    );
 }
 
 #[test]
 fn gpu_masked_decode_step_replays_as_a_graph_with_new_counts() {
-    let Some(gpu) = gpu_for_test("gpu_masked_decode_step_replays_as_a_graph_with_new_counts") else { return };
+    let Some(gpu) = gpu_for_test("gpu_masked_decode_step_replays_as_a_graph_with_new_counts")
+    else {
+        return;
+    };
     let mut rng = seeded("gpu_masked_decode_step_replays_as_a_graph_with_new_counts");
     let (experts, n, k, cap) = (16, 256, 1024, 8);
     let w = quantized_weights(&mut rng, experts, n, k);
@@ -550,19 +800,38 @@ fn gpu_masked_decode_step_replays_as_a_graph_with_new_counts() {
     // One eager run first: loads the module and sets attributes outside the capture.
     mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out).unwrap();
     gpu.synchronize().unwrap();
-    let graph = gpu.capture(|| mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out)).unwrap();
+    let graph = gpu
+        .capture(|| mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out))
+        .unwrap();
     // New counts written into the same device buffer: the captured launch must follow them.
-    let counts2: Vec<i32> = (0..experts).map(|_| rng.random_range(0..=cap as i32)).collect();
+    let counts2: Vec<i32> = (0..experts)
+        .map(|_| rng.random_range(0..=cap as i32))
+        .collect();
     gpu.stream.memcpy_htod(&counts2, &mut dg.group).unwrap();
     graph.launch().unwrap();
     gpu.synchronize().unwrap();
-    let g2 = Grouping::Masked { capacity: cap, counts: counts2.clone() };
+    let g2 = Grouping::Masked {
+        capacity: cap,
+        counts: counts2.clone(),
+    };
     let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &g2).unwrap();
     let got = gpu_accumulator(&gpu, &ws);
     let owned = |r: usize| g2.expert_of_row(r).is_some();
-    check_accumulator(&format!("graph replay counts {counts2:?}"), &got, &exact, &abs, k, cfg.splits, &owned, n);
+    check_accumulator(
+        &format!("graph replay counts {counts2:?}"),
+        &got,
+        &exact,
+        &abs,
+        k,
+        cfg.splits,
+        &owned,
+        n,
+    );
     let out = gpu.download(&out).unwrap();
     for r in (0..experts * cap).filter(|&r| !owned(r)) {
-        assert!(out[r * n..(r + 1) * n].iter().all(|v| v.to_bits() == 0), "graph replay: padding row {r} not zeroed");
+        assert!(
+            out[r * n..(r + 1) * n].iter().all(|v| v.to_bits() == 0),
+            "graph replay: padding row {r} not zeroed"
+        );
     }
 }

@@ -35,9 +35,21 @@ pub struct MoeShape {
 }
 
 /// DSV4-Flash routed experts (dsv4-architecture §3.9, §5).
-pub const FLASH: MoeShape = MoeShape { name: "flash", hidden: 4096, inter: 2048, experts: 256, topk: 6 };
+pub const FLASH: MoeShape = MoeShape {
+    name: "flash",
+    hidden: 4096,
+    inter: 2048,
+    experts: 256,
+    topk: 6,
+};
 /// DSV4-Pro routed experts.
-pub const PRO: MoeShape = MoeShape { name: "pro", hidden: 7168, inter: 3072, experts: 384, topk: 6 };
+pub const PRO: MoeShape = MoeShape {
+    name: "pro",
+    hidden: 7168,
+    inter: 3072,
+    experts: 384,
+    topk: 6,
+};
 
 /// One measured point.
 #[derive(Debug, Clone)]
@@ -70,9 +82,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-fn fill_weights(gpu: &Gpu, codes: &mut CudaSlice<u8>, scales: &mut CudaSlice<u8>, seed: u32) -> Result<()> {
+fn fill_weights(
+    gpu: &Gpu,
+    codes: &mut CudaSlice<u8>,
+    scales: &mut CudaSlice<u8>,
+    seed: u32,
+) -> Result<()> {
     let f = gpu.function(FAMILY, "moe_gemm_fill_bench_weights")?;
-    let (pc, ps) = (codes.device_ptr(&gpu.stream).0, scales.device_ptr(&gpu.stream).0);
+    let (pc, ps) = (
+        codes.device_ptr(&gpu.stream).0,
+        scales.device_ptr(&gpu.stream).0,
+    );
     let (nc, ns) = (codes.len() as u64, scales.len() as u64);
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(&pc).arg(&nc).arg(&ps).arg(&ns).arg(&seed);
@@ -81,13 +101,26 @@ fn fill_weights(gpu: &Gpu, codes: &mut CudaSlice<u8>, scales: &mut CudaSlice<u8>
 }
 
 /// Synthetic NVFP4 weights filled on the device (no host round trip), global scale 2^-6 per row.
-pub fn synthetic_weights(gpu: &Gpu, experts: usize, n: usize, k: usize, seed: u32) -> Result<DeviceExpertWeights> {
+pub fn synthetic_weights(
+    gpu: &Gpu,
+    experts: usize,
+    n: usize,
+    k: usize,
+    seed: u32,
+) -> Result<DeviceExpertWeights> {
     check_gemm_shape(n, k)?;
     let mut codes = gpu.zeros::<u8>(experts * n * k / 2)?;
     let mut scales = gpu.zeros::<u8>(experts * n * k / 16)?;
     fill_weights(gpu, &mut codes, &mut scales, seed)?;
     let global = gpu.upload(&vec![1.0f32 / 64.0; experts * n])?;
-    Ok(DeviceExpertWeights { experts, n, k, codes, scales, global })
+    Ok(DeviceExpertWeights {
+        experts,
+        n,
+        k,
+        codes,
+        scales,
+        global,
+    })
 }
 
 /// Measured denominators: copy bandwidth (GB/s, read + write) and dense BF16 cuBLASLt TFLOPS.
@@ -95,25 +128,49 @@ pub fn measure_limits(gpu: &Gpu, blas: &Blas, plan: TimingPlan) -> Result<(f64, 
     let bytes = 1usize << 30;
     let src = gpu.zeros::<u8>(bytes)?;
     let mut dst = gpu.zeros::<u8>(bytes)?;
-    let t = median(gpu.time_us(plan, || gpu.stream.memcpy_dtod(&src, &mut dst).map_err(|e| anyhow!("dtod: {e:?}")))?);
+    let t = median(gpu.time_us(plan, || {
+        gpu.stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| anyhow!("dtod: {e:?}"))
+    })?);
     let copy = 2.0 * bytes as f64 / (t * 1e-6) / 1e9;
     let m = 8192;
     let mut a = gpu.zeros::<u8>(m * m * 2)?;
     let mut s = gpu.zeros::<u8>(1)?;
     fill_weights(gpu, &mut a, &mut s, 7)?; // random bytes: finite bf16 values in every sane range except rare NaN/Inf
     let mut d = gpu.zeros::<bf16>(m * m)?;
-    let t = median(gpu.time_us(plan, || blas.gemm_tn(gpu, GemmInput::Bf16, m, m, m, &a, &a, &mut d, 1.0))?);
+    let t = median(gpu.time_us(plan, || {
+        blas.gemm_tn(gpu, GemmInput::Bf16, m, m, m, &a, &a, &mut d, 1.0)
+    })?);
     Ok((copy, 2.0 * (m as f64).powi(3) / (t * 1e-6) / 1e12))
 }
 
 /// One sweep point: `tokens` routed top-k of `shape.experts`, L1 and L2, ours and both baselines.
-pub fn bench_point(gpu: &Gpu, shape: MoeShape, tokens: usize, plan: TimingPlan, limits: (f64, f64)) -> Result<Vec<BenchPoint>> {
+pub fn bench_point(
+    gpu: &Gpu,
+    shape: MoeShape,
+    tokens: usize,
+    plan: TimingPlan,
+    limits: (f64, f64),
+) -> Result<Vec<BenchPoint>> {
     let mut rng = ChaCha8Rng::seed_from_u64(tokens as u64 * 7919 + 1);
     let masked = tokens <= 256;
     let rb0 = RoutedBatch::random(&mut rng, tokens, shape.experts, shape.topk, None)?;
-    let most = (0..shape.experts).map(|e| rb0.grouping.expert_rows(e).len()).max().unwrap_or(1).max(1);
-    let rb = RoutedBatch::from_choices(tokens, shape.experts, shape.topk, rb0.experts_of.clone(), masked.then_some(most))?;
-    let active: Vec<usize> = (0..shape.experts).filter(|&e| !rb.grouping.expert_rows(e).is_empty()).collect();
+    let most = (0..shape.experts)
+        .map(|e| rb0.grouping.expert_rows(e).len())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let rb = RoutedBatch::from_choices(
+        tokens,
+        shape.experts,
+        shape.topk,
+        rb0.experts_of.clone(),
+        masked.then_some(most),
+    )?;
+    let active: Vec<usize> = (0..shape.experts)
+        .filter(|&e| !rb.grouping.expert_rows(e).is_empty())
+        .collect();
     let pairs = tokens * shape.topk;
     let rows = rb.grouping.rows_total();
     let rpe = pairs as f64 / active.len() as f64;
@@ -126,7 +183,13 @@ pub fn bench_point(gpu: &Gpu, shape: MoeShape, tokens: usize, plan: TimingPlan, 
     let mut a_scales = gpu.zeros::<u8>(rows * h / 16)?;
     fill_weights(gpu, &mut a_codes, &mut a_scales, 17)?;
     let gsa = gpu.upload(&vec![0.05f32; rows])?;
-    let a = DeviceActivations::Nvfp4 { rows, k: h, codes: &a_codes, scales: &a_scales, global: &gsa };
+    let a = DeviceActivations::Nvfp4 {
+        rows,
+        k: h,
+        codes: &a_codes,
+        scales: &a_scales,
+        global: &gsa,
+    };
     let routing = gpu.upload(&vec![0.25f32; rows])?;
     let token_rows = gpu.upload(&rb.token_rows)?;
     let cfg1 = GemmConfig::choose(gpu.info.sm_count as usize, rpe, active.len(), 2 * i, h);
@@ -146,10 +209,16 @@ pub fn bench_point(gpu: &Gpu, shape: MoeShape, tokens: usize, plan: TimingPlan, 
         launch_finish_l2(gpu, &ws2, &dg, &w2, &a2, &token_rows, shape.topk, &mut y)
     })?);
 
-    let (b1, b2) = (w13.bytes_per_expert() as f64 * active.len() as f64, w2.bytes_per_expert() as f64 * active.len() as f64);
+    let (b1, b2) = (
+        w13.bytes_per_expert() as f64 * active.len() as f64,
+        w2.bytes_per_expert() as f64 * active.len() as f64,
+    );
     let io1 = (pairs * (h / 2 + h / 16 + 4) + pairs * (i / 2 + i / 16 + 4)) as f64;
     let io2 = (pairs * (i / 2 + i / 16 + 4) + tokens * h * 2) as f64;
-    let (f1, f2) = (2.0 * pairs as f64 * (2 * i) as f64 * h as f64, 2.0 * pairs as f64 * h as f64 * i as f64);
+    let (f1, f2) = (
+        2.0 * pairs as f64 * (2 * i) as f64 * h as f64,
+        2.0 * pairs as f64 * h as f64 * i as f64,
+    );
 
     // Baselines: per active expert cuBLASLt on BF16 (pre-dequantized) and FP8 weights.
     let blas = Blas::new(gpu)?;
@@ -198,8 +267,16 @@ pub fn bench_point(gpu: &Gpu, shape: MoeShape, tokens: usize, plan: TimingPlan, 
     }
 
     let (copy, bf16_tf) = limits;
-    let shape_s = format!("{} E={} top{} H={} I={}", shape.name, shape.experts, shape.topk, h, i);
-    let point = |variant: &str, us: f64, bytes: f64, flops: f64, baseline: Option<(&str, f64)>, fp8: Option<f64>| BenchPoint {
+    let shape_s = format!(
+        "{} E={} top{} H={} I={}",
+        shape.name, shape.experts, shape.topk, h, i
+    );
+    let point = |variant: &str,
+                 us: f64,
+                 bytes: f64,
+                 flops: f64,
+                 baseline: Option<(&str, f64)>,
+                 fp8: Option<f64>| BenchPoint {
         kernel: "moe_gemm",
         variant: variant.to_string(),
         shape: shape_s.clone(),
@@ -220,10 +297,38 @@ pub fn bench_point(gpu: &Gpu, shape: MoeShape, tokens: usize, plan: TimingPlan, 
     let elems1 = (active.len() * 2 * i * h) as f64;
     let elems2 = (active.len() * h * i) as f64;
     Ok(vec![
-        point("nvfp4_l1", t_l1, b1 + io1, f1, Some(("cublaslt_bf16_l1", base_bf16[0])), Some(base_fp8[0])),
-        point("nvfp4_l2", t_l2, b2 + io2, f2, Some(("cublaslt_bf16_l2", base_bf16[1])), Some(base_fp8[1])),
-        point("cublaslt_bf16_l1", base_bf16[0], 2.0 * elems1, f1, None, None),
-        point("cublaslt_bf16_l2", base_bf16[1], 2.0 * elems2, f2, None, None),
+        point(
+            "nvfp4_l1",
+            t_l1,
+            b1 + io1,
+            f1,
+            Some(("cublaslt_bf16_l1", base_bf16[0])),
+            Some(base_fp8[0]),
+        ),
+        point(
+            "nvfp4_l2",
+            t_l2,
+            b2 + io2,
+            f2,
+            Some(("cublaslt_bf16_l2", base_bf16[1])),
+            Some(base_fp8[1]),
+        ),
+        point(
+            "cublaslt_bf16_l1",
+            base_bf16[0],
+            2.0 * elems1,
+            f1,
+            None,
+            None,
+        ),
+        point(
+            "cublaslt_bf16_l2",
+            base_bf16[1],
+            2.0 * elems2,
+            f2,
+            None,
+            None,
+        ),
         point("cublaslt_fp8_l1", base_fp8[0], elems1, f1, None, None),
         point("cublaslt_fp8_l2", base_fp8[1], elems2, f2, None, None),
     ])

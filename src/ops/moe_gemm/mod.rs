@@ -43,9 +43,18 @@ const THREADS: u32 = 256;
 
 /// `N % 128 == 0`, `K % 512 == 0`: the tile shapes of the kernel (all DSV4 shapes qualify).
 pub fn check_gemm_shape(n: usize, k: usize) -> Result<()> {
-    ensure!(n > 0 && n % BLOCK_N == 0, "moe_gemm: N = {n} must be a positive multiple of {BLOCK_N}");
-    ensure!(k > 0 && k % STAGE_K == 0, "moe_gemm: K = {k} must be a positive multiple of {STAGE_K}");
-    ensure!(n <= i32::MAX as usize && k <= i32::MAX as usize, "moe_gemm: N or K does not fit an i32");
+    ensure!(
+        n > 0 && n.is_multiple_of(BLOCK_N),
+        "moe_gemm: N = {n} must be a positive multiple of {BLOCK_N}"
+    );
+    ensure!(
+        k > 0 && k.is_multiple_of(STAGE_K),
+        "moe_gemm: K = {k} must be a positive multiple of {STAGE_K}"
+    );
+    ensure!(
+        n <= i32::MAX as usize && k <= i32::MAX as usize,
+        "moe_gemm: N or K does not fit an i32"
+    );
     Ok(())
 }
 
@@ -73,7 +82,11 @@ impl DeviceExpertWeights {
     pub fn upload(gpu: &Gpu, w: &ExpertWeights) -> Result<DeviceExpertWeights> {
         w.validate()?;
         check_gemm_shape(w.n, w.k)?;
-        ensure!(w.experts >= 1 && w.experts <= MAX_EXPERTS, "moe_gemm: {} experts (1..={MAX_EXPERTS})", w.experts);
+        ensure!(
+            w.experts >= 1 && w.experts <= MAX_EXPERTS,
+            "moe_gemm: {} experts (1..={MAX_EXPERTS})",
+            w.experts
+        );
         Ok(DeviceExpertWeights {
             experts: w.experts,
             n: w.n,
@@ -92,26 +105,61 @@ impl DeviceExpertWeights {
 
 /// The A operand on the device.
 pub enum DeviceActivations<'a> {
-    Bf16 { rows: usize, k: usize, data: &'a CudaSlice<bf16> },
-    Nvfp4 { rows: usize, k: usize, codes: &'a CudaSlice<u8>, scales: &'a CudaSlice<u8>, global: &'a CudaSlice<f32> },
+    Bf16 {
+        rows: usize,
+        k: usize,
+        data: &'a CudaSlice<bf16>,
+    },
+    Nvfp4 {
+        rows: usize,
+        k: usize,
+        codes: &'a CudaSlice<u8>,
+        scales: &'a CudaSlice<u8>,
+        global: &'a CudaSlice<f32>,
+    },
 }
 
 impl DeviceActivations<'_> {
     fn rows_k(&self) -> (usize, usize) {
         match self {
-            DeviceActivations::Bf16 { rows, k, .. } | DeviceActivations::Nvfp4 { rows, k, .. } => (*rows, *k),
+            DeviceActivations::Bf16 { rows, k, .. } | DeviceActivations::Nvfp4 { rows, k, .. } => {
+                (*rows, *k)
+            }
         }
     }
     fn check(&self) -> Result<()> {
         let (rows, k) = self.rows_k();
         match self {
             DeviceActivations::Bf16 { data, .. } => {
-                ensure!(data.len() >= rows * k, "moe_gemm: BF16 A has {} elements, needs {rows} x {k}", data.len())
+                ensure!(
+                    data.len() >= rows * k,
+                    "moe_gemm: BF16 A has {} elements, needs {rows} x {k}",
+                    data.len()
+                )
             }
-            DeviceActivations::Nvfp4 { codes, scales, global, .. } => {
-                ensure!(codes.len() >= rows * k / 2, "moe_gemm: NVFP4 A codes {} bytes < {}", codes.len(), rows * k / 2);
-                ensure!(scales.len() >= rows * k / 16, "moe_gemm: NVFP4 A scales {} < {}", scales.len(), rows * k / 16);
-                ensure!(global.len() >= rows, "moe_gemm: NVFP4 A has {} global scales for {rows} rows", global.len());
+            DeviceActivations::Nvfp4 {
+                codes,
+                scales,
+                global,
+                ..
+            } => {
+                ensure!(
+                    codes.len() >= rows * k / 2,
+                    "moe_gemm: NVFP4 A codes {} bytes < {}",
+                    codes.len(),
+                    rows * k / 2
+                );
+                ensure!(
+                    scales.len() >= rows * k / 16,
+                    "moe_gemm: NVFP4 A scales {} < {}",
+                    scales.len(),
+                    rows * k / 16
+                );
+                ensure!(
+                    global.len() >= rows,
+                    "moe_gemm: NVFP4 A has {} global scales for {rows} rows",
+                    global.len()
+                );
             }
         }
         Ok(())
@@ -137,7 +185,11 @@ impl DeviceGrouping {
     /// Validate a host grouping and upload it.
     pub fn upload(gpu: &Gpu, g: &Grouping) -> Result<DeviceGrouping> {
         g.validate()?;
-        ensure!(g.experts() <= MAX_EXPERTS, "moe_gemm: {} experts (max {MAX_EXPERTS})", g.experts());
+        ensure!(
+            g.experts() <= MAX_EXPERTS,
+            "moe_gemm: {} experts (max {MAX_EXPERTS})",
+            g.experts()
+        );
         let (capacity, data) = match g {
             Grouping::Masked { capacity, counts } => {
                 ensure!(*capacity >= 1, "masked grouping: capacity must be >= 1");
@@ -146,7 +198,12 @@ impl DeviceGrouping {
             Grouping::Contiguous { offsets } => (0, offsets.clone()),
         };
         as_i32(g.rows_total(), "rows_total")?;
-        Ok(DeviceGrouping { capacity, experts: g.experts(), rows_total: g.rows_total(), group: gpu.upload(&data)? })
+        Ok(DeviceGrouping {
+            capacity,
+            experts: g.experts(),
+            rows_total: g.rows_total(),
+            group: gpu.upload(&data)?,
+        })
     }
 }
 
@@ -166,24 +223,48 @@ impl GemmConfig {
     /// and the expected number of active experts. Picks the smallest token tile that holds the rows, then the
     /// K split count with the least estimated time `ceil(items * s / slots) / s` (wave quantization over the
     /// persistent CTA slots: 2 per SM for tiles <= 16 tokens), times 5% per extra split for the fp32 partials.
-    pub fn choose(sm_count: usize, rows_per_active_expert: f64, active_experts: usize, n: usize, k: usize) -> GemmConfig {
-        let token_tile = TOKEN_TILES.iter().copied().find(|&t| t as f64 >= rows_per_active_expert).unwrap_or(64);
+    pub fn choose(
+        sm_count: usize,
+        rows_per_active_expert: f64,
+        active_experts: usize,
+        n: usize,
+        k: usize,
+    ) -> GemmConfig {
+        let token_tile = TOKEN_TILES
+            .iter()
+            .copied()
+            .find(|&t| t as f64 >= rows_per_active_expert)
+            .unwrap_or(64);
         let per_sm = if token_tile <= 16 { 2 } else { 1 };
         let slots = sm_count.max(1) * per_sm;
         let tiles = (rows_per_active_expert / token_tile as f64).ceil().max(1.0) as usize;
         let items = active_experts.max(1) * tiles * (n / BLOCK_N).max(1);
-        let cost = |s: usize| (items * s).div_ceil(slots) as f64 / s as f64 * (1.0 + 0.05 * (s - 1) as f64);
+        let cost = |s: usize| {
+            (items * s).div_ceil(slots) as f64 / s as f64 * (1.0 + 0.05 * (s - 1) as f64)
+        };
         let splits = [1usize, 2, 4, 8]
             .into_iter()
-            .filter(|&s| k % (s * STAGE_K) == 0)
+            .filter(|&s| k.is_multiple_of(s * STAGE_K))
             .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
             .unwrap_or(1);
-        GemmConfig { token_tile, splits, ctas: slots as u32 }
+        GemmConfig {
+            token_tile,
+            splits,
+            ctas: slots as u32,
+        }
     }
 
     fn check(&self, k: usize) -> Result<()> {
-        ensure!(TOKEN_TILES.contains(&self.token_tile), "moe_gemm: token tile {} not in {TOKEN_TILES:?}", self.token_tile);
-        ensure!(self.splits >= 1 && k % (self.splits * STAGE_K) == 0, "moe_gemm: K = {k} is not a multiple of splits ({}) x {STAGE_K}", self.splits);
+        ensure!(
+            TOKEN_TILES.contains(&self.token_tile),
+            "moe_gemm: token tile {} not in {TOKEN_TILES:?}",
+            self.token_tile
+        );
+        ensure!(
+            self.splits >= 1 && k.is_multiple_of(self.splits * STAGE_K),
+            "moe_gemm: K = {k} is not a multiple of splits ({}) x {STAGE_K}",
+            self.splits
+        );
         ensure!(self.ctas >= 1, "moe_gemm: at least one CTA");
         Ok(())
     }
@@ -200,7 +281,12 @@ pub struct Workspace {
 impl Workspace {
     pub fn new(gpu: &Gpu, splits: usize, rows_total: usize, n: usize) -> Result<Workspace> {
         let len = splits.max(1) * rows_total.max(1) * n;
-        Ok(Workspace { splits, rows_total, n, partial: gpu.zeros::<f32>(len)? })
+        Ok(Workspace {
+            splits,
+            rows_total,
+            n,
+            partial: gpu.zeros::<f32>(len)?,
+        })
     }
 }
 
@@ -217,8 +303,17 @@ pub fn launch_partial(
     a.check()?;
     let (a_rows, a_k) = a.rows_k();
     ensure!(a_k == w.k, "moe_gemm: A has K = {a_k}, weights K = {}", w.k);
-    ensure!(a_rows >= grp.rows_total, "moe_gemm: A has {a_rows} rows, the grouping spans {}", grp.rows_total);
-    ensure!(grp.experts == w.experts, "moe_gemm: grouping has {} experts, weights {}", grp.experts, w.experts);
+    ensure!(
+        a_rows >= grp.rows_total,
+        "moe_gemm: A has {a_rows} rows, the grouping spans {}",
+        grp.rows_total
+    );
+    ensure!(
+        grp.experts == w.experts,
+        "moe_gemm: grouping has {} experts, weights {}",
+        grp.experts,
+        w.experts
+    );
     ensure!(
         ws.splits == cfg.splits && ws.rows_total == grp.rows_total && ws.n == w.n,
         "moe_gemm: workspace is [{}, {}, {}], launch needs [{}, {}, {}]",
@@ -233,27 +328,61 @@ pub fn launch_partial(
     let f = gpu.function(FAMILY, &name)?;
     let smem = (cfg.token_tile * STAGE_K * 2) as u32;
     if smem > 48 * 1024 {
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(|e| anyhow!("{name}: setting dynamic shared memory to {smem}: {e:?}"))?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| anyhow!("{name}: setting dynamic shared memory to {smem}: {e:?}"))?;
     }
     let (act, act_scales, is_nvfp4) = match a {
         DeviceActivations::Bf16 { data, .. } => (ptr(gpu, *data), 0u64, 0i32),
-        DeviceActivations::Nvfp4 { codes, scales, .. } => (ptr(gpu, *codes), ptr(gpu, *scales), 1i32),
+        DeviceActivations::Nvfp4 { codes, scales, .. } => {
+            (ptr(gpu, *codes), ptr(gpu, *scales), 1i32)
+        }
     };
-    let (wc, wsc, grp_p, part) = (ptr(gpu, &w.codes), ptr(gpu, &w.scales), ptr(gpu, &grp.group), ptr(gpu, &ws.partial));
+    let (wc, wsc, grp_p, part) = (
+        ptr(gpu, &w.codes),
+        ptr(gpu, &w.scales),
+        ptr(gpu, &grp.group),
+        ptr(gpu, &ws.partial),
+    );
     let (n, k) = (as_i32(w.n, "N")?, as_i32(w.k, "K")?);
-    let (cap, e, rows, splits) =
-        (as_i32(grp.capacity, "capacity")?, as_i32(grp.experts, "experts")?, as_i32(grp.rows_total, "rows")?, cfg.splits as i32);
+    let (cap, e, rows, splits) = (
+        as_i32(grp.capacity, "capacity")?,
+        as_i32(grp.experts, "experts")?,
+        as_i32(grp.rows_total, "rows")?,
+        cfg.splits as i32,
+    );
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&wc).arg(&wsc).arg(&n).arg(&k).arg(&act).arg(&act_scales).arg(&is_nvfp4);
-    b.arg(&grp_p).arg(&cap).arg(&e).arg(&rows).arg(&part).arg(&splits);
-    unsafe { b.launch(launch_cfg((cfg.ctas, 1, 1), (THREADS, 1, 1), smem)) }.map_err(|e| anyhow!("{name}: {e:?}"))?;
+    b.arg(&wc)
+        .arg(&wsc)
+        .arg(&n)
+        .arg(&k)
+        .arg(&act)
+        .arg(&act_scales)
+        .arg(&is_nvfp4);
+    b.arg(&grp_p)
+        .arg(&cap)
+        .arg(&e)
+        .arg(&rows)
+        .arg(&part)
+        .arg(&splits);
+    unsafe { b.launch(launch_cfg((cfg.ctas, 1, 1), (THREADS, 1, 1), smem)) }
+        .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
 
 fn check_finish(ws: &Workspace, grp: &DeviceGrouping, w: &DeviceExpertWeights) -> Result<()> {
-    ensure!(ws.rows_total == grp.rows_total && ws.n == w.n, "moe_gemm finish: workspace does not match the grouping/weights");
-    ensure!(grp.experts == w.experts, "moe_gemm finish: grouping has {} experts, weights {}", grp.experts, w.experts);
+    ensure!(
+        ws.rows_total == grp.rows_total && ws.n == w.n,
+        "moe_gemm finish: workspace does not match the grouping/weights"
+    );
+    ensure!(
+        grp.experts == w.experts,
+        "moe_gemm finish: grouping has {} experts, weights {}",
+        grp.experts,
+        w.experts
+    );
     Ok(())
 }
 
@@ -267,17 +396,50 @@ pub fn launch_finish_bf16(
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     check_finish(ws, grp, w)?;
-    ensure!(out.len() >= grp.rows_total * w.n, "moe_gemm: output has {} elements, needs {} x {}", out.len(), grp.rows_total, w.n);
+    ensure!(
+        out.len() >= grp.rows_total * w.n,
+        "moe_gemm: output has {} elements, needs {} x {}",
+        out.len(),
+        grp.rows_total,
+        w.n
+    );
     if grp.rows_total == 0 {
         return Ok(());
     }
     let f = gpu.function(FAMILY, "moe_gemm_finish_bf16")?;
-    let (part, grp_p, gsa, gsb, o) = (ptr(gpu, &ws.partial), ptr(gpu, &grp.group), a.gsa_ptr(gpu), ptr(gpu, &w.global), ptr(gpu, out));
-    let (splits, cap, e, rows, n) = (ws.splits as i32, grp.capacity as i32, grp.experts as i32, grp.rows_total as i32, w.n as i32);
+    let (part, grp_p, gsa, gsb, o) = (
+        ptr(gpu, &ws.partial),
+        ptr(gpu, &grp.group),
+        a.gsa_ptr(gpu),
+        ptr(gpu, &w.global),
+        ptr(gpu, out),
+    );
+    let (splits, cap, e, rows, n) = (
+        ws.splits as i32,
+        grp.capacity as i32,
+        grp.experts as i32,
+        grp.rows_total as i32,
+        w.n as i32,
+    );
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&part).arg(&splits).arg(&grp_p).arg(&cap).arg(&e).arg(&rows).arg(&n).arg(&gsa).arg(&gsb).arg(&o);
-    unsafe { b.launch(launch_cfg((grp.rows_total as u32, 1, 1), (THREADS, 1, 1), 0)) }
-        .map_err(|e| anyhow!("moe_gemm_finish_bf16: {e:?}"))?;
+    b.arg(&part)
+        .arg(&splits)
+        .arg(&grp_p)
+        .arg(&cap)
+        .arg(&e)
+        .arg(&rows)
+        .arg(&n)
+        .arg(&gsa)
+        .arg(&gsb)
+        .arg(&o);
+    unsafe {
+        b.launch(launch_cfg(
+            (grp.rows_total as u32, 1, 1),
+            (THREADS, 1, 1),
+            0,
+        ))
+    }
+    .map_err(|e| anyhow!("moe_gemm_finish_bf16: {e:?}"))?;
     Ok(())
 }
 
@@ -300,13 +462,23 @@ impl L1Output {
             codes: gpu.poisoned::<u8>((rows * i_dim / 2).max(1), 0xFF)?,
             scales: gpu.poisoned::<u8>((rows * i_dim / 16).max(1), 0xFF)?,
             global: gpu.poisoned::<f32>(rows.max(1), 0xFF)?,
-            h_f32: if keep_h_f32 { Some(gpu.poisoned::<f32>((rows * i_dim).max(1), 0xFF)?) } else { None },
+            h_f32: if keep_h_f32 {
+                Some(gpu.poisoned::<f32>((rows * i_dim).max(1), 0xFF)?)
+            } else {
+                None
+            },
         })
     }
 
     /// This output as the A operand of the L2 GEMM.
     pub fn as_activations(&self) -> DeviceActivations<'_> {
-        DeviceActivations::Nvfp4 { rows: self.rows, k: self.i_dim, codes: &self.codes, scales: &self.scales, global: &self.global }
+        DeviceActivations::Nvfp4 {
+            rows: self.rows,
+            k: self.i_dim,
+            codes: &self.codes,
+            scales: &self.scales,
+            global: &self.global,
+        }
     }
 }
 
@@ -322,30 +494,85 @@ pub fn launch_finish_l1(
     out: &mut L1Output,
 ) -> Result<()> {
     check_finish(ws, grp, w13)?;
-    ensure!(w13.n % 2 == 0, "moe_gemm L1: N = {} must be 2 * I", w13.n);
+    ensure!(
+        w13.n.is_multiple_of(2),
+        "moe_gemm L1: N = {} must be 2 * I",
+        w13.n
+    );
     let i_dim = w13.n / 2;
-    ensure!(i_dim % 16 == 0, "moe_gemm L1: I = {i_dim} must be a multiple of 16");
-    ensure!(out.rows == grp.rows_total && out.i_dim == i_dim, "moe_gemm L1: output is {} x {}, needs {} x {i_dim}", out.rows, out.i_dim, grp.rows_total);
-    ensure!(routing.len() >= grp.rows_total, "moe_gemm L1: {} routing weights for {} rows", routing.len(), grp.rows_total);
+    ensure!(
+        i_dim.is_multiple_of(16),
+        "moe_gemm L1: I = {i_dim} must be a multiple of 16"
+    );
+    ensure!(
+        out.rows == grp.rows_total && out.i_dim == i_dim,
+        "moe_gemm L1: output is {} x {}, needs {} x {i_dim}",
+        out.rows,
+        out.i_dim,
+        grp.rows_total
+    );
+    ensure!(
+        routing.len() >= grp.rows_total,
+        "moe_gemm L1: {} routing weights for {} rows",
+        routing.len(),
+        grp.rows_total
+    );
     let smem = (i_dim * 4) as u32;
-    ensure!(smem as usize <= gpu.info.max_smem_per_block_optin, "moe_gemm L1: I = {i_dim} needs {smem} B of shared memory");
+    ensure!(
+        smem as usize <= gpu.info.max_smem_per_block_optin,
+        "moe_gemm L1: I = {i_dim} needs {smem} B of shared memory"
+    );
     if grp.rows_total == 0 {
         return Ok(());
     }
     let f = gpu.function(FAMILY, "moe_gemm_finish_l1_swiglu_nvfp4")?;
     if smem > 48 * 1024 {
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(|e| anyhow!("moe_gemm L1: shared memory attribute: {e:?}"))?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| anyhow!("moe_gemm L1: shared memory attribute: {e:?}"))?;
     }
-    let (part, grp_p, gsa, gsb, rw) = (ptr(gpu, &ws.partial), ptr(gpu, &grp.group), a.gsa_ptr(gpu), ptr(gpu, &w13.global), ptr(gpu, routing));
-    let (hc, hs, hg) = (ptr(gpu, &out.codes), ptr(gpu, &out.scales), ptr(gpu, &out.global));
+    let (part, grp_p, gsa, gsb, rw) = (
+        ptr(gpu, &ws.partial),
+        ptr(gpu, &grp.group),
+        a.gsa_ptr(gpu),
+        ptr(gpu, &w13.global),
+        ptr(gpu, routing),
+    );
+    let (hc, hs, hg) = (
+        ptr(gpu, &out.codes),
+        ptr(gpu, &out.scales),
+        ptr(gpu, &out.global),
+    );
     let hf = out.h_f32.as_ref().map(|h| ptr(gpu, h)).unwrap_or(0);
-    let (splits, cap, e, rows, i) = (ws.splits as i32, grp.capacity as i32, grp.experts as i32, grp.rows_total as i32, i_dim as i32);
+    let (splits, cap, e, rows, i) = (
+        ws.splits as i32,
+        grp.capacity as i32,
+        grp.experts as i32,
+        grp.rows_total as i32,
+        i_dim as i32,
+    );
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&part).arg(&splits).arg(&grp_p).arg(&cap).arg(&e).arg(&rows).arg(&i).arg(&gsa).arg(&gsb).arg(&rw);
+    b.arg(&part)
+        .arg(&splits)
+        .arg(&grp_p)
+        .arg(&cap)
+        .arg(&e)
+        .arg(&rows)
+        .arg(&i)
+        .arg(&gsa)
+        .arg(&gsb)
+        .arg(&rw);
     b.arg(&hc).arg(&hs).arg(&hg).arg(&hf);
-    unsafe { b.launch(launch_cfg((grp.rows_total as u32, 1, 1), (THREADS, 1, 1), smem)) }
-        .map_err(|e| anyhow!("moe_gemm_finish_l1_swiglu_nvfp4: {e:?}"))?;
+    unsafe {
+        b.launch(launch_cfg(
+            (grp.rows_total as u32, 1, 1),
+            (THREADS, 1, 1),
+            smem,
+        ))
+    }
+    .map_err(|e| anyhow!("moe_gemm_finish_l1_swiglu_nvfp4: {e:?}"))?;
     Ok(())
 }
 
@@ -365,18 +592,52 @@ pub fn launch_finish_l2(
     check_finish(ws, grp, w2)?;
     ensure!(topk >= 1, "moe_gemm L2: topk must be >= 1");
     let tokens = token_rows.len() / topk;
-    ensure!(token_rows.len() == tokens * topk, "moe_gemm L2: token_rows length {} is not tokens x {topk}", token_rows.len());
-    ensure!(out.len() >= tokens * w2.n, "moe_gemm L2: output has {} elements, needs {tokens} x {}", out.len(), w2.n);
+    ensure!(
+        token_rows.len() == tokens * topk,
+        "moe_gemm L2: token_rows length {} is not tokens x {topk}",
+        token_rows.len()
+    );
+    ensure!(
+        out.len() >= tokens * w2.n,
+        "moe_gemm L2: output has {} elements, needs {tokens} x {}",
+        out.len(),
+        w2.n
+    );
     if tokens == 0 {
         return Ok(());
     }
     let f = gpu.function(FAMILY, "moe_gemm_finish_l2_combine")?;
-    let (part, grp_p, gsa, gsb, tr, o) =
-        (ptr(gpu, &ws.partial), ptr(gpu, &grp.group), a.gsa_ptr(gpu), ptr(gpu, &w2.global), ptr(gpu, token_rows), ptr(gpu, out));
-    let (splits, cap, e, rows, n, k) = (ws.splits as i32, grp.capacity as i32, grp.experts as i32, grp.rows_total as i32, w2.n as i32, topk as i32);
+    let (part, grp_p, gsa, gsb, tr, o) = (
+        ptr(gpu, &ws.partial),
+        ptr(gpu, &grp.group),
+        a.gsa_ptr(gpu),
+        ptr(gpu, &w2.global),
+        ptr(gpu, token_rows),
+        ptr(gpu, out),
+    );
+    let (splits, cap, e, rows, n, k) = (
+        ws.splits as i32,
+        grp.capacity as i32,
+        grp.experts as i32,
+        grp.rows_total as i32,
+        w2.n as i32,
+        topk as i32,
+    );
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&part).arg(&splits).arg(&grp_p).arg(&cap).arg(&e).arg(&rows).arg(&n).arg(&gsa).arg(&gsb).arg(&tr).arg(&k).arg(&o);
-    unsafe { b.launch(launch_cfg((tokens as u32, 1, 1), (THREADS, 1, 1), 0)) }.map_err(|e| anyhow!("moe_gemm_finish_l2_combine: {e:?}"))?;
+    b.arg(&part)
+        .arg(&splits)
+        .arg(&grp_p)
+        .arg(&cap)
+        .arg(&e)
+        .arg(&rows)
+        .arg(&n)
+        .arg(&gsa)
+        .arg(&gsb)
+        .arg(&tr)
+        .arg(&k)
+        .arg(&o);
+    unsafe { b.launch(launch_cfg((tokens as u32, 1, 1), (THREADS, 1, 1), 0)) }
+        .map_err(|e| anyhow!("moe_gemm_finish_l2_combine: {e:?}"))?;
     Ok(())
 }
 
@@ -411,15 +672,36 @@ pub struct RoutedBatch {
 impl RoutedBatch {
     /// Uniform random top-k routing. `masked_capacity`: `Some(c)` for the masked layout (c >= the largest
     /// count, or an error), `None` for contiguous. Rows of an expert are in token order.
-    pub fn random(rng: &mut impl Rng, tokens: usize, experts: usize, topk: usize, masked_capacity: Option<usize>) -> Result<RoutedBatch> {
-        ensure!(topk >= 1 && topk <= experts, "routing: top-{topk} of {experts} experts");
-        let experts_of: Vec<usize> = (0..tokens).flat_map(|_| sample(rng, experts, topk).into_vec()).collect();
+    pub fn random(
+        rng: &mut impl Rng,
+        tokens: usize,
+        experts: usize,
+        topk: usize,
+        masked_capacity: Option<usize>,
+    ) -> Result<RoutedBatch> {
+        ensure!(
+            topk >= 1 && topk <= experts,
+            "routing: top-{topk} of {experts} experts"
+        );
+        let experts_of: Vec<usize> = (0..tokens)
+            .flat_map(|_| sample(rng, experts, topk).into_vec())
+            .collect();
         Self::from_choices(tokens, experts, topk, experts_of, masked_capacity)
     }
 
     /// Build the layout from explicit choices.
-    pub fn from_choices(tokens: usize, experts: usize, topk: usize, experts_of: Vec<usize>, masked_capacity: Option<usize>) -> Result<RoutedBatch> {
-        ensure!(experts_of.len() == tokens * topk, "routing: {} choices for {tokens} x {topk}", experts_of.len());
+    pub fn from_choices(
+        tokens: usize,
+        experts: usize,
+        topk: usize,
+        experts_of: Vec<usize>,
+        masked_capacity: Option<usize>,
+    ) -> Result<RoutedBatch> {
+        ensure!(
+            experts_of.len() == tokens * topk,
+            "routing: {} choices for {tokens} x {topk}",
+            experts_of.len()
+        );
         if let Some(&e) = experts_of.iter().find(|&&e| e >= experts) {
             bail!("routing: expert {e} out of range ({experts} experts)");
         }
@@ -433,8 +715,17 @@ impl RoutedBatch {
         let (grouping, rows_total) = match masked_capacity {
             Some(cap) => {
                 let most = per_expert.iter().map(|v| v.len()).max().unwrap_or(0);
-                ensure!(most <= cap, "routing: an expert got {most} rows, masked capacity is {cap}");
-                (Grouping::Masked { capacity: cap, counts: per_expert.iter().map(|v| v.len() as i32).collect() }, cap * experts)
+                ensure!(
+                    most <= cap,
+                    "routing: an expert got {most} rows, masked capacity is {cap}"
+                );
+                (
+                    Grouping::Masked {
+                        capacity: cap,
+                        counts: per_expert.iter().map(|v| v.len() as i32).collect(),
+                    },
+                    cap * experts,
+                )
             }
             None => {
                 let mut offsets = vec![0i32];
@@ -453,7 +744,14 @@ impl RoutedBatch {
                 row_token[start + i] = t as i32;
             }
         }
-        Ok(RoutedBatch { tokens, topk, experts_of, token_rows, row_token, grouping })
+        Ok(RoutedBatch {
+            tokens,
+            topk,
+            experts_of,
+            token_rows,
+            row_token,
+            grouping,
+        })
     }
 
     /// Expert of the row holding pair (t, j).

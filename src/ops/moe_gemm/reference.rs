@@ -41,7 +41,11 @@ impl Nvfp4Rows {
     /// `e2m1 * s_e4m3` of element (r, c): the part the GEMM multiplies (exact in f32 and BF16).
     pub fn unscaled(&self, r: usize, c: usize) -> f32 {
         let byte = self.codes[(r * self.cols + c) / 2];
-        let code = if c % 2 == 0 { byte & 0xF } else { byte >> 4 };
+        let code = if c.is_multiple_of(2) {
+            byte & 0xF
+        } else {
+            byte >> 4
+        };
         e2m1::decode(code) * e4m3::decode(self.scales[(r * self.cols + c) / NVFP4_BLOCK])
     }
 
@@ -61,10 +65,20 @@ impl Nvfp4Rows {
 /// per row `gs = amax / 2688` (1 for an all-zero row); per 16-block `s = e4m3(amax_b / (6 * gs))`,
 /// `scale = s * gs`, `code = e2m1(x / scale)` (0 when scale is 0).
 pub fn quantize_rows_nvfp4(x: &[f32], rows: usize, cols: usize) -> Result<Nvfp4Rows> {
-    ensure!(x.len() == rows * cols, "quantize_rows_nvfp4: {} values for {rows} x {cols}", x.len());
-    ensure!(cols % NVFP4_BLOCK == 0, "quantize_rows_nvfp4: cols = {cols} is not a multiple of 16");
+    ensure!(
+        x.len() == rows * cols,
+        "quantize_rows_nvfp4: {} values for {rows} x {cols}",
+        x.len()
+    );
+    ensure!(
+        cols.is_multiple_of(NVFP4_BLOCK),
+        "quantize_rows_nvfp4: cols = {cols} is not a multiple of 16"
+    );
     if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        bail!("quantize_rows_nvfp4: non-finite value {} at index {i}", x[i]);
+        bail!(
+            "quantize_rows_nvfp4: non-finite value {} at index {i}",
+            x[i]
+        );
     }
     let mut out = Nvfp4Rows {
         rows,
@@ -85,9 +99,13 @@ pub fn quantize_rows_nvfp4(x: &[f32], rows: usize, cols: usize) -> Result<Nvfp4R
             let scale = e4m3::decode(s) * gs;
             out.scales[r * cols / NVFP4_BLOCK + b] = s;
             for (i, &v) in block.iter().enumerate() {
-                let code = if scale == 0.0 { 0 } else { e2m1::encode_rne(v / scale) };
+                let code = if scale == 0.0 {
+                    0
+                } else {
+                    e2m1::encode_rne(v / scale)
+                };
                 let idx = r * cols + b * NVFP4_BLOCK + i;
-                if idx % 2 == 0 {
+                if idx.is_multiple_of(2) {
                     out.codes[idx / 2] |= code;
                 } else {
                     out.codes[idx / 2] |= code << 4;
@@ -111,18 +129,46 @@ pub struct ExpertWeights {
 
 impl ExpertWeights {
     /// Quantize dense f32 weights `[experts, n, k]` with one global scale per (expert, row).
-    pub fn quantize_per_row(w: &[f32], experts: usize, n: usize, k: usize) -> Result<ExpertWeights> {
+    pub fn quantize_per_row(
+        w: &[f32],
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<ExpertWeights> {
         let rows = quantize_rows_nvfp4(w, experts * n, k)?;
-        Ok(ExpertWeights { experts, n, k, rows })
+        Ok(ExpertWeights {
+            experts,
+            n,
+            k,
+            rows,
+        })
     }
 
     /// Quantize with one global scale per expert (`amax over the expert / 2688`): quantize each expert as one long
     /// row (the 16-blocks never straddle a weight row because k % 16 == 0), then split it back into rows.
-    pub fn quantize_per_expert(w: &[f32], experts: usize, n: usize, k: usize) -> Result<ExpertWeights> {
+    pub fn quantize_per_expert(
+        w: &[f32],
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<ExpertWeights> {
         let long = quantize_rows_nvfp4(w, experts, n * k)?;
-        let global = (0..experts).flat_map(|e| std::iter::repeat_n(long.global[e], n)).collect();
-        let rows = Nvfp4Rows { rows: experts * n, cols: k, codes: long.codes, scales: long.scales, global };
-        Ok(ExpertWeights { experts, n, k, rows })
+        let global = (0..experts)
+            .flat_map(|e| std::iter::repeat_n(long.global[e], n))
+            .collect();
+        let rows = Nvfp4Rows {
+            rows: experts * n,
+            cols: k,
+            codes: long.codes,
+            scales: long.scales,
+            global,
+        };
+        Ok(ExpertWeights {
+            experts,
+            n,
+            k,
+            rows,
+        })
     }
 
     /// `e2m1 * s` of `B[e, n, k]` (exact).
@@ -138,15 +184,36 @@ impl ExpertWeights {
     /// Load-time checks: buffer sizes, no NaN block scale (e4m3 0x7F/0xFF), finite positive global scales.
     pub fn validate(&self) -> Result<()> {
         let r = &self.rows;
-        ensure!(r.rows == self.experts * self.n && r.cols == self.k, "expert weights: rows/cols do not match E*N x K");
-        ensure!(r.codes.len() == r.rows * r.cols / 2, "expert weights: {} code bytes, expected {}", r.codes.len(), r.rows * r.cols / 2);
-        ensure!(r.scales.len() == r.rows * r.cols / NVFP4_BLOCK, "expert weights: {} scales, expected {}", r.scales.len(), r.rows * r.cols / 16);
-        ensure!(r.global.len() == r.rows, "expert weights: {} global scales, expected {}", r.global.len(), r.rows);
+        ensure!(
+            r.rows == self.experts * self.n && r.cols == self.k,
+            "expert weights: rows/cols do not match E*N x K"
+        );
+        ensure!(
+            r.codes.len() == r.rows * r.cols / 2,
+            "expert weights: {} code bytes, expected {}",
+            r.codes.len(),
+            r.rows * r.cols / 2
+        );
+        ensure!(
+            r.scales.len() == r.rows * r.cols / NVFP4_BLOCK,
+            "expert weights: {} scales, expected {}",
+            r.scales.len(),
+            r.rows * r.cols / 16
+        );
+        ensure!(
+            r.global.len() == r.rows,
+            "expert weights: {} global scales, expected {}",
+            r.global.len(),
+            r.rows
+        );
         if let Some(i) = r.scales.iter().position(|&s| s & 0x7F == 0x7F) {
             bail!("expert weights: NaN e4m3 block scale at index {i}");
         }
         if let Some(i) = r.global.iter().position(|g| !g.is_finite() || *g <= 0.0) {
-            bail!("expert weights: global scale {} at row {i} is not finite and positive", r.global[i]);
+            bail!(
+                "expert weights: global scale {} at row {i} is not finite and positive",
+                r.global[i]
+            );
         }
         Ok(())
     }
@@ -155,7 +222,11 @@ impl ExpertWeights {
 /// The A operand: BF16 rows (gsa = 1) or NVFP4 rows with a per-row global scale `gsa[m]`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Activations {
-    Bf16 { rows: usize, k: usize, data: Vec<bf16> },
+    Bf16 {
+        rows: usize,
+        k: usize,
+        data: Vec<bf16>,
+    },
     Nvfp4(Nvfp4Rows),
 }
 
@@ -209,7 +280,9 @@ impl Grouping {
     pub fn rows_total(&self) -> usize {
         match self {
             Grouping::Masked { capacity, counts } => capacity * counts.len(),
-            Grouping::Contiguous { offsets } => offsets.last().copied().unwrap_or(0).max(0) as usize,
+            Grouping::Contiguous { offsets } => {
+                offsets.last().copied().unwrap_or(0).max(0) as usize
+            }
         }
     }
 
@@ -219,14 +292,28 @@ impl Grouping {
             Grouping::Masked { capacity, counts } => {
                 ensure!(!counts.is_empty(), "masked grouping: no experts");
                 if let Some(e) = counts.iter().position(|&c| c < 0 || c as usize > *capacity) {
-                    bail!("masked grouping: counts[{e}] = {} is outside [0, capacity = {capacity}]", counts[e]);
+                    bail!(
+                        "masked grouping: counts[{e}] = {} is outside [0, capacity = {capacity}]",
+                        counts[e]
+                    );
                 }
             }
             Grouping::Contiguous { offsets } => {
-                ensure!(offsets.len() >= 2, "contiguous grouping: offsets needs experts + 1 >= 2 entries");
-                ensure!(offsets[0] == 0, "contiguous grouping: offsets[0] = {} (must be 0)", offsets[0]);
+                ensure!(
+                    offsets.len() >= 2,
+                    "contiguous grouping: offsets needs experts + 1 >= 2 entries"
+                );
+                ensure!(
+                    offsets[0] == 0,
+                    "contiguous grouping: offsets[0] = {} (must be 0)",
+                    offsets[0]
+                );
                 if let Some(e) = offsets.windows(2).position(|w| w[1] < w[0]) {
-                    bail!("contiguous grouping: offsets decrease at expert {e}: {} > {}", offsets[e], offsets[e + 1]);
+                    bail!(
+                        "contiguous grouping: offsets decrease at expert {e}: {} > {}",
+                        offsets[e],
+                        offsets[e + 1]
+                    );
                 }
             }
         }
@@ -236,7 +323,9 @@ impl Grouping {
     /// Rows owned by expert `e`.
     pub fn expert_rows(&self, e: usize) -> Range<usize> {
         match self {
-            Grouping::Masked { capacity, counts } => e * capacity..e * capacity + counts[e].clamp(0, *capacity as i32) as usize,
+            Grouping::Masked { capacity, counts } => {
+                e * capacity..e * capacity + counts[e].clamp(0, *capacity as i32) as usize
+            }
             Grouping::Contiguous { offsets } => offsets[e] as usize..offsets[e + 1] as usize,
         }
     }
@@ -249,15 +338,32 @@ impl Grouping {
 
 /// `acc[m, n] = sum_k A[m, k] * B[e(m), n, k]` in f64 (exact products) and `abs[m, n] = sum_k |A * B|` (the
 /// scale of fp32 summation error), for every row; rows owned by no expert are 0.
-pub fn grouped_gemm_acc_f64(w: &ExpertWeights, a: &Activations, g: &Grouping) -> Result<(Vec<f64>, Vec<f64>)> {
+pub fn grouped_gemm_acc_f64(
+    w: &ExpertWeights,
+    a: &Activations,
+    g: &Grouping,
+) -> Result<(Vec<f64>, Vec<f64>)> {
     ensure!(a.k() == w.k, "A has K = {}, weights K = {}", a.k(), w.k);
-    ensure!(g.experts() == w.experts, "grouping has {} experts, weights {}", g.experts(), w.experts);
-    ensure!(a.rows() >= g.rows_total(), "A has {} rows, grouping spans {}", a.rows(), g.rows_total());
+    ensure!(
+        g.experts() == w.experts,
+        "grouping has {} experts, weights {}",
+        g.experts(),
+        w.experts
+    );
+    ensure!(
+        a.rows() >= g.rows_total(),
+        "A has {} rows, grouping spans {}",
+        a.rows(),
+        g.rows_total()
+    );
     let (rows, n, k) = (g.rows_total(), w.n, w.k);
     let mut acc = vec![0.0f64; rows * n];
     let mut abs = vec![0.0f64; rows * n];
     // A rows decoded once (exact in f64); each weight row decoded once per expert, through an e4m3 table.
-    let a_dec: Vec<f64> = (0..rows).flat_map(|m| (0..k).map(move |kk| (m, kk))).map(|(m, kk)| a.unscaled(m, kk) as f64).collect();
+    let a_dec: Vec<f64> = (0..rows)
+        .flat_map(|m| (0..k).map(move |kk| (m, kk)))
+        .map(|(m, kk)| a.unscaled(m, kk) as f64)
+        .collect();
     let e4m3_table: Vec<f64> = (0..=255u8).map(|c| e4m3::decode(c) as f64).collect();
     let mut wrow = vec![0.0f64; k];
     for e in 0..w.experts {
@@ -269,8 +375,13 @@ pub fn grouped_gemm_acc_f64(w: &ExpertWeights, a: &Activations, g: &Grouping) ->
             let r = e * n + nn;
             for (kk, v) in wrow.iter_mut().enumerate() {
                 let byte = w.rows.codes[(r * k + kk) / 2];
-                let code = if kk % 2 == 0 { byte & 0xF } else { byte >> 4 };
-                *v = e2m1::decode(code) as f64 * e4m3_table[w.rows.scales[(r * k + kk) / NVFP4_BLOCK] as usize];
+                let code = if kk.is_multiple_of(2) {
+                    byte & 0xF
+                } else {
+                    byte >> 4
+                };
+                *v = e2m1::decode(code) as f64
+                    * e4m3_table[w.rows.scales[(r * k + kk) / NVFP4_BLOCK] as usize];
             }
             for m in owned.clone() {
                 let arow = &a_dec[m * k..(m + 1) * k];
@@ -289,7 +400,12 @@ pub fn grouped_gemm_acc_f64(w: &ExpertWeights, a: &Activations, g: &Grouping) ->
 }
 
 /// `D[m, n] = gsa[m] * gsb[e, n] * acc[m, n]` (f64) from the accumulator of [`grouped_gemm_acc_f64`].
-pub fn apply_global_scales(acc: &[f64], w: &ExpertWeights, a: &Activations, g: &Grouping) -> Vec<f64> {
+pub fn apply_global_scales(
+    acc: &[f64],
+    w: &ExpertWeights,
+    a: &Activations,
+    g: &Grouping,
+) -> Vec<f64> {
     let n = w.n;
     let mut d = vec![0.0f64; acc.len()];
     for e in 0..w.experts {
@@ -310,7 +426,8 @@ pub fn swiglu_l1_f64(d: &[f64], i_dim: usize, routing: &[f32], g: &Grouping) -> 
     for m in (0..rows).filter(|&m| g.expert_of_row(m).is_some()) {
         for j in 0..i_dim {
             let gate = d[m * 2 * i_dim + j].min(SWIGLU_LIMIT as f64);
-            let up = d[m * 2 * i_dim + i_dim + j].clamp(-(SWIGLU_LIMIT as f64), SWIGLU_LIMIT as f64);
+            let up =
+                d[m * 2 * i_dim + i_dim + j].clamp(-(SWIGLU_LIMIT as f64), SWIGLU_LIMIT as f64);
             let silu = gate / (1.0 + (-gate).exp());
             h[m * i_dim + j] = silu * up * routing[m] as f64;
         }
@@ -319,7 +436,13 @@ pub fn swiglu_l1_f64(d: &[f64], i_dim: usize, routing: &[f32], g: &Grouping) -> 
 }
 
 /// L2 combine: `y[t, n] = sum_j D[token_rows[t, j], n]` over the token's routed rows (`-1` = none), f64.
-pub fn combine_l2_f64(d: &[f64], n: usize, token_rows: &[i32], topk: usize, g: &Grouping) -> Vec<f64> {
+pub fn combine_l2_f64(
+    d: &[f64],
+    n: usize,
+    token_rows: &[i32],
+    topk: usize,
+    g: &Grouping,
+) -> Vec<f64> {
     let tokens = token_rows.len() / topk;
     let mut y = vec![0.0f64; tokens * n];
     for t in 0..tokens {
