@@ -4,6 +4,8 @@
 //! kernel family: launcher + CPU reference), `model` (DSV4 config, weights, reference decode),
 //! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands).
 
+pub mod bench;
+pub mod cli;
 pub mod formats;
 pub mod gpu;
 pub mod ops;
