@@ -835,3 +835,86 @@ fn gpu_masked_decode_step_replays_as_a_graph_with_new_counts() {
         );
     }
 }
+
+#[test]
+fn weights_from_mxfp4_keep_every_value_exactly() {
+    // Checkpoint path: MXFP4 experts -> lossless NVFP4 (per-row power-of-two global scale).
+    let mut rng = seeded("weights_from_mxfp4_keep_every_value_exactly");
+    let (experts, n, k) = (3, 16, 256);
+    let wf = random_rows(&mut rng, experts * n, k, 0.05);
+    let m = megamoe::formats::mxfp4::quantize(&wf, experts * n, k).unwrap();
+    let (w, report) = ExpertWeights::from_mxfp4(&m, experts, n).unwrap();
+    assert!(
+        report.is_lossless(),
+        "random rows within 10^4 of each other must convert exactly: {:?}",
+        report.inexact_blocks.first()
+    );
+    let mx = megamoe::formats::mxfp4::dequantize(&m);
+    for e in 0..experts {
+        for r in 0..n {
+            for kk in 0..k {
+                let v = w.unscaled(e, r, kk) * w.global(e, r);
+                assert_eq!(v, mx[(e * n + r) * k + kk], "expert {e} row {r} k {kk}");
+            }
+        }
+    }
+    assert!(ExpertWeights::from_mxfp4(&m, experts, n + 1).is_err());
+}
+
+#[test]
+fn bench_config_parses_and_names_known_kernels_and_params() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bench-configs/moe_gemm.toml"
+    ))
+    .unwrap();
+    let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
+    let registry = megamoe::ops::bench_kernels();
+    assert!(!cfg.sweeps.is_empty());
+    for s in &cfg.sweeps {
+        let k = registry
+            .iter()
+            .find(|k| k.name == s.kernel)
+            .unwrap_or_else(|| panic!("unknown kernel {}", s.kernel));
+        assert!(
+            k.variants.contains(&s.baseline.as_deref().unwrap()),
+            "{}: baseline not a variant",
+            s.kernel
+        );
+        for p in ["hidden", "inter", "experts", "topk"] {
+            s.param_u64(p).unwrap();
+        }
+        let (h, i) = (
+            s.param_u64("hidden").unwrap() as usize,
+            s.param_u64("inter").unwrap() as usize,
+        );
+        mg::check_gemm_shape(2 * i, h).unwrap();
+        mg::check_gemm_shape(h, i).unwrap();
+    }
+}
+
+#[test]
+fn gpu_weights_prepared_from_mxfp4() {
+    let Some(gpu) = gpu_for_test("gpu_weights_prepared_from_mxfp4") else {
+        return;
+    };
+    let mut rng = seeded("gpu_weights_prepared_from_mxfp4");
+    let (experts, n, k, tokens) = (8, 256, 1024, 5);
+    let wf = random_rows(&mut rng, experts * n, k, 0.05);
+    let m = megamoe::formats::mxfp4::quantize(&wf, experts * n, k).unwrap();
+    let (w, report) = ExpertWeights::from_mxfp4(&m, experts, n).unwrap();
+    assert!(report.is_lossless());
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = RoutedBatch::random(&mut rng, tokens, experts, 6, Some(tokens)).unwrap();
+    let cfg = GemmConfig::choose(gpu.info.sm_count as usize, 4.0, 8, n, k);
+    check_plain(
+        &gpu,
+        "MXFP4-prepared weights",
+        &w,
+        &dw,
+        &rb,
+        true,
+        &[cfg],
+        &mut rng,
+    );
+}

@@ -5,16 +5,16 @@
 //! (or of one and a BF16 activation) is exact in f64, and a K <= 2^20 sum of them in f64 is exact to ~2^-53
 //! relative, so the f64 results here are "the exact answer" that the GPU's fp32 accumulation is compared to.
 //!
-//! The NVFP4 quantizer below ([`quantize_rows_nvfp4`]) is a private stop-gap with the rule of
-//! `kernels/common/formats.cuh` (`nvfp4_*`) until `formats::nvfp4` lands on main; it is used to build test
-//! weights/activations and to check the L1 epilogue's quantization bit for bit.
+//! [`quantize_rows_nvfp4`] is `formats::nvfp4::quantize_rows` in this module's row type (field names that
+//! say what the kernel reads); it builds test weights/activations and checks the L1 epilogue bit for bit.
 
 use std::ops::Range;
 
 use anyhow::{bail, ensure, Result};
 use half::bf16;
 
-use crate::formats::{e2m1, e4m3};
+use crate::formats::mxfp4::{self, ConversionReport, Mxfp4Matrix};
+use crate::formats::{e2m1, e4m3, nvfp4};
 
 /// Block size of NVFP4 along K.
 pub const NVFP4_BLOCK: usize = 16;
@@ -61,59 +61,23 @@ impl Nvfp4Rows {
     }
 }
 
-/// The NVFP4 quantization rule of `kernels/common/formats.cuh` (one IEEE f32 operation per step):
-/// per row `gs = amax / 2688` (1 for an all-zero row); per 16-block `s = e4m3(amax_b / (6 * gs))`,
-/// `scale = s * gs`, `code = e2m1(x / scale)` (0 when scale is 0).
+/// The NVFP4 quantization rule ([`crate::formats::nvfp4::quantize_rows`], mirrored by `nvfp4_*` in
+/// kernels/common/formats.cuh): per row `gs = amax / 2688` (1 for an all-zero row); per 16-block
+/// `s = e4m3(amax_b / (6 * gs))`, `scale = s * gs`, `code = e2m1(x / scale)` (0 when scale is 0).
 pub fn quantize_rows_nvfp4(x: &[f32], rows: usize, cols: usize) -> Result<Nvfp4Rows> {
-    ensure!(
-        x.len() == rows * cols,
-        "quantize_rows_nvfp4: {} values for {rows} x {cols}",
-        x.len()
-    );
-    ensure!(
-        cols.is_multiple_of(NVFP4_BLOCK),
-        "quantize_rows_nvfp4: cols = {cols} is not a multiple of 16"
-    );
-    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        bail!(
-            "quantize_rows_nvfp4: non-finite value {} at index {i}",
-            x[i]
-        );
-    }
-    let mut out = Nvfp4Rows {
-        rows,
-        cols,
-        codes: vec![0; rows * cols / 2],
-        scales: vec![0; rows * cols / NVFP4_BLOCK],
-        global: vec![0.0; rows],
-    };
-    for r in 0..rows {
-        let row = &x[r * cols..(r + 1) * cols];
-        let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let gs = if amax == 0.0 { 1.0 } else { amax / NVFP4_RANGE };
-        out.global[r] = gs;
-        for b in 0..cols / NVFP4_BLOCK {
-            let block = &row[b * NVFP4_BLOCK..(b + 1) * NVFP4_BLOCK];
-            let bmax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let s = e4m3::encode_rne(bmax / (6.0 * gs));
-            let scale = e4m3::decode(s) * gs;
-            out.scales[r * cols / NVFP4_BLOCK + b] = s;
-            for (i, &v) in block.iter().enumerate() {
-                let code = if scale == 0.0 {
-                    0
-                } else {
-                    e2m1::encode_rne(v / scale)
-                };
-                let idx = r * cols + b * NVFP4_BLOCK + i;
-                if idx.is_multiple_of(2) {
-                    out.codes[idx / 2] |= code;
-                } else {
-                    out.codes[idx / 2] |= code << 4;
-                }
-            }
+    Ok(nvfp4::quantize_rows(x, rows, cols)?.into())
+}
+
+impl From<nvfp4::Nvfp4Rows> for Nvfp4Rows {
+    fn from(q: nvfp4::Nvfp4Rows) -> Nvfp4Rows {
+        Nvfp4Rows {
+            rows: q.rows,
+            cols: q.cols,
+            codes: q.data,
+            scales: q.scales,
+            global: q.global_scale,
         }
     }
-    Ok(out)
 }
 
 /// NVFP4 expert weights `B[e, n, k]`: `experts * n` rows of `k` columns, global scale per (expert, row).
@@ -144,31 +108,58 @@ impl ExpertWeights {
         })
     }
 
-    /// Quantize with one global scale per expert (`amax over the expert / 2688`): quantize each expert as one long
-    /// row (the 16-blocks never straddle a weight row because k % 16 == 0), then split it back into rows.
+    /// Quantize with one global scale per expert (`amax over the expert / 2688`, 1 for an all-zero expert).
     pub fn quantize_per_expert(
         w: &[f32],
         experts: usize,
         n: usize,
         k: usize,
     ) -> Result<ExpertWeights> {
-        let long = quantize_rows_nvfp4(w, experts, n * k)?;
-        let global = (0..experts)
-            .flat_map(|e| std::iter::repeat_n(long.global[e], n))
+        ensure!(
+            w.len() == experts * n * k,
+            "quantize_per_expert: {} values for {experts} x {n} x {k}",
+            w.len()
+        );
+        let gs: Vec<f32> = (0..experts)
+            .flat_map(|e| {
+                let amax = w[e * n * k..(e + 1) * n * k]
+                    .iter()
+                    .fold(0.0f32, |m, v| m.max(v.abs()));
+                let g = if amax == 0.0 { 1.0 } else { amax / NVFP4_RANGE };
+                std::iter::repeat_n(g, n)
+            })
             .collect();
-        let rows = Nvfp4Rows {
-            rows: experts * n,
-            cols: k,
-            codes: long.codes,
-            scales: long.scales,
-            global,
-        };
+        let rows = nvfp4::quantize_rows_with_global(w, experts * n, k, &gs)?.into();
         Ok(ExpertWeights {
             experts,
             n,
             k,
             rows,
         })
+    }
+
+    /// Weight preparation from the checkpoint's MXFP4 experts (`[experts * n, k]` rows, 32-blocks with ue8m0
+    /// scales) through the lossless MXFP4 -> NVFP4 converter (per-row power-of-two global scale). The report
+    /// lists any 16-block that could not be represented exactly (the caller decides whether that is fatal).
+    pub fn from_mxfp4(
+        m: &Mxfp4Matrix,
+        experts: usize,
+        n: usize,
+    ) -> Result<(ExpertWeights, ConversionReport)> {
+        ensure!(
+            m.rows == experts * n,
+            "from_mxfp4: {} rows, expected {experts} x {n}",
+            m.rows
+        );
+        let (q, report) = mxfp4::to_nvfp4(m);
+        let w = ExpertWeights {
+            experts,
+            n,
+            k: m.cols,
+            rows: q.into(),
+        };
+        w.validate()?;
+        Ok((w, report))
     }
 
     /// `e2m1 * s` of `B[e, n, k]` (exact).
