@@ -5,6 +5,7 @@
 pub mod exec;
 pub mod indexer;
 pub mod inputs;
+pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
 
@@ -15,6 +16,7 @@ pub fn bench_kernels() -> Vec<BenchKernel> {
     let mut v = Vec::new();
     v.extend(nvfp4::bench::kernels());
     v.extend(norm_quant::bench::kernels());
+    v.extend(moe_gemm::bench::kernels());
     v.extend(indexer::bench::kernels());
     v
 }

@@ -1,0 +1,518 @@
+// NVFP4 MoE grouped GEMM for Hopper (sm_90a): D[m, n] = gsa[m] * gsb[e, n] * sum_k A[m, k] * B[e, n, k].
+//
+// Design (see src/ops/moe_gemm/mod.rs for the launcher contract, DESIGN.md §3 for the numerics)
+// ---------------------------------------------------------------------------------------------
+// * Hopper has no FP4 tensor cores. An NVFP4 element e2m1 * s_e4m3 has at most 5 significant bits and lies in
+//   [2^-10, 2688], so it is exact in BF16. We dequantize weights in registers to BF16 (block scale included) and
+//   feed `mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32`; fp32 accumulation makes the result differ from the exact
+//   sum only by summation order. The fp32 global scales gsa[m] (per activation row) and gsb[e, n] (per weight
+//   row) are constant along K and are applied once, in the finish kernels.
+// * Swap-AB: weight rows are the MMA M dimension (16 per warp, 128 per CTA), tokens are the MMA N dimension
+//   (8 per n-tile, NT n-tiles per CTA), so one decode token costs an 8-wide MMA, not a 64-row tile.
+// * Weights stream once from HBM with 16-byte `ld.global.nc.L1::no_allocate` loads straight into registers
+//   (no shared-memory round trip), one stage (512 K) ahead of the math (register double buffer).
+//   Per warp and 128-K chunk a lane loads 16 B of row g and 16 B of row g+8 (g = lane/4) at byte offset 16*(lane%4):
+//   each 64-byte row segment is read whole, so every 32-byte sector fetched is fully used (no swizzle needed).
+// * K permutation (free: a dot product does not care about the order of K as long as both operands agree).
+//   Lane t of a quad owns the 32 contiguous K elements [32t, 32t+32) of each 128-K chunk, i.e. two whole NVFP4
+//   blocks. Within each 8-element group x0..x7 (one 32-bit word of codes) the MMA k-slot pairs are
+//   (x0,x4),(x1,x5),(x2,x6),(x3,x7): that pairing lets one shift+mask turn nibbles i and i+4 of a word into a
+//   bf16x2 (below). The activations are stored in shared memory in the same permuted order.
+// * Dequant of nibble pair (i, i+4) of word w: v = w << (12 - 4i) puts nibble i at bits 12..15 and nibble i+4 at
+//   bits 28..31; (v & 0x80008000) | ((v >> 6) & 0x01C001C0) is the bf16x2 whose halves equal e2m1 * 2^-126
+//   (sign to bit 15, the 3 magnitude bits to the exponent/mantissa bits 8..6; code 1 (0.5) is the bf16
+//   subnormal 2^-127, codes >= 2 are normal). One `mul.rn.bf16x2` by (s_e4m3 * 2^117) then gives
+//   e2m1 * s * 2^-9 exactly (<= 5 significant bits, 2^-19 .. 5.25 is inside the normal bf16 range; 2^117 keeps
+//   s * 2^117 <= 448 * 2^117 below the bf16 maximum). The factor 2^9 is restored exactly when the fp32
+//   accumulator is stored. Cost: 4 integer ops + 1 HMUL2 per 2 weights.
+// * Activations (A) are staged per 512-K stage into shared memory as BF16 (NVFP4 A is dequantized exactly to
+//   e2m1 * s_a; gsa stays for the epilogue). The 16-byte unit of (token, chunk c, lane t, word j) sits at
+//   unit token*64 + c*16 + 4t + (j ^ ((t & 2) | (token & 1))): the XOR makes the 8 lanes of each
+//   shared-memory phase hit 8 different 16-byte bank groups (conflict-free ld.shared.v4).
+// * Persistent grid: every CTA scans the per-expert counts (masked) or offsets (contiguous) into a shared prefix
+//   of token tiles, then walks work items (expert token tile, 128-row n tile, K split) with stride gridDim.x.
+//   Masked layout: counts live on the device, the launch shape is fixed -> a decode step is graph-capturable.
+// * Split-K for small token counts (more items to fill 132 SMs): each split writes fp32 partial sums to a
+//   workspace part[split][row][n]; the finish kernels add the splits in a fixed order (deterministic, no
+//   atomics) and apply the epilogue: plain BF16, L1 SwiGLU + routing weight + NVFP4 quant, or L2 per-token
+//   combine over the top-k experts in routing order.
+//
+// Byte/cycle budget (decode, Flash L1: N = 2*2048, K = 4096): 4.72 MB of codes+scales per expert. At ~4.3 TB/s
+// an H200 streams ~8.6e12 weights/s; the dequant costs ~2.3 issue slots per weight (4 int + 1 HMUL2 per pair
+// + scale prep), ~2e13 slots/s, against ~3.3e13 lane-ops/s of issue for 132 SMs at 1.98 GHz: about 60% of
+// issue at full bandwidth, so the kernel should stay memory-bound with headroom shrinking as tokens grow.
+//
+// Rounding points: products exact (bf16 x bf16 of exact values), fp32 accumulation (tensor-core order),
+// split partials added in split order in fp32, scale = gsa * gsb (fp32), out = acc * scale (fp32), then the
+// epilogue's own points (bf16 RNE; or SwiGLU in fp32 and the NVFP4 rule of common/formats.cuh).
+#include "common/formats.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = 8;
+constexpr int kBlockN = kWarps * 16;   // weight rows per CTA
+constexpr int kChunkK = 128;           // K per lane-quad load (lane owns 32)
+constexpr int kChunksPerStage = 4;
+constexpr int kStageK = kChunkK * kChunksPerStage;  // 512
+constexpr int kMaxExperts = 512;
+
+struct WChunk {
+    uint4 row_lo;      // row g: 32 e2m1 codes
+    uint4 row_hi;      // row g+8
+    uint32_t scales;   // bytes: row g block 2t, row g block 2t+1, row g+8 block 2t, row g+8 block 2t+1
+};
+
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t ldg_u16(const void* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+// Nibbles i and i+4 of w -> bf16x2 (e2m1 * 2^-126 each); see the header comment.
+__device__ __forceinline__ uint32_t e2m1_pair_to_bf16x2_tiny(uint32_t w, int i) {
+    uint32_t v = w << (12 - 4 * i);
+    return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u);
+}
+
+// Value of an e2m1 code without a lookup table (a dynamically indexed local array would live in local memory):
+// m = code & 7; m < 2 -> 0.5 * m, else 2^((m >> 1) - 1) * (1 + (m & 1) / 2), built from its fp32 bits.
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+    const uint32_t m = code & 7;
+    const float mag = m < 2 ? 0.5f * (float)m : __uint_as_float((((m >> 1) + 126u) << 23) | ((m & 1u) << 22));
+    return (code & 8) ? -mag : mag;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// s_e4m3 * 2^117 as a broadcast bf16x2 (exact: 4 significant bits, 2^108 .. 448 * 2^117).
+__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t code) {
+    float f = mm::e4m3_decode((uint8_t)code) * 0x1p117f;
+    uint32_t b = __float_as_uint(f) >> 16;  // exact: the low 16 bits are zero
+    return b | (b << 16);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    // Values here are exact in bf16 (e2m1 * e4m3), so RNE is exact.
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Grouping. masked_capacity > 0: expert e owns rows [e*cap, e*cap + clamp(counts[e], 0, cap)).
+// masked_capacity == 0: expert e owns rows [offsets[e], offsets[e+1]) clamped to [0, rows_total).
+// Device-side counts/offsets are clamped so that a bad value can never index out of bounds.
+struct Grouping {
+    const int* group;  // counts[E] or offsets[E+1]
+    int capacity;
+    int experts;
+    int rows_total;
+
+    __device__ __forceinline__ void expert_rows(int e, int& start, int& count) const {
+        if (capacity > 0) {
+            start = e * capacity;
+            count = min(max(group[e], 0), capacity);
+        } else {
+            int lo = min(max(group[e], 0), rows_total);
+            int hi = min(max(group[e + 1], lo), rows_total);
+            start = lo;
+            count = hi - lo;
+        }
+    }
+    // Which expert owns `row`, or -1 (padding slot / row outside every group).
+    __device__ __forceinline__ int expert_of_row(int row) const {
+        if (row < 0 || row >= rows_total) return -1;
+        if (capacity > 0) {
+            int e = row / capacity;
+            if (e >= experts) return -1;
+            return (row - e * capacity) < min(max(group[e], 0), capacity) ? e : -1;
+        }
+        // Largest e with offsets[e] <= row (offsets nondecreasing by contract), then check row < offsets[e+1].
+        int lo = 0, hi = experts - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (group[mid] <= row) lo = mid; else hi = mid - 1;
+        }
+        int s, c;
+        expert_rows(lo, s, c);
+        return (row >= s && row < s + c) ? lo : -1;
+    }
+};
+
+// Stage TN tokens x 512 K of A into shared memory as permuted, swizzled BF16 (zeros for missing tokens).
+template <int TN>
+__device__ __forceinline__ void stage_activations(uint4* s_act, const void* act, const uint8_t* act_scales,
+                                                  int act_is_nvfp4, int K, int row0, int ntok, int kbase) {
+    for (int q = threadIdx.x; q < TN * 64; q += kThreads) {
+        const int token = q >> 6, grp = q & 63;
+        const int c = grp >> 4, t = (grp >> 2) & 3, j = grp & 3;
+        uint4 out = make_uint4(0, 0, 0, 0);
+        if (token < ntok) {
+            const size_t row = (size_t)(row0 + token);
+            const int k = kbase + grp * 8;
+            if (!act_is_nvfp4) {
+                const uint4 r = *reinterpret_cast<const uint4*>(
+                    reinterpret_cast<const __nv_bfloat16*>(act) + row * (size_t)K + k);
+                out.x = __byte_perm(r.x, r.z, 0x5410);  // (x0, x4)
+                out.y = __byte_perm(r.x, r.z, 0x7632);  // (x1, x5)
+                out.z = __byte_perm(r.y, r.w, 0x5410);  // (x2, x6)
+                out.w = __byte_perm(r.y, r.w, 0x7632);  // (x3, x7)
+            } else {
+                const uint32_t codes =
+                    *reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(act) + row * (size_t)(K / 2) + k / 2);
+                const float s = mm::e4m3_decode(act_scales[row * (size_t)(K / 16) + k / 16]);
+                float x[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) x[i] = e2m1_value(codes >> (4 * i)) * s;  // exact
+                out.x = pack_bf16x2(x[0], x[4]);
+                out.y = pack_bf16x2(x[1], x[5]);
+                out.z = pack_bf16x2(x[2], x[6]);
+                out.w = pack_bf16x2(x[3], x[7]);
+            }
+        }
+        s_act[token * 64 + c * 16 + t * 4 + (j ^ ((t & 2) | (token & 1)))] = out;
+    }
+}
+
+__device__ __forceinline__ void load_stage(WChunk (&w)[kChunksPerStage], const uint8_t* codes, const uint8_t* scales,
+                                           size_t codes_8rows, size_t scales_8rows) {
+#pragma unroll
+    for (int c = 0; c < kChunksPerStage; ++c) {
+        w[c].row_lo = ldg_stream(codes + c * 64);
+        w[c].row_hi = ldg_stream(codes + codes_8rows + c * 64);
+        w[c].scales = ldg_u16(scales + c * 8) | (ldg_u16(scales + scales_8rows + c * 8) << 16);
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void compute_stage(float (&acc)[NT][4], const WChunk (&w)[kChunksPerStage],
+                                              const uint4* s_act, int g, int t) {
+#pragma unroll
+    for (int c = 0; c < kChunksPerStage; ++c) {
+        const uint32_t s_lo0 = scale_bf16x2(w[c].scales & 0xFF), s_lo1 = scale_bf16x2((w[c].scales >> 8) & 0xFF);
+        const uint32_t s_hi0 = scale_bf16x2((w[c].scales >> 16) & 0xFF), s_hi1 = scale_bf16x2(w[c].scales >> 24);
+        const uint32_t lo[4] = {w[c].row_lo.x, w[c].row_lo.y, w[c].row_lo.z, w[c].row_lo.w};
+        const uint32_t hi[4] = {w[c].row_hi.x, w[c].row_hi.y, w[c].row_hi.z, w[c].row_hi.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t sl = j < 2 ? s_lo0 : s_lo1, sh = j < 2 ? s_hi0 : s_hi1;
+            uint32_t pl[4], ph[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                pl[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(lo[j], i), sl);
+                ph[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(hi[j], i), sh);
+            }
+            const int unit = c * 16 + t * 4 + (j ^ ((t & 2) | (g & 1)));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint4 b = s_act[(nt * 8 + g) * 64 + unit];
+                mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+            }
+        }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void moe_gemm_body(const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales,
+                                              int N, int K, const void* __restrict__ act,
+                                              const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+                                              Grouping grp, float* __restrict__ partial, int splits) {
+    constexpr int TN = NT * 8;
+    extern __shared__ uint4 s_act[];  // TN * 64 units of 16 B
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWarps];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int E = grp.experts;
+
+    // Exclusive prefix of token tiles per expert (each thread owns experts 2*tid, 2*tid+1).
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
+        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
+    }
+    int incl = tiles0 + tiles1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int warp_base = 0;
+    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
+    const int excl = warp_base + incl - tiles0 - tiles1;
+    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
+    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
+    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;  // total (covers E == kMaxExperts)
+    __syncthreads();
+
+    const int n_tiles = N / kBlockN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
+    const int k_split = K / splits;
+    const int stages = k_split / kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+
+    // Where work item `item` lives: its token rows, K range, and this lane's weight pointers.
+    struct ItemPos {
+        int row0, ntok, split, n;
+        const uint8_t* codes;
+        const uint8_t* scales;
+    };
+    auto locate = [&](long long item) {
+        ItemPos p;
+        p.split = (int)(item % splits);
+        const long long rest = item / splits;
+        const int n_tile = (int)(rest % n_tiles);
+        const int et = (int)(rest / n_tiles);
+        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et: the expert owning token tile et
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        int start, count;
+        grp.expert_rows(lo, start, count);
+        const int tile = et - s_tile_prefix[lo];
+        p.row0 = start + tile * TN;
+        p.ntok = min(TN, count - tile * TN);
+        const int kbase = p.split * k_split;
+        p.n = n_tile * kBlockN + warp * 16 + g;
+        const size_t wrow = (size_t)lo * N + p.n;
+        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
+        p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
+        return p;
+    };
+
+    // One flat sequence of (item, stage) steps, so that the weights of the next step -- the next stage of this
+    // item or the first stage of the next item -- are always in flight while this step computes. The register
+    // double buffer alternates with the step parity (both branches keep the buffer index static).
+    long long item = blockIdx.x;
+    if (item >= items) return;
+    ItemPos cur = locate(item);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    WChunk wbuf[2][kChunksPerStage];
+    load_stage(wbuf[0], cur.codes, cur.scales, 8 * codes_row, 8 * scales_row);
+    int st = 0;
+    for (unsigned step = 0;; ++step) {
+        // Next step's coordinates.
+        const bool last_stage = st + 1 == stages;
+        const long long next_item = last_stage ? item + gridDim.x : item;
+        const bool has_next = next_item < items;
+        ItemPos nxt = cur;
+        if (last_stage && has_next) nxt = locate(next_item);
+        const int next_st = last_stage ? 0 : st + 1;
+        if (has_next) {
+            const uint8_t* c = nxt.codes + next_st * (kStageK / 2);
+            const uint8_t* sc = nxt.scales + next_st * (kStageK / 16);
+            if ((step & 1) == 0) load_stage(wbuf[1], c, sc, 8 * codes_row, 8 * scales_row);
+            else load_stage(wbuf[0], c, sc, 8 * codes_row, 8 * scales_row);
+        }
+        __syncthreads();  // the previous step's reads of s_act are done
+        stage_activations<TN>(s_act, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok,
+                              cur.split * k_split + st * kStageK);
+        __syncthreads();
+        if ((step & 1) == 0) compute_stage<NT>(acc, wbuf[0], s_act, g, t);
+        else compute_stage<NT>(acc, wbuf[1], s_act, g, t);
+
+        if (last_stage) {
+            // acc holds sum * 2^-9 (see the dequant identity); * 512 is exact in fp32.
+            float* out = partial + (size_t)cur.split * grp.rows_total * N;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tk = nt * 8 + 2 * t;
+                if (tk < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
+                }
+                if (tk + 1 < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
+                }
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            }
+            if (!has_next) break;
+        }
+        item = next_item;
+        cur = nxt;
+        st = next_st;
+    }
+}
+
+}  // namespace
+
+#define MOE_GEMM_ENTRY(NT, MINB)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_nt##NT(                    \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
+        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
+        Grouping grp{group, capacity, experts, rows_total};                                                          \
+        moe_gemm_body<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);           \
+    }
+
+MOE_GEMM_ENTRY(1, 2)
+MOE_GEMM_ENTRY(2, 2)
+MOE_GEMM_ENTRY(4, 1)
+MOE_GEMM_ENTRY(8, 1)
+
+namespace {
+__device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {
+    float acc = 0.f;
+    for (int s = 0; s < splits; ++s) acc += partial[((size_t)s * rows_total + row) * N + n];  // fixed order
+    return acc;
+}
+
+__device__ __forceinline__ float block_max(float v, float* s_red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float m = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, s_red[w]);
+    __syncthreads();
+    return m;
+}
+}  // namespace
+
+// Plain epilogue: out[row, n] = bf16(acc * (gsa[row] * gsb[e, n])); rows owned by no expert are written as 0.
+// grid = rows_total, block = 256. gsa may be null (BF16 A: gsa = 1).
+extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_bf16(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, __nv_bfloat16* __restrict__ out) {
+    Grouping grp{group, capacity, experts, rows_total};
+    const int row = blockIdx.x;
+    const int e = grp.expert_of_row(row);
+    const float sa = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        float v = 0.f;
+        if (e >= 0) v = reduce_splits(partial, splits, rows_total, N, row, n) * (sa * gsb[(size_t)e * N + n]);
+        out[(size_t)row * N + n] = __float2bfloat16_rn(v);
+    }
+}
+
+// L1 epilogue. The weight matrix is W13 = [w1; w3] stacked along N (N = 2I): gate = column n, up = column I + n.
+//   g = min(acc_g * (gsa*gsb_g), 10), u = clamp(acc_u * (gsa*gsb_u), -10, 10), h = silu(g) * u * routing[row]
+// then h is quantized to NVFP4 with a per-row global scale (rule of common/formats.cuh), which needs the row
+// amax over all I: one CTA per row keeps the fp32 h in shared memory (I * 4 bytes), reduces the amax, then
+// quantizes. `h_out` (nullable) receives the fp32 h for tests. Rows owned by no expert get h = 0, codes 0,
+// scales 0, gs = 1 (the quantizer's value for an all-zero row). grid = rows_total, block = 256, smem = I*4.
+extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l1_swiglu_nvfp4(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
+    extern __shared__ float s_h[];
+    __shared__ float s_red[kWarps];
+    Grouping grp{group, capacity, experts, rows_total};
+    const int row = blockIdx.x;
+    const int N = 2 * I;
+    const int e = grp.expert_of_row(row);
+    const float sa = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
+    const float rw = e >= 0 ? routing[row] : 0.f;
+    float amax = 0.f;
+    for (int n = threadIdx.x; n < I; n += blockDim.x) {
+        float h = 0.f;
+        if (e >= 0) {
+            float gte = reduce_splits(partial, splits, rows_total, N, row, n) * (sa * gsb[(size_t)e * N + n]);
+            float up = reduce_splits(partial, splits, rows_total, N, row, I + n) * (sa * gsb[(size_t)e * N + I + n]);
+            gte = fminf(gte, 10.f);
+            up = fminf(fmaxf(up, -10.f), 10.f);
+            const float silu = __fdiv_rn(gte, 1.f + expf(-gte));
+            h = __fmul_rn(__fmul_rn(silu, up), rw);
+        }
+        s_h[n] = h;
+        if (h_out != nullptr) h_out[(size_t)row * I + n] = h;
+        amax = fmaxf(amax, fabsf(h));
+    }
+    amax = block_max(amax, s_red);  // also a barrier: s_h is complete
+    const float gs = mm::nvfp4_global_scale(amax);
+    if (threadIdx.x == 0) h_gs[row] = gs;
+    const int blocks = I / 16;
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
+        float bmax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) bmax = fmaxf(bmax, fabsf(s_h[b * 16 + i]));
+        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+        h_scales[(size_t)row * blocks + b] = sc;
+        uint32_t packed[2] = {0, 0};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) packed[i >> 3] |= (uint32_t)mm::nvfp4_element(s_h[b * 16 + i], scale) << (4 * (i & 7));
+        uint2 v = make_uint2(packed[0], packed[1]);
+        *reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2) + b * 8) = v;
+    }
+}
+
+// L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
+// fp32 sum taken in routing order j = 0, 1, ... (deterministic). The routing weight was applied in L1 (DSV4 applies
+// it to h before w2). grid = tokens, block = 256.
+extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combine(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    __nv_bfloat16* __restrict__ out) {
+    Grouping grp{group, capacity, experts, rows_total};
+    const int tok = blockIdx.x;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        float y = 0.f;
+        for (int j = 0; j < topk; ++j) {
+            const int row = token_rows[(size_t)tok * topk + j];
+            const int e = grp.expert_of_row(row);
+            if (e < 0) continue;
+            const float sa = gsa != nullptr ? gsa[row] : 1.f;
+            y += reduce_splits(partial, splits, rows_total, N, row, n) * (sa * gsb[(size_t)e * N + n]);
+        }
+        out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+    }
+}
+
+// Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block
+// scales are e4m3 codes in [0x28, 0x37] (2^-2 .. 0.94, never NaN), so timings never run on zeros.
+extern "C" __global__ void moe_gemm_fill_bench_weights(uint8_t* __restrict__ codes, unsigned long long n_codes,
+                                                       uint8_t* __restrict__ scales, unsigned long long n_scales,
+                                                       unsigned int seed) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n_codes + n_scales; i += stride) {
+        unsigned int h = (unsigned int)(i * 0x9E3779B97F4A7C15ull >> 32) ^ seed;
+        h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x846CA68Bu; h ^= h >> 16;
+        if (i < n_codes) codes[i] = (uint8_t)h;
+        else scales[i - n_codes] = (uint8_t)(0x28 + (h & 0xF));
+    }
+}
+
+// Baseline support: dequantize NVFP4 rows to BF16 (value = bf16((e2m1 * s) * gs)), one thread per element pair.
+extern "C" __global__ void moe_gemm_dequant_rows_bf16(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                                      const float* __restrict__ global, long long rows, int K,
+                                                      __nv_bfloat16* __restrict__ out) {
+    const long long pairs = rows * (long long)(K / 2);
+    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < pairs; p += (long long)gridDim.x * blockDim.x) {
+        const long long r = p / (K / 2);
+        const int k = (int)(p - r * (K / 2)) * 2;
+        const float s = mm::e4m3_decode(scales[r * (K / 16) + k / 16]) * global[r];
+        const uint8_t b = codes[p];
+        out[r * K + k] = __float2bfloat16_rn(e2m1_value(b & 0xF) * s);
+        out[r * K + k + 1] = __float2bfloat16_rn(e2m1_value(b >> 4) * s);
+    }
+}

@@ -1,0 +1,334 @@
+//! Bench hooks of the moe_gemm family: kernels `moe_gemm_l1` (W13 GEMM + SwiGLU + NVFP4 quant of h) and
+//! `moe_gemm_l2` (W2 GEMM + per-token combine), axis `tokens` (routed top-k of `experts`, uniform, seeded),
+//! params `hidden`, `inter`, `experts`, `topk` (bench-configs/moe_gemm.toml).
+//!
+//! Variants, raced on the same routing in the same run:
+//! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above).
+//! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
+//!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
+//! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
+//!   padded to 16 rows (cuBLASLt's FP8 kernels want aligned M): the 8-bit reference point.
+//!
+//! `bytes` = weight bytes of the active experts (what must stream from HBM) + activations read + outputs
+//! written once; `flops` = 2 * routed pairs * N * K. Weights are filled on the device with hash bytes (valid codes,
+//! block scales in [0.25, 0.94], never NaN), so no timing runs on zeros.
+
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use half::bf16;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+use crate::bench::config::Sweep;
+use crate::bench::runner::{BenchCtx, BenchKernel};
+use crate::bench::{MatmulKind, Row, Summary};
+use crate::gpu::blas::{Blas, GemmInput};
+use crate::gpu::grid_1d;
+
+pub const VARIANTS: &[&str] = &["nvfp4", "cublaslt_bf16", "cublaslt_fp8"];
+
+pub fn kernels() -> Vec<BenchKernel> {
+    vec![
+        BenchKernel {
+            name: "moe_gemm_l1",
+            variants: VARIANTS,
+            matmul: MatmulKind::Bf16,
+            run_point: l1_point,
+        },
+        BenchKernel {
+            name: "moe_gemm_l2",
+            variants: VARIANTS,
+            matmul: MatmulKind::Bf16,
+            run_point: l2_point,
+        },
+    ]
+}
+
+fn fill_weights(
+    gpu: &Gpu,
+    codes: &mut CudaSlice<u8>,
+    scales: &mut CudaSlice<u8>,
+    seed: u32,
+) -> Result<()> {
+    let f = gpu.function(FAMILY, "moe_gemm_fill_bench_weights")?;
+    let (pc, ps) = (
+        codes.device_ptr(&gpu.stream).0,
+        scales.device_ptr(&gpu.stream).0,
+    );
+    let (nc, ns) = (codes.len() as u64, scales.len() as u64);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&pc).arg(&nc).arg(&ps).arg(&ns).arg(&seed);
+    unsafe { b.launch(grid_1d(1 << 20, 256)) }
+        .map_err(|e| anyhow!("moe_gemm_fill_bench_weights: {e:?}"))?;
+    Ok(())
+}
+
+/// Fill `buf` with e4m3/bf16-safe bytes 0x28..0x37 (the fill kernel's scale path).
+fn fill_small_positive(gpu: &Gpu, buf: &mut CudaSlice<u8>, seed: u32) -> Result<()> {
+    let mut none = gpu.zeros::<u8>(1)?;
+    fill_weights(gpu, &mut none, buf, seed)
+}
+
+/// Synthetic NVFP4 expert weights filled on the device, global scale 2^-6 per row.
+pub fn synthetic_weights(
+    gpu: &Gpu,
+    experts: usize,
+    n: usize,
+    k: usize,
+    seed: u32,
+) -> Result<DeviceExpertWeights> {
+    check_gemm_shape(n, k)?;
+    let mut codes = gpu.zeros::<u8>(experts * n * k / 2)?;
+    let mut scales = gpu.zeros::<u8>(experts * n * k / 16)?;
+    fill_weights(gpu, &mut codes, &mut scales, seed)?;
+    let global = gpu.upload(&vec![1.0f32 / 64.0; experts * n])?;
+    Ok(DeviceExpertWeights {
+        experts,
+        n,
+        k,
+        codes,
+        scales,
+        global,
+    })
+}
+
+struct Point {
+    tokens: usize,
+    topk: usize,
+    n: usize,
+    k: usize,
+    rb: RoutedBatch,
+    active: Vec<usize>,
+}
+
+impl Point {
+    fn new(s: &Sweep, tokens: u64, seed: u64, layer: u8) -> Result<Point> {
+        let (hidden, inter) = (
+            s.param_u64("hidden")? as usize,
+            s.param_u64("inter")? as usize,
+        );
+        let (experts, topk) = (
+            s.param_u64("experts")? as usize,
+            s.param_u64("topk")? as usize,
+        );
+        let tokens = tokens as usize;
+        if tokens == 0 {
+            bail!("moe_gemm bench: tokens must be >= 1");
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let rb0 = RoutedBatch::random(&mut rng, tokens, experts, topk, None)?;
+        let most = (0..experts)
+            .map(|e| rb0.grouping.expert_rows(e).len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let masked = tokens <= 256;
+        let rb = RoutedBatch::from_choices(
+            tokens,
+            experts,
+            topk,
+            rb0.experts_of,
+            masked.then_some(most),
+        )?;
+        let active = (0..experts)
+            .filter(|&e| !rb.grouping.expert_rows(e).is_empty())
+            .collect();
+        let (n, k) = if layer == 1 {
+            (2 * inter, hidden)
+        } else {
+            (hidden, inter)
+        };
+        Ok(Point {
+            tokens,
+            topk,
+            n,
+            k,
+            rb,
+            active,
+        })
+    }
+    fn pairs(&self) -> usize {
+        self.tokens * self.topk
+    }
+    fn rows_per_active(&self) -> f64 {
+        self.pairs() as f64 / self.active.len().max(1) as f64
+    }
+    fn flops(&self) -> u64 {
+        2 * (self.pairs() * self.n * self.k) as u64
+    }
+}
+
+fn row(
+    kernel: &str,
+    variant: &str,
+    s: &Sweep,
+    p: &Point,
+    samples: &[f64],
+    bytes: u64,
+) -> Result<Row> {
+    let sum = Summary::of(samples)?;
+    Ok(Row::new(kernel, variant, &s.shape_label(p.tokens as u64))
+        .with_tokens(p.tokens as u64)
+        .with_rows(p.pairs() as u64)
+        .with_cols(p.n as u64)
+        .with_timing(&sum, samples.len() as u64)
+        .with_work(Some(bytes), Some(p.flops()))
+        .with_baseline("cublaslt_bf16"))
+}
+
+fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
+    let p = Point::new(s, tokens, ctx.seed, 1)?;
+    match variant {
+        "nvfp4" => {
+            let gpu = ctx.gpu;
+            let w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 11)?;
+            let rows = p.rb.grouping.rows_total();
+            let dg = DeviceGrouping::upload(gpu, &p.rb.grouping)?;
+            let mut codes = gpu.zeros::<u8>(rows * p.k / 2)?;
+            let mut scales = gpu.zeros::<u8>(rows * p.k / 16)?;
+            fill_weights(gpu, &mut codes, &mut scales, 17)?;
+            let gsa = gpu.upload(&vec![0.05f32; rows])?;
+            let a = DeviceActivations::Nvfp4 {
+                rows,
+                k: p.k,
+                codes: &codes,
+                scales: &scales,
+                global: &gsa,
+            };
+            let routing = gpu.upload(&vec![0.25f32; rows])?;
+            let cfg = GemmConfig::choose(
+                gpu.info.sm_count as usize,
+                p.rows_per_active(),
+                p.active.len(),
+                p.n,
+                p.k,
+            );
+            let mut ws = Workspace::new(gpu, cfg.splits, rows, p.n)?;
+            let i = p.n / 2;
+            let mut out = L1Output::new(gpu, rows, i, false)?;
+            let bytes = w.bytes_per_expert() * p.active.len()
+                + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
+            let samples = gpu.time_us(ctx.plan(bytes as u64), || {
+                launch_partial(gpu, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
+            })?;
+            Ok(vec![row(
+                "moe_gemm_l1",
+                variant,
+                s,
+                &p,
+                &samples,
+                bytes as u64,
+            )?])
+        }
+        _ => cublaslt_point(ctx, s, "moe_gemm_l1", variant, &p),
+    }
+}
+
+fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
+    let p = Point::new(s, tokens, ctx.seed, 2)?;
+    match variant {
+        "nvfp4" => {
+            let gpu = ctx.gpu;
+            let w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 13)?;
+            let rows = p.rb.grouping.rows_total();
+            let dg = DeviceGrouping::upload(gpu, &p.rb.grouping)?;
+            // The L1 output (NVFP4 h with a per-row global scale), synthetic.
+            let mut h = L1Output::new(gpu, rows, p.k, false)?;
+            fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
+            h.global = gpu.upload(&vec![0.01f32; rows.max(1)])?;
+            let token_rows = gpu.upload(&p.rb.token_rows)?;
+            let cfg = GemmConfig::choose(
+                gpu.info.sm_count as usize,
+                p.rows_per_active(),
+                p.active.len(),
+                p.n,
+                p.k,
+            );
+            let mut ws = Workspace::new(gpu, cfg.splits, rows, p.n)?;
+            let mut y = gpu.zeros::<bf16>(p.tokens * p.n)?;
+            let bytes = w.bytes_per_expert() * p.active.len()
+                + p.pairs() * (p.k / 2 + p.k / 16 + 4)
+                + p.tokens * p.n * 2;
+            let samples = gpu.time_us(ctx.plan(bytes as u64), || {
+                let a = h.as_activations();
+                launch_partial(gpu, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
+            })?;
+            Ok(vec![row(
+                "moe_gemm_l2",
+                variant,
+                s,
+                &p,
+                &samples,
+                bytes as u64,
+            )?])
+        }
+        _ => cublaslt_point(ctx, s, "moe_gemm_l2", variant, &p),
+    }
+}
+
+/// Per-active-expert cuBLASLt GEMMs (BF16 from dequantized NVFP4 weights, or FP8 per-tensor).
+fn cublaslt_point(
+    ctx: &BenchCtx<'_>,
+    s: &Sweep,
+    kernel: &str,
+    variant: &str,
+    p: &Point,
+) -> Result<Vec<Row>> {
+    let gpu = ctx.gpu;
+    let blas = Blas::new(gpu)?;
+    let (n, k) = (p.n, p.k);
+    let kind = match variant {
+        "cublaslt_bf16" => GemmInput::Bf16,
+        "cublaslt_fp8" => GemmInput::Fp8E4m3,
+        other => bail!("{kernel}: unknown variant `{other}` (known: {VARIANTS:?})"),
+    };
+    let dq = gpu.function(FAMILY, "moe_gemm_dequant_rows_bf16")?;
+    let one = synthetic_weights(gpu, 1, n, k, 23)?; // one expert's NVFP4 weights, dequantized into each copy
+    let mut per_expert = Vec::new();
+    for &e in &p.active {
+        let m = p.rb.grouping.expert_rows(e).len();
+        let m_run = if kind == GemmInput::Fp8E4m3 {
+            m.div_ceil(16) * 16
+        } else {
+            m
+        };
+        let mut wbuf = gpu.zeros::<u8>(n * k * kind.bytes())?;
+        let mut abuf = gpu.zeros::<u8>(m_run * k * kind.bytes())?;
+        if kind == GemmInput::Bf16 {
+            let (pc, ps, pg, po) = (
+                one.codes.device_ptr(&gpu.stream).0,
+                one.scales.device_ptr(&gpu.stream).0,
+                one.global.device_ptr(&gpu.stream).0,
+                wbuf.device_ptr(&gpu.stream).0,
+            );
+            let (nr, kk) = (n as i64, k as i32);
+            let mut b = gpu.stream.launch_builder(&dq);
+            b.arg(&pc).arg(&ps).arg(&pg).arg(&nr).arg(&kk).arg(&po);
+            unsafe { b.launch(grid_1d(1 << 18, 256)) }
+                .map_err(|e| anyhow!("moe_gemm_dequant_rows_bf16: {e:?}"))?;
+        } else {
+            fill_small_positive(gpu, &mut wbuf, 29 + e as u32)?;
+        }
+        fill_small_positive(gpu, &mut abuf, 31 + e as u32)?; // bf16 0x28xx..0x37xx or e4m3 0.25..0.94
+        let d = gpu.zeros::<bf16>(m_run * n)?;
+        per_expert.push((m_run, wbuf, abuf, d));
+    }
+    gpu.synchronize()?;
+    let elem_bytes = kind.bytes();
+    let bytes =
+        p.active.len() * n * k * elem_bytes + p.pairs() * k * elem_bytes + p.pairs() * n * 2;
+    let samples = gpu.time_us(ctx.plan(bytes as u64), || {
+        for (m, wbuf, abuf, d) in per_expert.iter_mut() {
+            blas.gemm_tn(gpu, kind, *m, n, k, abuf, wbuf, d, 1.0)?;
+        }
+        Ok(())
+    })?;
+    let mut r = row(kernel, variant, s, p, &samples, bytes as u64)?;
+    if variant == "cublaslt_bf16" {
+        r.baseline = None;
+    }
+    Ok(vec![r])
+}

@@ -1,0 +1,761 @@
+//! NVFP4 MoE grouped GEMM (kernels/moe_gemm.cu): `D[m, n] = gsa[m] * gsb[e, n] * sum_k A[m, k] * B[e, n, k]`.
+//!
+//! * B: NVFP4 expert weights `[E, N, K]` (e2m1 codes, e4m3 scale per 16 along K, fp32 global scale per
+//!   (expert, row)); uploaded once with [`DeviceExpertWeights::upload`], which validates them (no NaN scale,
+//!   finite positive global scales). The kernel reads the natural row-major layout: no offline swizzle is
+//!   needed because each lane-quad reads whole 64-byte row segments (see the .cu header).
+//! * A: BF16 rows (gsa = 1) or NVFP4 rows with a per-row fp32 `gsa[m]` (the fused norm + quant output).
+//! * Grouping: masked (decode; per-expert slots of fixed capacity, device-side counts, graph-capturable) or
+//!   contiguous (prefill; tokens sorted by expert, offsets).
+//! * Work is split in two launches: [`launch_partial`] (tensor-core mainloop, fp32 partial sums per K split into
+//!   a [`Workspace`]) and one finish kernel: [`launch_finish_bf16`] (plain BF16 output),
+//!   [`launch_finish_l1`] (DSV4 SwiGLU with clamp, routing weight, NVFP4 quant with per-row global scale: the L2
+//!   input) or [`launch_finish_l2`] (BF16 output combined per token over its top-k rows, fixed order).
+//!
+//! Non-finite activations: device-resident inputs are produced by our own kernels (which never emit NaN); host
+//! inputs go through the CPU quantizer, which rejects them. Device-side counts/offsets are clamped by the
+//! kernels, so a bad value can never cause an out-of-bounds access; host-side groupings are validated.
+
+pub mod bench;
+pub mod reference;
+
+use anyhow::{anyhow, bail, ensure, Result};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use half::bf16;
+use rand::seq::index::sample;
+use rand::Rng;
+
+use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
+use reference::{ExpertWeights, Grouping, NVFP4_BLOCK};
+
+/// Kernel family name (kernels/moe_gemm.cu).
+pub const FAMILY: &str = "moe_gemm";
+/// Weight rows per CTA: N must be a multiple of it.
+pub const BLOCK_N: usize = 128;
+/// K per pipeline stage: K / splits must be a multiple of it.
+pub const STAGE_K: usize = 512;
+/// Token tiles compiled (MMA N = 8 per n-tile).
+pub const TOKEN_TILES: [usize; 4] = [8, 16, 32, 64];
+/// Most experts one launch can group (shared-memory prefix in the kernel).
+pub const MAX_EXPERTS: usize = 512;
+const THREADS: u32 = 256;
+
+/// `N % 128 == 0`, `K % 512 == 0`: the tile shapes of the kernel (all DSV4 shapes qualify).
+pub fn check_gemm_shape(n: usize, k: usize) -> Result<()> {
+    ensure!(
+        n > 0 && n.is_multiple_of(BLOCK_N),
+        "moe_gemm: N = {n} must be a positive multiple of {BLOCK_N}"
+    );
+    ensure!(
+        k > 0 && k.is_multiple_of(STAGE_K),
+        "moe_gemm: K = {k} must be a positive multiple of {STAGE_K}"
+    );
+    ensure!(
+        n <= i32::MAX as usize && k <= i32::MAX as usize,
+        "moe_gemm: N or K does not fit an i32"
+    );
+    Ok(())
+}
+
+fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(&gpu.stream).0
+}
+
+fn as_i32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| anyhow!("moe_gemm: {what} = {v} does not fit an i32"))
+}
+
+/// NVFP4 expert weights on the device.
+pub struct DeviceExpertWeights {
+    pub experts: usize,
+    pub n: usize,
+    pub k: usize,
+    pub codes: CudaSlice<u8>,
+    pub scales: CudaSlice<u8>,
+    /// fp32 global scale per (expert, row), `[E, N]`.
+    pub global: CudaSlice<f32>,
+}
+
+impl DeviceExpertWeights {
+    /// Validate (sizes, no NaN block scale, finite positive global scales, tile shape) and upload.
+    pub fn upload(gpu: &Gpu, w: &ExpertWeights) -> Result<DeviceExpertWeights> {
+        w.validate()?;
+        check_gemm_shape(w.n, w.k)?;
+        ensure!(
+            w.experts >= 1 && w.experts <= MAX_EXPERTS,
+            "moe_gemm: {} experts (1..={MAX_EXPERTS})",
+            w.experts
+        );
+        Ok(DeviceExpertWeights {
+            experts: w.experts,
+            n: w.n,
+            k: w.k,
+            codes: gpu.upload(&w.rows.codes)?,
+            scales: gpu.upload(&w.rows.scales)?,
+            global: gpu.upload(&w.rows.global)?,
+        })
+    }
+
+    /// Bytes one expert's weights occupy (codes + block scales + global scales): what a kernel streams per expert.
+    pub fn bytes_per_expert(&self) -> usize {
+        self.n * self.k / 2 + self.n * self.k / NVFP4_BLOCK + self.n * 4
+    }
+}
+
+/// The A operand on the device.
+pub enum DeviceActivations<'a> {
+    Bf16 {
+        rows: usize,
+        k: usize,
+        data: &'a CudaSlice<bf16>,
+    },
+    Nvfp4 {
+        rows: usize,
+        k: usize,
+        codes: &'a CudaSlice<u8>,
+        scales: &'a CudaSlice<u8>,
+        global: &'a CudaSlice<f32>,
+    },
+}
+
+impl DeviceActivations<'_> {
+    fn rows_k(&self) -> (usize, usize) {
+        match self {
+            DeviceActivations::Bf16 { rows, k, .. } | DeviceActivations::Nvfp4 { rows, k, .. } => {
+                (*rows, *k)
+            }
+        }
+    }
+    fn check(&self) -> Result<()> {
+        let (rows, k) = self.rows_k();
+        match self {
+            DeviceActivations::Bf16 { data, .. } => {
+                ensure!(
+                    data.len() >= rows * k,
+                    "moe_gemm: BF16 A has {} elements, needs {rows} x {k}",
+                    data.len()
+                )
+            }
+            DeviceActivations::Nvfp4 {
+                codes,
+                scales,
+                global,
+                ..
+            } => {
+                ensure!(
+                    codes.len() >= rows * k / 2,
+                    "moe_gemm: NVFP4 A codes {} bytes < {}",
+                    codes.len(),
+                    rows * k / 2
+                );
+                ensure!(
+                    scales.len() >= rows * k / 16,
+                    "moe_gemm: NVFP4 A scales {} < {}",
+                    scales.len(),
+                    rows * k / 16
+                );
+                ensure!(
+                    global.len() >= rows,
+                    "moe_gemm: NVFP4 A has {} global scales for {rows} rows",
+                    global.len()
+                );
+            }
+        }
+        Ok(())
+    }
+    fn gsa_ptr(&self, gpu: &Gpu) -> u64 {
+        match self {
+            DeviceActivations::Bf16 { .. } => 0,
+            DeviceActivations::Nvfp4 { global, .. } => ptr(gpu, global),
+        }
+    }
+}
+
+/// A grouping on the device: `group` holds counts[E] (masked) or offsets[E+1] (contiguous).
+pub struct DeviceGrouping {
+    /// Slots per expert for the masked layout, 0 for contiguous.
+    pub capacity: usize,
+    pub experts: usize,
+    pub rows_total: usize,
+    pub group: CudaSlice<i32>,
+}
+
+impl DeviceGrouping {
+    /// Validate a host grouping and upload it.
+    pub fn upload(gpu: &Gpu, g: &Grouping) -> Result<DeviceGrouping> {
+        g.validate()?;
+        ensure!(
+            g.experts() <= MAX_EXPERTS,
+            "moe_gemm: {} experts (max {MAX_EXPERTS})",
+            g.experts()
+        );
+        let (capacity, data) = match g {
+            Grouping::Masked { capacity, counts } => {
+                ensure!(*capacity >= 1, "masked grouping: capacity must be >= 1");
+                (*capacity, counts.clone())
+            }
+            Grouping::Contiguous { offsets } => (0, offsets.clone()),
+        };
+        as_i32(g.rows_total(), "rows_total")?;
+        Ok(DeviceGrouping {
+            capacity,
+            experts: g.experts(),
+            rows_total: g.rows_total(),
+            group: gpu.upload(&data)?,
+        })
+    }
+}
+
+/// Launch configuration of the mainloop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmConfig {
+    /// Tokens per CTA tile (8, 16, 32 or 64): the MMA N extent.
+    pub token_tile: usize,
+    /// K splits (fp32 partials, added in the finish kernel).
+    pub splits: usize,
+    /// Persistent grid size.
+    pub ctas: u32,
+}
+
+impl GemmConfig {
+    /// Heuristic from what the host knows without reading device counts: the expected rows per active expert
+    /// and the expected number of active experts. Picks the smallest token tile that holds the rows, then the
+    /// K split count with the least estimated time `ceil(items * s / slots) / s` (wave quantization over the
+    /// persistent CTA slots: 2 per SM for tiles <= 16 tokens), times 5% per extra split for the fp32 partials.
+    pub fn choose(
+        sm_count: usize,
+        rows_per_active_expert: f64,
+        active_experts: usize,
+        n: usize,
+        k: usize,
+    ) -> GemmConfig {
+        let token_tile = TOKEN_TILES
+            .iter()
+            .copied()
+            .find(|&t| t as f64 >= rows_per_active_expert)
+            .unwrap_or(64);
+        let per_sm = if token_tile <= 16 { 2 } else { 1 };
+        let slots = sm_count.max(1) * per_sm;
+        let tiles = (rows_per_active_expert / token_tile as f64).ceil().max(1.0) as usize;
+        let items = active_experts.max(1) * tiles * (n / BLOCK_N).max(1);
+        let cost = |s: usize| {
+            (items * s).div_ceil(slots) as f64 / s as f64 * (1.0 + 0.05 * (s - 1) as f64)
+        };
+        let splits = [1usize, 2, 4, 8]
+            .into_iter()
+            .filter(|&s| k.is_multiple_of(s * STAGE_K))
+            .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
+            .unwrap_or(1);
+        GemmConfig {
+            token_tile,
+            splits,
+            ctas: slots as u32,
+        }
+    }
+
+    fn check(&self, k: usize) -> Result<()> {
+        ensure!(
+            TOKEN_TILES.contains(&self.token_tile),
+            "moe_gemm: token tile {} not in {TOKEN_TILES:?}",
+            self.token_tile
+        );
+        ensure!(
+            self.splits >= 1 && k.is_multiple_of(self.splits * STAGE_K),
+            "moe_gemm: K = {k} is not a multiple of splits ({}) x {STAGE_K}",
+            self.splits
+        );
+        ensure!(self.ctas >= 1, "moe_gemm: at least one CTA");
+        Ok(())
+    }
+}
+
+/// fp32 partial sums `[splits, rows_total, N]` written by the mainloop and read by a finish kernel.
+pub struct Workspace {
+    pub splits: usize,
+    pub rows_total: usize,
+    pub n: usize,
+    pub partial: CudaSlice<f32>,
+}
+
+impl Workspace {
+    pub fn new(gpu: &Gpu, splits: usize, rows_total: usize, n: usize) -> Result<Workspace> {
+        let len = splits.max(1) * rows_total.max(1) * n;
+        Ok(Workspace {
+            splits,
+            rows_total,
+            n,
+            partial: gpu.zeros::<f32>(len)?,
+        })
+    }
+}
+
+/// Mainloop: fp32 partial sums of `A . B^T` (no global scales) into `ws` for every owned row.
+pub fn launch_partial(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+) -> Result<()> {
+    cfg.check(w.k)?;
+    a.check()?;
+    let (a_rows, a_k) = a.rows_k();
+    ensure!(a_k == w.k, "moe_gemm: A has K = {a_k}, weights K = {}", w.k);
+    ensure!(
+        a_rows >= grp.rows_total,
+        "moe_gemm: A has {a_rows} rows, the grouping spans {}",
+        grp.rows_total
+    );
+    ensure!(
+        grp.experts == w.experts,
+        "moe_gemm: grouping has {} experts, weights {}",
+        grp.experts,
+        w.experts
+    );
+    ensure!(
+        ws.splits == cfg.splits && ws.rows_total == grp.rows_total && ws.n == w.n,
+        "moe_gemm: workspace is [{}, {}, {}], launch needs [{}, {}, {}]",
+        ws.splits,
+        ws.rows_total,
+        ws.n,
+        cfg.splits,
+        grp.rows_total,
+        w.n
+    );
+    let name = format!("moe_gemm_nvfp4_partial_nt{}", cfg.token_tile / 8);
+    let f = gpu.function(FAMILY, &name)?;
+    let smem = (cfg.token_tile * STAGE_K * 2) as u32;
+    if smem > 48 * 1024 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| anyhow!("{name}: setting dynamic shared memory to {smem}: {e:?}"))?;
+    }
+    let (act, act_scales, is_nvfp4) = match a {
+        DeviceActivations::Bf16 { data, .. } => (ptr(gpu, *data), 0u64, 0i32),
+        DeviceActivations::Nvfp4 { codes, scales, .. } => {
+            (ptr(gpu, *codes), ptr(gpu, *scales), 1i32)
+        }
+    };
+    let (wc, wsc, grp_p, part) = (
+        ptr(gpu, &w.codes),
+        ptr(gpu, &w.scales),
+        ptr(gpu, &grp.group),
+        ptr(gpu, &ws.partial),
+    );
+    let (n, k) = (as_i32(w.n, "N")?, as_i32(w.k, "K")?);
+    let (cap, e, rows, splits) = (
+        as_i32(grp.capacity, "capacity")?,
+        as_i32(grp.experts, "experts")?,
+        as_i32(grp.rows_total, "rows")?,
+        cfg.splits as i32,
+    );
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&wc)
+        .arg(&wsc)
+        .arg(&n)
+        .arg(&k)
+        .arg(&act)
+        .arg(&act_scales)
+        .arg(&is_nvfp4);
+    b.arg(&grp_p)
+        .arg(&cap)
+        .arg(&e)
+        .arg(&rows)
+        .arg(&part)
+        .arg(&splits);
+    unsafe { b.launch(launch_cfg((cfg.ctas, 1, 1), (THREADS, 1, 1), smem)) }
+        .map_err(|e| anyhow!("{name}: {e:?}"))?;
+    Ok(())
+}
+
+fn check_finish(ws: &Workspace, grp: &DeviceGrouping, w: &DeviceExpertWeights) -> Result<()> {
+    ensure!(
+        ws.rows_total == grp.rows_total && ws.n == w.n,
+        "moe_gemm finish: workspace does not match the grouping/weights"
+    );
+    ensure!(
+        grp.experts == w.experts,
+        "moe_gemm finish: grouping has {} experts, weights {}",
+        grp.experts,
+        w.experts
+    );
+    Ok(())
+}
+
+/// Plain epilogue: `out[row, n] = bf16(acc * (gsa[row] * gsb[e, n]))`, zeros for rows owned by no expert.
+pub fn launch_finish_bf16(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check_finish(ws, grp, w)?;
+    ensure!(
+        out.len() >= grp.rows_total * w.n,
+        "moe_gemm: output has {} elements, needs {} x {}",
+        out.len(),
+        grp.rows_total,
+        w.n
+    );
+    if grp.rows_total == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(FAMILY, "moe_gemm_finish_bf16")?;
+    let (part, grp_p, gsa, gsb, o) = (
+        ptr(gpu, &ws.partial),
+        ptr(gpu, &grp.group),
+        a.gsa_ptr(gpu),
+        ptr(gpu, &w.global),
+        ptr(gpu, out),
+    );
+    let (splits, cap, e, rows, n) = (
+        ws.splits as i32,
+        grp.capacity as i32,
+        grp.experts as i32,
+        grp.rows_total as i32,
+        w.n as i32,
+    );
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&part)
+        .arg(&splits)
+        .arg(&grp_p)
+        .arg(&cap)
+        .arg(&e)
+        .arg(&rows)
+        .arg(&n)
+        .arg(&gsa)
+        .arg(&gsb)
+        .arg(&o);
+    unsafe {
+        b.launch(launch_cfg(
+            (grp.rows_total as u32, 1, 1),
+            (THREADS, 1, 1),
+            0,
+        ))
+    }
+    .map_err(|e| anyhow!("moe_gemm_finish_bf16: {e:?}"))?;
+    Ok(())
+}
+
+/// The L1 output: h quantized to NVFP4 with a per-row global scale (the L2 GEMM's A), and optionally h in fp32.
+pub struct L1Output {
+    pub rows: usize,
+    pub i_dim: usize,
+    pub codes: CudaSlice<u8>,
+    pub scales: CudaSlice<u8>,
+    pub global: CudaSlice<f32>,
+    pub h_f32: Option<CudaSlice<f32>>,
+}
+
+impl L1Output {
+    /// Output buffers, poisoned (0xFF) so that an unwritten element shows up.
+    pub fn new(gpu: &Gpu, rows: usize, i_dim: usize, keep_h_f32: bool) -> Result<L1Output> {
+        Ok(L1Output {
+            rows,
+            i_dim,
+            codes: gpu.poisoned::<u8>((rows * i_dim / 2).max(1), 0xFF)?,
+            scales: gpu.poisoned::<u8>((rows * i_dim / 16).max(1), 0xFF)?,
+            global: gpu.poisoned::<f32>(rows.max(1), 0xFF)?,
+            h_f32: if keep_h_f32 {
+                Some(gpu.poisoned::<f32>((rows * i_dim).max(1), 0xFF)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// This output as the A operand of the L2 GEMM.
+    pub fn as_activations(&self) -> DeviceActivations<'_> {
+        DeviceActivations::Nvfp4 {
+            rows: self.rows,
+            k: self.i_dim,
+            codes: &self.codes,
+            scales: &self.scales,
+            global: &self.global,
+        }
+    }
+}
+
+/// L1 epilogue on a W13 = [w1; w3] GEMM (N = 2I): DSV4 SwiGLU with clamp, times `routing[row]`, quantized to
+/// NVFP4 with a per-row global scale (one CTA per row holds the fp32 h row in shared memory for the row amax).
+pub fn launch_finish_l1(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w13: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    routing: &CudaSlice<f32>,
+    out: &mut L1Output,
+) -> Result<()> {
+    check_finish(ws, grp, w13)?;
+    ensure!(
+        w13.n.is_multiple_of(2),
+        "moe_gemm L1: N = {} must be 2 * I",
+        w13.n
+    );
+    let i_dim = w13.n / 2;
+    ensure!(
+        i_dim.is_multiple_of(16),
+        "moe_gemm L1: I = {i_dim} must be a multiple of 16"
+    );
+    ensure!(
+        out.rows == grp.rows_total && out.i_dim == i_dim,
+        "moe_gemm L1: output is {} x {}, needs {} x {i_dim}",
+        out.rows,
+        out.i_dim,
+        grp.rows_total
+    );
+    ensure!(
+        routing.len() >= grp.rows_total,
+        "moe_gemm L1: {} routing weights for {} rows",
+        routing.len(),
+        grp.rows_total
+    );
+    let smem = (i_dim * 4) as u32;
+    ensure!(
+        smem as usize <= gpu.info.max_smem_per_block_optin,
+        "moe_gemm L1: I = {i_dim} needs {smem} B of shared memory"
+    );
+    if grp.rows_total == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(FAMILY, "moe_gemm_finish_l1_swiglu_nvfp4")?;
+    if smem > 48 * 1024 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| anyhow!("moe_gemm L1: shared memory attribute: {e:?}"))?;
+    }
+    let (part, grp_p, gsa, gsb, rw) = (
+        ptr(gpu, &ws.partial),
+        ptr(gpu, &grp.group),
+        a.gsa_ptr(gpu),
+        ptr(gpu, &w13.global),
+        ptr(gpu, routing),
+    );
+    let (hc, hs, hg) = (
+        ptr(gpu, &out.codes),
+        ptr(gpu, &out.scales),
+        ptr(gpu, &out.global),
+    );
+    let hf = out.h_f32.as_ref().map(|h| ptr(gpu, h)).unwrap_or(0);
+    let (splits, cap, e, rows, i) = (
+        ws.splits as i32,
+        grp.capacity as i32,
+        grp.experts as i32,
+        grp.rows_total as i32,
+        i_dim as i32,
+    );
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&part)
+        .arg(&splits)
+        .arg(&grp_p)
+        .arg(&cap)
+        .arg(&e)
+        .arg(&rows)
+        .arg(&i)
+        .arg(&gsa)
+        .arg(&gsb)
+        .arg(&rw);
+    b.arg(&hc).arg(&hs).arg(&hg).arg(&hf);
+    unsafe {
+        b.launch(launch_cfg(
+            (grp.rows_total as u32, 1, 1),
+            (THREADS, 1, 1),
+            smem,
+        ))
+    }
+    .map_err(|e| anyhow!("moe_gemm_finish_l1_swiglu_nvfp4: {e:?}"))?;
+    Ok(())
+}
+
+/// L2 epilogue: `out[t, n] = bf16(sum_j acc(rows[t, j], n) * gsa * gsb)` in routing order (deterministic).
+/// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l2(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w2: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    token_rows: &CudaSlice<i32>,
+    topk: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check_finish(ws, grp, w2)?;
+    ensure!(topk >= 1, "moe_gemm L2: topk must be >= 1");
+    let tokens = token_rows.len() / topk;
+    ensure!(
+        token_rows.len() == tokens * topk,
+        "moe_gemm L2: token_rows length {} is not tokens x {topk}",
+        token_rows.len()
+    );
+    ensure!(
+        out.len() >= tokens * w2.n,
+        "moe_gemm L2: output has {} elements, needs {tokens} x {}",
+        out.len(),
+        w2.n
+    );
+    if tokens == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(FAMILY, "moe_gemm_finish_l2_combine")?;
+    let (part, grp_p, gsa, gsb, tr, o) = (
+        ptr(gpu, &ws.partial),
+        ptr(gpu, &grp.group),
+        a.gsa_ptr(gpu),
+        ptr(gpu, &w2.global),
+        ptr(gpu, token_rows),
+        ptr(gpu, out),
+    );
+    let (splits, cap, e, rows, n, k) = (
+        ws.splits as i32,
+        grp.capacity as i32,
+        grp.experts as i32,
+        grp.rows_total as i32,
+        w2.n as i32,
+        topk as i32,
+    );
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&part)
+        .arg(&splits)
+        .arg(&grp_p)
+        .arg(&cap)
+        .arg(&e)
+        .arg(&rows)
+        .arg(&n)
+        .arg(&gsa)
+        .arg(&gsb)
+        .arg(&tr)
+        .arg(&k)
+        .arg(&o);
+    unsafe { b.launch(launch_cfg((tokens as u32, 1, 1), (THREADS, 1, 1), 0)) }
+        .map_err(|e| anyhow!("moe_gemm_finish_l2_combine: {e:?}"))?;
+    Ok(())
+}
+
+/// Mainloop + plain BF16 epilogue.
+pub fn grouped_gemm_bf16(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    launch_partial(gpu, w, a, grp, cfg, ws)?;
+    launch_finish_bf16(gpu, ws, grp, w, a, out)
+}
+
+/// A routed batch: each token picks `topk` distinct experts; rows are grouped by expert.
+#[derive(Debug, Clone)]
+pub struct RoutedBatch {
+    pub tokens: usize,
+    pub topk: usize,
+    /// `experts_of[t * topk + j]`: the j-th expert of token t.
+    pub experts_of: Vec<usize>,
+    /// Row (slot) of the pair (t, j) in the grouped layout: `[tokens, topk]`.
+    pub token_rows: Vec<i32>,
+    /// Token of each row (`-1` for padding slots): used to gather A rows.
+    pub row_token: Vec<i32>,
+    pub grouping: Grouping,
+}
+
+impl RoutedBatch {
+    /// Uniform random top-k routing. `masked_capacity`: `Some(c)` for the masked layout (c >= the largest
+    /// count, or an error), `None` for contiguous. Rows of an expert are in token order.
+    pub fn random(
+        rng: &mut impl Rng,
+        tokens: usize,
+        experts: usize,
+        topk: usize,
+        masked_capacity: Option<usize>,
+    ) -> Result<RoutedBatch> {
+        ensure!(
+            topk >= 1 && topk <= experts,
+            "routing: top-{topk} of {experts} experts"
+        );
+        let experts_of: Vec<usize> = (0..tokens)
+            .flat_map(|_| sample(rng, experts, topk).into_vec())
+            .collect();
+        Self::from_choices(tokens, experts, topk, experts_of, masked_capacity)
+    }
+
+    /// Build the layout from explicit choices.
+    pub fn from_choices(
+        tokens: usize,
+        experts: usize,
+        topk: usize,
+        experts_of: Vec<usize>,
+        masked_capacity: Option<usize>,
+    ) -> Result<RoutedBatch> {
+        ensure!(
+            experts_of.len() == tokens * topk,
+            "routing: {} choices for {tokens} x {topk}",
+            experts_of.len()
+        );
+        if let Some(&e) = experts_of.iter().find(|&&e| e >= experts) {
+            bail!("routing: expert {e} out of range ({experts} experts)");
+        }
+        let mut per_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); experts];
+        for t in 0..tokens {
+            for j in 0..topk {
+                per_expert[experts_of[t * topk + j]].push((t, j));
+            }
+        }
+        let mut token_rows = vec![-1i32; tokens * topk];
+        let (grouping, rows_total) = match masked_capacity {
+            Some(cap) => {
+                let most = per_expert.iter().map(|v| v.len()).max().unwrap_or(0);
+                ensure!(
+                    most <= cap,
+                    "routing: an expert got {most} rows, masked capacity is {cap}"
+                );
+                (
+                    Grouping::Masked {
+                        capacity: cap,
+                        counts: per_expert.iter().map(|v| v.len() as i32).collect(),
+                    },
+                    cap * experts,
+                )
+            }
+            None => {
+                let mut offsets = vec![0i32];
+                for v in &per_expert {
+                    offsets.push(offsets.last().unwrap() + v.len() as i32);
+                }
+                let total = *offsets.last().unwrap() as usize;
+                (Grouping::Contiguous { offsets }, total)
+            }
+        };
+        let mut row_token = vec![-1i32; rows_total];
+        for (e, pairs) in per_expert.iter().enumerate() {
+            let start = grouping.expert_rows(e).start;
+            for (i, &(t, j)) in pairs.iter().enumerate() {
+                token_rows[t * topk + j] = (start + i) as i32;
+                row_token[start + i] = t as i32;
+            }
+        }
+        Ok(RoutedBatch {
+            tokens,
+            topk,
+            experts_of,
+            token_rows,
+            row_token,
+            grouping,
+        })
+    }
+
+    /// Expert of the row holding pair (t, j).
+    pub fn expert(&self, t: usize, j: usize) -> usize {
+        self.experts_of[t * self.topk + j]
+    }
+}

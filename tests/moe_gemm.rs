@@ -1,0 +1,920 @@
+//! NVFP4 MoE grouped GEMM: CPU checks of the numerics the kernel relies on and of the reference, and GPU checks
+//! of the kernels against the f64 reference (skipped loudly without a GPU).
+//!
+//! Tolerance (GPU vs f64 reference). Every product A*B is exact (NVFP4 and BF16 values are exact in BF16, their
+//! product exact in fp32), so the only error of the accumulator is fp32 summation order. Per element we use the
+//! order-independent bound |acc - exact| <= (K + splits + 16) * 2u * sum_k |A*B| (u = 2^-24; 2u per addition
+//! covers a tensor core that truncates instead of rounding), and over the whole output
+//! ||acc - exact|| / ||exact|| <= 8 sqrt(K) u + (K / 16) u (random-walk rounding plus a possible one-sided
+//! truncation per 16-deep MMA step). A wrong index, a lost block scale or a wrong K permutation gives O(1)
+//! relative errors, orders of magnitude above both. BF16 outputs add half a bf16 ulp (2^-9 relative).
+
+use half::bf16;
+use megamoe::formats::{e2m1, e4m3};
+use megamoe::gpu::{gpu_for_test, Gpu};
+use megamoe::ops::moe_gemm::reference::{
+    apply_global_scales, combine_l2_f64, dequant_pair_like_kernel, grouped_gemm_acc_f64,
+    quantize_rows_nvfp4, swiglu_l1_f64, Activations, ExpertWeights, Grouping, Nvfp4Rows,
+};
+use megamoe::ops::moe_gemm::{
+    self as mg, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output,
+    RoutedBatch, Workspace,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const U: f64 = 1.0 / 16_777_216.0; // 2^-24
+
+fn seeded(test: &str) -> ChaCha8Rng {
+    let seed = std::env::var("MOE_GEMM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("{test}: seed {seed} (rerun with MOE_GEMM_SEED={seed})");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// Roughly normal values with a per-row magnitude spread of 10^[-2, 2] (exercises per-row global scales and
+/// small e4m3 block scales) and a few outliers per row (exercises block-scale spread within a row).
+fn random_rows(rng: &mut impl Rng, rows: usize, cols: usize, base: f32) -> Vec<f32> {
+    let mut x = Vec::with_capacity(rows * cols);
+    for _ in 0..rows {
+        let mag = base * 10f32.powf(rng.random_range(-2.0..2.0));
+        for _ in 0..cols {
+            // One 32-bit draw per value: the sum of two 15-bit uniforms (triangular on [-1, 1)), and a 1-in-64 outlier.
+            let r: u32 = rng.random();
+            let tri = ((r & 0x7FFF) as f32 + ((r >> 15) & 0x7FFF) as f32) / 32768.0 - 1.0;
+            let v = tri * mag;
+            x.push(if r >> 26 == 0 { v * 30.0 } else { v });
+        }
+    }
+    x
+}
+
+// ------------------------------------------------------------------------------------------------- CPU checks
+
+#[test]
+fn nvfp4_element_times_block_scale_is_exact_in_bf16() {
+    // DESIGN §3: e2m1 * e4m3 has <= 5 significant bits and lies in [2^-10, 2688]: exact in BF16.
+    for c in 0u8..16 {
+        for s in (0u8..=255).filter(|s| s & 0x7F != 0x7F) {
+            let v = e2m1::decode(c) * e4m3::decode(s);
+            assert_eq!(
+                bf16::from_f32(v).to_f32(),
+                v,
+                "e2m1 code {c} x e4m3 code {s:#x}"
+            );
+        }
+    }
+}
+
+#[test]
+fn kernel_register_dequant_is_exact_for_every_code_and_scale() {
+    // The shift/mask + one bf16 multiply of kernels/moe_gemm.cu, on every nibble pair, position and scale.
+    for lo in 0u32..16 {
+        for hi in 0u32..16 {
+            for i in 0..4u32 {
+                // Put lo at nibble i and hi at nibble i + 4; fill the other nibbles with a different pattern.
+                let mut word = 0x9E3A_7B51u32;
+                word &= !(0xF << (4 * i)) & !(0xF << (4 * (i + 4)));
+                word |= (lo << (4 * i)) | (hi << (4 * (i + 4)));
+                for s in (0u8..=255).filter(|s| s & 0x7F != 0x7F && s & 0x80 == 0) {
+                    let (a, b) = dequant_pair_like_kernel(word, i, s);
+                    let sv = e4m3::decode(s);
+                    assert_eq!(
+                        a,
+                        e2m1::decode(lo as u8) * sv,
+                        "lo code {lo} nibble {i} scale {s:#x}"
+                    );
+                    assert_eq!(
+                        b,
+                        e2m1::decode(hi as u8) * sv,
+                        "hi code {hi} nibble {} scale {s:#x}",
+                        i + 4
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantizer_follows_the_nvfp4_rule_and_bounds_the_error() {
+    let mut rng = seeded("quantizer_follows_the_nvfp4_rule_and_bounds_the_error");
+    let (rows, cols) = (37, 256);
+    let mut x = random_rows(&mut rng, rows, cols, 1.0);
+    x[5 * cols..6 * cols].fill(0.0); // an all-zero row: gs = 1, codes 0
+    let q = quantize_rows_nvfp4(&x, rows, cols).unwrap();
+    assert_eq!(q.global[5], 1.0);
+    let deq = q.dequantize();
+    for r in 0..rows {
+        let amax = x[r * cols..(r + 1) * cols]
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()));
+        if amax > 0.0 {
+            assert_eq!(q.global[r], amax / 2688.0, "row {r}");
+        }
+        for b in 0..cols / 16 {
+            let scale = e4m3::decode(q.scales[r * cols / 16 + b]) as f64 * q.global[r] as f64;
+            for i in 0..16 {
+                let idx = r * cols + b * 16 + i;
+                // Half the largest e2m1 gap (2, between 4 and 6) times the scale, plus the e4m3 rounding of the
+                // block scale that can push the block max past 6 * scale (saturation): <= 1.07 * scale.
+                let err = (x[idx] as f64 - deq[idx] as f64).abs();
+                assert!(
+                    err <= 1.07 * scale + 1e-30,
+                    "row {r} block {b} elem {i}: x {} deq {} scale {scale}",
+                    x[idx],
+                    deq[idx]
+                );
+            }
+        }
+    }
+    assert!(quantize_rows_nvfp4(&[f32::NAN; 16], 1, 16).is_err());
+    assert!(quantize_rows_nvfp4(&[1.0; 8], 1, 8).is_err());
+}
+
+#[test]
+fn reference_gemm_matches_a_dense_f64_product_of_dequantized_operands() {
+    // The grouped reference against an independent formulation: dequantize everything to f64 and multiply
+    // row by row through the token -> expert map, for both layouts, with empty experts and per-expert scales.
+    let mut rng = seeded("reference_gemm_matches_a_dense_f64_product_of_dequantized_operands");
+    let (e, n, k, tokens, topk) = (9, 32, 64, 13, 3);
+    let wf = random_rows(&mut rng, e * n, k, 0.05);
+    for per_expert in [false, true] {
+        let w = if per_expert {
+            ExpertWeights::quantize_per_expert(&wf, e, n, k).unwrap()
+        } else {
+            ExpertWeights::quantize_per_row(&wf, e, n, k).unwrap()
+        };
+        w.validate().unwrap();
+        if per_expert {
+            assert!((0..e).all(|x| (0..n).all(|r| w.global(x, r) == w.global(x, 0))));
+        }
+        let wdeq = w.rows.dequantize();
+        for cap in [Some(16), None] {
+            // Experts 0 and 4 never chosen: empty groups.
+            let choices: Vec<usize> = (0..tokens * topk)
+                .map(|i| [1, 2, 3, 5, 6, 7, 8][(i * 5 + i / 3) % 7])
+                .collect();
+            let choices = fix_distinct(choices, tokens, topk, &[1, 2, 3, 5, 6, 7, 8]);
+            let rb = RoutedBatch::from_choices(tokens, e, topk, choices, cap).unwrap();
+            let xf = random_rows(&mut rng, tokens, k, 1.0);
+            let rows = rb.grouping.rows_total();
+            let gathered: Vec<f32> = (0..rows)
+                .flat_map(|r| {
+                    let t = rb.row_token[r];
+                    (0..k).map(move |kk| (t, kk))
+                })
+                .map(|(t, kk)| if t >= 0 { xf[t as usize * k + kk] } else { 0.5 })
+                .collect();
+            let a = Activations::Nvfp4(quantize_rows_nvfp4(&gathered, rows, k).unwrap());
+            let adeq = match &a {
+                Activations::Nvfp4(q) => q.dequantize(),
+                _ => unreachable!(),
+            };
+            let (acc, _) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
+            let d = apply_global_scales(&acc, &w, &a, &rb.grouping);
+            for t in 0..tokens {
+                for j in 0..topk {
+                    let (row, ex) = (rb.token_rows[t * topk + j] as usize, rb.expert(t, j));
+                    for nn in 0..n {
+                        let terms = (0..k).map(|kk| {
+                            adeq[row * k + kk] as f64 * wdeq[(ex * n + nn) * k + kk] as f64
+                        });
+                        let (dense, dense_abs) =
+                            terms.fold((0.0, 0.0), |(s, a), p| (s + p, a + p.abs()));
+                        let got = d[row * n + nn];
+                        // dequantize() rounds each (e2m1 * s) * gs to f32 (2^-24 relative) on both operands.
+                        let tol = 3.0 * U * dense_abs + 1e-30;
+                        assert!(
+                            (got - dense).abs() <= tol,
+                            "token {t} j {j} n {nn}: {got} vs {dense} (tol {tol:e})"
+                        );
+                    }
+                }
+            }
+            if let Grouping::Masked { capacity, counts } = &rb.grouping {
+                for (ex, &c) in counts.iter().enumerate() {
+                    for slot in c as usize..*capacity {
+                        assert!(
+                            d[(ex * capacity + slot) * n..(ex * capacity + slot + 1) * n]
+                                .iter()
+                                .all(|v| *v == 0.0)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Make every token's choices distinct by walking a fixed pool (deterministic, keeps empty experts empty).
+fn fix_distinct(mut c: Vec<usize>, tokens: usize, topk: usize, pool: &[usize]) -> Vec<usize> {
+    for t in 0..tokens {
+        for j in 0..topk {
+            let mut p = pool.iter().position(|&x| x == c[t * topk + j]).unwrap();
+            while c[t * topk..t * topk + j].contains(&c[t * topk + j]) {
+                p = (p + 1) % pool.len();
+                c[t * topk + j] = pool[p];
+            }
+        }
+    }
+    c
+}
+
+#[test]
+fn swiglu_reference_applies_the_dsv4_clamp() {
+    let g = Grouping::Contiguous {
+        offsets: vec![0, 1],
+    };
+    // gate 20 -> 10 (clamped above), up 20 -> 10; gate -20 stays (no clamp below), up -20 -> -10.
+    let d = vec![20.0, -20.0, 0.5, 20.0, -20.0, 3.0];
+    let h = swiglu_l1_f64(&d, 3, &[2.0], &g);
+    let silu = |x: f64| x / (1.0 + (-x).exp());
+    assert!((h[0] - silu(10.0) * 10.0 * 2.0).abs() < 1e-12);
+    assert!((h[1] - silu(-20.0) * -10.0 * 2.0).abs() < 1e-12);
+    assert!((h[2] - silu(0.5) * 3.0 * 2.0).abs() < 1e-12);
+}
+
+#[test]
+fn bad_groupings_and_shapes_are_errors() {
+    assert!(Grouping::Masked {
+        capacity: 4,
+        counts: vec![1, 5]
+    }
+    .validate()
+    .is_err());
+    assert!(Grouping::Masked {
+        capacity: 4,
+        counts: vec![-1]
+    }
+    .validate()
+    .is_err());
+    assert!(Grouping::Contiguous {
+        offsets: vec![0, 5, 3]
+    }
+    .validate()
+    .is_err());
+    assert!(Grouping::Contiguous {
+        offsets: vec![1, 5]
+    }
+    .validate()
+    .is_err());
+    assert!(Grouping::Contiguous {
+        offsets: vec![0, 0, 7]
+    }
+    .validate()
+    .is_ok());
+    assert!(mg::check_gemm_shape(100, 512).is_err());
+    assert!(mg::check_gemm_shape(128, 100).is_err());
+    assert!(mg::check_gemm_shape(4096, 7168).is_ok());
+    let mut w = ExpertWeights::quantize_per_row(&[0.25f32; 2 * 16], 1, 2, 16).unwrap();
+    w.rows.scales[1] = 0x7F;
+    assert!(w.validate().is_err());
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    assert!(RoutedBatch::random(&mut rng, 10, 4, 5, None).is_err());
+    assert!(RoutedBatch::random(&mut rng, 10, 4, 4, Some(3)).is_err());
+}
+
+#[test]
+fn config_heuristic_splits_k_only_when_the_grid_would_be_underfilled() {
+    let c = GemmConfig::choose(132, 1.0, 6, 4096, 4096);
+    assert_eq!(c.token_tile, 8);
+    assert!(
+        c.splits >= 2 && 4096 % (c.splits * mg::STAGE_K) == 0,
+        "{c:?}"
+    );
+    let c = GemmConfig::choose(132, 384.0, 256, 4096, 4096);
+    assert_eq!((c.token_tile, c.splits), (64, 1));
+}
+
+// ------------------------------------------------------------------------------------------------- GPU checks
+
+/// A row per routed (token, expert) pair gathered from token activations, in the chosen A format.
+fn gathered_activations(
+    rng: &mut impl Rng,
+    rb: &RoutedBatch,
+    k: usize,
+    nvfp4: bool,
+) -> Activations {
+    let xf = random_rows(rng, rb.tokens, k, 1.0);
+    let rows = rb.grouping.rows_total();
+    let mut g = Vec::with_capacity(rows * k);
+    for r in 0..rows {
+        let t = rb.row_token[r];
+        for kk in 0..k {
+            // Padding slots hold garbage the kernel must not read into any owned row.
+            g.push(if t >= 0 { xf[t as usize * k + kk] } else { 1e3 });
+        }
+    }
+    if nvfp4 {
+        Activations::Nvfp4(quantize_rows_nvfp4(&g, rows, k).unwrap())
+    } else {
+        Activations::Bf16 {
+            rows,
+            k,
+            data: g.iter().map(|v| bf16::from_f32(*v)).collect(),
+        }
+    }
+}
+
+struct DevA {
+    bf: Option<cudarc::driver::CudaSlice<bf16>>,
+    codes: Option<cudarc::driver::CudaSlice<u8>>,
+    scales: Option<cudarc::driver::CudaSlice<u8>>,
+    global: Option<cudarc::driver::CudaSlice<f32>>,
+    rows: usize,
+    k: usize,
+}
+
+impl DevA {
+    fn upload(gpu: &Gpu, a: &Activations) -> DevA {
+        match a {
+            Activations::Bf16 { rows, k, data } => DevA {
+                bf: Some(gpu.upload(data).unwrap()),
+                codes: None,
+                scales: None,
+                global: None,
+                rows: *rows,
+                k: *k,
+            },
+            Activations::Nvfp4(q) => DevA {
+                bf: None,
+                codes: Some(gpu.upload(&q.codes).unwrap()),
+                scales: Some(gpu.upload(&q.scales).unwrap()),
+                global: Some(gpu.upload(&q.global).unwrap()),
+                rows: q.rows,
+                k: q.cols,
+            },
+        }
+    }
+    fn view(&self) -> DeviceActivations<'_> {
+        match &self.bf {
+            Some(data) => DeviceActivations::Bf16 {
+                rows: self.rows,
+                k: self.k,
+                data,
+            },
+            None => DeviceActivations::Nvfp4 {
+                rows: self.rows,
+                k: self.k,
+                codes: self.codes.as_ref().unwrap(),
+                scales: self.scales.as_ref().unwrap(),
+                global: self.global.as_ref().unwrap(),
+            },
+        }
+    }
+}
+
+/// Sum the workspace splits in the finish kernels' order (fixed, fp32).
+fn gpu_accumulator(gpu: &Gpu, ws: &Workspace) -> Vec<f64> {
+    let p = gpu.download(&ws.partial).unwrap();
+    let len = ws.rows_total * ws.n;
+    (0..len)
+        .map(|i| (0..ws.splits).fold(0f32, |a, s| a + p[s * len + i]) as f64)
+        .collect()
+}
+
+/// Check the fp32 accumulator against the f64 reference (bounds in the file header). Returns max abs error.
+#[allow(clippy::too_many_arguments)]
+fn check_accumulator(
+    label: &str,
+    got: &[f64],
+    exact: &[f64],
+    abs: &[f64],
+    k: usize,
+    splits: usize,
+    owned: &dyn Fn(usize) -> bool,
+    n: usize,
+) -> f64 {
+    let per_elem = (k + splits + 16) as f64 * 2.0 * U;
+    let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+    for i in 0..exact.len() {
+        if !owned(i / n) {
+            continue;
+        }
+        let err = (got[i] - exact[i]).abs();
+        assert!(
+            err <= per_elem * abs[i] + 1e-30,
+            "{label}: accumulator row {} col {}: gpu {} exact {} |err| {err:e} > bound {:e}",
+            i / n,
+            i % n,
+            got[i],
+            exact[i],
+            per_elem * abs[i]
+        );
+        num += err * err;
+        den += exact[i] * exact[i];
+        max_abs = max_abs.max(err);
+    }
+    let rel = if den > 0.0 { (num / den).sqrt() } else { 0.0 };
+    let bound = 8.0 * (k as f64).sqrt() * U + (k as f64 / 16.0) * U;
+    eprintln!("{label}: accumulator max |err| {max_abs:e}, rel L2 {rel:e} (bound {bound:e})");
+    assert!(
+        rel <= bound,
+        "{label}: relative L2 error {rel:e} > {bound:e}"
+    );
+    max_abs
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_plain(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    nvfp4: bool,
+    cfgs: &[GemmConfig],
+    rng: &mut impl Rng,
+) {
+    let a = gathered_activations(rng, rb, w.k, nvfp4);
+    let da = DevA::upload(gpu, &a);
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let rows = rb.grouping.rows_total();
+    let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
+    let d = apply_global_scales(&exact, w, &a, &rb.grouping);
+    for &cfg in cfgs {
+        let mut ws = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+        let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
+        mg::grouped_gemm_bf16(gpu, dw, &da.view(), &dg, &cfg, &mut ws, &mut out).unwrap();
+        gpu.synchronize().unwrap();
+        let label = format!(
+            "{label} [{} A, {cfg:?}, rows {rows}]",
+            if nvfp4 { "NVFP4" } else { "BF16" }
+        );
+        let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+        let got = gpu_accumulator(gpu, &ws);
+        check_accumulator(&label, &got, &exact, &abs, w.k, cfg.splits, &owned, w.n);
+        let out = gpu.download(&out).unwrap();
+        let per_elem = (w.k + cfg.splits + 16) as f64 * 2.0 * U;
+        for r in 0..rows {
+            let e = rb.grouping.expert_of_row(r);
+            for nn in 0..w.n {
+                let i = r * w.n + nn;
+                let o = out[i].to_f32() as f64;
+                match e {
+                    None => assert!(
+                        out[i].to_bits() == 0,
+                        "{label}: unowned row {r} col {nn} = {o} (must be written as 0)"
+                    ),
+                    Some(e) => {
+                        let scale = a.global(r) as f64 * w.global(e, nn) as f64;
+                        let tol =
+                            d[i].abs() * (1.0 / 256.0) + 2.0 * scale * per_elem * abs[i] + 1e-30;
+                        assert!((o - d[i]).abs() <= tol, "{label}: out row {r} (expert {e}) col {nn}: gpu {o} ref {} tol {tol:e}", d[i]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn quantized_weights(rng: &mut impl Rng, e: usize, n: usize, k: usize) -> ExpertWeights {
+    ExpertWeights::quantize_per_row(&random_rows(rng, e * n, k, 0.05), e, n, k).unwrap()
+}
+
+#[test]
+fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
+    let Some(gpu) = gpu_for_test("gpu_masked_and_contiguous_token_counts_both_a_formats") else {
+        return;
+    };
+    let mut rng = seeded("gpu_masked_and_contiguous_token_counts_both_a_formats");
+    // One expert per count in the list (4096 gets its own smaller-K check below); two empty experts.
+    let counts = [0usize, 1, 2, 3, 7, 8, 16, 63, 64, 65, 127, 256, 0];
+    let (e, n, k) = (counts.len(), 256, 1024);
+    let w = quantized_weights(&mut rng, e, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let choices_for = |counts: &[usize]| -> (usize, Vec<usize>) {
+        // top-1 routing so each expert gets exactly its count.
+        let tokens: usize = counts.iter().sum();
+        (
+            tokens,
+            counts
+                .iter()
+                .enumerate()
+                .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+                .collect(),
+        )
+    };
+    let (tokens, choices) = choices_for(&counts);
+    for cap in [Some(256), None] {
+        let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+        let cfgs: Vec<GemmConfig> = [(8, 1), (16, 2), (32, 1), (64, 2)]
+            .iter()
+            .map(|&(token_tile, splits)| GemmConfig {
+                token_tile,
+                splits,
+                ctas: 2 * gpu.info.sm_count as u32,
+            })
+            .collect();
+        for nvfp4 in [false, true] {
+            check_plain(
+                &gpu,
+                &format!("counts {counts:?} cap {cap:?}"),
+                &w,
+                &dw,
+                &rb,
+                nvfp4,
+                &cfgs,
+                &mut rng,
+            );
+        }
+    }
+    // 4096 rows for one expert (contiguous, prefill tile), small N and K to keep the CPU reference fast.
+    let (e, n, k) = (3, 128, 512);
+    let w = quantized_weights(&mut rng, e, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let (tokens, choices) = choices_for(&[4096, 0, 5]);
+    let rb = RoutedBatch::from_choices(tokens, e, 1, choices, None).unwrap();
+    let cfg = GemmConfig::choose(gpu.info.sm_count as usize, 2050.0, 2, n, k);
+    check_plain(&gpu, "4096 rows", &w, &dw, &rb, true, &[cfg], &mut rng);
+}
+
+#[test]
+fn gpu_routings_6_of_256_and_6_of_384_with_the_default_config() {
+    let Some(gpu) = gpu_for_test("gpu_routings_6_of_256_and_6_of_384_with_the_default_config")
+    else {
+        return;
+    };
+    let mut rng = seeded("gpu_routings_6_of_256_and_6_of_384_with_the_default_config");
+    for (experts, tokens) in [(256usize, 1usize), (256, 37), (384, 64)] {
+        let (n, k) = (128, 512);
+        let w = quantized_weights(&mut rng, experts, n, k);
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+        for cap in [Some(tokens), None] {
+            let rb = RoutedBatch::random(&mut rng, tokens, experts, 6, cap).unwrap();
+            let active = (0..experts)
+                .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+                .count();
+            let cfg = GemmConfig::choose(
+                gpu.info.sm_count as usize,
+                (tokens * 6) as f64 / active as f64,
+                active,
+                n,
+                k,
+            );
+            for nvfp4 in [false, true] {
+                check_plain(
+                    &gpu,
+                    &format!("6 of {experts}, {tokens} tokens"),
+                    &w,
+                    &dw,
+                    &rb,
+                    nvfp4,
+                    &[cfg],
+                    &mut rng,
+                );
+            }
+        }
+    }
+}
+
+/// L1 (W13, SwiGLU + NVFP4) then L2 (W2, combine) on DSV4 shapes with a few physical experts.
+fn check_l1_l2(
+    gpu: &Gpu,
+    label: &str,
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    tokens: usize,
+    rng: &mut impl Rng,
+) {
+    let topk = 6.min(experts);
+    let w13 = quantized_weights(rng, experts, 2 * inter, hidden);
+    let w2 = quantized_weights(rng, experts, hidden, inter);
+    let d13 = DeviceExpertWeights::upload(gpu, &w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
+    let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
+    let rows = rb.grouping.rows_total();
+    let active = (0..experts)
+        .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+        .count();
+    let rpe = (tokens * topk) as f64 / active as f64;
+    let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let droute = gpu.upload(&routing).unwrap();
+
+    // L1
+    let a = gathered_activations(rng, &rb, hidden, true);
+    let da = DevA::upload(gpu, &a);
+    let cfg1 = GemmConfig::choose(gpu.info.sm_count as usize, rpe, active, 2 * inter, hidden);
+    let mut ws1 = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
+    let mut l1 = L1Output::new(gpu, rows, inter, true).unwrap();
+    mg::launch_partial(gpu, &d13, &da.view(), &dg, &cfg1, &mut ws1).unwrap();
+    mg::launch_finish_l1(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1).unwrap();
+    gpu.synchronize().unwrap();
+    let (exact, abs) = grouped_gemm_acc_f64(&w13, &a, &rb.grouping).unwrap();
+    let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+    let got = gpu_accumulator(gpu, &ws1);
+    check_accumulator(
+        &format!("{label} L1 {cfg1:?}"),
+        &got,
+        &exact,
+        &abs,
+        hidden,
+        cfg1.splits,
+        &owned,
+        2 * inter,
+    );
+    let d = apply_global_scales(&exact, &w13, &a, &rb.grouping);
+    let h_ref = swiglu_l1_f64(&d, inter, &routing, &rb.grouping);
+    let h_gpu = gpu.download(l1.h_f32.as_ref().unwrap()).unwrap();
+    let per_elem = (hidden + cfg1.splits + 16) as f64 * 2.0 * U;
+    for r in 0..rows {
+        let Some(e) = rb.grouping.expert_of_row(r) else {
+            assert!(
+                h_gpu[r * inter..(r + 1) * inter].iter().all(|v| *v == 0.0),
+                "{label}: padding row {r} h not 0"
+            );
+            continue;
+        };
+        for j in 0..inter {
+            let (gi, ui) = (r * 2 * inter + j, r * 2 * inter + inter + j);
+            let sc = |c: usize| a.global(r) as f64 * w13.global(e, c) as f64;
+            // |dh| <= rw * (1.1 |u| |dg| + |silu(g)| |du|) + fp32 rounding of the epilogue (~8 ulp incl. expf).
+            let dg_ = 1.5 * sc(j) * per_elem * abs[gi];
+            let du = 1.5 * sc(inter + j) * per_elem * abs[ui];
+            let g = d[gi].min(10.0);
+            let u = d[ui].clamp(-10.0, 10.0);
+            let silu = g / (1.0 + (-g).exp());
+            let tol = routing[r] as f64 * (1.1 * u.abs() * dg_ + silu.abs() * du)
+                + 8.0 * U * 2.0 * h_ref[r * inter + j].abs()
+                + 1e-30;
+            let (hg, hr) = (h_gpu[r * inter + j] as f64, h_ref[r * inter + j]);
+            assert!(
+                (hg - hr).abs() <= tol,
+                "{label}: h row {r} (expert {e}) col {j}: gpu {hg} ref {hr} tol {tol:e}"
+            );
+        }
+    }
+    // NVFP4 quantization of h: bit-exact against the CPU quantizer applied to the GPU's own fp32 h.
+    let q_cpu = quantize_rows_nvfp4(&h_gpu, rows, inter).unwrap();
+    let q_gpu = Nvfp4Rows {
+        rows,
+        cols: inter,
+        codes: gpu.download(&l1.codes).unwrap(),
+        scales: gpu.download(&l1.scales).unwrap(),
+        global: gpu.download(&l1.global).unwrap(),
+    };
+    for r in 0..rows {
+        assert_eq!(
+            q_gpu.global[r].to_bits(),
+            q_cpu.global[r].to_bits(),
+            "{label}: h global scale row {r}"
+        );
+    }
+    if let Some(i) = (0..q_cpu.scales.len()).find(|&i| q_cpu.scales[i] != q_gpu.scales[i]) {
+        panic!(
+            "{label}: h block scale {i} (row {}): gpu {:#x} cpu {:#x}",
+            i / (inter / 16),
+            q_gpu.scales[i],
+            q_cpu.scales[i]
+        );
+    }
+    if let Some(i) = (0..q_cpu.codes.len()).find(|&i| q_cpu.codes[i] != q_gpu.codes[i]) {
+        panic!(
+            "{label}: h code byte {i} (row {}): gpu {:#x} cpu {:#x}",
+            i / (inter / 2),
+            q_gpu.codes[i],
+            q_cpu.codes[i]
+        );
+    }
+
+    // L2 on the GPU's NVFP4 h (so L1 rounding does not enter the L2 check).
+    let a2 = Activations::Nvfp4(q_gpu);
+    let cfg2 = GemmConfig::choose(gpu.info.sm_count as usize, rpe, active, hidden, inter);
+    let mut ws2 = Workspace::new(gpu, cfg2.splits, rows, hidden).unwrap();
+    let dtr = gpu.upload(&rb.token_rows).unwrap();
+    let mut y = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+    mg::launch_partial(gpu, &d2, &l1.as_activations(), &dg, &cfg2, &mut ws2).unwrap();
+    mg::launch_finish_l2(
+        gpu,
+        &ws2,
+        &dg,
+        &d2,
+        &l1.as_activations(),
+        &dtr,
+        topk,
+        &mut y,
+    )
+    .unwrap();
+    gpu.synchronize().unwrap();
+    let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
+    let got2 = gpu_accumulator(gpu, &ws2);
+    check_accumulator(
+        &format!("{label} L2 {cfg2:?}"),
+        &got2,
+        &exact2,
+        &abs2,
+        inter,
+        cfg2.splits,
+        &owned,
+        hidden,
+    );
+    let d2v = apply_global_scales(&exact2, &w2, &a2, &rb.grouping);
+    let y_ref = combine_l2_f64(&d2v, hidden, &rb.token_rows, topk, &rb.grouping);
+    let y = gpu.download(&y).unwrap();
+    let per2 = (inter + cfg2.splits + 16) as f64 * 2.0 * U;
+    for t in 0..tokens {
+        for nn in 0..hidden {
+            let mut tol = 1e-30;
+            for j in 0..topk {
+                let r = rb.token_rows[t * topk + j] as usize;
+                let e = rb.expert(t, j);
+                tol += 2.0
+                    * a2.global(r) as f64
+                    * w2.global(e, nn) as f64
+                    * per2
+                    * abs2[r * hidden + nn]
+                    + 8.0 * U * d2v[r * hidden + nn].abs();
+            }
+            let (o, rf) = (y[t * hidden + nn].to_f32() as f64, y_ref[t * hidden + nn]);
+            tol += rf.abs() / 256.0;
+            assert!(
+                (o - rf).abs() <= tol,
+                "{label}: L2 out token {t} col {nn}: gpu {o} ref {rf} tol {tol:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes() {
+    let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes") else {
+        return;
+    };
+    let mut rng = seeded("gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes");
+    check_l1_l2(
+        &gpu,
+        "Flash 4096/2048, 8 experts, 3 tokens",
+        4096,
+        2048,
+        8,
+        3,
+        &mut rng,
+    );
+}
+
+#[test]
+fn gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes() {
+    let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes") else {
+        return;
+    };
+    let mut rng = seeded("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes");
+    check_l1_l2(
+        &gpu,
+        "Pro 7168/3072, 6 experts, 1 token",
+        7168,
+        3072,
+        6,
+        1,
+        &mut rng,
+    );
+}
+
+#[test]
+fn gpu_masked_decode_step_replays_as_a_graph_with_new_counts() {
+    let Some(gpu) = gpu_for_test("gpu_masked_decode_step_replays_as_a_graph_with_new_counts")
+    else {
+        return;
+    };
+    let mut rng = seeded("gpu_masked_decode_step_replays_as_a_graph_with_new_counts");
+    let (experts, n, k, cap) = (16, 256, 1024, 8);
+    let w = quantized_weights(&mut rng, experts, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb1 = RoutedBatch::random(&mut rng, 4, experts, 2, Some(cap)).unwrap();
+    let a = gathered_activations(&mut rng, &rb1, k, true);
+    let da = DevA::upload(&gpu, &a);
+    let mut dg = DeviceGrouping::upload(&gpu, &rb1.grouping).unwrap();
+    let cfg = GemmConfig::choose(gpu.info.sm_count as usize, 1.0, 8, n, k);
+    let mut ws = Workspace::new(&gpu, cfg.splits, experts * cap, n).unwrap();
+    let mut out = gpu.poisoned::<bf16>(experts * cap * n, 0xFF).unwrap();
+    // One eager run first: loads the module and sets attributes outside the capture.
+    mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out).unwrap();
+    gpu.synchronize().unwrap();
+    let graph = gpu
+        .capture(|| mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out))
+        .unwrap();
+    // New counts written into the same device buffer: the captured launch must follow them.
+    let counts2: Vec<i32> = (0..experts)
+        .map(|_| rng.random_range(0..=cap as i32))
+        .collect();
+    gpu.stream.memcpy_htod(&counts2, &mut dg.group).unwrap();
+    graph.launch().unwrap();
+    gpu.synchronize().unwrap();
+    let g2 = Grouping::Masked {
+        capacity: cap,
+        counts: counts2.clone(),
+    };
+    let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &g2).unwrap();
+    let got = gpu_accumulator(&gpu, &ws);
+    let owned = |r: usize| g2.expert_of_row(r).is_some();
+    check_accumulator(
+        &format!("graph replay counts {counts2:?}"),
+        &got,
+        &exact,
+        &abs,
+        k,
+        cfg.splits,
+        &owned,
+        n,
+    );
+    let out = gpu.download(&out).unwrap();
+    for r in (0..experts * cap).filter(|&r| !owned(r)) {
+        assert!(
+            out[r * n..(r + 1) * n].iter().all(|v| v.to_bits() == 0),
+            "graph replay: padding row {r} not zeroed"
+        );
+    }
+}
+
+#[test]
+fn weights_from_mxfp4_keep_every_value_exactly() {
+    // Checkpoint path: MXFP4 experts -> lossless NVFP4 (per-row power-of-two global scale).
+    let mut rng = seeded("weights_from_mxfp4_keep_every_value_exactly");
+    let (experts, n, k) = (3, 16, 256);
+    let wf = random_rows(&mut rng, experts * n, k, 0.05);
+    let m = megamoe::formats::mxfp4::quantize(&wf, experts * n, k).unwrap();
+    let (w, report) = ExpertWeights::from_mxfp4(&m, experts, n).unwrap();
+    assert!(
+        report.is_lossless(),
+        "random rows within 10^4 of each other must convert exactly: {:?}",
+        report.inexact_blocks.first()
+    );
+    let mx = megamoe::formats::mxfp4::dequantize(&m);
+    for e in 0..experts {
+        for r in 0..n {
+            for kk in 0..k {
+                let v = w.unscaled(e, r, kk) * w.global(e, r);
+                assert_eq!(v, mx[(e * n + r) * k + kk], "expert {e} row {r} k {kk}");
+            }
+        }
+    }
+    assert!(ExpertWeights::from_mxfp4(&m, experts, n + 1).is_err());
+}
+
+#[test]
+fn bench_config_parses_and_names_known_kernels_and_params() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bench-configs/moe_gemm.toml"
+    ))
+    .unwrap();
+    let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
+    let registry = megamoe::ops::bench_kernels();
+    assert!(!cfg.sweeps.is_empty());
+    for s in &cfg.sweeps {
+        let k = registry
+            .iter()
+            .find(|k| k.name == s.kernel)
+            .unwrap_or_else(|| panic!("unknown kernel {}", s.kernel));
+        assert!(
+            k.variants.contains(&s.baseline.as_deref().unwrap()),
+            "{}: baseline not a variant",
+            s.kernel
+        );
+        for p in ["hidden", "inter", "experts", "topk"] {
+            s.param_u64(p).unwrap();
+        }
+        let (h, i) = (
+            s.param_u64("hidden").unwrap() as usize,
+            s.param_u64("inter").unwrap() as usize,
+        );
+        mg::check_gemm_shape(2 * i, h).unwrap();
+        mg::check_gemm_shape(h, i).unwrap();
+    }
+}
+
+#[test]
+fn gpu_weights_prepared_from_mxfp4() {
+    let Some(gpu) = gpu_for_test("gpu_weights_prepared_from_mxfp4") else {
+        return;
+    };
+    let mut rng = seeded("gpu_weights_prepared_from_mxfp4");
+    let (experts, n, k, tokens) = (8, 256, 1024, 5);
+    let wf = random_rows(&mut rng, experts * n, k, 0.05);
+    let m = megamoe::formats::mxfp4::quantize(&wf, experts * n, k).unwrap();
+    let (w, report) = ExpertWeights::from_mxfp4(&m, experts, n).unwrap();
+    assert!(report.is_lossless());
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = RoutedBatch::random(&mut rng, tokens, experts, 6, Some(tokens)).unwrap();
+    let cfg = GemmConfig::choose(gpu.info.sm_count as usize, 4.0, 8, n, k);
+    check_plain(
+        &gpu,
+        "MXFP4-prepared weights",
+        &w,
+        &dw,
+        &rb,
+        true,
+        &[cfg],
+        &mut rng,
+    );
+}
