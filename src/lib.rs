@@ -6,3 +6,4 @@
 
 pub mod formats;
 pub mod gpu;
+pub mod ops;

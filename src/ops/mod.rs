@@ -1,0 +1,3 @@
+//! Kernel families: one module per `kernels/<family>.cu` (launcher + CPU reference), DESIGN §1.
+
+pub mod sparse_attn;
