@@ -5,12 +5,13 @@ use half::bf16;
 use megamoe::formats::{e4m3, ue8m0};
 use megamoe::gpu::gpu_for_test;
 use megamoe::ops::sparse_attn::reference::{
-    self, build_candidates, decode_attention, decode_entry, encode_entry, precision_per_head, rope_freqs, rope_rotate,
-    visible_compressed, window_positions, CompressedSelection, DecodeProblem, QueryPrecision, SequenceLayout,
+    self, build_candidates, decode_attention, decode_entry, encode_entry, precision_per_head,
+    rope_freqs, rope_rotate, visible_compressed, window_positions, CompressedSelection,
+    DecodeProblem, QueryPrecision, SequenceLayout,
 };
 use megamoe::ops::sparse_attn::{
-    decode, write_entries, DecodeInputs, DecodeShape, KvSource, Path, SplitPlan, Workspace, ENTRY_BYTES, HEAD_DIM,
-    NOPE_DIM, ROPE_DIM,
+    decode, write_entries, DecodeInputs, DecodeShape, KvSource, Path, SplitPlan, Workspace,
+    ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -39,12 +40,26 @@ struct DataGen {
 impl DataGen {
     fn new(rng: &mut ChaCha8Rng) -> DataGen {
         let u = (0..HEAD_DIM).map(|_| normal(rng)).collect();
-        let gain = (0..HEAD_DIM).map(|d| if d % 37 == 5 { 6.0 } else { 0.5 + rng.random::<f32>() }).collect();
-        DataGen { u, gain, freqs: rope_freqs(160_000.0, true) }
+        let gain = (0..HEAD_DIM)
+            .map(|d| {
+                if d % 37 == 5 {
+                    6.0
+                } else {
+                    0.5 + rng.random::<f32>()
+                }
+            })
+            .collect();
+        DataGen {
+            u,
+            gain,
+            freqs: rope_freqs(160_000.0, true),
+        }
     }
     fn kv(&self, rng: &mut ChaCha8Rng, pos: i32) -> Vec<f32> {
         let a: f32 = rng.random_range(0.0..1.5);
-        let mut x: Vec<f64> = (0..HEAD_DIM).map(|d| ((normal(rng) + a * self.u[d]) * self.gain[d]) as f64).collect();
+        let mut x: Vec<f64> = (0..HEAD_DIM)
+            .map(|d| ((normal(rng) + a * self.u[d]) * self.gain[d]) as f64)
+            .collect();
         rope_rotate(&mut x[NOPE_DIM..], pos, &self.freqs, false);
         x.iter().map(|&v| v as f32).collect()
     }
@@ -87,7 +102,11 @@ impl HostProblem {
             for j in 0..len {
                 // entries may repeat across and within sequences (window and compressed overlap in DSV4)
                 let hole = holes && (j % 53 == 17 || j == len / 2);
-                candidates[s * stride + j] = if hole { -1 } else { rng.random_range(0..n_entries as i32) };
+                candidates[s * stride + j] = if hole {
+                    -1
+                } else {
+                    rng.random_range(0..n_entries as i32)
+                };
             }
         }
         let positions: Vec<i32> = (0..batch).map(|_| rng.random_range(0..1_000_000)).collect();
@@ -126,7 +145,12 @@ impl HostProblem {
         }
     }
     fn shape(&self) -> DecodeShape {
-        DecodeShape { batch: self.batch, heads: self.heads, stride: self.stride, n_entries: self.pool.len() / ENTRY_BYTES }
+        DecodeShape {
+            batch: self.batch,
+            heads: self.heads,
+            stride: self.stride,
+            n_entries: self.pool.len() / ENTRY_BYTES,
+        }
     }
 }
 
@@ -142,24 +166,40 @@ fn entry_codec_layout_and_rounding() {
         let x: Vec<f32> = (0..HEAD_DIM).map(|_| normal(&mut rng) * mag).collect();
         let e = encode_entry(&x).unwrap();
         assert_eq!(e[ENTRY_BYTES - 1], 0, "pad byte");
-        let y = decode_entry(&e);
+        let y = decode_entry(&e).unwrap();
         for t in 0..7 {
             let tile = &x[t * 64..(t + 1) * 64];
             let amax = tile.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-4);
             let scale = ue8m0::decode(e[576 + t]);
             // the smallest power of two that brings amax under 448
-            assert!(amax / scale <= 448.0 && amax / scale > 224.0, "case {case} tile {t}: amax {amax} scale {scale}");
+            assert!(
+                amax / scale <= 448.0 && amax / scale > 224.0,
+                "case {case} tile {t}: amax {amax} scale {scale}"
+            );
             for d in 0..64 {
                 let (xi, yi) = (tile[d] / scale, y[t * 64 + d] / scale);
-                assert_eq!(e[t * 64 + d], e4m3::encode_rne(xi), "case {case} dim {}", t * 64 + d);
+                assert_eq!(
+                    e[t * 64 + d],
+                    e4m3::encode_rne(xi),
+                    "case {case} dim {}",
+                    t * 64 + d
+                );
                 // within half an e4m3 step: 2^-4 relative for normals, 2^-10 absolute for subnormals
                 let bound = (xi.abs() * f32::powi(2.0, -4)).max(f32::powi(2.0, -10));
-                assert!((xi - yi).abs() <= bound, "case {case} dim {}: {xi} -> {yi}", t * 64 + d);
+                assert!(
+                    (xi - yi).abs() <= bound,
+                    "case {case} dim {}: {xi} -> {yi}",
+                    t * 64 + d
+                );
             }
         }
         for r in 0..ROPE_DIM {
             let bits = u16::from_le_bytes([e[448 + 2 * r], e[449 + 2 * r]]);
-            assert_eq!(bits, bf16::from_f32(x[NOPE_DIM + r]).to_bits(), "case {case} rope {r}");
+            assert_eq!(
+                bits,
+                bf16::from_f32(x[NOPE_DIM + r]).to_bits(),
+                "case {case} rope {r}"
+            );
             assert_eq!(y[NOPE_DIM + r], bf16::from_f32(x[NOPE_DIM + r]).to_f32());
         }
     }
@@ -179,19 +219,35 @@ fn entry_codec_layout_and_rounding() {
 
 #[test]
 fn candidate_sets_match_visibility_rule() {
-    let layout = SequenceLayout { window_base: 1000, compressed_base: 5000 };
+    let layout = SequenceLayout {
+        window_base: 1000,
+        compressed_base: 5000,
+    };
     for m in [4usize, 128] {
         for t in (0..2000).chain([4095, 4096, 65_535]) {
             // brute force over token coverage: entry j is visible iff every token it covers is <= t
-            let visible: Vec<usize> = (0..(t + 1) / m + 2).filter(|&j| (j * m..(j + 1) * m).all(|tok| tok <= t)).collect();
+            let visible: Vec<usize> = (0..(t + 1) / m + 2)
+                .filter(|&j| (j * m..(j + 1) * m).all(|tok| tok <= t))
+                .collect();
             assert_eq!(visible_compressed(t, m), visible.len(), "m {m} t {t}");
             let sel = if m == 128 {
                 CompressedSelection::All { ratio: m }
             } else {
                 // an indexer top-k: every third visible entry, newest first, capped at 512
-                let picked: Vec<usize> = visible.iter().rev().step_by(3).take(512).cloned().collect();
-                let c = build_candidates(t, layout, CompressedSelection::TopK { ratio: m, selected: &picked }).unwrap();
-                let expect_window: Vec<i32> = window_positions(t).map(|p| 1000 + (p % 128) as i32).collect();
+                let picked: Vec<usize> =
+                    visible.iter().rev().step_by(3).take(512).cloned().collect();
+                let c = build_candidates(
+                    t,
+                    layout,
+                    CompressedSelection::TopK {
+                        ratio: m,
+                        selected: &picked,
+                    },
+                )
+                .unwrap();
+                let expect_window: Vec<i32> = window_positions(t)
+                    .map(|p| 1000 + (p % 128) as i32)
+                    .collect();
                 assert_eq!(&c[..expect_window.len()], &expect_window[..], "m {m} t {t}");
                 assert_eq!(c.len(), expect_window.len() + picked.len());
                 continue;
@@ -216,11 +272,40 @@ fn candidate_sets_match_visibility_rule() {
     // CSA at t=3: entry 0 (tokens 0..3) visible, entry 1 not; both window and compressed cover tokens 0..3.
     assert_eq!(visible_compressed(2, 4), 0);
     assert_eq!(visible_compressed(3, 4), 1);
-    let c = build_candidates(3, layout, CompressedSelection::TopK { ratio: 4, selected: &[0] }).unwrap();
+    let c = build_candidates(
+        3,
+        layout,
+        CompressedSelection::TopK {
+            ratio: 4,
+            selected: &[0],
+        },
+    )
+    .unwrap();
     assert_eq!(c, vec![1000, 1001, 1002, 1003, 5000]);
-    assert!(build_candidates(3, layout, CompressedSelection::TopK { ratio: 4, selected: &[1] }).is_err());
-    assert!(build_candidates(6, layout, CompressedSelection::TopK { ratio: 4, selected: &[0, 0] }).is_err());
-    assert_eq!(build_candidates(5, layout, CompressedSelection::None).unwrap().len(), 6);
+    assert!(build_candidates(
+        3,
+        layout,
+        CompressedSelection::TopK {
+            ratio: 4,
+            selected: &[1]
+        }
+    )
+    .is_err());
+    assert!(build_candidates(
+        6,
+        layout,
+        CompressedSelection::TopK {
+            ratio: 4,
+            selected: &[0, 0]
+        }
+    )
+    .is_err());
+    assert_eq!(
+        build_candidates(5, layout, CompressedSelection::None)
+            .unwrap()
+            .len(),
+        6
+    );
 }
 
 #[test]
@@ -229,9 +314,15 @@ fn rope_frequencies_and_inverse() {
     let plain = rope_freqs(160_000.0, false);
     for i in 0..32 {
         if i <= 15 {
-            assert_eq!(f[i], plain[i], "pair {i} below YaRN's low bound is unchanged");
+            assert_eq!(
+                f[i], plain[i],
+                "pair {i} below YaRN's low bound is unchanged"
+            );
         } else if i >= 25 {
-            assert!((f[i] / (plain[i] / 16.0) - 1.0).abs() < 1e-6, "pair {i} above high is divided by 16");
+            assert!(
+                (f[i] / (plain[i] / 16.0) - 1.0).abs() < 1e-6,
+                "pair {i} above high is divided by 16"
+            );
         } else {
             assert!(f[i] < plain[i] && f[i] > plain[i] / 16.0, "pair {i} blends");
         }
@@ -245,7 +336,12 @@ fn rope_frequencies_and_inverse() {
         rope_rotate(&mut w, t, &f, false);
         rope_rotate(&mut w, t, &f, true);
         for i in 0..ROPE_DIM {
-            assert!((w[i] - v[i]).abs() < 1e-12, "t {t} dim {i}: {} vs {}", w[i], v[i]);
+            assert!(
+                (w[i] - v[i]).abs() < 1e-12,
+                "t {t} dim {i}: {} vs {}",
+                w[i],
+                v[i]
+            );
         }
     }
 }
@@ -263,8 +359,10 @@ fn inverse_rope_uses_the_query_position() {
     rope_rotate(&mut rotated[NOPE_DIM..], p_entry, &freqs, false);
     let entry_in: Vec<f32> = rotated.iter().map(|&x| x as f32).collect();
     let pool = encode_entry(&entry_in).unwrap().to_vec();
-    let stored = decode_entry(&pool);
-    let q: Vec<bf16> = (0..64 * HEAD_DIM).map(|_| bf16::from_f32(normal(&mut rng))).collect();
+    let stored = decode_entry(&pool).unwrap();
+    let q: Vec<bf16> = (0..64 * HEAD_DIM)
+        .map(|_| bf16::from_f32(normal(&mut rng)))
+        .collect();
     let sinks = vec![f32::NEG_INFINITY; 64];
     let p = DecodeProblem {
         batch: 1,
@@ -282,17 +380,47 @@ fn inverse_rope_uses_the_query_position() {
     for h in [0usize, 63] {
         let o = &r.out[h * HEAD_DIM..(h + 1) * HEAD_DIM];
         for d in 0..NOPE_DIM {
-            assert_eq!(o[d], stored[d] as f64, "head {h} nope dim {d}: p = 1, the entry itself");
+            assert_eq!(
+                o[d], stored[d] as f64,
+                "head {h} nope dim {d}: p = 1, the entry itself"
+            );
         }
+        // Exactly the stored (BF16) rope dims rotated by -t ...
+        let mut by_query: Vec<f64> = stored[NOPE_DIM..].iter().map(|&v| v as f64).collect();
+        rope_rotate(&mut by_query, t, &freqs, true);
+        // ... and not by the entry's position.
+        let mut by_entry: Vec<f64> = stored[NOPE_DIM..].iter().map(|&v| v as f64).collect();
+        rope_rotate(&mut by_entry, p_entry, &freqs, true);
+        let mut entry_gap = 0f64;
+        for i in 0..ROPE_DIM {
+            assert!(
+                (o[NOPE_DIM + i] - by_query[i]).abs() < 1e-12,
+                "head {h} rope dim {i}: {} vs {}",
+                o[NOPE_DIM + i],
+                by_query[i]
+            );
+            entry_gap = entry_gap.max((o[NOPE_DIM + i] - by_entry[i]).abs());
+        }
+        assert!(
+            entry_gap > 0.1,
+            "rotating back by the entry position would give the same output"
+        );
         for i in 0..32 {
-            // R(p) then R(-t) = R(p - t) up to the f32 angles; compare with rotating the BF16 original by p - t.
-            let mut pair = [base[NOPE_DIM + 2 * i], base[NOPE_DIM + 2 * i + 1]];
+            // R(p) then R(-t) = R(p - t): the relative offset. Bound: BF16 storage of the rotated pair (2^-9
+            // relative per component) plus the f32 angle rounding (|angle| <= 345 rad: ~2^-15 rad).
+            let (x, y) = (base[NOPE_DIM + 2 * i], base[NOPE_DIM + 2 * i + 1]);
             let a = (p_entry - t) as f64 * freqs[i] as f64;
-            let (s, c) = a.sin_cos();
-            pair = [pair[0] * c - pair[1] * s, pair[0] * s + pair[1] * c];
-            let err = (o[NOPE_DIM + 2 * i] - pair[0]).abs().max((o[NOPE_DIM + 2 * i + 1] - pair[1]).abs());
-            // f32 angle rounding at |angle| <= 345 rad: < 345 * 2^-24 * 2 rad, times |v| < 6, plus bf16 storage
-            assert!(err < 1e-3, "head {h} pair {i}: {:?} vs {:?}", &o[NOPE_DIM + 2 * i..NOPE_DIM + 2 * i + 2], pair);
+            let (sn, cs) = a.sin_cos();
+            let want = [x * cs - y * sn, x * sn + y * cs];
+            let norm = (x * x + y * y).sqrt();
+            let err = (o[NOPE_DIM + 2 * i] - want[0])
+                .abs()
+                .max((o[NOPE_DIM + 2 * i + 1] - want[1]).abs());
+            assert!(
+                err <= norm * (f64::powi(2.0, -8) + 1e-4) + 1e-6,
+                "head {h} pair {i}: {:?} vs {want:?}",
+                &o[NOPE_DIM + 2 * i..NOPE_DIM + 2 * i + 2]
+            );
         }
     }
 }
@@ -330,20 +458,37 @@ fn attention_with_sink_by_hand() {
             // M = s0; p_0 = 1 (exact in BF16), V_1 = 0, so o[0] = 1 / (1 + e^(0 - s0) + e^(sink - s0)).
             let m = s0;
             let want = 1.0 / (1.0 + (0.0 - m).exp() + (sinks[h] as f64 - m).exp());
-            assert!((r.out[h * HEAD_DIM] - want).abs() < 1e-12, "{prec:?} head {h}: {} vs {want}", r.out[h * HEAD_DIM]);
-            assert!(r.out[h * HEAD_DIM + 1..(h + 1) * HEAD_DIM].iter().all(|&v| v == 0.0));
+            assert!(
+                (r.out[h * HEAD_DIM] - want).abs() < 1e-12,
+                "{prec:?} head {h}: {} vs {want}",
+                r.out[h * HEAD_DIM]
+            );
+            assert!(r.out[h * HEAD_DIM + 1..(h + 1) * HEAD_DIM]
+                .iter()
+                .all(|&v| v == 0.0));
             // sequence 1 has no candidates: o = 0
-            assert!(r.out[(64 + h) * HEAD_DIM..(65 + h) * HEAD_DIM].iter().all(|&v| v == 0.0));
+            assert!(r.out[(64 + h) * HEAD_DIM..(65 + h) * HEAD_DIM]
+                .iter()
+                .all(|&v| v == 0.0));
         }
     }
     let mut bad = p;
     bad.candidates = &[0, 2, -1, 1, 0, 0];
-    assert!(decode_attention(&bad, QueryPrecision::Bf16).is_err(), "index 2 is outside a 2-entry pool");
+    assert!(
+        decode_attention(&bad, QueryPrecision::Bf16).is_err(),
+        "index 2 is outside a 2-entry pool"
+    );
     bad.candidates = &[0, -2, -1, 1, 0, 0];
-    assert!(decode_attention(&bad, QueryPrecision::Bf16).is_err(), "-2 is not the invalid marker");
+    assert!(
+        decode_attention(&bad, QueryPrecision::Bf16).is_err(),
+        "-2 is not the invalid marker"
+    );
     bad = p;
     bad.lengths = &[4, 0];
-    assert!(decode_attention(&bad, QueryPrecision::Bf16).is_err(), "length above stride");
+    assert!(
+        decode_attention(&bad, QueryPrecision::Bf16).is_err(),
+        "length above stride"
+    );
 }
 
 /// FP8 path (q quantized per 64-tile) against the all-BF16 computation on the same cache: cosine >= 0.999
@@ -356,9 +501,20 @@ fn fp8_query_precision_against_bf16() {
         let fp8 = decode_attention(&hp.problem(), QueryPrecision::Fp8Tiles).unwrap();
         let b16 = decode_attention(&hp.problem(), QueryPrecision::Bf16).unwrap();
         let r = precision_per_head(&fp8.out, &b16.out);
-        println!("heads {heads} lengths {lens:?}: min cosine {:.6}, max rel err {:.4e} (row {})", r.min_cosine, r.max_rel_err, r.worst_row);
-        assert!(r.min_cosine >= 0.999, "min cosine {} at row {}", r.min_cosine, r.worst_row);
-        assert!(r.min_cosine < 1.0, "the FP8 query must actually differ from BF16");
+        println!(
+            "heads {heads} lengths {lens:?}: min cosine {:.6}, max rel err {:.4e} (row {})",
+            r.min_cosine, r.max_rel_err, r.worst_row
+        );
+        assert!(
+            r.min_cosine >= 0.999,
+            "min cosine {} at row {}",
+            r.min_cosine,
+            r.worst_row
+        );
+        assert!(
+            r.min_cosine < 1.0,
+            "the FP8 query must actually differ from BF16"
+        );
     }
 }
 
@@ -368,7 +524,9 @@ fn fp8_query_precision_against_bf16() {
 
 #[test]
 fn gpu_kv_writer_bit_exact() {
-    let Some(gpu) = gpu_for_test("gpu_kv_writer_bit_exact") else { return };
+    let Some(gpu) = gpu_for_test("gpu_kv_writer_bit_exact") else {
+        return;
+    };
     let mut rng = seeded("gpu_kv_writer_bit_exact", 0x3717E);
     let gen = DataGen::new(&mut rng);
     let (n_entries, n) = (300usize, 257usize);
@@ -390,12 +548,23 @@ fn gpu_kv_writer_bit_exact() {
     for use_bf16 in [false, true] {
         let mut pool = gpu.poisoned::<u8>(n_entries * ENTRY_BYTES, 0xFF).unwrap();
         let (d_x, d_xb) = (gpu.upload(&x).unwrap(), gpu.upload(&xb).unwrap());
-        let src = if use_bf16 { KvSource::Bf16(&d_xb) } else { KvSource::F32(&d_x) };
+        let src = if use_bf16 {
+            KvSource::Bf16(&d_xb)
+        } else {
+            KvSource::F32(&d_x)
+        };
         write_entries(&gpu, &mut pool, src, &d_dst, n).unwrap();
         let got = gpu.download(&pool).unwrap();
         let mut written = vec![false; n_entries];
         for i in 0..n {
-            let v: Vec<f32> = if use_bf16 { xb[i * 512..(i + 1) * 512].iter().map(|b| b.to_f32()).collect() } else { x[i * 512..(i + 1) * 512].to_vec() };
+            let v: Vec<f32> = if use_bf16 {
+                xb[i * 512..(i + 1) * 512]
+                    .iter()
+                    .map(|b| b.to_f32())
+                    .collect()
+            } else {
+                x[i * 512..(i + 1) * 512].to_vec()
+            };
             let want = encode_entry(&v).unwrap();
             let e = dst[i] as usize;
             written[e] = true;
@@ -406,14 +575,25 @@ fn gpu_kv_writer_bit_exact() {
         }
         for (e, w) in written.iter().enumerate() {
             if !w {
-                assert!(got[e * ENTRY_BYTES..(e + 1) * ENTRY_BYTES].iter().all(|&b| b == 0xFF), "entry {e} was not a destination but changed");
+                assert!(
+                    got[e * ENTRY_BYTES..(e + 1) * ENTRY_BYTES]
+                        .iter()
+                        .all(|&b| b == 0xFF),
+                    "entry {e} was not a destination but changed"
+                );
             }
         }
     }
 }
 
 /// Run one path on a host problem and compare with the reference element by element.
-fn check_gpu_path(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, path: Path, tiles_per_split: Option<usize>) -> Vec<f64> {
+fn check_gpu_path(
+    test: &str,
+    gpu: &megamoe::gpu::Gpu,
+    hp: &HostProblem,
+    path: Path,
+    tiles_per_split: Option<usize>,
+) -> Vec<f64> {
     let shape = hp.shape();
     let plan = match tiles_per_split {
         Some(t) => SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
@@ -426,25 +606,53 @@ fn check_gpu_path(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, path: P
     let d_pos = gpu.upload(&hp.positions).unwrap();
     let d_sinks = gpu.upload(&hp.sinks).unwrap();
     let d_freqs = gpu.upload(&hp.freqs).unwrap();
-    let inp = DecodeInputs { q: &d_q, pool: &d_pool, candidates: &d_cand, lengths: &d_len, positions: &d_pos, sinks: &d_sinks, freqs: &d_freqs };
+    let inp = DecodeInputs {
+        q: &d_q,
+        pool: &d_pool,
+        candidates: &d_cand,
+        lengths: &d_len,
+        positions: &d_pos,
+        sinks: &d_sinks,
+        freqs: &d_freqs,
+    };
     let mut ws = Workspace::new(gpu, &shape, plan, path == Path::Bf16Staging).unwrap();
-    let mut out = gpu.poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF).unwrap();
+    let mut out = gpu
+        .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
+        .unwrap();
     decode(gpu, path, &shape, &inp, &mut ws, &mut out).unwrap();
-    let got: Vec<f64> = gpu.download(&out).unwrap().iter().map(|v| v.to_f64()).collect();
-    let prec = if path == Path::Fp8 { QueryPrecision::Fp8Tiles } else { QueryPrecision::Bf16 };
+    let got: Vec<f64> = gpu
+        .download(&out)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_f64())
+        .collect();
+    let prec = if path == Path::Fp8 {
+        QueryPrecision::Fp8Tiles
+    } else {
+        QueryPrecision::Bf16
+    };
     let r = decode_attention(&hp.problem(), prec).unwrap();
     let (mut worst_ratio, mut worst_i, mut max_abs) = (0f64, 0usize, 0f64);
     for i in 0..got.len() {
         let err = (got[i] - r.out[i]).abs();
-        let ratio = if got[i].is_finite() { err / reference::tolerance(r.mass[i], r.out[i]) } else { f64::INFINITY };
+        let ratio = if got[i].is_finite() {
+            err / reference::tolerance(r.mass[i], r.out[i])
+        } else {
+            f64::INFINITY
+        };
         max_abs = max_abs.max(err);
         if ratio > worst_ratio || ratio.is_nan() {
             worst_ratio = if ratio.is_nan() { f64::INFINITY } else { ratio };
             worst_i = i;
         }
     }
-    let (b, h, d) = (worst_i / (shape.heads * HEAD_DIM), (worst_i / HEAD_DIM) % shape.heads, worst_i % HEAD_DIM);
-    let first_bad = (0..got.len()).find(|&i| !((got[i] - r.out[i]).abs() <= reference::tolerance(r.mass[i], r.out[i])));
+    let (b, h, d) = (
+        worst_i / (shape.heads * HEAD_DIM),
+        (worst_i / HEAD_DIM) % shape.heads,
+        worst_i % HEAD_DIM,
+    );
+    let first_bad = (0..got.len())
+        .find(|&i| !((got[i] - r.out[i]).abs() <= reference::tolerance(r.mass[i], r.out[i])));
     println!(
         "{test}: {path:?} shape {shape:?} lengths {:?} plan {plan:?}: max abs err {max_abs:.3e}, worst err/tol {worst_ratio:.3} at (b {b}, h {h}, d {d}) gpu {} ref {}",
         hp.lengths, got[worst_i], r.out[worst_i]
@@ -466,7 +674,9 @@ fn check_gpu_path(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, path: P
 
 #[test]
 fn gpu_decode_fp8_matches_reference() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_matches_reference") else { return };
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_matches_reference") else {
+        return;
+    };
     let mut rng = seeded("gpu_decode_fp8_matches_reference", 0xDEC0DE);
     // lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro CSA); -1 holes in the middle.
     let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152], true);
@@ -480,25 +690,52 @@ fn gpu_decode_fp8_matches_reference() {
 
 #[test]
 fn gpu_decode_fp8_long_hca_split_kv() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_split_kv") else { return };
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_split_kv") else {
+        return;
+    };
     let mut rng = seeded("gpu_decode_fp8_long_hca_split_kv", 0x8320);
     // HCA at 1M context: 128 window + 8192 compressed = 8320 candidates.
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
     check_gpu_path("fp8 hca 8320 auto", &gpu, &hp, Path::Fp8, None);
-    check_gpu_path("fp8 hca 8320 split 16 tiles", &gpu, &hp, Path::Fp8, Some(16));
+    check_gpu_path(
+        "fp8 hca 8320 split 16 tiles",
+        &gpu,
+        &hp,
+        Path::Fp8,
+        Some(16),
+    );
 }
 
 #[test]
 fn gpu_decode_bf16_staging_matches_reference_and_precision() {
-    let Some(gpu) = gpu_for_test("gpu_decode_bf16_staging_matches_reference_and_precision") else { return };
-    let mut rng = seeded("gpu_decode_bf16_staging_matches_reference_and_precision", 0xBF16);
+    let Some(gpu) = gpu_for_test("gpu_decode_bf16_staging_matches_reference_and_precision") else {
+        return;
+    };
+    let mut rng = seeded(
+        "gpu_decode_bf16_staging_matches_reference_and_precision",
+        0xBF16,
+    );
     let hp = HostProblem::random(&mut rng, 64, &[640, 0, 129, 1], true);
     let b16 = check_gpu_path("bf16 staging h64", &gpu, &hp, Path::Bf16Staging, None);
-    check_gpu_path("bf16 staging h64 split 2", &gpu, &hp, Path::Bf16Staging, Some(2));
+    check_gpu_path(
+        "bf16 staging h64 split 2",
+        &gpu,
+        &hp,
+        Path::Bf16Staging,
+        Some(2),
+    );
     let fp8 = check_gpu_path("fp8 h64 (precision)", &gpu, &hp, Path::Fp8, None);
     let r = precision_per_head(&fp8, &b16);
-    println!("GPU FP8 vs GPU BF16 staging per head: min cosine {:.6}, max rel err {:.4e} (row {})", r.min_cosine, r.max_rel_err, r.worst_row);
-    assert!(r.min_cosine >= 0.999, "per-head cosine {} at row {}", r.min_cosine, r.worst_row);
+    println!(
+        "GPU FP8 vs GPU BF16 staging per head: min cosine {:.6}, max rel err {:.4e} (row {})",
+        r.min_cosine, r.max_rel_err, r.worst_row
+    );
+    assert!(
+        r.min_cosine >= 0.999,
+        "per-head cosine {} at row {}",
+        r.min_cosine,
+        r.worst_row
+    );
     let hp = HostProblem::random(&mut rng, 128, &[1152, 300], true);
     check_gpu_path("bf16 staging h128", &gpu, &hp, Path::Bf16Staging, None);
 }

@@ -22,10 +22,11 @@ __device__ __forceinline__ uint8_t e2m1_encode(float x) {
 }
 
 __device__ __forceinline__ float e2m1_decode(uint8_t code) {
-    // magnitudes 0,.5,1,1.5,2,3,4,6 ; bit 3 = sign
-    const float mags[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    float m = mags[code & 7];
-    return (code & 8) ? -m : m;
+    // Bit trick (no local-memory table): with e = bits 2..1 and m = bit 0, a normal code (e > 0) is
+    // (1 + m/2) * 2^(e-1), i.e. the f32 with exponent field e-1+127 and mantissa MSB m; e == 0 is m * 0.5.
+    const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+    const float mag = e == 0 ? 0.5f * (float)m : __uint_as_float(((e + 126u) << 23) | (m << 22));
+    return (code & 8) ? -mag : mag;
 }
 
 // ---- E4M3 (FP8, "FN") ----------------------------------------------------------------------------------------

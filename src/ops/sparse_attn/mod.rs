@@ -22,6 +22,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
+use crate::bench::{Row, Summary};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
@@ -56,9 +57,16 @@ impl DecodeShape {
             self.heads
         );
         ensure!(self.stride >= 1, "candidate stride must be at least 1");
-        ensure!(self.batch <= 65_535, "batch {} exceeds the grid's z limit 65535", self.batch);
+        ensure!(
+            self.batch <= 65_535,
+            "batch {} exceeds the grid's z limit 65535",
+            self.batch
+        );
         let fits = |v: usize, what: &str| -> Result<()> {
-            ensure!(v <= i32::MAX as usize, "{what} = {v} does not fit the kernel's i32 arguments");
+            ensure!(
+                v <= i32::MAX as usize,
+                "{what} = {v} does not fit the kernel's i32 arguments"
+            );
             Ok(())
         };
         fits(self.stride, "stride")?;
@@ -85,7 +93,10 @@ pub struct DecodeInputs<'a> {
 impl DecodeInputs<'_> {
     fn check(&self, s: &DecodeShape) -> Result<()> {
         let want = |got: usize, exp: usize, what: &str| -> Result<()> {
-            ensure!(got == exp, "{what} has {got} elements, expected {exp} for {s:?}");
+            ensure!(
+                got == exp,
+                "{what} has {got} elements, expected {exp} for {s:?}"
+            );
             Ok(())
         };
         want(self.q.len(), s.batch * s.heads * HEAD_DIM, "q")?;
@@ -114,14 +125,20 @@ impl SplitPlan {
         let ctas_per_split = shape.batch * (shape.heads / HEADS_PER_CTA);
         let want_splits = sm_count.div_ceil(ctas_per_split).max(1);
         let tps = tiles.div_ceil(want_splits).max(tiles.min(4));
-        SplitPlan { n_splits: tiles.div_ceil(tps), tiles_per_split: tps }
+        SplitPlan {
+            n_splits: tiles.div_ceil(tps),
+            tiles_per_split: tps,
+        }
     }
 
     /// A fixed number of tiles per split (tests use it to force the combine path on short lists).
     pub fn with_tiles_per_split(shape: &DecodeShape, tiles_per_split: usize) -> Result<SplitPlan> {
         ensure!(tiles_per_split >= 1, "tiles_per_split must be at least 1");
         let tiles = shape.tiles().max(1);
-        Ok(SplitPlan { n_splits: tiles.div_ceil(tiles_per_split), tiles_per_split })
+        Ok(SplitPlan {
+            n_splits: tiles.div_ceil(tiles_per_split),
+            tiles_per_split,
+        })
     }
 }
 
@@ -135,9 +152,18 @@ pub struct Workspace {
 }
 
 impl Workspace {
-    pub fn new(gpu: &Gpu, shape: &DecodeShape, plan: SplitPlan, with_staging: bool) -> Result<Workspace> {
+    pub fn new(
+        gpu: &Gpu,
+        shape: &DecodeShape,
+        plan: SplitPlan,
+        with_staging: bool,
+    ) -> Result<Workspace> {
         shape.validate()?;
-        ensure!(plan.n_splits >= 1 && plan.n_splits <= 65_535, "n_splits {} outside 1..=65535", plan.n_splits);
+        ensure!(
+            plan.n_splits >= 1 && plan.n_splits <= 65_535,
+            "n_splits {} outside 1..=65535",
+            plan.n_splits
+        );
         ensure!(
             plan.n_splits * plan.tiles_per_split >= shape.tiles(),
             "split plan {plan:?} does not cover {} tiles",
@@ -145,12 +171,25 @@ impl Workspace {
         );
         let (part_o, part_lse) = if plan.n_splits > 1 {
             let rows = shape.batch * plan.n_splits * shape.heads;
-            (Some(gpu.zeros::<f32>(rows * HEAD_DIM)?), Some(gpu.zeros::<f32>(rows)?))
+            (
+                Some(gpu.zeros::<f32>(rows * HEAD_DIM)?),
+                Some(gpu.zeros::<f32>(rows)?),
+            )
         } else {
             (None, None)
         };
-        let staging = if with_staging { Some(gpu.zeros::<bf16>(shape.batch * shape.stride * HEAD_DIM)?) } else { None };
-        Ok(Workspace { shape: *shape, plan, part_o, part_lse, staging })
+        let staging = if with_staging {
+            Some(gpu.zeros::<bf16>(shape.batch * shape.stride * HEAD_DIM)?)
+        } else {
+            None
+        };
+        Ok(Workspace {
+            shape: *shape,
+            plan,
+            part_o,
+            part_lse,
+            staging,
+        })
     }
     pub fn plan(&self) -> SplitPlan {
         self.plan
@@ -177,13 +216,26 @@ pub fn decode(
 ) -> Result<()> {
     shape.validate()?;
     inp.check(shape)?;
-    ensure!(ws.shape == *shape, "workspace was made for {:?}, call is {shape:?}", ws.shape);
-    ensure!(out.len() == shape.batch * shape.heads * HEAD_DIM, "out has {} elements, expected {}", out.len(), shape.batch * shape.heads * HEAD_DIM);
+    ensure!(
+        ws.shape == *shape,
+        "workspace was made for {:?}, call is {shape:?}",
+        ws.shape
+    );
+    ensure!(
+        out.len() == shape.batch * shape.heads * HEAD_DIM,
+        "out has {} elements, expected {}",
+        out.len(),
+        shape.batch * shape.heads * HEAD_DIM
+    );
     if path == Path::Bf16Staging && ws.staging.is_none() {
         bail!("the BF16 staging path needs a workspace made with with_staging = true");
     }
     let plan = ws.plan;
-    let (n_entries, stride, heads) = (shape.n_entries as i32, shape.stride as i32, shape.heads as i32);
+    let (n_entries, stride, heads) = (
+        shape.n_entries as i32,
+        shape.stride as i32,
+        shape.heads as i32,
+    );
     let (tps, n_splits) = (plan.tiles_per_split as i32, plan.n_splits as i32);
     let null: u64 = 0;
 
@@ -191,9 +243,15 @@ pub fn decode(
         let f = gpu.function(FAMILY, "sparse_attn_gather_bf16")?;
         let staging = ws.staging.as_mut().expect("checked above");
         let mut b = gpu.stream.launch_builder(&f);
-        b.arg(staging).arg(inp.pool).arg(&n_entries).arg(inp.candidates).arg(&stride).arg(inp.lengths);
+        b.arg(staging)
+            .arg(inp.pool)
+            .arg(&n_entries)
+            .arg(inp.candidates)
+            .arg(&stride)
+            .arg(inp.lengths);
         let grid = (shape.stride.div_ceil(8) as u32, shape.batch as u32, 1);
-        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }.map_err(|e| anyhow!("sparse_attn_gather_bf16: {e:?}"))?;
+        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }
+            .map_err(|e| anyhow!("sparse_attn_gather_bf16: {e:?}"))?;
     }
 
     let (name, smem) = match path {
@@ -206,33 +264,59 @@ pub fn decode(
         gpu.info.max_smem_per_block_optin
     );
     let f = gpu.function(FAMILY, name)?;
-    f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-        .map_err(|e| anyhow!("{name}: setting {smem} B dynamic shared memory: {e:?}"))?;
-    let grid = ((shape.heads / HEADS_PER_CTA) as u32, plan.n_splits as u32, shape.batch as u32);
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| anyhow!("{name}: setting {smem} B dynamic shared memory: {e:?}"))?;
+    let grid = (
+        (shape.heads / HEADS_PER_CTA) as u32,
+        plan.n_splits as u32,
+        shape.batch as u32,
+    );
     {
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
             Path::Fp8 => b.arg(inp.pool).arg(&null),
-            Path::Bf16Staging => b.arg(&null).arg(ws.staging.as_ref().expect("checked above")),
+            Path::Bf16Staging => b
+                .arg(&null)
+                .arg(ws.staging.as_ref().expect("checked above")),
         };
-        b.arg(&n_entries).arg(inp.candidates).arg(&stride).arg(inp.lengths).arg(inp.positions);
-        b.arg(inp.sinks).arg(inp.freqs).arg(&heads).arg(&tps).arg(&n_splits);
+        b.arg(&n_entries)
+            .arg(inp.candidates)
+            .arg(&stride)
+            .arg(inp.lengths)
+            .arg(inp.positions);
+        b.arg(inp.sinks)
+            .arg(inp.freqs)
+            .arg(&heads)
+            .arg(&tps)
+            .arg(&n_splits);
         if plan.n_splits == 1 {
             b.arg(&mut *out).arg(&null).arg(&null);
         } else {
-            b.arg(&null).arg(ws.part_o.as_mut().expect("allocated for n_splits > 1"));
+            b.arg(&null)
+                .arg(ws.part_o.as_mut().expect("allocated for n_splits > 1"));
             b.arg(ws.part_lse.as_mut().expect("allocated for n_splits > 1"));
         }
-        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), smem)) }.map_err(|e| anyhow!("{name}: {e:?}"))?;
+        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), smem)) }
+            .map_err(|e| anyhow!("{name}: {e:?}"))?;
     }
     if plan.n_splits > 1 {
         let f = gpu.function(FAMILY, "sparse_attn_combine")?;
         let mut b = gpu.stream.launch_builder(&f);
-        b.arg(&mut *out).arg(ws.part_o.as_ref().expect("allocated")).arg(ws.part_lse.as_ref().expect("allocated"));
-        b.arg(inp.sinks).arg(inp.positions).arg(inp.freqs).arg(&heads).arg(&n_splits);
+        b.arg(&mut *out)
+            .arg(ws.part_o.as_ref().expect("allocated"))
+            .arg(ws.part_lse.as_ref().expect("allocated"));
+        b.arg(inp.sinks)
+            .arg(inp.positions)
+            .arg(inp.freqs)
+            .arg(&heads)
+            .arg(&n_splits);
         let grid = ((shape.heads / 8) as u32, shape.batch as u32, 1);
-        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }.map_err(|e| anyhow!("sparse_attn_combine: {e:?}"))?;
+        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }
+            .map_err(|e| anyhow!("sparse_attn_combine: {e:?}"))?;
     }
     Ok(())
 }
@@ -246,16 +330,36 @@ pub enum KvSource<'a> {
 /// Quantize `n` new 512-dim vectors into pool entries `dst_index[i]` (bit-exact with
 /// [`reference::encode_entry`] for finite inputs). Indices outside the pool are skipped by the kernel; use
 /// [`check_write_indices`] on host copies to turn them into errors.
-pub fn write_entries(gpu: &Gpu, pool: &mut CudaSlice<u8>, src: KvSource, dst_index: &CudaSlice<i32>, n: usize) -> Result<()> {
-    ensure!(pool.len() % ENTRY_BYTES == 0, "pool has {} bytes, not a multiple of {ENTRY_BYTES}", pool.len());
+pub fn write_entries(
+    gpu: &Gpu,
+    pool: &mut CudaSlice<u8>,
+    src: KvSource,
+    dst_index: &CudaSlice<i32>,
+    n: usize,
+) -> Result<()> {
+    ensure!(
+        pool.len() % ENTRY_BYTES == 0,
+        "pool has {} bytes, not a multiple of {ENTRY_BYTES}",
+        pool.len()
+    );
     let n_entries = pool.len() / ENTRY_BYTES;
-    ensure!(n_entries <= i32::MAX as usize && n <= i32::MAX as usize, "pool or batch too large for i32 indices");
-    ensure!(dst_index.len() >= n, "dst_index has {} elements, need {n}", dst_index.len());
+    ensure!(
+        n_entries <= i32::MAX as usize && n <= i32::MAX as usize,
+        "pool or batch too large for i32 indices"
+    );
+    ensure!(
+        dst_index.len() >= n,
+        "dst_index has {} elements, need {n}",
+        dst_index.len()
+    );
     let src_len = match &src {
         KvSource::F32(s) => s.len(),
         KvSource::Bf16(s) => s.len(),
     };
-    ensure!(src_len >= n * HEAD_DIM, "source has {src_len} elements, need {n} x 512");
+    ensure!(
+        src_len >= n * HEAD_DIM,
+        "source has {src_len} elements, need {n} x 512"
+    );
     if n == 0 {
         return Ok(());
     }
@@ -281,7 +385,10 @@ pub fn write_entries(gpu: &Gpu, pool: &mut CudaSlice<u8>, src: KvSource, dst_ind
 pub fn check_write_indices(dst_index: &[i32], n_entries: usize) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     for (i, &d) in dst_index.iter().enumerate() {
-        ensure!(d >= 0 && (d as usize) < n_entries, "write {i}: destination {d} outside the pool (0..{n_entries})");
+        ensure!(
+            d >= 0 && (d as usize) < n_entries,
+            "write {i}: destination {d} outside the pool (0..{n_entries})"
+        );
         ensure!(seen.insert(d), "write {i}: destination {d} written twice");
     }
     Ok(())
@@ -322,29 +429,33 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     (io + kv, 4 * b * h * l * HEAD_DIM as u64)
 }
 
-/// One timed sweep point.
-#[derive(Debug, Clone)]
-pub struct BenchPoint {
-    pub variant: &'static str,
-    pub baseline: &'static str,
-    pub batch: usize,
-    pub heads: usize,
-    pub ctx: usize,
-    pub candidates: usize,
-    pub n_splits: usize,
-    pub samples_us: Vec<f64>,
-    pub bytes: u64,
-    pub flops: u64,
-}
+/// Kernel name of the bench rows; variants `fp8` (this family's kernel) and `bf16_staging` (the baseline).
+pub const BENCH_KERNEL: &str = "sparse_attn_decode";
+/// Variants in the order they are timed; the second is the baseline of the first.
+pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
 
-/// Time both paths (FP8 and the BF16-staging baseline) at one (kind, ctx, batch, heads) point on random data
-/// (fixed seed): every sequence gets `candidates_per_query` distinct valid entries of a shared pool.
-pub fn bench_point(gpu: &Gpu, kind: LayerKind, ctx: usize, batch: usize, heads: usize, plan: TimingPlan) -> Result<Vec<BenchPoint>> {
+/// Time one variant at one (kind, ctx, batch, heads) point on random data (fixed seed): every sequence gets
+/// `candidates_per_query` distinct valid entries of a shared pool. Returns one [`Row`] with timing, bytes,
+/// flops, batch, ctx and (for `fp8`) the baseline name; the runner adds limits and telemetry.
+pub fn bench_point(
+    gpu: &Gpu,
+    variant: &str,
+    kind: LayerKind,
+    ctx: usize,
+    batch: usize,
+    heads: usize,
+    plan: TimingPlan,
+) -> Result<Row> {
     use rand::{Rng, SeedableRng};
     let cands = candidates_per_query(kind, ctx);
     // Pool: enough distinct entries for every sequence (each sequence reads its own).
     let n_entries = batch * cands;
-    let shape = DecodeShape { batch, heads, stride: cands, n_entries };
+    let shape = DecodeShape {
+        batch,
+        heads,
+        stride: cands,
+        n_entries,
+    };
     shape.validate()?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5A77_0001);
     let mut pool = vec![0u8; n_entries * ENTRY_BYTES];
@@ -352,7 +463,9 @@ pub fn bench_point(gpu: &Gpu, kind: LayerKind, ctx: usize, batch: usize, heads: 
     // cost stays small for 1M-context points.
     let distinct: Vec<[u8; ENTRY_BYTES]> = (0..256)
         .map(|_| {
-            let x: Vec<f32> = (0..HEAD_DIM).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            let x: Vec<f32> = (0..HEAD_DIM)
+                .map(|_| rng.random_range(-2.0f32..2.0))
+                .collect();
             reference::encode_entry(&x)
         })
         .collect::<Result<_>>()?;
@@ -360,7 +473,9 @@ pub fn bench_point(gpu: &Gpu, kind: LayerKind, ctx: usize, batch: usize, heads: 
         e.copy_from_slice(&distinct[i % distinct.len()]);
     }
     let candidates: Vec<i32> = (0..n_entries as i32).collect();
-    let q: Vec<bf16> = (0..batch * heads * HEAD_DIM).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0))).collect();
+    let q: Vec<bf16> = (0..batch * heads * HEAD_DIM)
+        .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
+        .collect();
     let freqs = reference::rope_freqs(160_000.0, true);
     let d_q = gpu.upload(&q)?;
     let d_pool = gpu.upload(&pool)?;
@@ -369,15 +484,43 @@ pub fn bench_point(gpu: &Gpu, kind: LayerKind, ctx: usize, batch: usize, heads: 
     let d_pos = gpu.upload(&vec![ctx.saturating_sub(1) as i32; batch])?;
     let d_sinks = gpu.upload(&vec![0.5f32; heads])?;
     let d_freqs = gpu.upload(&freqs)?;
-    let inp = DecodeInputs { q: &d_q, pool: &d_pool, candidates: &d_cand, lengths: &d_len, positions: &d_pos, sinks: &d_sinks, freqs: &d_freqs };
+    let inp = DecodeInputs {
+        q: &d_q,
+        pool: &d_pool,
+        candidates: &d_cand,
+        lengths: &d_len,
+        positions: &d_pos,
+        sinks: &d_sinks,
+        freqs: &d_freqs,
+    };
     let split = SplitPlan::auto(gpu.info.sm_count as usize, &shape);
     let mut out = gpu.zeros::<bf16>(batch * heads * HEAD_DIM)?;
-    let mut rows = Vec::new();
-    for (path, variant, baseline) in [(Path::Fp8, "fp8", "bf16_staging"), (Path::Bf16Staging, "bf16_staging", "")] {
-        let mut ws = Workspace::new(gpu, &shape, split, path == Path::Bf16Staging)?;
-        let samples = gpu.time_us(plan, || decode(gpu, path, &shape, &inp, &mut ws, &mut out))?;
-        let (bytes, flops) = work(batch, heads, cands, path);
-        rows.push(BenchPoint { variant, baseline, batch, heads, ctx, candidates: cands, n_splits: split.n_splits, samples_us: samples, bytes, flops });
+    let path = match variant {
+        "fp8" => Path::Fp8,
+        "bf16_staging" => Path::Bf16Staging,
+        other => bail!(
+            "sparse_attn: unknown bench variant `{other}` (have: {})",
+            BENCH_VARIANTS.join(", ")
+        ),
+    };
+    let mut ws = Workspace::new(gpu, &shape, split, path == Path::Bf16Staging)?;
+    let samples = gpu.time_us(plan, || decode(gpu, path, &shape, &inp, &mut ws, &mut out))?;
+    let (bytes, flops) = work(batch, heads, cands, path);
+    let kind_label = match kind {
+        LayerKind::Csa { topk } => format!("csa,topk={topk}"),
+        LayerKind::Hca => "hca".to_string(),
+    };
+    let shape_label = format!(
+        "kind={kind_label},heads={heads},batch={batch},ctx={ctx},candidates={cands},splits={}",
+        split.n_splits
+    );
+    let mut row = Row::new(BENCH_KERNEL, variant, &shape_label)
+        .with_batch(batch as u64)
+        .with_ctx(ctx as u64)
+        .with_timing(&Summary::of(&samples)?, samples.len() as u64)
+        .with_work(Some(bytes), Some(flops));
+    if path == Path::Fp8 {
+        row = row.with_baseline("bf16_staging");
     }
-    Ok(rows)
+    Ok(row)
 }

@@ -1,8 +1,7 @@
 //! CPU reference for the `sparse_attn` family, written for clarity (f64 accumulation):
 //!
-//! * the 584-byte KV entry codec (stop-gap twin of `formats::kv`, which is not on this branch yet; the byte
-//!   layout is the one `formats::kv` specifies: `[0..448)` e4m3 nope codes, `[448..576)` 64 BF16 rope dims
-//!   little-endian, `[576..583)` seven UE8M0 tile scales, `[583]` pad = 0),
+//! * the 584-byte KV entry codec, delegated to `formats::kv` (`[0..448)` e4m3 nope codes, `[448..576)` 64
+//!   BF16 rope dims little-endian, `[576..583)` seven UE8M0 tile scales, `[583]` pad = 0),
 //! * the candidate-set builder for a query position (sliding window ++ visible compressed entries),
 //! * RoPE frequencies (§3.1) and the interleaved-pair rotation used by the inverse RoPE on the output,
 //! * decode attention with sink over the stored FP8 values (§3.6), for an FP8-quantized query (what the
@@ -11,7 +10,7 @@
 use anyhow::{bail, ensure, Result};
 use half::bf16;
 
-use crate::formats::{e4m3, ue8m0};
+use crate::formats::kv;
 
 /// Latent width of one head and of one KV entry (K = V).
 pub const HEAD_DIM: usize = 512;
@@ -24,62 +23,30 @@ pub const TILE: usize = 64;
 /// Number of FP8 tiles in the nope part (448 / 64).
 pub const NOPE_TILES: usize = NOPE_DIM / TILE;
 /// Bytes of one entry: 448 e4m3 + 128 (64 BF16) + 7 scales + 1 pad.
-pub const ENTRY_BYTES: usize = 584;
+pub const ENTRY_BYTES: usize = kv::ENTRY_BYTES;
 /// Byte offset of the BF16 rope dims inside an entry.
 pub const ROPE_OFFSET: usize = NOPE_DIM;
 /// Byte offset of the seven UE8M0 scales inside an entry.
 pub const SCALE_OFFSET: usize = NOPE_DIM + 2 * ROPE_DIM;
 /// Sliding-window length (tokens), the current one included.
 pub const WINDOW: usize = 128;
-/// Floor on a tile's amax before choosing its scale (DSV4 FP8 rule: amax floored at 1e-4).
-pub const AMAX_FLOOR: f32 = 1e-4;
 /// Softmax scale 1/sqrt(512) (no YaRN mscale in DSV4).
 pub const SOFTMAX_SCALE: f64 = 0.044_194_173_824_159_216; // 1/sqrt(512)
 
-/// Encode one 512-dim vector into a 584-byte entry: per 64-tile of the first 448 dims the scale
-/// `2^ceil(log2(max(amax, 1e-4) / 448))` (UE8M0) and codes `e4m3_rne(x / scale)`; the last 64 dims rounded
-/// to BF16. Errors on a wrong length or a non-finite value.
+/// Encode one 512-dim vector into a 584-byte entry ([`kv::encode_entry`]: per 64-tile of the first 448
+/// dims the scale `2^ceil(log2(max(amax, 1e-4) / 448))` (UE8M0) and codes `e4m3_rne(x / scale)`; the last 64
+/// dims rounded to BF16). Errors on a wrong length or a non-finite value.
 pub fn encode_entry(x: &[f32]) -> Result<[u8; ENTRY_BYTES]> {
-    ensure!(x.len() == HEAD_DIM, "a KV entry has {HEAD_DIM} dims, got {}", x.len());
-    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        bail!("KV entry dim {i} is not finite ({})", x[i]);
-    }
-    let mut e = [0u8; ENTRY_BYTES];
-    for t in 0..NOPE_TILES {
-        let tile = &x[t * TILE..(t + 1) * TILE];
-        let amax = tile.iter().fold(0f32, |m, v| m.max(v.abs())).max(AMAX_FLOOR);
-        let code = ue8m0::pow2_scale_for(amax, e4m3::MAX);
-        let scale = ue8m0::decode(code);
-        e[SCALE_OFFSET + t] = code;
-        for (d, &v) in tile.iter().enumerate() {
-            // Division by a power of two: exact unless the quotient is subnormal, the same IEEE op on the GPU.
-            e[t * TILE + d] = e4m3::encode_rne(v / scale);
-        }
-    }
-    for r in 0..ROPE_DIM {
-        let b = bf16::from_f32(x[NOPE_DIM + r]).to_bits().to_le_bytes();
-        e[ROPE_OFFSET + 2 * r] = b[0];
-        e[ROPE_OFFSET + 2 * r + 1] = b[1];
-    }
-    Ok(e)
+    let x: &[f32; HEAD_DIM] = x
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("a KV entry has {HEAD_DIM} dims, got {}", x.len()))?;
+    kv::encode_entry(x)
 }
 
-/// The 512 values an entry stands for. Exact: `e4m3 * 2^k` has at most 4 significant bits, so it is exact in
-/// f32 and in BF16 (for the scales the encoder produces), and the rope dims are BF16.
-pub fn decode_entry(e: &[u8]) -> [f32; HEAD_DIM] {
-    assert_eq!(e.len(), ENTRY_BYTES, "decode_entry needs one {ENTRY_BYTES}-byte entry");
-    let mut x = [0f32; HEAD_DIM];
-    for t in 0..NOPE_TILES {
-        let scale = ue8m0::decode(e[SCALE_OFFSET + t]);
-        for d in 0..TILE {
-            x[t * TILE + d] = e4m3::decode(e[t * TILE + d]) * scale;
-        }
-    }
-    for r in 0..ROPE_DIM {
-        let bits = u16::from_le_bytes([e[ROPE_OFFSET + 2 * r], e[ROPE_OFFSET + 2 * r + 1]]);
-        x[NOPE_DIM + r] = bf16::from_bits(bits).to_f32();
-    }
-    x
+/// The 512 values an entry stands for ([`kv::decode_entry`]). Exact: `e4m3 * 2^k` has at most 4
+/// significant bits, so it is exact in f32 and in BF16, and the rope dims are BF16. Errors on NaN codes.
+pub fn decode_entry(e: &[u8]) -> Result<[f32; HEAD_DIM]> {
+    kv::decode_entry(e)
 }
 
 /// Entry `i` of a pool (entries back to back, 584 bytes each).
@@ -124,7 +91,11 @@ pub fn visible_compressed(t: usize, m: usize) -> usize {
 /// The candidate list (pool indices) of query position `t`: window entries in position order, then the
 /// compressed entries. Window and compressed entries may cover the same tokens; both stay. A top-k
 /// selection naming an invisible entry, or more than `min(topk, visible)` entries, is an error.
-pub fn build_candidates(t: usize, layout: SequenceLayout, sel: CompressedSelection) -> Result<Vec<i32>> {
+pub fn build_candidates(
+    t: usize,
+    layout: SequenceLayout,
+    sel: CompressedSelection,
+) -> Result<Vec<i32>> {
     let mut out: Vec<i32> = Vec::new();
     let to_i32 = |v: usize| -> Result<i32> {
         i32::try_from(v).map_err(|_| anyhow::anyhow!("pool index {v} does not fit an i32"))
@@ -167,7 +138,8 @@ pub fn build_candidates(t: usize, layout: SequenceLayout, sel: CompressedSelecti
 pub fn rope_freqs(theta: f64, yarn: bool) -> [f32; ROPE_DIM / 2] {
     let dim = ROPE_DIM as f64;
     let mut f = [0f32; ROPE_DIM / 2];
-    let corr = |beta: f64| dim * (65536.0 / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+    let corr =
+        |beta: f64| dim * (65536.0 / (beta * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
     let low = corr(32.0).floor().max(0.0);
     let high = corr(1.0).ceil().min(dim - 1.0);
     for (i, fi) in f.iter_mut().enumerate() {
@@ -235,12 +207,37 @@ impl DecodeProblem<'_> {
     pub fn validate(&self) -> Result<()> {
         let (b, h) = (self.batch, self.heads);
         ensure!(h > 0, "heads must be positive");
-        ensure!(self.q.len() == b * h * HEAD_DIM, "q has {} elements, expected batch {b} x heads {h} x 512", self.q.len());
-        ensure!(self.pool.len() % ENTRY_BYTES == 0, "pool has {} bytes, not a multiple of {ENTRY_BYTES}", self.pool.len());
-        ensure!(self.candidates.len() == b * self.stride, "candidates has {} elements, expected batch {b} x stride {}", self.candidates.len(), self.stride);
-        ensure!(self.lengths.len() == b, "lengths has {} elements, expected {b}", self.lengths.len());
-        ensure!(self.positions.len() == b, "positions has {} elements, expected {b}", self.positions.len());
-        ensure!(self.sinks.len() == h, "sinks has {} elements, expected {h}", self.sinks.len());
+        ensure!(
+            self.q.len() == b * h * HEAD_DIM,
+            "q has {} elements, expected batch {b} x heads {h} x 512",
+            self.q.len()
+        );
+        ensure!(
+            self.pool.len() % ENTRY_BYTES == 0,
+            "pool has {} bytes, not a multiple of {ENTRY_BYTES}",
+            self.pool.len()
+        );
+        ensure!(
+            self.candidates.len() == b * self.stride,
+            "candidates has {} elements, expected batch {b} x stride {}",
+            self.candidates.len(),
+            self.stride
+        );
+        ensure!(
+            self.lengths.len() == b,
+            "lengths has {} elements, expected {b}",
+            self.lengths.len()
+        );
+        ensure!(
+            self.positions.len() == b,
+            "positions has {} elements, expected {b}",
+            self.positions.len()
+        );
+        ensure!(
+            self.sinks.len() == h,
+            "sinks has {} elements, expected {h}",
+            self.sinks.len()
+        );
         if let Some(i) = self.q.iter().position(|v| !v.to_f32().is_finite()) {
             bail!("q element {i} is not finite");
         }
@@ -250,10 +247,24 @@ impl DecodeProblem<'_> {
         let n = self.n_entries();
         for s in 0..b {
             let len = self.lengths[s];
-            ensure!(len >= 0 && len as usize <= self.stride, "sequence {s}: length {len} outside 0..={}", self.stride);
-            ensure!(self.positions[s] >= 0, "sequence {s}: negative position {}", self.positions[s]);
-            for (j, &idx) in self.candidates[s * self.stride..s * self.stride + len as usize].iter().enumerate() {
-                ensure!(idx >= -1 && (idx as i64) < n as i64, "sequence {s} candidate {j}: pool index {idx} outside -1..{n}");
+            ensure!(
+                len >= 0 && len as usize <= self.stride,
+                "sequence {s}: length {len} outside 0..={}",
+                self.stride
+            );
+            ensure!(
+                self.positions[s] >= 0,
+                "sequence {s}: negative position {}",
+                self.positions[s]
+            );
+            for (j, &idx) in self.candidates[s * self.stride..s * self.stride + len as usize]
+                .iter()
+                .enumerate()
+            {
+                ensure!(
+                    idx >= -1 && (idx as i64) < n as i64,
+                    "sequence {s} candidate {j}: pool index {idx} outside -1..{n}"
+                );
             }
         }
         Ok(())
@@ -279,7 +290,7 @@ pub fn query_values(q_head: &[bf16], precision: QueryPrecision) -> Result<[f32; 
             out.copy_from_slice(&x);
             Ok(out)
         }
-        QueryPrecision::Fp8Tiles => Ok(decode_entry(&encode_entry(&x)?)),
+        QueryPrecision::Fp8Tiles => decode_entry(&encode_entry(&x)?),
     }
 }
 
@@ -307,7 +318,7 @@ pub fn decode_attention(p: &DecodeProblem, precision: QueryPrecision) -> Result<
             .iter()
             .filter(|&&i| i >= 0)
             .map(|&i| decode_entry(pool_entry(p.pool, i as usize)))
-            .collect();
+            .collect::<Result<_>>()?;
         for head in 0..h {
             let base = (s * h + head) * HEAD_DIM;
             if keys.is_empty() {
@@ -316,7 +327,13 @@ pub fn decode_attention(p: &DecodeProblem, precision: QueryPrecision) -> Result<
             let q = query_values(&p.q[base..base + HEAD_DIM], precision)?;
             let scores: Vec<f64> = keys
                 .iter()
-                .map(|k| q.iter().zip(k.iter()).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * SOFTMAX_SCALE)
+                .map(|k| {
+                    q.iter()
+                        .zip(k.iter())
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * SOFTMAX_SCALE
+                })
                 .collect();
             let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|&x| (x - m).exp()).collect();
@@ -350,8 +367,17 @@ pub fn cosine_and_rel_err(a: &[f64], b: &[f64]) -> (f64, f64) {
     let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
     let na: f64 = a.iter().map(|x| x * x).sum::<f64>().sqrt();
     let nb: f64 = b.iter().map(|x| x * x).sum::<f64>().sqrt();
-    let diff: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
-    let cos = if na == 0.0 && nb == 0.0 { 1.0 } else { dot / (na * nb).max(f64::MIN_POSITIVE) };
+    let diff: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt();
+    let cos = if na == 0.0 && nb == 0.0 {
+        1.0
+    } else {
+        dot / (na * nb).max(f64::MIN_POSITIVE)
+    };
     let rel = if nb == 0.0 { diff } else { diff / nb };
     (cos, rel)
 }
@@ -366,8 +392,16 @@ pub struct PrecisionReport {
 }
 
 pub fn precision_per_head(test: &[f64], reference: &[f64]) -> PrecisionReport {
-    let mut r = PrecisionReport { min_cosine: 1.0, max_rel_err: 0.0, worst_row: 0 };
-    for (row, (a, b)) in test.chunks(HEAD_DIM).zip(reference.chunks(HEAD_DIM)).enumerate() {
+    let mut r = PrecisionReport {
+        min_cosine: 1.0,
+        max_rel_err: 0.0,
+        worst_row: 0,
+    };
+    for (row, (a, b)) in test
+        .chunks(HEAD_DIM)
+        .zip(reference.chunks(HEAD_DIM))
+        .enumerate()
+    {
         if b.iter().all(|&x| x == 0.0) {
             continue;
         }
