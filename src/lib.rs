@@ -5,6 +5,7 @@
 //! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands).
 
 pub mod bench;
+pub mod cli;
 pub mod formats;
 pub mod gpu;
 pub mod ops;

@@ -454,10 +454,10 @@ fn attention_with_sink_by_hand() {
     };
     for prec in [QueryPrecision::Fp8Tiles, QueryPrecision::Bf16] {
         let r = decode_attention(&p, prec).unwrap();
-        for h in 0..64 {
+        for (h, &sink) in sinks.iter().enumerate() {
             // M = s0; p_0 = 1 (exact in BF16), V_1 = 0, so o[0] = 1 / (1 + e^(0 - s0) + e^(sink - s0)).
             let m = s0;
-            let want = 1.0 / (1.0 + (0.0 - m).exp() + (sinks[h] as f64 - m).exp());
+            let want = 1.0 / (1.0 + (0.0 - m).exp() + (sink as f64 - m).exp());
             assert!(
                 (r.out[h * HEAD_DIM] - want).abs() < 1e-12,
                 "{prec:?} head {h}: {} vs {want}",
@@ -633,9 +633,9 @@ fn check_gpu_path(
     };
     let r = decode_attention(&hp.problem(), prec).unwrap();
     let (mut worst_ratio, mut worst_i, mut max_abs) = (0f64, 0usize, 0f64);
-    for i in 0..got.len() {
-        let err = (got[i] - r.out[i]).abs();
-        let ratio = if got[i].is_finite() {
+    for (i, &g) in got.iter().enumerate() {
+        let err = (g - r.out[i]).abs();
+        let ratio = if g.is_finite() {
             err / reference::tolerance(r.mass[i], r.out[i])
         } else {
             f64::INFINITY
@@ -652,7 +652,11 @@ fn check_gpu_path(
         worst_i % HEAD_DIM,
     );
     let first_bad = (0..got.len())
-        .find(|&i| !((got[i] - r.out[i]).abs() <= reference::tolerance(r.mass[i], r.out[i])));
+        // NaN (poison left in place) must count as a mismatch, hence "not within" rather than "above".
+        .find(|&i| {
+            let err = (got[i] - r.out[i]).abs();
+            err.is_nan() || err > reference::tolerance(r.mass[i], r.out[i])
+        });
     println!(
         "{test}: {path:?} shape {shape:?} lengths {:?} plan {plan:?}: max abs err {max_abs:.3e}, worst err/tol {worst_ratio:.3} at (b {b}, h {h}, d {d}) gpu {} ref {}",
         hp.lengths, got[worst_i], r.out[worst_i]

@@ -81,7 +81,7 @@ impl Blas {
         if a.len() < m * k * kind.bytes() || b.len() < n * k * kind.bytes() || d.len() < m * n {
             bail!("gemm_tn: buffers too small for M={m} N={n} K={k}");
         }
-        if kind == GemmInput::Fp8E4m3 && k % 16 != 0 {
+        if kind == GemmInput::Fp8E4m3 && !k.is_multiple_of(16) {
             bail!("FP8 cuBLASLt GEMM needs K % 16 == 0 (K={k})");
         }
         let stream = &gpu.stream;

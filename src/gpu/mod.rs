@@ -219,3 +219,18 @@ pub fn launch_cfg(grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32) -> L
 pub fn drv<T>(r: std::result::Result<T, cudarc::driver::DriverError>, what: &str) -> Result<T> {
     r.map_err(|e| anyhow!("{what}: {e:?}"))
 }
+
+/// Launch a kernel whose arguments were pushed onto `args`, naming it in the error.
+///
+/// # Safety
+/// The pushed arguments must match the kernel's parameter list and the buffers must be large enough for
+/// the launch geometry: the launchers check shapes before calling this.
+pub unsafe fn launch(
+    mut args: cudarc::driver::LaunchArgs<'_>,
+    cfg: LaunchConfig,
+    what: &str,
+) -> Result<()> {
+    args.launch(cfg)
+        .map(|_| ())
+        .map_err(|e| anyhow!("launching {what}: {e:?}"))
+}

@@ -87,8 +87,7 @@ pub fn parse_ptxas(report: &str) -> Vec<PtxasFunction> {
             let i = s.find(key)?;
             s[..i]
                 .split(|c: char| !c.is_ascii_digit())
-                .filter(|t| !t.is_empty())
-                .last()?
+                .rfind(|t| !t.is_empty())?
                 .parse()
                 .ok()
         };

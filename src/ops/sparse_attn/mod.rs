@@ -22,7 +22,9 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use crate::bench::{Row, Summary};
+use crate::bench::config::Sweep;
+use crate::bench::runner::{BenchCtx, BenchKernel};
+use crate::bench::{MatmulKind, Row, Summary};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
@@ -52,7 +54,7 @@ impl DecodeShape {
     pub fn validate(&self) -> Result<()> {
         ensure!(self.batch >= 1, "batch must be at least 1");
         ensure!(
-            self.heads >= HEADS_PER_CTA && self.heads % HEADS_PER_CTA == 0,
+            self.heads >= HEADS_PER_CTA && self.heads.is_multiple_of(HEADS_PER_CTA),
             "heads = {} must be a positive multiple of {HEADS_PER_CTA} (DSV4: 64 Flash, 128 Pro)",
             self.heads
         );
@@ -338,7 +340,7 @@ pub fn write_entries(
     n: usize,
 ) -> Result<()> {
     ensure!(
-        pool.len() % ENTRY_BYTES == 0,
+        pool.len().is_multiple_of(ENTRY_BYTES),
         "pool has {} bytes, not a multiple of {ENTRY_BYTES}",
         pool.len()
     );
@@ -434,19 +436,32 @@ pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; the second is the baseline of the first.
 pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
 
-/// Time one variant at one (kind, ctx, batch, heads) point on random data (fixed seed): every sequence gets
+/// One sweep point's shape.
+#[derive(Debug, Clone, Copy)]
+pub struct BenchShape {
+    pub kind: LayerKind,
+    pub ctx: usize,
+    pub batch: usize,
+    pub heads: usize,
+}
+
+/// Time one variant at one (kind, ctx, batch, heads) point on random data from `seed`: every sequence gets
 /// `candidates_per_query` distinct valid entries of a shared pool. Returns one [`Row`] with timing, bytes,
 /// flops, batch, ctx and (for `fp8`) the baseline name; the runner adds limits and telemetry.
 pub fn bench_point(
     gpu: &Gpu,
     variant: &str,
-    kind: LayerKind,
-    ctx: usize,
-    batch: usize,
-    heads: usize,
+    point: BenchShape,
     plan: TimingPlan,
+    seed: u64,
 ) -> Result<Row> {
     use rand::{Rng, SeedableRng};
+    let BenchShape {
+        kind,
+        ctx,
+        batch,
+        heads,
+    } = point;
     let cands = candidates_per_query(kind, ctx);
     // Pool: enough distinct entries for every sequence (each sequence reads its own).
     let n_entries = batch * cands;
@@ -457,7 +472,7 @@ pub fn bench_point(
         n_entries,
     };
     shape.validate()?;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5A77_0001);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut pool = vec![0u8; n_entries * ENTRY_BYTES];
     // Encode a few hundred random entries and tile them over the pool: the bytes are realistic, the encode
     // cost stays small for 1M-context points.
@@ -523,4 +538,49 @@ pub fn bench_point(
         row = row.with_baseline("bf16_staging");
     }
     Ok(row)
+}
+
+/// The runner's entry for this family. `pct_matmul` is taken against the BF16 rate: P.V and the rope part of
+/// QK^T (4.5 of every 8 FLOPs) run on BF16 tensor cores, only the nope part of QK^T on FP8.
+pub fn bench_kernels() -> Vec<BenchKernel> {
+    vec![BenchKernel {
+        name: BENCH_KERNEL,
+        variants: &BENCH_VARIANTS,
+        matmul: MatmulKind::Bf16,
+        run_point: run_bench_point,
+    }]
+}
+
+/// One sweep point: axis `ctx` (params `batch`) or `batch` (params `ctx`); params `kind` ("csa" with `topk`,
+/// or "hca") and `heads`.
+fn run_bench_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, value: u64) -> Result<Vec<Row>> {
+    let kind = match s.param_str("kind")? {
+        "csa" => LayerKind::Csa {
+            topk: s.param_u64("topk")? as usize,
+        },
+        "hca" => LayerKind::Hca,
+        other => bail!("{}: kind `{other}` is neither `csa` nor `hca`", s.name()),
+    };
+    let heads = s.param_u64("heads")? as usize;
+    let (context, batch) = match s.axis.as_str() {
+        "ctx" => (value as usize, s.param_u64("batch")? as usize),
+        "batch" => (s.param_u64("ctx")? as usize, value as usize),
+        other => bail!("{}: axis `{other}` is neither `ctx` nor `batch`", s.name()),
+    };
+    let path = if variant == "fp8" {
+        Path::Fp8
+    } else {
+        Path::Bf16Staging
+    };
+    let (bytes, _) = work(batch, heads, candidates_per_query(kind, context), path);
+    let point = BenchShape {
+        kind,
+        ctx: context,
+        batch,
+        heads,
+    };
+    let mut row = bench_point(ctx.gpu, variant, point, ctx.plan(bytes), ctx.seed)?;
+    // The runner pairs variants through identical shape labels.
+    row.shape = s.shape_label(value);
+    Ok(vec![row])
 }

@@ -213,7 +213,7 @@ impl DecodeProblem<'_> {
             self.q.len()
         );
         ensure!(
-            self.pool.len() % ENTRY_BYTES == 0,
+            self.pool.len().is_multiple_of(ENTRY_BYTES),
             "pool has {} bytes, not a multiple of {ENTRY_BYTES}",
             self.pool.len()
         );
