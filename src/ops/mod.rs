@@ -8,6 +8,7 @@ pub mod inputs;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
+pub mod sparse_attn;
 
 use crate::bench::runner::BenchKernel;
 
@@ -17,6 +18,7 @@ pub fn bench_kernels() -> Vec<BenchKernel> {
     v.extend(nvfp4::bench::kernels());
     v.extend(norm_quant::bench::kernels());
     v.extend(moe_gemm::bench::kernels());
+    v.extend(sparse_attn::bench_kernels());
     v.extend(indexer::bench::kernels());
     v
 }

@@ -1,0 +1,827 @@
+// sparse_attn: DeepSeek-V4 decode attention over a gathered candidate set (sliding window ++ selected
+// compressed entries), reading the 584-byte FP8 KV cache directly.
+//
+// KV entry (formats::kv layout, 584 B): [0,448) e4m3 nope codes in 7 tiles of 64, [448,576) 64 BF16 rope
+// dims, [576,583) 7 UE8M0 tile scales, [583] pad. The cache is a pool of entries indexed by i32; a candidate
+// list row holds pool indices (-1 = invalid). Entries are only 8-byte aligned (584 = 8 * 73), so every
+// global access to an entry is 8 bytes wide.
+//
+// Entry points
+//   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
+//   sparse_attn_decode_fp8         the FP8 path (this family's kernel).
+//   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
+//   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
+//   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
+//
+// Decode kernel design (one CTA = 64 heads of one sequence x one split of its candidate list, 256 threads):
+//   * MQA: all 64 heads share each KV entry, so a CTA streams its candidates once (tiles of 64 entries,
+//     cp.async 8-byte copies, one tile prefetched while the previous one is computed). 128-head models run
+//     two head-group CTAs per (sequence, split) with adjacent block indices; the second read of a tile is
+//     served by L2 (the two CTAs run concurrently), so HBM sees each entry about once.
+//   * q is quantized in the prologue exactly like a KV entry: per (head, 64-tile) a UE8M0 power-of-two scale
+//     2^ceil(log2(max(amax,1e-4)/448)) and e4m3 codes; q's rope dims stay BF16.
+//   * QK^T nope: mma.sync m16n8k32 e4m3 x e4m3 -> f32, one fresh accumulator per 64-dim tile, then
+//     acc += partial * (q_scale[head][tile] * k_scale[entry][tile]). Both scales are powers of two, so the
+//     product and the multiplication are exact: the only rounding is the f32 accumulation itself.
+//     QK^T rope: mma.sync m16n8k16 BF16 (q rope BF16, key rope BF16 from the cache).
+//   * softmax in f32 (log2 domain), online over tiles; the sink enters only the final denominator.
+//   * P is rounded to BF16 for P.V; the unrounded f32 probabilities form the denominator.
+//   * V = K: the tile's e4m3 nope codes are dequantized in registers to BF16 (e4m3 * 2^k has <= 4 significant
+//     bits: exact in BF16) into shared memory, next to the BF16 rope dims; P.V is mma.sync m16n8k16 BF16
+//     with ldmatrix.trans B fragments. O (64 heads x 512) lives in registers: 128 f32 per thread.
+//   * Warp w: heads 16*(w%4)..+15; scores for entries 32*(w/4)..+31 of each tile; output dims 256*(w/4)..+255.
+//     The two warps sharing a head block exchange their row maxima through shared memory (named barrier).
+//   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); sparse_attn_combine merges
+//     them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
+//
+// Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x448 FP8 + 64x64x64 BF16 (QK) +
+// 64x512x64 BF16 (PV) = 4.2 MFLOP -> ~112 FLOP/B: the FP8 path is bandwidth-bound at H=64 on H200
+// (4.8 TB/s -> ~7.8 us per 1000 tiles across the GPU); dequant is 28672 e4m3 -> bf16 per tile
+// (112 per thread, ~2.5 instructions each), about the same order as the MMA issue time; at H=128 the
+// dequant and MMA work double per byte and the tile becomes compute/issue-bound.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#include "formats.cuh"
+
+namespace sa {
+
+constexpr int kDim = 512;
+constexpr int kNope = 448;
+constexpr int kTiles = 7;
+constexpr int kEntryBytes = 584;
+constexpr int kRopeOffset = 448;
+constexpr int kScaleOffset = 576;
+constexpr int kBlockN = 64;        // candidates per KV tile
+constexpr int kHeadsPerCta = 64;   // heads per CTA (head group)
+constexpr int kThreads = 256;
+constexpr float kAmaxFloor = 1e-4f;
+constexpr float kLog2e = 1.4426950408889634f;
+// 1/sqrt(512) * log2(e): scores go straight to the log2 domain used by exp2f.
+constexpr float kScoreScaleLog2 = 0.044194173824159216f * 1.4426950408889634f;
+
+// Shared-memory row strides, padded so that fragment loads hit 32 distinct banks:
+// 464 B = 116 words (116*g mod 32 = 20g spreads g=0..7 over 8 disjoint 4-bank groups); 72 bf16 = 36 words
+// (4g + t distinct); 520 bf16 = 1040 B (260 words: 4g + t distinct; 1040 mod 128 = 16 for ldmatrix rows).
+constexpr int kNopeStride = 464;
+constexpr int kRopeStride = 72;
+constexpr int kVStride = 520;
+constexpr int kPStride = 72;
+
+// ---- FP8 kernel shared memory map (bytes) ----
+constexpr int kQnBytes = kHeadsPerCta * kNopeStride;             // 29696: q e4m3 codes
+constexpr int kQrBytes = kHeadsPerCta * kRopeStride * 2;         //  9216: q rope bf16
+constexpr int kQsBytes = kHeadsPerCta * 8 * 4;                   //  2048: q tile scales (f32)
+constexpr int kRawNopeBytes = kBlockN * kNopeStride;             // 29696
+constexpr int kRawRopeBytes = kBlockN * kRopeStride * 2;         //  9216
+constexpr int kRawScaleBytes = kBlockN * 8;                      //   512
+constexpr int kRawBytes = kRawNopeBytes + kRawRopeBytes + kRawScaleBytes;  // 39424 per stage
+constexpr int kVtBytes = kBlockN * kVStride * 2;                 // 66560
+constexpr int kPBytes = kHeadsPerCta * kPStride * 2;             //  9216
+constexpr int kRedBytes = 2 * kHeadsPerCta * 4;                  //   512
+constexpr int kIdxBytes = 3 * kBlockN * 4;                       //   768
+
+constexpr int kF8Qn = 0;
+constexpr int kF8Qr = kF8Qn + kQnBytes;
+constexpr int kF8Qs = kF8Qr + kQrBytes;
+constexpr int kF8Raw = kF8Qs + kQsBytes;
+constexpr int kF8Vt = kF8Raw + 2 * kRawBytes;
+constexpr int kF8P = kF8Vt + kVtBytes;
+constexpr int kF8RedMax = kF8P + kPBytes;
+constexpr int kF8RedSum = kF8RedMax + kRedBytes;
+constexpr int kF8Idx = kF8RedSum + kRedBytes;
+constexpr int kF8SmemBytes = kF8Idx + kIdxBytes;  // 197376
+
+// ---- BF16 baseline kernel shared memory map ----
+constexpr int kQbBytes = kHeadsPerCta * kVStride * 2;  // 66560
+constexpr int kB16Q = 0;
+constexpr int kB16Vt = kB16Q + kQbBytes;
+constexpr int kB16P = kB16Vt + 2 * kVtBytes;
+constexpr int kB16RedMax = kB16P + kPBytes;
+constexpr int kB16RedSum = kB16RedMax + kRedBytes;
+constexpr int kB16Idx = kB16RedSum + kRedBytes;
+constexpr int kB16SmemBytes = kB16Idx + kIdxBytes;  // 210688
+
+static_assert(kF8SmemBytes <= 232448, "FP8 kernel exceeds the sm_90 opt-in shared memory");
+static_assert(kB16SmemBytes <= 232448, "BF16 kernel exceeds the sm_90 opt-in shared memory");
+static_assert(kF8Raw % 16 == 0 && kF8Vt % 16 == 0 && kF8P % 16 == 0 && kRawBytes % 16 == 0, "16-byte alignment");
+
+// ---------------------------------------------------------------------------------------------------------
+// Small PTX wrappers
+// ---------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Barrier for the 64 threads of the two warps that own one 16-head block (ids 1..4; 0 is __syncthreads).
+__device__ __forceinline__ void pair_barrier(int head_block) {
+    asm volatile("bar.sync %0, 64;\n" ::"r"(head_block + 1) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_smem_u32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// D += A(16x32 e4m3, row) * B(32x8 e4m3, col), f32 accumulate.
+__device__ __forceinline__ void mma_fp8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// D += A(16x16 bf16, row) * B(16x8 bf16, col), f32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                                  const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two e4m3 codes (low byte first) times a power-of-two scale -> two BF16 (exact: e4m3 -> f16 -> f32 is exact,
+// the pow2 multiply is exact, and the result has <= 4 significant bits).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_scaled(uint32_t two_codes, float scale) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes & 0xFFFFu), __NV_E4M3);
+    float2 f = __half22float2(__half2(h));
+    return pack_bf16x2(f.x * scale, f.y * scale);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Entry quantization, one warp per 512-dim vector: lane l holds dims [16l, 16l+16). Lanes 0..27 cover the
+// seven nope tiles (4 lanes per tile), lanes 28..31 the 64 rope dims. Same rule as reference::encode_entry:
+// scale code = ue8m0_pow2_scale_for(max(amax, 1e-4), 448), code = e4m3_rne(x / scale) with an IEEE division.
+// ---------------------------------------------------------------------------------------------------------
+struct LaneQuant {
+    uint32_t codes[4];  // 16 e4m3 codes (lanes < 28)
+    uint8_t scale_code;
+    float scale;
+};
+
+__device__ __forceinline__ LaneQuant quantize_lane(const float (&x)[16], int lane) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    // The 4 lanes of one tile are 4l..4l+3: xor 1 and 2 stay inside the group.
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    LaneQuant r;
+    r.scale_code = mm::ue8m0_pow2_scale_for(fmaxf(amax, kAmaxFloor), 448.f);
+    r.scale = mm::ue8m0_decode(r.scale_code);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v |= uint32_t(mm::e4m3_encode(__fdiv_rn(x[4 * w + i], r.scale))) << (8 * i);
+        r.codes[w] = v;
+    }
+    (void)lane;
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ void kv_write_body(uint8_t* __restrict__ pool, int n_entries, const T* __restrict__ src,
+                                              const int* __restrict__ dst_index, int n) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= n) return;
+    const int idx = dst_index[warp];
+    if (idx < 0 || idx >= n_entries) return;  // the launcher rejects these when it can see them
+    float x[16];
+    const T* row = src + (size_t)warp * kDim + 16 * lane;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) x[i] = to_f32(row[i]);
+    LaneQuant q = quantize_lane(x, lane);
+    uint8_t* e = pool + (size_t)idx * kEntryBytes;
+    if (lane < 28) {
+        uint2* dst = reinterpret_cast<uint2*>(e + 16 * lane);
+        dst[0] = make_uint2(q.codes[0], q.codes[1]);
+        dst[1] = make_uint2(q.codes[2], q.codes[3]);
+        if ((lane & 3) == 0) e[kScaleOffset + (lane >> 2)] = q.scale_code;
+    } else {
+        uint32_t w[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = pack_bf16x2(x[2 * i], x[2 * i + 1]);
+        uint2* dst = reinterpret_cast<uint2*>(e + kRopeOffset + 32 * (lane - 28));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dst[i] = make_uint2(w[2 * i], w[2 * i + 1]);
+        if (lane == 28) e[kEntryBytes - 1] = 0;  // pad byte
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Decode attention: shared pieces
+// ---------------------------------------------------------------------------------------------------------
+struct DecodeArgs {
+    const __nv_bfloat16* q;        // [B, H, 512], RoPE at the query position applied to dims 448..511
+    const uint8_t* pool;           // [n_entries, 584] (FP8 path)
+    const __nv_bfloat16* staging;  // [B, stride, 512] (BF16 path)
+    int n_entries;
+    const int* candidates;  // [B, stride] pool indices, -1 = invalid
+    int stride;
+    const int* lengths;    // [B]
+    const int* positions;  // [B] query position t
+    const float* sinks;    // [H] natural-log units
+    const float* freqs;    // [32] the layer's RoPE frequencies
+    int heads;
+    int tiles_per_split;
+    int n_splits;
+    __nv_bfloat16* out;  // [B, H, 512] (n_splits == 1)
+    float* part_o;       // [B, n_splits, H, 512] (n_splits > 1)
+    float* part_lse;     // [B, n_splits, H], log2 units
+};
+
+__device__ __forceinline__ int resolve_candidate(const DecodeArgs& a, int b, int len, int j) {
+    if (j >= len) return -1;
+    const int idx = __ldg(a.candidates + (size_t)b * a.stride + j);
+    return (idx >= 0 && idx < a.n_entries) ? idx : -1;
+}
+
+// Inverse RoPE of one interleaved pair at query position `pos`: (x + iy) * e^{-i pos f}.
+__device__ __forceinline__ void inverse_rope_pair(float& x, float& y, int pos, float freq) {
+    float s, c;
+    sincosf(__fmul_rn(static_cast<float>(pos), freq), &s, &c);
+    const float nx = x * c + y * s;
+    const float ny = y * c - x * s;
+    x = nx;
+    y = ny;
+}
+
+// Per-thread state of the online softmax and output (see the warp layout in the header comment).
+struct WarpState {
+    float o[32][4];   // O fragment: 32 n8-tiles of dims 256*wh + 8*nt; rows g (0,1) and g+8 (2,3)
+    float m[2];       // running max (log2 units) of rows g, g+8
+    float l[2];       // this lane's partial sum of exp2(s - m) of rows g, g+8
+};
+
+// Online-softmax step on one tile's scores (log2 units, -inf = masked). Writes P (BF16) to shared memory and
+// rescales O.
+__device__ __forceinline__ void softmax_step(WarpState& st, float (&s)[4][4], float* red_max, __nv_bfloat16* ps,
+                                             int wm, int wh, int g, int tq) {
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        tmax[0] = fmaxf(tmax[0], fmaxf(s[n][0], s[n][1]));
+        tmax[1] = fmaxf(tmax[1], fmaxf(s[n][2], s[n][3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+        tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+    }
+    const int row0 = 16 * wm + g;
+    if (tq == 0) {
+        red_max[wh * kHeadsPerCta + row0] = tmax[0];
+        red_max[wh * kHeadsPerCta + row0 + 8] = tmax[1];
+    }
+    pair_barrier(wm);
+    tmax[0] = fmaxf(tmax[0], red_max[(1 - wh) * kHeadsPerCta + row0]);
+    tmax[1] = fmaxf(tmax[1], red_max[(1 - wh) * kHeadsPerCta + row0 + 8]);
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(st.m[r], tmax[r]);
+        // While nothing valid has been seen m_new is -inf; subtracting 0 keeps exp2 finite (exp2(-inf) = 0).
+        m_use[r] = (m_new == -INFINITY) ? 0.f : m_new;
+        alpha[r] = exp2f(st.m[r] - m_use[r]);
+        st.m[r] = m_new;
+        st.l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const float p0 = exp2f(s[n][0] - m_use[0]);
+        const float p1 = exp2f(s[n][1] - m_use[0]);
+        const float p2 = exp2f(s[n][2] - m_use[1]);
+        const float p3 = exp2f(s[n][3] - m_use[1]);
+        st.l[0] += p0 + p1;
+        st.l[1] += p2 + p3;
+        const int col = 32 * wh + 8 * n + 2 * tq;
+        *reinterpret_cast<uint32_t*>(ps + row0 * kPStride + col) = pack_bf16x2(p0, p1);
+        *reinterpret_cast<uint32_t*>(ps + (row0 + 8) * kPStride + col) = pack_bf16x2(p2, p3);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) {
+        st.o[nt][0] *= alpha[0];
+        st.o[nt][1] *= alpha[0];
+        st.o[nt][2] *= alpha[1];
+        st.o[nt][3] *= alpha[1];
+    }
+}
+
+// O += P (16 heads x 64 entries) . V (64 entries x 256 dims of this warp's half).
+__device__ __forceinline__ void pv_step(WarpState& st, const __nv_bfloat16* ps, const __nv_bfloat16* vt, int wm,
+                                        int wh, int g, int tq, int lane) {
+    const int row0 = 16 * wm + g;
+    const int mi = lane >> 3, r8 = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const int kb = 16 * ks + 2 * tq;
+        const uint32_t a0 = ld_smem_u32(ps + row0 * kPStride + kb);
+        const uint32_t a1 = ld_smem_u32(ps + (row0 + 8) * kPStride + kb);
+        const uint32_t a2 = ld_smem_u32(ps + row0 * kPStride + kb + 8);
+        const uint32_t a3 = ld_smem_u32(ps + (row0 + 8) * kPStride + kb + 8);
+        // ldmatrix.x4.trans: matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15) give
+        // b0/b1 of n-tile 2np and b0/b1 of n-tile 2np+1. Lane l supplies row r8 of matrix mi.
+        const __nv_bfloat16* vrow = vt + (16 * ks + r8 + (mi & 1) * 8) * kVStride + 256 * wh + (mi >> 1) * 8;
+#pragma unroll
+        for (int np = 0; np < 16; ++np) {
+            uint32_t b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3, vrow + 16 * np);
+            mma_bf16(st.o[2 * np], a0, a1, a2, a3, b0, b1);
+            mma_bf16(st.o[2 * np + 1], a0, a1, a2, a3, b2, b3);
+        }
+    }
+}
+
+// Final step of a CTA: full row sums, then either the finished output (sink, 1/Z, inverse RoPE, BF16) or the
+// split partial (O/l, lse = m + log2 l).
+__device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float* red_sum, int b, int hg, int split,
+                                       int wm, int wh, int g, int tq) {
+    float l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] = st.l[r];
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const int row0 = 16 * wm + g;
+    if (tq == 0) {
+        red_sum[wh * kHeadsPerCta + row0] = l[0];
+        red_sum[wh * kHeadsPerCta + row0 + 8] = l[1];
+    }
+    pair_barrier(wm);
+    l[0] += red_sum[(1 - wh) * kHeadsPerCta + row0];
+    l[1] += red_sum[(1 - wh) * kHeadsPerCta + row0 + 8];
+
+    const int pos = a.positions[b];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = hg * kHeadsPerCta + row0 + 8 * r;
+        const bool empty = (st.m[r] == -INFINITY);
+        if (a.n_splits == 1) {
+            const float z = empty ? 1.f : l[r] + exp2f(a.sinks[h] * kLog2e - st.m[r]);
+            const float inv = empty ? 0.f : 1.f / z;
+            __nv_bfloat16* orow = a.out + ((size_t)b * a.heads + h) * kDim + 256 * wh;
+#pragma unroll
+            for (int nt = 0; nt < 32; ++nt) {
+                float x = st.o[nt][2 * r] * inv, y = st.o[nt][2 * r + 1] * inv;
+                const int dim = 256 * wh + 8 * nt + 2 * tq;
+                if (dim >= kNope) inverse_rope_pair(x, y, pos, __ldg(a.freqs + (dim - kNope) / 2));
+                *reinterpret_cast<uint32_t*>(orow + 8 * nt + 2 * tq) = pack_bf16x2(x, y);
+            }
+        } else {
+            const float inv = empty ? 0.f : 1.f / l[r];
+            const size_t prow = ((size_t)b * a.n_splits + split) * a.heads + h;
+            float* orow = a.part_o + prow * kDim + 256 * wh;
+#pragma unroll
+            for (int nt = 0; nt < 32; ++nt)
+                *reinterpret_cast<float2*>(orow + 8 * nt + 2 * tq) =
+                    make_float2(st.o[nt][2 * r] * inv, st.o[nt][2 * r + 1] * inv);
+            if (wh == 0 && tq == 0) a.part_lse[prow] = empty ? -INFINITY : st.m[r] + log2f(l[r]);
+        }
+    }
+}
+
+// Tile range of this CTA: split `split` covers tiles [split*tps, (split+1)*tps) of its sequence's list.
+__device__ __forceinline__ void tile_range(const DecodeArgs& a, int b, int split, int& len, int& t_begin,
+                                           int& n_it) {
+    len = min(max(a.lengths[b], 0), a.stride);
+    const int n_len_tiles = (len + kBlockN - 1) / kBlockN;
+    t_begin = split * a.tiles_per_split;
+    n_it = max(0, min(t_begin + a.tiles_per_split, n_len_tiles) - t_begin);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// FP8 path
+// ---------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void load_tile_fp8(uint8_t* raw, const int* idx, const uint8_t* __restrict__ pool) {
+    uint8_t* rn = raw;
+    uint8_t* rr = raw + kRawNopeBytes;
+    uint8_t* rs = raw + kRawNopeBytes + kRawRopeBytes;
+    // 73 eight-byte chunks per entry: 56 nope, 16 rope, 1 scales (+pad). Chunk c is entry bytes [8c, 8c+8).
+    for (int u = threadIdx.x; u < kBlockN * 73; u += kThreads) {
+        const int e = u / 73, c = u - e * 73;
+        uint8_t* dst = c < 56 ? rn + e * kNopeStride + 8 * c
+                              : (c < 72 ? rr + e * kRopeStride * 2 + 8 * (c - 56) : rs + e * 8);
+        const int i = idx[e];
+        if (i >= 0)
+            cp_async8(dst, pool + (size_t)i * kEntryBytes + 8 * c);
+        else
+            *reinterpret_cast<uint2*>(dst) = make_uint2(0u, 0u);  // zero codes and scale: V = 0, never NaN
+    }
+}
+
+// Dequantize a raw tile into the BF16 V tile (nope dims) and copy the rope dims next to them.
+__device__ __forceinline__ void dequant_tile(const uint8_t* raw, __nv_bfloat16* vt) {
+    const uint8_t* rn = raw;
+    const uint8_t* rr = raw + kRawNopeBytes;
+    const uint8_t* rs = raw + kRawNopeBytes + kRawRopeBytes;
+    for (int u = threadIdx.x; u < kBlockN * 56; u += kThreads) {
+        const int e = u / 56, c = u - e * 56;
+        const float scale = mm::ue8m0_decode(rs[e * 8 + (c >> 3)]);
+        const uint2 w = *reinterpret_cast<const uint2*>(rn + e * kNopeStride + 8 * c);
+        uint4 o;
+        o.x = e4m3x2_to_bf16x2_scaled(w.x, scale);
+        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, scale);
+        o.z = e4m3x2_to_bf16x2_scaled(w.y, scale);
+        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, scale);
+        *reinterpret_cast<uint4*>(vt + e * kVStride + 8 * c) = o;
+    }
+    for (int u = threadIdx.x; u < kBlockN * 8; u += kThreads) {
+        const int e = u >> 3, c = u & 7;
+        *reinterpret_cast<uint4*>(vt + e * kVStride + kNope + 8 * c) =
+            *reinterpret_cast<const uint4*>(rr + e * kRopeStride * 2 + 16 * c);
+    }
+}
+
+__device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t* qn = smem + kF8Qn;
+    __nv_bfloat16* qr = reinterpret_cast<__nv_bfloat16*>(smem + kF8Qr);
+    float* qs = reinterpret_cast<float*>(smem + kF8Qs);
+    __nv_bfloat16* vt = reinterpret_cast<__nv_bfloat16*>(smem + kF8Vt);
+    __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + kF8P);
+    float* red_max = reinterpret_cast<float*>(smem + kF8RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kF8RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kF8Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
+        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
+    }
+    // Quantize q: warp w handles heads 8w..8w+7 of this head group.
+    for (int hh = 0; hh < 8; ++hh) {
+        const int hrow = 8 * warp + hh;
+        const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + hrow) * kDim + 16 * lane;
+        const uint4 raw0 = *reinterpret_cast<const uint4*>(src);
+        const uint4 raw1 = *reinterpret_cast<const uint4*>(src + 8);
+        float x[16];
+        const uint32_t wv[8] = {raw0.x, raw0.y, raw0.z, raw0.w, raw1.x, raw1.y, raw1.z, raw1.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            x[2 * i] = __uint_as_float(wv[i] << 16);
+            x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+        }
+        const LaneQuant lq = quantize_lane(x, lane);
+        if (lane < 28) {
+            *reinterpret_cast<uint4*>(qn + hrow * kNopeStride + 16 * lane) =
+                make_uint4(lq.codes[0], lq.codes[1], lq.codes[2], lq.codes[3]);
+            if ((lane & 3) == 0) qs[hrow * 8 + (lane >> 2)] = lq.scale;
+        } else {
+            uint4* dst = reinterpret_cast<uint4*>(qr + hrow * kRopeStride + 16 * (lane - 28));
+            dst[0] = raw0;
+            dst[1] = raw1;
+        }
+    }
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();
+    if (n_it > 0) load_tile_fp8(smem + kF8Raw, idxs, a.pool);
+    cp_async_commit();
+
+    const int row0 = 16 * wm + g;
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        __syncthreads();  // tile `it` landed; everyone finished iteration it-1 (P, V tile, idx slot free)
+        const uint8_t* raw = smem + kF8Raw + (it & 1) * kRawBytes;
+        const int* idx_cur = idxs + (it % 3) * kBlockN;
+        if (it + 1 < n_it) load_tile_fp8(smem + kF8Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool);
+        cp_async_commit();
+        if (tid < kBlockN && it + 2 < n_it)
+            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
+
+        dequant_tile(raw, vt);
+
+        // ---- S = q . K^T for 16 heads x 32 entries ----
+        const uint8_t* rn = raw;
+        const __nv_bfloat16* rr = reinterpret_cast<const __nv_bfloat16*>(raw + kRawNopeBytes);
+        const uint8_t* rs = raw + kRawNopeBytes + kRawRopeBytes;
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+            float part[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+                const int kb = 64 * t + 32 * kk + 4 * tq;
+                const uint32_t a0 = ld_smem_u32(qn + row0 * kNopeStride + kb);
+                const uint32_t a1 = ld_smem_u32(qn + (row0 + 8) * kNopeStride + kb);
+                const uint32_t a2 = ld_smem_u32(qn + row0 * kNopeStride + kb + 16);
+                const uint32_t a3 = ld_smem_u32(qn + (row0 + 8) * kNopeStride + kb + 16);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const int e = 32 * wh + 8 * n + g;
+                    const uint32_t b0 = ld_smem_u32(rn + e * kNopeStride + kb);
+                    const uint32_t b1 = ld_smem_u32(rn + e * kNopeStride + kb + 16);
+                    mma_fp8(part[n], a0, a1, a2, a3, b0, b1);
+                }
+            }
+            // Exact tile scaling: q and key scales are powers of two, so (qs * ks) and part * (qs * ks) are exact.
+            const float q0 = qs[row0 * 8 + t], q1 = qs[(row0 + 8) * 8 + t];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                const int c0 = 32 * wh + 8 * n + 2 * tq;
+                const float k0 = mm::ue8m0_decode(rs[c0 * 8 + t]);
+                const float k1 = mm::ue8m0_decode(rs[(c0 + 1) * 8 + t]);
+                s[n][0] += part[n][0] * (q0 * k0);
+                s[n][1] += part[n][1] * (q0 * k1);
+                s[n][2] += part[n][2] * (q1 * k0);
+                s[n][3] += part[n][3] * (q1 * k1);
+            }
+        }
+        {
+            float rope[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n) rope[n][0] = rope[n][1] = rope[n][2] = rope[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const int kb = 16 * kk + 2 * tq;
+                const uint32_t a0 = ld_smem_u32(qr + row0 * kRopeStride + kb);
+                const uint32_t a1 = ld_smem_u32(qr + (row0 + 8) * kRopeStride + kb);
+                const uint32_t a2 = ld_smem_u32(qr + row0 * kRopeStride + kb + 8);
+                const uint32_t a3 = ld_smem_u32(qr + (row0 + 8) * kRopeStride + kb + 8);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    const int e = 32 * wh + 8 * n + g;
+                    const uint32_t b0 = ld_smem_u32(rr + e * kRopeStride + kb);
+                    const uint32_t b1 = ld_smem_u32(rr + e * kRopeStride + kb + 8);
+                    mma_bf16(rope[n], a0, a1, a2, a3, b0, b1);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                const int c0 = 32 * wh + 8 * n + 2 * tq;
+                const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+                s[n][0] = v0 ? (s[n][0] + rope[n][0]) * kScoreScaleLog2 : -INFINITY;
+                s[n][1] = v1 ? (s[n][1] + rope[n][1]) * kScoreScaleLog2 : -INFINITY;
+                s[n][2] = v0 ? (s[n][2] + rope[n][2]) * kScoreScaleLog2 : -INFINITY;
+                s[n][3] = v1 ? (s[n][3] + rope[n][3]) * kScoreScaleLog2 : -INFINITY;
+            }
+        }
+
+        softmax_step(st, s, red_max, ps, wm, wh, g, tq);
+        __syncthreads();  // V tile (all threads) and P (the pair) complete
+        pv_step(st, ps, vt, wm, wh, g, tq, lane);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// BF16 baseline path (the seeds' staging design): same tiling, K = V read as BF16 rows of the staging buffer.
+// ---------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void load_tile_bf16(__nv_bfloat16* vt, const int* idx, const DecodeArgs& a, int b, int j0) {
+    for (int u = threadIdx.x; u < kBlockN * 64; u += kThreads) {
+        const int e = u >> 6, c = u & 63;
+        __nv_bfloat16* dst = vt + e * kVStride + 8 * c;
+        if (idx[e] >= 0)
+            cp_async16(dst, a.staging + ((size_t)b * a.stride + j0 + e) * kDim + 8 * c);
+        else
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+__device__ __forceinline__ void decode_bf16_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(smem + kB16Q);
+    __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + kB16P);
+    float* red_max = reinterpret_cast<float*>(smem + kB16RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kB16RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kB16Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
+        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
+    }
+    for (int u = tid; u < kHeadsPerCta * 64; u += kThreads) {
+        const int h = u >> 6, c = u & 63;
+        *reinterpret_cast<uint4*>(qb + h * kVStride + 8 * c) = *reinterpret_cast<const uint4*>(
+            a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + h) * kDim + 8 * c);
+    }
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();
+    if (n_it > 0) load_tile_bf16(reinterpret_cast<__nv_bfloat16*>(smem + kB16Vt), idxs, a, b, t_begin * kBlockN);
+    cp_async_commit();
+
+    const int row0 = 16 * wm + g;
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        __syncthreads();
+        const __nv_bfloat16* vt = reinterpret_cast<const __nv_bfloat16*>(smem + kB16Vt + (it & 1) * kVtBytes);
+        const int* idx_cur = idxs + (it % 3) * kBlockN;
+        if (it + 1 < n_it)
+            load_tile_bf16(reinterpret_cast<__nv_bfloat16*>(smem + kB16Vt + ((it + 1) & 1) * kVtBytes),
+                           idxs + ((it + 1) % 3) * kBlockN, a, b, (t_begin + it + 1) * kBlockN);
+        cp_async_commit();
+        if (tid < kBlockN && it + 2 < n_it)
+            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll 4
+        for (int kk = 0; kk < 32; ++kk) {
+            const int kb = 16 * kk + 2 * tq;
+            const uint32_t a0 = ld_smem_u32(qb + row0 * kVStride + kb);
+            const uint32_t a1 = ld_smem_u32(qb + (row0 + 8) * kVStride + kb);
+            const uint32_t a2 = ld_smem_u32(qb + row0 * kVStride + kb + 8);
+            const uint32_t a3 = ld_smem_u32(qb + (row0 + 8) * kVStride + kb + 8);
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                const int e = 32 * wh + 8 * n + g;
+                const uint32_t b0 = ld_smem_u32(vt + e * kVStride + kb);
+                const uint32_t b1 = ld_smem_u32(vt + e * kVStride + kb + 8);
+                mma_bf16(s[n], a0, a1, a2, a3, b0, b1);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? s[n][0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? s[n][1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? s[n][2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? s[n][3] * kScoreScaleLog2 : -INFINITY;
+        }
+        softmax_step(st, s, red_max, ps, wm, wh, g, tq);
+        __syncthreads();
+        pv_step(st, ps, vt, wm, wh, g, tq, lane);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+}  // namespace sa
+
+// =============================================================================================================
+// Entry points
+// =============================================================================================================
+
+// Quantize n f32 vectors [n, 512] into pool entries dst_index[i]. One warp per vector.
+extern "C" __global__ void __launch_bounds__(256) kv_write_entries_f32(uint8_t* pool, int n_entries,
+                                                                        const float* src, const int* dst_index, int n) {
+    sa::kv_write_body<float>(pool, n_entries, src, dst_index, n);
+}
+
+// Same from BF16 vectors.
+extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t* pool, int n_entries,
+                                                                         const __nv_bfloat16* src,
+                                                                         const int* dst_index, int n) {
+    sa::kv_write_body<__nv_bfloat16>(pool, n_entries, src, dst_index, n);
+}
+
+#define SA_DECODE_PARAMS                                                                                        \
+    const __nv_bfloat16 *q, const uint8_t *pool, const __nv_bfloat16 *staging, int n_entries,                   \
+        const int *candidates, int stride, const int *lengths, const int *positions, const float *sinks,        \
+        const float *freqs, int heads, int tiles_per_split, int n_splits, __nv_bfloat16 *out, float *part_o,    \
+        float *part_lse
+#define SA_DECODE_ARGS                                                                                           \
+    sa::DecodeArgs {                                                                                             \
+        q, pool, staging, n_entries, candidates, stride, lengths, positions, sinks, freqs, heads, tiles_per_split, \
+            n_splits, out, part_o, part_lse                                                                      \
+    }
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kF8SmemBytes.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8(SA_DECODE_PARAMS) {
+    sa::decode_fp8_body(SA_DECODE_ARGS);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kB16SmemBytes. Reads `staging`.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_bf16(SA_DECODE_PARAMS) {
+    sa::decode_bf16_body(SA_DECODE_ARGS);
+}
+
+// Baseline step 1: staging[b, j, :] = decode(pool[candidates[b, j]]) for valid candidates j < lengths[b]
+// (other rows are not written: the attention kernel masks them). grid (ceil(stride/8), batch), block 256.
+extern "C" __global__ void __launch_bounds__(256) sparse_attn_gather_bf16(__nv_bfloat16* staging, const uint8_t* pool,
+                                                                          int n_entries, const int* candidates,
+                                                                          int stride, const int* lengths) {
+    const int b = blockIdx.y;
+    const int j = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const int len = min(max(lengths[b], 0), stride);
+    if (j >= len) return;
+    const int idx = candidates[(size_t)b * stride + j];
+    if (idx < 0 || idx >= n_entries) return;
+    const uint8_t* e = pool + (size_t)idx * sa::kEntryBytes;
+    uint4* dst = reinterpret_cast<uint4*>(staging + ((size_t)b * stride + j) * sa::kDim + 16 * lane);
+    if (lane < 28) {
+        const float scale = mm::ue8m0_decode(e[sa::kScaleOffset + (lane >> 2)]);
+        const uint2 w0 = *reinterpret_cast<const uint2*>(e + 16 * lane);
+        const uint2 w1 = *reinterpret_cast<const uint2*>(e + 16 * lane + 8);
+        dst[0] = make_uint4(sa::e4m3x2_to_bf16x2_scaled(w0.x, scale), sa::e4m3x2_to_bf16x2_scaled(w0.x >> 16, scale),
+                            sa::e4m3x2_to_bf16x2_scaled(w0.y, scale), sa::e4m3x2_to_bf16x2_scaled(w0.y >> 16, scale));
+        dst[1] = make_uint4(sa::e4m3x2_to_bf16x2_scaled(w1.x, scale), sa::e4m3x2_to_bf16x2_scaled(w1.x >> 16, scale),
+                            sa::e4m3x2_to_bf16x2_scaled(w1.y, scale), sa::e4m3x2_to_bf16x2_scaled(w1.y >> 16, scale));
+    } else {
+        const uint2* src = reinterpret_cast<const uint2*>(e + sa::kRopeOffset + 32 * (lane - 28));
+        const uint2 r0 = src[0], r1 = src[1], r2 = src[2], r3 = src[3];
+        dst[0] = make_uint4(r0.x, r0.y, r1.x, r1.y);
+        dst[1] = make_uint4(r2.x, r2.y, r3.x, r3.y);
+    }
+}
+
+// Split-KV merge: o = (sum_s 2^(lse_s - M) o_s) / (sum_s 2^(lse_s - M) + 2^(sink*log2e - M)), then inverse RoPE
+// at the query position, BF16. A (sequence, head) with no valid candidate in any split gets o = 0.
+// grid (heads/8, batch), block 256: one warp per head, lane l owns dims [16l, 16l+16).
+extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloat16* out, const float* part_o,
+                                                                      const float* part_lse, const float* sinks,
+                                                                      const int* positions, const float* freqs,
+                                                                      int heads, int n_splits) {
+    const int b = blockIdx.y;
+    const int h = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (h >= heads) return;
+    float m_parts = -INFINITY;
+    for (int s = 0; s < n_splits; ++s) m_parts = fmaxf(m_parts, part_lse[((size_t)b * n_splits + s) * heads + h]);
+    float acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    if (m_parts != -INFINITY) {
+        const float sink2 = sinks[h] * sa::kLog2e;
+        const float m_all = fmaxf(m_parts, sink2);
+        float z = exp2f(sink2 - m_all);
+        for (int s = 0; s < n_splits; ++s) {
+            const size_t row = ((size_t)b * n_splits + s) * heads + h;
+            const float w = exp2f(part_lse[row] - m_all);
+            if (w == 0.f) continue;  // empty split (lse = -inf) or negligible
+            z += w;
+            const float4* src = reinterpret_cast<const float4*>(part_o + row * sa::kDim + 16 * lane);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float4 v = src[i];
+                acc[4 * i] += w * v.x;
+                acc[4 * i + 1] += w * v.y;
+                acc[4 * i + 2] += w * v.z;
+                acc[4 * i + 3] += w * v.w;
+            }
+        }
+        const float inv = 1.f / z;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] *= inv;
+        if (lane >= 28) {
+            const int pos = positions[b];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                sa::inverse_rope_pair(acc[2 * i], acc[2 * i + 1], pos, freqs[8 * (lane - 28) + i]);
+        }
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + ((size_t)b * heads + h) * sa::kDim + 16 * lane);
+    dst[0] = make_uint4(sa::pack_bf16x2(acc[0], acc[1]), sa::pack_bf16x2(acc[2], acc[3]),
+                        sa::pack_bf16x2(acc[4], acc[5]), sa::pack_bf16x2(acc[6], acc[7]));
+    dst[1] = make_uint4(sa::pack_bf16x2(acc[8], acc[9]), sa::pack_bf16x2(acc[10], acc[11]),
+                        sa::pack_bf16x2(acc[12], acc[13]), sa::pack_bf16x2(acc[14], acc[15]));
+}

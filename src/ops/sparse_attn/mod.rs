@@ -1,0 +1,586 @@
+//! Sparse FP8 decode attention for DeepSeek-V4 (DSV4 §3.6, §4): each query (H = 64 or 128 heads x 512 dims)
+//! attends to its own candidate list of 584-byte FP8 KV entries (sliding window ++ selected compressed
+//! entries), with a per-head attention sink and the inverse RoPE on the output. Kernels: `kernels/sparse_attn.cu`
+//! (design notes at its top); CPU reference: [`reference`].
+//!
+//! Data layout
+//! * KV pool: `n_entries x 584` bytes, entry layout of `formats::kv` (see [`reference::encode_entry`]).
+//!   A sequence's window ring slot `p mod 128` and its compressed entries are pool entries; pages are runs of
+//!   entries and need no table of their own, because candidate lists hold pool indices.
+//! * Candidate lists: `[batch, stride]` i32 pool indices (-1 = invalid), `lengths[batch]` of them used.
+//! * q: `[batch, heads, 512]` BF16 with RoPE at the query position already applied to dims 448..512.
+//! * Output: `[batch, heads, 512]` BF16, inverse RoPE at the query position applied to dims 448..512.
+//!
+//! Precision of the FP8 path: q's 448 nope dims are quantized per (head, 64-tile) with a UE8M0 power-of-two
+//! scale (the KV entry rule), QK^T nope on FP8 tensor cores with exact per-tile scaling, rope dims in BF16,
+//! softmax in f32, P rounded to BF16 for P.V (denominator unrounded), V dequantized exactly to BF16.
+
+pub mod reference;
+
+use anyhow::{anyhow, bail, ensure, Result};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use crate::bench::config::Sweep;
+use crate::bench::runner::{BenchCtx, BenchKernel};
+use crate::bench::{MatmulKind, Row, Summary};
+use crate::gpu::timing::TimingPlan;
+use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
+pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
+
+/// Heads per CTA: a 128-head model runs two head-group CTAs per (sequence, split).
+pub const HEADS_PER_CTA: usize = 64;
+/// Candidates per KV tile (the kernel's inner-loop step).
+pub const BLOCK_N: usize = 64;
+/// Dynamic shared memory of `sparse_attn_decode_fp8` (mirrors `sa::kF8SmemBytes` in the .cu).
+const FP8_SMEM_BYTES: u32 = 197_376;
+/// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
+const BF16_SMEM_BYTES: u32 = 210_688;
+const FAMILY: &str = "sparse_attn";
+
+/// Shape of one decode-attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeShape {
+    pub batch: usize,
+    pub heads: usize,
+    /// Row stride of the candidate array = the longest candidate list the call may see.
+    pub stride: usize,
+    /// Entries in the KV pool.
+    pub n_entries: usize,
+}
+
+impl DecodeShape {
+    pub fn validate(&self) -> Result<()> {
+        ensure!(self.batch >= 1, "batch must be at least 1");
+        ensure!(
+            self.heads >= HEADS_PER_CTA && self.heads.is_multiple_of(HEADS_PER_CTA),
+            "heads = {} must be a positive multiple of {HEADS_PER_CTA} (DSV4: 64 Flash, 128 Pro)",
+            self.heads
+        );
+        ensure!(self.stride >= 1, "candidate stride must be at least 1");
+        ensure!(
+            self.batch <= 65_535,
+            "batch {} exceeds the grid's z limit 65535",
+            self.batch
+        );
+        let fits = |v: usize, what: &str| -> Result<()> {
+            ensure!(
+                v <= i32::MAX as usize,
+                "{what} = {v} does not fit the kernel's i32 arguments"
+            );
+            Ok(())
+        };
+        fits(self.stride, "stride")?;
+        fits(self.n_entries, "n_entries")?;
+        fits(self.heads, "heads")?;
+        Ok(())
+    }
+    fn tiles(&self) -> usize {
+        self.stride.div_ceil(BLOCK_N)
+    }
+}
+
+/// Device inputs of a decode-attention call (shapes in the module doc).
+pub struct DecodeInputs<'a> {
+    pub q: &'a CudaSlice<bf16>,
+    pub pool: &'a CudaSlice<u8>,
+    pub candidates: &'a CudaSlice<i32>,
+    pub lengths: &'a CudaSlice<i32>,
+    pub positions: &'a CudaSlice<i32>,
+    pub sinks: &'a CudaSlice<f32>,
+    pub freqs: &'a CudaSlice<f32>,
+}
+
+impl DecodeInputs<'_> {
+    fn check(&self, s: &DecodeShape) -> Result<()> {
+        let want = |got: usize, exp: usize, what: &str| -> Result<()> {
+            ensure!(
+                got == exp,
+                "{what} has {got} elements, expected {exp} for {s:?}"
+            );
+            Ok(())
+        };
+        want(self.q.len(), s.batch * s.heads * HEAD_DIM, "q")?;
+        want(self.pool.len(), s.n_entries * ENTRY_BYTES, "pool (bytes)")?;
+        want(self.candidates.len(), s.batch * s.stride, "candidates")?;
+        want(self.lengths.len(), s.batch, "lengths")?;
+        want(self.positions.len(), s.batch, "positions")?;
+        want(self.sinks.len(), s.heads, "sinks")?;
+        want(self.freqs.len(), ROPE_DIM / 2, "freqs")?;
+        Ok(())
+    }
+}
+
+/// How a candidate list is cut for split-KV: split `s` takes KV tiles `[s*tps, (s+1)*tps)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitPlan {
+    pub n_splits: usize,
+    pub tiles_per_split: usize,
+}
+
+impl SplitPlan {
+    /// Fill the GPU: about one CTA per SM, but at least `min(4, tiles)` tiles per split so that the f32
+    /// partials (H x 2 KiB per split) stay small next to the KV bytes a split reads (37 KB per tile).
+    pub fn auto(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
+        let tiles = shape.tiles().max(1);
+        let ctas_per_split = shape.batch * (shape.heads / HEADS_PER_CTA);
+        let want_splits = sm_count.div_ceil(ctas_per_split).max(1);
+        let tps = tiles.div_ceil(want_splits).max(tiles.min(4));
+        SplitPlan {
+            n_splits: tiles.div_ceil(tps),
+            tiles_per_split: tps,
+        }
+    }
+
+    /// A fixed number of tiles per split (tests use it to force the combine path on short lists).
+    pub fn with_tiles_per_split(shape: &DecodeShape, tiles_per_split: usize) -> Result<SplitPlan> {
+        ensure!(tiles_per_split >= 1, "tiles_per_split must be at least 1");
+        let tiles = shape.tiles().max(1);
+        Ok(SplitPlan {
+            n_splits: tiles.div_ceil(tiles_per_split),
+            tiles_per_split,
+        })
+    }
+}
+
+/// Scratch buffers of a call: split partials and (for the baseline) the BF16 staging buffer.
+pub struct Workspace {
+    shape: DecodeShape,
+    plan: SplitPlan,
+    part_o: Option<CudaSlice<f32>>,
+    part_lse: Option<CudaSlice<f32>>,
+    staging: Option<CudaSlice<bf16>>,
+}
+
+impl Workspace {
+    pub fn new(
+        gpu: &Gpu,
+        shape: &DecodeShape,
+        plan: SplitPlan,
+        with_staging: bool,
+    ) -> Result<Workspace> {
+        shape.validate()?;
+        ensure!(
+            plan.n_splits >= 1 && plan.n_splits <= 65_535,
+            "n_splits {} outside 1..=65535",
+            plan.n_splits
+        );
+        ensure!(
+            plan.n_splits * plan.tiles_per_split >= shape.tiles(),
+            "split plan {plan:?} does not cover {} tiles",
+            shape.tiles()
+        );
+        let (part_o, part_lse) = if plan.n_splits > 1 {
+            let rows = shape.batch * plan.n_splits * shape.heads;
+            (
+                Some(gpu.zeros::<f32>(rows * HEAD_DIM)?),
+                Some(gpu.zeros::<f32>(rows)?),
+            )
+        } else {
+            (None, None)
+        };
+        let staging = if with_staging {
+            Some(gpu.zeros::<bf16>(shape.batch * shape.stride * HEAD_DIM)?)
+        } else {
+            None
+        };
+        Ok(Workspace {
+            shape: *shape,
+            plan,
+            part_o,
+            part_lse,
+            staging,
+        })
+    }
+    pub fn plan(&self) -> SplitPlan {
+        self.plan
+    }
+}
+
+/// Which attention kernel reads the KV.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// `sparse_attn_decode_fp8`: reads the FP8 pool directly.
+    Fp8,
+    /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
+    Bf16Staging,
+}
+
+/// Run decode attention (plus the combine kernel when the plan splits) into `out` [batch, heads, 512] BF16.
+pub fn decode(
+    gpu: &Gpu,
+    path: Path,
+    shape: &DecodeShape,
+    inp: &DecodeInputs,
+    ws: &mut Workspace,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    shape.validate()?;
+    inp.check(shape)?;
+    ensure!(
+        ws.shape == *shape,
+        "workspace was made for {:?}, call is {shape:?}",
+        ws.shape
+    );
+    ensure!(
+        out.len() == shape.batch * shape.heads * HEAD_DIM,
+        "out has {} elements, expected {}",
+        out.len(),
+        shape.batch * shape.heads * HEAD_DIM
+    );
+    if path == Path::Bf16Staging && ws.staging.is_none() {
+        bail!("the BF16 staging path needs a workspace made with with_staging = true");
+    }
+    let plan = ws.plan;
+    let (n_entries, stride, heads) = (
+        shape.n_entries as i32,
+        shape.stride as i32,
+        shape.heads as i32,
+    );
+    let (tps, n_splits) = (plan.tiles_per_split as i32, plan.n_splits as i32);
+    let null: u64 = 0;
+
+    if path == Path::Bf16Staging {
+        let f = gpu.function(FAMILY, "sparse_attn_gather_bf16")?;
+        let staging = ws.staging.as_mut().expect("checked above");
+        let mut b = gpu.stream.launch_builder(&f);
+        b.arg(staging)
+            .arg(inp.pool)
+            .arg(&n_entries)
+            .arg(inp.candidates)
+            .arg(&stride)
+            .arg(inp.lengths);
+        let grid = (shape.stride.div_ceil(8) as u32, shape.batch as u32, 1);
+        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }
+            .map_err(|e| anyhow!("sparse_attn_gather_bf16: {e:?}"))?;
+    }
+
+    let (name, smem) = match path {
+        Path::Fp8 => ("sparse_attn_decode_fp8", FP8_SMEM_BYTES),
+        Path::Bf16Staging => ("sparse_attn_decode_bf16", BF16_SMEM_BYTES),
+    };
+    ensure!(
+        smem as usize <= gpu.info.max_smem_per_block_optin,
+        "{name} needs {smem} B of shared memory, the device allows {}",
+        gpu.info.max_smem_per_block_optin
+    );
+    let f = gpu.function(FAMILY, name)?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .map_err(|e| anyhow!("{name}: setting {smem} B dynamic shared memory: {e:?}"))?;
+    let grid = (
+        (shape.heads / HEADS_PER_CTA) as u32,
+        plan.n_splits as u32,
+        shape.batch as u32,
+    );
+    {
+        let mut b = gpu.stream.launch_builder(&f);
+        b.arg(inp.q);
+        match path {
+            Path::Fp8 => b.arg(inp.pool).arg(&null),
+            Path::Bf16Staging => b
+                .arg(&null)
+                .arg(ws.staging.as_ref().expect("checked above")),
+        };
+        b.arg(&n_entries)
+            .arg(inp.candidates)
+            .arg(&stride)
+            .arg(inp.lengths)
+            .arg(inp.positions);
+        b.arg(inp.sinks)
+            .arg(inp.freqs)
+            .arg(&heads)
+            .arg(&tps)
+            .arg(&n_splits);
+        if plan.n_splits == 1 {
+            b.arg(&mut *out).arg(&null).arg(&null);
+        } else {
+            b.arg(&null)
+                .arg(ws.part_o.as_mut().expect("allocated for n_splits > 1"));
+            b.arg(ws.part_lse.as_mut().expect("allocated for n_splits > 1"));
+        }
+        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), smem)) }
+            .map_err(|e| anyhow!("{name}: {e:?}"))?;
+    }
+    if plan.n_splits > 1 {
+        let f = gpu.function(FAMILY, "sparse_attn_combine")?;
+        let mut b = gpu.stream.launch_builder(&f);
+        b.arg(&mut *out)
+            .arg(ws.part_o.as_ref().expect("allocated"))
+            .arg(ws.part_lse.as_ref().expect("allocated"));
+        b.arg(inp.sinks)
+            .arg(inp.positions)
+            .arg(inp.freqs)
+            .arg(&heads)
+            .arg(&n_splits);
+        let grid = ((shape.heads / 8) as u32, shape.batch as u32, 1);
+        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }
+            .map_err(|e| anyhow!("sparse_attn_combine: {e:?}"))?;
+    }
+    Ok(())
+}
+
+/// Source vectors for the KV writer.
+pub enum KvSource<'a> {
+    F32(&'a CudaSlice<f32>),
+    Bf16(&'a CudaSlice<bf16>),
+}
+
+/// Quantize `n` new 512-dim vectors into pool entries `dst_index[i]` (bit-exact with
+/// [`reference::encode_entry`] for finite inputs). Indices outside the pool are skipped by the kernel; use
+/// [`check_write_indices`] on host copies to turn them into errors.
+pub fn write_entries(
+    gpu: &Gpu,
+    pool: &mut CudaSlice<u8>,
+    src: KvSource,
+    dst_index: &CudaSlice<i32>,
+    n: usize,
+) -> Result<()> {
+    ensure!(
+        pool.len().is_multiple_of(ENTRY_BYTES),
+        "pool has {} bytes, not a multiple of {ENTRY_BYTES}",
+        pool.len()
+    );
+    let n_entries = pool.len() / ENTRY_BYTES;
+    ensure!(
+        n_entries <= i32::MAX as usize && n <= i32::MAX as usize,
+        "pool or batch too large for i32 indices"
+    );
+    ensure!(
+        dst_index.len() >= n,
+        "dst_index has {} elements, need {n}",
+        dst_index.len()
+    );
+    let src_len = match &src {
+        KvSource::F32(s) => s.len(),
+        KvSource::Bf16(s) => s.len(),
+    };
+    ensure!(
+        src_len >= n * HEAD_DIM,
+        "source has {src_len} elements, need {n} x 512"
+    );
+    if n == 0 {
+        return Ok(());
+    }
+    let (n_entries, n_i) = (n_entries as i32, n as i32);
+    let name = match src {
+        KvSource::F32(_) => "kv_write_entries_f32",
+        KvSource::Bf16(_) => "kv_write_entries_bf16",
+    };
+    let f = gpu.function(FAMILY, name)?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(pool).arg(&n_entries);
+    match src {
+        KvSource::F32(s) => b.arg(s),
+        KvSource::Bf16(s) => b.arg(s),
+    };
+    b.arg(dst_index).arg(&n_i);
+    let grid = (n.div_ceil(8) as u32, 1, 1); // 8 warps per block, one vector per warp
+    unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }.map_err(|e| anyhow!("{name}: {e:?}"))?;
+    Ok(())
+}
+
+/// Host-side check of writer destinations: every index in `0..n_entries`, no duplicates.
+pub fn check_write_indices(dst_index: &[i32], n_entries: usize) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, &d) in dst_index.iter().enumerate() {
+        ensure!(
+            d >= 0 && (d as usize) < n_entries,
+            "write {i}: destination {d} outside the pool (0..{n_entries})"
+        );
+        ensure!(seen.insert(d), "write {i}: destination {d} written twice");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Benchmark hook (wired into `megamoe::bench` by the integrator; Row construction lives there)
+// ---------------------------------------------------------------------------------------------------------
+
+/// Which DSV4 layer kind a sweep point models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// CSA (m = 4): 128 window + min(topk, ctx/4) indexer-selected entries.
+    Csa { topk: usize },
+    /// HCA (m = 128): 128 window + ctx/128 entries.
+    Hca,
+}
+
+/// Candidates per query at context `ctx`.
+pub fn candidates_per_query(kind: LayerKind, ctx: usize) -> usize {
+    WINDOW
+        + match kind {
+            LayerKind::Csa { topk } => topk.min(ctx / 4),
+            LayerKind::Hca => ctx / 128,
+        }
+}
+
+/// Work of one call: bytes (KV entries read once per sequence, q read, output written) and FLOPs
+/// (2*H*L*512 for QK^T + 2*H*L*512 for P.V).
+pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) {
+    let (b, h, l) = (batch as u64, heads as u64, cands as u64);
+    let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
+    let kv = match path {
+        Path::Fp8 => b * l * ENTRY_BYTES as u64,
+        // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
+        Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
+    };
+    (io + kv, 4 * b * h * l * HEAD_DIM as u64)
+}
+
+/// Kernel name of the bench rows; variants `fp8` (this family's kernel) and `bf16_staging` (the baseline).
+pub const BENCH_KERNEL: &str = "sparse_attn_decode";
+/// Variants in the order they are timed; the second is the baseline of the first.
+pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
+
+/// One sweep point's shape.
+#[derive(Debug, Clone, Copy)]
+pub struct BenchShape {
+    pub kind: LayerKind,
+    pub ctx: usize,
+    pub batch: usize,
+    pub heads: usize,
+}
+
+/// Time one variant at one (kind, ctx, batch, heads) point on random data from `seed`: every sequence gets
+/// `candidates_per_query` distinct valid entries of a shared pool. Returns one [`Row`] with timing, bytes,
+/// flops, batch, ctx and (for `fp8`) the baseline name; the runner adds limits and telemetry.
+pub fn bench_point(
+    gpu: &Gpu,
+    variant: &str,
+    point: BenchShape,
+    plan: TimingPlan,
+    seed: u64,
+) -> Result<Row> {
+    use rand::{Rng, SeedableRng};
+    let BenchShape {
+        kind,
+        ctx,
+        batch,
+        heads,
+    } = point;
+    let cands = candidates_per_query(kind, ctx);
+    // Pool: enough distinct entries for every sequence (each sequence reads its own).
+    let n_entries = batch * cands;
+    let shape = DecodeShape {
+        batch,
+        heads,
+        stride: cands,
+        n_entries,
+    };
+    shape.validate()?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut pool = vec![0u8; n_entries * ENTRY_BYTES];
+    // Encode a few hundred random entries and tile them over the pool: the bytes are realistic, the encode
+    // cost stays small for 1M-context points.
+    let distinct: Vec<[u8; ENTRY_BYTES]> = (0..256)
+        .map(|_| {
+            let x: Vec<f32> = (0..HEAD_DIM)
+                .map(|_| rng.random_range(-2.0f32..2.0))
+                .collect();
+            reference::encode_entry(&x)
+        })
+        .collect::<Result<_>>()?;
+    for (i, e) in pool.chunks_mut(ENTRY_BYTES).enumerate() {
+        e.copy_from_slice(&distinct[i % distinct.len()]);
+    }
+    let candidates: Vec<i32> = (0..n_entries as i32).collect();
+    let q: Vec<bf16> = (0..batch * heads * HEAD_DIM)
+        .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
+        .collect();
+    let freqs = reference::rope_freqs(160_000.0, true);
+    let d_q = gpu.upload(&q)?;
+    let d_pool = gpu.upload(&pool)?;
+    let d_cand = gpu.upload(&candidates)?;
+    let d_len = gpu.upload(&vec![cands as i32; batch])?;
+    let d_pos = gpu.upload(&vec![ctx.saturating_sub(1) as i32; batch])?;
+    let d_sinks = gpu.upload(&vec![0.5f32; heads])?;
+    let d_freqs = gpu.upload(&freqs)?;
+    let inp = DecodeInputs {
+        q: &d_q,
+        pool: &d_pool,
+        candidates: &d_cand,
+        lengths: &d_len,
+        positions: &d_pos,
+        sinks: &d_sinks,
+        freqs: &d_freqs,
+    };
+    let split = SplitPlan::auto(gpu.info.sm_count as usize, &shape);
+    let mut out = gpu.zeros::<bf16>(batch * heads * HEAD_DIM)?;
+    let path = match variant {
+        "fp8" => Path::Fp8,
+        "bf16_staging" => Path::Bf16Staging,
+        other => bail!(
+            "sparse_attn: unknown bench variant `{other}` (have: {})",
+            BENCH_VARIANTS.join(", ")
+        ),
+    };
+    let mut ws = Workspace::new(gpu, &shape, split, path == Path::Bf16Staging)?;
+    let samples = gpu.time_us(plan, || decode(gpu, path, &shape, &inp, &mut ws, &mut out))?;
+    let (bytes, flops) = work(batch, heads, cands, path);
+    let kind_label = match kind {
+        LayerKind::Csa { topk } => format!("csa,topk={topk}"),
+        LayerKind::Hca => "hca".to_string(),
+    };
+    let shape_label = format!(
+        "kind={kind_label},heads={heads},batch={batch},ctx={ctx},candidates={cands},splits={}",
+        split.n_splits
+    );
+    let mut row = Row::new(BENCH_KERNEL, variant, &shape_label)
+        .with_batch(batch as u64)
+        .with_ctx(ctx as u64)
+        .with_timing(&Summary::of(&samples)?, samples.len() as u64)
+        .with_work(Some(bytes), Some(flops));
+    if path == Path::Fp8 {
+        row = row.with_baseline("bf16_staging");
+    }
+    Ok(row)
+}
+
+/// The runner's entry for this family. `pct_matmul` is taken against the BF16 rate: P.V and the rope part of
+/// QK^T (4.5 of every 8 FLOPs) run on BF16 tensor cores, only the nope part of QK^T on FP8.
+pub fn bench_kernels() -> Vec<BenchKernel> {
+    vec![BenchKernel {
+        name: BENCH_KERNEL,
+        variants: &BENCH_VARIANTS,
+        matmul: MatmulKind::Bf16,
+        run_point: run_bench_point,
+    }]
+}
+
+/// One sweep point: axis `ctx` (params `batch`) or `batch` (params `ctx`); params `kind` ("csa" with `topk`,
+/// or "hca") and `heads`.
+fn run_bench_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, value: u64) -> Result<Vec<Row>> {
+    let kind = match s.param_str("kind")? {
+        "csa" => LayerKind::Csa {
+            topk: s.param_u64("topk")? as usize,
+        },
+        "hca" => LayerKind::Hca,
+        other => bail!("{}: kind `{other}` is neither `csa` nor `hca`", s.name()),
+    };
+    let heads = s.param_u64("heads")? as usize;
+    let (context, batch) = match s.axis.as_str() {
+        "ctx" => (value as usize, s.param_u64("batch")? as usize),
+        "batch" => (s.param_u64("ctx")? as usize, value as usize),
+        other => bail!("{}: axis `{other}` is neither `ctx` nor `batch`", s.name()),
+    };
+    let path = if variant == "fp8" {
+        Path::Fp8
+    } else {
+        Path::Bf16Staging
+    };
+    let (bytes, _) = work(batch, heads, candidates_per_query(kind, context), path);
+    let point = BenchShape {
+        kind,
+        ctx: context,
+        batch,
+        heads,
+    };
+    let mut row = bench_point(ctx.gpu, variant, point, ctx.plan(bytes), ctx.seed)?;
+    // The runner pairs variants through identical shape labels.
+    row.shape = s.shape_label(value);
+    Ok(vec![row])
+}

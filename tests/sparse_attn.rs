@@ -1,0 +1,745 @@
+//! sparse_attn: CPU tests of the reference (entry codec, candidate sets, RoPE, attention with sink, FP8 vs
+//! BF16 precision) and GPU tests of the kernels against it (skipped without a GPU; REQUIRE_GPU=1 fails instead).
+
+use half::bf16;
+use megamoe::formats::{e4m3, ue8m0};
+use megamoe::gpu::gpu_for_test;
+use megamoe::ops::sparse_attn::reference::{
+    self, build_candidates, decode_attention, decode_entry, encode_entry, precision_per_head,
+    rope_freqs, rope_rotate, visible_compressed, window_positions, CompressedSelection,
+    DecodeProblem, QueryPrecision, SequenceLayout,
+};
+use megamoe::ops::sparse_attn::{
+    decode, write_entries, DecodeInputs, DecodeShape, KvSource, Path, SplitPlan, Workspace,
+    ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn seeded(test: &str, seed: u64) -> ChaCha8Rng {
+    println!("{test}: seed {seed:#x}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// Standard normal by Box-Muller (rand 0.9 without rand_distr).
+fn normal(rng: &mut ChaCha8Rng) -> f32 {
+    let u1: f64 = rng.random_range(f64::MIN_POSITIVE..1.0);
+    let u2: f64 = rng.random();
+    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+}
+
+/// Realistic KV vectors and queries: a shared direction `u` makes scores spread (some entries align with
+/// some heads), per-channel gains give tiles different amax (so the 7 scales differ), q is RMS-normalized per
+/// head (DSV4 §3.6), rope dims rotated by the entry's / query's position.
+struct DataGen {
+    u: Vec<f32>,
+    gain: Vec<f32>,
+    freqs: [f32; 32],
+}
+
+impl DataGen {
+    fn new(rng: &mut ChaCha8Rng) -> DataGen {
+        let u = (0..HEAD_DIM).map(|_| normal(rng)).collect();
+        let gain = (0..HEAD_DIM)
+            .map(|d| {
+                if d % 37 == 5 {
+                    6.0
+                } else {
+                    0.5 + rng.random::<f32>()
+                }
+            })
+            .collect();
+        DataGen {
+            u,
+            gain,
+            freqs: rope_freqs(160_000.0, true),
+        }
+    }
+    fn kv(&self, rng: &mut ChaCha8Rng, pos: i32) -> Vec<f32> {
+        let a: f32 = rng.random_range(0.0..1.5);
+        let mut x: Vec<f64> = (0..HEAD_DIM)
+            .map(|d| ((normal(rng) + a * self.u[d]) * self.gain[d]) as f64)
+            .collect();
+        rope_rotate(&mut x[NOPE_DIM..], pos, &self.freqs, false);
+        x.iter().map(|&v| v as f32).collect()
+    }
+    fn q_head(&self, rng: &mut ChaCha8Rng, pos: i32) -> Vec<bf16> {
+        let b: f32 = rng.random_range(0.0..2.0);
+        let x: Vec<f32> = (0..HEAD_DIM).map(|d| normal(rng) + b * self.u[d]).collect();
+        let rms = (x.iter().map(|v| (v * v) as f64).sum::<f64>() / HEAD_DIM as f64 + 1e-6).sqrt();
+        let mut y: Vec<f64> = x.iter().map(|&v| v as f64 / rms).collect();
+        rope_rotate(&mut y[NOPE_DIM..], pos, &self.freqs, false);
+        y.iter().map(|&v| bf16::from_f64(v)).collect()
+    }
+}
+
+/// A host-side problem: pool, per-sequence candidate lists (with some -1 holes), q, sinks.
+struct HostProblem {
+    batch: usize,
+    heads: usize,
+    stride: usize,
+    q: Vec<bf16>,
+    pool: Vec<u8>,
+    candidates: Vec<i32>,
+    lengths: Vec<i32>,
+    positions: Vec<i32>,
+    sinks: Vec<f32>,
+    freqs: [f32; 32],
+}
+
+impl HostProblem {
+    fn random(rng: &mut ChaCha8Rng, heads: usize, lengths: &[usize], holes: bool) -> HostProblem {
+        let gen = DataGen::new(rng);
+        let batch = lengths.len();
+        let stride = lengths.iter().cloned().max().unwrap_or(0).max(1);
+        let n_entries = (lengths.iter().sum::<usize>() / 2).max(8);
+        let mut pool = Vec::with_capacity(n_entries * ENTRY_BYTES);
+        for i in 0..n_entries {
+            pool.extend_from_slice(&encode_entry(&gen.kv(rng, i as i32)).unwrap());
+        }
+        let mut candidates = vec![-1i32; batch * stride];
+        for (s, &len) in lengths.iter().enumerate() {
+            for j in 0..len {
+                // entries may repeat across and within sequences (window and compressed overlap in DSV4)
+                let hole = holes && (j % 53 == 17 || j == len / 2);
+                candidates[s * stride + j] = if hole {
+                    -1
+                } else {
+                    rng.random_range(0..n_entries as i32)
+                };
+            }
+        }
+        let positions: Vec<i32> = (0..batch).map(|_| rng.random_range(0..1_000_000)).collect();
+        let mut q = Vec::with_capacity(batch * heads * HEAD_DIM);
+        for &p in positions.iter() {
+            for _ in 0..heads {
+                q.extend(gen.q_head(rng, p));
+            }
+        }
+        let sinks = (0..heads).map(|_| rng.random_range(-2.0f32..3.0)).collect();
+        HostProblem {
+            batch,
+            heads,
+            stride,
+            q,
+            pool,
+            candidates,
+            lengths: lengths.iter().map(|&l| l as i32).collect(),
+            positions,
+            sinks,
+            freqs: gen.freqs,
+        }
+    }
+    fn problem(&self) -> DecodeProblem<'_> {
+        DecodeProblem {
+            batch: self.batch,
+            heads: self.heads,
+            q: &self.q,
+            pool: &self.pool,
+            candidates: &self.candidates,
+            stride: self.stride,
+            lengths: &self.lengths,
+            positions: &self.positions,
+            sinks: &self.sinks,
+            freqs: &self.freqs,
+        }
+    }
+    fn shape(&self) -> DecodeShape {
+        DecodeShape {
+            batch: self.batch,
+            heads: self.heads,
+            stride: self.stride,
+            n_entries: self.pool.len() / ENTRY_BYTES,
+        }
+    }
+}
+
+// =========================================================================================================
+// CPU tests
+// =========================================================================================================
+
+#[test]
+fn entry_codec_layout_and_rounding() {
+    let mut rng = seeded("entry_codec_layout_and_rounding", 0xC0DEC);
+    for case in 0..200 {
+        let mag = f32::powi(2.0, rng.random_range(-12..12));
+        let x: Vec<f32> = (0..HEAD_DIM).map(|_| normal(&mut rng) * mag).collect();
+        let e = encode_entry(&x).unwrap();
+        assert_eq!(e[ENTRY_BYTES - 1], 0, "pad byte");
+        let y = decode_entry(&e).unwrap();
+        for t in 0..7 {
+            let tile = &x[t * 64..(t + 1) * 64];
+            let amax = tile.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-4);
+            let scale = ue8m0::decode(e[576 + t]);
+            // the smallest power of two that brings amax under 448
+            assert!(
+                amax / scale <= 448.0 && amax / scale > 224.0,
+                "case {case} tile {t}: amax {amax} scale {scale}"
+            );
+            for d in 0..64 {
+                let (xi, yi) = (tile[d] / scale, y[t * 64 + d] / scale);
+                assert_eq!(
+                    e[t * 64 + d],
+                    e4m3::encode_rne(xi),
+                    "case {case} dim {}",
+                    t * 64 + d
+                );
+                // within half an e4m3 step: 2^-4 relative for normals, 2^-10 absolute for subnormals
+                let bound = (xi.abs() * f32::powi(2.0, -4)).max(f32::powi(2.0, -10));
+                assert!(
+                    (xi - yi).abs() <= bound,
+                    "case {case} dim {}: {xi} -> {yi}",
+                    t * 64 + d
+                );
+            }
+        }
+        for r in 0..ROPE_DIM {
+            let bits = u16::from_le_bytes([e[448 + 2 * r], e[449 + 2 * r]]);
+            assert_eq!(
+                bits,
+                bf16::from_f32(x[NOPE_DIM + r]).to_bits(),
+                "case {case} rope {r}"
+            );
+            assert_eq!(y[NOPE_DIM + r], bf16::from_f32(x[NOPE_DIM + r]).to_f32());
+        }
+    }
+    // A hand-checked entry: tile 0 amax exactly 448 -> scale 2^0 (code 127), 1.0 -> e4m3 0x38.
+    let mut x = vec![0f32; HEAD_DIM];
+    x[0] = 448.0;
+    x[1] = 1.0;
+    x[64] = -0.5; // tile 1 amax 0.5 -> scale 2^ceil(log2(0.5/448)) = 2^-9 (code 118); -0.5/2^-9 = -256 -> 0xF8
+    let e = encode_entry(&x).unwrap();
+    assert_eq!((e[0], e[1], e[576], e[577]), (0x7E, 0x38, 127, 118));
+    assert_eq!(e[64], 0xF8);
+    assert!(encode_entry(&[0.0; 511]).is_err());
+    let mut bad = vec![0f32; HEAD_DIM];
+    bad[3] = f32::NAN;
+    assert!(encode_entry(&bad).is_err());
+}
+
+#[test]
+fn candidate_sets_match_visibility_rule() {
+    let layout = SequenceLayout {
+        window_base: 1000,
+        compressed_base: 5000,
+    };
+    for m in [4usize, 128] {
+        for t in (0..2000).chain([4095, 4096, 65_535]) {
+            // brute force over token coverage: entry j is visible iff every token it covers is <= t
+            let visible: Vec<usize> = (0..(t + 1) / m + 2)
+                .filter(|&j| (j * m..(j + 1) * m).all(|tok| tok <= t))
+                .collect();
+            assert_eq!(visible_compressed(t, m), visible.len(), "m {m} t {t}");
+            let sel = if m == 128 {
+                CompressedSelection::All { ratio: m }
+            } else {
+                // an indexer top-k: every third visible entry, newest first, capped at 512
+                let picked: Vec<usize> =
+                    visible.iter().rev().step_by(3).take(512).cloned().collect();
+                let c = build_candidates(
+                    t,
+                    layout,
+                    CompressedSelection::TopK {
+                        ratio: m,
+                        selected: &picked,
+                    },
+                )
+                .unwrap();
+                let expect_window: Vec<i32> = window_positions(t)
+                    .map(|p| 1000 + (p % 128) as i32)
+                    .collect();
+                assert_eq!(&c[..expect_window.len()], &expect_window[..], "m {m} t {t}");
+                assert_eq!(c.len(), expect_window.len() + picked.len());
+                continue;
+            };
+            let c = build_candidates(t, layout, sel).unwrap();
+            let win = t.min(127) + 1;
+            assert_eq!(c.len(), win + visible.len(), "m {m} t {t}");
+            for (k, p) in window_positions(t).enumerate() {
+                assert_eq!(c[k], 1000 + (p % 128) as i32);
+            }
+            for (k, &j) in visible.iter().enumerate() {
+                assert_eq!(c[win + k], 5000 + j as i32);
+            }
+        }
+    }
+    // boundaries by hand: t=126 -> 127 window tokens, t=127 -> 128 and HCA entry 0 becomes visible.
+    let hca = |t| build_candidates(t, layout, CompressedSelection::All { ratio: 128 }).unwrap();
+    assert_eq!(hca(126).len(), 127);
+    assert_eq!(hca(127).len(), 129);
+    assert_eq!(hca(128).len(), 129);
+    assert_eq!(*window_positions(200).start(), 73);
+    // CSA at t=3: entry 0 (tokens 0..3) visible, entry 1 not; both window and compressed cover tokens 0..3.
+    assert_eq!(visible_compressed(2, 4), 0);
+    assert_eq!(visible_compressed(3, 4), 1);
+    let c = build_candidates(
+        3,
+        layout,
+        CompressedSelection::TopK {
+            ratio: 4,
+            selected: &[0],
+        },
+    )
+    .unwrap();
+    assert_eq!(c, vec![1000, 1001, 1002, 1003, 5000]);
+    assert!(build_candidates(
+        3,
+        layout,
+        CompressedSelection::TopK {
+            ratio: 4,
+            selected: &[1]
+        }
+    )
+    .is_err());
+    assert!(build_candidates(
+        6,
+        layout,
+        CompressedSelection::TopK {
+            ratio: 4,
+            selected: &[0, 0]
+        }
+    )
+    .is_err());
+    assert_eq!(
+        build_candidates(5, layout, CompressedSelection::None)
+            .unwrap()
+            .len(),
+        6
+    );
+}
+
+#[test]
+fn rope_frequencies_and_inverse() {
+    let f = rope_freqs(160_000.0, true);
+    let plain = rope_freqs(160_000.0, false);
+    for i in 0..32 {
+        if i <= 15 {
+            assert_eq!(
+                f[i], plain[i],
+                "pair {i} below YaRN's low bound is unchanged"
+            );
+        } else if i >= 25 {
+            assert!(
+                (f[i] / (plain[i] / 16.0) - 1.0).abs() < 1e-6,
+                "pair {i} above high is divided by 16"
+            );
+        } else {
+            assert!(f[i] < plain[i] && f[i] > plain[i] / 16.0, "pair {i} blends");
+        }
+    }
+    assert_eq!(rope_freqs(10_000.0, false)[0], 1.0);
+    let mut rng = seeded("rope_frequencies_and_inverse", 0x2071);
+    for _ in 0..100 {
+        let t: i32 = rng.random_range(0..1_048_576);
+        let v: Vec<f64> = (0..ROPE_DIM).map(|_| normal(&mut rng) as f64).collect();
+        let mut w = v.clone();
+        rope_rotate(&mut w, t, &f, false);
+        rope_rotate(&mut w, t, &f, true);
+        for i in 0..ROPE_DIM {
+            assert!(
+                (w[i] - v[i]).abs() < 1e-12,
+                "t {t} dim {i}: {} vs {}",
+                w[i],
+                v[i]
+            );
+        }
+    }
+}
+
+/// One candidate, sink -inf: the output is that entry, its rope dims rotated back by the QUERY position:
+/// the entry was rotated by its own position p, so the result is R(p - t) v (rotation by the relative offset).
+#[test]
+fn inverse_rope_uses_the_query_position() {
+    let mut rng = seeded("inverse_rope_uses_the_query_position", 0x1A4);
+    let freqs = rope_freqs(160_000.0, true);
+    let (p_entry, t) = (300i32, 345i32);
+    let v: Vec<f32> = (0..HEAD_DIM).map(|_| normal(&mut rng)).collect();
+    let mut rotated: Vec<f64> = v.iter().map(|&x| bf16::from_f32(x).to_f64()).collect();
+    let base = rotated.clone();
+    rope_rotate(&mut rotated[NOPE_DIM..], p_entry, &freqs, false);
+    let entry_in: Vec<f32> = rotated.iter().map(|&x| x as f32).collect();
+    let pool = encode_entry(&entry_in).unwrap().to_vec();
+    let stored = decode_entry(&pool).unwrap();
+    let q: Vec<bf16> = (0..64 * HEAD_DIM)
+        .map(|_| bf16::from_f32(normal(&mut rng)))
+        .collect();
+    let sinks = vec![f32::NEG_INFINITY; 64];
+    let p = DecodeProblem {
+        batch: 1,
+        heads: 64,
+        q: &q,
+        pool: &pool,
+        candidates: &[0],
+        stride: 1,
+        lengths: &[1],
+        positions: &[t],
+        sinks: &sinks,
+        freqs: &freqs,
+    };
+    let r = decode_attention(&p, QueryPrecision::Fp8Tiles).unwrap();
+    for h in [0usize, 63] {
+        let o = &r.out[h * HEAD_DIM..(h + 1) * HEAD_DIM];
+        for d in 0..NOPE_DIM {
+            assert_eq!(
+                o[d], stored[d] as f64,
+                "head {h} nope dim {d}: p = 1, the entry itself"
+            );
+        }
+        // Exactly the stored (BF16) rope dims rotated by -t ...
+        let mut by_query: Vec<f64> = stored[NOPE_DIM..].iter().map(|&v| v as f64).collect();
+        rope_rotate(&mut by_query, t, &freqs, true);
+        // ... and not by the entry's position.
+        let mut by_entry: Vec<f64> = stored[NOPE_DIM..].iter().map(|&v| v as f64).collect();
+        rope_rotate(&mut by_entry, p_entry, &freqs, true);
+        let mut entry_gap = 0f64;
+        for i in 0..ROPE_DIM {
+            assert!(
+                (o[NOPE_DIM + i] - by_query[i]).abs() < 1e-12,
+                "head {h} rope dim {i}: {} vs {}",
+                o[NOPE_DIM + i],
+                by_query[i]
+            );
+            entry_gap = entry_gap.max((o[NOPE_DIM + i] - by_entry[i]).abs());
+        }
+        assert!(
+            entry_gap > 0.1,
+            "rotating back by the entry position would give the same output"
+        );
+        for i in 0..32 {
+            // R(p) then R(-t) = R(p - t): the relative offset. Bound: BF16 storage of the rotated pair (2^-9
+            // relative per component) plus the f32 angle rounding (|angle| <= 345 rad: ~2^-15 rad).
+            let (x, y) = (base[NOPE_DIM + 2 * i], base[NOPE_DIM + 2 * i + 1]);
+            let a = (p_entry - t) as f64 * freqs[i] as f64;
+            let (sn, cs) = a.sin_cos();
+            let want = [x * cs - y * sn, x * sn + y * cs];
+            let norm = (x * x + y * y).sqrt();
+            let err = (o[NOPE_DIM + 2 * i] - want[0])
+                .abs()
+                .max((o[NOPE_DIM + 2 * i + 1] - want[1]).abs());
+            assert!(
+                err <= norm * (f64::powi(2.0, -8) + 1e-4) + 1e-6,
+                "head {h} pair {i}: {:?} vs {want:?}",
+                &o[NOPE_DIM + 2 * i..NOPE_DIM + 2 * i + 2]
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_with_sink_by_hand() {
+    // Two entries whose scores are known exactly: q = 16 e_0, K_0 = e_0, K_1 = 0 -> s = (16/sqrt(512), 0).
+    let mut x0 = vec![0f32; HEAD_DIM];
+    x0[0] = 1.0;
+    let x1 = vec![0f32; HEAD_DIM];
+    let mut pool = encode_entry(&x0).unwrap().to_vec();
+    pool.extend_from_slice(&encode_entry(&x1).unwrap());
+    let mut q = vec![bf16::ZERO; 64 * HEAD_DIM];
+    for h in 0..64 {
+        q[h * HEAD_DIM] = bf16::from_f32(16.0); // exact in BF16 and in the FP8 tile code (256 * 2^-4)
+    }
+    let s0 = 16.0f64 / 512f64.sqrt();
+    let sinks: Vec<f32> = (0..64).map(|h| h as f32 * 0.1 - 3.0).collect();
+    let freqs = rope_freqs(10_000.0, false);
+    let p = DecodeProblem {
+        batch: 2,
+        heads: 64,
+        q: &[q.clone(), q].concat(),
+        pool: &pool,
+        candidates: &[0, 1, -1, 1, 0, 0],
+        stride: 3,
+        lengths: &[2, 0],
+        positions: &[5, 5],
+        sinks: &sinks,
+        freqs: &freqs,
+    };
+    for prec in [QueryPrecision::Fp8Tiles, QueryPrecision::Bf16] {
+        let r = decode_attention(&p, prec).unwrap();
+        for (h, &sink) in sinks.iter().enumerate() {
+            // M = s0; p_0 = 1 (exact in BF16), V_1 = 0, so o[0] = 1 / (1 + e^(0 - s0) + e^(sink - s0)).
+            let m = s0;
+            let want = 1.0 / (1.0 + (0.0 - m).exp() + (sink as f64 - m).exp());
+            assert!(
+                (r.out[h * HEAD_DIM] - want).abs() < 1e-12,
+                "{prec:?} head {h}: {} vs {want}",
+                r.out[h * HEAD_DIM]
+            );
+            assert!(r.out[h * HEAD_DIM + 1..(h + 1) * HEAD_DIM]
+                .iter()
+                .all(|&v| v == 0.0));
+            // sequence 1 has no candidates: o = 0
+            assert!(r.out[(64 + h) * HEAD_DIM..(65 + h) * HEAD_DIM]
+                .iter()
+                .all(|&v| v == 0.0));
+        }
+    }
+    let mut bad = p;
+    bad.candidates = &[0, 2, -1, 1, 0, 0];
+    assert!(
+        decode_attention(&bad, QueryPrecision::Bf16).is_err(),
+        "index 2 is outside a 2-entry pool"
+    );
+    bad.candidates = &[0, -2, -1, 1, 0, 0];
+    assert!(
+        decode_attention(&bad, QueryPrecision::Bf16).is_err(),
+        "-2 is not the invalid marker"
+    );
+    bad = p;
+    bad.lengths = &[4, 0];
+    assert!(
+        decode_attention(&bad, QueryPrecision::Bf16).is_err(),
+        "length above stride"
+    );
+}
+
+/// FP8 path (q quantized per 64-tile) against the all-BF16 computation on the same cache: cosine >= 0.999
+/// per head (DSV4 Flash shape: 64 heads, 128 + 512 candidates; and a Pro-like 128 heads).
+#[test]
+fn fp8_query_precision_against_bf16() {
+    let mut rng = seeded("fp8_query_precision_against_bf16", 0xF8F8);
+    for (heads, lens) in [(64usize, vec![640usize, 200]), (128, vec![1152])] {
+        let hp = HostProblem::random(&mut rng, heads, &lens, false);
+        let fp8 = decode_attention(&hp.problem(), QueryPrecision::Fp8Tiles).unwrap();
+        let b16 = decode_attention(&hp.problem(), QueryPrecision::Bf16).unwrap();
+        let r = precision_per_head(&fp8.out, &b16.out);
+        println!(
+            "heads {heads} lengths {lens:?}: min cosine {:.6}, max rel err {:.4e} (row {})",
+            r.min_cosine, r.max_rel_err, r.worst_row
+        );
+        assert!(
+            r.min_cosine >= 0.999,
+            "min cosine {} at row {}",
+            r.min_cosine,
+            r.worst_row
+        );
+        assert!(
+            r.min_cosine < 1.0,
+            "the FP8 query must actually differ from BF16"
+        );
+    }
+}
+
+// =========================================================================================================
+// GPU tests
+// =========================================================================================================
+
+#[test]
+fn gpu_kv_writer_bit_exact() {
+    let Some(gpu) = gpu_for_test("gpu_kv_writer_bit_exact") else {
+        return;
+    };
+    let mut rng = seeded("gpu_kv_writer_bit_exact", 0x3717E);
+    let gen = DataGen::new(&mut rng);
+    let (n_entries, n) = (300usize, 257usize);
+    let mut x: Vec<f32> = Vec::with_capacity(n * HEAD_DIM);
+    for i in 0..n {
+        // a different magnitude per vector so the tile scales cover a wide exponent range
+        let mag = f32::powi(2.0, rng.random_range(-6..6));
+        x.extend(gen.kv(&mut rng, i as i32).iter().map(|v| v * mag));
+    }
+    let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    // destinations: a shuffled subset of the pool; the rest must stay untouched (poison 0xFF)
+    let mut dst: Vec<i32> = (0..n_entries as i32).collect();
+    for i in (1..dst.len()).rev() {
+        dst.swap(i, rng.random_range(0..=i));
+    }
+    dst.truncate(n);
+    megamoe::ops::sparse_attn::check_write_indices(&dst, n_entries).unwrap();
+    let d_dst = gpu.upload(&dst).unwrap();
+    for use_bf16 in [false, true] {
+        let mut pool = gpu.poisoned::<u8>(n_entries * ENTRY_BYTES, 0xFF).unwrap();
+        let (d_x, d_xb) = (gpu.upload(&x).unwrap(), gpu.upload(&xb).unwrap());
+        let src = if use_bf16 {
+            KvSource::Bf16(&d_xb)
+        } else {
+            KvSource::F32(&d_x)
+        };
+        write_entries(&gpu, &mut pool, src, &d_dst, n).unwrap();
+        let got = gpu.download(&pool).unwrap();
+        let mut written = vec![false; n_entries];
+        for i in 0..n {
+            let v: Vec<f32> = if use_bf16 {
+                xb[i * 512..(i + 1) * 512]
+                    .iter()
+                    .map(|b| b.to_f32())
+                    .collect()
+            } else {
+                x[i * 512..(i + 1) * 512].to_vec()
+            };
+            let want = encode_entry(&v).unwrap();
+            let e = dst[i] as usize;
+            written[e] = true;
+            let g = &got[e * ENTRY_BYTES..(e + 1) * ENTRY_BYTES];
+            if let Some(k) = (0..ENTRY_BYTES).find(|&k| g[k] != want[k]) {
+                panic!("bf16 source {use_bf16}: vector {i} -> entry {e}: first mismatching byte {k}: gpu {:#04x} cpu {:#04x}", g[k], want[k]);
+            }
+        }
+        for (e, w) in written.iter().enumerate() {
+            if !w {
+                assert!(
+                    got[e * ENTRY_BYTES..(e + 1) * ENTRY_BYTES]
+                        .iter()
+                        .all(|&b| b == 0xFF),
+                    "entry {e} was not a destination but changed"
+                );
+            }
+        }
+    }
+}
+
+/// Run one path on a host problem and compare with the reference element by element.
+fn check_gpu_path(
+    test: &str,
+    gpu: &megamoe::gpu::Gpu,
+    hp: &HostProblem,
+    path: Path,
+    tiles_per_split: Option<usize>,
+) -> Vec<f64> {
+    let shape = hp.shape();
+    let plan = match tiles_per_split {
+        Some(t) => SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
+        None => SplitPlan::auto(gpu.info.sm_count as usize, &shape),
+    };
+    let d_q = gpu.upload(&hp.q).unwrap();
+    let d_pool = gpu.upload(&hp.pool).unwrap();
+    let d_cand = gpu.upload(&hp.candidates).unwrap();
+    let d_len = gpu.upload(&hp.lengths).unwrap();
+    let d_pos = gpu.upload(&hp.positions).unwrap();
+    let d_sinks = gpu.upload(&hp.sinks).unwrap();
+    let d_freqs = gpu.upload(&hp.freqs).unwrap();
+    let inp = DecodeInputs {
+        q: &d_q,
+        pool: &d_pool,
+        candidates: &d_cand,
+        lengths: &d_len,
+        positions: &d_pos,
+        sinks: &d_sinks,
+        freqs: &d_freqs,
+    };
+    let mut ws = Workspace::new(gpu, &shape, plan, path == Path::Bf16Staging).unwrap();
+    let mut out = gpu
+        .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
+        .unwrap();
+    decode(gpu, path, &shape, &inp, &mut ws, &mut out).unwrap();
+    let got: Vec<f64> = gpu
+        .download(&out)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_f64())
+        .collect();
+    let prec = if path == Path::Fp8 {
+        QueryPrecision::Fp8Tiles
+    } else {
+        QueryPrecision::Bf16
+    };
+    let r = decode_attention(&hp.problem(), prec).unwrap();
+    let (mut worst_ratio, mut worst_i, mut max_abs) = (0f64, 0usize, 0f64);
+    for (i, &g) in got.iter().enumerate() {
+        let err = (g - r.out[i]).abs();
+        let ratio = if g.is_finite() {
+            err / reference::tolerance(r.mass[i], r.out[i])
+        } else {
+            f64::INFINITY
+        };
+        max_abs = max_abs.max(err);
+        if ratio > worst_ratio || ratio.is_nan() {
+            worst_ratio = if ratio.is_nan() { f64::INFINITY } else { ratio };
+            worst_i = i;
+        }
+    }
+    let (b, h, d) = (
+        worst_i / (shape.heads * HEAD_DIM),
+        (worst_i / HEAD_DIM) % shape.heads,
+        worst_i % HEAD_DIM,
+    );
+    let first_bad = (0..got.len())
+        // NaN (poison left in place) must count as a mismatch, hence "not within" rather than "above".
+        .find(|&i| {
+            let err = (got[i] - r.out[i]).abs();
+            err.is_nan() || err > reference::tolerance(r.mass[i], r.out[i])
+        });
+    println!(
+        "{test}: {path:?} shape {shape:?} lengths {:?} plan {plan:?}: max abs err {max_abs:.3e}, worst err/tol {worst_ratio:.3} at (b {b}, h {h}, d {d}) gpu {} ref {}",
+        hp.lengths, got[worst_i], r.out[worst_i]
+    );
+    if let Some(i) = first_bad {
+        panic!(
+            "{test}: {path:?} first mismatch at flat {i} (b {}, h {}, d {}): gpu {} ref {} tol {:.3e} (mass {:.3e})",
+            i / (shape.heads * HEAD_DIM),
+            (i / HEAD_DIM) % shape.heads,
+            i % HEAD_DIM,
+            got[i],
+            r.out[i],
+            reference::tolerance(r.mass[i], r.out[i]),
+            r.mass[i]
+        );
+    }
+    got
+}
+
+#[test]
+fn gpu_decode_fp8_matches_reference() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_matches_reference") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_matches_reference", 0xDEC0DE);
+    // lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro CSA); -1 holes in the middle.
+    let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152], true);
+    check_gpu_path("fp8 h64 single-split", &gpu, &hp, Path::Fp8, Some(1000));
+    check_gpu_path("fp8 h64 split by 2 tiles", &gpu, &hp, Path::Fp8, Some(2));
+    check_gpu_path("fp8 h64 auto plan", &gpu, &hp, Path::Fp8, None);
+    let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0], true);
+    check_gpu_path("fp8 h128 single-split", &gpu, &hp, Path::Fp8, Some(1000));
+    check_gpu_path("fp8 h128 auto plan", &gpu, &hp, Path::Fp8, None);
+}
+
+#[test]
+fn gpu_decode_fp8_long_hca_split_kv() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_split_kv") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_long_hca_split_kv", 0x8320);
+    // HCA at 1M context: 128 window + 8192 compressed = 8320 candidates.
+    let hp = HostProblem::random(&mut rng, 64, &[8320], true);
+    check_gpu_path("fp8 hca 8320 auto", &gpu, &hp, Path::Fp8, None);
+    check_gpu_path(
+        "fp8 hca 8320 split 16 tiles",
+        &gpu,
+        &hp,
+        Path::Fp8,
+        Some(16),
+    );
+}
+
+#[test]
+fn gpu_decode_bf16_staging_matches_reference_and_precision() {
+    let Some(gpu) = gpu_for_test("gpu_decode_bf16_staging_matches_reference_and_precision") else {
+        return;
+    };
+    let mut rng = seeded(
+        "gpu_decode_bf16_staging_matches_reference_and_precision",
+        0xBF16,
+    );
+    let hp = HostProblem::random(&mut rng, 64, &[640, 0, 129, 1], true);
+    let b16 = check_gpu_path("bf16 staging h64", &gpu, &hp, Path::Bf16Staging, None);
+    check_gpu_path(
+        "bf16 staging h64 split 2",
+        &gpu,
+        &hp,
+        Path::Bf16Staging,
+        Some(2),
+    );
+    let fp8 = check_gpu_path("fp8 h64 (precision)", &gpu, &hp, Path::Fp8, None);
+    let r = precision_per_head(&fp8, &b16);
+    println!(
+        "GPU FP8 vs GPU BF16 staging per head: min cosine {:.6}, max rel err {:.4e} (row {})",
+        r.min_cosine, r.max_rel_err, r.worst_row
+    );
+    assert!(
+        r.min_cosine >= 0.999,
+        "per-head cosine {} at row {}",
+        r.min_cosine,
+        r.worst_row
+    );
+    let hp = HostProblem::random(&mut rng, 128, &[1152, 300], true);
+    check_gpu_path("bf16 staging h128", &gpu, &hp, Path::Bf16Staging, None);
+}
