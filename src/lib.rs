@@ -5,3 +5,4 @@
 //! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands).
 
 pub mod formats;
+pub mod model;
