@@ -124,7 +124,8 @@ pub struct CompressorState {
 }
 
 impl CompressorState {
-    fn new(ratio: usize, overlap: bool, dim: usize) -> Self {
+    /// An empty state: `ratio` m, overlapping (CSA) or not, `dim` output channels d_c.
+    pub fn new(ratio: usize, overlap: bool, dim: usize) -> Self {
         let coff = if overlap { 2 } else { 1 };
         let n = coff * ratio * coff * dim;
         CompressorState {
@@ -148,7 +149,7 @@ impl CompressorState {
         self.score[row * w..(row + 1) * w].copy_from_slice(g);
     }
     /// Writes token t's projections; returns the pooled (f32) entry when t completes a block.
-    fn push(&mut self, t: usize, kv: &[f32], g: &[f32]) -> Option<Vec<f32>> {
+    pub fn push(&mut self, t: usize, kv: &[f32], g: &[f32]) -> Option<Vec<f32>> {
         let m = self.ratio;
         let w = self.width();
         let row = if self.overlap { m + t % m } else { t % m };
@@ -187,11 +188,18 @@ impl CompressorState {
                 .collect();
             pool_softmax(d, &src)
         };
-        if self.overlap {
-            // This block becomes the "previous block" of the next one.
+        // Canonical state after an emission (so two implementations can compare states bit for bit):
+        // rows not yet written for the next block hold kv 0 and score -inf. For CSA this block becomes
+        // the "previous block" of the next one.
+        let keep = if self.overlap {
             self.kv.copy_within(m * w..2 * m * w, 0);
             self.score.copy_within(m * w..2 * m * w, 0);
-        }
+            m * w
+        } else {
+            0
+        };
+        self.kv[keep..].fill(0.0);
+        self.score[keep..].fill(f32::NEG_INFINITY);
         Some(pooled)
     }
 }
