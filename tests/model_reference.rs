@@ -1,6 +1,8 @@
 //! Reference decode of the small geometry: determinism, prefill == decode, candidate sets (visibility,
 //! window ring wrap), compressor pooling against hand-computed cases, hash routing, residual RMS.
 
+#![allow(clippy::needless_range_loop)] // hand computations index channels explicitly
+
 use megamoe::model::numerics::{cosine, rms};
 use megamoe::model::reference::{pool_softmax, sinkhorn, top_k_lower_index_wins, CompressorState};
 use megamoe::model::weights::element_bits;

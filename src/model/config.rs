@@ -392,7 +392,10 @@ impl ModelConfig {
                 c.n_layers
             );
         }
-        if c.rope_head_dim == 0 || c.rope_head_dim % 2 != 0 || c.rope_head_dim > c.head_dim {
+        if c.rope_head_dim == 0
+            || !c.rope_head_dim.is_multiple_of(2)
+            || c.rope_head_dim > c.head_dim
+        {
             bail!(
                 "model config {}: rope_head_dim {} must be even and <= head_dim {}",
                 c.name,
@@ -408,7 +411,7 @@ impl ModelConfig {
                 c.rope_head_dim
             );
         }
-        if c.n_heads % c.o_groups != 0 {
+        if !c.n_heads.is_multiple_of(c.o_groups) {
             bail!(
                 "model config {}: n_heads {} not divisible by o_groups {}",
                 c.name,
@@ -417,14 +420,14 @@ impl ModelConfig {
             );
         }
         // FP8 sim of the KV nope part is per 64 channels; the Hadamard needs a power of two.
-        if (c.head_dim - c.rope_head_dim) % 64 != 0 {
+        if !(c.head_dim - c.rope_head_dim).is_multiple_of(64) {
             bail!(
                 "model config {}: nope dims {} not a multiple of 64",
                 c.name,
                 c.head_dim - c.rope_head_dim
             );
         }
-        if !c.index_head_dim.is_power_of_two() || c.index_head_dim % 32 != 0 {
+        if !c.index_head_dim.is_power_of_two() || !c.index_head_dim.is_multiple_of(32) {
             bail!(
                 "model config {}: index_head_dim {} must be a power of two >= 32",
                 c.name,

@@ -12,6 +12,7 @@
 //! * KV nope dims FP8-simulated per 64; indexer q/k Hadamard then FP4-simulated per 32;
 //! * attention: f32 scores and softmax, probabilities rounded to BF16 before P·V, f32 accumulation;
 //! * indexer scores: per-head dot BF16, ×w BF16, head sum BF16; top-k ties go to the lower entry index.
+//!
 //! Dot products accumulate in f32 (8 partial sums): the reference agrees with any other f32 summation
 //! order to ~1e-6 relative, which is why comparisons use cosine / relative tolerances, not bit equality.
 
@@ -154,7 +155,7 @@ impl CompressorState {
         let w = self.width();
         let row = if self.overlap { m + t % m } else { t % m };
         self.set_row(row, kv, g);
-        if (t + 1) % m != 0 {
+        if !(t + 1).is_multiple_of(m) {
             return None;
         }
         let d = self.dim;
@@ -242,6 +243,28 @@ pub struct LayerCache {
 pub struct DecodeState {
     pub position: usize,
     pub layers: Vec<LayerCache>,
+}
+
+/// Per-token projections of one layer during prefill.
+struct Proj {
+    pre: HcPre,
+    a: Vec<f32>,
+    qr: Vec<f32>,
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    indexer: Option<(Vec<f32>, Vec<f32>)>,
+    comp: Option<(Vec<f32>, Vec<f32>)>,
+    icomp: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl Proj {
+    /// The (kv, gate) compressor inputs of this token for one compressor.
+    fn compressor_io(&self, which: Which) -> &(Vec<f32>, Vec<f32>) {
+        match which {
+            Which::Main => self.comp.as_ref().expect("main compressor inputs"),
+            Which::Indexer => self.icomp.as_ref().expect("indexer compressor inputs"),
+        }
+    }
 }
 
 /// Which compressor of a layer.
@@ -842,16 +865,6 @@ impl Model {
             let kind = cfg.layer_kind(l);
             let m = kind.ratio();
             // 1. Per-token projections (parallel over tokens).
-            struct Proj {
-                pre: HcPre,
-                a: Vec<f32>,
-                qr: Vec<f32>,
-                q: Vec<f32>,
-                kv: Vec<f32>,
-                indexer: Option<(Vec<f32>, Vec<f32>)>,
-                comp: Option<(Vec<f32>, Vec<f32>)>,
-                icomp: Option<(Vec<f32>, Vec<f32>)>,
-            }
             let projs: Vec<Proj> = par_map(n, |t| -> Result<Proj> {
                 let pre = self.hc_pre(l, "attn", &xs[t])?;
                 let a = rms_norm_bf16(
@@ -887,26 +900,24 @@ impl Model {
             .collect::<Result<_>>()?;
 
             // 2. Blockwise compression of every complete block.
-            let n_blocks = if m > 0 { n / m } else { 0 };
+            let n_blocks = n.checked_div(m).unwrap_or(0);
             let overlap = matches!(kind, LayerKind::Csa { .. });
-            let block_entries = |which: Which,
-                                 get: &(dyn Fn(&Proj) -> &(Vec<f32>, Vec<f32>) + Sync)|
-             -> Result<Vec<Vec<f32>>> {
+            let block_entries = |which: Which| -> Result<Vec<Vec<f32>>> {
                 par_map(n_blocks, |j| {
                     let mut src: Vec<(&[f32], &[f32], usize)> = Vec::new();
                     let d = if overlap {
-                        get(&projs[0]).0.len() / 2
+                        projs[0].compressor_io(which).0.len() / 2
                     } else {
-                        get(&projs[0]).0.len()
+                        projs[0].compressor_io(which).0.len()
                     };
                     if overlap && j > 0 {
                         for p in &projs[(j - 1) * m..j * m] {
-                            let (kv, g) = get(p);
+                            let (kv, g) = p.compressor_io(which);
                             src.push((kv, g, 0));
                         }
                     }
                     for p in &projs[j * m..(j + 1) * m] {
-                        let (kv, g) = get(p);
+                        let (kv, g) = p.compressor_io(which);
                         src.push((kv, g, if overlap { d } else { 0 }));
                     }
                     self.finalize_entry(l, which, j, &pool_softmax(d, &src))
@@ -915,16 +926,12 @@ impl Model {
                 .collect()
             };
             let compressed = if m > 0 {
-                block_entries(Which::Main, &|p: &Proj| {
-                    p.comp.as_ref().expect("main compressor inputs")
-                })?
+                block_entries(Which::Main)?
             } else {
                 Vec::new()
             };
             let index_keys = if overlap {
-                block_entries(Which::Indexer, &|p: &Proj| {
-                    p.icomp.as_ref().expect("indexer compressor inputs")
-                })?
+                block_entries(Which::Indexer)?
             } else {
                 Vec::new()
             };
@@ -939,7 +946,7 @@ impl Model {
                         residual_in: xs[t].clone(),
                         ..Default::default()
                     };
-                    let visible = if m > 0 { (t + 1) / m } else { 0 };
+                    let visible = (t + 1).checked_div(m).unwrap_or(0);
                     let mut sel: Vec<usize> = match kind {
                         LayerKind::SlidingWindow => Vec::new(),
                         LayerKind::Hca { .. } => (0..visible).collect(),
@@ -958,7 +965,7 @@ impl Model {
                     let o = self.attend(l, t, &p.q, &kvs)?;
                     let y = self.out_proj(l, &o)?;
                     let xm = self.hc_post(&y, &xs[t], &p.pre);
-                    if m > 0 && (t + 1) % m == 0 {
+                    if m > 0 && (t + 1).is_multiple_of(m) {
                         tr.new_compressed = Some(compressed[(t + 1) / m - 1].clone());
                         if overlap {
                             tr.new_index_key = Some(index_keys[(t + 1) / m - 1].clone());
@@ -991,30 +998,25 @@ impl Model {
             {
                 cache.window[t % cfg.window_size] = p.kv.clone();
             }
-            let seed_state =
-                |st: &mut CompressorState, get: &dyn Fn(&Proj) -> &(Vec<f32>, Vec<f32>)| {
-                    let done = n_blocks * m;
-                    if st.overlap && n_blocks > 0 {
-                        for (r, p) in projs[done - m..done].iter().enumerate() {
-                            let (kv, g) = get(p);
-                            st.set_row(r, kv, g);
-                        }
+            let seed_state = |st: &mut CompressorState, which: Which| {
+                let done = n_blocks * m;
+                if st.overlap && n_blocks > 0 {
+                    for (r, p) in projs[done - m..done].iter().enumerate() {
+                        let (kv, g) = p.compressor_io(which);
+                        st.set_row(r, kv, g);
                     }
-                    for (t, p) in projs.iter().enumerate().skip(done) {
-                        let (kv, g) = get(p);
-                        let row = if st.overlap { m + t % m } else { t % m };
-                        st.set_row(row, kv, g);
-                    }
-                };
+                }
+                for (t, p) in projs.iter().enumerate().skip(done) {
+                    let (kv, g) = p.compressor_io(which);
+                    let row = if st.overlap { m + t % m } else { t % m };
+                    st.set_row(row, kv, g);
+                }
+            };
             if let Some(st) = cache.compressor.as_mut() {
-                seed_state(st, &|p: &Proj| {
-                    p.comp.as_ref().expect("main compressor inputs")
-                });
+                seed_state(st, Which::Main);
             }
             if let Some(st) = cache.index_compressor.as_mut() {
-                seed_state(st, &|p: &Proj| {
-                    p.icomp.as_ref().expect("indexer compressor inputs")
-                });
+                seed_state(st, Which::Indexer);
             }
             cache.compressed = compressed;
             cache.index_keys = index_keys;
