@@ -54,9 +54,11 @@ impl StoredDtype {
 pub enum SyntheticInit {
     /// value = offset + amp * u (rounded to the stored dtype, BF16 or F32).
     Uniform { amp: f32, offset: f32 },
-    /// FP8 codes: e4m3(448 * u); the scale tensor sets the magnitude.
+    /// FP8 codes drawn uniformly over the 256 byte values, the two NaN codes 0x7F / 0xFF replaced by
+    /// ±448 (0x7E / 0xFE): code = fp8_code(bits >> 56). No float rounding involved, so a GPU fill is a
+    /// hash and a byte store. The scale tensor sets the magnitude.
     Fp8Codes,
-    /// FP4 codes: each byte two nibbles e2m1(6 * u_lo), e2m1(6 * u_hi).
+    /// FP4 codes uniformly over the 16 nibbles: byte = (bits >> 56) as u8 (two e2m1 codes).
     Fp4Codes,
     /// UE8M0 scale bytes: 2^(exp_base - (h & 1)), i.e. half the blocks at half the scale.
     Scale { exp_base: i32 },
@@ -90,12 +92,38 @@ fn linear_std(fan_in: usize) -> f32 {
     1.0 / (fan_in as f32).sqrt()
 }
 
-/// Scale exponent making codes drawn uniformly over ±qmax have standard deviation ≈ `std`
-/// (uniform over ±a has std a/sqrt(3)).
-fn scale_exp_for(std: f32, qmax: f32) -> i32 {
+/// The FP8 code of a synthetic byte: NaN codes become ±448.
+#[inline]
+pub fn fp8_code(byte: u8) -> u8 {
+    if byte & 0x7F == 0x7F {
+        byte ^ 1
+    } else {
+        byte
+    }
+}
+
+/// Root-mean-square value of a code drawn uniformly over all 256 bytes (FP8: via [`fp8_code`]) or all
+/// 16 nibbles (FP4).
+fn code_rms(fp8: bool) -> f32 {
+    let ms: f64 = if fp8 {
+        (0..=255u8)
+            .map(|b| (e4m3::decode(fp8_code(b)) as f64).powi(2))
+            .sum::<f64>()
+            / 256.0
+    } else {
+        (0..16u8)
+            .map(|c| (e2m1::decode(c) as f64).powi(2))
+            .sum::<f64>()
+            / 16.0
+    };
+    ms.sqrt() as f32
+}
+
+/// Scale exponent making the synthetic codes (RMS [`code_rms`]) have standard deviation ≈ `std`.
+fn scale_exp_for(std: f32, fp8: bool) -> i32 {
     // The hashed block scales are 2^e or 2^(e-1) with equal odds: their root-mean-square is
     // 2^e * sqrt(5/8) = 2^(e - 0.34), hence the +0.34 before rounding (std lands within 2^±0.5 of target).
-    ((std * 3f32.sqrt() / qmax).log2() + 0.34).round() as i32
+    ((std / code_rms(fp8)).log2() + 0.34).round() as i32
 }
 
 /// The complete tensor list of a geometry (main layers; MTP tensors are not part of the reference).
@@ -135,7 +163,7 @@ pub fn tensor_manifest(cfg: &ModelConfig) -> Vec<TensorSpec> {
             dtype: StoredDtype::F8E8M0,
             shape: vec![rows.div_ceil(128), cols.div_ceil(128)],
             init: SyntheticInit::Scale {
-                exp_base: scale_exp_for(linear_std(cols), 448.0),
+                exp_base: scale_exp_for(linear_std(cols), true),
             },
         });
     };
@@ -151,7 +179,7 @@ pub fn tensor_manifest(cfg: &ModelConfig) -> Vec<TensorSpec> {
             dtype: StoredDtype::F8E8M0,
             shape: vec![rows, cols / 32],
             init: SyntheticInit::Scale {
-                exp_base: scale_exp_for(linear_std(cols), 6.0),
+                exp_base: scale_exp_for(linear_std(cols), false),
             },
         });
     };
@@ -354,12 +382,6 @@ pub fn synthetic_uniform(bits: u64) -> f32 {
     ((bits >> 40) as f32 + 0.5) / 8_388_608.0 - 1.0
 }
 
-/// A second independent uniform from bits 8..32 (used for the high nibble of FP4 bytes).
-#[inline]
-fn synthetic_uniform_lo(bits: u64) -> f32 {
-    (((bits >> 8) & 0xFF_FFFF) as f32 + 0.5) / 8_388_608.0 - 1.0
-}
-
 /// The stored bytes of elements [first, first + count) of a synthetic tensor, little-endian.
 pub fn synthetic_bytes(seed: u64, spec: &TensorSpec, first: usize, count: usize) -> Vec<u8> {
     let key = tensor_key(seed, &spec.name);
@@ -384,13 +406,9 @@ pub fn synthetic_bytes(seed: u64, spec: &TensorSpec, first: usize, count: usize)
                 out.extend_from_slice(&v.to_le_bytes())
             }
             (SyntheticInit::Fp8Codes, StoredDtype::F8E4M3) => {
-                out.push(e4m3::encode_rne(448.0 * synthetic_uniform(bits)))
+                out.push(fp8_code((bits >> 56) as u8))
             }
-            (SyntheticInit::Fp4Codes, StoredDtype::I8) => {
-                let lo = e2m1::encode_rne(6.0 * synthetic_uniform(bits));
-                let hi = e2m1::encode_rne(6.0 * synthetic_uniform_lo(bits));
-                out.push(lo | (hi << 4))
-            }
+            (SyntheticInit::Fp4Codes, StoredDtype::I8) => out.push((bits >> 56) as u8),
             (SyntheticInit::Scale { exp_base }, StoredDtype::F8E8M0) => {
                 let e = exp_base - (bits & 1) as i32;
                 out.push((e.clamp(-127, 127) + 127) as u8)
@@ -591,12 +609,13 @@ impl Weights {
                 let sbytes = self
                     .source
                     .read_elements(sspec, br0 * scols, (br1 - br0) * scols)?;
+                let lut = E4M3_LUT.get_or_init(e4m3_table);
                 let mut data = vec![0f32; n * cols];
                 for r in 0..n {
                     let srow = &sbytes[((r0 + r) / 128 - br0) * scols..][..scols];
                     for c in 0..cols {
                         data[r * cols + c] =
-                            e4m3::decode(bytes[r * cols + c]) * ue8m0::decode(srow[c / 128]);
+                            lut[bytes[r * cols + c] as usize] * ue8m0::decode(srow[c / 128]);
                     }
                 }
                 Ok(DenseMatrix {
@@ -736,6 +755,13 @@ impl Weights {
         }
         Ok(self.dequant_rows("embed.weight", t, 1)?.data)
     }
+}
+
+static E4M3_LUT: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+
+/// All 256 e4m3 values (decode through a table: the hot loop of dequantization).
+fn e4m3_table() -> [f32; 256] {
+    std::array::from_fn(|b| e4m3::decode(b as u8))
 }
 
 /// `prefix.weight` -> `prefix.scale`.
