@@ -139,11 +139,12 @@ fn main() {
                 }
             }
         }
+        let functions = kernel_functions(&src);
         let rep_path = out_dir.join(format!("{stem}.ptxas.txt"));
         fs::write(&rep_path, &report).unwrap();
         writeln!(
             gen,
-            "KernelSource {{ name: {stem:?}, source: include_str!({:?}), cubin: {cubin_expr}, ptxas_report: include_str!({:?}) }},",
+            "KernelSource {{ name: {stem:?}, functions: &{functions:?}, source: include_str!({:?}), cubin: {cubin_expr}, ptxas_report: include_str!({:?}) }},",
             src_path.display().to_string(),
             rep_path.display().to_string()
         )
@@ -169,4 +170,41 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
         }
     }
     v
+}
+
+/// Names of the `extern "C" __global__` functions of a .cu file (the entry points a module exports).
+fn kernel_functions(src: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let flat: String = src.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut rest = flat.as_str();
+    while let Some(i) = rest.find("extern \"C\" __global__") {
+        rest = &rest[i + 22..];
+        // skip attributes like __launch_bounds__(...) and the return type up to the name before '('
+        if let Some(paren) = find_name_paren(rest) {
+            let before = &rest[..paren];
+            if let Some(name) = before.split_whitespace().last() {
+                names.push(name.trim_start_matches('*').to_string());
+            }
+        }
+    }
+    names
+}
+
+/// Index of the '(' that opens the parameter list: the first '(' not belonging to `__launch_bounds__`.
+fn find_name_paren(s: &str) -> Option<usize> {
+    let mut i = 0;
+    let b = s.as_bytes();
+    while i < b.len() {
+        if s[i..].starts_with("__launch_bounds__") || s[i..].starts_with("__maxnreg__") {
+            let open = s[i..].find('(')? + i;
+            let close = s[open..].find(')')? + open;
+            i = close + 1;
+            continue;
+        }
+        if b[i] == b'(' {
+            return Some(i);
+        }
+        i += 1;
+    }
+    None
 }

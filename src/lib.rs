@@ -4,5 +4,7 @@
 //! kernel family: launcher + CPU reference), `model` (DSV4 config, weights, reference decode),
 //! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands).
 
+pub mod bench;
 pub mod formats;
+pub mod gpu;
 pub mod model;

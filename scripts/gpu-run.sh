@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (no Rust there) from the repository root, with gpu-bundle/ built by gpu-bundle.sh:
+# device info, kernel inventory, every test executable with REQUIRE_GPU=1 (a skipped GPU test fails), the limits
+# probe, the benchmark sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
+#   usage: scripts/gpu-run.sh [all|tests|bench|stress] [extra args for `megamoe bench`]
+set -uo pipefail
+B="$(cd "$(dirname "$0")" && pwd)"
+[ -x "$B/megamoe" ] || B="$(pwd)/gpu-bundle"
+what="${1:-all}"; shift || true
+out="${OUT:-$(pwd)/gpu-out}"
+work="$(mktemp -d)/h200"
+mkdir -p "$work/tests"
+export REQUIRE_GPU=1 MEGAMOE_GIT_COMMIT="$(head -n1 "$B/COMMIT" 2>/dev/null || echo unknown)"
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+py_cublas="$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null)"
+for d in $(ls -d "$py_cublas"/nvidia/*/lib 2>/dev/null); do export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"; done
+status=0
+step() { echo "=== $*"; }
+{ nvidia-smi; nvidia-smi -q -d CLOCK,POWER,PERFORMANCE; } > "$work/nvidia-smi.txt" 2>&1
+step info;    "$B/megamoe" info 2>&1 | tee "$work/info.txt" || status=1
+step kernels; "$B/megamoe" kernels 2>&1 | tee "$work/kernels.txt"
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  for t in "$B"/tests/*; do
+    n="$(basename "$t")"
+    step "test $n"
+    timeout 600 "$t" --test-threads=1 > "$work/tests/$n.log" 2>&1; rc=$?
+    tail -n 3 "$work/tests/$n.log"
+    [ $rc -eq 0 ] || { echo "FAILED: $n (rc $rc)"; status=1; grep -E "panicked|FAILED|failed|SKIP" "$work/tests/$n.log" | head -20; }
+  done
+fi
+if [ "$what" = all ] || [ "$what" = stress ]; then
+  step "stress indexer"
+  timeout 900 "$B/megamoe" stress indexer --out "$work" 2>&1 | tail -n 20 || status=1
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  step "bench"
+  timeout 1500 "$B/megamoe" bench --out "$work" "$@" 2>&1 | tail -n 40 || status=1
+  "$B/megamoe" report --dir "$work" 2>&1 | tail -n 3
+fi
+mkdir -p "$out"
+tar czf "$out/results.tar.gz" -C "$(dirname "$work")" h200
+echo "packed $(du -h "$out/results.tar.gz" | cut -f1) -> $out/results.tar.gz (status $status)"
+exit $status

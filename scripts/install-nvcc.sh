@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install the pinned CUDA 13.0 compiler (nvcc/ptxas 13.0.88, the GPU machine's version) from PyPI into a
+# git-ignored folder, for machines without a CUDA toolkit (dev boxes, CI). Prints the nvcc path last.
+#   usage: scripts/install-nvcc.sh            -> .tools/cuda/bin/nvcc
+#          export NVCC=$(scripts/install-nvcc.sh | tail -n1)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+dest="$root/.tools/pip-cuda"
+pin="cuda-toolkit[nvcc,cccl]==13.0.3.0"
+stamp="$dest/.installed-13.0.3.0"
+if [ ! -f "$stamp" ]; then
+  echo "installing $pin into $dest ..." >&2
+  python3 -m pip install -q --disable-pip-version-check --target "$dest" "$pin" >&2
+  touch "$stamp"
+fi
+nvcc="$(find "$dest" -path '*/bin/nvcc' -type f | head -n1)"
+if [ -z "$nvcc" ]; then
+  echo "error: nvcc not found under $dest after install" >&2
+  exit 1
+fi
+chmod +x "$nvcc" "$(dirname "$nvcc")"/* 2>/dev/null || true
+cuda_home="$(dirname "$(dirname "$nvcc")")"
+# nvcc looks for its include/ and nvvm/ relative to itself; the pip layout keeps them together.
+"$nvcc" --version | tail -n2 >&2
+echo "CUDA_HOME=$cuda_home" >&2
+echo "$nvcc"

@@ -1,0 +1,438 @@
+//! `REPORT.md` for one GPU's results directory: provenance, the limits measured in the run, and one
+//! section per kernel with a table of its rows and its plots.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use super::csv_out::read_rows;
+use super::plot::{format_number, plot_rows};
+use super::row::{fill_speedups, Row, DIMENSION_COLUMNS};
+
+/// One part of a report: a heading, free text, a table of rows and plot files.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReportSection {
+    pub title: String,
+    /// Markdown shown under the heading (may be empty).
+    pub notes: String,
+    pub rows: Vec<Row>,
+    /// PNG files are embedded as images, anything else (SVG) is linked. Paths inside the report's
+    /// directory are written relative to it.
+    pub plots: Vec<PathBuf>,
+}
+
+/// Table columns in display order, with their headers. A column appears in a section's table only
+/// when at least one of its rows has a value there.
+const TABLE_COLUMNS: [(&str, &str); 14] = [
+    ("rows", "rows"),
+    ("cols", "cols"),
+    ("tokens", "tokens"),
+    ("batch", "batch"),
+    ("ctx", "ctx"),
+    ("us_median", "median us"),
+    ("us_p10", "p10 us"),
+    ("us_p90", "p90 us"),
+    ("gbps", "GB/s"),
+    ("pct_copy_bw", "% copy BW"),
+    ("tflops", "TFLOP/s"),
+    ("pct_matmul", "% matmul"),
+    ("speedup_vs_baseline", "speedup"),
+    ("max_abs_err", "max abs err"),
+];
+
+/// Write `results_dir_for_gpu/REPORT.md` (creating the directory) and return its path.
+pub fn write_report(results_dir_for_gpu: &Path, sections: &[ReportSection]) -> Result<PathBuf> {
+    fs::create_dir_all(results_dir_for_gpu)
+        .with_context(|| format!("creating {}", results_dir_for_gpu.display()))?;
+    let all_rows: Vec<&Row> = sections.iter().flat_map(|s| s.rows.iter()).collect();
+    let mut md = String::new();
+    md.push_str("# megamoe benchmark report\n\n");
+    write_header(&mut md, &all_rows);
+    for section in sections {
+        write_section(&mut md, section, results_dir_for_gpu)?;
+    }
+    let path = results_dir_for_gpu.join("REPORT.md");
+    fs::write(&path, md).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+/// Build the standard report of a results directory: read every `*.csv` in `dir` (file name order),
+/// fill speedups, group rows by kernel (order of first appearance), plot `us_median` and, where
+/// present, `pct_copy_bw`, `pct_matmul` and `speedup_vs_baseline` against the kernel's sweep axis
+/// into `dir/plots/`, and write `dir/REPORT.md`. Returns the report's path.
+pub fn report_from_csv_dir(dir: &Path) -> Result<PathBuf> {
+    let mut csv_files: Vec<PathBuf> = fs::read_dir(dir)
+        .with_context(|| format!("reading directory {}", dir.display()))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "csv"))
+        .collect();
+    csv_files.sort();
+    if csv_files.is_empty() {
+        bail!("no *.csv files in {}", dir.display());
+    }
+    let mut rows = Vec::new();
+    for file in &csv_files {
+        rows.extend(read_rows(file)?);
+    }
+    fill_speedups(&mut rows);
+
+    let mut kernels: Vec<String> = Vec::new();
+    for row in &rows {
+        if !kernels.contains(&row.kernel) {
+            kernels.push(row.kernel.clone());
+        }
+    }
+    let plot_dir = dir.join("plots");
+    let mut sections = Vec::new();
+    for kernel in kernels {
+        let mut kernel_rows: Vec<Row> = rows
+            .iter()
+            .filter(|r| r.kernel == kernel)
+            .cloned()
+            .collect();
+        let axis = sweep_axis(&kernel_rows);
+        let mut notes = String::new();
+        let mut plots = Vec::new();
+        match axis {
+            Some(axis) => {
+                sort_rows_along(&mut kernel_rows, axis);
+                let _ = write!(notes, "Sweep axis: `{axis}`.");
+                for y in [
+                    "us_median",
+                    "pct_copy_bw",
+                    "pct_matmul",
+                    "speedup_vs_baseline",
+                ] {
+                    let has_points = kernel_rows.iter().any(|r| {
+                        matches!((r.numeric(axis), r.numeric(y)), (Ok(Some(_)), Ok(Some(_))))
+                    });
+                    if has_points {
+                        plots.extend(plot_rows(&plot_dir, &kernel, axis, y, &kernel_rows)?);
+                    }
+                }
+            }
+            None => {
+                notes.push_str("No dimension column varies across these rows, so there is no plot.")
+            }
+        }
+        sections.push(ReportSection {
+            title: kernel,
+            notes,
+            rows: kernel_rows,
+            plots,
+        });
+    }
+    write_report(dir, &sections)
+}
+
+/// Where one GPU's results live: `results_root/<gpu name in lowercase, runs of other characters
+/// replaced by one '-'>`, e.g. `results/nvidia-h200`; `results_root/unknown-gpu` for an empty name.
+pub fn results_dir_for_gpu(results_root: &Path, gpu: &str) -> PathBuf {
+    let mut name = String::new();
+    for c in gpu.trim().chars() {
+        if c.is_ascii_alphanumeric() {
+            name.push(c.to_ascii_lowercase());
+        } else if !name.is_empty() && !name.ends_with('-') {
+            name.push('-');
+        }
+    }
+    let name = name.trim_end_matches('-');
+    results_root.join(if name.is_empty() { "unknown-gpu" } else { name })
+}
+
+/// The dimension column a set of rows was swept along: among tokens, rows, batch, ctx and cols,
+/// the one with the most distinct values (at least two), ties broken in that order; `bytes` only
+/// when none of those varies. `bytes` comes last because it is usually derived from the real axis
+/// (and then has even more distinct values when a second dimension varies too).
+pub fn sweep_axis(rows: &[Row]) -> Option<&'static str> {
+    let mut best: Option<(&'static str, usize)> = None;
+    for dim in DIMENSION_COLUMNS {
+        if dim == "bytes" && best.is_some() {
+            break;
+        }
+        let distinct: BTreeSet<u64> = rows
+            .iter()
+            .filter_map(|r| r.numeric(dim).ok().flatten())
+            .map(f64::to_bits)
+            .collect();
+        if distinct.len() >= 2 && best.is_none_or(|(_, n)| distinct.len() > n) {
+            best = Some((dim, distinct.len()));
+        }
+    }
+    best.map(|(dim, _)| dim)
+}
+
+/// Order rows by the other dimensions, then the axis, then variant, so tables read as sweeps.
+fn sort_rows_along(rows: &mut [Row], axis: &str) {
+    let key = |r: &Row| -> Vec<f64> {
+        let mut k: Vec<f64> = DIMENSION_COLUMNS
+            .iter()
+            .filter(|d| **d != axis && **d != "bytes")
+            .map(|d| r.numeric(d).ok().flatten().unwrap_or(-1.0))
+            .collect();
+        k.push(r.numeric(axis).ok().flatten().unwrap_or(-1.0));
+        k
+    };
+    rows.sort_by(|a, b| {
+        let (ka, kb) = (key(a), key(b));
+        ka.iter()
+            .zip(&kb)
+            .map(|(x, y)| x.total_cmp(y))
+            .find(|o| o.is_ne())
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then_with(|| a.variant.cmp(&b.variant))
+    });
+}
+
+fn write_header(md: &mut String, rows: &[&Row]) {
+    let distinct = |f: &dyn Fn(&Row) -> &str| -> String {
+        let set: BTreeSet<&str> = rows
+            .iter()
+            .map(|r| f(r))
+            .filter(|s| !s.is_empty())
+            .collect();
+        if set.is_empty() {
+            "unknown".to_string()
+        } else {
+            set.into_iter().collect::<Vec<_>>().join(", ")
+        }
+    };
+    let stamps: BTreeSet<&str> = rows
+        .iter()
+        .map(|r| r.timestamp.as_str())
+        .filter(|s| !s.is_empty())
+        .collect();
+    let date = match (stamps.first(), stamps.last()) {
+        (Some(a), Some(b)) if a == b => a.to_string(),
+        (Some(a), Some(b)) => format!("{a} to {b}"),
+        _ => "unknown".to_string(),
+    };
+    md.push_str("| | |\n|---|---|\n");
+    let _ = writeln!(md, "| GPU | {} |", escape(&distinct(&|r| r.gpu.as_str())));
+    let _ = writeln!(
+        md,
+        "| git commit | {} |",
+        escape(&distinct(&|r| r.git_commit.as_str()))
+    );
+    let _ = writeln!(md, "| date (UTC) | {date} |");
+    let _ = writeln!(md, "| rows | {} |", rows.len());
+    for (column, label) in [
+        ("sm_clock_mhz", "SM clock (MHz)"),
+        ("mem_clock_mhz", "memory clock (MHz)"),
+        ("power_w", "power (W)"),
+        ("temp_c", "temperature (C)"),
+    ] {
+        let _ = writeln!(md, "| {label} | {} |", value_range(rows, column));
+    }
+    md.push_str("\n## Limits measured in this run\n\n");
+    md.push_str("Every row is divided by the limits measured in the same run; the range over all rows is shown.\n\n");
+    md.push_str("| limit | measured |\n|---|---|\n");
+    for (column, label) in [
+        ("copy_bw_gbps", "HBM copy bandwidth (GB/s, read + write)"),
+        ("bf16_tflops", "BF16 dense matmul (TFLOP/s)"),
+        ("fp8_tflops", "FP8 dense matmul (TFLOP/s)"),
+    ] {
+        let _ = writeln!(md, "| {label} | {} |", value_range(rows, column));
+    }
+    md.push('\n');
+}
+
+/// `v` when all rows agree, `min – max` otherwise, `not measured` when no row has a value.
+fn value_range(rows: &[&Row], column: &str) -> String {
+    let values: Vec<f64> = rows
+        .iter()
+        .filter_map(|r| r.numeric(column).ok().flatten())
+        .collect();
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if values.is_empty() {
+        "not measured".to_string()
+    } else if min == max {
+        format_number(min)
+    } else {
+        format!("{} – {}", format_number(min), format_number(max))
+    }
+}
+
+fn write_section(md: &mut String, section: &ReportSection, report_dir: &Path) -> Result<()> {
+    let _ = writeln!(md, "## {}\n", section.title);
+    if !section.notes.is_empty() {
+        let _ = writeln!(md, "{}\n", section.notes.trim_end());
+    }
+    if section.rows.is_empty() {
+        md.push_str("(no rows)\n\n");
+    } else {
+        write_table(md, &section.rows)?;
+    }
+    for plot in &section.plots {
+        let link = link_path(plot, report_dir);
+        let name = plot
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if plot.extension().is_some_and(|e| e == "png") {
+            let _ = writeln!(md, "![{name}](<{link}>)\n");
+        } else {
+            let _ = writeln!(md, "[{name}](<{link}>)\n");
+        }
+    }
+    Ok(())
+}
+
+fn write_table(md: &mut String, rows: &[Row]) -> Result<()> {
+    let mut columns: Vec<(&str, &str)> = Vec::new();
+    for (column, header) in TABLE_COLUMNS {
+        let mut any = false;
+        for row in rows {
+            any |= row.numeric(column)?.is_some();
+        }
+        if any {
+            columns.push((column, header));
+        }
+    }
+    let show_baseline = rows.iter().any(|r| r.baseline.is_some());
+    md.push_str("| variant | shape |");
+    if show_baseline {
+        md.push_str(" baseline |");
+    }
+    for (_, header) in &columns {
+        let _ = write!(md, " {header} |");
+    }
+    md.push_str("\n|---|---|");
+    if show_baseline {
+        md.push_str("---|");
+    }
+    for _ in &columns {
+        md.push_str("---:|");
+    }
+    md.push('\n');
+    for row in rows {
+        let _ = write!(md, "| {} | {} |", escape(&row.variant), escape(&row.shape));
+        if show_baseline {
+            let _ = write!(md, " {} |", escape(row.baseline.as_deref().unwrap_or("")));
+        }
+        for (column, _) in &columns {
+            let cell = match row.numeric(column)? {
+                None => String::new(),
+                // Errors span many decades; scientific notation keeps them comparable.
+                Some(v) if *column == "max_abs_err" => format!("{v:.2e}"),
+                Some(v) => format_number(v),
+            };
+            let _ = write!(md, " {cell} |");
+        }
+        md.push('\n');
+    }
+    md.push('\n');
+    Ok(())
+}
+
+/// Path of `plot` as written in the report: relative to `report_dir` when inside it, else as given.
+fn link_path(plot: &Path, report_dir: &Path) -> String {
+    let shown = plot.strip_prefix(report_dir).unwrap_or(plot);
+    shown.to_string_lossy().replace('\\', "/")
+}
+
+/// Keep user text from breaking a table row.
+fn escape(s: &str) -> String {
+    s.replace('|', "\\|").replace('\n', " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(variant: &str, rows: u64, cols: u64) -> Row {
+        let mut r = Row::empty("k", variant, &format!("rows={rows},cols={cols}"));
+        r.rows = Some(rows);
+        r.cols = Some(cols);
+        r
+    }
+
+    #[test]
+    fn axis_is_the_most_varied_dimension() {
+        let rows: Vec<Row> = [1, 64, 4096]
+            .iter()
+            .flat_map(|&m| [row("a", m, 4096), row("a", m, 7168)])
+            .collect();
+        assert_eq!(sweep_axis(&rows), Some("rows"));
+        assert_eq!(sweep_axis(&rows[..1]), None);
+        // Equal counts: the earlier column in DIMENSION_COLUMNS wins (rows before cols).
+        assert_eq!(
+            sweep_axis(&[row("a", 1, 16), row("a", 2, 32)]),
+            Some("rows")
+        );
+        // `bytes` follows rows x cols and so has more distinct values, but the parameter wins.
+        let with_bytes: Vec<Row> = rows
+            .iter()
+            .cloned()
+            .map(|mut r| {
+                r.bytes = Some(r.rows.unwrap() * r.cols.unwrap());
+                r
+            })
+            .collect();
+        assert_eq!(sweep_axis(&with_bytes), Some("rows"));
+        let mut copies = vec![
+            Row::empty("copy", "d2d", "1"),
+            Row::empty("copy", "d2d", "2"),
+        ];
+        copies[0].bytes = Some(1);
+        copies[1].bytes = Some(2);
+        assert_eq!(sweep_axis(&copies), Some("bytes"));
+    }
+
+    #[test]
+    fn rows_sorted_by_other_dims_then_axis_then_variant() {
+        let mut rows = vec![
+            row("b", 64, 7168),
+            row("a", 64, 4096),
+            row("b", 1, 4096),
+            row("a", 1, 4096),
+        ];
+        sort_rows_along(&mut rows, "rows");
+        let got: Vec<(String, u64, u64)> = rows
+            .iter()
+            .map(|r| (r.variant.clone(), r.rows.unwrap(), r.cols.unwrap()))
+            .collect();
+        let want = [
+            ("a", 1, 4096),
+            ("b", 1, 4096),
+            ("a", 64, 4096),
+            ("b", 64, 7168),
+        ];
+        let want: Vec<(String, u64, u64)> = want
+            .iter()
+            .map(|(v, m, n)| (v.to_string(), *m, *n))
+            .collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn gpu_directory_names() {
+        let root = Path::new("results");
+        assert_eq!(
+            results_dir_for_gpu(root, "NVIDIA H200"),
+            root.join("nvidia-h200")
+        );
+        assert_eq!(
+            results_dir_for_gpu(root, " NVIDIA H100 80GB HBM3 (PCIe) "),
+            root.join("nvidia-h100-80gb-hbm3-pcie")
+        );
+        assert_eq!(results_dir_for_gpu(root, ""), root.join("unknown-gpu"));
+    }
+
+    #[test]
+    fn links_are_relative_inside_the_report_dir() {
+        let dir = Path::new("/r/h200");
+        assert_eq!(
+            link_path(Path::new("/r/h200/plots/a.png"), dir),
+            "plots/a.png"
+        );
+        assert_eq!(
+            link_path(Path::new("/elsewhere/a.png"), dir),
+            "/elsewhere/a.png"
+        );
+    }
+}

@@ -1,0 +1,311 @@
+//! The `megamoe` command line. Every command returns an error (never panics) when something is missing: no
+//! GPU, a bad config, a missing or mis-shaped tensor.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+use crate::bench::config::SweepConfig;
+use crate::bench::runner::{self, RunOptions};
+use crate::bench::{csv_out, probe, Limits, Row, Summary};
+use crate::gpu::{module, telemetry, Gpu};
+
+#[derive(Parser)]
+#[command(
+    name = "megamoe",
+    version,
+    about = "Kernel lab for DeepSeek-V4-class MoE inference on NVIDIA Hopper (H100/H200, sm_90a)",
+    long_about = "Kernel lab for DeepSeek-V4-class MoE inference on NVIDIA Hopper (sm_90a).\n\n\
+With no command, runs the default benchmark suite on GPU 0: measures the limits (copy bandwidth, BF16/FP8 \
+matmul rates), runs every sweep of the embedded bench-configs/default.toml, and writes CSV, plots and \
+REPORT.md under results/<gpu>/.\n\nExamples:\n  megamoe info\n  megamoe kernels\n  megamoe limits\n  \
+megamoe bench --config bench-configs/norm_quant.toml --reps 20\n  megamoe exec nvfp4_quantize_rows --in x.safetensors --out q.safetensors --cpu\n  \
+megamoe report --dir results/h200"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// GPU ordinal.
+    #[arg(long, global = true, default_value_t = 0)]
+    gpu: usize,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The default suite: limits, every sweep of the embedded default config, report (the main job).
+    Run(BenchArgs),
+    /// Device, driver, clocks, power and the kernels embedded in this binary.
+    Info,
+    /// Each kernel entry point with registers, shared memory and spill bytes (from ptxas; no GPU needed).
+    Kernels,
+    /// Measure the denominators: HBM copy bandwidth and BF16 / FP8 dense matmul rates (cuBLASLt).
+    Limits {
+        /// Directory for limits.csv (default: results/<gpu>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Smaller buffers and fewer reps (for a quick look, not for reports).
+        #[arg(long)]
+        quick: bool,
+    },
+    /// Run benchmark sweeps from a TOML config (default: the embedded default suite).
+    Bench(BenchArgs),
+    /// Rebuild plots and REPORT.md from the CSVs of a results directory.
+    Report {
+        #[arg(long, default_value = "results/h200")]
+        dir: PathBuf,
+    },
+    /// Run one kernel (or, with --cpu, its CPU reference) on tensors from a safetensors file.
+    Exec {
+        /// Kernel name; `megamoe exec --list` shows them with their tensor names, dtypes and shapes.
+        kernel: Option<String>,
+        #[arg(long = "in")]
+        input: Option<PathBuf>,
+        #[arg(long = "out")]
+        output: Option<PathBuf>,
+        /// Run the CPU reference instead of the GPU kernel (no GPU needed).
+        #[arg(long)]
+        cpu: bool,
+        /// List the kernels exec knows.
+        #[arg(long)]
+        list: bool,
+    },
+}
+
+#[derive(clap::Args, Clone)]
+struct BenchArgs {
+    /// Sweep config (TOML, schema in bench-configs/default.toml). Default: the embedded default suite.
+    #[arg(long)]
+    config: Vec<PathBuf>,
+    /// Only these kernels (repeatable).
+    #[arg(long)]
+    kernel: Vec<String>,
+    /// Output directory (default: results/<gpu>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Override the timed repetitions of every sweep.
+    #[arg(long)]
+    reps: Option<u32>,
+    /// Seed of the random inputs (printed; rows are reproducible with it).
+    #[arg(long, default_value_t = 0x5EED)]
+    seed: u64,
+    /// Use the embedded default suite plus every bench-configs/*.toml next to the binary or in the repo.
+    #[arg(long)]
+    all_configs: bool,
+}
+
+/// `results/<slug>` for a GPU name: "NVIDIA H200" -> "h200".
+pub fn gpu_slug(name: &str) -> String {
+    let n = name.to_lowercase().replace("nvidia", "");
+    let s: String = n.trim().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
+    let s = s.trim_matches('-').to_string();
+    if s.is_empty() {
+        "gpu".into()
+    } else {
+        s
+    }
+}
+
+fn open_gpu(ordinal: usize) -> Result<Gpu> {
+    Gpu::open(ordinal).context("this command needs an NVIDIA Hopper GPU")
+}
+
+pub fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command.unwrap_or(Command::Run(BenchArgs {
+        config: vec![],
+        kernel: vec![],
+        out: None,
+        reps: None,
+        seed: 0x5EED,
+        all_configs: false,
+    })) {
+        Command::Info => info(cli.gpu),
+        Command::Kernels => kernels(),
+        Command::Limits { out, quick } => {
+            let gpu = open_gpu(cli.gpu)?;
+            let out = out.unwrap_or_else(|| default_out(&gpu));
+            measure_limits(&gpu, &out, quick).map(|_| ())
+        }
+        Command::Run(args) | Command::Bench(args) => bench(cli.gpu, args),
+        Command::Report { dir } => {
+            let p = runner::report_dir(&dir)?;
+            println!("wrote {}", p.display());
+            Ok(())
+        }
+        Command::Exec { kernel, input, output, cpu, list } => exec(cli.gpu, kernel, input, output, cpu, list),
+    }
+}
+
+fn default_out(gpu: &Gpu) -> PathBuf {
+    Path::new("results").join(gpu_slug(&gpu.info.name))
+}
+
+fn info(ordinal: usize) -> Result<()> {
+    let gpu = open_gpu(ordinal)?;
+    let i = &gpu.info;
+    println!("device        {} (GPU {})", i.name, i.ordinal);
+    println!("compute cap   {}.{}", i.compute_capability.0, i.compute_capability.1);
+    println!("SMs           {}", i.sm_count);
+    println!("memory        {:.1} GiB", i.total_mem_bytes as f64 / (1u64 << 30) as f64);
+    println!("L2            {:.1} MiB", i.l2_bytes as f64 / (1u64 << 20) as f64);
+    println!("smem/block    {} KiB (opt-in)", i.max_smem_per_block_optin / 1024);
+    if let Some(v) = i.driver_version {
+        println!("CUDA driver   {}.{}", v / 1000, (v % 1000) / 10);
+    }
+    let t = telemetry::Telemetry::new(ordinal as u32);
+    if t.available() {
+        let r = t.read();
+        let f = |v: Option<String>| v.unwrap_or_else(|| "n/a".into());
+        println!("driver        {}", f(r.driver));
+        println!("SM clock      {} MHz (max {})", f(r.sm_clock_mhz.map(|v| v.to_string())), f(r.max_sm_clock_mhz.map(|v| v.to_string())));
+        println!("mem clock     {} MHz", f(r.mem_clock_mhz.map(|v| v.to_string())));
+        println!("power         {} W (limit {})", f(r.power_w.map(|v| format!("{v:.0}"))), f(r.power_limit_w.map(|v| format!("{v:.0}"))));
+        println!("temperature   {} C", f(r.temp_c.map(|v| v.to_string())));
+        println!("throttle      {}", f(r.throttle_reasons));
+    } else {
+        println!("NVML          not available (no libnvidia-ml.so.1): no clocks/power/temperature");
+    }
+    println!("git commit    {}", crate::bench::env::git_commit());
+    for k in module::KERNEL_SOURCES {
+        let how = if k.cubin.is_some() { "sm_90a cubin" } else { "source (NVRTC at run time)" };
+        // Loading proves the embedded module matches this device and driver.
+        let status = match gpu.function(k.name, k.functions.first().copied().unwrap_or("")) {
+            Ok(_) => "loads".to_string(),
+            Err(e) => format!("FAILED to load: {e:#}"),
+        };
+        println!("kernels       {:<16} {how}, {} entry points, {status}", k.name, k.functions.len());
+    }
+    Ok(())
+}
+
+fn kernels() -> Result<()> {
+    println!("{:<16} {:<44} {:>5} {:>8} {:>7} {:>7}  source", "family", "entry point", "regs", "smem B", "stack", "spill");
+    let mut any_spill = false;
+    for (k, fns) in module::inventory() {
+        let how = if k.cubin.is_some() { "cubin" } else { "nvrtc" };
+        for name in k.functions {
+            let p = fns.iter().find(|f| f.name == *name);
+            let s = |v: Option<u32>| v.map_or("-".into(), |v| v.to_string());
+            let spill = p.map(|p| p.spill_store_bytes.unwrap_or(0) + p.spill_load_bytes.unwrap_or(0));
+            any_spill |= spill.unwrap_or(0) > 0;
+            println!(
+                "{:<16} {:<44} {:>5} {:>8} {:>7} {:>7}  {how}",
+                k.name,
+                name,
+                s(p.and_then(|p| p.registers)),
+                s(p.and_then(|p| p.smem_bytes)),
+                s(p.and_then(|p| p.stack_bytes)),
+                s(spill)
+            );
+        }
+    }
+    if module::KERNEL_SOURCES.iter().any(|k| k.cubin.is_none()) {
+        println!("(built without nvcc: resources unknown; run scripts/install-nvcc.sh and rebuild with NVCC set)");
+    }
+    if any_spill {
+        println!("warning: some kernels spill registers to local memory");
+    }
+    Ok(())
+}
+
+/// Measure and record the limits (limits.csv, same schema as every sweep).
+pub fn measure_limits(gpu: &Gpu, out: &Path, quick: bool) -> Result<Limits> {
+    let cfg = if quick {
+        probe::ProbeConfig { copy_bytes: 256 << 20, gemm_mnk: 4096, reps: 5 }
+    } else {
+        probe::ProbeConfig::default()
+    };
+    eprintln!("measuring limits (copy {} MiB, GEMM {}^3, {} reps) ...", cfg.copy_bytes >> 20, cfg.gemm_mnk, cfg.reps);
+    let (limits, results) = probe::measure(gpu, cfg, 0x11A175)?;
+    let nvml = telemetry::Telemetry::new(gpu.info.ordinal as u32).read();
+    let tel = crate::bench::Telemetry {
+        gpu: gpu.info.name.clone(),
+        sm_clock_mhz: nvml.sm_clock_mhz,
+        mem_clock_mhz: nvml.mem_clock_mhz,
+        power_w: nvml.power_w,
+        temp_c: nvml.temp_c,
+    };
+    let mut rows: Vec<Row> = Vec::new();
+    for r in &results {
+        println!("{:<12} {:>10.1} {:<7} median {:>9.1} us (p10 {:.1}, p90 {:.1})  {}", r.name, r.value, r.unit, r.us.median, r.us.p10, r.us.p90, r.method);
+        let mut row = Row::new("limits", r.name, &r.method).with_timing(&r.us, cfg.reps as u64).with_telemetry(&tel);
+        row = row.with_limits(&limits, crate::bench::MatmulKind::NotMatmul);
+        if r.unit == "GB/s" {
+            row.gbps = Some(r.value);
+            row.bytes = Some(2 * cfg.copy_bytes as u64);
+        } else {
+            row.tflops = Some(r.value);
+            row.flops = Some(2 * (cfg.gemm_mnk as u64).pow(3));
+        }
+        row.git_commit = crate::bench::env::git_commit();
+        row.timestamp = crate::bench::env::timestamp_utc();
+        rows.push(row);
+    }
+    std::fs::create_dir_all(out)?;
+    csv_out::write_rows(&out.join("limits.csv"), &rows)?;
+    let _ = Summary::of(&[1.0]);
+    Ok(limits)
+}
+
+fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
+    let mut configs: Vec<SweepConfig> = Vec::new();
+    if args.config.is_empty() || args.all_configs {
+        configs.push(crate::bench::config::default_config()?);
+    }
+    for p in &args.config {
+        configs.push(SweepConfig::from_path(p)?);
+    }
+    if args.all_configs {
+        for dir in [PathBuf::from("bench-configs"), std::env::current_exe()?.with_file_name("bench-configs")] {
+            if let Ok(rd) = std::fs::read_dir(&dir) {
+                let mut files: Vec<PathBuf> = rd.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "toml") && !p.ends_with("default.toml")).collect();
+                files.sort();
+                for f in files {
+                    configs.push(SweepConfig::from_path(&f)?);
+                }
+                break;
+            }
+        }
+    }
+    // Config errors are reported above, before the GPU is touched.
+    let gpu = open_gpu(ordinal)?;
+    let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
+    let limits = measure_limits(&gpu, &out, false)?;
+    let opts = RunOptions { out_dir: out.clone(), kernels: args.kernel.clone(), reps: args.reps, seed: args.seed };
+    eprintln!("seed {:#x}; results -> {}", args.seed, out.display());
+    let mut result = Ok(());
+    for c in &configs {
+        if let Err(e) = runner::run(&gpu, c, &limits, &opts) {
+            eprintln!("error: {e:#}");
+            result = Err(e);
+        }
+    }
+    let report = runner::report_dir(&out)?;
+    println!("report: {}", report.display());
+    result
+}
+
+fn exec(ordinal: usize, kernel: Option<String>, input: Option<PathBuf>, output: Option<PathBuf>, cpu: bool, list: bool) -> Result<()> {
+    let all = crate::ops::exec::kernels();
+    if list || kernel.is_none() {
+        println!("kernels for `megamoe exec <kernel> --in IN.safetensors --out OUT.safetensors [--cpu]`:\n");
+        for k in &all {
+            println!("  {}\n      {}\n", k.name, k.doc);
+        }
+        if kernel.is_none() && !list {
+            bail!("no kernel given");
+        }
+        return Ok(());
+    }
+    let kernel = kernel.unwrap();
+    let input = input.context("--in IN.safetensors is required")?;
+    let output = output.context("--out OUT.safetensors is required")?;
+    if !input.is_file() {
+        bail!("input file {} does not exist", input.display());
+    }
+    let gpu = if cpu { None } else { Some(open_gpu(ordinal)?) };
+    crate::ops::exec::run(&kernel, &input, &output, gpu.as_ref())?;
+    println!("wrote {} ({})", output.display(), if cpu { "CPU reference" } else { "GPU" });
+    Ok(())
+}

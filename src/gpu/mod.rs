@@ -1,0 +1,183 @@
+//! The GPU runtime: device discovery (an error, never a panic, when there is no driver or GPU), one
+//! context and one explicit stream, the registry of embedded kernel modules, typed launch helpers,
+//! CUDA-event timing, CUDA-graph capture and replay, an L2 flush, NVML telemetry and cuBLASLt GEMMs.
+//!
+//! Everything runs on a single non-default stream with cudarc's event tracking disabled (it is disabled
+//! before the first allocation), so launches carry no hidden waits and graph capture sees only our work.
+
+pub mod blas;
+pub mod module;
+pub mod telemetry;
+pub mod timing;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits};
+
+pub use cudarc::driver::PushKernelArg;
+pub use module::{KernelSource, KERNEL_SOURCES};
+
+/// What a `Gpu` knows about its device.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub sm_count: i32,
+    pub l2_bytes: usize,
+    pub total_mem_bytes: usize,
+    pub max_smem_per_block_optin: usize,
+    pub driver_version: Option<i32>,
+}
+
+/// One device, one context, one stream, and the kernel modules loaded so far.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub info: DeviceInfo,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+/// Why no GPU could be opened, in words a user can act on.
+pub fn probe_error() -> Option<String> {
+    // cudarc panics on the first driver call when libcuda cannot be loaded: check first.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Some("no CUDA driver: libcuda.so could not be loaded (is this a machine with an NVIDIA GPU and driver?)".into());
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n >= 1 => None,
+        Ok(_) => Some("the CUDA driver is present but reports no GPU".into()),
+        Err(e) => Some(format!("the CUDA driver is present but cuInit/cuDeviceGetCount failed: {e:?}")),
+    }
+}
+
+impl Gpu {
+    /// Open device `ordinal`: an `Err` with the reason when there is no driver, no device, or it is not Hopper-class.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        if let Some(why) = probe_error() {
+            bail!(why);
+        }
+        let n = CudaContext::device_count().map_err(|e| anyhow!("{e:?}"))? as usize;
+        if ordinal >= n {
+            bail!("GPU {ordinal} requested but only {n} GPU(s) are visible");
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("creating a CUDA context on GPU {ordinal}: {e:?}"))?;
+        // Before any allocation: no per-slice events, no implicit cross-stream waits (DESIGN §6, graph capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| anyhow!("creating a stream: {e:?}"))?;
+        let attr = |a| ctx.attribute(a).map_err(|e| anyhow!("device attribute {a:?}: {e:?}"));
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx.name().map_err(|e| anyhow!("{e:?}"))?,
+            compute_capability: ctx.compute_capability().map_err(|e| anyhow!("{e:?}"))?,
+            sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            l2_bytes: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as usize,
+            total_mem_bytes: ctx.total_mem().map_err(|e| anyhow!("{e:?}"))?,
+            max_smem_per_block_optin: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
+            driver_version: driver_version(),
+        };
+        if info.compute_capability.0 < 9 {
+            bail!(
+                "{} has compute capability {}.{}: megamoe's kernels are built for sm_90a (Hopper)",
+                info.name,
+                info.compute_capability.0,
+                info.compute_capability.1
+            );
+        }
+        Ok(Gpu { ctx, stream, info, modules: Mutex::new(HashMap::new()) })
+    }
+
+    /// A kernel entry point of a kernel family (`kernels/<family>.cu`), loading the module on first use:
+    /// the embedded sm_90a cubin when build.rs had nvcc, else the source compiled by NVRTC.
+    pub fn function(&self, family: &str, name: &str) -> Result<CudaFunction> {
+        let module = self.module(family)?;
+        module
+            .load_function(name)
+            .map_err(|e| anyhow!("kernel `{name}` not found in module `{family}`: {e:?}"))
+    }
+
+    fn module(&self, family: &str) -> Result<Arc<CudaModule>> {
+        let src = module::find(family)?;
+        let mut map = self.modules.lock().unwrap();
+        if let Some(m) = map.get(src.name) {
+            return Ok(m.clone());
+        }
+        let m = module::load(&self.ctx, src).with_context(|| format!("loading kernel module `{family}`"))?;
+        map.insert(src.name, m.clone());
+        Ok(m)
+    }
+
+    /// Copy a host slice to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(host).map_err(|e| anyhow!("host->device copy of {} elements: {e:?}", host.len()))
+    }
+
+    /// Copy a device buffer back (waits for the stream).
+    pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream.clone_dtoh(dev).map_err(|e| anyhow!("device->host copy: {e:?}"))
+    }
+
+    /// A zero-filled device buffer.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        self.stream.alloc_zeros::<T>(n).map_err(|e| anyhow!("allocating {n} elements: {e:?}"))
+    }
+
+    /// A device buffer filled with the byte `pattern` (use 0xFF to poison outputs: NaN in f32/bf16/e4m3).
+    pub fn poisoned<T: DeviceRepr>(&self, n: usize, pattern: u8) -> Result<CudaSlice<T>> {
+        let mut s = unsafe { self.stream.alloc::<T>(n) }.map_err(|e| anyhow!("allocating {n} elements: {e:?}"))?;
+        self.fill_bytes(&mut s, pattern)?;
+        Ok(s)
+    }
+
+    /// Fill a buffer's bytes with `pattern` (cuMemsetD8Async on our stream).
+    pub fn fill_bytes<T: DeviceRepr>(&self, s: &mut CudaSlice<T>, pattern: u8) -> Result<()> {
+        use cudarc::driver::DevicePtrMut;
+        let bytes = s.num_bytes();
+        let (ptr, _guard) = s.device_ptr_mut(&self.stream);
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, pattern, bytes, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("memset: {e:?}"))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| anyhow!("stream synchronize (a kernel failed?): {e:?}"))
+    }
+}
+
+fn driver_version() -> Option<i32> {
+    let mut v = 0i32;
+    let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(v)
+}
+
+/// For GPU tests: the GPU, or `None` after printing `SKIP <test>: <reason>`. With `REQUIRE_GPU=1` a missing
+/// GPU is a test failure instead (the GPU machine sets it so that no GPU test can pass by skipping).
+pub fn gpu_for_test(test: &str) -> Option<Gpu> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var("REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("REQUIRE_GPU=1 but no GPU for {test}: {e:#}");
+            }
+            eprintln!("SKIP {test}: {e:#}");
+            None
+        }
+    }
+}
+
+/// A 1-D launch over `n` items with `block` threads per block.
+pub fn grid_1d(n: usize, block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Launch config with an explicit grid, block and dynamic shared memory.
+pub fn launch_cfg(grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: smem }
+}
+
+/// Map a cudarc driver error (which is not `std::error::Error`-friendly everywhere) into anyhow.
+pub fn drv<T>(r: std::result::Result<T, cudarc::driver::DriverError>, what: &str) -> Result<T> {
+    r.map_err(|e| anyhow!("{what}: {e:?}"))
+}

@@ -1,0 +1,92 @@
+//! Device-time measurement: CUDA events around each repetition (after warm-up), an optional L2 flush
+//! outside the timed region, and CUDA-graph capture + replay for launch-overhead-free timing (DESIGN §6).
+
+use anyhow::{anyhow, Result};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
+
+use super::Gpu;
+
+/// How to time a piece of GPU work.
+#[derive(Debug, Clone, Copy)]
+pub struct TimingPlan {
+    pub warmup: usize,
+    pub reps: usize,
+    /// Evict L2 before every repetition (outside the timed events).
+    pub flush_l2: bool,
+}
+
+impl Default for TimingPlan {
+    fn default() -> Self {
+        TimingPlan { warmup: 5, reps: 50, flush_l2: true }
+    }
+}
+
+/// A buffer twice the size of L2; writing it evicts whatever a kernel could reuse from L2.
+pub struct L2Flush {
+    buf: CudaSlice<u8>,
+}
+
+impl L2Flush {
+    pub fn new(gpu: &Gpu) -> Result<L2Flush> {
+        let bytes = (gpu.info.l2_bytes * 2).max(128 << 20);
+        Ok(L2Flush { buf: gpu.zeros::<u8>(bytes)? })
+    }
+    pub fn flush(&mut self, gpu: &Gpu) -> Result<()> {
+        gpu.fill_bytes(&mut self.buf, 0x5A)
+    }
+}
+
+impl Gpu {
+    /// Time `work` (which enqueues launches on `self.stream`) with one event pair per repetition.
+    /// Returns one sample per repetition, in microseconds.
+    pub fn time_us(&self, plan: TimingPlan, mut work: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        let mut flush = if plan.flush_l2 { Some(L2Flush::new(self)?) } else { None };
+        for _ in 0..plan.warmup {
+            work()?;
+        }
+        self.synchronize()?;
+        let ev = || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| anyhow!("event: {e:?}"));
+        let mut pairs = Vec::with_capacity(plan.reps);
+        for _ in 0..plan.reps {
+            if let Some(f) = flush.as_mut() {
+                f.flush(self)?;
+            }
+            let (a, b) = (ev()?, ev()?);
+            a.record(&self.stream).map_err(|e| anyhow!("{e:?}"))?;
+            work()?;
+            b.record(&self.stream).map_err(|e| anyhow!("{e:?}"))?;
+            pairs.push((a, b));
+        }
+        self.synchronize()?;
+        pairs
+            .iter()
+            .map(|(a, b)| a.elapsed_ms(b).map(|ms| ms as f64 * 1e3).map_err(|e| anyhow!("elapsed: {e:?}")))
+            .collect()
+    }
+
+    /// Capture `work` into a CUDA graph (thread-local capture mode on our stream).
+    pub fn capture(&self, work: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| anyhow!("begin capture: {e:?}"))?;
+        let r = work();
+        let g = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| anyhow!("end capture: {e:?}"))?;
+        r?;
+        let g = g.ok_or_else(|| anyhow!("graph capture recorded no work"))?;
+        g.upload().map_err(|e| anyhow!("graph upload: {e:?}"))?;
+        Ok(g)
+    }
+
+    /// Time replays of a captured graph: `inner` replays between each event pair, sample = time / inner.
+    pub fn time_graph_us(&self, graph: &CudaGraph, plan: TimingPlan, inner: usize) -> Result<Vec<f64>> {
+        let inner = inner.max(1);
+        self.time_us(plan, || {
+            for _ in 0..inner {
+                graph.launch().map_err(|e| anyhow!("graph launch: {e:?}"))?;
+            }
+            Ok(())
+        })
+        .map(|v| v.into_iter().map(|us| us / inner as f64).collect())
+    }
+}
