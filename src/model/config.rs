@@ -427,6 +427,21 @@ impl ModelConfig {
                 c.head_dim - c.rope_head_dim
             );
         }
+        // Activations are FP8-quantized per 128 channels at every FP8/FP4 linear input.
+        for (n, v) in [
+            ("dim", c.dim),
+            ("q_lora_rank", c.q_lora_rank),
+            ("moe_inter_dim", c.moe_inter_dim),
+            ("o_groups * o_lora_rank", c.o_groups * c.o_lora_rank),
+            ("head_dim", c.head_dim),
+        ] {
+            if !v.is_multiple_of(128) {
+                bail!(
+                    "model config {}: {n} = {v} is not a multiple of 128 (FP8 activation blocks)",
+                    c.name
+                );
+            }
+        }
         if !c.index_head_dim.is_power_of_two() || !c.index_head_dim.is_multiple_of(32) {
             bail!(
                 "model config {}: index_head_dim {} must be a power of two >= 32",

@@ -2,7 +2,7 @@
 //! FP8/FP4 quantization of arch §2, the Walsh-Hadamard transform, RoPE/YaRN tables, and a threaded
 //! mat-vec. Every function states the rounding it performs.
 
-use super::codecs::{e2m1, e4m3, ue8m0};
+use anyhow::Result;
 use half::bf16;
 
 /// Rounds an f32 to the nearest BF16 (ties to even) and back: the reference's BF16 storage points.
@@ -34,38 +34,25 @@ pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
     (1.0 / ((ss / x.len() as f64) + eps as f64).sqrt()) as f32
 }
 
-/// FP8 e4m3 simulated quantization in place, per `block` contiguous values: scale = 2^ceil(log2(amax/448))
-/// with amax floored at 1e-4 (arch §2), value -> e4m3(value/scale) * scale (clamped to ±448 by the
-/// saturating encoder). Scale power of two => value/scale and the final product are exact in f32.
-pub fn fp8_sim_inplace(x: &mut [f32], block: usize) {
-    for chunk in x.chunks_mut(block) {
-        let amax = chunk.iter().fold(0f32, |a, &v| a.max(v.abs())).max(1e-4);
-        let scale = ue8m0::decode(ue8m0::pow2_scale_for(amax, 448.0));
-        for v in chunk.iter_mut() {
-            *v = e4m3::decode(e4m3::encode_rne(*v / scale)) * scale;
-        }
-    }
+/// FP8 e4m3 simulated quantization in place, per `block` contiguous values (arch §2): the DSV4 rule of
+/// [`crate::formats::fp8::fp8_sim`] (scale 2^ceil(log2(amax/448)), amax floored at 1e-4, real e4m3
+/// round trip). Non-finite input is an error.
+pub fn fp8_sim_inplace(x: &mut [f32], block: usize) -> Result<()> {
+    crate::formats::fp8::fp8_sim(x, block)
 }
 
-/// FP4 e2m1 simulated quantization in place, per `block` values: scale = 2^ceil(log2(amax/6)), amax
-/// floored at 6 * 2^-126, clamp ±6, round to e2m1 (arch §2).
-pub fn fp4_sim_inplace(x: &mut [f32], block: usize) {
-    let floor = 6.0 * 2f32.powi(-126);
-    for chunk in x.chunks_mut(block) {
-        let amax = chunk.iter().fold(0f32, |a, &v| a.max(v.abs())).max(floor);
-        let scale = ue8m0::decode(ue8m0::pow2_scale_for(amax, 6.0));
-        for v in chunk.iter_mut() {
-            *v = e2m1::decode(e2m1::encode_rne(*v / scale)) * scale;
-        }
-    }
+/// FP4 e2m1 simulated quantization in place, per `block` values: [`crate::formats::mxfp4::fp4_sim`]
+/// (scale 2^ceil(log2(amax/6)), amax floored at 6 * 2^-126).
+pub fn fp4_sim_inplace(x: &mut [f32], block: usize) -> Result<()> {
+    crate::formats::mxfp4::fp4_sim(x, block)
 }
 
 /// The activation side of an FP8 (or FP4-weight) linear: BF16 input quantized per 128 channels to e4m3
 /// with a power-of-two scale; returns the dequantized values (exact products code * 2^k).
-pub fn fp8_act_quant(x: &[f32]) -> Vec<f32> {
+pub fn fp8_act_quant(x: &[f32]) -> Result<Vec<f32>> {
     let mut q = x.to_vec();
-    fp8_sim_inplace(&mut q, 128);
-    q
+    fp8_sim_inplace(&mut q, 128)?;
+    Ok(q)
 }
 
 /// Orthonormal Walsh-Hadamard transform in natural (Sylvester) order, scaled by 1/sqrt(n); n a power of

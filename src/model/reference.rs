@@ -339,7 +339,7 @@ impl Model {
     // ---- linears -------------------------------------------------------------------------------
 
     fn fp8_linear(&self, name: &str, x: &[f32]) -> Result<Vec<f32>> {
-        let mut y = self.weights.matvec(name, &fp8_act_quant(x))?;
+        let mut y = self.weights.matvec(name, &fp8_act_quant(x)?)?;
         bf16_round_slice(&mut y);
         Ok(y)
     }
@@ -465,7 +465,7 @@ impl Model {
         );
         rope.apply(&mut kv[nope..], t, false);
         bf16_round_slice(&mut kv[nope..]);
-        fp8_sim_inplace(&mut kv[..nope], 64);
+        fp8_sim_inplace(&mut kv[..nope], 64)?;
 
         let indexer = if matches!(cfg.layer_kind(layer), LayerKind::Csa { .. }) {
             let di = cfg.index_head_dim;
@@ -477,7 +477,7 @@ impl Model {
                 bf16_round_slice(&mut qh[di - rd..]);
                 hadamard_inplace(qh);
                 bf16_round_slice(qh);
-                fp4_sim_inplace(qh, 32);
+                fp4_sim_inplace(qh, 32)?;
             }
             let mut w = self.bf16_linear(&format!("{p}.indexer.weights_proj.weight"), a)?;
             let s = 1.0 / ((di * cfg.index_n_heads) as f32).sqrt();
@@ -542,11 +542,11 @@ impl Model {
         self.ropes[layer].apply(&mut k[dc - rd..], j * m, false);
         bf16_round_slice(&mut k[dc - rd..]);
         match which {
-            Which::Main => fp8_sim_inplace(&mut k[..cfg.nope_dim()], 64),
+            Which::Main => fp8_sim_inplace(&mut k[..cfg.nope_dim()], 64)?,
             Which::Indexer => {
                 hadamard_inplace(&mut k);
                 bf16_round_slice(&mut k);
-                fp4_sim_inplace(&mut k, 32);
+                fp4_sim_inplace(&mut k, 32)?;
             }
         }
         Ok(k)
@@ -687,7 +687,7 @@ impl Model {
     /// MoE output for one token: Σ routed (f32) + shared, rounded to BF16.
     fn moe(&self, layer: usize, f: &[f32], routing: &Routing) -> Result<Vec<f32>> {
         let cfg = self.config();
-        let f_q = fp8_act_quant(f);
+        let f_q = fp8_act_quant(f)?;
         let mut y = vec![0f32; cfg.dim];
         for (&e, &w) in routing.experts.iter().zip(&routing.weights) {
             let ye = self.expert(&format!("layers.{layer}.ffn.experts.{e}"), &f_q, w)?;
