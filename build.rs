@@ -24,7 +24,9 @@ fn find_nvcc() -> Option<PathBuf> {
         }
     }
     let path = env::var_os("PATH")?;
-    env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file())
+    env::split_paths(&path)
+        .map(|d| d.join("nvcc"))
+        .find(|p| p.is_file())
 }
 
 /// Inline local `#include "x.cuh"` lines (relative to kernels/ and kernels/common/) so the NVRTC fallback
@@ -61,7 +63,13 @@ fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let kdir = manifest.join("kernels");
     println!("cargo::rerun-if-changed=kernels");
-    for v in ["NVCC", "CUDA_HOME", "PATH", "REQUIRE_CUBIN", "MEGAMOE_NVCC_FLAGS"] {
+    for v in [
+        "NVCC",
+        "CUDA_HOME",
+        "PATH",
+        "REQUIRE_CUBIN",
+        "MEGAMOE_NVCC_FLAGS",
+    ] {
         println!("cargo::rerun-if-env-changed={v}");
     }
     println!("cargo::rustc-check-cfg=cfg(has_cubins)");

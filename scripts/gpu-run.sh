@@ -10,7 +10,7 @@ what="${1:-all}"; shift || true
 out="${OUT:-$(pwd)/gpu-out}"
 work="$(mktemp -d)/h200"
 mkdir -p "$work/tests"
-export REQUIRE_GPU=1 MEGAMOE_GIT_COMMIT="$(head -n1 "$B/COMMIT" 2>/dev/null || echo unknown)"
+export MEGAMOE_BIN="$B/megamoe" REQUIRE_GPU=1 MEGAMOE_GIT_COMMIT="$(head -n1 "$B/COMMIT" 2>/dev/null || echo unknown)"
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
@@ -30,7 +30,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     [ $rc -eq 0 ] || { echo "FAILED: $n (rc $rc)"; status=1; grep -E "panicked|FAILED|failed|SKIP" "$work/tests/$n.log" | head -20; }
   done
 fi
-if [ "$what" = all ] || [ "$what" = stress ]; then
+if { [ "$what" = all ] || [ "$what" = stress ]; } && "$B/megamoe" stress --help >/dev/null 2>&1; then
   step "stress indexer"
   timeout 900 "$B/megamoe" stress indexer --out "$work" 2>&1 | tail -n 20 || status=1
 fi

@@ -5,6 +5,8 @@
 //! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands).
 
 pub mod bench;
+pub mod cli;
 pub mod formats;
 pub mod gpu;
 pub mod model;
+pub mod ops;

@@ -15,8 +15,15 @@ fn bin() -> PathBuf {
 }
 
 fn run(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(bin()).args(args).output().expect("running megamoe");
-    (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+    let o = Command::new(bin())
+        .args(args)
+        .output()
+        .expect("running megamoe");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -34,8 +41,14 @@ fn without_gpu_main_job_and_info_fail_clearly() {
     for args in [&[][..], &["info"][..], &["limits"][..]] {
         let (code, _out, err) = run(args);
         assert_ne!(code, 0, "megamoe {args:?} must exit non-zero without a GPU");
-        assert!(!err.contains("panicked"), "megamoe {args:?} panicked: {err}");
-        assert!(err.contains("needs an NVIDIA Hopper GPU"), "megamoe {args:?}: unclear error: {err}");
+        assert!(
+            !err.contains("panicked"),
+            "megamoe {args:?} panicked: {err}"
+        );
+        assert!(
+            err.contains("needs an NVIDIA Hopper GPU"),
+            "megamoe {args:?}: unclear error: {err}"
+        );
     }
 }
 
@@ -44,7 +57,11 @@ fn kernels_lists_every_family() {
     let (code, out, err) = run(&["kernels"]);
     assert_eq!(code, 0, "{err}");
     for k in megamoe::gpu::KERNEL_SOURCES {
-        assert!(out.contains(k.name), "kernels output lacks {}: {out}", k.name);
+        assert!(
+            out.contains(k.name),
+            "kernels output lacks {}: {out}",
+            k.name
+        );
     }
     assert!(out.contains("nvfp4_quantize_rows_bf16"), "{out}");
 }
@@ -52,10 +69,17 @@ fn kernels_lists_every_family() {
 #[test]
 fn bad_config_is_reported_before_touching_the_gpu() {
     let p = tmp("bad.toml");
-    std::fs::write(&p, "[[sweep]]\nkernel = \"copy\"\naxis = \"bytes\"\nvalues = [\n").unwrap();
+    std::fs::write(
+        &p,
+        "[[sweep]]\nkernel = \"copy\"\naxis = \"bytes\"\nvalues = [\n",
+    )
+    .unwrap();
     let (code, _o, err) = run(&["bench", "--config", p.to_str().unwrap()]);
     assert_ne!(code, 0);
-    assert!(err.contains("bad.toml"), "error should name the file: {err}");
+    assert!(
+        err.contains("bad.toml"),
+        "error should name the file: {err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
     let (code, _o, err) = run(&["bench", "--config", "/nonexistent/x.toml"]);
     assert_ne!(code, 0);
@@ -72,7 +96,15 @@ fn exec_cpu_round_trip_and_bad_tensors() {
     let inp = tmp("x.safetensors");
     write_safetensors(&inp, &m).unwrap();
     let q = tmp("q.safetensors");
-    let (code, _o, err) = run(&["exec", "nvfp4_quantize_rows", "--in", inp.to_str().unwrap(), "--out", q.to_str().unwrap(), "--cpu"]);
+    let (code, _o, err) = run(&[
+        "exec",
+        "nvfp4_quantize_rows",
+        "--in",
+        inp.to_str().unwrap(),
+        "--out",
+        q.to_str().unwrap(),
+        "--cpu",
+    ]);
     assert_eq!(code, 0, "{err}");
     let out = read_safetensors(&q).unwrap();
     let expect = megamoe::formats::nvfp4::quantize_rows(&x, rows, cols).unwrap();
@@ -81,7 +113,15 @@ fn exec_cpu_round_trip_and_bad_tensors() {
     assert_eq!(out["global_scale"].shape, vec![rows]);
     // dequantize the file we just wrote
     let y = tmp("y.safetensors");
-    let (code, _o, err) = run(&["exec", "nvfp4_dequantize_rows", "--in", q.to_str().unwrap(), "--out", y.to_str().unwrap(), "--cpu"]);
+    let (code, _o, err) = run(&[
+        "exec",
+        "nvfp4_dequantize_rows",
+        "--in",
+        q.to_str().unwrap(),
+        "--out",
+        y.to_str().unwrap(),
+        "--cpu",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(read_safetensors(&y).unwrap()["y"].shape, vec![rows, cols]);
 
@@ -90,14 +130,37 @@ fn exec_cpu_round_trip_and_bad_tensors() {
     bad.insert("y".into(), HostTensor::from_f32(vec![rows, cols], &x));
     let p = tmp("bad_name.safetensors");
     write_safetensors(&p, &bad).unwrap();
-    let (code, _o, err) = run(&["exec", "nvfp4_quantize_rows", "--in", p.to_str().unwrap(), "--out", tmp("o1.safetensors").to_str().unwrap(), "--cpu"]);
+    let (code, _o, err) = run(&[
+        "exec",
+        "nvfp4_quantize_rows",
+        "--in",
+        p.to_str().unwrap(),
+        "--out",
+        tmp("o1.safetensors").to_str().unwrap(),
+        "--cpu",
+    ]);
     assert_ne!(code, 0);
     assert!(err.contains("needs an input tensor `x`"), "{err}");
     let mut bad = TensorMap::new();
-    bad.insert("x".into(), HostTensor::from_u8(safetensors::Dtype::U8, vec![rows, cols], vec![1; rows * cols]));
+    bad.insert(
+        "x".into(),
+        HostTensor::from_u8(
+            safetensors::Dtype::U8,
+            vec![rows, cols],
+            vec![1; rows * cols],
+        ),
+    );
     let p = tmp("bad_dtype.safetensors");
     write_safetensors(&p, &bad).unwrap();
-    let (code, _o, err) = run(&["exec", "nvfp4_quantize_rows", "--in", p.to_str().unwrap(), "--out", tmp("o2.safetensors").to_str().unwrap(), "--cpu"]);
+    let (code, _o, err) = run(&[
+        "exec",
+        "nvfp4_quantize_rows",
+        "--in",
+        p.to_str().unwrap(),
+        "--out",
+        tmp("o2.safetensors").to_str().unwrap(),
+        "--cpu",
+    ]);
     assert_ne!(code, 0);
     assert!(err.contains("dtype"), "{err}");
     let mut bad = TensorMap::new();
@@ -105,18 +168,42 @@ fn exec_cpu_round_trip_and_bad_tensors() {
     let p = tmp("bad_shape.safetensors");
     write_safetensors(&p, &bad).unwrap();
     let o3 = tmp("o3.safetensors");
-    let (code, _o, err) = run(&["exec", "nvfp4_quantize_rows", "--in", p.to_str().unwrap(), "--out", o3.to_str().unwrap(), "--cpu"]);
+    let (code, _o, err) = run(&[
+        "exec",
+        "nvfp4_quantize_rows",
+        "--in",
+        p.to_str().unwrap(),
+        "--out",
+        o3.to_str().unwrap(),
+        "--cpu",
+    ]);
     assert_ne!(code, 0);
     assert!(err.contains("multiple of 16"), "{err}");
     assert!(!o3.exists(), "no output may be written on error");
-    let (code, _o, err) = run(&["exec", "nvfp4_quantize_rows", "--in", "/nonexistent.safetensors", "--out", "/tmp/x.safetensors", "--cpu"]);
+    let (code, _o, err) = run(&[
+        "exec",
+        "nvfp4_quantize_rows",
+        "--in",
+        "/nonexistent.safetensors",
+        "--out",
+        "/tmp/x.safetensors",
+        "--cpu",
+    ]);
     assert_ne!(code, 0);
     assert!(err.contains("does not exist"), "{err}");
     // a truncated file
     let bytes = std::fs::read(&inp).unwrap();
     let p = tmp("truncated.safetensors");
     std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
-    let (code, _o, err) = run(&["exec", "nvfp4_quantize_rows", "--in", p.to_str().unwrap(), "--out", tmp("o4.safetensors").to_str().unwrap(), "--cpu"]);
+    let (code, _o, err) = run(&[
+        "exec",
+        "nvfp4_quantize_rows",
+        "--in",
+        p.to_str().unwrap(),
+        "--out",
+        tmp("o4.safetensors").to_str().unwrap(),
+        "--cpu",
+    ]);
     assert_ne!(code, 0);
     assert!(err.contains("not a valid safetensors"), "{err}");
 }

@@ -21,9 +21,11 @@ pub mod csv_out;
 pub mod env;
 pub mod limits;
 pub mod plot;
+pub mod probe;
 pub mod progress;
 pub mod report;
 pub mod row;
+pub mod runner;
 pub mod stats;
 pub mod telemetry;
 

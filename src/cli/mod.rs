@@ -97,7 +97,11 @@ struct BenchArgs {
 /// `results/<slug>` for a GPU name: "NVIDIA H200" -> "h200".
 pub fn gpu_slug(name: &str) -> String {
     let n = name.to_lowercase().replace("nvidia", "");
-    let s: String = n.trim().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
+    let s: String = n
+        .trim()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
     let s = s.trim_matches('-').to_string();
     if s.is_empty() {
         "gpu".into()
@@ -133,7 +137,13 @@ pub fn main() -> Result<()> {
             println!("wrote {}", p.display());
             Ok(())
         }
-        Command::Exec { kernel, input, output, cpu, list } => exec(cli.gpu, kernel, input, output, cpu, list),
+        Command::Exec {
+            kernel,
+            input,
+            output,
+            cpu,
+            list,
+        } => exec(cli.gpu, kernel, input, output, cpu, list),
     }
 }
 
@@ -145,11 +155,23 @@ fn info(ordinal: usize) -> Result<()> {
     let gpu = open_gpu(ordinal)?;
     let i = &gpu.info;
     println!("device        {} (GPU {})", i.name, i.ordinal);
-    println!("compute cap   {}.{}", i.compute_capability.0, i.compute_capability.1);
+    println!(
+        "compute cap   {}.{}",
+        i.compute_capability.0, i.compute_capability.1
+    );
     println!("SMs           {}", i.sm_count);
-    println!("memory        {:.1} GiB", i.total_mem_bytes as f64 / (1u64 << 30) as f64);
-    println!("L2            {:.1} MiB", i.l2_bytes as f64 / (1u64 << 20) as f64);
-    println!("smem/block    {} KiB (opt-in)", i.max_smem_per_block_optin / 1024);
+    println!(
+        "memory        {:.1} GiB",
+        i.total_mem_bytes as f64 / (1u64 << 30) as f64
+    );
+    println!(
+        "L2            {:.1} MiB",
+        i.l2_bytes as f64 / (1u64 << 20) as f64
+    );
+    println!(
+        "smem/block    {} KiB (opt-in)",
+        i.max_smem_per_block_optin / 1024
+    );
     if let Some(v) = i.driver_version {
         println!("CUDA driver   {}.{}", v / 1000, (v % 1000) / 10);
     }
@@ -158,9 +180,20 @@ fn info(ordinal: usize) -> Result<()> {
         let r = t.read();
         let f = |v: Option<String>| v.unwrap_or_else(|| "n/a".into());
         println!("driver        {}", f(r.driver));
-        println!("SM clock      {} MHz (max {})", f(r.sm_clock_mhz.map(|v| v.to_string())), f(r.max_sm_clock_mhz.map(|v| v.to_string())));
-        println!("mem clock     {} MHz", f(r.mem_clock_mhz.map(|v| v.to_string())));
-        println!("power         {} W (limit {})", f(r.power_w.map(|v| format!("{v:.0}"))), f(r.power_limit_w.map(|v| format!("{v:.0}"))));
+        println!(
+            "SM clock      {} MHz (max {})",
+            f(r.sm_clock_mhz.map(|v| v.to_string())),
+            f(r.max_sm_clock_mhz.map(|v| v.to_string()))
+        );
+        println!(
+            "mem clock     {} MHz",
+            f(r.mem_clock_mhz.map(|v| v.to_string()))
+        );
+        println!(
+            "power         {} W (limit {})",
+            f(r.power_w.map(|v| format!("{v:.0}"))),
+            f(r.power_limit_w.map(|v| format!("{v:.0}")))
+        );
         println!("temperature   {} C", f(r.temp_c.map(|v| v.to_string())));
         println!("throttle      {}", f(r.throttle_reasons));
     } else {
@@ -168,26 +201,38 @@ fn info(ordinal: usize) -> Result<()> {
     }
     println!("git commit    {}", crate::bench::env::git_commit());
     for k in module::KERNEL_SOURCES {
-        let how = if k.cubin.is_some() { "sm_90a cubin" } else { "source (NVRTC at run time)" };
+        let how = if k.cubin.is_some() {
+            "sm_90a cubin"
+        } else {
+            "source (NVRTC at run time)"
+        };
         // Loading proves the embedded module matches this device and driver.
         let status = match gpu.function(k.name, k.functions.first().copied().unwrap_or("")) {
             Ok(_) => "loads".to_string(),
             Err(e) => format!("FAILED to load: {e:#}"),
         };
-        println!("kernels       {:<16} {how}, {} entry points, {status}", k.name, k.functions.len());
+        println!(
+            "kernels       {:<16} {how}, {} entry points, {status}",
+            k.name,
+            k.functions.len()
+        );
     }
     Ok(())
 }
 
 fn kernels() -> Result<()> {
-    println!("{:<16} {:<44} {:>5} {:>8} {:>7} {:>7}  source", "family", "entry point", "regs", "smem B", "stack", "spill");
+    println!(
+        "{:<16} {:<44} {:>5} {:>8} {:>7} {:>7}  source",
+        "family", "entry point", "regs", "smem B", "stack", "spill"
+    );
     let mut any_spill = false;
     for (k, fns) in module::inventory() {
         let how = if k.cubin.is_some() { "cubin" } else { "nvrtc" };
         for name in k.functions {
             let p = fns.iter().find(|f| f.name == *name);
             let s = |v: Option<u32>| v.map_or("-".into(), |v| v.to_string());
-            let spill = p.map(|p| p.spill_store_bytes.unwrap_or(0) + p.spill_load_bytes.unwrap_or(0));
+            let spill =
+                p.map(|p| p.spill_store_bytes.unwrap_or(0) + p.spill_load_bytes.unwrap_or(0));
             any_spill |= spill.unwrap_or(0) > 0;
             println!(
                 "{:<16} {:<44} {:>5} {:>8} {:>7} {:>7}  {how}",
@@ -212,11 +257,20 @@ fn kernels() -> Result<()> {
 /// Measure and record the limits (limits.csv, same schema as every sweep).
 pub fn measure_limits(gpu: &Gpu, out: &Path, quick: bool) -> Result<Limits> {
     let cfg = if quick {
-        probe::ProbeConfig { copy_bytes: 256 << 20, gemm_mnk: 4096, reps: 5 }
+        probe::ProbeConfig {
+            copy_bytes: 256 << 20,
+            gemm_mnk: 4096,
+            reps: 5,
+        }
     } else {
         probe::ProbeConfig::default()
     };
-    eprintln!("measuring limits (copy {} MiB, GEMM {}^3, {} reps) ...", cfg.copy_bytes >> 20, cfg.gemm_mnk, cfg.reps);
+    eprintln!(
+        "measuring limits (copy {} MiB, GEMM {}^3, {} reps) ...",
+        cfg.copy_bytes >> 20,
+        cfg.gemm_mnk,
+        cfg.reps
+    );
     let (limits, results) = probe::measure(gpu, cfg, 0x11A175)?;
     let nvml = telemetry::Telemetry::new(gpu.info.ordinal as u32).read();
     let tel = crate::bench::Telemetry {
@@ -228,8 +282,13 @@ pub fn measure_limits(gpu: &Gpu, out: &Path, quick: bool) -> Result<Limits> {
     };
     let mut rows: Vec<Row> = Vec::new();
     for r in &results {
-        println!("{:<12} {:>10.1} {:<7} median {:>9.1} us (p10 {:.1}, p90 {:.1})  {}", r.name, r.value, r.unit, r.us.median, r.us.p10, r.us.p90, r.method);
-        let mut row = Row::new("limits", r.name, &r.method).with_timing(&r.us, cfg.reps as u64).with_telemetry(&tel);
+        println!(
+            "{:<12} {:>10.1} {:<7} median {:>9.1} us (p10 {:.1}, p90 {:.1})  {}",
+            r.name, r.value, r.unit, r.us.median, r.us.p10, r.us.p90, r.method
+        );
+        let mut row = Row::new("limits", r.name, &r.method)
+            .with_timing(&r.us, cfg.reps as u64)
+            .with_telemetry(&tel);
         row = row.with_limits(&limits, crate::bench::MatmulKind::NotMatmul);
         if r.unit == "GB/s" {
             row.gbps = Some(r.value);
@@ -257,9 +316,18 @@ fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
         configs.push(SweepConfig::from_path(p)?);
     }
     if args.all_configs {
-        for dir in [PathBuf::from("bench-configs"), std::env::current_exe()?.with_file_name("bench-configs")] {
+        for dir in [
+            PathBuf::from("bench-configs"),
+            std::env::current_exe()?.with_file_name("bench-configs"),
+        ] {
             if let Ok(rd) = std::fs::read_dir(&dir) {
-                let mut files: Vec<PathBuf> = rd.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "toml") && !p.ends_with("default.toml")).collect();
+                let mut files: Vec<PathBuf> = rd
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| {
+                        p.extension().is_some_and(|e| e == "toml") && !p.ends_with("default.toml")
+                    })
+                    .collect();
                 files.sort();
                 for f in files {
                     configs.push(SweepConfig::from_path(&f)?);
@@ -272,7 +340,12 @@ fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
     let gpu = open_gpu(ordinal)?;
     let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
     let limits = measure_limits(&gpu, &out, false)?;
-    let opts = RunOptions { out_dir: out.clone(), kernels: args.kernel.clone(), reps: args.reps, seed: args.seed };
+    let opts = RunOptions {
+        out_dir: out.clone(),
+        kernels: args.kernel.clone(),
+        reps: args.reps,
+        seed: args.seed,
+    };
     eprintln!("seed {:#x}; results -> {}", args.seed, out.display());
     let mut result = Ok(());
     for c in &configs {
@@ -286,7 +359,14 @@ fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
     result
 }
 
-fn exec(ordinal: usize, kernel: Option<String>, input: Option<PathBuf>, output: Option<PathBuf>, cpu: bool, list: bool) -> Result<()> {
+fn exec(
+    ordinal: usize,
+    kernel: Option<String>,
+    input: Option<PathBuf>,
+    output: Option<PathBuf>,
+    cpu: bool,
+    list: bool,
+) -> Result<()> {
     let all = crate::ops::exec::kernels();
     if list || kernel.is_none() {
         println!("kernels for `megamoe exec <kernel> --in IN.safetensors --out OUT.safetensors [--cpu]`:\n");
@@ -306,6 +386,10 @@ fn exec(ordinal: usize, kernel: Option<String>, input: Option<PathBuf>, output: 
     }
     let gpu = if cpu { None } else { Some(open_gpu(ordinal)?) };
     crate::ops::exec::run(&kernel, &input, &output, gpu.as_ref())?;
-    println!("wrote {} ({})", output.display(), if cpu { "CPU reference" } else { "GPU" });
+    println!(
+        "wrote {} ({})",
+        output.display(),
+        if cpu { "CPU reference" } else { "GPU" }
+    );
     Ok(())
 }

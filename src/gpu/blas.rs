@@ -81,24 +81,54 @@ impl Blas {
         if a.len() < m * k * kind.bytes() || b.len() < n * k * kind.bytes() || d.len() < m * n {
             bail!("gemm_tn: buffers too small for M={m} N={n} K={k}");
         }
-        if kind == GemmInput::Fp8E4m3 && k % 16 != 0 {
+        if kind == GemmInput::Fp8E4m3 && !k.is_multiple_of(16) {
             bail!("FP8 cuBLASLt GEMM needs K % 16 == 0 (K={k})");
         }
         let stream = &gpu.stream;
         unsafe {
             let desc = cb(
-                result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F),
+                result::create_matmul_desc(
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cudaDataType_t::CUDA_R_32F,
+                ),
                 "matmul desc",
             )?;
             let t: i32 = 1;
             let nt: i32 = 0;
-            let set = |attr, v: *const c_void, sz| cb(result::set_matmul_desc_attribute(desc, attr, v, sz), "desc attribute");
+            let set = |attr, v: *const c_void, sz| {
+                cb(
+                    result::set_matmul_desc_attribute(desc, attr, v, sz),
+                    "desc attribute",
+                )
+            };
             // Column-major view: D^T[N,M] = B[N,K] (stored K-major -> op T) x A^T[K,M] (op N).
-            set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &t as *const i32 as _, size_of::<i32>())?;
-            set(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &nt as *const i32 as _, size_of::<i32>())?;
-            let la = cb(result::create_matrix_layout(kind.cuda_type(), k as u64, n as u64, k as i64), "layout B")?;
-            let lb = cb(result::create_matrix_layout(kind.cuda_type(), k as u64, m as u64, k as i64), "layout A")?;
-            let ld = cb(result::create_matrix_layout(sys::cudaDataType_t::CUDA_R_16BF, n as u64, m as u64, n as i64), "layout D")?;
+            set(
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &t as *const i32 as _,
+                size_of::<i32>(),
+            )?;
+            set(
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                &nt as *const i32 as _,
+                size_of::<i32>(),
+            )?;
+            let la = cb(
+                result::create_matrix_layout(kind.cuda_type(), k as u64, n as u64, k as i64),
+                "layout B",
+            )?;
+            let lb = cb(
+                result::create_matrix_layout(kind.cuda_type(), k as u64, m as u64, k as i64),
+                "layout A",
+            )?;
+            let ld = cb(
+                result::create_matrix_layout(
+                    sys::cudaDataType_t::CUDA_R_16BF,
+                    n as u64,
+                    m as u64,
+                    n as i64,
+                ),
+                "layout D",
+            )?;
             let pref = cb(result::create_matmul_pref(), "pref")?;
             let ws = self.workspace.len();
             cb(
@@ -110,7 +140,10 @@ impl Blas {
                 ),
                 "pref workspace",
             )?;
-            let heur = cb(result::get_matmul_algo_heuristic(self.handle, desc, la, lb, ld, ld, pref), "no algorithm for this shape")?;
+            let heur = cb(
+                result::get_matmul_algo_heuristic(self.handle, desc, la, lb, ld, ld, pref),
+                "no algorithm for this shape",
+            )?;
             let beta = 0.0f32;
             let (pa, _ga) = a.device_ptr(stream);
             let (pb, _gb) = b.device_ptr(stream);

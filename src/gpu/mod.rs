@@ -15,7 +15,10 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+    ValidAsZeroBits,
+};
 
 pub use cudarc::driver::PushKernelArg;
 pub use module::{KernelSource, KERNEL_SOURCES};
@@ -50,7 +53,9 @@ pub fn probe_error() -> Option<String> {
     match CudaContext::device_count() {
         Ok(n) if n >= 1 => None,
         Ok(_) => Some("the CUDA driver is present but reports no GPU".into()),
-        Err(e) => Some(format!("the CUDA driver is present but cuInit/cuDeviceGetCount failed: {e:?}")),
+        Err(e) => Some(format!(
+            "the CUDA driver is present but cuInit/cuDeviceGetCount failed: {e:?}"
+        )),
     }
 }
 
@@ -64,11 +69,17 @@ impl Gpu {
         if ordinal >= n {
             bail!("GPU {ordinal} requested but only {n} GPU(s) are visible");
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("creating a CUDA context on GPU {ordinal}: {e:?}"))?;
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| anyhow!("creating a CUDA context on GPU {ordinal}: {e:?}"))?;
         // Before any allocation: no per-slice events, no implicit cross-stream waits (DESIGN §6, graph capture).
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(|e| anyhow!("creating a stream: {e:?}"))?;
-        let attr = |a| ctx.attribute(a).map_err(|e| anyhow!("device attribute {a:?}: {e:?}"));
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| anyhow!("creating a stream: {e:?}"))?;
+        let attr = |a| {
+            ctx.attribute(a)
+                .map_err(|e| anyhow!("device attribute {a:?}: {e:?}"))
+        };
         let info = DeviceInfo {
             ordinal,
             name: ctx.name().map_err(|e| anyhow!("{e:?}"))?,
@@ -76,7 +87,9 @@ impl Gpu {
             sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
             l2_bytes: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as usize,
             total_mem_bytes: ctx.total_mem().map_err(|e| anyhow!("{e:?}"))?,
-            max_smem_per_block_optin: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
+            max_smem_per_block_optin: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )? as usize,
             driver_version: driver_version(),
         };
         if info.compute_capability.0 < 9 {
@@ -87,7 +100,12 @@ impl Gpu {
                 info.compute_capability.1
             );
         }
-        Ok(Gpu { ctx, stream, info, modules: Mutex::new(HashMap::new()) })
+        Ok(Gpu {
+            ctx,
+            stream,
+            info,
+            modules: Mutex::new(HashMap::new()),
+        })
     }
 
     /// A kernel entry point of a kernel family (`kernels/<family>.cu`), loading the module on first use:
@@ -105,29 +123,37 @@ impl Gpu {
         if let Some(m) = map.get(src.name) {
             return Ok(m.clone());
         }
-        let m = module::load(&self.ctx, src).with_context(|| format!("loading kernel module `{family}`"))?;
+        let m = module::load(&self.ctx, src)
+            .with_context(|| format!("loading kernel module `{family}`"))?;
         map.insert(src.name, m.clone());
         Ok(m)
     }
 
     /// Copy a host slice to a new device buffer.
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
-        self.stream.clone_htod(host).map_err(|e| anyhow!("host->device copy of {} elements: {e:?}", host.len()))
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| anyhow!("host->device copy of {} elements: {e:?}", host.len()))
     }
 
     /// Copy a device buffer back (waits for the stream).
     pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
-        self.stream.clone_dtoh(dev).map_err(|e| anyhow!("device->host copy: {e:?}"))
+        self.stream
+            .clone_dtoh(dev)
+            .map_err(|e| anyhow!("device->host copy: {e:?}"))
     }
 
     /// A zero-filled device buffer.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
-        self.stream.alloc_zeros::<T>(n).map_err(|e| anyhow!("allocating {n} elements: {e:?}"))
+        self.stream
+            .alloc_zeros::<T>(n)
+            .map_err(|e| anyhow!("allocating {n} elements: {e:?}"))
     }
 
     /// A device buffer filled with the byte `pattern` (use 0xFF to poison outputs: NaN in f32/bf16/e4m3).
     pub fn poisoned<T: DeviceRepr>(&self, n: usize, pattern: u8) -> Result<CudaSlice<T>> {
-        let mut s = unsafe { self.stream.alloc::<T>(n) }.map_err(|e| anyhow!("allocating {n} elements: {e:?}"))?;
+        let mut s = unsafe { self.stream.alloc::<T>(n) }
+            .map_err(|e| anyhow!("allocating {n} elements: {e:?}"))?;
         self.fill_bytes(&mut s, pattern)?;
         Ok(s)
     }
@@ -137,12 +163,16 @@ impl Gpu {
         use cudarc::driver::DevicePtrMut;
         let bytes = s.num_bytes();
         let (ptr, _guard) = s.device_ptr_mut(&self.stream);
-        unsafe { cudarc::driver::result::memset_d8_async(ptr, pattern, bytes, self.stream.cu_stream()) }
-            .map_err(|e| anyhow!("memset: {e:?}"))
+        unsafe {
+            cudarc::driver::result::memset_d8_async(ptr, pattern, bytes, self.stream.cu_stream())
+        }
+        .map_err(|e| anyhow!("memset: {e:?}"))
     }
 
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(|e| anyhow!("stream synchronize (a kernel failed?): {e:?}"))
+        self.stream
+            .synchronize()
+            .map_err(|e| anyhow!("stream synchronize (a kernel failed?): {e:?}"))
     }
 }
 
@@ -169,15 +199,38 @@ pub fn gpu_for_test(test: &str) -> Option<Gpu> {
 
 /// A 1-D launch over `n` items with `block` threads per block.
 pub fn grid_1d(n: usize, block: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Launch config with an explicit grid, block and dynamic shared memory.
 pub fn launch_cfg(grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: smem }
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: block,
+        shared_mem_bytes: smem,
+    }
 }
 
 /// Map a cudarc driver error (which is not `std::error::Error`-friendly everywhere) into anyhow.
 pub fn drv<T>(r: std::result::Result<T, cudarc::driver::DriverError>, what: &str) -> Result<T> {
     r.map_err(|e| anyhow!("{what}: {e:?}"))
+}
+
+/// Launch a kernel whose arguments were pushed onto `args`, naming it in the error.
+///
+/// # Safety
+/// The pushed arguments must match the kernel's parameter list and the buffers must be large enough for
+/// the launch geometry: the launchers check shapes before calling this.
+pub unsafe fn launch(
+    mut args: cudarc::driver::LaunchArgs<'_>,
+    cfg: LaunchConfig,
+    what: &str,
+) -> Result<()> {
+    args.launch(cfg)
+        .map(|_| ())
+        .map_err(|e| anyhow!("launching {what}: {e:?}"))
 }

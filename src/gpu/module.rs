@@ -22,10 +22,13 @@ include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
 /// The family named `family`, or an error listing the known ones.
 pub fn find(family: &str) -> Result<&'static KernelSource> {
-    KERNEL_SOURCES.iter().find(|k| k.name == family).ok_or_else(|| {
-        let names: Vec<_> = KERNEL_SOURCES.iter().map(|k| k.name).collect();
-        anyhow!("no kernel family `{family}` (known: {})", names.join(", "))
-    })
+    KERNEL_SOURCES
+        .iter()
+        .find(|k| k.name == family)
+        .ok_or_else(|| {
+            let names: Vec<_> = KERNEL_SOURCES.iter().map(|k| k.name).collect();
+            anyhow!("no kernel family `{family}` (known: {})", names.join(", "))
+        })
 }
 
 /// Load a family into the context: the cubin if embedded, else NVRTC (needs libnvrtc and CUDA headers).
@@ -50,7 +53,8 @@ pub fn load(ctx: &Arc<CudaContext>, src: &KernelSource) -> Result<Arc<CudaModule
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(src.source, opts)
         .map_err(|e| anyhow!("NVRTC failed on `{}`: {e:?}", src.name))?;
-    ctx.load_module(ptx).map_err(|e| anyhow!("loading NVRTC output of `{}`: {e:?}", src.name))
+    ctx.load_module(ptx)
+        .map_err(|e| anyhow!("loading NVRTC output of `{}`: {e:?}", src.name))
 }
 
 /// Per-function resources read from a ptxas report (`-Xptxas -v`).
@@ -72,13 +76,20 @@ pub fn parse_ptxas(report: &str) -> Vec<PtxasFunction> {
         if let Some(i) = line.find("Compiling entry function '") {
             let rest = &line[i + 26..];
             let name = rest.split('\'').next().unwrap_or("").to_string();
-            out.push(PtxasFunction { name, ..Default::default() });
+            out.push(PtxasFunction {
+                name,
+                ..Default::default()
+            });
             continue;
         }
         let Some(cur) = out.last_mut() else { continue };
         let num_before = |s: &str, key: &str| -> Option<u32> {
             let i = s.find(key)?;
-            s[..i].split(|c: char| !c.is_ascii_digit()).filter(|t| !t.is_empty()).last()?.parse().ok()
+            s[..i]
+                .split(|c: char| !c.is_ascii_digit())
+                .rfind(|t| !t.is_empty())?
+                .parse()
+                .ok()
         };
         if line.contains("stack frame") {
             cur.stack_bytes = num_before(line, "bytes stack frame");
@@ -96,5 +107,8 @@ pub fn parse_ptxas(report: &str) -> Vec<PtxasFunction> {
 /// Mangled-name-free check: the functions of every family, with their ptxas resources (None when built
 /// without nvcc).
 pub fn inventory() -> Vec<(&'static KernelSource, Vec<PtxasFunction>)> {
-    KERNEL_SOURCES.iter().map(|k| (k, parse_ptxas(k.ptxas_report))).collect()
+    KERNEL_SOURCES
+        .iter()
+        .map(|k| (k, parse_ptxas(k.ptxas_report)))
+        .collect()
 }

@@ -26,7 +26,10 @@ pub struct Telemetry {
 
 impl Telemetry {
     pub fn new(index: u32) -> Telemetry {
-        Telemetry { nvml: Nvml::init().ok(), index }
+        Telemetry {
+            nvml: Nvml::init().ok(),
+            index,
+        }
     }
 
     pub fn available(&self) -> bool {
@@ -34,8 +37,12 @@ impl Telemetry {
     }
 
     pub fn read(&self) -> Reading {
-        let Some(nvml) = &self.nvml else { return Reading::default() };
-        let Ok(d) = nvml.device_by_index(self.index) else { return Reading::default() };
+        let Some(nvml) = &self.nvml else {
+            return Reading::default();
+        };
+        let Ok(d) = nvml.device_by_index(self.index) else {
+            return Reading::default();
+        };
         Reading {
             gpu: d.name().ok(),
             sm_clock_mhz: d.clock_info(Clock::SM).ok(),

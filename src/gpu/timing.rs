@@ -18,7 +18,11 @@ pub struct TimingPlan {
 
 impl Default for TimingPlan {
     fn default() -> Self {
-        TimingPlan { warmup: 5, reps: 50, flush_l2: true }
+        TimingPlan {
+            warmup: 5,
+            reps: 50,
+            flush_l2: true,
+        }
     }
 }
 
@@ -30,7 +34,9 @@ pub struct L2Flush {
 impl L2Flush {
     pub fn new(gpu: &Gpu) -> Result<L2Flush> {
         let bytes = (gpu.info.l2_bytes * 2).max(128 << 20);
-        Ok(L2Flush { buf: gpu.zeros::<u8>(bytes)? })
+        Ok(L2Flush {
+            buf: gpu.zeros::<u8>(bytes)?,
+        })
     }
     pub fn flush(&mut self, gpu: &Gpu) -> Result<()> {
         gpu.fill_bytes(&mut self.buf, 0x5A)
@@ -40,13 +46,25 @@ impl L2Flush {
 impl Gpu {
     /// Time `work` (which enqueues launches on `self.stream`) with one event pair per repetition.
     /// Returns one sample per repetition, in microseconds.
-    pub fn time_us(&self, plan: TimingPlan, mut work: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
-        let mut flush = if plan.flush_l2 { Some(L2Flush::new(self)?) } else { None };
+    pub fn time_us(
+        &self,
+        plan: TimingPlan,
+        mut work: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
+        let mut flush = if plan.flush_l2 {
+            Some(L2Flush::new(self)?)
+        } else {
+            None
+        };
         for _ in 0..plan.warmup {
             work()?;
         }
         self.synchronize()?;
-        let ev = || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| anyhow!("event: {e:?}"));
+        let ev = || {
+            self.ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| anyhow!("event: {e:?}"))
+        };
         let mut pairs = Vec::with_capacity(plan.reps);
         for _ in 0..plan.reps {
             if let Some(f) = flush.as_mut() {
@@ -61,7 +79,11 @@ impl Gpu {
         self.synchronize()?;
         pairs
             .iter()
-            .map(|(a, b)| a.elapsed_ms(b).map(|ms| ms as f64 * 1e3).map_err(|e| anyhow!("elapsed: {e:?}")))
+            .map(|(a, b)| {
+                a.elapsed_ms(b)
+                    .map(|ms| ms as f64 * 1e3)
+                    .map_err(|e| anyhow!("elapsed: {e:?}"))
+            })
             .collect()
     }
 
@@ -71,7 +93,10 @@ impl Gpu {
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| anyhow!("begin capture: {e:?}"))?;
         let r = work();
-        let g = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| anyhow!("end capture: {e:?}"))?;
+        let g = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(|e| anyhow!("end capture: {e:?}"))?;
         r?;
         let g = g.ok_or_else(|| anyhow!("graph capture recorded no work"))?;
         g.upload().map_err(|e| anyhow!("graph upload: {e:?}"))?;
@@ -79,7 +104,12 @@ impl Gpu {
     }
 
     /// Time replays of a captured graph: `inner` replays between each event pair, sample = time / inner.
-    pub fn time_graph_us(&self, graph: &CudaGraph, plan: TimingPlan, inner: usize) -> Result<Vec<f64>> {
+    pub fn time_graph_us(
+        &self,
+        graph: &CudaGraph,
+        plan: TimingPlan,
+        inner: usize,
+    ) -> Result<Vec<f64>> {
         let inner = inner.max(1);
         self.time_us(plan, || {
             for _ in 0..inner {

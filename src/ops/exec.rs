@@ -22,20 +22,36 @@ pub type TensorMap = BTreeMap<String, HostTensor>;
 
 impl HostTensor {
     pub fn from_f32(shape: Vec<usize>, v: &[f32]) -> HostTensor {
-        HostTensor { dtype: Dtype::F32, shape, bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect() }
+        HostTensor {
+            dtype: Dtype::F32,
+            shape,
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
     }
     pub fn from_bf16(shape: Vec<usize>, v: &[half::bf16]) -> HostTensor {
-        HostTensor { dtype: Dtype::BF16, shape, bytes: v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect() }
+        HostTensor {
+            dtype: Dtype::BF16,
+            shape,
+            bytes: v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        }
     }
     pub fn from_u8(dtype: Dtype, shape: Vec<usize>, v: Vec<u8>) -> HostTensor {
-        HostTensor { dtype, shape, bytes: v }
+        HostTensor {
+            dtype,
+            shape,
+            bytes: v,
+        }
     }
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         match self.dtype {
-            Dtype::F32 => Ok(self.bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            Dtype::F32 => Ok(self
+                .bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()),
             Dtype::BF16 => Ok(self
                 .bytes
                 .chunks_exact(2)
@@ -49,10 +65,18 @@ impl HostTensor {
 /// Read every tensor of a safetensors file.
 pub fn read_safetensors(path: &Path) -> Result<TensorMap> {
     let buf = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let st = SafeTensors::deserialize(&buf).map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?;
+    let st = SafeTensors::deserialize(&buf)
+        .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?;
     let mut map = TensorMap::new();
     for (name, view) in st.tensors() {
-        map.insert(name, HostTensor { dtype: view.dtype(), shape: view.shape().to_vec(), bytes: view.data().to_vec() });
+        map.insert(
+            name,
+            HostTensor {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                bytes: view.data().to_vec(),
+            },
+        );
     }
     Ok(map)
 }
@@ -61,11 +85,17 @@ pub fn read_safetensors(path: &Path) -> Result<TensorMap> {
 pub fn write_safetensors(path: &Path, tensors: &TensorMap) -> Result<()> {
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
-        .map(|(n, t)| Ok((n.clone(), safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?)))
+        .map(|(n, t)| {
+            Ok((
+                n.clone(),
+                safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?,
+            ))
+        })
         .collect::<Result<_, safetensors::SafeTensorError>>()
         .map_err(|e| anyhow::anyhow!("building output tensors: {e}"))?;
     let tmp = path.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, None, &tmp).map_err(|e| anyhow::anyhow!("writing {}: {e}", tmp.display()))?;
+    safetensors::serialize_to_file(views, None, &tmp)
+        .map_err(|e| anyhow::anyhow!("writing {}: {e}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
     Ok(())
 }
@@ -79,14 +109,32 @@ pub fn input<'a>(
     shape: &[Option<usize>],
 ) -> Result<&'a HostTensor> {
     let t = inputs.get(name).with_context(|| {
-        format!("`{kernel}` needs an input tensor `{name}`; the file has: {}", inputs.keys().cloned().collect::<Vec<_>>().join(", "))
+        format!(
+            "`{kernel}` needs an input tensor `{name}`; the file has: {}",
+            inputs.keys().cloned().collect::<Vec<_>>().join(", ")
+        )
     })?;
     if !dtypes.contains(&t.dtype) {
-        bail!("`{kernel}`: tensor `{name}` has dtype {:?}, expected one of {dtypes:?}", t.dtype);
+        bail!(
+            "`{kernel}`: tensor `{name}` has dtype {:?}, expected one of {dtypes:?}",
+            t.dtype
+        );
     }
-    if t.shape.len() != shape.len() || t.shape.iter().zip(shape).any(|(a, b)| b.is_some_and(|b| b != *a)) {
-        let want: Vec<String> = shape.iter().map(|d| d.map_or("*".into(), |d| d.to_string())).collect();
-        bail!("`{kernel}`: tensor `{name}` has shape {:?}, expected [{}]", t.shape, want.join(", "));
+    if t.shape.len() != shape.len()
+        || t.shape
+            .iter()
+            .zip(shape)
+            .any(|(a, b)| b.is_some_and(|b| b != *a))
+    {
+        let want: Vec<String> = shape
+            .iter()
+            .map(|d| d.map_or("*".into(), |d| d.to_string()))
+            .collect();
+        bail!(
+            "`{kernel}`: tensor `{name}` has shape {:?}, expected [{}]",
+            t.shape,
+            want.join(", ")
+        );
     }
     Ok(t)
 }
@@ -112,7 +160,10 @@ pub fn run(kernel: &str, in_path: &Path, out_path: &Path, gpu: Option<&Gpu>) -> 
     let all = kernels();
     let Some(k) = all.iter().find(|k| k.name == kernel) else {
         let names: Vec<_> = all.iter().map(|k| k.name).collect();
-        bail!("unknown kernel `{kernel}` for exec (known: {})", names.join(", "));
+        bail!(
+            "unknown kernel `{kernel}` for exec (known: {})",
+            names.join(", ")
+        );
     };
     let inputs = read_safetensors(in_path)?;
     let outputs = (k.run)(&inputs, gpu).with_context(|| format!("exec {kernel}"))?;

@@ -13,9 +13,24 @@ use crate::ops::inputs;
 
 pub fn kernels() -> Vec<BenchKernel> {
     vec![
-        BenchKernel { name: "copy", variants: &["memcpy", "kernel"], matmul: MatmulKind::NotMatmul, run_point: copy_point },
-        BenchKernel { name: "nvfp4_quantize_rows", variants: &["bf16_in"], matmul: MatmulKind::NotMatmul, run_point: quantize_point },
-        BenchKernel { name: "nvfp4_dequantize_rows", variants: &["bf16_out"], matmul: MatmulKind::NotMatmul, run_point: dequantize_point },
+        BenchKernel {
+            name: "copy",
+            variants: &["memcpy", "kernel"],
+            matmul: MatmulKind::NotMatmul,
+            run_point: copy_point,
+        },
+        BenchKernel {
+            name: "nvfp4_quantize_rows",
+            variants: &["bf16_in"],
+            matmul: MatmulKind::NotMatmul,
+            run_point: quantize_point,
+        },
+        BenchKernel {
+            name: "nvfp4_dequantize_rows",
+            variants: &["bf16_out"],
+            matmul: MatmulKind::NotMatmul,
+            run_point: dequantize_point,
+        },
     ]
 }
 
@@ -27,7 +42,9 @@ fn copy_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, bytes: u64) -> Resul
     let mut dst = gpu.zeros::<u8>(n)?;
     let plan = ctx.plan(2 * n as u64);
     let samples = match variant {
-        "memcpy" => gpu.time_us(plan, || drv(gpu.stream.memcpy_dtod(&src, &mut dst), "memcpy_dtod"))?,
+        "memcpy" => gpu.time_us(plan, || {
+            drv(gpu.stream.memcpy_dtod(&src, &mut dst), "memcpy_dtod")
+        })?,
         _ => gpu.time_us(plan, || copy_u128(gpu, &src, &mut dst))?,
     };
     let sum = Summary::of(&samples)?;
@@ -40,17 +57,26 @@ fn quantize_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, rows: u64) -> Re
     let gpu = ctx.gpu;
     let cols = s.param_u64("cols")? as usize;
     let rows_u = rows as usize;
-    let x: Vec<bf16> = inputs::activation_rows(rows_u, cols, ctx.seed).iter().map(|&v| bf16::from_f32(v)).collect();
+    let x: Vec<bf16> = inputs::activation_rows(rows_u, cols, ctx.seed)
+        .iter()
+        .map(|&v| bf16::from_f32(v))
+        .collect();
     let dx = gpu.upload(&x)?;
     let mut q = Nvfp4Device::alloc(gpu, rows_u, cols)?;
     let bytes = (rows_u * cols * 2 + Nvfp4Device::bytes(rows_u, cols)) as u64;
-    let samples = gpu.time_us(ctx.plan(bytes), || quantize_rows_into(gpu, RowsInput::Bf16(&dx), &mut q))?;
+    let samples = gpu.time_us(ctx.plan(bytes), || {
+        quantize_rows_into(gpu, RowsInput::Bf16(&dx), &mut q)
+    })?;
     let sum = Summary::of(&samples)?;
-    Ok(vec![Row::new("nvfp4_quantize_rows", variant, &s.shape_label(rows))
-        .with_rows(rows)
-        .with_cols(cols as u64)
-        .with_timing(&sum, samples.len() as u64)
-        .with_work(Some(bytes), None)])
+    Ok(vec![Row::new(
+        "nvfp4_quantize_rows",
+        variant,
+        &s.shape_label(rows),
+    )
+    .with_rows(rows)
+    .with_cols(cols as u64)
+    .with_timing(&sum, samples.len() as u64)
+    .with_work(Some(bytes), None)])
 }
 
 fn dequantize_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, rows: u64) -> Result<Vec<Row>> {
@@ -64,9 +90,13 @@ fn dequantize_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, rows: u64) -> 
     let bytes = (rows_u * cols * 2 + Nvfp4Device::bytes(rows_u, cols)) as u64;
     let samples = gpu.time_us(ctx.plan(bytes), || dequantize_rows_into(gpu, &dq, &mut out))?;
     let sum = Summary::of(&samples)?;
-    Ok(vec![Row::new("nvfp4_dequantize_rows", variant, &s.shape_label(rows))
-        .with_rows(rows)
-        .with_cols(cols as u64)
-        .with_timing(&sum, samples.len() as u64)
-        .with_work(Some(bytes), None)])
+    Ok(vec![Row::new(
+        "nvfp4_dequantize_rows",
+        variant,
+        &s.shape_label(rows),
+    )
+    .with_rows(rows)
+    .with_cols(cols as u64)
+    .with_timing(&sum, samples.len() as u64)
+    .with_work(Some(bytes), None)])
 }

@@ -7,7 +7,7 @@ use half::bf16;
 use safetensors::Dtype;
 
 use crate::formats::nvfp4::{self, Nvfp4Rows};
-use crate::gpu::{drv, grid_1d, launch_cfg, Gpu, PushKernelArg};
+use crate::gpu::{grid_1d, launch, launch_cfg, Gpu, PushKernelArg};
 use crate::ops::exec::{input, ExecKernel, HostTensor, TensorMap};
 
 pub mod bench;
@@ -65,10 +65,11 @@ fn check_shape(rows: usize, cols: usize) -> Result<()> {
     if rows == 0 || cols == 0 {
         bail!("NVFP4 rows: empty shape {rows} x {cols}");
     }
-    if cols % 16 != 0 {
+    if !cols.is_multiple_of(16) {
         bail!("NVFP4 rows: cols = {cols} is not a multiple of 16 (the block size)");
     }
-    if rows > i32::MAX as usize || cols > i32::MAX as usize || rows * cols / 2 > isize::MAX as usize {
+    if rows > i32::MAX as usize || cols > i32::MAX as usize || rows * cols / 2 > isize::MAX as usize
+    {
         bail!("NVFP4 rows: shape {rows} x {cols} too large");
     }
     Ok(())
@@ -98,14 +99,24 @@ pub fn quantize_rows_into(gpu: &Gpu, x: RowsInput<'_>, out: &mut Nvfp4Device) ->
         RowsInput::F32(s) => {
             let f = gpu.function(FAMILY, "nvfp4_quantize_rows_f32")?;
             let mut b = gpu.stream.launch_builder(&f);
-            b.arg(s).arg(&r).arg(&c).arg(&mut out.data).arg(&mut out.scales).arg(&mut out.global_scale);
-            drv(unsafe { b.launch(cfg) }, "launch nvfp4_quantize_rows_f32")?;
+            b.arg(s)
+                .arg(&r)
+                .arg(&c)
+                .arg(&mut out.data)
+                .arg(&mut out.scales)
+                .arg(&mut out.global_scale);
+            unsafe { launch(b, cfg, "nvfp4_quantize_rows_f32") }?;
         }
         RowsInput::Bf16(s) => {
             let f = gpu.function(FAMILY, "nvfp4_quantize_rows_bf16")?;
             let mut b = gpu.stream.launch_builder(&f);
-            b.arg(s).arg(&r).arg(&c).arg(&mut out.data).arg(&mut out.scales).arg(&mut out.global_scale);
-            drv(unsafe { b.launch(cfg) }, "launch nvfp4_quantize_rows_bf16")?;
+            b.arg(s)
+                .arg(&r)
+                .arg(&c)
+                .arg(&mut out.data)
+                .arg(&mut out.scales)
+                .arg(&mut out.global_scale);
+            unsafe { launch(b, cfg, "nvfp4_quantize_rows_bf16") }?;
         }
     }
     Ok(())
@@ -115,26 +126,45 @@ pub fn quantize_rows_into(gpu: &Gpu, x: RowsInput<'_>, out: &mut Nvfp4Device) ->
 pub fn dequantize_rows_into(gpu: &Gpu, q: &Nvfp4Device, out: &mut CudaSlice<bf16>) -> Result<()> {
     check_shape(q.rows, q.cols)?;
     if out.len() < q.rows * q.cols {
-        bail!("NVFP4 dequantize: output has {} elements, need {}", out.len(), q.rows * q.cols);
+        bail!(
+            "NVFP4 dequantize: output has {} elements, need {}",
+            out.len(),
+            q.rows * q.cols
+        );
     }
     let f = gpu.function(FAMILY, "nvfp4_dequantize_rows_bf16")?;
     let quads = q.rows * q.cols / 4;
-    let blocks = quads.div_ceil(THREADS as usize).min(gpu.info.sm_count as usize * 16);
+    let blocks = quads
+        .div_ceil(THREADS as usize)
+        .min(gpu.info.sm_count as usize * 16);
     let cfg = launch_cfg((blocks.max(1) as u32, 1, 1), (THREADS, 1, 1), 0);
     let (r, c) = (q.rows as i32, q.cols as i32);
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&q.data).arg(&q.scales).arg(&q.global_scale).arg(&r).arg(&c).arg(out);
-    drv(unsafe { b.launch(cfg) }, "launch nvfp4_dequantize_rows_bf16")
+    b.arg(&q.data)
+        .arg(&q.scales)
+        .arg(&q.global_scale)
+        .arg(&r)
+        .arg(&c)
+        .arg(out);
+    unsafe { launch(b, cfg, "nvfp4_dequantize_rows_bf16") }
 }
 
 /// Host entry: quantize finite fp32 rows on the GPU and bring the result back.
 pub fn quantize_rows(gpu: &Gpu, x: &[f32], rows: usize, cols: usize) -> Result<Nvfp4Rows> {
     check_shape(rows, cols)?;
     if x.len() != rows * cols {
-        bail!("NVFP4 quantize: {} values given for {rows} x {cols}", x.len());
+        bail!(
+            "NVFP4 quantize: {} values given for {rows} x {cols}",
+            x.len()
+        );
     }
     if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        bail!("NVFP4 quantize: non-finite input {} at row {}, col {}", x[i], i / cols, i % cols);
+        bail!(
+            "NVFP4 quantize: non-finite input {} at row {}, col {}",
+            x[i],
+            i / cols,
+            i % cols
+        );
     }
     let dx = gpu.upload(x)?;
     let mut out = Nvfp4Device::alloc(gpu, rows, cols)?;
@@ -159,7 +189,7 @@ pub fn copy_u128(gpu: &Gpu, src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>) -> Res
     let n = n16;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(src).arg(dst).arg(&n);
-    drv(unsafe { b.launch(cfg) }, "launch copy_u128")
+    unsafe { launch(b, cfg, "copy_u128") }
 }
 
 fn rows_cols(t: &HostTensor) -> (usize, usize) {
@@ -216,8 +246,17 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
 /// The output tensors of `nvfp4_quantize_rows`.
 pub fn nvfp4_to_tensors(q: &Nvfp4Rows) -> TensorMap {
     let mut m = TensorMap::new();
-    m.insert("data".into(), HostTensor::from_u8(Dtype::U8, vec![q.rows, q.cols / 2], q.data.clone()));
-    m.insert("scales".into(), HostTensor::from_u8(Dtype::F8_E4M3, vec![q.rows, q.cols / 16], q.scales.clone()));
-    m.insert("global_scale".into(), HostTensor::from_f32(vec![q.rows], &q.global_scale));
+    m.insert(
+        "data".into(),
+        HostTensor::from_u8(Dtype::U8, vec![q.rows, q.cols / 2], q.data.clone()),
+    );
+    m.insert(
+        "scales".into(),
+        HostTensor::from_u8(Dtype::F8_E4M3, vec![q.rows, q.cols / 16], q.scales.clone()),
+    );
+    m.insert(
+        "global_scale".into(),
+        HostTensor::from_f32(vec![q.rows], &q.global_scale),
+    );
     m
 }

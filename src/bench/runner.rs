@@ -1,0 +1,166 @@
+//! The sweep runner behind `megamoe bench` and the default suite: for every `[[sweep]]` of a config, every
+//! value of its axis and every variant, run the kernel's bench hook, stamp each row with the limits measured
+//! in the same run, the GPU's telemetry and the git commit, and write one CSV per kernel, plots and REPORT.md.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use crate::bench::config::{RunSettings, Sweep, SweepConfig};
+use crate::bench::{
+    csv_out, env, fill_speedups, plot, progress::Progress, report, Limits, MatmulKind, Row,
+    Telemetry,
+};
+use crate::gpu::telemetry::Telemetry as Nvml;
+use crate::gpu::timing::TimingPlan;
+use crate::gpu::Gpu;
+
+/// What a bench hook gets for one point of a sweep.
+pub struct BenchCtx<'a> {
+    pub gpu: &'a Gpu,
+    pub settings: RunSettings,
+    /// Seed for this point's random inputs (printed in the run log).
+    pub seed: u64,
+}
+
+impl BenchCtx<'_> {
+    /// The timing plan for a kernel whose working set is `working_set_bytes` (L2 flushed unless it cannot fit).
+    pub fn plan(&self, working_set_bytes: u64) -> TimingPlan {
+        TimingPlan {
+            warmup: self.settings.warmup as usize,
+            reps: self.settings.reps as usize,
+            flush_l2: self.settings.needs_flush(working_set_bytes),
+        }
+    }
+}
+
+/// A kernel that sweeps can run: its variants and the hook that measures one (variant, axis value) point.
+pub struct BenchKernel {
+    pub name: &'static str,
+    pub variants: &'static [&'static str],
+    /// Which measured matmul rate `pct_matmul` uses.
+    pub matmul: MatmulKind,
+    /// Returns the rows of one point (timing, work, errors, shape columns); the runner adds limits,
+    /// telemetry, commit and timestamp.
+    pub run_point: fn(&BenchCtx<'_>, &Sweep, &str, u64) -> Result<Vec<Row>>,
+}
+
+/// Options of one run.
+pub struct RunOptions {
+    pub out_dir: PathBuf,
+    pub kernels: Vec<String>,
+    pub reps: Option<u32>,
+    pub seed: u64,
+}
+
+/// Run every sweep of `config` (restricted to `opts.kernels` when non-empty). Returns the CSV paths written.
+/// A failing point is reported and the run goes on; the error count makes the result an `Err` at the end.
+pub fn run(
+    gpu: &Gpu,
+    config: &SweepConfig,
+    limits: &Limits,
+    opts: &RunOptions,
+) -> Result<Vec<PathBuf>> {
+    let registry = crate::ops::bench_kernels();
+    let nvml = Nvml::new(gpu.info.ordinal as u32);
+    let commit = env::git_commit();
+    let sweeps: Vec<&Sweep> = config
+        .sweeps
+        .iter()
+        .filter(|s| opts.kernels.is_empty() || opts.kernels.iter().any(|k| k == &s.kernel))
+        .collect();
+    if sweeps.is_empty() {
+        bail!("no sweep selected (kernels asked for: {:?})", opts.kernels);
+    }
+    // Check every sweep names a known kernel and variant before measuring anything.
+    let mut plan = Vec::new();
+    for s in &sweeps {
+        let k = registry
+            .iter()
+            .find(|k| k.name == s.kernel)
+            .with_context(|| {
+                let names: Vec<_> = registry.iter().map(|k| k.name).collect();
+                format!(
+                    "{}: unknown kernel `{}` (known: {})",
+                    s.name(),
+                    s.kernel,
+                    names.join(", ")
+                )
+            })?;
+        let variants = s.variants_from(k.variants)?;
+        plan.push((*s, k, variants));
+    }
+    let total: usize = plan.iter().map(|(s, _, v)| s.values.len() * v.len()).sum();
+    let mut progress = Progress::new("bench", total);
+    let mut by_kernel: BTreeMap<&str, Vec<Row>> = BTreeMap::new();
+    let mut failures = Vec::new();
+    for (i, (s, k, variants)) in plan.iter().enumerate() {
+        let mut settings = s.settings(&config.defaults);
+        if let Some(r) = opts.reps {
+            settings.reps = r;
+        }
+        for &value in &s.values {
+            for v in variants {
+                let seed = opts.seed ^ ((i as u64) << 48) ^ value.rotate_left(17);
+                let ctx = BenchCtx {
+                    gpu,
+                    settings,
+                    seed,
+                };
+                progress.tick(&format!("{} {v} {}", k.name, s.shape_label(value)));
+                match (k.run_point)(&ctx, s, v, value) {
+                    Ok(rows) => {
+                        let reading = nvml.read();
+                        let tel = Telemetry {
+                            gpu: reading.gpu.clone().unwrap_or_else(|| gpu.info.name.clone()),
+                            sm_clock_mhz: reading.sm_clock_mhz,
+                            mem_clock_mhz: reading.mem_clock_mhz,
+                            power_w: reading.power_w,
+                            temp_c: reading.temp_c,
+                        };
+                        for mut r in rows {
+                            r = r.with_limits(limits, k.matmul).with_telemetry(&tel);
+                            if r.baseline.is_none() {
+                                if let Some(b) = s.baseline.as_ref().filter(|b| *b != v) {
+                                    r = r.with_baseline(b);
+                                }
+                            }
+                            r.git_commit = commit.clone();
+                            r.timestamp = env::timestamp_utc();
+                            by_kernel.entry(k.name).or_default().push(r);
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("FAILED {} {v} {}: {e:#}", k.name, s.shape_label(value));
+                        failures.push(format!("{} {v} {}: {e:#}", k.name, s.shape_label(value)));
+                    }
+                }
+            }
+        }
+    }
+    std::fs::create_dir_all(&opts.out_dir)
+        .with_context(|| format!("creating {}", opts.out_dir.display()))?;
+    let mut written = Vec::new();
+    for (kernel, rows) in by_kernel.iter_mut() {
+        fill_speedups(rows);
+        let path = opts.out_dir.join(format!("{kernel}.csv"));
+        csv_out::write_rows(&path, rows)?;
+        written.push(path);
+    }
+    report::report_from_csv_dir(&opts.out_dir)?;
+    if !failures.is_empty() {
+        bail!(
+            "{} point(s) failed:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
+    }
+    Ok(written)
+}
+
+/// Plots and REPORT.md for a directory of CSVs (`megamoe report`).
+pub fn report_dir(dir: &Path) -> Result<PathBuf> {
+    let _ = plot::column_label;
+    report::report_from_csv_dir(dir)
+}
