@@ -8,4 +8,5 @@ pub mod bench;
 pub mod cli;
 pub mod formats;
 pub mod gpu;
+pub mod model;
 pub mod ops;

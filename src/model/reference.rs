@@ -1,0 +1,1086 @@
+//! The CPU reference of the DeepSeek-V4 forward pass (arch §3, §8): prefill and single-token decode with
+//! per-layer traces of every intermediate a GPU driver is compared on.
+//!
+//! Rounding points (arch §2), named once here and followed everywhere below:
+//! * residual streams, sub-layer inputs/outputs, q, kv, norms' outputs: BF16 (`bf16_round`);
+//! * FP8 linears (`wq_a`, `wq_b`, `wkv`, `wo_b`, `indexer.wq_b`, shared experts): input quantized to e4m3
+//!   per 128 channels with a power-of-two scale, dot with the dequantized weight in f32, output BF16;
+//! * FP4 linears (routed experts): the same activation quantization, MXFP4 weight, output BF16;
+//! * `wo_a` (grouped): BF16 input x dequantized weight (exactly BF16-representable), f32 dot, BF16 out
+//!   (OFF-F applies it as a BF16 einsum after `convert.py` dequantizes it);
+//! * compressor projections, router and LM head: f32 inputs and weights, f32 outputs;
+//! * KV nope dims FP8-simulated per 64; indexer q/k Hadamard then FP4-simulated per 32;
+//! * attention: f32 scores and softmax, probabilities rounded to BF16 before P·V, f32 accumulation;
+//! * indexer scores: per-head dot BF16, ×w BF16, head sum BF16; top-k ties go to the lower entry index.
+//!
+//! Dot products accumulate in f32 (8 partial sums): the reference agrees with any other f32 summation
+//! order to ~1e-6 relative, which is why comparisons use cosine / relative tolerances, not bit equality.
+
+use super::config::{LayerKind, ModelConfig};
+use super::numerics::{
+    bf16_round, bf16_round_slice, dot, fp4_sim_inplace, fp8_act_quant, fp8_sim_inplace,
+    hadamard_inplace, inv_rms, par_map, rms_norm_bf16, sigmoid, silu, softplus, RopeTable,
+};
+use super::weights::Weights;
+use anyhow::{bail, Result};
+
+/// mHC pre-mix of one sub-layer (arch §3.4).
+#[derive(Clone, Debug, Default)]
+pub struct HcPre {
+    /// pre_i = sigmoid(..) + eps (hc values)
+    pub pre: Vec<f32>,
+    /// post_i = 2 sigmoid(..) (hc values)
+    pub post: Vec<f32>,
+    /// Sinkhorn output C[j][k], row-major hc x hc.
+    pub comb: Vec<f32>,
+    /// Σ_i pre_i X_i rounded to BF16 (D values): the sub-layer input before its RMSNorm.
+    pub mixed: Vec<f32>,
+}
+
+/// The keys/values a query attended to.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CandidateSet {
+    /// Token positions of the window entries, ascending.
+    pub window_positions: Vec<usize>,
+    /// Compressed entry indices j, ascending (HCA: all visible; CSA: the indexer's top-k).
+    pub compressed: Vec<usize>,
+}
+
+/// MoE routing of one token in one layer.
+#[derive(Clone, Debug, Default)]
+pub struct Routing {
+    /// sqrt(softplus(gate logits)), all experts (f32).
+    pub scores: Vec<f32>,
+    /// The chosen experts in selection order (hash layers: tid2eid order; else descending biased score).
+    pub experts: Vec<usize>,
+    /// Renormalized, route-scaled weights of `experts`.
+    pub weights: Vec<f32>,
+}
+
+/// Every intermediate of one layer for one token.
+#[derive(Clone, Debug, Default)]
+pub struct LayerTrace {
+    pub layer: usize,
+    pub position: usize,
+    /// Residual entering the layer (hc x D, BF16).
+    pub residual_in: Vec<f32>,
+    pub attn_hc: HcPre,
+    /// a = RMSNorm(mixed; attn_norm) (D, BF16).
+    pub attn_input: Vec<f32>,
+    /// qr = RMSNorm(wq_a a; q_norm) (q_lora_rank, BF16).
+    pub qr: Vec<f32>,
+    /// q after per-head RMS and RoPE (H x head_dim, BF16).
+    pub q: Vec<f32>,
+    /// This token's window KV (head_dim, BF16; nope dims on the FP8 grid).
+    pub kv: Vec<f32>,
+    /// The compressed entry this token completed, if any (main compressor).
+    pub new_compressed: Option<Vec<f32>>,
+    /// The indexer key this token completed, if any (CSA layers).
+    pub new_index_key: Option<Vec<f32>>,
+    /// Indexer scores of all visible entries (CSA layers; empty otherwise).
+    pub index_scores: Vec<f32>,
+    pub candidates: CandidateSet,
+    /// Attention output after inverse RoPE (H x head_dim, BF16).
+    pub attn_heads: Vec<f32>,
+    /// Output projection result y (D, BF16).
+    pub attn_out: Vec<f32>,
+    /// Residual after the attention sub-layer's hc_post (hc x D).
+    pub residual_mid: Vec<f32>,
+    pub ffn_hc: HcPre,
+    /// f = RMSNorm(mixed; ffn_norm) (D, BF16).
+    pub ffn_input: Vec<f32>,
+    pub routing: Routing,
+    /// MoE output (D, BF16).
+    pub moe_out: Vec<f32>,
+    /// Residual leaving the layer (hc x D, BF16).
+    pub residual_out: Vec<f32>,
+}
+
+/// Result of one decode step.
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    pub position: usize,
+    /// FP32 logits over the vocabulary.
+    pub logits: Vec<f32>,
+    pub layers: Vec<LayerTrace>,
+}
+
+/// Result of a prefill.
+#[derive(Clone, Debug)]
+pub struct PrefillOutput {
+    /// FP32 logits at the last prompt position.
+    pub logits: Vec<f32>,
+    /// traces[t][layer] when requested, else empty.
+    pub traces: Vec<Vec<LayerTrace>>,
+}
+
+/// The FP32 decode-time state of one compressor (arch §3.7): `coff*m` rows of `coff*d` channels.
+#[derive(Clone, Debug)]
+pub struct CompressorState {
+    pub ratio: usize,
+    pub overlap: bool,
+    pub dim: usize,
+    pub kv: Vec<f32>,
+    pub score: Vec<f32>,
+}
+
+impl CompressorState {
+    /// An empty state: `ratio` m, overlapping (CSA) or not, `dim` output channels d_c.
+    pub fn new(ratio: usize, overlap: bool, dim: usize) -> Self {
+        let coff = if overlap { 2 } else { 1 };
+        let n = coff * ratio * coff * dim;
+        CompressorState {
+            ratio,
+            overlap,
+            dim,
+            kv: vec![0.0; n],
+            score: vec![f32::NEG_INFINITY; n],
+        }
+    }
+    fn width(&self) -> usize {
+        if self.overlap {
+            2 * self.dim
+        } else {
+            self.dim
+        }
+    }
+    fn set_row(&mut self, row: usize, kv: &[f32], g: &[f32]) {
+        let w = self.width();
+        self.kv[row * w..(row + 1) * w].copy_from_slice(kv);
+        self.score[row * w..(row + 1) * w].copy_from_slice(g);
+    }
+    /// Writes token t's projections; returns the pooled (f32) entry when t completes a block.
+    pub fn push(&mut self, t: usize, kv: &[f32], g: &[f32]) -> Option<Vec<f32>> {
+        let m = self.ratio;
+        let w = self.width();
+        let row = if self.overlap { m + t % m } else { t % m };
+        self.set_row(row, kv, g);
+        if !(t + 1).is_multiple_of(m) {
+            return None;
+        }
+        let d = self.dim;
+        let pooled = if self.overlap {
+            // Rows 0..m: previous block via channel half "a"; rows m..2m: this block via half "b".
+            let mut src: Vec<(&[f32], &[f32], usize)> = Vec::with_capacity(2 * m);
+            for r in 0..m {
+                src.push((
+                    &self.kv[r * w..(r + 1) * w],
+                    &self.score[r * w..(r + 1) * w],
+                    0,
+                ));
+            }
+            for r in m..2 * m {
+                src.push((
+                    &self.kv[r * w..(r + 1) * w],
+                    &self.score[r * w..(r + 1) * w],
+                    d,
+                ));
+            }
+            pool_softmax(d, &src)
+        } else {
+            let src: Vec<(&[f32], &[f32], usize)> = (0..m)
+                .map(|r| {
+                    (
+                        &self.kv[r * w..(r + 1) * w],
+                        &self.score[r * w..(r + 1) * w],
+                        0,
+                    )
+                })
+                .collect();
+            pool_softmax(d, &src)
+        };
+        // Canonical state after an emission (so two implementations can compare states bit for bit):
+        // rows not yet written for the next block hold kv 0 and score -inf. For CSA this block becomes
+        // the "previous block" of the next one.
+        let keep = if self.overlap {
+            self.kv.copy_within(m * w..2 * m * w, 0);
+            self.score.copy_within(m * w..2 * m * w, 0);
+            m * w
+        } else {
+            0
+        };
+        self.kv[keep..].fill(0.0);
+        self.score[keep..].fill(f32::NEG_INFINITY);
+        Some(pooled)
+    }
+}
+
+/// Per-channel softmax pooling: out[c] = Σ_s softmax_s(g_s[off_s + c]) kv_s[off_s + c]. Rows with score
+/// -inf contribute nothing (CSA's empty "previous block" of block 0).
+pub fn pool_softmax(d: usize, sources: &[(&[f32], &[f32], usize)]) -> Vec<f32> {
+    let mut out = vec![0f32; d];
+    for (c, o) in out.iter_mut().enumerate() {
+        let mx = sources
+            .iter()
+            .map(|(_, g, off)| g[off + c])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let (mut num, mut den) = (0f32, 0f32);
+        for (kv, g, off) in sources {
+            let e = (g[off + c] - mx).exp();
+            num += e * kv[off + c];
+            den += e;
+        }
+        *o = num / den;
+    }
+    out
+}
+
+/// The cache of one layer.
+#[derive(Clone, Debug)]
+pub struct LayerCache {
+    /// Ring of `window_size` KV vectors, slot = position mod window.
+    pub window: Vec<Vec<f32>>,
+    /// Main compressed entries, index j.
+    pub compressed: Vec<Vec<f32>>,
+    pub compressor: Option<CompressorState>,
+    /// Indexer keys, index j (CSA layers).
+    pub index_keys: Vec<Vec<f32>>,
+    pub index_compressor: Option<CompressorState>,
+}
+
+/// Per-sequence decode state: the next position and every layer's cache.
+#[derive(Clone, Debug)]
+pub struct DecodeState {
+    pub position: usize,
+    pub layers: Vec<LayerCache>,
+}
+
+/// Per-token projections of one layer during prefill.
+struct Proj {
+    pre: HcPre,
+    a: Vec<f32>,
+    qr: Vec<f32>,
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    indexer: Option<(Vec<f32>, Vec<f32>)>,
+    comp: Option<(Vec<f32>, Vec<f32>)>,
+    icomp: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl Proj {
+    /// The (kv, gate) compressor inputs of this token for one compressor.
+    fn compressor_io(&self, which: Which) -> &(Vec<f32>, Vec<f32>) {
+        match which {
+            Which::Main => self.comp.as_ref().expect("main compressor inputs"),
+            Which::Indexer => self.icomp.as_ref().expect("indexer compressor inputs"),
+        }
+    }
+}
+
+/// Which compressor of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Which {
+    Main,
+    Indexer,
+}
+
+/// The reference model: weights plus per-layer RoPE tables.
+pub struct Model {
+    pub weights: Weights,
+    ropes: Vec<RopeTable>,
+}
+
+impl Model {
+    pub fn new(weights: Weights) -> Result<Self> {
+        let cfg = &weights.config;
+        let ropes = (0..cfg.n_layers)
+            .map(|l| match cfg.layer_kind(l) {
+                LayerKind::SlidingWindow => RopeTable::new(cfg.rope_head_dim, cfg.rope_theta, None),
+                _ => RopeTable::new(
+                    cfg.rope_head_dim,
+                    cfg.compress_rope_theta,
+                    cfg.yarn.as_ref(),
+                ),
+            })
+            .collect();
+        Ok(Model { weights, ropes })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.weights.config
+    }
+
+    /// The RoPE table of a layer.
+    pub fn rope(&self, layer: usize) -> &RopeTable {
+        &self.ropes[layer]
+    }
+
+    /// An empty state (position 0).
+    pub fn new_state(&self) -> DecodeState {
+        let cfg = self.config();
+        let layers = (0..cfg.n_layers)
+            .map(|l| {
+                let kind = cfg.layer_kind(l);
+                let (comp, icomp) = match kind {
+                    LayerKind::SlidingWindow => (None, None),
+                    LayerKind::Hca { ratio } => {
+                        (Some(CompressorState::new(ratio, false, cfg.head_dim)), None)
+                    }
+                    LayerKind::Csa { ratio } => (
+                        Some(CompressorState::new(ratio, true, cfg.head_dim)),
+                        Some(CompressorState::new(ratio, true, cfg.index_head_dim)),
+                    ),
+                };
+                LayerCache {
+                    window: vec![Vec::new(); cfg.window_size],
+                    compressed: Vec::new(),
+                    compressor: comp,
+                    index_keys: Vec::new(),
+                    index_compressor: icomp,
+                }
+            })
+            .collect();
+        DecodeState {
+            position: 0,
+            layers,
+        }
+    }
+
+    // ---- linears -------------------------------------------------------------------------------
+
+    fn fp8_linear(&self, name: &str, x: &[f32]) -> Result<Vec<f32>> {
+        let mut y = self.weights.matvec(name, &fp8_act_quant(x)?)?;
+        bf16_round_slice(&mut y);
+        Ok(y)
+    }
+
+    fn bf16_linear(&self, name: &str, x: &[f32]) -> Result<Vec<f32>> {
+        let mut y = self.weights.matvec(name, x)?;
+        bf16_round_slice(&mut y);
+        Ok(y)
+    }
+
+    // ---- mHC -----------------------------------------------------------------------------------
+
+    /// hc_pre (arch §3.4) with the parameters `layers.{l}.hc_{which}_*`.
+    pub fn hc_pre(&self, layer: usize, which: &str, x: &[f32]) -> Result<HcPre> {
+        let cfg = self.config();
+        let (hc, d) = (cfg.hc_mult, cfg.dim);
+        let p = format!("layers.{layer}.hc_{which}");
+        let scale = self.weights.vector(&format!("{p}_scale"))?;
+        let base = self.weights.vector(&format!("{p}_base"))?;
+        let rho = inv_rms(x, cfg.norm_eps);
+        let mut mix = self.weights.matvec(&format!("{p}_fn"), x)?;
+        for v in &mut mix {
+            *v *= rho;
+        }
+        let pre: Vec<f32> = (0..hc)
+            .map(|i| sigmoid(mix[i] * scale[0] + base[i]) + cfg.hc_eps)
+            .collect();
+        let post: Vec<f32> = (0..hc)
+            .map(|i| 2.0 * sigmoid(mix[hc + i] * scale[1] + base[hc + i]))
+            .collect();
+        let logits: Vec<f32> = (0..hc * hc)
+            .map(|i| mix[2 * hc + i] * scale[2] + base[2 * hc + i])
+            .collect();
+        let comb = sinkhorn(&logits, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps);
+        let mut mixed = vec![0f32; d];
+        for (i, &p_i) in pre.iter().enumerate() {
+            for (c, m) in mixed.iter_mut().enumerate() {
+                *m += p_i * x[i * d + c];
+            }
+        }
+        bf16_round_slice(&mut mixed);
+        Ok(HcPre {
+            pre,
+            post,
+            comb,
+            mixed,
+        })
+    }
+
+    /// hc_post: X'[k] = post_k y + Σ_j C[j][k] X[j], f32 math, BF16 result.
+    pub fn hc_post(&self, y: &[f32], x: &[f32], pre: &HcPre) -> Vec<f32> {
+        let cfg = self.config();
+        let (hc, d) = (cfg.hc_mult, cfg.dim);
+        let mut out = vec![0f32; hc * d];
+        for k in 0..hc {
+            for c in 0..d {
+                let mut v = pre.post[k] * y[c];
+                for j in 0..hc {
+                    v += pre.comb[j * hc + k] * x[j * d + c];
+                }
+                out[k * d + c] = bf16_round(v);
+            }
+        }
+        out
+    }
+
+    /// hc_head + final norm + FP32 logits (arch §3.5).
+    pub fn head(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let cfg = self.config();
+        let (hc, d) = (cfg.hc_mult, cfg.dim);
+        let scale = self.weights.vector("hc_head_scale")?;
+        let base = self.weights.vector("hc_head_base")?;
+        let rho = inv_rms(x, cfg.norm_eps);
+        let mix = self.weights.matvec("hc_head_fn", x)?;
+        let mut u = vec![0f32; d];
+        for i in 0..hc {
+            let p = sigmoid(mix[i] * rho * scale[0] + base[i]) + cfg.hc_eps;
+            for c in 0..d {
+                u[c] += p * x[i * d + c];
+            }
+        }
+        bf16_round_slice(&mut u);
+        let u = rms_norm_bf16(&u, &self.weights.vector("norm.weight")?, cfg.norm_eps);
+        self.weights.matvec("head.weight", &u)
+    }
+
+    // ---- attention pieces ----------------------------------------------------------------------
+
+    /// Query path, window KV and (CSA) indexer query of one token: (qr, q, kv, indexer (q, w)).
+    #[allow(clippy::type_complexity)]
+    fn attn_projections(
+        &self,
+        layer: usize,
+        t: usize,
+        a: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>, Option<(Vec<f32>, Vec<f32>)>)> {
+        let cfg = self.config();
+        let p = format!("layers.{layer}.attn");
+        let (hd, nope) = (cfg.head_dim, cfg.nope_dim());
+        let rope = &self.ropes[layer];
+        let qa = self.fp8_linear(&format!("{p}.wq_a.weight"), a)?;
+        let qr = rms_norm_bf16(
+            &qa,
+            &self.weights.vector(&format!("{p}.q_norm.weight"))?,
+            cfg.norm_eps,
+        );
+        let mut q = self.fp8_linear(&format!("{p}.wq_b.weight"), &qr)?;
+        for h in 0..cfg.n_heads {
+            let qh = &mut q[h * hd..(h + 1) * hd];
+            // Per-head RMS normalization without weight, over all head dims.
+            let inv = inv_rms(qh, cfg.norm_eps);
+            for v in qh.iter_mut() {
+                *v = bf16_round(*v * inv);
+            }
+            rope.apply(&mut qh[nope..], t, false);
+            bf16_round_slice(&mut qh[nope..]);
+        }
+        let kv_raw = self.fp8_linear(&format!("{p}.wkv.weight"), a)?;
+        let mut kv = rms_norm_bf16(
+            &kv_raw,
+            &self.weights.vector(&format!("{p}.kv_norm.weight"))?,
+            cfg.norm_eps,
+        );
+        rope.apply(&mut kv[nope..], t, false);
+        bf16_round_slice(&mut kv[nope..]);
+        fp8_sim_inplace(&mut kv[..nope], 64)?;
+
+        let indexer = if matches!(cfg.layer_kind(layer), LayerKind::Csa { .. }) {
+            let di = cfg.index_head_dim;
+            let rd = cfg.rope_head_dim;
+            let mut qi = self.fp8_linear(&format!("{p}.indexer.wq_b.weight"), &qr)?;
+            for h in 0..cfg.index_n_heads {
+                let qh = &mut qi[h * di..(h + 1) * di];
+                rope.apply(&mut qh[di - rd..], t, false);
+                bf16_round_slice(&mut qh[di - rd..]);
+                hadamard_inplace(qh);
+                bf16_round_slice(qh);
+                fp4_sim_inplace(qh, 32)?;
+            }
+            let mut w = self.bf16_linear(&format!("{p}.indexer.weights_proj.weight"), a)?;
+            let s = 1.0 / ((di * cfg.index_n_heads) as f32).sqrt();
+            for v in &mut w {
+                *v = bf16_round(*v * s);
+            }
+            Some((qi, w))
+        } else {
+            None
+        };
+        Ok((qr, q, kv, indexer))
+    }
+
+    /// The compressor projections of one token: (kv, gate incl. ape row t mod m), both f32.
+    fn compressor_inputs(
+        &self,
+        layer: usize,
+        which: Which,
+        t: usize,
+        a: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let cfg = self.config();
+        let m = cfg.compress_ratios[layer];
+        let p = match which {
+            Which::Main => format!("layers.{layer}.attn.compressor"),
+            Which::Indexer => format!("layers.{layer}.attn.indexer.compressor"),
+        };
+        let kv = self.weights.matvec(&format!("{p}.wkv.weight"), a)?;
+        let mut g = self.weights.matvec(&format!("{p}.wgate.weight"), a)?;
+        let ape = self.weights.vector(&format!("{p}.ape"))?;
+        let w = g.len();
+        for (c, v) in g.iter_mut().enumerate() {
+            *v += ape[(t % m) * w + c];
+        }
+        Ok((kv, g))
+    }
+
+    /// Pooled f32 entry j -> stored entry: BF16, RMSNorm, RoPE at j*m, then FP8 (main) or
+    /// Hadamard + FP4 (indexer).
+    fn finalize_entry(
+        &self,
+        layer: usize,
+        which: Which,
+        j: usize,
+        pooled: &[f32],
+    ) -> Result<Vec<f32>> {
+        let cfg = self.config();
+        let m = cfg.compress_ratios[layer];
+        let p = match which {
+            Which::Main => format!("layers.{layer}.attn.compressor"),
+            Which::Indexer => format!("layers.{layer}.attn.indexer.compressor"),
+        };
+        let mut x = pooled.to_vec();
+        bf16_round_slice(&mut x);
+        let mut k = rms_norm_bf16(
+            &x,
+            &self.weights.vector(&format!("{p}.norm.weight"))?,
+            cfg.norm_eps,
+        );
+        let dc = k.len();
+        let rd = cfg.rope_head_dim;
+        self.ropes[layer].apply(&mut k[dc - rd..], j * m, false);
+        bf16_round_slice(&mut k[dc - rd..]);
+        match which {
+            Which::Main => fp8_sim_inplace(&mut k[..cfg.nope_dim()], 64)?,
+            Which::Indexer => {
+                hadamard_inplace(&mut k);
+                bf16_round_slice(&mut k);
+                fp4_sim_inplace(&mut k, 32)?;
+            }
+        }
+        Ok(k)
+    }
+
+    /// Attention of one query over the candidate KV vectors (K = V), with the sink; inverse RoPE at t.
+    fn attend(&self, layer: usize, t: usize, q: &[f32], kvs: &[&[f32]]) -> Result<Vec<f32>> {
+        let cfg = self.config();
+        let (hd, nope) = (cfg.head_dim, cfg.nope_dim());
+        let sink = self
+            .weights
+            .vector(&format!("layers.{layer}.attn.attn_sink"))?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = vec![0f32; cfg.n_heads * hd];
+        for h in 0..cfg.n_heads {
+            let qh = &q[h * hd..(h + 1) * hd];
+            let s: Vec<f32> = kvs.iter().map(|k| dot(qh, k) * scale).collect();
+            let mx = s.iter().copied().fold(sink[h], f32::max);
+            let e: Vec<f32> = s.iter().map(|&v| (v - mx).exp()).collect();
+            // The sink adds exp(sink - max) to the denominator only (its value is zero).
+            let z: f32 = e.iter().sum::<f32>() + (sink[h] - mx).exp();
+            let oh = &mut out[h * hd..(h + 1) * hd];
+            for (ej, k) in e.iter().zip(kvs) {
+                let pj = bf16_round(ej / z);
+                for (o, &kv) in oh.iter_mut().zip(k.iter()) {
+                    *o += pj * kv;
+                }
+            }
+            bf16_round_slice(oh);
+            self.ropes[layer].apply(&mut oh[nope..], t, true);
+            bf16_round_slice(&mut oh[nope..]);
+        }
+        Ok(out)
+    }
+
+    /// Grouped output projection: z_g = wo_a[g] o_g (BF16 einsum), y = wo_b concat(z) (FP8).
+    fn out_proj(&self, layer: usize, o: &[f32]) -> Result<Vec<f32>> {
+        let cfg = self.config();
+        let p = format!("layers.{layer}.attn");
+        let gw = cfg.heads_per_group() * cfg.head_dim;
+        let r = cfg.o_lora_rank;
+        let mut z = Vec::with_capacity(cfg.o_groups * r);
+        for g in 0..cfg.o_groups {
+            let mut zg = self.weights.matvec_rows(
+                &format!("{p}.wo_a.weight"),
+                g * r,
+                r,
+                &o[g * gw..(g + 1) * gw],
+            )?;
+            bf16_round_slice(&mut zg);
+            z.extend(zg);
+        }
+        self.fp8_linear(&format!("{p}.wo_b.weight"), &z)
+    }
+
+    /// Indexer scores of all given keys and the top-k selection (lower index wins ties).
+    fn index_select(&self, qi: &[f32], w: &[f32], keys: &[Vec<f32>]) -> (Vec<f32>, Vec<usize>) {
+        let cfg = self.config();
+        let di = cfg.index_head_dim;
+        let scores: Vec<f32> = keys
+            .iter()
+            .map(|k| {
+                let mut s = 0f32;
+                for (h, &wh) in w.iter().enumerate() {
+                    let d = bf16_round(dot(&qi[h * di..(h + 1) * di], k)).max(0.0);
+                    s += bf16_round(wh * d);
+                }
+                bf16_round(s)
+            })
+            .collect();
+        let k = cfg.index_topk.min(keys.len());
+        (scores.clone(), top_k_lower_index_wins(&scores, k))
+    }
+
+    /// Window candidate positions of query t: max(0, t-W+1) ..= t.
+    pub fn window_positions(&self, t: usize) -> Vec<usize> {
+        let w = self.config().window_size;
+        (t.saturating_sub(w - 1)..=t).collect()
+    }
+
+    // ---- MoE -----------------------------------------------------------------------------------
+
+    /// Routing (arch §3.9).
+    pub fn route(&self, layer: usize, f: &[f32], token: u32) -> Result<Routing> {
+        let cfg = self.config();
+        let p = format!("layers.{layer}.ffn.gate");
+        let logits = self.weights.matvec(&format!("{p}.weight"), f)?;
+        let scores: Vec<f32> = logits.iter().map(|&x| softplus(x).sqrt()).collect();
+        let k = cfg.n_activated_experts;
+        let experts = if cfg.is_hash_layer(layer) {
+            if token as usize >= cfg.vocab_size {
+                bail!("token {token} outside the vocabulary");
+            }
+            self.weights.i64_row(
+                &format!("{p}.tid2eid"),
+                token as usize,
+                cfg.n_routed_experts,
+            )?
+        } else {
+            let bias = self.weights.vector(&format!("{p}.bias"))?;
+            let biased: Vec<f32> = scores.iter().zip(&bias).map(|(s, b)| s + b).collect();
+            top_k_lower_index_wins(&biased, k)
+        };
+        let sum: f32 = experts.iter().map(|&e| scores[e]).sum();
+        let weights = experts
+            .iter()
+            .map(|&e| scores[e] / sum * cfg.route_scale)
+            .collect();
+        Ok(Routing {
+            scores,
+            experts,
+            weights,
+        })
+    }
+
+    /// One SwiGLU expert with the clamp: w2( bf16(weight * silu(min(g, L)) * clamp(u, -L, L)) ).
+    fn expert(&self, prefix: &str, f_q: &[f32], weight: f32) -> Result<Vec<f32>> {
+        let lim = self.config().swiglu_limit;
+        let mut g = self.weights.matvec(&format!("{prefix}.w1.weight"), f_q)?;
+        let mut u = self.weights.matvec(&format!("{prefix}.w3.weight"), f_q)?;
+        bf16_round_slice(&mut g);
+        bf16_round_slice(&mut u);
+        let h: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| {
+                let (g, u) = if lim > 0.0 {
+                    (g.min(lim), u.clamp(-lim, lim))
+                } else {
+                    (g, u)
+                };
+                bf16_round(weight * (silu(g) * u))
+            })
+            .collect();
+        self.fp8_linear(&format!("{prefix}.w2.weight"), &h)
+    }
+
+    /// MoE output for one token: Σ routed (f32) + shared, rounded to BF16.
+    fn moe(&self, layer: usize, f: &[f32], routing: &Routing) -> Result<Vec<f32>> {
+        let cfg = self.config();
+        let f_q = fp8_act_quant(f)?;
+        let mut y = vec![0f32; cfg.dim];
+        for (&e, &w) in routing.experts.iter().zip(&routing.weights) {
+            let ye = self.expert(&format!("layers.{layer}.ffn.experts.{e}"), &f_q, w)?;
+            for (a, b) in y.iter_mut().zip(&ye) {
+                *a += b;
+            }
+        }
+        if cfg.n_shared_experts > 0 {
+            let ys = self.expert(&format!("layers.{layer}.ffn.shared_experts"), &f_q, 1.0)?;
+            for (a, b) in y.iter_mut().zip(&ys) {
+                *a += b;
+            }
+        }
+        bf16_round_slice(&mut y);
+        Ok(y)
+    }
+
+    /// The FFN half of a layer: hc_pre, norm, routing, MoE, hc_post.
+    fn ffn_sublayer(
+        &self,
+        layer: usize,
+        token: u32,
+        x: &[f32],
+        tr: &mut LayerTrace,
+    ) -> Result<Vec<f32>> {
+        let cfg = self.config();
+        let pre = self.hc_pre(layer, "ffn", x)?;
+        let f = rms_norm_bf16(
+            &pre.mixed,
+            &self
+                .weights
+                .vector(&format!("layers.{layer}.ffn_norm.weight"))?,
+            cfg.norm_eps,
+        );
+        let routing = self.route(layer, &f, token)?;
+        let y = self.moe(layer, &f, &routing)?;
+        let out = self.hc_post(&y, x, &pre);
+        tr.ffn_hc = pre;
+        tr.ffn_input = f;
+        tr.routing = routing;
+        tr.moe_out = y;
+        tr.residual_out = out.clone();
+        Ok(out)
+    }
+
+    fn embed(&self, token: u32) -> Result<Vec<f32>> {
+        let row = self.weights.embedding_row(token)?;
+        Ok(row.repeat(self.config().hc_mult))
+    }
+
+    // ---- decode --------------------------------------------------------------------------------
+
+    /// One decode step: token `token` at position `state.position`; updates the caches.
+    pub fn decode_step(&self, state: &mut DecodeState, token: u32) -> Result<StepOutput> {
+        let cfg = self.config().clone();
+        let t = state.position;
+        let mut x = self.embed(token)?;
+        let mut traces = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let mut tr = LayerTrace {
+                layer: l,
+                position: t,
+                residual_in: x.clone(),
+                ..Default::default()
+            };
+            let pre = self.hc_pre(l, "attn", &x)?;
+            let a = rms_norm_bf16(
+                &pre.mixed,
+                &self
+                    .weights
+                    .vector(&format!("layers.{l}.attn_norm.weight"))?,
+                cfg.norm_eps,
+            );
+            let (qr, q, kv, indexer) = self.attn_projections(l, t, &a)?;
+            let kind = cfg.layer_kind(l);
+            let cache = &mut state.layers[l];
+            let mut compressed_sel: Vec<usize> = Vec::new();
+            if let LayerKind::Csa { .. } = kind {
+                let (ikv, ig) = self.compressor_inputs(l, Which::Indexer, t, &a)?;
+                let st = cache
+                    .index_compressor
+                    .as_mut()
+                    .expect("CSA layer has an indexer compressor");
+                if let Some(pooled) = st.push(t, &ikv, &ig) {
+                    let j = cache.index_keys.len();
+                    let key = self.finalize_entry(l, Which::Indexer, j, &pooled)?;
+                    tr.new_index_key = Some(key.clone());
+                    cache.index_keys.push(key);
+                }
+                let (qi, w) = indexer.as_ref().expect("CSA layer has an indexer query");
+                let (scores, sel) = self.index_select(qi, w, &cache.index_keys);
+                tr.index_scores = scores;
+                compressed_sel = sel;
+            }
+            cache.window[t % cfg.window_size] = kv.clone();
+            if kind.ratio() > 0 {
+                let (ckv, cg) = self.compressor_inputs(l, Which::Main, t, &a)?;
+                let st = cache
+                    .compressor
+                    .as_mut()
+                    .expect("compressed layer has a compressor");
+                if let Some(pooled) = st.push(t, &ckv, &cg) {
+                    let j = cache.compressed.len();
+                    let e = self.finalize_entry(l, Which::Main, j, &pooled)?;
+                    tr.new_compressed = Some(e.clone());
+                    cache.compressed.push(e);
+                }
+                if let LayerKind::Hca { .. } = kind {
+                    compressed_sel = (0..cache.compressed.len()).collect();
+                }
+            }
+            compressed_sel.sort_unstable();
+            let wpos = self.window_positions(t);
+            let mut kvs: Vec<&[f32]> = wpos
+                .iter()
+                .map(|&p| cache.window[p % cfg.window_size].as_slice())
+                .collect();
+            kvs.extend(
+                compressed_sel
+                    .iter()
+                    .map(|&j| cache.compressed[j].as_slice()),
+            );
+            let o = self.attend(l, t, &q, &kvs)?;
+            let y = self.out_proj(l, &o)?;
+            let xm = self.hc_post(&y, &x, &pre);
+            tr.attn_hc = pre;
+            tr.attn_input = a;
+            tr.qr = qr;
+            tr.q = q;
+            tr.kv = kv;
+            tr.candidates = CandidateSet {
+                window_positions: wpos,
+                compressed: compressed_sel,
+            };
+            tr.attn_heads = o;
+            tr.attn_out = y;
+            tr.residual_mid = xm.clone();
+            x = self.ffn_sublayer(l, token, &xm, &mut tr)?;
+            traces.push(tr);
+        }
+        let logits = self.head(&x)?;
+        state.position += 1;
+        Ok(StepOutput {
+            position: t,
+            logits,
+            layers: traces,
+        })
+    }
+
+    /// Prefill of `tokens` from an empty state, layer by layer over all tokens (blockwise compressors,
+    /// causal candidate sets), leaving the state exactly as `tokens.len()` decode steps would.
+    pub fn prefill(
+        &self,
+        state: &mut DecodeState,
+        tokens: &[u32],
+        keep_traces: bool,
+    ) -> Result<PrefillOutput> {
+        if state.position != 0 {
+            bail!(
+                "prefill needs an empty state (position 0, got {}); use decode_step to extend",
+                state.position
+            );
+        }
+        if tokens.is_empty() {
+            bail!("prefill of zero tokens");
+        }
+        let cfg = self.config().clone();
+        let n = tokens.len();
+        let mut xs: Vec<Vec<f32>> = tokens
+            .iter()
+            .map(|&tk| self.embed(tk))
+            .collect::<Result<_>>()?;
+        let mut traces: Vec<Vec<LayerTrace>> = vec![Vec::new(); if keep_traces { n } else { 0 }];
+        for l in 0..cfg.n_layers {
+            let kind = cfg.layer_kind(l);
+            let m = kind.ratio();
+            // 1. Per-token projections (parallel over tokens).
+            let projs: Vec<Proj> = par_map(n, |t| -> Result<Proj> {
+                let pre = self.hc_pre(l, "attn", &xs[t])?;
+                let a = rms_norm_bf16(
+                    &pre.mixed,
+                    &self
+                        .weights
+                        .vector(&format!("layers.{l}.attn_norm.weight"))?,
+                    cfg.norm_eps,
+                );
+                let (qr, q, kv, indexer) = self.attn_projections(l, t, &a)?;
+                let comp = if m > 0 {
+                    Some(self.compressor_inputs(l, Which::Main, t, &a)?)
+                } else {
+                    None
+                };
+                let icomp = if matches!(kind, LayerKind::Csa { .. }) {
+                    Some(self.compressor_inputs(l, Which::Indexer, t, &a)?)
+                } else {
+                    None
+                };
+                Ok(Proj {
+                    pre,
+                    a,
+                    qr,
+                    q,
+                    kv,
+                    indexer,
+                    comp,
+                    icomp,
+                })
+            })
+            .into_iter()
+            .collect::<Result<_>>()?;
+
+            // 2. Blockwise compression of every complete block.
+            let n_blocks = n.checked_div(m).unwrap_or(0);
+            let overlap = matches!(kind, LayerKind::Csa { .. });
+            let block_entries = |which: Which| -> Result<Vec<Vec<f32>>> {
+                par_map(n_blocks, |j| {
+                    let mut src: Vec<(&[f32], &[f32], usize)> = Vec::new();
+                    let d = if overlap {
+                        projs[0].compressor_io(which).0.len() / 2
+                    } else {
+                        projs[0].compressor_io(which).0.len()
+                    };
+                    if overlap && j > 0 {
+                        for p in &projs[(j - 1) * m..j * m] {
+                            let (kv, g) = p.compressor_io(which);
+                            src.push((kv, g, 0));
+                        }
+                    }
+                    for p in &projs[j * m..(j + 1) * m] {
+                        let (kv, g) = p.compressor_io(which);
+                        src.push((kv, g, if overlap { d } else { 0 }));
+                    }
+                    self.finalize_entry(l, which, j, &pool_softmax(d, &src))
+                })
+                .into_iter()
+                .collect()
+            };
+            let compressed = if m > 0 {
+                block_entries(Which::Main)?
+            } else {
+                Vec::new()
+            };
+            let index_keys = if overlap {
+                block_entries(Which::Indexer)?
+            } else {
+                Vec::new()
+            };
+
+            // 3. Attention + FFN per token (parallel over tokens).
+            let outs: Vec<(Vec<f32>, LayerTrace)> =
+                par_map(n, |t| -> Result<(Vec<f32>, LayerTrace)> {
+                    let p = &projs[t];
+                    let mut tr = LayerTrace {
+                        layer: l,
+                        position: t,
+                        residual_in: xs[t].clone(),
+                        ..Default::default()
+                    };
+                    let visible = (t + 1).checked_div(m).unwrap_or(0);
+                    let mut sel: Vec<usize> = match kind {
+                        LayerKind::SlidingWindow => Vec::new(),
+                        LayerKind::Hca { .. } => (0..visible).collect(),
+                        LayerKind::Csa { .. } => {
+                            let (qi, w) = p.indexer.as_ref().expect("CSA indexer query");
+                            let (scores, sel) = self.index_select(qi, w, &index_keys[..visible]);
+                            tr.index_scores = scores;
+                            sel
+                        }
+                    };
+                    sel.sort_unstable();
+                    let wpos = self.window_positions(t);
+                    let mut kvs: Vec<&[f32]> =
+                        wpos.iter().map(|&s| projs[s].kv.as_slice()).collect();
+                    kvs.extend(sel.iter().map(|&j| compressed[j].as_slice()));
+                    let o = self.attend(l, t, &p.q, &kvs)?;
+                    let y = self.out_proj(l, &o)?;
+                    let xm = self.hc_post(&y, &xs[t], &p.pre);
+                    if m > 0 && (t + 1).is_multiple_of(m) {
+                        tr.new_compressed = Some(compressed[(t + 1) / m - 1].clone());
+                        if overlap {
+                            tr.new_index_key = Some(index_keys[(t + 1) / m - 1].clone());
+                        }
+                    }
+                    tr.attn_hc = p.pre.clone();
+                    tr.attn_input = p.a.clone();
+                    tr.qr = p.qr.clone();
+                    tr.q = p.q.clone();
+                    tr.kv = p.kv.clone();
+                    tr.candidates = CandidateSet {
+                        window_positions: wpos,
+                        compressed: sel,
+                    };
+                    tr.attn_heads = o;
+                    tr.attn_out = y;
+                    tr.residual_mid = xm.clone();
+                    let out = self.ffn_sublayer(l, tokens[t], &xm, &mut tr)?;
+                    Ok((out, tr))
+                })
+                .into_iter()
+                .collect::<Result<_>>()?;
+
+            // 4. Seed the decode state exactly as n decode steps would leave it.
+            let cache = &mut state.layers[l];
+            for (t, p) in projs
+                .iter()
+                .enumerate()
+                .skip(n.saturating_sub(cfg.window_size))
+            {
+                cache.window[t % cfg.window_size] = p.kv.clone();
+            }
+            let seed_state = |st: &mut CompressorState, which: Which| {
+                let done = n_blocks * m;
+                if st.overlap && n_blocks > 0 {
+                    for (r, p) in projs[done - m..done].iter().enumerate() {
+                        let (kv, g) = p.compressor_io(which);
+                        st.set_row(r, kv, g);
+                    }
+                }
+                for (t, p) in projs.iter().enumerate().skip(done) {
+                    let (kv, g) = p.compressor_io(which);
+                    let row = if st.overlap { m + t % m } else { t % m };
+                    st.set_row(row, kv, g);
+                }
+            };
+            if let Some(st) = cache.compressor.as_mut() {
+                seed_state(st, Which::Main);
+            }
+            if let Some(st) = cache.index_compressor.as_mut() {
+                seed_state(st, Which::Indexer);
+            }
+            cache.compressed = compressed;
+            cache.index_keys = index_keys;
+
+            for (t, (out, tr)) in outs.into_iter().enumerate() {
+                xs[t] = out;
+                if keep_traces {
+                    traces[t].push(tr);
+                }
+            }
+        }
+        state.position = n;
+        let logits = self.head(&xs[n - 1])?;
+        Ok(PrefillOutput { logits, traces })
+    }
+}
+
+/// Sinkhorn-Knopp of arch §3.4: row softmax + eps, column normalize, then (iters - 1) x (row, column).
+pub fn sinkhorn(logits: &[f32], n: usize, iters: usize, eps: f32) -> Vec<f32> {
+    let mut c = vec![0f32; n * n];
+    for j in 0..n {
+        let row = &logits[j * n..(j + 1) * n];
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let s: f32 = row.iter().map(|&v| (v - mx).exp()).sum();
+        for k in 0..n {
+            c[j * n + k] = (row[k] - mx).exp() / s + eps;
+        }
+    }
+    let col_norm = |c: &mut Vec<f32>| {
+        for k in 0..n {
+            let s: f32 = (0..n).map(|j| c[j * n + k]).sum::<f32>() + eps;
+            for j in 0..n {
+                c[j * n + k] /= s;
+            }
+        }
+    };
+    let row_norm = |c: &mut Vec<f32>| {
+        for j in 0..n {
+            let s: f32 = c[j * n..(j + 1) * n].iter().sum::<f32>() + eps;
+            for k in 0..n {
+                c[j * n + k] /= s;
+            }
+        }
+    };
+    col_norm(&mut c);
+    for _ in 1..iters {
+        row_norm(&mut c);
+        col_norm(&mut c);
+    }
+    c
+}
+
+/// Indices of the k largest values, descending by value; equal values: the lower index first. NaN
+/// sorts below every number.
+pub fn top_k_lower_index_wins(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| {
+        let (va, vb) = (values[a], values[b]);
+        let key = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+        key(vb)
+            .partial_cmp(&key(va))
+            .expect("no NaN after mapping")
+            .then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx
+}
