@@ -147,7 +147,17 @@ fn main() {
                 }
             }
         }
-        let functions = kernel_functions(&src);
+        // Entry points: the names ptxas compiled (exact, macro-generated ones included) when nvcc ran,
+        // else those declared literally in the source (names built with ## are skipped).
+        let mut functions: Vec<String> = report
+            .lines()
+            .filter_map(|l| l.split("Compiling entry function '").nth(1))
+            .filter_map(|r| r.split('\'').next())
+            .map(str::to_string)
+            .collect();
+        if functions.is_empty() {
+            functions = kernel_functions(&src).into_iter().filter(|n| !n.contains('#')).collect();
+        }
         let rep_path = out_dir.join(format!("{stem}.ptxas.txt"));
         fs::write(&rep_path, &report).unwrap();
         writeln!(

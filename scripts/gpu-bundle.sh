@@ -23,9 +23,14 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
         kind = m["target"]["kind"][0]
         name = m["target"]["name"] + ("-lib" if kind == "lib" else "")
+        # Only test executables with GPU tests (CPU-only ones run in CI); the call carries at most 64 MiB.
+        src = m["target"]["src_path"]
+        if kind != "test" or not (name == "cli" or "gpu_for_test" in open(src).read()):
+            continue
         shutil.copy(m["executable"], os.path.join(out, "tests", name))
         print("test executable:", name)
 ' "$out"
+strip "$out/megamoe" "$out"/tests/* 2>/dev/null || true
 cp scripts/gpu-run.sh "$out/"
 cp -r bench-configs "$out/"
 git rev-parse --short HEAD > "$out/COMMIT"

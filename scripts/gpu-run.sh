@@ -25,7 +25,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   for t in "$B"/tests/*; do
     n="$(basename "$t")"
     step "test $n"
-    timeout 600 "$t" --test-threads=1 > "$work/tests/$n.log" 2>&1; rc=$?
+    timeout "${TEST_TIMEOUT:-600}" "$t" --test-threads=1 > "$work/tests/$n.log" 2>&1; rc=$?
     tail -n 3 "$work/tests/$n.log"
     [ $rc -eq 0 ] || { echo "FAILED: $n (rc $rc)"; status=1; grep -E "panicked|FAILED|failed|SKIP" "$work/tests/$n.log" | head -20; }
   done
