@@ -577,22 +577,31 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
 // ---- entry points ------------------------------------------------------------------------------------------------
 // RMSNorm rows: grid (rows), block roundup32(ceil(D/8/4)); x [rows, D], w [D] BF16, rstd [rows] (may be null).
 
-#define RMSNORM_ENTRIES(TIN, SUFFIX)                                                                               \
-    extern "C" __global__ void rmsnorm_nvfp4_##SUFFIX(const TIN* x, const __nv_bfloat16* w, uint8_t* q,           \
-                                                      uint8_t* scales, float* gsa, float* rstd, int D, float eps) { \
-        rmsnorm_rows<TIN, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);                         \
-    }                                                                                                              \
-    extern "C" __global__ void rmsnorm_fp8_##SUFFIX(const TIN* x, const __nv_bfloat16* w, uint8_t* q,             \
-                                                    uint8_t* scales, float* rstd, int D, float eps) {             \
-        rmsnorm_rows<TIN, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);                       \
-    }                                                                                                              \
-    extern "C" __global__ void rmsnorm_bf16_##SUFFIX(const TIN* x, const __nv_bfloat16* w, __nv_bfloat16* y,      \
-                                                     float* rstd, int D, float eps) {                             \
-        rmsnorm_rows<TIN, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);                     \
-    }
+extern "C" __global__ void rmsnorm_nvfp4_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                          float* gsa, float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_fp8_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                        float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_bf16_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
+                                         int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
+}
 
-RMSNORM_ENTRIES(__nv_bfloat16, bf16in)
-RMSNORM_ENTRIES(float, f32in)
+extern "C" __global__ void rmsnorm_nvfp4_f32in(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                          float* gsa, float* rstd, int D, float eps) {
+    rmsnorm_rows<float, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_fp8_f32in(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                        float* rstd, int D, float eps) {
+    rmsnorm_rows<float, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
+                                         int D, float eps) {
+    rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
+}
 
 // Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).
 extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,

@@ -1128,3 +1128,21 @@ fn gpu_fused_post_then_pre_equals_separate_kernels() {
         );
     }
 }
+
+#[test]
+fn bench_config_names_known_kernels_and_variants() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs/norm_quant.toml");
+    let cfg = megamoe::bench::config::SweepConfig::from_path(&path).unwrap();
+    let kernels = megamoe::ops::bench_kernels();
+    assert!(!cfg.sweeps.is_empty());
+    for s in &cfg.sweeps {
+        let k = kernels
+            .iter()
+            .find(|k| k.name == s.kernel)
+            .unwrap_or_else(|| panic!("unknown kernel {}", s.kernel));
+        s.variants_from(k.variants).unwrap();
+        let d = s.param_u64("d").unwrap() as usize;
+        nq::check_rows(1, d).unwrap();
+    }
+}
