@@ -472,7 +472,10 @@ impl MhcPreOutputs {
         tokens: usize,
         d: usize,
     ) -> Result<MhcPreOutputs> {
-        check_rows(tokens, 4 * d)?;
+        check_rows(tokens, d)?;
+        if d > MHC_MAX_D {
+            bail!("mhc: hidden size {d} is above the supported {MHC_MAX_D}");
+        }
         Ok(MhcPreOutputs {
             tokens,
             d,
@@ -509,6 +512,15 @@ pub fn mix_splits(d: usize) -> usize {
 /// Largest hidden size of the mHC kernels: the finish kernel uses up to 128 registers per thread, so its
 /// D/32 threads must stay <= 512.
 pub const MHC_MAX_D: usize = 16384;
+/// Most tokens per mHC launch (the post / apply kernels put tokens on grid.y).
+pub const MHC_MAX_TOKENS: usize = 65535;
+
+fn check_mhc_tokens(tokens: usize) -> Result<()> {
+    if tokens > MHC_MAX_TOKENS {
+        bail!("mhc: {tokens} tokens in one launch, at most {MHC_MAX_TOKENS} (split the batch)");
+    }
+    Ok(())
+}
 
 fn check_mhc(x: &CudaSlice<bf16>, w: &MhcWeights, out: &MhcPreOutputs) -> Result<()> {
     if out.d > MHC_MAX_D {
@@ -524,7 +536,8 @@ fn check_mhc(x: &CudaSlice<bf16>, w: &MhcWeights, out: &MhcPreOutputs) -> Result
             out.d
         );
     }
-    check_rows(out.tokens, 4 * out.d)?;
+    check_rows(out.tokens, out.d)?;
+    check_mhc_tokens(out.tokens)?;
     check_len("X", x.len(), out.tokens * 4 * out.d)
 }
 
@@ -726,7 +739,8 @@ pub fn mhc_post(
     d: usize,
     x_out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    check_rows(tokens, 4 * d)?;
+    check_rows(tokens, d)?;
+    check_mhc_tokens(tokens)?;
     check_len("y", y.len(), tokens * d)?;
     check_len("X", x.len(), tokens * 4 * d)?;
     check_len("X out", x_out.len(), tokens * 4 * d)?;
@@ -959,7 +973,7 @@ pub fn bench_mhc(
     seed: u64,
     plan: TimingPlan,
 ) -> Result<BenchPoint> {
-    check_rows(tokens, 4 * d)?;
+    check_rows(tokens, d)?;
     let xs = random_rows(tokens * 4, d, seed);
     let x = upload_checked_bf16(gpu, "X", &xs)?;
     let eps = reference::RMS_EPS;
