@@ -334,6 +334,81 @@ __device__ void mhc_mix_partial(const __nv_bfloat16* __restrict__ X, const float
     }
 }
 
+// hc_post of the previous sub-layer fused into the next boundary's split-K mixes: the CTA that owns columns
+// [c0, c0 + 128) of 4D (stream k = c0 / D) computes X'[k][c] = post_k y[c] + sum_j C[j][k] X[j][c] (the op
+// order of mhc_post), stores it as BF16, and feeds the stored value to the dots. Every X' element has one
+// owner, so X' is written exactly once; the finish kernel then reads X' as the next boundary's X.
+template <int NMIX>
+__device__ void mhc_post_mix_partial(const __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ X,
+                                     const float* __restrict__ post, const float* __restrict__ comb,
+                                     __nv_bfloat16* __restrict__ Xout, const float* __restrict__ F,
+                                     float* __restrict__ part, int T, int D) {
+    __shared__ float red[MIX_THREADS / 32][NMIX + 1][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int s = blockIdx.x, D4 = 4 * D;
+    const int token = blockIdx.y * 32 + lane;
+    const bool valid = token < T;
+    const int c0 = s * MIX_COLS + warp * (MIX_COLS / 4);
+    const int k = c0 / D;  // MIX_COLS divides D: a CTA's columns lie in one stream
+    float pk = 0.f, ck[4] = {0.f, 0.f, 0.f, 0.f};
+    if (valid) {
+        pk = __ldg(post + token * 4 + k);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ck[j] = __ldg(comb + token * 16 + 4 * j + k);
+    }
+    float acc[NMIX + 1];
+#pragma unroll
+    for (int j = 0; j <= NMIX; ++j) acc[j] = 0.f;
+#pragma unroll
+    for (int it = 0; it < MIX_COLS / 4 / 8; ++it) {
+        const int c = c0 + it * 8, cd = c - k * D;
+        float xv[8];
+        if (valid) {
+            float yv[8], xs[4][8];
+            load8(y + (long)token * D + cd, yv);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) load8(X + ((long)token * 4 + j) * D + cd, xs[j]);
+            float o[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float a = __fmul_rn(pk, yv[e]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) a = __fadd_rn(a, __fmul_rn(ck[j], xs[j][e]));
+                o[e] = a;
+            }
+            uint4 r;
+            r.x = pack_bf16x2(o[0], o[1]); r.y = pack_bf16x2(o[2], o[3]);
+            r.z = pack_bf16x2(o[4], o[5]); r.w = pack_bf16x2(o[6], o[7]);
+            *reinterpret_cast<uint4*>(Xout + (long)token * D4 + c) = r;
+            xv[0] = bf16_lo(r.x); xv[1] = bf16_hi(r.x); xv[2] = bf16_lo(r.y); xv[3] = bf16_hi(r.y);
+            xv[4] = bf16_lo(r.z); xv[5] = bf16_hi(r.z); xv[6] = bf16_lo(r.w); xv[7] = bf16_hi(r.w);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xv[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[NMIX] = fmaf(xv[e], xv[e], acc[NMIX]);
+#pragma unroll
+        for (int j = 0; j < NMIX; ++j) {
+            float fv[8];
+            load8(F + (long)j * D4 + c, fv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[j] = fmaf(fv[e], xv[e], acc[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j <= NMIX; ++j) red[warp][j][lane] = acc[j];
+    __syncthreads();
+    for (int i = threadIdx.x; i < (NMIX + 1) * 32; i += MIX_THREADS) {
+        const int j = i / 32, l = i % 32;
+        const int t = blockIdx.y * 32 + l;
+        if (t < T) {
+            const float v = ((red[0][j][l] + red[1][j][l]) + red[2][j][l]) + red[3][j][l];
+            part[((long)t * (NMIX + 1) + j) * gridDim.x + s] = v;
+        }
+    }
+}
+
 __device__ __forceinline__ float sigmoid_f(float z) { return __fdiv_rn(1.f, __fadd_rn(1.f, expf(-z))); }
 
 __device__ __forceinline__ float mix_logit(float rho, float dot, float s, float b) {
@@ -502,22 +577,31 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
 // ---- entry points ------------------------------------------------------------------------------------------------
 // RMSNorm rows: grid (rows), block roundup32(ceil(D/8/4)); x [rows, D], w [D] BF16, rstd [rows] (may be null).
 
-#define RMSNORM_ENTRIES(TIN, SUFFIX)                                                                               \
-    extern "C" __global__ void rmsnorm_nvfp4_##SUFFIX(const TIN* x, const __nv_bfloat16* w, uint8_t* q,           \
-                                                      uint8_t* scales, float* gsa, float* rstd, int D, float eps) { \
-        rmsnorm_rows<TIN, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);                         \
-    }                                                                                                              \
-    extern "C" __global__ void rmsnorm_fp8_##SUFFIX(const TIN* x, const __nv_bfloat16* w, uint8_t* q,             \
-                                                    uint8_t* scales, float* rstd, int D, float eps) {             \
-        rmsnorm_rows<TIN, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);                       \
-    }                                                                                                              \
-    extern "C" __global__ void rmsnorm_bf16_##SUFFIX(const TIN* x, const __nv_bfloat16* w, __nv_bfloat16* y,      \
-                                                     float* rstd, int D, float eps) {                             \
-        rmsnorm_rows<TIN, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);                     \
-    }
+extern "C" __global__ void rmsnorm_nvfp4_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                          float* gsa, float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_fp8_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                        float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_bf16_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
+                                         int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
+}
 
-RMSNORM_ENTRIES(__nv_bfloat16, bf16in)
-RMSNORM_ENTRIES(float, f32in)
+extern "C" __global__ void rmsnorm_nvfp4_f32in(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                          float* gsa, float* rstd, int D, float eps) {
+    rmsnorm_rows<float, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_fp8_f32in(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                        float* rstd, int D, float eps) {
+    rmsnorm_rows<float, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
+                                         int D, float eps) {
+    rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
+}
 
 // Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).
 extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
@@ -537,6 +621,16 @@ extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24(const __nv_b
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial4(const __nv_bfloat16* X, const float* F,
                                                                   float* part, int T, int D4) {
     mhc_mix_partial<4>(X, F, part, T, D4);
+}
+
+// Fused hc_post + next boundary's mixes: grid (S = 4D/128, ceil(T/32)), block 128. y [T, D], X [T, 4, D],
+// post [T, 4], comb [T, 16] of the previous boundary; writes Xout [T, 4, D] and part for mhc_pre_finish_*
+// (which must then be given Xout as its X).
+extern "C" __global__ void __launch_bounds__(128) mhc_post_mix_partial24(const __nv_bfloat16* y, const __nv_bfloat16* X,
+                                                                        const float* post, const float* comb,
+                                                                        __nv_bfloat16* Xout, const float* F,
+                                                                        float* part, int T, int D) {
+    mhc_post_mix_partial<24>(y, X, post, comb, Xout, F, part, T, D);
 }
 
 // mHC finish: grid (T, 2), block as RMSNorm. hc_scale [3], hc_base [24], w [D]; outputs pre/post [T,4],

@@ -1064,3 +1064,91 @@ fn exec_entries_run_the_cpu_reference() {
     assert_eq!(&out["u"].to_f32().unwrap()[d..2 * d], &u1[..]);
     assert_eq!(out["y"].shape, vec![t, d]);
 }
+
+#[test]
+fn gpu_fused_post_then_pre_equals_separate_kernels() {
+    let Some(gpu) = gpu_for_test("gpu_fused_post_then_pre_equals_separate_kernels") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_fused_post_then_pre_equals_separate_kernels");
+    for &(tokens, d) in &[(1usize, 4096usize), (3, 7168), (64, 4096), (129, 7168)] {
+        let c = mhc_case(tokens, d, seed ^ tokens as u64);
+        let y = nq::random_rows(tokens, d, seed ^ 0x99);
+        let coefs: Vec<r::MhcPre> = (0..tokens)
+            .map(|t| r::mhc_pre_token(&c.x[t * 4 * d..(t + 1) * 4 * d], &c.p).0)
+            .collect();
+        let post: Vec<f32> = coefs.iter().flat_map(|k| k.post).collect();
+        let comb: Vec<f32> = coefs.iter().flat_map(|k| k.comb).collect();
+        let next = nq::random_mhc_params(d, r::HC_MIX, seed ^ 0x55);
+        let w = MhcWeights::upload(&gpu, &next, &c.nw, d).unwrap();
+        let (dy, dx) = (
+            nq::upload_checked_bf16(&gpu, "y", &y).unwrap(),
+            nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
+        );
+        let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
+        // separate: mhc_post, then mhc_pre on its output
+        let mut xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+        let mut out_a = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+        nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo_a).unwrap();
+        nq::mhc_pre(&gpu, &xo_a, &w, r::RMS_EPS, &mut out_a).unwrap();
+        // fused
+        let mut xo_b = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+        let mut out_b = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+        nq::mhc_post_then_pre(
+            &gpu,
+            &dy,
+            &dx,
+            &dp,
+            &dc,
+            &w,
+            r::RMS_EPS,
+            &mut xo_b,
+            &mut out_b,
+        )
+        .unwrap();
+        let label = format!("post+pre T={tokens} D={d} seed {seed}");
+        let (xa, xb) = (gpu.download(&xo_a).unwrap(), gpu.download(&xo_b).unwrap());
+        if let Some(i) = (0..xa.len()).find(|&i| xa[i].to_bits() != xb[i].to_bits()) {
+            panic!("{label}: X'[{i}] separate {} vs fused {}", xa[i], xb[i]);
+        }
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (what, a, b) in [
+            ("partials", out_a.partials(), out_b.partials()),
+            ("pre", &out_a.pre, &out_b.pre),
+            ("post", &out_a.post, &out_b.post),
+            ("comb", &out_a.comb, &out_b.comb),
+        ] {
+            assert_eq!(
+                bits(download_f32(&gpu, a)),
+                bits(download_f32(&gpu, b)),
+                "{label}: {what} differ"
+            );
+        }
+        let (na, nb) = (
+            out_a.normed.download(&gpu).unwrap(),
+            out_b.normed.download(&gpu).unwrap(),
+        );
+        assert!(
+            na.q == nb.q && na.rstd == nb.rstd,
+            "{label}: RMSNorm(u) outputs differ"
+        );
+    }
+}
+
+#[test]
+fn bench_config_names_known_kernels_and_variants() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs/norm_quant.toml");
+    let cfg = megamoe::bench::config::SweepConfig::from_path(&path).unwrap();
+    let kernels = megamoe::ops::bench_kernels();
+    assert!(!cfg.sweeps.is_empty());
+    for s in &cfg.sweeps {
+        let k = kernels
+            .iter()
+            .find(|k| k.name == s.kernel)
+            .unwrap_or_else(|| panic!("unknown kernel {}", s.kernel));
+        s.variants_from(k.variants).unwrap();
+        let d = s.param_u64("d").unwrap() as usize;
+        nq::check_rows(1, d).unwrap();
+    }
+}

@@ -472,7 +472,10 @@ impl MhcPreOutputs {
         tokens: usize,
         d: usize,
     ) -> Result<MhcPreOutputs> {
-        check_rows(tokens, 4 * d)?;
+        check_rows(tokens, d)?;
+        if d > MHC_MAX_D {
+            bail!("mhc: hidden size {d} is above the supported {MHC_MAX_D}");
+        }
         Ok(MhcPreOutputs {
             tokens,
             d,
@@ -509,6 +512,15 @@ pub fn mix_splits(d: usize) -> usize {
 /// Largest hidden size of the mHC kernels: the finish kernel uses up to 128 registers per thread, so its
 /// D/32 threads must stay <= 512.
 pub const MHC_MAX_D: usize = 16384;
+/// Most tokens per mHC launch (the post / apply kernels put tokens on grid.y).
+pub const MHC_MAX_TOKENS: usize = 65535;
+
+fn check_mhc_tokens(tokens: usize) -> Result<()> {
+    if tokens > MHC_MAX_TOKENS {
+        bail!("mhc: {tokens} tokens in one launch, at most {MHC_MAX_TOKENS} (split the batch)");
+    }
+    Ok(())
+}
 
 fn check_mhc(x: &CudaSlice<bf16>, w: &MhcWeights, out: &MhcPreOutputs) -> Result<()> {
     if out.d > MHC_MAX_D {
@@ -524,7 +536,8 @@ fn check_mhc(x: &CudaSlice<bf16>, w: &MhcWeights, out: &MhcPreOutputs) -> Result
             out.d
         );
     }
-    check_rows(out.tokens, 4 * out.d)?;
+    check_rows(out.tokens, out.d)?;
+    check_mhc_tokens(out.tokens)?;
     check_len("X", x.len(), out.tokens * 4 * out.d)
 }
 
@@ -571,8 +584,19 @@ pub fn mhc_pre(
             w.nmix
         );
     }
+    launch_mix_partial(gpu, x, w, out.tokens, &mut out.partials)?;
+    launch_pre_finish(gpu, x, w, eps, out)
+}
+
+/// The per-token finish of [`mhc_pre`] on partials already in `out`.
+fn launch_pre_finish(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    out: &mut MhcPreOutputs,
+) -> Result<()> {
     let (tokens, d) = (out.tokens, out.d);
-    launch_mix_partial(gpu, x, w, tokens, &mut out.partials)?;
     let name = format!("mhc_pre_finish_{}", out.normed.format.name());
     let f = gpu.function(FAMILY, &name)?;
     // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn, concurrently.
@@ -610,6 +634,56 @@ pub fn mhc_pre(
     b.arg(&mut out.normed.rstd);
     drv(unsafe { b.launch(cfg) }, &name)?;
     Ok(())
+}
+
+/// `hc_post` of one sub-layer fused with `hc_pre` of the next: `x_out = post (x) y + comb^T x` (as
+/// [`mhc_post`], bit for bit) is computed inside the split-K mix kernel, which feeds it to the next
+/// boundary's dots; then the finish kernel as in [`mhc_pre`] (reading `x_out`). Two launches instead of
+/// three, and X' is not re-read for the mixes. `post`/`comb` are the previous boundary's.
+#[allow(clippy::too_many_arguments)]
+pub fn mhc_post_then_pre(
+    gpu: &Gpu,
+    y: &CudaSlice<bf16>,
+    x: &CudaSlice<bf16>,
+    post: &CudaSlice<f32>,
+    comb: &CudaSlice<f32>,
+    w: &MhcWeights,
+    eps: f32,
+    x_out: &mut CudaSlice<bf16>,
+    out: &mut MhcPreOutputs,
+) -> Result<()> {
+    check_mhc(x, w, out)?;
+    check_eps(eps)?;
+    if w.nmix != reference::HC_MIX {
+        bail!(
+            "mhc_post_then_pre needs sub-layer weights (24 mixes), got {}",
+            w.nmix
+        );
+    }
+    let (tokens, d) = (out.tokens, out.d);
+    check_len("y", y.len(), tokens * d)?;
+    check_len("X out", x_out.len(), tokens * 4 * d)?;
+    check_len("post", post.len(), tokens * 4)?;
+    check_len("comb", comb.len(), tokens * 16)?;
+    let f = gpu.function(FAMILY, "mhc_post_mix_partial24")?;
+    let cfg = launch_cfg(
+        (mix_splits(d) as u32, tokens.div_ceil(32) as u32, 1),
+        (128, 1, 1),
+        0,
+    );
+    let (t_i, d_i) = (tokens as i32, d as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(y)
+        .arg(x)
+        .arg(post)
+        .arg(comb)
+        .arg(&mut *x_out)
+        .arg(&w.mix_fn)
+        .arg(&mut out.partials)
+        .arg(&t_i)
+        .arg(&d_i);
+    drv(unsafe { b.launch(cfg) }, "mhc_post_mix_partial24")?;
+    launch_pre_finish(gpu, x_out, w, eps, out)
 }
 
 /// `hc_head`: pre = sigmoid mixes (no Sinkhorn), u = sum pre_i X_i (BF16), then RMSNorm(u; norm.weight)
@@ -665,7 +739,8 @@ pub fn mhc_post(
     d: usize,
     x_out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    check_rows(tokens, 4 * d)?;
+    check_rows(tokens, d)?;
+    check_mhc_tokens(tokens)?;
     check_len("y", y.len(), tokens * d)?;
     check_len("X", x.len(), tokens * 4 * d)?;
     check_len("X out", x_out.len(), tokens * 4 * d)?;
@@ -885,6 +960,8 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_unfused_fp8",
     "post",
     "head",
+    "graph_postpre_fused_nvfp4",
+    "graph_postpre_separate_nvfp4",
 ];
 
 /// Time one mHC variant for `tokens` tokens of hidden size `d`.
@@ -896,7 +973,7 @@ pub fn bench_mhc(
     seed: u64,
     plan: TimingPlan,
 ) -> Result<BenchPoint> {
-    check_rows(tokens, 4 * d)?;
+    check_rows(tokens, d)?;
     let xs = random_rows(tokens * 4, d, seed);
     let x = upload_checked_bf16(gpu, "X", &xs)?;
     let eps = reference::RMS_EPS;
@@ -926,6 +1003,37 @@ pub fn bench_mhc(
     }
     let params = random_mhc_params(d, reference::HC_MIX, seed ^ 2);
     let nw = random_weight(d, seed ^ 3);
+    if let Some(kind) = variant.strip_prefix("graph_postpre_") {
+        // hc_post of one sub-layer + hc_pre of the next (NVFP4 out): fused (2 launches) or separate (3).
+        let fused = kind.starts_with("fused");
+        let y = upload_checked_bf16(gpu, "y", &random_rows(tokens, d, seed ^ 1))?;
+        let post = gpu.upload(&vec![1.0f32; tokens * 4])?;
+        let comb = gpu.upload(&vec![0.25f32; tokens * 16])?;
+        let mut xo = gpu.zeros::<bf16>(tokens * 4 * d)?;
+        let w = MhcWeights::upload(gpu, &params, &nw, d)?;
+        let mut out = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Nvfp4, tokens, d)?;
+        let run = |out: &mut MhcPreOutputs, xo: &mut CudaSlice<bf16>| {
+            if fused {
+                mhc_post_then_pre(gpu, &y, &x, &post, &comb, &w, eps, xo, out)
+            } else {
+                mhc_post(gpu, &y, &x, &post, &comb, tokens, d, xo)?;
+                mhc_pre(gpu, xo, &w, eps, out)
+            }
+        };
+        run(&mut out, &mut xo)?;
+        gpu.synchronize()?;
+        let g = gpu.capture(|| run(&mut out, &mut xo))?;
+        let s = gpu.time_graph_us(&g, plan, 20)?;
+        let bytes = 2 * x_bytes
+            + (tokens * d * 2 + tokens * 80) as u64
+            + (reference::HC_MIX * 4 * d * 4 + d * 2) as u64
+            + (tokens * (24 * 4 + 2 * d + 4 + OutFormat::Nvfp4.row_bytes(d))) as u64;
+        return Ok(point(
+            bytes,
+            s,
+            fused.then(|| "graph_postpre_separate_nvfp4".to_string()),
+        ));
+    }
     if variant == "head" {
         let hf = random_mhc_params(d, reference::HC_HEAD_MIX, seed ^ 4);
         let w = MhcWeights::upload_head(gpu, &hf.mix_fn, 1.0, &[0.1, -0.1, 0.2, 0.0], &nw, d)?;
