@@ -152,6 +152,7 @@ pub struct ExecKernel {
 pub fn kernels() -> Vec<ExecKernel> {
     let mut v = Vec::new();
     v.extend(crate::ops::nvfp4::exec_kernels());
+    v.extend(crate::ops::moe_gemm::exec_kernels());
     v
 }
 
