@@ -918,3 +918,72 @@ fn gpu_weights_prepared_from_mxfp4() {
         &mut rng,
     );
 }
+
+#[test]
+fn exec_cpu_reference_on_a_safetensors_file() {
+    use megamoe::ops::exec::{self, HostTensor, TensorMap};
+    use safetensors::Dtype;
+    let mut rng = seeded("exec_cpu_reference_on_a_safetensors_file");
+    let (e, n, k) = (3, 128, 512);
+    let w = quantized_weights(&mut rng, e, n, k);
+    let rb = RoutedBatch::from_choices(5, e, 1, vec![0, 2, 2, 0, 2], None).unwrap();
+    let a = gathered_activations(&mut rng, &rb, k, true);
+    let Activations::Nvfp4(q) = &a else {
+        unreachable!()
+    };
+    let Grouping::Contiguous { offsets } = &rb.grouping else {
+        unreachable!()
+    };
+    let mut m = TensorMap::new();
+    m.insert(
+        "w_codes".into(),
+        HostTensor::from_u8(Dtype::U8, vec![e, n, k / 2], w.rows.codes.clone()),
+    );
+    m.insert(
+        "w_scales".into(),
+        HostTensor::from_u8(Dtype::U8, vec![e, n, k / 16], w.rows.scales.clone()),
+    );
+    m.insert(
+        "w_global".into(),
+        HostTensor::from_f32(vec![e, n], &w.rows.global),
+    );
+    m.insert(
+        "offsets".into(),
+        HostTensor::from_u8(
+            Dtype::I32,
+            vec![e + 1],
+            offsets.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ),
+    );
+    m.insert(
+        "a_codes".into(),
+        HostTensor::from_u8(Dtype::U8, vec![q.rows, k / 2], q.codes.clone()),
+    );
+    m.insert(
+        "a_scales".into(),
+        HostTensor::from_u8(Dtype::U8, vec![q.rows, k / 16], q.scales.clone()),
+    );
+    m.insert(
+        "a_global".into(),
+        HostTensor::from_f32(vec![q.rows], &q.global),
+    );
+    let dir = std::env::temp_dir().join(format!("moe_gemm_exec_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (inp, outp) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
+    exec::write_safetensors(&inp, &m).unwrap();
+    exec::run("moe_gemm_grouped", &inp, &outp, None).unwrap();
+    let out = exec::read_safetensors(&outp).unwrap();
+    let d = out["d"].to_f32().unwrap();
+    let (acc, _) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
+    let want = apply_global_scales(&acc, &w, &a, &rb.grouping);
+    assert_eq!(out["d"].shape, vec![5, n]);
+    for (i, (g, r)) in d.iter().zip(&want).enumerate() {
+        assert_eq!(*g, *r as f32, "element {i}");
+    }
+    // A missing tensor is a clear error.
+    m.remove("offsets");
+    exec::write_safetensors(&inp, &m).unwrap();
+    let err = exec::run("moe_gemm_grouped", &inp, &outp, None).unwrap_err();
+    assert!(format!("{err:#}").contains("offsets"), "{err:#}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -17,6 +17,7 @@
 //! kernels, so a bad value can never cause an out-of-bounds access; host-side groupings are validated.
 
 pub mod bench;
+pub mod exec;
 pub mod reference;
 
 use anyhow::{anyhow, bail, ensure, Result};
@@ -27,6 +28,7 @@ use rand::seq::index::sample;
 use rand::Rng;
 
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
+pub use exec::exec_kernels;
 use reference::{ExpertWeights, Grouping, NVFP4_BLOCK};
 
 /// Kernel family name (kernels/moe_gemm.cu).
