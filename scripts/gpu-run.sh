@@ -32,11 +32,20 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
 fi
 if { [ "$what" = all ] || [ "$what" = stress ]; } && "$B/megamoe" stress --help >/dev/null 2>&1; then
   step "stress indexer"
-  timeout 900 "$B/megamoe" stress indexer --out "$work" 2>&1 | tail -n 20 || status=1
+  timeout 900 "$B/megamoe" stress indexer --out "$work" 2>&1 | tail -n 20; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  san="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  if [ -x "$san" ]; then
+    for tool in memcheck racecheck synccheck; do
+      step "compute-sanitizer --tool $tool (indexer stress, quick subset)"
+      timeout 420 "$san" --tool "$tool" --error-exitcode 9 "$B/megamoe" stress indexer --quick --watchdog-ms 120000 \
+        > "$work/sanitizer-$tool.txt" 2>&1; rc=$?
+      tail -n 4 "$work/sanitizer-$tool.txt"; [ $rc -eq 0 ] || { echo "sanitizer $tool: rc $rc"; status=1; }
+    done
+  fi
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   step "bench"
-  timeout 1500 "$B/megamoe" bench --out "$work" "$@" 2>&1 | tail -n 40 || status=1
+  timeout 1500 "$B/megamoe" bench --out "$work" "$@" 2>&1 | tail -n 40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   "$B/megamoe" report --dir "$work" 2>&1 | tail -n 3
 fi
 mkdir -p "$out"

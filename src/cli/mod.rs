@@ -55,6 +55,11 @@ enum Command {
         #[arg(long, default_value = "results/h200")]
         dir: PathBuf,
     },
+    /// Stress tests: deadlock and edge-size suites, each launch under a host-side watchdog.
+    Stress {
+        #[command(subcommand)]
+        suite: StressSuite,
+    },
     /// Run one kernel (or, with --cpu, its CPU reference) on tensors from a safetensors file.
     Exec {
         /// Kernel name; `megamoe exec --list` shows them with their tensor names, dtypes and shapes.
@@ -69,6 +74,35 @@ enum Command {
         /// List the kernels exec knows.
         #[arg(long)]
         list: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum StressSuite {
+    /// Lightning indexer logits + top-k: every num_valid in 0..=N, random lengths up to 262,144 (1M context),
+    /// num_valid around k and multiples of 128, all-equal scores, zero ReLU rows, NaN/-inf policy; every
+    /// result compared with the CPU reference. A launch that does not finish within the watchdog is reported
+    /// as a hang with its parameters and the process exits (code 3) without waiting on the GPU.
+    Indexer {
+        /// Write stress-indexer.txt here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, default_value_t = 0x1DE7)]
+        seed: u64,
+        /// Every num_valid in 0..=exhaustive_max.
+        #[arg(long, default_value_t = 4096)]
+        exhaustive_max: usize,
+        /// Random lengths up to --random-max.
+        #[arg(long, default_value_t = 24)]
+        random_cases: usize,
+        #[arg(long, default_value_t = 262_144)]
+        random_max: usize,
+        /// Watchdog per launch group, milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        watchdog_ms: u64,
+        /// A few-second subset (for sanitizer runs).
+        #[arg(long)]
+        quick: bool,
     },
 }
 
@@ -132,6 +166,7 @@ pub fn main() -> Result<()> {
             measure_limits(&gpu, &out, quick).map(|_| ())
         }
         Command::Run(args) | Command::Bench(args) => bench(cli.gpu, args),
+        Command::Stress { suite } => stress(cli.gpu, suite),
         Command::Report { dir } => {
             let p = runner::report_dir(&dir)?;
             println!("wrote {}", p.display());
@@ -391,5 +426,53 @@ fn exec(
         output.display(),
         if cpu { "CPU reference" } else { "GPU" }
     );
+    Ok(())
+}
+
+fn stress(ordinal: usize, suite: StressSuite) -> Result<()> {
+    use crate::ops::indexer::stress::{run_stress, StressOptions};
+    let StressSuite::Indexer {
+        out,
+        seed,
+        exhaustive_max,
+        random_cases,
+        random_max,
+        watchdog_ms,
+        quick,
+    } = suite;
+    let mut opts = if quick {
+        StressOptions::quick(seed)
+    } else {
+        StressOptions {
+            seed,
+            ..Default::default()
+        }
+    };
+    if !quick {
+        opts.exhaustive_max = exhaustive_max;
+        opts.random_cases = random_cases;
+        opts.random_max = random_max;
+    }
+    opts.watchdog = std::time::Duration::from_millis(watchdog_ms);
+    let gpu = open_gpu(ordinal)?;
+    eprintln!(
+        "indexer stress: num_valid 0..={}, {} random up to {}, k {:?}, watchdog {} ms",
+        opts.exhaustive_max, opts.random_cases, opts.random_max, opts.ks, watchdog_ms
+    );
+    let report = run_stress(&gpu, &opts)?;
+    let text = report.summary();
+    print!("{text}");
+    if let Some(dir) = out {
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("stress-indexer.txt"), &text)?;
+    }
+    if report.hung.is_some() {
+        // The GPU may still be running the hung kernel: synchronizing (or dropping the context) would block.
+        eprintln!("error: a launch exceeded the watchdog; exiting without waiting for the GPU");
+        std::process::exit(3);
+    }
+    if !report.passed() {
+        bail!("indexer stress: {} failure(s)", report.failures.len());
+    }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! `ops/<family>/reference.rs` or `formats` (CPU reference) -> `tests/<family>.rs` -> `bench-configs/<family>.toml`.
 
 pub mod exec;
+pub mod indexer;
 pub mod inputs;
 pub mod nvfp4;
 pub mod sparse_attn;
@@ -13,6 +14,7 @@ use crate::bench::runner::BenchKernel;
 pub fn bench_kernels() -> Vec<BenchKernel> {
     let mut v = Vec::new();
     v.extend(nvfp4::bench::kernels());
+    v.extend(indexer::bench::kernels());
     v.extend(sparse_attn::bench_kernels());
     v
 }

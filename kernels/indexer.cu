@@ -1,0 +1,679 @@
+// Lightning indexer (DSV4 §3.8): index-key writer, weighted-ReLU MQA logits on FP8 tensor cores, and a
+// deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort).
+//
+// ---- Key cache (two planes per format, entry slot = b * capacity + j) -----------------------------------
+//   FP8  : codes[slot][128] e4m3, scales[slot] fp32 (x = e4m3 * scale)               132 B / entry
+//   MXFP4: codes[slot][64] e2m1 (dim 2i in the low nibble), scales[slot][4] ue8m0       68 B / entry
+// Writer: one warp per key, lane l holds dims 4l..4l+3. 128-point Walsh-Hadamard = 7 butterfly stages
+// (h = 1, 2 inside a lane; h = 4..64 across lanes with shfl_xor(h/4)), then * 1/sqrt(128) (0x3DB504F3).
+// Every stage is an f32 add/sub of the same two values as the CPU loop (addition is commutative), and the
+// quantizer uses __fdiv_rn, so the codes are bit-identical to src/ops/indexer/reference.rs.
+//
+// ---- Logits: score[row, j] = sum_h w[row,h] * relu(q[row,h] . k_j) ----------------------------------------
+// mma.sync m16n8k32 e4m3 x e4m3 -> f32 with keys on M (16 per m-tile) and heads on N (8 per n-tile, 8 tiles).
+// The dot product is a sum over the 128 dims, so any permutation of K applied to both A and B leaves it
+// unchanged; we pick the permutation that makes each lane's key bytes contiguous:
+//   FP8 : lane (g = lane/4, t = lane%4) loads 16 B at dims t*16 and 16 B at 64 + t*16 of rows g and g+8
+//         (two 16-byte loads per row; the 4 lanes of a group cover 64 contiguous bytes per load: full
+//         32-byte sectors). k-step s uses the 8 bytes at (s>>1)*64 + t*16 + (s&1)*8: first 4 -> a0/a1,
+//         next 4 -> a2/a3. The q fragment (b0, b1) of head n = nt*8 + g is the 8 bytes at the same offset.
+//   MXFP4: k-step s must be exactly scale block s (dims 32s..32s+31) so its ue8m0 scale can be applied to
+//         the k-step's partial product: lane t takes dims 32s + 8t .. +7 = one u32 of packed codes.
+//         e2m1 -> e4m3 is exact (a 16-entry byte LUT via __byte_perm + the sign bit), the block scale is
+//         applied in fp32 after each k-step's MMA (x = e2m1 * 2^e exactly; no range condition needed).
+// q fragments live in shared memory in fragment order (one conflict-free 8-byte load per lane per
+// (n-tile, k-step)); q's per-token scale is folded into w by the caller (relu(s x) = s relu(x), s > 0).
+// Epilogue per n-tile: relu (fmaxf: NaN -> 0, same in the reference) and * w, accumulated per key in fp32;
+// then the 4 lanes of a group are summed and the FP8 entry scale is applied (scale > 0 commutes with relu).
+// Work split: a warp tile is 2 m-tiles = 32 keys (A fragments stay in 32 registers), a CTA of 8 warps
+// covers 1024 keys; the q fragments are re-read from shared memory per (n-tile, k-step): 8 KB of lds per
+// 4 KB of keys, well under the shared-memory bandwidth. 0 spills (ptxas), 120-128 registers, 2 CTAs/SM
+// (mxfp4 with next_n = 2: 168 registers, 1 CTA/SM).
+// Byte/cycle budget: a key costs 128 B (+4 B scale) of HBM and, per query token, 16 KFLOP = 32 mma.sync
+// m16n8k32 per 16 keys. At 4.8 TB/s and 132 B/key, next_n = 1 needs ~590 TFLOPS of FP8 mma.sync across the
+// GPU, close to what mma.sync (not wgmma) can issue on Hopper, so next_n = 1 sits at the edge of HBM-bound
+// and next_n = 2 is tensor-issue-bound; wgmma is the next step if the sweep shows it.
+//
+// ---- Top-k (k <= 2048) ----------------------------------------------------------------------------------
+// Total order: composite = (order_key(score) << 32) | ~index (u64; NaN -> -inf, -0 -> +0). The composite
+// is unique per entry, so "the k largest composites" is exactly "score desc, lower index wins".
+// Stage 1 (indexer_topk_chunk): one 1024-thread CTA per (row, chunk of TOPK_CHUNK entries): MSB-first radix
+// select over the 64-bit composite (8-bit digits, at most 8 passes, early exit when the chosen bucket holds
+// exactly the remaining count), then a ballot-compacted collection. Rows with one chunk sort their k and
+// write the final answer here; otherwise each chunk writes its min(k, m) candidates. Stage 2
+// (indexer_topk_merge): the same select over the candidates, then a bitonic sort of k.
+// Deadlock freedom: every __syncthreads() sits either in straight-line code or in a loop whose trip count
+// is a function of block-uniform values only (pass < 8 with a break on a value read from shared memory
+// after a barrier; bitonic size/stride from kpad); every per-element loop (trip counts that differ between
+// threads) contains no barrier, and warp collectives inside them run over warp-uniform trip counts
+// (base += blockDim, the element test is inside). No global lock, no inter-CTA wait.
+#include <stdint.h>
+#include "common/formats.cuh"
+
+namespace {
+
+constexpr int HEADS = 64;
+constexpr int DIM = 128;
+constexpr unsigned FULL = 0xffffffffu;
+
+// ------------------------------------------------------------------------------------------------------------
+// Key writer
+// ------------------------------------------------------------------------------------------------------------
+
+// Hadamard of the warp's key, lane holds x[4l..4l+3] in v[0..3]; returns the transformed values.
+__device__ __forceinline__ void hadamard128_warp(float v[4], int lane) {
+    float a0 = __fadd_rn(v[0], v[1]), a1 = __fsub_rn(v[0], v[1]);
+    float a2 = __fadd_rn(v[2], v[3]), a3 = __fsub_rn(v[2], v[3]);
+    v[0] = __fadd_rn(a0, a2);
+    v[2] = __fsub_rn(a0, a2);
+    v[1] = __fadd_rn(a1, a3);
+    v[3] = __fsub_rn(a1, a3);
+#pragma unroll
+    for (int m = 1; m <= 16; m <<= 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float p = __shfl_xor_sync(FULL, v[i], m);
+            v[i] = (lane & m) ? __fsub_rn(p, v[i]) : __fadd_rn(v[i], p);
+        }
+    }
+    const float s = __uint_as_float(0x3DB504F3u);  // 1/sqrt(128) in f32
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = __fmul_rn(v[i], s);
+}
+
+__device__ __forceinline__ bool load_raw_key(const float* __restrict__ raw, const int* __restrict__ slots, int n,
+                                             int num_slots, int key, int lane, float v[4], int& slot) {
+    if (key >= n) return false;
+    slot = slots[key];
+    if (slot < 0 || slot >= num_slots) return false;  // the launcher rejects these; never write out of range
+    float4 x = reinterpret_cast<const float4*>(raw + (size_t)key * DIM)[lane];
+    v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+    return true;
+}
+
+}  // namespace
+
+// raw [n][128] f32 keys, slots[n] flat entry slots; writes codes[slot][128], scales[slot] (fp32).
+extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_fp8(const float* __restrict__ raw,
+                                                                       const int* __restrict__ slots, int n,
+                                                                       int num_slots, uint8_t* __restrict__ codes,
+                                                                       float* __restrict__ scales) {
+    const int lane = threadIdx.x & 31;
+    const int key = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    float v[4];
+    int slot;
+    if (!load_raw_key(raw, slots, n, num_slots, key, lane, v, slot)) return;  // warp-uniform
+    hadamard128_warp(v, lane);
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, m));
+    const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.f);
+    uint32_t word = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) word |= (uint32_t)mm::e4m3_encode(__fdiv_rn(v[i], scale)) << (8 * i);
+    reinterpret_cast<uint32_t*>(codes + (size_t)slot * DIM)[lane] = word;
+    if (lane == 0) scales[slot] = scale;
+}
+
+// raw [n][128] f32 keys; writes codes[slot][64] packed e2m1 and scales[slot][4] ue8m0.
+extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_mxfp4(const float* __restrict__ raw,
+                                                                         const int* __restrict__ slots, int n,
+                                                                         int num_slots, uint8_t* __restrict__ codes,
+                                                                         uint8_t* __restrict__ scales) {
+    const int lane = threadIdx.x & 31;
+    const int key = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    float v[4];
+    int slot;
+    if (!load_raw_key(raw, slots, n, num_slots, key, lane, v, slot)) return;
+    hadamard128_warp(v, lane);
+    // Block of 32 dims = 8 consecutive lanes.
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int m = 4; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, m));
+    const float floor = __uint_as_float(0x01C00000u);  // 6 * 2^-126, DSV4's FP4 amax floor
+    const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, floor), 6.f);
+    const float s = mm::ue8m0_decode(sc);
+    uint32_t e[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) e[i] = mm::e2m1_encode(__fdiv_rn(v[i], s));
+    const uint16_t packed = (uint16_t)(e[0] | (e[1] << 4) | (e[2] << 8) | (e[3] << 12));
+    reinterpret_cast<uint16_t*>(codes + (size_t)slot * (DIM / 2))[lane] = packed;
+    if ((lane & 7) == 0) scales[(size_t)slot * 4 + lane / 8] = sc;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Logits
+// ------------------------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int LG_WARPS = 8;
+constexpr int LG_MT = 2;                      // m-tiles of 16 keys per warp tile
+constexpr int LG_WARP_KEYS = 16 * LG_MT;      // 64
+constexpr int LG_CTA_KEYS = 1024;             // keys per CTA (each warp: 2 tiles)
+
+__device__ __forceinline__ void mma_e4m3(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 4 e2m1 codes (nibbles of the low 16 bits of p, lowest first) -> 4 e4m3 bytes. Exact: every e2m1 value is
+// an e4m3 value. LUT magnitudes {0,.5,1,1.5,2,3,4,6} = e4m3 {00,30,38,3C,40,44,48,4C}; bit 3 -> bit 7.
+__device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t p) {
+    const uint32_t lut_lo = 0x3C383000u, lut_hi = 0x4C484440u;
+    uint32_t mag = __byte_perm(lut_lo, lut_hi, p & 0x7777u);
+    uint32_t sgn = ((p & 0x8u) << 4) | ((p & 0x80u) << 8) | ((p & 0x800u) << 12) | ((p & 0x8000u) << 16);
+    return mag | sgn;
+}
+
+template <int NEXT_N, bool FP4>
+__device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
+                                            const uint8_t* __restrict__ codes, const void* __restrict__ scales_v,
+                                            const int* __restrict__ num_valid, int capacity,
+                                            float* __restrict__ scores, int score_stride) {
+    __shared__ __align__(16) uint2 q_frag[NEXT_N][8][4][32];
+    __shared__ __align__(16) float w_s[NEXT_N][HEADS];
+    const int b = blockIdx.y;
+    int n_seq = 0;
+#pragma unroll
+    for (int t = 0; t < NEXT_N; ++t) n_seq = max(n_seq, min(max(num_valid[b * NEXT_N + t], 0), capacity));
+    const int cta_begin = blockIdx.x * LG_CTA_KEYS;
+    if (cta_begin >= n_seq) return;  // block-uniform, before any barrier
+    const int cta_end = min(cta_begin + LG_CTA_KEYS, n_seq);
+
+    for (int e = threadIdx.x; e < NEXT_N * 8 * 4 * 32; e += blockDim.x) {
+        const int ln = e & 31, s = (e >> 5) & 3, nt = (e >> 7) & 7, t = e >> 10;
+        const int head = nt * 8 + (ln >> 2), tq = ln & 3;
+        const int off = FP4 ? s * 32 + tq * 8 : (s >> 1) * 64 + tq * 16 + (s & 1) * 8;
+        q_frag[t][nt][s][ln] =
+            *reinterpret_cast<const uint2*>(q + ((size_t)(b * NEXT_N + t) * HEADS + head) * DIM + off);
+    }
+    for (int e = threadIdx.x; e < NEXT_N * HEADS; e += blockDim.x) w_s[e / HEADS][e % HEADS] = w[(size_t)b * NEXT_N * HEADS + e];
+    __syncthreads();  // the only barrier of the kernel
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const size_t seq_slot0 = (size_t)b * capacity;
+
+    for (int tile = cta_begin + warp * LG_WARP_KEYS; tile < cta_end; tile += LG_WARPS * LG_WARP_KEYS) {
+        uint32_t a[LG_MT][4][4];
+        uint32_t sc4[LG_MT][2];  // MXFP4: the 4 ue8m0 codes of rows g and g+8
+#pragma unroll
+        for (int mt = 0; mt < LG_MT; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = tile + mt * 16 + g + half * 8;
+                const bool ok = row < n_seq;
+                if constexpr (!FP4) {
+                    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+                    if (ok) {
+                        const uint8_t* p = codes + (seq_slot0 + row) * DIM;
+                        lo = __ldg(reinterpret_cast<const uint4*>(p + tq * 16));
+                        hi = __ldg(reinterpret_cast<const uint4*>(p + 64 + tq * 16));
+                    }
+                    a[mt][0][half] = lo.x; a[mt][0][2 + half] = lo.y;
+                    a[mt][1][half] = lo.z; a[mt][1][2 + half] = lo.w;
+                    a[mt][2][half] = hi.x; a[mt][2][2 + half] = hi.y;
+                    a[mt][3][half] = hi.z; a[mt][3][2 + half] = hi.w;
+                    sc4[mt][half] = 0;
+                } else {
+                    const uint32_t* p = reinterpret_cast<const uint32_t*>(codes + (seq_slot0 + row) * (DIM / 2));
+#pragma unroll
+                    for (int s = 0; s < 4; ++s) {
+                        const uint32_t packed = ok ? __ldg(p + s * 4 + tq) : 0u;
+                        a[mt][s][half] = e2m1x4_to_e4m3x4(packed & 0xFFFFu);
+                        a[mt][s][2 + half] = e2m1x4_to_e4m3x4(packed >> 16);
+                    }
+                    sc4[mt][half] = ok ? __ldg(reinterpret_cast<const uint32_t*>(scales_v) + seq_slot0 + row) : 0u;
+                }
+            }
+        }
+
+#pragma unroll(FP4 ? 1 : NEXT_N)
+        for (int t = 0; t < NEXT_N; ++t) {
+            float part[LG_MT][2];
+#pragma unroll
+            for (int mt = 0; mt < LG_MT; ++mt) part[mt][0] = part[mt][1] = 0.f;
+#pragma unroll(FP4 ? 1 : 2)
+            for (int nt = 0; nt < 8; ++nt) {
+                uint2 bq[4];
+#pragma unroll
+                for (int s = 0; s < 4; ++s) bq[s] = q_frag[t][nt][s][lane];
+                const float2 wv = *reinterpret_cast<const float2*>(&w_s[t][nt * 8 + 2 * tq]);
+#pragma unroll
+                for (int mt = 0; mt < LG_MT; ++mt) {
+                    float c[4] = {0.f, 0.f, 0.f, 0.f};
+                    if constexpr (!FP4) {
+#pragma unroll
+                        for (int s = 0; s < 4; ++s) mma_e4m3(c, a[mt][s], bq[s].x, bq[s].y);
+                    } else {
+#pragma unroll
+                        for (int s = 0; s < 4; ++s) {
+                            float d[4] = {0.f, 0.f, 0.f, 0.f};
+                            mma_e4m3(d, a[mt][s], bq[s].x, bq[s].y);
+                            const float s0 = mm::ue8m0_decode((uint8_t)(sc4[mt][0] >> (8 * s)));
+                            const float s1 = mm::ue8m0_decode((uint8_t)(sc4[mt][1] >> (8 * s)));
+                            c[0] = fmaf(d[0], s0, c[0]);
+                            c[1] = fmaf(d[1], s0, c[1]);
+                            c[2] = fmaf(d[2], s1, c[2]);
+                            c[3] = fmaf(d[3], s1, c[3]);
+                        }
+                    }
+                    part[mt][0] = fmaf(wv.x, fmaxf(c[0], 0.f), part[mt][0]);
+                    part[mt][0] = fmaf(wv.y, fmaxf(c[1], 0.f), part[mt][0]);
+                    part[mt][1] = fmaf(wv.x, fmaxf(c[2], 0.f), part[mt][1]);
+                    part[mt][1] = fmaf(wv.y, fmaxf(c[3], 0.f), part[mt][1]);
+                }
+            }
+            float* out = scores + (size_t)(b * NEXT_N + t) * score_stride;
+#pragma unroll
+            for (int mt = 0; mt < LG_MT; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float v = part[mt][half];
+                    v += __shfl_xor_sync(FULL, v, 1);
+                    v += __shfl_xor_sync(FULL, v, 2);
+                    const int row = tile + mt * 16 + g + half * 8;
+                    if (tq == half && row < n_seq) {
+                        if constexpr (!FP4) v *= __ldg(reinterpret_cast<const float*>(scales_v) + seq_slot0 + row);
+                        out[row] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+#define INDEXER_LOGITS_ENTRY(NAME, NEXT_N, FP4, MIN_BLOCKS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, MIN_BLOCKS)                                             \
+        NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
+             const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
+             float* __restrict__ scores, int score_stride) {                                                     \
+        logits_body<NEXT_N, FP4>(q, w, codes, scales, num_valid, capacity, scores, score_stride);               \
+    }
+
+INDEXER_LOGITS_ENTRY(indexer_logits_fp8_n1, 1, false, 2)
+INDEXER_LOGITS_ENTRY(indexer_logits_fp8_n2, 2, false, 2)
+INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n1, 1, true, 2)
+// 2 query tokens x the e2m1 expansion need more than 128 registers: one CTA per SM, no spills.
+INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n2, 2, true, 1)
+
+// ------------------------------------------------------------------------------------------------------------
+// Top-k
+// ------------------------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int TOPK_THREADS = 1024;
+constexpr int TOPK_CHUNK = 32768;  // entries per stage-1 CTA (>= max k, so every chunk but the last gives k)
+constexpr int TOPK_MAX_K = 2048;
+constexpr int MERGE_SMEM_CAP = 16384;  // candidates kept in shared memory by the merge (else read from L2)
+
+__device__ __forceinline__ uint32_t order_key(float s) {
+    if (isnan(s)) s = -INFINITY;
+    if (s == 0.f) s = 0.f;  // -0 ranks with +0
+    const uint32_t b = __float_as_uint(s);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_to_score(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+__device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t idx) {
+    return ((uint64_t)key << 32) | (uint32_t)~idx;
+}
+
+struct SelectShared {
+    uint32_t hist[256];
+    uint32_t warp_sums[32];
+    uint32_t bucket, new_rem, bucket_count, count;
+};
+
+// Radix select over m unique composites: on return, exactly kk (1 <= kk <= m) elements satisfy
+// (c >> shift) >= (prefix >> shift). Block-uniform control flow only; every thread must call it.
+template <class Src>
+__device__ void block_select(const Src& src, int m, int kk, SelectShared& sh, uint64_t& prefix_out, int& shift_out) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    uint64_t prefix = 0;
+    uint32_t rem = (uint32_t)kk;
+    int shift = 64;
+    for (int pass = 0; pass < 8; ++pass) {  // uniform trip count; uniform break below
+        const int sd = 56 - 8 * pass;
+        for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
+        __syncthreads();
+        for (int base = 0; base < m; base += blockDim.x) {  // no barrier inside; warp-uniform trip count
+            const int i = base + tid;
+            uint32_t digit = 256;  // "not counted"
+            if (i < m) {
+                const uint64_t c = src.comp(i);
+                if (pass == 0 || (c >> (sd + 8)) == (prefix >> (sd + 8))) digit = (uint32_t)(c >> sd) & 0xFFu;
+            }
+            // Warp-aggregated counting. Fast paths (votes only): the whole warp in one bucket (typical of
+            // the first, exponent-heavy digits), or no lane still matching the prefix (typical of later
+            // passes). Otherwise one atomic per distinct digit. All branches are warp-uniform.
+            const uint32_t d0 = __shfl_sync(FULL, digit, 0);
+            if (__all_sync(FULL, digit == d0)) {
+                if (lane == 0 && d0 < 256) atomicAdd(&sh.hist[d0], 32u);
+            } else if (__any_sync(FULL, digit < 256)) {
+                const unsigned peers = __match_any_sync(FULL, digit);
+                if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[digit], (uint32_t)__popc(peers));
+            }
+        }
+        __syncthreads();
+        // Inclusive scan of the histogram from the top bucket down (threads 0..255 <-> buckets 255..0).
+        const uint32_t v = tid < 256 ? sh.hist[255 - tid] : 0u;
+        uint32_t incl = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint32_t y = __shfl_up_sync(FULL, incl, o);
+            if (lane >= o) incl += y;
+        }
+        if (tid < 256 && lane == 31) sh.warp_sums[warp] = incl;
+        __syncthreads();
+        if (tid < 256) {
+            for (int w2 = 0; w2 < warp; ++w2) incl += sh.warp_sums[w2];
+            const uint32_t excl = incl - v;
+            if (excl < rem && incl >= rem) {  // exactly one bucket: the one holding the rem-th largest
+                sh.bucket = 255 - tid;
+                sh.new_rem = rem - excl;
+                sh.bucket_count = v;
+            }
+        }
+        __syncthreads();
+        prefix |= (uint64_t)sh.bucket << sd;
+        rem = sh.new_rem;
+        shift = sd;
+        const bool done = sh.bucket_count == rem;
+        __syncthreads();  // all reads of sh.* done before the next pass rewrites it
+        if (done) break;
+    }
+    prefix_out = prefix;
+    shift_out = shift;
+}
+
+// Ballot-compacted collection of the selected elements; emit(pos, composite) with pos in [0, kk).
+template <class Src, class Emit>
+__device__ void block_collect(const Src& src, int m, bool all, uint64_t prefix, int shift, SelectShared& sh,
+                              Emit emit) {
+    const int tid = threadIdx.x, lane = tid & 31;
+    if (tid == 0) sh.count = 0;
+    __syncthreads();
+    const uint64_t thr = all ? 0 : (prefix >> shift);
+    for (int base = 0; base < m; base += blockDim.x) {  // no barrier inside
+        const int i = base + tid;
+        bool sel = false;
+        uint64_t c = 0;
+        if (i < m) {
+            c = src.comp(i);
+            sel = all || (c >> shift) >= thr;
+        }
+        const unsigned ballot = __ballot_sync(FULL, sel);
+        uint32_t wbase = 0;
+        if (lane == 0 && ballot) wbase = atomicAdd(&sh.count, (uint32_t)__popc(ballot));
+        wbase = __shfl_sync(FULL, wbase, 0);
+        if (sel) emit(wbase + __popc(ballot & ((1u << lane) - 1u)), c);
+    }
+    __syncthreads();
+}
+
+// Sort buf[0..kk) descending (pads with 0 up to the next power of two) and write the final row.
+__device__ void sort_and_write(uint64_t* buf, int kk, int k, int* __restrict__ out_idx, float* __restrict__ out_score) {
+    int kpad = 1;
+    while (kpad < kk) kpad <<= 1;  // kk is block-uniform, so is kpad
+    for (int i = kk + threadIdx.x; i < kpad; i += blockDim.x) buf[i] = 0;
+    __syncthreads();
+    for (int size = 2; size <= kpad; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < kpad; i += blockDim.x) {  // no barrier inside
+                const int j = i ^ stride;
+                if (j > i) {
+                    const uint64_t x = buf[i], y = buf[j];
+                    const bool desc = (i & size) == 0;
+                    if (desc ? (x < y) : (x > y)) {
+                        buf[i] = y;
+                        buf[j] = x;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int j = threadIdx.x; j < k; j += blockDim.x) {
+        if (j < kk) {
+            const uint64_t c = buf[j];
+            out_idx[j] = (int)~(uint32_t)c;
+            out_score[j] = key_to_score((uint32_t)(c >> 32));
+        } else {
+            out_idx[j] = -1;
+            out_score[j] = -INFINITY;
+        }
+    }
+}
+
+struct SmemKeySrc {  // stage 1: order keys in shared memory, indices base + i
+    const uint32_t* keys;
+    uint32_t base;
+    __device__ __forceinline__ uint64_t comp(int i) const { return composite(keys[i], base + (uint32_t)i); }
+};
+struct SmemCompSrc {
+    const uint64_t* comps;
+    __device__ __forceinline__ uint64_t comp(int i) const { return comps[i]; }
+};
+struct GlobalCandSrc {
+    const uint32_t* keys;
+    const int* idx;
+    __device__ __forceinline__ uint64_t comp(int i) const { return composite(keys[i], (uint32_t)idx[i]); }
+};
+
+__device__ __forceinline__ int row_valid(const int* num_valid, int row, int score_stride) {
+    return min(max(num_valid[row], 0), score_stride);
+}
+
+}  // namespace
+
+// Stage 1. grid (max_chunks, rows), block TOPK_THREADS, dynamic smem = 4 * min(TOPK_CHUNK, max n) bytes
+// + 8 * TOPK_MAX_K + sizeof(SelectShared). cand_* are [rows][cand_stride] with cand_stride >= chunks * k.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1)
+    indexer_topk_chunk(const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
+                       int chunk_cap, uint32_t* __restrict__ cand_keys, int* __restrict__ cand_idx, int cand_stride,
+                       int* __restrict__ out_idx, float* __restrict__ out_score) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
+    uint64_t* sortbuf = reinterpret_cast<uint64_t*>(smem_raw + sizeof(SelectShared));
+    uint32_t* keys = reinterpret_cast<uint32_t*>(smem_raw + sizeof(SelectShared) + 8 * TOPK_MAX_K);
+
+    const int row = blockIdx.y, c = blockIdx.x;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int chunks = (n + TOPK_CHUNK - 1) / TOPK_CHUNK;
+    int* oi = out_idx + (size_t)row * k;
+    float* os = out_score + (size_t)row * k;
+    if (n == 0) {  // block-uniform: nothing visible, the answer is k x -1
+        if (c == 0)
+            for (int j = threadIdx.x; j < k; j += blockDim.x) { oi[j] = -1; os[j] = -INFINITY; }
+        return;
+    }
+    if (c >= chunks) return;
+    const int base = c * TOPK_CHUNK;
+    const int m = min(TOPK_CHUNK, n - base);
+    if (m > chunk_cap) return;  // launcher sizes chunk_cap >= min(TOPK_CHUNK, max n); defensive only
+    const int kk = min(k, m);
+    const float* src_scores = scores + (size_t)row * score_stride + base;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) keys[i] = order_key(src_scores[i]);
+    __syncthreads();
+    const SmemKeySrc src{keys, (uint32_t)base};
+    const bool all = kk >= m;
+    uint64_t prefix = 0;
+    int shift = 64;
+    if (!all) block_select(src, m, kk, sh, prefix, shift);
+    if (chunks == 1) {
+        block_collect(src, m, all, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) { sortbuf[pos] = cc; });
+        sort_and_write(sortbuf, kk, k, oi, os);
+    } else {
+        uint32_t* ck = cand_keys + (size_t)row * cand_stride + (size_t)c * k;
+        int* cix = cand_idx + (size_t)row * cand_stride + (size_t)c * k;
+        block_collect(src, m, all, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) {
+            ck[pos] = (uint32_t)(cc >> 32);
+            cix[pos] = (int)~(uint32_t)cc;
+        });
+    }
+}
+
+// Stage 2. grid rows, block TOPK_THREADS, dynamic smem = sizeof(SelectShared) + 8 * TOPK_MAX_K
+// + 8 * MERGE_SMEM_CAP. Rows with a single chunk were finished by stage 1.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1)
+    indexer_topk_merge(int score_stride, const int* __restrict__ num_valid, int k, const uint32_t* __restrict__ cand_keys,
+                       const int* __restrict__ cand_idx, int cand_stride, int* __restrict__ out_idx,
+                       float* __restrict__ out_score) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
+    uint64_t* sortbuf = reinterpret_cast<uint64_t*>(smem_raw + sizeof(SelectShared));
+    uint64_t* comps = sortbuf + TOPK_MAX_K;
+
+    const int row = blockIdx.x;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int chunks = (n + TOPK_CHUNK - 1) / TOPK_CHUNK;
+    if (chunks <= 1) return;
+    const int last_m = n - (chunks - 1) * TOPK_CHUNK;
+    const int m = (chunks - 1) * k + min(k, last_m);  // chunks before the last hold exactly k candidates
+    const int kk = min(k, m);                          // == k since m >= k
+    const uint32_t* ck = cand_keys + (size_t)row * cand_stride;
+    const int* cix = cand_idx + (size_t)row * cand_stride;
+    uint64_t prefix = 0;
+    int shift = 64;
+    if (m <= MERGE_SMEM_CAP) {
+        for (int i = threadIdx.x; i < m; i += blockDim.x) comps[i] = composite(ck[i], (uint32_t)cix[i]);
+        __syncthreads();
+        const SmemCompSrc src{comps};
+        block_select(src, m, kk, sh, prefix, shift);
+        block_collect(src, m, false, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) { sortbuf[pos] = cc; });
+    } else {
+        const GlobalCandSrc src{ck, cix};
+        block_select(src, m, kk, sh, prefix, shift);
+        block_collect(src, m, false, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) { sortbuf[pos] = cc; });
+    }
+    sort_and_write(sortbuf, kk, k, out_idx + (size_t)row * k, out_score + (size_t)row * k);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Baseline: the seeds' path. Dequantize keys to fp32, fp32 "einsum" on CUDA cores, full bitonic sort.
+// ------------------------------------------------------------------------------------------------------------
+
+// out[(b * capacity + j) * 128 + d] = dequantized key, for j < n_seq(b). grid (ceil(capacity*128/256), batch).
+extern "C" __global__ void indexer_baseline_dequant(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                                    int fp4, const int* __restrict__ num_valid, int next_n, int capacity,
+                                                    float* __restrict__ out) {
+    const int b = blockIdx.y;
+    const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int n_seq = 0;
+    for (int t = 0; t < next_n; ++t) n_seq = max(n_seq, min(max(num_valid[b * next_n + t], 0), capacity));
+    const size_t j = e / DIM, d = e % DIM;
+    if (j >= (size_t)n_seq) return;
+    const size_t slot = (size_t)b * capacity + j;
+    float x;
+    if (!fp4) {
+        x = mm::e4m3_decode(codes[slot * DIM + d]) * reinterpret_cast<const float*>(scales)[slot];
+    } else {
+        const uint8_t byte = codes[slot * (DIM / 2) + d / 2];
+        x = mm::e2m1_decode((d & 1) ? (byte >> 4) : (byte & 0xF)) * mm::ue8m0_decode(scales[slot * 4 + d / 32]);
+    }
+    out[slot * DIM + d] = x;
+}
+
+// scores[row][j] = sum_h w[row,h] relu(q[row,h] . k_j) in fp32. grid (ceil(capacity/64), batch), 256 threads,
+// dynamic smem 64 KB: 64 keys x 128 and 64 heads x 128 fp32 tiles; thread (key quad, head quad) register tile.
+extern "C" __global__ void __launch_bounds__(256) indexer_baseline_logits_f32(
+    const uint8_t* __restrict__ q, const float* __restrict__ w, const float* __restrict__ keys,
+    const int* __restrict__ num_valid, int next_n, int capacity, float* __restrict__ scores, int score_stride) {
+    extern __shared__ __align__(16) float sm[];
+    float* ks = sm;              // [64][129] padded
+    float* qs = sm + 64 * 129;   // [64][129]
+    __shared__ float red[16][64];
+    const int b = blockIdx.y, tid = threadIdx.x;
+    int n_seq = 0;
+    for (int t = 0; t < next_n; ++t) n_seq = max(n_seq, min(max(num_valid[b * next_n + t], 0), capacity));
+    const int j0 = blockIdx.x * 64;
+    if (j0 >= n_seq) return;
+    for (int e = tid; e < 64 * DIM; e += 256) {
+        const int j = j0 + e / DIM;
+        ks[(e / DIM) * 129 + e % DIM] = j < n_seq ? keys[((size_t)b * capacity + j) * DIM + e % DIM] : 0.f;
+    }
+    const int kq = tid % 16, hq = tid / 16;
+    for (int t = 0; t < next_n; ++t) {
+        const int row = b * next_n + t;
+        __syncthreads();
+        for (int e = tid; e < HEADS * DIM; e += 256)
+            qs[(e / DIM) * 129 + e % DIM] = mm::e4m3_decode(q[(size_t)row * HEADS * DIM + e]);
+        __syncthreads();
+        float acc[4][4] = {};
+        for (int d = 0; d < DIM; ++d) {
+            float kv[4], qv[4];
+            for (int i = 0; i < 4; ++i) kv[i] = ks[(kq * 4 + i) * 129 + d];
+            for (int i = 0; i < 4; ++i) qv[i] = qs[(hq * 4 + i) * 129 + d];
+            for (int i = 0; i < 4; ++i)
+                for (int h = 0; h < 4; ++h) acc[i][h] = fmaf(kv[i], qv[h], acc[i][h]);
+        }
+        for (int i = 0; i < 4; ++i) {
+            float s = 0.f;
+            for (int h = 0; h < 4; ++h) s = fmaf(w[(size_t)row * HEADS + hq * 4 + h], fmaxf(acc[i][h], 0.f), s);
+            red[hq][kq * 4 + i] = s;
+        }
+        __syncthreads();
+        if (tid < 64) {
+            float s = 0.f;
+            for (int h = 0; h < 16; ++h) s += red[h][tid];
+            const int j = j0 + tid;
+            if (j < n_seq) scores[(size_t)row * score_stride + j] = s;
+        }
+    }
+}
+
+// comps[row][i] = composite of score i for i < n(row), 0 (sorts last) up to npad. grid (ceil(npad/256), rows).
+extern "C" __global__ void indexer_baseline_sort_init(const float* __restrict__ scores, int score_stride,
+                                                      const int* __restrict__ num_valid, int npad,
+                                                      unsigned long long* __restrict__ comps) {
+    const int row = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= npad) return;
+    const int n = row_valid(num_valid, row, score_stride);
+    comps[(size_t)row * npad + i] =
+        i < n ? composite(order_key(scores[(size_t)row * score_stride + i]), (uint32_t)i) : 0ull;
+}
+
+// One bitonic compare-exchange step (size, stride) over every row, descending. grid (ceil(npad/2/256), rows).
+extern "C" __global__ void indexer_baseline_bitonic_step(unsigned long long* __restrict__ comps, int npad, int size,
+                                                         int stride) {
+    const int row = blockIdx.y;
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // pair index
+    if (p >= npad / 2) return;
+    const int i = (p / stride) * 2 * stride + (p % stride);
+    const int j = i + stride;
+    unsigned long long* c = comps + (size_t)row * npad;
+    const unsigned long long x = c[i], y = c[j];
+    const bool desc = (i & size) == 0;
+    if (desc ? (x < y) : (x > y)) {
+        c[i] = y;
+        c[j] = x;
+    }
+}
+
+// First k of each sorted row -> indices/scores, -1/-inf past min(k, n). grid (ceil(k/256), rows).
+extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long* __restrict__ comps, int npad,
+                                                        int score_stride, const int* __restrict__ num_valid, int k,
+                                                        int* __restrict__ out_idx, float* __restrict__ out_score) {
+    const int row = blockIdx.y;
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= k) return;
+    const int n = row_valid(num_valid, row, score_stride);
+    if (j < min(k, n)) {
+        const unsigned long long c = comps[(size_t)row * npad + j];
+        out_idx[(size_t)row * k + j] = (int)~(uint32_t)c;
+        out_score[(size_t)row * k + j] = key_to_score((uint32_t)(c >> 32));
+    } else {
+        out_idx[(size_t)row * k + j] = -1;
+        out_score[(size_t)row * k + j] = -INFINITY;
+    }
+}

@@ -1,0 +1,777 @@
+//! Lightning indexer (DSV4 §3.8): index-key cache writer, weighted-ReLU MQA logits on FP8 tensor cores,
+//! and an exact, deadlock-free top-k; plus the seeds' baseline (dequantize -> fp32 einsum -> full sort).
+//! Device code and its design notes: kernels/indexer.cu. CPU reference: [`reference`]. Stress suite with a
+//! host-side watchdog: [`stress`].
+//!
+//! Contracts:
+//! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
+//!   row `row`. q is e4m3 `[rows, 64, 128]` (Hadamard-rotated like the keys), `w` f32 `[rows, 64]` with the
+//!   per-token q scale folded in (relu(s x) = s relu(x) for s > 0).
+//! * Top-k returns, per row, exactly `min(k, num_valid)` indices ordered by (score desc, index asc), then
+//!   `-1`; the scores alongside (`-inf` on padding).
+//! * NaN / Inf policy: `QueryBatch::upload` rejects NaN e4m3 q codes and non-finite `w` before any launch.
+//!   A NaN score that still arises (e.g. a NaN fp32 key scale in a cache written elsewhere) ranks as `-inf`;
+//!   `-inf` scores are ordinary (lowest) values; `-0` ranks as `+0`. ReLU is `fmaxf(x, 0)` (NaN -> 0).
+//!   The CPU reference follows the same rules and the stress suite tests them.
+
+pub mod bench;
+pub mod reference;
+pub mod stress;
+
+use anyhow::{bail, ensure, Result};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::CudaSlice;
+
+use crate::formats::e4m3;
+use crate::gpu::timing::TimingPlan;
+use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
+pub use reference::{KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
+
+/// Kernel family name (kernels/indexer.cu).
+pub const FAMILY: &str = "indexer";
+/// Entries per stage-1 top-k CTA (kernel constant TOPK_CHUNK).
+pub const TOPK_CHUNK: usize = 32768;
+/// Largest supported k (kernel constant TOPK_MAX_K).
+pub const TOPK_MAX_K: usize = 2048;
+/// Merge candidates held in shared memory (kernel constant MERGE_SMEM_CAP).
+const MERGE_SMEM_CAP: usize = 16384;
+/// sizeof(SelectShared) in the kernel: hist[256] + warp_sums[32] + 4 u32.
+const SELECT_SHARED_BYTES: usize = 256 * 4 + 32 * 4 + 16;
+const TOPK_THREADS: u32 = 1024;
+/// Keys per logits CTA (kernel constant LG_CTA_KEYS) and its block size.
+const LOGITS_CTA_KEYS: usize = 1024;
+const LOGITS_THREADS: u32 = 256;
+
+/// An index-key cache on the device: the same two planes as [`KeyCacheHost`].
+pub struct KeyCacheGpu {
+    pub format: KeyFormat,
+    pub batch: usize,
+    pub capacity: usize,
+    pub codes: CudaSlice<u8>,
+    pub scales: CudaSlice<u8>,
+}
+
+impl KeyCacheGpu {
+    pub fn upload(gpu: &Gpu, host: &KeyCacheHost) -> Result<KeyCacheGpu> {
+        ensure!(
+            host.capacity > 0 && host.batch > 0,
+            "empty key cache ({} x {})",
+            host.batch,
+            host.capacity
+        );
+        ensure!(
+            host.codes.len() == host.batch * host.capacity * host.format.code_bytes()
+                && host.scales.len() == host.batch * host.capacity * reference::SCALE_BYTES,
+            "key cache planes have the wrong length"
+        );
+        Ok(KeyCacheGpu {
+            format: host.format,
+            batch: host.batch,
+            capacity: host.capacity,
+            codes: gpu.upload(&host.codes)?,
+            scales: gpu.upload(&host.scales)?,
+        })
+    }
+
+    /// A cache with every byte set to `pattern` (0xFF poisons: NaN codes and scales).
+    pub fn filled(
+        gpu: &Gpu,
+        format: KeyFormat,
+        batch: usize,
+        capacity: usize,
+        pattern: u8,
+    ) -> Result<KeyCacheGpu> {
+        ensure!(
+            capacity > 0 && batch > 0,
+            "empty key cache ({batch} x {capacity})"
+        );
+        Ok(KeyCacheGpu {
+            format,
+            batch,
+            capacity,
+            codes: gpu.poisoned::<u8>(batch * capacity * format.code_bytes(), pattern)?,
+            scales: gpu.poisoned::<u8>(batch * capacity * reference::SCALE_BYTES, pattern)?,
+        })
+    }
+
+    pub fn download(&self, gpu: &Gpu) -> Result<KeyCacheHost> {
+        Ok(KeyCacheHost {
+            format: self.format,
+            batch: self.batch,
+            capacity: self.capacity,
+            codes: gpu.download(&self.codes)?,
+            scales: gpu.download(&self.scales)?,
+        })
+    }
+
+    /// Bytes of the first `n` entries of one sequence (what a logits pass reads).
+    pub fn bytes_for(&self, n: usize) -> usize {
+        n * self.format.entry_bytes()
+    }
+}
+
+/// Quantize `n` new raw keys (`raw`: f32 `[n, 128]` on the device, before the Hadamard transform) into the
+/// cache at flat slots `slots[i] = b * capacity + j` (checked here, uploaded per call).
+pub fn write_keys(
+    gpu: &Gpu,
+    cache: &mut KeyCacheGpu,
+    raw: &CudaSlice<f32>,
+    slots: &[i32],
+) -> Result<()> {
+    let n = slots.len();
+    ensure!(
+        raw.len() == n * HEAD_DIM,
+        "raw keys hold {} floats, expected {n} x 128",
+        raw.len()
+    );
+    let num_slots = cache.batch * cache.capacity;
+    ensure!(
+        num_slots <= i32::MAX as usize,
+        "cache too large for i32 slots"
+    );
+    if let Some((i, s)) = slots
+        .iter()
+        .enumerate()
+        .find(|(_, &s)| s < 0 || s as usize >= num_slots)
+    {
+        bail!("slot {s} of key {i} is outside the cache (0..{num_slots})");
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let slots_dev = gpu.upload(slots)?;
+    let name = match cache.format {
+        KeyFormat::Fp8 => "indexer_write_keys_fp8",
+        KeyFormat::Mxfp4 => "indexer_write_keys_mxfp4",
+    };
+    let f = gpu.function(FAMILY, name)?;
+    let (n_i, slots_i) = (n as i32, num_slots as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(raw)
+        .arg(&slots_dev)
+        .arg(&n_i)
+        .arg(&slots_i)
+        .arg(&mut cache.codes)
+        .arg(&mut cache.scales);
+    unsafe { b.launch(launch_cfg((n.div_ceil(8) as u32, 1, 1), (256, 1, 1), 0)) }
+        .map(|_| ())
+        .map_err(|e| anyhow::anyhow!("indexer write_keys launch: {e:?}"))
+}
+
+/// Queries of one call: `batch` sequences x `next_n` tokens.
+pub struct QueryBatch {
+    pub batch: usize,
+    pub next_n: usize,
+    pub q: CudaSlice<u8>,
+    pub w: CudaSlice<f32>,
+    pub num_valid_host: Vec<i32>,
+    pub num_valid: CudaSlice<i32>,
+}
+
+impl QueryBatch {
+    /// Validate (shapes, next_n in {1, 2}, no NaN q code, finite w, num_valid >= 0) and upload.
+    pub fn upload(
+        gpu: &Gpu,
+        batch: usize,
+        next_n: usize,
+        q_codes: &[u8],
+        w: &[f32],
+        num_valid: &[i32],
+    ) -> Result<QueryBatch> {
+        validate_queries(batch, next_n, q_codes, w, num_valid)?;
+        Ok(QueryBatch {
+            batch,
+            next_n,
+            q: gpu.upload(q_codes)?,
+            w: gpu.upload(w)?,
+            num_valid_host: num_valid.to_vec(),
+            num_valid: gpu.upload(num_valid)?,
+        })
+    }
+    pub fn rows(&self) -> usize {
+        self.batch * self.next_n
+    }
+    pub fn max_valid(&self) -> usize {
+        self.num_valid_host
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(0) as usize
+    }
+}
+
+/// The launcher's input policy, callable without a GPU (the tests exercise it on the CPU).
+pub fn validate_queries(
+    batch: usize,
+    next_n: usize,
+    q_codes: &[u8],
+    w: &[f32],
+    num_valid: &[i32],
+) -> Result<()> {
+    ensure!(batch > 0, "batch must be at least 1");
+    ensure!(
+        next_n == 1 || next_n == 2,
+        "next_n = {next_n}: only 1 and 2 query tokens per sequence are supported"
+    );
+    let rows = batch * next_n;
+    ensure!(
+        q_codes.len() == rows * NUM_HEADS * HEAD_DIM,
+        "q holds {} codes, expected {rows} x 64 x 128",
+        q_codes.len()
+    );
+    ensure!(
+        w.len() == rows * NUM_HEADS,
+        "w holds {} weights, expected {rows} x 64",
+        w.len()
+    );
+    ensure!(
+        num_valid.len() == rows,
+        "num_valid has {} entries, expected one per row ({rows})",
+        num_valid.len()
+    );
+    if let Some(i) = q_codes.iter().position(|&c| c & 0x7F == e4m3::NAN_CODE) {
+        bail!(
+            "q code {i} is an e4m3 NaN (0x{:02X}): rejected before launch",
+            q_codes[i]
+        );
+    }
+    if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+        bail!("w[{i}] = {} is not finite: rejected before launch", w[i]);
+    }
+    if let Some(i) = num_valid.iter().position(|&n| n < 0) {
+        bail!("num_valid[{i}] = {} is negative", num_valid[i]);
+    }
+    Ok(())
+}
+
+/// Scores `[rows, score_stride]` for `j < num_valid[row]` (entries past it are not written).
+pub fn logits(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+) -> Result<()> {
+    ensure!(
+        cache.batch == q.batch,
+        "cache has {} sequences, queries {}",
+        cache.batch,
+        q.batch
+    );
+    ensure!(
+        score_stride >= cache.capacity.min(q.max_valid()),
+        "score_stride {score_stride} is shorter than the visible entries"
+    );
+    ensure!(
+        scores.len() >= q.rows() * score_stride,
+        "scores buffer holds {} floats, need {}",
+        scores.len(),
+        q.rows() * score_stride
+    );
+    if let Some(i) = q
+        .num_valid_host
+        .iter()
+        .position(|&n| n as usize > cache.capacity)
+    {
+        bail!(
+            "num_valid[{i}] = {} exceeds the cache capacity {}",
+            q.num_valid_host[i],
+            cache.capacity
+        );
+    }
+    let max_n = q.max_valid();
+    if max_n == 0 {
+        return Ok(());
+    }
+    let name = match (cache.format, q.next_n) {
+        (KeyFormat::Fp8, 1) => "indexer_logits_fp8_n1",
+        (KeyFormat::Fp8, _) => "indexer_logits_fp8_n2",
+        (KeyFormat::Mxfp4, 1) => "indexer_logits_mxfp4_n1",
+        (KeyFormat::Mxfp4, _) => "indexer_logits_mxfp4_n2",
+    };
+    let f = gpu.function(FAMILY, name)?;
+    let (cap, stride) = (cache.capacity as i32, score_stride as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&q.q)
+        .arg(&q.w)
+        .arg(&cache.codes)
+        .arg(&cache.scales)
+        .arg(&q.num_valid)
+        .arg(&cap)
+        .arg(scores)
+        .arg(&stride);
+    let grid = (max_n.div_ceil(LOGITS_CTA_KEYS) as u32, q.batch as u32, 1);
+    drv(
+        unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), 0)) },
+        "indexer logits launch",
+    )
+    .map(|_| ())
+}
+
+/// Output and scratch of the top-k for `rows` rows of at most `max_n` entries.
+pub struct TopkBuffers {
+    pub rows: usize,
+    pub k: usize,
+    pub max_n: usize,
+    pub out_idx: CudaSlice<i32>,
+    pub out_score: CudaSlice<f32>,
+    cand_keys: CudaSlice<u32>,
+    cand_idx: CudaSlice<i32>,
+    cand_stride: usize,
+}
+
+impl TopkBuffers {
+    pub fn new(gpu: &Gpu, rows: usize, k: usize, max_n: usize) -> Result<TopkBuffers> {
+        ensure!(
+            (1..=TOPK_MAX_K).contains(&k),
+            "k = {k}: supported 1..={TOPK_MAX_K}"
+        );
+        ensure!(rows > 0, "no rows");
+        ensure!(max_n < i32::MAX as usize / 2, "max_n {max_n} too large");
+        let chunks = max_n.div_ceil(TOPK_CHUNK).max(1);
+        let cand_stride = if chunks > 1 { chunks * k } else { 1 };
+        Ok(TopkBuffers {
+            rows,
+            k,
+            max_n,
+            out_idx: gpu.poisoned::<i32>(rows * k, 0xFF)?,
+            out_score: gpu.poisoned::<f32>(rows * k, 0xFF)?,
+            cand_keys: gpu.zeros::<u32>(rows * cand_stride)?,
+            cand_idx: gpu.zeros::<i32>(rows * cand_stride)?,
+            cand_stride,
+        })
+    }
+}
+
+fn set_smem(f: &cudarc::driver::CudaFunction, bytes: usize) -> Result<()> {
+    if bytes > 48 * 1024 {
+        drv(
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            ),
+            "setting max dynamic shared memory",
+        )?;
+    }
+    Ok(())
+}
+
+/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing).
+pub fn topk(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    let rows = bufs.rows;
+    ensure!(
+        num_valid_host.len() == rows && num_valid.len() >= rows,
+        "num_valid has {} entries, expected {rows}",
+        num_valid_host.len()
+    );
+    ensure!(
+        scores.len() >= rows * score_stride,
+        "scores buffer holds {} floats, need {}",
+        scores.len(),
+        rows * score_stride
+    );
+    if let Some(i) = num_valid_host
+        .iter()
+        .position(|&n| n < 0 || n as usize > score_stride.min(bufs.max_n))
+    {
+        bail!(
+            "num_valid[{i}] = {} outside 0..={}",
+            num_valid_host[i],
+            score_stride.min(bufs.max_n)
+        );
+    }
+    let max_n = num_valid_host.iter().copied().max().unwrap_or(0) as usize;
+    let chunks = max_n.div_ceil(TOPK_CHUNK).max(1);
+    let chunk_cap = max_n.clamp(1, TOPK_CHUNK);
+    let (k, stride, cap_i, cstride) = (
+        bufs.k as i32,
+        score_stride as i32,
+        chunk_cap as i32,
+        bufs.cand_stride as i32,
+    );
+
+    let f1 = gpu.function(FAMILY, "indexer_topk_chunk")?;
+    let smem1 = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 4 * chunk_cap;
+    set_smem(&f1, smem1)?;
+    let mut b = gpu.stream.launch_builder(&f1);
+    b.arg(scores)
+        .arg(&stride)
+        .arg(num_valid)
+        .arg(&k)
+        .arg(&cap_i);
+    b.arg(&mut bufs.cand_keys)
+        .arg(&mut bufs.cand_idx)
+        .arg(&cstride)
+        .arg(&mut bufs.out_idx)
+        .arg(&mut bufs.out_score);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (chunks as u32, rows as u32, 1),
+                (TOPK_THREADS, 1, 1),
+                smem1 as u32,
+            ))
+        },
+        "indexer top-k stage 1",
+    )?;
+    if chunks > 1 {
+        let f2 = gpu.function(FAMILY, "indexer_topk_merge")?;
+        let smem2 = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * MERGE_SMEM_CAP;
+        set_smem(&f2, smem2)?;
+        let mut b = gpu.stream.launch_builder(&f2);
+        b.arg(&stride)
+            .arg(num_valid)
+            .arg(&k)
+            .arg(&bufs.cand_keys)
+            .arg(&bufs.cand_idx)
+            .arg(&cstride);
+        b.arg(&mut bufs.out_idx).arg(&mut bufs.out_score);
+        drv(
+            unsafe {
+                b.launch(launch_cfg(
+                    (rows as u32, 1, 1),
+                    (TOPK_THREADS, 1, 1),
+                    smem2 as u32,
+                ))
+            },
+            "indexer top-k merge",
+        )?;
+    }
+    Ok(())
+}
+
+/// Everything one indexer call needs on the device besides its inputs.
+pub struct IndexerBuffers {
+    pub score_stride: usize,
+    pub scores: CudaSlice<f32>,
+    pub topk: TopkBuffers,
+}
+
+impl IndexerBuffers {
+    pub fn new(gpu: &Gpu, rows: usize, capacity: usize, k: usize) -> Result<IndexerBuffers> {
+        let score_stride = capacity.next_multiple_of(4).max(4);
+        Ok(IndexerBuffers {
+            score_stride,
+            scores: gpu.poisoned::<f32>(rows * score_stride, 0xFF)?,
+            topk: TopkBuffers::new(gpu, rows, k, capacity)?,
+        })
+    }
+}
+
+/// Logits then top-k (two launches; top-k stage 2 only when a row exceeds one chunk).
+pub fn run(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+) -> Result<()> {
+    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    topk(
+        gpu,
+        &bufs.scores,
+        bufs.score_stride,
+        &q.num_valid,
+        &q.num_valid_host,
+        &mut bufs.topk,
+    )
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Baseline: the seeds' path.
+// ---------------------------------------------------------------------------------------------------------
+
+/// Scratch of the baseline: fp32 keys `[batch, capacity, 128]` and the sort buffer `[rows, npad]`.
+pub struct BaselineBuffers {
+    pub keys_f32: CudaSlice<f32>,
+    pub sort: CudaSlice<u64>,
+    pub npad: usize,
+}
+
+impl BaselineBuffers {
+    pub fn new(gpu: &Gpu, batch: usize, rows: usize, capacity: usize) -> Result<BaselineBuffers> {
+        let npad = capacity.next_power_of_two().max(2);
+        Ok(BaselineBuffers {
+            keys_f32: gpu.zeros::<f32>(batch * capacity * HEAD_DIM)?,
+            sort: gpu.zeros::<u64>(rows * npad)?,
+            npad,
+        })
+    }
+}
+
+/// Baseline logits: dequantize the visible keys to fp32, then an fp32 CUDA-core "einsum".
+pub fn baseline_logits(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    base: &mut BaselineBuffers,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+) -> Result<()> {
+    ensure!(
+        cache.batch == q.batch && base.keys_f32.len() >= cache.batch * cache.capacity * HEAD_DIM,
+        "baseline buffers do not match the cache"
+    );
+    ensure!(
+        scores.len() >= q.rows() * score_stride && score_stride >= q.max_valid(),
+        "scores buffer too small"
+    );
+    if let Some(i) = q
+        .num_valid_host
+        .iter()
+        .position(|&n| n as usize > cache.capacity)
+    {
+        bail!(
+            "num_valid[{i}] exceeds the cache capacity {}",
+            cache.capacity
+        );
+    }
+    let (fp4, next_n, cap, stride) = (
+        (cache.format == KeyFormat::Mxfp4) as i32,
+        q.next_n as i32,
+        cache.capacity as i32,
+        score_stride as i32,
+    );
+    let f = gpu.function(FAMILY, "indexer_baseline_dequant")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&cache.codes)
+        .arg(&cache.scales)
+        .arg(&fp4)
+        .arg(&q.num_valid)
+        .arg(&next_n)
+        .arg(&cap)
+        .arg(&mut base.keys_f32);
+    let gx = (cache.capacity * HEAD_DIM).div_ceil(256) as u32;
+    drv(
+        unsafe { b.launch(launch_cfg((gx, q.batch as u32, 1), (256, 1, 1), 0)) },
+        "baseline dequant",
+    )?;
+    let f = gpu.function(FAMILY, "indexer_baseline_logits_f32")?;
+    let smem = 2 * 64 * 129 * 4;
+    set_smem(&f, smem)?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&q.q)
+        .arg(&q.w)
+        .arg(&base.keys_f32)
+        .arg(&q.num_valid)
+        .arg(&next_n)
+        .arg(&cap)
+        .arg(scores)
+        .arg(&stride);
+    let gx = cache.capacity.div_ceil(64) as u32;
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (gx, q.batch as u32, 1),
+                (256, 1, 1),
+                smem as u32,
+            ))
+        },
+        "baseline logits",
+    )
+    .map(|_| ())
+}
+
+/// Baseline top-k: bitonic sort of every full row (one launch per compare-exchange step), then take k.
+pub fn baseline_topk(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    q: &QueryBatch,
+    base: &mut BaselineBuffers,
+    out: &mut TopkBuffers,
+) -> Result<()> {
+    let rows = q.rows();
+    ensure!(
+        base.sort.len() >= rows * base.npad && out.rows == rows,
+        "baseline sort buffer does not match"
+    );
+    ensure!(
+        q.max_valid() <= base.npad.min(score_stride),
+        "rows longer than the sort buffer"
+    );
+    let (stride, npad_i, k) = (score_stride as i32, base.npad as i32, out.k as i32);
+    let f = gpu.function(FAMILY, "indexer_baseline_sort_init")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(scores)
+        .arg(&stride)
+        .arg(&q.num_valid)
+        .arg(&npad_i)
+        .arg(&mut base.sort);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (base.npad.div_ceil(256) as u32, rows as u32, 1),
+                (256, 1, 1),
+                0,
+            ))
+        },
+        "baseline sort init",
+    )?;
+    let step = gpu.function(FAMILY, "indexer_baseline_bitonic_step")?;
+    let pairs_grid = ((base.npad / 2).div_ceil(256) as u32, rows as u32, 1);
+    let mut size = 2usize;
+    while size <= base.npad {
+        let mut st = size / 2;
+        while st > 0 {
+            let (size_i, st_i) = (size as i32, st as i32);
+            let mut b = gpu.stream.launch_builder(&step);
+            b.arg(&mut base.sort).arg(&npad_i).arg(&size_i).arg(&st_i);
+            drv(
+                unsafe { b.launch(launch_cfg(pairs_grid, (256, 1, 1), 0)) },
+                "baseline bitonic step",
+            )?;
+            st /= 2;
+        }
+        size *= 2;
+    }
+    let f = gpu.function(FAMILY, "indexer_baseline_sort_gather")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&base.sort)
+        .arg(&npad_i)
+        .arg(&stride)
+        .arg(&q.num_valid)
+        .arg(&k)
+        .arg(&mut out.out_idx)
+        .arg(&mut out.out_score);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (out.k.div_ceil(256) as u32, rows as u32, 1),
+                (256, 1, 1),
+                0,
+            ))
+        },
+        "baseline gather",
+    )
+    .map(|_| ())
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Bench inputs and timing (the sweep hook is in [`bench`]).
+// ---------------------------------------------------------------------------------------------------------
+
+/// Random inputs of one sweep point on the device (keys written by the GPU writer; never zeros).
+pub struct BenchInputs {
+    pub q: QueryBatch,
+    pub cache: KeyCacheGpu,
+}
+
+pub fn bench_inputs(
+    gpu: &Gpu,
+    format: KeyFormat,
+    batch: usize,
+    next_n: usize,
+    num_valid: usize,
+    seed: u64,
+) -> Result<BenchInputs> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let rows = batch * next_n;
+    let q_codes: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+        .map(|_| reference::random_e4m3(&mut rng))
+        .collect();
+    let w: Vec<f32> = (0..rows * NUM_HEADS)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let nv = vec![num_valid as i32; rows];
+    let q = QueryBatch::upload(gpu, batch, next_n, &q_codes, &w, &nv)?;
+    let capacity = num_valid.max(1);
+    let mut cache = KeyCacheGpu::filled(gpu, format, batch, capacity, 0)?;
+    // Raw keys in slabs so the host buffer stays small.
+    let per = 65536usize;
+    let total = batch * capacity;
+    let mut start = 0;
+    while start < total {
+        let n = per.min(total - start);
+        let raw: Vec<f32> = (0..n * HEAD_DIM)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        let slots: Vec<i32> = (start..start + n).map(|s| s as i32).collect();
+        let raw_dev = gpu.upload(&raw)?;
+        write_keys(gpu, &mut cache, &raw_dev, &slots)?;
+        start += n;
+    }
+    gpu.synchronize()?;
+    Ok(BenchInputs { q, cache })
+}
+
+/// Timing samples (us) of one variant: logits alone, top-k alone, both back to back.
+pub struct IndexerSamples {
+    pub logits: Vec<f64>,
+    pub topk: Vec<f64>,
+    pub total: Vec<f64>,
+}
+
+/// Time `variant` = "fused" (ours: tensor-core logits + radix-select top-k) or "baseline" (the seeds' path).
+pub fn time_variant(
+    gpu: &Gpu,
+    variant: &str,
+    inp: &BenchInputs,
+    k: usize,
+    plan: TimingPlan,
+) -> Result<IndexerSamples> {
+    let (q, cache) = (&inp.q, &inp.cache);
+    let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
+    let stride = bufs.score_stride;
+    match variant {
+        "fused" => {
+            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+            let IndexerBuffers {
+                scores, topk: tb, ..
+            } = &mut bufs;
+            let topk_s = gpu.time_us(plan, || {
+                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
+            })?;
+            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
+            Ok(IndexerSamples {
+                logits: logits_s,
+                topk: topk_s,
+                total,
+            })
+        }
+        "baseline" => {
+            let mut base = BaselineBuffers::new(gpu, q.batch, q.rows(), cache.capacity)?;
+            let logits_s = gpu.time_us(plan, || {
+                baseline_logits(gpu, q, cache, &mut base, &mut bufs.scores, stride)
+            })?;
+            let IndexerBuffers {
+                scores, topk: tb, ..
+            } = &mut bufs;
+            let topk_s = gpu.time_us(plan, || {
+                baseline_topk(gpu, scores, stride, q, &mut base, tb)
+            })?;
+            let total = gpu.time_us(plan, || {
+                baseline_logits(gpu, q, cache, &mut base, &mut bufs.scores, stride)?;
+                let IndexerBuffers {
+                    scores, topk: tb, ..
+                } = &mut bufs;
+                baseline_topk(gpu, scores, stride, q, &mut base, tb)
+            })?;
+            Ok(IndexerSamples {
+                logits: logits_s,
+                topk: topk_s,
+                total,
+            })
+        }
+        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
+    }
+}
+
+/// Bytes one call moves: (logits: keys + q + w read, scores written; top-k: scores read, k x 8 B written).
+pub fn traffic_bytes(inp: &BenchInputs, k: usize) -> (u64, u64) {
+    let (q, cache) = (&inp.q, &inp.cache);
+    let n = q.max_valid();
+    let rows = q.rows();
+    let key_bytes = q.batch * cache.bytes_for(n);
+    let logits = key_bytes + rows * NUM_HEADS * (HEAD_DIM + 4) + rows * n * 4;
+    let topk = rows * n * 4 + rows * k * 8;
+    (logits as u64, topk as u64)
+}

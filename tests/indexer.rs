@@ -1,0 +1,569 @@
+//! Lightning indexer: CPU reference checks (always run) and GPU checks (skip loudly without a GPU).
+
+use megamoe::formats::{e2m1, e4m3, ue8m0};
+use megamoe::gpu::{gpu_for_test, timing::TimingPlan};
+use megamoe::ops::indexer::reference::{
+    self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS,
+};
+use megamoe::ops::indexer::{self, stress, IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn seeded(test: &str) -> (u64, ChaCha8Rng) {
+    let seed = std::env::var("SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("{test}: seed {seed} (rerun with SEED={seed})");
+    (seed, ChaCha8Rng::seed_from_u64(seed))
+}
+
+fn random_key(rng: &mut ChaCha8Rng, amp: f32) -> [f32; HEAD_DIM] {
+    std::array::from_fn(|_| rng.random_range(-amp..amp))
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// CPU
+// ---------------------------------------------------------------------------------------------------------
+
+#[test]
+fn hadamard_scale_is_f32_of_inverse_sqrt_128() {
+    assert_eq!(reference::hadamard_scale(), (1.0f64 / 128f64.sqrt()) as f32);
+}
+
+#[test]
+fn hadamard_matches_the_sylvester_matrix_and_is_orthonormal() {
+    let (_, mut rng) = seeded("hadamard");
+    for _ in 0..20 {
+        let x = random_key(&mut rng, 5.0);
+        let mut y = x;
+        reference::hadamard_128(&mut y);
+        // Natural-order Sylvester matrix: H[i][j] = (-1)^popcount(i & j) / sqrt(128).
+        for (i, &yi) in y.iter().enumerate() {
+            let want: f64 = (0..HEAD_DIM)
+                .map(|j| {
+                    if (i & j).count_ones() % 2 == 0 {
+                        x[j] as f64
+                    } else {
+                        -(x[j] as f64)
+                    }
+                })
+                .sum::<f64>()
+                / 128f64.sqrt();
+            // 7 f32 additions of magnitude <= sum|x| plus one multiply: error <= 8 ulp of sum|x|/sqrt(128).
+            let bound = 8.0 * f32::EPSILON as f64 * x.iter().map(|v| v.abs() as f64).sum::<f64>()
+                / 128f64.sqrt();
+            assert!((yi as f64 - want).abs() <= bound, "dim {i}: {yi} vs {want}");
+        }
+        let mut z = y;
+        reference::hadamard_128(&mut z);
+        for d in 0..HEAD_DIM {
+            assert!(
+                (z[d] - x[d]).abs() <= 1e-5 * 5.0,
+                "H(H(x)) != x at {d}: {} vs {}",
+                z[d],
+                x[d]
+            );
+        }
+    }
+}
+
+#[test]
+fn fp8_key_codec_follows_the_scale_rule_and_error_bound() {
+    let (_, mut rng) = seeded("fp8_codec");
+    for case in 0..200 {
+        let amp = [1e-6f32, 1e-3, 1.0, 300.0][case % 4];
+        let x = random_key(&mut rng, amp);
+        let (codes, scale) = reference::quantize_key_fp8(&x).unwrap();
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_eq!(scale, amax.max(1e-4) / 448.0);
+        for d in 0..HEAD_DIM {
+            let deq = e4m3::decode(codes[d]) as f64 * scale as f64;
+            // e4m3 has 3 mantissa bits: relative error <= 2^-4 for normals, abs <= 2^-10 * scale below 2^-6.
+            let bound =
+                (x[d].abs() as f64 * 0.0625).max(f64::powi(2.0, -10) * scale as f64) * 1.0001;
+            assert!(
+                (deq - x[d] as f64).abs() <= bound,
+                "case {case} dim {d}: {} -> {deq}",
+                x[d]
+            );
+        }
+    }
+}
+
+#[test]
+fn mxfp4_key_codec_picks_the_smallest_pow2_scale() {
+    let (_, mut rng) = seeded("mxfp4_codec");
+    for case in 0..200 {
+        let amp = [1e-3f32, 0.7, 6.0, 90.0][case % 4];
+        let x = random_key(&mut rng, amp);
+        let (packed, scales) = reference::quantize_key_mxfp4(&x).unwrap();
+        for blk in 0..4 {
+            let amax = x[blk * 32..(blk + 1) * 32]
+                .iter()
+                .fold(0.0f32, |m, v| m.max(v.abs()));
+            let s = ue8m0::decode(scales[blk]);
+            assert!(
+                amax / s <= 6.0 && amax / (s * 0.5) > 6.0,
+                "block {blk}: amax {amax} scale {s}"
+            );
+        }
+        for d in 0..HEAD_DIM {
+            let deq = reference::mxfp4_value(&packed, &scales, d);
+            let s = ue8m0::decode(scales[d / 32]) as f64;
+            // e2m1 spacing is at most 2 (between 4 and 6): error <= 1 * s, and <= 0.25 * s below 2.
+            let bound = if (x[d].abs() as f64) < 2.0 * s {
+                0.25 * s
+            } else {
+                1.0 * s
+            };
+            assert!(
+                (deq - x[d] as f64).abs() <= bound,
+                "case {case} dim {d}: {} -> {deq}",
+                x[d]
+            );
+            let (lo, hi) = e2m1::unpack(packed[d / 2]);
+            let code = if d.is_multiple_of(2) { lo } else { hi };
+            assert_eq!(code, e2m1::encode_rne(x[d] / s as f32));
+        }
+    }
+}
+
+#[test]
+fn entry_sizes_are_132_and_68_bytes() {
+    assert_eq!(KeyFormat::Fp8.entry_bytes(), 132);
+    assert_eq!(KeyFormat::Mxfp4.entry_bytes(), 68);
+}
+
+#[test]
+fn reference_topk_order_ties_padding_and_specials() {
+    assert_eq!(reference::topk(&[], 3), vec![-1, -1, -1]);
+    assert_eq!(reference::topk(&[1.0, 3.0, 3.0, 2.0], 3), vec![1, 2, 3]);
+    assert_eq!(
+        reference::topk(&[0.0, -0.0, 0.0], 2),
+        vec![0, 1],
+        "-0 ties with +0"
+    );
+    assert_eq!(
+        reference::topk(&[f32::NAN, f32::NEG_INFINITY, -1.0], 3),
+        vec![2, 0, 1],
+        "NaN ranks as -inf, lower index first"
+    );
+    assert_eq!(
+        reference::topk(&[1.0, f32::INFINITY], 4),
+        vec![1, 0, -1, -1]
+    );
+    let (_, mut rng) = seeded("topk_ref");
+    let s: Vec<f32> = (0..1000).map(|_| rng.random_range(0..50) as f32).collect();
+    let t = reference::topk(&s, 100);
+    for p in 1..100 {
+        let (a, b) = (t[p - 1] as usize, t[p] as usize);
+        assert!(
+            s[a] > s[b] || (s[a] == s[b] && a < b),
+            "order broken at {p}"
+        );
+    }
+    let kth = s[t[99] as usize];
+    assert!(s.iter().filter(|&&v| v > kth).count() < 100);
+}
+
+#[test]
+fn reference_logits_match_a_direct_dequantized_formula() {
+    let (_, mut rng) = seeded("logits_ref");
+    for format in [KeyFormat::Fp8, KeyFormat::Mxfp4] {
+        let mut cache = KeyCacheHost::new(format, 2, 5);
+        for s in 0..10 {
+            cache.write_key(s, &random_key(&mut rng, 2.0)).unwrap();
+        }
+        let shape = IndexerShape {
+            batch: 2,
+            next_n: 2,
+            num_valid: vec![4, 5, 0, 3],
+        };
+        let q: Vec<u8> = (0..4 * NUM_HEADS * HEAD_DIM)
+            .map(|_| reference::random_e4m3(&mut rng))
+            .collect();
+        let w: Vec<f32> = (0..4 * NUM_HEADS)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let out = reference::logits(&shape, &q, &w, &cache);
+        assert_eq!(
+            out.iter().map(|r| r.len()).collect::<Vec<_>>(),
+            vec![4, 5, 0, 3]
+        );
+        for (row, scores) in out.iter().enumerate() {
+            for (j, &s) in scores.iter().enumerate() {
+                let k = cache.key_f64(cache.slot(row / 2, j));
+                let mut want = 0.0f64;
+                for h in 0..NUM_HEADS {
+                    let dot: f64 = (0..HEAD_DIM)
+                        .map(|d| {
+                            e4m3::decode(q[(row * NUM_HEADS + h) * HEAD_DIM + d]) as f64 * k[d]
+                        })
+                        .sum();
+                    if dot > 0.0 {
+                        want += w[row * NUM_HEADS + h] as f64 * dot;
+                    }
+                }
+                assert_eq!(s, want as f32, "{format:?} row {row} j {j}");
+            }
+        }
+    }
+}
+
+#[test]
+fn launcher_input_policy_rejects_bad_queries() {
+    let q = vec![0x38u8; NUM_HEADS * HEAD_DIM];
+    let w = vec![0.5f32; NUM_HEADS];
+    assert!(indexer::validate_queries(1, 1, &q, &w, &[10]).is_ok());
+    assert!(
+        indexer::validate_queries(1, 3, &q, &w, &[10]).is_err(),
+        "next_n = 3"
+    );
+    assert!(
+        indexer::validate_queries(1, 1, &q[1..], &w, &[10]).is_err(),
+        "short q"
+    );
+    assert!(
+        indexer::validate_queries(1, 1, &q, &w, &[-1]).is_err(),
+        "negative num_valid"
+    );
+    let mut qn = q.clone();
+    qn[77] = 0xFF;
+    let e = indexer::validate_queries(1, 1, &qn, &w, &[10])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("NaN"), "{e}");
+    let mut wn = w.clone();
+    wn[3] = f32::NAN;
+    assert!(
+        indexer::validate_queries(1, 1, &q, &wn, &[10]).is_err(),
+        "NaN w"
+    );
+}
+
+/// A sequential model of the kernel's block_select + block_collect (kernels/indexer.cu), same digits, same
+/// early exit, same selection predicate: checks the algorithm (not the CUDA code) against the reference.
+fn model_radix_topk(scores: &[f32], k: usize) -> Vec<i32> {
+    let comp = |i: usize| ((reference::order_key(scores[i]) as u64) << 32) | (!(i as u32)) as u64;
+    let m = scores.len();
+    let kk = k.min(m);
+    if kk == 0 {
+        return vec![-1; k];
+    }
+    let (mut prefix, mut rem, mut shift, all) = (0u64, kk as u32, 64u32, kk >= m);
+    if !all {
+        for pass in 0..8u32 {
+            let sd = 56 - 8 * pass;
+            let mut hist = [0u32; 256];
+            for i in 0..m {
+                let c = comp(i);
+                if pass == 0 || (c >> (sd + 8)) == (prefix >> (sd + 8)) {
+                    hist[((c >> sd) & 0xFF) as usize] += 1;
+                }
+            }
+            let (mut incl, mut found) = (0u32, None);
+            for t in 0..256 {
+                let v = hist[255 - t];
+                let excl = incl;
+                incl += v;
+                if excl < rem && incl >= rem {
+                    assert!(found.is_none(), "two buckets chosen");
+                    found = Some((255 - t, rem - excl, v));
+                }
+            }
+            let (bucket, new_rem, count) = found.expect("no bucket holds the rem-th element");
+            prefix |= (bucket as u64) << sd;
+            rem = new_rem;
+            shift = sd;
+            if count == rem {
+                break;
+            }
+            assert!(pass < 7, "radix select did not terminate");
+        }
+    }
+    let mut sel: Vec<u64> = (0..m)
+        .map(comp)
+        .filter(|&c| all || (c >> shift) >= (prefix >> shift))
+        .collect();
+    assert_eq!(sel.len(), kk, "selected {} elements, want {kk}", sel.len());
+    sel.sort_unstable_by(|a, b| b.cmp(a));
+    let mut out: Vec<i32> = sel.iter().map(|&c| !(c as u32) as i32).collect();
+    out.resize(k, -1);
+    out
+}
+
+#[test]
+fn radix_select_model_matches_reference_topk() {
+    let (_, mut rng) = seeded("radix_model");
+    for case in 0..300 {
+        let n =
+            [0usize, 1, 2, 7, 100, 511, 512, 513, 1000, 3000][case % 10] + rng.random_range(0..3);
+        let k = [1usize, 5, 512, 1024, 2048][rng.random_range(0..5)];
+        let scores: Vec<f32> = (0..n)
+            .map(|_| match (case / 10) % 4 {
+                0 => rng.random_range(-1.0f32..1.0),
+                1 => 3.5,
+                2 => [0.0f32, -0.0, 1.0, f32::NAN, f32::NEG_INFINITY][rng.random_range(0..5)],
+                _ => rng.random_range(0..4) as f32,
+            })
+            .collect();
+        assert_eq!(
+            model_radix_topk(&scores, k),
+            reference::topk(&scores, k),
+            "case {case}: n {n} k {k}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// GPU
+// ---------------------------------------------------------------------------------------------------------
+
+#[test]
+fn gpu_key_writer_is_bit_exact() {
+    let Some(gpu) = gpu_for_test("gpu_key_writer_is_bit_exact") else {
+        return;
+    };
+    let (_, mut rng) = seeded("gpu_key_writer");
+    for format in [KeyFormat::Fp8, KeyFormat::Mxfp4] {
+        let (batch, cap, n) = (3usize, 700usize, 1500usize);
+        let mut host = KeyCacheHost::new(format, batch, cap);
+        // Distinct random slots; amplitudes from tiny (amax floor) to large.
+        let mut all: Vec<usize> = (0..batch * cap).collect();
+        for i in 0..n {
+            let j = rng.random_range(i..all.len());
+            all.swap(i, j);
+        }
+        let slots: Vec<i32> = all[..n].iter().map(|&s| s as i32).collect();
+        let mut raw = Vec::with_capacity(n * HEAD_DIM);
+        for (i, &s) in slots.iter().enumerate() {
+            let amp = [1e-7f32, 1e-2, 1.0, 1e3][i % 4];
+            let key = random_key(&mut rng, amp);
+            host.write_key(s as usize, &key).unwrap();
+            raw.extend_from_slice(&key);
+        }
+        let mut dev = KeyCacheGpu::filled(&gpu, format, batch, cap, 0).unwrap();
+        let raw_dev = gpu.upload(&raw).unwrap();
+        indexer::write_keys(&gpu, &mut dev, &raw_dev, &slots).unwrap();
+        let got = dev.download(&gpu).unwrap();
+        let cb = format.code_bytes();
+        for (i, &s) in slots.iter().enumerate() {
+            let s = s as usize;
+            for d in 0..cb {
+                assert_eq!(
+                    got.codes[s * cb + d],
+                    host.codes[s * cb + d],
+                    "{format:?} key {i} slot {s} code byte {d}"
+                );
+            }
+            assert_eq!(
+                got.scales[s * 4..s * 4 + 4],
+                host.scales[s * 4..s * 4 + 4],
+                "{format:?} key {i} slot {s} scales"
+            );
+        }
+        assert!(
+            indexer::write_keys(&gpu, &mut dev, &raw_dev, &vec![(batch * cap) as i32; n]).is_err(),
+            "out-of-range slot must be rejected"
+        );
+    }
+}
+
+#[test]
+fn gpu_logits_and_topk_match_the_reference() {
+    let Some(gpu) = gpu_for_test("gpu_logits_and_topk_match_the_reference") else {
+        return;
+    };
+    let (_, mut rng) = seeded("gpu_logits_topk");
+    for format in [KeyFormat::Fp8, KeyFormat::Mxfp4] {
+        for next_n in [1usize, 2] {
+            let lens = [0usize, 1, 33, 128, 129, 511, 512, 513, 1000, 2047];
+            let (batch, cap) = (lens.len(), 2047usize);
+            let mut host = KeyCacheHost::new(format, batch, cap);
+            for (b, &n) in lens.iter().enumerate() {
+                for j in 0..n {
+                    let amp = [0.05f32, 1.0, 20.0][rng.random_range(0..3)];
+                    host.write_key(host.slot(b, j), &random_key(&mut rng, amp))
+                        .unwrap();
+                }
+            }
+            let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+            let rows = batch * next_n;
+            let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+                .map(|_| reference::random_e4m3(&mut rng))
+                .collect();
+            let w: Vec<f32> = (0..rows * NUM_HEADS)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let nv: Vec<i32> = (0..rows)
+                .map(|r| (lens[r / next_n] as i32 - (next_n - 1 - r % next_n) as i32).max(0))
+                .collect();
+            let qb = QueryBatch::upload(&gpu, batch, next_n, &q, &w, &nv).unwrap();
+            for k in [512usize, 1024, 2048] {
+                let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+                indexer::run(&gpu, &qb, &cache, &mut bufs).unwrap();
+                let scores = gpu.download(&bufs.scores).unwrap();
+                let idx = gpu.download(&bufs.topk.out_idx).unwrap();
+                let shape = IndexerShape {
+                    batch,
+                    next_n,
+                    num_valid: nv.clone(),
+                };
+                let want = reference::logits(&shape, &q, &w, &host);
+                let stride = bufs.score_stride;
+                for r in 0..rows {
+                    let n = nv[r] as usize;
+                    let got = &scores[r * stride..r * stride + n];
+                    for j in 0..n {
+                        let mag = reference::logit_magnitude(&shape, &q, &w, &host, r, j);
+                        let err = (got[j] as f64 - want[r][j] as f64).abs();
+                        assert!(
+                            err <= f64::powi(2.0, -9) * mag + 1e-30,
+                            "{format:?} next_n {next_n} row {r} j {j}: gpu {:e} ref {:e} err {err:e} (magnitude {mag:e})",
+                            got[j],
+                            want[r][j]
+                        );
+                    }
+                    if let Err(e) = reference::check_topk_exact(got, k, &idx[r * k..(r + 1) * k]) {
+                        panic!("{format:?} next_n {next_n} k {k} row {r}: {e}");
+                    }
+                }
+                if format == KeyFormat::Fp8 && next_n == 1 {
+                    // The seeds' baseline on the same inputs: its top-k of our scores must be identical.
+                    let mut base = indexer::BaselineBuffers::new(&gpu, batch, rows, cap).unwrap();
+                    let mut bt = TopkBuffers::new(&gpu, rows, k, cap).unwrap();
+                    indexer::baseline_topk(&gpu, &bufs.scores, stride, &qb, &mut base, &mut bt)
+                        .unwrap();
+                    assert_eq!(
+                        gpu.download(&bt.out_idx).unwrap(),
+                        idx,
+                        "baseline sort top-k differs (k {k})"
+                    );
+                    let mut bs = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
+                    indexer::baseline_logits(&gpu, &qb, &cache, &mut base, &mut bs, stride)
+                        .unwrap();
+                    let bscores = gpu.download(&bs).unwrap();
+                    for r in 0..rows {
+                        for j in 0..nv[r] as usize {
+                            let mag = reference::logit_magnitude(&shape, &q, &w, &host, r, j);
+                            let err = (bscores[r * stride + j] as f64 - want[r][j] as f64).abs();
+                            assert!(
+                                // fp32 dequant (1 rounding) + 128-term FMA dot + 64-term head sum, each
+                                // rounding <= 2^-24 of a running |sum| <= mag: (1+128+64) * 2^-24 < 1.2e-5.
+                                err <= 1.2e-5 * mag + 1e-30,
+                                "baseline logit row {r} j {j}: {} vs {}",
+                                bscores[r * stride + j],
+                                want[r][j]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_topk_long_rows_and_specials() {
+    let Some(gpu) = gpu_for_test("gpu_topk_long_rows_and_specials") else {
+        return;
+    };
+    let (_, mut rng) = seeded("gpu_topk_long");
+    let lens = [262_144usize, 32_768, 32_769, 65_535, 100_000, 2049];
+    let stride = 262_144usize;
+    for k in [512usize, 2048] {
+        let mut flat = vec![0f32; lens.len() * stride];
+        for (r, &n) in lens.iter().enumerate() {
+            for j in 0..n {
+                flat[r * stride + j] = match (r, rng.random_range(0..20)) {
+                    (1, _) => 7.0, // all equal
+                    (_, 0) => f32::NAN,
+                    (_, 1) => f32::NEG_INFINITY,
+                    (_, 2) => -0.0,
+                    (_, v) if v < 8 => (v % 3) as f32, // heavy ties
+                    _ => rng.random_range(-100.0f32..100.0),
+                };
+            }
+        }
+        let nv: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
+        let sd = gpu.upload(&flat).unwrap();
+        let nvd = gpu.upload(&nv).unwrap();
+        let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
+        indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+        assert!(
+            stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+            "top-k did not finish within 5 s (k {k})"
+        );
+        let idx = gpu.download(&bufs.out_idx).unwrap();
+        for (r, &n) in lens.iter().enumerate() {
+            if let Err(e) = reference::check_topk_exact(
+                &flat[r * stride..r * stride + n],
+                k,
+                &idx[r * k..(r + 1) * k],
+            ) {
+                panic!("k {k} row {r} (num_valid {n}): {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_stress_quick() {
+    let Some(gpu) = gpu_for_test("gpu_stress_quick") else {
+        return;
+    };
+    let (seed, _) = seeded("gpu_stress_quick");
+    let rep = stress::run_stress(&gpu, &stress::StressOptions::quick(seed)).unwrap();
+    eprintln!("{}", rep.summary());
+    if rep.hung.is_some() {
+        // A hung kernel cannot be cancelled: report and leave without tearing the context down.
+        eprintln!("HANG detected; exiting the test process");
+        std::process::exit(3);
+    }
+    assert!(rep.passed(), "{}", rep.summary());
+}
+
+#[test]
+fn gpu_bench_timing_smoke() {
+    let Some(gpu) = gpu_for_test("gpu_bench_timing_smoke") else {
+        return;
+    };
+    let plan = TimingPlan {
+        warmup: 1,
+        reps: 3,
+        flush_l2: false,
+    };
+    let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
+    for v in ["fused", "baseline"] {
+        let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
+        assert!(
+            s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
+            "{v}: {:?}",
+            s.total
+        );
+    }
+    assert_eq!(
+        indexer::traffic_bytes(&inp, 512).0 as usize,
+        2 * 4096 * 132 + 2 * 64 * 132 + 2 * 4096 * 4
+    );
+}
+
+#[test]
+fn bench_config_parses() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bench-configs/indexer.toml"
+    ))
+    .unwrap();
+    let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
+    assert!(cfg
+        .sweeps
+        .iter()
+        .any(|s| s.kernel == "indexer" && s.values.contains(&1_048_576)));
+}
