@@ -101,7 +101,7 @@ impl HostProblem {
         for (s, &len) in lengths.iter().enumerate() {
             for j in 0..len {
                 // entries may repeat across and within sequences (window and compressed overlap in DSV4)
-                let hole = holes && (j % 53 == 17 || j == len / 2);
+                let hole = holes && (j % 53 == 17 || (len > 2 && j == len / 2));
                 candidates[s * stride + j] = if hole {
                     -1
                 } else {
@@ -742,4 +742,85 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
     );
     let hp = HostProblem::random(&mut rng, 128, &[1152, 300], true);
     check_gpu_path("bf16 staging h128", &gpu, &hp, Path::Bf16Staging, None);
+}
+
+/// The sweep config parses with the bench schema, names only this family's variants, and every point
+/// resolves to a candidate count (CSA 128 + min(topk, ctx/4), HCA 128 + ctx/128).
+#[test]
+fn bench_config_and_split_plans() {
+    use megamoe::bench::config::SweepConfig;
+    use megamoe::ops::sparse_attn::{candidates_per_query, LayerKind, BENCH_KERNEL};
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bench-configs/sparse_attn.toml"
+    );
+    let cfg = SweepConfig::from_path(std::path::Path::new(path)).unwrap();
+    assert!(!cfg.sweeps.is_empty());
+    for s in &cfg.sweeps {
+        assert_eq!(s.kernel, BENCH_KERNEL);
+        s.variants_from(&["fp8", "bf16_staging"]).unwrap();
+        let kind = match s.param_str("kind").unwrap() {
+            "csa" => LayerKind::Csa {
+                topk: s.param_u64("topk").unwrap() as usize,
+            },
+            "hca" => LayerKind::Hca,
+            other => panic!("{}: kind {other}", s.name()),
+        };
+        s.param_u64("heads").unwrap();
+        for &v in &s.values {
+            let ctx = if s.axis == "ctx" {
+                v
+            } else {
+                s.param_u64("ctx").unwrap()
+            } as usize;
+            assert!(candidates_per_query(kind, ctx) >= 128);
+        }
+    }
+    assert_eq!(
+        candidates_per_query(LayerKind::Csa { topk: 512 }, 1024),
+        128 + 256
+    );
+    assert_eq!(
+        candidates_per_query(LayerKind::Csa { topk: 512 }, 65536),
+        640
+    );
+    assert_eq!(candidates_per_query(LayerKind::Hca, 1 << 20), 8320);
+    // split plans cover every tile and keep >= 4 tiles per split when there are that many
+    for (batch, heads, stride) in [
+        (1usize, 64usize, 8320usize),
+        (1, 128, 640),
+        (64, 64, 640),
+        (128, 128, 1152),
+        (3, 64, 1),
+    ] {
+        let shape = DecodeShape {
+            batch,
+            heads,
+            stride,
+            n_entries: 10,
+        };
+        let p = SplitPlan::auto(132, &shape);
+        let tiles = stride.div_ceil(64);
+        assert!(
+            p.n_splits * p.tiles_per_split >= tiles && (p.n_splits - 1) * p.tiles_per_split < tiles,
+            "{shape:?} {p:?}"
+        );
+        assert!(p.tiles_per_split >= tiles.min(4), "{shape:?} {p:?}");
+    }
+    assert!(DecodeShape {
+        batch: 1,
+        heads: 96,
+        stride: 8,
+        n_entries: 1
+    }
+    .validate()
+    .is_err());
+    assert!(DecodeShape {
+        batch: 0,
+        heads: 64,
+        stride: 8,
+        n_entries: 1
+    }
+    .validate()
+    .is_err());
 }

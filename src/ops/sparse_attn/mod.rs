@@ -19,7 +19,7 @@ pub mod reference;
 
 use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
 use crate::bench::config::Sweep;
@@ -151,6 +151,41 @@ pub struct Workspace {
     part_o: Option<CudaSlice<f32>>,
     part_lse: Option<CudaSlice<f32>>,
     staging: Option<CudaSlice<bf16>>,
+    kernels: Kernels,
+}
+
+/// The family's entry points, looked up (and given their shared-memory attribute) once per workspace, so a
+/// timed call does no module lookups between launches.
+struct Kernels {
+    gather: CudaFunction,
+    decode_fp8: CudaFunction,
+    decode_bf16: CudaFunction,
+    combine: CudaFunction,
+}
+
+impl Kernels {
+    fn load(gpu: &Gpu) -> Result<Kernels> {
+        let with_smem = |name: &str, smem: u32| -> Result<CudaFunction> {
+            ensure!(
+                smem as usize <= gpu.info.max_smem_per_block_optin,
+                "{name} needs {smem} B of shared memory, the device allows {}",
+                gpu.info.max_smem_per_block_optin
+            );
+            let f = gpu.function(FAMILY, name)?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| anyhow!("{name}: setting {smem} B dynamic shared memory: {e:?}"))?;
+            Ok(f)
+        };
+        Ok(Kernels {
+            gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
+            decode_fp8: with_smem("sparse_attn_decode_fp8", FP8_SMEM_BYTES)?,
+            decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
+            combine: gpu.function(FAMILY, "sparse_attn_combine")?,
+        })
+    }
 }
 
 impl Workspace {
@@ -191,6 +226,7 @@ impl Workspace {
             part_o,
             part_lse,
             staging,
+            kernels: Kernels::load(gpu)?,
         })
     }
     pub fn plan(&self) -> SplitPlan {
@@ -242,7 +278,7 @@ pub fn decode(
     let null: u64 = 0;
 
     if path == Path::Bf16Staging {
-        let f = gpu.function(FAMILY, "sparse_attn_gather_bf16")?;
+        let f = ws.kernels.gather.clone();
         let staging = ws.staging.as_mut().expect("checked above");
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(staging)
@@ -256,21 +292,18 @@ pub fn decode(
             .map_err(|e| anyhow!("sparse_attn_gather_bf16: {e:?}"))?;
     }
 
-    let (name, smem) = match path {
-        Path::Fp8 => ("sparse_attn_decode_fp8", FP8_SMEM_BYTES),
-        Path::Bf16Staging => ("sparse_attn_decode_bf16", BF16_SMEM_BYTES),
+    let (name, smem, f) = match path {
+        Path::Fp8 => (
+            "sparse_attn_decode_fp8",
+            FP8_SMEM_BYTES,
+            ws.kernels.decode_fp8.clone(),
+        ),
+        Path::Bf16Staging => (
+            "sparse_attn_decode_bf16",
+            BF16_SMEM_BYTES,
+            ws.kernels.decode_bf16.clone(),
+        ),
     };
-    ensure!(
-        smem as usize <= gpu.info.max_smem_per_block_optin,
-        "{name} needs {smem} B of shared memory, the device allows {}",
-        gpu.info.max_smem_per_block_optin
-    );
-    let f = gpu.function(FAMILY, name)?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .map_err(|e| anyhow!("{name}: setting {smem} B dynamic shared memory: {e:?}"))?;
     let grid = (
         (shape.heads / HEADS_PER_CTA) as u32,
         plan.n_splits as u32,
@@ -306,7 +339,7 @@ pub fn decode(
             .map_err(|e| anyhow!("{name}: {e:?}"))?;
     }
     if plan.n_splits > 1 {
-        let f = gpu.function(FAMILY, "sparse_attn_combine")?;
+        let f = ws.kernels.combine.clone();
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(&mut *out)
             .arg(ws.part_o.as_ref().expect("allocated"))
