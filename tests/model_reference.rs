@@ -508,6 +508,9 @@ fn residual_rms_stays_bounded_over_256_steps() {
 
 #[test]
 #[ignore = "Flash geometry: minutes of weight generation on a small host (run on demand with --ignored)"]
+/// Recorded 2026-12-02 on the 2-core dev box (shared, load average ~9): 267.9 s for the first token
+/// (every weight regenerated: ~13.3 G elements). The streaming probe below measured ~50-100 M
+/// elements/s on 2 threads, i.e. an estimated ~15 s on a quiet 16-core host; not yet run on one.
 fn flash_one_token_decode_timing() {
     let m = Model::new(Weights::synthetic(ModelConfig::flash(), 1, CachePolicy::Nothing).unwrap())
         .unwrap();
