@@ -385,6 +385,19 @@ pub fn synthetic_uniform(bits: u64) -> f32 {
 /// The stored bytes of elements [first, first + count) of a synthetic tensor, little-endian.
 pub fn synthetic_bytes(seed: u64, spec: &TensorSpec, first: usize, count: usize) -> Vec<u8> {
     let key = tensor_key(seed, &spec.name);
+    let range = first as u64..(first + count) as u64;
+    // Fast paths for the bulk formats (same values as the general loop below would give).
+    match (&spec.init, spec.dtype) {
+        (SyntheticInit::Fp8Codes, StoredDtype::F8E4M3) => {
+            return range
+                .map(|i| fp8_code((element_bits(key, i) >> 56) as u8))
+                .collect()
+        }
+        (SyntheticInit::Fp4Codes, StoredDtype::I8) => {
+            return range.map(|i| (element_bits(key, i) >> 56) as u8).collect()
+        }
+        _ => {}
+    }
     let mut out = Vec::with_capacity(count * spec.dtype.size());
     for i in first..first + count {
         let bits = element_bits(key, i as u64);
@@ -405,10 +418,6 @@ pub fn synthetic_bytes(seed: u64, spec: &TensorSpec, first: usize, count: usize)
                 }
                 out.extend_from_slice(&v.to_le_bytes())
             }
-            (SyntheticInit::Fp8Codes, StoredDtype::F8E4M3) => {
-                out.push(fp8_code((bits >> 56) as u8))
-            }
-            (SyntheticInit::Fp4Codes, StoredDtype::I8) => out.push((bits >> 56) as u8),
             (SyntheticInit::Scale { exp_base }, StoredDtype::F8E8M0) => {
                 let e = exp_base - (bits & 1) as i32;
                 out.push((e.clamp(-127, 127) + 127) as u8)
