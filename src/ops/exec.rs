@@ -152,11 +152,8 @@ pub struct ExecKernel {
 pub fn kernels() -> Vec<ExecKernel> {
     let mut v = Vec::new();
     v.extend(crate::ops::nvfp4::exec_kernels());
-<<<<<<< HEAD
     v.extend(crate::ops::norm_quant::exec_kernels());
-=======
     v.extend(crate::ops::moe_gemm::exec_kernels());
->>>>>>> gemm
     v
 }
 
