@@ -156,7 +156,10 @@ fn main() {
             .map(str::to_string)
             .collect();
         if functions.is_empty() {
-            functions = kernel_functions(&src).into_iter().filter(|n| !n.contains('#')).collect();
+            functions = kernel_functions(&src)
+                .into_iter()
+                .filter(|n| !n.contains('#'))
+                .collect();
         }
         let rep_path = out_dir.join(format!("{stem}.ptxas.txt"));
         fs::write(&rep_path, &report).unwrap();
