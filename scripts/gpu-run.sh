@@ -32,12 +32,13 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
 fi
 if { [ "$what" = all ] || [ "$what" = stress ]; } && "$B/megamoe" stress --help >/dev/null 2>&1; then
   step "stress indexer"
-  timeout 900 "$B/megamoe" stress indexer --out "$work" 2>&1 | tail -n 20; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  timeout "${STRESS_TIMEOUT:-900}" "$B/megamoe" stress indexer --out "$work" 2>&1 | tail -n 20; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   san="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
   if [ -x "$san" ]; then
     for tool in memcheck racecheck synccheck; do
       step "compute-sanitizer --tool $tool (indexer stress, quick subset)"
-      timeout 420 "$san" --tool "$tool" --error-exitcode 9 "$B/megamoe" stress indexer --quick --watchdog-ms 120000 \
+      timeout "${SANITIZER_TIMEOUT:-420}" "$san" --tool "$tool" --error-exitcode 9 "$B/megamoe" stress indexer --quick \
+        --exhaustive-max "${SANITIZER_MAX:-300}" --random-cases 1 --random-max 40000 --e2e-max 40000 --watchdog-ms 300000 \
         > "$work/sanitizer-$tool.txt" 2>&1; rc=$?
       tail -n 4 "$work/sanitizer-$tool.txt"; [ $rc -eq 0 ] || { echo "sanitizer $tool: rc $rc"; status=1; }
     done

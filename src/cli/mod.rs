@@ -89,14 +89,18 @@ enum StressSuite {
         out: Option<PathBuf>,
         #[arg(long, default_value_t = 0x1DE7)]
         seed: u64,
-        /// Every num_valid in 0..=exhaustive_max.
-        #[arg(long, default_value_t = 4096)]
-        exhaustive_max: usize,
-        /// Random lengths up to --random-max.
-        #[arg(long, default_value_t = 24)]
-        random_cases: usize,
-        #[arg(long, default_value_t = 262_144)]
-        random_max: usize,
+        /// Every num_valid in 0..=N (default 4096; 700 with --quick).
+        #[arg(long)]
+        exhaustive_max: Option<usize>,
+        /// How many random lengths (default 24; 3 with --quick).
+        #[arg(long)]
+        random_cases: Option<usize>,
+        /// Largest random length (default 262,144 = 1M context; 80,000 with --quick).
+        #[arg(long)]
+        random_max: Option<usize>,
+        /// Largest end-to-end (logits + top-k) sequence (default 262,144; 40,000 with --quick).
+        #[arg(long)]
+        e2e_max: Option<usize>,
         /// Watchdog per launch group, milliseconds.
         #[arg(long, default_value_t = 2000)]
         watchdog_ms: u64,
@@ -437,6 +441,7 @@ fn stress(ordinal: usize, suite: StressSuite) -> Result<()> {
         exhaustive_max,
         random_cases,
         random_max,
+        e2e_max,
         watchdog_ms,
         quick,
     } = suite;
@@ -448,11 +453,10 @@ fn stress(ordinal: usize, suite: StressSuite) -> Result<()> {
             ..Default::default()
         }
     };
-    if !quick {
-        opts.exhaustive_max = exhaustive_max;
-        opts.random_cases = random_cases;
-        opts.random_max = random_max;
-    }
+    opts.exhaustive_max = exhaustive_max.unwrap_or(opts.exhaustive_max);
+    opts.random_cases = random_cases.unwrap_or(opts.random_cases);
+    opts.random_max = random_max.unwrap_or(opts.random_max);
+    opts.e2e_max = e2e_max.unwrap_or(opts.e2e_max);
     opts.watchdog = std::time::Duration::from_millis(watchdog_ms);
     let gpu = open_gpu(ordinal)?;
     eprintln!(
