@@ -143,9 +143,22 @@ pub fn run(
         .with_context(|| format!("creating {}", opts.out_dir.display()))?;
     let mut written = Vec::new();
     for (kernel, rows) in by_kernel.iter_mut() {
-        fill_speedups(rows);
         let path = opts.out_dir.join(format!("{kernel}.csv"));
-        csv_out::write_rows(&path, rows)?;
+        // Several configs may sweep the same kernel (e.g. `copy`): keep the rows already in the file except
+        // those this run measured again (same variant, shape and GPU), so one directory holds one CSV per kernel.
+        let mut all: Vec<Row> = if path.exists() {
+            csv_out::read_rows(&path)?
+        } else {
+            Vec::new()
+        };
+        all.retain(|old| {
+            !rows
+                .iter()
+                .any(|r| r.variant == old.variant && r.shape == old.shape && r.gpu == old.gpu)
+        });
+        all.append(rows);
+        fill_speedups(&mut all);
+        csv_out::write_rows(&path, &all)?;
         written.push(path);
     }
     report::report_from_csv_dir(&opts.out_dir)?;
