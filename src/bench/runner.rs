@@ -95,6 +95,7 @@ pub fn run(
     let mut progress = Progress::new("bench", total);
     let mut by_kernel: BTreeMap<&str, Vec<Row>> = BTreeMap::new();
     let mut failures = Vec::new();
+    let mut written = Vec::new();
     for (i, (s, k, variants)) in plan.iter().enumerate() {
         let mut settings = s.settings(&config.defaults);
         if let Some(r) = opts.reps {
@@ -138,14 +139,34 @@ pub fn run(
                 }
             }
         }
+        // After every sweep, so a run stopped by a time limit keeps what it measured.
+        write_kernel_rows(&opts.out_dir, &mut by_kernel, &mut written)?;
     }
-    std::fs::create_dir_all(&opts.out_dir)
-        .with_context(|| format!("creating {}", opts.out_dir.display()))?;
-    let mut written = Vec::new();
+    report::report_from_csv_dir(&opts.out_dir)?;
+    if !failures.is_empty() {
+        bail!(
+            "{} point(s) failed:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
+    }
+    Ok(written)
+}
+
+/// Move the measured rows into `<out_dir>/<kernel>.csv`. Several configs may sweep the same kernel (e.g.
+/// `copy`): rows already in the file are kept except those measured again (same variant, shape and GPU), so
+/// one directory holds one CSV per kernel.
+fn write_kernel_rows(
+    out_dir: &Path,
+    by_kernel: &mut BTreeMap<&str, Vec<Row>>,
+    written: &mut Vec<PathBuf>,
+) -> Result<()> {
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     for (kernel, rows) in by_kernel.iter_mut() {
-        let path = opts.out_dir.join(format!("{kernel}.csv"));
-        // Several configs may sweep the same kernel (e.g. `copy`): keep the rows already in the file except
-        // those this run measured again (same variant, shape and GPU), so one directory holds one CSV per kernel.
+        if rows.is_empty() {
+            continue;
+        }
+        let path = out_dir.join(format!("{kernel}.csv"));
         let mut all: Vec<Row> = if path.exists() {
             csv_out::read_rows(&path)?
         } else {
@@ -159,17 +180,11 @@ pub fn run(
         all.append(rows);
         fill_speedups(&mut all);
         csv_out::write_rows(&path, &all)?;
-        written.push(path);
+        if !written.contains(&path) {
+            written.push(path);
+        }
     }
-    report::report_from_csv_dir(&opts.out_dir)?;
-    if !failures.is_empty() {
-        bail!(
-            "{} point(s) failed:\n{}",
-            failures.len(),
-            failures.join("\n")
-        );
-    }
-    Ok(written)
+    Ok(())
 }
 
 /// Plots and REPORT.md for a directory of CSVs (`megamoe report`).
