@@ -13,12 +13,7 @@ use rand_chacha::ChaCha8Rng;
 // helpers
 
 fn seeded(test: &str) -> ChaCha8Rng {
-    let seed = std::env::var("FORMATS_SEED")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .unwrap_or_else(|| rand::rng().random::<u64>());
-    println!("{test}: seed {seed} (replay with FORMATS_SEED={seed})");
-    ChaCha8Rng::seed_from_u64(seed)
+    ChaCha8Rng::seed_from_u64(megamoe::ops::inputs::fresh_seed(test, "FORMATS_SEED"))
 }
 
 /// A random finite f32 with |x| in [2^lo, 2^hi): uniform exponent, uniform mantissa, random sign.

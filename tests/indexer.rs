@@ -10,16 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 fn seeded(test: &str) -> (u64, ChaCha8Rng) {
-    let seed = std::env::var("SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("{test}: seed {seed} (rerun with SEED={seed})");
+    let seed = megamoe::ops::inputs::fresh_seed(test, "SEED");
     (seed, ChaCha8Rng::seed_from_u64(seed))
 }
 

@@ -26,17 +26,7 @@ use rand_chacha::ChaCha8Rng;
 const U: f64 = 1.0 / 16_777_216.0; // 2^-24
 
 fn seeded(test: &str) -> ChaCha8Rng {
-    let seed = std::env::var("MOE_GEMM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("{test}: seed {seed} (rerun with MOE_GEMM_SEED={seed})");
-    ChaCha8Rng::seed_from_u64(seed)
+    ChaCha8Rng::seed_from_u64(megamoe::ops::inputs::fresh_seed(test, "MOE_GEMM_SEED"))
 }
 
 /// Roughly normal values with a per-row magnitude spread of 10^[-2, 2] (exercises per-row global scales and

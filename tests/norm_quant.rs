@@ -9,17 +9,7 @@ use megamoe::ops::norm_quant::{
 };
 
 fn fresh_seed(test: &str) -> u64 {
-    let seed = std::env::var("NORM_QUANT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("{test}: seed {seed} (NORM_QUANT_SEED={seed} replays it)");
-    seed
+    megamoe::ops::inputs::fresh_seed(test, "NORM_QUANT_SEED")
 }
 
 const ROWS: &[usize] = &[1, 2, 3, 7, 64, 127, 129, 4096];

@@ -38,3 +38,19 @@ pub fn uniform(n: usize, a: f32, seed: u64) -> Vec<f32> {
     let mut r = rng(seed);
     (0..n).map(|_| r.random_range(-a..a)).collect()
 }
+
+/// A fresh seed for one check: `$replay_var` when set (to replay a failure), else drawn from the clock. It is
+/// printed with the variable that replays it, so every random check can be reproduced from its log.
+pub fn fresh_seed(test: &str, replay_var: &str) -> u64 {
+    let seed = std::env::var(replay_var)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            t.as_nanos() as u64 ^ (std::process::id() as u64).rotate_left(32)
+        });
+    eprintln!("{test}: seed {seed} (replay with {replay_var}={seed})");
+    seed
+}
