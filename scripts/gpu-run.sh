@@ -2,7 +2,8 @@
 # Runs on the GPU machine (no Rust there) from the repository root, with gpu-bundle/ built by gpu-bundle.sh:
 # device info, kernel inventory, every test executable with REQUIRE_GPU=1 (a skipped GPU test fails), the limits
 # probe, the benchmark sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
-#   usage: scripts/gpu-run.sh [all|tests|bench|stress] [extra args for `megamoe bench`]
+#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model] [extra args for `megamoe bench`]
+#   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, BENCH_TIMEOUT (per config), REPS
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || B="$(pwd)/gpu-bundle"
@@ -45,9 +46,25 @@ if { [ "$what" = all ] || [ "$what" = stress ]; } && "$B/megamoe" stress --help 
   fi
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  step "bench"
-  timeout 1500 "$B/megamoe" bench --out "$work" "$@" 2>&1 | tail -n 40; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  "$B/megamoe" report --dir "$work" 2>&1 | tail -n 3
+  # One `megamoe bench` per config, each under its own time limit (CSVs are written after every sweep, so a
+  # config stopped by its limit keeps what it measured); every config measures its limits in its own run.
+  for c in default "$B"/bench-configs/*.toml; do
+    [ "$c" = "$B/bench-configs/default.toml" ] && continue
+    if [ "$c" = default ]; then args=(); name=default; else args=(--config "$c"); name="$(basename "$c" .toml)"; fi
+    step "bench $name"
+    timeout "${BENCH_TIMEOUT:-600}" "$B/megamoe" bench "${args[@]}" --reps "${REPS:-15}" --out "$work" "$@" \
+      > "$work/bench-$name.log" 2>&1; rc=$?
+    tail -n 2 "$work/bench-$name.log"; [ $rc -eq 0 ] || { echo "bench $name: rc $rc"; status=1; }
+  done
+  "$B/megamoe" report --dir "$work" 2>&1 | tail -n 1
+fi
+if [ "$what" = model ] && [ -x "$B/tests/model_reference" ]; then
+  # The CPU reference model's Flash one-token decode, timed on this machine's cores (test executable added
+  # to the bundle by hand: it has no GPU tests).
+  step "model: Flash one-token CPU decode"
+  timeout 300 "$B/tests/model_reference" --ignored --exact flash_one_token_decode_timing --nocapture \
+    > "$work/tests/model_reference_flash_timing.log" 2>&1 || status=1
+  tail -n 4 "$work/tests/model_reference_flash_timing.log"
 fi
 mkdir -p "$out"
 tar czf "$out/results.tar.gz" -C "$(dirname "$work")" h200
