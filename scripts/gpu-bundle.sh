@@ -24,7 +24,7 @@ for line in sys.stdin:
         kind = m["target"]["kind"][0]
         name = m["target"]["name"] + ("-lib" if kind == "lib" else "")
         # Only test executables with GPU tests (CPU-only ones run in CI; model_reference for its on-demand Flash
-        # timing on the GPU host's cores); a device call carries at most 64 MiB.
+        # timing on the GPU host cores); a device call carries at most 64 MiB.
         src = m["target"]["src_path"]
         if kind != "test" or not (name in ("cli", "model_reference") or "gpu_for_test" in open(src).read()):
             continue
