@@ -128,10 +128,16 @@ pub fn report_from_csv_dir(dir: &Path) -> Result<PathBuf> {
     write_report(dir, &sections)
 }
 
-/// Where one GPU's results live: `results_root/<gpu name in lowercase, runs of other characters
-/// replaced by one '-'>`, e.g. `results/nvidia-h200`; `results_root/unknown-gpu` for an empty name.
+/// Where one GPU's results live: `results_root/<gpu name without the vendor word "NVIDIA", in lowercase,
+/// runs of other characters replaced by one '-'>`, e.g. `results/h200`; `results_root/unknown-gpu` for an
+/// empty name.
 pub fn results_dir_for_gpu(results_root: &Path, gpu: &str) -> PathBuf {
     let mut name = String::new();
+    let gpu = gpu.trim();
+    let gpu = match gpu.get(..6) {
+        Some(v) if v.eq_ignore_ascii_case("nvidia") => &gpu[6..],
+        _ => gpu,
+    };
     for c in gpu.trim().chars() {
         if c.is_ascii_alphanumeric() {
             name.push(c.to_ascii_lowercase());
@@ -412,13 +418,10 @@ mod tests {
     #[test]
     fn gpu_directory_names() {
         let root = Path::new("results");
-        assert_eq!(
-            results_dir_for_gpu(root, "NVIDIA H200"),
-            root.join("nvidia-h200")
-        );
+        assert_eq!(results_dir_for_gpu(root, "NVIDIA H200"), root.join("h200"));
         assert_eq!(
             results_dir_for_gpu(root, " NVIDIA H100 80GB HBM3 (PCIe) "),
-            root.join("nvidia-h100-80gb-hbm3-pcie")
+            root.join("h100-80gb-hbm3-pcie")
         );
         assert_eq!(results_dir_for_gpu(root, ""), root.join("unknown-gpu"));
     }

@@ -132,22 +132,6 @@ struct BenchArgs {
     all_configs: bool,
 }
 
-/// `results/<slug>` for a GPU name: "NVIDIA H200" -> "h200".
-pub fn gpu_slug(name: &str) -> String {
-    let n = name.to_lowercase().replace("nvidia", "");
-    let s: String = n
-        .trim()
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-        .collect();
-    let s = s.trim_matches('-').to_string();
-    if s.is_empty() {
-        "gpu".into()
-    } else {
-        s
-    }
-}
-
 fn open_gpu(ordinal: usize) -> Result<Gpu> {
     Gpu::open(ordinal).context("this command needs an NVIDIA Hopper GPU")
 }
@@ -187,7 +171,7 @@ pub fn main() -> Result<()> {
 }
 
 fn default_out(gpu: &Gpu) -> PathBuf {
-    Path::new("results").join(gpu_slug(&gpu.info.name))
+    crate::bench::report::results_dir_for_gpu(Path::new("results"), &gpu.info.name)
 }
 
 fn info(ordinal: usize) -> Result<()> {
