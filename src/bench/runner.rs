@@ -9,8 +9,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::bench::config::{RunSettings, Sweep, SweepConfig};
 use crate::bench::{
-    csv_out, env, fill_speedups, plot, progress::Progress, report, Limits, MatmulKind, Row,
-    Telemetry,
+    csv_out, env, fill_speedups, progress::Progress, report, Limits, MatmulKind, Row, Telemetry,
 };
 use crate::gpu::telemetry::Telemetry as Nvml;
 use crate::gpu::timing::TimingPlan;
@@ -189,6 +188,5 @@ fn write_kernel_rows(
 
 /// Plots and REPORT.md for a directory of CSVs (`megamoe report`).
 pub fn report_dir(dir: &Path) -> Result<PathBuf> {
-    let _ = plot::column_label;
     report::report_from_csv_dir(dir)
 }

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 
 use crate::bench::config::SweepConfig;
 use crate::bench::runner::{self, RunOptions};
-use crate::bench::{csv_out, probe, Limits, Row, Summary};
+use crate::bench::{csv_out, probe, Limits, Row};
 use crate::gpu::{module, telemetry, Gpu};
 
 #[derive(Parser)]
@@ -326,7 +326,6 @@ pub fn measure_limits(gpu: &Gpu, out: &Path, quick: bool) -> Result<Limits> {
     }
     std::fs::create_dir_all(out)?;
     csv_out::write_rows(&out.join("limits.csv"), &rows)?;
-    let _ = Summary::of(&[1.0]);
     Ok(limits)
 }
 
