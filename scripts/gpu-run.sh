@@ -3,7 +3,9 @@
 # device info, kernel inventory, every test executable with REQUIRE_GPU=1 (a skipped GPU test fails), the limits
 # probe, the benchmark sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model] [extra args for `megamoe bench`]
-#   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, BENCH_TIMEOUT (per config), REPS
+#   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, BENCH_TIMEOUT (per config), REPS,
+#        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all when unset),
+#        TESTS (tests: space-separated test executable names to run; all when unset)
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || B="$(pwd)/gpu-bundle"
@@ -25,6 +27,7 @@ step kernels; "$B/megamoe" kernels 2>&1 | tee "$work/kernels.txt"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   for t in "$B"/tests/*; do
     n="$(basename "$t")"
+    if [ -n "${TESTS:-}" ] && ! [[ " $TESTS " == *" $n "* ]]; then continue; fi
     step "test $n"
     timeout "${TEST_TIMEOUT:-600}" "$t" --test-threads=1 > "$work/tests/$n.log" 2>&1; rc=$?
     tail -n 3 "$work/tests/$n.log"
@@ -51,6 +54,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   for c in default "$B"/bench-configs/*.toml; do
     [ "$c" = "$B/bench-configs/default.toml" ] && continue
     if [ "$c" = default ]; then args=(); name=default; else args=(--config "$c"); name="$(basename "$c" .toml)"; fi
+    if [ -n "${CONFIGS:-}" ] && ! [[ " $CONFIGS " == *" $name "* ]]; then continue; fi
     step "bench $name"
     timeout "${BENCH_TIMEOUT:-600}" "$B/megamoe" bench "${args[@]}" --reps "${REPS:-15}" --out "$work" "$@" \
       > "$work/bench-$name.log" 2>&1; rc=$?
