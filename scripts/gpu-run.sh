@@ -2,10 +2,13 @@
 # Runs on the GPU machine (no Rust there) from the repository root, with gpu-bundle/ built by gpu-bundle.sh:
 # device info, kernel inventory, every test executable with REQUIRE_GPU=1 (a skipped GPU test fails), the limits
 # probe, the benchmark sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
-#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model] [extra args for `megamoe bench`]
+#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile] [extra args for `megamoe bench`]
+#   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
+#            bench-configs/profile/<family>.toml; one text report per family (ncu-<family>.txt).
 #   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, BENCH_TIMEOUT (per config), REPS,
 #        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all when unset),
-#        TESTS (tests: space-separated test executable names to run; all when unset)
+#        TESTS (tests: space-separated test executable names to run; all when unset), PROFILE_TIMEOUT
+#        (per family; CONFIGS also selects profile families)
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || B="$(pwd)/gpu-bundle"
@@ -69,6 +72,24 @@ if [ "$what" = model ] && [ -x "$B/tests/model_reference" ]; then
   timeout 300 "$B/tests/model_reference" --ignored --exact flash_one_token_decode_timing --nocapture \
     > "$work/tests/model_reference_flash_timing.log" 2>&1 || status=1
   tail -n 4 "$work/tests/model_reference_flash_timing.log"
+fi
+if [ "$what" = profile ]; then
+  ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
+  sections="$sections --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats"
+  sections="$sections --section InstructionStats --section SourceCounters"
+  for c in "$B"/bench-configs/profile/*.toml; do
+    name="$(basename "$c" .toml)"
+    if [ -n "${CONFIGS:-}" ] && ! [[ " $CONFIGS " == *" $name "* ]]; then continue; fi
+    re="$(sed -n 's/^# ncu-kernels: //p' "$c")"; launches="$(sed -n 's/^# ncu-launches: //p' "$c")"
+    step "ncu $name ($re, ${launches:-8} launches)"
+    # shellcheck disable=SC2086
+    timeout "${PROFILE_TIMEOUT:-200}" "$ncu" --clock-control none $sections -k "regex:$re" \
+      --launch-count "${launches:-8}" "$B/megamoe" bench --config "$c" --out "$work/profile-bench" \
+      > "$work/ncu-$name.txt" 2>&1 || { echo "ncu $name failed"; status=1; }
+    grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput" "$work/ncu-$name.txt" | paste - - - | head -n 20
+  done
+  rm -rf "$work/profile-bench"
 fi
 mkdir -p "$out"
 tar czf "$out/results.tar.gz" -C "$(dirname "$work")" h200

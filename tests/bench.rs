@@ -535,3 +535,46 @@ fn config_errors_are_clear() {
         "{err}"
     );
 }
+
+/// Every committed sweep config (bench-configs/*.toml and the ncu points in bench-configs/profile/) parses and
+/// names only registered kernels and variants, so a renamed variant fails here and not halfway through an H200
+/// run. Profile configs also name the kernels Nsight Compute collects (`# ncu-kernels:`), used by gpu-run.sh.
+#[test]
+fn every_committed_config_names_registered_kernels_and_variants() {
+    let registry = megamoe::ops::bench_kernels();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs");
+    let mut checked = 0;
+    for dir in [root.clone(), root.join("profile")] {
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+            .collect();
+        files.sort();
+        for path in files {
+            let config = SweepConfig::from_path(&path).unwrap();
+            for s in &config.sweeps {
+                let k = registry
+                    .iter()
+                    .find(|k| k.name == s.kernel)
+                    .unwrap_or_else(|| panic!("{}: unknown kernel {}", path.display(), s.kernel));
+                s.variants_from(k.variants)
+                    .unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            }
+            if dir.ends_with("profile") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                assert!(
+                    text.lines().any(|l| l.starts_with("# ncu-kernels: ^")),
+                    "{}: no `# ncu-kernels: ^...` line",
+                    path.display()
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 9,
+        "only {checked} configs found under {}",
+        root.display()
+    );
+}
