@@ -5,7 +5,7 @@ use megamoe::formats::{bf16, e2m1, e4m3, ue8m0};
 use megamoe::gpu::gpu_for_test;
 use megamoe::ops::norm_quant::reference::{self as r, MhcParams};
 use megamoe::ops::norm_quant::{
-    self as nq, HostQuant, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
+    self as nq, HostQuant, MhcPath, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
 };
 
 fn fresh_seed(test: &str) -> u64 {
@@ -677,35 +677,98 @@ fn gpu_mhc_pre_matches_reference() {
             let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
             let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
             for format in FORMATS {
-                let label = format!("mhc_pre->{} T={tokens} D={d} seed {seed}", format.name());
-                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
-                nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
-                let part = download_f32(&gpu, out.partials());
-                let (splits, nwarps) = (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
-                let dots: Vec<f32> = (0..tokens)
-                    .flat_map(|t| (0..25).map(move |j| (t, j)))
-                    .map(|(t, j)| reduce_like_gpu(&part, splits, nwarps, t, j, 24))
-                    .collect();
-                let u: Vec<f32> = gpu
-                    .download(&out.u)
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect();
-                let normed = out.normed.download(&gpu).unwrap();
-                check_mhc(
-                    &label,
-                    &c,
-                    &download_f32(&gpu, &out.pre),
-                    &download_f32(&gpu, &out.post),
-                    &download_f32(&gpu, &out.comb),
-                    &u,
-                    &normed,
-                    format,
-                    Some(&dots),
-                );
+                // v1 is checked fully on NVFP4 only (runtime); v2 (two launches) fully on every format;
+                // the one-launch path must equal v2 bit for bit.
+                let mut v2: Option<MhcSnapshot> = None;
+                for path in [MhcPath::TwoLaunch, MhcPath::OneLaunch, MhcPath::TwoLaunchV1] {
+                    if path == MhcPath::TwoLaunchV1 && format != OutFormat::Nvfp4 {
+                        continue;
+                    }
+                    let label = format!(
+                        "mhc_pre[{}]->{} T={tokens} D={d} seed {seed}",
+                        path.name(),
+                        format.name()
+                    );
+                    let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                    nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path).unwrap();
+                    let snap = MhcSnapshot::take(&gpu, &out);
+                    if path == MhcPath::OneLaunch {
+                        snap.assert_same(v2.as_ref().unwrap(), &label);
+                        eprintln!("{label}: bit-identical to two_launch");
+                        continue;
+                    }
+                    let (splits, nwarps) =
+                        (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
+                    let dots: Vec<f32> = (0..tokens)
+                        .flat_map(|t| (0..25).map(move |j| (t, j)))
+                        .map(|(t, j)| reduce_like_gpu(&snap.partials, splits, nwarps, t, j, 24))
+                        .collect();
+                    check_mhc(
+                        &label,
+                        &c,
+                        &snap.pre,
+                        &snap.post,
+                        &snap.comb,
+                        &snap.u,
+                        &snap.normed,
+                        format,
+                        Some(&dots),
+                    );
+                    if path == MhcPath::TwoLaunch {
+                        v2 = Some(snap);
+                    }
+                }
             }
         }
+    }
+}
+
+/// Every output of one mHC boundary launch, downloaded.
+struct MhcSnapshot {
+    partials: Vec<f32>,
+    pre: Vec<f32>,
+    post: Vec<f32>,
+    comb: Vec<f32>,
+    u: Vec<f32>,
+    normed: nq::HostNormOutputs,
+}
+
+impl MhcSnapshot {
+    fn take(gpu: &megamoe::gpu::Gpu, out: &MhcPreOutputs) -> MhcSnapshot {
+        MhcSnapshot {
+            partials: download_f32(gpu, out.partials()),
+            pre: download_f32(gpu, &out.pre),
+            post: download_f32(gpu, &out.post),
+            comb: download_f32(gpu, &out.comb),
+            u: gpu
+                .download(&out.u)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            normed: out.normed.download(gpu).unwrap(),
+        }
+    }
+
+    /// Bitwise equality of every output, with the first differing index on failure.
+    fn assert_same(&self, want: &MhcSnapshot, label: &str) {
+        for (what, a, b) in [
+            ("partials", &self.partials, &want.partials),
+            ("pre", &self.pre, &want.pre),
+            ("post", &self.post, &want.post),
+            ("comb", &self.comb, &want.comb),
+            ("u", &self.u, &want.u),
+            ("rstd", &self.normed.rstd, &want.normed.rstd),
+        ] {
+            assert_eq!(a.len(), b.len(), "{label}: {what} lengths");
+            if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+                panic!("{label}: {what}[{i}] = {} vs two_launch {}", a[i], b[i]);
+            }
+        }
+        assert!(
+            self.normed.q == want.normed.q,
+            "{label}: quantized RMSNorm(u) differs from two_launch"
+        );
     }
 }
 
@@ -766,31 +829,29 @@ fn gpu_mhc_pre_graph_replay_is_deterministic() {
         return;
     };
     let seed = fresh_seed("gpu_mhc_pre_graph_replay_is_deterministic");
-    let c = mhc_case(4, 4096, seed);
-    let w = MhcWeights::upload(&gpu, &c.p, &c.nw, c.d).unwrap();
-    let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
-    let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, c.tokens, c.d).unwrap();
-    nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
-    let first = (
-        download_f32(&gpu, &out.comb),
-        out.normed.download(&gpu).unwrap().q,
-    );
-    out.poison(&gpu).unwrap();
-    let g = gpu
-        .capture(|| nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out))
-        .unwrap();
-    for _ in 0..3 {
-        g.launch().unwrap();
+    // The one-launch path's grid barrier must leave its words ready for the next replay: 5 replays, each
+    // compared with the direct launch (a stale counter would hang or release early and corrupt outputs).
+    for (tokens, d) in [(4usize, 4096usize), (1, 7168), (129, 4096)] {
+        let c = mhc_case(tokens, d, seed ^ tokens as u64);
+        let w = MhcWeights::upload(&gpu, &c.p, &c.nw, c.d).unwrap();
+        let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+        for path in MhcPath::ALL {
+            let label = format!("graph replay [{}] T={tokens} D={d} seed {seed}", path.name());
+            let mut out =
+                MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, c.tokens, c.d).unwrap();
+            nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path).unwrap();
+            let first = MhcSnapshot::take(&gpu, &out);
+            let g = gpu
+                .capture(|| nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path))
+                .unwrap();
+            for rep in 0..5 {
+                out.poison(&gpu).unwrap();
+                g.launch().unwrap();
+                gpu.synchronize().unwrap();
+                MhcSnapshot::take(&gpu, &out).assert_same(&first, &format!("{label} replay {rep}"));
+            }
+        }
     }
-    gpu.synchronize().unwrap();
-    let again = (
-        download_f32(&gpu, &out.comb),
-        out.normed.download(&gpu).unwrap().q,
-    );
-    assert!(
-        first == again,
-        "seed {seed}: graph replay differs from the direct launch"
-    );
 }
 
 #[test]
@@ -1076,11 +1137,13 @@ fn gpu_fused_post_then_pre_equals_separate_kernels() {
             nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
         );
         let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
-        // separate: mhc_post, then mhc_pre on its output
+        // separate: mhc_post, then the v1 mhc_pre on its output. The fused kernel's mixes sum in v1's
+        // order, and its finish runs the 16-lane Sinkhorn while v1's runs the one-thread Sinkhorn: equal
+        // comb bits here are the GPU proof that the two Sinkhorn implementations are bit-identical.
         let mut xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out_a = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
         nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo_a).unwrap();
-        nq::mhc_pre(&gpu, &xo_a, &w, r::RMS_EPS, &mut out_a).unwrap();
+        nq::mhc_pre_with(&gpu, &xo_a, &w, r::RMS_EPS, &mut out_a, MhcPath::TwoLaunchV1).unwrap();
         // fused
         let mut xo_b = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out_b = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
