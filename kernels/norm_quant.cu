@@ -21,14 +21,23 @@
 // e2m1_thresholds) and paired BF16 / e4m3 conversions. ~55 PTX instructions per element remain for NVFP4
 // (FP8 ~28, BF16 ~18): the NVFP4 kernel is the one to profile first if it misses 85% of copy bandwidth.
 //
-// mHC boundary, split-K + finish (2 launches, graph friendly, no inter-CTA waiting):
-//   mhc_mix_partial<NMIX>: grid (S = 4D/128, ceil(T/32)), 128 threads. Lane = token, warp = 32-column slice
-//     of the CTA's 128 columns; F rows are read with warp-uniform addresses (broadcast), X with 16-B loads.
-//     Writes part[s][t][0..NMIX) = partial F.x and part[s][t][NMIX] = partial sum x^2.
-//   mhc_pre_finish_*: two CTAs per token, both reduce the S partials (fixed order) and compute rho; one runs
-//     post + the Sinkhorn (one thread, 40 dependent normalizations: the decode critical path), the other
-//     pre, u = sum pre_i X_i -> BF16 and the same RMSNorm + quant code as above, concurrently.
-//     Outputs pre/post/C (fp32), u (BF16), rstd, quantized y.
+// mHC boundary. Three paths (src/ops/norm_quant MhcPath; same partials layout [T][25][S], S = 4D/128):
+//   v1 (mhc_mix_partial24 + mhc_pre_finish_*, kept for the A/B): grid (S, ceil(T/32)), lane = token, F read
+//     with warp-uniform broadcast loads; finish = two CTAs per token, the Sinkhorn on ONE thread.
+//     Measured (H200, T = 1, D = 4096, Nsight Compute): mix 10.6 us (~12 serialized memory round trips:
+//     0.09 eligible warps per scheduler, L1TEX scoreboard stalls), finish 11.5 us (the single-thread
+//     Sinkhorn: a 40-step dependent chain of ~2500 instructions at ~6 cycles each); graph replay 18-26 us.
+//   v2 two launches (mhc_mix_partial24_v2 + mhc_pre_finish2_*): every mix CTA stages its whole tile (F 24 x
+//     128 fp32 = 12 KB, X <= 32 x 128 BF16 = 8 KB) with cp.async in ONE round trip, computes from shared
+//     memory (lane pairs of 8 columns, xor tree over 16 lanes); the finish runs the Sinkhorn on 16 lanes
+//     (sinkhorn_lanes: same bits as the one-thread version, proven on the CPU by a Rust mirror and on the GPU
+//     by the post+pre test). Budget T = 1: 2 launches (~1.5 us each in a graph) + one L2/HBM round trip
+//     (~1 us) + partials reduce (~0.5 us) + 40 x ~90-cycle Sinkhorn steps (~1.8 us) ~ 6 us.
+//   one launch (mhc_pre_one_*): the same mix tiles over a grid-stride loop, a grid barrier (atomic counter +
+//     generation word, reset by the last CTA so graph replays work; the grid is capped at the co-resident
+//     CTA count from the occupancy query, so every waiter's peers are running), then 2T finish tasks (the
+//     Sinkhorn tasks first). Outputs bit-identical to v2. Budget T = 1: ~1.5 us launch + ~1 us mixes +
+//     ~0.7 us barrier + ~2.3 us finish ~ 5 us: the 40-step Sinkhorn chain is what is left above 4 us.
 //   mhc_post: X'[k] = post_k y + sum_j C[j][k] X[j], fp32 (explicit rn ops, no FMA), BF16 store.
 // Bytes per decode token (D = 4096): F 1.5 MB (shared by all tokens of a launch), X 32 KB, out ~ 2-8 KB.
 //
@@ -158,11 +167,23 @@ struct RowOut {
 
 // RMSNorm (NORM) and quantization of one row held in registers: v[k] is chunk tid + k*blockDim (valid
 // when < nchunks; invalid chunks hold zeros). All threads of the block must call this.
-template <int KIND, bool NORM>
+// WEARLY: load the weight before the sum-of-squares reduction (v2); false = after it (v1, kept for the A/B).
+template <int KIND, bool NORM, bool WEARLY = true>
 __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
                                float eps, const RowOut& o, float* red) {
     const int tid = threadIdx.x, bd = blockDim.x;
     if (NORM) {
+        // The weight is loaded before the sum-of-squares reduction: its latency (an L2 round trip) then
+        // overlaps the reduction's barriers instead of following them (16 registers of packed BF16).
+        uint4 wraw[CH];
+        auto load_w = [&]() {
+#pragma unroll
+            for (int k = 0; k < CH; ++k) {
+                const int c = tid + k * bd;
+                wraw[k] = c < nchunks ? __ldg(reinterpret_cast<const uint4*>(w + c * 8)) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        };
+        if (WEARLY) load_w();
         float ss = 0.f;
 #pragma unroll
         for (int k = 0; k < CH; ++k)
@@ -171,12 +192,13 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
         ss = block_sum(ss, red);
         const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
         if (tid == 0 && o.rstd) *o.rstd = rstd;
+        if (!WEARLY) load_w();
 #pragma unroll
         for (int k = 0; k < CH; ++k) {
             const int c = tid + k * bd;
             if (c < nchunks) {
-                float wv[8];
-                load8(w + c * 8, wv);
+                const float wv[8] = {bf16_lo(wraw[k].x), bf16_hi(wraw[k].x), bf16_lo(wraw[k].y), bf16_hi(wraw[k].y),
+                                     bf16_lo(wraw[k].z), bf16_hi(wraw[k].z), bf16_lo(wraw[k].w), bf16_hi(wraw[k].w)};
 #pragma unroll
                 for (int e = 0; e < 8; e += 2) {  // one paired RNE conversion per two values
                     const uint32_t pk = pack_bf16x2(__fmul_rn(wv[e], __fmul_rn(v[k][e], rstd)),
@@ -258,7 +280,7 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
     }
 }
 
-template <typename Tin, int KIND, bool NORM>
+template <typename Tin, int KIND, bool NORM, bool WEARLY = true>
 __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __restrict__ w, uint8_t* q,
                              uint8_t* scales, float* gsa, __nv_bfloat16* bf, float* rstd, int D, float eps) {
     __shared__ float red[MAX_WARPS];
@@ -281,7 +303,7 @@ __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __r
     o.gsa = gsa + row;
     o.bf = bf + row * D;
     o.rstd = rstd ? rstd + row : nullptr;
-    norm_quant_row<KIND, NORM>(v, nchunks, D, w, eps, o, red);
+    norm_quant_row<KIND, NORM, WEARLY>(v, nchunks, D, w, eps, o, red);
 }
 
 // ---- mHC -----------------------------------------------------------------------------------------------------
@@ -722,7 +744,7 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     o.gsa = gsa + t;
     o.bf = bf + (long)t * D;
     o.rstd = rstd + t;
-    norm_quant_row<KIND, true>(v, nchunks, D, w, eps, o, red);
+    norm_quant_row<KIND, true, LANES>(v, nchunks, D, w, eps, o, red);  // v1 finish keeps the v1 weight load
 }
 
 // One-launch boundary: phase 1 = every mix tile (split s, token tile) over a grid-stride loop, phase 2 after a
@@ -782,6 +804,20 @@ extern "C" __global__ void rmsnorm_fp8_f32in(const float* x, const __nv_bfloat16
 extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
                                          int D, float eps) {
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
+}
+
+// v1 of the three BF16-input kernels (weight loaded after the sum-of-squares reduction), kept for the A/B.
+extern "C" __global__ void rmsnorm_nvfp4_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
+                                                   uint8_t* scales, float* gsa, float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true, false>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_fp8_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
+                                                 uint8_t* scales, float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_FP8, true, false>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_bf16_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
+                                                  float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_BF16, true, false>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
 // Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).

@@ -135,6 +135,58 @@ fn fp8_reference_uses_pow2_scales() {
     }
 }
 
+/// Rust mirror of `sinkhorn_lanes` (kernels/norm_quant.cu): lane l of 16 holds C[l / 4][l % 4]; `xor(v, m)`
+/// is `__shfl_xor_sync(v, m)`. Every lane does exactly the device's operations in the device's order.
+fn sinkhorn_lanes_mirror(z: &[f32; 16]) -> [f32; 16] {
+    let xor = |v: &[f32; 16], m: usize| -> [f32; 16] { std::array::from_fn(|l| v[l ^ m]) };
+    let (z1, z2, z3) = (xor(z, 1), xor(z, 2), xor(z, 3));
+    let e: [f32; 16] =
+        std::array::from_fn(|l| (z[l] - z[l].max(z1[l]).max(z2[l].max(z3[l]))).exp());
+    let e1: [f32; 16] = std::array::from_fn(|l| e[l] + xor(&e, 1)[l]);
+    let mut c: [f32; 16] =
+        std::array::from_fn(|l| e[l] * (1.0 / (e1[l] + xor(&e1, 2)[l])) + r::HC_EPS);
+    let norm = |c: &mut [f32; 16], m1: usize, m2: usize| {
+        let s1: [f32; 16] = std::array::from_fn(|l| c[l] + xor(c, m1)[l]);
+        let s2: [f32; 16] = std::array::from_fn(|l| s1[l] + xor(&s1, m2)[l]);
+        for l in 0..16 {
+            c[l] *= 1.0 / (s2[l] + r::HC_EPS);
+        }
+    };
+    norm(&mut c, 4, 8);
+    for _ in 1..r::SINKHORN_ITERS {
+        norm(&mut c, 1, 2);
+        norm(&mut c, 4, 8);
+    }
+    c
+}
+
+/// The 16-lane Sinkhorn's identity: butterfly sums (c0 + c1) + (c2 + c3) in lanes 0, 1 and
+/// (c2 + c3) + (c0 + c1) in lanes 2, 3 are the same bits (IEEE addition commutes), so the lane version equals
+/// the reference (and the one-thread kernel) bit for bit. 100k random logit sets at several spreads.
+#[test]
+fn lane_sinkhorn_mirror_equals_the_reference_bitwise() {
+    let seed = fresh_seed("lane_sinkhorn_mirror_equals_the_reference_bitwise");
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 // U(0, 1)
+    };
+    for spread in [0.01f32, 1.5, 3.0, 20.0, 80.0] {
+        for case in 0..20_000 {
+            let logits: [f32; 16] = std::array::from_fn(|_| (next() * 2.0 - 1.0) * spread);
+            let (want, got) = (r::sinkhorn(&logits), sinkhorn_lanes_mirror(&logits));
+            if let Some(i) = (0..16).find(|&i| want[i].to_bits() != got[i].to_bits()) {
+                panic!(
+                    "seed {seed} spread {spread} case {case}: C[{i}] lanes {} vs reference {} ({logits:?})",
+                    got[i], want[i]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn sinkhorn_is_doubly_stochastic() {
     let seed = fresh_seed("sinkhorn_is_doubly_stochastic");
@@ -417,6 +469,24 @@ fn gpu_rmsnorm_quant_matches_reference() {
                     nq::rmsnorm_quant(&gpu, input, &dw, r::RMS_EPS, &mut out).unwrap();
                     let got = out.download(&gpu).unwrap();
                     check_norm_outputs(&label, &x, &w, rows, d, format, &got);
+                    if !f32_input {
+                        // the v1 kernels (kept for the A/B) must give the same bits
+                        let mut out1 = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                        nq::rmsnorm_quant_v1(&gpu, &dx16, &dw, r::RMS_EPS, &mut out1).unwrap();
+                        let got1 = out1.download(&gpu).unwrap();
+                        assert!(
+                            got1.q == got.q,
+                            "{label}: v1 kernel's quantized output differs from v2"
+                        );
+                        if let Some(i) =
+                            (0..rows).find(|&i| got1.rstd[i].to_bits() != got.rstd[i].to_bits())
+                        {
+                            panic!(
+                                "{label}: v1 rstd[{i}] {} vs v2 {}",
+                                got1.rstd[i], got.rstd[i]
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -836,7 +906,10 @@ fn gpu_mhc_pre_graph_replay_is_deterministic() {
         let w = MhcWeights::upload(&gpu, &c.p, &c.nw, c.d).unwrap();
         let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
         for path in MhcPath::ALL {
-            let label = format!("graph replay [{}] T={tokens} D={d} seed {seed}", path.name());
+            let label = format!(
+                "graph replay [{}] T={tokens} D={d} seed {seed}",
+                path.name()
+            );
             let mut out =
                 MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, c.tokens, c.d).unwrap();
             nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path).unwrap();
@@ -1143,7 +1216,15 @@ fn gpu_fused_post_then_pre_equals_separate_kernels() {
         let mut xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out_a = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
         nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo_a).unwrap();
-        nq::mhc_pre_with(&gpu, &xo_a, &w, r::RMS_EPS, &mut out_a, MhcPath::TwoLaunchV1).unwrap();
+        nq::mhc_pre_with(
+            &gpu,
+            &xo_a,
+            &w,
+            r::RMS_EPS,
+            &mut out_a,
+            MhcPath::TwoLaunchV1,
+        )
+        .unwrap();
         // fused
         let mut xo_b = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out_b = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();

@@ -300,12 +300,39 @@ pub fn rmsnorm_quant(
     eps: f32,
     out: &mut NormOutputs,
 ) -> Result<()> {
+    rmsnorm_quant_kernel(gpu, x, w, eps, out, "")
+}
+
+/// [`rmsnorm_quant`] through the previous kernels (`*_v1`: the weight is loaded after the sum-of-squares
+/// reduction instead of before it); identical outputs, kept so one run can time both. BF16 input only.
+pub fn rmsnorm_quant_v1(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    rmsnorm_quant_kernel(gpu, RowsIn::Bf16(x), w, eps, out, "_v1")
+}
+
+fn rmsnorm_quant_kernel(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+    kernel_suffix: &str,
+) -> Result<()> {
     let (rows, d) = (out.rows, out.d);
     check_rows(rows, d)?;
     check_eps(eps)?;
     check_len("x", x.len(), rows * d)?;
     check_len("weight", w.len(), d)?;
-    let name = format!("rmsnorm_{}_{}", out.format.name(), x.suffix());
+    let name = format!(
+        "rmsnorm_{}_{}{kernel_suffix}",
+        out.format.name(),
+        x.suffix()
+    );
     let f = gpu.function(FAMILY, &name)?;
     let cfg = launch_cfg((rows as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
     let d_i = d as i32;
@@ -662,7 +689,12 @@ fn launch_mix_partial_v2(
 /// Grid of the one-launch boundary: one CTA per mix tile (`S * ceil(T/32)`), capped at the CTAs the GPU
 /// holds at once (the grid barrier needs every CTA resident: a CTA waiting for one that cannot be scheduled
 /// would hang). `None` when even one CTA per SM is impossible.
-pub fn mhc_one_launch_grid(gpu: &Gpu, format: OutFormat, tokens: usize, d: usize) -> Result<Option<u32>> {
+pub fn mhc_one_launch_grid(
+    gpu: &Gpu,
+    format: OutFormat,
+    tokens: usize,
+    d: usize,
+) -> Result<Option<u32>> {
     let f = gpu.function(FAMILY, &format!("mhc_pre_one_{}", format.name()))?;
     let per_sm = drv(
         f.occupancy_max_active_blocks_per_multiprocessor(row_block_threads(d), 0, None),
@@ -1025,6 +1057,9 @@ pub const ROW_VARIANTS: &[&str] = &[
     "fused_fp8",
     "unfused_fp8",
     "fused_bf16",
+    "fused_v1_nvfp4",
+    "fused_v1_fp8",
+    "fused_v1_bf16",
     "copy",
 ];
 
@@ -1043,7 +1078,8 @@ pub fn bench_rows(
     let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
     let eps = reference::RMS_EPS;
     let in_bytes = (rows * d * 2 + d * 2) as u64;
-    let (kind, fmt) = variant.split_once('_').unwrap_or((variant, "bf16"));
+    // kind_fmt, kind in fused / fused_v1 (the previous kernels) / unfused; or `copy`.
+    let (kind, fmt) = variant.rsplit_once('_').unwrap_or((variant, "bf16"));
     let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
         kernel: "rmsnorm_quant",
         variant: variant.to_string(),
@@ -1061,11 +1097,16 @@ pub fn bench_rows(
             })?;
             Ok(point(4 * (rows * d) as u64, s, None))
         }
-        "fused" => {
+        "fused" | "fused_v1" => {
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
+            let v1 = kind == "fused_v1";
             let s = gpu.time_us(plan, || {
-                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
+                if v1 {
+                    rmsnorm_quant_v1(gpu, &x, &w, eps, &mut out)
+                } else {
+                    rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
+                }
             })?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
             let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
