@@ -21,14 +21,23 @@
 // e2m1_thresholds) and paired BF16 / e4m3 conversions. ~55 PTX instructions per element remain for NVFP4
 // (FP8 ~28, BF16 ~18): the NVFP4 kernel is the one to profile first if it misses 85% of copy bandwidth.
 //
-// mHC boundary, split-K + finish (2 launches, graph friendly, no inter-CTA waiting):
-//   mhc_mix_partial<NMIX>: grid (S = 4D/128, ceil(T/32)), 128 threads. Lane = token, warp = 32-column slice
-//     of the CTA's 128 columns; F rows are read with warp-uniform addresses (broadcast), X with 16-B loads.
-//     Writes part[s][t][0..NMIX) = partial F.x and part[s][t][NMIX] = partial sum x^2.
-//   mhc_pre_finish_*: two CTAs per token, both reduce the S partials (fixed order) and compute rho; one runs
-//     post + the Sinkhorn (one thread, 40 dependent normalizations: the decode critical path), the other
-//     pre, u = sum pre_i X_i -> BF16 and the same RMSNorm + quant code as above, concurrently.
-//     Outputs pre/post/C (fp32), u (BF16), rstd, quantized y.
+// mHC boundary. Three paths (src/ops/norm_quant MhcPath; same partials layout [T][25][S], S = 4D/128):
+//   v1 (mhc_mix_partial24 + mhc_pre_finish_*, kept for the A/B): grid (S, ceil(T/32)), lane = token, F read
+//     with warp-uniform broadcast loads; finish = two CTAs per token, the Sinkhorn on ONE thread.
+//     Measured (H200, T = 1, D = 4096, Nsight Compute): mix 10.6 us (~12 serialized memory round trips:
+//     0.09 eligible warps per scheduler, L1TEX scoreboard stalls), finish 11.5 us (the single-thread
+//     Sinkhorn: a 40-step dependent chain of ~2500 instructions at ~6 cycles each); graph replay 18-26 us.
+//   v2 two launches (mhc_mix_partial24_v2 + mhc_pre_finish2_*): every mix CTA stages its whole tile (F 24 x
+//     128 fp32 = 12 KB, X <= 32 x 128 BF16 = 8 KB) with cp.async in ONE round trip, computes from shared
+//     memory (lane pairs of 8 columns, xor tree over 16 lanes); the finish runs the Sinkhorn on 16 lanes
+//     (sinkhorn_lanes: same bits as the one-thread version, proven on the CPU by a Rust mirror and on the GPU
+//     by the post+pre test). Budget T = 1: 2 launches (~1.5 us each in a graph) + one L2/HBM round trip
+//     (~1 us) + partials reduce (~0.5 us) + 40 x ~90-cycle Sinkhorn steps (~1.8 us) ~ 6 us.
+//   one launch (mhc_pre_one_*): the same mix tiles over a grid-stride loop, a grid barrier (atomic counter +
+//     generation word, reset by the last CTA so graph replays work; the grid is capped at the co-resident
+//     CTA count from the occupancy query, so every waiter's peers are running), then 2T finish tasks (the
+//     Sinkhorn tasks first). Outputs bit-identical to v2. Budget T = 1: ~1.5 us launch + ~1 us mixes +
+//     ~0.7 us barrier + ~2.3 us finish ~ 5 us: the 40-step Sinkhorn chain is what is left above 4 us.
 //   mhc_post: X'[k] = post_k y + sum_j C[j][k] X[j], fp32 (explicit rn ops, no FMA), BF16 store.
 // Bytes per decode token (D = 4096): F 1.5 MB (shared by all tokens of a launch), X 32 KB, out ~ 2-8 KB.
 //
@@ -158,11 +167,23 @@ struct RowOut {
 
 // RMSNorm (NORM) and quantization of one row held in registers: v[k] is chunk tid + k*blockDim (valid
 // when < nchunks; invalid chunks hold zeros). All threads of the block must call this.
-template <int KIND, bool NORM>
+// WEARLY: load the weight before the sum-of-squares reduction (v2); false = after it (v1, kept for the A/B).
+template <int KIND, bool NORM, bool WEARLY = true>
 __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
                                float eps, const RowOut& o, float* red) {
     const int tid = threadIdx.x, bd = blockDim.x;
     if (NORM) {
+        // The weight is loaded before the sum-of-squares reduction: its latency (an L2 round trip) then
+        // overlaps the reduction's barriers instead of following them (16 registers of packed BF16).
+        uint4 wraw[CH];
+        auto load_w = [&]() {
+#pragma unroll
+            for (int k = 0; k < CH; ++k) {
+                const int c = tid + k * bd;
+                wraw[k] = c < nchunks ? __ldg(reinterpret_cast<const uint4*>(w + c * 8)) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        };
+        if (WEARLY) load_w();
         float ss = 0.f;
 #pragma unroll
         for (int k = 0; k < CH; ++k)
@@ -171,12 +192,13 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
         ss = block_sum(ss, red);
         const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
         if (tid == 0 && o.rstd) *o.rstd = rstd;
+        if (!WEARLY) load_w();
 #pragma unroll
         for (int k = 0; k < CH; ++k) {
             const int c = tid + k * bd;
             if (c < nchunks) {
-                float wv[8];
-                load8(w + c * 8, wv);
+                const float wv[8] = {bf16_lo(wraw[k].x), bf16_hi(wraw[k].x), bf16_lo(wraw[k].y), bf16_hi(wraw[k].y),
+                                     bf16_lo(wraw[k].z), bf16_hi(wraw[k].z), bf16_lo(wraw[k].w), bf16_hi(wraw[k].w)};
 #pragma unroll
                 for (int e = 0; e < 8; e += 2) {  // one paired RNE conversion per two values
                     const uint32_t pk = pack_bf16x2(__fmul_rn(wv[e], __fmul_rn(v[k][e], rstd)),
@@ -258,7 +280,7 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
     }
 }
 
-template <typename Tin, int KIND, bool NORM>
+template <typename Tin, int KIND, bool NORM, bool WEARLY = true>
 __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __restrict__ w, uint8_t* q,
                              uint8_t* scales, float* gsa, __nv_bfloat16* bf, float* rstd, int D, float eps) {
     __shared__ float red[MAX_WARPS];
@@ -281,7 +303,7 @@ __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __r
     o.gsa = gsa + row;
     o.bf = bf + row * D;
     o.rstd = rstd ? rstd + row : nullptr;
-    norm_quant_row<KIND, NORM>(v, nchunks, D, w, eps, o, red);
+    norm_quant_row<KIND, NORM, WEARLY>(v, nchunks, D, w, eps, o, red);
 }
 
 // ---- mHC -----------------------------------------------------------------------------------------------------
@@ -332,6 +354,119 @@ __device__ void mhc_mix_partial(const __nv_bfloat16* __restrict__ X, const float
             part[((long)t * (NMIX + 1) + j) * gridDim.x + s] = v;  // [T][NMIX+1][S]: S contiguous
         }
     }
+}
+
+// ---- split-K mixes, v2: stage the tile in shared memory with cp.async, then compute from shared ----------------
+// v1 (mhc_mix_partial above) read F with warp-uniform (broadcast) 16-B loads: 32 B in flight per warp-load and,
+// with 118 registers, only a few loads in flight per warp, so the 4 x 24 F loads per thread ran as ~12
+// serialized memory round trips (Nsight Compute, T = 1, D = 4096: 10.6 us, 0.09 eligible warps/scheduler,
+// L1TEX scoreboard stalls). Here a CTA issues its whole tile at once as 16-B cp.async copies (no registers
+// held: F slice 24 x 128 fp32 = 12 KB, X slice <= 32 tokens x 128 BF16 = 8 KB): one round trip.
+// Compute: item (token t, lane q of 16) covers columns {4q..4q+3} and {64+4q..64+4q+3} of the 128 (float4
+// reads of F at consecutive 16 B per lane: no bank conflicts), 25 fp32 dots of 8 terms (fma chain), then an
+// xor tree over the 16 lanes of the half warp that holds token t. The partials layout [T][NMIX+1][S] and the
+// finish's reduction are those of v1; only the order inside one split's 128-column partial differs.
+constexpr int MIX_TT = 32;  // tokens per mix tile
+
+struct MixSmem {
+    float f[24 * MIX_COLS];                        // F[j][c0 .. c0 + 128)
+    __nv_bfloat16 x[MIX_TT * MIX_COLS];            // X[t0 + t][c0 .. c0 + 128)
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// One mix tile: split s (columns [128 s, 128 s + 128) of 4D), tokens [32 tile, 32 tile + 32) & < T.
+// All threads of the CTA call it; blockDim % 32 == 0. Ends with the CTA's shared memory free to reuse
+// only after a __syncthreads (the caller's).
+template <int NMIX>
+__device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F,
+                              float* __restrict__ part, int T, int D4, int S, int s, int tile, MixSmem& sm) {
+    const int tid = threadIdx.x, bd = blockDim.x;
+    const int c0 = s * MIX_COLS, t0 = tile * MIX_TT;
+    const int nt = min(MIX_TT, T - t0);
+    for (int i = tid; i < NMIX * (MIX_COLS / 4); i += bd) {
+        const int j = i / (MIX_COLS / 4), qq = i % (MIX_COLS / 4);
+        cp_async16(&sm.f[j * MIX_COLS + qq * 4], F + (long)j * D4 + c0 + qq * 4);
+    }
+    for (int i = tid; i < nt * (MIX_COLS / 8); i += bd) {
+        const int t = i / (MIX_COLS / 8), qq = i % (MIX_COLS / 8);
+        cp_async16(&sm.x[t * MIX_COLS + qq * 8], X + (long)(t0 + t) * D4 + c0 + qq * 8);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    const int lane = tid & 31;
+    // Items i = 16 t + q; a warp holds tokens (2k, 2k+1). The loop count is uniform across the CTA and a
+    // warp is skipped only as a whole (its first item past the staged tokens), so shuffles stay convergent.
+    for (int base = 0; base < MIX_TT * 16; base += bd) {
+        const int i = base + tid;
+        if (i - lane >= nt * 16 || i - lane >= MIX_TT * 16) continue;  // warp-uniform
+        const int t = i >> 4, q = i & 15;
+        const bool valid = t < nt;
+        float xv[8];
+        if (valid) {
+            const uint2 a = *reinterpret_cast<const uint2*>(&sm.x[t * MIX_COLS + 4 * q]);
+            const uint2 b = *reinterpret_cast<const uint2*>(&sm.x[t * MIX_COLS + 64 + 4 * q]);
+            xv[0] = bf16_lo(a.x); xv[1] = bf16_hi(a.x); xv[2] = bf16_lo(a.y); xv[3] = bf16_hi(a.y);
+            xv[4] = bf16_lo(b.x); xv[5] = bf16_hi(b.x); xv[6] = bf16_lo(b.y); xv[7] = bf16_hi(b.y);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xv[e] = 0.f;
+        }
+        float acc[NMIX + 1];
+        acc[NMIX] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[NMIX] = fmaf(xv[e], xv[e], acc[NMIX]);
+#pragma unroll
+        for (int j = 0; j < NMIX; ++j) {
+            const float4 fa = *reinterpret_cast<const float4*>(&sm.f[j * MIX_COLS + 4 * q]);
+            const float4 fb = *reinterpret_cast<const float4*>(&sm.f[j * MIX_COLS + 64 + 4 * q]);
+            float a = fa.x * xv[0];
+            a = fmaf(fa.y, xv[1], a); a = fmaf(fa.z, xv[2], a); a = fmaf(fa.w, xv[3], a);
+            a = fmaf(fb.x, xv[4], a); a = fmaf(fb.y, xv[5], a); a = fmaf(fb.z, xv[6], a); a = fmaf(fb.w, xv[7], a);
+            acc[j] = a;
+        }
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) {
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        }
+        if (valid && q == 0) {
+            float* dst = part + (long)(t0 + t) * (NMIX + 1) * S + s;
+#pragma unroll
+            for (int j = 0; j <= NMIX; ++j) dst[(long)j * S] = acc[j];
+        }
+    }
+}
+
+// Grid-wide barrier for the one-launch boundary (all CTAs co-resident: the launcher sizes the grid from
+// the occupancy query). bar[0] = arrivals, bar[1] = generation. The generation is read before arriving (it
+// cannot advance before this CTA arrives); the last CTA resets bar[0] to 0 for the next launch (a graph
+// replay re-uses the same words) and then advances the generation, which releases the waiters.
+// __syncthreads + thread 0's __threadfence make every thread's earlier global writes visible GPU-wide
+// before the arrival (cumulativity); the fence after the wait orders the later reads.
+__device__ void grid_barrier(unsigned* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile unsigned* vgen = bar + 1;
+        const unsigned gen = *vgen;
+        __threadfence();
+        const unsigned arrived = atomicAdd(bar, 1u) + 1u;
+        if (arrived == gridDim.x * gridDim.y) {
+            atomicExch(bar, 0u);
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (*vgen == gen) __nanosleep(20);
+        }
+        __threadfence();
+    }
+    __syncthreads();
 }
 
 // hc_post of the previous sub-layer fused into the next boundary's split-K mixes: the CTA that owns columns
@@ -488,6 +623,35 @@ __device__ void sinkhorn_thread(const float (&z)[16], float (&c)[16]) {
     }
 }
 
+// The same 4x4 Sinkhorn on 16 lanes, one element each (lane l holds C[l / 4][l % 4]; lanes 16..31 repeat
+// lanes 0..15 so the whole warp can take part in the shuffles). Bit-identical to sinkhorn_thread: a row sum
+// is s1 = c + xor1(c) = (c_j0 + c_j1) or (c_j2 + c_j3), then s1 + xor2(s1) = (c_j0 + c_j1) + (c_j2 + c_j3) in
+// lanes k = 0, 1 and (c_j2 + c_j3) + (c_j0 + c_j1) in lanes 2, 3: the same bits, IEEE addition being
+// commutative. Columns use xor 4 then xor 8 the same way: (c_0k + c_1k) + (c_2k + c_3k). Row maxima are
+// exact in any order. Each lane then does the same rounded ops as the serial code (rcp_rn, mul_rn, add_rn).
+// Why: the serial version is a 40-step dependent chain issuing ~2500 instructions from one thread (~8 us at
+// ~6 cycles each, Nsight Compute on the H200); here each step is 2 shuffles + 3 adds + rcp + mul per lane.
+// Must be called by all 32 lanes of a warp (convergent); returns this lane's element.
+__device__ float sinkhorn_lanes(float z) {
+    const float mx = fmaxf(fmaxf(z, __shfl_xor_sync(0xffffffffu, z, 1)),
+                           fmaxf(__shfl_xor_sync(0xffffffffu, z, 2), __shfl_xor_sync(0xffffffffu, z, 3)));
+    const float e = expf(__fsub_rn(z, mx));
+    const float e1 = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, 1));
+    const float r0 = __frcp_rn(__fadd_rn(e1, __shfl_xor_sync(0xffffffffu, e1, 2)));
+    float c = __fadd_rn(__fmul_rn(e, r0), 1e-6f);
+    auto norm = [&](int m1, int m2) {
+        const float s1 = __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, m1));
+        const float s2 = __fadd_rn(s1, __shfl_xor_sync(0xffffffffu, s1, m2));
+        c = __fmul_rn(c, __frcp_rn(__fadd_rn(s2, 1e-6f)));
+    };
+    norm(4, 8);  // columns
+    for (int it = 1; it < 20; ++it) {
+        norm(1, 2);  // rows
+        norm(4, 8);  // columns
+    }
+    return c;
+}
+
 // u chunk = ((p0 x0 + p1 x1) + p2 x2) + p3 x3, BF16-rounded; written to u and kept in v.
 __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict__ Xt, int D, int c,
                                                 const float* pre, float v[8]) {
@@ -512,32 +676,43 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
 // Grid (T, HEAD ? 1 : 2). blockIdx.y == 1: the coefficient CTA (post + Sinkhorn -> comb), which runs
 // concurrently with blockIdx.y == 0: pre, u = sum pre_i X_i, RMSNorm(u) + quant (u does not need C).
 // HEAD: NMIX = 4, no post / Sinkhorn (hc_head).
-template <int KIND, bool HEAD>
+// One token's finish on the calling CTA: coef_task -> post + Sinkhorn (comb); else pre, u, RMSNorm + quant.
+// LANES: the Sinkhorn on 16 lanes (sinkhorn_lanes), else on one thread (sinkhorn_thread, the v1 path).
+// All threads of the CTA must call this with the same (t, coef_task); it ends without a trailing barrier.
+template <int KIND, bool HEAD, bool LANES>
 __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S, int T,
                                int D, const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
                                const __nv_bfloat16* __restrict__ w, float eps, float* pre_out, float* post_out,
                                float* comb_out, __nv_bfloat16* u_out, uint8_t* q, uint8_t* scales, float* gsa,
-                               __nv_bfloat16* bf, float* rstd) {
+                               __nv_bfloat16* bf, float* rstd, int t, bool coef_task) {
     constexpr int NMIX = HEAD ? 4 : 24;
     __shared__ float red[MAX_WARPS];
     __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
     __shared__ float mix[NMIX + 1];
     __shared__ float pre_s[4];
-    const int t = blockIdx.x;
     reduce_partials<NMIX>(part, S, t, mix, wsum);
     const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
-    if (!HEAD && blockIdx.y == 1) {
-        if (threadIdx.x < 4) {
-            const int i = threadIdx.x;
-            const float z = mix_logit(rho, mix[4 + i], hc_scale[1], hc_base[4 + i]);
-            post_out[t * 4 + i] = __fmul_rn(2.f, sigmoid_f(z));
-        } else if (threadIdx.x == 32 || (threadIdx.x == 4 && blockDim.x == 32)) {
+    if (!HEAD && coef_task) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int post_warp = blockDim.x > 32 ? 1 : 0;  // with one warp, post follows the Sinkhorn
+        if (LANES) {
+            if (warp == 0) {
+                const int i = lane & 15;
+                const float c = sinkhorn_lanes(mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]));
+                if (lane < 16) comb_out[t * 16 + i] = c;
+            }
+        } else if (threadIdx.x == 0) {
             float z[16], c[16];
 #pragma unroll
             for (int i = 0; i < 16; ++i) z[i] = mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]);
             sinkhorn_thread(z, c);
 #pragma unroll
             for (int i = 0; i < 16; ++i) comb_out[t * 16 + i] = c[i];
+        }
+        if (warp == post_warp && lane >= 16 && lane < 20) {
+            const int i = lane - 16;
+            const float z = mix_logit(rho, mix[4 + i], hc_scale[1], hc_base[4 + i]);
+            post_out[t * 4 + i] = __fmul_rn(2.f, sigmoid_f(z));
         }
         return;
     }
@@ -569,7 +744,35 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     o.gsa = gsa + t;
     o.bf = bf + (long)t * D;
     o.rstd = rstd + t;
-    norm_quant_row<KIND, true>(v, nchunks, D, w, eps, o, red);
+    norm_quant_row<KIND, true, LANES>(v, nchunks, D, w, eps, o, red);  // v1 finish keeps the v1 weight load
+}
+
+// One-launch boundary: phase 1 = every mix tile (split s, token tile) over a grid-stride loop, phase 2 after a
+// grid barrier = 2T finish tasks (coef tasks first: the Sinkhorn is the longer chain). Same arithmetic as
+// mix_tile_smem + mhc_pre_finish<.., LANES>, so its outputs equal the two-launch v2 path bit for bit.
+// Budget (T = 1, D = 4096, graph replay): one launch (~2 us incl. the graph node), F 1.5 MB over ~128 CTAs
+// in one round trip (~1 us from HBM, less from L2), barrier (~0.5-1 us: one atomic + a poll), partials
+// reduce (one L2 round trip) and the 40-step lane Sinkhorn (~1.5 us) in parallel with pre/u/RMSNorm/quant.
+template <int KIND>
+__device__ void mhc_pre_one_launch(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F,
+                                   float* __restrict__ part, unsigned* bar, int T, int D,
+                                   const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
+                                   const __nv_bfloat16* __restrict__ w, float eps, float* pre, float* post,
+                                   float* comb, __nv_bfloat16* u, uint8_t* q, uint8_t* scales, float* gsa,
+                                   __nv_bfloat16* bf, float* rstd) {
+    __shared__ MixSmem sm;
+    const int D4 = 4 * D, S = D4 / MIX_COLS, tiles = (T + MIX_TT - 1) / MIX_TT;
+    for (int item = blockIdx.x; item < S * tiles; item += gridDim.x) {
+        mix_tile_smem<24>(X, F, part, T, D4, S, item % S, item / S, sm);
+        __syncthreads();
+    }
+    grid_barrier(bar);
+    for (int task = blockIdx.x; task < 2 * T; task += gridDim.x) {
+        const bool coef = task < T;
+        mhc_pre_finish<KIND, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
+                                          scales, gsa, bf, rstd, coef ? task : task - T, coef);
+        __syncthreads();
+    }
 }
 
 }  // namespace
@@ -603,6 +806,20 @@ extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat1
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
+// v1 of the three BF16-input kernels (weight loaded after the sum-of-squares reduction), kept for the A/B.
+extern "C" __global__ void rmsnorm_nvfp4_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
+                                                   uint8_t* scales, float* gsa, float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true, false>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_fp8_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
+                                                 uint8_t* scales, float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_FP8, true, false>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void rmsnorm_bf16_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
+                                                  float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_BF16, true, false>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
+}
+
 // Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).
 extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
                                               int D) {
@@ -633,6 +850,13 @@ extern "C" __global__ void __launch_bounds__(128) mhc_post_mix_partial24(const _
     mhc_post_mix_partial<24>(y, X, post, comb, Xout, F, part, T, D);
 }
 
+// v2 split-K mixes (cp.async staging): grid (S = 4D/128, ceil(T/32)), any block multiple of 32 (128 used).
+extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_v2(const __nv_bfloat16* X, const float* F,
+                                                                      float* part, int T, int D4) {
+    __shared__ MixSmem sm;
+    mix_tile_smem<24>(X, F, part, T, D4, gridDim.x, blockIdx.x, blockIdx.y, sm);
+}
+
 // mHC finish: grid (T, 2), block as RMSNorm. hc_scale [3], hc_base [24], w [D]; outputs pre/post [T,4],
 // comb [T,16] (row-major [j][k]), u [T,D] BF16, rstd [T] (RMSNorm of u), and the quantized RMSNorm(u).
 #define MHC_PRE_COMMON                                                                                            \
@@ -640,24 +864,60 @@ extern "C" __global__ void __launch_bounds__(128) mhc_post_mix_partial24(const _
         const __nv_bfloat16 *w, float eps, float *pre, float *post, float *comb, __nv_bfloat16 *u
 extern "C" __global__ void mhc_pre_finish_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
                                                 float* rstd) {
-    mhc_pre_finish<KIND_NVFP4, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
-                                      gsa, nullptr, rstd);
+    mhc_pre_finish<KIND_NVFP4, false, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
+                                             scales, gsa, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
 }
 extern "C" __global__ void mhc_pre_finish_fp8(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
-    mhc_pre_finish<KIND_FP8, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
-                                    nullptr, nullptr, rstd);
+    mhc_pre_finish<KIND_FP8, false, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
+                                           scales, nullptr, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
 }
 extern "C" __global__ void mhc_pre_finish_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
-    mhc_pre_finish<KIND_BF16, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr,
-                                     nullptr, nullptr, y, rstd);
+    mhc_pre_finish<KIND_BF16, false, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
+                                            nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
 }
+// v2 finish (the Sinkhorn on 16 lanes): grid (T, 2), block as RMSNorm. Same arguments as mhc_pre_finish_*.
+extern "C" __global__ void mhc_pre_finish2_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
+                                                 float* rstd) {
+    mhc_pre_finish<KIND_NVFP4, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
+                                            scales, gsa, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
+}
+extern "C" __global__ void mhc_pre_finish2_fp8(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
+    mhc_pre_finish<KIND_FP8, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
+                                          scales, nullptr, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
+}
+extern "C" __global__ void mhc_pre_finish2_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
+    mhc_pre_finish<KIND_BF16, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
+                                           nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
+}
+
+// One-launch boundary: grid (G) with G <= co-resident CTAs (launcher: occupancy query), block as RMSNorm.
+// F [24, 4D] f32, part [T, 25, S] workspace, bar [2] u32 (zero before the first launch; left zero after
+// each launch); the rest as mhc_pre_finish_*.
+#define MHC_ONE_COMMON                                                                                         \
+    const __nv_bfloat16 *X, const float *F, float *part, unsigned *bar, int T, int D, const float *hc_scale,   \
+        const float *hc_base, const __nv_bfloat16 *w, float eps, float *pre, float *post, float *comb,       \
+        __nv_bfloat16 *u
+extern "C" __global__ void mhc_pre_one_nvfp4(MHC_ONE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
+                                             float* rstd) {
+    mhc_pre_one_launch<KIND_NVFP4>(X, F, part, bar, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
+                                   gsa, nullptr, rstd);
+}
+extern "C" __global__ void mhc_pre_one_fp8(MHC_ONE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
+    mhc_pre_one_launch<KIND_FP8>(X, F, part, bar, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
+                                 nullptr, nullptr, rstd);
+}
+extern "C" __global__ void mhc_pre_one_bf16(MHC_ONE_COMMON, __nv_bfloat16* y, float* rstd) {
+    mhc_pre_one_launch<KIND_BF16>(X, F, part, bar, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr,
+                                  nullptr, nullptr, y, rstd);
+}
+
 // hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.
 extern "C" __global__ void mhc_head_finish_bf16(const __nv_bfloat16* X, const float* part, int S, int T, int D,
                                                 const float* hc_scale, const float* hc_base,
                                                 const __nv_bfloat16* w, float eps, float* pre, __nv_bfloat16* u,
                                                 __nv_bfloat16* y, float* rstd) {
-    mhc_pre_finish<KIND_BF16, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, nullptr, nullptr, u,
-                                    nullptr, nullptr, nullptr, y, rstd);
+    mhc_pre_finish<KIND_BF16, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, nullptr, nullptr, u,
+                                          nullptr, nullptr, nullptr, y, rstd, blockIdx.x, false);
 }
 
 // mHC post: grid (ceil(D/8/64), T), block 64. Xout[t][k] = post[t][k] y[t] + sum_j comb[t][j][k] X[t][j].

@@ -5,7 +5,7 @@ use megamoe::formats::{bf16, e2m1, e4m3, ue8m0};
 use megamoe::gpu::gpu_for_test;
 use megamoe::ops::norm_quant::reference::{self as r, MhcParams};
 use megamoe::ops::norm_quant::{
-    self as nq, HostQuant, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
+    self as nq, HostQuant, MhcPath, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
 };
 
 fn fresh_seed(test: &str) -> u64 {
@@ -131,6 +131,58 @@ fn fp8_reference_uses_pow2_scales() {
             let deq = e4m3::decode(q.data[b * 128 + i]) * scale;
             let tol = (v.abs() / 16.0).max(scale * 2f32.powi(-10));
             assert!((deq - v).abs() <= tol, "block {b} [{i}]: {v} -> {deq}");
+        }
+    }
+}
+
+/// Rust mirror of `sinkhorn_lanes` (kernels/norm_quant.cu): lane l of 16 holds C[l / 4][l % 4]; `xor(v, m)`
+/// is `__shfl_xor_sync(v, m)`. Every lane does exactly the device's operations in the device's order.
+fn sinkhorn_lanes_mirror(z: &[f32; 16]) -> [f32; 16] {
+    let xor = |v: &[f32; 16], m: usize| -> [f32; 16] { std::array::from_fn(|l| v[l ^ m]) };
+    let (z1, z2, z3) = (xor(z, 1), xor(z, 2), xor(z, 3));
+    let e: [f32; 16] =
+        std::array::from_fn(|l| (z[l] - z[l].max(z1[l]).max(z2[l].max(z3[l]))).exp());
+    let e1: [f32; 16] = std::array::from_fn(|l| e[l] + xor(&e, 1)[l]);
+    let mut c: [f32; 16] =
+        std::array::from_fn(|l| e[l] * (1.0 / (e1[l] + xor(&e1, 2)[l])) + r::HC_EPS);
+    let norm = |c: &mut [f32; 16], m1: usize, m2: usize| {
+        let s1: [f32; 16] = std::array::from_fn(|l| c[l] + xor(c, m1)[l]);
+        let s2: [f32; 16] = std::array::from_fn(|l| s1[l] + xor(&s1, m2)[l]);
+        for l in 0..16 {
+            c[l] *= 1.0 / (s2[l] + r::HC_EPS);
+        }
+    };
+    norm(&mut c, 4, 8);
+    for _ in 1..r::SINKHORN_ITERS {
+        norm(&mut c, 1, 2);
+        norm(&mut c, 4, 8);
+    }
+    c
+}
+
+/// The 16-lane Sinkhorn's identity: butterfly sums (c0 + c1) + (c2 + c3) in lanes 0, 1 and
+/// (c2 + c3) + (c0 + c1) in lanes 2, 3 are the same bits (IEEE addition commutes), so the lane version equals
+/// the reference (and the one-thread kernel) bit for bit. 100k random logit sets at several spreads.
+#[test]
+fn lane_sinkhorn_mirror_equals_the_reference_bitwise() {
+    let seed = fresh_seed("lane_sinkhorn_mirror_equals_the_reference_bitwise");
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 // U(0, 1)
+    };
+    for spread in [0.01f32, 1.5, 3.0, 20.0, 80.0] {
+        for case in 0..20_000 {
+            let logits: [f32; 16] = std::array::from_fn(|_| (next() * 2.0 - 1.0) * spread);
+            let (want, got) = (r::sinkhorn(&logits), sinkhorn_lanes_mirror(&logits));
+            if let Some(i) = (0..16).find(|&i| want[i].to_bits() != got[i].to_bits()) {
+                panic!(
+                    "seed {seed} spread {spread} case {case}: C[{i}] lanes {} vs reference {} ({logits:?})",
+                    got[i], want[i]
+                );
+            }
         }
     }
 }
@@ -417,6 +469,24 @@ fn gpu_rmsnorm_quant_matches_reference() {
                     nq::rmsnorm_quant(&gpu, input, &dw, r::RMS_EPS, &mut out).unwrap();
                     let got = out.download(&gpu).unwrap();
                     check_norm_outputs(&label, &x, &w, rows, d, format, &got);
+                    if !f32_input {
+                        // the v1 kernels (kept for the A/B) must give the same bits
+                        let mut out1 = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                        nq::rmsnorm_quant_v1(&gpu, &dx16, &dw, r::RMS_EPS, &mut out1).unwrap();
+                        let got1 = out1.download(&gpu).unwrap();
+                        assert!(
+                            got1.q == got.q,
+                            "{label}: v1 kernel's quantized output differs from v2"
+                        );
+                        if let Some(i) =
+                            (0..rows).find(|&i| got1.rstd[i].to_bits() != got.rstd[i].to_bits())
+                        {
+                            panic!(
+                                "{label}: v1 rstd[{i}] {} vs v2 {}",
+                                got1.rstd[i], got.rstd[i]
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -677,35 +747,98 @@ fn gpu_mhc_pre_matches_reference() {
             let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
             let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
             for format in FORMATS {
-                let label = format!("mhc_pre->{} T={tokens} D={d} seed {seed}", format.name());
-                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
-                nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
-                let part = download_f32(&gpu, out.partials());
-                let (splits, nwarps) = (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
-                let dots: Vec<f32> = (0..tokens)
-                    .flat_map(|t| (0..25).map(move |j| (t, j)))
-                    .map(|(t, j)| reduce_like_gpu(&part, splits, nwarps, t, j, 24))
-                    .collect();
-                let u: Vec<f32> = gpu
-                    .download(&out.u)
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_f32())
-                    .collect();
-                let normed = out.normed.download(&gpu).unwrap();
-                check_mhc(
-                    &label,
-                    &c,
-                    &download_f32(&gpu, &out.pre),
-                    &download_f32(&gpu, &out.post),
-                    &download_f32(&gpu, &out.comb),
-                    &u,
-                    &normed,
-                    format,
-                    Some(&dots),
-                );
+                // v1 is checked fully on NVFP4 only (runtime); v2 (two launches) fully on every format;
+                // the one-launch path must equal v2 bit for bit.
+                let mut v2: Option<MhcSnapshot> = None;
+                for path in [MhcPath::TwoLaunch, MhcPath::OneLaunch, MhcPath::TwoLaunchV1] {
+                    if path == MhcPath::TwoLaunchV1 && format != OutFormat::Nvfp4 {
+                        continue;
+                    }
+                    let label = format!(
+                        "mhc_pre[{}]->{} T={tokens} D={d} seed {seed}",
+                        path.name(),
+                        format.name()
+                    );
+                    let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                    nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path).unwrap();
+                    let snap = MhcSnapshot::take(&gpu, &out);
+                    if path == MhcPath::OneLaunch {
+                        snap.assert_same(v2.as_ref().unwrap(), &label);
+                        eprintln!("{label}: bit-identical to two_launch");
+                        continue;
+                    }
+                    let (splits, nwarps) =
+                        (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
+                    let dots: Vec<f32> = (0..tokens)
+                        .flat_map(|t| (0..25).map(move |j| (t, j)))
+                        .map(|(t, j)| reduce_like_gpu(&snap.partials, splits, nwarps, t, j, 24))
+                        .collect();
+                    check_mhc(
+                        &label,
+                        &c,
+                        &snap.pre,
+                        &snap.post,
+                        &snap.comb,
+                        &snap.u,
+                        &snap.normed,
+                        format,
+                        Some(&dots),
+                    );
+                    if path == MhcPath::TwoLaunch {
+                        v2 = Some(snap);
+                    }
+                }
             }
         }
+    }
+}
+
+/// Every output of one mHC boundary launch, downloaded.
+struct MhcSnapshot {
+    partials: Vec<f32>,
+    pre: Vec<f32>,
+    post: Vec<f32>,
+    comb: Vec<f32>,
+    u: Vec<f32>,
+    normed: nq::HostNormOutputs,
+}
+
+impl MhcSnapshot {
+    fn take(gpu: &megamoe::gpu::Gpu, out: &MhcPreOutputs) -> MhcSnapshot {
+        MhcSnapshot {
+            partials: download_f32(gpu, out.partials()),
+            pre: download_f32(gpu, &out.pre),
+            post: download_f32(gpu, &out.post),
+            comb: download_f32(gpu, &out.comb),
+            u: gpu
+                .download(&out.u)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            normed: out.normed.download(gpu).unwrap(),
+        }
+    }
+
+    /// Bitwise equality of every output, with the first differing index on failure.
+    fn assert_same(&self, want: &MhcSnapshot, label: &str) {
+        for (what, a, b) in [
+            ("partials", &self.partials, &want.partials),
+            ("pre", &self.pre, &want.pre),
+            ("post", &self.post, &want.post),
+            ("comb", &self.comb, &want.comb),
+            ("u", &self.u, &want.u),
+            ("rstd", &self.normed.rstd, &want.normed.rstd),
+        ] {
+            assert_eq!(a.len(), b.len(), "{label}: {what} lengths");
+            if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+                panic!("{label}: {what}[{i}] = {} vs two_launch {}", a[i], b[i]);
+            }
+        }
+        assert!(
+            self.normed.q == want.normed.q,
+            "{label}: quantized RMSNorm(u) differs from two_launch"
+        );
     }
 }
 
@@ -766,31 +899,32 @@ fn gpu_mhc_pre_graph_replay_is_deterministic() {
         return;
     };
     let seed = fresh_seed("gpu_mhc_pre_graph_replay_is_deterministic");
-    let c = mhc_case(4, 4096, seed);
-    let w = MhcWeights::upload(&gpu, &c.p, &c.nw, c.d).unwrap();
-    let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
-    let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, c.tokens, c.d).unwrap();
-    nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
-    let first = (
-        download_f32(&gpu, &out.comb),
-        out.normed.download(&gpu).unwrap().q,
-    );
-    out.poison(&gpu).unwrap();
-    let g = gpu
-        .capture(|| nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out))
-        .unwrap();
-    for _ in 0..3 {
-        g.launch().unwrap();
+    // The one-launch path's grid barrier must leave its words ready for the next replay: 5 replays, each
+    // compared with the direct launch (a stale counter would hang or release early and corrupt outputs).
+    for (tokens, d) in [(4usize, 4096usize), (1, 7168), (129, 4096)] {
+        let c = mhc_case(tokens, d, seed ^ tokens as u64);
+        let w = MhcWeights::upload(&gpu, &c.p, &c.nw, c.d).unwrap();
+        let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+        for path in MhcPath::ALL {
+            let label = format!(
+                "graph replay [{}] T={tokens} D={d} seed {seed}",
+                path.name()
+            );
+            let mut out =
+                MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, c.tokens, c.d).unwrap();
+            nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path).unwrap();
+            let first = MhcSnapshot::take(&gpu, &out);
+            let g = gpu
+                .capture(|| nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path))
+                .unwrap();
+            for rep in 0..5 {
+                out.poison(&gpu).unwrap();
+                g.launch().unwrap();
+                gpu.synchronize().unwrap();
+                MhcSnapshot::take(&gpu, &out).assert_same(&first, &format!("{label} replay {rep}"));
+            }
+        }
     }
-    gpu.synchronize().unwrap();
-    let again = (
-        download_f32(&gpu, &out.comb),
-        out.normed.download(&gpu).unwrap().q,
-    );
-    assert!(
-        first == again,
-        "seed {seed}: graph replay differs from the direct launch"
-    );
 }
 
 #[test]
@@ -1076,11 +1210,21 @@ fn gpu_fused_post_then_pre_equals_separate_kernels() {
             nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
         );
         let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
-        // separate: mhc_post, then mhc_pre on its output
+        // separate: mhc_post, then the v1 mhc_pre on its output. The fused kernel's mixes sum in v1's
+        // order, and its finish runs the 16-lane Sinkhorn while v1's runs the one-thread Sinkhorn: equal
+        // comb bits here are the GPU proof that the two Sinkhorn implementations are bit-identical.
         let mut xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out_a = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
         nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo_a).unwrap();
-        nq::mhc_pre(&gpu, &xo_a, &w, r::RMS_EPS, &mut out_a).unwrap();
+        nq::mhc_pre_with(
+            &gpu,
+            &xo_a,
+            &w,
+            r::RMS_EPS,
+            &mut out_a,
+            MhcPath::TwoLaunchV1,
+        )
+        .unwrap();
         // fused
         let mut xo_b = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out_b = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
