@@ -488,6 +488,144 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combin
     }
 }
 
+// ---- Finish kernels, version 2 (column-parallel) -------------------------------------------------------------
+// Same arithmetic, in the same order, as moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine above (so the
+// outputs are bit-identical to theirs); only the work distribution changes. The v1 kernels give the L2 combine one
+// CTA per token: at 1-2 decode tokens that is 1-2 CTAs walking 4096 columns x 6 rows x splits with a dependent
+// chain of global loads per column (~120 us measured). Here the split loads of all rows are independent and
+// issued together, and the columns are spread over many CTAs.
+
+// Split sum of 4 consecutive columns (float4 loads; N % 4 == 0, n % 4 == 0). Per lane the order is that of
+// reduce_splits: acc = 0 + p0 + p1 + ... (fixed split order).
+__device__ __forceinline__ float4 reduce_splits4(const float* partial, int splits, int rows_total, int N, int row, int n) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) {
+        const float4 p = *reinterpret_cast<const float4*>(partial + ((size_t)s * rows_total + row) * N + n);
+        acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
+    }
+    return acc;
+}
+
+// L1 epilogue, v2: as moe_gemm_finish_l1_swiglu_nvfp4 (one CTA per row, smem = I * 4), but block = 512 and each
+// thread owns 4 consecutive columns per pass (float4 loads of the splits and gsb: I / 2048 passes, i.e. one memory
+// round trip at I = 2048, instead of I / 256). Requires I % 16 == 0 (so I % 4 == 0 and every float4 is 16-byte aligned).
+extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_vec(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
+    extern __shared__ float s_h[];
+    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
+    Grouping grp{group, capacity, experts, rows_total};
+    const int row = blockIdx.x;
+    const int N = 2 * I;
+    const int e = grp.expert_of_row(row);
+    const float sa = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
+    const float rw = e >= 0 ? routing[row] : 0.f;
+    float amax = 0.f;
+    for (int n = 4 * threadIdx.x; n < I; n += 4 * blockDim.x) {
+        float h[4] = {0.f, 0.f, 0.f, 0.f};
+        if (e >= 0) {
+            const float4 ag = reduce_splits4(partial, splits, rows_total, N, row, n);
+            const float4 au = reduce_splits4(partial, splits, rows_total, N, row, I + n);
+            const float4 sg = *reinterpret_cast<const float4*>(gsb + (size_t)e * N + n);
+            const float4 su = *reinterpret_cast<const float4*>(gsb + (size_t)e * N + I + n);
+            const float accg[4] = {ag.x, ag.y, ag.z, ag.w}, accu[4] = {au.x, au.y, au.z, au.w};
+            const float scg[4] = {sg.x, sg.y, sg.z, sg.w}, scu[4] = {su.x, su.y, su.z, su.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float gte = accg[i] * (sa * scg[i]);
+                float up = accu[i] * (sa * scu[i]);
+                gte = fminf(gte, 10.f);
+                up = fminf(fmaxf(up, -10.f), 10.f);
+                const float silu = __fdiv_rn(gte, 1.f + expf(-gte));
+                h[i] = __fmul_rn(__fmul_rn(silu, up), rw);
+            }
+        }
+        const float4 hv = make_float4(h[0], h[1], h[2], h[3]);
+        *reinterpret_cast<float4*>(s_h + n) = hv;
+        if (h_out != nullptr) *reinterpret_cast<float4*>(h_out + (size_t)row * I + n) = hv;
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3]))));
+    }
+    amax = block_max(amax, s_red);  // also a barrier: s_h is complete
+    const float gs = mm::nvfp4_global_scale(amax);
+    if (threadIdx.x == 0) h_gs[row] = gs;
+    const int blocks = I / 16;
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
+        float bmax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) bmax = fmaxf(bmax, fabsf(s_h[b * 16 + i]));
+        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+        h_scales[(size_t)row * blocks + b] = sc;
+        uint32_t packed[2] = {0, 0};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) packed[i >> 3] |= (uint32_t)mm::nvfp4_element(s_h[b * 16 + i], scale) << (4 * (i & 7));
+        uint2 v = make_uint2(packed[0], packed[1]);
+        *reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2) + b * 8) = v;
+    }
+}
+
+// L2 epilogue, v2: as moe_gemm_finish_l2_combine, grid = (tokens, ceil(N / 256)), block = 256, one column per
+// thread. The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
+// kFinishMaxTopk, launcher check). The loads of up to 8 rows x 4 splits are predicated and independent, so they are
+// in flight together (one memory round trip instead of topk x splits dependent ones). Order: per row j the splits
+// in split order starting from 0 (as reduce_splits), then y over j = 0, 1, ... (routing order) with the v1
+// expression: bit-identical to v1.
+constexpr int kFinishMaxTopk = 32;
+extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combine_cols(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    __nv_bfloat16* __restrict__ out) {
+    __shared__ int s_row[kFinishMaxTopk];
+    __shared__ int s_exp[kFinishMaxTopk];
+    __shared__ float s_sa[kFinishMaxTopk];
+    Grouping grp{group, capacity, experts, rows_total};
+    const int tok = blockIdx.x;
+    if ((int)threadIdx.x < topk) {
+        const int row = token_rows[(size_t)tok * topk + threadIdx.x];
+        const int e = grp.expert_of_row(row);
+        s_row[threadIdx.x] = row;
+        s_exp[threadIdx.x] = e;
+        s_sa[threadIdx.x] = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
+    }
+    __syncthreads();
+    const int n = blockIdx.y * blockDim.x + threadIdx.x;
+    if (n >= N) return;
+    constexpr int kRowsPerPass = 8, kSplitsPerPass = 4;
+    float y = 0.f;
+    for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
+        bool valid[kRowsPerPass];
+        float acc[kRowsPerPass], sb[kRowsPerPass];
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) {
+            const int j = j0 + u;
+            valid[u] = j < topk && s_exp[min(j, kFinishMaxTopk - 1)] >= 0;
+            acc[u] = 0.f;
+            sb[u] = valid[u] ? gsb[(size_t)s_exp[j] * N + n] : 0.f;
+        }
+        for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
+            float p[kRowsPerPass][kSplitsPerPass];
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                for (int v = 0; v < kSplitsPerPass; ++v)
+                    p[u][v] = (valid[u] && s0 + v < splits)
+                                  ? partial[((size_t)(s0 + v) * rows_total + s_row[j0 + u]) * N + n]
+                                  : 0.f;
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                for (int v = 0; v < kSplitsPerPass; ++v)
+                    if (valid[u] && s0 + v < splits) acc[u] += p[u][v];
+        }
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u)
+            if (valid[u]) y += acc[u] * (s_sa[j0 + u] * sb[u]);
+    }
+    out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+}
+
 // Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block
 // scales are e4m3 codes in [0x28, 0x37] (2^-2 .. 0.94, never NaN), so timings never run on zeros.
 extern "C" __global__ void moe_gemm_fill_bench_weights(uint8_t* __restrict__ codes, unsigned long long n_codes,

@@ -42,6 +42,8 @@ pub const TOKEN_TILES: [usize; 4] = [8, 16, 32, 64];
 /// Most experts one launch can group (shared-memory prefix in the kernel).
 pub const MAX_EXPERTS: usize = 512;
 const THREADS: u32 = 256;
+/// Block of the v2 L1 finish kernel (`__launch_bounds__(512)`): 4 columns per thread, so I = 2048 is one pass.
+const FINISH_L1_VEC_THREADS: u32 = 512;
 
 /// `N % 128 == 0`, `K % 512 == 0`: the tile shapes of the kernel (all DSV4 shapes qualify).
 pub fn check_gemm_shape(n: usize, k: usize) -> Result<()> {
@@ -272,6 +274,18 @@ impl GemmConfig {
     }
 }
 
+/// Which generation of the decode-path kernels to launch. `V2` is the default of every `launch_*` function;
+/// `V1` is the first version, kept reachable (bench variant `nvfp4_v1`, GPU tests) until an H200 A/B run picks
+/// the winner. Both generations compute bit-identical results (same products, same fp32 summation order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelGen {
+    V1,
+    V2,
+}
+
+/// Most top-k rows per token the v2 L2 combine resolves per CTA (`kFinishMaxTopk` in the kernel).
+pub const FINISH_MAX_TOPK: usize = 32;
+
 /// fp32 partial sums `[splits, rows_total, N]` written by the mainloop and read by a finish kernel.
 pub struct Workspace {
     pub splits: usize,
@@ -495,6 +509,21 @@ pub fn launch_finish_l1(
     routing: &CudaSlice<f32>,
     out: &mut L1Output,
 ) -> Result<()> {
+    launch_finish_l1_gen(KernelGen::V2, gpu, ws, grp, w13, a, routing, out)
+}
+
+/// [`launch_finish_l1`] with an explicit kernel generation (v2: float4 column groups per thread).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l1_gen(
+    kgen: KernelGen,
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w13: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    routing: &CudaSlice<f32>,
+    out: &mut L1Output,
+) -> Result<()> {
     check_finish(ws, grp, w13)?;
     ensure!(
         w13.n.is_multiple_of(2),
@@ -527,13 +556,17 @@ pub fn launch_finish_l1(
     if grp.rows_total == 0 {
         return Ok(());
     }
-    let f = gpu.function(FAMILY, "moe_gemm_finish_l1_swiglu_nvfp4")?;
+    let (name, block) = match kgen {
+        KernelGen::V1 => ("moe_gemm_finish_l1_swiglu_nvfp4", THREADS),
+        KernelGen::V2 => ("moe_gemm_finish_l1_swiglu_nvfp4_vec", FINISH_L1_VEC_THREADS),
+    };
+    let f = gpu.function(FAMILY, name)?;
     if smem > 48 * 1024 {
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )
-        .map_err(|e| anyhow!("moe_gemm L1: shared memory attribute: {e:?}"))?;
+        .map_err(|e| anyhow!("{name}: shared memory attribute: {e:?}"))?;
     }
     let (part, grp_p, gsa, gsb, rw) = (
         ptr(gpu, &ws.partial),
@@ -570,11 +603,11 @@ pub fn launch_finish_l1(
     unsafe {
         b.launch(launch_cfg(
             (grp.rows_total as u32, 1, 1),
-            (THREADS, 1, 1),
+            (block, 1, 1),
             smem,
         ))
     }
-    .map_err(|e| anyhow!("moe_gemm_finish_l1_swiglu_nvfp4: {e:?}"))?;
+    .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
 
@@ -582,6 +615,23 @@ pub fn launch_finish_l1(
 /// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w2: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    token_rows: &CudaSlice<i32>,
+    topk: usize,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    launch_finish_l2_gen(KernelGen::V2, gpu, ws, grp, w2, a, token_rows, topk, out)
+}
+
+/// [`launch_finish_l2`] with an explicit kernel generation (v1: one CTA per token; v2: one column per thread,
+/// grid `tokens x ceil(N / 256)`, topk <= [`FINISH_MAX_TOPK`]).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l2_gen(
+    kgen: KernelGen,
     gpu: &Gpu,
     ws: &Workspace,
     grp: &DeviceGrouping,
@@ -608,7 +658,22 @@ pub fn launch_finish_l2(
     if tokens == 0 {
         return Ok(());
     }
-    let f = gpu.function(FAMILY, "moe_gemm_finish_l2_combine")?;
+    ensure!(
+        kgen == KernelGen::V1 || topk <= FINISH_MAX_TOPK,
+        "moe_gemm L2: topk = {topk} > {FINISH_MAX_TOPK} (v2 combine)"
+    );
+    ensure!(
+        tokens <= u32::MAX as usize,
+        "moe_gemm L2: {tokens} tokens exceed the grid"
+    );
+    let (name, grid) = match kgen {
+        KernelGen::V1 => ("moe_gemm_finish_l2_combine", (tokens as u32, 1, 1)),
+        KernelGen::V2 => (
+            "moe_gemm_finish_l2_combine_cols",
+            (tokens as u32, w2.n.div_ceil(THREADS as usize) as u32, 1),
+        ),
+    };
+    let f = gpu.function(FAMILY, name)?;
     let (part, grp_p, gsa, gsb, tr, o) = (
         ptr(gpu, &ws.partial),
         ptr(gpu, &grp.group),
@@ -638,8 +703,8 @@ pub fn launch_finish_l2(
         .arg(&tr)
         .arg(&k)
         .arg(&o);
-    unsafe { b.launch(launch_cfg((tokens as u32, 1, 1), (THREADS, 1, 1), 0)) }
-        .map_err(|e| anyhow!("moe_gemm_finish_l2_combine: {e:?}"))?;
+    unsafe { b.launch(launch_cfg(grid, (THREADS, 1, 1), 0)) }
+        .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
 
