@@ -3,7 +3,10 @@
 //! params `hidden`, `inter`, `experts`, `topk` (bench-configs/moe_gemm.toml).
 //!
 //! Variants, raced on the same routing in the same run:
-//! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above).
+//! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above; contiguous points
+//!   with >= 64 rows per expert on average use the wgmma prefill mainloop, see `prefill.rs`).
+//! * `nvfp4_v1` / `nvfp4_wgmma` (contiguous points only): the mma.sync / the wgmma mainloop forced, same finish
+//!   kernel, so one run races the two mainloops at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -26,7 +29,48 @@ use crate::bench::{MatmulKind, Row, Summary};
 use crate::gpu::blas::{Blas, GemmInput};
 use crate::gpu::grid_1d;
 
-pub const VARIANTS: &[&str] = &["nvfp4", "cublaslt_bf16", "cublaslt_fp8"];
+pub const VARIANTS: &[&str] = &[
+    "nvfp4",
+    "nvfp4_v1",
+    "nvfp4_wgmma",
+    "cublaslt_bf16",
+    "cublaslt_fp8",
+];
+
+/// Our variants: `nvfp4` goes through [`launch_partial`] (which routes prefill shapes to the wgmma kernel),
+/// `nvfp4_v1` forces the mma.sync kernel and `nvfp4_wgmma` the wgmma prefill kernel (one K split); the two
+/// forced variants only run on contiguous (prefill) points, where they differ.
+fn is_ours(variant: &str) -> bool {
+    matches!(variant, "nvfp4" | "nvfp4_v1" | "nvfp4_wgmma")
+}
+
+fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
+    variant != "nvfp4" && dg.capacity != 0
+}
+
+fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
+    if variant == "nvfp4_wgmma" {
+        GemmConfig { splits: 1, ..cfg }
+    } else {
+        cfg
+    }
+}
+
+fn launch_variant(
+    gpu: &Gpu,
+    variant: &str,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    dg: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+) -> Result<()> {
+    match variant {
+        "nvfp4_v1" => launch_partial_mma_sync(gpu, w, a, dg, cfg, ws),
+        "nvfp4_wgmma" => prefill::launch_partial_prefill(gpu, w, a, dg, ws),
+        _ => launch_partial(gpu, w, a, dg, cfg, ws),
+    }
+}
 
 pub fn kernels() -> Vec<BenchKernel> {
     vec![
@@ -180,11 +224,14 @@ fn row(
 fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
     let p = Point::new(s, tokens, ctx.seed, 1)?;
     match variant {
-        "nvfp4" => {
+        v if is_ours(v) => {
             let gpu = ctx.gpu;
             let w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 11)?;
             let rows = p.rb.grouping.rows_total();
             let dg = DeviceGrouping::upload(gpu, &p.rb.grouping)?;
+            if forced_variant_skips(variant, &dg) {
+                return Ok(vec![]);
+            }
             let mut codes = gpu.zeros::<u8>(rows * p.k / 2)?;
             let mut scales = gpu.zeros::<u8>(rows * p.k / 16)?;
             fill_weights(gpu, &mut codes, &mut scales, 17)?;
@@ -197,12 +244,15 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 global: &gsa,
             };
             let routing = gpu.upload(&vec![0.25f32; rows])?;
-            let cfg = GemmConfig::choose(
-                gpu.info.sm_count as usize,
-                p.rows_per_active(),
-                p.active.len(),
-                p.n,
-                p.k,
+            let cfg = config_for(
+                variant,
+                GemmConfig::choose(
+                    gpu.info.sm_count as usize,
+                    p.rows_per_active(),
+                    p.active.len(),
+                    p.n,
+                    p.k,
+                ),
             );
             let mut ws = Workspace::new(gpu, cfg.splits, rows, p.n)?;
             let i = p.n / 2;
@@ -210,7 +260,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
-                launch_partial(gpu, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
             })?;
             Ok(vec![row(
@@ -229,22 +279,28 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
     let p = Point::new(s, tokens, ctx.seed, 2)?;
     match variant {
-        "nvfp4" => {
+        v if is_ours(v) => {
             let gpu = ctx.gpu;
             let w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 13)?;
             let rows = p.rb.grouping.rows_total();
             let dg = DeviceGrouping::upload(gpu, &p.rb.grouping)?;
+            if forced_variant_skips(variant, &dg) {
+                return Ok(vec![]);
+            }
             // The L1 output (NVFP4 h with a per-row global scale), synthetic.
             let mut h = L1Output::new(gpu, rows, p.k, false)?;
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
             h.global = gpu.upload(&vec![0.01f32; rows.max(1)])?;
             let token_rows = gpu.upload(&p.rb.token_rows)?;
-            let cfg = GemmConfig::choose(
-                gpu.info.sm_count as usize,
-                p.rows_per_active(),
-                p.active.len(),
-                p.n,
-                p.k,
+            let cfg = config_for(
+                variant,
+                GemmConfig::choose(
+                    gpu.info.sm_count as usize,
+                    p.rows_per_active(),
+                    p.active.len(),
+                    p.n,
+                    p.k,
+                ),
             );
             let mut ws = Workspace::new(gpu, cfg.splits, rows, p.n)?;
             let mut y = gpu.zeros::<bf16>(p.tokens * p.n)?;
@@ -253,7 +309,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.tokens * p.n * 2;
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
-                launch_partial(gpu, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
             })?;
             Ok(vec![row(

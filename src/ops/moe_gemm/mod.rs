@@ -18,6 +18,7 @@
 
 pub mod bench;
 pub mod exec;
+pub mod prefill;
 pub mod reference;
 
 use anyhow::{anyhow, bail, ensure, Result};
@@ -306,8 +307,25 @@ impl Workspace {
     }
 }
 
-/// Mainloop: fp32 partial sums of `A . B^T` (no global scales) into `ws` for every owned row.
+/// Mainloop: fp32 partial sums of `A . B^T` (no global scales) into `ws` for every owned row. Contiguous
+/// groupings with many rows per expert go to the wgmma prefill kernel ([`prefill::routes_here`]), the rest to
+/// the mma.sync kernel ([`launch_partial_mma_sync`]).
 pub fn launch_partial(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+) -> Result<()> {
+    if prefill::routes_here(w, grp, cfg) {
+        return prefill::launch_partial_prefill(gpu, w, a, grp, ws);
+    }
+    launch_partial_mma_sync(gpu, w, a, grp, cfg, ws)
+}
+
+/// The swap-AB mma.sync mainloop (kernels/moe_gemm.cu) for every grouping and config.
+pub fn launch_partial_mma_sync(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,

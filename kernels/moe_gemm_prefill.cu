@@ -1,0 +1,350 @@
+// NVFP4 MoE grouped GEMM, PREFILL path (many tokens per expert) on Hopper wgmma (sm_90a).
+// Computes the same fp32 partial sums as kernels/moe_gemm.cu with one K split:
+//   partial[row, n] = sum_k A[row, k] * B[e(row), n, k]      (no global scales; the finish kernels apply them)
+// so the existing finish kernels (plain BF16, L1 SwiGLU + NVFP4 quant, L2 combine) run unchanged after it.
+// Contiguous grouping only (tokens sorted by expert, offsets[E+1]); the decode kernel keeps the masked layout.
+//
+// Design
+// ------
+// * CTA tile: 128 tokens (wgmma M; two consumer warp groups of 64 rows each) x 128 weight rows (wgmma N) x K.
+//   K advances in stages of 64 (one 128-byte BF16 row segment = exactly one 128B-swizzle atom width).
+//   Per stage and warp group: 4 x `wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16`, both operands from
+//   shared memory through matrix descriptors, fp32 accumulators in registers (64 per thread).
+// * Producer = all 256 threads, through cp.async into a 4-slot ring of RAW stages (prefetch distance 3 stages):
+//   weight codes (128 rows x 32 B) + e4m3 block scales (128 rows x 4 B) -- 4x fewer bytes than BF16 -- and A:
+//   BF16 A goes straight into its swizzled BF16 tile (ring of 4 tiles); NVFP4 A goes to the raw ring as well.
+// * Dequant step (all threads, while the tensor cores run the previous stage): raw NVFP4 -> BF16 tile in the
+//   128B-swizzled K-major layout. e2m1 * s_e4m3 is exact in BF16 (<= 5 significant bits, DESIGN.md §3).
+//   Bit trick (same identity as kernels/moe_gemm.cu, proven there): for a 32-bit word w of 8 codes (nibble i =
+//   element i), v = w << (12 - 4i); (v & 0x80008000) | ((v >> 6) & 0x01C001C0) is the bf16x2 (element i low,
+//   element i+4 high) equal to e2m1 * 2^-126 each; `mul.rn.bf16x2` by bf16(s * 2^117) gives e2m1 * s * 2^-9
+//   exactly. Two `prmt` per output word then restore natural K order ((x0,x1),(x2,x3),(x4,x5),(x6,x7)), which
+//   wgmma needs (unlike the mma.sync kernel, whose activations are stored permuted). A CPU mirror of this
+//   natural-order dequant is tested exhaustively in src/ops/moe_gemm/prefill.rs.
+//   The accumulators therefore hold sum * 2^-9 (BF16 A) or sum * 2^-18 (NVFP4 A, dequantized by the same
+//   code); the epilogue multiplies by 2^9 / 2^18, exact in fp32 (power of two, no overflow or underflow for
+//   the value ranges of e2m1 * e4m3 and of activations above ~2^-100).
+// * Shared-memory operand layout (128B swizzle, K-major), for a tile of R rows x 64 bf16:
+//   byte offset of (row r, 16-byte chunk c in 0..8) = r * 128 + ((c ^ (r & 7)) << 4); tiles are 1024-aligned.
+//   This is the canonical SWIZZLE_128B K-major atom (8 rows x 128 B; 16-byte chunk index XOR row mod 8, i.e.
+//   address bits [4,7) ^= bits [7,10)); a CPU mirror (prefill.rs tests) checks it is a bijection on the tile.
+// * Matrix descriptor (64 bit; PTX ISA "asynchronous warpgroup level matrix shared memory layout: matrix
+//   descriptor"; same fields as CUTLASS GmmaDescriptor in cute/arch/mma_sm90_desc.hpp, also listed in the Mojo
+//   WGMMADescriptor docs): bits 0-13 start address >> 4, bits 16-29 leading-dimension byte offset >> 4,
+//   bits 32-45 stride-dimension byte offset >> 4, bits 49-51 base offset (0: tiles 1024-byte aligned),
+//   bits 62-63 swizzle mode (1 = 128B). For K-major 128B swizzle the LBO is unused (set to 1, as CUTLASS
+//   does) and the SBO is the distance between 8-row core-matrix groups = 8 * 128 B = 1024 B. The k-th K=16
+//   slice of a 64-wide atom starts 32 * k bytes further (start address + 2k in descriptor units): the hardware
+//   applies the XOR swizzle to the full address, which is why the tiles must be 1024-byte aligned.
+// * Accumulator fragment of m64nNk16 (PTX ISA figure "WGMMA .m64nNk16 register fragment layout for
+//   accumulator D"): thread t of the warp group, warp w = t / 32, lane l: d[4j + {0,1}] is row 16w + l/4,
+//   columns 8j + 2(l%4) + {0,1}; d[4j + {2,3}] is row 16w + l/4 + 8, same columns.
+// * Synchronization per stage s (one __syncthreads pipeline, no warp specialization):
+//     issue cp.async for stage s+3 into ring slot (s+3)%4 (that slot's last reader, stage s-1, finished);
+//     wgmma.fence; 4 wgmma on stage s tiles; commit;
+//     cp.async.wait_group 2 (stage s+1 landed); __syncthreads; dequant stage s+1 -> other B tile (and A tile);
+//     fence.proxy.async (generic-proxy smem writes -> visible to the async proxy that wgmma reads through);
+//     wgmma.wait_group 0; __syncthreads.
+//   The dequant of stage s+1 overlaps the tensor-core work of stage s.
+// * Persistent grid over work items (expert token tile of 128, n tile of 128), n tile fastest so that
+//   concurrent CTAs share one A token tile and walk one expert's weights once.
+//
+// Budget (per CTA stage: 128 x 128 x 64 MACs = 1 Mi MAC = ~1024 tensor cycles at 1024 bf16 FMA/clk/SM):
+// dequant 8 Ki weights (16 Ki with NVFP4 A) at ~7 ALU ops per pair = ~230 issue cycles over 4 schedulers,
+// 16-32 KB of st.shared (~128-256 cycles), wgmma smem reads 48 KB (~384 cycles): all below the MMA time, so
+// the loop should be tensor-bound apart from the exposed barrier + wait gap between stages (~10-15%).
+// Global bytes per stage: 4.5 KB weights + 16 KB BF16 A (L2 hits: one A tile is shared by all n tiles).
+#include "common/formats.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;      // 2 consumer warp groups
+constexpr int kTileM = 128;        // tokens per CTA tile
+constexpr int kTileN = 128;        // weight rows per CTA tile
+constexpr int kStageK = 64;        // K per stage
+constexpr int kRing = 4;           // raw/A ring depth (prefetch distance kRing - 1)
+constexpr int kMaxExperts = 512;
+
+constexpr int kTileBytes = kTileM * kStageK * 2;             // 16 KiB BF16 tile (also kTileN rows)
+constexpr int kRawCodes = 128 * kStageK / 2;                 // 4 KiB
+constexpr int kRawScales = 128 * kStageK / 16;               // 512 B
+constexpr int kRawStage = 2 * (kRawCodes + kRawScales);      // B then A
+constexpr int kSmemA = 0;
+constexpr int kSmemB = kSmemA + kRing * kTileBytes;
+constexpr int kSmemRaw = kSmemB + 2 * kTileBytes;
+constexpr int kSmemBytes = kSmemRaw + kRing * kRawStage;     // + 1024 alignment slack requested by the host
+// prefill.rs SMEM_BYTES must equal this + 1024; the opt-in limit of an H200 CTA is 227 KiB (static smem ~2 KiB).
+static_assert(kSmemBytes + 1024 == 136192, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES in sync");
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte cp.async with zero fill: src_bytes = 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// Keep the compiler from moving accumulator accesses across the async MMA boundary.
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Descriptor of a 1024-aligned 128B-swizzled K-major tile at shared address `addr` (see the header).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4)        // bits 0-13: start address >> 4
+           | ((uint64_t)1 << 16)                    // bits 16-29: LBO (unused for swizzled K-major) = 1
+           | ((uint64_t)(1024 >> 4) << 32)          // bits 32-45: SBO = 1024 B between 8-row groups
+           | ((uint64_t)1 << 62);                   // bits 62-63: 1 = 128B swizzle
+}
+
+// D(64 x 128, fp32) += A(64 x 16, bf16, smem desc) * B(128 x 16, bf16, smem desc)^T; both K-major (trans 0).
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+// Byte offset of (row, 16-byte chunk) inside a 128B-swizzled K-major tile (mirrored in prefill.rs).
+__device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t chunk) {
+    return row * 128u + ((chunk ^ (row & 7u)) << 4);
+}
+
+__device__ __forceinline__ uint32_t e2m1_pair_to_bf16x2_tiny(uint32_t w, int i) {
+    const uint32_t v = w << (12 - 4 * i);
+    return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u);
+}
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+// bf16(s_e4m3 * 2^117) broadcast to both halves (exact: 4 significant bits, 2^108 .. 448 * 2^117).
+__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t code) {
+    const float f = mm::e4m3_decode((uint8_t)code) * 0x1p117f;
+    const uint32_t b = __float_as_uint(f) >> 16;
+    return b | (b << 16);
+}
+
+// 8 codes (one word, nibble i = element i) times one block scale -> 8 BF16 (e2m1 * s * 2^-9) in natural order.
+__device__ __forceinline__ uint4 dequant8(uint32_t w, uint32_t s2) {
+    const uint32_t p0 = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w, 0), s2);  // (x0, x4)
+    const uint32_t p1 = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w, 1), s2);  // (x1, x5)
+    const uint32_t p2 = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w, 2), s2);  // (x2, x6)
+    const uint32_t p3 = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w, 3), s2);  // (x3, x7)
+    uint4 o;
+    o.x = __byte_perm(p0, p1, 0x5410);  // (x0, x1)
+    o.y = __byte_perm(p2, p3, 0x5410);  // (x2, x3)
+    o.z = __byte_perm(p0, p1, 0x7632);  // (x4, x5)
+    o.w = __byte_perm(p2, p3, 0x7632);  // (x6, x7)
+    return o;
+}
+
+// Raw NVFP4 stage (128 rows x 32 B codes, 128 rows x 4 scale bytes) -> 128 x 64 BF16 swizzled tile.
+// Thread t handles row t/2, K half t%2 (32 elements = 16 code bytes, 2 block scales, 4 output chunks).
+__device__ __forceinline__ void dequant_tile(const uint8_t* raw_codes, const uint8_t* raw_scales, uint8_t* tile) {
+    const uint32_t row = threadIdx.x >> 1, h = threadIdx.x & 1;
+    const uint4 c = *reinterpret_cast<const uint4*>(raw_codes + row * 32 + h * 16);
+    const uint32_t sc = *reinterpret_cast<const uint16_t*>(raw_scales + row * 4 + h * 2);
+    const uint32_t s0 = scale_bf16x2(sc & 0xFF), s1 = scale_bf16x2(sc >> 8);
+    const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint4 o = dequant8(words[j], j < 2 ? s0 : s1);
+        *reinterpret_cast<uint4*>(tile + sw128_offset(row, 4 * h + j)) = o;
+    }
+}
+
+}  // namespace
+
+// grid = persistent (<= number of work items is fine; extra CTAs exit), block = 256,
+// dynamic smem = kSmemBytes + 1024. N % 128 == 0, K % 64 == 0, experts <= 512 (checked by the launcher).
+// offsets[E+1]: contiguous grouping (clamped to [0, rows_total] on the device so a bad value cannot fault).
+// partial: [rows_total, N] fp32; rows owned by no expert are not written.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_partial(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kThreads / 32];
+
+    uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int E = experts;
+
+    auto expert_rows = [&](int e, int& start, int& count) {
+        const int lo = min(max(offsets[e], 0), rows_total);
+        const int hi = min(max(offsets[e + 1], lo), rows_total);
+        start = lo;
+        count = hi - lo;
+    };
+
+    // Exclusive prefix of 128-row token tiles per expert; thread t owns experts 2t and 2t+1.
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + kTileM - 1) / kTileM; }
+        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + kTileM - 1) / kTileM; }
+    }
+    int incl = tiles0 + tiles1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int warp_base = 0;
+    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
+    const int excl = warp_base + incl - tiles0 - tiles1;
+    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
+    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
+    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
+    __syncthreads();
+
+    const int n_tiles = N / kTileN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    const int stages = K / kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+    // Accumulators hold sum * 2^-9 per dequantized operand (see the header).
+    const float restore = act_is_nvfp4 ? 0x1p18f : 0x1p9f;
+
+    const int wg = tid >> 7;                  // warp group: token rows [64 wg, 64 wg + 64)
+    const uint32_t smem_base = smem_u32(smem);
+
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int n_tile = (int)(item % n_tiles);
+        const int et = (int)(item / n_tiles);
+        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        const int e = lo;
+        int start, count;
+        expert_rows(e, start, count);
+        const int row0 = start + (et - s_tile_prefix[e]) * kTileM;
+        const int ntok = min(kTileM, count - (et - s_tile_prefix[e]) * kTileM);
+        const int n0 = n_tile * kTileN;
+        const uint8_t* b_codes = w_codes + ((size_t)e * N + n0) * codes_row;
+        const uint8_t* b_scales = w_scales + ((size_t)e * N + n0) * scales_row;
+
+        // Producer: stage st -> ring slot st % kRing (always commits one group, possibly empty).
+        auto issue_stage = [&](int st) {
+            if (st < stages) {
+                const int slot = st % kRing;
+                const uint32_t raw = smem_base + kSmemRaw + slot * kRawStage;
+                {   // weight codes: row tid/2, half tid%2
+                    const int r = tid >> 1, h = tid & 1;
+                    cp_async16(raw + r * 32 + h * 16, b_codes + r * codes_row + st * 32 + h * 16, 16);
+                }
+                if (tid < 128) {
+                    cp_async4(raw + kRawCodes + tid * 4, b_scales + tid * scales_row + st * 4, 4);
+                }
+                if (!act_is_nvfp4) {
+                    const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(act);
+                    const uint32_t tile = smem_base + kSmemA + slot * kTileBytes;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int q = tid + kThreads * i;
+                        const int r = q >> 3, c = q & 7;
+                        const bool ok = r < ntok;
+                        const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                        cp_async16(tile + sw128_offset(r, c), a + grow * K + st * kStageK + c * 8, ok ? 16 : 0);
+                    }
+                } else {
+                    const uint8_t* a = reinterpret_cast<const uint8_t*>(act);
+                    const uint32_t rawa = raw + kRawCodes + kRawScales;
+                    const int r = tid >> 1, h = tid & 1;
+                    const bool ok = r < ntok;
+                    const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                    cp_async16(rawa + r * 32 + h * 16, a + grow * codes_row + st * 32 + h * 16, ok ? 16 : 0);
+                    if (tid >= 128) {
+                        const int r2 = tid - 128;
+                        const bool ok2 = r2 < ntok;
+                        const size_t grow2 = (size_t)(row0 + (ok2 ? r2 : 0));
+                        cp_async4(rawa + kRawCodes + r2 * 4, act_scales + grow2 * scales_row + st * 4, ok2 ? 4 : 0);
+                    }
+                }
+            }
+            cp_async_commit();
+        };
+        auto dequant_stage = [&](int st) {
+            const int slot = st % kRing;
+            const uint8_t* raw = smem + kSmemRaw + slot * kRawStage;
+            dequant_tile(raw, raw + kRawCodes, smem + kSmemB + (st & 1) * kTileBytes);
+            if (act_is_nvfp4) {
+                const uint8_t* rawa = raw + kRawCodes + kRawScales;
+                dequant_tile(rawa, rawa + kRawCodes, smem + kSmemA + slot * kTileBytes);
+            }
+            fence_proxy_async();
+        };
+
+        float d[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) d[i] = 0.f;
+
+        // Prologue: kRing - 1 stages in flight, stage 0 dequantized.
+#pragma unroll
+        for (int st = 0; st < kRing - 1; ++st) issue_stage(st);
+        cp_async_wait<kRing - 2>();
+        __syncthreads();
+        dequant_stage(0);
+        __syncthreads();
+
+        for (int st = 0; st < stages; ++st) {
+            issue_stage(st + kRing - 1);
+            const uint32_t a_tile = smem_base + kSmemA + (st % kRing) * kTileBytes + wg * (64 * 128);
+            const uint32_t b_tile = smem_base + kSmemB + (st & 1) * kTileBytes;
+            const uint64_t da = sw128_desc(a_tile), db = sw128_desc(b_tile);
+            fence_acc(d);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kStageK / 16; ++kk) {
+                // +32 bytes per K=16 slice = +2 in the 16-byte units of the start-address field.
+                wgmma_m64n128k16(d, da + 2 * kk, db + 2 * kk);
+            }
+            wgmma_commit();
+            if (st + 1 < stages) {
+                cp_async_wait<kRing - 2>();  // this thread's copies for stage st + 1 have landed
+                __syncthreads();             // ... and everyone's
+                dequant_stage(st + 1);
+            }
+            wgmma_wait_all();
+            fence_acc(d);
+            __syncthreads();  // stage st + 1 tiles complete; stage st tiles free for reuse
+        }
+
+        // Epilogue: fp32 partial sums (scale restored), rows < ntok only.
+        const int wl = (tid & 127) >> 5;
+        const int r_lo = wg * 64 + wl * 16 + (lane >> 2);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int col = n0 + 8 * j + 2 * (lane & 3);
+            if (r_lo < ntok) {
+                *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo) * N + col) =
+                    make_float2(d[4 * j] * restore, d[4 * j + 1] * restore);
+            }
+            if (r_lo + 8 < ntok) {
+                *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo + 8) * N + col) =
+                    make_float2(d[4 * j + 2] * restore, d[4 * j + 3] * restore);
+            }
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! Prefill mainloop of the NVFP4 MoE grouped GEMM on Hopper wgmma (kernels/moe_gemm_prefill.cu).
+//!
+//! Same contract as [`super::launch_partial`] with one K split: it writes the fp32 accumulator
+//! `partial[row, n] = sum_k A[row, k] * B[e(row), n, k]` (no global scales) into a [`Workspace`] with
+//! `splits == 1`, so the existing finish kernels ([`super::launch_finish_bf16`], [`super::launch_finish_l1`],
+//! [`super::launch_finish_l2`]) apply the epilogues unchanged. Contiguous grouping only (prefill: tokens sorted
+//! by expert, offsets). CTA tile 128 tokens x 128 weight rows, K stages of 64: `N % 128 == 0`, `K % 64 == 0`.
+//!
+//! [`super::launch_partial`] routes here when [`routes_here`] holds (contiguous layout, mean rows per expert
+//! >= [`MIN_MEAN_ROWS_PER_EXPERT`], one K split); [`launch_partial_prefill`] forces this path.
+//!
+//! The CPU mirrors at the bottom ([`sw128_offset`], [`dequant8_like_kernel`], [`sw128_desc`]) restate the
+//! device address, dequant and descriptor logic so unit tests can check them without a GPU.
+
+use anyhow::{anyhow, ensure, Result};
+use cudarc::driver::sys::CUfunction_attribute;
+use half::bf16;
+
+use super::{
+    as_i32, ptr, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, Workspace,
+    MAX_EXPERTS,
+};
+use crate::formats::e4m3;
+use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
+
+/// Kernel family name (kernels/moe_gemm_prefill.cu).
+pub const FAMILY: &str = "moe_gemm_prefill";
+/// Tokens per CTA tile (two warp groups of 64 rows: the wgmma M dimension).
+pub const TILE_M: usize = 128;
+/// Weight rows per CTA tile (the wgmma N dimension): N must be a multiple of it.
+pub const TILE_N: usize = 128;
+/// K per pipeline stage (one 128-byte BF16 swizzle atom): K must be a multiple of it.
+pub const STAGE_K: usize = 64;
+const RING: usize = 4;
+const THREADS: u32 = 256;
+/// Dynamic shared memory: RING BF16 A tiles and 2 BF16 B tiles (16 KiB each), RING raw stages (weights and
+/// NVFP4 A: 2 x (4 KiB codes + 512 B scales)), plus 1 KiB so the kernel can align its tiles to 1024 bytes.
+/// Must match `kSmemBytes + 1024` in the .cu (a static_assert there pins the number).
+pub const SMEM_BYTES: usize = RING * 16384 + 2 * 16384 + RING * 9216 + 1024;
+/// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
+/// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
+/// mostly padding and the swap-AB mma.sync kernel wins.
+pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 64;
+
+/// `N % 128 == 0`, `K % 64 == 0` (all DSV4 expert shapes qualify).
+pub fn check_shape(n: usize, k: usize) -> Result<()> {
+    ensure!(
+        n > 0 && n.is_multiple_of(TILE_N),
+        "moe_gemm prefill: N = {n} must be a positive multiple of {TILE_N}"
+    );
+    ensure!(
+        k > 0 && k.is_multiple_of(STAGE_K),
+        "moe_gemm prefill: K = {k} must be a positive multiple of {STAGE_K}"
+    );
+    Ok(())
+}
+
+/// Whether [`super::launch_partial`] sends this launch to the prefill kernel.
+pub fn routes_here(w: &DeviceExpertWeights, grp: &DeviceGrouping, cfg: &GemmConfig) -> bool {
+    grp.capacity == 0
+        && cfg.splits == 1
+        && grp.experts >= 1
+        && grp.rows_total >= MIN_MEAN_ROWS_PER_EXPERT * grp.experts
+        && check_shape(w.n, w.k).is_ok()
+}
+
+/// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
+pub fn launch_partial_prefill(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    ws: &mut Workspace,
+) -> Result<()> {
+    check_shape(w.n, w.k)?;
+    a.check()?;
+    let (a_rows, a_k) = a.rows_k();
+    ensure!(
+        a_k == w.k,
+        "moe_gemm prefill: A has K = {a_k}, weights K = {}",
+        w.k
+    );
+    ensure!(
+        a_rows >= grp.rows_total,
+        "moe_gemm prefill: A has {a_rows} rows, the grouping spans {}",
+        grp.rows_total
+    );
+    ensure!(
+        grp.capacity == 0,
+        "moe_gemm prefill: needs the contiguous grouping (got masked, capacity {})",
+        grp.capacity
+    );
+    ensure!(
+        grp.experts == w.experts && grp.experts >= 1 && grp.experts <= MAX_EXPERTS,
+        "moe_gemm prefill: grouping has {} experts, weights {} (1..={MAX_EXPERTS})",
+        grp.experts,
+        w.experts
+    );
+    ensure!(
+        ws.splits == 1 && ws.rows_total == grp.rows_total && ws.n == w.n,
+        "moe_gemm prefill: workspace is [{}, {}, {}], needs [1, {}, {}]",
+        ws.splits,
+        ws.rows_total,
+        ws.n,
+        grp.rows_total,
+        w.n
+    );
+    ensure!(
+        SMEM_BYTES + 4096 <= gpu.info.max_smem_per_block_optin,
+        "moe_gemm prefill: needs {SMEM_BYTES} B of dynamic shared memory, the device allows {}",
+        gpu.info.max_smem_per_block_optin
+    );
+    if grp.rows_total == 0 {
+        return Ok(());
+    }
+    let name = "moe_gemm_prefill_partial";
+    let f = gpu.function(FAMILY, name)?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        SMEM_BYTES as i32,
+    )
+    .map_err(|e| anyhow!("{name}: setting dynamic shared memory to {SMEM_BYTES}: {e:?}"))?;
+    let (act, act_scales, is_nvfp4) = match a {
+        DeviceActivations::Bf16 { data, .. } => (ptr(gpu, *data), 0u64, 0i32),
+        DeviceActivations::Nvfp4 { codes, scales, .. } => {
+            (ptr(gpu, *codes), ptr(gpu, *scales), 1i32)
+        }
+    };
+    let (wc, wsc, grp_p, part) = (
+        ptr(gpu, &w.codes),
+        ptr(gpu, &w.scales),
+        ptr(gpu, &grp.group),
+        ptr(gpu, &ws.partial),
+    );
+    let (n, k) = (as_i32(w.n, "N")?, as_i32(w.k, "K")?);
+    let (e, rows) = (
+        as_i32(grp.experts, "experts")?,
+        as_i32(grp.rows_total, "rows")?,
+    );
+    // Persistent grid: one CTA per SM (136 KB of shared memory each), never more than the most work items
+    // any grouping of these rows can produce (sum_e ceil(c_e / 128) <= rows / 128 + experts).
+    let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / TILE_N);
+    let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&wc)
+        .arg(&wsc)
+        .arg(&n)
+        .arg(&k)
+        .arg(&act)
+        .arg(&act_scales)
+        .arg(&is_nvfp4);
+    b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
+    unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), SMEM_BYTES as u32)) }
+        .map_err(|e| anyhow!("{name}: {e:?}"))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------ CPU mirrors of the device
+
+/// Byte offset of (row, 16-byte chunk) in a 128B-swizzled K-major BF16 tile (64 elements = 128 B per row):
+/// `row * 128 + ((chunk ^ (row % 8)) * 16)`. Mirror of `sw128_offset` in the .cu.
+pub fn sw128_offset(row: u32, chunk: u32) -> u32 {
+    row * 128 + ((chunk ^ (row & 7)) << 4)
+}
+
+/// The 128B swizzle as the hardware applies it to a logical (unswizzled) byte address inside a 1024-aligned
+/// tile: address bits [4, 7) XOR bits [7, 10) (cute `Swizzle<3, 4, 3>`). Used to check [`sw128_offset`] and
+/// the descriptor's K advance (+32 B per K = 16 slice) against the documented pattern.
+pub fn sw128_hw(logical: u32) -> u32 {
+    logical ^ (((logical >> 7) & 7) << 4)
+}
+
+/// Mirror of `sw128_desc` in the .cu: start address >> 4 in bits 0-13, LBO = 1 (unused) in bits 16-29,
+/// SBO = 1024 B >> 4 in bits 32-45, base offset 0, swizzle mode 1 (128B) in bits 62-63.
+pub fn sw128_desc(smem_addr: u32) -> u64 {
+    ((smem_addr & 0x3FFFF) >> 4) as u64 | (1u64 << 16) | ((1024u64 >> 4) << 32) | (1u64 << 62)
+}
+
+/// `prmt.b32` / `__byte_perm(x, y, s)` without the sign-extension modes: byte i of the result is byte
+/// `(s >> 4i) & 7` of the 8-byte value `y:x`.
+pub fn byte_perm(x: u32, y: u32, s: u32) -> u32 {
+    let v = ((y as u64) << 32) | x as u64;
+    (0..4).fold(0u32, |r, i| {
+        let sel = (s >> (4 * i)) & 7;
+        r | ((((v >> (8 * sel)) & 0xFF) as u32) << (8 * i))
+    })
+}
+
+/// Mirror of the kernel's `dequant8`: the 8 codes of `word` (nibble i = element i) times block scale
+/// `scale_code`, as the 8 BF16 values the kernel stores in natural K order, times 2^9 (the kernel's accumulator
+/// restore), i.e. what the tensor core multiplies. `mul.rn.bf16x2` is modelled as the exact f32 product
+/// rounded to bf16.
+pub fn dequant8_like_kernel(word: u32, scale_code: u8) -> [f32; 8] {
+    let s = bf16::from_f32(e4m3::decode(scale_code) * f32::powi(2.0, 117));
+    let mul2 = |bits: u32| -> u32 {
+        let lo = bf16::from_bits(bits as u16).to_f32() * s.to_f32();
+        let hi = bf16::from_bits((bits >> 16) as u16).to_f32() * s.to_f32();
+        bf16::from_f32(lo).to_bits() as u32 | ((bf16::from_f32(hi).to_bits() as u32) << 16)
+    };
+    let pair = |i: u32| -> u32 {
+        let v = word << (12 - 4 * i);
+        mul2((v & 0x8000_8000) | ((v >> 6) & 0x01C0_01C0))
+    };
+    let (p0, p1, p2, p3) = (pair(0), pair(1), pair(2), pair(3));
+    let out = [
+        byte_perm(p0, p1, 0x5410),
+        byte_perm(p2, p3, 0x5410),
+        byte_perm(p0, p1, 0x7632),
+        byte_perm(p2, p3, 0x7632),
+    ];
+    let mut v = [0f32; 8];
+    for (j, w) in out.iter().enumerate() {
+        v[2 * j] = bf16::from_bits(*w as u16).to_f32() * 512.0;
+        v[2 * j + 1] = bf16::from_bits((*w >> 16) as u16).to_f32() * 512.0;
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::e2m1;
+
+    #[test]
+    fn sw128_offset_is_a_bijection_on_the_tile_and_matches_the_hardware_pattern() {
+        // 128 rows x 8 chunks of 16 B cover [0, 16 KiB) exactly once.
+        let mut seen = vec![false; 128 * 8];
+        for row in 0..128u32 {
+            for chunk in 0..8u32 {
+                let off = sw128_offset(row, chunk);
+                assert_eq!(off % 16, 0);
+                assert!(off < 16384, "row {row} chunk {chunk}: offset {off}");
+                let u = (off / 16) as usize;
+                assert!(!seen[u], "row {row} chunk {chunk}: offset {off} used twice");
+                seen[u] = true;
+                // Stored where the hardware looks for logical (row, chunk): row-major 128 B rows, swizzled.
+                assert_eq!(off, sw128_hw(row * 128 + chunk * 16));
+                // The k-th K = 16 slice read through a descriptor whose start address is +32k bytes.
+                for k in 0..4u32 {
+                    for half in 0..2u32 {
+                        if chunk == 2 * k + half {
+                            assert_eq!(sw128_hw(32 * k + row * 128 + half * 16), off);
+                        }
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn sw128_stores_of_the_dequant_mapping_are_bank_conflict_free() {
+        // A warp's 16-byte stores are served 8 lanes at a time; lanes 8p..8p+8 (rows 4p'..4p'+4, halves 0/1)
+        // store chunk 4h + j at the same time and must hit 8 distinct 16-byte bank groups.
+        for warp in 0..8u32 {
+            for phase in 0..4u32 {
+                for j in 0..4u32 {
+                    let mut groups: Vec<u32> = (0..8u32)
+                        .map(|l| {
+                            let t = warp * 32 + phase * 8 + l;
+                            (sw128_offset(t >> 1, 4 * (t & 1) + j) / 16) % 8
+                        })
+                        .collect();
+                    groups.sort();
+                    groups.dedup();
+                    assert_eq!(groups.len(), 8, "warp {warp} phase {phase} j {j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn descriptor_fields_sit_where_the_ptx_isa_puts_them() {
+        let d = sw128_desc(0x1_2400);
+        assert_eq!(d & 0x3FFF, 0x1_2400 >> 4);
+        assert_eq!((d >> 16) & 0x3FFF, 1);
+        assert_eq!((d >> 32) & 0x3FFF, 64);
+        assert_eq!((d >> 49) & 7, 0);
+        assert_eq!(d >> 62, 1);
+        // The K advance adds 2 per 32 bytes without carrying out of the address field.
+        assert_eq!((d + 6) & 0x3FFF, (0x1_2400 + 96) >> 4);
+    }
+
+    #[test]
+    fn byte_perm_model_matches_the_selectors_the_kernel_uses() {
+        let (x, y) = (0x4433_2211u32, 0x8877_6655u32);
+        assert_eq!(byte_perm(x, y, 0x5410), 0x6655_2211);
+        assert_eq!(byte_perm(x, y, 0x7632), 0x8877_4433);
+    }
+
+    #[test]
+    fn natural_order_dequant_is_exact_for_every_code_position_and_scale() {
+        // Every non-NaN e4m3 scale; words whose nibbles take all 16 codes at every position (x over all 16-bit
+        // values, the high half a different permutation of the same codes).
+        for scale_code in (0..=255u8).filter(|c| c & 0x7F != 0x7F) {
+            let s = e4m3::decode(scale_code);
+            for x in (0..=0xFFFFu32).step_by(7).chain(0..16) {
+                let word = x | ((x ^ 0xA5C3).rotate_left(5) & 0xFFFF) << 16;
+                let got = dequant8_like_kernel(word, scale_code);
+                for (i, g) in got.iter().enumerate() {
+                    let code = ((word >> (4 * i)) & 0xF) as u8;
+                    let want = e2m1::decode(code) * s;
+                    assert!(
+                        g.to_bits() == want.to_bits() || (*g == 0.0 && want == 0.0),
+                        "word {word:#010x} element {i} scale {scale_code:#04x}: got {g} want {want}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,381 @@
+//! NVFP4 MoE grouped GEMM, wgmma PREFILL mainloop (kernels/moe_gemm_prefill.cu, src/ops/moe_gemm/prefill.rs):
+//! GPU checks against the f64 CPU reference (skipped loudly without a GPU). The seed is printed by `fresh_seed`;
+//! replay a failure with MOE_GEMM_SEED=<seed>.
+//!
+//! Tolerance (same argument as tests/moe_gemm.rs): every product A*B is exact (NVFP4 and BF16 values are exact in
+//! BF16, their product exact in fp32, the kernel's power-of-two pre/post scaling is exact), so the accumulator
+//! differs from the exact sum only by fp32 summation order. Per element:
+//! |acc - exact| <= (K + 17) * 2u * sum_k |A*B| (u = 2^-24; 2u per addition covers a tensor core that truncates),
+//! and over the whole output ||acc - exact|| / ||exact|| <= 8 sqrt(K) u + (K / 16) u. A wrong swizzle, descriptor,
+//! fragment index, lost block scale or K-order mistake gives O(1) errors, orders of magnitude above both.
+
+use half::bf16;
+use megamoe::gpu::{gpu_for_test, Gpu};
+use megamoe::ops::moe_gemm::prefill;
+use megamoe::ops::moe_gemm::reference::{
+    apply_global_scales, grouped_gemm_acc_f64, quantize_rows_nvfp4, Activations, ExpertWeights,
+};
+use megamoe::ops::moe_gemm::{
+    self as mg, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, RoutedBatch,
+    Workspace,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const U: f64 = 1.0 / 16_777_216.0; // 2^-24
+
+fn seeded(test: &str) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(megamoe::ops::inputs::fresh_seed(test, "MOE_GEMM_SEED"))
+}
+
+/// Roughly normal values, per-row magnitude spread 10^[-2, 2], a 1-in-64 outlier (x30) per value.
+fn random_rows(rng: &mut impl Rng, rows: usize, cols: usize, base: f32) -> Vec<f32> {
+    let mut x = Vec::with_capacity(rows * cols);
+    for _ in 0..rows {
+        let mag = base * 10f32.powf(rng.random_range(-2.0..2.0));
+        for _ in 0..cols {
+            let r: u32 = rng.random();
+            let tri = ((r & 0x7FFF) as f32 + ((r >> 15) & 0x7FFF) as f32) / 32768.0 - 1.0;
+            let v = tri * mag;
+            x.push(if r >> 26 == 0 { v * 30.0 } else { v });
+        }
+    }
+    x
+}
+
+fn quantized_weights(rng: &mut impl Rng, e: usize, n: usize, k: usize) -> ExpertWeights {
+    ExpertWeights::quantize_per_row(&random_rows(rng, e * n, k, 0.05), e, n, k).unwrap()
+}
+
+/// Top-1 routing giving expert i exactly `counts[i]` rows (contiguous layout).
+fn batch_with_counts(counts: &[usize]) -> RoutedBatch {
+    let tokens: usize = counts.iter().sum();
+    let choices = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+        .collect();
+    RoutedBatch::from_choices(tokens, counts.len(), 1, choices, None).unwrap()
+}
+
+/// One row per routed pair, gathered from random token activations, in the chosen A format.
+fn gathered_activations(
+    rng: &mut impl Rng,
+    rb: &RoutedBatch,
+    k: usize,
+    nvfp4: bool,
+) -> Activations {
+    let xf = random_rows(rng, rb.tokens, k, 1.0);
+    let rows = rb.grouping.rows_total();
+    let mut g = Vec::with_capacity(rows * k);
+    for r in 0..rows {
+        let t = rb.row_token[r];
+        if t >= 0 {
+            g.extend_from_slice(&xf[t as usize * k..(t as usize + 1) * k]);
+        } else {
+            g.extend(std::iter::repeat_n(1e3f32, k)); // masked padding slot (only the rejection test has one)
+        }
+    }
+    if nvfp4 {
+        Activations::Nvfp4(quantize_rows_nvfp4(&g, rows, k).unwrap())
+    } else {
+        Activations::Bf16 {
+            rows,
+            k,
+            data: g.iter().map(|v| bf16::from_f32(*v)).collect(),
+        }
+    }
+}
+
+enum DevA {
+    Bf16(usize, usize, cudarc::driver::CudaSlice<bf16>),
+    Nvfp4(
+        usize,
+        usize,
+        cudarc::driver::CudaSlice<u8>,
+        cudarc::driver::CudaSlice<u8>,
+        cudarc::driver::CudaSlice<f32>,
+    ),
+}
+
+impl DevA {
+    fn upload(gpu: &Gpu, a: &Activations) -> DevA {
+        match a {
+            Activations::Bf16 { rows, k, data } => DevA::Bf16(*rows, *k, gpu.upload(data).unwrap()),
+            Activations::Nvfp4(q) => DevA::Nvfp4(
+                q.rows,
+                q.cols,
+                gpu.upload(&q.codes).unwrap(),
+                gpu.upload(&q.scales).unwrap(),
+                gpu.upload(&q.global).unwrap(),
+            ),
+        }
+    }
+    fn view(&self) -> DeviceActivations<'_> {
+        match self {
+            DevA::Bf16(rows, k, data) => DeviceActivations::Bf16 {
+                rows: *rows,
+                k: *k,
+                data,
+            },
+            DevA::Nvfp4(rows, k, codes, scales, global) => DeviceActivations::Nvfp4 {
+                rows: *rows,
+                k: *k,
+                codes,
+                scales,
+                global,
+            },
+        }
+    }
+}
+
+/// Compare the fp32 accumulator with the f64 reference. On failure: the number of bad elements, the first bad
+/// (row, col, expert) with both values and the bound, and the max errors, so a blind run pinpoints the fault.
+fn check_accumulator(
+    label: &str,
+    rb: &RoutedBatch,
+    got: &[f32],
+    exact: &[f64],
+    abs: &[f64],
+    n: usize,
+    k: usize,
+) {
+    let per_elem = (k + 17) as f64 * 2.0 * U;
+    let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+    let mut bad = 0usize;
+    let mut first_bad: Option<String> = None;
+    for i in 0..exact.len() {
+        let g = got[i] as f64;
+        let err = (g - exact[i]).abs();
+        let bound = per_elem * abs[i] + 1e-30;
+        // NaN (an unwritten element) must count as bad: compare with is_some_and, not a negated <=.
+        if !err.partial_cmp(&bound).is_some_and(|o| o.is_le()) {
+            bad += 1;
+            if first_bad.is_none() {
+                let (r, c) = (i / n, i % n);
+                first_bad = Some(format!(
+                    "row {r} (expert {:?}, row {} of its tile of 128) col {c} (n tile {}, col {} in tile): gpu {g:e} \
+                     (bits {:#010x}) exact {:e} |err| {err:e} > bound {bound:e}",
+                    rb.grouping.expert_of_row(r),
+                    r - rb.grouping.expert_of_row(r).map(|e| rb.grouping.expert_rows(e).start).unwrap_or(0),
+                    c / 128,
+                    c % 128,
+                    got[i].to_bits(),
+                    exact[i]
+                ));
+            }
+        }
+        if err.is_finite() {
+            num += err * err;
+            max_abs = max_abs.max(err);
+        }
+        den += exact[i] * exact[i];
+    }
+    let rel = if den > 0.0 { (num / den).sqrt() } else { 0.0 };
+    let rel_bound = 8.0 * (k as f64).sqrt() * U + (k as f64 / 16.0) * U;
+    eprintln!(
+        "{label}: {} elements, bad {bad}, max |err| {max_abs:e}, rel L2 {rel:e} (bound {rel_bound:e})",
+        exact.len()
+    );
+    assert!(
+        bad == 0,
+        "{label}: {bad} of {} accumulator elements out of bound; first: {}",
+        exact.len(),
+        first_bad.unwrap()
+    );
+    assert!(
+        rel <= rel_bound,
+        "{label}: relative L2 error {rel:e} > {rel_bound:e}"
+    );
+}
+
+/// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
+/// plain BF16 finish on top of it.
+#[allow(clippy::too_many_arguments)]
+fn check_prefill(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    nvfp4: bool,
+    routed: bool,
+    rng: &mut impl Rng,
+) {
+    let a = gathered_activations(rng, rb, w.k, nvfp4);
+    let da = DevA::upload(gpu, &a);
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let rows = rb.grouping.rows_total();
+    let label = format!(
+        "{label} [{} A, {} experts, rows {rows}, N {}, K {}, {}]",
+        if nvfp4 { "NVFP4" } else { "BF16" },
+        w.experts,
+        w.n,
+        w.k,
+        if routed {
+            "via launch_partial"
+        } else {
+            "forced"
+        }
+    );
+    let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
+    gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap(); // NaN: an unwritten element cannot pass
+    if routed {
+        let cfg = GemmConfig {
+            token_tile: 64,
+            splits: 1,
+            ctas: gpu.info.sm_count as u32,
+        };
+        assert!(
+            prefill::routes_here(dw, &dg, &cfg),
+            "{label}: launch_partial would not route to the prefill kernel"
+        );
+        mg::launch_partial(gpu, dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
+    } else {
+        prefill::launch_partial_prefill(gpu, dw, &da.view(), &dg, &mut ws).unwrap();
+    }
+    let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
+    mg::launch_finish_bf16(gpu, &ws, &dg, dw, &da.view(), &mut out).unwrap();
+    gpu.synchronize().unwrap();
+    let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
+    let got = gpu.download(&ws.partial).unwrap();
+    check_accumulator(&label, rb, &got[..rows * w.n], &exact, &abs, w.n, w.k);
+    // BF16 output: the scaled reference, one bf16 rounding (2^-9 relative) plus the scaled accumulator bound.
+    let d = apply_global_scales(&exact, w, &a, &rb.grouping);
+    let out = gpu.download(&out).unwrap();
+    let per_elem = (w.k + 17) as f64 * 2.0 * U;
+    for r in 0..rows {
+        let e = rb.grouping.expert_of_row(r).unwrap();
+        for nn in 0..w.n {
+            let i = r * w.n + nn;
+            let o = out[i].to_f32() as f64;
+            let scale = a.global(r) as f64 * w.global(e, nn) as f64;
+            let tol = d[i].abs() / 256.0 + 2.0 * scale * per_elem * abs[i] + 1e-30;
+            assert!(
+                (o - d[i]).abs() <= tol,
+                "{label}: BF16 out row {r} (expert {e}) col {nn}: gpu {o} ref {} tol {tol:e}",
+                d[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_prefill_token_counts_both_a_formats() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_token_counts_both_a_formats") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_token_counts_both_a_formats");
+    // Tile edges of the 128-row token tile (0, 1, 7, 64, 65, 127, 128, 129, 256, 300) and empty experts
+    // first, in the middle and last. K = 1024: 16 stages, several laps of the 4-slot ring.
+    let counts = [0usize, 1, 7, 64, 65, 127, 0, 128, 129, 256, 300, 0];
+    let (n, k) = (256, 1024);
+    let w = quantized_weights(&mut rng, counts.len(), n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&counts);
+    for nvfp4 in [false, true] {
+        check_prefill(
+            &gpu,
+            &format!("counts {counts:?}"),
+            &w,
+            &dw,
+            &rb,
+            nvfp4,
+            false,
+            &mut rng,
+        );
+    }
+    // Short K (one stage, and three stages: fewer stages than ring slots).
+    for k in [64, 192] {
+        let w = quantized_weights(&mut rng, 3, 128, k);
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+        let rb = batch_with_counts(&[130, 0, 5]);
+        for nvfp4 in [false, true] {
+            check_prefill(
+                &gpu,
+                &format!("short K {k}"),
+                &w,
+                &dw,
+                &rb,
+                nvfp4,
+                false,
+                &mut rng,
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
+    let Some(gpu) =
+        gpu_for_test("gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial")
+    else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial");
+    // One expert with 4096 rows (32 token tiles), one tiny, one empty.
+    let w = quantized_weights(&mut rng, 3, 128, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&[4096, 5, 0]);
+    check_prefill(&gpu, "4096 rows", &w, &dw, &rb, true, true, &mut rng);
+    // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles), small N and K for the CPU reference.
+    let w = quantized_weights(&mut rng, 256, 128, 256);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = RoutedBatch::random(&mut rng, 4096, 256, 6, None).unwrap();
+    for nvfp4 in [false, true] {
+        check_prefill(
+            &gpu,
+            "4096 tokens, 6 of 256",
+            &w,
+            &dw,
+            &rb,
+            nvfp4,
+            true,
+            &mut rng,
+        );
+    }
+}
+
+#[test]
+fn gpu_prefill_flash_and_pro_shapes() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_flash_and_pro_shapes") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_flash_and_pro_shapes");
+    // Flash L1 (N = 2 * 2048, K = 4096), Flash L2 (N = 4096, K = 2048), Pro L2 (N = 7168, K = 3072); few rows so
+    // the f64 reference stays a few seconds. Row counts cross a tile edge.
+    for (label, n, k, counts, nvfp4) in [
+        ("Flash L1", 4096usize, 4096usize, vec![129usize, 3], true),
+        ("Flash L2", 4096, 2048, vec![70, 0, 65], false),
+        ("Pro L2", 7168, 3072, vec![130], true),
+    ] {
+        let w = quantized_weights(&mut rng, counts.len(), n, k);
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+        let rb = batch_with_counts(&counts);
+        check_prefill(&gpu, label, &w, &dw, &rb, nvfp4, false, &mut rng);
+    }
+}
+
+#[test]
+fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_rejects_masked_groupings_and_bad_shapes") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_rejects_masked_groupings_and_bad_shapes");
+    let w = quantized_weights(&mut rng, 2, 128, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let masked = RoutedBatch::from_choices(3, 2, 1, vec![0, 1, 1], Some(4)).unwrap();
+    let a = gathered_activations(&mut rng, &masked, 512, false);
+    let da = DevA::upload(&gpu, &a);
+    let dg = DeviceGrouping::upload(&gpu, &masked.grouping).unwrap();
+    let mut ws = Workspace::new(&gpu, 1, masked.grouping.rows_total(), 128).unwrap();
+    let err = prefill::launch_partial_prefill(&gpu, &dw, &da.view(), &dg, &mut ws).unwrap_err();
+    assert!(err.to_string().contains("contiguous"), "{err}");
+    let contiguous = batch_with_counts(&[2, 1]);
+    let dg = DeviceGrouping::upload(&gpu, &contiguous.grouping).unwrap();
+    let mut ws2 = Workspace::new(&gpu, 2, 3, 128).unwrap();
+    let err = prefill::launch_partial_prefill(&gpu, &dw, &da.view(), &dg, &mut ws2).unwrap_err();
+    assert!(err.to_string().contains("workspace"), "{err}");
+    assert!(prefill::check_shape(192, 512).is_err());
+    assert!(prefill::check_shape(128, 96).is_err());
+}
