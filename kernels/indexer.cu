@@ -1,6 +1,15 @@
 // Lightning indexer (DSV4 §3.8): index-key writer, weighted-ReLU MQA logits on FP8 tensor cores, and a
 // deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort).
 //
+// Versions (session 2): the launcher's default path is logits v2 for FP8 keys (indexer_logits_fp8h_*: e4m3
+// converted once to f16 fragments + f16 HMMA, because sm_90 emulates FP8 mma.sync; see logits_f16_body)
+// and top-k v2 (indexer_topk2_hist -> indexer_topk2_select -> indexer_topk2_final: a 4096-bin histogram,
+// a threshold select with many CTAs per row, one exact pass per row; see "Top-k v2"). The sections below
+// describe v1 (indexer_logits_fp8_*, indexer_topk_chunk + indexer_topk_merge), kept as bench variant
+// "fused_v1" for the A/B; MXFP4 keys use the v1 logits kernels in both variants.
+// Budget at 1M context, batch 1 (262,144 keys, 34.6 MB): HBM floor 8.1 us at 4.25 TB/s; f16 HMMA work
+// 1.05 M HMMA.16816 = ~8,000 per SM, ~6 us at ~1.5 cycles each; top-k v2 reads the 1 MB of scores twice.
+//
 // ---- Key cache (two planes per format, entry slot = b * capacity + j) -----------------------------------
 //   FP8  : codes[slot][128] e4m3, scales[slot] fp32 (x = e4m3 * scale)               132 B / entry
 //   MXFP4: codes[slot][64] e2m1 (dim 2i in the low nibble), scales[slot][4] ue8m0       68 B / entry

@@ -15,6 +15,7 @@
 //!   The CPU reference follows the same rules and the stress suite tests them.
 
 pub mod bench;
+pub mod exec_entry;
 pub mod reference;
 pub mod stress;
 
@@ -25,6 +26,7 @@ use cudarc::driver::CudaSlice;
 use crate::formats::e4m3;
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
+pub use exec_entry::{exec_kernels, parse_exec_inputs};
 pub use reference::{KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
 
 /// Kernel family name (kernels/indexer.cu).
@@ -942,9 +944,7 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!(
-            "unknown indexer variant `{variant}` (expected fused, fused_v1 or baseline)"
-        ),
+        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_v1 or baseline)"),
     }
 }
 
