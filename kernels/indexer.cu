@@ -1,6 +1,15 @@
 // Lightning indexer (DSV4 §3.8): index-key writer, weighted-ReLU MQA logits on FP8 tensor cores, and a
 // deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort).
 //
+// Versions (session 2): the launcher's default path is logits v2 for FP8 keys (indexer_logits_fp8h_*: e4m3
+// converted once to f16 fragments + f16 HMMA, because sm_90 emulates FP8 mma.sync; see logits_f16_body)
+// and top-k v2 (indexer_topk2_hist -> indexer_topk2_select -> indexer_topk2_final: a 4096-bin histogram,
+// a threshold select with many CTAs per row, one exact pass per row; see "Top-k v2"). The sections below
+// describe v1 (indexer_logits_fp8_*, indexer_topk_chunk + indexer_topk_merge), kept as bench variant
+// "fused_v1" for the A/B; MXFP4 keys use the v1 logits kernels in both variants.
+// Budget at 1M context, batch 1 (262,144 keys, 34.6 MB): HBM floor 8.1 us at 4.25 TB/s; f16 HMMA work
+// 1.05 M HMMA.16816 = ~8,000 per SM, ~6 us at ~1.5 cycles each; top-k v2 reads the 1 MB of scores twice.
+//
 // ---- Key cache (two planes per format, entry slot = b * capacity + j) -----------------------------------
 //   FP8  : codes[slot][128] e4m3, scales[slot] fp32 (x = e4m3 * scale)               132 B / entry
 //   MXFP4: codes[slot][64] e2m1 (dim 2i in the low nibble), scales[slot][4] ue8m0       68 B / entry
@@ -286,6 +295,133 @@ __device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const
     }
 }
 
+
+// ---- FP8 logits v2: explicit e4m3 -> f16 conversion + mma.sync m16n8k16 f16 (f32 accumulate) -------------------
+// Why: Hopper has no native FP8 mma.sync (m16n8k32 .e4m3 is an sm_89 instruction; on sm_90 ptxas emulates it by
+// converting both operands to f16 inside every mma and issuing two HMMA.16816). The Nsight profile of v1 at 1M
+// context showed ~1200 issued instructions per 32-key warp tile (IPC 1.9/SM, ALU the busiest pipe) for 128
+// HMMAs of real work. Here each key fragment is converted once per warp tile (64 cvt.rn.f16x2.e4m3x2, reused
+// by all 8 head tiles) and q is converted once per CTA into f16 fragments in shared memory, so the inner loop
+// is 8 HMMA + 4 LDS.128 per (head tile, m-tile pair) plus the ReLU epilogue: ~420 instructions per warp tile.
+// Exactness: every e4m3 value (normal or subnormal, |x| <= 448, min 2^-9) is exactly an f16 value, so the
+// HMMA sees the same products as an FP8 tensor core would; accumulation is f32 as before.
+// K permutation (the dot product is invariant under any permutation applied to both operands): for k16-step
+// u (0..7) lane (g, tq) uses the 4 key bytes of its 32-bit word u (words 0-3: dims tq*16 + 4u.., words 4-7:
+// 64 + tq*16 + 4(u-4)..), split into two byte pairs -> a0/a2 (row g) and a1/a3 (row g+8); q head nt*8 + g
+// gives b0/b1 from the same 4 dims, through the same conversion. Byte loads are unchanged from v1.
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+}
+
+__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int NEXT_N>
+__device__ __forceinline__ void logits_f16_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
+                                                const uint8_t* __restrict__ codes, const float* __restrict__ scales,
+                                                const int* __restrict__ num_valid, int capacity,
+                                                float* __restrict__ scores, int score_stride) {
+    // qh[t][nt][p][lane] = (b0, b1) of k16-step 2p and (b0, b1) of step 2p + 1: one conflict-free LDS.128.
+    __shared__ __align__(16) uint4 qh[NEXT_N][8][4][32];
+    __shared__ __align__(16) float w_s[NEXT_N][HEADS];
+    const int b = blockIdx.y;
+    int n_seq = 0;
+#pragma unroll
+    for (int t = 0; t < NEXT_N; ++t) n_seq = max(n_seq, min(max(num_valid[b * NEXT_N + t], 0), capacity));
+    const int cta_begin = blockIdx.x * LG_CTA_KEYS;
+    if (cta_begin >= n_seq) return;  // block-uniform, before any barrier
+    const int cta_end = min(cta_begin + LG_CTA_KEYS, n_seq);
+
+    for (int e = threadIdx.x; e < NEXT_N * 8 * 4 * 32; e += blockDim.x) {
+        const int ln = e & 31, p = (e >> 5) & 3, nt = (e >> 7) & 7, t = e >> 10;
+        const int head = nt * 8 + (ln >> 2), tq = ln & 3;
+        const uint8_t* qrow = q + ((size_t)(b * NEXT_N + t) * HEADS + head) * DIM;
+        uint32_t r[4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int u = 2 * p + j;
+            const int off = u < 4 ? tq * 16 + 4 * u : 64 + tq * 16 + 4 * (u - 4);
+            e4m3x4_to_f16x2x2(*reinterpret_cast<const uint32_t*>(qrow + off), r[2 * j], r[2 * j + 1]);
+        }
+        qh[t][nt][p][ln] = make_uint4(r[0], r[1], r[2], r[3]);
+    }
+    for (int e = threadIdx.x; e < NEXT_N * HEADS; e += blockDim.x) w_s[e / HEADS][e % HEADS] = w[(size_t)b * NEXT_N * HEADS + e];
+    __syncthreads();  // the only barrier of the kernel
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const size_t seq_slot0 = (size_t)b * capacity;
+
+    for (int tile = cta_begin + warp * LG_WARP_KEYS; tile < cta_end; tile += LG_WARPS * LG_WARP_KEYS) {
+        uint32_t a[LG_MT][8][4];  // [m-tile][k16-step][a0..a3] f16x2
+#pragma unroll
+        for (int mt = 0; mt < LG_MT; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = tile + mt * 16 + g + half * 8;
+                uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;  // zero codes = 0.0 for rows past the end
+                if (row < n_seq) {
+                    const uint8_t* p = codes + (seq_slot0 + row) * DIM;
+                    lo = __ldg(reinterpret_cast<const uint4*>(p + tq * 16));
+                    hi = __ldg(reinterpret_cast<const uint4*>(p + 64 + tq * 16));
+                }
+                const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                for (int u = 0; u < 8; ++u) e4m3x4_to_f16x2x2(words[u], a[mt][u][half], a[mt][u][2 + half]);
+            }
+        }
+
+#pragma unroll 1
+        for (int t = 0; t < NEXT_N; ++t) {
+            float part[LG_MT][2];
+#pragma unroll
+            for (int mt = 0; mt < LG_MT; ++mt) part[mt][0] = part[mt][1] = 0.f;
+#pragma unroll 2
+            for (int nt = 0; nt < 8; ++nt) {
+                const float2 wv = *reinterpret_cast<const float2*>(&w_s[t][nt * 8 + 2 * tq]);
+                float c[LG_MT][4];
+#pragma unroll
+                for (int mt = 0; mt < LG_MT; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0.f;
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const uint4 bq = qh[t][nt][p][lane];
+#pragma unroll
+                    for (int mt = 0; mt < LG_MT; ++mt) {
+                        mma_f16(c[mt], a[mt][2 * p], bq.x, bq.y);
+                        mma_f16(c[mt], a[mt][2 * p + 1], bq.z, bq.w);
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < LG_MT; ++mt) {
+                    part[mt][0] = fmaf(wv.x, fmaxf(c[mt][0], 0.f), part[mt][0]);
+                    part[mt][0] = fmaf(wv.y, fmaxf(c[mt][1], 0.f), part[mt][0]);
+                    part[mt][1] = fmaf(wv.x, fmaxf(c[mt][2], 0.f), part[mt][1]);
+                    part[mt][1] = fmaf(wv.y, fmaxf(c[mt][3], 0.f), part[mt][1]);
+                }
+            }
+            float* out = scores + (size_t)(b * NEXT_N + t) * score_stride;
+#pragma unroll
+            for (int mt = 0; mt < LG_MT; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float v = part[mt][half];
+                    v += __shfl_xor_sync(FULL, v, 1);
+                    v += __shfl_xor_sync(FULL, v, 2);
+                    const int row = tile + mt * 16 + g + half * 8;
+                    if (tq == half && row < n_seq) out[row] = v * __ldg(scales + seq_slot0 + row);
+                }
+            }
+        }
+    }
+}
+
 }  // namespace
 
 #define INDEXER_LOGITS_ENTRY(NAME, NEXT_N, FP4, MIN_BLOCKS)                                                                   \
@@ -301,6 +437,19 @@ INDEXER_LOGITS_ENTRY(indexer_logits_fp8_n2, 2, false, 2)
 INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n1, 1, true, 2)
 // 2 query tokens x the e2m1 expansion need more than 128 registers: one CTA per SM, no spills.
 INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n2, 2, true, 1)
+
+// FP8 logits v2 (f16 HMMA with operands converted once; see logits_f16_body). v1 above = bench "fused_v1".
+#define INDEXER_LOGITS_F16_ENTRY(NAME, NEXT_N)                                                                 \
+    extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, 2)                                              \
+        NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
+             const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
+             float* __restrict__ scores, int score_stride) {                                                     \
+        logits_f16_body<NEXT_N>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid, capacity, scores, \
+                                score_stride);                                                                   \
+    }
+
+INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n1, 1)
+INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n2, 2)
 
 // ------------------------------------------------------------------------------------------------------------
 // Top-k
@@ -556,6 +705,238 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1)
         block_collect(src, m, false, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) { sortbuf[pos] = cc; });
     }
     sort_and_write(sortbuf, kk, k, out_idx + (size_t)row * k, out_score + (size_t)row * k);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Top-k v2 ("fused"): histogram -> threshold select with many CTAs per row -> one small exact pass per row.
+// The v1 kernels above (indexer_topk_chunk + indexer_topk_merge) stay as bench variant "fused_v1".
+//
+// Pass 1, indexer_topk2_hist, grid (ceil(max_n / TK2_SLICE), rows) x 512 threads: a shared-memory
+//   histogram of bin = order_key(score) >> 20 (the top 12 bits: sign, 8 exponent bits, 3 mantissa bits)
+//   over the CTA's slice, flushed with one global atomicAdd per non-empty bin into hist[row][4096].
+// Pass 2, indexer_topk2_select, same grid: every CTA reads hist[row] (16 KB, from L2) and recomputes the
+//   threshold bin B (scan from the top bin down: the unique bin with excl(B) < kk <= incl(B), kk =
+//   min(k, n)). Entries with bin > B are selected for sure (there are excl(B) < kk of them): their
+//   composites go to above[row][slot < k]; entries with bin == B go to bucket[row][slot < bucket_stride]
+//   (there are hist[B] <= n of them). Slots come from warp-aggregated atomics on two per-row counters.
+// Pass 3, indexer_topk2_final, grid rows x 1024 threads: rem = kk - above_count entries are still to pick
+//   from the threshold bucket: the v1 radix select over its composites (in shared memory when it holds
+//   <= TK2_FINAL_SMEM_CAP entries, else straight from global memory), then the kk composites are sorted
+//   (bitonic) and written in the contract's order. Selecting the rem largest composites of bucket B plus
+//   every entry of a higher bin is exactly the kk largest composites of the row, because bin is a
+//   monotone function of the composite's top 12 bits.
+// Reset: pass 3 zeroes hist[row] and both counters of its row once every thread has read the counters (after
+//   a barrier), and pass 2 (their only other reader) finished before pass 3 started (stream order), so the
+//   buffers are zero again at the end of every call: graph replays and back-to-back calls need no memset.
+//   The launcher allocates them zeroed and re-zeroes them if a previous call was interrupted mid-pipeline.
+// Memory safety does not depend on the histogram being right: every slot is bounds-checked.
+// Size of the threshold bucket: for scores with a smooth density f near the k-th largest value s_k, B holds
+//   about n * f(s_k) * s_k / 8 entries (3 mantissa bits = bins 1/8 of an octave wide); for Gaussian-like
+//   logits and k / n = 512 / 262144 that is a few hundred, far below the shared-memory capacity. Heavy ties
+//   (all-equal rows) put the whole row in B: still exact, through the global-memory path.
+// Deadlock freedom: pass 1 and 2 have barriers only in straight-line code after a block-uniform early
+//   return; their per-element loops have compile-time trip counts (TK2_PER_THREAD) and warp-uniform
+//   ballots. Pass 3 calls block_select / block_collect / sort_and_write (argument above) with block-uniform
+//   (m, kk) read from global memory before its first barrier.
+// ------------------------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int TK2_BITS = 12;
+constexpr int TK2_BINS = 1 << TK2_BITS;  // 4096
+constexpr int TK2_SHIFT = 32 - TK2_BITS;
+constexpr int TK2_THREADS = 512;
+constexpr int TK2_PER_THREAD = 8;
+constexpr int TK2_SLICE = TK2_THREADS * TK2_PER_THREAD;  // 4096 entries per pass-1/pass-2 CTA
+constexpr int TK2_BINS_PER_THREAD = TK2_BINS / TK2_THREADS;  // 8
+constexpr int TK2_FINAL_SMEM_CAP = 16384;
+static_assert(TK2_BINS_PER_THREAD == 8, "the threshold scan loads 8 bins per thread as two uint4");
+
+struct GlobalCompSrc {
+    const uint64_t* comps;
+    __device__ __forceinline__ uint64_t comp(int i) const { return comps[i]; }
+};
+
+}  // namespace
+
+// hist [rows][4096] u32 (zero on entry). grid (ceil(max_n / 4096), rows), block 512.
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist(const float* __restrict__ scores,
+                                                                           int score_stride,
+                                                                           const int* __restrict__ num_valid,
+                                                                           uint32_t* __restrict__ hist) {
+    __shared__ uint32_t h[TK2_BINS];
+    const int row = blockIdx.y;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int base = blockIdx.x * TK2_SLICE;
+    if (base >= n) return;  // block-uniform, before any barrier
+    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) h[i] = 0;
+    const float* src = scores + (size_t)row * score_stride;
+    float v[TK2_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // all loads first: 8 in flight per thread
+        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
+        v[r] = i < n ? src[i] : 0.f;
+    }
+    __syncthreads();  // h zeroed
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {
+        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
+        if (i < n) atomicAdd(&h[order_key(v[r]) >> TK2_SHIFT], 1u);
+    }
+    __syncthreads();
+    uint32_t* g = hist + (size_t)row * TK2_BINS;
+    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) {
+        const uint32_t c = h[i];
+        if (c) atomicAdd(&g[i], c);
+    }
+}
+
+// counters [rows][2] u32 (above, bucket; zero on entry); above [rows][k] u64; bucket [rows][bucket_stride] u64.
+// grid (ceil(max_n / 4096), rows), block 512.
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_select(
+    const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
+    const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
+    unsigned long long* __restrict__ bucket, int bucket_stride) {
+    __shared__ uint32_t warp_sums[TK2_THREADS / 32];
+    __shared__ uint32_t thr_bin;
+    const int row = blockIdx.y;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int base = blockIdx.x * TK2_SLICE;
+    if (base >= n) return;  // block-uniform, before any barrier
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t kk = (uint32_t)min(k, n);  // >= 1 here
+
+    // This CTA's scores first (they do not depend on the threshold): 8 loads in flight per thread.
+    const float* src = scores + (size_t)row * score_stride;
+    float v[TK2_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {
+        const int i = base + r * TK2_THREADS + tid;
+        v[r] = i < n ? src[i] : 0.f;
+    }
+
+    // Threshold bin. Thread t owns bins 4095 - 8t - j, j = 0..7 (descending), loaded as two uint4.
+    const uint4* g4 = reinterpret_cast<const uint4*>(hist + (size_t)row * TK2_BINS + (TK2_BINS - 8 - 8 * tid));
+    const uint4 lo = g4[0], hi = g4[1];
+    const uint32_t c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
+    uint32_t own = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) own += c[j];
+    uint32_t incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    if (tid == 0) thr_bin = TK2_BINS;  // "none": only if the histogram is inconsistent (never when zeroed)
+    __syncthreads();
+    for (int w2 = 0; w2 < warp; ++w2) incl += warp_sums[w2];  // no barrier inside
+    const uint32_t excl = incl - own;
+    if (excl < kk && incl >= kk) {  // exactly one thread: prefix sums are monotone and the total is n >= kk
+        uint32_t run = excl;
+        int found = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (!found && run + c[j] >= kk) {
+                thr_bin = (uint32_t)(TK2_BINS - 1 - (8 * tid + j));
+                found = 1;
+            }
+            run += c[j];
+        }
+    }
+    __syncthreads();
+    const uint32_t B = thr_bin;
+
+    uint32_t* cnt = counters + 2 * (size_t)row;
+    unsigned long long* above_row = above + (size_t)row * k;
+    unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
+    const unsigned lanes_below = (1u << lane) - 1u;
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
+        const int i = base + r * TK2_THREADS + tid;
+        const uint32_t key = order_key(v[r]);
+        const uint32_t bin = key >> TK2_SHIFT;
+        const bool up = i < n && bin > B && B < TK2_BINS;
+        const bool eq = i < n && bin == B;
+        const unsigned bu = __ballot_sync(FULL, up), be = __ballot_sync(FULL, eq);
+        if (!(bu | be)) continue;  // warp-uniform
+        uint32_t su = 0, se = 0;
+        if (lane == 0) {
+            if (bu) su = atomicAdd(&cnt[0], (uint32_t)__popc(bu));
+            if (be) se = atomicAdd(&cnt[1], (uint32_t)__popc(be));
+        }
+        su = __shfl_sync(FULL, su, 0);
+        se = __shfl_sync(FULL, se, 0);
+        if (up) {
+            const uint32_t slot = su + __popc(bu & lanes_below);
+            if (slot < (uint32_t)k) above_row[slot] = composite(key, (uint32_t)i);
+        }
+        if (eq) {
+            const uint32_t slot = se + __popc(be & lanes_below);
+            if (slot < (uint32_t)bucket_stride) bucket_row[slot] = composite(key, (uint32_t)i);
+        }
+    }
+}
+
+// grid rows, block TOPK_THREADS, dynamic smem = sizeof(SelectShared) + 8 * TOPK_MAX_K + 8 * TK2_FINAL_SMEM_CAP.
+// Zeroes hist[row] and counters[row] for the next call.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk2_final(
+    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
+    uint32_t* __restrict__ counters, const unsigned long long* __restrict__ above,
+    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
+    float* __restrict__ out_score) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
+    uint64_t* sortbuf = reinterpret_cast<uint64_t*>(smem_raw + sizeof(SelectShared));
+    uint64_t* comps = sortbuf + TOPK_MAX_K;
+
+    const int row = blockIdx.x, tid = threadIdx.x;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int kk = min(k, n);
+    uint32_t* cnt = counters + 2 * (size_t)row;
+    // With a consistent histogram: above_count = excl(B) < kk and 1 <= kk - above_count <= bucket_count.
+    // The clamps only keep a corrupted state inside the buffers.
+    const int a = (int)min(cnt[0], (uint32_t)kk);
+    const int nb = (int)min(cnt[1], (uint32_t)bucket_stride);
+    __syncthreads();  // every thread has read the counters
+    for (int i = tid; i < TK2_BINS; i += blockDim.x) hist[(size_t)row * TK2_BINS + i] = 0;
+    if (tid == 0) {
+        cnt[0] = 0;
+        cnt[1] = 0;
+    }
+    int* oi = out_idx + (size_t)row * k;
+    float* os = out_score + (size_t)row * k;
+    if (kk == 0) {  // block-uniform: nothing visible
+        for (int j = tid; j < k; j += blockDim.x) {
+            oi[j] = -1;
+            os[j] = -INFINITY;
+        }
+        return;
+    }
+    const int rem = max(0, min(kk - a, nb));  // block-uniform
+    const unsigned long long* above_row = above + (size_t)row * k;
+    for (int i = tid; i < a; i += blockDim.x) sortbuf[i] = above_row[i];
+    if (rem > 0) {
+        const unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
+        const bool all = rem >= nb;
+        uint64_t prefix = 0;
+        int shift = 64;
+        auto emit = [&](uint32_t pos, uint64_t cc) {
+            if ((int)pos < rem) sortbuf[a + pos] = cc;
+        };
+        if (nb <= TK2_FINAL_SMEM_CAP) {
+            for (int i = tid; i < nb; i += blockDim.x) comps[i] = bucket_row[i];
+            __syncthreads();
+            const SmemCompSrc src{comps};
+            if (!all) block_select(src, nb, rem, sh, prefix, shift);
+            block_collect(src, nb, all, prefix, shift, sh, emit);
+        } else {
+            const GlobalCompSrc src{reinterpret_cast<const uint64_t*>(bucket_row)};
+            if (!all) block_select(src, nb, rem, sh, prefix, shift);
+            block_collect(src, nb, all, prefix, shift, sh, emit);
+        }
+    }
+    sort_and_write(sortbuf, a + rem, k, oi, os);
 }
 
 // ------------------------------------------------------------------------------------------------------------

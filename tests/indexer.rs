@@ -312,6 +312,84 @@ fn radix_select_model_matches_reference_topk() {
     }
 }
 
+/// A sequential model of top-k v2 (kernels/indexer.cu "Top-k v2"): 4096-bin histogram of order_key >> 20,
+/// the threshold bin from the top-down scan (excl < kk <= incl), entries above it taken whole, the rem
+/// largest composites of the threshold bin taken by the radix model, then sorted. Checks the identity the
+/// kernels rely on (bin is monotone in the composite, so this is exactly the kk largest composites).
+fn model_threshold_topk(scores: &[f32], k: usize) -> Vec<i32> {
+    let n = scores.len();
+    let kk = k.min(n);
+    if kk == 0 {
+        return vec![-1; k];
+    }
+    let key = |i: usize| reference::order_key(scores[i]);
+    let mut hist = vec![0u32; 4096];
+    for i in 0..n {
+        hist[(key(i) >> 20) as usize] += 1;
+    }
+    let (mut excl, mut thr) = (0u32, None);
+    for bin in (0..4096).rev() {
+        if excl < kk as u32 && excl + hist[bin] >= kk as u32 {
+            thr = Some((bin as u32, excl));
+            break;
+        }
+        excl += hist[bin];
+    }
+    let (b, above) = thr.expect("threshold bin exists when kk <= n");
+    let mut out: Vec<u64> = (0..n)
+        .filter(|&i| key(i) >> 20 > b)
+        .map(|i| ((key(i) as u64) << 32) | (!(i as u32)) as u64)
+        .collect();
+    assert_eq!(out.len() as u32, above, "entries above the threshold bin");
+    assert!(out.len() < kk, "above count must be < kk");
+    let in_bin: Vec<usize> = (0..n).filter(|&i| key(i) >> 20 == b).collect();
+    let rem = kk - out.len();
+    assert!(rem >= 1 && rem <= in_bin.len(), "1 <= rem <= bucket count");
+    // The radix model over the bucket's own scores selects by (score, position in the bucket list); map back
+    // through in_bin, which is increasing, so "lower position" == "lower index".
+    let sub: Vec<f32> = in_bin.iter().map(|&i| scores[i]).collect();
+    for p in model_radix_topk(&sub, rem) {
+        let i = in_bin[p as usize];
+        out.push(((key(i) as u64) << 32) | (!(i as u32)) as u64);
+    }
+    out.sort_unstable_by(|a, b| b.cmp(a));
+    let mut idx: Vec<i32> = out.iter().map(|&c| !(c as u32) as i32).collect();
+    idx.resize(k, -1);
+    idx
+}
+
+#[test]
+fn threshold_topk_model_matches_reference_topk() {
+    let (seed, mut rng) = seeded("threshold_model");
+    for case in 0..300 {
+        let n =
+            [0usize, 1, 2, 7, 100, 511, 512, 513, 1000, 5000][case % 10] + rng.random_range(0..3);
+        let k = [1usize, 5, 512, 1024, 2048][rng.random_range(0..5)];
+        let scores: Vec<f32> = (0..n)
+            .map(|_| match (case / 10) % 5 {
+                0 => rng.random_range(-1.0f32..1.0),
+                1 => 3.5,
+                2 => [
+                    0.0f32,
+                    -0.0,
+                    1.0,
+                    f32::NAN,
+                    f32::NEG_INFINITY,
+                    f32::INFINITY,
+                ][rng.random_range(0..6)],
+                3 => rng.random_range(0..4) as f32,
+                // Gaussian-like logits (sum of uniforms): the shape the bucket-size estimate assumes.
+                _ => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
+            })
+            .collect();
+        assert_eq!(
+            model_threshold_topk(&scores, k),
+            reference::topk(&scores, k),
+            "seed {seed:#x} case {case}: n {n} k {k}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // GPU
 // ---------------------------------------------------------------------------------------------------------
@@ -425,6 +503,30 @@ fn gpu_logits_and_topk_match_the_reference() {
                         panic!("{format:?} next_n {next_n} k {k} row {r}: {e}");
                     }
                 }
+                // The v1 path (bench variant fused_v1: e4m3 mma.sync logits, chunked top-k) on the same
+                // inputs: logits within the same bound, and its top-k exact on its own scores.
+                let mut bufs1 = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+                indexer::run_v1(&gpu, &qb, &cache, &mut bufs1).unwrap();
+                let scores1 = gpu.download(&bufs1.scores).unwrap();
+                let idx1 = gpu.download(&bufs1.topk.out_idx).unwrap();
+                for r in 0..rows {
+                    let n = nv[r] as usize;
+                    let got1 = &scores1[r * stride..r * stride + n];
+                    for j in 0..n {
+                        let mag = reference::logit_magnitude(&shape, &q, &w, &host, r, j);
+                        let err = (got1[j] as f64 - want[r][j] as f64).abs();
+                        assert!(
+                            err <= f64::powi(2.0, -9) * mag + 1e-30,
+                            "v1 {format:?} next_n {next_n} row {r} j {j}: gpu {:e} ref {:e} err {err:e}",
+                            got1[j],
+                            want[r][j]
+                        );
+                    }
+                    if let Err(e) = reference::check_topk_exact(got1, k, &idx1[r * k..(r + 1) * k])
+                    {
+                        panic!("v1 {format:?} next_n {next_n} k {k} row {r}: {e}");
+                    }
+                }
                 if format == KeyFormat::Fp8 && next_n == 1 {
                     // The seeds' baseline on the same inputs: its top-k of our scores must be identical.
                     let mut base = indexer::BaselineBuffers::new(&gpu, batch, rows, cap).unwrap();
@@ -486,19 +588,28 @@ fn gpu_topk_long_rows_and_specials() {
         let sd = gpu.upload(&flat).unwrap();
         let nvd = gpu.upload(&nv).unwrap();
         let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
-        indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-        assert!(
-            stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-            "top-k did not finish within 5 s (k {k})"
-        );
-        let idx = gpu.download(&bufs.out_idx).unwrap();
-        for (r, &n) in lens.iter().enumerate() {
-            if let Err(e) = reference::check_topk_exact(
-                &flat[r * stride..r * stride + n],
-                k,
-                &idx[r * k..(r + 1) * k],
-            ) {
-                panic!("k {k} row {r} (num_valid {n}): {e}");
+        // v2 three times on the same buffers (its histogram and counters must be back to zero after every
+        // call: a missing reset shows up as a wrong second answer), then v1 (bench variant fused_v1).
+        for (pass, v1) in [(0, false), (1, false), (2, false), (3, true)] {
+            gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+            if v1 {
+                indexer::topk_v1(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+            } else {
+                indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+            }
+            assert!(
+                stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+                "top-k did not finish within 5 s (k {k}, call {pass}, v1 {v1})"
+            );
+            let idx = gpu.download(&bufs.out_idx).unwrap();
+            for (r, &n) in lens.iter().enumerate() {
+                if let Err(e) = reference::check_topk_exact(
+                    &flat[r * stride..r * stride + n],
+                    k,
+                    &idx[r * k..(r + 1) * k],
+                ) {
+                    panic!("k {k} call {pass} (v1 {v1}) row {r} (num_valid {n}): {e}");
+                }
             }
         }
     }
@@ -531,7 +642,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "baseline"] {
+    for v in ["fused", "fused_v1", "baseline"] {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
@@ -557,4 +668,187 @@ fn bench_config_parses() {
         .sweeps
         .iter()
         .any(|s| s.kernel == "indexer" && s.values.contains(&1_048_576)));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// `megamoe exec indexer` (CPU path and argument validation; the GPU path is the tested `indexer::run`).
+// ---------------------------------------------------------------------------------------------------------
+
+fn exec_inputs(
+    rng: &mut ChaCha8Rng,
+    format: KeyFormat,
+    batch: usize,
+    next_n: usize,
+    cap: usize,
+    k: i32,
+) -> (
+    megamoe::ops::exec::TensorMap,
+    KeyCacheHost,
+    Vec<u8>,
+    Vec<f32>,
+    Vec<i32>,
+) {
+    use megamoe::ops::exec::HostTensor;
+    use safetensors::Dtype;
+    let rows = batch * next_n;
+    let mut host = KeyCacheHost::new(format, batch, cap);
+    for b in 0..batch {
+        for j in 0..cap {
+            host.write_key(host.slot(b, j), &random_key(rng, 2.0))
+                .unwrap();
+        }
+    }
+    let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+        .map(|_| reference::random_e4m3(rng))
+        .collect();
+    let w: Vec<f32> = (0..rows * NUM_HEADS)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let nv: Vec<i32> = (0..rows)
+        .map(|_| rng.random_range(0..=cap as i32))
+        .collect();
+    let i32s = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut m = megamoe::ops::exec::TensorMap::new();
+    m.insert(
+        "q".into(),
+        HostTensor::from_u8(Dtype::F8_E4M3, vec![rows, NUM_HEADS, HEAD_DIM], q.clone()),
+    );
+    m.insert("w".into(), HostTensor::from_f32(vec![rows, NUM_HEADS], &w));
+    m.insert(
+        "num_valid".into(),
+        HostTensor::from_u8(Dtype::I32, vec![rows], i32s(&nv)),
+    );
+    let cb = format.code_bytes();
+    m.insert(
+        "key_codes".into(),
+        HostTensor::from_u8(Dtype::U8, vec![batch, cap, cb], host.codes.clone()),
+    );
+    let scales = match format {
+        KeyFormat::Fp8 => HostTensor::from_u8(Dtype::F32, vec![batch, cap], host.scales.clone()),
+        KeyFormat::Mxfp4 => {
+            HostTensor::from_u8(Dtype::U8, vec![batch, cap, 4], host.scales.clone())
+        }
+    };
+    m.insert("key_scales".into(), scales);
+    m.insert(
+        "k".into(),
+        HostTensor::from_u8(Dtype::I32, vec![1], i32s(&[k])),
+    );
+    (m, host, q, w, nv)
+}
+
+#[test]
+fn exec_indexer_cpu_matches_reference_and_rejects_bad_arguments() {
+    use megamoe::ops::exec::HostTensor;
+    use safetensors::Dtype;
+    let (seed, mut rng) = seeded("exec_indexer");
+    let entry = megamoe::ops::exec::kernels()
+        .into_iter()
+        .find(|e| e.name == "indexer")
+        .expect("exec registry has `indexer`");
+    for (format, next_n) in [(KeyFormat::Fp8, 1usize), (KeyFormat::Mxfp4, 2)] {
+        let (batch, cap, k) = (2usize, 9usize, 4i32);
+        let (m, host, q, w, nv) = exec_inputs(&mut rng, format, batch, next_n, cap, k);
+        let out = (entry.run)(&m, None).unwrap();
+        let shape = IndexerShape {
+            batch,
+            next_n,
+            num_valid: nv.clone(),
+        };
+        let want = reference::logits(&shape, &q, &w, &host);
+        let scores = out["scores"].to_f32().unwrap();
+        let idx: Vec<i32> = out["indices"]
+            .bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(out["indices"].shape, vec![batch * next_n, k as usize]);
+        for r in 0..batch * next_n {
+            let n = nv[r] as usize;
+            assert_eq!(
+                &scores[r * cap..r * cap + n],
+                &want[r][..],
+                "seed {seed:#x} row {r}"
+            );
+            assert!(scores[r * cap + n..(r + 1) * cap]
+                .iter()
+                .all(|&s| s == f32::NEG_INFINITY));
+            assert_eq!(
+                &idx[r * k as usize..(r + 1) * k as usize],
+                &reference::topk(&want[r], k as usize)[..],
+                "seed {seed:#x} {format:?} row {r}"
+            );
+        }
+    }
+    // Bad arguments: each must fail with a message naming the problem, before any launch.
+    let (good, ..) = exec_inputs(&mut rng, KeyFormat::Fp8, 2, 1, 9, 4);
+    let expect_err = |m: &megamoe::ops::exec::TensorMap, what: &str, needle: &str| {
+        let e = (entry.run)(m, None).expect_err(what);
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains(needle),
+            "{what}: message `{msg}` lacks `{needle}`"
+        );
+    };
+    let with = |name: &str, t: HostTensor| {
+        let mut m = good.clone();
+        m.insert(name.into(), t);
+        m
+    };
+    let i32t = |shape: Vec<usize>, v: &[i32]| {
+        HostTensor::from_u8(
+            Dtype::I32,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )
+    };
+    let mut missing = good.clone();
+    missing.remove("w");
+    expect_err(&missing, "missing w", "`w`");
+    expect_err(&with("k", i32t(vec![1], &[0])), "k = 0", "k = 0");
+    expect_err(&with("k", i32t(vec![1], &[2049])), "k = 2049", "k = 2049");
+    expect_err(
+        &with("num_valid", i32t(vec![2], &[10, 1])),
+        "num_valid > capacity",
+        "exceeds the cache capacity",
+    );
+    expect_err(
+        &with("num_valid", i32t(vec![2], &[-1, 1])),
+        "negative num_valid",
+        "negative",
+    );
+    expect_err(
+        &with("num_valid", i32t(vec![3], &[1, 1, 1])),
+        "num_valid length",
+        "num_valid",
+    );
+    let mut nanq = good["q"].clone();
+    nanq.bytes[77] = 0x7F;
+    expect_err(&with("q", nanq), "NaN q code", "NaN");
+    let mut infw = good["w"].clone();
+    infw.bytes[4..8].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    expect_err(&with("w", infw), "infinite w", "not finite");
+    // Three query rows for two sequences: next_n would be 1.5.
+    let (three, ..) = exec_inputs(&mut rng, KeyFormat::Fp8, 3, 1, 9, 4);
+    let mut bad_rows = good.clone();
+    bad_rows.insert("q".into(), three["q"].clone());
+    bad_rows.insert("w".into(), three["w"].clone());
+    bad_rows.insert("num_valid".into(), three["num_valid"].clone());
+    expect_err(&bad_rows, "rows not batch x next_n", "next_n");
+    expect_err(
+        &with(
+            "key_codes",
+            HostTensor::from_u8(Dtype::U8, vec![2, 9, 100], vec![0; 1800]),
+        ),
+        "key width",
+        "expected 128",
+    );
+    expect_err(
+        &with(
+            "key_scales",
+            HostTensor::from_u8(Dtype::F32, vec![2, 8], vec![0; 64]),
+        ),
+        "scales shape",
+        "key_scales",
+    );
 }

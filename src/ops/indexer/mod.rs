@@ -15,6 +15,7 @@
 //!   The CPU reference follows the same rules and the stress suite tests them.
 
 pub mod bench;
+pub mod exec_entry;
 pub mod reference;
 pub mod stress;
 
@@ -25,6 +26,7 @@ use cudarc::driver::CudaSlice;
 use crate::formats::e4m3;
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
+pub use exec_entry::{exec_kernels, parse_exec_inputs};
 pub use reference::{KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
 
 /// Kernel family name (kernels/indexer.cu).
@@ -35,6 +37,13 @@ pub const TOPK_CHUNK: usize = 32768;
 pub const TOPK_MAX_K: usize = 2048;
 /// Merge candidates held in shared memory (kernel constant MERGE_SMEM_CAP).
 const MERGE_SMEM_CAP: usize = 16384;
+/// Histogram bins of top-k v2 (kernel constant TK2_BINS: the top 12 bits of the order key).
+pub const TOPK2_BINS: usize = 4096;
+/// Entries per top-k v2 histogram / select CTA (kernel constant TK2_SLICE) and their block size.
+const TOPK2_SLICE: usize = 4096;
+const TOPK2_THREADS: u32 = 512;
+/// Threshold-bucket composites the v2 final pass keeps in shared memory (kernel constant TK2_FINAL_SMEM_CAP).
+const TOPK2_FINAL_SMEM_CAP: usize = 16384;
 /// sizeof(SelectShared) in the kernel: hist[256] + warp_sums[32] + 4 u32.
 const SELECT_SHARED_BYTES: usize = 256 * 4 + 32 * 4 + 16;
 const TOPK_THREADS: u32 = 1024;
@@ -245,13 +254,37 @@ pub fn validate_queries(
     Ok(())
 }
 
-/// Scores `[rows, score_stride]` for `j < num_valid[row]` (entries past it are not written).
+/// Scores `[rows, score_stride]` for `j < num_valid[row]` (entries past it are not written). FP8 keys use
+/// the v2 kernel (e4m3 converted once to f16 fragments + f16 HMMA; Hopper has no native FP8 mma.sync).
 pub fn logits(
     gpu: &Gpu,
     q: &QueryBatch,
     cache: &KeyCacheGpu,
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
+) -> Result<()> {
+    logits_impl(gpu, q, cache, scores, score_stride, false)
+}
+
+/// The previous logits kernels (FP8 keys through the sm_89 e4m3 mma.sync, emulated on Hopper): bench
+/// variant "fused_v1". MXFP4 keys use the same kernel in both versions.
+pub fn logits_v1(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+) -> Result<()> {
+    logits_impl(gpu, q, cache, scores, score_stride, true)
+}
+
+fn logits_impl(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+    v1: bool,
 ) -> Result<()> {
     ensure!(
         cache.batch == q.batch,
@@ -285,8 +318,10 @@ pub fn logits(
         return Ok(());
     }
     let name = match (cache.format, q.next_n) {
-        (KeyFormat::Fp8, 1) => "indexer_logits_fp8_n1",
-        (KeyFormat::Fp8, _) => "indexer_logits_fp8_n2",
+        (KeyFormat::Fp8, 1) if v1 => "indexer_logits_fp8_n1",
+        (KeyFormat::Fp8, _) if v1 => "indexer_logits_fp8_n2",
+        (KeyFormat::Fp8, 1) => "indexer_logits_fp8h_n1",
+        (KeyFormat::Fp8, _) => "indexer_logits_fp8h_n2",
         (KeyFormat::Mxfp4, 1) => "indexer_logits_mxfp4_n1",
         (KeyFormat::Mxfp4, _) => "indexer_logits_mxfp4_n2",
     };
@@ -316,9 +351,19 @@ pub struct TopkBuffers {
     pub max_n: usize,
     pub out_idx: CudaSlice<i32>,
     pub out_score: CudaSlice<f32>,
+    // v1 (chunk + merge) scratch.
     cand_keys: CudaSlice<u32>,
     cand_idx: CudaSlice<i32>,
     cand_stride: usize,
+    // v2 (histogram -> select -> final) scratch. `hist` and `counters` are zero between calls (the final
+    // pass re-zeroes them); `v2_dirty` is set while a v2 call is being enqueued, so a call that failed
+    // half-way is followed by an explicit zeroing.
+    hist: CudaSlice<u32>,
+    counters: CudaSlice<u32>,
+    above: CudaSlice<u64>,
+    bucket: CudaSlice<u64>,
+    bucket_stride: usize,
+    v2_dirty: bool,
 }
 
 impl TopkBuffers {
@@ -331,6 +376,7 @@ impl TopkBuffers {
         ensure!(max_n < i32::MAX as usize / 2, "max_n {max_n} too large");
         let chunks = max_n.div_ceil(TOPK_CHUNK).max(1);
         let cand_stride = if chunks > 1 { chunks * k } else { 1 };
+        let bucket_stride = max_n.max(1);
         Ok(TopkBuffers {
             rows,
             k,
@@ -340,6 +386,12 @@ impl TopkBuffers {
             cand_keys: gpu.zeros::<u32>(rows * cand_stride)?,
             cand_idx: gpu.zeros::<i32>(rows * cand_stride)?,
             cand_stride,
+            hist: gpu.zeros::<u32>(rows * TOPK2_BINS)?,
+            counters: gpu.zeros::<u32>(rows * 2)?,
+            above: gpu.zeros::<u64>(rows * k)?,
+            bucket: gpu.zeros::<u64>(rows * bucket_stride)?,
+            bucket_stride,
+            v2_dirty: false,
         })
     }
 }
@@ -357,15 +409,14 @@ fn set_smem(f: &cudarc::driver::CudaFunction, bytes: usize) -> Result<()> {
     Ok(())
 }
 
-/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing).
-pub fn topk(
-    gpu: &Gpu,
+/// Checks shared by both top-k paths; returns the longest row.
+fn check_topk_args(
     scores: &CudaSlice<f32>,
     score_stride: usize,
     num_valid: &CudaSlice<i32>,
     num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
+    bufs: &TopkBuffers,
+) -> Result<usize> {
     let rows = bufs.rows;
     ensure!(
         num_valid_host.len() == rows && num_valid.len() >= rows,
@@ -378,6 +429,10 @@ pub fn topk(
         scores.len(),
         rows * score_stride
     );
+    ensure!(
+        score_stride <= i32::MAX as usize,
+        "score_stride {score_stride} too large"
+    );
     if let Some(i) = num_valid_host
         .iter()
         .position(|&n| n < 0 || n as usize > score_stride.min(bufs.max_n))
@@ -388,7 +443,111 @@ pub fn topk(
             score_stride.min(bufs.max_n)
         );
     }
-    let max_n = num_valid_host.iter().copied().max().unwrap_or(0) as usize;
+    Ok(num_valid_host.iter().copied().max().unwrap_or(0) as usize)
+}
+
+/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): the v2 path
+/// (histogram of the top 12 key bits -> threshold select with many CTAs per row -> one exact pass per
+/// row). Three launches; see kernels/indexer.cu "Top-k v2".
+pub fn topk(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
+    let rows = bufs.rows;
+    if bufs.v2_dirty {
+        // A previous call stopped between its launches: its histogram / counters were not re-zeroed.
+        gpu.fill_bytes(&mut bufs.hist, 0)?;
+        gpu.fill_bytes(&mut bufs.counters, 0)?;
+    }
+    bufs.v2_dirty = true;
+    let slices = max_n.div_ceil(TOPK2_SLICE).max(1) as u32;
+    let (stride, k, bstride) = (
+        score_stride as i32,
+        bufs.k as i32,
+        bufs.bucket_stride as i32,
+    );
+    let f = gpu.function(FAMILY, "indexer_topk2_hist")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(scores)
+        .arg(&stride)
+        .arg(num_valid)
+        .arg(&mut bufs.hist);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (slices, rows as u32, 1),
+                (TOPK2_THREADS, 1, 1),
+                0,
+            ))
+        },
+        "indexer top-k v2 histogram",
+    )?;
+    let f = gpu.function(FAMILY, "indexer_topk2_select")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(scores)
+        .arg(&stride)
+        .arg(num_valid)
+        .arg(&k)
+        .arg(&bufs.hist)
+        .arg(&mut bufs.counters)
+        .arg(&mut bufs.above)
+        .arg(&mut bufs.bucket)
+        .arg(&bstride);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (slices, rows as u32, 1),
+                (TOPK2_THREADS, 1, 1),
+                0,
+            ))
+        },
+        "indexer top-k v2 select",
+    )?;
+    let f = gpu.function(FAMILY, "indexer_topk2_final")?;
+    let smem = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * TOPK2_FINAL_SMEM_CAP;
+    set_smem(&f, smem)?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&stride)
+        .arg(num_valid)
+        .arg(&k)
+        .arg(&mut bufs.hist)
+        .arg(&mut bufs.counters)
+        .arg(&bufs.above)
+        .arg(&bufs.bucket)
+        .arg(&bstride)
+        .arg(&mut bufs.out_idx)
+        .arg(&mut bufs.out_score);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (rows as u32, 1, 1),
+                (TOPK_THREADS, 1, 1),
+                smem as u32,
+            ))
+        },
+        "indexer top-k v2 final",
+    )?;
+    bufs.v2_dirty = false;
+    Ok(())
+}
+
+/// The previous top-k (bench variant "fused_v1"): one 1024-thread CTA per (row, 32K-entry chunk) radix
+/// select, then a merge CTA per row.
+pub fn topk_v1(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
+    let rows = bufs.rows;
     let chunks = max_n.div_ceil(TOPK_CHUNK).max(1);
     let chunk_cap = max_n.clamp(1, TOPK_CHUNK);
     let (k, stride, cap_i, cstride) = (
@@ -466,7 +625,7 @@ impl IndexerBuffers {
     }
 }
 
-/// Logits then top-k (two launches; top-k stage 2 only when a row exceeds one chunk).
+/// Logits then top-k (v2: four launches in all).
 pub fn run(
     gpu: &Gpu,
     q: &QueryBatch,
@@ -475,6 +634,24 @@ pub fn run(
 ) -> Result<()> {
     logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
     topk(
+        gpu,
+        &bufs.scores,
+        bufs.score_stride,
+        &q.num_valid,
+        &q.num_valid_host,
+        &mut bufs.topk,
+    )
+}
+
+/// The v1 logits then the v1 top-k (bench variant "fused_v1").
+pub fn run_v1(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+) -> Result<()> {
+    logits_v1(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    topk_v1(
         gpu,
         &bufs.scores,
         bufs.score_stride,
@@ -710,7 +887,8 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
-/// Time `variant` = "fused" (ours: tensor-core logits + radix-select top-k) or "baseline" (the seeds' path).
+/// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold top-k v2), "fused_v1" (the same
+/// logits + the previous chunked radix-select top-k) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -722,15 +900,20 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" => {
-            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+        "fused" | "fused_v1" => {
+            let v1 = variant == "fused_v1";
+            let logits_fn = if v1 { logits_v1 } else { logits };
+            let topk_fn = if v1 { topk_v1 } else { topk };
+            let run_fn = if v1 { run_v1 } else { run };
+            let logits_s =
+                gpu.time_us(plan, || logits_fn(gpu, q, cache, &mut bufs.scores, stride))?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
-                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
+                topk_fn(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
             })?;
-            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
+            let total = gpu.time_us(plan, || run_fn(gpu, q, cache, &mut bufs))?;
             Ok(IndexerSamples {
                 logits: logits_s,
                 topk: topk_s,
@@ -761,7 +944,7 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
+        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_v1 or baseline)"),
     }
 }
 

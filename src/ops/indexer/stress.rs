@@ -7,6 +7,10 @@
 //! cancelled, and tearing the context down would wait on it). Nothing here ever blocks on the device
 //! except after the event reported completion.
 //!
+//! Path under test: [`super::topk`] / [`super::run`], i.e. top-k v2 (histogram -> threshold select ->
+//! final exact pass) and the FP8 logits v2; the v1 kernels (bench variant "fused_v1") are covered by
+//! tests/indexer.rs.
+//!
 //! Cases: (A) top-k alone on host-made scores: every num_valid in 0..=4096 (batched, many rows per launch),
 //! random lengths up to 262,144, k - 1, k, k + 1, multiples of 128 and of the chunk size +- 1, and score
 //! patterns: distinct random, all equal, all zero, three values (heavy ties), ascending, descending, and
@@ -275,6 +279,14 @@ fn special_lengths(k: usize, max: usize) -> Vec<usize> {
         k,
         k + 1,
         2 * k + 1,
+        // Top-k v2: slice edges of the histogram / select CTAs (4096 entries) and the final pass's shared-memory
+        // capacity for the threshold bucket (16384 composites; the all-equal pattern puts a whole row there).
+        4095,
+        4097,
+        8191,
+        8193,
+        16_384,
+        16_385,
         c - 1,
         c,
         c + 1,
