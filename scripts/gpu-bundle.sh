@@ -11,7 +11,7 @@ out="$root/gpu-bundle"
 rm -rf "$out"
 mkdir -p "$out/tests"
 cargo build --release --bin megamoe
-cp target/release/megamoe "$out/"
+cp "${CARGO_TARGET_DIR:-target}/release/megamoe" "$out/"
 # Test executables (release, so they run fast); names without the hash.
 cargo test --release --no-run --message-format=json 2>/dev/null |
   python3 -c '
