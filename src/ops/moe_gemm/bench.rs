@@ -3,7 +3,8 @@
 //! params `hidden`, `inter`, `experts`, `topk` (bench-configs/moe_gemm.toml).
 //!
 //! Variants, raced on the same routing in the same run:
-//! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above).
+//! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above), kernel generation v2.
+//! * `nvfp4_v1`: the same with the v1 kernels (A/B in one run until the loser is deleted).
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -26,7 +27,16 @@ use crate::bench::{MatmulKind, Row, Summary};
 use crate::gpu::blas::{Blas, GemmInput};
 use crate::gpu::grid_1d;
 
-pub const VARIANTS: &[&str] = &["nvfp4", "cublaslt_bf16", "cublaslt_fp8"];
+pub const VARIANTS: &[&str] = &["nvfp4", "nvfp4_v1", "cublaslt_bf16", "cublaslt_fp8"];
+
+/// Kernel generation of an `nvfp4*` variant: `nvfp4` = v2 (current), `nvfp4_v1` = the first version (A/B).
+fn nvfp4_generation(variant: &str) -> Option<KernelGen> {
+    match variant {
+        "nvfp4" => Some(KernelGen::V2),
+        "nvfp4_v1" => Some(KernelGen::V1),
+        _ => None,
+    }
+}
 
 pub fn kernels() -> Vec<BenchKernel> {
     vec![
@@ -179,8 +189,8 @@ fn row(
 
 fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
     let p = Point::new(s, tokens, ctx.seed, 1)?;
-    match variant {
-        "nvfp4" => {
+    match nvfp4_generation(variant) {
+        Some(kgen) => {
             let gpu = ctx.gpu;
             let w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 11)?;
             let rows = p.rb.grouping.rows_total();
@@ -210,8 +220,8 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
-                launch_partial(gpu, &w, &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
+                launch_partial_gen(kgen, gpu, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_finish_l1_gen(kgen, gpu, &ws, &dg, &w, &a, &routing, &mut out)
             })?;
             Ok(vec![row(
                 "moe_gemm_l1",
@@ -222,14 +232,14 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 bytes as u64,
             )?])
         }
-        _ => cublaslt_point(ctx, s, "moe_gemm_l1", variant, &p),
+        None => cublaslt_point(ctx, s, "moe_gemm_l1", variant, &p),
     }
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
     let p = Point::new(s, tokens, ctx.seed, 2)?;
-    match variant {
-        "nvfp4" => {
+    match nvfp4_generation(variant) {
+        Some(kgen) => {
             let gpu = ctx.gpu;
             let w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 13)?;
             let rows = p.rb.grouping.rows_total();
@@ -253,8 +263,8 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.tokens * p.n * 2;
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
-                launch_partial(gpu, &w, &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
+                launch_partial_gen(kgen, gpu, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_finish_l2_gen(kgen, gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
             })?;
             Ok(vec![row(
                 "moe_gemm_l2",
@@ -265,7 +275,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 bytes as u64,
             )?])
         }
-        _ => cublaslt_point(ctx, s, "moe_gemm_l2", variant, &p),
+        None => cublaslt_point(ctx, s, "moe_gemm_l2", variant, &p),
     }
 }
 
