@@ -37,6 +37,18 @@
 //   atomics) and apply the epilogue: plain BF16, L1 SwiGLU + routing weight + NVFP4 quant, or L2 per-token
 //   combine over the top-k experts in routing order.
 //
+// * Version 2 (default; v1 stays reachable as KernelGen::V1 / bench variant nvfp4_v1 for the A/B run):
+//   - mainloop moe_gemm_nvfp4_partial_v2_nt*: the activation tile of the NEXT 512-K step is copied raw with
+//     cp.async into shared memory while the current step computes, then converted smem -> smem. v1 loaded it from
+//     global memory between two barriers, a full memory latency per step with no math in flight.
+//   - finish kernels *_vec / *_cols: all split loads of a column issued together, columns spread over more CTAs
+//     (v1 L2 combine: one CTA per token, so 1-2 decode tokens ran on 1-2 SMs).
+//   Same products, same MMA order, same epilogue expressions: v2 results are bit-identical to v1 (GPU-tested).
+//   Measured before v2 (Nsight Compute, Flash L1, 1 token): partial 33 us at 37% DRAM throughput, 42% issue-slot
+//   use, 3.7 warps/scheduler (register-limited: 127 regs, 2 CTAs/SM), ~1050 warp-instructions per warp and
+//   512-K step (~3 per weight pair: 4 shift/logic + 1 HMUL2 + scale conversion), i.e. the dequant alone needs
+//   ~90% of issue at full HBM bandwidth. Finish L1: 21 us (latency chain over one row per CTA).
+//
 // Byte/cycle budget (decode, Flash L1: N = 2*2048, K = 4096): 4.72 MB of codes+scales per expert. At ~4.3 TB/s
 // an H200 streams ~8.6e12 weights/s; the dequant costs ~2.3 issue slots per weight (4 int + 1 HMUL2 per pair
 // + scale prep), ~2e13 slots/s, against ~3.3e13 lane-ops/s of issue for 132 SMs at 1.98 GHz: about 60% of
@@ -379,6 +391,232 @@ MOE_GEMM_ENTRY(2, 2)
 MOE_GEMM_ENTRY(4, 1)
 MOE_GEMM_ENTRY(8, 1)
 
+// ---- Mainloop, version 2: activations through cp.async ------------------------------------------------------
+// v1 loads each step's activation tile from global memory *between* two barriers, so every 512-K step pays a full
+// memory latency with no math in flight (Nsight Compute, 1 token: 42% issue-slot use, 37% DRAM throughput). v2
+// copies the raw activation tile of the NEXT step into a shared "raw" buffer with cp.async (no registers held)
+// right before computing the current step, so that copy overlaps the math like the weight prefetch does. At the
+// start of a step the raw tile is converted smem -> smem into the same permuted, swizzled BF16 layout as v1
+// (same values, same MMA order: results are bit-identical to v1).
+// Raw layout per step: BF16 A: [TN][512] bf16 (1 KB per token). NVFP4 A: codes [TN][256 B], then scales
+// [TN][32 B] at byte TN * 256. The buffer is sized for BF16 (TN * 1 KB); tokens >= ntok are not copied (their
+// BF16 is written as zero by the conversion). Alignment: K % 512 == 0 and kbase % 512 == 0 make every source
+// address a multiple of 16 bytes (row * K * 2, row * K / 2, row * K / 16 and the k offsets are), given
+// 16-byte-aligned base pointers (device allocations are 256-byte aligned).
+namespace {
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+template <int TN>
+__device__ __forceinline__ void copy_raw_activations(uint8_t* raw, const void* act, const uint8_t* act_scales,
+                                                     int act_is_nvfp4, int K, int row0, int ntok, int kbase) {
+    if (!act_is_nvfp4) {
+        for (int q = threadIdx.x; q < TN * 64; q += kThreads) {  // 64 x 16 B per token
+            const int token = q >> 6, ch = q & 63;
+            if (token < ntok)
+                cp_async_16(raw + token * 1024 + ch * 16,
+                            reinterpret_cast<const uint8_t*>(act) + ((size_t)(row0 + token) * K + kbase) * 2 + ch * 16);
+        }
+    } else {
+        for (int q = threadIdx.x; q < TN * 18; q += kThreads) {  // 16 x 16 B of codes + 2 x 16 B of scales per token
+            if (q < TN * 16) {
+                const int token = q >> 4, ch = q & 15;
+                if (token < ntok)
+                    cp_async_16(raw + token * 256 + ch * 16, reinterpret_cast<const uint8_t*>(act) +
+                                                                 (size_t)(row0 + token) * (K / 2) + kbase / 2 + ch * 16);
+            } else {
+                const int token = (q - TN * 16) >> 1, ch = q & 1;
+                if (token < ntok)
+                    cp_async_16(raw + TN * 256 + token * 32 + ch * 16,
+                                act_scales + (size_t)(row0 + token) * (K / 16) + kbase / 16 + ch * 16);
+            }
+        }
+    }
+    cp_async_commit();
+}
+
+// Raw tile -> permuted, swizzled BF16 in s_act: the same values and layout as stage_activations (v1).
+template <int TN>
+__device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint8_t* raw, int act_is_nvfp4, int ntok) {
+    for (int q = threadIdx.x; q < TN * 64; q += kThreads) {
+        const int token = q >> 6, grp = q & 63;
+        const int c = grp >> 4, t = (grp >> 2) & 3, j = grp & 3;
+        uint4 out = make_uint4(0, 0, 0, 0);
+        if (token < ntok) {
+            if (!act_is_nvfp4) {
+                const uint4 r = reinterpret_cast<const uint4*>(raw)[token * 64 + grp];
+                out.x = __byte_perm(r.x, r.z, 0x5410);  // (x0, x4)
+                out.y = __byte_perm(r.x, r.z, 0x7632);  // (x1, x5)
+                out.z = __byte_perm(r.y, r.w, 0x5410);  // (x2, x6)
+                out.w = __byte_perm(r.y, r.w, 0x7632);  // (x3, x7)
+            } else {
+                const uint32_t codes = reinterpret_cast<const uint32_t*>(raw)[token * 64 + grp];
+                const float s = mm::e4m3_decode(raw[TN * 256 + token * 32 + (grp >> 1)]);
+                float x[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) x[i] = e2m1_value(codes >> (4 * i)) * s;  // exact
+                out.x = pack_bf16x2(x[0], x[4]);
+                out.y = pack_bf16x2(x[1], x[5]);
+                out.z = pack_bf16x2(x[2], x[6]);
+                out.w = pack_bf16x2(x[3], x[7]);
+            }
+        }
+        s_act[token * 64 + c * 16 + t * 4 + (j ^ ((t & 2) | (token & 1)))] = out;
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void moe_gemm_body_v2(const uint8_t* __restrict__ w_codes,
+                                                 const uint8_t* __restrict__ w_scales, int N, int K,
+                                                 const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
+                                                 int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
+                                                 int splits) {
+    constexpr int TN = NT * 8;
+    extern __shared__ uint4 s_dyn[];  // s_act: TN * 64 units of 16 B, then the raw tile: TN * 1024 B
+    uint4* s_act = s_dyn;
+    uint8_t* s_raw = reinterpret_cast<uint8_t*>(s_dyn + TN * 64);
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWarps];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int E = grp.experts;
+
+    // Exclusive prefix of token tiles per expert (as v1).
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
+        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
+    }
+    int incl = tiles0 + tiles1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int warp_base = 0;
+    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
+    const int excl = warp_base + incl - tiles0 - tiles1;
+    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
+    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
+    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
+    __syncthreads();
+
+    const int n_tiles = N / kBlockN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
+    const int k_split = K / splits;
+    const int stages = k_split / kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+
+    struct ItemPos {
+        int row0, ntok, split, n;
+        const uint8_t* codes;
+        const uint8_t* scales;
+    };
+    auto locate = [&](long long item) {
+        ItemPos p;
+        p.split = (int)(item % splits);
+        const long long rest = item / splits;
+        const int n_tile = (int)(rest % n_tiles);
+        const int et = (int)(rest / n_tiles);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        int start, count;
+        grp.expert_rows(lo, start, count);
+        const int tile = et - s_tile_prefix[lo];
+        p.row0 = start + tile * TN;
+        p.ntok = min(TN, count - tile * TN);
+        const int kbase = p.split * k_split;
+        p.n = n_tile * kBlockN + warp * 16 + g;
+        const size_t wrow = (size_t)lo * N + p.n;
+        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
+        p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
+        return p;
+    };
+
+    long long item = blockIdx.x;
+    if (item >= items) return;
+    ItemPos cur = locate(item);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    WChunk wbuf[2][kChunksPerStage];
+    copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
+    load_stage(wbuf[0], cur.codes, cur.scales, 8 * codes_row, 8 * scales_row);
+    int st = 0;
+    for (unsigned step = 0;; ++step) {
+        const bool last_stage = st + 1 == stages;
+        const long long next_item = last_stage ? item + gridDim.x : item;
+        const bool has_next = next_item < items;
+        ItemPos nxt = cur;
+        if (last_stage && has_next) nxt = locate(next_item);
+        const int next_st = last_stage ? 0 : st + 1;
+        if (has_next) {
+            const uint8_t* c = nxt.codes + next_st * (kStageK / 2);
+            const uint8_t* sc = nxt.scales + next_st * (kStageK / 16);
+            if ((step & 1) == 0) load_stage(wbuf[1], c, sc, 8 * codes_row, 8 * scales_row);
+            else load_stage(wbuf[0], c, sc, 8 * codes_row, 8 * scales_row);
+        }
+        cp_async_wait_all();  // this thread's copies of this step's raw tile have landed
+        __syncthreads();      // ... everyone's; and the previous step's reads of s_act are done
+        convert_raw_activations<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
+        __syncthreads();      // s_act complete; s_raw free
+        if (has_next)         // the next step's raw tile streams in while this step computes
+            copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
+                                     nxt.split * k_split + next_st * kStageK);
+        if ((step & 1) == 0) compute_stage<NT>(acc, wbuf[0], s_act, g, t);
+        else compute_stage<NT>(acc, wbuf[1], s_act, g, t);
+
+        if (last_stage) {
+            float* out = partial + (size_t)cur.split * grp.rows_total * N;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tk = nt * 8 + 2 * t;
+                if (tk < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
+                }
+                if (tk + 1 < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
+                }
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            }
+            if (!has_next) break;
+        }
+        item = next_item;
+        cur = nxt;
+        st = next_st;
+    }
+}
+
+}  // namespace
+
+#define MOE_GEMM_ENTRY_V2(NT, MINB)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v2_nt##NT(                 \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
+        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
+        Grouping grp{group, capacity, experts, rows_total};                                                          \
+        moe_gemm_body_v2<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);        \
+    }
+
+MOE_GEMM_ENTRY_V2(1, 2)
+MOE_GEMM_ENTRY_V2(2, 2)
+MOE_GEMM_ENTRY_V2(4, 1)
+MOE_GEMM_ENTRY_V2(8, 1)
+
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {
     float acc = 0.f;
@@ -495,16 +733,32 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combin
 // chain of global loads per column (~120 us measured). Here the split loads of all rows are independent and
 // issued together, and the columns are spread over many CTAs.
 
-// Split sum of 4 consecutive columns (float4 loads; N % 4 == 0, n % 4 == 0). Per lane the order is that of
-// reduce_splits: acc = 0 + p0 + p1 + ... (fixed split order).
-__device__ __forceinline__ float4 reduce_splits4(const float* partial, int splits, int rows_total, int N, int row, int n) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int s = 0; s < splits; ++s) {
-        const float4 p = *reinterpret_cast<const float4*>(partial + ((size_t)s * rows_total + row) * N + n);
-        acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
+// Split sums of 4 consecutive gate columns [n, n+4) and the matching up columns [I+n, I+n+4) (float4 loads;
+// N % 4 == 0, n % 4 == 0). The loads of up to 4 splits x 2 column groups are predicated in one basic block so they
+// are in flight together (one memory round trip for splits <= 4). Per lane the order is that of reduce_splits:
+// acc = 0 + p0 + p1 + ... (fixed split order; a missing split is skipped, never added as 0, so -0 stays -0).
+__device__ __forceinline__ void reduce_splits4_gate_up(const float* partial, int splits, int rows_total, int N, int I,
+                                                       int row, int n, float4& ag, float4& au) {
+    constexpr int kSplitsPerPass = 4;
+    ag = make_float4(0.f, 0.f, 0.f, 0.f);
+    au = ag;
+    for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
+        float4 pg[kSplitsPerPass], pu[kSplitsPerPass];
+#pragma unroll
+        for (int v = 0; v < kSplitsPerPass; ++v) {
+            const float* base = partial + ((size_t)(s0 + v) * rows_total + row) * N + n;
+            const bool ok = s0 + v < splits;
+            pg[v] = ok ? *reinterpret_cast<const float4*>(base) : make_float4(0.f, 0.f, 0.f, 0.f);
+            pu[v] = ok ? *reinterpret_cast<const float4*>(base + I) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int v = 0; v < kSplitsPerPass; ++v) {
+            if (s0 + v < splits) {
+                ag.x += pg[v].x; ag.y += pg[v].y; ag.z += pg[v].z; ag.w += pg[v].w;
+                au.x += pu[v].x; au.y += pu[v].y; au.z += pu[v].z; au.w += pu[v].w;
+            }
+        }
     }
-    return acc;
 }
 
 // L1 epilogue, v2: as moe_gemm_finish_l1_swiglu_nvfp4 (one CTA per row, smem = I * 4), but block = 512 and each
@@ -526,8 +780,8 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
     for (int n = 4 * threadIdx.x; n < I; n += 4 * blockDim.x) {
         float h[4] = {0.f, 0.f, 0.f, 0.f};
         if (e >= 0) {
-            const float4 ag = reduce_splits4(partial, splits, rows_total, N, row, n);
-            const float4 au = reduce_splits4(partial, splits, rows_total, N, row, I + n);
+            float4 ag, au;
+            reduce_splits4_gate_up(partial, splits, rows_total, N, I, row, n, ag, au);
             const float4 sg = *reinterpret_cast<const float4*>(gsb + (size_t)e * N + n);
             const float4 su = *reinterpret_cast<const float4*>(gsb + (size_t)e * N + I + n);
             const float accg[4] = {ag.x, ag.y, ag.z, ag.w}, accu[4] = {au.x, au.y, au.z, au.w};

@@ -4,9 +4,11 @@
 //!
 //! Variants, raced on the same routing in the same run:
 //! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above; contiguous points
-//!   with >= 64 rows per expert on average use the wgmma prefill mainloop, see `prefill.rs`).
-//! * `nvfp4_v1` / `nvfp4_wgmma` (contiguous points only): the mma.sync / the wgmma mainloop forced, same finish
-//!   kernel, so one run races the two mainloops at every prefill token count.
+//!   with >= 64 rows per expert on average use the wgmma prefill mainloop, see `prefill.rs`), generation v2.
+//! * `nvfp4_v1`: the first generation at every point (mma.sync mainloop v1 everywhere, v1 finish kernels), so
+//!   one run measures what this session's changes bought (A/B until the loser is deleted).
+//! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
+//!   128 x 256 CTA tile, v2 finish, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -33,23 +35,36 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_v1",
     "nvfp4_wgmma",
+    "nvfp4_wgmma256",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
 
 /// Our variants: `nvfp4` goes through [`launch_partial`] (which routes prefill shapes to the wgmma kernel),
-/// `nvfp4_v1` forces the mma.sync kernel and `nvfp4_wgmma` the wgmma prefill kernel (one K split); the two
-/// forced variants only run on contiguous (prefill) points, where they differ.
+/// `nvfp4_v1` forces the v1 mma.sync kernels, `nvfp4_wgmma` / `nvfp4_wgmma256` the wgmma prefill kernel with a
+/// 128 x 128 / 128 x 256 CTA tile (one K split); the wgmma variants only run on contiguous (prefill) points.
 fn is_ours(variant: &str) -> bool {
-    matches!(variant, "nvfp4" | "nvfp4_v1" | "nvfp4_wgmma")
+    matches!(
+        variant,
+        "nvfp4" | "nvfp4_v1" | "nvfp4_wgmma" | "nvfp4_wgmma256"
+    )
 }
 
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    variant != "nvfp4" && dg.capacity != 0
+    variant.starts_with("nvfp4_wgmma") && dg.capacity != 0
+}
+
+/// Kernel generation of the finish kernels (and of the mma.sync mainloop) of an `nvfp4*` variant.
+fn generation(variant: &str) -> KernelGen {
+    if variant == "nvfp4_v1" {
+        KernelGen::V1
+    } else {
+        KernelGen::V2
+    }
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
-    if variant == "nvfp4_wgmma" {
+    if variant.starts_with("nvfp4_wgmma") {
         GemmConfig { splits: 1, ..cfg }
     } else {
         cfg
@@ -66,8 +81,11 @@ fn launch_variant(
     ws: &mut Workspace,
 ) -> Result<()> {
     match variant {
-        "nvfp4_v1" => launch_partial_mma_sync(gpu, w, a, dg, cfg, ws),
+        "nvfp4_v1" => launch_partial_gen(KernelGen::V1, gpu, w, a, dg, cfg, ws),
         "nvfp4_wgmma" => prefill::launch_partial_prefill(gpu, w, a, dg, ws),
+        "nvfp4_wgmma256" => {
+            prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
+        }
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
@@ -261,7 +279,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
+                launch_finish_l1_gen(generation(variant), gpu, &ws, &dg, &w, &a, &routing, &mut out)
             })?;
             Ok(vec![row(
                 "moe_gemm_l1",
@@ -310,7 +328,17 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
                 launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
+                launch_finish_l2_gen(
+                    generation(variant),
+                    gpu,
+                    &ws,
+                    &dg,
+                    &w,
+                    &a,
+                    &token_rows,
+                    p.topk,
+                    &mut y,
+                )
             })?;
             Ok(vec![row(
                 "moe_gemm_l2",

@@ -309,7 +309,7 @@ impl Workspace {
 
 /// Mainloop: fp32 partial sums of `A . B^T` (no global scales) into `ws` for every owned row. Contiguous
 /// groupings with many rows per expert go to the wgmma prefill kernel ([`prefill::routes_here`]), the rest to
-/// the mma.sync kernel ([`launch_partial_mma_sync`]).
+/// the mma.sync kernel ([`launch_partial_gen`], generation v2).
 pub fn launch_partial(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -321,11 +321,15 @@ pub fn launch_partial(
     if prefill::routes_here(w, grp, cfg) {
         return prefill::launch_partial_prefill(gpu, w, a, grp, ws);
     }
-    launch_partial_mma_sync(gpu, w, a, grp, cfg, ws)
+    launch_partial_gen(KernelGen::V2, gpu, w, a, grp, cfg, ws)
 }
 
-/// The swap-AB mma.sync mainloop (kernels/moe_gemm.cu) for every grouping and config.
-pub fn launch_partial_mma_sync(
+/// The swap-AB mma.sync mainloop (kernels/moe_gemm.cu) for every grouping and config, with an explicit kernel
+/// generation (v2: the activation tile of the next 512-K step is copied with cp.async while the current step
+/// computes; shared memory = 2 x token_tile KB more than v1). [`launch_partial`] routes prefill shapes to the
+/// wgmma kernel instead.
+pub fn launch_partial_gen(
+    kgen: KernelGen,
     gpu: &Gpu,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
@@ -358,9 +362,23 @@ pub fn launch_partial_mma_sync(
         grp.rows_total,
         w.n
     );
-    let name = format!("moe_gemm_nvfp4_partial_nt{}", cfg.token_tile / 8);
+    // v1: the permuted BF16 tile (token_tile x 512 x 2 B); v2 adds the raw tile, sized for BF16 A (same again).
+    let (name, smem) = match kgen {
+        KernelGen::V1 => (
+            format!("moe_gemm_nvfp4_partial_nt{}", cfg.token_tile / 8),
+            (cfg.token_tile * STAGE_K * 2) as u32,
+        ),
+        KernelGen::V2 => (
+            format!("moe_gemm_nvfp4_partial_v2_nt{}", cfg.token_tile / 8),
+            (2 * cfg.token_tile * STAGE_K * 2) as u32,
+        ),
+    };
+    ensure!(
+        smem as usize <= gpu.info.max_smem_per_block_optin,
+        "{name}: needs {smem} B of shared memory, the device allows {}",
+        gpu.info.max_smem_per_block_optin
+    );
     let f = gpu.function(FAMILY, &name)?;
-    let smem = (cfg.token_tile * STAGE_K * 2) as u32;
     if smem > 48 * 1024 {
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
