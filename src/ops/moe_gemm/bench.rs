@@ -33,15 +33,19 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_v1",
     "nvfp4_wgmma",
+    "nvfp4_wgmma256",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
 
 /// Our variants: `nvfp4` goes through [`launch_partial`] (which routes prefill shapes to the wgmma kernel),
-/// `nvfp4_v1` forces the mma.sync kernel and `nvfp4_wgmma` the wgmma prefill kernel (one K split); the two
-/// forced variants only run on contiguous (prefill) points, where they differ.
+/// `nvfp4_v1` forces the mma.sync kernel, `nvfp4_wgmma` / `nvfp4_wgmma256` the wgmma prefill kernel with a
+/// 128 x 128 / 128 x 256 CTA tile (one K split); the forced variants only run on contiguous (prefill) points.
 fn is_ours(variant: &str) -> bool {
-    matches!(variant, "nvfp4" | "nvfp4_v1" | "nvfp4_wgmma")
+    matches!(
+        variant,
+        "nvfp4" | "nvfp4_v1" | "nvfp4_wgmma" | "nvfp4_wgmma256"
+    )
 }
 
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
@@ -49,7 +53,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
-    if variant == "nvfp4_wgmma" {
+    if variant.starts_with("nvfp4_wgmma") {
         GemmConfig { splits: 1, ..cfg }
     } else {
         cfg
@@ -68,6 +72,9 @@ fn launch_variant(
     match variant {
         "nvfp4_v1" => launch_partial_mma_sync(gpu, w, a, dg, cfg, ws),
         "nvfp4_wgmma" => prefill::launch_partial_prefill(gpu, w, a, dg, ws),
+        "nvfp4_wgmma256" => {
+            prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
+        }
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
