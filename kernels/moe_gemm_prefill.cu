@@ -10,6 +10,9 @@
 //   K advances in stages of 64 (one 128-byte BF16 row segment = exactly one 128B-swizzle atom width).
 //   Per stage and warp group: 4 x `wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16`, both operands from
 //   shared memory through matrix descriptors, fp32 accumulators in registers (64 per thread).
+//   Second entry `moe_gemm_prefill_partial_n256`: 128 x 256 tile, m64n256k16, 128 accumulators per thread
+//   (half the A-operand shared-memory reads and barriers per FLOP; 187 KB of shared memory). Bench variant
+//   `nvfp4_wgmma256`; the launcher routes to the 128-wide tile until measurements pick one.
 // * Producer = all 256 threads, through cp.async into a 4-slot ring of RAW stages (prefetch distance 3 stages):
 //   weight codes (128 rows x 32 B) + e4m3 block scales (128 rows x 4 B) -- 4x fewer bytes than BF16 -- and A:
 //   BF16 A goes straight into its swizzled BF16 tile (ring of 4 tiles); NVFP4 A goes to the raw ring as well.
@@ -60,21 +63,31 @@ namespace {
 
 constexpr int kThreads = 256;      // 2 consumer warp groups
 constexpr int kTileM = 128;        // tokens per CTA tile
-constexpr int kTileN = 128;        // weight rows per CTA tile
 constexpr int kStageK = 64;        // K per stage
 constexpr int kRing = 4;           // raw/A ring depth (prefetch distance kRing - 1)
 constexpr int kMaxExperts = 512;
 
-constexpr int kTileBytes = kTileM * kStageK * 2;             // 16 KiB BF16 tile (also kTileN rows)
-constexpr int kRawCodes = 128 * kStageK / 2;                 // 4 KiB
-constexpr int kRawScales = 128 * kStageK / 16;               // 512 B
-constexpr int kRawStage = 2 * (kRawCodes + kRawScales);      // B then A
-constexpr int kSmemA = 0;
-constexpr int kSmemB = kSmemA + kRing * kTileBytes;
-constexpr int kSmemRaw = kSmemB + 2 * kTileBytes;
-constexpr int kSmemBytes = kSmemRaw + kRing * kRawStage;     // + 1024 alignment slack requested by the host
-// prefill.rs SMEM_BYTES must equal this + 1024; the opt-in limit of an H200 CTA is 227 KiB (static smem ~2 KiB).
-static_assert(kSmemBytes + 1024 == 136192, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES in sync");
+constexpr int kTileBytes = kTileM * kStageK * 2;   // 16 KiB: one 128-row BF16 tile
+constexpr int kRawCodes = 128 * kStageK / 2;       // 4 KiB of codes per 128 rows
+constexpr int kRawScales = 128 * kStageK / 16;     // 512 B of block scales per 128 rows
+
+// Shared-memory layout for a CTA tile of TN weight rows (128 or 256): A ring (kRing BF16 tiles of 128 rows),
+// 2 BF16 B tiles of TN rows, kRing raw stages (B codes, B scales, A codes, A scales).
+template <int TN>
+struct Layout {
+    static constexpr int kBTile = TN * kStageK * 2;
+    static constexpr int kRawBCodes = TN / 128 * kRawCodes;
+    static constexpr int kRawBScales = TN / 128 * kRawScales;
+    static constexpr int kRawA = kRawBCodes + kRawBScales;
+    static constexpr int kRawStage = kRawA + kRawCodes + kRawScales;
+    static constexpr int kA = 0;
+    static constexpr int kB = kA + kRing * kTileBytes;
+    static constexpr int kRaw = kB + 2 * kBTile;
+    static constexpr int kBytes = kRaw + kRing * kRawStage;  // + 1024 alignment slack requested by the host
+};
+// prefill.rs SMEM_BYTES / SMEM_BYTES_N256 must equal these + 1024; an H200 CTA may opt in to 227 KiB.
+static_assert(Layout<128>::kBytes + 1024 == 136192, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES in sync");
+static_assert(Layout<256>::kBytes + 1024 == 187392, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_N256 in sync");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -97,9 +110,10 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
 // Keep the compiler from moving accumulator accesses across the async MMA boundary.
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // Descriptor of a 1024-aligned 128B-swizzled K-major tile at shared address `addr` (see the header).
@@ -118,6 +132,22 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, ui
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "l"(da), "l"(db), "r"(1));
+}
+
+// D(64 x 256, fp32) += A(64 x 16) * B(256 x 16)^T, same operand conventions as the n128 form.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+template <int TN>
+__device__ __forceinline__ void wgmma_tile(float (&d)[TN / 2], uint64_t da, uint64_t db) {
+    if constexpr (TN == 128) wgmma_m64n128k16(d, da, db);
+    else wgmma_m64n256k16(d, da, db);
 }
 
 // Byte offset of (row, 16-byte chunk) inside a 128B-swizzled K-major tile (mirrored in prefill.rs).
@@ -172,14 +202,14 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* raw_codes, const uin
 
 }  // namespace
 
-// grid = persistent (<= number of work items is fine; extra CTAs exit), block = 256,
-// dynamic smem = kSmemBytes + 1024. N % 128 == 0, K % 64 == 0, experts <= 512 (checked by the launcher).
-// offsets[E+1]: contiguous grouping (clamped to [0, rows_total] on the device so a bad value cannot fault).
-// partial: [rows_total, N] fp32; rows owned by no expert are not written.
-extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_partial(
+// Mainloop for a CTA tile of 128 tokens x TN weight rows (see the header). TN = 256 halves the A tile reads
+// per MMA and the barrier count per FLOP at the cost of 128 accumulator registers per thread.
+template <int TN>
+__device__ __forceinline__ void prefill_body(
     const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
     const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
     const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    using L = Layout<TN>;
     extern __shared__ uint8_t smem_raw[];
     __shared__ int s_tile_prefix[kMaxExperts + 1];
     __shared__ int s_warp_sum[kThreads / 32];
@@ -218,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_parti
     if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
     __syncthreads();
 
-    const int n_tiles = N / kTileN;
+    const int n_tiles = N / TN;
     const long long items = (long long)s_tile_prefix[E] * n_tiles;
     const int stages = K / kStageK;
     const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
@@ -241,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_parti
         expert_rows(e, start, count);
         const int row0 = start + (et - s_tile_prefix[e]) * kTileM;
         const int ntok = min(kTileM, count - (et - s_tile_prefix[e]) * kTileM);
-        const int n0 = n_tile * kTileN;
+        const int n0 = n_tile * TN;
         const uint8_t* b_codes = w_codes + ((size_t)e * N + n0) * codes_row;
         const uint8_t* b_scales = w_scales + ((size_t)e * N + n0) * scales_row;
 
@@ -249,17 +279,18 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_parti
         auto issue_stage = [&](int st) {
             if (st < stages) {
                 const int slot = st % kRing;
-                const uint32_t raw = smem_base + kSmemRaw + slot * kRawStage;
-                {   // weight codes: row tid/2, half tid%2
-                    const int r = tid >> 1, h = tid & 1;
+                const uint32_t raw = smem_base + L::kRaw + slot * L::kRawStage;
+#pragma unroll
+                for (int i = 0; i < TN / 128; ++i) {  // weight codes: row tid/2 + 128 i, half tid%2
+                    const int r = (tid >> 1) + 128 * i, h = tid & 1;
                     cp_async16(raw + r * 32 + h * 16, b_codes + r * codes_row + st * 32 + h * 16, 16);
                 }
-                if (tid < 128) {
-                    cp_async4(raw + kRawCodes + tid * 4, b_scales + tid * scales_row + st * 4, 4);
+                if (tid < TN) {
+                    cp_async4(raw + L::kRawBCodes + tid * 4, b_scales + tid * scales_row + st * 4, 4);
                 }
                 if (!act_is_nvfp4) {
                     const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(act);
-                    const uint32_t tile = smem_base + kSmemA + slot * kTileBytes;
+                    const uint32_t tile = smem_base + L::kA + slot * kTileBytes;
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         const int q = tid + kThreads * i;
@@ -270,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_parti
                     }
                 } else {
                     const uint8_t* a = reinterpret_cast<const uint8_t*>(act);
-                    const uint32_t rawa = raw + kRawCodes + kRawScales;
+                    const uint32_t rawa = raw + L::kRawA;
                     const int r = tid >> 1, h = tid & 1;
                     const bool ok = r < ntok;
                     const size_t grow = (size_t)(row0 + (ok ? r : 0));
@@ -287,18 +318,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_parti
         };
         auto dequant_stage = [&](int st) {
             const int slot = st % kRing;
-            const uint8_t* raw = smem + kSmemRaw + slot * kRawStage;
-            dequant_tile(raw, raw + kRawCodes, smem + kSmemB + (st & 1) * kTileBytes);
+            const uint8_t* raw = smem + L::kRaw + slot * L::kRawStage;
+            // Rows 128 i + r of a TN-row tile sit 16 KiB * i further: (128 i + r) & 7 == r & 7, same swizzle.
+#pragma unroll
+            for (int i = 0; i < TN / 128; ++i) {
+                dequant_tile(raw + i * kRawCodes, raw + L::kRawBCodes + i * kRawScales,
+                             smem + L::kB + (st & 1) * L::kBTile + i * kTileBytes);
+            }
             if (act_is_nvfp4) {
-                const uint8_t* rawa = raw + kRawCodes + kRawScales;
-                dequant_tile(rawa, rawa + kRawCodes, smem + kSmemA + slot * kTileBytes);
+                const uint8_t* rawa = raw + L::kRawA;
+                dequant_tile(rawa, rawa + kRawCodes, smem + L::kA + slot * kTileBytes);
             }
             fence_proxy_async();
         };
 
-        float d[64];
+        float d[TN / 2];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) d[i] = 0.f;
+        for (int i = 0; i < TN / 2; ++i) d[i] = 0.f;
 
         // Prologue: kRing - 1 stages in flight, stage 0 dequantized.
 #pragma unroll
@@ -310,15 +346,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_parti
 
         for (int st = 0; st < stages; ++st) {
             issue_stage(st + kRing - 1);
-            const uint32_t a_tile = smem_base + kSmemA + (st % kRing) * kTileBytes + wg * (64 * 128);
-            const uint32_t b_tile = smem_base + kSmemB + (st & 1) * kTileBytes;
+            const uint32_t a_tile = smem_base + L::kA + (st % kRing) * kTileBytes + wg * (64 * 128);
+            const uint32_t b_tile = smem_base + L::kB + (st & 1) * L::kBTile;
             const uint64_t da = sw128_desc(a_tile), db = sw128_desc(b_tile);
             fence_acc(d);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kStageK / 16; ++kk) {
                 // +32 bytes per K=16 slice = +2 in the 16-byte units of the start-address field.
-                wgmma_m64n128k16(d, da + 2 * kk, db + 2 * kk);
+                wgmma_tile<TN>(d, da + 2 * kk, db + 2 * kk);
             }
             wgmma_commit();
             if (st + 1 < stages) {
@@ -335,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_parti
         const int wl = (tid & 127) >> 5;
         const int r_lo = wg * 64 + wl * 16 + (lane >> 2);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < TN / 8; ++j) {
             const int col = n0 + 8 * j + 2 * (lane & 3);
             if (r_lo < ntok) {
                 *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo) * N + col) =
@@ -348,3 +384,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_parti
         }
     }
 }
+
+// grid = persistent (<= number of work items is fine; extra CTAs exit), block = 256, dynamic smem =
+// Layout<TN>::kBytes + 1024. N % TN == 0, K % 64 == 0, 1 <= experts <= 512 (checked by the launcher).
+// offsets[E+1]: contiguous grouping (clamped to [0, rows_total] on the device so a bad value cannot fault).
+// partial: [rows_total, N] fp32; rows owned by no expert are not written.
+#define MOE_GEMM_PREFILL_ENTRY(NAME, TN)                                                                          \
+    extern "C" __global__ void __launch_bounds__(kThreads, 1) NAME(                                             \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                 \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,                 \
+        const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {           \
+        prefill_body<TN>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, offsets, experts, rows_total,  \
+                         partial);                                                                               \
+    }
+
+MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial, 128)
+MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)

@@ -189,6 +189,17 @@ fn check_accumulator(
     );
 }
 
+/// Which launch a check uses.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// `mg::launch_partial` with a config it must route to the prefill kernel (128 x 128 tile).
+    Routed,
+    /// `prefill::launch_partial_prefill_tile` with the 128 x 128 tile.
+    Tile128,
+    /// ... with the 128 x 256 tile (m64n256k16).
+    Tile256,
+}
+
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
 /// plain BF16 finish on top of it.
 #[allow(clippy::too_many_arguments)]
@@ -199,7 +210,7 @@ fn check_prefill(
     dw: &DeviceExpertWeights,
     rb: &RoutedBatch,
     nvfp4: bool,
-    routed: bool,
+    mode: Mode,
     rng: &mut impl Rng,
 ) {
     let a = gathered_activations(rng, rb, w.k, nvfp4);
@@ -212,15 +223,15 @@ fn check_prefill(
         w.experts,
         w.n,
         w.k,
-        if routed {
-            "via launch_partial"
-        } else {
-            "forced"
+        match mode {
+            Mode::Routed => "via launch_partial",
+            Mode::Tile128 => "forced, tile 128x128",
+            Mode::Tile256 => "forced, tile 128x256",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
     gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap(); // NaN: an unwritten element cannot pass
-    if routed {
+    if mode == Mode::Routed {
         let cfg = GemmConfig {
             token_tile: 64,
             splits: 1,
@@ -232,7 +243,12 @@ fn check_prefill(
         );
         mg::launch_partial(gpu, dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
     } else {
-        prefill::launch_partial_prefill(gpu, dw, &da.view(), &dg, &mut ws).unwrap();
+        let tile = if mode == Mode::Tile256 {
+            prefill::TILE_N_WIDE
+        } else {
+            prefill::TILE_N
+        };
+        prefill::launch_partial_prefill_tile(gpu, dw, &da.view(), &dg, &mut ws, tile).unwrap();
     }
     let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
     mg::launch_finish_bf16(gpu, &ws, &dg, dw, &da.view(), &mut out).unwrap();
@@ -273,17 +289,19 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    for nvfp4 in [false, true] {
-        check_prefill(
-            &gpu,
-            &format!("counts {counts:?}"),
-            &w,
-            &dw,
-            &rb,
-            nvfp4,
-            false,
-            &mut rng,
-        );
+    for mode in [Mode::Tile128, Mode::Tile256] {
+        for nvfp4 in [false, true] {
+            check_prefill(
+                &gpu,
+                &format!("counts {counts:?}"),
+                &w,
+                &dw,
+                &rb,
+                nvfp4,
+                mode,
+                &mut rng,
+            );
+        }
     }
     // Short K (one stage, and three stages: fewer stages than ring slots).
     for k in [64, 192] {
@@ -298,7 +316,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
                 &dw,
                 &rb,
                 nvfp4,
-                false,
+                Mode::Tile128,
                 &mut rng,
             );
         }
@@ -317,7 +335,16 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     let w = quantized_weights(&mut rng, 3, 128, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&[4096, 5, 0]);
-    check_prefill(&gpu, "4096 rows", &w, &dw, &rb, true, true, &mut rng);
+    check_prefill(
+        &gpu,
+        "4096 rows",
+        &w,
+        &dw,
+        &rb,
+        true,
+        Mode::Routed,
+        &mut rng,
+    );
     // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles), small N and K for the CPU reference.
     let w = quantized_weights(&mut rng, 256, 128, 256);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -330,7 +357,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
             &dw,
             &rb,
             nvfp4,
-            true,
+            Mode::Routed,
             &mut rng,
         );
     }
@@ -343,16 +370,31 @@ fn gpu_prefill_flash_and_pro_shapes() {
     };
     let mut rng = seeded("gpu_prefill_flash_and_pro_shapes");
     // Flash L1 (N = 2 * 2048, K = 4096), Flash L2 (N = 4096, K = 2048), Pro L2 (N = 7168, K = 3072); few rows so
-    // the f64 reference stays a few seconds. Row counts cross a tile edge.
-    for (label, n, k, counts, nvfp4) in [
-        ("Flash L1", 4096usize, 4096usize, vec![129usize, 3], true),
-        ("Flash L2", 4096, 2048, vec![70, 0, 65], false),
-        ("Pro L2", 7168, 3072, vec![130], true),
+    // the f64 reference stays a few seconds. Row counts cross a tile edge. The routed 128-wide tile and the
+    // 256-wide tile each see a full-size K.
+    for (label, n, k, counts, nvfp4, mode) in [
+        (
+            "Flash L1",
+            4096usize,
+            4096usize,
+            vec![129usize, 3],
+            true,
+            Mode::Tile128,
+        ),
+        (
+            "Flash L2",
+            4096,
+            2048,
+            vec![70, 0, 65],
+            false,
+            Mode::Tile256,
+        ),
+        ("Pro L2", 7168, 3072, vec![130], true, Mode::Tile256),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         let rb = batch_with_counts(&counts);
-        check_prefill(&gpu, label, &w, &dw, &rb, nvfp4, false, &mut rng);
+        check_prefill(&gpu, label, &w, &dw, &rb, nvfp4, mode, &mut rng);
     }
 }
 
@@ -378,4 +420,9 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     assert!(err.to_string().contains("workspace"), "{err}");
     assert!(prefill::check_shape(192, 512).is_err());
     assert!(prefill::check_shape(128, 96).is_err());
+    // The 256-wide tile needs N % 256 == 0 (N = 128 here).
+    let mut ws3 = Workspace::new(&gpu, 1, 3, 128).unwrap();
+    let err = prefill::launch_partial_prefill_tile(&gpu, &dw, &da.view(), &dg, &mut ws3, 256)
+        .unwrap_err();
+    assert!(err.to_string().contains("tile width"), "{err}");
 }

@@ -12,7 +12,7 @@
 //! The CPU mirrors at the bottom ([`sw128_offset`], [`dequant8_like_kernel`], [`sw128_desc`]) restate the
 //! device address, dequant and descriptor logic so unit tests can check them without a GPU.
 
-use anyhow::{anyhow, ensure, Result};
+use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 use half::bf16;
 
@@ -37,6 +37,10 @@ const THREADS: u32 = 256;
 /// NVFP4 A: 2 x (4 KiB codes + 512 B scales)), plus 1 KiB so the kernel can align its tiles to 1024 bytes.
 /// Must match `kSmemBytes + 1024` in the .cu (a static_assert there pins the number).
 pub const SMEM_BYTES: usize = RING * 16384 + 2 * 16384 + RING * 9216 + 1024;
+/// Weight rows per CTA tile of the wide variant (`moe_gemm_prefill_partial_n256`, m64n256k16).
+pub const TILE_N_WIDE: usize = 256;
+/// Dynamic shared memory of the wide variant: B tiles and raw B stages twice as large (`Layout<256>` + 1024).
+pub const SMEM_BYTES_N256: usize = RING * 16384 + 2 * 32768 + RING * (9216 + 4608) + 1024;
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
 /// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
 /// mostly padding and the swap-AB mma.sync kernel wins.
@@ -65,6 +69,7 @@ pub fn routes_here(w: &DeviceExpertWeights, grp: &DeviceGrouping, cfg: &GemmConf
 }
 
 /// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
+/// CTA tile 128 x 128 (the routed default).
 pub fn launch_partial_prefill(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -72,7 +77,30 @@ pub fn launch_partial_prefill(
     grp: &DeviceGrouping,
     ws: &mut Workspace,
 ) -> Result<()> {
+    launch_partial_prefill_tile(gpu, w, a, grp, ws, TILE_N)
+}
+
+/// [`launch_partial_prefill`] with a chosen CTA tile width: [`TILE_N`] (128) or [`TILE_N_WIDE`] (256, needs
+/// `N % 256 == 0`).
+pub fn launch_partial_prefill_tile(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    ws: &mut Workspace,
+    tile_n: usize,
+) -> Result<()> {
     check_shape(w.n, w.k)?;
+    let (name, smem) = match tile_n {
+        TILE_N => ("moe_gemm_prefill_partial", SMEM_BYTES),
+        TILE_N_WIDE => ("moe_gemm_prefill_partial_n256", SMEM_BYTES_N256),
+        other => bail!("moe_gemm prefill: tile width {other} (known: {TILE_N}, {TILE_N_WIDE})"),
+    };
+    ensure!(
+        w.n.is_multiple_of(tile_n),
+        "moe_gemm prefill: N = {} must be a multiple of the tile width {tile_n}",
+        w.n
+    );
     a.check()?;
     let (a_rows, a_k) = a.rows_k();
     ensure!(
@@ -106,20 +134,19 @@ pub fn launch_partial_prefill(
         w.n
     );
     ensure!(
-        SMEM_BYTES + 4096 <= gpu.info.max_smem_per_block_optin,
-        "moe_gemm prefill: needs {SMEM_BYTES} B of dynamic shared memory, the device allows {}",
+        smem + 4096 <= gpu.info.max_smem_per_block_optin,
+        "moe_gemm prefill: needs {smem} B of dynamic shared memory, the device allows {}",
         gpu.info.max_smem_per_block_optin
     );
     if grp.rows_total == 0 {
         return Ok(());
     }
-    let name = "moe_gemm_prefill_partial";
     let f = gpu.function(FAMILY, name)?;
     f.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        SMEM_BYTES as i32,
+        smem as i32,
     )
-    .map_err(|e| anyhow!("{name}: setting dynamic shared memory to {SMEM_BYTES}: {e:?}"))?;
+    .map_err(|e| anyhow!("{name}: setting dynamic shared memory to {smem}: {e:?}"))?;
     let (act, act_scales, is_nvfp4) = match a {
         DeviceActivations::Bf16 { data, .. } => (ptr(gpu, *data), 0u64, 0i32),
         DeviceActivations::Nvfp4 { codes, scales, .. } => {
@@ -137,9 +164,9 @@ pub fn launch_partial_prefill(
         as_i32(grp.experts, "experts")?,
         as_i32(grp.rows_total, "rows")?,
     );
-    // Persistent grid: one CTA per SM (136 KB of shared memory each), never more than the most work items
+    // Persistent grid: one CTA per SM (136 / 187 KB of shared memory each), never more than the most work items
     // any grouping of these rows can produce (sum_e ceil(c_e / 128) <= rows / 128 + experts).
-    let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / TILE_N);
+    let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(&wc)
@@ -150,7 +177,7 @@ pub fn launch_partial_prefill(
         .arg(&act_scales)
         .arg(&is_nvfp4);
     b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-    unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), SMEM_BYTES as u32)) }
+    unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
         .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
