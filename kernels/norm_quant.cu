@@ -625,29 +625,30 @@ __device__ void sinkhorn_thread(const float (&z)[16], float (&c)[16]) {
 
 // The same 4x4 Sinkhorn on 16 lanes, one element each (lane l holds C[l / 4][l % 4]; lanes 16..31 repeat
 // lanes 0..15 so the whole warp can take part in the shuffles). Bit-identical to sinkhorn_thread: a row sum
-// is s1 = c + xor1(c) = (c_j0 + c_j1) or (c_j2 + c_j3), then s1 + xor2(s1) = (c_j0 + c_j1) + (c_j2 + c_j3) in
-// lanes k = 0, 1 and (c_j2 + c_j3) + (c_j0 + c_j1) in lanes 2, 3: the same bits, IEEE addition being
-// commutative. Columns use xor 4 then xor 8 the same way: (c_0k + c_1k) + (c_2k + c_3k). Row maxima are
-// exact in any order. Each lane then does the same rounded ops as the serial code (rcp_rn, mul_rn, add_rn).
+// is (c + xor1(c)) + (xor2(c) + xor3(c)), i.e. in lane k of row j: k = 0: (c0 + c1) + (c2 + c3); k = 1:
+// (c1 + c0) + (c3 + c2); k = 2: (c2 + c3) + (c0 + c1); k = 3: (c3 + c2) + (c1 + c0) -- the same bits as
+// the reference's (c0 + c1) + (c2 + c3), IEEE addition being commutative. Columns use xor 4, 8, 12 the same
+// way. The three shuffles of a step are independent (one shuffle latency on the chain, not two). Row maxima
+// are exact in any order. Each lane then does the serial code's rounded ops (rcp_rn, mul_rn, add_rn).
 // Why: the serial version is a 40-step dependent chain issuing ~2500 instructions from one thread (~8 us at
-// ~6 cycles each, Nsight Compute on the H200); here each step is 2 shuffles + 3 adds + rcp + mul per lane.
+// ~6 cycles each, Nsight Compute on the H200); here a step is 3 parallel shuffles, 3 adds, rcp and mul.
 // Must be called by all 32 lanes of a warp (convergent); returns this lane's element.
+__device__ __forceinline__ float quad_sum(float c, int m) {  // m = 1 (rows) or 4 (columns)
+    const float a = __shfl_xor_sync(0xffffffffu, c, m);
+    const float b = __shfl_xor_sync(0xffffffffu, c, 2 * m);
+    const float d = __shfl_xor_sync(0xffffffffu, c, 3 * m);
+    return __fadd_rn(__fadd_rn(c, a), __fadd_rn(b, d));
+}
+
 __device__ float sinkhorn_lanes(float z) {
     const float mx = fmaxf(fmaxf(z, __shfl_xor_sync(0xffffffffu, z, 1)),
                            fmaxf(__shfl_xor_sync(0xffffffffu, z, 2), __shfl_xor_sync(0xffffffffu, z, 3)));
     const float e = expf(__fsub_rn(z, mx));
-    const float e1 = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, 1));
-    const float r0 = __frcp_rn(__fadd_rn(e1, __shfl_xor_sync(0xffffffffu, e1, 2)));
-    float c = __fadd_rn(__fmul_rn(e, r0), 1e-6f);
-    auto norm = [&](int m1, int m2) {
-        const float s1 = __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, m1));
-        const float s2 = __fadd_rn(s1, __shfl_xor_sync(0xffffffffu, s1, m2));
-        c = __fmul_rn(c, __frcp_rn(__fadd_rn(s2, 1e-6f)));
-    };
-    norm(4, 8);  // columns
+    float c = __fadd_rn(__fmul_rn(e, __frcp_rn(quad_sum(e, 1))), 1e-6f);
+    c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
     for (int it = 1; it < 20; ++it) {
-        norm(1, 2);  // rows
-        norm(4, 8);  // columns
+        c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 1), 1e-6f)));  // rows
+        c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
     }
     return c;
 }

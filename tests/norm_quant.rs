@@ -136,33 +136,36 @@ fn fp8_reference_uses_pow2_scales() {
 }
 
 /// Rust mirror of `sinkhorn_lanes` (kernels/norm_quant.cu): lane l of 16 holds C[l / 4][l % 4]; `xor(v, m)`
-/// is `__shfl_xor_sync(v, m)`. Every lane does exactly the device's operations in the device's order.
+/// is `__shfl_xor_sync(v, m)`; `quad_sum(v, m)` = (v + xor(v, m)) + (xor(v, 2m) + xor(v, 3m)). Every lane does
+/// exactly the device's operations in the device's order.
 fn sinkhorn_lanes_mirror(z: &[f32; 16]) -> [f32; 16] {
     let xor = |v: &[f32; 16], m: usize| -> [f32; 16] { std::array::from_fn(|l| v[l ^ m]) };
+    let quad_sum = |v: &[f32; 16], m: usize| -> [f32; 16] {
+        let (a, b, d) = (xor(v, m), xor(v, 2 * m), xor(v, 3 * m));
+        std::array::from_fn(|l| (v[l] + a[l]) + (b[l] + d[l]))
+    };
     let (z1, z2, z3) = (xor(z, 1), xor(z, 2), xor(z, 3));
     let e: [f32; 16] =
         std::array::from_fn(|l| (z[l] - z[l].max(z1[l]).max(z2[l].max(z3[l]))).exp());
-    let e1: [f32; 16] = std::array::from_fn(|l| e[l] + xor(&e, 1)[l]);
-    let mut c: [f32; 16] =
-        std::array::from_fn(|l| e[l] * (1.0 / (e1[l] + xor(&e1, 2)[l])) + r::HC_EPS);
-    let norm = |c: &mut [f32; 16], m1: usize, m2: usize| {
-        let s1: [f32; 16] = std::array::from_fn(|l| c[l] + xor(c, m1)[l]);
-        let s2: [f32; 16] = std::array::from_fn(|l| s1[l] + xor(&s1, m2)[l]);
+    let se = quad_sum(&e, 1);
+    let mut c: [f32; 16] = std::array::from_fn(|l| e[l] * (1.0 / se[l]) + r::HC_EPS);
+    let norm = |c: &mut [f32; 16], m: usize| {
+        let s = quad_sum(c, m);
         for l in 0..16 {
-            c[l] *= 1.0 / (s2[l] + r::HC_EPS);
+            c[l] *= 1.0 / (s[l] + r::HC_EPS);
         }
     };
-    norm(&mut c, 4, 8);
+    norm(&mut c, 4);
     for _ in 1..r::SINKHORN_ITERS {
-        norm(&mut c, 1, 2);
-        norm(&mut c, 4, 8);
+        norm(&mut c, 1);
+        norm(&mut c, 4);
     }
     c
 }
 
-/// The 16-lane Sinkhorn's identity: butterfly sums (c0 + c1) + (c2 + c3) in lanes 0, 1 and
-/// (c2 + c3) + (c0 + c1) in lanes 2, 3 are the same bits (IEEE addition commutes), so the lane version equals
-/// the reference (and the one-thread kernel) bit for bit. 100k random logit sets at several spreads.
+/// The 16-lane Sinkhorn's identity: the quad sums (c0 + c1) + (c2 + c3), (c1 + c0) + (c3 + c2),
+/// (c2 + c3) + (c0 + c1), (c3 + c2) + (c1 + c0) are the same bits (IEEE addition commutes), so the lane
+/// version equals the reference (and the one-thread kernel) bit for bit. 100k random logit sets.
 #[test]
 fn lane_sinkhorn_mirror_equals_the_reference_bitwise() {
     let seed = fresh_seed("lane_sinkhorn_mirror_equals_the_reference_bitwise");
