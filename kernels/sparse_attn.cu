@@ -8,12 +8,14 @@
 //
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
-//   sparse_attn_decode_fp8         the FP8 path (this family's kernel).
+//   sparse_attn_decode_fp8_v2      the FP8 path (this family's kernel; design notes above decode_fp8_v2_body).
+//   sparse_attn_decode_fp8         the first FP8 kernel (bench variant "fp8_v1", kept for the A/B).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
 //
-// Decode kernel design (one CTA = 64 heads of one sequence x one split of its candidate list, 256 threads):
+// Decode kernel design, shared by v1 and v2 except where the v2 notes differ (one CTA = 64 heads of one sequence
+// x one split of its candidate list, 256 threads):
 //   * MQA: all 64 heads share each KV entry, so a CTA streams its candidates once (tiles of 64 entries,
 //     cp.async 8-byte copies, one tile prefetched while the previous one is computed). 128-head models run
 //     two head-group CTAs per (sequence, split) with adjacent block indices; the second read of a tile is
@@ -34,11 +36,14 @@
 //   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); sparse_attn_combine merges
 //     them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
 //
-// Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x448 FP8 + 64x64x64 BF16 (QK) +
-// 64x512x64 BF16 (PV) = 4.2 MFLOP -> ~112 FLOP/B: the FP8 path is bandwidth-bound at H=64 on H200
-// (4.8 TB/s -> ~7.8 us per 1000 tiles across the GPU); dequant is 28672 e4m3 -> bf16 per tile
-// (112 per thread, ~2.5 instructions each), about the same order as the MMA issue time; at H=128 the
-// dequant and MMA work double per byte and the tile becomes compute/issue-bound.
+// Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
+// 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
+// tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate. Measured (Nsight
+// Compute, results of commit abbb067): v1 took ~8 us per tile per SM, issue-bound at 1.6 IPC with ~3000
+// instructions per warp per tile (FP8 mma.sync is emulated on sm_90: 2 f16 HMMA + 12 unpacks each; cp.async
+// address math with /73; V dequant with /56). v2 SASS: ~1750 instructions per warp per tile (QK 4 x 61,
+// PV ~210, dequant ~380, O rescale 128 when the max moves, softmax/loads/masks the rest). mma.sync cannot
+// reach the wgmma rate, so the 50%-of-roofline target needs a wgmma version (QK^T on real FP8 wgmma, PV BF16).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

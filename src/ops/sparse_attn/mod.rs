@@ -12,8 +12,10 @@
 //! * Output: `[batch, heads, 512]` BF16, inverse RoPE at the query position applied to dims 448..512.
 //!
 //! Precision of the FP8 path: q's 448 nope dims are quantized per (head, 64-tile) with a UE8M0 power-of-two
-//! scale (the KV entry rule), QK^T nope on FP8 tensor cores with exact per-tile scaling, rope dims in BF16,
-//! softmax in f32, P rounded to BF16 for P.V (denominator unrounded), V dequantized exactly to BF16.
+//! scale (the KV entry rule), K nope dims are the cache's FP8 codes times their pow2 tile scale, rope dims
+//! BF16; every product is exact and the scores accumulate in f32. v2 (`Path::Fp8`) holds q and the tile as
+//! exact BF16 values and runs BF16 `mma.sync` (sm_90 has no FP8 `mma.sync`: v1's e4m3 MMA was emulated with
+//! f16 HMMA); softmax in f32, P rounded to BF16 for P.V (denominator unrounded), V dequantized exactly to BF16.
 
 pub mod exec;
 pub mod reference;
