@@ -8,12 +8,14 @@
 //
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
-//   sparse_attn_decode_fp8         the FP8 path (this family's kernel).
+//   sparse_attn_decode_fp8_v2      the FP8 path (this family's kernel; design notes above decode_fp8_v2_body).
+//   sparse_attn_decode_fp8         the first FP8 kernel (bench variant "fp8_v1", kept for the A/B).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
 //
-// Decode kernel design (one CTA = 64 heads of one sequence x one split of its candidate list, 256 threads):
+// Decode kernel design, shared by v1 and v2 except where the v2 notes differ (one CTA = 64 heads of one sequence
+// x one split of its candidate list, 256 threads):
 //   * MQA: all 64 heads share each KV entry, so a CTA streams its candidates once (tiles of 64 entries,
 //     cp.async 8-byte copies, one tile prefetched while the previous one is computed). 128-head models run
 //     two head-group CTAs per (sequence, split) with adjacent block indices; the second read of a tile is
@@ -34,11 +36,14 @@
 //   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); sparse_attn_combine merges
 //     them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
 //
-// Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x448 FP8 + 64x64x64 BF16 (QK) +
-// 64x512x64 BF16 (PV) = 4.2 MFLOP -> ~112 FLOP/B: the FP8 path is bandwidth-bound at H=64 on H200
-// (4.8 TB/s -> ~7.8 us per 1000 tiles across the GPU); dequant is 28672 e4m3 -> bf16 per tile
-// (112 per thread, ~2.5 instructions each), about the same order as the MMA issue time; at H=128 the
-// dequant and MMA work double per byte and the tile becomes compute/issue-bound.
+// Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
+// 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
+// tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate. Measured (Nsight
+// Compute, results of commit abbb067): v1 took ~8 us per tile per SM, issue-bound at 1.6 IPC with ~3000
+// instructions per warp per tile (FP8 mma.sync is emulated on sm_90: 2 f16 HMMA + 12 unpacks each; cp.async
+// address math with /73; V dequant with /56). v2 SASS: ~1750 instructions per warp per tile (QK 4 x 61,
+// PV ~210, dequant ~380, O rescale 128 when the max moves, softmax/loads/masks the rest). mma.sync cannot
+// reach the wgmma rate, so the 50%-of-roofline target needs a wgmma version (QK^T on real FP8 wgmma, PV BF16).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -104,6 +109,19 @@ constexpr int kB16RedSum = kB16RedMax + kRedBytes;
 constexpr int kB16Idx = kB16RedSum + kRedBytes;
 constexpr int kB16SmemBytes = kB16Idx + kIdxBytes;  // 210688
 
+// ---- FP8 v2 kernel shared memory map (bytes): q as exact BF16 values, raw FP8 stages, the BF16 K = V tile ----
+constexpr int kV2Q = 0;                                  // 64 x 520 bf16 (q: dequantized FP8 nope, BF16 rope)
+constexpr int kV2Raw = kV2Q + kQbBytes;
+constexpr int kV2Vt = kV2Raw + 2 * kRawBytes;
+constexpr int kV2P = kV2Vt + kVtBytes;
+constexpr int kV2RedMax = kV2P + kPBytes;
+constexpr int kV2RedSum = kV2RedMax + kRedBytes;
+constexpr int kV2Idx = kV2RedSum + kRedBytes;
+constexpr int kV2SmemBytes = kV2Idx + kIdxBytes;  // 222976
+static_assert(kV2SmemBytes == 222976, "mirror FP8_V2_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+static_assert(kV2SmemBytes <= 232448, "FP8 v2 kernel exceeds the sm_90 opt-in shared memory");
+static_assert(kV2Raw % 16 == 0 && kV2Vt % 16 == 0 && kV2P % 16 == 0, "16-byte alignment");
+
 static_assert(kF8SmemBytes <= 232448, "FP8 kernel exceeds the sm_90 opt-in shared memory");
 static_assert(kB16SmemBytes <= 232448, "BF16 kernel exceeds the sm_90 opt-in shared memory");
 static_assert(kF8Raw % 16 == 0 && kF8Vt % 16 == 0 && kF8P % 16 == 0 && kRawBytes % 16 == 0, "16-byte alignment");
@@ -119,6 +137,11 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
@@ -285,7 +308,9 @@ struct WarpState {
 };
 
 // Online-softmax step on one tile's scores (log2 units, -inf = masked). Writes P (BF16) to shared memory and
-// rescales O.
+// rescales O. kSkipUnitRescale: skip the 128 multiplies when every row of the warp has alpha == 1 (the running
+// max did not move); x * 1.0f == x exactly, so the result is bit-identical.
+template <bool kSkipUnitRescale = false>
 __device__ __forceinline__ void softmax_step(WarpState& st, float (&s)[4][4], float* red_max, __nv_bfloat16* ps,
                                              int wm, int wh, int g, int tq) {
     float tmax[2] = {-INFINITY, -INFINITY};
@@ -329,6 +354,7 @@ __device__ __forceinline__ void softmax_step(WarpState& st, float (&s)[4][4], fl
         *reinterpret_cast<uint32_t*>(ps + row0 * kPStride + col) = pack_bf16x2(p0, p1);
         *reinterpret_cast<uint32_t*>(ps + (row0 + 8) * kPStride + col) = pack_bf16x2(p2, p3);
     }
+    if (kSkipUnitRescale && __all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
     for (int nt = 0; nt < 32; ++nt) {
         st.o[nt][0] *= alpha[0];
@@ -611,6 +637,202 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// FP8 path v2 (sparse_attn_decode_fp8_v2; the path above stays reachable as bench variant "fp8_v1").
+//
+// Why v2: on sm_90 `mma.sync ... e4m3` has no FP8 tensor-core instruction behind it: ptxas lowers every
+// m16n8k32 e4m3 MMA to 2 HMMA.16816 (f16) plus 12 F2FP e4m3->f16 unpacks of its A and B fragments (see the SASS).
+// v1 therefore paid the BF16 tensor work for QK^T plus the unpacks plus a separate V dequantization, and Nsight
+// Compute showed it issue-bound (1.6 IPC per SM, ~3000 instructions per warp per 64-entry tile, ~60% of cycles
+// with no eligible warp at 2 warps per scheduler). v2 cuts instructions per tile:
+//   * The tile is dequantized once into BF16 (exact, see e4m3x2_to_bf16x2_scaled) and serves as both K and V
+//     (K = V in DSV4). QK^T runs as BF16 HMMA of q against that tile. q's nope dims are still quantized to
+//     FP8 with the KV rule (UE8M0 pow2 scale per 64-tile) and then held as exact BF16 values, so every
+//     product q_d * k_d is the same exact product of two FP8 values times two powers of two as in v1; the only
+//     rounding is the f32 accumulation (now one chain over 512 dims instead of one per 64-tile + a rescale).
+//     The numerics contract (FP8 q and K values, f32 scores, BF16 P, exact BF16 V) is unchanged.
+//   * Loads: one warp per 8 entries, lane l copies 8-byte chunks l, l+32, l+64 of each entry, so the
+//     destination of each chunk is fixed per lane (no division by 73, no branches); invalid candidates use
+//     the zero-filling form of cp.async (src-size 0) instead of a separate store.
+//   * Dequant: thread (e = tid/4, q = tid%4) converts chunks q + 4i (i = 0..13) of entry e; the chunk's
+//     64-tile is i/2 (since 8(i/2) <= q + 4i < 8(i/2) + 8), a compile-time constant after unrolling, and the
+//     entry's 7 scales are decoded once.
+//   * QK^T and P.V fragments come from ldmatrix; O is not rescaled when no row maximum moved.
+// ---------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void load_tile_fp8_v2(uint8_t* raw, const int* idx, const uint8_t* __restrict__ pool,
+                                                 int warp, int lane) {
+    // Chunk c (bytes [8c, 8c+8) of an entry) lands at base(c) + e * row(c) in the stage.
+    auto base_of = [](int c) { return c < 56 ? 8 * c : (c < 72 ? kRawNopeBytes + 8 * (c - 56) : kRawNopeBytes + kRawRopeBytes); };
+    auto row_of = [](int c) { return c < 56 ? kNopeStride : (c < 72 ? kRopeStride * 2 : 8); };
+    const int c0 = lane, c1 = lane + 32, c2 = lane + 64;  // c2 < 73 only for lanes 0..8
+    const int d0 = base_of(c0), d1 = base_of(c1), d2 = base_of(c2);
+    const int r0 = row_of(c0), r1 = row_of(c1), r2 = row_of(c2);
+#pragma unroll
+    for (int k = 0; k < kBlockN / 8; ++k) {
+        const int e = 8 * warp + k;
+        const int i = idx[e];  // the same entry for the whole warp: the branch below is warp-uniform
+        if (i >= 0) {
+            const uint8_t* src = pool + (size_t)i * kEntryBytes;
+            cp_async8(raw + d0 + e * r0, src + 8 * c0);
+            cp_async8(raw + d1 + e * r1, src + 8 * c1);
+            if (c2 < 73) cp_async8(raw + d2 + e * r2, src + 8 * c2);
+        } else {  // zero codes and scale: K = V = 0, never NaN (the score is masked anyway)
+            *reinterpret_cast<uint2*>(raw + d0 + e * r0) = make_uint2(0u, 0u);
+            *reinterpret_cast<uint2*>(raw + d1 + e * r1) = make_uint2(0u, 0u);
+            if (c2 < 73) *reinterpret_cast<uint2*>(raw + d2 + e * r2) = make_uint2(0u, 0u);
+        }
+    }
+}
+
+__device__ __forceinline__ void dequant_tile_v2(const uint8_t* raw, __nv_bfloat16* vt, int tid) {
+    const int e = tid >> 2, q = tid & 3;
+    const uint8_t* rn = raw + e * kNopeStride;
+    const uint8_t* rr = raw + kRawNopeBytes + e * kRopeStride * 2;
+    const uint2 sc = *reinterpret_cast<const uint2*>(raw + kRawNopeBytes + kRawRopeBytes + e * 8);
+    float scale[kTiles];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+        scale[t] = mm::ue8m0_decode(static_cast<uint8_t>(((t < 4 ? sc.x : sc.y) >> (8 * (t & 3))) & 0xFFu));
+    __nv_bfloat16* vrow = vt + e * kVStride;
+#pragma unroll
+    for (int i = 0; i < 14; ++i) {
+        const int c = q + 4 * i;  // 8 codes: dims [8c, 8c+8), 64-tile i/2
+        const uint2 w = *reinterpret_cast<const uint2*>(rn + 8 * c);
+        const float s = scale[i >> 1];
+        uint4 o;
+        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
+        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
+        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
+        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
+        *reinterpret_cast<uint4*>(vrow + 8 * c) = o;
+    }
+    // rope: 64 BF16 = 8 x 16 B per entry, chunks q and q + 4.
+    *reinterpret_cast<uint4*>(vrow + kNope + 8 * q) = *reinterpret_cast<const uint4*>(rr + 16 * q);
+    *reinterpret_cast<uint4*>(vrow + kNope + 8 * (q + 4)) = *reinterpret_cast<const uint4*>(rr + 16 * (q + 4));
+}
+
+__device__ __forceinline__ void decode_fp8_v2_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(smem + kV2Q);
+    __nv_bfloat16* vt = reinterpret_cast<__nv_bfloat16*>(smem + kV2Vt);
+    __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + kV2P);
+    float* red_max = reinterpret_cast<float*>(smem + kV2RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV2RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV2Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
+        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
+    }
+    // q: warp w quantizes heads 8w..8w+7 (the KV entry rule, as v1) and stores the exact BF16 values of the
+    // FP8 codes times their pow2 scale; rope dims stay BF16. The 8 heads' loads are issued before any use.
+    {
+        uint4 raw[8][2];
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst = reinterpret_cast<uint4*>(qb + hrow * kVStride + 16 * lane);
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane(x, lane);  // all lanes take part in its shuffles
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+                dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                dst[0] = raw[hh][0];
+                dst[1] = raw[hh][1];
+            }
+        }
+    }
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0, 1 and q visible
+    if (n_it > 0) load_tile_fp8_v2(smem + kV2Raw, idxs, a.pool, warp, lane);
+    cp_async_commit();
+
+    // ldmatrix lane addresses (bytes, shared window). A (q rows 16wm..+15): matrix mi = lane/8 holds rows
+    // (mi&1)*8.., k-half mi>>1 -> a0..a3. B (tile rows = entries, K^T col-major): matrix mi holds n-tile
+    // 2p + (mi>>1), k-half mi&1 -> b0, b1 of n-tile 2p and b0, b1 of n-tile 2p+1.
+    const int mi = lane >> 3, r8 = lane & 7;
+    const uint32_t a_addr = smem_addr(qb + (16 * wm + r8 + (mi & 1) * 8) * kVStride + (mi >> 1) * 8);
+    const uint32_t b_addr = smem_addr(vt + (32 * wh + 8 * (mi >> 1) + r8) * kVStride + (mi & 1) * 8);
+
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        __syncthreads();  // tile `it` landed; iteration it-1 is done with vt, P, red_*, its idx slot
+        const uint8_t* raw = smem + kV2Raw + (it & 1) * kRawBytes;
+        const int* idx_cur = idxs + (it % 3) * kBlockN;
+        if (it + 1 < n_it)
+            load_tile_fp8_v2(smem + kV2Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool,
+                             warp, lane);
+        cp_async_commit();
+        if (tid < kBlockN && it + 2 < n_it)
+            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
+
+        dequant_tile_v2(raw, vt, tid);
+        __syncthreads();  // K = V tile complete
+
+        // ---- S = q . K^T for 16 heads x 32 entries over all 512 dims ----
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll 8
+        for (int kk = 0; kk < kDim / 16; ++kk) {
+            uint32_t a0, a1, a2, a3, b00, b01, b10, b11, b20, b21, b30, b31;
+            ldmatrix_x4(a0, a1, a2, a3, a_addr + 32 * kk);
+            ldmatrix_x4(b00, b01, b10, b11, b_addr + 32 * kk);
+            ldmatrix_x4(b20, b21, b30, b31, b_addr + 16 * kVStride * 2 + 32 * kk);
+            mma_bf16(s[0], a0, a1, a2, a3, b00, b01);
+            mma_bf16(s[1], a0, a1, a2, a3, b10, b11);
+            mma_bf16(s[2], a0, a1, a2, a3, b20, b21);
+            mma_bf16(s[3], a0, a1, a2, a3, b30, b31);
+        }
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? s[n][0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? s[n][1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? s[n][2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? s[n][3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step<true>(st, s, red_max, ps, wm, wh, g, tq);
+        pair_barrier(wm);  // P rows of this head block: columns 0..31 from wh = 0, 32..63 from wh = 1
+        pv_step(st, ps, vt, wm, wh, g, tq, lane);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // BF16 baseline path (the seeds' staging design): same tiling, K = V read as BF16 rows of the staging buffer.
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void load_tile_bf16(__nv_bfloat16* vt, const int* idx, const DecodeArgs& a, int b, int j0) {
@@ -734,9 +956,14 @@ extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t*
             n_splits, out, part_o, part_lse                                                                      \
     }
 
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kF8SmemBytes.
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kF8SmemBytes. The v1 FP8 path (bench "fp8_v1").
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8(SA_DECODE_PARAMS) {
     sa::decode_fp8_body(SA_DECODE_ARGS);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV2SmemBytes. The FP8 path (bench "fp8").
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v2(SA_DECODE_PARAMS) {
+    sa::decode_fp8_v2_body(SA_DECODE_ARGS);
 }
 
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kB16SmemBytes. Reads `staging`.
@@ -785,20 +1012,30 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
     const int h = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (h >= heads) return;
+    // Every lane reads lse of splits lane, lane+32, ...: the loads are independent (one L2 round trip instead of
+    // n_splits serial ones, which made the combine ~7 us at 3 splits).
+    const float* lse_row = part_lse + (size_t)b * n_splits * heads + h;
     float m_parts = -INFINITY;
-    for (int s = 0; s < n_splits; ++s) m_parts = fmaxf(m_parts, part_lse[((size_t)b * n_splits + s) * heads + h]);
+    for (int s = lane; s < n_splits; s += 32) m_parts = fmaxf(m_parts, lse_row[(size_t)s * heads]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m_parts = fmaxf(m_parts, __shfl_xor_sync(0xffffffffu, m_parts, o));
     float acc[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) acc[i] = 0.f;
     if (m_parts != -INFINITY) {
         const float sink2 = sinks[h] * sa::kLog2e;
         const float m_all = fmaxf(m_parts, sink2);
-        float z = exp2f(sink2 - m_all);
+        float zl = 0.f;
+        for (int s = lane; s < n_splits; s += 32) zl += exp2f(lse_row[(size_t)s * heads] - m_all);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) zl += __shfl_xor_sync(0xffffffffu, zl, o);
+        const float z = exp2f(sink2 - m_all) + zl;
+        // Weighted sum in split order. An empty split has lse = -inf (w = 0) and o = 0, so it adds exactly 0;
+        // no branch, so the compiler can keep several splits' loads in flight.
+#pragma unroll 4
         for (int s = 0; s < n_splits; ++s) {
             const size_t row = ((size_t)b * n_splits + s) * heads + h;
             const float w = exp2f(part_lse[row] - m_all);
-            if (w == 0.f) continue;  // empty split (lse = -inf) or negligible
-            z += w;
             const float4* src = reinterpret_cast<const float4*>(part_o + row * sa::kDim + 16 * lane);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {

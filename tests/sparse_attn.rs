@@ -597,7 +597,7 @@ fn check_gpu_path(
     let shape = hp.shape();
     let plan = match tiles_per_split {
         Some(t) => SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
-        None => SplitPlan::auto(gpu.info.sm_count as usize, &shape),
+        None => SplitPlan::for_path(gpu.info.sm_count as usize, &shape, path),
     };
     let d_q = gpu.upload(&hp.q).unwrap();
     let d_pool = gpu.upload(&hp.pool).unwrap();
@@ -626,7 +626,7 @@ fn check_gpu_path(
         .iter()
         .map(|v| v.to_f64())
         .collect();
-    let prec = if path == Path::Fp8 {
+    let prec = if path != Path::Bf16Staging {
         QueryPrecision::Fp8Tiles
     } else {
         QueryPrecision::Bf16
@@ -687,9 +687,47 @@ fn gpu_decode_fp8_matches_reference() {
     check_gpu_path("fp8 h64 single-split", &gpu, &hp, Path::Fp8, Some(1000));
     check_gpu_path("fp8 h64 split by 2 tiles", &gpu, &hp, Path::Fp8, Some(2));
     check_gpu_path("fp8 h64 auto plan", &gpu, &hp, Path::Fp8, None);
+    check_gpu_path("fp8 h64 one tile per split", &gpu, &hp, Path::Fp8, Some(1));
+    check_gpu_path(
+        "fp8_v1 h64 single-split",
+        &gpu,
+        &hp,
+        Path::Fp8V1,
+        Some(1000),
+    );
+    check_gpu_path("fp8_v1 h64 auto plan", &gpu, &hp, Path::Fp8V1, None);
     let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0], true);
     check_gpu_path("fp8 h128 single-split", &gpu, &hp, Path::Fp8, Some(1000));
     check_gpu_path("fp8 h128 auto plan", &gpu, &hp, Path::Fp8, None);
+    check_gpu_path("fp8_v1 h128 auto plan", &gpu, &hp, Path::Fp8V1, None);
+}
+
+/// v2 against v1 on the same inputs: both implement the same rounding points (FP8 q and K values, exact
+/// products, f32 accumulation, BF16 P, exact BF16 V), so they may differ only by f32 summation order and the
+/// BF16 rounding of P at slightly different running maxima: both are within the reference tolerance (checked
+/// in check_gpu_path), and here the per-head cosine of v2 against v1 must be >= 0.99999.
+#[test]
+fn gpu_decode_fp8_v2_agrees_with_v1() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_v2_agrees_with_v1") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_v2_agrees_with_v1", 0x2F8);
+    let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 65, 300], true);
+    let v2 = check_gpu_path("fp8 v2 (vs v1)", &gpu, &hp, Path::Fp8, None);
+    let v1 = check_gpu_path("fp8 v1 (vs v2)", &gpu, &hp, Path::Fp8V1, None);
+    let r = precision_per_head(&v2, &v1);
+    println!(
+        "v2 vs v1: min cosine {:.7} max rel err {:.3e} (worst row {})",
+        r.min_cosine, r.max_rel_err, r.worst_row
+    );
+    assert!(
+        r.min_cosine >= 0.99999,
+        "v2 vs v1 cosine {} at row {} (b {}, h {})",
+        r.min_cosine,
+        r.worst_row,
+        r.worst_row / hp.heads,
+        r.worst_row % hp.heads
+    );
 }
 
 #[test]
@@ -701,6 +739,7 @@ fn gpu_decode_fp8_long_hca_split_kv() {
     // HCA at 1M context: 128 window + 8192 compressed = 8320 candidates.
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
     check_gpu_path("fp8 hca 8320 auto", &gpu, &hp, Path::Fp8, None);
+    check_gpu_path("fp8_v1 hca 8320 auto", &gpu, &hp, Path::Fp8V1, None);
     check_gpu_path(
         "fp8 hca 8320 split 16 tiles",
         &gpu,
@@ -749,7 +788,13 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
 #[test]
 fn bench_config_and_split_plans() {
     use megamoe::bench::config::SweepConfig;
-    use megamoe::ops::sparse_attn::{candidates_per_query, LayerKind, BENCH_KERNEL};
+    use megamoe::ops::sparse_attn::{
+        bench_path, candidates_per_query, LayerKind, BENCH_KERNEL, BENCH_VARIANTS,
+    };
+    for v in BENCH_VARIANTS {
+        bench_path(v).unwrap();
+    }
+    assert!(bench_path("fp8_v3").is_err());
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/bench-configs/sparse_attn.toml"
@@ -758,7 +803,7 @@ fn bench_config_and_split_plans() {
     assert!(!cfg.sweeps.is_empty());
     for s in &cfg.sweeps {
         assert_eq!(s.kernel, BENCH_KERNEL);
-        s.variants_from(&["fp8", "bf16_staging"]).unwrap();
+        s.variants_from(&BENCH_VARIANTS).unwrap();
         let kind = match s.param_str("kind").unwrap() {
             "csa" => LayerKind::Csa {
                 topk: s.param_u64("topk").unwrap() as usize,
@@ -806,7 +851,24 @@ fn bench_config_and_split_plans() {
             "{shape:?} {p:?}"
         );
         assert!(p.tiles_per_split >= tiles.min(4), "{shape:?} {p:?}");
+        // the v2 plan also covers every tile with no empty split
+        let c = SplitPlan::by_cost(132, &shape);
+        assert!(
+            c.n_splits * c.tiles_per_split >= tiles && (c.n_splits - 1) * c.tiles_per_split < tiles,
+            "{shape:?} {c:?}"
+        );
     }
+    // Flash CSA (640 candidates = 10 tiles): batch 1 -> one tile per CTA; batch 32 -> 4 splits of 3 tiles
+    // (128 CTAs, one wave) instead of auto's 3 x 4 (96 CTAs); batch 128 -> no split (128 CTAs).
+    let flash = |batch| DecodeShape {
+        batch,
+        heads: 64,
+        stride: 640,
+        n_entries: 10,
+    };
+    assert_eq!(SplitPlan::by_cost(132, &flash(1)).n_splits, 10);
+    assert_eq!(SplitPlan::by_cost(132, &flash(32)).tiles_per_split, 3);
+    assert_eq!(SplitPlan::by_cost(132, &flash(128)).n_splits, 1);
     assert!(DecodeShape {
         batch: 1,
         heads: 96,
@@ -823,4 +885,222 @@ fn bench_config_and_split_plans() {
     }
     .validate()
     .is_err());
+}
+
+// =========================================================================================================
+// `megamoe exec sparse_attn_decode` (CPU path: argument validation and the reference output)
+// =========================================================================================================
+
+fn exec_inputs(p: &HostProblem) -> megamoe::ops::exec::TensorMap {
+    use megamoe::ops::exec::{HostTensor, TensorMap};
+    use safetensors::Dtype;
+    let i32_tensor = |shape: Vec<usize>, v: &[i32]| {
+        HostTensor::from_u8(
+            Dtype::I32,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )
+    };
+    let mut m = TensorMap::new();
+    m.insert(
+        "q".into(),
+        HostTensor::from_bf16(vec![p.batch, p.heads, HEAD_DIM], &p.q),
+    );
+    m.insert(
+        "pool".into(),
+        HostTensor::from_u8(
+            Dtype::U8,
+            vec![p.pool.len() / ENTRY_BYTES, ENTRY_BYTES],
+            p.pool.clone(),
+        ),
+    );
+    m.insert(
+        "candidates".into(),
+        i32_tensor(vec![p.batch, p.stride], &p.candidates),
+    );
+    m.insert("lengths".into(), i32_tensor(vec![p.batch], &p.lengths));
+    m.insert("positions".into(), i32_tensor(vec![p.batch], &p.positions));
+    m.insert(
+        "sinks".into(),
+        HostTensor::from_f32(vec![p.heads], &p.sinks),
+    );
+    m.insert(
+        "freqs".into(),
+        HostTensor::from_f32(vec![ROPE_DIM / 2], &p.freqs),
+    );
+    m
+}
+
+#[test]
+fn exec_entry_validates_arguments_and_matches_reference() {
+    use megamoe::ops::exec::{kernels, HostTensor, TensorMap};
+    use safetensors::Dtype;
+    let mut rng = seeded(
+        "exec_entry_validates_arguments_and_matches_reference",
+        0xE7EC,
+    );
+    let p = HostProblem::random(&mut rng, 64, &[70, 5], true);
+    let all = kernels();
+    let k = all
+        .iter()
+        .find(|k| k.name == "sparse_attn_decode")
+        .expect("exec registry has sparse_attn_decode");
+    let good = exec_inputs(&p);
+
+    // The valid call: output tensor name, dtype, shape and the reference values rounded to BF16.
+    let out = (k.run)(&good, None).expect("valid inputs run on the CPU");
+    let o = out.get("out").expect("output tensor `out`");
+    assert_eq!(o.dtype, Dtype::BF16);
+    assert_eq!(o.shape, vec![p.batch, p.heads, HEAD_DIM]);
+    let want = decode_attention(&p.problem(), QueryPrecision::Fp8Tiles).unwrap();
+    let got = o.to_f32().unwrap();
+    assert!(
+        got.iter().any(|&v| v != 0.0),
+        "output is all zero: the test data is degenerate"
+    );
+    for (i, (&g, &w)) in got.iter().zip(&want.out).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            bf16::from_f64(w).to_f32().to_bits(),
+            "out[{i}]: {g} vs reference {w}"
+        );
+    }
+
+    // Each broken variant must fail with a message naming the problem.
+    fn i32_tensor(shape: Vec<usize>, v: &[i32]) -> HostTensor {
+        HostTensor::from_u8(
+            Dtype::I32,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )
+    }
+    type Edit = Box<dyn Fn(&mut TensorMap)>;
+    let n_entries = p.pool.len() / ENTRY_BYTES;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "missing sinks",
+            Box::new(|m: &mut TensorMap| {
+                m.remove("sinks");
+            }),
+            "needs an input tensor `sinks`",
+        ),
+        (
+            "q as F32",
+            Box::new(|m: &mut TensorMap| {
+                let q = m["q"].to_f32().unwrap();
+                let shape = m["q"].shape.clone();
+                m.insert("q".into(), HostTensor::from_f32(shape, &q));
+            }),
+            "tensor `q` has dtype",
+        ),
+        (
+            "32 heads",
+            Box::new(|m: &mut TensorMap| {
+                let q = m["q"].clone();
+                let half = q.bytes.len() / 2;
+                m.insert(
+                    "q".into(),
+                    HostTensor::from_u8(
+                        Dtype::BF16,
+                        vec![2, 32, HEAD_DIM],
+                        q.bytes[..half].to_vec(),
+                    ),
+                );
+                m.insert("sinks".into(), HostTensor::from_f32(vec![32], &[0.0; 32]));
+            }),
+            "multiple of 64",
+        ),
+        (
+            "pool rows of 583 bytes",
+            Box::new(|m: &mut TensorMap| {
+                let b = m["pool"].bytes[..583 * 4].to_vec();
+                m.insert(
+                    "pool".into(),
+                    HostTensor::from_u8(Dtype::U8, vec![4, 583], b),
+                );
+            }),
+            "tensor `pool` has shape",
+        ),
+        (
+            "candidates for 3 sequences",
+            Box::new(|m: &mut TensorMap| {
+                m.insert("candidates".into(), i32_tensor(vec![3, 4], &[0; 12]));
+            }),
+            "tensor `candidates` has shape",
+        ),
+        (
+            "length above the stride",
+            Box::new(|m: &mut TensorMap| {
+                m.insert("lengths".into(), i32_tensor(vec![2], &[71, 5]));
+            }),
+            "length 71 outside",
+        ),
+        (
+            "candidate past the pool",
+            Box::new(move |m: &mut TensorMap| {
+                let mut c = m["candidates"].bytes.clone();
+                // sequence 1, candidate 2 (inside its length 5)
+                let at = 4 * (70 + 2);
+                c[at..at + 4].copy_from_slice(&(n_entries as i32).to_le_bytes());
+                m.insert(
+                    "candidates".into(),
+                    HostTensor::from_u8(Dtype::I32, vec![2, 70], c),
+                );
+            }),
+            "candidate 2: pool index",
+        ),
+        (
+            "negative position",
+            Box::new(|m: &mut TensorMap| {
+                m.insert("positions".into(), i32_tensor(vec![2], &[5, -3]));
+            }),
+            "negative position",
+        ),
+        (
+            "NaN sink",
+            Box::new(|m: &mut TensorMap| {
+                let mut s = m["sinks"].to_f32().unwrap();
+                s[7] = f32::NAN;
+                m.insert("sinks".into(), HostTensor::from_f32(vec![64], &s));
+            }),
+            "sink of head 7 is NaN",
+        ),
+        (
+            "31 freqs",
+            Box::new(|m: &mut TensorMap| {
+                m.insert("freqs".into(), HostTensor::from_f32(vec![31], &[0.5; 31]));
+            }),
+            "tensor `freqs` has shape",
+        ),
+        (
+            "infinite freq",
+            Box::new(|m: &mut TensorMap| {
+                let mut f = m["freqs"].to_f32().unwrap();
+                f[3] = f32::INFINITY;
+                m.insert("freqs".into(), HostTensor::from_f32(vec![32], &f));
+            }),
+            "freqs[3]",
+        ),
+        (
+            "infinite q",
+            Box::new(|m: &mut TensorMap| {
+                let mut q = m["q"].clone();
+                q.bytes[10..12].copy_from_slice(&bf16::INFINITY.to_bits().to_le_bytes());
+                m.insert("q".into(), q);
+            }),
+            "q element 5 is not finite",
+        ),
+    ];
+    for (what, edit, expect) in cases {
+        let mut m = good.clone();
+        edit(&mut m);
+        let err = match (k.run)(&m, None) {
+            Ok(_) => panic!("{what}: accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(
+            err.contains(expect),
+            "{what}: error `{err}` does not mention `{expect}`"
+        );
+    }
 }

@@ -154,6 +154,7 @@ pub fn kernels() -> Vec<ExecKernel> {
     v.extend(crate::ops::nvfp4::exec_kernels());
     v.extend(crate::ops::norm_quant::exec_kernels());
     v.extend(crate::ops::moe_gemm::exec_kernels());
+    v.extend(crate::ops::sparse_attn::exec::exec_kernels());
     v.extend(crate::ops::indexer::exec_kernels());
     v
 }

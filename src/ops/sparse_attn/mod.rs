@@ -12,9 +12,12 @@
 //! * Output: `[batch, heads, 512]` BF16, inverse RoPE at the query position applied to dims 448..512.
 //!
 //! Precision of the FP8 path: q's 448 nope dims are quantized per (head, 64-tile) with a UE8M0 power-of-two
-//! scale (the KV entry rule), QK^T nope on FP8 tensor cores with exact per-tile scaling, rope dims in BF16,
-//! softmax in f32, P rounded to BF16 for P.V (denominator unrounded), V dequantized exactly to BF16.
+//! scale (the KV entry rule), K nope dims are the cache's FP8 codes times their pow2 tile scale, rope dims
+//! BF16; every product is exact and the scores accumulate in f32. v2 (`Path::Fp8`) holds q and the tile as
+//! exact BF16 values and runs BF16 `mma.sync` (sm_90 has no FP8 `mma.sync`: v1's e4m3 MMA was emulated with
+//! f16 HMMA); softmax in f32, P rounded to BF16 for P.V (denominator unrounded), V dequantized exactly to BF16.
 
+pub mod exec;
 pub mod reference;
 
 use anyhow::{anyhow, bail, ensure, Result};
@@ -35,6 +38,8 @@ pub const HEADS_PER_CTA: usize = 64;
 pub const BLOCK_N: usize = 64;
 /// Dynamic shared memory of `sparse_attn_decode_fp8` (mirrors `sa::kF8SmemBytes` in the .cu).
 const FP8_SMEM_BYTES: u32 = 197_376;
+/// Dynamic shared memory of `sparse_attn_decode_fp8_v2` (mirrors `sa::kV2SmemBytes`).
+const FP8_V2_SMEM_BYTES: u32 = 222_976;
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -133,6 +138,53 @@ impl SplitPlan {
         }
     }
 
+    /// The plan each path runs with: `Fp8` (v2) uses [`SplitPlan::by_cost`], the baseline and `Fp8V1` keep
+    /// [`SplitPlan::auto`] (what they were measured with).
+    pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
+        match path {
+            Path::Fp8 => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8V1 | Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
+        }
+    }
+
+    /// Wave-aware choice for the v2 kernel (one CTA per SM): minimize the estimated time
+    /// `waves * (PROLOGUE + tps * TILE) + [n_splits > 1] * (COMBINE + n_splits * COMBINE_PER_SPLIT)` over
+    /// tiles-per-split `tps`, where `waves = ceil(CTAs / sm_count)`. `auto`'s floor of 4 tiles per split left
+    /// most SMs idle at batch 1..32 (3 CTAs for batch 1, 640 candidates); a partial second wave costs a whole
+    /// CTA time. The constants are estimates in microseconds for the H200 (v2 tile ~3 us at 64 heads, q
+    /// prologue ~4 us, combine launch ~4 us); only their ratios matter. Ties go to fewer splits.
+    pub fn by_cost(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
+        const PROLOGUE: f64 = 4.0;
+        const TILE: f64 = 3.0;
+        const COMBINE: f64 = 4.0;
+        const COMBINE_PER_SPLIT: f64 = 0.3;
+        let tiles = shape.tiles().max(1);
+        let ctas_per_split = shape.batch * (shape.heads / HEADS_PER_CTA);
+        let sms = sm_count.max(1);
+        let mut best: Option<(f64, SplitPlan)> = None;
+        for tps in (1..=tiles).rev() {
+            let n_splits = tiles.div_ceil(tps);
+            if n_splits > 65_535 {
+                continue;
+            }
+            let waves = (ctas_per_split * n_splits).div_ceil(sms) as f64;
+            let mut t = waves * (PROLOGUE + tps as f64 * TILE);
+            if n_splits > 1 {
+                t += COMBINE + n_splits as f64 * COMBINE_PER_SPLIT;
+            }
+            if best.as_ref().is_none_or(|(bt, _)| t < *bt) {
+                best = Some((
+                    t,
+                    SplitPlan {
+                        n_splits,
+                        tiles_per_split: tps,
+                    },
+                ));
+            }
+        }
+        best.expect("tiles >= 1 gives at least one plan").1
+    }
+
     /// A fixed number of tiles per split (tests use it to force the combine path on short lists).
     pub fn with_tiles_per_split(shape: &DecodeShape, tiles_per_split: usize) -> Result<SplitPlan> {
         ensure!(tiles_per_split >= 1, "tiles_per_split must be at least 1");
@@ -159,6 +211,7 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
+    decode_fp8_v1: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
 }
@@ -181,7 +234,8 @@ impl Kernels {
         };
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
-            decode_fp8: with_smem("sparse_attn_decode_fp8", FP8_SMEM_BYTES)?,
+            decode_fp8: with_smem("sparse_attn_decode_fp8_v2", FP8_V2_SMEM_BYTES)?,
+            decode_fp8_v1: with_smem("sparse_attn_decode_fp8", FP8_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
         })
@@ -237,8 +291,10 @@ impl Workspace {
 /// Which attention kernel reads the KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
-    /// `sparse_attn_decode_fp8`: reads the FP8 pool directly.
+    /// `sparse_attn_decode_fp8_v2`: reads the FP8 pool directly, dequantizes each tile once to BF16 (K = V).
     Fp8,
+    /// `sparse_attn_decode_fp8`: the first FP8 kernel (emulated FP8 `mma.sync` for QK^T), kept for the A/B.
+    Fp8V1,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -294,9 +350,14 @@ pub fn decode(
 
     let (name, smem, f) = match path {
         Path::Fp8 => (
+            "sparse_attn_decode_fp8_v2",
+            FP8_V2_SMEM_BYTES,
+            ws.kernels.decode_fp8.clone(),
+        ),
+        Path::Fp8V1 => (
             "sparse_attn_decode_fp8",
             FP8_SMEM_BYTES,
-            ws.kernels.decode_fp8.clone(),
+            ws.kernels.decode_fp8_v1.clone(),
         ),
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
@@ -313,7 +374,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 => b.arg(inp.pool).arg(&null),
+            Path::Fp8 | Path::Fp8V1 => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -457,17 +518,32 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 | Path::Fp8V1 => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
     (io + kv, 4 * b * h * l * HEAD_DIM as u64)
 }
 
-/// Kernel name of the bench rows; variants `fp8` (this family's kernel) and `bf16_staging` (the baseline).
+/// Kernel name of the bench rows; variants `fp8` (this family's kernel, v2 with its own split plan),
+/// `bf16_staging` (the baseline) and `fp8_v1` (the first FP8 kernel with the baseline's split plan, kept for
+/// the A/B of one run).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
-/// Variants in the order they are timed; the second is the baseline of the first.
-pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
+/// Variants in the order they are timed; `bf16_staging` is the baseline of both FP8 variants.
+pub const BENCH_VARIANTS: [&str; 3] = ["fp8", "bf16_staging", "fp8_v1"];
+
+/// The path a bench variant name runs.
+pub fn bench_path(variant: &str) -> Result<Path> {
+    Ok(match variant {
+        "fp8" => Path::Fp8,
+        "fp8_v1" => Path::Fp8V1,
+        "bf16_staging" => Path::Bf16Staging,
+        other => bail!(
+            "sparse_attn: unknown bench variant `{other}` (have: {})",
+            BENCH_VARIANTS.join(", ")
+        ),
+    })
+}
 
 /// One sweep point's shape.
 #[derive(Debug, Clone, Copy)]
@@ -541,16 +617,9 @@ pub fn bench_point(
         sinks: &d_sinks,
         freqs: &d_freqs,
     };
-    let split = SplitPlan::auto(gpu.info.sm_count as usize, &shape);
+    let path = bench_path(variant)?;
+    let split = SplitPlan::for_path(gpu.info.sm_count as usize, &shape, path);
     let mut out = gpu.zeros::<bf16>(batch * heads * HEAD_DIM)?;
-    let path = match variant {
-        "fp8" => Path::Fp8,
-        "bf16_staging" => Path::Bf16Staging,
-        other => bail!(
-            "sparse_attn: unknown bench variant `{other}` (have: {})",
-            BENCH_VARIANTS.join(", ")
-        ),
-    };
     let mut ws = Workspace::new(gpu, &shape, split, path == Path::Bf16Staging)?;
     let samples = gpu.time_us(plan, || decode(gpu, path, &shape, &inp, &mut ws, &mut out))?;
     let (bytes, flops) = work(batch, heads, cands, path);
@@ -567,7 +636,7 @@ pub fn bench_point(
         .with_ctx(ctx as u64)
         .with_timing(&Summary::of(&samples)?, samples.len() as u64)
         .with_work(Some(bytes), Some(flops));
-    if path == Path::Fp8 {
+    if path != Path::Bf16Staging {
         row = row.with_baseline("bf16_staging");
     }
     Ok(row)
@@ -600,11 +669,7 @@ fn run_bench_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, value: u64) -> 
         "batch" => (s.param_u64("ctx")? as usize, value as usize),
         other => bail!("{}: axis `{other}` is neither `ctx` nor `batch`", s.name()),
     };
-    let path = if variant == "fp8" {
-        Path::Fp8
-    } else {
-        Path::Bf16Staging
-    };
+    let path = bench_path(variant)?;
     let (bytes, _) = work(batch, heads, candidates_per_query(kind, context), path);
     let point = BenchShape {
         kind,
