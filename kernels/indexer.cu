@@ -4,7 +4,9 @@
 // Versions (session 2): the launcher's default path is logits v2 for FP8 keys (indexer_logits_fp8h_*: e4m3
 // converted once to f16 fragments + f16 HMMA, because sm_90 emulates FP8 mma.sync; see logits_f16_body)
 // and top-k v2 (indexer_topk2_hist -> indexer_topk2_select -> indexer_topk2_final: a 4096-bin histogram,
-// a threshold select with many CTAs per row, one exact pass per row; see "Top-k v2"). The sections below
+// a threshold select with many CTAs per row, one exact pass per row; see "Top-k v2"). Top-k v3 (bench
+// variant "fused_v3", launcher topk_v3) keeps v2's first two passes and swaps the exact pass for
+// indexer_topk3_final (rank-by-counting select and sort; see "Top-k v3"). The sections below
 // describe v1 (indexer_logits_fp8_*, indexer_topk_chunk + indexer_topk_merge), kept as bench variant
 // "fused_v1" for the A/B; MXFP4 keys use the v1 logits kernels in both variants.
 // Budget at 1M context, batch 1 (262,144 keys, 34.6 MB): HBM floor 8.1 us at 4.25 TB/s; f16 HMMA work
@@ -937,6 +939,161 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk2_fina
         }
     }
     sort_and_write(sortbuf, a + rem, k, oi, os);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Top-k v3 final pass (bench variant "fused_v3"): indexer_topk2_hist -> indexer_topk2_select ->
+// indexer_topk3_final. Passes 1-2 are v2's; only the per-row exact pass changes.
+// Why: ncu of indexer_topk2_final at 1M/batch 1/k 512 shows ~54K warp instructions spread over ~30K cycles
+// with the barrier the top stall: the bitonic sort of 512 (45 barrier-separated compare-exchange steps) and
+// the radix select over the bucket (up to 8 passes, 3 barriers each) are chains of barriers, not work.
+// v3 replaces both with rank-by-counting, which needs one barrier instead of dozens:
+//   rank(e) = #{ j : v[j] > v[e] } over m UNIQUE composites is a permutation of 0..m-1 and equals e's
+//   position in the descending order (composites are unique because the low word is ~index).
+//   Select: the bucket's entries with rank < rem are exactly its rem largest; writing each to
+//   sortbuf[above_count + rank] fills the slots above_count .. above_count + rem - 1 once each.
+//   Sort: the kk chosen composites (above entries + selected bucket entries; all unique) are written to
+//   output position rank(e) directly, which is the contract's order (score desc, lower index first).
+//   After a rank select only the above entries are ranked (among themselves): the bucket part is already
+//   in place and every bucket entry is below every above entry (lower bin).
+// Cost: m^2 64-bit compares over 1024 threads (m = 512: 256 per thread as 128 16-byte broadcast loads), j
+// range split so all 32 warps work; partial counts are merged with shared-memory atomics.
+// Paths: rank select when the bucket holds rem < nb <= TK3_RANK_CAP composites (else v2's radix select,
+// e.g. all-equal rows where the whole row is the bucket); rank sort when kk <= TK3_RANK_CAP (else v2's
+// bitonic sort_and_write, i.e. k = 1024 / 2048). Both results are bit-identical to v2 (same exact answer).
+// Deadlock freedom: every new barrier is in straight-line code under block-uniform conditions (rank_select,
+// total: functions of (a, nb, kk) read by every thread before the first barrier); rank_count's per-thread
+// loops contain no barrier and no warp collective.
+namespace {
+
+constexpr int TK3_RANK_CAP = 512;
+
+// rank[e] += #{ j < m : v[j] > v[e] } for e < m (m <= TK3_RANK_CAP). Preconditions (established before a
+// barrier by the caller): rank[0..m) zero, v[0..m) written, v[m] == 0 when m is odd (0 is below every
+// composite, since order_key(-inf) = 0x007FFFFF > 0, so the pad never counts), v 16-byte aligned.
+// No barrier inside; the caller puts one after it before reading rank.
+__device__ void rank_count(const uint64_t* v, int m, uint32_t* rank) {
+    if (m <= 0) return;  // block-uniform: nothing to rank (e.g. no above entries)
+    const int nthr = blockDim.x;
+    const int pairs = (m + 1) >> 1;
+    const int splits = max(1, min(16, nthr / m));  // block-uniform
+    const int per = (pairs + splits - 1) / splits;
+    const ulonglong2* v2 = reinterpret_cast<const ulonglong2*>(v);
+    for (int w = threadIdx.x; w < m * splits; w += nthr) {  // per-thread trip count: no barrier inside
+        const int e = w % m, s = w / m;
+        const unsigned long long c = v[e];
+        const int j0 = s * per, j1 = min(pairs, j0 + per);
+        uint32_t c0 = 0, c1 = 0;
+#pragma unroll 4
+        for (int j = j0; j < j1; ++j) {
+            const ulonglong2 p = v2[j];
+            c0 += p.x > c ? 1u : 0u;
+            c1 += p.y > c ? 1u : 0u;
+        }
+        if (c0 + c1) atomicAdd(&rank[e], c0 + c1);
+    }
+}
+
+}  // namespace
+
+// Same arguments, grid, block and dynamic smem as indexer_topk2_final (+2 KB static). Zeroes hist[row] and
+// counters[row] for the next call.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk3_final(
+    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
+    uint32_t* __restrict__ counters, const unsigned long long* __restrict__ above,
+    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
+    float* __restrict__ out_score) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    __shared__ uint32_t rank[TK3_RANK_CAP];
+    SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
+    static_assert(sizeof(SelectShared) % 16 == 0, "sortbuf / comps must be 16-byte aligned for rank_count");
+    uint64_t* sortbuf = reinterpret_cast<uint64_t*>(smem_raw + sizeof(SelectShared));
+    uint64_t* comps = sortbuf + TOPK_MAX_K;
+
+    const int row = blockIdx.x, tid = threadIdx.x;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int kk = min(k, n);
+    uint32_t* cnt = counters + 2 * (size_t)row;
+    const int a = (int)min(cnt[0], (uint32_t)kk);
+    const int nb = (int)min(cnt[1], (uint32_t)bucket_stride);
+    __syncthreads();  // every thread has read the counters
+    for (int i = tid; i < TK2_BINS; i += blockDim.x) hist[(size_t)row * TK2_BINS + i] = 0;
+    if (tid == 0) {
+        cnt[0] = 0;
+        cnt[1] = 0;
+    }
+    int* oi = out_idx + (size_t)row * k;
+    float* os = out_score + (size_t)row * k;
+    if (kk == 0) {  // block-uniform: nothing visible
+        for (int j = tid; j < k; j += blockDim.x) {
+            oi[j] = -1;
+            os[j] = -INFINITY;
+        }
+        return;
+    }
+    const int rem = max(0, min(kk - a, nb));  // block-uniform
+    const unsigned long long* above_row = above + (size_t)row * k;
+    const unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
+    for (int i = tid; i < a; i += blockDim.x) sortbuf[i] = above_row[i];
+    const bool rank_select = rem > 0 && rem < nb && nb <= TK3_RANK_CAP;  // block-uniform
+    if (rank_select) {
+        for (int i = tid; i < nb; i += blockDim.x) comps[i] = bucket_row[i];
+        for (int i = tid; i < TK3_RANK_CAP; i += blockDim.x) rank[i] = 0;
+        if (tid == 0) comps[nb] = 0;  // pad for odd nb (nb < TK2_FINAL_SMEM_CAP)
+        __syncthreads();
+        rank_count(comps, nb, rank);
+        __syncthreads();
+        for (int i = tid; i < nb; i += blockDim.x) {
+            const uint32_t r = rank[i];
+            if (r < (uint32_t)rem) sortbuf[a + r] = comps[i];
+        }
+    } else if (rem > 0) {  // v2's exact radix select (large buckets, or every bucket entry is taken)
+        const bool all = rem >= nb;
+        uint64_t prefix = 0;
+        int shift = 64;
+        auto emit = [&](uint32_t pos, uint64_t cc) {
+            if ((int)pos < rem) sortbuf[a + pos] = cc;
+        };
+        if (nb <= TK2_FINAL_SMEM_CAP) {
+            for (int i = tid; i < nb; i += blockDim.x) comps[i] = bucket_row[i];
+            __syncthreads();
+            const SmemCompSrc src{comps};
+            if (!all) block_select(src, nb, rem, sh, prefix, shift);
+            block_collect(src, nb, all, prefix, shift, sh, emit);
+        } else {
+            const GlobalCompSrc src{reinterpret_cast<const uint64_t*>(bucket_row)};
+            if (!all) block_select(src, nb, rem, sh, prefix, shift);
+            block_collect(src, nb, all, prefix, shift, sh, emit);
+        }
+    }
+    const int total = a + rem;  // block-uniform; == kk with a consistent state
+    if (total > TK3_RANK_CAP) {
+        sort_and_write(sortbuf, total, k, oi, os);  // starts with a barrier-protected fill
+        return;
+    }
+    // After a rank select, sortbuf[a..total) is already in descending order (slot a + rank) and every
+    // entry there (bin B) is below every above entry (bin > B), so only the a above entries need ranking,
+    // among themselves; their rank is their final position. After v2's radix select the bucket part is in
+    // collection order, so all total entries are ranked. msort is block-uniform.
+    const int msort = rank_select ? a : total;
+    __syncthreads();  // sortbuf[0..total) complete; every read of rank[] by the select is done
+    for (int i = tid; i < TK3_RANK_CAP; i += blockDim.x) rank[i] = 0;
+    // Pad for odd msort: rank_count reads v[msort]. When msort == total write 0 (total <= 512 < TOPK_MAX_K);
+    // when msort == a < total, v[a] is a bucket entry, below every above entry, so it never counts either.
+    if (tid == 0 && msort == total) sortbuf[total] = 0;
+    __syncthreads();
+    rank_count(sortbuf, msort, rank);
+    __syncthreads();
+    for (int e = tid; e < total; e += blockDim.x) {
+        const uint64_t c = sortbuf[e];
+        const uint32_t r = e < msort ? min(rank[e], (uint32_t)(msort - 1)) : (uint32_t)e;  // r < msort: unique
+        oi[r] = (int)~(uint32_t)c;
+        os[r] = key_to_score((uint32_t)(c >> 32));
+    }
+    for (int j = total + tid; j < k; j += blockDim.x) {
+        oi[j] = -1;
+        os[j] = -INFINITY;
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -390,6 +390,132 @@ fn threshold_topk_model_matches_reference_topk() {
     }
 }
 
+/// Which exact-pass branches of indexer_topk3_final a row takes: (rank select, rank sort). Mirrors the
+/// kernel's block-uniform conditions with a consistent state (a = entries above the threshold bin,
+/// nb = threshold-bin count, rem = kk - a).
+fn v3_paths(scores: &[f32], k: usize) -> (bool, bool) {
+    const RANK_CAP: usize = 512; // TK3_RANK_CAP in kernels/indexer.cu
+    let kk = k.min(scores.len());
+    if kk == 0 {
+        return (false, false);
+    }
+    let mut hist = vec![0usize; 4096];
+    for &s in scores {
+        hist[(reference::order_key(s) >> 20) as usize] += 1;
+    }
+    let mut above = 0usize;
+    for bin in (0..4096).rev() {
+        if above + hist[bin] >= kk {
+            let (nb, rem) = (hist[bin], kk - above);
+            return (rem < nb && nb <= RANK_CAP, kk <= RANK_CAP);
+        }
+        above += hist[bin];
+    }
+    unreachable!("the histogram holds n >= kk entries")
+}
+
+/// A sequential model of indexer_topk3_final (kernels/indexer.cu "Top-k v3"): the above-threshold and
+/// bucket composites arrive in an arbitrary order (atomics), here a random shuffle; the bucket's rem
+/// largest are placed at above_count + rank, rank = #{larger composites in the bucket}; the kk chosen
+/// composites are then written to output position #{larger chosen composites}. Checks the identity that
+/// rank-by-counting over unique composites is a permutation equal to the descending position.
+fn model_rank_topk(scores: &[f32], k: usize, rng: &mut ChaCha8Rng) -> Vec<i32> {
+    use rand::seq::SliceRandom;
+    let n = scores.len();
+    let kk = k.min(n);
+    if kk == 0 {
+        return vec![-1; k];
+    }
+    let comp = |i: usize| ((reference::order_key(scores[i]) as u64) << 32) | (!(i as u32)) as u64;
+    let mut hist = vec![0usize; 4096];
+    for i in 0..n {
+        hist[(comp(i) >> 52) as usize] += 1;
+    }
+    let (mut excl, mut b) = (0usize, 0u64);
+    for bin in (0..4096).rev() {
+        if excl + hist[bin] >= kk {
+            b = bin as u64;
+            break;
+        }
+        excl += hist[bin];
+    }
+    let mut chosen: Vec<u64> = (0..n).map(comp).filter(|&c| c >> 52 > b).collect();
+    let mut bucket: Vec<u64> = (0..n).map(comp).filter(|&c| c >> 52 == b).collect();
+    chosen.shuffle(rng);
+    bucket.shuffle(rng);
+    let (a, rem) = (chosen.len(), kk - chosen.len());
+    assert_eq!(a, excl);
+    chosen.resize(kk, u64::MAX); // MAX marks "not written"
+    for &c in &bucket {
+        let rank = bucket.iter().filter(|&&d| d > c).count();
+        if rank < rem {
+            assert_eq!(
+                chosen[a + rank],
+                u64::MAX,
+                "rank select wrote slot {} twice",
+                a + rank
+            );
+            chosen[a + rank] = c;
+        }
+    }
+    // As the kernel: after a rank select (rem < nb <= 512) only the a above entries are ranked, among
+    // themselves; the bucket part already sits at its final positions a + rank.
+    let rank_select = rem < bucket.len() && bucket.len() <= 512;
+    let msort = if rank_select { a } else { kk };
+    let mut out = vec![-1i32; k];
+    let mut written = vec![false; kk];
+    for (e, &c) in chosen.iter().enumerate() {
+        assert_ne!(c, u64::MAX, "rank select left a slot empty");
+        let rank = if e < msort {
+            chosen[..msort].iter().filter(|&&d| d > c).count()
+        } else {
+            e
+        };
+        assert!(!written[rank], "rank sort wrote position {rank} twice");
+        written[rank] = true;
+        out[rank] = !(c as u32) as i32;
+    }
+    out
+}
+
+#[test]
+fn rank_counting_model_matches_reference_topk() {
+    let (seed, mut rng) = seeded("rank_model");
+    let mut covered = (0usize, 0usize);
+    for case in 0..200 {
+        let n =
+            [0usize, 1, 2, 3, 100, 511, 512, 513, 1000, 3000][case % 10] + rng.random_range(0..3);
+        let k = [1usize, 2, 7, 300, 511, 512, 513, 1024][rng.random_range(0..8)];
+        let scores: Vec<f32> = (0..n)
+            .map(|_| match (case / 10) % 4 {
+                0 => rng.random_range(-1.0f32..1.0),
+                1 => rng.random_range(0..3) as f32,
+                2 => [
+                    0.0f32,
+                    -0.0,
+                    1.0,
+                    f32::NAN,
+                    f32::NEG_INFINITY,
+                    f32::INFINITY,
+                ][rng.random_range(0..6)],
+                _ => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
+            })
+            .collect();
+        let (sel, sort) = v3_paths(&scores, k);
+        covered.0 += sel as usize;
+        covered.1 += sort as usize;
+        assert_eq!(
+            model_rank_topk(&scores, k, &mut rng),
+            reference::topk(&scores, k),
+            "seed {seed:#x} case {case}: n {n} k {k}"
+        );
+    }
+    assert!(
+        covered.0 > 0 && covered.1 > 0,
+        "seed {seed:#x}: paths covered {covered:?}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // GPU
 // ---------------------------------------------------------------------------------------------------------
@@ -503,6 +629,28 @@ fn gpu_logits_and_topk_match_the_reference() {
                         panic!("{format:?} next_n {next_n} k {k} row {r}: {e}");
                     }
                 }
+                // Top-k v3 (bench variant fused_v3) on v2's scores: indices and scores bit-identical to v2.
+                {
+                    let mut tb3 = TopkBuffers::new(&gpu, rows, k, cap).unwrap();
+                    indexer::topk_v3(&gpu, &bufs.scores, stride, &qb.num_valid, &nv, &mut tb3)
+                        .unwrap();
+                    let idx3 = gpu.download(&tb3.out_idx).unwrap();
+                    let sc2 = gpu.download(&bufs.topk.out_score).unwrap();
+                    let sc3 = gpu.download(&tb3.out_score).unwrap();
+                    if let Some(p) = (0..rows * k)
+                        .find(|&p| idx3[p] != idx[p] || sc3[p].to_bits() != sc2[p].to_bits())
+                    {
+                        panic!(
+                            "v3 vs v2 {format:?} next_n {next_n} k {k} row {} position {}: v3 ({}, {:e}) v2 ({}, {:e})",
+                            p / k,
+                            p % k,
+                            idx3[p],
+                            sc3[p],
+                            idx[p],
+                            sc2[p]
+                        );
+                    }
+                }
                 // The v1 path (bench variant fused_v1: e4m3 mma.sync logits, chunked top-k) on the same
                 // inputs: logits within the same bound, and its top-k exact on its own scores.
                 let mut bufs1 = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
@@ -613,6 +761,115 @@ fn gpu_topk_long_rows_and_specials() {
             }
         }
     }
+}
+
+#[test]
+fn gpu_topk_v3_matches_v2_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_topk_v3_matches_v2_and_reference") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_v3");
+    let lens = [
+        1usize, 3, 100, 511, 512, 513, 1000, 4097, 20_000, 65_536, 262_144,
+    ];
+    let stride = 262_144usize;
+    let rows = lens.len() * 5;
+    // (rank select, rank sort) rows seen, and rows on each fallback: every branch must be exercised.
+    let mut cover = [0usize; 4];
+    for k in [1usize, 7, 300, 511, 512, 513, 2048] {
+        let mut flat = vec![f32::NAN; rows * stride];
+        let mut nv = vec![0i32; rows];
+        for r in 0..rows {
+            let (n, pattern) = (lens[r % lens.len()], r / lens.len());
+            nv[r] = n as i32;
+            for x in &mut flat[r * stride..r * stride + n] {
+                *x = match pattern {
+                    // Logit-like (sum of uniforms): threshold buckets of a few hundred entries.
+                    0 => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
+                    // Log-uniform magnitudes: small buckets at every length.
+                    1 => {
+                        let m = f32::powf(2.0, rng.random_range(-60.0f32..60.0));
+                        if rng.random_range(0..2) == 0 {
+                            m
+                        } else {
+                            -m
+                        }
+                    }
+                    2 => rng.random_range(-10.0f32..10.0),
+                    3 => rng.random_range(0..3) as f32, // heavy ties: large buckets (fallback)
+                    _ => match rng.random_range(0..10) {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        2 => f32::INFINITY,
+                        3 => -0.0,
+                        _ => rng.random_range(-1.0f32..1.0),
+                    },
+                };
+            }
+            let (sel, sort) = v3_paths(&flat[r * stride..r * stride + n], k);
+            cover[0] += sel as usize;
+            cover[1] += sort as usize;
+            cover[2] += (!sel) as usize;
+            cover[3] += (!sort) as usize;
+        }
+        let sd = gpu.upload(&flat).unwrap();
+        let nvd = gpu.upload(&nv).unwrap();
+        let mut bufs = TopkBuffers::new(&gpu, rows, k, stride).unwrap();
+        // v2, v3, v3, v2 on the same buffers: each final pass must leave the histogram and counters zeroed.
+        let mut v2_first: Option<(Vec<i32>, Vec<f32>)> = None;
+        for (call, v3) in [(0, false), (1, true), (2, true), (3, false)] {
+            gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+            gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+            if v3 {
+                indexer::topk_v3(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+            } else {
+                indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+            }
+            assert!(
+                stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+                "seed {seed:#x}: top-k did not finish within 5 s (k {k}, call {call}, v3 {v3})"
+            );
+            let idx = gpu.download(&bufs.out_idx).unwrap();
+            let sc = gpu.download(&bufs.out_score).unwrap();
+            match &v2_first {
+                None => {
+                    for r in 0..rows {
+                        let n = nv[r] as usize;
+                        if let Err(e) = reference::check_topk_exact(
+                            &flat[r * stride..r * stride + n],
+                            k,
+                            &idx[r * k..(r + 1) * k],
+                        ) {
+                            panic!("seed {seed:#x} k {k} v2 row {r} (num_valid {n}): {e}");
+                        }
+                    }
+                    v2_first = Some((idx, sc));
+                }
+                Some((i2, s2)) => {
+                    if let Some(p) = (0..rows * k)
+                        .find(|&p| idx[p] != i2[p] || sc[p].to_bits() != s2[p].to_bits())
+                    {
+                        let (r, j) = (p / k, p % k);
+                        panic!(
+                            "seed {seed:#x} k {k} call {call} (v3 {v3}) row {r} (num_valid {}, paths {:?}) position {j}: \
+                             got ({}, {:e}) want v2's ({}, {:e})",
+                            nv[r],
+                            v3_paths(&flat[r * stride..r * stride + nv[r] as usize], k),
+                            idx[p],
+                            sc[p],
+                            i2[p],
+                            s2[p]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        cover.iter().all(|&c| c > 0),
+        "seed {seed:#x}: rows per branch (rank select, rank sort, select fallback, sort fallback) = {cover:?}"
+    );
+    println!("seed {seed:#x}: rows per branch (rank select, rank sort, select fallback, sort fallback) = {cover:?}");
 }
 
 #[test]

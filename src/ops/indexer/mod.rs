@@ -457,6 +457,50 @@ pub fn topk(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
+    topk_hist_select_final(
+        gpu,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+        "indexer_topk2_final",
+    )
+}
+
+/// Top-k v3 (bench variant "fused_v3"): v2's histogram and threshold select, then `indexer_topk3_final`
+/// (rank-by-counting select in the threshold bucket and rank-by-counting sort of the k outputs, with v2's
+/// radix select / bitonic sort as the fallback for buckets or k above 512). Same buffers, same answer.
+pub fn topk_v3(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    topk_hist_select_final(
+        gpu,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+        "indexer_topk3_final",
+    )
+}
+
+/// v2's three launches with the exact per-row pass `final_entry` (indexer_topk2_final or
+/// indexer_topk3_final: same arguments, grid, block and dynamic shared memory).
+fn topk_hist_select_final(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+    final_entry: &str,
+) -> Result<()> {
     let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
     let rows = bufs.rows;
     if bufs.v2_dirty {
@@ -508,7 +552,7 @@ pub fn topk(
         },
         "indexer top-k v2 select",
     )?;
-    let f = gpu.function(FAMILY, "indexer_topk2_final")?;
+    let f = gpu.function(FAMILY, final_entry)?;
     let smem = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * TOPK2_FINAL_SMEM_CAP;
     set_smem(&f, smem)?;
     let mut b = gpu.stream.launch_builder(&f);
@@ -634,6 +678,24 @@ pub fn run(
 ) -> Result<()> {
     logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
     topk(
+        gpu,
+        &bufs.scores,
+        bufs.score_stride,
+        &q.num_valid,
+        &q.num_valid_host,
+        &mut bufs.topk,
+    )
+}
+
+/// The v2 logits then the v3 top-k (bench variant "fused_v3").
+pub fn run_v3(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+) -> Result<()> {
+    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    topk_v3(
         gpu,
         &bufs.scores,
         bufs.score_stride,
@@ -888,7 +950,8 @@ pub struct IndexerSamples {
 }
 
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold top-k v2), "fused_v1" (the same
-/// logits + the previous chunked radix-select top-k) or "baseline" (the seeds' path).
+/// logits + the previous chunked radix-select top-k), "fused_v3" (the same logits + top-k v3: v2's passes 1-2
+/// and the rank-by-counting final pass) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -900,11 +963,20 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" | "fused_v1" => {
+        "fused" | "fused_v1" | "fused_v3" => {
             let v1 = variant == "fused_v1";
+            let v3 = variant == "fused_v3";
             let logits_fn = if v1 { logits_v1 } else { logits };
-            let topk_fn = if v1 { topk_v1 } else { topk };
-            let run_fn = if v1 { run_v1 } else { run };
+            let topk_fn = match (v1, v3) {
+                (true, _) => topk_v1,
+                (_, true) => topk_v3,
+                _ => topk,
+            };
+            let run_fn = match (v1, v3) {
+                (true, _) => run_v1,
+                (_, true) => run_v3,
+                _ => run,
+            };
             let logits_s =
                 gpu.time_us(plan, || logits_fn(gpu, q, cache, &mut bufs.scores, stride))?;
             let IndexerBuffers {
@@ -944,7 +1016,9 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_v1 or baseline)"),
+        _ => bail!(
+            "unknown indexer variant `{variant}` (expected fused, fused_v1, fused_v3 or baseline)"
+        ),
     }
 }
 
