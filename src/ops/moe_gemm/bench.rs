@@ -279,7 +279,16 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l1_gen(generation(variant), gpu, &ws, &dg, &w, &a, &routing, &mut out)
+                launch_finish_l1_gen(
+                    generation(variant),
+                    gpu,
+                    &ws,
+                    &dg,
+                    &w,
+                    &a,
+                    &routing,
+                    &mut out,
+                )
             })?;
             Ok(vec![row(
                 "moe_gemm_l1",
