@@ -156,6 +156,53 @@ __device__ __forceinline__ uint32_t e2m1_code_thr(float y, const E2m1Thresholds&
     return m | ((__float_as_uint(y) >> 28) & 8u);
 }
 
+// ---- v3: the same thresholds without FP64 (rmsnorm_nvfp4_bf16in_v3) -------------------------------------------
+// e2m1_thresholds computes RD32/RU32 of the exact product s*M (M = t +- ulp(t)/2, exact in f64) with DMUL and
+// F2F.F64 conversions. The same bits come from ONE f32 FMA with a directed rounding mode:
+//   s*M = s*t + s*(+-ulp(t)/2), and h = s * 2^-k is exact in f32 (power-of-two scaling of a normal number that
+//   stays normal), so __fmaf_rd(s, t, h) = RD32(s*t + h) = RD32(s*M) exactly (an FMA rounds the exact sum once,
+//   in the requested direction), likewise __fmaf_ru(s, t, -h) = RU32(s*M). t is exact in f32 (<= 3 bits).
+// Validity: 2^-100 <= s <= 2^100 keeps every h >= 2^-126 (normal: no flush, no inexact scaling) and every
+// product far from overflow; outside that range e2m1_thresholds_v3 falls back to the FP64 version (same bits).
+// The constants per threshold are those of e2m1_thresholds: 0.25+2^-26, 0.75-2^-25, 1.25+2^-24, 1.75-2^-24,
+// 2.5+2^-23, 3.5-2^-23, 5+2^-22. tests/norm_quant.rs mirrors this (e2m1_thresholds_fma_mirror) on all e4m3
+// scales x many global scales against the FP64 form, and the GPU test compares v3 with the current kernel.
+__device__ __forceinline__ E2m1Thresholds e2m1_thresholds_v3(float scale) {
+    if (!(scale >= 0x1p-100f && scale <= 0x1p100f)) return e2m1_thresholds(scale);
+    const float h26 = __fmul_rn(scale, 0x1p-26f), h25 = __fmul_rn(scale, 0x1p-25f);
+    const float h24 = __fmul_rn(scale, 0x1p-24f), h23 = __fmul_rn(scale, 0x1p-23f);
+    const float h22 = __fmul_rn(scale, 0x1p-22f);
+    E2m1Thresholds t;
+    t.b[0] = nextup_pos(__fmaf_rd(scale, 0.25f, h26));
+    t.b[1] = __fmaf_ru(scale, 0.75f, -h25);
+    t.b[2] = nextup_pos(__fmaf_rd(scale, 1.25f, h24));
+    t.b[3] = __fmaf_ru(scale, 1.75f, -h24);
+    t.b[4] = nextup_pos(__fmaf_rd(scale, 2.5f, h23));
+    t.b[5] = __fmaf_ru(scale, 3.5f, -h23);
+    t.b[6] = nextup_pos(__fmaf_rd(scale, 5.0f, h22));
+    return t;
+}
+
+// The 8 codes of one chunk, packed (element e in bits 4e..4e+3): the decisions of e2m1_code_thr, written so
+// every code bit is OR-ed in place (select of a constant already shifted by 4e) and the sign bit is one shift
+// plus a masked OR: sign of element e = bit 31 of y -> bit 4e+3, i.e. (bits >> (28 - 4e)) & (8 << 4e).
+__device__ __forceinline__ uint32_t e2m1_pack8_thr(const float (&v)[8], const E2m1Thresholds& t) {
+    uint32_t packed = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float a = fabsf(v[e]);
+        const bool p2 = a >= t.b[3];
+        const float t1 = p2 ? t.b[5] : t.b[1];
+        const float thi = p2 ? t.b[6] : t.b[2];
+        const float tlo = p2 ? t.b[4] : t.b[0];
+        const bool p1 = a >= t1;
+        const bool p0 = a >= (p1 ? thi : tlo);
+        packed |= (p2 ? (4u << (4 * e)) : 0u) | (p1 ? (2u << (4 * e)) : 0u) | (p0 ? (1u << (4 * e)) : 0u);
+        packed |= (__float_as_uint(v[e]) >> (28 - 4 * e)) & (8u << (4 * e));
+    }
+    return packed;
+}
+
 // Row outputs (pointers already at this row).
 struct RowOut {
     uint8_t* q;             // NVFP4: packed codes [D/2]; FP8: codes [D]
@@ -168,7 +215,7 @@ struct RowOut {
 // RMSNorm (NORM) and quantization of one row held in registers: v[k] is chunk tid + k*blockDim (valid
 // when < nchunks; invalid chunks hold zeros). All threads of the block must call this.
 // WEARLY: load the weight before the sum-of-squares reduction (v2); false = after it (v1, kept for the A/B).
-template <int KIND, bool NORM, bool WEARLY = true>
+template <int KIND, bool NORM, bool WEARLY = true, bool NVFP4_V3 = false>
 __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
                                float eps, const RowOut& o, float* red) {
     const int tid = threadIdx.x, bd = blockDim.x;
@@ -243,6 +290,36 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
                 if ((c & 15) == 0) o.scales[c >> 4] = sc;
             }
         }
+    } else if (NVFP4_V3) {  // NVFP4, v3: same outputs as the branch below, fewer instructions
+        // Block amax once per chunk (the row amax is the max of the block amaxes: max is exact and
+        // order-free), 6*gs hoisted, f32 thresholds (e2m1_thresholds_v3), packed encoder (e2m1_pack8_thr).
+        float abk[CH];
+        float amax = 0.f;
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            float ab = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ab = fmaxf(ab, fabsf(v[k][e]));
+            ab = fmaxf(ab, __shfl_xor_sync(0xffffffffu, ab, 1));  // 16-block = chunks (2i, 2i+1)
+            abk[k] = ab;
+            amax = fmaxf(amax, ab);
+        }
+        const float amax_row = block_max(amax, red);
+        const float gs = mm::nvfp4_global_scale(amax_row);
+        if (tid == 0) *o.gsa = gs;
+        const float six_gs = __fmul_rn(6.f, gs);  // the divisor of mm::nvfp4_block_scale
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            if (c < nchunks) {
+                const uint8_t s = mm::e4m3_encode(__fdiv_rn(abk[k], six_gs));
+                const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+                uint32_t packed = 0;
+                if (scale != 0.f) packed = e2m1_pack8_thr(v[k], e2m1_thresholds_v3(scale));
+                *reinterpret_cast<uint32_t*>(o.q + c * 4) = packed;
+                if ((c & 1) == 0) o.scales[c >> 1] = s;
+            }
+        }
     } else {  // NVFP4
         float amax = 0.f;
 #pragma unroll
@@ -280,7 +357,7 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
     }
 }
 
-template <typename Tin, int KIND, bool NORM, bool WEARLY = true>
+template <typename Tin, int KIND, bool NORM, bool WEARLY = true, bool NVFP4_V3 = false>
 __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __restrict__ w, uint8_t* q,
                              uint8_t* scales, float* gsa, __nv_bfloat16* bf, float* rstd, int D, float eps) {
     __shared__ float red[MAX_WARPS];
@@ -303,7 +380,7 @@ __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __r
     o.gsa = gsa + row;
     o.bf = bf + row * D;
     o.rstd = rstd ? rstd + row : nullptr;
-    norm_quant_row<KIND, NORM, WEARLY>(v, nchunks, D, w, eps, o, red);
+    norm_quant_row<KIND, NORM, WEARLY, NVFP4_V3>(v, nchunks, D, w, eps, o, red);
 }
 
 // ---- mHC -----------------------------------------------------------------------------------------------------
@@ -821,10 +898,22 @@ extern "C" __global__ void rmsnorm_bf16_bf16in_v1(const __nv_bfloat16* x, const 
     rmsnorm_rows<__nv_bfloat16, KIND_BF16, true, false>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
+// v3 of the NVFP4 row kernel (f32 thresholds, one block amax pass, packed encoder): outputs bit-identical to
+// rmsnorm_nvfp4_bf16in; an A/B variant until measured.
+extern "C" __global__ void rmsnorm_nvfp4_bf16in_v3(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
+                                                   uint8_t* scales, float* gsa, float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true, true, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
+}
+
 // Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).
 extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
                                               int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
+}
+// v3 NVFP4 quantizer without the norm (y = x): lets the GPU test feed values at exact e2m1 boundaries.
+extern "C" __global__ void quant_nvfp4_bf16in_v3(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
+                                                 int D) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false, true, true>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
 }
 extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);

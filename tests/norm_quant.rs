@@ -1289,3 +1289,338 @@ fn bench_config_names_known_kernels_and_variants() {
         nq::check_rows(1, d).unwrap();
     }
 }
+
+// ---- v3 NVFP4 encoder: f32 FMA thresholds (kernels/norm_quant.cu e2m1_thresholds_v3) ----------------------
+
+/// The FP64 thresholds of `e2m1_thresholds` (the current kernel), as `e2m1_via_thresholds` computes them.
+fn thresholds_f64(scale: f32) -> [f32; 7] {
+    let s = f64::from(scale);
+    let nextup = |x: f32| f32::from_bits(x.to_bits() + 1);
+    [
+        nextup(f64_to_f32_rd(s * (0.25 + 2f64.powi(-26)))),
+        f64_to_f32_ru(s * (0.75 - 2f64.powi(-25))),
+        nextup(f64_to_f32_rd(s * (1.25 + 2f64.powi(-24)))),
+        f64_to_f32_ru(s * (1.75 - 2f64.powi(-24))),
+        nextup(f64_to_f32_rd(s * (2.5 + 2f64.powi(-23)))),
+        f64_to_f32_ru(s * (3.5 - 2f64.powi(-23))),
+        nextup(f64_to_f32_rd(s * (5.0 + 2f64.powi(-22)))),
+    ]
+}
+
+/// f32 FMA `s * t + h` with a directed rounding (down when `down`), mirrored in f64: the f64 sum is
+/// asserted exact (TwoSum error 0), so rounding it once to f32 is exactly what the FMA does.
+fn fma_directed_mirror(s: f32, t: f32, h: f32, down: bool) -> f32 {
+    let p = f64::from(s) * f64::from(t); // exact: 24 + 3 significant bits
+    assert_eq!(
+        p / f64::from(t),
+        f64::from(s),
+        "s*t not exact in f64 (s {s:e}, t {t})"
+    );
+    let h = f64::from(h);
+    let sum = p + h;
+    let bb = sum - p;
+    let err = (p - (sum - bb)) + (h - bb); // TwoSum: the rounding error of p + h
+    assert_eq!(err, 0.0, "f64 sum inexact (s {s:e}, t {t}, h {h:e})");
+    if down {
+        f64_to_f32_rd(sum)
+    } else {
+        f64_to_f32_ru(sum)
+    }
+}
+
+/// Rust mirror of `e2m1_thresholds_v3`.
+fn thresholds_v3_mirror(scale: f32) -> [f32; 7] {
+    if !(2f32.powi(-100)..=2f32.powi(100)).contains(&scale) {
+        return thresholds_f64(scale);
+    }
+    let h = |k: i32| {
+        let v = scale * 2f32.powi(-k); // __fmul_rn; exact, checked below
+        assert_eq!(
+            f64::from(v),
+            f64::from(scale) * 2f64.powi(-k),
+            "scale*2^-{k} inexact for {scale:e}"
+        );
+        v
+    };
+    let nextup = |x: f32| f32::from_bits(x.to_bits() + 1);
+    [
+        nextup(fma_directed_mirror(scale, 0.25, h(26), true)),
+        fma_directed_mirror(scale, 0.75, -h(25), false),
+        nextup(fma_directed_mirror(scale, 1.25, h(24), true)),
+        fma_directed_mirror(scale, 1.75, -h(24), false),
+        nextup(fma_directed_mirror(scale, 2.5, h(23), true)),
+        fma_directed_mirror(scale, 3.5, -h(23), false),
+        nextup(fma_directed_mirror(scale, 5.0, h(22), true)),
+    ]
+}
+
+/// Rust mirror of `e2m1_pack8_thr` (8 codes, element e in bits 4e..4e+3).
+fn pack8_thr_mirror(v: &[f32; 8], b: &[f32; 7]) -> u32 {
+    let mut packed = 0u32;
+    for (e, &y) in v.iter().enumerate() {
+        let a = y.abs();
+        let p2 = a >= b[3];
+        let t1 = if p2 { b[5] } else { b[1] };
+        let thi = if p2 { b[6] } else { b[2] };
+        let tlo = if p2 { b[4] } else { b[0] };
+        let p1 = a >= t1;
+        let p0 = a >= if p1 { thi } else { tlo };
+        let sh = 4 * e as u32;
+        packed |= (if p2 { 4u32 << sh } else { 0 })
+            | (if p1 { 2u32 << sh } else { 0 })
+            | (if p0 { 1u32 << sh } else { 0 });
+        packed |= (y.to_bits() >> (28 - sh)) & (8u32 << sh);
+    }
+    packed
+}
+
+#[test]
+fn v3_fma_thresholds_equal_the_f64_thresholds_for_all_e4m3_scales() {
+    let seed = fresh_seed("v3_fma_thresholds_equal_the_f64_thresholds_for_all_e4m3_scales");
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut checked = 0u64;
+    let mut fallback = 0u64;
+    // every positive finite e4m3 code x global scales: random mantissas over biased exponents 1..=254
+    // (every binade, incl. both sides of the 2^-100 / 2^100 guard), plus exact powers of two
+    for code in 1u8..=0x7E {
+        let s = e4m3::decode(code);
+        for i in 0..3000u32 {
+            let exp = if i < 254 {
+                i + 1
+            } else {
+                (next() % 254) as u32 + 1
+            };
+            let mant = if i < 254 {
+                0
+            } else {
+                next() as u32 & 0x7F_FFFF
+            };
+            let gs = f32::from_bits(exp << 23 | mant);
+            let scale = s * gs;
+            if scale == 0.0 || !scale.is_finite() || scale * 5.5 == f32::INFINITY {
+                continue;
+            }
+            if !(2f32.powi(-100)..=2f32.powi(100)).contains(&scale) {
+                fallback += 1;
+            }
+            let want = thresholds_f64(scale);
+            let got = thresholds_v3_mirror(scale);
+            for k in 0..7 {
+                assert_eq!(
+                    got[k].to_bits(),
+                    want[k].to_bits(),
+                    "threshold {k} for scale {scale:e} (s code {code:#04x}, gs {gs:e}): fma {:e} vs f64 {:e} (seed {seed})",
+                    got[k],
+                    want[k]
+                );
+            }
+            checked += 1;
+        }
+    }
+    eprintln!("v3 thresholds: {checked} scales bit-identical to the FP64 form ({fallback} through the fallback)");
+    assert!(checked > 300_000 && fallback > 1000);
+}
+
+#[test]
+fn v3_packed_encoder_equals_the_reference_encoder_at_every_boundary() {
+    let seed = fresh_seed("v3_packed_encoder_equals_the_reference_encoder_at_every_boundary");
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let thresholds = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+    let mut checked = 0u64;
+    for _ in 0..40_000 {
+        let s_code = (next() % 0x7E) as u8 + 1;
+        let gs = f32::from_bits(((next() % 200 + 20) as u32) << 23 | (next() as u32 & 0x7F_FFFF));
+        let scale = e4m3::decode(s_code) * gs;
+        if scale == 0.0 || !scale.is_finite() {
+            continue;
+        }
+        let b = thresholds_v3_mirror(scale);
+        // every threshold, its f32 neighbours +-3 ulp, both signs, in random element positions; plus zeros
+        let mut vals = Vec::new();
+        for t in thresholds {
+            let near = t * scale;
+            for k in -3i32..=3 {
+                let a = f32::from_bits((near.to_bits() as i32 + k) as u32);
+                vals.push(a);
+                vals.push(-a);
+            }
+        }
+        vals.push(0.0);
+        vals.push(-0.0);
+        vals.push(6.0 * scale);
+        while vals.len() % 8 != 0 {
+            vals.push(f32::from_bits(next() as u32 & 0x7FFF_FFFF).min(7.0 * scale));
+        }
+        for c in vals.chunks(8) {
+            let mut v: [f32; 8] = c.try_into().unwrap();
+            v.swap(0, (next() % 8) as usize);
+            let got = pack8_thr_mirror(&v, &b);
+            for (e, &y) in v.iter().enumerate() {
+                let want = e2m1::encode_rne(y / scale);
+                let have = ((got >> (4 * e)) & 0xF) as u8;
+                assert_eq!(
+                    have, want,
+                    "element {e} y {y:e} scale {scale:e}: packed code {have:#x} vs reference {want:#x} (seed {seed})"
+                );
+                checked += 1;
+            }
+        }
+    }
+    eprintln!("v3 packed encoder: {checked} values agree with formats::e2m1");
+}
+
+/// Compares two NVFP4 downloads byte for byte (codes, scales, global scales) with a precise diagnostic.
+fn assert_same_nvfp4(label: &str, got: &HostQuant, want: &HostQuant, d: usize) {
+    let (HostQuant::Nvfp4(g), HostQuant::Nvfp4(w)) = (got, want) else {
+        panic!("{label}: not NVFP4 outputs");
+    };
+    if let Some((i, a, b)) = first_diff(&g.data, &w.data) {
+        panic!(
+            "{label}: code byte {i} (row {}, elements {}..{}): got {a:#04x} vs want {b:#04x}",
+            i / (d / 2),
+            2 * (i % (d / 2)),
+            2 * (i % (d / 2)) + 1
+        );
+    }
+    if let Some((i, a, b)) = first_diff(&g.scales, &w.scales) {
+        panic!(
+            "{label}: block scale {i} (row {}, block {}): got {a:#04x} vs want {b:#04x}",
+            i / (d / 16),
+            i % (d / 16)
+        );
+    }
+    if let Some(i) = (0..g.global_scale.len())
+        .find(|&i| g.global_scale[i].to_bits() != w.global_scale[i].to_bits())
+    {
+        panic!(
+            "{label}: global scale of row {i}: got {:e} vs want {:e}",
+            g.global_scale[i], w.global_scale[i]
+        );
+    }
+}
+
+#[test]
+fn gpu_rmsnorm_nvfp4_v3_equals_current_kernel() {
+    let Some(gpu) = gpu_for_test("gpu_rmsnorm_nvfp4_v3_equals_current_kernel") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_rmsnorm_nvfp4_v3_equals_current_kernel");
+    for &d in DS {
+        let w = nq::random_weight(d, seed ^ d as u64 ^ 0x33);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        for rows in [1usize, 7, 129, 4096] {
+            let x = nq::random_rows(rows, d, seed ^ (rows as u64 * 131 + d as u64));
+            let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
+            let label = format!("rmsnorm->nvfp4 v3 {rows}x{d}, seed {seed}");
+            let mut cur = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut cur).unwrap();
+            let mut v3 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::rmsnorm_quant_nvfp4_v3(&gpu, &dx, &dw, r::RMS_EPS, &mut v3).unwrap();
+            let cur = cur.download(&gpu).unwrap();
+            let got = v3.download(&gpu).unwrap();
+            assert_same_nvfp4(&label, &got.q, &cur.q, d);
+            if let Some(i) = (0..rows).find(|&i| got.rstd[i].to_bits() != cur.rstd[i].to_bits()) {
+                panic!(
+                    "{label}: rstd[{i}] v3 {:e} vs current {:e}",
+                    got.rstd[i], cur.rstd[i]
+                );
+            }
+            check_norm_outputs(&label, &x, &w, rows, d, OutFormat::Nvfp4, &got);
+        }
+    }
+}
+
+/// BF16 rows whose values sit at (or one BF16 ulp around) the e2m1 decision points t * scale of their block.
+/// Rows with a power-of-two global scale make t * scale exactly BF16 (ties hit exactly); others have random
+/// global scales; a few rows have scales below 2^-100 or above 2^100 (the FP64 fallback of the v3 kernel).
+fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let thresholds = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+    let bf = |v: f32| bf16::round(v);
+    let mut out = Vec::with_capacity(rows * d);
+    for row in 0..rows {
+        let k: i32 = match row % 8 {
+            6 => -112,
+            7 => 110,
+            _ => (next() % 40) as i32 - 25,
+        };
+        let pow2_gs = row % 2 == 0 || row % 8 >= 6;
+        let a_row = if pow2_gs {
+            2688.0 * 2f32.powi(k)
+        } else {
+            bf(2688.0 * 2f32.powi(k) * (1.0 + (next() % 128) as f32 / 128.0))
+        };
+        let gs = a_row / 2688.0;
+        let mut y = vec![0f32; d];
+        for b in 0..d / 16 {
+            // block amax: 6 * gs * (an e4m3 value), BF16-rounded (exact for a power-of-two gs)
+            let code = (next() % 0x7E) as u8 + 1;
+            let ab = bf(6.0 * gs * e4m3::decode(code)).min(a_row);
+            let s = e4m3::decode(e4m3::encode_rne(ab / (6.0 * gs)));
+            let scale = s * gs;
+            let blk = &mut y[b * 16..(b + 1) * 16];
+            blk[0] = if next() % 2 == 0 { ab } else { -ab };
+            for v in blk.iter_mut().skip(1) {
+                let t = thresholds[(next() % 7) as usize];
+                let target = bf(t * scale);
+                let step = (next() % 5) as i32 - 2; // -2..=2 BF16 ulps around it
+                let mut a = f32::from_bits((target.to_bits() as i32 + step * 0x10000) as u32);
+                if a.is_nan() || a.abs() > ab {
+                    a = ab;
+                }
+                *v = if next() % 2 == 0 { a } else { -a };
+            }
+        }
+        y[(next() as usize) % d] = a_row;
+        out.extend_from_slice(&y);
+    }
+    out
+}
+
+#[test]
+fn gpu_quant_nvfp4_v3_equals_current_at_exact_boundaries() {
+    let Some(gpu) = gpu_for_test("gpu_quant_nvfp4_v3_equals_current_at_exact_boundaries") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_quant_nvfp4_v3_equals_current_at_exact_boundaries");
+    for &d in DS {
+        let rows = 64;
+        let y = boundary_rows(rows, d, seed ^ d as u64);
+        assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
+        let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
+        let label = format!("quant->nvfp4 v3 boundary rows {rows}x{d}, seed {seed}");
+        let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
+        let mut cur = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows(&gpu, &dy, &mut cur).unwrap();
+        let mut v3 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows_nvfp4_v3(&gpu, &dy, &mut v3).unwrap();
+        let cur = cur.download(&gpu).unwrap();
+        let got = v3.download(&gpu).unwrap();
+        assert_same_nvfp4(
+            &format!("{label} (current kernel vs CPU)"),
+            &cur.q,
+            &want,
+            d,
+        );
+        assert_same_nvfp4(&format!("{label} (v3 vs CPU)"), &got.q, &want, d);
+        eprintln!("{label}: v3, current kernel and CPU reference bit-identical");
+    }
+}

@@ -22,6 +22,7 @@ pub fn kernels() -> Vec<BenchKernel> {
                 "fused_v1_nvfp4",
                 "fused_v1_fp8",
                 "fused_v1_bf16",
+                "fused_v3_nvfp4",
             ],
             matmul: MatmulKind::NotMatmul,
             run_point: rows_point,

@@ -315,6 +315,25 @@ pub fn rmsnorm_quant_v1(
     rmsnorm_quant_kernel(gpu, RowsIn::Bf16(x), w, eps, out, "_v1")
 }
 
+/// [`rmsnorm_quant`] to NVFP4 through the v3 kernel `rmsnorm_nvfp4_bf16in_v3` (f32 e2m1 thresholds, one
+/// block-amax pass): outputs bit-identical to the default kernel, kept as an A/B variant until measured.
+/// BF16 input and an NVFP4 `out` only.
+pub fn rmsnorm_quant_nvfp4_v3(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    if out.format != OutFormat::Nvfp4 {
+        bail!(
+            "rmsnorm_quant_nvfp4_v3 writes NVFP4 only, got an output of format {}",
+            out.format.name()
+        );
+    }
+    rmsnorm_quant_kernel(gpu, RowsIn::Bf16(x), w, eps, out, "_v3")
+}
+
 fn rmsnorm_quant_kernel(
     gpu: &Gpu,
     x: RowsIn<'_>,
@@ -391,6 +410,33 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
             bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8")
         }
     }
+    Ok(())
+}
+
+/// [`quantize_bf16_rows`] to NVFP4 through the v3 encoder (`quant_nvfp4_bf16in_v3`, no norm): used by the
+/// tests to feed values at exact e2m1 rounding boundaries; outputs bit-identical to `quant_nvfp4_bf16in`.
+pub fn quantize_bf16_rows_nvfp4_v3(
+    gpu: &Gpu,
+    y: &CudaSlice<bf16>,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_rows(rows, d)?;
+    check_len("y", y.len(), rows * d)?;
+    let QuantBufs::Nvfp4 {
+        data,
+        scales,
+        global_scale,
+    } = &mut out.q
+    else {
+        bail!("quantize_bf16_rows_nvfp4_v3: the output format must be nvfp4");
+    };
+    let cfg = launch_cfg((rows as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
+    let d_i = d as i32;
+    let f = gpu.function(FAMILY, "quant_nvfp4_bf16in_v3")?;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(y).arg(data).arg(scales).arg(global_scale).arg(&d_i);
+    drv(unsafe { b.launch(cfg) }, "quant_nvfp4_bf16in_v3")?;
     Ok(())
 }
 
@@ -1060,6 +1106,7 @@ pub const ROW_VARIANTS: &[&str] = &[
     "fused_v1_nvfp4",
     "fused_v1_fp8",
     "fused_v1_bf16",
+    "fused_v3_nvfp4",
     "copy",
 ];
 
@@ -1078,7 +1125,7 @@ pub fn bench_rows(
     let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
     let eps = reference::RMS_EPS;
     let in_bytes = (rows * d * 2 + d * 2) as u64;
-    // kind_fmt, kind in fused / fused_v1 (the previous kernels) / unfused; or `copy`.
+    // kind_fmt, kind in fused / fused_v1 (the previous kernels) / fused_v3 (NVFP4 A/B) / unfused; or `copy`.
     let (kind, fmt) = variant.rsplit_once('_').unwrap_or((variant, "bf16"));
     let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
         kernel: "rmsnorm_quant",
@@ -1097,13 +1144,15 @@ pub fn bench_rows(
             })?;
             Ok(point(4 * (rows * d) as u64, s, None))
         }
-        "fused" | "fused_v1" => {
+        "fused" | "fused_v1" | "fused_v3" => {
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let v1 = kind == "fused_v1";
+            let (v1, v3) = (kind == "fused_v1", kind == "fused_v3");
             let s = gpu.time_us(plan, || {
                 if v1 {
                     rmsnorm_quant_v1(gpu, &x, &w, eps, &mut out)
+                } else if v3 {
+                    rmsnorm_quant_nvfp4_v3(gpu, &x, &w, eps, &mut out)
                 } else {
                     rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
                 }
