@@ -8,42 +8,44 @@
 //
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
-//   sparse_attn_decode_fp8_v2      the FP8 path (this family's kernel; design notes above decode_fp8_v2_body).
-//   sparse_attn_decode_fp8         the first FP8 kernel (bench variant "fp8_v1", kept for the A/B).
+//   sparse_attn_decode_fp8_v2      the FP8 path (this family's kernel, bench variant "fp8"; the `_v2` stays in
+//                                  the name because earlier logs and profiles use the plain name for the
+//                                  removed first design, see below).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
 //
-// Decode kernel design, shared by v1 and v2 except where the v2 notes differ (one CTA = 64 heads of one sequence
-// x one split of its candidate list, 256 threads):
+// Decode kernel design (FP8 path; the BF16 baseline shares the tiling, softmax, P.V and finish). One CTA = 64
+// heads of one sequence x one split of its candidate list, 256 threads:
 //   * MQA: all 64 heads share each KV entry, so a CTA streams its candidates once (tiles of 64 entries,
 //     cp.async 8-byte copies, one tile prefetched while the previous one is computed). 128-head models run
 //     two head-group CTAs per (sequence, split) with adjacent block indices; the second read of a tile is
 //     served by L2 (the two CTAs run concurrently), so HBM sees each entry about once.
 //   * q is quantized in the prologue exactly like a KV entry: per (head, 64-tile) a UE8M0 power-of-two scale
-//     2^ceil(log2(max(amax,1e-4)/448)) and e4m3 codes; q's rope dims stay BF16.
-//   * QK^T nope: mma.sync m16n8k32 e4m3 x e4m3 -> f32, one fresh accumulator per 64-dim tile, then
-//     acc += partial * (q_scale[head][tile] * k_scale[entry][tile]). Both scales are powers of two, so the
-//     product and the multiplication are exact: the only rounding is the f32 accumulation itself.
-//     QK^T rope: mma.sync m16n8k16 BF16 (q rope BF16, key rope BF16 from the cache).
-//   * softmax in f32 (log2 domain), online over tiles; the sink enters only the final denominator.
-//   * P is rounded to BF16 for P.V; the unrounded f32 probabilities form the denominator.
-//   * V = K: the tile's e4m3 nope codes are dequantized in registers to BF16 (e4m3 * 2^k has <= 4 significant
-//     bits: exact in BF16) into shared memory, next to the BF16 rope dims; P.V is mma.sync m16n8k16 BF16
-//     with ldmatrix.trans B fragments. O (64 heads x 512) lives in registers: 128 f32 per thread.
+//     2^ceil(log2(max(amax,1e-4)/448)) and e4m3 codes; the codes times their scale are then held as BF16
+//     (exact: e4m3 * 2^k has <= 4 significant bits). q's rope dims stay BF16.
+//   * Each raw FP8 tile is dequantized once into a BF16 tile (same exactness) that serves as both K and V
+//     (K = V in DSV4), with the entry's BF16 rope dims next to the nope dims.
+//   * QK^T: mma.sync m16n8k16 BF16 over all 512 dims, fragments from ldmatrix. Every product q_d * k_d is an
+//     exact product of two FP8 values times two powers of two; the only rounding is the f32 accumulation.
+//   * softmax in f32 (log2 domain), online over tiles; the sink enters only the final denominator. O is not
+//     rescaled when no row maximum of the warp moved (x * 1.0f == x, bit-identical).
+//   * P is rounded to BF16 for P.V; the unrounded f32 probabilities form the denominator. P.V is mma.sync
+//     m16n8k16 BF16 with ldmatrix.trans B fragments. O (64 heads x 512) lives in registers: 128 f32 per thread.
 //   * Warp w: heads 16*(w%4)..+15; scores for entries 32*(w/4)..+31 of each tile; output dims 256*(w/4)..+255.
 //     The two warps sharing a head block exchange their row maxima through shared memory (named barrier).
 //   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); sparse_attn_combine merges
 //     them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
 //
+// History: the previous FP8 design ran QK^T on mma.sync m16n8k32 e4m3 and measured 0.66-1.05x of the BF16
+// staging baseline, because Hopper has no native FP8 mma.sync: each m16n8k32 e4m3 MMA is emulated.
+//
 // Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
 // 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
-// tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate. Measured (Nsight
-// Compute, results of commit abbb067): v1 took ~8 us per tile per SM, issue-bound at 1.6 IPC with ~3000
-// instructions per warp per tile (FP8 mma.sync is emulated on sm_90: 2 f16 HMMA + 12 unpacks each; cp.async
-// address math with /73; V dequant with /56). v2 SASS: ~1750 instructions per warp per tile (QK 4 x 61,
-// PV ~210, dequant ~380, O rescale 128 when the max moves, softmax/loads/masks the rest). mma.sync cannot
-// reach the wgmma rate, so the 50%-of-roofline target needs a wgmma version (QK^T on real FP8 wgmma, PV BF16).
+// tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate. SASS: ~1750
+// instructions per warp per tile (QK 4 x 61, PV ~210, dequant ~380, O rescale 128 when the max moves,
+// softmax/loads/masks the rest). mma.sync cannot reach the wgmma rate, so the 50%-of-roofline target needs a
+// wgmma version (QK^T on real FP8 wgmma, PV BF16).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -75,10 +77,7 @@ constexpr int kRopeStride = 72;
 constexpr int kVStride = 520;
 constexpr int kPStride = 72;
 
-// ---- FP8 kernel shared memory map (bytes) ----
-constexpr int kQnBytes = kHeadsPerCta * kNopeStride;             // 29696: q e4m3 codes
-constexpr int kQrBytes = kHeadsPerCta * kRopeStride * 2;         //  9216: q rope bf16
-constexpr int kQsBytes = kHeadsPerCta * 8 * 4;                   //  2048: q tile scales (f32)
+// ---- shared memory pieces (bytes) ----
 constexpr int kRawNopeBytes = kBlockN * kNopeStride;             // 29696
 constexpr int kRawRopeBytes = kBlockN * kRopeStride * 2;         //  9216
 constexpr int kRawScaleBytes = kBlockN * 8;                      //   512
@@ -87,17 +86,6 @@ constexpr int kVtBytes = kBlockN * kVStride * 2;                 // 66560
 constexpr int kPBytes = kHeadsPerCta * kPStride * 2;             //  9216
 constexpr int kRedBytes = 2 * kHeadsPerCta * 4;                  //   512
 constexpr int kIdxBytes = 3 * kBlockN * 4;                       //   768
-
-constexpr int kF8Qn = 0;
-constexpr int kF8Qr = kF8Qn + kQnBytes;
-constexpr int kF8Qs = kF8Qr + kQrBytes;
-constexpr int kF8Raw = kF8Qs + kQsBytes;
-constexpr int kF8Vt = kF8Raw + 2 * kRawBytes;
-constexpr int kF8P = kF8Vt + kVtBytes;
-constexpr int kF8RedMax = kF8P + kPBytes;
-constexpr int kF8RedSum = kF8RedMax + kRedBytes;
-constexpr int kF8Idx = kF8RedSum + kRedBytes;
-constexpr int kF8SmemBytes = kF8Idx + kIdxBytes;  // 197376
 
 // ---- BF16 baseline kernel shared memory map ----
 constexpr int kQbBytes = kHeadsPerCta * kVStride * 2;  // 66560
@@ -121,10 +109,8 @@ constexpr int kV2SmemBytes = kV2Idx + kIdxBytes;  // 222976
 static_assert(kV2SmemBytes == 222976, "mirror FP8_V2_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
 static_assert(kV2SmemBytes <= 232448, "FP8 v2 kernel exceeds the sm_90 opt-in shared memory");
 static_assert(kV2Raw % 16 == 0 && kV2Vt % 16 == 0 && kV2P % 16 == 0, "16-byte alignment");
-
-static_assert(kF8SmemBytes <= 232448, "FP8 kernel exceeds the sm_90 opt-in shared memory");
 static_assert(kB16SmemBytes <= 232448, "BF16 kernel exceeds the sm_90 opt-in shared memory");
-static_assert(kF8Raw % 16 == 0 && kF8Vt % 16 == 0 && kF8P % 16 == 0 && kRawBytes % 16 == 0, "16-byte alignment");
+static_assert(kRawBytes % 16 == 0, "16-byte alignment of the second raw stage");
 
 // ---------------------------------------------------------------------------------------------------------
 // Small PTX wrappers
@@ -152,16 +138,6 @@ __device__ __forceinline__ void pair_barrier(int head_block) {
 }
 
 __device__ __forceinline__ uint32_t ld_smem_u32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// D += A(16x32 e4m3, row) * B(32x8 e4m3, col), f32 accumulate.
-__device__ __forceinline__ void mma_fp8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // D += A(16x16 bf16, row) * B(16x8 bf16, col), f32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -448,215 +424,13 @@ __device__ __forceinline__ void tile_range(const DecodeArgs& a, int b, int split
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// FP8 path
-// ---------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void load_tile_fp8(uint8_t* raw, const int* idx, const uint8_t* __restrict__ pool) {
-    uint8_t* rn = raw;
-    uint8_t* rr = raw + kRawNopeBytes;
-    uint8_t* rs = raw + kRawNopeBytes + kRawRopeBytes;
-    // 73 eight-byte chunks per entry: 56 nope, 16 rope, 1 scales (+pad). Chunk c is entry bytes [8c, 8c+8).
-    for (int u = threadIdx.x; u < kBlockN * 73; u += kThreads) {
-        const int e = u / 73, c = u - e * 73;
-        uint8_t* dst = c < 56 ? rn + e * kNopeStride + 8 * c
-                              : (c < 72 ? rr + e * kRopeStride * 2 + 8 * (c - 56) : rs + e * 8);
-        const int i = idx[e];
-        if (i >= 0)
-            cp_async8(dst, pool + (size_t)i * kEntryBytes + 8 * c);
-        else
-            *reinterpret_cast<uint2*>(dst) = make_uint2(0u, 0u);  // zero codes and scale: V = 0, never NaN
-    }
-}
-
-// Dequantize a raw tile into the BF16 V tile (nope dims) and copy the rope dims next to them.
-__device__ __forceinline__ void dequant_tile(const uint8_t* raw, __nv_bfloat16* vt) {
-    const uint8_t* rn = raw;
-    const uint8_t* rr = raw + kRawNopeBytes;
-    const uint8_t* rs = raw + kRawNopeBytes + kRawRopeBytes;
-    for (int u = threadIdx.x; u < kBlockN * 56; u += kThreads) {
-        const int e = u / 56, c = u - e * 56;
-        const float scale = mm::ue8m0_decode(rs[e * 8 + (c >> 3)]);
-        const uint2 w = *reinterpret_cast<const uint2*>(rn + e * kNopeStride + 8 * c);
-        uint4 o;
-        o.x = e4m3x2_to_bf16x2_scaled(w.x, scale);
-        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, scale);
-        o.z = e4m3x2_to_bf16x2_scaled(w.y, scale);
-        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, scale);
-        *reinterpret_cast<uint4*>(vt + e * kVStride + 8 * c) = o;
-    }
-    for (int u = threadIdx.x; u < kBlockN * 8; u += kThreads) {
-        const int e = u >> 3, c = u & 7;
-        *reinterpret_cast<uint4*>(vt + e * kVStride + kNope + 8 * c) =
-            *reinterpret_cast<const uint4*>(rr + e * kRopeStride * 2 + 16 * c);
-    }
-}
-
-__device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
-    extern __shared__ __align__(16) uint8_t smem[];
-    uint8_t* qn = smem + kF8Qn;
-    __nv_bfloat16* qr = reinterpret_cast<__nv_bfloat16*>(smem + kF8Qr);
-    float* qs = reinterpret_cast<float*>(smem + kF8Qs);
-    __nv_bfloat16* vt = reinterpret_cast<__nv_bfloat16*>(smem + kF8Vt);
-    __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + kF8P);
-    float* red_max = reinterpret_cast<float*>(smem + kF8RedMax);
-    float* red_sum = reinterpret_cast<float*>(smem + kF8RedSum);
-    int* idxs = reinterpret_cast<int*>(smem + kF8Idx);
-
-    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
-    int len, t_begin, n_it;
-    tile_range(a, b, split, len, t_begin, n_it);
-
-    if (tid < kBlockN) {
-        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
-        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
-    }
-    // Quantize q: warp w handles heads 8w..8w+7 of this head group.
-    for (int hh = 0; hh < 8; ++hh) {
-        const int hrow = 8 * warp + hh;
-        const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + hrow) * kDim + 16 * lane;
-        const uint4 raw0 = *reinterpret_cast<const uint4*>(src);
-        const uint4 raw1 = *reinterpret_cast<const uint4*>(src + 8);
-        float x[16];
-        const uint32_t wv[8] = {raw0.x, raw0.y, raw0.z, raw0.w, raw1.x, raw1.y, raw1.z, raw1.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            x[2 * i] = __uint_as_float(wv[i] << 16);
-            x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
-        }
-        const LaneQuant lq = quantize_lane(x, lane);
-        if (lane < 28) {
-            *reinterpret_cast<uint4*>(qn + hrow * kNopeStride + 16 * lane) =
-                make_uint4(lq.codes[0], lq.codes[1], lq.codes[2], lq.codes[3]);
-            if ((lane & 3) == 0) qs[hrow * 8 + (lane >> 2)] = lq.scale;
-        } else {
-            uint4* dst = reinterpret_cast<uint4*>(qr + hrow * kRopeStride + 16 * (lane - 28));
-            dst[0] = raw0;
-            dst[1] = raw1;
-        }
-    }
-
-    WarpState st;
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
-    st.m[0] = st.m[1] = -INFINITY;
-    st.l[0] = st.l[1] = 0.f;
-
-    __syncthreads();
-    if (n_it > 0) load_tile_fp8(smem + kF8Raw, idxs, a.pool);
-    cp_async_commit();
-
-    const int row0 = 16 * wm + g;
-    for (int it = 0; it < n_it; ++it) {
-        cp_async_wait_all();
-        __syncthreads();  // tile `it` landed; everyone finished iteration it-1 (P, V tile, idx slot free)
-        const uint8_t* raw = smem + kF8Raw + (it & 1) * kRawBytes;
-        const int* idx_cur = idxs + (it % 3) * kBlockN;
-        if (it + 1 < n_it) load_tile_fp8(smem + kF8Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool);
-        cp_async_commit();
-        if (tid < kBlockN && it + 2 < n_it)
-            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
-
-        dequant_tile(raw, vt);
-
-        // ---- S = q . K^T for 16 heads x 32 entries ----
-        const uint8_t* rn = raw;
-        const __nv_bfloat16* rr = reinterpret_cast<const __nv_bfloat16*>(raw + kRawNopeBytes);
-        const uint8_t* rs = raw + kRawNopeBytes + kRawRopeBytes;
-        float s[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-        for (int t = 0; t < kTiles; ++t) {
-            float part[4][4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < 2; ++kk) {
-                const int kb = 64 * t + 32 * kk + 4 * tq;
-                const uint32_t a0 = ld_smem_u32(qn + row0 * kNopeStride + kb);
-                const uint32_t a1 = ld_smem_u32(qn + (row0 + 8) * kNopeStride + kb);
-                const uint32_t a2 = ld_smem_u32(qn + row0 * kNopeStride + kb + 16);
-                const uint32_t a3 = ld_smem_u32(qn + (row0 + 8) * kNopeStride + kb + 16);
-#pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    const int e = 32 * wh + 8 * n + g;
-                    const uint32_t b0 = ld_smem_u32(rn + e * kNopeStride + kb);
-                    const uint32_t b1 = ld_smem_u32(rn + e * kNopeStride + kb + 16);
-                    mma_fp8(part[n], a0, a1, a2, a3, b0, b1);
-                }
-            }
-            // Exact tile scaling: q and key scales are powers of two, so (qs * ks) and part * (qs * ks) are exact.
-            const float q0 = qs[row0 * 8 + t], q1 = qs[(row0 + 8) * 8 + t];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int c0 = 32 * wh + 8 * n + 2 * tq;
-                const float k0 = mm::ue8m0_decode(rs[c0 * 8 + t]);
-                const float k1 = mm::ue8m0_decode(rs[(c0 + 1) * 8 + t]);
-                s[n][0] += part[n][0] * (q0 * k0);
-                s[n][1] += part[n][1] * (q0 * k1);
-                s[n][2] += part[n][2] * (q1 * k0);
-                s[n][3] += part[n][3] * (q1 * k1);
-            }
-        }
-        {
-            float rope[4][4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) rope[n][0] = rope[n][1] = rope[n][2] = rope[n][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                const int kb = 16 * kk + 2 * tq;
-                const uint32_t a0 = ld_smem_u32(qr + row0 * kRopeStride + kb);
-                const uint32_t a1 = ld_smem_u32(qr + (row0 + 8) * kRopeStride + kb);
-                const uint32_t a2 = ld_smem_u32(qr + row0 * kRopeStride + kb + 8);
-                const uint32_t a3 = ld_smem_u32(qr + (row0 + 8) * kRopeStride + kb + 8);
-#pragma unroll
-                for (int n = 0; n < 4; ++n) {
-                    const int e = 32 * wh + 8 * n + g;
-                    const uint32_t b0 = ld_smem_u32(rr + e * kRopeStride + kb);
-                    const uint32_t b1 = ld_smem_u32(rr + e * kRopeStride + kb + 8);
-                    mma_bf16(rope[n], a0, a1, a2, a3, b0, b1);
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < 4; ++n) {
-                const int c0 = 32 * wh + 8 * n + 2 * tq;
-                const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
-                s[n][0] = v0 ? (s[n][0] + rope[n][0]) * kScoreScaleLog2 : -INFINITY;
-                s[n][1] = v1 ? (s[n][1] + rope[n][1]) * kScoreScaleLog2 : -INFINITY;
-                s[n][2] = v0 ? (s[n][2] + rope[n][2]) * kScoreScaleLog2 : -INFINITY;
-                s[n][3] = v1 ? (s[n][3] + rope[n][3]) * kScoreScaleLog2 : -INFINITY;
-            }
-        }
-
-        softmax_step(st, s, red_max, ps, wm, wh, g, tq);
-        __syncthreads();  // V tile (all threads) and P (the pair) complete
-        pv_step(st, ps, vt, wm, wh, g, tq, lane);
-    }
-    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// FP8 path v2 (sparse_attn_decode_fp8_v2; the path above stays reachable as bench variant "fp8_v1").
-//
-// Why v2: on sm_90 `mma.sync ... e4m3` has no FP8 tensor-core instruction behind it: ptxas lowers every
-// m16n8k32 e4m3 MMA to 2 HMMA.16816 (f16) plus 12 F2FP e4m3->f16 unpacks of its A and B fragments (see the SASS).
-// v1 therefore paid the BF16 tensor work for QK^T plus the unpacks plus a separate V dequantization, and Nsight
-// Compute showed it issue-bound (1.6 IPC per SM, ~3000 instructions per warp per 64-entry tile, ~60% of cycles
-// with no eligible warp at 2 warps per scheduler). v2 cuts instructions per tile:
-//   * The tile is dequantized once into BF16 (exact, see e4m3x2_to_bf16x2_scaled) and serves as both K and V
-//     (K = V in DSV4). QK^T runs as BF16 HMMA of q against that tile. q's nope dims are still quantized to
-//     FP8 with the KV rule (UE8M0 pow2 scale per 64-tile) and then held as exact BF16 values, so every
-//     product q_d * k_d is the same exact product of two FP8 values times two powers of two as in v1; the only
-//     rounding is the f32 accumulation (now one chain over 512 dims instead of one per 64-tile + a rescale).
-//     The numerics contract (FP8 q and K values, f32 scores, BF16 P, exact BF16 V) is unchanged.
+// FP8 path (sparse_attn_decode_fp8_v2), the parts not shared with the baseline:
 //   * Loads: one warp per 8 entries, lane l copies 8-byte chunks l, l+32, l+64 of each entry, so the
-//     destination of each chunk is fixed per lane (no division by 73, no branches); invalid candidates use
-//     the zero-filling form of cp.async (src-size 0) instead of a separate store.
+//     destination of each chunk is fixed per lane (no division by 73); the candidate is warp-uniform, and an
+//     invalid one (-1) gets zero stores instead of copies (K = V = 0, its score is masked anyway).
 //   * Dequant: thread (e = tid/4, q = tid%4) converts chunks q + 4i (i = 0..13) of entry e; the chunk's
 //     64-tile is i/2 (since 8(i/2) <= q + 4i < 8(i/2) + 8), a compile-time constant after unrolling, and the
 //     entry's 7 scales are decoded once.
-//   * QK^T and P.V fragments come from ldmatrix; O is not rescaled when no row maximum moved.
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void load_tile_fp8_v2(uint8_t* raw, const int* idx, const uint8_t* __restrict__ pool,
                                                  int warp, int lane) {
@@ -729,7 +503,7 @@ __device__ __forceinline__ void decode_fp8_v2_body(const DecodeArgs& a) {
         idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
         idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
     }
-    // q: warp w quantizes heads 8w..8w+7 (the KV entry rule, as v1) and stores the exact BF16 values of the
+    // q: warp w quantizes heads 8w..8w+7 (the KV entry rule) and stores the exact BF16 values of the
     // FP8 codes times their pow2 scale; rope dims stay BF16. The 8 heads' loads are issued before any use.
     {
         uint4 raw[8][2];
@@ -955,11 +729,6 @@ extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t*
         q, pool, staging, n_entries, candidates, stride, lengths, positions, sinks, freqs, heads, tiles_per_split, \
             n_splits, out, part_o, part_lse                                                                      \
     }
-
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kF8SmemBytes. The v1 FP8 path (bench "fp8_v1").
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body(SA_DECODE_ARGS);
-}
 
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV2SmemBytes. The FP8 path (bench "fp8").
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v2(SA_DECODE_PARAMS) {

@@ -13,9 +13,9 @@
 //!
 //! Precision of the FP8 path: q's 448 nope dims are quantized per (head, 64-tile) with a UE8M0 power-of-two
 //! scale (the KV entry rule), K nope dims are the cache's FP8 codes times their pow2 tile scale, rope dims
-//! BF16; every product is exact and the scores accumulate in f32. v2 (`Path::Fp8`) holds q and the tile as
-//! exact BF16 values and runs BF16 `mma.sync` (sm_90 has no FP8 `mma.sync`: v1's e4m3 MMA was emulated with
-//! f16 HMMA); softmax in f32, P rounded to BF16 for P.V (denominator unrounded), V dequantized exactly to BF16.
+//! BF16; every product is exact and the scores accumulate in f32. The kernel holds q and each KV tile as
+//! exact BF16 values and runs BF16 `mma.sync` (sm_90 has no native FP8 `mma.sync`); softmax in f32, P rounded
+//! to BF16 for P.V (denominator unrounded), V = K dequantized exactly to BF16.
 
 pub mod exec;
 pub mod reference;
@@ -36,8 +36,6 @@ pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
 pub const HEADS_PER_CTA: usize = 64;
 /// Candidates per KV tile (the kernel's inner-loop step).
 pub const BLOCK_N: usize = 64;
-/// Dynamic shared memory of `sparse_attn_decode_fp8` (mirrors `sa::kF8SmemBytes` in the .cu).
-const FP8_SMEM_BYTES: u32 = 197_376;
 /// Dynamic shared memory of `sparse_attn_decode_fp8_v2` (mirrors `sa::kV2SmemBytes`).
 const FP8_V2_SMEM_BYTES: u32 = 222_976;
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
@@ -138,20 +136,20 @@ impl SplitPlan {
         }
     }
 
-    /// The plan each path runs with: `Fp8` (v2) uses [`SplitPlan::by_cost`], the baseline and `Fp8V1` keep
-    /// [`SplitPlan::auto`] (what they were measured with).
+    /// The plan each path runs with: `Fp8` uses [`SplitPlan::by_cost`], the baseline keeps
+    /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
             Path::Fp8 => SplitPlan::by_cost(sm_count, shape),
-            Path::Fp8V1 | Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
+            Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
 
-    /// Wave-aware choice for the v2 kernel (one CTA per SM): minimize the estimated time
+    /// Wave-aware choice for the FP8 kernel (one CTA per SM): minimize the estimated time
     /// `waves * (PROLOGUE + tps * TILE) + [n_splits > 1] * (COMBINE + n_splits * COMBINE_PER_SPLIT)` over
     /// tiles-per-split `tps`, where `waves = ceil(CTAs / sm_count)`. `auto`'s floor of 4 tiles per split left
     /// most SMs idle at batch 1..32 (3 CTAs for batch 1, 640 candidates); a partial second wave costs a whole
-    /// CTA time. The constants are estimates in microseconds for the H200 (v2 tile ~3 us at 64 heads, q
+    /// CTA time. The constants are estimates in microseconds for the H200 (FP8 tile ~3 us at 64 heads, q
     /// prologue ~4 us, combine launch ~4 us); only their ratios matter. Ties go to fewer splits.
     pub fn by_cost(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
         const PROLOGUE: f64 = 4.0;
@@ -211,7 +209,6 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    decode_fp8_v1: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
 }
@@ -235,7 +232,6 @@ impl Kernels {
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem("sparse_attn_decode_fp8_v2", FP8_V2_SMEM_BYTES)?,
-            decode_fp8_v1: with_smem("sparse_attn_decode_fp8", FP8_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
         })
@@ -293,8 +289,6 @@ impl Workspace {
 pub enum Path {
     /// `sparse_attn_decode_fp8_v2`: reads the FP8 pool directly, dequantizes each tile once to BF16 (K = V).
     Fp8,
-    /// `sparse_attn_decode_fp8`: the first FP8 kernel (emulated FP8 `mma.sync` for QK^T), kept for the A/B.
-    Fp8V1,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -354,11 +348,6 @@ pub fn decode(
             FP8_V2_SMEM_BYTES,
             ws.kernels.decode_fp8.clone(),
         ),
-        Path::Fp8V1 => (
-            "sparse_attn_decode_fp8",
-            FP8_SMEM_BYTES,
-            ws.kernels.decode_fp8_v1.clone(),
-        ),
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
             BF16_SMEM_BYTES,
@@ -374,7 +363,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8V1 => b.arg(inp.pool).arg(&null),
+            Path::Fp8 => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -518,25 +507,23 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8V1 => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
     (io + kv, 4 * b * h * l * HEAD_DIM as u64)
 }
 
-/// Kernel name of the bench rows; variants `fp8` (this family's kernel, v2 with its own split plan),
-/// `bf16_staging` (the baseline) and `fp8_v1` (the first FP8 kernel with the baseline's split plan, kept for
-/// the A/B of one run).
+/// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan) and
+/// `bf16_staging` (the baseline).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
-/// Variants in the order they are timed; `bf16_staging` is the baseline of both FP8 variants.
-pub const BENCH_VARIANTS: [&str; 3] = ["fp8", "bf16_staging", "fp8_v1"];
+/// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
+pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
-        "fp8_v1" => Path::Fp8V1,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
