@@ -617,6 +617,194 @@ MOE_GEMM_ENTRY_V2(2, 2)
 MOE_GEMM_ENTRY_V2(4, 1)
 MOE_GEMM_ENTRY_V2(8, 1)
 
+// ---------------------------------------------------------------------------------------------------- v3 mainloop
+// Generation v3 (A/B against v2; v2 stays the default). Same items, same per-thread products, same mma order as v2,
+// so the partials are bit-identical to v2's. What changes is where the next stage's weights wait: v2 keeps two
+// register stages (wbuf[2][4], 72 registers) and issues the whole next stage at the top of a step; v3 keeps ONE
+// register stage and, inside the compute, re-issues chunk c's load for the next stage as soon as chunk c has been
+// dequantized (its registers are dead then). The next stage still has a full step of latency to land, but the
+// buffer costs 36 registers instead of 72, which lets the 1- and 2-token-tile entries run 3 CTAs (24 warps) per
+// SM instead of 2 (ncu round 1: nt1 v2 = 118 registers, occupancy limited to 25% by registers).
+namespace {
+template <int NT>
+__device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChunk (&w)[kChunksPerStage],
+                                                      const uint4* s_act, int g, int t, bool load_next,
+                                                      const uint8_t* next_codes, const uint8_t* next_scales,
+                                                      size_t codes_8rows, size_t scales_8rows) {
+#pragma unroll
+    for (int c = 0; c < kChunksPerStage; ++c) {
+        const uint32_t s_lo0 = scale_bf16x2(w[c].scales & 0xFF), s_lo1 = scale_bf16x2((w[c].scales >> 8) & 0xFF);
+        const uint32_t s_hi0 = scale_bf16x2((w[c].scales >> 16) & 0xFF), s_hi1 = scale_bf16x2(w[c].scales >> 24);
+        const uint32_t lo[4] = {w[c].row_lo.x, w[c].row_lo.y, w[c].row_lo.z, w[c].row_lo.w};
+        const uint32_t hi[4] = {w[c].row_hi.x, w[c].row_hi.y, w[c].row_hi.z, w[c].row_hi.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t sl = j < 2 ? s_lo0 : s_lo1, sh = j < 2 ? s_hi0 : s_hi1;
+            uint32_t pl[4], ph[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                pl[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(lo[j], i), sl);
+                ph[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(hi[j], i), sh);
+            }
+            const int unit = c * 16 + t * 4 + (j ^ ((t & 2) | (g & 1)));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint4 b = s_act[(nt * 8 + g) * 64 + unit];
+                mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+            }
+        }
+        // Chunk c has been consumed: refill its slot with chunk c of the next stage (the addresses load_stage
+        // would use). Issued after the j loop so the old and new chunk are never live together.
+        if (load_next) {
+            w[c].row_lo = ldg_stream(next_codes + c * 64);
+            w[c].row_hi = ldg_stream(next_codes + codes_8rows + c * 64);
+            w[c].scales = ldg_u16(next_scales + c * 8) | (ldg_u16(next_scales + scales_8rows + c * 8) << 16);
+        }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_codes,
+                                                 const uint8_t* __restrict__ w_scales, int N, int K,
+                                                 const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
+                                                 int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
+                                                 int splits) {
+    constexpr int TN = NT * 8;
+    extern __shared__ uint4 s_dyn[];  // as v2: s_act (TN * 64 units of 16 B), then the raw tile (TN * 1024 B)
+    uint4* s_act = s_dyn;
+    uint8_t* s_raw = reinterpret_cast<uint8_t*>(s_dyn + TN * 64);
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWarps];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int E = grp.experts;
+
+    // Exclusive prefix of token tiles per expert (as v1/v2).
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
+        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
+    }
+    int incl = tiles0 + tiles1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int warp_base = 0;
+    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
+    const int excl = warp_base + incl - tiles0 - tiles1;
+    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
+    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
+    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
+    __syncthreads();
+
+    const int n_tiles = N / kBlockN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
+    const int k_split = K / splits;
+    const int stages = k_split / kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+
+    struct ItemPos {
+        int row0, ntok, split, n;
+        const uint8_t* codes;
+        const uint8_t* scales;
+    };
+    auto locate = [&](long long item) {
+        ItemPos p;
+        p.split = (int)(item % splits);
+        const long long rest = item / splits;
+        const int n_tile = (int)(rest % n_tiles);
+        const int et = (int)(rest / n_tiles);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        int start, count;
+        grp.expert_rows(lo, start, count);
+        const int tile = et - s_tile_prefix[lo];
+        p.row0 = start + tile * TN;
+        p.ntok = min(TN, count - tile * TN);
+        const int kbase = p.split * k_split;
+        p.n = n_tile * kBlockN + warp * 16 + g;
+        const size_t wrow = (size_t)lo * N + p.n;
+        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
+        p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
+        return p;
+    };
+
+    long long item = blockIdx.x;
+    if (item >= items) return;
+    ItemPos cur = locate(item);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    WChunk wbuf[kChunksPerStage];
+    copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
+    load_stage(wbuf, cur.codes, cur.scales, 8 * codes_row, 8 * scales_row);
+    int st = 0;
+    for (;;) {
+        const bool last_stage = st + 1 == stages;
+        const long long next_item = last_stage ? item + gridDim.x : item;
+        const bool has_next = next_item < items;
+        ItemPos nxt = cur;
+        if (last_stage && has_next) nxt = locate(next_item);
+        const int next_st = last_stage ? 0 : st + 1;
+        cp_async_wait_all();  // this thread's copies of this step's raw tile have landed
+        __syncthreads();      // ... everyone's; and the previous step's reads of s_act are done
+        convert_raw_activations<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
+        __syncthreads();      // s_act complete; s_raw free
+        if (has_next)         // the next step's raw tile streams in while this step computes
+            copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
+                                     nxt.split * k_split + next_st * kStageK);
+        compute_stage_rolling<NT>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * (kStageK / 2),
+                                  nxt.scales + next_st * (kStageK / 16), 8 * codes_row, 8 * scales_row);
+
+        if (last_stage) {
+            float* out = partial + (size_t)cur.split * grp.rows_total * N;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tk = nt * 8 + 2 * t;
+                if (tk < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
+                }
+                if (tk + 1 < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
+                }
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            }
+            if (!has_next) break;
+        }
+        item = next_item;
+        cur = nxt;
+        st = next_st;
+    }
+}
+}  // namespace
+
+// 1- and 2-token tiles: 3 CTAs per SM (<= 80 registers); the launcher's v3 grid for them is 3 x SMs.
+#define MOE_GEMM_ENTRY_V3(NT, MINB)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v3_nt##NT(                 \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
+        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
+        Grouping grp{group, capacity, experts, rows_total};                                                          \
+        moe_gemm_body_v3<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);        \
+    }
+
+MOE_GEMM_ENTRY_V3(1, 3)
+MOE_GEMM_ENTRY_V3(2, 3)
+MOE_GEMM_ENTRY_V3(4, 1)
+MOE_GEMM_ENTRY_V3(8, 1)
+
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {
     float acc = 0.f;

@@ -17,8 +17,8 @@ use megamoe::ops::moe_gemm::reference::{
     quantize_rows_nvfp4, swiglu_l1_f64, Activations, ExpertWeights, Grouping, Nvfp4Rows,
 };
 use megamoe::ops::moe_gemm::{
-    self as mg, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, KernelGen,
-    L1Output, RoutedBatch, Workspace,
+    self as mg, prefill, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig,
+    KernelGen, L1Output, RoutedBatch, Workspace,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -368,7 +368,7 @@ fn assert_same_bits<T: Copy + PartialEq + std::fmt::Debug>(label: &str, v2: &[T]
     if let Some(i) = (0..v2.len()).find(|&i| v2[i] != v1[i]) {
         let differing = (0..v2.len()).filter(|&i| v2[i] != v1[i]).count();
         panic!(
-            "{label}: v2 differs from v1 at index {i}: v2 {:?} v1 {:?} ({differing} of {} elements differ)",
+            "{label}: generations differ at index {i}: first {:?} second {:?} ({differing} of {} elements differ)",
             v2[i],
             v1[i],
             v2.len()
@@ -473,6 +473,26 @@ fn check_plain(
             &format!("{label} partials"),
             &f32_bits(&gpu.download(&ws_v2.partial).unwrap()),
             &f32_bits(&gpu.download(&ws1.partial).unwrap()),
+        );
+        // v3 (rolling one-stage weight buffer, 3 CTAs per SM for tiles <= 16 tokens, so a larger persistent grid
+        // here) against v2: the same items, products and mma order, so bit-identical partials again.
+        let cfg_v3 = GemmConfig {
+            ctas: if cfg.token_tile <= 16 {
+                cfg.ctas / 2 * mg::V3_CTAS_PER_SM as u32
+            } else {
+                cfg.ctas
+            }
+            .max(1),
+            ..cfg
+        };
+        let mut ws3 = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
+        mg::launch_partial_gen(KernelGen::V3, gpu, dw, &da.view(), &dg, &cfg_v3, &mut ws3).unwrap();
+        gpu.synchronize().unwrap();
+        assert_same_bits(
+            &format!("{label} partials v3 ({cfg_v3:?}) vs v2"),
+            &f32_bits(&gpu.download(&ws_v2.partial).unwrap()),
+            &f32_bits(&gpu.download(&ws3.partial).unwrap()),
         );
         let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
         let got = gpu_accumulator(gpu, &ws);
@@ -661,6 +681,43 @@ fn check_l1_l2(
     let d = apply_global_scales(&exact, &w13, &a, &rb.grouping);
     let h_ref = swiglu_l1_f64(&d, inter, &routing, &rb.grouping);
     let h_gpu = gpu.download(l1.h_f32.as_ref().unwrap()).unwrap();
+    // v3 mainloop (bench variant nvfp4_v3, 3 CTAs per SM for tiles <= 16 tokens) at this full-size shape:
+    // bit-identical partials to the routed default (v2 or, for large contiguous groupings, wgmma: skipped).
+    if !prefill::routes_here(&d13, &dg, &cfg1) {
+        let cfg_v3 = GemmConfig {
+            ctas: if cfg1.token_tile <= 16 {
+                cfg1.ctas / 2 * mg::V3_CTAS_PER_SM as u32
+            } else {
+                cfg1.ctas
+            }
+            .max(1),
+            ..cfg1
+        };
+        let mut ws1_v3 = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
+        gpu.fill_bytes(&mut ws1_v3.partial, 0xFF).unwrap();
+        mg::launch_partial_gen(
+            KernelGen::V3,
+            gpu,
+            &d13,
+            &da.view(),
+            &dg,
+            &cfg_v3,
+            &mut ws1_v3,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let owned_only = |p: &[f32]| -> Vec<u32> {
+            let n = 2 * inter;
+            (0..rows * n)
+                .map(|i| if owned(i / n) { p[i].to_bits() } else { 0 })
+                .collect()
+        };
+        assert_same_bits(
+            &format!("{label} L1 partials v2 vs v3 ({cfg_v3:?})"),
+            &owned_only(&gpu.download(&ws1.partial).unwrap()),
+            &owned_only(&gpu.download(&ws1_v3.partial).unwrap()),
+        );
+    }
     // v1 kernels (A/B bench variant) on the same inputs: bit-identical partials and L1 outputs.
     {
         let mut ws1_v1 = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();

@@ -345,6 +345,25 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         Mode::Routed,
         &mut rng,
     );
+    // N % 256 == 0: launch_partial routes to the 128 x 256 tile (the default), N = 128 above to the 128 x 128.
+    assert_eq!(prefill::default_tile_n(256), prefill::TILE_N_WIDE);
+    assert_eq!(prefill::default_tile_n(128), prefill::TILE_N);
+    assert_eq!(prefill::default_tile_n(384), prefill::TILE_N);
+    let w = quantized_weights(&mut rng, 2, 256, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&[200, 70]);
+    for nvfp4 in [false, true] {
+        check_prefill(
+            &gpu,
+            "routed N 256",
+            &w,
+            &dw,
+            &rb,
+            nvfp4,
+            Mode::Routed,
+            &mut rng,
+        );
+    }
     // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles), small N and K for the CPU reference.
     let w = quantized_weights(&mut rng, 256, 128, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();

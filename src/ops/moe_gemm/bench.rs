@@ -4,9 +4,12 @@
 //!
 //! Variants, raced on the same routing in the same run:
 //! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above; contiguous points
-//!   with >= 64 rows per expert on average use the wgmma prefill mainloop, see `prefill.rs`), generation v2.
+//!   with >= 64 rows per expert on average use the wgmma prefill mainloop, 128 x 256 tile when N % 256 == 0, see
+//!   `prefill.rs`), generation v2.
 //! * `nvfp4_v1`: the first generation at every point (mma.sync mainloop v1 everywhere, v1 finish kernels), so
 //!   one run measures what this session's changes bought (A/B until the loser is deleted).
+//! * `nvfp4_v3`: `nvfp4` with the v3 mma.sync mainloop (one rolling weight register stage, 3 CTAs per SM for
+//!   token tiles <= 16, bit-identical partials to v2) wherever `nvfp4` runs v2; same finish kernels.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, v2 finish, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -34,6 +37,7 @@ use crate::gpu::grid_1d;
 pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_v1",
+    "nvfp4_v3",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -46,7 +50,7 @@ pub const VARIANTS: &[&str] = &[
 fn is_ours(variant: &str) -> bool {
     matches!(
         variant,
-        "nvfp4" | "nvfp4_v1" | "nvfp4_wgmma" | "nvfp4_wgmma256"
+        "nvfp4" | "nvfp4_v1" | "nvfp4_v3" | "nvfp4_wgmma" | "nvfp4_wgmma256"
     )
 }
 
@@ -56,16 +60,23 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
 
 /// Kernel generation of the finish kernels (and of the mma.sync mainloop) of an `nvfp4*` variant.
 fn generation(variant: &str) -> KernelGen {
-    if variant == "nvfp4_v1" {
-        KernelGen::V1
-    } else {
-        KernelGen::V2
+    match variant {
+        "nvfp4_v1" => KernelGen::V1,
+        "nvfp4_v3" => KernelGen::V3,
+        _ => KernelGen::V2,
     }
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
     if variant.starts_with("nvfp4_wgmma") {
         GemmConfig { splits: 1, ..cfg }
+    } else if variant == "nvfp4_v3" && cfg.token_tile <= 16 {
+        // `GemmConfig::choose` gives 2 CTAs per SM for these tiles; the v3 kernels hold 3 (same splits, so the
+        // items are v2's and only the persistent grid grows).
+        GemmConfig {
+            ctas: cfg.ctas / 2 * V3_CTAS_PER_SM as u32,
+            ..cfg
+        }
     } else {
         cfg
     }
@@ -82,7 +93,11 @@ fn launch_variant(
 ) -> Result<()> {
     match variant {
         "nvfp4_v1" => launch_partial_gen(KernelGen::V1, gpu, w, a, dg, cfg, ws),
-        "nvfp4_wgmma" => prefill::launch_partial_prefill(gpu, w, a, dg, ws),
+        // v3 where v2 would run (decode shapes); prefill shapes still route to the wgmma kernel.
+        "nvfp4_v3" if !prefill::routes_here(w, dg, cfg) => {
+            launch_partial_gen(KernelGen::V3, gpu, w, a, dg, cfg, ws)
+        }
+        "nvfp4_wgmma" => prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N),
         "nvfp4_wgmma256" => {
             prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
         }

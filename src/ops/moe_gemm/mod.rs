@@ -282,7 +282,14 @@ impl GemmConfig {
 pub enum KernelGen {
     V1,
     V2,
+    /// v2's items, products and summation order (bit-identical partials) with a one-stage rolling weight
+    /// register buffer: the 1- and 2-token-tile mainloops fit 80 registers, so they run 3 CTAs per SM (give them
+    /// [`V3_CTAS_PER_SM`] x SMs CTAs). The finish kernels are v2's.
+    V3,
 }
+
+/// CTAs per SM the v3 mainloop holds for token tiles <= 16 (`__launch_bounds__(256, 3)` in the kernel).
+pub const V3_CTAS_PER_SM: usize = 3;
 
 /// Most top-k rows per token the v2 L2 combine resolves per CTA (`kFinishMaxTopk` in the kernel).
 pub const FINISH_MAX_TOPK: usize = 32;
@@ -370,6 +377,10 @@ pub fn launch_partial_gen(
         ),
         KernelGen::V2 => (
             format!("moe_gemm_nvfp4_partial_v2_nt{}", cfg.token_tile / 8),
+            (2 * cfg.token_tile * STAGE_K * 2) as u32,
+        ),
+        KernelGen::V3 => (
+            format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8),
             (2 * cfg.token_tile * STAGE_K * 2) as u32,
         ),
     };
@@ -594,7 +605,9 @@ pub fn launch_finish_l1_gen(
     }
     let (name, block) = match kgen {
         KernelGen::V1 => ("moe_gemm_finish_l1_swiglu_nvfp4", THREADS),
-        KernelGen::V2 => ("moe_gemm_finish_l1_swiglu_nvfp4_vec", FINISH_L1_VEC_THREADS),
+        KernelGen::V2 | KernelGen::V3 => {
+            ("moe_gemm_finish_l1_swiglu_nvfp4_vec", FINISH_L1_VEC_THREADS)
+        }
     };
     let f = gpu.function(FAMILY, name)?;
     if smem > 48 * 1024 {
@@ -704,7 +717,7 @@ pub fn launch_finish_l2_gen(
     );
     let (name, grid) = match kgen {
         KernelGen::V1 => ("moe_gemm_finish_l2_combine", (tokens as u32, 1, 1)),
-        KernelGen::V2 => (
+        KernelGen::V2 | KernelGen::V3 => (
             "moe_gemm_finish_l2_combine_cols",
             (tokens as u32, w2.n.div_ceil(THREADS as usize) as u32, 1),
         ),
