@@ -7,11 +7,23 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// the dev machine and has no git checkout, so the bundle script sets this.
 pub const GIT_COMMIT_ENV: &str = "MEGAMOE_GIT_COMMIT";
 
-/// The commit the measured code was built from: `$MEGAMOE_GIT_COMMIT` when set and non-empty, else
-/// `git rev-parse --short HEAD` in the current directory, else `"unknown"`.
+/// The commit the measured code was built from: `$MEGAMOE_GIT_COMMIT` when set and non-empty, else the
+/// `COMMIT` file that scripts/gpu-bundle.sh writes next to the binary, else `git rev-parse --short HEAD` in the
+/// current directory, else `"unknown"`. (The bundle file comes before git because the GPU machine's copy of
+/// the tree may carry an older checkout than the one the binary was built from.)
 pub fn git_commit() -> String {
     let from_env = std::env::var(GIT_COMMIT_ENV).ok();
-    resolve_git_commit(from_env.as_deref(), git_rev_parse)
+    resolve_git_commit(from_env.as_deref(), || {
+        bundle_commit().or_else(git_rev_parse)
+    })
+}
+
+/// `COMMIT` next to the running executable: first line the short hash, an optional `+dirty` line after it.
+fn bundle_commit() -> Option<String> {
+    let path = std::env::current_exe().ok()?.with_file_name("COMMIT");
+    let text = std::fs::read_to_string(path).ok()?;
+    let commit: String = text.lines().map(str::trim).collect();
+    (!commit.is_empty()).then_some(commit)
 }
 
 /// The selection rule of [`git_commit`], with the two sources passed in so it can be tested.
