@@ -17,34 +17,14 @@ use megamoe::ops::moe_gemm::reference::{
     quantize_rows_nvfp4, swiglu_l1_f64, Activations, ExpertWeights, Grouping, Nvfp4Rows,
 };
 use megamoe::ops::moe_gemm::{
-    self as mg, prefill, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig,
-    KernelGen, L1Output, RoutedBatch, Workspace,
+    self as mg, prefill, DeviceExpertWeights, DeviceGrouping, GemmConfig, KernelGen, L1Output,
+    RoutedBatch, Workspace,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const U: f64 = 1.0 / 16_777_216.0; // 2^-24
-
-fn seeded(test: &str) -> ChaCha8Rng {
-    ChaCha8Rng::seed_from_u64(megamoe::ops::inputs::fresh_seed(test, "MOE_GEMM_SEED"))
-}
-
-/// Roughly normal values with a per-row magnitude spread of 10^[-2, 2] (exercises per-row global scales and
-/// small e4m3 block scales) and a few outliers per row (exercises block-scale spread within a row).
-fn random_rows(rng: &mut impl Rng, rows: usize, cols: usize, base: f32) -> Vec<f32> {
-    let mut x = Vec::with_capacity(rows * cols);
-    for _ in 0..rows {
-        let mag = base * 10f32.powf(rng.random_range(-2.0..2.0));
-        for _ in 0..cols {
-            // One 32-bit draw per value: the sum of two 15-bit uniforms (triangular on [-1, 1)), and a 1-in-64 outlier.
-            let r: u32 = rng.random();
-            let tri = ((r & 0x7FFF) as f32 + ((r >> 15) & 0x7FFF) as f32) / 32768.0 - 1.0;
-            let v = tri * mag;
-            x.push(if r >> 26 == 0 { v * 30.0 } else { v });
-        }
-    }
-    x
-}
+mod moe_common;
+use moe_common::{gathered_activations, quantized_weights, random_rows, seeded, DevA, U};
 
 // ------------------------------------------------------------------------------------------------- CPU checks
 
@@ -286,82 +266,6 @@ fn config_heuristic_splits_k_only_when_the_grid_would_be_underfilled() {
 
 // ------------------------------------------------------------------------------------------------- GPU checks
 
-/// A row per routed (token, expert) pair gathered from token activations, in the chosen A format.
-fn gathered_activations(
-    rng: &mut impl Rng,
-    rb: &RoutedBatch,
-    k: usize,
-    nvfp4: bool,
-) -> Activations {
-    let xf = random_rows(rng, rb.tokens, k, 1.0);
-    let rows = rb.grouping.rows_total();
-    let mut g = Vec::with_capacity(rows * k);
-    for r in 0..rows {
-        let t = rb.row_token[r];
-        for kk in 0..k {
-            // Padding slots hold garbage the kernel must not read into any owned row.
-            g.push(if t >= 0 { xf[t as usize * k + kk] } else { 1e3 });
-        }
-    }
-    if nvfp4 {
-        Activations::Nvfp4(quantize_rows_nvfp4(&g, rows, k).unwrap())
-    } else {
-        Activations::Bf16 {
-            rows,
-            k,
-            data: g.iter().map(|v| bf16::from_f32(*v)).collect(),
-        }
-    }
-}
-
-struct DevA {
-    bf: Option<cudarc::driver::CudaSlice<bf16>>,
-    codes: Option<cudarc::driver::CudaSlice<u8>>,
-    scales: Option<cudarc::driver::CudaSlice<u8>>,
-    global: Option<cudarc::driver::CudaSlice<f32>>,
-    rows: usize,
-    k: usize,
-}
-
-impl DevA {
-    fn upload(gpu: &Gpu, a: &Activations) -> DevA {
-        match a {
-            Activations::Bf16 { rows, k, data } => DevA {
-                bf: Some(gpu.upload(data).unwrap()),
-                codes: None,
-                scales: None,
-                global: None,
-                rows: *rows,
-                k: *k,
-            },
-            Activations::Nvfp4(q) => DevA {
-                bf: None,
-                codes: Some(gpu.upload(&q.codes).unwrap()),
-                scales: Some(gpu.upload(&q.scales).unwrap()),
-                global: Some(gpu.upload(&q.global).unwrap()),
-                rows: q.rows,
-                k: q.cols,
-            },
-        }
-    }
-    fn view(&self) -> DeviceActivations<'_> {
-        match &self.bf {
-            Some(data) => DeviceActivations::Bf16 {
-                rows: self.rows,
-                k: self.k,
-                data,
-            },
-            None => DeviceActivations::Nvfp4 {
-                rows: self.rows,
-                k: self.k,
-                codes: self.codes.as_ref().unwrap(),
-                scales: self.scales.as_ref().unwrap(),
-                global: self.global.as_ref().unwrap(),
-            },
-        }
-    }
-}
-
 /// v1 and v2 kernels compute the same products in the same fp32 order: their outputs must agree bit for bit.
 fn assert_same_bits<T: Copy + PartialEq + std::fmt::Debug>(label: &str, v2: &[T], v1: &[T]) {
     assert_eq!(v2.len(), v1.len(), "{label}: lengths differ");
@@ -519,10 +423,6 @@ fn check_plain(
             }
         }
     }
-}
-
-fn quantized_weights(rng: &mut impl Rng, e: usize, n: usize, k: usize) -> ExpertWeights {
-    ExpertWeights::quantize_per_row(&random_rows(rng, e * n, k, 0.05), e, n, k).unwrap()
 }
 
 #[test]

@@ -12,40 +12,14 @@
 use half::bf16;
 use megamoe::gpu::{gpu_for_test, Gpu};
 use megamoe::ops::moe_gemm::prefill;
-use megamoe::ops::moe_gemm::reference::{
-    apply_global_scales, grouped_gemm_acc_f64, quantize_rows_nvfp4, Activations, ExpertWeights,
-};
+use megamoe::ops::moe_gemm::reference::{apply_global_scales, grouped_gemm_acc_f64, ExpertWeights};
 use megamoe::ops::moe_gemm::{
-    self as mg, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, RoutedBatch,
-    Workspace,
+    self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, RoutedBatch, Workspace,
 };
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
 
-const U: f64 = 1.0 / 16_777_216.0; // 2^-24
-
-fn seeded(test: &str) -> ChaCha8Rng {
-    ChaCha8Rng::seed_from_u64(megamoe::ops::inputs::fresh_seed(test, "MOE_GEMM_SEED"))
-}
-
-/// Roughly normal values, per-row magnitude spread 10^[-2, 2], a 1-in-64 outlier (x30) per value.
-fn random_rows(rng: &mut impl Rng, rows: usize, cols: usize, base: f32) -> Vec<f32> {
-    let mut x = Vec::with_capacity(rows * cols);
-    for _ in 0..rows {
-        let mag = base * 10f32.powf(rng.random_range(-2.0..2.0));
-        for _ in 0..cols {
-            let r: u32 = rng.random();
-            let tri = ((r & 0x7FFF) as f32 + ((r >> 15) & 0x7FFF) as f32) / 32768.0 - 1.0;
-            let v = tri * mag;
-            x.push(if r >> 26 == 0 { v * 30.0 } else { v });
-        }
-    }
-    x
-}
-
-fn quantized_weights(rng: &mut impl Rng, e: usize, n: usize, k: usize) -> ExpertWeights {
-    ExpertWeights::quantize_per_row(&random_rows(rng, e * n, k, 0.05), e, n, k).unwrap()
-}
+mod moe_common;
+use moe_common::{gathered_activations, quantized_weights, seeded, DevA, U};
 
 /// Top-1 routing giving expert i exactly `counts[i]` rows (contiguous layout).
 fn batch_with_counts(counts: &[usize]) -> RoutedBatch {
@@ -56,77 +30,6 @@ fn batch_with_counts(counts: &[usize]) -> RoutedBatch {
         .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
         .collect();
     RoutedBatch::from_choices(tokens, counts.len(), 1, choices, None).unwrap()
-}
-
-/// One row per routed pair, gathered from random token activations, in the chosen A format.
-fn gathered_activations(
-    rng: &mut impl Rng,
-    rb: &RoutedBatch,
-    k: usize,
-    nvfp4: bool,
-) -> Activations {
-    let xf = random_rows(rng, rb.tokens, k, 1.0);
-    let rows = rb.grouping.rows_total();
-    let mut g = Vec::with_capacity(rows * k);
-    for r in 0..rows {
-        let t = rb.row_token[r];
-        if t >= 0 {
-            g.extend_from_slice(&xf[t as usize * k..(t as usize + 1) * k]);
-        } else {
-            g.extend(std::iter::repeat_n(1e3f32, k)); // masked padding slot (only the rejection test has one)
-        }
-    }
-    if nvfp4 {
-        Activations::Nvfp4(quantize_rows_nvfp4(&g, rows, k).unwrap())
-    } else {
-        Activations::Bf16 {
-            rows,
-            k,
-            data: g.iter().map(|v| bf16::from_f32(*v)).collect(),
-        }
-    }
-}
-
-enum DevA {
-    Bf16(usize, usize, cudarc::driver::CudaSlice<bf16>),
-    Nvfp4(
-        usize,
-        usize,
-        cudarc::driver::CudaSlice<u8>,
-        cudarc::driver::CudaSlice<u8>,
-        cudarc::driver::CudaSlice<f32>,
-    ),
-}
-
-impl DevA {
-    fn upload(gpu: &Gpu, a: &Activations) -> DevA {
-        match a {
-            Activations::Bf16 { rows, k, data } => DevA::Bf16(*rows, *k, gpu.upload(data).unwrap()),
-            Activations::Nvfp4(q) => DevA::Nvfp4(
-                q.rows,
-                q.cols,
-                gpu.upload(&q.codes).unwrap(),
-                gpu.upload(&q.scales).unwrap(),
-                gpu.upload(&q.global).unwrap(),
-            ),
-        }
-    }
-    fn view(&self) -> DeviceActivations<'_> {
-        match self {
-            DevA::Bf16(rows, k, data) => DeviceActivations::Bf16 {
-                rows: *rows,
-                k: *k,
-                data,
-            },
-            DevA::Nvfp4(rows, k, codes, scales, global) => DeviceActivations::Nvfp4 {
-                rows: *rows,
-                k: *k,
-                codes,
-                scales,
-                global,
-            },
-        }
-    }
 }
 
 /// Compare the fp32 accumulator with the f64 reference. On failure: the number of bad elements, the first bad
