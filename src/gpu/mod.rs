@@ -117,6 +117,32 @@ impl Gpu {
             .map_err(|e| anyhow!("kernel `{name}` not found in module `{family}`: {e:?}"))
     }
 
+    /// [`Gpu::function`] for a kernel launched with `smem_bytes` of dynamic shared memory: a clear error when the
+    /// device cannot give that much (before any launch), and the opt-in attribute set when it is above the 48 KB
+    /// every kernel gets without asking.
+    pub fn function_with_smem(
+        &self,
+        family: &str,
+        name: &str,
+        smem_bytes: usize,
+    ) -> Result<CudaFunction> {
+        if smem_bytes > self.info.max_smem_per_block_optin {
+            bail!(
+                "kernel `{name}` needs {smem_bytes} B of dynamic shared memory, the device allows {}",
+                self.info.max_smem_per_block_optin
+            );
+        }
+        let f = self.function(family, name)?;
+        if smem_bytes > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes as i32,
+            )
+            .map_err(|e| anyhow!("{name}: setting {smem_bytes} B of dynamic shared memory: {e:?}"))?;
+        }
+        Ok(f)
+    }
+
     fn module(&self, family: &str) -> Result<Arc<CudaModule>> {
         let src = module::find(family)?;
         let mut map = self.modules.lock().unwrap();

@@ -20,7 +20,6 @@ pub mod reference;
 pub mod stress;
 
 use anyhow::{bail, ensure, Result};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::CudaSlice;
 
 use crate::formats::e4m3;
@@ -396,19 +395,6 @@ impl TopkBuffers {
     }
 }
 
-fn set_smem(f: &cudarc::driver::CudaFunction, bytes: usize) -> Result<()> {
-    if bytes > 48 * 1024 {
-        drv(
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            ),
-            "setting max dynamic shared memory",
-        )?;
-    }
-    Ok(())
-}
-
 /// Checks shared by both top-k paths; returns the longest row.
 fn check_topk_args(
     scores: &CudaSlice<f32>,
@@ -552,9 +538,8 @@ fn topk_hist_select_final(
         },
         "indexer top-k v2 select",
     )?;
-    let f = gpu.function(FAMILY, final_entry)?;
     let smem = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * TOPK2_FINAL_SMEM_CAP;
-    set_smem(&f, smem)?;
+    let f = gpu.function_with_smem(FAMILY, final_entry, smem)?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(&stride)
         .arg(num_valid)
@@ -601,9 +586,8 @@ pub fn topk_v1(
         bufs.cand_stride as i32,
     );
 
-    let f1 = gpu.function(FAMILY, "indexer_topk_chunk")?;
     let smem1 = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 4 * chunk_cap;
-    set_smem(&f1, smem1)?;
+    let f1 = gpu.function_with_smem(FAMILY, "indexer_topk_chunk", smem1)?;
     let mut b = gpu.stream.launch_builder(&f1);
     b.arg(scores)
         .arg(&stride)
@@ -626,9 +610,8 @@ pub fn topk_v1(
         "indexer top-k stage 1",
     )?;
     if chunks > 1 {
-        let f2 = gpu.function(FAMILY, "indexer_topk_merge")?;
         let smem2 = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * MERGE_SMEM_CAP;
-        set_smem(&f2, smem2)?;
+        let f2 = gpu.function_with_smem(FAMILY, "indexer_topk_merge", smem2)?;
         let mut b = gpu.stream.launch_builder(&f2);
         b.arg(&stride)
             .arg(num_valid)
@@ -792,9 +775,8 @@ pub fn baseline_logits(
         unsafe { b.launch(launch_cfg((gx, q.batch as u32, 1), (256, 1, 1), 0)) },
         "baseline dequant",
     )?;
-    let f = gpu.function(FAMILY, "indexer_baseline_logits_f32")?;
     let smem = 2 * 64 * 129 * 4;
-    set_smem(&f, smem)?;
+    let f = gpu.function_with_smem(FAMILY, "indexer_baseline_logits_f32", smem)?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(&q.q)
         .arg(&q.w)

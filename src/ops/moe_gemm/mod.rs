@@ -22,7 +22,6 @@ pub mod prefill;
 pub mod reference;
 
 use anyhow::{anyhow, bail, ensure, Result};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 use rand::seq::index::sample;
@@ -65,6 +64,14 @@ pub fn check_gemm_shape(n: usize, k: usize) -> Result<()> {
 
 fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
     s.device_ptr(&gpu.stream).0
+}
+
+/// The activation arguments every mainloop takes: (codes or BF16 data, block scales or 0, is_nvfp4).
+fn activation_ptrs(gpu: &Gpu, a: &DeviceActivations) -> (u64, u64, i32) {
+    match a {
+        DeviceActivations::Bf16 { data, .. } => (ptr(gpu, *data), 0, 0),
+        DeviceActivations::Nvfp4 { codes, scales, .. } => (ptr(gpu, *codes), ptr(gpu, *scales), 1),
+    }
 }
 
 fn as_i32(v: usize, what: &str) -> Result<i32> {
@@ -384,25 +391,8 @@ pub fn launch_partial_gen(
             (2 * cfg.token_tile * STAGE_K * 2) as u32,
         ),
     };
-    ensure!(
-        smem as usize <= gpu.info.max_smem_per_block_optin,
-        "{name}: needs {smem} B of shared memory, the device allows {}",
-        gpu.info.max_smem_per_block_optin
-    );
-    let f = gpu.function(FAMILY, &name)?;
-    if smem > 48 * 1024 {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| anyhow!("{name}: setting dynamic shared memory to {smem}: {e:?}"))?;
-    }
-    let (act, act_scales, is_nvfp4) = match a {
-        DeviceActivations::Bf16 { data, .. } => (ptr(gpu, *data), 0u64, 0i32),
-        DeviceActivations::Nvfp4 { codes, scales, .. } => {
-            (ptr(gpu, *codes), ptr(gpu, *scales), 1i32)
-        }
-    };
+    let f = gpu.function_with_smem(FAMILY, &name, smem as usize)?;
+    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
     let (wc, wsc, grp_p, part) = (
         ptr(gpu, &w.codes),
         ptr(gpu, &w.scales),
@@ -609,14 +599,7 @@ pub fn launch_finish_l1_gen(
             ("moe_gemm_finish_l1_swiglu_nvfp4_vec", FINISH_L1_VEC_THREADS)
         }
     };
-    let f = gpu.function(FAMILY, name)?;
-    if smem > 48 * 1024 {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| anyhow!("{name}: shared memory attribute: {e:?}"))?;
-    }
+    let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
     let (part, grp_p, gsa, gsb, rw) = (
         ptr(gpu, &ws.partial),
         ptr(gpu, &grp.group),

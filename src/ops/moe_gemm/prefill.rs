@@ -16,12 +16,11 @@
 //! device address, dequant and descriptor logic so unit tests can check them without a GPU.
 
 use anyhow::{anyhow, bail, ensure, Result};
-use cudarc::driver::sys::CUfunction_attribute;
 use half::bf16;
 
 use super::{
-    as_i32, ptr, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, Workspace,
-    MAX_EXPERTS,
+    activation_ptrs, as_i32, ptr, DeviceActivations, DeviceExpertWeights, DeviceGrouping,
+    GemmConfig, Workspace, MAX_EXPERTS,
 };
 use crate::formats::e4m3;
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
@@ -155,18 +154,8 @@ pub fn launch_partial_prefill_tile(
     if grp.rows_total == 0 {
         return Ok(());
     }
-    let f = gpu.function(FAMILY, name)?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .map_err(|e| anyhow!("{name}: setting dynamic shared memory to {smem}: {e:?}"))?;
-    let (act, act_scales, is_nvfp4) = match a {
-        DeviceActivations::Bf16 { data, .. } => (ptr(gpu, *data), 0u64, 0i32),
-        DeviceActivations::Nvfp4 { codes, scales, .. } => {
-            (ptr(gpu, *codes), ptr(gpu, *scales), 1i32)
-        }
-    };
+    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
     let (wc, wsc, grp_p, part) = (
         ptr(gpu, &w.codes),
         ptr(gpu, &w.scales),

@@ -21,7 +21,6 @@ pub mod exec;
 pub mod reference;
 
 use anyhow::{anyhow, bail, ensure, Result};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
@@ -215,20 +214,7 @@ struct Kernels {
 
 impl Kernels {
     fn load(gpu: &Gpu) -> Result<Kernels> {
-        let with_smem = |name: &str, smem: u32| -> Result<CudaFunction> {
-            ensure!(
-                smem as usize <= gpu.info.max_smem_per_block_optin,
-                "{name} needs {smem} B of shared memory, the device allows {}",
-                gpu.info.max_smem_per_block_optin
-            );
-            let f = gpu.function(FAMILY, name)?;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(|e| anyhow!("{name}: setting {smem} B dynamic shared memory: {e:?}"))?;
-            Ok(f)
-        };
+        let with_smem = |name: &str, smem: u32| gpu.function_with_smem(FAMILY, name, smem as usize);
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem("sparse_attn_decode_fp8_v2", FP8_V2_SMEM_BYTES)?,
