@@ -21,23 +21,26 @@
 // e2m1_thresholds) and paired BF16 / e4m3 conversions. ~55 PTX instructions per element remain for NVFP4
 // (FP8 ~28, BF16 ~18): the NVFP4 kernel is the one to profile first if it misses 85% of copy bandwidth.
 //
-// mHC boundary. Three paths (src/ops/norm_quant MhcPath; same partials layout [T][25][S], S = 4D/128):
-//   v1 (mhc_mix_partial24 + mhc_pre_finish_*, kept for the A/B): grid (S, ceil(T/32)), lane = token, F read
-//     with warp-uniform broadcast loads; finish = two CTAs per token, the Sinkhorn on ONE thread.
-//     Measured (H200, T = 1, D = 4096, Nsight Compute): mix 10.6 us (~12 serialized memory round trips:
-//     0.09 eligible warps per scheduler, L1TEX scoreboard stalls), finish 11.5 us (the single-thread
-//     Sinkhorn: a 40-step dependent chain of ~2500 instructions at ~6 cycles each); graph replay 18-26 us.
-//   v2 two launches (mhc_mix_partial24_v2 + mhc_pre_finish2_*): every mix CTA stages its whole tile (F 24 x
-//     128 fp32 = 12 KB, X <= 32 x 128 BF16 = 8 KB) with cp.async in ONE round trip, computes from shared
-//     memory (lane pairs of 8 columns, xor tree over 16 lanes); the finish runs the Sinkhorn on 16 lanes
-//     (sinkhorn_lanes: same bits as the one-thread version, proven on the CPU by a Rust mirror and on the GPU
-//     by the post+pre test). Budget T = 1: 2 launches (~1.5 us each in a graph) + one L2/HBM round trip
-//     (~1 us) + partials reduce (~0.5 us) + 40 x ~90-cycle Sinkhorn steps (~1.8 us) ~ 6 us.
-//   one launch (mhc_pre_one_*): the same mix tiles over a grid-stride loop, a grid barrier (atomic counter +
-//     generation word, reset by the last CTA so graph replays work; the grid is capped at the co-resident
-//     CTA count from the occupancy query, so every waiter's peers are running), then 2T finish tasks (the
-//     Sinkhorn tasks first). Outputs bit-identical to v2. Budget T = 1: ~1.5 us launch + ~1 us mixes +
-//     ~0.7 us barrier + ~2.3 us finish ~ 5 us: the 40-step Sinkhorn chain is what is left above 4 us.
+// mHC boundary, two launches (same partials layout [T][25][S], S = 4D/128): mhc_mix_partial24_v2 + mhc_pre_finish2_*.
+//   Every mix CTA stages its whole tile (F 24 x 128 fp32 = 12 KB, X <= 32 x 128 BF16 = 8 KB) with cp.async in
+//     ONE round trip, computes from shared memory (lane pairs of 8 columns, xor tree over 16 lanes); the finish
+//     runs the Sinkhorn on 16 lanes (sinkhorn_lanes: same bits as the one-thread sinkhorn_thread, proven on the
+//     CPU by a Rust mirror and on the GPU by the post+pre test). Budget T = 1: 2 launches (~1.5 us each in a
+//     graph) + one L2/HBM round trip (~1 us) + partials reduce (~0.5 us) + 40 x ~90-cycle Sinkhorn steps
+//     (~1.8 us) ~ 6 us. Measured (H200, CUDA graph): D = 4096 T = 1 9.4 us, T = 64 16.7 us; D = 7168 T = 1
+//     11.0 us; the unfused op-by-op chain 34-47 us.
+//   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
+// Removed after the H200 A/B (history):
+//   * v1 pre path (mhc_mix_partial24 + mhc_pre_finish_*: broadcast-load mixes, one-thread Sinkhorn): 18.2 us
+//     (T = 1), 21.8 us (T = 64), 19.0 us (D = 7168, T = 1). Nsight: mix 10.6 us (~12 serialized round trips),
+//     finish 11.5 us (the single-thread 40-step Sinkhorn chain).
+//   * one launch (mhc_pre_one_*: the same mix tiles, a grid barrier, then the finish tasks; bit-identical):
+//     10.6 / 17.9 / 12.1 us at the same points, ~1.1 us slower than two launches (the barrier costs more than
+//     the second graph node).
+//   * RMSNorm rows: *_v1 (weight loaded after the sum-of-squares reduction) and the NVFP4 v3 encoder (f32 FMA
+//     thresholds, one block-amax pass, packed codes) tied with the kept kernels within 1-2% (NVFP4 4096x4096:
+//     34.10 kept / 34.45 v1 / 33.97 v3 us; 65536x4096: 436.7 / 431.8 / 429.8 us; FP8 4096x4096: 21.55 / 22.64
+//     us): HBM-bound, ties resolved toward less code.
 //   mhc_post: X'[k] = post_k y + sum_j C[j][k] X[j], fp32 (explicit rn ops, no FMA), BF16 store.
 // Bytes per decode token (D = 4096): F 1.5 MB (shared by all tokens of a launch), X 32 KB, out ~ 2-8 KB.
 //
@@ -156,53 +159,6 @@ __device__ __forceinline__ uint32_t e2m1_code_thr(float y, const E2m1Thresholds&
     return m | ((__float_as_uint(y) >> 28) & 8u);
 }
 
-// ---- v3: the same thresholds without FP64 (rmsnorm_nvfp4_bf16in_v3) -------------------------------------------
-// e2m1_thresholds computes RD32/RU32 of the exact product s*M (M = t +- ulp(t)/2, exact in f64) with DMUL and
-// F2F.F64 conversions. The same bits come from ONE f32 FMA with a directed rounding mode:
-//   s*M = s*t + s*(+-ulp(t)/2), and h = s * 2^-k is exact in f32 (power-of-two scaling of a normal number that
-//   stays normal), so __fmaf_rd(s, t, h) = RD32(s*t + h) = RD32(s*M) exactly (an FMA rounds the exact sum once,
-//   in the requested direction), likewise __fmaf_ru(s, t, -h) = RU32(s*M). t is exact in f32 (<= 3 bits).
-// Validity: 2^-100 <= s <= 2^100 keeps every h >= 2^-126 (normal: no flush, no inexact scaling) and every
-// product far from overflow; outside that range e2m1_thresholds_v3 falls back to the FP64 version (same bits).
-// The constants per threshold are those of e2m1_thresholds: 0.25+2^-26, 0.75-2^-25, 1.25+2^-24, 1.75-2^-24,
-// 2.5+2^-23, 3.5-2^-23, 5+2^-22. tests/norm_quant.rs mirrors this (e2m1_thresholds_fma_mirror) on all e4m3
-// scales x many global scales against the FP64 form, and the GPU test compares v3 with the current kernel.
-__device__ __forceinline__ E2m1Thresholds e2m1_thresholds_v3(float scale) {
-    if (!(scale >= 0x1p-100f && scale <= 0x1p100f)) return e2m1_thresholds(scale);
-    const float h26 = __fmul_rn(scale, 0x1p-26f), h25 = __fmul_rn(scale, 0x1p-25f);
-    const float h24 = __fmul_rn(scale, 0x1p-24f), h23 = __fmul_rn(scale, 0x1p-23f);
-    const float h22 = __fmul_rn(scale, 0x1p-22f);
-    E2m1Thresholds t;
-    t.b[0] = nextup_pos(__fmaf_rd(scale, 0.25f, h26));
-    t.b[1] = __fmaf_ru(scale, 0.75f, -h25);
-    t.b[2] = nextup_pos(__fmaf_rd(scale, 1.25f, h24));
-    t.b[3] = __fmaf_ru(scale, 1.75f, -h24);
-    t.b[4] = nextup_pos(__fmaf_rd(scale, 2.5f, h23));
-    t.b[5] = __fmaf_ru(scale, 3.5f, -h23);
-    t.b[6] = nextup_pos(__fmaf_rd(scale, 5.0f, h22));
-    return t;
-}
-
-// The 8 codes of one chunk, packed (element e in bits 4e..4e+3): the decisions of e2m1_code_thr, written so
-// every code bit is OR-ed in place (select of a constant already shifted by 4e) and the sign bit is one shift
-// plus a masked OR: sign of element e = bit 31 of y -> bit 4e+3, i.e. (bits >> (28 - 4e)) & (8 << 4e).
-__device__ __forceinline__ uint32_t e2m1_pack8_thr(const float (&v)[8], const E2m1Thresholds& t) {
-    uint32_t packed = 0;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        const float a = fabsf(v[e]);
-        const bool p2 = a >= t.b[3];
-        const float t1 = p2 ? t.b[5] : t.b[1];
-        const float thi = p2 ? t.b[6] : t.b[2];
-        const float tlo = p2 ? t.b[4] : t.b[0];
-        const bool p1 = a >= t1;
-        const bool p0 = a >= (p1 ? thi : tlo);
-        packed |= (p2 ? (4u << (4 * e)) : 0u) | (p1 ? (2u << (4 * e)) : 0u) | (p0 ? (1u << (4 * e)) : 0u);
-        packed |= (__float_as_uint(v[e]) >> (28 - 4 * e)) & (8u << (4 * e));
-    }
-    return packed;
-}
-
 // Row outputs (pointers already at this row).
 struct RowOut {
     uint8_t* q;             // NVFP4: packed codes [D/2]; FP8: codes [D]
@@ -214,8 +170,9 @@ struct RowOut {
 
 // RMSNorm (NORM) and quantization of one row held in registers: v[k] is chunk tid + k*blockDim (valid
 // when < nchunks; invalid chunks hold zeros). All threads of the block must call this.
-// WEARLY: load the weight before the sum-of-squares reduction (v2); false = after it (v1, kept for the A/B).
-template <int KIND, bool NORM, bool WEARLY = true, bool NVFP4_V3 = false>
+// WEARLY: load the weight before the sum-of-squares reduction; false = after it (only the removed v1 kernels used
+// false; the flag is left in place so the measured kernels' code is unchanged).
+template <int KIND, bool NORM, bool WEARLY = true>
 __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
                                float eps, const RowOut& o, float* red) {
     const int tid = threadIdx.x, bd = blockDim.x;
@@ -290,36 +247,6 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
                 if ((c & 15) == 0) o.scales[c >> 4] = sc;
             }
         }
-    } else if (NVFP4_V3) {  // NVFP4, v3: same outputs as the branch below, fewer instructions
-        // Block amax once per chunk (the row amax is the max of the block amaxes: max is exact and
-        // order-free), 6*gs hoisted, f32 thresholds (e2m1_thresholds_v3), packed encoder (e2m1_pack8_thr).
-        float abk[CH];
-        float amax = 0.f;
-#pragma unroll
-        for (int k = 0; k < CH; ++k) {
-            float ab = 0.f;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) ab = fmaxf(ab, fabsf(v[k][e]));
-            ab = fmaxf(ab, __shfl_xor_sync(0xffffffffu, ab, 1));  // 16-block = chunks (2i, 2i+1)
-            abk[k] = ab;
-            amax = fmaxf(amax, ab);
-        }
-        const float amax_row = block_max(amax, red);
-        const float gs = mm::nvfp4_global_scale(amax_row);
-        if (tid == 0) *o.gsa = gs;
-        const float six_gs = __fmul_rn(6.f, gs);  // the divisor of mm::nvfp4_block_scale
-#pragma unroll
-        for (int k = 0; k < CH; ++k) {
-            const int c = tid + k * bd;
-            if (c < nchunks) {
-                const uint8_t s = mm::e4m3_encode(__fdiv_rn(abk[k], six_gs));
-                const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
-                uint32_t packed = 0;
-                if (scale != 0.f) packed = e2m1_pack8_thr(v[k], e2m1_thresholds_v3(scale));
-                *reinterpret_cast<uint32_t*>(o.q + c * 4) = packed;
-                if ((c & 1) == 0) o.scales[c >> 1] = s;
-            }
-        }
     } else {  // NVFP4
         float amax = 0.f;
 #pragma unroll
@@ -357,7 +284,7 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
     }
 }
 
-template <typename Tin, int KIND, bool NORM, bool WEARLY = true, bool NVFP4_V3 = false>
+template <typename Tin, int KIND, bool NORM, bool WEARLY = true>
 __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __restrict__ w, uint8_t* q,
                              uint8_t* scales, float* gsa, __nv_bfloat16* bf, float* rstd, int D, float eps) {
     __shared__ float red[MAX_WARPS];
@@ -380,7 +307,7 @@ __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __r
     o.gsa = gsa + row;
     o.bf = bf + row * D;
     o.rstd = rstd ? rstd + row : nullptr;
-    norm_quant_row<KIND, NORM, WEARLY, NVFP4_V3>(v, nchunks, D, w, eps, o, red);
+    norm_quant_row<KIND, NORM, WEARLY>(v, nchunks, D, w, eps, o, red);
 }
 
 // ---- mHC -----------------------------------------------------------------------------------------------------
@@ -519,31 +446,6 @@ __device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* 
             for (int j = 0; j <= NMIX; ++j) dst[(long)j * S] = acc[j];
         }
     }
-}
-
-// Grid-wide barrier for the one-launch boundary (all CTAs co-resident: the launcher sizes the grid from
-// the occupancy query). bar[0] = arrivals, bar[1] = generation. The generation is read before arriving (it
-// cannot advance before this CTA arrives); the last CTA resets bar[0] to 0 for the next launch (a graph
-// replay re-uses the same words) and then advances the generation, which releases the waiters.
-// __syncthreads + thread 0's __threadfence make every thread's earlier global writes visible GPU-wide
-// before the arrival (cumulativity); the fence after the wait orders the later reads.
-__device__ void grid_barrier(unsigned* bar) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        volatile unsigned* vgen = bar + 1;
-        const unsigned gen = *vgen;
-        __threadfence();
-        const unsigned arrived = atomicAdd(bar, 1u) + 1u;
-        if (arrived == gridDim.x * gridDim.y) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            while (*vgen == gen) __nanosleep(20);
-        }
-        __threadfence();
-    }
-    __syncthreads();
 }
 
 // hc_post of the previous sub-layer fused into the next boundary's split-K mixes: the CTA that owns columns
@@ -755,7 +657,8 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
 // concurrently with blockIdx.y == 0: pre, u = sum pre_i X_i, RMSNorm(u) + quant (u does not need C).
 // HEAD: NMIX = 4, no post / Sinkhorn (hc_head).
 // One token's finish on the calling CTA: coef_task -> post + Sinkhorn (comb); else pre, u, RMSNorm + quant.
-// LANES: the Sinkhorn on 16 lanes (sinkhorn_lanes), else on one thread (sinkhorn_thread, the v1 path).
+// LANES: the Sinkhorn on 16 lanes (sinkhorn_lanes), else on one thread (sinkhorn_thread; only the removed v1
+// finish used false, every entry point now passes true).
 // All threads of the CTA must call this with the same (t, coef_task); it ends without a trailing barrier.
 template <int KIND, bool HEAD, bool LANES>
 __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S, int T,
@@ -822,35 +725,7 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     o.gsa = gsa + t;
     o.bf = bf + (long)t * D;
     o.rstd = rstd + t;
-    norm_quant_row<KIND, true, LANES>(v, nchunks, D, w, eps, o, red);  // v1 finish keeps the v1 weight load
-}
-
-// One-launch boundary: phase 1 = every mix tile (split s, token tile) over a grid-stride loop, phase 2 after a
-// grid barrier = 2T finish tasks (coef tasks first: the Sinkhorn is the longer chain). Same arithmetic as
-// mix_tile_smem + mhc_pre_finish<.., LANES>, so its outputs equal the two-launch v2 path bit for bit.
-// Budget (T = 1, D = 4096, graph replay): one launch (~2 us incl. the graph node), F 1.5 MB over ~128 CTAs
-// in one round trip (~1 us from HBM, less from L2), barrier (~0.5-1 us: one atomic + a poll), partials
-// reduce (one L2 round trip) and the 40-step lane Sinkhorn (~1.5 us) in parallel with pre/u/RMSNorm/quant.
-template <int KIND>
-__device__ void mhc_pre_one_launch(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F,
-                                   float* __restrict__ part, unsigned* bar, int T, int D,
-                                   const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
-                                   const __nv_bfloat16* __restrict__ w, float eps, float* pre, float* post,
-                                   float* comb, __nv_bfloat16* u, uint8_t* q, uint8_t* scales, float* gsa,
-                                   __nv_bfloat16* bf, float* rstd) {
-    __shared__ MixSmem sm;
-    const int D4 = 4 * D, S = D4 / MIX_COLS, tiles = (T + MIX_TT - 1) / MIX_TT;
-    for (int item = blockIdx.x; item < S * tiles; item += gridDim.x) {
-        mix_tile_smem<24>(X, F, part, T, D4, S, item % S, item / S, sm);
-        __syncthreads();
-    }
-    grid_barrier(bar);
-    for (int task = blockIdx.x; task < 2 * T; task += gridDim.x) {
-        const bool coef = task < T;
-        mhc_pre_finish<KIND, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
-                                          scales, gsa, bf, rstd, coef ? task : task - T, coef);
-        __syncthreads();
-    }
+    norm_quant_row<KIND, true, LANES>(v, nchunks, D, w, eps, o, red);  // LANES = true: the early weight load
 }
 
 }  // namespace
@@ -884,36 +759,10 @@ extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat1
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
-// v1 of the three BF16-input kernels (weight loaded after the sum-of-squares reduction), kept for the A/B.
-extern "C" __global__ void rmsnorm_nvfp4_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
-                                                   uint8_t* scales, float* gsa, float* rstd, int D, float eps) {
-    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true, false>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
-}
-extern "C" __global__ void rmsnorm_fp8_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
-                                                 uint8_t* scales, float* rstd, int D, float eps) {
-    rmsnorm_rows<__nv_bfloat16, KIND_FP8, true, false>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
-}
-extern "C" __global__ void rmsnorm_bf16_bf16in_v1(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
-                                                  float* rstd, int D, float eps) {
-    rmsnorm_rows<__nv_bfloat16, KIND_BF16, true, false>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
-}
-
-// v3 of the NVFP4 row kernel (f32 thresholds, one block amax pass, packed encoder): outputs bit-identical to
-// rmsnorm_nvfp4_bf16in; an A/B variant until measured.
-extern "C" __global__ void rmsnorm_nvfp4_bf16in_v3(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
-                                                   uint8_t* scales, float* gsa, float* rstd, int D, float eps) {
-    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true, true, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
-}
-
 // Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).
 extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
                                               int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
-}
-// v3 NVFP4 quantizer without the norm (y = x): lets the GPU test feed values at exact e2m1 boundaries.
-extern "C" __global__ void quant_nvfp4_bf16in_v3(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
-                                                 int D) {
-    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false, true, true>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
 }
 extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
@@ -921,17 +770,13 @@ extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, 
 
 // mHC split-K mixes: grid (S = 4D/128, ceil(T/32)), block 128. X [T, 4, D] BF16, F [NMIX, 4D] f32,
 // part [T, NMIX+1, S] f32.
-extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24(const __nv_bfloat16* X, const float* F,
-                                                                   float* part, int T, int D4) {
-    mhc_mix_partial<24>(X, F, part, T, D4);
-}
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial4(const __nv_bfloat16* X, const float* F,
                                                                   float* part, int T, int D4) {
     mhc_mix_partial<4>(X, F, part, T, D4);
 }
 
 // Fused hc_post + next boundary's mixes: grid (S = 4D/128, ceil(T/32)), block 128. y [T, D], X [T, 4, D],
-// post [T, 4], comb [T, 16] of the previous boundary; writes Xout [T, 4, D] and part for mhc_pre_finish_*
+// post [T, 4], comb [T, 16] of the previous boundary; writes Xout [T, 4, D] and part for mhc_pre_finish2_*
 // (which must then be given Xout as its X).
 extern "C" __global__ void __launch_bounds__(128) mhc_post_mix_partial24(const __nv_bfloat16* y, const __nv_bfloat16* X,
                                                                         const float* post, const float* comb,
@@ -952,20 +797,7 @@ extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_v2(const __n
 #define MHC_PRE_COMMON                                                                                            \
     const __nv_bfloat16 *X, const float *part, int S, int T, int D, const float *hc_scale, const float *hc_base, \
         const __nv_bfloat16 *w, float eps, float *pre, float *post, float *comb, __nv_bfloat16 *u
-extern "C" __global__ void mhc_pre_finish_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
-                                                float* rstd) {
-    mhc_pre_finish<KIND_NVFP4, false, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
-                                             scales, gsa, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
-}
-extern "C" __global__ void mhc_pre_finish_fp8(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
-    mhc_pre_finish<KIND_FP8, false, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
-                                           scales, nullptr, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
-}
-extern "C" __global__ void mhc_pre_finish_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
-    mhc_pre_finish<KIND_BF16, false, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
-                                            nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
-}
-// v2 finish (the Sinkhorn on 16 lanes): grid (T, 2), block as RMSNorm. Same arguments as mhc_pre_finish_*.
+// (the Sinkhorn on 16 lanes)
 extern "C" __global__ void mhc_pre_finish2_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
                                                  float* rstd) {
     mhc_pre_finish<KIND_NVFP4, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
@@ -978,27 +810,6 @@ extern "C" __global__ void mhc_pre_finish2_fp8(MHC_PRE_COMMON, uint8_t* q, uint8
 extern "C" __global__ void mhc_pre_finish2_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
     mhc_pre_finish<KIND_BF16, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
                                            nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
-}
-
-// One-launch boundary: grid (G) with G <= co-resident CTAs (launcher: occupancy query), block as RMSNorm.
-// F [24, 4D] f32, part [T, 25, S] workspace, bar [2] u32 (zero before the first launch; left zero after
-// each launch); the rest as mhc_pre_finish_*.
-#define MHC_ONE_COMMON                                                                                         \
-    const __nv_bfloat16 *X, const float *F, float *part, unsigned *bar, int T, int D, const float *hc_scale,   \
-        const float *hc_base, const __nv_bfloat16 *w, float eps, float *pre, float *post, float *comb,       \
-        __nv_bfloat16 *u
-extern "C" __global__ void mhc_pre_one_nvfp4(MHC_ONE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
-                                             float* rstd) {
-    mhc_pre_one_launch<KIND_NVFP4>(X, F, part, bar, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
-                                   gsa, nullptr, rstd);
-}
-extern "C" __global__ void mhc_pre_one_fp8(MHC_ONE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
-    mhc_pre_one_launch<KIND_FP8>(X, F, part, bar, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
-                                 nullptr, nullptr, rstd);
-}
-extern "C" __global__ void mhc_pre_one_bf16(MHC_ONE_COMMON, __nv_bfloat16* y, float* rstd) {
-    mhc_pre_one_launch<KIND_BF16>(X, F, part, bar, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr,
-                                  nullptr, nullptr, y, rstd);
 }
 
 // hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.

@@ -5,7 +5,7 @@ use megamoe::formats::{bf16, e2m1, e4m3, ue8m0};
 use megamoe::gpu::gpu_for_test;
 use megamoe::ops::norm_quant::reference::{self as r, MhcParams};
 use megamoe::ops::norm_quant::{
-    self as nq, HostQuant, MhcPath, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
+    self as nq, HostQuant, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
 };
 
 fn fresh_seed(test: &str) -> u64 {
@@ -472,24 +472,6 @@ fn gpu_rmsnorm_quant_matches_reference() {
                     nq::rmsnorm_quant(&gpu, input, &dw, r::RMS_EPS, &mut out).unwrap();
                     let got = out.download(&gpu).unwrap();
                     check_norm_outputs(&label, &x, &w, rows, d, format, &got);
-                    if !f32_input {
-                        // the v1 kernels (kept for the A/B) must give the same bits
-                        let mut out1 = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                        nq::rmsnorm_quant_v1(&gpu, &dx16, &dw, r::RMS_EPS, &mut out1).unwrap();
-                        let got1 = out1.download(&gpu).unwrap();
-                        assert!(
-                            got1.q == got.q,
-                            "{label}: v1 kernel's quantized output differs from v2"
-                        );
-                        if let Some(i) =
-                            (0..rows).find(|&i| got1.rstd[i].to_bits() != got.rstd[i].to_bits())
-                        {
-                            panic!(
-                                "{label}: v1 rstd[{i}] {} vs v2 {}",
-                                got1.rstd[i], got.rstd[i]
-                            );
-                        }
-                    }
                 }
             }
         }
@@ -750,50 +732,35 @@ fn gpu_mhc_pre_matches_reference() {
             let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
             let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
             for format in FORMATS {
-                // v1 is checked fully on NVFP4 only (runtime); v2 (two launches) fully on every format;
-                // the one-launch path must equal v2 bit for bit.
-                let mut v2: Option<MhcSnapshot> = None;
-                for path in [MhcPath::TwoLaunch, MhcPath::OneLaunch, MhcPath::TwoLaunchV1] {
-                    if path == MhcPath::TwoLaunchV1 && format != OutFormat::Nvfp4 {
-                        continue;
-                    }
-                    let label = format!(
-                        "mhc_pre[{}]->{} T={tokens} D={d} seed {seed}",
-                        path.name(),
-                        format.name()
-                    );
-                    let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
-                    nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path).unwrap();
-                    let snap = MhcSnapshot::take(&gpu, &out);
-                    if path == MhcPath::OneLaunch {
-                        snap.assert_same(v2.as_ref().unwrap(), &label);
-                        eprintln!("{label}: bit-identical to two_launch");
-                        continue;
-                    }
-                    let (splits, nwarps) =
-                        (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
-                    let dots: Vec<f32> = (0..tokens)
-                        .flat_map(|t| (0..25).map(move |j| (t, j)))
-                        .map(|(t, j)| reduce_like_gpu(&snap.partials, splits, nwarps, t, j, 24))
-                        .collect();
-                    check_mhc(
-                        &label,
-                        &c,
-                        &snap.pre,
-                        &snap.post,
-                        &snap.comb,
-                        &snap.u,
-                        &snap.normed,
-                        format,
-                        Some(&dots),
-                    );
-                    if path == MhcPath::TwoLaunch {
-                        v2 = Some(snap);
-                    }
-                }
+                let label = format!("mhc_pre->{} T={tokens} D={d} seed {seed}", format.name());
+                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
+                let snap = MhcSnapshot::take(&gpu, &out);
+                let dots = gpu_dots(&snap.partials, tokens, d);
+                check_mhc(
+                    &label,
+                    &c,
+                    &snap.pre,
+                    &snap.post,
+                    &snap.comb,
+                    &snap.u,
+                    &snap.normed,
+                    format,
+                    Some(&dots),
+                );
             }
         }
     }
+}
+
+/// The 24 mixes and the sum of squares per token ([T][25]), reduced from the split-K partials in the finish
+/// kernel's order.
+fn gpu_dots(partials: &[f32], tokens: usize, d: usize) -> Vec<f32> {
+    let (splits, nwarps) = (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
+    (0..tokens)
+        .flat_map(|t| (0..25).map(move |j| (t, j)))
+        .map(|(t, j)| reduce_like_gpu(partials, splits, nwarps, t, j, 24))
+        .collect()
 }
 
 /// Every output of one mHC boundary launch, downloaded.
@@ -835,12 +802,12 @@ impl MhcSnapshot {
         ] {
             assert_eq!(a.len(), b.len(), "{label}: {what} lengths");
             if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
-                panic!("{label}: {what}[{i}] = {} vs two_launch {}", a[i], b[i]);
+                panic!("{label}: {what}[{i}] = {} vs first launch {}", a[i], b[i]);
             }
         }
         assert!(
             self.normed.q == want.normed.q,
-            "{label}: quantized RMSNorm(u) differs from two_launch"
+            "{label}: quantized RMSNorm(u) differs from the first launch"
         );
     }
 }
@@ -902,30 +869,24 @@ fn gpu_mhc_pre_graph_replay_is_deterministic() {
         return;
     };
     let seed = fresh_seed("gpu_mhc_pre_graph_replay_is_deterministic");
-    // The one-launch path's grid barrier must leave its words ready for the next replay: 5 replays, each
-    // compared with the direct launch (a stale counter would hang or release early and corrupt outputs).
+    // The decode boundary runs as a replayed CUDA graph: 5 replays (outputs poisoned before each), each
+    // compared bit for bit with the direct launch.
     for (tokens, d) in [(4usize, 4096usize), (1, 7168), (129, 4096)] {
         let c = mhc_case(tokens, d, seed ^ tokens as u64);
         let w = MhcWeights::upload(&gpu, &c.p, &c.nw, c.d).unwrap();
         let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
-        for path in MhcPath::ALL {
-            let label = format!(
-                "graph replay [{}] T={tokens} D={d} seed {seed}",
-                path.name()
-            );
-            let mut out =
-                MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, c.tokens, c.d).unwrap();
-            nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path).unwrap();
-            let first = MhcSnapshot::take(&gpu, &out);
-            let g = gpu
-                .capture(|| nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, path))
-                .unwrap();
-            for rep in 0..5 {
-                out.poison(&gpu).unwrap();
-                g.launch().unwrap();
-                gpu.synchronize().unwrap();
-                MhcSnapshot::take(&gpu, &out).assert_same(&first, &format!("{label} replay {rep}"));
-            }
+        let label = format!("graph replay T={tokens} D={d} seed {seed}");
+        let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, c.tokens, c.d).unwrap();
+        nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
+        let first = MhcSnapshot::take(&gpu, &out);
+        let g = gpu
+            .capture(|| nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out))
+            .unwrap();
+        for rep in 0..5 {
+            out.poison(&gpu).unwrap();
+            g.launch().unwrap();
+            gpu.synchronize().unwrap();
+            MhcSnapshot::take(&gpu, &out).assert_same(&first, &format!("{label} replay {rep}"));
         }
     }
 }
@@ -1193,11 +1154,11 @@ fn exec_entries_run_the_cpu_reference() {
 }
 
 #[test]
-fn gpu_fused_post_then_pre_equals_separate_kernels() {
-    let Some(gpu) = gpu_for_test("gpu_fused_post_then_pre_equals_separate_kernels") else {
+fn gpu_fused_post_then_pre_matches_post_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_fused_post_then_pre_matches_post_and_reference") else {
         return;
     };
-    let seed = fresh_seed("gpu_fused_post_then_pre_equals_separate_kernels");
+    let seed = fresh_seed("gpu_fused_post_then_pre_matches_post_and_reference");
     for &(tokens, d) in &[(1usize, 4096usize), (3, 7168), (64, 4096), (129, 7168)] {
         let c = mhc_case(tokens, d, seed ^ tokens as u64);
         let y = nq::random_rows(tokens, d, seed ^ 0x99);
@@ -1213,24 +1174,12 @@ fn gpu_fused_post_then_pre_equals_separate_kernels() {
             nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
         );
         let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
-        // separate: mhc_post, then the v1 mhc_pre on its output. The fused kernel's mixes sum in v1's
-        // order, and its finish runs the 16-lane Sinkhorn while v1's runs the one-thread Sinkhorn: equal
-        // comb bits here are the GPU proof that the two Sinkhorn implementations are bit-identical.
+        // X' of the stand-alone mhc_post kernel (itself checked against the reference above).
         let mut xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
-        let mut out_a = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
         nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo_a).unwrap();
-        nq::mhc_pre_with(
-            &gpu,
-            &xo_a,
-            &w,
-            r::RMS_EPS,
-            &mut out_a,
-            MhcPath::TwoLaunchV1,
-        )
-        .unwrap();
         // fused
         let mut xo_b = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
-        let mut out_b = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+        let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
         nq::mhc_post_then_pre(
             &gpu,
             &dy,
@@ -1240,34 +1189,36 @@ fn gpu_fused_post_then_pre_equals_separate_kernels() {
             &w,
             r::RMS_EPS,
             &mut xo_b,
-            &mut out_b,
+            &mut out,
         )
         .unwrap();
         let label = format!("post+pre T={tokens} D={d} seed {seed}");
         let (xa, xb) = (gpu.download(&xo_a).unwrap(), gpu.download(&xo_b).unwrap());
         if let Some(i) = (0..xa.len()).find(|&i| xa[i].to_bits() != xb[i].to_bits()) {
-            panic!("{label}: X'[{i}] separate {} vs fused {}", xa[i], xb[i]);
+            panic!("{label}: X'[{i}] mhc_post {} vs fused {}", xa[i], xb[i]);
         }
-        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for (what, a, b) in [
-            ("partials", out_a.partials(), out_b.partials()),
-            ("pre", &out_a.pre, &out_b.pre),
-            ("post", &out_a.post, &out_b.post),
-            ("comb", &out_a.comb, &out_b.comb),
-        ] {
-            assert_eq!(
-                bits(download_f32(&gpu, a)),
-                bits(download_f32(&gpu, b)),
-                "{label}: {what} differ"
-            );
-        }
-        let (na, nb) = (
-            out_a.normed.download(&gpu).unwrap(),
-            out_b.normed.download(&gpu).unwrap(),
-        );
-        assert!(
-            na.q == nb.q && na.rstd == nb.rstd,
-            "{label}: RMSNorm(u) outputs differ"
+        // The next boundary on X' (the fused mixes sum in mhc_mix_partial's order, the finish is
+        // mhc_pre_finish2_*): checked against the CPU reference from the kernel's own reduced mixes, so
+        // pre/post/C (the 16-lane Sinkhorn) must match to a few f32 ulp and u/RMSNorm(u) exactly.
+        let next_case = MhcCase {
+            tokens,
+            d,
+            x: xb.iter().map(|v| v.to_f32()).collect(),
+            p: next,
+            nw: c.nw.clone(),
+        };
+        let snap = MhcSnapshot::take(&gpu, &out);
+        let dots = gpu_dots(&snap.partials, tokens, d);
+        check_mhc(
+            &label,
+            &next_case,
+            &snap.pre,
+            &snap.post,
+            &snap.comb,
+            &snap.u,
+            &snap.normed,
+            OutFormat::Nvfp4,
+            Some(&dots),
         );
     }
 }
@@ -1290,196 +1241,7 @@ fn bench_config_names_known_kernels_and_variants() {
     }
 }
 
-// ---- v3 NVFP4 encoder: f32 FMA thresholds (kernels/norm_quant.cu e2m1_thresholds_v3) ----------------------
-
-/// The FP64 thresholds of `e2m1_thresholds` (the current kernel), as `e2m1_via_thresholds` computes them.
-fn thresholds_f64(scale: f32) -> [f32; 7] {
-    let s = f64::from(scale);
-    let nextup = |x: f32| f32::from_bits(x.to_bits() + 1);
-    [
-        nextup(f64_to_f32_rd(s * (0.25 + 2f64.powi(-26)))),
-        f64_to_f32_ru(s * (0.75 - 2f64.powi(-25))),
-        nextup(f64_to_f32_rd(s * (1.25 + 2f64.powi(-24)))),
-        f64_to_f32_ru(s * (1.75 - 2f64.powi(-24))),
-        nextup(f64_to_f32_rd(s * (2.5 + 2f64.powi(-23)))),
-        f64_to_f32_ru(s * (3.5 - 2f64.powi(-23))),
-        nextup(f64_to_f32_rd(s * (5.0 + 2f64.powi(-22)))),
-    ]
-}
-
-/// f32 FMA `s * t + h` with a directed rounding (down when `down`), mirrored in f64: the f64 sum is
-/// asserted exact (TwoSum error 0), so rounding it once to f32 is exactly what the FMA does.
-fn fma_directed_mirror(s: f32, t: f32, h: f32, down: bool) -> f32 {
-    let p = f64::from(s) * f64::from(t); // exact: 24 + 3 significant bits
-    assert_eq!(
-        p / f64::from(t),
-        f64::from(s),
-        "s*t not exact in f64 (s {s:e}, t {t})"
-    );
-    let h = f64::from(h);
-    let sum = p + h;
-    let bb = sum - p;
-    let err = (p - (sum - bb)) + (h - bb); // TwoSum: the rounding error of p + h
-    assert_eq!(err, 0.0, "f64 sum inexact (s {s:e}, t {t}, h {h:e})");
-    if down {
-        f64_to_f32_rd(sum)
-    } else {
-        f64_to_f32_ru(sum)
-    }
-}
-
-/// Rust mirror of `e2m1_thresholds_v3`.
-fn thresholds_v3_mirror(scale: f32) -> [f32; 7] {
-    if !(2f32.powi(-100)..=2f32.powi(100)).contains(&scale) {
-        return thresholds_f64(scale);
-    }
-    let h = |k: i32| {
-        let v = scale * 2f32.powi(-k); // __fmul_rn; exact, checked below
-        assert_eq!(
-            f64::from(v),
-            f64::from(scale) * 2f64.powi(-k),
-            "scale*2^-{k} inexact for {scale:e}"
-        );
-        v
-    };
-    let nextup = |x: f32| f32::from_bits(x.to_bits() + 1);
-    [
-        nextup(fma_directed_mirror(scale, 0.25, h(26), true)),
-        fma_directed_mirror(scale, 0.75, -h(25), false),
-        nextup(fma_directed_mirror(scale, 1.25, h(24), true)),
-        fma_directed_mirror(scale, 1.75, -h(24), false),
-        nextup(fma_directed_mirror(scale, 2.5, h(23), true)),
-        fma_directed_mirror(scale, 3.5, -h(23), false),
-        nextup(fma_directed_mirror(scale, 5.0, h(22), true)),
-    ]
-}
-
-/// Rust mirror of `e2m1_pack8_thr` (8 codes, element e in bits 4e..4e+3).
-fn pack8_thr_mirror(v: &[f32; 8], b: &[f32; 7]) -> u32 {
-    let mut packed = 0u32;
-    for (e, &y) in v.iter().enumerate() {
-        let a = y.abs();
-        let p2 = a >= b[3];
-        let t1 = if p2 { b[5] } else { b[1] };
-        let thi = if p2 { b[6] } else { b[2] };
-        let tlo = if p2 { b[4] } else { b[0] };
-        let p1 = a >= t1;
-        let p0 = a >= if p1 { thi } else { tlo };
-        let sh = 4 * e as u32;
-        packed |= (if p2 { 4u32 << sh } else { 0 })
-            | (if p1 { 2u32 << sh } else { 0 })
-            | (if p0 { 1u32 << sh } else { 0 });
-        packed |= (y.to_bits() >> (28 - sh)) & (8u32 << sh);
-    }
-    packed
-}
-
-#[test]
-fn v3_fma_thresholds_equal_the_f64_thresholds_for_all_e4m3_scales() {
-    let seed = fresh_seed("v3_fma_thresholds_equal_the_f64_thresholds_for_all_e4m3_scales");
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
-    let mut checked = 0u64;
-    let mut fallback = 0u64;
-    // every positive finite e4m3 code x global scales: random mantissas over biased exponents 1..=254
-    // (every binade, incl. both sides of the 2^-100 / 2^100 guard), plus exact powers of two
-    for code in 1u8..=0x7E {
-        let s = e4m3::decode(code);
-        for i in 0..3000u32 {
-            let exp = if i < 254 {
-                i + 1
-            } else {
-                (next() % 254) as u32 + 1
-            };
-            let mant = if i < 254 {
-                0
-            } else {
-                next() as u32 & 0x7F_FFFF
-            };
-            let gs = f32::from_bits(exp << 23 | mant);
-            let scale = s * gs;
-            if scale == 0.0 || !scale.is_finite() || scale * 5.5 == f32::INFINITY {
-                continue;
-            }
-            if !(2f32.powi(-100)..=2f32.powi(100)).contains(&scale) {
-                fallback += 1;
-            }
-            let want = thresholds_f64(scale);
-            let got = thresholds_v3_mirror(scale);
-            for k in 0..7 {
-                assert_eq!(
-                    got[k].to_bits(),
-                    want[k].to_bits(),
-                    "threshold {k} for scale {scale:e} (s code {code:#04x}, gs {gs:e}): fma {:e} vs f64 {:e} (seed {seed})",
-                    got[k],
-                    want[k]
-                );
-            }
-            checked += 1;
-        }
-    }
-    eprintln!("v3 thresholds: {checked} scales bit-identical to the FP64 form ({fallback} through the fallback)");
-    assert!(checked > 300_000 && fallback > 1000);
-}
-
-#[test]
-fn v3_packed_encoder_equals_the_reference_encoder_at_every_boundary() {
-    let seed = fresh_seed("v3_packed_encoder_equals_the_reference_encoder_at_every_boundary");
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
-    let thresholds = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
-    let mut checked = 0u64;
-    for _ in 0..40_000 {
-        let s_code = (next() % 0x7E) as u8 + 1;
-        let gs = f32::from_bits(((next() % 200 + 20) as u32) << 23 | (next() as u32 & 0x7F_FFFF));
-        let scale = e4m3::decode(s_code) * gs;
-        if scale == 0.0 || !scale.is_finite() {
-            continue;
-        }
-        let b = thresholds_v3_mirror(scale);
-        // every threshold, its f32 neighbours +-3 ulp, both signs, in random element positions; plus zeros
-        let mut vals = Vec::new();
-        for t in thresholds {
-            let near = t * scale;
-            for k in -3i32..=3 {
-                let a = f32::from_bits((near.to_bits() as i32 + k) as u32);
-                vals.push(a);
-                vals.push(-a);
-            }
-        }
-        vals.push(0.0);
-        vals.push(-0.0);
-        vals.push(6.0 * scale);
-        while vals.len() % 8 != 0 {
-            vals.push(f32::from_bits(next() as u32 & 0x7FFF_FFFF).min(7.0 * scale));
-        }
-        for c in vals.chunks(8) {
-            let mut v: [f32; 8] = c.try_into().unwrap();
-            v.swap(0, (next() % 8) as usize);
-            let got = pack8_thr_mirror(&v, &b);
-            for (e, &y) in v.iter().enumerate() {
-                let want = e2m1::encode_rne(y / scale);
-                let have = ((got >> (4 * e)) & 0xF) as u8;
-                assert_eq!(
-                    have, want,
-                    "element {e} y {y:e} scale {scale:e}: packed code {have:#x} vs reference {want:#x} (seed {seed})"
-                );
-                checked += 1;
-            }
-        }
-    }
-    eprintln!("v3 packed encoder: {checked} values agree with formats::e2m1");
-}
+// ---- NVFP4 encoder at exact e2m1 decision points ----------------------------------------------------------
 
 /// Compares two NVFP4 downloads byte for byte (codes, scales, global scales) with a precise diagnostic.
 fn assert_same_nvfp4(label: &str, got: &HostQuant, want: &HostQuant, d: usize) {
@@ -1511,40 +1273,9 @@ fn assert_same_nvfp4(label: &str, got: &HostQuant, want: &HostQuant, d: usize) {
     }
 }
 
-#[test]
-fn gpu_rmsnorm_nvfp4_v3_equals_current_kernel() {
-    let Some(gpu) = gpu_for_test("gpu_rmsnorm_nvfp4_v3_equals_current_kernel") else {
-        return;
-    };
-    let seed = fresh_seed("gpu_rmsnorm_nvfp4_v3_equals_current_kernel");
-    for &d in DS {
-        let w = nq::random_weight(d, seed ^ d as u64 ^ 0x33);
-        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
-        for rows in [1usize, 7, 129, 4096] {
-            let x = nq::random_rows(rows, d, seed ^ (rows as u64 * 131 + d as u64));
-            let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
-            let label = format!("rmsnorm->nvfp4 v3 {rows}x{d}, seed {seed}");
-            let mut cur = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut cur).unwrap();
-            let mut v3 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            nq::rmsnorm_quant_nvfp4_v3(&gpu, &dx, &dw, r::RMS_EPS, &mut v3).unwrap();
-            let cur = cur.download(&gpu).unwrap();
-            let got = v3.download(&gpu).unwrap();
-            assert_same_nvfp4(&label, &got.q, &cur.q, d);
-            if let Some(i) = (0..rows).find(|&i| got.rstd[i].to_bits() != cur.rstd[i].to_bits()) {
-                panic!(
-                    "{label}: rstd[{i}] v3 {:e} vs current {:e}",
-                    got.rstd[i], cur.rstd[i]
-                );
-            }
-            check_norm_outputs(&label, &x, &w, rows, d, OutFormat::Nvfp4, &got);
-        }
-    }
-}
-
 /// BF16 rows whose values sit at (or one BF16 ulp around) the e2m1 decision points t * scale of their block.
 /// Rows with a power-of-two global scale make t * scale exactly BF16 (ties hit exactly); others have random
-/// global scales; a few rows have scales below 2^-100 or above 2^100 (the FP64 fallback of the v3 kernel).
+/// global scales; a few rows have scales below 2^-100 or above 2^100 (far from the usual range).
 fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
     let mut state = seed | 1;
     let mut next = move || {
@@ -1596,31 +1327,22 @@ fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
 }
 
 #[test]
-fn gpu_quant_nvfp4_v3_equals_current_at_exact_boundaries() {
-    let Some(gpu) = gpu_for_test("gpu_quant_nvfp4_v3_equals_current_at_exact_boundaries") else {
+fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
+    let Some(gpu) = gpu_for_test("gpu_quant_nvfp4_matches_cpu_at_exact_boundaries") else {
         return;
     };
-    let seed = fresh_seed("gpu_quant_nvfp4_v3_equals_current_at_exact_boundaries");
+    let seed = fresh_seed("gpu_quant_nvfp4_matches_cpu_at_exact_boundaries");
     for &d in DS {
         let rows = 64;
         let y = boundary_rows(rows, d, seed ^ d as u64);
         assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
         let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
-        let label = format!("quant->nvfp4 v3 boundary rows {rows}x{d}, seed {seed}");
+        let label = format!("quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
         let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
-        let mut cur = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::quantize_bf16_rows(&gpu, &dy, &mut cur).unwrap();
-        let mut v3 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::quantize_bf16_rows_nvfp4_v3(&gpu, &dy, &mut v3).unwrap();
-        let cur = cur.download(&gpu).unwrap();
-        let got = v3.download(&gpu).unwrap();
-        assert_same_nvfp4(
-            &format!("{label} (current kernel vs CPU)"),
-            &cur.q,
-            &want,
-            d,
-        );
-        assert_same_nvfp4(&format!("{label} (v3 vs CPU)"), &got.q, &want, d);
-        eprintln!("{label}: v3, current kernel and CPU reference bit-identical");
+        let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows(&gpu, &dy, &mut out).unwrap();
+        let got = out.download(&gpu).unwrap();
+        assert_same_nvfp4(&label, &got.q, &want, d);
+        eprintln!("{label}: kernel and CPU reference bit-identical");
     }
 }

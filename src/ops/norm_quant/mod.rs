@@ -303,37 +303,6 @@ pub fn rmsnorm_quant(
     rmsnorm_quant_kernel(gpu, x, w, eps, out, "")
 }
 
-/// [`rmsnorm_quant`] through the previous kernels (`*_v1`: the weight is loaded after the sum-of-squares
-/// reduction instead of before it); identical outputs, kept so one run can time both. BF16 input only.
-pub fn rmsnorm_quant_v1(
-    gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &CudaSlice<bf16>,
-    eps: f32,
-    out: &mut NormOutputs,
-) -> Result<()> {
-    rmsnorm_quant_kernel(gpu, RowsIn::Bf16(x), w, eps, out, "_v1")
-}
-
-/// [`rmsnorm_quant`] to NVFP4 through the v3 kernel `rmsnorm_nvfp4_bf16in_v3` (f32 e2m1 thresholds, one
-/// block-amax pass): outputs bit-identical to the default kernel, kept as an A/B variant until measured.
-/// BF16 input and an NVFP4 `out` only.
-pub fn rmsnorm_quant_nvfp4_v3(
-    gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &CudaSlice<bf16>,
-    eps: f32,
-    out: &mut NormOutputs,
-) -> Result<()> {
-    if out.format != OutFormat::Nvfp4 {
-        bail!(
-            "rmsnorm_quant_nvfp4_v3 writes NVFP4 only, got an output of format {}",
-            out.format.name()
-        );
-    }
-    rmsnorm_quant_kernel(gpu, RowsIn::Bf16(x), w, eps, out, "_v3")
-}
-
 fn rmsnorm_quant_kernel(
     gpu: &Gpu,
     x: RowsIn<'_>,
@@ -410,33 +379,6 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
             bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8")
         }
     }
-    Ok(())
-}
-
-/// [`quantize_bf16_rows`] to NVFP4 through the v3 encoder (`quant_nvfp4_bf16in_v3`, no norm): used by the
-/// tests to feed values at exact e2m1 rounding boundaries; outputs bit-identical to `quant_nvfp4_bf16in`.
-pub fn quantize_bf16_rows_nvfp4_v3(
-    gpu: &Gpu,
-    y: &CudaSlice<bf16>,
-    out: &mut NormOutputs,
-) -> Result<()> {
-    let (rows, d) = (out.rows, out.d);
-    check_rows(rows, d)?;
-    check_len("y", y.len(), rows * d)?;
-    let QuantBufs::Nvfp4 {
-        data,
-        scales,
-        global_scale,
-    } = &mut out.q
-    else {
-        bail!("quantize_bf16_rows_nvfp4_v3: the output format must be nvfp4");
-    };
-    let cfg = launch_cfg((rows as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
-    let d_i = d as i32;
-    let f = gpu.function(FAMILY, "quant_nvfp4_bf16in_v3")?;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(y).arg(data).arg(scales).arg(global_scale).arg(&d_i);
-    drv(unsafe { b.launch(cfg) }, "quant_nvfp4_bf16in_v3")?;
     Ok(())
 }
 
@@ -536,8 +478,6 @@ pub struct MhcPreOutputs {
     pub normed: NormOutputs,
     /// Split-K workspace [T, nmix+1, S] (sized for 24 mixes).
     partials: CudaSlice<f32>,
-    /// Grid-barrier words of the one-launch path ([arrivals, generation]); zero between launches.
-    barrier: CudaSlice<u32>,
 }
 
 impl MhcPreOutputs {
@@ -560,7 +500,6 @@ impl MhcPreOutputs {
             u: gpu.poisoned(tokens * d, 0xFF)?,
             normed: NormOutputs::alloc_poisoned(gpu, format, tokens, d)?,
             partials: gpu.zeros(mix_splits(d) * tokens * (reference::HC_MIX + 1))?,
-            barrier: gpu.zeros(2)?,
         })
     }
 
@@ -624,11 +563,15 @@ fn launch_mix_partial(
     tokens: usize,
     part: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let name = if w.nmix == reference::HC_MIX {
-        "mhc_mix_partial24"
-    } else {
-        "mhc_mix_partial4"
-    };
+    // Only hc_head (4 mixes) uses the broadcast-load mix kernel; the 24-mix boundary uses the cp.async
+    // kernel (launch_mix_partial_v2).
+    if w.nmix != reference::HC_HEAD_MIX {
+        bail!(
+            "mhc_mix_partial4 takes head weights (4 mixes), got {}",
+            w.nmix
+        );
+    }
+    let name = "mhc_mix_partial4";
     let f = gpu.function(FAMILY, name)?;
     let splits = mix_splits(w.d);
     let cfg = launch_cfg(
@@ -643,32 +586,6 @@ fn launch_mix_partial(
     Ok(())
 }
 
-/// How [`mhc_pre_with`] runs the fused boundary (all three give the same pre/post/C/u/outputs up to the
-/// fp32 mix reductions, which v1 orders differently inside a 128-column split).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MhcPath {
-    /// v1: broadcast-load split-K mixes + finish with a one-thread Sinkhorn (two launches).
-    TwoLaunchV1,
-    /// cp.async-staged split-K mixes + finish with the 16-lane Sinkhorn (two launches).
-    TwoLaunch,
-    /// The same work as [`MhcPath::TwoLaunch`] in one launch: mix tiles, a grid barrier, then the per-token
-    /// finish tasks, over a grid capped at the co-resident CTAs (see [`mhc_one_launch_grid`]); bit-identical
-    /// outputs to `TwoLaunch`. Launches on the same [`MhcPreOutputs`] must be stream-ordered (they share the
-    /// barrier words).
-    OneLaunch,
-}
-
-impl MhcPath {
-    pub const ALL: [MhcPath; 3] = [MhcPath::TwoLaunchV1, MhcPath::TwoLaunch, MhcPath::OneLaunch];
-    pub fn name(self) -> &'static str {
-        match self {
-            MhcPath::TwoLaunchV1 => "two_launch_v1",
-            MhcPath::TwoLaunch => "two_launch",
-            MhcPath::OneLaunch => "one_launch",
-        }
-    }
-}
-
 /// Fused mHC boundary: `(pre, post, C, u) = hc_pre(X)`, then `RMSNorm(u; weight)` in `out.normed.format`.
 /// Two launches (split-K mixes over 4D/128 x ceil(T/32) CTAs, then two CTAs per token); `x` is `[T, 4, D]`.
 pub fn mhc_pre(
@@ -678,18 +595,6 @@ pub fn mhc_pre(
     eps: f32,
     out: &mut MhcPreOutputs,
 ) -> Result<()> {
-    mhc_pre_with(gpu, x, w, eps, out, MhcPath::TwoLaunch)
-}
-
-/// [`mhc_pre`] through a chosen [`MhcPath`].
-pub fn mhc_pre_with(
-    gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &MhcWeights,
-    eps: f32,
-    out: &mut MhcPreOutputs,
-    path: MhcPath,
-) -> Result<()> {
     check_mhc(x, w, out)?;
     check_eps(eps)?;
     if w.nmix != reference::HC_MIX {
@@ -698,17 +603,8 @@ pub fn mhc_pre_with(
             w.nmix
         );
     }
-    match path {
-        MhcPath::TwoLaunchV1 => {
-            launch_mix_partial(gpu, x, w, out.tokens, &mut out.partials)?;
-            launch_pre_finish(gpu, x, w, eps, out, false)
-        }
-        MhcPath::TwoLaunch => {
-            launch_mix_partial_v2(gpu, x, w, out.tokens, &mut out.partials)?;
-            launch_pre_finish(gpu, x, w, eps, out, true)
-        }
-        MhcPath::OneLaunch => launch_pre_one(gpu, x, w, eps, out),
-    }
+    launch_mix_partial_v2(gpu, x, w, out.tokens, &mut out.partials)?;
+    launch_pre_finish(gpu, x, w, eps, out)
 }
 
 fn launch_mix_partial_v2(
@@ -732,94 +628,17 @@ fn launch_mix_partial_v2(
     Ok(())
 }
 
-/// Grid of the one-launch boundary: one CTA per mix tile (`S * ceil(T/32)`), capped at the CTAs the GPU
-/// holds at once (the grid barrier needs every CTA resident: a CTA waiting for one that cannot be scheduled
-/// would hang). `None` when even one CTA per SM is impossible.
-pub fn mhc_one_launch_grid(
-    gpu: &Gpu,
-    format: OutFormat,
-    tokens: usize,
-    d: usize,
-) -> Result<Option<u32>> {
-    let f = gpu.function(FAMILY, &format!("mhc_pre_one_{}", format.name()))?;
-    let per_sm = drv(
-        f.occupancy_max_active_blocks_per_multiprocessor(row_block_threads(d), 0, None),
-        "occupancy query",
-    )?;
-    let resident = per_sm as usize * gpu.info.sm_count as usize;
-    if resident == 0 {
-        return Ok(None);
-    }
-    let items = mix_splits(d) * tokens.div_ceil(32);
-    Ok(Some(items.min(resident) as u32))
-}
-
-fn launch_pre_one(
-    gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &MhcWeights,
-    eps: f32,
-    out: &mut MhcPreOutputs,
-) -> Result<()> {
-    let (tokens, d) = (out.tokens, out.d);
-    let Some(grid) = mhc_one_launch_grid(gpu, out.normed.format, tokens, d)? else {
-        bail!("mhc one-launch: no CTA of the kernel fits on an SM");
-    };
-    let name = format!("mhc_pre_one_{}", out.normed.format.name());
-    let f = gpu.function(FAMILY, &name)?;
-    let cfg = launch_cfg((grid, 1, 1), (row_block_threads(d), 1, 1), 0);
-    let (t_i, d_i) = (tokens as i32, d as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(x)
-        .arg(&w.mix_fn)
-        .arg(&mut out.partials)
-        .arg(&mut out.barrier)
-        .arg(&t_i)
-        .arg(&d_i)
-        .arg(&w.scale)
-        .arg(&w.base)
-        .arg(&w.norm_weight);
-    b.arg(&eps)
-        .arg(&mut out.pre)
-        .arg(&mut out.post)
-        .arg(&mut out.comb)
-        .arg(&mut out.u);
-    match &mut out.normed.q {
-        QuantBufs::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } => {
-            b.arg(data).arg(scales).arg(global_scale);
-        }
-        QuantBufs::Fp8 { data, scales } => {
-            b.arg(data).arg(scales);
-        }
-        QuantBufs::Bf16 { y } => {
-            b.arg(y);
-        }
-    }
-    b.arg(&mut out.normed.rstd);
-    drv(unsafe { b.launch(cfg) }, &name)?;
-    Ok(())
-}
-
-/// The per-token finish of [`mhc_pre`] on partials already in `out`.
-/// `lane_sinkhorn`: the v2 finish kernels (`mhc_pre_finish2_*`), else v1.
+/// The per-token finish of [`mhc_pre`] on partials already in `out` (`mhc_pre_finish2_*`: the Sinkhorn on
+/// 16 lanes).
 fn launch_pre_finish(
     gpu: &Gpu,
     x: &CudaSlice<bf16>,
     w: &MhcWeights,
     eps: f32,
     out: &mut MhcPreOutputs,
-    lane_sinkhorn: bool,
 ) -> Result<()> {
     let (tokens, d) = (out.tokens, out.d);
-    let name = format!(
-        "mhc_pre_finish{}_{}",
-        if lane_sinkhorn { "2" } else { "" },
-        out.normed.format.name()
-    );
+    let name = format!("mhc_pre_finish2_{}", out.normed.format.name());
     let f = gpu.function(FAMILY, &name)?;
     // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn, concurrently.
     let cfg = launch_cfg((tokens as u32, 2, 1), (row_block_threads(d), 1, 1), 0);
@@ -905,7 +724,7 @@ pub fn mhc_post_then_pre(
         .arg(&t_i)
         .arg(&d_i);
     drv(unsafe { b.launch(cfg) }, "mhc_post_mix_partial24")?;
-    launch_pre_finish(gpu, x_out, w, eps, out, true)
+    launch_pre_finish(gpu, x_out, w, eps, out)
 }
 
 /// `hc_head`: pre = sigmoid mixes (no Sinkhorn), u = sum pre_i X_i (BF16), then RMSNorm(u; norm.weight)
@@ -1103,10 +922,6 @@ pub const ROW_VARIANTS: &[&str] = &[
     "fused_fp8",
     "unfused_fp8",
     "fused_bf16",
-    "fused_v1_nvfp4",
-    "fused_v1_fp8",
-    "fused_v1_bf16",
-    "fused_v3_nvfp4",
     "copy",
 ];
 
@@ -1125,7 +940,7 @@ pub fn bench_rows(
     let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
     let eps = reference::RMS_EPS;
     let in_bytes = (rows * d * 2 + d * 2) as u64;
-    // kind_fmt, kind in fused / fused_v1 (the previous kernels) / fused_v3 (NVFP4 A/B) / unfused; or `copy`.
+    // kind_fmt, kind in fused / unfused; or `copy`.
     let (kind, fmt) = variant.rsplit_once('_').unwrap_or((variant, "bf16"));
     let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
         kernel: "rmsnorm_quant",
@@ -1144,18 +959,11 @@ pub fn bench_rows(
             })?;
             Ok(point(4 * (rows * d) as u64, s, None))
         }
-        "fused" | "fused_v1" | "fused_v3" => {
+        "fused" => {
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let (v1, v3) = (kind == "fused_v1", kind == "fused_v3");
             let s = gpu.time_us(plan, || {
-                if v1 {
-                    rmsnorm_quant_v1(gpu, &x, &w, eps, &mut out)
-                } else if v3 {
-                    rmsnorm_quant_nvfp4_v3(gpu, &x, &w, eps, &mut out)
-                } else {
-                    rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
-                }
+                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
             })?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
             let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
@@ -1179,9 +987,8 @@ pub fn bench_rows(
     }
 }
 
-/// Variants of the mHC boundary: `fused_<fmt>` (two launches, v2), `fused1_<fmt>` (one launch),
-/// `fused_v1_<fmt>` (the previous two-launch kernels, for the A/B), `unfused_<fmt>`, each also as
-/// `graph_...` (CUDA-graph replay: the decode regime), `post`, `head`.
+/// Variants of the mHC boundary: `fused_<fmt>` (the two-launch boundary), `unfused_<fmt>`, each also as
+/// `graph_...` (CUDA-graph replay: the decode regime), `post`, `head`, and `graph_postpre_{fused,separate}_nvfp4`.
 pub const MHC_VARIANTS: &[&str] = &[
     "fused_nvfp4",
     "unfused_nvfp4",
@@ -1193,11 +1000,6 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_unfused_nvfp4",
     "graph_fused_fp8",
     "graph_unfused_fp8",
-    "graph_fused1_nvfp4",
-    "graph_fused1_fp8",
-    "graph_fused_v1_nvfp4",
-    "graph_fused_v1_fp8",
-    "fused1_nvfp4",
     "post",
     "head",
     "graph_postpre_fused_nvfp4",
@@ -1286,8 +1088,7 @@ pub fn bench_mhc(
         Some(r) => (true, r),
         None => (false, variant),
     };
-    // kind_fmt with kind in fused (two launches, v2), fused1 (one launch), fused_v1 (the previous two-launch
-    // kernels, kept for the A/B), unfused (the op-by-op chain).
+    // kind_fmt with kind in fused (the two-launch boundary), unfused (the op-by-op chain).
     let (kind, fmt) = rest
         .rsplit_once('_')
         .ok_or_else(|| anyhow::anyhow!("unknown mhc variant `{variant}`"))?;
@@ -1296,20 +1097,20 @@ pub fn bench_mhc(
     let mut out = MhcPreOutputs::alloc_poisoned(gpu, format, tokens, d)?;
     let mut scratch = MhcUnfusedScratch::alloc(gpu, tokens)?;
     let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, tokens, d)?;
-    let path = match kind {
-        "fused" => Some(MhcPath::TwoLaunch),
-        "fused1" => Some(MhcPath::OneLaunch),
-        "fused_v1" => Some(MhcPath::TwoLaunchV1),
-        "unfused" => None,
+    let fused = match kind {
+        "fused" => true,
+        "unfused" => false,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
             MHC_VARIANTS.join(", ")
         ),
     };
-    let fused = path.is_some();
-    let mut run = |out: &mut MhcPreOutputs| match path {
-        Some(p) => mhc_pre_with(gpu, &x, &w, eps, out, p),
-        None => mhc_pre_unfused(gpu, &x, &w, eps, &mut scratch, &mut staging, out),
+    let mut run = |out: &mut MhcPreOutputs| {
+        if fused {
+            mhc_pre(gpu, &x, &w, eps, out)
+        } else {
+            mhc_pre_unfused(gpu, &x, &w, eps, &mut scratch, &mut staging, out)
+        }
     };
     let s = if graph {
         run(&mut out)?; // loads the module and checks shapes outside the capture
