@@ -1,14 +1,17 @@
 // Lightning indexer (DSV4 §3.8): index-key writer, weighted-ReLU MQA logits on FP8 tensor cores, and a
 // deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort).
 //
-// Versions (session 2): the launcher's default path is logits v2 for FP8 keys (indexer_logits_fp8h_*: e4m3
-// converted once to f16 fragments + f16 HMMA, because sm_90 emulates FP8 mma.sync; see logits_f16_body)
-// and top-k v2 (indexer_topk2_hist -> indexer_topk2_select -> indexer_topk2_final: a 4096-bin histogram,
-// a threshold select with many CTAs per row, one exact pass per row; see "Top-k v2"). Top-k v3 (bench
-// variant "fused_v3", launcher topk_v3) keeps v2's first two passes and swaps the exact pass for
-// indexer_topk3_final (rank-by-counting select and sort; see "Top-k v3"). The sections below
-// describe v1 (indexer_logits_fp8_*, indexer_topk_chunk + indexer_topk_merge), kept as bench variant
-// "fused_v1" for the A/B; MXFP4 keys use the v1 logits kernels in both variants.
+// Paths: FP8 keys use logits v2 (indexer_logits_fp8h_*: e4m3 converted once to f16 fragments + f16 HMMA,
+// because sm_90 emulates FP8 mma.sync; see logits_f16_body); MXFP4 keys use the e4m3 mma.sync kernels
+// (indexer_logits_mxfp4_*, "Logits" below: their only path). Top-k: indexer_topk2_hist ->
+// indexer_topk2_select -> indexer_topk3_final (a 4096-bin histogram, a threshold select with many CTAs per
+// row, then one exact rank-by-counting pass per row with radix-select / bitonic fallbacks; see "Top-k v2"
+// and "Top-k v3"). The shared radix select / bitonic sort helpers are described under "Top-k".
+// Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
+// indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
+// top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1
+// (indexer_logits_fp8_n1/_n2, logits_body<_, false>: emulated e4m3 mma.sync) 28.2 us vs v2 23.8 us (batch 16 @ 64K: 27.8 vs 23.5 us). Totals: v1 93.6, v2 47.9,
+// v3 40.8 us.
 // Budget at 1M context, batch 1 (262,144 keys, 34.6 MB): HBM floor 8.1 us at 4.25 TB/s; f16 HMMA work
 // 1.05 M HMMA.16816 = ~8,000 per SM, ~6 us at ~1.5 cycles each; top-k v2 reads the 1 MB of scores twice.
 //
@@ -21,6 +24,8 @@
 // quantizer uses __fdiv_rn, so the codes are bit-identical to src/ops/indexer/reference.rs.
 //
 // ---- Logits: score[row, j] = sum_h w[row,h] * relu(q[row,h] . k_j) ----------------------------------------
+// (logits_body: entry points only for MXFP4 now; its FP8 branch lost its entry points with logits v1 and is
+// left as measured; the FP8 byte-load layout below is the one logits_f16_body reuses.)
 // mma.sync m16n8k32 e4m3 x e4m3 -> f32 with keys on M (16 per m-tile) and heads on N (8 per n-tile, 8 tiles).
 // The dot product is a sum over the 128 dims, so any permutation of K applied to both A and B leaves it
 // unchanged; we pick the permutation that makes each lane's key bytes contiguous:
@@ -48,11 +53,10 @@
 // ---- Top-k (k <= 2048) ----------------------------------------------------------------------------------
 // Total order: composite = (order_key(score) << 32) | ~index (u64; NaN -> -inf, -0 -> +0). The composite
 // is unique per entry, so "the k largest composites" is exactly "score desc, lower index wins".
-// Stage 1 (indexer_topk_chunk): one 1024-thread CTA per (row, chunk of TOPK_CHUNK entries): MSB-first radix
-// select over the 64-bit composite (8-bit digits, at most 8 passes, early exit when the chosen bucket holds
-// exactly the remaining count), then a ballot-compacted collection. Rows with one chunk sort their k and
-// write the final answer here; otherwise each chunk writes its min(k, m) candidates. Stage 2
-// (indexer_topk_merge): the same select over the candidates, then a bitonic sort of k.
+// Shared helpers (used by the fallbacks of indexer_topk3_final): block_select = one 1024-thread CTA's
+// MSB-first radix select over 64-bit composites (8-bit digits, at most 8 passes, early exit when the
+// chosen bucket holds exactly the remaining count), block_collect = a ballot-compacted collection of the
+// selected elements, sort_and_write = a bitonic sort of the chosen k and the final row write.
 // Deadlock freedom: every __syncthreads() sits either in straight-line code or in a loop whose trip count
 // is a function of block-uniform values only (pass < 8 with a break on a value read from shared memory
 // after a barrier; bitonic size/stride from kpad); every per-element loop (trip counts that differ between
@@ -434,13 +438,11 @@ __device__ __forceinline__ void logits_f16_body(const uint8_t* __restrict__ q, c
         logits_body<NEXT_N, FP4>(q, w, codes, scales, num_valid, capacity, scores, score_stride);               \
     }
 
-INDEXER_LOGITS_ENTRY(indexer_logits_fp8_n1, 1, false, 2)
-INDEXER_LOGITS_ENTRY(indexer_logits_fp8_n2, 2, false, 2)
 INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n1, 1, true, 2)
 // 2 query tokens x the e2m1 expansion need more than 128 registers: one CTA per SM, no spills.
 INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n2, 2, true, 1)
 
-// FP8 logits v2 (f16 HMMA with operands converted once; see logits_f16_body). v1 above = bench "fused_v1".
+// FP8 logits v2 (f16 HMMA with operands converted once; see logits_f16_body): the only FP8 logits path.
 #define INDEXER_LOGITS_F16_ENTRY(NAME, NEXT_N)                                                                 \
     extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, 2)                                              \
         NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
@@ -459,9 +461,7 @@ INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n2, 2)
 namespace {
 
 constexpr int TOPK_THREADS = 1024;
-constexpr int TOPK_CHUNK = 32768;  // entries per stage-1 CTA (>= max k, so every chunk but the last gives k)
 constexpr int TOPK_MAX_K = 2048;
-constexpr int MERGE_SMEM_CAP = 16384;  // candidates kept in shared memory by the merge (else read from L2)
 
 __device__ __forceinline__ uint32_t order_key(float s) {
     if (isnan(s)) s = -INFINITY;
@@ -605,113 +605,20 @@ __device__ void sort_and_write(uint64_t* buf, int kk, int k, int* __restrict__ o
     }
 }
 
-struct SmemKeySrc {  // stage 1: order keys in shared memory, indices base + i
-    const uint32_t* keys;
-    uint32_t base;
-    __device__ __forceinline__ uint64_t comp(int i) const { return composite(keys[i], base + (uint32_t)i); }
-};
 struct SmemCompSrc {
     const uint64_t* comps;
     __device__ __forceinline__ uint64_t comp(int i) const { return comps[i]; }
 };
-struct GlobalCandSrc {
-    const uint32_t* keys;
-    const int* idx;
-    __device__ __forceinline__ uint64_t comp(int i) const { return composite(keys[i], (uint32_t)idx[i]); }
-};
-
 __device__ __forceinline__ int row_valid(const int* num_valid, int row, int score_stride) {
     return min(max(num_valid[row], 0), score_stride);
 }
 
 }  // namespace
 
-// Stage 1. grid (max_chunks, rows), block TOPK_THREADS, dynamic smem = 4 * min(TOPK_CHUNK, max n) bytes
-// + 8 * TOPK_MAX_K + sizeof(SelectShared). cand_* are [rows][cand_stride] with cand_stride >= chunks * k.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1)
-    indexer_topk_chunk(const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
-                       int chunk_cap, uint32_t* __restrict__ cand_keys, int* __restrict__ cand_idx, int cand_stride,
-                       int* __restrict__ out_idx, float* __restrict__ out_score) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
-    uint64_t* sortbuf = reinterpret_cast<uint64_t*>(smem_raw + sizeof(SelectShared));
-    uint32_t* keys = reinterpret_cast<uint32_t*>(smem_raw + sizeof(SelectShared) + 8 * TOPK_MAX_K);
-
-    const int row = blockIdx.y, c = blockIdx.x;
-    const int n = row_valid(num_valid, row, score_stride);
-    const int chunks = (n + TOPK_CHUNK - 1) / TOPK_CHUNK;
-    int* oi = out_idx + (size_t)row * k;
-    float* os = out_score + (size_t)row * k;
-    if (n == 0) {  // block-uniform: nothing visible, the answer is k x -1
-        if (c == 0)
-            for (int j = threadIdx.x; j < k; j += blockDim.x) { oi[j] = -1; os[j] = -INFINITY; }
-        return;
-    }
-    if (c >= chunks) return;
-    const int base = c * TOPK_CHUNK;
-    const int m = min(TOPK_CHUNK, n - base);
-    if (m > chunk_cap) return;  // launcher sizes chunk_cap >= min(TOPK_CHUNK, max n); defensive only
-    const int kk = min(k, m);
-    const float* src_scores = scores + (size_t)row * score_stride + base;
-    for (int i = threadIdx.x; i < m; i += blockDim.x) keys[i] = order_key(src_scores[i]);
-    __syncthreads();
-    const SmemKeySrc src{keys, (uint32_t)base};
-    const bool all = kk >= m;
-    uint64_t prefix = 0;
-    int shift = 64;
-    if (!all) block_select(src, m, kk, sh, prefix, shift);
-    if (chunks == 1) {
-        block_collect(src, m, all, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) { sortbuf[pos] = cc; });
-        sort_and_write(sortbuf, kk, k, oi, os);
-    } else {
-        uint32_t* ck = cand_keys + (size_t)row * cand_stride + (size_t)c * k;
-        int* cix = cand_idx + (size_t)row * cand_stride + (size_t)c * k;
-        block_collect(src, m, all, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) {
-            ck[pos] = (uint32_t)(cc >> 32);
-            cix[pos] = (int)~(uint32_t)cc;
-        });
-    }
-}
-
-// Stage 2. grid rows, block TOPK_THREADS, dynamic smem = sizeof(SelectShared) + 8 * TOPK_MAX_K
-// + 8 * MERGE_SMEM_CAP. Rows with a single chunk were finished by stage 1.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1)
-    indexer_topk_merge(int score_stride, const int* __restrict__ num_valid, int k, const uint32_t* __restrict__ cand_keys,
-                       const int* __restrict__ cand_idx, int cand_stride, int* __restrict__ out_idx,
-                       float* __restrict__ out_score) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
-    uint64_t* sortbuf = reinterpret_cast<uint64_t*>(smem_raw + sizeof(SelectShared));
-    uint64_t* comps = sortbuf + TOPK_MAX_K;
-
-    const int row = blockIdx.x;
-    const int n = row_valid(num_valid, row, score_stride);
-    const int chunks = (n + TOPK_CHUNK - 1) / TOPK_CHUNK;
-    if (chunks <= 1) return;
-    const int last_m = n - (chunks - 1) * TOPK_CHUNK;
-    const int m = (chunks - 1) * k + min(k, last_m);  // chunks before the last hold exactly k candidates
-    const int kk = min(k, m);                          // == k since m >= k
-    const uint32_t* ck = cand_keys + (size_t)row * cand_stride;
-    const int* cix = cand_idx + (size_t)row * cand_stride;
-    uint64_t prefix = 0;
-    int shift = 64;
-    if (m <= MERGE_SMEM_CAP) {
-        for (int i = threadIdx.x; i < m; i += blockDim.x) comps[i] = composite(ck[i], (uint32_t)cix[i]);
-        __syncthreads();
-        const SmemCompSrc src{comps};
-        block_select(src, m, kk, sh, prefix, shift);
-        block_collect(src, m, false, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) { sortbuf[pos] = cc; });
-    } else {
-        const GlobalCandSrc src{ck, cix};
-        block_select(src, m, kk, sh, prefix, shift);
-        block_collect(src, m, false, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) { sortbuf[pos] = cc; });
-    }
-    sort_and_write(sortbuf, kk, k, out_idx + (size_t)row * k, out_score + (size_t)row * k);
-}
-
 // ------------------------------------------------------------------------------------------------------------
-// Top-k v2 ("fused"): histogram -> threshold select with many CTAs per row -> one small exact pass per row.
-// The v1 kernels above (indexer_topk_chunk + indexer_topk_merge) stay as bench variant "fused_v1".
+// Top-k v2: histogram -> threshold select with many CTAs per row -> one small exact pass per row. Passes 1-2
+// below are the default path's; the exact pass described as "pass 3" is now done by indexer_topk3_final
+// (its v2 form, indexer_topk2_final, was removed; v3 keeps it as the fallback for large buckets / k).
 //
 // Pass 1, indexer_topk2_hist, grid (ceil(max_n / TK2_SLICE), rows) x 512 threads: a shared-memory
 //   histogram of bin = order_key(score) >> 20 (the top 12 bits: sign, 8 exponent bits, 3 mantissa bits)
@@ -721,8 +628,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1)
 //   min(k, n)). Entries with bin > B are selected for sure (there are excl(B) < kk of them): their
 //   composites go to above[row][slot < k]; entries with bin == B go to bucket[row][slot < bucket_stride]
 //   (there are hist[B] <= n of them). Slots come from warp-aggregated atomics on two per-row counters.
-// Pass 3, indexer_topk2_final, grid rows x 1024 threads: rem = kk - above_count entries are still to pick
-//   from the threshold bucket: the v1 radix select over its composites (in shared memory when it holds
+// Pass 3 (v2 form; v3's fallback), grid rows x 1024 threads: rem = kk - above_count entries are still to pick
+//   from the threshold bucket: block_select over its composites (in shared memory when it holds
 //   <= TK2_FINAL_SMEM_CAP entries, else straight from global memory), then the kk composites are sorted
 //   (bitonic) and written in the contract's order. Selecting the rem largest composites of bucket B plus
 //   every entry of a higher bin is exactly the kk largest composites of the row, because bin is a
@@ -880,71 +787,10 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_select(
     }
 }
 
-// grid rows, block TOPK_THREADS, dynamic smem = sizeof(SelectShared) + 8 * TOPK_MAX_K + 8 * TK2_FINAL_SMEM_CAP.
-// Zeroes hist[row] and counters[row] for the next call.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk2_final(
-    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
-    uint32_t* __restrict__ counters, const unsigned long long* __restrict__ above,
-    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
-    float* __restrict__ out_score) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
-    uint64_t* sortbuf = reinterpret_cast<uint64_t*>(smem_raw + sizeof(SelectShared));
-    uint64_t* comps = sortbuf + TOPK_MAX_K;
-
-    const int row = blockIdx.x, tid = threadIdx.x;
-    const int n = row_valid(num_valid, row, score_stride);
-    const int kk = min(k, n);
-    uint32_t* cnt = counters + 2 * (size_t)row;
-    // With a consistent histogram: above_count = excl(B) < kk and 1 <= kk - above_count <= bucket_count.
-    // The clamps only keep a corrupted state inside the buffers.
-    const int a = (int)min(cnt[0], (uint32_t)kk);
-    const int nb = (int)min(cnt[1], (uint32_t)bucket_stride);
-    __syncthreads();  // every thread has read the counters
-    for (int i = tid; i < TK2_BINS; i += blockDim.x) hist[(size_t)row * TK2_BINS + i] = 0;
-    if (tid == 0) {
-        cnt[0] = 0;
-        cnt[1] = 0;
-    }
-    int* oi = out_idx + (size_t)row * k;
-    float* os = out_score + (size_t)row * k;
-    if (kk == 0) {  // block-uniform: nothing visible
-        for (int j = tid; j < k; j += blockDim.x) {
-            oi[j] = -1;
-            os[j] = -INFINITY;
-        }
-        return;
-    }
-    const int rem = max(0, min(kk - a, nb));  // block-uniform
-    const unsigned long long* above_row = above + (size_t)row * k;
-    for (int i = tid; i < a; i += blockDim.x) sortbuf[i] = above_row[i];
-    if (rem > 0) {
-        const unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
-        const bool all = rem >= nb;
-        uint64_t prefix = 0;
-        int shift = 64;
-        auto emit = [&](uint32_t pos, uint64_t cc) {
-            if ((int)pos < rem) sortbuf[a + pos] = cc;
-        };
-        if (nb <= TK2_FINAL_SMEM_CAP) {
-            for (int i = tid; i < nb; i += blockDim.x) comps[i] = bucket_row[i];
-            __syncthreads();
-            const SmemCompSrc src{comps};
-            if (!all) block_select(src, nb, rem, sh, prefix, shift);
-            block_collect(src, nb, all, prefix, shift, sh, emit);
-        } else {
-            const GlobalCompSrc src{reinterpret_cast<const uint64_t*>(bucket_row)};
-            if (!all) block_select(src, nb, rem, sh, prefix, shift);
-            block_collect(src, nb, all, prefix, shift, sh, emit);
-        }
-    }
-    sort_and_write(sortbuf, a + rem, k, oi, os);
-}
-
 // ------------------------------------------------------------------------------------------------------------
-// Top-k v3 final pass (bench variant "fused_v3"): indexer_topk2_hist -> indexer_topk2_select ->
+// Top-k v3 final pass (the default top-k): indexer_topk2_hist -> indexer_topk2_select ->
 // indexer_topk3_final. Passes 1-2 are v2's; only the per-row exact pass changes.
-// Why: ncu of indexer_topk2_final at 1M/batch 1/k 512 shows ~54K warp instructions spread over ~30K cycles
+// Why: ncu of v2's final pass (indexer_topk2_final, removed) at 1M/batch 1/k 512 shows ~54K warp instructions spread over ~30K cycles
 // with the barrier the top stall: the bitonic sort of 512 (45 barrier-separated compare-exchange steps) and
 // the radix select over the bucket (up to 8 passes, 3 barriers each) are chains of barriers, not work.
 // v3 replaces both with rank-by-counting, which needs one barrier instead of dozens:
@@ -996,7 +842,8 @@ __device__ void rank_count(const uint64_t* v, int m, uint32_t* rank) {
 
 }  // namespace
 
-// Same arguments, grid, block and dynamic smem as indexer_topk2_final (+2 KB static). Zeroes hist[row] and
+// grid rows, block TOPK_THREADS, dynamic smem = sizeof(SelectShared) + 8 * TOPK_MAX_K + 8 * TK2_FINAL_SMEM_CAP
+// (+2 KB static). Zeroes hist[row] and
 // counters[row] for the next call.
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk3_final(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,

@@ -14,7 +14,7 @@ use crate::bench::{MatmulKind, Row, Summary};
 pub fn kernels() -> Vec<BenchKernel> {
     vec![BenchKernel {
         name: "indexer",
-        variants: &["fused", "fused_v1", "fused_v3", "baseline"],
+        variants: &["fused", "baseline"],
         matmul: MatmulKind::NotMatmul,
         run_point: indexer_point,
     }]

@@ -1,4 +1,4 @@
-//! `megamoe exec indexer`: logits + top-k on user tensors (GPU: the v2 kernels; `--cpu`: the f64 reference
+//! `megamoe exec indexer`: logits + top-k on user tensors (GPU: the default kernels, [`super::run`]; `--cpu`: the f64 reference
 //! logits rounded to f32, then the reference top-k of those scores).
 
 use anyhow::{ensure, Result};

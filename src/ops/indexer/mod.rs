@@ -30,18 +30,15 @@ pub use reference::{KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
 
 /// Kernel family name (kernels/indexer.cu).
 pub const FAMILY: &str = "indexer";
-/// Entries per stage-1 top-k CTA (kernel constant TOPK_CHUNK).
-pub const TOPK_CHUNK: usize = 32768;
 /// Largest supported k (kernel constant TOPK_MAX_K).
 pub const TOPK_MAX_K: usize = 2048;
-/// Merge candidates held in shared memory (kernel constant MERGE_SMEM_CAP).
-const MERGE_SMEM_CAP: usize = 16384;
 /// Histogram bins of top-k v2 (kernel constant TK2_BINS: the top 12 bits of the order key).
 pub const TOPK2_BINS: usize = 4096;
 /// Entries per top-k v2 histogram / select CTA (kernel constant TK2_SLICE) and their block size.
 const TOPK2_SLICE: usize = 4096;
 const TOPK2_THREADS: u32 = 512;
-/// Threshold-bucket composites the v2 final pass keeps in shared memory (kernel constant TK2_FINAL_SMEM_CAP).
+/// Threshold-bucket composites the final pass keeps in shared memory on its radix-select fallback (kernel
+/// constant TK2_FINAL_SMEM_CAP).
 const TOPK2_FINAL_SMEM_CAP: usize = 16384;
 /// sizeof(SelectShared) in the kernel: hist[256] + warp_sums[32] + 4 u32.
 const SELECT_SHARED_BYTES: usize = 256 * 4 + 32 * 4 + 16;
@@ -262,29 +259,6 @@ pub fn logits(
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
 ) -> Result<()> {
-    logits_impl(gpu, q, cache, scores, score_stride, false)
-}
-
-/// The previous logits kernels (FP8 keys through the sm_89 e4m3 mma.sync, emulated on Hopper): bench
-/// variant "fused_v1". MXFP4 keys use the same kernel in both versions.
-pub fn logits_v1(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    scores: &mut CudaSlice<f32>,
-    score_stride: usize,
-) -> Result<()> {
-    logits_impl(gpu, q, cache, scores, score_stride, true)
-}
-
-fn logits_impl(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    scores: &mut CudaSlice<f32>,
-    score_stride: usize,
-    v1: bool,
-) -> Result<()> {
     ensure!(
         cache.batch == q.batch,
         "cache has {} sequences, queries {}",
@@ -317,8 +291,6 @@ fn logits_impl(
         return Ok(());
     }
     let name = match (cache.format, q.next_n) {
-        (KeyFormat::Fp8, 1) if v1 => "indexer_logits_fp8_n1",
-        (KeyFormat::Fp8, _) if v1 => "indexer_logits_fp8_n2",
         (KeyFormat::Fp8, 1) => "indexer_logits_fp8h_n1",
         (KeyFormat::Fp8, _) => "indexer_logits_fp8h_n2",
         (KeyFormat::Mxfp4, 1) => "indexer_logits_mxfp4_n1",
@@ -350,12 +322,8 @@ pub struct TopkBuffers {
     pub max_n: usize,
     pub out_idx: CudaSlice<i32>,
     pub out_score: CudaSlice<f32>,
-    // v1 (chunk + merge) scratch.
-    cand_keys: CudaSlice<u32>,
-    cand_idx: CudaSlice<i32>,
-    cand_stride: usize,
-    // v2 (histogram -> select -> final) scratch. `hist` and `counters` are zero between calls (the final
-    // pass re-zeroes them); `v2_dirty` is set while a v2 call is being enqueued, so a call that failed
+    // Histogram -> select -> final scratch. `hist` and `counters` are zero between calls (the final
+    // pass re-zeroes them); `v2_dirty` is set while a call is being enqueued, so a call that failed
     // half-way is followed by an explicit zeroing.
     hist: CudaSlice<u32>,
     counters: CudaSlice<u32>,
@@ -373,8 +341,6 @@ impl TopkBuffers {
         );
         ensure!(rows > 0, "no rows");
         ensure!(max_n < i32::MAX as usize / 2, "max_n {max_n} too large");
-        let chunks = max_n.div_ceil(TOPK_CHUNK).max(1);
-        let cand_stride = if chunks > 1 { chunks * k } else { 1 };
         let bucket_stride = max_n.max(1);
         Ok(TopkBuffers {
             rows,
@@ -382,9 +348,6 @@ impl TopkBuffers {
             max_n,
             out_idx: gpu.poisoned::<i32>(rows * k, 0xFF)?,
             out_score: gpu.poisoned::<f32>(rows * k, 0xFF)?,
-            cand_keys: gpu.zeros::<u32>(rows * cand_stride)?,
-            cand_idx: gpu.zeros::<i32>(rows * cand_stride)?,
-            cand_stride,
             hist: gpu.zeros::<u32>(rows * TOPK2_BINS)?,
             counters: gpu.zeros::<u32>(rows * 2)?,
             above: gpu.zeros::<u64>(rows * k)?,
@@ -395,7 +358,7 @@ impl TopkBuffers {
     }
 }
 
-/// Checks shared by both top-k paths; returns the longest row.
+/// Argument checks of the top-k; returns the longest row.
 fn check_topk_args(
     scores: &CudaSlice<f32>,
     score_stride: usize,
@@ -432,9 +395,11 @@ fn check_topk_args(
     Ok(num_valid_host.iter().copied().max().unwrap_or(0) as usize)
 }
 
-/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): the v2 path
-/// (histogram of the top 12 key bits -> threshold select with many CTAs per row -> one exact pass per
-/// row). Three launches; see kernels/indexer.cu "Top-k v2".
+/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): histogram of
+/// the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row
+/// (`indexer_topk2_select`) -> one exact pass per row (`indexer_topk3_final`: rank-by-counting select in
+/// the threshold bucket and rank-by-counting sort of the outputs, with a radix select / bitonic sort
+/// fallback for buckets or k above 512). Three launches; see kernels/indexer.cu "Top-k v2" / "Top-k v3".
 pub fn topk(
     gpu: &Gpu,
     scores: &CudaSlice<f32>,
@@ -442,50 +407,6 @@ pub fn topk(
     num_valid: &CudaSlice<i32>,
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
-) -> Result<()> {
-    topk_hist_select_final(
-        gpu,
-        scores,
-        score_stride,
-        num_valid,
-        num_valid_host,
-        bufs,
-        "indexer_topk2_final",
-    )
-}
-
-/// Top-k v3 (bench variant "fused_v3"): v2's histogram and threshold select, then `indexer_topk3_final`
-/// (rank-by-counting select in the threshold bucket and rank-by-counting sort of the k outputs, with v2's
-/// radix select / bitonic sort as the fallback for buckets or k above 512). Same buffers, same answer.
-pub fn topk_v3(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    topk_hist_select_final(
-        gpu,
-        scores,
-        score_stride,
-        num_valid,
-        num_valid_host,
-        bufs,
-        "indexer_topk3_final",
-    )
-}
-
-/// v2's three launches with the exact per-row pass `final_entry` (indexer_topk2_final or
-/// indexer_topk3_final: same arguments, grid, block and dynamic shared memory).
-fn topk_hist_select_final(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-    final_entry: &str,
 ) -> Result<()> {
     let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
     let rows = bufs.rows;
@@ -515,7 +436,7 @@ fn topk_hist_select_final(
                 0,
             ))
         },
-        "indexer top-k v2 histogram",
+        "indexer top-k histogram",
     )?;
     let f = gpu.function(FAMILY, "indexer_topk2_select")?;
     let mut b = gpu.stream.launch_builder(&f);
@@ -536,10 +457,10 @@ fn topk_hist_select_final(
                 0,
             ))
         },
-        "indexer top-k v2 select",
+        "indexer top-k select",
     )?;
     let smem = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * TOPK2_FINAL_SMEM_CAP;
-    let f = gpu.function_with_smem(FAMILY, final_entry, smem)?;
+    let f = gpu.function_with_smem(FAMILY, "indexer_topk3_final", smem)?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(&stride)
         .arg(num_valid)
@@ -559,78 +480,9 @@ fn topk_hist_select_final(
                 smem as u32,
             ))
         },
-        "indexer top-k v2 final",
+        "indexer top-k final",
     )?;
     bufs.v2_dirty = false;
-    Ok(())
-}
-
-/// The previous top-k (bench variant "fused_v1"): one 1024-thread CTA per (row, 32K-entry chunk) radix
-/// select, then a merge CTA per row.
-pub fn topk_v1(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
-    let rows = bufs.rows;
-    let chunks = max_n.div_ceil(TOPK_CHUNK).max(1);
-    let chunk_cap = max_n.clamp(1, TOPK_CHUNK);
-    let (k, stride, cap_i, cstride) = (
-        bufs.k as i32,
-        score_stride as i32,
-        chunk_cap as i32,
-        bufs.cand_stride as i32,
-    );
-
-    let smem1 = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 4 * chunk_cap;
-    let f1 = gpu.function_with_smem(FAMILY, "indexer_topk_chunk", smem1)?;
-    let mut b = gpu.stream.launch_builder(&f1);
-    b.arg(scores)
-        .arg(&stride)
-        .arg(num_valid)
-        .arg(&k)
-        .arg(&cap_i);
-    b.arg(&mut bufs.cand_keys)
-        .arg(&mut bufs.cand_idx)
-        .arg(&cstride)
-        .arg(&mut bufs.out_idx)
-        .arg(&mut bufs.out_score);
-    drv(
-        unsafe {
-            b.launch(launch_cfg(
-                (chunks as u32, rows as u32, 1),
-                (TOPK_THREADS, 1, 1),
-                smem1 as u32,
-            ))
-        },
-        "indexer top-k stage 1",
-    )?;
-    if chunks > 1 {
-        let smem2 = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * MERGE_SMEM_CAP;
-        let f2 = gpu.function_with_smem(FAMILY, "indexer_topk_merge", smem2)?;
-        let mut b = gpu.stream.launch_builder(&f2);
-        b.arg(&stride)
-            .arg(num_valid)
-            .arg(&k)
-            .arg(&bufs.cand_keys)
-            .arg(&bufs.cand_idx)
-            .arg(&cstride);
-        b.arg(&mut bufs.out_idx).arg(&mut bufs.out_score);
-        drv(
-            unsafe {
-                b.launch(launch_cfg(
-                    (rows as u32, 1, 1),
-                    (TOPK_THREADS, 1, 1),
-                    smem2 as u32,
-                ))
-            },
-            "indexer top-k merge",
-        )?;
-    }
     Ok(())
 }
 
@@ -652,7 +504,7 @@ impl IndexerBuffers {
     }
 }
 
-/// Logits then top-k (v2: four launches in all).
+/// Logits then top-k (four launches in all).
 pub fn run(
     gpu: &Gpu,
     q: &QueryBatch,
@@ -661,42 +513,6 @@ pub fn run(
 ) -> Result<()> {
     logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
     topk(
-        gpu,
-        &bufs.scores,
-        bufs.score_stride,
-        &q.num_valid,
-        &q.num_valid_host,
-        &mut bufs.topk,
-    )
-}
-
-/// The v2 logits then the v3 top-k (bench variant "fused_v3").
-pub fn run_v3(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    bufs: &mut IndexerBuffers,
-) -> Result<()> {
-    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
-    topk_v3(
-        gpu,
-        &bufs.scores,
-        bufs.score_stride,
-        &q.num_valid,
-        &q.num_valid_host,
-        &mut bufs.topk,
-    )
-}
-
-/// The v1 logits then the v1 top-k (bench variant "fused_v1").
-pub fn run_v1(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    bufs: &mut IndexerBuffers,
-) -> Result<()> {
-    logits_v1(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
-    topk_v1(
         gpu,
         &bufs.scores,
         bufs.score_stride,
@@ -931,9 +747,8 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
-/// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold top-k v2), "fused_v1" (the same
-/// logits + the previous chunked radix-select top-k), "fused_v3" (the same logits + top-k v3: v2's passes 1-2
-/// and the rank-by-counting final pass) or "baseline" (the seeds' path).
+/// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
+/// pass) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -945,29 +760,15 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" | "fused_v1" | "fused_v3" => {
-            let v1 = variant == "fused_v1";
-            let v3 = variant == "fused_v3";
-            let logits_fn = if v1 { logits_v1 } else { logits };
-            let topk_fn = match (v1, v3) {
-                (true, _) => topk_v1,
-                (_, true) => topk_v3,
-                _ => topk,
-            };
-            let run_fn = match (v1, v3) {
-                (true, _) => run_v1,
-                (_, true) => run_v3,
-                _ => run,
-            };
-            let logits_s =
-                gpu.time_us(plan, || logits_fn(gpu, q, cache, &mut bufs.scores, stride))?;
+        "fused" => {
+            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
-                topk_fn(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
+                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
             })?;
-            let total = gpu.time_us(plan, || run_fn(gpu, q, cache, &mut bufs))?;
+            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
             Ok(IndexerSamples {
                 logits: logits_s,
                 topk: topk_s,
@@ -998,9 +799,7 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!(
-            "unknown indexer variant `{variant}` (expected fused, fused_v1, fused_v3 or baseline)"
-        ),
+        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
     }
 }
 
