@@ -37,17 +37,23 @@
 //   atomics) and apply the epilogue: plain BF16, L1 SwiGLU + routing weight + NVFP4 quant, or L2 per-token
 //   combine over the top-k experts in routing order.
 //
-// * Version 2 (default; v1 stays reachable as KernelGen::V1 / bench variant nvfp4_v1 for the A/B run):
-//   - mainloop moe_gemm_nvfp4_partial_v2_nt*: the activation tile of the NEXT 512-K step is copied raw with
-//     cp.async into shared memory while the current step computes, then converted smem -> smem. v1 loaded it from
-//     global memory between two barriers, a full memory latency per step with no math in flight.
-//   - finish kernels *_vec / *_cols: all split loads of a column issued together, columns spread over more CTAs
-//     (v1 L2 combine: one CTA per token, so 1-2 decode tokens ran on 1-2 SMs).
-//   Same products, same MMA order, same epilogue expressions: v2 results are bit-identical to v1 (GPU-tested).
-//   Measured before v2 (Nsight Compute, Flash L1, 1 token): partial 33 us at 37% DRAM throughput, 42% issue-slot
-//   use, 3.7 warps/scheduler (register-limited: 127 regs, 2 CTAs/SM), ~1050 warp-instructions per warp and
-//   512-K step (~3 per weight pair: 4 shift/logic + 1 HMUL2 + scale conversion), i.e. the dequant alone needs
-//   ~90% of issue at full HBM bandwidth. Finish L1: 21 us (latency chain over one row per CTA).
+// * Mainloop (moe_gemm_nvfp4_partial_v3_nt*, the only decode mainloop; prefill shapes go to the wgmma kernel of
+//   moe_gemm_prefill.cu): the activation tile of the NEXT 512-K step is copied raw with cp.async into shared
+//   memory while the current step computes, then converted smem -> smem; the weights wait in ONE register stage
+//   that is refilled chunk by chunk as the compute consumes it, so the 1- and 2-token-tile entries fit 80
+//   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
+// * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_vec / moe_gemm_finish_l2_combine_cols: all split loads of a
+//   column issued together, columns spread over many CTAs.
+//
+// History (removed generations; all three computed bit-identical partials, GPU-tested):
+//   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
+//   per row / per token, activations loaded between two barriers) and v2 (moe_gemm_nvfp4_partial_v2_nt*: cp.async
+//   activations, two register weight stages, 118-127 registers, 2 CTAs/SM for tiles <= 16). H200, Flash, v1 / v2 /
+//   v3 us: L1 1 token 53.3 / 43.7 / 40.5, L1 64 tokens 829 / 811 / 769, L2 1 token 126.3 / 32.5 / 29.3, L2 64
+//   tokens 515 / 433 / 391; Pro L1 1 token 109.7 / 91.4 / 81.6 (v2 and v3 with the current finish kernels).
+//   Nsight Compute before v2 (Flash L1, 1 token): partial 33 us at 37% DRAM throughput, 42% issue-slot use,
+//   3.7 warps/scheduler, ~1050 warp-instructions per warp and 512-K step (~3 per weight pair), i.e. the dequant
+//   alone needs ~90% of issue at full HBM bandwidth. Finish L1 v1: 21 us (latency chain over one row per CTA).
 //
 // Byte/cycle budget (decode, Flash L1: N = 2*2048, K = 4096): 4.72 MB of codes+scales per expert. At ~4.3 TB/s
 // an H200 streams ~8.6e12 weights/s; the dequant costs ~2.3 issue slots per weight (4 int + 1 HMUL2 per pair
@@ -171,41 +177,6 @@ struct Grouping {
     }
 };
 
-// Stage TN tokens x 512 K of A into shared memory as permuted, swizzled BF16 (zeros for missing tokens).
-template <int TN>
-__device__ __forceinline__ void stage_activations(uint4* s_act, const void* act, const uint8_t* act_scales,
-                                                  int act_is_nvfp4, int K, int row0, int ntok, int kbase) {
-    for (int q = threadIdx.x; q < TN * 64; q += kThreads) {
-        const int token = q >> 6, grp = q & 63;
-        const int c = grp >> 4, t = (grp >> 2) & 3, j = grp & 3;
-        uint4 out = make_uint4(0, 0, 0, 0);
-        if (token < ntok) {
-            const size_t row = (size_t)(row0 + token);
-            const int k = kbase + grp * 8;
-            if (!act_is_nvfp4) {
-                const uint4 r = *reinterpret_cast<const uint4*>(
-                    reinterpret_cast<const __nv_bfloat16*>(act) + row * (size_t)K + k);
-                out.x = __byte_perm(r.x, r.z, 0x5410);  // (x0, x4)
-                out.y = __byte_perm(r.x, r.z, 0x7632);  // (x1, x5)
-                out.z = __byte_perm(r.y, r.w, 0x5410);  // (x2, x6)
-                out.w = __byte_perm(r.y, r.w, 0x7632);  // (x3, x7)
-            } else {
-                const uint32_t codes =
-                    *reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(act) + row * (size_t)(K / 2) + k / 2);
-                const float s = mm::e4m3_decode(act_scales[row * (size_t)(K / 16) + k / 16]);
-                float x[8];
-#pragma unroll
-                for (int i = 0; i < 8; ++i) x[i] = e2m1_value(codes >> (4 * i)) * s;  // exact
-                out.x = pack_bf16x2(x[0], x[4]);
-                out.y = pack_bf16x2(x[1], x[5]);
-                out.z = pack_bf16x2(x[2], x[6]);
-                out.w = pack_bf16x2(x[3], x[7]);
-            }
-        }
-        s_act[token * 64 + c * 16 + t * 4 + (j ^ ((t & 2) | (token & 1)))] = out;
-    }
-}
-
 __device__ __forceinline__ void load_stage(WChunk (&w)[kChunksPerStage], const uint8_t* codes, const uint8_t* scales,
                                            size_t codes_8rows, size_t scales_8rows) {
 #pragma unroll
@@ -216,188 +187,15 @@ __device__ __forceinline__ void load_stage(WChunk (&w)[kChunksPerStage], const u
     }
 }
 
-template <int NT>
-__device__ __forceinline__ void compute_stage(float (&acc)[NT][4], const WChunk (&w)[kChunksPerStage],
-                                              const uint4* s_act, int g, int t) {
-#pragma unroll
-    for (int c = 0; c < kChunksPerStage; ++c) {
-        const uint32_t s_lo0 = scale_bf16x2(w[c].scales & 0xFF), s_lo1 = scale_bf16x2((w[c].scales >> 8) & 0xFF);
-        const uint32_t s_hi0 = scale_bf16x2((w[c].scales >> 16) & 0xFF), s_hi1 = scale_bf16x2(w[c].scales >> 24);
-        const uint32_t lo[4] = {w[c].row_lo.x, w[c].row_lo.y, w[c].row_lo.z, w[c].row_lo.w};
-        const uint32_t hi[4] = {w[c].row_hi.x, w[c].row_hi.y, w[c].row_hi.z, w[c].row_hi.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const uint32_t sl = j < 2 ? s_lo0 : s_lo1, sh = j < 2 ? s_hi0 : s_hi1;
-            uint32_t pl[4], ph[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                pl[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(lo[j], i), sl);
-                ph[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(hi[j], i), sh);
-            }
-            const int unit = c * 16 + t * 4 + (j ^ ((t & 2) | (g & 1)));
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const uint4 b = s_act[(nt * 8 + g) * 64 + unit];
-                mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
-                mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
-            }
-        }
-    }
-}
-
-template <int NT>
-__device__ __forceinline__ void moe_gemm_body(const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales,
-                                              int N, int K, const void* __restrict__ act,
-                                              const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
-                                              Grouping grp, float* __restrict__ partial, int splits) {
-    constexpr int TN = NT * 8;
-    extern __shared__ uint4 s_act[];  // TN * 64 units of 16 B
-    __shared__ int s_tile_prefix[kMaxExperts + 1];
-    __shared__ int s_warp_sum[kWarps];
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int E = grp.experts;
-
-    // Exclusive prefix of token tiles per expert (each thread owns experts 2*tid, 2*tid+1).
-    int tiles0 = 0, tiles1 = 0;
-    {
-        int s, c;
-        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
-        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
-    }
-    int incl = tiles0 + tiles1;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
-    if (lane == 31) s_warp_sum[warp] = incl;
-    __syncthreads();
-    int warp_base = 0;
-    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
-    const int excl = warp_base + incl - tiles0 - tiles1;
-    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
-    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
-    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;  // total (covers E == kMaxExperts)
-    __syncthreads();
-
-    const int n_tiles = N / kBlockN;
-    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
-    const int k_split = K / splits;
-    const int stages = k_split / kStageK;
-    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
-
-    // Where work item `item` lives: its token rows, K range, and this lane's weight pointers.
-    struct ItemPos {
-        int row0, ntok, split, n;
-        const uint8_t* codes;
-        const uint8_t* scales;
-    };
-    auto locate = [&](long long item) {
-        ItemPos p;
-        p.split = (int)(item % splits);
-        const long long rest = item / splits;
-        const int n_tile = (int)(rest % n_tiles);
-        const int et = (int)(rest / n_tiles);
-        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et: the expert owning token tile et
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
-        }
-        int start, count;
-        grp.expert_rows(lo, start, count);
-        const int tile = et - s_tile_prefix[lo];
-        p.row0 = start + tile * TN;
-        p.ntok = min(TN, count - tile * TN);
-        const int kbase = p.split * k_split;
-        p.n = n_tile * kBlockN + warp * 16 + g;
-        const size_t wrow = (size_t)lo * N + p.n;
-        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
-        p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
-        return p;
-    };
-
-    // One flat sequence of (item, stage) steps, so that the weights of the next step -- the next stage of this
-    // item or the first stage of the next item -- are always in flight while this step computes. The register
-    // double buffer alternates with the step parity (both branches keep the buffer index static).
-    long long item = blockIdx.x;
-    if (item >= items) return;
-    ItemPos cur = locate(item);
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    WChunk wbuf[2][kChunksPerStage];
-    load_stage(wbuf[0], cur.codes, cur.scales, 8 * codes_row, 8 * scales_row);
-    int st = 0;
-    for (unsigned step = 0;; ++step) {
-        // Next step's coordinates.
-        const bool last_stage = st + 1 == stages;
-        const long long next_item = last_stage ? item + gridDim.x : item;
-        const bool has_next = next_item < items;
-        ItemPos nxt = cur;
-        if (last_stage && has_next) nxt = locate(next_item);
-        const int next_st = last_stage ? 0 : st + 1;
-        if (has_next) {
-            const uint8_t* c = nxt.codes + next_st * (kStageK / 2);
-            const uint8_t* sc = nxt.scales + next_st * (kStageK / 16);
-            if ((step & 1) == 0) load_stage(wbuf[1], c, sc, 8 * codes_row, 8 * scales_row);
-            else load_stage(wbuf[0], c, sc, 8 * codes_row, 8 * scales_row);
-        }
-        __syncthreads();  // the previous step's reads of s_act are done
-        stage_activations<TN>(s_act, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok,
-                              cur.split * k_split + st * kStageK);
-        __syncthreads();
-        if ((step & 1) == 0) compute_stage<NT>(acc, wbuf[0], s_act, g, t);
-        else compute_stage<NT>(acc, wbuf[1], s_act, g, t);
-
-        if (last_stage) {
-            // acc holds sum * 2^-9 (see the dequant identity); * 512 is exact in fp32.
-            float* out = partial + (size_t)cur.split * grp.rows_total * N;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int tk = nt * 8 + 2 * t;
-                if (tk < cur.ntok) {
-                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
-                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
-                }
-                if (tk + 1 < cur.ntok) {
-                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
-                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
-                }
-                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-            }
-            if (!has_next) break;
-        }
-        item = next_item;
-        cur = nxt;
-        st = next_st;
-    }
-}
 
 }  // namespace
 
-#define MOE_GEMM_ENTRY(NT, MINB)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_nt##NT(                    \
-        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
-        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
-        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
-        Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);           \
-    }
-
-MOE_GEMM_ENTRY(1, 2)
-MOE_GEMM_ENTRY(2, 2)
-MOE_GEMM_ENTRY(4, 1)
-MOE_GEMM_ENTRY(8, 1)
-
-// ---- Mainloop, version 2: activations through cp.async ------------------------------------------------------
-// v1 loads each step's activation tile from global memory *between* two barriers, so every 512-K step pays a full
-// memory latency with no math in flight (Nsight Compute, 1 token: 42% issue-slot use, 37% DRAM throughput). v2
-// copies the raw activation tile of the NEXT step into a shared "raw" buffer with cp.async (no registers held)
-// right before computing the current step, so that copy overlaps the math like the weight prefetch does. At the
-// start of a step the raw tile is converted smem -> smem into the same permuted, swizzled BF16 layout as v1
-// (same values, same MMA order: results are bit-identical to v1).
+// ---- Activations through cp.async ----------------------------------------------------------------------------
+// Loading each step's activation tile from global memory between two barriers (v1, removed) paid a full memory
+// latency per 512-K step with no math in flight. Instead the raw activation tile of the NEXT step is copied into a
+// shared "raw" buffer with cp.async (no registers held) right before the current step computes, so that copy
+// overlaps the math like the weight prefetch does. At the start of a step the raw tile is converted smem -> smem
+// into the permuted, swizzled BF16 layout described in the header.
 // Raw layout per step: BF16 A: [TN][512] bf16 (1 KB per token). NVFP4 A: codes [TN][256 B], then scales
 // [TN][32 B] at byte TN * 256. The buffer is sized for BF16 (TN * 1 KB); tokens >= ntok are not copied (their
 // BF16 is written as zero by the conversion). Alignment: K % 512 == 0 and kbase % 512 == 0 make every source
@@ -440,7 +238,7 @@ __device__ __forceinline__ void copy_raw_activations(uint8_t* raw, const void* a
     cp_async_commit();
 }
 
-// Raw tile -> permuted, swizzled BF16 in s_act: the same values and layout as stage_activations (v1).
+// Raw tile -> permuted, swizzled BF16 in s_act: the permuted, swizzled layout of the header (zeros for tokens >= ntok).
 template <int TN>
 __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint8_t* raw, int act_is_nvfp4, int ntok) {
     for (int q = threadIdx.x; q < TN * 64; q += kThreads) {
@@ -470,157 +268,13 @@ __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint
     }
 }
 
-template <int NT>
-__device__ __forceinline__ void moe_gemm_body_v2(const uint8_t* __restrict__ w_codes,
-                                                 const uint8_t* __restrict__ w_scales, int N, int K,
-                                                 const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
-                                                 int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
-                                                 int splits) {
-    constexpr int TN = NT * 8;
-    extern __shared__ uint4 s_dyn[];  // s_act: TN * 64 units of 16 B, then the raw tile: TN * 1024 B
-    uint4* s_act = s_dyn;
-    uint8_t* s_raw = reinterpret_cast<uint8_t*>(s_dyn + TN * 64);
-    __shared__ int s_tile_prefix[kMaxExperts + 1];
-    __shared__ int s_warp_sum[kWarps];
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int E = grp.experts;
-
-    // Exclusive prefix of token tiles per expert (as v1).
-    int tiles0 = 0, tiles1 = 0;
-    {
-        int s, c;
-        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
-        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
-    }
-    int incl = tiles0 + tiles1;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
-    if (lane == 31) s_warp_sum[warp] = incl;
-    __syncthreads();
-    int warp_base = 0;
-    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
-    const int excl = warp_base + incl - tiles0 - tiles1;
-    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
-    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
-    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
-    __syncthreads();
-
-    const int n_tiles = N / kBlockN;
-    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
-    const int k_split = K / splits;
-    const int stages = k_split / kStageK;
-    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
-
-    struct ItemPos {
-        int row0, ntok, split, n;
-        const uint8_t* codes;
-        const uint8_t* scales;
-    };
-    auto locate = [&](long long item) {
-        ItemPos p;
-        p.split = (int)(item % splits);
-        const long long rest = item / splits;
-        const int n_tile = (int)(rest % n_tiles);
-        const int et = (int)(rest / n_tiles);
-        int lo = 0, hi = E - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
-        }
-        int start, count;
-        grp.expert_rows(lo, start, count);
-        const int tile = et - s_tile_prefix[lo];
-        p.row0 = start + tile * TN;
-        p.ntok = min(TN, count - tile * TN);
-        const int kbase = p.split * k_split;
-        p.n = n_tile * kBlockN + warp * 16 + g;
-        const size_t wrow = (size_t)lo * N + p.n;
-        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
-        p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
-        return p;
-    };
-
-    long long item = blockIdx.x;
-    if (item >= items) return;
-    ItemPos cur = locate(item);
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    WChunk wbuf[2][kChunksPerStage];
-    copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
-    load_stage(wbuf[0], cur.codes, cur.scales, 8 * codes_row, 8 * scales_row);
-    int st = 0;
-    for (unsigned step = 0;; ++step) {
-        const bool last_stage = st + 1 == stages;
-        const long long next_item = last_stage ? item + gridDim.x : item;
-        const bool has_next = next_item < items;
-        ItemPos nxt = cur;
-        if (last_stage && has_next) nxt = locate(next_item);
-        const int next_st = last_stage ? 0 : st + 1;
-        if (has_next) {
-            const uint8_t* c = nxt.codes + next_st * (kStageK / 2);
-            const uint8_t* sc = nxt.scales + next_st * (kStageK / 16);
-            if ((step & 1) == 0) load_stage(wbuf[1], c, sc, 8 * codes_row, 8 * scales_row);
-            else load_stage(wbuf[0], c, sc, 8 * codes_row, 8 * scales_row);
-        }
-        cp_async_wait_all();  // this thread's copies of this step's raw tile have landed
-        __syncthreads();      // ... everyone's; and the previous step's reads of s_act are done
-        convert_raw_activations<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
-        __syncthreads();      // s_act complete; s_raw free
-        if (has_next)         // the next step's raw tile streams in while this step computes
-            copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
-                                     nxt.split * k_split + next_st * kStageK);
-        if ((step & 1) == 0) compute_stage<NT>(acc, wbuf[0], s_act, g, t);
-        else compute_stage<NT>(acc, wbuf[1], s_act, g, t);
-
-        if (last_stage) {
-            float* out = partial + (size_t)cur.split * grp.rows_total * N;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int tk = nt * 8 + 2 * t;
-                if (tk < cur.ntok) {
-                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
-                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
-                }
-                if (tk + 1 < cur.ntok) {
-                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
-                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
-                }
-                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-            }
-            if (!has_next) break;
-        }
-        item = next_item;
-        cur = nxt;
-        st = next_st;
-    }
-}
 
 }  // namespace
 
-#define MOE_GEMM_ENTRY_V2(NT, MINB)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v2_nt##NT(                 \
-        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
-        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
-        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
-        Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v2<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);        \
-    }
-
-MOE_GEMM_ENTRY_V2(1, 2)
-MOE_GEMM_ENTRY_V2(2, 2)
-MOE_GEMM_ENTRY_V2(4, 1)
-MOE_GEMM_ENTRY_V2(8, 1)
-
 // ---------------------------------------------------------------------------------------------------- v3 mainloop
-// Generation v3 (A/B against v2; v2 stays the default). Same items, same per-thread products, same mma order as v2,
-// so the partials are bit-identical to v2's. What changes is where the next stage's weights wait: v2 keeps two
-// register stages (wbuf[2][4], 72 registers) and issues the whole next stage at the top of a step; v3 keeps ONE
+// Generation v3 (the decode mainloop; v1 and v2 were removed after the H200 A/B, numbers in the header). Same items,
+// products and mma order as v2 (bit-identical partials). What changed is where the next stage's weights wait: v2
+// kept two register stages (wbuf[2][4], 72 registers) and issued the whole next stage at the top of a step; v3 keeps ONE
 // register stage and, inside the compute, re-issues chunk c's load for the next stage as soon as chunk c has been
 // dequantized (its registers are dead then). The next stage still has a full step of latency to land, but the
 // buffer costs 36 registers instead of 72, which lets the 1- and 2-token-tile entries run 3 CTAs (24 warps) per
@@ -671,7 +325,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
                                                  int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
                                                  int splits) {
     constexpr int TN = NT * 8;
-    extern __shared__ uint4 s_dyn[];  // as v2: s_act (TN * 64 units of 16 B), then the raw tile (TN * 1024 B)
+    extern __shared__ uint4 s_dyn[];  // s_act (TN * 64 units of 16 B), then the raw tile (TN * 1024 B)
     uint4* s_act = s_dyn;
     uint8_t* s_raw = reinterpret_cast<uint8_t*>(s_dyn + TN * 64);
     __shared__ int s_tile_prefix[kMaxExperts + 1];
@@ -681,7 +335,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
     const int g = lane >> 2, t = lane & 3;
     const int E = grp.experts;
 
-    // Exclusive prefix of token tiles per expert (as v1/v2).
+    // Exclusive prefix of token tiles per expert (the work-item order).
     int tiles0 = 0, tiles1 = 0;
     {
         int s, c;
@@ -840,86 +494,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_bf16(
     }
 }
 
-// L1 epilogue. The weight matrix is W13 = [w1; w3] stacked along N (N = 2I): gate = column n, up = column I + n.
-//   g = min(acc_g * (gsa*gsb_g), 10), u = clamp(acc_u * (gsa*gsb_u), -10, 10), h = silu(g) * u * routing[row]
-// then h is quantized to NVFP4 with a per-row global scale (rule of common/formats.cuh), which needs the row
-// amax over all I: one CTA per row keeps the fp32 h in shared memory (I * 4 bytes), reduces the amax, then
-// quantizes. `h_out` (nullable) receives the fp32 h for tests. Rows owned by no expert get h = 0, codes 0,
-// scales 0, gs = 1 (the quantizer's value for an all-zero row). grid = rows_total, block = 256, smem = I*4.
-extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l1_swiglu_nvfp4(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
-    extern __shared__ float s_h[];
-    __shared__ float s_red[kWarps];
-    Grouping grp{group, capacity, experts, rows_total};
-    const int row = blockIdx.x;
-    const int N = 2 * I;
-    const int e = grp.expert_of_row(row);
-    const float sa = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
-    const float rw = e >= 0 ? routing[row] : 0.f;
-    float amax = 0.f;
-    for (int n = threadIdx.x; n < I; n += blockDim.x) {
-        float h = 0.f;
-        if (e >= 0) {
-            float gte = reduce_splits(partial, splits, rows_total, N, row, n) * (sa * gsb[(size_t)e * N + n]);
-            float up = reduce_splits(partial, splits, rows_total, N, row, I + n) * (sa * gsb[(size_t)e * N + I + n]);
-            gte = fminf(gte, 10.f);
-            up = fminf(fmaxf(up, -10.f), 10.f);
-            const float silu = __fdiv_rn(gte, 1.f + expf(-gte));
-            h = __fmul_rn(__fmul_rn(silu, up), rw);
-        }
-        s_h[n] = h;
-        if (h_out != nullptr) h_out[(size_t)row * I + n] = h;
-        amax = fmaxf(amax, fabsf(h));
-    }
-    amax = block_max(amax, s_red);  // also a barrier: s_h is complete
-    const float gs = mm::nvfp4_global_scale(amax);
-    if (threadIdx.x == 0) h_gs[row] = gs;
-    const int blocks = I / 16;
-    for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
-        float bmax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) bmax = fmaxf(bmax, fabsf(s_h[b * 16 + i]));
-        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
-        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
-        h_scales[(size_t)row * blocks + b] = sc;
-        uint32_t packed[2] = {0, 0};
-#pragma unroll
-        for (int i = 0; i < 16; ++i) packed[i >> 3] |= (uint32_t)mm::nvfp4_element(s_h[b * 16 + i], scale) << (4 * (i & 7));
-        uint2 v = make_uint2(packed[0], packed[1]);
-        *reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2) + b * 8) = v;
-    }
-}
-
-// L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
-// fp32 sum taken in routing order j = 0, 1, ... (deterministic). The routing weight was applied in L1 (DSV4 applies
-// it to h before w2). grid = tokens, block = 256.
-extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combine(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    __nv_bfloat16* __restrict__ out) {
-    Grouping grp{group, capacity, experts, rows_total};
-    const int tok = blockIdx.x;
-    for (int n = threadIdx.x; n < N; n += blockDim.x) {
-        float y = 0.f;
-        for (int j = 0; j < topk; ++j) {
-            const int row = token_rows[(size_t)tok * topk + j];
-            const int e = grp.expert_of_row(row);
-            if (e < 0) continue;
-            const float sa = gsa != nullptr ? gsa[row] : 1.f;
-            y += reduce_splits(partial, splits, rows_total, N, row, n) * (sa * gsb[(size_t)e * N + n]);
-        }
-        out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
-    }
-}
-
-// ---- Finish kernels, version 2 (column-parallel) -------------------------------------------------------------
-// Same arithmetic, in the same order, as moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine above (so the
-// outputs are bit-identical to theirs); only the work distribution changes. The v1 kernels give the L2 combine one
-// CTA per token: at 1-2 decode tokens that is 1-2 CTAs walking 4096 columns x 6 rows x splits with a dependent
-// chain of global loads per column (~120 us measured). Here the split loads of all rows are independent and
-// issued together, and the columns are spread over many CTAs.
+// ---- Finish kernels (column-parallel) ---------------------------------------------------------------------------
+// The removed v1 finish kernels had the same arithmetic in the same order (bit-identical outputs) but gave the L2
+// combine one CTA per token: at 1-2 decode tokens that was 1-2 CTAs walking 4096 columns x 6 rows x splits with a
+// dependent chain of global loads per column (~120 us measured). Here the split loads of all rows are independent
+// and issued together, and the columns are spread over many CTAs.
 
 // Split sums of 4 consecutive gate columns [n, n+4) and the matching up columns [I+n, I+n+4) (float4 loads;
 // N % 4 == 0, n % 4 == 0). The loads of up to 4 splits x 2 column groups are predicated in one basic block so they
@@ -949,7 +528,12 @@ __device__ __forceinline__ void reduce_splits4_gate_up(const float* partial, int
     }
 }
 
-// L1 epilogue, v2: as moe_gemm_finish_l1_swiglu_nvfp4 (one CTA per row, smem = I * 4), but block = 512 and each
+// L1 epilogue. The weight matrix is W13 = [w1; w3] stacked along N (N = 2I): gate = column n, up = column I + n.
+//   g = min(acc_g * (gsa*gsb_g), 10), u = clamp(acc_u * (gsa*gsb_u), -10, 10), h = silu(g) * u * routing[row]
+// then h is quantized to NVFP4 with a per-row global scale (rule of common/formats.cuh), which needs the row
+// amax over all I: one CTA per row keeps the fp32 h in shared memory (I * 4 bytes), reduces the amax, then
+// quantizes. `h_out` (nullable) receives the fp32 h for tests. Rows owned by no expert get h = 0, codes 0,
+// scales 0, gs = 1 (the quantizer's value for an all-zero row). grid = rows_total, block = 512, smem = I * 4; each
 // thread owns 4 consecutive columns per pass (float4 loads of the splits and gsb: I / 2048 passes, i.e. one memory
 // round trip at I = 2048, instead of I / 256). Requires I % 16 == 0 (so I % 4 == 0 and every float4 is 16-byte aligned).
 extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_vec(
@@ -1008,12 +592,13 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
     }
 }
 
-// L2 epilogue, v2: as moe_gemm_finish_l2_combine, grid = (tokens, ceil(N / 256)), block = 256, one column per
-// thread. The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
+// L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
+// fp32 sum taken in routing order j = 0, 1, ... (deterministic). The routing weight was applied in L1 (DSV4 applies
+// it to h before w2). grid = (tokens, ceil(N / 256)), block = 256, one column per thread. The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
 // kFinishMaxTopk, launcher check). The loads of up to 8 rows x 4 splits are predicated and independent, so they are
 // in flight together (one memory round trip instead of topk x splits dependent ones). Order: per row j the splits
-// in split order starting from 0 (as reduce_splits), then y over j = 0, 1, ... (routing order) with the v1
-// expression: bit-identical to v1.
+// in split order starting from 0 (as reduce_splits), then y over j = 0, 1, ... (routing order) (the order of
+// the CPU reference).
 constexpr int kFinishMaxTopk = 32;
 extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combine_cols(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,

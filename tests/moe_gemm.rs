@@ -17,8 +17,7 @@ use megamoe::ops::moe_gemm::reference::{
     quantize_rows_nvfp4, swiglu_l1_f64, Activations, ExpertWeights, Grouping, Nvfp4Rows,
 };
 use megamoe::ops::moe_gemm::{
-    self as mg, prefill, DeviceExpertWeights, DeviceGrouping, GemmConfig, KernelGen, L1Output,
-    RoutedBatch, Workspace,
+    self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output, RoutedBatch, Workspace,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -266,24 +265,6 @@ fn config_heuristic_splits_k_only_when_the_grid_would_be_underfilled() {
 
 // ------------------------------------------------------------------------------------------------- GPU checks
 
-/// v1 and v2 kernels compute the same products in the same fp32 order: their outputs must agree bit for bit.
-fn assert_same_bits<T: Copy + PartialEq + std::fmt::Debug>(label: &str, v2: &[T], v1: &[T]) {
-    assert_eq!(v2.len(), v1.len(), "{label}: lengths differ");
-    if let Some(i) = (0..v2.len()).find(|&i| v2[i] != v1[i]) {
-        let differing = (0..v2.len()).filter(|&i| v2[i] != v1[i]).count();
-        panic!(
-            "{label}: generations differ at index {i}: first {:?} second {:?} ({differing} of {} elements differ)",
-            v2[i],
-            v1[i],
-            v2.len()
-        );
-    }
-}
-
-fn f32_bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 /// Sum the workspace splits in the finish kernels' order (fixed, fp32).
 fn gpu_accumulator(gpu: &Gpu, ws: &Workspace) -> Vec<f64> {
     let p = gpu.download(&ws.partial).unwrap();
@@ -362,43 +343,39 @@ fn check_plain(
             "{label} [{} A, {cfg:?}, rows {rows}]",
             if nvfp4 { "NVFP4" } else { "BF16" }
         );
-        // The v1 mma.sync mainloop (kept for the A/B bench) against the v2 one on the same inputs:
-        // bit-identical partials, unwritten (unowned) rows keep the 0xFF fill in both. Both are forced here:
-        // `grouped_gemm_bf16` above routes large contiguous groupings to the wgmma prefill kernel, whose
-        // summation order differs (it is checked against the reference below and in moe_gemm_prefill.rs).
-        let mut ws_v2 = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
-        gpu.fill_bytes(&mut ws_v2.partial, 0xFF).unwrap();
-        mg::launch_partial_gen(KernelGen::V2, gpu, dw, &da.view(), &dg, &cfg, &mut ws_v2).unwrap();
-        let mut ws1 = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
-        gpu.fill_bytes(&mut ws1.partial, 0xFF).unwrap();
-        mg::launch_partial_gen(KernelGen::V1, gpu, dw, &da.view(), &dg, &cfg, &mut ws1).unwrap();
+        // The mma.sync mainloop forced on the same inputs: `grouped_gemm_bf16` above routes large contiguous
+        // groupings to the wgmma prefill kernel (checked against the reference below and in moe_gemm_prefill.rs),
+        // so this keeps the mma.sync kernel checked at every grouping and config, including the few-CTA grids
+        // where each persistent CTA walks many items (prefetch across items).
+        let mut ws_mma = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws_mma.partial, 0xFF).unwrap();
+        mg::launch_partial_mma(gpu, dw, &da.view(), &dg, &cfg, &mut ws_mma).unwrap();
         gpu.synchronize().unwrap();
-        assert_same_bits(
-            &format!("{label} partials"),
-            &f32_bits(&gpu.download(&ws_v2.partial).unwrap()),
-            &f32_bits(&gpu.download(&ws1.partial).unwrap()),
-        );
-        // v3 (rolling one-stage weight buffer, 3 CTAs per SM for tiles <= 16 tokens, so a larger persistent grid
-        // here) against v2: the same items, products and mma order, so bit-identical partials again.
-        let cfg_v3 = GemmConfig {
-            ctas: if cfg.token_tile <= 16 {
-                cfg.ctas / 2 * mg::V3_CTAS_PER_SM as u32
-            } else {
-                cfg.ctas
-            }
-            .max(1),
-            ..cfg
-        };
-        let mut ws3 = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
-        gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
-        mg::launch_partial_gen(KernelGen::V3, gpu, dw, &da.view(), &dg, &cfg_v3, &mut ws3).unwrap();
-        gpu.synchronize().unwrap();
-        assert_same_bits(
-            &format!("{label} partials v3 ({cfg_v3:?}) vs v2"),
-            &f32_bits(&gpu.download(&ws_v2.partial).unwrap()),
-            &f32_bits(&gpu.download(&ws3.partial).unwrap()),
-        );
         let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+        check_accumulator(
+            &format!("{label} mma.sync mainloop"),
+            &gpu_accumulator(gpu, &ws_mma),
+            &exact,
+            &abs,
+            w.k,
+            cfg.splits,
+            &owned,
+            w.n,
+        );
+        // Rows owned by no expert are never written by the mainloop (stores are guarded by the tile's token
+        // count), so they keep the 0xFF fill in every split.
+        let partial_mma = gpu.download(&ws_mma.partial).unwrap();
+        if let Some(i) = (0..partial_mma.len())
+            .find(|&i| !owned((i / w.n) % rows) && partial_mma[i].to_bits() != u32::MAX)
+        {
+            panic!(
+                "{label}: mma.sync mainloop wrote unowned row {} (split {}, col {}): {}",
+                (i / w.n) % rows,
+                i / (rows * w.n),
+                i % w.n,
+                partial_mma[i]
+            );
+        }
         let got = gpu_accumulator(gpu, &ws);
         check_accumulator(&label, &got, &exact, &abs, w.k, cfg.splits, &owned, w.n);
         let out = gpu.download(&out).unwrap();
@@ -451,15 +428,18 @@ fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
     let (tokens, choices) = choices_for(&counts);
     for cap in [Some(256), None] {
         let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
-        let full = 2 * gpu.info.sm_count as u32;
-        // The last two: a few persistent CTAs walk many work items each, so the prefetch of the next item's
-        // weights and activation tile (v2: cp.async across items) is exercised.
+        let sms = gpu.info.sm_count as u32;
+        let small_tile_grid = sms * mg::MAINLOOP_CTAS_PER_SM_SMALL_TILE as u32;
+        // Tiles <= 16 on the default 3-CTAs-per-SM grid, larger tiles on 2 x SMs (more CTAs than fit: they run
+        // in waves). The last three: a few persistent CTAs walk many work items each, so the prefetch of the next
+        // item's weights and activation tile (cp.async across items) is exercised.
         let cfgs: Vec<GemmConfig> = [
-            (8, 1, full),
-            (16, 2, full),
-            (32, 1, full),
-            (64, 2, full),
+            (8, 1, small_tile_grid),
+            (16, 2, small_tile_grid),
+            (32, 1, 2 * sms),
+            (64, 2, 2 * sms),
             (8, 2, 7),
+            (8, 2, 9),
             (32, 1, 3),
         ]
         .iter()
@@ -581,96 +561,6 @@ fn check_l1_l2(
     let d = apply_global_scales(&exact, &w13, &a, &rb.grouping);
     let h_ref = swiglu_l1_f64(&d, inter, &routing, &rb.grouping);
     let h_gpu = gpu.download(l1.h_f32.as_ref().unwrap()).unwrap();
-    // v3 mainloop (bench variant nvfp4_v3, 3 CTAs per SM for tiles <= 16 tokens) at this full-size shape:
-    // bit-identical partials to the routed default (v2 or, for large contiguous groupings, wgmma: skipped).
-    if !prefill::routes_here(&d13, &dg, &cfg1) {
-        let cfg_v3 = GemmConfig {
-            ctas: if cfg1.token_tile <= 16 {
-                cfg1.ctas / 2 * mg::V3_CTAS_PER_SM as u32
-            } else {
-                cfg1.ctas
-            }
-            .max(1),
-            ..cfg1
-        };
-        let mut ws1_v3 = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
-        gpu.fill_bytes(&mut ws1_v3.partial, 0xFF).unwrap();
-        mg::launch_partial_gen(
-            KernelGen::V3,
-            gpu,
-            &d13,
-            &da.view(),
-            &dg,
-            &cfg_v3,
-            &mut ws1_v3,
-        )
-        .unwrap();
-        gpu.synchronize().unwrap();
-        let owned_only = |p: &[f32]| -> Vec<u32> {
-            let n = 2 * inter;
-            (0..rows * n)
-                .map(|i| if owned(i / n) { p[i].to_bits() } else { 0 })
-                .collect()
-        };
-        assert_same_bits(
-            &format!("{label} L1 partials v2 vs v3 ({cfg_v3:?})"),
-            &owned_only(&gpu.download(&ws1.partial).unwrap()),
-            &owned_only(&gpu.download(&ws1_v3.partial).unwrap()),
-        );
-    }
-    // v1 kernels (A/B bench variant) on the same inputs: bit-identical partials and L1 outputs.
-    {
-        let mut ws1_v1 = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
-        mg::launch_partial_gen(
-            KernelGen::V1,
-            gpu,
-            &d13,
-            &da.view(),
-            &dg,
-            &cfg1,
-            &mut ws1_v1,
-        )
-        .unwrap();
-        let mut l1_v1 = L1Output::new(gpu, rows, inter, true).unwrap();
-        mg::launch_finish_l1_gen(
-            KernelGen::V1,
-            gpu,
-            &ws1,
-            &dg,
-            &d13,
-            &da.view(),
-            &droute,
-            &mut l1_v1,
-        )
-        .unwrap();
-        gpu.synchronize().unwrap();
-        let lab = format!("{label} L1 v2 vs v1");
-        assert_same_bits(
-            &format!("{lab} partials"),
-            &f32_bits(&gpu.download(&ws1.partial).unwrap()),
-            &f32_bits(&gpu.download(&ws1_v1.partial).unwrap()),
-        );
-        assert_same_bits(
-            &format!("{lab} h"),
-            &f32_bits(&h_gpu),
-            &f32_bits(&gpu.download(l1_v1.h_f32.as_ref().unwrap()).unwrap()),
-        );
-        assert_same_bits(
-            &format!("{lab} h codes"),
-            &gpu.download(&l1.codes).unwrap(),
-            &gpu.download(&l1_v1.codes).unwrap(),
-        );
-        assert_same_bits(
-            &format!("{lab} h scales"),
-            &gpu.download(&l1.scales).unwrap(),
-            &gpu.download(&l1_v1.scales).unwrap(),
-        );
-        assert_same_bits(
-            &format!("{lab} h global scales"),
-            &f32_bits(&gpu.download(&l1.global).unwrap()),
-            &f32_bits(&gpu.download(&l1_v1.global).unwrap()),
-        );
-    }
     let per_elem = (hidden + cfg1.splits + 16) as f64 * 2.0 * U;
     for r in 0..rows {
         let Some(e) = rb.grouping.expert_of_row(r) else {
@@ -751,46 +641,6 @@ fn check_l1_l2(
     )
     .unwrap();
     gpu.synchronize().unwrap();
-    // v1 L2 kernels on the same inputs: bit-identical partials and combined output.
-    {
-        let mut ws2_v1 = Workspace::new(gpu, cfg2.splits, rows, hidden).unwrap();
-        mg::launch_partial_gen(
-            KernelGen::V1,
-            gpu,
-            &d2,
-            &l1.as_activations(),
-            &dg,
-            &cfg2,
-            &mut ws2_v1,
-        )
-        .unwrap();
-        let mut y_v1 = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
-        mg::launch_finish_l2_gen(
-            KernelGen::V1,
-            gpu,
-            &ws2,
-            &dg,
-            &d2,
-            &l1.as_activations(),
-            &dtr,
-            topk,
-            &mut y_v1,
-        )
-        .unwrap();
-        gpu.synchronize().unwrap();
-        let lab = format!("{label} L2 v2 vs v1");
-        assert_same_bits(
-            &format!("{lab} partials"),
-            &f32_bits(&gpu.download(&ws2.partial).unwrap()),
-            &f32_bits(&gpu.download(&ws2_v1.partial).unwrap()),
-        );
-        let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
-        assert_same_bits(
-            &format!("{lab} output"),
-            &bits(gpu.download(&y).unwrap()),
-            &bits(gpu.download(&y_v1).unwrap()),
-        );
-    }
     let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
     let got2 = gpu_accumulator(gpu, &ws2);
     check_accumulator(

@@ -5,13 +5,11 @@
 //! Variants, raced on the same routing in the same run:
 //! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above; contiguous points
 //!   with >= 64 rows per expert on average use the wgmma prefill mainloop, 128 x 256 tile when N % 256 == 0, see
-//!   `prefill.rs`), generation v2.
-//! * `nvfp4_v1`: the first generation at every point (mma.sync mainloop v1 everywhere, v1 finish kernels), so
-//!   one run measures what this session's changes bought (A/B until the loser is deleted).
-//! * `nvfp4_v3`: `nvfp4` with the v3 mma.sync mainloop (one rolling weight register stage, 3 CTAs per SM for
-//!   token tiles <= 16, bit-identical partials to v2) wherever `nvfp4` runs v2; same finish kernels.
+//!   `prefill.rs`; the other points run the v3 mma.sync mainloop, 3 CTAs per SM for token tiles <= 16).
+//!   The A/B variants `nvfp4_v1` / `nvfp4_v3` were removed: v3 (now `nvfp4`) beat v1 and v2 (the old `nvfp4`)
+//!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
-//!   128 x 256 CTA tile, v2 finish, so one run races the tile widths at every prefill token count.
+//!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -36,8 +34,6 @@ use crate::gpu::grid_1d;
 
 pub const VARIANTS: &[&str] = &[
     "nvfp4",
-    "nvfp4_v1",
-    "nvfp4_v3",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -45,38 +41,19 @@ pub const VARIANTS: &[&str] = &[
 ];
 
 /// Our variants: `nvfp4` goes through [`launch_partial`] (which routes prefill shapes to the wgmma kernel),
-/// `nvfp4_v1` forces the v1 mma.sync kernels, `nvfp4_wgmma` / `nvfp4_wgmma256` the wgmma prefill kernel with a
+/// `nvfp4_wgmma` / `nvfp4_wgmma256` the wgmma prefill kernel with a
 /// 128 x 128 / 128 x 256 CTA tile (one K split); the wgmma variants only run on contiguous (prefill) points.
 fn is_ours(variant: &str) -> bool {
-    matches!(
-        variant,
-        "nvfp4" | "nvfp4_v1" | "nvfp4_v3" | "nvfp4_wgmma" | "nvfp4_wgmma256"
-    )
+    matches!(variant, "nvfp4" | "nvfp4_wgmma" | "nvfp4_wgmma256")
 }
 
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     variant.starts_with("nvfp4_wgmma") && dg.capacity != 0
 }
 
-/// Kernel generation of the finish kernels (and of the mma.sync mainloop) of an `nvfp4*` variant.
-fn generation(variant: &str) -> KernelGen {
-    match variant {
-        "nvfp4_v1" => KernelGen::V1,
-        "nvfp4_v3" => KernelGen::V3,
-        _ => KernelGen::V2,
-    }
-}
-
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
     if variant.starts_with("nvfp4_wgmma") {
         GemmConfig { splits: 1, ..cfg }
-    } else if variant == "nvfp4_v3" && cfg.token_tile <= 16 {
-        // `GemmConfig::choose` gives 2 CTAs per SM for these tiles; the v3 kernels hold 3 (same splits, so the
-        // items are v2's and only the persistent grid grows).
-        GemmConfig {
-            ctas: cfg.ctas / 2 * V3_CTAS_PER_SM as u32,
-            ..cfg
-        }
     } else {
         cfg
     }
@@ -92,11 +69,6 @@ fn launch_variant(
     ws: &mut Workspace,
 ) -> Result<()> {
     match variant {
-        "nvfp4_v1" => launch_partial_gen(KernelGen::V1, gpu, w, a, dg, cfg, ws),
-        // v3 where v2 would run (decode shapes); prefill shapes still route to the wgmma kernel.
-        "nvfp4_v3" if !prefill::routes_here(w, dg, cfg) => {
-            launch_partial_gen(KernelGen::V3, gpu, w, a, dg, cfg, ws)
-        }
         "nvfp4_wgmma" => prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N),
         "nvfp4_wgmma256" => {
             prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
@@ -294,16 +266,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l1_gen(
-                    generation(variant),
-                    gpu,
-                    &ws,
-                    &dg,
-                    &w,
-                    &a,
-                    &routing,
-                    &mut out,
-                )
+                launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
             })?;
             Ok(vec![row(
                 "moe_gemm_l1",
@@ -352,17 +315,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
                 launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l2_gen(
-                    generation(variant),
-                    gpu,
-                    &ws,
-                    &dg,
-                    &w,
-                    &a,
-                    &token_rows,
-                    p.topk,
-                    &mut y,
-                )
+                launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
             })?;
             Ok(vec![row(
                 "moe_gemm_l2",

@@ -42,7 +42,7 @@ pub const TOKEN_TILES: [usize; 4] = [8, 16, 32, 64];
 /// Most experts one launch can group (shared-memory prefix in the kernel).
 pub const MAX_EXPERTS: usize = 512;
 const THREADS: u32 = 256;
-/// Block of the v2 L1 finish kernel (`__launch_bounds__(512)`): 4 columns per thread, so I = 2048 is one pass.
+/// Block of the L1 finish kernel (`__launch_bounds__(512)`): 4 columns per thread, so I = 2048 is one pass.
 const FINISH_L1_VEC_THREADS: u32 = 512;
 
 /// `N % 128 == 0`, `K % 512 == 0`: the tile shapes of the kernel (all DSV4 shapes qualify).
@@ -233,8 +233,10 @@ pub struct GemmConfig {
 impl GemmConfig {
     /// Heuristic from what the host knows without reading device counts: the expected rows per active expert
     /// and the expected number of active experts. Picks the smallest token tile that holds the rows, then the
-    /// K split count with the least estimated time `ceil(items * s / slots) / s` (wave quantization over the
-    /// persistent CTA slots: 2 per SM for tiles <= 16 tokens), times 5% per extra split for the fp32 partials.
+    /// K split count with the least estimated time `ceil(items * s / slots) / s` (wave quantization over 2 CTA
+    /// slots per SM for tiles <= 16 tokens, 1 above), times 5% per extra split for the fp32 partials. The grid is
+    /// then [`MAINLOOP_CTAS_PER_SM_SMALL_TILE`] x SMs for tiles <= 16 (the mainloop holds 3 CTAs per SM there; the
+    /// splits stay those chosen for 2 slots per SM, the configuration measured on the H200), SMs above.
     pub fn choose(
         sm_count: usize,
         rows_per_active_expert: f64,
@@ -259,10 +261,15 @@ impl GemmConfig {
             .filter(|&s| k.is_multiple_of(s * STAGE_K))
             .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
             .unwrap_or(1);
+        let ctas = if token_tile <= 16 {
+            sm_count.max(1) * MAINLOOP_CTAS_PER_SM_SMALL_TILE
+        } else {
+            slots
+        };
         GemmConfig {
             token_tile,
             splits,
-            ctas: slots as u32,
+            ctas: ctas as u32,
         }
     }
 
@@ -282,23 +289,11 @@ impl GemmConfig {
     }
 }
 
-/// Which generation of the decode-path kernels to launch. `V2` is the default of every `launch_*` function;
-/// `V1` is the first version, kept reachable (bench variant `nvfp4_v1`, GPU tests) until an H200 A/B run picks
-/// the winner. Both generations compute bit-identical results (same products, same fp32 summation order).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KernelGen {
-    V1,
-    V2,
-    /// v2's items, products and summation order (bit-identical partials) with a one-stage rolling weight
-    /// register buffer: the 1- and 2-token-tile mainloops fit 80 registers, so they run 3 CTAs per SM (give them
-    /// [`V3_CTAS_PER_SM`] x SMs CTAs). The finish kernels are v2's.
-    V3,
-}
+/// CTAs per SM the mma.sync mainloop (`moe_gemm_nvfp4_partial_v3_nt1/2`, `__launch_bounds__(256, 3)`) holds for
+/// token tiles <= 16; [`GemmConfig::choose`] sizes the persistent grid with it.
+pub const MAINLOOP_CTAS_PER_SM_SMALL_TILE: usize = 3;
 
-/// CTAs per SM the v3 mainloop holds for token tiles <= 16 (`__launch_bounds__(256, 3)` in the kernel).
-pub const V3_CTAS_PER_SM: usize = 3;
-
-/// Most top-k rows per token the v2 L2 combine resolves per CTA (`kFinishMaxTopk` in the kernel).
+/// Most top-k rows per token the L2 combine resolves per CTA (`kFinishMaxTopk` in the kernel).
 pub const FINISH_MAX_TOPK: usize = 32;
 
 /// fp32 partial sums `[splits, rows_total, N]` written by the mainloop and read by a finish kernel.
@@ -323,7 +318,7 @@ impl Workspace {
 
 /// Mainloop: fp32 partial sums of `A . B^T` (no global scales) into `ws` for every owned row. Contiguous
 /// groupings with many rows per expert go to the wgmma prefill kernel ([`prefill::routes_here`]), the rest to
-/// the mma.sync kernel ([`launch_partial_gen`], generation v2).
+/// the mma.sync kernel ([`launch_partial_mma`]).
 pub fn launch_partial(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -335,15 +330,13 @@ pub fn launch_partial(
     if prefill::routes_here(w, grp, cfg) {
         return prefill::launch_partial_prefill(gpu, w, a, grp, ws);
     }
-    launch_partial_gen(KernelGen::V2, gpu, w, a, grp, cfg, ws)
+    launch_partial_mma(gpu, w, a, grp, cfg, ws)
 }
 
-/// The swap-AB mma.sync mainloop (kernels/moe_gemm.cu) for every grouping and config, with an explicit kernel
-/// generation (v2: the activation tile of the next 512-K step is copied with cp.async while the current step
-/// computes; shared memory = 2 x token_tile KB more than v1). [`launch_partial`] routes prefill shapes to the
-/// wgmma kernel instead.
-pub fn launch_partial_gen(
-    kgen: KernelGen,
+/// The swap-AB mma.sync mainloop (kernels/moe_gemm.cu, `moe_gemm_nvfp4_partial_v3_nt*`) for every grouping and
+/// config; [`launch_partial`] routes prefill shapes to the wgmma kernel instead. Shared memory: the permuted BF16
+/// activation tile (token_tile x 512 x 2 B) plus the raw cp.async tile, sized for BF16 A (the same again).
+pub fn launch_partial_mma(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
@@ -376,22 +369,10 @@ pub fn launch_partial_gen(
         grp.rows_total,
         w.n
     );
-    // v1: the permuted BF16 tile (token_tile x 512 x 2 B); v2 adds the raw tile, sized for BF16 A (same again).
-    let (name, smem) = match kgen {
-        KernelGen::V1 => (
-            format!("moe_gemm_nvfp4_partial_nt{}", cfg.token_tile / 8),
-            (cfg.token_tile * STAGE_K * 2) as u32,
-        ),
-        KernelGen::V2 => (
-            format!("moe_gemm_nvfp4_partial_v2_nt{}", cfg.token_tile / 8),
-            (2 * cfg.token_tile * STAGE_K * 2) as u32,
-        ),
-        KernelGen::V3 => (
-            format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8),
-            (2 * cfg.token_tile * STAGE_K * 2) as u32,
-        ),
-    };
-    let f = gpu.function_with_smem(FAMILY, &name, smem as usize)?;
+    let name = format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8);
+    // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
+    let smem = 2 * cfg.token_tile * STAGE_K * 2;
+    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
     let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
     let (wc, wsc, grp_p, part) = (
         ptr(gpu, &w.codes),
@@ -420,7 +401,7 @@ pub fn launch_partial_gen(
         .arg(&rows)
         .arg(&part)
         .arg(&splits);
-    unsafe { b.launch(launch_cfg((cfg.ctas, 1, 1), (THREADS, 1, 1), smem)) }
+    unsafe { b.launch(launch_cfg((cfg.ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
         .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
@@ -546,21 +527,6 @@ pub fn launch_finish_l1(
     routing: &CudaSlice<f32>,
     out: &mut L1Output,
 ) -> Result<()> {
-    launch_finish_l1_gen(KernelGen::V2, gpu, ws, grp, w13, a, routing, out)
-}
-
-/// [`launch_finish_l1`] with an explicit kernel generation (v2: float4 column groups per thread).
-#[allow(clippy::too_many_arguments)]
-pub fn launch_finish_l1_gen(
-    kgen: KernelGen,
-    gpu: &Gpu,
-    ws: &Workspace,
-    grp: &DeviceGrouping,
-    w13: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    routing: &CudaSlice<f32>,
-    out: &mut L1Output,
-) -> Result<()> {
     check_finish(ws, grp, w13)?;
     ensure!(
         w13.n.is_multiple_of(2),
@@ -593,12 +559,7 @@ pub fn launch_finish_l1_gen(
     if grp.rows_total == 0 {
         return Ok(());
     }
-    let (name, block) = match kgen {
-        KernelGen::V1 => ("moe_gemm_finish_l1_swiglu_nvfp4", THREADS),
-        KernelGen::V2 | KernelGen::V3 => {
-            ("moe_gemm_finish_l1_swiglu_nvfp4_vec", FINISH_L1_VEC_THREADS)
-        }
-    };
+    let (name, block) = ("moe_gemm_finish_l1_swiglu_nvfp4_vec", FINISH_L1_VEC_THREADS);
     let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
     let (part, grp_p, gsa, gsb, rw) = (
         ptr(gpu, &ws.partial),
@@ -644,26 +605,10 @@ pub fn launch_finish_l1_gen(
 }
 
 /// L2 epilogue: `out[t, n] = bf16(sum_j acc(rows[t, j], n) * gsa * gsb)` in routing order (deterministic).
-/// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows.
+/// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows; topk <= [`FINISH_MAX_TOPK`]. Grid
+/// `tokens x ceil(N / 256)`, one column per thread.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2(
-    gpu: &Gpu,
-    ws: &Workspace,
-    grp: &DeviceGrouping,
-    w2: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    token_rows: &CudaSlice<i32>,
-    topk: usize,
-    out: &mut CudaSlice<bf16>,
-) -> Result<()> {
-    launch_finish_l2_gen(KernelGen::V2, gpu, ws, grp, w2, a, token_rows, topk, out)
-}
-
-/// [`launch_finish_l2`] with an explicit kernel generation (v1: one CTA per token; v2: one column per thread,
-/// grid `tokens x ceil(N / 256)`, topk <= [`FINISH_MAX_TOPK`]).
-#[allow(clippy::too_many_arguments)]
-pub fn launch_finish_l2_gen(
-    kgen: KernelGen,
     gpu: &Gpu,
     ws: &Workspace,
     grp: &DeviceGrouping,
@@ -691,20 +636,15 @@ pub fn launch_finish_l2_gen(
         return Ok(());
     }
     ensure!(
-        kgen == KernelGen::V1 || topk <= FINISH_MAX_TOPK,
-        "moe_gemm L2: topk = {topk} > {FINISH_MAX_TOPK} (v2 combine)"
+        topk <= FINISH_MAX_TOPK,
+        "moe_gemm L2: topk = {topk} > {FINISH_MAX_TOPK} (combine kernel limit)"
     );
     ensure!(
         tokens <= u32::MAX as usize,
         "moe_gemm L2: {tokens} tokens exceed the grid"
     );
-    let (name, grid) = match kgen {
-        KernelGen::V1 => ("moe_gemm_finish_l2_combine", (tokens as u32, 1, 1)),
-        KernelGen::V2 | KernelGen::V3 => (
-            "moe_gemm_finish_l2_combine_cols",
-            (tokens as u32, w2.n.div_ceil(THREADS as usize) as u32, 1),
-        ),
-    };
+    let name = "moe_gemm_finish_l2_combine_cols";
+    let grid = (tokens as u32, w2.n.div_ceil(THREADS as usize) as u32, 1);
     let f = gpu.function(FAMILY, name)?;
     let (part, grp_p, gsa, gsb, tr, o) = (
         ptr(gpu, &ws.partial),
