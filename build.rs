@@ -58,6 +58,18 @@ fn inline_includes(src: &str, dir: &Path, depth: usize, seen: &mut Vec<PathBuf>)
     out
 }
 
+/// A hex digest of everything that decides a cubin: the inlined source, the compiler and its arguments.
+fn cache_key(inlined: &str, cmd: &Command) -> String {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    inlined.hash(&mut h);
+    cmd.get_program().hash(&mut h);
+    for a in cmd.get_args() {
+        a.hash(&mut h);
+    }
+    format!("{:016x}", h.finish())
+}
+
 fn main() {
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
@@ -122,12 +134,32 @@ fn main() {
                 cmd.args(extra.split_whitespace());
             }
             cmd.arg("-o").arg(&cubin).arg(cu);
-            match cmd.output() {
-                Ok(o) if o.status.success() => {
-                    report = String::from_utf8_lossy(&o.stderr).to_string();
+            // Skip nvcc when this exact input was already compiled into this OUT_DIR: the key covers the
+            // source with every include inlined, the nvcc path and the full argument list, so any change
+            // that could change the cubin recompiles it, and an edit to one family leaves the others alone.
+            let key = cache_key(&inlined, &cmd);
+            let key_path = out_dir.join(format!("{stem}.key"));
+            let rep_path = out_dir.join(format!("{stem}.ptxas.txt"));
+            let cached = fs::read_to_string(&key_path).is_ok_and(|k| k == key) && cubin.exists();
+            let cached_report = cached.then(|| fs::read_to_string(&rep_path).ok()).flatten();
+            if cached_report.is_none() {
+                let _ = fs::remove_file(&key_path);
+            }
+            match cached_report.map(|r| Ok(Ok(r))).unwrap_or_else(|| {
+                cmd.output().map(|o| {
+                    if o.status.success() {
+                        Ok(String::from_utf8_lossy(&o.stderr).to_string())
+                    } else {
+                        Err(o)
+                    }
+                })
+            }) {
+                Ok(Ok(ptxas)) => {
+                    fs::write(&key_path, &key).unwrap();
+                    report = ptxas;
                     cubin_expr = format!("Some(include_bytes!({:?}))", cubin.display().to_string());
                 }
-                Ok(o) => {
+                Ok(Err(o)) => {
                     all_ok = false;
                     let msg = String::from_utf8_lossy(&o.stderr);
                     if require {
