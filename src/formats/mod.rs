@@ -48,6 +48,44 @@ pub(crate) fn check_input(what: &str, x: &[f32], rows: usize, cols: usize) -> Re
     check_values(what, x, cols.max(1))
 }
 
+/// `Ok` when `cols` is a positive multiple of the format's `block` and `rows * cols` does not overflow.
+pub(crate) fn check_block_shape(fmt: &str, rows: usize, cols: usize, block: usize) -> Result<()> {
+    if cols == 0 || !cols.is_multiple_of(block) {
+        bail!("{fmt}: cols = {cols} must be a positive multiple of {block}");
+    }
+    if rows.checked_mul(cols).is_none() {
+        bail!("{fmt}: shape {rows}x{cols} overflows usize");
+    }
+    Ok(())
+}
+
+/// The length checks every packed e2m1 format shares: a valid block shape, two codes per data byte and one
+/// scale code per `block` elements.
+pub(crate) fn check_packed_e2m1(
+    fmt: &str,
+    rows: usize,
+    cols: usize,
+    block: usize,
+    data_len: usize,
+    scales_len: usize,
+) -> Result<()> {
+    check_block_shape(fmt, rows, cols, block)?;
+    let n = rows * cols;
+    if data_len != n / 2 {
+        bail!(
+            "{fmt}: data has {data_len} bytes, {rows}x{cols} needs {}",
+            n / 2
+        );
+    }
+    if scales_len != n / block {
+        bail!(
+            "{fmt}: scales has {scales_len} codes, {rows}x{cols} needs {}",
+            n / block
+        );
+    }
+    Ok(())
+}
+
 /// Every value finite and within [`MAX_INPUT_MAGNITUDE`]; errors name the (row, col) for a row length
 /// `cols`.
 pub(crate) fn check_values(what: &str, x: &[f32], cols: usize) -> Result<()> {

@@ -24,7 +24,10 @@
 use anyhow::{bail, Result};
 
 use super::nvfp4::{self, Nvfp4Rows};
-use super::{amax, check_input, check_values, e2m1, e4m3, pow2_f32, ue8m0};
+use super::{
+    amax, check_block_shape, check_input, check_packed_e2m1, check_values, e2m1, e4m3, pow2_f32,
+    ue8m0,
+};
 
 /// Elements per ue8m0 block scale.
 pub const BLOCK: usize = 32;
@@ -62,26 +65,14 @@ impl Mxfp4Matrix {
 
     /// Check the invariants [`Self::from_parts`] checks.
     pub fn validate(&self) -> Result<()> {
-        check_shape(self.rows, self.cols)?;
-        let n = self.rows * self.cols;
-        if self.data.len() != n / 2 {
-            bail!(
-                "mxfp4: data has {} bytes, {}x{} needs {}",
-                self.data.len(),
-                self.rows,
-                self.cols,
-                n / 2
-            );
-        }
-        if self.scales.len() != n / BLOCK {
-            bail!(
-                "mxfp4: scales has {} codes, {}x{} needs {}",
-                self.scales.len(),
-                self.rows,
-                self.cols,
-                n / BLOCK
-            );
-        }
+        check_packed_e2m1(
+            "mxfp4",
+            self.rows,
+            self.cols,
+            BLOCK,
+            self.data.len(),
+            self.scales.len(),
+        )?;
         if let Some(i) = self.scales.iter().position(|&c| c > MAX_SCALE_CODE) {
             bail!(
                 "mxfp4: scale {i} has code {:#04x} > {MAX_SCALE_CODE:#04x} (NaN, or 6 * scale overflows f32)",
@@ -114,16 +105,6 @@ impl Mxfp4Matrix {
     }
 }
 
-fn check_shape(rows: usize, cols: usize) -> Result<()> {
-    if cols == 0 || !cols.is_multiple_of(BLOCK) {
-        bail!("mxfp4: cols = {cols} must be a positive multiple of {BLOCK}");
-    }
-    if rows.checked_mul(cols).is_none() {
-        bail!("mxfp4: shape {rows}x{cols} overflows usize");
-    }
-    Ok(())
-}
-
 /// The DSV4 FP4 ue8m0 scale code of a block with largest magnitude `amax`:
 /// `2^ceil(log2(max(amax, 6 * 2^-126) / 6))`.
 #[inline]
@@ -145,7 +126,7 @@ pub fn quantize_block(values: &[f32], codes: &mut [u8]) -> u8 {
 /// Quantize a row-major `rows x cols` matrix with the DSV4 FP4 rule. Errors: `cols` not a positive
 /// multiple of 32, wrong length, non-finite or `|x| > 2^127` input.
 pub fn quantize(x: &[f32], rows: usize, cols: usize) -> Result<Mxfp4Matrix> {
-    check_shape(rows, cols)?;
+    check_block_shape("mxfp4", rows, cols, BLOCK)?;
     check_input("mxfp4::quantize", x, rows, cols)?;
     let mut data = Vec::with_capacity(rows * cols / 2);
     let mut scales = Vec::with_capacity(rows * cols / BLOCK);

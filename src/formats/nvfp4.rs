@@ -34,7 +34,7 @@
 use anyhow::{bail, Result};
 
 use super::bf16::bf16;
-use super::{amax, check_input, e2m1, e4m3};
+use super::{amax, check_block_shape, check_input, check_packed_e2m1, e2m1, e4m3};
 
 /// Elements per block scale.
 pub const BLOCK: usize = 16;
@@ -77,26 +77,14 @@ impl Nvfp4Rows {
 
     /// Check the invariants [`Self::from_parts`] checks.
     pub fn validate(&self) -> Result<()> {
-        check_shape(self.rows, self.cols)?;
-        let n = self.rows * self.cols;
-        if self.data.len() != n / 2 {
-            bail!(
-                "nvfp4: data has {} bytes, {}x{} needs {}",
-                self.data.len(),
-                self.rows,
-                self.cols,
-                n / 2
-            );
-        }
-        if self.scales.len() != n / BLOCK {
-            bail!(
-                "nvfp4: scales has {} codes, {}x{} needs {}",
-                self.scales.len(),
-                self.rows,
-                self.cols,
-                n / BLOCK
-            );
-        }
+        check_packed_e2m1(
+            "nvfp4",
+            self.rows,
+            self.cols,
+            BLOCK,
+            self.data.len(),
+            self.scales.len(),
+        )?;
         if self.global_scale.len() != self.rows {
             bail!(
                 "nvfp4: global_scale has {} values, needs one per row ({})",
@@ -139,16 +127,6 @@ impl Nvfp4Rows {
     }
 }
 
-fn check_shape(rows: usize, cols: usize) -> Result<()> {
-    if cols == 0 || !cols.is_multiple_of(BLOCK) {
-        bail!("nvfp4: cols = {cols} must be a positive multiple of {BLOCK}");
-    }
-    if rows.checked_mul(cols).is_none() {
-        bail!("nvfp4: shape {rows}x{cols} overflows usize");
-    }
-    Ok(())
-}
-
 /// Step 1 of the rule: `amax_row / 2688.0`, or 1.0 for an all-zero row.
 pub fn row_global_scale(row: &[f32]) -> f32 {
     let a = amax(row);
@@ -185,7 +163,7 @@ pub fn quantize_block(values: &[f32], gs: f32, codes: &mut [u8]) -> u8 {
 /// Quantize a row-major `rows x cols` matrix with the per-row global scale of [`row_global_scale`].
 /// Errors: `cols` not a positive multiple of 16, wrong length, non-finite or `|x| > 2^127` input.
 pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> Result<Nvfp4Rows> {
-    check_shape(rows, cols)?;
+    check_block_shape("nvfp4", rows, cols, BLOCK)?;
     check_input("nvfp4::quantize_rows", x, rows, cols)?;
     let gs: Vec<f32> = x.chunks_exact(cols).map(row_global_scale).collect();
     quantize_rows_with_global(x, rows, cols, &gs)
@@ -202,7 +180,7 @@ pub fn quantize_rows_with_global(
     cols: usize,
     gs: &[f32],
 ) -> Result<Nvfp4Rows> {
-    check_shape(rows, cols)?;
+    check_block_shape("nvfp4", rows, cols, BLOCK)?;
     check_input("nvfp4::quantize_rows_with_global", x, rows, cols)?;
     if gs.len() != rows {
         bail!(
