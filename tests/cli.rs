@@ -1,7 +1,7 @@
 //! The command line as a user meets it: clear errors and non-zero exits (never a panic) without a GPU, for bad
 //! configs, missing files and mis-typed tensors; `exec --cpu` round trips through safetensors.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use megamoe::ops::exec::{read_safetensors, write_safetensors, HostTensor, TensorMap};
@@ -125,22 +125,12 @@ fn exec_cpu_round_trip_and_bad_tensors() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(read_safetensors(&y).unwrap()["y"].shape, vec![rows, cols]);
 
-    // wrong name, wrong dtype, wrong shape, missing file: clear errors, no output written
+    // wrong name, wrong dtype, wrong shape, missing file, truncated file: clear errors, no output written
     let mut bad = TensorMap::new();
     bad.insert("y".into(), HostTensor::from_f32(vec![rows, cols], &x));
     let p = tmp("bad_name.safetensors");
     write_safetensors(&p, &bad).unwrap();
-    let (code, _o, err) = run(&[
-        "exec",
-        "nvfp4_quantize_rows",
-        "--in",
-        p.to_str().unwrap(),
-        "--out",
-        tmp("o1.safetensors").to_str().unwrap(),
-        "--cpu",
-    ]);
-    assert_ne!(code, 0);
-    assert!(err.contains("needs an input tensor `x`"), "{err}");
+    assert!(quantize_error(&p, "o1").contains("needs an input tensor `x`"));
     let mut bad = TensorMap::new();
     bad.insert(
         "x".into(),
@@ -152,58 +142,35 @@ fn exec_cpu_round_trip_and_bad_tensors() {
     );
     let p = tmp("bad_dtype.safetensors");
     write_safetensors(&p, &bad).unwrap();
-    let (code, _o, err) = run(&[
-        "exec",
-        "nvfp4_quantize_rows",
-        "--in",
-        p.to_str().unwrap(),
-        "--out",
-        tmp("o2.safetensors").to_str().unwrap(),
-        "--cpu",
-    ]);
-    assert_ne!(code, 0);
-    assert!(err.contains("dtype"), "{err}");
+    assert!(quantize_error(&p, "o2").contains("dtype"));
     let mut bad = TensorMap::new();
     bad.insert("x".into(), HostTensor::from_f32(vec![2, 24], &x[..48]));
     let p = tmp("bad_shape.safetensors");
     write_safetensors(&p, &bad).unwrap();
-    let o3 = tmp("o3.safetensors");
-    let (code, _o, err) = run(&[
-        "exec",
-        "nvfp4_quantize_rows",
-        "--in",
-        p.to_str().unwrap(),
-        "--out",
-        o3.to_str().unwrap(),
-        "--cpu",
-    ]);
-    assert_ne!(code, 0);
-    assert!(err.contains("multiple of 16"), "{err}");
-    assert!(!o3.exists(), "no output may be written on error");
-    let (code, _o, err) = run(&[
-        "exec",
-        "nvfp4_quantize_rows",
-        "--in",
-        "/nonexistent.safetensors",
-        "--out",
-        "/tmp/x.safetensors",
-        "--cpu",
-    ]);
-    assert_ne!(code, 0);
-    assert!(err.contains("does not exist"), "{err}");
-    // a truncated file
+    assert!(quantize_error(&p, "o3").contains("multiple of 16"));
+    assert!(quantize_error(Path::new("/nonexistent.safetensors"), "o5").contains("does not exist"));
     let bytes = std::fs::read(&inp).unwrap();
     let p = tmp("truncated.safetensors");
     std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(quantize_error(&p, "o4").contains("not a valid safetensors"));
+}
+
+/// Runs `exec nvfp4_quantize_rows --cpu` on a bad input file; asserts a failing exit and that no output file
+/// `<out>.safetensors` was written, and returns stderr.
+fn quantize_error(input: &Path, out: &str) -> String {
+    let o = tmp(&format!("{out}.safetensors"));
+    let _ = std::fs::remove_file(&o);
     let (code, _o, err) = run(&[
         "exec",
         "nvfp4_quantize_rows",
         "--in",
-        p.to_str().unwrap(),
+        input.to_str().unwrap(),
         "--out",
-        tmp("o4.safetensors").to_str().unwrap(),
+        o.to_str().unwrap(),
         "--cpu",
     ]);
-    assert_ne!(code, 0);
-    assert!(err.contains("not a valid safetensors"), "{err}");
+    assert_ne!(code, 0, "{err}");
+    assert!(!o.exists(), "no output may be written on error: {err}");
+    eprintln!("{err}");
+    err
 }
