@@ -29,6 +29,9 @@
 //     graph) + one L2/HBM round trip (~1 us) + partials reduce (~0.5 us) + 40 x ~90-cycle Sinkhorn steps
 //     (~1.8 us) ~ 6 us. Measured (H200, CUDA graph): D = 4096 T = 1 9.4 us, T = 64 16.7 us; D = 7168 T = 1
 //     11.0 us; the unfused op-by-op chain 34-47 us.
+//   A/B (session 3): mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*: the same two kernels (bit-identical
+//     outputs) as a programmatic-dependent-launch pair (see griddep_wait): the finish's launch latency hides
+//     behind the mix, and in a graph of consecutive boundaries the next mix stages F during the previous finish.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
 //   * v1 pre path (mhc_mix_partial24 + mhc_pre_finish_*: broadcast-load mixes, one-thread Sinkhorn): 18.2 us

@@ -6,7 +6,8 @@
 //!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
 //! * [`mhc_pre`]: the mHC boundary `hc_pre` + RMSNorm + quant, as a split-K mix kernel plus a per-token
 //!   finish kernel; [`mhc_pre_unfused`] is the op-by-op chain (rms, GEMV, Sinkhorn, apply, RMSNorm,
-//!   quant: 6 launches); [`mhc_post`] and [`hc_head`].
+//!   quant: 6 launches); [`mhc_post`] and [`hc_head`]. [`mhc_pre_with`] picks the launch path
+//!   ([`MhcPrePath`]: the default pair, or the same kernels as a programmatic-dependent-launch pair).
 //!
 //! Layouts: NVFP4 codes `[rows, D/2]` (lower index in the low nibble), e4m3 scales `[rows, D/16]`,
 //! global scale `[rows]` f32; FP8 codes `[rows, D]`, ue8m0 scale codes `[rows, D/128]`; residual streams
