@@ -29,6 +29,9 @@
 //     graph) + one L2/HBM round trip (~1 us) + partials reduce (~0.5 us) + 40 x ~90-cycle Sinkhorn steps
 //     (~1.8 us) ~ 6 us. Measured (H200, CUDA graph): D = 4096 T = 1 9.4 us, T = 64 16.7 us; D = 7168 T = 1
 //     11.0 us; the unfused op-by-op chain 34-47 us.
+//   A/B (session 3): mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*: the same two kernels (bit-identical
+//     outputs) as a programmatic-dependent-launch pair (see griddep_wait): the finish's launch latency hides
+//     behind the mix, and in a graph of consecutive boundaries the next mix stages F during the previous finish.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
 //   * v1 pre path (mhc_mix_partial24 + mhc_pre_finish_*: broadcast-load mixes, one-thread Sinkhorn): 18.2 us
@@ -385,10 +388,25 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// Programmatic dependent launch (PDL, sm_90). A kernel launched with the programmatic-stream-serialization
+// attribute may start while the previous kernel of the stream still runs; `griddepcontrol.wait` blocks until
+// every prerequisite grid has COMPLETED and its memory is visible (PTX ISA: independent of where the
+// prerequisite called launch_dependents), so everything after the wait sees the previous kernel's writes
+// exactly as with a plain launch. `launch_dependents` only lets the next PDL kernel be scheduled early (it
+// then waits in its own griddepcontrol.wait). Without the attribute both instructions are no-ops, so the
+// *_pdl kernels are also correct under a plain launch. Only loads of constant weights (never written by any
+// kernel: F, hc_scale, hc_base) may be issued before the wait; every output store comes after it.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 // One mix tile: split s (columns [128 s, 128 s + 128) of 4D), tokens [32 tile, 32 tile + 32) & < T.
 // All threads of the CTA call it; blockDim % 32 == 0. Ends with the CTA's shared memory free to reuse
 // only after a __syncthreads (the caller's).
-template <int NMIX>
+// PDL (only mhc_mix_partial24_pdl): the F copies (weights) are issued before griddep_wait, X's and the
+// partial stores after it, so the F round trip overlaps the previous kernel's tail. PDL = false: unchanged.
+template <int NMIX, bool PDL = false>
 __device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F,
                               float* __restrict__ part, int T, int D4, int S, int s, int tile, MixSmem& sm) {
     const int tid = threadIdx.x, bd = blockDim.x;
@@ -398,6 +416,7 @@ __device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* 
         const int j = i / (MIX_COLS / 4), qq = i % (MIX_COLS / 4);
         cp_async16(&sm.f[j * MIX_COLS + qq * 4], F + (long)j * D4 + c0 + qq * 4);
     }
+    if (PDL) griddep_wait();  // X may be the previous kernel's output; part may still be read by it
     for (int i = tid; i < nt * (MIX_COLS / 8); i += bd) {
         const int t = i / (MIX_COLS / 8), qq = i % (MIX_COLS / 8);
         cp_async16(&sm.x[t * MIX_COLS + qq * 8], X + (long)(t0 + t) * D4 + c0 + qq * 8);
@@ -660,7 +679,9 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
 // LANES: the Sinkhorn on 16 lanes (sinkhorn_lanes), else on one thread (sinkhorn_thread; only the removed v1
 // finish used false, every entry point now passes true).
 // All threads of the CTA must call this with the same (t, coef_task); it ends without a trailing barrier.
-template <int KIND, bool HEAD, bool LANES>
+// PDL (only the mhc_pre_finish_pdl_* entry points): let the next PDL kernel be scheduled, then wait for the
+// mix kernel (griddep_wait) before the first read of the partials. PDL = false: unchanged.
+template <int KIND, bool HEAD, bool LANES, bool PDL = false>
 __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S, int T,
                                int D, const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
                                const __nv_bfloat16* __restrict__ w, float eps, float* pre_out, float* post_out,
@@ -671,6 +692,10 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
     __shared__ float mix[NMIX + 1];
     __shared__ float pre_s[4];
+    if (PDL) {
+        griddep_launch_dependents();
+        griddep_wait();
+    }
     reduce_partials<NMIX>(part, S, t, mix, wsum);
     const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
     if (!HEAD && coef_task) {
@@ -810,6 +835,34 @@ extern "C" __global__ void mhc_pre_finish2_fp8(MHC_PRE_COMMON, uint8_t* q, uint8
 extern "C" __global__ void mhc_pre_finish2_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
     mhc_pre_finish<KIND_BF16, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
                                            nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
+}
+
+// ---- A/B (session 3): the same two kernels, launched as a programmatic dependent pair -------------------------
+// Same arithmetic, same partials layout and reduction order as mhc_mix_partial24_v2 + mhc_pre_finish2_*: every
+// output is bit-identical (tests/norm_quant.rs checks it). Only the launch overlap differs: the finish grid
+// is scheduled as soon as every mix CTA has started (launch_dependents first thing), so its launch latency
+// hides behind the mix; and, in a graph of consecutive boundaries, the next mix CTAs stage their F tile
+// (12 KB of weights, the mix's one HBM round trip) while the previous finish still runs.
+// Budget, T = 1 in a graph: the ~1-1.5 us launch gap between the two nodes and the F round trip (~1 us,
+// after the first boundary of a graph) leave the chain: 9.4 us -> ~7.5 us per boundary predicted.
+extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_pdl(const __nv_bfloat16* X, const float* F,
+                                                                       float* part, int T, int D4) {
+    __shared__ MixSmem sm;
+    griddep_launch_dependents();
+    mix_tile_smem<24, true>(X, F, part, T, D4, gridDim.x, blockIdx.x, blockIdx.y, sm);
+}
+extern "C" __global__ void mhc_pre_finish_pdl_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
+                                                    float* rstd) {
+    mhc_pre_finish<KIND_NVFP4, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
+                                                  q, scales, gsa, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
+}
+extern "C" __global__ void mhc_pre_finish_pdl_fp8(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
+    mhc_pre_finish<KIND_FP8, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
+                                                q, scales, nullptr, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
+}
+extern "C" __global__ void mhc_pre_finish_pdl_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
+    mhc_pre_finish<KIND_BF16, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
+                                                 nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
 }
 
 // hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.

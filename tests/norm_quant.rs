@@ -1223,6 +1223,114 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
     }
 }
 
+// ---- A/B (session 3): the PDL pair (mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*) ------------------------
+// Same arithmetic as the default two launches, so every output (partials included) must be bit-identical.
+// The partials are poisoned (NaN) before each PDL run: a finish that read them before the mixes had
+// written them (a broken griddepcontrol.wait) would produce NaN, not the default path's bits.
+
+#[test]
+fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise");
+    for &(tokens, d) in &[
+        (1usize, 4096usize),
+        (3, 7168),
+        (33, 4096),
+        (64, 7168),
+        (129, 4096),
+    ] {
+        let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 977 + d as u64));
+        let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+        let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+        for format in FORMATS {
+            let label = format!("pdl pair->{} T={tokens} D={d} seed {seed}", format.name());
+            let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+            nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
+            let want = MhcSnapshot::take(&gpu, &out);
+            out.poison(&gpu).unwrap();
+            out.poison_partials(&gpu).unwrap();
+            nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair).unwrap();
+            let got = MhcSnapshot::take(&gpu, &out);
+            got.assert_same(&want, &label);
+            // And against the CPU reference directly (the default path is checked the same way above).
+            let dots = gpu_dots(&got.partials, tokens, d);
+            check_mhc(
+                &label,
+                &c,
+                &got.pre,
+                &got.post,
+                &got.comb,
+                &got.u,
+                &got.normed,
+                format,
+                Some(&dots),
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
+    let Some(gpu) =
+        gpu_for_test("gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph")
+    else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph");
+    for &(tokens, d) in &[(1usize, 4096usize), (5, 7168), (64, 4096)] {
+        let c = mhc_case(tokens, d, seed ^ tokens as u64);
+        let y = nq::random_rows(tokens, d, seed ^ 0x77);
+        let post = vec![0.75f32; tokens * 4];
+        let comb: Vec<f32> = (0..tokens * 16)
+            .map(|i| 0.1 + 0.05 * (i % 7) as f32)
+            .collect();
+        let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+        let (dy, dx) = (
+            nq::upload_checked_bf16(&gpu, "y", &y).unwrap(),
+            nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
+        );
+        let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
+        let label = format!("pdl after mhc_post T={tokens} D={d} seed {seed}");
+        // Reference bits: mhc_post -> X', then the default boundary on X'.
+        let mut xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+        let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+        nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo).unwrap();
+        nq::mhc_pre(&gpu, &xo, &w, r::RMS_EPS, &mut out).unwrap();
+        let want = MhcSnapshot::take(&gpu, &out);
+        // The PDL mix reads X' right after the (plain) mhc_post launch that writes it: with X' poisoned
+        // first, a mix that read X' before its griddepcontrol.wait would see NaN.
+        let run = |xo: &mut cudarc::driver::CudaSlice<half::bf16>, out: &mut MhcPreOutputs| {
+            nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, xo)?;
+            nq::mhc_pre_with(&gpu, xo, &w, r::RMS_EPS, out, nq::MhcPrePath::PdlPair)
+        };
+        gpu.fill_bytes(&mut xo, 0xFF).unwrap();
+        out.poison(&gpu).unwrap();
+        out.poison_partials(&gpu).unwrap();
+        run(&mut xo, &mut out).unwrap();
+        MhcSnapshot::take(&gpu, &out).assert_same(&want, &format!("{label} direct"));
+        // Captured: 4 consecutive (post, PDL boundary) pairs in one graph, as in a decode-step graph.
+        let g = gpu
+            .capture(|| {
+                for _ in 0..4 {
+                    run(&mut xo, &mut out)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        for rep in 0..3 {
+            gpu.fill_bytes(&mut xo, 0xFF).unwrap();
+            out.poison(&gpu).unwrap();
+            out.poison_partials(&gpu).unwrap();
+            g.launch().unwrap();
+            gpu.synchronize().unwrap();
+            MhcSnapshot::take(&gpu, &out)
+                .assert_same(&want, &format!("{label} graph replay {rep}"));
+        }
+    }
+}
+
 #[test]
 fn bench_config_names_known_kernels_and_variants() {
     let path =

@@ -6,7 +6,8 @@
 //!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
 //! * [`mhc_pre`]: the mHC boundary `hc_pre` + RMSNorm + quant, as a split-K mix kernel plus a per-token
 //!   finish kernel; [`mhc_pre_unfused`] is the op-by-op chain (rms, GEMV, Sinkhorn, apply, RMSNorm,
-//!   quant: 6 launches); [`mhc_post`] and [`hc_head`].
+//!   quant: 6 launches); [`mhc_post`] and [`hc_head`]. [`mhc_pre_with`] picks the launch path
+//!   ([`MhcPrePath`]: the default pair, or the same kernels as a programmatic-dependent-launch pair).
 //!
 //! Layouts: NVFP4 codes `[rows, D/2]` (lower index in the low nibble), e4m3 scales `[rows, D/16]`,
 //! global scale `[rows]` f32; FP8 codes `[rows, D]`, ue8m0 scale codes `[rows, D/128]`; residual streams
@@ -510,6 +511,12 @@ impl MhcPreOutputs {
         &self.partials
     }
 
+    /// Fill the split-K workspace with NaN (0xFF bytes): a finish that read it before the mixes wrote it
+    /// would turn every output into NaN (tests of the PDL path use this).
+    pub fn poison_partials(&mut self, gpu: &Gpu) -> Result<()> {
+        gpu.fill_bytes(&mut self.partials, 0xFF)
+    }
+
     pub fn poison(&mut self, gpu: &Gpu) -> Result<()> {
         gpu.fill_bytes(&mut self.pre, 0xFF)?;
         gpu.fill_bytes(&mut self.post, 0xFF)?;
@@ -675,6 +682,167 @@ fn launch_pre_finish(
     b.arg(&mut out.normed.rstd);
     drv(unsafe { b.launch(cfg) }, &name)?;
     Ok(())
+}
+
+/// How the two kernels of the fused mHC boundary are launched (an A/B option; [`mhc_pre`] is `TwoLaunch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MhcPrePath {
+    /// `mhc_mix_partial24_v2` then `mhc_pre_finish2_*`, plain stream-ordered launches (the measured default).
+    TwoLaunch,
+    /// `mhc_mix_partial24_pdl` then `mhc_pre_finish_pdl_*`: the same arithmetic (bit-identical outputs),
+    /// both launched with programmatic dependent launch (PDL): the finish grid is scheduled while the mix
+    /// runs and waits on the device (`griddepcontrol.wait`) for the mix to complete; a following PDL mix
+    /// stages its weight tile while the previous finish runs. Needs sm_90 and a driver that captures PDL
+    /// launches into graphs (CUDA >= 12.3).
+    PdlPair,
+}
+
+/// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
+pub fn mhc_pre_with(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    out: &mut MhcPreOutputs,
+    path: MhcPrePath,
+) -> Result<()> {
+    match path {
+        MhcPrePath::TwoLaunch => mhc_pre(gpu, x, w, eps, out),
+        MhcPrePath::PdlPair => {
+            check_mhc(x, w, out)?;
+            check_eps(eps)?;
+            if w.nmix != reference::HC_MIX {
+                bail!(
+                    "mhc_pre needs sub-layer weights (24 mixes), got {} (head weights go to hc_head)",
+                    w.nmix
+                );
+            }
+            let (tokens, d) = (out.tokens, out.d);
+            let name = "mhc_mix_partial24_pdl";
+            let f = gpu.function(FAMILY, name)?;
+            let mut a = RawArgs::default();
+            a.slice(gpu, x)
+                .slice(gpu, &w.mix_fn)
+                .slice(gpu, &out.partials)
+                .i32(tokens as i32)
+                .i32((4 * d) as i32);
+            let grid = (mix_splits(d) as u32, tokens.div_ceil(32) as u32, 1);
+            launch_pdl(gpu, &f, grid, (128, 1, 1), &mut a, name)?;
+
+            let name = format!("mhc_pre_finish_pdl_{}", out.normed.format.name());
+            let f = gpu.function(FAMILY, &name)?;
+            let mut a = RawArgs::default();
+            a.slice(gpu, x)
+                .slice(gpu, &out.partials)
+                .i32(mix_splits(d) as i32)
+                .i32(tokens as i32)
+                .i32(d as i32)
+                .slice(gpu, &w.scale)
+                .slice(gpu, &w.base)
+                .slice(gpu, &w.norm_weight)
+                .f32(eps)
+                .slice(gpu, &out.pre)
+                .slice(gpu, &out.post)
+                .slice(gpu, &out.comb)
+                .slice(gpu, &out.u);
+            match &out.normed.q {
+                QuantBufs::Nvfp4 {
+                    data,
+                    scales,
+                    global_scale,
+                } => {
+                    a.slice(gpu, data)
+                        .slice(gpu, scales)
+                        .slice(gpu, global_scale);
+                }
+                QuantBufs::Fp8 { data, scales } => {
+                    a.slice(gpu, data).slice(gpu, scales);
+                }
+                QuantBufs::Bf16 { y } => {
+                    a.slice(gpu, y);
+                }
+            }
+            a.slice(gpu, &out.normed.rstd);
+            // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn (as mhc_pre_finish2_*).
+            let grid = (tokens as u32, 2, 1);
+            launch_pdl(gpu, &f, grid, (row_block_threads(d), 1, 1), &mut a, &name)
+        }
+    }
+}
+
+/// Kernel parameters for `cuLaunchKernelEx`, one 8-byte slot each. The driver copies each parameter with
+/// the size the kernel's signature gives it: 8 bytes for a pointer, 4 for an `int`/`float`, read from the
+/// slot's first bytes (little-endian: the low 32 bits hold the value). The slots are not moved between
+/// filling and launching (the Vec is only read while `cuLaunchKernelEx` runs).
+#[derive(Default)]
+struct RawArgs {
+    slots: Vec<u64>,
+}
+
+impl RawArgs {
+    fn slice<T>(&mut self, gpu: &Gpu, s: &CudaSlice<T>) -> &mut Self {
+        use cudarc::driver::DevicePtr;
+        // Event tracking is off (Gpu::open), so the guard records nothing.
+        let (ptr, _guard) = s.device_ptr(&gpu.stream);
+        self.slots.push(ptr);
+        self
+    }
+    fn i32(&mut self, v: i32) -> &mut Self {
+        self.slots.push(v as u32 as u64);
+        self
+    }
+    fn f32(&mut self, v: f32) -> &mut Self {
+        self.slots.push(v.to_bits() as u64);
+        self
+    }
+}
+
+/// Launch `f` on the Gpu's stream with the programmatic-stream-serialization attribute (PDL): it may start
+/// before the previous kernel of the stream completes; the kernel itself waits (`griddepcontrol.wait`)
+/// before touching that kernel's outputs. No dynamic shared memory.
+fn launch_pdl(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    args: &mut RawArgs,
+    what: &str,
+) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut params: Vec<*mut std::ffi::c_void> = args
+        .slots
+        .iter_mut()
+        .map(|v| v as *mut u64 as *mut std::ffi::c_void)
+        .collect();
+    // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: 0,
+        hStream: gpu.stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    drv(gpu.ctx.bind_to_thread(), "bind context")?;
+    // SAFETY: `params` holds one pointer per kernel parameter, in the order of the kernel's signature (the
+    // callers mirror the entry points in kernels/norm_quant.cu), each to a live 8-byte slot; the device
+    // buffers outlive the launch (owned by the caller, freed only after stream synchronization).
+    let r = unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    drv(r.result(), what)
 }
 
 /// `hc_post` of one sub-layer fused with `hc_pre` of the next: `x_out = post (x) y + comb^T x` (as
@@ -987,8 +1155,19 @@ pub fn bench_rows(
     }
 }
 
-/// Variants of the mHC boundary: `fused_<fmt>` (the two-launch boundary), `unfused_<fmt>`, each also as
-/// `graph_...` (CUDA-graph replay: the decode regime), `post`, `head`, and `graph_postpre_{fused,separate}_nvfp4`.
+/// Variants of the mHC boundary: `fused_<fmt>` (the two-launch boundary), `unfused_<fmt>` (the op-by-op
+/// chain), `fused_pdl_<fmt>` (the same two kernels as a programmatic-dependent pair, [`MhcPrePath::PdlPair`]),
+/// each timed three ways:
+/// * `<kind>_<fmt>`: plain stream launches, one boundary per event pair (host launch cost included);
+/// * `graph_<kind>_<fmt>`: a graph holding ONE boundary, replayed 20 times back to back, time / 20. Each
+///   replay is one `cuGraphLaunch`: when the host needs longer to launch a graph than the GPU needs to run
+///   it, this measures the launch rate, not the boundary;
+/// * `graph16_<kind>_<fmt>`: a graph holding 16 consecutive boundaries (same inputs, as the boundaries of a
+///   captured decode step follow each other), replayed 4 times, time / (4 x 16): the per-boundary GPU time
+///   inside a decode graph, with one graph launch per 16 boundaries. As in `graph_`, F stays in L2 after
+///   the first boundary (in a real decode step every layer's F is different).
+///
+/// Plus `post`, `head`, and `graph_postpre_{fused,separate}_nvfp4`.
 pub const MHC_VARIANTS: &[&str] = &[
     "fused_nvfp4",
     "unfused_nvfp4",
@@ -1004,7 +1183,21 @@ pub const MHC_VARIANTS: &[&str] = &[
     "head",
     "graph_postpre_fused_nvfp4",
     "graph_postpre_separate_nvfp4",
+    "graph16_fused_nvfp4",
+    "graph16_unfused_nvfp4",
+    "graph16_fused_fp8",
+    "graph16_unfused_fp8",
+    "graph_fused_pdl_nvfp4",
+    "graph_fused_pdl_fp8",
+    "graph16_fused_pdl_nvfp4",
+    "graph16_fused_pdl_fp8",
 ];
+
+/// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
+const MHC_GRAPH_BOUNDARIES: usize = 16;
+const MHC_GRAPH16_REPLAYS: usize = 4;
+/// Replays per sample of the one-boundary graphs (`graph_*`).
+const MHC_GRAPH1_REPLAYS: usize = 20;
 
 /// Time one mHC variant for `tokens` tokens of hidden size `d`.
 pub fn bench_mhc(
@@ -1084,11 +1277,17 @@ pub fn bench_mhc(
         let bytes = x_bytes + (4 * 4 * d * 4 + d * 2 + tokens * (4 * d + 16 + 4)) as u64;
         return Ok(point(bytes, s, None));
     }
-    let (graph, rest) = match variant.strip_prefix("graph_") {
-        Some(r) => (true, r),
-        None => (false, variant),
+    // Boundaries per captured graph: 0 = no graph (plain launches), 1 = `graph_`, 16 = `graph16_`.
+    let (per_graph, rest) = if let Some(r) = variant.strip_prefix("graph16_") {
+        (MHC_GRAPH_BOUNDARIES, r)
+    } else if let Some(r) = variant.strip_prefix("graph_") {
+        (1, r)
+    } else {
+        (0, variant)
     };
-    // kind_fmt with kind in fused (the two-launch boundary), unfused (the op-by-op chain).
+    let graph = per_graph > 0;
+    // kind_fmt with kind in fused (the two-launch boundary), fused_pdl (the same kernels as a PDL pair),
+    // unfused (the op-by-op chain).
     let (kind, fmt) = rest
         .rsplit_once('_')
         .ok_or_else(|| anyhow::anyhow!("unknown mhc variant `{variant}`"))?;
@@ -1097,26 +1296,39 @@ pub fn bench_mhc(
     let mut out = MhcPreOutputs::alloc_poisoned(gpu, format, tokens, d)?;
     let mut scratch = MhcUnfusedScratch::alloc(gpu, tokens)?;
     let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, tokens, d)?;
-    let fused = match kind {
-        "fused" => true,
-        "unfused" => false,
+    let path = match kind {
+        "fused" => Some(MhcPrePath::TwoLaunch),
+        "fused_pdl" => Some(MhcPrePath::PdlPair),
+        "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
             MHC_VARIANTS.join(", ")
         ),
     };
-    let mut run = |out: &mut MhcPreOutputs| {
-        if fused {
-            mhc_pre(gpu, &x, &w, eps, out)
-        } else {
-            mhc_pre_unfused(gpu, &x, &w, eps, &mut scratch, &mut staging, out)
-        }
+    let fused = path.is_some();
+    let mut run = |out: &mut MhcPreOutputs| match path {
+        Some(p) => mhc_pre_with(gpu, &x, &w, eps, out, p),
+        None => mhc_pre_unfused(gpu, &x, &w, eps, &mut scratch, &mut staging, out),
     };
     let s = if graph {
         run(&mut out)?; // loads the module and checks shapes outside the capture
         gpu.synchronize()?;
-        let g = gpu.capture(|| run(&mut out))?;
-        gpu.time_graph_us(&g, plan, 20)?
+        let g = gpu.capture(|| {
+            for _ in 0..per_graph {
+                run(&mut out)?;
+            }
+            Ok(())
+        })?;
+        let replays = if per_graph == 1 {
+            MHC_GRAPH1_REPLAYS
+        } else {
+            MHC_GRAPH16_REPLAYS
+        };
+        // time_graph_us divides by the replays; per boundary divides by the boundaries of one graph too.
+        gpu.time_graph_us(&g, plan, replays)?
+            .into_iter()
+            .map(|us| us / per_graph as f64)
+            .collect()
     } else {
         gpu.time_us(plan, || run(&mut out))?
     };
@@ -1124,7 +1336,13 @@ pub fn bench_mhc(
     let bytes = x_bytes
         + (reference::HC_MIX * 4 * d * 4 + d * 2 + 27 * 4) as u64
         + (tokens * (24 * 4 + 2 * d + 4 + format.row_bytes(d))) as u64;
-    let base = fused.then(|| format!("{}unfused_{fmt}", if graph { "graph_" } else { "" }));
+    // Raced against the op-by-op chain timed the same way (same graph shape).
+    let prefix = match per_graph {
+        0 => "",
+        1 => "graph_",
+        _ => "graph16_",
+    };
+    let base = fused.then(|| format!("{prefix}unfused_{fmt}"));
     Ok(point(bytes, s, base))
 }
 
