@@ -400,3 +400,248 @@ __device__ __forceinline__ void prefill_body(
 
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial, 128)
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
+
+// =============================================================================================================
+// v4 mainloop (`moe_gemm_prefill_partial_n256_v4`, bench variant `nvfp4_wgmma_v4`): same math, same wgmma
+// sequence and accumulation order as `moe_gemm_prefill_partial_n256` (so the partial sums are bit-identical),
+// different pipeline:
+// * One wgmma group stays in flight (`wgmma.wait_group 1`): the tensor cores never drain between stages. The
+//   MMAs of stage s run during the dequant of stage s+1, the barrier, the cp.async issue and the wgmma issue of
+//   stage s+1. This needs 3 BF16 B tiles: the tile dequantized in iteration s is (s+1) % 3, last read by
+//   wgmma(s-2), which both warp groups retired before the previous barrier; with 2 tiles it would be the tile
+//   of wgmma(s-1), which the other warp group may still be reading (nothing orders its wait_group against
+//   this warp group's dequant before the barrier).
+// * One __syncthreads per stage instead of two: every raw byte a thread dequantizes was copied by that same
+//   thread (its own cp.async.wait_group orders it), so the only cross-thread hand-offs are "tiles of stage s+1
+//   complete" and "wgmma(s-1) of both warp groups retired", and one barrier after both provides both. To make
+//   the block scales thread-private, each thread copies the 4 scale bytes of its row (both K halves) into its
+//   own 4-byte slot (2 threads per row fetch the same 4 bytes: 2x the 4-byte scale reads, ~1/8 of the codes).
+// Iteration s (slots: A ring and raw ring s % 4, B tile s % 3):
+//   wgmma.fence; 4 wgmma on stage s; commit;
+//   wgmma.wait_group 1          -> own wgmma(s-1) retired
+//   cp.async.wait_group 1       -> own copies of stage s+1 landed (stages s+1, s+2 were outstanding)
+//   dequant s+1 (own raw bytes) -> B tile (s+1) % 3 (last read by wgmma(s-2)), NVFP4 A -> A tile (s+1) % 4;
+//   fence.proxy.async; __syncthreads
+//   cp.async issue of stage s+3 -> slot (s+3) % 4 == (s-1) % 4 (its last reader wgmma(s-1) retired everywhere).
+// Prefetch distance: stage s+3 is issued at the end of iteration s and waited for in iteration s+2.
+// Shared memory: 4 x 16 KiB A + 3 x 32 KiB B + 4 x 15 KiB raw (8 KiB B codes, 2 KiB private B scales, 4 KiB A
+// codes, 1 KiB private A scales) = 220 KiB + 1 KiB alignment slack + ~2 KiB static <= 227 KiB opt-in.
+// =============================================================================================================
+namespace {
+
+constexpr int kBTilesV4 = 3;
+constexpr int kPrivScales = kThreads * 4;  // 1 KiB: 4 scale bytes per thread per 128-row operand tile
+
+template <int TN>
+struct LayoutV4 {
+    static constexpr int kBTile = TN * kStageK * 2;
+    static constexpr int kRawBCodes = TN / 128 * kRawCodes;
+    static constexpr int kRawBScales = TN / 128 * kPrivScales;
+    static constexpr int kRawA = kRawBCodes + kRawBScales;
+    static constexpr int kRawStage = kRawA + kRawCodes + kPrivScales;
+    static constexpr int kA = 0;
+    static constexpr int kB = kA + kRing * kTileBytes;
+    static constexpr int kRaw = kB + kBTilesV4 * kBTile;
+    static constexpr int kBytes = kRaw + kRing * kRawStage;
+};
+// prefill.rs SMEM_BYTES_V4 must equal this + 1024.
+static_assert(LayoutV4<256>::kBytes + 1024 == 226304, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_V4 in sync");
+static_assert(LayoutV4<256>::kB % 1024 == 0 && LayoutV4<256>::kBTile % 1024 == 0, "wgmma tiles 1024-aligned");
+
+__device__ __forceinline__ void wgmma_wait_1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+// Raw NVFP4 rows -> 128 x 64 BF16 swizzled tile, thread-private scales: thread t handles row t/2, K half t%2,
+// and reads the 4 scale bytes of its row from its own slot (bytes 2h, 2h+1 are the two 16-blocks of half h).
+__device__ __forceinline__ void dequant_tile_v4(const uint8_t* raw_codes, const uint8_t* priv_scales,
+                                                uint8_t* tile) {
+    const uint32_t row = threadIdx.x >> 1, h = threadIdx.x & 1;
+    const uint4 c = *reinterpret_cast<const uint4*>(raw_codes + row * 32 + h * 16);
+    const uint32_t sc = *reinterpret_cast<const uint32_t*>(priv_scales + threadIdx.x * 4) >> (16 * h);
+    const uint32_t s0 = scale_bf16x2(sc & 0xFF), s1 = scale_bf16x2((sc >> 8) & 0xFF);
+    const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint4 o = dequant8(words[j], j < 2 ? s0 : s1);
+        *reinterpret_cast<uint4*>(tile + sw128_offset(row, 4 * h + j)) = o;
+    }
+}
+
+}  // namespace
+
+template <int TN>
+__device__ __forceinline__ void prefill_body_v4(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    using L = LayoutV4<TN>;
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kThreads / 32];
+
+    uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int E = experts;
+
+    auto expert_rows = [&](int e, int& start, int& count) {
+        const int lo = min(max(offsets[e], 0), rows_total);
+        const int hi = min(max(offsets[e + 1], lo), rows_total);
+        start = lo;
+        count = hi - lo;
+    };
+
+    // Work decomposition identical to prefill_body (exclusive prefix of 128-row token tiles per expert).
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + kTileM - 1) / kTileM; }
+        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + kTileM - 1) / kTileM; }
+    }
+    int incl = tiles0 + tiles1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int warp_base = 0;
+    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
+    const int excl = warp_base + incl - tiles0 - tiles1;
+    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
+    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
+    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
+    __syncthreads();
+
+    const int n_tiles = N / TN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    const int stages = K / kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+    const float restore = act_is_nvfp4 ? 0x1p18f : 0x1p9f;
+
+    const int wg = tid >> 7;
+    const uint32_t smem_base = smem_u32(smem);
+
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int n_tile = (int)(item % n_tiles);
+        const int et = (int)(item / n_tiles);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        const int e = lo;
+        int start, count;
+        expert_rows(e, start, count);
+        const int row0 = start + (et - s_tile_prefix[e]) * kTileM;
+        const int ntok = min(kTileM, count - (et - s_tile_prefix[e]) * kTileM);
+        const int n0 = n_tile * TN;
+        const uint8_t* b_codes = w_codes + ((size_t)e * N + n0) * codes_row;
+        const uint8_t* b_scales = w_scales + ((size_t)e * N + n0) * scales_row;
+
+        // Stage st -> ring slot st % kRing; always commits one group (possibly empty). Codes and scales land in
+        // bytes only this thread dequantizes (row tid/2 + 128 i, half tid%2; scales in slot tid).
+        auto issue_stage = [&](int st) {
+            if (st < stages) {
+                const int slot = st % kRing;
+                const uint32_t raw = smem_base + L::kRaw + slot * L::kRawStage;
+                const int h = tid & 1;
+#pragma unroll
+                for (int i = 0; i < TN / 128; ++i) {
+                    const int r = (tid >> 1) + 128 * i;
+                    cp_async16(raw + r * 32 + h * 16, b_codes + r * codes_row + st * 32 + h * 16, 16);
+                    cp_async4(raw + L::kRawBCodes + i * kPrivScales + tid * 4, b_scales + r * scales_row + st * 4, 4);
+                }
+                if (!act_is_nvfp4) {
+                    const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(act);
+                    const uint32_t tile = smem_base + L::kA + slot * kTileBytes;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int q = tid + kThreads * i;
+                        const int r = q >> 3, c = q & 7;
+                        const bool ok = r < ntok;
+                        const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                        cp_async16(tile + sw128_offset(r, c), a + grow * K + st * kStageK + c * 8, ok ? 16 : 0);
+                    }
+                } else {
+                    const uint8_t* a = reinterpret_cast<const uint8_t*>(act);
+                    const uint32_t rawa = raw + L::kRawA;
+                    const int r = tid >> 1;
+                    const bool ok = r < ntok;
+                    const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                    cp_async16(rawa + r * 32 + h * 16, a + grow * codes_row + st * 32 + h * 16, ok ? 16 : 0);
+                    cp_async4(rawa + kRawCodes + tid * 4, act_scales + grow * scales_row + st * 4, ok ? 4 : 0);
+                }
+            }
+            cp_async_commit();
+        };
+        auto dequant_stage = [&](int st) {
+            const int slot = st % kRing;
+            const uint8_t* raw = smem + L::kRaw + slot * L::kRawStage;
+            uint8_t* btile = smem + L::kB + (st % kBTilesV4) * L::kBTile;
+#pragma unroll
+            for (int i = 0; i < TN / 128; ++i) {
+                dequant_tile_v4(raw + i * kRawCodes, raw + L::kRawBCodes + i * kPrivScales, btile + i * kTileBytes);
+            }
+            if (act_is_nvfp4) {
+                const uint8_t* rawa = raw + L::kRawA;
+                dequant_tile_v4(rawa, rawa + kRawCodes, smem + L::kA + slot * kTileBytes);
+            }
+            fence_proxy_async();
+        };
+
+        float d[TN / 2];
+#pragma unroll
+        for (int i = 0; i < TN / 2; ++i) d[i] = 0.f;
+
+        // Prologue: stages 0..2 in flight; stage 0 (own bytes) dequantized; barrier = stage 0 tiles complete.
+#pragma unroll
+        for (int st = 0; st < kRing - 1; ++st) issue_stage(st);
+        cp_async_wait<kRing - 2>();
+        dequant_stage(0);
+        __syncthreads();
+
+        for (int st = 0; st < stages; ++st) {
+            const uint32_t a_tile = smem_base + L::kA + (st % kRing) * kTileBytes + wg * (64 * 128);
+            const uint32_t b_tile = smem_base + L::kB + (st % kBTilesV4) * L::kBTile;
+            const uint64_t da = sw128_desc(a_tile), db = sw128_desc(b_tile);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kStageK / 16; ++kk) {
+                wgmma_tile<TN>(d, da + 2 * kk, db + 2 * kk);
+            }
+            wgmma_commit();
+            wgmma_wait_1();              // own wgmma(st - 1) retired; wgmma(st) may run on
+            cp_async_wait<kRing - 3>();  // own copies of stage st + 1 landed (st + 1, st + 2 were outstanding)
+            if (st + 1 < stages) dequant_stage(st + 1);  // ends with fence.proxy.async (also covers BF16 A)
+            __syncthreads();             // stage st + 1 tiles complete; wgmma(st - 1) retired in both groups
+            issue_stage(st + kRing - 1);
+        }
+        wgmma_wait_all();
+        fence_acc(d);
+        __syncthreads();  // both warp groups' last wgmma retired before the next item's prologue refills the rings
+
+        const int wl = (tid & 127) >> 5;
+        const int r_lo = wg * 64 + wl * 16 + (lane >> 2);
+#pragma unroll
+        for (int j = 0; j < TN / 8; ++j) {
+            const int col = n0 + 8 * j + 2 * (lane & 3);
+            if (r_lo < ntok) {
+                *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo) * N + col) =
+                    make_float2(d[4 * j] * restore, d[4 * j + 1] * restore);
+            }
+            if (r_lo + 8 < ntok) {
+                *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo + 8) * N + col) =
+                    make_float2(d[4 * j + 2] * restore, d[4 * j + 3] * restore);
+            }
+        }
+    }
+}
+
+// Same arguments and contract as moe_gemm_prefill_partial_n256; dynamic smem = LayoutV4<256>::kBytes + 1024.
+extern "C" __global__ void __launch_bounds__(kThreads, 1) moe_gemm_prefill_partial_n256_v4(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    prefill_body_v4<256>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, offsets, experts, rows_total,
+                         partial);
+}
