@@ -207,6 +207,98 @@ fn reference_logits_match_a_direct_dequantized_formula() {
     }
 }
 
+/// CPU mirror of the index arithmetic of the FP8 logits v4 kernel (kernels/indexer.cu "FP8 logits v4";
+/// constants LG_CTA_KEYS = 1024, LG_WARPS = 8, LG_WARP_KEYS = 32, LG_MT = 2), exhaustive over n_seq in
+/// 0..=4200 plus long and odd sizes, for several sequence offsets b * capacity:
+/// * every visible entry j < n_seq is written by exactly one lane (tq == half), and that lane's early-loaded
+///   scale (row tile + mt*16 + g + (tq & 1)*8) is the scale of the row it writes;
+/// * the fused histogram counts each j < n_row exactly once and nothing else (n_row <= n_seq), so it equals
+///   indexer_topk2_hist's histogram;
+/// * the key prefetches cover [0, n_seq) exactly once in whole 128-byte entries (sizes multiples of 16),
+///   and the scale prefetch stays inside the CTA's own scales with 16-byte-aligned ends.
+#[test]
+fn logits_v4_index_mapping_covers_each_entry_once() {
+    const CTA_KEYS: usize = 1024;
+    const WARPS: usize = 8;
+    const WARP_KEYS: usize = 32;
+    const MT: usize = 2;
+    let mut sizes: Vec<usize> = (0..=4200).collect();
+    sizes.extend([8191, 8192, 8193, 65_535, 65_536, 100_003, 262_144]);
+    for &n_seq in &sizes {
+        for (slot0, n_row) in [
+            (0usize, n_seq),
+            (3 * 100_003, n_seq.saturating_sub(1)),
+            (7, n_seq / 2),
+        ] {
+            let mut written = vec![0u8; n_seq];
+            let mut counted = vec![0u8; n_seq];
+            let mut prefetched = vec![0u8; n_seq];
+            for cta in 0..n_seq.div_ceil(CTA_KEYS) {
+                let (begin, end) = (cta * CTA_KEYS, ((cta + 1) * CTA_KEYS).min(n_seq));
+                for warp in 0..WARPS {
+                    for lane in 0..32 {
+                        let tile = begin + warp * WARP_KEYS + lane * WARPS * WARP_KEYS;
+                        if tile < end {
+                            let nkeys = WARP_KEYS.min(end - tile);
+                            assert_eq!((nkeys * HEAD_DIM) % 16, 0);
+                            for e in &mut prefetched[tile..tile + nkeys] {
+                                *e += 1;
+                            }
+                        }
+                    }
+                }
+                // Scale prefetch: byte offsets from a 16-byte-aligned base.
+                let lo = ((slot0 + begin) * 4).next_multiple_of(16);
+                let hi = (slot0 + end) * 4 / 16 * 16;
+                if hi > lo {
+                    assert!(lo >= (slot0 + begin) * 4 && hi <= (slot0 + end) * 4);
+                    assert_eq!((hi - lo) % 16, 0);
+                }
+                for warp in 0..WARPS {
+                    let mut tile = begin + warp * WARP_KEYS;
+                    while tile < end {
+                        for mt in 0..MT {
+                            for lane in 0..32usize {
+                                let (g, tq) = (lane / 4, lane % 4);
+                                let srow = tile + mt * 16 + g + (tq & 1) * 8;
+                                for half in 0..2 {
+                                    let row = tile + mt * 16 + g + half * 8;
+                                    if tq == half && row < n_seq {
+                                        assert_eq!(srow, row, "scale row of the writing lane");
+                                        written[row] += 1;
+                                        if row < n_row {
+                                            counted[row] += 1;
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        tile += WARPS * WARP_KEYS;
+                    }
+                }
+            }
+            for j in 0..n_seq {
+                assert_eq!(
+                    written[j], 1,
+                    "n_seq {n_seq}: entry {j} written {} times",
+                    written[j]
+                );
+                assert_eq!(
+                    prefetched[j], 1,
+                    "n_seq {n_seq}: entry {j} prefetched {} times",
+                    prefetched[j]
+                );
+                let want = u8::from(j < n_row);
+                assert_eq!(
+                    counted[j], want,
+                    "n_seq {n_seq} n_row {n_row}: entry {j} counted {} times",
+                    counted[j]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn launcher_input_policy_rejects_bad_queries() {
     let q = vec![0x38u8; NUM_HEADS * HEAD_DIM];

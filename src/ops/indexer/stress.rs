@@ -85,6 +85,9 @@ impl StressOptions {
             random_max: 80_000,
             ks: vec![512, 2048],
             e2e_max: 40_000,
+            // The non-histogram v4 entry has its own GPU test (tests/indexer.rs); the quick suite keeps the
+            // fused-histogram path, which runs the same logits body plus the histogram.
+            paths: vec![IndexerPath::Default, IndexerPath::LogitsV4Hist],
             ..Default::default()
         }
     }
