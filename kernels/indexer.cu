@@ -1103,7 +1103,15 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) 
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
-template <int NEXT_N, bool HIST>
+__device__ __forceinline__ void prefetch_l2_sector(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+}
+
+// BULK = false (entries *_lpf, a hedge in case the TMA bulk prefetch does not pay): the same ranges requested
+// with per-thread prefetch.global.L2, one per 32-byte sector (whatever granule L2 fills on a prefetch, every
+// sector is asked for): 4 KB tile = 128 sectors = 4 per lane per tile, 16 per lane in all; warp 7 asks for
+// the CTA's scales, one sector per lane and per 32 B (1024 keys x 4 B = 128 sectors: 4 per lane).
+template <int NEXT_N, bool HIST, bool BULK = true>
 __device__ __forceinline__ void logits_v4_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
                                                const uint8_t* __restrict__ codes, const float* __restrict__ scales,
                                                const int* __restrict__ num_valid, int capacity,
@@ -1126,7 +1134,28 @@ __device__ __forceinline__ void logits_v4_body(const uint8_t* __restrict__ q, co
     const size_t seq_slot0 = (size_t)b * capacity;
 
     // (a) L2 prefetch of this warp's tiles (lane i: the warp's i-th tile) and of the CTA's scales.
-    {
+    if constexpr (!BULK) {
+#pragma unroll
+        for (int i = 0; i < LG_CTA_KEYS / (LG_WARPS * LG_WARP_KEYS); ++i) {
+            const int tile = cta_begin + warp * LG_WARP_KEYS + i * (LG_WARPS * LG_WARP_KEYS);
+            if (tile < cta_end) {  // warp-uniform
+                const uint32_t bytes = (uint32_t)(min(LG_WARP_KEYS, cta_end - tile) * DIM);
+                const uint8_t* base = codes + (seq_slot0 + tile) * DIM;
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    const uint32_t off = (uint32_t)(lane + 32 * s) * 32u;
+                    if (off < bytes) prefetch_l2_sector(base + off);
+                }
+            }
+        }
+        if (warp == LG_WARPS - 1) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const int key = cta_begin + (lane + 32 * s) * 8;  // 8 scales = 32 B per sector
+                if (key < cta_end) prefetch_l2_sector(scales + seq_slot0 + key);
+            }
+        }
+    } else {
         const int tile = cta_begin + warp * LG_WARP_KEYS + lane * (LG_WARPS * LG_WARP_KEYS);
         if (tile < cta_end) {
             const int nkeys = min(LG_WARP_KEYS, cta_end - tile);
@@ -1244,17 +1273,19 @@ __device__ __forceinline__ void logits_v4_body(const uint8_t* __restrict__ q, co
 // Same arguments as the v2 entry points plus hist [rows][4096] u32 (zero on entry; only the *_hist entries
 // touch it, the others take nullptr). grid (ceil(max_n / 1024), batch), block 256; dynamic smem: 0, or
 // NEXT_N * 4096 * 4 bytes for the *_hist entries.
-#define INDEXER_LOGITS_V4_ENTRY(NAME, NEXT_N, HIST)                                                            \
+#define INDEXER_LOGITS_V4_ENTRY(NAME, NEXT_N, HIST, BULK)                                                          \
     extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, 2)                                              \
         NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
              const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
              float* __restrict__ scores, int score_stride, uint32_t* __restrict__ hist) {                        \
         extern __shared__ __align__(16) uint32_t lg4_hist_s[];                                                  \
-        logits_v4_body<NEXT_N, HIST>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid, capacity,   \
+        logits_v4_body<NEXT_N, HIST, BULK>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid, capacity,   \
                                      scores, score_stride, hist, lg4_hist_s);                                    \
     }
 
-INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_n1, 1, false)
-INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_n2, 2, false)
-INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_hist_n1, 1, true)
-INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_hist_n2, 2, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_n1, 1, false, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_n2, 2, false, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_hist_n1, 1, true, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_hist_n2, 2, true, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_lpf_n1, 1, false, false)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_lpf_n2, 2, false, false)

@@ -829,6 +829,7 @@ fn gpu_logits_v4_paths_match_v2_bit_for_bit_and_the_reference() {
             for path in [
                 indexer::IndexerPath::LogitsV4,
                 indexer::IndexerPath::LogitsV4Hist,
+                indexer::IndexerPath::LogitsV4LinePrefetch,
             ] {
                 let ctx = format!("seed {seed:#x} path {path:?} next_n {next_n} k {k}");
                 let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
@@ -934,6 +935,7 @@ fn gpu_logits_v4_paths_match_v2_bit_for_bit_and_the_reference() {
     for path in [
         indexer::IndexerPath::LogitsV4,
         indexer::IndexerPath::LogitsV4Hist,
+        indexer::IndexerPath::LogitsV4LinePrefetch,
     ] {
         assert!(
             indexer::run_with(&gpu, &q1, &cache4, &mut b4, path).is_err(),
@@ -1116,7 +1118,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "fused_v4", "fused_v4h", "baseline"] {
+    for v in ["fused", "fused_v4", "fused_v4l", "fused_v4h", "baseline"] {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),

@@ -341,11 +341,31 @@ pub fn logits_v4(
         cache.format.name()
     );
     let max_n = check_logits_args(q, cache, scores, score_stride)?;
-    launch_logits_v4(gpu, q, cache, scores, score_stride, max_n, None)
+    launch_logits_v4(gpu, q, cache, scores, score_stride, max_n, None, false)
+}
+
+/// [`logits_v4`] with per-sector `prefetch.global.L2` instead of the TMA bulk prefetch (the `*_lpf` entries:
+/// a hedge measured alongside). Same scores, bit for bit.
+pub fn logits_v4_line_prefetch(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+) -> Result<()> {
+    ensure!(
+        cache.format == KeyFormat::Fp8,
+        "logits v4 is an FP8-key kernel; {} keys use the default logits",
+        cache.format.name()
+    );
+    let max_n = check_logits_args(q, cache, scores, score_stride)?;
+    launch_logits_v4(gpu, q, cache, scores, score_stride, max_n, None, true)
 }
 
 /// One launch of `indexer_logits_fp8v4_*` (checked arguments); `hist`: build the top-k histogram too
-/// (the `*_hist` entries, `next_n * 4096 * 4` bytes of dynamic shared memory).
+/// (the `*_hist` entries, `next_n * 4096 * 4` bytes of dynamic shared memory); `line_prefetch` (without
+/// `hist` only): the `*_lpf` entries.
+#[allow(clippy::too_many_arguments)]
 fn launch_logits_v4(
     gpu: &Gpu,
     q: &QueryBatch,
@@ -354,6 +374,7 @@ fn launch_logits_v4(
     score_stride: usize,
     max_n: usize,
     hist: Option<&mut CudaSlice<u32>>,
+    line_prefetch: bool,
 ) -> Result<()> {
     if max_n == 0 {
         return Ok(());
@@ -362,10 +383,11 @@ fn launch_logits_v4(
     let grid = (max_n.div_ceil(LOGITS_CTA_KEYS) as u32, q.batch as u32, 1);
     match hist {
         None => {
-            let name = if q.next_n == 1 {
-                "indexer_logits_fp8v4_n1"
-            } else {
-                "indexer_logits_fp8v4_n2"
+            let name = match (line_prefetch, q.next_n) {
+                (false, 1) => "indexer_logits_fp8v4_n1",
+                (false, _) => "indexer_logits_fp8v4_n2",
+                (true, 1) => "indexer_logits_fp8v4_lpf_n1",
+                (true, _) => "indexer_logits_fp8v4_lpf_n2",
             };
             let f = gpu.function(FAMILY, name)?;
             // The non-histogram entries never touch `hist`: a null pointer.
@@ -659,19 +681,23 @@ pub enum IndexerPath {
     LogitsV4,
     /// Logits v4 building the top-k histogram -> select -> final (three launches).
     LogitsV4Hist,
+    /// Logits v4 with per-sector prefetch.global.L2 instead of the bulk prefetch -> the default top-k.
+    LogitsV4LinePrefetch,
 }
 
 impl IndexerPath {
-    pub const ALL: [IndexerPath; 3] = [
+    pub const ALL: [IndexerPath; 4] = [
         IndexerPath::Default,
         IndexerPath::LogitsV4,
         IndexerPath::LogitsV4Hist,
+        IndexerPath::LogitsV4LinePrefetch,
     ];
     pub fn name(self) -> &'static str {
         match self {
             IndexerPath::Default => "default",
             IndexerPath::LogitsV4 => "logits_v4",
             IndexerPath::LogitsV4Hist => "logits_v4_hist",
+            IndexerPath::LogitsV4LinePrefetch => "logits_v4_line_prefetch",
         }
     }
 }
@@ -686,8 +712,12 @@ pub fn run_with(
 ) -> Result<()> {
     match path {
         IndexerPath::Default => run(gpu, q, cache, bufs),
-        IndexerPath::LogitsV4 => {
-            logits_v4(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+        IndexerPath::LogitsV4 | IndexerPath::LogitsV4LinePrefetch => {
+            if path == IndexerPath::LogitsV4 {
+                logits_v4(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+            } else {
+                logits_v4_line_prefetch(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+            }
             topk(
                 gpu,
                 &bufs.scores,
@@ -716,7 +746,16 @@ pub fn run_with(
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = bufs;
-            launch_logits_v4(gpu, q, cache, scores, stride, max_n, Some(&mut tb.hist))?;
+            launch_logits_v4(
+                gpu,
+                q,
+                cache,
+                scores,
+                stride,
+                max_n,
+                Some(&mut tb.hist),
+                false,
+            )?;
             topk_select_and_final(gpu, scores, stride, &q.num_valid, max_rows, tb)
         }
     }
@@ -736,7 +775,16 @@ fn logits_v4_hist_only(
     let IndexerBuffers {
         scores, topk: tb, ..
     } = bufs;
-    launch_logits_v4(gpu, q, cache, scores, stride, max_n, Some(&mut tb.hist))
+    launch_logits_v4(
+        gpu,
+        q,
+        cache,
+        scores,
+        stride,
+        max_n,
+        Some(&mut tb.hist),
+        false,
+    )
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -964,8 +1012,11 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
+type LogitsFn = fn(&Gpu, &QueryBatch, &KeyCacheGpu, &mut CudaSlice<f32>, usize) -> Result<()>;
+
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass), "fused_v4" (logits v4 + the same top-k), "fused_v4h" (logits v4 building the histogram -> select
+/// pass), "fused_v4" (logits v4 + the same top-k), "fused_v4l" (logits v4 with per-sector prefetch + the
+/// same top-k), "fused_v4h" (logits v4 building the histogram -> select
 /// -> final) or "baseline" (the seeds' path). The v4 variants need FP8 keys.
 pub fn time_variant(
     gpu: &Gpu,
@@ -1017,18 +1068,20 @@ pub fn time_variant(
                 total,
             })
         }
-        "fused_v4" => {
-            let logits_s =
-                gpu.time_us(plan, || logits_v4(gpu, q, cache, &mut bufs.scores, stride))?;
+        "fused_v4" | "fused_v4l" => {
+            let (path, logits_fn): (IndexerPath, LogitsFn) = if variant == "fused_v4" {
+                (IndexerPath::LogitsV4, logits_v4)
+            } else {
+                (IndexerPath::LogitsV4LinePrefetch, logits_v4_line_prefetch)
+            };
+            let logits_s = gpu.time_us(plan, || logits_fn(gpu, q, cache, &mut bufs.scores, stride))?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
                 topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
             })?;
-            let total = gpu.time_us(plan, || {
-                run_with(gpu, q, cache, &mut bufs, IndexerPath::LogitsV4)
-            })?;
+            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, path))?;
             Ok(IndexerSamples {
                 logits: logits_s,
                 topk: topk_s,
@@ -1058,7 +1111,7 @@ pub fn time_variant(
             })
         }
         _ => bail!(
-            "unknown indexer variant `{variant}` (expected fused, fused_v4, fused_v4h or baseline)"
+            "unknown indexer variant `{variant}` (expected fused, fused_v4, fused_v4l, fused_v4h or baseline)"
         ),
     }
 }
