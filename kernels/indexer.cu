@@ -7,6 +7,9 @@
 // indexer_topk2_select -> indexer_topk3_final (a 4096-bin histogram, a threshold select with many CTAs per
 // row, then one exact rank-by-counting pass per row with radix-select / bitonic fallbacks; see "Top-k v2"
 // and "Top-k v3"). The shared radix select / bitonic sort helpers are described under "Top-k".
+// Session-3 A/B candidates (end of file, "FP8 logits v4"; v2 stays the default until measured):
+// indexer_logits_fp8v4_* (L2 bulk prefetch + early scale load), *_lpf_* (per-sector prefetch hedge) and
+// *_hist_* (the same, building the top-k histogram so the top-k skips indexer_topk2_hist).
 // Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
 // indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
 // top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1

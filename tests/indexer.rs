@@ -859,7 +859,7 @@ fn gpu_logits_v4_paths_match_v2_bit_for_bit_and_the_reference() {
                                 def_scores[o + j].to_bits()
                             );
                         }
-                        if call == 0 {
+                        if call == 0 && k == 512 {
                             let (mut worst, mut worst_j) = (0f64, usize::MAX);
                             for j in 0..n.min(ref_max) {
                                 let mag =
