@@ -376,6 +376,12 @@ fn launch_logits_v4(
     hist: Option<&mut CudaSlice<u32>>,
     line_prefetch: bool,
 ) -> Result<()> {
+    // The v4 kernels read 128-byte FP8 entries: never hand them an MXFP4 (64-byte) code plane.
+    ensure!(
+        cache.format == KeyFormat::Fp8,
+        "logits v4 is an FP8-key kernel; {} keys use the default logits",
+        cache.format.name()
+    );
     if max_n == 0 {
         return Ok(());
     }
