@@ -7,6 +7,9 @@
 // indexer_topk2_select -> indexer_topk3_final (a 4096-bin histogram, a threshold select with many CTAs per
 // row, then one exact rank-by-counting pass per row with radix-select / bitonic fallbacks; see "Top-k v2"
 // and "Top-k v3"). The shared radix select / bitonic sort helpers are described under "Top-k".
+// Session-3 A/B candidates (end of file, "FP8 logits v4"; v2 stays the default until measured):
+// indexer_logits_fp8v4_* (L2 bulk prefetch + early scale load), *_lpf_* (per-sector prefetch hedge) and
+// *_hist_* (the same, building the top-k histogram so the top-k skips indexer_topk2_hist).
 // Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
 // indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
 // top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1
@@ -1062,3 +1065,230 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
         out_score[(size_t)row * k + j] = -INFINITY;
     }
 }
+
+// ------------------------------------------------------------------------------------------------------------
+// FP8 logits v4 (A/B candidate; logits v2 above stays the default path and is not changed).
+// Why: ncu of v2 at 1M context / batch 1 shows ~22% occupancy (122 registers, 2 CTAs of 8 warps per SM) and no
+// prefetch: every warp loads its 32-key tile, waits ~1 us for HBM, converts, runs 128 HMMA, and only then asks
+// for the next tile. All warps start together, so the GPU alternates between "everyone waits for memory" and
+// "everyone computes"; HBM sits idle during the compute phases and the tensor pipe during the load phases.
+// v4 keeps v2's math exactly and changes only when bytes are requested:
+//  (a) At CTA start, before the q conversion, lanes 0..3 of every warp hand one cp.async.bulk.prefetch.L2 of
+//      their warp's tiles (4 KB each: 32 keys x 128 B, contiguous) to the TMA unit, and one lane asks for the
+//      CTA's block of fp32 scales. No registers, no completion wait: the whole CTA's 132 KB stream towards
+//      L2 at once (a wave of 2 x 132 CTAs = ~35 MB, below the 50 MB L2), so HBM streams at full rate while
+//      the warps compute, and each demand load of a tile hits L2 (~0.3-0.5 us instead of HBM latency).
+//      The prefetch is a hint: correctness never depends on it (the demand loads are v2's, from global).
+//      Ranges: key tiles are whole entries (multiples of 128 B, 16-byte aligned: what the instruction needs);
+//      the scale range is shrunk to 16-byte boundaries inside the CTA's own scales (start rounded up, end
+//      rounded down), so no prefetch ever touches bytes outside the arrays.
+//  (b) The scale of each output row is loaded together with the key bytes at the start of the tile (v2 loads
+//      it after the 128 HMMAs, a dependent HBM round trip per tile). Only lanes tq = 0 / 1 write rows (tq ==
+//      half), so each lane keeps one scale per m-tile: 2 registers.
+//  (c) HIST = true (entry points *_hist): the top-k v2 histogram (indexer_topk2_hist) is built here from the
+//      values just written, so the top-k runs select -> final without the histogram launch and without one
+//      full read of the scores. A CTA counts into NEXT_N x 4096 bins of dynamic shared memory (zeroed before
+//      the kernel's first barrier), then after a final barrier adds each non-zero bin to hist[row][bin] with
+//      one global atomicAdd (the same flush as indexer_topk2_hist). It counts score j of row r iff j <
+//      row_valid(r) = min(max(num_valid[r], 0), score_stride), exactly the entries indexer_topk2_hist
+//      counts; each such j is written here (the launcher checks num_valid <= capacity and score_stride >=
+//      the visible entries, so row_valid(r) <= n_seq) by exactly one lane (the one with tq == half), so the
+//      histogram equals indexer_topk2_hist's bin for bin, and the bin of the stored float (the same
+//      order_key(v) >> TK2_SHIFT of the same bits) is what select recomputes from the scores.
+// Bit-exactness vs v2: same fragments, same HMMA order, same epilogue (fmaf chain, two shuffles, then one
+// f32 multiply by the same scale): identical scores. The GPU tests compare v4 with v2 bit for bit.
+// Deadlock freedom: the early return is block-uniform and precedes the first barrier; the tile loop has no
+// barrier; the HIST flush barrier is in straight-line code after the loop, reached by every thread.
+// ------------------------------------------------------------------------------------------------------------
+namespace {
+
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2_sector(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+}
+
+// BULK = false (entries *_lpf, a hedge in case the TMA bulk prefetch does not pay): the same ranges requested
+// with per-thread prefetch.global.L2, one per 32-byte sector (whatever granule L2 fills on a prefetch, every
+// sector is asked for): 4 KB tile = 128 sectors = 4 per lane per tile, 16 per lane in all; warp 7 asks for
+// the CTA's scales, one sector per lane and per 32 B (1024 keys x 4 B = 128 sectors: 4 per lane).
+template <int NEXT_N, bool HIST, bool BULK = true>
+__device__ __forceinline__ void logits_v4_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
+                                               const uint8_t* __restrict__ codes, const float* __restrict__ scales,
+                                               const int* __restrict__ num_valid, int capacity,
+                                               float* __restrict__ scores, int score_stride,
+                                               uint32_t* __restrict__ hist, uint32_t* hist_s) {
+    __shared__ __align__(16) uint4 qh[NEXT_N][8][4][32];
+    __shared__ __align__(16) float w_s[NEXT_N][HEADS];
+    const int b = blockIdx.y;
+    int n_seq = 0;
+    int n_row[NEXT_N];  // entries the top-k of row b * NEXT_N + t looks at (indexer_topk2_hist's n)
+#pragma unroll
+    for (int t = 0; t < NEXT_N; ++t) {
+        n_seq = max(n_seq, min(max(num_valid[b * NEXT_N + t], 0), capacity));
+        n_row[t] = row_valid(num_valid, b * NEXT_N + t, score_stride);
+    }
+    const int cta_begin = blockIdx.x * LG_CTA_KEYS;
+    if (cta_begin >= n_seq) return;  // block-uniform, before any barrier
+    const int cta_end = min(cta_begin + LG_CTA_KEYS, n_seq);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t seq_slot0 = (size_t)b * capacity;
+
+    // (a) L2 prefetch of this warp's tiles (lane i: the warp's i-th tile) and of the CTA's scales.
+    if constexpr (!BULK) {
+#pragma unroll
+        for (int i = 0; i < LG_CTA_KEYS / (LG_WARPS * LG_WARP_KEYS); ++i) {
+            const int tile = cta_begin + warp * LG_WARP_KEYS + i * (LG_WARPS * LG_WARP_KEYS);
+            if (tile < cta_end) {  // warp-uniform
+                const uint32_t bytes = (uint32_t)(min(LG_WARP_KEYS, cta_end - tile) * DIM);
+                const uint8_t* base = codes + (seq_slot0 + tile) * DIM;
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    const uint32_t off = (uint32_t)(lane + 32 * s) * 32u;
+                    if (off < bytes) prefetch_l2_sector(base + off);
+                }
+            }
+        }
+        if (warp == LG_WARPS - 1) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const int key = cta_begin + (lane + 32 * s) * 8;  // 8 scales = 32 B per sector
+                if (key < cta_end) prefetch_l2_sector(scales + seq_slot0 + key);
+            }
+        }
+    } else {
+        const int tile = cta_begin + warp * LG_WARP_KEYS + lane * (LG_WARPS * LG_WARP_KEYS);
+        if (tile < cta_end) {
+            const int nkeys = min(LG_WARP_KEYS, cta_end - tile);
+            prefetch_l2_bulk(codes + (seq_slot0 + tile) * DIM, (uint32_t)(nkeys * DIM));
+        }
+        if (warp == LG_WARPS - 1 && lane == 31) {
+            const uintptr_t lo = ((uintptr_t)(scales + seq_slot0 + cta_begin) + 15) & ~(uintptr_t)15;
+            const uintptr_t hi = (uintptr_t)(scales + seq_slot0 + cta_end) & ~(uintptr_t)15;
+            if (hi > lo) prefetch_l2_bulk(reinterpret_cast<const void*>(lo), (uint32_t)(hi - lo));
+        }
+    }
+    if constexpr (HIST) {
+        for (int i = threadIdx.x; i < NEXT_N * TK2_BINS; i += blockDim.x) hist_s[i] = 0;
+    }
+
+    for (int e = threadIdx.x; e < NEXT_N * 8 * 4 * 32; e += blockDim.x) {
+        const int ln = e & 31, p = (e >> 5) & 3, nt = (e >> 7) & 7, t = e >> 10;
+        const int head = nt * 8 + (ln >> 2), tq = ln & 3;
+        const uint8_t* qrow = q + ((size_t)(b * NEXT_N + t) * HEADS + head) * DIM;
+        uint32_t r[4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int u = 2 * p + j;
+            const int off = u < 4 ? tq * 16 + 4 * u : 64 + tq * 16 + 4 * (u - 4);
+            e4m3x4_to_f16x2x2(*reinterpret_cast<const uint32_t*>(qrow + off), r[2 * j], r[2 * j + 1]);
+        }
+        qh[t][nt][p][ln] = make_uint4(r[0], r[1], r[2], r[3]);
+    }
+    for (int e = threadIdx.x; e < NEXT_N * HEADS; e += blockDim.x) w_s[e / HEADS][e % HEADS] = w[(size_t)b * NEXT_N * HEADS + e];
+    __syncthreads();  // qh, w_s (and hist_s zeroed) complete
+
+    const int g = lane >> 2, tq = lane & 3;
+
+    for (int tile = cta_begin + warp * LG_WARP_KEYS; tile < cta_end; tile += LG_WARPS * LG_WARP_KEYS) {
+        uint32_t a[LG_MT][8][4];  // [m-tile][k16-step][a0..a3] f16x2, as in v2
+        float sc[LG_MT];          // (b) scale of row tile + mt*16 + g + tq*8 for the writing lanes tq < 2
+#pragma unroll
+        for (int mt = 0; mt < LG_MT; ++mt) {
+            const int srow = tile + mt * 16 + g + (tq & 1) * 8;
+            sc[mt] = (tq < 2 && srow < n_seq) ? __ldg(scales + seq_slot0 + srow) : 0.f;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = tile + mt * 16 + g + half * 8;
+                uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;  // zero codes = 0.0 for rows past the end
+                if (row < n_seq) {
+                    const uint8_t* p = codes + (seq_slot0 + row) * DIM;
+                    lo = __ldg(reinterpret_cast<const uint4*>(p + tq * 16));
+                    hi = __ldg(reinterpret_cast<const uint4*>(p + 64 + tq * 16));
+                }
+                const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                for (int u = 0; u < 8; ++u) e4m3x4_to_f16x2x2(words[u], a[mt][u][half], a[mt][u][2 + half]);
+            }
+        }
+
+#pragma unroll 1
+        for (int t = 0; t < NEXT_N; ++t) {
+            float part[LG_MT][2];
+#pragma unroll
+            for (int mt = 0; mt < LG_MT; ++mt) part[mt][0] = part[mt][1] = 0.f;
+#pragma unroll 2
+            for (int nt = 0; nt < 8; ++nt) {
+                const float2 wv = *reinterpret_cast<const float2*>(&w_s[t][nt * 8 + 2 * tq]);
+                float c[LG_MT][4];
+#pragma unroll
+                for (int mt = 0; mt < LG_MT; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0.f;
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const uint4 bq = qh[t][nt][p][lane];
+#pragma unroll
+                    for (int mt = 0; mt < LG_MT; ++mt) {
+                        mma_f16(c[mt], a[mt][2 * p], bq.x, bq.y);
+                        mma_f16(c[mt], a[mt][2 * p + 1], bq.z, bq.w);
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < LG_MT; ++mt) {
+                    part[mt][0] = fmaf(wv.x, fmaxf(c[mt][0], 0.f), part[mt][0]);
+                    part[mt][0] = fmaf(wv.y, fmaxf(c[mt][1], 0.f), part[mt][0]);
+                    part[mt][1] = fmaf(wv.x, fmaxf(c[mt][2], 0.f), part[mt][1]);
+                    part[mt][1] = fmaf(wv.y, fmaxf(c[mt][3], 0.f), part[mt][1]);
+                }
+            }
+            float* out = scores + (size_t)(b * NEXT_N + t) * score_stride;
+#pragma unroll
+            for (int mt = 0; mt < LG_MT; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float v = part[mt][half];
+                    v += __shfl_xor_sync(FULL, v, 1);
+                    v += __shfl_xor_sync(FULL, v, 2);
+                    const int row = tile + mt * 16 + g + half * 8;
+                    if (tq == half && row < n_seq) {
+                        const float s = v * sc[mt];  // sc[mt] is this row's scale: tq == half, so (tq & 1) == half
+                        out[row] = s;
+                        if constexpr (HIST) {
+                            if (row < n_row[t]) atomicAdd(&hist_s[t * TK2_BINS + (order_key(s) >> TK2_SHIFT)], 1u);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if constexpr (HIST) {
+        __syncthreads();  // every count of this CTA is in hist_s
+        for (int i = threadIdx.x; i < NEXT_N * TK2_BINS; i += blockDim.x) {
+            const uint32_t c = hist_s[i];
+            if (c) atomicAdd(&hist[(size_t)(b * NEXT_N + i / TK2_BINS) * TK2_BINS + (i % TK2_BINS)], c);
+        }
+    }
+}
+
+}  // namespace
+
+// Same arguments as the v2 entry points plus hist [rows][4096] u32 (zero on entry; only the *_hist entries
+// touch it, the others take nullptr). grid (ceil(max_n / 1024), batch), block 256; dynamic smem: 0, or
+// NEXT_N * 4096 * 4 bytes for the *_hist entries.
+#define INDEXER_LOGITS_V4_ENTRY(NAME, NEXT_N, HIST, BULK)                                                          \
+    extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, 2)                                              \
+        NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
+             const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
+             float* __restrict__ scores, int score_stride, uint32_t* __restrict__ hist) {                        \
+        extern __shared__ __align__(16) uint32_t lg4_hist_s[];                                                  \
+        logits_v4_body<NEXT_N, HIST, BULK>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid, capacity,   \
+                                     scores, score_stride, hist, lg4_hist_s);                                    \
+    }
+
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_n1, 1, false, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_n2, 2, false, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_hist_n1, 1, true, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_hist_n2, 2, true, true)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_lpf_n1, 1, false, false)
+INDEXER_LOGITS_V4_ENTRY(indexer_logits_fp8v4_lpf_n2, 2, false, false)

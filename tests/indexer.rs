@@ -207,6 +207,98 @@ fn reference_logits_match_a_direct_dequantized_formula() {
     }
 }
 
+/// CPU mirror of the index arithmetic of the FP8 logits v4 kernel (kernels/indexer.cu "FP8 logits v4";
+/// constants LG_CTA_KEYS = 1024, LG_WARPS = 8, LG_WARP_KEYS = 32, LG_MT = 2), exhaustive over n_seq in
+/// 0..=4200 plus long and odd sizes, for several sequence offsets b * capacity:
+/// * every visible entry j < n_seq is written by exactly one lane (tq == half), and that lane's early-loaded
+///   scale (row tile + mt*16 + g + (tq & 1)*8) is the scale of the row it writes;
+/// * the fused histogram counts each j < n_row exactly once and nothing else (n_row <= n_seq), so it equals
+///   indexer_topk2_hist's histogram;
+/// * the key prefetches cover [0, n_seq) exactly once in whole 128-byte entries (sizes multiples of 16),
+///   and the scale prefetch stays inside the CTA's own scales with 16-byte-aligned ends.
+#[test]
+fn logits_v4_index_mapping_covers_each_entry_once() {
+    const CTA_KEYS: usize = 1024;
+    const WARPS: usize = 8;
+    const WARP_KEYS: usize = 32;
+    const MT: usize = 2;
+    let mut sizes: Vec<usize> = (0..=4200).collect();
+    sizes.extend([8191, 8192, 8193, 65_535, 65_536, 100_003, 262_144]);
+    for &n_seq in &sizes {
+        for (slot0, n_row) in [
+            (0usize, n_seq),
+            (3 * 100_003, n_seq.saturating_sub(1)),
+            (7, n_seq / 2),
+        ] {
+            let mut written = vec![0u8; n_seq];
+            let mut counted = vec![0u8; n_seq];
+            let mut prefetched = vec![0u8; n_seq];
+            for cta in 0..n_seq.div_ceil(CTA_KEYS) {
+                let (begin, end) = (cta * CTA_KEYS, ((cta + 1) * CTA_KEYS).min(n_seq));
+                for warp in 0..WARPS {
+                    for lane in 0..32 {
+                        let tile = begin + warp * WARP_KEYS + lane * WARPS * WARP_KEYS;
+                        if tile < end {
+                            let nkeys = WARP_KEYS.min(end - tile);
+                            assert_eq!((nkeys * HEAD_DIM) % 16, 0);
+                            for e in &mut prefetched[tile..tile + nkeys] {
+                                *e += 1;
+                            }
+                        }
+                    }
+                }
+                // Scale prefetch: byte offsets from a 16-byte-aligned base.
+                let lo = ((slot0 + begin) * 4).next_multiple_of(16);
+                let hi = (slot0 + end) * 4 / 16 * 16;
+                if hi > lo {
+                    assert!(lo >= (slot0 + begin) * 4 && hi <= (slot0 + end) * 4);
+                    assert_eq!((hi - lo) % 16, 0);
+                }
+                for warp in 0..WARPS {
+                    let mut tile = begin + warp * WARP_KEYS;
+                    while tile < end {
+                        for mt in 0..MT {
+                            for lane in 0..32usize {
+                                let (g, tq) = (lane / 4, lane % 4);
+                                let srow = tile + mt * 16 + g + (tq & 1) * 8;
+                                for half in 0..2 {
+                                    let row = tile + mt * 16 + g + half * 8;
+                                    if tq == half && row < n_seq {
+                                        assert_eq!(srow, row, "scale row of the writing lane");
+                                        written[row] += 1;
+                                        if row < n_row {
+                                            counted[row] += 1;
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        tile += WARPS * WARP_KEYS;
+                    }
+                }
+            }
+            for j in 0..n_seq {
+                assert_eq!(
+                    written[j], 1,
+                    "n_seq {n_seq}: entry {j} written {} times",
+                    written[j]
+                );
+                assert_eq!(
+                    prefetched[j], 1,
+                    "n_seq {n_seq}: entry {j} prefetched {} times",
+                    prefetched[j]
+                );
+                let want = u8::from(j < n_row);
+                assert_eq!(
+                    counted[j], want,
+                    "n_seq {n_seq} n_row {n_row}: entry {j} counted {} times",
+                    counted[j]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn launcher_input_policy_rejects_bad_queries() {
     let q = vec![0x38u8; NUM_HEADS * HEAD_DIM];
@@ -684,6 +776,174 @@ fn gpu_logits_and_topk_match_the_reference() {
     }
 }
 
+/// Session-3 A/B candidates (FP8 logits v4, and v4 building the top-k histogram): scores bit for bit equal
+/// to logits v2 (same fragments, same HMMA order, same epilogue), within the FP8 bound of the f64
+/// reference, and the top-k exact and identical to the default path's, on lengths that are not multiples
+/// of 32 / 128 / 1024, next_n = 1 and 2 (the earlier token sees one entry fewer), three back-to-back calls
+/// (the fused histogram must be re-zeroed by every call), and one long row across ~100 CTAs.
+#[test]
+fn gpu_logits_v4_paths_match_v2_bit_for_bit_and_the_reference() {
+    let Some(gpu) = gpu_for_test("gpu_logits_v4_paths_match_v2_bit_for_bit_and_the_reference")
+    else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_logits_v4");
+    let lens = [0usize, 1, 31, 127, 129, 1023, 1025, 2047, 4097, 100_003];
+    // The f64 reference is computed for at most this many entries per row (the long row: its prefix).
+    let ref_max = 4097usize;
+    let (batch, cap) = (lens.len(), 100_003usize);
+    let mut host = KeyCacheHost::new(KeyFormat::Fp8, batch, cap);
+    for (b, &n) in lens.iter().enumerate() {
+        for j in 0..n {
+            let amp = [0.05f32, 1.0, 20.0][rng.random_range(0..3)];
+            host.write_key(host.slot(b, j), &random_key(&mut rng, amp))
+                .unwrap();
+        }
+    }
+    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+    for next_n in [1usize, 2] {
+        let rows = batch * next_n;
+        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+            .map(|_| reference::random_e4m3(&mut rng))
+            .collect();
+        let w: Vec<f32> = (0..rows * NUM_HEADS)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let nv: Vec<i32> = (0..rows)
+            .map(|r| (lens[r / next_n] as i32 - (next_n - 1 - r % next_n) as i32).max(0))
+            .collect();
+        let qb = QueryBatch::upload(&gpu, batch, next_n, &q, &w, &nv).unwrap();
+        let shape_ref = IndexerShape {
+            batch,
+            next_n,
+            num_valid: nv.iter().map(|&n| n.min(ref_max as i32)).collect(),
+        };
+        let want = reference::logits(&shape_ref, &q, &w, &host);
+        for k in [512usize, 2048] {
+            let mut def = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+            indexer::run(&gpu, &qb, &cache, &mut def).unwrap();
+            let stride = def.score_stride;
+            let def_scores = gpu.download(&def.scores).unwrap();
+            let def_idx = gpu.download(&def.topk.out_idx).unwrap();
+            let def_sc = gpu.download(&def.topk.out_score).unwrap();
+            for path in [
+                indexer::IndexerPath::LogitsV4,
+                indexer::IndexerPath::LogitsV4Hist,
+                indexer::IndexerPath::LogitsV4LinePrefetch,
+            ] {
+                let ctx = format!("seed {seed:#x} path {path:?} next_n {next_n} k {k}");
+                let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+                for call in 0..3 {
+                    if call > 0 {
+                        // Re-poison the outputs: every call must write them again.
+                        bufs.scores = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
+                        bufs.topk.out_idx = gpu.poisoned::<i32>(rows * k, 0xFF).unwrap();
+                        bufs.topk.out_score = gpu.poisoned::<f32>(rows * k, 0xFF).unwrap();
+                    }
+                    indexer::run_with(&gpu, &qb, &cache, &mut bufs, path).unwrap();
+                    let scores = gpu.download(&bufs.scores).unwrap();
+                    let idx = gpu.download(&bufs.topk.out_idx).unwrap();
+                    let out_sc = gpu.download(&bufs.topk.out_score).unwrap();
+                    for r in 0..rows {
+                        let n = nv[r] as usize;
+                        let o = r * stride;
+                        let got = &scores[o..o + n];
+                        if let Some(j) =
+                            (0..n).find(|&j| got[j].to_bits() != def_scores[o + j].to_bits())
+                        {
+                            panic!(
+                                "{ctx} call {call} row {r} (num_valid {n}): score j {j} = {:e} (0x{:08X}), logits v2 {:e} (0x{:08X})",
+                                got[j],
+                                got[j].to_bits(),
+                                def_scores[o + j],
+                                def_scores[o + j].to_bits()
+                            );
+                        }
+                        if call == 0 && k == 512 {
+                            let (mut worst, mut worst_j) = (0f64, usize::MAX);
+                            for j in 0..n.min(ref_max) {
+                                let mag =
+                                    reference::logit_magnitude(&shape_ref, &q, &w, &host, r, j);
+                                let err = (got[j] as f64 - want[r][j] as f64).abs();
+                                assert!(
+                                    err <= f64::powi(2.0, -9) * mag + 1e-30,
+                                    "{ctx} row {r} j {j}: gpu {:e} ref {:e} err {err:e} (magnitude {mag:e})",
+                                    got[j],
+                                    want[r][j]
+                                );
+                                if err > worst {
+                                    (worst, worst_j) = (err, j);
+                                }
+                            }
+                            if r == rows - 1 {
+                                println!("{ctx}: last row max abs err vs f64 reference {worst:e} at j {worst_j}");
+                            }
+                        }
+                        let rk = r * k..(r + 1) * k;
+                        if let Err(e) = reference::check_topk_exact(got, k, &idx[rk.clone()]) {
+                            panic!("{ctx} call {call} row {r} (num_valid {n}): {e}");
+                        }
+                        if let Some(p) = rk.clone().find(|&p| {
+                            idx[p] != def_idx[p] || out_sc[p].to_bits() != def_sc[p].to_bits()
+                        }) {
+                            panic!(
+                                "{ctx} call {call} row {r}: top-k position {} = ({}, {:e}), default ({}, {:e})",
+                                p - rk.start,
+                                idx[p],
+                                out_sc[p],
+                                def_idx[p],
+                                def_sc[p]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Logits v4 alone equals v2 too (the non-histogram entry through its own launcher).
+        let mut s4 = gpu
+            .poisoned::<f32>(rows * cap.next_multiple_of(4), 0xFF)
+            .unwrap();
+        let stride = cap.next_multiple_of(4);
+        indexer::logits_v4(&gpu, &qb, &cache, &mut s4, stride).unwrap();
+        let mut s2 = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
+        indexer::logits(&gpu, &qb, &cache, &mut s2, stride).unwrap();
+        let (a, b) = (gpu.download(&s4).unwrap(), gpu.download(&s2).unwrap());
+        for (r, &n) in nv.iter().enumerate() {
+            let o = r * stride;
+            if let Some(j) = (0..n as usize).find(|&j| a[o + j].to_bits() != b[o + j].to_bits()) {
+                panic!(
+                    "seed {seed:#x} next_n {next_n} logits_v4 row {r} j {j}: {:e} vs v2 {:e}",
+                    a[o + j],
+                    b[o + j]
+                );
+            }
+        }
+    }
+    // MXFP4 keys are rejected by the v4 paths before any launch.
+    let host4 = KeyCacheHost::new(KeyFormat::Mxfp4, 1, 64);
+    let cache4 = KeyCacheGpu::upload(&gpu, &host4).unwrap();
+    let q1 = QueryBatch::upload(
+        &gpu,
+        1,
+        1,
+        &vec![0x38u8; NUM_HEADS * HEAD_DIM],
+        &[1.0; NUM_HEADS],
+        &[64],
+    )
+    .unwrap();
+    let mut b4 = IndexerBuffers::new(&gpu, 1, 64, 512).unwrap();
+    for path in [
+        indexer::IndexerPath::LogitsV4,
+        indexer::IndexerPath::LogitsV4Hist,
+        indexer::IndexerPath::LogitsV4LinePrefetch,
+    ] {
+        assert!(
+            indexer::run_with(&gpu, &q1, &cache4, &mut b4, path).is_err(),
+            "{path:?} accepted MXFP4 keys"
+        );
+    }
+}
+
 #[test]
 fn gpu_topk_long_rows_and_specials() {
     let Some(gpu) = gpu_for_test("gpu_topk_long_rows_and_specials") else {
@@ -858,7 +1118,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "baseline"] {
+    for v in ["fused", "fused_v4", "fused_v4l", "fused_v4h", "baseline"] {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
