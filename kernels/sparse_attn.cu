@@ -11,6 +11,8 @@
 //   sparse_attn_decode_fp8_v2      the FP8 path (this family's kernel, bench variant "fp8"; the `_v2` stays in
 //                                  the name because earlier logs and profiles use the plain name for the
 //                                  removed first design, see below).
+//   sparse_attn_decode_fp8_v3      A/B candidate (bench variant "fp8_v3"): v2 with QK^T on wgmma.m64n32k16 over
+//                                  128B-swizzled q and K = V tiles (design notes above decode_fp8_v3_body).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -607,6 +609,262 @@ __device__ __forceinline__ void decode_fp8_v2_body(const DecodeArgs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// FP8 v3 path (sparse_attn_decode_fp8_v3, bench variant "fp8_v3"): v2 with QK^T on wgmma.
+//   * q and the K = V tile live in the canonical 128B-swizzled K-major wgmma layout (the layout of
+//     kernels/moe_gemm_prefill.cu, verified there on the H200): 8 k-blocks of 64 dims, each 64 rows x 128 B
+//     (8 KiB, 1024-aligned); byte offset of (row r, global 16-byte chunk C in 0..64) =
+//     (C >> 3) * 8192 + r * 128 + (((C & 7) ^ (r & 7)) << 4). A Rust mirror (tests/sparse_attn.rs,
+//     `v3_swizzle_layout_mirror`) checks it is a bijection and that the dequant and P.V address forms equal it.
+//   * QK^T: warp group wh (warps 4wh..4wh+3) computes S[64 heads, entries 32wh..32wh+31] with 32 x
+//     wgmma.m64n32k16 (A = q rows 0..63, B = tile rows 32wh..; both K-major, descriptor start + 32 B per K=16
+//     slice). The m64nNk16 accumulator fragment puts row 16w + l/4 (+8), columns 8j + 2(l%4) (+1) in
+//     d[4j..4j+3] for warp w of the group, lane l: exactly the mma.sync m16n8 layout v2's softmax consumes
+//     (warp wm = w, n-tile j = entries 32wh + 8j..), so softmax, P.V and finish are v2's code. Same products,
+//     f32 accumulation in a different order: results equal v2's up to f32 summation order, not bit for bit.
+//   * P.V stays mma.sync (O in registers as in v2); its ldmatrix.trans rows follow the swizzled layout
+//     (8 lanes of one 8x8 matrix read 8 consecutive entries at distinct 16-byte positions: conflict-free).
+//   * The dequant writes the swizzled tile; thread (e, q) writes chunk q + 4((i & 1) ^ (e & 1)) of k-block
+//     i >> 1, so the two entries of a quarter-warp hit disjoint bank quartets. fence.proxy.async orders these
+//     generic-proxy stores before the async-proxy wgmma reads (after the barrier that follows).
+//   Budget change per warp per tile vs v2: the QK loop (32 x (3 ldmatrix + 4 mma) + addressing, ~250 issue
+//   slots) becomes 32 wgmma + descriptor adds (~70), and the QK shared-memory reads drop from 384 KB (each
+//   warp pulls its q rows and 32 K rows) to 192 KB (each warp group reads q and its 32 rows once).
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kSwBlockBytes = 64 * 128;  // one k-block (64 dims) of 64 rows
+constexpr int kSwTileBytes = 8 * kSwBlockBytes;  // 64 rows x 512 dims BF16
+constexpr int kV3Q = 0;
+constexpr int kV3Vt = kV3Q + kSwTileBytes;
+constexpr int kV3Raw = kV3Vt + kSwTileBytes;
+constexpr int kV3P = kV3Raw + 2 * kRawBytes;
+constexpr int kV3RedMax = kV3P + kPBytes;
+constexpr int kV3RedSum = kV3RedMax + kRedBytes;
+constexpr int kV3Idx = kV3RedSum + kRedBytes;
+constexpr int kV3Bytes = kV3Idx + kIdxBytes;           // 220928
+constexpr int kV3SmemBytes = kV3Bytes + 1024;          // + slack to align the base to 1024 B
+static_assert(kV3SmemBytes == 221952, "mirror FP8_V3_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+static_assert(kV3SmemBytes <= 232448, "FP8 v3 kernel exceeds the sm_90 opt-in shared memory");
+static_assert(kV3Vt % 1024 == 0 && kV3Raw % 16 == 0 && kV3P % 16 == 0, "alignment");
+
+__device__ __forceinline__ uint32_t sw_off(int row, int chunk) {
+    return (uint32_t)((chunk >> 3) * kSwBlockBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Descriptor of a 1024-aligned 128B-swizzled K-major tile (fields as in kernels/moe_gemm_prefill.cu):
+// start >> 4 (bits 0-13), LBO 1 (unused for swizzled K-major), SBO 1024 B >> 4 (bits 32-45), 128B swizzle.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+// D(64 x 32, f32) += A(64 x 16 bf16, smem desc) * B(32 x 16 bf16, smem desc)^T; both K-major.
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans_addr(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                                       uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// Raw FP8 stage (v2 layout) -> swizzled BF16 K = V tile. Same exact conversion as dequant_tile_v2.
+__device__ __forceinline__ void dequant_tile_v3(const uint8_t* raw, uint8_t* vt, int tid) {
+    const int e = tid >> 2, q = tid & 3, odd = e & 1;
+    const uint8_t* rn = raw + e * kNopeStride;
+    const uint8_t* rr = raw + kRawNopeBytes + e * kRopeStride * 2;
+    const uint2 sc = *reinterpret_cast<const uint2*>(raw + kRawNopeBytes + kRawRopeBytes + e * 8);
+    float scale[kTiles];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+        scale[t] = mm::ue8m0_decode(static_cast<uint8_t>(((t < 4 ? sc.x : sc.y) >> (8 * (t & 3))) & 0xFFu));
+#pragma unroll
+    for (int i = 0; i < 14; ++i) {
+        // chunk C = 8 (i >> 1) + q + 4 ((i & 1) ^ odd): over i = 0..13 and q = 0..3 every chunk 0..55 once.
+        const int c = 8 * (i >> 1) + q + 4 * ((i & 1) ^ odd);
+        const uint2 w = *reinterpret_cast<const uint2*>(rn + 8 * c);
+        const float s = scale[i >> 1];
+        uint4 o;
+        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
+        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
+        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
+        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
+        *reinterpret_cast<uint4*>(vt + sw_off(e, c)) = o;
+    }
+    // rope: chunks 56 + q and 60 + q (k-block 7).
+    *reinterpret_cast<uint4*>(vt + sw_off(e, 56 + q)) = *reinterpret_cast<const uint4*>(rr + 16 * q);
+    *reinterpret_cast<uint4*>(vt + sw_off(e, 60 + q)) = *reinterpret_cast<const uint4*>(rr + 16 * (q + 4));
+}
+
+// O += P (16 heads x 64 entries) . V (64 entries x 256 dims of this warp's half), V in the swizzled layout.
+// ldmatrix.trans matrix mi of lane l = 8 mi + r8: entry 16 ks + r8 + 8 (mi & 1), dims 256 wh + 16 np + 8 (mi >> 1),
+// i.e. chunk C = 32 wh + 2 np + (mi >> 1): k-block 4 wh + np / 4, in-block chunk 2 (np % 4) + (mi >> 1), row & 7 = r8.
+__device__ __forceinline__ void pv_step_v3(WarpState& st, const __nv_bfloat16* ps, uint32_t vt_base, int wm, int wh,
+                                           int g, int tq, int lane) {
+    const int row0 = 16 * wm + g;
+    const int mi = lane >> 3, r8 = lane & 7;
+    const int x = (mi >> 1) ^ r8;  // (2 (np % 4) + (mi >> 1)) ^ r8 == 2 (np % 4) ^ x: mi >> 1 is bit 0 only
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const int kb = 16 * ks + 2 * tq;
+        const uint32_t a0 = ld_smem_u32(ps + row0 * kPStride + kb);
+        const uint32_t a1 = ld_smem_u32(ps + (row0 + 8) * kPStride + kb);
+        const uint32_t a2 = ld_smem_u32(ps + row0 * kPStride + kb + 8);
+        const uint32_t a3 = ld_smem_u32(ps + (row0 + 8) * kPStride + kb + 8);
+        const uint32_t row_addr = vt_base + (uint32_t)((16 * ks + r8 + (mi & 1) * 8) * 128 + 4 * wh * kSwBlockBytes);
+#pragma unroll
+        for (int np = 0; np < 16; ++np) {
+            uint32_t b0, b1, b2, b3;
+            const uint32_t addr = row_addr + (uint32_t)((np >> 2) * kSwBlockBytes + (((2 * (np & 3)) ^ x) << 4));
+            ldmatrix_x4_trans_addr(b0, b1, b2, b3, addr);
+            mma_bf16(st.o[2 * np], a0, a1, a2, a3, b0, b1);
+            mma_bf16(st.o[2 * np + 1], a0, a1, a2, a3, b2, b3);
+        }
+    }
+}
+
+__device__ __forceinline__ void decode_fp8_v3_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV3Q;
+    uint8_t* vt = smem + kV3Vt;
+    __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + kV3P);
+    float* red_max = reinterpret_cast<float*>(smem + kV3RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV3RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV3Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
+        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
+    }
+    // q: as in v2 (warp w quantizes heads 8w..8w+7), stored into the swizzled layout; lane l owns chunks 2l, 2l+1.
+    {
+        uint4 raw[8][2];
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane(x, lane);  // all lanes take part in its shuffles
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+    fence_proxy_async();  // q's generic stores -> visible to wgmma (async proxy) after the barrier below
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0, 1 and q visible
+    if (n_it > 0) load_tile_fp8_v2(smem + kV3Raw, idxs, a.pool, warp, lane);
+    cp_async_commit();
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base = smem_addr(vt);
+    const uint32_t b_rows = vt_base + (uint32_t)(32 * wh * 128);  // this warp group's 32 entries (1024-aligned)
+
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        __syncthreads();  // tile `it` landed; iteration it-1 is done with vt, P, red_*, its idx slot
+        const uint8_t* raw = smem + kV3Raw + (it & 1) * kRawBytes;
+        const int* idx_cur = idxs + (it % 3) * kBlockN;
+        if (it + 1 < n_it)
+            load_tile_fp8_v2(smem + kV3Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool,
+                             warp, lane);
+        cp_async_commit();
+        if (tid < kBlockN && it + 2 < n_it)
+            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
+
+        dequant_tile_v3(raw, vt, tid);
+        fence_proxy_async();
+        __syncthreads();  // K = V tile complete and visible to the async proxy
+
+        // ---- S = q . K^T: warp group wh, 64 heads x entries 32wh..32wh+31, all 512 dims ----
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < 8; ++kb) {
+            const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+            const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);  // +32 B per K=16 slice
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step<true>(st, s, red_max, ps, wm, wh, g, tq);
+        pair_barrier(wm);  // P rows of this head block: columns 0..31 from wh = 0, 32..63 from wh = 1
+        pv_step_v3(st, ps, vt_base, wm, wh, g, tq, lane);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // BF16 baseline path (the seeds' staging design): same tiling, K = V read as BF16 rows of the staging buffer.
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void load_tile_bf16(__nv_bfloat16* vt, const int* idx, const DecodeArgs& a, int b, int j0) {
@@ -733,6 +991,12 @@ extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t*
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV2SmemBytes. The FP8 path (bench "fp8").
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v2(SA_DECODE_PARAMS) {
     sa::decode_fp8_v2_body(SA_DECODE_ARGS);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV3SmemBytes. The FP8 path with QK^T on wgmma
+// (bench "fp8_v3"); same arguments and outputs as v2.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v3(SA_DECODE_PARAMS) {
+    sa::decode_fp8_v3_body(SA_DECODE_ARGS);
 }
 
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kB16SmemBytes. Reads `staging`.

@@ -37,6 +37,9 @@ pub const HEADS_PER_CTA: usize = 64;
 pub const BLOCK_N: usize = 64;
 /// Dynamic shared memory of `sparse_attn_decode_fp8_v2` (mirrors `sa::kV2SmemBytes`).
 const FP8_V2_SMEM_BYTES: u32 = 222_976;
+/// Dynamic shared memory of `sparse_attn_decode_fp8_v3` (mirrors `sa::kV3SmemBytes`: 220928 + 1024 B of
+/// slack the kernel uses to align its wgmma tiles to 1024 bytes).
+const FP8_V3_SMEM_BYTES: u32 = 221_952;
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -139,7 +142,7 @@ impl SplitPlan {
     /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8 | Path::Fp8V3 => SplitPlan::by_cost(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
@@ -208,6 +211,8 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
+    /// Looked up on first use, so that the default paths never depend on the A/B candidate's entry point.
+    decode_fp8_v3: Option<CudaFunction>,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
 }
@@ -218,6 +223,7 @@ impl Kernels {
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem("sparse_attn_decode_fp8_v2", FP8_V2_SMEM_BYTES)?,
+            decode_fp8_v3: None,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
         })
@@ -275,6 +281,9 @@ impl Workspace {
 pub enum Path {
     /// `sparse_attn_decode_fp8_v2`: reads the FP8 pool directly, dequantizes each tile once to BF16 (K = V).
     Fp8,
+    /// `sparse_attn_decode_fp8_v3`: v2 with QK^T on `wgmma` (q and the tile in the 128B-swizzled layout);
+    /// equal to `Fp8` up to the f32 summation order of the scores. A/B candidate, bench variant `fp8_v3`.
+    Fp8V3,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -334,6 +343,15 @@ pub fn decode(
             FP8_V2_SMEM_BYTES,
             ws.kernels.decode_fp8.clone(),
         ),
+        Path::Fp8V3 => {
+            let name = "sparse_attn_decode_fp8_v3";
+            if ws.kernels.decode_fp8_v3.is_none() {
+                ws.kernels.decode_fp8_v3 =
+                    Some(gpu.function_with_smem(FAMILY, name, FP8_V3_SMEM_BYTES as usize)?);
+            }
+            let f = ws.kernels.decode_fp8_v3.clone().expect("loaded above");
+            (name, FP8_V3_SMEM_BYTES, f)
+        }
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
             BF16_SMEM_BYTES,
@@ -349,7 +367,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 => b.arg(inp.pool).arg(&null),
+            Path::Fp8 | Path::Fp8V3 => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -493,23 +511,24 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 | Path::Fp8V3 => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
     (io + kv, 4 * b * h * l * HEAD_DIM as u64)
 }
 
-/// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan) and
-/// `bf16_staging` (the baseline).
+/// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan),
+/// `fp8_v3` (the same with QK^T on wgmma; A/B candidate) and `bf16_staging` (the baseline).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
-pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
+pub const BENCH_VARIANTS: [&str; 3] = ["fp8", "fp8_v3", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
+        "fp8_v3" => Path::Fp8V3,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
