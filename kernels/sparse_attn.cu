@@ -13,6 +13,7 @@
 //                                  removed first design, see below).
 //   sparse_attn_decode_fp8_v3      A/B candidate (bench variant "fp8_v3"): v2 with QK^T on wgmma.m64n32k16 over
 //                                  128B-swizzled q and K = V tiles (design notes above decode_fp8_v3_body).
+//   sparse_attn_decode_fp8_v4      A/B candidate (bench variant "fp8_v4"): v3 with P.V on wgmma.m64n256k16 too.
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -865,6 +866,242 @@ __device__ __forceinline__ void decode_fp8_v3_body(const DecodeArgs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// FP8 v4 path (sparse_attn_decode_fp8_v4, bench variant "fp8_v4"): v3 with P.V on wgmma as well.
+//   * P (64 heads x 64 entries, BF16) is written in the 128B-swizzled K-major layout (one 8 KiB block,
+//     1024-aligned): byte offset of (head r, entry c) = r * 128 + (((c >> 3) ^ (r & 7)) << 4) + 2 (c & 7).
+//   * Warp group wh computes O[64 heads, dims 256wh..256wh+255] += P . V with 4 x wgmma.m64n256k16
+//     (K = 16 entries each). A = P (K-major, +32 B per K=16 slice, as for q). B = the K = V tile read
+//     N-major (imm-trans-b = 1): the same swizzled bytes serve as the N-major 128B-swizzle canonical layout,
+//     with rows = K (entries, 128 B apart, 8-row groups SBO = 1024 B apart; a K=16 slice is +2048 B) and
+//     64-dim atoms along N LBO = 8192 B apart (the k-block stride). Descriptor fields as in the PTX ISA matrix
+//     descriptor; for N-major swizzled layouts LBO is the stride between swizzle atoms along N.
+//   * The m64n256k16 accumulator fragment is the v2 O layout (warp w of the group: heads 16w + l/4 (+8),
+//     dims 256wh + 8nt + 2(l%4) (+1) in register 4nt + i), so the online-softmax rescale and finish are v2's.
+//   * Every warp group reads all 64 P rows (written by all 8 warps), so the pair barrier before P.V becomes a
+//     CTA barrier, preceded by fence.proxy.async (P's generic stores -> wgmma's async-proxy reads).
+//   Budget change per warp per tile vs v3: P.V's 4 x (4 lds + 16 x (ldmatrix + 2 mma)) ~ 210 issue slots become
+//   4 wgmma; P.V shared-memory reads drop from 256 KB per tile (each warp reads 64 entries x 256 dims) to
+//   2 x (32 KB V + 8 KB P).
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kV4PswBytes = 64 * 128;
+static_assert(kV3P % 1024 == 0 && kV4PswBytes <= kPBytes, "v4 reuses v3's map with a 1024-aligned 8 KiB P block");
+
+// Descriptor of an N-major (MN-major) 128B-swizzled operand: start >> 4, LBO = 8192 B between 64-element atoms
+// along N, SBO = 1024 B between 8-row groups along K, 128B swizzle.
+__device__ __forceinline__ uint64_t sw128_desc_mn(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(kSwBlockBytes >> 4) << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void fence_acc_o(float (&d)[32][4]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])::"memory");
+}
+
+// softmax_step with P written in the swizzled layout (same arithmetic as softmax_step<true>).
+__device__ __forceinline__ void softmax_step_v4(WarpState& st, float (&s)[4][4], float* red_max, uint8_t* psw, int wm,
+                                                int wh, int g, int tq) {
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        tmax[0] = fmaxf(tmax[0], fmaxf(s[n][0], s[n][1]));
+        tmax[1] = fmaxf(tmax[1], fmaxf(s[n][2], s[n][3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+        tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+    }
+    const int row0 = 16 * wm + g;
+    if (tq == 0) {
+        red_max[wh * kHeadsPerCta + row0] = tmax[0];
+        red_max[wh * kHeadsPerCta + row0 + 8] = tmax[1];
+    }
+    pair_barrier(wm);
+    tmax[0] = fmaxf(tmax[0], red_max[(1 - wh) * kHeadsPerCta + row0]);
+    tmax[1] = fmaxf(tmax[1], red_max[(1 - wh) * kHeadsPerCta + row0 + 8]);
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(st.m[r], tmax[r]);
+        m_use[r] = (m_new == -INFINITY) ? 0.f : m_new;
+        alpha[r] = exp2f(st.m[r] - m_use[r]);
+        st.m[r] = m_new;
+        st.l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const float p0 = exp2f(s[n][0] - m_use[0]);
+        const float p1 = exp2f(s[n][1] - m_use[0]);
+        const float p2 = exp2f(s[n][2] - m_use[1]);
+        const float p3 = exp2f(s[n][3] - m_use[1]);
+        st.l[0] += p0 + p1;
+        st.l[1] += p2 + p3;
+        // entries 32wh + 8n + 2tq (+1): chunk 4wh + n, byte 4tq inside it; rows row0 and row0 + 8 share row & 7 = g.
+        const uint32_t inrow = (uint32_t)((((4 * wh + n) ^ g) << 4) + 4 * tq);
+        *reinterpret_cast<uint32_t*>(psw + row0 * 128 + inrow) = pack_bf16x2(p0, p1);
+        *reinterpret_cast<uint32_t*>(psw + (row0 + 8) * 128 + inrow) = pack_bf16x2(p2, p3);
+    }
+    if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) {
+        st.o[nt][0] *= alpha[0];
+        st.o[nt][1] *= alpha[0];
+        st.o[nt][2] *= alpha[1];
+        st.o[nt][3] *= alpha[1];
+    }
+}
+
+// D(64 x 256, f32, the WarpState O layout) += A(64 x 16 bf16, K-major smem desc) * B(16 x 256 bf16, N-major smem
+// desc): imm-trans-b = 1. d[nt][i] is accumulator register 4 nt + i (row 16 w + l/4 (+8), column 8 nt + 2 (l%4) (+1)).
+__device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[32][4], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void decode_fp8_v4_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV3Q;
+    uint8_t* vt = smem + kV3Vt;
+    uint8_t* psw = smem + kV3P;
+    float* red_max = reinterpret_cast<float*>(smem + kV3RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV3RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV3Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
+        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
+    }
+    // q: as in v2 (warp w quantizes heads 8w..8w+7), stored into the swizzled layout; lane l owns chunks 2l, 2l+1.
+    {
+        uint4 raw[8][2];
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane(x, lane);  // all lanes take part in its shuffles
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+    fence_proxy_async();  // q's generic stores -> visible to wgmma (async proxy) after the barrier below
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0, 1 and q visible
+    if (n_it > 0) load_tile_fp8_v2(smem + kV3Raw, idxs, a.pool, warp, lane);
+    cp_async_commit();
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base = smem_addr(vt);
+    const uint32_t b_rows = vt_base + (uint32_t)(32 * wh * 128);  // this warp group's 32 entries (1024-aligned)
+    const uint64_t p_desc = sw128_desc(smem_addr(psw));
+    const uint64_t v_desc = sw128_desc_mn(vt_base + (uint32_t)(4 * wh * kSwBlockBytes));  // dims 256wh..
+
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        __syncthreads();  // tile `it` landed; iteration it-1 is done with vt, P, red_*, its idx slot
+        const uint8_t* raw = smem + kV3Raw + (it & 1) * kRawBytes;
+        const int* idx_cur = idxs + (it % 3) * kBlockN;
+        if (it + 1 < n_it)
+            load_tile_fp8_v2(smem + kV3Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool,
+                             warp, lane);
+        cp_async_commit();
+        if (tid < kBlockN && it + 2 < n_it)
+            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
+
+        dequant_tile_v3(raw, vt, tid);
+        fence_proxy_async();
+        __syncthreads();  // K = V tile complete and visible to the async proxy
+
+        // ---- S = q . K^T: warp group wh, 64 heads x entries 32wh..32wh+31, all 512 dims ----
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < 8; ++kb) {
+            const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+            const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);  // +32 B per K=16 slice
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step_v4(st, s, red_max, psw, wm, wh, g, tq);
+        fence_proxy_async();
+        __syncthreads();  // all 64 P rows written and visible to the async proxy
+
+        // ---- O[64 heads, dims 256wh..+255] += P . V: 4 x m64n256k16 (16 entries each) ----
+        fence_acc_o(st.o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k)  // A: +32 B per K=16 slice; B: +16 rows x 128 B = 2048 B per K=16 slice
+            wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc_o(st.o);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // BF16 baseline path (the seeds' staging design): same tiling, K = V read as BF16 rows of the staging buffer.
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void load_tile_bf16(__nv_bfloat16* vt, const int* idx, const DecodeArgs& a, int b, int j0) {
@@ -997,6 +1234,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v2(S
 // (bench "fp8_v3"); same arguments and outputs as v2.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v3(SA_DECODE_PARAMS) {
     sa::decode_fp8_v3_body(SA_DECODE_ARGS);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV3SmemBytes (v3's map). The FP8 path with QK^T
+// and P.V on wgmma (bench "fp8_v4"); same arguments and outputs as v2.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v4(SA_DECODE_PARAMS) {
+    sa::decode_fp8_v4_body(SA_DECODE_ARGS);
 }
 
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kB16SmemBytes. Reads `staging`.

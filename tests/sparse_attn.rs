@@ -808,7 +808,19 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
 /// that a last-bit score change can flip), not bit for bit: the v3-v2 difference is held to the reference
 /// tolerance and reported (max difference, bit-identical share).
 fn check_v3_against_v2(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, tps: Option<usize>) {
-    let (v3, r) = check_gpu_path_with_reference(test, gpu, hp, Path::Fp8V3, tps);
+    check_new_path_against_v2(test, gpu, hp, Path::Fp8V3, tps)
+}
+
+/// [`check_v3_against_v2`] for any of the wgmma candidates (`Fp8V3`, `Fp8V4`); v4 also runs P.V in the wgmma
+/// order, so the same tolerance relation holds.
+fn check_new_path_against_v2(
+    test: &str,
+    gpu: &megamoe::gpu::Gpu,
+    hp: &HostProblem,
+    path: Path,
+    tps: Option<usize>,
+) {
+    let (v3, r) = check_gpu_path_with_reference(test, gpu, hp, path, tps);
     let v2 = check_gpu_path(test, gpu, hp, Path::Fp8, tps);
     let shape = hp.shape();
     let (mut max_diff, mut identical) = (0f64, 0usize);
@@ -826,13 +838,13 @@ fn check_v3_against_v2(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, tp
         }
     }
     println!(
-        "{test}: v3 vs v2: max |diff| {max_diff:.3e}, bit-identical {identical}/{} ({:.2}%)",
+        "{test}: {path:?} vs Fp8 (v2): max |diff| {max_diff:.3e}, bit-identical {identical}/{} ({:.2}%)",
         v3.len(),
         100.0 * identical as f64 / v3.len() as f64
     );
     if let Some(i) = first_bad {
         panic!(
-            "{test}: v3 vs v2 first mismatch at flat {i} (b {}, h {}, d {}): v3 {} v2 {} ref {} tol {:.3e}",
+            "{test}: {path:?} vs v2 first mismatch at flat {i} (b {}, h {}, d {}): new {} v2 {} ref {} tol {:.3e}",
             i / (shape.heads * HEAD_DIM),
             (i / HEAD_DIM) % shape.heads,
             i % HEAD_DIM,
@@ -879,6 +891,25 @@ fn gpu_decode_fp8_v3_long_hca_split_kv() {
     check_v3_against_v2("v3 hca 8320 split 16 tiles", &gpu, &hp, Some(16));
 }
 
+#[test]
+fn gpu_decode_fp8_v4_matches_reference_and_v2() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_v4_matches_reference_and_v2") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_v4_matches_reference_and_v2", 0x4A4);
+    let v4 = Path::Fp8V4;
+    let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152], true);
+    check_new_path_against_v2("v4 h64 single-split", &gpu, &hp, v4, Some(1000));
+    check_new_path_against_v2("v4 h64 split by 2 tiles", &gpu, &hp, v4, Some(2));
+    check_new_path_against_v2("v4 h64 auto plan", &gpu, &hp, v4, None);
+    check_new_path_against_v2("v4 h64 one tile per split", &gpu, &hp, v4, Some(1));
+    let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
+    check_new_path_against_v2("v4 h128 single-split", &gpu, &hp, v4, Some(1000));
+    check_new_path_against_v2("v4 h128 auto plan", &gpu, &hp, v4, None);
+    let hp = HostProblem::random(&mut rng, 64, &[8320], true);
+    check_new_path_against_v2("v4 hca 8320 auto", &gpu, &hp, v4, None);
+}
+
 /// CPU mirror of the v3 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
 /// `dequant_tile_v3`, `pv_step_v3`): the 128B-swizzled layout is a bijection from (row 0..64, 16-byte chunk
 /// 0..64) onto the 64 KiB tile; the dequant's (thread, i) -> chunk map writes every nope chunk of every entry
@@ -913,6 +944,27 @@ fn v3_swizzle_layout_mirror() {
         }
     }
     assert!(written.iter().all(|&n| n == 1));
+    // v4 P block: softmax lane (g, tq) of warp (wm, wh), n-tile n writes entries 32wh + 8n + 2tq (+1) of heads
+    // row0 = 16wm + g and row0 + 8 at row * 128 + (((4wh + n) ^ g) << 4) + 4tq: equal to the canonical offset
+    // row * 128 + (((c >> 3) ^ (row & 7)) << 4) + 2 (c & 7), and all 64 x 32 bf16x2 words written exactly once.
+    let mut p_words = vec![0u32; 64 * 32];
+    for wm in 0..4usize {
+        for wh in 0..2usize {
+            for lane in 0..32usize {
+                let (g, tq) = (lane >> 2, lane & 3);
+                for n in 0..4usize {
+                    for row in [16 * wm + g, 16 * wm + g + 8] {
+                        let c = 32 * wh + 8 * n + 2 * tq;
+                        let kernel = row * 128 + (((4 * wh + n) ^ g) << 4) + 4 * tq;
+                        let canonical = row * 128 + (((c >> 3) ^ (row & 7)) << 4) + 2 * (c & 7);
+                        assert_eq!(kernel, canonical, "P row {row} entry {c}");
+                        p_words[kernel / 4] += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(p_words.iter().all(|&n| n == 1));
     // P.V: lane = 8 mi + r8, warp half wh, ks, np.
     for wh in 0..2usize {
         for ks in 0..4usize {
@@ -952,7 +1004,8 @@ fn bench_config_and_split_plans() {
         bench_path(v).unwrap();
     }
     assert_eq!(bench_path("fp8_v3").unwrap(), Path::Fp8V3);
-    assert!(bench_path("fp8_v4").is_err());
+    assert_eq!(bench_path("fp8_v4").unwrap(), Path::Fp8V4);
+    assert!(bench_path("fp8_v5").is_err());
     assert!(
         bench_path("fp8_v1").is_err(),
         "the first FP8 kernel was removed"

@@ -142,7 +142,7 @@ impl SplitPlan {
     /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8V3 => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 => SplitPlan::by_cost(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
@@ -213,6 +213,7 @@ struct Kernels {
     decode_fp8: CudaFunction,
     /// Looked up on first use, so that the default paths never depend on the A/B candidate's entry point.
     decode_fp8_v3: Option<CudaFunction>,
+    decode_fp8_v4: Option<CudaFunction>,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
 }
@@ -224,6 +225,7 @@ impl Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem("sparse_attn_decode_fp8_v2", FP8_V2_SMEM_BYTES)?,
             decode_fp8_v3: None,
+            decode_fp8_v4: None,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
         })
@@ -284,6 +286,9 @@ pub enum Path {
     /// `sparse_attn_decode_fp8_v3`: v2 with QK^T on `wgmma` (q and the tile in the 128B-swizzled layout);
     /// equal to `Fp8` up to the f32 summation order of the scores. A/B candidate, bench variant `fp8_v3`.
     Fp8V3,
+    /// `sparse_attn_decode_fp8_v4`: v3 with P.V on `wgmma` as well (P in the swizzled layout, V read N-major
+    /// from the same tile). Same tolerance relation to `Fp8` as v3. A/B candidate, bench variant `fp8_v4`.
+    Fp8V4,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -343,13 +348,16 @@ pub fn decode(
             FP8_V2_SMEM_BYTES,
             ws.kernels.decode_fp8.clone(),
         ),
-        Path::Fp8V3 => {
-            let name = "sparse_attn_decode_fp8_v3";
-            if ws.kernels.decode_fp8_v3.is_none() {
-                ws.kernels.decode_fp8_v3 =
-                    Some(gpu.function_with_smem(FAMILY, name, FP8_V3_SMEM_BYTES as usize)?);
+        Path::Fp8V3 | Path::Fp8V4 => {
+            let (name, slot) = if path == Path::Fp8V3 {
+                ("sparse_attn_decode_fp8_v3", &mut ws.kernels.decode_fp8_v3)
+            } else {
+                ("sparse_attn_decode_fp8_v4", &mut ws.kernels.decode_fp8_v4)
+            };
+            if slot.is_none() {
+                *slot = Some(gpu.function_with_smem(FAMILY, name, FP8_V3_SMEM_BYTES as usize)?);
             }
-            let f = ws.kernels.decode_fp8_v3.clone().expect("loaded above");
+            let f = slot.clone().expect("loaded above");
             (name, FP8_V3_SMEM_BYTES, f)
         }
         Path::Bf16Staging => (
@@ -367,7 +375,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8V3 => b.arg(inp.pool).arg(&null),
+            Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -511,7 +519,7 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8V3 => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
@@ -519,16 +527,18 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
 }
 
 /// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan),
-/// `fp8_v3` (the same with QK^T on wgmma; A/B candidate) and `bf16_staging` (the baseline).
+/// `fp8_v3` (the same with QK^T on wgmma), `fp8_v4` (QK^T and P.V on wgmma; A/B candidates) and
+/// `bf16_staging` (the baseline).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
-pub const BENCH_VARIANTS: [&str; 3] = ["fp8", "fp8_v3", "bf16_staging"];
+pub const BENCH_VARIANTS: [&str; 4] = ["fp8", "fp8_v3", "fp8_v4", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
         "fp8_v3" => Path::Fp8V3,
+        "fp8_v4" => Path::Fp8V4,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
