@@ -14,6 +14,8 @@
 //   sparse_attn_decode_fp8_v3      A/B candidate (bench variant "fp8_v3"): v2 with QK^T on wgmma.m64n32k16 over
 //                                  128B-swizzled q and K = V tiles (design notes above decode_fp8_v3_body).
 //   sparse_attn_decode_fp8_v4      A/B candidate (bench variant "fp8_v4"): v3 with P.V on wgmma.m64n256k16 too.
+//   sparse_attn_decode_fp8_v5      A/B candidate (bench variant "fp8_v5"): v4 with the next tile's dequant
+//                                  overlapped with QK^T (two BF16 tiles, registers instead of the raw stage).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -1102,6 +1104,217 @@ __device__ __forceinline__ void decode_fp8_v4_body(const DecodeArgs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// FP8 v5 path (sparse_attn_decode_fp8_v5, bench variant "fp8_v5"): v4 with the next tile's dequant overlapped
+// with the current tile's QK^T wgmma, and no raw shared-memory stage.
+//   * Two swizzled K = V tiles (vt[0], vt[1]). The raw entries go global -> registers -> BF16 tile: thread
+//     (e = tid / 4, q = tid % 4) loads exactly the 8-byte chunks its dequant converts (14 nope chunks, the scale
+//     word, 4 rope words = 19 x 8 B), one tile ahead of the dequant and two tiles ahead of the math.
+//   * Iteration it: [barrier] issue QK^T(it) on vt[it & 1] (async) -> dequant the registers (tile it+1) into
+//     vt[(it+1) & 1] and load tile it+2 into the registers while the tensor cores run -> wait QK -> softmax ->
+//     fence.proxy.async + barrier (P and vt[(it+1) & 1] complete) -> P.V(it) on vt[it & 1] -> wait.
+//     The top barrier keeps the dequant of iteration it+1 (into vt[it & 1]) behind every warp group's P.V(it).
+//   * Candidate indices: a ring of 4 slots; tile it+3 is resolved in iteration it (its slot was last read by the
+//     masking of tile it-1, before this iteration's top barrier).
+//   Same arithmetic as v4 (same dequant values, same wgmma order): v5 equals v4 bit for bit.
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kV5Q = 0;
+constexpr int kV5Vt = kV5Q + kSwTileBytes;              // two tiles
+constexpr int kV5P = kV5Vt + 2 * kSwTileBytes;          // 8 KiB swizzled P block
+constexpr int kV5RedMax = kV5P + kV4PswBytes;
+constexpr int kV5RedSum = kV5RedMax + kRedBytes;
+constexpr int kV5Idx = kV5RedSum + kRedBytes;           // 4 slots of 64 indices
+constexpr int kV5Bytes = kV5Idx + 4 * kBlockN * 4;      // 206848
+constexpr int kV5SmemBytes = kV5Bytes + 1024;
+static_assert(kV5SmemBytes == 207872, "mirror FP8_V5_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+static_assert(kV5P % 1024 == 0 && kV5Vt % 1024 == 0, "wgmma tiles 1024-aligned");
+
+struct RawRegs {
+    uint2 nope[14];  // chunk 8 (i >> 1) + q + 4 ((i & 1) ^ (e & 1)) of the entry, as in dequant_tile_v3
+    uint2 sc;        // bytes 576..583: the 7 UE8M0 scales + pad
+    uint2 rope[4];   // rope 16-byte chunks q (words 0, 1) and q + 4 (words 2, 3)
+};
+
+__device__ __forceinline__ void load_raw_regs(RawRegs& r, const uint8_t* __restrict__ pool, int idx, int q, int odd) {
+    if (idx >= 0) {
+        const uint8_t* src = pool + (size_t)idx * kEntryBytes;
+#pragma unroll
+        for (int i = 0; i < 14; ++i)
+            r.nope[i] = __ldg(reinterpret_cast<const uint2*>(src + 8 * (8 * (i >> 1) + q + 4 * ((i & 1) ^ odd))));
+        r.sc = __ldg(reinterpret_cast<const uint2*>(src + kScaleOffset));
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            r.rope[j] = __ldg(reinterpret_cast<const uint2*>(src + kRopeOffset + 16 * q + 8 * (j & 1) + 64 * (j >> 1)));
+    } else {  // zero codes and scale code 0: K = V = 0, never NaN (the score is masked anyway)
+#pragma unroll
+        for (int i = 0; i < 14; ++i) r.nope[i] = make_uint2(0u, 0u);
+        r.sc = make_uint2(0u, 0u);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) r.rope[j] = make_uint2(0u, 0u);
+    }
+}
+
+__device__ __forceinline__ void dequant_regs_v5(const RawRegs& r, uint8_t* vt, int e, int q, int odd) {
+    float scale[kTiles];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+        scale[t] = mm::ue8m0_decode(static_cast<uint8_t>(((t < 4 ? r.sc.x : r.sc.y) >> (8 * (t & 3))) & 0xFFu));
+#pragma unroll
+    for (int i = 0; i < 14; ++i) {
+        const int c = 8 * (i >> 1) + q + 4 * ((i & 1) ^ odd);
+        const uint2 w = r.nope[i];
+        const float s = scale[i >> 1];
+        uint4 o;
+        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
+        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
+        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
+        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
+        *reinterpret_cast<uint4*>(vt + sw_off(e, c)) = o;
+    }
+    *reinterpret_cast<uint4*>(vt + sw_off(e, 56 + q)) = make_uint4(r.rope[0].x, r.rope[0].y, r.rope[1].x, r.rope[1].y);
+    *reinterpret_cast<uint4*>(vt + sw_off(e, 60 + q)) = make_uint4(r.rope[2].x, r.rope[2].y, r.rope[3].x, r.rope[3].y);
+}
+
+__device__ __forceinline__ void decode_fp8_v5_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV5Q;
+    uint8_t* psw = smem + kV5P;
+    float* red_max = reinterpret_cast<float*>(smem + kV5RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV5RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV5Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    const int de = tid >> 2, dq = tid & 3, dodd = de & 1;  // this thread's dequant entry / chunk phase
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+#pragma unroll
+        for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
+    }
+    // q: as in v3 (swizzled layout).
+    {
+        uint4 raw[8][2];
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane(x, lane);
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0..2 visible
+    RawRegs rr;
+    if (n_it > 0) {
+        load_raw_regs(rr, a.pool, idxs[de], dq, dodd);
+        dequant_regs_v5(rr, smem + kV5Vt, de, dq, dodd);
+    }
+    if (n_it > 1) load_raw_regs(rr, a.pool, idxs[kBlockN + de], dq, dodd);
+    fence_proxy_async();  // q and vt[0] generic stores -> async proxy (after the loop-top barrier)
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base0 = smem_addr(smem + kV5Vt);
+    const uint64_t p_desc = sw128_desc(smem_addr(psw));
+
+    for (int it = 0; it < n_it; ++it) {
+        __syncthreads();  // vt[it & 1] complete; every warp group finished P.V(it-1); idx slot (it+2)%4 visible
+        const uint32_t vt_cur = vt_base0 + (uint32_t)((it & 1) * kSwTileBytes);
+        const int* idx_cur = idxs + (it % 4) * kBlockN;
+        if (tid < kBlockN && it + 3 < n_it)
+            idxs[((it + 3) % 4) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 3) * kBlockN + tid);
+
+        // ---- S = q . K^T on vt[it & 1], issued async ----
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+        {
+            const uint32_t b_rows = vt_cur + (uint32_t)(32 * wh * 128);
+#pragma unroll
+            for (int kb = 0; kb < 8; ++kb) {
+                const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+                const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);
+            }
+        }
+        wgmma_commit();
+
+        // ---- while the tensor cores run: tile it+1 registers -> vt[(it+1) & 1]; load tile it+2 ----
+        if (it + 1 < n_it) {
+            dequant_regs_v5(rr, smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
+            if (it + 2 < n_it) load_raw_regs(rr, a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
+        }
+
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step_v4(st, s, red_max, psw, wm, wh, g, tq);
+        fence_proxy_async();  // P and vt[(it+1) & 1] generic stores -> async proxy
+        __syncthreads();      // all 64 P rows written
+
+        // ---- O[64 heads, dims 256wh..+255] += P . V(it) ----
+        const uint64_t v_desc = sw128_desc_mn(vt_cur + (uint32_t)(4 * wh * kSwBlockBytes));
+        fence_acc_o(st.o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc_o(st.o);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // BF16 baseline path (the seeds' staging design): same tiling, K = V read as BF16 rows of the staging buffer.
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void load_tile_bf16(__nv_bfloat16* vt, const int* idx, const DecodeArgs& a, int b, int j0) {
@@ -1240,6 +1453,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v3(S
 // and P.V on wgmma (bench "fp8_v4"); same arguments and outputs as v2.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v4(SA_DECODE_PARAMS) {
     sa::decode_fp8_v4_body(SA_DECODE_ARGS);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. v4 with the next tile's dequant
+// overlapped with QK^T (bench "fp8_v5"); same arguments and outputs as v2.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v5(SA_DECODE_PARAMS) {
+    sa::decode_fp8_v5_body(SA_DECODE_ARGS);
 }
 
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kB16SmemBytes. Reads `staging`.

@@ -910,6 +910,51 @@ fn gpu_decode_fp8_v4_matches_reference_and_v2() {
     check_new_path_against_v2("v4 hca 8320 auto", &gpu, &hp, v4, None);
 }
 
+/// v5 (v4 with the dequant overlapped) against the reference and bit for bit against v4: the same dequantized
+/// values, the same wgmma sequence and the same softmax, only the schedule of loads and dequant differs.
+fn check_v5_against_v4(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, tps: Option<usize>) {
+    let v5 = check_gpu_path(test, gpu, hp, Path::Fp8V5, tps);
+    let v4 = check_gpu_path(test, gpu, hp, Path::Fp8V4, tps);
+    let shape = hp.shape();
+    if let Some(i) = (0..v5.len()).find(|&i| v5[i].to_bits() != v4[i].to_bits()) {
+        let n_diff = (0..v5.len())
+            .filter(|&j| v5[j].to_bits() != v4[j].to_bits())
+            .count();
+        panic!(
+            "{test}: v5 differs from v4 at {n_diff} of {} outputs; first at flat {i} (b {}, h {}, d {}): v5 {} v4 {}",
+            v5.len(),
+            i / (shape.heads * HEAD_DIM),
+            (i / HEAD_DIM) % shape.heads,
+            i % HEAD_DIM,
+            v5[i],
+            v4[i]
+        );
+    }
+    println!("{test}: v5 == v4 bit for bit ({} outputs)", v5.len());
+}
+
+#[test]
+fn gpu_decode_fp8_v5_matches_reference_and_v4() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_v5_matches_reference_and_v4") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_v5_matches_reference_and_v4", 0x5A5);
+    // lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro CSA), 200 (4 tiles: the index ring wraps);
+    // -1 holes in the middle.
+    let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152, 200], true);
+    check_v5_against_v4("v5 h64 single-split", &gpu, &hp, Some(1000));
+    check_v5_against_v4("v5 h64 split by 2 tiles", &gpu, &hp, Some(2));
+    check_v5_against_v4("v5 h64 split by 3 tiles", &gpu, &hp, Some(3));
+    check_v5_against_v4("v5 h64 auto plan", &gpu, &hp, None);
+    check_v5_against_v4("v5 h64 one tile per split", &gpu, &hp, Some(1));
+    let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
+    check_v5_against_v4("v5 h128 single-split", &gpu, &hp, Some(1000));
+    check_v5_against_v4("v5 h128 auto plan", &gpu, &hp, None);
+    let hp = HostProblem::random(&mut rng, 64, &[8320], true);
+    check_v5_against_v4("v5 hca 8320 auto", &gpu, &hp, None);
+    check_v5_against_v4("v5 hca 8320 split 16 tiles", &gpu, &hp, Some(16));
+}
+
 /// CPU mirror of the v3 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
 /// `dequant_tile_v3`, `pv_step_v3`): the 128B-swizzled layout is a bijection from (row 0..64, 16-byte chunk
 /// 0..64) onto the 64 KiB tile; the dequant's (thread, i) -> chunk map writes every nope chunk of every entry
@@ -944,6 +989,19 @@ fn v3_swizzle_layout_mirror() {
         }
     }
     assert!(written.iter().all(|&n| n == 1));
+    // v5 register staging: the 4 rope words of thread q are entry bytes 448 + 16q + 8(j & 1) + 64(j >> 1),
+    // i.e. 16-byte rope chunks q (words 0, 1) and q + 4 (words 2, 3); over q = 0..3 every rope byte once.
+    let mut rope_bytes = [0u32; 128];
+    for q in 0..4usize {
+        for j in 0..4usize {
+            let off = 448 + 16 * q + 8 * (j & 1) + 64 * (j >> 1);
+            assert_eq!((off - 448) / 16, if j < 2 { q } else { q + 4 });
+            for b in 0..8 {
+                rope_bytes[off - 448 + b] += 1;
+            }
+        }
+    }
+    assert!(rope_bytes.iter().all(|&n| n == 1));
     // v4 P block: softmax lane (g, tq) of warp (wm, wh), n-tile n writes entries 32wh + 8n + 2tq (+1) of heads
     // row0 = 16wm + g and row0 + 8 at row * 128 + (((4wh + n) ^ g) << 4) + 4tq: equal to the canonical offset
     // row * 128 + (((c >> 3) ^ (row & 7)) << 4) + 2 (c & 7), and all 64 x 32 bf16x2 words written exactly once.
@@ -1005,7 +1063,8 @@ fn bench_config_and_split_plans() {
     }
     assert_eq!(bench_path("fp8_v3").unwrap(), Path::Fp8V3);
     assert_eq!(bench_path("fp8_v4").unwrap(), Path::Fp8V4);
-    assert!(bench_path("fp8_v5").is_err());
+    assert_eq!(bench_path("fp8_v5").unwrap(), Path::Fp8V5);
+    assert!(bench_path("fp8_v6").is_err());
     assert!(
         bench_path("fp8_v1").is_err(),
         "the first FP8 kernel was removed"

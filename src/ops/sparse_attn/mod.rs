@@ -40,6 +40,8 @@ const FP8_V2_SMEM_BYTES: u32 = 222_976;
 /// Dynamic shared memory of `sparse_attn_decode_fp8_v3` (mirrors `sa::kV3SmemBytes`: 220928 + 1024 B of
 /// slack the kernel uses to align its wgmma tiles to 1024 bytes).
 const FP8_V3_SMEM_BYTES: u32 = 221_952;
+/// Dynamic shared memory of `sparse_attn_decode_fp8_v5` (mirrors `sa::kV5SmemBytes`, alignment slack included).
+const FP8_V5_SMEM_BYTES: u32 = 207_872;
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -142,7 +144,9 @@ impl SplitPlan {
     /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 | Path::Fp8V5 => {
+                SplitPlan::by_cost(sm_count, shape)
+            }
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
@@ -214,6 +218,7 @@ struct Kernels {
     /// Looked up on first use, so that the default paths never depend on the A/B candidate's entry point.
     decode_fp8_v3: Option<CudaFunction>,
     decode_fp8_v4: Option<CudaFunction>,
+    decode_fp8_v5: Option<CudaFunction>,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
 }
@@ -226,6 +231,7 @@ impl Kernels {
             decode_fp8: with_smem("sparse_attn_decode_fp8_v2", FP8_V2_SMEM_BYTES)?,
             decode_fp8_v3: None,
             decode_fp8_v4: None,
+            decode_fp8_v5: None,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
         })
@@ -289,6 +295,9 @@ pub enum Path {
     /// `sparse_attn_decode_fp8_v4`: v3 with P.V on `wgmma` as well (P in the swizzled layout, V read N-major
     /// from the same tile). Same tolerance relation to `Fp8` as v3. A/B candidate, bench variant `fp8_v4`.
     Fp8V4,
+    /// `sparse_attn_decode_fp8_v5`: v4 with the next tile's dequant overlapped with QK^T (two BF16 tiles, the raw
+    /// entries staged in registers). Same arithmetic as `Fp8V4` (bit-identical). Bench variant `fp8_v5`.
+    Fp8V5,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -348,17 +357,29 @@ pub fn decode(
             FP8_V2_SMEM_BYTES,
             ws.kernels.decode_fp8.clone(),
         ),
-        Path::Fp8V3 | Path::Fp8V4 => {
-            let (name, slot) = if path == Path::Fp8V3 {
-                ("sparse_attn_decode_fp8_v3", &mut ws.kernels.decode_fp8_v3)
-            } else {
-                ("sparse_attn_decode_fp8_v4", &mut ws.kernels.decode_fp8_v4)
+        Path::Fp8V3 | Path::Fp8V4 | Path::Fp8V5 => {
+            let (name, smem, slot) = match path {
+                Path::Fp8V3 => (
+                    "sparse_attn_decode_fp8_v3",
+                    FP8_V3_SMEM_BYTES,
+                    &mut ws.kernels.decode_fp8_v3,
+                ),
+                Path::Fp8V4 => (
+                    "sparse_attn_decode_fp8_v4",
+                    FP8_V3_SMEM_BYTES,
+                    &mut ws.kernels.decode_fp8_v4,
+                ),
+                _ => (
+                    "sparse_attn_decode_fp8_v5",
+                    FP8_V5_SMEM_BYTES,
+                    &mut ws.kernels.decode_fp8_v5,
+                ),
             };
             if slot.is_none() {
-                *slot = Some(gpu.function_with_smem(FAMILY, name, FP8_V3_SMEM_BYTES as usize)?);
+                *slot = Some(gpu.function_with_smem(FAMILY, name, smem as usize)?);
             }
             let f = slot.clone().expect("loaded above");
-            (name, FP8_V3_SMEM_BYTES, f)
+            (name, smem, f)
         }
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
@@ -375,7 +396,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 => b.arg(inp.pool).arg(&null),
+            Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 | Path::Fp8V5 => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -519,7 +540,7 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 | Path::Fp8V5 => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
@@ -527,11 +548,11 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
 }
 
 /// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan),
-/// `fp8_v3` (the same with QK^T on wgmma), `fp8_v4` (QK^T and P.V on wgmma; A/B candidates) and
-/// `bf16_staging` (the baseline).
+/// `fp8_v3` (the same with QK^T on wgmma), `fp8_v4` (QK^T and P.V on wgmma), `fp8_v5` (v4 with the dequant
+/// overlapped; A/B candidates) and `bf16_staging` (the baseline).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
-pub const BENCH_VARIANTS: [&str; 4] = ["fp8", "fp8_v3", "fp8_v4", "bf16_staging"];
+pub const BENCH_VARIANTS: [&str; 5] = ["fp8", "fp8_v3", "fp8_v4", "fp8_v5", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
@@ -539,6 +560,7 @@ pub fn bench_path(variant: &str) -> Result<Path> {
         "fp8" => Path::Fp8,
         "fp8_v3" => Path::Fp8V3,
         "fp8_v4" => Path::Fp8V4,
+        "fp8_v5" => Path::Fp8V5,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
