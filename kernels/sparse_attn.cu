@@ -11,6 +11,11 @@
 //   sparse_attn_decode_fp8_v2      the FP8 path (this family's kernel, bench variant "fp8"; the `_v2` stays in
 //                                  the name because earlier logs and profiles use the plain name for the
 //                                  removed first design, see below).
+//   sparse_attn_decode_fp8_v3      A/B candidate (bench variant "fp8_v3"): v2 with QK^T on wgmma.m64n32k16 over
+//                                  128B-swizzled q and K = V tiles (design notes above decode_fp8_v3_body).
+//   sparse_attn_decode_fp8_v4      A/B candidate (bench variant "fp8_v4"): v3 with P.V on wgmma.m64n256k16 too.
+//   sparse_attn_decode_fp8_v5      A/B candidate (bench variant "fp8_v5"): v4 with the next tile's dequant
+//                                  overlapped with QK^T (two BF16 tiles, registers instead of the raw stage).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -607,6 +612,709 @@ __device__ __forceinline__ void decode_fp8_v2_body(const DecodeArgs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// FP8 v3 path (sparse_attn_decode_fp8_v3, bench variant "fp8_v3"): v2 with QK^T on wgmma.
+//   * q and the K = V tile live in the canonical 128B-swizzled K-major wgmma layout (the layout of
+//     kernels/moe_gemm_prefill.cu, verified there on the H200): 8 k-blocks of 64 dims, each 64 rows x 128 B
+//     (8 KiB, 1024-aligned); byte offset of (row r, global 16-byte chunk C in 0..64) =
+//     (C >> 3) * 8192 + r * 128 + (((C & 7) ^ (r & 7)) << 4). A Rust mirror (tests/sparse_attn.rs,
+//     `v3_swizzle_layout_mirror`) checks it is a bijection and that the dequant and P.V address forms equal it.
+//   * QK^T: warp group wh (warps 4wh..4wh+3) computes S[64 heads, entries 32wh..32wh+31] with 32 x
+//     wgmma.m64n32k16 (A = q rows 0..63, B = tile rows 32wh..; both K-major, descriptor start + 32 B per K=16
+//     slice). The m64nNk16 accumulator fragment puts row 16w + l/4 (+8), columns 8j + 2(l%4) (+1) in
+//     d[4j..4j+3] for warp w of the group, lane l: exactly the mma.sync m16n8 layout v2's softmax consumes
+//     (warp wm = w, n-tile j = entries 32wh + 8j..), so softmax, P.V and finish are v2's code. Same products,
+//     f32 accumulation in a different order: results equal v2's up to f32 summation order, not bit for bit.
+//   * P.V stays mma.sync (O in registers as in v2); its ldmatrix.trans rows follow the swizzled layout
+//     (8 lanes of one 8x8 matrix read 8 consecutive entries at distinct 16-byte positions: conflict-free).
+//   * The dequant writes the swizzled tile; thread (e, q) writes chunk q + 4((i & 1) ^ (e & 1)) of k-block
+//     i >> 1, so the two entries of a quarter-warp hit disjoint bank quartets. fence.proxy.async orders these
+//     generic-proxy stores before the async-proxy wgmma reads (after the barrier that follows).
+//   Budget change per warp per tile vs v2: the QK loop (32 x (3 ldmatrix + 4 mma) + addressing, ~250 issue
+//   slots) becomes 32 wgmma + descriptor adds (~70), and the QK shared-memory reads drop from 384 KB (each
+//   warp pulls its q rows and 32 K rows) to 192 KB (each warp group reads q and its 32 rows once).
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kSwBlockBytes = 64 * 128;  // one k-block (64 dims) of 64 rows
+constexpr int kSwTileBytes = 8 * kSwBlockBytes;  // 64 rows x 512 dims BF16
+constexpr int kV3Q = 0;
+constexpr int kV3Vt = kV3Q + kSwTileBytes;
+constexpr int kV3Raw = kV3Vt + kSwTileBytes;
+constexpr int kV3P = kV3Raw + 2 * kRawBytes;
+constexpr int kV3RedMax = kV3P + kPBytes;
+constexpr int kV3RedSum = kV3RedMax + kRedBytes;
+constexpr int kV3Idx = kV3RedSum + kRedBytes;
+constexpr int kV3Bytes = kV3Idx + kIdxBytes;           // 220928
+constexpr int kV3SmemBytes = kV3Bytes + 1024;          // + slack to align the base to 1024 B
+static_assert(kV3SmemBytes == 221952, "mirror FP8_V3_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+static_assert(kV3SmemBytes <= 232448, "FP8 v3 kernel exceeds the sm_90 opt-in shared memory");
+static_assert(kV3Vt % 1024 == 0 && kV3Raw % 16 == 0 && kV3P % 16 == 0, "alignment");
+
+__device__ __forceinline__ uint32_t sw_off(int row, int chunk) {
+    return (uint32_t)((chunk >> 3) * kSwBlockBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int R>
+__device__ __forceinline__ void fence_acc(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Descriptor of a 1024-aligned 128B-swizzled K-major tile (fields as in kernels/moe_gemm_prefill.cu):
+// start >> 4 (bits 0-13), LBO 1 (unused for swizzled K-major), SBO 1024 B >> 4 (bits 32-45), 128B swizzle.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+// D(64 x 32, f32) += A(64 x 16 bf16, smem desc) * B(32 x 16 bf16, smem desc)^T; both K-major.
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans_addr(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                                       uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// Raw FP8 stage (v2 layout) -> swizzled BF16 K = V tile. Same exact conversion as dequant_tile_v2.
+__device__ __forceinline__ void dequant_tile_v3(const uint8_t* raw, uint8_t* vt, int tid) {
+    const int e = tid >> 2, q = tid & 3, odd = e & 1;
+    const uint8_t* rn = raw + e * kNopeStride;
+    const uint8_t* rr = raw + kRawNopeBytes + e * kRopeStride * 2;
+    const uint2 sc = *reinterpret_cast<const uint2*>(raw + kRawNopeBytes + kRawRopeBytes + e * 8);
+    float scale[kTiles];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+        scale[t] = mm::ue8m0_decode(static_cast<uint8_t>(((t < 4 ? sc.x : sc.y) >> (8 * (t & 3))) & 0xFFu));
+#pragma unroll
+    for (int i = 0; i < 14; ++i) {
+        // chunk C = 8 (i >> 1) + q + 4 ((i & 1) ^ odd): over i = 0..13 and q = 0..3 every chunk 0..55 once.
+        const int c = 8 * (i >> 1) + q + 4 * ((i & 1) ^ odd);
+        const uint2 w = *reinterpret_cast<const uint2*>(rn + 8 * c);
+        const float s = scale[i >> 1];
+        uint4 o;
+        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
+        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
+        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
+        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
+        *reinterpret_cast<uint4*>(vt + sw_off(e, c)) = o;
+    }
+    // rope: chunks 56 + q and 60 + q (k-block 7).
+    *reinterpret_cast<uint4*>(vt + sw_off(e, 56 + q)) = *reinterpret_cast<const uint4*>(rr + 16 * q);
+    *reinterpret_cast<uint4*>(vt + sw_off(e, 60 + q)) = *reinterpret_cast<const uint4*>(rr + 16 * (q + 4));
+}
+
+// O += P (16 heads x 64 entries) . V (64 entries x 256 dims of this warp's half), V in the swizzled layout.
+// ldmatrix.trans matrix mi of lane l = 8 mi + r8: entry 16 ks + r8 + 8 (mi & 1), dims 256 wh + 16 np + 8 (mi >> 1),
+// i.e. chunk C = 32 wh + 2 np + (mi >> 1): k-block 4 wh + np / 4, in-block chunk 2 (np % 4) + (mi >> 1), row & 7 = r8.
+__device__ __forceinline__ void pv_step_v3(WarpState& st, const __nv_bfloat16* ps, uint32_t vt_base, int wm, int wh,
+                                           int g, int tq, int lane) {
+    const int row0 = 16 * wm + g;
+    const int mi = lane >> 3, r8 = lane & 7;
+    const int x = (mi >> 1) ^ r8;  // (2 (np % 4) + (mi >> 1)) ^ r8 == 2 (np % 4) ^ x: mi >> 1 is bit 0 only
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const int kb = 16 * ks + 2 * tq;
+        const uint32_t a0 = ld_smem_u32(ps + row0 * kPStride + kb);
+        const uint32_t a1 = ld_smem_u32(ps + (row0 + 8) * kPStride + kb);
+        const uint32_t a2 = ld_smem_u32(ps + row0 * kPStride + kb + 8);
+        const uint32_t a3 = ld_smem_u32(ps + (row0 + 8) * kPStride + kb + 8);
+        const uint32_t row_addr = vt_base + (uint32_t)((16 * ks + r8 + (mi & 1) * 8) * 128 + 4 * wh * kSwBlockBytes);
+#pragma unroll
+        for (int np = 0; np < 16; ++np) {
+            uint32_t b0, b1, b2, b3;
+            const uint32_t addr = row_addr + (uint32_t)((np >> 2) * kSwBlockBytes + (((2 * (np & 3)) ^ x) << 4));
+            ldmatrix_x4_trans_addr(b0, b1, b2, b3, addr);
+            mma_bf16(st.o[2 * np], a0, a1, a2, a3, b0, b1);
+            mma_bf16(st.o[2 * np + 1], a0, a1, a2, a3, b2, b3);
+        }
+    }
+}
+
+__device__ __forceinline__ void decode_fp8_v3_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV3Q;
+    uint8_t* vt = smem + kV3Vt;
+    __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + kV3P);
+    float* red_max = reinterpret_cast<float*>(smem + kV3RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV3RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV3Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
+        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
+    }
+    // q: as in v2 (warp w quantizes heads 8w..8w+7), stored into the swizzled layout; lane l owns chunks 2l, 2l+1.
+    {
+        uint4 raw[8][2];
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane(x, lane);  // all lanes take part in its shuffles
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+    fence_proxy_async();  // q's generic stores -> visible to wgmma (async proxy) after the barrier below
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0, 1 and q visible
+    if (n_it > 0) load_tile_fp8_v2(smem + kV3Raw, idxs, a.pool, warp, lane);
+    cp_async_commit();
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base = smem_addr(vt);
+    const uint32_t b_rows = vt_base + (uint32_t)(32 * wh * 128);  // this warp group's 32 entries (1024-aligned)
+
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        __syncthreads();  // tile `it` landed; iteration it-1 is done with vt, P, red_*, its idx slot
+        const uint8_t* raw = smem + kV3Raw + (it & 1) * kRawBytes;
+        const int* idx_cur = idxs + (it % 3) * kBlockN;
+        if (it + 1 < n_it)
+            load_tile_fp8_v2(smem + kV3Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool,
+                             warp, lane);
+        cp_async_commit();
+        if (tid < kBlockN && it + 2 < n_it)
+            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
+
+        dequant_tile_v3(raw, vt, tid);
+        fence_proxy_async();
+        __syncthreads();  // K = V tile complete and visible to the async proxy
+
+        // ---- S = q . K^T: warp group wh, 64 heads x entries 32wh..32wh+31, all 512 dims ----
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < 8; ++kb) {
+            const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+            const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);  // +32 B per K=16 slice
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step<true>(st, s, red_max, ps, wm, wh, g, tq);
+        pair_barrier(wm);  // P rows of this head block: columns 0..31 from wh = 0, 32..63 from wh = 1
+        pv_step_v3(st, ps, vt_base, wm, wh, g, tq, lane);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// FP8 v4 path (sparse_attn_decode_fp8_v4, bench variant "fp8_v4"): v3 with P.V on wgmma as well.
+//   * P (64 heads x 64 entries, BF16) is written in the 128B-swizzled K-major layout (one 8 KiB block,
+//     1024-aligned): byte offset of (head r, entry c) = r * 128 + (((c >> 3) ^ (r & 7)) << 4) + 2 (c & 7).
+//   * Warp group wh computes O[64 heads, dims 256wh..256wh+255] += P . V with 4 x wgmma.m64n256k16
+//     (K = 16 entries each). A = P (K-major, +32 B per K=16 slice, as for q). B = the K = V tile read
+//     N-major (imm-trans-b = 1): the same swizzled bytes serve as the N-major 128B-swizzle canonical layout,
+//     with rows = K (entries, 128 B apart, 8-row groups SBO = 1024 B apart; a K=16 slice is +2048 B) and
+//     64-dim atoms along N LBO = 8192 B apart (the k-block stride). Descriptor fields as in the PTX ISA matrix
+//     descriptor; for N-major swizzled layouts LBO is the stride between swizzle atoms along N.
+//   * The m64n256k16 accumulator fragment is the v2 O layout (warp w of the group: heads 16w + l/4 (+8),
+//     dims 256wh + 8nt + 2(l%4) (+1) in register 4nt + i), so the online-softmax rescale and finish are v2's.
+//   * Every warp group reads all 64 P rows (written by all 8 warps), so the pair barrier before P.V becomes a
+//     CTA barrier, preceded by fence.proxy.async (P's generic stores -> wgmma's async-proxy reads).
+//   Budget change per warp per tile vs v3: P.V's 4 x (4 lds + 16 x (ldmatrix + 2 mma)) ~ 210 issue slots become
+//   4 wgmma; P.V shared-memory reads drop from 256 KB per tile (each warp reads 64 entries x 256 dims) to
+//   2 x (32 KB V + 8 KB P).
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kV4PswBytes = 64 * 128;
+static_assert(kV3P % 1024 == 0 && kV4PswBytes <= kPBytes, "v4 reuses v3's map with a 1024-aligned 8 KiB P block");
+
+// Descriptor of an N-major (MN-major) 128B-swizzled operand: start >> 4, LBO = 8192 B between 64-element atoms
+// along N, SBO = 1024 B between 8-row groups along K, 128B swizzle.
+__device__ __forceinline__ uint64_t sw128_desc_mn(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(kSwBlockBytes >> 4) << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+__device__ __forceinline__ void fence_acc_o(float (&d)[32][4]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])::"memory");
+}
+
+// softmax_step with P written in the swizzled layout (same arithmetic as softmax_step<true>).
+__device__ __forceinline__ void softmax_step_v4(WarpState& st, float (&s)[4][4], float* red_max, uint8_t* psw, int wm,
+                                                int wh, int g, int tq) {
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        tmax[0] = fmaxf(tmax[0], fmaxf(s[n][0], s[n][1]));
+        tmax[1] = fmaxf(tmax[1], fmaxf(s[n][2], s[n][3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
+        tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
+    }
+    const int row0 = 16 * wm + g;
+    if (tq == 0) {
+        red_max[wh * kHeadsPerCta + row0] = tmax[0];
+        red_max[wh * kHeadsPerCta + row0 + 8] = tmax[1];
+    }
+    pair_barrier(wm);
+    tmax[0] = fmaxf(tmax[0], red_max[(1 - wh) * kHeadsPerCta + row0]);
+    tmax[1] = fmaxf(tmax[1], red_max[(1 - wh) * kHeadsPerCta + row0 + 8]);
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(st.m[r], tmax[r]);
+        m_use[r] = (m_new == -INFINITY) ? 0.f : m_new;
+        alpha[r] = exp2f(st.m[r] - m_use[r]);
+        st.m[r] = m_new;
+        st.l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+        const float p0 = exp2f(s[n][0] - m_use[0]);
+        const float p1 = exp2f(s[n][1] - m_use[0]);
+        const float p2 = exp2f(s[n][2] - m_use[1]);
+        const float p3 = exp2f(s[n][3] - m_use[1]);
+        st.l[0] += p0 + p1;
+        st.l[1] += p2 + p3;
+        // entries 32wh + 8n + 2tq (+1): chunk 4wh + n, byte 4tq inside it; rows row0 and row0 + 8 share row & 7 = g.
+        const uint32_t inrow = (uint32_t)((((4 * wh + n) ^ g) << 4) + 4 * tq);
+        *reinterpret_cast<uint32_t*>(psw + row0 * 128 + inrow) = pack_bf16x2(p0, p1);
+        *reinterpret_cast<uint32_t*>(psw + (row0 + 8) * 128 + inrow) = pack_bf16x2(p2, p3);
+    }
+    if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) {
+        st.o[nt][0] *= alpha[0];
+        st.o[nt][1] *= alpha[0];
+        st.o[nt][2] *= alpha[1];
+        st.o[nt][3] *= alpha[1];
+    }
+}
+
+// D(64 x 256, f32, the WarpState O layout) += A(64 x 16 bf16, K-major smem desc) * B(16 x 256 bf16, N-major smem
+// desc): imm-trans-b = 1. d[nt][i] is accumulator register 4 nt + i (row 16 w + l/4 (+8), column 8 nt + 2 (l%4) (+1)).
+__device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[32][4], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void decode_fp8_v4_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV3Q;
+    uint8_t* vt = smem + kV3Vt;
+    uint8_t* psw = smem + kV3P;
+    float* red_max = reinterpret_cast<float*>(smem + kV3RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV3RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV3Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
+        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
+    }
+    // q: as in v2 (warp w quantizes heads 8w..8w+7), stored into the swizzled layout; lane l owns chunks 2l, 2l+1.
+    {
+        uint4 raw[8][2];
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane(x, lane);  // all lanes take part in its shuffles
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+    fence_proxy_async();  // q's generic stores -> visible to wgmma (async proxy) after the barrier below
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0, 1 and q visible
+    if (n_it > 0) load_tile_fp8_v2(smem + kV3Raw, idxs, a.pool, warp, lane);
+    cp_async_commit();
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base = smem_addr(vt);
+    const uint32_t b_rows = vt_base + (uint32_t)(32 * wh * 128);  // this warp group's 32 entries (1024-aligned)
+    const uint64_t p_desc = sw128_desc(smem_addr(psw));
+    const uint64_t v_desc = sw128_desc_mn(vt_base + (uint32_t)(4 * wh * kSwBlockBytes));  // dims 256wh..
+
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        __syncthreads();  // tile `it` landed; iteration it-1 is done with vt, P, red_*, its idx slot
+        const uint8_t* raw = smem + kV3Raw + (it & 1) * kRawBytes;
+        const int* idx_cur = idxs + (it % 3) * kBlockN;
+        if (it + 1 < n_it)
+            load_tile_fp8_v2(smem + kV3Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool,
+                             warp, lane);
+        cp_async_commit();
+        if (tid < kBlockN && it + 2 < n_it)
+            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
+
+        dequant_tile_v3(raw, vt, tid);
+        fence_proxy_async();
+        __syncthreads();  // K = V tile complete and visible to the async proxy
+
+        // ---- S = q . K^T: warp group wh, 64 heads x entries 32wh..32wh+31, all 512 dims ----
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < 8; ++kb) {
+            const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+            const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);  // +32 B per K=16 slice
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step_v4(st, s, red_max, psw, wm, wh, g, tq);
+        fence_proxy_async();
+        __syncthreads();  // all 64 P rows written and visible to the async proxy
+
+        // ---- O[64 heads, dims 256wh..+255] += P . V: 4 x m64n256k16 (16 entries each) ----
+        fence_acc_o(st.o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k)  // A: +32 B per K=16 slice; B: +16 rows x 128 B = 2048 B per K=16 slice
+            wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc_o(st.o);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// FP8 v5 path (sparse_attn_decode_fp8_v5, bench variant "fp8_v5"): v4 with the next tile's dequant overlapped
+// with the current tile's QK^T wgmma, and no raw shared-memory stage.
+//   * Two swizzled K = V tiles (vt[0], vt[1]). The raw entries go global -> registers -> BF16 tile: thread
+//     (e = tid / 4, q = tid % 4) loads exactly the 8-byte chunks its dequant converts (14 nope chunks, the scale
+//     word, 4 rope words = 19 x 8 B), one tile ahead of the dequant and two tiles ahead of the math.
+//   * Iteration it: [barrier] issue QK^T(it) on vt[it & 1] (async) -> dequant the registers (tile it+1) into
+//     vt[(it+1) & 1] and load tile it+2 into the registers while the tensor cores run -> wait QK -> softmax ->
+//     fence.proxy.async + barrier (P and vt[(it+1) & 1] complete) -> P.V(it) on vt[it & 1] -> wait.
+//     The top barrier keeps the dequant of iteration it+1 (into vt[it & 1]) behind every warp group's P.V(it).
+//   * Candidate indices: a ring of 4 slots; tile it+3 is resolved in iteration it (its slot was last read by the
+//     masking of tile it-1, before this iteration's top barrier).
+//   Same arithmetic as v4 (same dequant values, same wgmma order): v5 equals v4 bit for bit.
+// ---------------------------------------------------------------------------------------------------------
+constexpr int kV5Q = 0;
+constexpr int kV5Vt = kV5Q + kSwTileBytes;              // two tiles
+constexpr int kV5P = kV5Vt + 2 * kSwTileBytes;          // 8 KiB swizzled P block
+constexpr int kV5RedMax = kV5P + kV4PswBytes;
+constexpr int kV5RedSum = kV5RedMax + kRedBytes;
+constexpr int kV5Idx = kV5RedSum + kRedBytes;           // 4 slots of 64 indices
+constexpr int kV5Bytes = kV5Idx + 4 * kBlockN * 4;      // 206848
+constexpr int kV5SmemBytes = kV5Bytes + 1024;
+static_assert(kV5SmemBytes == 207872, "mirror FP8_V5_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+static_assert(kV5P % 1024 == 0 && kV5Vt % 1024 == 0, "wgmma tiles 1024-aligned");
+
+struct RawRegs {
+    uint2 nope[14];  // chunk 8 (i >> 1) + q + 4 ((i & 1) ^ (e & 1)) of the entry, as in dequant_tile_v3
+    uint2 sc;        // bytes 576..583: the 7 UE8M0 scales + pad
+    uint2 rope[4];   // rope 16-byte chunks q (words 0, 1) and q + 4 (words 2, 3)
+};
+
+__device__ __forceinline__ void load_raw_regs(RawRegs& r, const uint8_t* __restrict__ pool, int idx, int q, int odd) {
+    if (idx >= 0) {
+        const uint8_t* src = pool + (size_t)idx * kEntryBytes;
+#pragma unroll
+        for (int i = 0; i < 14; ++i)
+            r.nope[i] = __ldg(reinterpret_cast<const uint2*>(src + 8 * (8 * (i >> 1) + q + 4 * ((i & 1) ^ odd))));
+        r.sc = __ldg(reinterpret_cast<const uint2*>(src + kScaleOffset));
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            r.rope[j] = __ldg(reinterpret_cast<const uint2*>(src + kRopeOffset + 16 * q + 8 * (j & 1) + 64 * (j >> 1)));
+    } else {  // zero codes and scale code 0: K = V = 0, never NaN (the score is masked anyway)
+#pragma unroll
+        for (int i = 0; i < 14; ++i) r.nope[i] = make_uint2(0u, 0u);
+        r.sc = make_uint2(0u, 0u);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) r.rope[j] = make_uint2(0u, 0u);
+    }
+}
+
+__device__ __forceinline__ void dequant_regs_v5(const RawRegs& r, uint8_t* vt, int e, int q, int odd) {
+    float scale[kTiles];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+        scale[t] = mm::ue8m0_decode(static_cast<uint8_t>(((t < 4 ? r.sc.x : r.sc.y) >> (8 * (t & 3))) & 0xFFu));
+#pragma unroll
+    for (int i = 0; i < 14; ++i) {
+        const int c = 8 * (i >> 1) + q + 4 * ((i & 1) ^ odd);
+        const uint2 w = r.nope[i];
+        const float s = scale[i >> 1];
+        uint4 o;
+        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
+        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
+        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
+        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
+        *reinterpret_cast<uint4*>(vt + sw_off(e, c)) = o;
+    }
+    *reinterpret_cast<uint4*>(vt + sw_off(e, 56 + q)) = make_uint4(r.rope[0].x, r.rope[0].y, r.rope[1].x, r.rope[1].y);
+    *reinterpret_cast<uint4*>(vt + sw_off(e, 60 + q)) = make_uint4(r.rope[2].x, r.rope[2].y, r.rope[3].x, r.rope[3].y);
+}
+
+__device__ __forceinline__ void decode_fp8_v5_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV5Q;
+    uint8_t* psw = smem + kV5P;
+    float* red_max = reinterpret_cast<float*>(smem + kV5RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV5RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV5Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    const int de = tid >> 2, dq = tid & 3, dodd = de & 1;  // this thread's dequant entry / chunk phase
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    if (tid < kBlockN) {
+#pragma unroll
+        for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
+    }
+    // q: as in v3 (swizzled layout).
+    {
+        uint4 raw[8][2];
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane(x, lane);
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0..2 visible
+    RawRegs rr;
+    if (n_it > 0) {
+        load_raw_regs(rr, a.pool, idxs[de], dq, dodd);
+        dequant_regs_v5(rr, smem + kV5Vt, de, dq, dodd);
+    }
+    if (n_it > 1) load_raw_regs(rr, a.pool, idxs[kBlockN + de], dq, dodd);
+    fence_proxy_async();  // q and vt[0] generic stores -> async proxy (after the loop-top barrier)
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base0 = smem_addr(smem + kV5Vt);
+    const uint64_t p_desc = sw128_desc(smem_addr(psw));
+
+    for (int it = 0; it < n_it; ++it) {
+        __syncthreads();  // vt[it & 1] complete; every warp group finished P.V(it-1); idx slot (it+2)%4 visible
+        const uint32_t vt_cur = vt_base0 + (uint32_t)((it & 1) * kSwTileBytes);
+        const int* idx_cur = idxs + (it % 4) * kBlockN;
+        if (tid < kBlockN && it + 3 < n_it)
+            idxs[((it + 3) % 4) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 3) * kBlockN + tid);
+
+        // ---- S = q . K^T on vt[it & 1], issued async ----
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+        {
+            const uint32_t b_rows = vt_cur + (uint32_t)(32 * wh * 128);
+#pragma unroll
+            for (int kb = 0; kb < 8; ++kb) {
+                const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+                const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);
+            }
+        }
+        wgmma_commit();
+
+        // ---- while the tensor cores run: tile it+1 registers -> vt[(it+1) & 1]; load tile it+2 ----
+        if (it + 1 < n_it) {
+            dequant_regs_v5(rr, smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
+            if (it + 2 < n_it) load_raw_regs(rr, a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
+        }
+
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step_v4(st, s, red_max, psw, wm, wh, g, tq);
+        fence_proxy_async();  // P and vt[(it+1) & 1] generic stores -> async proxy
+        __syncthreads();      // all 64 P rows written
+
+        // ---- O[64 heads, dims 256wh..+255] += P . V(it) ----
+        const uint64_t v_desc = sw128_desc_mn(vt_cur + (uint32_t)(4 * wh * kSwBlockBytes));
+        fence_acc_o(st.o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc_o(st.o);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // BF16 baseline path (the seeds' staging design): same tiling, K = V read as BF16 rows of the staging buffer.
 // ---------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void load_tile_bf16(__nv_bfloat16* vt, const int* idx, const DecodeArgs& a, int b, int j0) {
@@ -733,6 +1441,24 @@ extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t*
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV2SmemBytes. The FP8 path (bench "fp8").
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v2(SA_DECODE_PARAMS) {
     sa::decode_fp8_v2_body(SA_DECODE_ARGS);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV3SmemBytes. The FP8 path with QK^T on wgmma
+// (bench "fp8_v3"); same arguments and outputs as v2.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v3(SA_DECODE_PARAMS) {
+    sa::decode_fp8_v3_body(SA_DECODE_ARGS);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV3SmemBytes (v3's map). The FP8 path with QK^T
+// and P.V on wgmma (bench "fp8_v4"); same arguments and outputs as v2.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v4(SA_DECODE_PARAMS) {
+    sa::decode_fp8_v4_body(SA_DECODE_ARGS);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. v4 with the next tile's dequant
+// overlapped with QK^T (bench "fp8_v5"); same arguments and outputs as v2.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v5(SA_DECODE_PARAMS) {
+    sa::decode_fp8_v5_body(SA_DECODE_ARGS);
 }
 
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kB16SmemBytes. Reads `staging`.
