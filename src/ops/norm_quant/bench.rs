@@ -19,6 +19,8 @@ pub fn kernels() -> Vec<BenchKernel> {
                 "fused_fp8",
                 "unfused_fp8",
                 "fused_bf16",
+                "fused_v4_nvfp4",
+                "fused_v4_fp8",
             ],
             matmul: MatmulKind::NotMatmul,
             run_point: rows_point,
