@@ -372,7 +372,7 @@ template <bool NORM>
 __device__ void rmsnorm_nvfp4_row_v4(const float (&x)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
                                      float eps, const RowOut& o, float* red) {
     const int tid = threadIdx.x, bd = blockDim.x;
-    uint4 wraw[CH];
+    uint4 wraw[CH] = {};  // stays zero (unused) without NORM
     float rstd = 1.f;
     if (NORM) {
 #pragma unroll
