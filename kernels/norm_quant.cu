@@ -346,10 +346,27 @@ __device__ __forceinline__ uint32_t bf16_key_ru_x2(float b) {
     return __byte_perm(__float_as_uint(b) + 0xFFFFu, 0u, 0x3232);
 }
 
+// prmt.b32 in its default mode: selector nibble n picks byte (nibble & 7) of {b, a} for result byte n; with
+// the nibble's bit 3 set, the picked byte's msb is replicated over the result byte (0x00 or 0xFF).
+__device__ __forceinline__ uint32_t prmt_b32(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
 // Codes of the 8 values held as pairs pk[p] = (y[p] low half, y[p + 4] high half); nibble e = code of y[e]
 // (sign in bit 3, kept for -0). keys[i] = bf16_key_ru_x2(B_i).
+// Placement of the code bits (each at bits 15 / 31 of its plane word X[j][p], j = 0..3: m0, m1, m2, sign):
+//  * PRMT_PLACE = false: per plane and pair, shift right by 15 - 4p - j and mask: 32 operations per 8 values.
+//  * PRMT_PLACE = true: one sign-replicating prmt per plane and pair PAIR (p, p + 2) turns the four compare bits
+//    into four 0x00/0xFF bytes: byte 0 <- X[j][p] lo, byte 1 <- X[j][p + 2] lo, byte 2 <- X[j][p] hi, byte 3 <-
+//    X[j][p + 2] hi (selector 0xFBD9: bytes 1, 5, 3, 7 of {X[j][p + 2], X[j][p]}, each sign-replicated); masking
+//    byte bit j (p = 0) or 4 + j (p = 1) lands each bit at output bit 4 * (element) + j: element p -> byte 0,
+//    p + 2 -> byte 1, p + 4 -> byte 2, p + 6 -> byte 3. 16 operations per 8 values.
+template <bool PRMT_PLACE>
 __device__ __forceinline__ uint32_t e2m1_codes8_keys(const uint32_t (&pk)[4], const uint32_t (&keys)[7]) {
     uint32_t out = 0;
+    uint32_t x[3][4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const uint32_t a = pk[p] | 0x80008000u;
@@ -359,8 +376,22 @@ __device__ __forceinline__ uint32_t e2m1_codes8_keys(const uint32_t (&pk)[4], co
         const uint32_t m2 = d[3];
         const uint32_t m1 = (d[1] & ~d[3]) | d[5];
         const uint32_t m0 = d[0] ^ d[1] ^ d[2] ^ d[3] ^ d[4] ^ d[5] ^ d[6];
-        out |= ((m0 >> (15 - 4 * p)) & (0x00010001u << (4 * p))) | ((m1 >> (14 - 4 * p)) & (0x00020002u << (4 * p))) |
-               ((m2 >> (13 - 4 * p)) & (0x00040004u << (4 * p))) | ((pk[p] >> (12 - 4 * p)) & (0x00080008u << (4 * p)));
+        if (PRMT_PLACE) {
+            x[0][p] = m0; x[1][p] = m1; x[2][p] = m2;
+        } else {
+            out |= ((m0 >> (15 - 4 * p)) & (0x00010001u << (4 * p))) |
+                   ((m1 >> (14 - 4 * p)) & (0x00020002u << (4 * p))) |
+                   ((m2 >> (13 - 4 * p)) & (0x00040004u << (4 * p))) |
+                   ((pk[p] >> (12 - 4 * p)) & (0x00080008u << (4 * p)));
+        }
+    }
+    if (PRMT_PLACE) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t* xj = j < 3 ? x[j] : pk;
+            out |= (prmt_b32(xj[0], xj[2], 0xFBD9u) & (0x01010101u << j)) |
+                   (prmt_b32(xj[1], xj[3], 0xFBD9u) & (0x10101010u << j));
+        }
     }
     return out;
 }
@@ -368,7 +399,7 @@ __device__ __forceinline__ uint32_t e2m1_codes8_keys(const uint32_t (&pk)[4], co
 // NVFP4 row, v4: RMSNorm as in norm_quant_row (same rounding points), then the packed-pair quantizer.
 // x[k][e] = chunk tid + k*bd (zeros when invalid). All threads of the block call it.
 // NORM = false: quantize x itself (BF16 values: the packing is exact), for the boundary test of the encoder.
-template <bool NORM>
+template <bool NORM, bool PRMT_PLACE = false>
 __device__ void rmsnorm_nvfp4_row_v4(const float (&x)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
                                      float eps, const RowOut& o, float* red) {
     const int tid = threadIdx.x, bd = blockDim.x;
@@ -426,7 +457,7 @@ __device__ void rmsnorm_nvfp4_row_v4(const float (&x)[CH][8], int nchunks, int D
                     uint32_t keys[7];
 #pragma unroll
                     for (int i = 0; i < 7; ++i) keys[i] = bf16_key_ru_x2(thr.b[i]);
-                    packed = e2m1_codes8_keys(pk[k], keys);
+                    packed = e2m1_codes8_keys<PRMT_PLACE>(pk[k], keys);
                 } else {  // non-finite scale (non-finite input): the v1 per-element search, same bits as v1
 #pragma unroll
                     for (int p = 0; p < 4; ++p) {
@@ -464,7 +495,7 @@ __device__ __forceinline__ void unpack_raw(const RawF32& r, float v[8]) {
 }
 
 // Rows blockIdx.x + i * gridDim.x; the next row's loads are issued before the current row is processed.
-template <typename Tin, int KIND, bool NORM = true>
+template <typename Tin, int KIND, bool NORM = true, bool PRMT_PLACE = false>
 __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* __restrict__ w, uint8_t* q,
                                 uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
     __shared__ float red[MAX_WARPS];
@@ -491,7 +522,7 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
         o.bf = nullptr;
         o.rstd = rstd ? rstd + row : nullptr;
         if (KIND == KIND_NVFP4) {
-            rmsnorm_nvfp4_row_v4<NORM>(v, nchunks, D, w, eps, o, red);
+            rmsnorm_nvfp4_row_v4<NORM, PRMT_PLACE>(v, nchunks, D, w, eps, o, red);
         } else {
             norm_quant_row<KIND, NORM>(v, nchunks, D, w, eps, o, red);
         }
@@ -969,6 +1000,11 @@ extern "C" __global__ void rmsnorm_nvfp4_f32in_v4(const float* x, const __nv_bfl
 extern "C" __global__ void rmsnorm_fp8_f32in_v4(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                                 float* rstd, int rows, int D, float eps) {
     rmsnorm_rows_v4<float, KIND_FP8>(x, w, q, scales, nullptr, rstd, rows, D, eps);
+}
+// v4p: v4 NVFP4 with the prmt code placement (BF16 input only; its own A/B variant).
+extern "C" __global__ void __maxnreg__(V4_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_v4p(const __nv_bfloat16* x,
+        const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
+    rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, true, true>(x, w, q, scales, gsa, rstd, rows, D, eps);
 }
 // Quantize-only v4 NVFP4 (BF16 rows in): the encoder's exact-boundary GPU test; same grid rule.
 extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,

@@ -582,6 +582,11 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
             }
             let pk = pm::pair_up(&bits);
             let got = pm::codes8(&pk, &keys);
+            let got_prmt = pm::codes8_prmt(&pk, &keys);
+            assert_eq!(
+                got_prmt, got,
+                "v4p (prmt placement) vs v4 codes of {bits:04x?} at scale {scale:e} (seed {seed})"
+            );
             let ys = bits.map(|b| f32::from_bits(u32::from(b) << 16));
             for (e, &y) in ys.iter().enumerate() {
                 let want = e2m1::encode_rne(y / scale);
@@ -737,6 +742,45 @@ fn gpu_rmsnorm_quant_v4_matches_v1_and_reference() {
     let dx = nq::upload_checked_bf16(&gpu, "x", &[1.0; 4096]).unwrap();
     let mut bf = NormOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, 1, 4096).unwrap();
     assert!(nq::rmsnorm_quant_v4(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut bf).is_err());
+}
+
+/// v4p (prmt placement of the code bits) against the v1 kernel bit for bit and the CPU reference; BF16 input.
+/// Its own test so that a failure drops only this variant.
+#[test]
+fn gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference");
+    for &d in DS {
+        let w = nq::random_weight(d, seed ^ d as u64);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        for rows in [1usize, 7, 129, 4096, 9000] {
+            let x = nq::random_rows(rows, d, seed ^ (rows as u64 * 41 + d as u64));
+            let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
+            let label = format!("v4p rmsnorm->nvfp4 {rows}x{d}, seed {seed}");
+            let mut v4p = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            let mut v1 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::rmsnorm_quant_v4p(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut v4p).unwrap();
+            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut v1).unwrap();
+            let (a, b) = (v4p.download(&gpu).unwrap(), v1.download(&gpu).unwrap());
+            assert_same_outputs(&label, &a, &b, rows, d);
+            let check_rows = rows.min(600);
+            let sub = nq::HostNormOutputs {
+                rstd: a.rstd[..check_rows].to_vec(),
+                ..a
+            };
+            check_norm_outputs(
+                &label,
+                &x[..check_rows * d],
+                &w,
+                check_rows,
+                d,
+                OutFormat::Nvfp4,
+                &sub,
+            );
+        }
+    }
 }
 
 /// The v4 quantize-only NVFP4 kernel at exact e2m1 decision points (ties included) equals the CPU reference

@@ -21,6 +21,7 @@ pub fn kernels() -> Vec<BenchKernel> {
                 "fused_bf16",
                 "fused_v4_nvfp4",
                 "fused_v4_fp8",
+                "fused_v4p_nvfp4",
             ],
             matmul: MatmulKind::NotMatmul,
             run_point: rows_point,

@@ -360,6 +360,32 @@ pub fn rmsnorm_quant_v4(
     eps: f32,
     out: &mut NormOutputs,
 ) -> Result<()> {
+    rmsnorm_quant_v4_kernel(gpu, x, w, eps, out, "_v4")
+}
+
+/// [`rmsnorm_quant_v4`] for NVFP4 with the prmt placement of the code bits (its own A/B variant); BF16
+/// input only.
+pub fn rmsnorm_quant_v4p(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    if out.format != OutFormat::Nvfp4 || !matches!(x, RowsIn::Bf16(_)) {
+        bail!("rmsnorm_quant_v4p: only BF16 input -> NVFP4");
+    }
+    rmsnorm_quant_v4_kernel(gpu, x, w, eps, out, "_v4p")
+}
+
+fn rmsnorm_quant_v4_kernel(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+    kernel_suffix: &str,
+) -> Result<()> {
     let (rows, d) = (out.rows, out.d);
     check_rows(rows, d)?;
     check_eps(eps)?;
@@ -368,7 +394,11 @@ pub fn rmsnorm_quant_v4(
     if out.format == OutFormat::Bf16 {
         bail!("rmsnorm_quant_v4: the output format must be nvfp4 or fp8 (bf16 has only the v1 kernel)");
     }
-    let name = format!("rmsnorm_{}_{}_v4", out.format.name(), x.suffix());
+    let name = format!(
+        "rmsnorm_{}_{}{kernel_suffix}",
+        out.format.name(),
+        x.suffix()
+    );
     let f = gpu.function(FAMILY, &name)?;
     let threads = row_block_threads(d);
     let per_sm = drv(
@@ -1023,6 +1053,7 @@ pub const ROW_VARIANTS: &[&str] = &[
     "fused_bf16",
     "fused_v4_nvfp4",
     "fused_v4_fp8",
+    "fused_v4p_nvfp4",
     "copy",
 ];
 
@@ -1070,12 +1101,15 @@ pub fn bench_rows(
             let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
             Ok(point(bytes, s, base))
         }
-        "fused_v4" => {
+        "fused_v4" | "fused_v4p" => {
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let s = gpu.time_us(plan, || {
-                rmsnorm_quant_v4(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
-            })?;
+            let launch = if kind == "fused_v4" {
+                rmsnorm_quant_v4
+            } else {
+                rmsnorm_quant_v4p
+            };
+            let s = gpu.time_us(plan, || launch(gpu, RowsIn::Bf16(&x), &w, eps, &mut out))?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
             Ok(point(bytes, s, Some(format!("unfused_{fmt}"))))
         }

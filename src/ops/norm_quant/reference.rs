@@ -166,6 +166,43 @@ pub mod packed_e2m1_mirror {
         out
     }
 
+    /// `prmt.b32` (default mode) of the .cu: result byte n = byte (nibble n & 7) of {b, a}, sign-replicated
+    /// when the nibble's bit 3 is set.
+    pub fn prmt_b32(a: u32, b: u32, sel: u32) -> u32 {
+        let src = (u64::from(b) << 32) | u64::from(a);
+        (0..4).fold(0u32, |acc, n| {
+            let nib = (sel >> (4 * n)) & 0xF;
+            let byte = ((src >> (8 * (nib & 7))) & 0xFF) as u32;
+            let byte = if nib & 8 != 0 {
+                if byte & 0x80 != 0 {
+                    0xFF
+                } else {
+                    0
+                }
+            } else {
+                byte
+            };
+            acc | (byte << (8 * n))
+        })
+    }
+
+    /// `e2m1_codes8_keys<true>` (prmt placement): same codes as [`codes8`].
+    pub fn codes8_prmt(pk: &[u32; 4], keys: &[u32; 7]) -> u32 {
+        let mut planes = [[0u32; 4]; 4];
+        for (p, &pair) in pk.iter().enumerate() {
+            let a = pair | 0x8000_8000;
+            let d: [u32; 7] = std::array::from_fn(|i| a.wrapping_sub(keys[i]));
+            planes[0][p] = d[0] ^ d[1] ^ d[2] ^ d[3] ^ d[4] ^ d[5] ^ d[6];
+            planes[1][p] = (d[1] & !d[3]) | d[5];
+            planes[2][p] = d[3];
+            planes[3][p] = pair;
+        }
+        planes.iter().enumerate().fold(0u32, |out, (j, x)| {
+            out | (prmt_b32(x[0], x[2], 0xFBD9) & (0x0101_0101 << j))
+                | (prmt_b32(x[1], x[3], 0xFBD9) & (0x1010_1010 << j))
+        })
+    }
+
     /// `max.u16x2` of the .cu.
     pub fn max_u16x2(a: u32, b: u32) -> u32 {
         (a & 0xFFFF).max(b & 0xFFFF) | (a >> 16).max(b >> 16) << 16
