@@ -346,6 +346,29 @@ __device__ __forceinline__ uint32_t bf16_key_ru_x2(float b) {
     return __byte_perm(__float_as_uint(b) + 0xFFFFu, 0u, 0x3232);
 }
 
+// The thresholds of e2m1_thresholds without FP64 (v4p only; the session-2 v3 kernel used and GPU-verified this
+// form): e2m1_thresholds returns RD32/RU32 of the exact product s*M, M = t +- 2^-k (t in {0.25, ..., 5}, exact in
+// f32). With h = s * 2^-k, exact in f32 while s * 2^-26 stays normal, s*M = s*t + h exactly, and one FMA rounds
+// that exact sum once in the requested direction: __fmaf_rd(s, t, h) = RD32(s*M), __fmaf_ru(s, t, -h) =
+// RU32(s*M): the same bits, with 5 FMUL + 7 FFMA instead of 7 DMUL + 8 F64 conversions (a quarter-rate pipe).
+// Valid for 2^-100 <= s <= 2^100 (every h normal, no overflow); otherwise (incl. non-finite s) the FP64 form.
+// Mirrored and compared with the FP64 form on the CPU (reference.rs packed_e2m1_mirror::thresholds_fma).
+__device__ __forceinline__ E2m1Thresholds e2m1_thresholds_fma(float scale) {
+    if (!(scale >= 0x1p-100f && scale <= 0x1p100f)) return e2m1_thresholds(scale);
+    const float h26 = __fmul_rn(scale, 0x1p-26f), h25 = __fmul_rn(scale, 0x1p-25f);
+    const float h24 = __fmul_rn(scale, 0x1p-24f), h23 = __fmul_rn(scale, 0x1p-23f);
+    const float h22 = __fmul_rn(scale, 0x1p-22f);
+    E2m1Thresholds t;
+    t.b[0] = nextup_pos(__fmaf_rd(scale, 0.25f, h26));
+    t.b[1] = __fmaf_ru(scale, 0.75f, -h25);
+    t.b[2] = nextup_pos(__fmaf_rd(scale, 1.25f, h24));
+    t.b[3] = __fmaf_ru(scale, 1.75f, -h24);
+    t.b[4] = nextup_pos(__fmaf_rd(scale, 2.5f, h23));
+    t.b[5] = __fmaf_ru(scale, 3.5f, -h23);
+    t.b[6] = nextup_pos(__fmaf_rd(scale, 5.0f, h22));
+    return t;
+}
+
 // prmt.b32 in its default mode: selector nibble n picks byte (nibble & 7) of {b, a} for result byte n; with
 // the nibble's bit 3 set, the picked byte's msb is replicated over the result byte (0x00 or 0xFF).
 __device__ __forceinline__ uint32_t prmt_b32(uint32_t a, uint32_t b, uint32_t sel) {
@@ -452,7 +475,8 @@ __device__ void rmsnorm_nvfp4_row_v4(const float (&x)[CH][8], int nchunks, int D
             const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
             uint32_t packed = 0;
             if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
-                const E2m1Thresholds thr = e2m1_thresholds(scale);
+                // v4p: FMA thresholds (same bits, see e2m1_thresholds_fma); v4: the FP64 form of the v1 kernel.
+                const E2m1Thresholds thr = PRMT_PLACE ? e2m1_thresholds_fma(scale) : e2m1_thresholds(scale);
                 if (scale < INFINITY) {  // finite positive scale: thresholds in (0, +inf], the identities hold
                     uint32_t keys[7];
 #pragma unroll
@@ -1001,7 +1025,7 @@ extern "C" __global__ void rmsnorm_fp8_f32in_v4(const float* x, const __nv_bfloa
                                                 float* rstd, int rows, int D, float eps) {
     rmsnorm_rows_v4<float, KIND_FP8>(x, w, q, scales, nullptr, rstd, rows, D, eps);
 }
-// v4p: v4 NVFP4 with the prmt code placement (BF16 input only; its own A/B variant).
+// v4p: v4 NVFP4 with the prmt code placement and the FMA thresholds (BF16 input only; its own A/B variant).
 extern "C" __global__ void __maxnreg__(V4_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_v4p(const __nv_bfloat16* x,
         const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
     rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, true, true>(x, w, q, scales, gsa, rstd, rows, D, eps);
@@ -1010,6 +1034,10 @@ extern "C" __global__ void __maxnreg__(V4_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_v
 extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
                                                  int rows, int D) {
     rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
+}
+extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4p(const __nv_bfloat16* x, uint8_t* q,
+                                                                         uint8_t* scales, float* gsa, int rows, int D) {
+    rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, false, true>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
 }
 
 // Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).

@@ -573,6 +573,12 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
     let mut checked = 0u64;
     for &scale in &scales {
         let keys: [u32; 7] = pm::thresholds(scale).map(pm::key_ru_x2);
+        assert_eq!(
+            pm::thresholds_fma(scale).map(f32::to_bits),
+            pm::thresholds(scale).map(f32::to_bits),
+            "v4p FMA thresholds vs the FP64 form at scale {scale:e} ({:#010x}), seed {seed}",
+            scale.to_bits()
+        );
         for chunk in mags.chunks(8) {
             let mut bits = [0u16; 8];
             let signs = next();
@@ -780,6 +786,15 @@ fn gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference() {
                 &sub,
             );
         }
+        // exact e2m1 decision points (ties included), quantize-only v4p kernel vs the CPU reference
+        let rows = 2000;
+        let y = boundary_rows(rows, d, seed ^ 0xb0 ^ d as u64);
+        let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
+        let label = format!("v4p quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+        let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
+        let mut v4p = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows_nvfp4_v4p(&gpu, &dy, &mut v4p).unwrap();
+        assert_same_nvfp4(&label, &v4p.download(&gpu).unwrap().q, &want, d);
     }
 }
 

@@ -439,6 +439,24 @@ pub fn quantize_bf16_rows_nvfp4_v4(
     y: &CudaSlice<bf16>,
     out: &mut NormOutputs,
 ) -> Result<()> {
+    quantize_bf16_rows_nvfp4_v4_kernel(gpu, y, out, "quant_nvfp4_bf16in_v4")
+}
+
+/// [`quantize_bf16_rows_nvfp4_v4`] with the v4p encoder (prmt placement, FMA thresholds).
+pub fn quantize_bf16_rows_nvfp4_v4p(
+    gpu: &Gpu,
+    y: &CudaSlice<bf16>,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    quantize_bf16_rows_nvfp4_v4_kernel(gpu, y, out, "quant_nvfp4_bf16in_v4p")
+}
+
+fn quantize_bf16_rows_nvfp4_v4_kernel(
+    gpu: &Gpu,
+    y: &CudaSlice<bf16>,
+    out: &mut NormOutputs,
+    name: &str,
+) -> Result<()> {
     let (rows, d) = (out.rows, out.d);
     check_rows(rows, d)?;
     check_len("y", y.len(), rows * d)?;
@@ -448,9 +466,8 @@ pub fn quantize_bf16_rows_nvfp4_v4(
         global_scale,
     } = &mut out.q
     else {
-        bail!("quantize_bf16_rows_nvfp4_v4: the output format must be nvfp4");
+        bail!("{name}: the output format must be nvfp4");
     };
-    let name = "quant_nvfp4_bf16in_v4";
     let f = gpu.function(FAMILY, name)?;
     let threads = row_block_threads(d);
     let per_sm = drv(

@@ -141,6 +141,28 @@ pub mod packed_e2m1_mirror {
         ]
     }
 
+    /// `e2m1_thresholds_fma(scale)` of the .cu (v4p). `fma_rd/ru(s, t, h)` rounds the exact s*t + h once;
+    /// s*t + h = s*(t + 2^-k) has at most 24 + 25 significant bits, so it is exact in f64 and one directed f64
+    /// -> f32 rounding of it is the FMA's result. `h` is the f32 product s * 2^-k as the device computes it
+    /// (rounded when it is subnormal: the reason for the range guard).
+    pub fn thresholds_fma(scale: f32) -> [f32; 7] {
+        if !((2f32.powi(-100)..=2f32.powi(100)).contains(&scale)) {
+            return thresholds(scale);
+        }
+        let s = f64::from(scale);
+        let h = |k: i32| f64::from(scale * 2f32.powi(-k));
+        let nextup = |x: f32| f32::from_bits(x.to_bits() + 1);
+        [
+            nextup(f64_to_f32_rd(s * 0.25 + h(26))),
+            f64_to_f32_ru(s * 0.75 - h(25)),
+            nextup(f64_to_f32_rd(s * 1.25 + h(24))),
+            f64_to_f32_ru(s * 1.75 - h(24)),
+            nextup(f64_to_f32_rd(s * 2.5 + h(23))),
+            f64_to_f32_ru(s * 3.5 - h(23)),
+            nextup(f64_to_f32_rd(s * 5.0 + h(22))),
+        ]
+    }
+
     /// `bf16_key_ru_x2`: the smallest BF16 >= b (0 < b <= +inf) as a 16-bit key in both halves.
     pub fn key_ru_x2(b: f32) -> u32 {
         let k = b.to_bits().wrapping_add(0xFFFF) >> 16;
