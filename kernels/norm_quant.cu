@@ -313,7 +313,7 @@ __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __r
 // ---- v4 row kernels (A/B candidates; the kernels above stay the default until measured) ------------------------
 // Two changes, each behind its own entry point (rmsnorm_{nvfp4,fp8}_{bf16,f32}in_v4):
 //  (1) Rows in flight: a CTA walks rows blockIdx.x, blockIdx.x + gridDim.x, ... (the launcher sizes the grid to
-//      one resident wave, rows split evenly) and issues the NEXT row's 16-byte loads before it reduces and
+//      one full resident wave) and issues the NEXT row's 16-byte loads before it reduces and
 //      quantizes the current one, so a row's HBM latency overlaps the previous row's barriers and ALU work
 //      (ncu of the v1-v3 kernels at 4096 rows: latency-bound with few rows per SM, or ALU-bound for NVFP4).
 //  (2) NVFP4 only: the e2m1 codes are found with 16-bit integer compares on packed BF16 pairs instead of a
@@ -1002,7 +1002,7 @@ extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat1
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
-// v4 row kernels: grid = one resident wave (launcher: occupancy x SMs, rows split evenly), rows looped.
+// v4 row kernels: grid = one full resident wave (launcher: occupancy x SMs, or rows if fewer), rows looped.
 // BF16-input kernels are capped (ptxas alone takes ~96-123 registers, mostly to hold the prefetched row next
 // to the current one): FP8 and the quantize-only NVFP4 at 72 (28 resident warps per SM, as the v1 kernels),
 // the fused NVFP4 at 80 (24 warps; at 72 it spills 8 bytes). 0 spill bytes at these caps (ptxas report). The

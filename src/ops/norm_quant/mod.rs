@@ -488,12 +488,12 @@ fn quantize_bf16_rows_nvfp4_v4_kernel(
     Ok(())
 }
 
-/// CTAs of a v4 launch: at most one resident wave (`max_resident`), and no more CTAs than needed for
-/// `ceil(rows / max_resident)` rows each (CTA b runs rows b, b + grid, ...: that many or one fewer), so the
-/// longest CTA runs as few rows as possible and the others idle little.
+/// CTAs of a v4 launch: one full resident wave (`max_resident` = occupancy x SMs), or one CTA per row when
+/// there are fewer rows. A full wave puts the same number of CTAs on every SM and CTA b runs rows b, b + grid,
+/// ...: per SM the row counts differ by at most one per CTA, spread over the SMs. (Fewer, evenly loaded CTAs
+/// would leave some SMs with one CTA more than others: up to 1/occupancy of an SM's work as tail.)
 pub fn v4_grid(rows: usize, max_resident: usize) -> usize {
-    let per_cta = rows.div_ceil(max_resident.max(1));
-    rows.div_ceil(per_cta)
+    rows.min(max_resident.max(1))
 }
 
 /// Second kernel of the unfused chain: quantize BF16 rows `y` [rows, d] to NVFP4 or FP8 (no norm).
