@@ -313,6 +313,249 @@ __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __r
     norm_quant_row<KIND, NORM, WEARLY>(v, nchunks, D, w, eps, o, red);
 }
 
+// ---- v4 row kernels (A/B candidates; the kernels above stay the default until measured) ------------------------
+// Two changes, each behind its own entry point (rmsnorm_{nvfp4,fp8}_{bf16,f32}in_v4):
+//  (1) Rows in flight: a CTA walks rows blockIdx.x, blockIdx.x + gridDim.x, ... (the launcher sizes the grid to
+//      one full resident wave) and issues the NEXT row's 16-byte loads before it reduces and
+//      quantizes the current one, so a row's HBM latency overlaps the previous row's barriers and ALU work
+//      (ncu of the v1-v3 kernels at 4096 rows: latency-bound with few rows per SM, or ALU-bound for NVFP4).
+//  (2) NVFP4 only: the e2m1 codes are found with 16-bit integer compares on packed BF16 pairs instead of a
+//      per-element f32 binary search (~16 -> ~10 instructions per element), and the 16-block amax with
+//      max.u16x2 on the same pairs. FP8 v4 runs the unchanged FP8 quantizer (norm_quant_row).
+// Identities the packed encoder relies on (all for finite y; NaN y may get other codes than the v1 kernel):
+//  * The v1 encoder's code magnitude is #{i : a >= B_i}, a = |y|, B_i = e2m1_thresholds(scale) non-decreasing
+//    (directed roundings are monotone). y is a BF16 value, so a >= B_i <=> a >= RU_bf16(B_i) (the smallest BF16
+//    >= B_i), and for non-negative BF16 values (subnormals and +inf included) a >= b <=> bits(a) >= bits(b) as
+//    16-bit integers. For 0 < B_i <= +inf, RU_bf16(B_i) = (bits(B_i) + 0xFFFF) >> 16 (a carry out of the
+//    mantissa moves to the next binade, max finite f32 -> 0x7F80 = +inf).
+//  * Compare by subtraction: with G = 0x8000 in each half, (G + a) - T for a, T <= 0x7F80 lies in
+//    [0x80, 0xFF80]: no borrow crosses a half, and bit 15 of the half is [a >= T]. One 32-bit subtraction
+//    compares both halves of a pair against T replicated in both halves.
+//  * The 7 compare bits b_0..b_6 form a thermometer (b_i >= b_{i+1}); their count c is the code magnitude:
+//    c bit 2 = b_3; c bit 1 = (b_1 & !b_3) | b_5; c bit 0 = parity = b_0 ^ ... ^ b_6.
+//  * Pairs are (element p, element p + 4) of a chunk, so the two halves of a pair go to nibbles p and p + 4
+//    of the chunk's 32-bit code word: 16 bits apart, like the halves; one shift + mask per code bit places both.
+// src/ops/norm_quant/reference.rs has a Rust mirror of e2m1_codes8_keys (same u32 operations) that the CPU tests
+// compare against formats::e2m1 of the IEEE quotient for every BF16 value at a sweep of scales.
+
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// RU_bf16(b) as a 16-bit key, replicated into both halves. Requires 0 < b <= +inf.
+__device__ __forceinline__ uint32_t bf16_key_ru_x2(float b) {
+    return __byte_perm(__float_as_uint(b) + 0xFFFFu, 0u, 0x3232);
+}
+
+// The thresholds of e2m1_thresholds without FP64 (v4p only; the session-2 v3 kernel used and GPU-verified this
+// form): e2m1_thresholds returns RD32/RU32 of the exact product s*M, M = t +- 2^-k (t in {0.25, ..., 5}, exact in
+// f32). With h = s * 2^-k, exact in f32 while s * 2^-26 stays normal, s*M = s*t + h exactly, and one FMA rounds
+// that exact sum once in the requested direction: __fmaf_rd(s, t, h) = RD32(s*M), __fmaf_ru(s, t, -h) =
+// RU32(s*M): the same bits, with 5 FMUL + 7 FFMA instead of 7 DMUL + 8 F64 conversions (a quarter-rate pipe).
+// Valid for 2^-100 <= s <= 2^100 (every h normal, no overflow); otherwise (incl. non-finite s) the FP64 form.
+// Mirrored and compared with the FP64 form on the CPU (reference.rs packed_e2m1_mirror::thresholds_fma).
+__device__ __forceinline__ E2m1Thresholds e2m1_thresholds_fma(float scale) {
+    if (!(scale >= 0x1p-100f && scale <= 0x1p100f)) return e2m1_thresholds(scale);
+    const float h26 = __fmul_rn(scale, 0x1p-26f), h25 = __fmul_rn(scale, 0x1p-25f);
+    const float h24 = __fmul_rn(scale, 0x1p-24f), h23 = __fmul_rn(scale, 0x1p-23f);
+    const float h22 = __fmul_rn(scale, 0x1p-22f);
+    E2m1Thresholds t;
+    t.b[0] = nextup_pos(__fmaf_rd(scale, 0.25f, h26));
+    t.b[1] = __fmaf_ru(scale, 0.75f, -h25);
+    t.b[2] = nextup_pos(__fmaf_rd(scale, 1.25f, h24));
+    t.b[3] = __fmaf_ru(scale, 1.75f, -h24);
+    t.b[4] = nextup_pos(__fmaf_rd(scale, 2.5f, h23));
+    t.b[5] = __fmaf_ru(scale, 3.5f, -h23);
+    t.b[6] = nextup_pos(__fmaf_rd(scale, 5.0f, h22));
+    return t;
+}
+
+// prmt.b32 in its default mode: selector nibble n picks byte (nibble & 7) of {b, a} for result byte n; with
+// the nibble's bit 3 set, the picked byte's msb is replicated over the result byte (0x00 or 0xFF).
+__device__ __forceinline__ uint32_t prmt_b32(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// Codes of the 8 values held as pairs pk[p] = (y[p] low half, y[p + 4] high half); nibble e = code of y[e]
+// (sign in bit 3, kept for -0). keys[i] = bf16_key_ru_x2(B_i).
+// Placement of the code bits (each at bits 15 / 31 of its plane word X[j][p], j = 0..3: m0, m1, m2, sign):
+//  * PRMT_PLACE = false: per plane and pair, shift right by 15 - 4p - j and mask: 32 operations per 8 values.
+//  * PRMT_PLACE = true: one sign-replicating prmt per plane and pair PAIR (p, p + 2) turns the four compare bits
+//    into four 0x00/0xFF bytes: byte 0 <- X[j][p] lo, byte 1 <- X[j][p + 2] lo, byte 2 <- X[j][p] hi, byte 3 <-
+//    X[j][p + 2] hi (selector 0xFBD9: bytes 1, 5, 3, 7 of {X[j][p + 2], X[j][p]}, each sign-replicated); masking
+//    byte bit j (p = 0) or 4 + j (p = 1) lands each bit at output bit 4 * (element) + j: element p -> byte 0,
+//    p + 2 -> byte 1, p + 4 -> byte 2, p + 6 -> byte 3. 16 operations per 8 values.
+template <bool PRMT_PLACE>
+__device__ __forceinline__ uint32_t e2m1_codes8_keys(const uint32_t (&pk)[4], const uint32_t (&keys)[7]) {
+    uint32_t out = 0;
+    uint32_t x[3][4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const uint32_t a = pk[p] | 0x80008000u;
+        uint32_t d[7];
+#pragma unroll
+        for (int i = 0; i < 7; ++i) d[i] = a - keys[i];
+        const uint32_t m2 = d[3];
+        const uint32_t m1 = (d[1] & ~d[3]) | d[5];
+        const uint32_t m0 = d[0] ^ d[1] ^ d[2] ^ d[3] ^ d[4] ^ d[5] ^ d[6];
+        if (PRMT_PLACE) {
+            x[0][p] = m0; x[1][p] = m1; x[2][p] = m2;
+        } else {
+            out |= ((m0 >> (15 - 4 * p)) & (0x00010001u << (4 * p))) |
+                   ((m1 >> (14 - 4 * p)) & (0x00020002u << (4 * p))) |
+                   ((m2 >> (13 - 4 * p)) & (0x00040004u << (4 * p))) |
+                   ((pk[p] >> (12 - 4 * p)) & (0x00080008u << (4 * p)));
+        }
+    }
+    if (PRMT_PLACE) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t* xj = j < 3 ? x[j] : pk;
+            out |= (prmt_b32(xj[0], xj[2], 0xFBD9u) & (0x01010101u << j)) |
+                   (prmt_b32(xj[1], xj[3], 0xFBD9u) & (0x10101010u << j));
+        }
+    }
+    return out;
+}
+
+// NVFP4 row, v4: RMSNorm as in norm_quant_row (same rounding points), then the packed-pair quantizer.
+// x[k][e] = chunk tid + k*bd (zeros when invalid). All threads of the block call it.
+// NORM = false: quantize x itself (BF16 values: the packing is exact), for the boundary test of the encoder.
+template <bool NORM, bool PRMT_PLACE = false>
+__device__ void rmsnorm_nvfp4_row_v4(const float (&x)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
+                                     float eps, const RowOut& o, float* red) {
+    const int tid = threadIdx.x, bd = blockDim.x;
+    uint4 wraw[CH] = {};  // stays zero (unused) without NORM
+    float rstd = 1.f;
+    if (NORM) {
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            wraw[k] = c < nchunks ? __ldg(reinterpret_cast<const uint4*>(w + c * 8)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < CH; ++k)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss = fmaf(x[k][e], x[k][e], ss);
+        ss = block_sum(ss, red);
+        rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+        if (tid == 0 && o.rstd) *o.rstd = rstd;
+    }
+    // y pairs (p, p + 4) and the chunk amax as a guarded 16-bit key (0x8000 + bits(|y|)): invalid chunks are 0.
+    uint32_t pk[CH][4];
+    uint32_t key[CH];
+    uint32_t row_key = 0x8000u;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+        const float wv[8] = {bf16_lo(wraw[k].x), bf16_hi(wraw[k].x), bf16_lo(wraw[k].y), bf16_hi(wraw[k].y),
+                             bf16_lo(wraw[k].z), bf16_hi(wraw[k].z), bf16_lo(wraw[k].w), bf16_hi(wraw[k].w)};
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+            pk[k][p] = NORM ? pack_bf16x2(__fmul_rn(wv[p], __fmul_rn(x[k][p], rstd)),
+                                          __fmul_rn(wv[p + 4], __fmul_rn(x[k][p + 4], rstd)))
+                            : pack_bf16x2(x[k][p], x[k][p + 4]);
+        const uint32_t m = max_u16x2(max_u16x2(pk[k][0] | 0x80008000u, pk[k][1] | 0x80008000u),
+                                     max_u16x2(pk[k][2] | 0x80008000u, pk[k][3] | 0x80008000u));
+        key[k] = max(m & 0xFFFFu, m >> 16);
+        row_key = max(row_key, key[k]);
+    }
+    // max over non-negative BF16 values = max of their bit patterns (no NaN): the v1 fmaxf result.
+    const float amax_row = block_max(__uint_as_float((row_key & 0x7FFFu) << 16), red);
+    const float gs = mm::nvfp4_global_scale(amax_row);
+    if (tid == 0) *o.gsa = gs;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+        const int c = tid + k * bd;
+        const uint32_t kb = max(key[k], __shfl_xor_sync(0xffffffffu, key[k], 1));  // 16-block = chunks (2i, 2i+1)
+        if (c < nchunks) {
+            const float ab = __uint_as_float((kb & 0x7FFFu) << 16);
+            const uint8_t s = mm::nvfp4_block_scale(ab, gs);
+            const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+            uint32_t packed = 0;
+            if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
+                // v4p: FMA thresholds (same bits, see e2m1_thresholds_fma); v4: the FP64 form of the v1 kernel.
+                const E2m1Thresholds thr = PRMT_PLACE ? e2m1_thresholds_fma(scale) : e2m1_thresholds(scale);
+                if (scale < INFINITY) {  // finite positive scale: thresholds in (0, +inf], the identities hold
+                    uint32_t keys[7];
+#pragma unroll
+                    for (int i = 0; i < 7; ++i) keys[i] = bf16_key_ru_x2(thr.b[i]);
+                    packed = e2m1_codes8_keys<PRMT_PLACE>(pk[k], keys);
+                } else {  // non-finite scale (non-finite input): the v1 per-element search, same bits as v1
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) {
+                        packed |= e2m1_code_thr(bf16_lo(pk[k][p]), thr) << (4 * p);
+                        packed |= e2m1_code_thr(bf16_hi(pk[k][p]), thr) << (4 * (p + 4));
+                    }
+                }
+            }
+            *reinterpret_cast<uint32_t*>(o.q + c * 4) = packed;
+            if ((c & 1) == 0) o.scales[c >> 1] = s;
+        }
+    }
+}
+
+// Raw 16-byte loads of one 8-value chunk, kept packed while in flight (BF16: 4 registers, f32: 8).
+struct RawBf16 { uint4 r; };
+struct RawF32 { float4 a, b; };
+template <typename Tin> struct RawOf;
+template <> struct RawOf<__nv_bfloat16> { using T = RawBf16; };
+template <> struct RawOf<float> { using T = RawF32; };
+
+__device__ __forceinline__ void load_raw(const __nv_bfloat16* p, RawBf16& r) { r.r = __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ void load_raw(const float* p, RawF32& r) {
+    r.a = __ldg(reinterpret_cast<const float4*>(p));
+    r.b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+}
+__device__ __forceinline__ void zero_raw(RawBf16& r) { r.r = make_uint4(0u, 0u, 0u, 0u); }
+__device__ __forceinline__ void zero_raw(RawF32& r) { r.a = make_float4(0.f, 0.f, 0.f, 0.f); r.b = r.a; }
+__device__ __forceinline__ void unpack_raw(const RawBf16& r, float v[8]) {
+    v[0] = bf16_lo(r.r.x); v[1] = bf16_hi(r.r.x); v[2] = bf16_lo(r.r.y); v[3] = bf16_hi(r.r.y);
+    v[4] = bf16_lo(r.r.z); v[5] = bf16_hi(r.r.z); v[6] = bf16_lo(r.r.w); v[7] = bf16_hi(r.r.w);
+}
+__device__ __forceinline__ void unpack_raw(const RawF32& r, float v[8]) {
+    v[0] = r.a.x; v[1] = r.a.y; v[2] = r.a.z; v[3] = r.a.w; v[4] = r.b.x; v[5] = r.b.y; v[6] = r.b.z; v[7] = r.b.w;
+}
+
+// Rows blockIdx.x + i * gridDim.x; the next row's loads are issued before the current row is processed.
+template <typename Tin, int KIND, bool NORM = true, bool PRMT_PLACE = false>
+__device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* __restrict__ w, uint8_t* q,
+                                uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
+    __shared__ float red[MAX_WARPS];
+    const int nchunks = D / 8;
+    typename RawOf<Tin>::T raw[CH];
+    auto load_row = [&](long row) {
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = threadIdx.x + k * blockDim.x;
+            if (c < nchunks) load_raw(x + row * D + c * 8, raw[k]); else zero_raw(raw[k]);
+        }
+    };
+    long row = blockIdx.x;
+    if (row < rows) load_row(row);
+    for (; row < rows; row += gridDim.x) {
+        float v[CH][8];
+#pragma unroll
+        for (int k = 0; k < CH; ++k) unpack_raw(raw[k], v[k]);
+        if (row + gridDim.x < rows) load_row(row + gridDim.x);  // in flight during this row's reductions
+        RowOut o;
+        o.q = KIND == KIND_NVFP4 ? q + row * (D / 2) : q + row * D;
+        o.scales = KIND == KIND_NVFP4 ? scales + row * (D / 16) : scales + row * (D / 128);
+        o.gsa = gsa + row;
+        o.bf = nullptr;
+        o.rstd = rstd ? rstd + row : nullptr;
+        if (KIND == KIND_NVFP4) {
+            rmsnorm_nvfp4_row_v4<NORM, PRMT_PLACE>(v, nchunks, D, w, eps, o, red);
+        } else {
+            norm_quant_row<KIND, NORM>(v, nchunks, D, w, eps, o, red);
+        }
+    }
+}
+
 // ---- mHC -----------------------------------------------------------------------------------------------------
 
 constexpr int MIX_COLS = 128;   // columns of 4D per CTA in mhc_mix_partial
@@ -782,6 +1025,44 @@ extern "C" __global__ void rmsnorm_fp8_f32in(const float* x, const __nv_bfloat16
 extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
                                          int D, float eps) {
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
+}
+
+// v4 row kernels: grid = one full resident wave (launcher: occupancy x SMs, or rows if fewer), rows looped.
+// BF16-input kernels are capped (ptxas alone takes ~96-123 registers, mostly to hold the prefetched row next
+// to the current one): FP8 and the quantize-only NVFP4 at 72 (28 resident warps per SM, as the v1 kernels),
+// the fused NVFP4 at 80 (24 warps; at 72 it spills 8 bytes). 0 spill bytes at these caps (ptxas report). The
+// f32-input kernels (not benchmarked) spill under such caps and are left uncapped.
+#define V4_MAX_REGS 72
+#define V4_NVFP4_MAX_REGS 80
+extern "C" __global__ void __maxnreg__(V4_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_v4(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
+                                                   uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
+    rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4>(x, w, q, scales, gsa, rstd, rows, D, eps);
+}
+extern "C" __global__ void __maxnreg__(V4_MAX_REGS) rmsnorm_fp8_bf16in_v4(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
+                                                 uint8_t* scales, float* rstd, int rows, int D, float eps) {
+    rmsnorm_rows_v4<__nv_bfloat16, KIND_FP8>(x, w, q, scales, nullptr, rstd, rows, D, eps);
+}
+extern "C" __global__ void rmsnorm_nvfp4_f32in_v4(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                                  float* gsa, float* rstd, int rows, int D, float eps) {
+    rmsnorm_rows_v4<float, KIND_NVFP4>(x, w, q, scales, gsa, rstd, rows, D, eps);
+}
+extern "C" __global__ void rmsnorm_fp8_f32in_v4(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+                                                float* rstd, int rows, int D, float eps) {
+    rmsnorm_rows_v4<float, KIND_FP8>(x, w, q, scales, nullptr, rstd, rows, D, eps);
+}
+// v4p: v4 NVFP4 with the prmt code placement and the FMA thresholds (BF16 input only; its own A/B variant).
+extern "C" __global__ void __maxnreg__(V4_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_v4p(const __nv_bfloat16* x,
+        const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
+    rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, true, true>(x, w, q, scales, gsa, rstd, rows, D, eps);
+}
+// Quantize-only v4 NVFP4 (BF16 rows in): the encoder's exact-boundary GPU test; same grid rule.
+extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
+                                                 int rows, int D) {
+    rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
+}
+extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4p(const __nv_bfloat16* x, uint8_t* q,
+                                                                         uint8_t* scales, float* gsa, int rows, int D) {
+    rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, false, true>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
 }
 
 // Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).

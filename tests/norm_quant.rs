@@ -538,6 +538,293 @@ fn gpu_unfused_chain_equals_fused() {
     }
 }
 
+// ---- v4 row kernels (A/B candidates) ---------------------------------------------------------------------
+
+/// The v4 NVFP4 encoder (packed BF16 pairs, 16-bit integer compares, thermometer logic; Rust mirror of the
+/// device code) equals `formats::e2m1` of the IEEE quotient for EVERY finite BF16 value (and +-inf), at
+/// scales made as the kernel makes them (e4m3 code x global scale, global scales from subnormal to huge)
+/// plus every e4m3 code at power-of-two global scales; random per-element signs. Also the chunk amax.
+#[test]
+fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
+    use megamoe::ops::norm_quant::reference::packed_e2m1_mirror as pm;
+    let seed = fresh_seed("v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16");
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut scales = Vec::new();
+    for code in 1u8..0x7F {
+        for k in [-130i32, -100, -20, 0, 20, 100] {
+            scales.push(e4m3::decode(code) * 2f32.powi(k));
+        }
+    }
+    for _ in 0..300 {
+        let code = (next() % 0x7E) as u8 + 1;
+        // global scale bits: any exponent field 0..=253 (subnormal included), random mantissa
+        let gs = f32::from_bits(((next() % 254) as u32) << 23 | (next() as u32 & 0x7F_FFFF));
+        scales.push(e4m3::decode(code) * gs);
+    }
+    scales.retain(|s| s.is_finite() && *s > 0.0);
+    // every non-NaN BF16 magnitude: 0 ..= 0x7F80 (+inf)
+    let mags: Vec<u16> = (0u16..=0x7F80).collect();
+    let mut checked = 0u64;
+    for &scale in &scales {
+        let keys: [u32; 7] = pm::thresholds(scale).map(pm::key_ru_x2);
+        assert_eq!(
+            pm::thresholds_fma(scale).map(f32::to_bits),
+            pm::thresholds(scale).map(f32::to_bits),
+            "v4p FMA thresholds vs the FP64 form at scale {scale:e} ({:#010x}), seed {seed}",
+            scale.to_bits()
+        );
+        for chunk in mags.chunks(8) {
+            let mut bits = [0u16; 8];
+            let signs = next();
+            for (e, b) in bits.iter_mut().enumerate() {
+                let m = chunk[e % chunk.len()];
+                *b = m | if (signs >> e) & 1 == 1 { 0x8000 } else { 0 };
+            }
+            let pk = pm::pair_up(&bits);
+            let got = pm::codes8(&pk, &keys);
+            let got_prmt = pm::codes8_prmt(&pk, &keys);
+            assert_eq!(
+                got_prmt, got,
+                "v4p (prmt placement) vs v4 codes of {bits:04x?} at scale {scale:e} (seed {seed})"
+            );
+            let ys = bits.map(|b| f32::from_bits(u32::from(b) << 16));
+            for (e, &y) in ys.iter().enumerate() {
+                let want = e2m1::encode_rne(y / scale);
+                let have = ((got >> (4 * e)) & 0xF) as u8;
+                assert_eq!(
+                    have, want,
+                    "v4 encoder: y {y:e} (bf16 {:#06x}) scale {scale:e} ({:#010x}): code {have:#x} vs reference {want:#x} \
+                     (element {e} of chunk {bits:04x?}, seed {seed})",
+                    bits[e],
+                    scale.to_bits()
+                );
+                checked += 1;
+            }
+            let amax = ys.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(
+                pm::chunk_amax(&pk).to_bits(),
+                amax.to_bits(),
+                "v4 chunk amax of {bits:04x?} (seed {seed})"
+            );
+        }
+    }
+    eprintln!(
+        "v4 packed e2m1 encoder: {checked} codes agree ({} scales x all BF16 magnitudes)",
+        scales.len()
+    );
+}
+
+#[test]
+fn v4_grid_is_one_full_wave_or_one_cta_per_row() {
+    for (rows, resident) in [
+        (1, 528),
+        (527, 528),
+        (528, 528),
+        (529, 528),
+        (4096, 792),
+        (65536, 924),
+        (7, 1),
+        (5, 0),
+    ] {
+        let g = nq::v4_grid(rows, resident);
+        assert_eq!(
+            g,
+            rows.min(resident.max(1)),
+            "rows {rows} resident {resident}"
+        );
+        // CTA b runs rows b, b + g, ...: the longest CTA runs ceil(rows / resident) rows
+        assert_eq!(
+            rows.div_ceil(g),
+            rows.div_ceil(resident.max(1)),
+            "rows {rows} resident {resident}: grid {g}"
+        );
+    }
+}
+
+/// Compares a v4 download with the v1 kernel's download of the same inputs, byte for byte.
+fn assert_same_outputs(
+    label: &str,
+    v4: &nq::HostNormOutputs,
+    v1: &nq::HostNormOutputs,
+    rows: usize,
+    d: usize,
+) {
+    if let Some(i) = (0..rows).find(|&i| v4.rstd[i].to_bits() != v1.rstd[i].to_bits()) {
+        panic!(
+            "{label}: rstd of row {i}: v4 {:e} vs v1 {:e}",
+            v4.rstd[i], v1.rstd[i]
+        );
+    }
+    match (&v4.q, &v1.q) {
+        (HostQuant::Nvfp4(_), HostQuant::Nvfp4(_)) => assert_same_nvfp4(label, &v4.q, &v1.q, d),
+        (HostQuant::Fp8(a), HostQuant::Fp8(b)) => {
+            if let Some((i, x, y)) = first_diff(&a.data, &b.data) {
+                panic!(
+                    "{label}: FP8 code {i} (row {}, col {}): v4 {x:#04x} vs v1 {y:#04x}",
+                    i / d,
+                    i % d
+                );
+            }
+            if let Some((i, x, y)) = first_diff(&a.scales, &b.scales) {
+                panic!(
+                    "{label}: FP8 scale {i} (row {}, block {}): v4 {x:#04x} vs v1 {y:#04x}",
+                    i / (d / 128),
+                    i % (d / 128)
+                );
+            }
+        }
+        _ => panic!("{label}: formats differ"),
+    }
+}
+
+/// v4 fused kernels (NVFP4, FP8; BF16 and f32 input) against the v1 kernels bit for bit and against the CPU
+/// reference (exact given the GPU rstd). Row counts include ones above one resident wave, so CTAs loop over
+/// rows with the prefetch (at D = 4096 one wave is ~800-900 CTAs: 4096 and 9000 rows are ~5 and ~10 rows per CTA).
+#[test]
+fn gpu_rmsnorm_quant_v4_matches_v1_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_rmsnorm_quant_v4_matches_v1_and_reference") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_rmsnorm_quant_v4_matches_v1_and_reference");
+    for &d in DS {
+        let w = nq::random_weight(d, seed ^ d as u64);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        for &rows in ROWS.iter().chain(&[9000]) {
+            for f32_input in [false, true] {
+                if f32_input && rows >= 4096 {
+                    continue; // keeps the test fast; the f32 kernels are not benchmarked
+                }
+                let mut x = nq::random_rows(rows, d, seed ^ (rows as u64 * 37 + d as u64));
+                if f32_input {
+                    x.iter_mut()
+                        .enumerate()
+                        .for_each(|(i, v)| *v *= 1.0 + (i % 89) as f32 * 1.53e-5);
+                }
+                // only the input the case uses (9000 x 7168 f32 would be 258 MB)
+                let dx16 = (!f32_input).then(|| nq::upload_checked_bf16(&gpu, "x", &x).unwrap());
+                let dx32 = f32_input.then(|| nq::upload_checked_f32(&gpu, "x", &x).unwrap());
+                let input = || match (&dx16, &dx32) {
+                    (Some(s), _) => RowsIn::Bf16(s),
+                    (_, Some(s)) => RowsIn::F32(s),
+                    _ => unreachable!("one of the two is uploaded"),
+                };
+                for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
+                    let label = format!(
+                        "v4 rmsnorm->{} {rows}x{d} {} in, seed {seed}",
+                        format.name(),
+                        if f32_input { "f32" } else { "bf16" }
+                    );
+                    let mut v4 = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                    let mut v1 = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                    nq::rmsnorm_quant_v4(&gpu, input(), &dw, r::RMS_EPS, &mut v4).unwrap();
+                    nq::rmsnorm_quant(&gpu, input(), &dw, r::RMS_EPS, &mut v1).unwrap();
+                    let (a, b) = (v4.download(&gpu).unwrap(), v1.download(&gpu).unwrap());
+                    assert_same_outputs(&label, &a, &b, rows, d);
+                    // CPU reference on the 4096/9000-row cases: a row subset keeps the test fast
+                    let check_rows = rows.min(600);
+                    let sub = nq::HostNormOutputs {
+                        rstd: a.rstd[..check_rows].to_vec(),
+                        ..a
+                    };
+                    check_norm_outputs(
+                        &label,
+                        &x[..check_rows * d],
+                        &w,
+                        check_rows,
+                        d,
+                        format,
+                        &sub,
+                    );
+                }
+            }
+        }
+    }
+    let dw = nq::upload_checked_bf16(&gpu, "w", &[1.0; 4096]).unwrap();
+    let dx = nq::upload_checked_bf16(&gpu, "x", &[1.0; 4096]).unwrap();
+    let mut bf = NormOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, 1, 4096).unwrap();
+    assert!(nq::rmsnorm_quant_v4(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut bf).is_err());
+}
+
+/// v4p (prmt placement of the code bits) against the v1 kernel bit for bit and the CPU reference; BF16 input.
+/// Its own test so that a failure drops only this variant.
+#[test]
+fn gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference");
+    for &d in DS {
+        let w = nq::random_weight(d, seed ^ d as u64);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        for rows in [1usize, 7, 129, 4096, 9000] {
+            let x = nq::random_rows(rows, d, seed ^ (rows as u64 * 41 + d as u64));
+            let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
+            let label = format!("v4p rmsnorm->nvfp4 {rows}x{d}, seed {seed}");
+            let mut v4p = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            let mut v1 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::rmsnorm_quant_v4p(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut v4p).unwrap();
+            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut v1).unwrap();
+            let (a, b) = (v4p.download(&gpu).unwrap(), v1.download(&gpu).unwrap());
+            assert_same_outputs(&label, &a, &b, rows, d);
+            let check_rows = rows.min(600);
+            let sub = nq::HostNormOutputs {
+                rstd: a.rstd[..check_rows].to_vec(),
+                ..a
+            };
+            check_norm_outputs(
+                &label,
+                &x[..check_rows * d],
+                &w,
+                check_rows,
+                d,
+                OutFormat::Nvfp4,
+                &sub,
+            );
+        }
+        // exact e2m1 decision points (ties included), quantize-only v4p kernel vs the CPU reference
+        let rows = 2000;
+        let y = boundary_rows(rows, d, seed ^ 0xb0 ^ d as u64);
+        let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
+        let label = format!("v4p quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+        let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
+        let mut v4p = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows_nvfp4_v4p(&gpu, &dy, &mut v4p).unwrap();
+        assert_same_nvfp4(&label, &v4p.download(&gpu).unwrap().q, &want, d);
+    }
+}
+
+/// The v4 quantize-only NVFP4 kernel at exact e2m1 decision points (ties included) equals the CPU reference
+/// and the v1 quantize kernel bit for bit; 2000 rows so CTAs loop over rows.
+#[test]
+fn gpu_quant_nvfp4_v4_matches_cpu_at_exact_boundaries() {
+    let Some(gpu) = gpu_for_test("gpu_quant_nvfp4_v4_matches_cpu_at_exact_boundaries") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_quant_nvfp4_v4_matches_cpu_at_exact_boundaries");
+    for &d in DS {
+        let rows = 2000;
+        let y = boundary_rows(rows, d, seed ^ d as u64);
+        assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
+        let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
+        let label = format!("v4 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+        let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
+        let mut v4 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        let mut v1 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows_nvfp4_v4(&gpu, &dy, &mut v4).unwrap();
+        nq::quantize_bf16_rows(&gpu, &dy, &mut v1).unwrap();
+        let (a, b) = (v4.download(&gpu).unwrap(), v1.download(&gpu).unwrap());
+        assert_same_nvfp4(&format!("{label} (v4 vs v1)"), &a.q, &b.q, d);
+        assert_same_nvfp4(&format!("{label} (v4 vs CPU)"), &a.q, &want, d);
+        eprintln!("{label}: v4 kernel, v1 kernel and CPU reference bit-identical");
+    }
+}
+
 /// Reduce the split-K partials (`[T][nmix+1][S]`) exactly as `reduce_partials` in the .cu does: warp w
 /// takes 32-wide split blocks w, w+nw, ...; in a block, lane l holds split 32b+l (0 past S), an xor
 /// butterfly sums the lanes, blocks accumulate in order from 0; then warps add up in order from 0.

@@ -351,6 +351,152 @@ fn rmsnorm_quant_kernel(
     Ok(())
 }
 
+/// Candidate v4 of the fused NVFP4 / FP8 row kernels (A/B against [`rmsnorm_quant`]; same outputs bit for
+/// bit for finite inputs): one resident wave of CTAs walks the rows with the next row's loads in flight, and
+/// NVFP4 encodes with packed BF16-pair integer compares (see the v4 section of kernels/norm_quant.cu).
+pub fn rmsnorm_quant_v4(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    rmsnorm_quant_v4_kernel(gpu, x, w, eps, out, "_v4")
+}
+
+/// [`rmsnorm_quant_v4`] for NVFP4 with the prmt placement of the code bits (its own A/B variant); BF16
+/// input only.
+pub fn rmsnorm_quant_v4p(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    if out.format != OutFormat::Nvfp4 || !matches!(x, RowsIn::Bf16(_)) {
+        bail!("rmsnorm_quant_v4p: only BF16 input -> NVFP4");
+    }
+    rmsnorm_quant_v4_kernel(gpu, x, w, eps, out, "_v4p")
+}
+
+fn rmsnorm_quant_v4_kernel(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+    kernel_suffix: &str,
+) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_rows(rows, d)?;
+    check_eps(eps)?;
+    check_len("x", x.len(), rows * d)?;
+    check_len("weight", w.len(), d)?;
+    if out.format == OutFormat::Bf16 {
+        bail!("rmsnorm_quant_v4: the output format must be nvfp4 or fp8 (bf16 has only the v1 kernel)");
+    }
+    let name = format!(
+        "rmsnorm_{}_{}{kernel_suffix}",
+        out.format.name(),
+        x.suffix()
+    );
+    let f = gpu.function(FAMILY, &name)?;
+    let threads = row_block_threads(d);
+    let per_sm = drv(
+        f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    )?;
+    let grid = v4_grid(rows, per_sm as usize * gpu.info.sm_count.max(1) as usize);
+    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
+    let (rows_i, d_i) = (rows as i32, d as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    match &x {
+        RowsIn::Bf16(s) => b.arg(*s),
+        RowsIn::F32(s) => b.arg(*s),
+    };
+    b.arg(w);
+    match &mut out.q {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
+            b.arg(data).arg(scales).arg(global_scale);
+        }
+        QuantBufs::Fp8 { data, scales } => {
+            b.arg(data).arg(scales);
+        }
+        QuantBufs::Bf16 { .. } => unreachable!("rejected above"),
+    }
+    b.arg(&mut out.rstd).arg(&rows_i).arg(&d_i).arg(&eps);
+    drv(unsafe { b.launch(cfg) }, &name)?;
+    Ok(())
+}
+
+/// Quantize-only v4 NVFP4 of BF16 rows `y` [rows, d] (the v4 packed-pair encoder without the norm; used by
+/// the encoder's exact-boundary test). `out` must be NVFP4; `out.rstd` is left untouched.
+pub fn quantize_bf16_rows_nvfp4_v4(
+    gpu: &Gpu,
+    y: &CudaSlice<bf16>,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    quantize_bf16_rows_nvfp4_v4_kernel(gpu, y, out, "quant_nvfp4_bf16in_v4")
+}
+
+/// [`quantize_bf16_rows_nvfp4_v4`] with the v4p encoder (prmt placement, FMA thresholds).
+pub fn quantize_bf16_rows_nvfp4_v4p(
+    gpu: &Gpu,
+    y: &CudaSlice<bf16>,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    quantize_bf16_rows_nvfp4_v4_kernel(gpu, y, out, "quant_nvfp4_bf16in_v4p")
+}
+
+fn quantize_bf16_rows_nvfp4_v4_kernel(
+    gpu: &Gpu,
+    y: &CudaSlice<bf16>,
+    out: &mut NormOutputs,
+    name: &str,
+) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_rows(rows, d)?;
+    check_len("y", y.len(), rows * d)?;
+    let QuantBufs::Nvfp4 {
+        data,
+        scales,
+        global_scale,
+    } = &mut out.q
+    else {
+        bail!("{name}: the output format must be nvfp4");
+    };
+    let f = gpu.function(FAMILY, name)?;
+    let threads = row_block_threads(d);
+    let per_sm = drv(
+        f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    )?;
+    let grid = v4_grid(rows, per_sm as usize * gpu.info.sm_count.max(1) as usize);
+    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
+    let (rows_i, d_i) = (rows as i32, d as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(y)
+        .arg(data)
+        .arg(scales)
+        .arg(global_scale)
+        .arg(&rows_i)
+        .arg(&d_i);
+    drv(unsafe { b.launch(cfg) }, name)?;
+    Ok(())
+}
+
+/// CTAs of a v4 launch: one full resident wave (`max_resident` = occupancy x SMs), or one CTA per row when
+/// there are fewer rows. A full wave puts the same number of CTAs on every SM and CTA b runs rows b, b + grid,
+/// ...: per SM the row counts differ by at most one per CTA, spread over the SMs. (Fewer, evenly loaded CTAs
+/// would leave some SMs with one CTA more than others: up to 1/occupancy of an SM's work as tail.)
+pub fn v4_grid(rows: usize, max_resident: usize) -> usize {
+    rows.min(max_resident.max(1))
+}
+
 /// Second kernel of the unfused chain: quantize BF16 rows `y` [rows, d] to NVFP4 or FP8 (no norm).
 /// `out.rstd` is left untouched.
 pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
@@ -1090,6 +1236,9 @@ pub const ROW_VARIANTS: &[&str] = &[
     "fused_fp8",
     "unfused_fp8",
     "fused_bf16",
+    "fused_v4_nvfp4",
+    "fused_v4_fp8",
+    "fused_v4p_nvfp4",
     "copy",
 ];
 
@@ -1136,6 +1285,18 @@ pub fn bench_rows(
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
             let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
             Ok(point(bytes, s, base))
+        }
+        "fused_v4" | "fused_v4p" => {
+            let format = OutFormat::parse(fmt)?;
+            let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
+            let launch = if kind == "fused_v4" {
+                rmsnorm_quant_v4
+            } else {
+                rmsnorm_quant_v4p
+            };
+            let s = gpu.time_us(plan, || launch(gpu, RowsIn::Bf16(&x), &w, eps, &mut out))?;
+            let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
+            Ok(point(bytes, s, Some(format!("unfused_{fmt}"))))
         }
         "unfused" => {
             let format = OutFormat::parse(fmt)?;

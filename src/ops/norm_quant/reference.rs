@@ -102,6 +102,151 @@ pub fn quantize_nvfp4_rows(y: &[f32], rows: usize, cols: usize) -> Result<Nvfp4R
     nvfp4::quantize_rows(y, rows, cols)
 }
 
+/// Mirror of the v4 kernel's packed-pair NVFP4 encoder (kernels/norm_quant.cu, `e2m1_codes8_keys` and its
+/// helpers), operation for operation on u32 words, so a CPU test can check it against `formats::e2m1` for
+/// every BF16 value. Not used by the reference itself.
+pub mod packed_e2m1_mirror {
+    /// Largest f32 <= x (x finite, positive): `__double2float_rd`.
+    fn f64_to_f32_rd(x: f64) -> f32 {
+        let f = x as f32;
+        if f64::from(f) > x {
+            f32::from_bits(f.to_bits() - 1)
+        } else {
+            f
+        }
+    }
+
+    /// Smallest f32 >= x (x finite, positive): `__double2float_ru`.
+    fn f64_to_f32_ru(x: f64) -> f32 {
+        let f = x as f32;
+        if f64::from(f) < x {
+            f32::from_bits(f.to_bits() + 1)
+        } else {
+            f
+        }
+    }
+
+    /// `e2m1_thresholds(scale)` of the .cu (scale finite, > 0): code magnitude = #{i : |y| >= b[i]}.
+    pub fn thresholds(scale: f32) -> [f32; 7] {
+        let s = f64::from(scale);
+        let nextup = |x: f32| f32::from_bits(x.to_bits() + 1);
+        [
+            nextup(f64_to_f32_rd(s * (0.25 + 2f64.powi(-26)))),
+            f64_to_f32_ru(s * (0.75 - 2f64.powi(-25))),
+            nextup(f64_to_f32_rd(s * (1.25 + 2f64.powi(-24)))),
+            f64_to_f32_ru(s * (1.75 - 2f64.powi(-24))),
+            nextup(f64_to_f32_rd(s * (2.5 + 2f64.powi(-23)))),
+            f64_to_f32_ru(s * (3.5 - 2f64.powi(-23))),
+            nextup(f64_to_f32_rd(s * (5.0 + 2f64.powi(-22)))),
+        ]
+    }
+
+    /// `e2m1_thresholds_fma(scale)` of the .cu (v4p). `fma_rd/ru(s, t, h)` rounds the exact s*t + h once;
+    /// s*t + h = s*(t + 2^-k) has at most 24 + 25 significant bits, so it is exact in f64 and one directed f64
+    /// -> f32 rounding of it is the FMA's result. `h` is the f32 product s * 2^-k as the device computes it
+    /// (rounded when it is subnormal: the reason for the range guard).
+    pub fn thresholds_fma(scale: f32) -> [f32; 7] {
+        if !((2f32.powi(-100)..=2f32.powi(100)).contains(&scale)) {
+            return thresholds(scale);
+        }
+        let s = f64::from(scale);
+        let h = |k: i32| f64::from(scale * 2f32.powi(-k));
+        let nextup = |x: f32| f32::from_bits(x.to_bits() + 1);
+        [
+            nextup(f64_to_f32_rd(s * 0.25 + h(26))),
+            f64_to_f32_ru(s * 0.75 - h(25)),
+            nextup(f64_to_f32_rd(s * 1.25 + h(24))),
+            f64_to_f32_ru(s * 1.75 - h(24)),
+            nextup(f64_to_f32_rd(s * 2.5 + h(23))),
+            f64_to_f32_ru(s * 3.5 - h(23)),
+            nextup(f64_to_f32_rd(s * 5.0 + h(22))),
+        ]
+    }
+
+    /// `bf16_key_ru_x2`: the smallest BF16 >= b (0 < b <= +inf) as a 16-bit key in both halves.
+    pub fn key_ru_x2(b: f32) -> u32 {
+        let k = b.to_bits().wrapping_add(0xFFFF) >> 16;
+        k | (k << 16)
+    }
+
+    /// `e2m1_codes8_keys`: pk[p] = BF16 bits of (y[p] low half, y[p + 4] high half); nibble e of the
+    /// result is the code of y[e].
+    pub fn codes8(pk: &[u32; 4], keys: &[u32; 7]) -> u32 {
+        let mut out = 0u32;
+        for (p, &pair) in pk.iter().enumerate() {
+            let a = pair | 0x8000_8000;
+            let d: [u32; 7] = std::array::from_fn(|i| a.wrapping_sub(keys[i]));
+            let m2 = d[3];
+            let m1 = (d[1] & !d[3]) | d[5];
+            let m0 = d[0] ^ d[1] ^ d[2] ^ d[3] ^ d[4] ^ d[5] ^ d[6];
+            let sh = 4 * p as u32;
+            out |= ((m0 >> (15 - sh)) & (0x0001_0001 << sh))
+                | ((m1 >> (14 - sh)) & (0x0002_0002 << sh))
+                | ((m2 >> (13 - sh)) & (0x0004_0004 << sh))
+                | ((pair >> (12 - sh)) & (0x0008_0008 << sh));
+        }
+        out
+    }
+
+    /// `prmt.b32` (default mode) of the .cu: result byte n = byte (nibble n & 7) of {b, a}, sign-replicated
+    /// when the nibble's bit 3 is set.
+    pub fn prmt_b32(a: u32, b: u32, sel: u32) -> u32 {
+        let src = (u64::from(b) << 32) | u64::from(a);
+        (0..4).fold(0u32, |acc, n| {
+            let nib = (sel >> (4 * n)) & 0xF;
+            let byte = ((src >> (8 * (nib & 7))) & 0xFF) as u32;
+            let byte = if nib & 8 != 0 {
+                if byte & 0x80 != 0 {
+                    0xFF
+                } else {
+                    0
+                }
+            } else {
+                byte
+            };
+            acc | (byte << (8 * n))
+        })
+    }
+
+    /// `e2m1_codes8_keys<true>` (prmt placement): same codes as [`codes8`].
+    pub fn codes8_prmt(pk: &[u32; 4], keys: &[u32; 7]) -> u32 {
+        let mut planes = [[0u32; 4]; 4];
+        for (p, &pair) in pk.iter().enumerate() {
+            let a = pair | 0x8000_8000;
+            let d: [u32; 7] = std::array::from_fn(|i| a.wrapping_sub(keys[i]));
+            planes[0][p] = d[0] ^ d[1] ^ d[2] ^ d[3] ^ d[4] ^ d[5] ^ d[6];
+            planes[1][p] = (d[1] & !d[3]) | d[5];
+            planes[2][p] = d[3];
+            planes[3][p] = pair;
+        }
+        planes.iter().enumerate().fold(0u32, |out, (j, x)| {
+            out | (prmt_b32(x[0], x[2], 0xFBD9) & (0x0101_0101 << j))
+                | (prmt_b32(x[1], x[3], 0xFBD9) & (0x1010_1010 << j))
+        })
+    }
+
+    /// `max.u16x2` of the .cu.
+    pub fn max_u16x2(a: u32, b: u32) -> u32 {
+        (a & 0xFFFF).max(b & 0xFFFF) | (a >> 16).max(b >> 16) << 16
+    }
+
+    /// The chunk amax of the v4 kernel: max of the guarded keys, as an f32.
+    pub fn chunk_amax(pk: &[u32; 4]) -> f32 {
+        let g = 0x8000_8000;
+        let m = max_u16x2(
+            max_u16x2(pk[0] | g, pk[1] | g),
+            max_u16x2(pk[2] | g, pk[3] | g),
+        );
+        let key = (m & 0xFFFF).max(m >> 16);
+        f32::from_bits((key & 0x7FFF) << 16)
+    }
+
+    /// Pairs (p, p + 4) of 8 BF16 bit patterns, as the kernel packs them.
+    pub fn pair_up(bits: &[u16; 8]) -> [u32; 4] {
+        std::array::from_fn(|p| u32::from(bits[p]) | (u32::from(bits[p + 4]) << 16))
+    }
+}
+
 /// DSV4 `act_quant` of one row (`formats::fp8`): per 128-block `scale = 2^ceil(log2(max(amax, 1e-4) /
 /// 448))`, `code = e4m3(x / scale)`. The kernel multiplies by the exact reciprocal power of two instead:
 /// the same real number, rounded once, so the same code.
