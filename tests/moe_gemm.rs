@@ -921,3 +921,225 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     assert!(format!("{err:#}").contains("offsets"), "{err:#}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+// ------------------------------------------------------------------------------------- v4 mainloop (A/B candidate)
+
+#[test]
+fn v4_grid_is_two_ctas_per_sm_for_its_tiles_only() {
+    for (tile, splits) in [(8usize, 4usize), (16, 2), (32, 1), (64, 2)] {
+        let cfg = GemmConfig {
+            token_tile: tile,
+            splits,
+            ctas: 396,
+        };
+        let v4 = cfg.with_v4_grid(132);
+        assert_eq!(v4.splits, splits, "tile {tile}: splits must not change");
+        assert_eq!(v4.token_tile, tile);
+        let want = if mg::V4_TOKEN_TILES.contains(&tile) {
+            132 * mg::MAINLOOP_V4_CTAS_PER_SM as u32
+        } else {
+            396
+        };
+        assert_eq!(v4.ctas, want, "tile {tile}: grid");
+    }
+}
+
+/// Partials of v3 and v4 on the same inputs: bit for bit (same products, same mma order, same split order), then
+/// v4 against the f64 reference. Unowned rows must keep the 0xFF poison in both.
+#[allow(clippy::too_many_arguments)]
+fn check_v4_against_v3(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    nvfp4: bool,
+    cfgs: &[GemmConfig],
+    rng: &mut impl Rng,
+) {
+    let a = gathered_activations(rng, rb, w.k, nvfp4);
+    let da = DevA::upload(gpu, &a);
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let rows = rb.grouping.rows_total();
+    let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
+    let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+    for &cfg in cfgs {
+        let label = format!(
+            "{label} [{} A, {cfg:?}, rows {rows}, N {}, K {}]",
+            if nvfp4 { "NVFP4" } else { "BF16" },
+            w.n,
+            w.k
+        );
+        let mut ws3 = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+        let mut ws4 = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
+        gpu.fill_bytes(&mut ws4.partial, 0xFF).unwrap();
+        mg::launch_partial_mma(gpu, dw, &da.view(), &dg, &cfg, &mut ws3).unwrap();
+        mg::launch_partial_mma_v4(gpu, dw, &da.view(), &dg, &cfg, &mut ws4).unwrap();
+        gpu.synchronize().unwrap();
+        let p3 = gpu.download(&ws3.partial).unwrap();
+        let p4 = gpu.download(&ws4.partial).unwrap();
+        let mismatches = (0..p3.len())
+            .filter(|&i| p3[i].to_bits() != p4[i].to_bits())
+            .count();
+        if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p4[i].to_bits()) {
+            let r = (i / w.n) % rows;
+            panic!(
+                "{label}: v4 partial differs from v3 at split {} row {r} (owned: {}) col {}: v3 {} ({:#010x}) v4 {} \
+                 ({:#010x}); {mismatches} of {} elements differ",
+                i / (rows * w.n),
+                owned(r),
+                i % w.n,
+                p3[i],
+                p3[i].to_bits(),
+                p4[i],
+                p4[i].to_bits(),
+                p3.len()
+            );
+        }
+        if let Some(i) =
+            (0..p4.len()).find(|&i| !owned((i / w.n) % rows) && p4[i].to_bits() != u32::MAX)
+        {
+            panic!(
+                "{label}: v4 wrote unowned row {} (split {}, col {}): {}",
+                (i / w.n) % rows,
+                i / (rows * w.n),
+                i % w.n,
+                p4[i]
+            );
+        }
+        check_accumulator(
+            &format!("{label} v4 mainloop"),
+            &gpu_accumulator(gpu, &ws4),
+            &exact,
+            &abs,
+            w.k,
+            cfg.splits,
+            &owned,
+            w.n,
+        );
+    }
+}
+
+#[test]
+fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
+    let name = "gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    let sms = gpu.info.sm_count as u32;
+    let v4_grid = sms * mg::MAINLOOP_V4_CTAS_PER_SM as u32;
+    // Expert counts around the 8- and 16-token tile edges, two empty experts; top-1 routing so each expert gets
+    // exactly its count.
+    let counts = [0usize, 1, 2, 7, 8, 9, 15, 16, 17, 33, 0];
+    let tokens: usize = counts.iter().sum();
+    let choices: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+        .collect();
+    // K = 2048: 4 stages per split at splits = 1 (the two weight slots alternate within an item), 1 stage at
+    // splits = 4 (every stage prefetches the next item's). The few-CTA grids make each persistent CTA walk many
+    // items, so the double buffer carries across items and tile shapes.
+    let (e, n, k) = (counts.len(), 256, 2048);
+    let w = quantized_weights(&mut rng, e, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let cfgs: Vec<GemmConfig> = [
+        (8, 1, v4_grid),
+        (8, 4, v4_grid),
+        (16, 2, v4_grid),
+        (8, 2, 7),
+        (16, 1, 5),
+        (8, 4, 3),
+        (16, 4, 1),
+    ]
+    .iter()
+    .map(|&(token_tile, splits, ctas)| GemmConfig {
+        token_tile,
+        splits,
+        ctas,
+    })
+    .collect();
+    for cap in [Some(40), None] {
+        let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+        for nvfp4 in [false, true] {
+            check_v4_against_v3(
+                &gpu,
+                &format!("{name}: counts {counts:?} cap {cap:?}"),
+                &w,
+                &dw,
+                &rb,
+                nvfp4,
+                &cfgs,
+                &mut rng,
+            );
+        }
+    }
+    // Decode routings on the bench's path (`launch_partial_v4`: default config, v4 grid) against v3's default
+    // path: 1 and 64 tokens, top-6 of 256 experts, masked layout.
+    let (n, k) = (128, 1024);
+    let w = quantized_weights(&mut rng, 256, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    for tokens in [1usize, 64] {
+        let rb0 = RoutedBatch::random(&mut rng, tokens, 256, 6, None).unwrap();
+        let most = (0..256)
+            .map(|x| rb0.grouping.expert_rows(x).len())
+            .max()
+            .unwrap();
+        let rb = RoutedBatch::from_choices(tokens, 256, 6, rb0.experts_of, Some(most)).unwrap();
+        let active = (0..256)
+            .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+            .count();
+        let cfg = GemmConfig::choose(
+            sms as usize,
+            (tokens * 6) as f64 / active as f64,
+            active,
+            n,
+            k,
+        );
+        assert!(
+            mg::V4_TOKEN_TILES.contains(&cfg.token_tile),
+            "{tokens} tokens: default tile {} is not a v4 tile",
+            cfg.token_tile
+        );
+        let a = gathered_activations(&mut rng, &rb, k, true);
+        let da = DevA::upload(&gpu, &a);
+        let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+        let rows = rb.grouping.rows_total();
+        let mut ws3 = Workspace::new(&gpu, cfg.splits, rows, n).unwrap();
+        let mut ws4 = Workspace::new(&gpu, cfg.splits, rows, n).unwrap();
+        gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
+        gpu.fill_bytes(&mut ws4.partial, 0xFF).unwrap();
+        mg::launch_partial(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws3).unwrap();
+        mg::launch_partial_v4(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws4).unwrap();
+        gpu.synchronize().unwrap();
+        let (p3, p4) = (
+            gpu.download(&ws3.partial).unwrap(),
+            gpu.download(&ws4.partial).unwrap(),
+        );
+        if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p4[i].to_bits()) {
+            panic!(
+                "{name}: {tokens} tokens, {cfg:?}: launch_partial_v4 differs from launch_partial at split {} row {} \
+                 col {}: v3 {} v4 {}",
+                i / (rows * n),
+                (i / n) % rows,
+                i % n,
+                p3[i],
+                p4[i]
+            );
+        }
+        let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
+        let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+        check_accumulator(
+            &format!("{name}: {tokens} tokens top-6 of 256, {cfg:?}"),
+            &gpu_accumulator(&gpu, &ws4),
+            &exact,
+            &abs,
+            k,
+            cfg.splits,
+            &owned,
+            n,
+        );
+    }
+}
