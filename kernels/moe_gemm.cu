@@ -638,14 +638,16 @@ __device__ __forceinline__ void moe_gemm_body_v4(const uint8_t* __restrict__ w_c
         const int next_st = last_stage ? 0 : st + 1;
         cp_async_wait_all();  // this thread's group of this stage (weights + raw activations) has landed
         __syncthreads();      // ... everyone's; the previous stage's reads of s_act and of the other slot are done
-        convert_raw_activations<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
-        __syncthreads();      // s_act complete; s_raw free
-        if (has_next) {       // the next stage streams into the other slot while this one computes
+        // The next stage's weights stream into the other slot (free since the barrier) while this one converts
+        // and computes. No commit here: they join the group that copy_raw_activations commits below.
+        if (has_next)
             v4_copy_stage_weights(s_slots + (slot ^ 1) * kSlotBytes, nxt.codes + next_st * (kStageK / 2),
                                   8 * codes_row, nxt.scales_tile + next_st * (kStageK / 16), scales_row, r0, t);
+        convert_raw_activations<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
+        __syncthreads();      // s_act complete; s_raw free
+        if (has_next)         // the next stage's raw activation tile; commits the group (weights + activations)
             copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
                                      nxt.split * k_split + next_st * kStageK);
-        }
         v4_compute_stage<NT>(acc, s_slots + slot * kSlotBytes, s_act, r0, g, t);
 
         if (last_stage) {
