@@ -944,6 +944,51 @@ fn v4_grid_is_two_ctas_per_sm_for_its_tiles_only() {
     }
 }
 
+/// Mirror of `v4_code_unit` (kernels/moe_gemm.cu): the 16-byte unit of (chunk c, lane t) in a row of the v4 weight
+/// slot. Each thread writes and reads back the same units, so correctness needs only a bijection per row; speed
+/// needs the 8 lanes of one ld.shared.v4 phase (rows r, r + 1 with r even, t = 0..3) on 8 different 16-byte bank
+/// groups (the row stride, 256 B, is a multiple of the 128 B bank width).
+fn v4_code_unit(c: usize, t: usize, row: usize) -> usize {
+    (4 * c + t) ^ ((row & 1) << 2)
+}
+
+#[test]
+fn v4_weight_slot_swizzle_is_a_bijection_and_conflict_free() {
+    for row in 0..128 {
+        let mut seen = [false; 16];
+        for c in 0..4 {
+            for t in 0..4 {
+                let u = v4_code_unit(c, t, row);
+                assert!(
+                    u < 16 && !seen[u],
+                    "row {row}: unit {u} (c {c}, t {t}) out of range or reused"
+                );
+                seen[u] = true;
+            }
+        }
+    }
+    for warp in 0..8 {
+        for phase in 0..4 {
+            for c in 0..4 {
+                for hi in [0usize, 8] {
+                    let mut groups = [false; 8];
+                    for lane in 8 * phase..8 * phase + 8 {
+                        let (g, t) = (lane / 4, lane % 4);
+                        let row = warp * 16 + g + hi;
+                        let addr = row * 256 + v4_code_unit(c, t, row) * 16;
+                        let group = (addr / 16) % 8;
+                        assert!(
+                            !groups[group],
+                            "warp {warp} phase {phase} chunk {c} rows +{hi}: lane {lane} repeats bank group {group}"
+                        );
+                        groups[group] = true;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Partials of v3 and v4 on the same inputs: bit for bit (same products, same mma order, same split order), then
 /// v4 against the f64 reference. Unowned rows must keep the 0xFF poison in both.
 #[allow(clippy::too_many_arguments)]
