@@ -989,11 +989,83 @@ fn v4_weight_slot_swizzle_is_a_bijection_and_conflict_free() {
     }
 }
 
-/// Partials of v3 and v4 on the same inputs: bit for bit (same products, same mma order, same split order), then
-/// v4 against the f64 reference. Unowned rows must keep the 0xFF poison in both.
+/// A candidate mainloop's launchers: the forced entry (`cfg.ctas` as given) and the routed path the bench uses.
+type Launch = fn(
+    &Gpu,
+    &DeviceExpertWeights,
+    &mg::DeviceActivations,
+    &DeviceGrouping,
+    &GemmConfig,
+    &mut Workspace,
+) -> anyhow::Result<()>;
+
+struct Candidate {
+    name: &'static str,
+    forced: Launch,
+    routed: Launch,
+    /// The candidate's own persistent grid for a token tile.
+    grid: fn(GemmConfig, usize) -> GemmConfig,
+}
+
+const V4: Candidate = Candidate {
+    name: "v4",
+    forced: mg::launch_partial_mma_v4,
+    routed: mg::launch_partial_v4,
+    grid: GemmConfig::with_v4_grid,
+};
+const V4H: Candidate = Candidate {
+    name: "v4h",
+    forced: mg::launch_partial_mma_v4h,
+    routed: mg::launch_partial_v4h,
+    grid: GemmConfig::with_v4h_grid,
+};
+
+#[test]
+fn v4h_grid_is_four_or_three_ctas_per_sm_for_its_tiles_only() {
+    for (tile, per_sm) in [(8usize, Some(4u32)), (16, Some(3)), (32, None), (64, None)] {
+        let cfg = GemmConfig {
+            token_tile: tile,
+            splits: 2,
+            ctas: 396,
+        };
+        let v4h = cfg.with_v4h_grid(132);
+        assert_eq!((v4h.splits, v4h.token_tile), (2, tile), "tile {tile}");
+        assert_eq!(
+            v4h.ctas,
+            per_sm.map_or(396, |p| 132 * p),
+            "tile {tile}: grid"
+        );
+    }
+    // The v4h slot swizzle: 8 code units per 128-byte row (chunks 0, 1 of a half stage), rows r, r + 1 of a phase
+    // on disjoint halves of the 8 bank groups.
+    for row in (0..128).step_by(2) {
+        let mut groups = [false; 8];
+        for r in [row, row + 1] {
+            for t in 0..4 {
+                for c in 0..2 {
+                    let u = v4_code_unit(c, t, r);
+                    assert!(u < 8, "row {r}: unit {u} outside the 128-byte row");
+                    let group = ((r * 128 + u * 16) / 16) % 8;
+                    if c == 0 {
+                        assert!(
+                            !groups[group],
+                            "rows {row}/{}: bank group {group} repeats",
+                            row + 1
+                        );
+                        groups[group] = true;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Partials of v3 and the candidate on the same inputs: bit for bit (same products, same mma order, same split
+/// order), then the candidate against the f64 reference. Unowned rows must keep the 0xFF poison in both.
 #[allow(clippy::too_many_arguments)]
-fn check_v4_against_v3(
+fn check_candidate_against_v3(
     gpu: &Gpu,
+    cand: &Candidate,
     label: &str,
     w: &ExpertWeights,
     dw: &DeviceExpertWeights,
@@ -1008,9 +1080,10 @@ fn check_v4_against_v3(
     let rows = rb.grouping.rows_total();
     let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
     let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+    let v = cand.name;
     for &cfg in cfgs {
         let label = format!(
-            "{label} [{} A, {cfg:?}, rows {rows}, N {}, K {}]",
+            "{label} [{v}, {} A, {cfg:?}, rows {rows}, N {}, K {}]",
             if nvfp4 { "NVFP4" } else { "BF16" },
             w.n,
             w.k
@@ -1020,7 +1093,7 @@ fn check_v4_against_v3(
         gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
         gpu.fill_bytes(&mut ws4.partial, 0xFF).unwrap();
         mg::launch_partial_mma(gpu, dw, &da.view(), &dg, &cfg, &mut ws3).unwrap();
-        mg::launch_partial_mma_v4(gpu, dw, &da.view(), &dg, &cfg, &mut ws4).unwrap();
+        (cand.forced)(gpu, dw, &da.view(), &dg, &cfg, &mut ws4).unwrap();
         gpu.synchronize().unwrap();
         let p3 = gpu.download(&ws3.partial).unwrap();
         let p4 = gpu.download(&ws4.partial).unwrap();
@@ -1030,8 +1103,8 @@ fn check_v4_against_v3(
         if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p4[i].to_bits()) {
             let r = (i / w.n) % rows;
             panic!(
-                "{label}: v4 partial differs from v3 at split {} row {r} (owned: {}) col {}: v3 {} ({:#010x}) v4 {} \
-                 ({:#010x}); {mismatches} of {} elements differ",
+                "{label}: {v} partial differs from v3 at split {} row {r} (owned: {}) col {}: v3 {} ({:#010x}) \
+                 {v} {} ({:#010x}); {mismatches} of {} elements differ",
                 i / (rows * w.n),
                 owned(r),
                 i % w.n,
@@ -1046,7 +1119,7 @@ fn check_v4_against_v3(
             (0..p4.len()).find(|&i| !owned((i / w.n) % rows) && p4[i].to_bits() != u32::MAX)
         {
             panic!(
-                "{label}: v4 wrote unowned row {} (split {}, col {}): {}",
+                "{label}: {v} wrote unowned row {} (split {}, col {}): {}",
                 (i / w.n) % rows,
                 i / (rows * w.n),
                 i % w.n,
@@ -1054,7 +1127,7 @@ fn check_v4_against_v3(
             );
         }
         check_accumulator(
-            &format!("{label} v4 mainloop"),
+            &format!("{label} {v} mainloop"),
             &gpu_accumulator(gpu, &ws4),
             &exact,
             &abs,
@@ -1066,15 +1139,12 @@ fn check_v4_against_v3(
     }
 }
 
-#[test]
-fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
-    let name = "gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference";
+fn candidate_is_bit_identical_to_v3_and_matches_the_reference(name: &str, cand: &Candidate) {
     let Some(gpu) = gpu_for_test(name) else {
         return;
     };
     let mut rng = seeded(name);
-    let sms = gpu.info.sm_count as u32;
-    let v4_grid = sms * mg::MAINLOOP_V4_CTAS_PER_SM as u32;
+    let sms = gpu.info.sm_count as usize;
     // Expert counts around the 8- and 16-token tile edges, two empty experts; top-1 routing so each expert gets
     // exactly its count.
     let counts = [0usize, 1, 2, 7, 8, 9, 15, 16, 17, 33, 0];
@@ -1084,33 +1154,41 @@ fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
         .enumerate()
         .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
         .collect();
-    // K = 2048: 4 stages per split at splits = 1 (the two weight slots alternate within an item), 1 stage at
+    // K = 2048: 4 stages per split at splits = 1 (the weight slots alternate within an item), 1 stage at
     // splits = 4 (every stage prefetches the next item's). The few-CTA grids make each persistent CTA walk many
-    // items, so the double buffer carries across items and tile shapes.
+    // items, so the prefetch carries across items and tile shapes. ctas = 0 below: the candidate's own grid.
     let (e, n, k) = (counts.len(), 256, 2048);
     let w = quantized_weights(&mut rng, e, n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let cfgs: Vec<GemmConfig> = [
-        (8, 1, v4_grid),
-        (8, 4, v4_grid),
-        (16, 2, v4_grid),
+        (8, 1, 0),
+        (8, 4, 0),
+        (16, 2, 0),
         (8, 2, 7),
         (16, 1, 5),
         (8, 4, 3),
         (16, 4, 1),
     ]
     .iter()
-    .map(|&(token_tile, splits, ctas)| GemmConfig {
-        token_tile,
-        splits,
-        ctas,
+    .map(|&(token_tile, splits, ctas)| {
+        let cfg = GemmConfig {
+            token_tile,
+            splits,
+            ctas,
+        };
+        if ctas == 0 {
+            (cand.grid)(cfg, sms)
+        } else {
+            cfg
+        }
     })
     .collect();
     for cap in [Some(40), None] {
         let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
         for nvfp4 in [false, true] {
-            check_v4_against_v3(
+            check_candidate_against_v3(
                 &gpu,
+                cand,
                 &format!("{name}: counts {counts:?} cap {cap:?}"),
                 &w,
                 &dw,
@@ -1121,8 +1199,8 @@ fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
             );
         }
     }
-    // Decode routings on the bench's path (`launch_partial_v4`: default config, v4 grid) against v3's default
-    // path: 1 and 64 tokens, top-6 of 256 experts, masked layout.
+    // Decode routings on the bench's path (the routed launcher: default config, the candidate's grid) against
+    // v3's default path: 1 and 64 tokens, top-6 of 256 experts, masked layout.
     let (n, k) = (128, 1024);
     let w = quantized_weights(&mut rng, 256, n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -1136,17 +1214,12 @@ fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
         let active = (0..256)
             .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
             .count();
-        let cfg = GemmConfig::choose(
-            sms as usize,
-            (tokens * 6) as f64 / active as f64,
-            active,
-            n,
-            k,
-        );
+        let cfg = GemmConfig::choose(sms, (tokens * 6) as f64 / active as f64, active, n, k);
         assert!(
             mg::V4_TOKEN_TILES.contains(&cfg.token_tile),
-            "{tokens} tokens: default tile {} is not a v4 tile",
-            cfg.token_tile
+            "{tokens} tokens: default tile {} is not a {} tile",
+            cfg.token_tile,
+            cand.name
         );
         let a = gathered_activations(&mut rng, &rb, k, true);
         let da = DevA::upload(&gpu, &a);
@@ -1157,7 +1230,7 @@ fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
         gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
         gpu.fill_bytes(&mut ws4.partial, 0xFF).unwrap();
         mg::launch_partial(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws3).unwrap();
-        mg::launch_partial_v4(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws4).unwrap();
+        (cand.routed)(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws4).unwrap();
         gpu.synchronize().unwrap();
         let (p3, p4) = (
             gpu.download(&ws3.partial).unwrap(),
@@ -1165,12 +1238,14 @@ fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
         );
         if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p4[i].to_bits()) {
             panic!(
-                "{name}: {tokens} tokens, {cfg:?}: launch_partial_v4 differs from launch_partial at split {} row {} \
-                 col {}: v3 {} v4 {}",
+                "{name}: {tokens} tokens, {cfg:?}: the {} routed launch differs from launch_partial at split {} row \
+                 {} col {}: v3 {} {} {}",
+                cand.name,
                 i / (rows * n),
                 (i / n) % rows,
                 i % n,
                 p3[i],
+                cand.name,
                 p4[i]
             );
         }
@@ -1187,4 +1262,20 @@ fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
             n,
         );
     }
+}
+
+#[test]
+fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
+    candidate_is_bit_identical_to_v3_and_matches_the_reference(
+        "gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference",
+        &V4,
+    );
+}
+
+#[test]
+fn gpu_v4h_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
+    candidate_is_bit_identical_to_v3_and_matches_the_reference(
+        "gpu_v4h_mainloop_is_bit_identical_to_v3_and_matches_the_reference",
+        &V4H,
+    );
 }

@@ -286,6 +286,19 @@ impl GemmConfig {
         }
     }
 
+    /// The grid of the v4h mainloop: [`mainloop_v4h_ctas_per_sm`] x SMs for its token tiles (splits unchanged);
+    /// other tiles unchanged.
+    pub fn with_v4h_grid(self, sm_count: usize) -> GemmConfig {
+        if V4_TOKEN_TILES.contains(&self.token_tile) {
+            GemmConfig {
+                ctas: (sm_count.max(1) * mainloop_v4h_ctas_per_sm(self.token_tile)) as u32,
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+
     fn check(&self, k: usize) -> Result<()> {
         ensure!(
             TOKEN_TILES.contains(&self.token_tile),
@@ -408,6 +421,58 @@ pub fn launch_partial_v4(
     }
     let cfg = cfg.with_v4_grid(gpu.info.sm_count as usize);
     launch_partial_mma_v4(gpu, w, a, grp, &cfg, ws)
+}
+
+/// CTAs per SM the v4h mainloop holds: 4 for 1-token tiles (`__launch_bounds__(256, 4)`, 52 KB of shared
+/// memory), 3 for 2-token tiles (68 KB).
+pub fn mainloop_v4h_ctas_per_sm(token_tile: usize) -> usize {
+    if token_tile <= 8 {
+        4
+    } else {
+        3
+    }
+}
+/// Shared memory of one v4h half-stage weight slot: 128 rows x (128 B of codes + 16 B of block scales).
+const V4H_SLOT_BYTES: usize = BLOCK_N * (STAGE_K / 4 + STAGE_K / (2 * NVFP4_BLOCK));
+
+/// The v4h mma.sync mainloop (second A/B candidate, `moe_gemm_nvfp4_partial_v4h_nt1/2`): the partials of
+/// [`launch_partial_mma`] bit for bit; weights streamed by cp.async into per-warp half-stage shared-memory slots
+/// (see the .cu), so more CTAs fit per SM than with v4. Token tiles in [`V4_TOKEN_TILES`] only (an error
+/// otherwise); `cfg.ctas` is used as given ([`GemmConfig::with_v4h_grid`] sizes it).
+pub fn launch_partial_mma_v4h(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+) -> Result<()> {
+    ensure!(
+        V4_TOKEN_TILES.contains(&cfg.token_tile),
+        "moe_gemm v4h: token tile {} not in {V4_TOKEN_TILES:?}",
+        cfg.token_tile
+    );
+    let name = format!("moe_gemm_nvfp4_partial_v4h_nt{}", cfg.token_tile / 8);
+    // Two half-stage weight slots, then the v3 activation buffers (permuted BF16 tile + raw tile).
+    let smem = 2 * V4H_SLOT_BYTES + 2 * cfg.token_tile * STAGE_K * 2;
+    launch_mma_entry(gpu, &name, smem, w, a, grp, cfg, ws)
+}
+
+/// [`launch_partial`] with the v4h mainloop for token tiles in [`V4_TOKEN_TILES`] (grid resized by
+/// [`GemmConfig::with_v4h_grid`]); prefill shapes and larger tiles take the same path as [`launch_partial`].
+pub fn launch_partial_v4h(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+) -> Result<()> {
+    if prefill::routes_here(w, grp, cfg) || !V4_TOKEN_TILES.contains(&cfg.token_tile) {
+        return launch_partial(gpu, w, a, grp, cfg, ws);
+    }
+    let cfg = cfg.with_v4h_grid(gpu.info.sm_count as usize);
+    launch_partial_mma_v4h(gpu, w, a, grp, &cfg, ws)
 }
 
 /// Checks shared by the mma.sync mainloops, then one launch of `name` (same argument list for v3 and v4).
