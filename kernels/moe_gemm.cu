@@ -45,6 +45,7 @@
 // * A/B candidate moe_gemm_nvfp4_partial_v4_nt1/2 (1- and 2-token tiles; see its section): the v3 math with the
 //   weights streamed through a shared-memory double buffer by cp.async, issued a full stage ahead (the v3 SASS
 //   shows ptxas sinking its register refills to the end of the stage). Bit-identical partials; 2 CTAs per SM.
+//   Second candidate moe_gemm_nvfp4_partial_v4h_nt1/2: the same with per-warp half-stage slots (4 / 3 CTAs per SM).
 // * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_vec / moe_gemm_finish_l2_combine_cols: all split loads of a
 //   column issued together, columns spread over many CTAs.
 //
