@@ -42,6 +42,10 @@
 //   memory while the current step computes, then converted smem -> smem; the weights wait in ONE register stage
 //   that is refilled chunk by chunk as the compute consumes it, so the 1- and 2-token-tile entries fit 80
 //   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
+// * A/B candidate moe_gemm_nvfp4_partial_v4_nt1/2 (1- and 2-token tiles; see its section): the v3 math with the
+//   weights streamed through a shared-memory double buffer by cp.async, issued a full stage ahead (the v3 SASS
+//   shows ptxas sinking its register refills to the end of the stage). Bit-identical partials; 2 CTAs per SM.
+//   Second candidate moe_gemm_nvfp4_partial_v4h_nt1/2: the same with per-warp half-stage slots (4 / 3 CTAs per SM).
 // * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_vec / moe_gemm_finish_l2_combine_cols: all split loads of a
 //   column issued together, columns spread over many CTAs.
 //
@@ -458,6 +462,466 @@ MOE_GEMM_ENTRY_V3(1, 3)
 MOE_GEMM_ENTRY_V3(2, 3)
 MOE_GEMM_ENTRY_V3(4, 1)
 MOE_GEMM_ENTRY_V3(8, 1)
+
+// ---------------------------------------------------------------------------------------------------- v4 mainloop
+// Generation v4 (A/B candidate; v3 stays the default until the H200 run decides). Same items, products and mma
+// order as v3, so the partials are bit-identical to v3's. What changes is where the next stage's weights wait.
+// Why: the SASS of v3 (cuobjdump, moe_gemm_nvfp4_partial_v3_nt1) shows that ptxas, held to 80 registers by
+// __launch_bounds__(256, 3), sinks the "rolling" refill loads of the next stage to the END of the current stage
+// (all 8 LDG.128 + 8 LDG.U16 sit after the last HMMA), so each stage starts with a nearly full DRAM round trip
+// exposed: the long-scoreboard stalls ncu reported. A register prefetch cannot be forced to issue early; a
+// cp.async into shared memory can (no register stays live, nothing for the scheduler to sink).
+// * Weights: two shared-memory stage slots (double buffer). At the top of stage s every thread issues, with
+//   cp.async, the weights of stage s+1 (its own 8 x 16 B of codes: exactly the bytes it will read back, plus one
+//   16 B piece of the CTA's block scales) and the raw activation tile of stage s+1, all in ONE commit group; the
+//   compute of stage s then reads slot s & 1. One full stage of compute hides the DRAM latency, independently of
+//   the register budget. The wait at the top of each stage (wait_group 0 + barrier) covers exactly that group.
+// * Slot layout: codes [128 rows][256 B]: the 16-byte unit u = 4c + t (chunk c, lane t) of row r sits at unit
+//   u ^ ((r & 1) << 2), so the 8 lanes of a shared-memory phase (rows r, r+1 x t = 0..3) hit 8 different 16-byte
+//   bank groups (conflict-free ld.shared.v4). Then scales [128 rows][32 B] (row r's 32 block scales of the stage).
+// * Shared memory: 2 x 36 KB slots + the v3 activation buffers (2 x token_tile KB): 88 KB (1-token tiles) / 104 KB
+//   (2-token tiles) per CTA, 2 CTAs per SM (launcher grid 2 x SMs). In flight per SM: 2 x 36 KB issued a full
+//   stage ahead (v3: nominally 3 x 36 KB, but issued at the end of the previous stage).
+// Only the 1- and 2-token-tile entries exist (every decode point up to ~256 tokens uses them); larger tiles stay v3.
+namespace {
+constexpr int kSlotCodes = kBlockN * (kStageK / 2);    // 32768 B
+constexpr int kSlotScales = kBlockN * (kStageK / 16);  // 4096 B
+constexpr int kSlotBytes = kSlotCodes + kSlotScales;   // 36864 B (a multiple of 16)
+
+__device__ __forceinline__ int v4_code_unit(int c, int t, int row) { return (4 * c + t) ^ ((row & 1) << 2); }
+
+// This thread's share of one stage of weights into `slot`: the 8 code units it reads back (rows r0 = 16 warp + g
+// and r0 + 8, chunks 0..3, lane t), and 16 B of block scales (row tid / 2, half tid % 2). `codes` is the lane's
+// v3 pointer for the stage (row r0, + 16 t), `scales_tile` the scales of the tile's first row at the stage's K.
+__device__ __forceinline__ void v4_copy_stage_weights(uint8_t* slot, const uint8_t* codes, size_t codes_8rows,
+                                                      const uint8_t* scales_tile, size_t scales_row, int r0, int t) {
+#pragma unroll
+    for (int c = 0; c < kChunksPerStage; ++c) {
+        const int u = v4_code_unit(c, t, r0);  // r0 + 8 has the parity of r0
+        cp_async_16(slot + r0 * (kStageK / 2) + u * 16, codes + c * 64);
+        cp_async_16(slot + (r0 + 8) * (kStageK / 2) + u * 16, codes + codes_8rows + c * 64);
+    }
+    const int srow = threadIdx.x >> 1, shalf = threadIdx.x & 1;
+    cp_async_16(slot + kSlotCodes + srow * (kStageK / 16) + shalf * 16, scales_tile + srow * scales_row + shalf * 16);
+}
+
+// One stage of math from a shared-memory slot: the products and mma order of compute_stage_rolling (v3).
+template <int NT>
+__device__ __forceinline__ void v4_compute_stage(float (&acc)[NT][4], const uint8_t* slot, const uint4* s_act, int r0,
+                                                 int g, int t) {
+    const unsigned short* sscale = reinterpret_cast<const unsigned short*>(slot + kSlotCodes);
+#pragma unroll
+    for (int c = 0; c < kChunksPerStage; ++c) {
+        const int u = v4_code_unit(c, t, r0);
+        const uint4 row_lo = *reinterpret_cast<const uint4*>(slot + r0 * (kStageK / 2) + u * 16);
+        const uint4 row_hi = *reinterpret_cast<const uint4*>(slot + (r0 + 8) * (kStageK / 2) + u * 16);
+        // Bytes [8c + 2t, 8c + 2t + 2) of the row's 32 stage scales: blocks 2t, 2t + 1 of chunk c (v3's ldg_u16).
+        const uint32_t scales = (uint32_t)sscale[(r0 * (kStageK / 16) + c * 8 + 2 * t) >> 1] |
+                                ((uint32_t)sscale[((r0 + 8) * (kStageK / 16) + c * 8 + 2 * t) >> 1] << 16);
+        const uint32_t s_lo0 = scale_bf16x2(scales & 0xFF), s_lo1 = scale_bf16x2((scales >> 8) & 0xFF);
+        const uint32_t s_hi0 = scale_bf16x2((scales >> 16) & 0xFF), s_hi1 = scale_bf16x2(scales >> 24);
+        const uint32_t lo[4] = {row_lo.x, row_lo.y, row_lo.z, row_lo.w};
+        const uint32_t hi[4] = {row_hi.x, row_hi.y, row_hi.z, row_hi.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t sl = j < 2 ? s_lo0 : s_lo1, sh = j < 2 ? s_hi0 : s_hi1;
+            uint32_t pl[4], ph[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                pl[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(lo[j], i), sl);
+                ph[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(hi[j], i), sh);
+            }
+            const int unit = c * 16 + t * 4 + (j ^ ((t & 2) | (g & 1)));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint4 b = s_act[(nt * 8 + g) * 64 + unit];
+                mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+            }
+        }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void moe_gemm_body_v4(const uint8_t* __restrict__ w_codes,
+                                                 const uint8_t* __restrict__ w_scales, int N, int K,
+                                                 const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
+                                                 int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
+                                                 int splits) {
+    constexpr int TN = NT * 8;
+    // Dynamic shared memory: slot 0, slot 1 (kSlotBytes each), s_act (TN * 64 units of 16 B), raw tile (TN KB).
+    extern __shared__ uint4 s_dyn[];
+    uint8_t* s_slots = reinterpret_cast<uint8_t*>(s_dyn);
+    uint4* s_act = reinterpret_cast<uint4*>(s_slots + 2 * kSlotBytes);
+    uint8_t* s_raw = reinterpret_cast<uint8_t*>(s_act + TN * 64);
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWarps];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = warp * 16 + g;  // this lane's first row within the 128-row tile
+    const int E = grp.experts;
+
+    // Exclusive prefix of token tiles per expert (the work-item order; as v3).
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
+        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
+    }
+    int incl = tiles0 + tiles1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int warp_base = 0;
+    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
+    const int excl = warp_base + incl - tiles0 - tiles1;
+    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
+    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
+    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
+    __syncthreads();
+
+    const int n_tiles = N / kBlockN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
+    const int k_split = K / splits;
+    const int stages = k_split / kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+
+    struct ItemPos {
+        int row0, ntok, split, n;
+        const uint8_t* codes;        // this lane: row r0, + 16 t, at the split's first K
+        const uint8_t* scales_tile;  // the tile's first row, at the split's first K
+    };
+    auto locate = [&](long long item) {
+        ItemPos p;
+        p.split = (int)(item % splits);
+        const long long rest = item / splits;
+        const int n_tile = (int)(rest % n_tiles);
+        const int et = (int)(rest / n_tiles);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        int start, count;
+        grp.expert_rows(lo, start, count);
+        const int tile = et - s_tile_prefix[lo];
+        p.row0 = start + tile * TN;
+        p.ntok = min(TN, count - tile * TN);
+        const int kbase = p.split * k_split;
+        p.n = n_tile * kBlockN + warp * 16 + g;
+        p.codes = w_codes + ((size_t)lo * N + p.n) * codes_row + kbase / 2 + 16 * t;
+        p.scales_tile = w_scales + ((size_t)lo * N + (size_t)n_tile * kBlockN) * scales_row + kbase / 16;
+        return p;
+    };
+
+    long long item = blockIdx.x;
+    if (item >= items) return;
+    ItemPos cur = locate(item);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    // Stage 0 of the first item: weights into slot 0, then the raw activations (copy_raw_activations commits the
+    // group, so both are in it).
+    v4_copy_stage_weights(s_slots, cur.codes, 8 * codes_row, cur.scales_tile, scales_row, r0, t);
+    copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
+    int st = 0, slot = 0;
+    for (;;) {
+        const bool last_stage = st + 1 == stages;
+        const long long next_item = last_stage ? item + gridDim.x : item;
+        const bool has_next = next_item < items;
+        ItemPos nxt = cur;
+        if (last_stage && has_next) nxt = locate(next_item);
+        const int next_st = last_stage ? 0 : st + 1;
+        cp_async_wait_all();  // this thread's group of this stage (weights + raw activations) has landed
+        __syncthreads();      // ... everyone's; the previous stage's reads of s_act and of the other slot are done
+        // The next stage's weights stream into the other slot (free since the barrier) while this one converts
+        // and computes. No commit here: they join the group that copy_raw_activations commits below.
+        if (has_next)
+            v4_copy_stage_weights(s_slots + (slot ^ 1) * kSlotBytes, nxt.codes + next_st * (kStageK / 2),
+                                  8 * codes_row, nxt.scales_tile + next_st * (kStageK / 16), scales_row, r0, t);
+        convert_raw_activations<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
+        __syncthreads();      // s_act complete; s_raw free
+        if (has_next)         // the next stage's raw activation tile; commits the group (weights + activations)
+            copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
+                                     nxt.split * k_split + next_st * kStageK);
+        v4_compute_stage<NT>(acc, s_slots + slot * kSlotBytes, s_act, r0, g, t);
+
+        if (last_stage) {
+            float* out = partial + (size_t)cur.split * grp.rows_total * N;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tk = nt * 8 + 2 * t;
+                if (tk < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
+                }
+                if (tk + 1 < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
+                }
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            }
+            if (!has_next) break;
+        }
+        item = next_item;
+        cur = nxt;
+        st = next_st;
+        slot ^= 1;
+    }
+}
+}  // namespace
+
+// 1- and 2-token tiles, 2 CTAs per SM (shared memory: 88 / 104 KB per CTA); the launcher's v4 grid is 2 x SMs.
+#define MOE_GEMM_ENTRY_V4(NT)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) moe_gemm_nvfp4_partial_v4_nt##NT(                    \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
+        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
+        Grouping grp{group, capacity, experts, rows_total};                                                          \
+        moe_gemm_body_v4<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);        \
+    }
+
+MOE_GEMM_ENTRY_V4(1)
+MOE_GEMM_ENTRY_V4(2)
+
+// ------------------------------------------------------------------------------------------------ v4h mainloop
+// Second A/B candidate, same math as v3/v4 (bit-identical partials): the v4 idea with HALF-stage weight slots
+// (256 K: 2 chunks) owned per warp, so a CTA needs 2 x 18 KB of weight slots instead of 2 x 36 KB and the 1-token
+// tile runs 4 CTAs (32 warps) per SM, the 2-token tile 3, with about the same bytes in flight per SM as v4.
+// Each warp reads only its own 16 rows of a slot, and a lane reads back its own code units, so only the block
+// scales cross lanes (lane t = 0 copies row r0's 16 B, t = 1 row r0 + 8's): __syncwarp orders them, and the CTA
+// barriers stay those of the activation tile (two per 512-K stage, as v3). Per stage s (slot 0 = half 0, slot 1
+// = half 1; cp.async groups complete in commit order):
+//   wait_all + barrier      -> raw(s) and W(s, half 0) in slot 0 have landed (committed during stage s-1)
+//   W(s, half 1) -> slot 1, commit G1 (slot 1 was last read in stage s-1, before the barrier)
+//   convert raw(s), barrier; raw(s+1) -> s_raw, commit G2
+//   compute half 0 (chunks 0, 1) from slot 0; __syncwarp; W(s+1, half 0) -> slot 0, commit G3
+//   wait_group 2 (G1 done; G2, G3 may be in flight) + __syncwarp; compute half 1 (chunks 2, 3) from slot 1
+// Slot layout per half stage: codes [128 rows][128 B] (unit u = 4c' + t of row r at u ^ ((r & 1) << 2): the two
+// rows of an ld.shared.v4 phase use disjoint halves of the 8 bank groups), then scales [128 rows][16 B].
+namespace {
+constexpr int kHalfChunks = kChunksPerStage / 2;                // 2
+constexpr int kHalfCodesRow = kHalfChunks * 64;                 // 128 B per row
+constexpr int kHalfScalesRow = kHalfChunks * 8;                 // 16 B per row
+constexpr int kHalfSlotCodes = kBlockN * kHalfCodesRow;         // 16384 B
+constexpr int kHalfSlotBytes = kHalfSlotCodes + kBlockN * kHalfScalesRow;  // 18432 B
+
+__device__ __forceinline__ void cp_async_wait_2() { asm volatile("cp.async.wait_group 2;" ::: "memory"); }
+
+// This lane's share of half `h` of a stage into `slot`: its 4 code units (rows r0, r0 + 8; chunks 2h, 2h + 1), and
+// for t = 0 / 1 the 16 B of block scales of row r0 / r0 + 8. `codes` / `scales` point at row r0 at the stage's K
+// (codes include the lane's + 16 t).
+__device__ __forceinline__ void v4h_copy_half(uint8_t* slot, const uint8_t* codes, size_t codes_8rows,
+                                              const uint8_t* scales, size_t scales_8rows, int r0, int t, int h) {
+#pragma unroll
+    for (int c = 0; c < kHalfChunks; ++c) {
+        const int u = v4_code_unit(c, t, r0);
+        cp_async_16(slot + r0 * kHalfCodesRow + u * 16, codes + (h * kHalfChunks + c) * 64);
+        cp_async_16(slot + (r0 + 8) * kHalfCodesRow + u * 16, codes + codes_8rows + (h * kHalfChunks + c) * 64);
+    }
+    if (t < 2)
+        cp_async_16(slot + kHalfSlotCodes + (r0 + 8 * t) * kHalfScalesRow,
+                    scales + (t ? scales_8rows : 0) + h * kHalfScalesRow);
+}
+
+// Chunks 2h, 2h + 1 of the stage from a half slot: the products and mma order of compute_stage_rolling (v3).
+template <int NT>
+__device__ __forceinline__ void v4h_compute_half(float (&acc)[NT][4], const uint8_t* slot, const uint4* s_act,
+                                                 int r0, int g, int t, int h) {
+    const unsigned short* sscale = reinterpret_cast<const unsigned short*>(slot + kHalfSlotCodes);
+#pragma unroll
+    for (int cc = 0; cc < kHalfChunks; ++cc) {
+        const int c = h * kHalfChunks + cc;  // chunk within the 512-K stage (activation unit index)
+        const int u = v4_code_unit(cc, t, r0);
+        const uint4 row_lo = *reinterpret_cast<const uint4*>(slot + r0 * kHalfCodesRow + u * 16);
+        const uint4 row_hi = *reinterpret_cast<const uint4*>(slot + (r0 + 8) * kHalfCodesRow + u * 16);
+        // Bytes [8 cc + 2t, +2) of the row's 16 half-stage scales: blocks 2t, 2t + 1 of chunk c (v3's ldg_u16).
+        const uint32_t scales = (uint32_t)sscale[(r0 * kHalfScalesRow + cc * 8 + 2 * t) >> 1] |
+                                ((uint32_t)sscale[((r0 + 8) * kHalfScalesRow + cc * 8 + 2 * t) >> 1] << 16);
+        const uint32_t s_lo0 = scale_bf16x2(scales & 0xFF), s_lo1 = scale_bf16x2((scales >> 8) & 0xFF);
+        const uint32_t s_hi0 = scale_bf16x2((scales >> 16) & 0xFF), s_hi1 = scale_bf16x2(scales >> 24);
+        const uint32_t lo[4] = {row_lo.x, row_lo.y, row_lo.z, row_lo.w};
+        const uint32_t hi[4] = {row_hi.x, row_hi.y, row_hi.z, row_hi.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t sl = j < 2 ? s_lo0 : s_lo1, sh = j < 2 ? s_hi0 : s_hi1;
+            uint32_t pl[4], ph[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                pl[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(lo[j], i), sl);
+                ph[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(hi[j], i), sh);
+            }
+            const int unit = c * 16 + t * 4 + (j ^ ((t & 2) | (g & 1)));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint4 b = s_act[(nt * 8 + g) * 64 + unit];
+                mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+            }
+        }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void moe_gemm_body_v4h(const uint8_t* __restrict__ w_codes,
+                                                  const uint8_t* __restrict__ w_scales, int N, int K,
+                                                  const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
+                                                  int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
+                                                  int splits) {
+    constexpr int TN = NT * 8;
+    // Dynamic shared memory: slot 0 (half 0), slot 1 (half 1), s_act (TN * 64 units of 16 B), raw tile (TN KB).
+    extern __shared__ uint4 s_dyn[];
+    uint8_t* s_slot0 = reinterpret_cast<uint8_t*>(s_dyn);
+    uint8_t* s_slot1 = s_slot0 + kHalfSlotBytes;
+    uint4* s_act = reinterpret_cast<uint4*>(s_slot0 + 2 * kHalfSlotBytes);
+    uint8_t* s_raw = reinterpret_cast<uint8_t*>(s_act + TN * 64);
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWarps];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = warp * 16 + g;
+    const int E = grp.experts;
+
+    // Exclusive prefix of token tiles per expert (the work-item order; as v3).
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
+        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
+    }
+    int incl = tiles0 + tiles1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_warp_sum[warp] = incl;
+    __syncthreads();
+    int warp_base = 0;
+    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
+    const int excl = warp_base + incl - tiles0 - tiles1;
+    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
+    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
+    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
+    __syncthreads();
+
+    const int n_tiles = N / kBlockN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
+    const int k_split = K / splits;
+    const int stages = k_split / kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+
+    struct ItemPos {
+        int row0, ntok, split, n;
+        const uint8_t* codes;   // this lane: row r0, + 16 t, at the split's first K
+        const uint8_t* scales;  // row r0 at the split's first K
+    };
+    auto locate = [&](long long item) {
+        ItemPos p;
+        p.split = (int)(item % splits);
+        const long long rest = item / splits;
+        const int n_tile = (int)(rest % n_tiles);
+        const int et = (int)(rest / n_tiles);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        int start, count;
+        grp.expert_rows(lo, start, count);
+        const int tile = et - s_tile_prefix[lo];
+        p.row0 = start + tile * TN;
+        p.ntok = min(TN, count - tile * TN);
+        const int kbase = p.split * k_split;
+        p.n = n_tile * kBlockN + warp * 16 + g;
+        const size_t wrow = (size_t)lo * N + p.n;
+        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
+        p.scales = w_scales + wrow * scales_row + kbase / 16;
+        return p;
+    };
+
+    long long item = blockIdx.x;
+    if (item >= items) return;
+    ItemPos cur = locate(item);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    // Half 0 of stage 0 into slot 0 and the raw activations of stage 0: one group (copy_raw_activations commits).
+    v4h_copy_half(s_slot0, cur.codes, 8 * codes_row, cur.scales, 8 * scales_row, r0, t, 0);
+    copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
+    int st = 0;
+    for (;;) {
+        const bool last_stage = st + 1 == stages;
+        const long long next_item = last_stage ? item + gridDim.x : item;
+        const bool has_next = next_item < items;
+        ItemPos nxt = cur;
+        if (last_stage && has_next) nxt = locate(next_item);
+        const int next_st = last_stage ? 0 : st + 1;
+        cp_async_wait_all();  // raw(s) and W(s, half 0) (slot 0) of this thread have landed
+        __syncthreads();      // ... everyone's; the previous stage's reads of s_act and slot 1 are done
+        v4h_copy_half(s_slot1, cur.codes + st * (kStageK / 2), 8 * codes_row, cur.scales + st * (kStageK / 16),
+                      8 * scales_row, r0, t, 1);
+        cp_async_commit();  // G1: W(s, half 1)
+        convert_raw_activations<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
+        __syncthreads();  // s_act complete; s_raw free
+        if (has_next)     // G2: the next stage's raw activation tile (copy_raw_activations commits)
+            copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
+                                     nxt.split * k_split + next_st * kStageK);
+        v4h_compute_half<NT>(acc, s_slot0, s_act, r0, g, t, 0);
+        __syncwarp();  // every lane of this warp is done reading slot 0 (its scales cross lanes)
+        if (has_next) {
+            v4h_copy_half(s_slot0, nxt.codes + next_st * (kStageK / 2), 8 * codes_row,
+                          nxt.scales + next_st * (kStageK / 16), 8 * scales_row, r0, t, 0);
+            cp_async_commit();  // G3: W(s+1, half 0)
+            cp_async_wait_2();  // G1 complete (G2, G3 may still be in flight)
+        } else {
+            cp_async_wait_all();  // G1 is the last group
+        }
+        __syncwarp();  // the scales of slot 1 copied by lanes t = 0, 1 are visible to the whole quad
+        v4h_compute_half<NT>(acc, s_slot1, s_act, r0, g, t, 1);
+
+        if (last_stage) {
+            float* out = partial + (size_t)cur.split * grp.rows_total * N;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tk = nt * 8 + 2 * t;
+                if (tk < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
+                }
+                if (tk + 1 < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
+                }
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            }
+            if (!has_next) break;
+        }
+        item = next_item;
+        cur = nxt;
+        st = next_st;
+    }
+}
+}  // namespace
+
+// 1-token tiles: 4 CTAs per SM (52 KB of shared memory, <= 64 registers); 2-token tiles: 3 (68 KB, <= 80).
+#define MOE_GEMM_ENTRY_V4H(NT, MINB)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v4h_nt##NT(                \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
+        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
+        Grouping grp{group, capacity, experts, rows_total};                                                          \
+        moe_gemm_body_v4h<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);       \
+    }
+
+MOE_GEMM_ENTRY_V4H(1, 4)
+MOE_GEMM_ENTRY_V4H(2, 3)
 
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {

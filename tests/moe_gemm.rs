@@ -921,3 +921,361 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     assert!(format!("{err:#}").contains("offsets"), "{err:#}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+// ------------------------------------------------------------------------------------- v4 mainloop (A/B candidate)
+
+#[test]
+fn v4_grid_is_two_ctas_per_sm_for_its_tiles_only() {
+    for (tile, splits) in [(8usize, 4usize), (16, 2), (32, 1), (64, 2)] {
+        let cfg = GemmConfig {
+            token_tile: tile,
+            splits,
+            ctas: 396,
+        };
+        let v4 = cfg.with_v4_grid(132);
+        assert_eq!(v4.splits, splits, "tile {tile}: splits must not change");
+        assert_eq!(v4.token_tile, tile);
+        let want = if mg::V4_TOKEN_TILES.contains(&tile) {
+            132 * mg::MAINLOOP_V4_CTAS_PER_SM as u32
+        } else {
+            396
+        };
+        assert_eq!(v4.ctas, want, "tile {tile}: grid");
+    }
+}
+
+/// Mirror of `v4_code_unit` (kernels/moe_gemm.cu): the 16-byte unit of (chunk c, lane t) in a row of the v4 weight
+/// slot. Each thread writes and reads back the same units, so correctness needs only a bijection per row; speed
+/// needs the 8 lanes of one ld.shared.v4 phase (rows r, r + 1 with r even, t = 0..3) on 8 different 16-byte bank
+/// groups (the row stride, 256 B, is a multiple of the 128 B bank width).
+fn v4_code_unit(c: usize, t: usize, row: usize) -> usize {
+    (4 * c + t) ^ ((row & 1) << 2)
+}
+
+#[test]
+fn v4_weight_slot_swizzle_is_a_bijection_and_conflict_free() {
+    for row in 0..128 {
+        let mut seen = [false; 16];
+        for c in 0..4 {
+            for t in 0..4 {
+                let u = v4_code_unit(c, t, row);
+                assert!(
+                    u < 16 && !seen[u],
+                    "row {row}: unit {u} (c {c}, t {t}) out of range or reused"
+                );
+                seen[u] = true;
+            }
+        }
+    }
+    for warp in 0..8 {
+        for phase in 0..4 {
+            for c in 0..4 {
+                for hi in [0usize, 8] {
+                    let mut groups = [false; 8];
+                    for lane in 8 * phase..8 * phase + 8 {
+                        let (g, t) = (lane / 4, lane % 4);
+                        let row = warp * 16 + g + hi;
+                        let addr = row * 256 + v4_code_unit(c, t, row) * 16;
+                        let group = (addr / 16) % 8;
+                        assert!(
+                            !groups[group],
+                            "warp {warp} phase {phase} chunk {c} rows +{hi}: lane {lane} repeats bank group {group}"
+                        );
+                        groups[group] = true;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A candidate mainloop's launchers: the forced entry (`cfg.ctas` as given) and the routed path the bench uses.
+type Launch = fn(
+    &Gpu,
+    &DeviceExpertWeights,
+    &mg::DeviceActivations,
+    &DeviceGrouping,
+    &GemmConfig,
+    &mut Workspace,
+) -> anyhow::Result<()>;
+
+struct Candidate {
+    name: &'static str,
+    forced: Launch,
+    routed: Launch,
+    /// The candidate's own persistent grid for a token tile.
+    grid: fn(GemmConfig, usize) -> GemmConfig,
+}
+
+const V4: Candidate = Candidate {
+    name: "v4",
+    forced: mg::launch_partial_mma_v4,
+    routed: mg::launch_partial_v4,
+    grid: GemmConfig::with_v4_grid,
+};
+const V4H: Candidate = Candidate {
+    name: "v4h",
+    forced: mg::launch_partial_mma_v4h,
+    routed: mg::launch_partial_v4h,
+    grid: GemmConfig::with_v4h_grid,
+};
+
+#[test]
+fn v4h_grid_is_four_or_three_ctas_per_sm_for_its_tiles_only() {
+    for (tile, per_sm) in [(8usize, Some(4u32)), (16, Some(3)), (32, None), (64, None)] {
+        let cfg = GemmConfig {
+            token_tile: tile,
+            splits: 2,
+            ctas: 396,
+        };
+        let v4h = cfg.with_v4h_grid(132);
+        assert_eq!((v4h.splits, v4h.token_tile), (2, tile), "tile {tile}");
+        assert_eq!(
+            v4h.ctas,
+            per_sm.map_or(396, |p| 132 * p),
+            "tile {tile}: grid"
+        );
+    }
+    // The v4h slot swizzle: 8 code units per 128-byte row (chunks 0, 1 of a half stage), rows r, r + 1 of a phase
+    // on disjoint halves of the 8 bank groups.
+    for row in (0..128).step_by(2) {
+        let mut groups = [false; 8];
+        for r in [row, row + 1] {
+            for t in 0..4 {
+                for c in 0..2 {
+                    let u = v4_code_unit(c, t, r);
+                    assert!(u < 8, "row {r}: unit {u} outside the 128-byte row");
+                    let group = ((r * 128 + u * 16) / 16) % 8;
+                    if c == 0 {
+                        assert!(
+                            !groups[group],
+                            "rows {row}/{}: bank group {group} repeats",
+                            row + 1
+                        );
+                        groups[group] = true;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Partials of v3 and the candidate on the same inputs: bit for bit (same products, same mma order, same split
+/// order), then the candidate against the f64 reference. Unowned rows must keep the 0xFF poison in both.
+#[allow(clippy::too_many_arguments)]
+fn check_candidate_against_v3(
+    gpu: &Gpu,
+    cand: &Candidate,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    nvfp4: bool,
+    cfgs: &[GemmConfig],
+    rng: &mut impl Rng,
+) {
+    let a = gathered_activations(rng, rb, w.k, nvfp4);
+    let da = DevA::upload(gpu, &a);
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let rows = rb.grouping.rows_total();
+    let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
+    let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+    let v = cand.name;
+    for &cfg in cfgs {
+        let label = format!(
+            "{label} [{v}, {} A, {cfg:?}, rows {rows}, N {}, K {}]",
+            if nvfp4 { "NVFP4" } else { "BF16" },
+            w.n,
+            w.k
+        );
+        let mut ws3 = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+        let mut ws4 = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
+        gpu.fill_bytes(&mut ws4.partial, 0xFF).unwrap();
+        mg::launch_partial_mma(gpu, dw, &da.view(), &dg, &cfg, &mut ws3).unwrap();
+        (cand.forced)(gpu, dw, &da.view(), &dg, &cfg, &mut ws4).unwrap();
+        gpu.synchronize().unwrap();
+        let p3 = gpu.download(&ws3.partial).unwrap();
+        let p4 = gpu.download(&ws4.partial).unwrap();
+        let mismatches = (0..p3.len())
+            .filter(|&i| p3[i].to_bits() != p4[i].to_bits())
+            .count();
+        if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p4[i].to_bits()) {
+            let r = (i / w.n) % rows;
+            panic!(
+                "{label}: {v} partial differs from v3 at split {} row {r} (owned: {}) col {}: v3 {} ({:#010x}) \
+                 {v} {} ({:#010x}); {mismatches} of {} elements differ",
+                i / (rows * w.n),
+                owned(r),
+                i % w.n,
+                p3[i],
+                p3[i].to_bits(),
+                p4[i],
+                p4[i].to_bits(),
+                p3.len()
+            );
+        }
+        if let Some(i) =
+            (0..p4.len()).find(|&i| !owned((i / w.n) % rows) && p4[i].to_bits() != u32::MAX)
+        {
+            panic!(
+                "{label}: {v} wrote unowned row {} (split {}, col {}): {}",
+                (i / w.n) % rows,
+                i / (rows * w.n),
+                i % w.n,
+                p4[i]
+            );
+        }
+        check_accumulator(
+            &format!("{label} {v} mainloop"),
+            &gpu_accumulator(gpu, &ws4),
+            &exact,
+            &abs,
+            w.k,
+            cfg.splits,
+            &owned,
+            w.n,
+        );
+    }
+}
+
+fn candidate_is_bit_identical_to_v3_and_matches_the_reference(name: &str, cand: &Candidate) {
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    let sms = gpu.info.sm_count as usize;
+    // Expert counts around the 8- and 16-token tile edges, two empty experts; top-1 routing so each expert gets
+    // exactly its count.
+    let counts = [0usize, 1, 2, 7, 8, 9, 15, 16, 17, 33, 0];
+    let tokens: usize = counts.iter().sum();
+    let choices: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+        .collect();
+    // K = 2048: 4 stages per split at splits = 1 (the weight slots alternate within an item), 1 stage at
+    // splits = 4 (every stage prefetches the next item's). The few-CTA grids make each persistent CTA walk many
+    // items, so the prefetch carries across items and tile shapes. ctas = 0 below: the candidate's own grid.
+    let (e, n, k) = (counts.len(), 256, 2048);
+    let w = quantized_weights(&mut rng, e, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let cfgs: Vec<GemmConfig> = [
+        (8, 1, 0),
+        (8, 4, 0),
+        (16, 2, 0),
+        (8, 2, 7),
+        (16, 1, 5),
+        (8, 4, 3),
+        (16, 4, 1),
+    ]
+    .iter()
+    .map(|&(token_tile, splits, ctas)| {
+        let cfg = GemmConfig {
+            token_tile,
+            splits,
+            ctas,
+        };
+        if ctas == 0 {
+            (cand.grid)(cfg, sms)
+        } else {
+            cfg
+        }
+    })
+    .collect();
+    for cap in [Some(40), None] {
+        let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+        for nvfp4 in [false, true] {
+            check_candidate_against_v3(
+                &gpu,
+                cand,
+                &format!("{name}: counts {counts:?} cap {cap:?}"),
+                &w,
+                &dw,
+                &rb,
+                nvfp4,
+                &cfgs,
+                &mut rng,
+            );
+        }
+    }
+    // Decode routings on the bench's path (the routed launcher: default config, the candidate's grid) against
+    // v3's default path: 1 and 64 tokens, top-6 of 256 experts, masked layout.
+    let (n, k) = (128, 1024);
+    let w = quantized_weights(&mut rng, 256, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    for tokens in [1usize, 64] {
+        let rb0 = RoutedBatch::random(&mut rng, tokens, 256, 6, None).unwrap();
+        let most = (0..256)
+            .map(|x| rb0.grouping.expert_rows(x).len())
+            .max()
+            .unwrap();
+        let rb = RoutedBatch::from_choices(tokens, 256, 6, rb0.experts_of, Some(most)).unwrap();
+        let active = (0..256)
+            .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+            .count();
+        let cfg = GemmConfig::choose(sms, (tokens * 6) as f64 / active as f64, active, n, k);
+        assert!(
+            mg::V4_TOKEN_TILES.contains(&cfg.token_tile),
+            "{tokens} tokens: default tile {} is not a {} tile",
+            cfg.token_tile,
+            cand.name
+        );
+        let a = gathered_activations(&mut rng, &rb, k, true);
+        let da = DevA::upload(&gpu, &a);
+        let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+        let rows = rb.grouping.rows_total();
+        let mut ws3 = Workspace::new(&gpu, cfg.splits, rows, n).unwrap();
+        let mut ws4 = Workspace::new(&gpu, cfg.splits, rows, n).unwrap();
+        gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
+        gpu.fill_bytes(&mut ws4.partial, 0xFF).unwrap();
+        mg::launch_partial(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws3).unwrap();
+        (cand.routed)(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws4).unwrap();
+        gpu.synchronize().unwrap();
+        let (p3, p4) = (
+            gpu.download(&ws3.partial).unwrap(),
+            gpu.download(&ws4.partial).unwrap(),
+        );
+        if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p4[i].to_bits()) {
+            panic!(
+                "{name}: {tokens} tokens, {cfg:?}: the {} routed launch differs from launch_partial at split {} row \
+                 {} col {}: v3 {} {} {}",
+                cand.name,
+                i / (rows * n),
+                (i / n) % rows,
+                i % n,
+                p3[i],
+                cand.name,
+                p4[i]
+            );
+        }
+        let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
+        let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+        check_accumulator(
+            &format!("{name}: {tokens} tokens top-6 of 256, {cfg:?}"),
+            &gpu_accumulator(&gpu, &ws4),
+            &exact,
+            &abs,
+            k,
+            cfg.splits,
+            &owned,
+            n,
+        );
+    }
+}
+
+#[test]
+fn gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
+    candidate_is_bit_identical_to_v3_and_matches_the_reference(
+        "gpu_v4_mainloop_is_bit_identical_to_v3_and_matches_the_reference",
+        &V4,
+    );
+}
+
+#[test]
+fn gpu_v4h_mainloop_is_bit_identical_to_v3_and_matches_the_reference() {
+    candidate_is_bit_identical_to_v3_and_matches_the_reference(
+        "gpu_v4h_mainloop_is_bit_identical_to_v3_and_matches_the_reference",
+        &V4H,
+    );
+}
