@@ -202,8 +202,11 @@ fn sinkhorn_is_doubly_stochastic() {
     };
     // Columns are normalized last, so they sum to 1 - eps/colsum; rows converge geometrically with a rate
     // set by the logit spread: 20 iterations give 1e-5 for logits within +-1.5 (the mixes of the test
-    // parameters), only ~3e-3 for +-3 (seen: 0.9975), which is DSV4's 20-iteration behaviour.
-    for (spread, row_tol) in [(1.5f32, 1e-5f32), (3.0, 1e-2)] {
+    // parameters). For +-3 no useful rate is guaranteed (entry ratios up to e^12 within a cross ratio:
+    // Birkhoff's contraction tanh(12/4) = 0.995 per normalization), and DSV4's fixed 20 iterations leave row
+    // sums off by up to 1.2e-2 over random seeds (seen on the H200 run of session 3, seed 1796349619050610169,
+    // case 141): the 5e-2 bound there only catches a broken row normalization.
+    for (spread, row_tol) in [(1.5f32, 1e-5f32), (3.0, 5e-2)] {
         for case in 0..200 {
             let logits: [f32; 16] = std::array::from_fn(|_| (next() * 2.0 - 1.0) * spread);
             let c = r::sinkhorn(&logits);

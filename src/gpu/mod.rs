@@ -118,22 +118,29 @@ impl Gpu {
     }
 
     /// [`Gpu::function`] for a kernel launched with `smem_bytes` of dynamic shared memory: a clear error when the
-    /// device cannot give that much (before any launch), and the opt-in attribute set when it is above the 48 KB
-    /// every kernel gets without asking.
+    /// device cannot give that much on top of the kernel's static shared memory (before any launch), and the
+    /// opt-in attribute set when static + dynamic is above the 48 KB every kernel gets without asking (the limit
+    /// applies to the sum: a 32 KB dynamic request on a kernel with 33 KB static fails to launch otherwise).
     pub fn function_with_smem(
         &self,
         family: &str,
         name: &str,
         smem_bytes: usize,
     ) -> Result<CudaFunction> {
-        if smem_bytes > self.info.max_smem_per_block_optin {
+        let f = self.function(family, name)?;
+        let static_bytes = f
+            .shared_size_bytes()
+            .map_err(|e| anyhow!("{name}: reading its static shared memory: {e:?}"))?
+            as usize;
+        let total = static_bytes + smem_bytes;
+        if total > self.info.max_smem_per_block_optin {
             bail!(
-                "kernel `{name}` needs {smem_bytes} B of dynamic shared memory, the device allows {}",
+                "kernel `{name}` needs {smem_bytes} B of dynamic + {static_bytes} B of static shared memory, \
+                 the device allows {} in all",
                 self.info.max_smem_per_block_optin
             );
         }
-        let f = self.function(family, name)?;
-        if smem_bytes > 48 * 1024 {
+        if total > 48 * 1024 {
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem_bytes as i32,
