@@ -3,8 +3,21 @@
 # git-ignored folder, for machines without a CUDA toolkit (dev boxes, CI). Prints the nvcc path last.
 #   usage: scripts/install-nvcc.sh            -> .tools/cuda/bin/nvcc
 #          export NVCC=$(scripts/install-nvcc.sh | tail -n1)
+#          scripts/install-nvcc.sh --sass-tools  -> also cuobjdump + nvdisasm (13.5.37: PyPI has no 13.0 build; a
+#            newer disassembler reads 13.0 sm_90a cubins) under .tools/pip-sass/, to read the SASS of a kernel
+#            without a GPU: cuobjdump -sass target/debug/build/megamoe-*/out/<family>.sm_90a.cubin
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+if [ "${1:-}" = --sass-tools ]; then
+  sass="$root/.tools/pip-sass"
+  if [ ! -f "$sass/.installed-13.5.37" ]; then
+    echo "installing cuobjdump + nvdisasm 13.5.37 into $sass ..." >&2
+    python3 -m pip install -q --disable-pip-version-check --target "$sass" \
+      "nvidia-cuda-cuobjdump==13.5.37" "nvidia-cuda-nvdisasm==13.5.37" >&2
+    touch "$sass/.installed-13.5.37"
+  fi
+  find "$sass" -path '*/bin/*' -type f \( -name cuobjdump -o -name nvdisasm \) -exec chmod +x {} \; -print
+fi
 dest="$root/.tools/pip-cuda"
 pin="cuda-toolkit[nvcc,cccl]==13.0.3.0"
 stamp="$dest/.installed-13.0.3.0"
