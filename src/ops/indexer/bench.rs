@@ -14,7 +14,7 @@ use crate::bench::{MatmulKind, Row, Summary};
 pub fn kernels() -> Vec<BenchKernel> {
     vec![BenchKernel {
         name: "indexer",
-        variants: &["fused", "fused_v4", "fused_v4l", "fused_v4h", "baseline"],
+        variants: &["fused", "baseline"],
         matmul: MatmulKind::NotMatmul,
         run_point: indexer_point,
     }]

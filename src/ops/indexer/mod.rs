@@ -259,42 +259,6 @@ pub fn logits(
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
 ) -> Result<()> {
-    let max_n = check_logits_args(q, cache, scores, score_stride)?;
-    if max_n == 0 {
-        return Ok(());
-    }
-    let name = match (cache.format, q.next_n) {
-        (KeyFormat::Fp8, 1) => "indexer_logits_fp8h_n1",
-        (KeyFormat::Fp8, _) => "indexer_logits_fp8h_n2",
-        (KeyFormat::Mxfp4, 1) => "indexer_logits_mxfp4_n1",
-        (KeyFormat::Mxfp4, _) => "indexer_logits_mxfp4_n2",
-    };
-    let f = gpu.function(FAMILY, name)?;
-    let (cap, stride) = (cache.capacity as i32, score_stride as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&q.q)
-        .arg(&q.w)
-        .arg(&cache.codes)
-        .arg(&cache.scales)
-        .arg(&q.num_valid)
-        .arg(&cap)
-        .arg(scores)
-        .arg(&stride);
-    let grid = (max_n.div_ceil(LOGITS_CTA_KEYS) as u32, q.batch as u32, 1);
-    drv(
-        unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), 0)) },
-        "indexer logits launch",
-    )
-    .map(|_| ())
-}
-
-/// Argument checks shared by every logits launcher; returns the longest row (0: nothing to launch).
-fn check_logits_args(
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-) -> Result<usize> {
     ensure!(
         cache.batch == q.batch,
         "cache has {} sequences, queries {}",
@@ -322,129 +286,33 @@ fn check_logits_args(
             cache.capacity
         );
     }
-    Ok(q.max_valid())
-}
-
-/// FP8 logits v4 (A/B candidate, kernels/indexer.cu "FP8 logits v4"): v2's math (bit-identical scores) with
-/// an L2 prefetch of each CTA's keys and scales at CTA start and the scale loaded with the key bytes.
-/// FP8 keys only (MXFP4 keys are rejected: use [`logits`]).
-pub fn logits_v4(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    scores: &mut CudaSlice<f32>,
-    score_stride: usize,
-) -> Result<()> {
-    ensure!(
-        cache.format == KeyFormat::Fp8,
-        "logits v4 is an FP8-key kernel; {} keys use the default logits",
-        cache.format.name()
-    );
-    let max_n = check_logits_args(q, cache, scores, score_stride)?;
-    launch_logits_v4(gpu, q, cache, scores, score_stride, max_n, None, false)
-}
-
-/// [`logits_v4`] with per-sector `prefetch.global.L2` instead of the TMA bulk prefetch (the `*_lpf` entries:
-/// a hedge measured alongside). Same scores, bit for bit.
-pub fn logits_v4_line_prefetch(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    scores: &mut CudaSlice<f32>,
-    score_stride: usize,
-) -> Result<()> {
-    ensure!(
-        cache.format == KeyFormat::Fp8,
-        "logits v4 is an FP8-key kernel; {} keys use the default logits",
-        cache.format.name()
-    );
-    let max_n = check_logits_args(q, cache, scores, score_stride)?;
-    launch_logits_v4(gpu, q, cache, scores, score_stride, max_n, None, true)
-}
-
-/// One launch of `indexer_logits_fp8v4_*` (checked arguments); `hist`: build the top-k histogram too
-/// (the `*_hist` entries, `next_n * 4096 * 4` bytes of dynamic shared memory); `line_prefetch` (without
-/// `hist` only): the `*_lpf` entries.
-#[allow(clippy::too_many_arguments)]
-fn launch_logits_v4(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    scores: &mut CudaSlice<f32>,
-    score_stride: usize,
-    max_n: usize,
-    hist: Option<&mut CudaSlice<u32>>,
-    line_prefetch: bool,
-) -> Result<()> {
-    // The v4 kernels read 128-byte FP8 entries: never hand them an MXFP4 (64-byte) code plane.
-    ensure!(
-        cache.format == KeyFormat::Fp8,
-        "logits v4 is an FP8-key kernel; {} keys use the default logits",
-        cache.format.name()
-    );
+    let max_n = q.max_valid();
     if max_n == 0 {
         return Ok(());
     }
+    let name = match (cache.format, q.next_n) {
+        (KeyFormat::Fp8, 1) => "indexer_logits_fp8h_n1",
+        (KeyFormat::Fp8, _) => "indexer_logits_fp8h_n2",
+        (KeyFormat::Mxfp4, 1) => "indexer_logits_mxfp4_n1",
+        (KeyFormat::Mxfp4, _) => "indexer_logits_mxfp4_n2",
+    };
+    let f = gpu.function(FAMILY, name)?;
     let (cap, stride) = (cache.capacity as i32, score_stride as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&q.q)
+        .arg(&q.w)
+        .arg(&cache.codes)
+        .arg(&cache.scales)
+        .arg(&q.num_valid)
+        .arg(&cap)
+        .arg(scores)
+        .arg(&stride);
     let grid = (max_n.div_ceil(LOGITS_CTA_KEYS) as u32, q.batch as u32, 1);
-    match hist {
-        None => {
-            let name = match (line_prefetch, q.next_n) {
-                (false, 1) => "indexer_logits_fp8v4_n1",
-                (false, _) => "indexer_logits_fp8v4_n2",
-                (true, 1) => "indexer_logits_fp8v4_lpf_n1",
-                (true, _) => "indexer_logits_fp8v4_lpf_n2",
-            };
-            let f = gpu.function(FAMILY, name)?;
-            // The non-histogram entries never touch `hist`: a null pointer.
-            let null_hist: u64 = 0;
-            let mut b = gpu.stream.launch_builder(&f);
-            b.arg(&q.q)
-                .arg(&q.w)
-                .arg(&cache.codes)
-                .arg(&cache.scales)
-                .arg(&q.num_valid)
-                .arg(&cap)
-                .arg(scores)
-                .arg(&stride)
-                .arg(&null_hist);
-            drv(
-                unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), 0)) },
-                "indexer logits v4 launch",
-            )
-            .map(|_| ())
-        }
-        Some(hist) => {
-            ensure!(
-                hist.len() >= q.rows() * TOPK2_BINS,
-                "histogram holds {} bins, need {}",
-                hist.len(),
-                q.rows() * TOPK2_BINS
-            );
-            let name = if q.next_n == 1 {
-                "indexer_logits_fp8v4_hist_n1"
-            } else {
-                "indexer_logits_fp8v4_hist_n2"
-            };
-            let smem = q.next_n * TOPK2_BINS * 4;
-            let f = gpu.function_with_smem(FAMILY, name, smem)?;
-            let mut b = gpu.stream.launch_builder(&f);
-            b.arg(&q.q)
-                .arg(&q.w)
-                .arg(&cache.codes)
-                .arg(&cache.scales)
-                .arg(&q.num_valid)
-                .arg(&cap)
-                .arg(scores)
-                .arg(&stride)
-                .arg(hist);
-            drv(
-                unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), smem as u32)) },
-                "indexer logits v4 + histogram launch",
-            )
-            .map(|_| ())
-        }
-    }
+    drv(
+        unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), 0)) },
+        "indexer logits launch",
+    )
+    .map(|_| ())
 }
 
 /// Output and scratch of the top-k for `rows` rows of at most `max_n` entries.
@@ -541,10 +409,19 @@ pub fn topk(
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
     let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
-    begin_topk_call(gpu, bufs)?;
     let rows = bufs.rows;
+    if bufs.v2_dirty {
+        // A previous call stopped between its launches: its histogram / counters were not re-zeroed.
+        gpu.fill_bytes(&mut bufs.hist, 0)?;
+        gpu.fill_bytes(&mut bufs.counters, 0)?;
+    }
+    bufs.v2_dirty = true;
     let slices = max_n.div_ceil(TOPK2_SLICE).max(1) as u32;
-    let stride = score_stride as i32;
+    let (stride, k, bstride) = (
+        score_stride as i32,
+        bufs.k as i32,
+        bufs.bucket_stride as i32,
+    );
     let f = gpu.function(FAMILY, "indexer_topk2_hist")?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(scores)
@@ -561,38 +438,6 @@ pub fn topk(
         },
         "indexer top-k histogram",
     )?;
-    topk_select_and_final(gpu, scores, score_stride, num_valid, max_n, bufs)
-}
-
-/// Start of a top-k call: re-zero the histogram / counters if a previous call stopped between its
-/// launches, then mark the buffers in use until [`topk_select_and_final`] has been enqueued.
-fn begin_topk_call(gpu: &Gpu, bufs: &mut TopkBuffers) -> Result<()> {
-    if bufs.v2_dirty {
-        // A previous call stopped between its launches: its histogram / counters were not re-zeroed.
-        gpu.fill_bytes(&mut bufs.hist, 0)?;
-        gpu.fill_bytes(&mut bufs.counters, 0)?;
-    }
-    bufs.v2_dirty = true;
-    Ok(())
-}
-
-/// Passes 2 and 3 of the top-k (threshold select, exact final pass), once `bufs.hist` holds the histogram
-/// of every row (from `indexer_topk2_hist` or from the logits v4 `*_hist` kernels). Checked arguments.
-fn topk_select_and_final(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    max_n: usize,
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    let rows = bufs.rows;
-    let slices = max_n.div_ceil(TOPK2_SLICE).max(1) as u32;
-    let (stride, k, bstride) = (
-        score_stride as i32,
-        bufs.k as i32,
-        bufs.bucket_stride as i32,
-    );
     let f = gpu.function(FAMILY, "indexer_topk2_select")?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(scores)
@@ -674,122 +519,6 @@ pub fn run(
         &q.num_valid,
         &q.num_valid_host,
         &mut bufs.topk,
-    )
-}
-
-/// Which kernels [`run_with`] uses. `Default` is [`run`]; the v4 paths are the session-3 A/B candidates
-/// (FP8 keys only; see kernels/indexer.cu "FP8 logits v4").
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IndexerPath {
-    /// Logits v2 -> histogram -> select -> final (four launches).
-    Default,
-    /// Logits v4 (L2 prefetch, early scale load) -> the default top-k (four launches).
-    LogitsV4,
-    /// Logits v4 building the top-k histogram -> select -> final (three launches).
-    LogitsV4Hist,
-    /// Logits v4 with per-sector prefetch.global.L2 instead of the bulk prefetch -> the default top-k.
-    LogitsV4LinePrefetch,
-}
-
-impl IndexerPath {
-    pub const ALL: [IndexerPath; 4] = [
-        IndexerPath::Default,
-        IndexerPath::LogitsV4,
-        IndexerPath::LogitsV4Hist,
-        IndexerPath::LogitsV4LinePrefetch,
-    ];
-    pub fn name(self) -> &'static str {
-        match self {
-            IndexerPath::Default => "default",
-            IndexerPath::LogitsV4 => "logits_v4",
-            IndexerPath::LogitsV4Hist => "logits_v4_hist",
-            IndexerPath::LogitsV4LinePrefetch => "logits_v4_line_prefetch",
-        }
-    }
-}
-
-/// Logits then top-k through `path`. The v4 paths need FP8 keys (MXFP4 keys: an error before any launch).
-pub fn run_with(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    bufs: &mut IndexerBuffers,
-    path: IndexerPath,
-) -> Result<()> {
-    match path {
-        IndexerPath::Default => run(gpu, q, cache, bufs),
-        IndexerPath::LogitsV4 | IndexerPath::LogitsV4LinePrefetch => {
-            if path == IndexerPath::LogitsV4 {
-                logits_v4(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
-            } else {
-                logits_v4_line_prefetch(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
-            }
-            topk(
-                gpu,
-                &bufs.scores,
-                bufs.score_stride,
-                &q.num_valid,
-                &q.num_valid_host,
-                &mut bufs.topk,
-            )
-        }
-        IndexerPath::LogitsV4Hist => {
-            ensure!(
-                cache.format == KeyFormat::Fp8,
-                "logits v4 is an FP8-key kernel; {} keys use the default path",
-                cache.format.name()
-            );
-            let stride = bufs.score_stride;
-            let max_n = check_logits_args(q, cache, &bufs.scores, stride)?;
-            let max_rows = check_topk_args(
-                &bufs.scores,
-                stride,
-                &q.num_valid,
-                &q.num_valid_host,
-                &bufs.topk,
-            )?;
-            begin_topk_call(gpu, &mut bufs.topk)?;
-            let IndexerBuffers {
-                scores, topk: tb, ..
-            } = bufs;
-            launch_logits_v4(
-                gpu,
-                q,
-                cache,
-                scores,
-                stride,
-                max_n,
-                Some(&mut tb.hist),
-                false,
-            )?;
-            topk_select_and_final(gpu, scores, stride, &q.num_valid, max_rows, tb)
-        }
-    }
-}
-
-/// The logits-with-histogram kernel alone (bench only: the histogram it leaves is dropped, the buffers are
-/// marked for re-zeroing before the next top-k call).
-fn logits_v4_hist_only(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    bufs: &mut IndexerBuffers,
-) -> Result<()> {
-    let stride = bufs.score_stride;
-    let max_n = check_logits_args(q, cache, &bufs.scores, stride)?;
-    bufs.topk.v2_dirty = true;
-    let IndexerBuffers {
-        scores, topk: tb, ..
-    } = bufs;
-    launch_logits_v4(
-        gpu,
-        q,
-        cache,
-        scores,
-        stride,
-        max_n,
-        Some(&mut tb.hist),
-        false,
     )
 }
 
@@ -1018,12 +747,8 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
-type LogitsFn = fn(&Gpu, &QueryBatch, &KeyCacheGpu, &mut CudaSlice<f32>, usize) -> Result<()>;
-
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass), "fused_v4" (logits v4 + the same top-k), "fused_v4l" (logits v4 with per-sector prefetch + the
-/// same top-k), "fused_v4h" (logits v4 building the histogram -> select
-/// -> final) or "baseline" (the seeds' path). The v4 variants need FP8 keys.
+/// pass) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -1074,51 +799,7 @@ pub fn time_variant(
                 total,
             })
         }
-        "fused_v4" | "fused_v4l" => {
-            let (path, logits_fn): (IndexerPath, LogitsFn) = if variant == "fused_v4" {
-                (IndexerPath::LogitsV4, logits_v4)
-            } else {
-                (IndexerPath::LogitsV4LinePrefetch, logits_v4_line_prefetch)
-            };
-            let logits_s = gpu.time_us(plan, || logits_fn(gpu, q, cache, &mut bufs.scores, stride))?;
-            let IndexerBuffers {
-                scores, topk: tb, ..
-            } = &mut bufs;
-            let topk_s = gpu.time_us(plan, || {
-                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
-            })?;
-            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, path))?;
-            Ok(IndexerSamples {
-                logits: logits_s,
-                topk: topk_s,
-                total,
-            })
-        }
-        "fused_v4h" => {
-            // The logits-with-histogram kernel alone (its histogram is discarded and re-zeroed by the next
-            // call), then the three-launch pipeline. select + final cannot be repeated without a fresh
-            // histogram, so the top-k samples are total - logits, pairing the i-th smallest of each.
-            let mut logits_s =
-                gpu.time_us(plan, || logits_v4_hist_only(gpu, q, cache, &mut bufs))?;
-            let mut total = gpu.time_us(plan, || {
-                run_with(gpu, q, cache, &mut bufs, IndexerPath::LogitsV4Hist)
-            })?;
-            logits_s.sort_by(f64::total_cmp);
-            total.sort_by(f64::total_cmp);
-            let topk_s = total
-                .iter()
-                .zip(&logits_s)
-                .map(|(t, l)| (t - l).max(0.0))
-                .collect();
-            Ok(IndexerSamples {
-                logits: logits_s,
-                topk: topk_s,
-                total,
-            })
-        }
-        _ => bail!(
-            "unknown indexer variant `{variant}` (expected fused, fused_v4, fused_v4l, fused_v4h or baseline)"
-        ),
+        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
     }
 }
 

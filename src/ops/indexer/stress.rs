@@ -7,9 +7,7 @@
 //! cancelled, and tearing the context down would wait on it). Nothing here ever blocks on the device
 //! except after the event reported completion.
 //!
-//! Paths under test: [`super::topk`] / [`super::run_with`] for every [`IndexerPath`] in the options (the
-//! v4 logits and v4 logits + fused histogram on FP8 keys, each also compared bit for bit with the default
-//! path on the same inputs), i.e. the default top-k (histogram -> threshold select
+//! Path under test: [`super::topk`] / [`super::run`], i.e. the default top-k (histogram -> threshold select
 //! -> indexer_topk3_final: rank-by-counting select / sort with radix-select / bitonic fallbacks) and the FP8
 //! logits v2 (MXFP4: the e4m3 mma.sync logits). The per-branch tests of the final pass are in
 //! tests/indexer.rs.
@@ -36,7 +34,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
-use super::{IndexerBuffers, IndexerPath, KeyCacheGpu, QueryBatch, TopkBuffers};
+use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers};
 use crate::gpu::Gpu;
 
 /// What to run.
@@ -54,9 +52,6 @@ pub struct StressOptions {
     pub formats: Vec<KeyFormat>,
     /// Largest sequence of the end-to-end cases.
     pub e2e_max: usize,
-    /// Pipelines of the end-to-end cases. The v4 paths run on FP8 keys only, and each of their cases is also
-    /// compared bit for bit with the default path on the same inputs (same scores, same top-k).
-    pub paths: Vec<IndexerPath>,
 }
 
 impl Default for StressOptions {
@@ -70,7 +65,6 @@ impl Default for StressOptions {
             ks: vec![512, 1024, 2048],
             formats: vec![KeyFormat::Fp8, KeyFormat::Mxfp4],
             e2e_max: 262_144,
-            paths: IndexerPath::ALL.to_vec(),
         }
     }
 }
@@ -85,9 +79,6 @@ impl StressOptions {
             random_max: 80_000,
             ks: vec![512, 2048],
             e2e_max: 40_000,
-            // The non-histogram v4 entry has its own GPU test (tests/indexer.rs); the quick suite keeps the
-            // fused-histogram path, which runs the same logits body plus the histogram.
-            paths: vec![IndexerPath::Default, IndexerPath::LogitsV4Hist],
             ..Default::default()
         }
     }
@@ -361,13 +352,7 @@ fn stress_topk(cx: &mut Ctx) -> Result<bool> {
 }
 
 /// Part B: writer + logits + top-k end to end.
-fn stress_e2e(
-    cx: &mut Ctx,
-    format: KeyFormat,
-    next_n: usize,
-    k: usize,
-    path: IndexerPath,
-) -> Result<bool> {
+fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Result<bool> {
     let gpu = cx.gpu;
     let big = cx.opts.e2e_max;
     // Sequences: edge lengths, one long one, one of identical keys, one with all-zero ReLU (q = 0).
@@ -379,11 +364,7 @@ fn stress_e2e(
     lens.push(2500);
     let batch = lens.len();
     let capacity = lens.iter().copied().max().unwrap().max(1);
-    let label = format!(
-        "e2e {} next_n={next_n} k={k} path={}",
-        format.name(),
-        path.name()
-    );
+    let label = format!("e2e {} next_n={next_n} k={k}", format.name());
 
     // Raw keys -> GPU writer -> compare with the CPU writer, byte for byte.
     let mut host = KeyCacheHost::new(format, batch, capacity);
@@ -444,7 +425,7 @@ fn stress_e2e(
         .collect();
     let q = QueryBatch::upload(gpu, batch, next_n, &q_codes, &w, &nv)?;
     let mut bufs = IndexerBuffers::new(gpu, rows, capacity, k)?;
-    super::run_with(gpu, &q, &cache, &mut bufs, path)?;
+    super::run(gpu, &q, &cache, &mut bufs)?;
     if !cx.watch(&format!("{label}: logits + top-k, num_valid {nv:?}"))? {
         return Ok(false);
     }
@@ -452,53 +433,6 @@ fn stress_e2e(
     let idx = gpu.download(&bufs.topk.out_idx)?;
     let tsc = gpu.download(&bufs.topk.out_score)?;
     let stride = bufs.score_stride;
-    if path != IndexerPath::Default {
-        // Same math as the default path: scores and top-k must agree bit for bit.
-        let mut def = IndexerBuffers::new(gpu, rows, capacity, k)?;
-        super::run(gpu, &q, &cache, &mut def)?;
-        if !cx.watch(&format!("{label}: default path for comparison"))? {
-            return Ok(false);
-        }
-        let (ds, di, dt) = (
-            gpu.download(&def.scores)?,
-            gpu.download(&def.topk.out_idx)?,
-            gpu.download(&def.topk.out_score)?,
-        );
-        for (r, &n) in nv.iter().enumerate() {
-            cx.rep.cases += 1;
-            let n = n as usize;
-            let o = r * stride;
-            if let Some(j) = (0..n).find(|&j| scores[o + j].to_bits() != ds[o + j].to_bits()) {
-                cx.fail(
-                    &format!("{label} row={r} num_valid={n} vs default"),
-                    format!(
-                        "score j={j}: {:e} (0x{:08X}) vs default {:e} (0x{:08X})",
-                        scores[o + j],
-                        scores[o + j].to_bits(),
-                        ds[o + j],
-                        ds[o + j].to_bits()
-                    ),
-                );
-            }
-            let rk = r * k..(r + 1) * k;
-            if let Some(p) = rk
-                .clone()
-                .find(|&p| idx[p] != di[p] || tsc[p].to_bits() != dt[p].to_bits())
-            {
-                cx.fail(
-                    &format!("{label} row={r} num_valid={n} vs default"),
-                    format!(
-                        "top-k position {}: ({}, {:e}) vs default ({}, {:e})",
-                        p - rk.start,
-                        idx[p],
-                        tsc[p],
-                        di[p],
-                        dt[p]
-                    ),
-                );
-            }
-        }
-    }
     let shape = IndexerShape {
         batch,
         next_n,
@@ -606,17 +540,12 @@ pub fn run_stress(gpu: &Gpu, opts: &StressOptions) -> Result<StressReport> {
     }
     let mut alive = stress_topk(&mut cx)?;
     'e2e: for &format in &opts.formats {
-        for &path in &opts.paths {
-            if format != KeyFormat::Fp8 && path != IndexerPath::Default {
-                continue; // the v4 paths are FP8-key kernels
-            }
-            for next_n in [1usize, 2] {
-                for &k in &opts.ks {
-                    if !alive {
-                        break 'e2e;
-                    }
-                    alive = stress_e2e(&mut cx, format, next_n, k, path)?;
+        for next_n in [1usize, 2] {
+            for &k in &opts.ks {
+                if !alive {
+                    break 'e2e;
                 }
+                alive = stress_e2e(&mut cx, format, next_n, k)?;
             }
         }
     }
