@@ -54,8 +54,9 @@
 //   Session-3 A/B (commit 4199846, removed; both bit-identical to v3): the v3 SASS shows that ptxas, held to 80
 //   registers by __launch_bounds__(256, 3), sinks the next stage's weight loads below the current stage's last
 //   MMA, so v3's register "prefetch" is not one. v4 (moe_gemm_nvfp4_partial_v4_nt1/2: weights through a cp.async
-//   shared-memory double buffer a full stage ahead, 2 CTAs/SM) and v4h (per-warp half-stage slots, 4 / 3 CTAs/SM)
-//   fixed the order but lost the occupancy, 10-20% slower. H200, Flash, v3 / v4 / v4h us: L1 1 token
+//   shared-memory double buffer a full stage ahead) fixed the order but cost occupancy (2 CTAs/SM instead of 3)
+//   and lost 10-24%; v4h (per-warp half-stage slots, 4 / 3 CTAs/SM at 1- / 2-token tiles) still lost 4-13%.
+//   H200, Flash, v3 / v4 / v4h us: L1 1 token
 //   42.4 / 48.2 / 47.7, L1 64 tokens 772.3 / 936.1 / 800.3, L2 1 token 29.8 / 32.8 / 32.4, L2 64 tokens
 //   389.7 / 482.5 / 409.6.
 //   Nsight Compute before v2 (Flash L1, 1 token): partial 33 us at 37% DRAM throughput, 42% issue-slot use,
