@@ -51,17 +51,16 @@
 //   activations, two register weight stages, 118-127 registers, 2 CTAs/SM for tiles <= 16). H200, Flash, v1 / v2 /
 //   v3 us: L1 1 token 53.3 / 43.7 / 40.5, L1 64 tokens 829 / 811 / 769, L2 1 token 126.3 / 32.5 / 29.3, L2 64
 //   tokens 515 / 433 / 391; Pro L1 1 token 109.7 / 91.4 / 81.6 (v2 and v3 with the current finish kernels).
+//   Nsight Compute before v2 (Flash L1, 1 token): partial 33 us at 37% DRAM throughput, 42% issue-slot use,
+//   3.7 warps/scheduler, ~1050 warp-instructions per warp and 512-K step (~3 per weight pair), i.e. the dequant
+//   alone needs ~90% of issue at full HBM bandwidth. Finish L1 v1: 21 us (latency chain over one row per CTA).
 //   Session-3 A/B (commit 4199846, removed; both bit-identical to v3): the v3 SASS shows that ptxas, held to 80
 //   registers by __launch_bounds__(256, 3), sinks the next stage's weight loads below the current stage's last
 //   MMA, so v3's register "prefetch" is not one. v4 (moe_gemm_nvfp4_partial_v4_nt1/2: weights through a cp.async
 //   shared-memory double buffer a full stage ahead) fixed the order but cost occupancy (2 CTAs/SM instead of 3)
 //   and lost 10-24%; v4h (per-warp half-stage slots, 4 / 3 CTAs/SM at 1- / 2-token tiles) still lost 4-13%.
-//   H200, Flash, v3 / v4 / v4h us: L1 1 token
-//   42.4 / 48.2 / 47.7, L1 64 tokens 772.3 / 936.1 / 800.3, L2 1 token 29.8 / 32.8 / 32.4, L2 64 tokens
-//   389.7 / 482.5 / 409.6.
-//   Nsight Compute before v2 (Flash L1, 1 token): partial 33 us at 37% DRAM throughput, 42% issue-slot use,
-//   3.7 warps/scheduler, ~1050 warp-instructions per warp and 512-K step (~3 per weight pair), i.e. the dequant
-//   alone needs ~90% of issue at full HBM bandwidth. Finish L1 v1: 21 us (latency chain over one row per CTA).
+//   H200, Flash, v3 / v4 / v4h us: L1 1 token 42.4 / 48.2 / 47.7, L1 64 tokens 772.3 / 936.1 / 800.3,
+//   L2 1 token 29.8 / 32.8 / 32.4, L2 64 tokens 389.7 / 482.5 / 409.6.
 //
 // Byte/cycle budget (decode, Flash L1: N = 2*2048, K = 4096): 4.72 MB of codes+scales per expert. At ~4.3 TB/s
 // an H200 streams ~8.6e12 weights/s; the dequant costs ~2.3 issue slots per weight (4 int + 1 HMUL2 per pair
