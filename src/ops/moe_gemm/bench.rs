@@ -8,15 +8,8 @@
 //!   `prefill.rs`; the other points run the v3 mma.sync mainloop, 3 CTAs per SM for token tiles <= 16).
 //!   The A/B variants `nvfp4_v1` / `nvfp4_v3` were removed: v3 (now `nvfp4`) beat v1 and v2 (the old `nvfp4`)
 //!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
-//! * `nvfp4_v4` (A/B candidate): as `nvfp4`, but points with token tiles <= 16 (every masked decode point) run the
-//!   v4 mma.sync mainloop (weights streamed into a shared-memory double buffer by cp.async, 2 CTAs per SM,
-//!   [`launch_partial_v4`]); bit-identical partials, same finish kernels.
-//! * `nvfp4_v4h` (second A/B candidate): as `nvfp4_v4` with per-warp half-stage weight slots, 4 CTAs per SM for
-//!   1-token tiles, 3 for 2-token tiles ([`launch_partial_v4h`]).
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
-//! * `nvfp4_wgmma_v4` (contiguous points only): the 128 x 256 tile with the v4 pipeline (one wgmma group in
-//!   flight, one barrier per stage; `prefill::launch_partial_prefill_v4`), same finish kernels.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -41,11 +34,8 @@ use crate::gpu::grid_1d;
 
 pub const VARIANTS: &[&str] = &[
     "nvfp4",
-    "nvfp4_v4",
-    "nvfp4_v4h",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
-    "nvfp4_wgmma_v4",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -54,17 +44,11 @@ pub const VARIANTS: &[&str] = &[
 /// `nvfp4_wgmma` / `nvfp4_wgmma256` the wgmma prefill kernel with a
 /// 128 x 128 / 128 x 256 CTA tile (one K split); the wgmma variants only run on contiguous (prefill) points.
 fn is_ours(variant: &str) -> bool {
-    matches!(
-        variant,
-        "nvfp4" | "nvfp4_v4" | "nvfp4_v4h" | "nvfp4_wgmma" | "nvfp4_wgmma256" | "nvfp4_wgmma_v4"
-    )
+    matches!(variant, "nvfp4" | "nvfp4_wgmma" | "nvfp4_wgmma256")
 }
 
-/// The wgmma variants run only on contiguous (prefill) points, `nvfp4_v4` / `nvfp4_v4h` only on masked (decode) points: elsewhere
-/// they would time the `nvfp4` path again.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || (variant.starts_with("nvfp4_v4") && dg.capacity == 0)
+    variant.starts_with("nvfp4_wgmma") && dg.capacity != 0
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
@@ -89,9 +73,6 @@ fn launch_variant(
         "nvfp4_wgmma256" => {
             prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
         }
-        "nvfp4_wgmma_v4" => prefill::launch_partial_prefill_v4(gpu, w, a, dg, ws),
-        "nvfp4_v4" => launch_partial_v4(gpu, w, a, dg, cfg, ws),
-        "nvfp4_v4h" => launch_partial_v4h(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }

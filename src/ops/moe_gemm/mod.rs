@@ -273,32 +273,6 @@ impl GemmConfig {
         }
     }
 
-    /// The grid of the v4 mainloop: [`MAINLOOP_V4_CTAS_PER_SM`] x SMs for its token tiles (splits unchanged:
-    /// [`GemmConfig::choose`] already picks them for 2 CTA slots per SM at tiles <= 16); other tiles unchanged.
-    pub fn with_v4_grid(self, sm_count: usize) -> GemmConfig {
-        if V4_TOKEN_TILES.contains(&self.token_tile) {
-            GemmConfig {
-                ctas: (sm_count.max(1) * MAINLOOP_V4_CTAS_PER_SM) as u32,
-                ..self
-            }
-        } else {
-            self
-        }
-    }
-
-    /// The grid of the v4h mainloop: [`mainloop_v4h_ctas_per_sm`] x SMs for its token tiles (splits unchanged);
-    /// other tiles unchanged.
-    pub fn with_v4h_grid(self, sm_count: usize) -> GemmConfig {
-        if V4_TOKEN_TILES.contains(&self.token_tile) {
-            GemmConfig {
-                ctas: (sm_count.max(1) * mainloop_v4h_ctas_per_sm(self.token_tile)) as u32,
-                ..self
-            }
-        } else {
-            self
-        }
-    }
-
     fn check(&self, k: usize) -> Result<()> {
         ensure!(
             TOKEN_TILES.contains(&self.token_tile),
@@ -370,123 +344,6 @@ pub fn launch_partial_mma(
     cfg: &GemmConfig,
     ws: &mut Workspace,
 ) -> Result<()> {
-    let name = format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8);
-    // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
-    let smem = 2 * cfg.token_tile * STAGE_K * 2;
-    launch_mma_entry(gpu, &name, smem, w, a, grp, cfg, ws)
-}
-
-/// Token tiles the v4 mainloop compiles (`moe_gemm_nvfp4_partial_v4_nt1/2`): every decode point up to ~256 tokens.
-pub const V4_TOKEN_TILES: [usize; 2] = [8, 16];
-/// CTAs per SM the v4 mainloop holds (`__launch_bounds__(256, 2)`, 88 / 104 KB of shared memory per CTA).
-pub const MAINLOOP_V4_CTAS_PER_SM: usize = 2;
-/// Shared memory of one v4 weight stage slot: 128 rows x (256 B of codes + 32 B of block scales).
-const V4_SLOT_BYTES: usize = BLOCK_N * (STAGE_K / 2 + STAGE_K / NVFP4_BLOCK);
-
-/// The v4 mma.sync mainloop (A/B candidate, `moe_gemm_nvfp4_partial_v4_nt1/2`): the partials of
-/// [`launch_partial_mma`] bit for bit, with the next stage's weights streamed into a shared-memory double buffer
-/// by cp.async a full stage ahead (see the .cu). Token tiles in [`V4_TOKEN_TILES`] only (an error otherwise);
-/// `cfg.ctas` is used as given ([`GemmConfig::with_v4_grid`] sizes it for 2 CTAs per SM).
-pub fn launch_partial_mma_v4(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-) -> Result<()> {
-    ensure!(
-        V4_TOKEN_TILES.contains(&cfg.token_tile),
-        "moe_gemm v4: token tile {} not in {V4_TOKEN_TILES:?}",
-        cfg.token_tile
-    );
-    let name = format!("moe_gemm_nvfp4_partial_v4_nt{}", cfg.token_tile / 8);
-    // Two weight slots, then the v3 activation buffers (permuted BF16 tile + raw tile).
-    let smem = 2 * V4_SLOT_BYTES + 2 * cfg.token_tile * STAGE_K * 2;
-    launch_mma_entry(gpu, &name, smem, w, a, grp, cfg, ws)
-}
-
-/// [`launch_partial`] with the v4 mainloop for token tiles in [`V4_TOKEN_TILES`] (grid resized by
-/// [`GemmConfig::with_v4_grid`]); prefill shapes and larger tiles take the same path as [`launch_partial`].
-pub fn launch_partial_v4(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-) -> Result<()> {
-    if prefill::routes_here(w, grp, cfg) || !V4_TOKEN_TILES.contains(&cfg.token_tile) {
-        return launch_partial(gpu, w, a, grp, cfg, ws);
-    }
-    let cfg = cfg.with_v4_grid(gpu.info.sm_count as usize);
-    launch_partial_mma_v4(gpu, w, a, grp, &cfg, ws)
-}
-
-/// CTAs per SM the v4h mainloop holds: 4 for 1-token tiles (`__launch_bounds__(256, 4)`, 52 KB of shared
-/// memory), 3 for 2-token tiles (68 KB).
-pub fn mainloop_v4h_ctas_per_sm(token_tile: usize) -> usize {
-    if token_tile <= 8 {
-        4
-    } else {
-        3
-    }
-}
-/// Shared memory of one v4h half-stage weight slot: 128 rows x (128 B of codes + 16 B of block scales).
-const V4H_SLOT_BYTES: usize = BLOCK_N * (STAGE_K / 4 + STAGE_K / (2 * NVFP4_BLOCK));
-
-/// The v4h mma.sync mainloop (second A/B candidate, `moe_gemm_nvfp4_partial_v4h_nt1/2`): the partials of
-/// [`launch_partial_mma`] bit for bit; weights streamed by cp.async into per-warp half-stage shared-memory slots
-/// (see the .cu), so more CTAs fit per SM than with v4. Token tiles in [`V4_TOKEN_TILES`] only (an error
-/// otherwise); `cfg.ctas` is used as given ([`GemmConfig::with_v4h_grid`] sizes it).
-pub fn launch_partial_mma_v4h(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-) -> Result<()> {
-    ensure!(
-        V4_TOKEN_TILES.contains(&cfg.token_tile),
-        "moe_gemm v4h: token tile {} not in {V4_TOKEN_TILES:?}",
-        cfg.token_tile
-    );
-    let name = format!("moe_gemm_nvfp4_partial_v4h_nt{}", cfg.token_tile / 8);
-    // Two half-stage weight slots, then the v3 activation buffers (permuted BF16 tile + raw tile).
-    let smem = 2 * V4H_SLOT_BYTES + 2 * cfg.token_tile * STAGE_K * 2;
-    launch_mma_entry(gpu, &name, smem, w, a, grp, cfg, ws)
-}
-
-/// [`launch_partial`] with the v4h mainloop for token tiles in [`V4_TOKEN_TILES`] (grid resized by
-/// [`GemmConfig::with_v4h_grid`]); prefill shapes and larger tiles take the same path as [`launch_partial`].
-pub fn launch_partial_v4h(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-) -> Result<()> {
-    if prefill::routes_here(w, grp, cfg) || !V4_TOKEN_TILES.contains(&cfg.token_tile) {
-        return launch_partial(gpu, w, a, grp, cfg, ws);
-    }
-    let cfg = cfg.with_v4h_grid(gpu.info.sm_count as usize);
-    launch_partial_mma_v4h(gpu, w, a, grp, &cfg, ws)
-}
-
-/// Checks shared by the mma.sync mainloops, then one launch of `name` (same argument list for v3 and v4).
-#[allow(clippy::too_many_arguments)]
-fn launch_mma_entry(
-    gpu: &Gpu,
-    name: &str,
-    smem: usize,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-) -> Result<()> {
     cfg.check(w.k)?;
     a.check()?;
     let (a_rows, a_k) = a.rows_k();
@@ -512,7 +369,10 @@ fn launch_mma_entry(
         grp.rows_total,
         w.n
     );
-    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    let name = format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8);
+    // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
+    let smem = 2 * cfg.token_tile * STAGE_K * 2;
+    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
     let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
     let (wc, wsc, grp_p, part) = (
         ptr(gpu, &w.codes),

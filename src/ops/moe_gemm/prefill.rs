@@ -43,11 +43,6 @@ pub const SMEM_BYTES: usize = RING * 16384 + 2 * 16384 + RING * 9216 + 1024;
 pub const TILE_N_WIDE: usize = 256;
 /// Dynamic shared memory of the wide variant: B tiles and raw B stages twice as large (`Layout<256>` + 1024).
 pub const SMEM_BYTES_N256: usize = RING * 16384 + 2 * 32768 + RING * (9216 + 4608) + 1024;
-/// Dynamic shared memory of the v4 pipeline (`moe_gemm_prefill_partial_n256_v4`, 128 x 256 tile): RING BF16 A
-/// tiles, 3 BF16 B tiles (one wgmma group stays in flight), RING raw stages with thread-private block scales
-/// (8 KiB B codes + 2 KiB B scales + 4 KiB A codes + 1 KiB A scales), + 1024 (`LayoutV4<256>` in the .cu).
-pub const SMEM_BYTES_V4: usize =
-    RING * 16384 + 3 * 32768 + RING * (8192 + 2048 + 4096 + 1024) + 1024;
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
 /// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
 /// mostly padding and the swap-AB mma.sync kernel wins.
@@ -114,46 +109,6 @@ pub fn launch_partial_prefill_tile(
         TILE_N_WIDE => ("moe_gemm_prefill_partial_n256", SMEM_BYTES_N256),
         other => bail!("moe_gemm prefill: tile width {other} (known: {TILE_N}, {TILE_N_WIDE})"),
     };
-    launch_entry(gpu, w, a, grp, ws, name, smem, tile_n)
-}
-
-/// The v4 pipeline of the 128 x 256 tile (`moe_gemm_prefill_partial_n256_v4`): one wgmma group in flight
-/// across stages (3 B tiles) and one barrier per stage (thread-private raw bytes). Same wgmma sequence as the
-/// 128 x 256 kernel of [`launch_partial_prefill_tile`], so the same partial sums bit for bit. Needs
-/// `N % 256 == 0`, `K % 64 == 0`, 227 KB of opt-in shared memory. A/B candidate (bench variant
-/// `nvfp4_wgmma_v4`); [`super::launch_partial`] does not route here.
-pub fn launch_partial_prefill_v4(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    ws: &mut Workspace,
-) -> Result<()> {
-    check_shape(w.n, w.k)?;
-    launch_entry(
-        gpu,
-        w,
-        a,
-        grp,
-        ws,
-        "moe_gemm_prefill_partial_n256_v4",
-        SMEM_BYTES_V4,
-        TILE_N_WIDE,
-    )
-}
-
-/// Checks shared by every prefill entry point (same kernel signature), then the persistent launch.
-#[allow(clippy::too_many_arguments)]
-fn launch_entry(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    ws: &mut Workspace,
-    name: &str,
-    smem: usize,
-    tile_n: usize,
-) -> Result<()> {
     ensure!(
         w.n.is_multiple_of(tile_n),
         "moe_gemm prefill: N = {} must be a multiple of the tile width {tile_n}",
@@ -354,91 +309,6 @@ mod tests {
         assert_eq!(d >> 62, 1);
         // The K advance adds 2 per 32 bytes without carrying out of the address field.
         assert_eq!((d + 6) & 0x3FFF, (0x1_2400 + 96) >> 4);
-    }
-
-    /// Byte ranges `(offset in the raw stage, len)` thread `tid` of the v4 kernel copies with cp.async
-    /// (`issue_stage`, 128 x 256 tile, NVFP4 A) and reads in `dequant_stage`. Raw stage layout: 2 x 4 KiB B codes,
-    /// 2 x 1 KiB private B scales, 4 KiB A codes, 1 KiB private A scales.
-    fn v4_raw_copies(tid: u32) -> Vec<(u32, u32)> {
-        let (r, h) = (tid >> 1, tid & 1);
-        let mut v = Vec::new();
-        for i in 0..2 {
-            v.push(((r + 128 * i) * 32 + h * 16, 16)); // codes of row tid/2 + 128 i, half h
-            v.push((8192 + i * 1024 + tid * 4, 4)); // the 4 scale bytes of that row, slot tid
-        }
-        v.push((10240 + r * 32 + h * 16, 16));
-        v.push((10240 + 4096 + tid * 4, 4));
-        v
-    }
-    fn v4_dequant_reads(tid: u32) -> Vec<(u32, u32)> {
-        let (row, h) = (tid >> 1, tid & 1);
-        let mut v = Vec::new();
-        for i in 0..2 {
-            // dequant_tile_v4(raw + i * 4096, raw + 8192 + i * 1024, ...): codes row*32 + h*16, scales slot tid.
-            v.push((i * 4096 + row * 32 + h * 16, 16));
-            v.push((8192 + i * 1024 + tid * 4, 4));
-        }
-        v.push((10240 + row * 32 + h * 16, 16));
-        v.push((10240 + 4096 + tid * 4, 4));
-        v
-    }
-
-    #[test]
-    fn v4_raw_bytes_are_thread_private_so_one_barrier_per_stage_suffices() {
-        // The v4 mainloop dequantizes stage s+1 after only its own cp.async.wait_group (no barrier): every byte
-        // a thread reads must be one it copied itself, and no two threads may copy to the same byte.
-        const STAGE: usize = 8192 + 2048 + 4096 + 1024;
-        let mut owner = vec![u32::MAX; STAGE];
-        for tid in 0..256u32 {
-            for (off, len) in v4_raw_copies(tid) {
-                assert_eq!(
-                    off % len,
-                    0,
-                    "tid {tid}: cp.async of {len} B at {off} misaligned"
-                );
-                for b in off..off + len {
-                    assert_eq!(
-                        owner[b as usize],
-                        u32::MAX,
-                        "tid {tid}: byte {b} also copied by another thread"
-                    );
-                    owner[b as usize] = tid;
-                }
-            }
-        }
-        assert!(
-            owner.iter().all(|&o| o != u32::MAX),
-            "raw stage not fully covered"
-        );
-        for tid in 0..256u32 {
-            for (off, len) in v4_dequant_reads(tid) {
-                for b in off..off + len {
-                    assert_eq!(
-                        owner[b as usize], tid,
-                        "tid {tid} reads byte {b} copied by another thread"
-                    );
-                }
-            }
-        }
-        // Scale semantics: slot tid holds blocks 0..4 (16 elements each) of the stage for row tid/2; half h
-        // (elements 32h..32h+32 = code bytes 16h..16h+16) uses bytes 2h (code words 0, 1 = elements 32h..32h+16)
-        // and 2h + 1 (words 2, 3): `sc >> 16h`, low byte then high byte, as in dequant_tile_v4.
-        for h in 0..2u32 {
-            let slot = u32::from_le_bytes([0x10, 0x11, 0x12, 0x13]);
-            let sc = slot >> (16 * h);
-            assert_eq!(sc & 0xFF, 0x10 + 2 * h);
-            assert_eq!((sc >> 8) & 0xFF, 0x11 + 2 * h);
-        }
-    }
-
-    #[test]
-    fn v4_shared_memory_fits_the_hopper_opt_in_limit() {
-        // 4 A tiles + 3 B tiles (16 / 32 KiB) + 4 raw stages + 1 KiB alignment slack; with the kernel's 2096 B of
-        // static shared memory it must stay within the 227 KiB (232448 B) per-block opt-in of sm_90, and the
-        // launcher's own margin check (smem + 4096 <= opt-in) must pass on an H200.
-        assert_eq!(SMEM_BYTES_V4, 226_304);
-        const { assert!(SMEM_BYTES_V4 + 2096 <= 232_448) };
-        const { assert!(SMEM_BYTES_V4 + 4096 <= 232_448) };
     }
 
     #[test]
