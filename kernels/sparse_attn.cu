@@ -8,49 +8,47 @@
 //
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
-//   sparse_attn_decode_fp8_v2      the FP8 path (this family's kernel, bench variant "fp8"; the `_v2` stays in
-//                                  the name because earlier logs and profiles use the plain name for the
-//                                  removed first design, see below).
-//   sparse_attn_decode_fp8_v3      A/B candidate (bench variant "fp8_v3"): v2 with QK^T on wgmma.m64n32k16 over
-//                                  128B-swizzled q and K = V tiles (design notes above decode_fp8_v3_body).
-//   sparse_attn_decode_fp8_v4      A/B candidate (bench variant "fp8_v4"): v3 with P.V on wgmma.m64n256k16 too.
-//   sparse_attn_decode_fp8_v5      A/B candidate (bench variant "fp8_v5"): v4 with the next tile's dequant
-//                                  overlapped with QK^T (two BF16 tiles, registers instead of the raw stage).
+//   sparse_attn_decode_fp8_v5      the FP8 path (bench variant "fp8", Path::Fp8): QK^T and P.V on wgmma, the
+//                                  next tile's dequant overlapped with QK^T (design notes above
+//                                  decode_fp8_v5_body). The `_v5` stays in the name: committed results use it.
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
-//   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer.
+//   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
 //
-// Decode kernel design (FP8 path; the BF16 baseline shares the tiling, softmax, P.V and finish). One CTA = 64
-// heads of one sequence x one split of its candidate list, 256 threads:
-//   * MQA: all 64 heads share each KV entry, so a CTA streams its candidates once (tiles of 64 entries,
-//     cp.async 8-byte copies, one tile prefetched while the previous one is computed). 128-head models run
-//     two head-group CTAs per (sequence, split) with adjacent block indices; the second read of a tile is
-//     served by L2 (the two CTAs run concurrently), so HBM sees each entry about once.
+// Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
+// CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
+//   * MQA: all 64 heads share each KV entry, so a CTA streams its candidates once (tiles of 64 entries).
+//     128-head models run two head-group CTAs per (sequence, split) with adjacent block indices; the second
+//     read of a tile is served by L2 (the two CTAs run concurrently), so HBM sees each entry about once.
 //   * q is quantized in the prologue exactly like a KV entry: per (head, 64-tile) a UE8M0 power-of-two scale
 //     2^ceil(log2(max(amax,1e-4)/448)) and e4m3 codes; the codes times their scale are then held as BF16
 //     (exact: e4m3 * 2^k has <= 4 significant bits). q's rope dims stay BF16.
 //   * Each raw FP8 tile is dequantized once into a BF16 tile (same exactness) that serves as both K and V
-//     (K = V in DSV4), with the entry's BF16 rope dims next to the nope dims.
-//   * QK^T: mma.sync m16n8k16 BF16 over all 512 dims, fragments from ldmatrix. Every product q_d * k_d is an
-//     exact product of two FP8 values times two powers of two; the only rounding is the f32 accumulation.
+//     (K = V in DSV4), with the entry's BF16 rope dims next to the nope dims; q and the tile are stored in the
+//     128B-swizzled wgmma layout.
+//   * QK^T: BF16 wgmma.m64n32k16 over all 512 dims (warp group wh: 64 heads x entries 32wh..+31). Every
+//     product q_d * k_d is an exact product of two FP8 values times two powers of two; the only rounding is
+//     the f32 accumulation.
 //   * softmax in f32 (log2 domain), online over tiles; the sink enters only the final denominator. O is not
 //     rescaled when no row maximum of the warp moved (x * 1.0f == x, bit-identical).
-//   * P is rounded to BF16 for P.V; the unrounded f32 probabilities form the denominator. P.V is mma.sync
-//     m16n8k16 BF16 with ldmatrix.trans B fragments. O (64 heads x 512) lives in registers: 128 f32 per thread.
-//   * Warp w: heads 16*(w%4)..+15; scores for entries 32*(w/4)..+31 of each tile; output dims 256*(w/4)..+255.
-//     The two warps sharing a head block exchange their row maxima through shared memory (named barrier).
+//   * P is rounded to BF16 for P.V (swizzled P block); the unrounded f32 probabilities form the denominator.
+//     P.V: BF16 wgmma.m64n256k16 (warp group wh: 64 heads x dims 256wh..+255); O lives in registers, 128 f32
+//     per thread, in the mma.sync m16n8 fragment layout (heads 16*(w%4) + l/4 (+8) of warp w).
+//   * The two warps sharing a head block exchange their row maxima through shared memory (named barrier).
 //   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); sparse_attn_combine merges
 //     them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
 //
-// History: the previous FP8 design ran QK^T on mma.sync m16n8k32 e4m3 and measured 0.66-1.05x of the BF16
-// staging baseline, because Hopper has no native FP8 mma.sync: each m16n8k32 e4m3 MMA is emulated.
+// History (H200, commit 4199846, median us; fp8 = v2 / v3 / v4 / v5, all four verified on the GPU, v5 bit-identical
+// to v4): the first FP8 design (QK^T on emulated mma.sync m16n8k32 e4m3) measured 0.66-1.05x of the BF16 staging
+// baseline. Removed after the A/B run: v2 (mma.sync BF16 for QK^T and P.V, raw FP8 cp.async stage), v3 (v2 with
+// QK^T on wgmma), v4 (v3 with P.V on wgmma). Flash CSA batch 64 @64K: 60.3 / 57.0 / 54.8 / 52.3 (baseline 91.0);
+// Flash batch 128: 103.8 / 97.1 / 90.8 / 80.9; Pro CSA (128 heads) batch 128: 316.8 / 287.6 / 262.1 / 220.7
+// (baseline 280.7); Pro batch 64: 151.4 / 137.3 / 124.8 / 103.9; HCA 1M batch 64: 429.3 / 370.4 / 329.2 / 250.6;
+// batch 1 Flash 30.4 / 30.0 / 29.7 / 29.3; batch 1 HCA 1M 57.9 / 55.7 / 53.4 / 49.7 (baseline 54.5).
 //
 // Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
 // 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
-// tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate. SASS: ~1750
-// instructions per warp per tile (QK 4 x 61, PV ~210, dequant ~380, O rescale 128 when the max moves,
-// softmax/loads/masks the rest). mma.sync cannot reach the wgmma rate, so the 50%-of-roofline target needs a
-// wgmma version (QK^T on real FP8 wgmma, PV BF16).
+// tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -74,19 +72,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 // 1/sqrt(512) * log2(e): scores go straight to the log2 domain used by exp2f.
 constexpr float kScoreScaleLog2 = 0.044194173824159216f * 1.4426950408889634f;
 
-// Shared-memory row strides, padded so that fragment loads hit 32 distinct banks:
-// 464 B = 116 words (116*g mod 32 = 20g spreads g=0..7 over 8 disjoint 4-bank groups); 72 bf16 = 36 words
-// (4g + t distinct); 520 bf16 = 1040 B (260 words: 4g + t distinct; 1040 mod 128 = 16 for ldmatrix rows).
-constexpr int kNopeStride = 464;
-constexpr int kRopeStride = 72;
+// Shared-memory row strides of the BF16 baseline, padded so that fragment loads hit 32 distinct banks:
+// 520 bf16 = 1040 B (260 words: 4g + t distinct; 1040 mod 128 = 16 for ldmatrix rows); 72 bf16 = 36 words
+// (4g + t distinct).
 constexpr int kVStride = 520;
 constexpr int kPStride = 72;
 
 // ---- shared memory pieces (bytes) ----
-constexpr int kRawNopeBytes = kBlockN * kNopeStride;             // 29696
-constexpr int kRawRopeBytes = kBlockN * kRopeStride * 2;         //  9216
-constexpr int kRawScaleBytes = kBlockN * 8;                      //   512
-constexpr int kRawBytes = kRawNopeBytes + kRawRopeBytes + kRawScaleBytes;  // 39424 per stage
 constexpr int kVtBytes = kBlockN * kVStride * 2;                 // 66560
 constexpr int kPBytes = kHeadsPerCta * kPStride * 2;             //  9216
 constexpr int kRedBytes = 2 * kHeadsPerCta * 4;                  //   512
@@ -102,20 +94,7 @@ constexpr int kB16RedSum = kB16RedMax + kRedBytes;
 constexpr int kB16Idx = kB16RedSum + kRedBytes;
 constexpr int kB16SmemBytes = kB16Idx + kIdxBytes;  // 210688
 
-// ---- FP8 v2 kernel shared memory map (bytes): q as exact BF16 values, raw FP8 stages, the BF16 K = V tile ----
-constexpr int kV2Q = 0;                                  // 64 x 520 bf16 (q: dequantized FP8 nope, BF16 rope)
-constexpr int kV2Raw = kV2Q + kQbBytes;
-constexpr int kV2Vt = kV2Raw + 2 * kRawBytes;
-constexpr int kV2P = kV2Vt + kVtBytes;
-constexpr int kV2RedMax = kV2P + kPBytes;
-constexpr int kV2RedSum = kV2RedMax + kRedBytes;
-constexpr int kV2Idx = kV2RedSum + kRedBytes;
-constexpr int kV2SmemBytes = kV2Idx + kIdxBytes;  // 222976
-static_assert(kV2SmemBytes == 222976, "mirror FP8_V2_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
-static_assert(kV2SmemBytes <= 232448, "FP8 v2 kernel exceeds the sm_90 opt-in shared memory");
-static_assert(kV2Raw % 16 == 0 && kV2Vt % 16 == 0 && kV2P % 16 == 0, "16-byte alignment");
 static_assert(kB16SmemBytes <= 232448, "BF16 kernel exceeds the sm_90 opt-in shared memory");
-static_assert(kRawBytes % 16 == 0, "16-byte alignment of the second raw stage");
 
 // ---------------------------------------------------------------------------------------------------------
 // Small PTX wrappers
@@ -123,16 +102,8 @@ static_assert(kRawBytes % 16 == 0, "16-byte alignment of the second raw stage");
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
@@ -429,224 +400,22 @@ __device__ __forceinline__ void tile_range(const DecodeArgs& a, int b, int split
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// FP8 path (sparse_attn_decode_fp8_v2), the parts not shared with the baseline:
-//   * Loads: one warp per 8 entries, lane l copies 8-byte chunks l, l+32, l+64 of each entry, so the
-//     destination of each chunk is fixed per lane (no division by 73); the candidate is warp-uniform, and an
-//     invalid one (-1) gets zero stores instead of copies (K = V = 0, its score is masked anyway).
-//   * Dequant: thread (e = tid/4, q = tid%4) converts chunks q + 4i (i = 0..13) of entry e; the chunk's
-//     64-tile is i/2 (since 8(i/2) <= q + 4i < 8(i/2) + 8), a compile-time constant after unrolling, and the
-//     entry's 7 scales are decoded once.
-// ---------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void load_tile_fp8_v2(uint8_t* raw, const int* idx, const uint8_t* __restrict__ pool,
-                                                 int warp, int lane) {
-    // Chunk c (bytes [8c, 8c+8) of an entry) lands at base(c) + e * row(c) in the stage.
-    auto base_of = [](int c) { return c < 56 ? 8 * c : (c < 72 ? kRawNopeBytes + 8 * (c - 56) : kRawNopeBytes + kRawRopeBytes); };
-    auto row_of = [](int c) { return c < 56 ? kNopeStride : (c < 72 ? kRopeStride * 2 : 8); };
-    const int c0 = lane, c1 = lane + 32, c2 = lane + 64;  // c2 < 73 only for lanes 0..8
-    const int d0 = base_of(c0), d1 = base_of(c1), d2 = base_of(c2);
-    const int r0 = row_of(c0), r1 = row_of(c1), r2 = row_of(c2);
-#pragma unroll
-    for (int k = 0; k < kBlockN / 8; ++k) {
-        const int e = 8 * warp + k;
-        const int i = idx[e];  // the same entry for the whole warp: the branch below is warp-uniform
-        if (i >= 0) {
-            const uint8_t* src = pool + (size_t)i * kEntryBytes;
-            cp_async8(raw + d0 + e * r0, src + 8 * c0);
-            cp_async8(raw + d1 + e * r1, src + 8 * c1);
-            if (c2 < 73) cp_async8(raw + d2 + e * r2, src + 8 * c2);
-        } else {  // zero codes and scale: K = V = 0, never NaN (the score is masked anyway)
-            *reinterpret_cast<uint2*>(raw + d0 + e * r0) = make_uint2(0u, 0u);
-            *reinterpret_cast<uint2*>(raw + d1 + e * r1) = make_uint2(0u, 0u);
-            if (c2 < 73) *reinterpret_cast<uint2*>(raw + d2 + e * r2) = make_uint2(0u, 0u);
-        }
-    }
-}
-
-__device__ __forceinline__ void dequant_tile_v2(const uint8_t* raw, __nv_bfloat16* vt, int tid) {
-    const int e = tid >> 2, q = tid & 3;
-    const uint8_t* rn = raw + e * kNopeStride;
-    const uint8_t* rr = raw + kRawNopeBytes + e * kRopeStride * 2;
-    const uint2 sc = *reinterpret_cast<const uint2*>(raw + kRawNopeBytes + kRawRopeBytes + e * 8);
-    float scale[kTiles];
-#pragma unroll
-    for (int t = 0; t < kTiles; ++t)
-        scale[t] = mm::ue8m0_decode(static_cast<uint8_t>(((t < 4 ? sc.x : sc.y) >> (8 * (t & 3))) & 0xFFu));
-    __nv_bfloat16* vrow = vt + e * kVStride;
-#pragma unroll
-    for (int i = 0; i < 14; ++i) {
-        const int c = q + 4 * i;  // 8 codes: dims [8c, 8c+8), 64-tile i/2
-        const uint2 w = *reinterpret_cast<const uint2*>(rn + 8 * c);
-        const float s = scale[i >> 1];
-        uint4 o;
-        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
-        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
-        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
-        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
-        *reinterpret_cast<uint4*>(vrow + 8 * c) = o;
-    }
-    // rope: 64 BF16 = 8 x 16 B per entry, chunks q and q + 4.
-    *reinterpret_cast<uint4*>(vrow + kNope + 8 * q) = *reinterpret_cast<const uint4*>(rr + 16 * q);
-    *reinterpret_cast<uint4*>(vrow + kNope + 8 * (q + 4)) = *reinterpret_cast<const uint4*>(rr + 16 * (q + 4));
-}
-
-__device__ __forceinline__ void decode_fp8_v2_body(const DecodeArgs& a) {
-    extern __shared__ __align__(16) uint8_t smem[];
-    __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(smem + kV2Q);
-    __nv_bfloat16* vt = reinterpret_cast<__nv_bfloat16*>(smem + kV2Vt);
-    __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + kV2P);
-    float* red_max = reinterpret_cast<float*>(smem + kV2RedMax);
-    float* red_sum = reinterpret_cast<float*>(smem + kV2RedSum);
-    int* idxs = reinterpret_cast<int*>(smem + kV2Idx);
-
-    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
-    int len, t_begin, n_it;
-    tile_range(a, b, split, len, t_begin, n_it);
-
-    if (tid < kBlockN) {
-        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
-        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
-    }
-    // q: warp w quantizes heads 8w..8w+7 (the KV entry rule) and stores the exact BF16 values of the
-    // FP8 codes times their pow2 scale; rope dims stay BF16. The 8 heads' loads are issued before any use.
-    {
-        uint4 raw[8][2];
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
-            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
-            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
-        }
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const int hrow = 8 * warp + hh;
-            uint4* dst = reinterpret_cast<uint4*>(qb + hrow * kVStride + 16 * lane);
-            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
-                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
-            float x[16];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                x[2 * i] = __uint_as_float(wv[i] << 16);
-                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
-            }
-            const LaneQuant lq = quantize_lane(x, lane);  // all lanes take part in its shuffles
-            if (lane < 28) {
-                uint32_t o[8];
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
-                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
-                }
-                dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
-                dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
-            } else {
-                dst[0] = raw[hh][0];
-                dst[1] = raw[hh][1];
-            }
-        }
-    }
-
-    WarpState st;
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
-    st.m[0] = st.m[1] = -INFINITY;
-    st.l[0] = st.l[1] = 0.f;
-
-    __syncthreads();  // idx slots 0, 1 and q visible
-    if (n_it > 0) load_tile_fp8_v2(smem + kV2Raw, idxs, a.pool, warp, lane);
-    cp_async_commit();
-
-    // ldmatrix lane addresses (bytes, shared window). A (q rows 16wm..+15): matrix mi = lane/8 holds rows
-    // (mi&1)*8.., k-half mi>>1 -> a0..a3. B (tile rows = entries, K^T col-major): matrix mi holds n-tile
-    // 2p + (mi>>1), k-half mi&1 -> b0, b1 of n-tile 2p and b0, b1 of n-tile 2p+1.
-    const int mi = lane >> 3, r8 = lane & 7;
-    const uint32_t a_addr = smem_addr(qb + (16 * wm + r8 + (mi & 1) * 8) * kVStride + (mi >> 1) * 8);
-    const uint32_t b_addr = smem_addr(vt + (32 * wh + 8 * (mi >> 1) + r8) * kVStride + (mi & 1) * 8);
-
-    for (int it = 0; it < n_it; ++it) {
-        cp_async_wait_all();
-        __syncthreads();  // tile `it` landed; iteration it-1 is done with vt, P, red_*, its idx slot
-        const uint8_t* raw = smem + kV2Raw + (it & 1) * kRawBytes;
-        const int* idx_cur = idxs + (it % 3) * kBlockN;
-        if (it + 1 < n_it)
-            load_tile_fp8_v2(smem + kV2Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool,
-                             warp, lane);
-        cp_async_commit();
-        if (tid < kBlockN && it + 2 < n_it)
-            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
-
-        dequant_tile_v2(raw, vt, tid);
-        __syncthreads();  // K = V tile complete
-
-        // ---- S = q . K^T for 16 heads x 32 entries over all 512 dims ----
-        float s[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll 8
-        for (int kk = 0; kk < kDim / 16; ++kk) {
-            uint32_t a0, a1, a2, a3, b00, b01, b10, b11, b20, b21, b30, b31;
-            ldmatrix_x4(a0, a1, a2, a3, a_addr + 32 * kk);
-            ldmatrix_x4(b00, b01, b10, b11, b_addr + 32 * kk);
-            ldmatrix_x4(b20, b21, b30, b31, b_addr + 16 * kVStride * 2 + 32 * kk);
-            mma_bf16(s[0], a0, a1, a2, a3, b00, b01);
-            mma_bf16(s[1], a0, a1, a2, a3, b10, b11);
-            mma_bf16(s[2], a0, a1, a2, a3, b20, b21);
-            mma_bf16(s[3], a0, a1, a2, a3, b30, b31);
-        }
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const int c0 = 32 * wh + 8 * n + 2 * tq;
-            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
-            s[n][0] = v0 ? s[n][0] * kScoreScaleLog2 : -INFINITY;
-            s[n][1] = v1 ? s[n][1] * kScoreScaleLog2 : -INFINITY;
-            s[n][2] = v0 ? s[n][2] * kScoreScaleLog2 : -INFINITY;
-            s[n][3] = v1 ? s[n][3] * kScoreScaleLog2 : -INFINITY;
-        }
-
-        softmax_step<true>(st, s, red_max, ps, wm, wh, g, tq);
-        pair_barrier(wm);  // P rows of this head block: columns 0..31 from wh = 0, 32..63 from wh = 1
-        pv_step(st, ps, vt, wm, wh, g, tq, lane);
-    }
-    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// FP8 v3 path (sparse_attn_decode_fp8_v3, bench variant "fp8_v3"): v2 with QK^T on wgmma.
+// wgmma pieces of the FP8 path: the swizzled layout, descriptors and the QK^T instruction.
 //   * q and the K = V tile live in the canonical 128B-swizzled K-major wgmma layout (the layout of
 //     kernels/moe_gemm_prefill.cu, verified there on the H200): 8 k-blocks of 64 dims, each 64 rows x 128 B
 //     (8 KiB, 1024-aligned); byte offset of (row r, global 16-byte chunk C in 0..64) =
 //     (C >> 3) * 8192 + r * 128 + (((C & 7) ^ (r & 7)) << 4). A Rust mirror (tests/sparse_attn.rs,
-//     `v3_swizzle_layout_mirror`) checks it is a bijection and that the dequant and P.V address forms equal it.
+//     `swizzle_layout_mirror`) checks it is a bijection and that the dequant and P address forms equal it.
 //   * QK^T: warp group wh (warps 4wh..4wh+3) computes S[64 heads, entries 32wh..32wh+31] with 32 x
 //     wgmma.m64n32k16 (A = q rows 0..63, B = tile rows 32wh..; both K-major, descriptor start + 32 B per K=16
 //     slice). The m64nNk16 accumulator fragment puts row 16w + l/4 (+8), columns 8j + 2(l%4) (+1) in
-//     d[4j..4j+3] for warp w of the group, lane l: exactly the mma.sync m16n8 layout v2's softmax consumes
-//     (warp wm = w, n-tile j = entries 32wh + 8j..), so softmax, P.V and finish are v2's code. Same products,
-//     f32 accumulation in a different order: results equal v2's up to f32 summation order, not bit for bit.
-//   * P.V stays mma.sync (O in registers as in v2); its ldmatrix.trans rows follow the swizzled layout
-//     (8 lanes of one 8x8 matrix read 8 consecutive entries at distinct 16-byte positions: conflict-free).
+//     d[4j..4j+3] for warp w of the group, lane l: the mma.sync m16n8 layout the softmax consumes.
 //   * The dequant writes the swizzled tile; thread (e, q) writes chunk q + 4((i & 1) ^ (e & 1)) of k-block
 //     i >> 1, so the two entries of a quarter-warp hit disjoint bank quartets. fence.proxy.async orders these
 //     generic-proxy stores before the async-proxy wgmma reads (after the barrier that follows).
-//   Budget change per warp per tile vs v2: the QK loop (32 x (3 ldmatrix + 4 mma) + addressing, ~250 issue
-//   slots) becomes 32 wgmma + descriptor adds (~70), and the QK shared-memory reads drop from 384 KB (each
-//   warp pulls its q rows and 32 K rows) to 192 KB (each warp group reads q and its 32 rows once).
 // ---------------------------------------------------------------------------------------------------------
 constexpr int kSwBlockBytes = 64 * 128;  // one k-block (64 dims) of 64 rows
 constexpr int kSwTileBytes = 8 * kSwBlockBytes;  // 64 rows x 512 dims BF16
-constexpr int kV3Q = 0;
-constexpr int kV3Vt = kV3Q + kSwTileBytes;
-constexpr int kV3Raw = kV3Vt + kSwTileBytes;
-constexpr int kV3P = kV3Raw + 2 * kRawBytes;
-constexpr int kV3RedMax = kV3P + kPBytes;
-constexpr int kV3RedSum = kV3RedMax + kRedBytes;
-constexpr int kV3Idx = kV3RedSum + kRedBytes;
-constexpr int kV3Bytes = kV3Idx + kIdxBytes;           // 220928
-constexpr int kV3SmemBytes = kV3Bytes + 1024;          // + slack to align the base to 1024 B
-static_assert(kV3SmemBytes == 221952, "mirror FP8_V3_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
-static_assert(kV3SmemBytes <= 232448, "FP8 v3 kernel exceeds the sm_90 opt-in shared memory");
-static_assert(kV3Vt % 1024 == 0 && kV3Raw % 16 == 0 && kV3P % 16 == 0, "alignment");
 
 __device__ __forceinline__ uint32_t sw_off(int row, int chunk) {
     return (uint32_t)((chunk >> 3) * kSwBlockBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
@@ -680,195 +449,8 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uin
         : "l"(da), "l"(db), "r"(1));
 }
 
-__device__ __forceinline__ void ldmatrix_x4_trans_addr(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                                       uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-
-// Raw FP8 stage (v2 layout) -> swizzled BF16 K = V tile. Same exact conversion as dequant_tile_v2.
-__device__ __forceinline__ void dequant_tile_v3(const uint8_t* raw, uint8_t* vt, int tid) {
-    const int e = tid >> 2, q = tid & 3, odd = e & 1;
-    const uint8_t* rn = raw + e * kNopeStride;
-    const uint8_t* rr = raw + kRawNopeBytes + e * kRopeStride * 2;
-    const uint2 sc = *reinterpret_cast<const uint2*>(raw + kRawNopeBytes + kRawRopeBytes + e * 8);
-    float scale[kTiles];
-#pragma unroll
-    for (int t = 0; t < kTiles; ++t)
-        scale[t] = mm::ue8m0_decode(static_cast<uint8_t>(((t < 4 ? sc.x : sc.y) >> (8 * (t & 3))) & 0xFFu));
-#pragma unroll
-    for (int i = 0; i < 14; ++i) {
-        // chunk C = 8 (i >> 1) + q + 4 ((i & 1) ^ odd): over i = 0..13 and q = 0..3 every chunk 0..55 once.
-        const int c = 8 * (i >> 1) + q + 4 * ((i & 1) ^ odd);
-        const uint2 w = *reinterpret_cast<const uint2*>(rn + 8 * c);
-        const float s = scale[i >> 1];
-        uint4 o;
-        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
-        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
-        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
-        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
-        *reinterpret_cast<uint4*>(vt + sw_off(e, c)) = o;
-    }
-    // rope: chunks 56 + q and 60 + q (k-block 7).
-    *reinterpret_cast<uint4*>(vt + sw_off(e, 56 + q)) = *reinterpret_cast<const uint4*>(rr + 16 * q);
-    *reinterpret_cast<uint4*>(vt + sw_off(e, 60 + q)) = *reinterpret_cast<const uint4*>(rr + 16 * (q + 4));
-}
-
-// O += P (16 heads x 64 entries) . V (64 entries x 256 dims of this warp's half), V in the swizzled layout.
-// ldmatrix.trans matrix mi of lane l = 8 mi + r8: entry 16 ks + r8 + 8 (mi & 1), dims 256 wh + 16 np + 8 (mi >> 1),
-// i.e. chunk C = 32 wh + 2 np + (mi >> 1): k-block 4 wh + np / 4, in-block chunk 2 (np % 4) + (mi >> 1), row & 7 = r8.
-__device__ __forceinline__ void pv_step_v3(WarpState& st, const __nv_bfloat16* ps, uint32_t vt_base, int wm, int wh,
-                                           int g, int tq, int lane) {
-    const int row0 = 16 * wm + g;
-    const int mi = lane >> 3, r8 = lane & 7;
-    const int x = (mi >> 1) ^ r8;  // (2 (np % 4) + (mi >> 1)) ^ r8 == 2 (np % 4) ^ x: mi >> 1 is bit 0 only
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        const int kb = 16 * ks + 2 * tq;
-        const uint32_t a0 = ld_smem_u32(ps + row0 * kPStride + kb);
-        const uint32_t a1 = ld_smem_u32(ps + (row0 + 8) * kPStride + kb);
-        const uint32_t a2 = ld_smem_u32(ps + row0 * kPStride + kb + 8);
-        const uint32_t a3 = ld_smem_u32(ps + (row0 + 8) * kPStride + kb + 8);
-        const uint32_t row_addr = vt_base + (uint32_t)((16 * ks + r8 + (mi & 1) * 8) * 128 + 4 * wh * kSwBlockBytes);
-#pragma unroll
-        for (int np = 0; np < 16; ++np) {
-            uint32_t b0, b1, b2, b3;
-            const uint32_t addr = row_addr + (uint32_t)((np >> 2) * kSwBlockBytes + (((2 * (np & 3)) ^ x) << 4));
-            ldmatrix_x4_trans_addr(b0, b1, b2, b3, addr);
-            mma_bf16(st.o[2 * np], a0, a1, a2, a3, b0, b1);
-            mma_bf16(st.o[2 * np + 1], a0, a1, a2, a3, b2, b3);
-        }
-    }
-}
-
-__device__ __forceinline__ void decode_fp8_v3_body(const DecodeArgs& a) {
-    extern __shared__ __align__(16) uint8_t smem_unaligned[];
-    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
-    uint8_t* qsw = smem + kV3Q;
-    uint8_t* vt = smem + kV3Vt;
-    __nv_bfloat16* ps = reinterpret_cast<__nv_bfloat16*>(smem + kV3P);
-    float* red_max = reinterpret_cast<float*>(smem + kV3RedMax);
-    float* red_sum = reinterpret_cast<float*>(smem + kV3RedSum);
-    int* idxs = reinterpret_cast<int*>(smem + kV3Idx);
-
-    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
-    int len, t_begin, n_it;
-    tile_range(a, b, split, len, t_begin, n_it);
-
-    if (tid < kBlockN) {
-        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
-        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
-    }
-    // q: as in v2 (warp w quantizes heads 8w..8w+7), stored into the swizzled layout; lane l owns chunks 2l, 2l+1.
-    {
-        uint4 raw[8][2];
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
-            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
-            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
-        }
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const int hrow = 8 * warp + hh;
-            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
-            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
-            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
-                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
-            float x[16];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                x[2 * i] = __uint_as_float(wv[i] << 16);
-                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
-            }
-            const LaneQuant lq = quantize_lane(x, lane);  // all lanes take part in its shuffles
-            if (lane < 28) {
-                uint32_t o[8];
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
-                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
-                }
-                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
-                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
-            } else {
-                *dst0 = raw[hh][0];
-                *dst1 = raw[hh][1];
-            }
-        }
-    }
-    fence_proxy_async();  // q's generic stores -> visible to wgmma (async proxy) after the barrier below
-
-    WarpState st;
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
-    st.m[0] = st.m[1] = -INFINITY;
-    st.l[0] = st.l[1] = 0.f;
-
-    __syncthreads();  // idx slots 0, 1 and q visible
-    if (n_it > 0) load_tile_fp8_v2(smem + kV3Raw, idxs, a.pool, warp, lane);
-    cp_async_commit();
-
-    const uint32_t q_base = smem_addr(qsw);
-    const uint32_t vt_base = smem_addr(vt);
-    const uint32_t b_rows = vt_base + (uint32_t)(32 * wh * 128);  // this warp group's 32 entries (1024-aligned)
-
-    for (int it = 0; it < n_it; ++it) {
-        cp_async_wait_all();
-        __syncthreads();  // tile `it` landed; iteration it-1 is done with vt, P, red_*, its idx slot
-        const uint8_t* raw = smem + kV3Raw + (it & 1) * kRawBytes;
-        const int* idx_cur = idxs + (it % 3) * kBlockN;
-        if (it + 1 < n_it)
-            load_tile_fp8_v2(smem + kV3Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool,
-                             warp, lane);
-        cp_async_commit();
-        if (tid < kBlockN && it + 2 < n_it)
-            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
-
-        dequant_tile_v3(raw, vt, tid);
-        fence_proxy_async();
-        __syncthreads();  // K = V tile complete and visible to the async proxy
-
-        // ---- S = q . K^T: warp group wh, 64 heads x entries 32wh..32wh+31, all 512 dims ----
-        float acc[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-        fence_acc(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < 8; ++kb) {
-            const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
-            const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);  // +32 B per K=16 slice
-        }
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_acc(acc);
-
-        float s[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const int c0 = 32 * wh + 8 * n + 2 * tq;
-            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
-            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
-            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
-            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
-            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
-        }
-
-        softmax_step<true>(st, s, red_max, ps, wm, wh, g, tq);
-        pair_barrier(wm);  // P rows of this head block: columns 0..31 from wh = 0, 32..63 from wh = 1
-        pv_step_v3(st, ps, vt_base, wm, wh, g, tq, lane);
-    }
-    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
-}
-
 // ---------------------------------------------------------------------------------------------------------
-// FP8 v4 path (sparse_attn_decode_fp8_v4, bench variant "fp8_v4"): v3 with P.V on wgmma as well.
+// P.V on wgmma (introduced by the removed v4 kernel, kept in v5):
 //   * P (64 heads x 64 entries, BF16) is written in the 128B-swizzled K-major layout (one 8 KiB block,
 //     1024-aligned): byte offset of (head r, entry c) = r * 128 + (((c >> 3) ^ (r & 7)) << 4) + 2 (c & 7).
 //   * Warp group wh computes O[64 heads, dims 256wh..256wh+255] += P . V with 4 x wgmma.m64n256k16
@@ -877,16 +459,12 @@ __device__ __forceinline__ void decode_fp8_v3_body(const DecodeArgs& a) {
 //     with rows = K (entries, 128 B apart, 8-row groups SBO = 1024 B apart; a K=16 slice is +2048 B) and
 //     64-dim atoms along N LBO = 8192 B apart (the k-block stride). Descriptor fields as in the PTX ISA matrix
 //     descriptor; for N-major swizzled layouts LBO is the stride between swizzle atoms along N.
-//   * The m64n256k16 accumulator fragment is the v2 O layout (warp w of the group: heads 16w + l/4 (+8),
-//     dims 256wh + 8nt + 2(l%4) (+1) in register 4nt + i), so the online-softmax rescale and finish are v2's.
-//   * Every warp group reads all 64 P rows (written by all 8 warps), so the pair barrier before P.V becomes a
-//     CTA barrier, preceded by fence.proxy.async (P's generic stores -> wgmma's async-proxy reads).
-//   Budget change per warp per tile vs v3: P.V's 4 x (4 lds + 16 x (ldmatrix + 2 mma)) ~ 210 issue slots become
-//   4 wgmma; P.V shared-memory reads drop from 256 KB per tile (each warp reads 64 entries x 256 dims) to
-//   2 x (32 KB V + 8 KB P).
+//   * The m64n256k16 accumulator fragment is the WarpState O layout (warp w of the group: heads 16w + l/4 (+8),
+//     dims 256wh + 8nt + 2(l%4) (+1) in register 4nt + i), so the online-softmax rescale and finish are shared.
+//   * Every warp group reads all 64 P rows (written by all 8 warps), so P.V waits on a CTA barrier, preceded by
+//     fence.proxy.async (P's generic stores -> wgmma's async-proxy reads).
 // ---------------------------------------------------------------------------------------------------------
-constexpr int kV4PswBytes = 64 * 128;
-static_assert(kV3P % 1024 == 0 && kV4PswBytes <= kPBytes, "v4 reuses v3's map with a 1024-aligned 8 KiB P block");
+constexpr int kV4PswBytes = 64 * 128;  // the swizzled P block: 64 heads x 64 entries BF16 (name from v4)
 
 // Descriptor of an N-major (MN-major) 128B-swizzled operand: start >> 4, LBO = 8192 B between 64-element atoms
 // along N, SBO = 1024 B between 8-row groups along K, 128B swizzle.
@@ -965,147 +543,9 @@ __device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[32][4], uint64_t 
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]), "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
         : "l"(da), "l"(db), "r"(1));
 }
-
-__device__ __forceinline__ void decode_fp8_v4_body(const DecodeArgs& a) {
-    extern __shared__ __align__(16) uint8_t smem_unaligned[];
-    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
-    uint8_t* qsw = smem + kV3Q;
-    uint8_t* vt = smem + kV3Vt;
-    uint8_t* psw = smem + kV3P;
-    float* red_max = reinterpret_cast<float*>(smem + kV3RedMax);
-    float* red_sum = reinterpret_cast<float*>(smem + kV3RedSum);
-    int* idxs = reinterpret_cast<int*>(smem + kV3Idx);
-
-    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
-    int len, t_begin, n_it;
-    tile_range(a, b, split, len, t_begin, n_it);
-
-    if (tid < kBlockN) {
-        idxs[0 * kBlockN + tid] = resolve_candidate(a, b, len, t_begin * kBlockN + tid);
-        idxs[1 * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + 1) * kBlockN + tid);
-    }
-    // q: as in v2 (warp w quantizes heads 8w..8w+7), stored into the swizzled layout; lane l owns chunks 2l, 2l+1.
-    {
-        uint4 raw[8][2];
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
-            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
-            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
-        }
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const int hrow = 8 * warp + hh;
-            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
-            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
-            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
-                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
-            float x[16];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                x[2 * i] = __uint_as_float(wv[i] << 16);
-                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
-            }
-            const LaneQuant lq = quantize_lane(x, lane);  // all lanes take part in its shuffles
-            if (lane < 28) {
-                uint32_t o[8];
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
-                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
-                }
-                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
-                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
-            } else {
-                *dst0 = raw[hh][0];
-                *dst1 = raw[hh][1];
-            }
-        }
-    }
-    fence_proxy_async();  // q's generic stores -> visible to wgmma (async proxy) after the barrier below
-
-    WarpState st;
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
-    st.m[0] = st.m[1] = -INFINITY;
-    st.l[0] = st.l[1] = 0.f;
-
-    __syncthreads();  // idx slots 0, 1 and q visible
-    if (n_it > 0) load_tile_fp8_v2(smem + kV3Raw, idxs, a.pool, warp, lane);
-    cp_async_commit();
-
-    const uint32_t q_base = smem_addr(qsw);
-    const uint32_t vt_base = smem_addr(vt);
-    const uint32_t b_rows = vt_base + (uint32_t)(32 * wh * 128);  // this warp group's 32 entries (1024-aligned)
-    const uint64_t p_desc = sw128_desc(smem_addr(psw));
-    const uint64_t v_desc = sw128_desc_mn(vt_base + (uint32_t)(4 * wh * kSwBlockBytes));  // dims 256wh..
-
-    for (int it = 0; it < n_it; ++it) {
-        cp_async_wait_all();
-        __syncthreads();  // tile `it` landed; iteration it-1 is done with vt, P, red_*, its idx slot
-        const uint8_t* raw = smem + kV3Raw + (it & 1) * kRawBytes;
-        const int* idx_cur = idxs + (it % 3) * kBlockN;
-        if (it + 1 < n_it)
-            load_tile_fp8_v2(smem + kV3Raw + ((it + 1) & 1) * kRawBytes, idxs + ((it + 1) % 3) * kBlockN, a.pool,
-                             warp, lane);
-        cp_async_commit();
-        if (tid < kBlockN && it + 2 < n_it)
-            idxs[((it + 2) % 3) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 2) * kBlockN + tid);
-
-        dequant_tile_v3(raw, vt, tid);
-        fence_proxy_async();
-        __syncthreads();  // K = V tile complete and visible to the async proxy
-
-        // ---- S = q . K^T: warp group wh, 64 heads x entries 32wh..32wh+31, all 512 dims ----
-        float acc[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-        fence_acc(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < 8; ++kb) {
-            const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
-            const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);  // +32 B per K=16 slice
-        }
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_acc(acc);
-
-        float s[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const int c0 = 32 * wh + 8 * n + 2 * tq;
-            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
-            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
-            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
-            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
-            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
-        }
-
-        softmax_step_v4(st, s, red_max, psw, wm, wh, g, tq);
-        fence_proxy_async();
-        __syncthreads();  // all 64 P rows written and visible to the async proxy
-
-        // ---- O[64 heads, dims 256wh..+255] += P . V: 4 x m64n256k16 (16 entries each) ----
-        fence_acc_o(st.o);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k)  // A: +32 B per K=16 slice; B: +16 rows x 128 B = 2048 B per K=16 slice
-            wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_acc_o(st.o);
-    }
-    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
-}
-
 // ---------------------------------------------------------------------------------------------------------
-// FP8 v5 path (sparse_attn_decode_fp8_v5, bench variant "fp8_v5"): v4 with the next tile's dequant overlapped
-// with the current tile's QK^T wgmma, and no raw shared-memory stage.
+// FP8 path (sparse_attn_decode_fp8_v5, bench variant "fp8"): QK^T and P.V on wgmma, with the next tile's
+// dequant overlapped with the current tile's QK^T wgmma, and no raw shared-memory stage.
 //   * Two swizzled K = V tiles (vt[0], vt[1]). The raw entries go global -> registers -> BF16 tile: thread
 //     (e = tid / 4, q = tid % 4) loads exactly the 8-byte chunks its dequant converts (14 nope chunks, the scale
 //     word, 4 rope words = 19 x 8 B), one tile ahead of the dequant and two tiles ahead of the math.
@@ -1115,7 +555,7 @@ __device__ __forceinline__ void decode_fp8_v4_body(const DecodeArgs& a) {
 //     The top barrier keeps the dequant of iteration it+1 (into vt[it & 1]) behind every warp group's P.V(it).
 //   * Candidate indices: a ring of 4 slots; tile it+3 is resolved in iteration it (its slot was last read by the
 //     masking of tile it-1, before this iteration's top barrier).
-//   Same arithmetic as v4 (same dequant values, same wgmma order): v5 equals v4 bit for bit.
+//   Measured bit-identical to the removed v4 (same dequant values, same wgmma order).
 // ---------------------------------------------------------------------------------------------------------
 constexpr int kV5Q = 0;
 constexpr int kV5Vt = kV5Q + kSwTileBytes;              // two tiles
@@ -1129,7 +569,7 @@ static_assert(kV5SmemBytes == 207872, "mirror FP8_V5_SMEM_BYTES in src/ops/spars
 static_assert(kV5P % 1024 == 0 && kV5Vt % 1024 == 0, "wgmma tiles 1024-aligned");
 
 struct RawRegs {
-    uint2 nope[14];  // chunk 8 (i >> 1) + q + 4 ((i & 1) ^ (e & 1)) of the entry, as in dequant_tile_v3
+    uint2 nope[14];  // chunk 8 (i >> 1) + q + 4 ((i & 1) ^ (e & 1)) of the entry (the order dequant_regs_v5 writes)
     uint2 sc;        // bytes 576..583: the 7 UE8M0 scales + pad
     uint2 rope[4];   // rope 16-byte chunks q (words 0, 1) and q + 4 (words 2, 3)
 };
@@ -1194,7 +634,7 @@ __device__ __forceinline__ void decode_fp8_v5_body(const DecodeArgs& a) {
 #pragma unroll
         for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
     }
-    // q: as in v3 (swizzled layout).
+    // q: quantized per (head, 64-tile) like a KV entry (warp w: heads 8w..8w+7), stored in the swizzled layout.
     {
         uint4 raw[8][2];
 #pragma unroll
@@ -1438,25 +878,7 @@ extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t*
             n_splits, out, part_o, part_lse                                                                      \
     }
 
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV2SmemBytes. The FP8 path (bench "fp8").
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v2(SA_DECODE_PARAMS) {
-    sa::decode_fp8_v2_body(SA_DECODE_ARGS);
-}
-
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV3SmemBytes. The FP8 path with QK^T on wgmma
-// (bench "fp8_v3"); same arguments and outputs as v2.
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v3(SA_DECODE_PARAMS) {
-    sa::decode_fp8_v3_body(SA_DECODE_ARGS);
-}
-
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV3SmemBytes (v3's map). The FP8 path with QK^T
-// and P.V on wgmma (bench "fp8_v4"); same arguments and outputs as v2.
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v4(SA_DECODE_PARAMS) {
-    sa::decode_fp8_v4_body(SA_DECODE_ARGS);
-}
-
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. v4 with the next tile's dequant
-// overlapped with QK^T (bench "fp8_v5"); same arguments and outputs as v2.
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. The FP8 path (bench "fp8").
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v5(SA_DECODE_PARAMS) {
     sa::decode_fp8_v5_body(SA_DECODE_ARGS);
 }

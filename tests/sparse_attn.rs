@@ -802,166 +802,42 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
     check_gpu_path("bf16 staging h128", &gpu, &hp, Path::Bf16Staging, None);
 }
 
-/// `sparse_attn_decode_fp8_v3` (QK^T on wgmma) against the CPU reference with the same tolerances as v2, and
-/// against v2 on the same inputs and plan. v3 forms the same exact products as v2 but accumulates the scores in
-/// the wgmma order, so the two agree up to f32 summation order (and the BF16 roundings of P and of the output
-/// that a last-bit score change can flip), not bit for bit: the v3-v2 difference is held to the reference
-/// tolerance and reported (max difference, bit-identical share).
-fn check_v3_against_v2(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, tps: Option<usize>) {
-    check_new_path_against_v2(test, gpu, hp, Path::Fp8V3, tps)
-}
-
-/// [`check_v3_against_v2`] for any of the wgmma candidates (`Fp8V3`, `Fp8V4`); v4 also runs P.V in the wgmma
-/// order, so the same tolerance relation holds.
-fn check_new_path_against_v2(
-    test: &str,
-    gpu: &megamoe::gpu::Gpu,
-    hp: &HostProblem,
-    path: Path,
-    tps: Option<usize>,
-) {
-    let (v3, r) = check_gpu_path_with_reference(test, gpu, hp, path, tps);
-    let v2 = check_gpu_path(test, gpu, hp, Path::Fp8, tps);
-    let shape = hp.shape();
-    let (mut max_diff, mut identical) = (0f64, 0usize);
-    let mut first_bad = None;
-    for i in 0..v3.len() {
-        let diff = (v3[i] - v2[i]).abs();
-        if v3[i].to_bits() == v2[i].to_bits() {
-            identical += 1;
-        }
-        max_diff = max_diff.max(diff);
-        if first_bad.is_none()
-            && (diff.is_nan() || diff > reference::tolerance(r.mass[i], r.out[i]))
-        {
-            first_bad = Some(i);
-        }
-    }
-    println!(
-        "{test}: {path:?} vs Fp8 (v2): max |diff| {max_diff:.3e}, bit-identical {identical}/{} ({:.2}%)",
-        v3.len(),
-        100.0 * identical as f64 / v3.len() as f64
-    );
-    if let Some(i) = first_bad {
-        panic!(
-            "{test}: {path:?} vs v2 first mismatch at flat {i} (b {}, h {}, d {}): new {} v2 {} ref {} tol {:.3e}",
-            i / (shape.heads * HEAD_DIM),
-            (i / HEAD_DIM) % shape.heads,
-            i % HEAD_DIM,
-            v3[i],
-            v2[i],
-            r.out[i],
-            reference::tolerance(r.mass[i], r.out[i])
-        );
-    }
-}
-
+/// The FP8 path (`sparse_attn_decode_fp8_v5`) at the edges of its pipeline, against the CPU reference: tile
+/// edges (0, 1, 127, 129), lists of 4, 10 and 18 tiles, so that the 4-slot candidate-index ring and the two
+/// BF16 tiles wrap several times, the register prefetch two tiles ahead runs off the end of a split at every
+/// phase (splits of 1, 2 and 3 tiles), and -1 holes; 64 and 128 heads. (These cases checked the former A/B
+/// candidates v3 / v4 / v5 against the old `Fp8` kernel; v5 is now `Fp8` and is held to the reference.)
 #[test]
-fn gpu_decode_fp8_v3_matches_reference_and_v2() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_v3_matches_reference_and_v2") else {
+fn gpu_decode_fp8_pipeline_edges() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_pipeline_edges") else {
         return;
     };
-    let mut rng = seeded("gpu_decode_fp8_v3_matches_reference_and_v2", 0x3A3);
-    // lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro CSA); -1 holes in the middle.
-    let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152], true);
-    check_v3_against_v2("v3 h64 single-split", &gpu, &hp, Some(1000));
-    check_v3_against_v2("v3 h64 split by 2 tiles", &gpu, &hp, Some(2));
-    check_v3_against_v2("v3 h64 auto plan", &gpu, &hp, None);
-    check_v3_against_v2("v3 h64 one tile per split", &gpu, &hp, Some(1));
+    let mut rng = seeded("gpu_decode_fp8_pipeline_edges", 0x5A5);
+    let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152, 200], true);
+    check_gpu_path("fp8 h64 single-split", &gpu, &hp, Path::Fp8, Some(1000));
+    check_gpu_path("fp8 h64 split by 2 tiles", &gpu, &hp, Path::Fp8, Some(2));
+    check_gpu_path("fp8 h64 split by 3 tiles", &gpu, &hp, Path::Fp8, Some(3));
+    check_gpu_path("fp8 h64 auto plan", &gpu, &hp, Path::Fp8, None);
+    check_gpu_path("fp8 h64 one tile per split", &gpu, &hp, Path::Fp8, Some(1));
     let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
-    check_v3_against_v2("v3 h128 single-split", &gpu, &hp, Some(1000));
-    check_v3_against_v2("v3 h128 auto plan", &gpu, &hp, None);
-    check_v3_against_v2(
-        "v3 h128 baseline plan",
+    check_gpu_path("fp8 h128 single-split", &gpu, &hp, Path::Fp8, Some(1000));
+    check_gpu_path("fp8 h128 auto plan", &gpu, &hp, Path::Fp8, None);
+    check_gpu_path(
+        "fp8 h128 baseline plan",
         &gpu,
         &hp,
+        Path::Fp8,
         Some(auto_tiles_per_split(&gpu, &hp)),
     );
 }
 
+/// CPU mirror of the FP8 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
+/// `load_raw_regs` / `dequant_regs_v5`, `softmax_step_v4`): the 128B-swizzled layout is a bijection from
+/// (row 0..64, 16-byte chunk 0..64) onto the 64 KiB tile; the dequant's (thread, i) -> chunk map writes every
+/// nope chunk of every entry exactly once, with the scale of its own 64-tile; the register staging reads every
+/// rope byte once; and the softmax's P stores equal the canonical swizzled P layout, each word once.
 #[test]
-fn gpu_decode_fp8_v3_long_hca_split_kv() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_v3_long_hca_split_kv") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_v3_long_hca_split_kv", 0x8321);
-    // HCA at 1M context: 128 window + 8192 compressed = 8320 candidates.
-    let hp = HostProblem::random(&mut rng, 64, &[8320], true);
-    check_v3_against_v2("v3 hca 8320 auto", &gpu, &hp, None);
-    check_v3_against_v2("v3 hca 8320 split 16 tiles", &gpu, &hp, Some(16));
-}
-
-#[test]
-fn gpu_decode_fp8_v4_matches_reference_and_v2() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_v4_matches_reference_and_v2") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_v4_matches_reference_and_v2", 0x4A4);
-    let v4 = Path::Fp8V4;
-    let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152], true);
-    check_new_path_against_v2("v4 h64 single-split", &gpu, &hp, v4, Some(1000));
-    check_new_path_against_v2("v4 h64 split by 2 tiles", &gpu, &hp, v4, Some(2));
-    check_new_path_against_v2("v4 h64 auto plan", &gpu, &hp, v4, None);
-    check_new_path_against_v2("v4 h64 one tile per split", &gpu, &hp, v4, Some(1));
-    let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
-    check_new_path_against_v2("v4 h128 single-split", &gpu, &hp, v4, Some(1000));
-    check_new_path_against_v2("v4 h128 auto plan", &gpu, &hp, v4, None);
-    let hp = HostProblem::random(&mut rng, 64, &[8320], true);
-    check_new_path_against_v2("v4 hca 8320 auto", &gpu, &hp, v4, None);
-}
-
-/// v5 (v4 with the dequant overlapped) against the reference and bit for bit against v4: the same dequantized
-/// values, the same wgmma sequence and the same softmax, only the schedule of loads and dequant differs.
-fn check_v5_against_v4(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, tps: Option<usize>) {
-    let v5 = check_gpu_path(test, gpu, hp, Path::Fp8V5, tps);
-    let v4 = check_gpu_path(test, gpu, hp, Path::Fp8V4, tps);
-    let shape = hp.shape();
-    if let Some(i) = (0..v5.len()).find(|&i| v5[i].to_bits() != v4[i].to_bits()) {
-        let n_diff = (0..v5.len())
-            .filter(|&j| v5[j].to_bits() != v4[j].to_bits())
-            .count();
-        panic!(
-            "{test}: v5 differs from v4 at {n_diff} of {} outputs; first at flat {i} (b {}, h {}, d {}): v5 {} v4 {}",
-            v5.len(),
-            i / (shape.heads * HEAD_DIM),
-            (i / HEAD_DIM) % shape.heads,
-            i % HEAD_DIM,
-            v5[i],
-            v4[i]
-        );
-    }
-    println!("{test}: v5 == v4 bit for bit ({} outputs)", v5.len());
-}
-
-#[test]
-fn gpu_decode_fp8_v5_matches_reference_and_v4() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_v5_matches_reference_and_v4") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_v5_matches_reference_and_v4", 0x5A5);
-    // lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro CSA), 200 (4 tiles: the index ring wraps);
-    // -1 holes in the middle.
-    let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152, 200], true);
-    check_v5_against_v4("v5 h64 single-split", &gpu, &hp, Some(1000));
-    check_v5_against_v4("v5 h64 split by 2 tiles", &gpu, &hp, Some(2));
-    check_v5_against_v4("v5 h64 split by 3 tiles", &gpu, &hp, Some(3));
-    check_v5_against_v4("v5 h64 auto plan", &gpu, &hp, None);
-    check_v5_against_v4("v5 h64 one tile per split", &gpu, &hp, Some(1));
-    let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
-    check_v5_against_v4("v5 h128 single-split", &gpu, &hp, Some(1000));
-    check_v5_against_v4("v5 h128 auto plan", &gpu, &hp, None);
-    let hp = HostProblem::random(&mut rng, 64, &[8320], true);
-    check_v5_against_v4("v5 hca 8320 auto", &gpu, &hp, None);
-    check_v5_against_v4("v5 hca 8320 split 16 tiles", &gpu, &hp, Some(16));
-}
-
-/// CPU mirror of the v3 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
-/// `dequant_tile_v3`, `pv_step_v3`): the 128B-swizzled layout is a bijection from (row 0..64, 16-byte chunk
-/// 0..64) onto the 64 KiB tile; the dequant's (thread, i) -> chunk map writes every nope chunk of every entry
-/// exactly once; the P.V ldmatrix address form (k-block, XOR with x = (mi >> 1) ^ r8) equals `sw_off` of the
-/// entry and chunk the v2 kernel reads; and every 8-lane ldmatrix phase touches 8 distinct 16-byte bank groups.
-#[test]
-fn v3_swizzle_layout_mirror() {
+fn swizzle_layout_mirror() {
     fn sw_off(row: usize, chunk: usize) -> usize {
         (chunk >> 3) * 8192 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4)
     }
@@ -989,7 +865,7 @@ fn v3_swizzle_layout_mirror() {
         }
     }
     assert!(written.iter().all(|&n| n == 1));
-    // v5 register staging: the 4 rope words of thread q are entry bytes 448 + 16q + 8(j & 1) + 64(j >> 1),
+    // register staging: the 4 rope words of thread q are entry bytes 448 + 16q + 8(j & 1) + 64(j >> 1),
     // i.e. 16-byte rope chunks q (words 0, 1) and q + 4 (words 2, 3); over q = 0..3 every rope byte once.
     let mut rope_bytes = [0u32; 128];
     for q in 0..4usize {
@@ -1002,7 +878,7 @@ fn v3_swizzle_layout_mirror() {
         }
     }
     assert!(rope_bytes.iter().all(|&n| n == 1));
-    // v4 P block: softmax lane (g, tq) of warp (wm, wh), n-tile n writes entries 32wh + 8n + 2tq (+1) of heads
+    // P block: softmax lane (g, tq) of warp (wm, wh), n-tile n writes entries 32wh + 8n + 2tq (+1) of heads
     // row0 = 16wm + g and row0 + 8 at row * 128 + (((4wh + n) ^ g) << 4) + 4tq: equal to the canonical offset
     // row * 128 + (((c >> 3) ^ (row & 7)) << 4) + 2 (c & 7), and all 64 x 32 bf16x2 words written exactly once.
     let mut p_words = vec![0u32; 64 * 32];
@@ -1023,31 +899,6 @@ fn v3_swizzle_layout_mirror() {
         }
     }
     assert!(p_words.iter().all(|&n| n == 1));
-    // P.V: lane = 8 mi + r8, warp half wh, ks, np.
-    for wh in 0..2usize {
-        for ks in 0..4usize {
-            for np in 0..16usize {
-                let mut banks = [[false; 8]; 4];
-                for lane in 0..32usize {
-                    let (mi, r8) = (lane >> 3, lane & 7);
-                    let entry = 16 * ks + r8 + (mi & 1) * 8;
-                    let dim = 256 * wh + 16 * np + (mi >> 1) * 8; // v2's column of this lane's row
-                    let x = (mi >> 1) ^ r8;
-                    let kernel = (entry * 128 + 4 * wh * 8192)
-                        + (np >> 2) * 8192
-                        + (((2 * (np & 3)) ^ x) << 4);
-                    assert_eq!(
-                        kernel,
-                        sw_off(entry, dim / 8),
-                        "wh {wh} ks {ks} np {np} lane {lane}"
-                    );
-                    let group = (kernel % 128) / 16;
-                    assert!(!banks[mi][group], "bank conflict in matrix {mi}");
-                    banks[mi][group] = true;
-                }
-            }
-        }
-    }
 }
 
 /// The sweep config parses with the bench schema, names only this family's variants, and every point
@@ -1061,10 +912,14 @@ fn bench_config_and_split_plans() {
     for v in BENCH_VARIANTS {
         bench_path(v).unwrap();
     }
-    assert_eq!(bench_path("fp8_v3").unwrap(), Path::Fp8V3);
-    assert_eq!(bench_path("fp8_v4").unwrap(), Path::Fp8V4);
-    assert_eq!(bench_path("fp8_v5").unwrap(), Path::Fp8V5);
-    assert!(bench_path("fp8_v6").is_err());
+    assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
+    assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
+    for retired in ["fp8_v3", "fp8_v4", "fp8_v5"] {
+        assert!(
+            bench_path(retired).is_err(),
+            "A/B variant {retired} was retired (v5 became fp8)"
+        );
+    }
     assert!(
         bench_path("fp8_v1").is_err(),
         "the first FP8 kernel was removed"

@@ -14,8 +14,12 @@
 //! Precision of the FP8 path: q's 448 nope dims are quantized per (head, 64-tile) with a UE8M0 power-of-two
 //! scale (the KV entry rule), K nope dims are the cache's FP8 codes times their pow2 tile scale, rope dims
 //! BF16; every product is exact and the scores accumulate in f32. The kernel holds q and each KV tile as
-//! exact BF16 values and runs BF16 `mma.sync` (sm_90 has no native FP8 `mma.sync`); softmax in f32, P rounded
-//! to BF16 for P.V (denominator unrounded), V = K dequantized exactly to BF16.
+//! exact BF16 values and runs both products on BF16 `wgmma` (kernel `sparse_attn_decode_fp8_v5`); softmax in
+//! f32, P rounded to BF16 for P.V (denominator unrounded), V = K dequantized exactly to BF16.
+//!
+//! History: the A/B run on the H200 (commit 4199846) measured four FP8 kernels; v5 won at every point (e.g.
+//! Flash CSA batch 64 @64K 52.3 us vs v4 54.8 / v3 57.0 / v2 60.3, HCA 1M batch 64 250.6 vs 329.2 / 370.4 /
+//! 429.3) and is the only one kept; the numbers are in the header of `kernels/sparse_attn.cu`.
 
 pub mod exec;
 pub mod reference;
@@ -35,13 +39,11 @@ pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
 pub const HEADS_PER_CTA: usize = 64;
 /// Candidates per KV tile (the kernel's inner-loop step).
 pub const BLOCK_N: usize = 64;
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v2` (mirrors `sa::kV2SmemBytes`).
-const FP8_V2_SMEM_BYTES: u32 = 222_976;
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v3` (mirrors `sa::kV3SmemBytes`: 220928 + 1024 B of
-/// slack the kernel uses to align its wgmma tiles to 1024 bytes).
-const FP8_V3_SMEM_BYTES: u32 = 221_952;
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v5` (mirrors `sa::kV5SmemBytes`, alignment slack included).
+/// Dynamic shared memory of `sparse_attn_decode_fp8_v5` (mirrors `sa::kV5SmemBytes`: 206848 + 1024 B of slack
+/// the kernel uses to align its wgmma tiles to 1024 bytes).
 const FP8_V5_SMEM_BYTES: u32 = 207_872;
+/// Entry point of the FP8 path (the `_v5` is kept: committed results name it).
+const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v5";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -144,9 +146,7 @@ impl SplitPlan {
     /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 | Path::Fp8V5 => {
-                SplitPlan::by_cost(sm_count, shape)
-            }
+            Path::Fp8 => SplitPlan::by_cost(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
@@ -215,10 +215,6 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    /// Looked up on first use, so that the default paths never depend on the A/B candidate's entry point.
-    decode_fp8_v3: Option<CudaFunction>,
-    decode_fp8_v4: Option<CudaFunction>,
-    decode_fp8_v5: Option<CudaFunction>,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
 }
@@ -228,10 +224,7 @@ impl Kernels {
         let with_smem = |name: &str, smem: u32| gpu.function_with_smem(FAMILY, name, smem as usize);
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
-            decode_fp8: with_smem("sparse_attn_decode_fp8_v2", FP8_V2_SMEM_BYTES)?,
-            decode_fp8_v3: None,
-            decode_fp8_v4: None,
-            decode_fp8_v5: None,
+            decode_fp8: with_smem(FP8_KERNEL, FP8_V5_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
         })
@@ -287,17 +280,10 @@ impl Workspace {
 /// Which attention kernel reads the KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
-    /// `sparse_attn_decode_fp8_v2`: reads the FP8 pool directly, dequantizes each tile once to BF16 (K = V).
+    /// `sparse_attn_decode_fp8_v5`: reads the FP8 pool directly, dequantizes each tile once to a 128B-swizzled
+    /// BF16 tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T. Bench variant
+    /// `fp8`.
     Fp8,
-    /// `sparse_attn_decode_fp8_v3`: v2 with QK^T on `wgmma` (q and the tile in the 128B-swizzled layout);
-    /// equal to `Fp8` up to the f32 summation order of the scores. A/B candidate, bench variant `fp8_v3`.
-    Fp8V3,
-    /// `sparse_attn_decode_fp8_v4`: v3 with P.V on `wgmma` as well (P in the swizzled layout, V read N-major
-    /// from the same tile). Same tolerance relation to `Fp8` as v3. A/B candidate, bench variant `fp8_v4`.
-    Fp8V4,
-    /// `sparse_attn_decode_fp8_v5`: v4 with the next tile's dequant overlapped with QK^T (two BF16 tiles, the raw
-    /// entries staged in registers). Same arithmetic as `Fp8V4` (bit-identical). Bench variant `fp8_v5`.
-    Fp8V5,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -352,35 +338,7 @@ pub fn decode(
     }
 
     let (name, smem, f) = match path {
-        Path::Fp8 => (
-            "sparse_attn_decode_fp8_v2",
-            FP8_V2_SMEM_BYTES,
-            ws.kernels.decode_fp8.clone(),
-        ),
-        Path::Fp8V3 | Path::Fp8V4 | Path::Fp8V5 => {
-            let (name, smem, slot) = match path {
-                Path::Fp8V3 => (
-                    "sparse_attn_decode_fp8_v3",
-                    FP8_V3_SMEM_BYTES,
-                    &mut ws.kernels.decode_fp8_v3,
-                ),
-                Path::Fp8V4 => (
-                    "sparse_attn_decode_fp8_v4",
-                    FP8_V3_SMEM_BYTES,
-                    &mut ws.kernels.decode_fp8_v4,
-                ),
-                _ => (
-                    "sparse_attn_decode_fp8_v5",
-                    FP8_V5_SMEM_BYTES,
-                    &mut ws.kernels.decode_fp8_v5,
-                ),
-            };
-            if slot.is_none() {
-                *slot = Some(gpu.function_with_smem(FAMILY, name, smem as usize)?);
-            }
-            let f = slot.clone().expect("loaded above");
-            (name, smem, f)
-        }
+        Path::Fp8 => (FP8_KERNEL, FP8_V5_SMEM_BYTES, ws.kernels.decode_fp8.clone()),
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
             BF16_SMEM_BYTES,
@@ -396,7 +354,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 | Path::Fp8V5 => b.arg(inp.pool).arg(&null),
+            Path::Fp8 => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -540,27 +498,24 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8V3 | Path::Fp8V4 | Path::Fp8V5 => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
     (io + kv, 4 * b * h * l * HEAD_DIM as u64)
 }
 
-/// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan),
-/// `fp8_v3` (the same with QK^T on wgmma), `fp8_v4` (QK^T and P.V on wgmma), `fp8_v5` (v4 with the dequant
-/// overlapped; A/B candidates) and `bf16_staging` (the baseline).
+/// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan) and
+/// `bf16_staging` (the baseline). The A/B variants `fp8_v3` / `fp8_v4` / `fp8_v5` were retired after the H200
+/// run: v5 became `fp8`.
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
-pub const BENCH_VARIANTS: [&str; 5] = ["fp8", "fp8_v3", "fp8_v4", "fp8_v5", "bf16_staging"];
+pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
-        "fp8_v3" => Path::Fp8V3,
-        "fp8_v4" => Path::Fp8V4,
-        "fp8_v5" => Path::Fp8V5,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
