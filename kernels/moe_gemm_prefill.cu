@@ -63,6 +63,7 @@
 // the loop should be tensor-bound apart from the exposed barrier + wait gap between stages (~10-15%).
 // Global bytes per stage: 4.5 KB weights + 16 KB BF16 A (L2 hits: one A tile is shared by all n tiles).
 #include "common/formats.cuh"
+#include "common/wgmma.cuh"
 
 namespace {
 
@@ -109,25 +110,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-
-// Keep the compiler from moving accumulator accesses across the async MMA boundary.
-template <int R>
-__device__ __forceinline__ void fence_acc(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Descriptor of a 1024-aligned 128B-swizzled K-major tile at shared address `addr` (see the header).
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4)        // bits 0-13: start address >> 4
-           | ((uint64_t)1 << 16)                    // bits 16-29: LBO (unused for swizzled K-major) = 1
-           | ((uint64_t)(1024 >> 4) << 32)          // bits 32-45: SBO = 1024 B between 8-row groups
-           | ((uint64_t)1 << 62);                   // bits 62-63: 1 = 128B swizzle
-}
 
 // D(64 x 128, fp32) += A(64 x 16, bf16, smem desc) * B(128 x 16, bf16, smem desc)^T; both K-major (trans 0).
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db) {

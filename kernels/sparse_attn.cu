@@ -55,6 +55,7 @@
 #include <stdint.h>
 
 #include "formats.cuh"
+#include "wgmma.cuh"
 
 namespace sa {
 
@@ -419,23 +420,6 @@ constexpr int kSwTileBytes = 8 * kSwBlockBytes;  // 64 rows x 512 dims BF16
 
 __device__ __forceinline__ uint32_t sw_off(int row, int chunk) {
     return (uint32_t)((chunk >> 3) * kSwBlockBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
-}
-
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-template <int R>
-__device__ __forceinline__ void fence_acc(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Descriptor of a 1024-aligned 128B-swizzled K-major tile (fields as in kernels/moe_gemm_prefill.cu):
-// start >> 4 (bits 0-13), LBO 1 (unused for swizzled K-major), SBO 1024 B >> 4 (bits 32-45), 128B swizzle.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-           ((uint64_t)1 << 62);
 }
 
 // D(64 x 32, f32) += A(64 x 16 bf16, smem desc) * B(32 x 16 bf16, smem desc)^T; both K-major.
