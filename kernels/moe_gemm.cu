@@ -71,6 +71,7 @@
 // split partials added in split order in fp32, scale = gsa * gsb (fp32), out = acc * scale (fp32), then the
 // epilogue's own points (bf16 RNE; or SwiGLU in fp32 and the NVFP4 rule of common/formats.cuh).
 #include "common/formats.cuh"
+#include "common/expert_tiles.cuh"
 
 namespace {
 
@@ -349,21 +350,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
         if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
     }
-    int incl = tiles0 + tiles1;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
-    if (lane == 31) s_warp_sum[warp] = incl;
-    __syncthreads();
-    int warp_base = 0;
-    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
-    const int excl = warp_base + incl - tiles0 - tiles1;
-    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
-    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
-    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
-    __syncthreads();
+    expert_tile_prefix<kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
 
     const int n_tiles = N / kBlockN;
     const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;

@@ -63,6 +63,7 @@
 // the loop should be tensor-bound apart from the exposed barrier + wait gap between stages (~10-15%).
 // Global bytes per stage: 4.5 KB weights + 16 KB BF16 A (L2 hits: one A tile is shared by all n tiles).
 #include "common/formats.cuh"
+#include "common/expert_tiles.cuh"
 #include "common/wgmma.cuh"
 
 namespace {
@@ -219,21 +220,7 @@ __device__ __forceinline__ void prefill_body(
         if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + kTileM - 1) / kTileM; }
         if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + kTileM - 1) / kTileM; }
     }
-    int incl = tiles0 + tiles1;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
-    if (lane == 31) s_warp_sum[warp] = incl;
-    __syncthreads();
-    int warp_base = 0;
-    for (int w2 = 0; w2 < warp; ++w2) warp_base += s_warp_sum[w2];
-    const int excl = warp_base + incl - tiles0 - tiles1;
-    if (2 * tid <= E) s_tile_prefix[2 * tid] = excl;
-    if (2 * tid + 1 <= E) s_tile_prefix[2 * tid + 1] = excl + tiles0;
-    if (tid == kThreads - 1) s_tile_prefix[E] = warp_base + incl;
-    __syncthreads();
+    expert_tile_prefix<kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
 
     const int n_tiles = N / TN;
     const long long items = (long long)s_tile_prefix[E] * n_tiles;
