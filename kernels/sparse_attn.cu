@@ -260,11 +260,34 @@ struct WarpState {
     float l[2];       // this lane's partial sum of exp2(s - m) of rows g, g+8
 };
 
-// Online-softmax step on one tile's scores (log2 units, -inf = masked). Writes P (BF16) to shared memory and
-// rescales O. kSkipUnitRescale: skip the 128 multiplies when every row of the warp has alpha == 1 (the running
-// max did not move); x * 1.0f == x exactly, so the result is bit-identical.
-template <bool kSkipUnitRescale = false>
-__device__ __forceinline__ void softmax_step(WarpState& st, float (&s)[4][4], float* red_max, __nv_bfloat16* ps,
+// Where softmax_step stores P (BF16 pairs: entries 32wh + 8n + 2tq and +1 of head rows row0 and row0 + 8).
+// Row-major [heads][kPStride] for the mma.sync P.V of the BF16 baseline:
+struct PRowMajor {
+    __nv_bfloat16* ps;
+    int wh, tq;
+    __device__ __forceinline__ void operator()(int row0, int n, uint32_t lo, uint32_t hi) const {
+        const int col = 32 * wh + 8 * n + 2 * tq;
+        *reinterpret_cast<uint32_t*>(ps + row0 * kPStride + col) = lo;
+        *reinterpret_cast<uint32_t*>(ps + (row0 + 8) * kPStride + col) = hi;
+    }
+};
+// 128B-swizzled 128-byte rows, the wgmma A operand of the FP8 kernel's P.V: entries 32wh + 8n + 2tq (+1) are
+// chunk 4wh + n, byte 4tq inside it; rows row0 and row0 + 8 share row & 7 = g, so one swizzled offset serves both.
+struct PSwizzled {
+    uint8_t* psw;
+    int wh, g, tq;
+    __device__ __forceinline__ void operator()(int row0, int n, uint32_t lo, uint32_t hi) const {
+        const uint32_t inrow = (uint32_t)((((4 * wh + n) ^ g) << 4) + 4 * tq);
+        *reinterpret_cast<uint32_t*>(psw + row0 * 128 + inrow) = lo;
+        *reinterpret_cast<uint32_t*>(psw + (row0 + 8) * 128 + inrow) = hi;
+    }
+};
+
+// Online-softmax step on one tile's scores (log2 units, -inf = masked). Writes P (BF16) to shared memory through
+// `store_p` and rescales O. kSkipUnitRescale: skip the 128 multiplies when every row of the warp has alpha == 1
+// (the running max did not move); x * 1.0f == x exactly, so the result is bit-identical.
+template <bool kSkipUnitRescale, class StoreP>
+__device__ __forceinline__ void softmax_step(WarpState& st, float (&s)[4][4], float* red_max, const StoreP& store_p,
                                              int wm, int wh, int g, int tq) {
     float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -303,9 +326,7 @@ __device__ __forceinline__ void softmax_step(WarpState& st, float (&s)[4][4], fl
         const float p3 = exp2f(s[n][3] - m_use[1]);
         st.l[0] += p0 + p1;
         st.l[1] += p2 + p3;
-        const int col = 32 * wh + 8 * n + 2 * tq;
-        *reinterpret_cast<uint32_t*>(ps + row0 * kPStride + col) = pack_bf16x2(p0, p1);
-        *reinterpret_cast<uint32_t*>(ps + (row0 + 8) * kPStride + col) = pack_bf16x2(p2, p3);
+        store_p(row0, n, pack_bf16x2(p0, p1), pack_bf16x2(p2, p3));
     }
     if (kSkipUnitRescale && __all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
@@ -461,60 +482,6 @@ __device__ __forceinline__ void fence_acc_o(float (&d)[32][4]) {
 #pragma unroll
     for (int i = 0; i < 32; ++i)
         asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])::"memory");
-}
-
-// softmax_step with P written in the swizzled layout (same arithmetic as softmax_step<true>).
-__device__ __forceinline__ void softmax_step_v4(WarpState& st, float (&s)[4][4], float* red_max, uint8_t* psw, int wm,
-                                                int wh, int g, int tq) {
-    float tmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-        tmax[0] = fmaxf(tmax[0], fmaxf(s[n][0], s[n][1]));
-        tmax[1] = fmaxf(tmax[1], fmaxf(s[n][2], s[n][3]));
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 1));
-        tmax[r] = fmaxf(tmax[r], __shfl_xor_sync(0xffffffffu, tmax[r], 2));
-    }
-    const int row0 = 16 * wm + g;
-    if (tq == 0) {
-        red_max[wh * kHeadsPerCta + row0] = tmax[0];
-        red_max[wh * kHeadsPerCta + row0 + 8] = tmax[1];
-    }
-    pair_barrier(wm);
-    tmax[0] = fmaxf(tmax[0], red_max[(1 - wh) * kHeadsPerCta + row0]);
-    tmax[1] = fmaxf(tmax[1], red_max[(1 - wh) * kHeadsPerCta + row0 + 8]);
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(st.m[r], tmax[r]);
-        m_use[r] = (m_new == -INFINITY) ? 0.f : m_new;
-        alpha[r] = exp2f(st.m[r] - m_use[r]);
-        st.m[r] = m_new;
-        st.l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-        const float p0 = exp2f(s[n][0] - m_use[0]);
-        const float p1 = exp2f(s[n][1] - m_use[0]);
-        const float p2 = exp2f(s[n][2] - m_use[1]);
-        const float p3 = exp2f(s[n][3] - m_use[1]);
-        st.l[0] += p0 + p1;
-        st.l[1] += p2 + p3;
-        // entries 32wh + 8n + 2tq (+1): chunk 4wh + n, byte 4tq inside it; rows row0 and row0 + 8 share row & 7 = g.
-        const uint32_t inrow = (uint32_t)((((4 * wh + n) ^ g) << 4) + 4 * tq);
-        *reinterpret_cast<uint32_t*>(psw + row0 * 128 + inrow) = pack_bf16x2(p0, p1);
-        *reinterpret_cast<uint32_t*>(psw + (row0 + 8) * 128 + inrow) = pack_bf16x2(p2, p3);
-    }
-    if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt) {
-        st.o[nt][0] *= alpha[0];
-        st.o[nt][1] *= alpha[0];
-        st.o[nt][2] *= alpha[1];
-        st.o[nt][3] *= alpha[1];
-    }
 }
 
 // D(64 x 256, f32, the WarpState O layout) += A(64 x 16 bf16, K-major smem desc) * B(16 x 256 bf16, N-major smem
@@ -721,7 +688,7 @@ __device__ __forceinline__ void decode_fp8_v5_body(const DecodeArgs& a) {
             s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
         }
 
-        softmax_step_v4(st, s, red_max, psw, wm, wh, g, tq);
+        softmax_step<true>(st, s, red_max, PSwizzled{psw, wh, g, tq}, wm, wh, g, tq);
         fence_proxy_async();  // P and vt[(it+1) & 1] generic stores -> async proxy
         __syncthreads();      // all 64 P rows written
 
@@ -825,7 +792,7 @@ __device__ __forceinline__ void decode_bf16_body(const DecodeArgs& a) {
             s[n][2] = v0 ? s[n][2] * kScoreScaleLog2 : -INFINITY;
             s[n][3] = v1 ? s[n][3] * kScoreScaleLog2 : -INFINITY;
         }
-        softmax_step(st, s, red_max, ps, wm, wh, g, tq);
+        softmax_step<false>(st, s, red_max, PRowMajor{ps, wh, tq}, wm, wh, g, tq);
         __syncthreads();
         pv_step(st, ps, vt, wm, wh, g, tq, lane);
     }

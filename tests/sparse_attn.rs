@@ -832,7 +832,7 @@ fn gpu_decode_fp8_pipeline_edges() {
 }
 
 /// CPU mirror of the FP8 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
-/// `load_raw_regs` / `dequant_regs_v5`, `softmax_step_v4`): the 128B-swizzled layout is a bijection from
+/// `load_raw_regs` / `dequant_regs_v5`, `softmax_step` with `PSwizzled`): the 128B-swizzled layout is a bijection from
 /// (row 0..64, 16-byte chunk 0..64) onto the 64 KiB tile; the dequant's (thread, i) -> chunk map writes every
 /// nope chunk of every entry exactly once, with the scale of its own 64-tile; the register staging reads every
 /// rope byte once; and the softmax's P stores equal the canonical swizzled P layout, each word once.
