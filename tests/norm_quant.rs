@@ -541,10 +541,10 @@ fn gpu_unfused_chain_equals_fused() {
     }
 }
 
-// ---- row-looping v4p NVFP4 kernels (the BF16 -> NVFP4 path) ---------------------------------------------------------------------
+// ---- row-looping v4p NVFP4 kernels (the BF16 -> NVFP4 path) ----------------------------------------------
 
-/// The v4 NVFP4 encoder (packed BF16 pairs, 16-bit integer compares, thermometer logic; Rust mirror of the
-/// device code) equals `formats::e2m1` of the IEEE quotient for EVERY finite BF16 value (and +-inf), at
+/// The packed NVFP4 encoder of the v4p kernels (packed BF16 pairs, 16-bit integer compares, thermometer
+/// logic, FMA thresholds; Rust mirror of the device code, both code placements) equals `formats::e2m1` of the IEEE quotient for EVERY finite BF16 value (and +-inf), at
 /// scales made as the kernel makes them (e4m3 code x global scale, global scales from subnormal to huge)
 /// plus every e4m3 code at power-of-two global scales; random per-element signs. Also the chunk amax.
 #[test]
@@ -1674,6 +1674,8 @@ fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
     out
 }
 
+/// `quantize_bf16_rows` NVFP4 (the quantize-only v4p kernel) at exact e2m1 decision points, 64 rows (fewer
+/// than one resident wave: one row per CTA); the looping case is in gpu_rmsnorm_nvfp4_v4p_matches_reference.
 #[test]
 fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
     let Some(gpu) = gpu_for_test("gpu_quant_nvfp4_matches_cpu_at_exact_boundaries") else {
