@@ -4,8 +4,8 @@
 // ------
 // RMSNorm rows (rmsnorm_*; BF16 -> NVFP4 is rmsnorm_nvfp4_bf16in_v4p, the same per-row work with rows looped
 // by one resident wave and a packed-pair encoder, see its section): one CTA per row, blockDim =
-// roundup32(D/8/CH) threads (CH = 4 chunks of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224). Each thread loads its chunks with 16-byte loads (two for
-// fp32 input) into registers; the row is never re-read from HBM. Pass 1: sum of squares -> block reduce ->
+// roundup32(D/8/CH) threads (CH = 4 chunks of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224).
+// Each thread loads its chunks with 16-byte loads (two for fp32 input) into registers; the row is never re-read from HBM. Pass 1: sum of squares -> block reduce ->
 // rstd. Pass 2: y = bf16(w * (x * rstd)) in registers; then the quantizer:
 //   * NVFP4: row amax (second block reduce) -> gs = amax/2688; 16-block amax = own 8 values + lane^1;
 //            e4m3 block scale, e2m1 codes (exact formats.cuh rule), 4 bytes of codes per thread.
@@ -1055,7 +1055,8 @@ extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4p(const
     rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, false, true>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
 }
 
-// Stand-alone FP8 quantizer of BF16 rows (the second kernel of the unfused baseline chain; NVFP4: quant_nvfp4_bf16in_v4p).
+// Stand-alone FP8 quantizer of BF16 rows (the second kernel of the unfused baseline chain; its NVFP4
+// counterpart is quant_nvfp4_bf16in_v4p).
 extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
 }
