@@ -2,9 +2,10 @@
 //
 // Design
 // ------
-// RMSNorm rows (rmsnorm_*): one CTA per row, blockDim = roundup32(D/8/CH) threads (CH = 4 chunks of 8 values
-// per thread; D = 4096 -> 128 threads, 7168 -> 224). Each thread loads its chunks with 16-byte loads (two for
-// fp32 input) into registers; the row is never re-read from HBM. Pass 1: sum of squares -> block reduce ->
+// RMSNorm rows (rmsnorm_*; BF16 -> NVFP4 is rmsnorm_nvfp4_bf16in_v4p, the same per-row work with rows looped
+// by one resident wave and a packed-pair encoder, see its section): one CTA per row, blockDim =
+// roundup32(D/8/CH) threads (CH = 4 chunks of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224).
+// Each thread loads its chunks with 16-byte loads (two for fp32 input) into registers; the row is never re-read from HBM. Pass 1: sum of squares -> block reduce ->
 // rstd. Pass 2: y = bf16(w * (x * rstd)) in registers; then the quantizer:
 //   * NVFP4: row amax (second block reduce) -> gs = amax/2688; 16-block amax = own 8 values + lane^1;
 //            e4m3 block scale, e2m1 codes (exact formats.cuh rule), 4 bytes of codes per thread.
@@ -29,9 +30,12 @@
 //     graph) + one L2/HBM round trip (~1 us) + partials reduce (~0.5 us) + 40 x ~90-cycle Sinkhorn steps
 //     (~1.8 us) ~ 6 us. Measured (H200, CUDA graph): D = 4096 T = 1 9.4 us, T = 64 16.7 us; D = 7168 T = 1
 //     11.0 us; the unfused op-by-op chain 34-47 us.
-//   A/B (session 3): mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*: the same two kernels (bit-identical
-//     outputs) as a programmatic-dependent-launch pair (see griddep_wait): the finish's launch latency hides
-//     behind the mix, and in a graph of consecutive boundaries the next mix stages F during the previous finish.
+//   PDL pair: mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*: the same two kernels (bit-identical outputs) as a
+//     programmatic-dependent-launch pair (see griddep_wait): the finish's launch latency hides behind the mix,
+//     and in a graph of consecutive boundaries the next mix stages F during the previous finish. mhc_pre takes
+//     it up to 8 tokens, two plain launches above. Measured (H200, 16 boundaries in one graph, us per boundary,
+//     D = 4096 NVFP4, two-launch / PDL): T = 1 8.3 / 7.3, T = 8 8.9 / 8.8, T = 16 10.3 / 11.0, T = 32 12.4 /
+//     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
 //   * v1 pre path (mhc_mix_partial24 + mhc_pre_finish_*: broadcast-load mixes, one-thread Sinkhorn): 18.2 us
@@ -40,6 +44,12 @@
 //   * one launch (mhc_pre_one_*: the same mix tiles, a grid barrier, then the finish tasks; bit-identical):
 //     10.6 / 17.9 / 12.1 us at the same points, ~1.1 us slower than two launches (the barrier costs more than
 //     the second graph node).
+//   * Session 3 (H200, BF16 in, median us): the row-looping v4p NVFP4 kernel replaced the one-CTA-per-row
+//     rmsnorm_nvfp4_bf16in / quant_nvfp4_bf16in (D = 4096: 4096 rows 34.1 -> 30.5, 16384 113.9 -> 100.1,
+//     65536 436.6 -> 378.7, 1 and 64 rows a tie at 6.2-6.7; D = 7168: 4096 rows 58.9 -> 53.7, 65536 813.9 ->
+//     754.2). Removed: v4 NVFP4 (same loop, shift placement, FP64 thresholds; rmsnorm_nvfp4_{bf16,f32}in_v4,
+//     quant_nvfp4_bf16in_v4): 33.0 / 110.5 / 418.9 us at D = 4096, 838.7 at 65536 x 7168; v4 FP8
+//     (rmsnorm_fp8_{bf16,f32}in_v4) lost everywhere: 23.4 vs 21.6 us (4096 x 4096), 277.5 vs 232.4 (65536).
 //   * RMSNorm rows: *_v1 (weight loaded after the sum-of-squares reduction) and the NVFP4 v3 encoder (f32 FMA
 //     thresholds, one block-amax pass, packed codes) tied with the kept kernels within 1-2% (NVFP4 4096x4096:
 //     34.10 kept / 34.45 v1 / 33.97 v3 us; 65536x4096: 436.7 / 431.8 / 429.8 us; FP8 4096x4096: 21.55 / 22.64
@@ -313,8 +323,11 @@ __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __r
     norm_quant_row<KIND, NORM, WEARLY>(v, nchunks, D, w, eps, o, red);
 }
 
-// ---- v4 row kernels (A/B candidates; the kernels above stay the default until measured) ------------------------
-// Two changes, each behind its own entry point (rmsnorm_{nvfp4,fp8}_{bf16,f32}in_v4):
+// ---- row-looping NVFP4 kernels (v4p: the BF16 -> NVFP4 path since the session-3 A/B) ---------------------------
+// The only instantiations left are rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p (PRMT_PLACE = true, BF16
+// in). The PRMT_PLACE = false placement and the FP8 branch of rmsnorm_rows_v4 belong to the removed v4 kernels;
+// they are left in the templates so the measured v4p code is untouched (the CPU mirror test still compares
+// both placements). Two changes against the one-CTA-per-row kernels:
 //  (1) Rows in flight: a CTA walks rows blockIdx.x, blockIdx.x + gridDim.x, ... (the launcher sizes the grid to
 //      one full resident wave) and issues the NEXT row's 16-byte loads before it reduces and
 //      quantizes the current one, so a row's HBM latency overlaps the previous row's barriers and ALU work
@@ -999,12 +1012,9 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
 }  // namespace
 
 // ---- entry points ------------------------------------------------------------------------------------------------
-// RMSNorm rows: grid (rows), block roundup32(ceil(D/8/4)); x [rows, D], w [D] BF16, rstd [rows] (may be null).
+// RMSNorm rows, one CTA per row (every input/format pair except BF16 -> NVFP4, which is rmsnorm_nvfp4_bf16in_v4p
+// below): grid (rows), block roundup32(ceil(D/8/4)); x [rows, D], w [D] BF16, rstd [rows] (may be null).
 
-extern "C" __global__ void rmsnorm_nvfp4_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
-                                          float* gsa, float* rstd, int D, float eps) {
-    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
-}
 extern "C" __global__ void rmsnorm_fp8_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                         float* rstd, int D, float eps) {
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
@@ -1027,49 +1037,26 @@ extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat1
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
-// v4 row kernels: grid = one full resident wave (launcher: occupancy x SMs, or rows if fewer), rows looped.
-// BF16-input kernels are capped (ptxas alone takes ~96-123 registers, mostly to hold the prefetched row next
-// to the current one): FP8 and the quantize-only NVFP4 at 72 (28 resident warps per SM, as the v1 kernels),
-// the fused NVFP4 at 80 (24 warps; at 72 it spills 8 bytes). 0 spill bytes at these caps (ptxas report). The
-// f32-input kernels (not benchmarked) spill under such caps and are left uncapped.
+// Row-looping kernels (v4p): grid = one full resident wave (launcher: occupancy x SMs, or rows if fewer), rows
+// looped. The BF16 -> NVFP4 path of rmsnorm_quant / quantize_bf16_rows. Capped registers (ptxas alone takes
+// ~96-123, mostly to hold the prefetched row next to the current one): the fused kernel at 80 (24 warps per SM;
+// at 72 it spills 8 bytes), the quantize-only kernel at 72 (28 warps). 0 spill bytes at these caps.
 #define V4_MAX_REGS 72
 #define V4_NVFP4_MAX_REGS 80
-extern "C" __global__ void __maxnreg__(V4_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_v4(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
-                                                   uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
-    rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4>(x, w, q, scales, gsa, rstd, rows, D, eps);
-}
-extern "C" __global__ void __maxnreg__(V4_MAX_REGS) rmsnorm_fp8_bf16in_v4(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
-                                                 uint8_t* scales, float* rstd, int rows, int D, float eps) {
-    rmsnorm_rows_v4<__nv_bfloat16, KIND_FP8>(x, w, q, scales, nullptr, rstd, rows, D, eps);
-}
-extern "C" __global__ void rmsnorm_nvfp4_f32in_v4(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
-                                                  float* gsa, float* rstd, int rows, int D, float eps) {
-    rmsnorm_rows_v4<float, KIND_NVFP4>(x, w, q, scales, gsa, rstd, rows, D, eps);
-}
-extern "C" __global__ void rmsnorm_fp8_f32in_v4(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
-                                                float* rstd, int rows, int D, float eps) {
-    rmsnorm_rows_v4<float, KIND_FP8>(x, w, q, scales, nullptr, rstd, rows, D, eps);
-}
-// v4p: v4 NVFP4 with the prmt code placement and the FMA thresholds (BF16 input only; its own A/B variant).
+// v4p: the v4 row loop with the packed-pair NVFP4 encoder, prmt code placement and FMA thresholds.
 extern "C" __global__ void __maxnreg__(V4_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_v4p(const __nv_bfloat16* x,
         const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
     rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, true, true>(x, w, q, scales, gsa, rstd, rows, D, eps);
 }
-// Quantize-only v4 NVFP4 (BF16 rows in): the encoder's exact-boundary GPU test; same grid rule.
-extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
-                                                 int rows, int D) {
-    rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
-}
+// Quantize-only v4p NVFP4 (BF16 rows in): the unfused chain's NVFP4 quantizer and the encoder's exact-boundary
+// GPU test; same grid rule.
 extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4p(const __nv_bfloat16* x, uint8_t* q,
                                                                          uint8_t* scales, float* gsa, int rows, int D) {
     rmsnorm_rows_v4<__nv_bfloat16, KIND_NVFP4, false, true>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
 }
 
-// Stand-alone quantizers of BF16 rows (the second kernel of the unfused baseline chain).
-extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa,
-                                              int D) {
-    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
-}
+// Stand-alone FP8 quantizer of BF16 rows (the second kernel of the unfused baseline chain; its NVFP4
+// counterpart is quant_nvfp4_bf16in_v4p).
 extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
 }

@@ -541,10 +541,10 @@ fn gpu_unfused_chain_equals_fused() {
     }
 }
 
-// ---- v4 row kernels (A/B candidates) ---------------------------------------------------------------------
+// ---- row-looping v4p NVFP4 kernels (the BF16 -> NVFP4 path) ----------------------------------------------
 
-/// The v4 NVFP4 encoder (packed BF16 pairs, 16-bit integer compares, thermometer logic; Rust mirror of the
-/// device code) equals `formats::e2m1` of the IEEE quotient for EVERY finite BF16 value (and +-inf), at
+/// The packed NVFP4 encoder of the v4p kernels (packed BF16 pairs, 16-bit integer compares, thermometer
+/// logic, FMA thresholds; Rust mirror of the device code, both code placements) equals `formats::e2m1` of the IEEE quotient for EVERY finite BF16 value (and +-inf), at
 /// scales made as the kernel makes them (e4m3 code x global scale, global scales from subnormal to huge)
 /// plus every e4m3 code at power-of-two global scales; random per-element signs. Also the chunk amax.
 #[test]
@@ -624,6 +624,25 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
 }
 
 #[test]
+fn mhc_pre_takes_the_pdl_pair_up_to_8_tokens() {
+    assert_eq!(nq::MHC_PDL_MAX_TOKENS, 8);
+    for tokens in [1usize, 2, 7, 8] {
+        assert_eq!(
+            nq::mhc_pre_auto_path(tokens),
+            nq::MhcPrePath::PdlPair,
+            "T={tokens}"
+        );
+    }
+    for tokens in [9usize, 16, 64, 8192] {
+        assert_eq!(
+            nq::mhc_pre_auto_path(tokens),
+            nq::MhcPrePath::TwoLaunch,
+            "T={tokens}"
+        );
+    }
+}
+
+#[test]
 fn v4_grid_is_one_full_wave_or_one_cta_per_row() {
     for (rows, resident) in [
         (1, 528),
@@ -650,118 +669,18 @@ fn v4_grid_is_one_full_wave_or_one_cta_per_row() {
     }
 }
 
-/// Compares a v4 download with the v1 kernel's download of the same inputs, byte for byte.
-fn assert_same_outputs(
-    label: &str,
-    v4: &nq::HostNormOutputs,
-    v1: &nq::HostNormOutputs,
-    rows: usize,
-    d: usize,
-) {
-    if let Some(i) = (0..rows).find(|&i| v4.rstd[i].to_bits() != v1.rstd[i].to_bits()) {
-        panic!(
-            "{label}: rstd of row {i}: v4 {:e} vs v1 {:e}",
-            v4.rstd[i], v1.rstd[i]
-        );
-    }
-    match (&v4.q, &v1.q) {
-        (HostQuant::Nvfp4(_), HostQuant::Nvfp4(_)) => assert_same_nvfp4(label, &v4.q, &v1.q, d),
-        (HostQuant::Fp8(a), HostQuant::Fp8(b)) => {
-            if let Some((i, x, y)) = first_diff(&a.data, &b.data) {
-                panic!(
-                    "{label}: FP8 code {i} (row {}, col {}): v4 {x:#04x} vs v1 {y:#04x}",
-                    i / d,
-                    i % d
-                );
-            }
-            if let Some((i, x, y)) = first_diff(&a.scales, &b.scales) {
-                panic!(
-                    "{label}: FP8 scale {i} (row {}, block {}): v4 {x:#04x} vs v1 {y:#04x}",
-                    i / (d / 128),
-                    i % (d / 128)
-                );
-            }
-        }
-        _ => panic!("{label}: formats differ"),
-    }
-}
-
-/// v4 fused kernels (NVFP4, FP8; BF16 and f32 input) against the v1 kernels bit for bit and against the CPU
-/// reference (exact given the GPU rstd). Row counts include ones above one resident wave, so CTAs loop over
-/// rows with the prefetch (at D = 4096 one wave is ~800-900 CTAs: 4096 and 9000 rows are ~5 and ~10 rows per CTA).
+/// The BF16 -> NVFP4 path of `rmsnorm_quant` (the row-looping v4p kernel) against the CPU reference, exact
+/// given the GPU rstd (this replaced the session-3 bit-for-bit comparison with the removed one-CTA-per-row
+/// kernel, which matched the same reference). Row counts include ones above one resident wave (at D = 4096
+/// ~800-900 CTAs): 4096 and 9000 rows are ~5 and ~10 rows per CTA, with the next row's loads in flight.
+/// Then the quantize-only v4p kernel (`quantize_bf16_rows`) at exact e2m1 decision points (ties included),
+/// 2000 rows so CTAs loop, bit for bit against the CPU encoder.
 #[test]
-fn gpu_rmsnorm_quant_v4_matches_v1_and_reference() {
-    let Some(gpu) = gpu_for_test("gpu_rmsnorm_quant_v4_matches_v1_and_reference") else {
+fn gpu_rmsnorm_nvfp4_v4p_matches_reference() {
+    let Some(gpu) = gpu_for_test("gpu_rmsnorm_nvfp4_v4p_matches_reference") else {
         return;
     };
-    let seed = fresh_seed("gpu_rmsnorm_quant_v4_matches_v1_and_reference");
-    for &d in DS {
-        let w = nq::random_weight(d, seed ^ d as u64);
-        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
-        for &rows in ROWS.iter().chain(&[9000]) {
-            for f32_input in [false, true] {
-                if f32_input && rows >= 4096 {
-                    continue; // keeps the test fast; the f32 kernels are not benchmarked
-                }
-                let mut x = nq::random_rows(rows, d, seed ^ (rows as u64 * 37 + d as u64));
-                if f32_input {
-                    x.iter_mut()
-                        .enumerate()
-                        .for_each(|(i, v)| *v *= 1.0 + (i % 89) as f32 * 1.53e-5);
-                }
-                // only the input the case uses (9000 x 7168 f32 would be 258 MB)
-                let dx16 = (!f32_input).then(|| nq::upload_checked_bf16(&gpu, "x", &x).unwrap());
-                let dx32 = f32_input.then(|| nq::upload_checked_f32(&gpu, "x", &x).unwrap());
-                let input = || match (&dx16, &dx32) {
-                    (Some(s), _) => RowsIn::Bf16(s),
-                    (_, Some(s)) => RowsIn::F32(s),
-                    _ => unreachable!("one of the two is uploaded"),
-                };
-                for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
-                    let label = format!(
-                        "v4 rmsnorm->{} {rows}x{d} {} in, seed {seed}",
-                        format.name(),
-                        if f32_input { "f32" } else { "bf16" }
-                    );
-                    let mut v4 = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                    let mut v1 = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                    nq::rmsnorm_quant_v4(&gpu, input(), &dw, r::RMS_EPS, &mut v4).unwrap();
-                    nq::rmsnorm_quant(&gpu, input(), &dw, r::RMS_EPS, &mut v1).unwrap();
-                    let (a, b) = (v4.download(&gpu).unwrap(), v1.download(&gpu).unwrap());
-                    assert_same_outputs(&label, &a, &b, rows, d);
-                    // CPU reference on the 4096/9000-row cases: a row subset keeps the test fast
-                    let check_rows = rows.min(600);
-                    let sub = nq::HostNormOutputs {
-                        rstd: a.rstd[..check_rows].to_vec(),
-                        ..a
-                    };
-                    check_norm_outputs(
-                        &label,
-                        &x[..check_rows * d],
-                        &w,
-                        check_rows,
-                        d,
-                        format,
-                        &sub,
-                    );
-                }
-            }
-        }
-    }
-    let dw = nq::upload_checked_bf16(&gpu, "w", &[1.0; 4096]).unwrap();
-    let dx = nq::upload_checked_bf16(&gpu, "x", &[1.0; 4096]).unwrap();
-    let mut bf = NormOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, 1, 4096).unwrap();
-    assert!(nq::rmsnorm_quant_v4(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut bf).is_err());
-}
-
-/// v4p (prmt placement of the code bits) against the v1 kernel bit for bit and the CPU reference; BF16 input.
-/// Its own test so that a failure drops only this variant.
-#[test]
-fn gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference() {
-    let Some(gpu) = gpu_for_test("gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference") else {
-        return;
-    };
-    let seed = fresh_seed("gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference");
+    let seed = fresh_seed("gpu_rmsnorm_nvfp4_v4p_matches_reference");
     for &d in DS {
         let w = nq::random_weight(d, seed ^ d as u64);
         let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
@@ -769,16 +688,50 @@ fn gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference() {
             let x = nq::random_rows(rows, d, seed ^ (rows as u64 * 41 + d as u64));
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             let label = format!("v4p rmsnorm->nvfp4 {rows}x{d}, seed {seed}");
-            let mut v4p = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            let mut v1 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            nq::rmsnorm_quant_v4p(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut v4p).unwrap();
-            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut v1).unwrap();
-            let (a, b) = (v4p.download(&gpu).unwrap(), v1.download(&gpu).unwrap());
-            assert_same_outputs(&label, &a, &b, rows, d);
+            let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out).unwrap();
+            let got = out.download(&gpu).unwrap();
+            // every row's rstd and global scale written (poisoned before: NaN), then a row subset vs the CPU
+            if let Some(i) = (0..rows).find(|&i| !got.rstd[i].is_finite()) {
+                panic!("{label}: rstd[{i}] not written ({})", got.rstd[i]);
+            }
+            let HostQuant::Nvfp4(q) = &got.q else {
+                panic!("{label}: not an NVFP4 download")
+            };
+            if let Some(i) = (0..rows).find(|&i| !q.global_scale[i].is_finite()) {
+                panic!(
+                    "{label}: global scale [{i}] not written ({})",
+                    q.global_scale[i]
+                );
+            }
+            // the last rows too (the highest rows of the CTAs' loops), when the first 600 do not cover them
+            let first = rows.saturating_sub(64).max(600).min(rows);
+            if first < rows {
+                let tail = rows - first;
+                let tail_out = nq::HostNormOutputs {
+                    rstd: got.rstd[first..].to_vec(),
+                    q: HostQuant::Nvfp4(r::Nvfp4Rows {
+                        rows: tail,
+                        cols: d,
+                        data: q.data[first * d / 2..].to_vec(),
+                        scales: q.scales[first * d / 16..].to_vec(),
+                        global_scale: q.global_scale[first..].to_vec(),
+                    }),
+                };
+                check_norm_outputs(
+                    &format!("{label} (rows {first}..{rows})"),
+                    &x[first * d..],
+                    &w,
+                    tail,
+                    d,
+                    OutFormat::Nvfp4,
+                    &tail_out,
+                );
+            }
             let check_rows = rows.min(600);
             let sub = nq::HostNormOutputs {
-                rstd: a.rstd[..check_rows].to_vec(),
-                ..a
+                rstd: got.rstd[..check_rows].to_vec(),
+                ..got
             };
             check_norm_outputs(
                 &label,
@@ -793,38 +746,14 @@ fn gpu_rmsnorm_nvfp4_v4p_matches_v1_and_reference() {
         // exact e2m1 decision points (ties included), quantize-only v4p kernel vs the CPU reference
         let rows = 2000;
         let y = boundary_rows(rows, d, seed ^ 0xb0 ^ d as u64);
+        assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
         let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
         let label = format!("v4p quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
         let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
-        let mut v4p = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::quantize_bf16_rows_nvfp4_v4p(&gpu, &dy, &mut v4p).unwrap();
-        assert_same_nvfp4(&label, &v4p.download(&gpu).unwrap().q, &want, d);
-    }
-}
-
-/// The v4 quantize-only NVFP4 kernel at exact e2m1 decision points (ties included) equals the CPU reference
-/// and the v1 quantize kernel bit for bit; 2000 rows so CTAs loop over rows.
-#[test]
-fn gpu_quant_nvfp4_v4_matches_cpu_at_exact_boundaries() {
-    let Some(gpu) = gpu_for_test("gpu_quant_nvfp4_v4_matches_cpu_at_exact_boundaries") else {
-        return;
-    };
-    let seed = fresh_seed("gpu_quant_nvfp4_v4_matches_cpu_at_exact_boundaries");
-    for &d in DS {
-        let rows = 2000;
-        let y = boundary_rows(rows, d, seed ^ d as u64);
-        assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
-        let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
-        let label = format!("v4 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
-        let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
-        let mut v4 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        let mut v1 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::quantize_bf16_rows_nvfp4_v4(&gpu, &dy, &mut v4).unwrap();
-        nq::quantize_bf16_rows(&gpu, &dy, &mut v1).unwrap();
-        let (a, b) = (v4.download(&gpu).unwrap(), v1.download(&gpu).unwrap());
-        assert_same_nvfp4(&format!("{label} (v4 vs v1)"), &a.q, &b.q, d);
-        assert_same_nvfp4(&format!("{label} (v4 vs CPU)"), &a.q, &want, d);
-        eprintln!("{label}: v4 kernel, v1 kernel and CPU reference bit-identical");
+        let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows(&gpu, &dy, &mut out).unwrap();
+        assert_same_nvfp4(&label, &out.download(&gpu).unwrap().q, &want, d);
+        eprintln!("{label}: kernel and CPU reference bit-identical");
     }
 }
 
@@ -1017,12 +946,17 @@ fn gpu_mhc_pre_matches_reference() {
     };
     let seed = fresh_seed("gpu_mhc_pre_matches_reference");
     for &d in DS {
-        for &tokens in &[1usize, 2, 3, 7, 64, 127, 129] {
+        // 8 and 9: both sides of mhc_pre's automatic path choice (PDL pair <= 8 tokens, two launches above)
+        for &tokens in &[1usize, 2, 3, 7, 8, 9, 64, 127, 129] {
             let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 131 + d as u64));
             let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
             let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
             for format in FORMATS {
-                let label = format!("mhc_pre->{} T={tokens} D={d} seed {seed}", format.name());
+                let label = format!(
+                    "mhc_pre->{} T={tokens} D={d} ({:?}) seed {seed}",
+                    format.name(),
+                    nq::mhc_pre_auto_path(tokens)
+                );
                 let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
                 nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
                 let snap = MhcSnapshot::take(&gpu, &out);
@@ -1537,14 +1471,22 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
         for format in FORMATS {
             let label = format!("pdl pair->{} T={tokens} D={d} seed {seed}", format.name());
             let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
-            nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
+            nq::mhc_pre_with(
+                &gpu,
+                &dx,
+                &w,
+                r::RMS_EPS,
+                &mut out,
+                nq::MhcPrePath::TwoLaunch,
+            )
+            .unwrap();
             let want = MhcSnapshot::take(&gpu, &out);
             out.poison(&gpu).unwrap();
             out.poison_partials(&gpu).unwrap();
             nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair).unwrap();
             let got = MhcSnapshot::take(&gpu, &out);
             got.assert_same(&want, &label);
-            // And against the CPU reference directly (the default path is checked the same way above).
+            // And against the CPU reference directly (mhc_pre, both paths, is checked the same way above).
             let dots = gpu_dots(&got.partials, tokens, d);
             check_mhc(
                 &label,
@@ -1583,11 +1525,19 @@ fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
         );
         let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
         let label = format!("pdl after mhc_post T={tokens} D={d} seed {seed}");
-        // Reference bits: mhc_post -> X', then the default boundary on X'.
+        // Reference bits: mhc_post -> X', then the two-launch boundary on X'.
         let mut xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
         nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo).unwrap();
-        nq::mhc_pre(&gpu, &xo, &w, r::RMS_EPS, &mut out).unwrap();
+        nq::mhc_pre_with(
+            &gpu,
+            &xo,
+            &w,
+            r::RMS_EPS,
+            &mut out,
+            nq::MhcPrePath::TwoLaunch,
+        )
+        .unwrap();
         let want = MhcSnapshot::take(&gpu, &out);
         // The PDL mix reads X' right after the (plain) mhc_post launch that writes it: with X' poisoned
         // first, a mix that read X' before its griddepcontrol.wait would see NaN.
@@ -1724,6 +1674,8 @@ fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
     out
 }
 
+/// `quantize_bf16_rows` NVFP4 (the quantize-only v4p kernel) at exact e2m1 decision points, 64 rows (fewer
+/// than one resident wave: one row per CTA); the looping case is in gpu_rmsnorm_nvfp4_v4p_matches_reference.
 #[test]
 fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
     let Some(gpu) = gpu_for_test("gpu_quant_nvfp4_matches_cpu_at_exact_boundaries") else {

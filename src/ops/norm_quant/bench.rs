@@ -1,6 +1,10 @@
 //! Bench hooks of the norm_quant family: `rmsnorm_quant` (axis `rows`, param `d`) and `mhc` (axis
 //! `tokens`, param `d`). Each fused variant names the unfused chain it is raced against (same run, same
 //! inputs); the runner adds the measured copy bandwidth, so `pct_copy_bw` is a side-by-side ratio.
+//! `rmsnorm_quant` `fused_nvfp4` measures the row-looping v4p kernel (the BF16 -> NVFP4 path of
+//! `rmsnorm_quant`); `mhc` `fused_*` / `graph_fused_*` / `graph16_fused_*` measure `mhc_pre`'s automatic
+//! launch-path choice (PDL pair up to 8 tokens, two launches above), `*_fused_pdl_*` and
+//! `*_fused_twolaunch_*` one path each (see `MHC_VARIANTS`).
 
 use anyhow::Result;
 
@@ -19,9 +23,6 @@ pub fn kernels() -> Vec<BenchKernel> {
                 "fused_fp8",
                 "unfused_fp8",
                 "fused_bf16",
-                "fused_v4_nvfp4",
-                "fused_v4_fp8",
-                "fused_v4p_nvfp4",
             ],
             matmul: MatmulKind::NotMatmul,
             run_point: rows_point,

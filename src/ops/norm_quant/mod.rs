@@ -1,13 +1,15 @@
 //! Fused RMSNorm + quantization and the fused DSV4 mHC boundary (kernels/norm_quant.cu).
 //!
 //! * [`rmsnorm_quant`]: rows `[rows, D]` (BF16 or f32, D a multiple of 128, at most 32768) -> RMSNorm with
-//!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch.
+//!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch
+//!   (BF16 -> NVFP4: the row-looping v4p kernel; everything else one CTA per row).
 //! * [`rmsnorm_then_quant`]: the unfused baseline (RMSNorm kernel -> BF16 in HBM -> quantize kernel). It
 //!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
 //! * [`mhc_pre`]: the mHC boundary `hc_pre` + RMSNorm + quant, as a split-K mix kernel plus a per-token
 //!   finish kernel; [`mhc_pre_unfused`] is the op-by-op chain (rms, GEMV, Sinkhorn, apply, RMSNorm,
-//!   quant: 6 launches); [`mhc_post`] and [`hc_head`]. [`mhc_pre_with`] picks the launch path
-//!   ([`MhcPrePath`]: the default pair, or the same kernels as a programmatic-dependent-launch pair).
+//!   quant: 6 launches); [`mhc_post`] and [`hc_head`]. [`mhc_pre`] launches its two kernels as a
+//!   programmatic-dependent-launch pair up to 8 tokens and as two plain launches above
+//!   ([`mhc_pre_auto_path`]); [`mhc_pre_with`] takes an explicit [`MhcPrePath`] (same bits either way).
 //!
 //! Layouts: NVFP4 codes `[rows, D/2]` (lower index in the low nibble), e4m3 scales `[rows, D/16]`,
 //! global scale `[rows]` f32; FP8 codes `[rows, D]`, ue8m0 scale codes `[rows, D/128]`; residual streams
@@ -26,7 +28,7 @@ pub mod reference;
 pub use exec::exec_kernels;
 
 use anyhow::{bail, Result};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
 use crate::gpu::timing::TimingPlan;
@@ -294,6 +296,12 @@ pub fn upload_checked_bf16(gpu: &Gpu, what: &str, v: &[f32]) -> Result<CudaSlice
 }
 
 /// Fused RMSNorm + quantization of `rows` rows of `d` with weight `w` (BF16 [d]) into `out`.
+///
+/// BF16 input -> NVFP4 runs `rmsnorm_nvfp4_bf16in_v4p` (one resident wave of CTAs looping over rows with
+/// the next row's loads in flight, packed BF16-pair e2m1 encoder; grid [`v4_grid`]): measured on the H200
+/// 30.5 us vs 34.1 us of the one-CTA-per-row kernel at 4096 x 4096, 378.7 vs 436.6 us at 65536 x 4096, 53.7
+/// vs 58.9 us at 4096 x 7168, a tie at 1-64 rows; the same bits. Every other input/format pair runs the
+/// one-CTA-per-row kernel `rmsnorm_<fmt>_<in>` (for FP8 the looping variant lost: 23.4 vs 21.6 us).
 pub fn rmsnorm_quant(
     gpu: &Gpu,
     x: RowsIn<'_>,
@@ -301,27 +309,36 @@ pub fn rmsnorm_quant(
     eps: f32,
     out: &mut NormOutputs,
 ) -> Result<()> {
-    rmsnorm_quant_kernel(gpu, x, w, eps, out, "")
+    if out.format == OutFormat::Nvfp4 && matches!(x, RowsIn::Bf16(_)) {
+        rmsnorm_nvfp4_bf16in_rows_v4p(gpu, x, w, eps, out)
+    } else {
+        rmsnorm_quant_per_row_kernel(gpu, x, w, eps, out)
+    }
 }
 
-fn rmsnorm_quant_kernel(
+fn check_rmsnorm_args(
+    x: &RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &NormOutputs,
+) -> Result<()> {
+    check_rows(out.rows, out.d)?;
+    check_eps(eps)?;
+    check_len("x", x.len(), out.rows * out.d)?;
+    check_len("weight", w.len(), out.d)
+}
+
+/// One CTA per row: `rmsnorm_<fmt>_<in>`.
+fn rmsnorm_quant_per_row_kernel(
     gpu: &Gpu,
     x: RowsIn<'_>,
     w: &CudaSlice<bf16>,
     eps: f32,
     out: &mut NormOutputs,
-    kernel_suffix: &str,
 ) -> Result<()> {
+    check_rmsnorm_args(&x, w, eps, out)?;
     let (rows, d) = (out.rows, out.d);
-    check_rows(rows, d)?;
-    check_eps(eps)?;
-    check_len("x", x.len(), rows * d)?;
-    check_len("weight", w.len(), d)?;
-    let name = format!(
-        "rmsnorm_{}_{}{kernel_suffix}",
-        out.format.name(),
-        x.suffix()
-    );
+    let name = format!("rmsnorm_{}_{}", out.format.name(), x.suffix());
     let f = gpu.function(FAMILY, &name)?;
     let cfg = launch_cfg((rows as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
     let d_i = d as i32;
@@ -351,116 +368,32 @@ fn rmsnorm_quant_kernel(
     Ok(())
 }
 
-/// Candidate v4 of the fused NVFP4 / FP8 row kernels (A/B against [`rmsnorm_quant`]; same outputs bit for
-/// bit for finite inputs): one resident wave of CTAs walks the rows with the next row's loads in flight, and
-/// NVFP4 encodes with packed BF16-pair integer compares (see the v4 section of kernels/norm_quant.cu).
-pub fn rmsnorm_quant_v4(
-    gpu: &Gpu,
-    x: RowsIn<'_>,
-    w: &CudaSlice<bf16>,
-    eps: f32,
-    out: &mut NormOutputs,
-) -> Result<()> {
-    rmsnorm_quant_v4_kernel(gpu, x, w, eps, out, "_v4")
-}
-
-/// [`rmsnorm_quant_v4`] for NVFP4 with the prmt placement of the code bits (its own A/B variant); BF16
-/// input only.
-pub fn rmsnorm_quant_v4p(
-    gpu: &Gpu,
-    x: RowsIn<'_>,
-    w: &CudaSlice<bf16>,
-    eps: f32,
-    out: &mut NormOutputs,
-) -> Result<()> {
-    if out.format != OutFormat::Nvfp4 || !matches!(x, RowsIn::Bf16(_)) {
-        bail!("rmsnorm_quant_v4p: only BF16 input -> NVFP4");
-    }
-    rmsnorm_quant_v4_kernel(gpu, x, w, eps, out, "_v4p")
-}
-
-fn rmsnorm_quant_v4_kernel(
-    gpu: &Gpu,
-    x: RowsIn<'_>,
-    w: &CudaSlice<bf16>,
-    eps: f32,
-    out: &mut NormOutputs,
-    kernel_suffix: &str,
-) -> Result<()> {
-    let (rows, d) = (out.rows, out.d);
-    check_rows(rows, d)?;
-    check_eps(eps)?;
-    check_len("x", x.len(), rows * d)?;
-    check_len("weight", w.len(), d)?;
-    if out.format == OutFormat::Bf16 {
-        bail!("rmsnorm_quant_v4: the output format must be nvfp4 or fp8 (bf16 has only the v1 kernel)");
-    }
-    let name = format!(
-        "rmsnorm_{}_{}{kernel_suffix}",
-        out.format.name(),
-        x.suffix()
-    );
-    let f = gpu.function(FAMILY, &name)?;
-    let threads = row_block_threads(d);
+/// Grid of a row-looping kernel: one full resident wave of `f` at `threads` per CTA (see [`v4_grid`]).
+fn resident_wave_grid(gpu: &Gpu, f: &CudaFunction, threads: u32, rows: usize) -> Result<usize> {
     let per_sm = drv(
         f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None),
         "cuOccupancyMaxActiveBlocksPerMultiprocessor",
     )?;
-    let grid = v4_grid(rows, per_sm as usize * gpu.info.sm_count.max(1) as usize);
-    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
-    let (rows_i, d_i) = (rows as i32, d as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    match &x {
-        RowsIn::Bf16(s) => b.arg(*s),
-        RowsIn::F32(s) => b.arg(*s),
-    };
-    b.arg(w);
-    match &mut out.q {
-        QuantBufs::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } => {
-            b.arg(data).arg(scales).arg(global_scale);
-        }
-        QuantBufs::Fp8 { data, scales } => {
-            b.arg(data).arg(scales);
-        }
-        QuantBufs::Bf16 { .. } => unreachable!("rejected above"),
-    }
-    b.arg(&mut out.rstd).arg(&rows_i).arg(&d_i).arg(&eps);
-    drv(unsafe { b.launch(cfg) }, &name)?;
-    Ok(())
+    Ok(v4_grid(
+        rows,
+        per_sm as usize * gpu.info.sm_count.max(1) as usize,
+    ))
 }
 
-/// Quantize-only v4 NVFP4 of BF16 rows `y` [rows, d] (the v4 packed-pair encoder without the norm; used by
-/// the encoder's exact-boundary test). `out` must be NVFP4; `out.rstd` is left untouched.
-pub fn quantize_bf16_rows_nvfp4_v4(
+/// `rmsnorm_nvfp4_bf16in_v4p`: BF16 rows -> NVFP4, rows looped by one resident wave.
+fn rmsnorm_nvfp4_bf16in_rows_v4p(
     gpu: &Gpu,
-    y: &CudaSlice<bf16>,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
     out: &mut NormOutputs,
 ) -> Result<()> {
-    quantize_bf16_rows_nvfp4_v4_kernel(gpu, y, out, "quant_nvfp4_bf16in_v4")
-}
-
-/// [`quantize_bf16_rows_nvfp4_v4`] with the v4p encoder (prmt placement, FMA thresholds).
-pub fn quantize_bf16_rows_nvfp4_v4p(
-    gpu: &Gpu,
-    y: &CudaSlice<bf16>,
-    out: &mut NormOutputs,
-) -> Result<()> {
-    quantize_bf16_rows_nvfp4_v4_kernel(gpu, y, out, "quant_nvfp4_bf16in_v4p")
-}
-
-fn quantize_bf16_rows_nvfp4_v4_kernel(
-    gpu: &Gpu,
-    y: &CudaSlice<bf16>,
-    out: &mut NormOutputs,
-    name: &str,
-) -> Result<()> {
+    check_rmsnorm_args(&x, w, eps, out)?;
     let (rows, d) = (out.rows, out.d);
-    check_rows(rows, d)?;
-    check_len("y", y.len(), rows * d)?;
+    let name = "rmsnorm_nvfp4_bf16in_v4p";
+    let RowsIn::Bf16(xs) = x else {
+        bail!("{name}: the input must be BF16");
+    };
     let QuantBufs::Nvfp4 {
         data,
         scales,
@@ -471,20 +404,19 @@ fn quantize_bf16_rows_nvfp4_v4_kernel(
     };
     let f = gpu.function(FAMILY, name)?;
     let threads = row_block_threads(d);
-    let per_sm = drv(
-        f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None),
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-    )?;
-    let grid = v4_grid(rows, per_sm as usize * gpu.info.sm_count.max(1) as usize);
+    let grid = resident_wave_grid(gpu, &f, threads, rows)?;
     let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
     let (rows_i, d_i) = (rows as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
-    b.arg(y)
+    b.arg(xs)
+        .arg(w)
         .arg(data)
         .arg(scales)
         .arg(global_scale)
+        .arg(&mut out.rstd)
         .arg(&rows_i)
-        .arg(&d_i);
+        .arg(&d_i)
+        .arg(&eps);
     drv(unsafe { b.launch(cfg) }, name)?;
     Ok(())
 }
@@ -498,12 +430,13 @@ pub fn v4_grid(rows: usize, max_resident: usize) -> usize {
 }
 
 /// Second kernel of the unfused chain: quantize BF16 rows `y` [rows, d] to NVFP4 or FP8 (no norm).
-/// `out.rstd` is left untouched.
+/// NVFP4 runs `quant_nvfp4_bf16in_v4p` (the encoder of [`rmsnorm_quant`]'s BF16 NVFP4 kernel, rows looped by
+/// one resident wave), FP8 `quant_fp8_bf16in` (one CTA per row). `out.rstd` is left untouched.
 pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
     let (rows, d) = (out.rows, out.d);
     check_rows(rows, d)?;
     check_len("y", y.len(), rows * d)?;
-    let cfg = launch_cfg((rows as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
+    let threads = row_block_threads(d);
     let d_i = d as i32;
     match &mut out.q {
         QuantBufs::Nvfp4 {
@@ -511,12 +444,22 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
             scales,
             global_scale,
         } => {
-            let f = gpu.function(FAMILY, "quant_nvfp4_bf16in")?;
+            let name = "quant_nvfp4_bf16in_v4p";
+            let f = gpu.function(FAMILY, name)?;
+            let grid = resident_wave_grid(gpu, &f, threads, rows)?;
+            let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
+            let rows_i = rows as i32;
             let mut b = gpu.stream.launch_builder(&f);
-            b.arg(y).arg(data).arg(scales).arg(global_scale).arg(&d_i);
-            drv(unsafe { b.launch(cfg) }, "quant_nvfp4_bf16in")?;
+            b.arg(y)
+                .arg(data)
+                .arg(scales)
+                .arg(global_scale)
+                .arg(&rows_i)
+                .arg(&d_i);
+            drv(unsafe { b.launch(cfg) }, name)?;
         }
         QuantBufs::Fp8 { data, scales } => {
+            let cfg = launch_cfg((rows as u32, 1, 1), (threads, 1, 1), 0);
             let f = gpu.function(FAMILY, "quant_fp8_bf16in")?;
             let mut b = gpu.stream.launch_builder(&f);
             b.arg(y).arg(data).arg(scales).arg(&d_i);
@@ -740,7 +683,8 @@ fn launch_mix_partial(
 }
 
 /// Fused mHC boundary: `(pre, post, C, u) = hc_pre(X)`, then `RMSNorm(u; weight)` in `out.normed.format`.
-/// Two launches (split-K mixes over 4D/128 x ceil(T/32) CTAs, then two CTAs per token); `x` is `[T, 4, D]`.
+/// Two kernels (split-K mixes over 4D/128 x ceil(T/32) CTAs, then two CTAs per token); `x` is `[T, 4, D]`.
+/// The launch path is chosen by token count ([`mhc_pre_auto_path`]); every path gives the same bits.
 pub fn mhc_pre(
     gpu: &Gpu,
     x: &CudaSlice<bf16>,
@@ -748,6 +692,28 @@ pub fn mhc_pre(
     eps: f32,
     out: &mut MhcPreOutputs,
 ) -> Result<()> {
+    let path = mhc_pre_auto_path(out.tokens);
+    mhc_pre_with(gpu, x, w, eps, out, path)
+}
+
+/// Largest token count for which [`mhc_pre`] launches the PDL pair.
+pub const MHC_PDL_MAX_TOKENS: usize = 8;
+
+/// The launch path [`mhc_pre`] takes for `tokens` tokens: [`MhcPrePath::PdlPair`] up to
+/// [`MHC_PDL_MAX_TOKENS`], [`MhcPrePath::TwoLaunch`] above. Measured on the H200 (us per boundary, D = 4096
+/// NVFP4, 16 boundaries in one graph, two launches vs PDL pair): 1 token 8.3 vs 7.3, 8 tokens 8.9 vs 8.8,
+/// 16 tokens 10.3 vs 11.0, 32: 12.4 vs 16.8, 64: 15.3 vs 27.7 (D = 7168: 9.7 vs 8.7 at 1 token, 11.0 vs
+/// 11.4 at 8, 12.8 vs 14.9 at 16; FP8 alike). From 16 tokens on, the finish grid (two CTAs per token) is
+/// resident and waiting while the mix runs and holds the SM resources the mix's CTAs would use.
+pub fn mhc_pre_auto_path(tokens: usize) -> MhcPrePath {
+    if tokens <= MHC_PDL_MAX_TOKENS {
+        MhcPrePath::PdlPair
+    } else {
+        MhcPrePath::TwoLaunch
+    }
+}
+
+fn check_mhc_pre(x: &CudaSlice<bf16>, w: &MhcWeights, eps: f32, out: &MhcPreOutputs) -> Result<()> {
     check_mhc(x, w, out)?;
     check_eps(eps)?;
     if w.nmix != reference::HC_MIX {
@@ -756,8 +722,7 @@ pub fn mhc_pre(
             w.nmix
         );
     }
-    launch_mix_partial_v2(gpu, x, w, out.tokens, &mut out.partials)?;
-    launch_pre_finish(gpu, x, w, eps, out)
+    Ok(())
 }
 
 fn launch_mix_partial_v2(
@@ -830,10 +795,11 @@ fn launch_pre_finish(
     Ok(())
 }
 
-/// How the two kernels of the fused mHC boundary are launched (an A/B option; [`mhc_pre`] is `TwoLaunch`).
+/// How the two kernels of the fused mHC boundary are launched ([`mhc_pre`] picks one by token count,
+/// [`mhc_pre_auto_path`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MhcPrePath {
-    /// `mhc_mix_partial24_v2` then `mhc_pre_finish2_*`, plain stream-ordered launches (the measured default).
+    /// `mhc_mix_partial24_v2` then `mhc_pre_finish2_*`, plain stream-ordered launches (above 8 tokens).
     TwoLaunch,
     /// `mhc_mix_partial24_pdl` then `mhc_pre_finish_pdl_*`: the same arithmetic (bit-identical outputs),
     /// both launched with programmatic dependent launch (PDL): the finish grid is scheduled while the mix
@@ -852,17 +818,13 @@ pub fn mhc_pre_with(
     out: &mut MhcPreOutputs,
     path: MhcPrePath,
 ) -> Result<()> {
+    check_mhc_pre(x, w, eps, out)?;
     match path {
-        MhcPrePath::TwoLaunch => mhc_pre(gpu, x, w, eps, out),
+        MhcPrePath::TwoLaunch => {
+            launch_mix_partial_v2(gpu, x, w, out.tokens, &mut out.partials)?;
+            launch_pre_finish(gpu, x, w, eps, out)
+        }
         MhcPrePath::PdlPair => {
-            check_mhc(x, w, out)?;
-            check_eps(eps)?;
-            if w.nmix != reference::HC_MIX {
-                bail!(
-                    "mhc_pre needs sub-layer weights (24 mixes), got {} (head weights go to hc_head)",
-                    w.nmix
-                );
-            }
             let (tokens, d) = (out.tokens, out.d);
             let name = "mhc_mix_partial24_pdl";
             let f = gpu.function(FAMILY, name)?;
@@ -993,7 +955,7 @@ fn launch_pdl(
 
 /// `hc_post` of one sub-layer fused with `hc_pre` of the next: `x_out = post (x) y + comb^T x` (as
 /// [`mhc_post`], bit for bit) is computed inside the split-K mix kernel, which feeds it to the next
-/// boundary's dots; then the finish kernel as in [`mhc_pre`] (reading `x_out`). Two launches instead of
+/// boundary's dots; then the two-launch finish kernel of [`mhc_pre`] (reading `x_out`). Two launches instead of
 /// three, and X' is not re-read for the mixes. `post`/`comb` are the previous boundary's.
 #[allow(clippy::too_many_arguments)]
 pub fn mhc_post_then_pre(
@@ -1228,17 +1190,16 @@ pub struct BenchPoint {
     pub baseline: Option<String>,
 }
 
-/// Variants of the row kernels: `fused_<fmt>`, `unfused_<fmt>` (fmt in nvfp4, fp8, bf16; bf16 has only
-/// the one kernel) and `copy` (device-to-device copy of the same number of bytes, the bandwidth reference).
+/// Variants of the row kernels: `fused_<fmt>` ([`rmsnorm_quant`]; BF16 -> NVFP4 is the v4p kernel),
+/// `unfused_<fmt>` (fmt in nvfp4, fp8, bf16; bf16 has only the one kernel) and `copy` (device-to-device
+/// copy of the same number of bytes, the bandwidth reference). The session-3 candidates fused_v4_nvfp4,
+/// fused_v4_fp8 and fused_v4p_nvfp4 are gone (v4p became fused_nvfp4; see kernels/norm_quant.cu).
 pub const ROW_VARIANTS: &[&str] = &[
     "fused_nvfp4",
     "unfused_nvfp4",
     "fused_fp8",
     "unfused_fp8",
     "fused_bf16",
-    "fused_v4_nvfp4",
-    "fused_v4_fp8",
-    "fused_v4p_nvfp4",
     "copy",
 ];
 
@@ -1286,18 +1247,6 @@ pub fn bench_rows(
             let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
             Ok(point(bytes, s, base))
         }
-        "fused_v4" | "fused_v4p" => {
-            let format = OutFormat::parse(fmt)?;
-            let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let launch = if kind == "fused_v4" {
-                rmsnorm_quant_v4
-            } else {
-                rmsnorm_quant_v4p
-            };
-            let s = gpu.time_us(plan, || launch(gpu, RowsIn::Bf16(&x), &w, eps, &mut out))?;
-            let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
-            Ok(point(bytes, s, Some(format!("unfused_{fmt}"))))
-        }
         "unfused" => {
             let format = OutFormat::parse(fmt)?;
             let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, rows, d)?;
@@ -1316,8 +1265,13 @@ pub fn bench_rows(
     }
 }
 
-/// Variants of the mHC boundary: `fused_<fmt>` (the two-launch boundary), `unfused_<fmt>` (the op-by-op
-/// chain), `fused_pdl_<fmt>` (the same two kernels as a programmatic-dependent pair, [`MhcPrePath::PdlPair`]),
+/// Variants of the mHC boundary, `<kind>_<fmt>` with kind
+/// * `fused`: [`mhc_pre`] as called, i.e. its automatic path choice (the PDL pair up to 8 tokens, two plain
+///   launches above, [`mhc_pre_auto_path`]);
+/// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
+///   so both stay measurable on both sides of the threshold (registered in graph form only);
+/// * `unfused`: the op-by-op chain;
+///
 /// each timed three ways:
 /// * `<kind>_<fmt>`: plain stream launches, one boundary per event pair (host launch cost included);
 /// * `graph_<kind>_<fmt>`: a graph holding ONE boundary, replayed 20 times back to back, time / 20. Each
@@ -1352,6 +1306,10 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_pdl_fp8",
     "graph16_fused_pdl_nvfp4",
     "graph16_fused_pdl_fp8",
+    "graph_fused_twolaunch_nvfp4",
+    "graph_fused_twolaunch_fp8",
+    "graph16_fused_twolaunch_nvfp4",
+    "graph16_fused_twolaunch_fp8",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
@@ -1447,8 +1405,8 @@ pub fn bench_mhc(
         (0, variant)
     };
     let graph = per_graph > 0;
-    // kind_fmt with kind in fused (the two-launch boundary), fused_pdl (the same kernels as a PDL pair),
-    // unfused (the op-by-op chain).
+    // kind_fmt with kind in fused (mhc_pre's automatic path), fused_pdl / fused_twolaunch (one path forced),
+    // unfused (the op-by-op chain). path: None = unfused, Some(None) = automatic, Some(Some(p)) = forced.
     let (kind, fmt) = rest
         .rsplit_once('_')
         .ok_or_else(|| anyhow::anyhow!("unknown mhc variant `{variant}`"))?;
@@ -1458,8 +1416,9 @@ pub fn bench_mhc(
     let mut scratch = MhcUnfusedScratch::alloc(gpu, tokens)?;
     let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, tokens, d)?;
     let path = match kind {
-        "fused" => Some(MhcPrePath::TwoLaunch),
-        "fused_pdl" => Some(MhcPrePath::PdlPair),
+        "fused" => Some(None),
+        "fused_pdl" => Some(Some(MhcPrePath::PdlPair)),
+        "fused_twolaunch" => Some(Some(MhcPrePath::TwoLaunch)),
         "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
@@ -1468,7 +1427,8 @@ pub fn bench_mhc(
     };
     let fused = path.is_some();
     let mut run = |out: &mut MhcPreOutputs| match path {
-        Some(p) => mhc_pre_with(gpu, &x, &w, eps, out, p),
+        Some(None) => mhc_pre(gpu, &x, &w, eps, out),
+        Some(Some(p)) => mhc_pre_with(gpu, &x, &w, eps, out, p),
         None => mhc_pre_unfused(gpu, &x, &w, eps, &mut scratch, &mut staging, out),
     };
     let s = if graph {
