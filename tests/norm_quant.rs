@@ -3,6 +3,7 @@
 
 use megamoe::formats::{bf16, e2m1, e4m3, ue8m0};
 use megamoe::gpu::gpu_for_test;
+use megamoe::ops::norm_quant::reference::packed_e2m1_mirror::{f64_to_f32_rd, f64_to_f32_ru};
 use megamoe::ops::norm_quant::reference::{self as r, MhcParams};
 use megamoe::ops::norm_quant::{
     self as nq, HostQuant, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
@@ -1217,26 +1218,6 @@ fn gpu_hc_head_matches_reference() {
 // rounding thresholds of the e2m1 ladder into thresholds on `a` (see `e2m1_thresholds` there). This test
 // emulates exactly that computation (f64 products, directed f64 -> f32 conversions) and checks it equals
 // the reference encoder on random and adversarial (near-threshold) inputs.
-
-/// Largest f32 <= x (x finite, positive).
-fn f64_to_f32_rd(x: f64) -> f32 {
-    let f = x as f32; // nearest
-    if f64::from(f) > x {
-        f32::from_bits(f.to_bits() - 1)
-    } else {
-        f
-    }
-}
-
-/// Smallest f32 >= x (x finite, positive).
-fn f64_to_f32_ru(x: f64) -> f32 {
-    let f = x as f32;
-    if f64::from(f) < x {
-        f32::from_bits(f.to_bits() + 1)
-    } else {
-        f
-    }
-}
 
 fn e2m1_via_thresholds(y: f32, scale: f32) -> u8 {
     if scale == 0.0 {
