@@ -3,7 +3,6 @@
 
 use megamoe::formats::{bf16, e2m1, e4m3, ue8m0};
 use megamoe::gpu::gpu_for_test;
-use megamoe::ops::norm_quant::reference::packed_e2m1_mirror::{f64_to_f32_rd, f64_to_f32_ru};
 use megamoe::ops::norm_quant::reference::{self as r, MhcParams};
 use megamoe::ops::norm_quant::{
     self as nq, HostQuant, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
@@ -1216,25 +1215,16 @@ fn gpu_hc_head_matches_reference() {
 //
 // kernels/norm_quant.cu encodes `e2m1(fl(a / scale))` without dividing: per 16-block it turns the seven
 // rounding thresholds of the e2m1 ladder into thresholds on `a` (see `e2m1_thresholds` there). This test
-// emulates exactly that computation (f64 products, directed f64 -> f32 conversions) and checks it equals
-// the reference encoder on random and adversarial (near-threshold) inputs.
+// takes those thresholds from the CPU mirror of that computation (`reference::packed_e2m1_mirror::thresholds`:
+// f64 products, directed f64 -> f32 conversions), selects the code the kernel's way, and checks it equals the
+// reference encoder on random and adversarial (near-threshold) inputs.
 
 fn e2m1_via_thresholds(y: f32, scale: f32) -> u8 {
     if scale == 0.0 {
         return 0;
     }
-    let s = f64::from(scale);
-    let nextup = |x: f32| f32::from_bits(x.to_bits() + 1);
     // `a >= b[i]` for every i: the `>` thresholds become `>=` their f32 successor.
-    let b = [
-        nextup(f64_to_f32_rd(s * (0.25 + 2f64.powi(-26)))),
-        f64_to_f32_ru(s * (0.75 - 2f64.powi(-25))),
-        nextup(f64_to_f32_rd(s * (1.25 + 2f64.powi(-24)))),
-        f64_to_f32_ru(s * (1.75 - 2f64.powi(-24))),
-        nextup(f64_to_f32_rd(s * (2.5 + 2f64.powi(-23)))),
-        f64_to_f32_ru(s * (3.5 - 2f64.powi(-23))),
-        nextup(f64_to_f32_rd(s * (5.0 + 2f64.powi(-22)))),
-    ];
+    let b = r::packed_e2m1_mirror::thresholds(scale);
     let a = y.abs();
     let p2 = a >= b[3];
     let p1 = a >= if p2 { b[5] } else { b[1] };

@@ -107,7 +107,7 @@ pub fn quantize_nvfp4_rows(y: &[f32], rows: usize, cols: usize) -> Result<Nvfp4R
 /// every BF16 value. Not used by the reference itself.
 pub mod packed_e2m1_mirror {
     /// Largest f32 <= x (x finite, positive): `__double2float_rd`.
-    pub fn f64_to_f32_rd(x: f64) -> f32 {
+    fn f64_to_f32_rd(x: f64) -> f32 {
         let f = x as f32;
         if f64::from(f) > x {
             f32::from_bits(f.to_bits() - 1)
@@ -117,7 +117,7 @@ pub mod packed_e2m1_mirror {
     }
 
     /// Smallest f32 >= x (x finite, positive): `__double2float_ru`.
-    pub fn f64_to_f32_ru(x: f64) -> f32 {
+    fn f64_to_f32_ru(x: f64) -> f32 {
         let f = x as f32;
         if f64::from(f) < x {
             f32::from_bits(f.to_bits() + 1)
