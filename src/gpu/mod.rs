@@ -7,6 +7,7 @@
 
 pub mod blas;
 pub mod module;
+pub mod pdl;
 pub mod telemetry;
 pub mod timing;
 

@@ -1,0 +1,84 @@
+//! Programmatic dependent launch (PDL): a kernel launched with the programmatic-stream-serialization
+//! attribute may be scheduled before the previous kernel on the stream completes; the kernel waits
+//! (`griddepcontrol.wait`) before reading that kernel's outputs. cudarc's launch builder has no launch
+//! attributes, so these launches go through `cuLaunchKernelEx` with raw parameter slots.
+
+use anyhow::Result;
+use cudarc::driver::CudaSlice;
+
+use super::{drv, Gpu};
+
+/// Kernel parameters for `cuLaunchKernelEx`, one 8-byte slot each. The driver copies each parameter with
+/// the size the kernel's signature gives it: 8 bytes for a pointer, 4 for an `int`/`float`, read from the
+/// slot's first bytes (little-endian: the low 32 bits hold the value). The slots are not moved between
+/// filling and launching (the Vec is only read while `cuLaunchKernelEx` runs).
+#[derive(Default)]
+pub struct RawArgs {
+    slots: Vec<u64>,
+}
+
+impl RawArgs {
+    pub fn slice<T>(&mut self, gpu: &Gpu, s: &CudaSlice<T>) -> &mut Self {
+        use cudarc::driver::DevicePtr;
+        // Event tracking is off (Gpu::open), so the guard records nothing.
+        let (ptr, _guard) = s.device_ptr(&gpu.stream);
+        self.slots.push(ptr);
+        self
+    }
+    pub fn i32(&mut self, v: i32) -> &mut Self {
+        self.slots.push(v as u32 as u64);
+        self
+    }
+    pub fn f32(&mut self, v: f32) -> &mut Self {
+        self.slots.push(v.to_bits() as u64);
+        self
+    }
+}
+
+/// Launch `f` on the Gpu's stream with the programmatic-stream-serialization attribute (PDL): it may start
+/// before the previous kernel of the stream completes; the kernel itself waits (`griddepcontrol.wait`)
+/// before touching that kernel's outputs. No dynamic shared memory.
+pub fn launch_pdl(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    args: &mut RawArgs,
+    what: &str,
+) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut params: Vec<*mut std::ffi::c_void> = args
+        .slots
+        .iter_mut()
+        .map(|v| v as *mut u64 as *mut std::ffi::c_void)
+        .collect();
+    // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: 0,
+        hStream: gpu.stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    drv(gpu.ctx.bind_to_thread(), "bind context")?;
+    // SAFETY: `params` holds one pointer per kernel parameter, in the order of the kernel's signature (the
+    // callers mirror their kernels' entry points), each to a live 8-byte slot; the device
+    // buffers outlive the launch (owned by the caller, freed only after stream synchronization).
+    let r = unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    drv(r.result(), what)
+}
