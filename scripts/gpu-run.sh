@@ -5,7 +5,8 @@
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile] [extra args for `megamoe bench`]
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
 #            bench-configs/profile/<family>.toml; one text report per family (ncu-<family>.txt).
-#   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, BENCH_TIMEOUT (per config), REPS,
+#   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, SANITIZE_TESTS (stress: extra memcheck
+#        runs of test executables, "exe[:filter] ..."), BENCH_TIMEOUT (per config), REPS,
 #        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all when unset),
 #        TESTS (tests: space-separated test executable names to run; all when unset), PROFILE_TIMEOUT
 #        (per family; CONFIGS also selects profile families)
@@ -49,6 +50,16 @@ if { [ "$what" = all ] || [ "$what" = stress ]; } && "$B/megamoe" stress --help 
         --exhaustive-max "${SANITIZER_MAX:-300}" --random-cases 1 --random-max 40000 --e2e-max 40000 --watchdog-ms 300000 \
         > "$work/sanitizer-$tool.txt" 2>&1; rc=$?
       tail -n 4 "$work/sanitizer-$tool.txt"; [ $rc -eq 0 ] || { echo "sanitizer $tool: rc $rc"; status=1; }
+    done
+    # Kernels outside the indexer (e.g. ones with cross-CTA counters) under memcheck through their own GPU tests:
+    # SANITIZE_TESTS="exe[:filter] ..." (filter = a libtest name filter; the whole executable when omitted).
+    for spec in ${SANITIZE_TESTS:-}; do
+      exe="${spec%%:*}"; filter=""; [[ "$spec" == *:* ]] && filter="${spec#*:}"
+      step "compute-sanitizer --tool memcheck tests/$exe ${filter}"
+      # shellcheck disable=SC2086
+      timeout "${SANITIZER_TIMEOUT:-420}" "$san" --tool memcheck --error-exitcode 9 "$B/tests/$exe" --test-threads=1 $filter \
+        > "$work/sanitizer-memcheck-$exe.txt" 2>&1; rc=$?
+      tail -n 4 "$work/sanitizer-memcheck-$exe.txt"; [ $rc -eq 0 ] || { echo "sanitizer memcheck $exe: rc $rc"; status=1; }
     done
   fi
 fi
