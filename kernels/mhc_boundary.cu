@@ -45,8 +45,8 @@
 //   total ~2300 cycles ~ 1.2 us for the finish, against ~12 K cycles (ncu, cold caches) / ~4 us (graph) now.
 //   Sinkhorn CTA: ~800 + ~300 + 40 steps x ~70 cycles (3 parallel shuffles ~25, 3 adds 12, rcp fast path ~25,
 //   mul 4) ~ 3900 cycles ~ 2 us: the Sinkhorn becomes the critical path of the finish (was ~90 cycles/step).
-// Prediction (graph16, per boundary, T = 1): D = 4096 NVFP4 7.3 -> ~5.0 us, FP8 6.6 -> ~4.8 us (mix ~2.5 us +
-// finish ~2 us + launch overlap); D = 7168 NVFP4 8.7 -> ~5.8 us.
+// Prediction (graph16, per boundary, T = 1): D = 4096 NVFP4 7.3 -> ~5.3 us, FP8 6.6 -> ~5.0 us (mix ~2.5-3 us +
+// finish ~2 us + launch overlap); D = 7168 NVFP4 8.7 -> ~6.2 us. The 4 us target needs the mix cut too.
 //
 // Limits: W <= 1024 threads, so D <= 8192 (the launcher refuses larger D with a message); 64 registers per
 // thread at most (__launch_bounds__(1024, 1)).

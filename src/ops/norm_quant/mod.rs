@@ -1202,7 +1202,7 @@ pub fn bench_rows(
 ///   launches above, [`mhc_pre_auto_path`]);
 /// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
 ///   so both stay measurable on both sides of the threshold (registered in graph form only);
-/// * `fused_wide`: the session-4 candidate [`MhcPrePath::Wide`] (graph form only; D <= 8192);
+/// * `fused_wide`: the session-4 candidate [`MhcPrePath::Wide`] (plain and graph forms; D <= 8192);
 /// * `unfused`: the op-by-op chain;
 ///
 /// each timed three ways:
@@ -1243,6 +1243,8 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_twolaunch_fp8",
     "graph16_fused_twolaunch_nvfp4",
     "graph16_fused_twolaunch_fp8",
+    "fused_wide_nvfp4",
+    "fused_wide_fp8",
     "graph_fused_wide_nvfp4",
     "graph_fused_wide_fp8",
     "graph16_fused_wide_nvfp4",
