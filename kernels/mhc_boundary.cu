@@ -32,9 +32,10 @@
 //     same trees: same bits. The rest of the work (y, amax, codes) is per chunk, or an exact max, or a 16-lane
 //     group of consecutive chunks (FP8 128-block), or lanes (2i, 2i+1) (NVFP4 16-block): all unchanged by the
 //     4x wider CTA, because chunk c is still thread c and every group sits in one warp.
-//  5. Sinkhorn (y = 1): the 16-lane form of norm_quant.cu (sinkhorn_lanes, same shuffles and op order), with
-//     the correctly rounded reciprocal written as its fast path (rcp_rn_fast below): no range-check branch and
-//     slow-path call on each of the 40 steps.
+//  5. Sinkhorn (y = 1): the one-thread form of norm_quant.cu (sinkhorn_thread: the reference's op order; same
+//     bits as the 16-lane sinkhorn_lanes the current finish runs), every lane of warp 0 holding the whole 4x4,
+//     with the correctly rounded reciprocal written as its fast path (rcp_rn_fast below): no range-check
+//     branch and slow-path call on each of the 40 normalizations, and no shuffle on the chain.
 //
 // Cycle budget at T = 1 (graph replay, H200 ~1.98 GHz, L2-resident operands ~600-800 cycles per round trip):
 //   griddep wait + partials round trip (X, w in flight alongside)        ~800
@@ -43,8 +44,9 @@
 //   rstd (div, sqrt, div) + y                                             ~200
 //   NVFP4: block amax (tree + barrier) + scale + thresholds + codes      ~450  (FP8 ~250, no row amax)
 //   total ~2300 cycles ~ 1.2 us for the finish, against ~12 K cycles (ncu, cold caches) / ~4 us (graph) now.
-//   Sinkhorn CTA: ~800 + ~300 + 40 steps x ~70 cycles (3 parallel shuffles ~25, 3 adds 12, rcp fast path ~25,
-//   mul 4) ~ 3900 cycles ~ 2 us: the Sinkhorn becomes the critical path of the finish (was ~90 cycles/step).
+//   Sinkhorn CTA: ~800 + ~300 + gather/softmax ~200 + 40 normalizations x ~46 cycles (4 independent 3-deep add
+//   chains 12, rcp fast path ~25, mul 4, ~40 instructions to issue) ~ 3100 cycles ~ 1.6 us: the Sinkhorn stays
+//   the critical path of the finish (the current one: ~90 cycles per normalization on 16 lanes).
 // Prediction (graph16, per boundary, T = 1): D = 4096 NVFP4 7.3 -> ~5.3 us, FP8 6.6 -> ~5.0 us (mix ~2.5-3 us +
 // finish ~2 us + launch overlap); D = 7168 NVFP4 8.7 -> ~6.2 us. The 4 us target needs the mix cut too.
 //
@@ -78,20 +80,51 @@ __device__ __forceinline__ float rcp_rn_fast(float x) {
     return o;
 }
 
-// norm_quant.cu sinkhorn_lanes with rcp_rn_fast for __frcp_rn (same shuffles, same op order; see there for why
-// the lane sums equal the reference's pairwise sums). All 32 lanes call it; lane l holds C[(l & 15) / 4][l % 4].
-__device__ float sinkhorn_lanes_fast(float z) {
-    const float mx = fmaxf(fmaxf(z, __shfl_xor_sync(0xffffffffu, z, 1)),
-                           fmaxf(__shfl_xor_sync(0xffffffffu, z, 2), __shfl_xor_sync(0xffffffffu, z, 3)));
-    const float e = expf(__fsub_rn(z, mx));
-    float c = __fadd_rn(__fmul_rn(e, rcp_rn_fast(quad_sum(e, 1))), 1e-6f);
-    c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+// 4x4 Sinkhorn of DSV4 held whole in each lane's registers: norm_quant.cu sinkhorn_thread (the reference's op
+// order: row softmax e * (1/((e0 + e1) + (e2 + e3))) + eps, then columns, 19 x (rows, columns), each
+// normalization a multiply by 1/(pairwise sum + eps)) with rcp_rn_fast for __frcp_rn. sinkhorn_thread and
+// sinkhorn_lanes give the same bits (tests/norm_quant.rs lane_sinkhorn_mirror_equals_the_reference_bitwise
+// and the GPU post+pre tests), so this matches the current finish bit for bit.
+// Why not the 16-lane form any more: with the reciprocal branch-free, a half-step here is 4 independent
+// 3-deep add chains, 4 reciprocals and 16 multiplies (~46 cycles, issue-bound at ~40 instructions), against
+// 3 shuffles (~25 cycles of latency) + the same adds/reciprocal/multiply in series on 16 lanes (~70 cycles):
+// ~0.4 us less on what is now the finish's critical path. (The removed v1 finish ran this form with the
+// branchy __frcp_rn: the slow-path calls serialized the four chains, ~375 cycles per half-step.)
+__device__ __forceinline__ void sinkhorn_regs(const float (&z)[16], float (&c)[16]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float mx = fmaxf(fmaxf(z[4 * j], z[4 * j + 1]), fmaxf(z[4 * j + 2], z[4 * j + 3]));
+        float e[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) e[k] = expf(__fsub_rn(z[4 * j + k], mx));
+        const float r = rcp_rn_fast(__fadd_rn(__fadd_rn(e[0], e[1]), __fadd_rn(e[2], e[3])));
+#pragma unroll
+        for (int k = 0; k < 4; ++k) c[4 * j + k] = __fadd_rn(__fmul_rn(e[k], r), 1e-6f);
+    }
+    auto cols = [&]() {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float r = rcp_rn_fast(
+                __fadd_rn(__fadd_rn(__fadd_rn(c[k], c[4 + k]), __fadd_rn(c[8 + k], c[12 + k])), 1e-6f));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) c[4 * j + k] = __fmul_rn(c[4 * j + k], r);
+        }
+    };
+    auto rows = [&]() {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float r = rcp_rn_fast(__fadd_rn(
+                __fadd_rn(__fadd_rn(c[4 * j], c[4 * j + 1]), __fadd_rn(c[4 * j + 2], c[4 * j + 3])), 1e-6f));
+#pragma unroll
+            for (int k = 0; k < 4; ++k) c[4 * j + k] = __fmul_rn(c[4 * j + k], r);
+        }
+    };
+    cols();
 #pragma unroll 1
     for (int it = 1; it < 20; ++it) {
-        c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 1), 1e-6f)));  // rows
-        c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+        rows();
+        cols();
     }
-    return c;
 }
 
 // Sum of the split-block trees of mix j in block order, from 0 (see the header, item 2).
@@ -186,9 +219,17 @@ __device__ __forceinline__ void finish_wide(const __nv_bfloat16* __restrict__ X,
 
     if (coef_task) {
         if (warp == 0) {
-            const int i = lane & 15;
-            const float cv = sinkhorn_lanes_fast(mix_logit(rho, mix_total(ws, nb, 8 + i), sc, base_i));
-            if (lane < 16) comb_out[t * 16 + i] = cv;
+            // lane i < 16 forms logit i; every lane gathers all 16 (independent shuffles) and runs the
+            // Sinkhorn; lane i stores C element i (static register indices: no local memory).
+            const float zi = mix_logit(rho, mix_total(ws, nb, 8 + (lane & 15)), sc, base_i);
+            float z[16], cm[16];
+#pragma unroll
+            for (int k = 0; k < 16; ++k) z[k] = __shfl_sync(0xffffffffu, zi, k);
+            sinkhorn_regs(z, cm);
+            float cv = cm[0];
+#pragma unroll
+            for (int k = 1; k < 16; ++k) cv = lane == k ? cm[k] : cv;
+            if (lane < 16) comb_out[t * 16 + lane] = cv;
         }
         if (warp == 1 && lane >= 16 && lane < 20) {
             const int i = lane - 16;
@@ -348,4 +389,25 @@ extern "C" __global__ void __launch_bounds__(1024, 1) mhc_pre_finish_wide_bf16(M
                                                                              float* rstd) {
     finish_wide<KIND_BF16>(X, part, S, D, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr, nullptr, nullptr, y,
                            rstd);
+}
+
+// Test entry (tests/norm_quant.rs gpu_rcp_rn_fast_equals_frcp_rn_exhaustively): counts the f32 bit patterns in
+// [lo, hi) where rcp_rn_fast and __frcp_rn differ, and the smallest such pattern (first_bad starts at ~0u).
+// The test runs it over every positive float with a biased exponent 1..252 (the whole claimed range).
+extern "C" __global__ void mhc_test_rcp_fast_mismatches(unsigned int* count, unsigned int* first_bad, unsigned int lo,
+                                                        unsigned int hi) {
+    const unsigned int stride = gridDim.x * blockDim.x;
+    unsigned int local = 0, first = 0xFFFFFFFFu;
+    for (unsigned int b = lo + blockIdx.x * blockDim.x + threadIdx.x; b < hi && b >= lo; b += stride) {
+        const float x = __uint_as_float(b);
+        if (__float_as_uint(rcp_rn_fast(x)) != __float_as_uint(__frcp_rn(x))) {
+            ++local;
+            first = min(first, b);
+        }
+        if (hi - b <= stride) break;  // the next step would pass hi (or wrap around 2^32)
+    }
+    if (local) {
+        atomicAdd(count, local);
+        atomicMin(first_bad, first);
+    }
 }

@@ -1920,3 +1920,39 @@ fn gpu_mhc_pre_wide_rejects_d_above_8192() {
     // the current path still takes it
     nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
 }
+
+/// The Sinkhorn of the wide finish replaces __frcp_rn by its fast path (mhc_boundary.cu rcp_rn_fast: MUFU.RCP
+/// + 2 FFMA, no range check). Proof on the device: equal bits for EVERY positive float with a biased exponent
+/// 1..252 (252 x 2^23 ~ 2.1e9 values; the Sinkhorn's denominators lie in [1e-6, ~17]).
+#[test]
+fn gpu_rcp_rn_fast_equals_frcp_rn_exhaustively() {
+    use megamoe::gpu::PushKernelArg;
+    let Some(gpu) = gpu_for_test("gpu_rcp_rn_fast_equals_frcp_rn_exhaustively") else {
+        return;
+    };
+    let f = gpu
+        .function(nq::mhc_fast::WIDE_FAMILY, "mhc_test_rcp_fast_mismatches")
+        .unwrap();
+    let mut count = gpu.zeros::<u32>(1).unwrap();
+    let mut first = gpu.upload(&[u32::MAX]).unwrap();
+    let (lo, hi) = (0x0080_0000u32, 0x7E80_0000u32); // exponent fields 1 ..= 252, every mantissa
+    let cfg = megamoe::gpu::launch_cfg((gpu.info.sm_count as u32 * 8, 1, 1), (256, 1, 1), 0);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&mut count).arg(&mut first).arg(&lo).arg(&hi);
+    unsafe { b.launch(cfg) }.unwrap();
+    gpu.synchronize().unwrap();
+    let (n, fb) = (
+        gpu.download(&count).unwrap()[0],
+        gpu.download(&first).unwrap()[0],
+    );
+    assert_eq!(
+        n,
+        0,
+        "rcp_rn_fast differs from __frcp_rn on {n} floats in [{lo:#010x}, {hi:#010x}); first {fb:#010x} ({:e})",
+        f32::from_bits(fb)
+    );
+    eprintln!(
+        "rcp_rn_fast == __frcp_rn on all {} floats of [{lo:#010x}, {hi:#010x})",
+        hi - lo
+    );
+}

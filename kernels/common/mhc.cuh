@@ -60,18 +60,11 @@ __device__ __forceinline__ uint32_t e2m1_code_thr(float y, const E2m1Thresholds&
     return m | ((__float_as_uint(y) >> 28) & 8u);
 }
 
-// ---- mHC scalar pieces (norm_quant.cu sigmoid_f / mix_logit / quad_sum) ----------------------------------------
+// ---- mHC scalar pieces (norm_quant.cu sigmoid_f / mix_logit) ----------------------------------------
 __device__ __forceinline__ float sigmoid_f(float z) { return __fdiv_rn(1.f, __fadd_rn(1.f, expf(-z))); }
 
 __device__ __forceinline__ float mix_logit(float rho, float dot, float s, float b) {
     return __fadd_rn(__fmul_rn(__fmul_rn(rho, dot), s), b);
-}
-
-__device__ __forceinline__ float quad_sum(float c, int m) {  // m = 1 (rows) or 4 (columns)
-    const float a = __shfl_xor_sync(0xffffffffu, c, m);
-    const float b = __shfl_xor_sync(0xffffffffu, c, 2 * m);
-    const float d = __shfl_xor_sync(0xffffffffu, c, 3 * m);
-    return __fadd_rn(__fadd_rn(c, a), __fadd_rn(b, d));
 }
 
 // ---- programmatic dependent launch (norm_quant.cu griddep_*; semantics written there) --------------------------
