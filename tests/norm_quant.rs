@@ -1922,8 +1922,8 @@ fn gpu_mhc_pre_wide_rejects_d_above_8192() {
 }
 
 /// The Sinkhorn of the wide finish replaces __frcp_rn by its fast path (mhc_boundary.cu rcp_rn_fast: MUFU.RCP
-/// + 2 FFMA, no range check). Proof on the device: equal bits for EVERY positive float with a biased exponent
-/// 1..252 (252 x 2^23 ~ 2.1e9 values; the Sinkhorn's denominators lie in [1e-6, ~17]).
+/// and two FFMA, no range check). Proof on the device: equal bits for EVERY positive float with a biased
+/// exponent from 1 to 252 (252 x 2^23 ~ 2.1e9 values; the Sinkhorn's denominators lie in [1e-6, ~17]).
 #[test]
 fn gpu_rcp_rn_fast_equals_frcp_rn_exhaustively() {
     use megamoe::gpu::PushKernelArg;
