@@ -1667,3 +1667,292 @@ fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         eprintln!("{label}: kernel and CPU reference bit-identical");
     }
 }
+
+// ---- A/B (session 4): the wide finish (kernels/mhc_boundary.cu, MhcPrePath::Wide) ---------------------------
+// Same mixes, a finish with one 8-value chunk per thread (4x the threads): every output must be bit-identical
+// to the current paths (the .cu header argues each reduction order is unchanged), and match the CPU reference.
+
+/// Bitwise comparison of two snapshots with the first differing element of every output (the quantized
+/// output included: code / scale index, row, both values).
+fn assert_same_mhc_detailed(got: &MhcSnapshot, want: &MhcSnapshot, d: usize, label: &str) {
+    for (what, a, b) in [
+        ("partials", &got.partials, &want.partials),
+        ("pre", &got.pre, &want.pre),
+        ("post", &got.post, &want.post),
+        ("comb", &got.comb, &want.comb),
+        ("u", &got.u, &want.u),
+        ("rstd", &got.normed.rstd, &want.normed.rstd),
+    ] {
+        assert_eq!(a.len(), b.len(), "{label}: {what} lengths");
+        if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+            let n = a
+                .iter()
+                .zip(b.iter())
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            panic!(
+                "{label}: {what}[{i}] = {:e} ({:#010x}) vs current path {:e} ({:#010x}); {n} of {} differ",
+                a[i],
+                a[i].to_bits(),
+                b[i],
+                b[i].to_bits(),
+                a.len()
+            );
+        }
+    }
+    match (&got.normed.q, &want.normed.q) {
+        (HostQuant::Nvfp4(_), HostQuant::Nvfp4(_)) => {
+            assert_same_nvfp4(label, &got.normed.q, &want.normed.q, d)
+        }
+        (HostQuant::Fp8(g), HostQuant::Fp8(w)) => {
+            if let Some((i, a, b)) = first_diff(&g.data, &w.data) {
+                panic!(
+                    "{label}: FP8 code {i} (row {}, element {}): got {a:#04x} vs want {b:#04x}",
+                    i / d,
+                    i % d
+                );
+            }
+            if let Some((i, a, b)) = first_diff(&g.scales, &w.scales) {
+                panic!(
+                    "{label}: FP8 scale {i} (row {}, block {}): got {a:#04x} vs want {b:#04x}",
+                    i / (d / 128),
+                    i % (d / 128)
+                );
+            }
+        }
+        (HostQuant::Bf16(g), HostQuant::Bf16(w)) => {
+            if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
+                panic!(
+                    "{label}: BF16 y[{i}] (row {}, col {}): got {} vs want {}",
+                    i / d,
+                    i % d,
+                    g[i],
+                    w[i]
+                );
+            }
+        }
+        _ => panic!("{label}: quantized outputs of different formats"),
+    }
+}
+
+#[test]
+fn wide_finish_block_is_one_chunk_per_thread() {
+    assert_eq!(nq::mhc_fast::wide_block_threads(4096), 512);
+    assert_eq!(nq::mhc_fast::wide_block_threads(7168), 896);
+    assert_eq!(nq::mhc_fast::wide_block_threads(8192), 1024);
+    for d in (128..=nq::mhc_fast::WIDE_MAX_D).step_by(128) {
+        let w = nq::mhc_fast::wide_block_threads(d) as usize;
+        // one thread per chunk, a multiple of 128 (4 x the current finish's warps), at most 1024
+        assert!(
+            w >= d / 8 && w.is_multiple_of(128) && w <= 1024,
+            "D={d}: {w} threads"
+        );
+        assert_eq!(w, 4 * nq::row_block_threads(d) as usize, "D={d}");
+        // the kernel's partials reduce needs ceil(S/32) = ceil(D/1024) == current finish warps, <= 8
+        let (s, nw) = (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
+        assert_eq!(
+            s.div_ceil(32),
+            nw,
+            "D={d}: split blocks vs current finish warps"
+        );
+        assert!(nw <= 8, "D={d}");
+    }
+}
+
+#[test]
+fn gpu_mhc_pre_wide_equals_current_paths_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_wide_equals_current_paths_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_wide_equals_current_paths_bitwise");
+    for &d in DS {
+        for tokens in [1usize, 2, 3, 7, 8, 9, 64, 127, 129] {
+            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 7919 + d as u64));
+            let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+            let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+            for format in FORMATS {
+                let label = format!(
+                    "wide finish->{} T={tokens} D={d} seed {seed}",
+                    format.name()
+                );
+                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                // current default path (PDL pair up to 8 tokens, two launches above)
+                nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
+                let want = MhcSnapshot::take(&gpu, &out);
+                // and the other current path gives the same bits (so `want` is "the current mhc_pre")
+                out.poison(&gpu).unwrap();
+                out.poison_partials(&gpu).unwrap();
+                let other = if tokens <= nq::MHC_PDL_MAX_TOKENS {
+                    nq::MhcPrePath::TwoLaunch
+                } else {
+                    nq::MhcPrePath::PdlPair
+                };
+                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, other).unwrap();
+                assert_same_mhc_detailed(
+                    &MhcSnapshot::take(&gpu, &out),
+                    &want,
+                    d,
+                    &format!("{label} ({other:?} vs mhc_pre)"),
+                );
+                // the wide path, outputs and partials poisoned (NaN) first
+                out.poison(&gpu).unwrap();
+                out.poison_partials(&gpu).unwrap();
+                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::Wide)
+                    .unwrap();
+                let got = MhcSnapshot::take(&gpu, &out);
+                assert_same_mhc_detailed(&got, &want, d, &label);
+                // and against the CPU reference (pre/post/C from the GPU dots, u and RMSNorm(u) exact,
+                // C columns sum to 1 within 1e-5)
+                let dots = gpu_dots(&got.partials, tokens, d);
+                check_mhc(
+                    &label,
+                    &c,
+                    &got.pre,
+                    &got.post,
+                    &got.comb,
+                    &got.u,
+                    &got.normed,
+                    format,
+                    Some(&dots),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_mhc_pre_wide_replays_in_a_graph_after_mhc_post() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_wide_replays_in_a_graph_after_mhc_post") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_wide_replays_in_a_graph_after_mhc_post");
+    for &(tokens, d) in &[(1usize, 4096usize), (5, 7168), (8, 4096), (64, 7168)] {
+        let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 31 + d as u64));
+        let y = nq::random_rows(tokens, d, seed ^ 0x5a5a);
+        let post = vec![0.8f32; tokens * 4];
+        let comb: Vec<f32> = (0..tokens * 16)
+            .map(|i| 0.05 + 0.04 * (i % 9) as f32)
+            .collect();
+        let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+        let (dy, dx) = (
+            nq::upload_checked_bf16(&gpu, "y", &y).unwrap(),
+            nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
+        );
+        let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
+        for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
+            let label = format!(
+                "wide finish after mhc_post ->{} T={tokens} D={d} seed {seed}",
+                format.name()
+            );
+            // Reference bits: mhc_post -> X', then the current two-launch boundary on X'.
+            let mut xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+            let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+            nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo).unwrap();
+            nq::mhc_pre_with(
+                &gpu,
+                &xo,
+                &w,
+                r::RMS_EPS,
+                &mut out,
+                nq::MhcPrePath::TwoLaunch,
+            )
+            .unwrap();
+            let want = MhcSnapshot::take(&gpu, &out);
+            let run = |xo: &mut cudarc::driver::CudaSlice<half::bf16>, out: &mut MhcPreOutputs| {
+                nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, xo)?;
+                nq::mhc_pre_with(&gpu, xo, &w, r::RMS_EPS, out, nq::MhcPrePath::Wide)
+            };
+            // X' poisoned first: a wide finish (or PDL mix) reading X' before its wait would see NaN.
+            gpu.fill_bytes(&mut xo, 0xFF).unwrap();
+            out.poison(&gpu).unwrap();
+            out.poison_partials(&gpu).unwrap();
+            run(&mut xo, &mut out).unwrap();
+            assert_same_mhc_detailed(
+                &MhcSnapshot::take(&gpu, &out),
+                &want,
+                d,
+                &format!("{label} direct"),
+            );
+            // 4 consecutive (post, wide boundary) pairs in one graph, replayed 3 times on poisoned outputs.
+            let g = gpu
+                .capture(|| {
+                    for _ in 0..4 {
+                        run(&mut xo, &mut out)?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            for rep in 0..3 {
+                gpu.fill_bytes(&mut xo, 0xFF).unwrap();
+                out.poison(&gpu).unwrap();
+                out.poison_partials(&gpu).unwrap();
+                g.launch().unwrap();
+                gpu.synchronize().unwrap();
+                assert_same_mhc_detailed(
+                    &MhcSnapshot::take(&gpu, &out),
+                    &want,
+                    d,
+                    &format!("{label} graph replay {rep}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_mhc_pre_wide_rejects_d_above_8192() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_wide_rejects_d_above_8192") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_wide_rejects_d_above_8192");
+    let d = nq::mhc_fast::WIDE_MAX_D + 128;
+    let c = mhc_case(1, d, seed);
+    let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+    let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+    let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, 1, d).unwrap();
+    let err = nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::Wide)
+        .expect_err("D above 8192 must be refused by the wide path");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("8192") && msg.contains(&d.to_string()),
+        "message: {msg}"
+    );
+    // the current path still takes it
+    nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
+}
+
+/// The Sinkhorn of the wide finish replaces __frcp_rn by its fast path (mhc_boundary.cu rcp_rn_fast: MUFU.RCP
+/// and two FFMA, no range check). Proof on the device: equal bits for EVERY positive float with a biased
+/// exponent from 1 to 252 (252 x 2^23 ~ 2.1e9 values; the Sinkhorn's denominators lie in [1e-6, ~17]).
+#[test]
+fn gpu_rcp_rn_fast_equals_frcp_rn_exhaustively() {
+    use megamoe::gpu::PushKernelArg;
+    let Some(gpu) = gpu_for_test("gpu_rcp_rn_fast_equals_frcp_rn_exhaustively") else {
+        return;
+    };
+    let f = gpu
+        .function(nq::mhc_fast::WIDE_FAMILY, "mhc_test_rcp_fast_mismatches")
+        .unwrap();
+    let mut count = gpu.zeros::<u32>(1).unwrap();
+    let mut first = gpu.upload(&[u32::MAX]).unwrap();
+    let (lo, hi) = (0x0080_0000u32, 0x7E80_0000u32); // exponent fields 1 ..= 252, every mantissa
+    let cfg = megamoe::gpu::launch_cfg((gpu.info.sm_count as u32 * 8, 1, 1), (256, 1, 1), 0);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&mut count).arg(&mut first).arg(&lo).arg(&hi);
+    unsafe { b.launch(cfg) }.unwrap();
+    gpu.synchronize().unwrap();
+    let (n, fb) = (
+        gpu.download(&count).unwrap()[0],
+        gpu.download(&first).unwrap()[0],
+    );
+    assert_eq!(
+        n,
+        0,
+        "rcp_rn_fast differs from __frcp_rn on {n} floats in [{lo:#010x}, {hi:#010x}); first {fb:#010x} ({:e})",
+        f32::from_bits(fb)
+    );
+    eprintln!(
+        "rcp_rn_fast == __frcp_rn on all {} floats of [{lo:#010x}, {hi:#010x})",
+        hi - lo
+    );
+}

@@ -23,6 +23,7 @@
 
 pub mod bench;
 pub mod exec;
+pub mod mhc_fast;
 pub mod reference;
 
 pub use exec::exec_kernels;
@@ -808,6 +809,10 @@ pub enum MhcPrePath {
     /// stages its weight tile while the previous finish runs. Needs sm_90 and a driver that captures PDL
     /// launches into graphs (CUDA >= 12.3).
     PdlPair,
+    /// Session-4 A/B candidate ([`mhc_fast`]): the mixes of the two paths above (PDL pair up to
+    /// [`MHC_PDL_MAX_TOKENS`] tokens, plain launches above), then the wide finish of kernels/mhc_boundary.cu
+    /// (`mhc_pre_finish_wide_*`, one chunk per thread): bit-identical outputs, D <= [`mhc_fast::WIDE_MAX_D`].
+    Wide,
 }
 
 /// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
@@ -876,6 +881,7 @@ pub fn mhc_pre_with(
             let grid = (tokens as u32, 2, 1);
             launch_pdl(gpu, &f, grid, (row_block_threads(d), 1, 1), &mut a, &name)
         }
+        MhcPrePath::Wide => mhc_fast::mhc_pre_wide(gpu, x, w, eps, out),
     }
 }
 
@@ -1196,6 +1202,7 @@ pub fn bench_rows(
 ///   launches above, [`mhc_pre_auto_path`]);
 /// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
 ///   so both stay measurable on both sides of the threshold (registered in graph form only);
+/// * `fused_wide`: the session-4 candidate [`MhcPrePath::Wide`] (plain and graph forms; D <= 8192);
 /// * `unfused`: the op-by-op chain;
 ///
 /// each timed three ways:
@@ -1236,6 +1243,13 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_twolaunch_fp8",
     "graph16_fused_twolaunch_nvfp4",
     "graph16_fused_twolaunch_fp8",
+    "fused_wide_nvfp4",
+    "fused_wide_fp8",
+    "graph_fused_wide_nvfp4",
+    "graph_fused_wide_fp8",
+    "graph16_fused_wide_nvfp4",
+    "graph16_fused_wide_fp8",
+    "graph16_fused_wide_bf16",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
@@ -1345,6 +1359,7 @@ pub fn bench_mhc(
         "fused" => Some(None),
         "fused_pdl" => Some(Some(MhcPrePath::PdlPair)),
         "fused_twolaunch" => Some(Some(MhcPrePath::TwoLaunch)),
+        "fused_wide" => Some(Some(MhcPrePath::Wide)),
         "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
