@@ -250,6 +250,33 @@ pub fn validate_queries(
     Ok(())
 }
 
+/// Which FP8 logits kernel runs (MXFP4 keys have one path, the e4m3 mma.sync kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogitsPath {
+    /// v2 (the default): e4m3 converted once to f16 fragments + f16 HMMA (`indexer_logits_fp8h_*`).
+    #[default]
+    F16Hmma,
+    /// v5 (session-4 A/B candidate, bench variant `fused_wgmma`): native wgmma e4m3 with a cp.async
+    /// shared-memory ring and persistent CTAs (`indexer_logits_fp8w_*`). FP8 keys only. Not bit-identical to
+    /// v2: the FP8 tensor-core accumulation keeps fewer bits than fp32 (see kernels/indexer.cu).
+    Wgmma,
+}
+
+/// Threads, keys per tile, ring stages and CTAs per SM of the wgmma logits (kernel constants LW_THREADS,
+/// LW_KEYS, LW_STAGES, LW_CTAS_PER_SM).
+const WGMMA_THREADS: u32 = 128;
+const WGMMA_TILE_KEYS: usize = 64;
+const WGMMA_STAGES: usize = 8;
+const WGMMA_CTAS_PER_SM: usize = 2;
+
+/// Dynamic shared memory of the wgmma logits (kernel `lw_smem_bytes`): 1 KB alignment slack + the key ring +
+/// q + the ring's key scales.
+fn wgmma_smem_bytes(next_n: usize) -> usize {
+    1024 + WGMMA_STAGES * WGMMA_TILE_KEYS * HEAD_DIM
+        + next_n * NUM_HEADS * HEAD_DIM
+        + WGMMA_STAGES * WGMMA_TILE_KEYS * 4
+}
+
 /// Scores `[rows, score_stride]` for `j < num_valid[row]` (entries past it are not written). FP8 keys use
 /// the v2 kernel (e4m3 converted once to f16 fragments + f16 HMMA; Hopper has no native FP8 mma.sync).
 pub fn logits(
@@ -258,6 +285,19 @@ pub fn logits(
     cache: &KeyCacheGpu,
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
+) -> Result<()> {
+    logits_with(gpu, q, cache, scores, score_stride, LogitsPath::default())
+}
+
+/// [`logits`] with an explicit FP8 kernel choice. Rows of sequence `b` get scores for every
+/// `j < max_t num_valid[b * next_n + t]` (both paths); nothing past that is written.
+pub fn logits_with(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+    path: LogitsPath,
 ) -> Result<()> {
     ensure!(
         cache.batch == q.batch,
@@ -286,9 +326,17 @@ pub fn logits(
             cache.capacity
         );
     }
+    ensure!(
+        path == LogitsPath::F16Hmma || cache.format == KeyFormat::Fp8,
+        "the wgmma logits path supports FP8 keys only (cache format {:?})",
+        cache.format
+    );
     let max_n = q.max_valid();
     if max_n == 0 {
         return Ok(());
+    }
+    if path == LogitsPath::Wgmma {
+        return logits_wgmma(gpu, q, cache, scores, score_stride, max_n);
     }
     let name = match (cache.format, q.next_n) {
         (KeyFormat::Fp8, 1) => "indexer_logits_fp8h_n1",
@@ -311,6 +359,64 @@ pub fn logits(
     drv(
         unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), 0)) },
         "indexer logits launch",
+    )
+    .map(|_| ())
+}
+
+/// Launch of the wgmma logits (arguments already checked by [`logits_with`]; `max_n` >= 1).
+fn logits_wgmma(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+    max_n: usize,
+) -> Result<()> {
+    let tiles_per_seq = max_n.div_ceil(WGMMA_TILE_KEYS);
+    let total_tiles = tiles_per_seq * q.batch;
+    ensure!(
+        total_tiles <= i32::MAX as usize
+            && q.batch * cache.capacity <= i32::MAX as usize
+            && score_stride <= i32::MAX as usize,
+        "wgmma logits: {} sequences x {} tiles exceed the kernel's i32 indexing",
+        q.batch,
+        tiles_per_seq
+    );
+    let name = if q.next_n == 1 {
+        "indexer_logits_fp8w_n1"
+    } else {
+        "indexer_logits_fp8w_n2"
+    };
+    let smem = wgmma_smem_bytes(q.next_n);
+    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    let persistent = (gpu.info.sm_count.max(1) as usize) * WGMMA_CTAS_PER_SM;
+    let grid_x = total_tiles.min(persistent) as u32;
+    let (cap, stride, tps, total) = (
+        cache.capacity as i32,
+        score_stride as i32,
+        tiles_per_seq as i32,
+        total_tiles as i32,
+    );
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&q.q)
+        .arg(&q.w)
+        .arg(&cache.codes)
+        .arg(&cache.scales)
+        .arg(&q.num_valid)
+        .arg(&cap)
+        .arg(scores)
+        .arg(&stride)
+        .arg(&tps)
+        .arg(&total);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (grid_x, 1, 1),
+                (WGMMA_THREADS, 1, 1),
+                smem as u32,
+            ))
+        },
+        "indexer wgmma logits launch",
     )
     .map(|_| ())
 }
@@ -511,7 +617,18 @@ pub fn run(
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
 ) -> Result<()> {
-    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    run_with(gpu, q, cache, bufs, LogitsPath::default())
+}
+
+/// [`run`] with an explicit FP8 logits kernel.
+pub fn run_with(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+    path: LogitsPath,
+) -> Result<()> {
+    logits_with(gpu, q, cache, &mut bufs.scores, bufs.score_stride, path)?;
     topk(
         gpu,
         &bufs.scores,
@@ -748,7 +865,8 @@ pub struct IndexerSamples {
 }
 
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass) or "baseline" (the seeds' path).
+/// pass), "fused_wgmma" (the same with the wgmma FP8 logits, [`LogitsPath::Wgmma`]) or "baseline" (the
+/// seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -760,15 +878,22 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" => {
-            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+        "fused" | "fused_wgmma" => {
+            let path = if variant == "fused_wgmma" {
+                LogitsPath::Wgmma
+            } else {
+                LogitsPath::F16Hmma
+            };
+            let logits_s = gpu.time_us(plan, || {
+                logits_with(gpu, q, cache, &mut bufs.scores, stride, path)
+            })?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
                 topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
             })?;
-            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
+            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, path))?;
             Ok(IndexerSamples {
                 logits: logits_s,
                 topk: topk_s,
@@ -799,7 +924,7 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
+        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_wgmma or baseline)"),
     }
 }
 
