@@ -7,6 +7,8 @@
 // indexer_topk2_select -> indexer_topk3_final (a 4096-bin histogram, a threshold select with many CTAs per
 // row, then one exact rank-by-counting pass per row with radix-select / bitonic fallbacks; see "Top-k v2"
 // and "Top-k v3"). The shared radix select / bitonic sort helpers are described under "Top-k".
+// Session-4 A/B candidate (not the default): FP8 logits v5 on native wgmma e4m3 (indexer_logits_fp8w_*, "FP8
+// logits v5" below; LogitsPath::Wgmma, bench variant fused_wgmma).
 // Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
 // indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
 // top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1
@@ -464,16 +466,23 @@ INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n2, 2)
 
 // ------------------------------------------------------------------------------------------------------------
 // FP8 logits v5 (session-4 A/B candidate, bench variant "fused_wgmma", LogitsPath::Wgmma): native Hopper FP8
-// wgmma with a cp.async shared-memory ring and persistent CTAs.
+// wgmma with double-buffered cp.async rounds of key tiles in shared memory and persistent CTAs.
 // Why: ncu of v2 at 1M/batch 1: 1.80 TB/s, top stall L1TEX scoreboard: each warp loads its 2 tiles, then
 // converts and multiplies, with nothing in flight meanwhile; plus the e4m3 -> f16 conversion work. Here:
 //   * Tile = 64 keys x 128 B (8 KB) = the wgmma M. A CTA is one warpgroup (128 threads); a persistent grid of
 //     2 CTAs per SM walks a CONTIGUOUS range of the flattened (sequence, tile) list (so q changes rarely).
-//   * Ring of LW_STAGES tiles in shared memory, filled with 16-byte cp.async.cg (thread i copies chunk i % 8 of
-//     row i / 8: coalesced 128-byte rows) into the 128B-swizzled K-major wgmma layout: row r's 16-byte chunk c
-//     lands at r * 128 + ((c ^ (r & 7)) << 4) (a tile is 1024-aligned; 8-row groups 1024 B apart = SBO).
-//     The tile's 64 fp32 key scales ride along (4-byte cp.async into a per-stage array). Loads for tile i +
-//     LW_STAGES - 1 are issued before tile i is multiplied: up to 7 tiles (56 KB) per CTA in flight.
+//   * Two halves of lw_round<NEXT_N>() tiles each in shared memory (double-buffered rounds), filled with 16-byte
+//     cp.async.cg (thread i copies chunk i % 8 of row i / 8: coalesced 128-byte rows) into the 128B-swizzled
+//     K-major wgmma layout: row r's 16-byte chunk c lands at r * 128 + ((c ^ (r & 7)) << 4) (a tile is
+//     1024-aligned; 8-row groups 1024 B apart = SBO). The tile's 64 fp32 key scales ride along (4-byte cp.async
+//     into a per-stage array). Round r + 1's copies (5 tiles = 40 KB for next_n = 1, 4 for next_n = 2) are issued
+//     before round r is multiplied, so they overlap its wgmma and epilogue; 2 CTAs per SM keep ~64-80 KB in
+//     flight per SM (Little: 4.3 TB/s x ~1.2 us / 132 SMs = ~39 KB needed).
+//   * Why rounds and not a rolling ring: cp.async writes are generic-proxy writes, so each wgmma read needs a
+//     fence.proxy.async after them, and ptxas emits it as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S. If that MEMBAR
+//     waited for the thread's outstanding cp.async copies (not documented either way), a per-tile fence in a
+//     rolling ring would drain the ring every tile. One fence per round, placed when the only copies in
+//     flight are the round's own (which the round needs anyway), is safe under either behaviour.
 //   * q (e4m3 [NEXT_N * 64 heads][128], B operand, N = 64 heads per token) is stored once per sequence change
 //     in the same swizzled layout; NEXT_N = 2 puts both tokens' heads on N = 128 (one m64n128k32 per k-step).
 //   * wgmma.m64nNk32.f32.e4m3.e4m3, both operands from shared memory, K-major: k-step s (dims 32s..32s+31)
@@ -487,11 +496,12 @@ INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n2, 2)
 //     * key scale (scale > 0 commutes with relu; a NaN scale gives NaN, as v2), stored for row < n_seq only.
 // Ordering: cp.async writes are generic-proxy writes; each thread waits for its own groups, executes
 // fence.proxy.async, then the CTA barrier makes every thread's tile visible to the async proxy (wgmma).
-// A stage is refilled only after the barrier that follows the wgmma.wait_group 0 of its last reader.
+// A stage is refilled only after the barrier that follows the wgmma.wait_group 0 of its last reader (round
+// rd + 1 reuses round rd - 1's half, refilled after round rd's top barrier).
 // Rows >= n_seq are neither read from global memory nor written: their shared-memory rows hold stale bytes,
 // which only reach accumulator rows that are discarded.
-// Deadlock freedom: every barrier is executed by all threads: the loop trip count and the "tile has keys" /
-// "sequence changed" branches are functions of blockIdx and kernel arguments only (block-uniform).
+// Deadlock freedom: every barrier is executed by all threads: the loop trip counts and the "item exists" /
+// "tile has keys" / "sequence changed" branches are functions of blockIdx and kernel arguments only.
 // Byte budget: 8 KB + 256 B of keys per tile vs 4 wgmma (N = 64: ~128 tensor cycles; N = 128: ~256) and an
 // epilogue of ~100 instructions per thread; at 2 CTAs per SM and 4.3 TB/s a tile arrives every ~480 cycles per
 // CTA, so next_n = 1 and 2 both stay below the tensor and issue limits.
@@ -499,7 +509,12 @@ namespace {
 
 constexpr int LW_THREADS = 128;
 constexpr int LW_KEYS = 64;
-constexpr int LW_STAGES = 8;
+// Tiles per round (half the stages): next_n = 1: 5 (2 x 5 x 8 KB keys + 8 KB q + scales = 92 KB per CTA);
+// next_n = 2: 4 (2 x 4 x 8 KB + 16 KB q = 83 KB). Two CTAs per SM either way (<= 228 KB per SM).
+template <int NEXT_N>
+__host__ __device__ constexpr int lw_round() {
+    return NEXT_N == 1 ? 5 : 4;
+}
 constexpr int LW_TILE_BYTES = LW_KEYS * DIM;  // 8192
 constexpr int LW_CTAS_PER_SM = 2;
 
@@ -561,10 +576,10 @@ __device__ __forceinline__ int lw_seq_len(const int* __restrict__ num_valid, int
 }
 
 // Dynamic shared memory (base rounded up to 1024 B in the kernel; the launcher adds 1 KB of slack):
-//   keys [LW_STAGES][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [LW_STAGES][64] f32.
+//   keys [2 * round][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [2 * round][64] f32.
 template <int NEXT_N>
-constexpr int lw_smem_bytes() {
-    return 1024 + LW_STAGES * LW_TILE_BYTES + NEXT_N * HEADS * DIM + LW_STAGES * LW_KEYS * 4;
+__host__ __device__ constexpr int lw_smem_bytes() {
+    return 1024 + 2 * lw_round<NEXT_N>() * (LW_TILE_BYTES + LW_KEYS * 4) + NEXT_N * HEADS * DIM;
 }
 
 template <int NEXT_N>
@@ -574,11 +589,13 @@ __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q,
                                                   float* __restrict__ scores, int score_stride, int tiles_per_seq,
                                                   int total_tiles) {
     constexpr int NACC = NEXT_N * 32;  // f32 accumulators per thread: 64 x (64 * NEXT_N) / 128
+    constexpr int ROUND = lw_round<NEXT_N>();
+    constexpr int STAGES = 2 * ROUND;
     extern __shared__ uint8_t lw_smem_raw[];
     const uint32_t raw_addr = lw_smem_addr(lw_smem_raw);
     const uint32_t base = (raw_addr + 1023u) & ~1023u;
     const uint32_t keys_s = base;
-    const uint32_t q_s = keys_s + LW_STAGES * LW_TILE_BYTES;
+    const uint32_t q_s = keys_s + STAGES * LW_TILE_BYTES;
     const uint32_t scale_s = q_s + NEXT_N * HEADS * DIM;
     const float* scale_gen = reinterpret_cast<const float*>(lw_smem_raw + (scale_s - raw_addr));
     uint8_t* q_gen = lw_smem_raw + (q_s - raw_addr);
@@ -590,14 +607,12 @@ __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q,
     const int item0 = (int)blockIdx.x * per_cta;
     const int n_items = max(0, min(per_cta, total_tiles - item0));  // block-uniform
 
-    // Issue the copies of local item i into stage i % LW_STAGES, then commit (a group per item, empty or not,
-    // so the wait_group arithmetic below holds).
-    auto issue = [&](int i) {
+    // Issue the copies of local item i (if it exists) into stage `stage`; no commit (one group per round).
+    auto issue = [&](int i, int stage) {
         if (i < n_items) {
             const int item = item0 + i;
             const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
             const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
-            const int stage = i % LW_STAGES;
             const uint32_t dst_tile = keys_s + stage * LW_TILE_BYTES;
             const uint8_t* src_tile = codes + ((size_t)b * capacity + key0) * DIM;
 #pragma unroll
@@ -609,91 +624,103 @@ __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q,
             if (tid < LW_KEYS && key0 + tid < n_seq)
                 lw_cp_async4(scale_s + (stage * LW_KEYS + tid) * 4, scales + (size_t)b * capacity + key0 + tid);
         }
-        lw_cp_async_commit();
     };
 
+    // Round 0 -> stages 0 .. ROUND - 1.
 #pragma unroll 1
-    for (int i = 0; i < LW_STAGES - 1; ++i) issue(i);
+    for (int k = 0; k < ROUND; ++k) issue(k, k);
+    lw_cp_async_commit();
 
     float wreg[NEXT_N][8][2];  // w of this thread's columns: head j * 8 + 2 * tq + e, per token
     int cur_b = -1;
     const uint64_t q_desc = sw128_desc(q_s);
+    const int n_rounds = (n_items + ROUND - 1) / ROUND;  // block-uniform
 
 #pragma unroll 1
-    for (int i = 0; i < n_items; ++i) {
-        lw_cp_async_wait<LW_STAGES - 2>();  // this thread's copies of item i have landed
-        fence_proxy_async();                // ... and are visible to the async proxy
-        __syncthreads();                    // ... for every thread; stage (i - 1) % S is free again
-        issue(i + LW_STAGES - 1);
+    for (int rd = 0; rd < n_rounds; ++rd) {
+        lw_cp_async_wait<0>();  // this thread's copies of round rd (the only ones in flight) have landed
+        fence_proxy_async();    // ... and are visible to the async proxy
+        __syncthreads();        // ... for every thread; round rd - 1's stages are no longer read
+        const int half = rd & 1, next_half = half ^ 1;
+#pragma unroll 1
+        for (int k = 0; k < ROUND; ++k) issue((rd + 1) * ROUND + k, next_half * ROUND + k);
+        lw_cp_async_commit();
 
-        const int item = item0 + i;
-        const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
-        const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
-        if (key0 >= n_seq) continue;  // block-uniform: nothing visible in this tile
+#pragma unroll 1
+        for (int k = 0; k < ROUND; ++k) {
+            const int i = rd * ROUND + k;
+            if (i >= n_items) break;  // block-uniform
+            const int item = item0 + i;
+            const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
+            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
+            if (key0 >= n_seq) continue;  // block-uniform: nothing visible in this tile
 
-        if (b != cur_b) {  // block-uniform: (re)load q and w of sequence b
-            cur_b = b;
-            for (int c = tid; c < NEXT_N * HEADS * 8; c += LW_THREADS) {
-                const int r = c >> 3, ch = c & 7;  // r = t * 64 + head
-                const uint4 v = *reinterpret_cast<const uint4*>(q + ((size_t)b * NEXT_N * HEADS + r) * DIM + ch * 16);
-                *reinterpret_cast<uint4*>(q_gen + r * DIM + ((ch ^ (r & 7)) << 4)) = v;
+            if (b != cur_b) {  // block-uniform: (re)load q and w of sequence b
+                cur_b = b;
+                for (int c = tid; c < NEXT_N * HEADS * 8; c += LW_THREADS) {
+                    const int r = c >> 3, ch = c & 7;  // r = t * 64 + head
+                    const uint4 v = *reinterpret_cast<const uint4*>(q + ((size_t)b * NEXT_N * HEADS + r) * DIM + ch * 16);
+                    *reinterpret_cast<uint4*>(q_gen + r * DIM + ((ch ^ (r & 7)) << 4)) = v;
+                }
+#pragma unroll
+                for (int t = 0; t < NEXT_N; ++t) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const float2 wv = *reinterpret_cast<const float2*>(w + ((size_t)b * NEXT_N + t) * HEADS + j * 8 + 2 * tq);
+                        wreg[t][j][0] = wv.x;
+                        wreg[t][j][1] = wv.y;
+                    }
+                }
+                // q's generic stores -> the wgmma's async-proxy reads. (Once per sequence change: even if the
+                // MEMBAR waited for the next round's copies, that happens at most batch times per CTA.)
+                fence_proxy_async();
+                __syncthreads();
             }
+
+            const int stage = half * ROUND + k;
+            const uint64_t a_desc = sw128_desc(keys_s + stage * LW_TILE_BYTES);
+            float acc[NACC];
 #pragma unroll
-            for (int t = 0; t < NEXT_N; ++t) {
+            for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+            wgmma_fence();
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const float2 wv = *reinterpret_cast<const float2*>(w + ((size_t)b * NEXT_N + t) * HEADS + j * 8 + 2 * tq);
-                    wreg[t][j][0] = wv.x;
-                    wreg[t][j][1] = wv.y;
+            for (int s = 0; s < DIM / 32; ++s) {
+                // +32 B per k-step = +2 in the descriptor's (address >> 4) field.
+                if constexpr (NEXT_N == 1) {
+                    wgmma_m64n64k32_e4m3(*reinterpret_cast<float(*)[32]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
+                } else {
+                    wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
                 }
             }
-            fence_proxy_async();  // q's generic stores -> the wgmma's async-proxy reads
-            __syncthreads();
-        }
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_acc(acc);
 
-        const int stage = i % LW_STAGES;
-        const uint64_t a_desc = sw128_desc(keys_s + stage * LW_TILE_BYTES);
-        float acc[NACC];
+            const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
 #pragma unroll
-        for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
-        wgmma_fence();
+            for (int t = 0; t < NEXT_N; ++t) {
+                float part[2] = {0.f, 0.f};
 #pragma unroll
-        for (int s = 0; s < DIM / 32; ++s) {
-            // +32 B per k-step = +2 in the descriptor's (address >> 4) field.
-            if constexpr (NEXT_N == 1) {
-                wgmma_m64n64k32_e4m3(*reinterpret_cast<float(*)[32]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
-            } else {
-                wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
-            }
-        }
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_acc(acc);
-
-        const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
+                for (int j = 0; j < 8; ++j) {
+                    const float* d = acc + (t * 8 + j) * 4;
+                    part[0] = fmaf(wreg[t][j][0], fmaxf(d[0], 0.f), part[0]);
+                    part[0] = fmaf(wreg[t][j][1], fmaxf(d[1], 0.f), part[0]);
+                    part[1] = fmaf(wreg[t][j][0], fmaxf(d[2], 0.f), part[1]);
+                    part[1] = fmaf(wreg[t][j][1], fmaxf(d[3], 0.f), part[1]);
+                }
+                float* out = scores + ((size_t)b * NEXT_N + t) * score_stride;
 #pragma unroll
-        for (int t = 0; t < NEXT_N; ++t) {
-            float part[2] = {0.f, 0.f};
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float* d = acc + (t * 8 + j) * 4;
-                part[0] = fmaf(wreg[t][j][0], fmaxf(d[0], 0.f), part[0]);
-                part[0] = fmaf(wreg[t][j][1], fmaxf(d[1], 0.f), part[0]);
-                part[1] = fmaf(wreg[t][j][0], fmaxf(d[2], 0.f), part[1]);
-                part[1] = fmaf(wreg[t][j][1], fmaxf(d[3], 0.f), part[1]);
-            }
-            float* out = scores + ((size_t)b * NEXT_N + t) * score_stride;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float v = part[half];
-                v += __shfl_xor_sync(FULL, v, 1);
-                v += __shfl_xor_sync(FULL, v, 2);
-                const int r = r0 + half * 8;
-                if (tq == half && key0 + r < n_seq) out[key0 + r] = v * scale_gen[stage * LW_KEYS + r];
+                for (int hh = 0; hh < 2; ++hh) {
+                    float v = part[hh];
+                    v += __shfl_xor_sync(FULL, v, 1);
+                    v += __shfl_xor_sync(FULL, v, 2);
+                    const int r = r0 + hh * 8;
+                    if (tq == hh && key0 + r < n_seq) out[key0 + r] = v * scale_gen[stage * LW_KEYS + r];
+                }
             }
         }
     }
-    lw_cp_async_wait<0>();  // no copy outstanding at exit (the trailing groups are empty)
+    lw_cp_async_wait<0>();  // no copy outstanding at exit (the last round's group is empty)
 }
 
 }  // namespace

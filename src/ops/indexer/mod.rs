@@ -262,19 +262,17 @@ pub enum LogitsPath {
     Wgmma,
 }
 
-/// Threads, keys per tile, ring stages and CTAs per SM of the wgmma logits (kernel constants LW_THREADS,
-/// LW_KEYS, LW_STAGES, LW_CTAS_PER_SM).
+/// Threads, keys per tile and CTAs per SM of the wgmma logits (kernel constants LW_THREADS, LW_KEYS,
+/// LW_CTAS_PER_SM).
 const WGMMA_THREADS: u32 = 128;
 const WGMMA_TILE_KEYS: usize = 64;
-const WGMMA_STAGES: usize = 8;
 const WGMMA_CTAS_PER_SM: usize = 2;
 
-/// Dynamic shared memory of the wgmma logits (kernel `lw_smem_bytes`): 1 KB alignment slack + the key ring +
-/// q + the ring's key scales.
+/// Dynamic shared memory of the wgmma logits (kernel `lw_smem_bytes`): 1 KB alignment slack + two rounds of
+/// `lw_round` key tiles (8 KB codes + 256 B scales each; 5 tiles per round for next_n = 1, 4 for 2) + q.
 fn wgmma_smem_bytes(next_n: usize) -> usize {
-    1024 + WGMMA_STAGES * WGMMA_TILE_KEYS * HEAD_DIM
-        + next_n * NUM_HEADS * HEAD_DIM
-        + WGMMA_STAGES * WGMMA_TILE_KEYS * 4
+    let round = if next_n == 1 { 5 } else { 4 };
+    1024 + 2 * round * WGMMA_TILE_KEYS * (HEAD_DIM + 4) + next_n * NUM_HEADS * HEAD_DIM
 }
 
 /// Scores `[rows, score_stride]` for `j < num_valid[row]` (entries past it are not written). FP8 keys use
