@@ -858,7 +858,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "baseline"] {
+    for v in ["fused", "fused_wgmma", "baseline"] {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
