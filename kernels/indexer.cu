@@ -471,7 +471,7 @@ INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n2, 2)
 // converts and multiplies, with nothing in flight meanwhile; plus the e4m3 -> f16 conversion work. Here:
 //   * Tile = 64 keys x 128 B (8 KB) = the wgmma M. A CTA is one warpgroup (128 threads); a persistent grid of
 //     2 CTAs per SM walks a CONTIGUOUS range of the flattened (sequence, tile) list (so q changes rarely).
-//   * Two halves of lw_round<NEXT_N>() tiles each in shared memory (double-buffered rounds), filled with 16-byte
+//   * Two halves of ROUND tiles each in shared memory (double-buffered rounds), filled with 16-byte
 //     cp.async.cg (thread i copies chunk i % 8 of row i / 8: coalesced 128-byte rows) into the 128B-swizzled
 //     K-major wgmma layout: row r's 16-byte chunk c lands at r * 128 + ((c ^ (r & 7)) << 4) (a tile is
 //     1024-aligned; 8-row groups 1024 B apart = SBO). The tile's 64 fp32 key scales ride along (4-byte cp.async
@@ -509,14 +509,13 @@ namespace {
 
 constexpr int LW_THREADS = 128;
 constexpr int LW_KEYS = 64;
-// Tiles per round (half the stages): next_n = 1: 5 (2 x 5 x 8 KB keys + 8 KB q + scales = 92 KB per CTA);
-// next_n = 2: 4 (2 x 4 x 8 KB + 16 KB q = 83 KB). Two CTAs per SM either way (<= 228 KB per SM).
-template <int NEXT_N>
-__host__ __device__ constexpr int lw_round() {
-    return NEXT_N == 1 ? 5 : 4;
-}
+// Tiles per round (half the stages) and CTAs per SM, two configurations raced as separate bench variants:
+//   "fused_wgmma"      2 CTAs/SM; next_n = 1: 5 tiles per round (2 x 5 x 8.25 KB keys + scales + 8 KB q = 92 KB
+//                      per CTA), next_n = 2: 4 (2 x 4 x 8.25 KB + 16 KB q = 83 KB); ~80 / 64 KB in flight per SM.
+//   "fused_wgmma_3cta" 3 CTAs/SM, 3 tiles per round (59 KB / 67 KB per CTA): 12 warps per SM to overlap one
+//                      CTA's wgmma -> epilogue chain with the others, ~72 KB in flight per SM, shorter rounds.
+// Both fit 228 KB of shared memory per SM (with 1 KB reserved per CTA).
 constexpr int LW_TILE_BYTES = LW_KEYS * DIM;  // 8192
-constexpr int LW_CTAS_PER_SM = 2;
 
 __device__ __forceinline__ uint32_t lw_smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -577,19 +576,18 @@ __device__ __forceinline__ int lw_seq_len(const int* __restrict__ num_valid, int
 
 // Dynamic shared memory (base rounded up to 1024 B in the kernel; the launcher adds 1 KB of slack):
 //   keys [2 * round][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [2 * round][64] f32.
-template <int NEXT_N>
+template <int NEXT_N, int ROUND>
 __host__ __device__ constexpr int lw_smem_bytes() {
-    return 1024 + 2 * lw_round<NEXT_N>() * (LW_TILE_BYTES + LW_KEYS * 4) + NEXT_N * HEADS * DIM;
+    return 1024 + 2 * ROUND * (LW_TILE_BYTES + LW_KEYS * 4) + NEXT_N * HEADS * DIM;
 }
 
-template <int NEXT_N>
+template <int NEXT_N, int ROUND>
 __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
                                                   const uint8_t* __restrict__ codes, const float* __restrict__ scales,
                                                   const int* __restrict__ num_valid, int capacity,
                                                   float* __restrict__ scores, int score_stride, int tiles_per_seq,
                                                   int total_tiles) {
     constexpr int NACC = NEXT_N * 32;  // f32 accumulators per thread: 64 x (64 * NEXT_N) / 128
-    constexpr int ROUND = lw_round<NEXT_N>();
     constexpr int STAGES = 2 * ROUND;
     extern __shared__ uint8_t lw_smem_raw[];
     const uint32_t raw_addr = lw_smem_addr(lw_smem_raw);
@@ -699,19 +697,20 @@ __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q,
             const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
 #pragma unroll
             for (int t = 0; t < NEXT_N; ++t) {
-                float part[2] = {0.f, 0.f};
+                // Two independent fma chains per row (columns e = 0 / 1) halve the dependent-latency chain.
+                float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const float* d = acc + (t * 8 + j) * 4;
-                    part[0] = fmaf(wreg[t][j][0], fmaxf(d[0], 0.f), part[0]);
-                    part[0] = fmaf(wreg[t][j][1], fmaxf(d[1], 0.f), part[0]);
-                    part[1] = fmaf(wreg[t][j][0], fmaxf(d[2], 0.f), part[1]);
-                    part[1] = fmaf(wreg[t][j][1], fmaxf(d[3], 0.f), part[1]);
+                    part[0][0] = fmaf(wreg[t][j][0], fmaxf(d[0], 0.f), part[0][0]);
+                    part[0][1] = fmaf(wreg[t][j][1], fmaxf(d[1], 0.f), part[0][1]);
+                    part[1][0] = fmaf(wreg[t][j][0], fmaxf(d[2], 0.f), part[1][0]);
+                    part[1][1] = fmaf(wreg[t][j][1], fmaxf(d[3], 0.f), part[1][1]);
                 }
                 float* out = scores + ((size_t)b * NEXT_N + t) * score_stride;
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    float v = part[hh];
+                    float v = part[hh][0] + part[hh][1];
                     v += __shfl_xor_sync(FULL, v, 1);
                     v += __shfl_xor_sync(FULL, v, 2);
                     const int r = r0 + hh * 8;
@@ -725,20 +724,22 @@ __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q,
 
 }  // namespace
 
-// FP8 logits v5 (A/B candidate; see logits_wgmma_body). grid = persistent CTAs (<= 2 per SM), block 128,
-// dynamic smem lw_smem_bytes<NEXT_N>(). tiles_per_seq = ceil(max num_valid / 64), total_tiles = batch *
+// FP8 logits v5 (A/B candidate; see logits_wgmma_body). grid = persistent CTAs (<= CTAS per SM), block 128,
+// dynamic smem lw_smem_bytes<NEXT_N, ROUND>(). tiles_per_seq = ceil(max num_valid / 64), total_tiles = batch *
 // tiles_per_seq.
-#define INDEXER_LOGITS_WGMMA_ENTRY(NAME, NEXT_N)                                                                \
-    extern "C" __global__ void __launch_bounds__(LW_THREADS, LW_CTAS_PER_SM)                                    \
+#define INDEXER_LOGITS_WGMMA_ENTRY(NAME, NEXT_N, ROUND, CTAS)                                                   \
+    extern "C" __global__ void __launch_bounds__(LW_THREADS, CTAS)                                              \
         NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
              const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
              float* __restrict__ scores, int score_stride, int tiles_per_seq, int total_tiles) {                 \
-        logits_wgmma_body<NEXT_N>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid, capacity,     \
-                                  scores, score_stride, tiles_per_seq, total_tiles);                              \
+        logits_wgmma_body<NEXT_N, ROUND>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid,         \
+                                         capacity, scores, score_stride, tiles_per_seq, total_tiles);             \
     }
 
-INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w_n1, 1)
-INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w_n2, 2)
+INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w_n1, 1, 5, 2)
+INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w_n2, 2, 4, 2)
+INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n1, 1, 3, 3)
+INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n2, 2, 3, 3)
 
 // ------------------------------------------------------------------------------------------------------------
 // Top-k

@@ -858,7 +858,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "fused_wgmma", "baseline"] {
+    for v in ["fused", "fused_wgmma", "fused_wgmma_3cta", "baseline"] {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
@@ -1073,6 +1073,34 @@ fn exec_indexer_cpu_matches_reference_and_rejects_bad_arguments() {
 // Session-4 A/B candidate: FP8 logits on native wgmma (LogitsPath::Wgmma, bench variant `fused_wgmma`).
 // ---------------------------------------------------------------------------------------------------------
 
+/// Mirror of the wgmma logits' shared-memory store (kernels/indexer.cu, logits_wgmma_body): 16-byte chunk `ch`
+/// of tile row `r` goes to byte `r * 128 + ((ch ^ (r & 7)) << 4)` of a 1024-aligned tile.
+fn wgmma_tile_offset(r: usize, ch: usize) -> usize {
+    r * 128 + ((ch ^ (r & 7)) << 4)
+}
+
+#[test]
+fn wgmma_tile_store_is_the_128b_swizzle_and_a_bijection() {
+    // The hardware's 128B swizzle XORs address bits 4-6 with bits 7-9 (for a 1024-aligned tile); the kernel's
+    // store must produce exactly that address for the logical (row, chunk), and fill each 8 KB tile (64 keys)
+    // and the 16 KB q tile (128 rows) exactly once.
+    for rows in [64usize, 128] {
+        let mut seen = vec![false; rows * 128 / 16];
+        for r in 0..rows {
+            for ch in 0..8 {
+                let linear = r * 128 + ch * 16;
+                let hw = linear ^ (((linear >> 7) & 7) << 4);
+                let off = wgmma_tile_offset(r, ch);
+                assert_eq!(off, hw, "row {r} chunk {ch}");
+                assert!(off + 16 <= rows * 128 && off.is_multiple_of(16));
+                assert!(!seen[off / 16], "row {r} chunk {ch} overlaps");
+                seen[off / 16] = true;
+            }
+        }
+        assert!(seen.iter().all(|&x| x));
+    }
+}
+
 /// Tolerance of the wgmma logits against the f64 reference, as a fraction of
 /// `mag = scale_j * sum_h |w_h| sum_d |q_hd c_jd|` (c = the key's e4m3 code values):
 /// products of two e4m3 values are exact; the FP8 tensor core accumulates each k32 step with a limited
@@ -1126,10 +1154,14 @@ fn random_fp8_cache(rng: &mut ChaCha8Rng, batch: usize, cap: usize) -> KeyCacheH
     host
 }
 
-/// Runs both FP8 logits paths on poisoned buffers and checks the wgmma one: every j < n_seq(b) (the longest
-/// row of sequence b: both paths write the whole sequence range for each of its rows) against the f64
-/// reference within WGMMA_TOL, everything past n_seq(b) still poisoned (same as v2). Returns
-/// (max err / mag vs reference, max |wgmma - v2| / mag).
+/// The wgmma logits paths under test (the same kernel in two occupancy configurations).
+const WGMMA_PATHS: [indexer::LogitsPath; 2] =
+    [indexer::LogitsPath::Wgmma, indexer::LogitsPath::Wgmma3Cta];
+
+/// Runs v2 and both wgmma paths on poisoned buffers and checks each wgmma path: every j < n_seq(b) (the
+/// longest row of sequence b: all paths write the whole sequence range for each of its rows) against the f64
+/// reference within WGMMA_TOL, everything past n_seq(b) still poisoned (as v2, also checked). Prints the max
+/// err / mag vs the reference and the max |wgmma - v2| / mag.
 fn check_wgmma_logits(
     gpu: &megamoe::gpu::Gpu,
     label: &str,
@@ -1137,7 +1169,7 @@ fn check_wgmma_logits(
     next_n: usize,
     nv: &[i32],
     rng: &mut ChaCha8Rng,
-) -> (f64, f64) {
+) {
     let batch = host.batch;
     let rows = batch * next_n;
     let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
@@ -1150,29 +1182,15 @@ fn check_wgmma_logits(
     let cache = KeyCacheGpu::upload(gpu, host).unwrap();
     let qb = QueryBatch::upload(gpu, batch, next_n, &q, &w, nv).unwrap();
     let stride = host.capacity.next_multiple_of(4) + 4; // room past the capacity: must stay poisoned
-    let mut got_w = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
-    let mut got_h = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
-    indexer::logits_with(
-        gpu,
-        &qb,
-        &cache,
-        &mut got_w,
-        stride,
-        indexer::LogitsPath::Wgmma,
-    )
-    .unwrap();
-    indexer::logits_with(
-        gpu,
-        &qb,
-        &cache,
-        &mut got_h,
-        stride,
-        indexer::LogitsPath::F16Hmma,
-    )
-    .unwrap();
-    let got_w = gpu.download(&got_w).unwrap();
-    let got_h = gpu.download(&got_h).unwrap();
-    let (mut worst_ref, mut worst_v2) = (0.0f64, 0.0f64);
+    let run = |path: indexer::LogitsPath| -> Vec<f32> {
+        let mut out = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
+        indexer::logits_with(gpu, &qb, &cache, &mut out, stride, path).unwrap();
+        gpu.download(&out).unwrap()
+    };
+    let got_h = run(indexer::LogitsPath::F16Hmma);
+    let got: Vec<Vec<f32>> = WGMMA_PATHS.iter().map(|&p| run(p)).collect();
+    let mut worst_ref = [0.0f64; WGMMA_PATHS.len()];
+    let mut worst_v2 = [0.0f64; WGMMA_PATHS.len()];
     for b in 0..batch {
         let n_seq = (0..next_n)
             .map(|t| nv[b * next_n + t].max(0) as usize)
@@ -1182,40 +1200,49 @@ fn check_wgmma_logits(
         for t in 0..next_n {
             let row = b * next_n + t;
             for j in 0..stride {
-                let (gw, gh) = (got_w[row * stride + j], got_h[row * stride + j]);
+                let gh = got_h[row * stride + j];
                 if j >= n_seq {
-                    assert_eq!(
-                        gw.to_bits(),
-                        u32::MAX,
-                        "{label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wrote {gw:e} past the visible entries"
-                    );
                     assert_eq!(
                         gh.to_bits(),
                         u32::MAX,
                         "v2 wrote past n_seq (row {row} j {j})"
                     );
+                    for (p, g) in WGMMA_PATHS.iter().zip(&got) {
+                        let gw = g[row * stride + j];
+                        assert_eq!(
+                            gw.to_bits(),
+                            u32::MAX,
+                            "{p:?} {label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wrote {gw:e} past the visible entries"
+                        );
+                    }
                     continue;
                 }
                 let (want, mag) = wgmma_ref_score(&q_f64, &w, host, row, host.slot(b, j));
-                let err = (gw as f64 - want).abs();
-                assert!(
-                    gw.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
-                    "{label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wgmma {gw:e} ref {want:e} v2 {gh:e} \
-                     err {err:e} = {:.3e} x mag (mag {mag:e}, tol {WGMMA_TOL:e} x mag)",
-                    err / mag.max(1e-300)
-                );
-                if mag > 0.0 {
-                    worst_ref = worst_ref.max(err / mag);
-                    worst_v2 = worst_v2.max((gw as f64 - gh as f64).abs() / mag);
+                for (pi, (p, g)) in WGMMA_PATHS.iter().zip(&got).enumerate() {
+                    let gw = g[row * stride + j];
+                    let err = (gw as f64 - want).abs();
+                    assert!(
+                        gw.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
+                        "{p:?} {label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wgmma {gw:e} ref {want:e} \
+                         v2 {gh:e} err {err:e} = {:.3e} x mag (mag {mag:e}, tol {WGMMA_TOL:e} x mag)",
+                        err / mag.max(1e-300)
+                    );
+                    if mag > 0.0 {
+                        worst_ref[pi] = worst_ref[pi].max(err / mag);
+                        worst_v2[pi] = worst_v2[pi].max((gw as f64 - gh as f64).abs() / mag);
+                    }
                 }
             }
         }
     }
-    println!(
-        "{label} next_n {next_n}: max |wgmma - ref| / mag = {worst_ref:.3e} (2^{:.2}), max |wgmma - v2| / mag = {worst_v2:.3e}",
-        worst_ref.max(1e-300).log2()
-    );
-    (worst_ref, worst_v2)
+    for (pi, p) in WGMMA_PATHS.iter().enumerate() {
+        println!(
+            "{p:?} {label} next_n {next_n}: max |wgmma - ref| / mag = {:.3e} (2^{:.2}), max |wgmma - v2| / mag = {:.3e}",
+            worst_ref[pi],
+            worst_ref[pi].max(1e-300).log2(),
+            worst_v2[pi]
+        );
+    }
 }
 
 #[test]
@@ -1300,27 +1327,22 @@ fn gpu_wgmma_logits_nan_policy_matches_v2() {
         let nv = vec![n as i32; rows];
         let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
         let qb = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv).unwrap();
-        let mut sw = gpu.poisoned::<f32>(rows * cap, 0xFF).unwrap();
-        let mut sh = gpu.poisoned::<f32>(rows * cap, 0xFF).unwrap();
-        indexer::logits_with(&gpu, &qb, &cache, &mut sw, cap, indexer::LogitsPath::Wgmma).unwrap();
-        indexer::logits_with(
-            &gpu,
-            &qb,
-            &cache,
-            &mut sh,
-            cap,
-            indexer::LogitsPath::F16Hmma,
-        )
-        .unwrap();
-        let (sw, sh) = (gpu.download(&sw).unwrap(), gpu.download(&sh).unwrap());
-        for t in 0..next_n {
-            for &(b, j) in nan_code.iter().chain(nan_scale.iter()) {
-                let i = (b * next_n + t) * cap + j;
-                let nan_s = nan_scale.contains(&(b, j));
-                assert!(
+        let run = |path: indexer::LogitsPath| -> Vec<f32> {
+            let mut out = gpu.poisoned::<f32>(rows * cap, 0xFF).unwrap();
+            indexer::logits_with(&gpu, &qb, &cache, &mut out, cap, path).unwrap();
+            gpu.download(&out).unwrap()
+        };
+        let sh = run(indexer::LogitsPath::F16Hmma);
+        for path in WGMMA_PATHS {
+            let sw = run(path);
+            for t in 0..next_n {
+                for &(b, j) in nan_code.iter().chain(nan_scale.iter()) {
+                    let i = (b * next_n + t) * cap + j;
+                    let nan_s = nan_scale.contains(&(b, j));
+                    assert!(
                     (nan_s && sw[i].is_nan() && sh[i].is_nan())
                         || (!nan_s && sw[i].to_bits() == sh[i].to_bits()),
-                    "next_n {next_n} row {} j {j} (NaN {}): wgmma {:e} ({:#010x}) vs v2 {:e} ({:#010x})",
+                    "{path:?} next_n {next_n} row {} j {j} (NaN {}): wgmma {:e} ({:#010x}) vs v2 {:e} ({:#010x})",
                     b * next_n + t,
                     if nan_s { "scale" } else { "code" },
                     sw[i],
@@ -1328,6 +1350,7 @@ fn gpu_wgmma_logits_nan_policy_matches_v2() {
                     sh[i],
                     sh[i].to_bits()
                 );
+                }
             }
         }
     }
@@ -1363,9 +1386,9 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
                     .collect()
             })
             .collect();
-        for k in [512usize, 2048] {
+        for (path, k) in WGMMA_PATHS.iter().flat_map(|&p| [(p, 512usize), (p, 2048)]) {
             let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            indexer::run_with(&gpu, &qb, &cache, &mut bufs, indexer::LogitsPath::Wgmma).unwrap();
+            indexer::run_with(&gpu, &qb, &cache, &mut bufs, path).unwrap();
             let scores = gpu.download(&bufs.scores).unwrap();
             let idx = gpu.download(&bufs.topk.out_idx).unwrap();
             let stride = bufs.score_stride;
@@ -1374,7 +1397,7 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
                 let got = &scores[r * stride..r * stride + n];
                 // Exact on the GPU's own scores (the top-k contract).
                 if let Err(e) = reference::check_topk_exact(got, k, &idx[r * k..(r + 1) * k]) {
-                    panic!("seed {seed} next_n {next_n} k {k} row {r}: {e}");
+                    panic!("{path:?} seed {seed} next_n {next_n} k {k} row {r}: {e}");
                 }
                 // Against the f64 reference: every entry clearly above the reference k-th score (by more than
                 // both error bounds) is selected, and nothing clearly below it is.
@@ -1390,14 +1413,14 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
                     let sel = selected.contains(&(j as i32));
                     assert!(
                         s <= kth.0 + 2.0 * max_tol || sel,
-                        "seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is above the reference k-th \
+                        "{path:?} seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is above the reference k-th \
                          ({:e}) by more than 2 x {max_tol:e} but not selected",
                         got[j],
                         kth.0
                     );
                     assert!(
                         s >= kth.0 - 2.0 * max_tol || !sel,
-                        "seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is below the reference k-th \
+                        "{path:?} seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is below the reference k-th \
                          ({:e}) by more than 2 x {max_tol:e} but selected",
                         got[j],
                         kth.0

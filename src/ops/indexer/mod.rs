@@ -259,19 +259,33 @@ pub enum LogitsPath {
     /// v5 (session-4 A/B candidate, bench variant `fused_wgmma`): native wgmma e4m3 with a cp.async
     /// shared-memory ring and persistent CTAs (`indexer_logits_fp8w_*`). FP8 keys only. Not bit-identical to
     /// v2: the FP8 tensor-core accumulation keeps fewer bits than fp32 (see kernels/indexer.cu).
+    /// 2 CTAs per SM, 5 key tiles per round (next_n = 2: 4).
     Wgmma,
+    /// The same kernel with 3 CTAs per SM and 3 key tiles per round (`indexer_logits_fp8w3_*`, bench variant
+    /// `fused_wgmma_3cta`): more warps to overlap the wgmma -> epilogue chain, shorter rounds.
+    Wgmma3Cta,
 }
 
-/// Threads, keys per tile and CTAs per SM of the wgmma logits (kernel constants LW_THREADS, LW_KEYS,
-/// LW_CTAS_PER_SM).
+impl LogitsPath {
+    /// (entry point, tiles per round, CTAs per SM) of the wgmma paths; None for v2.
+    fn wgmma_config(self, next_n: usize) -> Option<(&'static str, usize, usize)> {
+        match (self, next_n) {
+            (LogitsPath::F16Hmma, _) => None,
+            (LogitsPath::Wgmma, 1) => Some(("indexer_logits_fp8w_n1", 5, 2)),
+            (LogitsPath::Wgmma, _) => Some(("indexer_logits_fp8w_n2", 4, 2)),
+            (LogitsPath::Wgmma3Cta, 1) => Some(("indexer_logits_fp8w3_n1", 3, 3)),
+            (LogitsPath::Wgmma3Cta, _) => Some(("indexer_logits_fp8w3_n2", 3, 3)),
+        }
+    }
+}
+
+/// Threads and keys per tile of the wgmma logits (kernel constants LW_THREADS, LW_KEYS).
 const WGMMA_THREADS: u32 = 128;
 const WGMMA_TILE_KEYS: usize = 64;
-const WGMMA_CTAS_PER_SM: usize = 2;
 
-/// Dynamic shared memory of the wgmma logits (kernel `lw_smem_bytes`): 1 KB alignment slack + two rounds of
-/// `lw_round` key tiles (8 KB codes + 256 B scales each; 5 tiles per round for next_n = 1, 4 for 2) + q.
-fn wgmma_smem_bytes(next_n: usize) -> usize {
-    let round = if next_n == 1 { 5 } else { 4 };
+/// Dynamic shared memory of the wgmma logits (kernel `lw_smem_bytes<NEXT_N, ROUND>`): 1 KB alignment slack +
+/// two rounds of `round` key tiles (8 KB codes + 256 B scales each) + q (8 KB per query token).
+fn wgmma_smem_bytes(next_n: usize, round: usize) -> usize {
     1024 + 2 * round * WGMMA_TILE_KEYS * (HEAD_DIM + 4) + next_n * NUM_HEADS * HEAD_DIM
 }
 
@@ -333,8 +347,8 @@ pub fn logits_with(
     if max_n == 0 {
         return Ok(());
     }
-    if path == LogitsPath::Wgmma {
-        return logits_wgmma(gpu, q, cache, scores, score_stride, max_n);
+    if let Some(config) = path.wgmma_config(q.next_n) {
+        return logits_wgmma(gpu, q, cache, scores, score_stride, max_n, config);
     }
     let name = match (cache.format, q.next_n) {
         (KeyFormat::Fp8, 1) => "indexer_logits_fp8h_n1",
@@ -369,6 +383,7 @@ fn logits_wgmma(
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
     max_n: usize,
+    (name, round, ctas_per_sm): (&str, usize, usize),
 ) -> Result<()> {
     let tiles_per_seq = max_n.div_ceil(WGMMA_TILE_KEYS);
     let total_tiles = tiles_per_seq * q.batch;
@@ -380,14 +395,9 @@ fn logits_wgmma(
         q.batch,
         tiles_per_seq
     );
-    let name = if q.next_n == 1 {
-        "indexer_logits_fp8w_n1"
-    } else {
-        "indexer_logits_fp8w_n2"
-    };
-    let smem = wgmma_smem_bytes(q.next_n);
+    let smem = wgmma_smem_bytes(q.next_n, round);
     let f = gpu.function_with_smem(FAMILY, name, smem)?;
-    let persistent = (gpu.info.sm_count.max(1) as usize) * WGMMA_CTAS_PER_SM;
+    let persistent = (gpu.info.sm_count.max(1) as usize) * ctas_per_sm;
     let grid_x = total_tiles.min(persistent) as u32;
     let (cap, stride, tps, total) = (
         cache.capacity as i32,
@@ -863,8 +873,8 @@ pub struct IndexerSamples {
 }
 
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass), "fused_wgmma" (the same with the wgmma FP8 logits, [`LogitsPath::Wgmma`]) or "baseline" (the
-/// seeds' path).
+/// pass), "fused_wgmma" / "fused_wgmma_3cta" (the same with the wgmma FP8 logits, [`LogitsPath::Wgmma`] /
+/// [`LogitsPath::Wgmma3Cta`]) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -876,11 +886,11 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" | "fused_wgmma" => {
-            let path = if variant == "fused_wgmma" {
-                LogitsPath::Wgmma
-            } else {
-                LogitsPath::F16Hmma
+        "fused" | "fused_wgmma" | "fused_wgmma_3cta" => {
+            let path = match variant {
+                "fused_wgmma" => LogitsPath::Wgmma,
+                "fused_wgmma_3cta" => LogitsPath::Wgmma3Cta,
+                _ => LogitsPath::F16Hmma,
             };
             let logits_s = gpu.time_us(plan, || {
                 logits_with(gpu, q, cache, &mut bufs.scores, stride, path)
@@ -922,7 +932,7 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_wgmma or baseline)"),
+        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_wgmma, fused_wgmma_3cta or baseline)"),
     }
 }
 
