@@ -497,7 +497,8 @@ INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n2, 2)
 // Ordering: cp.async writes are generic-proxy writes; each thread waits for its own groups, executes
 // fence.proxy.async, then the CTA barrier makes every thread's tile visible to the async proxy (wgmma).
 // A stage is refilled only after the barrier that follows the wgmma.wait_group 0 of its last reader (round
-// rd + 1 reuses round rd - 1's half, refilled after round rd's top barrier).
+// rd + 1 reuses round rd - 1's half, refilled after round rd's top barrier); wait_group only covers the
+// executing warp's part of a wgmma, so q is likewise rewritten only after a barrier.
 // Rows >= n_seq are neither read from global memory nor written: their shared-memory rows hold stale bytes,
 // which only reach accumulator rows that are discarded.
 // Deadlock freedom: every barrier is executed by all threads: the loop trip counts and the "item exists" /
@@ -655,6 +656,9 @@ __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q,
 
             if (b != cur_b) {  // block-uniform: (re)load q and w of sequence b
                 cur_b = b;
+                // Every warp's part of the previous tile's wgmma (which read q) must be complete before q is
+                // overwritten: each warp only waited for its own wgmma groups.
+                __syncthreads();
                 for (int c = tid; c < NEXT_N * HEADS * 8; c += LW_THREADS) {
                     const int r = c >> 3, ch = c & 7;  // r = t * 64 + head
                     const uint4 v = *reinterpret_cast<const uint4*>(q + ((size_t)b * NEXT_N * HEADS + r) * DIM + ch * 16);

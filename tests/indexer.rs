@@ -1106,8 +1106,8 @@ fn wgmma_tile_store_is_the_128b_swizzle_and_a_bijection() {
 /// products of two e4m3 values are exact; the FP8 tensor core accumulates each k32 step with a limited
 /// mantissa (DeepSeek-V3 measured ~14 bits on H800), modelled as <= 2 truncations of at most 2^-13 of the
 /// running magnitude per step (the step's own sum and its addition to the accumulator) -> 4 steps x 2 x 2^-13
-/// = 2^-10 of sum_d |q_hd c_jd|; relu is 1-Lipschitz; the fp32 epilogue (64 fma + 2 shuffle adds + the scale
-/// multiply) adds < 70 x 2^-24. Total < 2^-9.99; the test allows 2^-9 (a 2x margin for the accumulation
+/// = 2^-10 of sum_d |q_hd c_jd|; relu is 1-Lipschitz; the fp32 epilogue (2 chains of 32 fma, their sum, 2
+/// shuffle adds, the scale multiply) adds < 70 x 2^-24. Total < 2^-9.99; the test allows 2^-9 (a 2x margin for the accumulation
 /// model, which is measured, not documented) and prints the largest observed err / mag.
 const WGMMA_TOL: f64 = 1.0 / 512.0;
 
