@@ -397,6 +397,13 @@ fn logits_wgmma(
     );
     let smem = wgmma_smem_bytes(q.next_n, round);
     let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    // The persistent grid assumes `ctas_per_sm` resident CTAs, i.e. the largest shared-memory carveout (the
+    // default carveout is only a driver heuristic).
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+    )
+    .map_err(|e| anyhow::anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
     let persistent = (gpu.info.sm_count.max(1) as usize) * ctas_per_sm;
     let grid_x = total_tiles.min(persistent) as u32;
     let (cap, stride, tps, total) = (
