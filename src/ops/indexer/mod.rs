@@ -256,10 +256,10 @@ pub enum LogitsPath {
     /// v2 (the default): e4m3 converted once to f16 fragments + f16 HMMA (`indexer_logits_fp8h_*`).
     #[default]
     F16Hmma,
-    /// v5 (session-4 A/B candidate, bench variant `fused_wgmma`): native wgmma e4m3 with a cp.async
-    /// shared-memory ring and persistent CTAs (`indexer_logits_fp8w_*`). FP8 keys only. Not bit-identical to
-    /// v2: the FP8 tensor-core accumulation keeps fewer bits than fp32 (see kernels/indexer.cu).
-    /// 2 CTAs per SM, 5 key tiles per round (next_n = 2: 4).
+    /// v5 (session-4 A/B candidate, bench variant `fused_wgmma`): native wgmma e4m3 fed by double-buffered
+    /// rounds of cp.async key tiles in shared memory, persistent CTAs (`indexer_logits_fp8w_*`). FP8 keys
+    /// only. Not bit-identical to v2: the FP8 tensor-core accumulation keeps fewer bits than fp32 (see
+    /// kernels/indexer.cu). 2 CTAs per SM, 5 key tiles per round (next_n = 2: 4).
     Wgmma,
     /// The same kernel with 3 CTAs per SM and 3 key tiles per round (`indexer_logits_fp8w3_*`, bench variant
     /// `fused_wgmma_3cta`): more warps to overlap the wgmma -> epilogue chain, shorter rounds.
