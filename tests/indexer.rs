@@ -1102,13 +1102,16 @@ fn wgmma_tile_store_is_the_128b_swizzle_and_a_bijection() {
 }
 
 /// Tolerance of the wgmma logits against the f64 reference, as a fraction of
-/// `mag = scale_j * sum_h |w_h| sum_d |q_hd c_jd|` (c = the key's e4m3 code values):
-/// products of two e4m3 values are exact; the FP8 tensor core accumulates each k32 step with a limited
-/// mantissa (DeepSeek-V3 measured ~14 bits on H800), modelled as <= 2 truncations of at most 2^-13 of the
-/// running magnitude per step (the step's own sum and its addition to the accumulator) -> 4 steps x 2 x 2^-13
-/// = 2^-10 of sum_d |q_hd c_jd|; relu is 1-Lipschitz; the fp32 epilogue (2 chains of 32 fma, their sum, 2
-/// shuffle adds, the scale multiply) adds < 70 x 2^-24. Total < 2^-9.99; the test allows 2^-9 (a 2x margin for the accumulation
-/// model, which is measured, not documented) and prints the largest observed err / mag.
+/// `mag = scale_j * sum_h |w_h| sum_d |q_hd c_jd|` (c = the key's e4m3 code values).
+/// Products of two e4m3 values are exact. The FP8 tensor core's accumulation is not documented; the measured
+/// behaviour (DeepSeek-V3 on H800: ~14 significant bits) is modelled as: per k32 step, the 32 products and the
+/// accumulator are aligned to the largest exponent and everything below ~2^-13 of the largest term is dropped.
+/// Worst case that is 33 x 2^-13 of the largest term per step (products of one sign whose dropped tails all
+/// add up); with independent signs (all test data) the dropped tails partly cancel, ~sqrt(33) x 2^-13 of the
+/// largest term, so over 4 steps ~2^-9.5 of max |term| <= 2^-9.5 of sum_d |q_hd c_jd|, and in practice far less
+/// (the largest term is a small part of the sum). relu is 1-Lipschitz; the fp32 epilogue (per row: 4 lanes x
+/// 2 chains of 8 fma, 3 adds, the scale multiply) adds < 20 x 2^-24 of mag. The test allows 2^-9 x mag, the
+/// same bound as the v2 FP8 test, and prints the largest observed err / mag so the margin is visible.
 const WGMMA_TOL: f64 = 1.0 / 512.0;
 
 /// The f64 score of key `slot` for query row `row` and its error scale `mag` (see WGMMA_TOL).
