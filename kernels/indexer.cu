@@ -7,6 +7,8 @@
 // indexer_topk2_select -> indexer_topk3_final (a 4096-bin histogram, a threshold select with many CTAs per
 // row, then one exact rank-by-counting pass per row with radix-select / bitonic fallbacks; see "Top-k v2"
 // and "Top-k v3"). The shared radix select / bitonic sort helpers are described under "Top-k".
+// Session-4 A/B candidate (not the default): FP8 logits v5 on native wgmma e4m3 (indexer_logits_fp8w_*, "FP8
+// logits v5" below; LogitsPath::Wgmma, bench variant fused_wgmma).
 // Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
 // indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
 // top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1
@@ -70,6 +72,7 @@
 // (base += blockDim, the element test is inside). No global lock, no inter-CTA wait.
 #include <stdint.h>
 #include "common/formats.cuh"
+#include "common/wgmma.cuh"
 
 namespace {
 
@@ -460,6 +463,287 @@ INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n2, 2, true, 1)
 
 INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n1, 1)
 INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n2, 2)
+
+// ------------------------------------------------------------------------------------------------------------
+// FP8 logits v5 (session-4 A/B candidate, bench variant "fused_wgmma", LogitsPath::Wgmma): native Hopper FP8
+// wgmma with double-buffered cp.async rounds of key tiles in shared memory and persistent CTAs.
+// Why: ncu of v2 at 1M/batch 1: 1.80 TB/s, top stall L1TEX scoreboard: each warp loads its 2 tiles, then
+// converts and multiplies, with nothing in flight meanwhile; plus the e4m3 -> f16 conversion work. Here:
+//   * Tile = 64 keys x 128 B (8 KB) = the wgmma M. A CTA is one warpgroup (128 threads); a persistent grid of
+//     2 CTAs per SM walks a CONTIGUOUS range of the flattened (sequence, tile) list (so q changes rarely).
+//   * Two halves of ROUND tiles each in shared memory (double-buffered rounds), filled with 16-byte
+//     cp.async.cg (thread i copies chunk i % 8 of row i / 8: coalesced 128-byte rows) into the 128B-swizzled
+//     K-major wgmma layout: row r's 16-byte chunk c lands at r * 128 + ((c ^ (r & 7)) << 4) (a tile is
+//     1024-aligned; 8-row groups 1024 B apart = SBO). The tile's 64 fp32 key scales ride along (4-byte cp.async
+//     into a per-stage array). Round r + 1's copies (5 tiles = 40 KB for next_n = 1, 4 for next_n = 2) are issued
+//     before round r is multiplied, so they overlap its wgmma and epilogue; 2 CTAs per SM keep ~64-80 KB in
+//     flight per SM (Little: 4.3 TB/s x ~1.2 us / 132 SMs = ~39 KB needed).
+//   * Why rounds and not a rolling ring: cp.async writes are generic-proxy writes, so each wgmma read needs a
+//     fence.proxy.async after them, and ptxas emits it as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S. If that MEMBAR
+//     waited for the thread's outstanding cp.async copies (not documented either way), a per-tile fence in a
+//     rolling ring would drain the ring every tile. One fence per round, placed when the only copies in
+//     flight are the round's own (which the round needs anyway), is safe under either behaviour.
+//   * q (e4m3 [NEXT_N * 64 heads][128], B operand, N = 64 heads per token) is stored once per sequence change
+//     in the same swizzled layout; NEXT_N = 2 puts both tokens' heads on N = 128 (one m64n128k32 per k-step).
+//   * wgmma.m64nNk32.f32.e4m3.e4m3, both operands from shared memory, K-major: k-step s (dims 32s..32s+31)
+//     advances both descriptors' start address by 32 B (the swizzle is applied to the computed address, so
+//     the XOR pattern above stays consistent). 4 k-steps per tile; products of two e4m3 values are exact,
+//     the tensor core's FP8 accumulation keeps fewer than 24 bits (DeepSeek-V3 measured ~14 on H800), so
+//     scores are NOT bit-identical to v2; the test bounds the difference against the f64 reference.
+//   * Epilogue: the accumulator fragment d[j * 4 + e] of thread (warp w, g = lane / 4, tq = lane % 4) is row
+//     16w + g + 8 * (e >= 2), column j * 8 + 2 * tq + (e & 1) (column = t * 64 + head). Per row: sum over the
+//     thread's 16 (per token) columns of w * relu (fmaxf: NaN -> 0, as v2), then 2 xor-shuffles over the quad,
+//     * key scale (scale > 0 commutes with relu; a NaN scale gives NaN, as v2), stored for row < n_seq only.
+// Ordering: cp.async writes are generic-proxy writes; each thread waits for its own groups, executes
+// fence.proxy.async, then the CTA barrier makes every thread's tile visible to the async proxy (wgmma).
+// A stage is refilled only after the barrier that follows the wgmma.wait_group 0 of its last reader (round
+// rd + 1 reuses round rd - 1's half, refilled after round rd's top barrier); wait_group only covers the
+// executing warp's part of a wgmma, so q is likewise rewritten only after a barrier.
+// Rows >= n_seq are neither read from global memory nor written: their shared-memory rows hold stale bytes,
+// which only reach accumulator rows that are discarded.
+// Deadlock freedom: every barrier is executed by all threads: the loop trip counts and the "item exists" /
+// "tile has keys" / "sequence changed" branches are functions of blockIdx and kernel arguments only.
+// Byte budget: 8 KB + 256 B of keys per tile vs 4 wgmma (N = 64: ~128 tensor cycles; N = 128: ~256) and an
+// epilogue of ~100 instructions per thread; at 2 CTAs per SM and 4.3 TB/s a tile arrives every ~480 cycles per
+// CTA, so next_n = 1 and 2 both stay below the tensor and issue limits.
+namespace {
+
+constexpr int LW_THREADS = 128;
+constexpr int LW_KEYS = 64;
+// Tiles per round (half the stages) and CTAs per SM, two configurations raced as separate bench variants:
+//   "fused_wgmma"      2 CTAs/SM; next_n = 1: 5 tiles per round (2 x 5 x 8.25 KB keys + scales + 8 KB q = 92 KB
+//                      per CTA), next_n = 2: 4 (2 x 4 x 8.25 KB + 16 KB q = 83 KB); ~80 / 64 KB in flight per SM.
+//   "fused_wgmma_3cta" 3 CTAs/SM, 3 tiles per round (59 KB / 67 KB per CTA): 12 warps per SM to overlap one
+//                      CTA's wgmma -> epilogue chain with the others, ~72 KB in flight per SM, shorter rounds.
+// Both fit 228 KB of shared memory per SM (with 1 KB reserved per CTA).
+constexpr int LW_TILE_BYTES = LW_KEYS * DIM;  // 8192
+
+__device__ __forceinline__ uint32_t lw_smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void lw_cp_async16(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void lw_cp_async4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void lw_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void lw_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// D[64 x 64] (+)= A[64 keys x 32] . B[64 heads x 32]^T, e4m3 x e4m3 -> f32; scale_d = 0 starts from zero.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 128] (+)= A[64 keys x 32] . B[128 (token, head) rows x 32]^T.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <int NEXT_N>
+__device__ __forceinline__ int lw_seq_len(const int* __restrict__ num_valid, int b, int capacity) {
+    int n_seq = 0;
+#pragma unroll
+    for (int t = 0; t < NEXT_N; ++t) n_seq = max(n_seq, min(max(num_valid[b * NEXT_N + t], 0), capacity));
+    return n_seq;
+}
+
+// Dynamic shared memory (base rounded up to 1024 B in the kernel; the launcher adds 1 KB of slack):
+//   keys [2 * round][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [2 * round][64] f32.
+template <int NEXT_N, int ROUND>
+__host__ __device__ constexpr int lw_smem_bytes() {
+    return 1024 + 2 * ROUND * (LW_TILE_BYTES + LW_KEYS * 4) + NEXT_N * HEADS * DIM;
+}
+
+template <int NEXT_N, int ROUND>
+__device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
+                                                  const uint8_t* __restrict__ codes, const float* __restrict__ scales,
+                                                  const int* __restrict__ num_valid, int capacity,
+                                                  float* __restrict__ scores, int score_stride, int tiles_per_seq,
+                                                  int total_tiles) {
+    constexpr int NACC = NEXT_N * 32;  // f32 accumulators per thread: 64 x (64 * NEXT_N) / 128
+    constexpr int STAGES = 2 * ROUND;
+    extern __shared__ uint8_t lw_smem_raw[];
+    const uint32_t raw_addr = lw_smem_addr(lw_smem_raw);
+    const uint32_t base = (raw_addr + 1023u) & ~1023u;
+    const uint32_t keys_s = base;
+    const uint32_t q_s = keys_s + STAGES * LW_TILE_BYTES;
+    const uint32_t scale_s = q_s + NEXT_N * HEADS * DIM;
+    const float* scale_gen = reinterpret_cast<const float*>(lw_smem_raw + (scale_s - raw_addr));
+    uint8_t* q_gen = lw_smem_raw + (q_s - raw_addr);
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    // This CTA's contiguous range of the flattened (sequence, tile) items.
+    const int per_cta = (total_tiles + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int item0 = (int)blockIdx.x * per_cta;
+    const int n_items = max(0, min(per_cta, total_tiles - item0));  // block-uniform
+
+    // Issue the copies of local item i (if it exists) into stage `stage`; no commit (one group per round).
+    auto issue = [&](int i, int stage) {
+        if (i < n_items) {
+            const int item = item0 + i;
+            const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
+            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
+            const uint32_t dst_tile = keys_s + stage * LW_TILE_BYTES;
+            const uint8_t* src_tile = codes + ((size_t)b * capacity + key0) * DIM;
+#pragma unroll
+            for (int k = 0; k < LW_TILE_BYTES / 16 / LW_THREADS; ++k) {
+                const int c = tid + k * LW_THREADS;
+                const int r = c >> 3, ch = c & 7;
+                if (key0 + r < n_seq) lw_cp_async16(dst_tile + r * DIM + ((ch ^ (r & 7)) << 4), src_tile + r * DIM + ch * 16);
+            }
+            if (tid < LW_KEYS && key0 + tid < n_seq)
+                lw_cp_async4(scale_s + (stage * LW_KEYS + tid) * 4, scales + (size_t)b * capacity + key0 + tid);
+        }
+    };
+
+    // Round 0 -> stages 0 .. ROUND - 1.
+#pragma unroll 1
+    for (int k = 0; k < ROUND; ++k) issue(k, k);
+    lw_cp_async_commit();
+
+    float wreg[NEXT_N][8][2];  // w of this thread's columns: head j * 8 + 2 * tq + e, per token
+    int cur_b = -1;
+    const uint64_t q_desc = sw128_desc(q_s);
+    const int n_rounds = (n_items + ROUND - 1) / ROUND;  // block-uniform
+
+#pragma unroll 1
+    for (int rd = 0; rd < n_rounds; ++rd) {
+        lw_cp_async_wait<0>();  // this thread's copies of round rd (the only ones in flight) have landed
+        fence_proxy_async();    // ... and are visible to the async proxy
+        __syncthreads();        // ... for every thread; round rd - 1's stages are no longer read
+        const int half = rd & 1, next_half = half ^ 1;
+#pragma unroll 1
+        for (int k = 0; k < ROUND; ++k) issue((rd + 1) * ROUND + k, next_half * ROUND + k);
+        lw_cp_async_commit();
+
+#pragma unroll 1
+        for (int k = 0; k < ROUND; ++k) {
+            const int i = rd * ROUND + k;
+            if (i >= n_items) break;  // block-uniform
+            const int item = item0 + i;
+            const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
+            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
+            if (key0 >= n_seq) continue;  // block-uniform: nothing visible in this tile
+
+            if (b != cur_b) {  // block-uniform: (re)load q and w of sequence b
+                cur_b = b;
+                // Every warp's part of the previous tile's wgmma (which read q) must be complete before q is
+                // overwritten: each warp only waited for its own wgmma groups.
+                __syncthreads();
+                for (int c = tid; c < NEXT_N * HEADS * 8; c += LW_THREADS) {
+                    const int r = c >> 3, ch = c & 7;  // r = t * 64 + head
+                    const uint4 v = *reinterpret_cast<const uint4*>(q + ((size_t)b * NEXT_N * HEADS + r) * DIM + ch * 16);
+                    *reinterpret_cast<uint4*>(q_gen + r * DIM + ((ch ^ (r & 7)) << 4)) = v;
+                }
+#pragma unroll
+                for (int t = 0; t < NEXT_N; ++t) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const float2 wv = *reinterpret_cast<const float2*>(w + ((size_t)b * NEXT_N + t) * HEADS + j * 8 + 2 * tq);
+                        wreg[t][j][0] = wv.x;
+                        wreg[t][j][1] = wv.y;
+                    }
+                }
+                // q's generic stores -> the wgmma's async-proxy reads. (Once per sequence change: even if the
+                // MEMBAR waited for the next round's copies, that happens at most batch times per CTA.)
+                fence_proxy_async();
+                __syncthreads();
+            }
+
+            const int stage = half * ROUND + k;
+            const uint64_t a_desc = sw128_desc(keys_s + stage * LW_TILE_BYTES);
+            float acc[NACC];
+#pragma unroll
+            for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < DIM / 32; ++s) {
+                // +32 B per k-step = +2 in the descriptor's (address >> 4) field.
+                if constexpr (NEXT_N == 1) {
+                    wgmma_m64n64k32_e4m3(*reinterpret_cast<float(*)[32]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
+                } else {
+                    wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            fence_acc(acc);
+
+            const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
+#pragma unroll
+            for (int t = 0; t < NEXT_N; ++t) {
+                // Two independent fma chains per row (columns e = 0 / 1) halve the dependent-latency chain.
+                float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float* d = acc + (t * 8 + j) * 4;
+                    part[0][0] = fmaf(wreg[t][j][0], fmaxf(d[0], 0.f), part[0][0]);
+                    part[0][1] = fmaf(wreg[t][j][1], fmaxf(d[1], 0.f), part[0][1]);
+                    part[1][0] = fmaf(wreg[t][j][0], fmaxf(d[2], 0.f), part[1][0]);
+                    part[1][1] = fmaf(wreg[t][j][1], fmaxf(d[3], 0.f), part[1][1]);
+                }
+                float* out = scores + ((size_t)b * NEXT_N + t) * score_stride;
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    float v = part[hh][0] + part[hh][1];
+                    v += __shfl_xor_sync(FULL, v, 1);
+                    v += __shfl_xor_sync(FULL, v, 2);
+                    const int r = r0 + hh * 8;
+                    if (tq == hh && key0 + r < n_seq) out[key0 + r] = v * scale_gen[stage * LW_KEYS + r];
+                }
+            }
+        }
+    }
+    lw_cp_async_wait<0>();  // no copy outstanding at exit (the last round's group is empty)
+}
+
+}  // namespace
+
+// FP8 logits v5 (A/B candidate; see logits_wgmma_body). grid = persistent CTAs (<= CTAS per SM), block 128,
+// dynamic smem lw_smem_bytes<NEXT_N, ROUND>(). tiles_per_seq = ceil(max num_valid / 64), total_tiles = batch *
+// tiles_per_seq.
+#define INDEXER_LOGITS_WGMMA_ENTRY(NAME, NEXT_N, ROUND, CTAS)                                                   \
+    extern "C" __global__ void __launch_bounds__(LW_THREADS, CTAS)                                              \
+        NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
+             const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
+             float* __restrict__ scores, int score_stride, int tiles_per_seq, int total_tiles) {                 \
+        logits_wgmma_body<NEXT_N, ROUND>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid,         \
+                                         capacity, scores, score_stride, tiles_per_seq, total_tiles);             \
+    }
+
+INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w_n1, 1, 5, 2)
+INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w_n2, 2, 4, 2)
+INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n1, 1, 3, 3)
+INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n2, 2, 3, 3)
 
 // ------------------------------------------------------------------------------------------------------------
 // Top-k

@@ -858,7 +858,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "baseline"] {
+    for v in ["fused", "fused_wgmma", "fused_wgmma_3cta", "baseline"] {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
@@ -1067,4 +1067,369 @@ fn exec_indexer_cpu_matches_reference_and_rejects_bad_arguments() {
         "scales shape",
         "key_scales",
     );
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Session-4 A/B candidate: FP8 logits on native wgmma (LogitsPath::Wgmma, bench variant `fused_wgmma`).
+// ---------------------------------------------------------------------------------------------------------
+
+/// Mirror of the wgmma logits' shared-memory store (kernels/indexer.cu, logits_wgmma_body): 16-byte chunk `ch`
+/// of tile row `r` goes to byte `r * 128 + ((ch ^ (r & 7)) << 4)` of a 1024-aligned tile.
+fn wgmma_tile_offset(r: usize, ch: usize) -> usize {
+    r * 128 + ((ch ^ (r & 7)) << 4)
+}
+
+#[test]
+fn wgmma_tile_store_is_the_128b_swizzle_and_a_bijection() {
+    // The hardware's 128B swizzle XORs address bits 4-6 with bits 7-9 (for a 1024-aligned tile); the kernel's
+    // store must produce exactly that address for the logical (row, chunk), and fill each 8 KB tile (64 keys)
+    // and the 16 KB q tile (128 rows) exactly once.
+    for rows in [64usize, 128] {
+        let mut seen = vec![false; rows * 128 / 16];
+        for r in 0..rows {
+            for ch in 0..8 {
+                let linear = r * 128 + ch * 16;
+                let hw = linear ^ (((linear >> 7) & 7) << 4);
+                let off = wgmma_tile_offset(r, ch);
+                assert_eq!(off, hw, "row {r} chunk {ch}");
+                assert!(off + 16 <= rows * 128 && off.is_multiple_of(16));
+                assert!(!seen[off / 16], "row {r} chunk {ch} overlaps");
+                seen[off / 16] = true;
+            }
+        }
+        assert!(seen.iter().all(|&x| x));
+    }
+}
+
+/// Tolerance of the wgmma logits against the f64 reference, as a fraction of
+/// `mag = scale_j * sum_h |w_h| sum_d |q_hd c_jd|` (c = the key's e4m3 code values).
+/// Products of two e4m3 values are exact. The FP8 tensor core's accumulation is not documented; the measured
+/// behaviour (DeepSeek-V3 on H800: ~14 significant bits) is modelled as: per k32 step, the 32 products and the
+/// accumulator are aligned to the largest exponent and everything below ~2^-13 of the largest term is dropped.
+/// Worst case that is 33 x 2^-13 of the largest term per step (products of one sign whose dropped tails all
+/// add up); with independent signs (all test data) the dropped tails partly cancel, ~sqrt(33) x 2^-13 of the
+/// largest term, so over 4 steps ~2^-9.5 of max |term| <= 2^-9.5 of sum_d |q_hd c_jd|, and in practice far less
+/// (the largest term is a small part of the sum). relu is 1-Lipschitz; the fp32 epilogue (per row: 4 lanes x
+/// 2 chains of 8 fma, 3 adds, the scale multiply) adds < 20 x 2^-24 of mag. The test allows 2^-9 x mag, the
+/// same bound as the v2 FP8 test, and prints the largest observed err / mag so the margin is visible.
+const WGMMA_TOL: f64 = 1.0 / 512.0;
+
+/// The f64 score of key `slot` for query row `row` and its error scale `mag` (see WGMMA_TOL).
+fn wgmma_ref_score(
+    q_f64: &[f64],
+    w: &[f32],
+    host: &KeyCacheHost,
+    row: usize,
+    slot: usize,
+) -> (f64, f64) {
+    let k = host.key_f64(slot);
+    let (mut s, mut mag) = (0.0f64, 0.0f64);
+    for h in 0..NUM_HEADS {
+        let qh = &q_f64[(row * NUM_HEADS + h) * HEAD_DIM..(row * NUM_HEADS + h + 1) * HEAD_DIM];
+        let (mut dot, mut abs) = (0.0f64, 0.0f64);
+        for d in 0..HEAD_DIM {
+            dot += qh[d] * k[d];
+            abs += (qh[d] * k[d]).abs();
+        }
+        let wh = w[row * NUM_HEADS + h] as f64;
+        s += wh * reference::relu(dot);
+        mag += wh.abs() * abs;
+    }
+    (s, mag)
+}
+
+/// A key cache with arbitrary non-NaN e4m3 codes (the whole code range, subnormals included) and positive
+/// fp32 scales spread over 2^-12 .. 2^4.
+fn random_fp8_cache(rng: &mut ChaCha8Rng, batch: usize, cap: usize) -> KeyCacheHost {
+    let mut host = KeyCacheHost::new(KeyFormat::Fp8, batch, cap);
+    for c in host.codes.iter_mut() {
+        *c = loop {
+            let v: u8 = rng.random();
+            if v & 0x7F != 0x7F {
+                break v;
+            }
+        };
+    }
+    for s in host.scales.chunks_exact_mut(4) {
+        let v = f32::powf(2.0, rng.random_range(-12.0f32..4.0));
+        s.copy_from_slice(&v.to_le_bytes());
+    }
+    host
+}
+
+/// The wgmma logits paths under test (the same kernel in two occupancy configurations).
+const WGMMA_PATHS: [indexer::LogitsPath; 2] =
+    [indexer::LogitsPath::Wgmma, indexer::LogitsPath::Wgmma3Cta];
+
+/// Runs v2 and both wgmma paths on poisoned buffers and checks each wgmma path: every j < n_seq(b) (the
+/// longest row of sequence b: all paths write the whole sequence range for each of its rows) against the f64
+/// reference within WGMMA_TOL, everything past n_seq(b) still poisoned (as v2, also checked). Prints the max
+/// err / mag vs the reference and the max |wgmma - v2| / mag.
+fn check_wgmma_logits(
+    gpu: &megamoe::gpu::Gpu,
+    label: &str,
+    host: &KeyCacheHost,
+    next_n: usize,
+    nv: &[i32],
+    rng: &mut ChaCha8Rng,
+) {
+    let batch = host.batch;
+    let rows = batch * next_n;
+    let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+        .map(|_| reference::random_e4m3(rng))
+        .collect();
+    let w: Vec<f32> = (0..rows * NUM_HEADS)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
+    let cache = KeyCacheGpu::upload(gpu, host).unwrap();
+    let qb = QueryBatch::upload(gpu, batch, next_n, &q, &w, nv).unwrap();
+    let stride = host.capacity.next_multiple_of(4) + 4; // room past the capacity: must stay poisoned
+    let run = |path: indexer::LogitsPath| -> Vec<f32> {
+        let mut out = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
+        indexer::logits_with(gpu, &qb, &cache, &mut out, stride, path).unwrap();
+        gpu.download(&out).unwrap()
+    };
+    let got_h = run(indexer::LogitsPath::F16Hmma);
+    let got: Vec<Vec<f32>> = WGMMA_PATHS.iter().map(|&p| run(p)).collect();
+    let mut worst_ref = [0.0f64; WGMMA_PATHS.len()];
+    let mut worst_v2 = [0.0f64; WGMMA_PATHS.len()];
+    for b in 0..batch {
+        let n_seq = (0..next_n)
+            .map(|t| nv[b * next_n + t].max(0) as usize)
+            .max()
+            .unwrap()
+            .min(host.capacity);
+        for t in 0..next_n {
+            let row = b * next_n + t;
+            for j in 0..stride {
+                let gh = got_h[row * stride + j];
+                if j >= n_seq {
+                    assert_eq!(
+                        gh.to_bits(),
+                        u32::MAX,
+                        "v2 wrote past n_seq (row {row} j {j})"
+                    );
+                    for (p, g) in WGMMA_PATHS.iter().zip(&got) {
+                        let gw = g[row * stride + j];
+                        assert_eq!(
+                            gw.to_bits(),
+                            u32::MAX,
+                            "{p:?} {label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wrote {gw:e} past the visible entries"
+                        );
+                    }
+                    continue;
+                }
+                let (want, mag) = wgmma_ref_score(&q_f64, &w, host, row, host.slot(b, j));
+                for (pi, (p, g)) in WGMMA_PATHS.iter().zip(&got).enumerate() {
+                    let gw = g[row * stride + j];
+                    let err = (gw as f64 - want).abs();
+                    assert!(
+                        gw.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
+                        "{p:?} {label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wgmma {gw:e} ref {want:e} \
+                         v2 {gh:e} err {err:e} = {:.3e} x mag (mag {mag:e}, tol {WGMMA_TOL:e} x mag)",
+                        err / mag.max(1e-300)
+                    );
+                    if mag > 0.0 {
+                        worst_ref[pi] = worst_ref[pi].max(err / mag);
+                        worst_v2[pi] = worst_v2[pi].max((gw as f64 - gh as f64).abs() / mag);
+                    }
+                }
+            }
+        }
+    }
+    for (pi, p) in WGMMA_PATHS.iter().enumerate() {
+        println!(
+            "{p:?} {label} next_n {next_n}: max |wgmma - ref| / mag = {:.3e} (2^{:.2}), max |wgmma - v2| / mag = {:.3e}",
+            worst_ref[pi],
+            worst_ref[pi].max(1e-300).log2(),
+            worst_v2[pi]
+        );
+    }
+}
+
+#[test]
+fn gpu_wgmma_logits_match_the_reference() {
+    let Some(gpu) = gpu_for_test("gpu_wgmma_logits_match_the_reference") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_wgmma_logits");
+    println!("seed {seed}");
+    for next_n in [1usize, 2] {
+        // Writer-made keys (amplitudes 0.05 .. 20), lengths around the 64-key tile; capacity 4097 (odd: the
+        // per-sequence scale plane is not 16-byte aligned).
+        let lens = [0usize, 1, 63, 65, 127, 129, 1000, 4097];
+        let cap = 4097usize;
+        let mut host = KeyCacheHost::new(KeyFormat::Fp8, lens.len(), cap);
+        for (b, &n) in lens.iter().enumerate() {
+            for j in 0..n {
+                let amp = [0.05f32, 1.0, 20.0][rng.random_range(0..3)];
+                host.write_key(host.slot(b, j), &random_key(&mut rng, amp))
+                    .unwrap();
+            }
+        }
+        // next_n = 2: the first token sees one entry fewer (as in the model), so n_seq(b) = lens[b].
+        let nv: Vec<i32> = (0..lens.len() * next_n)
+            .map(|r| (lens[r / next_n] as i32 - (next_n - 1 - r % next_n) as i32).max(0))
+            .collect();
+        check_wgmma_logits(&gpu, "tile edges", &host, next_n, &nv, &mut rng);
+
+        // Long mixed rows: many tiles per persistent CTA (the ring wraps), sequence changes inside a CTA's
+        // range, empty tiles (sequence 1 has 33 keys of 1094 tiles), the full e4m3 code range.
+        let cap = 70_001usize;
+        let host = random_fp8_cache(&mut rng, 3, cap);
+        let lens = [70_001usize, 33, 20_001];
+        let nv: Vec<i32> = (0..3 * next_n)
+            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32)
+            .collect();
+        check_wgmma_logits(&gpu, "long rows", &host, next_n, &nv, &mut rng);
+    }
+    // MXFP4 keys have no wgmma path: a clear error before any launch.
+    let host = KeyCacheHost::new(KeyFormat::Mxfp4, 1, 64);
+    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+    let q = vec![0x38u8; NUM_HEADS * HEAD_DIM];
+    let qb = QueryBatch::upload(&gpu, 1, 1, &q, &[1.0; NUM_HEADS], &[64]).unwrap();
+    let mut s = gpu.poisoned::<f32>(64, 0xFF).unwrap();
+    let e = indexer::logits_with(&gpu, &qb, &cache, &mut s, 64, indexer::LogitsPath::Wgmma);
+    assert!(e.is_err(), "MXFP4 keys on the wgmma path must be rejected");
+}
+
+#[test]
+fn gpu_wgmma_logits_nan_policy_matches_v2() {
+    let Some(gpu) = gpu_for_test("gpu_wgmma_logits_nan_policy_matches_v2") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_wgmma_nan");
+    println!("seed {seed}");
+    // NaN key codes (0x7F / 0xFF) make every head's dot product NaN -> relu gives 0 -> score +0; a NaN
+    // scale gives a NaN score. Both paths must agree bit for bit on those entries.
+    let (cap, n) = (300usize, 300usize);
+    let mut host = random_fp8_cache(&mut rng, 2, cap);
+    let mut nan_code = vec![];
+    let mut nan_scale = vec![];
+    for b in 0..2 {
+        for j in (0..n).step_by(7) {
+            let s = host.slot(b, j);
+            host.codes[s * HEAD_DIM + rng.random_range(0..HEAD_DIM)] = [0x7F, 0xFF][j % 2];
+            nan_code.push((b, j));
+        }
+        for j in (3..n).step_by(11) {
+            let s = host.slot(b, j);
+            host.scales[s * 4..s * 4 + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+            nan_scale.push((b, j));
+        }
+    }
+    for next_n in [1usize, 2] {
+        let rows = 2 * next_n;
+        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+            .map(|_| reference::random_e4m3(&mut rng))
+            .collect();
+        let w: Vec<f32> = (0..rows * NUM_HEADS)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let nv = vec![n as i32; rows];
+        let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+        let qb = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv).unwrap();
+        let run = |path: indexer::LogitsPath| -> Vec<f32> {
+            let mut out = gpu.poisoned::<f32>(rows * cap, 0xFF).unwrap();
+            indexer::logits_with(&gpu, &qb, &cache, &mut out, cap, path).unwrap();
+            gpu.download(&out).unwrap()
+        };
+        let sh = run(indexer::LogitsPath::F16Hmma);
+        for path in WGMMA_PATHS {
+            let sw = run(path);
+            for t in 0..next_n {
+                for &(b, j) in nan_code.iter().chain(nan_scale.iter()) {
+                    let i = (b * next_n + t) * cap + j;
+                    let nan_s = nan_scale.contains(&(b, j));
+                    assert!(
+                    (nan_s && sw[i].is_nan() && sh[i].is_nan())
+                        || (!nan_s && sw[i].to_bits() == sh[i].to_bits()),
+                    "{path:?} next_n {next_n} row {} j {j} (NaN {}): wgmma {:e} ({:#010x}) vs v2 {:e} ({:#010x})",
+                    b * next_n + t,
+                    if nan_s { "scale" } else { "code" },
+                    sw[i],
+                    sw[i].to_bits(),
+                    sh[i],
+                    sh[i].to_bits()
+                );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_wgmma_indexer_selects_the_reference_topk() {
+    let Some(gpu) = gpu_for_test("gpu_wgmma_indexer_selects_the_reference_topk") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_wgmma_topk");
+    println!("seed {seed}");
+    let lens = [20_000usize, 513, 7_777];
+    let cap = 20_000usize;
+    let host = random_fp8_cache(&mut rng, lens.len(), cap);
+    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+    for next_n in [1usize, 2] {
+        let rows = lens.len() * next_n;
+        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+            .map(|_| reference::random_e4m3(&mut rng))
+            .collect();
+        let w: Vec<f32> = (0..rows * NUM_HEADS)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
+        let nv: Vec<i32> = (0..rows).map(|r| lens[r / next_n] as i32).collect();
+        let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
+        // Reference scores and error scales per row (the key_f64 values already include the key scale).
+        let refs_all: Vec<Vec<(f64, f64)>> = (0..rows)
+            .map(|r| {
+                (0..nv[r] as usize)
+                    .map(|j| wgmma_ref_score(&q_f64, &w, &host, r, host.slot(r / next_n, j)))
+                    .collect()
+            })
+            .collect();
+        for (path, k) in WGMMA_PATHS.iter().flat_map(|&p| [(p, 512usize), (p, 2048)]) {
+            let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+            indexer::run_with(&gpu, &qb, &cache, &mut bufs, path).unwrap();
+            let scores = gpu.download(&bufs.scores).unwrap();
+            let idx = gpu.download(&bufs.topk.out_idx).unwrap();
+            let stride = bufs.score_stride;
+            for r in 0..rows {
+                let n = nv[r] as usize;
+                let got = &scores[r * stride..r * stride + n];
+                // Exact on the GPU's own scores (the top-k contract).
+                if let Err(e) = reference::check_topk_exact(got, k, &idx[r * k..(r + 1) * k]) {
+                    panic!("{path:?} seed {seed} next_n {next_n} k {k} row {r}: {e}");
+                }
+                // Against the f64 reference: every entry clearly above the reference k-th score (by more than
+                // both error bounds) is selected, and nothing clearly below it is.
+                let refs = &refs_all[r];
+                let kk = k.min(n);
+                let mut order: Vec<usize> = (0..n).collect();
+                order.sort_by(|&a, &c| refs[c].0.total_cmp(&refs[a].0).then(a.cmp(&c)));
+                let kth = refs[order[kk - 1]];
+                let max_tol = refs.iter().map(|x| x.1).fold(0.0, f64::max) * WGMMA_TOL;
+                let selected: std::collections::HashSet<i32> =
+                    idx[r * k..r * k + kk].iter().copied().collect();
+                for (j, &(s, _)) in refs.iter().enumerate() {
+                    let sel = selected.contains(&(j as i32));
+                    assert!(
+                        s <= kth.0 + 2.0 * max_tol || sel,
+                        "{path:?} seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is above the reference k-th \
+                         ({:e}) by more than 2 x {max_tol:e} but not selected",
+                        got[j],
+                        kth.0
+                    );
+                    assert!(
+                        s >= kth.0 - 2.0 * max_tol || !sel,
+                        "{path:?} seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is below the reference k-th \
+                         ({:e}) by more than 2 x {max_tol:e} but selected",
+                        got[j],
+                        kth.0
+                    );
+                }
+            }
+        }
+    }
 }

@@ -250,6 +250,45 @@ pub fn validate_queries(
     Ok(())
 }
 
+/// Which FP8 logits kernel runs (MXFP4 keys have one path, the e4m3 mma.sync kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogitsPath {
+    /// v2 (the default): e4m3 converted once to f16 fragments + f16 HMMA (`indexer_logits_fp8h_*`).
+    #[default]
+    F16Hmma,
+    /// v5 (session-4 A/B candidate, bench variant `fused_wgmma`): native wgmma e4m3 fed by double-buffered
+    /// rounds of cp.async key tiles in shared memory, persistent CTAs (`indexer_logits_fp8w_*`). FP8 keys
+    /// only. Not bit-identical to v2: the FP8 tensor-core accumulation keeps fewer bits than fp32 (see
+    /// kernels/indexer.cu). 2 CTAs per SM, 5 key tiles per round (next_n = 2: 4).
+    Wgmma,
+    /// The same kernel with 3 CTAs per SM and 3 key tiles per round (`indexer_logits_fp8w3_*`, bench variant
+    /// `fused_wgmma_3cta`): more warps to overlap the wgmma -> epilogue chain, shorter rounds.
+    Wgmma3Cta,
+}
+
+impl LogitsPath {
+    /// (entry point, tiles per round, CTAs per SM) of the wgmma paths; None for v2.
+    fn wgmma_config(self, next_n: usize) -> Option<(&'static str, usize, usize)> {
+        match (self, next_n) {
+            (LogitsPath::F16Hmma, _) => None,
+            (LogitsPath::Wgmma, 1) => Some(("indexer_logits_fp8w_n1", 5, 2)),
+            (LogitsPath::Wgmma, _) => Some(("indexer_logits_fp8w_n2", 4, 2)),
+            (LogitsPath::Wgmma3Cta, 1) => Some(("indexer_logits_fp8w3_n1", 3, 3)),
+            (LogitsPath::Wgmma3Cta, _) => Some(("indexer_logits_fp8w3_n2", 3, 3)),
+        }
+    }
+}
+
+/// Threads and keys per tile of the wgmma logits (kernel constants LW_THREADS, LW_KEYS).
+const WGMMA_THREADS: u32 = 128;
+const WGMMA_TILE_KEYS: usize = 64;
+
+/// Dynamic shared memory of the wgmma logits (kernel `lw_smem_bytes<NEXT_N, ROUND>`): 1 KB alignment slack +
+/// two rounds of `round` key tiles (8 KB codes + 256 B scales each) + q (8 KB per query token).
+fn wgmma_smem_bytes(next_n: usize, round: usize) -> usize {
+    1024 + 2 * round * WGMMA_TILE_KEYS * (HEAD_DIM + 4) + next_n * NUM_HEADS * HEAD_DIM
+}
+
 /// Scores `[rows, score_stride]` for `j < num_valid[row]` (entries past it are not written). FP8 keys use
 /// the v2 kernel (e4m3 converted once to f16 fragments + f16 HMMA; Hopper has no native FP8 mma.sync).
 pub fn logits(
@@ -258,6 +297,19 @@ pub fn logits(
     cache: &KeyCacheGpu,
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
+) -> Result<()> {
+    logits_with(gpu, q, cache, scores, score_stride, LogitsPath::default())
+}
+
+/// [`logits`] with an explicit FP8 kernel choice. Rows of sequence `b` get scores for every
+/// `j < max_t num_valid[b * next_n + t]` (both paths); nothing past that is written.
+pub fn logits_with(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+    path: LogitsPath,
 ) -> Result<()> {
     ensure!(
         cache.batch == q.batch,
@@ -286,9 +338,17 @@ pub fn logits(
             cache.capacity
         );
     }
+    ensure!(
+        path == LogitsPath::F16Hmma || cache.format == KeyFormat::Fp8,
+        "the wgmma logits path supports FP8 keys only (cache format {:?})",
+        cache.format
+    );
     let max_n = q.max_valid();
     if max_n == 0 {
         return Ok(());
+    }
+    if let Some(config) = path.wgmma_config(q.next_n) {
+        return logits_wgmma(gpu, q, cache, scores, score_stride, max_n, config);
     }
     let name = match (cache.format, q.next_n) {
         (KeyFormat::Fp8, 1) => "indexer_logits_fp8h_n1",
@@ -311,6 +371,67 @@ pub fn logits(
     drv(
         unsafe { b.launch(launch_cfg(grid, (LOGITS_THREADS, 1, 1), 0)) },
         "indexer logits launch",
+    )
+    .map(|_| ())
+}
+
+/// Launch of the wgmma logits (arguments already checked by [`logits_with`]; `max_n` >= 1).
+fn logits_wgmma(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+    max_n: usize,
+    (name, round, ctas_per_sm): (&str, usize, usize),
+) -> Result<()> {
+    let tiles_per_seq = max_n.div_ceil(WGMMA_TILE_KEYS);
+    let total_tiles = tiles_per_seq * q.batch;
+    ensure!(
+        total_tiles <= i32::MAX as usize
+            && q.batch * cache.capacity <= i32::MAX as usize
+            && score_stride <= i32::MAX as usize,
+        "wgmma logits: {} sequences x {} tiles exceed the kernel's i32 indexing",
+        q.batch,
+        tiles_per_seq
+    );
+    let smem = wgmma_smem_bytes(q.next_n, round);
+    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    // The persistent grid assumes `ctas_per_sm` resident CTAs, i.e. the largest shared-memory carveout (the
+    // default carveout is only a driver heuristic).
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+    )
+    .map_err(|e| anyhow::anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
+    let persistent = (gpu.info.sm_count.max(1) as usize) * ctas_per_sm;
+    let grid_x = total_tiles.min(persistent) as u32;
+    let (cap, stride, tps, total) = (
+        cache.capacity as i32,
+        score_stride as i32,
+        tiles_per_seq as i32,
+        total_tiles as i32,
+    );
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&q.q)
+        .arg(&q.w)
+        .arg(&cache.codes)
+        .arg(&cache.scales)
+        .arg(&q.num_valid)
+        .arg(&cap)
+        .arg(scores)
+        .arg(&stride)
+        .arg(&tps)
+        .arg(&total);
+    drv(
+        unsafe {
+            b.launch(launch_cfg(
+                (grid_x, 1, 1),
+                (WGMMA_THREADS, 1, 1),
+                smem as u32,
+            ))
+        },
+        "indexer wgmma logits launch",
     )
     .map(|_| ())
 }
@@ -511,7 +632,18 @@ pub fn run(
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
 ) -> Result<()> {
-    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    run_with(gpu, q, cache, bufs, LogitsPath::default())
+}
+
+/// [`run`] with an explicit FP8 logits kernel.
+pub fn run_with(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+    path: LogitsPath,
+) -> Result<()> {
+    logits_with(gpu, q, cache, &mut bufs.scores, bufs.score_stride, path)?;
     topk(
         gpu,
         &bufs.scores,
@@ -748,7 +880,8 @@ pub struct IndexerSamples {
 }
 
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass) or "baseline" (the seeds' path).
+/// pass), "fused_wgmma" / "fused_wgmma_3cta" (the same with the wgmma FP8 logits, [`LogitsPath::Wgmma`] /
+/// [`LogitsPath::Wgmma3Cta`]) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -760,15 +893,22 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" => {
-            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+        "fused" | "fused_wgmma" | "fused_wgmma_3cta" => {
+            let path = match variant {
+                "fused_wgmma" => LogitsPath::Wgmma,
+                "fused_wgmma_3cta" => LogitsPath::Wgmma3Cta,
+                _ => LogitsPath::F16Hmma,
+            };
+            let logits_s = gpu.time_us(plan, || {
+                logits_with(gpu, q, cache, &mut bufs.scores, stride, path)
+            })?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
                 topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
             })?;
-            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
+            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, path))?;
             Ok(IndexerSamples {
                 logits: logits_s,
                 topk: topk_s,
@@ -799,7 +939,7 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
+        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_wgmma, fused_wgmma_3cta or baseline)"),
     }
 }
 
