@@ -454,20 +454,28 @@ MOE_GEMM_ENTRY_V3(4, 1)
 MOE_GEMM_ENTRY_V3(8, 1)
 
 // ==================================================================================================== v5 mainloop
-// Session-4 A/B candidate (moe_gemm_nvfp4_partial_v5_nt*; the launcher's DecodeMainloop::V5). Same work items, same
-// K permutation, same dequantized bf16 values and the same MMA sequence per accumulator as v3, so its fp32 partials
-// (workspace part[split][row][n] = acc * 512) are bit-identical to v3's and every finish kernel composes with it.
-// What changes is the instruction count per weight and the load lead time (SASS of v3_nt1 per 512-K stage and
-// lane, 256 weights: 852 instructions = 292 LOP3 + 238 shifts + 128 HMUL2 (dequant, 19 per 8-weight word), ~96
-// for the 16 block scales (byte extract, e4m3 -> f16 -> f32, FMUL, mask, pack), 32 IADD3/IADD3.X (one 64-bit
-// address per refill load), 16 LDG.128 + 8... loads, 32 HMMA, 16 LDS.128):
-// * Dequant by multiply (v5_pair_to_bf16x2): 17 instead of 19 instructions per word, 9 of them on the ALU pipe
-//   instead of ~11 (the multiply runs on the FMA pipe).
-// * Block scales two at a time through the hardware e4m3x2 -> f16x2 conversion (v5_scales_bf16x2).
-// * One base pointer per row and stage, immediate offsets for the 4 chunks.
-// * The next stage's weights are prefetched into L2 (prefetch.global.L2, no registers) at the top of each stage:
-//   ptxas sinks v3's register refill below the stage's last MMA (see the history above), so with the prefetch the
-//   refill waits on an L2 hit instead of a DRAM round trip.
+// Session-4 A/B candidates (moe_gemm_nvfp4_partial_v5_nt* and v5p_nt*; the launcher's DecodeMainloop::V5 /
+// V5Pinned). Same work items, same K permutation, same dequantized bf16 values and the same MMA sequence per
+// accumulator as v3, so the stored fp32 partials (workspace part[split][row][n] = acc * 512) are bit-identical to
+// v3's and every finish kernel composes with them. What changes is the instruction count and the load lead time.
+// SASS per 512-K stage and lane (256 weights; cuobjdump of the nt1 entries, compute part of the stage loop):
+//   v3  852: dequant 608 (per 8-weight word: 7 shifts (IMAD.SHL / SHF.R) + 8 LOP3 + 4 HMUL2 = 19), block scales
+//            ~96 (per scale: byte extract, F2FP e4m3->f16, HADD2.F32, FMUL by 2^117, mask, pack = 6), refill
+//            addresses 32 (IADD3 + IADD3.X per load) + ~20 uniform, 8 LDG.128 + 8 LDG.U16, 16 LDS.128,
+//            32 HMMA, ~40 other. ALU-pipe ops (LOP3, SHF, IADD3, LEA, PRMT) ~425 of the 852.
+//   v5  766: dequant 544 (per word: 1 IMAD.HI + 4 LOP3 + 4 IMAD + 4 LOP3 + 4 HMUL2 = 17, ALU-pipe part 8 instead
+//            of ~11), block scales 48 (per pair of scales: F2FP + 2 LOP3 + SHF + 2 HMUL2; the broadcast to both
+//            halves folds into the HMUL2 operand as .H0_H0 / .H1_H1), addresses ~60 (ptxas rebuilds them from
+//            uniform registers before each chunk's refill), the rest as v3. ALU-pipe ops ~340.
+//   v5p 712: v5 with the refill pointers pinned in registers (addresses ~6).
+// Plus, outside the compute part, per stage: activation staging (v3 walks all TN token rows of the tile; v5 only
+// the real tokens, see copy_raw_activations_v5) and the L2 prefetch of the next stage (5 CCTL.E.PF2 per lane).
+// ncu of v3 at Flash L1 1 token: 14.2 M warp-instructions for 12,288 warp-stages = ~1157 per warp-stage (4.5 per
+// weight), i.e. ~305 per stage outside the compute part (staging, barriers, item walk, prologue).
+// Load order: without the pin, ptxas issues chunk c's refill right after chunk c's MMAs (v3's intent, which v3's
+// SASS does not show); with the pin (v5p) it sinks all 16 refill loads below the stage's last MMA, as in v3. In
+// both, the next stage's weights are prefetched into L2 (prefetch.global.L2, no registers) at the top of each
+// stage, so a sunk refill waits on an L2 hit instead of a DRAM round trip.
 namespace {
 
 // Nibbles q and q+4 of x (q = 0 or 1; x already masked to those two nibbles, x = w & (0x000F000F << 4q)) ->
@@ -572,12 +580,18 @@ __device__ __forceinline__ void convert_raw_activations_v5(uint4* s_act, const u
 
 // One 512-K stage of v3's compute_stage_rolling with the v5 dequant and scale prep; same MMA sequence. codes_hi /
 // scales_hi are the row g+8 pointers (row g + 8 rows) of the refill, computed once per stage.
-template <int NT>
+// kPinRefillPointers (entries v5p_nt*): the four refill base pointers are made opaque to ptxas, so they stay in
+// registers for the whole stage and every refill load is [pointer + immediate] (SASS nt1: 712 instead of 766
+// instructions per stage); the price is that ptxas then sinks all 16 refill loads below the stage's last MMA, as in
+// v3 (without the pin it issues chunk c's refill right after chunk c), so the L2 prefetch has to hide the DRAM trip.
+template <int NT, bool kPinRefillPointers>
 __device__ __forceinline__ void compute_stage_v5(float (&acc)[NT][4], WChunk (&w)[kChunksPerStage], const uint4* s_act,
                                                  int g, int t, bool load_next, const uint8_t* next_codes,
                                                  const uint8_t* next_scales, size_t codes_8rows, size_t scales_8rows) {
     const uint8_t* next_codes_hi = next_codes + codes_8rows;
     const uint8_t* next_scales_hi = next_scales + scales_8rows;
+    if (kPinRefillPointers)
+        asm volatile("" : "+l"(next_codes), "+l"(next_codes_hi), "+l"(next_scales), "+l"(next_scales_hi));
 #pragma unroll
     for (int c = 0; c < kChunksPerStage; ++c) {
         const uint32_t s_lo = v5_scales_bf16x2(w[c].scales & 0xFFFFu);  // row g: blocks 2t (low half), 2t+1
@@ -588,7 +602,9 @@ __device__ __forceinline__ void compute_stage_v5(float (&acc)[NT][4], WChunk (&w
         for (int j = 0; j < 4; ++j) {
             // Broadcast the block's scale to both halves (words 0,1 are block 2t, words 2,3 block 2t+1).
             const uint32_t sl = v5_broadcast_half(s_lo, j >= 2), sh = v5_broadcast_half(s_hi, j >= 2);
-            const uint32_t lo8 = lo[j] >> 8, hi8 = hi[j] >> 8;
+            // w >> 8 as the high word of w * 2^24 (mul.hi runs on the FMA pipe; a shift would use the ALU pipe,
+            // which the masks already load the most).
+            const uint32_t lo8 = __umulhi(lo[j], 1u << 24), hi8 = __umulhi(hi[j], 1u << 24);
             uint32_t pl[4], ph[4];
             pl[0] = bf16x2_mul(v5_pair_to_bf16x2(lo[j] & 0x000F000Fu, 0x1040u), sl);
             ph[0] = bf16x2_mul(v5_pair_to_bf16x2(hi[j] & 0x000F000Fu, 0x1040u), sh);
@@ -614,7 +630,7 @@ __device__ __forceinline__ void compute_stage_v5(float (&acc)[NT][4], WChunk (&w
     }
 }
 
-template <int NT>
+template <int NT, bool kPinRefillPointers>
 __device__ __forceinline__ void moe_gemm_body_v5(const uint8_t* __restrict__ w_codes,
                                                  const uint8_t* __restrict__ w_scales, int N, int K,
                                                  const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
@@ -712,7 +728,7 @@ __device__ __forceinline__ void moe_gemm_body_v5(const uint8_t* __restrict__ w_c
         if (has_next)
             copy_raw_activations_v5<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
                                      nxt.split * k_split + next_st * kStageK);
-        compute_stage_v5<NT>(acc, wbuf, s_act, g, t, has_next, next_codes, next_scales, 8 * codes_row,
+        compute_stage_v5<NT, kPinRefillPointers>(acc, wbuf, s_act, g, t, has_next, next_codes, next_scales, 8 * codes_row,
                              8 * scales_row);
 
         if (last_stage) {
@@ -740,19 +756,23 @@ __device__ __forceinline__ void moe_gemm_body_v5(const uint8_t* __restrict__ w_c
 }  // namespace
 
 // Same occupancy plan as v3: 1- and 2-token tiles 3 CTAs per SM (<= 80 registers), larger tiles 1.
-#define MOE_GEMM_ENTRY_V5(NT, MINB)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v5_nt##NT(                 \
+#define MOE_GEMM_ENTRY_V5(NAME, PIN, NT, MINB)                                                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_##NAME##_nt##NT(           \
         const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v5<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);        \
+        moe_gemm_body_v5<NT, PIN>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);        \
     }
 
-MOE_GEMM_ENTRY_V5(1, 3)
-MOE_GEMM_ENTRY_V5(2, 3)
-MOE_GEMM_ENTRY_V5(4, 1)
-MOE_GEMM_ENTRY_V5(8, 1)
+MOE_GEMM_ENTRY_V5(v5, false, 1, 3)
+MOE_GEMM_ENTRY_V5(v5, false, 2, 3)
+MOE_GEMM_ENTRY_V5(v5, false, 4, 1)
+MOE_GEMM_ENTRY_V5(v5, false, 8, 1)
+MOE_GEMM_ENTRY_V5(v5p, true, 1, 3)
+MOE_GEMM_ENTRY_V5(v5p, true, 2, 3)
+MOE_GEMM_ENTRY_V5(v5p, true, 4, 1)
+MOE_GEMM_ENTRY_V5(v5p, true, 8, 1)
 // ================================================================================================ end v5 mainloop
 
 namespace {

@@ -1009,17 +1009,17 @@ fn check_v5_against_v3(
             ws
         };
         let ws3 = run(mg::DecodeMainloop::V3);
-        let ws5 = run(mg::DecodeMainloop::V5);
-        let (p3, p5) = (
-            gpu.download(&ws3.partial).unwrap(),
-            gpu.download(&ws5.partial).unwrap(),
-        );
-        if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p5[i].to_bits()) {
-            let mism = (0..p3.len())
-                .filter(|&i| p3[i].to_bits() != p5[i].to_bits())
-                .count();
-            panic!(
-                "{label}: v5 partial differs from v3 at split {} row {} col {}: v5 {} ({:#010x}) v3 {} ({:#010x}); {mism} of {} differ",
+        let p3 = gpu.download(&ws3.partial).unwrap();
+        for ml in [mg::DecodeMainloop::V5, mg::DecodeMainloop::V5Pinned] {
+            let label = format!("{label} {ml:?}");
+            let ws5 = run(ml);
+            let p5 = gpu.download(&ws5.partial).unwrap();
+            if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p5[i].to_bits()) {
+                let mism = (0..p3.len())
+                    .filter(|&i| p3[i].to_bits() != p5[i].to_bits())
+                    .count();
+                panic!(
+                "{label}: partial differs from v3 at split {} row {} col {}: v5 {} ({:#010x}) v3 {} ({:#010x}); {mism} of {} differ",
                 i / (rows * w.n),
                 (i / w.n) % rows,
                 i % w.n,
@@ -1029,17 +1029,18 @@ fn check_v5_against_v3(
                 p3[i].to_bits(),
                 p3.len()
             );
+            }
+            check_accumulator(
+                &format!("{label} v5"),
+                &gpu_accumulator(gpu, &ws5),
+                &exact,
+                &abs,
+                w.k,
+                cfg.splits,
+                &owned,
+                w.n,
+            );
         }
-        check_accumulator(
-            &format!("{label} v5"),
-            &gpu_accumulator(gpu, &ws5),
-            &exact,
-            &abs,
-            w.k,
-            cfg.splits,
-            &owned,
-            w.n,
-        );
     }
 }
 
@@ -1161,7 +1162,12 @@ fn check_v5_model_shapes(gpu: &Gpu, label: &str, hidden: usize, inter: usize, rn
     let dtr = gpu.upload(&rb.token_rows).unwrap();
     let cfg2 = GemmConfig::choose(sms, rpe, active, hidden, inter);
     let mut outputs = Vec::new();
-    for ml in [mg::DecodeMainloop::V3, mg::DecodeMainloop::V5] {
+    let mainloops = [
+        mg::DecodeMainloop::V3,
+        mg::DecodeMainloop::V5,
+        mg::DecodeMainloop::V5Pinned,
+    ];
+    for ml in mainloops {
         let mut ws1 = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
         let mut l1 = L1Output::new(gpu, rows, inter, true).unwrap();
         mg::launch_partial_with(gpu, &d13, &da.view(), &dg, &cfg1, &mut ws1, ml).unwrap();
@@ -1179,38 +1185,41 @@ fn check_v5_model_shapes(gpu: &Gpu, label: &str, hidden: usize, inter: usize, rn
             gpu.download(&y).unwrap(),
         ));
     }
-    let (o3, o5) = (&outputs[0], &outputs[1]);
-    let first = |x: &[u8], y: &[u8]| (0..x.len()).find(|&i| x[i] != y[i]);
-    if let Some(i) = first(&o3.0, &o5.0) {
-        panic!(
-            "{label}: L1 h code byte {i}: v5 {:#x} v3 {:#x}",
-            o5.0[i], o3.0[i]
+    let o3 = &outputs[0];
+    for (o5, ml) in outputs[1..].iter().zip(&mainloops[1..]) {
+        let label = format!("{label} {ml:?}");
+        let first = |x: &[u8], y: &[u8]| (0..x.len()).find(|&i| x[i] != y[i]);
+        if let Some(i) = first(&o3.0, &o5.0) {
+            panic!(
+                "{label}: L1 h code byte {i}: v5 {:#x} v3 {:#x}",
+                o5.0[i], o3.0[i]
+            );
+        }
+        if let Some(i) = first(&o3.1, &o5.1) {
+            panic!(
+                "{label}: L1 h scale {i}: v5 {:#x} v3 {:#x}",
+                o5.1[i], o3.1[i]
+            );
+        }
+        if let Some(i) = (0..o3.2.len()).find(|&i| o3.2[i].to_bits() != o5.2[i].to_bits()) {
+            panic!(
+                "{label}: L1 h global row {i}: v5 {} v3 {}",
+                o5.2[i], o3.2[i]
+            );
+        }
+        if let Some(i) = (0..o3.3.len()).find(|&i| o3.3[i].to_bits() != o5.3[i].to_bits()) {
+            panic!(
+                "{label}: L2 out token {} col {}: v5 {} v3 {}",
+                i / hidden,
+                i % hidden,
+                o5.3[i],
+                o3.3[i]
+            );
+        }
+        eprintln!(
+            "{label}: L1 h and L2 outputs bit-identical to v3 ({rows} rows, {cfg1:?}, {cfg2:?})"
         );
     }
-    if let Some(i) = first(&o3.1, &o5.1) {
-        panic!(
-            "{label}: L1 h scale {i}: v5 {:#x} v3 {:#x}",
-            o5.1[i], o3.1[i]
-        );
-    }
-    if let Some(i) = (0..o3.2.len()).find(|&i| o3.2[i].to_bits() != o5.2[i].to_bits()) {
-        panic!(
-            "{label}: L1 h global row {i}: v5 {} v3 {}",
-            o5.2[i], o3.2[i]
-        );
-    }
-    if let Some(i) = (0..o3.3.len()).find(|&i| o3.3[i].to_bits() != o5.3[i].to_bits()) {
-        panic!(
-            "{label}: L2 out token {} col {}: v5 {} v3 {}",
-            i / hidden,
-            i % hidden,
-            o5.3[i],
-            o3.3[i]
-        );
-    }
-    eprintln!(
-        "{label}: v5 L1 h and L2 outputs bit-identical to v3 ({rows} rows, {cfg1:?}, {cfg2:?})"
-    );
 }
 
 #[test]
