@@ -453,6 +453,328 @@ MOE_GEMM_ENTRY_V3(2, 3)
 MOE_GEMM_ENTRY_V3(4, 1)
 MOE_GEMM_ENTRY_V3(8, 1)
 
+// ==================================================================================================== v5 mainloop
+// Session-4 A/B candidates (moe_gemm_nvfp4_partial_v5_nt* and v5p_nt*; the launcher's DecodeMainloop::V5 /
+// V5Pinned). Same work items, same K permutation, same dequantized bf16 values and the same MMA sequence per
+// accumulator as v3, so the stored fp32 partials (workspace part[split][row][n] = acc * 512) are bit-identical to
+// v3's and every finish kernel composes with them. What changes is the instruction count and the load lead time.
+// SASS per 512-K stage and lane (256 weights; cuobjdump of the nt1 entries, compute part of the stage loop):
+//   v3  852: dequant 608 (per 8-weight word: 7 shifts (IMAD.SHL / SHF.R) + 8 LOP3 + 4 HMUL2 = 19), block scales
+//            ~96 (per scale: byte extract, F2FP e4m3->f16, HADD2.F32, FMUL by 2^117, mask, pack = 6), refill
+//            addresses 32 (IADD3 + IADD3.X per load) + ~20 uniform, 8 LDG.128 + 8 LDG.U16, 16 LDS.128,
+//            32 HMMA, ~40 other. ALU-pipe ops (LOP3, SHF, IADD3, LEA, PRMT) ~425 of the 852.
+//   v5  766: dequant 544 (per word: 1 IMAD.HI + 4 LOP3 + 4 IMAD + 4 LOP3 + 4 HMUL2 = 17, ALU-pipe part 8 instead
+//            of ~11), block scales 48 (per pair of scales: F2FP + 2 LOP3 + SHF + 2 HMUL2; the broadcast to both
+//            halves folds into the HMUL2 operand as .H0_H0 / .H1_H1), addresses ~60 (ptxas rebuilds them from
+//            uniform registers before each chunk's refill), the rest as v3. ALU-pipe ops ~340.
+//   v5p 712: v5 with the refill pointers pinned in registers (addresses ~6).
+// Plus, outside the compute part, per stage: activation staging (v3 walks all TN token rows of the tile; v5 only
+// the real tokens, see copy_raw_activations_v5) and the L2 prefetch of the next stage (5 CCTL.E.PF2 per lane).
+// ncu of v3 at Flash L1 1 token: 14.2 M warp-instructions for 12,288 warp-stages = ~1157 per warp-stage (4.5 per
+// weight), i.e. ~305 per stage outside the compute part (staging, barriers, item walk, prologue).
+// Load order: without the pin, ptxas issues chunk c's refill right after chunk c's MMAs (v3's intent, which v3's
+// SASS does not show); with the pin (v5p) it sinks all 16 refill loads below the stage's last MMA, as in v3. In
+// both, the next stage's weights are prefetched into L2 (prefetch.global.L2, no registers) at the top of each
+// stage, so a sunk refill waits on an L2 hit instead of a DRAM round trip.
+namespace {
+
+// Nibbles q and q+4 of x (q = 0 or 1; x already masked to those two nibbles, x = w & (0x000F000F << 4q)) ->
+// bf16x2, the same bits as e2m1_pair_to_bf16x2_tiny(w, q). Identity: x * (2^(6-4q) + 2^(12-4q)) = (x << (6-4q)) +
+// (x << (12-4q)); the two shifted copies occupy bits [6,10) u [22,26) and [12,16) u [28,32), which are disjoint,
+// so the sum has no carries and equals the OR of the two shifts. The mask 0x81C081C0 keeps the sign bits 15/31
+// from the second copy (nibble bit 3 moved by 12-4q) and the magnitude bits 6..8 / 22..24 from the first (nibble
+// bits 0..2 moved by 6-4q): exactly (v & 0x80008000) | ((v >> 6) & 0x01C001C0) with v = w << (12-4q). Pairs 2 and
+// 3 use the same formula on w >> 8 (nibbles 2, 3, 6, 7 move to positions 0, 1, 4, 5). Mirrored and checked
+// exhaustively in tests/moe_gemm.rs (v5_dequant_identities_match_v3).
+__device__ __forceinline__ uint32_t v5_pair_to_bf16x2(uint32_t x, uint32_t mul) { return (x * mul) & 0x81C081C0u; }
+
+// Two e4m3 block scales (bytes lo | hi << 8) -> bf16x2 (lo * 2^117, hi * 2^117), the same bits as
+// scale_bf16x2(lo) / scale_bf16x2(hi) halves. cvt.rn.f16x2.e4m3x2 is exact (every non-NaN e4m3 value, subnormals
+// included, is a normal f16 or zero, with at most 4 significant bits, i.e. f16 mantissa bits 2..0 are zero).
+// Shifting an f16's magnitude bits right by 3 keeps the exponent field and the top 7 mantissa bits, i.e. it is
+// the bf16 of value * 2^(15 - 127) = value * 2^-112 (exactly, since the dropped bits are zero; zero stays zero);
+// the sign bit is kept in place. Two exact bf16 multiplies by powers of two (2^127, then 2^102: a single 2^229 is
+// not a bf16) give value * 2^117: s * 2^-112 >= 2^-121 is normal and s * 2^117 <= 448 * 2^117 < 2^127.
+__device__ __forceinline__ uint32_t v5_scales_bf16x2(uint32_t two_codes) {
+    uint32_t h;
+    asm("{ .reg .b16 lo, hi;\n\t mov.b32 {lo, hi}, %1;\n\t cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(h) : "r"(two_codes));
+    const uint32_t b = ((h & 0x7FFF7FFFu) >> 3) | (h & 0x80008000u);
+    constexpr uint32_t kBf16x2Pow2_127 = (254u << 7) | (254u << 23);  // biased exponent 127 + 127
+    constexpr uint32_t kBf16x2Pow2_102 = (229u << 7) | (229u << 23);  // biased exponent 127 + 102
+    return bf16x2_mul(bf16x2_mul(b, kBf16x2Pow2_127), kBf16x2Pow2_102);
+}
+
+// (h, h) from half `high` of x: written as a PTX half move so that ptxas can fold it into the multiply's operand
+// swizzle (.H0_H0 / .H1_H1) instead of issuing a PRMT.
+__device__ __forceinline__ uint32_t v5_broadcast_half(uint32_t x, bool high) {
+    uint32_t r;
+    if (high)
+        asm("{ .reg .b16 lo, hi;\n\t mov.b32 {lo, hi}, %1;\n\t mov.b32 %0, {hi, hi}; }" : "=r"(r) : "r"(x));
+    else
+        asm("{ .reg .b16 lo, hi;\n\t mov.b32 {lo, hi}, %1;\n\t mov.b32 %0, {lo, lo}; }" : "=r"(r) : "r"(x));
+    return r;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Activation staging of v5: v3's copy / convert restricted to the tile's real tokens (v3 walks all TN token rows of
+// the tile every stage and writes zeros for tokens >= ntok). Why rows >= ntok may hold anything (stale tokens of
+// an earlier item, or never-written shared memory): in an MMA, output column n (token n) is a sum over k of
+// A[m][k] * B[k][n] only, so a B column never reaches another column's accumulator, and the accumulator columns of
+// tokens >= ntok are never stored (the epilogue's tk < ntok guards) and are zeroed after every item. The stored
+// partials are therefore the same bits as v3's. At 1-2 real tokens of an 8-token tile this drops ~3/4 of the
+// per-stage staging work (the loop bodies run only for tid < ntok * 64).
+template <int TN>
+__device__ __forceinline__ void copy_raw_activations_v5(uint8_t* raw, const void* act, const uint8_t* act_scales,
+                                                        int act_is_nvfp4, int K, int row0, int ntok, int kbase) {
+    if (!act_is_nvfp4) {
+        for (int q = threadIdx.x; q < ntok * 64; q += kThreads) {  // 64 x 16 B per token
+            const int token = q >> 6, ch = q & 63;
+            cp_async_16(raw + token * 1024 + ch * 16,
+                        reinterpret_cast<const uint8_t*>(act) + ((size_t)(row0 + token) * K + kbase) * 2 + ch * 16);
+        }
+    } else {
+        for (int q = threadIdx.x; q < ntok * 18; q += kThreads) {  // 16 x 16 B of codes + 2 x 16 B of scales
+            if (q < ntok * 16) {
+                const int token = q >> 4, ch = q & 15;
+                cp_async_16(raw + token * 256 + ch * 16,
+                            reinterpret_cast<const uint8_t*>(act) + (size_t)(row0 + token) * (K / 2) + kbase / 2 + ch * 16);
+            } else {
+                const int token = (q - ntok * 16) >> 1, ch = (q - ntok * 16) & 1;
+                cp_async_16(raw + TN * 256 + token * 32 + ch * 16,
+                            act_scales + (size_t)(row0 + token) * (K / 16) + kbase / 16 + ch * 16);
+            }
+        }
+    }
+    cp_async_commit();
+}
+
+// convert_raw_activations for token rows < ntok only (same layout, same values).
+template <int TN>
+__device__ __forceinline__ void convert_raw_activations_v5(uint4* s_act, const uint8_t* raw, int act_is_nvfp4,
+                                                           int ntok) {
+    for (int q = threadIdx.x; q < ntok * 64; q += kThreads) {
+        const int token = q >> 6, grp = q & 63;
+        const int c = grp >> 4, t = (grp >> 2) & 3, j = grp & 3;
+        uint4 out;
+        if (!act_is_nvfp4) {
+            const uint4 r = reinterpret_cast<const uint4*>(raw)[token * 64 + grp];
+            out.x = __byte_perm(r.x, r.z, 0x5410);  // (x0, x4)
+            out.y = __byte_perm(r.x, r.z, 0x7632);  // (x1, x5)
+            out.z = __byte_perm(r.y, r.w, 0x5410);  // (x2, x6)
+            out.w = __byte_perm(r.y, r.w, 0x7632);  // (x3, x7)
+        } else {
+            const uint32_t codes = reinterpret_cast<const uint32_t*>(raw)[token * 64 + grp];
+            const float s = mm::e4m3_decode(raw[TN * 256 + token * 32 + (grp >> 1)]);
+            float x[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) x[i] = e2m1_value(codes >> (4 * i)) * s;  // exact
+            out.x = pack_bf16x2(x[0], x[4]);
+            out.y = pack_bf16x2(x[1], x[5]);
+            out.z = pack_bf16x2(x[2], x[6]);
+            out.w = pack_bf16x2(x[3], x[7]);
+        }
+        s_act[token * 64 + c * 16 + t * 4 + (j ^ ((t & 2) | (token & 1)))] = out;
+    }
+}
+
+// One 512-K stage of v3's compute_stage_rolling with the v5 dequant and scale prep; same MMA sequence. codes_hi /
+// scales_hi are the row g+8 pointers (row g + 8 rows) of the refill, computed once per stage.
+// kPinRefillPointers (entries v5p_nt*): the four refill base pointers are made opaque to ptxas, so they stay in
+// registers for the whole stage and every refill load is [pointer + immediate] (SASS nt1: 712 instead of 766
+// instructions per stage); the price is that ptxas then sinks all 16 refill loads below the stage's last MMA, as in
+// v3 (without the pin it issues chunk c's refill right after chunk c), so the L2 prefetch has to hide the DRAM trip.
+template <int NT, bool kPinRefillPointers>
+__device__ __forceinline__ void compute_stage_v5(float (&acc)[NT][4], WChunk (&w)[kChunksPerStage], const uint4* s_act,
+                                                 int g, int t, bool load_next, const uint8_t* next_codes,
+                                                 const uint8_t* next_scales, size_t codes_8rows, size_t scales_8rows) {
+    const uint8_t* next_codes_hi = next_codes + codes_8rows;
+    const uint8_t* next_scales_hi = next_scales + scales_8rows;
+    if (kPinRefillPointers)
+        asm volatile("" : "+l"(next_codes), "+l"(next_codes_hi), "+l"(next_scales), "+l"(next_scales_hi));
+#pragma unroll
+    for (int c = 0; c < kChunksPerStage; ++c) {
+        const uint32_t s_lo = v5_scales_bf16x2(w[c].scales & 0xFFFFu);  // row g: blocks 2t (low half), 2t+1
+        const uint32_t s_hi = v5_scales_bf16x2(w[c].scales >> 16);      // row g+8
+        const uint32_t lo[4] = {w[c].row_lo.x, w[c].row_lo.y, w[c].row_lo.z, w[c].row_lo.w};
+        const uint32_t hi[4] = {w[c].row_hi.x, w[c].row_hi.y, w[c].row_hi.z, w[c].row_hi.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            // Broadcast the block's scale to both halves (words 0,1 are block 2t, words 2,3 block 2t+1).
+            const uint32_t sl = v5_broadcast_half(s_lo, j >= 2), sh = v5_broadcast_half(s_hi, j >= 2);
+            // w >> 8 as the high word of w * 2^24 (mul.hi runs on the FMA pipe; a shift would use the ALU pipe,
+            // which the masks already load the most).
+            const uint32_t lo8 = __umulhi(lo[j], 1u << 24), hi8 = __umulhi(hi[j], 1u << 24);
+            uint32_t pl[4], ph[4];
+            pl[0] = bf16x2_mul(v5_pair_to_bf16x2(lo[j] & 0x000F000Fu, 0x1040u), sl);
+            ph[0] = bf16x2_mul(v5_pair_to_bf16x2(hi[j] & 0x000F000Fu, 0x1040u), sh);
+            pl[1] = bf16x2_mul(v5_pair_to_bf16x2(lo[j] & 0x00F000F0u, 0x0104u), sl);
+            ph[1] = bf16x2_mul(v5_pair_to_bf16x2(hi[j] & 0x00F000F0u, 0x0104u), sh);
+            pl[2] = bf16x2_mul(v5_pair_to_bf16x2(lo8 & 0x000F000Fu, 0x1040u), sl);
+            ph[2] = bf16x2_mul(v5_pair_to_bf16x2(hi8 & 0x000F000Fu, 0x1040u), sh);
+            pl[3] = bf16x2_mul(v5_pair_to_bf16x2(lo8 & 0x00F000F0u, 0x0104u), sl);
+            ph[3] = bf16x2_mul(v5_pair_to_bf16x2(hi8 & 0x00F000F0u, 0x0104u), sh);
+            const int unit = c * 16 + t * 4 + (j ^ ((t & 2) | (g & 1)));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint4 b = s_act[(nt * 8 + g) * 64 + unit];
+                mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+            }
+        }
+        if (load_next) {
+            w[c].row_lo = ldg_stream(next_codes + c * 64);
+            w[c].row_hi = ldg_stream(next_codes_hi + c * 64);
+            w[c].scales = ldg_u16(next_scales + c * 8) | (ldg_u16(next_scales_hi + c * 8) << 16);
+        }
+    }
+}
+
+template <int NT, bool kPinRefillPointers>
+__device__ __forceinline__ void moe_gemm_body_v5(const uint8_t* __restrict__ w_codes,
+                                                 const uint8_t* __restrict__ w_scales, int N, int K,
+                                                 const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
+                                                 int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
+                                                 int splits) {
+    constexpr int TN = NT * 8;
+    extern __shared__ uint4 s_dyn[];  // s_act (TN * 64 units of 16 B), then the raw tile (TN * 1024 B)
+    uint4* s_act = s_dyn;
+    uint8_t* s_raw = reinterpret_cast<uint8_t*>(s_dyn + TN * 64);
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWarps];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int E = grp.experts;
+
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
+        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
+    }
+    expert_tile_prefix<kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+
+    const int n_tiles = N / kBlockN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
+    const int k_split = K / splits;
+    const int stages = k_split / kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+    // L2 prefetch of a stage of this warp's 16 rows: lane (g, t) takes row g (t < 2) or g + 8 (t >= 2) and the
+    // 128-byte half t & 1 of its 256-byte code segment (4 x 32-byte sectors), and lanes t = 0 / 2 also the 32
+    // bytes of block scales of row g / g + 8. Offsets relative to the lane's own code / scale pointer (which sits
+    // at byte 16t / 2t of row g's stage segment).
+    const long long pf_codes_off = (long long)(t >> 1) * 8 * (long long)codes_row + 128 * (t & 1) - 16 * t;
+    const long long pf_scales_off = (long long)(t >> 1) * 8 * (long long)scales_row - 2 * t;
+
+    struct ItemPos {
+        int row0, ntok, split, n;
+        const uint8_t* codes;
+        const uint8_t* scales;
+    };
+    auto locate = [&](long long item) {
+        ItemPos p;
+        p.split = (int)(item % splits);
+        const long long rest = item / splits;
+        const int n_tile = (int)(rest % n_tiles);
+        const int et = (int)(rest / n_tiles);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        int start, count;
+        grp.expert_rows(lo, start, count);
+        const int tile = et - s_tile_prefix[lo];
+        p.row0 = start + tile * TN;
+        p.ntok = min(TN, count - tile * TN);
+        const int kbase = p.split * k_split;
+        p.n = n_tile * kBlockN + warp * 16 + g;
+        const size_t wrow = (size_t)lo * N + p.n;
+        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
+        p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
+        return p;
+    };
+
+    long long item = blockIdx.x;
+    if (item >= items) return;
+    ItemPos cur = locate(item);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    WChunk wbuf[kChunksPerStage];
+    copy_raw_activations_v5<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
+    load_stage(wbuf, cur.codes, cur.scales, 8 * codes_row, 8 * scales_row);
+    int st = 0;
+    for (;;) {
+        const bool last_stage = st + 1 == stages;
+        const long long next_item = last_stage ? item + gridDim.x : item;
+        const bool has_next = next_item < items;
+        ItemPos nxt = cur;
+        if (last_stage && has_next) nxt = locate(next_item);
+        const int next_st = last_stage ? 0 : st + 1;
+        const uint8_t* next_codes = nxt.codes + next_st * (kStageK / 2);
+        const uint8_t* next_scales = nxt.scales + next_st * (kStageK / 16);
+        if (has_next) {  // the next stage's weights start their DRAM -> L2 trip now (no registers held)
+            const uint8_t* pc = next_codes + pf_codes_off;
+#pragma unroll
+            for (int sct = 0; sct < 4; ++sct) prefetch_l2(pc + 32 * sct);
+            if ((t & 1) == 0) prefetch_l2(next_scales + pf_scales_off);
+        }
+        cp_async_wait_all();
+        __syncthreads();
+        convert_raw_activations_v5<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
+        __syncthreads();
+        if (has_next)
+            copy_raw_activations_v5<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
+                                     nxt.split * k_split + next_st * kStageK);
+        compute_stage_v5<NT, kPinRefillPointers>(acc, wbuf, s_act, g, t, has_next, next_codes, next_scales, 8 * codes_row,
+                             8 * scales_row);
+
+        if (last_stage) {
+            float* out = partial + (size_t)cur.split * grp.rows_total * N;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tk = nt * 8 + 2 * t;
+                if (tk < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
+                }
+                if (tk + 1 < cur.ntok) {
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
+                }
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            }
+            if (!has_next) break;
+        }
+        item = next_item;
+        cur = nxt;
+        st = next_st;
+    }
+}
+}  // namespace
+
+// Same occupancy plan as v3: 1- and 2-token tiles 3 CTAs per SM (<= 80 registers), larger tiles 1.
+#define MOE_GEMM_ENTRY_V5(NAME, PIN, NT, MINB)                                                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_##NAME##_nt##NT(           \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
+        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
+        Grouping grp{group, capacity, experts, rows_total};                                                          \
+        moe_gemm_body_v5<NT, PIN>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);        \
+    }
+
+MOE_GEMM_ENTRY_V5(v5, false, 1, 3)
+MOE_GEMM_ENTRY_V5(v5, false, 2, 3)
+MOE_GEMM_ENTRY_V5(v5, false, 4, 1)
+MOE_GEMM_ENTRY_V5(v5, false, 8, 1)
+MOE_GEMM_ENTRY_V5(v5p, true, 1, 3)
+MOE_GEMM_ENTRY_V5(v5p, true, 2, 3)
+MOE_GEMM_ENTRY_V5(v5p, true, 4, 1)
+MOE_GEMM_ENTRY_V5(v5p, true, 8, 1)
+// ================================================================================================ end v5 mainloop
+
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {
     float acc = 0.f;

@@ -921,3 +921,313 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     assert!(format!("{err:#}").contains("offsets"), "{err:#}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+// ===================================================================== session 4: v5 decode mainloop (A/B)
+// v5 keeps v3's K permutation, dequantized values and MMA order, so its fp32 partials must equal v3's bit for bit;
+// the CPU tests prove its two bit tricks equal v3's formulas on every input, the GPU tests check the kernels.
+
+#[test]
+fn v5_dequant_identities_match_v3() {
+    use megamoe::ops::moe_gemm::reference::{v3_pair_bits, v5_pair_bits, v5_scale_bits};
+    let mut rng = seeded("v5_dequant_identities_match_v3");
+    // Every (nibble i, nibble i + 4) value pair at every pair position, under 64 random fillings of the other
+    // six nibbles (the multiply must not carry junk from them into the kept bits).
+    for lo in 0u32..16 {
+        for hi in 0u32..16 {
+            for i in 0..4u32 {
+                for _ in 0..64 {
+                    let mut word: u32 = rng.random();
+                    word &= !(0xF << (4 * i)) & !(0xF << (4 * (i + 4)));
+                    word |= (lo << (4 * i)) | (hi << (4 * (i + 4)));
+                    assert_eq!(
+                        v5_pair_bits(word, i),
+                        v3_pair_bits(word, i),
+                        "word {word:#010x} pair {i}"
+                    );
+                }
+            }
+        }
+    }
+    for _ in 0..(1 << 18) {
+        let word: u32 = rng.random();
+        for i in 0..4 {
+            assert_eq!(
+                v5_pair_bits(word, i),
+                v3_pair_bits(word, i),
+                "word {word:#010x} pair {i}"
+            );
+        }
+    }
+    // Every non-NaN block scale code, negative, zero and subnormal codes included.
+    for code in (0u8..=255).filter(|c| c & 0x7F != 0x7F) {
+        let v = e4m3::decode(code);
+        let (shifted, fin) = v5_scale_bits(code);
+        let want_shifted = bf16::from_f32(v * f32::powi(2.0, -112));
+        assert_eq!(
+            want_shifted.to_f32(),
+            v * f32::powi(2.0, -112),
+            "code {code:#04x}: value * 2^-112 not exact in bf16"
+        );
+        assert_eq!(
+            shifted,
+            want_shifted.to_bits(),
+            "code {code:#04x}: f16 >> 3 is not the bf16 of value * 2^-112"
+        );
+        // v3's scale_bf16x2: the high 16 bits of the fp32 value * 2^117.
+        let v3 = ((v * f32::powi(2.0, 117)).to_bits() >> 16) as u16;
+        assert_eq!(
+            fin, v3,
+            "code {code:#04x}: v5 scale {fin:#06x} v3 {v3:#06x}"
+        );
+    }
+}
+
+/// Partials of v3 and v5 on the same inputs (both workspaces poisoned first): bit-identical over the whole
+/// workspace (unowned rows stay poisoned in both), and v5 against the f64 reference.
+#[allow(clippy::too_many_arguments)]
+fn check_v5_against_v3(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    a: &Activations,
+    cfgs: &[GemmConfig],
+) {
+    let da = DevA::upload(gpu, a);
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let rows = rb.grouping.rows_total();
+    let (exact, abs) = grouped_gemm_acc_f64(w, a, &rb.grouping).unwrap();
+    let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+    for &cfg in cfgs {
+        let label = format!("{label} [{cfg:?}, rows {rows}]");
+        let run = |ml: mg::DecodeMainloop| {
+            let mut ws = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
+            gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+            mg::launch_partial_mma_with(gpu, dw, &da.view(), &dg, &cfg, &mut ws, ml).unwrap();
+            gpu.synchronize().unwrap();
+            ws
+        };
+        let ws3 = run(mg::DecodeMainloop::V3);
+        let p3 = gpu.download(&ws3.partial).unwrap();
+        for ml in [mg::DecodeMainloop::V5, mg::DecodeMainloop::V5Pinned] {
+            let label = format!("{label} {ml:?}");
+            let ws5 = run(ml);
+            let p5 = gpu.download(&ws5.partial).unwrap();
+            if let Some(i) = (0..p3.len()).find(|&i| p3[i].to_bits() != p5[i].to_bits()) {
+                let mism = (0..p3.len())
+                    .filter(|&i| p3[i].to_bits() != p5[i].to_bits())
+                    .count();
+                panic!(
+                "{label}: partial differs from v3 at split {} row {} col {}: v5 {} ({:#010x}) v3 {} ({:#010x}); {mism} of {} differ",
+                i / (rows * w.n),
+                (i / w.n) % rows,
+                i % w.n,
+                p5[i],
+                p5[i].to_bits(),
+                p3[i],
+                p3[i].to_bits(),
+                p3.len()
+            );
+            }
+            check_accumulator(
+                &format!("{label} v5"),
+                &gpu_accumulator(gpu, &ws5),
+                &exact,
+                &abs,
+                w.k,
+                cfg.splits,
+                &owned,
+                w.n,
+            );
+        }
+    }
+}
+
+/// Weights from raw random bytes: every code byte, every non-NaN block scale (negative, zero and subnormal
+/// scales included, which the quantizer never emits), global scale 1.
+fn raw_random_weights(rng: &mut impl Rng, e: usize, n: usize, k: usize) -> ExpertWeights {
+    let rows = e * n;
+    let mut codes = vec![0u8; rows * k / 2];
+    rng.fill_bytes(&mut codes);
+    let scales: Vec<u8> = (0..rows * k / 16)
+        .map(|_| loop {
+            let s: u8 = rng.random();
+            if s & 0x7F != 0x7F {
+                break s;
+            }
+        })
+        .collect();
+    ExpertWeights {
+        experts: e,
+        n,
+        k,
+        rows: Nvfp4Rows {
+            rows,
+            cols: k,
+            codes,
+            scales,
+            global: vec![1.0; rows],
+        },
+    }
+}
+
+#[test]
+fn gpu_v5_partials_bit_identical_to_v3_token_counts_layouts_a_formats() {
+    let Some(gpu) =
+        gpu_for_test("gpu_v5_partials_bit_identical_to_v3_token_counts_layouts_a_formats")
+    else {
+        return;
+    };
+    let mut rng = seeded("gpu_v5_partials_bit_identical_to_v3_token_counts_layouts_a_formats");
+    // The decode counts per expert plus two empty experts (top-1 routing: expert ex gets counts[ex]).
+    let counts = [0usize, 1, 2, 3, 7, 8, 16, 63, 64, 65, 0];
+    let (e, n, k) = (counts.len(), 256, 1024);
+    let tokens: usize = counts.iter().sum();
+    let choices: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+        .collect();
+    let sms = gpu.info.sm_count as u32;
+    let small = sms * mg::MAINLOOP_CTAS_PER_SM_SMALL_TILE as u32;
+    // Every compiled token tile; K splits 1 and 2; few-CTA grids so persistent CTAs walk many items.
+    let cfgs: Vec<GemmConfig> = [
+        (8, 1, small),
+        (8, 2, small),
+        (16, 2, small),
+        (32, 1, 2 * sms),
+        (64, 2, 2 * sms),
+        (8, 2, 7),
+        (16, 1, 5),
+    ]
+    .iter()
+    .map(|&(token_tile, splits, ctas)| GemmConfig {
+        token_tile,
+        splits,
+        ctas,
+    })
+    .collect();
+    let quantized = quantized_weights(&mut rng, e, n, k);
+    let raw = raw_random_weights(&mut rng, e, n, k);
+    for (wname, w) in [
+        ("quantized weights", &quantized),
+        ("raw random weight bytes", &raw),
+    ] {
+        let dw = DeviceExpertWeights::upload(&gpu, w).unwrap();
+        for cap in [Some(65), None] {
+            let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+            for nvfp4 in [false, true] {
+                let a = gathered_activations(&mut rng, &rb, k, nvfp4);
+                check_v5_against_v3(
+                    &gpu,
+                    &format!(
+                        "{wname}, counts {counts:?}, cap {cap:?}, {} A",
+                        if nvfp4 { "NVFP4" } else { "BF16" }
+                    ),
+                    w,
+                    &dw,
+                    &rb,
+                    &a,
+                    &cfgs,
+                );
+            }
+        }
+    }
+}
+
+/// Flash and Pro expert shapes with decode routings and the default config: v5 partials bit-identical to v3 and
+/// against the reference, then the L1 (SwiGLU + NVFP4) and L2 (combine) finish kernels on both partials:
+/// bit-identical outputs.
+fn check_v5_model_shapes(gpu: &Gpu, label: &str, hidden: usize, inter: usize, rng: &mut impl Rng) {
+    let (experts, topk, tokens) = (6, 3, 2);
+    let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
+    let rows = rb.grouping.rows_total();
+    let active = (0..experts)
+        .filter(|&e| !rb.grouping.expert_rows(e).is_empty())
+        .count();
+    let rpe = (tokens * topk) as f64 / active as f64;
+    let sms = gpu.info.sm_count as usize;
+    let w13 = raw_random_weights(rng, experts, 2 * inter, hidden);
+    let w2 = raw_random_weights(rng, experts, hidden, inter);
+    let d13 = DeviceExpertWeights::upload(gpu, &w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
+    let a = gathered_activations(rng, &rb, hidden, true);
+    let cfg1 = GemmConfig::choose(sms, rpe, active, 2 * inter, hidden);
+    check_v5_against_v3(gpu, &format!("{label} L1"), &w13, &d13, &rb, &a, &[cfg1]);
+    let da = DevA::upload(gpu, &a);
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05..0.5)).collect();
+    let droute = gpu.upload(&routing).unwrap();
+    let dtr = gpu.upload(&rb.token_rows).unwrap();
+    let cfg2 = GemmConfig::choose(sms, rpe, active, hidden, inter);
+    let mut outputs = Vec::new();
+    let mainloops = [
+        mg::DecodeMainloop::V3,
+        mg::DecodeMainloop::V5,
+        mg::DecodeMainloop::V5Pinned,
+    ];
+    for ml in mainloops {
+        let mut ws1 = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
+        let mut l1 = L1Output::new(gpu, rows, inter, true).unwrap();
+        mg::launch_partial_with(gpu, &d13, &da.view(), &dg, &cfg1, &mut ws1, ml).unwrap();
+        mg::launch_finish_l1(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1).unwrap();
+        let mut ws2 = Workspace::new(gpu, cfg2.splits, rows, hidden).unwrap();
+        let mut y = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+        let a2 = l1.as_activations();
+        mg::launch_partial_with(gpu, &d2, &a2, &dg, &cfg2, &mut ws2, ml).unwrap();
+        mg::launch_finish_l2(gpu, &ws2, &dg, &d2, &a2, &dtr, topk, &mut y).unwrap();
+        gpu.synchronize().unwrap();
+        outputs.push((
+            gpu.download(&l1.codes).unwrap(),
+            gpu.download(&l1.scales).unwrap(),
+            gpu.download(&l1.global).unwrap(),
+            gpu.download(&y).unwrap(),
+        ));
+    }
+    let o3 = &outputs[0];
+    for (o5, ml) in outputs[1..].iter().zip(&mainloops[1..]) {
+        let label = format!("{label} {ml:?}");
+        let first = |x: &[u8], y: &[u8]| (0..x.len()).find(|&i| x[i] != y[i]);
+        if let Some(i) = first(&o3.0, &o5.0) {
+            panic!(
+                "{label}: L1 h code byte {i}: v5 {:#x} v3 {:#x}",
+                o5.0[i], o3.0[i]
+            );
+        }
+        if let Some(i) = first(&o3.1, &o5.1) {
+            panic!(
+                "{label}: L1 h scale {i}: v5 {:#x} v3 {:#x}",
+                o5.1[i], o3.1[i]
+            );
+        }
+        if let Some(i) = (0..o3.2.len()).find(|&i| o3.2[i].to_bits() != o5.2[i].to_bits()) {
+            panic!(
+                "{label}: L1 h global row {i}: v5 {} v3 {}",
+                o5.2[i], o3.2[i]
+            );
+        }
+        if let Some(i) = (0..o3.3.len()).find(|&i| o3.3[i].to_bits() != o5.3[i].to_bits()) {
+            panic!(
+                "{label}: L2 out token {} col {}: v5 {} v3 {}",
+                i / hidden,
+                i % hidden,
+                o5.3[i],
+                o3.3[i]
+            );
+        }
+        eprintln!(
+            "{label}: L1 h and L2 outputs bit-identical to v3 ({rows} rows, {cfg1:?}, {cfg2:?})"
+        );
+    }
+}
+
+#[test]
+fn gpu_v5_flash_and_pro_shapes_bit_identical_to_v3() {
+    let Some(gpu) = gpu_for_test("gpu_v5_flash_and_pro_shapes_bit_identical_to_v3") else {
+        return;
+    };
+    let mut rng = seeded("gpu_v5_flash_and_pro_shapes_bit_identical_to_v3");
+    check_v5_model_shapes(&gpu, "Flash 4096/2048", 4096, 2048, &mut rng);
+    check_v5_model_shapes(&gpu, "Pro 7168/3072", 7168, 3072, &mut rng);
+}
