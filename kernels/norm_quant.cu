@@ -600,7 +600,12 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
 //    shuffle in the 16-lane max tree (max.u16x2); the ue8m0 scale is found without the division, see
 //    ue8m0_scale_448_divfree (CPU mirror tested against formats::ue8m0 for every BF16 amax).
 // Rounding points unchanged: rstd, t = x*rstd, y = w*t (no FMA), y -> BF16, then the v4p / FP8 quantizers.
-// Instruction budget per thread and row (D = 4096: 32 values; SASS counts in the report / PERF-LOG).
+// SASS (cuobjdump, D = 4096, fast path, the reduction loops at their 4-warp trip counts), thread-instructions
+// per element: v4p ~34 (Nsight Compute: 34), v5 NVFP4 ~30 (per thread and row: ~110 unpack + sum of squares,
+// ~55 sum reduction, ~40 rstd, ~190 y + keys, ~95 max reduction + gs, 2 x ~205 per 16-block of which ~140 is
+// the packed encoder); FP8 one-CTA-per-row ~24 (Nsight), v5 FP8 ~19. What is left per row (~230 of ~950 for
+// NVFP4: reductions, rstd, gs, addressing) is spread over only 32 values per thread: the next step would be
+// 64 values per thread emulating these reduction trees (two old lanes per thread), not done here.
 constexpr int V5_CH = 4;
 
 __device__ __forceinline__ float v5_block_sum(float v, float* red) {

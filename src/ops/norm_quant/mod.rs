@@ -3,6 +3,8 @@
 //! * [`rmsnorm_quant`]: rows `[rows, D]` (BF16 or f32, D a multiple of 128, at most 32768) -> RMSNorm with
 //!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch
 //!   (BF16 -> NVFP4: the row-looping v4p kernel; everything else one CTA per row).
+//!   [`rmsnorm_quant_with`] takes an explicit [`RowsPath`]: the session-4 v5 kernels (BF16 in, NVFP4 / FP8,
+//!   D a multiple of 1024) are an A/B candidate with the same bits.
 //! * [`rmsnorm_then_quant`]: the unfused baseline (RMSNorm kernel -> BF16 in HBM -> quantize kernel). It
 //!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
 //! * [`mhc_pre`]: the mHC boundary `hc_pre` + RMSNorm + quant, as a split-K mix kernel plus a per-token
