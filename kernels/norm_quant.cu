@@ -569,6 +569,313 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
     }
 }
 
+// ==== Session 4 A/B: RMSNorm rows v5 (persistent CTAs, fixed channels, weight staged once per CTA) ============
+// rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5 (quantize only, the encoder's boundary test) and
+// rmsnorm_fp8_bf16in_v5: the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p /
+// rmsnorm_fp8_bf16in, rebuilt around the instruction count (Nsight Compute, 4096 x 4096: v4p issues ~34
+// thread-instructions per element at 62% issue, FP8 ~24; 85% of copy bandwidth needs <= ~15 / ~12).
+// Where v4p's instructions went (SASS, per thread and 8-value chunk, ~37 per element in all): ~59 for the
+// block scale (an IEEE division, e4m3 encode/decode) and the 7 thresholds/keys, computed by BOTH lanes of a
+// 16-block; ~62 for the packed encoder; 4 LDG + 8 unpacks of the weight per row; 4 barriers per row.
+// What v5 changes (same per-thread channel ownership, so the same fp32 sum-of-squares order and rstd):
+//  * D % 1024 == 0 only (launcher error otherwise): blockDim = D/32, every thread owns exactly CH = 4 chunks
+//    (c = tid + k * blockDim): no validity predicates anywhere.
+//  * Persistent CTAs (one resident wave, rows looped, the next row's 16-byte loads in flight while the current
+//    row is reduced and quantized, as v4p). The weight is converted to f32 ONCE per CTA into shared memory
+//    (D * 4 bytes, split layout: elements 0..3 of every chunk, then 4..7, so a lane's float4 reads are 16 B
+//    apart: conflict-free) and read back with 2 LDS.128 per chunk (no L2 re-read per row, no unpacks).
+//  * Reductions: the same warp trees and warp-order sums as block_sum / block_max (identical values), but with
+//    one barrier each: the sum uses buffer red_ss[row parity], the max red_mx[row parity]. Why one barrier is
+//    enough: a buffer is rewritten two rows later at the earliest, and a thread gets there only after passing
+//    the next row's barrier(s), which every thread reaches after its reads of the buffer. (One buffer per
+//    reduction without the parity would race when a row has only one barrier: FP8, or NVFP4 without NORM.)
+//  * NVFP4: lane pairs (2i, 2i+1) hold the two halves of each 16-block (chunks 2i, 2i+1 of the same k). After
+//    the row max, they swap half their y words (one shuffle per word) so that the even lane owns the blocks of
+//    k = 0, 2 and the odd lane those of k = 1, 3: the block scale and the 7 threshold keys are computed ONCE per
+//    block (v4p: twice), the block amax needs no extra shuffle (the chunk keys travel with the halves), and a
+//    block's 8 code bytes go out as one 8-byte store. Encoder and fallbacks are v4p's own functions
+//    (e2m1_codes8_keys<true>, e2m1_thresholds_fma, e2m1_code_thr): same bits.
+//  * FP8: the chunk amax is an fmaxf over |y| as before (NaN ignored: same bits for every input); two chunks'
+//    amax values (non-negative BF16 values, so their high halves order like the floats) share one 32-bit
+//    shuffle in the 16-lane max tree (max.u16x2); the ue8m0 scale is found without the division, see
+//    ue8m0_scale_448_divfree (CPU mirror tested against formats::ue8m0 for every BF16 amax).
+// Rounding points unchanged: rstd, t = x*rstd, y = w*t (no FMA), y -> BF16, then the v4p / FP8 quantizers.
+// SASS (cuobjdump, D = 4096, fast path, the reduction loops at their 4-warp trip counts), thread-instructions
+// per element: v4p ~34 (Nsight Compute: 34), v5 NVFP4 ~30 (per thread and row: ~110 unpack + sum of squares,
+// ~55 sum reduction, ~40 rstd, ~190 y + keys, ~95 max reduction + gs, 2 x ~205 per 16-block of which ~140 is
+// the packed encoder); FP8 one-CTA-per-row ~24 (Nsight), v5 FP8 ~19. What is left per row (~230 of ~950 for
+// NVFP4: reductions, rstd, gs, addressing) is spread over only 32 values per thread: the next step would be
+// 64 values per thread emulating these reduction trees (two old lanes per thread), not done here.
+constexpr int V5_CH = 4;
+
+__device__ __forceinline__ float v5_block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s += red[w];
+    return s;  // same value as block_sum; no trailing barrier (see the header of this section)
+}
+
+__device__ __forceinline__ float v5_block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int w = 0; w < nw; ++w) s = fmaxf(s, red[w]);
+    return s;  // same value as block_max
+}
+
+// Weight -> f32 shared memory, split layout: wsm[c] = elements 0..3 of chunk c, wsm[nchunks + c] = 4..7.
+__device__ __forceinline__ void v5_stage_weight(const __nv_bfloat16* __restrict__ w, float4* wsm, int nchunks) {
+    for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
+        const uint4 r = __ldg(reinterpret_cast<const uint4*>(w + c * 8));
+        wsm[c] = make_float4(bf16_lo(r.x), bf16_hi(r.x), bf16_lo(r.y), bf16_hi(r.y));
+        wsm[nchunks + c] = make_float4(bf16_lo(r.z), bf16_hi(r.z), bf16_lo(r.w), bf16_hi(r.w));
+    }
+}
+
+__device__ __forceinline__ void v5_load_row(const __nv_bfloat16* __restrict__ x, long row, int D, uint4 (&raw)[V5_CH]) {
+    const __nv_bfloat16* p = x + row * D + threadIdx.x * 8;
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k) raw[k] = __ldg(reinterpret_cast<const uint4*>(p + k * blockDim.x * 8));
+}
+
+// y of one row as pairs (element p, element p + 4) of each chunk, the rounding points of norm_quant_row /
+// rmsnorm_nvfp4_row_v4 (t = x * rstd, y = w * t, no FMA, RNE to BF16); rstd written by thread 0.
+// NORM = false: y = x (BF16 input, packing exact), rstd not computed.
+template <bool NORM>
+__device__ __forceinline__ void v5_norm_pairs(const uint4 (&raw)[V5_CH], const float4* wsm, int nchunks, int D, float eps,
+                                              float* red_ss, float* rstd_out, uint32_t (&pk)[V5_CH][4]) {
+    float x[V5_CH][8];
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k) {
+        x[k][0] = bf16_lo(raw[k].x); x[k][1] = bf16_hi(raw[k].x); x[k][2] = bf16_lo(raw[k].y); x[k][3] = bf16_hi(raw[k].y);
+        x[k][4] = bf16_lo(raw[k].z); x[k][5] = bf16_hi(raw[k].z); x[k][6] = bf16_lo(raw[k].w); x[k][7] = bf16_hi(raw[k].w);
+    }
+    if (!NORM) {
+#pragma unroll
+        for (int k = 0; k < V5_CH; ++k)
+#pragma unroll
+            for (int p = 0; p < 4; ++p) pk[k][p] = pack_bf16x2(x[k][p], x[k][p + 4]);
+        return;
+    }
+    float ss = 0.f;  // the order of norm_quant_row / rmsnorm_nvfp4_row_v4: chunks k = 0..3, elements 0..7
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(x[k][e], x[k][e], ss);
+    ss = v5_block_sum(ss, red_ss);
+    const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+    if (threadIdx.x == 0 && rstd_out) *rstd_out = rstd;
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        const float4 wa = wsm[c], wb = wsm[nchunks + c];
+        const float wlo[4] = {wa.x, wa.y, wa.z, wa.w}, whi[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+            pk[k][p] = pack_bf16x2(__fmul_rn(wlo[p], __fmul_rn(x[k][p], rstd)),
+                                   __fmul_rn(whi[p], __fmul_rn(x[k][p + 4], rstd)));
+    }
+}
+
+// One 16-block: lo = the y pairs of its first chunk (2b), hi = of its second (2b + 1); kb = its guarded amax
+// key (0x8000 | bits(amax)). Returns the scale byte; codes of chunk 2b in cw.x, of 2b + 1 in cw.y. Same
+// operations as rmsnorm_nvfp4_row_v4 (PRMT_PLACE = true) for each chunk, the scale work done once.
+__device__ __forceinline__ uint8_t v5_nvfp4_block(const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t kb,
+                                                  float gs, uint2& cw) {
+    const float ab = __uint_as_float((kb & 0x7FFFu) << 16);
+    const uint8_t s = mm::nvfp4_block_scale(ab, gs);
+    const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+    cw = make_uint2(0u, 0u);
+    if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
+        const E2m1Thresholds thr = e2m1_thresholds_fma(scale);
+        if (scale < INFINITY) {
+            uint32_t keys[7];
+#pragma unroll
+            for (int i = 0; i < 7; ++i) keys[i] = bf16_key_ru_x2(thr.b[i]);
+            cw.x = e2m1_codes8_keys<true>(lo, keys);
+            cw.y = e2m1_codes8_keys<true>(hi, keys);
+        } else {  // non-finite scale (non-finite input): v4p's per-element search
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                cw.x |= e2m1_code_thr(bf16_lo(lo[p]), thr) << (4 * p);
+                cw.x |= e2m1_code_thr(bf16_hi(lo[p]), thr) << (4 * (p + 4));
+                cw.y |= e2m1_code_thr(bf16_lo(hi[p]), thr) << (4 * p);
+                cw.y |= e2m1_code_thr(bf16_hi(hi[p]), thr) << (4 * (p + 4));
+            }
+        }
+    }
+    return s;
+}
+
+// NVFP4 rows. Grid: one resident wave (or rows if fewer); block D/32; dynamic smem D * 4 bytes (NORM).
+template <bool NORM>
+__device__ void rmsnorm_nvfp4_rows_v5(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                      uint8_t* __restrict__ q, uint8_t* __restrict__ scales, float* __restrict__ gsa,
+                                      float* __restrict__ rstd, int rows, int D, float eps) {
+    extern __shared__ float4 v5_wsm[];
+    __shared__ float red_ss[2][MAX_WARPS];
+    __shared__ float red_mx[2][MAX_WARPS];  // by row parity too: without NORM it is the only barrier of a row
+    const int tid = threadIdx.x, bd = blockDim.x, nchunks = D / 8;
+    const bool odd = (tid & 1) != 0;
+    uint4 raw[V5_CH];
+    long row = blockIdx.x;
+    if (row < rows) v5_load_row(x, row, D, raw);
+    if (NORM) {
+        v5_stage_weight(w, v5_wsm, nchunks);
+        __syncthreads();
+    }
+    for (int it = 0; row < rows; row += gridDim.x, ++it) {
+        uint4 cur[V5_CH];
+#pragma unroll
+        for (int k = 0; k < V5_CH; ++k) cur[k] = raw[k];
+        if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, raw);  // in flight during this row
+        uint32_t pk[V5_CH][4];
+        v5_norm_pairs<NORM>(cur, v5_wsm, nchunks, D, eps, red_ss[it & 1], rstd ? rstd + row : nullptr, pk);
+        // chunk amax keys and the row max: rmsnorm_nvfp4_row_v4's operations
+        uint32_t key[V5_CH];
+        uint32_t row_key = 0x8000u;
+#pragma unroll
+        for (int k = 0; k < V5_CH; ++k) {
+            const uint32_t m = max_u16x2(max_u16x2(pk[k][0] | 0x80008000u, pk[k][1] | 0x80008000u),
+                                         max_u16x2(pk[k][2] | 0x80008000u, pk[k][3] | 0x80008000u));
+            key[k] = max(m & 0xFFFFu, m >> 16);
+            row_key = max(row_key, key[k]);
+        }
+        const float amax_row = v5_block_max(__uint_as_float((row_key & 0x7FFFu) << 16), red_mx[it & 1]);
+        const float gs = mm::nvfp4_global_scale(amax_row);
+        if (tid == 0) gsa[row] = gs;
+        uint8_t* qrow = q + row * (D / 2);
+        uint8_t* srow = scales + row * (D / 16);
+#pragma unroll
+        for (int kp = 0; kp < V5_CH; kp += 2) {
+            // even lane: block of chunk k = kp (its own half = lo, the partner's = hi);
+            // odd lane: block of k = kp + 1 (the partner's half = lo, its own = hi).
+            uint32_t other[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) other[p] = __shfl_xor_sync(0xffffffffu, odd ? pk[kp][p] : pk[kp + 1][p], 1);
+            const uint32_t okey = __shfl_xor_sync(0xffffffffu, odd ? key[kp] : key[kp + 1], 1);
+            // selects, not a branch per lane parity: both lanes of a pair must run the one block code path
+            uint32_t lo[4], hi[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                lo[p] = odd ? other[p] : pk[kp][p];
+                hi[p] = odd ? pk[kp + 1][p] : other[p];
+            }
+            const uint32_t kb = max(odd ? key[kp + 1] : key[kp], okey);  // = v4p's max(key, xor-1 partner key)
+            uint2 cw;
+            const uint8_t s = v5_nvfp4_block(lo, hi, kb, gs, cw);
+            const int blk = (tid >> 1) + (kp + (odd ? 1 : 0)) * (bd >> 1);  // = chunk (tid & ~1) + k * bd, halved
+            *reinterpret_cast<uint2*>(qrow + blk * 8) = cw;
+            srow[blk] = s;
+        }
+    }
+}
+
+// ue8m0 scale code of amax / 448 without the division, for amax = fmaxf(block amax, 1e-4f) (never NaN):
+// mm::ue8m0_pow2_scale_for(a, 448) = clamp(E(r) + [M(r) != 0], 1, 254) with r = fl(a / 448), E/M its exponent
+// and mantissa fields. With a = (1 + f) 2^ea normal (a >= 1e-4 > 2^-14) and 448 = 1.75 * 2^8:
+//  * 1 + f <= 1.75: a/448 in [2^(ea-9), 2^(ea-8)]; r = 2^(ea-9) would need 1 + f <= 0.875 (1 + 2^-24) < 1, so
+//    either r is not a power of two (E = ea - 9 + 127, +1) or r = 2^(ea-8) (E = ea - 8 + 127, +0): code ea + 119.
+//  * 1 + f > 1.75, i.e. 1 + f >= 1.75 + 2^-23 > 1.75 (1 + 2^-24): r > 2^(ea-8) (its rounding cannot reach it),
+//    r <= 2^(ea-7): code ea + 120 either way.
+// So code = E(a) - 8 + [M(a) > 0x600000] = ((bits(a) + 0x1FFFFF) >> 23) - 8 (the carry out of the mantissa
+// adds the 1), in [105, 247] for finite a: no clamp. a = +inf: r = +inf, code clamp(255) = 254.
+// Mirrored by reference.rs (ue8m0_scale_448_divfree) and compared with formats::ue8m0 on every BF16 amax.
+__device__ __forceinline__ uint32_t ue8m0_scale_448_divfree(float a) {
+    const uint32_t b = __float_as_uint(a);
+    return b >= 0x7F800000u ? 254u : ((b + 0x1FFFFFu) >> 23) - 8u;
+}
+
+// FP8 rows (norm_quant_row's quantizer, same bits). Grid: one resident wave or one CTA per row (launcher
+// option); block D/32; dynamic smem D * 4 bytes.
+__device__ void rmsnorm_fp8_rows_v5(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                    uint8_t* __restrict__ q, uint8_t* __restrict__ scales, float* __restrict__ rstd,
+                                    int rows, int D, float eps) {
+    extern __shared__ float4 v5_wsm[];
+    __shared__ float red_ss[2][MAX_WARPS];
+    const int tid = threadIdx.x, bd = blockDim.x, nchunks = D / 8;
+    uint4 raw[V5_CH];
+    long row = blockIdx.x;
+    if (row < rows) v5_load_row(x, row, D, raw);
+    v5_stage_weight(w, v5_wsm, nchunks);
+    __syncthreads();
+    for (int it = 0; row < rows; row += gridDim.x, ++it) {
+        uint4 cur[V5_CH];
+#pragma unroll
+        for (int k = 0; k < V5_CH; ++k) cur[k] = raw[k];
+        if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, raw);
+        uint32_t pk[V5_CH][4];
+        v5_norm_pairs<true>(cur, v5_wsm, nchunks, D, eps, red_ss[it & 1], rstd ? rstd + row : nullptr, pk);
+        // chunk amax: fmaxf over |y| from 0 (norm_quant_row's loop; the maximum does not depend on the order)
+        float am[V5_CH];
+#pragma unroll
+        for (int k = 0; k < V5_CH; ++k) {
+            float a = 0.f;
+#pragma unroll
+            for (int p = 0; p < 4; ++p) a = fmaxf(a, fmaxf(fabsf(bf16_lo(pk[k][p])), fabsf(bf16_hi(pk[k][p]))));
+            am[k] = a;
+        }
+        // 128-block = 16 consecutive chunks = the 16 lanes of a half warp (bd % 32 == 0). The chunk maxima are
+        // 0 or |BF16 values| (never NaN: fmaxf drops NaN), so their high halves compare as unsigned integers
+        // like the floats: chunks k and k + 1 share each shuffle as the two halves of one word.
+        uint32_t am2[V5_CH / 2];
+#pragma unroll
+        for (int kp = 0; kp < V5_CH / 2; ++kp) {
+            am2[kp] = __byte_perm(__float_as_uint(am[2 * kp]), __float_as_uint(am[2 * kp + 1]), 0x7632);
+#pragma unroll
+            for (int off = 1; off < 16; off <<= 1)
+                am2[kp] = max_u16x2(am2[kp], __shfl_xor_sync(0xffffffffu, am2[kp], off));
+        }
+        uint8_t* qrow = q + row * D;
+        uint8_t* srow = scales + row * (D / 128);
+#pragma unroll
+        for (int k = 0; k < V5_CH; ++k) {
+            const int c = tid + k * bd;
+            const float amax = __uint_as_float((k & 1) ? (am2[k >> 1] & 0xFFFF0000u) : (am2[k >> 1] << 16));
+            const uint32_t sc = ue8m0_scale_448_divfree(fmaxf(amax, 1e-4f));
+            // 2^(127 - sc) = ue8m0 code 254 - sc (sc in [1, 254]; code 0 is 2^-127), as in norm_quant_row: exact,
+            // so y * inv is the IEEE y / scale (one rounding).
+            const float inv = mm::ue8m0_decode((uint8_t)(254u - sc));
+            uint32_t w4[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                // elements 2p, 2p + 1 of the chunk: pairs (p', p' + 4) hold element e in pk[e & 3], half e >> 2
+                const int e0 = 2 * p, e1 = 2 * p + 1;
+                const float y0 = e0 < 4 ? bf16_lo(pk[k][e0 & 3]) : bf16_hi(pk[k][e0 & 3]);
+                const float y1 = e1 < 4 ? bf16_lo(pk[k][e1 & 3]) : bf16_hi(pk[k][e1 & 3]);
+                w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(y0 * inv, y1 * inv), __NV_SATFINITE, __NV_E4M3);
+            }
+            *reinterpret_cast<uint2*>(qrow + c * 8) = make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
+            if ((c & 15) == 0) srow[c >> 4] = (uint8_t)sc;
+        }
+    }
+}
+
+}  // namespace
+
+// v5 entry points (launchers: rmsnorm_quant_with(.., RowsPath::V5 / V5PerRow), quantize_bf16_rows_v5).
+// x [rows, D] BF16, D % 1024 == 0; block D/32; dynamic shared memory D * 4 bytes (the quantize-only kernel: 0).
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_nvfp4_bf16in_v5(const __nv_bfloat16* x, const __nv_bfloat16* w,
+        uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
+    rmsnorm_nvfp4_rows_v5<true>(x, w, q, scales, gsa, rstd, rows, D, eps);
+}
+extern "C" __global__ void __launch_bounds__(1024) quant_nvfp4_bf16in_v5(const __nv_bfloat16* x, uint8_t* q,
+                                                                        uint8_t* scales, float* gsa, int rows, int D) {
+    rmsnorm_nvfp4_rows_v5<false>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
+}
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_v5(const __nv_bfloat16* x, const __nv_bfloat16* w,
+        uint8_t* q, uint8_t* scales, float* rstd, int rows, int D, float eps) {
+    rmsnorm_fp8_rows_v5(x, w, q, scales, rstd, rows, D, eps);
+}
+
+namespace {
+// ==== end of the session-4 v5 section =========================================================================
+
 // ---- mHC -----------------------------------------------------------------------------------------------------
 
 constexpr int MIX_COLS = 128;   // columns of 4D per CTA in mhc_mix_partial

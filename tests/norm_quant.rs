@@ -1956,3 +1956,252 @@ fn gpu_rcp_rn_fast_equals_frcp_rn_exhaustively() {
         hi - lo
     );
 }
+
+// ---- session-4 A/B: the v5 row kernels (RowsPath::V5 / V5PerRow, quant_nvfp4_bf16in_v5) -------------------
+
+/// The v5 FP8 kernel's division-free ue8m0 scale (reference::ue8m0_scale_448_divfree, the mirror of the
+/// .cu's ue8m0_scale_448_divfree) against formats::ue8m0::pow2_scale_for(max(amax, 1e-4), 448): every
+/// non-negative non-NaN BF16 amax (the kernel's amax is always one, or 0), +inf, the 1e-4 floor, every f32
+/// within 64 ulps of each binade's mantissa decision point (1.75 * 2^e) and of each power of two, and a
+/// seeded stride through all f32 values from 1e-4 to the largest finite.
+#[test]
+fn v5_divfree_ue8m0_scale_equals_formats_rule() {
+    let seed = fresh_seed("v5_divfree_ue8m0_scale_equals_formats_rule");
+    let check = |amax: f32| {
+        let a = amax.max(1e-4);
+        let want = ue8m0::pow2_scale_for(a, 448.0);
+        let got = r::ue8m0_scale_448_divfree(a);
+        assert_eq!(
+            got,
+            want,
+            "amax {amax:e} ({:#010x}): division-free {got} vs formats {want} (seed {seed})",
+            amax.to_bits()
+        );
+    };
+    for bits in 0u16..=0x7F80 {
+        check(bf16::bf16::from_bits(bits).to_f32());
+    }
+    check(1e-4);
+    check(f32::MAX);
+    for e in 1u32..255 {
+        for center in [e << 23, (e << 23) | 0x60_0000] {
+            for d in -64i64..=64 {
+                let b = center as i64 + d;
+                if (0..0x7F80_0000).contains(&b) {
+                    check(f32::from_bits(b as u32));
+                }
+            }
+        }
+    }
+    let lo = 1e-4f32.to_bits();
+    let mut b = lo + (seed % 997) as u32;
+    let mut n = 0usize;
+    while b < 0x7F80_0000 {
+        check(f32::from_bits(b));
+        b += 997;
+        n += 1;
+    }
+    eprintln!("division-free ue8m0 scale equals formats::ue8m0 on all BF16 amax values and {n} strided f32 (seed {seed})");
+}
+
+/// v5 shape rules: D a multiple of 1024 (else a clear error before any launch), NVFP4 / FP8 only; and the v5
+/// block size equals the default kernels' (the same channel ownership, hence the same sum-of-squares order).
+#[test]
+fn v5_launcher_rules_and_channel_ownership() {
+    for d in (1024..=nq::MAX_D).step_by(nq::V5_D_MULTIPLE) {
+        assert_eq!(
+            nq::v5_block_threads(d),
+            nq::row_block_threads(d),
+            "v5 block size differs from the default at D = {d}"
+        );
+        nq::check_v5(3, d, OutFormat::Nvfp4).unwrap();
+        nq::check_v5(3, d, OutFormat::Fp8).unwrap();
+    }
+    for d in [128usize, 1152, 4096 + 128, 7168 - 512] {
+        let e = nq::check_v5(3, d, OutFormat::Fp8).unwrap_err().to_string();
+        assert!(
+            e.contains("multiple of 1024"),
+            "D = {d}: unexpected error `{e}`"
+        );
+    }
+    let e = nq::check_v5(3, 4096, OutFormat::Bf16)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("nvfp4 or fp8"), "bf16: unexpected error `{e}`");
+    assert!(nq::check_v5(0, 4096, OutFormat::Fp8).is_err());
+}
+
+/// Rows for the v5 bit-identity test: the bench generator's rows, with an all-zero row (1), rows scaled by
+/// 2^40 (2) and 2^-40 (3) and one whose sum of squares overflows f32 (4: scaled by 2^100, rstd 0) spliced in, and every 5th row replaced by a row of
+/// the encoder's exact-decision-point generator (boundary_rows; scales 2^-112..2^110, so some of these rows'
+/// sums of squares overflow or underflow f32: both kernels must still agree bit for bit).
+fn v5_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut x = nq::random_rows(rows, d, seed);
+    let b = boundary_rows(rows.div_ceil(5), d, seed ^ 0xb5);
+    for row in (0..rows).step_by(5) {
+        x[row * d..(row + 1) * d].copy_from_slice(&b[(row / 5) * d..(row / 5 + 1) * d]);
+    }
+    let special = [
+        (1usize, 0.0f32),
+        (2, 2f32.powi(40)),
+        (3, 2f32.powi(-40)),
+        (4, 2f32.powi(100)),
+    ];
+    for (row, scale) in special {
+        if row < rows {
+            for v in &mut x[row * d..(row + 1) * d] {
+                *v = bf16::round(*v * scale);
+            }
+        }
+    }
+    x
+}
+
+/// First differing byte of two downloads, with the row it lies in.
+fn v5_assert_same(label: &str, what: &str, got: &[u8], want: &[u8], row_bytes: usize) {
+    assert_eq!(got.len(), want.len(), "{label}: {what} lengths differ");
+    if let Some((i, a, b)) = first_diff(got, want) {
+        panic!(
+            "{label}: {what} byte {i} (row {}, byte {} of the row): v5 {a:#04x} vs default {b:#04x}",
+            i / row_bytes,
+            i % row_bytes
+        );
+    }
+}
+
+/// The v5 kernels (both launch shapes) against the default path bit for bit on every row (codes, block
+/// scales, global scales, FP8 scales, rstd; outputs poisoned before each run), and against the CPU reference
+/// (exact given the GPU rstd) on the first 300 and the last 64 rows. D = 4096, 7168 and 2048; rows from 1 to
+/// 9000 (several rows per CTA of the resident wave, and a partial last round of the loop).
+#[test]
+fn gpu_v5_rows_equal_default_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_v5_rows_equal_default_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_v5_rows_equal_default_bitwise");
+    for d in [4096usize, 7168, 2048] {
+        let w = nq::random_weight(d, seed ^ d as u64);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        for rows in [1usize, 2, 3, 7, 64, 127, 129, 4096, 9000] {
+            if d == 7168 && rows == 9000 {
+                continue; // 4096 rows already loop; keep the test short
+            }
+            let x = v5_rows(rows, d, seed ^ (rows as u64 * 131 + d as u64));
+            let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
+            for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
+                let mut base = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut base).unwrap();
+                let want = base.download(&gpu).unwrap();
+                for path in [nq::RowsPath::V5, nq::RowsPath::V5PerRow] {
+                    let label = format!("{path:?} {} {rows}x{d}, seed {seed}", format.name());
+                    let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                    nq::rmsnorm_quant_with(
+                        &gpu,
+                        RowsIn::Bf16(&dx),
+                        &dw,
+                        r::RMS_EPS,
+                        &mut out,
+                        path,
+                    )
+                    .unwrap();
+                    let got = out.download(&gpu).unwrap();
+                    let rbits = |v: &[f32]| {
+                        v.iter()
+                            .flat_map(|f| f.to_bits().to_le_bytes())
+                            .collect::<Vec<u8>>()
+                    };
+                    v5_assert_same(&label, "rstd", &rbits(&got.rstd), &rbits(&want.rstd), 4);
+                    match (&got.q, &want.q) {
+                        (HostQuant::Nvfp4(g), HostQuant::Nvfp4(b)) => {
+                            v5_assert_same(&label, "codes", &g.data, &b.data, d / 2);
+                            v5_assert_same(&label, "block scales", &g.scales, &b.scales, d / 16);
+                            v5_assert_same(
+                                &label,
+                                "global scales",
+                                &rbits(&g.global_scale),
+                                &rbits(&b.global_scale),
+                                4,
+                            );
+                        }
+                        (HostQuant::Fp8(g), HostQuant::Fp8(b)) => {
+                            v5_assert_same(&label, "codes", &g.data, &b.data, d);
+                            v5_assert_same(&label, "scales", &g.scales, &b.scales, d / 128);
+                        }
+                        _ => panic!("{label}: unexpected output formats"),
+                    }
+                    // the CPU reference on random rows (not the boundary / extreme ones: their rstd may be far
+                    // from the CPU's, see v5_rows) among the first 300 and the last 64
+                    let mut checked = 0;
+                    for row in (0..rows.min(300)).chain(rows.saturating_sub(64).max(300)..rows) {
+                        if row % 5 == 0 || (1..=4).contains(&row) {
+                            continue;
+                        }
+                        let one = nq::HostNormOutputs {
+                            rstd: vec![got.rstd[row]],
+                            q: match &got.q {
+                                HostQuant::Nvfp4(g) => HostQuant::Nvfp4(r::Nvfp4Rows {
+                                    rows: 1,
+                                    cols: d,
+                                    data: g.data[row * d / 2..(row + 1) * d / 2].to_vec(),
+                                    scales: g.scales[row * d / 16..(row + 1) * d / 16].to_vec(),
+                                    global_scale: vec![g.global_scale[row]],
+                                }),
+                                HostQuant::Fp8(g) => HostQuant::Fp8(r::Fp8Rows {
+                                    rows: 1,
+                                    cols: d,
+                                    data: g.data[row * d..(row + 1) * d].to_vec(),
+                                    scales: g.scales[row * d / 128..(row + 1) * d / 128].to_vec(),
+                                }),
+                                HostQuant::Bf16(_) => unreachable!(),
+                            },
+                        };
+                        check_norm_outputs(
+                            &format!("{label} row {row}"),
+                            &x[row * d..(row + 1) * d],
+                            &w,
+                            1,
+                            d,
+                            format,
+                            &one,
+                        );
+                        checked += 1;
+                    }
+                    eprintln!("{label}: bit-identical to the default path; {checked} rows exact vs the CPU reference");
+                }
+            }
+        }
+    }
+}
+
+/// The v5 NVFP4 encoder (quant_nvfp4_bf16in_v5: lane pairs swap halves, one thread per 16-block) at exact
+/// e2m1 decision points (ties included, boundary_rows), bit for bit against the CPU reference and the v4p
+/// quantize-only kernel; 64 rows (one row per CTA) and 2000 rows (CTAs loop).
+#[test]
+fn gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries() {
+    let Some(gpu) = gpu_for_test("gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries");
+    for d in [4096usize, 7168] {
+        for rows in [64usize, 2000] {
+            let y = boundary_rows(rows, d, seed ^ (d as u64 + rows as u64));
+            assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
+            let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
+            let label = format!("v5 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+            let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
+            let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::quantize_bf16_rows_v5(&gpu, &dy, &mut out).unwrap();
+            let got = out.download(&gpu).unwrap();
+            assert_same_nvfp4(&label, &got.q, &want, d);
+            let mut v4p = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::quantize_bf16_rows(&gpu, &dy, &mut v4p).unwrap();
+            assert_same_nvfp4(
+                &format!("{label} (vs v4p)"),
+                &got.q,
+                &v4p.download(&gpu).unwrap().q,
+                d,
+            );
+            eprintln!("{label}: v5, v4p and the CPU reference bit-identical");
+        }
+    }
+}

@@ -3,6 +3,8 @@
 //! * [`rmsnorm_quant`]: rows `[rows, D]` (BF16 or f32, D a multiple of 128, at most 32768) -> RMSNorm with
 //!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch
 //!   (BF16 -> NVFP4: the row-looping v4p kernel; everything else one CTA per row).
+//!   [`rmsnorm_quant_with`] takes an explicit [`RowsPath`]: the session-4 v5 kernels (BF16 in, NVFP4 / FP8,
+//!   D a multiple of 1024) are an A/B candidate with the same bits.
 //! * [`rmsnorm_then_quant`]: the unfused baseline (RMSNorm kernel -> BF16 in HBM -> quantize kernel). It
 //!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
 //! * [`mhc_pre`]: the mHC boundary `hc_pre` + RMSNorm + quant, as a split-K mix kernel plus a per-token
@@ -471,6 +473,160 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
             bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8")
         }
     }
+    Ok(())
+}
+
+// ---- session-4 A/B: the v5 row kernels ------------------------------------------------------------------------
+
+/// Which kernel [`rmsnorm_quant_with`] runs for BF16 rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowsPath {
+    /// What [`rmsnorm_quant`] runs (NVFP4: the v4p row loop; FP8 / BF16: one CTA per row).
+    Default,
+    /// The v5 kernels (`rmsnorm_{nvfp4,fp8}_bf16in_v5`): one resident wave of CTAs looping over rows, the
+    /// weight staged once per CTA in shared memory, one thread per 16-block for NVFP4. Bit-identical outputs.
+    /// NVFP4 and FP8 only, `d` a multiple of [`V5_D_MULTIPLE`].
+    V5,
+    /// The same v5 kernels with one CTA per row (grid = rows; the row loop runs once per CTA).
+    V5PerRow,
+}
+
+/// The v5 kernels give every thread exactly 4 chunks of 8 values (blockDim = d / 32, a whole number of warps).
+pub const V5_D_MULTIPLE: usize = 1024;
+
+/// Shape / format rules of the v5 kernels (checked before any launch).
+pub fn check_v5(rows: usize, d: usize, format: OutFormat) -> Result<()> {
+    check_rows(rows, d)?;
+    if !d.is_multiple_of(V5_D_MULTIPLE) {
+        bail!(
+            "norm_quant v5: hidden size {d} must be a multiple of {V5_D_MULTIPLE} (one warp per 1024 values)"
+        );
+    }
+    if format == OutFormat::Bf16 {
+        bail!("norm_quant v5: output format must be nvfp4 or fp8 (bf16 has no v5 kernel)");
+    }
+    Ok(())
+}
+
+/// Threads per CTA of the v5 kernels (= [`row_block_threads`] for their sizes: the same channel ownership).
+pub fn v5_block_threads(d: usize) -> u32 {
+    (d / 32) as u32
+}
+
+/// [`rmsnorm_quant`] with an explicit kernel choice ([`RowsPath`]); every path gives the same bits.
+pub fn rmsnorm_quant_with(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+    path: RowsPath,
+) -> Result<()> {
+    match path {
+        RowsPath::Default => rmsnorm_quant(gpu, x, w, eps, out),
+        RowsPath::V5 => rmsnorm_quant_v5(gpu, x, w, eps, out, false),
+        RowsPath::V5PerRow => rmsnorm_quant_v5(gpu, x, w, eps, out, true),
+    }
+}
+
+fn rmsnorm_quant_v5(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+    one_cta_per_row: bool,
+) -> Result<()> {
+    check_rmsnorm_args(&x, w, eps, out)?;
+    let (rows, d) = (out.rows, out.d);
+    check_v5(rows, d, out.format)?;
+    let RowsIn::Bf16(xs) = x else {
+        bail!("norm_quant v5: the input must be BF16");
+    };
+    let name = match out.format {
+        OutFormat::Nvfp4 => "rmsnorm_nvfp4_bf16in_v5",
+        _ => "rmsnorm_fp8_bf16in_v5",
+    };
+    let smem = d * 4; // the weight as f32
+    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    let threads = v5_block_threads(d);
+    let grid = if one_cta_per_row {
+        rows
+    } else {
+        v5_wave_grid(gpu, &f, threads, smem, rows, name)?
+    };
+    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), smem as u32);
+    let (rows_i, d_i) = (rows as i32, d as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(xs).arg(w);
+    match &mut out.q {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
+            b.arg(data).arg(scales).arg(global_scale);
+        }
+        QuantBufs::Fp8 { data, scales } => {
+            b.arg(data).arg(scales);
+        }
+        QuantBufs::Bf16 { .. } => unreachable!("check_v5 rejects bf16"),
+    }
+    b.arg(&mut out.rstd).arg(&rows_i).arg(&d_i).arg(&eps);
+    drv(unsafe { b.launch(cfg) }, name)?;
+    Ok(())
+}
+
+/// One full resident wave of a v5 kernel (its dynamic shared memory included), or `rows` CTAs if fewer.
+fn v5_wave_grid(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    threads: u32,
+    smem: usize,
+    rows: usize,
+    name: &str,
+) -> Result<usize> {
+    let per_sm = drv(
+        f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    )?;
+    if per_sm == 0 {
+        bail!("{name}: no CTA of {threads} threads and {smem} B of shared memory fits on an SM");
+    }
+    Ok(v4_grid(
+        rows,
+        per_sm as usize * gpu.info.sm_count.max(1) as usize,
+    ))
+}
+
+/// Quantize-only v5 NVFP4 (`quant_nvfp4_bf16in_v5`): BF16 rows `y` -> NVFP4, the same bits as
+/// [`quantize_bf16_rows`]; used to test the v5 encoder at exact e2m1 decision points. `out.rstd` untouched.
+pub fn quantize_bf16_rows_v5(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_v5(rows, d, out.format)?;
+    check_len("y", y.len(), rows * d)?;
+    let name = "quant_nvfp4_bf16in_v5";
+    let QuantBufs::Nvfp4 {
+        data,
+        scales,
+        global_scale,
+    } = &mut out.q
+    else {
+        bail!("{name}: the output format must be nvfp4");
+    };
+    let f = gpu.function(FAMILY, name)?;
+    let threads = v5_block_threads(d);
+    let grid = v5_wave_grid(gpu, &f, threads, 0, rows, name)?;
+    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
+    let (rows_i, d_i) = (rows as i32, d as i32);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(y)
+        .arg(data)
+        .arg(scales)
+        .arg(global_scale)
+        .arg(&rows_i)
+        .arg(&d_i);
+    drv(unsafe { b.launch(cfg) }, name)?;
     Ok(())
 }
 
@@ -1126,12 +1282,18 @@ pub struct BenchPoint {
 /// `unfused_<fmt>` (fmt in nvfp4, fp8, bf16; bf16 has only the one kernel) and `copy` (device-to-device
 /// copy of the same number of bytes, the bandwidth reference). The session-3 candidates fused_v4_nvfp4,
 /// fused_v4_fp8 and fused_v4p_nvfp4 are gone (v4p became fused_nvfp4; see kernels/norm_quant.cu).
+///
+/// Session-4 A/B ([`RowsPath`]): `fused_nvfp4_v5`, `fused_fp8_v5` (the v5 kernels, one resident wave looping
+/// over rows) and `fused_fp8_v5r` (the v5 FP8 kernel, one CTA per row), raced against the same unfused chain.
 pub const ROW_VARIANTS: &[&str] = &[
     "fused_nvfp4",
     "unfused_nvfp4",
     "fused_fp8",
     "unfused_fp8",
     "fused_bf16",
+    "fused_nvfp4_v5",
+    "fused_fp8_v5",
+    "fused_fp8_v5r",
     "copy",
 ];
 
@@ -1150,8 +1312,18 @@ pub fn bench_rows(
     let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
     let eps = reference::RMS_EPS;
     let in_bytes = (rows * d * 2 + d * 2) as u64;
-    // kind_fmt, kind in fused / unfused; or `copy`.
-    let (kind, fmt) = variant.rsplit_once('_').unwrap_or((variant, "bf16"));
+    // kind_fmt[_path], kind in fused / unfused, path v5 / v5r (fused only); or `copy`.
+    let (base, path) = if let Some(b) = variant.strip_suffix("_v5r") {
+        (b, RowsPath::V5PerRow)
+    } else if let Some(b) = variant.strip_suffix("_v5") {
+        (b, RowsPath::V5)
+    } else {
+        (variant, RowsPath::Default)
+    };
+    let (kind, fmt) = base.rsplit_once('_').unwrap_or((base, "bf16"));
+    if path != RowsPath::Default && kind != "fused" {
+        bail!("rmsnorm_quant variant `{variant}`: the v5 suffixes apply to fused variants only");
+    }
     let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
         kernel: "rmsnorm_quant",
         variant: variant.to_string(),
@@ -1173,7 +1345,7 @@ pub fn bench_rows(
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
             let s = gpu.time_us(plan, || {
-                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
+                rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, path)
             })?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
             let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));

@@ -247,6 +247,24 @@ pub mod packed_e2m1_mirror {
     }
 }
 
+/// Mirror of the v5 FP8 kernel's division-free ue8m0 scale (kernels/norm_quant.cu,
+/// `ue8m0_scale_448_divfree`): for `a = max(block amax, 1e-4)` (never NaN), the code of
+/// `formats::ue8m0::pow2_scale_for(a, 448)` is `((bits(a) + 0x1FFFFF) >> 23) - 8` for finite `a` (the exponent
+/// field less 8, plus 1 when the mantissa is above 0.75), 254 for `+inf`. The proof is beside the device code;
+/// tests/norm_quant.rs checks it for every BF16 amax and a sweep of f32 values. Not used by the reference.
+pub fn ue8m0_scale_448_divfree(a: f32) -> u8 {
+    debug_assert!(
+        a >= 1e-4,
+        "ue8m0_scale_448_divfree: amax {a} below the 1e-4 floor"
+    );
+    let b = a.to_bits();
+    if b >= 0x7F80_0000 {
+        254
+    } else {
+        (((b + 0x1F_FFFF) >> 23) - 8) as u8
+    }
+}
+
 /// DSV4 `act_quant` of one row (`formats::fp8`): per 128-block `scale = 2^ceil(log2(max(amax, 1e-4) /
 /// 448))`, `code = e4m3(x / scale)`. The kernel multiplies by the exact reciprocal power of two instead:
 /// the same real number, rounded once, so the same code.
