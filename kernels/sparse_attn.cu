@@ -930,3 +930,182 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
     dst[1] = make_uint4(sa::pack_bf16x2(acc[8], acc[9]), sa::pack_bf16x2(acc[10], acc[11]),
                         sa::pack_bf16x2(acc[12], acc[13]), sa::pack_bf16x2(acc[14], acc[15]));
 }
+
+// =============================================================================================================
+// Fused split-KV combine (Path::Fp8Fused, bench variant "fp8_fused"): sparse_attn_decode_fp8_fused runs the v5
+// body unchanged (same plan -> same partials, bit for bit), then the LAST split CTA to finish a (sequence,
+// head group) merges all splits' partials itself, so no sparse_attn_combine launch follows.
+//
+// Arrival protocol (one u32 counter per (sequence, head group), arrivals[b * gridDim.x + hg], zero before the
+// launch):
+//   writer side  every thread stores its part_o / part_lse, then __threadfence() (fence.sc.gpu: its stores are
+//                ordered before anything it does next, at GPU scope), then __syncthreads(); thread 0 then does
+//                atomicAdd(counter, 1). So every partial store of the CTA precedes its arrival.
+//   reader side  the atomic returning n_splits - 1 means all other n_splits - 1 arrivals (each preceded by its
+//                CTA's fenced stores) are earlier in the counter's modification order. Thread 0 publishes the
+//                verdict through shared memory (__syncthreads), every thread of the last CTA issues
+//                __threadfence() (acquire side), and reads the partials with ld.global.cg (L2, the GPU-scope
+//                point of coherence; never the non-coherent __ldg path, whose lines could predate the writes).
+//   reset        the last CTA stores 0 to the counter: all n_splits arrivals of this launch have happened, so
+//                nobody else touches it again in this launch, and the next launch (stream order, graph replay)
+//                starts from 0. Precondition: the counters are zero when a launch starts (Workspace zeroes
+//                them at creation; every completed launch leaves them zero).
+//   Every split CTA arrives exactly once (a split with no candidates still writes its empty partial), so
+//   every (sequence, head group) has exactly one last CTA.
+//
+// Merge = sparse_attn_combine's arithmetic, expression for expression, per (head, dim): m = max of the splits'
+// lse (per lane over s = lane, lane + 32, ..., then the xor butterfly 16..1), the same for the sum of
+// exp2(lse - m_all); o = sum over s = 0..n-1 IN ORDER of exp2(lse_s - m_all) * o_s (one FMA each), times
+// 1 / z, inverse RoPE, BF16. Only which thread does which head changes (a warp takes 8 heads: the per-head
+// statistics of its 8 heads, then 2 passes of 4 heads, the loads of 4 heads x 2 splits in flight), not the
+// order of any floating-point operation, so the output is bit-identical to decode + combine.
+// Cost: the last CTA reads n_splits x 64 heads x 2 KiB of partials from L2 (~1 us per split at one SM's
+// ~120 GB/s) instead of a second launch on heads/8 x batch CTAs; SplitPlan::by_cost_fused charges that.
+// =============================================================================================================
+namespace sa {
+
+constexpr int kFusedHeadsPerWarp = kHeadsPerCta / 8;  // 8 warps
+constexpr int kFusedHeadsPerPass = 4;
+
+__device__ __forceinline__ void fused_combine_tail(const DecodeArgs& a, unsigned int* arrivals) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    // The body is finished (first barrier below), so its shared memory is free.
+    float* head_m = reinterpret_cast<float*>(smem_unaligned);   // [64] m_all of each head
+    float* head_inv = head_m + kHeadsPerCta;                     // [64] 1 / z
+    int* head_empty = reinterpret_cast<int*>(head_inv + kHeadsPerCta);  // [64] no valid candidate anywhere
+    int* last_flag = head_empty + kHeadsPerCta;
+
+    const int hg = blockIdx.x, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n = a.n_splits;
+
+    __threadfence();  // writer side: this thread's partial stores before the arrival
+    __syncthreads();
+    if (tid == 0) {
+        unsigned int* counter = arrivals + (size_t)b * gridDim.x + hg;
+        const unsigned int prev = atomicAdd(counter, 1u);
+        const int last = (prev == (unsigned int)(n - 1)) ? 1 : 0;
+        if (last) *counter = 0u;  // reset: every arrival of this launch has happened
+        *last_flag = last;
+    }
+    __syncthreads();
+    if (*last_flag == 0) return;
+    __threadfence();  // reader side
+
+    // ---- per-head statistics, the combine's code for 8 heads at once ----
+    const int hl_w = kFusedHeadsPerWarp * warp;  // this warp's first head (within the group)
+    const float* lse_b = a.part_lse + (size_t)b * n * a.heads + hg * kHeadsPerCta + hl_w;
+    float mp[kFusedHeadsPerWarp];
+#pragma unroll
+    for (int k = 0; k < kFusedHeadsPerWarp; ++k) mp[k] = -INFINITY;
+    for (int s = lane; s < n; s += 32) {
+        float v[kFusedHeadsPerWarp];
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) v[k] = __ldcg(lse_b + (size_t)s * a.heads + k);
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) mp[k] = fmaxf(mp[k], v[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mp[k] = fmaxf(mp[k], __shfl_xor_sync(0xffffffffu, mp[k], o));
+    }
+    float sink2[kFusedHeadsPerWarp], m_all[kFusedHeadsPerWarp], zl[kFusedHeadsPerWarp];
+#pragma unroll
+    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
+        sink2[k] = a.sinks[hg * kHeadsPerCta + hl_w + k] * kLog2e;
+        m_all[k] = fmaxf(mp[k], sink2[k]);
+        zl[k] = 0.f;
+    }
+    for (int s = lane; s < n; s += 32) {
+        float v[kFusedHeadsPerWarp];
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) v[k] = __ldcg(lse_b + (size_t)s * a.heads + k);
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) zl[k] += exp2f(v[k] - m_all[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) zl[k] += __shfl_xor_sync(0xffffffffu, zl[k], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
+            const float z = exp2f(sink2[k] - m_all[k]) + zl[k];
+            head_m[hl_w + k] = m_all[k];
+            head_inv[hl_w + k] = 1.f / z;
+            head_empty[hl_w + k] = (mp[k] == -INFINITY) ? 1 : 0;
+        }
+    }
+    __syncwarp();  // each warp reads back only its own heads' statistics
+
+    // ---- weighted sums in split order; lane l owns dims [16l, 16l + 16) as in the combine ----
+    const int pos = a.positions[b];
+#pragma unroll 1
+    for (int pass = 0; pass < kFusedHeadsPerWarp / kFusedHeadsPerPass; ++pass) {
+        const int hl0 = hl_w + kFusedHeadsPerPass * pass;
+        float mh[kFusedHeadsPerPass];
+        float acc[kFusedHeadsPerPass][16];
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerPass; ++k) {
+            mh[k] = head_m[hl0 + k];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) acc[k][i] = 0.f;
+        }
+#pragma unroll 2
+        for (int s = 0; s < n; ++s) {
+            const size_t row0 = ((size_t)b * n + s) * a.heads + hg * kHeadsPerCta + hl0;
+#pragma unroll
+            for (int k = 0; k < kFusedHeadsPerPass; ++k) {
+                const size_t row = row0 + k;
+                const float w = exp2f(__ldcg(a.part_lse + row) - mh[k]);
+                const float4* src = reinterpret_cast<const float4*>(a.part_o + row * kDim + 16 * lane);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 v = __ldcg(src + i);
+                    acc[k][4 * i] += w * v.x;
+                    acc[k][4 * i + 1] += w * v.y;
+                    acc[k][4 * i + 2] += w * v.z;
+                    acc[k][4 * i + 3] += w * v.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerPass; ++k) {
+            const int hl = hl0 + k;
+            if (head_empty[hl]) {  // the combine skips the sums and writes 0 (never NaN, whatever the sink)
+#pragma unroll
+                for (int i = 0; i < 16; ++i) acc[k][i] = 0.f;
+            } else {
+                const float inv = head_inv[hl];
+#pragma unroll
+                for (int i = 0; i < 16; ++i) acc[k][i] *= inv;
+                if (lane >= 28) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        inverse_rope_pair(acc[k][2 * i], acc[k][2 * i + 1], pos, a.freqs[8 * (lane - 28) + i]);
+                }
+            }
+            uint4* dst = reinterpret_cast<uint4*>(a.out + ((size_t)b * a.heads + hg * kHeadsPerCta + hl) * kDim +
+                                                  16 * lane);
+            dst[0] = make_uint4(pack_bf16x2(acc[k][0], acc[k][1]), pack_bf16x2(acc[k][2], acc[k][3]),
+                                pack_bf16x2(acc[k][4], acc[k][5]), pack_bf16x2(acc[k][6], acc[k][7]));
+            dst[1] = make_uint4(pack_bf16x2(acc[k][8], acc[k][9]), pack_bf16x2(acc[k][10], acc[k][11]),
+                                pack_bf16x2(acc[k][12], acc[k][13]), pack_bf16x2(acc[k][14], acc[k][15]));
+        }
+    }
+}
+
+}  // namespace sa
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_fused"). The v5 body, then
+// (n_splits > 1) the fused combine of the last-arriving split: `out` is written in both cases (part_o / part_lse
+// are the scratch partials; arrivals [batch * heads/64] u32, zero before the launch, left zero after it; null
+// when n_splits == 1).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    sparse_attn_decode_fp8_fused(SA_DECODE_PARAMS, unsigned int* arrivals) {
+    const sa::DecodeArgs args = SA_DECODE_ARGS;
+    sa::decode_fp8_v5_body(args);
+    if (n_splits > 1) sa::fused_combine_tail(args, arrivals);
+}
