@@ -1109,3 +1109,96 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     sa::decode_fp8_v5_body(args);
     if (n_splits > 1) sa::fused_combine_tail(args, arrivals);
 }
+
+// =============================================================================================================
+// PDL pair (Path::Fp8Pdl, bench variant "fp8_pdl"): the v5 decode and the split-KV combine as two kernels, the
+// combine launched with programmatic dependent launch so its launch and CTA scheduling overlap the decode.
+//   * sparse_attn_decode_fp8_pdl = griddepcontrol.launch_dependents, then the v5 body unchanged. The trigger only
+//     lets the NEXT kernel, if it was launched with the programmatic-stream-serialization attribute, be
+//     scheduled once every decode CTA has started (so the combine CTAs never take an SM slot a decode CTA still
+//     waits for); for a plainly launched next kernel it is a no-op.
+//   * sparse_attn_combine_pdl = griddepcontrol.wait (blocks until the decode grid has COMPLETED and its memory
+//     is visible: PTX ISA, independent of where the trigger sat), then sparse_attn_combine's code, a textual copy
+//     (combine_body below) because that entry stays byte-for-byte untouched during the A/B. Same arithmetic in
+//     the same order, so the output is bit-identical to Path::Fp8. Without the attribute the wait is a no-op
+//     and the kernel is an ordinary combine.
+// =============================================================================================================
+namespace sa {
+
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// sparse_attn_combine's body (see its comments), unchanged.
+__device__ __forceinline__ void combine_body(__nv_bfloat16* out, const float* part_o, const float* part_lse,
+                                             const float* sinks, const int* positions, const float* freqs,
+                                             int heads, int n_splits) {
+    const int b = blockIdx.y;
+    const int h = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (h >= heads) return;
+    const float* lse_row = part_lse + (size_t)b * n_splits * heads + h;
+    float m_parts = -INFINITY;
+    for (int s = lane; s < n_splits; s += 32) m_parts = fmaxf(m_parts, lse_row[(size_t)s * heads]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m_parts = fmaxf(m_parts, __shfl_xor_sync(0xffffffffu, m_parts, o));
+    float acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    if (m_parts != -INFINITY) {
+        const float sink2 = sinks[h] * kLog2e;
+        const float m_all = fmaxf(m_parts, sink2);
+        float zl = 0.f;
+        for (int s = lane; s < n_splits; s += 32) zl += exp2f(lse_row[(size_t)s * heads] - m_all);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) zl += __shfl_xor_sync(0xffffffffu, zl, o);
+        const float z = exp2f(sink2 - m_all) + zl;
+#pragma unroll 4
+        for (int s = 0; s < n_splits; ++s) {
+            const size_t row = ((size_t)b * n_splits + s) * heads + h;
+            const float w = exp2f(part_lse[row] - m_all);
+            const float4* src = reinterpret_cast<const float4*>(part_o + row * kDim + 16 * lane);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float4 v = src[i];
+                acc[4 * i] += w * v.x;
+                acc[4 * i + 1] += w * v.y;
+                acc[4 * i + 2] += w * v.z;
+                acc[4 * i + 3] += w * v.w;
+            }
+        }
+        const float inv = 1.f / z;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] *= inv;
+        if (lane >= 28) {
+            const int pos = positions[b];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) inverse_rope_pair(acc[2 * i], acc[2 * i + 1], pos, freqs[8 * (lane - 28) + i]);
+        }
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + ((size_t)b * heads + h) * kDim + 16 * lane);
+    dst[0] = make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
+                        pack_bf16x2(acc[6], acc[7]));
+    dst[1] = make_uint4(pack_bf16x2(acc[8], acc[9]), pack_bf16x2(acc[10], acc[11]), pack_bf16x2(acc[12], acc[13]),
+                        pack_bf16x2(acc[14], acc[15]));
+}
+
+}  // namespace sa
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_pdl"): the v5 decode with
+// an early launch_dependents trigger for the PDL combine that follows it.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_pdl(SA_DECODE_PARAMS) {
+    sa::griddep_launch_dependents();
+    sa::decode_fp8_v5_body(SA_DECODE_ARGS);
+}
+
+// sparse_attn_combine behind griddepcontrol.wait; launched with the programmatic-stream-serialization attribute
+// right after sparse_attn_decode_fp8_pdl. grid (heads/8, batch), block 256.
+extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine_pdl(__nv_bfloat16* out, const float* part_o,
+                                                                          const float* part_lse, const float* sinks,
+                                                                          const int* positions, const float* freqs,
+                                                                          int heads, int n_splits) {
+    sa::griddep_wait();
+    sa::combine_body(out, part_o, part_lse, sinks, positions, freqs, heads, n_splits);
+}

@@ -881,7 +881,7 @@ fn assert_same_bits(label: &str, shape: &DecodeShape, want: &[bf16], got: &[bf16
         .collect();
     if let Some(&i) = bad.first() {
         panic!(
-            "{label}: {} of {} outputs differ from Path::Fp8; first at flat {i} (b {}, h {}, d {}): fp8 {} ({:#06x}) fused {} ({:#06x})",
+            "{label}: {} of {} outputs differ from Path::Fp8; first at flat {i} (b {}, h {}, d {}): fp8 {} ({:#06x}) got {} ({:#06x})",
             bad.len(),
             want.len(),
             i / (shape.heads * HEAD_DIM),
@@ -895,14 +895,15 @@ fn assert_same_bits(label: &str, shape: &DecodeShape, want: &[bf16], got: &[bf16
     }
 }
 
-/// Path::Fp8 once, then Path::Fp8Fused `calls` times on one workspace (outputs and split partials poisoned
+/// Path::Fp8 once, then `path` (Fp8Fused or Fp8Pdl) `calls` times on one workspace (outputs and split partials poisoned
 /// before every call, so a call can only pass with what it wrote itself; the arrival counters must be back to
-/// zero after every call, or the next call would merge too early or never); every fused output bit-identical
-/// to the Fp8 output. Returns the Fp8 output.
-fn check_fused_bits(
+/// zero after every call, or the next call would merge too early or never); every output bit-identical to the
+/// Fp8 output. Returns the Fp8 output.
+fn check_bits_vs_fp8(
     test: &str,
     gpu: &megamoe::gpu::Gpu,
     hp: &HostProblem,
+    path: Path,
     plan: SplitPlan,
     calls: usize,
 ) -> Vec<bf16> {
@@ -918,10 +919,10 @@ fn check_fused_bits(
     for call in 0..calls {
         ws.poison_partials(gpu).unwrap();
         let mut out = gpu.poisoned::<bf16>(n, 0xFF).unwrap();
-        decode(gpu, Path::Fp8Fused, &shape, &inp, &mut ws, &mut out).unwrap();
+        decode(gpu, path, &shape, &inp, &mut ws, &mut out).unwrap();
         let got = gpu.download(&out).unwrap();
         let label = format!(
-            "{test}: fused call {call}, shape {shape:?} lengths {:?} plan {plan:?}",
+            "{test}: {path:?} call {call}, shape {shape:?} lengths {:?} plan {plan:?}",
             hp.lengths
         );
         assert_same_bits(&label, &shape, &want, &got);
@@ -935,7 +936,7 @@ fn check_fused_bits(
         }
     }
     println!(
-        "{test}: fused == fp8 bit for bit over {calls} calls, lengths {:?} heads {} plan {plan:?}",
+        "{test}: {path:?} == Fp8 bit for bit over {calls} calls, lengths {:?} heads {} plan {plan:?}",
         hp.lengths, shape.heads
     );
     want
@@ -978,7 +979,9 @@ fn gpu_decode_fp8_fused_bit_identical_to_fp8() {
     let hp128 = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
     for hp in [&hp64, &hp128] {
         for (name, plan) in all_plans(&gpu, hp) {
-            check_fused_bits(&format!("h{} {name}", hp.heads), &gpu, hp, plan, 2);
+            let label = format!("h{} {name}", hp.heads);
+            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8Fused, plan, 2);
+            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8Pdl, plan, 2);
         }
     }
     // Against the CPU reference (the fused plan, and the most splits).
@@ -998,6 +1001,7 @@ fn gpu_decode_fp8_fused_bit_identical_to_fp8() {
         Path::Fp8Fused,
         Some(1),
     );
+    check_gpu_path("pdl h64 own plan", &gpu, &hp64, Path::Fp8Pdl, None);
 }
 
 /// HCA at 1M context (8320 candidates = 130 tiles): 130 splits of one tile (more than 32, so every lane of the
@@ -1013,10 +1017,12 @@ fn gpu_decode_fp8_fused_long_hca_many_splits() {
     let shape = hp.shape();
     for t in [1usize, 16, 33] {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        check_fused_bits(&format!("hca 8320 split {t} tiles"), &gpu, &hp, plan, 2);
+        let label = format!("hca 8320 split {t} tiles");
+        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8Fused, plan, 2);
+        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8Pdl, plan, 1);
     }
     let own = SplitPlan::by_cost_fused(gpu.info.sm_count as usize, &shape);
-    check_fused_bits("hca 8320 fused plan", &gpu, &hp, own, 2);
+    check_bits_vs_fp8("hca 8320 fused plan", &gpu, &hp, Path::Fp8Fused, own, 2);
     check_gpu_path(
         "fused hca 8320 130 splits",
         &gpu,
@@ -1026,8 +1032,43 @@ fn gpu_decode_fp8_fused_long_hca_many_splits() {
     );
 }
 
-/// The fused path as a replayed CUDA graph: the arrival counters are reset inside the kernel, so every replay
-/// merges at the right time. Outputs and partials poisoned before each replay; each bit-identical to Fp8.
+/// `path` as a replayed CUDA graph: outputs and partials poisoned before each of 4 replays, each bit-identical to
+/// Fp8 (for Fp8Fused: the arrival counters are reset inside the kernel, so every replay merges at the right time).
+fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, path: Path) {
+    let shape = hp.shape();
+    for t in [1usize, 3] {
+        let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
+        let want = check_bits_vs_fp8(&format!("{test} setup split {t}"), gpu, hp, path, plan, 1);
+        let dp = DeviceProblem::upload(gpu, hp);
+        let inp = dp.inputs();
+        let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
+        let mut out = gpu
+            .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
+            .unwrap();
+        let graph = gpu
+            .capture(|| decode(gpu, path, &shape, &inp, &mut ws, &mut out))
+            .unwrap();
+        for rep in 0..4 {
+            gpu.fill_bytes(&mut out, 0xFF).unwrap();
+            ws.poison_partials(gpu).unwrap();
+            graph.launch().unwrap();
+            gpu.synchronize().unwrap();
+            let got = gpu.download(&out).unwrap();
+            assert_same_bits(
+                &format!("{test}: {path:?} graph replay {rep}, split {t} tiles, plan {plan:?}"),
+                &shape,
+                &want,
+                &got,
+            );
+            assert!(
+                ws.arrival_counts(gpu).unwrap().iter().all(|&c| c == 0),
+                "{test}: graph replay {rep}: arrival counters not reset"
+            );
+        }
+        println!("{test}: {path:?} split {t}: 4 graph replays bit-identical to Fp8");
+    }
+}
+
 #[test]
 fn gpu_decode_fp8_fused_graph_replay() {
     let Some(gpu) = gpu_for_test("gpu_decode_fp8_fused_graph_replay") else {
@@ -1035,38 +1076,18 @@ fn gpu_decode_fp8_fused_graph_replay() {
     };
     let mut rng = seeded("gpu_decode_fp8_fused_graph_replay", 0x62A9);
     let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 1, 0], true);
-    let shape = hp.shape();
-    for t in [1usize, 3] {
-        let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        let want = check_fused_bits(&format!("graph setup split {t}"), &gpu, &hp, plan, 1);
-        let dp = DeviceProblem::upload(&gpu, &hp);
-        let inp = dp.inputs();
-        let mut ws = Workspace::new(&gpu, &shape, plan, false).unwrap();
-        let mut out = gpu
-            .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
-            .unwrap();
-        let graph = gpu
-            .capture(|| decode(&gpu, Path::Fp8Fused, &shape, &inp, &mut ws, &mut out))
-            .unwrap();
-        for rep in 0..4 {
-            gpu.fill_bytes(&mut out, 0xFF).unwrap();
-            ws.poison_partials(&gpu).unwrap();
-            graph.launch().unwrap();
-            gpu.synchronize().unwrap();
-            let got = gpu.download(&out).unwrap();
-            assert_same_bits(
-                &format!("graph replay {rep}, split {t} tiles, plan {plan:?}"),
-                &shape,
-                &want,
-                &got,
-            );
-            assert!(
-                ws.arrival_counts(&gpu).unwrap().iter().all(|&c| c == 0),
-                "graph replay {rep}: arrival counters not reset"
-            );
-        }
-        println!("graph replay split {t}: 4 replays bit-identical to fp8");
-    }
+    check_graph_replay("fused graph", &gpu, &hp, Path::Fp8Fused);
+}
+
+/// The PDL pair inside a CUDA graph (the capture turns the programmatic launch into a programmatic edge).
+#[test]
+fn gpu_decode_fp8_pdl_graph_replay() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_pdl_graph_replay") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_pdl_graph_replay", 0x9D1);
+    let hp = HostProblem::random(&mut rng, 64, &[640, 1152, 129, 0], true);
+    check_graph_replay("pdl graph", &gpu, &hp, Path::Fp8Pdl);
 }
 
 /// CPU mirror of the FP8 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
@@ -1152,6 +1173,7 @@ fn bench_config_and_split_plans() {
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
     assert_eq!(bench_path("fp8_fused").unwrap(), Path::Fp8Fused);
+    assert_eq!(bench_path("fp8_pdl").unwrap(), Path::Fp8Pdl);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
     for retired in ["fp8_v3", "fp8_v4", "fp8_v5"] {
         assert!(
@@ -1178,7 +1200,9 @@ fn bench_config_and_split_plans() {
     for s in &prof.sweeps {
         assert_eq!(s.kernel, BENCH_KERNEL);
         let v = s.variants_from(&BENCH_VARIANTS).unwrap();
-        assert!(v.iter().any(|x| x.as_str() == "fp8_fused"), "{}", s.name());
+        for want in ["fp8", "fp8_fused", "fp8_pdl"] {
+            assert!(v.iter().any(|x| x.as_str() == want), "{}: {want}", s.name());
+        }
     }
     for s in &cfg.sweeps {
         assert_eq!(s.kernel, BENCH_KERNEL);

@@ -31,6 +31,7 @@ use half::bf16;
 use crate::bench::config::Sweep;
 use crate::bench::runner::{BenchCtx, BenchKernel};
 use crate::bench::{MatmulKind, Row, Summary};
+use crate::gpu::pdl::{launch_pdl, RawArgs};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
@@ -46,6 +47,8 @@ const FP8_V5_SMEM_BYTES: u32 = 207_872;
 const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v5";
 /// Entry point of the FP8 path with the split-KV combine fused in (same body and shared memory as v5).
 const FP8_FUSED_KERNEL: &str = "sparse_attn_decode_fp8_fused";
+/// Entry point of the FP8 path whose combine follows by programmatic dependent launch (v5 body + trigger).
+const FP8_PDL_KERNEL: &str = "sparse_attn_decode_fp8_pdl";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -148,7 +151,7 @@ impl SplitPlan {
     /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8 | Path::Fp8Pdl => SplitPlan::by_cost(sm_count, shape),
             Path::Fp8Fused => SplitPlan::by_cost_fused(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
@@ -243,8 +246,10 @@ struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
     decode_fp8_fused: CudaFunction,
+    decode_fp8_pdl: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
+    combine_pdl: CudaFunction,
 }
 
 impl Kernels {
@@ -254,8 +259,10 @@ impl Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_V5_SMEM_BYTES)?,
             decode_fp8_fused: with_smem(FP8_FUSED_KERNEL, FP8_V5_SMEM_BYTES)?,
+            decode_fp8_pdl: with_smem(FP8_PDL_KERNEL, FP8_V5_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
+            combine_pdl: gpu.function(FAMILY, "sparse_attn_combine_pdl")?,
         })
     }
 }
@@ -341,6 +348,11 @@ pub enum Path {
     /// of each (sequence, head group) merges the partials (no `sparse_attn_combine` launch); bit-identical to
     /// `Fp8` under the same [`SplitPlan`]. Runs with [`SplitPlan::by_cost_fused`]. Bench variant `fp8_fused`.
     Fp8Fused,
+    /// `sparse_attn_decode_fp8_pdl` (the `Fp8` kernel's body behind an early `griddepcontrol.launch_dependents`)
+    /// then, when the plan splits, `sparse_attn_combine_pdl` (the combine behind `griddepcontrol.wait`) launched
+    /// with programmatic dependent launch, so the combine's launch overlaps the decode's tail. Bit-identical to
+    /// `Fp8`; same plan ([`SplitPlan::by_cost`]). Bench variant `fp8_pdl`.
+    Fp8Pdl,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -401,6 +413,11 @@ pub fn decode(
             FP8_V5_SMEM_BYTES,
             ws.kernels.decode_fp8_fused.clone(),
         ),
+        Path::Fp8Pdl => (
+            FP8_PDL_KERNEL,
+            FP8_V5_SMEM_BYTES,
+            ws.kernels.decode_fp8_pdl.clone(),
+        ),
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
             BF16_SMEM_BYTES,
@@ -416,7 +433,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8Fused => b.arg(inp.pool).arg(&null),
+            Path::Fp8 | Path::Fp8Fused | Path::Fp8Pdl => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -452,7 +469,26 @@ pub fn decode(
         unsafe { b.launch(launch_cfg(grid, (256, 1, 1), smem)) }
             .map_err(|e| anyhow!("{name}: {e:?}"))?;
     }
-    if plan.n_splits > 1 && path != Path::Fp8Fused {
+    if plan.n_splits > 1 && path == Path::Fp8Pdl {
+        let mut args = RawArgs::default();
+        args.slice(gpu, &*out)
+            .slice(gpu, ws.part_o.as_ref().expect("allocated"))
+            .slice(gpu, ws.part_lse.as_ref().expect("allocated"))
+            .slice(gpu, inp.sinks)
+            .slice(gpu, inp.positions)
+            .slice(gpu, inp.freqs)
+            .i32(heads)
+            .i32(n_splits);
+        let grid = ((shape.heads / 8) as u32, shape.batch as u32, 1);
+        launch_pdl(
+            gpu,
+            &ws.kernels.combine_pdl,
+            grid,
+            (256, 1, 1),
+            &mut args,
+            "sparse_attn_combine_pdl",
+        )?;
+    } else if plan.n_splits > 1 && path != Path::Fp8Fused {
         let f = ws.kernels.combine.clone();
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(&mut *out)
@@ -571,7 +607,7 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8Fused => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 | Path::Fp8Fused | Path::Fp8Pdl => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
@@ -580,17 +616,19 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
 
 /// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan),
 /// `fp8_fused` (the session-4 A/B candidate: the same kernel body with the split-KV combine fused in, its own
-/// plan) and `bf16_staging` (the baseline). The A/B variants `fp8_v3` / `fp8_v4` / `fp8_v5` were retired after the H200
+/// plan), `fp8_pdl` (the second session-4 candidate: `fp8` with its combine launched by programmatic dependent
+/// launch, same plan) and `bf16_staging` (the baseline). The A/B variants `fp8_v3` / `fp8_v4` / `fp8_v5` were retired after the H200
 /// run: v5 became `fp8`.
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
-pub const BENCH_VARIANTS: [&str; 3] = ["fp8", "fp8_fused", "bf16_staging"];
+pub const BENCH_VARIANTS: [&str; 4] = ["fp8", "fp8_fused", "fp8_pdl", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
         "fp8_fused" => Path::Fp8Fused,
+        "fp8_pdl" => Path::Fp8Pdl,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
