@@ -14,6 +14,11 @@
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
+//   Session-4 A/B candidates (at the end of the file; the two kernels above stay byte-for-byte as measured):
+//   sparse_attn_decode_fp8_fused   v5 body + the combine fused in: the last split CTA of a (sequence, head group)
+//                                  merges the partials (arrival counter protocol); bench "fp8_fused".
+//   sparse_attn_decode_fp8_pdl     v5 body behind griddepcontrol.launch_dependents, and
+//   sparse_attn_combine_pdl        the combine behind griddepcontrol.wait, launched by PDL; bench "fp8_pdl".
 //
 // Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
 // CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
