@@ -936,6 +936,183 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
                         sa::pack_bf16x2(acc[12], acc[13]), sa::pack_bf16x2(acc[14], acc[15]));
 }
 
+namespace sa {
+
+// =============================================================================================================
+// v6 body (sparse_attn_decode_fp8_fused_v6, bench "fp8_fused_v6"): decode_fp8_v5_body with a cheaper prologue,
+// same values bit for bit:
+//   * q codes by multiplication: e4m3(x / s) with s = 2^(c-127) the UE8M0 scale (code c in 1..254, from
+//     ue8m0_pow2_scale_for) equals e4m3(x * 2^(127-c)): x / 2^k and x * 2^-k are the same real number, and both
+//     IEEE operations round it once to nearest-even (no FTZ in this build), so the f32 inputs of the e4m3
+//     conversion are identical, also when they are subnormal. 2^(127-c) is exact for every c in 1..254
+//     (biased exponent 254 - c; c = 254 gives the subnormal 2^-127 = ue8m0_decode(0)). This removes one IEEE
+//     division (MUFU.RCP + Newton steps + the slow-path check) per q element: 16 per lane per head, ~half of the
+//     prologue's instructions. Exhaustive CPU mirror: tests/sparse_attn.rs `pow2_division_equals_reciprocal_product`.
+//   * tile 0's raw loads issued before the q prologue (see the body).
+// =============================================================================================================
+__device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    LaneQuant r;
+    r.scale_code = mm::ue8m0_pow2_scale_for(fmaxf(amax, kAmaxFloor), 448.f);
+    r.scale = mm::ue8m0_decode(r.scale_code);
+    const float inv_scale = mm::ue8m0_decode(static_cast<uint8_t>(254 - r.scale_code));  // 2^(127 - c), exact
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v |= uint32_t(mm::e4m3_encode(__fmul_rn(x[4 * w + i], inv_scale))) << (8 * i);
+        r.codes[w] = v;
+    }
+    return r;
+}
+
+__device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV5Q;
+    uint8_t* psw = smem + kV5P;
+    float* red_max = reinterpret_cast<float*>(smem + kV5RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV5RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV5Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    const int de = tid >> 2, dq = tid & 3, dodd = de & 1;  // this thread's dequant entry / chunk phase
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    // q: quantized per (head, 64-tile) like a KV entry (warp w: heads 8w..8w+7), stored in the swizzled layout.
+    // v6 order: q's loads first (they depend on nothing), then the candidate indices, then tile 0's raw
+    // entries (thread (de, dq) resolves its own entry's index: the same resolve_candidate value idx slot 0 gets,
+    // so the same bytes as v5's load after the barrier), then the q quantization while both are in flight.
+    uint4 raw[8][2];
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) {
+        const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+        raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+        raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+    }
+    if (tid < kBlockN) {
+#pragma unroll
+        for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
+    }
+    RawRegs rr;
+    if (n_it > 0) load_raw_regs(rr, a.pool, resolve_candidate(a, b, len, t_begin * kBlockN + de), dq, dodd);
+    {
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane_pow2_mul(x);
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0..2 visible
+    if (n_it > 0) dequant_regs_v5(rr, smem + kV5Vt, de, dq, dodd);
+    if (n_it > 1) load_raw_regs(rr, a.pool, idxs[kBlockN + de], dq, dodd);
+    fence_proxy_async();  // q and vt[0] generic stores -> async proxy (after the loop-top barrier)
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base0 = smem_addr(smem + kV5Vt);
+    const uint64_t p_desc = sw128_desc(smem_addr(psw));
+
+    for (int it = 0; it < n_it; ++it) {
+        __syncthreads();  // vt[it & 1] complete; every warp group finished P.V(it-1); idx slot (it+2)%4 visible
+        const uint32_t vt_cur = vt_base0 + (uint32_t)((it & 1) * kSwTileBytes);
+        const int* idx_cur = idxs + (it % 4) * kBlockN;
+        if (tid < kBlockN && it + 3 < n_it)
+            idxs[((it + 3) % 4) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 3) * kBlockN + tid);
+
+        // ---- S = q . K^T on vt[it & 1], issued async ----
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+        {
+            const uint32_t b_rows = vt_cur + (uint32_t)(32 * wh * 128);
+#pragma unroll
+            for (int kb = 0; kb < 8; ++kb) {
+                const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+                const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);
+            }
+        }
+        wgmma_commit();
+
+        // ---- while the tensor cores run: tile it+1 registers -> vt[(it+1) & 1]; load tile it+2 ----
+        if (it + 1 < n_it) {
+            dequant_regs_v5(rr, smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
+            if (it + 2 < n_it) load_raw_regs(rr, a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
+        }
+
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step<true>(st, s, red_max, PSwizzled{psw, wh, g, tq}, wm, wh, g, tq);
+        fence_proxy_async();  // P and vt[(it+1) & 1] generic stores -> async proxy
+        __syncthreads();      // all 64 P rows written
+
+        // ---- O[64 heads, dims 256wh..+255] += P . V(it) ----
+        const uint64_t v_desc = sw128_desc_mn(vt_cur + (uint32_t)(4 * wh * kSwBlockBytes));
+        fence_acc_o(st.o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc_o(st.o);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+}  // namespace sa
+
 // =============================================================================================================
 // Fused split-KV combine (Path::Fp8Fused, bench variant "fp8_fused"): sparse_attn_decode_fp8_fused runs the v5
 // body unchanged (same plan -> same partials, bit for bit), then the LAST split CTA to finish a (sequence,
@@ -1206,4 +1383,13 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine_pdl(__nv_b
                                                                           int heads, int n_splits) {
     sa::griddep_wait();
     sa::combine_body(out, part_o, part_lse, sinks, positions, freqs, heads, n_splits);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_fused_v6"): the v6 body
+// (cheaper q prologue, tile 0 loaded early; same values as v5) + the fused combine of sparse_attn_decode_fp8_fused.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    sparse_attn_decode_fp8_fused_v6(SA_DECODE_PARAMS, unsigned int* arrivals) {
+    const sa::DecodeArgs args = SA_DECODE_ARGS;
+    sa::decode_fp8_v6_body(args);
+    if (n_splits > 1) sa::fused_combine_tail(args, arrivals);
 }

@@ -981,6 +981,7 @@ fn gpu_decode_fp8_fused_bit_identical_to_fp8() {
         for (name, plan) in all_plans(&gpu, hp) {
             let label = format!("h{} {name}", hp.heads);
             check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8Fused, plan, 2);
+            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8FusedV6, plan, 2);
             check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8Pdl, plan, 2);
         }
     }
@@ -1002,6 +1003,13 @@ fn gpu_decode_fp8_fused_bit_identical_to_fp8() {
         Some(1),
     );
     check_gpu_path("pdl h64 own plan", &gpu, &hp64, Path::Fp8Pdl, None);
+    check_gpu_path(
+        "fused v6 h128 own plan",
+        &gpu,
+        &hp128,
+        Path::Fp8FusedV6,
+        None,
+    );
 }
 
 /// HCA at 1M context (8320 candidates = 130 tiles): 130 splits of one tile (more than 32, so every lane of the
@@ -1019,6 +1027,7 @@ fn gpu_decode_fp8_fused_long_hca_many_splits() {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
         let label = format!("hca 8320 split {t} tiles");
         check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8Fused, plan, 2);
+        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8FusedV6, plan, 1);
         check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8Pdl, plan, 1);
     }
     let own = SplitPlan::by_cost_fused(gpu.info.sm_count as usize, &shape);
@@ -1077,6 +1086,7 @@ fn gpu_decode_fp8_fused_graph_replay() {
     let mut rng = seeded("gpu_decode_fp8_fused_graph_replay", 0x62A9);
     let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 1, 0], true);
     check_graph_replay("fused graph", &gpu, &hp, Path::Fp8Fused);
+    check_graph_replay("fused v6 graph", &gpu, &hp, Path::Fp8FusedV6);
 }
 
 /// The PDL pair inside a CUDA graph (the capture turns the programmatic launch into a programmatic edge).
@@ -1088,6 +1098,43 @@ fn gpu_decode_fp8_pdl_graph_replay() {
     let mut rng = seeded("gpu_decode_fp8_pdl_graph_replay", 0x9D1);
     let hp = HostProblem::random(&mut rng, 64, &[640, 1152, 129, 0], true);
     check_graph_replay("pdl graph", &gpu, &hp, Path::Fp8Pdl);
+}
+
+/// Mirror of the v6 q prologue's identity (kernels/sparse_attn.cu, `quantize_lane_pow2_mul`): for every BF16 value
+/// x (all 65536 bit patterns, q is BF16) and every UE8M0 scale code c the scale rule can produce (1..=254),
+/// the IEEE quotient x / 2^(c-127) equals the IEEE product x * 2^(127-c) bit for bit (NaN: both NaN), and the
+/// reciprocal is the kernel's `ue8m0_decode(254 - c)`; so the e4m3 codes (and q's BF16 values) are unchanged.
+#[test]
+fn pow2_division_equals_reciprocal_product() {
+    let decode = |code: u32| -> f32 {
+        if code == 0 {
+            f32::from_bits(0x0040_0000)
+        } else {
+            f32::from_bits(code << 23)
+        }
+    };
+    let mut checked = 0u64;
+    for c in 1u32..=254 {
+        let scale = decode(c);
+        let inv = decode(254 - c);
+        assert_eq!(
+            scale as f64 * inv as f64,
+            1.0,
+            "code {c}: {inv:e} is not the exact reciprocal of {scale:e}"
+        );
+        for bits in 0u16..=u16::MAX {
+            let x = bf16::from_bits(bits).to_f32();
+            let (q, p) = (x / scale, x * inv);
+            assert!(
+                q.to_bits() == p.to_bits() || (q.is_nan() && p.is_nan()),
+                "code {c}, x = {x:e} ({bits:#06x}): x / s = {q:e} ({:#010x}), x * (1/s) = {p:e} ({:#010x})",
+                q.to_bits(),
+                p.to_bits()
+            );
+            checked += 1;
+        }
+    }
+    println!("pow2_division_equals_reciprocal_product: {checked} (x, code) pairs identical");
 }
 
 /// CPU mirror of the FP8 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
@@ -1174,6 +1221,7 @@ fn bench_config_and_split_plans() {
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
     assert_eq!(bench_path("fp8_fused").unwrap(), Path::Fp8Fused);
     assert_eq!(bench_path("fp8_pdl").unwrap(), Path::Fp8Pdl);
+    assert_eq!(bench_path("fp8_fused_v6").unwrap(), Path::Fp8FusedV6);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
     for retired in ["fp8_v3", "fp8_v4", "fp8_v5"] {
         assert!(
@@ -1200,7 +1248,7 @@ fn bench_config_and_split_plans() {
     for s in &prof.sweeps {
         assert_eq!(s.kernel, BENCH_KERNEL);
         let v = s.variants_from(&BENCH_VARIANTS).unwrap();
-        for want in ["fp8", "fp8_fused", "fp8_pdl"] {
+        for want in ["fp8", "fp8_fused", "fp8_fused_v6", "fp8_pdl"] {
             assert!(v.iter().any(|x| x.as_str() == want), "{}: {want}", s.name());
         }
     }

@@ -47,6 +47,8 @@ const FP8_V5_SMEM_BYTES: u32 = 207_872;
 const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v5";
 /// Entry point of the FP8 path with the split-KV combine fused in (same body and shared memory as v5).
 const FP8_FUSED_KERNEL: &str = "sparse_attn_decode_fp8_fused";
+/// [`FP8_FUSED_KERNEL`] with the v6 body (q quantized by exact reciprocal products, tile 0 loaded early).
+const FP8_FUSED_V6_KERNEL: &str = "sparse_attn_decode_fp8_fused_v6";
 /// Entry point of the FP8 path whose combine follows by programmatic dependent launch (v5 body + trigger).
 const FP8_PDL_KERNEL: &str = "sparse_attn_decode_fp8_pdl";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
@@ -152,7 +154,7 @@ impl SplitPlan {
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
             Path::Fp8 | Path::Fp8Pdl => SplitPlan::by_cost(sm_count, shape),
-            Path::Fp8Fused => SplitPlan::by_cost_fused(sm_count, shape),
+            Path::Fp8Fused | Path::Fp8FusedV6 => SplitPlan::by_cost_fused(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
@@ -246,6 +248,7 @@ struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
     decode_fp8_fused: CudaFunction,
+    decode_fp8_fused_v6: CudaFunction,
     decode_fp8_pdl: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
@@ -259,6 +262,7 @@ impl Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_V5_SMEM_BYTES)?,
             decode_fp8_fused: with_smem(FP8_FUSED_KERNEL, FP8_V5_SMEM_BYTES)?,
+            decode_fp8_fused_v6: with_smem(FP8_FUSED_V6_KERNEL, FP8_V5_SMEM_BYTES)?,
             decode_fp8_pdl: with_smem(FP8_PDL_KERNEL, FP8_V5_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
@@ -348,6 +352,10 @@ pub enum Path {
     /// of each (sequence, head group) merges the partials (no `sparse_attn_combine` launch); bit-identical to
     /// `Fp8` under the same [`SplitPlan`]. Runs with [`SplitPlan::by_cost_fused`]. Bench variant `fp8_fused`.
     Fp8Fused,
+    /// `sparse_attn_decode_fp8_fused_v6`: [`Path::Fp8Fused`] with a cheaper prologue (q's e4m3 codes from
+    /// `x * 2^-k` instead of the IEEE division `x / 2^k`, the same value; tile 0's loads issued before the q
+    /// prologue). Bit-identical to `Fp8`; plan [`SplitPlan::by_cost_fused`]. Bench variant `fp8_fused_v6`.
+    Fp8FusedV6,
     /// `sparse_attn_decode_fp8_pdl` (the `Fp8` kernel's body behind an early `griddepcontrol.launch_dependents`)
     /// then, when the plan splits, `sparse_attn_combine_pdl` (the combine behind `griddepcontrol.wait`) launched
     /// with programmatic dependent launch, so the combine's launch overlaps the decode's tail. Bit-identical to
@@ -355,6 +363,13 @@ pub enum Path {
     Fp8Pdl,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
+}
+
+impl Path {
+    /// Whether the decode kernel merges the splits itself (no combine launch; uses the arrival counters).
+    pub fn fuses_combine(self) -> bool {
+        matches!(self, Path::Fp8Fused | Path::Fp8FusedV6)
+    }
 }
 
 /// Run decode attention (plus the combine kernel when the plan splits, except on [`Path::Fp8Fused`]) into `out` [batch, heads, 512] BF16.
@@ -413,6 +428,11 @@ pub fn decode(
             FP8_V5_SMEM_BYTES,
             ws.kernels.decode_fp8_fused.clone(),
         ),
+        Path::Fp8FusedV6 => (
+            FP8_FUSED_V6_KERNEL,
+            FP8_V5_SMEM_BYTES,
+            ws.kernels.decode_fp8_fused_v6.clone(),
+        ),
         Path::Fp8Pdl => (
             FP8_PDL_KERNEL,
             FP8_V5_SMEM_BYTES,
@@ -433,7 +453,9 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8Fused | Path::Fp8Pdl => b.arg(inp.pool).arg(&null),
+            Path::Fp8 | Path::Fp8Fused | Path::Fp8FusedV6 | Path::Fp8Pdl => {
+                b.arg(inp.pool).arg(&null)
+            }
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -450,7 +472,7 @@ pub fn decode(
             .arg(&n_splits);
         if plan.n_splits == 1 {
             b.arg(&mut *out).arg(&null).arg(&null);
-        } else if path == Path::Fp8Fused {
+        } else if path.fuses_combine() {
             // The last split CTA writes `out` itself.
             b.arg(&mut *out)
                 .arg(ws.part_o.as_mut().expect("allocated for n_splits > 1"));
@@ -460,7 +482,7 @@ pub fn decode(
                 .arg(ws.part_o.as_mut().expect("allocated for n_splits > 1"));
             b.arg(ws.part_lse.as_mut().expect("allocated for n_splits > 1"));
         }
-        if path == Path::Fp8Fused {
+        if path.fuses_combine() {
             match ws.arrivals.as_mut() {
                 Some(arrivals) => b.arg(arrivals),
                 None => b.arg(&null), // n_splits == 1: the kernel never reads it
@@ -488,7 +510,7 @@ pub fn decode(
             &mut args,
             "sparse_attn_combine_pdl",
         )?;
-    } else if plan.n_splits > 1 && path != Path::Fp8Fused {
+    } else if plan.n_splits > 1 && !path.fuses_combine() {
         let f = ws.kernels.combine.clone();
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(&mut *out)
@@ -607,7 +629,7 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8Fused | Path::Fp8Pdl => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 | Path::Fp8Fused | Path::Fp8FusedV6 | Path::Fp8Pdl => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
@@ -616,18 +638,25 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
 
 /// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan),
 /// `fp8_fused` (the session-4 A/B candidate: the same kernel body with the split-KV combine fused in, its own
-/// plan), `fp8_pdl` (the second session-4 candidate: `fp8` with its combine launched by programmatic dependent
+/// plan), `fp8_fused_v6` (`fp8_fused` with the cheaper q prologue), `fp8_pdl` (the second session-4 candidate: `fp8` with its combine launched by programmatic dependent
 /// launch, same plan) and `bf16_staging` (the baseline). The A/B variants `fp8_v3` / `fp8_v4` / `fp8_v5` were retired after the H200
 /// run: v5 became `fp8`.
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
-pub const BENCH_VARIANTS: [&str; 4] = ["fp8", "fp8_fused", "fp8_pdl", "bf16_staging"];
+pub const BENCH_VARIANTS: [&str; 5] = [
+    "fp8",
+    "fp8_fused",
+    "fp8_fused_v6",
+    "fp8_pdl",
+    "bf16_staging",
+];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
         "fp8_fused" => Path::Fp8Fused,
+        "fp8_fused_v6" => Path::Fp8FusedV6,
         "fp8_pdl" => Path::Fp8Pdl,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
