@@ -20,6 +20,12 @@
 //! History: the A/B run on the H200 (commit 4199846) measured four FP8 kernels; v5 won at every point (e.g.
 //! Flash CSA batch 64 @64K 52.3 us vs v4 54.8 / v3 57.0 / v2 60.3, HCA 1M batch 64 250.6 vs 329.2 / 370.4 /
 //! 429.3) and is the only one kept; the numbers are in the header of `kernels/sparse_attn.cu`.
+//!
+//! Session-4 A/B candidates (the default stays [`Path::Fp8`] until the H200 run picks): [`Path::Fp8Fused`]
+//! (the split-KV combine fused into the decode kernel: the last split CTA of each sequence and head group
+//! merges), [`Path::Fp8FusedV6`] (the same with a cheaper q prologue) and [`Path::Fp8Pdl`] (the combine
+//! launched by programmatic dependent launch). All three are bit-identical to `Fp8` under the same
+//! [`SplitPlan`].
 
 pub mod exec;
 pub mod reference;
