@@ -253,26 +253,29 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    decode_fp8_fused: CudaFunction,
-    decode_fp8_fused_v6: CudaFunction,
-    decode_fp8_pdl: CudaFunction,
+    // The session-4 A/B kernels load separately: a failure there (reported when that path runs) must not take
+    // the default paths down with it.
+    decode_fp8_fused: Result<CudaFunction, String>,
+    decode_fp8_fused_v6: Result<CudaFunction, String>,
+    decode_fp8_pdl: Result<CudaFunction, String>,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
-    combine_pdl: CudaFunction,
+    combine_pdl: Result<CudaFunction, String>,
 }
 
 impl Kernels {
     fn load(gpu: &Gpu) -> Result<Kernels> {
+        let candidate = |r: Result<CudaFunction>| r.map_err(|e| format!("{e:#}"));
         let with_smem = |name: &str, smem: u32| gpu.function_with_smem(FAMILY, name, smem as usize);
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_V5_SMEM_BYTES)?,
-            decode_fp8_fused: with_smem(FP8_FUSED_KERNEL, FP8_V5_SMEM_BYTES)?,
-            decode_fp8_fused_v6: with_smem(FP8_FUSED_V6_KERNEL, FP8_V5_SMEM_BYTES)?,
-            decode_fp8_pdl: with_smem(FP8_PDL_KERNEL, FP8_V5_SMEM_BYTES)?,
+            decode_fp8_fused: candidate(with_smem(FP8_FUSED_KERNEL, FP8_V5_SMEM_BYTES)),
+            decode_fp8_fused_v6: candidate(with_smem(FP8_FUSED_V6_KERNEL, FP8_V5_SMEM_BYTES)),
+            decode_fp8_pdl: candidate(with_smem(FP8_PDL_KERNEL, FP8_V5_SMEM_BYTES)),
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
-            combine_pdl: gpu.function(FAMILY, "sparse_attn_combine_pdl")?,
+            combine_pdl: candidate(gpu.function(FAMILY, "sparse_attn_combine_pdl")),
         })
     }
 }
@@ -378,6 +381,12 @@ impl Path {
     }
 }
 
+/// An A/B kernel loaded by [`Kernels::load`], or the error its loading met.
+fn loaded(k: &Result<CudaFunction, String>, name: &str) -> Result<CudaFunction> {
+    k.clone()
+        .map_err(|e| anyhow!("{name} could not be loaded: {e}"))
+}
+
 /// Run decode attention (plus the combine kernel when the plan splits, except on [`Path::Fp8Fused`]) into `out` [batch, heads, 512] BF16.
 pub fn decode(
     gpu: &Gpu,
@@ -432,17 +441,17 @@ pub fn decode(
         Path::Fp8Fused => (
             FP8_FUSED_KERNEL,
             FP8_V5_SMEM_BYTES,
-            ws.kernels.decode_fp8_fused.clone(),
+            loaded(&ws.kernels.decode_fp8_fused, FP8_FUSED_KERNEL)?,
         ),
         Path::Fp8FusedV6 => (
             FP8_FUSED_V6_KERNEL,
             FP8_V5_SMEM_BYTES,
-            ws.kernels.decode_fp8_fused_v6.clone(),
+            loaded(&ws.kernels.decode_fp8_fused_v6, FP8_FUSED_V6_KERNEL)?,
         ),
         Path::Fp8Pdl => (
             FP8_PDL_KERNEL,
             FP8_V5_SMEM_BYTES,
-            ws.kernels.decode_fp8_pdl.clone(),
+            loaded(&ws.kernels.decode_fp8_pdl, FP8_PDL_KERNEL)?,
         ),
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
@@ -498,6 +507,7 @@ pub fn decode(
             .map_err(|e| anyhow!("{name}: {e:?}"))?;
     }
     if plan.n_splits > 1 && path == Path::Fp8Pdl {
+        let combine_pdl = loaded(&ws.kernels.combine_pdl, "sparse_attn_combine_pdl")?;
         let mut args = RawArgs::default();
         args.slice(gpu, &*out)
             .slice(gpu, ws.part_o.as_ref().expect("allocated"))
@@ -510,7 +520,7 @@ pub fn decode(
         let grid = ((shape.heads / 8) as u32, shape.batch as u32, 1);
         launch_pdl(
             gpu,
-            &ws.kernels.combine_pdl,
+            &combine_pdl,
             grid,
             (256, 1, 1),
             &mut args,
