@@ -14,6 +14,11 @@
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
+//   Session-4 A/B candidates (at the end of the file; the two kernels above stay byte-for-byte as measured):
+//   sparse_attn_decode_fp8_fused   v5 body + the combine fused in: the last split CTA of a (sequence, head group)
+//                                  merges the partials (arrival counter protocol); bench "fp8_fused".
+//   sparse_attn_decode_fp8_pdl     v5 body behind griddepcontrol.launch_dependents, and
+//   sparse_attn_combine_pdl        the combine behind griddepcontrol.wait, launched by PDL; bench "fp8_pdl".
 //
 // Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
 // CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
@@ -929,4 +934,462 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
                         sa::pack_bf16x2(acc[4], acc[5]), sa::pack_bf16x2(acc[6], acc[7]));
     dst[1] = make_uint4(sa::pack_bf16x2(acc[8], acc[9]), sa::pack_bf16x2(acc[10], acc[11]),
                         sa::pack_bf16x2(acc[12], acc[13]), sa::pack_bf16x2(acc[14], acc[15]));
+}
+
+namespace sa {
+
+// =============================================================================================================
+// v6 body (sparse_attn_decode_fp8_fused_v6, bench "fp8_fused_v6"): decode_fp8_v5_body with a cheaper prologue,
+// same values bit for bit:
+//   * q codes by multiplication: e4m3(x / s) with s = 2^(c-127) the UE8M0 scale (code c in 1..254, from
+//     ue8m0_pow2_scale_for) equals e4m3(x * 2^(127-c)): x / 2^k and x * 2^-k are the same real number, and both
+//     IEEE operations round it once to nearest-even (no FTZ in this build), so the f32 inputs of the e4m3
+//     conversion are identical, also when they are subnormal. 2^(127-c) is exact for every c in 1..254
+//     (biased exponent 254 - c; c = 254 gives the subnormal 2^-127 = ue8m0_decode(0)). This removes one IEEE
+//     division (MUFU.RCP + Newton steps + the slow-path check) per q element: 16 per lane per head, ~half of the
+//     prologue's instructions. Exhaustive CPU mirror: tests/sparse_attn.rs `pow2_division_equals_reciprocal_product`.
+//   * tile 0's raw loads issued before the q prologue (see the body).
+// =============================================================================================================
+__device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    LaneQuant r;
+    r.scale_code = mm::ue8m0_pow2_scale_for(fmaxf(amax, kAmaxFloor), 448.f);
+    r.scale = mm::ue8m0_decode(r.scale_code);
+    const float inv_scale = mm::ue8m0_decode(static_cast<uint8_t>(254 - r.scale_code));  // 2^(127 - c), exact
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        uint32_t v = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v |= uint32_t(mm::e4m3_encode(__fmul_rn(x[4 * w + i], inv_scale))) << (8 * i);
+        r.codes[w] = v;
+    }
+    return r;
+}
+
+__device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV5Q;
+    uint8_t* psw = smem + kV5P;
+    float* red_max = reinterpret_cast<float*>(smem + kV5RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV5RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV5Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    const int de = tid >> 2, dq = tid & 3, dodd = de & 1;  // this thread's dequant entry / chunk phase
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    // q: quantized per (head, 64-tile) like a KV entry (warp w: heads 8w..8w+7), stored in the swizzled layout.
+    // v6 order: q's loads first (they depend on nothing), then the candidate indices, then tile 0's raw
+    // entries (thread (de, dq) resolves its own entry's index: the same resolve_candidate value idx slot 0 gets,
+    // so the same bytes as v5's load after the barrier), then the q quantization while both are in flight.
+    uint4 raw[8][2];
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) {
+        const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+        raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+        raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+    }
+    if (tid < kBlockN) {
+#pragma unroll
+        for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
+    }
+    RawRegs rr;
+    if (n_it > 0) load_raw_regs(rr, a.pool, resolve_candidate(a, b, len, t_begin * kBlockN + de), dq, dodd);
+    {
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane_pow2_mul(x);
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    __syncthreads();  // idx slots 0..2 visible
+    if (n_it > 0) dequant_regs_v5(rr, smem + kV5Vt, de, dq, dodd);
+    if (n_it > 1) load_raw_regs(rr, a.pool, idxs[kBlockN + de], dq, dodd);
+    fence_proxy_async();  // q and vt[0] generic stores -> async proxy (after the loop-top barrier)
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base0 = smem_addr(smem + kV5Vt);
+    const uint64_t p_desc = sw128_desc(smem_addr(psw));
+
+    for (int it = 0; it < n_it; ++it) {
+        __syncthreads();  // vt[it & 1] complete; every warp group finished P.V(it-1); idx slot (it+2)%4 visible
+        const uint32_t vt_cur = vt_base0 + (uint32_t)((it & 1) * kSwTileBytes);
+        const int* idx_cur = idxs + (it % 4) * kBlockN;
+        if (tid < kBlockN && it + 3 < n_it)
+            idxs[((it + 3) % 4) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 3) * kBlockN + tid);
+
+        // ---- S = q . K^T on vt[it & 1], issued async ----
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+        {
+            const uint32_t b_rows = vt_cur + (uint32_t)(32 * wh * 128);
+#pragma unroll
+            for (int kb = 0; kb < 8; ++kb) {
+                const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+                const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);
+            }
+        }
+        wgmma_commit();
+
+        // ---- while the tensor cores run: tile it+1 registers -> vt[(it+1) & 1]; load tile it+2 ----
+        if (it + 1 < n_it) {
+            dequant_regs_v5(rr, smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
+            if (it + 2 < n_it) load_raw_regs(rr, a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
+        }
+
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step<true>(st, s, red_max, PSwizzled{psw, wh, g, tq}, wm, wh, g, tq);
+        fence_proxy_async();  // P and vt[(it+1) & 1] generic stores -> async proxy
+        __syncthreads();      // all 64 P rows written
+
+        // ---- O[64 heads, dims 256wh..+255] += P . V(it) ----
+        const uint64_t v_desc = sw128_desc_mn(vt_cur + (uint32_t)(4 * wh * kSwBlockBytes));
+        fence_acc_o(st.o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc_o(st.o);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+}  // namespace sa
+
+// =============================================================================================================
+// Fused split-KV combine (Path::Fp8Fused, bench variant "fp8_fused"): sparse_attn_decode_fp8_fused runs the v5
+// body unchanged (same plan -> same partials, bit for bit), then the LAST split CTA to finish a (sequence,
+// head group) merges all splits' partials itself, so no sparse_attn_combine launch follows.
+//
+// Arrival protocol (one u32 counter per (sequence, head group), arrivals[b * gridDim.x + hg], zero before the
+// launch):
+//   writer side  every thread stores its part_o / part_lse, then __threadfence() (fence.sc.gpu: its stores are
+//                ordered before anything it does next, at GPU scope), then __syncthreads(); thread 0 then does
+//                atomicAdd(counter, 1). So every partial store of the CTA precedes its arrival.
+//   reader side  the atomic returning n_splits - 1 means all other n_splits - 1 arrivals (each preceded by its
+//                CTA's fenced stores) are earlier in the counter's modification order. Thread 0 publishes the
+//                verdict through shared memory (__syncthreads), every thread of the last CTA issues
+//                __threadfence() (acquire side), and reads the partials with ld.global.cg (L2, the GPU-scope
+//                point of coherence; never the non-coherent __ldg path, whose lines could predate the writes).
+//   reset        the last CTA stores 0 to the counter: all n_splits arrivals of this launch have happened, so
+//                nobody else touches it again in this launch, and the next launch (stream order, graph replay)
+//                starts from 0. Precondition: the counters are zero when a launch starts (Workspace zeroes
+//                them at creation; every completed launch leaves them zero).
+//   Every split CTA arrives exactly once (a split with no candidates still writes its empty partial), so
+//   every (sequence, head group) has exactly one last CTA.
+//
+// Merge = sparse_attn_combine's arithmetic, expression for expression, per (head, dim): m = max of the splits'
+// lse (per lane over s = lane, lane + 32, ..., then the xor butterfly 16..1), the same for the sum of
+// exp2(lse - m_all); o = sum over s = 0..n-1 IN ORDER of exp2(lse_s - m_all) * o_s (one FMA each), times
+// 1 / z, inverse RoPE, BF16. Only which thread does which head changes (a warp takes 8 heads: the per-head
+// statistics of its 8 heads, then 2 passes of 4 heads, the loads of 4 heads x 2 splits in flight), not the
+// order of any floating-point operation, so the output is bit-identical to decode + combine.
+// Cost: the last CTA reads n_splits x 64 heads x 2 KiB of partials from L2 (~1 us per split at one SM's
+// ~120 GB/s) instead of a second launch on heads/8 x batch CTAs; SplitPlan::by_cost_fused charges that.
+// =============================================================================================================
+namespace sa {
+
+constexpr int kFusedHeadsPerWarp = kHeadsPerCta / 8;  // 8 warps
+constexpr int kFusedHeadsPerPass = 4;
+
+__device__ __forceinline__ void fused_combine_tail(const DecodeArgs& a, unsigned int* arrivals) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    // The body is finished (first barrier below), so its shared memory is free.
+    float* head_m = reinterpret_cast<float*>(smem_unaligned);   // [64] m_all of each head
+    float* head_inv = head_m + kHeadsPerCta;                     // [64] 1 / z
+    int* head_empty = reinterpret_cast<int*>(head_inv + kHeadsPerCta);  // [64] no valid candidate anywhere
+    int* last_flag = head_empty + kHeadsPerCta;
+
+    const int hg = blockIdx.x, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n = a.n_splits;
+
+    __threadfence();  // writer side: this thread's partial stores before the arrival
+    __syncthreads();
+    if (tid == 0) {
+        unsigned int* counter = arrivals + (size_t)b * gridDim.x + hg;
+        const unsigned int prev = atomicAdd(counter, 1u);
+        const int last = (prev == (unsigned int)(n - 1)) ? 1 : 0;
+        if (last) *counter = 0u;  // reset: every arrival of this launch has happened
+        *last_flag = last;
+    }
+    __syncthreads();
+    if (*last_flag == 0) return;
+    __threadfence();  // reader side
+
+    // ---- per-head statistics, the combine's code for 8 heads at once ----
+    const int hl_w = kFusedHeadsPerWarp * warp;  // this warp's first head (within the group)
+    const float* lse_b = a.part_lse + (size_t)b * n * a.heads + hg * kHeadsPerCta + hl_w;
+    float mp[kFusedHeadsPerWarp];
+#pragma unroll
+    for (int k = 0; k < kFusedHeadsPerWarp; ++k) mp[k] = -INFINITY;
+    for (int s = lane; s < n; s += 32) {
+        float v[kFusedHeadsPerWarp];
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) v[k] = __ldcg(lse_b + (size_t)s * a.heads + k);
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) mp[k] = fmaxf(mp[k], v[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mp[k] = fmaxf(mp[k], __shfl_xor_sync(0xffffffffu, mp[k], o));
+    }
+    float sink2[kFusedHeadsPerWarp], m_all[kFusedHeadsPerWarp], zl[kFusedHeadsPerWarp];
+#pragma unroll
+    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
+        sink2[k] = a.sinks[hg * kHeadsPerCta + hl_w + k] * kLog2e;
+        m_all[k] = fmaxf(mp[k], sink2[k]);
+        zl[k] = 0.f;
+    }
+    for (int s = lane; s < n; s += 32) {
+        float v[kFusedHeadsPerWarp];
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) v[k] = __ldcg(lse_b + (size_t)s * a.heads + k);
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) zl[k] += exp2f(v[k] - m_all[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) zl[k] += __shfl_xor_sync(0xffffffffu, zl[k], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
+            const float z = exp2f(sink2[k] - m_all[k]) + zl[k];
+            head_m[hl_w + k] = m_all[k];
+            head_inv[hl_w + k] = 1.f / z;
+            head_empty[hl_w + k] = (mp[k] == -INFINITY) ? 1 : 0;
+        }
+    }
+    __syncwarp();  // each warp reads back only its own heads' statistics
+
+    // ---- weighted sums in split order; lane l owns dims [16l, 16l + 16) as in the combine ----
+    const int pos = a.positions[b];
+#pragma unroll 1
+    for (int pass = 0; pass < kFusedHeadsPerWarp / kFusedHeadsPerPass; ++pass) {
+        const int hl0 = hl_w + kFusedHeadsPerPass * pass;
+        float mh[kFusedHeadsPerPass];
+        float acc[kFusedHeadsPerPass][16];
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerPass; ++k) {
+            mh[k] = head_m[hl0 + k];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) acc[k][i] = 0.f;
+        }
+#pragma unroll 2
+        for (int s = 0; s < n; ++s) {
+            const size_t row0 = ((size_t)b * n + s) * a.heads + hg * kHeadsPerCta + hl0;
+#pragma unroll
+            for (int k = 0; k < kFusedHeadsPerPass; ++k) {
+                const size_t row = row0 + k;
+                const float w = exp2f(__ldcg(a.part_lse + row) - mh[k]);
+                const float4* src = reinterpret_cast<const float4*>(a.part_o + row * kDim + 16 * lane);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 v = __ldcg(src + i);
+                    acc[k][4 * i] += w * v.x;
+                    acc[k][4 * i + 1] += w * v.y;
+                    acc[k][4 * i + 2] += w * v.z;
+                    acc[k][4 * i + 3] += w * v.w;
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kFusedHeadsPerPass; ++k) {
+            const int hl = hl0 + k;
+            if (head_empty[hl]) {  // the combine skips the sums and writes 0 (never NaN, whatever the sink)
+#pragma unroll
+                for (int i = 0; i < 16; ++i) acc[k][i] = 0.f;
+            } else {
+                const float inv = head_inv[hl];
+#pragma unroll
+                for (int i = 0; i < 16; ++i) acc[k][i] *= inv;
+                if (lane >= 28) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        inverse_rope_pair(acc[k][2 * i], acc[k][2 * i + 1], pos, a.freqs[8 * (lane - 28) + i]);
+                }
+            }
+            uint4* dst = reinterpret_cast<uint4*>(a.out + ((size_t)b * a.heads + hg * kHeadsPerCta + hl) * kDim +
+                                                  16 * lane);
+            dst[0] = make_uint4(pack_bf16x2(acc[k][0], acc[k][1]), pack_bf16x2(acc[k][2], acc[k][3]),
+                                pack_bf16x2(acc[k][4], acc[k][5]), pack_bf16x2(acc[k][6], acc[k][7]));
+            dst[1] = make_uint4(pack_bf16x2(acc[k][8], acc[k][9]), pack_bf16x2(acc[k][10], acc[k][11]),
+                                pack_bf16x2(acc[k][12], acc[k][13]), pack_bf16x2(acc[k][14], acc[k][15]));
+        }
+    }
+}
+
+}  // namespace sa
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_fused"). The v5 body, then
+// (n_splits > 1) the fused combine of the last-arriving split: `out` is written in both cases (part_o / part_lse
+// are the scratch partials; arrivals [batch * heads/64] u32, zero before the launch, left zero after it; null
+// when n_splits == 1).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    sparse_attn_decode_fp8_fused(SA_DECODE_PARAMS, unsigned int* arrivals) {
+    const sa::DecodeArgs args = SA_DECODE_ARGS;
+    sa::decode_fp8_v5_body(args);
+    if (n_splits > 1) sa::fused_combine_tail(args, arrivals);
+}
+
+// =============================================================================================================
+// PDL pair (Path::Fp8Pdl, bench variant "fp8_pdl"): the v5 decode and the split-KV combine as two kernels, the
+// combine launched with programmatic dependent launch so its launch and CTA scheduling overlap the decode.
+//   * sparse_attn_decode_fp8_pdl = griddepcontrol.launch_dependents, then the v5 body unchanged. The trigger only
+//     lets the NEXT kernel, if it was launched with the programmatic-stream-serialization attribute, be
+//     scheduled once every decode CTA has started (so the combine CTAs never take an SM slot a decode CTA still
+//     waits for); for a plainly launched next kernel it is a no-op.
+//   * sparse_attn_combine_pdl = griddepcontrol.wait (blocks until the decode grid has COMPLETED and its memory
+//     is visible: PTX ISA, independent of where the trigger sat), then sparse_attn_combine's code, a textual copy
+//     (combine_body below) because that entry stays byte-for-byte untouched during the A/B. Same arithmetic in
+//     the same order, so the output is bit-identical to Path::Fp8. Without the attribute the wait is a no-op
+//     and the kernel is an ordinary combine.
+// =============================================================================================================
+namespace sa {
+
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// sparse_attn_combine's body (see its comments), unchanged.
+__device__ __forceinline__ void combine_body(__nv_bfloat16* out, const float* part_o, const float* part_lse,
+                                             const float* sinks, const int* positions, const float* freqs,
+                                             int heads, int n_splits) {
+    const int b = blockIdx.y;
+    const int h = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (h >= heads) return;
+    const float* lse_row = part_lse + (size_t)b * n_splits * heads + h;
+    float m_parts = -INFINITY;
+    for (int s = lane; s < n_splits; s += 32) m_parts = fmaxf(m_parts, lse_row[(size_t)s * heads]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m_parts = fmaxf(m_parts, __shfl_xor_sync(0xffffffffu, m_parts, o));
+    float acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    if (m_parts != -INFINITY) {
+        const float sink2 = sinks[h] * kLog2e;
+        const float m_all = fmaxf(m_parts, sink2);
+        float zl = 0.f;
+        for (int s = lane; s < n_splits; s += 32) zl += exp2f(lse_row[(size_t)s * heads] - m_all);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) zl += __shfl_xor_sync(0xffffffffu, zl, o);
+        const float z = exp2f(sink2 - m_all) + zl;
+#pragma unroll 4
+        for (int s = 0; s < n_splits; ++s) {
+            const size_t row = ((size_t)b * n_splits + s) * heads + h;
+            const float w = exp2f(part_lse[row] - m_all);
+            const float4* src = reinterpret_cast<const float4*>(part_o + row * kDim + 16 * lane);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float4 v = src[i];
+                acc[4 * i] += w * v.x;
+                acc[4 * i + 1] += w * v.y;
+                acc[4 * i + 2] += w * v.z;
+                acc[4 * i + 3] += w * v.w;
+            }
+        }
+        const float inv = 1.f / z;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] *= inv;
+        if (lane >= 28) {
+            const int pos = positions[b];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) inverse_rope_pair(acc[2 * i], acc[2 * i + 1], pos, freqs[8 * (lane - 28) + i]);
+        }
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + ((size_t)b * heads + h) * kDim + 16 * lane);
+    dst[0] = make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
+                        pack_bf16x2(acc[6], acc[7]));
+    dst[1] = make_uint4(pack_bf16x2(acc[8], acc[9]), pack_bf16x2(acc[10], acc[11]), pack_bf16x2(acc[12], acc[13]),
+                        pack_bf16x2(acc[14], acc[15]));
+}
+
+}  // namespace sa
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_pdl"): the v5 decode with
+// an early launch_dependents trigger for the PDL combine that follows it.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_pdl(SA_DECODE_PARAMS) {
+    sa::griddep_launch_dependents();
+    sa::decode_fp8_v5_body(SA_DECODE_ARGS);
+}
+
+// sparse_attn_combine behind griddepcontrol.wait; launched with the programmatic-stream-serialization attribute
+// right after sparse_attn_decode_fp8_pdl. grid (heads/8, batch), block 256.
+extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine_pdl(__nv_bfloat16* out, const float* part_o,
+                                                                          const float* part_lse, const float* sinks,
+                                                                          const int* positions, const float* freqs,
+                                                                          int heads, int n_splits) {
+    sa::griddep_wait();
+    sa::combine_body(out, part_o, part_lse, sinks, positions, freqs, heads, n_splits);
+}
+
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_fused_v6"): the v6 body
+// (cheaper q prologue, tile 0 loaded early; same values as v5) + the fused combine of sparse_attn_decode_fp8_fused.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    sparse_attn_decode_fp8_fused_v6(SA_DECODE_PARAMS, unsigned int* arrivals) {
+    const sa::DecodeArgs args = SA_DECODE_ARGS;
+    sa::decode_fp8_v6_body(args);
+    if (n_splits > 1) sa::fused_combine_tail(args, arrivals);
 }

@@ -831,6 +831,312 @@ fn gpu_decode_fp8_pipeline_edges() {
     );
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// The fused split-KV combine (Path::Fp8Fused, `sparse_attn_decode_fp8_fused`): bit-identical to Path::Fp8
+// (decode_fp8_v5 + sparse_attn_combine) under the same split plan, and within tolerance of the reference.
+// ---------------------------------------------------------------------------------------------------------
+
+/// Device copies of a host problem's inputs.
+struct DeviceProblem {
+    q: cudarc::driver::CudaSlice<bf16>,
+    pool: cudarc::driver::CudaSlice<u8>,
+    candidates: cudarc::driver::CudaSlice<i32>,
+    lengths: cudarc::driver::CudaSlice<i32>,
+    positions: cudarc::driver::CudaSlice<i32>,
+    sinks: cudarc::driver::CudaSlice<f32>,
+    freqs: cudarc::driver::CudaSlice<f32>,
+}
+
+impl DeviceProblem {
+    fn upload(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> DeviceProblem {
+        DeviceProblem {
+            q: gpu.upload(&hp.q).unwrap(),
+            pool: gpu.upload(&hp.pool).unwrap(),
+            candidates: gpu.upload(&hp.candidates).unwrap(),
+            lengths: gpu.upload(&hp.lengths).unwrap(),
+            positions: gpu.upload(&hp.positions).unwrap(),
+            sinks: gpu.upload(&hp.sinks).unwrap(),
+            freqs: gpu.upload(&hp.freqs).unwrap(),
+        }
+    }
+    fn inputs(&self) -> DecodeInputs<'_> {
+        DecodeInputs {
+            q: &self.q,
+            pool: &self.pool,
+            candidates: &self.candidates,
+            lengths: &self.lengths,
+            positions: &self.positions,
+            sinks: &self.sinks,
+            freqs: &self.freqs,
+        }
+    }
+}
+
+/// Assert two BF16 outputs are equal bit for bit; on failure name the first mismatch (b, h, d) with both values
+/// and the mismatch count.
+fn assert_same_bits(label: &str, shape: &DecodeShape, want: &[bf16], got: &[bf16]) {
+    assert_eq!(want.len(), got.len(), "{label}: output lengths differ");
+    let bad: Vec<usize> = (0..want.len())
+        .filter(|&i| want[i].to_bits() != got[i].to_bits())
+        .collect();
+    if let Some(&i) = bad.first() {
+        panic!(
+            "{label}: {} of {} outputs differ from Path::Fp8; first at flat {i} (b {}, h {}, d {}): fp8 {} ({:#06x}) got {} ({:#06x})",
+            bad.len(),
+            want.len(),
+            i / (shape.heads * HEAD_DIM),
+            (i / HEAD_DIM) % shape.heads,
+            i % HEAD_DIM,
+            want[i],
+            want[i].to_bits(),
+            got[i],
+            got[i].to_bits()
+        );
+    }
+}
+
+/// Path::Fp8 once, then `path` (Fp8Fused or Fp8Pdl) `calls` times on one workspace (outputs and split partials poisoned
+/// before every call, so a call can only pass with what it wrote itself; the arrival counters must be back to
+/// zero after every call, or the next call would merge too early or never); every output bit-identical to the
+/// Fp8 output. Returns the Fp8 output.
+fn check_bits_vs_fp8(
+    test: &str,
+    gpu: &megamoe::gpu::Gpu,
+    hp: &HostProblem,
+    path: Path,
+    plan: SplitPlan,
+    calls: usize,
+) -> Vec<bf16> {
+    let shape = hp.shape();
+    let dp = DeviceProblem::upload(gpu, hp);
+    let inp = dp.inputs();
+    let n = shape.batch * shape.heads * HEAD_DIM;
+    let mut ws_ref = Workspace::new(gpu, &shape, plan, false).unwrap();
+    let mut out_ref = gpu.poisoned::<bf16>(n, 0xFF).unwrap();
+    decode(gpu, Path::Fp8, &shape, &inp, &mut ws_ref, &mut out_ref).unwrap();
+    let want = gpu.download(&out_ref).unwrap();
+    let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
+    for call in 0..calls {
+        ws.poison_partials(gpu).unwrap();
+        let mut out = gpu.poisoned::<bf16>(n, 0xFF).unwrap();
+        decode(gpu, path, &shape, &inp, &mut ws, &mut out).unwrap();
+        let got = gpu.download(&out).unwrap();
+        let label = format!(
+            "{test}: {path:?} call {call}, shape {shape:?} lengths {:?} plan {plan:?}",
+            hp.lengths
+        );
+        assert_same_bits(&label, &shape, &want, &got);
+        let counts = ws.arrival_counts(gpu).unwrap();
+        if let Some((i, c)) = counts.iter().enumerate().find(|(_, &c)| c != 0) {
+            panic!(
+                "{label}: arrival counter {i} (b {}, head group {}) is {c} after the call, expected 0",
+                i / (shape.heads / 64),
+                i % (shape.heads / 64)
+            );
+        }
+    }
+    println!(
+        "{test}: {path:?} == Fp8 bit for bit over {calls} calls, lengths {:?} heads {} plan {plan:?}",
+        hp.lengths, shape.heads
+    );
+    want
+}
+
+/// Every split plan a problem can meet: one split, 1 / 2 / 3 tiles per split, and the FP8, fused and baseline
+/// plans on this GPU.
+fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPlan)> {
+    let shape = hp.shape();
+    let sms = gpu.info.sm_count as usize;
+    let mut plans = vec![
+        (
+            "single split".to_string(),
+            SplitPlan::with_tiles_per_split(&shape, 1000).unwrap(),
+        ),
+        ("by_cost (fp8)".to_string(), SplitPlan::by_cost(sms, &shape)),
+        (
+            "by_cost_fused".to_string(),
+            SplitPlan::by_cost_fused(sms, &shape),
+        ),
+        ("auto (baseline)".to_string(), SplitPlan::auto(sms, &shape)),
+    ];
+    for t in [1, 2, 3] {
+        plans.push((
+            format!("{t} tiles per split"),
+            SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
+        ));
+    }
+    plans
+}
+
+#[test]
+fn gpu_decode_fp8_fused_bit_identical_to_fp8() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_fused_bit_identical_to_fp8") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_fused_bit_identical_to_fp8", 0xF05ED);
+    // Tile edges (0, 1, 127, 129), 200, Flash (640) and Pro (1152) lists, -1 holes; 64 and 128 heads.
+    let hp64 = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true);
+    let hp128 = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
+    for hp in [&hp64, &hp128] {
+        for (name, plan) in all_plans(&gpu, hp) {
+            let label = format!("h{} {name}", hp.heads);
+            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8Fused, plan, 2);
+            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8FusedV6, plan, 2);
+            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8Pdl, plan, 2);
+        }
+    }
+    // Against the CPU reference (the fused plan, and the most splits).
+    check_gpu_path("fused h64 own plan", &gpu, &hp64, Path::Fp8Fused, None);
+    check_gpu_path(
+        "fused h64 one tile per split",
+        &gpu,
+        &hp64,
+        Path::Fp8Fused,
+        Some(1),
+    );
+    check_gpu_path("fused h128 own plan", &gpu, &hp128, Path::Fp8Fused, None);
+    check_gpu_path(
+        "fused h128 one tile per split",
+        &gpu,
+        &hp128,
+        Path::Fp8Fused,
+        Some(1),
+    );
+    check_gpu_path("pdl h64 own plan", &gpu, &hp64, Path::Fp8Pdl, None);
+    check_gpu_path(
+        "fused v6 h128 own plan",
+        &gpu,
+        &hp128,
+        Path::Fp8FusedV6,
+        None,
+    );
+}
+
+/// HCA at 1M context (8320 candidates = 130 tiles): 130 splits of one tile (more than 32, so every lane of the
+/// merge's statistics loop takes several splits, the last round partial), 16 tiles per split, the fused plan;
+/// bit-identical to Fp8 and, for the 130-split plan, within tolerance of the reference.
+#[test]
+fn gpu_decode_fp8_fused_long_hca_many_splits() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_fused_long_hca_many_splits") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_fused_long_hca_many_splits", 0x8321);
+    let hp = HostProblem::random(&mut rng, 64, &[8320], true);
+    let shape = hp.shape();
+    for t in [1usize, 16, 33] {
+        let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
+        let label = format!("hca 8320 split {t} tiles");
+        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8Fused, plan, 2);
+        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8FusedV6, plan, 1);
+        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8Pdl, plan, 1);
+    }
+    let own = SplitPlan::by_cost_fused(gpu.info.sm_count as usize, &shape);
+    check_bits_vs_fp8("hca 8320 fused plan", &gpu, &hp, Path::Fp8Fused, own, 2);
+    check_gpu_path(
+        "fused hca 8320 130 splits",
+        &gpu,
+        &hp,
+        Path::Fp8Fused,
+        Some(1),
+    );
+}
+
+/// `path` as a replayed CUDA graph: outputs and partials poisoned before each of 4 replays, each bit-identical to
+/// Fp8 (for Fp8Fused: the arrival counters are reset inside the kernel, so every replay merges at the right time).
+fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, path: Path) {
+    let shape = hp.shape();
+    for t in [1usize, 3] {
+        let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
+        let want = check_bits_vs_fp8(&format!("{test} setup split {t}"), gpu, hp, path, plan, 1);
+        let dp = DeviceProblem::upload(gpu, hp);
+        let inp = dp.inputs();
+        let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
+        let mut out = gpu
+            .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
+            .unwrap();
+        let graph = gpu
+            .capture(|| decode(gpu, path, &shape, &inp, &mut ws, &mut out))
+            .unwrap();
+        for rep in 0..4 {
+            gpu.fill_bytes(&mut out, 0xFF).unwrap();
+            ws.poison_partials(gpu).unwrap();
+            graph.launch().unwrap();
+            gpu.synchronize().unwrap();
+            let got = gpu.download(&out).unwrap();
+            assert_same_bits(
+                &format!("{test}: {path:?} graph replay {rep}, split {t} tiles, plan {plan:?}"),
+                &shape,
+                &want,
+                &got,
+            );
+            assert!(
+                ws.arrival_counts(gpu).unwrap().iter().all(|&c| c == 0),
+                "{test}: graph replay {rep}: arrival counters not reset"
+            );
+        }
+        println!("{test}: {path:?} split {t}: 4 graph replays bit-identical to Fp8");
+    }
+}
+
+#[test]
+fn gpu_decode_fp8_fused_graph_replay() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_fused_graph_replay") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_fused_graph_replay", 0x62A9);
+    let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 1, 0], true);
+    check_graph_replay("fused graph", &gpu, &hp, Path::Fp8Fused);
+    check_graph_replay("fused v6 graph", &gpu, &hp, Path::Fp8FusedV6);
+}
+
+/// The PDL pair inside a CUDA graph (the capture turns the programmatic launch into a programmatic edge).
+#[test]
+fn gpu_decode_fp8_pdl_graph_replay() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_pdl_graph_replay") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_pdl_graph_replay", 0x9D1);
+    let hp = HostProblem::random(&mut rng, 64, &[640, 1152, 129, 0], true);
+    check_graph_replay("pdl graph", &gpu, &hp, Path::Fp8Pdl);
+}
+
+/// Mirror of the v6 q prologue's identity (kernels/sparse_attn.cu, `quantize_lane_pow2_mul`): for every BF16 value
+/// x (all 65536 bit patterns, q is BF16) and every UE8M0 scale code c the scale rule can produce (1..=254),
+/// the IEEE quotient x / 2^(c-127) equals the IEEE product x * 2^(127-c) bit for bit (NaN: both NaN), and the
+/// reciprocal is the kernel's `ue8m0_decode(254 - c)`; so the e4m3 codes (and q's BF16 values) are unchanged.
+#[test]
+fn pow2_division_equals_reciprocal_product() {
+    let decode = |code: u32| -> f32 {
+        if code == 0 {
+            f32::from_bits(0x0040_0000)
+        } else {
+            f32::from_bits(code << 23)
+        }
+    };
+    let mut checked = 0u64;
+    for c in 1u32..=254 {
+        let scale = decode(c);
+        let inv = decode(254 - c);
+        assert_eq!(
+            scale as f64 * inv as f64,
+            1.0,
+            "code {c}: {inv:e} is not the exact reciprocal of {scale:e}"
+        );
+        for bits in 0u16..=u16::MAX {
+            let x = bf16::from_bits(bits).to_f32();
+            let (q, p) = (x / scale, x * inv);
+            assert!(
+                q.to_bits() == p.to_bits() || (q.is_nan() && p.is_nan()),
+                "code {c}, x = {x:e} ({bits:#06x}): x / s = {q:e} ({:#010x}), x * (1/s) = {p:e} ({:#010x})",
+                q.to_bits(),
+                p.to_bits()
+            );
+            checked += 1;
+        }
+    }
+    println!("pow2_division_equals_reciprocal_product: {checked} (x, code) pairs identical");
+}
+
 /// CPU mirror of the FP8 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
 /// `load_raw_regs` / `dequant_regs_v5`, `softmax_step` with `PSwizzled`): the 128B-swizzled layout is a bijection from
 /// (row 0..64, 16-byte chunk 0..64) onto the 64 KiB tile; the dequant's (thread, i) -> chunk map writes every
@@ -913,6 +1219,9 @@ fn bench_config_and_split_plans() {
         bench_path(v).unwrap();
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
+    assert_eq!(bench_path("fp8_fused").unwrap(), Path::Fp8Fused);
+    assert_eq!(bench_path("fp8_pdl").unwrap(), Path::Fp8Pdl);
+    assert_eq!(bench_path("fp8_fused_v6").unwrap(), Path::Fp8FusedV6);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
     for retired in ["fp8_v3", "fp8_v4", "fp8_v5"] {
         assert!(
@@ -930,6 +1239,19 @@ fn bench_config_and_split_plans() {
     );
     let cfg = SweepConfig::from_path(std::path::Path::new(path)).unwrap();
     assert!(!cfg.sweeps.is_empty());
+    // The Nsight Compute profile config names only known variants, `fp8_fused` next to `fp8`.
+    let profile = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bench-configs/profile/sparse_attn.toml"
+    );
+    let prof = SweepConfig::from_path(std::path::Path::new(profile)).unwrap();
+    for s in &prof.sweeps {
+        assert_eq!(s.kernel, BENCH_KERNEL);
+        let v = s.variants_from(&BENCH_VARIANTS).unwrap();
+        for want in ["fp8", "fp8_fused", "fp8_fused_v6", "fp8_pdl"] {
+            assert!(v.iter().any(|x| x.as_str() == want), "{}: {want}", s.name());
+        }
+    }
     for s in &cfg.sweeps {
         assert_eq!(s.kernel, BENCH_KERNEL);
         s.variants_from(&BENCH_VARIANTS).unwrap();
@@ -986,6 +1308,11 @@ fn bench_config_and_split_plans() {
             c.n_splits * c.tiles_per_split >= tiles && (c.n_splits - 1) * c.tiles_per_split < tiles,
             "{shape:?} {c:?}"
         );
+        let f = SplitPlan::by_cost_fused(132, &shape);
+        assert!(
+            f.n_splits * f.tiles_per_split >= tiles && (f.n_splits - 1) * f.tiles_per_split < tiles,
+            "{shape:?} {f:?}"
+        );
     }
     // Flash CSA (640 candidates = 10 tiles): batch 1 -> one tile per CTA; batch 32 -> 4 splits of 3 tiles
     // (128 CTAs, one wave) instead of auto's 3 x 4 (96 CTAs); batch 128 -> no split (128 CTAs).
@@ -998,6 +1325,30 @@ fn bench_config_and_split_plans() {
     assert_eq!(SplitPlan::by_cost(132, &flash(1)).n_splits, 10);
     assert_eq!(SplitPlan::by_cost(132, &flash(32)).tiles_per_split, 3);
     assert_eq!(SplitPlan::by_cost(132, &flash(128)).n_splits, 1);
+    // The fused plan (merge on one SM: 1.0 + 0.5 per split model-us) keeps Flash's plans (so `fp8_fused` vs
+    // `fp8` isolates the fusion there) and halves Pro's split count at batch 1 (18 x 1 -> 9 x 2 tiles).
+    for batch in [1usize, 8, 16, 32, 64, 128] {
+        assert_eq!(
+            SplitPlan::by_cost_fused(132, &flash(batch)),
+            SplitPlan::by_cost(132, &flash(batch)),
+            "Flash batch {batch}"
+        );
+    }
+    let pro = |batch| DecodeShape {
+        batch,
+        heads: 128,
+        stride: 1152,
+        n_entries: 10,
+    };
+    assert_eq!(
+        SplitPlan::by_cost_fused(132, &pro(1)),
+        SplitPlan {
+            n_splits: 9,
+            tiles_per_split: 2
+        }
+    );
+    assert_eq!(SplitPlan::by_cost(132, &pro(1)).n_splits, 18);
+    assert_eq!(SplitPlan::by_cost_fused(132, &pro(64)).n_splits, 1);
     assert!(DecodeShape {
         batch: 1,
         heads: 96,
