@@ -950,6 +950,189 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk3_fina
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// Top-k v4 final pass, several CTAs per row (A/B candidate, bench variant `fused_mcta`): indexer_topk2_hist ->
+// indexer_topk2_select -> indexer_topk4_final_mcta. Passes 1-2 are the default's, unchanged.
+// Why: ncu of indexer_topk3_final at 1M / batch 1 / k 512: 14.9 us, one CTA, 81K warp instructions at IPC 3.08
+// on ONE SM: instruction-bound on rank_count's m^2 compares. The ranks do not need one CTA:
+//   every chosen entry's output position is computable on its own. With a = #above-threshold entries
+//   (composites A[0..a), bin > B) and the threshold bucket's composites Bk[0..nb) (bin == B), rem = kk - a:
+//     above entry c  -> position #{ A[j] > c }            (< a; every bucket entry is below every above entry)
+//     bucket entry c -> position a + #{ Bk[j] > c }       if that rank is < rem (else not chosen)
+//   All composites are unique (low word ~index), so each rank set is a permutation: every position
+//   0..a+rem-1 is written exactly once (the identity model_rank_topk / model_mcta_topk in tests/indexer.rs
+//   check on the CPU). This is exactly the contract's order, so the output is bit-identical to v3's.
+// Grid (S, rows), S = gridDim.x >= TK4_MIN_SPLIT CTAs per row, TK4_THREADS threads. CTA s loads all of A and
+//   Bk into shared memory (a <= k, nb <= TK4_BUCKET_CAP: a few KB from L2, written by pass 2 just before) and
+//   ranks only its slice of each: above entries [s*ceil(a/S), ..), bucket entries [s*ceil(nb/S), ..). Work per
+//   CTA ~ (a^2 + nb^2) / S compares (v3: a^2 + nb^2 or a radix select + total^2 on one SM). The j range is
+//   split so all threads work (rank_slice), partial counts merged with shared-memory atomics. The -1 / -inf
+//   tail [a + rem, k) and the zeroing of hist[row] are split over the S CTAs (grid-strided).
+// Fallback: nb > TK4_BUCKET_CAP with rem > 0 (heavy ties, e.g. all-equal rows: the whole row is the bucket).
+//   Block-uniform and identical in every CTA of the row (they read the same counters); CTA 0 runs v3's exact
+//   radix select over the bucket straight from global memory (block_select / block_collect) and the bitonic
+//   sort_and_write (which also writes the -1 / -inf tail); the other CTAs only zero their part of hist[row].
+// Reset protocol (v3 zeroes the counters after a barrier once its single CTA has read them; with S CTAs no
+//   CTA can know that the others have read them, so):
+//   * hist[row]: read only by pass 2, which finished before this pass started (stream order), so any CTA
+//     of this pass may zero any part of it: CTA s zeroes bins s*T + tid, step S*T.
+//   * counters[row] (above, bucket): read by thread 0 of every CTA of the row, then __threadfence(), then
+//     atomicAdd(&arrivals[row], 1). The CTA that gets S - 1 arrives last: every other CTA's read is ordered
+//     before its fence and its atomic, and the last CTA's atomic follows all of those in the atomic's
+//     order; after its own fence it zeroes counters[row] and arrivals[row]. No reader of either is left in
+//     this pass; the next writer is pass 2 (counters) / this pass (arrivals) of the next call, which start
+//     after this grid completed (stream order, also inside a CUDA graph). So, as with v3, hist, counters
+//     and arrivals are zero at the end of every call: back-to-back calls, graph replays and mixing v3 and
+//     v4 calls on the same buffers need no memset. Rows with n == 0 (passes 1-2 never ran for them: hist
+//     and counters stay zero) take part in the protocol like every row: the grid always covers every row.
+//     The launcher re-zeroes hist, counters and arrivals after a call interrupted between launches.
+// Memory safety never depends on the counters being right: a, nb are clamped to kk and bucket_stride, every
+//   position written is < a + rem <= kk <= k (above ranks are clamped to a - 1).
+// Deadlock freedom: the only barriers are (1) one in straight-line code before any return, (2) the two of
+//   the rank path in straight-line code after block-uniform returns (total == 0; fallback), (3) those inside
+//   block_select / block_collect / sort_and_write, reached by CTA 0 under the block-uniform fallback
+//   condition (argument under "Top-k"). rank_slice's per-thread loops contain no barrier and no warp
+//   collective. The arrival counter is never waited on: no CTA waits for another.
+namespace {
+
+constexpr int TK4_THREADS = 512;
+constexpr int TK4_MIN_SPLIT = 8;         // the launcher's lower bound on S; sizes the static rank arrays
+constexpr int TK4_BUCKET_CAP = 4096;     // bucket composites ranked in shared memory (32 KB)
+constexpr int TK4_RANK_A = TOPK_MAX_K / TK4_MIN_SPLIT;        // >= ceil(a / S)
+constexpr int TK4_RANK_B = TK4_BUCKET_CAP / TK4_MIN_SPLIT;    // >= ceil(nb / S) on the rank path
+static_assert(TK4_THREADS >= 256, "block_select scans 256 radix buckets with one thread each");
+
+// rank[i] += #{ j < m : v[j] > v[e0 + i] } for i < cnt. Preconditions (the caller, before a barrier): rank[0..cnt)
+// zero, v[0..m) written, v[m] == 0 when m is odd (0 is below every composite: order_key >= 0x007FFFFF, so the
+// pad never counts), v 16-byte aligned, e0 + cnt <= m. Work items (i, split) cover all of [0, m) for each i;
+// the split count is block-uniform. No barrier inside; the caller puts one after it before reading rank.
+__device__ void rank_slice(const uint64_t* v, int m, int e0, int cnt, uint32_t* rank) {
+    if (cnt <= 0) return;  // block-uniform
+    const int nthr = blockDim.x;
+    const int pairs = (m + 1) >> 1;  // >= 1 since m >= cnt >= 1
+    const int splits = max(1, min(nthr / cnt, pairs));
+    const int per = (pairs + splits - 1) / splits;
+    const ulonglong2* v2 = reinterpret_cast<const ulonglong2*>(v);
+    for (int w = threadIdx.x; w < cnt * splits; w += nthr) {  // per-thread trip count: no barrier inside
+        const int i = w % cnt, s = w / cnt;
+        const unsigned long long c = v[e0 + i];
+        const int j0 = s * per, j1 = min(pairs, j0 + per);
+        uint32_t c0 = 0, c1 = 0;
+#pragma unroll 4
+        for (int j = j0; j < j1; ++j) {
+            const ulonglong2 p = v2[j];
+            c0 += p.x > c ? 1u : 0u;
+            c1 += p.y > c ? 1u : 0u;
+        }
+        if (c0 + c1) atomicAdd(&rank[i], c0 + c1);
+    }
+}
+
+// Slots of the above / sort buffer in dynamic shared memory: next power of two >= k (the fallback's bitonic
+// sort pads to it) + 2 (the odd-m pad at index a <= k; keeps the bucket buffer after it 16-byte aligned).
+// The launcher computes the same (topk4_smem_bytes in src/ops/indexer/mod.rs).
+__device__ __forceinline__ int tk4_above_slots(int k) {
+    int kpad = 1;
+    while (kpad < k) kpad <<= 1;
+    return kpad + 2;
+}
+
+}  // namespace
+
+// grid (S, rows) with S >= TK4_MIN_SPLIT, block TK4_THREADS, dynamic smem = 8 * (tk4_above_slots(k) +
+// TK4_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
+extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta(
+    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
+    uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
+    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
+    float* __restrict__ out_score) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    __shared__ SelectShared sh;
+    __shared__ uint32_t rank_a[TK4_RANK_A];
+    __shared__ uint32_t rank_b[TK4_RANK_B];
+    __shared__ uint32_t cnt_s[2];
+    const int S = gridDim.x, s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+    if (S < TK4_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
+    uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // above composites; the fallback's sort buffer
+    uint64_t* const Bk = A + tk4_above_slots(k);                 // bucket composites (rank path)
+
+    const int n = row_valid(num_valid, row, score_stride);
+    const int kk = min(k, n);
+    if (tid == 0) {
+        uint32_t* cnt = counters + 2 * (size_t)row;
+        cnt_s[0] = cnt[0];
+        cnt_s[1] = cnt[1];
+        __threadfence();  // this CTA's counter reads are ordered before its arrival
+        if (atomicAdd(&arrivals[row], 1u) == (uint32_t)S - 1) {
+            __threadfence();  // every other CTA's reads happened before: zero for the next call
+            cnt[0] = 0;
+            cnt[1] = 0;
+            arrivals[row] = 0;
+        }
+    }
+    for (int i = s * TK4_THREADS + tid; i < TK2_BINS; i += S * TK4_THREADS) hist[(size_t)row * TK2_BINS + i] = 0;
+    __syncthreads();  // cnt_s visible
+    const int a = (int)min(cnt_s[0], (uint32_t)kk);
+    const int nb = (int)min(cnt_s[1], (uint32_t)bucket_stride);
+    const int rem = max(0, min(kk - a, nb));  // block-uniform; 0 when kk == 0
+    const int total = a + rem;                // == kk with a consistent state
+    int* oi = out_idx + (size_t)row * k;
+    float* os = out_score + (size_t)row * k;
+    const unsigned long long* above_row = above + (size_t)row * k;
+    const unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
+
+    if (rem > 0 && nb > TK4_BUCKET_CAP) {  // block-uniform fallback: CTA 0 alone, v3's radix select + bitonic
+        if (s != 0) return;
+        for (int i = tid; i < a; i += TK4_THREADS) A[i] = above_row[i];
+        const bool all = rem >= nb;
+        uint64_t prefix = 0;
+        int shift = 64;
+        auto emit = [&](uint32_t pos, uint64_t cc) {
+            if ((int)pos < rem) A[a + pos] = cc;
+        };
+        const GlobalCompSrc src{reinterpret_cast<const uint64_t*>(bucket_row)};
+        if (!all) block_select(src, nb, rem, sh, prefix, shift);
+        block_collect(src, nb, all, prefix, shift, sh, emit);
+        sort_and_write(A, total, k, oi, os);  // starts with a barrier-protected fill; writes [0, k)
+        return;
+    }
+    for (int j = total + s * TK4_THREADS + tid; j < k; j += S * TK4_THREADS) {
+        oi[j] = -1;
+        os[j] = -INFINITY;
+    }
+    if (total == 0) return;  // block-uniform: nothing to rank
+
+    const int mb = rem > 0 ? nb : 0;  // bucket entries to rank (block-uniform; <= TK4_BUCKET_CAP here)
+    for (int i = tid; i < a; i += TK4_THREADS) A[i] = above_row[i];
+    for (int i = tid; i < mb; i += TK4_THREADS) Bk[i] = bucket_row[i];
+    if (tid == 0) {
+        A[a] = 0;  // pads for odd a / mb (a <= k < tk4_above_slots(k); mb <= TK4_BUCKET_CAP)
+        Bk[mb] = 0;
+    }
+    const int per_a = (a + S - 1) / S, a0 = min(a, s * per_a), na = min(a, a0 + per_a) - a0;    // na <= TK4_RANK_A
+    const int per_b = (mb + S - 1) / S, b0 = min(mb, s * per_b), nbs = min(mb, b0 + per_b) - b0;  // <= TK4_RANK_B
+    for (int i = tid; i < na; i += TK4_THREADS) rank_a[i] = 0;
+    for (int i = tid; i < nbs; i += TK4_THREADS) rank_b[i] = 0;
+    __syncthreads();  // A, Bk, pads and zeroed ranks visible
+    rank_slice(A, a, a0, na, rank_a);
+    rank_slice(Bk, mb, b0, nbs, rank_b);
+    __syncthreads();
+    for (int i = tid; i < na; i += TK4_THREADS) {
+        const uint64_t c = A[a0 + i];
+        const uint32_t r = min(rank_a[i], (uint32_t)(a - 1));  // < a: unique composites
+        oi[r] = (int)~(uint32_t)c;
+        os[r] = key_to_score((uint32_t)(c >> 32));
+    }
+    for (int i = tid; i < nbs; i += TK4_THREADS) {
+        const uint32_t r = rank_b[i];
+        if (r < (uint32_t)rem) {
+            const uint64_t c = Bk[b0 + i];
+            oi[a + r] = (int)~(uint32_t)c;
+            os[a + r] = key_to_score((uint32_t)(c >> 32));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // Baseline: the seeds' path. Dequantize keys to fp32, fp32 "einsum" on CUDA cores, full bitonic sort.
 // ------------------------------------------------------------------------------------------------------------
 

@@ -516,6 +516,106 @@ fn rank_counting_model_matches_reference_topk() {
     );
 }
 
+/// A sequential model of indexer_topk4_final_mcta (kernels/indexer.cu "Top-k v4") with `ctas` CTAs: the
+/// above / bucket composites in an arbitrary (shuffled) order as pass 2's atomics leave them; CTA s ranks its
+/// slices [s*ceil(a/S), ..) of the above entries (among the above entries) and [s*ceil(nb/S), ..) of the
+/// bucket entries (among the bucket; written at a + rank when rank < rem); CTA s writes the -1 tail at
+/// a + rem + s*T + t, step S*T. Every position of the row must be written exactly once, by the rule the kernel
+/// uses. Rows whose bucket exceeds the kernel's cap take the one-CTA fallback (v3's code): returned as None.
+fn model_mcta_topk(scores: &[f32], k: usize, ctas: usize, rng: &mut ChaCha8Rng) -> Option<Vec<i32>> {
+    use rand::seq::SliceRandom;
+    const THREADS: usize = 512; // TK4_THREADS
+    let n = scores.len();
+    let kk = k.min(n);
+    let comp = |i: usize| ((reference::order_key(scores[i]) as u64) << 32) | (!(i as u32)) as u64;
+    let mut hist = vec![0usize; 4096];
+    for i in 0..n {
+        hist[(comp(i) >> 52) as usize] += 1;
+    }
+    let (mut excl, mut b) = (0usize, None);
+    for bin in (0..4096).rev() {
+        if excl + hist[bin] >= kk && kk > 0 {
+            b = Some(bin as u64);
+            break;
+        }
+        excl += hist[bin];
+    }
+    let (mut above, mut bucket) = (Vec::new(), Vec::new());
+    if let Some(b) = b {
+        above = (0..n).map(comp).filter(|&c| c >> 52 > b).collect();
+        bucket = (0..n).map(comp).filter(|&c| c >> 52 == b).collect();
+    }
+    above.shuffle(rng);
+    bucket.shuffle(rng);
+    let (a, nb) = (above.len(), bucket.len());
+    let rem = kk.saturating_sub(a).min(nb);
+    if rem > 0 && nb > indexer::TOPK4_BUCKET_CAP {
+        return None;
+    }
+    let total = a + rem;
+    assert_eq!(total, kk);
+    let mb = if rem > 0 { nb } else { 0 };
+    let mut out = vec![i32::MIN; k]; // MIN marks "not written"
+    let mut put = |pos: usize, v: i32| {
+        assert_eq!(out[pos], i32::MIN, "position {pos} written twice");
+        out[pos] = v;
+    };
+    let (per_a, per_b) = (a.div_ceil(ctas), mb.div_ceil(ctas));
+    for s in 0..ctas {
+        let (a0, b0) = ((s * per_a).min(a), (s * per_b).min(mb));
+        for &c in &above[a0..(a0 + per_a).min(a)] {
+            put(above.iter().filter(|&&d| d > c).count(), !(c as u32) as i32);
+        }
+        for &c in &bucket[b0..(b0 + per_b).min(mb)] {
+            let r = bucket.iter().filter(|&&d| d > c).count();
+            if r < rem {
+                put(a + r, !(c as u32) as i32);
+            }
+        }
+        let mut j = total + s * THREADS;
+        while j < k {
+            for t in 0..THREADS.min(k - j) {
+                put(j + t, -1);
+            }
+            j += ctas * THREADS;
+        }
+    }
+    assert!(out.iter().all(|&v| v != i32::MIN), "a position was never written");
+    Some(out)
+}
+
+#[test]
+fn multi_cta_model_matches_reference_topk() {
+    let (seed, mut rng) = seeded("mcta_model");
+    let mut fallbacks = 0;
+    for case in 0..160 {
+        let n = [0usize, 1, 2, 100, 511, 512, 513, 1000, 3000, 5000][case % 10]
+            + rng.random_range(0..3);
+        let k = [1usize, 7, 300, 512, 1024, 2048][rng.random_range(0..6)];
+        let ctas = [8usize, 13, 16, 32, 64][rng.random_range(0..5)];
+        let scores: Vec<f32> = (0..n)
+            .map(|_| match (case / 10) % 5 {
+                0 => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
+                1 => rng.random_range(0..3) as f32,
+                4 => 2.5, // all equal: the whole row is the threshold bucket
+                2 => [0.0f32, -0.0, 1.0, f32::NAN, f32::NEG_INFINITY, f32::INFINITY]
+                    [rng.random_range(0..6)],
+                _ => rng.random_range(-1.0f32..1.0),
+            })
+            .collect();
+        match model_mcta_topk(&scores, k, ctas, &mut rng) {
+            Some(got) => assert_eq!(
+                got,
+                reference::topk(&scores, k),
+                "seed {seed:#x} case {case}: n {n} k {k} ctas {ctas}"
+            ),
+            None => fallbacks += 1,
+        }
+    }
+    // All-equal rows of 5000 entries put > 4096 entries in one bin: the fallback must be reachable.
+    assert!(fallbacks > 0, "seed {seed:#x}: no row took the fallback");
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // GPU
 // ---------------------------------------------------------------------------------------------------------

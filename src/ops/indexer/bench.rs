@@ -14,7 +14,7 @@ use crate::bench::{MatmulKind, Row, Summary};
 pub fn kernels() -> Vec<BenchKernel> {
     vec![BenchKernel {
         name: "indexer",
-        variants: &["fused", "baseline"],
+        variants: &["fused", "fused_mcta", "baseline"],
         matmul: MatmulKind::NotMatmul,
         run_point: indexer_point,
     }]

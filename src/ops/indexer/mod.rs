@@ -43,6 +43,14 @@ const TOPK2_FINAL_SMEM_CAP: usize = 16384;
 /// sizeof(SelectShared) in the kernel: hist[256] + warp_sums[32] + 4 u32.
 const SELECT_SHARED_BYTES: usize = 256 * 4 + 32 * 4 + 16;
 const TOPK_THREADS: u32 = 1024;
+/// Multi-CTA final pass (kernel constants TK4_THREADS, TK4_MIN_SPLIT, TK4_BUCKET_CAP).
+const TOPK4_THREADS: u32 = 512;
+/// Fewest / most CTAs per row of `indexer_topk4_final_mcta` (the kernel's static rank arrays assume >= 8).
+pub const TOPK4_MIN_CTAS_PER_ROW: u32 = 8;
+pub const TOPK4_MAX_CTAS_PER_ROW: u32 = 64;
+/// Threshold-bucket composites the multi-CTA final pass ranks in shared memory; larger buckets (heavy ties)
+/// take its one-CTA radix-select fallback.
+pub const TOPK4_BUCKET_CAP: usize = 4096;
 /// Keys per logits CTA (kernel constant LG_CTA_KEYS) and its block size.
 const LOGITS_CTA_KEYS: usize = 1024;
 const LOGITS_THREADS: u32 = 256;
@@ -330,6 +338,8 @@ pub struct TopkBuffers {
     above: CudaSlice<u64>,
     bucket: CudaSlice<u64>,
     bucket_stride: usize,
+    /// Per-row arrival counter of the multi-CTA final pass (zero between calls; see its reset protocol).
+    arrivals: CudaSlice<u32>,
     v2_dirty: bool,
 }
 
@@ -353,6 +363,7 @@ impl TopkBuffers {
             above: gpu.zeros::<u64>(rows * k)?,
             bucket: gpu.zeros::<u64>(rows * bucket_stride)?,
             bucket_stride,
+            arrivals: gpu.zeros::<u32>(rows)?,
             v2_dirty: false,
         })
     }
@@ -395,6 +406,33 @@ fn check_topk_args(
     Ok(num_valid_host.iter().copied().max().unwrap_or(0) as usize)
 }
 
+/// Which exact final pass [`topk_with`] runs after the histogram and threshold-select passes. Both give the
+/// same (exact) answer bit for bit; they differ in speed only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopkFinal {
+    /// `indexer_topk3_final`: one 1024-thread CTA per row (the default).
+    OneCta,
+    /// `indexer_topk4_final_mcta`: `ctas_per_row` CTAs per row
+    /// (`TOPK4_MIN_CTAS_PER_ROW..=TOPK4_MAX_CTAS_PER_ROW`), each ranking a slice of the chosen entries.
+    MultiCta { ctas_per_row: u32 },
+}
+
+impl TopkFinal {
+    /// The multi-CTA pass with about one wave of CTAs: `sm_count / rows` CTAs per row, clamped to 8..=32.
+    pub fn multi_cta_for(gpu: &Gpu, rows: usize) -> TopkFinal {
+        let per_row = (gpu.info.sm_count as usize / rows.max(1)).clamp(8, 32) as u32;
+        TopkFinal::MultiCta {
+            ctas_per_row: per_row,
+        }
+    }
+}
+
+/// Dynamic shared memory of `indexer_topk4_final_mcta` for `k`: the above / sort buffer (next power of two
+/// >= k, + 2 pad slots) and the bucket buffer (TK4_BUCKET_CAP + 2), 8 bytes each (kernel: tk4_above_slots).
+pub fn topk4_smem_bytes(k: usize) -> usize {
+    8 * (k.next_power_of_two() + 2 + TOPK4_BUCKET_CAP + 2)
+}
+
 /// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): histogram of
 /// the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row
 /// (`indexer_topk2_select`) -> one exact pass per row (`indexer_topk3_final`: rank-by-counting select in
@@ -408,12 +446,47 @@ pub fn topk(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
+    topk_with(
+        gpu,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+        TopkFinal::OneCta,
+    )
+}
+
+/// [`topk`] with a choice of final pass ([`TopkFinal`]); the first two passes are the same. The multi-CTA
+/// pass is kernels/indexer.cu "Top-k v4".
+pub fn topk_with(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+    final_pass: TopkFinal,
+) -> Result<()> {
     let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
+    if let TopkFinal::MultiCta { ctas_per_row } = final_pass {
+        ensure!(
+            (TOPK4_MIN_CTAS_PER_ROW..=TOPK4_MAX_CTAS_PER_ROW).contains(&ctas_per_row),
+            "multi-CTA top-k: {ctas_per_row} CTAs per row, supported \
+             {TOPK4_MIN_CTAS_PER_ROW}..={TOPK4_MAX_CTAS_PER_ROW}"
+        );
+        ensure!(
+            bufs.rows <= 65_535,
+            "multi-CTA top-k: {} rows exceed the grid's y limit",
+            bufs.rows
+        );
+    }
     let rows = bufs.rows;
     if bufs.v2_dirty {
         // A previous call stopped between its launches: its histogram / counters were not re-zeroed.
         gpu.fill_bytes(&mut bufs.hist, 0)?;
         gpu.fill_bytes(&mut bufs.counters, 0)?;
+        gpu.fill_bytes(&mut bufs.arrivals, 0)?;
     }
     bufs.v2_dirty = true;
     let slices = max_n.div_ceil(TOPK2_SLICE).max(1) as u32;
@@ -459,6 +532,34 @@ pub fn topk(
         },
         "indexer top-k select",
     )?;
+    if let TopkFinal::MultiCta { ctas_per_row } = final_pass {
+        let smem = topk4_smem_bytes(bufs.k);
+        let f = gpu.function_with_smem(FAMILY, "indexer_topk4_final_mcta", smem)?;
+        let mut b = gpu.stream.launch_builder(&f);
+        b.arg(&stride)
+            .arg(num_valid)
+            .arg(&k)
+            .arg(&mut bufs.hist)
+            .arg(&mut bufs.counters)
+            .arg(&mut bufs.arrivals)
+            .arg(&bufs.above)
+            .arg(&bufs.bucket)
+            .arg(&bstride)
+            .arg(&mut bufs.out_idx)
+            .arg(&mut bufs.out_score);
+        drv(
+            unsafe {
+                b.launch(launch_cfg(
+                    (ctas_per_row, rows as u32, 1),
+                    (TOPK4_THREADS, 1, 1),
+                    smem as u32,
+                ))
+            },
+            "indexer top-k final (multi-CTA)",
+        )?;
+        bufs.v2_dirty = false;
+        return Ok(());
+    }
     let smem = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * TOPK2_FINAL_SMEM_CAP;
     let f = gpu.function_with_smem(FAMILY, "indexer_topk3_final", smem)?;
     let mut b = gpu.stream.launch_builder(&f);
@@ -519,6 +620,26 @@ pub fn run(
         &q.num_valid,
         &q.num_valid_host,
         &mut bufs.topk,
+    )
+}
+
+/// [`run`] with a choice of top-k final pass.
+pub fn run_with(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+    final_pass: TopkFinal,
+) -> Result<()> {
+    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    topk_with(
+        gpu,
+        &bufs.scores,
+        bufs.score_stride,
+        &q.num_valid,
+        &q.num_valid_host,
+        &mut bufs.topk,
+        final_pass,
     )
 }
 
@@ -748,7 +869,8 @@ pub struct IndexerSamples {
 }
 
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass) or "baseline" (the seeds' path).
+/// pass), "fused_mcta" (the same with the multi-CTA final pass, [`TopkFinal::multi_cta_for`]) or "baseline"
+/// (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -760,6 +882,22 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
+        "fused_mcta" => {
+            let fp = TopkFinal::multi_cta_for(gpu, q.rows());
+            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+            let IndexerBuffers {
+                scores, topk: tb, ..
+            } = &mut bufs;
+            let topk_s = gpu.time_us(plan, || {
+                topk_with(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb, fp)
+            })?;
+            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, fp))?;
+            Ok(IndexerSamples {
+                logits: logits_s,
+                topk: topk_s,
+                total,
+            })
+        }
         "fused" => {
             let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
             let IndexerBuffers {
@@ -799,7 +937,7 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused or baseline)"),
+        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_mcta or baseline)"),
     }
 }
 
