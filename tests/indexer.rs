@@ -522,7 +522,12 @@ fn rank_counting_model_matches_reference_topk() {
 /// bucket entries (among the bucket; written at a + rank when rank < rem); CTA s writes the -1 tail at
 /// a + rem + s*T + t, step S*T. Every position of the row must be written exactly once, by the rule the kernel
 /// uses. Rows whose bucket exceeds the kernel's cap take the one-CTA fallback (v3's code): returned as None.
-fn model_mcta_topk(scores: &[f32], k: usize, ctas: usize, rng: &mut ChaCha8Rng) -> Option<Vec<i32>> {
+fn model_mcta_topk(
+    scores: &[f32],
+    k: usize,
+    ctas: usize,
+    rng: &mut ChaCha8Rng,
+) -> Option<Vec<i32>> {
     use rand::seq::SliceRandom;
     const THREADS: usize = 512; // TK4_THREADS
     let n = scores.len();
@@ -580,7 +585,10 @@ fn model_mcta_topk(scores: &[f32], k: usize, ctas: usize, rng: &mut ChaCha8Rng) 
             j += ctas * THREADS;
         }
     }
-    assert!(out.iter().all(|&v| v != i32::MIN), "a position was never written");
+    assert!(
+        out.iter().all(|&v| v != i32::MIN),
+        "a position was never written"
+    );
     Some(out)
 }
 
@@ -598,8 +606,14 @@ fn multi_cta_model_matches_reference_topk() {
                 0 => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
                 1 => rng.random_range(0..3) as f32,
                 4 => 2.5, // all equal: the whole row is the threshold bucket
-                2 => [0.0f32, -0.0, 1.0, f32::NAN, f32::NEG_INFINITY, f32::INFINITY]
-                    [rng.random_range(0..6)],
+                2 => [
+                    0.0f32,
+                    -0.0,
+                    1.0,
+                    f32::NAN,
+                    f32::NEG_INFINITY,
+                    f32::INFINITY,
+                ][rng.random_range(0..6)],
                 _ => rng.random_range(-1.0f32..1.0),
             })
             .collect();
@@ -931,6 +945,273 @@ fn gpu_topk_final_branches_match_reference() {
     println!("seed {seed:#x}: rows per branch (rank select, rank sort, select fallback, sort fallback) = {cover:?}");
 }
 
+/// Rows for the multi-CTA A/B: (scores, label). Lengths around k, multiples of 128 +- 1, the pass-1/2 slice
+/// (4096 +- 1), random up to 262,144; patterns: logit-like, all equal, all zero (+-0), NaN / +-inf mixes, three
+/// values; and directed rows whose threshold bucket holds exactly TOPK4_BUCKET_CAP - 1, CAP, CAP + 1 entries
+/// (the edge between the multi-CTA rank path and its one-CTA fallback).
+fn mcta_rows(rng: &mut ChaCha8Rng, k: usize) -> Vec<(Vec<f32>, String)> {
+    let mut lens = vec![
+        0usize,
+        1,
+        2,
+        k - 1,
+        k,
+        k + 1,
+        127,
+        129,
+        383,
+        385,
+        4095,
+        4097,
+        8191,
+    ];
+    lens.push(rng.random_range(1..=262_144));
+    lens.push(262_144);
+    let mut rows = Vec::new();
+    for (i, &n) in lens.iter().enumerate() {
+        let patterns: &[usize] = if n >= 100_000 {
+            &[0, 3 + i % 2]
+        } else {
+            &[0, 1, 2, 3, 4]
+        };
+        for &p in patterns {
+            let v: Vec<f32> = (0..n)
+                .map(|j| match p {
+                    0 => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
+                    1 => 1.25,
+                    2 => {
+                        if j % 3 == 0 {
+                            -0.0
+                        } else {
+                            0.0
+                        }
+                    }
+                    3 => match rng.random_range(0..10) {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        2 => f32::INFINITY,
+                        3 => -0.0,
+                        _ => rng.random_range(-1.0f32..1.0),
+                    },
+                    _ => rng.random_range(0..3) as f32,
+                })
+                .collect();
+            rows.push((v, format!("len {n} pattern {p}")));
+        }
+    }
+    // Directed buckets: 100 entries far above (distinct), nb entries in the bin of [1, 1.125) (distinct), the
+    // rest at -5; shuffled. Threshold bin = that of 1.0, a = 100, rem = k - 100 < nb.
+    let cap = indexer::TOPK4_BUCKET_CAP;
+    for nb in [cap - 1, cap, cap + 1] {
+        let n = 12_000usize;
+        let mut v: Vec<f32> = (0..n)
+            .map(|j| {
+                if j < 100 {
+                    1000.0 + j as f32
+                } else if j < 100 + nb {
+                    1.0 + (j - 100) as f32 * f32::powi(2.0, -20)
+                } else {
+                    -5.0
+                }
+            })
+            .collect();
+        use rand::seq::SliceRandom;
+        v.shuffle(rng);
+        rows.push((v, format!("bucket of {nb}")));
+    }
+    rows
+}
+
+/// Download a top-k result.
+fn topk_result(gpu: &megamoe::gpu::Gpu, bufs: &TopkBuffers) -> (Vec<i32>, Vec<f32>) {
+    (
+        gpu.download(&bufs.out_idx).unwrap(),
+        gpu.download(&bufs.out_score).unwrap(),
+    )
+}
+
+/// First difference between two top-k results (indices, score bits): (row, description).
+fn first_topk_diff(
+    k: usize,
+    a: &(Vec<i32>, Vec<f32>),
+    b: &(Vec<i32>, Vec<f32>),
+) -> Option<(usize, String)> {
+    (0..a.0.len())
+        .find(|&p| a.0[p] != b.0[p] || a.1[p].to_bits() != b.1[p].to_bits())
+        .map(|p| {
+            (
+                p / k,
+                format!(
+                    "row {} position {}: ({}, {:e} = {:#010x}) vs ({}, {:e} = {:#010x})",
+                    p / k,
+                    p % k,
+                    a.0[p],
+                    a.1[p],
+                    a.1[p].to_bits(),
+                    b.0[p],
+                    b.1[p],
+                    b.1[p].to_bits()
+                ),
+            )
+        })
+}
+
+#[test]
+fn gpu_topk_multi_cta_matches_default_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_topk_multi_cta_matches_default_and_reference") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_mcta");
+    for k in [512usize, 1024, 2048] {
+        let rows = mcta_rows(&mut rng, k);
+        let stride = rows
+            .iter()
+            .map(|r| r.0.len())
+            .max()
+            .unwrap()
+            .next_multiple_of(4);
+        let mut flat = vec![f32::NAN; rows.len() * stride];
+        for (r, (v, _)) in rows.iter().enumerate() {
+            flat[r * stride..r * stride + v.len()].copy_from_slice(v);
+        }
+        let nv: Vec<i32> = rows.iter().map(|r| r.0.len() as i32).collect();
+        let sd = gpu.upload(&flat).unwrap();
+        let nvd = gpu.upload(&nv).unwrap();
+        let mut bufs = TopkBuffers::new(&gpu, rows.len(), k, stride).unwrap();
+        let finals = [
+            indexer::TopkFinal::OneCta,
+            indexer::TopkFinal::multi_cta_for(&gpu, rows.len()),
+            indexer::TopkFinal::MultiCta { ctas_per_row: 8 },
+            indexer::TopkFinal::MultiCta { ctas_per_row: 64 },
+            indexer::TopkFinal::OneCta,
+            indexer::TopkFinal::MultiCta { ctas_per_row: 13 },
+        ];
+        // Back-to-back calls on the same buffers, alternating paths: each must leave the histogram, counters
+        // and arrival counters zeroed, or the next call's threshold (and answer) is wrong.
+        let mut default_out = None;
+        for (call, &fp) in finals.iter().enumerate() {
+            gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+            gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+            indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp).unwrap();
+            assert!(
+                stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+                "seed {seed:#x}: top-k {fp:?} did not finish within 5 s (k {k}, call {call})"
+            );
+            let got = topk_result(&gpu, &bufs);
+            match &default_out {
+                None => {
+                    // The default path against the reference first (indices exactly, scores bit for bit).
+                    for (r, (v, label)) in rows.iter().enumerate() {
+                        let want = reference::topk(v, k);
+                        for (j, &wi) in want.iter().enumerate() {
+                            let ws = if wi >= 0 {
+                                reference::canonical_score(v[wi as usize])
+                            } else {
+                                f32::NEG_INFINITY
+                            };
+                            let p = r * k + j;
+                            assert!(
+                                got.0[p] == wi && got.1[p].to_bits() == ws.to_bits(),
+                                "seed {seed:#x} k {k} {fp:?} row {r} ({label}) position {j}: got ({}, {:e}) \
+                                 want ({wi}, {ws:e})",
+                                got.0[p],
+                                got.1[p]
+                            );
+                        }
+                    }
+                    default_out = Some(got);
+                }
+                Some(d) => {
+                    if let Some((r, diff)) = first_topk_diff(k, &got, d) {
+                        panic!(
+                            "seed {seed:#x} k {k} call {call}: {fp:?} differs from the default ({}): {diff}",
+                            rows[r].1
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
+    let Some(gpu) = gpu_for_test("gpu_topk_multi_cta_graph_replay_leaves_buffers_clean") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_mcta_graph");
+    let k = 512usize;
+    let lens = [262_144usize, 0, 70_001, 513, 4097];
+    let stride = 262_144usize;
+    let make = |rng: &mut ChaCha8Rng| -> Vec<f32> {
+        let mut flat = vec![f32::NAN; lens.len() * stride];
+        for (r, &n) in lens.iter().enumerate() {
+            for x in &mut flat[r * stride..r * stride + n] {
+                *x = (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0;
+            }
+        }
+        flat
+    };
+    let nv: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
+    let mut flat = make(&mut rng);
+    let mut sd = gpu.upload(&flat).unwrap();
+    let nvd = gpu.upload(&nv).unwrap();
+    let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
+    let fp = indexer::TopkFinal::multi_cta_for(&gpu, lens.len());
+    let graph = gpu
+        .capture(|| indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp))
+        .unwrap();
+    // Replays with new scores written into the captured input buffer: a replay that left the histogram,
+    // counters or arrival counters dirty makes the next replay's answer wrong.
+    for replay in 0..4 {
+        if replay > 0 {
+            flat = make(&mut rng);
+            gpu.stream.memcpy_htod(&flat, &mut sd).unwrap();
+        }
+        gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+        gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+        graph.launch().unwrap();
+        assert!(
+            stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+            "seed {seed:#x}: graph replay {replay} did not finish within 5 s"
+        );
+        let (idx, sc) = topk_result(&gpu, &bufs);
+        for (r, &n) in lens.iter().enumerate() {
+            let row = &flat[r * stride..r * stride + n];
+            if let Err(e) = reference::check_topk_exact(row, k, &idx[r * k..(r + 1) * k]) {
+                panic!("seed {seed:#x} replay {replay} row {r} (num_valid {n}): {e}");
+            }
+            for j in 0..k {
+                let i = idx[r * k + j];
+                let want = if i >= 0 {
+                    reference::canonical_score(row[i as usize])
+                } else {
+                    f32::NEG_INFINITY
+                };
+                assert_eq!(
+                    sc[r * k + j].to_bits(),
+                    want.to_bits(),
+                    "seed {seed:#x} replay {replay} row {r} position {j}: score {:e} want {want:e}",
+                    sc[r * k + j]
+                );
+            }
+        }
+    }
+    // After the replays the default path on the same buffers must still be exact (clean buffers).
+    indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+    assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
+    let (idx, _) = topk_result(&gpu, &bufs);
+    for (r, &n) in lens.iter().enumerate() {
+        if let Err(e) = reference::check_topk_exact(
+            &flat[r * stride..r * stride + n],
+            k,
+            &idx[r * k..(r + 1) * k],
+        ) {
+            panic!("seed {seed:#x}: default path after the graph replays, row {r}: {e}");
+        }
+    }
+}
+
 #[test]
 fn gpu_stress_quick() {
     let Some(gpu) = gpu_for_test("gpu_stress_quick") else {
@@ -958,7 +1239,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "baseline"] {
+    for v in ["fused", "fused_mcta", "baseline"] {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
