@@ -975,10 +975,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk3_fina
 //   CTA can know that the others have read them, so):
 //   * hist[row]: read only by pass 2, which finished before this pass started (stream order), so any CTA
 //     of this pass may zero any part of it: CTA s zeroes bins s*T + tid, step S*T.
-//   * counters[row] (above, bucket): read by thread 0 of every CTA of the row, then __threadfence(), then
-//     atomicAdd(&arrivals[row], 1). The CTA that gets S - 1 arrives last: every other CTA's read is ordered
-//     before its fence and its atomic, and the last CTA's atomic follows all of those in the atomic's
-//     order; after its own fence it zeroes counters[row] and arrivals[row]. No reader of either is left in
+//   * counters[row] (above, bucket): read by thread 0 of every CTA of the row, then an arrival
+//     atom.add.release.gpu on arrivals[row] (release: the reads are ordered before it). The CTA whose arrival
+//     returns S - 1 arrived last: all S - 1 other arrivals precede it in the atomic's order and, being
+//     release RMWs on one location, synchronize with it once it executes fence.acq_rel (acquire pattern);
+//     so every other CTA's counter reads happen before its zeroing of counters[row] and arrivals[row], done
+//     at the end of its work (the atomic's result is only consumed there). No reader of either is left in
 //     this pass; the next writer is pass 2 (counters) / this pass (arrivals) of the next call, which start
 //     after this grid completed (stream order, also inside a CUDA graph). So, as with v3, hist, counters
 //     and arrivals are zero at the end of every call: back-to-back calls, graph replays and mixing v3 and
@@ -1038,47 +1040,40 @@ __device__ __forceinline__ int tk4_above_slots(int k) {
 
 }  // namespace
 
-// grid (S, rows) with S >= TK4_MIN_SPLIT, block TK4_THREADS, dynamic smem = 8 * (tk4_above_slots(k) +
-// TK4_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
-extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta(
-    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
-    uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
-    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
-    float* __restrict__ out_score) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    __shared__ SelectShared sh;
-    __shared__ uint32_t rank_a[TK4_RANK_A];
-    __shared__ uint32_t rank_b[TK4_RANK_B];
-    __shared__ uint32_t cnt_s[2];
-    const int S = gridDim.x, s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
-    if (S < TK4_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
-    uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // above composites; the fallback's sort buffer
-    uint64_t* const Bk = A + tk4_above_slots(k);                 // bucket composites (rank path)
+namespace {
 
-    const int n = row_valid(num_valid, row, score_stride);
-    const int kk = min(k, n);
-    if (tid == 0) {
-        uint32_t* cnt = counters + 2 * (size_t)row;
-        cnt_s[0] = cnt[0];
-        cnt_s[1] = cnt[1];
-        __threadfence();  // this CTA's counter reads are ordered before its arrival
-        if (atomicAdd(&arrivals[row], 1u) == (uint32_t)S - 1) {
-            __threadfence();  // every other CTA's reads happened before: zero for the next call
-            cnt[0] = 0;
-            cnt[1] = 0;
-            arrivals[row] = 0;
-        }
-    }
-    for (int i = s * TK4_THREADS + tid; i < TK2_BINS; i += S * TK4_THREADS) hist[(size_t)row * TK2_BINS + i] = 0;
+// Arrival on the row's counter with release semantics (PTX atom.release.gpu: this thread's earlier memory
+// operations, the counter reads, are ordered before it). Compiles to MEMBAR.ALL.GPU + ATOMG, lighter than
+// __threadfence()'s MEMBAR.SC.GPU.
+__device__ __forceinline__ uint32_t tk4_arrive_release(uint32_t* p) {
+    uint32_t old;
+    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+    return old;
+}
+// Acquire side (PTX: a strong read, here the arrival atomic that returned S - 1, followed by fence.acq_rel is
+// an acquire pattern): it synchronizes with every other CTA's release arrival (the atomics form one release
+// sequence), so their counter reads happen before the zeroing stores that follow.
+__device__ __forceinline__ void tk4_fence_acquire() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// One CTA's share of a row (everything but the counter reset): called by every thread of the CTA, returns
+// early only under block-uniform conditions. cnt_s holds the row's counters (read by thread 0 before).
+// Thread 0 (which read the counters into cnt_s) arrives on *arrival right after the first barrier and
+// returns the atomic's result in prior; warp 0 then takes no part in the global loads of the composites, so the
+// atomic's round trip (ptxas aggregates it per warp and waits for it at once) overlaps the other warps' loads
+// instead of adding to the time before the second barrier.
+__device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__ hist_row, const uint32_t* cnt_s,
+                             uint32_t* arrival, uint32_t& prior, const unsigned long long* __restrict__ above_row,
+                             const unsigned long long* __restrict__ bucket_row, int bucket_stride,
+                             int* __restrict__ oi, float* __restrict__ os, uint64_t* A, uint64_t* Bk,
+                             SelectShared& sh, uint32_t* rank_a, uint32_t* rank_b) {
+    const int tid = threadIdx.x;
+    for (int i = s * TK4_THREADS + tid; i < TK2_BINS; i += S * TK4_THREADS) hist_row[i] = 0;
     __syncthreads();  // cnt_s visible
+    if (tid == 0) prior = tk4_arrive_release(arrival);  // thread 0's counter reads are ordered before it
     const int a = (int)min(cnt_s[0], (uint32_t)kk);
     const int nb = (int)min(cnt_s[1], (uint32_t)bucket_stride);
     const int rem = max(0, min(kk - a, nb));  // block-uniform; 0 when kk == 0
     const int total = a + rem;                // == kk with a consistent state
-    int* oi = out_idx + (size_t)row * k;
-    float* os = out_score + (size_t)row * k;
-    const unsigned long long* above_row = above + (size_t)row * k;
-    const unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
 
     if (rem > 0 && nb > TK4_BUCKET_CAP) {  // block-uniform fallback: CTA 0 alone, v3's radix select + bitonic
         if (s != 0) return;
@@ -1102,8 +1097,10 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
     if (total == 0) return;  // block-uniform: nothing to rank
 
     const int mb = rem > 0 ? nb : 0;  // bucket entries to rank (block-uniform; <= TK4_BUCKET_CAP here)
-    for (int i = tid; i < a; i += TK4_THREADS) A[i] = above_row[i];
-    for (int i = tid; i < mb; i += TK4_THREADS) Bk[i] = bucket_row[i];
+    if (tid >= 32) {  // warp-uniform: warp 0 waits on the arrival atomic meanwhile
+        for (int i = tid - 32; i < a; i += TK4_THREADS - 32) A[i] = above_row[i];
+        for (int i = tid - 32; i < mb; i += TK4_THREADS - 32) Bk[i] = bucket_row[i];
+    }
     if (tid == 0) {
         A[a] = 0;  // pads for odd a / mb (a <= k < tk4_above_slots(k); mb <= TK4_BUCKET_CAP)
         Bk[mb] = 0;
@@ -1129,6 +1126,44 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
             oi[a + r] = (int)~(uint32_t)c;
             os[a + r] = key_to_score((uint32_t)(c >> 32));
         }
+    }
+}
+
+}  // namespace
+
+// grid (S, rows) with S >= TK4_MIN_SPLIT, block TK4_THREADS, dynamic smem = 8 * (tk4_above_slots(k) +
+// TK4_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
+// Thread 0 reads the counters, arrives after the first barrier (see tk4_row_part) and, if its CTA arrived last,
+// zeroes them at the very end.
+extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta(
+    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
+    uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
+    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
+    float* __restrict__ out_score) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    __shared__ SelectShared sh;
+    __shared__ uint32_t rank_a[TK4_RANK_A];
+    __shared__ uint32_t rank_b[TK4_RANK_B];
+    __shared__ uint32_t cnt_s[2];
+    const int S = gridDim.x, s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+    if (S < TK4_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
+    uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // above composites; the fallback's sort buffer
+    uint64_t* const Bk = A + tk4_above_slots(k);                 // bucket composites (rank path)
+    const int n = row_valid(num_valid, row, score_stride);
+    uint32_t* cnt = counters + 2 * (size_t)row;
+    uint32_t prior = 0;
+    if (tid == 0) {
+        cnt_s[0] = cnt[0];
+        cnt_s[1] = cnt[1];
+    }
+    tk4_row_part(S, s, k, min(k, n), hist + (size_t)row * TK2_BINS, cnt_s, &arrivals[row], prior,
+                 above + (size_t)row * k, bucket + (size_t)row * bucket_stride, bucket_stride,
+                 out_idx + (size_t)row * k, out_score + (size_t)row * k, A, Bk, sh, rank_a, rank_b);
+    if (tid == 0 && prior == (uint32_t)S - 1) {  // the row's last CTA to arrive
+        tk4_fence_acquire();  // every other CTA's counter reads happened before: zero for the next call
+        cnt[0] = 0;
+        cnt[1] = 0;
+        arrivals[row] = 0;
     }
 }
 
