@@ -1168,6 +1168,131 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// Top-k pass 2 with CTA-aggregated slot allocation (A/B candidate, bench variant `fused_mcta_sel`; pairs with
+// indexer_topk4_final_mcta). Same contract and threshold as indexer_topk2_select; only the slot allocation
+// differs.
+// Why: ncu at batch 16 / 64K context (16,384 entries per row, k 512): indexer_topk2_select takes 10.3 us with
+// IPC 0.65 and 0.23 eligible warps per scheduler. There ~3% of the entries are above the threshold bin and a
+// few % in it, so nearly every (warp, r) step of the unrolled loop does a global atomicAdd on the row's
+// counters and waits for its result before the stores: up to 8 dependent L2 round trips per warp, all warps
+// of the row's CTAs contending on two addresses. (At 1M / batch 1, 0.2% above, most steps skip.)
+// Here each CTA first counts its above / bucket entries per warp (ballot popcounts, registers only), thread 0
+// scans the 16 warp totals and does ONE atomicAdd per counter for the whole CTA, and every warp then writes
+// its entries at CTA base + warp offset + running in-warp prefix: one round trip per CTA instead of one per
+// (warp, step). The set of entries written to above[] / bucket[] and the final counter values are the same as
+// pass 2's; only the slot order differs, and every final pass is order-independent (ranks by counting, radix
+// select, bitonic sort), so the top-k output is bit-identical.
+// Deadlock freedom: the two extra barriers are in straight-line code after the block-uniform early return;
+// the per-value loops have compile-time trip counts (ballots warp-uniform), no barrier inside.
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg(
+    const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
+    const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
+    unsigned long long* __restrict__ bucket, int bucket_stride) {
+    __shared__ uint32_t warp_sums[TK2_THREADS / 32];
+    __shared__ uint32_t warp_up[TK2_THREADS / 32], warp_eq[TK2_THREADS / 32];
+    __shared__ uint32_t thr_bin, base_up, base_eq;
+    const int row = blockIdx.y;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int base = blockIdx.x * TK2_SLICE;
+    if (base >= n) return;  // block-uniform, before any barrier
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t kk = (uint32_t)min(k, n);  // >= 1 here
+
+    const float* src = scores + (size_t)row * score_stride;
+    float v[TK2_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {
+        const int i = base + r * TK2_THREADS + tid;
+        v[r] = i < n ? src[i] : 0.f;
+    }
+
+    // Threshold bin: as indexer_topk2_select.
+    const uint4* g4 = reinterpret_cast<const uint4*>(hist + (size_t)row * TK2_BINS + (TK2_BINS - 8 - 8 * tid));
+    const uint4 lo = g4[0], hi = g4[1];
+    const uint32_t c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
+    uint32_t own = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) own += c[j];
+    uint32_t incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    if (tid == 0) thr_bin = TK2_BINS;
+    __syncthreads();
+    for (int w2 = 0; w2 < warp; ++w2) incl += warp_sums[w2];  // no barrier inside
+    const uint32_t excl = incl - own;
+    if (excl < kk && incl >= kk) {
+        uint32_t run = excl;
+        int found = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (!found && run + c[j] >= kk) {
+                thr_bin = (uint32_t)(TK2_BINS - 1 - (8 * tid + j));
+                found = 1;
+            }
+            run += c[j];
+        }
+    }
+    __syncthreads();
+    const uint32_t B = thr_bin;
+
+    // Ballots of every step (registers), per-warp totals.
+    unsigned bu[TK2_PER_THREAD], be[TK2_PER_THREAD];
+    uint32_t keys[TK2_PER_THREAD];
+    uint32_t wu = 0, we = 0;
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
+        const int i = base + r * TK2_THREADS + tid;
+        keys[r] = order_key(v[r]);
+        const uint32_t bin = keys[r] >> TK2_SHIFT;
+        bu[r] = __ballot_sync(FULL, i < n && bin > B && B < TK2_BINS);
+        be[r] = __ballot_sync(FULL, i < n && bin == B);
+        wu += (uint32_t)__popc(bu[r]);
+        we += (uint32_t)__popc(be[r]);
+    }
+    if (lane == 0) {
+        warp_up[warp] = wu;
+        warp_eq[warp] = we;
+    }
+    __syncthreads();
+    if (tid == 0) {  // exclusive scan of the 16 warp totals, then one atomic per counter for the CTA
+        uint32_t tu = 0, te = 0;
+        for (int w2 = 0; w2 < TK2_THREADS / 32; ++w2) {
+            const uint32_t u = warp_up[w2], e = warp_eq[w2];
+            warp_up[w2] = tu;
+            warp_eq[w2] = te;
+            tu += u;
+            te += e;
+        }
+        uint32_t* cnt = counters + 2 * (size_t)row;
+        base_up = tu ? atomicAdd(&cnt[0], tu) : 0u;
+        base_eq = te ? atomicAdd(&cnt[1], te) : 0u;
+    }
+    __syncthreads();
+    uint32_t su = base_up + warp_up[warp], se = base_eq + warp_eq[warp];
+    unsigned long long* above_row = above + (size_t)row * k;
+    unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
+    const unsigned lanes_below = (1u << lane) - 1u;
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {
+        const int i = base + r * TK2_THREADS + tid;
+        if ((bu[r] >> lane) & 1u) {
+            const uint32_t slot = su + __popc(bu[r] & lanes_below);
+            if (slot < (uint32_t)k) above_row[slot] = composite(keys[r], (uint32_t)i);
+        }
+        if ((be[r] >> lane) & 1u) {
+            const uint32_t slot = se + __popc(be[r] & lanes_below);
+            if (slot < (uint32_t)bucket_stride) bucket_row[slot] = composite(keys[r], (uint32_t)i);
+        }
+        su += (uint32_t)__popc(bu[r]);
+        se += (uint32_t)__popc(be[r]);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // Baseline: the seeds' path. Dequantize keys to fp32, fp32 "einsum" on CUDA cores, full bitonic sort.
 // ------------------------------------------------------------------------------------------------------------
 

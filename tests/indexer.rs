@@ -1078,24 +1078,27 @@ fn gpu_topk_multi_cta_matches_default_and_reference() {
         let sd = gpu.upload(&flat).unwrap();
         let nvd = gpu.upload(&nv).unwrap();
         let mut bufs = TopkBuffers::new(&gpu, rows.len(), k, stride).unwrap();
-        let finals = [
-            indexer::TopkFinal::OneCta,
-            indexer::TopkFinal::multi_cta_for(&gpu, rows.len()),
-            indexer::TopkFinal::MultiCta { ctas_per_row: 8 },
-            indexer::TopkFinal::MultiCta { ctas_per_row: 64 },
-            indexer::TopkFinal::OneCta,
-            indexer::TopkFinal::MultiCta { ctas_per_row: 13 },
+        use indexer::{TopkFinal as F, TopkSelect as S};
+        let paths = [
+            (S::PerWarpAtomics, F::OneCta),
+            (S::PerWarpAtomics, F::multi_cta_for(&gpu, rows.len())),
+            (S::PerWarpAtomics, F::MultiCta { ctas_per_row: 8 }),
+            (S::CtaAggregated, F::multi_cta_for(&gpu, rows.len())),
+            (S::PerWarpAtomics, F::MultiCta { ctas_per_row: 64 }),
+            (S::PerWarpAtomics, F::OneCta),
+            (S::CtaAggregated, F::OneCta),
+            (S::CtaAggregated, F::MultiCta { ctas_per_row: 13 }),
         ];
         // Back-to-back calls on the same buffers, alternating paths: each must leave the histogram, counters
         // and arrival counters zeroed, or the next call's threshold (and answer) is wrong.
         let mut default_out = None;
-        for (call, &fp) in finals.iter().enumerate() {
+        for (call, &(sel, fp)) in paths.iter().enumerate() {
             gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
             gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
-            indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp).unwrap();
+            indexer::topk_path(&gpu, &sd, stride, &nvd, &nv, &mut bufs, sel, fp).unwrap();
             assert!(
                 stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-                "seed {seed:#x}: top-k {fp:?} did not finish within 5 s (k {k}, call {call})"
+                "seed {seed:#x}: top-k {sel:?} {fp:?} did not finish within 5 s (k {k}, call {call})"
             );
             let got = topk_result(&gpu, &bufs);
             match &default_out {
@@ -1124,7 +1127,7 @@ fn gpu_topk_multi_cta_matches_default_and_reference() {
                 Some(d) => {
                     if let Some((r, diff)) = first_topk_diff(k, &got, d) {
                         panic!(
-                            "seed {seed:#x} k {k} call {call}: {fp:?} differs from the default ({}): {diff}",
+                            "seed {seed:#x} k {k} call {call}: {sel:?} {fp:?} differs from the default ({}): {diff}",
                             rows[r].1
                         );
                     }
@@ -1158,6 +1161,10 @@ fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
     let nvd = gpu.upload(&nv).unwrap();
     let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
     let fp = indexer::TopkFinal::multi_cta_for(&gpu, lens.len());
+    // One eager call first: loads the module and sets the shared-memory attribute outside the capture (and
+    // must itself leave the buffers clean for the first replay).
+    indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp).unwrap();
+    assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
     let graph = gpu
         .capture(|| indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp))
         .unwrap();
@@ -1239,7 +1246,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "fused_mcta", "baseline"] {
+    for v in ["fused", "fused_mcta", "fused_mcta_sel", "baseline"] {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),

@@ -14,7 +14,7 @@ use crate::bench::{MatmulKind, Row, Summary};
 pub fn kernels() -> Vec<BenchKernel> {
     vec![BenchKernel {
         name: "indexer",
-        variants: &["fused", "fused_mcta", "baseline"],
+        variants: &["fused", "fused_mcta", "fused_mcta_sel", "baseline"],
         matmul: MatmulKind::NotMatmul,
         run_point: indexer_point,
     }]

@@ -428,6 +428,17 @@ impl TopkFinal {
     }
 }
 
+/// How pass 2 (threshold select) of the top-k allocates slots in the above / bucket buffers. Same entries, same
+/// counts, same top-k output bit for bit; only the slot order and the number of global atomics differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopkSelect {
+    /// `indexer_topk2_select`: one warp-aggregated atomic per (warp, step) with hits (the default).
+    PerWarpAtomics,
+    /// `indexer_topk5_select_agg`: one atomic per counter per CTA (kernels/indexer.cu "pass 2 with CTA-aggregated
+    /// slot allocation").
+    CtaAggregated,
+}
+
 /// Dynamic shared memory of `indexer_topk4_final_mcta` for `k`: the above / sort buffer (next power of two
 /// >= k, + 2 pad slots) and the bucket buffer (TK4_BUCKET_CAP + 2), 8 bytes each (kernel: tk4_above_slots).
 pub fn topk4_smem_bytes(k: usize) -> usize {
@@ -467,6 +478,30 @@ pub fn topk_with(
     num_valid: &CudaSlice<i32>,
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
+    final_pass: TopkFinal,
+) -> Result<()> {
+    topk_path(
+        gpu,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+        TopkSelect::PerWarpAtomics,
+        final_pass,
+    )
+}
+
+/// [`topk`] with a choice of pass 2 ([`TopkSelect`]) and final pass ([`TopkFinal`]).
+#[allow(clippy::too_many_arguments)]
+pub fn topk_path(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+    select: TopkSelect,
     final_pass: TopkFinal,
 ) -> Result<()> {
     let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
@@ -512,7 +547,11 @@ pub fn topk_with(
         },
         "indexer top-k histogram",
     )?;
-    let f = gpu.function(FAMILY, "indexer_topk2_select")?;
+    let select_kernel = match select {
+        TopkSelect::PerWarpAtomics => "indexer_topk2_select",
+        TopkSelect::CtaAggregated => "indexer_topk5_select_agg",
+    };
+    let f = gpu.function(FAMILY, select_kernel)?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(scores)
         .arg(&stride)
@@ -624,22 +663,24 @@ pub fn run(
     )
 }
 
-/// [`run`] with a choice of top-k final pass.
+/// [`run`] with a choice of top-k pass 2 and final pass.
 pub fn run_with(
     gpu: &Gpu,
     q: &QueryBatch,
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
+    select: TopkSelect,
     final_pass: TopkFinal,
 ) -> Result<()> {
     logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
-    topk_with(
+    topk_path(
         gpu,
         &bufs.scores,
         bufs.score_stride,
         &q.num_valid,
         &q.num_valid_host,
         &mut bufs.topk,
+        select,
         final_pass,
     )
 }
@@ -870,7 +911,8 @@ pub struct IndexerSamples {
 }
 
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass), "fused_mcta" (the same with the multi-CTA final pass, [`TopkFinal::multi_cta_for`]) or "baseline"
+/// pass), "fused_mcta" (the same with the multi-CTA final pass, [`TopkFinal::multi_cta_for`]),
+/// "fused_mcta_sel" (fused_mcta with the CTA-aggregated pass 2, [`TopkSelect::CtaAggregated`]) or "baseline"
 /// (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
@@ -883,16 +925,30 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused_mcta" => {
+        "fused_mcta" | "fused_mcta_sel" => {
             let fp = TopkFinal::multi_cta_for(gpu, q.rows());
+            let sel = if variant == "fused_mcta_sel" {
+                TopkSelect::CtaAggregated
+            } else {
+                TopkSelect::PerWarpAtomics
+            };
             let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
-                topk_with(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb, fp)
+                topk_path(
+                    gpu,
+                    scores,
+                    stride,
+                    &q.num_valid,
+                    &q.num_valid_host,
+                    tb,
+                    sel,
+                    fp,
+                )
             })?;
-            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, fp))?;
+            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, sel, fp))?;
             Ok(IndexerSamples {
                 logits: logits_s,
                 topk: topk_s,
@@ -938,7 +994,9 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_mcta or baseline)"),
+        _ => bail!(
+            "unknown indexer variant `{variant}` (expected fused, fused_mcta, fused_mcta_sel or baseline)"
+        ),
     }
 }
 

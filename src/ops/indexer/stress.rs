@@ -11,7 +11,8 @@
 //! -> indexer_topk3_final: rank-by-counting select / sort with radix-select / bitonic fallbacks) and the FP8
 //! logits v2 (MXFP4: the e4m3 mma.sync logits). Every top-k case also runs the multi-CTA final pass
 //! ([`super::TopkFinal::MultiCta`], indexer_topk4_final_mcta) on the same buffers, under the same watchdog,
-//! and compares it with the default bit for bit (indices and score bits). The per-branch tests of the final pass are in
+//! with both pass-2 kernels ([`super::TopkSelect`]), and compares it with the default bit for bit (indices
+//! and score bits); the end-to-end cases do the same with the default pass 2. The per-branch tests of the final pass are in
 //! tests/indexer.rs.
 //!
 //! Cases: (A) top-k alone on host-made scores: every num_valid in 0..=4096 (batched, many rows per launch),
@@ -36,7 +37,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
-use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers, TopkFinal};
+use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers, TopkFinal, TopkSelect};
 use crate::gpu::Gpu;
 
 /// What to run.
@@ -273,23 +274,29 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
             cx.fail(&format!("{label} k={k} num_valid={} row={r}", row.len()), e);
         }
     }
-    // The multi-CTA final pass on the same buffers (re-poisoned outputs): bit for bit the default's answer.
+    // The multi-CTA final pass (with either pass 2) on the same buffers, re-poisoned outputs: bit for bit the
+    // default's answer.
     let fp = TopkFinal::multi_cta_for(gpu, rows.len());
-    gpu.fill_bytes(&mut bufs.out_idx, 0xFF)?;
-    gpu.fill_bytes(&mut bufs.out_score, 0xFF)?;
-    super::topk_with(gpu, &scores, stride, &nv_dev, &nv, &mut bufs, fp)?;
-    if !cx.watch(&format!("{what} ({fp:?})"))? {
-        return Ok(false);
-    }
-    let idx_m = gpu.download(&bufs.out_idx)?;
-    let sc_m = gpu.download(&bufs.out_score)?;
-    for (r, row) in rows.iter().enumerate() {
-        cx.rep.cases += 1;
-        if let Some(detail) = first_difference(k, r, (&idx, &sc), (&idx_m, &sc_m)) {
-            cx.fail(
-                &format!("{label} k={k} num_valid={} row={r} {fp:?}", row.len()),
-                detail,
-            );
+    for sel in [TopkSelect::PerWarpAtomics, TopkSelect::CtaAggregated] {
+        gpu.fill_bytes(&mut bufs.out_idx, 0xFF)?;
+        gpu.fill_bytes(&mut bufs.out_score, 0xFF)?;
+        super::topk_path(gpu, &scores, stride, &nv_dev, &nv, &mut bufs, sel, fp)?;
+        if !cx.watch(&format!("{what} ({sel:?}, {fp:?})"))? {
+            return Ok(false);
+        }
+        let idx_m = gpu.download(&bufs.out_idx)?;
+        let sc_m = gpu.download(&bufs.out_score)?;
+        for (r, row) in rows.iter().enumerate() {
+            cx.rep.cases += 1;
+            if let Some(detail) = first_difference(k, r, (&idx, &sc), (&idx_m, &sc_m)) {
+                cx.fail(
+                    &format!(
+                        "{label} k={k} num_valid={} row={r} {sel:?} {fp:?}",
+                        row.len()
+                    ),
+                    detail,
+                );
+            }
         }
     }
     Ok(true)
