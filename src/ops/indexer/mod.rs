@@ -3,6 +3,10 @@
 //! Device code and its design notes: kernels/indexer.cu. CPU reference: [`reference`]. Stress suite with a
 //! host-side watchdog: [`stress`].
 //!
+//! A/B top-k options (session 4; the default path is unchanged): [`topk_with`] / [`topk_path`] /
+//! [`run_with`] take a [`TopkFinal`] (one CTA per row, or the multi-CTA final pass) and a [`TopkSelect`]
+//! (pass 2's slot allocation); every combination returns the same top-k bit for bit.
+//!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
 //!   row `row`. q is e4m3 `[rows, 64, 128]` (Hadamard-rotated like the keys), `w` f32 `[rows, 64]` with the
