@@ -422,7 +422,7 @@ pub enum TopkFinal {
 }
 
 impl TopkFinal {
-    /// The multi-CTA pass with about two CTAs per SM (one wave: 512 threads, ~45 KB of shared memory each):
+    /// The multi-CTA pass with about two CTAs per SM (one wave: 512 threads, 41-53 KB of shared memory each):
     /// `2 * sm_count / rows` CTAs per row, clamped to 8..=32 (132 SMs: 32 at 1-8 rows, 16 at 16, 8 from 33).
     pub fn multi_cta_for(gpu: &Gpu, rows: usize) -> TopkFinal {
         let per_row = (2 * gpu.info.sm_count as usize / rows.max(1)).clamp(8, 32) as u32;
