@@ -630,6 +630,61 @@ fn multi_cta_model_matches_reference_topk() {
     assert!(fallbacks > 0, "seed {seed:#x}: no row took the fallback");
 }
 
+/// The slot allocation of indexer_topk5_select_agg (CTA-aggregated pass 2), mirrored: 16 warps x 8 steps of
+/// random ballots (densities from none to all lanes); warp totals are popcount sums, thread 0's exclusive scan
+/// gives each warp's offset, one atomic per CTA gives the base, and lane l of warp w at step r writes slot
+/// base + offset[w] + (hits of warp w in steps < r) + popc(ballot_r & lanes below l). The slots of every CTA must
+/// be exactly base .. base + its total, once each, and consecutive CTAs must tile the counter's range.
+#[test]
+fn cta_aggregated_slot_allocation_is_a_dense_permutation() {
+    let (seed, mut rng) = seeded("select_agg_slots");
+    const WARPS: usize = 16; // TK2_THREADS / 32
+    const STEPS: usize = 8; // TK2_PER_THREAD
+    for case in 0..300 {
+        let density = [0.0f64, 0.001, 0.03, 0.5, 1.0][case % 5];
+        let mut counter = 0u32; // the row's global counter
+        let mut seen = Vec::new();
+        for _cta in 0..3 {
+            let ballots: Vec<[u32; STEPS]> = (0..WARPS)
+                .map(|_| {
+                    std::array::from_fn(|_| {
+                        (0..32).fold(0u32, |m, l| m | ((rng.random_bool(density) as u32) << l))
+                    })
+                })
+                .collect();
+            let totals: Vec<u32> = ballots
+                .iter()
+                .map(|b| b.iter().map(|x| x.count_ones()).sum())
+                .collect();
+            let mut offsets = vec![0u32; WARPS];
+            let mut t = 0;
+            for w in 0..WARPS {
+                offsets[w] = t;
+                t += totals[w];
+            }
+            let base = counter; // atomicAdd(&cnt, t) returns the old value
+            counter += t;
+            for w in 0..WARPS {
+                let mut run = base + offsets[w];
+                for &b in &ballots[w] {
+                    for lane in 0..32 {
+                        if (b >> lane) & 1 == 1 {
+                            seen.push(run + (b & ((1u32 << lane) - 1)).count_ones());
+                        }
+                    }
+                    run += b.count_ones();
+                }
+            }
+        }
+        seen.sort_unstable();
+        let want: Vec<u32> = (0..counter).collect();
+        assert_eq!(
+            seen, want,
+            "seed {seed:#x} case {case}: slots are not 0..{counter} once each"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // GPU
 // ---------------------------------------------------------------------------------------------------------
