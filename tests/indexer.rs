@@ -656,7 +656,7 @@ fn cta_aggregated_slot_allocation_is_a_dense_permutation() {
                 .iter()
                 .map(|b| b.iter().map(|x| x.count_ones()).sum())
                 .collect();
-            let mut offsets = vec![0u32; WARPS];
+            let mut offsets = [0u32; WARPS];
             let mut t = 0;
             for w in 0..WARPS {
                 offsets[w] = t;
