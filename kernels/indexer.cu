@@ -1234,6 +1234,349 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk3_fina
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// Top-k v4 final pass, several CTAs per row (A/B candidate, bench variant `fused_mcta`): indexer_topk2_hist ->
+// indexer_topk2_select -> indexer_topk4_final_mcta. Passes 1-2 are the default's, unchanged.
+// Why: ncu of indexer_topk3_final at 1M / batch 1 / k 512: 14.9 us, one CTA, 81K warp instructions at IPC 3.08
+// on ONE SM: instruction-bound on rank_count's m^2 compares. The ranks do not need one CTA:
+//   every chosen entry's output position is computable on its own. With a = #above-threshold entries
+//   (composites A[0..a), bin > B) and the threshold bucket's composites Bk[0..nb) (bin == B), rem = kk - a:
+//     above entry c  -> position #{ A[j] > c }            (< a; every bucket entry is below every above entry)
+//     bucket entry c -> position a + #{ Bk[j] > c }       if that rank is < rem (else not chosen)
+//   All composites are unique (low word ~index), so each rank set is a permutation: every position
+//   0..a+rem-1 is written exactly once (the identity model_rank_topk / model_mcta_topk in tests/indexer.rs
+//   check on the CPU). This is exactly the contract's order, so the output is bit-identical to v3's.
+// Grid (S, rows), S = gridDim.x >= TK4_MIN_SPLIT CTAs per row, TK4_THREADS threads. CTA s loads all of A and
+//   Bk into shared memory (a <= k, nb <= TK4_BUCKET_CAP: a few KB from L2, written by pass 2 just before) and
+//   ranks only its slice of each: above entries [s*ceil(a/S), ..), bucket entries [s*ceil(nb/S), ..). Work per
+//   CTA ~ (a^2 + nb^2) / S compares (v3: a^2 + nb^2 or a radix select + total^2 on one SM). The j range is
+//   split so all threads work (rank_slice), partial counts merged with shared-memory atomics. The -1 / -inf
+//   tail [a + rem, k) and the zeroing of hist[row] are split over the S CTAs (grid-strided).
+// Fallback: nb > TK4_BUCKET_CAP with rem > 0 (heavy ties, e.g. all-equal rows: the whole row is the bucket).
+//   Block-uniform and identical in every CTA of the row (they read the same counters); CTA 0 runs v3's exact
+//   radix select over the bucket straight from global memory (block_select / block_collect) and the bitonic
+//   sort_and_write (which also writes the -1 / -inf tail); the other CTAs only zero their part of hist[row].
+// Reset protocol (v3 zeroes the counters after a barrier once its single CTA has read them; with S CTAs no
+//   CTA can know that the others have read them, so):
+//   * hist[row]: read only by pass 2, which finished before this pass started (stream order), so any CTA
+//     of this pass may zero any part of it: CTA s zeroes bins s*T + tid, step S*T.
+//   * counters[row] (above, bucket): read by thread 0 of every CTA of the row, then an arrival
+//     atom.add.release.gpu on arrivals[row] (release: the reads are ordered before it). The CTA whose arrival
+//     returns S - 1 arrived last: all S - 1 other arrivals precede it in the atomic's order and, being
+//     release RMWs on one location, synchronize with it once it executes fence.acq_rel (acquire pattern);
+//     so every other CTA's counter reads happen before its zeroing of counters[row] and arrivals[row], done
+//     at the end of its work (the atomic's result is only consumed there). No reader of either is left in
+//     this pass; the next writer is pass 2 (counters) / this pass (arrivals) of the next call, which start
+//     after this grid completed (stream order, also inside a CUDA graph). So, as with v3, hist, counters
+//     and arrivals are zero at the end of every call: back-to-back calls, graph replays and mixing v3 and
+//     v4 calls on the same buffers need no memset. Rows with n == 0 (passes 1-2 never ran for them: hist
+//     and counters stay zero) take part in the protocol like every row: the grid always covers every row.
+//     The launcher re-zeroes hist, counters and arrivals after a call interrupted between launches.
+// Memory safety never depends on the counters being right: a, nb are clamped to kk and bucket_stride, every
+//   position written is < a + rem <= kk <= k (above ranks are clamped to a - 1).
+// Deadlock freedom: the only barriers are (1) one in straight-line code before any return, (2) the two of
+//   the rank path in straight-line code after block-uniform returns (total == 0; fallback), (3) those inside
+//   block_select / block_collect / sort_and_write, reached by CTA 0 under the block-uniform fallback
+//   condition (argument under "Top-k"). rank_slice's per-thread loops contain no barrier and no warp
+//   collective. The arrival counter is never waited on: no CTA waits for another.
+namespace {
+
+constexpr int TK4_THREADS = 512;
+constexpr int TK4_MIN_SPLIT = 8;         // the launcher's lower bound on S; sizes the static rank arrays
+constexpr int TK4_BUCKET_CAP = 4096;     // bucket composites ranked in shared memory (32 KB)
+constexpr int TK4_RANK_A = TOPK_MAX_K / TK4_MIN_SPLIT;        // >= ceil(a / S)
+constexpr int TK4_RANK_B = TK4_BUCKET_CAP / TK4_MIN_SPLIT;    // >= ceil(nb / S) on the rank path
+static_assert(TK4_THREADS >= 256, "block_select scans 256 radix buckets with one thread each");
+
+// rank[i] += #{ j < m : v[j] > v[e0 + i] } for i < cnt. Preconditions (the caller, before a barrier): rank[0..cnt)
+// zero, v[0..m) written, v[m] == 0 when m is odd (0 is below every composite: order_key >= 0x007FFFFF, so the
+// pad never counts), v 16-byte aligned, e0 + cnt <= m. Work items (i, split) cover all of [0, m) for each i;
+// the split count is block-uniform. No barrier inside; the caller puts one after it before reading rank.
+__device__ void rank_slice(const uint64_t* v, int m, int e0, int cnt, uint32_t* rank) {
+    if (cnt <= 0) return;  // block-uniform
+    const int nthr = blockDim.x;
+    const int pairs = (m + 1) >> 1;  // >= 1 since m >= cnt >= 1
+    const int splits = max(1, min(nthr / cnt, pairs));
+    const int per = (pairs + splits - 1) / splits;
+    const ulonglong2* v2 = reinterpret_cast<const ulonglong2*>(v);
+    for (int w = threadIdx.x; w < cnt * splits; w += nthr) {  // per-thread trip count: no barrier inside
+        const int i = w % cnt, s = w / cnt;
+        const unsigned long long c = v[e0 + i];
+        const int j0 = s * per, j1 = min(pairs, j0 + per);
+        uint32_t c0 = 0, c1 = 0;
+#pragma unroll 4
+        for (int j = j0; j < j1; ++j) {
+            const ulonglong2 p = v2[j];
+            c0 += p.x > c ? 1u : 0u;
+            c1 += p.y > c ? 1u : 0u;
+        }
+        if (c0 + c1) atomicAdd(&rank[i], c0 + c1);
+    }
+}
+
+// Slots of the above / sort buffer in dynamic shared memory: next power of two >= k (the fallback's bitonic
+// sort pads to it) + 2 (the odd-m pad at index a <= k; keeps the bucket buffer after it 16-byte aligned).
+// The launcher computes the same (topk4_smem_bytes in src/ops/indexer/mod.rs).
+__device__ __forceinline__ int tk4_above_slots(int k) {
+    int kpad = 1;
+    while (kpad < k) kpad <<= 1;
+    return kpad + 2;
+}
+
+}  // namespace
+
+namespace {
+
+// Arrival on the row's counter with release semantics (PTX atom.release.gpu: this thread's earlier memory
+// operations, the counter reads, are ordered before it). Compiles to MEMBAR.ALL.GPU + ATOMG, lighter than
+// __threadfence()'s MEMBAR.SC.GPU.
+__device__ __forceinline__ uint32_t tk4_arrive_release(uint32_t* p) {
+    uint32_t old;
+    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+    return old;
+}
+// Acquire side (PTX: a strong read, here the arrival atomic that returned S - 1, followed by fence.acq_rel is
+// an acquire pattern): it synchronizes with every other CTA's release arrival (the atomics form one release
+// sequence), so their counter reads happen before the zeroing stores that follow.
+__device__ __forceinline__ void tk4_fence_acquire() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// One CTA's share of a row (everything but the counter reset): called by every thread of the CTA, returns
+// early only under block-uniform conditions. cnt_s holds the row's counters (read by thread 0 before).
+// Thread 0 (which read the counters into cnt_s) arrives on *arrival right after the first barrier and
+// returns the atomic's result in prior; warp 0 then takes no part in the global loads of the composites, so the
+// atomic's round trip (ptxas aggregates it per warp and waits for it at once) overlaps the other warps' loads
+// instead of adding to the time before the second barrier.
+__device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__ hist_row, const uint32_t* cnt_s,
+                             uint32_t* arrival, uint32_t& prior, const unsigned long long* __restrict__ above_row,
+                             const unsigned long long* __restrict__ bucket_row, int bucket_stride,
+                             int* __restrict__ oi, float* __restrict__ os, uint64_t* A, uint64_t* Bk,
+                             SelectShared& sh, uint32_t* rank_a, uint32_t* rank_b) {
+    const int tid = threadIdx.x;
+    for (int i = s * TK4_THREADS + tid; i < TK2_BINS; i += S * TK4_THREADS) hist_row[i] = 0;
+    __syncthreads();  // cnt_s visible
+    if (tid == 0) prior = tk4_arrive_release(arrival);  // thread 0's counter reads are ordered before it
+    const int a = (int)min(cnt_s[0], (uint32_t)kk);
+    const int nb = (int)min(cnt_s[1], (uint32_t)bucket_stride);
+    const int rem = max(0, min(kk - a, nb));  // block-uniform; 0 when kk == 0
+    const int total = a + rem;                // == kk with a consistent state
+
+    if (rem > 0 && nb > TK4_BUCKET_CAP) {  // block-uniform fallback: CTA 0 alone, v3's radix select + bitonic
+        if (s != 0) return;
+        for (int i = tid; i < a; i += TK4_THREADS) A[i] = above_row[i];
+        const bool all = rem >= nb;
+        uint64_t prefix = 0;
+        int shift = 64;
+        auto emit = [&](uint32_t pos, uint64_t cc) {
+            if ((int)pos < rem) A[a + pos] = cc;
+        };
+        const GlobalCompSrc src{reinterpret_cast<const uint64_t*>(bucket_row)};
+        if (!all) block_select(src, nb, rem, sh, prefix, shift);
+        block_collect(src, nb, all, prefix, shift, sh, emit);
+        sort_and_write(A, total, k, oi, os);  // starts with a barrier-protected fill; writes [0, k)
+        return;
+    }
+    for (int j = total + s * TK4_THREADS + tid; j < k; j += S * TK4_THREADS) {
+        oi[j] = -1;
+        os[j] = -INFINITY;
+    }
+    if (total == 0) return;  // block-uniform: nothing to rank
+
+    const int mb = rem > 0 ? nb : 0;  // bucket entries to rank (block-uniform; <= TK4_BUCKET_CAP here)
+    if (tid >= 32) {  // warp-uniform: warp 0 waits on the arrival atomic meanwhile
+        for (int i = tid - 32; i < a; i += TK4_THREADS - 32) A[i] = above_row[i];
+        for (int i = tid - 32; i < mb; i += TK4_THREADS - 32) Bk[i] = bucket_row[i];
+    }
+    if (tid == 0) {
+        A[a] = 0;  // pads for odd a / mb (a <= k < tk4_above_slots(k); mb <= TK4_BUCKET_CAP)
+        Bk[mb] = 0;
+    }
+    const int per_a = (a + S - 1) / S, a0 = min(a, s * per_a), na = min(a, a0 + per_a) - a0;    // na <= TK4_RANK_A
+    const int per_b = (mb + S - 1) / S, b0 = min(mb, s * per_b), nbs = min(mb, b0 + per_b) - b0;  // <= TK4_RANK_B
+    for (int i = tid; i < na; i += TK4_THREADS) rank_a[i] = 0;
+    for (int i = tid; i < nbs; i += TK4_THREADS) rank_b[i] = 0;
+    __syncthreads();  // A, Bk, pads and zeroed ranks visible
+    rank_slice(A, a, a0, na, rank_a);
+    rank_slice(Bk, mb, b0, nbs, rank_b);
+    __syncthreads();
+    for (int i = tid; i < na; i += TK4_THREADS) {
+        const uint64_t c = A[a0 + i];
+        const uint32_t r = min(rank_a[i], (uint32_t)(a - 1));  // < a: unique composites
+        oi[r] = (int)~(uint32_t)c;
+        os[r] = key_to_score((uint32_t)(c >> 32));
+    }
+    for (int i = tid; i < nbs; i += TK4_THREADS) {
+        const uint32_t r = rank_b[i];
+        if (r < (uint32_t)rem) {
+            const uint64_t c = Bk[b0 + i];
+            oi[a + r] = (int)~(uint32_t)c;
+            os[a + r] = key_to_score((uint32_t)(c >> 32));
+        }
+    }
+}
+
+}  // namespace
+
+// grid (S, rows) with S >= TK4_MIN_SPLIT, block TK4_THREADS, dynamic smem = 8 * (tk4_above_slots(k) +
+// TK4_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
+// Thread 0 reads the counters, arrives after the first barrier (see tk4_row_part) and, if its CTA arrived last,
+// zeroes them at the very end.
+extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta(
+    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
+    uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
+    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
+    float* __restrict__ out_score) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    __shared__ SelectShared sh;
+    __shared__ uint32_t rank_a[TK4_RANK_A];
+    __shared__ uint32_t rank_b[TK4_RANK_B];
+    __shared__ uint32_t cnt_s[2];
+    const int S = gridDim.x, s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+    if (S < TK4_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
+    uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // above composites; the fallback's sort buffer
+    uint64_t* const Bk = A + tk4_above_slots(k);                 // bucket composites (rank path)
+    const int n = row_valid(num_valid, row, score_stride);
+    uint32_t* cnt = counters + 2 * (size_t)row;
+    uint32_t prior = 0;
+    if (tid == 0) {
+        cnt_s[0] = cnt[0];
+        cnt_s[1] = cnt[1];
+    }
+    tk4_row_part(S, s, k, min(k, n), hist + (size_t)row * TK2_BINS, cnt_s, &arrivals[row], prior,
+                 above + (size_t)row * k, bucket + (size_t)row * bucket_stride, bucket_stride,
+                 out_idx + (size_t)row * k, out_score + (size_t)row * k, A, Bk, sh, rank_a, rank_b);
+    if (tid == 0 && prior == (uint32_t)S - 1) {  // the row's last CTA to arrive
+        tk4_fence_acquire();  // every other CTA's counter reads happened before: zero for the next call
+        cnt[0] = 0;
+        cnt[1] = 0;
+        arrivals[row] = 0;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Top-k pass 2 with CTA-aggregated slot allocation (A/B candidate, bench variant `fused_mcta_sel`; pairs with
+// indexer_topk4_final_mcta). Same contract and threshold as indexer_topk2_select; only the slot allocation
+// differs.
+// Why: ncu at batch 16 / 64K context (16,384 entries per row, k 512): indexer_topk2_select takes 10.3 us with
+// IPC 0.65 and 0.23 eligible warps per scheduler. There ~3% of the entries are above the threshold bin and a
+// few % in it, so nearly every (warp, r) step of the unrolled loop does a global atomicAdd on the row's
+// counters and waits for its result before the stores: up to 8 dependent L2 round trips per warp, all warps
+// of the row's CTAs contending on two addresses. (At 1M / batch 1, 0.2% above, most steps skip.)
+// Here each CTA first counts its above / bucket entries per warp (ballot popcounts, registers only), thread 0
+// scans the 16 warp totals and does ONE atomicAdd per counter for the whole CTA, and every warp then writes
+// its entries at CTA base + warp offset + running in-warp prefix: one round trip per CTA instead of one per
+// (warp, step). The set of entries written to above[] / bucket[] and the final counter values are the same as
+// pass 2's; only the slot order differs, and every final pass is order-independent (ranks by counting, radix
+// select, bitonic sort), so the top-k output is bit-identical.
+// Deadlock freedom: the two extra barriers are in straight-line code after the block-uniform early return;
+// the per-value loops have compile-time trip counts (ballots warp-uniform), no barrier inside.
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg(
+    const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
+    const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
+    unsigned long long* __restrict__ bucket, int bucket_stride) {
+    __shared__ uint32_t warp_sums[TK2_THREADS / 32];
+    __shared__ uint32_t warp_up[TK2_THREADS / 32], warp_eq[TK2_THREADS / 32];
+    __shared__ uint32_t thr_bin, base_up, base_eq;
+    const int row = blockIdx.y;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int base = blockIdx.x * TK2_SLICE;
+    if (base >= n) return;  // block-uniform, before any barrier
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t kk = (uint32_t)min(k, n);  // >= 1 here
+
+    const float* src = scores + (size_t)row * score_stride;
+    float v[TK2_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {
+        const int i = base + r * TK2_THREADS + tid;
+        v[r] = i < n ? src[i] : 0.f;
+    }
+
+    // Threshold bin: as indexer_topk2_select.
+    const uint4* g4 = reinterpret_cast<const uint4*>(hist + (size_t)row * TK2_BINS + (TK2_BINS - 8 - 8 * tid));
+    const uint4 lo = g4[0], hi = g4[1];
+    const uint32_t c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
+    uint32_t own = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) own += c[j];
+    uint32_t incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    if (tid == 0) thr_bin = TK2_BINS;
+    __syncthreads();
+    for (int w2 = 0; w2 < warp; ++w2) incl += warp_sums[w2];  // no barrier inside
+    const uint32_t excl = incl - own;
+    if (excl < kk && incl >= kk) {
+        uint32_t run = excl;
+        int found = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (!found && run + c[j] >= kk) {
+                thr_bin = (uint32_t)(TK2_BINS - 1 - (8 * tid + j));
+                found = 1;
+            }
+            run += c[j];
+        }
+    }
+    __syncthreads();
+    const uint32_t B = thr_bin;
+
+    // Ballots of every step (registers), per-warp totals.
+    unsigned bu[TK2_PER_THREAD], be[TK2_PER_THREAD];
+    uint32_t keys[TK2_PER_THREAD];
+    uint32_t wu = 0, we = 0;
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
+        const int i = base + r * TK2_THREADS + tid;
+        keys[r] = order_key(v[r]);
+        const uint32_t bin = keys[r] >> TK2_SHIFT;
+        bu[r] = __ballot_sync(FULL, i < n && bin > B && B < TK2_BINS);
+        be[r] = __ballot_sync(FULL, i < n && bin == B);
+        wu += (uint32_t)__popc(bu[r]);
+        we += (uint32_t)__popc(be[r]);
+    }
+    if (lane == 0) {
+        warp_up[warp] = wu;
+        warp_eq[warp] = we;
+    }
+    __syncthreads();
+    if (tid == 0) {  // exclusive scan of the 16 warp totals, then one atomic per counter for the CTA
+        uint32_t tu = 0, te = 0;
+        for (int w2 = 0; w2 < TK2_THREADS / 32; ++w2) {
+            const uint32_t u = warp_up[w2], e = warp_eq[w2];
+            warp_up[w2] = tu;
+            warp_eq[w2] = te;
+            tu += u;
+            te += e;
+        }
+        uint32_t* cnt = counters + 2 * (size_t)row;
+        base_up = tu ? atomicAdd(&cnt[0], tu) : 0u;
+        base_eq = te ? atomicAdd(&cnt[1], te) : 0u;
+    }
+    __syncthreads();
+    uint32_t su = base_up + warp_up[warp], se = base_eq + warp_eq[warp];
+    unsigned long long* above_row = above + (size_t)row * k;
+    unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
+    const unsigned lanes_below = (1u << lane) - 1u;
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {
+        const int i = base + r * TK2_THREADS + tid;
+        if ((bu[r] >> lane) & 1u) {
+            const uint32_t slot = su + __popc(bu[r] & lanes_below);
+            if (slot < (uint32_t)k) above_row[slot] = composite(keys[r], (uint32_t)i);
+        }
+        if ((be[r] >> lane) & 1u) {
+            const uint32_t slot = se + __popc(be[r] & lanes_below);
+            if (slot < (uint32_t)bucket_stride) bucket_row[slot] = composite(keys[r], (uint32_t)i);
+        }
+        su += (uint32_t)__popc(bu[r]);
+        se += (uint32_t)__popc(be[r]);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // Baseline: the seeds' path. Dequantize keys to fp32, fp32 "einsum" on CUDA cores, full bitonic sort.
 // ------------------------------------------------------------------------------------------------------------
 

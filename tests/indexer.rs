@@ -516,6 +516,175 @@ fn rank_counting_model_matches_reference_topk() {
     );
 }
 
+/// A sequential model of indexer_topk4_final_mcta (kernels/indexer.cu "Top-k v4") with `ctas` CTAs: the
+/// above / bucket composites in an arbitrary (shuffled) order as pass 2's atomics leave them; CTA s ranks its
+/// slices [s*ceil(a/S), ..) of the above entries (among the above entries) and [s*ceil(nb/S), ..) of the
+/// bucket entries (among the bucket; written at a + rank when rank < rem); CTA s writes the -1 tail at
+/// a + rem + s*T + t, step S*T. Every position of the row must be written exactly once, by the rule the kernel
+/// uses. Rows whose bucket exceeds the kernel's cap take the one-CTA fallback (v3's code): returned as None.
+fn model_mcta_topk(
+    scores: &[f32],
+    k: usize,
+    ctas: usize,
+    rng: &mut ChaCha8Rng,
+) -> Option<Vec<i32>> {
+    use rand::seq::SliceRandom;
+    const THREADS: usize = 512; // TK4_THREADS
+    let n = scores.len();
+    let kk = k.min(n);
+    let comp = |i: usize| ((reference::order_key(scores[i]) as u64) << 32) | (!(i as u32)) as u64;
+    let mut hist = vec![0usize; 4096];
+    for i in 0..n {
+        hist[(comp(i) >> 52) as usize] += 1;
+    }
+    let (mut excl, mut b) = (0usize, None);
+    for bin in (0..4096).rev() {
+        if excl + hist[bin] >= kk && kk > 0 {
+            b = Some(bin as u64);
+            break;
+        }
+        excl += hist[bin];
+    }
+    let (mut above, mut bucket) = (Vec::new(), Vec::new());
+    if let Some(b) = b {
+        above = (0..n).map(comp).filter(|&c| c >> 52 > b).collect();
+        bucket = (0..n).map(comp).filter(|&c| c >> 52 == b).collect();
+    }
+    above.shuffle(rng);
+    bucket.shuffle(rng);
+    let (a, nb) = (above.len(), bucket.len());
+    let rem = kk.saturating_sub(a).min(nb);
+    if rem > 0 && nb > indexer::TOPK4_BUCKET_CAP {
+        return None;
+    }
+    let total = a + rem;
+    assert_eq!(total, kk);
+    let mb = if rem > 0 { nb } else { 0 };
+    let mut out = vec![i32::MIN; k]; // MIN marks "not written"
+    let mut put = |pos: usize, v: i32| {
+        assert_eq!(out[pos], i32::MIN, "position {pos} written twice");
+        out[pos] = v;
+    };
+    let (per_a, per_b) = (a.div_ceil(ctas), mb.div_ceil(ctas));
+    for s in 0..ctas {
+        let (a0, b0) = ((s * per_a).min(a), (s * per_b).min(mb));
+        for &c in &above[a0..(a0 + per_a).min(a)] {
+            put(above.iter().filter(|&&d| d > c).count(), !(c as u32) as i32);
+        }
+        for &c in &bucket[b0..(b0 + per_b).min(mb)] {
+            let r = bucket.iter().filter(|&&d| d > c).count();
+            if r < rem {
+                put(a + r, !(c as u32) as i32);
+            }
+        }
+        let mut j = total + s * THREADS;
+        while j < k {
+            for t in 0..THREADS.min(k - j) {
+                put(j + t, -1);
+            }
+            j += ctas * THREADS;
+        }
+    }
+    assert!(
+        out.iter().all(|&v| v != i32::MIN),
+        "a position was never written"
+    );
+    Some(out)
+}
+
+#[test]
+fn multi_cta_model_matches_reference_topk() {
+    let (seed, mut rng) = seeded("mcta_model");
+    let mut fallbacks = 0;
+    for case in 0..160 {
+        let n = [0usize, 1, 2, 100, 511, 512, 513, 1000, 3000, 5000][case % 10]
+            + rng.random_range(0..3);
+        let k = [1usize, 7, 300, 512, 1024, 2048][rng.random_range(0..6)];
+        let ctas = [8usize, 13, 16, 32, 64][rng.random_range(0..5)];
+        let scores: Vec<f32> = (0..n)
+            .map(|_| match (case / 10) % 5 {
+                0 => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
+                1 => rng.random_range(0..3) as f32,
+                4 => 2.5, // all equal: the whole row is the threshold bucket
+                2 => [
+                    0.0f32,
+                    -0.0,
+                    1.0,
+                    f32::NAN,
+                    f32::NEG_INFINITY,
+                    f32::INFINITY,
+                ][rng.random_range(0..6)],
+                _ => rng.random_range(-1.0f32..1.0),
+            })
+            .collect();
+        match model_mcta_topk(&scores, k, ctas, &mut rng) {
+            Some(got) => assert_eq!(
+                got,
+                reference::topk(&scores, k),
+                "seed {seed:#x} case {case}: n {n} k {k} ctas {ctas}"
+            ),
+            None => fallbacks += 1,
+        }
+    }
+    // All-equal rows of 5000 entries put > 4096 entries in one bin: the fallback must be reachable.
+    assert!(fallbacks > 0, "seed {seed:#x}: no row took the fallback");
+}
+
+/// The slot allocation of indexer_topk5_select_agg (CTA-aggregated pass 2), mirrored: 16 warps x 8 steps of
+/// random ballots (densities from none to all lanes); warp totals are popcount sums, thread 0's exclusive scan
+/// gives each warp's offset, one atomic per CTA gives the base, and lane l of warp w at step r writes slot
+/// base + offset[w] + (hits of warp w in steps < r) + popc(ballot_r & lanes below l). The slots of every CTA must
+/// be exactly base .. base + its total, once each, and consecutive CTAs must tile the counter's range.
+#[test]
+fn cta_aggregated_slot_allocation_is_a_dense_permutation() {
+    let (seed, mut rng) = seeded("select_agg_slots");
+    const WARPS: usize = 16; // TK2_THREADS / 32
+    const STEPS: usize = 8; // TK2_PER_THREAD
+    for case in 0..300 {
+        let density = [0.0f64, 0.001, 0.03, 0.5, 1.0][case % 5];
+        let mut counter = 0u32; // the row's global counter
+        let mut seen = Vec::new();
+        for _cta in 0..3 {
+            let ballots: Vec<[u32; STEPS]> = (0..WARPS)
+                .map(|_| {
+                    std::array::from_fn(|_| {
+                        (0..32).fold(0u32, |m, l| m | ((rng.random_bool(density) as u32) << l))
+                    })
+                })
+                .collect();
+            let totals: Vec<u32> = ballots
+                .iter()
+                .map(|b| b.iter().map(|x| x.count_ones()).sum())
+                .collect();
+            let mut offsets = [0u32; WARPS];
+            let mut t = 0;
+            for w in 0..WARPS {
+                offsets[w] = t;
+                t += totals[w];
+            }
+            let base = counter; // atomicAdd(&cnt, t) returns the old value
+            counter += t;
+            for w in 0..WARPS {
+                let mut run = base + offsets[w];
+                for &b in &ballots[w] {
+                    for lane in 0..32 {
+                        if (b >> lane) & 1 == 1 {
+                            seen.push(run + (b & ((1u32 << lane) - 1)).count_ones());
+                        }
+                    }
+                    run += b.count_ones();
+                }
+            }
+        }
+        seen.sort_unstable();
+        let want: Vec<u32> = (0..counter).collect();
+        assert_eq!(
+            seen, want,
+            "seed {seed:#x} case {case}: slots are not 0..{counter} once each"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // GPU
 // ---------------------------------------------------------------------------------------------------------
@@ -831,6 +1000,280 @@ fn gpu_topk_final_branches_match_reference() {
     println!("seed {seed:#x}: rows per branch (rank select, rank sort, select fallback, sort fallback) = {cover:?}");
 }
 
+/// Rows for the multi-CTA A/B: (scores, label). Lengths around k, multiples of 128 +- 1, the pass-1/2 slice
+/// (4096 +- 1), random up to 262,144; patterns: logit-like, all equal, all zero (+-0), NaN / +-inf mixes, three
+/// values; and directed rows whose threshold bucket holds exactly TOPK4_BUCKET_CAP - 1, CAP, CAP + 1 entries
+/// (the edge between the multi-CTA rank path and its one-CTA fallback).
+fn mcta_rows(rng: &mut ChaCha8Rng, k: usize) -> Vec<(Vec<f32>, String)> {
+    let mut lens = vec![
+        0usize,
+        1,
+        2,
+        k - 1,
+        k,
+        k + 1,
+        127,
+        129,
+        383,
+        385,
+        4095,
+        4097,
+        8191,
+    ];
+    lens.push(rng.random_range(1..=262_144));
+    lens.push(262_144);
+    let mut rows = Vec::new();
+    for (i, &n) in lens.iter().enumerate() {
+        let patterns: &[usize] = if n >= 100_000 {
+            &[0, 3 + i % 2]
+        } else {
+            &[0, 1, 2, 3, 4]
+        };
+        for &p in patterns {
+            let v: Vec<f32> = (0..n)
+                .map(|j| match p {
+                    0 => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
+                    1 => 1.25,
+                    2 => {
+                        if j % 3 == 0 {
+                            -0.0
+                        } else {
+                            0.0
+                        }
+                    }
+                    3 => match rng.random_range(0..10) {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        2 => f32::INFINITY,
+                        3 => -0.0,
+                        _ => rng.random_range(-1.0f32..1.0),
+                    },
+                    _ => rng.random_range(0..3) as f32,
+                })
+                .collect();
+            rows.push((v, format!("len {n} pattern {p}")));
+        }
+    }
+    // Directed buckets: 100 entries far above (distinct), nb entries in the bin of [1, 1.125) (distinct), the
+    // rest at -5; shuffled. Threshold bin = that of 1.0, a = 100, rem = k - 100 < nb.
+    let cap = indexer::TOPK4_BUCKET_CAP;
+    for nb in [cap - 1, cap, cap + 1] {
+        let n = 12_000usize;
+        let mut v: Vec<f32> = (0..n)
+            .map(|j| {
+                if j < 100 {
+                    1000.0 + j as f32
+                } else if j < 100 + nb {
+                    1.0 + (j - 100) as f32 * f32::powi(2.0, -20)
+                } else {
+                    -5.0
+                }
+            })
+            .collect();
+        use rand::seq::SliceRandom;
+        v.shuffle(rng);
+        rows.push((v, format!("bucket of {nb}")));
+    }
+    rows
+}
+
+/// Download a top-k result.
+fn topk_result(gpu: &megamoe::gpu::Gpu, bufs: &TopkBuffers) -> (Vec<i32>, Vec<f32>) {
+    (
+        gpu.download(&bufs.out_idx).unwrap(),
+        gpu.download(&bufs.out_score).unwrap(),
+    )
+}
+
+/// First difference between two top-k results (indices, score bits): (row, description).
+fn first_topk_diff(
+    k: usize,
+    a: &(Vec<i32>, Vec<f32>),
+    b: &(Vec<i32>, Vec<f32>),
+) -> Option<(usize, String)> {
+    (0..a.0.len())
+        .find(|&p| a.0[p] != b.0[p] || a.1[p].to_bits() != b.1[p].to_bits())
+        .map(|p| {
+            (
+                p / k,
+                format!(
+                    "row {} position {}: ({}, {:e} = {:#010x}) vs ({}, {:e} = {:#010x})",
+                    p / k,
+                    p % k,
+                    a.0[p],
+                    a.1[p],
+                    a.1[p].to_bits(),
+                    b.0[p],
+                    b.1[p],
+                    b.1[p].to_bits()
+                ),
+            )
+        })
+}
+
+#[test]
+fn gpu_topk_multi_cta_matches_default_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_topk_multi_cta_matches_default_and_reference") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_mcta");
+    for k in [512usize, 1024, 2048] {
+        let rows = mcta_rows(&mut rng, k);
+        let stride = rows
+            .iter()
+            .map(|r| r.0.len())
+            .max()
+            .unwrap()
+            .next_multiple_of(4);
+        let mut flat = vec![f32::NAN; rows.len() * stride];
+        for (r, (v, _)) in rows.iter().enumerate() {
+            flat[r * stride..r * stride + v.len()].copy_from_slice(v);
+        }
+        let nv: Vec<i32> = rows.iter().map(|r| r.0.len() as i32).collect();
+        let sd = gpu.upload(&flat).unwrap();
+        let nvd = gpu.upload(&nv).unwrap();
+        let mut bufs = TopkBuffers::new(&gpu, rows.len(), k, stride).unwrap();
+        use indexer::{TopkFinal as F, TopkSelect as S};
+        let paths = [
+            (S::PerWarpAtomics, F::OneCta),
+            (S::PerWarpAtomics, F::multi_cta_for(&gpu, rows.len())),
+            (S::PerWarpAtomics, F::MultiCta { ctas_per_row: 8 }),
+            (S::CtaAggregated, F::multi_cta_for(&gpu, rows.len())),
+            (S::PerWarpAtomics, F::MultiCta { ctas_per_row: 64 }),
+            (S::PerWarpAtomics, F::OneCta),
+            (S::CtaAggregated, F::OneCta),
+            (S::CtaAggregated, F::MultiCta { ctas_per_row: 13 }),
+        ];
+        // Back-to-back calls on the same buffers, alternating paths: each must leave the histogram, counters
+        // and arrival counters zeroed, or the next call's threshold (and answer) is wrong.
+        let mut default_out = None;
+        for (call, &(sel, fp)) in paths.iter().enumerate() {
+            gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+            gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+            indexer::topk_path(&gpu, &sd, stride, &nvd, &nv, &mut bufs, sel, fp).unwrap();
+            assert!(
+                stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+                "seed {seed:#x}: top-k {sel:?} {fp:?} did not finish within 5 s (k {k}, call {call})"
+            );
+            let got = topk_result(&gpu, &bufs);
+            match &default_out {
+                None => {
+                    // The default path against the reference first (indices exactly, scores bit for bit).
+                    for (r, (v, label)) in rows.iter().enumerate() {
+                        let want = reference::topk(v, k);
+                        for (j, &wi) in want.iter().enumerate() {
+                            let ws = if wi >= 0 {
+                                reference::canonical_score(v[wi as usize])
+                            } else {
+                                f32::NEG_INFINITY
+                            };
+                            let p = r * k + j;
+                            assert!(
+                                got.0[p] == wi && got.1[p].to_bits() == ws.to_bits(),
+                                "seed {seed:#x} k {k} {fp:?} row {r} ({label}) position {j}: got ({}, {:e}) \
+                                 want ({wi}, {ws:e})",
+                                got.0[p],
+                                got.1[p]
+                            );
+                        }
+                    }
+                    default_out = Some(got);
+                }
+                Some(d) => {
+                    if let Some((r, diff)) = first_topk_diff(k, &got, d) {
+                        panic!(
+                            "seed {seed:#x} k {k} call {call}: {sel:?} {fp:?} differs from the default ({}): {diff}",
+                            rows[r].1
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
+    let Some(gpu) = gpu_for_test("gpu_topk_multi_cta_graph_replay_leaves_buffers_clean") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_mcta_graph");
+    let k = 512usize;
+    let lens = [262_144usize, 0, 70_001, 513, 4097];
+    let stride = 262_144usize;
+    let make = |rng: &mut ChaCha8Rng| -> Vec<f32> {
+        let mut flat = vec![f32::NAN; lens.len() * stride];
+        for (r, &n) in lens.iter().enumerate() {
+            for x in &mut flat[r * stride..r * stride + n] {
+                *x = (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0;
+            }
+        }
+        flat
+    };
+    let nv: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
+    let mut flat = make(&mut rng);
+    let mut sd = gpu.upload(&flat).unwrap();
+    let nvd = gpu.upload(&nv).unwrap();
+    let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
+    let fp = indexer::TopkFinal::multi_cta_for(&gpu, lens.len());
+    // One eager call first: loads the module and sets the shared-memory attribute outside the capture (and
+    // must itself leave the buffers clean for the first replay).
+    indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp).unwrap();
+    assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
+    let graph = gpu
+        .capture(|| indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp))
+        .unwrap();
+    // Replays with new scores written into the captured input buffer: a replay that left the histogram,
+    // counters or arrival counters dirty makes the next replay's answer wrong.
+    for replay in 0..4 {
+        if replay > 0 {
+            flat = make(&mut rng);
+            gpu.stream.memcpy_htod(&flat, &mut sd).unwrap();
+        }
+        gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+        gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+        graph.launch().unwrap();
+        assert!(
+            stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+            "seed {seed:#x}: graph replay {replay} did not finish within 5 s"
+        );
+        let (idx, sc) = topk_result(&gpu, &bufs);
+        for (r, &n) in lens.iter().enumerate() {
+            let row = &flat[r * stride..r * stride + n];
+            if let Err(e) = reference::check_topk_exact(row, k, &idx[r * k..(r + 1) * k]) {
+                panic!("seed {seed:#x} replay {replay} row {r} (num_valid {n}): {e}");
+            }
+            for j in 0..k {
+                let i = idx[r * k + j];
+                let want = if i >= 0 {
+                    reference::canonical_score(row[i as usize])
+                } else {
+                    f32::NEG_INFINITY
+                };
+                assert_eq!(
+                    sc[r * k + j].to_bits(),
+                    want.to_bits(),
+                    "seed {seed:#x} replay {replay} row {r} position {j}: score {:e} want {want:e}",
+                    sc[r * k + j]
+                );
+            }
+        }
+    }
+    // After the replays the default path on the same buffers must still be exact (clean buffers).
+    indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+    assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
+    let (idx, _) = topk_result(&gpu, &bufs);
+    for (r, &n) in lens.iter().enumerate() {
+        if let Err(e) = reference::check_topk_exact(
+            &flat[r * stride..r * stride + n],
+            k,
+            &idx[r * k..(r + 1) * k],
+        ) {
+            panic!("seed {seed:#x}: default path after the graph replays, row {r}: {e}");
+        }
+    }
+}
+
 #[test]
 fn gpu_stress_quick() {
     let Some(gpu) = gpu_for_test("gpu_stress_quick") else {
@@ -858,7 +1301,7 @@ fn gpu_bench_timing_smoke() {
         flush_l2: false,
     };
     let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for v in ["fused", "fused_wgmma", "fused_wgmma_3cta", "baseline"] {
+    for &v in indexer::VARIANTS {
         let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
         assert!(
             s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
@@ -1391,7 +1834,11 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
             .collect();
         for (path, k) in WGMMA_PATHS.iter().flat_map(|&p| [(p, 512usize), (p, 2048)]) {
             let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            indexer::run_with(&gpu, &qb, &cache, &mut bufs, path).unwrap();
+            let ipath = indexer::IndexerPath {
+                logits: path,
+                ..Default::default()
+            };
+            indexer::run_with(&gpu, &qb, &cache, &mut bufs, ipath).unwrap();
             let scores = gpu.download(&bufs.scores).unwrap();
             let idx = gpu.download(&bufs.topk.out_idx).unwrap();
             let stride = bufs.score_stride;

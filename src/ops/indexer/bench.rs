@@ -14,7 +14,7 @@ use crate::bench::{MatmulKind, Row, Summary};
 pub fn kernels() -> Vec<BenchKernel> {
     vec![BenchKernel {
         name: "indexer",
-        variants: &["fused", "fused_wgmma", "fused_wgmma_3cta", "baseline"],
+        variants: super::VARIANTS,
         matmul: MatmulKind::NotMatmul,
         run_point: indexer_point,
     }]

@@ -3,6 +3,10 @@
 //! Device code and its design notes: kernels/indexer.cu. CPU reference: [`reference`]. Stress suite with a
 //! host-side watchdog: [`stress`].
 //!
+//! A/B top-k options (session 4; the default path is unchanged): [`topk_with`] / [`topk_path`] /
+//! [`run_with`] take a [`TopkFinal`] (one CTA per row, or the multi-CTA final pass) and a [`TopkSelect`]
+//! (pass 2's slot allocation); every combination returns the same top-k bit for bit.
+//!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
 //!   row `row`. q is e4m3 `[rows, 64, 128]` (Hadamard-rotated like the keys), `w` f32 `[rows, 64]` with the
@@ -43,6 +47,14 @@ const TOPK2_FINAL_SMEM_CAP: usize = 16384;
 /// sizeof(SelectShared) in the kernel: hist[256] + warp_sums[32] + 4 u32.
 const SELECT_SHARED_BYTES: usize = 256 * 4 + 32 * 4 + 16;
 const TOPK_THREADS: u32 = 1024;
+/// Multi-CTA final pass (kernel constants TK4_THREADS, TK4_MIN_SPLIT, TK4_BUCKET_CAP).
+const TOPK4_THREADS: u32 = 512;
+/// Fewest / most CTAs per row of `indexer_topk4_final_mcta` (the kernel's static rank arrays assume >= 8).
+pub const TOPK4_MIN_CTAS_PER_ROW: u32 = 8;
+pub const TOPK4_MAX_CTAS_PER_ROW: u32 = 64;
+/// Threshold-bucket composites the multi-CTA final pass ranks in shared memory; larger buckets (heavy ties)
+/// take its one-CTA radix-select fallback.
+pub const TOPK4_BUCKET_CAP: usize = 4096;
 /// Keys per logits CTA (kernel constant LG_CTA_KEYS) and its block size.
 const LOGITS_CTA_KEYS: usize = 1024;
 const LOGITS_THREADS: u32 = 256;
@@ -451,6 +463,8 @@ pub struct TopkBuffers {
     above: CudaSlice<u64>,
     bucket: CudaSlice<u64>,
     bucket_stride: usize,
+    /// Per-row arrival counter of the multi-CTA final pass (zero between calls; see its reset protocol).
+    arrivals: CudaSlice<u32>,
     v2_dirty: bool,
 }
 
@@ -474,6 +488,7 @@ impl TopkBuffers {
             above: gpu.zeros::<u64>(rows * k)?,
             bucket: gpu.zeros::<u64>(rows * bucket_stride)?,
             bucket_stride,
+            arrivals: gpu.zeros::<u32>(rows)?,
             v2_dirty: false,
         })
     }
@@ -516,6 +531,45 @@ fn check_topk_args(
     Ok(num_valid_host.iter().copied().max().unwrap_or(0) as usize)
 }
 
+/// Which exact final pass [`topk_with`] runs after the histogram and threshold-select passes. Both give the
+/// same (exact) answer bit for bit; they differ in speed only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopkFinal {
+    /// `indexer_topk3_final`: one 1024-thread CTA per row (the default).
+    OneCta,
+    /// `indexer_topk4_final_mcta`: `ctas_per_row` CTAs per row
+    /// (`TOPK4_MIN_CTAS_PER_ROW..=TOPK4_MAX_CTAS_PER_ROW`), each ranking a slice of the chosen entries.
+    MultiCta { ctas_per_row: u32 },
+}
+
+impl TopkFinal {
+    /// The multi-CTA pass with about two CTAs per SM (one wave: 512 threads, 41-53 KB of shared memory each):
+    /// `2 * sm_count / rows` CTAs per row, clamped to 8..=32 (132 SMs: 32 at 1-8 rows, 16 at 16, 8 from 33).
+    pub fn multi_cta_for(gpu: &Gpu, rows: usize) -> TopkFinal {
+        let per_row = (2 * gpu.info.sm_count as usize / rows.max(1)).clamp(8, 32) as u32;
+        TopkFinal::MultiCta {
+            ctas_per_row: per_row,
+        }
+    }
+}
+
+/// How pass 2 (threshold select) of the top-k allocates slots in the above / bucket buffers. Same entries, same
+/// counts, same top-k output bit for bit; only the slot order and the number of global atomics differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopkSelect {
+    /// `indexer_topk2_select`: one warp-aggregated atomic per (warp, step) with hits (the default).
+    PerWarpAtomics,
+    /// `indexer_topk5_select_agg`: one atomic per counter per CTA (kernels/indexer.cu "pass 2 with CTA-aggregated
+    /// slot allocation").
+    CtaAggregated,
+}
+
+/// Dynamic shared memory of `indexer_topk4_final_mcta` for `k`: the above / sort buffer (next power of two
+/// >= k, + 2 pad slots) and the bucket buffer (TK4_BUCKET_CAP + 2), 8 bytes each (kernel: tk4_above_slots).
+pub fn topk4_smem_bytes(k: usize) -> usize {
+    8 * (k.next_power_of_two() + 2 + TOPK4_BUCKET_CAP + 2)
+}
+
 /// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): histogram of
 /// the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row
 /// (`indexer_topk2_select`) -> one exact pass per row (`indexer_topk3_final`: rank-by-counting select in
@@ -529,12 +583,71 @@ pub fn topk(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
+    topk_with(
+        gpu,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+        TopkFinal::OneCta,
+    )
+}
+
+/// [`topk`] with a choice of final pass ([`TopkFinal`]); the first two passes are the same. The multi-CTA
+/// pass is kernels/indexer.cu "Top-k v4".
+pub fn topk_with(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+    final_pass: TopkFinal,
+) -> Result<()> {
+    topk_path(
+        gpu,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+        TopkSelect::PerWarpAtomics,
+        final_pass,
+    )
+}
+
+/// [`topk`] with a choice of pass 2 ([`TopkSelect`]) and final pass ([`TopkFinal`]).
+#[allow(clippy::too_many_arguments)]
+pub fn topk_path(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+    select: TopkSelect,
+    final_pass: TopkFinal,
+) -> Result<()> {
     let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
+    if let TopkFinal::MultiCta { ctas_per_row } = final_pass {
+        ensure!(
+            (TOPK4_MIN_CTAS_PER_ROW..=TOPK4_MAX_CTAS_PER_ROW).contains(&ctas_per_row),
+            "multi-CTA top-k: {ctas_per_row} CTAs per row, supported \
+             {TOPK4_MIN_CTAS_PER_ROW}..={TOPK4_MAX_CTAS_PER_ROW}"
+        );
+        ensure!(
+            bufs.rows <= 65_535,
+            "multi-CTA top-k: {} rows exceed the grid's y limit",
+            bufs.rows
+        );
+    }
     let rows = bufs.rows;
     if bufs.v2_dirty {
         // A previous call stopped between its launches: its histogram / counters were not re-zeroed.
         gpu.fill_bytes(&mut bufs.hist, 0)?;
         gpu.fill_bytes(&mut bufs.counters, 0)?;
+        gpu.fill_bytes(&mut bufs.arrivals, 0)?;
     }
     bufs.v2_dirty = true;
     let slices = max_n.div_ceil(TOPK2_SLICE).max(1) as u32;
@@ -559,7 +672,11 @@ pub fn topk(
         },
         "indexer top-k histogram",
     )?;
-    let f = gpu.function(FAMILY, "indexer_topk2_select")?;
+    let select_kernel = match select {
+        TopkSelect::PerWarpAtomics => "indexer_topk2_select",
+        TopkSelect::CtaAggregated => "indexer_topk5_select_agg",
+    };
+    let f = gpu.function(FAMILY, select_kernel)?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(scores)
         .arg(&stride)
@@ -580,6 +697,34 @@ pub fn topk(
         },
         "indexer top-k select",
     )?;
+    if let TopkFinal::MultiCta { ctas_per_row } = final_pass {
+        let smem = topk4_smem_bytes(bufs.k);
+        let f = gpu.function_with_smem(FAMILY, "indexer_topk4_final_mcta", smem)?;
+        let mut b = gpu.stream.launch_builder(&f);
+        b.arg(&stride)
+            .arg(num_valid)
+            .arg(&k)
+            .arg(&mut bufs.hist)
+            .arg(&mut bufs.counters)
+            .arg(&mut bufs.arrivals)
+            .arg(&bufs.above)
+            .arg(&bufs.bucket)
+            .arg(&bstride)
+            .arg(&mut bufs.out_idx)
+            .arg(&mut bufs.out_score);
+        drv(
+            unsafe {
+                b.launch(launch_cfg(
+                    (ctas_per_row, rows as u32, 1),
+                    (TOPK4_THREADS, 1, 1),
+                    smem as u32,
+                ))
+            },
+            "indexer top-k final (multi-CTA)",
+        )?;
+        bufs.v2_dirty = false;
+        return Ok(());
+    }
     let smem = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * TOPK2_FINAL_SMEM_CAP;
     let f = gpu.function_with_smem(FAMILY, "indexer_topk3_final", smem)?;
     let mut b = gpu.stream.launch_builder(&f);
@@ -632,25 +777,53 @@ pub fn run(
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
 ) -> Result<()> {
-    run_with(gpu, q, cache, bufs, LogitsPath::default())
+    run_with(gpu, q, cache, bufs, IndexerPath::default())
 }
 
-/// [`run`] with an explicit FP8 logits kernel.
+/// The kernels of one indexer call: FP8 logits kernel, top-k pass 2 and final pass (A/B choices; the default
+/// is the measured winner).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexerPath {
+    pub logits: LogitsPath,
+    pub select: TopkSelect,
+    pub final_pass: TopkFinal,
+}
+
+impl Default for IndexerPath {
+    fn default() -> IndexerPath {
+        IndexerPath {
+            logits: LogitsPath::default(),
+            select: TopkSelect::PerWarpAtomics,
+            final_pass: TopkFinal::OneCta,
+        }
+    }
+}
+
+/// [`run`] with an explicit choice of kernels ([`IndexerPath`]).
 pub fn run_with(
     gpu: &Gpu,
     q: &QueryBatch,
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
-    path: LogitsPath,
+    path: IndexerPath,
 ) -> Result<()> {
-    logits_with(gpu, q, cache, &mut bufs.scores, bufs.score_stride, path)?;
-    topk(
+    logits_with(
+        gpu,
+        q,
+        cache,
+        &mut bufs.scores,
+        bufs.score_stride,
+        path.logits,
+    )?;
+    topk_path(
         gpu,
         &bufs.scores,
         bufs.score_stride,
         &q.num_valid,
         &q.num_valid_host,
         &mut bufs.topk,
+        path.select,
+        path.final_pass,
     )
 }
 
@@ -879,9 +1052,54 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
+/// Bench variants of the indexer: "fused" (the default kernels), the session-4 A/B candidates, "baseline".
+pub const VARIANTS: &[&str] = &[
+    "fused",
+    "fused_wgmma",
+    "fused_wgmma_3cta",
+    "fused_mcta",
+    "fused_mcta_sel",
+    "fused_wgmma_mcta",
+    "baseline",
+];
+
+/// The kernels of a "fused*" bench variant: `fused` = the defaults; `_wgmma` / `_wgmma_3cta` = wgmma FP8 logits
+/// ([`LogitsPath::Wgmma`] / [`LogitsPath::Wgmma3Cta`]); `_mcta` = the multi-CTA final pass
+/// ([`TopkFinal::multi_cta_for`]); `_mcta_sel` = that plus the CTA-aggregated pass 2; `_wgmma_mcta` = both
+/// wgmma logits and the multi-CTA final pass.
+pub fn indexer_path_of(gpu: &Gpu, variant: &str, rows: usize) -> Result<IndexerPath> {
+    let d = IndexerPath::default();
+    let mcta = TopkFinal::multi_cta_for(gpu, rows);
+    Ok(match variant {
+        "fused" => d,
+        "fused_wgmma" => IndexerPath {
+            logits: LogitsPath::Wgmma,
+            ..d
+        },
+        "fused_wgmma_3cta" => IndexerPath {
+            logits: LogitsPath::Wgmma3Cta,
+            ..d
+        },
+        "fused_mcta" => IndexerPath {
+            final_pass: mcta,
+            ..d
+        },
+        "fused_mcta_sel" => IndexerPath {
+            final_pass: mcta,
+            select: TopkSelect::CtaAggregated,
+            ..d
+        },
+        "fused_wgmma_mcta" => IndexerPath {
+            logits: LogitsPath::Wgmma,
+            final_pass: mcta,
+            ..d
+        },
+        _ => bail!("`{variant}` is not a fused indexer variant"),
+    })
+}
+
 /// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass), "fused_wgmma" / "fused_wgmma_3cta" (the same with the wgmma FP8 logits, [`LogitsPath::Wgmma`] /
-/// [`LogitsPath::Wgmma3Cta`]) or "baseline" (the seeds' path).
+/// pass), an A/B combination of its kernels ([`indexer_path_of`]) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -893,20 +1111,26 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" | "fused_wgmma" | "fused_wgmma_3cta" => {
-            let path = match variant {
-                "fused_wgmma" => LogitsPath::Wgmma,
-                "fused_wgmma_3cta" => LogitsPath::Wgmma3Cta,
-                _ => LogitsPath::F16Hmma,
-            };
+        "fused" | "fused_wgmma" | "fused_wgmma_3cta" | "fused_mcta" | "fused_mcta_sel"
+        | "fused_wgmma_mcta" => {
+            let path = indexer_path_of(gpu, variant, q.rows())?;
             let logits_s = gpu.time_us(plan, || {
-                logits_with(gpu, q, cache, &mut bufs.scores, stride, path)
+                logits_with(gpu, q, cache, &mut bufs.scores, stride, path.logits)
             })?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
-                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
+                topk_path(
+                    gpu,
+                    scores,
+                    stride,
+                    &q.num_valid,
+                    &q.num_valid_host,
+                    tb,
+                    path.select,
+                    path.final_pass,
+                )
             })?;
             let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, path))?;
             Ok(IndexerSamples {
@@ -939,7 +1163,10 @@ pub fn time_variant(
                 total,
             })
         }
-        _ => bail!("unknown indexer variant `{variant}` (expected fused, fused_wgmma, fused_wgmma_3cta or baseline)"),
+        _ => bail!(
+            "unknown indexer variant `{variant}` (expected one of {})",
+            VARIANTS.join(", ")
+        ),
     }
 }
 
