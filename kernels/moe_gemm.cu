@@ -819,11 +819,46 @@ __device__ __forceinline__ void fixup_l1_h4(const float* partial, int splits, in
 // whole NVFP4 block of 16 (I % 16 == 0 and passes start at multiples of 256 keep quads inside one block and one
 // row). Pass 1: h, its row amax by a shared atomicMax on the fp32 bits (for non-negative, non-NaN floats the
 // unsigned order of the bits is the float order, so this is exactly the finish kernel's fmaxf reduction; h is
-// finite for finite inputs, see mod.rs). Pass 2 recomputes h (same operations, same values) instead of keeping a
-// row in shared memory, takes the block amax over the quad by two xor shuffles (max is exact and order-free), and
-// encodes with the finish kernel's rule: gs = nvfp4_global_scale(row amax), sc = nvfp4_block_scale(block amax,
-// gs), element codes by nvfp4_element(h, e4m3(sc) * gs). Each lane stores its 4 codes as one u16 (element i of
-// the block at nibble i of the block's 8 bytes, little-endian: the finish kernel's packing).
+// finite for finite inputs, see mod.rs). Pass 2 encodes: the block amax over the quad by two xor shuffles (max is
+// exact and order-free), then the finish kernel's rule: gs = nvfp4_global_scale(row amax), sc =
+// nvfp4_block_scale(block amax, gs), element codes by nvfp4_element(h, e4m3(sc) * gs). Each lane stores its 4
+// codes as one u16 (element i of the block at nibble i of the block's 8 bytes, little-endian: the finish
+// kernel's packing). Tiles of at most kFixupKeepPasses x 256 quads (decode: one row is 2 passes at I = 2048, 3 at
+// I = 3072) keep h in registers between the passes; larger tiles recompute it in pass 2 (same operations, same
+// values) instead of holding rows in shared memory.
+constexpr int kFixupKeepPasses = 3;
+
+__device__ __forceinline__ void fixup_l1_pass1_quad(const float* partial, int splits, int rows_total, int I, int row0,
+                                                    int Q, int p, const float* gsa, const float* gsb_e,
+                                                    const float* routing, float* h_out, unsigned* s_amax,
+                                                    float (&h)[4]) {
+    const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+    const float sa = gsa != nullptr ? gsa[row] : 1.f;
+    fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, h);
+    if (h_out != nullptr)
+        *reinterpret_cast<float4*>(h_out + (size_t)row * I + n) = make_float4(h[0], h[1], h[2], h[3]);
+    const float m = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
+    atomicMax(s_amax + r, __float_as_uint(m));
+}
+
+// Called by every lane of the warp (the shuffles); `active` lanes store.
+__device__ __forceinline__ void fixup_l1_encode_quad(bool active, int I, int row0, int Q, int p, const float (&h)[4],
+                                                     const unsigned* s_amax, uint8_t* h_codes, uint8_t* h_scales) {
+    float bmax = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
+    bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 1));
+    bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 2));
+    if (!active) return;
+    const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+    const float gs = mm::nvfp4_global_scale(__uint_as_float(s_amax[r]));
+    const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+    const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) packed |= (uint32_t)mm::nvfp4_element(h[i], scale) << (4 * i);
+    *reinterpret_cast<unsigned short*>(h_codes + (size_t)row * (I / 2) + n / 2) = (unsigned short)packed;
+    if ((p & 3) == 0) h_scales[(size_t)row * (I / 16) + n / 16] = sc;
+}
+
 template <int TN>
 __device__ __forceinline__ void fixup_l1_tile(const float* partial, int splits, int rows_total, int I, int row0,
                                               int ntok, const float* gsa, const float* gsb_e, const float* routing,
@@ -832,46 +867,58 @@ __device__ __forceinline__ void fixup_l1_tile(const float* partial, int splits, 
     const int tid = threadIdx.x, Q = I / 4, total = ntok * Q;
     if (tid < ntok) s_amax[tid] = 0u;
     __syncthreads();
-    for (int base = 0; base < total; base += kThreads) {
-        const int p = base + tid;
-        if (p < total) {
-            const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
-            const float sa = gsa != nullptr ? gsa[row] : 1.f;
-            float h[4];
-            fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, h);
-            if (h_out != nullptr)
-                *reinterpret_cast<float4*>(h_out + (size_t)row * I + n) = make_float4(h[0], h[1], h[2], h[3]);
-            const float m = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
-            atomicMax(s_amax + r, __float_as_uint(m));
-        }
-    }
-    __syncthreads();
-    if (tid < ntok) h_gs[row0 + tid] = mm::nvfp4_global_scale(__uint_as_float(s_amax[tid]));
-    for (int base = 0; base < total; base += kThreads) {  // uniform trip count: every lane reaches the shuffles
-        const int p = base + tid;
-        const bool active = p < total;
-        int r = 0, n = 0;
-        float h[4] = {0.f, 0.f, 0.f, 0.f};
-        if (active) {
-            r = p / Q;
-            n = 4 * (p - r * Q);
-            const int row = row0 + r;
-            const float sa = gsa != nullptr ? gsa[row] : 1.f;
-            fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, h);
-        }
-        float bmax = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
-        bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 1));
-        bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 2));
-        if (active) {
-            const int row = row0 + r;
-            const float gs = mm::nvfp4_global_scale(__uint_as_float(s_amax[r]));
-            const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
-            const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
-            uint32_t packed = 0;
+    if (total <= kFixupKeepPasses * kThreads) {  // uniform
+        float hk[kFixupKeepPasses][4];
+        // Only loads and math in this loop (h_out and the amax are written after it), so the compiler is free to
+        // overlap the partial loads of the passes.
 #pragma unroll
-            for (int i = 0; i < 4; ++i) packed |= (uint32_t)mm::nvfp4_element(h[i], scale) << (4 * i);
-            *reinterpret_cast<unsigned short*>(h_codes + (size_t)row * (I / 2) + n / 2) = (unsigned short)packed;
-            if ((p & 3) == 0) h_scales[(size_t)row * (I / 16) + n / 16] = sc;
+        for (int it = 0; it < kFixupKeepPasses; ++it) {
+            hk[it][0] = hk[it][1] = hk[it][2] = hk[it][3] = 0.f;
+            const int p = it * kThreads + tid;
+            if (p < total) {
+                const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+                const float sa = gsa != nullptr ? gsa[row] : 1.f;
+                fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, hk[it]);
+            }
+        }
+#pragma unroll
+        for (int it = 0; it < kFixupKeepPasses; ++it) {
+            const int p = it * kThreads + tid;
+            if (p < total) {
+                const int r = p / Q, n = 4 * (p - r * Q);
+                if (h_out != nullptr)
+                    *reinterpret_cast<float4*>(h_out + (size_t)(row0 + r) * I + n) =
+                        make_float4(hk[it][0], hk[it][1], hk[it][2], hk[it][3]);
+                const float m = fmaxf(fmaxf(fabsf(hk[it][0]), fabsf(hk[it][1])), fmaxf(fabsf(hk[it][2]), fabsf(hk[it][3])));
+                atomicMax(s_amax + r, __float_as_uint(m));
+            }
+        }
+        __syncthreads();
+        if (tid < ntok) h_gs[row0 + tid] = mm::nvfp4_global_scale(__uint_as_float(s_amax[tid]));
+#pragma unroll
+        for (int it = 0; it < kFixupKeepPasses; ++it) {
+            const int p = it * kThreads + tid;
+            if (it * kThreads < total)  // uniform: every lane reaches the shuffles
+                fixup_l1_encode_quad(p < total, I, row0, Q, p, hk[it], s_amax, h_codes, h_scales);
+        }
+    } else {
+        for (int base = 0; base < total; base += kThreads) {
+            const int p = base + tid;
+            float h[4];
+            if (p < total)
+                fixup_l1_pass1_quad(partial, splits, rows_total, I, row0, Q, p, gsa, gsb_e, routing, h_out, s_amax, h);
+        }
+        __syncthreads();
+        if (tid < ntok) h_gs[row0 + tid] = mm::nvfp4_global_scale(__uint_as_float(s_amax[tid]));
+        for (int base = 0; base < total; base += kThreads) {  // uniform trip count: every lane reaches the shuffles
+            const int p = base + tid;
+            float h[4] = {0.f, 0.f, 0.f, 0.f};
+            if (p < total) {
+                const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+                const float sa = gsa != nullptr ? gsa[row] : 1.f;
+                fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, h);
+            }
+            fixup_l1_encode_quad(p < total, I, row0, Q, p, h, s_amax, h_codes, h_scales);
         }
     }
     __syncthreads();  // s_amax is reused by the next tile
