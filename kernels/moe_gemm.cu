@@ -823,10 +823,11 @@ __device__ __forceinline__ void fixup_l1_h4(const float* partial, int splits, in
 // exact and order-free), then the finish kernel's rule: gs = nvfp4_global_scale(row amax), sc =
 // nvfp4_block_scale(block amax, gs), element codes by nvfp4_element(h, e4m3(sc) * gs). Each lane stores its 4
 // codes as one u16 (element i of the block at nibble i of the block's 8 bytes, little-endian: the finish
-// kernel's packing). Tiles of at most kFixupKeepPasses x 256 quads (decode: one row is 2 passes at I = 2048, 3 at
-// I = 3072) keep h in registers between the passes; larger tiles recompute it in pass 2 (same operations, same
+// kernel's packing). Tiles of at most kFixupKeepPasses x 256 quads (3 rows at I = 2048, 2 at I = 3072: most decode
+// tiles) keep h in registers between the passes (6 x 4 floats: the most that fits the 80-register cap of the 1-token
+// tile entry without spills, ptxas-checked; 8 spilled); larger tiles recompute it in pass 2 (same operations, same
 // values) instead of holding rows in shared memory.
-constexpr int kFixupKeepPasses = 3;
+constexpr int kFixupKeepPasses = 6;
 
 __device__ __forceinline__ void fixup_l1_pass1_quad(const float* partial, int splits, int rows_total, int I, int row0,
                                                     int Q, int p, const float* gsa, const float* gsb_e,
