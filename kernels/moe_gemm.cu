@@ -823,11 +823,11 @@ __device__ __forceinline__ void fixup_l1_h4(const float* partial, int splits, in
 // exact and order-free), then the finish kernel's rule: gs = nvfp4_global_scale(row amax), sc =
 // nvfp4_block_scale(block amax, gs), element codes by nvfp4_element(h, e4m3(sc) * gs). Each lane stores its 4
 // codes as one u16 (element i of the block at nibble i of the block's 8 bytes, little-endian: the finish
-// kernel's packing). Tiles of at most kFixupKeepPasses x 256 quads (3 rows at I = 2048, 2 at I = 3072: most decode
-// tiles) keep h in registers between the passes (6 x 4 floats: the most that fits the 80-register cap of the 1-token
-// tile entry without spills, ptxas-checked; 8 spilled); larger tiles recompute it in pass 2 (same operations, same
-// values) instead of holding rows in shared memory.
-constexpr int kFixupKeepPasses = 6;
+// kernel's packing). Groups of whole rows of at most kFixupKeepPasses x 256 quads (2 rows at I = 2048, 1 at
+// I = 3072) keep h in registers between the passes (5 x 4 floats: the most that fits the 80-register cap of the
+// 1-token tile entry without spills, ptxas-checked; 6 spilled); rows wider than that (I > 5120) recompute h in
+// pass 2 (same operations, same values) instead of holding rows in shared memory.
+constexpr int kFixupKeepPasses = 5;
 
 __device__ __forceinline__ void fixup_l1_pass1_quad(const float* partial, int splits, int rows_total, int I, int row0,
                                                     int Q, int p, const float* gsa, const float* gsb_e,
@@ -860,6 +860,50 @@ __device__ __forceinline__ void fixup_l1_encode_quad(bool active, int I, int row
     if ((p & 3) == 0) h_scales[(size_t)row * (I / 16) + n / 16] = sc;
 }
 
+// Rows [row0, row0 + nrows) whose nrows * I/4 quads fit kFixupKeepPasses passes: h stays in registers between the
+// amax pass and the encode pass. s_amax[r] (zeroed by the caller) is the amax slot of row row0 + r.
+__device__ __forceinline__ void fixup_l1_rows_in_registers(const float* partial, int splits, int rows_total, int I,
+                                                           int row0, int nrows, const float* gsa, const float* gsb_e,
+                                                           const float* routing, uint8_t* h_codes, uint8_t* h_scales,
+                                                           float* h_gs, float* h_out, unsigned* s_amax) {
+    const int tid = threadIdx.x, Q = I / 4, total = nrows * Q;
+    float hk[kFixupKeepPasses][4];
+    // Only loads and math in this loop (h_out and the amax are written after it), so the compiler is free to
+    // overlap the partial loads of the passes.
+#pragma unroll
+    for (int it = 0; it < kFixupKeepPasses; ++it) {
+        hk[it][0] = hk[it][1] = hk[it][2] = hk[it][3] = 0.f;
+        const int p = it * kThreads + tid;
+        if (p < total) {
+            const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+            const float sa = gsa != nullptr ? gsa[row] : 1.f;
+            fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, hk[it]);
+        }
+    }
+#pragma unroll
+    for (int it = 0; it < kFixupKeepPasses; ++it) {
+        const int p = it * kThreads + tid;
+        if (p < total) {
+            const int r = p / Q, n = 4 * (p - r * Q);
+            if (h_out != nullptr)
+                *reinterpret_cast<float4*>(h_out + (size_t)(row0 + r) * I + n) =
+                    make_float4(hk[it][0], hk[it][1], hk[it][2], hk[it][3]);
+            const float m = fmaxf(fmaxf(fabsf(hk[it][0]), fabsf(hk[it][1])), fmaxf(fabsf(hk[it][2]), fabsf(hk[it][3])));
+            atomicMax(s_amax + r, __float_as_uint(m));
+        }
+    }
+    __syncthreads();
+    if (tid < nrows) h_gs[row0 + tid] = mm::nvfp4_global_scale(__uint_as_float(s_amax[tid]));
+#pragma unroll
+    for (int it = 0; it < kFixupKeepPasses; ++it) {
+        const int p = it * kThreads + tid;
+        if (it * kThreads < total)  // uniform: every lane reaches the shuffles
+            fixup_l1_encode_quad(p < total, I, row0, Q, p, hk[it], s_amax, h_codes, h_scales);
+    }
+}
+
+// The tile in groups of whole rows that fit the register passes (rows of more than kFixupKeepPasses x 256 quads,
+// I > 5120, recompute h in the encode pass instead).
 template <int TN>
 __device__ __forceinline__ void fixup_l1_tile(const float* partial, int splits, int rows_total, int I, int row0,
                                               int ntok, const float* gsa, const float* gsb_e, const float* routing,
@@ -868,40 +912,11 @@ __device__ __forceinline__ void fixup_l1_tile(const float* partial, int splits, 
     const int tid = threadIdx.x, Q = I / 4, total = ntok * Q;
     if (tid < ntok) s_amax[tid] = 0u;
     __syncthreads();
-    if (total <= kFixupKeepPasses * kThreads) {  // uniform
-        float hk[kFixupKeepPasses][4];
-        // Only loads and math in this loop (h_out and the amax are written after it), so the compiler is free to
-        // overlap the partial loads of the passes.
-#pragma unroll
-        for (int it = 0; it < kFixupKeepPasses; ++it) {
-            hk[it][0] = hk[it][1] = hk[it][2] = hk[it][3] = 0.f;
-            const int p = it * kThreads + tid;
-            if (p < total) {
-                const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
-                const float sa = gsa != nullptr ? gsa[row] : 1.f;
-                fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, hk[it]);
-            }
-        }
-#pragma unroll
-        for (int it = 0; it < kFixupKeepPasses; ++it) {
-            const int p = it * kThreads + tid;
-            if (p < total) {
-                const int r = p / Q, n = 4 * (p - r * Q);
-                if (h_out != nullptr)
-                    *reinterpret_cast<float4*>(h_out + (size_t)(row0 + r) * I + n) =
-                        make_float4(hk[it][0], hk[it][1], hk[it][2], hk[it][3]);
-                const float m = fmaxf(fmaxf(fabsf(hk[it][0]), fabsf(hk[it][1])), fmaxf(fabsf(hk[it][2]), fabsf(hk[it][3])));
-                atomicMax(s_amax + r, __float_as_uint(m));
-            }
-        }
-        __syncthreads();
-        if (tid < ntok) h_gs[row0 + tid] = mm::nvfp4_global_scale(__uint_as_float(s_amax[tid]));
-#pragma unroll
-        for (int it = 0; it < kFixupKeepPasses; ++it) {
-            const int p = it * kThreads + tid;
-            if (it * kThreads < total)  // uniform: every lane reaches the shuffles
-                fixup_l1_encode_quad(p < total, I, row0, Q, p, hk[it], s_amax, h_codes, h_scales);
-        }
+    const int rows_per_group = (kFixupKeepPasses * kThreads) / Q;
+    if (rows_per_group >= 1) {  // uniform
+        for (int g0 = 0; g0 < ntok; g0 += rows_per_group)
+            fixup_l1_rows_in_registers(partial, splits, rows_total, I, row0 + g0, min(rows_per_group, ntok - g0),
+                                       gsa, gsb_e, routing, h_codes, h_scales, h_gs, h_out, s_amax + g0);
     } else {
         for (int base = 0; base < total; base += kThreads) {
             const int p = base + tid;

@@ -1306,18 +1306,35 @@ fn gpu_fixup_matches_current_path_over_token_counts_layouts_and_a_formats() {
         row_token: vec![-1; grouping.rows_total()],
         grouping,
     };
-    let w13 = quantized_weights(&mut rng, 3, 2 * inter, hidden);
-    let w2 = quantized_weights(&mut rng, 3, hidden, inter);
+    let w13e = quantized_weights(&mut rng, 3, 2 * inter, hidden);
+    let w2e = quantized_weights(&mut rng, 3, hidden, inter);
     check_fixup_l1_l2(
         &gpu,
         "all experts empty",
-        &w13,
-        &w2,
+        &w13e,
+        &w2e,
         &rb,
         true,
         &cfgs[..1],
         &mut rng,
     );
+    // I = 5632 > 5120: rows too wide for the register passes, h is recomputed in the encode pass.
+    let (hidden, inter) = (512, 5632);
+    let counts = [0usize, 1, 3, 9];
+    let w13 = quantized_weights(&mut rng, counts.len(), 2 * inter, hidden);
+    let w2 = quantized_weights(&mut rng, counts.len(), hidden, inter);
+    for masked in [true, false] {
+        check_fixup_l1_l2(
+            &gpu,
+            &format!("wide I {inter}, counts {counts:?} masked {masked}"),
+            &w13,
+            &w2,
+            &routed_by_counts(&counts, masked),
+            true,
+            &[(c(8, 1, small), c(8, 1, small)), (c(16, 1, 3), c(8, 1, 2))],
+            &mut rng,
+        );
+    }
 }
 
 /// Decode routings (top-6, masked, default config) on the real expert shapes, a few physical experts; the
