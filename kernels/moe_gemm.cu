@@ -956,15 +956,81 @@ __device__ __forceinline__ void fixup_l1_padding_rows(const Grouping& grp, int I
     }
 }
 
-// L2 combine of one 128-column tile for every token: the arithmetic of moe_gemm_finish_l2_combine_cols in the same
-// order. Its SASS computes `y += acc * (sa * sb)` as FMUL then FFMA(acc, sa*sb, y): written out below. Tokens are
-// taken in chunks of kThreads / topk so that each chunk's (token, j) -> row, expert, gsa lookups are resolved once
-// into shared memory (one thread per pair), then each thread combines (token, column) pairs of the chunk.
+// Pairs of the L2 combine resolved per chunk (shared-memory slots): one per thread.
 constexpr int kFixupL2MaxPairs = kThreads;
+
+// Combine of kPairs (token, column) pairs per thread, p0 + q * kThreads for q < kPairs: all their loads are issued
+// before any of their adds (one L2 round trip for kPairs pairs). kRowsPerPass rows x kSplitsPerPass splits per load
+// batch; the grouping does not change the order of the sums (per row: splits 0, 1, ... from acc = 0; then rows in
+// routing order).
+template <int kPairs, int kRowsPerPass, int kSplitsPerPass>
+__device__ __forceinline__ void fixup_l2_pairs(const float* partial, int splits, int rows_total, int N, int nt, int p0,
+                                               int ct, int tok0, int topk, const float* gsb, const int* s_row,
+                                               const int* s_exp, const float* s_sa, __nv_bfloat16* out) {
+    int tl[kPairs], n[kPairs];
+    bool act[kPairs];
+    float y[kPairs];
+#pragma unroll
+    for (int q = 0; q < kPairs; ++q) {
+        const int p = p0 + q * kThreads;
+        act[q] = p < ct * kBlockN;
+        tl[q] = act[q] ? p / kBlockN : 0;
+        n[q] = nt * kBlockN + (p % kBlockN);
+        y[q] = 0.f;
+    }
+    for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
+        bool valid[kPairs][kRowsPerPass];
+        float acc[kPairs][kRowsPerPass], sb[kPairs][kRowsPerPass];
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q)
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u) {
+                const int j = j0 + u;
+                const int* rexp = s_exp + tl[q] * topk;
+                valid[q][u] = act[q] && j < topk && rexp[min(j, topk - 1)] >= 0;
+                acc[q][u] = 0.f;
+                sb[q][u] = valid[q][u] ? gsb[(size_t)rexp[j] * N + n[q]] : 0.f;
+            }
+        for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
+            float pv[kPairs][kRowsPerPass][kSplitsPerPass];
+#pragma unroll
+            for (int q = 0; q < kPairs; ++q)
+#pragma unroll
+                for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                    for (int v = 0; v < kSplitsPerPass; ++v)
+                        pv[q][u][v] = (valid[q][u] && s0 + v < splits)
+                                          ? __ldcg(partial + ((size_t)(s0 + v) * rows_total +
+                                                              s_row[tl[q] * topk + j0 + u]) * N + n[q])
+                                          : 0.f;
+#pragma unroll
+            for (int q = 0; q < kPairs; ++q)
+#pragma unroll
+                for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                    for (int v = 0; v < kSplitsPerPass; ++v)
+                        if (valid[q][u] && s0 + v < splits) acc[q][u] += pv[q][u][v];
+        }
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q)
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u)
+                if (valid[q][u]) y[q] = __fmaf_rn(acc[q][u], __fmul_rn(s_sa[tl[q] * topk + j0 + u], sb[q][u]), y[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < kPairs; ++q)
+        if (act[q]) out[(size_t)(tok0 + tl[q]) * N + n[q]] = __float2bfloat16_rn(y[q]);
+}
+
+// L2 combine of one 128-column tile for every token: the arithmetic of moe_gemm_finish_l2_combine_cols in the same
+// order. Its SASS computes `y += acc * (sa * sb)` as FMUL then FFMA(acc, sa*sb, y): written out above. Tokens are
+// taken in chunks of kThreads / topk so that each chunk's (token, j) -> row, expert, gsa lookups are resolved once
+// into shared memory (one thread per pair), then each thread combines (token, column) pairs of the chunk: one pair
+// with 4 splits per load batch when splits > 2 (decode at 1 token: splits = 4, one round trip), two pairs with 2
+// splits per batch otherwise (more tokens: half the round trips).
 __device__ __forceinline__ void fixup_l2_ntile(const float* partial, int splits, const Grouping& grp, int N, int nt,
                                                const float* gsa, const float* gsb, const int* token_rows, int tokens,
                                                int topk, __nv_bfloat16* out, int* s_row, int* s_exp, float* s_sa) {
-    constexpr int kRowsPerPass = 8, kSplitsPerPass = 4;
     const int tid = threadIdx.x, rows_total = grp.rows_total;
     const int chunk = kFixupL2MaxPairs / topk;  // topk <= 32 (launcher) -> chunk >= 8
     for (int tok0 = 0; tok0 < tokens; tok0 += chunk) {
@@ -977,42 +1043,14 @@ __device__ __forceinline__ void fixup_l2_ntile(const float* partial, int splits,
             s_sa[tid] = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
         }
         __syncthreads();
-        for (int p = tid; p < ct * kBlockN; p += kThreads) {
-            const int tl = p / kBlockN, n = nt * kBlockN + (p % kBlockN);
-            const int* rrow = s_row + tl * topk;
-            const int* rexp = s_exp + tl * topk;
-            const float* rsa = s_sa + tl * topk;
-            float y = 0.f;
-            for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
-                bool valid[kRowsPerPass];
-                float acc[kRowsPerPass], sb[kRowsPerPass];
-#pragma unroll
-                for (int u = 0; u < kRowsPerPass; ++u) {
-                    const int j = j0 + u;
-                    valid[u] = j < topk && rexp[min(j, topk - 1)] >= 0;
-                    acc[u] = 0.f;
-                    sb[u] = valid[u] ? gsb[(size_t)rexp[j] * N + n] : 0.f;
-                }
-                for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
-                    float pv[kRowsPerPass][kSplitsPerPass];
-#pragma unroll
-                    for (int u = 0; u < kRowsPerPass; ++u)
-#pragma unroll
-                        for (int v = 0; v < kSplitsPerPass; ++v)
-                            pv[u][v] = (valid[u] && s0 + v < splits)
-                                           ? __ldcg(partial + ((size_t)(s0 + v) * rows_total + rrow[j0 + u]) * N + n)
-                                           : 0.f;
-#pragma unroll
-                    for (int u = 0; u < kRowsPerPass; ++u)
-#pragma unroll
-                        for (int v = 0; v < kSplitsPerPass; ++v)
-                            if (valid[u] && s0 + v < splits) acc[u] += pv[u][v];
-                }
-#pragma unroll
-                for (int u = 0; u < kRowsPerPass; ++u)
-                    if (valid[u]) y = __fmaf_rn(acc[u], __fmul_rn(rsa[j0 + u], sb[u]), y);
-            }
-            out[(size_t)(tok0 + tl) * N + n] = __float2bfloat16_rn(y);
+        if (splits > 2) {
+            for (int p = tid; p < ct * kBlockN; p += kThreads)
+                fixup_l2_pairs<1, 8, 4>(partial, splits, rows_total, N, nt, p, ct, tok0, topk, gsb, s_row, s_exp,
+                                        s_sa, out);
+        } else {
+            for (int p = tid; p < ct * kBlockN; p += 2 * kThreads)
+                fixup_l2_pairs<2, 6, 2>(partial, splits, rows_total, N, nt, p, ct, tok0, topk, gsb, s_row, s_exp,
+                                        s_sa, out);
         }
         __syncthreads();  // s_row / s_exp / s_sa are rewritten by the next chunk
     }
