@@ -997,3 +997,485 @@ extern "C" __global__ void moe_gemm_dequant_rows_bf16(const uint8_t* __restrict_
         out[r * K + k + 1] = __float2bfloat16_rn(e2m1_value(b >> 4) * s);
     }
 }
+
+// =====================================================================================================================
+// ---- Split-K fixup inside the mainloop kernel ("last arriver finishes"), session 4 A/B: launcher option
+// ---- `grouped_gemm_l1_fixup` / `grouped_gemm_l2_fixup`, bench variant `nvfp4_fixup`. Everything below is new;
+// ---- nothing above this line changed. The entries call the unchanged `moe_gemm_body_v3<NT>` and only then run the
+// ---- fixup, so the fixup pairs with any mainloop that walks the same work items (item = ((et * n_tiles) + n_tile)
+// ---- * splits + split, item += gridDim.x per CTA) and writes the same part[split][row][n] workspace.
+// =====================================================================================================================
+// Why: at decode the separate finish launch (its launch gap, ramp and a latency chain per CTA) cost 7.7-8.5 us of
+// 38.8 us (L1, 1 token) and 10.3 us of 28.6 us (L2, 1 token; a (1, 16) grid). Here the last CTA to finish the
+// partials of an output tile runs that tile's epilogue while the partials are still in L2.
+//
+// Arrival protocol (per launch; counters are u32 in device memory, all zero between launches):
+//   1. After the body, every thread has stored its partials; each thread executes __threadfence() (fence.sc.gpu),
+//      then __syncthreads(). (A CTA arrives once per item it computed, after ALL its items: arriving late is
+//      always correct; the body stays untouched.)
+//   2. Thread i of the CTA arrives for the CTA's i-th item (rounds of 256 items): old = atomicAdd(&cnt[key], 1).
+//      key(L1) = expert token tile et; every et has exactly n_tiles * splits items (its gate AND up rows: the
+//      SwiGLU pairs column n with column I + n, which lie in different n tiles, and the NVFP4 global scale needs
+//      the amax of the whole row, so the unit of the L1 epilogue is the whole tile of rows).
+//      key(L2) = n_tile; every n_tile has tiles_total * splits items (all experts, all token tiles): the combine of
+//      a token crosses experts, and these counts come from the item structure alone, so they never depend on the
+//      routing table being consistent.
+//   3. The thread that sees old == expected - 1 is the last arriver: every other item of that key was stored and
+//      fenced before its CTA's atomic, and those atomics precede ours in the counter's modification order. It
+//      executes __threadfence() (the acquire side of the fence-fence pairing), resets the counter to 0 (no other
+//      access to that counter can follow in this launch: all arrivals are in), and records the key in shared
+//      memory; the __syncthreads() that follows publishes it to the CTA, whose threads then read the partials
+//      with ld.global.cg (L2, the coherence point; never the non-coherent / L1 paths).
+//   4. The next launch on the stream starts after this one completed, so it sees every counter at 0: repeated
+//      calls and CUDA-graph replays need no memset. Two launches must never share a counter buffer concurrently.
+//      Keys >= counter_len (impossible for validated groupings) skip the counter instead of writing out of bounds.
+// Results are deterministic and bit-identical to the finish kernels: the same partials are added in the same
+// fixed split order, then the same fp32 operations in the same order (the FFMA contractions of the finish
+// kernels are written out as __fmaf_rn where they occur there; see the SASS note at each).
+namespace {
+
+constexpr int kFixupMaxTileRows = 64;  // largest token tile (NT = 8)
+
+// Recompute the body's tile prefix (its shared array is private to it); returns tiles_total. Ends synchronized.
+template <int TN>
+__device__ __forceinline__ int fixup_tile_prefix(const Grouping& grp, int* s_warp_sum, int* s_tile_prefix) {
+    const int tid = threadIdx.x, E = grp.experts;
+    int tiles0 = 0, tiles1 = 0;
+    int s, c;
+    if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
+    if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
+    expert_tile_prefix<kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+    return s_tile_prefix[E];
+}
+
+// Rows [row0, row0 + ntok) of expert token tile et (the body's `locate`).
+template <int TN>
+__device__ __forceinline__ void fixup_tile_rows(const Grouping& grp, const int* s_tile_prefix, int et, int& expert,
+                                                int& row0, int& ntok) {
+    int lo = 0, hi = grp.experts - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+    }
+    int start, count;
+    grp.expert_rows(lo, start, count);
+    const int tile = et - s_tile_prefix[lo];
+    expert = lo;
+    row0 = start + tile * TN;
+    ntok = min(TN, count - tile * TN);
+}
+
+// Steps 1-3 of the protocol for the items this CTA computed; `fix(key)` is called CTA-wide (all threads, uniform)
+// for every key whose last arriver is in this CTA. s_last holds kThreads ints, s_nlast one.
+template <typename KeyOf, typename Fix>
+__device__ __forceinline__ void fixup_arrive(long long items, unsigned* counters, int counter_len, unsigned expected,
+                                             int* s_last, int* s_nlast, KeyOf key_of, Fix fix) {
+    __threadfence();  // step 1: this thread's partial stores (by the body) before the CTA's arrivals
+    for (long long first = blockIdx.x; first < items; first += (long long)kThreads * gridDim.x) {
+        if (threadIdx.x == 0) *s_nlast = 0;
+        __syncthreads();  // also orders every thread's fenced stores before the atomics below (step 1)
+        const long long item = first + (long long)threadIdx.x * gridDim.x;
+        if (item < items) {
+            const int key = key_of(item);
+            if (key >= 0 && key < counter_len) {
+                const unsigned old = atomicAdd(counters + key, 1u);
+                if (old == expected - 1u) {  // step 3: last arriver
+                    __threadfence();
+                    atomicExch(counters + key, 0u);
+                    s_last[atomicAdd(s_nlast, 1)] = key;
+                }
+            }
+        }
+        __syncthreads();
+        const int n_last = *s_nlast;
+        for (int q = 0; q < n_last; ++q) fix(s_last[q]);
+        __syncthreads();  // s_last / s_nlast are rewritten by the next round
+    }
+}
+
+__device__ __forceinline__ float4 ldcg4(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+
+// h of 4 consecutive columns [n, n+4) of one row: the arithmetic of moe_gemm_finish_l1_swiglu_nvfp4_vec in the same
+// order (split sums acc = 0 + p0 + p1 + ..., a missing split skipped; then gate/up scale, clamp, silu, up, routing).
+// SASS of the finish kernel: `1.f + expf(-g)` is contracted into one FFMA with expf's last multiply; the same
+// expression is written here so that the same contraction applies (checked in this kernel's SASS).
+__device__ __forceinline__ void fixup_l1_h4(const float* partial, int splits, int rows_total, int I, int row, int n,
+                                            float sa, float rw, const float* gsb_e, float (&h)[4]) {
+    constexpr int kSplitsPerPass = 4;
+    const int N = 2 * I;
+    float4 ag = make_float4(0.f, 0.f, 0.f, 0.f), au = ag;
+    for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
+        float4 pg[kSplitsPerPass], pu[kSplitsPerPass];
+#pragma unroll
+        for (int v = 0; v < kSplitsPerPass; ++v) {
+            const float* base = partial + ((size_t)(s0 + v) * rows_total + row) * N + n;
+            const bool ok = s0 + v < splits;
+            pg[v] = ok ? ldcg4(base) : make_float4(0.f, 0.f, 0.f, 0.f);
+            pu[v] = ok ? ldcg4(base + I) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int v = 0; v < kSplitsPerPass; ++v) {
+            if (s0 + v < splits) {
+                ag.x += pg[v].x; ag.y += pg[v].y; ag.z += pg[v].z; ag.w += pg[v].w;
+                au.x += pu[v].x; au.y += pu[v].y; au.z += pu[v].z; au.w += pu[v].w;
+            }
+        }
+    }
+    const float4 sg = *reinterpret_cast<const float4*>(gsb_e + n);
+    const float4 su = *reinterpret_cast<const float4*>(gsb_e + I + n);
+    const float accg[4] = {ag.x, ag.y, ag.z, ag.w}, accu[4] = {au.x, au.y, au.z, au.w};
+    const float scg[4] = {sg.x, sg.y, sg.z, sg.w}, scu[4] = {su.x, su.y, su.z, su.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float gte = accg[i] * (sa * scg[i]);
+        float up = accu[i] * (sa * scu[i]);
+        gte = fminf(gte, 10.f);
+        up = fminf(fmaxf(up, -10.f), 10.f);
+        const float silu = __fdiv_rn(gte, 1.f + expf(-gte));
+        h[i] = __fmul_rn(__fmul_rn(silu, up), rw);
+    }
+}
+
+// L1 epilogue of one expert token tile (rows [row0, row0 + ntok), all owned by `expert`), CTA-wide. Thread p of a
+// pass owns the 4 columns [4q, 4q+4) of tile row r (p = r * I/4 + q), so the 4 lanes 4m..4m+3 of a warp own one
+// whole NVFP4 block of 16 (I % 16 == 0 and passes start at multiples of 256 keep quads inside one block and one
+// row). Pass 1: h, its row amax by a shared atomicMax on the fp32 bits (for non-negative, non-NaN floats the
+// unsigned order of the bits is the float order, so this is exactly the finish kernel's fmaxf reduction; h is
+// finite for finite inputs, see mod.rs). Pass 2 encodes: the block amax over the quad by two xor shuffles (max is
+// exact and order-free), then the finish kernel's rule: gs = nvfp4_global_scale(row amax), sc =
+// nvfp4_block_scale(block amax, gs), element codes by nvfp4_element(h, e4m3(sc) * gs). Each lane stores its 4
+// codes as one u16 (element i of the block at nibble i of the block's 8 bytes, little-endian: the finish
+// kernel's packing). Groups of whole rows of at most kFixupKeepPasses x 256 quads (2 rows at I = 2048, 1 at
+// I = 3072) keep h in registers between the passes (5 x 4 floats: the most that fits the 80-register cap of the
+// 1-token tile entry without spills, ptxas-checked; 6 spilled); rows wider than that (I > 5120) recompute h in
+// pass 2 (same operations, same values) instead of holding rows in shared memory.
+constexpr int kFixupKeepPasses = 5;
+
+__device__ __forceinline__ void fixup_l1_pass1_quad(const float* partial, int splits, int rows_total, int I, int row0,
+                                                    int Q, int p, const float* gsa, const float* gsb_e,
+                                                    const float* routing, float* h_out, unsigned* s_amax,
+                                                    float (&h)[4]) {
+    const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+    const float sa = gsa != nullptr ? gsa[row] : 1.f;
+    fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, h);
+    if (h_out != nullptr)
+        *reinterpret_cast<float4*>(h_out + (size_t)row * I + n) = make_float4(h[0], h[1], h[2], h[3]);
+    const float m = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
+    atomicMax(s_amax + r, __float_as_uint(m));
+}
+
+// Called by every lane of the warp (the shuffles); `active` lanes store.
+__device__ __forceinline__ void fixup_l1_encode_quad(bool active, int I, int row0, int Q, int p, const float (&h)[4],
+                                                     const unsigned* s_amax, uint8_t* h_codes, uint8_t* h_scales) {
+    float bmax = fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3])));
+    bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 1));
+    bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 2));
+    if (!active) return;
+    const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+    const float gs = mm::nvfp4_global_scale(__uint_as_float(s_amax[r]));
+    const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+    const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) packed |= (uint32_t)mm::nvfp4_element(h[i], scale) << (4 * i);
+    *reinterpret_cast<unsigned short*>(h_codes + (size_t)row * (I / 2) + n / 2) = (unsigned short)packed;
+    if ((p & 3) == 0) h_scales[(size_t)row * (I / 16) + n / 16] = sc;
+}
+
+// Rows [row0, row0 + nrows) whose nrows * I/4 quads fit kFixupKeepPasses passes: h stays in registers between the
+// amax pass and the encode pass. s_amax[r] (zeroed by the caller) is the amax slot of row row0 + r.
+__device__ __forceinline__ void fixup_l1_rows_in_registers(const float* partial, int splits, int rows_total, int I,
+                                                           int row0, int nrows, const float* gsa, const float* gsb_e,
+                                                           const float* routing, uint8_t* h_codes, uint8_t* h_scales,
+                                                           float* h_gs, float* h_out, unsigned* s_amax) {
+    const int tid = threadIdx.x, Q = I / 4, total = nrows * Q;
+    float hk[kFixupKeepPasses][4];
+    // Only loads and math in this loop (h_out and the amax are written after it), so the compiler is free to
+    // overlap the partial loads of the passes.
+#pragma unroll
+    for (int it = 0; it < kFixupKeepPasses; ++it) {
+        hk[it][0] = hk[it][1] = hk[it][2] = hk[it][3] = 0.f;
+        const int p = it * kThreads + tid;
+        if (p < total) {
+            const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+            const float sa = gsa != nullptr ? gsa[row] : 1.f;
+            fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, hk[it]);
+        }
+    }
+#pragma unroll
+    for (int it = 0; it < kFixupKeepPasses; ++it) {
+        const int p = it * kThreads + tid;
+        if (p < total) {
+            const int r = p / Q, n = 4 * (p - r * Q);
+            if (h_out != nullptr)
+                *reinterpret_cast<float4*>(h_out + (size_t)(row0 + r) * I + n) =
+                    make_float4(hk[it][0], hk[it][1], hk[it][2], hk[it][3]);
+            const float m = fmaxf(fmaxf(fabsf(hk[it][0]), fabsf(hk[it][1])), fmaxf(fabsf(hk[it][2]), fabsf(hk[it][3])));
+            atomicMax(s_amax + r, __float_as_uint(m));
+        }
+    }
+    __syncthreads();
+    if (tid < nrows) h_gs[row0 + tid] = mm::nvfp4_global_scale(__uint_as_float(s_amax[tid]));
+#pragma unroll
+    for (int it = 0; it < kFixupKeepPasses; ++it) {
+        const int p = it * kThreads + tid;
+        if (it * kThreads < total)  // uniform: every lane reaches the shuffles
+            fixup_l1_encode_quad(p < total, I, row0, Q, p, hk[it], s_amax, h_codes, h_scales);
+    }
+}
+
+// The tile in groups of whole rows that fit the register passes (rows of more than kFixupKeepPasses x 256 quads,
+// I > 5120, recompute h in the encode pass instead).
+template <int TN>
+__device__ __forceinline__ void fixup_l1_tile(const float* partial, int splits, int rows_total, int I, int row0,
+                                              int ntok, const float* gsa, const float* gsb_e, const float* routing,
+                                              uint8_t* h_codes, uint8_t* h_scales, float* h_gs, float* h_out,
+                                              unsigned* s_amax) {
+    const int tid = threadIdx.x, Q = I / 4, total = ntok * Q;
+    if (tid < ntok) s_amax[tid] = 0u;
+    __syncthreads();
+    const int rows_per_group = (kFixupKeepPasses * kThreads) / Q;
+    if (rows_per_group >= 1) {  // uniform
+        for (int g0 = 0; g0 < ntok; g0 += rows_per_group)
+            fixup_l1_rows_in_registers(partial, splits, rows_total, I, row0 + g0, min(rows_per_group, ntok - g0),
+                                       gsa, gsb_e, routing, h_codes, h_scales, h_gs, h_out, s_amax + g0);
+    } else {
+        for (int base = 0; base < total; base += kThreads) {
+            const int p = base + tid;
+            float h[4];
+            if (p < total)
+                fixup_l1_pass1_quad(partial, splits, rows_total, I, row0, Q, p, gsa, gsb_e, routing, h_out, s_amax, h);
+        }
+        __syncthreads();
+        if (tid < ntok) h_gs[row0 + tid] = mm::nvfp4_global_scale(__uint_as_float(s_amax[tid]));
+        for (int base = 0; base < total; base += kThreads) {  // uniform trip count: every lane reaches the shuffles
+            const int p = base + tid;
+            float h[4] = {0.f, 0.f, 0.f, 0.f};
+            if (p < total) {
+                const int r = p / Q, n = 4 * (p - r * Q), row = row0 + r;
+                const float sa = gsa != nullptr ? gsa[row] : 1.f;
+                fixup_l1_h4(partial, splits, rows_total, I, row, n, sa, routing[row], gsb_e, h);
+            }
+            fixup_l1_encode_quad(p < total, I, row0, Q, p, h, s_amax, h_codes, h_scales);
+        }
+    }
+    __syncthreads();  // s_amax is reused by the next tile
+}
+
+// Rows owned by no expert: the finish kernel's values (h = 0, codes 0, scales 0, gs = 1), rows strided over CTAs.
+__device__ __forceinline__ void fixup_l1_padding_rows(const Grouping& grp, int I, uint8_t* h_codes,
+                                                      uint8_t* h_scales, float* h_gs, float* h_out) {
+    for (int row = blockIdx.x; row < grp.rows_total; row += gridDim.x) {
+        if (grp.expert_of_row(row) >= 0) continue;  // uniform across the CTA
+        // I % 16 == 0: a row of codes is I/2 bytes = a whole number of 8-byte words, 8-byte aligned.
+        for (int w = threadIdx.x; w < I / 16; w += kThreads) {
+            reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2))[w] = make_uint2(0u, 0u);
+            h_scales[(size_t)row * (I / 16) + w] = 0;
+        }
+        if (h_out != nullptr)
+            for (int c = threadIdx.x; c < I; c += kThreads) h_out[(size_t)row * I + c] = 0.f;
+        if (threadIdx.x == 0) h_gs[row] = 1.f;
+    }
+}
+
+// Pairs of the L2 combine resolved per chunk (shared-memory slots): one per thread.
+constexpr int kFixupL2MaxPairs = kThreads;
+
+// Combine of kPairs (token, column) pairs per thread, p0 + q * kThreads for q < kPairs: all their loads are issued
+// before any of their adds (one L2 round trip for kPairs pairs). kRowsPerPass rows x kSplitsPerPass splits per load
+// batch; the grouping does not change the order of the sums (per row: splits 0, 1, ... from acc = 0; then rows in
+// routing order).
+template <int kPairs, int kRowsPerPass, int kSplitsPerPass>
+__device__ __forceinline__ void fixup_l2_pairs(const float* partial, int splits, int rows_total, int N, int nt, int p0,
+                                               int ct, int tok0, int topk, const float* gsb, const int* s_row,
+                                               const int* s_exp, const float* s_sa, __nv_bfloat16* out) {
+    int tl[kPairs], n[kPairs];
+    bool act[kPairs];
+    float y[kPairs];
+#pragma unroll
+    for (int q = 0; q < kPairs; ++q) {
+        const int p = p0 + q * kThreads;
+        act[q] = p < ct * kBlockN;
+        tl[q] = act[q] ? p / kBlockN : 0;
+        n[q] = nt * kBlockN + (p % kBlockN);
+        y[q] = 0.f;
+    }
+    for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
+        bool valid[kPairs][kRowsPerPass];
+        float acc[kPairs][kRowsPerPass], sb[kPairs][kRowsPerPass];
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q)
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u) {
+                const int j = j0 + u;
+                const int* rexp = s_exp + tl[q] * topk;
+                valid[q][u] = act[q] && j < topk && rexp[min(j, topk - 1)] >= 0;
+                acc[q][u] = 0.f;
+                sb[q][u] = valid[q][u] ? gsb[(size_t)rexp[j] * N + n[q]] : 0.f;
+            }
+        for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
+            float pv[kPairs][kRowsPerPass][kSplitsPerPass];
+#pragma unroll
+            for (int q = 0; q < kPairs; ++q)
+#pragma unroll
+                for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                    for (int v = 0; v < kSplitsPerPass; ++v)
+                        pv[q][u][v] = (valid[q][u] && s0 + v < splits)
+                                          ? __ldcg(partial + ((size_t)(s0 + v) * rows_total +
+                                                              s_row[tl[q] * topk + j0 + u]) * N + n[q])
+                                          : 0.f;
+#pragma unroll
+            for (int q = 0; q < kPairs; ++q)
+#pragma unroll
+                for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                    for (int v = 0; v < kSplitsPerPass; ++v)
+                        if (valid[q][u] && s0 + v < splits) acc[q][u] += pv[q][u][v];
+        }
+#pragma unroll
+        for (int q = 0; q < kPairs; ++q)
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u)
+                if (valid[q][u]) y[q] = __fmaf_rn(acc[q][u], __fmul_rn(s_sa[tl[q] * topk + j0 + u], sb[q][u]), y[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < kPairs; ++q)
+        if (act[q]) out[(size_t)(tok0 + tl[q]) * N + n[q]] = __float2bfloat16_rn(y[q]);
+}
+
+// L2 combine of one 128-column tile for every token: the arithmetic of moe_gemm_finish_l2_combine_cols in the same
+// order. Its SASS computes `y += acc * (sa * sb)` as FMUL then FFMA(acc, sa*sb, y): written out above. Tokens are
+// taken in chunks of kThreads / topk so that each chunk's (token, j) -> row, expert, gsa lookups are resolved once
+// into shared memory (one thread per pair), then each thread combines (token, column) pairs of the chunk: one pair
+// with 4 splits per load batch when splits > 2 (decode at 1 token: splits = 4, one round trip), two pairs with 2
+// splits per batch otherwise (more tokens: half the round trips).
+__device__ __forceinline__ void fixup_l2_ntile(const float* partial, int splits, const Grouping& grp, int N, int nt,
+                                               const float* gsa, const float* gsb, const int* token_rows, int tokens,
+                                               int topk, __nv_bfloat16* out, int* s_row, int* s_exp, float* s_sa) {
+    const int tid = threadIdx.x, rows_total = grp.rows_total;
+    const int chunk = kFixupL2MaxPairs / topk;  // topk <= 32 (launcher) -> chunk >= 8
+    for (int tok0 = 0; tok0 < tokens; tok0 += chunk) {
+        const int ct = min(chunk, tokens - tok0);
+        if (tid < ct * topk) {
+            const int row = token_rows[(size_t)tok0 * topk + tid];
+            const int e = grp.expert_of_row(row);
+            s_row[tid] = row;
+            s_exp[tid] = e;
+            s_sa[tid] = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
+        }
+        __syncthreads();
+        if (splits > 2) {
+            for (int p = tid; p < ct * kBlockN; p += kThreads)
+                fixup_l2_pairs<1, 8, 4>(partial, splits, rows_total, N, nt, p, ct, tok0, topk, gsb, s_row, s_exp,
+                                        s_sa, out);
+        } else {
+            for (int p = tid; p < ct * kBlockN; p += 2 * kThreads)
+                fixup_l2_pairs<2, 6, 2>(partial, splits, rows_total, N, nt, p, ct, tok0, topk, gsb, s_row, s_exp,
+                                        s_sa, out);
+        }
+        __syncthreads();  // s_row / s_exp / s_sa are rewritten by the next chunk
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void moe_gemm_l1_fixup_v3(const uint8_t* __restrict__ w_codes,
+                                                     const uint8_t* __restrict__ w_scales, int N, int K,
+                                                     const void* __restrict__ act,
+                                                     const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+                                                     Grouping grp, float* partial, int splits, unsigned* counters,
+                                                     int counter_len, const float* gsa, const float* gsb,
+                                                     const float* routing, uint8_t* h_codes, uint8_t* h_scales,
+                                                     float* h_gs, float* h_out) {
+    constexpr int TN = NT * 8;
+    static_assert(TN <= kFixupMaxTileRows, "tile rows");
+    __shared__ int s_fx_prefix[kMaxExperts + 1];
+    __shared__ int s_fx_warp_sum[kWarps];
+    __shared__ int s_fx_last[kThreads];
+    __shared__ int s_fx_nlast;
+    __shared__ unsigned s_fx_amax[kFixupMaxTileRows];
+
+    moe_gemm_body_v3<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);
+    __syncthreads();  // the body may return early on some paths; the prefix below reuses nothing of it
+
+    const int I = N / 2, n_tiles = N / kBlockN;
+    const int tiles_total = fixup_tile_prefix<TN>(grp, s_fx_warp_sum, s_fx_prefix);
+    const long long per_tile = (long long)n_tiles * splits;
+    const long long items = (long long)tiles_total * per_tile;
+    fixup_arrive(
+        items, counters, counter_len, (unsigned)per_tile, s_fx_last, &s_fx_nlast,
+        [&](long long item) { return (int)(item / per_tile); },
+        [&](int et) {
+            int e, row0, ntok;
+            fixup_tile_rows<TN>(grp, s_fx_prefix, et, e, row0, ntok);
+            fixup_l1_tile<TN>(partial, splits, grp.rows_total, I, row0, ntok, gsa, gsb + (size_t)e * N, routing,
+                              h_codes, h_scales, h_gs, h_out, s_fx_amax);
+        });
+    fixup_l1_padding_rows(grp, I, h_codes, h_scales, h_gs, h_out);
+}
+
+template <int NT>
+__device__ __forceinline__ void moe_gemm_l2_fixup_v3(const uint8_t* __restrict__ w_codes,
+                                                     const uint8_t* __restrict__ w_scales, int N, int K,
+                                                     const void* __restrict__ act,
+                                                     const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+                                                     Grouping grp, float* partial, int splits, unsigned* counters,
+                                                     int counter_len, const float* gsa, const float* gsb,
+                                                     const int* token_rows, int tokens, int topk,
+                                                     __nv_bfloat16* out) {
+    constexpr int TN = NT * 8;
+    __shared__ int s_fx_prefix[kMaxExperts + 1];
+    __shared__ int s_fx_warp_sum[kWarps];
+    __shared__ int s_fx_last[kThreads];
+    __shared__ int s_fx_nlast;
+    __shared__ int s_fx_row[kFixupL2MaxPairs];
+    __shared__ int s_fx_exp[kFixupL2MaxPairs];
+    __shared__ float s_fx_sa[kFixupL2MaxPairs];
+
+    moe_gemm_body_v3<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);
+    __syncthreads();
+
+    const int n_tiles = N / kBlockN;
+    const int tiles_total = fixup_tile_prefix<TN>(grp, s_fx_warp_sum, s_fx_prefix);
+    const long long items = (long long)tiles_total * n_tiles * splits;
+    auto combine = [&](int nt) {
+        fixup_l2_ntile(partial, splits, grp, N, nt, gsa, gsb, token_rows, tokens, topk, out, s_fx_row, s_fx_exp,
+                       s_fx_sa);
+    };
+    if (tiles_total == 0) {  // no items, no arrivals: the output is still every token's (empty) combine, i.e. 0
+        for (int nt = blockIdx.x; nt < n_tiles; nt += gridDim.x) combine(nt);
+        return;
+    }
+    fixup_arrive(
+        items, counters, counter_len, (unsigned)(tiles_total * splits), s_fx_last, &s_fx_nlast,
+        [&](long long item) { return (int)((item / splits) % n_tiles); }, combine);
+}
+}  // namespace
+
+#define MOE_GEMM_FIXUP_ENTRIES_V3(NT, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_l1_fixup_v3_nt##NT(               \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                    \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group, \
+        int capacity, int experts, int rows_total, float* partial, int splits, unsigned* counters,                 \
+        int counter_len, const float* gsa, const float* gsb, const float* routing, uint8_t* h_codes,              \
+        uint8_t* h_scales, float* h_gs, float* h_out) {                                                             \
+        Grouping grp{group, capacity, experts, rows_total};                                                         \
+        moe_gemm_l1_fixup_v3<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits,     \
+                                 counters, counter_len, gsa, gsb, routing, h_codes, h_scales, h_gs, h_out);         \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_l2_fixup_v3_nt##NT(               \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                    \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group, \
+        int capacity, int experts, int rows_total, float* partial, int splits, unsigned* counters,                 \
+        int counter_len, const float* gsa, const float* gsb, const int* token_rows, int tokens, int topk,         \
+        __nv_bfloat16* out) {                                                                                       \
+        Grouping grp{group, capacity, experts, rows_total};                                                         \
+        moe_gemm_l2_fixup_v3<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits,     \
+                                 counters, counter_len, gsa, gsb, token_rows, tokens, topk, out);                   \
+    }
+
+MOE_GEMM_FIXUP_ENTRIES_V3(1, 3)
+MOE_GEMM_FIXUP_ENTRIES_V3(2, 3)
+MOE_GEMM_FIXUP_ENTRIES_V3(4, 1)
+MOE_GEMM_FIXUP_ENTRIES_V3(8, 1)
+// ---- end of the split-K fixup block ----------------------------------------------------------------------------

@@ -1231,3 +1231,577 @@ fn gpu_v5_flash_and_pro_shapes_bit_identical_to_v3() {
     check_v5_model_shapes(&gpu, "Flash 4096/2048", 4096, 2048, &mut rng);
     check_v5_model_shapes(&gpu, "Pro 7168/3072", 7168, 3072, &mut rng);
 }
+
+// ------------------------------------------------------------------------------------------------------------
+// Split-K fixup in the mainloop kernel (src/ops/moe_gemm/fixup.rs, session-4 A/B). The new path must equal the
+// current path (mma.sync mainloop + separate finish kernel) bit for bit: same partials, same split order, same fp32
+// operations. Each fixup run writes into freshly poisoned outputs and is repeated (the second run checks that the
+// last arrivers reset the counters), then compared byte for byte with the current path; the first configuration of
+// each case is also checked against the f64 CPU reference (tolerances of `check_l1_l2`).
+
+fn first_bit_mismatch<T: Copy, B: PartialEq + std::fmt::Debug>(
+    what: &str,
+    got: &[T],
+    want: &[T],
+    bits: impl Fn(T) -> B,
+) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: lengths {} vs {}", got.len(), want.len()));
+    }
+    match (0..got.len()).find(|&i| bits(got[i]) != bits(want[i])) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: first mismatch at {i} of {}: fixup {:?} current {:?} ({} mismatches)",
+            got.len(),
+            bits(got[i]),
+            bits(want[i]),
+            (0..got.len())
+                .filter(|&j| bits(got[j]) != bits(want[j]))
+                .count()
+        )),
+    }
+}
+
+struct L1Host {
+    codes: Vec<u8>,
+    scales: Vec<u8>,
+    global: Vec<f32>,
+    h: Vec<f32>,
+}
+
+fn l1_host(gpu: &Gpu, o: &L1Output) -> L1Host {
+    L1Host {
+        codes: gpu.download(&o.codes).unwrap(),
+        scales: gpu.download(&o.scales).unwrap(),
+        global: gpu.download(&o.global).unwrap(),
+        h: gpu.download(o.h_f32.as_ref().unwrap()).unwrap(),
+    }
+}
+
+fn assert_l1_equal(label: &str, got: &L1Host, want: &L1Host) {
+    let r = first_bit_mismatch("codes", &got.codes, &want.codes, |v| v)
+        .and(first_bit_mismatch(
+            "block scales",
+            &got.scales,
+            &want.scales,
+            |v| v,
+        ))
+        .and(first_bit_mismatch(
+            "global scales",
+            &got.global,
+            &want.global,
+            f32::to_bits,
+        ))
+        .and(first_bit_mismatch(
+            "h (fp32)",
+            &got.h,
+            &want.h,
+            f32::to_bits,
+        ));
+    if let Err(e) = r {
+        panic!("{label}: L1 fixup vs current path: {e}");
+    }
+}
+
+/// CPU check of an L1 output (h against the f64 SwiGLU reference, the NVFP4 codes against the CPU quantizer of
+/// the GPU's own h), as in `check_l1_l2`.
+#[allow(clippy::too_many_arguments)]
+fn check_l1_against_cpu(
+    label: &str,
+    w13: &ExpertWeights,
+    a: &Activations,
+    rb: &RoutedBatch,
+    routing: &[f32],
+    inter: usize,
+    splits: usize,
+    got: &L1Host,
+) {
+    let hidden = w13.k;
+    let rows = rb.grouping.rows_total();
+    let (exact, abs) = grouped_gemm_acc_f64(w13, a, &rb.grouping).unwrap();
+    let d = apply_global_scales(&exact, w13, a, &rb.grouping);
+    let h_ref = swiglu_l1_f64(&d, inter, routing, &rb.grouping);
+    let per_elem = (hidden + splits + 16) as f64 * 2.0 * U;
+    for r in 0..rows {
+        let Some(e) = rb.grouping.expert_of_row(r) else {
+            assert!(
+                got.h[r * inter..(r + 1) * inter]
+                    .iter()
+                    .all(|v| v.to_bits() == 0)
+                    && got.global[r] == 1.0,
+                "{label}: padding row {r}: h must be +0 and the global scale 1 (got {})",
+                got.global[r]
+            );
+            continue;
+        };
+        for j in 0..inter {
+            let (gi, ui) = (r * 2 * inter + j, r * 2 * inter + inter + j);
+            let sc = |c: usize| a.global(r) as f64 * w13.global(e, c) as f64;
+            let dg_ = 1.5 * sc(j) * per_elem * abs[gi];
+            let du = 1.5 * sc(inter + j) * per_elem * abs[ui];
+            let g = d[gi].min(10.0);
+            let u = d[ui].clamp(-10.0, 10.0);
+            let silu = g / (1.0 + (-g).exp());
+            let tol = routing[r] as f64 * (1.1 * u.abs() * dg_ + silu.abs() * du)
+                + 8.0 * U * 2.0 * h_ref[r * inter + j].abs()
+                + 1e-30;
+            let (hg, hr) = (got.h[r * inter + j] as f64, h_ref[r * inter + j]);
+            assert!(
+                (hg - hr).abs() <= tol,
+                "{label}: h row {r} (expert {e}) col {j}: gpu {hg} ref {hr} |err| {:e} tol {tol:e}",
+                (hg - hr).abs()
+            );
+        }
+    }
+    let q = quantize_rows_nvfp4(&got.h, rows, inter).unwrap();
+    let r = first_bit_mismatch("codes vs CPU quantizer", &got.codes, &q.codes, |v| v)
+        .and(first_bit_mismatch(
+            "block scales vs CPU quantizer",
+            &got.scales,
+            &q.scales,
+            |v| v,
+        ))
+        .and(first_bit_mismatch(
+            "global scales vs CPU quantizer",
+            &got.global,
+            &q.global,
+            f32::to_bits,
+        ));
+    if let Err(e) = r {
+        panic!("{label}: {e}");
+    }
+}
+
+/// CPU check of an L2 output against the f64 combine (tolerance of `check_l1_l2`).
+fn check_l2_against_cpu(
+    label: &str,
+    w2: &ExpertWeights,
+    a2: &Activations,
+    rb: &RoutedBatch,
+    splits: usize,
+    y: &[bf16],
+) {
+    let (hidden, inter, topk) = (w2.n, w2.k, rb.topk);
+    let (exact2, abs2) = grouped_gemm_acc_f64(w2, a2, &rb.grouping).unwrap();
+    let d2v = apply_global_scales(&exact2, w2, a2, &rb.grouping);
+    let y_ref = combine_l2_f64(&d2v, hidden, &rb.token_rows, topk, &rb.grouping);
+    let per2 = (inter + splits + 16) as f64 * 2.0 * U;
+    for t in 0..rb.tokens {
+        for nn in 0..hidden {
+            let mut tol = 1e-30;
+            for j in 0..topk {
+                let r = rb.token_rows[t * topk + j];
+                let Some(e) = (r >= 0)
+                    .then(|| rb.grouping.expert_of_row(r as usize))
+                    .flatten()
+                else {
+                    continue;
+                };
+                let r = r as usize;
+                tol += 2.0
+                    * a2.global(r) as f64
+                    * w2.global(e, nn) as f64
+                    * per2
+                    * abs2[r * hidden + nn]
+                    + 8.0 * U * d2v[r * hidden + nn].abs();
+            }
+            let (o, rf) = (y[t * hidden + nn].to_f32() as f64, y_ref[t * hidden + nn]);
+            tol += rf.abs() / 256.0;
+            assert!(
+                (o - rf).abs() <= tol,
+                "{label}: L2 out token {t} col {nn}: gpu {o} ref {rf} tol {tol:e}"
+            );
+        }
+    }
+}
+
+/// L1 then L2 through both paths for every config pair; the first pair is also checked against the CPU.
+#[allow(clippy::too_many_arguments)]
+fn check_fixup_l1_l2(
+    gpu: &Gpu,
+    label: &str,
+    w13: &ExpertWeights,
+    w2: &ExpertWeights,
+    rb: &RoutedBatch,
+    nvfp4_a: bool,
+    cfgs: &[(GemmConfig, GemmConfig)],
+    rng: &mut impl Rng,
+) {
+    let inter = w13.n / 2;
+    let hidden = w13.k;
+    let rows = rb.grouping.rows_total();
+    let d13 = DeviceExpertWeights::upload(gpu, w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(gpu, w2).unwrap();
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
+    let droute = gpu.upload(&routing).unwrap();
+    let a = gathered_activations(rng, rb, hidden, nvfp4_a);
+    let da = DevA::upload(gpu, &a);
+    let dtr = gpu.upload(&rb.token_rows).unwrap();
+    let mut c1 = mg::fixup::ArrivalCounters::for_l1(gpu, &dg).unwrap();
+    let mut c2 = mg::fixup::ArrivalCounters::for_l2(gpu, hidden).unwrap();
+    for (ci, (cfg1, cfg2)) in cfgs.iter().enumerate() {
+        let lab = format!(
+            "{label} A {} cfg L1 {cfg1:?} L2 {cfg2:?}",
+            if nvfp4_a { "nvfp4" } else { "bf16" }
+        );
+        // Current path.
+        let mut ws = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
+        let mut cur = L1Output::new(gpu, rows, inter, true).unwrap();
+        mg::launch_partial_mma(gpu, &d13, &da.view(), &dg, cfg1, &mut ws).unwrap();
+        mg::launch_finish_l1(gpu, &ws, &dg, &d13, &da.view(), &droute, &mut cur).unwrap();
+        let cur_h = l1_host(gpu, &cur);
+        // Fixup path, twice (the second run starts from the counters the first one left).
+        let mut fx = L1Output::new(gpu, rows, inter, true).unwrap();
+        for run in 0..2 {
+            fx = L1Output::new(gpu, rows, inter, true).unwrap();
+            let mut ws_fx = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
+            mg::fixup::grouped_gemm_l1_fixup(
+                gpu,
+                &d13,
+                &da.view(),
+                &dg,
+                cfg1,
+                &mut ws_fx,
+                &mut c1,
+                &droute,
+                &mut fx,
+            )
+            .unwrap();
+            gpu.synchronize().unwrap();
+            assert_l1_equal(&format!("{lab} run {run}"), &l1_host(gpu, &fx), &cur_h);
+        }
+        if ci == 0 {
+            check_l1_against_cpu(&lab, w13, &a, rb, &routing, inter, cfg1.splits, &cur_h);
+        }
+        // L2 on the (identical) L1 output.
+        let a2 = fx.as_activations();
+        let mut ws2 = Workspace::new(gpu, cfg2.splits, rows, hidden).unwrap();
+        let mut y_cur = gpu.poisoned::<bf16>(rb.tokens * hidden, 0xFF).unwrap();
+        mg::launch_partial_mma(gpu, &d2, &a2, &dg, cfg2, &mut ws2).unwrap();
+        mg::launch_finish_l2(gpu, &ws2, &dg, &d2, &a2, &dtr, rb.topk, &mut y_cur).unwrap();
+        let y_cur = gpu.download(&y_cur).unwrap();
+        for run in 0..2 {
+            let mut y = gpu.poisoned::<bf16>(rb.tokens * hidden, 0xFF).unwrap();
+            let mut ws_fx = Workspace::new(gpu, cfg2.splits, rows, hidden).unwrap();
+            mg::fixup::grouped_gemm_l2_fixup(
+                gpu, &d2, &a2, &dg, cfg2, &mut ws_fx, &mut c2, &dtr, rb.topk, &mut y,
+            )
+            .unwrap();
+            let y = gpu.download(&y).unwrap();
+            if let Err(e) = first_bit_mismatch("L2 bf16 out", &y, &y_cur, bf16::to_bits) {
+                panic!("{lab} run {run}: L2 fixup vs current path: {e}");
+            }
+        }
+        if ci == 0 {
+            let q = Nvfp4Rows {
+                rows,
+                cols: inter,
+                codes: cur_h.codes.clone(),
+                scales: cur_h.scales.clone(),
+                global: cur_h.global.clone(),
+            };
+            check_l2_against_cpu(&lab, w2, &Activations::Nvfp4(q), rb, cfg2.splits, &y_cur);
+        }
+    }
+    // The counters are back at zero after every launch.
+    for (what, c) in [("L1", &c1), ("L2", &c2)] {
+        let v = gpu.download(&c.counters).unwrap();
+        assert!(
+            v.iter().all(|&x| x == 0),
+            "{label}: {what} arrival counters not reset: {v:?}"
+        );
+    }
+}
+
+/// Token t is routed to every expert whose count exceeds t (expert order), padded with -1 to the largest fan-out:
+/// every count of `counts` is an expert's row count and tokens have 0..=E routed rows (-1 entries exercised).
+fn routed_by_counts(counts: &[usize], masked: bool) -> RoutedBatch {
+    let tokens = counts.iter().copied().max().unwrap_or(0);
+    let topk = (0..tokens)
+        .map(|t| counts.iter().filter(|&&c| c > t).count())
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let grouping = if masked {
+        Grouping::Masked {
+            capacity: tokens.max(1),
+            counts: counts.iter().map(|&c| c as i32).collect(),
+        }
+    } else {
+        let mut offsets = vec![0i32];
+        for &c in counts {
+            offsets.push(offsets.last().unwrap() + c as i32);
+        }
+        Grouping::Contiguous { offsets }
+    };
+    let mut token_rows = vec![-1i32; tokens * topk];
+    let mut experts_of = vec![0usize; tokens * topk];
+    let mut row_token = vec![-1i32; grouping.rows_total()];
+    for t in 0..tokens {
+        let mut j = 0;
+        for (e, &c) in counts.iter().enumerate() {
+            if c > t {
+                let row = grouping.expert_rows(e).start + t;
+                token_rows[t * topk + j] = row as i32;
+                experts_of[t * topk + j] = e;
+                row_token[row] = t as i32;
+                j += 1;
+            }
+        }
+    }
+    RoutedBatch {
+        tokens,
+        topk,
+        experts_of,
+        token_rows,
+        row_token,
+        grouping,
+    }
+}
+
+#[test]
+fn gpu_fixup_matches_current_path_over_token_counts_layouts_and_a_formats() {
+    let name = "gpu_fixup_matches_current_path_over_token_counts_layouts_and_a_formats";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    let counts = [0usize, 1, 2, 3, 7, 8, 16, 63, 64, 65];
+    let (hidden, inter) = (1024, 512); // L1: N 1024, K 1024 (splits 1, 2); L2: N 1024, K 512 (splits 1)
+    let w13 = quantized_weights(&mut rng, counts.len(), 2 * inter, hidden);
+    let w2 = quantized_weights(&mut rng, counts.len(), hidden, inter);
+    let sms = gpu.info.sm_count as u32;
+    let small = sms * mg::MAINLOOP_CTAS_PER_SM_SMALL_TILE as u32;
+    let c = |token_tile, splits, ctas| GemmConfig {
+        token_tile,
+        splits,
+        ctas,
+    };
+    // Every token tile; split K on L1; few CTAs (many items each, a CTA last for many tiles); one CTA (more than
+    // 256 items: several arrival rounds).
+    let cfgs = [
+        (c(8, 2, small), c(8, 1, small)),
+        (c(16, 1, small), c(16, 1, small)),
+        (c(32, 2, 2 * sms), c(32, 1, 2 * sms)),
+        (c(64, 1, 2 * sms), c(64, 1, 2 * sms)),
+        (c(8, 2, 7), c(16, 1, 5)),
+        (c(8, 2, 1), c(8, 1, 1)),
+    ];
+    for masked in [true, false] {
+        let rb = routed_by_counts(&counts, masked);
+        for nvfp4 in [true, false] {
+            check_fixup_l1_l2(
+                &gpu,
+                &format!("counts {counts:?} masked {masked}"),
+                &w13,
+                &w2,
+                &rb,
+                nvfp4,
+                &cfgs,
+                &mut rng,
+            );
+        }
+    }
+    // All experts empty: L1 writes only padding rows, L2 writes zeros for every token (no arrivals at all).
+    let grouping = Grouping::Masked {
+        capacity: 2,
+        counts: vec![0, 0, 0],
+    };
+    let rb = RoutedBatch {
+        tokens: 2,
+        topk: 1,
+        experts_of: vec![0, 0],
+        token_rows: vec![-1, -1],
+        row_token: vec![-1; grouping.rows_total()],
+        grouping,
+    };
+    let w13e = quantized_weights(&mut rng, 3, 2 * inter, hidden);
+    let w2e = quantized_weights(&mut rng, 3, hidden, inter);
+    check_fixup_l1_l2(
+        &gpu,
+        "all experts empty",
+        &w13e,
+        &w2e,
+        &rb,
+        true,
+        &cfgs[..1],
+        &mut rng,
+    );
+    // I = 5632 > 5120: rows too wide for the register passes, h is recomputed in the encode pass.
+    let (hidden, inter) = (512, 5632);
+    let counts = [0usize, 1, 3, 9];
+    let w13 = quantized_weights(&mut rng, counts.len(), 2 * inter, hidden);
+    let w2 = quantized_weights(&mut rng, counts.len(), hidden, inter);
+    for masked in [true, false] {
+        check_fixup_l1_l2(
+            &gpu,
+            &format!("wide I {inter}, counts {counts:?} masked {masked}"),
+            &w13,
+            &w2,
+            &routed_by_counts(&counts, masked),
+            true,
+            &[(c(8, 1, small), c(8, 1, small)), (c(16, 1, 3), c(8, 1, 2))],
+            &mut rng,
+        );
+    }
+}
+
+/// Decode routings (top-6, masked, default config) on the real expert shapes, a few physical experts; the
+/// weights are quantized once per shape (the CPU quantization dominates the test time).
+fn check_fixup_decode(
+    gpu: &Gpu,
+    label: &str,
+    (hidden, inter, experts): (usize, usize, usize),
+    token_counts: &[usize],
+    rng: &mut impl Rng,
+) {
+    let topk = 6.min(experts);
+    let w13 = quantized_weights(rng, experts, 2 * inter, hidden);
+    let w2 = quantized_weights(rng, experts, hidden, inter);
+    for &tokens in token_counts {
+        let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
+        let active = (0..experts)
+            .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+            .count();
+        let rpe = (tokens * topk) as f64 / active as f64;
+        let sms = gpu.info.sm_count as usize;
+        let cfg1 = GemmConfig::choose(sms, rpe, active, 2 * inter, hidden);
+        let cfg2 = GemmConfig::choose(sms, rpe, active, hidden, inter);
+        check_fixup_l1_l2(
+            gpu,
+            &format!("{label}, {tokens} tokens"),
+            &w13,
+            &w2,
+            &rb,
+            true,
+            &[(cfg1, cfg2)],
+            rng,
+        );
+    }
+}
+
+#[test]
+fn gpu_fixup_matches_current_path_flash_shapes() {
+    let name = "gpu_fixup_matches_current_path_flash_shapes";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    check_fixup_decode(
+        &gpu,
+        "Flash 4096/2048, 8 experts",
+        (4096, 2048, 8),
+        &[1, 4],
+        &mut rng,
+    );
+}
+
+#[test]
+fn gpu_fixup_matches_current_path_pro_shapes() {
+    let name = "gpu_fixup_matches_current_path_pro_shapes";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    check_fixup_decode(
+        &gpu,
+        "Pro 7168/3072, 6 experts",
+        (7168, 3072, 6),
+        &[1],
+        &mut rng,
+    );
+}
+
+/// A captured decode step (L1 fixup then L2 fixup, masked counts on the device) replayed with new counts: each
+/// replay must equal the current path run eagerly on the same counts (the counters are reset inside the graph).
+#[test]
+fn gpu_fixup_graph_replays_with_new_counts() {
+    let name = "gpu_fixup_graph_replays_with_new_counts";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    let (experts, hidden, inter, cap, tokens, topk) = (12, 1024, 512, 6, 8, 3);
+    let w13 = quantized_weights(&mut rng, experts, 2 * inter, hidden);
+    let w2 = quantized_weights(&mut rng, experts, hidden, inter);
+    let d13 = DeviceExpertWeights::upload(&gpu, &w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(&gpu, &w2).unwrap();
+    let rb = RoutedBatch::random(&mut rng, tokens, experts, topk, Some(cap)).unwrap();
+    let rows = rb.grouping.rows_total();
+    let a = gathered_activations(&mut rng, &rb, hidden, true);
+    let da = DevA::upload(&gpu, &a);
+    let mut dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+    let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
+    let droute = gpu.upload(&routing).unwrap();
+    let dtr = gpu.upload(&rb.token_rows).unwrap();
+    let sms = gpu.info.sm_count as usize;
+    let cfg1 = GemmConfig::choose(sms, 2.0, experts, 2 * inter, hidden);
+    let cfg2 = GemmConfig::choose(sms, 2.0, experts, hidden, inter);
+    let mut ws1 = Workspace::new(&gpu, cfg1.splits, rows, 2 * inter).unwrap();
+    let mut ws2 = Workspace::new(&gpu, cfg2.splits, rows, hidden).unwrap();
+    let mut c1 = mg::fixup::ArrivalCounters::for_l1(&gpu, &dg).unwrap();
+    let mut c2 = mg::fixup::ArrivalCounters::for_l2(&gpu, hidden).unwrap();
+    let mut l1 = L1Output::new(&gpu, rows, inter, true).unwrap();
+    let mut y = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+    let step = |gpu: &Gpu,
+                dg: &DeviceGrouping,
+                ws1: &mut Workspace,
+                ws2: &mut Workspace,
+                c1: &mut mg::fixup::ArrivalCounters,
+                c2: &mut mg::fixup::ArrivalCounters,
+                l1: &mut L1Output,
+                y: &mut cudarc::driver::CudaSlice<bf16>| {
+        mg::fixup::grouped_gemm_l1_fixup(gpu, &d13, &da.view(), dg, &cfg1, ws1, c1, &droute, l1)?;
+        let a2 = l1.as_activations();
+        mg::fixup::grouped_gemm_l2_fixup(gpu, &d2, &a2, dg, &cfg2, ws2, c2, &dtr, topk, y)
+    };
+    // Eager run first (module load, attributes), then capture.
+    step(
+        &gpu, &dg, &mut ws1, &mut ws2, &mut c1, &mut c2, &mut l1, &mut y,
+    )
+    .unwrap();
+    gpu.synchronize().unwrap();
+    let graph = gpu
+        .capture(|| {
+            step(
+                &gpu, &dg, &mut ws1, &mut ws2, &mut c1, &mut c2, &mut l1, &mut y,
+            )
+        })
+        .unwrap();
+    for replay in 0..3 {
+        // New counts (<= the rows each expert really has, so token_rows stays a superset: rows past a count are
+        // padding and drop out of the combine in both paths).
+        let counts: Vec<i32> = (0..experts)
+            .map(|e| rng.random_range(0..=rb.grouping.expert_rows(e).len() as i32))
+            .collect();
+        gpu.stream.memcpy_htod(&counts, &mut dg.group).unwrap();
+        graph.launch().unwrap();
+        gpu.synchronize().unwrap();
+        let got_l1 = l1_host(&gpu, &l1);
+        let got_y = gpu.download(&y).unwrap();
+        // Current path on the same device counts.
+        let mut ws = Workspace::new(&gpu, cfg1.splits, rows, 2 * inter).unwrap();
+        let mut cur = L1Output::new(&gpu, rows, inter, true).unwrap();
+        mg::launch_partial_mma(&gpu, &d13, &da.view(), &dg, &cfg1, &mut ws).unwrap();
+        mg::launch_finish_l1(&gpu, &ws, &dg, &d13, &da.view(), &droute, &mut cur).unwrap();
+        let lab = format!("graph replay {replay} counts {counts:?}");
+        assert_l1_equal(&lab, &got_l1, &l1_host(&gpu, &cur));
+        let mut ws = Workspace::new(&gpu, cfg2.splits, rows, hidden).unwrap();
+        let mut y_cur = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+        let a2 = cur.as_activations();
+        mg::launch_partial_mma(&gpu, &d2, &a2, &dg, &cfg2, &mut ws).unwrap();
+        mg::launch_finish_l2(&gpu, &ws, &dg, &d2, &a2, &dtr, topk, &mut y_cur).unwrap();
+        let y_cur = gpu.download(&y_cur).unwrap();
+        if let Err(e) = first_bit_mismatch("L2 bf16 out", &got_y, &y_cur, bf16::to_bits) {
+            panic!("{lab}: {e}");
+        }
+    }
+    for (what, c) in [("L1", &c1), ("L2", &c2)] {
+        let v = gpu.download(&c.counters).unwrap();
+        assert!(
+            v.iter().all(|&x| x == 0),
+            "graph: {what} counters not reset: {v:?}"
+        );
+    }
+}

@@ -18,6 +18,7 @@
 
 pub mod bench;
 pub mod exec;
+pub mod fixup;
 pub mod prefill;
 pub mod reference;
 
