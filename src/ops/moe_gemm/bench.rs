@@ -8,14 +8,8 @@
 //!   `prefill.rs`; the other points run the v3 mma.sync mainloop, 3 CTAs per SM for token tiles <= 16).
 //!   The A/B variants `nvfp4_v1` / `nvfp4_v3` were removed: v3 (now `nvfp4`) beat v1 and v2 (the old `nvfp4`)
 //!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
-//! * `nvfp4_v5` (session-4 A/B): `nvfp4` with the v5 decode mainloop (`DecodeMainloop::V5`, bit-identical
-//!   partials), and `nvfp4_v5p` (`DecodeMainloop::V5Pinned`: refill pointers pinned, loads at the stage end);
-//!   both run on the masked (decode) points only (prefill points would route to the same wgmma kernel).
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
-//! * `nvfp4_fixup` (masked / decode points only, session-4 A/B): the same v3 mainloop and config as `nvfp4`, with
-//!   the split-K reduction and the epilogue done in the same kernel by the last CTA to arrive on each output tile
-//!   (`fixup.rs`): one launch instead of two, bit-identical outputs.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -40,11 +34,8 @@ use crate::gpu::grid_1d;
 
 pub const VARIANTS: &[&str] = &[
     "nvfp4",
-    "nvfp4_v5",
-    "nvfp4_v5p",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
-    "nvfp4_fixup",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -53,22 +44,12 @@ pub const VARIANTS: &[&str] = &[
 /// `nvfp4_wgmma` / `nvfp4_wgmma256` the wgmma prefill kernel with a
 /// 128 x 128 / 128 x 256 CTA tile (one K split); the wgmma variants only run on contiguous (prefill) points.
 fn is_ours(variant: &str) -> bool {
-    matches!(
-        variant,
-        "nvfp4" | "nvfp4_v5" | "nvfp4_v5p" | "nvfp4_wgmma" | "nvfp4_wgmma256" | "nvfp4_fixup"
-    )
+    matches!(variant, "nvfp4" | "nvfp4_wgmma" | "nvfp4_wgmma256")
 }
 
-/// The wgmma variants run only on contiguous (prefill) points, `nvfp4_v5*` and `nvfp4_fixup` only on masked (decode) points: their
-/// contiguous points would route to the same wgmma kernel as `nvfp4`.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || ((variant.starts_with("nvfp4_v5") || variant == FIXUP_VARIANT) && dg.capacity == 0)
+    variant.starts_with("nvfp4_wgmma") && dg.capacity != 0
 }
-
-/// The in-kernel split-K fixup A/B ([`fixup`]): one launch, mma.sync mainloop + last-arriver epilogue; decode
-/// (masked) points only.
-const FIXUP_VARIANT: &str = "nvfp4_fixup";
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
     if variant.starts_with("nvfp4_wgmma") {
@@ -92,8 +73,6 @@ fn launch_variant(
         "nvfp4_wgmma256" => {
             prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
         }
-        "nvfp4_v5" => launch_partial_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::V5),
-        "nvfp4_v5p" => launch_partial_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::V5Pinned),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
@@ -285,19 +264,10 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let mut out = L1Output::new(gpu, rows, i, false)?;
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
-            let samples = if variant == FIXUP_VARIANT {
-                let mut cnt = fixup::ArrivalCounters::for_l1(gpu, &dg)?;
-                gpu.time_us(ctx.plan(bytes as u64), || {
-                    fixup::grouped_gemm_l1_fixup(
-                        gpu, &w, &a, &dg, &cfg, &mut ws, &mut cnt, &routing, &mut out,
-                    )
-                })?
-            } else {
-                gpu.time_us(ctx.plan(bytes as u64), || {
-                    launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
-                    launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
-                })?
-            };
+            let samples = gpu.time_us(ctx.plan(bytes as u64), || {
+                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
+            })?;
             Ok(vec![row(
                 "moe_gemm_l1",
                 variant,
@@ -342,30 +312,11 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4)
                 + p.tokens * p.n * 2;
-            let samples = if variant == FIXUP_VARIANT {
-                let mut cnt = fixup::ArrivalCounters::for_l2(gpu, p.n)?;
-                gpu.time_us(ctx.plan(bytes as u64), || {
-                    let a = h.as_activations();
-                    fixup::grouped_gemm_l2_fixup(
-                        gpu,
-                        &w,
-                        &a,
-                        &dg,
-                        &cfg,
-                        &mut ws,
-                        &mut cnt,
-                        &token_rows,
-                        p.topk,
-                        &mut y,
-                    )
-                })?
-            } else {
-                gpu.time_us(ctx.plan(bytes as u64), || {
-                    let a = h.as_activations();
-                    launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
-                    launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
-                })?
-            };
+            let samples = gpu.time_us(ctx.plan(bytes as u64), || {
+                let a = h.as_activations();
+                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
+            })?;
             Ok(vec![row(
                 "moe_gemm_l2",
                 variant,

@@ -18,7 +18,6 @@
 
 pub mod bench;
 pub mod exec;
-pub mod fixup;
 pub mod prefill;
 pub mod reference;
 
@@ -290,47 +289,6 @@ impl GemmConfig {
     }
 }
 
-/// Generation of the mma.sync decode mainloop. Both compute bit-identical fp32 partials (same K permutation,
-/// dequantized values and MMA order; kernels/moe_gemm.cu), so every finish kernel takes either.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeMainloop {
-    /// `moe_gemm_nvfp4_partial_v3_nt*`: the default.
-    V3,
-    /// `moe_gemm_nvfp4_partial_v5_nt*` (session-4 A/B candidate): dequant by multiply, block scales two at a
-    /// time through the e4m3x2 -> f16x2 conversion, L2 prefetch of the next stage's weights, activation staging
-    /// for the tile's real tokens only; each chunk's refill load issued right after the chunk.
-    V5,
-    /// `moe_gemm_nvfp4_partial_v5p_nt*`: V5 with the refill pointers pinned in registers (7% fewer instructions
-    /// per stage; ptxas then issues the refill loads at the end of the stage, behind the L2 prefetch).
-    V5Pinned,
-}
-
-impl DecodeMainloop {
-    fn tag(self) -> &'static str {
-        match self {
-            DecodeMainloop::V3 => "v3",
-            DecodeMainloop::V5 => "v5",
-            DecodeMainloop::V5Pinned => "v5p",
-        }
-    }
-}
-
-/// [`launch_partial`] with the decode mainloop chosen: prefill shapes still go to the wgmma kernel.
-pub fn launch_partial_with(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-    mainloop: DecodeMainloop,
-) -> Result<()> {
-    if prefill::routes_here(w, grp, cfg) {
-        return prefill::launch_partial_prefill(gpu, w, a, grp, ws);
-    }
-    launch_partial_mma_with(gpu, w, a, grp, cfg, ws, mainloop)
-}
-
 /// CTAs per SM the mma.sync mainloop (`moe_gemm_nvfp4_partial_v3_nt1/2`, `__launch_bounds__(256, 3)`) holds for
 /// token tiles <= 16; [`GemmConfig::choose`] sizes the persistent grid with it.
 pub const MAINLOOP_CTAS_PER_SM_SMALL_TILE: usize = 3;
@@ -386,20 +344,6 @@ pub fn launch_partial_mma(
     cfg: &GemmConfig,
     ws: &mut Workspace,
 ) -> Result<()> {
-    launch_partial_mma_with(gpu, w, a, grp, cfg, ws, DecodeMainloop::V3)
-}
-
-/// [`launch_partial_mma`] with an explicit mainloop generation (same arguments, shared memory, grid and
-/// workspace layout for every generation).
-pub fn launch_partial_mma_with(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-    mainloop: DecodeMainloop,
-) -> Result<()> {
     cfg.check(w.k)?;
     a.check()?;
     let (a_rows, a_k) = a.rows_k();
@@ -425,11 +369,7 @@ pub fn launch_partial_mma_with(
         grp.rows_total,
         w.n
     );
-    let name = format!(
-        "moe_gemm_nvfp4_partial_{}_nt{}",
-        mainloop.tag(),
-        cfg.token_tile / 8
-    );
+    let name = format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8);
     // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
     let smem = 2 * cfg.token_tile * STAGE_K * 2;
     let f = gpu.function_with_smem(FAMILY, &name, smem)?;

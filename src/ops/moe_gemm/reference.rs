@@ -466,34 +466,3 @@ pub fn dequant_pair_like_kernel(word: u32, i: u32, scale_code: u8) -> (f32, f32)
     let mul = |x: f32| bf16::from_f32(x * s).to_f32() * 512.0;
     (mul(lo), mul(hi))
 }
-
-// ---- v5 decode mainloop: CPU mirrors of its bit tricks (kernels/moe_gemm.cu, v5 block) ----------------------
-
-/// The bf16x2 bits v3's register dequant forms from nibbles `i` and `i + 4` of `word` (before the scale
-/// multiply): `e2m1 * 2^-126` per half.
-pub fn v3_pair_bits(word: u32, i: u32) -> u32 {
-    let v = word << (12 - 4 * i);
-    (v & 0x8000_8000) | ((v >> 6) & 0x01C0_01C0)
-}
-
-/// Mirror of the v5 dequant (`v5_pair_to_bf16x2`): pairs 0 and 1 from `word`, pairs 2 and 3 from `word >> 8`;
-/// isolate the two nibbles, multiply by `2^(6-4q) + 2^(12-4q)` (wrapping, as the 32-bit IMAD), mask.
-pub fn v5_pair_bits(word: u32, i: u32) -> u32 {
-    let src = if i < 2 { word } else { word >> 8 };
-    let q = i % 2;
-    let x = src & (0x000F_000F << (4 * q));
-    let mul = (1u32 << (6 - 4 * q)) + (1u32 << (12 - 4 * q));
-    x.wrapping_mul(mul) & 0x81C0_81C0
-}
-
-/// Mirror of v5's block-scale prep (`v5_scales_bf16x2`) for the scale bytes `lo` and `hi`: e4m3 -> f16 (exact,
-/// what `cvt.rn.f16x2.e4m3x2` computes), magnitude bits >> 3 with the sign kept (the bf16 of value * 2^-112),
-/// then two exact bf16 multiplies by 2^127 and 2^102. Returns (bits after the shift, final bits) per half; the
-/// caller checks the first is the bf16 of value * 2^-112 and the second the bf16 of value * 2^117 (v3's scale).
-pub fn v5_scale_bits(code: u8) -> (u16, u16) {
-    let h = half::f16::from_f32(e4m3::decode(code)).to_bits();
-    let shifted = ((h & 0x7FFF) >> 3) | (h & 0x8000);
-    let v = bf16::from_bits(shifted).to_f32() * f32::powi(2.0, 127);
-    let v = bf16::from_f32(v).to_f32() * f32::powi(2.0, 102);
-    (shifted, bf16::from_f32(v).to_bits())
-}
