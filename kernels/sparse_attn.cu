@@ -8,17 +8,16 @@
 //
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
-//   sparse_attn_decode_fp8_v5      the FP8 path (bench variant "fp8", Path::Fp8): QK^T and P.V on wgmma, the
+//   sparse_attn_decode_fp8_v6      the FP8 path (bench variant "fp8", Path::Fp8): the v5 kernel below with a cheaper
+//                                  q prologue (q codes by x * 2^-k instead of x / 2^k, the same value; tile 0's
+//                                  loads issued before the q quantization); notes above decode_fp8_v6_body.
+//   sparse_attn_decode_fp8_v5      the previous FP8 path (bench "fp8_v5", Path::Fp8V5): QK^T and P.V on wgmma, the
 //                                  next tile's dequant overlapped with QK^T (design notes above
-//                                  decode_fp8_v5_body). The `_v5` stays in the name: committed results use it.
+//                                  decode_fp8_v5_body). Kept for one more H200 run as the measured reference that
+//                                  v6 is timed and bit-compared against (same outputs bit for bit).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
-//   Session-4 A/B candidates (at the end of the file; the two kernels above stay byte-for-byte as measured):
-//   sparse_attn_decode_fp8_fused   v5 body + the combine fused in: the last split CTA of a (sequence, head group)
-//                                  merges the partials (arrival counter protocol); bench "fp8_fused".
-//   sparse_attn_decode_fp8_pdl     v5 body behind griddepcontrol.launch_dependents, and
-//   sparse_attn_combine_pdl        the combine behind griddepcontrol.wait, launched by PDL; bench "fp8_pdl".
 //
 // Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
 // CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
@@ -40,8 +39,8 @@
 //     P.V: BF16 wgmma.m64n256k16 (warp group wh: 64 heads x dims 256wh..+255); O lives in registers, 128 f32
 //     per thread, in the mma.sync m16n8 fragment layout (heads 16*(w%4) + l/4 (+8) of warp w).
 //   * The two warps sharing a head block exchange their row maxima through shared memory (named barrier).
-//   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); sparse_attn_combine merges
-//     them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
+//   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); sparse_attn_combine (a
+//     second launch) merges them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
 //
 // History (H200, commit 4199846, median us; fp8 = v2 / v3 / v4 / v5, all four verified on the GPU, v5 bit-identical
 // to v4): the first FP8 design (QK^T on emulated mma.sync m16n8k32 e4m3) measured 0.66-1.05x of the BF16 staging
@@ -50,6 +49,11 @@
 // Flash batch 128: 103.8 / 97.1 / 90.8 / 80.9; Pro CSA (128 heads) batch 128: 316.8 / 287.6 / 262.1 / 220.7
 // (baseline 280.7); Pro batch 64: 151.4 / 137.3 / 124.8 / 103.9; HCA 1M batch 64: 429.3 / 370.4 / 329.2 / 250.6;
 // batch 1 Flash 30.4 / 30.0 / 29.7 / 29.3; batch 1 HCA 1M 57.9 / 55.7 / 53.4 / 49.7 (baseline 54.5).
+// Session-4 A/B (results/h200/session4-ab/sparse_attn_decode.csv, median us, fp8 = v5 + separate combine): the
+// v6 prologue won where the plan does not split: Flash batch 128 70.4 vs 82.9, Pro batch 64 94.8 vs 106.2, Pro
+// batch 128 201.4 vs 224.6 (~10 us of every CTA). Removed: the last-arriver in-kernel merge (one CTA reads every
+// split's partials, serially), v5 / v6 bodies: Flash b1 84.8 / 74.2 vs 28.1, Pro b8 79.5 / 70.4 vs 38.3, HCA 1M b1
+// 177.0 / 164.9 vs 50.3; the combine launched by PDL: Flash b1 27.6 vs 28.1 but b8 32.4 vs 30.3, HCA 1M b4 93.3 vs 55.6.
 //
 // Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
 // 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
@@ -500,8 +504,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[32][4], uint64_t 
         : "l"(da), "l"(db), "r"(1));
 }
 // ---------------------------------------------------------------------------------------------------------
-// FP8 path (sparse_attn_decode_fp8_v5, bench variant "fp8"): QK^T and P.V on wgmma, with the next tile's
-// dequant overlapped with the current tile's QK^T wgmma, and no raw shared-memory stage.
+// FP8 v5 body (sparse_attn_decode_fp8_v5, bench "fp8_v5"; its main loop and epilogue are also the v6 body's):
+// QK^T and P.V on wgmma, with the next tile's dequant overlapped with the current tile's QK^T wgmma, and no raw shared-memory stage.
 //   * Two swizzled K = V tiles (vt[0], vt[1]). The raw entries go global -> registers -> BF16 tile: thread
 //     (e = tid / 4, q = tid % 4) loads exactly the 8-byte chunks its dequant converts (14 nope chunks, the scale
 //     word, 4 rope words = 19 x 8 B), one tile ahead of the dequant and two tiles ahead of the math.
@@ -834,7 +838,9 @@ extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t*
             n_splits, out, part_o, part_lse                                                                      \
     }
 
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. The FP8 path (bench "fp8").
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. The previous FP8 path, now Path::Fp8V5
+// (bench "fp8_v5"): kept for one more H200 run as the measured reference the new default (sparse_attn_decode_fp8_v6,
+// same values) is timed and bit-compared against.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v5(SA_DECODE_PARAMS) {
     sa::decode_fp8_v5_body(SA_DECODE_ARGS);
 }
@@ -939,8 +945,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
 namespace sa {
 
 // =============================================================================================================
-// v6 body (sparse_attn_decode_fp8_fused_v6, bench "fp8_fused_v6"): decode_fp8_v5_body with a cheaper prologue,
-// same values bit for bit:
+// v6 body (sparse_attn_decode_fp8_v6, the FP8 path: Path::Fp8, bench "fp8"): decode_fp8_v5_body with a cheaper
+// prologue, same values bit for bit (same epilogue: finish() writes `out` or the split partials):
 //   * q codes by multiplication: e4m3(x / s) with s = 2^(c-127) the UE8M0 scale (code c in 1..254, from
 //     ue8m0_pow2_scale_for) equals e4m3(x * 2^(127-c)): x / 2^k and x * 2^-k are the same real number, and both
 //     IEEE operations round it once to nearest-even (no FTZ in this build), so the f32 inputs of the e4m3
@@ -1113,283 +1119,9 @@ __device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
 
 }  // namespace sa
 
-// =============================================================================================================
-// Fused split-KV combine (Path::Fp8Fused, bench variant "fp8_fused"): sparse_attn_decode_fp8_fused runs the v5
-// body unchanged (same plan -> same partials, bit for bit), then the LAST split CTA to finish a (sequence,
-// head group) merges all splits' partials itself, so no sparse_attn_combine launch follows.
-//
-// Arrival protocol (one u32 counter per (sequence, head group), arrivals[b * gridDim.x + hg], zero before the
-// launch):
-//   writer side  every thread stores its part_o / part_lse, then __threadfence() (fence.sc.gpu: its stores are
-//                ordered before anything it does next, at GPU scope), then __syncthreads(); thread 0 then does
-//                atomicAdd(counter, 1). So every partial store of the CTA precedes its arrival.
-//   reader side  the atomic returning n_splits - 1 means all other n_splits - 1 arrivals (each preceded by its
-//                CTA's fenced stores) are earlier in the counter's modification order. Thread 0 publishes the
-//                verdict through shared memory (__syncthreads), every thread of the last CTA issues
-//                __threadfence() (acquire side), and reads the partials with ld.global.cg (L2, the GPU-scope
-//                point of coherence; never the non-coherent __ldg path, whose lines could predate the writes).
-//   reset        the last CTA stores 0 to the counter: all n_splits arrivals of this launch have happened, so
-//                nobody else touches it again in this launch, and the next launch (stream order, graph replay)
-//                starts from 0. Precondition: the counters are zero when a launch starts (Workspace zeroes
-//                them at creation; every completed launch leaves them zero).
-//   Every split CTA arrives exactly once (a split with no candidates still writes its empty partial), so
-//   every (sequence, head group) has exactly one last CTA.
-//
-// Merge = sparse_attn_combine's arithmetic, expression for expression, per (head, dim): m = max of the splits'
-// lse (per lane over s = lane, lane + 32, ..., then the xor butterfly 16..1), the same for the sum of
-// exp2(lse - m_all); o = sum over s = 0..n-1 IN ORDER of exp2(lse_s - m_all) * o_s (one FMA each), times
-// 1 / z, inverse RoPE, BF16. Only which thread does which head changes (a warp takes 8 heads: the per-head
-// statistics of its 8 heads, then 2 passes of 4 heads, the loads of 4 heads x 2 splits in flight), not the
-// order of any floating-point operation, so the output is bit-identical to decode + combine.
-// Cost: the last CTA reads n_splits x 64 heads x 2 KiB of partials from L2 (~1 us per split at one SM's
-// ~120 GB/s) instead of a second launch on heads/8 x batch CTAs; SplitPlan::by_cost_fused charges that.
-// =============================================================================================================
-namespace sa {
-
-constexpr int kFusedHeadsPerWarp = kHeadsPerCta / 8;  // 8 warps
-constexpr int kFusedHeadsPerPass = 4;
-
-__device__ __forceinline__ void fused_combine_tail(const DecodeArgs& a, unsigned int* arrivals) {
-    extern __shared__ __align__(16) uint8_t smem_unaligned[];
-    // The body is finished (first barrier below), so its shared memory is free.
-    float* head_m = reinterpret_cast<float*>(smem_unaligned);   // [64] m_all of each head
-    float* head_inv = head_m + kHeadsPerCta;                     // [64] 1 / z
-    int* head_empty = reinterpret_cast<int*>(head_inv + kHeadsPerCta);  // [64] no valid candidate anywhere
-    int* last_flag = head_empty + kHeadsPerCta;
-
-    const int hg = blockIdx.x, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n = a.n_splits;
-
-    __threadfence();  // writer side: this thread's partial stores before the arrival
-    __syncthreads();
-    if (tid == 0) {
-        unsigned int* counter = arrivals + (size_t)b * gridDim.x + hg;
-        const unsigned int prev = atomicAdd(counter, 1u);
-        const int last = (prev == (unsigned int)(n - 1)) ? 1 : 0;
-        if (last) *counter = 0u;  // reset: every arrival of this launch has happened
-        *last_flag = last;
-    }
-    __syncthreads();
-    if (*last_flag == 0) return;
-    __threadfence();  // reader side
-
-    // ---- per-head statistics, the combine's code for 8 heads at once ----
-    const int hl_w = kFusedHeadsPerWarp * warp;  // this warp's first head (within the group)
-    const float* lse_b = a.part_lse + (size_t)b * n * a.heads + hg * kHeadsPerCta + hl_w;
-    float mp[kFusedHeadsPerWarp];
-#pragma unroll
-    for (int k = 0; k < kFusedHeadsPerWarp; ++k) mp[k] = -INFINITY;
-    for (int s = lane; s < n; s += 32) {
-        float v[kFusedHeadsPerWarp];
-#pragma unroll
-        for (int k = 0; k < kFusedHeadsPerWarp; ++k) v[k] = __ldcg(lse_b + (size_t)s * a.heads + k);
-#pragma unroll
-        for (int k = 0; k < kFusedHeadsPerWarp; ++k) mp[k] = fmaxf(mp[k], v[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mp[k] = fmaxf(mp[k], __shfl_xor_sync(0xffffffffu, mp[k], o));
-    }
-    float sink2[kFusedHeadsPerWarp], m_all[kFusedHeadsPerWarp], zl[kFusedHeadsPerWarp];
-#pragma unroll
-    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
-        sink2[k] = a.sinks[hg * kHeadsPerCta + hl_w + k] * kLog2e;
-        m_all[k] = fmaxf(mp[k], sink2[k]);
-        zl[k] = 0.f;
-    }
-    for (int s = lane; s < n; s += 32) {
-        float v[kFusedHeadsPerWarp];
-#pragma unroll
-        for (int k = 0; k < kFusedHeadsPerWarp; ++k) v[k] = __ldcg(lse_b + (size_t)s * a.heads + k);
-#pragma unroll
-        for (int k = 0; k < kFusedHeadsPerWarp; ++k) zl[k] += exp2f(v[k] - m_all[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) zl[k] += __shfl_xor_sync(0xffffffffu, zl[k], o);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int k = 0; k < kFusedHeadsPerWarp; ++k) {
-            const float z = exp2f(sink2[k] - m_all[k]) + zl[k];
-            head_m[hl_w + k] = m_all[k];
-            head_inv[hl_w + k] = 1.f / z;
-            head_empty[hl_w + k] = (mp[k] == -INFINITY) ? 1 : 0;
-        }
-    }
-    __syncwarp();  // each warp reads back only its own heads' statistics
-
-    // ---- weighted sums in split order; lane l owns dims [16l, 16l + 16) as in the combine ----
-    const int pos = a.positions[b];
-#pragma unroll 1
-    for (int pass = 0; pass < kFusedHeadsPerWarp / kFusedHeadsPerPass; ++pass) {
-        const int hl0 = hl_w + kFusedHeadsPerPass * pass;
-        float mh[kFusedHeadsPerPass];
-        float acc[kFusedHeadsPerPass][16];
-#pragma unroll
-        for (int k = 0; k < kFusedHeadsPerPass; ++k) {
-            mh[k] = head_m[hl0 + k];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) acc[k][i] = 0.f;
-        }
-#pragma unroll 2
-        for (int s = 0; s < n; ++s) {
-            const size_t row0 = ((size_t)b * n + s) * a.heads + hg * kHeadsPerCta + hl0;
-#pragma unroll
-            for (int k = 0; k < kFusedHeadsPerPass; ++k) {
-                const size_t row = row0 + k;
-                const float w = exp2f(__ldcg(a.part_lse + row) - mh[k]);
-                const float4* src = reinterpret_cast<const float4*>(a.part_o + row * kDim + 16 * lane);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float4 v = __ldcg(src + i);
-                    acc[k][4 * i] += w * v.x;
-                    acc[k][4 * i + 1] += w * v.y;
-                    acc[k][4 * i + 2] += w * v.z;
-                    acc[k][4 * i + 3] += w * v.w;
-                }
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < kFusedHeadsPerPass; ++k) {
-            const int hl = hl0 + k;
-            if (head_empty[hl]) {  // the combine skips the sums and writes 0 (never NaN, whatever the sink)
-#pragma unroll
-                for (int i = 0; i < 16; ++i) acc[k][i] = 0.f;
-            } else {
-                const float inv = head_inv[hl];
-#pragma unroll
-                for (int i = 0; i < 16; ++i) acc[k][i] *= inv;
-                if (lane >= 28) {
-#pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                        inverse_rope_pair(acc[k][2 * i], acc[k][2 * i + 1], pos, a.freqs[8 * (lane - 28) + i]);
-                }
-            }
-            uint4* dst = reinterpret_cast<uint4*>(a.out + ((size_t)b * a.heads + hg * kHeadsPerCta + hl) * kDim +
-                                                  16 * lane);
-            dst[0] = make_uint4(pack_bf16x2(acc[k][0], acc[k][1]), pack_bf16x2(acc[k][2], acc[k][3]),
-                                pack_bf16x2(acc[k][4], acc[k][5]), pack_bf16x2(acc[k][6], acc[k][7]));
-            dst[1] = make_uint4(pack_bf16x2(acc[k][8], acc[k][9]), pack_bf16x2(acc[k][10], acc[k][11]),
-                                pack_bf16x2(acc[k][12], acc[k][13]), pack_bf16x2(acc[k][14], acc[k][15]));
-        }
-    }
-}
-
-}  // namespace sa
-
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_fused"). The v5 body, then
-// (n_splits > 1) the fused combine of the last-arriving split: `out` is written in both cases (part_o / part_lse
-// are the scratch partials; arrivals [batch * heads/64] u32, zero before the launch, left zero after it; null
-// when n_splits == 1).
-extern "C" __global__ void __launch_bounds__(256, 1)
-    sparse_attn_decode_fp8_fused(SA_DECODE_PARAMS, unsigned int* arrivals) {
-    const sa::DecodeArgs args = SA_DECODE_ARGS;
-    sa::decode_fp8_v5_body(args);
-    if (n_splits > 1) sa::fused_combine_tail(args, arrivals);
-}
-
-// =============================================================================================================
-// PDL pair (Path::Fp8Pdl, bench variant "fp8_pdl"): the v5 decode and the split-KV combine as two kernels, the
-// combine launched with programmatic dependent launch so its launch and CTA scheduling overlap the decode.
-//   * sparse_attn_decode_fp8_pdl = griddepcontrol.launch_dependents, then the v5 body unchanged. The trigger only
-//     lets the NEXT kernel, if it was launched with the programmatic-stream-serialization attribute, be
-//     scheduled once every decode CTA has started (so the combine CTAs never take an SM slot a decode CTA still
-//     waits for); for a plainly launched next kernel it is a no-op.
-//   * sparse_attn_combine_pdl = griddepcontrol.wait (blocks until the decode grid has COMPLETED and its memory
-//     is visible: PTX ISA, independent of where the trigger sat), then sparse_attn_combine's code, a textual copy
-//     (combine_body below) because that entry stays byte-for-byte untouched during the A/B. Same arithmetic in
-//     the same order, so the output is bit-identical to Path::Fp8. Without the attribute the wait is a no-op
-//     and the kernel is an ordinary combine.
-// =============================================================================================================
-namespace sa {
-
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
-// sparse_attn_combine's body (see its comments), unchanged.
-__device__ __forceinline__ void combine_body(__nv_bfloat16* out, const float* part_o, const float* part_lse,
-                                             const float* sinks, const int* positions, const float* freqs,
-                                             int heads, int n_splits) {
-    const int b = blockIdx.y;
-    const int h = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (h >= heads) return;
-    const float* lse_row = part_lse + (size_t)b * n_splits * heads + h;
-    float m_parts = -INFINITY;
-    for (int s = lane; s < n_splits; s += 32) m_parts = fmaxf(m_parts, lse_row[(size_t)s * heads]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m_parts = fmaxf(m_parts, __shfl_xor_sync(0xffffffffu, m_parts, o));
-    float acc[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-    if (m_parts != -INFINITY) {
-        const float sink2 = sinks[h] * kLog2e;
-        const float m_all = fmaxf(m_parts, sink2);
-        float zl = 0.f;
-        for (int s = lane; s < n_splits; s += 32) zl += exp2f(lse_row[(size_t)s * heads] - m_all);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) zl += __shfl_xor_sync(0xffffffffu, zl, o);
-        const float z = exp2f(sink2 - m_all) + zl;
-#pragma unroll 4
-        for (int s = 0; s < n_splits; ++s) {
-            const size_t row = ((size_t)b * n_splits + s) * heads + h;
-            const float w = exp2f(part_lse[row] - m_all);
-            const float4* src = reinterpret_cast<const float4*>(part_o + row * kDim + 16 * lane);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float4 v = src[i];
-                acc[4 * i] += w * v.x;
-                acc[4 * i + 1] += w * v.y;
-                acc[4 * i + 2] += w * v.z;
-                acc[4 * i + 3] += w * v.w;
-            }
-        }
-        const float inv = 1.f / z;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i] *= inv;
-        if (lane >= 28) {
-            const int pos = positions[b];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) inverse_rope_pair(acc[2 * i], acc[2 * i + 1], pos, freqs[8 * (lane - 28) + i]);
-        }
-    }
-    uint4* dst = reinterpret_cast<uint4*>(out + ((size_t)b * heads + h) * kDim + 16 * lane);
-    dst[0] = make_uint4(pack_bf16x2(acc[0], acc[1]), pack_bf16x2(acc[2], acc[3]), pack_bf16x2(acc[4], acc[5]),
-                        pack_bf16x2(acc[6], acc[7]));
-    dst[1] = make_uint4(pack_bf16x2(acc[8], acc[9]), pack_bf16x2(acc[10], acc[11]), pack_bf16x2(acc[12], acc[13]),
-                        pack_bf16x2(acc[14], acc[15]));
-}
-
-}  // namespace sa
-
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_pdl"): the v5 decode with
-// an early launch_dependents trigger for the PDL combine that follows it.
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_pdl(SA_DECODE_PARAMS) {
-    sa::griddep_launch_dependents();
-    sa::decode_fp8_v5_body(SA_DECODE_ARGS);
-}
-
-// sparse_attn_combine behind griddepcontrol.wait; launched with the programmatic-stream-serialization attribute
-// right after sparse_attn_decode_fp8_pdl. grid (heads/8, batch), block 256.
-extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine_pdl(__nv_bfloat16* out, const float* part_o,
-                                                                          const float* part_lse, const float* sinks,
-                                                                          const int* positions, const float* freqs,
-                                                                          int heads, int n_splits) {
-    sa::griddep_wait();
-    sa::combine_body(out, part_o, part_lse, sinks, positions, freqs, heads, n_splits);
-}
-
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes (bench "fp8_fused_v6"): the v6 body
-// (cheaper q prologue, tile 0 loaded early; same values as v5) + the fused combine of sparse_attn_decode_fp8_fused.
-extern "C" __global__ void __launch_bounds__(256, 1)
-    sparse_attn_decode_fp8_fused_v6(SA_DECODE_PARAMS, unsigned int* arrivals) {
-    const sa::DecodeArgs args = SA_DECODE_ARGS;
-    sa::decode_fp8_v6_body(args);
-    if (n_splits > 1) sa::fused_combine_tail(args, arrivals);
+// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. The FP8 path (Path::Fp8, bench "fp8"):
+// the v6 body; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for sparse_attn_combine (exactly
+// as sparse_attn_decode_fp8_v5 does: the same finish()). Bit-identical to sparse_attn_decode_fp8_v5.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v6(SA_DECODE_PARAMS) {
+    sa::decode_fp8_v6_body(SA_DECODE_ARGS);
 }

@@ -802,11 +802,11 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
     check_gpu_path("bf16 staging h128", &gpu, &hp, Path::Bf16Staging, None);
 }
 
-/// The FP8 path (`sparse_attn_decode_fp8_v5`) at the edges of its pipeline, against the CPU reference: tile
+/// The FP8 path (`sparse_attn_decode_fp8_v6`) at the edges of its pipeline, against the CPU reference: tile
 /// edges (0, 1, 127, 129), lists of 4, 10 and 18 tiles, so that the 4-slot candidate-index ring and the two
 /// BF16 tiles wrap several times, the register prefetch two tiles ahead runs off the end of a split at every
 /// phase (splits of 1, 2 and 3 tiles), and -1 holes; 64 and 128 heads. (These cases checked the former A/B
-/// candidates v3 / v4 / v5 against the old `Fp8` kernel; v5 is now `Fp8` and is held to the reference.)
+/// candidates v3 / v4 / v5 against the old `Fp8` kernel; `Fp8` is now v6 and is held to the reference.)
 #[test]
 fn gpu_decode_fp8_pipeline_edges() {
     let Some(gpu) = gpu_for_test("gpu_decode_fp8_pipeline_edges") else {
@@ -832,8 +832,10 @@ fn gpu_decode_fp8_pipeline_edges() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The fused split-KV combine (Path::Fp8Fused, `sparse_attn_decode_fp8_fused`): bit-identical to Path::Fp8
-// (decode_fp8_v5 + sparse_attn_combine) under the same split plan, and within tolerance of the reference.
+// The default FP8 path (Path::Fp8, `sparse_attn_decode_fp8_v6`) against the previous one (Path::Fp8V5,
+// `sparse_attn_decode_fp8_v5`, kept for one more H200 run as the measured reference): bit for bit under every
+// split plan (the q codes are the same values, pow2_division_equals_reciprocal_product; the rest of the kernel is
+// v5's). Path::Fp8 is held to the CPU reference by the tests above.
 // ---------------------------------------------------------------------------------------------------------
 
 /// Device copies of a host problem's inputs.
@@ -881,7 +883,7 @@ fn assert_same_bits(label: &str, shape: &DecodeShape, want: &[bf16], got: &[bf16
         .collect();
     if let Some(&i) = bad.first() {
         panic!(
-            "{label}: {} of {} outputs differ from Path::Fp8; first at flat {i} (b {}, h {}, d {}): fp8 {} ({:#06x}) got {} ({:#06x})",
+            "{label}: {} of {} outputs differ from Path::Fp8V5; first at flat {i} (b {}, h {}, d {}): fp8_v5 {} ({:#06x}) fp8 {} ({:#06x})",
             bad.len(),
             want.len(),
             i / (shape.heads * HEAD_DIM),
@@ -895,15 +897,13 @@ fn assert_same_bits(label: &str, shape: &DecodeShape, want: &[bf16], got: &[bf16
     }
 }
 
-/// Path::Fp8 once, then `path` (Fp8Fused or Fp8Pdl) `calls` times on one workspace (outputs and split partials poisoned
-/// before every call, so a call can only pass with what it wrote itself; the arrival counters must be back to
-/// zero after every call, or the next call would merge too early or never); every output bit-identical to the
-/// Fp8 output. Returns the Fp8 output.
-fn check_bits_vs_fp8(
+/// Path::Fp8V5 once, then Path::Fp8 `calls` times on one workspace (outputs and split partials poisoned before
+/// every call, so a call can only pass with what it wrote itself); every output bit-identical to the Fp8V5 output.
+/// Returns the Fp8V5 output.
+fn check_bits_vs_v5(
     test: &str,
     gpu: &megamoe::gpu::Gpu,
     hp: &HostProblem,
-    path: Path,
     plan: SplitPlan,
     calls: usize,
 ) -> Vec<bf16> {
@@ -913,37 +913,33 @@ fn check_bits_vs_fp8(
     let n = shape.batch * shape.heads * HEAD_DIM;
     let mut ws_ref = Workspace::new(gpu, &shape, plan, false).unwrap();
     let mut out_ref = gpu.poisoned::<bf16>(n, 0xFF).unwrap();
-    decode(gpu, Path::Fp8, &shape, &inp, &mut ws_ref, &mut out_ref).unwrap();
+    decode(gpu, Path::Fp8V5, &shape, &inp, &mut ws_ref, &mut out_ref).unwrap();
     let want = gpu.download(&out_ref).unwrap();
+    assert!(
+        want.iter().all(|v| !v.is_nan()),
+        "{test}: the Fp8V5 reference output still holds poison"
+    );
     let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
     for call in 0..calls {
         ws.poison_partials(gpu).unwrap();
         let mut out = gpu.poisoned::<bf16>(n, 0xFF).unwrap();
-        decode(gpu, path, &shape, &inp, &mut ws, &mut out).unwrap();
+        decode(gpu, Path::Fp8, &shape, &inp, &mut ws, &mut out).unwrap();
         let got = gpu.download(&out).unwrap();
         let label = format!(
-            "{test}: {path:?} call {call}, shape {shape:?} lengths {:?} plan {plan:?}",
+            "{test}: Fp8 call {call}, shape {shape:?} lengths {:?} plan {plan:?}",
             hp.lengths
         );
         assert_same_bits(&label, &shape, &want, &got);
-        let counts = ws.arrival_counts(gpu).unwrap();
-        if let Some((i, c)) = counts.iter().enumerate().find(|(_, &c)| c != 0) {
-            panic!(
-                "{label}: arrival counter {i} (b {}, head group {}) is {c} after the call, expected 0",
-                i / (shape.heads / 64),
-                i % (shape.heads / 64)
-            );
-        }
     }
     println!(
-        "{test}: {path:?} == Fp8 bit for bit over {calls} calls, lengths {:?} heads {} plan {plan:?}",
+        "{test}: Fp8 (v6) == Fp8V5 bit for bit over {calls} calls, lengths {:?} heads {} plan {plan:?}",
         hp.lengths, shape.heads
     );
     want
 }
 
-/// Every split plan a problem can meet: one split, 1 / 2 / 3 tiles per split, and the FP8, fused and baseline
-/// plans on this GPU.
+/// Every split plan a problem can meet: one split, 1 / 2 / 3 tiles per split, and the FP8 and baseline plans on
+/// this GPU.
 fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPlan)> {
     let shape = hp.shape();
     let sms = gpu.info.sm_count as usize;
@@ -953,10 +949,6 @@ fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPla
             SplitPlan::with_tiles_per_split(&shape, 1000).unwrap(),
         ),
         ("by_cost (fp8)".to_string(), SplitPlan::by_cost(sms, &shape)),
-        (
-            "by_cost_fused".to_string(),
-            SplitPlan::by_cost_fused(sms, &shape),
-        ),
         ("auto (baseline)".to_string(), SplitPlan::auto(sms, &shape)),
     ];
     for t in [1, 2, 3] {
@@ -969,85 +961,49 @@ fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPla
 }
 
 #[test]
-fn gpu_decode_fp8_fused_bit_identical_to_fp8() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_fused_bit_identical_to_fp8") else {
+fn gpu_decode_fp8_bit_identical_to_fp8_v5() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_bit_identical_to_fp8_v5") else {
         return;
     };
-    let mut rng = seeded("gpu_decode_fp8_fused_bit_identical_to_fp8", 0xF05ED);
+    let mut rng = seeded("gpu_decode_fp8_bit_identical_to_fp8_v5", 0xF05ED);
     // Tile edges (0, 1, 127, 129), 200, Flash (640) and Pro (1152) lists, -1 holes; 64 and 128 heads.
     let hp64 = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true);
     let hp128 = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
     for hp in [&hp64, &hp128] {
         for (name, plan) in all_plans(&gpu, hp) {
             let label = format!("h{} {name}", hp.heads);
-            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8Fused, plan, 2);
-            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8FusedV6, plan, 2);
-            check_bits_vs_fp8(&label, &gpu, hp, Path::Fp8Pdl, plan, 2);
+            check_bits_vs_v5(&label, &gpu, hp, plan, 2);
         }
     }
-    // Against the CPU reference (the fused plan, and the most splits).
-    check_gpu_path("fused h64 own plan", &gpu, &hp64, Path::Fp8Fused, None);
-    check_gpu_path(
-        "fused h64 one tile per split",
-        &gpu,
-        &hp64,
-        Path::Fp8Fused,
-        Some(1),
-    );
-    check_gpu_path("fused h128 own plan", &gpu, &hp128, Path::Fp8Fused, None);
-    check_gpu_path(
-        "fused h128 one tile per split",
-        &gpu,
-        &hp128,
-        Path::Fp8Fused,
-        Some(1),
-    );
-    check_gpu_path("pdl h64 own plan", &gpu, &hp64, Path::Fp8Pdl, None);
-    check_gpu_path(
-        "fused v6 h128 own plan",
-        &gpu,
-        &hp128,
-        Path::Fp8FusedV6,
-        None,
-    );
 }
 
 /// HCA at 1M context (8320 candidates = 130 tiles): 130 splits of one tile (more than 32, so every lane of the
-/// merge's statistics loop takes several splits, the last round partial), 16 tiles per split, the fused plan;
-/// bit-identical to Fp8 and, for the 130-split plan, within tolerance of the reference.
+/// combine's statistics loop takes several splits, the last round partial), 16 and 33 tiles per split, the FP8
+/// plan; bit-identical to Fp8V5 and, for the 130-split plan, within tolerance of the reference.
 #[test]
-fn gpu_decode_fp8_fused_long_hca_many_splits() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_fused_long_hca_many_splits") else {
+fn gpu_decode_fp8_long_hca_many_splits() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_many_splits") else {
         return;
     };
-    let mut rng = seeded("gpu_decode_fp8_fused_long_hca_many_splits", 0x8321);
+    let mut rng = seeded("gpu_decode_fp8_long_hca_many_splits", 0x8321);
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
     let shape = hp.shape();
     for t in [1usize, 16, 33] {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        let label = format!("hca 8320 split {t} tiles");
-        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8Fused, plan, 2);
-        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8FusedV6, plan, 1);
-        check_bits_vs_fp8(&label, &gpu, &hp, Path::Fp8Pdl, plan, 1);
+        check_bits_vs_v5(&format!("hca 8320 split {t} tiles"), &gpu, &hp, plan, 2);
     }
-    let own = SplitPlan::by_cost_fused(gpu.info.sm_count as usize, &shape);
-    check_bits_vs_fp8("hca 8320 fused plan", &gpu, &hp, Path::Fp8Fused, own, 2);
-    check_gpu_path(
-        "fused hca 8320 130 splits",
-        &gpu,
-        &hp,
-        Path::Fp8Fused,
-        Some(1),
-    );
+    let own = SplitPlan::by_cost(gpu.info.sm_count as usize, &shape);
+    check_bits_vs_v5("hca 8320 fp8 plan", &gpu, &hp, own, 2);
+    check_gpu_path("fp8 hca 8320 130 splits", &gpu, &hp, Path::Fp8, Some(1));
 }
 
-/// `path` as a replayed CUDA graph: outputs and partials poisoned before each of 4 replays, each bit-identical to
-/// Fp8 (for Fp8Fused: the arrival counters are reset inside the kernel, so every replay merges at the right time).
-fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, path: Path) {
+/// Path::Fp8 as a replayed CUDA graph (decode + combine when split): outputs and partials poisoned before each of
+/// 4 replays, each bit-identical to Fp8V5.
+fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem) {
     let shape = hp.shape();
-    for t in [1usize, 3] {
+    for t in [1usize, 3, 1000] {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        let want = check_bits_vs_fp8(&format!("{test} setup split {t}"), gpu, hp, path, plan, 1);
+        let want = check_bits_vs_v5(&format!("{test} setup split {t}"), gpu, hp, plan, 1);
         let dp = DeviceProblem::upload(gpu, hp);
         let inp = dp.inputs();
         let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
@@ -1055,7 +1011,7 @@ fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, pat
             .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
             .unwrap();
         let graph = gpu
-            .capture(|| decode(gpu, path, &shape, &inp, &mut ws, &mut out))
+            .capture(|| decode(gpu, Path::Fp8, &shape, &inp, &mut ws, &mut out))
             .unwrap();
         for rep in 0..4 {
             gpu.fill_bytes(&mut out, 0xFF).unwrap();
@@ -1064,40 +1020,26 @@ fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem, pat
             gpu.synchronize().unwrap();
             let got = gpu.download(&out).unwrap();
             assert_same_bits(
-                &format!("{test}: {path:?} graph replay {rep}, split {t} tiles, plan {plan:?}"),
+                &format!("{test}: graph replay {rep}, split {t} tiles, plan {plan:?}"),
                 &shape,
                 &want,
                 &got,
             );
-            assert!(
-                ws.arrival_counts(gpu).unwrap().iter().all(|&c| c == 0),
-                "{test}: graph replay {rep}: arrival counters not reset"
-            );
         }
-        println!("{test}: {path:?} split {t}: 4 graph replays bit-identical to Fp8");
+        println!("{test}: split {t}: 4 graph replays bit-identical to Fp8V5");
     }
 }
 
 #[test]
-fn gpu_decode_fp8_fused_graph_replay() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_fused_graph_replay") else {
+fn gpu_decode_fp8_graph_replay() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_graph_replay") else {
         return;
     };
-    let mut rng = seeded("gpu_decode_fp8_fused_graph_replay", 0x62A9);
+    let mut rng = seeded("gpu_decode_fp8_graph_replay", 0x62A9);
     let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 1, 0], true);
-    check_graph_replay("fused graph", &gpu, &hp, Path::Fp8Fused);
-    check_graph_replay("fused v6 graph", &gpu, &hp, Path::Fp8FusedV6);
-}
-
-/// The PDL pair inside a CUDA graph (the capture turns the programmatic launch into a programmatic edge).
-#[test]
-fn gpu_decode_fp8_pdl_graph_replay() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_pdl_graph_replay") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_pdl_graph_replay", 0x9D1);
+    check_graph_replay("fp8 graph h128", &gpu, &hp);
     let hp = HostProblem::random(&mut rng, 64, &[640, 1152, 129, 0], true);
-    check_graph_replay("pdl graph", &gpu, &hp, Path::Fp8Pdl);
+    check_graph_replay("fp8 graph h64", &gpu, &hp);
 }
 
 /// Mirror of the v6 q prologue's identity (kernels/sparse_attn.cu, `quantize_lane_pow2_mul`): for every BF16 value
@@ -1219,14 +1161,12 @@ fn bench_config_and_split_plans() {
         bench_path(v).unwrap();
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
-    assert_eq!(bench_path("fp8_fused").unwrap(), Path::Fp8Fused);
-    assert_eq!(bench_path("fp8_pdl").unwrap(), Path::Fp8Pdl);
-    assert_eq!(bench_path("fp8_fused_v6").unwrap(), Path::Fp8FusedV6);
+    assert_eq!(bench_path("fp8_v5").unwrap(), Path::Fp8V5);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
-    for retired in ["fp8_v3", "fp8_v4", "fp8_v5"] {
+    for retired in ["fp8_v3", "fp8_v4", "fp8_fused", "fp8_fused_v6", "fp8_pdl"] {
         assert!(
             bench_path(retired).is_err(),
-            "A/B variant {retired} was retired (v5 became fp8)"
+            "A/B variant {retired} was retired"
         );
     }
     assert!(
@@ -1239,7 +1179,7 @@ fn bench_config_and_split_plans() {
     );
     let cfg = SweepConfig::from_path(std::path::Path::new(path)).unwrap();
     assert!(!cfg.sweeps.is_empty());
-    // The Nsight Compute profile config names only known variants, `fp8_fused` next to `fp8`.
+    // The Nsight Compute profile config names only known variants and profiles `fp8`.
     let profile = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/bench-configs/profile/sparse_attn.toml"
@@ -1248,9 +1188,7 @@ fn bench_config_and_split_plans() {
     for s in &prof.sweeps {
         assert_eq!(s.kernel, BENCH_KERNEL);
         let v = s.variants_from(&BENCH_VARIANTS).unwrap();
-        for want in ["fp8", "fp8_fused", "fp8_fused_v6", "fp8_pdl"] {
-            assert!(v.iter().any(|x| x.as_str() == want), "{}: {want}", s.name());
-        }
+        assert!(v.iter().any(|x| x.as_str() == "fp8"), "{}: fp8", s.name());
     }
     for s in &cfg.sweeps {
         assert_eq!(s.kernel, BENCH_KERNEL);
@@ -1308,11 +1246,6 @@ fn bench_config_and_split_plans() {
             c.n_splits * c.tiles_per_split >= tiles && (c.n_splits - 1) * c.tiles_per_split < tiles,
             "{shape:?} {c:?}"
         );
-        let f = SplitPlan::by_cost_fused(132, &shape);
-        assert!(
-            f.n_splits * f.tiles_per_split >= tiles && (f.n_splits - 1) * f.tiles_per_split < tiles,
-            "{shape:?} {f:?}"
-        );
     }
     // Flash CSA (640 candidates = 10 tiles): batch 1 -> one tile per CTA; batch 32 -> 4 splits of 3 tiles
     // (128 CTAs, one wave) instead of auto's 3 x 4 (96 CTAs); batch 128 -> no split (128 CTAs).
@@ -1325,30 +1258,13 @@ fn bench_config_and_split_plans() {
     assert_eq!(SplitPlan::by_cost(132, &flash(1)).n_splits, 10);
     assert_eq!(SplitPlan::by_cost(132, &flash(32)).tiles_per_split, 3);
     assert_eq!(SplitPlan::by_cost(132, &flash(128)).n_splits, 1);
-    // The fused plan (merge on one SM: 1.0 + 0.5 per split model-us) keeps Flash's plans (so `fp8_fused` vs
-    // `fp8` isolates the fusion there) and halves Pro's split count at batch 1 (18 x 1 -> 9 x 2 tiles).
-    for batch in [1usize, 8, 16, 32, 64, 128] {
-        assert_eq!(
-            SplitPlan::by_cost_fused(132, &flash(batch)),
-            SplitPlan::by_cost(132, &flash(batch)),
-            "Flash batch {batch}"
-        );
-    }
     let pro = |batch| DecodeShape {
         batch,
         heads: 128,
         stride: 1152,
         n_entries: 10,
     };
-    assert_eq!(
-        SplitPlan::by_cost_fused(132, &pro(1)),
-        SplitPlan {
-            n_splits: 9,
-            tiles_per_split: 2
-        }
-    );
     assert_eq!(SplitPlan::by_cost(132, &pro(1)).n_splits, 18);
-    assert_eq!(SplitPlan::by_cost_fused(132, &pro(64)).n_splits, 1);
     assert!(DecodeShape {
         batch: 1,
         heads: 96,

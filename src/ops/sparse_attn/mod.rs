@@ -14,18 +14,17 @@
 //! Precision of the FP8 path: q's 448 nope dims are quantized per (head, 64-tile) with a UE8M0 power-of-two
 //! scale (the KV entry rule), K nope dims are the cache's FP8 codes times their pow2 tile scale, rope dims
 //! BF16; every product is exact and the scores accumulate in f32. The kernel holds q and each KV tile as
-//! exact BF16 values and runs both products on BF16 `wgmma` (kernel `sparse_attn_decode_fp8_v5`); softmax in
+//! exact BF16 values and runs both products on BF16 `wgmma` (kernel `sparse_attn_decode_fp8_v6`); softmax in
 //! f32, P rounded to BF16 for P.V (denominator unrounded), V = K dequantized exactly to BF16.
 //!
 //! History: the A/B run on the H200 (commit 4199846) measured four FP8 kernels; v5 won at every point (e.g.
 //! Flash CSA batch 64 @64K 52.3 us vs v4 54.8 / v3 57.0 / v2 60.3, HCA 1M batch 64 250.6 vs 329.2 / 370.4 /
 //! 429.3) and is the only one kept; the numbers are in the header of `kernels/sparse_attn.cu`.
 //!
-//! Session-4 A/B candidates (the default stays [`Path::Fp8`] until the H200 run picks): [`Path::Fp8Fused`]
-//! (the split-KV combine fused into the decode kernel: the last split CTA of each sequence and head group
-//! merges), [`Path::Fp8FusedV6`] (the same with a cheaper q prologue) and [`Path::Fp8Pdl`] (the combine
-//! launched by programmatic dependent launch). All three are bit-identical to `Fp8` under the same
-//! [`SplitPlan`].
+//! Session-4 A/B (results/h200/session4-ab): the default [`Path::Fp8`] became `sparse_attn_decode_fp8_v6` (v5
+//! with a cheaper q prologue, bit-identical; e.g. Flash batch 128 70.4 us vs 82.9); [`Path::Fp8V5`] is kept for
+//! one more H200 run as its measured reference. The in-kernel split merge (last-arriving CTA) and the combine
+//! launched by PDL lost and were removed (numbers in the `.cu` header).
 
 pub mod exec;
 pub mod reference;
@@ -37,7 +36,6 @@ use half::bf16;
 use crate::bench::config::Sweep;
 use crate::bench::runner::{BenchCtx, BenchKernel};
 use crate::bench::{MatmulKind, Row, Summary};
-use crate::gpu::pdl::{launch_pdl, RawArgs};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
@@ -46,17 +44,13 @@ pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
 pub const HEADS_PER_CTA: usize = 64;
 /// Candidates per KV tile (the kernel's inner-loop step).
 pub const BLOCK_N: usize = 64;
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v5` (mirrors `sa::kV5SmemBytes`: 206848 + 1024 B of slack
+/// Dynamic shared memory of `sparse_attn_decode_fp8_v5` and `_v6` (mirrors `sa::kV5SmemBytes`: 206848 + 1024 B of slack
 /// the kernel uses to align its wgmma tiles to 1024 bytes).
 const FP8_V5_SMEM_BYTES: u32 = 207_872;
-/// Entry point of the FP8 path (the `_v5` is kept: committed results name it).
-const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v5";
-/// Entry point of the FP8 path with the split-KV combine fused in (same body and shared memory as v5).
-const FP8_FUSED_KERNEL: &str = "sparse_attn_decode_fp8_fused";
-/// [`FP8_FUSED_KERNEL`] with the v6 body (q quantized by exact reciprocal products, tile 0 loaded early).
-const FP8_FUSED_V6_KERNEL: &str = "sparse_attn_decode_fp8_fused_v6";
-/// Entry point of the FP8 path whose combine follows by programmatic dependent launch (v5 body + trigger).
-const FP8_PDL_KERNEL: &str = "sparse_attn_decode_fp8_pdl";
+/// Entry point of the FP8 path (v6: v5's body behind a cheaper q prologue; same shared memory as v5).
+const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v6";
+/// Entry point of [`Path::Fp8V5`], the previous FP8 path, kept for one run as the measured reference.
+const FP8_V5_KERNEL: &str = "sparse_attn_decode_fp8_v5";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -155,12 +149,11 @@ impl SplitPlan {
         }
     }
 
-    /// The plan each path runs with: `Fp8` uses [`SplitPlan::by_cost`], the baseline keeps
+    /// The plan each path runs with: `Fp8` and `Fp8V5` use [`SplitPlan::by_cost`], the baseline keeps
     /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8Pdl => SplitPlan::by_cost(sm_count, shape),
-            Path::Fp8Fused | Path::Fp8FusedV6 => SplitPlan::by_cost_fused(sm_count, shape),
+            Path::Fp8 | Path::Fp8V5 => SplitPlan::by_cost(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
@@ -170,22 +163,13 @@ impl SplitPlan {
     /// tiles-per-split `tps`, where `waves = ceil(CTAs / sm_count)`. `auto`'s floor of 4 tiles per split left
     /// most SMs idle at batch 1..32 (3 CTAs for batch 1, 640 candidates); a partial second wave costs a whole
     /// CTA time. The constants are estimates in microseconds for the H200 (FP8 tile ~3 us at 64 heads, q
-    /// prologue ~4 us, combine launch ~4 us); only their ratios matter. Ties go to fewer splits.
+    /// prologue ~4 us, combine launch ~4 us); only their ratios matter. Ties go to fewer splits. The v6 q
+    /// prologue measured ~10 us cheaper per CTA (session-4 A/B); PROLOGUE is left as it was (not retuned without
+    /// a measurement of the new plans).
     pub fn by_cost(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
         const COMBINE: f64 = 4.0;
         const COMBINE_PER_SPLIT: f64 = 0.3;
         SplitPlan::by_cost_model(sm_count, shape, COMBINE, COMBINE_PER_SPLIT)
-    }
-
-    /// [`SplitPlan::by_cost`] for [`Path::Fp8Fused`]: the combine term becomes the merge done by the last
-    /// split CTA of each (sequence, head group): no launch, ~1 model-us fixed (the fenced arrival atomic and
-    /// two L2 round trips for the per-head statistics) plus ~0.5 model-us per split (one SM reads 64 heads x
-    /// 2 KiB of f32 partials per split, ~128 KB at ~120 GB/s = ~1 us; the model's units run about 2x below
-    /// measured microseconds: the measured combine at Flash batch 64 was 9.5 us for a modelled 4.6).
-    pub fn by_cost_fused(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
-        const MERGE: f64 = 1.0;
-        const MERGE_PER_SPLIT: f64 = 0.5;
-        SplitPlan::by_cost_model(sm_count, shape, MERGE, MERGE_PER_SPLIT)
     }
 
     /// The shared cost model: `waves * (PROLOGUE + tps * TILE) + [n_splits > 1] * (combine + n_splits *
@@ -242,8 +226,6 @@ pub struct Workspace {
     plan: SplitPlan,
     part_o: Option<CudaSlice<f32>>,
     part_lse: Option<CudaSlice<f32>>,
-    /// Arrival counters of the fused combine, one per (sequence, head group); zero between calls.
-    arrivals: Option<CudaSlice<u32>>,
     staging: Option<CudaSlice<bf16>>,
     kernels: Kernels,
 }
@@ -253,29 +235,20 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    // The session-4 A/B kernels load separately: a failure there (reported when that path runs) must not take
-    // the default paths down with it.
-    decode_fp8_fused: Result<CudaFunction, String>,
-    decode_fp8_fused_v6: Result<CudaFunction, String>,
-    decode_fp8_pdl: Result<CudaFunction, String>,
+    decode_fp8_v5: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
-    combine_pdl: Result<CudaFunction, String>,
 }
 
 impl Kernels {
     fn load(gpu: &Gpu) -> Result<Kernels> {
-        let candidate = |r: Result<CudaFunction>| r.map_err(|e| format!("{e:#}"));
         let with_smem = |name: &str, smem: u32| gpu.function_with_smem(FAMILY, name, smem as usize);
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_V5_SMEM_BYTES)?,
-            decode_fp8_fused: candidate(with_smem(FP8_FUSED_KERNEL, FP8_V5_SMEM_BYTES)),
-            decode_fp8_fused_v6: candidate(with_smem(FP8_FUSED_V6_KERNEL, FP8_V5_SMEM_BYTES)),
-            decode_fp8_pdl: candidate(with_smem(FP8_PDL_KERNEL, FP8_V5_SMEM_BYTES)),
+            decode_fp8_v5: with_smem(FP8_V5_KERNEL, FP8_V5_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
-            combine_pdl: candidate(gpu.function(FAMILY, "sparse_attn_combine_pdl")),
         })
     }
 }
@@ -298,16 +271,14 @@ impl Workspace {
             "split plan {plan:?} does not cover {} tiles",
             shape.tiles()
         );
-        let (part_o, part_lse, arrivals) = if plan.n_splits > 1 {
+        let (part_o, part_lse) = if plan.n_splits > 1 {
             let rows = shape.batch * plan.n_splits * shape.heads;
             (
                 Some(gpu.zeros::<f32>(rows * HEAD_DIM)?),
                 Some(gpu.zeros::<f32>(rows)?),
-                // The fused kernel's protocol needs them zero before its first launch; it leaves them zero.
-                Some(gpu.zeros::<u32>(shape.batch * (shape.heads / HEADS_PER_CTA))?),
             )
         } else {
-            (None, None, None)
+            (None, None)
         };
         let staging = if with_staging {
             Some(gpu.zeros::<bf16>(shape.batch * shape.stride * HEAD_DIM)?)
@@ -319,7 +290,6 @@ impl Workspace {
             plan,
             part_o,
             part_lse,
-            arrivals,
             staging,
             kernels: Kernels::load(gpu)?,
         })
@@ -339,55 +309,25 @@ impl Workspace {
         }
         Ok(())
     }
-
-    /// The fused combine's arrival counters (one per (sequence, head group); empty without splits). Every
-    /// completed [`Path::Fp8Fused`] call leaves them all zero.
-    pub fn arrival_counts(&self, gpu: &Gpu) -> Result<Vec<u32>> {
-        match self.arrivals.as_ref() {
-            Some(a) => gpu.download(a),
-            None => Ok(Vec::new()),
-        }
-    }
 }
 
 /// Which attention kernel reads the KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
-    /// `sparse_attn_decode_fp8_v5`: reads the FP8 pool directly, dequantizes each tile once to a 128B-swizzled
-    /// BF16 tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T. Bench variant
-    /// `fp8`.
+    /// `sparse_attn_decode_fp8_v6`: reads the FP8 pool directly, quantizes q per (head, 64-tile) like a KV entry
+    /// (codes from `x * 2^-k`, the same values as `x / 2^k`), dequantizes each tile once to a 128B-swizzled BF16
+    /// tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T; when the plan splits,
+    /// `sparse_attn_combine` merges the partials. Bit-identical to [`Path::Fp8V5`]. Bench variant `fp8`.
     Fp8,
-    /// `sparse_attn_decode_fp8_fused`: the `Fp8` kernel's body, then, when the plan splits, the last split CTA
-    /// of each (sequence, head group) merges the partials (no `sparse_attn_combine` launch); bit-identical to
-    /// `Fp8` under the same [`SplitPlan`]. Runs with [`SplitPlan::by_cost_fused`]. Bench variant `fp8_fused`.
-    Fp8Fused,
-    /// `sparse_attn_decode_fp8_fused_v6`: [`Path::Fp8Fused`] with a cheaper prologue (q's e4m3 codes from
-    /// `x * 2^-k` instead of the IEEE division `x / 2^k`, the same value; tile 0's loads issued before the q
-    /// prologue). Bit-identical to `Fp8`; plan [`SplitPlan::by_cost_fused`]. Bench variant `fp8_fused_v6`.
-    Fp8FusedV6,
-    /// `sparse_attn_decode_fp8_pdl` (the `Fp8` kernel's body behind an early `griddepcontrol.launch_dependents`)
-    /// then, when the plan splits, `sparse_attn_combine_pdl` (the combine behind `griddepcontrol.wait`) launched
-    /// with programmatic dependent launch, so the combine's launch overlaps the decode's tail. Bit-identical to
-    /// `Fp8`; same plan ([`SplitPlan::by_cost`]). Bench variant `fp8_pdl`.
-    Fp8Pdl,
+    /// `sparse_attn_decode_fp8_v5` (+ the same combine): the previous default, the v6 kernel with the q codes from
+    /// the IEEE division and tile 0 loaded after the q prologue. Kept for one more H200 run as the measured
+    /// reference `Fp8` is timed and bit-compared against. Bench variant `fp8_v5`.
+    Fp8V5,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
 
-impl Path {
-    /// Whether the decode kernel merges the splits itself (no combine launch; uses the arrival counters).
-    pub fn fuses_combine(self) -> bool {
-        matches!(self, Path::Fp8Fused | Path::Fp8FusedV6)
-    }
-}
-
-/// An A/B kernel loaded by [`Kernels::load`], or the error its loading met.
-fn loaded(k: &Result<CudaFunction, String>, name: &str) -> Result<CudaFunction> {
-    k.clone()
-        .map_err(|e| anyhow!("{name} could not be loaded: {e}"))
-}
-
-/// Run decode attention (plus the combine kernel when the plan splits, except on [`Path::Fp8Fused`]) into `out` [batch, heads, 512] BF16.
+/// Run decode attention (plus the combine kernel when the plan splits) into `out` [batch, heads, 512] BF16.
 pub fn decode(
     gpu: &Gpu,
     path: Path,
@@ -438,20 +378,10 @@ pub fn decode(
 
     let (name, smem, f) = match path {
         Path::Fp8 => (FP8_KERNEL, FP8_V5_SMEM_BYTES, ws.kernels.decode_fp8.clone()),
-        Path::Fp8Fused => (
-            FP8_FUSED_KERNEL,
+        Path::Fp8V5 => (
+            FP8_V5_KERNEL,
             FP8_V5_SMEM_BYTES,
-            loaded(&ws.kernels.decode_fp8_fused, FP8_FUSED_KERNEL)?,
-        ),
-        Path::Fp8FusedV6 => (
-            FP8_FUSED_V6_KERNEL,
-            FP8_V5_SMEM_BYTES,
-            loaded(&ws.kernels.decode_fp8_fused_v6, FP8_FUSED_V6_KERNEL)?,
-        ),
-        Path::Fp8Pdl => (
-            FP8_PDL_KERNEL,
-            FP8_V5_SMEM_BYTES,
-            loaded(&ws.kernels.decode_fp8_pdl, FP8_PDL_KERNEL)?,
+            ws.kernels.decode_fp8_v5.clone(),
         ),
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
@@ -468,9 +398,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8Fused | Path::Fp8FusedV6 | Path::Fp8Pdl => {
-                b.arg(inp.pool).arg(&null)
-            }
+            Path::Fp8 | Path::Fp8V5 => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -487,46 +415,15 @@ pub fn decode(
             .arg(&n_splits);
         if plan.n_splits == 1 {
             b.arg(&mut *out).arg(&null).arg(&null);
-        } else if path.fuses_combine() {
-            // The last split CTA writes `out` itself.
-            b.arg(&mut *out)
-                .arg(ws.part_o.as_mut().expect("allocated for n_splits > 1"));
-            b.arg(ws.part_lse.as_mut().expect("allocated for n_splits > 1"));
         } else {
             b.arg(&null)
                 .arg(ws.part_o.as_mut().expect("allocated for n_splits > 1"));
             b.arg(ws.part_lse.as_mut().expect("allocated for n_splits > 1"));
         }
-        if path.fuses_combine() {
-            match ws.arrivals.as_mut() {
-                Some(arrivals) => b.arg(arrivals),
-                None => b.arg(&null), // n_splits == 1: the kernel never reads it
-            };
-        }
         unsafe { b.launch(launch_cfg(grid, (256, 1, 1), smem)) }
             .map_err(|e| anyhow!("{name}: {e:?}"))?;
     }
-    if plan.n_splits > 1 && path == Path::Fp8Pdl {
-        let combine_pdl = loaded(&ws.kernels.combine_pdl, "sparse_attn_combine_pdl")?;
-        let mut args = RawArgs::default();
-        args.slice(gpu, &*out)
-            .slice(gpu, ws.part_o.as_ref().expect("allocated"))
-            .slice(gpu, ws.part_lse.as_ref().expect("allocated"))
-            .slice(gpu, inp.sinks)
-            .slice(gpu, inp.positions)
-            .slice(gpu, inp.freqs)
-            .i32(heads)
-            .i32(n_splits);
-        let grid = ((shape.heads / 8) as u32, shape.batch as u32, 1);
-        launch_pdl(
-            gpu,
-            &combine_pdl,
-            grid,
-            (256, 1, 1),
-            &mut args,
-            "sparse_attn_combine_pdl",
-        )?;
-    } else if plan.n_splits > 1 && !path.fuses_combine() {
+    if plan.n_splits > 1 {
         let f = ws.kernels.combine.clone();
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(&mut *out)
@@ -645,35 +542,26 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8Fused | Path::Fp8FusedV6 | Path::Fp8Pdl => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 | Path::Fp8V5 => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
     (io + kv, 4 * b * h * l * HEAD_DIM as u64)
 }
 
-/// Kernel name of the bench rows; variants `fp8` (this family's kernel, with its own split plan),
-/// `fp8_fused` (the session-4 A/B candidate: the same kernel body with the split-KV combine fused in, its own
-/// plan), `fp8_fused_v6` (`fp8_fused` with the cheaper q prologue), `fp8_pdl` (the second session-4 candidate: `fp8` with its combine launched by programmatic dependent
-/// launch, same plan) and `bf16_staging` (the baseline). The A/B variants `fp8_v3` / `fp8_v4` / `fp8_v5` were retired after the H200
-/// run: v5 became `fp8`.
+/// Kernel name of the bench rows; variants `fp8` (this family's kernel `sparse_attn_decode_fp8_v6`, with its own
+/// split plan), `fp8_v5` (the previous `fp8`, kept for one more run as the measured reference, same plan) and
+/// `bf16_staging` (the baseline). Retired after the H200 A/B runs: `fp8_v3` / `fp8_v4` (v5 became `fp8`), then
+/// `fp8_fused` / `fp8_fused_v6` (in-kernel split merge) and `fp8_pdl` (combine launched by PDL).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
-/// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
-pub const BENCH_VARIANTS: [&str; 5] = [
-    "fp8",
-    "fp8_fused",
-    "fp8_fused_v6",
-    "fp8_pdl",
-    "bf16_staging",
-];
+/// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8` and `fp8_v5`.
+pub const BENCH_VARIANTS: [&str; 3] = ["fp8", "fp8_v5", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
-        "fp8_fused" => Path::Fp8Fused,
-        "fp8_fused_v6" => Path::Fp8FusedV6,
-        "fp8_pdl" => Path::Fp8Pdl,
+        "fp8_v5" => Path::Fp8V5,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
