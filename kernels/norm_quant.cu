@@ -2,8 +2,10 @@
 //
 // Design
 // ------
-// RMSNorm rows (rmsnorm_*; BF16 -> NVFP4 is rmsnorm_nvfp4_bf16in_v4p, the same per-row work with rows looped
-// by one resident wave and a packed-pair encoder, see its section): one CTA per row, blockDim =
+// RMSNorm rows. BF16 in -> NVFP4 / FP8 from 4096 rows (D % 1024 == 0): the v5 kernels (own section below;
+// launcher rule rows_path in src/ops/norm_quant/mod.rs). Otherwise (rmsnorm_*; BF16 -> NVFP4 is
+// rmsnorm_nvfp4_bf16in_v4p, the same per-row work with rows looped by one resident wave and a packed-pair
+// encoder, see its section): one CTA per row, blockDim =
 // roundup32(D/8/CH) threads (CH = 4 chunks of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224).
 // Each thread loads its chunks with 16-byte loads (two for fp32 input) into registers; the row is never re-read from HBM. Pass 1: sum of squares -> block reduce ->
 // rstd. Pass 2: y = bf16(w * (x * rstd)) in registers; then the quantizer:
@@ -38,6 +40,11 @@
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
+//   * Session 4 mHC wide finish (kernels/mhc_boundary.cu, mhc_pre_finish_wide_*: the same mixes, 4x the finish
+//     threads, one 8-value chunk per thread; bit-identical) lost or tied, 16-boundary graph, us per boundary,
+//     wide vs kept: D = 4096 NVFP4 T = 1 7.6 vs 7.3, T = 8 8.6 vs 8.8, T = 64 15.7 vs 15.4; FP8 T = 1 6.8 vs 6.6.
+//   * Session 4 v5 FP8 with one CTA per row (rmsnorm_fp8_bf16in_v5 launched with grid = rows, "v5r") lost to the
+//     resident-wave v5 launch everywhere: 23.2 vs 21.2 us (4096 x 4096), 227.9 vs 220.4 us (65536 x 4096).
 //   * v1 pre path (mhc_mix_partial24 + mhc_pre_finish_*: broadcast-load mixes, one-thread Sinkhorn): 18.2 us
 //     (T = 1), 21.8 us (T = 64), 19.0 us (D = 7168, T = 1). Nsight: mix 10.6 us (~12 serialized round trips),
 //     finish 11.5 us (the single-thread 40-step Sinkhorn chain).
@@ -569,7 +576,10 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
     }
 }
 
-// ==== Session 4 A/B: RMSNorm rows v5 (persistent CTAs, fixed channels, weight staged once per CTA) ============
+// ==== RMSNorm rows v5 (persistent CTAs, fixed channels, weight staged once per CTA): BF16 in, >= 4096 rows ====
+// The default from 4096 rows (session-4 A/B, BF16 in, median us, v5 vs v4p / one CTA per row: NVFP4 4096 x 4096
+// 27.8 vs 30.6, 65536 x 4096 306.8 vs 380.6 (52.8% of copy bandwidth), 65536 x 7168 598.8 vs 756.0; FP8 4096 x
+// 4096 21.2 vs 21.6, 65536 x 4096 220.4 vs 233.9 (86.3%); at 1-64 rows v5 loses, 6.8 vs 6.3 NVFP4 at 1 row).
 // rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5 (quantize only, the encoder's boundary test) and
 // rmsnorm_fp8_bf16in_v5: the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p /
 // rmsnorm_fp8_bf16in, rebuilt around the instruction count (Nsight Compute, 4096 x 4096: v4p issues ~34
@@ -858,7 +868,7 @@ __device__ void rmsnorm_fp8_rows_v5(const __nv_bfloat16* __restrict__ x, const _
 
 }  // namespace
 
-// v5 entry points (launchers: rmsnorm_quant_with(.., RowsPath::V5 / V5PerRow), quantize_bf16_rows_v5).
+// v5 entry points (launchers: rmsnorm_quant / rmsnorm_quant_with(.., RowsPath::V5), quantize_bf16_rows_v5).
 // x [rows, D] BF16, D % 1024 == 0; block D/32; dynamic shared memory D * 4 bytes (the quantize-only kernel: 0).
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_nvfp4_bf16in_v5(const __nv_bfloat16* x, const __nv_bfloat16* w,
         uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
@@ -874,7 +884,7 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_v5(const _
 }
 
 namespace {
-// ==== end of the session-4 v5 section =========================================================================
+// ==== end of the v5 section ===================================================================================
 
 // ---- mHC -----------------------------------------------------------------------------------------------------
 

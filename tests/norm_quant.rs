@@ -1668,296 +1668,7 @@ fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
     }
 }
 
-// ---- A/B (session 4): the wide finish (kernels/mhc_boundary.cu, MhcPrePath::Wide) ---------------------------
-// Same mixes, a finish with one 8-value chunk per thread (4x the threads): every output must be bit-identical
-// to the current paths (the .cu header argues each reduction order is unchanged), and match the CPU reference.
-
-/// Bitwise comparison of two snapshots with the first differing element of every output (the quantized
-/// output included: code / scale index, row, both values).
-fn assert_same_mhc_detailed(got: &MhcSnapshot, want: &MhcSnapshot, d: usize, label: &str) {
-    for (what, a, b) in [
-        ("partials", &got.partials, &want.partials),
-        ("pre", &got.pre, &want.pre),
-        ("post", &got.post, &want.post),
-        ("comb", &got.comb, &want.comb),
-        ("u", &got.u, &want.u),
-        ("rstd", &got.normed.rstd, &want.normed.rstd),
-    ] {
-        assert_eq!(a.len(), b.len(), "{label}: {what} lengths");
-        if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
-            let n = a
-                .iter()
-                .zip(b.iter())
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
-            panic!(
-                "{label}: {what}[{i}] = {:e} ({:#010x}) vs current path {:e} ({:#010x}); {n} of {} differ",
-                a[i],
-                a[i].to_bits(),
-                b[i],
-                b[i].to_bits(),
-                a.len()
-            );
-        }
-    }
-    match (&got.normed.q, &want.normed.q) {
-        (HostQuant::Nvfp4(_), HostQuant::Nvfp4(_)) => {
-            assert_same_nvfp4(label, &got.normed.q, &want.normed.q, d)
-        }
-        (HostQuant::Fp8(g), HostQuant::Fp8(w)) => {
-            if let Some((i, a, b)) = first_diff(&g.data, &w.data) {
-                panic!(
-                    "{label}: FP8 code {i} (row {}, element {}): got {a:#04x} vs want {b:#04x}",
-                    i / d,
-                    i % d
-                );
-            }
-            if let Some((i, a, b)) = first_diff(&g.scales, &w.scales) {
-                panic!(
-                    "{label}: FP8 scale {i} (row {}, block {}): got {a:#04x} vs want {b:#04x}",
-                    i / (d / 128),
-                    i % (d / 128)
-                );
-            }
-        }
-        (HostQuant::Bf16(g), HostQuant::Bf16(w)) => {
-            if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
-                panic!(
-                    "{label}: BF16 y[{i}] (row {}, col {}): got {} vs want {}",
-                    i / d,
-                    i % d,
-                    g[i],
-                    w[i]
-                );
-            }
-        }
-        _ => panic!("{label}: quantized outputs of different formats"),
-    }
-}
-
-#[test]
-fn wide_finish_block_is_one_chunk_per_thread() {
-    assert_eq!(nq::mhc_fast::wide_block_threads(4096), 512);
-    assert_eq!(nq::mhc_fast::wide_block_threads(7168), 896);
-    assert_eq!(nq::mhc_fast::wide_block_threads(8192), 1024);
-    for d in (128..=nq::mhc_fast::WIDE_MAX_D).step_by(128) {
-        let w = nq::mhc_fast::wide_block_threads(d) as usize;
-        // one thread per chunk, a multiple of 128 (4 x the current finish's warps), at most 1024
-        assert!(
-            w >= d / 8 && w.is_multiple_of(128) && w <= 1024,
-            "D={d}: {w} threads"
-        );
-        assert_eq!(w, 4 * nq::row_block_threads(d) as usize, "D={d}");
-        // the kernel's partials reduce needs ceil(S/32) = ceil(D/1024) == current finish warps, <= 8
-        let (s, nw) = (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
-        assert_eq!(
-            s.div_ceil(32),
-            nw,
-            "D={d}: split blocks vs current finish warps"
-        );
-        assert!(nw <= 8, "D={d}");
-    }
-}
-
-#[test]
-fn gpu_mhc_pre_wide_equals_current_paths_bitwise() {
-    let Some(gpu) = gpu_for_test("gpu_mhc_pre_wide_equals_current_paths_bitwise") else {
-        return;
-    };
-    let seed = fresh_seed("gpu_mhc_pre_wide_equals_current_paths_bitwise");
-    for &d in DS {
-        for tokens in [1usize, 2, 3, 7, 8, 9, 64, 127, 129] {
-            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 7919 + d as u64));
-            let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
-            let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
-            for format in FORMATS {
-                let label = format!(
-                    "wide finish->{} T={tokens} D={d} seed {seed}",
-                    format.name()
-                );
-                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
-                // current default path (PDL pair up to 8 tokens, two launches above)
-                nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
-                let want = MhcSnapshot::take(&gpu, &out);
-                // and the other current path gives the same bits (so `want` is "the current mhc_pre")
-                out.poison(&gpu).unwrap();
-                out.poison_partials(&gpu).unwrap();
-                let other = if tokens <= nq::MHC_PDL_MAX_TOKENS {
-                    nq::MhcPrePath::TwoLaunch
-                } else {
-                    nq::MhcPrePath::PdlPair
-                };
-                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, other).unwrap();
-                assert_same_mhc_detailed(
-                    &MhcSnapshot::take(&gpu, &out),
-                    &want,
-                    d,
-                    &format!("{label} ({other:?} vs mhc_pre)"),
-                );
-                // the wide path, outputs and partials poisoned (NaN) first
-                out.poison(&gpu).unwrap();
-                out.poison_partials(&gpu).unwrap();
-                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::Wide)
-                    .unwrap();
-                let got = MhcSnapshot::take(&gpu, &out);
-                assert_same_mhc_detailed(&got, &want, d, &label);
-                // and against the CPU reference (pre/post/C from the GPU dots, u and RMSNorm(u) exact,
-                // C columns sum to 1 within 1e-5)
-                let dots = gpu_dots(&got.partials, tokens, d);
-                check_mhc(
-                    &label,
-                    &c,
-                    &got.pre,
-                    &got.post,
-                    &got.comb,
-                    &got.u,
-                    &got.normed,
-                    format,
-                    Some(&dots),
-                );
-            }
-        }
-    }
-}
-
-#[test]
-fn gpu_mhc_pre_wide_replays_in_a_graph_after_mhc_post() {
-    let Some(gpu) = gpu_for_test("gpu_mhc_pre_wide_replays_in_a_graph_after_mhc_post") else {
-        return;
-    };
-    let seed = fresh_seed("gpu_mhc_pre_wide_replays_in_a_graph_after_mhc_post");
-    for &(tokens, d) in &[(1usize, 4096usize), (5, 7168), (8, 4096), (64, 7168)] {
-        let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 31 + d as u64));
-        let y = nq::random_rows(tokens, d, seed ^ 0x5a5a);
-        let post = vec![0.8f32; tokens * 4];
-        let comb: Vec<f32> = (0..tokens * 16)
-            .map(|i| 0.05 + 0.04 * (i % 9) as f32)
-            .collect();
-        let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
-        let (dy, dx) = (
-            nq::upload_checked_bf16(&gpu, "y", &y).unwrap(),
-            nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
-        );
-        let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
-        for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
-            let label = format!(
-                "wide finish after mhc_post ->{} T={tokens} D={d} seed {seed}",
-                format.name()
-            );
-            // Reference bits: mhc_post -> X', then the current two-launch boundary on X'.
-            let mut xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
-            let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
-            nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo).unwrap();
-            nq::mhc_pre_with(
-                &gpu,
-                &xo,
-                &w,
-                r::RMS_EPS,
-                &mut out,
-                nq::MhcPrePath::TwoLaunch,
-            )
-            .unwrap();
-            let want = MhcSnapshot::take(&gpu, &out);
-            let run = |xo: &mut cudarc::driver::CudaSlice<half::bf16>, out: &mut MhcPreOutputs| {
-                nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, xo)?;
-                nq::mhc_pre_with(&gpu, xo, &w, r::RMS_EPS, out, nq::MhcPrePath::Wide)
-            };
-            // X' poisoned first: a wide finish (or PDL mix) reading X' before its wait would see NaN.
-            gpu.fill_bytes(&mut xo, 0xFF).unwrap();
-            out.poison(&gpu).unwrap();
-            out.poison_partials(&gpu).unwrap();
-            run(&mut xo, &mut out).unwrap();
-            assert_same_mhc_detailed(
-                &MhcSnapshot::take(&gpu, &out),
-                &want,
-                d,
-                &format!("{label} direct"),
-            );
-            // 4 consecutive (post, wide boundary) pairs in one graph, replayed 3 times on poisoned outputs.
-            let g = gpu
-                .capture(|| {
-                    for _ in 0..4 {
-                        run(&mut xo, &mut out)?;
-                    }
-                    Ok(())
-                })
-                .unwrap();
-            for rep in 0..3 {
-                gpu.fill_bytes(&mut xo, 0xFF).unwrap();
-                out.poison(&gpu).unwrap();
-                out.poison_partials(&gpu).unwrap();
-                g.launch().unwrap();
-                gpu.synchronize().unwrap();
-                assert_same_mhc_detailed(
-                    &MhcSnapshot::take(&gpu, &out),
-                    &want,
-                    d,
-                    &format!("{label} graph replay {rep}"),
-                );
-            }
-        }
-    }
-}
-
-#[test]
-fn gpu_mhc_pre_wide_rejects_d_above_8192() {
-    let Some(gpu) = gpu_for_test("gpu_mhc_pre_wide_rejects_d_above_8192") else {
-        return;
-    };
-    let seed = fresh_seed("gpu_mhc_pre_wide_rejects_d_above_8192");
-    let d = nq::mhc_fast::WIDE_MAX_D + 128;
-    let c = mhc_case(1, d, seed);
-    let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
-    let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
-    let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, 1, d).unwrap();
-    let err = nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::Wide)
-        .expect_err("D above 8192 must be refused by the wide path");
-    let msg = format!("{err:#}");
-    assert!(
-        msg.contains("8192") && msg.contains(&d.to_string()),
-        "message: {msg}"
-    );
-    // the current path still takes it
-    nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
-}
-
-/// The Sinkhorn of the wide finish replaces __frcp_rn by its fast path (mhc_boundary.cu rcp_rn_fast: MUFU.RCP
-/// and two FFMA, no range check). Proof on the device: equal bits for EVERY positive float with a biased
-/// exponent from 1 to 252 (252 x 2^23 ~ 2.1e9 values; the Sinkhorn's denominators lie in [1e-6, ~17]).
-#[test]
-fn gpu_rcp_rn_fast_equals_frcp_rn_exhaustively() {
-    use megamoe::gpu::PushKernelArg;
-    let Some(gpu) = gpu_for_test("gpu_rcp_rn_fast_equals_frcp_rn_exhaustively") else {
-        return;
-    };
-    let f = gpu
-        .function(nq::mhc_fast::WIDE_FAMILY, "mhc_test_rcp_fast_mismatches")
-        .unwrap();
-    let mut count = gpu.zeros::<u32>(1).unwrap();
-    let mut first = gpu.upload(&[u32::MAX]).unwrap();
-    let (lo, hi) = (0x0080_0000u32, 0x7E80_0000u32); // exponent fields 1 ..= 252, every mantissa
-    let cfg = megamoe::gpu::launch_cfg((gpu.info.sm_count as u32 * 8, 1, 1), (256, 1, 1), 0);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&mut count).arg(&mut first).arg(&lo).arg(&hi);
-    unsafe { b.launch(cfg) }.unwrap();
-    gpu.synchronize().unwrap();
-    let (n, fb) = (
-        gpu.download(&count).unwrap()[0],
-        gpu.download(&first).unwrap()[0],
-    );
-    assert_eq!(
-        n,
-        0,
-        "rcp_rn_fast differs from __frcp_rn on {n} floats in [{lo:#010x}, {hi:#010x}); first {fb:#010x} ({:e})",
-        f32::from_bits(fb)
-    );
-    eprintln!(
-        "rcp_rn_fast == __frcp_rn on all {} floats of [{lo:#010x}, {hi:#010x})",
-        hi - lo
-    );
-}
-
-// ---- session-4 A/B: the v5 row kernels (RowsPath::V5 / V5PerRow, quant_nvfp4_bf16in_v5) -------------------
+// ---- the v5 row kernels (RowsPath::V5 from 4096 rows, quant_nvfp4_bf16in_v5) and the path rule ------------
 
 /// The v5 FP8 kernel's division-free ue8m0 scale (reference::ue8m0_scale_448_divfree, the mirror of the
 /// .cu's ue8m0_scale_448_divfree) against formats::ue8m0::pow2_scale_for(max(amax, 1e-4), 448): every
@@ -2062,113 +1773,235 @@ fn v5_assert_same(label: &str, what: &str, got: &[u8], want: &[u8], row_bytes: u
     assert_eq!(got.len(), want.len(), "{label}: {what} lengths differ");
     if let Some((i, a, b)) = first_diff(got, want) {
         panic!(
-            "{label}: {what} byte {i} (row {}, byte {} of the row): v5 {a:#04x} vs default {b:#04x}",
+            "{label}: {what} byte {i} (row {}, byte {} of the row): got {a:#04x} vs want {b:#04x}",
             i / row_bytes,
             i % row_bytes
         );
     }
 }
 
-/// The v5 kernels (both launch shapes) against the default path bit for bit on every row (codes, block
-/// scales, global scales, FP8 scales, rstd; outputs poisoned before each run), and against the CPU reference
-/// (exact given the GPU rstd) on the first 300 and the last 64 rows. D = 4096, 7168 and 2048; rows from 1 to
-/// 9000 (several rows per CTA of the resident wave, and a partial last round of the loop).
+/// `rows_path` (the kernel rmsnorm_quant takes for BF16 rows): v5 exactly from 4096 rows, for NVFP4 and FP8,
+/// when D is a multiple of 1024; V4 below 4096 rows, for BF16 output and for every other D; and every shape it
+/// sends to v5 passes v5's own shape check.
 #[test]
-fn gpu_v5_rows_equal_default_bitwise() {
-    let Some(gpu) = gpu_for_test("gpu_v5_rows_equal_default_bitwise") else {
+fn rows_path_switches_to_v5_at_4096_rows_for_d_multiple_of_1024() {
+    use nq::RowsPath::{V4, V5};
+    assert_eq!(nq::V5_MIN_ROWS, 4096);
+    for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
+        for d in [1024usize, 2048, 4096, 7168, nq::MAX_D] {
+            for (rows, want) in [
+                (1usize, V4),
+                (64, V4),
+                (1024, V4),
+                (4095, V4),
+                (4096, V5),
+                (4097, V5),
+                (9000, V5),
+                (65536, V5),
+            ] {
+                let got = nq::rows_path(rows, d, format);
+                assert_eq!(got, want, "{} {rows}x{d}", format.name());
+                if got == V5 {
+                    nq::check_v5(rows, d, format).unwrap();
+                }
+            }
+        }
+        for d in [128usize, 1152, 4096 + 128, 7168 - 512, nq::MAX_D - 128] {
+            for rows in [1usize, 4096, 65536] {
+                assert_eq!(
+                    nq::rows_path(rows, d, format),
+                    V4,
+                    "{} {rows}x{d}",
+                    format.name()
+                );
+            }
+        }
+    }
+    for d in [1024usize, 4096, 7168] {
+        for rows in [1usize, 4096, 65536] {
+            assert_eq!(
+                nq::rows_path(rows, d, OutFormat::Bf16),
+                V4,
+                "bf16 {rows}x{d}"
+            );
+        }
+    }
+}
+
+/// Bitwise comparison of two downloaded row outputs (rstd, codes, block / global / FP8 scales).
+fn assert_same_rows(label: &str, got: &nq::HostNormOutputs, want: &nq::HostNormOutputs, d: usize) {
+    let rbits = |v: &[f32]| {
+        v.iter()
+            .flat_map(|f| f.to_bits().to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    v5_assert_same(label, "rstd", &rbits(&got.rstd), &rbits(&want.rstd), 4);
+    match (&got.q, &want.q) {
+        (HostQuant::Nvfp4(g), HostQuant::Nvfp4(b)) => {
+            v5_assert_same(label, "codes", &g.data, &b.data, d / 2);
+            v5_assert_same(label, "block scales", &g.scales, &b.scales, d / 16);
+            v5_assert_same(
+                label,
+                "global scales",
+                &rbits(&g.global_scale),
+                &rbits(&b.global_scale),
+                4,
+            );
+        }
+        (HostQuant::Fp8(g), HostQuant::Fp8(b)) => {
+            v5_assert_same(label, "codes", &g.data, &b.data, d);
+            v5_assert_same(label, "scales", &g.scales, &b.scales, d / 128);
+        }
+        _ => panic!("{label}: unexpected output formats"),
+    }
+}
+
+/// Row `row` of a downloaded output as a one-row output (for the CPU reference check).
+fn one_row(got: &nq::HostNormOutputs, row: usize, d: usize) -> nq::HostNormOutputs {
+    nq::HostNormOutputs {
+        rstd: vec![got.rstd[row]],
+        q: match &got.q {
+            HostQuant::Nvfp4(g) => HostQuant::Nvfp4(r::Nvfp4Rows {
+                rows: 1,
+                cols: d,
+                data: g.data[row * d / 2..(row + 1) * d / 2].to_vec(),
+                scales: g.scales[row * d / 16..(row + 1) * d / 16].to_vec(),
+                global_scale: vec![g.global_scale[row]],
+            }),
+            HostQuant::Fp8(g) => HostQuant::Fp8(r::Fp8Rows {
+                rows: 1,
+                cols: d,
+                data: g.data[row * d..(row + 1) * d].to_vec(),
+                scales: g.scales[row * d / 128..(row + 1) * d / 128].to_vec(),
+            }),
+            HostQuant::Bf16(_) => unreachable!("row outputs here are nvfp4 / fp8"),
+        },
+    }
+}
+
+/// The two BF16 row kernels (RowsPath::V4: v4p NVFP4 / one-CTA-per-row FP8; RowsPath::V5), each forced, bit for
+/// bit against each other on every row (codes, block scales, global scales, FP8 scales, rstd; outputs poisoned
+/// before each run), and the v5 output against the CPU reference (exact given the GPU rstd) on the random rows
+/// among the first 300 and the last 64. The public rmsnorm_quant must give the same bits too, on both sides of
+/// its 4096-row switch (4095, 4096, 9000 rows). D = 4096, 7168 and 2048, rows from 1 to 9000 (several rows per
+/// CTA of the resident wave, and a partial last round of the loop); D = 32768 (the largest: 1024 threads, 128 KB
+/// of staged weight) at a few rows, forced paths only below the switch.
+#[test]
+fn gpu_v5_rows_equal_v4_and_default_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_v5_rows_equal_v4_and_default_bitwise") else {
         return;
     };
-    let seed = fresh_seed("gpu_v5_rows_equal_default_bitwise");
-    for d in [4096usize, 7168, 2048] {
+    let seed = fresh_seed("gpu_v5_rows_equal_v4_and_default_bitwise");
+    let rows_list = [1usize, 2, 3, 7, 64, 127, 129, 4095, 4096, 9000];
+    for (d, rows_list) in [
+        (4096usize, &rows_list[..]),
+        (7168, &rows_list[..9]), // 4096 rows already loop; keep the test short
+        (2048, &rows_list[..]),
+        (nq::MAX_D, &[1usize, 3, 130][..]),
+    ] {
         let w = nq::random_weight(d, seed ^ d as u64);
         let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
-        for rows in [1usize, 2, 3, 7, 64, 127, 129, 4096, 9000] {
-            if d == 7168 && rows == 9000 {
-                continue; // 4096 rows already loop; keep the test short
-            }
+        for &rows in rows_list {
             let x = v5_rows(rows, d, seed ^ (rows as u64 * 131 + d as u64));
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
-                let mut base = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut base).unwrap();
-                let want = base.download(&gpu).unwrap();
-                for path in [nq::RowsPath::V5, nq::RowsPath::V5PerRow] {
-                    let label = format!("{path:?} {} {rows}x{d}, seed {seed}", format.name());
+                let label = format!("{} {rows}x{d}, seed {seed}", format.name());
+                let run = |path: Option<nq::RowsPath>| {
                     let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                    nq::rmsnorm_quant_with(
-                        &gpu,
-                        RowsIn::Bf16(&dx),
-                        &dw,
-                        r::RMS_EPS,
-                        &mut out,
-                        path,
-                    )
+                    match path {
+                        Some(p) => nq::rmsnorm_quant_with(
+                            &gpu,
+                            RowsIn::Bf16(&dx),
+                            &dw,
+                            r::RMS_EPS,
+                            &mut out,
+                            p,
+                        ),
+                        None => {
+                            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out)
+                        }
+                    }
                     .unwrap();
-                    let got = out.download(&gpu).unwrap();
-                    let rbits = |v: &[f32]| {
-                        v.iter()
-                            .flat_map(|f| f.to_bits().to_le_bytes())
-                            .collect::<Vec<u8>>()
-                    };
-                    v5_assert_same(&label, "rstd", &rbits(&got.rstd), &rbits(&want.rstd), 4);
-                    match (&got.q, &want.q) {
-                        (HostQuant::Nvfp4(g), HostQuant::Nvfp4(b)) => {
-                            v5_assert_same(&label, "codes", &g.data, &b.data, d / 2);
-                            v5_assert_same(&label, "block scales", &g.scales, &b.scales, d / 16);
-                            v5_assert_same(
-                                &label,
-                                "global scales",
-                                &rbits(&g.global_scale),
-                                &rbits(&b.global_scale),
-                                4,
-                            );
-                        }
-                        (HostQuant::Fp8(g), HostQuant::Fp8(b)) => {
-                            v5_assert_same(&label, "codes", &g.data, &b.data, d);
-                            v5_assert_same(&label, "scales", &g.scales, &b.scales, d / 128);
-                        }
-                        _ => panic!("{label}: unexpected output formats"),
+                    out.download(&gpu).unwrap()
+                };
+                let v4 = run(Some(nq::RowsPath::V4));
+                let got = run(Some(nq::RowsPath::V5));
+                assert_same_rows(&format!("V5 vs V4 {label}"), &got, &v4, d);
+                let default_path = nq::rows_path(rows, d, format);
+                assert_same_rows(
+                    &format!("rmsnorm_quant ({default_path:?}) vs V4 {label}"),
+                    &run(None),
+                    &v4,
+                    d,
+                );
+                // the CPU reference on random rows (not the boundary / extreme ones: their rstd may be far
+                // from the CPU's, see v5_rows) among the first 300 and the last 64
+                let mut checked = 0;
+                for row in (0..rows.min(300)).chain(rows.saturating_sub(64).max(300)..rows) {
+                    if row % 5 == 0 || (1..=4).contains(&row) {
+                        continue;
                     }
-                    // the CPU reference on random rows (not the boundary / extreme ones: their rstd may be far
-                    // from the CPU's, see v5_rows) among the first 300 and the last 64
-                    let mut checked = 0;
-                    for row in (0..rows.min(300)).chain(rows.saturating_sub(64).max(300)..rows) {
-                        if row % 5 == 0 || (1..=4).contains(&row) {
-                            continue;
-                        }
-                        let one = nq::HostNormOutputs {
-                            rstd: vec![got.rstd[row]],
-                            q: match &got.q {
-                                HostQuant::Nvfp4(g) => HostQuant::Nvfp4(r::Nvfp4Rows {
-                                    rows: 1,
-                                    cols: d,
-                                    data: g.data[row * d / 2..(row + 1) * d / 2].to_vec(),
-                                    scales: g.scales[row * d / 16..(row + 1) * d / 16].to_vec(),
-                                    global_scale: vec![g.global_scale[row]],
-                                }),
-                                HostQuant::Fp8(g) => HostQuant::Fp8(r::Fp8Rows {
-                                    rows: 1,
-                                    cols: d,
-                                    data: g.data[row * d..(row + 1) * d].to_vec(),
-                                    scales: g.scales[row * d / 128..(row + 1) * d / 128].to_vec(),
-                                }),
-                                HostQuant::Bf16(_) => unreachable!(),
-                            },
-                        };
-                        check_norm_outputs(
-                            &format!("{label} row {row}"),
-                            &x[row * d..(row + 1) * d],
-                            &w,
-                            1,
-                            d,
-                            format,
-                            &one,
-                        );
-                        checked += 1;
-                    }
-                    eprintln!("{label}: bit-identical to the default path; {checked} rows exact vs the CPU reference");
+                    check_norm_outputs(
+                        &format!("V5 {label} row {row}"),
+                        &x[row * d..(row + 1) * d],
+                        &w,
+                        1,
+                        d,
+                        format,
+                        &one_row(&got, row, d),
+                    );
+                    checked += 1;
                 }
+                eprintln!("{label}: V5, V4 and rmsnorm_quant ({default_path:?}) bit-identical; {checked} rows exact vs the CPU reference");
             }
+        }
+    }
+}
+
+/// Above the 4096-row switch with a D that is not a multiple of 1024 (4096 + 128, 1152), rmsnorm_quant must
+/// stay on the V4 kernels (V5 refuses the shape with a clear error before any launch) and match the CPU
+/// reference on every row.
+#[test]
+fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
+    let Some(gpu) = gpu_for_test("gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024");
+    for (rows, d) in [(4096usize, 4096usize + 128), (4100, 1152)] {
+        let x = nq::random_rows(rows, d, seed ^ (rows * d) as u64);
+        let w = nq::random_weight(d, seed ^ d as u64 ^ 0x77);
+        let (dx, dw) = (
+            nq::upload_checked_bf16(&gpu, "x", &x).unwrap(),
+            nq::upload_checked_bf16(&gpu, "w", &w).unwrap(),
+        );
+        for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
+            let label = format!("{} {rows}x{d}, seed {seed}", format.name());
+            assert_eq!(nq::rows_path(rows, d, format), nq::RowsPath::V4, "{label}");
+            let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+            let err = nq::rmsnorm_quant_with(
+                &gpu,
+                RowsIn::Bf16(&dx),
+                &dw,
+                r::RMS_EPS,
+                &mut out,
+                nq::RowsPath::V5,
+            )
+            .expect_err("V5 must refuse D not a multiple of 1024");
+            assert!(
+                format!("{err:#}").contains("multiple of 1024"),
+                "{label}: unexpected error `{err:#}`"
+            );
+            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out).unwrap();
+            check_norm_outputs(
+                &label,
+                &x,
+                &w,
+                rows,
+                d,
+                format,
+                &out.download(&gpu).unwrap(),
+            );
+            eprintln!("{label}: rmsnorm_quant (V4) matches the CPU reference");
         }
     }
 }

@@ -1,11 +1,11 @@
 //! Bench hooks of the norm_quant family: `rmsnorm_quant` (axis `rows`, param `d`) and `mhc` (axis
 //! `tokens`, param `d`). Each fused variant names the unfused chain it is raced against (same run, same
 //! inputs); the runner adds the measured copy bandwidth, so `pct_copy_bw` is a side-by-side ratio.
-//! `rmsnorm_quant` `fused_nvfp4` measures the row-looping v4p kernel (the BF16 -> NVFP4 path of
-//! `rmsnorm_quant`); `fused_nvfp4_v5` / `fused_fp8_v5` / `fused_fp8_v5r` the session-4 v5 kernels (A/B, see
-//! `RowsPath`); `mhc` `fused_*` / `graph_fused_*` / `graph16_fused_*` measure `mhc_pre`'s automatic
-//! launch-path choice (PDL pair up to 8 tokens, two launches above), `*_fused_pdl_*` and
-//! `*_fused_twolaunch_*` one path each (see `MHC_VARIANTS`).
+//! `rmsnorm_quant` `fused_<fmt>` measures `rmsnorm_quant` as called, i.e. its kernel choice by shape
+//! (`rows_path`: for BF16 -> NVFP4 / FP8 the v5 kernels from 4096 rows when D is a multiple of 1024, the
+//! v4p row loop / one CTA per row below); `mhc` `fused_*` / `graph_fused_*` / `graph16_fused_*` measure
+//! `mhc_pre`'s automatic launch-path choice (PDL pair up to 8 tokens, two launches above), `*_fused_pdl_*`
+//! and `*_fused_twolaunch_*` one path each (see `MHC_VARIANTS`).
 
 use anyhow::Result;
 
@@ -24,9 +24,6 @@ pub fn kernels() -> Vec<BenchKernel> {
                 "fused_fp8",
                 "unfused_fp8",
                 "fused_bf16",
-                "fused_nvfp4_v5",
-                "fused_fp8_v5",
-                "fused_fp8_v5r",
             ],
             matmul: MatmulKind::NotMatmul,
             run_point: rows_point,

@@ -1,10 +1,11 @@
 //! Fused RMSNorm + quantization and the fused DSV4 mHC boundary (kernels/norm_quant.cu).
 //!
 //! * [`rmsnorm_quant`]: rows `[rows, D]` (BF16 or f32, D a multiple of 128, at most 32768) -> RMSNorm with
-//!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch
-//!   (BF16 -> NVFP4: the row-looping v4p kernel; everything else one CTA per row).
-//!   [`rmsnorm_quant_with`] takes an explicit [`RowsPath`]: the session-4 v5 kernels (BF16 in, NVFP4 / FP8,
-//!   D a multiple of 1024) are an A/B candidate with the same bits.
+//!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch.
+//!   BF16 in -> NVFP4 / FP8 picks its kernel by shape ([`rows_path`]): the v5 kernels (one resident wave
+//!   looping over rows, weight staged once per CTA) from 4096 rows when D is a multiple of 1024, below that
+//!   the v4p row loop (NVFP4) / one CTA per row (FP8); everything else one CTA per row.
+//!   [`rmsnorm_quant_with`] forces one [`RowsPath`]; both give the same bits.
 //! * [`rmsnorm_then_quant`]: the unfused baseline (RMSNorm kernel -> BF16 in HBM -> quantize kernel). It
 //!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
 //! * [`mhc_pre`]: the mHC boundary `hc_pre` + RMSNorm + quant, as a split-K mix kernel plus a per-token
@@ -25,7 +26,6 @@
 
 pub mod bench;
 pub mod exec;
-pub mod mhc_fast;
 pub mod reference;
 
 pub use exec::exec_kernels;
@@ -301,11 +301,9 @@ pub fn upload_checked_bf16(gpu: &Gpu, what: &str, v: &[f32]) -> Result<CudaSlice
 
 /// Fused RMSNorm + quantization of `rows` rows of `d` with weight `w` (BF16 [d]) into `out`.
 ///
-/// BF16 input -> NVFP4 runs `rmsnorm_nvfp4_bf16in_v4p` (one resident wave of CTAs looping over rows with
-/// the next row's loads in flight, packed BF16-pair e2m1 encoder; grid [`v4_grid`]): measured on the H200
-/// 30.5 us vs 34.1 us of the one-CTA-per-row kernel at 4096 x 4096, 378.7 vs 436.6 us at 65536 x 4096, 53.7
-/// vs 58.9 us at 4096 x 7168, a tie at 1-64 rows; the same bits. Every other input/format pair runs the
-/// one-CTA-per-row kernel `rmsnorm_<fmt>_<in>` (for FP8 the looping variant lost: 23.4 vs 21.6 us).
+/// BF16 input -> NVFP4 / FP8 runs the kernel [`rows_path`] picks for the shape (v5 from 4096 rows, else
+/// [`RowsPath::V4`]); F32 input and BF16 output always run [`RowsPath::V4`] (one CTA per row). Every path
+/// gives the same bits.
 pub fn rmsnorm_quant(
     gpu: &Gpu,
     x: RowsIn<'_>,
@@ -313,10 +311,54 @@ pub fn rmsnorm_quant(
     eps: f32,
     out: &mut NormOutputs,
 ) -> Result<()> {
-    if out.format == OutFormat::Nvfp4 && matches!(x, RowsIn::Bf16(_)) {
-        rmsnorm_nvfp4_bf16in_rows_v4p(gpu, x, w, eps, out)
+    let path = match x {
+        RowsIn::Bf16(_) => rows_path(out.rows, out.d, out.format),
+        RowsIn::F32(_) => RowsPath::V4,
+    };
+    rmsnorm_quant_with(gpu, x, w, eps, out, path)
+}
+
+/// Which kernels run BF16 rows -> NVFP4 / FP8 ([`rmsnorm_quant`] picks one with [`rows_path`],
+/// [`rmsnorm_quant_with`] forces one). Both give the same bits (tests/norm_quant.rs checks them against each
+/// other and against the CPU reference).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowsPath {
+    /// The session-3 kernels: BF16 -> NVFP4 `rmsnorm_nvfp4_bf16in_v4p` (one resident wave looping over rows
+    /// with the next row's loads in flight, packed BF16-pair e2m1 encoder, grid [`v4_grid`]; it replaced the
+    /// one-CTA-per-row kernel: 30.5 vs 34.1 us at 4096 x 4096, a tie at 1-64 rows); every other input/format
+    /// pair the one-CTA-per-row kernel `rmsnorm_<fmt>_<in>` (a looping FP8 v4 lost: 23.4 vs 21.6 us). Any shape.
+    V4,
+    /// The v5 kernels (`rmsnorm_{nvfp4,fp8}_bf16in_v5`): one resident wave of CTAs looping over rows, the
+    /// weight staged once per CTA in shared memory (as f32), one thread per 16-block for NVFP4, a
+    /// division-free ue8m0 scale for FP8. BF16 in, NVFP4 and FP8 only, `d` a multiple of [`V5_D_MULTIPLE`].
+    V5,
+}
+
+/// Fewest rows for which [`rows_path`] picks [`RowsPath::V5`].
+pub const V5_MIN_ROWS: usize = 4096;
+
+/// The kernels [`rmsnorm_quant`] runs for BF16 rows `[rows, d]` -> `format`: [`RowsPath::V5`] when
+/// `rows >= V5_MIN_ROWS`, `d` is a multiple of [`V5_D_MULTIPLE`] (v5's shape rule) and the format is NVFP4 or
+/// FP8 (v5 has no BF16 kernel); [`RowsPath::V4`] otherwise.
+///
+/// Measured on the H200 (session-4 A/B, BF16 in, median us, v5 vs V4; results/h200/session4-ab/rmsnorm_quant.csv):
+/// * NVFP4 D 4096: rows 1 6.8 vs 6.3, 64 7.2 vs 6.4, 1024 12.7 vs 12.7, 4096 27.8 vs 30.6, 16384 83.1 vs
+///   100.4, 65536 306.8 (52.8% of copy bandwidth) vs 380.6 (42.5%); D 7168: 1 7.5 vs 6.6, 64 7.8 vs 7.4, 1024
+///   17.1 vs 19.8, 4096 46.3 vs 53.8, 16384 156.0 vs 193.0, 65536 598.8 vs 756.0.
+/// * FP8 D 4096: rows 1 6.3 vs 5.3, 64 6.5 vs 5.9, 1024 11.1 vs 10.3, 4096 21.2 vs 21.6, 16384 58.1 vs 63.6,
+///   65536 220.4 (86.3%) vs 233.9 (81.3%); D 7168: 1 6.8 vs 5.9, 64 7.1 vs 6.4, 1024 13.6 vs 14.1, 4096 32.2
+///   vs 36.5, 16384 104.5 vs 117.7, 65536 397.4 vs 448.9.
+///
+/// v5 won every measured point from 4096 rows on, for both formats and both D; it lost at 1-64 rows (its
+/// per-CTA weight staging has few rows to amortize over, a likely reason, not profiled); at 1024 rows it won
+/// at D 7168, tied (NVFP4) or lost (FP8) at D 4096. 4096 is the smallest measured row count where v5 wins
+/// everywhere, so the switch sits there (rows between 1024 and 4096 were not measured).
+pub fn rows_path(rows: usize, d: usize, format: OutFormat) -> RowsPath {
+    let v5_shape = d.is_multiple_of(V5_D_MULTIPLE) && format != OutFormat::Bf16;
+    if rows >= V5_MIN_ROWS && v5_shape {
+        RowsPath::V5
     } else {
-        rmsnorm_quant_per_row_kernel(gpu, x, w, eps, out)
+        RowsPath::V4
     }
 }
 
@@ -476,20 +518,7 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
     Ok(())
 }
 
-// ---- session-4 A/B: the v5 row kernels ------------------------------------------------------------------------
-
-/// Which kernel [`rmsnorm_quant_with`] runs for BF16 rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RowsPath {
-    /// What [`rmsnorm_quant`] runs (NVFP4: the v4p row loop; FP8 / BF16: one CTA per row).
-    Default,
-    /// The v5 kernels (`rmsnorm_{nvfp4,fp8}_bf16in_v5`): one resident wave of CTAs looping over rows, the
-    /// weight staged once per CTA in shared memory, one thread per 16-block for NVFP4. Bit-identical outputs.
-    /// NVFP4 and FP8 only, `d` a multiple of [`V5_D_MULTIPLE`].
-    V5,
-    /// The same v5 kernels with one CTA per row (grid = rows; the row loop runs once per CTA).
-    V5PerRow,
-}
+// ---- the v5 row kernels (RowsPath::V5) -------------------------------------------------------------------------
 
 /// The v5 kernels give every thread exactly 4 chunks of 8 values (blockDim = d / 32, a whole number of warps).
 pub const V5_D_MULTIPLE: usize = 1024;
@@ -514,6 +543,8 @@ pub fn v5_block_threads(d: usize) -> u32 {
 }
 
 /// [`rmsnorm_quant`] with an explicit kernel choice ([`RowsPath`]); every path gives the same bits.
+/// [`RowsPath::V5`] refuses (before any launch) what it does not run: F32 input, BF16 output, `d` not a
+/// multiple of [`V5_D_MULTIPLE`].
 pub fn rmsnorm_quant_with(
     gpu: &Gpu,
     x: RowsIn<'_>,
@@ -523,9 +554,11 @@ pub fn rmsnorm_quant_with(
     path: RowsPath,
 ) -> Result<()> {
     match path {
-        RowsPath::Default => rmsnorm_quant(gpu, x, w, eps, out),
-        RowsPath::V5 => rmsnorm_quant_v5(gpu, x, w, eps, out, false),
-        RowsPath::V5PerRow => rmsnorm_quant_v5(gpu, x, w, eps, out, true),
+        RowsPath::V4 if out.format == OutFormat::Nvfp4 && matches!(x, RowsIn::Bf16(_)) => {
+            rmsnorm_nvfp4_bf16in_rows_v4p(gpu, x, w, eps, out)
+        }
+        RowsPath::V4 => rmsnorm_quant_per_row_kernel(gpu, x, w, eps, out),
+        RowsPath::V5 => rmsnorm_quant_v5(gpu, x, w, eps, out),
     }
 }
 
@@ -535,7 +568,6 @@ fn rmsnorm_quant_v5(
     w: &CudaSlice<bf16>,
     eps: f32,
     out: &mut NormOutputs,
-    one_cta_per_row: bool,
 ) -> Result<()> {
     check_rmsnorm_args(&x, w, eps, out)?;
     let (rows, d) = (out.rows, out.d);
@@ -550,11 +582,7 @@ fn rmsnorm_quant_v5(
     let smem = d * 4; // the weight as f32
     let f = gpu.function_with_smem(FAMILY, name, smem)?;
     let threads = v5_block_threads(d);
-    let grid = if one_cta_per_row {
-        rows
-    } else {
-        v5_wave_grid(gpu, &f, threads, smem, rows, name)?
-    };
+    let grid = v5_wave_grid(gpu, &f, threads, smem, rows, name)?;
     let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), smem as u32);
     let (rows_i, d_i) = (rows as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
@@ -965,10 +993,6 @@ pub enum MhcPrePath {
     /// stages its weight tile while the previous finish runs. Needs sm_90 and a driver that captures PDL
     /// launches into graphs (CUDA >= 12.3).
     PdlPair,
-    /// Session-4 A/B candidate ([`mhc_fast`]): the mixes of the two paths above (PDL pair up to
-    /// [`MHC_PDL_MAX_TOKENS`] tokens, plain launches above), then the wide finish of kernels/mhc_boundary.cu
-    /// (`mhc_pre_finish_wide_*`, one chunk per thread): bit-identical outputs, D <= [`mhc_fast::WIDE_MAX_D`].
-    Wide,
 }
 
 /// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
@@ -1037,7 +1061,6 @@ pub fn mhc_pre_with(
             let grid = (tokens as u32, 2, 1);
             launch_pdl(gpu, &f, grid, (row_block_threads(d), 1, 1), &mut a, &name)
         }
-        MhcPrePath::Wide => mhc_fast::mhc_pre_wide(gpu, x, w, eps, out),
     }
 }
 
@@ -1278,22 +1301,17 @@ pub struct BenchPoint {
     pub baseline: Option<String>,
 }
 
-/// Variants of the row kernels: `fused_<fmt>` ([`rmsnorm_quant`]; BF16 -> NVFP4 is the v4p kernel),
-/// `unfused_<fmt>` (fmt in nvfp4, fp8, bf16; bf16 has only the one kernel) and `copy` (device-to-device
-/// copy of the same number of bytes, the bandwidth reference). The session-3 candidates fused_v4_nvfp4,
-/// fused_v4_fp8 and fused_v4p_nvfp4 are gone (v4p became fused_nvfp4; see kernels/norm_quant.cu).
-///
-/// Session-4 A/B ([`RowsPath`]): `fused_nvfp4_v5`, `fused_fp8_v5` (the v5 kernels, one resident wave looping
-/// over rows) and `fused_fp8_v5r` (the v5 FP8 kernel, one CTA per row), raced against the same unfused chain.
+/// Variants of the row kernels: `fused_<fmt>` ([`rmsnorm_quant`] as called: its kernel choice by shape,
+/// [`rows_path`]), `unfused_<fmt>` (fmt in nvfp4, fp8, bf16; bf16 has only the one kernel) and `copy`
+/// (device-to-device copy of the same number of bytes, the bandwidth reference). Removed candidates (see
+/// kernels/norm_quant.cu): session 3 fused_v4_nvfp4, fused_v4_fp8, fused_v4p_nvfp4 (v4p became fused_nvfp4);
+/// session 4 fused_nvfp4_v5 / fused_fp8_v5 (became fused_* from 4096 rows) and fused_fp8_v5r (lost).
 pub const ROW_VARIANTS: &[&str] = &[
     "fused_nvfp4",
     "unfused_nvfp4",
     "fused_fp8",
     "unfused_fp8",
     "fused_bf16",
-    "fused_nvfp4_v5",
-    "fused_fp8_v5",
-    "fused_fp8_v5r",
     "copy",
 ];
 
@@ -1312,18 +1330,8 @@ pub fn bench_rows(
     let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
     let eps = reference::RMS_EPS;
     let in_bytes = (rows * d * 2 + d * 2) as u64;
-    // kind_fmt[_path], kind in fused / unfused, path v5 / v5r (fused only); or `copy`.
-    let (base, path) = if let Some(b) = variant.strip_suffix("_v5r") {
-        (b, RowsPath::V5PerRow)
-    } else if let Some(b) = variant.strip_suffix("_v5") {
-        (b, RowsPath::V5)
-    } else {
-        (variant, RowsPath::Default)
-    };
-    let (kind, fmt) = base.rsplit_once('_').unwrap_or((base, "bf16"));
-    if path != RowsPath::Default && kind != "fused" {
-        bail!("rmsnorm_quant variant `{variant}`: the v5 suffixes apply to fused variants only");
-    }
+    // kind_fmt, kind in fused / unfused; or `copy`.
+    let (kind, fmt) = variant.rsplit_once('_').unwrap_or((variant, "bf16"));
     let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
         kernel: "rmsnorm_quant",
         variant: variant.to_string(),
@@ -1345,7 +1353,7 @@ pub fn bench_rows(
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
             let s = gpu.time_us(plan, || {
-                rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, path)
+                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
             })?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
             let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
@@ -1374,7 +1382,6 @@ pub fn bench_rows(
 ///   launches above, [`mhc_pre_auto_path`]);
 /// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
 ///   so both stay measurable on both sides of the threshold (registered in graph form only);
-/// * `fused_wide`: the session-4 candidate [`MhcPrePath::Wide`] (plain and graph forms; D <= 8192);
 /// * `unfused`: the op-by-op chain;
 ///
 /// each timed three ways:
@@ -1415,13 +1422,6 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_twolaunch_fp8",
     "graph16_fused_twolaunch_nvfp4",
     "graph16_fused_twolaunch_fp8",
-    "fused_wide_nvfp4",
-    "fused_wide_fp8",
-    "graph_fused_wide_nvfp4",
-    "graph_fused_wide_fp8",
-    "graph16_fused_wide_nvfp4",
-    "graph16_fused_wide_fp8",
-    "graph16_fused_wide_bf16",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
@@ -1531,7 +1531,6 @@ pub fn bench_mhc(
         "fused" => Some(None),
         "fused_pdl" => Some(Some(MhcPrePath::PdlPair)),
         "fused_twolaunch" => Some(Some(MhcPrePath::TwoLaunch)),
-        "fused_wide" => Some(Some(MhcPrePath::Wide)),
         "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
