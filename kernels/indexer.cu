@@ -11,13 +11,11 @@
 //     buckets above 4096 entries). See "Top-k v2" (pass 1 and the threshold rule), "Top-k v4", "Top-k pass 2
 //     with CTA-aggregated slot allocation"; the shared radix select / bitonic helpers are under "Top-k".
 // History (H200, median us, FP8, k 512 unless said):
-// Session 4 A/B (results/h200/session4-ab/indexer.csv): removed FP8 logits v2 (indexer_logits_fp8h_n1/_n2, e4m3
-//   -> f16 HMMA) and the 2-CTA wgmma config (indexer_logits_fp8w_n1/_n2, 5 / 4 tiles per round): logits 1M b1
-//   v2 23.6, 2-CTA 22.7, 3-CTA 20.3; totals b16 @ 1M k1024 282.5 / 266.6 / 237.8, next_n 2 b16 @ 1M 450.8 /
-//   323.7 / 292.9. Removed top-k pass 2 indexer_topk2_select (per-warp atomics) and the one-CTA final pass
-//   indexer_topk3_final (v3): top-k 1M b1 v3 20.0 vs mcta + aggregated select 16.8 (mcta alone 15.9); totals
-//   b16 @ 64K 51.2 vs 40.4, b64 @ 64K 105.2 vs 95.6, k 2048 b3 @ 1M 99.5 vs 73.2. Best measured total at 1M b1
-//   (2-CTA wgmma + mcta) 37.4 us: the 30 us target is still missed; 4K b1 20.0 (was 34.9).
+// Session 4 A/B (results/h200/session4-ab/indexer.csv): removed FP8 logits v2 (indexer_logits_fp8h_n1/_n2, f16
+//   HMMA) and the 2-CTA wgmma config (indexer_logits_fp8w_n1/_n2): logits 1M b1 v2 23.6 / 2-CTA 22.7 / 3-CTA 20.3;
+//   b16 @1M k1024 totals 282.5 / 266.6 / 237.8; next_n 2 b16 @1M 450.8 / 323.7 / 292.9. Removed indexer_topk2_select
+//   and the one-CTA final pass indexer_topk3_final: top-k 1M b1 20.0 vs 16.8 now; totals b16 @64K 51.2 vs 40.4,
+//   k 2048 b3 @1M 99.5 vs 73.2. Best 1M b1 total (2-CTA + mcta) 37.4 us: 30 us target missed; 4K b1 34.9 -> 20.0.
 // Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
 // indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
 // top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1
