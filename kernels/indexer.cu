@@ -1,27 +1,34 @@
 // Lightning indexer (DSV4 §3.8): index-key writer, weighted-ReLU MQA logits on FP8 tensor cores, and a
 // deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort).
 //
-// Paths: FP8 keys use logits v2 (indexer_logits_fp8h_*: e4m3 converted once to f16 fragments + f16 HMMA,
-// because sm_90 emulates FP8 mma.sync; see logits_f16_body); MXFP4 keys use the e4m3 mma.sync kernels
-// (indexer_logits_mxfp4_*, "Logits" below: their only path). Top-k: indexer_topk2_hist ->
-// indexer_topk2_select -> indexer_topk3_final (a 4096-bin histogram, a threshold select with many CTAs per
-// row, then one exact rank-by-counting pass per row with radix-select / bitonic fallbacks; see "Top-k v2"
-// and "Top-k v3"). The shared radix select / bitonic sort helpers are described under "Top-k".
-// Session-4 A/B candidate (not the default): FP8 logits v5 on native wgmma e4m3 (indexer_logits_fp8w_*, "FP8
-// logits v5" below; LogitsPath::Wgmma, bench variant fused_wgmma).
+// One path (src/ops/indexer/mod.rs `logits` / `topk` / `run`):
+//   Logits, FP8 keys: indexer_logits_fp8w3_n1 / _n2 = native wgmma e4m3 with double-buffered cp.async rounds
+//     of 3 key tiles, persistent grid of 3 CTAs per SM ("FP8 logits v5" below). MXFP4 keys: the e4m3 mma.sync
+//     kernels indexer_logits_mxfp4_n1 / _n2 ("Logits" below).
+//   Top-k: indexer_topk2_hist (4096-bin histogram of the top 12 key bits) -> indexer_topk5_select_agg (threshold
+//     select, many CTAs per row, one slot atomic per counter per CTA) -> indexer_topk4_final_mcta (exact final
+//     pass, 8..32 CTAs per row ranking by counting, one-CTA radix select + bitonic sort fallback for threshold
+//     buckets above 4096 entries). See "Top-k v2" (pass 1 and the threshold rule), "Top-k v4", "Top-k pass 2
+//     with CTA-aggregated slot allocation"; the shared radix select / bitonic helpers are under "Top-k".
+// History (H200, median us, FP8, k 512 unless said):
+// Session 4 A/B (results/h200/session4-ab/indexer.csv): removed FP8 logits v2 (indexer_logits_fp8h_n1/_n2, f16
+//   HMMA) and the 2-CTA wgmma config (indexer_logits_fp8w_n1/_n2): logits 1M b1 v2 23.6 / 2-CTA 22.7 / 3-CTA 20.3;
+//   b16 @1M k1024 totals 282.5 / 266.6 / 237.8; next_n 2 b16 @1M 450.8 / 323.7 / 292.9. Removed indexer_topk2_select
+//   and the one-CTA final pass indexer_topk3_final: top-k 1M b1 20.0 vs 16.8 now; totals b16 @64K 51.2 vs 40.4,
+//   k 2048 b3 @1M 99.5 vs 73.2. Best 1M b1 total (2-CTA + mcta) 37.4 us: 30 us target missed; 4K b1 34.9 -> 20.0.
 // Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
 // indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
 // top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1
-// (indexer_logits_fp8_n1/_n2, logits_body<_, false>: emulated e4m3 mma.sync) 28.2 us vs v2 23.8 us (batch 16 @ 64K: 27.8 vs 23.5 us). Totals: v1 93.6, v2 47.9,
-// v3 40.8 us.
+// (indexer_logits_fp8_n1/_n2, logits_body<_, false>: emulated e4m3 mma.sync) 28.2 us vs v2 23.8 us (batch 16 @
+// 64K: 27.8 vs 23.5 us). Totals: v1 93.6, v2 47.9, v3 40.8 us.
 // Removed after the session-3 H200 A/B (commit 4199846; 1M context, batch 1, FP8, k 512; default total 40.5 us =
 // logits 23.3 + top-k 19.9): FP8 logits v4 (indexer_logits_fp8v4_*: L2 bulk prefetch + early scale load,
 // bit-identical to v2) 43.0 total, logits 24.9 (batch 16 @ 64K, next_n 2: 37.3 vs 34.8); its per-sector
 // prefetch hedge (*_lpf_*) 42.5, logits 24.9; v4 building the top-k histogram in the logits pass (*_hist_*)
 // 41.2 (logits + histogram 27.1, select + final 14.2). The prefetched logits kernel ran slower than v2, and
 // the in-logits histogram saved 5.7 us of top-k but cost 3.8 us of logits.
-// Budget at 1M context, batch 1 (262,144 keys, 34.6 MB): HBM floor 8.1 us at 4.25 TB/s; f16 HMMA work
-// 1.05 M HMMA.16816 = ~8,000 per SM, ~6 us at ~1.5 cycles each; top-k v2 reads the 1 MB of scores twice.
+// Budget at 1M context, batch 1 (262,144 keys, 34.6 MB): HBM floor 8.1 us at 4.25 TB/s; the top-k reads the
+// 1 MB of scores twice (histogram, select) plus a few KB per row in the final pass.
 //
 // ---- Key cache (two planes per format, entry slot = b * capacity + j) -----------------------------------
 //   FP8  : codes[slot][128] e4m3, scales[slot] fp32 (x = e4m3 * scale)               132 B / entry
@@ -33,7 +40,7 @@
 //
 // ---- Logits: score[row, j] = sum_h w[row,h] * relu(q[row,h] . k_j) ----------------------------------------
 // (logits_body: entry points only for MXFP4 now; its FP8 branch lost its entry points with logits v1 and is
-// left as measured; the FP8 byte-load layout below is the one logits_f16_body reuses.)
+// left as measured. FP8 keys use the wgmma kernels, "FP8 logits v5".)
 // mma.sync m16n8k32 e4m3 x e4m3 -> f32 with keys on M (16 per m-tile) and heads on N (8 per n-tile, 8 tiles).
 // The dot product is a sum over the 128 dims, so any permutation of K applied to both A and B leaves it
 // unchanged; we pick the permutation that makes each lane's key bytes contiguous:
@@ -61,7 +68,7 @@
 // ---- Top-k (k <= 2048) ----------------------------------------------------------------------------------
 // Total order: composite = (order_key(score) << 32) | ~index (u64; NaN -> -inf, -0 -> +0). The composite
 // is unique per entry, so "the k largest composites" is exactly "score desc, lower index wins".
-// Shared helpers (used by the fallbacks of indexer_topk3_final): block_select = one 1024-thread CTA's
+// Shared helpers (used by the fallback of indexer_topk4_final_mcta): block_select = one CTA's
 // MSB-first radix select over 64-bit composites (8-bit digits, at most 8 passes, early exit when the
 // chosen bucket holds exactly the remaining count), block_collect = a ballot-compacted collection of the
 // selected elements, sort_and_write = a bitonic sort of the chosen k and the final row write.
@@ -310,133 +317,6 @@ __device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const
     }
 }
 
-
-// ---- FP8 logits v2: explicit e4m3 -> f16 conversion + mma.sync m16n8k16 f16 (f32 accumulate) -------------------
-// Why: Hopper has no native FP8 mma.sync (m16n8k32 .e4m3 is an sm_89 instruction; on sm_90 ptxas emulates it by
-// converting both operands to f16 inside every mma and issuing two HMMA.16816). The Nsight profile of v1 at 1M
-// context showed ~1200 issued instructions per 32-key warp tile (IPC 1.9/SM, ALU the busiest pipe) for 128
-// HMMAs of real work. Here each key fragment is converted once per warp tile (64 cvt.rn.f16x2.e4m3x2, reused
-// by all 8 head tiles) and q is converted once per CTA into f16 fragments in shared memory, so the inner loop
-// is 8 HMMA + 4 LDS.128 per (head tile, m-tile pair) plus the ReLU epilogue: ~420 instructions per warp tile.
-// Exactness: every e4m3 value (normal or subnormal, |x| <= 448, min 2^-9) is exactly an f16 value, so the
-// HMMA sees the same products as an FP8 tensor core would; accumulation is f32 as before.
-// K permutation (the dot product is invariant under any permutation applied to both operands): for k16-step
-// u (0..7) lane (g, tq) uses the 4 key bytes of its 32-bit word u (words 0-3: dims tq*16 + 4u.., words 4-7:
-// 64 + tq*16 + 4(u-4)..), split into two byte pairs -> a0/a2 (row g) and a1/a3 (row g+8); q head nt*8 + g
-// gives b0/b1 from the same 4 dims, through the same conversion. Byte loads are unchanged from v1.
-__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
-        : "=r"(lo), "=r"(hi)
-        : "r"(w));
-}
-
-__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <int NEXT_N>
-__device__ __forceinline__ void logits_f16_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
-                                                const uint8_t* __restrict__ codes, const float* __restrict__ scales,
-                                                const int* __restrict__ num_valid, int capacity,
-                                                float* __restrict__ scores, int score_stride) {
-    // qh[t][nt][p][lane] = (b0, b1) of k16-step 2p and (b0, b1) of step 2p + 1: one conflict-free LDS.128.
-    __shared__ __align__(16) uint4 qh[NEXT_N][8][4][32];
-    __shared__ __align__(16) float w_s[NEXT_N][HEADS];
-    const int b = blockIdx.y;
-    int n_seq = 0;
-#pragma unroll
-    for (int t = 0; t < NEXT_N; ++t) n_seq = max(n_seq, min(max(num_valid[b * NEXT_N + t], 0), capacity));
-    const int cta_begin = blockIdx.x * LG_CTA_KEYS;
-    if (cta_begin >= n_seq) return;  // block-uniform, before any barrier
-    const int cta_end = min(cta_begin + LG_CTA_KEYS, n_seq);
-
-    for (int e = threadIdx.x; e < NEXT_N * 8 * 4 * 32; e += blockDim.x) {
-        const int ln = e & 31, p = (e >> 5) & 3, nt = (e >> 7) & 7, t = e >> 10;
-        const int head = nt * 8 + (ln >> 2), tq = ln & 3;
-        const uint8_t* qrow = q + ((size_t)(b * NEXT_N + t) * HEADS + head) * DIM;
-        uint32_t r[4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int u = 2 * p + j;
-            const int off = u < 4 ? tq * 16 + 4 * u : 64 + tq * 16 + 4 * (u - 4);
-            e4m3x4_to_f16x2x2(*reinterpret_cast<const uint32_t*>(qrow + off), r[2 * j], r[2 * j + 1]);
-        }
-        qh[t][nt][p][ln] = make_uint4(r[0], r[1], r[2], r[3]);
-    }
-    for (int e = threadIdx.x; e < NEXT_N * HEADS; e += blockDim.x) w_s[e / HEADS][e % HEADS] = w[(size_t)b * NEXT_N * HEADS + e];
-    __syncthreads();  // the only barrier of the kernel
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tq = lane & 3;
-    const size_t seq_slot0 = (size_t)b * capacity;
-
-    for (int tile = cta_begin + warp * LG_WARP_KEYS; tile < cta_end; tile += LG_WARPS * LG_WARP_KEYS) {
-        uint32_t a[LG_MT][8][4];  // [m-tile][k16-step][a0..a3] f16x2
-#pragma unroll
-        for (int mt = 0; mt < LG_MT; ++mt) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = tile + mt * 16 + g + half * 8;
-                uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;  // zero codes = 0.0 for rows past the end
-                if (row < n_seq) {
-                    const uint8_t* p = codes + (seq_slot0 + row) * DIM;
-                    lo = __ldg(reinterpret_cast<const uint4*>(p + tq * 16));
-                    hi = __ldg(reinterpret_cast<const uint4*>(p + 64 + tq * 16));
-                }
-                const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-                for (int u = 0; u < 8; ++u) e4m3x4_to_f16x2x2(words[u], a[mt][u][half], a[mt][u][2 + half]);
-            }
-        }
-
-#pragma unroll 1
-        for (int t = 0; t < NEXT_N; ++t) {
-            float part[LG_MT][2];
-#pragma unroll
-            for (int mt = 0; mt < LG_MT; ++mt) part[mt][0] = part[mt][1] = 0.f;
-#pragma unroll 2
-            for (int nt = 0; nt < 8; ++nt) {
-                const float2 wv = *reinterpret_cast<const float2*>(&w_s[t][nt * 8 + 2 * tq]);
-                float c[LG_MT][4];
-#pragma unroll
-                for (int mt = 0; mt < LG_MT; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0.f;
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    const uint4 bq = qh[t][nt][p][lane];
-#pragma unroll
-                    for (int mt = 0; mt < LG_MT; ++mt) {
-                        mma_f16(c[mt], a[mt][2 * p], bq.x, bq.y);
-                        mma_f16(c[mt], a[mt][2 * p + 1], bq.z, bq.w);
-                    }
-                }
-#pragma unroll
-                for (int mt = 0; mt < LG_MT; ++mt) {
-                    part[mt][0] = fmaf(wv.x, fmaxf(c[mt][0], 0.f), part[mt][0]);
-                    part[mt][0] = fmaf(wv.y, fmaxf(c[mt][1], 0.f), part[mt][0]);
-                    part[mt][1] = fmaf(wv.x, fmaxf(c[mt][2], 0.f), part[mt][1]);
-                    part[mt][1] = fmaf(wv.y, fmaxf(c[mt][3], 0.f), part[mt][1]);
-                }
-            }
-            float* out = scores + (size_t)(b * NEXT_N + t) * score_stride;
-#pragma unroll
-            for (int mt = 0; mt < LG_MT; ++mt) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    float v = part[mt][half];
-                    v += __shfl_xor_sync(FULL, v, 1);
-                    v += __shfl_xor_sync(FULL, v, 2);
-                    const int row = tile + mt * 16 + g + half * 8;
-                    if (tq == half && row < n_seq) out[row] = v * __ldg(scales + seq_slot0 + row);
-                }
-            }
-        }
-    }
-}
-
 }  // namespace
 
 #define INDEXER_LOGITS_ENTRY(NAME, NEXT_N, FP4, MIN_BLOCKS)                                                                   \
@@ -451,23 +331,10 @@ INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n1, 1, true, 2)
 // 2 query tokens x the e2m1 expansion need more than 128 registers: one CTA per SM, no spills.
 INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n2, 2, true, 1)
 
-// FP8 logits v2 (f16 HMMA with operands converted once; see logits_f16_body): the only FP8 logits path.
-#define INDEXER_LOGITS_F16_ENTRY(NAME, NEXT_N)                                                                 \
-    extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, 2)                                              \
-        NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
-             const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
-             float* __restrict__ scores, int score_stride) {                                                     \
-        logits_f16_body<NEXT_N>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid, capacity, scores, \
-                                score_stride);                                                                   \
-    }
-
-INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n1, 1)
-INDEXER_LOGITS_F16_ENTRY(indexer_logits_fp8h_n2, 2)
-
 // ------------------------------------------------------------------------------------------------------------
-// FP8 logits v5 (session-4 A/B candidate, bench variant "fused_wgmma", LogitsPath::Wgmma): native Hopper FP8
+// FP8 logits v5 (the FP8 path; 3 CTAs per SM since the session-4 A/B, see the header): native Hopper FP8
 // wgmma with double-buffered cp.async rounds of key tiles in shared memory and persistent CTAs.
-// Why: ncu of v2 at 1M/batch 1: 1.80 TB/s, top stall L1TEX scoreboard: each warp loads its 2 tiles, then
+// Why: ncu of v2 (f16 HMMA, removed) at 1M/batch 1: 1.80 TB/s, top stall L1TEX scoreboard: each warp loads its 2 tiles, then
 // converts and multiplies, with nothing in flight meanwhile; plus the e4m3 -> f16 conversion work. Here:
 //   * Tile = 64 keys x 128 B (8 KB) = the wgmma M. A CTA is one warpgroup (128 threads); a persistent grid of
 //     2 CTAs per SM walks a CONTIGUOUS range of the flattened (sequence, tile) list (so q changes rarely).
@@ -510,12 +377,14 @@ namespace {
 
 constexpr int LW_THREADS = 128;
 constexpr int LW_KEYS = 64;
-// Tiles per round (half the stages) and CTAs per SM, two configurations raced as separate bench variants:
+// Tiles per round (half the stages) and CTAs per SM; two configurations were raced in the session-4 A/B:
 //   "fused_wgmma"      2 CTAs/SM; next_n = 1: 5 tiles per round (2 x 5 x 8.25 KB keys + scales + 8 KB q = 92 KB
 //                      per CTA), next_n = 2: 4 (2 x 4 x 8.25 KB + 16 KB q = 83 KB); ~80 / 64 KB in flight per SM.
 //   "fused_wgmma_3cta" 3 CTAs/SM, 3 tiles per round (59 KB / 67 KB per CTA): 12 warps per SM to overlap one
 //                      CTA's wgmma -> epilogue chain with the others, ~72 KB in flight per SM, shorter rounds.
-// Both fit 228 KB of shared memory per SM (with 1 KB reserved per CTA).
+// Both fit 228 KB of shared memory per SM (with 1 KB reserved per CTA). Only the 3-CTA one is instantiated now
+// (it won or tied everywhere; see the header).
+// (The "2 CTAs per SM" figures in the notes above are the 2-CTA configuration's.)
 constexpr int LW_TILE_BYTES = LW_KEYS * DIM;  // 8192
 
 __device__ __forceinline__ uint32_t lw_smem_addr(const void* p) {
@@ -728,7 +597,7 @@ __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q,
 
 }  // namespace
 
-// FP8 logits v5 (A/B candidate; see logits_wgmma_body). grid = persistent CTAs (<= CTAS per SM), block 128,
+// FP8 logits v5 (see logits_wgmma_body). grid = persistent CTAs (<= CTAS per SM), block 128,
 // dynamic smem lw_smem_bytes<NEXT_N, ROUND>(). tiles_per_seq = ceil(max num_valid / 64), total_tiles = batch *
 // tiles_per_seq.
 #define INDEXER_LOGITS_WGMMA_ENTRY(NAME, NEXT_N, ROUND, CTAS)                                                   \
@@ -740,8 +609,6 @@ __device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q,
                                          capacity, scores, score_stride, tiles_per_seq, total_tiles);             \
     }
 
-INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w_n1, 1, 5, 2)
-INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w_n2, 2, 4, 2)
 INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n1, 1, 3, 3)
 INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n2, 2, 3, 3)
 
@@ -750,7 +617,6 @@ INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n2, 2, 3, 3)
 // ------------------------------------------------------------------------------------------------------------
 namespace {
 
-constexpr int TOPK_THREADS = 1024;
 constexpr int TOPK_MAX_K = 2048;
 
 __device__ __forceinline__ uint32_t order_key(float s) {
@@ -895,10 +761,6 @@ __device__ void sort_and_write(uint64_t* buf, int kk, int k, int* __restrict__ o
     }
 }
 
-struct SmemCompSrc {
-    const uint64_t* comps;
-    __device__ __forceinline__ uint64_t comp(int i) const { return comps[i]; }
-};
 __device__ __forceinline__ int row_valid(const int* num_valid, int row, int score_stride) {
     return min(max(num_valid[row], 0), score_stride);
 }
@@ -906,21 +768,23 @@ __device__ __forceinline__ int row_valid(const int* num_valid, int row, int scor
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------------------
-// Top-k v2: histogram -> threshold select with many CTAs per row -> one small exact pass per row. Passes 1-2
-// below are the default path's; the exact pass described as "pass 3" is now done by indexer_topk3_final
-// (its v2 form, indexer_topk2_final, was removed; v3 keeps it as the fallback for large buckets / k).
+// Top-k v2: histogram -> threshold select with many CTAs per row -> a small exact pass per row. Pass 1 below
+// is the default path's; pass 2 is now indexer_topk5_select_agg (same threshold rule and outputs as the
+// removed indexer_topk2_select described here, CTA-aggregated slots) and the exact pass is
+// indexer_topk4_final_mcta ("Top-k v4"), whose fallback is the "pass 3" described here.
 //
 // Pass 1, indexer_topk2_hist, grid (ceil(max_n / TK2_SLICE), rows) x 512 threads: a shared-memory
 //   histogram of bin = order_key(score) >> 20 (the top 12 bits: sign, 8 exponent bits, 3 mantissa bits)
 //   over the CTA's slice, flushed with one global atomicAdd per non-empty bin into hist[row][4096].
-// Pass 2, indexer_topk2_select, same grid: every CTA reads hist[row] (16 KB, from L2) and recomputes the
+// Pass 2 (removed indexer_topk2_select; now indexer_topk5_select_agg), same grid: every CTA reads hist[row]
+//   (16 KB, from L2) and recomputes the
 //   threshold bin B (scan from the top bin down: the unique bin with excl(B) < kk <= incl(B), kk =
 //   min(k, n)). Entries with bin > B are selected for sure (there are excl(B) < kk of them): their
 //   composites go to above[row][slot < k]; entries with bin == B go to bucket[row][slot < bucket_stride]
 //   (there are hist[B] <= n of them). Slots come from warp-aggregated atomics on two per-row counters.
-// Pass 3 (v2 form; v3's fallback), grid rows x 1024 threads: rem = kk - above_count entries are still to pick
+// Pass 3 (v2 form; the multi-CTA pass's fallback runs it in CTA 0 from global memory): rem = kk - above_count entries are still to pick
 //   from the threshold bucket: block_select over its composites (in shared memory when it holds
-//   <= TK2_FINAL_SMEM_CAP entries, else straight from global memory), then the kk composites are sorted
+//   <= 16384 entries in v2/v3, else straight from global memory), then the kk composites are sorted
 //   (bitonic) and written in the contract's order. Selecting the rem largest composites of bucket B plus
 //   every entry of a higher bin is exactly the kk largest composites of the row, because bin is a
 //   monotone function of the composite's top 12 bits.
@@ -947,7 +811,6 @@ constexpr int TK2_THREADS = 512;
 constexpr int TK2_PER_THREAD = 8;
 constexpr int TK2_SLICE = TK2_THREADS * TK2_PER_THREAD;  // 4096 entries per pass-1/pass-2 CTA
 constexpr int TK2_BINS_PER_THREAD = TK2_BINS / TK2_THREADS;  // 8
-constexpr int TK2_FINAL_SMEM_CAP = 16384;
 static_assert(TK2_BINS_PER_THREAD == 8, "the threshold scan loads 8 bins per thread as two uint4");
 
 struct GlobalCompSrc {
@@ -988,254 +851,10 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist(con
         if (c) atomicAdd(&g[i], c);
     }
 }
-
-// counters [rows][2] u32 (above, bucket; zero on entry); above [rows][k] u64; bucket [rows][bucket_stride] u64.
-// grid (ceil(max_n / 4096), rows), block 512.
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_select(
-    const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
-    const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
-    unsigned long long* __restrict__ bucket, int bucket_stride) {
-    __shared__ uint32_t warp_sums[TK2_THREADS / 32];
-    __shared__ uint32_t thr_bin;
-    const int row = blockIdx.y;
-    const int n = row_valid(num_valid, row, score_stride);
-    const int base = blockIdx.x * TK2_SLICE;
-    if (base >= n) return;  // block-uniform, before any barrier
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const uint32_t kk = (uint32_t)min(k, n);  // >= 1 here
-
-    // This CTA's scores first (they do not depend on the threshold): 8 loads in flight per thread.
-    const float* src = scores + (size_t)row * score_stride;
-    float v[TK2_PER_THREAD];
-#pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + tid;
-        v[r] = i < n ? src[i] : 0.f;
-    }
-
-    // Threshold bin. Thread t owns bins 4095 - 8t - j, j = 0..7 (descending), loaded as two uint4.
-    const uint4* g4 = reinterpret_cast<const uint4*>(hist + (size_t)row * TK2_BINS + (TK2_BINS - 8 - 8 * tid));
-    const uint4 lo = g4[0], hi = g4[1];
-    const uint32_t c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
-    uint32_t own = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) own += c[j];
-    uint32_t incl = own;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t y = __shfl_up_sync(FULL, incl, o);
-        if (lane >= o) incl += y;
-    }
-    if (lane == 31) warp_sums[warp] = incl;
-    if (tid == 0) thr_bin = TK2_BINS;  // "none": only if the histogram is inconsistent (never when zeroed)
-    __syncthreads();
-    for (int w2 = 0; w2 < warp; ++w2) incl += warp_sums[w2];  // no barrier inside
-    const uint32_t excl = incl - own;
-    if (excl < kk && incl >= kk) {  // exactly one thread: prefix sums are monotone and the total is n >= kk
-        uint32_t run = excl;
-        int found = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            if (!found && run + c[j] >= kk) {
-                thr_bin = (uint32_t)(TK2_BINS - 1 - (8 * tid + j));
-                found = 1;
-            }
-            run += c[j];
-        }
-    }
-    __syncthreads();
-    const uint32_t B = thr_bin;
-
-    uint32_t* cnt = counters + 2 * (size_t)row;
-    unsigned long long* above_row = above + (size_t)row * k;
-    unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
-    const unsigned lanes_below = (1u << lane) - 1u;
-#pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
-        const int i = base + r * TK2_THREADS + tid;
-        const uint32_t key = order_key(v[r]);
-        const uint32_t bin = key >> TK2_SHIFT;
-        const bool up = i < n && bin > B && B < TK2_BINS;
-        const bool eq = i < n && bin == B;
-        const unsigned bu = __ballot_sync(FULL, up), be = __ballot_sync(FULL, eq);
-        if (!(bu | be)) continue;  // warp-uniform
-        uint32_t su = 0, se = 0;
-        if (lane == 0) {
-            if (bu) su = atomicAdd(&cnt[0], (uint32_t)__popc(bu));
-            if (be) se = atomicAdd(&cnt[1], (uint32_t)__popc(be));
-        }
-        su = __shfl_sync(FULL, su, 0);
-        se = __shfl_sync(FULL, se, 0);
-        if (up) {
-            const uint32_t slot = su + __popc(bu & lanes_below);
-            if (slot < (uint32_t)k) above_row[slot] = composite(key, (uint32_t)i);
-        }
-        if (eq) {
-            const uint32_t slot = se + __popc(be & lanes_below);
-            if (slot < (uint32_t)bucket_stride) bucket_row[slot] = composite(key, (uint32_t)i);
-        }
-    }
-}
-
 // ------------------------------------------------------------------------------------------------------------
-// Top-k v3 final pass (the default top-k): indexer_topk2_hist -> indexer_topk2_select ->
-// indexer_topk3_final. Passes 1-2 are v2's; only the per-row exact pass changes.
-// Why: ncu of v2's final pass (indexer_topk2_final, removed) at 1M/batch 1/k 512 shows ~54K warp instructions spread over ~30K cycles
-// with the barrier the top stall: the bitonic sort of 512 (45 barrier-separated compare-exchange steps) and
-// the radix select over the bucket (up to 8 passes, 3 barriers each) are chains of barriers, not work.
-// v3 replaces both with rank-by-counting, which needs one barrier instead of dozens:
-//   rank(e) = #{ j : v[j] > v[e] } over m UNIQUE composites is a permutation of 0..m-1 and equals e's
-//   position in the descending order (composites are unique because the low word is ~index).
-//   Select: the bucket's entries with rank < rem are exactly its rem largest; writing each to
-//   sortbuf[above_count + rank] fills the slots above_count .. above_count + rem - 1 once each.
-//   Sort: the kk chosen composites (above entries + selected bucket entries; all unique) are written to
-//   output position rank(e) directly, which is the contract's order (score desc, lower index first).
-//   After a rank select only the above entries are ranked (among themselves): the bucket part is already
-//   in place and every bucket entry is below every above entry (lower bin).
-// Cost: m^2 64-bit compares over 1024 threads (m = 512: 256 per thread as 128 16-byte broadcast loads), j
-// range split so all 32 warps work; partial counts are merged with shared-memory atomics.
-// Paths: rank select when the bucket holds rem < nb <= TK3_RANK_CAP composites (else v2's radix select,
-// e.g. all-equal rows where the whole row is the bucket); rank sort when kk <= TK3_RANK_CAP (else v2's
-// bitonic sort_and_write, i.e. k = 1024 / 2048). Both results are bit-identical to v2 (same exact answer).
-// Deadlock freedom: every new barrier is in straight-line code under block-uniform conditions (rank_select,
-// total: functions of (a, nb, kk) read by every thread before the first barrier); rank_count's per-thread
-// loops contain no barrier and no warp collective.
-namespace {
-
-constexpr int TK3_RANK_CAP = 512;
-
-// rank[e] += #{ j < m : v[j] > v[e] } for e < m (m <= TK3_RANK_CAP). Preconditions (established before a
-// barrier by the caller): rank[0..m) zero, v[0..m) written, v[m] == 0 when m is odd (0 is below every
-// composite, since order_key(-inf) = 0x007FFFFF > 0, so the pad never counts), v 16-byte aligned.
-// No barrier inside; the caller puts one after it before reading rank.
-__device__ void rank_count(const uint64_t* v, int m, uint32_t* rank) {
-    if (m <= 0) return;  // block-uniform: nothing to rank (e.g. no above entries)
-    const int nthr = blockDim.x;
-    const int pairs = (m + 1) >> 1;
-    const int splits = max(1, min(16, nthr / m));  // block-uniform
-    const int per = (pairs + splits - 1) / splits;
-    const ulonglong2* v2 = reinterpret_cast<const ulonglong2*>(v);
-    for (int w = threadIdx.x; w < m * splits; w += nthr) {  // per-thread trip count: no barrier inside
-        const int e = w % m, s = w / m;
-        const unsigned long long c = v[e];
-        const int j0 = s * per, j1 = min(pairs, j0 + per);
-        uint32_t c0 = 0, c1 = 0;
-#pragma unroll 4
-        for (int j = j0; j < j1; ++j) {
-            const ulonglong2 p = v2[j];
-            c0 += p.x > c ? 1u : 0u;
-            c1 += p.y > c ? 1u : 0u;
-        }
-        if (c0 + c1) atomicAdd(&rank[e], c0 + c1);
-    }
-}
-
-}  // namespace
-
-// grid rows, block TOPK_THREADS, dynamic smem = sizeof(SelectShared) + 8 * TOPK_MAX_K + 8 * TK2_FINAL_SMEM_CAP
-// (+2 KB static). Zeroes hist[row] and
-// counters[row] for the next call.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) indexer_topk3_final(
-    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
-    uint32_t* __restrict__ counters, const unsigned long long* __restrict__ above,
-    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
-    float* __restrict__ out_score) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    __shared__ uint32_t rank[TK3_RANK_CAP];
-    SelectShared& sh = *reinterpret_cast<SelectShared*>(smem_raw);
-    static_assert(sizeof(SelectShared) % 16 == 0, "sortbuf / comps must be 16-byte aligned for rank_count");
-    uint64_t* sortbuf = reinterpret_cast<uint64_t*>(smem_raw + sizeof(SelectShared));
-    uint64_t* comps = sortbuf + TOPK_MAX_K;
-
-    const int row = blockIdx.x, tid = threadIdx.x;
-    const int n = row_valid(num_valid, row, score_stride);
-    const int kk = min(k, n);
-    uint32_t* cnt = counters + 2 * (size_t)row;
-    const int a = (int)min(cnt[0], (uint32_t)kk);
-    const int nb = (int)min(cnt[1], (uint32_t)bucket_stride);
-    __syncthreads();  // every thread has read the counters
-    for (int i = tid; i < TK2_BINS; i += blockDim.x) hist[(size_t)row * TK2_BINS + i] = 0;
-    if (tid == 0) {
-        cnt[0] = 0;
-        cnt[1] = 0;
-    }
-    int* oi = out_idx + (size_t)row * k;
-    float* os = out_score + (size_t)row * k;
-    if (kk == 0) {  // block-uniform: nothing visible
-        for (int j = tid; j < k; j += blockDim.x) {
-            oi[j] = -1;
-            os[j] = -INFINITY;
-        }
-        return;
-    }
-    const int rem = max(0, min(kk - a, nb));  // block-uniform
-    const unsigned long long* above_row = above + (size_t)row * k;
-    const unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
-    for (int i = tid; i < a; i += blockDim.x) sortbuf[i] = above_row[i];
-    const bool rank_select = rem > 0 && rem < nb && nb <= TK3_RANK_CAP;  // block-uniform
-    if (rank_select) {
-        for (int i = tid; i < nb; i += blockDim.x) comps[i] = bucket_row[i];
-        for (int i = tid; i < TK3_RANK_CAP; i += blockDim.x) rank[i] = 0;
-        if (tid == 0) comps[nb] = 0;  // pad for odd nb (nb < TK2_FINAL_SMEM_CAP)
-        __syncthreads();
-        rank_count(comps, nb, rank);
-        __syncthreads();
-        for (int i = tid; i < nb; i += blockDim.x) {
-            const uint32_t r = rank[i];
-            if (r < (uint32_t)rem) sortbuf[a + r] = comps[i];
-        }
-    } else if (rem > 0) {  // v2's exact radix select (large buckets, or every bucket entry is taken)
-        const bool all = rem >= nb;
-        uint64_t prefix = 0;
-        int shift = 64;
-        auto emit = [&](uint32_t pos, uint64_t cc) {
-            if ((int)pos < rem) sortbuf[a + pos] = cc;
-        };
-        if (nb <= TK2_FINAL_SMEM_CAP) {
-            for (int i = tid; i < nb; i += blockDim.x) comps[i] = bucket_row[i];
-            __syncthreads();
-            const SmemCompSrc src{comps};
-            if (!all) block_select(src, nb, rem, sh, prefix, shift);
-            block_collect(src, nb, all, prefix, shift, sh, emit);
-        } else {
-            const GlobalCompSrc src{reinterpret_cast<const uint64_t*>(bucket_row)};
-            if (!all) block_select(src, nb, rem, sh, prefix, shift);
-            block_collect(src, nb, all, prefix, shift, sh, emit);
-        }
-    }
-    const int total = a + rem;  // block-uniform; == kk with a consistent state
-    if (total > TK3_RANK_CAP) {
-        sort_and_write(sortbuf, total, k, oi, os);  // starts with a barrier-protected fill
-        return;
-    }
-    // After a rank select, sortbuf[a..total) is already in descending order (slot a + rank) and every
-    // entry there (bin B) is below every above entry (bin > B), so only the a above entries need ranking,
-    // among themselves; their rank is their final position. After v2's radix select the bucket part is in
-    // collection order, so all total entries are ranked. msort is block-uniform.
-    const int msort = rank_select ? a : total;
-    __syncthreads();  // sortbuf[0..total) complete; every read of rank[] by the select is done
-    for (int i = tid; i < TK3_RANK_CAP; i += blockDim.x) rank[i] = 0;
-    // Pad for odd msort: rank_count reads v[msort]. When msort == total write 0 (total <= 512 < TOPK_MAX_K);
-    // when msort == a < total, v[a] is a bucket entry, below every above entry, so it never counts either.
-    if (tid == 0 && msort == total) sortbuf[total] = 0;
-    __syncthreads();
-    rank_count(sortbuf, msort, rank);
-    __syncthreads();
-    for (int e = tid; e < total; e += blockDim.x) {
-        const uint64_t c = sortbuf[e];
-        const uint32_t r = e < msort ? min(rank[e], (uint32_t)(msort - 1)) : (uint32_t)e;  // r < msort: unique
-        oi[r] = (int)~(uint32_t)c;
-        os[r] = key_to_score((uint32_t)(c >> 32));
-    }
-    for (int j = total + tid; j < k; j += blockDim.x) {
-        oi[j] = -1;
-        os[j] = -INFINITY;
-    }
-}
-
-// ------------------------------------------------------------------------------------------------------------
-// Top-k v4 final pass, several CTAs per row (A/B candidate, bench variant `fused_mcta`): indexer_topk2_hist ->
-// indexer_topk2_select -> indexer_topk4_final_mcta. Passes 1-2 are the default's, unchanged.
+// Top-k v4 final pass, several CTAs per row (the default final pass since the session-4 A/B): indexer_topk2_hist
+// -> indexer_topk5_select_agg -> indexer_topk4_final_mcta. "v3" below is the removed one-CTA final pass
+// indexer_topk3_final (rank by counting in one 1024-thread CTA, radix-select / bitonic fallbacks).
 // Why: ncu of indexer_topk3_final at 1M / batch 1 / k 512: 14.9 us, one CTA, 81K warp instructions at IPC 3.08
 // on ONE SM: instruction-bound on rank_count's m^2 compares. The ranks do not need one CTA:
 //   every chosen entry's output position is computable on its own. With a = #above-threshold entries
@@ -1452,9 +1071,9 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Top-k pass 2 with CTA-aggregated slot allocation (A/B candidate, bench variant `fused_mcta_sel`; pairs with
-// indexer_topk4_final_mcta). Same contract and threshold as indexer_topk2_select; only the slot allocation
-// differs.
+// Top-k pass 2 with CTA-aggregated slot allocation (the default pass 2 since the session-4 A/B; pairs with
+// indexer_topk4_final_mcta). Same contract and threshold as the removed indexer_topk2_select ("Top-k v2"
+// pass 2: one warp-aggregated atomic per (warp, step)); only the slot allocation differs.
 // Why: ncu at batch 16 / 64K context (16,384 entries per row, k 512): indexer_topk2_select takes 10.3 us with
 // IPC 0.65 and 0.23 eligible warps per scheduler. There ~3% of the entries are above the threshold bin and a
 // few % in it, so nearly every (warp, r) step of the unrolled loop does a global atomicAdd on the row's

@@ -390,14 +390,12 @@ fn threshold_topk_model_matches_reference_topk() {
     }
 }
 
-/// Which exact-pass branches of indexer_topk3_final a row takes: (rank select, rank sort). Mirrors the
-/// kernel's block-uniform conditions with a consistent state (a = entries above the threshold bin,
-/// nb = threshold-bin count, rem = kk - a).
-fn v3_paths(scores: &[f32], k: usize) -> (bool, bool) {
-    const RANK_CAP: usize = 512; // TK3_RANK_CAP in kernels/indexer.cu
+/// The threshold bin of a row for `k` (top-k pass 2's rule): (nb = entries in the bin, rem = kk - entries
+/// above it); None when kk = 0.
+fn threshold_bucket(scores: &[f32], k: usize) -> Option<(usize, usize)> {
     let kk = k.min(scores.len());
     if kk == 0 {
-        return (false, false);
+        return None;
     }
     let mut hist = vec![0usize; 4096];
     for &s in scores {
@@ -406,15 +404,33 @@ fn v3_paths(scores: &[f32], k: usize) -> (bool, bool) {
     let mut above = 0usize;
     for bin in (0..4096).rev() {
         if above + hist[bin] >= kk {
-            let (nb, rem) = (hist[bin], kk - above);
-            return (rem < nb && nb <= RANK_CAP, kk <= RANK_CAP);
+            return Some((hist[bin], kk - above));
         }
         above += hist[bin];
     }
     unreachable!("the histogram holds n >= kk entries")
 }
 
-/// A sequential model of indexer_topk3_final (kernels/indexer.cu "Top-k v3"): the above-threshold and
+/// Which exact-pass branches of the removed one-CTA final pass (indexer_topk3_final, "v3") a row takes:
+/// (rank select, rank sort), with a consistent state. Kept as a classifier of row shapes (small / large
+/// buckets, k above / below 512) for the tests of the default final pass and of the CPU rank model.
+fn v3_paths(scores: &[f32], k: usize) -> (bool, bool) {
+    const RANK_CAP: usize = 512; // v3's TK3_RANK_CAP
+    let kk = k.min(scores.len());
+    match threshold_bucket(scores, k) {
+        None => (false, false),
+        Some((nb, rem)) => (rem < nb && nb <= RANK_CAP, kk <= RANK_CAP),
+    }
+}
+
+/// Whether the multi-CTA final pass (indexer_topk4_final_mcta) takes its one-CTA fallback on this row: a
+/// threshold bucket of more than TOPK4_BUCKET_CAP entries with entries still to pick from it.
+fn mcta_fallback(scores: &[f32], k: usize) -> bool {
+    threshold_bucket(scores, k).is_some_and(|(nb, rem)| rem > 0 && nb > indexer::TOPK4_BUCKET_CAP)
+}
+
+/// A sequential model of the removed one-CTA final pass indexer_topk3_final (the rank identity it checks is
+/// the one the multi-CTA pass relies on, see model_mcta_topk): the above-threshold and
 /// bucket composites arrive in an arbitrary order (atomics), here a random shuffle; the bucket's rem
 /// largest are placed at above_count + rank, rank = #{larger composites in the bucket}; the kk chosen
 /// composites are then written to output position #{larger chosen composites}. Checks the identity that
@@ -913,8 +929,9 @@ fn gpu_topk_final_branches_match_reference() {
     ];
     let stride = 262_144usize;
     let rows = lens.len() * 5;
-    // (rank select, rank sort) rows seen, and rows on each fallback: every branch must be exercised.
-    let mut cover = [0usize; 4];
+    // Row classes seen: v3's (rank select, rank sort, select fallback, sort fallback) shapes, and the default
+    // multi-CTA pass's rank path / one-CTA fallback: every class must be exercised.
+    let mut cover = [0usize; 6];
     for k in [1usize, 7, 300, 511, 512, 513, 2048] {
         let mut flat = vec![f32::NAN; rows * stride];
         let mut nv = vec![0i32; rows];
@@ -950,6 +967,9 @@ fn gpu_topk_final_branches_match_reference() {
             cover[1] += sort as usize;
             cover[2] += (!sel) as usize;
             cover[3] += (!sort) as usize;
+            let fallback = mcta_fallback(&flat[r * stride..r * stride + n], k);
+            cover[4] += (!fallback) as usize;
+            cover[5] += fallback as usize;
         }
         let sd = gpu.upload(&flat).unwrap();
         let nvd = gpu.upload(&nv).unwrap();
@@ -983,7 +1003,7 @@ fn gpu_topk_final_branches_match_reference() {
                     let p = r * k + j;
                     assert!(
                         idx[p] == wi && sc[p].to_bits() == ws.to_bits(),
-                        "seed {seed:#x} k {k} call {call} row {r} (num_valid {n}, paths (rank select, rank sort) \
+                        "seed {seed:#x} k {k} call {call} row {r} (num_valid {n}, v3 row class (rank select, rank sort) \
                          {:?}) position {j}: got ({}, {:e}) want ({wi}, {ws:e})",
                         v3_paths(row, k),
                         idx[p],
@@ -995,12 +1015,14 @@ fn gpu_topk_final_branches_match_reference() {
     }
     assert!(
         cover.iter().all(|&c| c > 0),
-        "seed {seed:#x}: rows per branch (rank select, rank sort, select fallback, sort fallback) = {cover:?}"
+        "seed {seed:#x}: rows per class (v3 rank select, rank sort, select fallback, sort fallback; mcta rank, \
+         mcta fallback) = {cover:?}"
     );
-    println!("seed {seed:#x}: rows per branch (rank select, rank sort, select fallback, sort fallback) = {cover:?}");
+    println!("seed {seed:#x}: rows per class (v3 rank select, rank sort, select fallback, sort fallback; mcta rank, \
+         mcta fallback) = {cover:?}");
 }
 
-/// Rows for the multi-CTA A/B: (scores, label). Lengths around k, multiples of 128 +- 1, the pass-1/2 slice
+/// Rows for the multi-CTA final pass: (scores, label). Lengths around k, multiples of 128 +- 1, the pass-1/2 slice
 /// (4096 +- 1), random up to 262,144; patterns: logit-like, all equal, all zero (+-0), NaN / +-inf mixes, three
 /// values; and directed rows whose threshold bucket holds exactly TOPK4_BUCKET_CAP - 1, CAP, CAP + 1 entries
 /// (the edge between the multi-CTA rank path and its one-CTA fallback).
@@ -1085,110 +1107,78 @@ fn topk_result(gpu: &megamoe::gpu::Gpu, bufs: &TopkBuffers) -> (Vec<i32>, Vec<f3
     )
 }
 
-/// First difference between two top-k results (indices, score bits): (row, description).
-fn first_topk_diff(
+/// The default top-k on `rows` (one launch group, `calls` back-to-back calls on the same buffers), each call
+/// against the reference: indices exactly, scores bit for bit. Each call must leave the histogram, counters
+/// and arrival counters zeroed, or the next call's threshold (and answer) is wrong.
+fn check_default_topk(
+    gpu: &megamoe::gpu::Gpu,
+    seed: u64,
     k: usize,
-    a: &(Vec<i32>, Vec<f32>),
-    b: &(Vec<i32>, Vec<f32>),
-) -> Option<(usize, String)> {
-    (0..a.0.len())
-        .find(|&p| a.0[p] != b.0[p] || a.1[p].to_bits() != b.1[p].to_bits())
-        .map(|p| {
-            (
-                p / k,
-                format!(
-                    "row {} position {}: ({}, {:e} = {:#010x}) vs ({}, {:e} = {:#010x})",
-                    p / k,
-                    p % k,
-                    a.0[p],
-                    a.1[p],
-                    a.1[p].to_bits(),
-                    b.0[p],
-                    b.1[p],
-                    b.1[p].to_bits()
-                ),
-            )
-        })
+    rows: &[(Vec<f32>, String)],
+    calls: usize,
+) {
+    let stride = rows
+        .iter()
+        .map(|r| r.0.len())
+        .max()
+        .unwrap()
+        .next_multiple_of(4)
+        .max(4);
+    let mut flat = vec![f32::NAN; rows.len() * stride];
+    for (r, (v, _)) in rows.iter().enumerate() {
+        flat[r * stride..r * stride + v.len()].copy_from_slice(v);
+    }
+    let nv: Vec<i32> = rows.iter().map(|r| r.0.len() as i32).collect();
+    let sd = gpu.upload(&flat).unwrap();
+    let nvd = gpu.upload(&nv).unwrap();
+    let mut bufs = TopkBuffers::new(gpu, rows.len(), k, stride).unwrap();
+    let wants: Vec<Vec<i32>> = rows.iter().map(|(v, _)| reference::topk(v, k)).collect();
+    for call in 0..calls {
+        gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+        gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+        indexer::topk(gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+        assert!(
+            stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap(),
+            "seed {seed:#x}: top-k did not finish within 5 s (k {k}, {} rows, call {call})",
+            rows.len()
+        );
+        let got = topk_result(gpu, &bufs);
+        for (r, (v, label)) in rows.iter().enumerate() {
+            for (j, &wi) in wants[r].iter().enumerate() {
+                let ws = if wi >= 0 {
+                    reference::canonical_score(v[wi as usize])
+                } else {
+                    f32::NEG_INFINITY
+                };
+                let p = r * k + j;
+                assert!(
+                    got.0[p] == wi && got.1[p].to_bits() == ws.to_bits(),
+                    "seed {seed:#x} k {k} ({} rows) call {call} row {r} ({label}) position {j}: got ({}, {:e} = \
+                     {:#010x}) want ({wi}, {ws:e} = {:#010x})",
+                    rows.len(),
+                    got.0[p],
+                    got.1[p],
+                    got.1[p].to_bits(),
+                    ws.to_bits()
+                );
+            }
+        }
+    }
 }
 
 #[test]
-fn gpu_topk_multi_cta_matches_default_and_reference() {
-    let Some(gpu) = gpu_for_test("gpu_topk_multi_cta_matches_default_and_reference") else {
+fn gpu_topk_multi_cta_matches_reference() {
+    let Some(gpu) = gpu_for_test("gpu_topk_multi_cta_matches_reference") else {
         return;
     };
     let (seed, mut rng) = seeded("gpu_topk_mcta");
     for k in [512usize, 1024, 2048] {
         let rows = mcta_rows(&mut rng, k);
-        let stride = rows
-            .iter()
-            .map(|r| r.0.len())
-            .max()
-            .unwrap()
-            .next_multiple_of(4);
-        let mut flat = vec![f32::NAN; rows.len() * stride];
-        for (r, (v, _)) in rows.iter().enumerate() {
-            flat[r * stride..r * stride + v.len()].copy_from_slice(v);
-        }
-        let nv: Vec<i32> = rows.iter().map(|r| r.0.len() as i32).collect();
-        let sd = gpu.upload(&flat).unwrap();
-        let nvd = gpu.upload(&nv).unwrap();
-        let mut bufs = TopkBuffers::new(&gpu, rows.len(), k, stride).unwrap();
-        use indexer::{TopkFinal as F, TopkSelect as S};
-        let paths = [
-            (S::PerWarpAtomics, F::OneCta),
-            (S::PerWarpAtomics, F::multi_cta_for(&gpu, rows.len())),
-            (S::PerWarpAtomics, F::MultiCta { ctas_per_row: 8 }),
-            (S::CtaAggregated, F::multi_cta_for(&gpu, rows.len())),
-            (S::PerWarpAtomics, F::MultiCta { ctas_per_row: 64 }),
-            (S::PerWarpAtomics, F::OneCta),
-            (S::CtaAggregated, F::OneCta),
-            (S::CtaAggregated, F::MultiCta { ctas_per_row: 13 }),
-        ];
-        // Back-to-back calls on the same buffers, alternating paths: each must leave the histogram, counters
-        // and arrival counters zeroed, or the next call's threshold (and answer) is wrong.
-        let mut default_out = None;
-        for (call, &(sel, fp)) in paths.iter().enumerate() {
-            gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
-            gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
-            indexer::topk_path(&gpu, &sd, stride, &nvd, &nv, &mut bufs, sel, fp).unwrap();
-            assert!(
-                stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-                "seed {seed:#x}: top-k {sel:?} {fp:?} did not finish within 5 s (k {k}, call {call})"
-            );
-            let got = topk_result(&gpu, &bufs);
-            match &default_out {
-                None => {
-                    // The default path against the reference first (indices exactly, scores bit for bit).
-                    for (r, (v, label)) in rows.iter().enumerate() {
-                        let want = reference::topk(v, k);
-                        for (j, &wi) in want.iter().enumerate() {
-                            let ws = if wi >= 0 {
-                                reference::canonical_score(v[wi as usize])
-                            } else {
-                                f32::NEG_INFINITY
-                            };
-                            let p = r * k + j;
-                            assert!(
-                                got.0[p] == wi && got.1[p].to_bits() == ws.to_bits(),
-                                "seed {seed:#x} k {k} {fp:?} row {r} ({label}) position {j}: got ({}, {:e}) \
-                                 want ({wi}, {ws:e})",
-                                got.0[p],
-                                got.1[p]
-                            );
-                        }
-                    }
-                    default_out = Some(got);
-                }
-                Some(d) => {
-                    if let Some((r, diff)) = first_topk_diff(k, &got, d) {
-                        panic!(
-                            "seed {seed:#x} k {k} call {call}: {sel:?} {fp:?} differs from the default ({}): {diff}",
-                            rows[r].1
-                        );
-                    }
-                }
-            }
-        }
+        // The final pass's CTAs per row depend on the row count (2 * SMs / rows, clamped to 8..=32): all rows
+        // in one launch (8 per row), then the last 9 rows alone (the longest rows and the directed buckets;
+        // 29 per row on 132 SMs).
+        check_default_topk(&gpu, seed, k, &rows, 3);
+        check_default_topk(&gpu, seed, k, &rows[rows.len() - 9..], 2);
     }
 }
 
@@ -1215,13 +1205,12 @@ fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
     let mut sd = gpu.upload(&flat).unwrap();
     let nvd = gpu.upload(&nv).unwrap();
     let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
-    let fp = indexer::TopkFinal::multi_cta_for(&gpu, lens.len());
     // One eager call first: loads the module and sets the shared-memory attribute outside the capture (and
     // must itself leave the buffers clean for the first replay).
-    indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp).unwrap();
+    indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
     assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
     let graph = gpu
-        .capture(|| indexer::topk_with(&gpu, &sd, stride, &nvd, &nv, &mut bufs, fp))
+        .capture(|| indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs))
         .unwrap();
     // Replays with new scores written into the captured input buffer: a replay that left the histogram,
     // counters or arrival counters dirty makes the next replay's answer wrong.
@@ -1259,7 +1248,7 @@ fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
             }
         }
     }
-    // After the replays the default path on the same buffers must still be exact (clean buffers).
+    // After the replays an eager call on the same buffers must still be exact (clean buffers).
     indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
     assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
     let (idx, _) = topk_result(&gpu, &bufs);
@@ -1269,7 +1258,7 @@ fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
             k,
             &idx[r * k..(r + 1) * k],
         ) {
-            panic!("seed {seed:#x}: default path after the graph replays, row {r}: {e}");
+            panic!("seed {seed:#x}: eager call after the graph replays, row {r}: {e}");
         }
     }
 }
@@ -1513,7 +1502,7 @@ fn exec_indexer_cpu_matches_reference_and_rejects_bad_arguments() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Session-4 A/B candidate: FP8 logits on native wgmma (LogitsPath::Wgmma, bench variant `fused_wgmma`).
+// FP8 logits on native wgmma (the default FP8 path: indexer_logits_fp8w3_n1 / _n2).
 // ---------------------------------------------------------------------------------------------------------
 
 /// Mirror of the wgmma logits' shared-memory store (kernels/indexer.cu, logits_wgmma_body): 16-byte chunk `ch`
@@ -1553,8 +1542,9 @@ fn wgmma_tile_store_is_the_128b_swizzle_and_a_bijection() {
 /// add up); with independent signs (all test data) the dropped tails partly cancel, ~sqrt(33) x 2^-13 of the
 /// largest term, so over 4 steps ~2^-9.5 of max |term| <= 2^-9.5 of sum_d |q_hd c_jd|, and in practice far less
 /// (the largest term is a small part of the sum). relu is 1-Lipschitz; the fp32 epilogue (per row: 4 lanes x
-/// 2 chains of 8 fma, 3 adds, the scale multiply) adds < 20 x 2^-24 of mag. The test allows 2^-9 x mag, the
-/// same bound as the v2 FP8 test, and prints the largest observed err / mag so the margin is visible.
+/// 2 chains of 8 fma, 3 adds, the scale multiply) adds < 20 x 2^-24 of mag. The test allows 2^-9 x mag (the
+/// bound gpu_logits_and_topk_match_the_reference uses too) and prints the largest observed err / mag so the
+/// margin is visible.
 const WGMMA_TOL: f64 = 1.0 / 512.0;
 
 /// The f64 score of key `slot` for query row `row` and its error scale `mag` (see WGMMA_TOL).
@@ -1600,14 +1590,9 @@ fn random_fp8_cache(rng: &mut ChaCha8Rng, batch: usize, cap: usize) -> KeyCacheH
     host
 }
 
-/// The wgmma logits paths under test (the same kernel in two occupancy configurations).
-const WGMMA_PATHS: [indexer::LogitsPath; 2] =
-    [indexer::LogitsPath::Wgmma, indexer::LogitsPath::Wgmma3Cta];
-
-/// Runs v2 and both wgmma paths on poisoned buffers and checks each wgmma path: every j < n_seq(b) (the
-/// longest row of sequence b: all paths write the whole sequence range for each of its rows) against the f64
-/// reference within WGMMA_TOL, everything past n_seq(b) still poisoned (as v2, also checked). Prints the max
-/// err / mag vs the reference and the max |wgmma - v2| / mag.
+/// Runs the default logits (FP8 keys: the wgmma kernel) on a poisoned buffer and checks every j < n_seq(b) (the
+/// longest row of sequence b: the kernel writes the whole sequence range for each of its rows) against the f64
+/// reference within WGMMA_TOL, and everything past n_seq(b) still poisoned. Prints the max err / mag.
 fn check_wgmma_logits(
     gpu: &megamoe::gpu::Gpu,
     label: &str,
@@ -1628,15 +1613,10 @@ fn check_wgmma_logits(
     let cache = KeyCacheGpu::upload(gpu, host).unwrap();
     let qb = QueryBatch::upload(gpu, batch, next_n, &q, &w, nv).unwrap();
     let stride = host.capacity.next_multiple_of(4) + 4; // room past the capacity: must stay poisoned
-    let run = |path: indexer::LogitsPath| -> Vec<f32> {
-        let mut out = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
-        indexer::logits_with(gpu, &qb, &cache, &mut out, stride, path).unwrap();
-        gpu.download(&out).unwrap()
-    };
-    let got_h = run(indexer::LogitsPath::F16Hmma);
-    let got: Vec<Vec<f32>> = WGMMA_PATHS.iter().map(|&p| run(p)).collect();
-    let mut worst_ref = [0.0f64; WGMMA_PATHS.len()];
-    let mut worst_v2 = [0.0f64; WGMMA_PATHS.len()];
+    let mut out = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
+    indexer::logits(gpu, &qb, &cache, &mut out, stride).unwrap();
+    let got = gpu.download(&out).unwrap();
+    let mut worst_ref = 0.0f64;
     for b in 0..batch {
         let n_seq = (0..next_n)
             .map(|t| nv[b * next_n + t].max(0) as usize)
@@ -1646,49 +1626,33 @@ fn check_wgmma_logits(
         for t in 0..next_n {
             let row = b * next_n + t;
             for j in 0..stride {
-                let gh = got_h[row * stride + j];
+                let gw = got[row * stride + j];
                 if j >= n_seq {
                     assert_eq!(
-                        gh.to_bits(),
+                        gw.to_bits(),
                         u32::MAX,
-                        "v2 wrote past n_seq (row {row} j {j})"
+                        "{label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wrote {gw:e} past the visible entries"
                     );
-                    for (p, g) in WGMMA_PATHS.iter().zip(&got) {
-                        let gw = g[row * stride + j];
-                        assert_eq!(
-                            gw.to_bits(),
-                            u32::MAX,
-                            "{p:?} {label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wrote {gw:e} past the visible entries"
-                        );
-                    }
                     continue;
                 }
                 let (want, mag) = wgmma_ref_score(&q_f64, &w, host, row, host.slot(b, j));
-                for (pi, (p, g)) in WGMMA_PATHS.iter().zip(&got).enumerate() {
-                    let gw = g[row * stride + j];
-                    let err = (gw as f64 - want).abs();
-                    assert!(
-                        gw.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
-                        "{p:?} {label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wgmma {gw:e} ref {want:e} \
-                         v2 {gh:e} err {err:e} = {:.3e} x mag (mag {mag:e}, tol {WGMMA_TOL:e} x mag)",
-                        err / mag.max(1e-300)
-                    );
-                    if mag > 0.0 {
-                        worst_ref[pi] = worst_ref[pi].max(err / mag);
-                        worst_v2[pi] = worst_v2[pi].max((gw as f64 - gh as f64).abs() / mag);
-                    }
+                let err = (gw as f64 - want).abs();
+                assert!(
+                    gw.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
+                    "{label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wgmma {gw:e} ref {want:e} \
+                     err {err:e} = {:.3e} x mag (mag {mag:e}, tol {WGMMA_TOL:e} x mag)",
+                    err / mag.max(1e-300)
+                );
+                if mag > 0.0 {
+                    worst_ref = worst_ref.max(err / mag);
                 }
             }
         }
     }
-    for (pi, p) in WGMMA_PATHS.iter().enumerate() {
-        println!(
-            "{p:?} {label} next_n {next_n}: max |wgmma - ref| / mag = {:.3e} (2^{:.2}), max |wgmma - v2| / mag = {:.3e}",
-            worst_ref[pi],
-            worst_ref[pi].max(1e-300).log2(),
-            worst_v2[pi]
-        );
-    }
+    println!(
+        "{label} next_n {next_n}: max |wgmma - ref| / mag = {worst_ref:.3e} (2^{:.2})",
+        worst_ref.max(1e-300).log2()
+    );
 }
 
 #[test]
@@ -1727,25 +1691,20 @@ fn gpu_wgmma_logits_match_the_reference() {
             .collect();
         check_wgmma_logits(&gpu, "long rows", &host, next_n, &nv, &mut rng);
     }
-    // MXFP4 keys have no wgmma path: a clear error before any launch.
-    let host = KeyCacheHost::new(KeyFormat::Mxfp4, 1, 64);
-    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
-    let q = vec![0x38u8; NUM_HEADS * HEAD_DIM];
-    let qb = QueryBatch::upload(&gpu, 1, 1, &q, &[1.0; NUM_HEADS], &[64]).unwrap();
-    let mut s = gpu.poisoned::<f32>(64, 0xFF).unwrap();
-    let e = indexer::logits_with(&gpu, &qb, &cache, &mut s, 64, indexer::LogitsPath::Wgmma);
-    assert!(e.is_err(), "MXFP4 keys on the wgmma path must be rejected");
 }
 
 #[test]
-fn gpu_wgmma_logits_nan_policy_matches_v2() {
-    let Some(gpu) = gpu_for_test("gpu_wgmma_logits_nan_policy_matches_v2") else {
+fn gpu_wgmma_logits_nan_policy_matches_the_reference() {
+    let Some(gpu) = gpu_for_test("gpu_wgmma_logits_nan_policy_matches_the_reference") else {
         return;
     };
     let (seed, mut rng) = seeded("gpu_wgmma_nan");
     println!("seed {seed}");
-    // NaN key codes (0x7F / 0xFF) make every head's dot product NaN -> relu gives 0 -> score +0; a NaN
-    // scale gives a NaN score. Both paths must agree bit for bit on those entries.
+    // NaN key codes (0x7F / 0xFF) make every head's dot product NaN -> relu gives 0 -> score 0, as in the
+    // reference (compared as values: the top-k ranks -0 as +0). A NaN fp32 key scale gives a NaN score: the kernel applies the scale after
+    // relu (NaN x 0 = NaN), which the top-k ranks as -inf (module docs); the reference, which folds the scale
+    // into the key values, gives 0 there, so those entries are checked for NaN only. Every other entry is
+    // checked against the f64 reference within WGMMA_TOL.
     let (cap, n) = (300usize, 300usize);
     let mut host = random_fp8_cache(&mut rng, 2, cap);
     let mut nan_code = vec![];
@@ -1770,32 +1729,44 @@ fn gpu_wgmma_logits_nan_policy_matches_v2() {
         let w: Vec<f32> = (0..rows * NUM_HEADS)
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
+        let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
         let nv = vec![n as i32; rows];
         let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
         let qb = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv).unwrap();
-        let run = |path: indexer::LogitsPath| -> Vec<f32> {
-            let mut out = gpu.poisoned::<f32>(rows * cap, 0xFF).unwrap();
-            indexer::logits_with(&gpu, &qb, &cache, &mut out, cap, path).unwrap();
-            gpu.download(&out).unwrap()
+        let mut out = gpu.poisoned::<f32>(rows * cap, 0xFF).unwrap();
+        indexer::logits(&gpu, &qb, &cache, &mut out, cap).unwrap();
+        let sw = gpu.download(&out).unwrap();
+        let shape = IndexerShape {
+            batch: 2,
+            next_n,
+            num_valid: nv.clone(),
         };
-        let sh = run(indexer::LogitsPath::F16Hmma);
-        for path in WGMMA_PATHS {
-            let sw = run(path);
-            for t in 0..next_n {
-                for &(b, j) in nan_code.iter().chain(nan_scale.iter()) {
-                    let i = (b * next_n + t) * cap + j;
-                    let nan_s = nan_scale.contains(&(b, j));
+        let want = reference::logits(&shape, &q, &w, &host);
+        for row in 0..rows {
+            let b = row / next_n;
+            for j in 0..n {
+                let got = sw[row * cap + j];
+                if nan_scale.contains(&(b, j)) {
                     assert!(
-                    (nan_s && sw[i].is_nan() && sh[i].is_nan())
-                        || (!nan_s && sw[i].to_bits() == sh[i].to_bits()),
-                    "{path:?} next_n {next_n} row {} j {j} (NaN {}): wgmma {:e} ({:#010x}) vs v2 {:e} ({:#010x})",
-                    b * next_n + t,
-                    if nan_s { "scale" } else { "code" },
-                    sw[i],
-                    sw[i].to_bits(),
-                    sh[i],
-                    sh[i].to_bits()
-                );
+                        got.is_nan(),
+                        "seed {seed} next_n {next_n} row {row} j {j} (NaN scale): got {got:e}, want NaN"
+                    );
+                } else if nan_code.contains(&(b, j)) {
+                    assert!(
+                        got == 0.0 && want[row][j] == 0.0,
+                        "seed {seed} next_n {next_n} row {row} j {j} (NaN code): got {got:e} ({:#010x}), reference \
+                         {:e} ({:#010x}), want 0",
+                        got.to_bits(),
+                        want[row][j],
+                        want[row][j].to_bits()
+                    );
+                } else {
+                    let (r, mag) = wgmma_ref_score(&q_f64, &w, &host, row, host.slot(b, j));
+                    let err = (got as f64 - r).abs();
+                    assert!(
+                        got.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
+                        "seed {seed} next_n {next_n} row {row} j {j}: got {got:e} ref {r:e} err {err:e} (mag {mag:e})"
+                    );
                 }
             }
         }
@@ -1832,13 +1803,9 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
                     .collect()
             })
             .collect();
-        for (path, k) in WGMMA_PATHS.iter().flat_map(|&p| [(p, 512usize), (p, 2048)]) {
+        for k in [512usize, 2048] {
             let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            let ipath = indexer::IndexerPath {
-                logits: path,
-                ..Default::default()
-            };
-            indexer::run_with(&gpu, &qb, &cache, &mut bufs, ipath).unwrap();
+            indexer::run(&gpu, &qb, &cache, &mut bufs).unwrap();
             let scores = gpu.download(&bufs.scores).unwrap();
             let idx = gpu.download(&bufs.topk.out_idx).unwrap();
             let stride = bufs.score_stride;
@@ -1847,7 +1814,7 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
                 let got = &scores[r * stride..r * stride + n];
                 // Exact on the GPU's own scores (the top-k contract).
                 if let Err(e) = reference::check_topk_exact(got, k, &idx[r * k..(r + 1) * k]) {
-                    panic!("{path:?} seed {seed} next_n {next_n} k {k} row {r}: {e}");
+                    panic!("seed {seed} next_n {next_n} k {k} row {r}: {e}");
                 }
                 // Against the f64 reference: every entry clearly above the reference k-th score (by more than
                 // both error bounds) is selected, and nothing clearly below it is.
@@ -1863,14 +1830,14 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
                     let sel = selected.contains(&(j as i32));
                     assert!(
                         s <= kth.0 + 2.0 * max_tol || sel,
-                        "{path:?} seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is above the reference k-th \
+                        "seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is above the reference k-th \
                          ({:e}) by more than 2 x {max_tol:e} but not selected",
                         got[j],
                         kth.0
                     );
                     assert!(
                         s >= kth.0 - 2.0 * max_tol || !sel,
-                        "{path:?} seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is below the reference k-th \
+                        "seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is below the reference k-th \
                          ({:e}) by more than 2 x {max_tol:e} but selected",
                         got[j],
                         kth.0

@@ -3,9 +3,10 @@
 //! Device code and its design notes: kernels/indexer.cu. CPU reference: [`reference`]. Stress suite with a
 //! host-side watchdog: [`stress`].
 //!
-//! A/B top-k options (session 4; the default path is unchanged): [`topk_with`] / [`topk_path`] /
-//! [`run_with`] take a [`TopkFinal`] (one CTA per row, or the multi-CTA final pass) and a [`TopkSelect`]
-//! (pass 2's slot allocation); every combination returns the same top-k bit for bit.
+//! One path (the session-4 A/B winners): FP8 keys -> wgmma logits with 3 CTAs per SM
+//! (`indexer_logits_fp8w3_n1/_n2`), MXFP4 keys -> the e4m3 mma.sync logits; top-k = histogram ->
+//! CTA-aggregated threshold select -> multi-CTA exact final pass (`indexer_topk2_hist`,
+//! `indexer_topk5_select_agg`, `indexer_topk4_final_mcta`).
 //!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
@@ -41,12 +42,6 @@ pub const TOPK2_BINS: usize = 4096;
 /// Entries per top-k v2 histogram / select CTA (kernel constant TK2_SLICE) and their block size.
 const TOPK2_SLICE: usize = 4096;
 const TOPK2_THREADS: u32 = 512;
-/// Threshold-bucket composites the final pass keeps in shared memory on its radix-select fallback (kernel
-/// constant TK2_FINAL_SMEM_CAP).
-const TOPK2_FINAL_SMEM_CAP: usize = 16384;
-/// sizeof(SelectShared) in the kernel: hist[256] + warp_sums[32] + 4 u32.
-const SELECT_SHARED_BYTES: usize = 256 * 4 + 32 * 4 + 16;
-const TOPK_THREADS: u32 = 1024;
 /// Multi-CTA final pass (kernel constants TK4_THREADS, TK4_MIN_SPLIT, TK4_BUCKET_CAP).
 const TOPK4_THREADS: u32 = 512;
 /// Fewest / most CTAs per row of `indexer_topk4_final_mcta` (the kernel's static rank arrays assume >= 8).
@@ -262,34 +257,12 @@ pub fn validate_queries(
     Ok(())
 }
 
-/// Which FP8 logits kernel runs (MXFP4 keys have one path, the e4m3 mma.sync kernels).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum LogitsPath {
-    /// v2 (the default): e4m3 converted once to f16 fragments + f16 HMMA (`indexer_logits_fp8h_*`).
-    #[default]
-    F16Hmma,
-    /// v5 (session-4 A/B candidate, bench variant `fused_wgmma`): native wgmma e4m3 fed by double-buffered
-    /// rounds of cp.async key tiles in shared memory, persistent CTAs (`indexer_logits_fp8w_*`). FP8 keys
-    /// only. Not bit-identical to v2: the FP8 tensor-core accumulation keeps fewer bits than fp32 (see
-    /// kernels/indexer.cu). 2 CTAs per SM, 5 key tiles per round (next_n = 2: 4).
-    Wgmma,
-    /// The same kernel with 3 CTAs per SM and 3 key tiles per round (`indexer_logits_fp8w3_*`, bench variant
-    /// `fused_wgmma_3cta`): more warps to overlap the wgmma -> epilogue chain, shorter rounds.
-    Wgmma3Cta,
-}
-
-impl LogitsPath {
-    /// (entry point, tiles per round, CTAs per SM) of the wgmma paths; None for v2.
-    fn wgmma_config(self, next_n: usize) -> Option<(&'static str, usize, usize)> {
-        match (self, next_n) {
-            (LogitsPath::F16Hmma, _) => None,
-            (LogitsPath::Wgmma, 1) => Some(("indexer_logits_fp8w_n1", 5, 2)),
-            (LogitsPath::Wgmma, _) => Some(("indexer_logits_fp8w_n2", 4, 2)),
-            (LogitsPath::Wgmma3Cta, 1) => Some(("indexer_logits_fp8w3_n1", 3, 3)),
-            (LogitsPath::Wgmma3Cta, _) => Some(("indexer_logits_fp8w3_n2", 3, 3)),
-        }
-    }
-}
+/// The FP8 logits kernels: (entry point for next_n = 1, for next_n = 2), key tiles per round and CTAs per SM
+/// (the 3-CTA configuration of the wgmma template; kernels/indexer.cu "FP8 logits v5").
+const WGMMA_N1: &str = "indexer_logits_fp8w3_n1";
+const WGMMA_N2: &str = "indexer_logits_fp8w3_n2";
+const WGMMA_ROUND: usize = 3;
+const WGMMA_CTAS_PER_SM: usize = 3;
 
 /// Threads and keys per tile of the wgmma logits (kernel constants LW_THREADS, LW_KEYS).
 const WGMMA_THREADS: u32 = 128;
@@ -301,27 +274,16 @@ fn wgmma_smem_bytes(next_n: usize, round: usize) -> usize {
     1024 + 2 * round * WGMMA_TILE_KEYS * (HEAD_DIM + 4) + next_n * NUM_HEADS * HEAD_DIM
 }
 
-/// Scores `[rows, score_stride]` for `j < num_valid[row]` (entries past it are not written). FP8 keys use
-/// the v2 kernel (e4m3 converted once to f16 fragments + f16 HMMA; Hopper has no native FP8 mma.sync).
+/// Scores `[rows, score_stride]`: rows of sequence `b` get scores for every `j < max_t num_valid[b * next_n +
+/// t]`; nothing past that is written. FP8 keys: native wgmma e4m3 (not bit-identical to an fp32-accumulated
+/// dot product: the FP8 tensor core's accumulation keeps fewer bits, see kernels/indexer.cu; tests bound it
+/// by 2^-9 of `sum_h |w_h| sum_d |q_hd k_jd|`). MXFP4 keys: e4m3 mma.sync with fp32 block-scale steps.
 pub fn logits(
     gpu: &Gpu,
     q: &QueryBatch,
     cache: &KeyCacheGpu,
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
-) -> Result<()> {
-    logits_with(gpu, q, cache, scores, score_stride, LogitsPath::default())
-}
-
-/// [`logits`] with an explicit FP8 kernel choice. Rows of sequence `b` get scores for every
-/// `j < max_t num_valid[b * next_n + t]` (both paths); nothing past that is written.
-pub fn logits_with(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    scores: &mut CudaSlice<f32>,
-    score_stride: usize,
-    path: LogitsPath,
 ) -> Result<()> {
     ensure!(
         cache.batch == q.batch,
@@ -350,21 +312,17 @@ pub fn logits_with(
             cache.capacity
         );
     }
-    ensure!(
-        path == LogitsPath::F16Hmma || cache.format == KeyFormat::Fp8,
-        "the wgmma logits path supports FP8 keys only (cache format {:?})",
-        cache.format
-    );
     let max_n = q.max_valid();
     if max_n == 0 {
         return Ok(());
     }
-    if let Some(config) = path.wgmma_config(q.next_n) {
-        return logits_wgmma(gpu, q, cache, scores, score_stride, max_n, config);
-    }
     let name = match (cache.format, q.next_n) {
-        (KeyFormat::Fp8, 1) => "indexer_logits_fp8h_n1",
-        (KeyFormat::Fp8, _) => "indexer_logits_fp8h_n2",
+        (KeyFormat::Fp8, 1) => {
+            return logits_wgmma(gpu, q, cache, scores, score_stride, max_n, WGMMA_N1)
+        }
+        (KeyFormat::Fp8, _) => {
+            return logits_wgmma(gpu, q, cache, scores, score_stride, max_n, WGMMA_N2)
+        }
         (KeyFormat::Mxfp4, 1) => "indexer_logits_mxfp4_n1",
         (KeyFormat::Mxfp4, _) => "indexer_logits_mxfp4_n2",
     };
@@ -387,7 +345,7 @@ pub fn logits_with(
     .map(|_| ())
 }
 
-/// Launch of the wgmma logits (arguments already checked by [`logits_with`]; `max_n` >= 1).
+/// Launch of the wgmma logits (arguments already checked by [`logits`]; `max_n` >= 1).
 fn logits_wgmma(
     gpu: &Gpu,
     q: &QueryBatch,
@@ -395,8 +353,9 @@ fn logits_wgmma(
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
     max_n: usize,
-    (name, round, ctas_per_sm): (&str, usize, usize),
+    name: &str,
 ) -> Result<()> {
+    let (round, ctas_per_sm) = (WGMMA_ROUND, WGMMA_CTAS_PER_SM);
     let tiles_per_seq = max_n.div_ceil(WGMMA_TILE_KEYS);
     let total_tiles = tiles_per_seq * q.batch;
     ensure!(
@@ -531,37 +490,11 @@ fn check_topk_args(
     Ok(num_valid_host.iter().copied().max().unwrap_or(0) as usize)
 }
 
-/// Which exact final pass [`topk_with`] runs after the histogram and threshold-select passes. Both give the
-/// same (exact) answer bit for bit; they differ in speed only.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TopkFinal {
-    /// `indexer_topk3_final`: one 1024-thread CTA per row (the default).
-    OneCta,
-    /// `indexer_topk4_final_mcta`: `ctas_per_row` CTAs per row
-    /// (`TOPK4_MIN_CTAS_PER_ROW..=TOPK4_MAX_CTAS_PER_ROW`), each ranking a slice of the chosen entries.
-    MultiCta { ctas_per_row: u32 },
-}
-
-impl TopkFinal {
-    /// The multi-CTA pass with about two CTAs per SM (one wave: 512 threads, 41-53 KB of shared memory each):
-    /// `2 * sm_count / rows` CTAs per row, clamped to 8..=32 (132 SMs: 32 at 1-8 rows, 16 at 16, 8 from 33).
-    pub fn multi_cta_for(gpu: &Gpu, rows: usize) -> TopkFinal {
-        let per_row = (2 * gpu.info.sm_count as usize / rows.max(1)).clamp(8, 32) as u32;
-        TopkFinal::MultiCta {
-            ctas_per_row: per_row,
-        }
-    }
-}
-
-/// How pass 2 (threshold select) of the top-k allocates slots in the above / bucket buffers. Same entries, same
-/// counts, same top-k output bit for bit; only the slot order and the number of global atomics differ.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TopkSelect {
-    /// `indexer_topk2_select`: one warp-aggregated atomic per (warp, step) with hits (the default).
-    PerWarpAtomics,
-    /// `indexer_topk5_select_agg`: one atomic per counter per CTA (kernels/indexer.cu "pass 2 with CTA-aggregated
-    /// slot allocation").
-    CtaAggregated,
+/// CTAs per row of the multi-CTA final pass: about two CTAs per SM in one wave (512 threads, 41-53 KB of
+/// shared memory each): `2 * sm_count / rows`, clamped to 8..=32 (132 SMs: 32 at 1-8 rows, 16 at 16, 8 from
+/// 33). Always within `TOPK4_MIN_CTAS_PER_ROW..=TOPK4_MAX_CTAS_PER_ROW`.
+fn topk_ctas_per_row(gpu: &Gpu, rows: usize) -> u32 {
+    (2 * gpu.info.sm_count as usize / rows.max(1)).clamp(8, 32) as u32
 }
 
 /// Dynamic shared memory of `indexer_topk4_final_mcta` for `k`: the above / sort buffer (next power of two
@@ -570,11 +503,12 @@ pub fn topk4_smem_bytes(k: usize) -> usize {
     8 * (k.next_power_of_two() + 2 + TOPK4_BUCKET_CAP + 2)
 }
 
-/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): histogram of
-/// the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row
-/// (`indexer_topk2_select`) -> one exact pass per row (`indexer_topk3_final`: rank-by-counting select in
-/// the threshold bucket and rank-by-counting sort of the outputs, with a radix select / bitonic sort
-/// fallback for buckets or k above 512). Three launches; see kernels/indexer.cu "Top-k v2" / "Top-k v3".
+/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing), three launches:
+/// histogram of the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row and one
+/// slot atomic per counter per CTA (`indexer_topk5_select_agg`) -> exact final pass with several CTAs per row
+/// (`indexer_topk4_final_mcta`: rank by counting, each CTA a slice of the chosen entries; a one-CTA radix
+/// select and bitonic sort fallback when the threshold bucket exceeds TOPK4_BUCKET_CAP). See kernels/indexer.cu
+/// "Top-k v2" (passes 1-2), "Top-k v4" (final pass) and "Top-k pass 2 with CTA-aggregated slot allocation".
 pub fn topk(
     gpu: &Gpu,
     scores: &CudaSlice<f32>,
@@ -583,66 +517,14 @@ pub fn topk(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
-    topk_with(
-        gpu,
-        scores,
-        score_stride,
-        num_valid,
-        num_valid_host,
-        bufs,
-        TopkFinal::OneCta,
-    )
-}
-
-/// [`topk`] with a choice of final pass ([`TopkFinal`]); the first two passes are the same. The multi-CTA
-/// pass is kernels/indexer.cu "Top-k v4".
-pub fn topk_with(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-    final_pass: TopkFinal,
-) -> Result<()> {
-    topk_path(
-        gpu,
-        scores,
-        score_stride,
-        num_valid,
-        num_valid_host,
-        bufs,
-        TopkSelect::PerWarpAtomics,
-        final_pass,
-    )
-}
-
-/// [`topk`] with a choice of pass 2 ([`TopkSelect`]) and final pass ([`TopkFinal`]).
-#[allow(clippy::too_many_arguments)]
-pub fn topk_path(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-    select: TopkSelect,
-    final_pass: TopkFinal,
-) -> Result<()> {
     let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
-    if let TopkFinal::MultiCta { ctas_per_row } = final_pass {
-        ensure!(
-            (TOPK4_MIN_CTAS_PER_ROW..=TOPK4_MAX_CTAS_PER_ROW).contains(&ctas_per_row),
-            "multi-CTA top-k: {ctas_per_row} CTAs per row, supported \
-             {TOPK4_MIN_CTAS_PER_ROW}..={TOPK4_MAX_CTAS_PER_ROW}"
-        );
-        ensure!(
-            bufs.rows <= 65_535,
-            "multi-CTA top-k: {} rows exceed the grid's y limit",
-            bufs.rows
-        );
-    }
     let rows = bufs.rows;
+    ensure!(
+        rows <= 65_535,
+        "top-k: {rows} rows exceed the grid's y limit (65,535)"
+    );
+    let ctas_per_row = topk_ctas_per_row(gpu, rows);
+    debug_assert!((TOPK4_MIN_CTAS_PER_ROW..=TOPK4_MAX_CTAS_PER_ROW).contains(&ctas_per_row));
     if bufs.v2_dirty {
         // A previous call stopped between its launches: its histogram / counters were not re-zeroed.
         gpu.fill_bytes(&mut bufs.hist, 0)?;
@@ -672,11 +554,7 @@ pub fn topk_path(
         },
         "indexer top-k histogram",
     )?;
-    let select_kernel = match select {
-        TopkSelect::PerWarpAtomics => "indexer_topk2_select",
-        TopkSelect::CtaAggregated => "indexer_topk5_select_agg",
-    };
-    let f = gpu.function(FAMILY, select_kernel)?;
+    let f = gpu.function(FAMILY, "indexer_topk5_select_agg")?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(scores)
         .arg(&stride)
@@ -697,42 +575,15 @@ pub fn topk_path(
         },
         "indexer top-k select",
     )?;
-    if let TopkFinal::MultiCta { ctas_per_row } = final_pass {
-        let smem = topk4_smem_bytes(bufs.k);
-        let f = gpu.function_with_smem(FAMILY, "indexer_topk4_final_mcta", smem)?;
-        let mut b = gpu.stream.launch_builder(&f);
-        b.arg(&stride)
-            .arg(num_valid)
-            .arg(&k)
-            .arg(&mut bufs.hist)
-            .arg(&mut bufs.counters)
-            .arg(&mut bufs.arrivals)
-            .arg(&bufs.above)
-            .arg(&bufs.bucket)
-            .arg(&bstride)
-            .arg(&mut bufs.out_idx)
-            .arg(&mut bufs.out_score);
-        drv(
-            unsafe {
-                b.launch(launch_cfg(
-                    (ctas_per_row, rows as u32, 1),
-                    (TOPK4_THREADS, 1, 1),
-                    smem as u32,
-                ))
-            },
-            "indexer top-k final (multi-CTA)",
-        )?;
-        bufs.v2_dirty = false;
-        return Ok(());
-    }
-    let smem = SELECT_SHARED_BYTES + 8 * TOPK_MAX_K + 8 * TOPK2_FINAL_SMEM_CAP;
-    let f = gpu.function_with_smem(FAMILY, "indexer_topk3_final", smem)?;
+    let smem = topk4_smem_bytes(bufs.k);
+    let f = gpu.function_with_smem(FAMILY, "indexer_topk4_final_mcta", smem)?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(&stride)
         .arg(num_valid)
         .arg(&k)
         .arg(&mut bufs.hist)
         .arg(&mut bufs.counters)
+        .arg(&mut bufs.arrivals)
         .arg(&bufs.above)
         .arg(&bufs.bucket)
         .arg(&bstride)
@@ -741,12 +592,12 @@ pub fn topk_path(
     drv(
         unsafe {
             b.launch(launch_cfg(
-                (rows as u32, 1, 1),
-                (TOPK_THREADS, 1, 1),
+                (ctas_per_row, rows as u32, 1),
+                (TOPK4_THREADS, 1, 1),
                 smem as u32,
             ))
         },
-        "indexer top-k final",
+        "indexer top-k final (multi-CTA)",
     )?;
     bufs.v2_dirty = false;
     Ok(())
@@ -777,53 +628,14 @@ pub fn run(
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
 ) -> Result<()> {
-    run_with(gpu, q, cache, bufs, IndexerPath::default())
-}
-
-/// The kernels of one indexer call: FP8 logits kernel, top-k pass 2 and final pass (A/B choices; the default
-/// is the measured winner).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IndexerPath {
-    pub logits: LogitsPath,
-    pub select: TopkSelect,
-    pub final_pass: TopkFinal,
-}
-
-impl Default for IndexerPath {
-    fn default() -> IndexerPath {
-        IndexerPath {
-            logits: LogitsPath::default(),
-            select: TopkSelect::PerWarpAtomics,
-            final_pass: TopkFinal::OneCta,
-        }
-    }
-}
-
-/// [`run`] with an explicit choice of kernels ([`IndexerPath`]).
-pub fn run_with(
-    gpu: &Gpu,
-    q: &QueryBatch,
-    cache: &KeyCacheGpu,
-    bufs: &mut IndexerBuffers,
-    path: IndexerPath,
-) -> Result<()> {
-    logits_with(
-        gpu,
-        q,
-        cache,
-        &mut bufs.scores,
-        bufs.score_stride,
-        path.logits,
-    )?;
-    topk_path(
+    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    topk(
         gpu,
         &bufs.scores,
         bufs.score_stride,
         &q.num_valid,
         &q.num_valid_host,
         &mut bufs.topk,
-        path.select,
-        path.final_pass,
     )
 }
 
@@ -1052,54 +864,11 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
-/// Bench variants of the indexer: "fused" (the default kernels), the session-4 A/B candidates, "baseline".
-pub const VARIANTS: &[&str] = &[
-    "fused",
-    "fused_wgmma",
-    "fused_wgmma_3cta",
-    "fused_mcta",
-    "fused_mcta_sel",
-    "fused_wgmma_mcta",
-    "baseline",
-];
+/// Bench variants of the indexer: "fused" (the default kernels, [`run`]) and "baseline" (the seeds' path).
+pub const VARIANTS: &[&str] = &["fused", "baseline"];
 
-/// The kernels of a "fused*" bench variant: `fused` = the defaults; `_wgmma` / `_wgmma_3cta` = wgmma FP8 logits
-/// ([`LogitsPath::Wgmma`] / [`LogitsPath::Wgmma3Cta`]); `_mcta` = the multi-CTA final pass
-/// ([`TopkFinal::multi_cta_for`]); `_mcta_sel` = that plus the CTA-aggregated pass 2; `_wgmma_mcta` = both
-/// wgmma logits and the multi-CTA final pass.
-pub fn indexer_path_of(gpu: &Gpu, variant: &str, rows: usize) -> Result<IndexerPath> {
-    let d = IndexerPath::default();
-    let mcta = TopkFinal::multi_cta_for(gpu, rows);
-    Ok(match variant {
-        "fused" => d,
-        "fused_wgmma" => IndexerPath {
-            logits: LogitsPath::Wgmma,
-            ..d
-        },
-        "fused_wgmma_3cta" => IndexerPath {
-            logits: LogitsPath::Wgmma3Cta,
-            ..d
-        },
-        "fused_mcta" => IndexerPath {
-            final_pass: mcta,
-            ..d
-        },
-        "fused_mcta_sel" => IndexerPath {
-            final_pass: mcta,
-            select: TopkSelect::CtaAggregated,
-            ..d
-        },
-        "fused_wgmma_mcta" => IndexerPath {
-            logits: LogitsPath::Wgmma,
-            final_pass: mcta,
-            ..d
-        },
-        _ => bail!("`{variant}` is not a fused indexer variant"),
-    })
-}
-
-/// Time `variant` = "fused" (ours: tensor-core logits + histogram/threshold select + rank-by-counting final
-/// pass), an A/B combination of its kernels ([`indexer_path_of`]) or "baseline" (the seeds' path).
+/// Time `variant` = "fused" (ours: wgmma / mma.sync logits + histogram / CTA-aggregated threshold select /
+/// multi-CTA rank-by-counting final pass) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,
@@ -1111,28 +880,15 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" | "fused_wgmma" | "fused_wgmma_3cta" | "fused_mcta" | "fused_mcta_sel"
-        | "fused_wgmma_mcta" => {
-            let path = indexer_path_of(gpu, variant, q.rows())?;
-            let logits_s = gpu.time_us(plan, || {
-                logits_with(gpu, q, cache, &mut bufs.scores, stride, path.logits)
-            })?;
+        "fused" => {
+            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
-                topk_path(
-                    gpu,
-                    scores,
-                    stride,
-                    &q.num_valid,
-                    &q.num_valid_host,
-                    tb,
-                    path.select,
-                    path.final_pass,
-                )
+                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
             })?;
-            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, path))?;
+            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
             Ok(IndexerSamples {
                 logits: logits_s,
                 topk: topk_s,

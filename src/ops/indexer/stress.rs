@@ -7,13 +7,11 @@
 //! cancelled, and tearing the context down would wait on it). Nothing here ever blocks on the device
 //! except after the event reported completion.
 //!
-//! Path under test: [`super::topk`] / [`super::run`], i.e. the default top-k (histogram -> threshold select
-//! -> indexer_topk3_final: rank-by-counting select / sort with radix-select / bitonic fallbacks) and the FP8
-//! logits v2 (MXFP4: the e4m3 mma.sync logits). Every top-k case also runs the multi-CTA final pass
-//! ([`super::TopkFinal::MultiCta`], indexer_topk4_final_mcta) on the same buffers, under the same watchdog,
-//! with both pass-2 kernels ([`super::TopkSelect`]), and compares it with the default bit for bit (indices
-//! and score bits); the end-to-end cases do the same with the default pass 2. The per-branch tests of the final pass are in
-//! tests/indexer.rs.
+//! Path under test: [`super::topk`] / [`super::run`], i.e. the default top-k (histogram -> CTA-aggregated
+//! threshold select -> indexer_topk4_final_mcta: multi-CTA rank by counting, with a one-CTA radix-select /
+//! bitonic fallback for threshold buckets above TOPK4_BUCKET_CAP) and the default logits (FP8: wgmma, 3 CTAs
+//! per SM; MXFP4: the e4m3 mma.sync kernels), each against the CPU reference. The per-branch tests of the
+//! final pass are in tests/indexer.rs.
 //!
 //! Cases: (A) top-k alone on host-made scores: every num_valid in 0..=4096 (batched, many rows per launch),
 //! random lengths up to 262,144, k - 1, k, k + 1, multiples of 128 and of 32,768 +- 1, histogram-slice and
@@ -37,7 +35,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
-use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers, TopkFinal, TopkSelect};
+use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers};
 use crate::gpu::Gpu;
 
 /// What to run.
@@ -274,54 +272,7 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
             cx.fail(&format!("{label} k={k} num_valid={} row={r}", row.len()), e);
         }
     }
-    // The multi-CTA final pass (with either pass 2) on the same buffers, re-poisoned outputs: bit for bit the
-    // default's answer.
-    let fp = TopkFinal::multi_cta_for(gpu, rows.len());
-    for sel in [TopkSelect::PerWarpAtomics, TopkSelect::CtaAggregated] {
-        gpu.fill_bytes(&mut bufs.out_idx, 0xFF)?;
-        gpu.fill_bytes(&mut bufs.out_score, 0xFF)?;
-        super::topk_path(gpu, &scores, stride, &nv_dev, &nv, &mut bufs, sel, fp)?;
-        if !cx.watch(&format!("{what} ({sel:?}, {fp:?})"))? {
-            return Ok(false);
-        }
-        let idx_m = gpu.download(&bufs.out_idx)?;
-        let sc_m = gpu.download(&bufs.out_score)?;
-        for (r, row) in rows.iter().enumerate() {
-            cx.rep.cases += 1;
-            if let Some(detail) = first_difference(k, r, (&idx, &sc), (&idx_m, &sc_m)) {
-                cx.fail(
-                    &format!(
-                        "{label} k={k} num_valid={} row={r} {sel:?} {fp:?}",
-                        row.len()
-                    ),
-                    detail,
-                );
-            }
-        }
-    }
     Ok(true)
-}
-
-/// Row `r` of two top-k results (indices, scores; `k` per row): the first position where the multi-CTA
-/// result differs from the default's in index or score bits.
-fn first_difference(
-    k: usize,
-    r: usize,
-    default: (&[i32], &[f32]),
-    multi: (&[i32], &[f32]),
-) -> Option<String> {
-    (r * k..(r + 1) * k)
-        .find(|&p| default.0[p] != multi.0[p] || default.1[p].to_bits() != multi.1[p].to_bits())
-        .map(|p| {
-            format!(
-                "multi-CTA differs from the default at position {}: ({}, {:e}) vs default ({}, {:e})",
-                p - r * k,
-                multi.0[p],
-                multi.1[p],
-                default.0[p],
-                default.1[p]
-            )
-        })
 }
 
 fn special_lengths(k: usize, max: usize) -> Vec<usize> {
@@ -483,30 +434,6 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
     let idx = gpu.download(&bufs.topk.out_idx)?;
     let tsc = gpu.download(&bufs.topk.out_score)?;
     let stride = bufs.score_stride;
-    // The multi-CTA final pass over the same scores: bit for bit the default's top-k.
-    let fp = TopkFinal::multi_cta_for(gpu, rows);
-    gpu.fill_bytes(&mut bufs.topk.out_idx, 0xFF)?;
-    gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF)?;
-    super::topk_with(
-        gpu,
-        &bufs.scores,
-        stride,
-        &q.num_valid,
-        &q.num_valid_host,
-        &mut bufs.topk,
-        fp,
-    )?;
-    if !cx.watch(&format!("{label}: top-k {fp:?}, num_valid {nv:?}"))? {
-        return Ok(false);
-    }
-    let idx_m = gpu.download(&bufs.topk.out_idx)?;
-    let tsc_m = gpu.download(&bufs.topk.out_score)?;
-    for (r, n) in nv.iter().enumerate() {
-        cx.rep.cases += 1;
-        if let Some(detail) = first_difference(k, r, (&idx, &tsc), (&idx_m, &tsc_m)) {
-            cx.fail(&format!("{label} row={r} num_valid={n} {fp:?}"), detail);
-        }
-    }
     let shape = IndexerShape {
         batch,
         next_n,
