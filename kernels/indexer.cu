@@ -936,7 +936,7 @@ __device__ void rank_slice(const uint64_t* v, int m, int e0, int cnt, uint32_t* 
 // sort pads to it) + 2 (the odd-m pad at index a <= k; keeps the bucket buffer after it 16-byte aligned).
 // The launcher computes the same (topk4_smem_bytes in src/ops/indexer/mod.rs).
 __device__ __forceinline__ int tk4_above_slots(int k) {
-    int kpad = 1;
+    int kpad = 2;  // at least 2: kpad + 2 must be even so the bucket buffer stays 16-byte aligned (k = 1)
     while (kpad < k) kpad <<= 1;
     return kpad + 2;
 }

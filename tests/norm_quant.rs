@@ -1799,6 +1799,12 @@ fn rows_path_switches_to_v5_at_4096_rows_for_d_multiple_of_1024() {
                 (9000, V5),
                 (65536, V5),
             ] {
+                // BF16 -> NVFP4 above V4P_NVFP4_MAX_D: v4p cannot launch, v5 at every row count
+                let want = if format == OutFormat::Nvfp4 && d > nq::V4P_NVFP4_MAX_D {
+                    V5
+                } else {
+                    want
+                };
                 let got = nq::rows_path(rows, d, format);
                 assert_eq!(got, want, "{} {rows}x{d}", format.name());
                 if got == V5 {
@@ -1924,16 +1930,36 @@ fn gpu_v5_rows_equal_v4_and_default_bitwise() {
                     .unwrap();
                     out.download(&gpu).unwrap()
                 };
-                let v4 = run(Some(nq::RowsPath::V4));
                 let got = run(Some(nq::RowsPath::V5));
-                assert_same_rows(&format!("V5 vs V4 {label}"), &got, &v4, d);
                 let default_path = nq::rows_path(rows, d, format);
-                assert_same_rows(
-                    &format!("rmsnorm_quant ({default_path:?}) vs V4 {label}"),
-                    &run(None),
-                    &v4,
-                    d,
-                );
+                if format == OutFormat::Nvfp4 && d > nq::V4P_NVFP4_MAX_D {
+                    // v4p cannot launch here (registers): a clear error, and the default takes v5
+                    let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                    let err = nq::rmsnorm_quant_with(
+                        &gpu,
+                        RowsIn::Bf16(&dx),
+                        &dw,
+                        r::RMS_EPS,
+                        &mut out,
+                        nq::RowsPath::V4,
+                    )
+                    .expect_err("v4p must refuse D above V4P_NVFP4_MAX_D");
+                    assert!(
+                        format!("{err:#}").contains("does not fit"),
+                        "{label}: {err:#}"
+                    );
+                    assert_eq!(default_path, nq::RowsPath::V5, "{label}");
+                    assert_same_rows(&format!("rmsnorm_quant vs V5 {label}"), &run(None), &got, d);
+                } else {
+                    let v4 = run(Some(nq::RowsPath::V4));
+                    assert_same_rows(&format!("V5 vs V4 {label}"), &got, &v4, d);
+                    assert_same_rows(
+                        &format!("rmsnorm_quant ({default_path:?}) vs V4 {label}"),
+                        &run(None),
+                        &v4,
+                        d,
+                    );
+                }
                 // the CPU reference on random rows (not the boundary / extreme ones: their rstd may be far
                 // from the CPU's, see v5_rows) among the first 300 and the last 64
                 let mut checked = 0;

@@ -500,7 +500,7 @@ fn topk_ctas_per_row(gpu: &Gpu, rows: usize) -> u32 {
 /// Dynamic shared memory of `indexer_topk4_final_mcta` for `k`: the above / sort buffer (next power of two
 /// >= k, + 2 pad slots) and the bucket buffer (TK4_BUCKET_CAP + 2), 8 bytes each (kernel: tk4_above_slots).
 pub fn topk4_smem_bytes(k: usize) -> usize {
-    8 * (k.next_power_of_two() + 2 + TOPK4_BUCKET_CAP + 2)
+    8 * (k.next_power_of_two().max(2) + 2 + TOPK4_BUCKET_CAP + 2)
 }
 
 /// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing), three launches:

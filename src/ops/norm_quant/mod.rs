@@ -334,7 +334,14 @@ pub enum RowsPath {
     V5,
 }
 
-/// Fewest rows for which [`rows_path`] picks [`RowsPath::V5`].
+/// Largest D the v4p BF16 -> NVFP4 row kernels launch at: they run roundup32(D / 32) threads held to 80
+/// registers (`__maxnreg__`), i.e. 2,560 registers per warp, and an SM's 65,536 registers hold 25 such warps
+/// = 800 threads = D 25,600. Above it [`rows_path`] sends BF16 -> NVFP4 rows to v5 at any row count (D a
+/// multiple of 1024), and the v4p launch refuses the shape before launching (found by the H200 run: D 32,768
+/// failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
+pub const V4P_NVFP4_MAX_D: usize = 25_600;
+
+/// Fewest rows for which [`rows_path`] picks [`RowsPath::V5`] (except for BF16 -> NVFP4 above V4P_NVFP4_MAX_D).
 pub const V5_MIN_ROWS: usize = 4096;
 
 /// The kernels [`rmsnorm_quant`] runs for BF16 rows `[rows, d]` -> `format`: [`RowsPath::V5`] when
@@ -355,7 +362,8 @@ pub const V5_MIN_ROWS: usize = 4096;
 /// everywhere, so the switch sits there (rows between 1024 and 4096 were not measured).
 pub fn rows_path(rows: usize, d: usize, format: OutFormat) -> RowsPath {
     let v5_shape = d.is_multiple_of(V5_D_MULTIPLE) && format != OutFormat::Bf16;
-    if rows >= V5_MIN_ROWS && v5_shape {
+    let v4_fits = format != OutFormat::Nvfp4 || d <= V4P_NVFP4_MAX_D;
+    if (rows >= V5_MIN_ROWS || !v4_fits) && v5_shape {
         RowsPath::V5
     } else {
         RowsPath::V4
@@ -420,6 +428,13 @@ fn resident_wave_grid(gpu: &Gpu, f: &CudaFunction, threads: u32, rows: usize) ->
         f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None),
         "cuOccupancyMaxActiveBlocksPerMultiprocessor",
     )?;
+    // Zero when one CTA of `threads` threads needs more registers than an SM has (e.g. the v4p NVFP4 kernel,
+    // 80 registers, above V4P_NVFP4_MAX_D): refuse before the launch instead of failing in it.
+    anyhow::ensure!(
+        per_sm > 0,
+        "a CTA of {threads} threads does not fit on one SM (registers): this row kernel supports D up to \
+         {V4P_NVFP4_MAX_D}; D that are multiples of {V5_D_MULTIPLE} go to the v5 kernels"
+    );
     Ok(v4_grid(
         rows,
         per_sm as usize * gpu.info.sm_count.max(1) as usize,
