@@ -124,6 +124,28 @@ pub enum QuantBufs {
     },
 }
 
+impl QuantBufs {
+    /// Push the output buffers in the kernels' parameter order: NVFP4 (codes, block scales, global scales),
+    /// FP8 (codes, scales), BF16 (y).
+    fn push_launch_args<'a>(&'a mut self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        match self {
+            QuantBufs::Nvfp4 {
+                data,
+                scales,
+                global_scale,
+            } => {
+                b.arg(data).arg(scales).arg(global_scale);
+            }
+            QuantBufs::Fp8 { data, scales } => {
+                b.arg(data).arg(scales);
+            }
+            QuantBufs::Bf16 { y } => {
+                b.arg(y);
+            }
+        }
+    }
+}
+
 /// The output of one RMSNorm(+quant) over `rows` rows of `d`.
 pub struct NormOutputs {
     pub rows: usize,
@@ -402,38 +424,33 @@ fn rmsnorm_quant_per_row_kernel(
         RowsIn::F32(s) => b.arg(*s),
     };
     b.arg(w);
-    match &mut out.q {
-        QuantBufs::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } => {
-            b.arg(data).arg(scales).arg(global_scale);
-        }
-        QuantBufs::Fp8 { data, scales } => {
-            b.arg(data).arg(scales);
-        }
-        QuantBufs::Bf16 { y } => {
-            b.arg(y);
-        }
-    }
+    out.q.push_launch_args(&mut b);
     b.arg(&mut out.rstd).arg(&d_i).arg(&eps);
     drv(unsafe { b.launch(cfg) }, &name)?;
     Ok(())
 }
 
-/// Grid of a row-looping kernel: one full resident wave of `f` at `threads` per CTA (see [`v4_grid`]).
-fn resident_wave_grid(gpu: &Gpu, f: &CudaFunction, threads: u32, rows: usize) -> Result<usize> {
+/// Grid of a row-looping kernel (v4p or v5): one full resident wave of `f` at `threads` per CTA and `smem` bytes
+/// of dynamic shared memory (see [`v4_grid`]), or `rows` CTAs if fewer.
+fn resident_wave_grid(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    threads: u32,
+    smem: usize,
+    rows: usize,
+    name: &str,
+) -> Result<usize> {
     let per_sm = drv(
-        f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None),
+        f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None),
         "cuOccupancyMaxActiveBlocksPerMultiprocessor",
     )?;
-    // Zero when one CTA of `threads` threads needs more registers than an SM has (e.g. the v4p NVFP4 kernel,
-    // 80 registers, above V4P_NVFP4_MAX_D): refuse before the launch instead of failing in it.
+    // Zero when one CTA needs more registers or shared memory than an SM has (e.g. the v4p NVFP4 kernel, 80
+    // registers, above V4P_NVFP4_MAX_D): refuse before the launch instead of failing in it.
     anyhow::ensure!(
         per_sm > 0,
-        "a CTA of {threads} threads does not fit on one SM (registers): this row kernel supports D up to \
-         {V4P_NVFP4_MAX_D}; D that are multiples of {V5_D_MULTIPLE} go to the v5 kernels"
+        "{name}: a CTA of {threads} threads and {smem} B of shared memory does not fit on one SM (the v4p \
+         NVFP4 row kernels support D up to {V4P_NVFP4_MAX_D}; D that are multiples of {V5_D_MULTIPLE} go to the \
+         v5 kernels)"
     );
     Ok(v4_grid(
         rows,
@@ -465,7 +482,7 @@ fn rmsnorm_nvfp4_bf16in_rows_v4p(
     };
     let f = gpu.function(FAMILY, name)?;
     let threads = row_block_threads(d);
-    let grid = resident_wave_grid(gpu, &f, threads, rows)?;
+    let grid = resident_wave_grid(gpu, &f, threads, 0, rows, name)?;
     let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
     let (rows_i, d_i) = (rows as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
@@ -507,7 +524,7 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
         } => {
             let name = "quant_nvfp4_bf16in_v4p";
             let f = gpu.function(FAMILY, name)?;
-            let grid = resident_wave_grid(gpu, &f, threads, rows)?;
+            let grid = resident_wave_grid(gpu, &f, threads, 0, rows, name)?;
             let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
             let rows_i = rows as i32;
             let mut b = gpu.stream.launch_builder(&f);
@@ -597,49 +614,15 @@ fn rmsnorm_quant_v5(
     let smem = d * 4; // the weight as f32
     let f = gpu.function_with_smem(FAMILY, name, smem)?;
     let threads = v5_block_threads(d);
-    let grid = v5_wave_grid(gpu, &f, threads, smem, rows, name)?;
+    let grid = resident_wave_grid(gpu, &f, threads, smem, rows, name)?;
     let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), smem as u32);
     let (rows_i, d_i) = (rows as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(xs).arg(w);
-    match &mut out.q {
-        QuantBufs::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } => {
-            b.arg(data).arg(scales).arg(global_scale);
-        }
-        QuantBufs::Fp8 { data, scales } => {
-            b.arg(data).arg(scales);
-        }
-        QuantBufs::Bf16 { .. } => unreachable!("check_v5 rejects bf16"),
-    }
+    out.q.push_launch_args(&mut b); // NVFP4 or FP8: check_v5 rejected BF16 above
     b.arg(&mut out.rstd).arg(&rows_i).arg(&d_i).arg(&eps);
     drv(unsafe { b.launch(cfg) }, name)?;
     Ok(())
-}
-
-/// One full resident wave of a v5 kernel (its dynamic shared memory included), or `rows` CTAs if fewer.
-fn v5_wave_grid(
-    gpu: &Gpu,
-    f: &CudaFunction,
-    threads: u32,
-    smem: usize,
-    rows: usize,
-    name: &str,
-) -> Result<usize> {
-    let per_sm = drv(
-        f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None),
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-    )?;
-    if per_sm == 0 {
-        bail!("{name}: no CTA of {threads} threads and {smem} B of shared memory fits on an SM");
-    }
-    Ok(v4_grid(
-        rows,
-        per_sm as usize * gpu.info.sm_count.max(1) as usize,
-    ))
 }
 
 /// Quantize-only v5 NVFP4 (`quant_nvfp4_bf16in_v5`): BF16 rows `y` -> NVFP4, the same bits as
@@ -659,7 +642,7 @@ pub fn quantize_bf16_rows_v5(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutpu
     };
     let f = gpu.function(FAMILY, name)?;
     let threads = v5_block_threads(d);
-    let grid = v5_wave_grid(gpu, &f, threads, 0, rows, name)?;
+    let grid = resident_wave_grid(gpu, &f, threads, 0, rows, name)?;
     let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
     let (rows_i, d_i) = (rows as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
