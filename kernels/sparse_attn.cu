@@ -8,13 +8,11 @@
 //
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
-//   sparse_attn_decode_fp8_v6      the FP8 path (bench variant "fp8", Path::Fp8): the v5 kernel below with a cheaper
-//                                  q prologue (q codes by x * 2^-k instead of x / 2^k, the same value; tile 0's
-//                                  loads issued before the q quantization); notes above decode_fp8_v6_body.
-//   sparse_attn_decode_fp8_v5      the previous FP8 path (bench "fp8_v5", Path::Fp8V5): QK^T and P.V on wgmma, the
-//                                  next tile's dequant overlapped with QK^T (design notes above
-//                                  decode_fp8_v5_body). Kept for one more H200 run as the measured reference that
-//                                  v6 is timed and bit-compared against (same outputs bit for bit).
+//   sparse_attn_decode_fp8_v6      the FP8 path (bench variant "fp8", Path::Fp8): QK^T and P.V on wgmma, the next
+//                                  tile's dequant overlapped with QK^T (the v5 main loop, design notes above
+//                                  load_raw_regs), behind a cheaper q prologue than v5's (q codes by x * 2^-k
+//                                  instead of x / 2^k, the same value; tile 0's loads issued before the q
+//                                  quantization); notes above decode_fp8_v6_body.
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -54,6 +52,8 @@
 // batch 128 201.4 vs 224.6 (~10 us of every CTA). Removed: the last-arriver in-kernel merge (one CTA reads every
 // split's partials, serially), v5 / v6 bodies: Flash b1 84.8 / 74.2 vs 28.1, Pro b8 79.5 / 70.4 vs 38.3, HCA 1M b1
 // 177.0 / 164.9 vs 50.3; the combine launched by PDL: Flash b1 27.6 vs 28.1 but b8 32.4 vs 30.3, HCA 1M b4 93.3 vs 55.6.
+// Session-4 final run (b4862dd, v6 vs v5, bit-identical in every GPU test): Flash b1 22.3 vs 28.6, b128 70.5 vs 81.5;
+// Pro b1 24.4 vs 31.1, b128 199.0 vs 221.4; HCA 1M b1 44.3 vs 49.9. The v5 entry point was removed after that run.
 //
 // Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
 // 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
@@ -504,7 +504,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[32][4], uint64_t 
         : "l"(da), "l"(db), "r"(1));
 }
 // ---------------------------------------------------------------------------------------------------------
-// FP8 v5 body (sparse_attn_decode_fp8_v5, bench "fp8_v5"; its main loop and epilogue are also the v6 body's):
+// FP8 main loop (introduced by v5, whose entry point was removed after the session-4 final run; decode_fp8_v6_body
+// runs it, with the same epilogue):
 // QK^T and P.V on wgmma, with the next tile's dequant overlapped with the current tile's QK^T wgmma, and no raw shared-memory stage.
 //   * Two swizzled K = V tiles (vt[0], vt[1]). The raw entries go global -> registers -> BF16 tile: thread
 //     (e = tid / 4, q = tid % 4) loads exactly the 8-byte chunks its dequant converts (14 nope chunks, the scale
@@ -525,7 +526,7 @@ constexpr int kV5RedSum = kV5RedMax + kRedBytes;
 constexpr int kV5Idx = kV5RedSum + kRedBytes;           // 4 slots of 64 indices
 constexpr int kV5Bytes = kV5Idx + 4 * kBlockN * 4;      // 206848
 constexpr int kV5SmemBytes = kV5Bytes + 1024;
-static_assert(kV5SmemBytes == 207872, "mirror FP8_V5_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+static_assert(kV5SmemBytes == 207872, "mirror FP8_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
 static_assert(kV5P % 1024 == 0 && kV5Vt % 1024 == 0, "wgmma tiles 1024-aligned");
 
 struct RawRegs {
@@ -572,146 +573,6 @@ __device__ __forceinline__ void dequant_regs_v5(const RawRegs& r, uint8_t* vt, i
     }
     *reinterpret_cast<uint4*>(vt + sw_off(e, 56 + q)) = make_uint4(r.rope[0].x, r.rope[0].y, r.rope[1].x, r.rope[1].y);
     *reinterpret_cast<uint4*>(vt + sw_off(e, 60 + q)) = make_uint4(r.rope[2].x, r.rope[2].y, r.rope[3].x, r.rope[3].y);
-}
-
-__device__ __forceinline__ void decode_fp8_v5_body(const DecodeArgs& a) {
-    extern __shared__ __align__(16) uint8_t smem_unaligned[];
-    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
-    uint8_t* qsw = smem + kV5Q;
-    uint8_t* psw = smem + kV5P;
-    float* red_max = reinterpret_cast<float*>(smem + kV5RedMax);
-    float* red_sum = reinterpret_cast<float*>(smem + kV5RedSum);
-    int* idxs = reinterpret_cast<int*>(smem + kV5Idx);
-
-    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
-    const int de = tid >> 2, dq = tid & 3, dodd = de & 1;  // this thread's dequant entry / chunk phase
-    int len, t_begin, n_it;
-    tile_range(a, b, split, len, t_begin, n_it);
-
-    if (tid < kBlockN) {
-#pragma unroll
-        for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
-    }
-    // q: quantized per (head, 64-tile) like a KV entry (warp w: heads 8w..8w+7), stored in the swizzled layout.
-    {
-        uint4 raw[8][2];
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
-            raw[hh][0] = *reinterpret_cast<const uint4*>(src);
-            raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
-        }
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const int hrow = 8 * warp + hh;
-            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
-            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
-            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
-                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
-            float x[16];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                x[2 * i] = __uint_as_float(wv[i] << 16);
-                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
-            }
-            const LaneQuant lq = quantize_lane(x, lane);
-            if (lane < 28) {
-                uint32_t o[8];
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
-                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
-                }
-                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
-                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
-            } else {
-                *dst0 = raw[hh][0];
-                *dst1 = raw[hh][1];
-            }
-        }
-    }
-
-    WarpState st;
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
-    st.m[0] = st.m[1] = -INFINITY;
-    st.l[0] = st.l[1] = 0.f;
-
-    __syncthreads();  // idx slots 0..2 visible
-    RawRegs rr;
-    if (n_it > 0) {
-        load_raw_regs(rr, a.pool, idxs[de], dq, dodd);
-        dequant_regs_v5(rr, smem + kV5Vt, de, dq, dodd);
-    }
-    if (n_it > 1) load_raw_regs(rr, a.pool, idxs[kBlockN + de], dq, dodd);
-    fence_proxy_async();  // q and vt[0] generic stores -> async proxy (after the loop-top barrier)
-
-    const uint32_t q_base = smem_addr(qsw);
-    const uint32_t vt_base0 = smem_addr(smem + kV5Vt);
-    const uint64_t p_desc = sw128_desc(smem_addr(psw));
-
-    for (int it = 0; it < n_it; ++it) {
-        __syncthreads();  // vt[it & 1] complete; every warp group finished P.V(it-1); idx slot (it+2)%4 visible
-        const uint32_t vt_cur = vt_base0 + (uint32_t)((it & 1) * kSwTileBytes);
-        const int* idx_cur = idxs + (it % 4) * kBlockN;
-        if (tid < kBlockN && it + 3 < n_it)
-            idxs[((it + 3) % 4) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 3) * kBlockN + tid);
-
-        // ---- S = q . K^T on vt[it & 1], issued async ----
-        float acc[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-        fence_acc(acc);
-        wgmma_fence();
-        {
-            const uint32_t b_rows = vt_cur + (uint32_t)(32 * wh * 128);
-#pragma unroll
-            for (int kb = 0; kb < 8; ++kb) {
-                const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
-                const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
-#pragma unroll
-                for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);
-            }
-        }
-        wgmma_commit();
-
-        // ---- while the tensor cores run: tile it+1 registers -> vt[(it+1) & 1]; load tile it+2 ----
-        if (it + 1 < n_it) {
-            dequant_regs_v5(rr, smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
-            if (it + 2 < n_it) load_raw_regs(rr, a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
-        }
-
-        wgmma_wait_all();
-        fence_acc(acc);
-
-        float s[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const int c0 = 32 * wh + 8 * n + 2 * tq;
-            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
-            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
-            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
-            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
-            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
-        }
-
-        softmax_step<true>(st, s, red_max, PSwizzled{psw, wh, g, tq}, wm, wh, g, tq);
-        fence_proxy_async();  // P and vt[(it+1) & 1] generic stores -> async proxy
-        __syncthreads();      // all 64 P rows written
-
-        // ---- O[64 heads, dims 256wh..+255] += P . V(it) ----
-        const uint64_t v_desc = sw128_desc_mn(vt_cur + (uint32_t)(4 * wh * kSwBlockBytes));
-        fence_acc_o(st.o);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k) wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_acc_o(st.o);
-    }
-    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -838,13 +699,6 @@ extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t*
             n_splits, out, part_o, part_lse                                                                      \
     }
 
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. The previous FP8 path, now Path::Fp8V5
-// (bench "fp8_v5"): kept for one more H200 run as the measured reference the new default (sparse_attn_decode_fp8_v6,
-// same values) is timed and bit-compared against.
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v5(SA_DECODE_PARAMS) {
-    sa::decode_fp8_v5_body(SA_DECODE_ARGS);
-}
-
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kB16SmemBytes. Reads `staging`.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_bf16(SA_DECODE_PARAMS) {
     sa::decode_bf16_body(SA_DECODE_ARGS);
@@ -945,8 +799,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
 namespace sa {
 
 // =============================================================================================================
-// v6 body (sparse_attn_decode_fp8_v6, the FP8 path: Path::Fp8, bench "fp8"): decode_fp8_v5_body with a cheaper
-// prologue, same values bit for bit (same epilogue: finish() writes `out` or the split partials):
+// v6 body (sparse_attn_decode_fp8_v6, the FP8 path: Path::Fp8, bench "fp8"): the removed v5 body with a cheaper
+// prologue, same values bit for bit (same main loop and epilogue: finish() writes `out` or the split partials):
 //   * q codes by multiplication: e4m3(x / s) with s = 2^(c-127) the UE8M0 scale (code c in 1..254, from
 //     ue8m0_pow2_scale_for) equals e4m3(x * 2^(127-c)): x / 2^k and x * 2^-k are the same real number, and both
 //     IEEE operations round it once to nearest-even (no FTZ in this build), so the f32 inputs of the e4m3
@@ -1121,7 +975,7 @@ __device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
 
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. The FP8 path (Path::Fp8, bench "fp8"):
 // the v6 body; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for sparse_attn_combine (exactly
-// as sparse_attn_decode_fp8_v5 does: the same finish()). Bit-identical to sparse_attn_decode_fp8_v5.
+// as the removed sparse_attn_decode_fp8_v5 did: the same finish()). Measured bit-identical to v5 until its removal.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v6(SA_DECODE_PARAMS) {
     sa::decode_fp8_v6_body(SA_DECODE_ARGS);
 }

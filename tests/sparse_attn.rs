@@ -643,6 +643,23 @@ fn check_gpu_path_with_reference(
         QueryPrecision::Bf16
     };
     let r = decode_attention(&hp.problem(), prec).unwrap();
+    let label = format!(
+        "{test}: {path:?} shape {shape:?} lengths {:?} plan {plan:?}",
+        hp.lengths
+    );
+    assert_within_reference(&label, &shape, &got, &r);
+    (got, r)
+}
+
+/// Assert every output element is within `reference::tolerance` of the CPU reference (NaN, i.e. poison left in
+/// place, counts as a mismatch); print the worst error / tolerance ratio, and on failure name the first mismatch.
+fn assert_within_reference(
+    label: &str,
+    shape: &DecodeShape,
+    got: &[f64],
+    r: &reference::DecodeReference,
+) {
+    assert_eq!(got.len(), r.out.len(), "{label}: output length");
     let (mut worst_ratio, mut worst_i, mut max_abs) = (0f64, 0usize, 0f64);
     for (i, &g) in got.iter().enumerate() {
         let err = (g - r.out[i]).abs();
@@ -669,12 +686,12 @@ fn check_gpu_path_with_reference(
             err.is_nan() || err > reference::tolerance(r.mass[i], r.out[i])
         });
     println!(
-        "{test}: {path:?} shape {shape:?} lengths {:?} plan {plan:?}: max abs err {max_abs:.3e}, worst err/tol {worst_ratio:.3} at (b {b}, h {h}, d {d}) gpu {} ref {}",
-        hp.lengths, got[worst_i], r.out[worst_i]
+        "{label}: max abs err {max_abs:.3e}, worst err/tol {worst_ratio:.3} at (b {b}, h {h}, d {d}) gpu {} ref {}",
+        got[worst_i], r.out[worst_i]
     );
     if let Some(i) = first_bad {
         panic!(
-            "{test}: {path:?} first mismatch at flat {i} (b {}, h {}, d {}): gpu {} ref {} tol {:.3e} (mass {:.3e})",
+            "{label}: first mismatch at flat {i} (b {}, h {}, d {}): gpu {} ref {} tol {:.3e} (mass {:.3e})",
             i / (shape.heads * HEAD_DIM),
             (i / HEAD_DIM) % shape.heads,
             i % HEAD_DIM,
@@ -684,7 +701,6 @@ fn check_gpu_path_with_reference(
             r.mass[i]
         );
     }
-    (got, r)
 }
 
 #[test]
@@ -832,10 +848,10 @@ fn gpu_decode_fp8_pipeline_edges() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The default FP8 path (Path::Fp8, `sparse_attn_decode_fp8_v6`) against the previous one (Path::Fp8V5,
-// `sparse_attn_decode_fp8_v5`, kept for one more H200 run as the measured reference): bit for bit under every
-// split plan (the q codes are the same values, pow2_division_equals_reciprocal_product; the rest of the kernel is
-// v5's). Path::Fp8 is held to the CPU reference by the tests above.
+// The FP8 path (Path::Fp8, `sparse_attn_decode_fp8_v6`) under every split plan, repeated calls on one workspace
+// and CUDA-graph replay: every output within tolerance of the CPU reference, repeats bit for bit equal to the
+// first call. (These tests compared v6 against the previous path, v5, bit for bit until v5 was removed after the
+// session-4 final run, where the two were bit-identical in every GPU test.)
 // ---------------------------------------------------------------------------------------------------------
 
 /// Device copies of a host problem's inputs.
@@ -883,7 +899,7 @@ fn assert_same_bits(label: &str, shape: &DecodeShape, want: &[bf16], got: &[bf16
         .collect();
     if let Some(&i) = bad.first() {
         panic!(
-            "{label}: {} of {} outputs differ from Path::Fp8V5; first at flat {i} (b {}, h {}, d {}): fp8_v5 {} ({:#06x}) fp8 {} ({:#06x})",
+            "{label}: {} of {} outputs differ from the first call's; first at flat {i} (b {}, h {}, d {}): first call {} ({:#06x}) now {} ({:#06x})",
             bad.len(),
             want.len(),
             i / (shape.heads * HEAD_DIM),
@@ -897,29 +913,30 @@ fn assert_same_bits(label: &str, shape: &DecodeShape, want: &[bf16], got: &[bf16
     }
 }
 
-/// Path::Fp8V5 once, then Path::Fp8 `calls` times on one workspace (outputs and split partials poisoned before
-/// every call, so a call can only pass with what it wrote itself); every output bit-identical to the Fp8V5 output.
-/// Returns the Fp8V5 output.
-fn check_bits_vs_v5(
+/// The CPU reference the FP8 path is held to (q quantized per (head, 64-tile) like a KV entry); independent of
+/// the split plan.
+fn fp8_reference(hp: &HostProblem) -> reference::DecodeReference {
+    decode_attention(&hp.problem(), QueryPrecision::Fp8Tiles).unwrap()
+}
+
+/// Path::Fp8 `calls` times on one workspace (outputs and split partials poisoned before every call, so a call
+/// can only pass with what it wrote itself): every call's output within tolerance of the CPU reference `r` at
+/// every element, and every call after the first bit-identical to the first. Returns the first call's output.
+fn check_fp8_calls(
     test: &str,
     gpu: &megamoe::gpu::Gpu,
     hp: &HostProblem,
+    r: &reference::DecodeReference,
     plan: SplitPlan,
     calls: usize,
 ) -> Vec<bf16> {
+    assert!(calls >= 1, "{test}: at least one call");
     let shape = hp.shape();
     let dp = DeviceProblem::upload(gpu, hp);
     let inp = dp.inputs();
     let n = shape.batch * shape.heads * HEAD_DIM;
-    let mut ws_ref = Workspace::new(gpu, &shape, plan, false).unwrap();
-    let mut out_ref = gpu.poisoned::<bf16>(n, 0xFF).unwrap();
-    decode(gpu, Path::Fp8V5, &shape, &inp, &mut ws_ref, &mut out_ref).unwrap();
-    let want = gpu.download(&out_ref).unwrap();
-    assert!(
-        want.iter().all(|v| !v.is_nan()),
-        "{test}: the Fp8V5 reference output still holds poison"
-    );
     let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
+    let mut first: Option<Vec<bf16>> = None;
     for call in 0..calls {
         ws.poison_partials(gpu).unwrap();
         let mut out = gpu.poisoned::<bf16>(n, 0xFF).unwrap();
@@ -929,13 +946,18 @@ fn check_bits_vs_v5(
             "{test}: Fp8 call {call}, shape {shape:?} lengths {:?} plan {plan:?}",
             hp.lengths
         );
-        assert_same_bits(&label, &shape, &want, &got);
+        let got_f64: Vec<f64> = got.iter().map(|v| v.to_f64()).collect();
+        assert_within_reference(&label, &shape, &got_f64, r);
+        match &first {
+            None => first = Some(got),
+            Some(want) => assert_same_bits(&label, &shape, want, &got),
+        }
     }
     println!(
-        "{test}: Fp8 (v6) == Fp8V5 bit for bit over {calls} calls, lengths {:?} heads {} plan {plan:?}",
+        "{test}: Fp8 within tolerance of the reference and bit-identical over {calls} calls, lengths {:?} heads {} plan {plan:?}",
         hp.lengths, shape.heads
     );
-    want
+    first.expect("calls >= 1")
 }
 
 /// Every split plan a problem can meet: one split, 1 / 2 / 3 tiles per split, and the FP8 and baseline plans on
@@ -961,25 +983,26 @@ fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPla
 }
 
 #[test]
-fn gpu_decode_fp8_bit_identical_to_fp8_v5() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_bit_identical_to_fp8_v5") else {
+fn gpu_decode_fp8_every_split_plan() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_every_split_plan") else {
         return;
     };
-    let mut rng = seeded("gpu_decode_fp8_bit_identical_to_fp8_v5", 0xF05ED);
+    let mut rng = seeded("gpu_decode_fp8_every_split_plan", 0xF05ED);
     // Tile edges (0, 1, 127, 129), 200, Flash (640) and Pro (1152) lists, -1 holes; 64 and 128 heads.
     let hp64 = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true);
     let hp128 = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
     for hp in [&hp64, &hp128] {
+        let r = fp8_reference(hp);
         for (name, plan) in all_plans(&gpu, hp) {
             let label = format!("h{} {name}", hp.heads);
-            check_bits_vs_v5(&label, &gpu, hp, plan, 2);
+            check_fp8_calls(&label, &gpu, hp, &r, plan, 2);
         }
     }
 }
 
 /// HCA at 1M context (8320 candidates = 130 tiles): 130 splits of one tile (more than 32, so every lane of the
 /// combine's statistics loop takes several splits, the last round partial), 16 and 33 tiles per split, the FP8
-/// plan; bit-identical to Fp8V5 and, for the 130-split plan, within tolerance of the reference.
+/// plan; every output of every call within tolerance of the reference, the second call bit-identical to the first.
 #[test]
 fn gpu_decode_fp8_long_hca_many_splits() {
     let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_many_splits") else {
@@ -988,22 +1011,24 @@ fn gpu_decode_fp8_long_hca_many_splits() {
     let mut rng = seeded("gpu_decode_fp8_long_hca_many_splits", 0x8321);
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
     let shape = hp.shape();
+    let r = fp8_reference(&hp);
     for t in [1usize, 16, 33] {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        check_bits_vs_v5(&format!("hca 8320 split {t} tiles"), &gpu, &hp, plan, 2);
+        check_fp8_calls(&format!("hca 8320 split {t} tiles"), &gpu, &hp, &r, plan, 2);
     }
     let own = SplitPlan::by_cost(gpu.info.sm_count as usize, &shape);
-    check_bits_vs_v5("hca 8320 fp8 plan", &gpu, &hp, own, 2);
-    check_gpu_path("fp8 hca 8320 130 splits", &gpu, &hp, Path::Fp8, Some(1));
+    check_fp8_calls("hca 8320 fp8 plan", &gpu, &hp, &r, own, 2);
 }
 
 /// Path::Fp8 as a replayed CUDA graph (decode + combine when split): outputs and partials poisoned before each of
-/// 4 replays, each bit-identical to Fp8V5.
+/// 4 replays, each bit-identical to a plain (not captured) Path::Fp8 call on the same plan, which is itself held
+/// to the CPU reference.
 fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem) {
     let shape = hp.shape();
+    let r = fp8_reference(hp);
     for t in [1usize, 3, 1000] {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        let want = check_bits_vs_v5(&format!("{test} setup split {t}"), gpu, hp, plan, 1);
+        let want = check_fp8_calls(&format!("{test} setup split {t}"), gpu, hp, &r, plan, 1);
         let dp = DeviceProblem::upload(gpu, hp);
         let inp = dp.inputs();
         let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
@@ -1026,7 +1051,7 @@ fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem) {
                 &got,
             );
         }
-        println!("{test}: split {t}: 4 graph replays bit-identical to Fp8V5");
+        println!("{test}: split {t}: 4 graph replays bit-identical to the plain call");
     }
 }
 
@@ -1161,9 +1186,15 @@ fn bench_config_and_split_plans() {
         bench_path(v).unwrap();
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
-    assert_eq!(bench_path("fp8_v5").unwrap(), Path::Fp8V5);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
-    for retired in ["fp8_v3", "fp8_v4", "fp8_fused", "fp8_fused_v6", "fp8_pdl"] {
+    for retired in [
+        "fp8_v3",
+        "fp8_v4",
+        "fp8_fused",
+        "fp8_fused_v6",
+        "fp8_pdl",
+        "fp8_v5",
+    ] {
         assert!(
             bench_path(retired).is_err(),
             "A/B variant {retired} was retired"

@@ -22,9 +22,10 @@
 //! 429.3) and is the only one kept; the numbers are in the header of `kernels/sparse_attn.cu`.
 //!
 //! Session-4 A/B (results/h200/session4-ab): the default [`Path::Fp8`] became `sparse_attn_decode_fp8_v6` (v5
-//! with a cheaper q prologue, bit-identical; e.g. Flash batch 128 70.4 us vs 82.9); [`Path::Fp8V5`] is kept for
-//! one more H200 run as its measured reference. The in-kernel split merge (last-arriving CTA) and the combine
-//! launched by PDL lost and were removed (numbers in the `.cu` header).
+//! with a cheaper q prologue, bit-identical; e.g. Flash batch 128 70.4 us vs 82.9). The in-kernel split merge
+//! (last-arriving CTA) and the combine launched by PDL lost and were removed (numbers in the `.cu` header).
+//! The session-4 final run (b4862dd) timed v6 against v5 once more: v6 faster at every point and bit-identical
+//! in every GPU test, so the v5 path (`Fp8V5`, bench variant `fp8_v5`) was removed.
 
 pub mod exec;
 pub mod reference;
@@ -44,13 +45,11 @@ pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
 pub const HEADS_PER_CTA: usize = 64;
 /// Candidates per KV tile (the kernel's inner-loop step).
 pub const BLOCK_N: usize = 64;
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v5` and `_v6` (mirrors `sa::kV5SmemBytes`: 206848 + 1024 B of slack
+/// Dynamic shared memory of `sparse_attn_decode_fp8_v6` (mirrors `sa::kV5SmemBytes`: 206848 + 1024 B of slack
 /// the kernel uses to align its wgmma tiles to 1024 bytes).
-const FP8_V5_SMEM_BYTES: u32 = 207_872;
-/// Entry point of the FP8 path (v6: v5's body behind a cheaper q prologue; same shared memory as v5).
+const FP8_SMEM_BYTES: u32 = 207_872;
+/// Entry point of the FP8 path (v6: the removed v5's main loop behind a cheaper q prologue).
 const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v6";
-/// Entry point of [`Path::Fp8V5`], the previous FP8 path, kept for one run as the measured reference.
-const FP8_V5_KERNEL: &str = "sparse_attn_decode_fp8_v5";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -149,11 +148,11 @@ impl SplitPlan {
         }
     }
 
-    /// The plan each path runs with: `Fp8` and `Fp8V5` use [`SplitPlan::by_cost`], the baseline keeps
+    /// The plan each path runs with: `Fp8` uses [`SplitPlan::by_cost`], the baseline keeps
     /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8V5 => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8 => SplitPlan::by_cost(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
@@ -235,7 +234,6 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    decode_fp8_v5: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
 }
@@ -245,8 +243,7 @@ impl Kernels {
         let with_smem = |name: &str, smem: u32| gpu.function_with_smem(FAMILY, name, smem as usize);
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
-            decode_fp8: with_smem(FP8_KERNEL, FP8_V5_SMEM_BYTES)?,
-            decode_fp8_v5: with_smem(FP8_V5_KERNEL, FP8_V5_SMEM_BYTES)?,
+            decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
         })
@@ -317,12 +314,8 @@ pub enum Path {
     /// `sparse_attn_decode_fp8_v6`: reads the FP8 pool directly, quantizes q per (head, 64-tile) like a KV entry
     /// (codes from `x * 2^-k`, the same values as `x / 2^k`), dequantizes each tile once to a 128B-swizzled BF16
     /// tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T; when the plan splits,
-    /// `sparse_attn_combine` merges the partials. Bit-identical to [`Path::Fp8V5`]. Bench variant `fp8`.
+    /// `sparse_attn_combine` merges the partials. Bench variant `fp8`.
     Fp8,
-    /// `sparse_attn_decode_fp8_v5` (+ the same combine): the previous default, the v6 kernel with the q codes from
-    /// the IEEE division and tile 0 loaded after the q prologue. Kept for one more H200 run as the measured
-    /// reference `Fp8` is timed and bit-compared against. Bench variant `fp8_v5`.
-    Fp8V5,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -377,12 +370,7 @@ pub fn decode(
     }
 
     let (name, smem, f) = match path {
-        Path::Fp8 => (FP8_KERNEL, FP8_V5_SMEM_BYTES, ws.kernels.decode_fp8.clone()),
-        Path::Fp8V5 => (
-            FP8_V5_KERNEL,
-            FP8_V5_SMEM_BYTES,
-            ws.kernels.decode_fp8_v5.clone(),
-        ),
+        Path::Fp8 => (FP8_KERNEL, FP8_SMEM_BYTES, ws.kernels.decode_fp8.clone()),
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
             BF16_SMEM_BYTES,
@@ -398,7 +386,7 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8V5 => b.arg(inp.pool).arg(&null),
+            Path::Fp8 => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -542,7 +530,7 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8V5 => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
@@ -550,18 +538,17 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
 }
 
 /// Kernel name of the bench rows; variants `fp8` (this family's kernel `sparse_attn_decode_fp8_v6`, with its own
-/// split plan), `fp8_v5` (the previous `fp8`, kept for one more run as the measured reference, same plan) and
-/// `bf16_staging` (the baseline). Retired after the H200 A/B runs: `fp8_v3` / `fp8_v4` (v5 became `fp8`), then
-/// `fp8_fused` / `fp8_fused_v6` (in-kernel split merge) and `fp8_pdl` (combine launched by PDL).
+/// split plan) and `bf16_staging` (the baseline). Retired after the H200 A/B runs: `fp8_v3` / `fp8_v4` (v5 became
+/// `fp8`), then `fp8_fused` / `fp8_fused_v6` (in-kernel split merge) and `fp8_pdl` (combine launched by PDL), and
+/// after the session-4 final run `fp8_v5` (v6 became `fp8`).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
-/// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8` and `fp8_v5`.
-pub const BENCH_VARIANTS: [&str; 3] = ["fp8", "fp8_v5", "bf16_staging"];
+/// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
+pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
-        "fp8_v5" => Path::Fp8V5,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
