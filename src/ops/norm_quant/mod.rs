@@ -517,24 +517,8 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
     let threads = row_block_threads(d);
     let d_i = d as i32;
     match &mut out.q {
-        QuantBufs::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } => {
-            let name = "quant_nvfp4_bf16in_v4p";
-            let f = gpu.function(FAMILY, name)?;
-            let grid = resident_wave_grid(gpu, &f, threads, 0, rows, name)?;
-            let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
-            let rows_i = rows as i32;
-            let mut b = gpu.stream.launch_builder(&f);
-            b.arg(y)
-                .arg(data)
-                .arg(scales)
-                .arg(global_scale)
-                .arg(&rows_i)
-                .arg(&d_i);
-            drv(unsafe { b.launch(cfg) }, name)?;
+        QuantBufs::Nvfp4 { .. } => {
+            launch_quant_nvfp4_rows(gpu, "quant_nvfp4_bf16in_v4p", threads, y, out)?;
         }
         QuantBufs::Fp8 { data, scales } => {
             let cfg = launch_cfg((rows as u32, 1, 1), (threads, 1, 1), 0);
@@ -631,7 +615,19 @@ pub fn quantize_bf16_rows_v5(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutpu
     let (rows, d) = (out.rows, out.d);
     check_v5(rows, d, out.format)?;
     check_len("y", y.len(), rows * d)?;
-    let name = "quant_nvfp4_bf16in_v5";
+    launch_quant_nvfp4_rows(gpu, "quant_nvfp4_bf16in_v5", v5_block_threads(d), y, out)
+}
+
+/// A quantize-only BF16 -> NVFP4 row-looping kernel (`quant_nvfp4_bf16in_v4p` / `_v5`: the same parameters):
+/// one resident wave of `threads`-thread CTAs over `out.rows` rows. The caller checked the shapes.
+fn launch_quant_nvfp4_rows(
+    gpu: &Gpu,
+    name: &str,
+    threads: u32,
+    y: &CudaSlice<bf16>,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
     let QuantBufs::Nvfp4 {
         data,
         scales,
@@ -641,7 +637,6 @@ pub fn quantize_bf16_rows_v5(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutpu
         bail!("{name}: the output format must be nvfp4");
     };
     let f = gpu.function(FAMILY, name)?;
-    let threads = v5_block_threads(d);
     let grid = resident_wave_grid(gpu, &f, threads, 0, rows, name)?;
     let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
     let (rows_i, d_i) = (rows as i32, d as i32);
