@@ -954,21 +954,7 @@ fn launch_pre_finish(
         .arg(&mut out.post)
         .arg(&mut out.comb)
         .arg(&mut out.u);
-    match &mut out.normed.q {
-        QuantBufs::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } => {
-            b.arg(data).arg(scales).arg(global_scale);
-        }
-        QuantBufs::Fp8 { data, scales } => {
-            b.arg(data).arg(scales);
-        }
-        QuantBufs::Bf16 { y } => {
-            b.arg(y);
-        }
-    }
+    out.normed.q.push_launch_args(&mut b);
     b.arg(&mut out.normed.rstd);
     drv(unsafe { b.launch(cfg) }, &name)?;
     Ok(())
