@@ -35,7 +35,7 @@ strip "$out/megamoe" "$out"/tests/* 2>/dev/null || true
 # Compressed: a device call carries at most 64 MiB, and the stripped executables shrink about 3x; gpu-run.sh
 # unpacks them on the GPU machine.
 gzip -9 "$out"/tests/*
-cp scripts/gpu-run.sh "$out/"
+cp scripts/gpu-run.sh scripts/ncu-hot.py "$out/"
 cp -r bench-configs "$out/"
 git rev-parse --short HEAD > "$out/COMMIT"
 if ! git diff --quiet HEAD -- src kernels build.rs Cargo.toml tests; then echo "+dirty" >> "$out/COMMIT"; fi

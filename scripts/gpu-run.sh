@@ -9,7 +9,8 @@
 #        runs of test executables, "exe[:filter] ..."), BENCH_TIMEOUT (per config), REPS,
 #        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all when unset),
 #        TESTS (tests: space-separated test executable names to run; all when unset), PROFILE_TIMEOUT
-#        (per family; CONFIGS also selects profile families)
+#        (per family; CONFIGS also selects profile families), PROFILE_SOURCE=1 (profile: also export the
+#        per-SASS-instruction source page with warp-stall samples, ncu-<family>-hot.txt)
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || B="$(pwd)/gpu-bundle"
@@ -95,10 +96,21 @@ if [ "$what" = profile ]; then
     if [ -n "${CONFIGS:-}" ] && ! [[ " $CONFIGS " == *" $name "* ]]; then continue; fi
     re="$(sed -n 's/^# ncu-kernels: //p' "$c")"; launches="$(sed -n 's/^# ncu-launches: //p' "$c")"
     step "ncu $name ($re, ${launches:-8} launches)"
+    # PROFILE_SOURCE=1 also keeps the report and exports its per-SASS-instruction page (warp-stall samples per
+    # instruction: which load a warp waits on) as ncu-<family>-source.csv.gz, summarized by ncu-hot.py into ncu-<family>-hot.txt.
+    rep=(); [ -n "${PROFILE_SOURCE:-}" ] && rep=(-o "$work/ncu-$name" -f)
     # shellcheck disable=SC2086
-    timeout "${PROFILE_TIMEOUT:-200}" "$ncu" --clock-control none $sections -k "regex:$re" \
+    timeout "${PROFILE_TIMEOUT:-200}" "$ncu" --clock-control none $sections -k "regex:$re" "${rep[@]}" \
       --launch-count "${launches:-8}" "$B/megamoe" bench --config "$c" --out "$work/profile-bench" \
       > "$work/ncu-$name.txt" 2>&1 || { echo "ncu $name failed"; status=1; }
+    if [ -n "${PROFILE_SOURCE:-}" ] && [ -f "$work/ncu-$name.ncu-rep" ]; then
+      "$ncu" -i "$work/ncu-$name.ncu-rep" >> "$work/ncu-$name.txt" 2>&1
+      timeout 120 "$ncu" -i "$work/ncu-$name.ncu-rep" --page source --print-source sass --csv \
+        > "$work/ncu-$name-source.csv" 2>&1 || echo "ncu $name: source export failed (see ncu-$name-source.csv)"
+      rm -f "$work/ncu-$name.ncu-rep"
+      python3 "$B/ncu-hot.py" "$work/ncu-$name-source.csv" 40 > "$work/ncu-$name-hot.txt" 2>&1 \
+        && gzip -f "$work/ncu-$name-source.csv"
+    fi
     grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput" "$work/ncu-$name.txt" | paste - - - | head -n 20
   done
   rm -rf "$work/profile-bench"
