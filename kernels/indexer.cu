@@ -1314,3 +1314,268 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
         out_score[(size_t)row * k + j] = -INFINITY;
     }
 }
+
+// ------------------------------------------------------------------------------------------------------------
+// FP8 logits v6 (A/B candidate, session 5; bench variant "fused_tma"): the v5 math fed by the Tensor Memory
+// Accelerator through a ring of full/empty mbarriers instead of cp.async rounds.
+// Why: ncu of v5 at 1M / batch 1 shows the cp.async wait, the round barrier and the wgmma wait as the top
+// stalls: each round ends in wait_group 0 + proxy fence + __syncthreads, so a CTA's copy stream stops at every
+// round boundary. Here a producer thread runs up to STAGES tiles ahead and nothing block-wide sits in the loop.
+//   * Block = 4 consumer warps (one warpgroup, the v5 wgmma + epilogue) + 1 producer warp (lane 0 issues copies,
+//     lanes 1..31 exit at once). 3 CTAs per SM, same persistent contiguous item ranges as v5.
+//   * Key tile = one 2D tensor-map copy (cp.async.bulk.tensor, box 128 B x 64 rows of the [batch * capacity][128]
+//     u8 code plane, CU_TENSOR_MAP_SWIZZLE_128B): the TMA writes row r's 16-byte chunk c at r * 128 +
+//     ((c ^ (r & 7)) << 4) of the 1024-aligned stage, exactly v5's layout, so the wgmma descriptors are v5's.
+//     The 64 fp32 key scales = one 1D tensor-map copy (box 64 of the [batch * capacity] f32 plane).
+//   * Tail: rows key0 + r >= n_seq of a tile are still copied; while they are inside the plane (slot <
+//     batch * capacity) they are allocated cache bytes of this or the next sequence, past the plane's end the TMA
+//     fills zeros. Either way they only reach accumulator rows that are never stored (row m of D depends on row m
+//     of A only). The TMA never reads outside the tensor map's extent, so no over-read of the allocation.
+//     Every copy credits its full box (8192 + 256 bytes) to the barrier's transaction count, filled or not.
+//   * Tiles with key0 >= n_seq (a row shorter than the longest) are skipped by producer and consumers alike:
+//     both walk the same item list and evaluate the same predicate on the same num_valid values, so their
+//     sequence of used stages (the "fill" counter below) is identical.
+// mbarrier phase protocol (stage s = fill % STAGES, pass p = fill / STAGES, per non-empty tile `fill`):
+//   full[s]  (count 1): the producer's arrive.expect_tx(8448) + the two copies' complete_tx complete phase p;
+//            consumers wait with parity p & 1. The TMA's writes are visible to every thread that observed the
+//            phase completion (including the async-proxy wgmma reads issued after the wait).
+//   empty[s] (count 4): after its wgmma.wait_group 0 (this warp's part of the stage's wgmma reads done) and the
+//            lds of the two key scales, each consumer warp's lane 0 arrives once (after __syncwarp) -> phase p
+//            completes when all 4 warps released pass p. Before pass p >= 1 of stage s the producer waits on
+//            empty[s] with parity (p - 1) & 1, i.e. for the release of pass p - 1.
+//   The producer can be at most STAGES fills ahead of the slowest consumer warp, and a consumer cannot pass a
+//   full barrier the producer has not armed, so no barrier is ever more than one phase ahead of its waiter: the
+//   parity test is unambiguous. Every fill is consumed (consumers walk all fills), so no copy is in flight when
+//   the CTA exits. Barriers are initialised by thread 0, made visible with fence.mbarrier_init + __syncthreads
+//   (the only block-wide barrier; all 160 threads execute it before the roles split).
+// q / w: loaded by the consumers as in v5 on each sequence change, between two named barriers over the 128
+// consumer threads (bar 1): the first makes sure every warp's previous wgmma (which read q) has completed, the
+// second publishes the generic stores (after fence.proxy.async) to the wgmma. The branch is uniform over the
+// consumers (a function of the item), and the producer never takes part in bar 1.
+// Math: the same 4 wgmma per tile on the same shared-memory layout, the same epilogue in the same order, the
+// same key scale value -> scores bit-identical to v5 (tested).
+// ------------------------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int LT_CONSUMERS = 128;                // one warpgroup
+constexpr int LT_THREADS = LT_CONSUMERS + 32;    // + the producer warp
+constexpr int LT_TX_BYTES = LW_TILE_BYTES + LW_KEYS * 4;  // 8448 credited per fill
+
+// A CUtensorMap as a kernel parameter (128 opaque bytes, 64-byte aligned; passed __grid_constant__ so the TMA
+// can read it from parameter space).
+struct alignas(64) LtTensorMap {
+    unsigned long long opaque[16];
+};
+
+// Dynamic shared memory (base rounded up to 1024 B in the kernel; the launcher's size includes the 1 KB slack):
+//   keys [STAGES][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [STAGES][64] f32 |
+//   full [STAGES] u64 | empty [STAGES] u64.
+template <int NEXT_N, int STAGES>
+__host__ __device__ constexpr int lt_smem_bytes() {
+    return 1024 + STAGES * (LW_TILE_BYTES + LW_KEYS * 4) + NEXT_N * HEADS * DIM + 2 * STAGES * 8;
+}
+
+__device__ __forceinline__ void lt_mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void lt_mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void lt_mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Spins until the phase with parity `parity` of the barrier has completed.
+__device__ __forceinline__ void lt_mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// 2D tensor copy of the box at (c0, c1) into shared memory at dst; completes `bytes` on bar.
+__device__ __forceinline__ void lt_tma_2d(uint32_t dst, const LtTensorMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void lt_tma_1d(uint32_t dst, const LtTensorMap* map, int c0, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void lt_prefetch_map(const LtTensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+__device__ __forceinline__ void lt_consumer_bar() { asm volatile("bar.sync 1, %0;\n" ::"n"(LT_CONSUMERS) : "memory"); }
+
+template <int NEXT_N, int STAGES>
+__device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, const LtTensorMap* scales_map,
+                                                const uint8_t* __restrict__ q, const float* __restrict__ w,
+                                                const int* __restrict__ num_valid, int capacity,
+                                                float* __restrict__ scores, int score_stride, int tiles_per_seq,
+                                                int total_tiles) {
+    constexpr int NACC = NEXT_N * 32;
+    extern __shared__ uint8_t lt_smem_raw[];
+    const uint32_t raw_addr = lw_smem_addr(lt_smem_raw);
+    const uint32_t base = (raw_addr + 1023u) & ~1023u;
+    const uint32_t keys_s = base;
+    const uint32_t q_s = keys_s + STAGES * LW_TILE_BYTES;
+    const uint32_t scale_s = q_s + NEXT_N * HEADS * DIM;
+    const uint32_t full_s = scale_s + STAGES * LW_KEYS * 4;  // 8-byte aligned (everything above is)
+    const uint32_t empty_s = full_s + STAGES * 8;
+    const float* scale_gen = reinterpret_cast<const float*>(lt_smem_raw + (scale_s - raw_addr));
+    uint8_t* q_gen = lt_smem_raw + (q_s - raw_addr);
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    const int per_cta = (total_tiles + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int item0 = (int)blockIdx.x * per_cta;
+    const int n_items = max(0, min(per_cta, total_tiles - item0));
+
+    if (tid == 0) {
+#pragma unroll 1
+        for (int s = 0; s < STAGES; ++s) {
+            lt_mbar_init(full_s + 8 * s, 1);
+            lt_mbar_init(empty_s + 8 * s, LT_CONSUMERS / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        fence_proxy_async();
+    }
+    __syncthreads();  // the only block-wide barrier
+
+    if (warp == LT_CONSUMERS / 32) {
+        // ---- producer ----
+        if (lane != 0) return;
+        lt_prefetch_map(codes_map);
+        lt_prefetch_map(scales_map);
+        int stage = 0, pass = 0;
+#pragma unroll 1
+        for (int i = 0; i < n_items; ++i) {
+            const int item = item0 + i;
+            const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
+            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
+            if (key0 >= n_seq) continue;  // skipped by the consumers too
+            if (pass > 0) lt_mbar_wait(empty_s + 8 * stage, (uint32_t)(pass - 1) & 1u);
+            const uint32_t full = full_s + 8 * stage;
+            lt_mbar_arrive_expect_tx(full, LT_TX_BYTES);
+            const int slot0 = b * capacity + key0;  // < batch * capacity <= INT_MAX (launcher)
+            lt_tma_2d(keys_s + stage * LW_TILE_BYTES, codes_map, 0, slot0, full);
+            lt_tma_1d(scale_s + stage * LW_KEYS * 4, scales_map, slot0, full);
+            if (++stage == STAGES) {
+                stage = 0;
+                ++pass;
+            }
+        }
+        return;
+    }
+
+    // ---- consumers (warps 0..3) ----
+    float wreg[NEXT_N][8][2];
+    int cur_b = -1;
+    const uint64_t q_desc = sw128_desc(q_s);
+    int stage = 0, pass = 0;
+#pragma unroll 1
+    for (int i = 0; i < n_items; ++i) {
+        const int item = item0 + i;
+        const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
+        const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
+        if (key0 >= n_seq) continue;  // uniform over the consumers; the producer skips it too
+
+        if (b != cur_b) {  // uniform over the consumers: (re)load q and w of sequence b
+            cur_b = b;
+            lt_consumer_bar();  // every warp's wgmma that read the old q has completed
+            for (int c = tid; c < NEXT_N * HEADS * 8; c += LT_CONSUMERS) {
+                const int r = c >> 3, ch = c & 7;  // r = t * 64 + head
+                const uint4 v = *reinterpret_cast<const uint4*>(q + ((size_t)b * NEXT_N * HEADS + r) * DIM + ch * 16);
+                *reinterpret_cast<uint4*>(q_gen + r * DIM + ((ch ^ (r & 7)) << 4)) = v;
+            }
+#pragma unroll
+            for (int t = 0; t < NEXT_N; ++t) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float2 wv = *reinterpret_cast<const float2*>(w + ((size_t)b * NEXT_N + t) * HEADS + j * 8 + 2 * tq);
+                    wreg[t][j][0] = wv.x;
+                    wreg[t][j][1] = wv.y;
+                }
+            }
+            fence_proxy_async();  // q's generic stores -> the wgmma's async-proxy reads
+            lt_consumer_bar();
+        }
+
+        lt_mbar_wait(full_s + 8 * stage, (uint32_t)pass & 1u);
+        const uint64_t a_desc = sw128_desc(keys_s + stage * LW_TILE_BYTES);
+        float acc[NACC];
+#pragma unroll
+        for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < DIM / 32; ++s) {
+            if constexpr (NEXT_N == 1) {
+                wgmma_m64n64k32_e4m3(*reinterpret_cast<float(*)[32]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
+            } else {
+                wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
+        float row_scale[2];
+        row_scale[0] = scale_gen[stage * LW_KEYS + r0];
+        row_scale[1] = scale_gen[stage * LW_KEYS + r0 + 8];
+        __syncwarp();
+        if (lane == 0) lt_mbar_arrive(empty_s + 8 * stage);  // this warp is done with the stage
+        if (++stage == STAGES) {
+            stage = 0;
+            ++pass;
+        }
+
+#pragma unroll
+        for (int t = 0; t < NEXT_N; ++t) {
+            float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float* d = acc + (t * 8 + j) * 4;
+                part[0][0] = fmaf(wreg[t][j][0], fmaxf(d[0], 0.f), part[0][0]);
+                part[0][1] = fmaf(wreg[t][j][1], fmaxf(d[1], 0.f), part[0][1]);
+                part[1][0] = fmaf(wreg[t][j][0], fmaxf(d[2], 0.f), part[1][0]);
+                part[1][1] = fmaf(wreg[t][j][1], fmaxf(d[3], 0.f), part[1][1]);
+            }
+            float* out = scores + ((size_t)b * NEXT_N + t) * score_stride;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float v = part[hh][0] + part[hh][1];
+                v += __shfl_xor_sync(FULL, v, 1);
+                v += __shfl_xor_sync(FULL, v, 2);
+                const int r = r0 + hh * 8;
+                if (tq == hh && key0 + r < n_seq) out[key0 + r] = v * row_scale[hh];
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// FP8 logits v6 (see logits_tma_body). grid = persistent CTAs (<= 3 per SM), block LT_THREADS = 160, dynamic smem
+// lt_smem_bytes<NEXT_N, STAGES>(). codes_map: 2D u8 tensor map {128, batch * capacity}, row stride 128 B, box
+// {128, 64}, 128B swizzle; scales_map: 1D f32 tensor map {batch * capacity}, box {64}. tiles_per_seq / total_tiles
+// as v5.
+#define INDEXER_LOGITS_TMA_ENTRY(NAME, NEXT_N, STAGES)                                                          \
+    extern "C" __global__ void __launch_bounds__(LT_THREADS, 3)                                                 \
+        NAME(const __grid_constant__ LtTensorMap codes_map, const __grid_constant__ LtTensorMap scales_map,      \
+             const uint8_t* __restrict__ q, const float* __restrict__ w, const int* __restrict__ num_valid,      \
+             int capacity, float* __restrict__ scores, int score_stride, int tiles_per_seq, int total_tiles) {   \
+        logits_tma_body<NEXT_N, STAGES>(&codes_map, &scales_map, q, w, num_valid, capacity, scores, score_stride, \
+                                        tiles_per_seq, total_tiles);                                             \
+    }
+
+// Stages: 3 CTAs x lt_smem_bytes must fit 228 KB per SM with 1 KB reserved per CTA: next_n 1 with 7 stages =
+// 68,464 B, next_n 2 with 6 stages = 68,192 B (8 stages / 7 stages would not fit).
+INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n1, 1, 7)
+INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n2, 2, 6)

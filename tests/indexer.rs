@@ -1847,3 +1847,354 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// FP8 logits v6 (TMA ring, `Fp8LogitsKernel::TmaRing`, bench variant `fused_tma`): same wgmma sequence and
+// epilogue as the default kernel, so its scores must be bit-identical to it; also checked against the f64
+// reference (WGMMA_TOL) so the two cannot be wrong together unnoticed.
+// ---------------------------------------------------------------------------------------------------------
+
+/// Logits of `kernel` on a buffer poisoned with 0xFF (stride = capacity rounded up + 4, so the columns past the
+/// capacity must stay poisoned too).
+fn logits_of(
+    gpu: &megamoe::gpu::Gpu,
+    qb: &QueryBatch,
+    cache: &KeyCacheGpu,
+    kernel: indexer::Fp8LogitsKernel,
+) -> (Vec<f32>, usize) {
+    let stride = cache.capacity.next_multiple_of(4) + 4;
+    let mut out = gpu.poisoned::<f32>(qb.rows() * stride, 0xFF).unwrap();
+    indexer::logits_with(gpu, qb, cache, &mut out, stride, kernel).unwrap();
+    (gpu.download(&out).unwrap(), stride)
+}
+
+/// Runs both FP8 logits kernels and requires the whole output buffers (poisoned columns included) to be
+/// bit-identical (two NaNs count as equal: the top-k ranks every NaN as -inf), then checks the TMA kernel's
+/// scores against the f64 reference at every `ref_step`-th visible entry and at every tile edge, and that
+/// nothing past n_seq(b) was written. Prints the largest err / mag seen.
+#[allow(clippy::too_many_arguments)]
+fn check_tma_logits(
+    gpu: &megamoe::gpu::Gpu,
+    seed: u64,
+    label: &str,
+    host: &KeyCacheHost,
+    next_n: usize,
+    nv: &[i32],
+    ref_step: usize,
+    rng: &mut ChaCha8Rng,
+) {
+    let batch = host.batch;
+    let rows = batch * next_n;
+    let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+        .map(|_| reference::random_e4m3(rng))
+        .collect();
+    let w: Vec<f32> = (0..rows * NUM_HEADS)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
+    let cache = KeyCacheGpu::upload(gpu, host).unwrap();
+    let qb = QueryBatch::upload(gpu, batch, next_n, &q, &w, nv).unwrap();
+    let (want, stride) = logits_of(gpu, &qb, &cache, indexer::Fp8LogitsKernel::CpAsyncRounds);
+    let (got, _) = logits_of(gpu, &qb, &cache, indexer::Fp8LogitsKernel::TmaRing);
+    let ctx = format!(
+        "seed {seed} {label} next_n {next_n} (batch {batch}, capacity {})",
+        host.capacity
+    );
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    if let Some(i) = (0..got.len()).find(|&i| !same(got[i], want[i])) {
+        let mismatches = (0..got.len()).filter(|&i| !same(got[i], want[i])).count();
+        panic!(
+            "{ctx}: TMA logits differ from the cp.async kernel at row {} j {}: tma {:e} ({:#010x}) vs {:e} \
+             ({:#010x}); {mismatches} mismatching floats of {}",
+            i / stride,
+            i % stride,
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits(),
+            got.len()
+        );
+    }
+    let mut worst = 0.0f64;
+    let mut checked = 0usize;
+    for b in 0..batch {
+        let n_seq = (0..next_n)
+            .map(|t| nv[b * next_n + t].max(0) as usize)
+            .max()
+            .unwrap()
+            .min(host.capacity);
+        for t in 0..next_n {
+            let row = b * next_n + t;
+            for j in 0..stride {
+                let g = got[row * stride + j];
+                if j >= n_seq {
+                    assert_eq!(
+                        g.to_bits(),
+                        u32::MAX,
+                        "{ctx} row {row} (n_seq {n_seq}) j {j}: wrote {g:e} past the visible entries"
+                    );
+                    continue;
+                }
+                let edge = j % 64 == 0 || j % 64 == 63 || j + 1 == n_seq;
+                if !(edge || j % ref_step == 0) {
+                    continue;
+                }
+                let (r, mag) = wgmma_ref_score(&q_f64, &w, host, row, host.slot(b, j));
+                let err = (g as f64 - r).abs();
+                assert!(
+                    g.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
+                    "{ctx} row {row} (n_seq {n_seq}) j {j}: tma {g:e} ref {r:e} err {err:e} = {:.3e} x mag \
+                     (mag {mag:e}, tol {WGMMA_TOL:e} x mag)",
+                    err / mag.max(1e-300)
+                );
+                if mag > 0.0 {
+                    worst = worst.max(err / mag);
+                }
+                checked += 1;
+            }
+        }
+    }
+    println!(
+        "{ctx}: bit-identical to the cp.async kernel; {checked} entries vs the reference, max err / mag = {worst:.3e}"
+    );
+}
+
+/// Fill every cache slot at or past `lens[b]` of sequence b with NaN codes and NaN scales (0xFF bytes): the TMA
+/// kernel copies whole 64-row tiles, so the rows past num_valid it loads must never reach a stored score.
+fn poison_cache_tails(host: &mut KeyCacheHost, lens: &[usize]) {
+    for (b, &n) in lens.iter().enumerate() {
+        for j in n..host.capacity {
+            let s = host.slot(b, j);
+            host.codes[s * HEAD_DIM..(s + 1) * HEAD_DIM].fill(0xFF);
+            host.scales[s * 4..s * 4 + 4].fill(0xFF);
+        }
+    }
+}
+
+#[test]
+fn gpu_tma_logits_are_bit_identical_to_the_default_and_match_the_reference() {
+    let Some(gpu) =
+        gpu_for_test("gpu_tma_logits_are_bit_identical_to_the_default_and_match_the_reference")
+    else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_tma_logits");
+    println!("seed {seed}");
+    for next_n in [1usize, 2] {
+        // Tile edges; odd capacity 4097 (the last sequence's last tile runs past the end of both planes: the
+        // TMA zero-fills those rows; earlier sequences' tails read the next sequence's poisoned slots).
+        let lens = [0usize, 1, 63, 64, 65, 127, 129, 1000, 4097, 4033];
+        let cap = 4097usize;
+        let mut host = KeyCacheHost::new(KeyFormat::Fp8, lens.len(), cap);
+        for (b, &n) in lens.iter().enumerate() {
+            for j in 0..n {
+                let amp = [0.05f32, 1.0, 20.0][rng.random_range(0..3)];
+                host.write_key(host.slot(b, j), &random_key(&mut rng, amp))
+                    .unwrap();
+            }
+        }
+        poison_cache_tails(&mut host, &lens);
+        // next_n = 2: the first token sees one entry fewer, so n_seq(b) = lens[b].
+        let nv: Vec<i32> = (0..lens.len() * next_n)
+            .map(|r| (lens[r / next_n] as i32 - (next_n - 1 - r % next_n) as i32).max(0))
+            .collect();
+        check_tma_logits(&gpu, seed, "tile edges", &host, next_n, &nv, 1, &mut rng);
+
+        // Long mixed rows: each persistent CTA owns several tiles (the 6-7 stage ring wraps many times),
+        // sequence changes inside a CTA's range, empty tiles (sequence 1 has 33 keys of 1094 tiles), the full
+        // e4m3 code range, scales over 2^-12 .. 2^4.
+        let cap = 70_001usize;
+        let lens = [70_001usize, 33, 20_001];
+        let mut host = random_fp8_cache(&mut rng, 3, cap);
+        poison_cache_tails(&mut host, &lens);
+        let nv: Vec<i32> = (0..3 * next_n)
+            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32)
+            .collect();
+        check_tma_logits(&gpu, seed, "long rows", &host, next_n, &nv, 61, &mut rng);
+
+        // Many short sequences of different lengths (batch 40: q reloaded often, one CTA sees several
+        // sequences), capacity a multiple of 64 (tails read the next sequence's slots, the last one ends
+        // exactly at the plane's end).
+        let cap = 1_536usize;
+        let lens: Vec<usize> = (0..40).map(|b| [cap, 1, 64, 700, 1_535][b % 5]).collect();
+        let mut host = random_fp8_cache(&mut rng, lens.len(), cap);
+        poison_cache_tails(&mut host, &lens);
+        let nv: Vec<i32> = (0..lens.len() * next_n)
+            .map(|r| lens[r / next_n] as i32)
+            .collect();
+        check_tma_logits(&gpu, seed, "batch 40", &host, next_n, &nv, 7, &mut rng);
+    }
+}
+
+#[test]
+fn gpu_tma_logits_nan_entries_and_empty_calls_match_the_default() {
+    let Some(gpu) = gpu_for_test("gpu_tma_logits_nan_entries_and_empty_calls_match_the_default")
+    else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_tma_logits_nan");
+    println!("seed {seed}");
+    // NaN key codes (score 0) and NaN key scales (NaN score) inside the visible range: both kernels apply the
+    // same operations to them, so the outputs agree bit for bit (NaN counted equal to NaN).
+    let (cap, n) = (300usize, 300usize);
+    let mut host = random_fp8_cache(&mut rng, 2, cap);
+    for b in 0..2 {
+        for j in (0..n).step_by(7) {
+            let s = host.slot(b, j);
+            host.codes[s * HEAD_DIM + rng.random_range(0..HEAD_DIM)] = [0x7F, 0xFF][j % 2];
+        }
+        for j in (3..n).step_by(11) {
+            let s = host.slot(b, j);
+            host.scales[s * 4..s * 4 + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+    }
+    for next_n in [1usize, 2] {
+        let nv = vec![n as i32; 2 * next_n];
+        let rows = 2 * next_n;
+        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+            .map(|_| reference::random_e4m3(&mut rng))
+            .collect();
+        let w: Vec<f32> = (0..rows * NUM_HEADS)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+        let qb = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv).unwrap();
+        let (want, stride) = logits_of(&gpu, &qb, &cache, indexer::Fp8LogitsKernel::CpAsyncRounds);
+        let (got, _) = logits_of(&gpu, &qb, &cache, indexer::Fp8LogitsKernel::TmaRing);
+        let mut nans = 0;
+        for i in 0..got.len() {
+            let (a, b) = (got[i], want[i]);
+            nans += usize::from(a.is_nan() && (i % stride) < n);
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "seed {seed} next_n {next_n} row {} j {}: tma {a:e} ({:#010x}) vs default {b:e} ({:#010x})",
+                i / stride,
+                i % stride,
+                a.to_bits(),
+                b.to_bits()
+            );
+        }
+        assert!(
+            nans > 0,
+            "seed {seed} next_n {next_n}: the NaN-scale entries produced no NaN score"
+        );
+
+        // Every num_valid 0: nothing launched, nothing written.
+        let nv0 = vec![0i32; 2 * next_n];
+        let qb0 = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv0).unwrap();
+        let (got0, _) = logits_of(&gpu, &qb0, &cache, indexer::Fp8LogitsKernel::TmaRing);
+        assert!(
+            got0.iter().all(|v| v.to_bits() == u32::MAX),
+            "seed {seed} next_n {next_n}: num_valid all 0 but the TMA logits wrote scores"
+        );
+    }
+}
+
+#[test]
+fn gpu_tma_indexer_run_matches_the_default_run() {
+    let Some(gpu) = gpu_for_test("gpu_tma_indexer_run_matches_the_default_run") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_tma_run");
+    println!("seed {seed}");
+    // Whole call (logits + top-k): identical scores give identical top-k (the top-k is deterministic), so the
+    // index and score outputs must agree exactly; the default run's top-k is checked against the reference in
+    // gpu_wgmma_indexer_selects_the_reference_topk, and here the TMA run's top-k is checked exact on its own
+    // scores too.
+    let lens = [20_000usize, 513, 7_777, 1];
+    let cap = 20_000usize;
+    let host = random_fp8_cache(&mut rng, lens.len(), cap);
+    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+    for next_n in [1usize, 2] {
+        let rows = lens.len() * next_n;
+        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+            .map(|_| reference::random_e4m3(&mut rng))
+            .collect();
+        let w: Vec<f32> = (0..rows * NUM_HEADS)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let nv: Vec<i32> = (0..rows)
+            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32 * 3)
+            .map(|n| n.max(0))
+            .collect();
+        let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
+        for k in [512usize, 2048] {
+            let mut def = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+            indexer::run(&gpu, &qb, &cache, &mut def).unwrap();
+            let mut tma = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+            indexer::run_with(
+                &gpu,
+                &qb,
+                &cache,
+                &mut tma,
+                indexer::Fp8LogitsKernel::TmaRing,
+            )
+            .unwrap();
+            let (di, ds) = topk_result(&gpu, &def.topk);
+            let (ti, ts) = topk_result(&gpu, &tma.topk);
+            let tma_scores = gpu.download(&tma.scores).unwrap();
+            let stride = tma.score_stride;
+            for r in 0..rows {
+                let n = nv[r] as usize;
+                if let Err(e) = reference::check_topk_exact(
+                    &tma_scores[r * stride..r * stride + n],
+                    k,
+                    &ti[r * k..(r + 1) * k],
+                ) {
+                    panic!("seed {seed} next_n {next_n} k {k} row {r}: TMA run top-k: {e}");
+                }
+                for i in r * k..(r + 1) * k {
+                    assert!(
+                        ti[i] == di[i] && ts[i].to_bits() == ds[i].to_bits(),
+                        "seed {seed} next_n {next_n} k {k} row {r} (n {n}) rank {}: TMA run ({}, {:e}) vs default \
+                         run ({}, {:e})",
+                        i - r * k,
+                        ti[i],
+                        ts[i],
+                        di[i],
+                        ds[i]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bench_config_races_fused_tma_next_to_fused_at_the_issue_points() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bench-configs/indexer.toml"
+    ))
+    .unwrap();
+    let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
+    // The A/B keeps the current kernel as the default: `logits` / `run` must still launch the cp.async rounds.
+    assert_eq!(
+        indexer::Fp8LogitsKernel::default(),
+        indexer::Fp8LogitsKernel::CpAsyncRounds
+    );
+    assert!(indexer::VARIANTS.contains(&"fused_tma") && indexer::VARIANTS.contains(&"fused"));
+    let races = |axis: &str, value: u64, ctx_or_batch: (&str, u64), next_n: u64| {
+        cfg.sweeps
+            .iter()
+            .filter(|s| s.kernel == "indexer")
+            .any(|s| {
+                let vars = s.variants_from(indexer::VARIANTS).unwrap();
+                s.axis == axis
+                    && s.values.contains(&value)
+                    && s.param_u64(ctx_or_batch.0).unwrap_or(1) == ctx_or_batch.1
+                    && s.param_u64("next_n").unwrap_or(1) == next_n
+                    && (!s.has_param("format") || s.param_str("format").unwrap() == "fp8")
+                    && vars.iter().any(|v| v == "fused")
+                    && vars.iter().any(|v| v == "fused_tma")
+            })
+    };
+    assert!(races("ctx", 1_048_576, ("batch", 1), 1), "1M ctx, batch 1");
+    assert!(races("batch", 16, ("ctx", 1_048_576), 1), "batch 16 @ 1M");
+    assert!(races("batch", 32, ("ctx", 1_048_576), 1), "batch 32 @ 1M");
+    assert!(races("batch", 16, ("ctx", 65_536), 1), "batch 16 @ 64K");
+    assert!(
+        races("ctx", 1_048_576, ("batch", 16), 2),
+        "next_n 2, batch 16 @ 1M"
+    );
+}

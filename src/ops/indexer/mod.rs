@@ -285,6 +285,26 @@ pub fn logits(
     scores: &mut CudaSlice<f32>,
     score_stride: usize,
 ) -> Result<()> {
+    logits_with(
+        gpu,
+        q,
+        cache,
+        scores,
+        score_stride,
+        Fp8LogitsKernel::default(),
+    )
+}
+
+/// [`logits`] with an explicit choice of the FP8 logits kernel (the A/B candidates; MXFP4 keys have one
+/// kernel and ignore it). Same contract and same output: the candidates are bit-identical to the default.
+pub fn logits_with(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+    fp8_kernel: Fp8LogitsKernel,
+) -> Result<()> {
     ensure!(
         cache.batch == q.batch,
         "cache has {} sequences, queries {}",
@@ -315,6 +335,9 @@ pub fn logits(
     let max_n = q.max_valid();
     if max_n == 0 {
         return Ok(());
+    }
+    if cache.format == KeyFormat::Fp8 && fp8_kernel == Fp8LogitsKernel::TmaRing {
+        return logits_tma(gpu, q, cache, scores, score_stride, max_n);
     }
     let name = match (cache.format, q.next_n) {
         (KeyFormat::Fp8, 1) => {
@@ -403,6 +426,178 @@ fn logits_wgmma(
             ))
         },
         "indexer wgmma logits launch",
+    )
+    .map(|_| ())
+}
+
+/// Which FP8 logits kernel [`logits_with`] / [`run_with`] launch. Both compute bit-identical scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp8LogitsKernel {
+    /// `indexer_logits_fp8w3_n1/_n2` (the default): cp.async rounds of 3 key tiles, double-buffered.
+    #[default]
+    CpAsyncRounds,
+    /// `indexer_logits_fp8tma_n1/_n2` (session-5 A/B candidate, bench variant `fused_tma`): key tiles by
+    /// tensor-map bulk copies (TMA) into a ring of full/empty mbarriers fed by one producer thread.
+    TmaRing,
+}
+
+/// The TMA logits kernels (kernels/indexer.cu "FP8 logits v6"): entry points, ring stages per next_n, CTAs per
+/// SM and block size (kernel constants of `INDEXER_LOGITS_TMA_ENTRY` / `LT_THREADS`).
+const TMA_N1: &str = "indexer_logits_fp8tma_n1";
+const TMA_N2: &str = "indexer_logits_fp8tma_n2";
+const TMA_STAGES_N1: usize = 7;
+const TMA_STAGES_N2: usize = 6;
+const TMA_CTAS_PER_SM: usize = 3;
+const TMA_THREADS: u32 = 128 + 32;
+
+/// Dynamic shared memory of the TMA logits (kernel `lt_smem_bytes<NEXT_N, STAGES>`): 1 KB alignment slack +
+/// `stages` x (8 KB codes + 256 B scales) + q (8 KB per query token) + a full and an empty mbarrier per stage.
+fn tma_smem_bytes(next_n: usize, stages: usize) -> usize {
+    1024 + stages * WGMMA_TILE_KEYS * (HEAD_DIM + 4)
+        + next_n * NUM_HEADS * HEAD_DIM
+        + 2 * stages * 8
+}
+
+/// A `CUtensorMap` passed by value as a kernel argument (the kernel declares it `const __grid_constant__`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: a plain 128-byte, 128-aligned POD blob that the driver copies into the kernel's parameter space.
+unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
+
+/// Encode a tiled tensor map over `dims` (innermost first) of `elem_bytes`-byte elements at device address
+/// `addr` with row strides `strides_bytes` (one fewer than `dims`), box `box_dims`, no interleave, zero fill
+/// out of bounds, 256-byte L2 promotion. Pure host-side encoding (no GPU work).
+fn encode_tensor_map(
+    what: &str,
+    dtype: cudarc::driver::sys::CUtensorMapDataType,
+    addr: u64,
+    dims: &[u64],
+    strides_bytes: &[u64],
+    box_dims: &[u32],
+    swizzle: cudarc::driver::sys::CUtensorMapSwizzle,
+) -> Result<TensorMapArg> {
+    use cudarc::driver::sys;
+    ensure!(
+        !dims.is_empty()
+            && dims.len() <= 5
+            && strides_bytes.len() + 1 == dims.len()
+            && box_dims.len() == dims.len(),
+        "{what}: tensor map rank mismatch"
+    );
+    ensure!(
+        addr.is_multiple_of(16) && strides_bytes.iter().all(|s| s.is_multiple_of(16)),
+        "{what}: tensor map base 0x{addr:x} or strides {strides_bytes:?} not 16-byte aligned"
+    );
+    let element_strides = vec![1u32; dims.len()];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer refers to a live local array of the length the rank implies.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            dtype,
+            dims.len() as u32,
+            addr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides_bytes.as_ptr(),
+            box_dims.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    ensure!(
+        r == sys::CUresult::CUDA_SUCCESS,
+        "{what}: cuTensorMapEncodeTiled failed: {r:?} (dims {dims:?}, box {box_dims:?})"
+    );
+    Ok(TensorMapArg(map))
+}
+
+/// Launch of the TMA logits (arguments already checked by [`logits_with`]; `max_n` >= 1). The two tensor maps
+/// cover exactly the cache's planes (`batch * capacity` entries), so a tile's rows past `num_valid` read
+/// allocated cache bytes (discarded by the kernel) and rows past the plane's end are zero-filled by the TMA.
+fn logits_tma(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    scores: &mut CudaSlice<f32>,
+    score_stride: usize,
+    max_n: usize,
+) -> Result<()> {
+    use cudarc::driver::sys::{CUtensorMapDataType, CUtensorMapSwizzle};
+    use cudarc::driver::DevicePtr;
+    let (name, stages) = match q.next_n {
+        1 => (TMA_N1, TMA_STAGES_N1),
+        _ => (TMA_N2, TMA_STAGES_N2),
+    };
+    let tiles_per_seq = max_n.div_ceil(WGMMA_TILE_KEYS);
+    let total_tiles = tiles_per_seq * q.batch;
+    let entries = cache.batch * cache.capacity;
+    ensure!(
+        total_tiles <= i32::MAX as usize
+            && entries <= i32::MAX as usize
+            && score_stride <= i32::MAX as usize,
+        "tma logits: {} sequences x {} entries exceed the kernel's i32 indexing",
+        q.batch,
+        cache.capacity
+    );
+    ensure!(
+        cache.codes.len() == entries * HEAD_DIM && cache.scales.len() == entries * 4,
+        "tma logits: key cache planes have the wrong length"
+    );
+    let codes_addr = cache.codes.device_ptr(&gpu.stream).0;
+    let scales_addr = cache.scales.device_ptr(&gpu.stream).0;
+    let codes_map = encode_tensor_map(
+        "tma logits key codes",
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        codes_addr,
+        &[HEAD_DIM as u64, entries as u64],
+        &[HEAD_DIM as u64],
+        &[HEAD_DIM as u32, WGMMA_TILE_KEYS as u32],
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )?;
+    let scales_map = encode_tensor_map(
+        "tma logits key scales",
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        scales_addr,
+        &[entries as u64],
+        &[],
+        &[WGMMA_TILE_KEYS as u32],
+        CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+    )?;
+    let smem = tma_smem_bytes(q.next_n, stages);
+    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    // As for the wgmma logits: the persistent grid assumes TMA_CTAS_PER_SM resident CTAs.
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+    )
+    .map_err(|e| anyhow::anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
+    let persistent = (gpu.info.sm_count.max(1) as usize) * TMA_CTAS_PER_SM;
+    let grid_x = total_tiles.min(persistent) as u32;
+    let (cap, stride, tps, total) = (
+        cache.capacity as i32,
+        score_stride as i32,
+        tiles_per_seq as i32,
+        total_tiles as i32,
+    );
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&codes_map)
+        .arg(&scales_map)
+        .arg(&q.q)
+        .arg(&q.w)
+        .arg(&q.num_valid)
+        .arg(&cap)
+        .arg(scores)
+        .arg(&stride)
+        .arg(&tps)
+        .arg(&total);
+    drv(
+        unsafe { b.launch(launch_cfg((grid_x, 1, 1), (TMA_THREADS, 1, 1), smem as u32)) },
+        "indexer tma logits launch",
     )
     .map(|_| ())
 }
@@ -628,7 +823,25 @@ pub fn run(
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
 ) -> Result<()> {
-    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    run_with(gpu, q, cache, bufs, Fp8LogitsKernel::default())
+}
+
+/// [`run`] with an explicit FP8 logits kernel (A/B candidates; see [`Fp8LogitsKernel`]).
+pub fn run_with(
+    gpu: &Gpu,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+    fp8_kernel: Fp8LogitsKernel,
+) -> Result<()> {
+    logits_with(
+        gpu,
+        q,
+        cache,
+        &mut bufs.scores,
+        bufs.score_stride,
+        fp8_kernel,
+    )?;
     topk(
         gpu,
         &bufs.scores,
@@ -864,8 +1077,10 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
-/// Bench variants of the indexer: "fused" (the default kernels, [`run`]) and "baseline" (the seeds' path).
-pub const VARIANTS: &[&str] = &["fused", "baseline"];
+/// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "fused_tma" (the same with the TMA-ring
+/// FP8 logits, [`Fp8LogitsKernel::TmaRing`]; MXFP4 points run the same kernels as "fused") and "baseline" (the
+/// seeds' path).
+pub const VARIANTS: &[&str] = &["fused", "fused_tma", "baseline"];
 
 /// Time `variant` = "fused" (ours: wgmma / mma.sync logits + histogram / CTA-aggregated threshold select /
 /// multi-CTA rank-by-counting final pass) or "baseline" (the seeds' path).
@@ -880,15 +1095,22 @@ pub fn time_variant(
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
     match variant {
-        "fused" => {
-            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+        "fused" | "fused_tma" => {
+            let fp8_kernel = if variant == "fused_tma" {
+                Fp8LogitsKernel::TmaRing
+            } else {
+                Fp8LogitsKernel::CpAsyncRounds
+            };
+            let logits_s = gpu.time_us(plan, || {
+                logits_with(gpu, q, cache, &mut bufs.scores, stride, fp8_kernel)
+            })?;
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
             let topk_s = gpu.time_us(plan, || {
                 topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
             })?;
-            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
+            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, fp8_kernel))?;
             Ok(IndexerSamples {
                 logits: logits_s,
                 topk: topk_s,
