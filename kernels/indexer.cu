@@ -1332,9 +1332,13 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
 //     fills zeros. Either way they only reach accumulator rows that are never stored (row m of D depends on row m
 //     of A only). The TMA never reads outside the tensor map's extent, so no over-read of the allocation.
 //     Every copy credits its full box (8192 + 256 bytes) to the barrier's transaction count, filled or not.
-//   * Tiles with key0 >= n_seq (a row shorter than the longest) are skipped by producer and consumers alike:
-//     both walk the same item list and evaluate the same predicate on the same num_valid values, so their
-//     sequence of used stages (the "fill" counter below) is identical.
+//   * Tiles with key0 >= n_seq (a row shorter than the longest) are skipped by producer and consumers alike,
+//     except a CTA's first item (i = 0), which is always copied and consumed: that lets the producer issue the
+//     first copy before its num_valid load returns (one DRAM latency less at the start of every CTA). The
+//     copy is in bounds (key0 < max num_valid <= capacity, so the box starts inside the plane), and the
+//     consumers' store predicate (key0 + r < n_seq) writes nothing for it. Both sides walk the same item list
+//     and evaluate the same predicate (i > 0 && key0 >= n_seq) on the same num_valid values, so their sequence
+//     of used stages (the "fill" counter below) is identical.
 // mbarrier phase protocol (stage s = fill % STAGES, pass p = fill / STAGES, per non-empty tile `fill`):
 //   full[s]  (count 1): the producer's arrive.expect_tx(8448) + the two copies' complete_tx complete phase p;
 //            consumers wait with parity p & 1. The TMA's writes are visible to every thread that observed the
@@ -1458,8 +1462,8 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
         for (int i = 0; i < n_items; ++i) {
             const int item = item0 + i;
             const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
-            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
-            if (key0 >= n_seq) continue;  // skipped by the consumers too
+            // Skipped by the consumers too; item 0 is never skipped (no wait for num_valid before the first copy).
+            if (i > 0 && key0 >= lw_seq_len<NEXT_N>(num_valid, b, capacity)) continue;
             if (pass > 0) lt_mbar_wait(empty_s + 8 * stage, (uint32_t)(pass - 1) & 1u);
             const uint32_t full = full_s + 8 * stage;
             lt_mbar_arrive_expect_tx(full, LT_TX_BYTES);
@@ -1484,7 +1488,7 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
         const int item = item0 + i;
         const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
         const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
-        if (key0 >= n_seq) continue;  // uniform over the consumers; the producer skips it too
+        if (i > 0 && key0 >= n_seq) continue;  // uniform over the consumers; the producer skips it too
 
         if (b != cur_b) {  // uniform over the consumers: (re)load q and w of sequence b
             cur_b = b;

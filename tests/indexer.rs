@@ -1982,8 +1982,9 @@ fn gpu_tma_logits_are_bit_identical_to_the_default_and_match_the_reference() {
     println!("seed {seed}");
     for next_n in [1usize, 2] {
         // Tile edges; odd capacity 4097 (the last sequence's last tile runs past the end of both planes: the
-        // TMA zero-fills those rows; earlier sequences' tails read the next sequence's poisoned slots).
-        let lens = [0usize, 1, 63, 64, 65, 127, 129, 1000, 4097, 4033];
+        // TMA zero-fills those rows; earlier sequences' tails read the next sequence's poisoned slots). Sequence
+        // 0 is empty: the CTAs whose first item lies in it copy and consume that tile but must store nothing.
+        let lens = [0usize, 1, 63, 64, 65, 127, 129, 1000, 4033, 4097];
         let cap = 4097usize;
         let mut host = KeyCacheHost::new(KeyFormat::Fp8, lens.len(), cap);
         for (b, &n) in lens.iter().enumerate() {
