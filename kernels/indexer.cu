@@ -1399,11 +1399,21 @@ __device__ __forceinline__ void lt_mbar_wait(uint32_t bar, uint32_t parity) {
             : "memory");
     } while (!done);
 }
-// 2D tensor copy of the box at (c0, c1) into shared memory at dst; completes `bytes` on bar.
-__device__ __forceinline__ void lt_tma_2d(uint32_t dst, const LtTensorMap* map, int c0, int c1, uint32_t bar) {
+// L2 policy "evict first" for the key-code stream: each code byte is read once per call, so the codes should
+// leave L2 before the scores this kernel writes (read back by the top-k right after). A hint only.
+__device__ __forceinline__ uint64_t lt_evict_first_policy() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+// 2D tensor copy of the box at (c0, c1) into shared memory at dst, with L2 policy `policy`; completes the box's
+// bytes on bar.
+__device__ __forceinline__ void lt_tma_2d(uint32_t dst, const LtTensorMap* map, int c0, int c1, uint32_t bar,
+                                          uint64_t policy) {
     asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
         : "memory");
 }
 __device__ __forceinline__ void lt_tma_1d(uint32_t dst, const LtTensorMap* map, int c0, uint32_t bar) {
@@ -1457,6 +1467,7 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
         if (lane != 0) return;
         lt_prefetch_map(codes_map);
         lt_prefetch_map(scales_map);
+        const uint64_t codes_policy = lt_evict_first_policy();
         int stage = 0, pass = 0;
 #pragma unroll 1
         for (int i = 0; i < n_items; ++i) {
@@ -1468,7 +1479,7 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
             const uint32_t full = full_s + 8 * stage;
             lt_mbar_arrive_expect_tx(full, LT_TX_BYTES);
             const int slot0 = b * capacity + key0;  // < batch * capacity <= INT_MAX (launcher)
-            lt_tma_2d(keys_s + stage * LW_TILE_BYTES, codes_map, 0, slot0, full);
+            lt_tma_2d(keys_s + stage * LW_TILE_BYTES, codes_map, 0, slot0, full, codes_policy);
             lt_tma_1d(scale_s + stage * LW_KEYS * 4, scales_map, slot0, full);
             if (++stage == STAGES) {
                 stage = 0;
