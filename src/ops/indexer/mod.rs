@@ -452,11 +452,18 @@ const TMA_THREADS: u32 = 128 + 32;
 
 /// Dynamic shared memory of the TMA logits (kernel `lt_smem_bytes<NEXT_N, STAGES>`): 1 KB alignment slack +
 /// `stages` x (8 KB codes + 256 B scales) + q (8 KB per query token) + a full and an empty mbarrier per stage.
-fn tma_smem_bytes(next_n: usize, stages: usize) -> usize {
+const fn tma_smem_bytes(next_n: usize, stages: usize) -> usize {
     1024 + stages * WGMMA_TILE_KEYS * (HEAD_DIM + 4)
         + next_n * NUM_HEADS * HEAD_DIM
         + 2 * stages * 8
 }
+
+// TMA_CTAS_PER_SM CTAs (each with 1 KB of shared memory reserved by the hardware) must fit the H200's 228 KB of
+// shared memory per SM for both query widths, or the persistent grid would not be resident at once.
+const _: () = assert!(
+    TMA_CTAS_PER_SM * (tma_smem_bytes(1, TMA_STAGES_N1) + 1024) <= 228 * 1024
+        && TMA_CTAS_PER_SM * (tma_smem_bytes(2, TMA_STAGES_N2) + 1024) <= 228 * 1024
+);
 
 /// A `CUtensorMap` passed by value as a kernel argument (the kernel declares it `const __grid_constant__`).
 #[repr(C)]
