@@ -16,6 +16,8 @@
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
+//   sparse_attn_combine_v2         the same merge, bit for bit, latency-parallel: one CTA per (sequence, head),
+//                                  16 splits' loads in flight per thread (A/B candidate, bench "fp8_pcombine").
 //
 // Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
 // CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
@@ -794,6 +796,107 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
                         sa::pack_bf16x2(acc[4], acc[5]), sa::pack_bf16x2(acc[6], acc[7]));
     dst[1] = make_uint4(sa::pack_bf16x2(acc[8], acc[9]), sa::pack_bf16x2(acc[10], acc[11]),
                         sa::pack_bf16x2(acc[12], acc[13]), sa::pack_bf16x2(acc[14], acc[15]));
+}
+
+namespace sa {
+// Splits whose partials a thread of sparse_attn_combine_v2 holds in registers at once (16 float4 + 16 lse).
+constexpr int kCombineChunk = 16;
+}  // namespace sa
+
+// Split-KV merge, latency-parallel (Path::Fp8ParallelCombine, bench "fp8_pcombine"): the same values as
+// sparse_attn_combine, bit for bit, with far more CTAs and the loads in flight together. The old kernel has one
+// warp per head (grid heads/8 x batch: 8 CTAs at Flash batch 1) and walks the splits 4 at a time after two
+// serial lse passes; ncu measured it at 9-15 us whatever the size, 64% of its stalls on loads.
+// grid (heads, batch), block 128: thread t owns dims [4t, 4t+4) of head blockIdx.x of sequence blockIdx.y.
+//   * Every thread first issues the loads of splits 0..kCombineChunk-1 (its float4 of O and the split's lse);
+//     they do not depend on the merge statistics, so they overlap the lse pass; later chunks cost one L2 round
+//     trip each (130 splits at HCA 1M: 9).
+//   * Bit-identity with sparse_attn_combine: each warp computes the merge statistics with the old kernel's code
+//     (lane-strided max, which is exact in any order; the lane-strided sum s = lane, lane+32, ... from 0.f, then
+//     the xor butterfly 16, 8, 4, 2, 1, whose result is the same in every lane because each step adds the same
+//     two values, a + b == b + a); w_s = exp2f(lse_s - m_all) of the same lse values; acc = fma(w_s, o_s, acc) in
+//     split order 0, 1, ... from 0.f (the old loop's `acc += w * v` contracts to that FFMA); acc * (1/z) with the
+//     IEEE reciprocal; the same inverse_rope_pair on the same (dim pair, frequency) pairs (dims 448..511: threads
+//     112..127, pairs (4t, 4t+1) and (4t+2, 4t+3) with frequencies 2(t-112) and 2(t-112)+1); the same BF16
+//     rounding. The lse pass is repeated by the 4 warps of a CTA (n_splits L1-resident loads each): cheaper than a
+//     barrier on the chain.
+extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine_v2(__nv_bfloat16* out, const float* part_o,
+                                                                         const float* part_lse, const float* sinks,
+                                                                         const int* positions, const float* freqs,
+                                                                         int heads, int n_splits) {
+    constexpr int kChunk = sa::kCombineChunk;
+    constexpr int kVecPerRow = sa::kDim / 4;  // float4s per partial row
+    const int h = blockIdx.x;
+    const int b = blockIdx.y;
+    const int t = threadIdx.x;
+    const int lane = t & 31;
+    if (h >= heads) return;
+    // Partial row of split s: (b * n_splits + s) * heads + h = row0 + s * heads.
+    const size_t row0 = (size_t)b * n_splits * heads + h;
+    const float* lse_row = part_lse + row0;
+    const float4* o_row = reinterpret_cast<const float4*>(part_o) + row0 * kVecPerRow + t;
+    const size_t o_split_step = (size_t)heads * kVecPerRow;
+
+    // Chunk 0's loads first (independent of everything below).
+    float4 v[kChunk];
+    float lse[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+        if (i < n_splits) {
+            v[i] = o_row[(size_t)i * o_split_step];
+            lse[i] = lse_row[(size_t)i * heads];
+        }
+    }
+    const float sink = sinks[h];
+
+    // Merge statistics: the code of sparse_attn_combine (see the identities above).
+    float m_parts = -INFINITY;
+    for (int s = lane; s < n_splits; s += 32) m_parts = fmaxf(m_parts, lse_row[(size_t)s * heads]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m_parts = fmaxf(m_parts, __shfl_xor_sync(0xffffffffu, m_parts, o));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (m_parts != -INFINITY) {
+        const float sink2 = sink * sa::kLog2e;
+        const float m_all = fmaxf(m_parts, sink2);
+        float zl = 0.f;
+        for (int s = lane; s < n_splits; s += 32) zl += exp2f(lse_row[(size_t)s * heads] - m_all);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) zl += __shfl_xor_sync(0xffffffffu, zl, o);
+        const float z = exp2f(sink2 - m_all) + zl;
+        // Weighted sum in split order. An empty split has lse = -inf (w = 0) and o = 0: it adds exactly 0.
+        for (int base = 0; base < n_splits; base += kChunk) {
+            if (base > 0) {
+#pragma unroll
+                for (int i = 0; i < kChunk; ++i) {
+                    if (base + i < n_splits) {
+                        v[i] = o_row[(size_t)(base + i) * o_split_step];
+                        lse[i] = lse_row[(size_t)(base + i) * heads];
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kChunk; ++i) {
+                if (base + i < n_splits) {
+                    const float w = exp2f(lse[i] - m_all);
+                    acc[0] = __fmaf_rn(w, v[i].x, acc[0]);
+                    acc[1] = __fmaf_rn(w, v[i].y, acc[1]);
+                    acc[2] = __fmaf_rn(w, v[i].z, acc[2]);
+                    acc[3] = __fmaf_rn(w, v[i].w, acc[3]);
+                }
+            }
+        }
+        const float inv = 1.f / z;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] *= inv;
+        if (4 * t >= sa::kRopeOffset) {
+            const int pos = positions[b];
+            const int f = 2 * (t - sa::kRopeOffset / 4);
+            sa::inverse_rope_pair(acc[0], acc[1], pos, freqs[f]);
+            sa::inverse_rope_pair(acc[2], acc[3], pos, freqs[f + 1]);
+        }
+    }
+    uint2* dst = reinterpret_cast<uint2*>(out + ((size_t)b * heads + h) * sa::kDim + 4 * t);
+    *dst = make_uint2(sa::pack_bf16x2(acc[0], acc[1]), sa::pack_bf16x2(acc[2], acc[3]));
 }
 
 namespace sa {
