@@ -17,7 +17,7 @@
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
 //   sparse_attn_combine_v2         the same merge, bit for bit, latency-parallel: one CTA per (sequence, head),
-//                                  16 splits' loads in flight per thread (A/B candidate, bench "fp8_pcombine").
+//                                  8 splits' loads in flight per thread (A/B candidate, bench "fp8_pcombine").
 //
 // Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
 // CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
@@ -799,8 +799,11 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
 }
 
 namespace sa {
-// Splits whose partials a thread of sparse_attn_combine_v2 holds in registers at once (16 float4 + 16 lse).
-constexpr int kCombineChunk = 16;
+// Splits whose partials a thread of sparse_attn_combine_v2 holds in registers at once (8 float4 + 8 lse): small
+// enough for 64 registers, i.e. 8 CTAs (1024 threads) per SM. Few splits (Flash batch 64: 2) give each thread
+// little to load, so the bytes in flight per SM come from resident threads; many splits (HCA 1M) cost one more
+// L2 round trip per chunk.
+constexpr int kCombineChunk = 8;
 }  // namespace sa
 
 // Split-KV merge, latency-parallel (Path::Fp8ParallelCombine, bench "fp8_pcombine"): the same values as
@@ -810,7 +813,7 @@ constexpr int kCombineChunk = 16;
 // grid (heads, batch), block 128: thread t owns dims [4t, 4t+4) of head blockIdx.x of sequence blockIdx.y.
 //   * Every thread first issues the loads of splits 0..kCombineChunk-1 (its float4 of O and the split's lse);
 //     they do not depend on the merge statistics, so they overlap the lse pass; later chunks cost one L2 round
-//     trip each (130 splits at HCA 1M: 9).
+//     trip each (33 splits at HCA 1M batch 1: 4 more).
 //   * Bit-identity with sparse_attn_combine: each warp computes the merge statistics with the old kernel's code
 //     (lane-strided max, which is exact in any order; the lane-strided sum s = lane, lane+32, ... from 0.f, then
 //     the xor butterfly 16, 8, 4, 2, 1, whose result is the same in every lane because each step adds the same
@@ -820,7 +823,7 @@ constexpr int kCombineChunk = 16;
 //     112..127, pairs (4t, 4t+1) and (4t+2, 4t+3) with frequencies 2(t-112) and 2(t-112)+1); the same BF16
 //     rounding. The lse pass is repeated by the 4 warps of a CTA (n_splits L1-resident loads each): cheaper than a
 //     barrier on the chain.
-extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine_v2(__nv_bfloat16* out, const float* part_o,
+extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_v2(__nv_bfloat16* out, const float* part_o,
                                                                          const float* part_lse, const float* sinks,
                                                                          const int* positions, const float* freqs,
                                                                          int heads, int n_splits) {
@@ -840,11 +843,18 @@ extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine_v2(__nv_bf
     // Chunk 0's loads first (independent of everything below).
     float4 v[kChunk];
     float lse[kChunk];
+    {
+        // Stepped pointers (not base + i * step): fewer live 64-bit addresses while the loads are issued.
+        const float4* o_ptr = o_row;
+        const float* lse_ptr = lse_row;
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-        if (i < n_splits) {
-            v[i] = o_row[(size_t)i * o_split_step];
-            lse[i] = lse_row[(size_t)i * heads];
+        for (int i = 0; i < kChunk; ++i) {
+            if (i < n_splits) {
+                v[i] = *o_ptr;
+                lse[i] = *lse_ptr;
+            }
+            o_ptr += o_split_step;
+            lse_ptr += heads;
         }
     }
     const float sink = sinks[h];

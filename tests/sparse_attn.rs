@@ -1042,7 +1042,7 @@ fn run_path_poisoned(
 /// (`sparse_attn_combine`, Path::Fp8): same decode kernel and plan, outputs equal bit for bit, and within tolerance
 /// of the CPU reference, for list lengths 0 / 1 / 127 / 129 / 640 / 1152 / 8320 with -1 holes, 64 and 128 heads,
 /// and every plan: one split, 1 / 2 / 3 / 16 / 17 tiles per split (8320 candidates at one tile per split = 130
-/// splits: 8 full chunks of 16 plus a partial one, and more than 32 splits per lane of the lse pass), by_cost,
+/// splits: 16 full chunks of 8 plus a partial one, and more than 32 splits per lane of the lse pass), by_cost,
 /// by_cost_v6 and the baseline's auto plan. Path::Fp8ParallelCombineRefit (by_cost_v6) is checked against the
 /// reference through the same plans.
 #[test]
@@ -1255,7 +1255,7 @@ fn swizzle_layout_mirror() {
 
 /// The refitted plan (`SplitPlan::by_cost_v6`, used by `fp8_pcombine_refit`) picks the same plans as `by_cost` at
 /// every Flash / Pro target point on the H200 (132 SMs), so `fp8_pcombine_refit` differs from `fp8_pcombine` only
-/// on long lists; at HCA 1M batch 1 it cuts 130 splits of one tile (one wave, 130 CTAs) instead of 33 of four;
+/// on long lists; at HCA 1M batch 1 it cuts 65 splits of two tiles (one wave, 65 CTAs) instead of 33 of four;
 /// every plan covers every tile with no empty split.
 #[test]
 fn refit_plan_matches_by_cost_at_target_shapes() {
@@ -1282,8 +1282,8 @@ fn refit_plan_matches_by_cost_at_target_shapes() {
     assert_eq!(
         SplitPlan::by_cost_v6(132, &hca1),
         SplitPlan {
-            n_splits: 130,
-            tiles_per_split: 1
+            n_splits: 65,
+            tiles_per_split: 2
         }
     );
     for batch in [1usize, 3, 4, 16, 64, 200] {

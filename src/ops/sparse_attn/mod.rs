@@ -173,7 +173,7 @@ impl SplitPlan {
     /// [`SplitPlan::by_cost`]'s model with constants fitted to the measured v6 kernel and the latency-parallel
     /// combine ([`PlanCosts::V6_FITTED`]); the plan of [`Path::Fp8ParallelCombineRefit`]. At the Flash and Pro
     /// target shapes it picks the same plans as `by_cost` (one CTA per SM: both fill exactly one wave); it
-    /// differs on long lists (HCA at 1M, batch 1: 130 splits of one tile instead of 33 of four).
+    /// differs on long lists (HCA at 1M, batch 1: 65 splits of two tiles instead of 33 of four).
     pub fn by_cost_v6(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
         SplitPlan::by_cost_model(sm_count, shape, &PlanCosts::V6_FITTED)
     }
@@ -246,13 +246,13 @@ impl PlanCosts {
     /// 18 -> 91.2 (Pro batch 64): slope (91.2 - 12.8) / 17 = 4.6 us per tile, intercept 12.8 - 4.6 = 8.2 us
     /// (residuals <= 0.5 us). The combine is the latency-parallel `sparse_attn_combine_v2`: an estimate (not
     /// measured yet) of ~3 us (launch + one L2 round trip + the merge math) plus ~1 us (one more L2 round trip)
-    /// per further chunk of 16 splits, i.e. ~0.06 us per split. At HCA 1M batch 1 this makes 130 splits of one
-    /// tile (12.8 + 3 + 7.8 us) narrowly beat 65 of two (17.4 + 3 + 3.9): the A/B run decides.
+    /// per further chunk of 8 splits, i.e. ~0.12 us per split. At HCA 1M batch 1 this cuts 65 splits of two
+    /// tiles (17.4 + 3 + 7.8 us) where `by_cost` cuts 33 of four (26.6 + 3 + 4.0): the A/B run decides.
     pub const V6_FITTED: PlanCosts = PlanCosts {
         prologue: 8.2,
         tile: 4.6,
         combine: 3.0,
-        combine_per_split: 0.06,
+        combine_per_split: 0.12,
     };
 }
 
