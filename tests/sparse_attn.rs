@@ -1088,14 +1088,16 @@ fn gpu_combine_v2_bit_identical_to_combine() {
             );
             println!("{label}: combine_v2 bit-identical to combine, lengths {lengths:?}");
         }
-        let refit = check_gpu_path(
-            &format!("h{heads} refit plan"),
-            &gpu,
-            &hp,
-            Path::Fp8ParallelCombineRefit,
-            None,
+        // The refit path through its own plan (by_cost_v6; the same plan also ran above through Fp8ParallelCombine).
+        let plan = SplitPlan::for_path(sms, &shape, Path::Fp8ParallelCombineRefit);
+        let refit = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8ParallelCombineRefit);
+        let refit_f64: Vec<f64> = refit.iter().map(|v| v.to_f64()).collect();
+        assert_within_reference(
+            &format!("h{heads} Fp8ParallelCombineRefit {plan:?} vs reference"),
+            &shape,
+            &refit_f64,
+            &r,
         );
-        assert_eq!(refit.len(), shape.batch * heads * HEAD_DIM);
     }
 }
 
