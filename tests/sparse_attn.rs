@@ -1041,8 +1041,9 @@ fn run_path_poisoned(
 /// The latency-parallel combine (`sparse_attn_combine_v2`, Path::Fp8ParallelCombine) against the current one
 /// (`sparse_attn_combine`, Path::Fp8): same decode kernel and plan, outputs equal bit for bit, and within tolerance
 /// of the CPU reference, for list lengths 0 / 1 / 127 / 129 / 640 / 1152 / 8320 with -1 holes, 64 and 128 heads,
-/// and every plan: one split, 1 / 2 / 3 / 16 / 17 tiles per split (8320 candidates at one tile per split = 130
-/// splits: 16 full chunks of 8 plus a partial one, and more than 32 splits per lane of the lse pass), by_cost,
+/// and every plan: one split, 1 / 2 / 3 / 16 / 17 / 26 / 33 / 44 / 65 tiles per split (8320 candidates at one
+/// tile per split = 130 splits: 16 full chunks of 8 plus a partial one, and more than 32 splits per lane of the
+/// lse pass; 65 / 44 / 33 tiles = 2 / 3 / 4 splits, merged by the 4- and 2-heads-per-thread entries), by_cost,
 /// by_cost_v6 and the baseline's auto plan. Path::Fp8ParallelCombineRefit (by_cost_v6) is checked against the
 /// reference through the same plans.
 #[test]
@@ -1063,7 +1064,9 @@ fn gpu_combine_v2_bit_identical_to_combine() {
             ("by_cost_v6".to_string(), SplitPlan::by_cost_v6(sms, &shape)),
             ("auto".to_string(), SplitPlan::auto(sms, &shape)),
         ];
-        for t in [1usize, 2, 3, 16, 17, 1000] {
+        // 130 tiles: 1 / 2 / 3 tiles per split = 130 / 65 / 44 splits; 16 / 17 = 9 / 8; 26 = 5; 33 / 44 / 65 = 4 /
+        // 3 / 2 splits (the two- and four-heads-per-thread entries); 1000 = one split (no combine).
+        for t in [1usize, 2, 3, 16, 17, 26, 33, 44, 65, 1000] {
             plans.push((
                 format!("{t} tiles per split"),
                 SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
@@ -1259,6 +1262,27 @@ fn swizzle_layout_mirror() {
 /// every Flash / Pro target point on the H200 (132 SMs), so `fp8_pcombine_refit` differs from `fp8_pcombine` only
 /// on long lists; at HCA 1M batch 1 it cuts 65 splits of two tiles (one wave, 65 CTAs) instead of 33 of four;
 /// every plan covers every tile with no empty split.
+/// `combine_v2_variant`: the most heads per thread (1, 2, 4) with heads * n_splits <= 8 (8 loads in flight per
+/// thread), one head from 5 splits on; every choice divides 64.
+#[test]
+fn combine_v2_heads_per_thread() {
+    use megamoe::ops::sparse_attn::combine_v2_variant;
+    for n_splits in 2usize..=200 {
+        let (k, hpt) = combine_v2_variant(n_splits);
+        assert_eq!(
+            1 << k,
+            hpt,
+            "n_splits {n_splits}: entry index {k} vs {hpt} heads"
+        );
+        assert!(64 % hpt == 0);
+        let best = [4usize, 2, 1]
+            .into_iter()
+            .find(|&h| h * n_splits <= 8)
+            .unwrap_or(1);
+        assert_eq!(hpt, best, "n_splits {n_splits}");
+    }
+}
+
 #[test]
 fn refit_plan_matches_by_cost_at_target_shapes() {
     let shape = |batch, heads, stride| DecodeShape {

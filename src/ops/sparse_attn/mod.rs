@@ -273,7 +273,8 @@ struct Kernels {
     decode_fp8: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
-    combine_v2: CudaFunction,
+    /// `sparse_attn_combine_v2`, `_h2`, `_h4` (1, 2, 4 heads per thread), indexed by [`combine_v2_variant`].
+    combine_v2: [CudaFunction; 3],
 }
 
 impl Kernels {
@@ -284,7 +285,11 @@ impl Kernels {
             decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
-            combine_v2: gpu.function(FAMILY, "sparse_attn_combine_v2")?,
+            combine_v2: [
+                gpu.function(FAMILY, COMBINE_V2_KERNELS[0])?,
+                gpu.function(FAMILY, COMBINE_V2_KERNELS[1])?,
+                gpu.function(FAMILY, COMBINE_V2_KERNELS[2])?,
+            ],
         })
     }
 }
@@ -344,6 +349,25 @@ impl Workspace {
             gpu.fill_bytes(l, 0xFF)?;
         }
         Ok(())
+    }
+}
+
+/// Entry points of the latency-parallel combine, by heads per thread (1, 2, 4).
+const COMBINE_V2_KERNELS: [&str; 3] = [
+    "sparse_attn_combine_v2",
+    "sparse_attn_combine_v2_h2",
+    "sparse_attn_combine_v2_h4",
+];
+
+/// Which `sparse_attn_combine_v2` entry merges `n_splits` splits, as (index into [`COMBINE_V2_KERNELS`], heads per
+/// thread): the most heads per thread with heads * n_splits <= 8 (a thread holds 8 partials' loads at once), so
+/// a plan with few splits still keeps 8 loads in flight per thread. Heads are multiples of 64, so every choice
+/// divides them.
+pub fn combine_v2_variant(n_splits: usize) -> (usize, usize) {
+    match n_splits {
+        0..=2 => (2, 4),
+        3..=4 => (1, 2),
+        _ => (0, 1),
     }
 }
 
@@ -463,16 +487,21 @@ pub fn decode(
     }
     if plan.n_splits > 1 {
         // The old combine: one warp per head (grid heads/8 x batch, 256 threads); v2: one CTA per (sequence,
-        // head), 128 threads of 4 dims each. Same arguments.
+        // 1 / 2 / 4 heads), 128 threads of 4 dims each. Same arguments.
         let parallel = matches!(
             path,
             Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit
         );
         let (cname, f, grid, block) = if parallel {
+            let (k, heads_per_thread) = combine_v2_variant(plan.n_splits);
             (
-                "sparse_attn_combine_v2",
-                ws.kernels.combine_v2.clone(),
-                (shape.heads as u32, shape.batch as u32, 1),
+                COMBINE_V2_KERNELS[k],
+                ws.kernels.combine_v2[k].clone(),
+                (
+                    (shape.heads / heads_per_thread) as u32,
+                    shape.batch as u32,
+                    1,
+                ),
                 (128, 1, 1),
             )
         } else {
