@@ -26,6 +26,11 @@
 //! (last-arriving CTA) and the combine launched by PDL lost and were removed (numbers in the `.cu` header).
 //! The session-4 final run (b4862dd) timed v6 against v5 once more: v6 faster at every point and bit-identical
 //! in every GPU test, so the v5 path (`Fp8V5`, bench variant `fp8_v5`) was removed.
+//!
+//! Session-5 A/B candidates (not yet measured): [`Path::Fp8ParallelCombine`] (bench `fp8_pcombine`) = the default
+//! decode and plan with the latency-parallel, bit-identical `sparse_attn_combine_v2`; and
+//! [`Path::Fp8ParallelCombineRefit`] (`fp8_pcombine_refit`) = the same with [`SplitPlan::by_cost_v6`], whose
+//! constants ([`PlanCosts::V6_FITTED`]) are fitted to the session-5 ncu durations.
 
 pub mod exec;
 pub mod reference;
