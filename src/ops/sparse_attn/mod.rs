@@ -364,7 +364,7 @@ const COMBINE_V2_KERNELS: [&str; 3] = [
     "sparse_attn_combine_v2_h4",
 ];
 
-/// Which `sparse_attn_combine_v2` entry merges `n_splits` splits, as (index into [`COMBINE_V2_KERNELS`], heads per
+/// Which `sparse_attn_combine_v2` entry merges `n_splits` splits, as (index into `COMBINE_V2_KERNELS`, heads per
 /// thread): the most heads per thread with heads * n_splits <= 8 (a thread holds 8 partials' loads at once), so
 /// a plan with few splits still keeps 8 loads in flight per thread. Heads are multiples of 64, so every choice
 /// divides them.
