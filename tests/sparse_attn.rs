@@ -1151,6 +1151,57 @@ fn gpu_decode_fp8_graph_replay() {
     check_graph_replay("fp8 graph h64", &gpu, &hp);
 }
 
+/// Path::Fp8ParallelCombine as a replayed CUDA graph (the bench's graph variants capture it): plans with 18, 4, 2
+/// and 1 splits of a 1152-stride problem (one-, two- and four-heads-per-thread combine entries, and none), outputs
+/// and partials poisoned before each of 3 replays, each bit-identical to a plain Path::Fp8 call on the same plan.
+#[test]
+fn gpu_combine_v2_graph_replay() {
+    let Some(gpu) = gpu_for_test("gpu_combine_v2_graph_replay") else {
+        return;
+    };
+    let mut rng = seeded("gpu_combine_v2_graph_replay", 0x6C2B);
+    let hp = HostProblem::random(&mut rng, 128, &[1152, 640, 1, 0], true);
+    let shape = hp.shape();
+    let dp = DeviceProblem::upload(&gpu, &hp);
+    let inp = dp.inputs();
+    for t in [1usize, 5, 9, 1000] {
+        let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
+        let want = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+        let mut ws = Workspace::new(&gpu, &shape, plan, false).unwrap();
+        let mut out = gpu
+            .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
+            .unwrap();
+        let graph = gpu
+            .capture(|| {
+                decode(
+                    &gpu,
+                    Path::Fp8ParallelCombine,
+                    &shape,
+                    &inp,
+                    &mut ws,
+                    &mut out,
+                )
+            })
+            .unwrap();
+        for rep in 0..3 {
+            gpu.fill_bytes(&mut out, 0xFF).unwrap();
+            ws.poison_partials(&gpu).unwrap();
+            graph.launch().unwrap();
+            gpu.synchronize().unwrap();
+            let got = gpu.download(&out).unwrap();
+            assert_same_bits(
+                &format!(
+                    "combine_v2 graph replay {rep}, plan {plan:?} (\"first call\" = plain Fp8)"
+                ),
+                &shape,
+                &want,
+                &got,
+            );
+        }
+        println!("combine_v2 graph: plan {plan:?}: 3 replays bit-identical to plain Fp8");
+    }
+}
+
 /// Mirror of the v6 q prologue's identity (kernels/sparse_attn.cu, `quantize_lane_pow2_mul`): for every BF16 value
 /// x (all 65536 bit patterns, q is BF16) and every UE8M0 scale code c the scale rule can produce (1..=254),
 /// the IEEE quotient x / 2^(c-127) equals the IEEE product x * 2^(127-c) bit for bit (NaN: both NaN), and the
