@@ -16,6 +16,8 @@
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
+//   sparse_attn_combine_v2[_h2|_h4] the same merge, bit for bit, latency-parallel: one CTA per (sequence, 1 / 2 /
+//                                  4 heads), 8 partials' loads in flight per thread (A/B candidate, "fp8_pcombine").
 //
 // Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
 // CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
@@ -794,6 +796,171 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
                         sa::pack_bf16x2(acc[4], acc[5]), sa::pack_bf16x2(acc[6], acc[7]));
     dst[1] = make_uint4(sa::pack_bf16x2(acc[8], acc[9]), sa::pack_bf16x2(acc[10], acc[11]),
                         sa::pack_bf16x2(acc[12], acc[13]), sa::pack_bf16x2(acc[14], acc[15]));
+}
+
+namespace sa {
+// (split, head) partials a thread of sparse_attn_combine_v2 holds in registers at once (8 float4 + 8 lse): small
+// enough for 64 registers, i.e. 8 CTAs (1024 threads) per SM.
+constexpr int kCombineLoads = 8;
+
+// Split-KV merge, latency-parallel (Path::Fp8ParallelCombine, bench "fp8_pcombine"): the same values as
+// sparse_attn_combine, bit for bit, with far more CTAs and the loads in flight together. The old kernel has one
+// warp per head (grid heads/8 x batch: 8 CTAs at Flash batch 1) and walks the splits 4 at a time after two
+// serial lse passes; ncu measured it at 9-15 us whatever the size, 64% of its stalls on loads.
+// grid (heads / kHeads, batch), block 128: thread t owns dims [4t, 4t+4) of heads kHeads*blockIdx.x + j
+// (j < kHeads) of sequence blockIdx.y. kHeads (1, 2, 4: entry points sparse_attn_combine_v2, _h2, _h4; the host
+// takes the largest with kHeads * n_splits <= 8) gives a thread of a plan with few splits (Flash batch 64: 2)
+// as many loads in flight as one with 8 splits, and 4x fewer CTAs, instead of 4x more CTA rounds per SM.
+//   * Every thread first issues the loads of splits 0..kChunk-1 (kChunk = 8 / kHeads; its float4 of O and the
+//     split's lse, for each of its heads); they do not depend on the merge statistics, so they overlap the lse
+//     pass; later chunks cost one L2 round trip each (33 splits at HCA 1M batch 1: 4 more).
+//   * Bit-identity with sparse_attn_combine, per head: each warp computes the merge statistics with the old
+//     kernel's code (lane-strided max, which is exact in any order; the lane-strided sum s = lane, lane+32, ...
+//     from 0.f, then the xor butterfly 16, 8, 4, 2, 1, whose result is the same in every lane because each step
+//     adds the same two values, a + b == b + a); w_s = exp2f(lse_s - m_all) of the same lse values;
+//     acc = fma(w_s, o_s, acc) in split order 0, 1, ... from 0.f (the old loop's `acc += w * v` contracts to that
+//     FFMA); acc * (1/z) with the IEEE reciprocal; the same inverse_rope_pair on the same (dim pair, frequency)
+//     pairs (dims 448..511: threads 112..127, pairs (4t, 4t+1) and (4t+2, 4t+3) with frequencies 2(t-112) and
+//     2(t-112)+1); the same BF16 rounding; a head with no valid candidate (every lse = -inf) gets 0. The lse
+//     pass is repeated by the 4 warps of a CTA (n_splits L1-resident loads each): cheaper than a barrier on the
+//     chain. m_parts is warp-uniform after the butterfly, so the per-head branches keep the shuffles converged.
+template <int kHeads>
+__device__ __forceinline__ void combine_v2_body(__nv_bfloat16* out, const float* part_o, const float* part_lse,
+                                                const float* sinks, const int* positions, const float* freqs,
+                                                int heads, int n_splits) {
+    constexpr int kChunk = kCombineLoads / kHeads;  // splits per chunk
+    constexpr int kVecPerRow = kDim / 4;            // float4s per partial row
+    const int h0 = blockIdx.x * kHeads;
+    const int b = blockIdx.y;
+    const int t = threadIdx.x;
+    const int lane = t & 31;
+    if (h0 + kHeads > heads) return;  // the host launches heads / kHeads CTAs (heads % kHeads == 0)
+    // Partial row of (split s, head h0 + j): (b * n_splits + s) * heads + h0 + j = row0 + s * heads + j.
+    const size_t row0 = (size_t)b * n_splits * heads + h0;
+    const float* lse_row = part_lse + row0;
+    const float4* o_row = reinterpret_cast<const float4*>(part_o) + row0 * kVecPerRow + t;
+    const size_t o_split_step = (size_t)heads * kVecPerRow;
+
+    // Chunk 0's loads first (independent of everything below).
+    float4 v[kHeads][kChunk];
+    float lse[kHeads][kChunk];
+    {
+        // Stepped pointers (not base + i * step): fewer live 64-bit addresses while the loads are issued.
+        const float4* o_ptr = o_row;
+        const float* lse_ptr = lse_row;
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+            if (i < n_splits) {
+#pragma unroll
+                for (int j = 0; j < kHeads; ++j) {
+                    v[j][i] = o_ptr[j * kVecPerRow];
+                    lse[j][i] = lse_ptr[j];
+                }
+            }
+            o_ptr += o_split_step;
+            lse_ptr += heads;
+        }
+    }
+    float sink[kHeads];
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) sink[j] = sinks[h0 + j];
+
+    // Merge statistics per head: the code of sparse_attn_combine (see the identities above).
+    float m_parts[kHeads], m_all[kHeads], z[kHeads];
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) m_parts[j] = -INFINITY;
+    for (int s = lane; s < n_splits; s += 32) {
+#pragma unroll
+        for (int j = 0; j < kHeads; ++j) m_parts[j] = fmaxf(m_parts[j], lse_row[(size_t)s * heads + j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int j = 0; j < kHeads; ++j) m_parts[j] = fmaxf(m_parts[j], __shfl_xor_sync(0xffffffffu, m_parts[j], o));
+    }
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) {
+        m_all[j] = 0.f;
+        z[j] = 1.f;
+        if (m_parts[j] != -INFINITY) {
+            const float sink2 = sink[j] * kLog2e;
+            m_all[j] = fmaxf(m_parts[j], sink2);
+            float zl = 0.f;
+            for (int s = lane; s < n_splits; s += 32) zl += exp2f(lse_row[(size_t)s * heads + j] - m_all[j]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) zl += __shfl_xor_sync(0xffffffffu, zl, o);
+            z[j] = exp2f(sink2 - m_all[j]) + zl;
+        }
+    }
+
+    // Weighted sum in split order. An empty split has lse = -inf (w = 0) and o = 0: it adds exactly 0.
+    float acc[kHeads][4];
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int base = 0; base < n_splits; base += kChunk) {
+        if (base > 0) {
+#pragma unroll
+            for (int i = 0; i < kChunk; ++i) {
+                if (base + i < n_splits) {
+#pragma unroll
+                    for (int j = 0; j < kHeads; ++j) {
+                        v[j][i] = o_row[(size_t)(base + i) * o_split_step + j * kVecPerRow];
+                        lse[j][i] = lse_row[(size_t)(base + i) * heads + j];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+            if (base + i < n_splits) {
+#pragma unroll
+                for (int j = 0; j < kHeads; ++j) {
+                    if (m_parts[j] != -INFINITY) {
+                        const float w = exp2f(lse[j][i] - m_all[j]);
+                        acc[j][0] = __fmaf_rn(w, v[j][i].x, acc[j][0]);
+                        acc[j][1] = __fmaf_rn(w, v[j][i].y, acc[j][1]);
+                        acc[j][2] = __fmaf_rn(w, v[j][i].z, acc[j][2]);
+                        acc[j][3] = __fmaf_rn(w, v[j][i].w, acc[j][3]);
+                    }
+                }
+            }
+        }
+    }
+    const int pos = positions[b];
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) {
+        if (m_parts[j] != -INFINITY) {
+            const float inv = 1.f / z[j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][i] *= inv;
+            if (4 * t >= kRopeOffset) {
+                const int f = 2 * (t - kRopeOffset / 4);
+                inverse_rope_pair(acc[j][0], acc[j][1], pos, freqs[f]);
+                inverse_rope_pair(acc[j][2], acc[j][3], pos, freqs[f + 1]);
+            }
+        }
+        uint2* dst = reinterpret_cast<uint2*>(out + ((size_t)b * heads + h0 + j) * kDim + 4 * t);
+        *dst = make_uint2(pack_bf16x2(acc[j][0], acc[j][1]), pack_bf16x2(acc[j][2], acc[j][3]));
+    }
+}
+}  // namespace sa
+
+#define SA_COMBINE_PARAMS                                                                                     \
+    __nv_bfloat16 *out, const float *part_o, const float *part_lse, const float *sinks, const int *positions, \
+        const float *freqs, int heads, int n_splits
+#define SA_COMBINE_ARGS out, part_o, part_lse, sinks, positions, freqs, heads, n_splits
+// One head per thread (n_splits >= 5), grid (heads, batch), block 128.
+extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_v2(SA_COMBINE_PARAMS) {
+    sa::combine_v2_body<1>(SA_COMBINE_ARGS);
+}
+// Two heads per thread (n_splits 3..4), grid (heads / 2, batch), block 128.
+extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_v2_h2(SA_COMBINE_PARAMS) {
+    sa::combine_v2_body<2>(SA_COMBINE_ARGS);
+}
+// Four heads per thread (n_splits 2), grid (heads / 4, batch), block 128. 6 CTAs per SM (up to 80 registers):
+// at 64 the four heads' statistics and accumulators spilled.
+extern "C" __global__ void __launch_bounds__(128, 6) sparse_attn_combine_v2_h4(SA_COMBINE_PARAMS) {
+    sa::combine_v2_body<4>(SA_COMBINE_ARGS);
 }
 
 namespace sa {

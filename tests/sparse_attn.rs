@@ -1020,6 +1020,90 @@ fn gpu_decode_fp8_long_hca_many_splits() {
     check_fp8_calls("hca 8320 fp8 plan", &gpu, &hp, &r, own, 2);
 }
 
+/// One call of `path` on a fresh workspace for `plan`, outputs and split partials poisoned (0xFF = NaN) first, so
+/// the result holds only what this call wrote.
+fn run_path_poisoned(
+    gpu: &megamoe::gpu::Gpu,
+    dp: &DeviceProblem,
+    shape: &DecodeShape,
+    plan: SplitPlan,
+    path: Path,
+) -> Vec<bf16> {
+    let mut ws = Workspace::new(gpu, shape, plan, false).unwrap();
+    ws.poison_partials(gpu).unwrap();
+    let mut out = gpu
+        .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
+        .unwrap();
+    decode(gpu, path, shape, &dp.inputs(), &mut ws, &mut out).unwrap();
+    gpu.download(&out).unwrap()
+}
+
+/// The latency-parallel combine (`sparse_attn_combine_v2`, Path::Fp8ParallelCombine) against the current one
+/// (`sparse_attn_combine`, Path::Fp8): same decode kernel and plan, outputs equal bit for bit, and within tolerance
+/// of the CPU reference, for list lengths 0 / 1 / 127 / 129 / 640 / 1152 / 8320 with -1 holes, 64 and 128 heads,
+/// and every plan: one split, 1 / 2 / 3 / 16 / 17 / 26 / 33 / 44 / 65 tiles per split (8320 candidates at one
+/// tile per split = 130 splits: 16 full chunks of 8 plus a partial one, and more than 32 splits per lane of the
+/// lse pass; 65 / 44 / 33 tiles = 2 / 3 / 4 splits, merged by the 4- and 2-heads-per-thread entries), by_cost,
+/// by_cost_v6 and the baseline's auto plan. Path::Fp8ParallelCombineRefit (by_cost_v6) is checked against the
+/// reference through the same plans.
+#[test]
+fn gpu_combine_v2_bit_identical_to_combine() {
+    let Some(gpu) = gpu_for_test("gpu_combine_v2_bit_identical_to_combine") else {
+        return;
+    };
+    let mut rng = seeded("gpu_combine_v2_bit_identical_to_combine", 0xC0B2);
+    let lengths = [0usize, 1, 127, 129, 640, 1152, 8320];
+    let sms = gpu.info.sm_count as usize;
+    for heads in [64usize, 128] {
+        let hp = HostProblem::random(&mut rng, heads, &lengths, true);
+        let shape = hp.shape();
+        let r = fp8_reference(&hp);
+        let dp = DeviceProblem::upload(&gpu, &hp);
+        let mut plans = vec![
+            ("by_cost".to_string(), SplitPlan::by_cost(sms, &shape)),
+            ("by_cost_v6".to_string(), SplitPlan::by_cost_v6(sms, &shape)),
+            ("auto".to_string(), SplitPlan::auto(sms, &shape)),
+        ];
+        // 130 tiles: 1 / 2 / 3 tiles per split = 130 / 65 / 44 splits; 16 / 17 = 9 / 8; 26 = 5; 33 / 44 / 65 = 4 /
+        // 3 / 2 splits (the two- and four-heads-per-thread entries); 1000 = one split (no combine).
+        for t in [1usize, 2, 3, 16, 17, 26, 33, 44, 65, 1000] {
+            plans.push((
+                format!("{t} tiles per split"),
+                SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
+            ));
+        }
+        for (name, plan) in plans {
+            let label = format!("h{heads} {name} {plan:?}");
+            let old = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+            let new = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8ParallelCombine);
+            let new_f64: Vec<f64> = new.iter().map(|v| v.to_f64()).collect();
+            assert_within_reference(
+                &format!("{label}: Fp8ParallelCombine vs reference"),
+                &shape,
+                &new_f64,
+                &r,
+            );
+            assert_same_bits(
+                &format!("{label}: Fp8ParallelCombine vs Fp8 (\"first call\" = Fp8)"),
+                &shape,
+                &old,
+                &new,
+            );
+            println!("{label}: combine_v2 bit-identical to combine, lengths {lengths:?}");
+        }
+        // The refit path through its own plan (by_cost_v6; the same plan also ran above through Fp8ParallelCombine).
+        let plan = SplitPlan::for_path(sms, &shape, Path::Fp8ParallelCombineRefit);
+        let refit = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8ParallelCombineRefit);
+        let refit_f64: Vec<f64> = refit.iter().map(|v| v.to_f64()).collect();
+        assert_within_reference(
+            &format!("h{heads} Fp8ParallelCombineRefit {plan:?} vs reference"),
+            &shape,
+            &refit_f64,
+            &r,
+        );
+    }
+}
+
 /// Path::Fp8 as a replayed CUDA graph (decode + combine when split): outputs and partials poisoned before each of
 /// 4 replays, each bit-identical to a plain (not captured) Path::Fp8 call on the same plan, which is itself held
 /// to the CPU reference.
@@ -1065,6 +1149,57 @@ fn gpu_decode_fp8_graph_replay() {
     check_graph_replay("fp8 graph h128", &gpu, &hp);
     let hp = HostProblem::random(&mut rng, 64, &[640, 1152, 129, 0], true);
     check_graph_replay("fp8 graph h64", &gpu, &hp);
+}
+
+/// Path::Fp8ParallelCombine as a replayed CUDA graph (the bench's graph variants capture it): plans with 18, 4, 2
+/// and 1 splits of a 1152-stride problem (one-, two- and four-heads-per-thread combine entries, and none), outputs
+/// and partials poisoned before each of 3 replays, each bit-identical to a plain Path::Fp8 call on the same plan.
+#[test]
+fn gpu_combine_v2_graph_replay() {
+    let Some(gpu) = gpu_for_test("gpu_combine_v2_graph_replay") else {
+        return;
+    };
+    let mut rng = seeded("gpu_combine_v2_graph_replay", 0x6C2B);
+    let hp = HostProblem::random(&mut rng, 128, &[1152, 640, 1, 0], true);
+    let shape = hp.shape();
+    let dp = DeviceProblem::upload(&gpu, &hp);
+    let inp = dp.inputs();
+    for t in [1usize, 5, 9, 1000] {
+        let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
+        let want = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+        let mut ws = Workspace::new(&gpu, &shape, plan, false).unwrap();
+        let mut out = gpu
+            .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
+            .unwrap();
+        let graph = gpu
+            .capture(|| {
+                decode(
+                    &gpu,
+                    Path::Fp8ParallelCombine,
+                    &shape,
+                    &inp,
+                    &mut ws,
+                    &mut out,
+                )
+            })
+            .unwrap();
+        for rep in 0..3 {
+            gpu.fill_bytes(&mut out, 0xFF).unwrap();
+            ws.poison_partials(&gpu).unwrap();
+            graph.launch().unwrap();
+            gpu.synchronize().unwrap();
+            let got = gpu.download(&out).unwrap();
+            assert_same_bits(
+                &format!(
+                    "combine_v2 graph replay {rep}, plan {plan:?} (\"first call\" = plain Fp8)"
+                ),
+                &shape,
+                &want,
+                &got,
+            );
+        }
+        println!("combine_v2 graph: plan {plan:?}: 3 replays bit-identical to plain Fp8");
+    }
 }
 
 /// Mirror of the v6 q prologue's identity (kernels/sparse_attn.cu, `quantize_lane_pow2_mul`): for every BF16 value
@@ -1174,6 +1309,74 @@ fn swizzle_layout_mirror() {
     assert!(p_words.iter().all(|&n| n == 1));
 }
 
+/// The refitted plan (`SplitPlan::by_cost_v6`, used by `fp8_pcombine_refit`) picks the same plans as `by_cost` at
+/// every Flash / Pro target point on the H200 (132 SMs), so `fp8_pcombine_refit` differs from `fp8_pcombine` only
+/// on long lists; at HCA 1M batch 1 it cuts 65 splits of two tiles (one wave, 65 CTAs) instead of 33 of four;
+/// every plan covers every tile with no empty split.
+/// `combine_v2_variant`: the most heads per thread (1, 2, 4) with heads * n_splits <= 8 (8 loads in flight per
+/// thread), one head from 5 splits on; every choice divides 64.
+#[test]
+fn combine_v2_heads_per_thread() {
+    use megamoe::ops::sparse_attn::combine_v2_variant;
+    for n_splits in 2usize..=200 {
+        let (k, hpt) = combine_v2_variant(n_splits);
+        assert_eq!(
+            1 << k,
+            hpt,
+            "n_splits {n_splits}: entry index {k} vs {hpt} heads"
+        );
+        assert!(64 % hpt == 0);
+        let best = [4usize, 2, 1]
+            .into_iter()
+            .find(|&h| h * n_splits <= 8)
+            .unwrap_or(1);
+        assert_eq!(hpt, best, "n_splits {n_splits}");
+    }
+}
+
+#[test]
+fn refit_plan_matches_by_cost_at_target_shapes() {
+    let shape = |batch, heads, stride| DecodeShape {
+        batch,
+        heads,
+        stride,
+        n_entries: 10,
+    };
+    for batch in [1usize, 2, 4, 8, 16, 32, 64, 128] {
+        for (heads, stride) in [(64usize, 640usize), (128, 1152)] {
+            let s = shape(batch, heads, stride);
+            let (old, new) = (SplitPlan::by_cost(132, &s), SplitPlan::by_cost_v6(132, &s));
+            assert_eq!(old, new, "{s:?}: by_cost {old:?} vs by_cost_v6 {new:?}");
+            assert_eq!(
+                SplitPlan::for_path(132, &s, Path::Fp8ParallelCombineRefit),
+                new
+            );
+            assert_eq!(SplitPlan::for_path(132, &s, Path::Fp8ParallelCombine), old);
+        }
+    }
+    let hca1 = shape(1, 64, 8320);
+    assert_eq!(SplitPlan::by_cost(132, &hca1).n_splits, 33);
+    assert_eq!(
+        SplitPlan::by_cost_v6(132, &hca1),
+        SplitPlan {
+            n_splits: 65,
+            tiles_per_split: 2
+        }
+    );
+    for batch in [1usize, 3, 4, 16, 64, 200] {
+        for (heads, stride) in [(64usize, 8320usize), (128, 640), (64, 1), (128, 4000)] {
+            let s = shape(batch, heads, stride);
+            let p = SplitPlan::by_cost_v6(132, &s);
+            let tiles = stride.div_ceil(64);
+            assert!(
+                p.n_splits * p.tiles_per_split >= tiles
+                    && (p.n_splits - 1) * p.tiles_per_split < tiles,
+                "{s:?} {p:?}"
+            );
+        }
+    }
+}
+
 /// The sweep config parses with the bench schema, names only this family's variants, and every point
 /// resolves to a candidate count (CSA 128 + min(topk, ctx/4), HCA 128 + ctx/128).
 #[test]
@@ -1187,6 +1390,14 @@ fn bench_config_and_split_plans() {
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
+    assert_eq!(
+        bench_path("fp8_pcombine").unwrap(),
+        Path::Fp8ParallelCombine
+    );
+    assert_eq!(
+        bench_path("fp8_pcombine_refit").unwrap(),
+        Path::Fp8ParallelCombineRefit
+    );
     for retired in [
         "fp8_v3",
         "fp8_v4",

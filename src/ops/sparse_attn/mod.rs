@@ -26,6 +26,11 @@
 //! (last-arriving CTA) and the combine launched by PDL lost and were removed (numbers in the `.cu` header).
 //! The session-4 final run (b4862dd) timed v6 against v5 once more: v6 faster at every point and bit-identical
 //! in every GPU test, so the v5 path (`Fp8V5`, bench variant `fp8_v5`) was removed.
+//!
+//! Session-5 A/B candidates (not yet measured): [`Path::Fp8ParallelCombine`] (bench `fp8_pcombine`) = the default
+//! decode and plan with the latency-parallel, bit-identical `sparse_attn_combine_v2`; and
+//! [`Path::Fp8ParallelCombineRefit`] (`fp8_pcombine_refit`) = the same with [`SplitPlan::by_cost_v6`], whose
+//! constants ([`PlanCosts::V6_FITTED`]) are fitted to the session-5 ncu durations.
 
 pub mod exec;
 pub mod reference;
@@ -152,7 +157,8 @@ impl SplitPlan {
     /// [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8 | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8ParallelCombineRefit => SplitPlan::by_cost_v6(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
     }
@@ -161,26 +167,25 @@ impl SplitPlan {
     /// `waves * (PROLOGUE + tps * TILE) + [n_splits > 1] * (COMBINE + n_splits * COMBINE_PER_SPLIT)` over
     /// tiles-per-split `tps`, where `waves = ceil(CTAs / sm_count)`. `auto`'s floor of 4 tiles per split left
     /// most SMs idle at batch 1..32 (3 CTAs for batch 1, 640 candidates); a partial second wave costs a whole
-    /// CTA time. The constants are estimates in microseconds for the H200 (FP8 tile ~3 us at 64 heads, q
-    /// prologue ~4 us, combine launch ~4 us); only their ratios matter. Ties go to fewer splits. The v6 q
-    /// prologue measured ~10 us cheaper per CTA (session-4 A/B); PROLOGUE is left as it was (not retuned without
-    /// a measurement of the new plans).
+    /// CTA time. The constants ([`PlanCosts::V5_ESTIMATE`]) are estimates in microseconds for the H200 (FP8 tile
+    /// ~3 us at 64 heads, q prologue ~4 us, combine launch ~4 us); only their ratios matter. Ties go to fewer
+    /// splits. Refitted to measurements in [`PlanCosts::V6_FITTED`] ([`SplitPlan::by_cost_v6`]); this one stays
+    /// the default's plan until an A/B run says otherwise.
     pub fn by_cost(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
-        const COMBINE: f64 = 4.0;
-        const COMBINE_PER_SPLIT: f64 = 0.3;
-        SplitPlan::by_cost_model(sm_count, shape, COMBINE, COMBINE_PER_SPLIT)
+        SplitPlan::by_cost_model(sm_count, shape, &PlanCosts::V5_ESTIMATE)
     }
 
-    /// The shared cost model: `waves * (PROLOGUE + tps * TILE) + [n_splits > 1] * (combine + n_splits *
+    /// [`SplitPlan::by_cost`]'s model with constants fitted to the measured v6 kernel and the latency-parallel
+    /// combine ([`PlanCosts::V6_FITTED`]); the plan of [`Path::Fp8ParallelCombineRefit`]. At the Flash and Pro
+    /// target shapes it picks the same plans as `by_cost` (one CTA per SM: both fill exactly one wave); it
+    /// differs on long lists (HCA at 1M, batch 1: 65 splits of two tiles instead of 33 of four).
+    pub fn by_cost_v6(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
+        SplitPlan::by_cost_model(sm_count, shape, &PlanCosts::V6_FITTED)
+    }
+
+    /// The shared cost model: `waves * (prologue + tps * tile) + [n_splits > 1] * (combine + n_splits *
     /// combine_per_split)`, minimized over tiles per split; ties go to fewer splits.
-    fn by_cost_model(
-        sm_count: usize,
-        shape: &DecodeShape,
-        combine: f64,
-        combine_per_split: f64,
-    ) -> SplitPlan {
-        const PROLOGUE: f64 = 4.0;
-        const TILE: f64 = 3.0;
+    fn by_cost_model(sm_count: usize, shape: &DecodeShape, c: &PlanCosts) -> SplitPlan {
         let tiles = shape.tiles().max(1);
         let ctas_per_split = shape.batch * (shape.heads / HEADS_PER_CTA);
         let sms = sm_count.max(1);
@@ -191,9 +196,9 @@ impl SplitPlan {
                 continue;
             }
             let waves = (ctas_per_split * n_splits).div_ceil(sms) as f64;
-            let mut t = waves * (PROLOGUE + tps as f64 * TILE);
+            let mut t = waves * (c.prologue + tps as f64 * c.tile);
             if n_splits > 1 {
-                t += combine + n_splits as f64 * combine_per_split;
+                t += c.combine + n_splits as f64 * c.combine_per_split;
             }
             if best.as_ref().is_none_or(|(bt, _)| t < *bt) {
                 best = Some((
@@ -219,6 +224,43 @@ impl SplitPlan {
     }
 }
 
+/// Constants (microseconds on the H200) of the split plan's cost model; only their ratios matter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlanCosts {
+    /// Per CTA and wave, independent of its tile count: launch share, q prologue, epilogue.
+    pub prologue: f64,
+    /// Per 64-entry KV tile of one CTA (64 heads).
+    pub tile: f64,
+    /// The combine launch, when the plan splits.
+    pub combine: f64,
+    /// Combine cost per split.
+    pub combine_per_split: f64,
+}
+
+impl PlanCosts {
+    /// The estimates `by_cost` was built with (v5 era, before any measurement of the plans): FP8 tile ~3 us,
+    /// q prologue ~4 us, combine launch ~4 us. Kept for `Path::Fp8` (the default stays as it was measured).
+    pub const V5_ESTIMATE: PlanCosts = PlanCosts {
+        prologue: 4.0,
+        tile: 3.0,
+        combine: 4.0,
+        combine_per_split: 0.3,
+    };
+    /// Fitted to the session-5 start ncu durations of `sparse_attn_decode_fp8_v6` (one wave each): tiles per
+    /// split 1 -> 12.8 us (Flash / Pro batch 1), 3 -> 21.5 (Pro batch 8), 5 -> 31.1 (Flash batch 64),
+    /// 18 -> 91.2 (Pro batch 64): slope (91.2 - 12.8) / 17 = 4.6 us per tile, intercept 12.8 - 4.6 = 8.2 us
+    /// (residuals <= 0.5 us). The combine is the latency-parallel `sparse_attn_combine_v2`: an estimate (not
+    /// measured yet) of ~3 us (launch + one L2 round trip + the merge math) plus ~1 us (one more L2 round trip)
+    /// per further chunk of 8 splits, i.e. ~0.12 us per split. At HCA 1M batch 1 this cuts 65 splits of two
+    /// tiles (17.4 + 3 + 7.8 us) where `by_cost` cuts 33 of four (26.6 + 3 + 4.0): the A/B run decides.
+    pub const V6_FITTED: PlanCosts = PlanCosts {
+        prologue: 8.2,
+        tile: 4.6,
+        combine: 3.0,
+        combine_per_split: 0.12,
+    };
+}
+
 /// Scratch buffers of a call: split partials and (for the baseline) the BF16 staging buffer.
 pub struct Workspace {
     shape: DecodeShape,
@@ -236,6 +278,8 @@ struct Kernels {
     decode_fp8: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
+    /// `sparse_attn_combine_v2`, `_h2`, `_h4` (1, 2, 4 heads per thread), indexed by [`combine_v2_variant`].
+    combine_v2: [CudaFunction; 3],
 }
 
 impl Kernels {
@@ -246,6 +290,11 @@ impl Kernels {
             decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
+            combine_v2: [
+                gpu.function(FAMILY, COMBINE_V2_KERNELS[0])?,
+                gpu.function(FAMILY, COMBINE_V2_KERNELS[1])?,
+                gpu.function(FAMILY, COMBINE_V2_KERNELS[2])?,
+            ],
         })
     }
 }
@@ -308,6 +357,25 @@ impl Workspace {
     }
 }
 
+/// Entry points of the latency-parallel combine, by heads per thread (1, 2, 4).
+const COMBINE_V2_KERNELS: [&str; 3] = [
+    "sparse_attn_combine_v2",
+    "sparse_attn_combine_v2_h2",
+    "sparse_attn_combine_v2_h4",
+];
+
+/// Which `sparse_attn_combine_v2` entry merges `n_splits` splits, as (index into `COMBINE_V2_KERNELS`, heads per
+/// thread): the most heads per thread with heads * n_splits <= 8 (a thread holds 8 partials' loads at once), so
+/// a plan with few splits still keeps 8 loads in flight per thread. Heads are multiples of 64, so every choice
+/// divides them.
+pub fn combine_v2_variant(n_splits: usize) -> (usize, usize) {
+    match n_splits {
+        0..=2 => (2, 4),
+        3..=4 => (1, 2),
+        _ => (0, 1),
+    }
+}
+
 /// Which attention kernel reads the KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
@@ -316,6 +384,13 @@ pub enum Path {
     /// tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T; when the plan splits,
     /// `sparse_attn_combine` merges the partials. Bench variant `fp8`.
     Fp8,
+    /// [`Path::Fp8`]'s decode kernel and plan, with the split merge by `sparse_attn_combine_v2` (one CTA per
+    /// (sequence, head), every thread's split loads in flight together; bit-identical to `sparse_attn_combine`).
+    /// Session-5 A/B candidate, bench variant `fp8_pcombine`.
+    Fp8ParallelCombine,
+    /// [`Path::Fp8ParallelCombine`] with the refitted plan [`SplitPlan::by_cost_v6`]. Bench variant
+    /// `fp8_pcombine_refit`.
+    Fp8ParallelCombineRefit,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -370,7 +445,9 @@ pub fn decode(
     }
 
     let (name, smem, f) = match path {
-        Path::Fp8 => (FP8_KERNEL, FP8_SMEM_BYTES, ws.kernels.decode_fp8.clone()),
+        Path::Fp8 | Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => {
+            (FP8_KERNEL, FP8_SMEM_BYTES, ws.kernels.decode_fp8.clone())
+        }
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
             BF16_SMEM_BYTES,
@@ -386,7 +463,9 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 => b.arg(inp.pool).arg(&null),
+            Path::Fp8 | Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => {
+                b.arg(inp.pool).arg(&null)
+            }
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -412,7 +491,32 @@ pub fn decode(
             .map_err(|e| anyhow!("{name}: {e:?}"))?;
     }
     if plan.n_splits > 1 {
-        let f = ws.kernels.combine.clone();
+        // The old combine: one warp per head (grid heads/8 x batch, 256 threads); v2: one CTA per (sequence,
+        // 1 / 2 / 4 heads), 128 threads of 4 dims each. Same arguments.
+        let parallel = matches!(
+            path,
+            Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit
+        );
+        let (cname, f, grid, block) = if parallel {
+            let (k, heads_per_thread) = combine_v2_variant(plan.n_splits);
+            (
+                COMBINE_V2_KERNELS[k],
+                ws.kernels.combine_v2[k].clone(),
+                (
+                    (shape.heads / heads_per_thread) as u32,
+                    shape.batch as u32,
+                    1,
+                ),
+                (128, 1, 1),
+            )
+        } else {
+            (
+                "sparse_attn_combine",
+                ws.kernels.combine.clone(),
+                ((shape.heads / 8) as u32, shape.batch as u32, 1),
+                (256, 1, 1),
+            )
+        };
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(&mut *out)
             .arg(ws.part_o.as_ref().expect("allocated"))
@@ -422,9 +526,7 @@ pub fn decode(
             .arg(inp.freqs)
             .arg(&heads)
             .arg(&n_splits);
-        let grid = ((shape.heads / 8) as u32, shape.batch as u32, 1);
-        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }
-            .map_err(|e| anyhow!("sparse_attn_combine: {e:?}"))?;
+        unsafe { b.launch(launch_cfg(grid, block, 0)) }.map_err(|e| anyhow!("{cname}: {e:?}"))?;
     }
     Ok(())
 }
@@ -530,7 +632,9 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 => b * l * ENTRY_BYTES as u64,
+        Path::Fp8 | Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => {
+            b * l * ENTRY_BYTES as u64
+        }
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
@@ -542,13 +646,16 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
 /// `fp8`), then `fp8_fused` / `fp8_fused_v6` (in-kernel split merge) and `fp8_pdl` (combine launched by PDL), and
 /// after the session-4 final run `fp8_v5` (v6 became `fp8`).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
-/// Variants in the order they are timed; `bf16_staging` is the baseline of `fp8`.
-pub const BENCH_VARIANTS: [&str; 2] = ["fp8", "bf16_staging"];
+/// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Session-5 A/B candidates:
+/// `fp8_pcombine` ([`Path::Fp8ParallelCombine`]) and `fp8_pcombine_refit` ([`Path::Fp8ParallelCombineRefit`]).
+pub const BENCH_VARIANTS: [&str; 4] = ["fp8", "fp8_pcombine", "fp8_pcombine_refit", "bf16_staging"];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
+        "fp8_pcombine" => Path::Fp8ParallelCombine,
+        "fp8_pcombine_refit" => Path::Fp8ParallelCombineRefit,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
