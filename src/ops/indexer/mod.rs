@@ -425,6 +425,9 @@ pub struct TopkBuffers {
     /// Per-row arrival counter of the multi-CTA final pass (zero between calls; see its reset protocol).
     arrivals: CudaSlice<u32>,
     v2_dirty: bool,
+    /// (cluster CTAs, dynamic smem bytes) of the last cluster top-k launch shape the device accepted
+    /// (cuOccupancyMaxActiveClusters > 0), so repeated calls skip the query.
+    cluster_checked: Option<(u32, usize)>,
 }
 
 impl TopkBuffers {
@@ -449,6 +452,7 @@ impl TopkBuffers {
             bucket_stride,
             arrivals: gpu.zeros::<u32>(rows)?,
             v2_dirty: false,
+            cluster_checked: None,
         })
     }
 }
@@ -603,6 +607,149 @@ pub fn topk(
     Ok(())
 }
 
+/// Which top-k kernels a call uses (an A/B option; [`TopkPath::Default`] is [`topk`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopkPath {
+    /// Histogram -> CTA-aggregated threshold select -> multi-CTA final pass (three launches).
+    Default,
+    /// `indexer_topk6_cluster`: one launch, one cluster of 8 CTAs per row (portable cluster size).
+    Cluster8,
+    /// `indexer_topk6_cluster` with 16-CTA clusters (non-portable size; the launcher checks the device fits
+    /// one before launching and returns an error otherwise).
+    Cluster16,
+}
+
+impl TopkPath {
+    /// CTAs per cluster of the cluster paths.
+    pub fn cluster_ctas(self) -> Option<u32> {
+        match self {
+            TopkPath::Default => None,
+            TopkPath::Cluster8 => Some(8),
+            TopkPath::Cluster16 => Some(16),
+        }
+    }
+}
+
+/// Threads of `indexer_topk6_cluster` (kernel constant TK6_THREADS).
+const TOPK6_THREADS: u32 = 1024;
+/// Most order keys one CTA of `indexer_topk6_cluster` stages in shared memory (144 KB). With k = 2048 the
+/// kernel's shared memory is then 144 KB + 48 KB (list, stage, candidates) dynamic + 28.3 KB static = 220.3 KB,
+/// under the 227 KB opt-in limit; at 1M context (262,144 entries) 8 CTAs stage 32,768 keys each. Entries of
+/// longer slices are re-read from global memory by the kernel (still exact, slower).
+pub const TOPK6_MAX_SMEM_KEYS: usize = 36_864;
+/// Threshold-bin candidates one CTA keeps in shared memory (kernel constant TK6_CAND_CAP); a CTA with more
+/// re-reads its slice in the radix passes.
+pub const TOPK6_CAND_CAP: usize = 2048;
+
+/// Entries per CTA and staged keys per CTA of `indexer_topk6_cluster` for rows of at most `max_n` entries
+/// over `ctas` CTAs: slice = ceil(max_n / ctas) rounded up to a multiple of 4 (float4 staging; at least 4),
+/// staged = min(slice, TOPK6_MAX_SMEM_KEYS) (a multiple of 4 as well).
+pub fn topk6_slice(max_n: usize, ctas: u32) -> (usize, usize) {
+    let slice = max_n.div_ceil(ctas as usize).next_multiple_of(4).max(4);
+    (slice, slice.min(TOPK6_MAX_SMEM_KEYS))
+}
+
+/// Dynamic shared memory of `indexer_topk6_cluster`: staged keys (4 B each), then 8-byte composites: the
+/// cluster-wide list of selected entries (k + 2 slots: rank_slice's odd-length pad), the CTA's staging array
+/// (k) and its threshold-bin candidates (TOPK6_CAND_CAP).
+pub fn topk6_smem_bytes(smem_keys: usize, k: usize) -> usize {
+    4 * smem_keys + 8 * (k + 2) + 8 * k + 8 * TOPK6_CAND_CAP
+}
+
+/// Top-k along `path`: [`topk`] for the default path, [`topk_cluster`] for the cluster paths. Same contract
+/// and outputs (bit-identical indices and scores).
+pub fn topk_with(
+    gpu: &Gpu,
+    path: TopkPath,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    match path.cluster_ctas() {
+        None => topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
+        Some(ctas) => topk_cluster(
+            gpu,
+            ctas,
+            scores,
+            score_stride,
+            num_valid,
+            num_valid_host,
+            bufs,
+        ),
+    }
+}
+
+/// Top-k in ONE launch: `indexer_topk6_cluster`, one thread-block cluster of `ctas` (8 or 16) CTAs per row;
+/// each CTA stages its slice of the row in shared memory once, the radix-select histograms are summed over
+/// the cluster through distributed shared memory (kernels/indexer.cu "Top-k v6"). Writes only
+/// `bufs.out_idx` / `bufs.out_score` (the default path's scratch and counters are not touched).
+pub fn topk_cluster(
+    gpu: &Gpu,
+    ctas: u32,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    ensure!(
+        ctas == 8 || ctas == 16,
+        "cluster top-k: {ctas} CTAs per cluster (supported: 8, 16)"
+    );
+    let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
+    let rows = bufs.rows;
+    ensure!(
+        rows <= 65_535,
+        "top-k: {rows} rows exceed the grid's y limit (65,535)"
+    );
+    let (slice, smem_keys) = topk6_slice(max_n, ctas);
+    let smem = topk6_smem_bytes(smem_keys, bufs.k);
+    let name = "indexer_topk6_cluster";
+    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    let (grid, block, cluster) = ((ctas, rows as u32, 1), (TOPK6_THREADS, 1, 1), (ctas, 1, 1));
+    if bufs.cluster_checked != Some((ctas, smem)) {
+        if ctas > 8 {
+            crate::gpu::pdl::allow_non_portable_cluster(&f, name)?;
+        }
+        let fit = crate::gpu::pdl::max_active_clusters(
+            gpu,
+            &f,
+            grid,
+            block,
+            cluster,
+            smem as u32,
+            "cluster top-k occupancy query",
+        )?;
+        ensure!(
+            fit > 0,
+            "cluster top-k: the device cannot hold one cluster of {ctas} CTAs x {TOPK6_THREADS} threads with \
+             {smem} B of dynamic shared memory each"
+        );
+        bufs.cluster_checked = Some((ctas, smem));
+    }
+    let mut args = crate::gpu::pdl::RawArgs::default();
+    args.slice(gpu, scores)
+        .i32(score_stride as i32)
+        .slice(gpu, num_valid)
+        .i32(bufs.k as i32)
+        .i32(slice as i32)
+        .i32(smem_keys as i32)
+        .slice(gpu, &bufs.out_idx)
+        .slice(gpu, &bufs.out_score);
+    crate::gpu::pdl::launch_cluster(
+        gpu,
+        &f,
+        grid,
+        block,
+        cluster,
+        smem as u32,
+        &mut args,
+        "indexer top-k (one cluster per row)",
+    )
+}
+
 /// Everything one indexer call needs on the device besides its inputs.
 pub struct IndexerBuffers {
     pub score_stride: usize,
@@ -631,6 +778,26 @@ pub fn run(
     logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
     topk(
         gpu,
+        &bufs.scores,
+        bufs.score_stride,
+        &q.num_valid,
+        &q.num_valid_host,
+        &mut bufs.topk,
+    )
+}
+
+/// Logits then top-k along `path` ([`run`] for [`TopkPath::Default`]).
+pub fn run_with(
+    gpu: &Gpu,
+    path: TopkPath,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    bufs: &mut IndexerBuffers,
+) -> Result<()> {
+    logits(gpu, q, cache, &mut bufs.scores, bufs.score_stride)?;
+    topk_with(
+        gpu,
+        path,
         &bufs.scores,
         bufs.score_stride,
         &q.num_valid,
@@ -864,8 +1031,37 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
-/// Bench variants of the indexer: "fused" (the default kernels, [`run`]) and "baseline" (the seeds' path).
-pub const VARIANTS: &[&str] = &["fused", "baseline"];
+/// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "baseline" (the seeds' path), the
+/// cluster top-k A/B candidates "fused_cluster" / "fused_cluster16" ([`TopkPath::Cluster8`] / `Cluster16`,
+/// same logits), and "graph_<variant>": the same calls captured once into CUDA graphs and replayed (logits
+/// alone, top-k alone, the whole call), i.e. device time as a decode step's graph sees it, without host
+/// launch gaps.
+pub const VARIANTS: &[&str] = &[
+    "fused",
+    "baseline",
+    "fused_cluster",
+    "fused_cluster16",
+    "graph_fused",
+    "graph_fused_cluster",
+    "graph_fused_cluster16",
+];
+
+/// The top-k path of a fused variant name (with or without the `graph_` prefix).
+fn variant_topk_path(fused_variant: &str) -> Option<TopkPath> {
+    match fused_variant {
+        "fused" => Some(TopkPath::Default),
+        "fused_cluster" => Some(TopkPath::Cluster8),
+        "fused_cluster16" => Some(TopkPath::Cluster16),
+        _ => None,
+    }
+}
+
+/// Graph replays per timed sample of the graph_* variants: ONE, so that every replay sees the L2 state the
+/// plan asks for (with `flush_l2`, the 34.6 MB of keys at 1M / batch 1 would otherwise stay in the 50 MB L2
+/// from the previous replay, which a decode step, with other layers in between, never sees). The replay is
+/// still free of host gaps: the flush (a 128 MB memset, tens of us) is enqueued before the start event, so
+/// the host has enqueued the event and the graph long before the device reaches them.
+const GRAPH_REPLAYS_PER_SAMPLE: usize = 1;
 
 /// Time `variant` = "fused" (ours: wgmma / mma.sync logits + histogram / CTA-aggregated threshold select /
 /// multi-CTA rank-by-counting final pass) or "baseline" (the seeds' path).
@@ -879,22 +1075,60 @@ pub fn time_variant(
     let (q, cache) = (&inp.q, &inp.cache);
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
-    match variant {
-        "fused" => {
-            let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+    if let Some(path) = variant_topk_path(variant) {
+        let logits_s = gpu.time_us(plan, || logits(gpu, q, cache, &mut bufs.scores, stride))?;
+        let IndexerBuffers {
+            scores, topk: tb, ..
+        } = &mut bufs;
+        let topk_s = gpu.time_us(plan, || {
+            topk_with(
+                gpu,
+                path,
+                scores,
+                stride,
+                &q.num_valid,
+                &q.num_valid_host,
+                tb,
+            )
+        })?;
+        let total = gpu.time_us(plan, || run_with(gpu, path, q, cache, &mut bufs))?;
+        return Ok(IndexerSamples {
+            logits: logits_s,
+            topk: topk_s,
+            total,
+        });
+    }
+    if let Some(path) = variant.strip_prefix("graph_").and_then(variant_topk_path) {
+        // One eager call first: loads the modules and sets the function attributes (not capturable), and
+        // leaves the scores in place for the top-k-only graph.
+        run_with(gpu, path, q, cache, &mut bufs)?;
+        gpu.synchronize()?;
+        let logits_g = gpu.capture(|| logits(gpu, q, cache, &mut bufs.scores, stride))?;
+        let topk_g = {
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
-            let topk_s = gpu.time_us(plan, || {
-                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
-            })?;
-            let total = gpu.time_us(plan, || run(gpu, q, cache, &mut bufs))?;
-            Ok(IndexerSamples {
-                logits: logits_s,
-                topk: topk_s,
-                total,
-            })
-        }
+            gpu.capture(|| {
+                topk_with(
+                    gpu,
+                    path,
+                    scores,
+                    stride,
+                    &q.num_valid,
+                    &q.num_valid_host,
+                    tb,
+                )
+            })?
+        };
+        let total_g = gpu.capture(|| run_with(gpu, path, q, cache, &mut bufs))?;
+        let n = GRAPH_REPLAYS_PER_SAMPLE;
+        return Ok(IndexerSamples {
+            logits: gpu.time_graph_us(&logits_g, plan, n)?,
+            topk: gpu.time_graph_us(&topk_g, plan, n)?,
+            total: gpu.time_graph_us(&total_g, plan, n)?,
+        });
+    }
+    match variant {
         "baseline" => {
             let mut base = BaselineBuffers::new(gpu, q.batch, q.rows(), cache.capacity)?;
             let logits_s = gpu.time_us(plan, || {

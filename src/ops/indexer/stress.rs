@@ -10,8 +10,11 @@
 //! Path under test: [`super::topk`] / [`super::run`], i.e. the default top-k (histogram -> CTA-aggregated
 //! threshold select -> indexer_topk4_final_mcta: multi-CTA rank by counting, with a one-CTA radix-select /
 //! bitonic fallback for threshold buckets above TOPK4_BUCKET_CAP) and the default logits (FP8: wgmma, 3 CTAs
-//! per SM; MXFP4: the e4m3 mma.sync kernels), each against the CPU reference. The per-branch tests of the
-//! final pass are in tests/indexer.rs.
+//! per SM; MXFP4: the e4m3 mma.sync kernels), each against the CPU reference. Every top-k case of (A) also
+//! runs the cluster top-k ([`TopkPath::Cluster8`] and [`TopkPath::Cluster16`]: indexer_topk6_cluster) on
+//! the same rows, and (B) runs [`TopkPath::Cluster8`] on the GPU's own scores and requires its indices and
+//! scores bit-identical to the default path's. The per-branch tests of the final passes are in
+//! tests/indexer.rs.
 //!
 //! Cases: (A) top-k alone on host-made scores: every num_valid in 0..=4096 (batched, many rows per launch),
 //! random lengths up to 262,144, k - 1, k, k + 1, multiples of 128 and of 32,768 +- 1, histogram-slice and
@@ -35,7 +38,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
-use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers};
+use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers, TopkPath};
 use crate::gpu::Gpu;
 
 /// What to run.
@@ -254,22 +257,30 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
     let scores = gpu.upload(&flat)?;
     let nv_dev = gpu.upload(&nv)?;
     let mut bufs = TopkBuffers::new(gpu, rows.len(), k, max_n)?;
-    super::topk(gpu, &scores, stride, &nv_dev, &nv, &mut bufs)?;
-    let what = format!(
-        "{label}: top-k k={k}, {} rows, num_valid {}..={}",
-        rows.len(),
-        nv.iter().min().unwrap_or(&0),
-        max_n
-    );
-    if !cx.watch(&what)? {
-        return Ok(false);
-    }
-    let idx = gpu.download(&bufs.out_idx)?;
-    let sc = gpu.download(&bufs.out_score)?;
-    for (r, row) in rows.iter().enumerate() {
-        cx.rep.cases += 1;
-        if let Err(e) = check_row(row, k, &idx[r * k..(r + 1) * k], &sc[r * k..(r + 1) * k]) {
-            cx.fail(&format!("{label} k={k} num_valid={} row={r}", row.len()), e);
+    for path in [TopkPath::Default, TopkPath::Cluster8, TopkPath::Cluster16] {
+        // Poisoned outputs: a position a path fails to write cannot pass on the previous path's answer.
+        gpu.fill_bytes(&mut bufs.out_idx, 0xFF)?;
+        gpu.fill_bytes(&mut bufs.out_score, 0xFF)?;
+        super::topk_with(gpu, path, &scores, stride, &nv_dev, &nv, &mut bufs)?;
+        let what = format!(
+            "{label}: top-k ({path:?}) k={k}, {} rows, num_valid {}..={}",
+            rows.len(),
+            nv.iter().min().unwrap_or(&0),
+            max_n
+        );
+        if !cx.watch(&what)? {
+            return Ok(false);
+        }
+        let idx = gpu.download(&bufs.out_idx)?;
+        let sc = gpu.download(&bufs.out_score)?;
+        for (r, row) in rows.iter().enumerate() {
+            cx.rep.cases += 1;
+            if let Err(e) = check_row(row, k, &idx[r * k..(r + 1) * k], &sc[r * k..(r + 1) * k]) {
+                cx.fail(
+                    &format!("{label} {path:?} k={k} num_valid={} row={r}", row.len()),
+                    e,
+                );
+            }
         }
     }
     Ok(true)
@@ -485,6 +496,38 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
                 format!("top-k vs reference top-k of the GPU scores: {e}"),
             );
         }
+    }
+
+    // The cluster top-k on the same scores: bit-identical to the default path (indices and scores).
+    let default_idx = idx;
+    let default_sc = tsc;
+    gpu.fill_bytes(&mut bufs.topk.out_idx, 0xFF)?;
+    gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF)?;
+    super::topk_with(
+        gpu,
+        TopkPath::Cluster8,
+        &bufs.scores,
+        stride,
+        &q.num_valid,
+        &q.num_valid_host,
+        &mut bufs.topk,
+    )?;
+    if !cx.watch(&format!("{label}: cluster top-k on the GPU scores"))? {
+        return Ok(false);
+    }
+    let idx = gpu.download(&bufs.topk.out_idx)?;
+    let tsc = gpu.download(&bufs.topk.out_score)?;
+    cx.rep.cases += 1;
+    if let Some(p) = (0..rows * k)
+        .find(|&p| idx[p] != default_idx[p] || tsc[p].to_bits() != default_sc[p].to_bits())
+    {
+        cx.fail(
+            &format!("{label} cluster top-k row={} position={}", p / k, p % k),
+            format!(
+                "got ({}, {:e}), default path ({}, {:e})",
+                idx[p], tsc[p], default_idx[p], default_sc[p]
+            ),
+        );
     }
     Ok(true)
 }
