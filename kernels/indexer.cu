@@ -1349,16 +1349,19 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
 //      Invariant (as block_select): exactly kk entries satisfy (c >> shift) >= (prefix >> shift): the bin > B
 //      entries (excl(B) of them: their top 12 bits exceed prefix's) plus rem of bin B.
 //   5. The selected bin-B entries join stage[]. Each CTA publishes its count into every CTA's sel_cnt[r]
-//      (st.shared::cluster), barrier.cluster, takes offset = sum of the lower ranks' counts and writes its
-//      composites into every CTA's list at that offset, barrier.cluster: every CTA now holds all kk.
+//      (st.shared::cluster), barrier.cluster, then pulls every CTA's stage into its own list (CTA q's entries
+//      at offset = sum of the lower ranks' counts; ld.shared::cluster): every CTA now holds all kk. The last
+//      cluster barrier is split: arrive after the pull, wait just before exiting (step 6 runs in between).
 //   6. CTA r ranks its own entries by counting against the kk (rank_slice, as the multi-CTA final pass:
 //      unique composites -> the ranks are a permutation of 0..kk-1) and writes index / score at its rank:
 //      the contract's order (score desc, lower index first), bit-identical to the default path.
 //   The -1 / -inf tail [kk, k) is split over the C CTAs. No global scratch, counters or reset protocol: graph
 //   replays and back-to-back calls need nothing in between.
-// DSMEM lifetime: another CTA's shared memory is accessed only before the kernel's last cluster barrier
-//   (hist0 / red0 / tot0 in step 2, the pass histograms in step 4, sel_cnt / list in step 5), so a CTA may
-//   exit after it; a CTA that returns early (kk == 0) does so in all CTAs of the cluster, before any access.
+// DSMEM lifetime: another CTA's shared memory is accessed only after the first cluster barrier S_A (every CTA
+//   of the cluster has started; S_A runs in every row with kk > 0) and before the kernel's last cluster
+//   barrier (hist0 / red0 / tot0 in step 2, the pass histograms in step 4, sel_cnt and the stage pull in
+//   step 5); every CTA waits for that barrier's arrivals before it exits. A CTA that returns early (kk == 0)
+//   does so in all CTAs of the cluster, before any access.
 // Deadlock freedom: every cluster barrier is in cluster-uniform control flow: the early returns (cluster size
 //   / k out of range; kk == 0) depend only on the launch and the row and come before the first barrier;
 //   "all", "done" and the radix loop's trip count and break come from cluster-summed integers (identical
@@ -1366,8 +1369,10 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
 //   block-uniform (staged). The per-entry loops (trip counts that differ between CTAs and threads) contain no
 //   barrier, and their warp collectives run over warp-uniform trip counts (base steps of a multiple of
 //   blockDim; the entry test is inside). rank_slice contains no barrier.
-// Memory safety never depends on the select being right: stage / cand / list positions are bounds-checked
-//   (k, TK6_CAND_CAP, m), the chunk and bin found are clamped, the ranks are clamped to m - 1.
+// Memory safety never depends on the select being right: stage / cand positions are bounds-checked (k,
+//   TK6_CAND_CAP), sel_cnt holds counts clamped to kk, the list has m <= kk entries (pulled positions stay
+//   inside the owner's clamped count when the counts sum to m; if they sum to more, the last CTA's share is
+//   cut at m), the chunk found is clamped, the ranks are clamped to m - 1.
 // ------------------------------------------------------------------------------------------------------------
 namespace {
 
@@ -1406,6 +1411,17 @@ __device__ __forceinline__ uint32_t tk6_map(const void* p, uint32_t rank) {
 __device__ __forceinline__ uint32_t tk6_ld_cluster_u32(uint32_t addr) {
     uint32_t v;
     asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+// Split form of tk6_cluster_sync for the last barrier: arrive (release: this thread's remote reads are
+// complete and ordered before it), do local work, then wait before exiting.
+__device__ __forceinline__ void tk6_cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void tk6_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ uint64_t tk6_ld_cluster_u64(uint32_t addr) {
+    uint64_t v;
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
     return v;
 }
 __device__ __forceinline__ void tk6_st_cluster_u32(uint32_t addr, uint32_t v) {
@@ -1547,9 +1563,11 @@ extern "C" __global__ void __launch_bounds__(TK6_THREADS, 1)
     uint32_t rem = (uint32_t)kk, B = 0;
     int shift = 64;
     bool done = all;
+    // S_A: every CTA's hist0 complete. Also in the "all" case: the CUDA model requires every CTA of the cluster
+    // to have started before any DSMEM access (the first one there is step 5's sel_cnt store).
+    tk6_cluster_sync();
     if (!all) {  // cluster-uniform
         const int chunk = TK6_BINS0 / C;  // 512 or 256: whole warps
-        tk6_cluster_sync();  // S_A: every CTA's hist0 complete
         uint32_t v = tid < chunk ? tk6_cluster_sum(&hist0[r * chunk + tid], C) : 0u;
         if (tid < chunk) red0[tid] = v;
         const uint32_t wsum = __reduce_add_sync(FULL, v);
@@ -1727,11 +1745,15 @@ extern "C" __global__ void __launch_bounds__(TK6_THREADS, 1)
         m += cq;
     }
     m = min(m, kk);  // == kk with a consistent state
-    for (int w = tid; w < own * C; w += TK6_THREADS) {  // item w = (entry w % own, target CTA w / own); no barrier
-        const int i = w % own, q = w / own;
-        if (off + i < m) tk6_st_cluster_u64(tk6_map(&list[off + i], (uint32_t)q), stage[i]);
+    // Pull every CTA's stage into list: position w belongs to the CTA q with off_q <= w < off_q + cnt_q.
+    for (int w = tid; w < m; w += TK6_THREADS) {  // no barrier inside
+        int q = 0, base_q = 0;
+        while (q < C - 1 && w >= base_q + (int)sel_cnt[q]) base_q += (int)sel_cnt[q++];
+        list[w] = tk6_ld_cluster_u64(tk6_map(&stage[w - base_q], (uint32_t)q));
     }
-    tk6_cluster_sync();  // all kk composites in every CTA's list; the last access to another CTA's memory
+    // Last cluster barrier, split: this CTA's remote reads are done (arrive); the others may still read its
+    // stage, so it waits for every arrival only before exiting, after its local work.
+    tk6_cluster_arrive();
 
     // 6. Rank this CTA's entries list[off, off + na) against all m by counting (rank_slice preconditions: list
     //    16-byte aligned, list[m] = 0 when m is odd, rank zeroed, all before a barrier).
@@ -1747,4 +1769,5 @@ extern "C" __global__ void __launch_bounds__(TK6_THREADS, 1)
         oi[p] = (int)~(uint32_t)c;
         os[p] = key_to_score((uint32_t)(c >> 32));
     }
+    tk6_cluster_wait();  // no CTA exits while another may still read its stage
 }
