@@ -261,7 +261,12 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
         // Poisoned outputs: a position a path fails to write cannot pass on the previous path's answer.
         gpu.fill_bytes(&mut bufs.out_idx, 0xFF)?;
         gpu.fill_bytes(&mut bufs.out_score, 0xFF)?;
-        super::topk_with(gpu, path, &scores, stride, &nv_dev, &nv, &mut bufs)?;
+        if let Err(e) = super::topk_with(gpu, path, &scores, stride, &nv_dev, &nv, &mut bufs) {
+            // A launch the cluster path refuses (e.g. no room for a 16-CTA cluster) is a failure of that
+            // path; the other paths are still tested.
+            cx.fail(&format!("{label} {path:?} k={k} launch"), format!("{e:#}"));
+            continue;
+        }
         let what = format!(
             "{label}: top-k ({path:?}) k={k}, {} rows, num_valid {}..={}",
             rows.len(),
@@ -503,7 +508,7 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
     let default_sc = tsc;
     gpu.fill_bytes(&mut bufs.topk.out_idx, 0xFF)?;
     gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF)?;
-    super::topk_with(
+    if let Err(e) = super::topk_with(
         gpu,
         TopkPath::Cluster8,
         &bufs.scores,
@@ -511,7 +516,10 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
         &q.num_valid,
         &q.num_valid_host,
         &mut bufs.topk,
-    )?;
+    ) {
+        cx.fail(&format!("{label} cluster top-k launch"), format!("{e:#}"));
+        return Ok(true);
+    }
     if !cx.watch(&format!("{label}: cluster top-k on the GPU scores"))? {
         return Ok(false);
     }
