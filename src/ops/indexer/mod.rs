@@ -8,6 +8,10 @@
 //! CTA-aggregated threshold select -> multi-CTA exact final pass (`indexer_topk2_hist`,
 //! `indexer_topk5_select_agg`, `indexer_topk4_final_mcta`).
 //!
+//! Session-5 A/B candidate (not the default): [`TopkPath::Cluster8`] / [`TopkPath::Cluster16`] = one launch of
+//! `indexer_topk6_cluster`, one thread-block cluster per row ([`topk_cluster`], [`topk_with`], [`run_with`]);
+//! bench variants `fused_cluster`, `fused_cluster16` and the CUDA-graph replays `graph_*`.
+//!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
 //!   row `row`. q is e4m3 `[rows, 64, 128]` (Hadamard-rotated like the keys), `w` f32 `[rows, 64]` with the
