@@ -1486,7 +1486,7 @@ extern "C" __global__ void __launch_bounds__(TK6_THREADS, 1)
     const int C = (int)tk6_cluster_size();
     // Launch-uniform; the launcher never does this (the outputs stay poisoned).
     if (C != (int)gridDim.x || C < TK6_MIN_CLUSTER || C > TK6_MAX_CLUSTER || TK6_BINS0 % C != 0 || k < 1 ||
-        k > TOPK_MAX_K || smem_keys > slice)
+        k > TOPK_MAX_K || smem_keys > slice || (slice & 3) != 0 || (smem_keys & 3) != 0)
         return;
     const int r = (int)tk6_cluster_rank();
     const int row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1498,7 +1498,9 @@ extern "C" __global__ void __launch_bounds__(TK6_THREADS, 1)
         oi[j] = -1;
         os[j] = -INFINITY;
     }
-    if (kk == 0) return;  // row-uniform, so cluster-uniform; before any cluster barrier or remote access
+    // Row-uniform, so cluster-uniform; before any cluster barrier or remote access. (The second: the slices
+    // do not cover the row, a launcher error; the row's outputs stay poisoned.)
+    if (kk == 0 || (long long)C * slice < n) return;
 
     uint32_t* const keys = reinterpret_cast<uint32_t*>(smem_raw);
     uint64_t* const list = reinterpret_cast<uint64_t*>(smem_raw + 4 * (size_t)smem_keys);  // 16-byte aligned
@@ -1608,7 +1610,7 @@ extern "C" __global__ void __launch_bounds__(TK6_THREADS, 1)
             const uint32_t y = __shfl_up_sync(FULL, incl, o);
             if (lane >= o) incl += y;
         }
-        __syncthreads();  // every thread's warp_sums read (chunk total above) happened before S_B; explicit
+        // warp_sums is free again: its readers above (threads < C) read it before arriving at S_B.
         if (tid < chunk && lane == 31) warp_sums[warp] = incl;
         __syncthreads();
         if (tid < chunk) {
