@@ -717,6 +717,8 @@ pub fn topk_cluster(
         if ctas > 8 {
             crate::gpu::pdl::allow_non_portable_cluster(&f, name)?;
         }
+        // A clear error before launching a shape the device cannot hold. If the query itself fails, the launch
+        // goes ahead and reports its own error.
         let fit = crate::gpu::pdl::max_active_clusters(
             gpu,
             &f,
@@ -725,9 +727,9 @@ pub fn topk_cluster(
             cluster,
             smem as u32,
             "cluster top-k occupancy query",
-        )?;
+        );
         ensure!(
-            fit > 0,
+            !matches!(fit, Ok(0)),
             "cluster top-k: the device cannot hold one cluster of {ctas} CTAs x {TOPK6_THREADS} threads with \
              {smem} B of dynamic shared memory each"
         );
