@@ -1594,3 +1594,461 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
 // 68,464 B, next_n 2 with 6 stages = 68,192 B (8 stages / 7 stages would not fit).
 INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n1, 1, 7)
 INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n2, 2, 6)
+
+// ------------------------------------------------------------------------------------------------------------
+// Top-k v6 (A/B candidate, session 5): ONE launch, one thread-block cluster of C CTAs per row (C = 8, the
+// portable size, or 16, non-portable; the launcher sets the cluster-dimension launch attribute and the kernel
+// reads %cluster_nctarank). Entry point indexer_topk6_cluster; launcher src/ops/indexer/mod.rs `topk_cluster`.
+// Why: ncu at 1M context / batch 1 / k 512 of the default three-launch top-k: 3.9 + 5.2 + 5.6 us of kernel time
+// for 1 MB of scores; each launch is ramp + a latency chain (global atomics, a scan, a second read of the
+// scores), not bytes. Here the scores are read from global memory once and every later step stays in shared
+// memory, distributed shared memory (DSMEM) and cluster barriers. Composite, order and ties as "Top-k":
+// c = order_key << 32 | ~index (unique per entry); bin = c >> 52 = order_key >> 20 (the top 12 bits).
+//   1. CTA r (cluster rank r) owns the row's entries [r * slice, r * slice + slice) (len of them valid). It
+//      stages the first smem_keys of them as order keys in shared memory (8 float4 loads in flight per thread
+//      when the row is 16-byte aligned) and counts every entry's bin into a 4096-bin histogram hist0 as the
+//      keys arrive; entries past smem_keys (rows longer than C * smem_keys) are read from global memory (L2)
+//      whenever needed.
+//   2. Threshold bin (skipped when kk = min(k, n) == n: everything is selected). barrier.cluster; CTA r sums
+//      its chunk of 4096 / C bins over the C CTAs' hist0 (ld.shared::cluster through mapa) into red0 and
+//      publishes the chunk total into every CTA's tot0[r]; barrier.cluster; every CTA finds the chunk holding
+//      the kk-th largest entry from tot0 (from the top chunk down), reads that chunk's red0 from its owner and
+//      scans it: threshold bin B with excl(B) < kk <= incl(B), rem = kk - excl(B). Every CTA computes the
+//      same integers, so every CTA gets the same B, rem and "done" (bin B's count == rem).
+//   3. Compaction (one pass over the slice): entries with bin > B (all of them are selected: excl(B) < kk)
+//      go to the CTA's staging array stage[], entries with bin == B to its candidate list cand[] (at most
+//      TK6_CAND_CAP; a CTA with more sets `overflow` and re-reads its slice instead, still exact).
+//   4. Unless done: MSB-first radix select over the bin-B entries' low 52 composite bits, 8-bit digits (the
+//      last one 4 bits), at most 7 passes, block_select's digit rule and early exit, with the per-pass
+//      256-bin histograms summed over the cluster: count locally, barrier.cluster, threads 0..255 of EVERY
+//      CTA sum their bin over the C CTAs and scan. Identical sums -> identical bucket, remainder and break in
+//      every CTA, so every CTA runs the same number of passes. Two histogram buffers alternate: buffer p & 1
+//      of pass p is read remotely after the pass-p barrier and before the reader arrives at the pass-(p+1)
+//      barrier; it is re-zeroed only after that barrier (for pass p + 2), so no remote read sees a zeroing.
+//      Invariant (as block_select): exactly kk entries satisfy (c >> shift) >= (prefix >> shift): the bin > B
+//      entries (excl(B) of them: their top 12 bits exceed prefix's) plus rem of bin B.
+//   5. The selected bin-B entries join stage[]. Each CTA publishes its count into every CTA's sel_cnt[r]
+//      (st.shared::cluster), barrier.cluster, then pulls every CTA's stage into its own list (CTA q's entries
+//      at offset = sum of the lower ranks' counts; ld.shared::cluster): every CTA now holds all kk. The last
+//      cluster barrier is split: arrive after the pull, wait just before exiting (step 6 runs in between).
+//   6. CTA r ranks its own entries by counting against the kk (rank_slice, as the multi-CTA final pass:
+//      unique composites -> the ranks are a permutation of 0..kk-1) and writes index / score at its rank:
+//      the contract's order (score desc, lower index first), bit-identical to the default path.
+//   The -1 / -inf tail [kk, k) is split over the C CTAs. No global scratch, counters or reset protocol: graph
+//   replays and back-to-back calls need nothing in between.
+// DSMEM lifetime: another CTA's shared memory is accessed only after the first cluster barrier S_A (every CTA
+//   of the cluster has started; S_A runs in every row with kk > 0) and before the kernel's last cluster
+//   barrier (hist0 / red0 / tot0 in step 2, the pass histograms in step 4, sel_cnt and the stage pull in
+//   step 5); every CTA waits for that barrier's arrivals before it exits. A CTA that returns early (kk == 0)
+//   does so in all CTAs of the cluster, before any access.
+// Deadlock freedom: every cluster barrier is in cluster-uniform control flow: the early returns (cluster size
+//   / k out of range; kk == 0) depend only on the launch and the row and come before the first barrier;
+//   "all", "done" and the radix loop's trip count and break come from cluster-summed integers (identical
+//   everywhere, argument above). The __syncthreads() in the staging loop sits in a loop whose trip count is
+//   block-uniform (staged). The per-entry loops (trip counts that differ between CTAs and threads) contain no
+//   barrier, and their warp collectives run over warp-uniform trip counts (base steps of a multiple of
+//   blockDim; the entry test is inside). rank_slice contains no barrier.
+// Memory safety never depends on the select being right: stage / cand positions are bounds-checked (k,
+//   TK6_CAND_CAP), sel_cnt holds counts clamped to kk, the list has m <= kk entries (pulled positions stay
+//   inside the owner's clamped count when the counts sum to m; if they sum to more, the last CTA's share is
+//   cut at m), the chunk found is clamped, the ranks are clamped to m - 1.
+// ------------------------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int TK6_THREADS = 1024;
+constexpr int TK6_MIN_CLUSTER = 8;
+constexpr int TK6_MAX_CLUSTER = 16;
+constexpr int TK6_BINS0 = 4096;  // bin = order_key >> 20 = composite >> 52
+constexpr int TK6_CHUNK_MAX = TK6_BINS0 / TK6_MIN_CLUSTER;  // bins reduced per CTA in step 2
+constexpr int TK6_CAND_CAP = 2048;                          // bin-B candidates per CTA kept in shared memory
+static_assert(TK6_BINS0 % TK6_MAX_CLUSTER == 0 && (TK6_BINS0 / TK6_MAX_CLUSTER) % 32 == 0,
+              "every cluster size 8..16 dividing 4096 gives chunks of whole warps");
+
+__device__ __forceinline__ uint32_t tk6_cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t tk6_cluster_size() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+// All threads of all CTAs of the cluster, release / acquire at cluster scope: shared-memory writes (local or
+// remote) before the barrier are visible to every thread of the cluster after it, and remote reads before it
+// are complete.
+__device__ __forceinline__ void tk6_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The shared::cluster address of `p` (a shared-memory variable of this CTA) in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t tk6_map(const void* p, uint32_t rank) {
+    const uint32_t local = (uint32_t)__cvta_generic_to_shared(p);
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ uint32_t tk6_ld_cluster_u32(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+// Split form of tk6_cluster_sync for the last barrier: arrive (release: this thread's remote reads are
+// complete and ordered before it), do local work, then wait before exiting.
+__device__ __forceinline__ void tk6_cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void tk6_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ uint64_t tk6_ld_cluster_u64(uint32_t addr) {
+    uint64_t v;
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void tk6_st_cluster_u32(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void tk6_st_cluster_u64(uint32_t addr, uint64_t v) {
+    asm volatile("st.shared::cluster.u64 [%0], %1;" ::"r"(addr), "l"(v) : "memory");
+}
+
+// Sum over the C CTAs of the u32 at `p` (the same shared variable in every CTA); all loads issued first.
+__device__ __forceinline__ uint32_t tk6_cluster_sum(const uint32_t* p, int C) {
+    uint32_t part[TK6_MAX_CLUSTER];
+#pragma unroll
+    for (int q = 0; q < TK6_MAX_CLUSTER; ++q) part[q] = q < C ? tk6_ld_cluster_u32(tk6_map(p, (uint32_t)q)) : 0u;
+    uint32_t v = 0;
+#pragma unroll
+    for (int q = 0; q < TK6_MAX_CLUSTER; ++q) v += part[q];
+    return v;
+}
+
+// Warp-aggregated append: the lanes with sel write c at consecutive positions of buf taken from *counter
+// (one shared atomic per warp); positions >= cap are not written (the counter still counts them). Every lane
+// of the warp must call it (warp-uniform call sites).
+__device__ __forceinline__ void tk6_append(bool sel, uint64_t c, uint64_t* buf, uint32_t* counter, uint32_t cap) {
+    const int lane = threadIdx.x & 31;
+    const unsigned ballot = __ballot_sync(FULL, sel);
+    if (!ballot) return;  // warp-uniform
+    uint32_t wbase = 0;
+    if (lane == 0) wbase = atomicAdd(counter, (uint32_t)__popc(ballot));
+    wbase = __shfl_sync(FULL, wbase, 0);
+    const uint32_t pos = wbase + __popc(ballot & ((1u << lane) - 1u));
+    if (sel && pos < cap) buf[pos] = c;
+}
+
+// This CTA's entries of the row: local entry e (global index e0 + e), keys[e] staged for e < staged.
+struct Tk6Slice {
+    const uint32_t* keys;
+    const float* src;  // the row's scores + e0
+    int e0, staged;
+    __device__ __forceinline__ uint32_t key(int e) const { return e < staged ? keys[e] : order_key(src[e]); }
+    __device__ __forceinline__ uint64_t comp(int e) const { return composite(key(e), (uint32_t)(e0 + e)); }
+};
+
+}  // namespace
+
+// grid (C, rows) launched as clusters of (C, 1, 1), C = 8 or 16, block TK6_THREADS. slice: entries per CTA, a
+// multiple of 4 with C * slice >= every row's num_valid; smem_keys: keys staged per CTA, a multiple of 4 and
+// <= slice. Dynamic smem = 4 * smem_keys (keys) + 8 * (k + 2) (list) + 8 * k (stage) + 8 * TK6_CAND_CAP (cand);
+// the launcher computes the same (topk6_smem_bytes).
+extern "C" __global__ void __launch_bounds__(TK6_THREADS, 1)
+    indexer_topk6_cluster(const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid,
+                          int k, int slice, int smem_keys, int* __restrict__ out_idx, float* __restrict__ out_score) {
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    __shared__ uint32_t hist0[TK6_BINS0];
+    __shared__ uint32_t red0[TK6_CHUNK_MAX];
+    __shared__ uint32_t hist[2][256];
+    __shared__ uint32_t rank[TOPK_MAX_K];
+    __shared__ uint32_t warp_sums[TK6_THREADS / 32];
+    __shared__ uint32_t tot0[TK6_MAX_CLUSTER], sel_cnt[TK6_MAX_CLUSTER];
+    __shared__ uint32_t ctl_bucket, ctl_rem, ctl_count, ctl_chunk, ctl_chunk_excl, stage_count, cand_count;
+
+    const int C = (int)tk6_cluster_size();
+    // Launch-uniform; the launcher never does this (the outputs stay poisoned).
+    if (C != (int)gridDim.x || C < TK6_MIN_CLUSTER || C > TK6_MAX_CLUSTER || TK6_BINS0 % C != 0 || k < 1 ||
+        k > TOPK_MAX_K || smem_keys > slice || (slice & 3) != 0 || (smem_keys & 3) != 0)
+        return;
+    const int r = (int)tk6_cluster_rank();
+    const int row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int kk = min(k, n);
+    int* const oi = out_idx + (size_t)row * k;
+    float* const os = out_score + (size_t)row * k;
+    for (int j = kk + r * TK6_THREADS + tid; j < k; j += C * TK6_THREADS) {
+        oi[j] = -1;
+        os[j] = -INFINITY;
+    }
+    // Row-uniform, so cluster-uniform; before any cluster barrier or remote access. (The second: the slices
+    // do not cover the row, a launcher error; the row's outputs stay poisoned.)
+    if (kk == 0 || (long long)C * slice < n) return;
+
+    uint32_t* const keys = reinterpret_cast<uint32_t*>(smem_raw);
+    uint64_t* const list = reinterpret_cast<uint64_t*>(smem_raw + 4 * (size_t)smem_keys);  // 16-byte aligned
+    uint64_t* const stage = list + (k + 2);
+    uint64_t* const cand = stage + k;
+    const int e0 = r * slice;
+    const int len = max(0, min(n - e0, slice));
+    const int staged = min(len, smem_keys);
+    const float* const src = scores + (size_t)row * score_stride + e0;
+    const Tk6Slice sl{keys, src, e0, staged};
+    const bool all = kk >= n;  // every entry selected (n <= k)
+
+    for (int i = tid; i < TK6_BINS0; i += TK6_THREADS) hist0[i] = 0;
+    if (tid < 256) {
+        hist[0][tid] = 0;
+        hist[1][tid] = 0;
+    }
+    if (tid == 0) {
+        stage_count = 0;
+        cand_count = 0;
+    }
+
+    // 1. Stage the keys and count hist0. float4 loads need the row start 16-byte aligned: score_stride % 4 == 0,
+    //    e0 % 4 == 0 (slice % 4 == 0) and an aligned buffer.
+    const bool vec = (score_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
+    for (int base = 0; base < staged; base += 8 * 4 * TK6_THREADS) {  // block-uniform trip count
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int e = base + 4 * (u * TK6_THREADS + tid);
+            if (vec && e + 4 <= staged) {
+                v[u] = *reinterpret_cast<const float4*>(src + e);
+            } else {
+                v[u].x = e + 0 < staged ? src[e + 0] : 0.f;
+                v[u].y = e + 1 < staged ? src[e + 1] : 0.f;
+                v[u].z = e + 2 < staged ? src[e + 2] : 0.f;
+                v[u].w = e + 3 < staged ? src[e + 3] : 0.f;
+            }
+        }
+        __syncthreads();  // (first trip) the zeroed hist0 is visible before any atomic; the loads are in flight
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const int e = base + 4 * (u * TK6_THREADS + tid);
+            const uint32_t k4[4] = {order_key(v[u].x), order_key(v[u].y), order_key(v[u].z), order_key(v[u].w)};
+            if (e + 4 <= staged) {
+                *reinterpret_cast<uint4*>(keys + e) = make_uint4(k4[0], k4[1], k4[2], k4[3]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 3; ++j)  // e + 4 > staged: at most 3 entries left
+                    if (e + j < staged) keys[e + j] = k4[j];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (e + j < staged) atomicAdd(&hist0[k4[j] >> 20], 1u);
+        }
+    }
+    __syncthreads();  // zeroing visible (staged == 0), keys staged
+    for (int e = staged + tid; e < len; e += TK6_THREADS) atomicAdd(&hist0[order_key(src[e]) >> 20], 1u);
+
+    // 2. Threshold bin B over the cluster.
+    uint64_t prefix = 0;
+    uint32_t rem = (uint32_t)kk, B = 0;
+    int shift = 64;
+    bool done = all;
+    // S_A: every CTA's hist0 complete. Also in the "all" case: the CUDA model requires every CTA of the cluster
+    // to have started before any DSMEM access (the first one there is step 5's sel_cnt store).
+    tk6_cluster_sync();
+    if (!all) {  // cluster-uniform
+        const int chunk = TK6_BINS0 / C;  // 512 or 256: whole warps
+        uint32_t v = tid < chunk ? tk6_cluster_sum(&hist0[r * chunk + tid], C) : 0u;
+        if (tid < chunk) red0[tid] = v;
+        const uint32_t wsum = __reduce_add_sync(FULL, v);
+        if (lane == 0) warp_sums[warp] = wsum;
+        __syncthreads();
+        if (tid < C) {  // thread q stores this chunk's total into CTA q's tot0[r]
+            uint32_t t = 0;
+            for (int w2 = 0; w2 < TK6_THREADS / 32; ++w2) t += warp_sums[w2];
+            tk6_st_cluster_u32(tk6_map(&tot0[r], (uint32_t)tid), t);
+        }
+        if (tid == 0) {  // defaults, overwritten by the one matching chunk / bin (consistent sums)
+            ctl_chunk = 0;
+            ctl_chunk_excl = 0;
+            ctl_bucket = 0;
+            ctl_rem = 1;
+            ctl_count = 1;
+        }
+        tk6_cluster_sync();  // S_B: red0 and tot0 complete in every CTA
+        if (tid == 0) {      // chunks from the top (highest bins) down
+            uint32_t ex = 0;
+            for (int q = C - 1; q >= 0; --q) {
+                const uint32_t t = tot0[q];
+                if (ex < rem && ex + t >= rem) {
+                    ctl_chunk = (uint32_t)q;
+                    ctl_chunk_excl = ex;
+                }
+                ex += t;
+            }
+        }
+        __syncthreads();
+        const int qs = (int)min(ctl_chunk, (uint32_t)(C - 1));
+        const uint32_t exq = ctl_chunk_excl;
+        // Bins of chunk qs from its top bin down: thread t <-> bin qs * chunk + chunk - 1 - t.
+        const uint32_t w = tid < chunk ? tk6_ld_cluster_u32(tk6_map(&red0[chunk - 1 - tid], (uint32_t)qs)) : 0u;
+        uint32_t incl = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint32_t y = __shfl_up_sync(FULL, incl, o);
+            if (lane >= o) incl += y;
+        }
+        // warp_sums is free again: its readers above (threads < C) read it before arriving at S_B.
+        if (tid < chunk && lane == 31) warp_sums[warp] = incl;
+        __syncthreads();
+        if (tid < chunk) {
+            for (int w2 = 0; w2 < warp; ++w2) incl += warp_sums[w2];
+            const uint32_t excl = exq + incl - w;
+            if (excl < rem && excl + w >= rem) {  // exactly one bin holds the kk-th largest
+                ctl_bucket = (uint32_t)(qs * chunk + chunk - 1 - tid);
+                ctl_rem = rem - excl;
+                ctl_count = w;
+            }
+        }
+        __syncthreads();
+        B = ctl_bucket;
+        rem = ctl_rem;
+        prefix = (uint64_t)B << 52;
+        shift = 52;
+        done = ctl_count == rem;
+        __syncthreads();  // ctl_* read before any later write
+    }
+
+    // 3. Compaction: bin > B (or every entry when all) -> stage; bin == B -> cand.
+    for (int base = 0; base < len; base += 4 * TK6_THREADS) {  // no barrier inside; warp-uniform trip count
+        const int e = base + 4 * tid;
+        uint32_t kv[4];
+        if (e + 4 <= staged) {
+            const uint4 x = *reinterpret_cast<const uint4*>(keys + e);
+            kv[0] = x.x;
+            kv[1] = x.y;
+            kv[2] = x.z;
+            kv[3] = x.w;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) kv[j] = e + j < len ? sl.key(e + j) : 0u;
+        }
+        bool up[4], eq[4];
+        bool any = false;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const bool valid = e + j < len;
+            const uint32_t bin = kv[j] >> 20;
+            up[j] = valid && (all || bin > B);
+            eq[j] = valid && !all && bin == B;
+            any |= up[j] || eq[j];
+        }
+        if (__any_sync(FULL, any)) {  // warp-uniform
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint64_t c = composite(kv[j], (uint32_t)(e0 + e + j));
+                tk6_append(up[j], c, stage, &stage_count, (uint32_t)k);
+                tk6_append(eq[j], c, cand, &cand_count, (uint32_t)TK6_CAND_CAP);
+            }
+        }
+    }
+    __syncthreads();
+    const bool overflow = cand_count > (uint32_t)TK6_CAND_CAP;  // block-uniform (not cluster-uniform: no barrier depends on it)
+    const int m_src = overflow ? len : (int)cand_count;       // entries the bin-B steps read
+
+    // 4. Radix select among the bin-B entries.
+    if (!done) {  // cluster-uniform
+        for (int pass = 1; pass <= 7; ++pass) {  // cluster-uniform trip count and break
+            const int hi = 60 - 8 * pass;      // bits above hi are fixed by prefix: 52, 44, ..., 4
+            const int sd = max(hi - 8, 0);     // this digit: bits [sd, hi): 8 bits, the last pass 4
+            const uint32_t dmask = (1u << (hi - sd)) - 1u;
+            uint32_t* const h = hist[pass & 1];
+            for (int base = 0; base < m_src; base += TK6_THREADS) {  // no barrier inside; warp-uniform trip count
+                const int e = base + tid;
+                uint32_t digit = 256;  // "not counted"
+                if (e < m_src) {
+                    const uint64_t c = overflow ? sl.comp(e) : cand[e];
+                    if ((c >> hi) == (prefix >> hi)) digit = (uint32_t)(c >> sd) & dmask;
+                }
+                const uint32_t d0 = __shfl_sync(FULL, digit, 0);
+                if (__all_sync(FULL, digit == d0)) {
+                    if (lane == 0 && d0 < 256) atomicAdd(&h[d0], 32u);
+                } else if (__any_sync(FULL, digit < 256)) {
+                    const unsigned peers = __match_any_sync(FULL, digit);
+                    if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&h[digit], (uint32_t)__popc(peers));
+                }
+            }
+            tk6_cluster_sync();  // every CTA's h complete
+            // The other buffer's remote readers (pass - 1) all arrived at this barrier after reading: zero it
+            // for pass + 1 (whose counting starts after the barriers below).
+            if (tid < 256) hist[(pass + 1) & 1][tid] = 0;
+            const uint32_t v = tid < 256 ? tk6_cluster_sum(&h[255 - tid], C) : 0u;  // thread t <-> digit 255 - t
+            uint32_t incl = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const uint32_t y = __shfl_up_sync(FULL, incl, o);
+                if (lane >= o) incl += y;
+            }
+            if (tid < 256 && lane == 31) warp_sums[warp] = incl;
+            __syncthreads();
+            if (tid < 256) {
+                for (int w2 = 0; w2 < warp; ++w2) incl += warp_sums[w2];
+                const uint32_t excl = incl - v;
+                if (excl < rem && incl >= rem) {  // exactly one digit holds the rem-th largest
+                    ctl_bucket = 255 - tid;
+                    ctl_rem = rem - excl;
+                    ctl_count = v;
+                }
+            }
+            __syncthreads();
+            prefix |= (uint64_t)(ctl_bucket & dmask) << sd;
+            rem = ctl_rem;
+            shift = sd;
+            done = ctl_count == rem;
+            __syncthreads();  // ctl_* and warp_sums read before any later write
+            if (done) break;
+        }
+    }
+
+    // 5. The selected bin-B entries join stage[]; exchange counts, then composites, over the cluster.
+    if (!all) {
+        const uint64_t thr = prefix >> shift;  // shift <= 52 here
+        for (int base = 0; base < m_src; base += TK6_THREADS) {  // no barrier inside; warp-uniform trip count
+            const int e = base + tid;
+            bool sel = false;
+            uint64_t c = 0;
+            if (e < m_src) {
+                c = overflow ? sl.comp(e) : cand[e];
+                sel = (uint32_t)(c >> 52) == B && (c >> shift) >= thr;
+            }
+            tk6_append(sel, c, stage, &stage_count, (uint32_t)k);
+        }
+    }
+    __syncthreads();
+    const int own = (int)min(stage_count, (uint32_t)kk);
+    if (tid < C) tk6_st_cluster_u32(tk6_map(&sel_cnt[r], (uint32_t)tid), (uint32_t)own);
+    tk6_cluster_sync();  // every CTA's count in every sel_cnt
+    int off = 0, m = 0;
+    for (int q = 0; q < C; ++q) {
+        const int cq = (int)sel_cnt[q];
+        off += q < r ? cq : 0;
+        m += cq;
+    }
+    m = min(m, kk);  // == kk with a consistent state
+    // Pull every CTA's stage into list: position w belongs to the CTA q with off_q <= w < off_q + cnt_q.
+    for (int w = tid; w < m; w += TK6_THREADS) {  // no barrier inside
+        int q = 0, base_q = 0;
+        while (q < C - 1 && w >= base_q + (int)sel_cnt[q]) base_q += (int)sel_cnt[q++];
+        list[w] = tk6_ld_cluster_u64(tk6_map(&stage[w - base_q], (uint32_t)q));
+    }
+    // Last cluster barrier, split: this CTA's remote reads are done (arrive); the others may still read its
+    // stage, so it waits for every arrival only before exiting, after its local work.
+    tk6_cluster_arrive();
+
+    // 6. Rank this CTA's entries list[off, off + na) against all m by counting (rank_slice preconditions: list
+    //    16-byte aligned, list[m] = 0 when m is odd, rank zeroed, all before a barrier).
+    const int na = max(0, min(own, m - off));
+    if (tid == 0) list[m] = 0;
+    for (int i = tid; i < na; i += TK6_THREADS) rank[i] = 0;
+    __syncthreads();
+    rank_slice(list, m, off, na, rank);
+    __syncthreads();
+    for (int i = tid; i < na; i += TK6_THREADS) {
+        const uint64_t c = list[off + i];
+        const uint32_t p = min(rank[i], (uint32_t)(m - 1));  // < m: unique composites
+        oi[p] = (int)~(uint32_t)c;
+        os[p] = key_to_score((uint32_t)(c >> 32));
+    }
+    tk6_cluster_wait();  // no CTA exits while another may still read its stage
+}

@@ -2123,14 +2123,24 @@ fn gpu_tma_indexer_run_matches_the_default_run() {
             let mut def = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
             indexer::run(&gpu, &qb, &cache, &mut def).unwrap();
             let mut tma = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            indexer::run_with(
-                &gpu,
-                &qb,
-                &cache,
-                &mut tma,
-                indexer::Fp8LogitsKernel::TmaRing,
-            )
-            .unwrap();
+            let tma_paths = indexer::IndexerPaths {
+                logits: indexer::Fp8LogitsKernel::TmaRing,
+                ..Default::default()
+            };
+            indexer::run_with(&gpu, tma_paths, &qb, &cache, &mut tma).unwrap();
+            // Both session-5 candidates together (bench variant fused_tma_cluster): the same indices and scores.
+            let mut both = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+            let both_paths = indexer::IndexerPaths {
+                logits: indexer::Fp8LogitsKernel::TmaRing,
+                topk: indexer::TopkPath::Cluster8,
+            };
+            indexer::run_with(&gpu, both_paths, &qb, &cache, &mut both).unwrap();
+            let bits = |(i, s): (Vec<i32>, Vec<f32>)| (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            assert_eq!(
+                bits(topk_result(&gpu, &both.topk)),
+                bits(topk_result(&gpu, &tma.topk)),
+                "seed {seed} next_n {next_n} k {k}: TMA logits + cluster top-k differ from TMA logits + default top-k"
+            );
             let (di, ds) = topk_result(&gpu, &def.topk);
             let (ti, ts) = topk_result(&gpu, &tma.topk);
             let tma_scores = gpu.download(&tma.scores).unwrap();
@@ -2198,4 +2208,531 @@ fn bench_config_races_fused_tma_next_to_fused_at_the_issue_points() {
         races("ctx", 1_048_576, ("batch", 16), 2),
         "next_n 2, batch 16 @ 1M"
     );
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Cluster top-k (`indexer_topk6_cluster`, `TopkPath::Cluster8` / `Cluster16`; kernels/indexer.cu "Top-k v6").
+// ---------------------------------------------------------------------------------------------------------
+
+/// The digit schedule of the cluster kernel: pass 0 takes composite bits [52, 64) (bin = order_key >> 20), pass
+/// p = 1..=7 takes [max(hi - 8, 0), hi) with hi = 60 - 8p. Every bit of the 64-bit composite is decided by
+/// exactly one pass, in MSB-first order, and bin is exactly the composite's top 12 bits.
+#[test]
+fn cluster_topk_digit_schedule_covers_the_composite_once() {
+    let mut covered = [0u32; 64];
+    for b in covered.iter_mut().skip(52) {
+        *b += 1;
+    }
+    let mut last_low = 52;
+    for pass in 1..=7i32 {
+        let hi = 60 - 8 * pass;
+        let sd = (hi - 8).max(0);
+        assert_eq!(
+            hi, last_low,
+            "pass {pass} does not start where the last one ended"
+        );
+        assert!(
+            hi - sd >= 1 && hi - sd <= 8,
+            "pass {pass}: digit of {} bits",
+            hi - sd
+        );
+        for b in &mut covered[sd as usize..hi as usize] {
+            *b += 1;
+        }
+        last_low = sd;
+    }
+    assert_eq!(last_low, 0);
+    assert!(covered.iter().all(|&c| c == 1), "{covered:?}");
+    // bin identity: (composite >> 52) == order_key >> 20 for every key and index (the low word is ~index).
+    let (_, mut rng) = seeded("cluster_digit_schedule");
+    for _ in 0..100_000 {
+        let s = f32::from_bits(rng.random::<u32>());
+        let i: u32 = rng.random_range(0..(1u32 << 31));
+        let key = reference::order_key(s);
+        let c = ((key as u64) << 32) | (!i) as u64;
+        assert_eq!((c >> 52) as u32, key >> 20);
+        assert_eq!(!(c as u32), i);
+    }
+}
+
+/// A sequential model of indexer_topk6_cluster with the kernel's data flow: C slices, per-CTA staged keys,
+/// hist0 summed per chunk of 4096 / C bins (chunk from the top by totals, then the bin inside it), per-CTA
+/// compaction into stage (bin > B) and cand (bin == B, at most `cand_cap`, else that CTA re-reads its slice),
+/// the 8-bit passes over the candidates with cluster-summed histograms, per-CTA selected counts -> offsets ->
+/// one list, and the output position of each CTA's entries by counting. Checks the algorithm, not the CUDA.
+fn model_cluster_topk(scores: &[f32], k: usize, ctas: usize, cand_cap: usize) -> Vec<i32> {
+    let n = scores.len();
+    let kk = k.min(n);
+    let mut out = vec![-1i32; k];
+    if kk == 0 {
+        return out;
+    }
+    let slice = n.div_ceil(ctas).next_multiple_of(4).max(4);
+    let comp = |i: usize| ((reference::order_key(scores[i]) as u64) << 32) | (!(i as u32)) as u64;
+    let range = |r: usize| (r * slice).min(n)..((r + 1) * slice).min(n);
+    let all = kk >= n;
+    let (mut prefix, mut rem, mut shift, mut done, mut b_bin) = (0u64, kk as u32, 64u32, all, 0u32);
+    if !all {
+        let mut hist0 = vec![[0u32; 4096]; ctas];
+        for (r, h) in hist0.iter_mut().enumerate() {
+            for i in range(r) {
+                h[(comp(i) >> 52) as usize] += 1;
+            }
+        }
+        let chunk = 4096 / ctas;
+        let red: Vec<u32> = (0..4096)
+            .map(|b| hist0.iter().map(|h| h[b]).sum())
+            .collect();
+        let tot: Vec<u32> = (0..ctas)
+            .map(|q| red[q * chunk..(q + 1) * chunk].iter().sum())
+            .collect();
+        let (mut ex, mut found) = (0u32, None);
+        for q in (0..ctas).rev() {
+            if ex < rem && ex + tot[q] >= rem {
+                assert!(found.is_none(), "two chunks chosen");
+                found = Some((q, ex));
+            }
+            ex += tot[q];
+        }
+        let (qs, exq) = found.expect("no chunk holds the kk-th entry");
+        let mut incl = exq;
+        let mut bin_found = None;
+        for t in 0..chunk {
+            let b = qs * chunk + chunk - 1 - t;
+            let excl = incl;
+            incl += red[b];
+            if excl < rem && incl >= rem {
+                assert!(bin_found.is_none(), "two bins chosen");
+                bin_found = Some((b as u32, rem - excl, red[b]));
+            }
+        }
+        let (b, new_rem, count) = bin_found.expect("no bin holds the kk-th entry");
+        b_bin = b;
+        rem = new_rem;
+        prefix = (b as u64) << 52;
+        shift = 52;
+        done = count == rem;
+    }
+    // Compaction per CTA.
+    let mut stage: Vec<Vec<u64>> = vec![Vec::new(); ctas];
+    let mut cand: Vec<Option<Vec<u64>>> = Vec::new();
+    for (r, st) in stage.iter_mut().enumerate() {
+        let mut c_list = Vec::new();
+        for i in range(r) {
+            let c = comp(i);
+            let bin = (c >> 52) as u32;
+            if all || bin > b_bin {
+                st.push(c);
+            } else if bin == b_bin {
+                c_list.push(c);
+            }
+        }
+        // Overflow: the CTA re-reads its slice (bin-B entries pass the prefix test; others fail it).
+        cand.push((c_list.len() <= cand_cap).then_some(c_list));
+    }
+    let src = |r: usize| -> Vec<u64> {
+        match &cand[r] {
+            Some(l) => l.clone(),
+            None => range(r).map(comp).collect(),
+        }
+    };
+    if !done {
+        for pass in 1..=7u32 {
+            let hi = 60 - 8 * pass;
+            let sd = hi.saturating_sub(8);
+            let dmask = (1u64 << (hi - sd)) - 1;
+            let mut h = [0u32; 256];
+            for r in 0..ctas {
+                for c in src(r) {
+                    if (c >> hi) == (prefix >> hi) {
+                        h[((c >> sd) & dmask) as usize] += 1;
+                    }
+                }
+            }
+            let (mut incl, mut found) = (0u32, None);
+            for t in 0..256 {
+                let v = h[255 - t];
+                let excl = incl;
+                incl += v;
+                if excl < rem && incl >= rem {
+                    assert!(found.is_none(), "two digits chosen");
+                    found = Some((255 - t, rem - excl, v));
+                }
+            }
+            let (d, new_rem, count) = found.expect("no digit holds the rem-th entry");
+            prefix |= ((d as u64) & dmask) << sd;
+            rem = new_rem;
+            shift = sd;
+            if count == rem {
+                done = true;
+                break;
+            }
+        }
+        assert!(done, "radix passes did not terminate");
+    }
+    if !all {
+        let thr = prefix >> shift;
+        for (r, st) in stage.iter_mut().enumerate() {
+            for c in src(r) {
+                if (c >> 52) as u32 == b_bin && (c >> shift) >= thr {
+                    st.push(c);
+                }
+            }
+        }
+    }
+    let list: Vec<u64> = stage.iter().flatten().copied().collect();
+    assert_eq!(list.len(), kk, "selected {} entries, want {kk}", list.len());
+    for &c in &list {
+        let pos = list.iter().filter(|&&x| x > c).count();
+        assert_eq!(out[pos], -1, "two entries ranked at {pos}");
+        out[pos] = !(c as u32) as i32;
+    }
+    out
+}
+
+#[test]
+fn cluster_topk_model_matches_reference_topk() {
+    let (seed, mut rng) = seeded("cluster_topk_model");
+    for case in 0..240 {
+        let n = [
+            0usize, 1, 2, 7, 100, 511, 512, 513, 3000, 9001, 20_000, 40_000,
+        ][case % 12]
+            + rng.random_range(0..3);
+        let k = [1usize, 5, 512, 1024, 2048][rng.random_range(0..5)];
+        let ctas = [8usize, 16][case % 2];
+        // A tiny candidate capacity forces the overflow (slice re-read) branch in some CTAs.
+        let cand_cap = [2048usize, 3][(case / 2) % 2];
+        let scores: Vec<f32> = (0..n)
+            .map(|_| match (case / 4) % 5 {
+                0 => (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>(),
+                1 => 1.25,
+                2 => rng.random_range(0..4) as f32,
+                3 => match rng.random_range(0..8) {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => f32::INFINITY,
+                    3 => -0.0,
+                    4 => 0.0,
+                    _ => rng.random_range(-1.0f32..1.0),
+                },
+                // Many entries in one 12-bit bin with distinct low bits: the radix passes do the work.
+                _ => 1.0 + rng.random_range(0..1u32 << 20) as f32 * f32::powi(2.0, -23),
+            })
+            .collect();
+        assert_eq!(
+            model_cluster_topk(&scores, k, ctas, cand_cap),
+            reference::topk(&scores, k),
+            "seed {seed:#x} case {case}: n {n} k {k} ctas {ctas} cand_cap {cand_cap}"
+        );
+    }
+}
+
+/// Launch-shape helpers of the cluster top-k: slices cover every row, are multiples of 4, the staged count
+/// never exceeds the slice, and the shared memory at the largest staged count and k fits the 227 KB opt-in
+/// limit with the kernel's 28,960 B of static shared memory (ptxas).
+#[test]
+fn cluster_topk_launch_shapes() {
+    for ctas in [8u32, 16] {
+        for max_n in [
+            0usize, 1, 3, 4, 5, 127, 4097, 262_144, 262_145, 300_001, 1_000_003,
+        ] {
+            let (slice, staged) = indexer::topk6_slice(max_n, ctas);
+            assert!(
+                slice % 4 == 0 && staged % 4 == 0 && slice >= 4,
+                "{max_n} {ctas}"
+            );
+            assert!(
+                slice * ctas as usize >= max_n && staged <= slice,
+                "{max_n} {ctas}"
+            );
+            assert!(staged <= indexer::TOPK6_MAX_SMEM_KEYS);
+        }
+    }
+    let worst = indexer::topk6_smem_bytes(indexer::TOPK6_MAX_SMEM_KEYS, indexer::TOPK_MAX_K);
+    assert!(
+        worst + 28_960 <= 227 * 1024,
+        "{worst} B of dynamic shared memory"
+    );
+    // 1M context at m = 4 fits shared memory whole with 8 CTAs.
+    assert_eq!(indexer::topk6_slice(262_145, 8).1, 32_772);
+}
+
+/// Scores of `rows` flattened at a stride (a multiple of 4; NaN past each row), the stride and num_valid.
+fn flatten_rows(rows: &[(Vec<f32>, String)]) -> (usize, Vec<f32>, Vec<i32>) {
+    let stride = rows
+        .iter()
+        .map(|r| r.0.len())
+        .max()
+        .unwrap()
+        .next_multiple_of(4)
+        .max(4);
+    let mut flat = vec![f32::NAN; rows.len() * stride];
+    for (r, (v, _)) in rows.iter().enumerate() {
+        flat[r * stride..r * stride + v.len()].copy_from_slice(v);
+    }
+    let nv: Vec<i32> = rows.iter().map(|r| r.0.len() as i32).collect();
+    (stride, flat, nv)
+}
+
+/// The cluster top-k on `rows` against the reference (indices exactly, scores bit for bit) and against the
+/// default path on the same buffers (bit-identical), `calls` back-to-back calls with poisoned outputs.
+fn check_cluster_topk(
+    gpu: &megamoe::gpu::Gpu,
+    seed: u64,
+    k: usize,
+    rows: &[(Vec<f32>, String)],
+    path: indexer::TopkPath,
+    calls: usize,
+) {
+    let (stride, flat, nv) = flatten_rows(rows);
+    let sd = gpu.upload(&flat).unwrap();
+    let nvd = gpu.upload(&nv).unwrap();
+    let mut bufs = TopkBuffers::new(gpu, rows.len(), k, stride).unwrap();
+    indexer::topk(gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+    assert!(stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap());
+    let default = topk_result(gpu, &bufs);
+    let wants: Vec<Vec<i32>> = rows.iter().map(|(v, _)| reference::topk(v, k)).collect();
+    for call in 0..calls {
+        gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+        gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+        indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+        assert!(
+            stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap(),
+            "seed {seed:#x}: {path:?} top-k did not finish within 5 s (k {k}, {} rows, call {call})",
+            rows.len()
+        );
+        let got = topk_result(gpu, &bufs);
+        for (r, (v, label)) in rows.iter().enumerate() {
+            for (j, &wi) in wants[r].iter().enumerate() {
+                let ws = if wi >= 0 {
+                    reference::canonical_score(v[wi as usize])
+                } else {
+                    f32::NEG_INFINITY
+                };
+                let p = r * k + j;
+                assert!(
+                    got.0[p] == wi && got.1[p].to_bits() == ws.to_bits(),
+                    "seed {seed:#x} {path:?} k {k} ({} rows) call {call} row {r} ({label}) position {j}: got ({}, \
+                     {:e} = {:#010x}) want ({wi}, {ws:e} = {:#010x})",
+                    rows.len(),
+                    got.0[p],
+                    got.1[p],
+                    got.1[p].to_bits(),
+                    ws.to_bits()
+                );
+                assert!(
+                    got.0[p] == default.0[p] && got.1[p].to_bits() == default.1[p].to_bits(),
+                    "seed {seed:#x} {path:?} k {k} row {r} ({label}) position {j}: got ({}, {:e}), default path ({}, \
+                     {:e})",
+                    got.0[p],
+                    got.1[p],
+                    default.0[p],
+                    default.1[p]
+                );
+            }
+        }
+    }
+}
+
+/// Rows for the cluster top-k: mcta_rows (lengths 0, 1, 2, k +- 1, 127/129, 4095/4097, 8191, random, 262,144;
+/// random / all-equal / zero / specials / three values; directed threshold buckets) plus 128, 16,385 and a
+/// row longer than 8 x TOPK6_MAX_SMEM_KEYS (entries read from global memory), random and all equal.
+fn cluster_rows(rng: &mut ChaCha8Rng, k: usize) -> Vec<(Vec<f32>, String)> {
+    let mut rows = mcta_rows(rng, k);
+    for n in [128usize, 16_385] {
+        let v: Vec<f32> = (0..n).map(|_| rng.random_range(-4.0f32..4.0)).collect();
+        rows.push((v, format!("len {n} uniform")));
+    }
+    let long = 8 * indexer::TOPK6_MAX_SMEM_KEYS + 4_097;
+    let v: Vec<f32> = (0..long)
+        .map(|_| (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>())
+        .collect();
+    rows.push((v, format!("len {long} (past shared memory) random")));
+    rows.push((
+        vec![0.5; long],
+        format!("len {long} (past shared memory) all equal"),
+    ));
+    rows
+}
+
+#[test]
+fn gpu_topk_cluster_matches_default_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_topk_cluster_matches_default_and_reference") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_cluster");
+    println!("seed {seed:#x}");
+    for k in [1usize, 512, 1024, 2048] {
+        let rows = cluster_rows(&mut rng, k.max(2));
+        for path in [indexer::TopkPath::Cluster8, indexer::TopkPath::Cluster16] {
+            check_cluster_topk(&gpu, seed, k, &rows, path, if k == 512 { 2 } else { 1 });
+        }
+        // The same rows one per launch group of a few: rows alone in their cluster grid.
+        check_cluster_topk(
+            &gpu,
+            seed,
+            k,
+            &rows[rows.len() - 4..],
+            indexer::TopkPath::Cluster8,
+            1,
+        );
+    }
+}
+
+#[test]
+fn gpu_topk_cluster_graph_replay_is_exact() {
+    let Some(gpu) = gpu_for_test("gpu_topk_cluster_graph_replay_is_exact") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_cluster_graph");
+    let k = 512usize;
+    let lens = [262_144usize, 0, 70_001, 513, 4097];
+    let stride = 262_144usize;
+    let make = |rng: &mut ChaCha8Rng| -> Vec<f32> {
+        let mut flat = vec![f32::NAN; lens.len() * stride];
+        for (r, &n) in lens.iter().enumerate() {
+            for x in &mut flat[r * stride..r * stride + n] {
+                *x = (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0;
+            }
+        }
+        flat
+    };
+    let nv: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
+    let mut flat = make(&mut rng);
+    let mut sd = gpu.upload(&flat).unwrap();
+    let nvd = gpu.upload(&nv).unwrap();
+    let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
+    let path = indexer::TopkPath::Cluster8;
+    // Eager call first: module load, shared-memory and cluster attributes, occupancy query (not capturable).
+    indexer::topk_with(&gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+    assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
+    let graph = gpu
+        .capture(|| indexer::topk_with(&gpu, path, &sd, stride, &nvd, &nv, &mut bufs))
+        .unwrap();
+    for replay in 0..3 {
+        if replay > 0 {
+            flat = make(&mut rng);
+            gpu.stream.memcpy_htod(&flat, &mut sd).unwrap();
+        }
+        gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+        gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+        graph.launch().unwrap();
+        assert!(
+            stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+            "seed {seed:#x}: cluster graph replay {replay} did not finish within 5 s"
+        );
+        let (idx, sc) = topk_result(&gpu, &bufs);
+        for (r, &n) in lens.iter().enumerate() {
+            let row = &flat[r * stride..r * stride + n];
+            if let Err(e) = reference::check_topk_exact(row, k, &idx[r * k..(r + 1) * k]) {
+                panic!("seed {seed:#x} cluster replay {replay} row {r} (num_valid {n}): {e}");
+            }
+            for j in 0..k {
+                let i = idx[r * k + j];
+                let want = if i >= 0 {
+                    reference::canonical_score(row[i as usize])
+                } else {
+                    f32::NEG_INFINITY
+                };
+                assert_eq!(
+                    sc[r * k + j].to_bits(),
+                    want.to_bits(),
+                    "seed {seed:#x} cluster replay {replay} row {r} position {j}: score {:e} want {want:e}",
+                    sc[r * k + j]
+                );
+            }
+        }
+    }
+}
+
+/// Logits + cluster top-k end to end (FP8 and MXFP4, next_n 1 and 2, lengths per row differ, one all-zero
+/// ReLU sequence): the cluster top-k of the GPU's scores equals the default path's bit for bit and the
+/// reference top-k of those scores.
+#[test]
+fn gpu_indexer_run_with_cluster_topk_matches_default() {
+    let Some(gpu) = gpu_for_test("gpu_indexer_run_with_cluster_topk_matches_default") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_indexer_cluster_e2e");
+    println!("seed {seed:#x}");
+    let lens = [
+        0usize, 1, 127, 128, 129, 511, 512, 513, 4095, 4097, 16_385, 3000,
+    ];
+    let zero_q_seq = lens.len() - 1;
+    let cap = 16_385usize;
+    for format in [KeyFormat::Fp8, KeyFormat::Mxfp4] {
+        let mut host = KeyCacheHost::new(format, lens.len(), cap);
+        for (b, &n) in lens.iter().enumerate() {
+            for j in 0..n {
+                let amp = [0.05f32, 1.0, 20.0][rng.random_range(0..3)];
+                host.write_key(host.slot(b, j), &random_key(&mut rng, amp))
+                    .unwrap();
+            }
+        }
+        let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+        for next_n in [1usize, 2] {
+            let rows = lens.len() * next_n;
+            let mut q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+                .map(|_| reference::random_e4m3(&mut rng))
+                .collect();
+            for t in 0..next_n {
+                let r = zero_q_seq * next_n + t;
+                q[r * NUM_HEADS * HEAD_DIM..(r + 1) * NUM_HEADS * HEAD_DIM].fill(0);
+            }
+            let w: Vec<f32> = (0..rows * NUM_HEADS)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let nv: Vec<i32> = (0..rows)
+                .map(|r| (lens[r / next_n] as i32 - (next_n - 1 - r % next_n) as i32).max(0))
+                .collect();
+            let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
+            for k in [512usize, 2048] {
+                let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+                indexer::run(&gpu, &qb, &cache, &mut bufs).unwrap();
+                let default = topk_result(&gpu, &bufs.topk);
+                gpu.fill_bytes(&mut bufs.topk.out_idx, 0xFF).unwrap();
+                gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF).unwrap();
+                indexer::run_with(
+                    &gpu,
+                    indexer::IndexerPaths {
+                        topk: indexer::TopkPath::Cluster8,
+                        ..Default::default()
+                    },
+                    &qb,
+                    &cache,
+                    &mut bufs,
+                )
+                    .unwrap();
+                assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
+                let scores = gpu.download(&bufs.scores).unwrap();
+                let got = topk_result(&gpu, &bufs.topk);
+                let stride = bufs.score_stride;
+                let tag = format!("seed {seed:#x} {format:?} next_n {next_n} k {k}");
+                for r in 0..rows {
+                    let n = nv[r] as usize;
+                    let row = &scores[r * stride..r * stride + n];
+                    if r / next_n == zero_q_seq {
+                        assert!(
+                            row.iter().all(|&s| s.to_bits() == 0),
+                            "{tag} row {r}: the all-zero ReLU row has a score that is not +0"
+                        );
+                    }
+                    if let Err(e) = reference::check_topk_exact(row, k, &got.0[r * k..(r + 1) * k])
+                    {
+                        panic!("{tag} row {r} (num_valid {n}): {e}");
+                    }
+                    if let Some(j) = (0..k).find(|&j| {
+                        let p = r * k + j;
+                        got.0[p] != default.0[p] || got.1[p].to_bits() != default.1[p].to_bits()
+                    }) {
+                        let p = r * k + j;
+                        panic!(
+                            "{tag} row {r} position {j}: cluster ({}, {:e}) vs default ({}, {:e})",
+                            got.0[p], got.1[p], default.0[p], default.1[p]
+                        );
+                    }
+                }
+            }
+        }
+    }
 }

@@ -2,7 +2,8 @@
 //! next_n, k); num_valid = ctx / 4 (CSA, m = 4). Each variant emits three rows: `indexer` (logits + top-k
 //! back to back), `indexer_logits` and `indexer_topk`, so the speed-up over the baseline is given for each
 //! part. `indexer_logits` bytes are the key cache + q + w + scores: its `pct_copy_bw` is the "key bytes /
-//! time vs copy bandwidth" target (keys dominate: >= 97% of those bytes at ctx >= 16K).
+//! time vs copy bandwidth" target (keys dominate: >= 97% of those bytes at ctx >= 16K). `graph_*` variants time
+//! the same three parts as CUDA-graph replays (see `super::VARIANTS`).
 
 use anyhow::{bail, Result};
 

@@ -8,6 +8,10 @@
 //! CTA-aggregated threshold select -> multi-CTA exact final pass (`indexer_topk2_hist`,
 //! `indexer_topk5_select_agg`, `indexer_topk4_final_mcta`).
 //!
+//! Session-5 A/B candidate (not the default): [`TopkPath::Cluster8`] / [`TopkPath::Cluster16`] = one launch of
+//! `indexer_topk6_cluster`, one thread-block cluster per row ([`topk_cluster`], [`topk_with`], [`run_with`]);
+//! bench variants `fused_cluster`, `fused_cluster16` and the CUDA-graph replays `graph_*`.
+//!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
 //!   row `row`. q is e4m3 `[rows, 64, 128]` (Hadamard-rotated like the keys), `w` f32 `[rows, 64]` with the
@@ -627,6 +631,9 @@ pub struct TopkBuffers {
     /// Per-row arrival counter of the multi-CTA final pass (zero between calls; see its reset protocol).
     arrivals: CudaSlice<u32>,
     v2_dirty: bool,
+    /// (cluster CTAs, dynamic smem bytes) of the last cluster top-k launch shape the device accepted
+    /// (cuOccupancyMaxActiveClusters > 0), so repeated calls skip the query.
+    cluster_checked: Option<(u32, usize)>,
 }
 
 impl TopkBuffers {
@@ -651,6 +658,7 @@ impl TopkBuffers {
             bucket_stride,
             arrivals: gpu.zeros::<u32>(rows)?,
             v2_dirty: false,
+            cluster_checked: None,
         })
     }
 }
@@ -805,6 +813,152 @@ pub fn topk(
     Ok(())
 }
 
+/// Which top-k kernels a call uses (an A/B option; [`TopkPath::Default`] is [`topk`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TopkPath {
+    /// Histogram -> CTA-aggregated threshold select -> multi-CTA final pass (three launches).
+    #[default]
+    Default,
+    /// `indexer_topk6_cluster`: one launch, one cluster of 8 CTAs per row (portable cluster size).
+    Cluster8,
+    /// `indexer_topk6_cluster` with 16-CTA clusters (non-portable size; the launcher checks the device fits
+    /// one before launching and returns an error otherwise).
+    Cluster16,
+}
+
+impl TopkPath {
+    /// CTAs per cluster of the cluster paths.
+    pub fn cluster_ctas(self) -> Option<u32> {
+        match self {
+            TopkPath::Default => None,
+            TopkPath::Cluster8 => Some(8),
+            TopkPath::Cluster16 => Some(16),
+        }
+    }
+}
+
+/// Threads of `indexer_topk6_cluster` (kernel constant TK6_THREADS).
+const TOPK6_THREADS: u32 = 1024;
+/// Most order keys one CTA of `indexer_topk6_cluster` stages in shared memory (144 KB). With k = 2048 the
+/// kernel's shared memory is then 144 KB + 48 KB (list, stage, candidates) dynamic + 28.3 KB static = 220.3 KB,
+/// under the 227 KB opt-in limit; at 1M context (262,144 entries) 8 CTAs stage 32,768 keys each. Entries of
+/// longer slices are re-read from global memory by the kernel (still exact, slower).
+pub const TOPK6_MAX_SMEM_KEYS: usize = 36_864;
+/// Threshold-bin candidates one CTA keeps in shared memory (kernel constant TK6_CAND_CAP); a CTA with more
+/// re-reads its slice in the radix passes.
+pub const TOPK6_CAND_CAP: usize = 2048;
+
+/// Entries per CTA and staged keys per CTA of `indexer_topk6_cluster` for rows of at most `max_n` entries
+/// over `ctas` CTAs: slice = ceil(max_n / ctas) rounded up to a multiple of 4 (float4 staging; at least 4),
+/// staged = min(slice, TOPK6_MAX_SMEM_KEYS) (a multiple of 4 as well).
+pub fn topk6_slice(max_n: usize, ctas: u32) -> (usize, usize) {
+    let slice = max_n.div_ceil(ctas as usize).next_multiple_of(4).max(4);
+    (slice, slice.min(TOPK6_MAX_SMEM_KEYS))
+}
+
+/// Dynamic shared memory of `indexer_topk6_cluster`: staged keys (4 B each), then 8-byte composites: the
+/// cluster-wide list of selected entries (k + 2 slots: rank_slice's odd-length pad), the CTA's staging array
+/// (k) and its threshold-bin candidates (TOPK6_CAND_CAP).
+pub fn topk6_smem_bytes(smem_keys: usize, k: usize) -> usize {
+    4 * smem_keys + 8 * (k + 2) + 8 * k + 8 * TOPK6_CAND_CAP
+}
+
+/// Top-k along `path`: [`topk`] for the default path, [`topk_cluster`] for the cluster paths. Same contract
+/// and outputs (bit-identical indices and scores).
+pub fn topk_with(
+    gpu: &Gpu,
+    path: TopkPath,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    match path.cluster_ctas() {
+        None => topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
+        Some(ctas) => topk_cluster(
+            gpu,
+            ctas,
+            scores,
+            score_stride,
+            num_valid,
+            num_valid_host,
+            bufs,
+        ),
+    }
+}
+
+/// Top-k in ONE launch: `indexer_topk6_cluster`, one thread-block cluster of `ctas` (8 or 16) CTAs per row;
+/// each CTA stages its slice of the row in shared memory once, the radix-select histograms are summed over
+/// the cluster through distributed shared memory (kernels/indexer.cu "Top-k v6"). Writes only
+/// `bufs.out_idx` / `bufs.out_score` (the default path's scratch and counters are not touched).
+pub fn topk_cluster(
+    gpu: &Gpu,
+    ctas: u32,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    ensure!(
+        ctas == 8 || ctas == 16,
+        "cluster top-k: {ctas} CTAs per cluster (supported: 8, 16)"
+    );
+    let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
+    let rows = bufs.rows;
+    ensure!(
+        rows <= 65_535,
+        "top-k: {rows} rows exceed the grid's y limit (65,535)"
+    );
+    let (slice, smem_keys) = topk6_slice(max_n, ctas);
+    let smem = topk6_smem_bytes(smem_keys, bufs.k);
+    let name = "indexer_topk6_cluster";
+    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    let (grid, block, cluster) = ((ctas, rows as u32, 1), (TOPK6_THREADS, 1, 1), (ctas, 1, 1));
+    if bufs.cluster_checked != Some((ctas, smem)) {
+        if ctas > 8 {
+            crate::gpu::pdl::allow_non_portable_cluster(&f, name)?;
+        }
+        // A clear error before launching a shape the device cannot hold. If the query itself fails, the launch
+        // goes ahead and reports its own error.
+        let fit = crate::gpu::pdl::max_active_clusters(
+            gpu,
+            &f,
+            grid,
+            block,
+            cluster,
+            smem as u32,
+            "cluster top-k occupancy query",
+        );
+        ensure!(
+            !matches!(fit, Ok(0)),
+            "cluster top-k: the device cannot hold one cluster of {ctas} CTAs x {TOPK6_THREADS} threads with \
+             {smem} B of dynamic shared memory each"
+        );
+        bufs.cluster_checked = Some((ctas, smem));
+    }
+    let mut args = crate::gpu::pdl::RawArgs::default();
+    args.slice(gpu, scores)
+        .i32(score_stride as i32)
+        .slice(gpu, num_valid)
+        .i32(bufs.k as i32)
+        .i32(slice as i32)
+        .i32(smem_keys as i32)
+        .slice(gpu, &bufs.out_idx)
+        .slice(gpu, &bufs.out_score);
+    crate::gpu::pdl::launch_cluster(
+        gpu,
+        &f,
+        grid,
+        block,
+        cluster,
+        smem as u32,
+        &mut args,
+        "indexer top-k (one cluster per row)",
+    )
+}
+
 /// Everything one indexer call needs on the device besides its inputs.
 pub struct IndexerBuffers {
     pub score_stride: usize,
@@ -823,23 +977,31 @@ impl IndexerBuffers {
     }
 }
 
-/// Logits then top-k (four launches in all).
+/// Which kernels a fused indexer call runs (A/B candidates; `IndexerPaths::default()` = the defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexerPaths {
+    /// The FP8-key logits kernel (MXFP4 keys ignore it).
+    pub logits: Fp8LogitsKernel,
+    pub topk: TopkPath,
+}
+
+/// Logits then top-k with the default kernels (four launches in all).
 pub fn run(
     gpu: &Gpu,
     q: &QueryBatch,
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
 ) -> Result<()> {
-    run_with(gpu, q, cache, bufs, Fp8LogitsKernel::default())
+    run_with(gpu, IndexerPaths::default(), q, cache, bufs)
 }
 
-/// [`run`] with an explicit FP8 logits kernel (A/B candidates; see [`Fp8LogitsKernel`]).
+/// [`run`] along explicit kernel paths (see [`IndexerPaths`]).
 pub fn run_with(
     gpu: &Gpu,
+    paths: IndexerPaths,
     q: &QueryBatch,
     cache: &KeyCacheGpu,
     bufs: &mut IndexerBuffers,
-    fp8_kernel: Fp8LogitsKernel,
 ) -> Result<()> {
     logits_with(
         gpu,
@@ -847,10 +1009,11 @@ pub fn run_with(
         cache,
         &mut bufs.scores,
         bufs.score_stride,
-        fp8_kernel,
+        paths.logits,
     )?;
-    topk(
+    topk_with(
         gpu,
+        paths.topk,
         &bufs.scores,
         bufs.score_stride,
         &q.num_valid,
@@ -1084,10 +1247,48 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
-/// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "fused_tma" (the same with the TMA-ring
-/// FP8 logits, [`Fp8LogitsKernel::TmaRing`]; MXFP4 points run the same kernels as "fused") and "baseline" (the
-/// seeds' path).
-pub const VARIANTS: &[&str] = &["fused", "fused_tma", "baseline"];
+/// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "baseline" (the seeds' path), the
+/// session-5 A/B candidates "fused_tma" (TMA-ring FP8 logits, [`Fp8LogitsKernel::TmaRing`]; MXFP4 points run
+/// the same kernels as "fused"), "fused_cluster" / "fused_cluster16" (one-launch cluster top-k,
+/// [`TopkPath::Cluster8`] / `Cluster16`), "fused_tma_cluster" (both), and "graph_<variant>": the same calls
+/// captured once into CUDA graphs and replayed (logits alone, top-k alone, the whole call), i.e. device time
+/// as a decode step's graph sees it, without host launch gaps.
+pub const VARIANTS: &[&str] = &[
+    "fused",
+    "baseline",
+    "fused_tma",
+    "fused_cluster",
+    "fused_cluster16",
+    "fused_tma_cluster",
+    "graph_fused",
+    "graph_fused_tma",
+    "graph_fused_cluster",
+    "graph_fused_cluster16",
+    "graph_fused_tma_cluster",
+];
+
+/// The kernel paths of a fused variant name (without the `graph_` prefix).
+fn variant_paths(fused_variant: &str) -> Option<IndexerPaths> {
+    let rest = fused_variant.strip_prefix("fused")?;
+    let (logits, rest) = match rest.strip_prefix("_tma") {
+        Some(r) => (Fp8LogitsKernel::TmaRing, r),
+        None => (Fp8LogitsKernel::CpAsyncRounds, rest),
+    };
+    let topk = match rest {
+        "" => TopkPath::Default,
+        "_cluster" => TopkPath::Cluster8,
+        "_cluster16" => TopkPath::Cluster16,
+        _ => return None,
+    };
+    Some(IndexerPaths { logits, topk })
+}
+
+/// Graph replays per timed sample of the graph_* variants: ONE, so that every replay sees the L2 state the
+/// plan asks for (with `flush_l2`, the 34.6 MB of keys at 1M / batch 1 would otherwise stay in the 50 MB L2
+/// from the previous replay, which a decode step, with other layers in between, never sees). The replay is
+/// still free of host gaps: the flush (a 128 MB memset, tens of us) is enqueued before the start event, so
+/// the host has enqueued the event and the graph long before the device reaches them.
+const GRAPH_REPLAYS_PER_SAMPLE: usize = 1;
 
 /// Time `variant` = "fused" (ours: wgmma / mma.sync logits + histogram / CTA-aggregated threshold select /
 /// multi-CTA rank-by-counting final pass) or "baseline" (the seeds' path).
@@ -1101,29 +1302,64 @@ pub fn time_variant(
     let (q, cache) = (&inp.q, &inp.cache);
     let mut bufs = IndexerBuffers::new(gpu, q.rows(), cache.capacity, k)?;
     let stride = bufs.score_stride;
-    match variant {
-        "fused" | "fused_tma" => {
-            let fp8_kernel = if variant == "fused_tma" {
-                Fp8LogitsKernel::TmaRing
-            } else {
-                Fp8LogitsKernel::CpAsyncRounds
-            };
-            let logits_s = gpu.time_us(plan, || {
-                logits_with(gpu, q, cache, &mut bufs.scores, stride, fp8_kernel)
-            })?;
+    if let Some(paths) = variant_paths(variant) {
+        let logits_s = gpu.time_us(plan, || {
+            logits_with(gpu, q, cache, &mut bufs.scores, stride, paths.logits)
+        })?;
+        let IndexerBuffers {
+            scores, topk: tb, ..
+        } = &mut bufs;
+        let topk_s = gpu.time_us(plan, || {
+            topk_with(
+                gpu,
+                paths.topk,
+                scores,
+                stride,
+                &q.num_valid,
+                &q.num_valid_host,
+                tb,
+            )
+        })?;
+        let total = gpu.time_us(plan, || run_with(gpu, paths, q, cache, &mut bufs))?;
+        return Ok(IndexerSamples {
+            logits: logits_s,
+            topk: topk_s,
+            total,
+        });
+    }
+    if let Some(paths) = variant.strip_prefix("graph_").and_then(variant_paths) {
+        // One eager call first: loads the modules and sets the function attributes (not capturable), and
+        // leaves the scores in place for the top-k-only graph.
+        run_with(gpu, paths, q, cache, &mut bufs)?;
+        gpu.synchronize()?;
+        let logits_g = gpu.capture(|| {
+            logits_with(gpu, q, cache, &mut bufs.scores, stride, paths.logits)
+        })?;
+        let topk_g = {
             let IndexerBuffers {
                 scores, topk: tb, ..
             } = &mut bufs;
-            let topk_s = gpu.time_us(plan, || {
-                topk(gpu, scores, stride, &q.num_valid, &q.num_valid_host, tb)
-            })?;
-            let total = gpu.time_us(plan, || run_with(gpu, q, cache, &mut bufs, fp8_kernel))?;
-            Ok(IndexerSamples {
-                logits: logits_s,
-                topk: topk_s,
-                total,
-            })
-        }
+            gpu.capture(|| {
+                topk_with(
+                    gpu,
+                    paths.topk,
+                    scores,
+                    stride,
+                    &q.num_valid,
+                    &q.num_valid_host,
+                    tb,
+                )
+            })?
+        };
+        let total_g = gpu.capture(|| run_with(gpu, paths, q, cache, &mut bufs))?;
+        let n = GRAPH_REPLAYS_PER_SAMPLE;
+        return Ok(IndexerSamples {
+            logits: gpu.time_graph_us(&logits_g, plan, n)?,
+            topk: gpu.time_graph_us(&topk_g, plan, n)?,
+            total: gpu.time_graph_us(&total_g, plan, n)?,
+        });
+    }
+    match variant {
         "baseline" => {
             let mut base = BaselineBuffers::new(gpu, q.batch, q.rows(), cache.capacity)?;
             let logits_s = gpu.time_us(plan, || {

@@ -10,8 +10,12 @@
 //! Path under test: [`super::topk`] / [`super::run`], i.e. the default top-k (histogram -> CTA-aggregated
 //! threshold select -> indexer_topk4_final_mcta: multi-CTA rank by counting, with a one-CTA radix-select /
 //! bitonic fallback for threshold buckets above TOPK4_BUCKET_CAP) and the default logits (FP8: wgmma, 3 CTAs
-//! per SM; MXFP4: the e4m3 mma.sync kernels), each against the CPU reference. The per-branch tests of the
-//! final pass are in tests/indexer.rs.
+//! per SM; MXFP4: the e4m3 mma.sync kernels), each against the CPU reference. Every top-k case of (A) also
+//! runs the cluster top-k (`StressOptions::topk_paths`: [`TopkPath::Cluster8`] and [`TopkPath::Cluster16`],
+//! the quick subset only the 8-CTA one; kernel indexer_topk6_cluster) on the same rows, and (B) runs
+//! [`TopkPath::Cluster8`] on the GPU's own scores and requires its indices and scores bit-identical to the
+//! default path's. The per-branch tests of the final passes are in
+//! tests/indexer.rs.
 //!
 //! Cases: (A) top-k alone on host-made scores: every num_valid in 0..=4096 (batched, many rows per launch),
 //! random lengths up to 262,144, k - 1, k, k + 1, multiples of 128 and of 32,768 +- 1, histogram-slice and
@@ -35,7 +39,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
-use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers};
+use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers, TopkPath};
 use crate::gpu::Gpu;
 
 /// What to run.
@@ -53,6 +57,9 @@ pub struct StressOptions {
     pub formats: Vec<KeyFormat>,
     /// Largest sequence of the end-to-end cases.
     pub e2e_max: usize,
+    /// Top-k paths every case of part (A) runs (the default path first); part (B) compares
+    /// [`TopkPath::Cluster8`] with the default path when it is listed.
+    pub topk_paths: Vec<TopkPath>,
 }
 
 impl Default for StressOptions {
@@ -66,6 +73,7 @@ impl Default for StressOptions {
             ks: vec![512, 1024, 2048],
             formats: vec![KeyFormat::Fp8, KeyFormat::Mxfp4],
             e2e_max: 262_144,
+            topk_paths: vec![TopkPath::Default, TopkPath::Cluster8, TopkPath::Cluster16],
         }
     }
 }
@@ -80,6 +88,8 @@ impl StressOptions {
             random_max: 80_000,
             ks: vec![512, 2048],
             e2e_max: 40_000,
+            // The sanitizer runs this subset: the 8-CTA cluster path (the same kernel as the 16-CTA one).
+            topk_paths: vec![TopkPath::Default, TopkPath::Cluster8],
             ..Default::default()
         }
     }
@@ -254,22 +264,35 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
     let scores = gpu.upload(&flat)?;
     let nv_dev = gpu.upload(&nv)?;
     let mut bufs = TopkBuffers::new(gpu, rows.len(), k, max_n)?;
-    super::topk(gpu, &scores, stride, &nv_dev, &nv, &mut bufs)?;
-    let what = format!(
-        "{label}: top-k k={k}, {} rows, num_valid {}..={}",
-        rows.len(),
-        nv.iter().min().unwrap_or(&0),
-        max_n
-    );
-    if !cx.watch(&what)? {
-        return Ok(false);
-    }
-    let idx = gpu.download(&bufs.out_idx)?;
-    let sc = gpu.download(&bufs.out_score)?;
-    for (r, row) in rows.iter().enumerate() {
-        cx.rep.cases += 1;
-        if let Err(e) = check_row(row, k, &idx[r * k..(r + 1) * k], &sc[r * k..(r + 1) * k]) {
-            cx.fail(&format!("{label} k={k} num_valid={} row={r}", row.len()), e);
+    for path in cx.opts.topk_paths.clone() {
+        // Poisoned outputs: a position a path fails to write cannot pass on the previous path's answer.
+        gpu.fill_bytes(&mut bufs.out_idx, 0xFF)?;
+        gpu.fill_bytes(&mut bufs.out_score, 0xFF)?;
+        if let Err(e) = super::topk_with(gpu, path, &scores, stride, &nv_dev, &nv, &mut bufs) {
+            // A launch the cluster path refuses (e.g. no room for a 16-CTA cluster) is a failure of that
+            // path; the other paths are still tested.
+            cx.fail(&format!("{label} {path:?} k={k} launch"), format!("{e:#}"));
+            continue;
+        }
+        let what = format!(
+            "{label}: top-k ({path:?}) k={k}, {} rows, num_valid {}..={}",
+            rows.len(),
+            nv.iter().min().unwrap_or(&0),
+            max_n
+        );
+        if !cx.watch(&what)? {
+            return Ok(false);
+        }
+        let idx = gpu.download(&bufs.out_idx)?;
+        let sc = gpu.download(&bufs.out_score)?;
+        for (r, row) in rows.iter().enumerate() {
+            cx.rep.cases += 1;
+            if let Err(e) = check_row(row, k, &idx[r * k..(r + 1) * k], &sc[r * k..(r + 1) * k]) {
+                cx.fail(
+                    &format!("{label} {path:?} k={k} num_valid={} row={r}", row.len()),
+                    e,
+                );
+            }
         }
     }
     Ok(true)
@@ -485,6 +508,44 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
                 format!("top-k vs reference top-k of the GPU scores: {e}"),
             );
         }
+    }
+
+    // The cluster top-k on the same scores: bit-identical to the default path (indices and scores).
+    if !cx.opts.topk_paths.contains(&TopkPath::Cluster8) {
+        return Ok(true);
+    }
+    let default_idx = idx;
+    let default_sc = tsc;
+    gpu.fill_bytes(&mut bufs.topk.out_idx, 0xFF)?;
+    gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF)?;
+    if let Err(e) = super::topk_with(
+        gpu,
+        TopkPath::Cluster8,
+        &bufs.scores,
+        stride,
+        &q.num_valid,
+        &q.num_valid_host,
+        &mut bufs.topk,
+    ) {
+        cx.fail(&format!("{label} cluster top-k launch"), format!("{e:#}"));
+        return Ok(true);
+    }
+    if !cx.watch(&format!("{label}: cluster top-k on the GPU scores"))? {
+        return Ok(false);
+    }
+    let idx = gpu.download(&bufs.topk.out_idx)?;
+    let tsc = gpu.download(&bufs.topk.out_score)?;
+    cx.rep.cases += 1;
+    if let Some(p) = (0..rows * k)
+        .find(|&p| idx[p] != default_idx[p] || tsc[p].to_bits() != default_sc[p].to_bits())
+    {
+        cx.fail(
+            &format!("{label} cluster top-k row={} position={}", p / k, p % k),
+            format!(
+                "got ({}, {:e}), default path ({}, {:e})",
+                idx[p], tsc[p], default_idx[p], default_sc[p]
+            ),
+        );
     }
     Ok(true)
 }
