@@ -82,3 +82,92 @@ pub fn launch_pdl(
     };
     drv(r.result(), what)
 }
+
+/// Launch options of [`launch_ex`] beyond grid and block.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LaunchExOpts {
+    /// Dynamic shared memory in bytes (the function's opt-in must already allow it:
+    /// [`Gpu::function_with_smem`]).
+    pub smem_bytes: u32,
+    /// Programmatic stream serialization (PDL), as [`launch_pdl`].
+    pub pdl: bool,
+    /// Thread-block cluster dimensions (sm_90): the grid must be a multiple of them in every dimension.
+    /// Sizes above 8 CTAs need [`allow_non_portable_cluster`] on the function first.
+    pub cluster: Option<(u32, u32, u32)>,
+}
+
+/// Let `f` be launched with a cluster of more than 8 CTAs (the "non-portable" sizes; Hopper takes up to 16).
+pub fn allow_non_portable_cluster(f: &cudarc::driver::CudaFunction, what: &str) -> Result<()> {
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+        1,
+    )
+    .map_err(|e| anyhow::anyhow!("{what}: allowing a non-portable cluster size: {e:?}"))
+}
+
+/// `cuLaunchKernelEx` on the Gpu's stream with dynamic shared memory and, optionally, the PDL and the
+/// cluster-dimension launch attributes ([`LaunchExOpts`]). Parameters as [`launch_pdl`].
+pub fn launch_ex(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    opts: LaunchExOpts,
+    args: &mut RawArgs,
+    what: &str,
+) -> Result<()> {
+    use cudarc::driver::sys;
+    if let Some((cx, cy, cz)) = opts.cluster {
+        if cx == 0 || cy == 0 || cz == 0 || grid.0 % cx != 0 || grid.1 % cy != 0 || grid.2 % cz != 0 {
+            anyhow::bail!("{what}: grid {grid:?} is not a multiple of the cluster {:?}", (cx, cy, cz));
+        }
+    }
+    let mut params: Vec<*mut std::ffi::c_void> = args
+        .slots
+        .iter_mut()
+        .map(|v| v as *mut u64 as *mut std::ffi::c_void)
+        .collect();
+    let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
+    if opts.pdl {
+        // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
+        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        a.value.programmaticStreamSerializationAllowed = 1;
+        attrs.push(a);
+    }
+    if let Some((x, y, z)) = opts.cluster {
+        // SAFETY: as above.
+        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+        attrs.push(a);
+    }
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: opts.smem_bytes,
+        hStream: gpu.stream.cu_stream(),
+        attrs: if attrs.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            attrs.as_mut_ptr()
+        },
+        numAttrs: attrs.len() as u32,
+    };
+    drv(gpu.ctx.bind_to_thread(), "bind context")?;
+    // SAFETY: as launch_pdl: one pointer per kernel parameter, in the kernel's order, each to a live 8-byte
+    // slot; `attrs` outlives the call; the device buffers outlive the launch.
+    let r = unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    drv(r.result(), what)
+}
