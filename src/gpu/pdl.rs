@@ -118,8 +118,17 @@ pub fn launch_ex(
 ) -> Result<()> {
     use cudarc::driver::sys;
     if let Some((cx, cy, cz)) = opts.cluster {
-        if cx == 0 || cy == 0 || cz == 0 || grid.0 % cx != 0 || grid.1 % cy != 0 || grid.2 % cz != 0 {
-            anyhow::bail!("{what}: grid {grid:?} is not a multiple of the cluster {:?}", (cx, cy, cz));
+        if cx == 0
+            || cy == 0
+            || cz == 0
+            || !grid.0.is_multiple_of(cx)
+            || !grid.1.is_multiple_of(cy)
+            || !grid.2.is_multiple_of(cz)
+        {
+            anyhow::bail!(
+                "{what}: grid {grid:?} is not a multiple of the cluster {:?}",
+                (cx, cy, cz)
+            );
         }
     }
     let mut params: Vec<*mut std::ffi::c_void> = args

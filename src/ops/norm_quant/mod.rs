@@ -994,7 +994,7 @@ pub fn mhc_cluster_plan(tokens: usize, d: usize) -> Result<(usize, usize, usize)
     if tokens == 0 {
         bail!("mhc cluster path: no tokens");
     }
-    if d % (MHC_CLUSTER_CTAS * MIX_COLS / 4) != 0 {
+    if !d.is_multiple_of(MHC_CLUSTER_CTAS * MIX_COLS / 4) {
         bail!(
             "mhc cluster path: D = {d} must be a multiple of {} (4D/128 splits over {MHC_CLUSTER_CTAS} CTAs)",
             MHC_CLUSTER_CTAS * MIX_COLS / 4
@@ -1059,7 +1059,15 @@ fn launch_pre_cluster(
         cluster: Some((MHC_CLUSTER_CTAS as u32, 1, 1)),
     };
     let grid = ((MHC_CLUSTER_CTAS * clusters) as u32, 1, 1);
-    launch_ex(gpu, &f, grid, (row_block_threads(d), 1, 1), opts, &mut a, &name)
+    launch_ex(
+        gpu,
+        &f,
+        grid,
+        (row_block_threads(d), 1, 1),
+        opts,
+        &mut a,
+        &name,
+    )
 }
 
 /// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
