@@ -38,6 +38,9 @@
 //     it up to 8 tokens, two plain launches above. Measured (H200, 16 boundaries in one graph, us per boundary,
 //     D = 4096 NVFP4, two-launch / PDL): T = 1 8.3 / 7.3, T = 8 8.9 / 8.8, T = 16 10.3 / 11.0, T = 32 12.4 /
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
+//   Cluster (session-5 A/B, own section at the end of this file): mhc_pre_cluster_*, the same arithmetic in ONE
+//     launch on a 16-CTA thread-block cluster per group of <= 8 tokens (partials reduced through distributed
+//     shared memory): removes the second grid handoff and the partials' trip through L2.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
 //   * Session 4 mHC wide finish (kernels/mhc_boundary.cu, mhc_pre_finish_wide_*: the same mixes, 4x the finish
@@ -1584,7 +1587,8 @@ extern "C" __global__ void __launch_bounds__(64) mhc_unfused_apply(const __nv_bf
 //      body of mhc_pre_finish with the partials read through distributed shared memory (mapa +
 //      ld.shared::cluster) in reduce_partials' exact order, and the token's X loaded into registers before that
 //      reduction (it does not depend on the partials);
-//   5. barrier.cluster again before exit: a CTA's shared memory must stay alive while others may read it.
+//   5. an exit barrier (relaxed arrive right after the CTA's last remote read, wait before exit): a CTA's shared
+//      memory must stay alive while others may read it.
 // Bit-identity with the PDL pair: every rounding is the same operation on the same operands in the same order
 // (split partials: mix_tile_smem's code; their reduction: reduce_partials' order with the same warp count,
 // blockDim = row_block_threads(D) as the finish kernels; the rest: mhc_pre_finish's code, incl. sinkhorn_lanes
@@ -1614,9 +1618,16 @@ __device__ __forceinline__ uint32_t cluster_id_x() {
 // All threads of all CTAs of the cluster: shared-memory writes before it (release) are visible to reads after
 // it (acquire) in every CTA of the cluster. Not the .aligned form: that one requires every warp to be converged
 // at the instruction, which the divergent finish code before the second barrier does not promise.
+// (The release half compiles to MEMBAR.ALL.GPU before the arrive, as every release at cluster scope does.)
 __device__ __forceinline__ void cluster_barrier() {
     asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
+// Split exit barrier: arrive (relaxed: orders nothing, so no MEMBAR) as soon as this CTA has finished reading the
+// other CTAs' shared memory (every such load's value consumed), wait just before exit. A CTA's shared memory is
+// released at its exit, and no CTA passes the wait before every CTA of the cluster has arrived, i.e. finished
+// reading: no load can target a CTA that has exited.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;\n" ::: "memory"); }
 // Address of the same shared-memory location in CTA `rank` of the cluster (shared::cluster window; offsets
 // inside one CTA's shared memory stay contiguous there, so base + offset addresses the same element).
 __device__ __forceinline__ uint32_t map_shared_rank(uint32_t local_addr, uint32_t rank) {
@@ -1688,7 +1699,8 @@ __device__ __forceinline__ void apply_pre_raw(const uint4 (&xr)[4], const float*
 
 // One finish task of token t (tl inside the cluster's group): mhc_pre_finish<KIND, false, true> with the
 // partials from the cluster (reduce_partials_cluster) and X loaded before the reduction.
-// All threads of the CTA call it with the same arguments; ends without a trailing barrier.
+// All threads of the CTA call it with the same arguments; it arrives on the cluster's exit barrier (cluster_arrive_relaxed)
+// right after the partials' reduction and ends without a trailing barrier.
 template <int KIND>
 __device__ void mhc_finish_task_cluster(const __nv_bfloat16* __restrict__ X, uint32_t ps_addr, int spc, int S, int D,
                                         const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
@@ -1714,7 +1726,8 @@ __device__ void mhc_finish_task_cluster(const __nv_bfloat16* __restrict__ X, uin
                                        : make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    reduce_partials_cluster(ps_addr, spc, S, tl, mix, wsum);
+    reduce_partials_cluster(ps_addr, spc, S, tl, mix, wsum);  // ends with __syncthreads: every remote load consumed
+    cluster_arrive_relaxed();  // this CTA reads no other CTA's shared memory from here on (exit barrier, first half)
     const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
     if (coef_task) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1761,7 +1774,7 @@ __device__ void mhc_finish_task_cluster(const __nv_bfloat16* __restrict__ X, uin
 }
 
 // Grid (MHC_CL_CTAS * ceil(T / tt)), cluster (MHC_CL_CTAS, 1, 1), block row_block_threads(D); tt <= 8 tokens
-// per cluster; D % 512 == 0 (S = 4D/128 splits divide over 16 CTAs). Launched with PDL (launch_dependents first:
+// per cluster (required: one finish task per CTA at most, see the exit barrier); D % 512 == 0 (S = 4D/128 splits divide over 16 CTAs). Launched with PDL (launch_dependents first:
 // the next boundary's CTAs may stage their F while this one runs; every read of X and every store after
 // griddep_wait). Without the PDL attribute both griddepcontrol instructions are no-ops.
 template <int KIND>
@@ -1841,14 +1854,17 @@ __device__ void mhc_pre_cluster(const __nv_bfloat16* __restrict__ X, const float
         }
     }
     cluster_barrier();  // every CTA's partials visible to the whole cluster
-    const uint32_t ps_addr = smem_addr(ps);
-    for (int task = rank; task < 2 * ntok; task += MHC_CL_CTAS) {
+    // At most one finish task per CTA (tt <= 8: 2 tt <= 16 tasks, launcher mhc_cluster_plan), so each CTA arrives
+    // on the exit barrier exactly once: inside its task after the partials' reduction, or here without a task.
+    const int task = rank;
+    if (task < 2 * ntok) {
         const int tl = task >> 1;
-        mhc_finish_task_cluster<KIND>(X, ps_addr, spc, S, D, hc_scale, hc_base, w, eps, pre_out, post_out, comb_out,
-                                      u_out, q, scales, gsa, bf, rstd, t0 + tl, tl, (task & 1) != 0);
-        __syncthreads();  // the task's shared scratch is reused by the next task
+        mhc_finish_task_cluster<KIND>(X, smem_addr(ps), spc, S, D, hc_scale, hc_base, w, eps, pre_out, post_out,
+                                      comb_out, u_out, q, scales, gsa, bf, rstd, t0 + tl, tl, (task & 1) != 0);
+    } else {
+        cluster_arrive_relaxed();
     }
-    cluster_barrier();  // no CTA exits while another may still read its partials
+    cluster_wait();  // exit barrier, second half: no CTA exits while another may still read its partials
 }
 
 }  // namespace
