@@ -1641,6 +1641,38 @@ __device__ __forceinline__ float ld_shared_cluster(uint32_t addr) {
     return v;
 }
 
+// __frcp_rn without its slow path, for 2^-21 <= x < 2^4. __frcp_rn compiles (sm_90a, this file's SASS) to a range
+// check on x's exponent, a branch to a called slow path (zero, subnormal, huge, inf, NaN), and the fast path
+// r0 = MUFU.RCP(x); e = fma(x, r0, -1); r = fma(r0, -e, r0). Here the fast path alone: the same three operations
+// (rcp.approx.ftz.f32 is MUFU.RCP), so the same bits wherever __frcp_rn takes its fast path, which includes
+// [2^-21, 2^4); tests/norm_quant.rs compares the two on the GPU for every float of that range
+// (mhc_test_rcp_fast_vs_rn). Every Sinkhorn reciprocal is of a sum in that range: a row of exp(z - max) sums to
+// [1, 4]; after it every entry is e * r + 1e-6 in [1e-6, 1 + 1e-6] and stays <= 1 + 1e-6 after each
+// normalization (it is multiplied by 1/(sum + 1e-6) with the sum >= the entry), so a sum + 1e-6 lies in
+// [1e-6, 4 + 5e-6], inside [2^-21, 2^4) (2^-21 ~ 4.8e-7). NaN logits give NaN either way.
+// Why: the slow-path check, branch and reconvergence are ~15-20 cycles on each of the Sinkhorn's 40 dependent steps.
+__device__ __forceinline__ float rcp_rn_fast(float x) {
+    float r0, e, r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(x));
+    asm("fma.rn.f32 %0, %1, %2, 0fBF800000;" : "=f"(e) : "f"(x), "f"(r0));
+    asm("fma.rn.f32 %0, %1, %2, %1;" : "=f"(r) : "f"(r0), "f"(-e));
+    return r;
+}
+
+// sinkhorn_lanes with rcp_rn_fast for every reciprocal (the same bits, see rcp_rn_fast).
+__device__ float sinkhorn_lanes_fast(float z) {
+    const float mx = fmaxf(fmaxf(z, __shfl_xor_sync(0xffffffffu, z, 1)),
+                           fmaxf(__shfl_xor_sync(0xffffffffu, z, 2), __shfl_xor_sync(0xffffffffu, z, 3)));
+    const float e = expf(__fsub_rn(z, mx));
+    float c = __fadd_rn(__fmul_rn(e, rcp_rn_fast(quad_sum(e, 1))), 1e-6f);
+    c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+    for (int it = 1; it < 20; ++it) {
+        c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 1), 1e-6f)));  // rows
+        c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+    }
+    return c;
+}
+
 // reduce_partials with the partials in the cluster's shared memory: split s lives in CTA s / spc at
 // ps[(tl * 25 + j) * spc + s % spc]. Same lanes, same warp blocks, same xor trees and sums in the same order.
 __device__ void reduce_partials_cluster(uint32_t ps_addr, int spc, int S, int tl, float* mix, float* wsum) {
@@ -1734,7 +1766,7 @@ __device__ void mhc_finish_task_cluster(const __nv_bfloat16* __restrict__ X, uin
         const int post_warp = blockDim.x > 32 ? 1 : 0;
         if (warp == 0) {
             const int i = lane & 15;
-            const float c = sinkhorn_lanes(mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]));
+            const float c = sinkhorn_lanes_fast(mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]));
             if (lane < 16) comb_out[t * 16 + i] = c;
         }
         if (warp == post_warp && lane >= 16 && lane < 20) {
@@ -1886,4 +1918,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) mhc_pre_cluster_bf16(MHC_CL
                                                                          float* rstd) {
     mhc_pre_cluster<KIND_BF16>(X, F, T, D, tt, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr, nullptr,
                                nullptr, y, rstd);
+}
+
+// Test of rcp_rn_fast (tests/norm_quant.rs): x = the float with bits first + i, i < count (positive finite); counts
+// the x where rcp_rn_fast(x) and __frcp_rn(x) differ in any bit, and keeps the smallest such bit pattern.
+extern "C" __global__ void mhc_test_rcp_fast_vs_rn(uint32_t first, uint32_t count, unsigned int* mismatches,
+                                                   unsigned int* first_mismatch) {
+    unsigned int n = 0, lowest = 0xFFFFFFFFu;
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+        const uint32_t b = first + i;
+        const float x = __uint_as_float(b);
+        if (__float_as_uint(rcp_rn_fast(x)) != __float_as_uint(__frcp_rn(x))) {
+            ++n;
+            lowest = min(lowest, b);
+        }
+    }
+    if (n) {
+        atomicAdd(mismatches, n);
+        atomicMin(first_mismatch, lowest);
+    }
 }
