@@ -1730,7 +1730,8 @@ __device__ __forceinline__ void apply_pre_raw(const uint4 (&xr)[4], const float*
 }
 
 // One finish task of token t (tl inside the cluster's group): mhc_pre_finish<KIND, false, true> with the
-// partials from the cluster (reduce_partials_cluster) and X loaded before the reduction.
+// partials from the cluster (reduce_partials_cluster) and the token's X already in registers (xr[k][i] = chunk
+// threadIdx.x + k * blockDim.x of stream i, loaded by the caller; unused by the coefficient task).
 // All threads of the CTA call it with the same arguments; it arrives on the cluster's exit barrier (cluster_arrive_relaxed)
 // right after the partials' reduction and ends without a trailing barrier.
 template <int KIND>
@@ -1739,25 +1740,13 @@ __device__ void mhc_finish_task_cluster(const __nv_bfloat16* __restrict__ X, uin
                                         const __nv_bfloat16* __restrict__ w, float eps, float* pre_out,
                                         float* post_out, float* comb_out, __nv_bfloat16* u_out, uint8_t* q,
                                         uint8_t* scales, float* gsa, __nv_bfloat16* bf, float* rstd, int t, int tl,
-                                        bool coef_task) {
+                                        bool coef_task, const uint4 (&xr)[CH][4]) {
     constexpr int NMIX = MHC_CL_NMIX;
     __shared__ float red[MAX_WARPS];
     __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
     __shared__ float mix[NMIX + 1];
     __shared__ float pre_s[4];
     const int nchunks = D / 8;
-    const __nv_bfloat16* Xt = X + (long)t * 4 * D;
-    uint4 xr[CH][4];
-    if (!coef_task) {
-#pragma unroll
-        for (int k = 0; k < CH; ++k) {
-            const int c = threadIdx.x + k * blockDim.x;
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                xr[k][i] = c < nchunks ? __ldg(reinterpret_cast<const uint4*>(Xt + (long)i * D + c * 8))
-                                       : make_uint4(0u, 0u, 0u, 0u);
-        }
-    }
     reduce_partials_cluster(ps_addr, spc, S, tl, mix, wsum);  // ends with __syncthreads: every remote load consumed
     cluster_arrive_relaxed();  // this CTA reads no other CTA's shared memory from here on (exit barrier, first half)
     const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
@@ -1840,6 +1829,25 @@ __device__ void mhc_pre_cluster(const __nv_bfloat16* __restrict__ X, const float
         cp_async16(&xs[(t * spc + sl) * MIX_COLS + qq * 8],
                    X + (long)(t0 + t) * D4 + (long)(s0 + sl) * MIX_COLS + qq * 8);
     }
+    // The finish task of this CTA (at most one: tt <= 8 gives 2 tt <= 16 tasks, launcher mhc_cluster_plan) is task
+    // `rank`: token rank / 2, quant (even) or coefficients (odd). A quant task's X (4 streams x CH chunks per
+    // thread) is loaded now, so its L2 round trip overlaps the mixes' own X copies instead of following the
+    // partials' reduction.
+    const int task = rank;
+    const bool quant_task = task < 2 * ntok && (task & 1) == 0;
+    uint4 xr[CH][4];
+    {
+        const int nchunks = D / 8;
+        const __nv_bfloat16* Xt = X + (long)(t0 + (task >> 1)) * 4 * D;
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                xr[k][i] = quant_task && c < nchunks ? __ldg(reinterpret_cast<const uint4*>(Xt + (long)i * D + c * 8))
+                                                     : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
     cp_async_wait_all();
     __syncthreads();
     // Split partials: mix_tile_smem's per-item code (item = token tl, split s0 + sl on a half warp).
@@ -1886,13 +1894,12 @@ __device__ void mhc_pre_cluster(const __nv_bfloat16* __restrict__ X, const float
         }
     }
     cluster_barrier();  // every CTA's partials visible to the whole cluster
-    // At most one finish task per CTA (tt <= 8: 2 tt <= 16 tasks, launcher mhc_cluster_plan), so each CTA arrives
-    // on the exit barrier exactly once: inside its task after the partials' reduction, or here without a task.
-    const int task = rank;
+    // Each CTA arrives on the exit barrier exactly once: inside its task after the partials' reduction, or here
+    // without a task.
     if (task < 2 * ntok) {
         const int tl = task >> 1;
         mhc_finish_task_cluster<KIND>(X, smem_addr(ps), spc, S, D, hc_scale, hc_base, w, eps, pre_out, post_out,
-                                      comb_out, u_out, q, scales, gsa, bf, rstd, t0 + tl, tl, (task & 1) != 0);
+                                      comb_out, u_out, q, scales, gsa, bf, rstd, t0 + tl, tl, (task & 1) != 0, xr);
     } else {
         cluster_arrive_relaxed();
     }
