@@ -2107,6 +2107,34 @@ fn mhc_cluster_plan_covers_every_token_and_fits_shared_memory() {
     assert!(nq::mhc_cluster_plan(0, 4096).is_err());
 }
 
+/// The 16-CTA clusters (one CTA per SM: 119-212 KB of shared memory) must be schedulable; prints how many fit
+/// at once (8 clusters run the 64-token points in one wave only if >= 8 fit).
+#[test]
+fn gpu_mhc_cluster_is_schedulable() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_cluster_is_schedulable") else {
+        return;
+    };
+    for &d in DS {
+        for &tokens in &[1usize, 64] {
+            for format in FORMATS {
+                let n = nq::mhc_cluster_max_active(&gpu, tokens, d, format).unwrap();
+                let (per, clusters, smem) = nq::mhc_cluster_plan(tokens, d).unwrap();
+                eprintln!(
+                    "mhc cluster {} T={tokens} D={d}: {n} clusters of {} CTAs resident at once \
+                     (launch: {clusters} x {per} tokens, {smem} B dynamic shared memory)",
+                    format.name(),
+                    nq::MHC_CLUSTER_CTAS
+                );
+                assert!(
+                    n >= 1,
+                    "T={tokens} D={d} {}: no 16-CTA cluster fits",
+                    format.name()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn gpu_mhc_pre_cluster_equals_pdl_pair_bitwise() {
     let Some(gpu) = gpu_for_test("gpu_mhc_pre_cluster_equals_pdl_pair_bitwise") else {

@@ -180,3 +180,41 @@ pub fn launch_ex(
     };
     drv(r.result(), what)
 }
+
+/// How many clusters of a [`launch_ex`] launch of `f` with this block, shared memory and cluster shape can be
+/// resident on the device at once (`cuOccupancyMaxActiveClusters`); 0 means such a launch cannot run.
+/// `opts.cluster` must be set (the PDL flag is ignored).
+pub fn max_active_clusters(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    block: (u32, u32, u32),
+    opts: LaunchExOpts,
+    what: &str,
+) -> Result<usize> {
+    use cudarc::driver::sys;
+    let Some((x, y, z)) = opts.cluster else {
+        anyhow::bail!("{what}: max_active_clusters needs a cluster shape");
+    };
+    // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
+    let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: x,
+        gridDimY: y,
+        gridDimZ: z,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: opts.smem_bytes,
+        hStream: gpu.stream.cu_stream(),
+        attrs: &mut a,
+        numAttrs: 1,
+    };
+    drv(gpu.ctx.bind_to_thread(), "bind context")?;
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `cfg` and its one attribute live across the call; `n` is a valid out-pointer.
+    let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) };
+    drv(r.result(), what)?;
+    Ok(n.max(0) as usize)
+}

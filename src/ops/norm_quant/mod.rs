@@ -34,7 +34,9 @@ use anyhow::{bail, Result};
 use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
-use crate::gpu::pdl::{allow_non_portable_cluster, launch_ex, launch_pdl, LaunchExOpts, RawArgs};
+use crate::gpu::pdl::{
+    allow_non_portable_cluster, launch_ex, launch_pdl, max_active_clusters, LaunchExOpts, RawArgs,
+};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
 
@@ -774,7 +776,8 @@ impl MhcPreOutputs {
 
     /// The split-K partials of the last launch, `[T, nmix+1, S]` with `S = mix_splits(d)`: entry
     /// `[t][j][s]` is the partial `F_j . x` over columns `[128 s, 128 s + 128)` of 4D, `j = nmix` the partial
-    /// sum of squares. Tests reduce them in the kernel's order to check the rest exactly.
+    /// sum of squares. Tests reduce them in the kernel's order to check the rest exactly. Not written by
+    /// [`MhcPrePath::Cluster`] (its partials stay in shared memory).
     pub fn partials(&self) -> &CudaSlice<f32> {
         &self.partials
     }
@@ -1009,6 +1012,26 @@ pub fn mhc_cluster_plan(tokens: usize, d: usize) -> Result<(usize, usize, usize)
     Ok((per_cluster, clusters, smem))
 }
 
+/// How many clusters of [`MhcPrePath::Cluster`] for `tokens` tokens of hidden size `d` the device holds at once
+/// (0: the path cannot run here; each cluster is [`MHC_CLUSTER_CTAS`] CTAs of one SM each).
+pub fn mhc_cluster_max_active(
+    gpu: &Gpu,
+    tokens: usize,
+    d: usize,
+    format: OutFormat,
+) -> Result<usize> {
+    let (_, _, smem) = mhc_cluster_plan(tokens, d)?;
+    let name = format!("mhc_pre_cluster_{}", format.name());
+    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
+    allow_non_portable_cluster(&f, &name)?;
+    let opts = LaunchExOpts {
+        smem_bytes: smem as u32,
+        pdl: false,
+        cluster: Some((MHC_CLUSTER_CTAS as u32, 1, 1)),
+    };
+    max_active_clusters(gpu, &f, (row_block_threads(d), 1, 1), opts, &name)
+}
+
 fn launch_pre_cluster(
     gpu: &Gpu,
     x: &CudaSlice<bf16>,
@@ -1070,7 +1093,8 @@ fn launch_pre_cluster(
     )
 }
 
-/// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
+/// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths (the
+/// partials workspace aside: [`MhcPrePath::Cluster`] does not write it).
 pub fn mhc_pre_with(
     gpu: &Gpu,
     x: &CudaSlice<bf16>,
