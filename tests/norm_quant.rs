@@ -2093,7 +2093,10 @@ fn mhc_cluster_plan_covers_every_token_and_fits_shared_memory() {
         }
     }
     assert_eq!(nq::mhc_cluster_plan(1, 4096).unwrap().0, 1);
-    assert_eq!(nq::mhc_cluster_plan(8, 4096).unwrap().1, 8);
+    assert_eq!(nq::mhc_cluster_plan(4, 4096).unwrap().0, 1);
+    assert_eq!(nq::mhc_cluster_plan(8, 4096).unwrap().0, 2);
+    assert_eq!(nq::mhc_cluster_plan(32, 4096).unwrap().1, 4);
+    assert_eq!(nq::mhc_cluster_plan(64, 4096).unwrap().1, 8);
     assert_eq!(nq::mhc_cluster_plan(64, 7168).unwrap().0, 8);
     // D = 4096: F 8 splits x 24 x 128 fp32 + X 128 BF16 + 25 x 8 partials per token.
     assert_eq!(

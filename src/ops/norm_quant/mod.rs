@@ -989,10 +989,14 @@ pub const MHC_CLUSTER_CTAS: usize = 16;
 /// Most tokens one cluster of [`MhcPrePath::Cluster`] takes (its finish tasks, 2 per token, fill the
 /// 16 CTAs once).
 pub const MHC_CLUSTER_MAX_TOKENS: usize = 8;
+/// Clusters [`mhc_cluster_plan`] spreads up to `4 x 8` tokens over.
+pub const MHC_CLUSTER_SPREAD: usize = 4;
 
 /// Launch shape of [`MhcPrePath::Cluster`] for `tokens` tokens of hidden size `d`: (tokens per cluster,
-/// clusters, dynamic shared memory bytes). Tokens are spread over up to 8 clusters first (one token each up
-/// to 8 tokens: the per-token mix work runs on 16 CTAs in parallel), then up to 8 tokens per cluster.
+/// clusters, dynamic shared memory bytes). Up to 32 tokens go to at most [`MHC_CLUSTER_SPREAD`] clusters (the
+/// tokens of a cluster add dot items to its CTAs; few clusters leave GPCs free for the next boundary's
+/// early-launched PDL grid, and a 16-CTA cluster needs a GPC with 16 free SMs: H200 GPCs hold 16-18 SMs, so
+/// not every GPC may take one), then 8 tokens per cluster.
 pub fn mhc_cluster_plan(tokens: usize, d: usize) -> Result<(usize, usize, usize)> {
     if tokens == 0 {
         bail!("mhc cluster path: no tokens");
@@ -1003,7 +1007,9 @@ pub fn mhc_cluster_plan(tokens: usize, d: usize) -> Result<(usize, usize, usize)
             MHC_CLUSTER_CTAS * MIX_COLS / 4
         );
     }
-    let per_cluster = tokens.div_ceil(8).clamp(1, MHC_CLUSTER_MAX_TOKENS);
+    let per_cluster = tokens
+        .div_ceil(MHC_CLUSTER_SPREAD)
+        .clamp(1, MHC_CLUSTER_MAX_TOKENS);
     let clusters = tokens.div_ceil(per_cluster);
     let spc = mix_splits(d) / MHC_CLUSTER_CTAS;
     let smem = spc * reference::HC_MIX * MIX_COLS * 4
