@@ -38,6 +38,9 @@
 //     it up to 8 tokens, two plain launches above. Measured (H200, 16 boundaries in one graph, us per boundary,
 //     D = 4096 NVFP4, two-launch / PDL): T = 1 8.3 / 7.3, T = 8 8.9 / 8.8, T = 16 10.3 / 11.0, T = 32 12.4 /
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
+//   Cluster (session-5 A/B, own section at the end of this file): mhc_pre_cluster_*, the same arithmetic in ONE
+//     launch on a 16-CTA thread-block cluster per group of <= 8 tokens (partials reduced through distributed
+//     shared memory): removes the second grid handoff and the partials' trip through L2.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
 //   * Session 4 mHC wide finish (kernels/mhc_boundary.cu, mhc_pre_finish_wide_*: the same mixes, 4x the finish
@@ -1564,4 +1567,381 @@ extern "C" __global__ void __launch_bounds__(64) mhc_unfused_apply(const __nv_bf
     float v[8];
     apply_pre_chunk(X + (long)t * 4 * D, D, c, p, v);
     store8_bf16(u + (long)t * D + c * 8, v);
+}
+
+// ==== Session 5 A/B: the mHC boundary in ONE launch on a thread-block cluster (mhc_pre_cluster_*) ===============
+// Why: in a 16-boundary graph the PDL pair costs 6.6 (FP8) / 7.3 (NVFP4) us per boundary at 1 token while the
+// work inside both kernels is ~2-3 us; the session-4 wide finish (4x the finish threads, X prefetch, spread
+// partial trees) did not move it (7.6 vs 7.3 us), so the time is in the chain between the kernels: the finish
+// can only leave griddepcontrol.wait after the whole mix grid has completed and flushed (one grid handoff per
+// boundary on top of the one between boundaries), then re-reads the 25 x S partials and X through L2.
+// Here one cluster of MHC_CL_CTAS CTAs owns a group of <= 8 tokens end to end:
+//   1. before griddepcontrol.wait (weights only): CTA r stages F's columns of its splits s = r*spc .. r*spc+spc-1
+//      (spc = S / MHC_CL_CTAS; split s = columns [128 s, 128 s + 128) of 4D, as in the mix kernels) with cp.async;
+//   2. after it: X of those columns for the group's tokens; the split partials exactly as mix_tile_smem computes
+//      them (item = (token, split) on a half warp, lane q holds columns 4q..4q+3 and 64+4q..64+4q+3, the same
+//      8-term fma chains, the same xor tree over the 16 lanes), kept in the CTA's shared memory [t][25][spc];
+//   3. barrier.cluster (arrive.release / wait.acquire: the partials' shared-memory stores are visible to every
+//      CTA of the cluster after it);
+//   4. the finish tasks of the group (token, quant or coefficients), one per CTA (2 x tokens <= 16 CTAs): the
+//      body of mhc_pre_finish with the partials read through distributed shared memory (mapa +
+//      ld.shared::cluster) in reduce_partials' exact order, and the token's X loaded into registers before that
+//      reduction (it does not depend on the partials);
+//   5. an exit barrier (relaxed arrive right after the CTA's last remote read, wait before exit): a CTA's shared
+//      memory must stay alive while others may read it.
+// Bit-identity with the PDL pair: every rounding is the same operation on the same operands in the same order
+// (split partials: mix_tile_smem's code; their reduction: reduce_partials' order with the same warp count,
+// blockDim = row_block_threads(D) as the finish kernels; the rest: mhc_pre_finish's code, incl. sinkhorn_lanes
+// and norm_quant_row). tests/norm_quant.rs checks every output bit for bit against the PDL pair.
+// Cluster of 16 CTAs is a non-portable size (the launcher sets CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED):
+// with 8 CTAs the F slice of D = 7168 (24 x 3584 fp32 = 336 KB) would not fit one SM's shared memory; with 16 it
+// is 168 KB (D = 4096: 96 KB), one CTA per SM, so a cluster spans 16 SMs of one GPC.
+// Dynamic shared memory: F [spc][24][128] fp32, X [tt][spc][128] BF16, partials [tt][25][spc] fp32.
+// Budget, T = 1, D = 4096, in a graph: one handoff between boundaries (~1 us), X round trip (~0.7 us), partials
+// (~0.3 us), cluster barrier + DSMEM reduction (~0.4 us), then max(Sinkhorn ~1.5 us, pre + RMSNorm + quant ~1 us):
+// ~4-4.5 us, against 6.6 / 7.3 us for the PDL pair.
+namespace {
+
+constexpr int MHC_CL_CTAS = 16;  // CTAs per cluster (launcher: MHC_CLUSTER_CTAS)
+constexpr int MHC_CL_NMIX = 24;
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t cluster_id_x() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(r));
+    return r;
+}
+// All threads of all CTAs of the cluster: shared-memory writes before it (release) are visible to reads after
+// it (acquire) in every CTA of the cluster. Not the .aligned form: that one requires every warp to be converged
+// at the instruction, which the divergent finish code before the second barrier does not promise.
+// (The release half compiles to MEMBAR.ALL.GPU before the arrive, as every release at cluster scope does.)
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// Split exit barrier: arrive (relaxed: orders nothing, so no MEMBAR) as soon as this CTA has finished reading the
+// other CTAs' shared memory (every such load's value consumed), wait just before exit. A CTA's shared memory is
+// released at its exit, and no CTA passes the wait before every CTA of the cluster has arrived, i.e. finished
+// reading: no load can target a CTA that has exited.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;\n" ::: "memory"); }
+// Address of the same shared-memory location in CTA `rank` of the cluster (shared::cluster window; offsets
+// inside one CTA's shared memory stay contiguous there, so base + offset addresses the same element).
+__device__ __forceinline__ uint32_t map_shared_rank(uint32_t local_addr, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(local_addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_shared_cluster(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+    return v;
+}
+
+// __frcp_rn without its slow path, for 2^-21 <= x < 2^4. __frcp_rn compiles (sm_90a, this file's SASS) to a range
+// check on x's exponent, a branch to a called slow path (zero, subnormal, huge, inf, NaN), and the fast path
+// r0 = MUFU.RCP(x); e = fma(x, r0, -1); r = fma(r0, -e, r0). Here the fast path alone: the same three operations
+// (rcp.approx.ftz.f32 is MUFU.RCP), so the same bits wherever __frcp_rn takes its fast path, which includes
+// [2^-21, 2^4); tests/norm_quant.rs compares the two on the GPU for every float of that range
+// (mhc_test_rcp_fast_vs_rn). Every Sinkhorn reciprocal is of a sum in that range: a row of exp(z - max) sums to
+// [1, 4]; after it every entry is e * r + 1e-6 in [1e-6, 1 + 1e-6] and stays <= 1 + 1e-6 after each
+// normalization (it is multiplied by 1/(sum + 1e-6) with the sum >= the entry), so a sum + 1e-6 lies in
+// [1e-6, 4 + 5e-6], inside [2^-21, 2^4) (2^-21 ~ 4.8e-7). NaN logits give NaN either way.
+// Why: the slow-path check, branch and reconvergence are ~15-20 cycles on each of the Sinkhorn's 40 dependent steps.
+__device__ __forceinline__ float rcp_rn_fast(float x) {
+    float r0, e, r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(x));
+    asm("fma.rn.f32 %0, %1, %2, 0fBF800000;" : "=f"(e) : "f"(x), "f"(r0));
+    asm("fma.rn.f32 %0, %1, %2, %1;" : "=f"(r) : "f"(r0), "f"(-e));
+    return r;
+}
+
+// sinkhorn_lanes with rcp_rn_fast for every reciprocal (the same bits, see rcp_rn_fast).
+__device__ float sinkhorn_lanes_fast(float z) {
+    const float mx = fmaxf(fmaxf(z, __shfl_xor_sync(0xffffffffu, z, 1)),
+                           fmaxf(__shfl_xor_sync(0xffffffffu, z, 2), __shfl_xor_sync(0xffffffffu, z, 3)));
+    const float e = expf(__fsub_rn(z, mx));
+    float c = __fadd_rn(__fmul_rn(e, rcp_rn_fast(quad_sum(e, 1))), 1e-6f);
+    c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+    for (int it = 1; it < 20; ++it) {
+        c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 1), 1e-6f)));  // rows
+        c = __fmul_rn(c, rcp_rn_fast(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+    }
+    return c;
+}
+
+// reduce_partials with the partials in the cluster's shared memory: split s lives in CTA s / spc at
+// ps[(tl * 25 + j) * spc + s % spc]. Same lanes, same warp blocks, same xor trees and sums in the same order.
+__device__ void reduce_partials_cluster(uint32_t ps_addr, int spc, int S, int tl, float* mix, float* wsum) {
+    constexpr int NMIX = MHC_CL_NMIX;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float acc[NMIX + 1];
+#pragma unroll
+    for (int j = 0; j <= NMIX; ++j) acc[j] = 0.f;
+    for (int sb = warp; sb * 32 < S; sb += nw) {
+        const int s = sb * 32 + lane;
+        const bool in = s < S;
+        const uint32_t base =
+            in ? map_shared_rank(ps_addr + 4u * (uint32_t)(tl * (NMIX + 1) * spc + s % spc), (uint32_t)(s / spc)) : 0u;
+        float v[NMIX + 1];
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) v[j] = in ? ld_shared_cluster(base + 4u * (uint32_t)(j * spc)) : 0.f;
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) acc[j] += warp_sum(v[j]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) wsum[warp * (NMIX + 1) + j] = acc[j];
+    }
+    __syncthreads();
+    if (threadIdx.x <= NMIX) {
+        float total = 0.f;
+        for (int w = 0; w < nw; ++w) total += wsum[w * (NMIX + 1) + threadIdx.x];
+        mix[threadIdx.x] = total;
+    }
+    __syncthreads();
+}
+
+// apply_pre_chunk on X already in registers (xr[i] = 8 BF16 of stream i): the same operations in the same order.
+__device__ __forceinline__ void apply_pre_raw(const uint4 (&xr)[4], const float* pre, float v[8]) {
+    float xs[4][8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        xs[i][0] = bf16_lo(xr[i].x); xs[i][1] = bf16_hi(xr[i].x); xs[i][2] = bf16_lo(xr[i].y);
+        xs[i][3] = bf16_hi(xr[i].y); xs[i][4] = bf16_lo(xr[i].z); xs[i][5] = bf16_hi(xr[i].z);
+        xs[i][6] = bf16_lo(xr[i].w); xs[i][7] = bf16_hi(xr[i].w);
+    }
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        acc[e] = __fmul_rn(pre[0], xs[0][e]);
+#pragma unroll
+        for (int i = 1; i < 4; ++i) acc[e] = __fadd_rn(acc[e], __fmul_rn(pre[i], xs[i][e]));
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+        const uint32_t pk = pack_bf16x2(acc[e], acc[e + 1]);
+        v[e] = bf16_lo(pk);
+        v[e + 1] = bf16_hi(pk);
+    }
+}
+
+// One finish task of token t (tl inside the cluster's group): mhc_pre_finish<KIND, false, true> with the
+// partials from the cluster (reduce_partials_cluster) and the token's X already in registers (xr[k][i] = chunk
+// threadIdx.x + k * blockDim.x of stream i, loaded by the caller; unused by the coefficient task).
+// All threads of the CTA call it with the same arguments; it arrives on the cluster's exit barrier (cluster_arrive_relaxed)
+// right after the partials' reduction and ends without a trailing barrier.
+template <int KIND>
+__device__ void mhc_finish_task_cluster(const __nv_bfloat16* __restrict__ X, uint32_t ps_addr, int spc, int S, int D,
+                                        const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
+                                        const __nv_bfloat16* __restrict__ w, float eps, float* pre_out,
+                                        float* post_out, float* comb_out, __nv_bfloat16* u_out, uint8_t* q,
+                                        uint8_t* scales, float* gsa, __nv_bfloat16* bf, float* rstd, int t, int tl,
+                                        bool coef_task, const uint4 (&xr)[CH][4]) {
+    constexpr int NMIX = MHC_CL_NMIX;
+    __shared__ float red[MAX_WARPS];
+    __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
+    __shared__ float mix[NMIX + 1];
+    __shared__ float pre_s[4];
+    const int nchunks = D / 8;
+    reduce_partials_cluster(ps_addr, spc, S, tl, mix, wsum);  // ends with __syncthreads: every remote load consumed
+    cluster_arrive_relaxed();  // this CTA reads no other CTA's shared memory from here on (exit barrier, first half)
+    const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
+    if (coef_task) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int post_warp = blockDim.x > 32 ? 1 : 0;
+        if (warp == 0) {
+            const int i = lane & 15;
+            const float c = sinkhorn_lanes_fast(mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]));
+            if (lane < 16) comb_out[t * 16 + i] = c;
+        }
+        if (warp == post_warp && lane >= 16 && lane < 20) {
+            const int i = lane - 16;
+            const float z = mix_logit(rho, mix[4 + i], hc_scale[1], hc_base[4 + i]);
+            post_out[t * 4 + i] = __fmul_rn(2.f, sigmoid_f(z));
+        }
+        return;
+    }
+    if (threadIdx.x < 4) {
+        const int i = threadIdx.x;
+        const float p = __fadd_rn(sigmoid_f(mix_logit(rho, mix[i], hc_scale[0], hc_base[i])), 1e-6f);
+        pre_s[i] = p;
+        pre_out[t * 4 + i] = p;
+    }
+    __syncthreads();
+    const float pre[4] = {pre_s[0], pre_s[1], pre_s[2], pre_s[3]};
+    float v[CH][8];
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c < nchunks) {
+            apply_pre_raw(xr[k], pre, v[k]);
+            store8_bf16(u_out + (long)t * D + c * 8, v[k]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[k][e] = 0.f;
+        }
+    }
+    RowOut o;
+    o.q = KIND == KIND_NVFP4 ? q + (long)t * (D / 2) : q + (long)t * D;
+    o.scales = KIND == KIND_NVFP4 ? scales + (long)t * (D / 16) : scales + (long)t * (D / 128);
+    o.gsa = gsa + t;
+    o.bf = bf + (long)t * D;
+    o.rstd = rstd + t;
+    norm_quant_row<KIND, true, true>(v, nchunks, D, w, eps, o, red);
+}
+
+// Grid (MHC_CL_CTAS * ceil(T / tt)), cluster (MHC_CL_CTAS, 1, 1), block row_block_threads(D); tt <= 8 tokens
+// per cluster (required: one finish task per CTA at most, see the exit barrier); D % 512 == 0 (S = 4D/128 splits divide over 16 CTAs). Launched with PDL (launch_dependents first:
+// the next boundary's CTAs may stage their F while this one runs; every read of X and every store after
+// griddep_wait). Without the PDL attribute both griddepcontrol instructions are no-ops.
+template <int KIND>
+__device__ void mhc_pre_cluster(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F, int T, int D, int tt,
+                                const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
+                                const __nv_bfloat16* __restrict__ w, float eps, float* pre_out, float* post_out,
+                                float* comb_out, __nv_bfloat16* u_out, uint8_t* q, uint8_t* scales, float* gsa,
+                                __nv_bfloat16* bf, float* rstd) {
+    constexpr int NMIX = MHC_CL_NMIX;
+    extern __shared__ float4 mhc_cl_smem[];
+    const int rank = (int)cluster_ctarank();
+    const int D4 = 4 * D, S = D4 / MIX_COLS, spc = S / MHC_CL_CTAS;
+    const int t0 = (int)cluster_id_x() * tt;
+    const int ntok = min(tt, T - t0);
+    float* fs = reinterpret_cast<float*>(mhc_cl_smem);                                // [spc][24][128]
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(fs + spc * NMIX * MIX_COLS);  // [tt][spc][128]
+    float* ps = reinterpret_cast<float*>(xs + tt * spc * MIX_COLS);                   // [tt][25][spc]
+    const int tid = threadIdx.x, bd = blockDim.x, lane = tid & 31;
+    const int s0 = rank * spc;
+
+    griddep_launch_dependents();
+    for (int i = tid; i < spc * NMIX * (MIX_COLS / 4); i += bd) {
+        const int sl = i / (NMIX * (MIX_COLS / 4)), rem = i % (NMIX * (MIX_COLS / 4));
+        const int j = rem / (MIX_COLS / 4), qq = rem % (MIX_COLS / 4);
+        cp_async16(&fs[(sl * NMIX + j) * MIX_COLS + qq * 4], F + (long)j * D4 + (long)(s0 + sl) * MIX_COLS + qq * 4);
+    }
+    griddep_wait();  // X may be the previous kernel's output; outputs may still be read by it
+    for (int i = tid; i < ntok * spc * (MIX_COLS / 8); i += bd) {
+        const int t = i / (spc * (MIX_COLS / 8)), rem = i % (spc * (MIX_COLS / 8));
+        const int sl = rem / (MIX_COLS / 8), qq = rem % (MIX_COLS / 8);
+        cp_async16(&xs[(t * spc + sl) * MIX_COLS + qq * 8],
+                   X + (long)(t0 + t) * D4 + (long)(s0 + sl) * MIX_COLS + qq * 8);
+    }
+    // The finish task of this CTA (at most one: tt <= 8 gives 2 tt <= 16 tasks, launcher mhc_cluster_plan) is task
+    // `rank`: token rank / 2, quant (even) or coefficients (odd). A quant task's X (4 streams x CH chunks per
+    // thread) is loaded now, so its L2 round trip overlaps the mixes' own X copies instead of following the
+    // partials' reduction.
+    const int task = rank;
+    const bool quant_task = task < 2 * ntok && (task & 1) == 0;
+    uint4 xr[CH][4];
+    {
+        const int nchunks = D / 8;
+        const __nv_bfloat16* Xt = X + (long)(t0 + (task >> 1)) * 4 * D;
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                xr[k][i] = quant_task && c < nchunks ? __ldg(reinterpret_cast<const uint4*>(Xt + (long)i * D + c * 8))
+                                                     : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    // Split partials: mix_tile_smem's per-item code (item = token tl, split s0 + sl on a half warp).
+    const int nitems = ntok * spc;
+    for (int base = 0; base < nitems * 16; base += bd) {
+        const int i = base + tid;
+        if (i - lane >= nitems * 16) continue;  // warp-uniform: a warp is skipped only as a whole
+        const int item = i >> 4, qd = i & 15;
+        const bool valid = item < nitems;
+        const int t = valid ? item / spc : 0, sl = valid ? item % spc : 0;
+        float xv[8];
+        if (valid) {
+            const __nv_bfloat16* xrow = &xs[(t * spc + sl) * MIX_COLS];
+            const uint2 a = *reinterpret_cast<const uint2*>(&xrow[4 * qd]);
+            const uint2 b = *reinterpret_cast<const uint2*>(&xrow[64 + 4 * qd]);
+            xv[0] = bf16_lo(a.x); xv[1] = bf16_hi(a.x); xv[2] = bf16_lo(a.y); xv[3] = bf16_hi(a.y);
+            xv[4] = bf16_lo(b.x); xv[5] = bf16_hi(b.x); xv[6] = bf16_lo(b.y); xv[7] = bf16_hi(b.y);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xv[e] = 0.f;
+        }
+        float acc[NMIX + 1];
+        acc[NMIX] = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[NMIX] = fmaf(xv[e], xv[e], acc[NMIX]);
+        const float* fsl = &fs[sl * NMIX * MIX_COLS];
+#pragma unroll
+        for (int j = 0; j < NMIX; ++j) {
+            const float4 fa = *reinterpret_cast<const float4*>(&fsl[j * MIX_COLS + 4 * qd]);
+            const float4 fb = *reinterpret_cast<const float4*>(&fsl[j * MIX_COLS + 64 + 4 * qd]);
+            float a = fa.x * xv[0];
+            a = fmaf(fa.y, xv[1], a); a = fmaf(fa.z, xv[2], a); a = fmaf(fa.w, xv[3], a);
+            a = fmaf(fb.x, xv[4], a); a = fmaf(fb.y, xv[5], a); a = fmaf(fb.z, xv[6], a); a = fmaf(fb.w, xv[7], a);
+            acc[j] = a;
+        }
+#pragma unroll
+        for (int j = 0; j <= NMIX; ++j) {
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        }
+        if (valid && qd == 0) {
+#pragma unroll
+            for (int j = 0; j <= NMIX; ++j) ps[(t * (NMIX + 1) + j) * spc + sl] = acc[j];
+        }
+    }
+    cluster_barrier();  // every CTA's partials visible to the whole cluster
+    // Each CTA arrives on the exit barrier exactly once: inside its task after the partials' reduction, or here
+    // without a task.
+    if (task < 2 * ntok) {
+        const int tl = task >> 1;
+        mhc_finish_task_cluster<KIND>(X, smem_addr(ps), spc, S, D, hc_scale, hc_base, w, eps, pre_out, post_out,
+                                      comb_out, u_out, q, scales, gsa, bf, rstd, t0 + tl, tl, (task & 1) != 0, xr);
+    } else {
+        cluster_arrive_relaxed();
+    }
+    cluster_wait();  // exit barrier, second half: no CTA exits while another may still read its partials
+}
+
+}  // namespace
+
+#define MHC_CL_ARGS                                                                                          \
+    const __nv_bfloat16 *X, const float *F, int T, int D, int tt, const float *hc_scale, const float *hc_base, \
+        const __nv_bfloat16 *w, float eps, float *pre, float *post, float *comb, __nv_bfloat16 *u
+extern "C" __global__ void __launch_bounds__(256, 1) mhc_pre_cluster_nvfp4(MHC_CL_ARGS, uint8_t* q, uint8_t* scales,
+                                                                          float* gsa, float* rstd) {
+    mhc_pre_cluster<KIND_NVFP4>(X, F, T, D, tt, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales, gsa,
+                                nullptr, rstd);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) mhc_pre_cluster_fp8(MHC_CL_ARGS, uint8_t* q, uint8_t* scales,
+                                                                        float* rstd) {
+    mhc_pre_cluster<KIND_FP8>(X, F, T, D, tt, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales, nullptr,
+                              nullptr, rstd);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) mhc_pre_cluster_bf16(MHC_CL_ARGS, __nv_bfloat16* y,
+                                                                         float* rstd) {
+    mhc_pre_cluster<KIND_BF16>(X, F, T, D, tt, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr, nullptr,
+                               nullptr, y, rstd);
+}
+
+// Test of rcp_rn_fast (tests/norm_quant.rs): x = the float with bits first + i, i < count (positive finite); counts
+// the x where rcp_rn_fast(x) and __frcp_rn(x) differ in any bit, and keeps the smallest such bit pattern.
+extern "C" __global__ void mhc_test_rcp_fast_vs_rn(uint32_t first, uint32_t count, unsigned int* mismatches,
+                                                   unsigned int* first_mismatch) {
+    unsigned int n = 0, lowest = 0xFFFFFFFFu;
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x) {
+        const uint32_t b = first + i;
+        const float x = __uint_as_float(b);
+        if (__float_as_uint(rcp_rn_fast(x)) != __float_as_uint(__frcp_rn(x))) {
+            ++n;
+            lowest = min(lowest, b);
+        }
+    }
+    if (n) {
+        atomicAdd(mismatches, n);
+        atomicMin(first_mismatch, lowest);
+    }
 }

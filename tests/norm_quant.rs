@@ -2064,3 +2064,227 @@ fn gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         }
     }
 }
+
+// ---- A/B (session 5): the boundary in one launch on a 16-CTA cluster (mhc_pre_cluster_*) ------------------
+// Same arithmetic as the PDL pair (split partials, their reduction order, the finish), so every output must be
+// bit-identical to it; the cluster path keeps the partials in shared memory and never writes the workspace.
+
+#[test]
+fn mhc_cluster_plan_covers_every_token_and_fits_shared_memory() {
+    // The largest opt-in shared memory of an sm_90 CTA (227 KB) less the kernel's static 3456 B.
+    let budget = 227 * 1024 - 3456;
+    for &d in DS {
+        for tokens in 1..=300usize {
+            let (per, clusters, smem) = nq::mhc_cluster_plan(tokens, d).unwrap();
+            assert!(
+                (1..=nq::MHC_CLUSTER_MAX_TOKENS).contains(&per),
+                "T={tokens} D={d}: {per} tokens per cluster"
+            );
+            assert!(
+                clusters * per >= tokens && (clusters - 1) * per < tokens,
+                "T={tokens} D={d}: {clusters} clusters x {per} tokens"
+            );
+            assert!(
+                smem <= budget,
+                "T={tokens} D={d}: {smem} B of shared memory"
+            );
+            // 2 finish tasks per token fill at most the 16 CTAs of a cluster once.
+            assert!(2 * per <= nq::MHC_CLUSTER_CTAS);
+        }
+    }
+    assert_eq!(nq::mhc_cluster_plan(1, 4096).unwrap().0, 1);
+    assert_eq!(nq::mhc_cluster_plan(4, 4096).unwrap().0, 1);
+    assert_eq!(nq::mhc_cluster_plan(8, 4096).unwrap().0, 2);
+    assert_eq!(nq::mhc_cluster_plan(32, 4096).unwrap().1, 4);
+    assert_eq!(nq::mhc_cluster_plan(64, 4096).unwrap().1, 8);
+    assert_eq!(nq::mhc_cluster_plan(64, 7168).unwrap().0, 8);
+    // D = 4096: F 8 splits x 24 x 128 fp32 + X 128 BF16 + 25 x 8 partials per token.
+    assert_eq!(
+        nq::mhc_cluster_plan(1, 4096).unwrap().2,
+        8 * 24 * 128 * 4 + 8 * 128 * 2 + 25 * 8 * 4
+    );
+    for bad in [1280usize, 4352] {
+        let e = nq::mhc_cluster_plan(1, bad).unwrap_err().to_string();
+        assert!(e.contains("multiple of 512"), "D={bad}: {e}");
+    }
+    assert!(nq::mhc_cluster_plan(0, 4096).is_err());
+}
+
+/// The 16-CTA clusters (one CTA per SM: 119-212 KB of shared memory) must be schedulable; prints how many fit
+/// at once (8 clusters run the 64-token points in one wave only if >= 8 fit).
+#[test]
+fn gpu_mhc_cluster_is_schedulable() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_cluster_is_schedulable") else {
+        return;
+    };
+    for &d in DS {
+        for &tokens in &[1usize, 64] {
+            for format in FORMATS {
+                let n = nq::mhc_cluster_max_active(&gpu, tokens, d, format).unwrap();
+                let (per, clusters, smem) = nq::mhc_cluster_plan(tokens, d).unwrap();
+                eprintln!(
+                    "mhc cluster {} T={tokens} D={d}: {n} clusters of {} CTAs resident at once \
+                     (launch: {clusters} x {per} tokens, {smem} B dynamic shared memory)",
+                    format.name(),
+                    nq::MHC_CLUSTER_CTAS
+                );
+                assert!(
+                    n >= 1,
+                    "T={tokens} D={d} {}: no 16-CTA cluster fits",
+                    format.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_mhc_pre_cluster_equals_pdl_pair_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_cluster_equals_pdl_pair_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_cluster_equals_pdl_pair_bitwise");
+    for &d in DS {
+        for &tokens in &[1usize, 2, 3, 7, 64, 127, 129] {
+            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 7919 + d as u64));
+            let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+            let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+            let (per, clusters, smem) = nq::mhc_cluster_plan(tokens, d).unwrap();
+            for format in FORMATS {
+                let label = format!(
+                    "cluster->{} T={tokens} D={d} ({clusters} clusters x {per} tokens, {smem} B smem) seed {seed}",
+                    format.name()
+                );
+                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair)
+                    .unwrap();
+                let want = MhcSnapshot::take(&gpu, &out);
+                out.poison(&gpu).unwrap();
+                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::Cluster)
+                    .unwrap_or_else(|e| panic!("{label}: launch: {e:#}"));
+                let mut got = MhcSnapshot::take(&gpu, &out);
+                // Not an output of the cluster path (its partials stay in shared memory).
+                got.partials = want.partials.clone();
+                got.assert_same(&want, &label);
+                // And against the CPU reference (the mixes as reduced in the kernels' common order).
+                let dots = gpu_dots(&want.partials, tokens, d);
+                check_mhc(
+                    &label,
+                    &c,
+                    &got.pre,
+                    &got.post,
+                    &got.comb,
+                    &got.u,
+                    &got.normed,
+                    format,
+                    Some(&dots),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_mhc_cluster_waits_for_the_producer_of_x_and_replays_in_a_graph() {
+    let Some(gpu) =
+        gpu_for_test("gpu_mhc_cluster_waits_for_the_producer_of_x_and_replays_in_a_graph")
+    else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_cluster_waits_for_the_producer_of_x_and_replays_in_a_graph");
+    for &(tokens, d, format) in &[
+        (1usize, 4096usize, OutFormat::Nvfp4),
+        (5, 7168, OutFormat::Fp8),
+        (64, 4096, OutFormat::Nvfp4),
+        (9, 7168, OutFormat::Nvfp4),
+    ] {
+        let c = mhc_case(tokens, d, seed ^ ((tokens as u64) << 8));
+        let y = nq::random_rows(tokens, d, seed ^ 0x99);
+        let post = vec![0.625f32; tokens * 4];
+        let comb: Vec<f32> = (0..tokens * 16)
+            .map(|i| 0.05 + 0.03 * (i % 11) as f32)
+            .collect();
+        let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+        let (dy, dx) = (
+            nq::upload_checked_bf16(&gpu, "y", &y).unwrap(),
+            nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
+        );
+        let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
+        let label = format!(
+            "cluster after mhc_post ->{} T={tokens} D={d} seed {seed}",
+            format.name()
+        );
+        // Reference bits: mhc_post -> X', then the PDL pair on X'.
+        let mut xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+        let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+        nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, &mut xo).unwrap();
+        nq::mhc_pre_with(&gpu, &xo, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair).unwrap();
+        let want = MhcSnapshot::take(&gpu, &out);
+        // X' poisoned first: a cluster kernel that read X' before its griddepcontrol.wait would see NaN.
+        let run = |xo: &mut cudarc::driver::CudaSlice<half::bf16>, out: &mut MhcPreOutputs| {
+            nq::mhc_post(&gpu, &dy, &dx, &dp, &dc, tokens, d, xo)?;
+            nq::mhc_pre_with(&gpu, xo, &w, r::RMS_EPS, out, nq::MhcPrePath::Cluster)
+        };
+        let check = |out: &MhcPreOutputs, what: &str| {
+            let mut got = MhcSnapshot::take(&gpu, out);
+            got.partials = want.partials.clone(); // not written by the cluster path
+            got.assert_same(&want, &format!("{label} {what}"));
+        };
+        gpu.fill_bytes(&mut xo, 0xFF).unwrap();
+        out.poison(&gpu).unwrap();
+        run(&mut xo, &mut out).unwrap();
+        check(&out, "direct");
+        // Captured: 4 consecutive (post, cluster boundary) pairs, then 4 back-to-back cluster boundaries
+        // (the PDL chain of the graph16 bench), replayed 3 times on poisoned outputs.
+        let g = gpu
+            .capture(|| {
+                for _ in 0..4 {
+                    run(&mut xo, &mut out)?;
+                }
+                for _ in 0..4 {
+                    nq::mhc_pre_with(&gpu, &xo, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::Cluster)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        for rep in 0..3 {
+            gpu.fill_bytes(&mut xo, 0xFF).unwrap();
+            out.poison(&gpu).unwrap();
+            g.launch().unwrap();
+            gpu.synchronize().unwrap();
+            check(&out, &format!("graph replay {rep}"));
+        }
+    }
+}
+
+/// The cluster path's Sinkhorn uses rcp_rn_fast (the fast path of __frcp_rn without its range check and slow
+/// path) for sums in [2^-21, 2^4); the .cu argues why every Sinkhorn reciprocal is in that range. Checked on the
+/// GPU for every float of the range (2.1e8 values, bit for bit against __frcp_rn).
+#[test]
+fn gpu_rcp_fast_equals_frcp_rn_on_the_sinkhorn_range() {
+    use megamoe::gpu::PushKernelArg;
+    let Some(gpu) = gpu_for_test("gpu_rcp_fast_equals_frcp_rn_on_the_sinkhorn_range") else {
+        return;
+    };
+    let (lo, hi) = (2f32.powi(-21).to_bits(), 2f32.powi(4).to_bits());
+    assert_eq!((lo, hi), (0x3500_0000, 0x4180_0000));
+    let count = hi - lo;
+    let f = gpu.function(nq::FAMILY, "mhc_test_rcp_fast_vs_rn").unwrap();
+    let mut mismatches = gpu.zeros::<u32>(1).unwrap();
+    let mut first = gpu.upload(&[u32::MAX]).unwrap();
+    let cfg = megamoe::gpu::launch_cfg((2048, 1, 1), (256, 1, 1), 0);
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&lo).arg(&count).arg(&mut mismatches).arg(&mut first);
+    unsafe { b.launch(cfg) }.unwrap();
+    gpu.synchronize().unwrap();
+    let (n, fm) = (
+        gpu.download(&mismatches).unwrap()[0],
+        gpu.download(&first).unwrap()[0],
+    );
+    assert_eq!(
+        n,
+        0,
+        "rcp_rn_fast differs from __frcp_rn on {n} of {count} floats in [2^-21, 2^4); first x = {} (bits {fm:#010x})",
+        f32::from_bits(fm)
+    );
+}

@@ -1,8 +1,8 @@
 //! Programmatic dependent launch (PDL): a kernel launched with the programmatic-stream-serialization
 //! attribute may be scheduled before the previous kernel on the stream completes; the kernel waits
 //! (`griddepcontrol.wait`) before reading that kernel's outputs. cudarc's launch builder has no launch
-//! attributes, so these launches go through `cuLaunchKernelEx` with raw parameter slots. The same raw-slot
-//! launch also carries the thread-block-cluster dimension attribute ([`launch_cluster`]).
+//! attributes, so these launches go through `cuLaunchKernelEx` with raw parameter slots; the same launch
+//! ([`launch_ex`]) also carries the thread-block-cluster dimension attribute.
 
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
@@ -47,16 +47,81 @@ pub fn launch_pdl(
     args: &mut RawArgs,
     what: &str,
 ) -> Result<()> {
+    let opts = LaunchExOpts {
+        pdl: true,
+        ..Default::default()
+    };
+    launch_ex(gpu, f, grid, block, opts, args, what)
+}
+
+/// Launch options of [`launch_ex`] beyond grid and block.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LaunchExOpts {
+    /// Dynamic shared memory in bytes (the function's opt-in must already allow it:
+    /// [`Gpu::function_with_smem`]).
+    pub smem_bytes: u32,
+    /// Programmatic stream serialization (PDL), as [`launch_pdl`].
+    pub pdl: bool,
+    /// Thread-block cluster dimensions (sm_90): the grid must be a multiple of them in every dimension.
+    /// Sizes above 8 CTAs need [`allow_non_portable_cluster`] on the function first.
+    pub cluster: Option<(u32, u32, u32)>,
+}
+
+/// Let `f` be launched with a cluster of more than 8 CTAs (the "non-portable" sizes; Hopper takes up to 16).
+pub fn allow_non_portable_cluster(f: &cudarc::driver::CudaFunction, what: &str) -> Result<()> {
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+        1,
+    )
+    .map_err(|e| anyhow::anyhow!("{what}: allowing a non-portable cluster size: {e:?}"))
+}
+
+/// `cuLaunchKernelEx` on the Gpu's stream with dynamic shared memory and, optionally, the PDL and the
+/// cluster-dimension launch attributes ([`LaunchExOpts`]). Parameters as [`launch_pdl`].
+pub fn launch_ex(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    opts: LaunchExOpts,
+    args: &mut RawArgs,
+    what: &str,
+) -> Result<()> {
     use cudarc::driver::sys;
+    if let Some((cx, cy, cz)) = opts.cluster {
+        if cx == 0
+            || cy == 0
+            || cz == 0
+            || !grid.0.is_multiple_of(cx)
+            || !grid.1.is_multiple_of(cy)
+            || !grid.2.is_multiple_of(cz)
+        {
+            anyhow::bail!(
+                "{what}: grid {grid:?} is not a multiple of the cluster {:?}",
+                (cx, cy, cz)
+            );
+        }
+    }
     let mut params: Vec<*mut std::ffi::c_void> = args
         .slots
         .iter_mut()
         .map(|v| v as *mut u64 as *mut std::ffi::c_void)
         .collect();
-    // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
+    let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
+    if opts.pdl {
+        // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
+        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        a.value.programmaticStreamSerializationAllowed = 1;
+        attrs.push(a);
+    }
+    if let Some((x, y, z)) = opts.cluster {
+        // SAFETY: as above.
+        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+        attrs.push(a);
+    }
     let cfg = sys::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
@@ -64,15 +129,18 @@ pub fn launch_pdl(
         blockDimX: block.0,
         blockDimY: block.1,
         blockDimZ: block.2,
-        sharedMemBytes: 0,
+        sharedMemBytes: opts.smem_bytes,
         hStream: gpu.stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: if attrs.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            attrs.as_mut_ptr()
+        },
+        numAttrs: attrs.len() as u32,
     };
     drv(gpu.ctx.bind_to_thread(), "bind context")?;
-    // SAFETY: `params` holds one pointer per kernel parameter, in the order of the kernel's signature (the
-    // callers mirror their kernels' entry points), each to a live 8-byte slot; the device
-    // buffers outlive the launch (owned by the caller, freed only after stream synchronization).
+    // SAFETY: as launch_pdl: one pointer per kernel parameter, in the kernel's order, each to a live 8-byte
+    // slot; `attrs` outlives the call; the device buffers outlive the launch.
     let r = unsafe {
         sys::cuLaunchKernelEx(
             &cfg,
@@ -84,105 +152,40 @@ pub fn launch_pdl(
     drv(r.result(), what)
 }
 
-/// The `CUlaunchConfig` of a launch on the Gpu's stream with a thread-block cluster shape `cluster` (grid
-/// dimensions must be multiples of it) and `smem_bytes` of dynamic shared memory. `attr` must outlive every
-/// use of the returned config (it points at it).
-fn cluster_config(
-    gpu: &Gpu,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    cluster: (u32, u32, u32),
-    smem_bytes: u32,
-    attr: &mut cudarc::driver::sys::CUlaunchAttribute,
-) -> cudarc::driver::sys::CUlaunchConfig {
-    use cudarc::driver::sys;
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-        x: cluster.0,
-        y: cluster.1,
-        z: cluster.2,
-    };
-    sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: grid.2,
-        blockDimX: block.0,
-        blockDimY: block.1,
-        blockDimZ: block.2,
-        sharedMemBytes: smem_bytes,
-        hStream: gpu.stream.cu_stream(),
-        attrs: attr as *mut sys::CUlaunchAttribute,
-        numAttrs: 1,
-    }
-}
-
-/// Allow clusters above the portable size of 8 CTAs for `f` (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
-/// Hopper supports 16). Whether such a cluster fits the device is then asked with [`max_active_clusters`].
-pub fn allow_non_portable_cluster(f: &cudarc::driver::CudaFunction, what: &str) -> Result<()> {
-    f.set_attribute(
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-        1,
-    )
-    .map_err(|e| anyhow::anyhow!("{what}: allowing non-portable cluster sizes: {e:?}"))
-}
-
-/// How many clusters of shape `cluster` (with this block and dynamic shared memory) can be resident at once
-/// (cuOccupancyMaxActiveClusters); 0 means such a launch cannot run on this device.
+/// How many clusters of a [`launch_ex`] launch of `f` with this block, shared memory and cluster shape can be
+/// resident on the device at once (`cuOccupancyMaxActiveClusters`); 0 means such a launch cannot run.
+/// `opts.cluster` must be set (the PDL flag is ignored).
 pub fn max_active_clusters(
     gpu: &Gpu,
     f: &cudarc::driver::CudaFunction,
-    grid: (u32, u32, u32),
     block: (u32, u32, u32),
-    cluster: (u32, u32, u32),
-    smem_bytes: u32,
+    opts: LaunchExOpts,
     what: &str,
-) -> Result<i32> {
+) -> Result<usize> {
     use cudarc::driver::sys;
-    // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; cluster_config sets id and value.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    let cfg = cluster_config(gpu, grid, block, cluster, smem_bytes, &mut attr);
+    let Some((x, y, z)) = opts.cluster else {
+        anyhow::bail!("{what}: max_active_clusters needs a cluster shape");
+    };
+    // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
+    let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: x,
+        gridDimY: y,
+        gridDimZ: z,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: opts.smem_bytes,
+        hStream: gpu.stream.cu_stream(),
+        attrs: &mut a,
+        numAttrs: 1,
+    };
     drv(gpu.ctx.bind_to_thread(), "bind context")?;
     let mut n: std::ffi::c_int = 0;
-    // SAFETY: cfg and the attribute it points to are live for the call; n is a valid out pointer.
+    // SAFETY: `cfg` and its one attribute live across the call; `n` is a valid out-pointer.
     let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) };
     drv(r.result(), what)?;
-    Ok(n)
-}
-
-/// Launch `f` on the Gpu's stream as thread-block clusters of shape `cluster` (the cluster-dimension launch
-/// attribute of `cuLaunchKernelEx`; cudarc's launch builder has no launch attributes) with `smem_bytes` of
-/// dynamic shared memory. Every grid dimension must be a multiple of the cluster's (the driver rejects the
-/// launch otherwise). Clusters above 8 CTAs need [`allow_non_portable_cluster`] first.
-#[allow(clippy::too_many_arguments)]
-pub fn launch_cluster(
-    gpu: &Gpu,
-    f: &cudarc::driver::CudaFunction,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    cluster: (u32, u32, u32),
-    smem_bytes: u32,
-    args: &mut RawArgs,
-    what: &str,
-) -> Result<()> {
-    use cudarc::driver::sys;
-    let mut params: Vec<*mut std::ffi::c_void> = args
-        .slots
-        .iter_mut()
-        .map(|v| v as *mut u64 as *mut std::ffi::c_void)
-        .collect();
-    // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; cluster_config sets id and value.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    let cfg = cluster_config(gpu, grid, block, cluster, smem_bytes, &mut attr);
-    drv(gpu.ctx.bind_to_thread(), "bind context")?;
-    // SAFETY: as launch_pdl: one pointer per kernel parameter in signature order, each to a live 8-byte slot;
-    // the device buffers outlive the launch; cfg and its attribute are live for the call.
-    let r = unsafe {
-        sys::cuLaunchKernelEx(
-            &cfg,
-            f.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    };
-    drv(r.result(), what)
+    Ok(n.max(0) as usize)
 }

@@ -915,7 +915,12 @@ pub fn topk_cluster(
     let smem = topk6_smem_bytes(smem_keys, bufs.k);
     let name = "indexer_topk6_cluster";
     let f = gpu.function_with_smem(FAMILY, name, smem)?;
-    let (grid, block, cluster) = ((ctas, rows as u32, 1), (TOPK6_THREADS, 1, 1), (ctas, 1, 1));
+    let (grid, block) = ((ctas, rows as u32, 1), (TOPK6_THREADS, 1, 1));
+    let opts = crate::gpu::pdl::LaunchExOpts {
+        smem_bytes: smem as u32,
+        pdl: false,
+        cluster: Some((ctas, 1, 1)),
+    };
     if bufs.cluster_checked != Some((ctas, smem)) {
         if ctas > 8 {
             crate::gpu::pdl::allow_non_portable_cluster(&f, name)?;
@@ -925,10 +930,8 @@ pub fn topk_cluster(
         let fit = crate::gpu::pdl::max_active_clusters(
             gpu,
             &f,
-            grid,
             block,
-            cluster,
-            smem as u32,
+            opts,
             "cluster top-k occupancy query",
         );
         ensure!(
@@ -947,13 +950,12 @@ pub fn topk_cluster(
         .i32(smem_keys as i32)
         .slice(gpu, &bufs.out_idx)
         .slice(gpu, &bufs.out_score);
-    crate::gpu::pdl::launch_cluster(
+    crate::gpu::pdl::launch_ex(
         gpu,
         &f,
         grid,
         block,
-        cluster,
-        smem as u32,
+        opts,
         &mut args,
         "indexer top-k (one cluster per row)",
     )
