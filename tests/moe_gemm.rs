@@ -921,3 +921,299 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     assert!(format!("{err:#}").contains("offsets"), "{err:#}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+// ------------------------------------------------------------------ session-5 A/B: v6 (TMA ring) decode mainloop
+
+/// First bit mismatch between two partial workspaces `[splits, rows, n]` (both start as the same 0xFF poison, so
+/// an element one kernel wrote and the other did not shows up too).
+fn assert_partials_bit_equal(label: &str, got: &[f32], want: &[f32], rows: usize, n: usize) {
+    assert_eq!(got.len(), want.len(), "{label}: workspace sizes differ");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        let per_split = (rows * n).max(1);
+        panic!(
+            "{label}: v6 partial != v3 at split {} row {} col {}: v6 {} ({:#010x}) v3 {} ({:#010x}); {} of {} differ",
+            i / per_split,
+            (i % per_split) / n,
+            i % n,
+            got[i],
+            got[i].to_bits(),
+            want[i],
+            want[i].to_bits(),
+            (0..got.len())
+                .filter(|&j| got[j].to_bits() != want[j].to_bits())
+                .count(),
+            got.len()
+        );
+    }
+}
+
+/// v3 and v6 on the same inputs and config into 0xFF-poisoned workspaces; returns (v6, v3) partials.
+fn run_v3_and_v6(
+    gpu: &Gpu,
+    dw: &DeviceExpertWeights,
+    a: &mg::DeviceActivations,
+    dg: &DeviceGrouping,
+    cfg: &GemmConfig,
+) -> (Workspace, Workspace) {
+    let rows = dg.rows_total;
+    let mut ws3 = Workspace::new(gpu, cfg.splits, rows, dw.n).unwrap();
+    let mut ws6 = Workspace::new(gpu, cfg.splits, rows, dw.n).unwrap();
+    gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
+    gpu.fill_bytes(&mut ws6.partial, 0xFF).unwrap();
+    mg::launch_partial_mma_with(gpu, dw, a, dg, cfg, &mut ws3, mg::DecodeMainloop::V3).unwrap();
+    mg::launch_partial_mma_with(gpu, dw, a, dg, cfg, &mut ws6, mg::DecodeMainloop::Tma).unwrap();
+    gpu.synchronize().unwrap();
+    (ws6, ws3)
+}
+
+#[test]
+fn gpu_v6_tma_partials_bit_identical_to_v3_over_token_counts() {
+    let name = "gpu_v6_tma_partials_bit_identical_to_v3_over_token_counts";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    // One expert per count of the brief (tile edges 7/8, 63/64/65), two empty experts.
+    let counts = [0usize, 1, 2, 3, 7, 8, 16, 63, 64, 65, 0];
+    let (e, n, k) = (counts.len(), 256, 1024);
+    let w = quantized_weights(&mut rng, e, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let tokens: usize = counts.iter().sum();
+    let choices: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+        .collect();
+    let sms = gpu.info.sm_count as u32;
+    // Every token tile; full grids and few-CTA grids (each CTA walks many items, so the ring wraps across items and
+    // the mbarrier phases run through many completions).
+    let cfgs: Vec<GemmConfig> = [
+        (8, 1, 3 * sms),
+        (8, 2, 5),
+        (16, 2, 3 * sms),
+        (16, 1, 2),
+        (32, 1, sms),
+        (32, 2, 3),
+        (64, 2, sms),
+        (64, 1, 1),
+    ]
+    .iter()
+    .map(|&(token_tile, splits, ctas)| GemmConfig {
+        token_tile,
+        splits,
+        ctas,
+    })
+    .collect();
+    for cap in [Some(70), None] {
+        let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+        let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+        let rows = rb.grouping.rows_total();
+        let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+        for nvfp4 in [false, true] {
+            let a = gathered_activations(&mut rng, &rb, k, nvfp4);
+            let da = DevA::upload(&gpu, &a);
+            let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
+            for cfg in &cfgs {
+                let label = format!(
+                    "{name} [cap {cap:?}, {} A, {cfg:?}, rows {rows}]",
+                    if nvfp4 { "NVFP4" } else { "BF16" }
+                );
+                let (ws6, ws3) = run_v3_and_v6(&gpu, &dw, &da.view(), &dg, cfg);
+                let (p6, p3) = (
+                    gpu.download(&ws6.partial).unwrap(),
+                    gpu.download(&ws3.partial).unwrap(),
+                );
+                check_accumulator(
+                    &format!("{label} v6"),
+                    &gpu_accumulator(&gpu, &ws6),
+                    &exact,
+                    &abs,
+                    k,
+                    cfg.splits,
+                    &owned,
+                    n,
+                );
+                assert_partials_bit_equal(&label, &p6, &p3, rows, n);
+            }
+        }
+    }
+}
+
+/// L1 (+ SwiGLU/NVFP4 finish) then L2 (+ combine) with the v6 mainloop, against v3 bit for bit (partials and every
+/// output byte) and the v6 accumulators against the f64 reference. Uses the default config for the routing.
+fn check_v6_l1_l2(
+    gpu: &Gpu,
+    label: &str,
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    tokens: usize,
+    rng: &mut impl Rng,
+) {
+    let topk = 6.min(experts);
+    let w13 = quantized_weights(rng, experts, 2 * inter, hidden);
+    let w2 = quantized_weights(rng, experts, hidden, inter);
+    let d13 = DeviceExpertWeights::upload(gpu, &w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
+    let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
+    let rows = rb.grouping.rows_total();
+    let active = (0..experts)
+        .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+        .count();
+    let rpe = (tokens * topk) as f64 / active as f64;
+    let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let droute = gpu.upload(&routing).unwrap();
+    let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+    let sms = gpu.info.sm_count as usize;
+
+    // L1 (NVFP4 A, as the fused norm + quant produces it).
+    let a = gathered_activations(rng, &rb, hidden, true);
+    let da = DevA::upload(gpu, &a);
+    let cfg1 = GemmConfig::choose(sms, rpe, active, 2 * inter, hidden);
+    let (ws6, ws3) = run_v3_and_v6(gpu, &d13, &da.view(), &dg, &cfg1);
+    let (exact, abs) = grouped_gemm_acc_f64(&w13, &a, &rb.grouping).unwrap();
+    check_accumulator(
+        &format!("{label} L1 v6 {cfg1:?}"),
+        &gpu_accumulator(gpu, &ws6),
+        &exact,
+        &abs,
+        hidden,
+        cfg1.splits,
+        &owned,
+        2 * inter,
+    );
+    assert_partials_bit_equal(
+        &format!("{label} L1 {cfg1:?}"),
+        &gpu.download(&ws6.partial).unwrap(),
+        &gpu.download(&ws3.partial).unwrap(),
+        rows,
+        2 * inter,
+    );
+    let mut l1_6 = L1Output::new(gpu, rows, inter, false).unwrap();
+    let mut l1_3 = L1Output::new(gpu, rows, inter, false).unwrap();
+    mg::launch_finish_l1(gpu, &ws6, &dg, &d13, &da.view(), &droute, &mut l1_6).unwrap();
+    mg::launch_finish_l1(gpu, &ws3, &dg, &d13, &da.view(), &droute, &mut l1_3).unwrap();
+    gpu.synchronize().unwrap();
+    for (what, x6, x3) in [
+        (
+            "h codes",
+            gpu.download(&l1_6.codes).unwrap(),
+            gpu.download(&l1_3.codes).unwrap(),
+        ),
+        (
+            "h scales",
+            gpu.download(&l1_6.scales).unwrap(),
+            gpu.download(&l1_3.scales).unwrap(),
+        ),
+    ] {
+        if let Some(i) = (0..x6.len()).find(|&i| x6[i] != x3[i]) {
+            panic!(
+                "{label}: L1 {what} byte {i}: v6 {:#x} v3 {:#x}",
+                x6[i], x3[i]
+            );
+        }
+    }
+    let (g6, g3) = (
+        gpu.download(&l1_6.global).unwrap(),
+        gpu.download(&l1_3.global).unwrap(),
+    );
+    if let Some(r) = (0..rows).find(|&r| g6[r].to_bits() != g3[r].to_bits()) {
+        panic!(
+            "{label}: L1 h global scale row {r}: v6 {} v3 {}",
+            g6[r], g3[r]
+        );
+    }
+
+    // L2 on the NVFP4 h (identical for both paths, checked above).
+    let q = Nvfp4Rows {
+        rows,
+        cols: inter,
+        codes: gpu.download(&l1_6.codes).unwrap(),
+        scales: gpu.download(&l1_6.scales).unwrap(),
+        global: g6,
+    };
+    let a2 = Activations::Nvfp4(q);
+    let cfg2 = GemmConfig::choose(sms, rpe, active, hidden, inter);
+    let (ws6, ws3) = run_v3_and_v6(gpu, &d2, &l1_6.as_activations(), &dg, &cfg2);
+    let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
+    check_accumulator(
+        &format!("{label} L2 v6 {cfg2:?}"),
+        &gpu_accumulator(gpu, &ws6),
+        &exact2,
+        &abs2,
+        inter,
+        cfg2.splits,
+        &owned,
+        hidden,
+    );
+    assert_partials_bit_equal(
+        &format!("{label} L2 {cfg2:?}"),
+        &gpu.download(&ws6.partial).unwrap(),
+        &gpu.download(&ws3.partial).unwrap(),
+        rows,
+        hidden,
+    );
+    let dtr = gpu.upload(&rb.token_rows).unwrap();
+    let mut y6 = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+    let mut y3 = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+    let a_h = l1_6.as_activations();
+    mg::launch_finish_l2(gpu, &ws6, &dg, &d2, &a_h, &dtr, topk, &mut y6).unwrap();
+    mg::launch_finish_l2(gpu, &ws3, &dg, &d2, &a_h, &dtr, topk, &mut y3).unwrap();
+    gpu.synchronize().unwrap();
+    let (y6, y3) = (gpu.download(&y6).unwrap(), gpu.download(&y3).unwrap());
+    if let Some(i) = (0..y6.len()).find(|&i| y6[i].to_bits() != y3[i].to_bits()) {
+        panic!(
+            "{label}: L2 out token {} col {}: v6 {} v3 {}",
+            i / hidden,
+            i % hidden,
+            y6[i],
+            y3[i]
+        );
+    }
+    assert!(
+        y6.iter().all(|v| v.to_bits() != 0xFFFF),
+        "{label}: L2 output left poisoned"
+    );
+}
+
+#[test]
+fn gpu_v6_tma_l1_l2_flash_and_pro_shapes_match_v3() {
+    let name = "gpu_v6_tma_l1_l2_flash_and_pro_shapes_match_v3";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    check_v6_l1_l2(
+        &gpu,
+        "Flash 4096/2048, 8 experts, 3 tokens",
+        4096,
+        2048,
+        8,
+        3,
+        &mut rng,
+    );
+    check_v6_l1_l2(
+        &gpu,
+        "Pro 7168/3072, 6 experts, 1 token",
+        7168,
+        3072,
+        6,
+        1,
+        &mut rng,
+    );
+}
+
+#[test]
+fn v6_shared_memory_fits_the_planned_ctas_per_sm() {
+    // H200: 228 KB of shared memory per SM, 227 KB per CTA, 1 KB reserved per CTA, ~2.2 KB static per CTA.
+    let per_sm = 228 * 1024;
+    for (tt, ctas) in [(8usize, 2usize), (16, 2), (32, 1), (64, 1)] {
+        let dynamic = mg::tma::v6_smem_bytes(tt);
+        let per_cta = dynamic + 2304 + 1024;
+        assert!(
+            dynamic + 2304 <= 227 * 1024 && ctas * per_cta <= per_sm,
+            "token tile {tt}: {dynamic} B dynamic smem does not give {ctas} CTA(s) per SM"
+        );
+    }
+}
