@@ -722,14 +722,17 @@ extern "C" __global__ void moe_gemm_dequant_rows_bf16(const uint8_t* __restrict_
 //              (raw activations in the conversion one step earlier, weights in the compute). The producer waits for
 //              completion i / S - 1 before refilling slot s for stage i >= S.
 //     act[b]   (count 256, b = i % 3): the raw activation slice of stage i is converted shared -> shared into the
-//              permuted, swizzled BF16 tile s_act[b] by all consumers together, one step ahead: at step i a thread
-//              converts its share of stage i + 1, arrives on act[(i + 1) % 3], waits on act[i % 3], computes stage i.
-//              Three buffers suffice: a thread converting stage i + 1 into buffer (i + 1) % 3 = (i - 2) % 3 has
-//              passed the wait on act for stage i, which completes only when every thread has arrived for stage i,
-//              i.e. has finished its compute of stage i - 2 (program order), the last read of that buffer; for the
-//              same reason no thread can arrive twice in one phase.
-//   Deadlock freedom: the wait on full for stage i + 1 at step i needs the release of stage i + 1 - S <= i - 1
-//   (S >= 2), which every consumer does at its step <= i - 1, before waiting on anything of step i.
+//              permuted, swizzled BF16 tile s_act[b] by all consumers together, one step ahead. Step i of a consumer
+//              thread: wait act[i % 3] (stage i converted by everyone), convert its share of stage i + 1 into
+//              s_act[(i + 1) % 3] and arrive on act[(i + 1) % 3], compute stage i, arrive on empty. Three buffers
+//              suffice: the wait on act for stage i completes only when every thread has arrived for stage i, which
+//              each does at its step i - 1, after its compute of stage i - 2 (program order), the last read of
+//              buffer (i + 1) % 3 = (i - 2) % 3; a thread still computing stage i - 1 reads buffer (i - 1) % 3. For
+//              the same reason no thread arrives twice in one phase (its arrival for stage i + 1 follows the
+//              completion of the phase of stage i - 2). The arrivals for stage i happen a whole compute stage before
+//              the wait, so the wait rarely blocks.
+//   Deadlock freedom: at step i - 1 a thread waits on act for stage i - 1 (arrivals at step i - 2) and on full for
+//   stage i, which needs the release of stage i - S <= i - 2 (S >= 2), done by every consumer at its step i - S.
 // Shared memory per CTA (1 KB alignment slack + S slots + 3 BF16 activation tiles of TN * 512 B), slot = codes 16 KB
 // + scales 2 KB + raw activations TN * 512 B + header, rounded to 1 KB: NT = 1: 4 stages, 105 KB (2 CTAs/SM, up to
 // 8 x 18 KB of weights in flight per SM); NT = 2: 3 stages, 106 KB (2 CTAs/SM); NT = 4: 3 stages, 154 KB; NT = 8:
@@ -990,6 +993,8 @@ __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const 
     for (int i = 0; i < total; ++i) {
         const V6Header hdr = hdr_next;
         const int s = i % S;
+        const int b = i % kV6ActBuffers;
+        mbar_wait(&bar_act[b], (uint32_t)((i / kV6ActBuffers) & 1));  // s_act[b] holds stage i (all threads)
         if (i + 1 < total) {
             const int s1 = (i + 1) % S;
             const uint8_t* slot1 = ring + s1 * L::kSlotBytes;
@@ -1000,8 +1005,6 @@ __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const 
                            tid);
             mbar_arrive(&bar_act[b1]);
         }
-        const int b = i % kV6ActBuffers;
-        mbar_wait(&bar_act[b], (uint32_t)((i / kV6ActBuffers) & 1));
         v6_compute_stage<NT>(acc, ring + s * L::kSlotBytes, s_act_base + b * (L::kActBytes / 16), r_lo, g, t);
         mbar_arrive(&bar_empty[s]);  // this thread's last read of slot s for stage i
         if (++st == stages) {

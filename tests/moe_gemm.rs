@@ -990,6 +990,15 @@ fn gpu_v6_tma_partials_bit_identical_to_v3_over_token_counts() {
         return;
     };
     let mut rng = seeded(name);
+    // Occupancy as planned (a shortfall is a performance problem, not a wrong result: reported, and the launcher
+    // sizes its persistent grid from the driver's number).
+    for tt in mg::TOKEN_TILES {
+        let (_, smem, per_sm) = mg::tma::v6_function(&gpu, tt).unwrap();
+        let planned = mg::tma::v6_ctas_per_sm(tt);
+        eprintln!(
+            "v6 token tile {tt}: {smem} B dynamic smem, {per_sm} CTA(s)/SM (planned {planned})"
+        );
+    }
     // One expert per count of the brief (tile edges 7/8, 63/64/65), two empty experts.
     let counts = [0usize, 1, 2, 3, 7, 8, 16, 63, 64, 65, 0];
     let (e, n, k) = (counts.len(), 256, 1024);

@@ -29,7 +29,7 @@ fn v6_stages(token_tile: usize) -> usize {
     }
 }
 /// CTAs per SM the kernel is built for (`V6Cfg<NT>::kMinBlocks`, what the shared memory allows).
-fn v6_ctas_per_sm(token_tile: usize) -> usize {
+pub fn v6_ctas_per_sm(token_tile: usize) -> usize {
     if token_tile <= 16 {
         2
     } else {
@@ -44,6 +44,29 @@ pub fn v6_smem_bytes(token_tile: usize) -> usize {
     let raw = token_tile * V6_STAGE_K * 2;
     let slot = (BLOCK_N * (V6_STAGE_K / 2 + V6_STAGE_K / 16) + raw + 64).div_ceil(1024) * 1024;
     1024 + v6_stages(token_tile) * slot + 3 * raw
+}
+
+/// The v6 kernel for a token tile with its dynamic shared memory set up (opt-in size, and the carveout hint at
+/// the maximum so that the planned CTAs fit), the dynamic bytes, and the CTAs per SM the driver reports for it
+/// (the planned [`v6_ctas_per_sm`] if the query fails; at least 1).
+pub fn v6_function(
+    gpu: &Gpu,
+    token_tile: usize,
+) -> Result<(cudarc::driver::CudaFunction, usize, usize)> {
+    let name = format!("moe_gemm_nvfp4_partial_v6_nt{}", token_tile / 8);
+    let smem = v6_smem_bytes(token_tile);
+    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
+    f.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+    )
+    .map_err(|e| anyhow!("{name}: shared-memory carveout: {e:?}"))?;
+    let per_sm = f
+        .occupancy_max_active_blocks_per_multiprocessor(V6_THREADS, smem, None)
+        .map(|b| b as usize)
+        .unwrap_or(v6_ctas_per_sm(token_tile))
+        .max(1);
+    Ok((f, smem, per_sm))
 }
 
 /// An encoded CUtensorMap: 128 opaque bytes, 64-byte aligned as the driver requires.
@@ -197,10 +220,9 @@ pub(super) fn launch_partial_v6(
             )?,
         )
     };
+    let (f, smem, per_sm) = v6_function(gpu, tt)?;
     let name = format!("moe_gemm_nvfp4_partial_v6_nt{}", tt / 8);
-    let smem = v6_smem_bytes(tt);
-    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
-    let resident = (gpu.info.sm_count.max(1) as usize * v6_ctas_per_sm(tt)) as u32;
+    let resident = (gpu.info.sm_count.max(1) as usize * per_sm) as u32;
     let ctas = cfg.ctas.min(resident).max(1);
     let grp_p = ptr(gpu, &grp.group);
     let part = ptr(gpu, &ws.partial);
