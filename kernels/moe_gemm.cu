@@ -789,18 +789,35 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
                  : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    const uint32_t a = smem_u32(bar);
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
     uint32_t done;
-    do {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\t"
-            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-            "selp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(a), "r"(parity)
-            : "memory");
-    } while (!done);
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// Wait for the completion of the phase with parity `parity`; false after kV6WaitLimitNs. A protocol bug must not
+// hang a whole test or bench run, nor trap (a trap poisons the CUDA context of every test in the process): no
+// legitimate wait here takes more than microseconds, so on a timeout the caller returns, the CTA's outputs stay
+// unwritten (the tests compare against 0xFF-poisoned buffers) and every other thread of the CTA times out too.
+constexpr unsigned long long kV6WaitLimitNs = 2000000000ull;
+__device__ __forceinline__ bool mbar_wait(uint64_t* bar, uint32_t parity) {
+    const uint32_t a = smem_u32(bar);
+    if (mbar_try_wait(a, parity)) return true;
+    const unsigned long long t0 = global_ns();
+    while (!mbar_try_wait(a, parity)) {
+        if (global_ns() - t0 > kV6WaitLimitNs) return false;
+    }
+    return true;
 }
 // 2D TMA tile copy global -> this CTA's shared memory at coordinates (x = inner, in elements; y = row); completion
 // adds the box's bytes (out-of-bounds parts zero-filled and counted too) to the transaction count of `bar`.
@@ -958,7 +975,7 @@ __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const 
             const int wrow0 = lo * N + n_tile * kBlockN;  // < E * N <= 2^31 (launcher check)
             for (int st = 0; st < stages; ++st, ++i) {
                 const int s = i % S;
-                if (i >= S) mbar_wait(&bar_empty[s], (uint32_t)((i / S - 1) & 1));
+                if (i >= S && !mbar_wait(&bar_empty[s], (uint32_t)((i / S - 1) & 1))) return;
                 uint8_t* slot = ring + s * L::kSlotBytes;
                 const int kbase = split * k_split + st * kV6StageK;
                 *reinterpret_cast<V6Header*>(slot + L::kHeaderOff) = h;
@@ -985,7 +1002,7 @@ __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const 
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
     // Step "-1": convert stage 0.
-    mbar_wait(&bar_full[0], 0);
+    if (!mbar_wait(&bar_full[0], 0)) return;
     V6Header hdr_next = *reinterpret_cast<const V6Header*>(ring + L::kHeaderOff);
     v6_convert<TN>(s_act_base, ring + L::kRawOff, act_is_nvfp4, hdr_next.ntok, tid);
     mbar_arrive(&bar_act[0]);
@@ -994,11 +1011,11 @@ __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const 
         const V6Header hdr = hdr_next;
         const int s = i % S;
         const int b = i % kV6ActBuffers;
-        mbar_wait(&bar_act[b], (uint32_t)((i / kV6ActBuffers) & 1));  // s_act[b] holds stage i (all threads)
+        if (!mbar_wait(&bar_act[b], (uint32_t)((i / kV6ActBuffers) & 1))) return;  // s_act[b] = stage i, all threads
         if (i + 1 < total) {
             const int s1 = (i + 1) % S;
             const uint8_t* slot1 = ring + s1 * L::kSlotBytes;
-            mbar_wait(&bar_full[s1], (uint32_t)(((i + 1) / S) & 1));
+            if (!mbar_wait(&bar_full[s1], (uint32_t)(((i + 1) / S) & 1))) return;
             hdr_next = *reinterpret_cast<const V6Header*>(slot1 + L::kHeaderOff);
             const int b1 = (i + 1) % kV6ActBuffers;
             v6_convert<TN>(s_act_base + b1 * (L::kActBytes / 16), slot1 + L::kRawOff, act_is_nvfp4, hdr_next.ntok,
