@@ -1456,3 +1456,78 @@ fn v6_pipeline_protocol_has_no_race_or_deadlock_in_random_schedules() {
         "the model did not catch the known race of the old order"
     );
 }
+
+/// Mirror of the v6 consumer's weight addressing (v6_compute_stage): lane (warp, g, t) reads 16-B unit 4c + t of
+/// tile rows R = 16 warp + rowperm(g) and R + 8 from a slot the TMA filled with the 128-byte swizzle (logical unit
+/// u of row r at physical unit u ^ (r & 7) of the row). Exhaustive over lanes, chunks and halves: (1) every read
+/// returns the logical bytes v3 reads (row R, bytes 64c + 16t), (2) each weight row is read by exactly one lane
+/// quad of one warp, (3) each 8-lane phase of an ld.shared.v4 touches 8 distinct 16-B bank groups, and the scale
+/// reads (u16 at 16 R + 8c + 2t) of a warp touch one 4-byte word per (row, t/2) with no two rows sharing a bank.
+#[test]
+fn v6_swizzled_weight_reads_match_v3_bytes_and_are_bank_conflict_free() {
+    let rowperm = |g: usize| (g >> 1) + 4 * (g & 1);
+    let phys = |r: usize, unit: usize| r * 128 + 16 * (unit ^ (r & 7)); // TMA SWIZZLE_128B, 1024-B aligned box
+    let logical_of_phys = |p: usize| {
+        let r = p / 128;
+        (r, 16 * (((p % 128) / 16) ^ (r & 7)))
+    };
+    let mut owner = [usize::MAX; 128];
+    for warp in 0..8 {
+        for g in 0..8 {
+            for half in 0..2 {
+                let r = 16 * warp + rowperm(g) + 8 * half;
+                assert!(
+                    owner[r] == usize::MAX || owner[r] == warp * 8 + g,
+                    "row {r} read by two quads"
+                );
+                owner[r] = warp * 8 + g;
+                for c in 0..2 {
+                    for t in 0..4 {
+                        // Device: codes_lo/hi + 16 * ((4c + t) ^ (r_lo & 7)), (r_lo + 8) & 7 == r_lo & 7.
+                        let r_lo = 16 * warp + rowperm(g);
+                        let p = r * 128 + 16 * ((4 * c + t) ^ (r_lo & 7));
+                        assert_eq!(p, phys(r, 4 * c + t));
+                        assert_eq!(
+                            logical_of_phys(p),
+                            (r, 64 * c + 16 * t),
+                            "warp {warp} g {g} c {c} t {t}"
+                        );
+                    }
+                }
+            }
+        }
+        for c in 0..2 {
+            for half in 0..2 {
+                for phase in 0..4 {
+                    let mut groups = std::collections::BTreeSet::new();
+                    for lane in 8 * phase..8 * phase + 8 {
+                        let (g, t) = (lane / 4, lane % 4);
+                        let r = 16 * warp + rowperm(g) + 8 * half;
+                        groups.insert((phys(r, 4 * c + t) / 16) % 8);
+                    }
+                    assert_eq!(
+                        groups.len(),
+                        8,
+                        "warp {warp} chunk {c} half {half} phase {phase}: bank conflict"
+                    );
+                }
+                let mut banks = std::collections::BTreeMap::new();
+                for lane in 0..32 {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let r = 16 * warp + rowperm(g) + 8 * half;
+                    let word = (128 * 128 + 16 * r + 8 * c + 2 * t) / 4; // scales after the 16 KB of codes
+                    let prev = banks.insert(word % 32, word);
+                    assert!(
+                        prev.is_none() || prev == Some(word),
+                        "scale reads: bank {} shared",
+                        word % 32
+                    );
+                }
+            }
+        }
+    }
+    assert!(
+        owner.iter().all(|&o| o != usize::MAX),
+        "a weight row is never read"
+    );
+}
