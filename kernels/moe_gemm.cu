@@ -736,7 +736,9 @@ extern "C" __global__ void moe_gemm_dequant_rows_bf16(const uint8_t* __restrict_
 // Shared memory per CTA (1 KB alignment slack + S slots + 3 BF16 activation tiles of TN * 512 B), slot = codes 16 KB
 // + scales 2 KB + raw activations TN * 512 B + header, rounded to 1 KB: NT = 1: 4 stages, 105 KB (2 CTAs/SM, up to
 // 8 x 18 KB of weights in flight per SM); NT = 2: 3 stages, 106 KB (2 CTAs/SM); NT = 4: 3 stages, 154 KB; NT = 8:
-// 2 stages, 199 KB (1 CTA/SM).
+// 2 stages, 199 KB (1 CTA/SM). Since stage i + 1 must have landed before stage i is computed, a CTA has S - 2
+// stages loading behind the one it converts: 2 for NT = 1 (the decode tile: 8 tokens hold the ~2 rows per active
+// expert of Flash / Pro decode up to 256 tokens), none for NT = 8 (correct, but no overlap: not a decode shape).
 namespace {
 constexpr int kV6ConsumerWarps = 8;
 constexpr int kV6ConsumerThreads = kV6ConsumerWarps * 32;  // 256
