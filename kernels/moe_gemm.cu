@@ -683,3 +683,389 @@ extern "C" __global__ void moe_gemm_dequant_rows_bf16(const uint8_t* __restrict_
         out[r * K + k + 1] = __float2bfloat16_rn(e2m1_value(b >> 4) * s);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------- v6 mainloop
+// Generation v6 (session-5 A/B, `moe_gemm_nvfp4_partial_v6_nt*`; the v3 mainloop above stays the default, untouched).
+// Why: ncu of v3 (Flash decode) shows DRAM at 32-39% with the weights held in registers: the bytes in flight per SM
+// are bounded by registers x threads (one 36-register stage per lane, and ptxas sinks its refill below the MMAs),
+// so a warp stalls on the first use of its own loads (long scoreboard, 19% of samples) and the per-stage
+// __syncthreads then makes the CTA wait for its slowest warp (12.7%). v4 moved the prefetch into shared memory but
+// kept it thread-issued (cp.async from every lane) and lost a CTA per SM. v6 makes the bytes in flight independent
+// of threads and registers:
+// * One producer thread (lane 0 of warp 8) walks this CTA's work items (the only place the item -> expert lookup
+//   happens, once per item) and issues TMA tensor copies (cp.async.bulk.tensor, completion counted in bytes on an
+//   mbarrier) of each 256-K stage into a ring of V6Cfg<NT>::kStages slots: the n tile's codes (box 128 B x 128 rows
+//   of the 2D tensor [E * N rows, K / 2 B], 128-byte swizzle), its block scales (box 16 B x 128 rows of
+//   [E * N, K / 16]), the activation slice of the token tile (box 512 B x TN rows of BF16 A, or 128 B + 16 B x TN
+//   rows of NVFP4 A; rows past the tensor are zero-filled by the TMA, rows of other experts inside the tile are
+//   copied but never used: the conversion zeroes tokens >= ntok) and a header (row0, ntok, n tile, split) that the
+//   consumers read instead of searching the expert prefix. 4-5 instructions per 18 KB+ stage.
+// * Eight consumer warps dequantize from the slot into exactly v3's mma.sync math: same lane -> K mapping, same K
+//   permutation, same bf16 trick, same chunk / j / n-tile order; a 256-K stage is chunks 0-1 or 2-3 of a v3 512-K
+//   stage and an item's MMAs run in the same K order. Only WHICH weight row an MMA row (lane quad g) holds differs
+//   (below); each output element is still one lane's chain of MMAs over the same products in the same order, and an
+//   mma.sync output element does not depend on its row position, so the partials are bit-identical to v3
+//   (GPU-tested).
+// * Row assignment and bank conflicts: 128-byte swizzle = the 16-B unit u of tile row r sits at unit u ^ (r & 7) of
+//   the row (the slot's code region is 1024-byte aligned, so r & 7 = smem address bits 7..9). A lane of quad g reads
+//   unit 4c + t (chunk c, lane t) of rows R and R + 8 of its warp's 16 rows, with R = 16 * warp + rowperm(g),
+//   rowperm(g) = (g >> 1) + 4 * (g & 1). One 8-lane phase of an ld.shared.v4 holds quads g = 2m, 2m + 1 (R & 7 = m,
+//   m + 4): physical units (4c + t) ^ m stay inside the aligned group {4c .. 4c + 3}, units (4c + t) ^ (m + 4) fall in
+//   the other group, so the 8 lanes hit 8 distinct 16-B bank groups. Scales (16 B per row, unswizzled): the 8 rows
+//   of a phase start at 8 distinct multiples of 16 B within 128 B: conflict-free too.
+// * No CTA-wide barrier in the steady state. Protocol (mbarriers; the k-th completion of a barrier (k = 0, 1, ..)
+//   is waited for with parity k & 1):
+//     full[s]  (count 1 + tx bytes): the producer writes the header, then arrive.expect_tx(stage bytes) (release:
+//              the header is visible to a consumer whose wait succeeds), then issues the copies, which complete_tx.
+//              Stage i (this CTA's i-th stage, over all its items) uses slot i % S; consumers wait parity (i / S) & 1.
+//     empty[s] (count 256 consumer threads): a consumer thread arrives after its last read of slot s for stage i
+//              (raw activations in the conversion one step earlier, weights in the compute). The producer waits for
+//              completion i / S - 1 before refilling slot s for stage i >= S.
+//     act[b]   (count 256, b = i % 3): the raw activation slice of stage i is converted shared -> shared into the
+//              permuted, swizzled BF16 tile s_act[b] by all consumers together, one step ahead. Step i of a consumer
+//              thread: wait act[i % 3] (stage i converted by everyone), convert its share of stage i + 1 into
+//              s_act[(i + 1) % 3] and arrive on act[(i + 1) % 3], compute stage i, arrive on empty. Three buffers
+//              suffice: the wait on act for stage i completes only when every thread has arrived for stage i, which
+//              each does at its step i - 1, after its compute of stage i - 2 (program order), the last read of
+//              buffer (i + 1) % 3 = (i - 2) % 3; a thread still computing stage i - 1 reads buffer (i - 1) % 3. For
+//              the same reason no thread arrives twice in one phase (its arrival for stage i + 1 follows the
+//              completion of the phase of stage i - 2). The arrivals for stage i happen a whole compute stage before
+//              the wait, so the wait rarely blocks.
+//   Deadlock freedom: at step i - 1 a thread waits on act for stage i - 1 (arrivals at step i - 2) and on full for
+//   stage i, which needs the release of stage i - S <= i - 2 (S >= 2), done by every consumer at its step i - S.
+// Shared memory per CTA (1 KB alignment slack + S slots + 3 BF16 activation tiles of TN * 512 B), slot = codes 16 KB
+// + scales 2 KB + raw activations TN * 512 B + header, rounded to 1 KB: NT = 1: 4 stages, 105 KB (2 CTAs/SM, up to
+// 8 x 18 KB of weights in flight per SM); NT = 2: 3 stages, 106 KB (2 CTAs/SM); NT = 4: 3 stages, 154 KB; NT = 8:
+// 2 stages, 199 KB (1 CTA/SM). Since stage i + 1 must have landed before stage i is computed, a CTA has S - 2
+// stages loading behind the one it converts: 2 for NT = 1 (the decode tile: 8 tokens hold the ~2 rows per active
+// expert of Flash / Pro decode up to 256 tokens), none for NT = 8 (correct, but no overlap: not a decode shape).
+namespace {
+constexpr int kV6ConsumerWarps = 8;
+constexpr int kV6ConsumerThreads = kV6ConsumerWarps * 32;  // 256
+constexpr int kV6Threads = kV6ConsumerThreads + 32;         // + the producer warp
+constexpr int kV6StageK = 256;
+constexpr int kV6CodesRow = kV6StageK / 2;                  // 128 B of codes per row and stage (= the swizzle span)
+constexpr int kV6ScalesRow = kV6StageK / 16;                // 16 B of block scales per row and stage
+constexpr int kV6CodesBytes = kBlockN * kV6CodesRow;        // 16384
+constexpr int kV6ScalesBytes = kBlockN * kV6ScalesRow;      // 2048
+constexpr int kV6HeaderBytes = 64;
+constexpr int kV6ActBuffers = 3;
+constexpr int kV6Align = 1024;                               // 128-byte swizzle atom
+
+template <int NT> struct V6Cfg;
+template <> struct V6Cfg<1> { static constexpr int kStages = 4, kMinBlocks = 2; };
+template <> struct V6Cfg<2> { static constexpr int kStages = 3, kMinBlocks = 2; };
+template <> struct V6Cfg<4> { static constexpr int kStages = 3, kMinBlocks = 1; };
+template <> struct V6Cfg<8> { static constexpr int kStages = 2, kMinBlocks = 1; };
+
+template <int NT>
+struct V6Layout {
+    static constexpr int TN = NT * 8;
+    static constexpr int kRawBytes = TN * kV6StageK * 2;  // BF16 box; NVFP4 uses TN * 144 B of it
+    static constexpr int kRawOff = kV6CodesBytes + kV6ScalesBytes;
+    static constexpr int kHeaderOff = kRawOff + kRawBytes;
+    static constexpr int kSlotBytes = (kHeaderOff + kV6HeaderBytes + kV6Align - 1) / kV6Align * kV6Align;
+    static constexpr int kActBytes = TN * kV6StageK * 2;  // one permuted BF16 tile
+    static constexpr int kSmemBytes = kV6Align + V6Cfg<NT>::kStages * kSlotBytes + kV6ActBuffers * kActBytes;
+};
+
+struct V6Header {
+    int row0, ntok, n_tile, split;
+};
+
+// A CUtensorMap (opaque 128 bytes, encoded on the host by cuTensorMapEncodeTiled), passed by value as a
+// __grid_constant__ kernel parameter so that its generic address can be handed to the TMA.
+struct __align__(64) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// Wait for the completion of the phase with parity `parity`; false after kV6WaitLimitNs. A protocol bug must not
+// hang a whole test or bench run, nor trap (a trap poisons the CUDA context of every test in the process): no
+// legitimate wait here takes more than microseconds, so on a timeout the caller returns, the CTA's outputs stay
+// unwritten (the tests compare against 0xFF-poisoned buffers) and every other thread of the CTA times out too.
+constexpr unsigned long long kV6WaitLimitNs = 2000000000ull;
+__device__ __forceinline__ bool mbar_wait(uint64_t* bar, uint32_t parity) {
+    const uint32_t a = smem_u32(bar);
+    if (mbar_try_wait(a, parity)) return true;
+    const unsigned long long t0 = global_ns();
+    while (!mbar_try_wait(a, parity)) {
+        if (global_ns() - t0 > kV6WaitLimitNs) return false;
+    }
+    return true;
+}
+// 2D TMA tile copy global -> this CTA's shared memory at coordinates (x = inner, in elements; y = row); completion
+// adds the box's bytes (out-of-bounds parts zero-filled and counted too) to the transaction count of `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaDesc* desc, int x, int y, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(desc)), "r"(x), "r"(y), "r"(smem_u32(bar))
+        : "memory");
+}
+
+// Raw 256-K activation slice -> permuted, swizzled BF16 tile (v3's convert_raw_activations with 32 units of 16 B per
+// token instead of 64; zeros for tokens >= ntok). Raw layout: BF16 [TN][512 B]; NVFP4 codes [TN][128 B], then
+// scales [TN][16 B] at TN * 128. Run by the 256 consumer threads.
+template <int TN>
+__device__ __forceinline__ void v6_convert(uint4* s_act, const uint8_t* raw, int act_is_nvfp4, int ntok, int ctid) {
+    for (int q = ctid; q < TN * 32; q += kV6ConsumerThreads) {
+        const int token = q >> 5, grp = q & 31;
+        const int c = grp >> 4, t = (grp >> 2) & 3, j = grp & 3;
+        uint4 out = make_uint4(0, 0, 0, 0);
+        if (token < ntok) {
+            if (!act_is_nvfp4) {
+                const uint4 r = reinterpret_cast<const uint4*>(raw)[token * 32 + grp];
+                out.x = __byte_perm(r.x, r.z, 0x5410);  // (x0, x4)
+                out.y = __byte_perm(r.x, r.z, 0x7632);  // (x1, x5)
+                out.z = __byte_perm(r.y, r.w, 0x5410);  // (x2, x6)
+                out.w = __byte_perm(r.y, r.w, 0x7632);  // (x3, x7)
+            } else {
+                const uint32_t codes = reinterpret_cast<const uint32_t*>(raw)[token * 32 + grp];
+                const float s = mm::e4m3_decode(raw[TN * 128 + token * 16 + (grp >> 1)]);
+                float x[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) x[i] = e2m1_value(codes >> (4 * i)) * s;  // exact
+                out.x = pack_bf16x2(x[0], x[4]);
+                out.y = pack_bf16x2(x[1], x[5]);
+                out.z = pack_bf16x2(x[2], x[6]);
+                out.w = pack_bf16x2(x[3], x[7]);
+            }
+        }
+        s_act[token * 32 + c * 16 + t * 4 + (j ^ ((t & 2) | (token & 1)))] = out;
+    }
+}
+
+// One 256-K stage of a consumer lane: tile rows r_lo and r_lo + 8 (r_lo & 7 = rowperm(g)), chunks c = 0, 1 (v3's
+// compute_stage_rolling body with the weights read from the slot instead of registers).
+template <int NT>
+__device__ __forceinline__ void v6_compute_stage(float (&acc)[NT][4], const uint8_t* slot, const uint4* s_act,
+                                                 int r_lo, int g, int t) {
+    const int sw = r_lo & 7;  // = (r_lo + 8) & 7
+    const uint8_t* codes_lo = slot + r_lo * kV6CodesRow;
+    const uint8_t* codes_hi = codes_lo + 8 * kV6CodesRow;
+    const uint8_t* sc = slot + kV6CodesBytes + 2 * t;
+    uint4 wlo[2], whi[2];
+    uint32_t wsc[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int unit = (4 * c + t) ^ sw;
+        wlo[c] = *reinterpret_cast<const uint4*>(codes_lo + 16 * unit);
+        whi[c] = *reinterpret_cast<const uint4*>(codes_hi + 16 * unit);
+        wsc[c] = (uint32_t)*reinterpret_cast<const unsigned short*>(sc + r_lo * kV6ScalesRow + 8 * c) |
+                 ((uint32_t)*reinterpret_cast<const unsigned short*>(sc + (r_lo + 8) * kV6ScalesRow + 8 * c) << 16);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const uint32_t s_lo0 = scale_bf16x2(wsc[c] & 0xFF), s_lo1 = scale_bf16x2((wsc[c] >> 8) & 0xFF);
+        const uint32_t s_hi0 = scale_bf16x2((wsc[c] >> 16) & 0xFF), s_hi1 = scale_bf16x2(wsc[c] >> 24);
+        const uint32_t lo[4] = {wlo[c].x, wlo[c].y, wlo[c].z, wlo[c].w};
+        const uint32_t hi[4] = {whi[c].x, whi[c].y, whi[c].z, whi[c].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t sl = j < 2 ? s_lo0 : s_lo1, sh = j < 2 ? s_hi0 : s_hi1;
+            uint32_t pl[4], ph[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                pl[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(lo[j], i), sl);
+                ph[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(hi[j], i), sh);
+            }
+            const int unit = c * 16 + t * 4 + (j ^ ((t & 2) | (g & 1)));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint4 b = s_act[(nt * 8 + g) * 32 + unit];
+                mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+            }
+        }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const TmaDesc* tm_scales,
+                                                 const TmaDesc* tm_act, const TmaDesc* tm_act_scales, int N, int K,
+                                                 int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
+                                                 int splits) {
+    using L = V6Layout<NT>;
+    constexpr int TN = L::TN;
+    constexpr int S = V6Cfg<NT>::kStages;
+    extern __shared__ uint8_t s_dyn6[];
+    // 1024-byte aligned base (the launcher adds kV6Align bytes of slack): slots, then the activation tiles.
+    uint8_t* ring = s_dyn6 + ((kV6Align - (smem_u32(s_dyn6) & (kV6Align - 1))) & (kV6Align - 1));
+    uint4* s_act_base = reinterpret_cast<uint4*>(ring + S * L::kSlotBytes);
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kV6Threads / 32];
+    __shared__ __align__(8) uint64_t bar_full[S];
+    __shared__ __align__(8) uint64_t bar_empty[S];
+    __shared__ __align__(8) uint64_t bar_act[kV6ActBuffers];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int E = grp.experts;
+
+    if (tid == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(&bar_full[s], 1);
+            mbar_init(&bar_empty[s], kV6ConsumerThreads);
+        }
+        for (int b = 0; b < kV6ActBuffers; ++b) mbar_init(&bar_act[b], kV6ConsumerThreads);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
+    }
+    // Exclusive prefix of token tiles per expert (the work-item order, as v3); its barriers also publish the inits.
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
+        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
+    }
+    expert_tile_prefix<kV6Threads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+
+    const int n_tiles = N / kBlockN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
+    const int k_split = K / splits;
+    const int stages = k_split / kV6StageK;
+    if ((long long)blockIdx.x >= items) return;  // uniform over the CTA
+    const long long my_items = (items - 1 - blockIdx.x) / gridDim.x + 1;
+    // Stages this CTA runs, in order (< 2^31: items * stages <= tiles * N / 128 * K / 256, launcher-checked).
+    const int total = (int)(my_items * stages);
+
+    if (warp == kV6ConsumerWarps) {
+        // ---- producer: one thread; same item walk as v3 (item = blockIdx.x + i * gridDim.x = (et, n_tile, split)).
+        if (lane != 0) return;
+        const uint32_t tx = kV6CodesBytes + kV6ScalesBytes + (act_is_nvfp4 ? TN * (kV6StageK / 2 + kV6StageK / 16)
+                                                                          : TN * kV6StageK * 2);
+        int i = 0;
+        for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+            const int split = (int)(item % splits);
+            const long long rest = item / splits;
+            const int n_tile = (int)(rest % n_tiles);
+            const int et = (int)(rest / n_tiles);
+            int lo = 0, hi = E - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) >> 1;
+                if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+            }
+            int start, count;
+            grp.expert_rows(lo, start, count);
+            const int tile = et - s_tile_prefix[lo];
+            const V6Header h{start + tile * TN, min(TN, count - tile * TN), n_tile, split};
+            const int wrow0 = lo * N + n_tile * kBlockN;  // < E * N <= 2^31 (launcher check)
+            for (int st = 0; st < stages; ++st, ++i) {
+                const int s = i % S;
+                if (i >= S && !mbar_wait(&bar_empty[s], (uint32_t)((i / S - 1) & 1))) return;
+                uint8_t* slot = ring + s * L::kSlotBytes;
+                const int kbase = split * k_split + st * kV6StageK;
+                *reinterpret_cast<V6Header*>(slot + L::kHeaderOff) = h;
+                mbar_arrive_expect_tx(&bar_full[s], tx);
+                tma_load_2d(slot, tm_codes, kbase / 2, wrow0, &bar_full[s]);
+                tma_load_2d(slot + kV6CodesBytes, tm_scales, kbase / 16, wrow0, &bar_full[s]);
+                uint8_t* raw = slot + L::kRawOff;
+                if (!act_is_nvfp4) {
+                    tma_load_2d(raw, tm_act, kbase, h.row0, &bar_full[s]);
+                } else {
+                    tma_load_2d(raw, tm_act, kbase / 2, h.row0, &bar_full[s]);
+                    tma_load_2d(raw + TN * (kV6StageK / 2), tm_act_scales, kbase / 16, h.row0, &bar_full[s]);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- consumer warps
+    const int g = lane >> 2, t = lane & 3;
+    const int r_lo = warp * 16 + (g >> 1) + 4 * (g & 1);  // rowperm(g), see the header
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+    // Step "-1": convert stage 0.
+    if (!mbar_wait(&bar_full[0], 0)) return;
+    V6Header hdr_next = *reinterpret_cast<const V6Header*>(ring + L::kHeaderOff);
+    v6_convert<TN>(s_act_base, ring + L::kRawOff, act_is_nvfp4, hdr_next.ntok, tid);
+    mbar_arrive(&bar_act[0]);
+    int st = 0;
+    for (int i = 0; i < total; ++i) {
+        const V6Header hdr = hdr_next;
+        const int s = i % S;
+        const int b = i % kV6ActBuffers;
+        if (!mbar_wait(&bar_act[b], (uint32_t)((i / kV6ActBuffers) & 1))) return;  // s_act[b] = stage i, all threads
+        if (i + 1 < total) {
+            const int s1 = (i + 1) % S;
+            const uint8_t* slot1 = ring + s1 * L::kSlotBytes;
+            if (!mbar_wait(&bar_full[s1], (uint32_t)(((i + 1) / S) & 1))) return;
+            hdr_next = *reinterpret_cast<const V6Header*>(slot1 + L::kHeaderOff);
+            const int b1 = (i + 1) % kV6ActBuffers;
+            v6_convert<TN>(s_act_base + b1 * (L::kActBytes / 16), slot1 + L::kRawOff, act_is_nvfp4, hdr_next.ntok,
+                           tid);
+            mbar_arrive(&bar_act[b1]);
+        }
+        v6_compute_stage<NT>(acc, ring + s * L::kSlotBytes, s_act_base + b * (L::kActBytes / 16), r_lo, g, t);
+        mbar_arrive(&bar_empty[s]);  // this thread's last read of slot s for stage i
+        if (++st == stages) {
+            st = 0;
+            const int n = hdr.n_tile * kBlockN + r_lo;
+            float* out = partial + (size_t)hdr.split * grp.rows_total * N;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int tk = nt * 8 + 2 * t;
+                if (tk < hdr.ntok) {
+                    out[(size_t)(hdr.row0 + tk) * N + n] = acc[nt][0] * 512.f;
+                    out[(size_t)(hdr.row0 + tk) * N + n + 8] = acc[nt][2] * 512.f;
+                }
+                if (tk + 1 < hdr.ntok) {
+                    out[(size_t)(hdr.row0 + tk + 1) * N + n] = acc[nt][1] * 512.f;
+                    out[(size_t)(hdr.row0 + tk + 1) * N + n + 8] = acc[nt][3] * 512.f;
+                }
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+            }
+        }
+    }
+}
+}  // namespace
+
+// Tensor maps (host: src/ops/moe_gemm/tma.rs): tm_codes = uint8 [E * N rows, K / 2], box 128 x 128, 128-byte
+// swizzle; tm_scales = uint8 [E * N, K / 16], box 16 x 128; BF16 A: tm_act = bf16 [rows, K], box 256 x TN
+// (tm_act_scales unused); NVFP4 A: tm_act = uint8 [rows, K / 2], box 128 x TN, tm_act_scales = uint8 [rows, K / 16],
+// box 16 x TN. Dynamic shared memory: V6Layout<NT>::kSmemBytes (the launcher mirrors it).
+#define MOE_GEMM_ENTRY_V6(NT)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(kV6Threads, V6Cfg<NT>::kMinBlocks)                                 \
+        moe_gemm_nvfp4_partial_v6_nt##NT(const __grid_constant__ TmaDesc tm_codes,                                  \
+                                         const __grid_constant__ TmaDesc tm_scales,                                 \
+                                         const __grid_constant__ TmaDesc tm_act,                                    \
+                                         const __grid_constant__ TmaDesc tm_act_scales, int N, int K,               \
+                                         int act_is_nvfp4, const int* group, int capacity, int experts,             \
+                                         int rows_total, float* __restrict__ partial, int splits) {                 \
+        Grouping grp{group, capacity, experts, rows_total};                                                         \
+        moe_gemm_body_v6<NT>(&tm_codes, &tm_scales, &tm_act, &tm_act_scales, N, K, act_is_nvfp4, grp, partial,      \
+                             splits);                                                                                \
+    }
+
+MOE_GEMM_ENTRY_V6(1)
+MOE_GEMM_ENTRY_V6(2)
+MOE_GEMM_ENTRY_V6(4)
+MOE_GEMM_ENTRY_V6(8)

@@ -8,6 +8,8 @@
 //!   `prefill.rs`; the other points run the v3 mma.sync mainloop, 3 CTAs per SM for token tiles <= 16).
 //!   The A/B variants `nvfp4_v1` / `nvfp4_v3` were removed: v3 (now `nvfp4`) beat v1 and v2 (the old `nvfp4`)
 //!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
+//! * `nvfp4_tma` (masked / decode points only, session-5 A/B): `nvfp4` with the v6 decode mainloop
+//!   (`DecodeMainloop::Tma`, src/ops/moe_gemm/tma.rs: TMA ring, bit-identical partials), same config and finish.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -34,6 +36,7 @@ use crate::gpu::grid_1d;
 
 pub const VARIANTS: &[&str] = &[
     "nvfp4",
+    "nvfp4_tma",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -44,11 +47,17 @@ pub const VARIANTS: &[&str] = &[
 /// `nvfp4_wgmma` / `nvfp4_wgmma256` the wgmma prefill kernel with a
 /// 128 x 128 / 128 x 256 CTA tile (one K split); the wgmma variants only run on contiguous (prefill) points.
 fn is_ours(variant: &str) -> bool {
-    matches!(variant, "nvfp4" | "nvfp4_wgmma" | "nvfp4_wgmma256")
+    matches!(
+        variant,
+        "nvfp4" | "nvfp4_tma" | "nvfp4_wgmma" | "nvfp4_wgmma256"
+    )
 }
 
+/// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
+/// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma).
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    variant.starts_with("nvfp4_wgmma") && dg.capacity != 0
+    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
+        || (variant == "nvfp4_tma" && dg.capacity == 0)
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
@@ -73,6 +82,7 @@ fn launch_variant(
         "nvfp4_wgmma256" => {
             prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
         }
+        "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }

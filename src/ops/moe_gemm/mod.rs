@@ -20,6 +20,7 @@ pub mod bench;
 pub mod exec;
 pub mod prefill;
 pub mod reference;
+pub mod tma;
 
 use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -344,6 +345,30 @@ pub fn launch_partial_mma(
     cfg: &GemmConfig,
     ws: &mut Workspace,
 ) -> Result<()> {
+    launch_partial_mma_with(gpu, w, a, grp, cfg, ws, DecodeMainloop::V3)
+}
+
+/// Which mma.sync decode mainloop [`launch_partial_mma_with`] runs. Both compute bit-identical partials.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeMainloop {
+    /// `moe_gemm_nvfp4_partial_v3_nt*`: weights through registers (the default).
+    #[default]
+    V3,
+    /// `moe_gemm_nvfp4_partial_v6_nt*` (session-5 A/B, [`tma`]): weights and activations through a shared-memory
+    /// ring filled by TMA from one producer thread; the grid is capped at the CTAs that fit at once.
+    Tma,
+}
+
+/// [`launch_partial_mma`] with an explicit mainloop (same checks, same workspace contract).
+pub fn launch_partial_mma_with(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+    mainloop: DecodeMainloop,
+) -> Result<()> {
     cfg.check(w.k)?;
     a.check()?;
     let (a_rows, a_k) = a.rows_k();
@@ -369,6 +394,9 @@ pub fn launch_partial_mma(
         grp.rows_total,
         w.n
     );
+    if mainloop == DecodeMainloop::Tma {
+        return tma::launch_partial_v6(gpu, w, a, grp, cfg, ws);
+    }
     let name = format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8);
     // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
     let smem = 2 * cfg.token_tile * STAGE_K * 2;
