@@ -43,6 +43,23 @@ pub const SMEM_BYTES: usize = RING * 16384 + 2 * 16384 + RING * 9216 + 1024;
 pub const TILE_N_WIDE: usize = 256;
 /// Dynamic shared memory of the wide variant: B tiles and raw B stages twice as large (`Layout<256>` + 1024).
 pub const SMEM_BYTES_N256: usize = RING * 16384 + 2 * 32768 + RING * (9216 + 4608) + 1024;
+/// Dynamic shared memory of the warp-specialized wide variant (`moe_gemm_prefill_partial_n256_ws`,
+/// `WsLayout` + 1024): 5 A tiles (16 KiB), 2 B tiles (32 KiB), 5 raw stages (13.5 KiB), 9 mbarriers (128 B).
+pub const SMEM_BYTES_N256_WS: usize = 5 * 16384 + 2 * 32768 + 5 * (9216 + 4608) + 128 + 1024;
+const THREADS_WS: u32 = 384;
+
+/// Which prefill mainloop a launch uses (an A/B option; [`launch_partial_prefill`] uses [`Mainloop::Sync`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mainloop {
+    /// `moe_gemm_prefill_partial` / `_n256`: all 256 threads copy, dequantize and issue wgmma, two CTA barriers
+    /// per 64-K stage. Tile width [`TILE_N`] or [`TILE_N_WIDE`].
+    Sync,
+    /// `moe_gemm_prefill_partial_n256_ws`: warp-specialized 128 x 256 tile (one producer/dequant warp group, two
+    /// wgmma warp groups, mbarrier handoffs; see the .cu). Needs `N % 256 == 0`. Partial sums bit-identical to
+    /// the `Sync` 128 x 256 kernel.
+    WarpSpecialized,
+}
+
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
 /// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
 /// mostly padding and the swap-AB mma.sync kernel wins.
@@ -103,11 +120,35 @@ pub fn launch_partial_prefill_tile(
     ws: &mut Workspace,
     tile_n: usize,
 ) -> Result<()> {
+    launch_partial_prefill_with(gpu, w, a, grp, ws, tile_n, Mainloop::Sync)
+}
+
+/// [`launch_partial_prefill_tile`] with a chosen mainloop: [`Mainloop::WarpSpecialized`] needs
+/// `tile_n == TILE_N_WIDE`.
+pub fn launch_partial_prefill_with(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    ws: &mut Workspace,
+    tile_n: usize,
+    mainloop: Mainloop,
+) -> Result<()> {
     check_shape(w.n, w.k)?;
-    let (name, smem) = match tile_n {
-        TILE_N => ("moe_gemm_prefill_partial", SMEM_BYTES),
-        TILE_N_WIDE => ("moe_gemm_prefill_partial_n256", SMEM_BYTES_N256),
-        other => bail!("moe_gemm prefill: tile width {other} (known: {TILE_N}, {TILE_N_WIDE})"),
+    let (name, smem, threads) = match (tile_n, mainloop) {
+        (TILE_N, Mainloop::Sync) => ("moe_gemm_prefill_partial", SMEM_BYTES, THREADS),
+        (TILE_N_WIDE, Mainloop::Sync) => ("moe_gemm_prefill_partial_n256", SMEM_BYTES_N256, THREADS),
+        (TILE_N_WIDE, Mainloop::WarpSpecialized) => (
+            "moe_gemm_prefill_partial_n256_ws",
+            SMEM_BYTES_N256_WS,
+            THREADS_WS,
+        ),
+        (other, Mainloop::Sync) => {
+            bail!("moe_gemm prefill: tile width {other} (known: {TILE_N}, {TILE_N_WIDE})")
+        }
+        (other, Mainloop::WarpSpecialized) => bail!(
+            "moe_gemm prefill: tile width {other} with the warp-specialized mainloop (known: {TILE_N_WIDE})"
+        ),
     };
     ensure!(
         w.n.is_multiple_of(tile_n),
@@ -180,7 +221,7 @@ pub fn launch_partial_prefill_tile(
         .arg(&act_scales)
         .arg(&is_nvfp4);
     b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-    unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
+    unsafe { b.launch(launch_cfg((ctas, 1, 1), (threads, 1, 1), smem as u32)) }
         .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
