@@ -376,7 +376,9 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial, 128)
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 
 // ============================================================================================================
-// Session-5 A/B candidate: `moe_gemm_prefill_partial_n256_ws`, a warp-specialized form of the 128 x 256 mainloop.
+// Session-5 A/B candidates: `moe_gemm_prefill_partial_n256_ws` / `_ws3b`, a warp-specialized form of the 128 x 256
+// mainloop, templated on the ring sizes R (raw + A slots), P (prefetch distance), B (BF16 B tiles):
+// `_ws` R = 5, P = 3, B = 2; `_ws3b` R = 4, P = 2, B = 3 (both fit the 227 KiB opt-in; see WsLayout).
 // Same arithmetic, so the partial sums are bit-identical to moe_gemm_prefill_partial_n256: the same dequant
 // (dequant8 / sw128_offset above, same byte layout of every BF16 operand tile), the same 4 m64n256k16 wgmma per
 // 64-K stage in the same K order on the same tiles, accumulators from 0, the same 2^9 / 2^18 restore.
@@ -387,18 +389,18 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 //
 // Roles (384 threads, 1 CTA per SM):
 //   warp group 0 ("producer"): cp.async of the RAW stage (B codes + scales; A as NVFP4 codes + scales or as the
-//     swizzled BF16 tile) 3 stages ahead into a 5-slot ring, then the NVFP4 -> BF16 dequant of the B tile (256 rows)
-//     into a 2-slot B ring. 128 threads x 4 (row, K-half) pieces per stage; piece q = u + 128 i -> B row q / 2,
+//     swizzled BF16 tile) P stages ahead into an R-slot ring, then the NVFP4 -> BF16 dequant of the B tile (256 rows)
+//     into a B-slot ring. 128 threads x 4 (row, K-half) pieces per stage; piece q = u + 128 i -> B row q / 2,
 //     half q % 2: the same (row, half) -> bytes map as dequant_tile, so the B tile bytes are identical.
 //   warp groups 1, 2 ("consumers", c = 0, 1; token rows [64 c, 64 c + 64)): with NVFP4 A, dequantize their own 64
 //     A rows (thread v: row 64 c + v / 2, half v % 2, as dequant_tile) into the A tile of the ring slot, then
 //     4 wgmma on (A rows of c, B tile), commit, wgmma.wait_group 1 (the previous stage retires; this one stays
 //     queued on the tensor pipe), release the previous stage's slots; epilogue as prefill_body.
-// Shared memory: A tiles (5 x 16 KiB, slot s), B tiles (2 x 32 KiB), raw ring (5 x 13.5 KiB), 9 mbarriers.
+// Shared memory: A tiles (R x 16 KiB, slot s), B tiles (B x 32 KiB), raw ring (R x 13.5 KiB), R + 2B mbarriers.
 //
 // Flat stage counter k = (local item index) * stages + st, counted identically by both roles over the CTA's items
 // (item = blockIdx.x + i * gridDim.x), so ring positions and phases run on across work items:
-//   ring slot  s = k % 5, use u = k / 5;   B slot b = k % 2, use v = k / 2.
+//   ring slot  s = k % R, use u = k / R;   B slot b = k % B, use v = k / B.
 // mbarrier phase protocol (a phase completes when its expected arrivals are in; `wait(bar, p)` = try_wait.parity p,
 // which returns once the phase of parity p has completed; a fresh barrier is in phase 0, so waiting on parity 1
 // returns at once):
@@ -411,9 +413,13 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 //     one barrier also publishes the raw A / BF16 A of stage k (written by the same threads before they arrive).
 //   b_empty[b] (256 arrivals: every consumer thread after stage k retired): the producer waits parity (v & 1) ^ 1
 //     before dequantizing stage k into B slot b.
-// Deadlock freedom: the producer issues stage k + 3 (needs stage k - 2 retired: consumers retire k - 2 once they
-// have issued k - 1, which needs only b_full of k - 1, arrived in the producer's previous iteration) and dequantizes
-// stage k (needs k - 2 retired, same argument); consumers need only b_full. 5 slots >= prefetch 3 + 2.
+// No lapping: a phase of one barrier cannot complete twice before its waiters saw it, because each barrier's next
+// phase needs arrivals that only come after the other side's wait on the current one (e.g. b_full of stage k + B
+// needs b_empty of stage k, i.e. every consumer thread already passed its b_full wait of stage k).
+// Deadlock freedom: the producer issues stage k + P into the slot of stage k + P - R <= k - 2 (R >= P + 2) and
+// dequantizes stage k into the B slot of stage k - B <= k - 2 (B >= 2); consumers retire k - 2 once they have
+// issued k - 1, which needs only b_full of k - 1, arrived in the producer's previous iteration. Consumers need
+// only b_full.
 // Within a consumer warp group the A tile of stage k is written by all 4 warps and read by the collective wgmma:
 // fence.proxy.async + a 128-thread named barrier (id 2 + c) in between. The producer's raw B of stage k is
 // written by all 128 producer threads and read by others: cp.async.wait_group + named barrier (id 1) in between.
@@ -423,21 +429,28 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 namespace {
 
 constexpr int kWsThreads = 384;
-constexpr int kWsRing = 5;      // raw + A tile slots
-constexpr int kWsPrefetch = 3;  // producer issues stage k + 3 while dequantizing stage k (kWsRing >= kWsPrefetch + 2)
-constexpr int kWsBTiles = 2;
 
+// kRing raw + A tile slots, producer prefetch distance kPrefetch (issues stage k + kPrefetch while dequantizing
+// stage k), kBTiles BF16 B tiles (the producer's dequant may run kBTiles - 1 stages ahead of the tensor pipe).
+template <int kRing_, int kPrefetch_, int kBTiles_>
 struct WsLayout {
+    static constexpr int kRing = kRing_, kPrefetch = kPrefetch_, kBTiles = kBTiles_;
     using L = Layout<256>;
-    static constexpr int kA = 0;                                   // kWsRing x 16 KiB (128 token rows)
-    static constexpr int kB = kA + kWsRing * kTileBytes;           // kWsBTiles x 32 KiB (256 weight rows)
-    static constexpr int kRaw = kB + kWsBTiles * L::kBTile;        // kWsRing x 13.5 KiB
-    static constexpr int kBars = kRaw + kWsRing * L::kRawStage;    // 9 x 8-byte mbarriers
-    static constexpr int kBytes = kBars + 128;                     // + 1024 alignment slack requested by the host
+    static constexpr int kA = 0;                                // kRing x 16 KiB (128 token rows)
+    static constexpr int kB = kA + kRing * kTileBytes;          // kBTiles x 32 KiB (256 weight rows)
+    static constexpr int kRaw = kB + kBTiles * L::kBTile;       // kRing x 13.5 KiB
+    static constexpr int kBars = kRaw + kRing * L::kRawStage;   // kRing + 2 kBTiles 8-byte mbarriers
+    static constexpr int kBytes = kBars + 128;                  // + 1024 alignment slack requested by the host
+    static_assert(kRing >= kPrefetch + 2, "see the deadlock argument above");
+    static_assert(kRing + 2 * kBTiles <= 16, "mbarriers fit in 128 bytes");
 };
-// prefill.rs SMEM_BYTES_N256_WS must equal this + 1024.
-static_assert(WsLayout::kBytes + 1024 == 217728, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_N256_WS in sync");
-static_assert(kWsRing >= kWsPrefetch + 2, "see the deadlock argument above");
+// `_ws`: 5 slots, prefetch 3, 2 B tiles. `_ws3b`: 4 slots, prefetch 2, 3 B tiles (the producer may run 2 stages
+// ahead, which also hides the consumers' A dequant; shorter global-load lead).
+using WsLayout532 = WsLayout<5, 3, 2>;
+using WsLayout423 = WsLayout<4, 2, 3>;
+// prefill.rs SMEM_BYTES_N256_WS / SMEM_BYTES_N256_WS3B must equal these + 1024.
+static_assert(WsLayout532::kBytes + 1024 == 217728, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_N256_WS in sync");
+static_assert(WsLayout423::kBytes + 1024 == 220288, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_N256_WS3B in sync");
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -490,15 +503,14 @@ __device__ __forceinline__ void store_piece(const RawPiece& p, uint8_t* tile, ui
 
 }  // namespace
 
-// grid = persistent, block = 384, dynamic smem = WsLayout::kBytes + 1024. N % 256 == 0, K % 64 == 0,
-// 1 <= experts <= 512 (checked by the launcher). Same contract as moe_gemm_prefill_partial_n256.
-extern "C" __global__ void __launch_bounds__(kWsThreads, 1) moe_gemm_prefill_partial_n256_ws(
+template <class W>
+__device__ __forceinline__ void prefill_ws_body(
     const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
     const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
     const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
     constexpr int TN = 256;
+    constexpr int kWsRing = W::kRing, kWsPrefetch = W::kPrefetch, kWsBTiles = W::kBTiles;
     using L = Layout<TN>;
-    using W = WsLayout;
     extern __shared__ uint8_t ws_smem_raw[];
     __shared__ int s_tile_prefix[kMaxExperts + 1];
     __shared__ int s_warp_sum[kWsThreads / 32];
@@ -627,7 +639,7 @@ extern "C" __global__ void __launch_bounds__(kWsThreads, 1) moe_gemm_prefill_par
             cp_async_wait<kWsPrefetch>();  // groups 0..k of this thread complete: its copies of stage k landed
             if (!act_is_nvfp4) fence_proxy_async();  // BF16 A landed by cp.async is read by wgmma (async proxy)
             named_bar_sync(1, 128);        // every producer thread's copies of stage k landed
-            const int b = k & 1, v = k >> 1;
+            const int b = k % kWsBTiles, v = k / kWsBTiles;
             mbar_wait(b_empty(b), (v & 1) ^ 1);
             const uint8_t* raw = smem + W::kRaw + (k % kWsRing) * L::kRawStage;
             uint8_t* btile = smem + W::kB + b * L::kBTile;
@@ -660,8 +672,8 @@ extern "C" __global__ void __launch_bounds__(kWsThreads, 1) moe_gemm_prefill_par
             for (int i = 0; i < TN / 2; ++i) d[i] = 0.f;
 #pragma unroll 1
             for (int st = 0; st < stages; ++st, ++k) {
-                const int b = k & 1, slot = k % kWsRing;
-                mbar_wait(b_full(b), (k >> 1) & 1);
+                const int b = k % kWsBTiles, slot = k % kWsRing;
+                mbar_wait(b_full(b), (k / kWsBTiles) & 1);
                 if (act_is_nvfp4) {
                     const uint8_t* rawa = smem + W::kRaw + slot * L::kRawStage + L::kRawA;
                     const uint32_t row = 64 * c + (v >> 1), h = v & 1;
@@ -679,13 +691,13 @@ extern "C" __global__ void __launch_bounds__(kWsThreads, 1) moe_gemm_prefill_par
                 wgmma_commit();
                 wgmma_wait<1>();  // stage k - 1 retired (if any); stage k stays queued
                 if (st > 0) {
-                    mbar_arrive(b_empty((k - 1) & 1));
+                    mbar_arrive(b_empty((k - 1) % kWsBTiles));
                     mbar_arrive(slot_empty((k - 1) % kWsRing));
                 }
             }
             wgmma_wait<0>();
             fence_acc(d);
-            mbar_arrive(b_empty((k - 1) & 1));
+            mbar_arrive(b_empty((k - 1) % kWsBTiles));
             mbar_arrive(slot_empty((k - 1) % kWsRing));
 
             // Epilogue (as prefill_body): fp32 partial sums, scale restored, rows < ntok only.
@@ -706,3 +718,17 @@ extern "C" __global__ void __launch_bounds__(kWsThreads, 1) moe_gemm_prefill_par
         }
     }
 }
+
+// grid = persistent, block = 384, dynamic smem = W::kBytes + 1024. N % 256 == 0, K % 64 == 0,
+// 1 <= experts <= 512 (checked by the launcher). Same contract as moe_gemm_prefill_partial_n256.
+#define MOE_GEMM_PREFILL_WS_ENTRY(NAME, W)                                                                       \
+    extern "C" __global__ void __launch_bounds__(kWsThreads, 1) NAME(                                           \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                 \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,                 \
+        const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {           \
+        prefill_ws_body<W>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, offsets, experts, rows_total, \
+                           partial);                                                                             \
+    }
+
+MOE_GEMM_PREFILL_WS_ENTRY(moe_gemm_prefill_partial_n256_ws, WsLayout532)
+MOE_GEMM_PREFILL_WS_ENTRY(moe_gemm_prefill_partial_n256_ws3b, WsLayout423)

@@ -103,6 +103,8 @@ enum Mode {
     Tile256,
     /// `prefill::launch_partial_prefill_with` with the warp-specialized 128 x 256 mainloop (session-5 A/B).
     Ws256,
+    /// ... its variant with 3 BF16 B tiles.
+    Ws256x3b,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -133,6 +135,7 @@ fn check_prefill(
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
             Mode::Ws256 => "forced, warp-specialized 128x256",
+            Mode::Ws256x3b => "forced, warp-specialized 128x256, 3 B tiles",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -148,7 +151,12 @@ fn check_prefill(
             "{label}: launch_partial would not route to the prefill kernel"
         );
         mg::launch_partial(gpu, dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
-    } else if mode == Mode::Ws256 {
+    } else if mode == Mode::Ws256 || mode == Mode::Ws256x3b {
+        let mainloop = if mode == Mode::Ws256 {
+            prefill::Mainloop::WarpSpecialized
+        } else {
+            prefill::Mainloop::WarpSpecialized3B
+        };
         prefill::launch_partial_prefill_with(
             gpu,
             dw,
@@ -156,7 +164,7 @@ fn check_prefill(
             &dg,
             &mut ws,
             prefill::TILE_N_WIDE,
-            prefill::Mainloop::WarpSpecialized,
+            mainloop,
         )
         .unwrap();
     } else {
@@ -390,9 +398,7 @@ fn check_ws_bit_identical(
         w.k
     );
     let mut ws_sync = Workspace::new(gpu, 1, rows, w.n).unwrap();
-    let mut ws_ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
     gpu.fill_bytes(&mut ws_sync.partial, 0xFF).unwrap();
-    gpu.fill_bytes(&mut ws_ws.partial, 0x7F).unwrap();
     prefill::launch_partial_prefill_tile(
         gpu,
         dw,
@@ -402,26 +408,50 @@ fn check_ws_bit_identical(
         prefill::TILE_N_WIDE,
     )
     .unwrap();
-    prefill::launch_partial_prefill_with(
-        gpu,
-        dw,
-        &da.view(),
-        &dg,
-        &mut ws_ws,
-        prefill::TILE_N_WIDE,
-        prefill::Mainloop::WarpSpecialized,
-    )
-    .unwrap();
     gpu.synchronize().unwrap();
     let want = gpu.download(&ws_sync.partial).unwrap();
-    let got = gpu.download(&ws_ws.partial).unwrap();
+    // The n256 partials themselves are checked against the f64 reference by the tests above; here they must be
+    // written (no poison left on an owned row) for the comparison to mean anything.
+    let unwritten = want[..rows * w.n].iter().filter(|v| v.is_nan()).count();
+    assert_eq!(unwritten, 0, "{label}: n256 left {unwritten} NaN elements");
+    for mainloop in [
+        prefill::Mainloop::WarpSpecialized,
+        prefill::Mainloop::WarpSpecialized3B,
+    ] {
+        let mut ws_ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws_ws.partial, 0x7F).unwrap();
+        prefill::launch_partial_prefill_with(
+            gpu,
+            dw,
+            &da.view(),
+            &dg,
+            &mut ws_ws,
+            prefill::TILE_N_WIDE,
+            mainloop,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let got = gpu.download(&ws_ws.partial).unwrap();
+        compare_bits(
+            &format!("{label} {mainloop:?}"),
+            rb,
+            &got,
+            &want,
+            rows * w.n,
+            w.n,
+        );
+    }
+}
+
+/// Bitwise comparison of the first `len` partial sums (the owned rows, N columns each), first mismatch located.
+fn compare_bits(label: &str, rb: &RoutedBatch, got: &[f32], want: &[f32], len: usize, n: usize) {
     let mut bad = 0usize;
     let mut first: Option<String> = None;
-    for i in 0..rows * w.n {
+    for i in 0..len {
         if got[i].to_bits() != want[i].to_bits() {
             bad += 1;
             if first.is_none() {
-                let (r, c) = (i / w.n, i % w.n);
+                let (r, c) = (i / n, i % n);
                 let e = rb.grouping.expert_of_row(r);
                 let start = e.map(|e| rb.grouping.expert_rows(e).start).unwrap_or(0);
                 first = Some(format!(
@@ -438,18 +468,10 @@ fn check_ws_bit_identical(
             }
         }
     }
-    // The n256 partials themselves are checked against the f64 reference by the tests above; here they must be
-    // written (no poison left on an owned row) for the comparison to mean anything.
-    let unwritten = want[..rows * w.n].iter().filter(|v| v.is_nan()).count();
-    eprintln!(
-        "{label}: {} elements, {bad} differ from n256, {unwritten} NaN in n256",
-        rows * w.n
-    );
-    assert_eq!(unwritten, 0, "{label}: n256 left {unwritten} NaN elements");
+    eprintln!("{label}: {len} elements, {bad} differ from n256");
     assert!(
         bad == 0,
-        "{label}: {bad} of {} partial sums differ from n256; first: {}",
-        rows * w.n,
+        "{label}: {bad} of {len} partial sums differ from n256; first: {}",
         first.unwrap()
     );
 }
@@ -516,7 +538,12 @@ fn gpu_prefill_ws_matches_the_cpu_reference() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    for nvfp4 in [false, true] {
+    for (nvfp4, mode) in [
+        (false, Mode::Ws256),
+        (true, Mode::Ws256),
+        (false, Mode::Ws256x3b),
+        (true, Mode::Ws256x3b),
+    ] {
         check_prefill(
             &gpu,
             &format!("counts {counts:?}"),
@@ -524,7 +551,7 @@ fn gpu_prefill_ws_matches_the_cpu_reference() {
             &dw,
             &rb,
             nvfp4,
-            Mode::Ws256,
+            mode,
             &mut rng,
         );
     }
@@ -532,12 +559,23 @@ fn gpu_prefill_ws_matches_the_cpu_reference() {
     let w = quantized_weights(&mut rng, 3, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&[4096, 5, 0]);
-    check_prefill(&gpu, "4096 rows", &w, &dw, &rb, true, Mode::Ws256, &mut rng);
+    for mode in [Mode::Ws256, Mode::Ws256x3b] {
+        check_prefill(&gpu, "4096 rows", &w, &dw, &rb, true, mode, &mut rng);
+    }
     // Pro L2 expert shape (N = 7168, K = 3072), a few rows across a tile edge, BF16 A.
     let w = quantized_weights(&mut rng, 1, 7168, 3072);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&[130]);
-    check_prefill(&gpu, "Pro L2", &w, &dw, &rb, false, Mode::Ws256, &mut rng);
+    check_prefill(
+        &gpu,
+        "Pro L2",
+        &w,
+        &dw,
+        &rb,
+        false,
+        Mode::Ws256x3b,
+        &mut rng,
+    );
 }
 
 #[test]
@@ -553,15 +591,20 @@ fn gpu_prefill_ws_rejects_the_128_wide_tile() {
     let da = DevA::upload(&gpu, &a);
     let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
     let mut ws = Workspace::new(&gpu, 1, 3, 256).unwrap();
-    let err = prefill::launch_partial_prefill_with(
-        &gpu,
-        &dw,
-        &da.view(),
-        &dg,
-        &mut ws,
-        prefill::TILE_N,
+    for mainloop in [
         prefill::Mainloop::WarpSpecialized,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("warp-specialized"), "{err}");
+        prefill::Mainloop::WarpSpecialized3B,
+    ] {
+        let err = prefill::launch_partial_prefill_with(
+            &gpu,
+            &dw,
+            &da.view(),
+            &dg,
+            &mut ws,
+            prefill::TILE_N,
+            mainloop,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("warp-specialized"), "{err}");
+    }
 }

@@ -46,6 +46,8 @@ pub const SMEM_BYTES_N256: usize = RING * 16384 + 2 * 32768 + RING * (9216 + 460
 /// Dynamic shared memory of the warp-specialized wide variant (`moe_gemm_prefill_partial_n256_ws`,
 /// `WsLayout` + 1024): 5 A tiles (16 KiB), 2 B tiles (32 KiB), 5 raw stages (13.5 KiB), 9 mbarriers (128 B).
 pub const SMEM_BYTES_N256_WS: usize = 5 * 16384 + 2 * 32768 + 5 * (9216 + 4608) + 128 + 1024;
+/// ... of `moe_gemm_prefill_partial_n256_ws3b`: 4 A tiles, 3 B tiles, 4 raw stages, 10 mbarriers (128 B).
+pub const SMEM_BYTES_N256_WS3B: usize = 4 * 16384 + 3 * 32768 + 4 * (9216 + 4608) + 128 + 1024;
 const THREADS_WS: u32 = 384;
 
 /// Which prefill mainloop a launch uses (an A/B option; [`launch_partial_prefill`] uses [`Mainloop::Sync`]).
@@ -55,9 +57,12 @@ pub enum Mainloop {
     /// per 64-K stage. Tile width [`TILE_N`] or [`TILE_N_WIDE`].
     Sync,
     /// `moe_gemm_prefill_partial_n256_ws`: warp-specialized 128 x 256 tile (one producer/dequant warp group, two
-    /// wgmma warp groups, mbarrier handoffs; see the .cu). Needs `N % 256 == 0`. Partial sums bit-identical to
-    /// the `Sync` 128 x 256 kernel.
+    /// wgmma warp groups, mbarrier handoffs; see the .cu): 5-slot raw ring, prefetch 3, 2 BF16 B tiles. Needs
+    /// `N % 256 == 0`. Partial sums bit-identical to the `Sync` 128 x 256 kernel.
     WarpSpecialized,
+    /// `moe_gemm_prefill_partial_n256_ws3b`: the same with a 4-slot ring, prefetch 2 and 3 B tiles (the dequant
+    /// may run 2 stages ahead of the tensor pipe).
+    WarpSpecialized3B,
 }
 
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
@@ -143,10 +148,15 @@ pub fn launch_partial_prefill_with(
             SMEM_BYTES_N256_WS,
             THREADS_WS,
         ),
+        (TILE_N_WIDE, Mainloop::WarpSpecialized3B) => (
+            "moe_gemm_prefill_partial_n256_ws3b",
+            SMEM_BYTES_N256_WS3B,
+            THREADS_WS,
+        ),
         (other, Mainloop::Sync) => {
             bail!("moe_gemm prefill: tile width {other} (known: {TILE_N}, {TILE_N_WIDE})")
         }
-        (other, Mainloop::WarpSpecialized) => bail!(
+        (other, Mainloop::WarpSpecialized | Mainloop::WarpSpecialized3B) => bail!(
             "moe_gemm prefill: tile width {other} with the warp-specialized mainloop (known: {TILE_N_WIDE})"
         ),
     };
