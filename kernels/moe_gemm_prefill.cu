@@ -416,10 +416,11 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 // No lapping: a phase of one barrier cannot complete twice before its waiters saw it, because each barrier's next
 // phase needs arrivals that only come after the other side's wait on the current one (e.g. b_full of stage k + B
 // needs b_empty of stage k, i.e. every consumer thread already passed its b_full wait of stage k).
-// Deadlock freedom: the producer issues stage k + P into the slot of stage k + P - R <= k - 2 (R >= P + 2) and
-// dequantizes stage k into the B slot of stage k - B <= k - 2 (B >= 2); consumers retire k - 2 once they have
-// issued k - 1, which needs only b_full of k - 1, arrived in the producer's previous iteration. Consumers need
-// only b_full.
+// Deadlock freedom: producer iteration k dequantizes stage k into the B slot of stage k - B <= k - 2 (B >= 2), arrives
+// on b_full of k, then issues stage k + P into the slot of stage k + P - R <= k - 2 (R >= P + 2); consumers retire
+// k - 2 once they have issued k - 1, which needs only b_full of k - 1 (the producer's previous iteration).
+// Consumers need only b_full. The dequant of stage k thus waits for stage max(k - B, k - 1 + P - R) to retire:
+// k - 2 for _ws, k - 3 for _ws3b (the producer may run up to 2 stages ahead of the tensor pipe there).
 // Within a consumer warp group the A tile of stage k is written by all 4 warps and read by the collective wgmma:
 // fence.proxy.async + a 128-thread named barrier (id 2 + c) in between. The producer's raw B of stage k is
 // written by all 128 producer threads and read by others: cp.async.wait_group + named barrier (id 1) in between.
@@ -633,10 +634,13 @@ __device__ __forceinline__ void prefill_ws_body(
 
 #pragma unroll 1
         for (int k = 0; k < kWsPrefetch; ++k) issue(k);
+        // Iteration k dequantizes stage k, then issues stage k + P: issuing first would make the dequant of stage k
+        // wait for the slot of stage k + P - R to retire, i.e. cap the producer's lead at 2 stages whatever B is.
 #pragma unroll 1
         for (int k = 0; k < total; ++k) {
-            issue(k + kWsPrefetch);
-            cp_async_wait<kWsPrefetch>();  // groups 0..k of this thread complete: its copies of stage k landed
+            // Groups committed so far: P (prologue) + k (iterations 0..k-1) = stages 0..k+P-1; allowing P - 1
+            // pending means groups 0..k are complete: this thread's copies of stage k landed.
+            cp_async_wait<kWsPrefetch - 1>();
             if (!act_is_nvfp4) fence_proxy_async();  // BF16 A landed by cp.async is read by wgmma (async proxy)
             named_bar_sync(1, 128);        // every producer thread's copies of stage k landed
             const int b = k % kWsBTiles, v = k / kWsBTiles;
@@ -656,6 +660,7 @@ __device__ __forceinline__ void prefill_ws_body(
             }
             fence_proxy_async();
             mbar_arrive(b_full(b));
+            issue(k + kWsPrefetch);
         }
         cp_async_wait<0>();
     } else {
