@@ -417,10 +417,12 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 // phase needs arrivals that only come after the other side's wait on the current one (e.g. b_full of stage k + B
 // needs b_empty of stage k, i.e. every consumer thread already passed its b_full wait of stage k).
 // Deadlock freedom: producer iteration k dequantizes stage k into the B slot of stage k - B <= k - 2 (B >= 2), arrives
-// on b_full of k, then issues stage k + P into the slot of stage k + P - R <= k - 2 (R >= P + 2); consumers retire
-// k - 2 once they have issued k - 1, which needs only b_full of k - 1 (the producer's previous iteration).
-// Consumers need only b_full. The dequant of stage k thus waits for stage max(k - B, k - 1 + P - R) to retire:
-// k - 2 for _ws, k - 3 for _ws3b (the producer may run up to 2 stages ahead of the tensor pipe there).
+// on b_full of k, then issues stage k + P into the slot of stage k + P - R <= k - 1 (R >= P + 1); consumers retire
+// j once they have issued j + 1, which needs only b_full of j + 1: for j = k - 2 the producer's previous iteration,
+// for j = k - 1 this iteration's arrival. Consumers need only b_full. The dequant of stage k thus waits for stage
+// max(k - B, k - 1 + P - R) to retire: k - 2 for _ws, k - 3 for _ws3b (up to 2 stages ahead of the tensor pipe).
+// A CPU model of these handoffs (prefill.rs, ws_mbarrier_protocol_*) runs random interleavings of both configs and
+// checks for deadlocks and for any read of a slot that does not hold the expected stage.
 // Within a consumer warp group the A tile of stage k is written by all 4 warps and read by the collective wgmma:
 // fence.proxy.async + a 128-thread named barrier (id 2 + c) in between. The producer's raw B of stage k is
 // written by all 128 producer threads and read by others: cp.async.wait_group + named barrier (id 1) in between.
@@ -442,7 +444,7 @@ struct WsLayout {
     static constexpr int kRaw = kB + kBTiles * L::kBTile;       // kRing x 13.5 KiB
     static constexpr int kBars = kRaw + kRing * L::kRawStage;   // kRing + 2 kBTiles 8-byte mbarriers
     static constexpr int kBytes = kBars + 128;                  // + 1024 alignment slack requested by the host
-    static_assert(kRing >= kPrefetch + 2, "see the deadlock argument above");
+    static_assert(kRing >= kPrefetch + 1 && kBTiles >= 2, "see the deadlock argument above");
     static_assert(kRing + 2 * kBTiles <= 16, "mbarriers fit in 128 bytes");
 };
 // `_ws`: 5 slots, prefetch 3, 2 B tiles. `_ws3b`: 4 slots, prefetch 2, 3 B tiles (the producer may run 2 stages
