@@ -737,6 +737,266 @@ __device__ __forceinline__ void prefill_ws_body(
     }
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// `moe_gemm_prefill_partial_n256_wsb` ("balanced"): the same pipeline with the B dequant split between the roles, for
+// the case where one producer warp per scheduler cannot dequantize 256 B rows per stage in the MMA time.
+//   producer (warp group 0): cp.async of stage k + P (as above), arrives on raw_full[k % R] once its copies of stage
+//     k landed, then dequantizes B rows 128..255 of stage k (2 pieces per thread) and arrives on b_full.
+//   consumer warp group c: right after issuing the wgmma of stage k (while the tensor pipe runs it), dequantizes
+//     stage k + 1: its own A rows [64 c, 64 c + 64) (1 piece per thread) and B rows [64 c, 64 c + 64) (1 piece per
+//     thread), then arrives on b_full of stage k + 1. Stage k + 1 may belong to the next work item: the raw ring
+//     holds the flat stage sequence, and the dequant does not depend on the item.
+// Same pieces (row, half) -> bytes as dequant_tile, so the tiles and the partials stay bit-identical.
+// Barriers (flat stage k; s = k % R, b = k % B as above):
+//   raw_full[s]  (128: producer threads after cp.async.wait_group proved their copies of stage k landed [+ the
+//                 proxy fence for BF16 A]): every dequantizer waits parity (k / R) & 1 before reading raw slot s.
+//   b_full[b]    (384: all threads, after their share of stage k's B (and, consumers, A) tile + fence.proxy.async):
+//                 consumers wait parity (k / B) & 1 before the wgmma of stage k. It also covers the A tiles, so the
+//                 consumers need no named barrier.
+//   b_empty[b]   (256: consumer threads after stage k retired): every B writer waits parity ((k / B) & 1) ^ 1
+//                 before writing stage k into B slot b (consumers: for stage k + 1, after retiring k - 1 themselves).
+//   slot_empty[s] as above (the consumers' A dequant writes A tile s after raw_full of that stage, which comes after
+//                 the producer's slot_empty wait for it).
+// Deadlock freedom: producer iteration k needs b_empty of k - B <= k - 2 and slot_empty of k + P - R <= k - 1, both
+// released by consumer iteration k - 1 / k (retire k - 2 after issuing k - 1; retire k - 1 after issuing k, which
+// needs b_full of k: the producer's arrival earlier in this iteration and the consumers' prepare of k in their
+// iteration k - 1). Consumer iteration k needs b_full of k and, for its prepare of k + 1, raw_full of k + 1 (the
+// producer only has to reach iteration k + 1) and b_empty of k + 1 - B <= k - 1 (retired by both warp groups in
+// iteration k before they prepare). Modelled in prefill.rs (ws_mbarrier_protocol_*) with the other two entries.
+template <class W>
+__device__ __forceinline__ void prefill_wsb_body(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    constexpr int TN = 256;
+    constexpr int kWsRing = W::kRing, kWsPrefetch = W::kPrefetch, kWsBTiles = W::kBTiles;
+    static_assert(2 * kWsRing + 2 * kWsBTiles <= 16, "mbarriers fit in 128 bytes");
+    using L = Layout<TN>;
+    extern __shared__ uint8_t ws_smem_raw[];
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWsThreads / 32];
+
+    uint8_t* smem = ws_smem_raw + ((1024u - (smem_u32(ws_smem_raw) & 1023u)) & 1023u);
+    const uint32_t smem_base = smem_u32(smem);
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int E = experts;
+    const int wg = tid >> 7;  // 0: producer, 1 and 2: consumers
+
+    auto expert_rows = [&](int e, int& start, int& count) {
+        const int lo = min(max(offsets[e], 0), rows_total);
+        const int hi = min(max(offsets[e + 1], lo), rows_total);
+        start = lo;
+        count = hi - lo;
+    };
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + kTileM - 1) / kTileM; }
+        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + kTileM - 1) / kTileM; }
+    }
+    const uint32_t bars = smem_base + W::kBars;
+    auto slot_empty = [&](int s) { return bars + 8u * s; };
+    auto raw_full = [&](int s) { return bars + 8u * (kWsRing + s); };
+    auto b_full = [&](int b) { return bars + 8u * (2 * kWsRing + b); };
+    auto b_empty = [&](int b) { return bars + 8u * (2 * kWsRing + kWsBTiles + b); };
+    if (tid == 0) {
+        for (int s = 0; s < kWsRing; ++s) {
+            mbar_init(slot_empty(s), 256);
+            mbar_init(raw_full(s), 128);
+        }
+        for (int b = 0; b < kWsBTiles; ++b) {
+            mbar_init(b_full(b), kWsThreads);
+            mbar_init(b_empty(b), 256);
+        }
+    }
+    // Also publishes the mbarrier inits (its __syncthreads) before any use.
+    expert_tile_prefix<kWsThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+
+    const int n_tiles = N / TN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    if (blockIdx.x >= items) return;
+    const int my_items = (int)((items - 1 - blockIdx.x) / gridDim.x) + 1;
+    const int stages = K / kStageK;
+    const int total = my_items * stages;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+
+    auto decode_item = [&](int local, int& row0, int& ntok, int& n0, int& e) {
+        const long long item = blockIdx.x + (long long)local * gridDim.x;
+        const int n_tile = (int)(item % n_tiles);
+        const int et = (int)(item / n_tiles);
+        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        e = lo;
+        int start, count;
+        expert_rows(e, start, count);
+        row0 = start + (et - s_tile_prefix[e]) * kTileM;
+        ntok = min(kTileM, count - (et - s_tile_prefix[e]) * kTileM);
+        n0 = n_tile * TN;
+    };
+
+    if (wg == 0) {
+        // ------------------------------------------------------------------------------------------- producer
+        const int u = tid;
+        int cur_local = -1, row0 = 0, ntok = 0;
+        const uint8_t* b_codes = nullptr;
+        const uint8_t* b_scales = nullptr;
+        auto issue = [&](int k) {
+            if (k < total) {
+                const int local = k / stages, st = k - local * stages;
+                if (local != cur_local) {
+                    int n0, e;
+                    decode_item(local, row0, ntok, n0, e);
+                    b_codes = w_codes + ((size_t)e * N + n0) * codes_row;
+                    b_scales = w_scales + ((size_t)e * N + n0) * scales_row;
+                    cur_local = local;
+                }
+                const int slot = k % kWsRing, use = k / kWsRing;
+                mbar_wait(slot_empty(slot), (use & 1) ^ 1);
+                const uint32_t raw = smem_base + W::kRaw + slot * L::kRawStage;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // B codes: 256 rows x 2 halves
+                    const int q = u + 128 * i, r = q >> 1, h = q & 1;
+                    cp_async16(raw + r * 32 + h * 16, b_codes + r * codes_row + st * 32 + h * 16, 16);
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {  // B scales: 256 rows x 4 bytes
+                    const int r = u + 128 * i;
+                    cp_async4(raw + L::kRawBCodes + r * 4, b_scales + r * scales_row + st * 4, 4);
+                }
+                if (!act_is_nvfp4) {
+                    const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(act);
+                    const uint32_t tile = smem_base + W::kA + slot * kTileBytes;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int q = u + 128 * i;
+                        const int r = q >> 3, c = q & 7;
+                        const bool ok = r < ntok;
+                        const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                        cp_async16(tile + sw128_offset(r, c), a + grow * K + st * kStageK + c * 8, ok ? 16 : 0);
+                    }
+                } else {
+                    const uint8_t* a = reinterpret_cast<const uint8_t*>(act);
+                    const uint32_t rawa = raw + L::kRawA;
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const int q = u + 128 * i, r = q >> 1, h = q & 1;
+                        const bool ok = r < ntok;
+                        const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                        cp_async16(rawa + r * 32 + h * 16, a + grow * codes_row + st * 32 + h * 16, ok ? 16 : 0);
+                    }
+                    const bool ok = u < ntok;
+                    const size_t grow = (size_t)(row0 + (ok ? u : 0));
+                    cp_async4(rawa + kRawCodes + u * 4, act_scales + grow * scales_row + st * 4, ok ? 4 : 0);
+                }
+            }
+            cp_async_commit();  // always one group per k, possibly empty: wait_group counts stay uniform
+        };
+
+#pragma unroll 1
+        for (int k = 0; k < kWsPrefetch; ++k) issue(k);
+#pragma unroll 1
+        for (int k = 0; k < total; ++k) {
+            const int slot = k % kWsRing;
+            cp_async_wait<kWsPrefetch - 1>();  // groups 0..k complete: this thread's copies of stage k landed
+            if (!act_is_nvfp4) fence_proxy_async();  // BF16 A landed by cp.async is read by wgmma (async proxy)
+            mbar_arrive(raw_full(slot));
+            mbar_wait(raw_full(slot), (k / kWsRing) & 1);  // everyone's copies of stage k landed
+            const int b = k % kWsBTiles;
+            mbar_wait(b_empty(b), ((k / kWsBTiles) & 1) ^ 1);
+            const uint8_t* raw = smem + W::kRaw + slot * L::kRawStage;
+            uint8_t* btile = smem + W::kB + b * L::kBTile;
+            RawPiece pieces[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {  // B rows 128..255: piece q = u + 128 i -> row 128 + q / 2, half q % 2
+                const int q = u + 128 * i;
+                pieces[i] = load_piece(raw, raw + L::kRawBCodes, 128 + (q >> 1), q & 1);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int q = u + 128 * i;
+                store_piece(pieces[i], btile, 128 + (q >> 1), q & 1);
+            }
+            fence_proxy_async();
+            mbar_arrive(b_full(b));
+            issue(k + kWsPrefetch);
+        }
+        cp_async_wait<0>();
+    } else {
+        // ------------------------------------------------------------------------------------------- consumers
+        const int c = wg - 1, v = tid & 127;
+        const float restore = act_is_nvfp4 ? 0x1p18f : 0x1p9f;
+        const uint32_t my_row = 64 * c + (v >> 1), my_half = v & 1;
+        // Dequantize this thread's share of stage j (A piece with NVFP4 A, B piece) and arrive on its b_full.
+        auto prepare = [&](int j) {
+            const int slot = j % kWsRing, b = j % kWsBTiles;
+            mbar_wait(raw_full(slot), (j / kWsRing) & 1);
+            mbar_wait(b_empty(b), ((j / kWsBTiles) & 1) ^ 1);
+            const uint8_t* raw = smem + W::kRaw + slot * L::kRawStage;
+            const RawPiece pb = load_piece(raw, raw + L::kRawBCodes, my_row, my_half);
+            if (act_is_nvfp4) {
+                const uint8_t* rawa = raw + L::kRawA;
+                const RawPiece pa = load_piece(rawa, rawa + kRawCodes, my_row, my_half);
+                store_piece(pa, smem + W::kA + slot * kTileBytes, my_row, my_half);
+            }
+            store_piece(pb, smem + W::kB + b * L::kBTile, my_row, my_half);
+            fence_proxy_async();
+            mbar_arrive(b_full(b));
+        };
+        int k = 0;
+        if (total > 0) prepare(0);
+#pragma unroll 1
+        for (int local = 0; local < my_items; ++local) {
+            int row0, ntok, n0, e;
+            decode_item(local, row0, ntok, n0, e);
+            float d[TN / 2];
+#pragma unroll
+            for (int i = 0; i < TN / 2; ++i) d[i] = 0.f;
+#pragma unroll 1
+            for (int st = 0; st < stages; ++st, ++k) {
+                const int b = k % kWsBTiles, slot = k % kWsRing;
+                mbar_wait(b_full(b), (k / kWsBTiles) & 1);
+                const uint32_t a_tile = smem_base + W::kA + slot * kTileBytes + c * (64 * 128);
+                const uint32_t b_tile = smem_base + W::kB + b * L::kBTile;
+                const uint64_t da = sw128_desc(a_tile), db = sw128_desc(b_tile);
+                fence_acc(d);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kStageK / 16; ++kk) wgmma_tile<TN>(d, da + 2 * kk, db + 2 * kk);
+                wgmma_commit();
+                wgmma_wait<1>();  // stage k - 1 retired (if any); stage k stays queued
+                if (st > 0) {
+                    mbar_arrive(b_empty((k - 1) % kWsBTiles));
+                    mbar_arrive(slot_empty((k - 1) % kWsRing));
+                }
+                if (k + 1 < total) prepare(k + 1);  // overlaps the wgmma of stage k
+            }
+            wgmma_wait<0>();
+            fence_acc(d);
+            mbar_arrive(b_empty((k - 1) % kWsBTiles));
+            mbar_arrive(slot_empty((k - 1) % kWsRing));
+
+            // Epilogue (as prefill_body): fp32 partial sums, scale restored, rows < ntok only.
+            const int wl = v >> 5;
+            const int r_lo = c * 64 + wl * 16 + (lane >> 2);
+#pragma unroll
+            for (int j = 0; j < TN / 8; ++j) {
+                const int col = n0 + 8 * j + 2 * (lane & 3);
+                if (r_lo < ntok) {
+                    *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo) * N + col) =
+                        make_float2(d[4 * j] * restore, d[4 * j + 1] * restore);
+                }
+                if (r_lo + 8 < ntok) {
+                    *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo + 8) * N + col) =
+                        make_float2(d[4 * j + 2] * restore, d[4 * j + 3] * restore);
+                }
+            }
+        }
+    }
+}
+
 // grid = persistent, block = 384, dynamic smem = W::kBytes + 1024. N % 256 == 0, K % 64 == 0,
 // 1 <= experts <= 512 (checked by the launcher). Same contract as moe_gemm_prefill_partial_n256.
 #define MOE_GEMM_PREFILL_WS_ENTRY(NAME, W)                                                                       \
@@ -750,3 +1010,14 @@ __device__ __forceinline__ void prefill_ws_body(
 
 MOE_GEMM_PREFILL_WS_ENTRY(moe_gemm_prefill_partial_n256_ws, WsLayout532)
 MOE_GEMM_PREFILL_WS_ENTRY(moe_gemm_prefill_partial_n256_ws3b, WsLayout423)
+
+#define MOE_GEMM_PREFILL_WSB_ENTRY(NAME, W)                                                                      \
+    extern "C" __global__ void __launch_bounds__(kWsThreads, 1) NAME(                                           \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                 \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,                 \
+        const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {           \
+        prefill_wsb_body<W>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, offsets, experts,            \
+                            rows_total, partial);                                                                \
+    }
+
+MOE_GEMM_PREFILL_WSB_ENTRY(moe_gemm_prefill_partial_n256_wsb, WsLayout532)

@@ -105,6 +105,8 @@ enum Mode {
     Ws256,
     /// ... its variant with 3 BF16 B tiles.
     Ws256x3b,
+    /// ... its variant with the B dequant shared with the wgmma warp groups.
+    Ws256b,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -136,6 +138,7 @@ fn check_prefill(
             Mode::Tile256 => "forced, tile 128x256",
             Mode::Ws256 => "forced, warp-specialized 128x256",
             Mode::Ws256x3b => "forced, warp-specialized 128x256, 3 B tiles",
+            Mode::Ws256b => "forced, warp-specialized 128x256, balanced dequant",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -151,11 +154,11 @@ fn check_prefill(
             "{label}: launch_partial would not route to the prefill kernel"
         );
         mg::launch_partial(gpu, dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
-    } else if mode == Mode::Ws256 || mode == Mode::Ws256x3b {
-        let mainloop = if mode == Mode::Ws256 {
-            prefill::Mainloop::WarpSpecialized
-        } else {
-            prefill::Mainloop::WarpSpecialized3B
+    } else if matches!(mode, Mode::Ws256 | Mode::Ws256x3b | Mode::Ws256b) {
+        let mainloop = match mode {
+            Mode::Ws256 => prefill::Mainloop::WarpSpecialized,
+            Mode::Ws256x3b => prefill::Mainloop::WarpSpecialized3B,
+            _ => prefill::Mainloop::WarpSpecializedBalanced,
         };
         prefill::launch_partial_prefill_with(
             gpu,
@@ -384,6 +387,7 @@ fn check_ws_bit_identical(
     dw: &DeviceExpertWeights,
     rb: &RoutedBatch,
     nvfp4: bool,
+    mainloops: &[prefill::Mainloop],
     rng: &mut impl Rng,
 ) {
     let a = gathered_activations(rng, rb, w.k, nvfp4);
@@ -414,10 +418,7 @@ fn check_ws_bit_identical(
     // written (no poison left on an owned row) for the comparison to mean anything.
     let unwritten = want[..rows * w.n].iter().filter(|v| v.is_nan()).count();
     assert_eq!(unwritten, 0, "{label}: n256 left {unwritten} NaN elements");
-    for mainloop in [
-        prefill::Mainloop::WarpSpecialized,
-        prefill::Mainloop::WarpSpecialized3B,
-    ] {
+    for &mainloop in mainloops {
         let mut ws_ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
         gpu.fill_bytes(&mut ws_ws.partial, 0x7F).unwrap();
         prefill::launch_partial_prefill_with(
@@ -478,10 +479,30 @@ fn compare_bits(label: &str, rb: &RoutedBatch, got: &[f32], want: &[f32], len: u
 
 #[test]
 fn gpu_prefill_ws_partials_bit_identical_to_n256() {
-    let Some(gpu) = gpu_for_test("gpu_prefill_ws_partials_bit_identical_to_n256") else {
+    ws_bit_identity_suite(
+        "gpu_prefill_ws_partials_bit_identical_to_n256",
+        &[
+            prefill::Mainloop::WarpSpecialized,
+            prefill::Mainloop::WarpSpecialized3B,
+        ],
+    );
+}
+
+#[test]
+fn gpu_prefill_wsb_partials_bit_identical_to_n256() {
+    ws_bit_identity_suite(
+        "gpu_prefill_wsb_partials_bit_identical_to_n256",
+        &[prefill::Mainloop::WarpSpecializedBalanced],
+    );
+}
+
+/// The bit-identity checks of the warp-specialized mainloops (one test per candidate so a failing candidate does
+/// not hide the others).
+fn ws_bit_identity_suite(test: &str, mainloops: &[prefill::Mainloop]) {
+    let Some(gpu) = gpu_for_test(test) else {
         return;
     };
-    let mut rng = seeded("gpu_prefill_ws_partials_bit_identical_to_n256");
+    let mut rng = seeded(test);
     // Tile edges (0, 1, 127, 128, 129), an expert of 4096 rows, empty experts first, in the middle and last.
     // N = 2048: 38 token tiles x 8 n tiles = 304 work items > 132 CTAs, so CTAs run 2-3 items back to back and the
     // ring positions / mbarrier phases carry across item boundaries (16 stages per item: 3+ laps of the 5 slots).
@@ -498,6 +519,7 @@ fn gpu_prefill_ws_partials_bit_identical_to_n256() {
             &dw,
             &rb,
             nvfp4,
+            mainloops,
             &mut rng,
         );
     }
@@ -518,13 +540,22 @@ fn gpu_prefill_ws_partials_bit_identical_to_n256() {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         let rb = batch_with_counts(&counts);
-        check_ws_bit_identical(&gpu, label, &w, &dw, &rb, nvfp4, &mut rng);
+        check_ws_bit_identical(&gpu, label, &w, &dw, &rb, nvfp4, mainloops, &mut rng);
     }
     // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles): the bench's routing, small N and K.
     let w = quantized_weights(&mut rng, 256, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = RoutedBatch::random(&mut rng, 4096, 256, 6, None).unwrap();
-    check_ws_bit_identical(&gpu, "4096 tokens, 6 of 256", &w, &dw, &rb, true, &mut rng);
+    check_ws_bit_identical(
+        &gpu,
+        "4096 tokens, 6 of 256",
+        &w,
+        &dw,
+        &rb,
+        true,
+        mainloops,
+        &mut rng,
+    );
 }
 
 #[test]
@@ -579,6 +610,44 @@ fn gpu_prefill_ws_matches_the_cpu_reference() {
 }
 
 #[test]
+fn gpu_prefill_wsb_matches_the_cpu_reference() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_wsb_matches_the_cpu_reference") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_wsb_matches_the_cpu_reference");
+    let counts = [0usize, 1, 7, 64, 65, 127, 0, 128, 129, 256, 300, 0];
+    let (n, k) = (256, 1024);
+    let w = quantized_weights(&mut rng, counts.len(), n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&counts);
+    for nvfp4 in [false, true] {
+        check_prefill(
+            &gpu,
+            &format!("counts {counts:?}"),
+            &w,
+            &dw,
+            &rb,
+            nvfp4,
+            Mode::Ws256b,
+            &mut rng,
+        );
+    }
+    let w = quantized_weights(&mut rng, 3, 256, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&[4096, 5, 0]);
+    check_prefill(
+        &gpu,
+        "4096 rows",
+        &w,
+        &dw,
+        &rb,
+        true,
+        Mode::Ws256b,
+        &mut rng,
+    );
+}
+
+#[test]
 fn gpu_prefill_ws_rejects_the_128_wide_tile() {
     let Some(gpu) = gpu_for_test("gpu_prefill_ws_rejects_the_128_wide_tile") else {
         return;
@@ -594,6 +663,7 @@ fn gpu_prefill_ws_rejects_the_128_wide_tile() {
     for mainloop in [
         prefill::Mainloop::WarpSpecialized,
         prefill::Mainloop::WarpSpecialized3B,
+        prefill::Mainloop::WarpSpecializedBalanced,
     ] {
         let err = prefill::launch_partial_prefill_with(
             &gpu,

@@ -10,9 +10,10 @@
 //!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
-//! * `nvfp4_wgmma256_ws` / `nvfp4_wgmma256_ws3b` (contiguous points only; session-5 A/B): the warp-specialized
-//!   128 x 256 mainloop (`prefill::Mainloop::WarpSpecialized` / `WarpSpecialized3B`: 2 or 3 BF16 B tiles),
-//!   bit-identical partials to `nvfp4_wgmma256`.
+//! * `nvfp4_wgmma256_ws` / `_ws3b` / `_wsb` (contiguous points only; session-5 A/B): the warp-specialized
+//!   128 x 256 mainloop (`prefill::Mainloop::WarpSpecialized` / `WarpSpecialized3B` / `WarpSpecializedBalanced`:
+//!   2 or 3 BF16 B tiles, or the B dequant shared with the wgmma warp groups), bit-identical partials to
+//!   `nvfp4_wgmma256`.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -41,6 +42,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma256_ws",
     "nvfp4_wgmma256_ws3b",
+    "nvfp4_wgmma256_wsb",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -51,7 +53,12 @@ pub const VARIANTS: &[&str] = &[
 fn is_ours(variant: &str) -> bool {
     matches!(
         variant,
-        "nvfp4" | "nvfp4_wgmma" | "nvfp4_wgmma256" | "nvfp4_wgmma256_ws" | "nvfp4_wgmma256_ws3b"
+        "nvfp4"
+            | "nvfp4_wgmma"
+            | "nvfp4_wgmma256"
+            | "nvfp4_wgmma256_ws"
+            | "nvfp4_wgmma256_ws3b"
+            | "nvfp4_wgmma256_wsb"
     )
 }
 
@@ -98,6 +105,15 @@ fn launch_variant(
             ws,
             prefill::TILE_N_WIDE,
             prefill::Mainloop::WarpSpecialized3B,
+        ),
+        "nvfp4_wgmma256_wsb" => prefill::launch_partial_prefill_with(
+            gpu,
+            w,
+            a,
+            dg,
+            ws,
+            prefill::TILE_N_WIDE,
+            prefill::Mainloop::WarpSpecializedBalanced,
         ),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
