@@ -380,6 +380,7 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
 /// different NaN patterns) and require bit-identical partial sums on every row: same dequantized tiles, same
 /// wgmma sequence, same restore (see the .cu), so any difference is a pipeline bug (a stage read before it was
 /// complete, a slot overwritten too early, a wrong ring position after a work-item boundary).
+#[allow(clippy::too_many_arguments)]
 fn check_ws_bit_identical(
     gpu: &Gpu,
     label: &str,
