@@ -63,7 +63,11 @@ fn is_ours(variant: &str) -> bool {
 }
 
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    variant.starts_with("nvfp4_wgmma") && dg.capacity != 0
+    // The session-5 warp-specialized candidates only where `launch_partial` routes to the prefill kernel
+    // (Flash: 4096 and 16384 tokens), to keep the A/B run short.
+    let below_prefill = dg.rows_total < prefill::MIN_MEAN_ROWS_PER_EXPERT * dg.experts;
+    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
+        || (variant.starts_with("nvfp4_wgmma256_ws") && below_prefill)
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
