@@ -374,3 +374,650 @@ __device__ __forceinline__ void prefill_body(
 
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial, 128)
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
+
+// ============================================================================================================
+// Session-5 A/B candidates: `moe_gemm_prefill_partial_n256_ws` / `_ws3b`, a warp-specialized form of the 128 x 256
+// mainloop, templated on the ring sizes R (raw + A slots), P (prefetch distance), B (BF16 B tiles):
+// `_ws` R = 5, P = 3, B = 2; `_ws3b` R = 4, P = 2, B = 3 (both fit the 227 KiB opt-in; see WsLayout).
+// Same arithmetic, so the partial sums are bit-identical to moe_gemm_prefill_partial_n256: the same dequant
+// (dequant8 / sw128_offset above, same byte layout of every BF16 operand tile), the same 4 m64n256k16 wgmma per
+// 64-K stage in the same K order on the same tiles, accumulators from 0, the same 2^9 / 2^18 restore.
+// Why: the n256 loop runs ~2400 cycles per stage against ~1024 of MMA (ncu: cp.async issue stalls, two CTA
+// barriers per stage, scale loads behind the barrier, the tensor pipe idle from wait_group 0 until every warp
+// has dequantized the next stage). Here no role waits for another role's whole stage except through mbarriers,
+// and the consumers keep one wgmma group queued while the next stage is being prepared.
+//
+// Roles (384 threads, 1 CTA per SM):
+//   warp group 0 ("producer"): cp.async of the RAW stage (B codes + scales; A as NVFP4 codes + scales or as the
+//     swizzled BF16 tile) P stages ahead into an R-slot ring, then the NVFP4 -> BF16 dequant of the B tile (256 rows)
+//     into a B-slot ring. 128 threads x 4 (row, K-half) pieces per stage; piece q = u + 128 i -> B row q / 2,
+//     half q % 2: the same (row, half) -> bytes map as dequant_tile, so the B tile bytes are identical.
+//   warp groups 1, 2 ("consumers", c = 0, 1; token rows [64 c, 64 c + 64)): with NVFP4 A, dequantize their own 64
+//     A rows (thread v: row 64 c + v / 2, half v % 2, as dequant_tile) into the A tile of the ring slot, then
+//     4 wgmma on (A rows of c, B tile), commit, wgmma.wait_group 1 (the previous stage retires; this one stays
+//     queued on the tensor pipe), release the previous stage's slots; epilogue as prefill_body.
+// Shared memory: A tiles (R x 16 KiB, slot s), B tiles (B x 32 KiB), raw ring (R x 13.5 KiB), R + 2B mbarriers.
+//
+// Flat stage counter k = (local item index) * stages + st, counted identically by both roles over the CTA's items
+// (item = blockIdx.x + i * gridDim.x), so ring positions and phases run on across work items:
+//   ring slot  s = k % R, use u = k / R;   B slot b = k % B, use v = k / B.
+// mbarrier phase protocol (a phase completes when its expected arrivals are in; `wait(bar, p)` = try_wait.parity p,
+// which returns once the phase of parity p has completed; a fresh barrier is in phase 0, so waiting on parity 1
+// returns at once):
+//   slot_empty[s] (256 arrivals: every consumer thread after its wgmma.wait_group retired stage k, i.e. both warp
+//     groups' wgmma stopped reading A tile s and the consumers' A dequant of raw slot s is done):
+//     the producer waits parity (u & 1) ^ 1 before writing slot s for stage k (use u = 0 passes at once; use u
+//     waits for the release of use u - 1).
+//   b_full[b] (128 arrivals: every producer thread after cp.async.wait_group proved ITS copies of stage k landed,
+//     fence.proxy.async, and its share of the B dequant + fence.proxy.async): consumers wait parity v & 1. This
+//     one barrier also publishes the raw A / BF16 A of stage k (written by the same threads before they arrive).
+//   b_empty[b] (256 arrivals: every consumer thread after stage k retired): the producer waits parity (v & 1) ^ 1
+//     before dequantizing stage k into B slot b.
+// No lapping: a phase of one barrier cannot complete twice before its waiters saw it, because each barrier's next
+// phase needs arrivals that only come after the other side's wait on the current one (e.g. b_full of stage k + B
+// needs b_empty of stage k, i.e. every consumer thread already passed its b_full wait of stage k).
+// Deadlock freedom: producer iteration k dequantizes stage k into the B slot of stage k - B <= k - 2 (B >= 2), arrives
+// on b_full of k, then issues stage k + P into the slot of stage k + P - R <= k - 1 (R >= P + 1); consumers retire
+// j once they have issued j + 1, which needs only b_full of j + 1: for j = k - 2 the producer's previous iteration,
+// for j = k - 1 this iteration's arrival. Consumers need only b_full. The dequant of stage k thus waits for stage
+// max(k - B, k - 1 + P - R) to retire: k - 2 for _ws, k - 3 for _ws3b (up to 2 stages ahead of the tensor pipe).
+// A CPU model of these handoffs (prefill.rs, ws_mbarrier_protocol_*) runs random interleavings of both configs and
+// checks for deadlocks and for any read of a slot that does not hold the expected stage.
+// Within a consumer warp group the A tile of stage k is written by all 4 warps and read by the collective wgmma:
+// fence.proxy.async + a 128-thread named barrier (id 2 + c) in between. The producer's raw B of stage k is
+// written by all 128 producer threads and read by others: cp.async.wait_group + named barrier (id 1) in between.
+// Overwriting A tile s (consumers, NVFP4 A) is ordered after the last wgmma read of it by slot_empty -> producer's
+// cp.async into slot s -> b_full chain.
+// ============================================================================================================
+namespace {
+
+constexpr int kWsThreads = 384;
+
+// kRing raw + A tile slots, producer prefetch distance kPrefetch (issues stage k + kPrefetch while dequantizing
+// stage k), kBTiles BF16 B tiles (the producer's dequant may run kBTiles - 1 stages ahead of the tensor pipe).
+template <int kRing_, int kPrefetch_, int kBTiles_>
+struct WsLayout {
+    static constexpr int kRing = kRing_, kPrefetch = kPrefetch_, kBTiles = kBTiles_;
+    using L = Layout<256>;
+    static constexpr int kA = 0;                                // kRing x 16 KiB (128 token rows)
+    static constexpr int kB = kA + kRing * kTileBytes;          // kBTiles x 32 KiB (256 weight rows)
+    static constexpr int kRaw = kB + kBTiles * L::kBTile;       // kRing x 13.5 KiB
+    static constexpr int kBars = kRaw + kRing * L::kRawStage;   // kRing + 2 kBTiles 8-byte mbarriers
+    static constexpr int kBytes = kBars + 128;                  // + 1024 alignment slack requested by the host
+    static_assert(kRing >= kPrefetch + 1 && kBTiles >= 2, "see the deadlock argument above");
+    static_assert(kRing + 2 * kBTiles <= 16, "mbarriers fit in 128 bytes");
+};
+// `_ws`: 5 slots, prefetch 3, 2 B tiles. `_ws3b`: 4 slots, prefetch 2, 3 B tiles (the producer may run 2 stages
+// ahead, which also hides the consumers' A dequant; shorter global-load lead).
+using WsLayout532 = WsLayout<5, 3, 2>;
+using WsLayout423 = WsLayout<4, 2, 3>;
+// prefill.rs SMEM_BYTES_N256_WS / SMEM_BYTES_N256_WS3B must equal these + 1024.
+static_assert(WsLayout532::kBytes + 1024 == 217728, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_N256_WS in sync");
+static_assert(WsLayout423::kBytes + 1024 == 220288, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_N256_WS3B in sync");
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+// Spin until the phase of parity `parity` completed. Watchdog: a wait longer than 2^34 cycles (~10 s; the whole
+// kernel runs for milliseconds) can only be a protocol bug, and trapping turns it into a launch error that fails
+// the test instead of hanging the GPU run.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    if (mbar_try_wait(bar, parity)) return;
+    const long long t0 = clock64();
+    while (!mbar_try_wait(bar, parity)) {
+        if (clock64() - t0 > (1ll << 34)) __trap();
+    }
+}
+__device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// One (row, K-half) piece of a raw NVFP4 stage -> 4 swizzled 16-byte chunks: exactly dequant_tile's per-thread
+// work for `row` (rows >= 128 land 16 KiB further, where (row & 7) and thus the swizzle are unchanged; the raw
+// codes / scales of row 128 i + r sit at i * kRawCodes / i * kRawScales + r * 32 / r * 4, i.e. row * 32 / row * 4).
+// Split into a load half and a convert-and-store half so a caller with several pieces can issue all shared
+// loads first (the byte-pointer stores of one piece would otherwise keep the compiler from hoisting the next
+// piece's loads above them).
+struct RawPiece {
+    uint4 codes;
+    uint32_t scales;  // two e4m3 block scales (K-half h: blocks 2h, 2h + 1)
+};
+__device__ __forceinline__ RawPiece load_piece(const uint8_t* raw_codes, const uint8_t* raw_scales, uint32_t row,
+                                               uint32_t h) {
+    RawPiece p;
+    p.codes = *reinterpret_cast<const uint4*>(raw_codes + row * 32 + h * 16);
+    p.scales = *reinterpret_cast<const uint16_t*>(raw_scales + row * 4 + h * 2);
+    return p;
+}
+__device__ __forceinline__ void store_piece(const RawPiece& p, uint8_t* tile, uint32_t row, uint32_t h) {
+    const uint4 c = p.codes;
+    const uint32_t sc = p.scales;
+    const uint32_t s0 = scale_bf16x2(sc & 0xFF), s1 = scale_bf16x2(sc >> 8);
+    const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint4 o = dequant8(words[j], j < 2 ? s0 : s1);
+        *reinterpret_cast<uint4*>(tile + sw128_offset(row, 4 * h + j)) = o;
+    }
+}
+
+}  // namespace
+
+template <class W>
+__device__ __forceinline__ void prefill_ws_body(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    constexpr int TN = 256;
+    constexpr int kWsRing = W::kRing, kWsPrefetch = W::kPrefetch, kWsBTiles = W::kBTiles;
+    using L = Layout<TN>;
+    extern __shared__ uint8_t ws_smem_raw[];
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWsThreads / 32];
+
+    uint8_t* smem = ws_smem_raw + ((1024u - (smem_u32(ws_smem_raw) & 1023u)) & 1023u);
+    const uint32_t smem_base = smem_u32(smem);
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int E = experts;
+    const int wg = tid >> 7;  // 0: producer, 1 and 2: consumers
+
+    auto expert_rows = [&](int e, int& start, int& count) {
+        const int lo = min(max(offsets[e], 0), rows_total);
+        const int hi = min(max(offsets[e + 1], lo), rows_total);
+        start = lo;
+        count = hi - lo;
+    };
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + kTileM - 1) / kTileM; }
+        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + kTileM - 1) / kTileM; }
+    }
+    const uint32_t bars = smem_base + W::kBars;
+    auto slot_empty = [&](int s) { return bars + 8u * s; };
+    auto b_full = [&](int b) { return bars + 8u * (kWsRing + b); };
+    auto b_empty = [&](int b) { return bars + 8u * (kWsRing + kWsBTiles + b); };
+    if (tid == 0) {
+        for (int s = 0; s < kWsRing; ++s) mbar_init(slot_empty(s), 256);
+        for (int b = 0; b < kWsBTiles; ++b) {
+            mbar_init(b_full(b), 128);
+            mbar_init(b_empty(b), 256);
+        }
+    }
+    // Also publishes the mbarrier inits (its __syncthreads) before any use.
+    expert_tile_prefix<kWsThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+
+    const int n_tiles = N / TN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    if (blockIdx.x >= items) return;
+    const int my_items = (int)((items - 1 - blockIdx.x) / gridDim.x) + 1;
+    const int stages = K / kStageK;
+    const int total = my_items * stages;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+
+    // Work item -> expert token tile and n tile (as prefill_body).
+    auto decode_item = [&](int local, int& row0, int& ntok, int& n0, int& e) {
+        const long long item = blockIdx.x + (long long)local * gridDim.x;
+        const int n_tile = (int)(item % n_tiles);
+        const int et = (int)(item / n_tiles);
+        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        e = lo;
+        int start, count;
+        expert_rows(e, start, count);
+        row0 = start + (et - s_tile_prefix[e]) * kTileM;
+        ntok = min(kTileM, count - (et - s_tile_prefix[e]) * kTileM);
+        n0 = n_tile * TN;
+    };
+
+    if (wg == 0) {
+        // ------------------------------------------------------------------------------------------- producer
+        const int u = tid;
+        int cur_local = -1, row0 = 0, ntok = 0;
+        const uint8_t* b_codes = nullptr;
+        const uint8_t* b_scales = nullptr;
+        auto issue = [&](int k) {
+            if (k < total) {
+                const int local = k / stages, st = k - local * stages;
+                if (local != cur_local) {
+                    int n0, e;
+                    decode_item(local, row0, ntok, n0, e);
+                    b_codes = w_codes + ((size_t)e * N + n0) * codes_row;
+                    b_scales = w_scales + ((size_t)e * N + n0) * scales_row;
+                    cur_local = local;
+                }
+                const int slot = k % kWsRing, use = k / kWsRing;
+                mbar_wait(slot_empty(slot), (use & 1) ^ 1);
+                const uint32_t raw = smem_base + W::kRaw + slot * L::kRawStage;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // B codes: 256 rows x 2 halves
+                    const int q = u + 128 * i, r = q >> 1, h = q & 1;
+                    cp_async16(raw + r * 32 + h * 16, b_codes + r * codes_row + st * 32 + h * 16, 16);
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {  // B scales: 256 rows x 4 bytes
+                    const int r = u + 128 * i;
+                    cp_async4(raw + L::kRawBCodes + r * 4, b_scales + r * scales_row + st * 4, 4);
+                }
+                if (!act_is_nvfp4) {
+                    const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(act);
+                    const uint32_t tile = smem_base + W::kA + slot * kTileBytes;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int q = u + 128 * i;
+                        const int r = q >> 3, c = q & 7;
+                        const bool ok = r < ntok;
+                        const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                        cp_async16(tile + sw128_offset(r, c), a + grow * K + st * kStageK + c * 8, ok ? 16 : 0);
+                    }
+                } else {
+                    const uint8_t* a = reinterpret_cast<const uint8_t*>(act);
+                    const uint32_t rawa = raw + L::kRawA;
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const int q = u + 128 * i, r = q >> 1, h = q & 1;
+                        const bool ok = r < ntok;
+                        const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                        cp_async16(rawa + r * 32 + h * 16, a + grow * codes_row + st * 32 + h * 16, ok ? 16 : 0);
+                    }
+                    const bool ok = u < ntok;
+                    const size_t grow = (size_t)(row0 + (ok ? u : 0));
+                    cp_async4(rawa + kRawCodes + u * 4, act_scales + grow * scales_row + st * 4, ok ? 4 : 0);
+                }
+            }
+            cp_async_commit();  // always one group per k, possibly empty: wait_group counts stay uniform
+        };
+
+#pragma unroll 1
+        for (int k = 0; k < kWsPrefetch; ++k) issue(k);
+        // Iteration k dequantizes stage k, then issues stage k + P: issuing first would make the dequant of stage k
+        // wait for the slot of stage k + P - R to retire, i.e. cap the producer's lead at 2 stages whatever B is.
+#pragma unroll 1
+        for (int k = 0; k < total; ++k) {
+            // Groups committed so far: P (prologue) + k (iterations 0..k-1) = stages 0..k+P-1; allowing P - 1
+            // pending means groups 0..k are complete: this thread's copies of stage k landed.
+            cp_async_wait<kWsPrefetch - 1>();
+            if (!act_is_nvfp4) fence_proxy_async();  // BF16 A landed by cp.async is read by wgmma (async proxy)
+            named_bar_sync(1, 128);        // every producer thread's copies of stage k landed
+            const int b = k % kWsBTiles, v = k / kWsBTiles;
+            mbar_wait(b_empty(b), (v & 1) ^ 1);
+            const uint8_t* raw = smem + W::kRaw + (k % kWsRing) * L::kRawStage;
+            uint8_t* btile = smem + W::kB + b * L::kBTile;
+            RawPiece pieces[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int q = u + 128 * i;
+                pieces[i] = load_piece(raw, raw + L::kRawBCodes, q >> 1, q & 1);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int q = u + 128 * i;
+                store_piece(pieces[i], btile, q >> 1, q & 1);
+            }
+            fence_proxy_async();
+            mbar_arrive(b_full(b));
+            issue(k + kWsPrefetch);
+        }
+        cp_async_wait<0>();
+    } else {
+        // ------------------------------------------------------------------------------------------- consumers
+        const int c = wg - 1, v = tid & 127;
+        const float restore = act_is_nvfp4 ? 0x1p18f : 0x1p9f;
+        int k = 0;
+#pragma unroll 1
+        for (int local = 0; local < my_items; ++local) {
+            int row0, ntok, n0, e;
+            decode_item(local, row0, ntok, n0, e);
+            float d[TN / 2];
+#pragma unroll
+            for (int i = 0; i < TN / 2; ++i) d[i] = 0.f;
+#pragma unroll 1
+            for (int st = 0; st < stages; ++st, ++k) {
+                const int b = k % kWsBTiles, slot = k % kWsRing;
+                mbar_wait(b_full(b), (k / kWsBTiles) & 1);
+                if (act_is_nvfp4) {
+                    const uint8_t* rawa = smem + W::kRaw + slot * L::kRawStage + L::kRawA;
+                    const uint32_t row = 64 * c + (v >> 1), h = v & 1;
+                store_piece(load_piece(rawa, rawa + kRawCodes, row, h), smem + W::kA + slot * kTileBytes, row, h);
+                    fence_proxy_async();
+                    named_bar_sync(2 + c, 128);
+                }
+                const uint32_t a_tile = smem_base + W::kA + slot * kTileBytes + c * (64 * 128);
+                const uint32_t b_tile = smem_base + W::kB + b * L::kBTile;
+                const uint64_t da = sw128_desc(a_tile), db = sw128_desc(b_tile);
+                fence_acc(d);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kStageK / 16; ++kk) wgmma_tile<TN>(d, da + 2 * kk, db + 2 * kk);
+                wgmma_commit();
+                wgmma_wait<1>();  // stage k - 1 retired (if any); stage k stays queued
+                if (st > 0) {
+                    mbar_arrive(b_empty((k - 1) % kWsBTiles));
+                    mbar_arrive(slot_empty((k - 1) % kWsRing));
+                }
+            }
+            wgmma_wait<0>();
+            fence_acc(d);
+            mbar_arrive(b_empty((k - 1) % kWsBTiles));
+            mbar_arrive(slot_empty((k - 1) % kWsRing));
+
+            // Epilogue (as prefill_body): fp32 partial sums, scale restored, rows < ntok only.
+            const int wl = v >> 5;
+            const int r_lo = c * 64 + wl * 16 + (lane >> 2);
+#pragma unroll
+            for (int j = 0; j < TN / 8; ++j) {
+                const int col = n0 + 8 * j + 2 * (lane & 3);
+                if (r_lo < ntok) {
+                    *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo) * N + col) =
+                        make_float2(d[4 * j] * restore, d[4 * j + 1] * restore);
+                }
+                if (r_lo + 8 < ntok) {
+                    *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo + 8) * N + col) =
+                        make_float2(d[4 * j + 2] * restore, d[4 * j + 3] * restore);
+                }
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// `moe_gemm_prefill_partial_n256_wsb` ("balanced"): the same pipeline with the B dequant split between the roles, for
+// the case where one producer warp per scheduler cannot dequantize 256 B rows per stage in the MMA time.
+//   producer (warp group 0): cp.async of stage k + P (as above), arrives on raw_full[k % R] once its copies of stage
+//     k landed, then dequantizes B rows 128..255 of stage k (2 pieces per thread) and arrives on b_full.
+//   consumer warp group c: right after issuing the wgmma of stage k (while the tensor pipe runs it), dequantizes
+//     stage k + 1: its own A rows [64 c, 64 c + 64) (1 piece per thread) and B rows [64 c, 64 c + 64) (1 piece per
+//     thread), then arrives on b_full of stage k + 1. Stage k + 1 may belong to the next work item: the raw ring
+//     holds the flat stage sequence, and the dequant does not depend on the item.
+// Same pieces (row, half) -> bytes as dequant_tile, so the tiles and the partials stay bit-identical.
+// Barriers (flat stage k; s = k % R, b = k % B as above):
+//   raw_full[s]  (128: producer threads after cp.async.wait_group proved their copies of stage k landed [+ the
+//                 proxy fence for BF16 A]): every dequantizer waits parity (k / R) & 1 before reading raw slot s.
+//   b_full[b]    (384: all threads, after their share of stage k's B (and, consumers, A) tile + fence.proxy.async):
+//                 consumers wait parity (k / B) & 1 before the wgmma of stage k. It also covers the A tiles, so the
+//                 consumers need no named barrier.
+//   b_empty[b]   (256: consumer threads after stage k retired): every B writer waits parity ((k / B) & 1) ^ 1
+//                 before writing stage k into B slot b (consumers: for stage k + 1, after retiring k - 1 themselves).
+//   slot_empty[s] as above (the consumers' A dequant writes A tile s after raw_full of that stage, which comes after
+//                 the producer's slot_empty wait for it).
+// Deadlock freedom: producer iteration k needs b_empty of k - B <= k - 2 and slot_empty of k + P - R <= k - 1, both
+// released by consumer iteration k - 1 / k (retire k - 2 after issuing k - 1; retire k - 1 after issuing k, which
+// needs b_full of k: the producer's arrival earlier in this iteration and the consumers' prepare of k in their
+// iteration k - 1). Consumer iteration k needs b_full of k and, for its prepare of k + 1, raw_full of k + 1 (the
+// producer only has to reach iteration k + 1) and b_empty of k + 1 - B <= k - 1 (retired by both warp groups in
+// iteration k before they prepare). Modelled in prefill.rs (ws_mbarrier_protocol_*) with the other two entries.
+template <class W>
+__device__ __forceinline__ void prefill_wsb_body(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    constexpr int TN = 256;
+    constexpr int kWsRing = W::kRing, kWsPrefetch = W::kPrefetch, kWsBTiles = W::kBTiles;
+    static_assert(2 * kWsRing + 2 * kWsBTiles <= 16, "mbarriers fit in 128 bytes");
+    using L = Layout<TN>;
+    extern __shared__ uint8_t ws_smem_raw[];
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[kWsThreads / 32];
+
+    uint8_t* smem = ws_smem_raw + ((1024u - (smem_u32(ws_smem_raw) & 1023u)) & 1023u);
+    const uint32_t smem_base = smem_u32(smem);
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int E = experts;
+    const int wg = tid >> 7;  // 0: producer, 1 and 2: consumers
+
+    auto expert_rows = [&](int e, int& start, int& count) {
+        const int lo = min(max(offsets[e], 0), rows_total);
+        const int hi = min(max(offsets[e + 1], lo), rows_total);
+        start = lo;
+        count = hi - lo;
+    };
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + kTileM - 1) / kTileM; }
+        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + kTileM - 1) / kTileM; }
+    }
+    const uint32_t bars = smem_base + W::kBars;
+    auto slot_empty = [&](int s) { return bars + 8u * s; };
+    auto raw_full = [&](int s) { return bars + 8u * (kWsRing + s); };
+    auto b_full = [&](int b) { return bars + 8u * (2 * kWsRing + b); };
+    auto b_empty = [&](int b) { return bars + 8u * (2 * kWsRing + kWsBTiles + b); };
+    if (tid == 0) {
+        for (int s = 0; s < kWsRing; ++s) {
+            mbar_init(slot_empty(s), 256);
+            mbar_init(raw_full(s), 128);
+        }
+        for (int b = 0; b < kWsBTiles; ++b) {
+            mbar_init(b_full(b), kWsThreads);
+            mbar_init(b_empty(b), 256);
+        }
+    }
+    // Also publishes the mbarrier inits (its __syncthreads) before any use.
+    expert_tile_prefix<kWsThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+
+    const int n_tiles = N / TN;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    if (blockIdx.x >= items) return;
+    const int my_items = (int)((items - 1 - blockIdx.x) / gridDim.x) + 1;
+    const int stages = K / kStageK;
+    const int total = my_items * stages;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+
+    auto decode_item = [&](int local, int& row0, int& ntok, int& n0, int& e) {
+        const long long item = blockIdx.x + (long long)local * gridDim.x;
+        const int n_tile = (int)(item % n_tiles);
+        const int et = (int)(item / n_tiles);
+        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        e = lo;
+        int start, count;
+        expert_rows(e, start, count);
+        row0 = start + (et - s_tile_prefix[e]) * kTileM;
+        ntok = min(kTileM, count - (et - s_tile_prefix[e]) * kTileM);
+        n0 = n_tile * TN;
+    };
+
+    if (wg == 0) {
+        // ------------------------------------------------------------------------------------------- producer
+        const int u = tid;
+        int cur_local = -1, row0 = 0, ntok = 0;
+        const uint8_t* b_codes = nullptr;
+        const uint8_t* b_scales = nullptr;
+        auto issue = [&](int k) {
+            if (k < total) {
+                const int local = k / stages, st = k - local * stages;
+                if (local != cur_local) {
+                    int n0, e;
+                    decode_item(local, row0, ntok, n0, e);
+                    b_codes = w_codes + ((size_t)e * N + n0) * codes_row;
+                    b_scales = w_scales + ((size_t)e * N + n0) * scales_row;
+                    cur_local = local;
+                }
+                const int slot = k % kWsRing, use = k / kWsRing;
+                mbar_wait(slot_empty(slot), (use & 1) ^ 1);
+                const uint32_t raw = smem_base + W::kRaw + slot * L::kRawStage;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // B codes: 256 rows x 2 halves
+                    const int q = u + 128 * i, r = q >> 1, h = q & 1;
+                    cp_async16(raw + r * 32 + h * 16, b_codes + r * codes_row + st * 32 + h * 16, 16);
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {  // B scales: 256 rows x 4 bytes
+                    const int r = u + 128 * i;
+                    cp_async4(raw + L::kRawBCodes + r * 4, b_scales + r * scales_row + st * 4, 4);
+                }
+                if (!act_is_nvfp4) {
+                    const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(act);
+                    const uint32_t tile = smem_base + W::kA + slot * kTileBytes;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const int q = u + 128 * i;
+                        const int r = q >> 3, c = q & 7;
+                        const bool ok = r < ntok;
+                        const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                        cp_async16(tile + sw128_offset(r, c), a + grow * K + st * kStageK + c * 8, ok ? 16 : 0);
+                    }
+                } else {
+                    const uint8_t* a = reinterpret_cast<const uint8_t*>(act);
+                    const uint32_t rawa = raw + L::kRawA;
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const int q = u + 128 * i, r = q >> 1, h = q & 1;
+                        const bool ok = r < ntok;
+                        const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                        cp_async16(rawa + r * 32 + h * 16, a + grow * codes_row + st * 32 + h * 16, ok ? 16 : 0);
+                    }
+                    const bool ok = u < ntok;
+                    const size_t grow = (size_t)(row0 + (ok ? u : 0));
+                    cp_async4(rawa + kRawCodes + u * 4, act_scales + grow * scales_row + st * 4, ok ? 4 : 0);
+                }
+            }
+            cp_async_commit();  // always one group per k, possibly empty: wait_group counts stay uniform
+        };
+
+#pragma unroll 1
+        for (int k = 0; k < kWsPrefetch; ++k) issue(k);
+#pragma unroll 1
+        for (int k = 0; k < total; ++k) {
+            const int slot = k % kWsRing;
+            cp_async_wait<kWsPrefetch - 1>();  // groups 0..k complete: this thread's copies of stage k landed
+            if (!act_is_nvfp4) fence_proxy_async();  // BF16 A landed by cp.async is read by wgmma (async proxy)
+            mbar_arrive(raw_full(slot));
+            mbar_wait(raw_full(slot), (k / kWsRing) & 1);  // everyone's copies of stage k landed
+            const int b = k % kWsBTiles;
+            mbar_wait(b_empty(b), ((k / kWsBTiles) & 1) ^ 1);
+            const uint8_t* raw = smem + W::kRaw + slot * L::kRawStage;
+            uint8_t* btile = smem + W::kB + b * L::kBTile;
+            RawPiece pieces[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {  // B rows 128..255: piece q = u + 128 i -> row 128 + q / 2, half q % 2
+                const int q = u + 128 * i;
+                pieces[i] = load_piece(raw, raw + L::kRawBCodes, 128 + (q >> 1), q & 1);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int q = u + 128 * i;
+                store_piece(pieces[i], btile, 128 + (q >> 1), q & 1);
+            }
+            fence_proxy_async();
+            mbar_arrive(b_full(b));
+            issue(k + kWsPrefetch);
+        }
+        cp_async_wait<0>();
+    } else {
+        // ------------------------------------------------------------------------------------------- consumers
+        const int c = wg - 1, v = tid & 127;
+        const float restore = act_is_nvfp4 ? 0x1p18f : 0x1p9f;
+        const uint32_t my_row = 64 * c + (v >> 1), my_half = v & 1;
+        // Dequantize this thread's share of stage j (A piece with NVFP4 A, B piece) and arrive on its b_full.
+        auto prepare = [&](int j) {
+            const int slot = j % kWsRing, b = j % kWsBTiles;
+            mbar_wait(raw_full(slot), (j / kWsRing) & 1);
+            mbar_wait(b_empty(b), ((j / kWsBTiles) & 1) ^ 1);
+            const uint8_t* raw = smem + W::kRaw + slot * L::kRawStage;
+            const RawPiece pb = load_piece(raw, raw + L::kRawBCodes, my_row, my_half);
+            if (act_is_nvfp4) {
+                const uint8_t* rawa = raw + L::kRawA;
+                const RawPiece pa = load_piece(rawa, rawa + kRawCodes, my_row, my_half);
+                store_piece(pa, smem + W::kA + slot * kTileBytes, my_row, my_half);
+            }
+            store_piece(pb, smem + W::kB + b * L::kBTile, my_row, my_half);
+            fence_proxy_async();
+            mbar_arrive(b_full(b));
+        };
+        int k = 0;
+        if (total > 0) prepare(0);
+#pragma unroll 1
+        for (int local = 0; local < my_items; ++local) {
+            int row0, ntok, n0, e;
+            decode_item(local, row0, ntok, n0, e);
+            float d[TN / 2];
+#pragma unroll
+            for (int i = 0; i < TN / 2; ++i) d[i] = 0.f;
+#pragma unroll 1
+            for (int st = 0; st < stages; ++st, ++k) {
+                const int b = k % kWsBTiles, slot = k % kWsRing;
+                mbar_wait(b_full(b), (k / kWsBTiles) & 1);
+                const uint32_t a_tile = smem_base + W::kA + slot * kTileBytes + c * (64 * 128);
+                const uint32_t b_tile = smem_base + W::kB + b * L::kBTile;
+                const uint64_t da = sw128_desc(a_tile), db = sw128_desc(b_tile);
+                fence_acc(d);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kStageK / 16; ++kk) wgmma_tile<TN>(d, da + 2 * kk, db + 2 * kk);
+                wgmma_commit();
+                wgmma_wait<1>();  // stage k - 1 retired (if any); stage k stays queued
+                if (st > 0) {
+                    mbar_arrive(b_empty((k - 1) % kWsBTiles));
+                    mbar_arrive(slot_empty((k - 1) % kWsRing));
+                }
+                if (k + 1 < total) prepare(k + 1);  // overlaps the wgmma of stage k
+            }
+            wgmma_wait<0>();
+            fence_acc(d);
+            mbar_arrive(b_empty((k - 1) % kWsBTiles));
+            mbar_arrive(slot_empty((k - 1) % kWsRing));
+
+            // Epilogue (as prefill_body): fp32 partial sums, scale restored, rows < ntok only.
+            const int wl = v >> 5;
+            const int r_lo = c * 64 + wl * 16 + (lane >> 2);
+#pragma unroll
+            for (int j = 0; j < TN / 8; ++j) {
+                const int col = n0 + 8 * j + 2 * (lane & 3);
+                if (r_lo < ntok) {
+                    *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo) * N + col) =
+                        make_float2(d[4 * j] * restore, d[4 * j + 1] * restore);
+                }
+                if (r_lo + 8 < ntok) {
+                    *reinterpret_cast<float2*>(partial + (size_t)(row0 + r_lo + 8) * N + col) =
+                        make_float2(d[4 * j + 2] * restore, d[4 * j + 3] * restore);
+                }
+            }
+        }
+    }
+}
+
+// grid = persistent, block = 384, dynamic smem = W::kBytes + 1024. N % 256 == 0, K % 64 == 0,
+// 1 <= experts <= 512 (checked by the launcher). Same contract as moe_gemm_prefill_partial_n256.
+#define MOE_GEMM_PREFILL_WS_ENTRY(NAME, W)                                                                       \
+    extern "C" __global__ void __launch_bounds__(kWsThreads, 1) NAME(                                           \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                 \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,                 \
+        const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {           \
+        prefill_ws_body<W>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, offsets, experts, rows_total, \
+                           partial);                                                                             \
+    }
+
+MOE_GEMM_PREFILL_WS_ENTRY(moe_gemm_prefill_partial_n256_ws, WsLayout532)
+MOE_GEMM_PREFILL_WS_ENTRY(moe_gemm_prefill_partial_n256_ws3b, WsLayout423)
+
+#define MOE_GEMM_PREFILL_WSB_ENTRY(NAME, W)                                                                      \
+    extern "C" __global__ void __launch_bounds__(kWsThreads, 1) NAME(                                           \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                 \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,                 \
+        const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {           \
+        prefill_wsb_body<W>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, offsets, experts,            \
+                            rows_total, partial);                                                                \
+    }
+
+MOE_GEMM_PREFILL_WSB_ENTRY(moe_gemm_prefill_partial_n256_wsb, WsLayout532)

@@ -101,6 +101,12 @@ enum Mode {
     Tile128,
     /// ... with the 128 x 256 tile (m64n256k16).
     Tile256,
+    /// `prefill::launch_partial_prefill_with` with the warp-specialized 128 x 256 mainloop (session-5 A/B).
+    Ws256,
+    /// ... its variant with 3 BF16 B tiles.
+    Ws256x3b,
+    /// ... its variant with the B dequant shared with the wgmma warp groups.
+    Ws256b,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -130,6 +136,9 @@ fn check_prefill(
             Mode::Routed => "via launch_partial",
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
+            Mode::Ws256 => "forced, warp-specialized 128x256",
+            Mode::Ws256x3b => "forced, warp-specialized 128x256, 3 B tiles",
+            Mode::Ws256b => "forced, warp-specialized 128x256, balanced dequant",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -145,6 +154,22 @@ fn check_prefill(
             "{label}: launch_partial would not route to the prefill kernel"
         );
         mg::launch_partial(gpu, dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
+    } else if matches!(mode, Mode::Ws256 | Mode::Ws256x3b | Mode::Ws256b) {
+        let mainloop = match mode {
+            Mode::Ws256 => prefill::Mainloop::WarpSpecialized,
+            Mode::Ws256x3b => prefill::Mainloop::WarpSpecialized3B,
+            _ => prefill::Mainloop::WarpSpecializedBalanced,
+        };
+        prefill::launch_partial_prefill_with(
+            gpu,
+            dw,
+            &da.view(),
+            &dg,
+            &mut ws,
+            prefill::TILE_N_WIDE,
+            mainloop,
+        )
+        .unwrap();
     } else {
         let tile = if mode == Mode::Tile256 {
             prefill::TILE_N_WIDE
@@ -347,4 +372,304 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     let err = prefill::launch_partial_prefill_tile(&gpu, &dw, &da.view(), &dg, &mut ws3, 256)
         .unwrap_err();
     assert!(err.to_string().contains("tile width"), "{err}");
+}
+
+// ------------------------------------------------------------------ session-5 A/B: warp-specialized mainloop
+
+/// Run the 128 x 256 `Sync` kernel and the warp-specialized kernel on the same inputs (outputs poisoned with two
+/// different NaN patterns) and require bit-identical partial sums on every row: same dequantized tiles, same
+/// wgmma sequence, same restore (see the .cu), so any difference is a pipeline bug (a stage read before it was
+/// complete, a slot overwritten too early, a wrong ring position after a work-item boundary).
+#[allow(clippy::too_many_arguments)]
+fn check_ws_bit_identical(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    nvfp4: bool,
+    mainloops: &[prefill::Mainloop],
+    rng: &mut impl Rng,
+) {
+    let a = gathered_activations(rng, rb, w.k, nvfp4);
+    let da = DevA::upload(gpu, &a);
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let rows = rb.grouping.rows_total();
+    let label = format!(
+        "{label} [{} A, {} experts, rows {rows}, N {}, K {}]",
+        if nvfp4 { "NVFP4" } else { "BF16" },
+        w.experts,
+        w.n,
+        w.k
+    );
+    let mut ws_sync = Workspace::new(gpu, 1, rows, w.n).unwrap();
+    gpu.fill_bytes(&mut ws_sync.partial, 0xFF).unwrap();
+    prefill::launch_partial_prefill_tile(
+        gpu,
+        dw,
+        &da.view(),
+        &dg,
+        &mut ws_sync,
+        prefill::TILE_N_WIDE,
+    )
+    .unwrap();
+    gpu.synchronize().unwrap();
+    let want = gpu.download(&ws_sync.partial).unwrap();
+    // The n256 partials themselves are checked against the f64 reference by the tests above; here they must be
+    // written (no poison left on an owned row) for the comparison to mean anything.
+    let unwritten = want[..rows * w.n].iter().filter(|v| v.is_nan()).count();
+    assert_eq!(unwritten, 0, "{label}: n256 left {unwritten} NaN elements");
+    for &mainloop in mainloops {
+        let mut ws_ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws_ws.partial, 0x7F).unwrap();
+        prefill::launch_partial_prefill_with(
+            gpu,
+            dw,
+            &da.view(),
+            &dg,
+            &mut ws_ws,
+            prefill::TILE_N_WIDE,
+            mainloop,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let got = gpu.download(&ws_ws.partial).unwrap();
+        compare_bits(
+            &format!("{label} {mainloop:?}"),
+            rb,
+            &got,
+            &want,
+            rows * w.n,
+            w.n,
+        );
+    }
+}
+
+/// Bitwise comparison of the first `len` partial sums (the owned rows, N columns each), first mismatch located.
+fn compare_bits(label: &str, rb: &RoutedBatch, got: &[f32], want: &[f32], len: usize, n: usize) {
+    let mut bad = 0usize;
+    let mut first: Option<String> = None;
+    for i in 0..len {
+        if got[i].to_bits() != want[i].to_bits() {
+            bad += 1;
+            if first.is_none() {
+                let (r, c) = (i / n, i % n);
+                let e = rb.grouping.expert_of_row(r);
+                let start = e.map(|e| rb.grouping.expert_rows(e).start).unwrap_or(0);
+                first = Some(format!(
+                    "row {r} (expert {e:?}, row {} of its tile of 128) col {c} (n tile {}, col {} in tile): \
+                     ws {} ({:#010x}) n256 {} ({:#010x})",
+                    (r - start) % 128,
+                    c / 256,
+                    c % 256,
+                    got[i],
+                    got[i].to_bits(),
+                    want[i],
+                    want[i].to_bits()
+                ));
+            }
+        }
+    }
+    eprintln!("{label}: {len} elements, {bad} differ from n256");
+    assert!(
+        bad == 0,
+        "{label}: {bad} of {len} partial sums differ from n256; first: {}",
+        first.unwrap()
+    );
+}
+
+#[test]
+fn gpu_prefill_ws_partials_bit_identical_to_n256() {
+    ws_bit_identity_suite(
+        "gpu_prefill_ws_partials_bit_identical_to_n256",
+        &[
+            prefill::Mainloop::WarpSpecialized,
+            prefill::Mainloop::WarpSpecialized3B,
+        ],
+    );
+}
+
+#[test]
+fn gpu_prefill_wsb_partials_bit_identical_to_n256() {
+    ws_bit_identity_suite(
+        "gpu_prefill_wsb_partials_bit_identical_to_n256",
+        &[prefill::Mainloop::WarpSpecializedBalanced],
+    );
+}
+
+/// The bit-identity checks of the warp-specialized mainloops (one test per candidate so a failing candidate does
+/// not hide the others).
+fn ws_bit_identity_suite(test: &str, mainloops: &[prefill::Mainloop]) {
+    let Some(gpu) = gpu_for_test(test) else {
+        return;
+    };
+    let mut rng = seeded(test);
+    // Tile edges (0, 1, 127, 128, 129), an expert of 4096 rows, empty experts first, in the middle and last.
+    // N = 2048: 38 token tiles x 8 n tiles = 304 work items > 132 CTAs, so CTAs run 2-3 items back to back and the
+    // ring positions / mbarrier phases carry across item boundaries (16 stages per item: 3+ laps of the 5 slots).
+    let counts = [0usize, 1, 127, 128, 129, 0, 4096, 65, 0];
+    let (n, k) = (2048, 1024);
+    let w = quantized_weights(&mut rng, counts.len(), n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&counts);
+    for nvfp4 in [true, false] {
+        check_ws_bit_identical(
+            &gpu,
+            &format!("counts {counts:?}"),
+            &w,
+            &dw,
+            &rb,
+            nvfp4,
+            mainloops,
+            &mut rng,
+        );
+    }
+    // Flash L1 / L2 and Pro L2 expert shapes, few rows; stage counts 64, 32, 48 and the shortest K the family
+    // accepts (512: 8 stages), none a multiple of the 5-slot ring (so ring slots shift between work items).
+    for (label, n, k, counts, nvfp4) in [
+        ("Flash L1", 4096usize, 4096usize, vec![300usize, 129], true),
+        ("Flash L2", 4096, 2048, vec![70, 0, 65], false),
+        ("Pro L2", 7168, 3072, vec![131], true),
+        ("short K", 256, 512, vec![5, 0, 260], true),
+    ] {
+        let w = quantized_weights(&mut rng, counts.len(), n, k);
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+        let rb = batch_with_counts(&counts);
+        check_ws_bit_identical(&gpu, label, &w, &dw, &rb, nvfp4, mainloops, &mut rng);
+    }
+    // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles): the bench's routing, small N and K.
+    let w = quantized_weights(&mut rng, 256, 256, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = RoutedBatch::random(&mut rng, 4096, 256, 6, None).unwrap();
+    check_ws_bit_identical(
+        &gpu,
+        "4096 tokens, 6 of 256",
+        &w,
+        &dw,
+        &rb,
+        true,
+        mainloops,
+        &mut rng,
+    );
+}
+
+#[test]
+fn gpu_prefill_ws_matches_the_cpu_reference() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_ws_matches_the_cpu_reference") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_ws_matches_the_cpu_reference");
+    let counts = [0usize, 1, 7, 64, 65, 127, 0, 128, 129, 256, 300, 0];
+    let (n, k) = (256, 1024);
+    let w = quantized_weights(&mut rng, counts.len(), n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&counts);
+    for (nvfp4, mode) in [
+        (false, Mode::Ws256),
+        (true, Mode::Ws256),
+        (false, Mode::Ws256x3b),
+        (true, Mode::Ws256x3b),
+    ] {
+        check_prefill(
+            &gpu,
+            &format!("counts {counts:?}"),
+            &w,
+            &dw,
+            &rb,
+            nvfp4,
+            mode,
+            &mut rng,
+        );
+    }
+    // One expert of 4096 rows (32 token tiles: several items per CTA only if N grows, see the bit-identity test).
+    let w = quantized_weights(&mut rng, 3, 256, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&[4096, 5, 0]);
+    for mode in [Mode::Ws256, Mode::Ws256x3b] {
+        check_prefill(&gpu, "4096 rows", &w, &dw, &rb, true, mode, &mut rng);
+    }
+    // Pro L2 expert shape (N = 7168, K = 3072), a few rows across a tile edge, BF16 A.
+    let w = quantized_weights(&mut rng, 1, 7168, 3072);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&[130]);
+    check_prefill(
+        &gpu,
+        "Pro L2",
+        &w,
+        &dw,
+        &rb,
+        false,
+        Mode::Ws256x3b,
+        &mut rng,
+    );
+}
+
+#[test]
+fn gpu_prefill_wsb_matches_the_cpu_reference() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_wsb_matches_the_cpu_reference") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_wsb_matches_the_cpu_reference");
+    let counts = [0usize, 1, 7, 64, 65, 127, 0, 128, 129, 256, 300, 0];
+    let (n, k) = (256, 1024);
+    let w = quantized_weights(&mut rng, counts.len(), n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&counts);
+    for nvfp4 in [false, true] {
+        check_prefill(
+            &gpu,
+            &format!("counts {counts:?}"),
+            &w,
+            &dw,
+            &rb,
+            nvfp4,
+            Mode::Ws256b,
+            &mut rng,
+        );
+    }
+    let w = quantized_weights(&mut rng, 3, 256, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&[4096, 5, 0]);
+    check_prefill(
+        &gpu,
+        "4096 rows",
+        &w,
+        &dw,
+        &rb,
+        true,
+        Mode::Ws256b,
+        &mut rng,
+    );
+}
+
+#[test]
+fn gpu_prefill_ws_rejects_the_128_wide_tile() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_ws_rejects_the_128_wide_tile") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_ws_rejects_the_128_wide_tile");
+    let w = quantized_weights(&mut rng, 2, 256, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&[2, 1]);
+    let a = gathered_activations(&mut rng, &rb, 512, true);
+    let da = DevA::upload(&gpu, &a);
+    let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+    let mut ws = Workspace::new(&gpu, 1, 3, 256).unwrap();
+    for mainloop in [
+        prefill::Mainloop::WarpSpecialized,
+        prefill::Mainloop::WarpSpecialized3B,
+        prefill::Mainloop::WarpSpecializedBalanced,
+    ] {
+        let err = prefill::launch_partial_prefill_with(
+            &gpu,
+            &dw,
+            &da.view(),
+            &dg,
+            &mut ws,
+            prefill::TILE_N,
+            mainloop,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("warp-specialized"), "{err}");
+    }
 }

@@ -43,6 +43,32 @@ pub const SMEM_BYTES: usize = RING * 16384 + 2 * 16384 + RING * 9216 + 1024;
 pub const TILE_N_WIDE: usize = 256;
 /// Dynamic shared memory of the wide variant: B tiles and raw B stages twice as large (`Layout<256>` + 1024).
 pub const SMEM_BYTES_N256: usize = RING * 16384 + 2 * 32768 + RING * (9216 + 4608) + 1024;
+/// Dynamic shared memory of the warp-specialized wide variant (`moe_gemm_prefill_partial_n256_ws`,
+/// `WsLayout` + 1024): 5 A tiles (16 KiB), 2 B tiles (32 KiB), 5 raw stages (13.5 KiB), 9 mbarriers (128 B).
+pub const SMEM_BYTES_N256_WS: usize = 5 * 16384 + 2 * 32768 + 5 * (9216 + 4608) + 128 + 1024;
+/// ... of `moe_gemm_prefill_partial_n256_ws3b`: 4 A tiles, 3 B tiles, 4 raw stages, 10 mbarriers (128 B).
+pub const SMEM_BYTES_N256_WS3B: usize = 4 * 16384 + 3 * 32768 + 4 * (9216 + 4608) + 128 + 1024;
+const THREADS_WS: u32 = 384;
+
+/// Which prefill mainloop a launch uses (an A/B option; [`launch_partial_prefill`] uses [`Mainloop::Sync`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mainloop {
+    /// `moe_gemm_prefill_partial` / `_n256`: all 256 threads copy, dequantize and issue wgmma, two CTA barriers
+    /// per 64-K stage. Tile width [`TILE_N`] or [`TILE_N_WIDE`].
+    Sync,
+    /// `moe_gemm_prefill_partial_n256_ws`: warp-specialized 128 x 256 tile (one producer/dequant warp group, two
+    /// wgmma warp groups, mbarrier handoffs; see the .cu): 5-slot raw ring, prefetch 3, 2 BF16 B tiles. Needs
+    /// `N % 256 == 0`. Partial sums bit-identical to the `Sync` 128 x 256 kernel.
+    WarpSpecialized,
+    /// `moe_gemm_prefill_partial_n256_ws3b`: the same with a 4-slot ring, prefetch 2 and 3 B tiles (the dequant
+    /// may run 2 stages ahead of the tensor pipe).
+    WarpSpecialized3B,
+    /// `moe_gemm_prefill_partial_n256_wsb`: the `WarpSpecialized` rings with the B dequant split: the producer
+    /// dequantizes B rows 128..255, each consumer warp group 64 of rows 0..127 (and its A rows) for stage k + 1
+    /// while the wgmma of stage k runs.
+    WarpSpecializedBalanced,
+}
+
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
 /// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
 /// mostly padding and the swap-AB mma.sync kernel wins.
@@ -103,11 +129,50 @@ pub fn launch_partial_prefill_tile(
     ws: &mut Workspace,
     tile_n: usize,
 ) -> Result<()> {
+    launch_partial_prefill_with(gpu, w, a, grp, ws, tile_n, Mainloop::Sync)
+}
+
+/// [`launch_partial_prefill_tile`] with a chosen mainloop: [`Mainloop::WarpSpecialized`] needs
+/// `tile_n == TILE_N_WIDE`.
+pub fn launch_partial_prefill_with(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    ws: &mut Workspace,
+    tile_n: usize,
+    mainloop: Mainloop,
+) -> Result<()> {
     check_shape(w.n, w.k)?;
-    let (name, smem) = match tile_n {
-        TILE_N => ("moe_gemm_prefill_partial", SMEM_BYTES),
-        TILE_N_WIDE => ("moe_gemm_prefill_partial_n256", SMEM_BYTES_N256),
-        other => bail!("moe_gemm prefill: tile width {other} (known: {TILE_N}, {TILE_N_WIDE})"),
+    let (name, smem, threads) = match (tile_n, mainloop) {
+        (TILE_N, Mainloop::Sync) => ("moe_gemm_prefill_partial", SMEM_BYTES, THREADS),
+        (TILE_N_WIDE, Mainloop::Sync) => ("moe_gemm_prefill_partial_n256", SMEM_BYTES_N256, THREADS),
+        (TILE_N_WIDE, Mainloop::WarpSpecialized) => (
+            "moe_gemm_prefill_partial_n256_ws",
+            SMEM_BYTES_N256_WS,
+            THREADS_WS,
+        ),
+        (TILE_N_WIDE, Mainloop::WarpSpecialized3B) => (
+            "moe_gemm_prefill_partial_n256_ws3b",
+            SMEM_BYTES_N256_WS3B,
+            THREADS_WS,
+        ),
+        (TILE_N_WIDE, Mainloop::WarpSpecializedBalanced) => (
+            "moe_gemm_prefill_partial_n256_wsb",
+            SMEM_BYTES_N256_WS,
+            THREADS_WS,
+        ),
+        (other, Mainloop::Sync) => {
+            bail!("moe_gemm prefill: tile width {other} (known: {TILE_N}, {TILE_N_WIDE})")
+        }
+        (
+            other,
+            Mainloop::WarpSpecialized
+            | Mainloop::WarpSpecialized3B
+            | Mainloop::WarpSpecializedBalanced,
+        ) => bail!(
+            "moe_gemm prefill: tile width {other} with the warp-specialized mainloop (known: {TILE_N_WIDE})"
+        ),
     };
     ensure!(
         w.n.is_multiple_of(tile_n),
@@ -180,7 +245,7 @@ pub fn launch_partial_prefill_tile(
         .arg(&act_scales)
         .arg(&is_nvfp4);
     b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-    unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
+    unsafe { b.launch(launch_cfg((ctas, 1, 1), (threads, 1, 1), smem as u32)) }
         .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
@@ -335,6 +400,330 @@ mod tests {
                         "word {word:#010x} element {i} scale {scale_code:#04x}: got {g} want {want}"
                     );
                 }
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- model of the warp-specialized handoffs
+
+    /// Ring sizes of the warp-specialized entries (WsLayout532 / WsLayout423 in the .cu): (R, P, B), and whether
+    /// the B dequant is shared with the consumers (`_wsb`).
+    const WS_PIPELINES: [((usize, usize, usize), bool); 3] =
+        [((5, 3, 2), false), ((4, 2, 3), false), ((5, 3, 2), true)];
+
+    /// An mbarrier as the PTX ISA defines it: a phase completes when `expected` arrivals are in;
+    /// `try_wait.parity p` succeeds once the phase of parity p has completed, i.e. when the current phase's
+    /// parity differs from p.
+    struct MBar {
+        phase: u32,
+        pending: u32,
+        expected: u32,
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    enum Op {
+        /// Named barrier (`bar.sync`) of group g: arrive, then wait for the generation to complete.
+        BarArrive(usize),
+        BarWait(usize),
+        Wait(usize, u32),
+        Arrive(usize),
+        /// Producer thread writes its share of raw slot s with stage k (cp.async).
+        WriteRaw(usize, usize),
+        /// A thread writes its share of B slot b / A tile of ring slot s with stage k (dequant).
+        WriteB(usize, usize),
+        WriteA(usize, usize),
+        /// A dequantizer reads raw stage k (every share must hold it).
+        ReadRaw(usize),
+        /// Consumer thread reads stage k's wgmma operands (raw slot, B slot, A tile shares must all hold k).
+        Read(usize),
+        /// Consumer thread's wgmma of stage k retired (wait_group): same check, then counted as retired.
+        Retire(usize),
+    }
+
+    struct Barriers {
+        slot_empty: usize,
+        raw_full: usize,
+        b_full: usize,
+        b_empty: usize,
+        count: usize,
+    }
+
+    fn ws_barriers((r, _, b): (usize, usize, usize), balanced: bool) -> Barriers {
+        if balanced {
+            Barriers {
+                slot_empty: 0,
+                raw_full: r,
+                b_full: 2 * r,
+                b_empty: 2 * r + b,
+                count: 2 * r + 2 * b,
+            }
+        } else {
+            Barriers {
+                slot_empty: 0,
+                raw_full: usize::MAX,
+                b_full: r,
+                b_empty: r + b,
+                count: r + 2 * b,
+            }
+        }
+    }
+
+    /// The per-thread programs of the .cu (producer threads first, then consumer warp group 0, then 1).
+    fn ws_programs(
+        (r, p, b): (usize, usize, usize),
+        balanced: bool,
+        producers: usize,
+        consumers_per_wg: usize,
+        items: usize,
+        stages: usize,
+    ) -> Vec<Vec<Op>> {
+        let total = items * stages;
+        let bars = ws_barriers((r, p, b), balanced);
+        let parity = |k: usize, n: usize| ((k / n) & 1) as u32;
+        let mut progs = Vec::new();
+        for _ in 0..producers {
+            let mut ops = Vec::new();
+            let issue = |ops: &mut Vec<Op>, k: usize| {
+                if k < total {
+                    ops.push(Op::Wait(bars.slot_empty + k % r, parity(k, r) ^ 1));
+                    ops.push(Op::WriteRaw(k % r, k));
+                }
+            };
+            for k in 0..p {
+                issue(&mut ops, k);
+            }
+            for k in 0..total {
+                if balanced {
+                    ops.push(Op::Arrive(bars.raw_full + k % r));
+                    ops.push(Op::Wait(bars.raw_full + k % r, parity(k, r)));
+                } else {
+                    ops.push(Op::BarArrive(0));
+                    ops.push(Op::BarWait(0));
+                }
+                ops.push(Op::ReadRaw(k));
+                ops.push(Op::Wait(bars.b_empty + k % b, parity(k, b) ^ 1));
+                ops.push(Op::WriteB(k % b, k));
+                ops.push(Op::Arrive(bars.b_full + k % b));
+                issue(&mut ops, k + p);
+            }
+            progs.push(ops);
+        }
+        for wg in 0..2 {
+            for _ in 0..consumers_per_wg {
+                let mut ops = Vec::new();
+                let prepare = |ops: &mut Vec<Op>, j: usize| {
+                    ops.push(Op::Wait(bars.raw_full + j % r, parity(j, r)));
+                    ops.push(Op::ReadRaw(j));
+                    ops.push(Op::Wait(bars.b_empty + j % b, parity(j, b) ^ 1));
+                    ops.push(Op::WriteA(j % r, j));
+                    ops.push(Op::WriteB(j % b, j));
+                    ops.push(Op::Arrive(bars.b_full + j % b));
+                };
+                let mut k = 0;
+                if balanced && total > 0 {
+                    prepare(&mut ops, 0);
+                }
+                for _ in 0..items {
+                    for st in 0..stages {
+                        ops.push(Op::Wait(bars.b_full + k % b, parity(k, b)));
+                        if !balanced {
+                            // The A dequant of stage k into its own rows, then the warp group's named barrier.
+                            ops.push(Op::ReadRaw(k));
+                            ops.push(Op::WriteA(k % r, k));
+                            ops.push(Op::BarArrive(1 + wg));
+                            ops.push(Op::BarWait(1 + wg));
+                        }
+                        ops.push(Op::Read(k));
+                        if st > 0 {
+                            ops.push(Op::Retire(k - 1));
+                            ops.push(Op::Arrive(bars.b_empty + (k - 1) % b));
+                            ops.push(Op::Arrive(bars.slot_empty + (k - 1) % r));
+                        }
+                        if balanced && k + 1 < total {
+                            prepare(&mut ops, k + 1);
+                        }
+                        k += 1;
+                    }
+                    ops.push(Op::Retire(k - 1));
+                    ops.push(Op::Arrive(bars.b_empty + (k - 1) % b));
+                    ops.push(Op::Arrive(bars.slot_empty + (k - 1) % r));
+                }
+                progs.push(ops);
+            }
+        }
+        progs
+    }
+
+    /// Run the programs under a random interleaving; Err on a deadlock or on a read / overwrite of the wrong
+    /// stage (a slot overwritten while a consumer may still read it, or read before every share was written).
+    /// A-tile shares are per warp group in the .cu (each group reads only its own rows): modelled per group.
+    fn ws_simulate(
+        cfg: (usize, usize, usize),
+        balanced: bool,
+        producers: usize,
+        consumers_per_wg: usize,
+        items: usize,
+        stages: usize,
+        rng: &mut impl rand::Rng,
+    ) -> std::result::Result<(), String> {
+        let (r, _, b) = cfg;
+        let consumers = 2 * consumers_per_wg;
+        let agents = producers + consumers;
+        let progs = ws_programs(cfg, balanced, producers, consumers_per_wg, items, stages);
+        let bars_at = ws_barriers(cfg, balanced);
+        let b_writers = if balanced { agents } else { producers };
+        let mut bars: Vec<MBar> = (0..bars_at.count)
+            .map(|i| {
+                let expected = if (bars_at.b_full..bars_at.b_full + b).contains(&i) {
+                    b_writers
+                } else if balanced && (bars_at.raw_full..bars_at.raw_full + r).contains(&i) {
+                    producers
+                } else {
+                    consumers
+                } as u32;
+                MBar {
+                    phase: 0,
+                    pending: expected,
+                    expected,
+                }
+            })
+            .collect();
+        let group_size = [producers, consumers_per_wg, consumers_per_wg];
+        let (mut bar_count, mut bar_gen) = ([0usize; 3], [0usize; 3]);
+        let mut waiting_gen = vec![0usize; agents];
+        // Stage held by each writer's share (None: never written). Raw: producers; B: producers (+ consumers);
+        // A: consumers, indexed by agent - producers.
+        let mut raw: Vec<Vec<Option<usize>>> = vec![vec![None; producers]; r];
+        let mut bt: Vec<Vec<Option<usize>>> = vec![vec![None; b_writers]; b];
+        let mut at: Vec<Vec<Option<usize>>> = vec![vec![None; consumers]; r];
+        let total = items * stages;
+        let mut retired = vec![0usize; total];
+        let mut pc = vec![0usize; agents];
+        loop {
+            let runnable: Vec<usize> = (0..agents)
+                .filter(|&a| {
+                    pc[a] < progs[a].len()
+                        && match progs[a][pc[a]] {
+                            Op::Wait(i, par) => (bars[i].phase & 1) != par,
+                            Op::BarWait(g) => bar_gen[g] > waiting_gen[a],
+                            _ => true,
+                        }
+                })
+                .collect();
+            if runnable.is_empty() {
+                if (0..agents).all(|a| pc[a] == progs[a].len()) {
+                    return Ok(());
+                }
+                let stuck: Vec<String> = (0..agents)
+                    .filter(|&a| pc[a] < progs[a].len())
+                    .map(|a| format!("agent {a} at {:?}", progs[a][pc[a]]))
+                    .collect();
+                return Err(format!("deadlock: {}", stuck.join(", ")));
+            }
+            let a = runnable[rng.random_range(0..runnable.len())];
+            let op = progs[a][pc[a]];
+            let early = |k: usize,
+                         lag: usize,
+                         what: &str,
+                         retired: &[usize]|
+             -> std::result::Result<(), String> {
+                if k >= lag && retired[k - lag] != consumers {
+                    Err(format!(
+                        "agent {a}: {what} overwritten with stage {k} before stage {} retired",
+                        k - lag
+                    ))
+                } else {
+                    Ok(())
+                }
+            };
+            match op {
+                Op::BarArrive(g) => {
+                    waiting_gen[a] = bar_gen[g];
+                    bar_count[g] += 1;
+                    if bar_count[g] == group_size[g] {
+                        bar_count[g] = 0;
+                        bar_gen[g] += 1;
+                    }
+                }
+                Op::BarWait(_) | Op::Wait(..) => {}
+                Op::Arrive(i) => {
+                    let m = &mut bars[i];
+                    m.pending -= 1;
+                    if m.pending == 0 {
+                        m.phase += 1;
+                        m.pending = m.expected;
+                    }
+                }
+                Op::WriteRaw(s, k) => {
+                    early(k, r, "raw slot", &retired)?;
+                    raw[s][a] = Some(k);
+                }
+                Op::WriteB(s, k) => {
+                    early(k, b, "B slot", &retired)?;
+                    bt[s][a] = Some(k);
+                }
+                Op::WriteA(s, k) => {
+                    early(k, r, "A tile", &retired)?;
+                    at[s][a - producers] = Some(k);
+                }
+                Op::ReadRaw(k) => {
+                    if !raw[k % r].iter().all(|&x| x == Some(k)) {
+                        return Err(format!("agent {a} {op:?}: raw slot holds {:?}", raw[k % r]));
+                    }
+                }
+                Op::Read(k) | Op::Retire(k) => {
+                    let group = (a - producers) / consumers_per_wg;
+                    let a_shares =
+                        &at[k % r][group * consumers_per_wg..(group + 1) * consumers_per_wg];
+                    let ok = raw[k % r].iter().all(|&x| x == Some(k))
+                        && bt[k % b].iter().all(|&x| x == Some(k))
+                        && a_shares.iter().all(|&x| x == Some(k));
+                    if !ok {
+                        return Err(format!(
+                            "agent {a} {op:?}: raw slot {:?}, B slot {:?}, A tile {a_shares:?}",
+                            raw[k % r],
+                            bt[k % b]
+                        ));
+                    }
+                    if let Op::Retire(_) = op {
+                        retired[k] += 1;
+                    }
+                }
+            }
+            pc[a] += 1;
+        }
+    }
+
+    #[test]
+    fn ws_mbarrier_protocol_never_deadlocks_and_never_exposes_a_wrong_stage() {
+        use rand::SeedableRng;
+        let seed = crate::ops::inputs::fresh_seed("ws_mbarrier_protocol", "MOE_GEMM_SEED");
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for (cfg, balanced) in WS_PIPELINES {
+            assert!(
+                cfg.0 > cfg.1 && cfg.2 >= 2,
+                "{cfg:?} breaks the deadlock argument in the .cu"
+            );
+            for (items, stages) in [(1, 1), (1, 2), (3, 1), (2, 3), (3, 8), (2, 17)] {
+                for trial in 0..40 {
+                    ws_simulate(cfg, balanced, 2, 2, items, stages, &mut rng).unwrap_or_else(|e| {
+                        panic!(
+                            "seed {seed} (R, P, B) {cfg:?} balanced {balanced} items {items} stages {stages} \
+                             trial {trial}: {e}"
+                        )
+                    });
+                }
+            }
+        }
+        // The model does catch broken rings: R = P deadlocks (the producer's issue of stage k + P waits for stage k
+        // to retire, which needs b_full of k + 1, arrived only after that issue), and a single B tile deadlocks too.
+        for balanced in [false, true] {
+            for broken in [(3, 3, 2), (4, 2, 1)] {
+                let err = ws_simulate(broken, balanced, 2, 2, 2, 8, &mut rng).unwrap_err();
+                assert!(
+                    err.contains("deadlock"),
+                    "seed {seed} {broken:?} balanced {balanced}: {err}"
+                );
             }
         }
     }
