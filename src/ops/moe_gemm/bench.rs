@@ -12,10 +12,6 @@
 //!   (`DecodeMainloop::Tma`, src/ops/moe_gemm/tma.rs: TMA ring, bit-identical partials), same config and finish.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
-//! * `nvfp4_wgmma256_ws` / `_ws3b` / `_wsb` (contiguous points only; session-5 A/B): the warp-specialized
-//!   128 x 256 mainloop (`prefill::Mainloop::WarpSpecialized` / `WarpSpecialized3B` / `WarpSpecializedBalanced`:
-//!   2 or 3 BF16 B tiles, or the B dequant shared with the wgmma warp groups), bit-identical partials to
-//!   `nvfp4_wgmma256`.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -43,9 +39,6 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_tma",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
-    "nvfp4_wgmma256_ws",
-    "nvfp4_wgmma256_ws3b",
-    "nvfp4_wgmma256_wsb",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -60,21 +53,13 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_tma"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
-            | "nvfp4_wgmma256_ws"
-            | "nvfp4_wgmma256_ws3b"
-            | "nvfp4_wgmma256_wsb"
     )
 }
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
 /// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma).
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    // The session-5 warp-specialized candidates only where `launch_partial` routes to the prefill kernel
-    // (Flash: 4096 and 16384 tokens), to keep the A/B run short.
-    let below_prefill = dg.rows_total < prefill::MIN_MEAN_ROWS_PER_EXPERT * dg.experts;
-    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || (variant.starts_with("nvfp4_wgmma256_ws") && below_prefill)
-        || (variant == "nvfp4_tma" && dg.capacity == 0)
+    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0) || (variant == "nvfp4_tma" && dg.capacity == 0)
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
@@ -100,33 +85,6 @@ fn launch_variant(
             prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
         }
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
-        "nvfp4_wgmma256_ws" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::TILE_N_WIDE,
-            prefill::Mainloop::WarpSpecialized,
-        ),
-        "nvfp4_wgmma256_ws3b" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::TILE_N_WIDE,
-            prefill::Mainloop::WarpSpecialized3B,
-        ),
-        "nvfp4_wgmma256_wsb" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::TILE_N_WIDE,
-            prefill::Mainloop::WarpSpecializedBalanced,
-        ),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }

@@ -34,9 +34,7 @@ use anyhow::{bail, Result};
 use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
-use crate::gpu::pdl::{
-    allow_non_portable_cluster, launch_ex, launch_pdl, max_active_clusters, LaunchExOpts, RawArgs,
-};
+use crate::gpu::pdl::{launch_pdl, RawArgs};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
 
@@ -776,8 +774,7 @@ impl MhcPreOutputs {
 
     /// The split-K partials of the last launch, `[T, nmix+1, S]` with `S = mix_splits(d)`: entry
     /// `[t][j][s]` is the partial `F_j . x` over columns `[128 s, 128 s + 128)` of 4D, `j = nmix` the partial
-    /// sum of squares. Tests reduce them in the kernel's order to check the rest exactly. Not written by
-    /// [`MhcPrePath::Cluster`] (its partials stay in shared memory).
+    /// sum of squares. Tests reduce them in the kernel's order to check the rest exactly.
     pub fn partials(&self) -> &CudaSlice<f32> {
         &self.partials
     }
@@ -975,132 +972,9 @@ pub enum MhcPrePath {
     /// stages its weight tile while the previous finish runs. Needs sm_90 and a driver that captures PDL
     /// launches into graphs (CUDA >= 12.3).
     PdlPair,
-    /// Session-5 A/B: `mhc_pre_cluster_*`, the whole boundary in ONE PDL launch: one cluster of
-    /// [`MHC_CLUSTER_CTAS`] CTAs per group of up to 8 tokens computes the split partials into shared memory,
-    /// reduces them through distributed shared memory and runs the finish (same arithmetic: bit-identical
-    /// outputs; the partials workspace is not written). Needs sm_90, D % 512 == 0 and a device that schedules
-    /// 16-CTA clusters ([`mhc_cluster_plan`]).
-    Cluster,
 }
 
-/// CTAs per cluster of [`MhcPrePath::Cluster`] (a non-portable size: the F slice of D = 7168 fits one SM's
-/// shared memory only when split 16 ways).
-pub const MHC_CLUSTER_CTAS: usize = 16;
-/// Most tokens one cluster of [`MhcPrePath::Cluster`] takes (its finish tasks, 2 per token, fill the
-/// 16 CTAs once).
-pub const MHC_CLUSTER_MAX_TOKENS: usize = 8;
-/// Clusters [`mhc_cluster_plan`] spreads up to `4 x 8` tokens over.
-pub const MHC_CLUSTER_SPREAD: usize = 4;
-
-/// Launch shape of [`MhcPrePath::Cluster`] for `tokens` tokens of hidden size `d`: (tokens per cluster,
-/// clusters, dynamic shared memory bytes). Up to 32 tokens go to at most [`MHC_CLUSTER_SPREAD`] clusters (the
-/// tokens of a cluster add dot items to its CTAs; few clusters leave GPCs free for the next boundary's
-/// early-launched PDL grid, and a 16-CTA cluster needs a GPC with 16 free SMs: H200 GPCs hold 16-18 SMs, so
-/// not every GPC may take one), then 8 tokens per cluster.
-pub fn mhc_cluster_plan(tokens: usize, d: usize) -> Result<(usize, usize, usize)> {
-    if tokens == 0 {
-        bail!("mhc cluster path: no tokens");
-    }
-    if !d.is_multiple_of(MHC_CLUSTER_CTAS * MIX_COLS / 4) {
-        bail!(
-            "mhc cluster path: D = {d} must be a multiple of {} (4D/128 splits over {MHC_CLUSTER_CTAS} CTAs)",
-            MHC_CLUSTER_CTAS * MIX_COLS / 4
-        );
-    }
-    let per_cluster = tokens
-        .div_ceil(MHC_CLUSTER_SPREAD)
-        .clamp(1, MHC_CLUSTER_MAX_TOKENS);
-    let clusters = tokens.div_ceil(per_cluster);
-    let spc = mix_splits(d) / MHC_CLUSTER_CTAS;
-    let smem = spc * reference::HC_MIX * MIX_COLS * 4
-        + per_cluster * spc * MIX_COLS * 2
-        + per_cluster * (reference::HC_MIX + 1) * spc * 4;
-    Ok((per_cluster, clusters, smem))
-}
-
-/// How many clusters of [`MhcPrePath::Cluster`] for `tokens` tokens of hidden size `d` the device holds at once
-/// (0: the path cannot run here; each cluster is [`MHC_CLUSTER_CTAS`] CTAs of one SM each).
-pub fn mhc_cluster_max_active(
-    gpu: &Gpu,
-    tokens: usize,
-    d: usize,
-    format: OutFormat,
-) -> Result<usize> {
-    let (_, _, smem) = mhc_cluster_plan(tokens, d)?;
-    let name = format!("mhc_pre_cluster_{}", format.name());
-    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
-    allow_non_portable_cluster(&f, &name)?;
-    let opts = LaunchExOpts {
-        smem_bytes: smem as u32,
-        pdl: false,
-        cluster: Some((MHC_CLUSTER_CTAS as u32, 1, 1)),
-    };
-    max_active_clusters(gpu, &f, (row_block_threads(d), 1, 1), opts, &name)
-}
-
-fn launch_pre_cluster(
-    gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &MhcWeights,
-    eps: f32,
-    out: &mut MhcPreOutputs,
-) -> Result<()> {
-    let (tokens, d) = (out.tokens, out.d);
-    let (per_cluster, clusters, smem) = mhc_cluster_plan(tokens, d)?;
-    let name = format!("mhc_pre_cluster_{}", out.normed.format.name());
-    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
-    allow_non_portable_cluster(&f, &name)?;
-    let mut a = RawArgs::default();
-    a.slice(gpu, x)
-        .slice(gpu, &w.mix_fn)
-        .i32(tokens as i32)
-        .i32(d as i32)
-        .i32(per_cluster as i32)
-        .slice(gpu, &w.scale)
-        .slice(gpu, &w.base)
-        .slice(gpu, &w.norm_weight)
-        .f32(eps)
-        .slice(gpu, &out.pre)
-        .slice(gpu, &out.post)
-        .slice(gpu, &out.comb)
-        .slice(gpu, &out.u);
-    match &out.normed.q {
-        QuantBufs::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } => {
-            a.slice(gpu, data)
-                .slice(gpu, scales)
-                .slice(gpu, global_scale);
-        }
-        QuantBufs::Fp8 { data, scales } => {
-            a.slice(gpu, data).slice(gpu, scales);
-        }
-        QuantBufs::Bf16 { y } => {
-            a.slice(gpu, y);
-        }
-    }
-    a.slice(gpu, &out.normed.rstd);
-    let opts = LaunchExOpts {
-        smem_bytes: smem as u32,
-        pdl: true,
-        cluster: Some((MHC_CLUSTER_CTAS as u32, 1, 1)),
-    };
-    let grid = ((MHC_CLUSTER_CTAS * clusters) as u32, 1, 1);
-    launch_ex(
-        gpu,
-        &f,
-        grid,
-        (row_block_threads(d), 1, 1),
-        opts,
-        &mut a,
-        &name,
-    )
-}
-
-/// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths (the
-/// partials workspace aside: [`MhcPrePath::Cluster`] does not write it).
+/// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
 pub fn mhc_pre_with(
     gpu: &Gpu,
     x: &CudaSlice<bf16>,
@@ -1111,7 +985,6 @@ pub fn mhc_pre_with(
 ) -> Result<()> {
     check_mhc_pre(x, w, eps, out)?;
     match path {
-        MhcPrePath::Cluster => launch_pre_cluster(gpu, x, w, eps, out),
         MhcPrePath::TwoLaunch => {
             launch_mix_partial_v2(gpu, x, w, out.tokens, &mut out.partials)?;
             launch_pre_finish(gpu, x, w, eps, out)
@@ -1489,8 +1362,6 @@ pub fn bench_rows(
 /// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
 ///   so both stay measurable on both sides of the threshold (registered in graph form only);
 /// * `unfused`: the op-by-op chain;
-/// * `fused_cluster` (session-5 A/B, graph forms only): [`MhcPrePath::Cluster`], one launch per boundary;
-///   raced against `fused_pdl` with the same graph shape (its `baseline`);
 ///
 /// each timed three ways:
 /// * `<kind>_<fmt>`: plain stream launches, one boundary per event pair (host launch cost included);
@@ -1530,10 +1401,6 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_twolaunch_fp8",
     "graph16_fused_twolaunch_nvfp4",
     "graph16_fused_twolaunch_fp8",
-    "graph_fused_cluster_nvfp4",
-    "graph_fused_cluster_fp8",
-    "graph16_fused_cluster_nvfp4",
-    "graph16_fused_cluster_fp8",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
@@ -1643,7 +1510,6 @@ pub fn bench_mhc(
         "fused" => Some(None),
         "fused_pdl" => Some(Some(MhcPrePath::PdlPair)),
         "fused_twolaunch" => Some(Some(MhcPrePath::TwoLaunch)),
-        "fused_cluster" => Some(Some(MhcPrePath::Cluster)),
         "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
@@ -1688,13 +1554,7 @@ pub fn bench_mhc(
         1 => "graph_",
         _ => "graph16_",
     };
-    // The cluster A/B is raced against the PDL pair it would replace (the unfused chain at the same points is in
-    // the decode sweeps).
-    let base = if kind == "fused_cluster" {
-        Some(format!("{prefix}fused_pdl_{fmt}"))
-    } else {
-        fused.then(|| format!("{prefix}unfused_{fmt}"))
-    };
+    let base = fused.then(|| format!("{prefix}unfused_{fmt}"));
     Ok(point(bytes, s, base))
 }
 
