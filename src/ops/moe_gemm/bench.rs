@@ -10,6 +10,10 @@
 //!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
 //! * `nvfp4_tma` (masked / decode points only, session-5 A/B): `nvfp4` with the v6 decode mainloop
 //!   (`DecodeMainloop::Tma`, src/ops/moe_gemm/tma.rs: TMA ring, bit-identical partials), same config and finish.
+//! * `nvfp4_tma_tiled` (masked / decode points only, session-5 A/B): `nvfp4_tma` on weights re-laid by
+//!   `tma::tile_weights` into one contiguous 18 KB block per (expert, n tile, 256-K stage) (kernel
+//!   `moe_gemm_nvfp4_partial_v6t_nt*`, one 1D bulk copy per stage). The re-layout is weight preparation, done
+//!   once per point before timing (not timed); the tiled copy is held next to the plain weights.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `nvfp4_wgmma256_ws` / `_ws3b` / `_wsb` (contiguous points only; session-5 A/B): the warp-specialized
@@ -41,6 +45,7 @@ use crate::gpu::grid_1d;
 pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_tma",
+    "nvfp4_tma_tiled",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "nvfp4_wgmma256_ws",
@@ -58,6 +63,7 @@ fn is_ours(variant: &str) -> bool {
         variant,
         "nvfp4"
             | "nvfp4_tma"
+            | "nvfp4_tma_tiled"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma256_ws"
@@ -74,7 +80,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let below_prefill = dg.rows_total < prefill::MIN_MEAN_ROWS_PER_EXPERT * dg.experts;
     (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
         || (variant.starts_with("nvfp4_wgmma256_ws") && below_prefill)
-        || (variant == "nvfp4_tma" && dg.capacity == 0)
+        || (variant.starts_with("nvfp4_tma") && dg.capacity == 0)
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
@@ -85,10 +91,12 @@ fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn launch_variant(
     gpu: &Gpu,
     variant: &str,
     w: &DeviceExpertWeights,
+    tiled: Option<&tma::TiledExpertWeights>,
     a: &DeviceActivations,
     dg: &DeviceGrouping,
     cfg: &GemmConfig,
@@ -100,6 +108,10 @@ fn launch_variant(
             prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
         }
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
+        "nvfp4_tma_tiled" => {
+            let t = tiled.ok_or_else(|| anyhow!("nvfp4_tma_tiled: no tiled weights"))?;
+            launch_partial_mma_tiled(gpu, w, t, a, dg, cfg, ws)
+        }
         "nvfp4_wgmma256_ws" => prefill::launch_partial_prefill_with(
             gpu,
             w,
@@ -129,6 +141,20 @@ fn launch_variant(
         ),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
+}
+
+/// The tiled copy of the weights for `nvfp4_tma_tiled` (weight preparation, before the timed loop), else None.
+fn tiled_for(
+    gpu: &Gpu,
+    variant: &str,
+    w: &DeviceExpertWeights,
+) -> Result<Option<tma::TiledExpertWeights>> {
+    if variant != "nvfp4_tma_tiled" {
+        return Ok(None);
+    }
+    let t = tma::tile_weights(gpu, w)?;
+    gpu.synchronize()?;
+    Ok(Some(t))
 }
 
 pub fn kernels() -> Vec<BenchKernel> {
@@ -291,6 +317,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
+            let tiled = tiled_for(gpu, variant, &w)?;
             let mut codes = gpu.zeros::<u8>(rows * p.k / 2)?;
             let mut scales = gpu.zeros::<u8>(rows * p.k / 16)?;
             fill_weights(gpu, &mut codes, &mut scales, 17)?;
@@ -319,7 +346,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
-                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
             })?;
             Ok(vec![row(
@@ -346,6 +373,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
+            let tiled = tiled_for(gpu, variant, &w)?;
             // The L1 output (NVFP4 h with a per-row global scale), synthetic.
             let mut h = L1Output::new(gpu, rows, p.k, false)?;
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
@@ -368,7 +396,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.tokens * p.n * 2;
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
-                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
             })?;
             Ok(vec![row(
