@@ -2135,9 +2135,7 @@ fn gpu_tma_indexer_run_matches_the_default_run() {
                 topk: indexer::TopkPath::Cluster8,
             };
             indexer::run_with(&gpu, both_paths, &qb, &cache, &mut both).unwrap();
-            let bits = |(i, s): (Vec<i32>, Vec<f32>)| {
-                (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-            };
+            let bits = |(i, s): (Vec<i32>, Vec<f32>)| (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
             assert_eq!(
                 bits(topk_result(&gpu, &both.topk)),
                 bits(topk_result(&gpu, &tma.topk)),
@@ -2704,7 +2702,7 @@ fn gpu_indexer_run_with_cluster_topk_matches_default() {
                     &cache,
                     &mut bufs,
                 )
-                .unwrap();
+                    .unwrap();
                 assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
                 let scores = gpu.download(&bufs.scores).unwrap();
                 let got = topk_result(&gpu, &bufs.topk);

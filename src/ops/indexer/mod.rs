@@ -1334,8 +1334,9 @@ pub fn time_variant(
         // leaves the scores in place for the top-k-only graph.
         run_with(gpu, paths, q, cache, &mut bufs)?;
         gpu.synchronize()?;
-        let logits_g =
-            gpu.capture(|| logits_with(gpu, q, cache, &mut bufs.scores, stride, paths.logits))?;
+        let logits_g = gpu.capture(|| {
+            logits_with(gpu, q, cache, &mut bufs.scores, stride, paths.logits)
+        })?;
         let topk_g = {
             let IndexerBuffers {
                 scores, topk: tb, ..
