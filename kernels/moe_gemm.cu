@@ -748,6 +748,7 @@ constexpr int kV6CodesRow = kV6StageK / 2;                  // 128 B of codes pe
 constexpr int kV6ScalesRow = kV6StageK / 16;                // 16 B of block scales per row and stage
 constexpr int kV6CodesBytes = kBlockN * kV6CodesRow;        // 16384
 constexpr int kV6ScalesBytes = kBlockN * kV6ScalesRow;      // 2048
+constexpr int kV6BlockBytes = kV6CodesBytes + kV6ScalesBytes;  // 18432: one pre-tiled (n tile, K stage) block
 constexpr int kV6HeaderBytes = 64;
 constexpr int kV6ActBuffers = 3;
 constexpr int kV6Align = 1024;                               // 128-byte swizzle atom
@@ -830,6 +831,14 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaDesc* desc, int 
         : "memory");
 }
 
+// 1D bulk copy global -> this CTA's shared memory of `bytes` bytes (both addresses 16-byte aligned, bytes a multiple
+// of 16); completion adds `bytes` to the transaction count of `bar`.
+__device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
 // Raw 256-K activation slice -> permuted, swizzled BF16 tile (v3's convert_raw_activations with 32 units of 16 B per
 // token instead of 64; zeros for tokens >= ntok). Raw layout: BF16 [TN][512 B]; NVFP4 codes [TN][128 B], then
 // scales [TN][16 B] at TN * 128. Run by the 256 consumer threads.
@@ -907,9 +916,14 @@ __device__ __forceinline__ void v6_compute_stage(float (&acc)[NT][4], const uint
     }
 }
 
-template <int NT>
+// kTiled (session-5 A/B, `moe_gemm_nvfp4_partial_v6t_nt*`): the weights come pre-tiled (`w_tiled`, see
+// moe_gemm_v6_tile_weights below) and each stage's codes + scales arrive with ONE 1D bulk copy of a contiguous 18 KB
+// block instead of two 2D tensor boxes of 128 rows each; tm_codes / tm_scales are then unused. Everything else
+// (ring, protocol, consumers) is the same code.
+template <int NT, bool kTiled>
 __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const TmaDesc* tm_scales,
-                                                 const TmaDesc* tm_act, const TmaDesc* tm_act_scales, int N, int K,
+                                                 const TmaDesc* tm_act, const TmaDesc* tm_act_scales,
+                                                 const uint8_t* __restrict__ w_tiled, int N, int K,
                                                  int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
                                                  int splits) {
     using L = V6Layout<NT>;
@@ -974,7 +988,6 @@ __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const 
             grp.expert_rows(lo, start, count);
             const int tile = et - s_tile_prefix[lo];
             const V6Header h{start + tile * TN, min(TN, count - tile * TN), n_tile, split};
-            const int wrow0 = lo * N + n_tile * kBlockN;  // < E * N <= 2^31 (launcher check)
             for (int st = 0; st < stages; ++st, ++i) {
                 const int s = i % S;
                 if (i >= S && !mbar_wait(&bar_empty[s], (uint32_t)((i / S - 1) & 1))) return;
@@ -982,8 +995,16 @@ __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const 
                 const int kbase = split * k_split + st * kV6StageK;
                 *reinterpret_cast<V6Header*>(slot + L::kHeaderOff) = h;
                 mbar_arrive_expect_tx(&bar_full[s], tx);
-                tma_load_2d(slot, tm_codes, kbase / 2, wrow0, &bar_full[s]);
-                tma_load_2d(slot + kV6CodesBytes, tm_scales, kbase / 16, wrow0, &bar_full[s]);
+                if constexpr (kTiled) {
+                    // Block (expert lo, n tile, K stage kbase / 256) of the tiled tensor: codes image then scales
+                    // image, exactly the bytes the two 2D copies below would land at slot and slot + 16 KB.
+                    const size_t blk = ((size_t)lo * n_tiles + n_tile) * (size_t)(K / kV6StageK) + kbase / kV6StageK;
+                    bulk_load_1d(slot, w_tiled + blk * kV6BlockBytes, kV6BlockBytes, &bar_full[s]);
+                } else {
+                    const int wrow0 = lo * N + n_tile * kBlockN;  // < E * N <= 2^31 (launcher check)
+                    tma_load_2d(slot, tm_codes, kbase / 2, wrow0, &bar_full[s]);
+                    tma_load_2d(slot + kV6CodesBytes, tm_scales, kbase / 16, wrow0, &bar_full[s]);
+                }
                 uint8_t* raw = slot + L::kRawOff;
                 if (!act_is_nvfp4) {
                     tma_load_2d(raw, tm_act, kbase, h.row0, &bar_full[s]);
@@ -1061,11 +1082,64 @@ __device__ __forceinline__ void moe_gemm_body_v6(const TmaDesc* tm_codes, const 
                                          int act_is_nvfp4, const int* group, int capacity, int experts,             \
                                          int rows_total, float* __restrict__ partial, int splits) {                 \
         Grouping grp{group, capacity, experts, rows_total};                                                         \
-        moe_gemm_body_v6<NT>(&tm_codes, &tm_scales, &tm_act, &tm_act_scales, N, K, act_is_nvfp4, grp, partial,      \
-                             splits);                                                                                \
+        moe_gemm_body_v6<NT, false>(&tm_codes, &tm_scales, &tm_act, &tm_act_scales, nullptr, N, K, act_is_nvfp4,    \
+                                    grp, partial, splits);                                                           \
     }
 
 MOE_GEMM_ENTRY_V6(1)
 MOE_GEMM_ENTRY_V6(2)
 MOE_GEMM_ENTRY_V6(4)
 MOE_GEMM_ENTRY_V6(8)
+
+// ------------------------------------------------------------------------------ v6 with pre-tiled weights (v6t)
+// Session-5 A/B (`moe_gemm_nvfp4_partial_v6t_nt*`): v6 with the weights re-laid once at load so that the bytes of one
+// stage are one contiguous block (why: v6's 2D boxes read 128 B from each of 128 rows K / 2 bytes apart, i.e. ~128
+// DRAM pages per stage per CTA; a block is 18 KB of consecutive addresses and an item's stages are consecutive
+// blocks). Tiled tensor: blocks b = (e * (N / 128) + n_tile) * (K / 256) + k_stage, kV6BlockBytes each:
+//   bytes [0, 16384):     codes image: tile row r (weight row e * N + n_tile * 128 + r), logical 16-B unit u (codes
+//                         bytes k_stage * 128 + 16 u .. of that row) at offset 128 r + 16 (u ^ (r & 7)) = what the
+//                         128-byte-swizzled 2D box lands at a 1024-byte-aligned slot (address bits 4..6 ^= bits 7..9);
+//   bytes [16384, 18432): scales image: row r's 16 scale bytes of the stage (k_stage * 16 ..) at 16384 + 16 r.
+// Total = E * N * K * 9 / 16 bytes, the size of codes + scales. Host reference and bijection test: tma.rs / tests.
+// Launch: one thread per 16-B unit of the output (grid-stride); a gather, so every output unit is written once.
+extern "C" __global__ void moe_gemm_v6_tile_weights(const uint8_t* __restrict__ codes,
+                                                    const uint8_t* __restrict__ scales, long long blocks, int N,
+                                                    int K, uint8_t* __restrict__ tiled) {
+    constexpr int kUnitsPerBlock = kV6BlockBytes / 16;  // 1152: 1024 code units + 128 scale units
+    const int k_stages = K / kV6StageK;
+    const long long units = blocks * kUnitsPerBlock;
+    for (long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x; q < units;
+         q += (long long)gridDim.x * blockDim.x) {
+        const long long b = q / kUnitsPerBlock;
+        const int o = (int)(q % kUnitsPerBlock);
+        const int k_stage = (int)(b % k_stages);
+        const long long row_tile = b / k_stages;  // = e * (N / 128) + n_tile; its first weight row is 128 * row_tile
+        const uint8_t* src;
+        if (o < kV6CodesBytes / 16) {
+            const int r = o >> 3, u = (o & 7) ^ (r & 7);  // the swizzle is an involution: physical <-> logical
+            src = codes + (size_t)(row_tile * kBlockN + r) * (K / 2) + (size_t)k_stage * kV6CodesRow + 16 * u;
+        } else {
+            const int r = o - kV6CodesBytes / 16;
+            src = scales + (size_t)(row_tile * kBlockN + r) * (K / 16) + (size_t)k_stage * kV6ScalesRow;
+        }
+        reinterpret_cast<uint4*>(tiled)[q] = *reinterpret_cast<const uint4*>(src);
+    }
+}
+
+// Same tensor maps for the activations as v6; `w_tiled` = the tiled weights above (16-byte aligned).
+#define MOE_GEMM_ENTRY_V6T(NT)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(kV6Threads, V6Cfg<NT>::kMinBlocks)                                 \
+        moe_gemm_nvfp4_partial_v6t_nt##NT(const __grid_constant__ TmaDesc tm_act,                                   \
+                                          const __grid_constant__ TmaDesc tm_act_scales,                            \
+                                          const uint8_t* __restrict__ w_tiled, int N, int K, int act_is_nvfp4,      \
+                                          const int* group, int capacity, int experts, int rows_total,              \
+                                          float* __restrict__ partial, int splits) {                                \
+        Grouping grp{group, capacity, experts, rows_total};                                                         \
+        moe_gemm_body_v6<NT, true>(nullptr, nullptr, &tm_act, &tm_act_scales, w_tiled, N, K, act_is_nvfp4, grp,     \
+                                   partial, splits);                                                                 \
+    }
+
+MOE_GEMM_ENTRY_V6T(1)
+MOE_GEMM_ENTRY_V6T(2)
+MOE_GEMM_ENTRY_V6T(4)
+MOE_GEMM_ENTRY_V6T(8)

@@ -964,10 +964,12 @@ fn assert_partials_bit_equal(label: &str, got: &[f32], want: &[f32], rows: usize
     }
 }
 
-/// v3 and v6 on the same inputs and config into 0xFF-poisoned workspaces; returns (v6, v3) partials.
+/// v3 and v6 on the same inputs and config into 0xFF-poisoned workspaces; returns (v6, v3) partials. With `tiled`
+/// the v6 side is the pre-tiled entry (`launch_partial_mma_tiled`, v6t) on those tiled weights.
 fn run_v3_and_v6(
     gpu: &Gpu,
     dw: &DeviceExpertWeights,
+    tiled: Option<&mg::tma::TiledExpertWeights>,
     a: &mg::DeviceActivations,
     dg: &DeviceGrouping,
     cfg: &GemmConfig,
@@ -978,9 +980,38 @@ fn run_v3_and_v6(
     gpu.fill_bytes(&mut ws3.partial, 0xFF).unwrap();
     gpu.fill_bytes(&mut ws6.partial, 0xFF).unwrap();
     mg::launch_partial_mma_with(gpu, dw, a, dg, cfg, &mut ws3, mg::DecodeMainloop::V3).unwrap();
-    mg::launch_partial_mma_with(gpu, dw, a, dg, cfg, &mut ws6, mg::DecodeMainloop::Tma).unwrap();
+    match tiled {
+        Some(t) => mg::launch_partial_mma_tiled(gpu, dw, t, a, dg, cfg, &mut ws6).unwrap(),
+        None => mg::launch_partial_mma_with(gpu, dw, a, dg, cfg, &mut ws6, mg::DecodeMainloop::Tma)
+            .unwrap(),
+    }
     gpu.synchronize().unwrap();
     (ws6, ws3)
+}
+
+/// The weights tiled on the GPU (`tma::tile_weights`), checked byte for byte against the CPU definition
+/// (`tile_weights_reference`) of the layout.
+fn tiled_on_gpu_checked(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+) -> mg::tma::TiledExpertWeights {
+    let t = mg::tma::tile_weights(gpu, dw).unwrap();
+    let got = gpu.download(&t.blocks).unwrap();
+    let want = mg::tma::tile_weights_reference(&w.rows.codes, &w.rows.scales, w.experts, w.n, w.k)
+        .unwrap();
+    assert_eq!(got.len(), want.len(), "{label}: tiled sizes differ");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!(
+            "{label}: GPU tiled weights byte {i} (block {} offset {}) = {:#04x}, CPU reference {:#04x}",
+            i / mg::tma::V6_BLOCK_BYTES,
+            i % mg::tma::V6_BLOCK_BYTES,
+            got[i],
+            want[i]
+        );
+    }
+    t
 }
 
 #[test]
@@ -989,21 +1020,37 @@ fn gpu_v6_tma_partials_bit_identical_to_v3_over_token_counts() {
     let Some(gpu) = gpu_for_test(name) else {
         return;
     };
+    check_v6_over_token_counts(&gpu, name, false);
+}
+
+#[test]
+fn gpu_v6_tiled_partials_bit_identical_to_v3_over_token_counts() {
+    let name = "gpu_v6_tiled_partials_bit_identical_to_v3_over_token_counts";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    check_v6_over_token_counts(&gpu, name, true);
+}
+
+/// v6 (or, with `tiled`, v6t on GPU-tiled weights) against v3 bit for bit and against the f64 reference, over
+/// token counts at the tile edges, every token tile, both A formats, masked and contiguous groupings.
+fn check_v6_over_token_counts(gpu: &Gpu, name: &str, tiled: bool) {
     let mut rng = seeded(name);
     // Occupancy as planned (a shortfall is a performance problem, not a wrong result: reported, and the launcher
     // sizes its persistent grid from the driver's number).
     for tt in mg::TOKEN_TILES {
-        let (_, smem, per_sm) = mg::tma::v6_function(&gpu, tt).unwrap();
+        let (_, smem, per_sm) = mg::tma::v6_function(gpu, tt, tiled).unwrap();
         let planned = mg::tma::v6_ctas_per_sm(tt);
         eprintln!(
-            "v6 token tile {tt}: {smem} B dynamic smem, {per_sm} CTA(s)/SM (planned {planned})"
+            "v6 (tiled {tiled}) token tile {tt}: {smem} B dynamic smem, {per_sm} CTA(s)/SM (planned {planned})"
         );
     }
     // One expert per count of the brief (tile edges 7/8, 63/64/65), two empty experts.
     let counts = [0usize, 1, 2, 3, 7, 8, 16, 63, 64, 65, 0];
     let (e, n, k) = (counts.len(), 256, 1024);
     let w = quantized_weights(&mut rng, e, n, k);
-    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let dw = DeviceExpertWeights::upload(gpu, &w).unwrap();
+    let tw = tiled.then(|| tiled_on_gpu_checked(gpu, name, &w, &dw));
     let tokens: usize = counts.iter().sum();
     let choices: Vec<usize> = counts
         .iter()
@@ -1032,26 +1079,26 @@ fn gpu_v6_tma_partials_bit_identical_to_v3_over_token_counts() {
     .collect();
     for cap in [Some(70), None] {
         let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
-        let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+        let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
         let rows = rb.grouping.rows_total();
         let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
         for nvfp4 in [false, true] {
             let a = gathered_activations(&mut rng, &rb, k, nvfp4);
-            let da = DevA::upload(&gpu, &a);
+            let da = DevA::upload(gpu, &a);
             let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
             for cfg in &cfgs {
                 let label = format!(
                     "{name} [cap {cap:?}, {} A, {cfg:?}, rows {rows}]",
                     if nvfp4 { "NVFP4" } else { "BF16" }
                 );
-                let (ws6, ws3) = run_v3_and_v6(&gpu, &dw, &da.view(), &dg, cfg);
+                let (ws6, ws3) = run_v3_and_v6(gpu, &dw, tw.as_ref(), &da.view(), &dg, cfg);
                 let (p6, p3) = (
                     gpu.download(&ws6.partial).unwrap(),
                     gpu.download(&ws3.partial).unwrap(),
                 );
                 check_accumulator(
                     &format!("{label} v6"),
-                    &gpu_accumulator(&gpu, &ws6),
+                    &gpu_accumulator(gpu, &ws6),
                     &exact,
                     &abs,
                     k,
@@ -1067,8 +1114,10 @@ fn gpu_v6_tma_partials_bit_identical_to_v3_over_token_counts() {
 
 /// L1 (+ SwiGLU/NVFP4 finish) then L2 (+ combine) with the v6 mainloop, against v3 bit for bit (partials and every
 /// output byte) and the v6 accumulators against the f64 reference. Uses the default config for the routing.
+#[allow(clippy::too_many_arguments)]
 fn check_v6_l1_l2(
     gpu: &Gpu,
+    tiled: bool,
     label: &str,
     hidden: usize,
     inter: usize,
@@ -1081,6 +1130,8 @@ fn check_v6_l1_l2(
     let w2 = quantized_weights(rng, experts, hidden, inter);
     let d13 = DeviceExpertWeights::upload(gpu, &w13).unwrap();
     let d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
+    let t13 = tiled.then(|| tiled_on_gpu_checked(gpu, &format!("{label} W13"), &w13, &d13));
+    let t2 = tiled.then(|| tiled_on_gpu_checked(gpu, &format!("{label} W2"), &w2, &d2));
     let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
     let rows = rb.grouping.rows_total();
     let active = (0..experts)
@@ -1097,7 +1148,7 @@ fn check_v6_l1_l2(
     let a = gathered_activations(rng, &rb, hidden, true);
     let da = DevA::upload(gpu, &a);
     let cfg1 = GemmConfig::choose(sms, rpe, active, 2 * inter, hidden);
-    let (ws6, ws3) = run_v3_and_v6(gpu, &d13, &da.view(), &dg, &cfg1);
+    let (ws6, ws3) = run_v3_and_v6(gpu, &d13, t13.as_ref(), &da.view(), &dg, &cfg1);
     let (exact, abs) = grouped_gemm_acc_f64(&w13, &a, &rb.grouping).unwrap();
     check_accumulator(
         &format!("{label} L1 v6 {cfg1:?}"),
@@ -1161,7 +1212,7 @@ fn check_v6_l1_l2(
     };
     let a2 = Activations::Nvfp4(q);
     let cfg2 = GemmConfig::choose(sms, rpe, active, hidden, inter);
-    let (ws6, ws3) = run_v3_and_v6(gpu, &d2, &l1_6.as_activations(), &dg, &cfg2);
+    let (ws6, ws3) = run_v3_and_v6(gpu, &d2, t2.as_ref(), &l1_6.as_activations(), &dg, &cfg2);
     let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
     check_accumulator(
         &format!("{label} L2 v6 {cfg2:?}"),
@@ -1212,6 +1263,7 @@ fn gpu_v6_tma_l1_l2_flash_shapes_match_v3() {
     let mut rng = seeded(name);
     check_v6_l1_l2(
         &gpu,
+        false,
         "Flash 4096/2048, 8 experts, 3 tokens",
         4096,
         2048,
@@ -1230,7 +1282,46 @@ fn gpu_v6_tma_l1_l2_pro_shapes_match_v3() {
     let mut rng = seeded(name);
     check_v6_l1_l2(
         &gpu,
+        false,
         "Pro 7168/3072, 6 experts, 1 token",
+        7168,
+        3072,
+        6,
+        1,
+        &mut rng,
+    );
+}
+
+#[test]
+fn gpu_v6_tiled_l1_l2_flash_shapes_match_v3() {
+    let name = "gpu_v6_tiled_l1_l2_flash_shapes_match_v3";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    check_v6_l1_l2(
+        &gpu,
+        true,
+        "tiled Flash 4096/2048, 8 experts, 3 tokens",
+        4096,
+        2048,
+        8,
+        3,
+        &mut rng,
+    );
+}
+
+#[test]
+fn gpu_v6_tiled_l1_l2_pro_shapes_match_v3() {
+    let name = "gpu_v6_tiled_l1_l2_pro_shapes_match_v3";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    check_v6_l1_l2(
+        &gpu,
+        true,
+        "tiled Pro 7168/3072, 6 experts, 1 token",
         7168,
         3072,
         6,
@@ -1530,4 +1621,122 @@ fn v6_swizzled_weight_reads_match_v3_bytes_and_are_bank_conflict_free() {
         owner.iter().all(|&o| o != usize::MAX),
         "a weight row is never read"
     );
+}
+
+/// The v6 tiled weight layout (`tma::tile_weights_reference`, the definition the GPU re-layout is tested against):
+/// (1) a bijection of the codes + scales bytes (each source byte lands exactly once: three runs on the digits of a
+/// 24-bit source index reconstruct the index of every output byte); (2) every block equals the shared-memory image
+/// of v6's two 2D TMA boxes, modelled here as chunk swapping inside 8-row x 128-B swizzle atoms (16-B chunk c of
+/// box row r at chunk c ^ (r % 8) of that row; scales unswizzled after the 16 KB of codes); (3) what the v6
+/// consumer lanes read from a block (v6_compute_stage addressing) is the v3 bytes of their rows and K units.
+#[test]
+fn v6_tiled_layout_is_a_bijection_matching_the_tma_smem_image_and_consumer_reads() {
+    let (experts, n, k) = (3usize, 256usize, 1024usize);
+    let (codes_len, scales_len) = (experts * n * k / 2, experts * n * k / 16);
+    let total = codes_len + scales_len;
+    assert!(total < 1 << 24);
+    let digit = |d: u32| {
+        let codes: Vec<u8> = (0..codes_len).map(|i| (i >> (8 * d)) as u8).collect();
+        let scales: Vec<u8> = (0..scales_len)
+            .map(|j| ((codes_len + j) >> (8 * d)) as u8)
+            .collect();
+        mg::tma::tile_weights_reference(&codes, &scales, experts, n, k).unwrap()
+    };
+    let (d0, d1, d2) = (digit(0), digit(1), digit(2));
+    assert_eq!(d0.len(), total, "tiled size");
+    let src_of: Vec<usize> = (0..total)
+        .map(|o| d0[o] as usize | (d1[o] as usize) << 8 | (d2[o] as usize) << 16)
+        .collect();
+    let mut seen = vec![false; total];
+    for (o, &s) in src_of.iter().enumerate() {
+        assert!(s < total, "output byte {o}: source index {s} out of range");
+        assert!(
+            !seen[s],
+            "source byte {s} lands twice (second at output {o})"
+        );
+        seen[s] = true;
+    }
+    // (2): the TMA smem image of block (row tile, K stage), built box row by box row.
+    let (n_tiles, k_stages) = (n / 128, k / mg::tma::V6_TILE_K);
+    let bb = mg::tma::V6_BLOCK_BYTES;
+    assert_eq!(bb, 128 * 128 + 128 * 16);
+    for row_tile in 0..experts * n_tiles {
+        for ks in 0..k_stages {
+            let base = (row_tile * k_stages + ks) * bb;
+            for r in 0..128 {
+                let wrow = row_tile * 128 + r;
+                for chunk in 0..8 {
+                    for byte in 0..16 {
+                        let dst = base + r * 128 + 16 * (chunk ^ (r % 8)) + byte;
+                        let want = wrow * (k / 2) + ks * 128 + 16 * chunk + byte;
+                        assert_eq!(
+                            src_of[dst], want,
+                            "block ({row_tile}, {ks}) row {r} chunk {chunk} byte {byte}"
+                        );
+                    }
+                }
+                for byte in 0..16 {
+                    let dst = base + 128 * 128 + 16 * r + byte;
+                    let want = codes_len + wrow * (k / 16) + ks * 16 + byte;
+                    assert_eq!(src_of[dst], want, "block ({row_tile}, {ks}) scales row {r}");
+                }
+            }
+            // (3): consumer lane (warp, g, t), chunk c: 16 B at codes_lo/hi + 16 ((4c + t) ^ (r_lo & 7)) and the
+            // 2 scale bytes at 16384 + 16 r + 8c + 2t (rows r_lo and r_lo + 8, r_lo = 16 warp + rowperm(g)).
+            for warp in 0..8 {
+                for g in 0..8 {
+                    let r_lo = 16 * warp + (g >> 1) + 4 * (g & 1);
+                    for r in [r_lo, r_lo + 8] {
+                        let wrow = row_tile * 128 + r;
+                        for c in 0..2 {
+                            for t in 0..4 {
+                                let o = base + r * 128 + 16 * ((4 * c + t) ^ (r_lo & 7));
+                                let want = wrow * (k / 2) + ks * 128 + 16 * (4 * c + t);
+                                assert_eq!(
+                                    src_of[o], want,
+                                    "codes read warp {warp} g {g} c {c} t {t}"
+                                );
+                                let o = base + 128 * 128 + 16 * r + 8 * c + 2 * t;
+                                let want = codes_len + wrow * (k / 16) + ks * 16 + 8 * c + 2 * t;
+                                assert_eq!(
+                                    src_of[o], want,
+                                    "scale read warp {warp} g {g} c {c} t {t}"
+                                );
+                                assert_eq!(src_of[o + 1], want + 1);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn v6_tiled_layout_rejects_bad_shapes_and_sizes() {
+    let ok = |e: usize, n: usize, k: usize| {
+        mg::tma::tile_weights_reference(
+            &vec![0u8; e * n * k / 2],
+            &vec![0u8; e * n * k / 16],
+            e,
+            n,
+            k,
+        )
+    };
+    assert!(ok(1, 128, 512).is_ok());
+    for (e, n, k) in [
+        (0, 128, 512),
+        (1, 100, 512),
+        (1, 128, 300),
+        (1, 128, 256),
+        (1, 0, 512),
+    ] {
+        let err = ok(e, n, k).unwrap_err().to_string();
+        assert!(err.contains("moe_gemm"), "[{e}, {n}, {k}]: {err}");
+    }
+    let err =
+        mg::tma::tile_weights_reference(&[0u8; 128 * 256], &[0u8; 128 * 32 - 16], 1, 128, 512)
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("scales"), "{err}");
 }

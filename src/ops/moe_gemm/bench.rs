@@ -10,6 +10,10 @@
 //!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
 //! * `nvfp4_tma` (masked / decode points only, session-5 A/B): `nvfp4` with the v6 decode mainloop
 //!   (`DecodeMainloop::Tma`, src/ops/moe_gemm/tma.rs: TMA ring, bit-identical partials), same config and finish.
+//! * `nvfp4_tma_tiled` (masked / decode points only, session-5 A/B): `nvfp4_tma` on weights re-laid by
+//!   `tma::tile_weights` into one contiguous 18 KB block per (expert, n tile, 256-K stage) (kernel
+//!   `moe_gemm_nvfp4_partial_v6t_nt*`, one 1D bulk copy per stage). The re-layout is weight preparation, done
+//!   once per point before timing (not timed); the tiled copy is held next to the plain weights.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -37,6 +41,7 @@ use crate::gpu::grid_1d;
 pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_tma",
+    "nvfp4_tma_tiled",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -51,6 +56,7 @@ fn is_ours(variant: &str) -> bool {
         variant,
         "nvfp4"
             | "nvfp4_tma"
+            | "nvfp4_tma_tiled"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
     )
@@ -59,7 +65,8 @@ fn is_ours(variant: &str) -> bool {
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
 /// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma).
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0) || (variant == "nvfp4_tma" && dg.capacity == 0)
+    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
+        || (variant.starts_with("nvfp4_tma") && dg.capacity == 0)
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
@@ -70,10 +77,12 @@ fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn launch_variant(
     gpu: &Gpu,
     variant: &str,
     w: &DeviceExpertWeights,
+    tiled: Option<&tma::TiledExpertWeights>,
     a: &DeviceActivations,
     dg: &DeviceGrouping,
     cfg: &GemmConfig,
@@ -85,8 +94,26 @@ fn launch_variant(
             prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
         }
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
+        "nvfp4_tma_tiled" => {
+            let t = tiled.ok_or_else(|| anyhow!("nvfp4_tma_tiled: no tiled weights"))?;
+            launch_partial_mma_tiled(gpu, w, t, a, dg, cfg, ws)
+        }
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
+}
+
+/// The tiled copy of the weights for `nvfp4_tma_tiled` (weight preparation, before the timed loop), else None.
+fn tiled_for(
+    gpu: &Gpu,
+    variant: &str,
+    w: &DeviceExpertWeights,
+) -> Result<Option<tma::TiledExpertWeights>> {
+    if variant != "nvfp4_tma_tiled" {
+        return Ok(None);
+    }
+    let t = tma::tile_weights(gpu, w)?;
+    gpu.synchronize()?;
+    Ok(Some(t))
 }
 
 pub fn kernels() -> Vec<BenchKernel> {
@@ -249,6 +276,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
+            let tiled = tiled_for(gpu, variant, &w)?;
             let mut codes = gpu.zeros::<u8>(rows * p.k / 2)?;
             let mut scales = gpu.zeros::<u8>(rows * p.k / 16)?;
             fill_weights(gpu, &mut codes, &mut scales, 17)?;
@@ -277,7 +305,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
-                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
             })?;
             Ok(vec![row(
@@ -304,6 +332,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
+            let tiled = tiled_for(gpu, variant, &w)?;
             // The L1 output (NVFP4 h with a per-row global scale), synthetic.
             let mut h = L1Output::new(gpu, rows, p.k, false)?;
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
@@ -326,7 +355,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.tokens * p.n * 2;
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
-                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
             })?;
             Ok(vec![row(

@@ -359,15 +359,13 @@ pub enum DecodeMainloop {
     Tma,
 }
 
-/// [`launch_partial_mma`] with an explicit mainloop (same checks, same workspace contract).
-pub fn launch_partial_mma_with(
-    gpu: &Gpu,
+/// The launch checks every mma.sync decode mainloop shares (config, A, grouping, workspace against the weights).
+fn check_partial_launch(
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
     cfg: &GemmConfig,
-    ws: &mut Workspace,
-    mainloop: DecodeMainloop,
+    ws: &Workspace,
 ) -> Result<()> {
     cfg.check(w.k)?;
     a.check()?;
@@ -394,8 +392,38 @@ pub fn launch_partial_mma_with(
         grp.rows_total,
         w.n
     );
+    Ok(())
+}
+
+/// The v6 mainloop on weights pre-tiled by [`tma::tile_weights`] (session-5 A/B, `moe_gemm_nvfp4_partial_v6t_nt*`):
+/// same checks, workspace contract and bit-identical partials as [`launch_partial_mma`]; `w` supplies the shapes
+/// (and the global scales to the finish kernels), `tiled` the codes and block scales.
+pub fn launch_partial_mma_tiled(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    tiled: &tma::TiledExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+) -> Result<()> {
+    check_partial_launch(w, a, grp, cfg, ws)?;
+    tma::launch_partial_v6(gpu, w, Some(tiled), a, grp, cfg, ws)
+}
+
+/// [`launch_partial_mma`] with an explicit mainloop (same checks, same workspace contract).
+pub fn launch_partial_mma_with(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+    mainloop: DecodeMainloop,
+) -> Result<()> {
+    check_partial_launch(w, a, grp, cfg, ws)?;
     if mainloop == DecodeMainloop::Tma {
-        return tma::launch_partial_v6(gpu, w, a, grp, cfg, ws);
+        return tma::launch_partial_v6(gpu, w, None, a, grp, cfg, ws);
     }
     let name = format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8);
     // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
