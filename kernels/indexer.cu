@@ -1326,12 +1326,18 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
 //   * Key tile = one 2D tensor-map copy (cp.async.bulk.tensor, box 128 B x 64 rows of the [batch * capacity][128]
 //     u8 code plane, CU_TENSOR_MAP_SWIZZLE_128B): the TMA writes row r's 16-byte chunk c at r * 128 +
 //     ((c ^ (r & 7)) << 4) of the 1024-aligned stage, exactly v5's layout, so the wgmma descriptors are v5's.
-//     The 64 fp32 key scales = one 1D tensor-map copy (box 64 of the [batch * capacity] f32 plane).
+//     The 64 fp32 key scales = one 1D tensor-map copy (box 68 of the [batch * capacity] f32 plane) that starts
+//     at slot0 & ~3, not at slot0: the TMA faults with an illegal-instruction error unless the global address of
+//     a box's first element is 16-byte aligned (found on the H200: capacity 4097 made slot0 = b * 4097 + key0
+//     odd). With the 16-aligned plane base, 4 * (slot0 & ~3) keeps the box start 16-byte aligned; the stage's
+//     scale of row r is element (slot0 & 3) + r of the box, and (slot0 & 3) + 63 <= 66 < 68 keeps every row
+//     inside it. The box is 272 bytes (a multiple of 16, as the TMA requires); stages are 384 bytes apart (the
+//     TMA destination must be 128-byte aligned).
 //   * Tail: rows key0 + r >= n_seq of a tile are still copied; while they are inside the plane (slot <
 //     batch * capacity) they are allocated cache bytes of this or the next sequence, past the plane's end the TMA
 //     fills zeros. Either way they only reach accumulator rows that are never stored (row m of D depends on row m
 //     of A only). The TMA never reads outside the tensor map's extent, so no over-read of the allocation.
-//     Every copy credits its full box (8192 + 256 bytes) to the barrier's transaction count, filled or not.
+//     Every copy credits its full box (8192 + 272 bytes) to the barrier's transaction count, filled or not.
 //   * Tiles with key0 >= n_seq (a row shorter than the longest) are skipped by producer and consumers alike,
 //     except a CTA's first item (i = 0), which is always copied and consumed: that lets the producer issue the
 //     first copy before its num_valid load returns (one DRAM latency less at the start of every CTA). The
@@ -1340,7 +1346,7 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
 //     and evaluate the same predicate (i > 0 && key0 >= n_seq) on the same num_valid values, so their sequence
 //     of used stages (the "fill" counter below) is identical.
 // mbarrier phase protocol (stage s = fill % STAGES, pass p = fill / STAGES, per non-empty tile `fill`):
-//   full[s]  (count 1): the producer's arrive.expect_tx(8448) + the two copies' complete_tx complete phase p;
+//   full[s]  (count 1): the producer's arrive.expect_tx(8464) + the two copies' complete_tx complete phase p;
 //            consumers wait with parity p & 1. The TMA's writes are visible to every thread that observed the
 //            phase completion (including the async-proxy wgmma reads issued after the wait).
 //   empty[s] (count 4): after its wgmma.wait_group 0 (this warp's part of the stage's wgmma reads done) and the
@@ -1363,7 +1369,12 @@ namespace {
 
 constexpr int LT_CONSUMERS = 128;                // one warpgroup
 constexpr int LT_THREADS = LT_CONSUMERS + 32;    // + the producer warp
-constexpr int LT_TX_BYTES = LW_TILE_BYTES + LW_KEYS * 4;  // 8448 credited per fill
+constexpr int LT_SCALE_BOX = LW_KEYS + 4;                 // scale box: 64 rows + up to 3 of alignment slack
+constexpr int LT_SCALE_STAGE_BYTES = 384;                 // 272-byte box rounded up to 128 (TMA destination)
+constexpr int LT_TX_BYTES = LW_TILE_BYTES + LT_SCALE_BOX * 4;  // 8464 credited per fill
+static_assert(LT_SCALE_BOX * 4 % 16 == 0 && LT_SCALE_BOX * 4 <= LT_SCALE_STAGE_BYTES &&
+                  LT_SCALE_STAGE_BYTES % 128 == 0 && 3 + LW_KEYS <= LT_SCALE_BOX,
+              "scale box: 16-byte multiple, fits its 128-aligned stage, covers rows (slot0 & 3) .. + 63");
 
 // A CUtensorMap as a kernel parameter (128 opaque bytes, 64-byte aligned; passed __grid_constant__ so the TMA
 // can read it from parameter space).
@@ -1372,11 +1383,11 @@ struct alignas(64) LtTensorMap {
 };
 
 // Dynamic shared memory (base rounded up to 1024 B in the kernel; the launcher's size includes the 1 KB slack):
-//   keys [STAGES][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [STAGES][64] f32 |
+//   keys [STAGES][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [STAGES][96] f32 (68 used) |
 //   full [STAGES] u64 | empty [STAGES] u64.
 template <int NEXT_N, int STAGES>
 __host__ __device__ constexpr int lt_smem_bytes() {
-    return 1024 + STAGES * (LW_TILE_BYTES + LW_KEYS * 4) + NEXT_N * HEADS * DIM + 2 * STAGES * 8;
+    return 1024 + STAGES * (LW_TILE_BYTES + LT_SCALE_STAGE_BYTES) + NEXT_N * HEADS * DIM + 2 * STAGES * 8;
 }
 
 __device__ __forceinline__ void lt_mbar_init(uint32_t bar, uint32_t count) {
@@ -1440,7 +1451,7 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
     const uint32_t keys_s = base;
     const uint32_t q_s = keys_s + STAGES * LW_TILE_BYTES;
     const uint32_t scale_s = q_s + NEXT_N * HEADS * DIM;
-    const uint32_t full_s = scale_s + STAGES * LW_KEYS * 4;  // 8-byte aligned (everything above is)
+    const uint32_t full_s = scale_s + STAGES * LT_SCALE_STAGE_BYTES;  // 8-byte aligned (everything above is)
     const uint32_t empty_s = full_s + STAGES * 8;
     const float* scale_gen = reinterpret_cast<const float*>(lt_smem_raw + (scale_s - raw_addr));
     uint8_t* q_gen = lt_smem_raw + (q_s - raw_addr);
@@ -1480,7 +1491,8 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
             lt_mbar_arrive_expect_tx(full, LT_TX_BYTES);
             const int slot0 = b * capacity + key0;  // < batch * capacity <= INT_MAX (launcher)
             lt_tma_2d(keys_s + stage * LW_TILE_BYTES, codes_map, 0, slot0, full, codes_policy);
-            lt_tma_1d(scale_s + stage * LW_KEYS * 4, scales_map, slot0, full);
+            // Box start aligned down to 4 floats = 16 bytes (see the header: the TMA faults otherwise).
+            lt_tma_1d(scale_s + stage * LT_SCALE_STAGE_BYTES, scales_map, slot0 & ~3, full);
             if (++stage == STAGES) {
                 stage = 0;
                 ++pass;
@@ -1542,8 +1554,10 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
 
         const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
         float row_scale[2];
-        row_scale[0] = scale_gen[stage * LW_KEYS + r0];
-        row_scale[1] = scale_gen[stage * LW_KEYS + r0 + 8];
+        // Row r's scale is element (slot0 & 3) + r of the stage's box (the box starts at slot0 & ~3).
+        const int scale0 = stage * (LT_SCALE_STAGE_BYTES / 4) + ((b * capacity + key0) & 3);
+        row_scale[0] = scale_gen[scale0 + r0];
+        row_scale[1] = scale_gen[scale0 + r0 + 8];
         __syncwarp();
         if (lane == 0) lt_mbar_arrive(empty_s + 8 * stage);  // this warp is done with the stage
         if (++stage == STAGES) {
@@ -1579,7 +1593,7 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
 
 // FP8 logits v6 (see logits_tma_body). grid = persistent CTAs (<= 3 per SM), block LT_THREADS = 160, dynamic smem
 // lt_smem_bytes<NEXT_N, STAGES>(). codes_map: 2D u8 tensor map {128, batch * capacity}, row stride 128 B, box
-// {128, 64}, 128B swizzle; scales_map: 1D f32 tensor map {batch * capacity}, box {64}. tiles_per_seq / total_tiles
+// {128, 64}, 128B swizzle; scales_map: 1D f32 tensor map {batch * capacity}, box {68} (16-byte aligned bases). tiles_per_seq / total_tiles
 // as v5.
 #define INDEXER_LOGITS_TMA_ENTRY(NAME, NEXT_N, STAGES)                                                          \
     extern "C" __global__ void __launch_bounds__(LT_THREADS, 3)                                                 \
@@ -1591,7 +1605,7 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
     }
 
 // Stages: 3 CTAs x lt_smem_bytes must fit 228 KB per SM with 1 KB reserved per CTA: next_n 1 with 7 stages =
-// 68,464 B, next_n 2 with 6 stages = 68,192 B (8 stages / 7 stages would not fit).
+// 69,360 B, next_n 2 with 6 stages = 68,960 B (8 stages / 7 stages would not fit).
 INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n1, 1, 7)
 INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n2, 2, 6)
 

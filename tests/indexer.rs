@@ -1855,16 +1855,22 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
 // ---------------------------------------------------------------------------------------------------------
 
 /// Logits of `kernel` on a buffer poisoned with 0xFF (stride = capacity rounded up + 4, so the columns past the
-/// capacity must stay poisoned too).
+/// capacity must stay poisoned too). Prints `label` and the kernel before the launch and synchronizes right
+/// after it, so a device fault (which kills the context for every later test) names its case.
 fn logits_of(
     gpu: &megamoe::gpu::Gpu,
+    label: &str,
     qb: &QueryBatch,
     cache: &KeyCacheGpu,
     kernel: indexer::Fp8LogitsKernel,
 ) -> (Vec<f32>, usize) {
     let stride = cache.capacity.next_multiple_of(4) + 4;
     let mut out = gpu.poisoned::<f32>(qb.rows() * stride, 0xFF).unwrap();
-    indexer::logits_with(gpu, qb, cache, &mut out, stride, kernel).unwrap();
+    println!("launch {kernel:?}: {label}");
+    indexer::logits_with(gpu, qb, cache, &mut out, stride, kernel)
+        .unwrap_or_else(|e| panic!("{label}: {kernel:?} launch: {e:#}"));
+    gpu.synchronize()
+        .unwrap_or_else(|e| panic!("{label}: {kernel:?} kernel failed on the device: {e:#}"));
     (gpu.download(&out).unwrap(), stride)
 }
 
@@ -1894,12 +1900,18 @@ fn check_tma_logits(
     let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
     let cache = KeyCacheGpu::upload(gpu, host).unwrap();
     let qb = QueryBatch::upload(gpu, batch, next_n, &q, &w, nv).unwrap();
-    let (want, stride) = logits_of(gpu, &qb, &cache, indexer::Fp8LogitsKernel::CpAsyncRounds);
-    let (got, _) = logits_of(gpu, &qb, &cache, indexer::Fp8LogitsKernel::TmaRing);
     let ctx = format!(
         "seed {seed} {label} next_n {next_n} (batch {batch}, capacity {})",
         host.capacity
     );
+    let (want, stride) = logits_of(
+        gpu,
+        &ctx,
+        &qb,
+        &cache,
+        indexer::Fp8LogitsKernel::CpAsyncRounds,
+    );
+    let (got, _) = logits_of(gpu, &ctx, &qb, &cache, indexer::Fp8LogitsKernel::TmaRing);
     let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
     if let Some(i) = (0..got.len()).find(|&i| !same(got[i], want[i])) {
         let mismatches = (0..got.len()).filter(|&i| !same(got[i], want[i])).count();
@@ -2060,8 +2072,15 @@ fn gpu_tma_logits_nan_entries_and_empty_calls_match_the_default() {
             .collect();
         let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
         let qb = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv).unwrap();
-        let (want, stride) = logits_of(&gpu, &qb, &cache, indexer::Fp8LogitsKernel::CpAsyncRounds);
-        let (got, _) = logits_of(&gpu, &qb, &cache, indexer::Fp8LogitsKernel::TmaRing);
+        let ctx = format!("seed {seed} NaN entries next_n {next_n} (batch 2, capacity {cap})");
+        let (want, stride) = logits_of(
+            &gpu,
+            &ctx,
+            &qb,
+            &cache,
+            indexer::Fp8LogitsKernel::CpAsyncRounds,
+        );
+        let (got, _) = logits_of(&gpu, &ctx, &qb, &cache, indexer::Fp8LogitsKernel::TmaRing);
         let mut nans = 0;
         for i in 0..got.len() {
             let (a, b) = (got[i], want[i]);
@@ -2083,7 +2102,8 @@ fn gpu_tma_logits_nan_entries_and_empty_calls_match_the_default() {
         // Every num_valid 0: nothing launched, nothing written.
         let nv0 = vec![0i32; 2 * next_n];
         let qb0 = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv0).unwrap();
-        let (got0, _) = logits_of(&gpu, &qb0, &cache, indexer::Fp8LogitsKernel::TmaRing);
+        let ctx0 = format!("seed {seed} num_valid all 0 next_n {next_n}");
+        let (got0, _) = logits_of(&gpu, &ctx0, &qb0, &cache, indexer::Fp8LogitsKernel::TmaRing);
         assert!(
             got0.iter().all(|v| v.to_bits() == u32::MAX),
             "seed {seed} next_n {next_n}: num_valid all 0 but the TMA logits wrote scores"
@@ -2120,22 +2140,37 @@ fn gpu_tma_indexer_run_matches_the_default_run() {
             .collect();
         let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
         for k in [512usize, 2048] {
+            // Each call is labelled before it is enqueued and synchronized after it, so a device fault names
+            // its case.
+            let ctx = format!("seed {seed} next_n {next_n} k {k} (capacity {cap})");
+            let synced = |what: &str| {
+                gpu.synchronize()
+                    .unwrap_or_else(|e| panic!("{ctx}: {what} failed on the device: {e:#}"))
+            };
             let mut def = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+            println!("launch default run: {ctx}");
             indexer::run(&gpu, &qb, &cache, &mut def).unwrap();
+            synced("default run");
             let mut tma = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
             let tma_paths = indexer::IndexerPaths {
                 logits: indexer::Fp8LogitsKernel::TmaRing,
                 ..Default::default()
             };
+            println!("launch TMA-logits run: {ctx}");
             indexer::run_with(&gpu, tma_paths, &qb, &cache, &mut tma).unwrap();
+            synced("TMA-logits run");
             // Both session-5 candidates together (bench variant fused_tma_cluster): the same indices and scores.
             let mut both = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
             let both_paths = indexer::IndexerPaths {
                 logits: indexer::Fp8LogitsKernel::TmaRing,
                 topk: indexer::TopkPath::Cluster8,
             };
+            println!("launch TMA-logits + cluster top-k run: {ctx}");
             indexer::run_with(&gpu, both_paths, &qb, &cache, &mut both).unwrap();
-            let bits = |(i, s): (Vec<i32>, Vec<f32>)| (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            synced("TMA-logits + cluster top-k run");
+            let bits = |(i, s): (Vec<i32>, Vec<f32>)| {
+                (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+            };
             assert_eq!(
                 bits(topk_result(&gpu, &both.topk)),
                 bits(topk_result(&gpu, &tma.topk)),
@@ -2169,6 +2204,28 @@ fn gpu_tma_indexer_run_matches_the_default_run() {
             }
         }
     }
+}
+
+/// The TMA logits' scale box (Rust mirror of the kernel's `slot0 & ~3` / `slot0 & 3`): the TMA faults
+/// (CUDA_ERROR_ILLEGAL_INSTRUCTION, seen on the H200 with capacity 4097) unless a box's first element is 16-byte
+/// aligned in global memory. Exhaustive over every tile start slot of planes up to 2^20 entries: the box starts
+/// 16-byte aligned, holds the tile's 64 scales, and its size is a multiple of 16 bytes. The key-code box starts
+/// at slot0 * 128 bytes, always aligned.
+#[test]
+fn tma_scale_boxes_start_16_byte_aligned_and_hold_the_tile() {
+    let box_len = indexer::TMA_SCALE_BOX;
+    assert_eq!(box_len * 4 % 16, 0, "scale box of {box_len} floats");
+    for slot0 in 0..(1usize << 20) {
+        let (start, off) = indexer::tma_scale_box_start(slot0);
+        assert!(
+            (start * 4).is_multiple_of(16) && start + off == slot0 && off + 64 <= box_len,
+            "slot0 {slot0}: box start {start}, offset {off}, box {box_len}"
+        );
+    }
+    // The failing case of the first H200 run: sequence 1 of a capacity-4097 plane starts 4 bytes past a 16-byte
+    // boundary, so a box starting at slot0 itself is misaligned.
+    assert_ne!((4097 * 4) % 16, 0);
+    assert_eq!(indexer::tma_scale_box_start(4097), (4096, 1));
 }
 
 #[test]
@@ -2702,7 +2759,7 @@ fn gpu_indexer_run_with_cluster_topk_matches_default() {
                     &cache,
                     &mut bufs,
                 )
-                    .unwrap();
+                .unwrap();
                 assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
                 let scores = gpu.download(&bufs.scores).unwrap();
                 let got = topk_result(&gpu, &bufs.topk);

@@ -454,10 +454,25 @@ const TMA_STAGES_N2: usize = 6;
 const TMA_CTAS_PER_SM: usize = 3;
 const TMA_THREADS: u32 = 128 + 32;
 
+/// Key scales per TMA scale box (kernel `LT_SCALE_BOX`): a tile's 64 rows + up to 3 rows of slack, because the
+/// box starts at the tile's first slot rounded down to a multiple of 4 (the TMA faults with
+/// CUDA_ERROR_ILLEGAL_INSTRUCTION when a box's first element is not 16-byte aligned in global memory).
+pub const TMA_SCALE_BOX: usize = WGMMA_TILE_KEYS + 4;
+/// Shared-memory bytes per ring stage of the scale boxes (kernel `LT_SCALE_STAGE_BYTES`): the 272-byte box rounded
+/// up to the TMA destination alignment of 128 bytes.
+const TMA_SCALE_STAGE_BYTES: usize = (TMA_SCALE_BOX * 4).next_multiple_of(128);
+
+/// First element of the scale box of the tile starting at plane slot `slot0`, and the element of that box that
+/// holds `slot0`'s scale (kernel: `slot0 & ~3`, `slot0 & 3`). Mirrored here for the CPU test of the alignment
+/// rule.
+pub const fn tma_scale_box_start(slot0: usize) -> (usize, usize) {
+    (slot0 & !3, slot0 & 3)
+}
+
 /// Dynamic shared memory of the TMA logits (kernel `lt_smem_bytes<NEXT_N, STAGES>`): 1 KB alignment slack +
-/// `stages` x (8 KB codes + 256 B scales) + q (8 KB per query token) + a full and an empty mbarrier per stage.
+/// `stages` x (8 KB codes + 384 B scale box) + q (8 KB per query token) + a full and an empty mbarrier per stage.
 const fn tma_smem_bytes(next_n: usize, stages: usize) -> usize {
-    1024 + stages * WGMMA_TILE_KEYS * (HEAD_DIM + 4)
+    1024 + stages * (WGMMA_TILE_KEYS * HEAD_DIM + TMA_SCALE_STAGE_BYTES)
         + next_n * NUM_HEADS * HEAD_DIM
         + 2 * stages * 8
 }
@@ -576,7 +591,7 @@ fn logits_tma(
         scales_addr,
         &[entries as u64],
         &[],
-        &[WGMMA_TILE_KEYS as u32],
+        &[TMA_SCALE_BOX as u32],
         CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     )?;
     let smem = tma_smem_bytes(q.next_n, stages);
@@ -1334,9 +1349,8 @@ pub fn time_variant(
         // leaves the scores in place for the top-k-only graph.
         run_with(gpu, paths, q, cache, &mut bufs)?;
         gpu.synchronize()?;
-        let logits_g = gpu.capture(|| {
-            logits_with(gpu, q, cache, &mut bufs.scores, stride, paths.logits)
-        })?;
+        let logits_g =
+            gpu.capture(|| logits_with(gpu, q, cache, &mut bufs.scores, stride, paths.logits))?;
         let topk_g = {
             let IndexerBuffers {
                 scores, topk: tb, ..
