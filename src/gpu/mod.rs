@@ -10,6 +10,7 @@ pub mod module;
 pub mod pdl;
 pub mod telemetry;
 pub mod timing;
+pub mod tma;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -484,64 +484,6 @@ const _: () = assert!(
         && TMA_CTAS_PER_SM * (tma_smem_bytes(2, TMA_STAGES_N2) + 1024) <= 228 * 1024
 );
 
-/// A `CUtensorMap` passed by value as a kernel argument (the kernel declares it `const __grid_constant__`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
-
-// SAFETY: a plain 128-byte, 128-aligned POD blob that the driver copies into the kernel's parameter space.
-unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
-
-/// Encode a tiled tensor map over `dims` (innermost first) of `elem_bytes`-byte elements at device address
-/// `addr` with row strides `strides_bytes` (one fewer than `dims`), box `box_dims`, no interleave, zero fill
-/// out of bounds, 256-byte L2 promotion. Pure host-side encoding (no GPU work).
-fn encode_tensor_map(
-    what: &str,
-    dtype: cudarc::driver::sys::CUtensorMapDataType,
-    addr: u64,
-    dims: &[u64],
-    strides_bytes: &[u64],
-    box_dims: &[u32],
-    swizzle: cudarc::driver::sys::CUtensorMapSwizzle,
-) -> Result<TensorMapArg> {
-    use cudarc::driver::sys;
-    ensure!(
-        !dims.is_empty()
-            && dims.len() <= 5
-            && strides_bytes.len() + 1 == dims.len()
-            && box_dims.len() == dims.len(),
-        "{what}: tensor map rank mismatch"
-    );
-    ensure!(
-        addr.is_multiple_of(16) && strides_bytes.iter().all(|s| s.is_multiple_of(16)),
-        "{what}: tensor map base 0x{addr:x} or strides {strides_bytes:?} not 16-byte aligned"
-    );
-    let element_strides = vec![1u32; dims.len()];
-    let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every pointer refers to a live local array of the length the rank implies.
-    let r = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            &mut map,
-            dtype,
-            dims.len() as u32,
-            addr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides_bytes.as_ptr(),
-            box_dims.as_ptr(),
-            element_strides.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            swizzle,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    ensure!(
-        r == sys::CUresult::CUDA_SUCCESS,
-        "{what}: cuTensorMapEncodeTiled failed: {r:?} (dims {dims:?}, box {box_dims:?})"
-    );
-    Ok(TensorMapArg(map))
-}
-
 /// Launch of the TMA logits (arguments already checked by [`logits_with`]; `max_n` >= 1). The two tensor maps
 /// cover exactly the cache's planes (`batch * capacity` entries), so a tile's rows past `num_valid` read
 /// allocated cache bytes (discarded by the kernel) and rows past the plane's end are zero-filled by the TMA.
@@ -576,18 +518,20 @@ fn logits_tma(
     );
     let codes_addr = cache.codes.device_ptr(&gpu.stream).0;
     let scales_addr = cache.scales.device_ptr(&gpu.stream).0;
-    let codes_map = encode_tensor_map(
+    let codes_map = crate::gpu::tma::encode_tiled(
         "tma logits key codes",
         CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        1,
         codes_addr,
         &[HEAD_DIM as u64, entries as u64],
         &[HEAD_DIM as u64],
         &[HEAD_DIM as u32, WGMMA_TILE_KEYS as u32],
         CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     )?;
-    let scales_map = encode_tensor_map(
+    let scales_map = crate::gpu::tma::encode_tiled(
         "tma logits key scales",
         CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        4,
         scales_addr,
         &[entries as u64],
         &[],

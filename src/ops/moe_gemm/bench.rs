@@ -54,11 +54,7 @@ pub const VARIANTS: &[&str] = &[
 fn is_ours(variant: &str) -> bool {
     matches!(
         variant,
-        "nvfp4"
-            | "nvfp4_tma"
-            | "nvfp4_tma_tiled"
-            | "nvfp4_wgmma"
-            | "nvfp4_wgmma256"
+        "nvfp4" | "nvfp4_tma" | "nvfp4_tma_tiled" | "nvfp4_wgmma" | "nvfp4_wgmma256"
     )
 }
 

@@ -14,12 +14,13 @@
 
 use anyhow::{anyhow, ensure, Result};
 use cudarc::driver::sys;
-use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::{
     activation_ptrs, as_i32, check_gemm_shape, ptr, DeviceActivations, DeviceExpertWeights,
     DeviceGrouping, GemmConfig, Workspace, BLOCK_N, FAMILY,
 };
+use crate::gpu::tma::{encode_tiled, TensorMap};
 use crate::gpu::{grid_1d, launch_cfg, Gpu};
 
 /// Consumer warps (8 x 16 weight rows) plus one producer warp.
@@ -176,14 +177,6 @@ fn v6_name(token_tile: usize, tiled: bool) -> String {
     format!("moe_gemm_nvfp4_partial_{v}_nt{}", token_tile / 8)
 }
 
-/// An encoded CUtensorMap: 128 opaque bytes, 64-byte aligned as the driver requires.
-#[repr(C, align(128))]
-#[derive(Clone, Copy)]
-pub struct TmaDesc([u64; 16]);
-
-// SAFETY: plain bytes, passed by value as the kernel's `TmaDesc` (same size; the kernel's alignment is 64).
-unsafe impl DeviceRepr for TmaDesc {}
-
 /// A 2D row-major tensor map: `rows` rows of `inner` elements, `row_bytes` apart, box `box_inner x box_rows`.
 #[allow(clippy::too_many_arguments)]
 fn encode_2d(
@@ -196,41 +189,17 @@ fn encode_2d(
     box_inner: u32,
     box_rows: u32,
     swizzle: sys::CUtensorMapSwizzle,
-) -> Result<TmaDesc> {
-    ensure!(
-        base.is_multiple_of(16)
-            && row_bytes.is_multiple_of(16)
-            && (box_inner as usize * elem_bytes).is_multiple_of(16),
-        "moe_gemm v6: tensor map needs 16-byte alignment (base {base:#x}, row {row_bytes} B)"
-    );
-    ensure!(rows >= 1 && inner >= 1, "moe_gemm v6: empty tensor map");
-    let mut d = TmaDesc([0; 16]);
-    let dims = [inner as u64, rows as u64];
-    let strides = [row_bytes as u64];
-    let boxes = [box_inner, box_rows];
-    let elem_strides = [1u32, 1];
-    // SAFETY: every pointer refers to a live local array of the rank the call is told; `d` is 128 bytes, aligned.
-    let r = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            &mut d as *mut TmaDesc as *mut sys::CUtensorMap,
-            dtype,
-            2,
-            base as *mut core::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem_strides.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            swizzle,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    ensure!(
-        r == sys::CUresult::CUDA_SUCCESS,
-        "moe_gemm v6: cuTensorMapEncodeTiled({inner} x {rows}, box {box_inner} x {box_rows}) failed: {r:?}"
-    );
-    Ok(d)
+) -> Result<TensorMap> {
+    encode_tiled(
+        "moe_gemm v6",
+        dtype,
+        elem_bytes,
+        base,
+        &[inner as u64, rows as u64],
+        &[row_bytes as u64],
+        &[box_inner, box_rows],
+        swizzle,
+    )
 }
 
 /// The v6 mainloop (same contract and checks as [`super::launch_partial_mma`]; called through
@@ -317,7 +286,7 @@ pub(super) fn launch_partial_v6(
             tt as u32,
             no_swizzle,
         )?;
-        (m, TmaDesc([0; 16]))
+        (m, TensorMap::unused())
     } else {
         (
             encode_2d(
