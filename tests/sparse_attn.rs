@@ -970,7 +970,14 @@ fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPla
             "single split".to_string(),
             SplitPlan::with_tiles_per_split(&shape, 1000).unwrap(),
         ),
-        ("by_cost (fp8)".to_string(), SplitPlan::by_cost(sms, &shape)),
+        (
+            "fp8_default (fp8)".to_string(),
+            SplitPlan::for_path(sms, &shape, Path::Fp8),
+        ),
+        (
+            "by_cost (fp8_oldcombine)".to_string(),
+            SplitPlan::by_cost(sms, &shape),
+        ),
         ("auto (baseline)".to_string(), SplitPlan::auto(sms, &shape)),
     ];
     for t in [1, 2, 3] {
@@ -1002,7 +1009,7 @@ fn gpu_decode_fp8_every_split_plan() {
 
 /// HCA at 1M context (8320 candidates = 130 tiles): 130 splits of one tile (more than 32, so every lane of the
 /// combine's statistics loop takes several splits, the last round partial), 16 and 33 tiles per split, the FP8
-/// plan; every output of every call within tolerance of the reference, the second call bit-identical to the first.
+/// default plan and by_cost's; every output of every call within tolerance of the reference, the second call bit-identical to the first.
 #[test]
 fn gpu_decode_fp8_long_hca_many_splits() {
     let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_many_splits") else {
@@ -1016,8 +1023,12 @@ fn gpu_decode_fp8_long_hca_many_splits() {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
         check_fp8_calls(&format!("hca 8320 split {t} tiles"), &gpu, &hp, &r, plan, 2);
     }
-    let own = SplitPlan::by_cost(gpu.info.sm_count as usize, &shape);
+    // The default plan (fp8_default: by_cost_v6's 65 x 2 at batch 1) and by_cost's 33 x 4.
+    let sms = gpu.info.sm_count as usize;
+    let own = SplitPlan::for_path(sms, &shape, Path::Fp8);
     check_fp8_calls("hca 8320 fp8 plan", &gpu, &hp, &r, own, 2);
+    let old = SplitPlan::by_cost(sms, &shape);
+    check_fp8_calls("hca 8320 by_cost plan", &gpu, &hp, &r, old, 2);
 }
 
 /// One call of `path` on a fresh workspace for `plan`, outputs and split partials poisoned (0xFF = NaN) first, so
