@@ -267,7 +267,8 @@ pub struct PlanCosts {
 
 impl PlanCosts {
     /// The estimates `by_cost` was built with (v5 era, before any measurement of the plans): FP8 tile ~3 us,
-    /// q prologue ~4 us, combine launch ~4 us. The plan of `Fp8OldCombine` / `Fp8ParallelCombine` and the default's fallback.
+    /// q prologue ~4 us, combine launch ~4 us. The plan of `Fp8OldCombine` / `Fp8ParallelCombine` and the
+    /// default's fallback.
     pub const V5_ESTIMATE: PlanCosts = PlanCosts {
         prologue: 4.0,
         tile: 3.0,
@@ -407,7 +408,7 @@ pub fn combine_v2_variant(n_splits: usize) -> (usize, usize) {
 /// Fewest splits the default path merges with `sparse_attn_combine_v2` (fewer: `sparse_attn_combine`).
 ///
 /// Data (H200, commit 48a7d82, median us, old combine `fp8` vs v2 `fp8_pcombine`, same plan; splits from
-/// [`SplitPlan::by_cost`] at 132 SMs). 3+ splits, v2 faster at all 19 points: Flash CSA 64K batch 1 / 2 / 4 / 8
+/// [`SplitPlan::by_cost`] at 132 SMs). 3+ splits, v2 faster at all 24 points: Flash CSA 64K batch 1 / 2 / 4 / 8
 /// (10 splits) 22.9 / 19.7, 22.8 / 19.8, 23.2 / 20.4, 25.1 / 23.0; batch 16 (5) 28.0 / 26.7; batch 32 (4) 33.6 /
 /// 33.1 and its ctx sweep 4K..1M (4) -0.5..-3.9; Pro batch 1 / 2 (18) 25.0 / 20.9, 25.7 / 22.2; batch 4 (9)
 /// 27.6 / 26.2; batch 8 (6) 32.4 / 30.7; batch 16 (4) 40.0 / 39.4; HCA batch 8 ctx sweep (3, 4, 10, 12, 15
