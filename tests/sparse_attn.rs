@@ -970,7 +970,14 @@ fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPla
             "single split".to_string(),
             SplitPlan::with_tiles_per_split(&shape, 1000).unwrap(),
         ),
-        ("by_cost (fp8)".to_string(), SplitPlan::by_cost(sms, &shape)),
+        (
+            "fp8_default (fp8)".to_string(),
+            SplitPlan::for_path(sms, &shape, Path::Fp8),
+        ),
+        (
+            "by_cost (fp8_oldcombine)".to_string(),
+            SplitPlan::by_cost(sms, &shape),
+        ),
         ("auto (baseline)".to_string(), SplitPlan::auto(sms, &shape)),
     ];
     for t in [1, 2, 3] {
@@ -1002,7 +1009,7 @@ fn gpu_decode_fp8_every_split_plan() {
 
 /// HCA at 1M context (8320 candidates = 130 tiles): 130 splits of one tile (more than 32, so every lane of the
 /// combine's statistics loop takes several splits, the last round partial), 16 and 33 tiles per split, the FP8
-/// plan; every output of every call within tolerance of the reference, the second call bit-identical to the first.
+/// default plan and by_cost's; every output of every call within tolerance of the reference, the second call bit-identical to the first.
 #[test]
 fn gpu_decode_fp8_long_hca_many_splits() {
     let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_many_splits") else {
@@ -1016,8 +1023,12 @@ fn gpu_decode_fp8_long_hca_many_splits() {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
         check_fp8_calls(&format!("hca 8320 split {t} tiles"), &gpu, &hp, &r, plan, 2);
     }
-    let own = SplitPlan::by_cost(gpu.info.sm_count as usize, &shape);
+    // The default plan (fp8_default: by_cost_v6's 65 x 2 at batch 1) and by_cost's 33 x 4.
+    let sms = gpu.info.sm_count as usize;
+    let own = SplitPlan::for_path(sms, &shape, Path::Fp8);
     check_fp8_calls("hca 8320 fp8 plan", &gpu, &hp, &r, own, 2);
+    let old = SplitPlan::by_cost(sms, &shape);
+    check_fp8_calls("hca 8320 by_cost plan", &gpu, &hp, &r, old, 2);
 }
 
 /// One call of `path` on a fresh workspace for `plan`, outputs and split partials poisoned (0xFF = NaN) first, so
@@ -1038,8 +1049,9 @@ fn run_path_poisoned(
     gpu.download(&out).unwrap()
 }
 
-/// The latency-parallel combine (`sparse_attn_combine_v2`, Path::Fp8ParallelCombine) against the current one
-/// (`sparse_attn_combine`, Path::Fp8): same decode kernel and plan, outputs equal bit for bit, and within tolerance
+/// The latency-parallel combine (`sparse_attn_combine_v2`, Path::Fp8ParallelCombine) against the old one
+/// (`sparse_attn_combine`, Path::Fp8OldCombine) and the default's routing between them (Path::Fp8: v2 from 3
+/// splits): same decode kernel and plan, outputs equal bit for bit, and within tolerance
 /// of the CPU reference, for list lengths 0 / 1 / 127 / 129 / 640 / 1152 / 8320 with -1 holes, 64 and 128 heads,
 /// and every plan: one split, 1 / 2 / 3 / 16 / 17 / 26 / 33 / 44 / 65 tiles per split (8320 candidates at one
 /// tile per split = 130 splits: 16 full chunks of 8 plus a partial one, and more than 32 splits per lane of the
@@ -1074,8 +1086,9 @@ fn gpu_combine_v2_bit_identical_to_combine() {
         }
         for (name, plan) in plans {
             let label = format!("h{heads} {name} {plan:?}");
-            let old = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+            let old = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8OldCombine);
             let new = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8ParallelCombine);
+            let routed = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
             let new_f64: Vec<f64> = new.iter().map(|v| v.to_f64()).collect();
             assert_within_reference(
                 &format!("{label}: Fp8ParallelCombine vs reference"),
@@ -1084,13 +1097,29 @@ fn gpu_combine_v2_bit_identical_to_combine() {
                 &r,
             );
             assert_same_bits(
-                &format!("{label}: Fp8ParallelCombine vs Fp8 (\"first call\" = Fp8)"),
+                &format!("{label}: Fp8ParallelCombine vs Fp8OldCombine (\"first call\" = old)"),
                 &shape,
                 &old,
                 &new,
             );
+            assert_same_bits(
+                &format!("{label}: Fp8 (routed) vs Fp8OldCombine (\"first call\" = old)"),
+                &shape,
+                &old,
+                &routed,
+            );
             println!("{label}: combine_v2 bit-identical to combine, lengths {lengths:?}");
         }
+        // The default through its own plan (fp8_default: by_cost_v6 on the 8320-stride lists).
+        let plan = SplitPlan::for_path(sms, &shape, Path::Fp8);
+        let default = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+        let default_f64: Vec<f64> = default.iter().map(|v| v.to_f64()).collect();
+        assert_within_reference(
+            &format!("h{heads} Fp8 (default plan) {plan:?} vs reference"),
+            &shape,
+            &default_f64,
+            &r,
+        );
         // The refit path through its own plan (by_cost_v6; the same plan also ran above through Fp8ParallelCombine).
         let plan = SplitPlan::for_path(sms, &shape, Path::Fp8ParallelCombineRefit);
         let refit = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8ParallelCombineRefit);
@@ -1153,7 +1182,8 @@ fn gpu_decode_fp8_graph_replay() {
 
 /// Path::Fp8ParallelCombine as a replayed CUDA graph (the bench's graph variants capture it): plans with 18, 4, 2
 /// and 1 splits of a 1152-stride problem (one-, two- and four-heads-per-thread combine entries, and none), outputs
-/// and partials poisoned before each of 3 replays, each bit-identical to a plain Path::Fp8 call on the same plan.
+/// and partials poisoned before each of 3 replays, each bit-identical to a plain Path::Fp8OldCombine call on the
+/// same plan.
 #[test]
 fn gpu_combine_v2_graph_replay() {
     let Some(gpu) = gpu_for_test("gpu_combine_v2_graph_replay") else {
@@ -1166,7 +1196,7 @@ fn gpu_combine_v2_graph_replay() {
     let inp = dp.inputs();
     for t in [1usize, 5, 9, 1000] {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        let want = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+        let want = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8OldCombine);
         let mut ws = Workspace::new(&gpu, &shape, plan, false).unwrap();
         let mut out = gpu
             .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
@@ -1191,14 +1221,14 @@ fn gpu_combine_v2_graph_replay() {
             let got = gpu.download(&out).unwrap();
             assert_same_bits(
                 &format!(
-                    "combine_v2 graph replay {rep}, plan {plan:?} (\"first call\" = plain Fp8)"
+                    "combine_v2 graph replay {rep}, plan {plan:?} (\"first call\" = plain Fp8OldCombine)"
                 ),
                 &shape,
                 &want,
                 &got,
             );
         }
-        println!("combine_v2 graph: plan {plan:?}: 3 replays bit-identical to plain Fp8");
+        println!("combine_v2 graph: plan {plan:?}: 3 replays bit-identical to plain Fp8OldCombine");
     }
 }
 
@@ -1377,6 +1407,113 @@ fn refit_plan_matches_by_cost_at_target_shapes() {
     }
 }
 
+/// The default path's routing at every point of the session-5 A/B run (H200, 132 SMs, commit 48a7d82): the plan
+/// (`SplitPlan::fp8_default`) and the combine (`fp8_combine`) at each measured point, printed and pinned, with the
+/// winner the data names (see `PARALLEL_COMBINE_MIN_SPLITS` and `SplitPlan::fp8_default`). The v2 combine won at
+/// 3+ splits and lost at 2; the refit plan differs from by_cost only at HCA 1M batch 1, where it won. The forcing
+/// paths keep their own plan and combine.
+#[test]
+fn fp8_default_routing_at_measured_points() {
+    use megamoe::ops::sparse_attn::{fp8_combine, PARALLEL_COMBINE_MIN_SPLITS};
+    let shape = |batch, heads, stride| DecodeShape {
+        batch,
+        heads,
+        stride,
+        n_entries: 10,
+    };
+    // (label, batch, heads, candidates, default splits, tiles per split, v2 combine): candidates = CSA 128 +
+    // min(topk, ctx/4) (Flash 640, Pro 1152 from 4K context on), HCA 128 + ctx/128.
+    let points: Vec<(&str, usize, usize, usize, usize, usize, bool)> = vec![
+        ("flash b1", 1, 64, 640, 10, 1, true),
+        ("flash b2", 2, 64, 640, 10, 1, true),
+        ("flash b4", 4, 64, 640, 10, 1, true),
+        ("flash b8", 8, 64, 640, 10, 1, true),
+        ("flash b16", 16, 64, 640, 5, 2, true),
+        ("flash b32", 32, 64, 640, 4, 3, true),
+        ("flash b64", 64, 64, 640, 2, 5, false),
+        ("flash b128", 128, 64, 640, 1, 10, false),
+        ("pro b1", 1, 128, 1152, 18, 1, true),
+        ("pro b2", 2, 128, 1152, 18, 1, true),
+        ("pro b4", 4, 128, 1152, 9, 2, true),
+        ("pro b8", 8, 128, 1152, 6, 3, true),
+        ("pro b16", 16, 128, 1152, 4, 5, true),
+        ("pro b32", 32, 128, 1152, 2, 9, false),
+        ("pro b64", 64, 128, 1152, 1, 18, false),
+        ("pro b128", 128, 128, 1152, 1, 18, false),
+        ("hca b8 4K", 8, 64, 160, 3, 1, true),
+        ("hca b8 16K", 8, 64, 256, 4, 1, true),
+        ("hca b8 64K", 8, 64, 640, 10, 1, true),
+        ("hca b8 256K", 8, 64, 2176, 12, 3, true),
+        ("hca b8 1M", 8, 64, 8320, 15, 9, true),
+        ("hca 1M b1 (refit plan)", 1, 64, 8320, 65, 2, true),
+        ("hca 1M b4", 4, 64, 8320, 33, 4, true),
+        ("hca 1M b16", 16, 64, 8320, 8, 17, true),
+        ("hca 1M b64", 64, 64, 8320, 2, 65, false),
+    ];
+    for (label, batch, heads, stride, n_splits, tps, v2) in points {
+        let s = shape(batch, heads, stride);
+        let plan = SplitPlan::for_path(132, &s, Path::Fp8);
+        let (old, refit) = (SplitPlan::by_cost(132, &s), SplitPlan::by_cost_v6(132, &s));
+        let ctas = batch * (heads / 64) * plan.n_splits;
+        let parallel = fp8_combine(Path::Fp8, plan.n_splits);
+        println!(
+            "{label}: default {plan:?} ({ctas} CTAs), by_cost {old:?}, by_cost_v6 {refit:?}, combine {}",
+            if plan.n_splits == 1 {
+                "none"
+            } else if parallel {
+                "v2"
+            } else {
+                "old"
+            }
+        );
+        assert_eq!(
+            plan,
+            SplitPlan {
+                n_splits,
+                tiles_per_split: tps
+            },
+            "{label}"
+        );
+        assert_eq!(plan, SplitPlan::fp8_default(132, &s), "{label}");
+        if plan.n_splits > 1 {
+            assert_eq!(parallel, v2, "{label}");
+        }
+        // Only HCA 1M batch 1 takes the refit plan; everywhere else the default plan is by_cost's.
+        assert_eq!(plan == old, label != "hca 1M b1 (refit plan)", "{label}");
+        assert_eq!(SplitPlan::for_path(132, &s, Path::Fp8OldCombine), old);
+        assert_eq!(SplitPlan::for_path(132, &s, Path::Fp8ParallelCombine), old);
+    }
+    // The rule itself, and the forcing paths at every split count.
+    for n in 2usize..=200 {
+        assert_eq!(fp8_combine(Path::Fp8, n), n >= PARALLEL_COMBINE_MIN_SPLITS);
+        assert!(fp8_combine(Path::Fp8ParallelCombine, n));
+        assert!(fp8_combine(Path::Fp8ParallelCombineRefit, n));
+        assert!(!fp8_combine(Path::Fp8OldCombine, n));
+    }
+    assert_eq!(PARALLEL_COMBINE_MIN_SPLITS, 3);
+    // The default never trades a 1- or 2-split plan for the refit (the 2-split merge is not what V6_FITTED models)
+    // and every default plan covers every tile with no empty split.
+    for batch in [1usize, 2, 3, 4, 6, 8, 16, 32, 48, 64, 96, 128] {
+        for heads in [64usize, 128] {
+            for tiles in (1usize..=40).chain([50, 65, 100, 130, 200, 258, 513]) {
+                let s = shape(batch, heads, tiles * 64);
+                let p = SplitPlan::fp8_default(132, &s);
+                let old = SplitPlan::by_cost(132, &s);
+                assert!(
+                    p.n_splits * p.tiles_per_split >= tiles
+                        && (p.n_splits - 1) * p.tiles_per_split < tiles,
+                    "{s:?} {p:?}"
+                );
+                if old.n_splits < 3 || p.n_splits < 3 {
+                    assert_eq!(p, old, "{s:?}");
+                } else if p != old {
+                    assert_eq!(p, SplitPlan::by_cost_v6(132, &s), "{s:?}");
+                }
+            }
+        }
+    }
+}
+
 /// The sweep config parses with the bench schema, names only this family's variants, and every point
 /// resolves to a candidate count (CSA 128 + min(topk, ctx/4), HCA 128 + ctx/128).
 #[test]
@@ -1389,6 +1526,7 @@ fn bench_config_and_split_plans() {
         bench_path(v).unwrap();
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
+    assert_eq!(bench_path("fp8_oldcombine").unwrap(), Path::Fp8OldCombine);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
     assert_eq!(
         bench_path("fp8_pcombine").unwrap(),

@@ -27,10 +27,12 @@
 //! The session-4 final run (b4862dd) timed v6 against v5 once more: v6 faster at every point and bit-identical
 //! in every GPU test, so the v5 path (`Fp8V5`, bench variant `fp8_v5`) was removed.
 //!
-//! Session-5 A/B candidates (not yet measured): [`Path::Fp8ParallelCombine`] (bench `fp8_pcombine`) = the default
-//! decode and plan with the latency-parallel, bit-identical `sparse_attn_combine_v2`; and
-//! [`Path::Fp8ParallelCombineRefit`] (`fp8_pcombine_refit`) = the same with [`SplitPlan::by_cost_v6`], whose
-//! constants ([`PlanCosts::V6_FITTED`]) are fitted to the session-5 ncu durations.
+//! Session-5 A/B (H200, commit 48a7d82): the latency-parallel, bit-identical combine `sparse_attn_combine_v2`
+//! won wherever the plan cuts 3 or more splits and lost at 2 splits; the refitted plan [`SplitPlan::by_cost_v6`]
+//! won at HCA 1M batch 1. The default [`Path::Fp8`] now routes by those measurements ([`fp8_combine`],
+//! [`SplitPlan::fp8_default`]); the previous default stays measurable as [`Path::Fp8OldCombine`] (bench
+//! `fp8_oldcombine`), the forced new combine as [`Path::Fp8ParallelCombine`] (`fp8_pcombine`) and
+//! [`Path::Fp8ParallelCombineRefit`] (`fp8_pcombine_refit`).
 
 pub mod exec;
 pub mod reference;
@@ -153,11 +155,13 @@ impl SplitPlan {
         }
     }
 
-    /// The plan each path runs with: `Fp8` uses [`SplitPlan::by_cost`], the baseline keeps
-    /// [`SplitPlan::auto`] (what it was measured with).
+    /// The plan each path runs with: `Fp8` uses [`SplitPlan::fp8_default`], the forcing variants
+    /// `Fp8OldCombine` / `Fp8ParallelCombine` [`SplitPlan::by_cost`] and `Fp8ParallelCombineRefit`
+    /// [`SplitPlan::by_cost_v6`]; the baseline keeps [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
+            Path::Fp8 => SplitPlan::fp8_default(sm_count, shape),
+            Path::Fp8OldCombine | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
             Path::Fp8ParallelCombineRefit => SplitPlan::by_cost_v6(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
         }
@@ -169,8 +173,8 @@ impl SplitPlan {
     /// most SMs idle at batch 1..32 (3 CTAs for batch 1, 640 candidates); a partial second wave costs a whole
     /// CTA time. The constants ([`PlanCosts::V5_ESTIMATE`]) are estimates in microseconds for the H200 (FP8 tile
     /// ~3 us at 64 heads, q prologue ~4 us, combine launch ~4 us); only their ratios matter. Ties go to fewer
-    /// splits. Refitted to measurements in [`PlanCosts::V6_FITTED`] ([`SplitPlan::by_cost_v6`]); this one stays
-    /// the default's plan until an A/B run says otherwise.
+    /// splits. Refitted to measurements in [`PlanCosts::V6_FITTED`] ([`SplitPlan::by_cost_v6`]); the default
+    /// [`SplitPlan::fp8_default`] takes the refit only where the session-5 data supports it.
     pub fn by_cost(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
         SplitPlan::by_cost_model(sm_count, shape, &PlanCosts::V5_ESTIMATE)
     }
@@ -181,6 +185,30 @@ impl SplitPlan {
     /// differs on long lists (HCA at 1M, batch 1: 65 splits of two tiles instead of 33 of four).
     pub fn by_cost_v6(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
         SplitPlan::by_cost_model(sm_count, shape, &PlanCosts::V6_FITTED)
+    }
+
+    /// The default FP8 plan: [`SplitPlan::by_cost_v6`] where both it and [`SplitPlan::by_cost`] cut 3 or more
+    /// splits (so both merge with `sparse_attn_combine_v2`, the combine whose cost `V6_FITTED` models), else
+    /// [`SplitPlan::by_cost`].
+    ///
+    /// Data (H200, commit 48a7d82, us, `fp8_pcombine` vs `fp8_pcombine_refit`): the plans differ at one measured
+    /// point, HCA 1M batch 1 (130 tiles): by_cost 33 splits x 4 tiles 35.6, by_cost_v6 65 x 2 = 31.8 (the model
+    /// predicted 33.6 -> 28.2: right direction, 70% of the size). At HCA 1M batch 4 / 16 / 64 and every Flash /
+    /// Pro batch point the two plans are equal (40.6 / 40.6, 81.0 / 81.8, 245.6 / 244.1: noise). Where by_cost_v6
+    /// would add a split to a plan with 1 or 2 (e.g. 2 tiles: 1 x 2 -> 2 x 1) or cut to 2 splits (Pro batch 96 at
+    /// 513 tiles) nothing was measured and the 2-split merge is the old combine, which the model does not describe,
+    /// so those points keep by_cost. Unmeasured points that do change: 20..39 tiles at batch <= 6 and long HCA lists
+    /// at batch <= 4 (one tile per split instead of two, or about half the tiles per split), all still one wave.
+    pub fn fp8_default(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
+        let old = SplitPlan::by_cost(sm_count, shape);
+        let refit = SplitPlan::by_cost_v6(sm_count, shape);
+        if old.n_splits >= PARALLEL_COMBINE_MIN_SPLITS
+            && refit.n_splits >= PARALLEL_COMBINE_MIN_SPLITS
+        {
+            refit
+        } else {
+            old
+        }
     }
 
     /// The shared cost model: `waves * (prologue + tps * tile) + [n_splits > 1] * (combine + n_splits *
@@ -239,7 +267,8 @@ pub struct PlanCosts {
 
 impl PlanCosts {
     /// The estimates `by_cost` was built with (v5 era, before any measurement of the plans): FP8 tile ~3 us,
-    /// q prologue ~4 us, combine launch ~4 us. Kept for `Path::Fp8` (the default stays as it was measured).
+    /// q prologue ~4 us, combine launch ~4 us. The plan of `Fp8OldCombine` / `Fp8ParallelCombine` and the
+    /// default's fallback.
     pub const V5_ESTIMATE: PlanCosts = PlanCosts {
         prologue: 4.0,
         tile: 3.0,
@@ -376,17 +405,50 @@ pub fn combine_v2_variant(n_splits: usize) -> (usize, usize) {
     }
 }
 
+/// Fewest splits the default path merges with `sparse_attn_combine_v2` (fewer: `sparse_attn_combine`).
+///
+/// Data (H200, commit 48a7d82, median us, old combine `fp8` vs v2 `fp8_pcombine`, same plan; splits from
+/// [`SplitPlan::by_cost`] at 132 SMs). 3+ splits, v2 faster at all 24 points: Flash CSA 64K batch 1 / 2 / 4 / 8
+/// (10 splits) 22.9 / 19.7, 22.8 / 19.8, 23.2 / 20.4, 25.1 / 23.0; batch 16 (5) 28.0 / 26.7; batch 32 (4) 33.6 /
+/// 33.1 and its ctx sweep 4K..1M (4) -0.5..-3.9; Pro batch 1 / 2 (18) 25.0 / 20.9, 25.7 / 22.2; batch 4 (9)
+/// 27.6 / 26.2; batch 8 (6) 32.4 / 30.7; batch 16 (4) 40.0 / 39.4; HCA batch 8 ctx sweep (3, 4, 10, 12, 15
+/// splits) -0.8..-5.0; HCA 1M batch 1 / 4 / 16 (33, 33, 8) 44.3 / 35.6, 48.8 / 40.6, 85.3 / 81.0.
+/// 2 splits (v2's four-heads-per-thread entry), v2 slower at 6 of 8 points: Pro batch 32 at 64K 56.1 / 58.2 and
+/// its ctx sweep 4K / 16K / 64K / 256K 55.8 / 58.3, 56.2 / 57.4, 55.8 / 57.8, 60.2 / 63.5; Flash batch 64 43.8 /
+/// 45.9. Exceptions: Pro batch 32 at 1M 66.0 / 63.5 (the same plan and bytes as at 4K, where `fp8` took 55.8: an
+/// outlier of the `fp8` sample) and HCA 1M batch 64 (65 tiles per split) 247.1 / 245.6 (0.6%, noise at that
+/// size). 1 split: no combine, both paths launch the same kernel. Heads and batch do not separate the winners
+/// from the losers (Pro batch 32 loses, Pro batch 16 and Flash batch 32 win; Flash batch 64 loses), the split
+/// count does.
+pub const PARALLEL_COMBINE_MIN_SPLITS: usize = 3;
+
+/// Which combine kernel merges `n_splits` split partials on `path`: true = `sparse_attn_combine_v2`, false =
+/// `sparse_attn_combine` (both bit-identical; only the time differs). `Fp8` routes by
+/// [`PARALLEL_COMBINE_MIN_SPLITS`]; the forcing variants always take the one they name. Meaningless for 1 split
+/// (no combine runs) and for the baseline (it keeps the old combine).
+pub fn fp8_combine(path: Path, n_splits: usize) -> bool {
+    match path {
+        Path::Fp8 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
+        Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => true,
+        Path::Fp8OldCombine | Path::Bf16Staging => false,
+    }
+}
+
 /// Which attention kernel reads the KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
     /// `sparse_attn_decode_fp8_v6`: reads the FP8 pool directly, quantizes q per (head, 64-tile) like a KV entry
     /// (codes from `x * 2^-k`, the same values as `x / 2^k`), dequantizes each tile once to a 128B-swizzled BF16
-    /// tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T; when the plan splits,
-    /// `sparse_attn_combine` merges the partials. Bench variant `fp8`.
+    /// tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T. Plan
+    /// [`SplitPlan::fp8_default`]; when it splits, [`fp8_combine`] picks the merge (`sparse_attn_combine_v2` from
+    /// 3 splits, `sparse_attn_combine` at 2). Bench variant `fp8`.
     Fp8,
-    /// [`Path::Fp8`]'s decode kernel and plan, with the split merge by `sparse_attn_combine_v2` (one CTA per
-    /// (sequence, head), every thread's split loads in flight together; bit-identical to `sparse_attn_combine`).
-    /// Session-5 A/B candidate, bench variant `fp8_pcombine`.
+    /// The default before the session-5 A/B: the same decode kernel, plan [`SplitPlan::by_cost`], every split
+    /// merged by `sparse_attn_combine` (one warp per head). Bench variant `fp8_oldcombine`.
+    Fp8OldCombine,
+    /// [`Path::Fp8OldCombine`]'s decode kernel and plan, with every split merge by `sparse_attn_combine_v2` (one CTA
+    /// per (sequence, 1 / 2 / 4 heads), every thread's split loads in flight together; bit-identical to
+    /// `sparse_attn_combine`). Bench variant `fp8_pcombine`.
     Fp8ParallelCombine,
     /// [`Path::Fp8ParallelCombine`] with the refitted plan [`SplitPlan::by_cost_v6`]. Bench variant
     /// `fp8_pcombine_refit`.
@@ -445,7 +507,10 @@ pub fn decode(
     }
 
     let (name, smem, f) = match path {
-        Path::Fp8 | Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => {
+        Path::Fp8
+        | Path::Fp8OldCombine
+        | Path::Fp8ParallelCombine
+        | Path::Fp8ParallelCombineRefit => {
             (FP8_KERNEL, FP8_SMEM_BYTES, ws.kernels.decode_fp8.clone())
         }
         Path::Bf16Staging => (
@@ -463,9 +528,10 @@ pub fn decode(
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(inp.q);
         match path {
-            Path::Fp8 | Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => {
-                b.arg(inp.pool).arg(&null)
-            }
+            Path::Fp8
+            | Path::Fp8OldCombine
+            | Path::Fp8ParallelCombine
+            | Path::Fp8ParallelCombineRefit => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -493,10 +559,7 @@ pub fn decode(
     if plan.n_splits > 1 {
         // The old combine: one warp per head (grid heads/8 x batch, 256 threads); v2: one CTA per (sequence,
         // 1 / 2 / 4 heads), 128 threads of 4 dims each. Same arguments.
-        let parallel = matches!(
-            path,
-            Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit
-        );
+        let parallel = fp8_combine(path, plan.n_splits);
         let (cname, f, grid, block) = if parallel {
             let (k, heads_per_thread) = combine_v2_variant(plan.n_splits);
             (
@@ -632,9 +695,10 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
-        Path::Fp8 | Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => {
-            b * l * ENTRY_BYTES as u64
-        }
+        Path::Fp8
+        | Path::Fp8OldCombine
+        | Path::Fp8ParallelCombine
+        | Path::Fp8ParallelCombineRefit => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
@@ -642,18 +706,26 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
 }
 
 /// Kernel name of the bench rows; variants `fp8` (this family's kernel `sparse_attn_decode_fp8_v6`, with its own
-/// split plan) and `bf16_staging` (the baseline). Retired after the H200 A/B runs: `fp8_v3` / `fp8_v4` (v5 became
+/// split plan and combine routing) and `bf16_staging` (the baseline). Retired after the H200 A/B runs: `fp8_v3` / `fp8_v4` (v5 became
 /// `fp8`), then `fp8_fused` / `fp8_fused_v6` (in-kernel split merge) and `fp8_pdl` (combine launched by PDL), and
 /// after the session-4 final run `fp8_v5` (v6 became `fp8`).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
-/// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Session-5 A/B candidates:
+/// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Forcing variants that keep
+/// the session-5 A/B measurable: `fp8_oldcombine` ([`Path::Fp8OldCombine`], the previous default),
 /// `fp8_pcombine` ([`Path::Fp8ParallelCombine`]) and `fp8_pcombine_refit` ([`Path::Fp8ParallelCombineRefit`]).
-pub const BENCH_VARIANTS: [&str; 4] = ["fp8", "fp8_pcombine", "fp8_pcombine_refit", "bf16_staging"];
+pub const BENCH_VARIANTS: [&str; 5] = [
+    "fp8",
+    "fp8_oldcombine",
+    "fp8_pcombine",
+    "fp8_pcombine_refit",
+    "bf16_staging",
+];
 
 /// The path a bench variant name runs.
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
+        "fp8_oldcombine" => Path::Fp8OldCombine,
         "fp8_pcombine" => Path::Fp8ParallelCombine,
         "fp8_pcombine_refit" => Path::Fp8ParallelCombineRefit,
         "bf16_staging" => Path::Bf16Staging,
