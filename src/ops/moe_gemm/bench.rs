@@ -49,15 +49,17 @@ pub const VARIANTS: &[&str] = &[
 fn is_ours(variant: &str) -> bool {
     matches!(
         variant,
-        "nvfp4" | "nvfp4_tma" | "nvfp4_wgmma" | "nvfp4_wgmma256"
+        "nvfp4"
+            | "nvfp4_tma"
+            | "nvfp4_wgmma"
+            | "nvfp4_wgmma256"
     )
 }
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
 /// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma).
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || (variant == "nvfp4_tma" && dg.capacity == 0)
+    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0) || (variant == "nvfp4_tma" && dg.capacity == 0)
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
