@@ -820,6 +820,37 @@ struct GlobalCompSrc {
 
 }  // namespace
 
+// ------------------------------------------------------------------------------------------------------------
+// Top-k PDL entry points (session-5 A/B, `TopkPath::Pdl`; select and final: the default kernels are the
+// PDL = false instances of the same bodies, checked to compile to the same SASS as before; hist: a copy). Launched with the programmatic-stream-serialization attribute,
+// a kernel may be scheduled while the previous kernel of the stream still runs; `griddepcontrol.wait` blocks
+// until that kernel has COMPLETED and its memory operations are visible; `griddepcontrol.launch_dependents`
+// lets the next PDL kernel be scheduled once every CTA of this grid issued it or exited. Without the attribute
+// both are no-ops. Why: the default top-k costs ~14-17 us at every context (ncu kernel time at 1M: 3.9 + 5.2 +
+// 5.6 us); the rest is kernel boundaries, which PDL overlaps with the previous kernel's tail.
+// Protocol (the whole correctness argument):
+//   * Before its griddepcontrol.wait, a PDL kernel touches NO global memory (not even num_valid): only kernel
+//     parameters, index math and its own shared memory. So whatever the previous kernel(s) write or read
+//     (scores from the logits, hist, counters, above / bucket, and the final pass's zeroing of hist / counters /
+//     arrivals) is ordered exactly as with plain stream order.
+//   * Every CTA executes the wait before it exits (also the CTAs that return early), so "grid i complete"
+//     implies "grid i-1 complete": the final pass's wait (select complete) also covers hist and the logits,
+//     although it is launched as soon as select's CTAs trigger.
+//   * hist and select trigger their dependents at their first instruction (correctness never depends on where:
+//     the dependent's wait is for full completion). Their dependents are then resident and parked in the wait
+//     when they finish. No deadlock: a grid is launched only after EVERY CTA of the previous grid issued the
+//     trigger (is resident) or exited, so the parked CTAs never keep a CTA of an earlier grid from starting.
+//   * The final pass does not trigger: its successor (the next call's logits, a plain launch) waits for its
+//     completion anyway, and its zeroing of hist / counters / arrivals must finish before the next call's hist
+//     (a plain-launch successor of the logits) starts: guaranteed, the logits start after the final pass.
+//   * hist's predecessor may be any kernel (top-k alone): hist waits before reading num_valid or scores.
+// ------------------------------------------------------------------------------------------------------------
+namespace {
+__device__ __forceinline__ void topk_pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void topk_pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+}  // namespace
+
 // hist [rows][4096] u32 (zero on entry). grid (ceil(max_n / 4096), rows), block 512.
 extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist(const float* __restrict__ scores,
                                                                            int score_stride,
@@ -835,6 +866,42 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist(con
     float v[TK2_PER_THREAD];
 #pragma unroll
     for (int r = 0; r < TK2_PER_THREAD; ++r) {  // all loads first: 8 in flight per thread
+        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
+        v[r] = i < n ? src[i] : 0.f;
+    }
+    __syncthreads();  // h zeroed
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {
+        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
+        if (i < n) atomicAdd(&h[order_key(v[r]) >> TK2_SHIFT], 1u);
+    }
+    __syncthreads();
+    uint32_t* g = hist + (size_t)row * TK2_BINS;
+    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) {
+        const uint32_t c = h[i];
+        if (c) atomicAdd(&g[i], c);
+    }
+}
+
+// indexer_topk2_hist for a PDL launch (see "Top-k PDL entry points"): the same code with the shared histogram
+// zeroed before the wait (a separate copy rather than a template instance: the templated default compiled to a
+// register-renamed SASS, and the default must stay byte-identical).
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist_pdl(const float* __restrict__ scores,
+                                                                               int score_stride,
+                                                                               const int* __restrict__ num_valid,
+                                                                               uint32_t* __restrict__ hist) {
+    __shared__ uint32_t h[TK2_BINS];
+    topk_pdl_trigger();
+    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) h[i] = 0;  // shared memory only before the wait
+    topk_pdl_wait();  // before reading num_valid or scores, and before any return
+    const int row = blockIdx.y;
+    const int n = row_valid(num_valid, row, score_stride);
+    const int base = blockIdx.x * TK2_SLICE;
+    if (base >= n) return;  // block-uniform, before any barrier
+    const float* src = scores + (size_t)row * score_stride;
+    float v[TK2_PER_THREAD];
+#pragma unroll
+    for (int r = 0; r < TK2_PER_THREAD; ++r) {
         const int i = base + r * TK2_THREADS + (int)threadIdx.x;
         v[r] = i < n ? src[i] : 0.f;
     }
@@ -1038,7 +1105,10 @@ __device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__
 // TK4_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
 // Thread 0 reads the counters, arrives after the first barrier (see tk4_row_part) and, if its CTA arrived last,
 // zeroes them at the very end.
-extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta(
+namespace {
+// Body of indexer_topk4_final_mcta (PDL = false) and indexer_topk4_final_mcta_pdl.
+template <bool PDL>
+__device__ __forceinline__ void topk4_final_body(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
@@ -1048,6 +1118,9 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
     __shared__ uint32_t rank_a[TK4_RANK_A];
     __shared__ uint32_t rank_b[TK4_RANK_B];
     __shared__ uint32_t cnt_s[2];
+    // PDL: wait before the first global access (num_valid, counters, hist, above / bucket) and before any
+    // return, so that every CTA waits (see "Top-k PDL entry points").
+    if (PDL) topk_pdl_wait();
     const int S = gridDim.x, s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     if (S < TK4_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
     uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // above composites; the fallback's sort buffer
@@ -1069,6 +1142,25 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
         arrivals[row] = 0;
     }
 }
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta(
+    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
+    uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
+    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
+    float* __restrict__ out_score) {
+    topk4_final_body<false>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
+                            out_idx, out_score);
+}
+// indexer_topk4_final_mcta for a PDL launch (see "Top-k PDL entry points"). Same launch shape and smem.
+extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta_pdl(
+    int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
+    uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
+    const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
+    float* __restrict__ out_score) {
+    topk4_final_body<true>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
+                           out_idx, out_score);
+}
 
 // ------------------------------------------------------------------------------------------------------------
 // Top-k pass 2 with CTA-aggregated slot allocation (the default pass 2 since the session-4 A/B; pairs with
@@ -1087,13 +1179,20 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
 // select, bitonic sort), so the top-k output is bit-identical.
 // Deadlock freedom: the two extra barriers are in straight-line code after the block-uniform early return;
 // the per-value loops have compile-time trip counts (ballots warp-uniform), no barrier inside.
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg(
+namespace {
+// Body of indexer_topk5_select_agg (PDL = false) and indexer_topk5_select_agg_pdl.
+template <bool PDL>
+__device__ __forceinline__ void topk5_select_body(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
     __shared__ uint32_t warp_sums[TK2_THREADS / 32];
     __shared__ uint32_t warp_up[TK2_THREADS / 32], warp_eq[TK2_THREADS / 32];
     __shared__ uint32_t thr_bin, base_up, base_eq;
+    if (PDL) {  // no global access before the wait (see "Top-k PDL entry points")
+        topk_pdl_trigger();
+        topk_pdl_wait();
+    }
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
     const int base = blockIdx.x * TK2_SLICE;
@@ -1193,6 +1292,21 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_a
         su += (uint32_t)__popc(bu[r]);
         se += (uint32_t)__popc(be[r]);
     }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg(
+    const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
+    const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
+    unsigned long long* __restrict__ bucket, int bucket_stride) {
+    topk5_select_body<false>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
+}
+// indexer_topk5_select_agg for a PDL launch (see "Top-k PDL entry points").
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg_pdl(
+    const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
+    const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
+    unsigned long long* __restrict__ bucket, int bucket_stride) {
+    topk5_select_body<true>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -1117,6 +1117,19 @@ fn check_default_topk(
     rows: &[(Vec<f32>, String)],
     calls: usize,
 ) {
+    check_topk_path(gpu, seed, k, rows, calls, indexer::TopkPath::Default);
+}
+
+/// [`check_default_topk`] along `path`; a path other than the default is also compared with one default call
+/// (on its own buffers) bit for bit, indices and scores.
+fn check_topk_path(
+    gpu: &megamoe::gpu::Gpu,
+    seed: u64,
+    k: usize,
+    rows: &[(Vec<f32>, String)],
+    calls: usize,
+    path: indexer::TopkPath,
+) {
     let stride = rows
         .iter()
         .map(|r| r.0.len())
@@ -1133,16 +1146,39 @@ fn check_default_topk(
     let nvd = gpu.upload(&nv).unwrap();
     let mut bufs = TopkBuffers::new(gpu, rows.len(), k, stride).unwrap();
     let wants: Vec<Vec<i32>> = rows.iter().map(|(v, _)| reference::topk(v, k)).collect();
+    let default_out = (path != indexer::TopkPath::Default).then(|| {
+        let mut def = TopkBuffers::new(gpu, rows.len(), k, stride).unwrap();
+        indexer::topk(gpu, &sd, stride, &nvd, &nv, &mut def).unwrap();
+        assert!(stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap());
+        topk_result(gpu, &def)
+    });
     for call in 0..calls {
         gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
         gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
-        indexer::topk(gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+        indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
         assert!(
             stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap(),
-            "seed {seed:#x}: top-k did not finish within 5 s (k {k}, {} rows, call {call})",
+            "seed {seed:#x}: top-k ({path:?}) did not finish within 5 s (k {k}, {} rows, call {call})",
             rows.len()
         );
         let got = topk_result(gpu, &bufs);
+        if let Some((di, ds)) = &default_out {
+            for p in 0..got.0.len() {
+                assert!(
+                    got.0[p] == di[p] && got.1[p].to_bits() == ds[p].to_bits(),
+                    "seed {seed:#x} k {k} ({} rows) call {call} row {} ({}) position {}: {path:?} ({}, {:#010x}) \
+                     vs default ({}, {:#010x})",
+                    rows.len(),
+                    p / k,
+                    rows[p / k].1,
+                    p % k,
+                    got.0[p],
+                    got.1[p].to_bits(),
+                    di[p],
+                    ds[p].to_bits()
+                );
+            }
+        }
         for (r, (v, label)) in rows.iter().enumerate() {
             for (j, &wi) in wants[r].iter().enumerate() {
                 let ws = if wi >= 0 {
@@ -1153,8 +1189,8 @@ fn check_default_topk(
                 let p = r * k + j;
                 assert!(
                     got.0[p] == wi && got.1[p].to_bits() == ws.to_bits(),
-                    "seed {seed:#x} k {k} ({} rows) call {call} row {r} ({label}) position {j}: got ({}, {:e} = \
-                     {:#010x}) want ({wi}, {ws:e} = {:#010x})",
+                    "seed {seed:#x} k {k} ({} rows, {path:?}) call {call} row {r} ({label}) position {j}: got ({}, \
+                     {:e} = {:#010x}) want ({wi}, {ws:e} = {:#010x})",
                     rows.len(),
                     got.0[p],
                     got.1[p],
@@ -1188,6 +1224,16 @@ fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
         return;
     };
     let (seed, mut rng) = seeded("gpu_topk_mcta_graph");
+    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::Default);
+}
+
+/// Graph replays of `path` with new scores each time, then an eager call on the same buffers: all exact.
+fn check_topk_graph_replays(
+    gpu: &megamoe::gpu::Gpu,
+    seed: u64,
+    rng: &mut ChaCha8Rng,
+    path: indexer::TopkPath,
+) {
     let k = 512usize;
     let lens = [262_144usize, 0, 70_001, 513, 4097];
     let stride = 262_144usize;
@@ -1201,36 +1247,36 @@ fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
         flat
     };
     let nv: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
-    let mut flat = make(&mut rng);
+    let mut flat = make(rng);
     let mut sd = gpu.upload(&flat).unwrap();
     let nvd = gpu.upload(&nv).unwrap();
-    let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
+    let mut bufs = TopkBuffers::new(gpu, lens.len(), k, stride).unwrap();
     // One eager call first: loads the module and sets the shared-memory attribute outside the capture (and
     // must itself leave the buffers clean for the first replay).
-    indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-    assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
+    indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+    assert!(stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap());
     let graph = gpu
-        .capture(|| indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs))
+        .capture(|| indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs))
         .unwrap();
     // Replays with new scores written into the captured input buffer: a replay that left the histogram,
     // counters or arrival counters dirty makes the next replay's answer wrong.
     for replay in 0..4 {
         if replay > 0 {
-            flat = make(&mut rng);
+            flat = make(rng);
             gpu.stream.memcpy_htod(&flat, &mut sd).unwrap();
         }
         gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
         gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
         graph.launch().unwrap();
         assert!(
-            stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-            "seed {seed:#x}: graph replay {replay} did not finish within 5 s"
+            stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap(),
+            "seed {seed:#x}: graph replay {replay} ({path:?}) did not finish within 5 s"
         );
-        let (idx, sc) = topk_result(&gpu, &bufs);
+        let (idx, sc) = topk_result(gpu, &bufs);
         for (r, &n) in lens.iter().enumerate() {
             let row = &flat[r * stride..r * stride + n];
             if let Err(e) = reference::check_topk_exact(row, k, &idx[r * k..(r + 1) * k]) {
-                panic!("seed {seed:#x} replay {replay} row {r} (num_valid {n}): {e}");
+                panic!("seed {seed:#x} ({path:?}) replay {replay} row {r} (num_valid {n}): {e}");
             }
             for j in 0..k {
                 let i = idx[r * k + j];
@@ -1242,25 +1288,229 @@ fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
                 assert_eq!(
                     sc[r * k + j].to_bits(),
                     want.to_bits(),
-                    "seed {seed:#x} replay {replay} row {r} position {j}: score {:e} want {want:e}",
+                    "seed {seed:#x} ({path:?}) replay {replay} row {r} position {j}: score {:e} want {want:e}",
                     sc[r * k + j]
                 );
             }
         }
     }
     // After the replays an eager call on the same buffers must still be exact (clean buffers).
-    indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-    assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
-    let (idx, _) = topk_result(&gpu, &bufs);
+    indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+    assert!(stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap());
+    let (idx, _) = topk_result(gpu, &bufs);
     for (r, &n) in lens.iter().enumerate() {
         if let Err(e) = reference::check_topk_exact(
             &flat[r * stride..r * stride + n],
             k,
             &idx[r * k..(r + 1) * k],
         ) {
-            panic!("seed {seed:#x}: eager call after the graph replays, row {r}: {e}");
+            panic!("seed {seed:#x} ({path:?}): eager call after the graph replays, row {r}: {e}");
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// PDL top-k (`TopkPath::Pdl`: the default kernels through their PDL entry points; kernels/indexer.cu "Top-k
+// PDL entry points"). Same kernel bodies, so the outputs must be bit-identical to the default path's.
+// ---------------------------------------------------------------------------------------------------------
+
+#[test]
+fn gpu_topk_pdl_matches_default_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_topk_pdl_matches_default_and_reference") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_pdl");
+    println!("seed {seed:#x}");
+    for k in [1usize, 512, 2048] {
+        // num_valid 0, 1, 2, k +- 1, 4095 / 4097, 262,144 and more, mixed in one launch; ties, specials,
+        // threshold buckets at the multi-CTA cap. Back-to-back calls on the same buffers: a PDL launch that
+        // let a kernel touch the histogram / counters before its predecessor finished shows up as a wrong
+        // threshold in a later call.
+        let rows = mcta_rows(&mut rng, k.max(2));
+        check_topk_path(
+            &gpu,
+            seed,
+            k,
+            &rows,
+            if k == 512 { 3 } else { 2 },
+            indexer::TopkPath::Pdl,
+        );
+        // The longest rows and the directed buckets alone (more final-pass CTAs per row).
+        check_topk_path(
+            &gpu,
+            seed,
+            k,
+            &rows[rows.len() - 9..],
+            2,
+            indexer::TopkPath::Pdl,
+        );
+    }
+}
+
+#[test]
+fn gpu_topk_pdl_graph_replay_is_exact() {
+    let Some(gpu) = gpu_for_test("gpu_topk_pdl_graph_replay_is_exact") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_pdl_graph");
+    println!("seed {seed:#x}");
+    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::Pdl);
+}
+
+#[test]
+fn gpu_pdl_indexer_run_matches_the_default_run() {
+    let Some(gpu) = gpu_for_test("gpu_pdl_indexer_run_matches_the_default_run") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_pdl_run");
+    println!("seed {seed:#x}");
+    // Whole call (logits, then the PDL top-k whose histogram launch overlaps the logits' tail): the same
+    // indices and scores as the default run, eagerly (two calls back to back on the same buffers) and as a
+    // replayed CUDA graph (bench variant graph_fused_pdl).
+    let lens = [20_000usize, 513, 7_777, 1, 0];
+    let cap = 20_000usize;
+    let host = random_fp8_cache(&mut rng, lens.len(), cap);
+    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+    let pdl_paths = indexer::IndexerPaths {
+        topk: indexer::TopkPath::Pdl,
+        ..Default::default()
+    };
+    let bits =
+        |(i, s): (Vec<i32>, Vec<f32>)| (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    for next_n in [1usize, 2] {
+        let rows = lens.len() * next_n;
+        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
+            .map(|_| reference::random_e4m3(&mut rng))
+            .collect();
+        let w: Vec<f32> = (0..rows * NUM_HEADS)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let nv: Vec<i32> = (0..rows)
+            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32 * 3)
+            .map(|n| n.max(0))
+            .collect();
+        let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
+        for k in [512usize, 2048] {
+            let mut def = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+            indexer::run(&gpu, &qb, &cache, &mut def).unwrap();
+            assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
+            let want = bits(topk_result(&gpu, &def.topk));
+            // The default run's top-k against the reference on its own scores (so "equal to the default" is
+            // not "equal to a wrong answer").
+            let def_scores = gpu.download(&def.scores).unwrap();
+            let stride = def.score_stride;
+            for r in 0..rows {
+                let n = nv[r] as usize;
+                if let Err(e) = reference::check_topk_exact(
+                    &def_scores[r * stride..r * stride + n],
+                    k,
+                    &want.0[r * k..(r + 1) * k],
+                ) {
+                    panic!("seed {seed:#x} next_n {next_n} k {k} row {r}: default run top-k: {e}");
+                }
+            }
+            let mut pdl = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+            for call in 0..2 {
+                gpu.fill_bytes(&mut pdl.topk.out_idx, 0xFF).unwrap();
+                gpu.fill_bytes(&mut pdl.topk.out_score, 0xFF).unwrap();
+                indexer::run_with(&gpu, pdl_paths, &qb, &cache, &mut pdl).unwrap();
+                assert!(
+                    stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+                    "seed {seed:#x} next_n {next_n} k {k} call {call}: PDL run did not finish within 5 s"
+                );
+                let got = bits(topk_result(&gpu, &pdl.topk));
+                if let Some(p) =
+                    (0..got.0.len()).find(|&p| got.0[p] != want.0[p] || got.1[p] != want.1[p])
+                {
+                    panic!(
+                        "seed {seed:#x} next_n {next_n} k {k} call {call}: row {} rank {}: PDL run ({}, {:#010x}) \
+                         vs default run ({}, {:#010x})",
+                        p / k,
+                        p % k,
+                        got.0[p],
+                        got.1[p],
+                        want.0[p],
+                        want.1[p]
+                    );
+                }
+            }
+            let graph = gpu
+                .capture(|| indexer::run_with(&gpu, pdl_paths, &qb, &cache, &mut pdl))
+                .unwrap();
+            for replay in 0..3 {
+                gpu.fill_bytes(&mut pdl.topk.out_idx, 0xFF).unwrap();
+                gpu.fill_bytes(&mut pdl.topk.out_score, 0xFF).unwrap();
+                graph.launch().unwrap();
+                assert!(
+                    stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+                    "seed {seed:#x} next_n {next_n} k {k}: PDL graph replay {replay} did not finish within 5 s"
+                );
+                let got = bits(topk_result(&gpu, &pdl.topk));
+                if let Some(p) =
+                    (0..got.0.len()).find(|&p| got.0[p] != want.0[p] || got.1[p] != want.1[p])
+                {
+                    panic!(
+                        "seed {seed:#x} next_n {next_n} k {k} graph replay {replay}: row {} rank {}: PDL ({}, \
+                         {:#010x}) vs default run ({}, {:#010x})",
+                        p / k,
+                        p % k,
+                        got.0[p],
+                        got.1[p],
+                        want.0[p],
+                        want.1[p]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bench_config_races_fused_pdl_next_to_fused() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bench-configs/indexer.toml"
+    ))
+    .unwrap();
+    let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
+    assert_eq!(indexer::TopkPath::default(), indexer::TopkPath::Default);
+    let races = |axis: &str, value: u64, fixed: (&str, u64), pair: (&str, &str)| {
+        cfg.sweeps
+            .iter()
+            .filter(|s| s.kernel == "indexer")
+            .any(|s| {
+                let vars = s.variants_from(indexer::VARIANTS).unwrap();
+                s.axis == axis
+                    && s.values.contains(&value)
+                    && s.param_u64(fixed.0).unwrap_or(1) == fixed.1
+                    && (!s.has_param("format") || s.param_str("format").unwrap() == "fp8")
+                    && vars.iter().any(|v| v == pair.0)
+                    && vars.iter().any(|v| v == pair.1)
+            })
+    };
+    let eager = ("fused", "fused_pdl");
+    let graph = ("graph_fused", "graph_fused_pdl");
+    assert!(
+        races("ctx", 1_048_576, ("batch", 1), eager),
+        "1M b1 ctx sweep"
+    );
+    assert!(
+        races("ctx", 4096, ("batch", 1), graph),
+        "b1 ctx sweep, graph"
+    );
+    assert!(races("ctx", 1_048_576, ("batch", 1), graph), "1M b1, graph");
+    assert!(
+        races("batch", 16, ("ctx", 1_048_576), eager),
+        "1M batch sweep"
+    );
+    assert!(
+        races("batch", 16, ("ctx", 1_048_576), graph),
+        "1M batch sweep, graph"
+    );
+    assert!(
+        races("batch", 16, ("ctx", 65_536), eager),
+        "64K batch sweep"
+    );
 }
 
 #[test]
@@ -2159,22 +2409,22 @@ fn gpu_tma_indexer_run_matches_the_default_run() {
             println!("launch TMA-logits run: {ctx}");
             indexer::run_with(&gpu, tma_paths, &qb, &cache, &mut tma).unwrap();
             synced("TMA-logits run");
-            // Both session-5 candidates together (bench variant fused_tma_cluster): the same indices and scores.
+            // Both session-5 candidates together (bench variant fused_tma_pdl): the same indices and scores.
             let mut both = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
             let both_paths = indexer::IndexerPaths {
                 logits: indexer::Fp8LogitsKernel::TmaRing,
-                topk: indexer::TopkPath::Cluster8,
+                topk: indexer::TopkPath::Pdl,
             };
-            println!("launch TMA-logits + cluster top-k run: {ctx}");
+            println!("launch TMA-logits + PDL top-k run: {ctx}");
             indexer::run_with(&gpu, both_paths, &qb, &cache, &mut both).unwrap();
-            synced("TMA-logits + cluster top-k run");
+            synced("TMA-logits + PDL top-k run");
             let bits = |(i, s): (Vec<i32>, Vec<f32>)| {
                 (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
             };
             assert_eq!(
                 bits(topk_result(&gpu, &both.topk)),
                 bits(topk_result(&gpu, &tma.topk)),
-                "seed {seed} next_n {next_n} k {k}: TMA logits + cluster top-k differ from TMA logits + default top-k"
+                "seed {seed} next_n {next_n} k {k}: TMA logits + PDL top-k differ from TMA logits + default top-k"
             );
             let (di, ds) = topk_result(&gpu, &def.topk);
             let (ti, ts) = topk_result(&gpu, &tma.topk);

@@ -11,6 +11,9 @@
 //! Session-5 A/B candidate (not the default): [`TopkPath::Cluster8`] / [`TopkPath::Cluster16`] = one launch of
 //! `indexer_topk6_cluster`, one thread-block cluster per row ([`topk_cluster`], [`topk_with`], [`run_with`]);
 //! bench variants `fused_cluster`, `fused_cluster16` and the CUDA-graph replays `graph_*`.
+//! Session-5 A/B candidate (not the default): [`TopkPath::Pdl`] = the default top-k kernels through PDL entry
+//! points ([`topk_pdl`]: each launch overlaps the previous kernel's tail); bench variants `fused_pdl`,
+//! `graph_fused_pdl`.
 //!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
@@ -32,6 +35,7 @@ use anyhow::{bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 
 use crate::formats::e4m3;
+use crate::gpu::pdl::{launch_ex, LaunchExOpts, RawArgs};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
 pub use exec_entry::{exec_kernels, parse_exec_inputs};
@@ -686,6 +690,50 @@ pub fn topk(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
+    topk_chain(
+        gpu,
+        false,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+    )
+}
+
+/// [`topk`] through the PDL entry points (`indexer_topk2_hist_pdl`, `indexer_topk5_select_agg_pdl`,
+/// `indexer_topk4_final_mcta_pdl`; [`TopkPath::Pdl`]): the same kernel bodies, each launched with programmatic
+/// stream serialization so its launch overlaps the previous kernel's tail (the logits' for the histogram).
+/// Bit-identical outputs; see kernels/indexer.cu "Top-k PDL entry points" for the protocol.
+pub fn topk_pdl(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    topk_chain(
+        gpu,
+        true,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+    )
+}
+
+/// The three top-k launches of [`topk`] (`pdl` false) or [`topk_pdl`] (`pdl` true).
+fn topk_chain(
+    gpu: &Gpu,
+    pdl: bool,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
     let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
     let rows = bufs.rows;
     ensure!(
@@ -707,6 +755,19 @@ pub fn topk(
         bufs.k as i32,
         bufs.bucket_stride as i32,
     );
+    if pdl {
+        return topk_chain_pdl(
+            gpu,
+            scores,
+            stride,
+            num_valid,
+            k,
+            bstride,
+            slices,
+            ctas_per_row,
+            bufs,
+        );
+    }
     let f = gpu.function(FAMILY, "indexer_topk2_hist")?;
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(scores)
@@ -772,12 +833,99 @@ pub fn topk(
     Ok(())
 }
 
+/// The PDL launches of [`topk_pdl`] (after [`topk_chain`]'s checks and dirty-buffer reset). Same grids, blocks,
+/// shared memory and parameters as the default launches; parameter slots in the kernels' order.
+#[allow(clippy::too_many_arguments)]
+fn topk_chain_pdl(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    stride: i32,
+    num_valid: &CudaSlice<i32>,
+    k: i32,
+    bstride: i32,
+    slices: u32,
+    ctas_per_row: u32,
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    let rows = bufs.rows as u32;
+    let opts = LaunchExOpts {
+        pdl: true,
+        ..Default::default()
+    };
+    let f = gpu.function(FAMILY, "indexer_topk2_hist_pdl")?;
+    let mut a = RawArgs::default();
+    a.slice(gpu, scores)
+        .i32(stride)
+        .slice(gpu, num_valid)
+        .slice(gpu, &bufs.hist);
+    launch_ex(
+        gpu,
+        &f,
+        (slices, rows, 1),
+        (TOPK2_THREADS, 1, 1),
+        opts,
+        &mut a,
+        "indexer top-k histogram (PDL)",
+    )?;
+    let f = gpu.function(FAMILY, "indexer_topk5_select_agg_pdl")?;
+    let mut a = RawArgs::default();
+    a.slice(gpu, scores)
+        .i32(stride)
+        .slice(gpu, num_valid)
+        .i32(k)
+        .slice(gpu, &bufs.hist)
+        .slice(gpu, &bufs.counters)
+        .slice(gpu, &bufs.above)
+        .slice(gpu, &bufs.bucket)
+        .i32(bstride);
+    launch_ex(
+        gpu,
+        &f,
+        (slices, rows, 1),
+        (TOPK2_THREADS, 1, 1),
+        opts,
+        &mut a,
+        "indexer top-k select (PDL)",
+    )?;
+    let smem = topk4_smem_bytes(bufs.k);
+    let f = gpu.function_with_smem(FAMILY, "indexer_topk4_final_mcta_pdl", smem)?;
+    let mut a = RawArgs::default();
+    a.i32(stride)
+        .slice(gpu, num_valid)
+        .i32(k)
+        .slice(gpu, &bufs.hist)
+        .slice(gpu, &bufs.counters)
+        .slice(gpu, &bufs.arrivals)
+        .slice(gpu, &bufs.above)
+        .slice(gpu, &bufs.bucket)
+        .i32(bstride)
+        .slice(gpu, &bufs.out_idx)
+        .slice(gpu, &bufs.out_score);
+    launch_ex(
+        gpu,
+        &f,
+        (ctas_per_row, rows, 1),
+        (TOPK4_THREADS, 1, 1),
+        LaunchExOpts {
+            smem_bytes: smem as u32,
+            ..opts
+        },
+        &mut a,
+        "indexer top-k final (multi-CTA, PDL)",
+    )?;
+    bufs.v2_dirty = false;
+    Ok(())
+}
+
 /// Which top-k kernels a call uses (an A/B option; [`TopkPath::Default`] is [`topk`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TopkPath {
     /// Histogram -> CTA-aggregated threshold select -> multi-CTA final pass (three launches).
     #[default]
     Default,
+    /// The default kernels through their PDL entry points ([`topk_pdl`]): each launch overlaps the previous
+    /// kernel's tail (session-5 A/B candidate).
+    Pdl,
     /// `indexer_topk6_cluster`: one launch, one cluster of 8 CTAs per row (portable cluster size).
     Cluster8,
     /// `indexer_topk6_cluster` with 16-CTA clusters (non-portable size; the launcher checks the device fits
@@ -789,7 +937,7 @@ impl TopkPath {
     /// CTAs per cluster of the cluster paths.
     pub fn cluster_ctas(self) -> Option<u32> {
         match self {
-            TopkPath::Default => None,
+            TopkPath::Default | TopkPath::Pdl => None,
             TopkPath::Cluster8 => Some(8),
             TopkPath::Cluster16 => Some(16),
         }
@@ -833,6 +981,9 @@ pub fn topk_with(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
+    if path == TopkPath::Pdl {
+        return topk_pdl(gpu, scores, score_stride, num_valid, num_valid_host, bufs);
+    }
     match path.cluster_ctas() {
         None => topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
         Some(ctas) => topk_cluster(
@@ -1211,7 +1362,8 @@ pub struct IndexerSamples {
 /// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "baseline" (the seeds' path), the
 /// session-5 A/B candidates "fused_tma" (TMA-ring FP8 logits, [`Fp8LogitsKernel::TmaRing`]; MXFP4 points run
 /// the same kernels as "fused"), "fused_cluster" / "fused_cluster16" (one-launch cluster top-k,
-/// [`TopkPath::Cluster8`] / `Cluster16`), "fused_tma_cluster" (both), and "graph_<variant>": the same calls
+/// [`TopkPath::Cluster8`] / `Cluster16`), "fused_tma_cluster" (both), "fused_pdl" (default kernels, the top-k
+/// through its PDL entry points, [`TopkPath::Pdl`]), and "graph_<variant>": the same calls
 /// captured once into CUDA graphs and replayed (logits alone, top-k alone, the whole call), i.e. device time
 /// as a decode step's graph sees it, without host launch gaps.
 pub const VARIANTS: &[&str] = &[
@@ -1221,11 +1373,13 @@ pub const VARIANTS: &[&str] = &[
     "fused_cluster",
     "fused_cluster16",
     "fused_tma_cluster",
+    "fused_pdl",
     "graph_fused",
     "graph_fused_tma",
     "graph_fused_cluster",
     "graph_fused_cluster16",
     "graph_fused_tma_cluster",
+    "graph_fused_pdl",
 ];
 
 /// The kernel paths of a fused variant name (without the `graph_` prefix).
@@ -1239,6 +1393,7 @@ fn variant_paths(fused_variant: &str) -> Option<IndexerPaths> {
         "" => TopkPath::Default,
         "_cluster" => TopkPath::Cluster8,
         "_cluster16" => TopkPath::Cluster16,
+        "_pdl" => TopkPath::Pdl,
         _ => return None,
     };
     Some(IndexerPaths { logits, topk })

@@ -12,7 +12,8 @@
 //! bitonic fallback for threshold buckets above TOPK4_BUCKET_CAP) and the default logits (FP8: wgmma, 3 CTAs
 //! per SM; MXFP4: the e4m3 mma.sync kernels), each against the CPU reference. Every top-k case of (A) also
 //! runs the cluster top-k (`StressOptions::topk_paths`: [`TopkPath::Cluster8`] and [`TopkPath::Cluster16`],
-//! the quick subset only the 8-CTA one; kernel indexer_topk6_cluster) on the same rows, and (B) runs
+//! the quick subset only the 8-CTA one; kernel indexer_topk6_cluster) and the PDL entry points of the default
+//! kernels ([`TopkPath::Pdl`]) on the same rows and buffers, and (B) runs
 //! [`TopkPath::Cluster8`] on the GPU's own scores and requires its indices and scores bit-identical to the
 //! default path's. The per-branch tests of the final passes are in
 //! tests/indexer.rs.
@@ -73,7 +74,12 @@ impl Default for StressOptions {
             ks: vec![512, 1024, 2048],
             formats: vec![KeyFormat::Fp8, KeyFormat::Mxfp4],
             e2e_max: 262_144,
-            topk_paths: vec![TopkPath::Default, TopkPath::Cluster8, TopkPath::Cluster16],
+            topk_paths: vec![
+                TopkPath::Default,
+                TopkPath::Cluster8,
+                TopkPath::Cluster16,
+                TopkPath::Pdl,
+            ],
         }
     }
 }
@@ -88,8 +94,9 @@ impl StressOptions {
             random_max: 80_000,
             ks: vec![512, 2048],
             e2e_max: 40_000,
-            // The sanitizer runs this subset: the 8-CTA cluster path (the same kernel as the 16-CTA one).
-            topk_paths: vec![TopkPath::Default, TopkPath::Cluster8],
+            // The sanitizer runs this subset: the 8-CTA cluster path (the same kernel as the 16-CTA one) and
+            // the PDL entry points.
+            topk_paths: vec![TopkPath::Default, TopkPath::Cluster8, TopkPath::Pdl],
             ..Default::default()
         }
     }
