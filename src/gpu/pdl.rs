@@ -1,8 +1,7 @@
 //! Programmatic dependent launch (PDL): a kernel launched with the programmatic-stream-serialization
 //! attribute may be scheduled before the previous kernel on the stream completes; the kernel waits
 //! (`griddepcontrol.wait`) before reading that kernel's outputs. cudarc's launch builder has no launch
-//! attributes, so these launches go through `cuLaunchKernelEx` with raw parameter slots; the same launch
-//! ([`launch_ex`]) also carries the thread-block-cluster dimension attribute.
+//! attributes, so these launches go through `cuLaunchKernelEx` ([`launch_ex`]) with raw parameter slots.
 
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
@@ -62,22 +61,10 @@ pub struct LaunchExOpts {
     pub smem_bytes: u32,
     /// Programmatic stream serialization (PDL), as [`launch_pdl`].
     pub pdl: bool,
-    /// Thread-block cluster dimensions (sm_90): the grid must be a multiple of them in every dimension.
-    /// Sizes above 8 CTAs need [`allow_non_portable_cluster`] on the function first.
-    pub cluster: Option<(u32, u32, u32)>,
 }
 
-/// Let `f` be launched with a cluster of more than 8 CTAs (the "non-portable" sizes; Hopper takes up to 16).
-pub fn allow_non_portable_cluster(f: &cudarc::driver::CudaFunction, what: &str) -> Result<()> {
-    f.set_attribute(
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-        1,
-    )
-    .map_err(|e| anyhow::anyhow!("{what}: allowing a non-portable cluster size: {e:?}"))
-}
-
-/// `cuLaunchKernelEx` on the Gpu's stream with dynamic shared memory and, optionally, the PDL and the
-/// cluster-dimension launch attributes ([`LaunchExOpts`]). Parameters as [`launch_pdl`].
+/// `cuLaunchKernelEx` on the Gpu's stream with dynamic shared memory and, optionally, the PDL launch attribute
+/// ([`LaunchExOpts`]). Parameters as [`launch_pdl`].
 pub fn launch_ex(
     gpu: &Gpu,
     f: &cudarc::driver::CudaFunction,
@@ -88,20 +75,6 @@ pub fn launch_ex(
     what: &str,
 ) -> Result<()> {
     use cudarc::driver::sys;
-    if let Some((cx, cy, cz)) = opts.cluster {
-        if cx == 0
-            || cy == 0
-            || cz == 0
-            || !grid.0.is_multiple_of(cx)
-            || !grid.1.is_multiple_of(cy)
-            || !grid.2.is_multiple_of(cz)
-        {
-            anyhow::bail!(
-                "{what}: grid {grid:?} is not a multiple of the cluster {:?}",
-                (cx, cy, cz)
-            );
-        }
-    }
     let mut params: Vec<*mut std::ffi::c_void> = args
         .slots
         .iter_mut()
@@ -113,13 +86,6 @@ pub fn launch_ex(
         let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         a.value.programmaticStreamSerializationAllowed = 1;
-        attrs.push(a);
-    }
-    if let Some((x, y, z)) = opts.cluster {
-        // SAFETY: as above.
-        let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
         attrs.push(a);
     }
     let cfg = sys::CUlaunchConfig {
@@ -150,42 +116,4 @@ pub fn launch_ex(
         )
     };
     drv(r.result(), what)
-}
-
-/// How many clusters of a [`launch_ex`] launch of `f` with this block, shared memory and cluster shape can be
-/// resident on the device at once (`cuOccupancyMaxActiveClusters`); 0 means such a launch cannot run.
-/// `opts.cluster` must be set (the PDL flag is ignored).
-pub fn max_active_clusters(
-    gpu: &Gpu,
-    f: &cudarc::driver::CudaFunction,
-    block: (u32, u32, u32),
-    opts: LaunchExOpts,
-    what: &str,
-) -> Result<usize> {
-    use cudarc::driver::sys;
-    let Some((x, y, z)) = opts.cluster else {
-        anyhow::bail!("{what}: max_active_clusters needs a cluster shape");
-    };
-    // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
-    let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
-    let cfg = sys::CUlaunchConfig {
-        gridDimX: x,
-        gridDimY: y,
-        gridDimZ: z,
-        blockDimX: block.0,
-        blockDimY: block.1,
-        blockDimZ: block.2,
-        sharedMemBytes: opts.smem_bytes,
-        hStream: gpu.stream.cu_stream(),
-        attrs: &mut a,
-        numAttrs: 1,
-    };
-    drv(gpu.ctx.bind_to_thread(), "bind context")?;
-    let mut n: std::ffi::c_int = 0;
-    // SAFETY: `cfg` and its one attribute live across the call; `n` is a valid out-pointer.
-    let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) };
-    drv(r.result(), what)?;
-    Ok(n.max(0) as usize)
 }

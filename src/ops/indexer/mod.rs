@@ -8,12 +8,10 @@
 //! CTA-aggregated threshold select -> multi-CTA exact final pass (`indexer_topk2_hist`,
 //! `indexer_topk5_select_agg`, `indexer_topk4_final_mcta`).
 //!
-//! Session-5 A/B candidate (not the default): [`TopkPath::Cluster8`] / [`TopkPath::Cluster16`] = one launch of
-//! `indexer_topk6_cluster`, one thread-block cluster per row ([`topk_cluster`], [`topk_with`], [`run_with`]);
-//! bench variants `fused_cluster`, `fused_cluster16` and the CUDA-graph replays `graph_*`.
-//! Session-5 A/B candidate (not the default): [`TopkPath::Pdl`] = the default top-k kernels through PDL entry
-//! points ([`topk_pdl`]: each launch overlaps the previous kernel's tail); bench variants `fused_pdl`,
-//! `graph_fused_pdl`.
+//! Session-5 A/B candidates (not the default; [`IndexerPaths`], [`run_with`]): [`Fp8LogitsKernel::TmaRing`] =
+//! FP8 logits with TMA key tiles through an mbarrier ring (`indexer_logits_fp8tma_n1/_n2`, bench `fused_tma`),
+//! [`TopkPath::Pdl`] = the default top-k kernels through PDL entry points ([`topk_pdl`]: each launch overlaps
+//! the previous kernel's tail; bench `fused_pdl`); `graph_*` bench variants replay a call as a CUDA graph.
 //!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
@@ -594,9 +592,6 @@ pub struct TopkBuffers {
     /// Per-row arrival counter of the multi-CTA final pass (zero between calls; see its reset protocol).
     arrivals: CudaSlice<u32>,
     v2_dirty: bool,
-    /// (cluster CTAs, dynamic smem bytes) of the last cluster top-k launch shape the device accepted
-    /// (cuOccupancyMaxActiveClusters > 0), so repeated calls skip the query.
-    cluster_checked: Option<(u32, usize)>,
 }
 
 impl TopkBuffers {
@@ -621,7 +616,6 @@ impl TopkBuffers {
             bucket_stride,
             arrivals: gpu.zeros::<u32>(rows)?,
             v2_dirty: false,
-            cluster_checked: None,
         })
     }
 }
@@ -926,52 +920,9 @@ pub enum TopkPath {
     /// The default kernels through their PDL entry points ([`topk_pdl`]): each launch overlaps the previous
     /// kernel's tail (session-5 A/B candidate).
     Pdl,
-    /// `indexer_topk6_cluster`: one launch, one cluster of 8 CTAs per row (portable cluster size).
-    Cluster8,
-    /// `indexer_topk6_cluster` with 16-CTA clusters (non-portable size; the launcher checks the device fits
-    /// one before launching and returns an error otherwise).
-    Cluster16,
 }
 
-impl TopkPath {
-    /// CTAs per cluster of the cluster paths.
-    pub fn cluster_ctas(self) -> Option<u32> {
-        match self {
-            TopkPath::Default | TopkPath::Pdl => None,
-            TopkPath::Cluster8 => Some(8),
-            TopkPath::Cluster16 => Some(16),
-        }
-    }
-}
-
-/// Threads of `indexer_topk6_cluster` (kernel constant TK6_THREADS).
-const TOPK6_THREADS: u32 = 1024;
-/// Most order keys one CTA of `indexer_topk6_cluster` stages in shared memory (144 KB). With k = 2048 the
-/// kernel's shared memory is then 144 KB + 48 KB (list, stage, candidates) dynamic + 28.3 KB static = 220.3 KB,
-/// under the 227 KB opt-in limit; at 1M context (262,144 entries) 8 CTAs stage 32,768 keys each. Entries of
-/// longer slices are re-read from global memory by the kernel (still exact, slower).
-pub const TOPK6_MAX_SMEM_KEYS: usize = 36_864;
-/// Threshold-bin candidates one CTA keeps in shared memory (kernel constant TK6_CAND_CAP); a CTA with more
-/// re-reads its slice in the radix passes.
-pub const TOPK6_CAND_CAP: usize = 2048;
-
-/// Entries per CTA and staged keys per CTA of `indexer_topk6_cluster` for rows of at most `max_n` entries
-/// over `ctas` CTAs: slice = ceil(max_n / ctas) rounded up to a multiple of 4 (float4 staging; at least 4),
-/// staged = min(slice, TOPK6_MAX_SMEM_KEYS) (a multiple of 4 as well).
-pub fn topk6_slice(max_n: usize, ctas: u32) -> (usize, usize) {
-    let slice = max_n.div_ceil(ctas as usize).next_multiple_of(4).max(4);
-    (slice, slice.min(TOPK6_MAX_SMEM_KEYS))
-}
-
-/// Dynamic shared memory of `indexer_topk6_cluster`: staged keys (4 B each), then 8-byte composites: the
-/// cluster-wide list of selected entries (k + 2 slots: rank_slice's odd-length pad), the CTA's staging array
-/// (k) and its threshold-bin candidates (TOPK6_CAND_CAP).
-pub fn topk6_smem_bytes(smem_keys: usize, k: usize) -> usize {
-    4 * smem_keys + 8 * (k + 2) + 8 * k + 8 * TOPK6_CAND_CAP
-}
-
-/// Top-k along `path`: [`topk`] for the default path, [`topk_cluster`] for the cluster paths. Same contract
-/// and outputs (bit-identical indices and scores).
+/// Top-k along `path`: [`topk`] or [`topk_pdl`]. Same contract and outputs (bit-identical indices and scores).
 pub fn topk_with(
     gpu: &Gpu,
     path: TopkPath,
@@ -981,94 +932,10 @@ pub fn topk_with(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
-    if path == TopkPath::Pdl {
-        return topk_pdl(gpu, scores, score_stride, num_valid, num_valid_host, bufs);
+    match path {
+        TopkPath::Default => topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
+        TopkPath::Pdl => topk_pdl(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
     }
-    match path.cluster_ctas() {
-        None => topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
-        Some(ctas) => topk_cluster(
-            gpu,
-            ctas,
-            scores,
-            score_stride,
-            num_valid,
-            num_valid_host,
-            bufs,
-        ),
-    }
-}
-
-/// Top-k in ONE launch: `indexer_topk6_cluster`, one thread-block cluster of `ctas` (8 or 16) CTAs per row;
-/// each CTA stages its slice of the row in shared memory once, the radix-select histograms are summed over
-/// the cluster through distributed shared memory (kernels/indexer.cu "Top-k v6"). Writes only
-/// `bufs.out_idx` / `bufs.out_score` (the default path's scratch and counters are not touched).
-pub fn topk_cluster(
-    gpu: &Gpu,
-    ctas: u32,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    ensure!(
-        ctas == 8 || ctas == 16,
-        "cluster top-k: {ctas} CTAs per cluster (supported: 8, 16)"
-    );
-    let max_n = check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
-    let rows = bufs.rows;
-    ensure!(
-        rows <= 65_535,
-        "top-k: {rows} rows exceed the grid's y limit (65,535)"
-    );
-    let (slice, smem_keys) = topk6_slice(max_n, ctas);
-    let smem = topk6_smem_bytes(smem_keys, bufs.k);
-    let name = "indexer_topk6_cluster";
-    let f = gpu.function_with_smem(FAMILY, name, smem)?;
-    let (grid, block) = ((ctas, rows as u32, 1), (TOPK6_THREADS, 1, 1));
-    let opts = crate::gpu::pdl::LaunchExOpts {
-        smem_bytes: smem as u32,
-        pdl: false,
-        cluster: Some((ctas, 1, 1)),
-    };
-    if bufs.cluster_checked != Some((ctas, smem)) {
-        if ctas > 8 {
-            crate::gpu::pdl::allow_non_portable_cluster(&f, name)?;
-        }
-        // A clear error before launching a shape the device cannot hold. If the query itself fails, the launch
-        // goes ahead and reports its own error.
-        let fit = crate::gpu::pdl::max_active_clusters(
-            gpu,
-            &f,
-            block,
-            opts,
-            "cluster top-k occupancy query",
-        );
-        ensure!(
-            !matches!(fit, Ok(0)),
-            "cluster top-k: the device cannot hold one cluster of {ctas} CTAs x {TOPK6_THREADS} threads with \
-             {smem} B of dynamic shared memory each"
-        );
-        bufs.cluster_checked = Some((ctas, smem));
-    }
-    let mut args = crate::gpu::pdl::RawArgs::default();
-    args.slice(gpu, scores)
-        .i32(score_stride as i32)
-        .slice(gpu, num_valid)
-        .i32(bufs.k as i32)
-        .i32(slice as i32)
-        .i32(smem_keys as i32)
-        .slice(gpu, &bufs.out_idx)
-        .slice(gpu, &bufs.out_score);
-    crate::gpu::pdl::launch_ex(
-        gpu,
-        &f,
-        grid,
-        block,
-        opts,
-        &mut args,
-        "indexer top-k (one cluster per row)",
-    )
 }
 
 /// Everything one indexer call needs on the device besides its inputs.
@@ -1361,25 +1228,20 @@ pub struct IndexerSamples {
 
 /// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "baseline" (the seeds' path), the
 /// session-5 A/B candidates "fused_tma" (TMA-ring FP8 logits, [`Fp8LogitsKernel::TmaRing`]; MXFP4 points run
-/// the same kernels as "fused"), "fused_cluster" / "fused_cluster16" (one-launch cluster top-k,
-/// [`TopkPath::Cluster8`] / `Cluster16`), "fused_tma_cluster" (both), "fused_pdl" (default kernels, the top-k
-/// through its PDL entry points, [`TopkPath::Pdl`]), and "graph_<variant>": the same calls
+/// the same kernels as "fused"), "fused_pdl" (default kernels, the top-k through its PDL entry points,
+/// [`TopkPath::Pdl`]), "fused_tma_pdl" (both), and "graph_<variant>": the same calls
 /// captured once into CUDA graphs and replayed (logits alone, top-k alone, the whole call), i.e. device time
 /// as a decode step's graph sees it, without host launch gaps.
 pub const VARIANTS: &[&str] = &[
     "fused",
     "baseline",
     "fused_tma",
-    "fused_cluster",
-    "fused_cluster16",
-    "fused_tma_cluster",
     "fused_pdl",
+    "fused_tma_pdl",
     "graph_fused",
     "graph_fused_tma",
-    "graph_fused_cluster",
-    "graph_fused_cluster16",
-    "graph_fused_tma_cluster",
     "graph_fused_pdl",
+    "graph_fused_tma_pdl",
 ];
 
 /// The kernel paths of a fused variant name (without the `graph_` prefix).
@@ -1391,8 +1253,6 @@ fn variant_paths(fused_variant: &str) -> Option<IndexerPaths> {
     };
     let topk = match rest {
         "" => TopkPath::Default,
-        "_cluster" => TopkPath::Cluster8,
-        "_cluster16" => TopkPath::Cluster16,
         "_pdl" => TopkPath::Pdl,
         _ => return None,
     };

@@ -11,11 +11,9 @@
 //! threshold select -> indexer_topk4_final_mcta: multi-CTA rank by counting, with a one-CTA radix-select /
 //! bitonic fallback for threshold buckets above TOPK4_BUCKET_CAP) and the default logits (FP8: wgmma, 3 CTAs
 //! per SM; MXFP4: the e4m3 mma.sync kernels), each against the CPU reference. Every top-k case of (A) also
-//! runs the cluster top-k (`StressOptions::topk_paths`: [`TopkPath::Cluster8`] and [`TopkPath::Cluster16`],
-//! the quick subset only the 8-CTA one; kernel indexer_topk6_cluster) and the PDL entry points of the default
-//! kernels ([`TopkPath::Pdl`]) on the same rows and buffers, and (B) runs
-//! [`TopkPath::Cluster8`] on the GPU's own scores and requires its indices and scores bit-identical to the
-//! default path's. The per-branch tests of the final passes are in
+//! runs the PDL entry points of the default kernels (`StressOptions::topk_paths`: [`TopkPath::Pdl`]) on the
+//! same rows and buffers, and (B) runs [`TopkPath::Pdl`] on the GPU's own scores and requires its indices and
+//! scores bit-identical to the default path's. The per-branch tests of the final passes are in
 //! tests/indexer.rs.
 //!
 //! Cases: (A) top-k alone on host-made scores: every num_valid in 0..=4096 (batched, many rows per launch),
@@ -59,7 +57,7 @@ pub struct StressOptions {
     /// Largest sequence of the end-to-end cases.
     pub e2e_max: usize,
     /// Top-k paths every case of part (A) runs (the default path first); part (B) compares
-    /// [`TopkPath::Cluster8`] with the default path when it is listed.
+    /// [`TopkPath::Pdl`] with the default path when it is listed.
     pub topk_paths: Vec<TopkPath>,
 }
 
@@ -74,12 +72,7 @@ impl Default for StressOptions {
             ks: vec![512, 1024, 2048],
             formats: vec![KeyFormat::Fp8, KeyFormat::Mxfp4],
             e2e_max: 262_144,
-            topk_paths: vec![
-                TopkPath::Default,
-                TopkPath::Cluster8,
-                TopkPath::Cluster16,
-                TopkPath::Pdl,
-            ],
+            topk_paths: vec![TopkPath::Default, TopkPath::Pdl],
         }
     }
 }
@@ -94,9 +87,8 @@ impl StressOptions {
             random_max: 80_000,
             ks: vec![512, 2048],
             e2e_max: 40_000,
-            // The sanitizer runs this subset: the 8-CTA cluster path (the same kernel as the 16-CTA one) and
-            // the PDL entry points.
-            topk_paths: vec![TopkPath::Default, TopkPath::Cluster8, TopkPath::Pdl],
+            // The sanitizer runs this subset, the PDL entry points included.
+            topk_paths: vec![TopkPath::Default, TopkPath::Pdl],
             ..Default::default()
         }
     }
@@ -276,8 +268,7 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
         gpu.fill_bytes(&mut bufs.out_idx, 0xFF)?;
         gpu.fill_bytes(&mut bufs.out_score, 0xFF)?;
         if let Err(e) = super::topk_with(gpu, path, &scores, stride, &nv_dev, &nv, &mut bufs) {
-            // A launch the cluster path refuses (e.g. no room for a 16-CTA cluster) is a failure of that
-            // path; the other paths are still tested.
+            // A launch a path refuses is a failure of that path; the other paths are still tested.
             cx.fail(&format!("{label} {path:?} k={k} launch"), format!("{e:#}"));
             continue;
         }
@@ -517,8 +508,8 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
         }
     }
 
-    // The cluster top-k on the same scores: bit-identical to the default path (indices and scores).
-    if !cx.opts.topk_paths.contains(&TopkPath::Cluster8) {
+    // The PDL top-k on the same scores: bit-identical to the default path (indices and scores).
+    if !cx.opts.topk_paths.contains(&TopkPath::Pdl) {
         return Ok(true);
     }
     let default_idx = idx;
@@ -527,17 +518,17 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
     gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF)?;
     if let Err(e) = super::topk_with(
         gpu,
-        TopkPath::Cluster8,
+        TopkPath::Pdl,
         &bufs.scores,
         stride,
         &q.num_valid,
         &q.num_valid_host,
         &mut bufs.topk,
     ) {
-        cx.fail(&format!("{label} cluster top-k launch"), format!("{e:#}"));
+        cx.fail(&format!("{label} PDL top-k launch"), format!("{e:#}"));
         return Ok(true);
     }
-    if !cx.watch(&format!("{label}: cluster top-k on the GPU scores"))? {
+    if !cx.watch(&format!("{label}: PDL top-k on the GPU scores"))? {
         return Ok(false);
     }
     let idx = gpu.download(&bufs.topk.out_idx)?;
@@ -547,7 +538,7 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
         .find(|&p| idx[p] != default_idx[p] || tsc[p].to_bits() != default_sc[p].to_bits())
     {
         cx.fail(
-            &format!("{label} cluster top-k row={} position={}", p / k, p % k),
+            &format!("{label} PDL top-k row={} position={}", p / k, p % k),
             format!(
                 "got ({}, {:e}), default path ({}, {:e})",
                 idx[p], tsc[p], default_idx[p], default_sc[p]
