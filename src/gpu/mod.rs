@@ -152,6 +152,24 @@ impl Gpu {
         Ok(f)
     }
 
+    /// [`Gpu::function_with_smem`] for a persistent kernel whose grid assumes several resident CTAs per SM: also
+    /// asks for the largest shared-memory carveout (the default carveout is only a driver heuristic and may hold
+    /// fewer CTAs than the grid was sized for).
+    pub fn function_with_max_carveout(
+        &self,
+        family: &str,
+        name: &str,
+        smem_bytes: usize,
+    ) -> Result<CudaFunction> {
+        let f = self.function_with_smem(family, name, smem_bytes)?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+        )
+        .map_err(|e| anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
+        Ok(f)
+    }
+
     fn module(&self, family: &str) -> Result<Arc<CudaModule>> {
         let src = module::find(family)?;
         let mut map = self.modules.lock().unwrap();

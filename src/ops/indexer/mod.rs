@@ -396,14 +396,8 @@ fn logits_wgmma(
         tiles_per_seq
     );
     let smem = wgmma_smem_bytes(q.next_n, round);
-    let f = gpu.function_with_smem(FAMILY, name, smem)?;
-    // The persistent grid assumes `ctas_per_sm` resident CTAs, i.e. the largest shared-memory carveout (the
-    // default carveout is only a driver heuristic).
-    f.set_attribute(
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-        100,
-    )
-    .map_err(|e| anyhow::anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
+    // The persistent grid assumes `ctas_per_sm` resident CTAs: the largest shared-memory carveout.
+    let f = gpu.function_with_max_carveout(FAMILY, name, smem)?;
     let persistent = (gpu.info.sm_count.max(1) as usize) * ctas_per_sm;
     let grid_x = total_tiles.min(persistent) as u32;
     let (cap, stride, tps, total) = (
@@ -541,13 +535,8 @@ fn logits_tma(
         CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     )?;
     let smem = tma_smem_bytes(q.next_n, stages);
-    let f = gpu.function_with_smem(FAMILY, name, smem)?;
     // As for the wgmma logits: the persistent grid assumes TMA_CTAS_PER_SM resident CTAs.
-    f.set_attribute(
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-        100,
-    )
-    .map_err(|e| anyhow::anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
+    let f = gpu.function_with_max_carveout(FAMILY, name, smem)?;
     let persistent = (gpu.info.sm_count.max(1) as usize) * TMA_CTAS_PER_SM;
     let grid_x = total_tiles.min(persistent) as u32;
     let (cap, stride, tps, total) = (

@@ -157,12 +157,7 @@ pub fn v6_function(
 ) -> Result<(cudarc::driver::CudaFunction, usize, usize)> {
     let name = v6_name(token_tile, tiled);
     let smem = v6_smem_bytes(token_tile);
-    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
-    f.set_attribute(
-        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-        100,
-    )
-    .map_err(|e| anyhow!("{name}: shared-memory carveout: {e:?}"))?;
+    let f = gpu.function_with_max_carveout(FAMILY, &name, smem)?;
     let per_sm = f
         .occupancy_max_active_blocks_per_multiprocessor(V6_THREADS, smem, None)
         .map(|b| b as usize)
