@@ -895,23 +895,26 @@ fn gpu_topk_long_rows_and_specials() {
         let sd = gpu.upload(&flat).unwrap();
         let nvd = gpu.upload(&nv).unwrap();
         let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
-        // Three calls on the same buffers (the histogram and counters must be back to zero after every
-        // call: a missing reset shows up as a wrong second answer).
-        for pass in 0..3 {
-            gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
-            indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-            assert!(
-                stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-                "top-k did not finish within 5 s (k {k}, call {pass})"
-            );
-            let idx = gpu.download(&bufs.out_idx).unwrap();
-            for (r, &n) in lens.iter().enumerate() {
-                if let Err(e) = reference::check_topk_exact(
-                    &flat[r * stride..r * stride + n],
-                    k,
-                    &idx[r * k..(r + 1) * k],
-                ) {
-                    panic!("k {k} call {pass} row {r} (num_valid {n}): {e}");
+        // Three calls of each path on the same buffers (the chain's histogram and counters must be back to
+        // zero after every call: a missing reset shows up as a wrong second answer). The one-CTA path takes
+        // rows of up to 262,144 entries here too (16 chunks per pass; heavy ties: whole-row fallback).
+        for path in [indexer::TopkPath::Chain, indexer::TopkPath::OneCta] {
+            for pass in 0..3 {
+                gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
+                indexer::topk_with(&gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+                assert!(
+                    stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
+                    "top-k ({path:?}) did not finish within 5 s (k {k}, call {pass})"
+                );
+                let idx = gpu.download(&bufs.out_idx).unwrap();
+                for (r, &n) in lens.iter().enumerate() {
+                    if let Err(e) = reference::check_topk_exact(
+                        &flat[r * stride..r * stride + n],
+                        k,
+                        &idx[r * k..(r + 1) * k],
+                    ) {
+                        panic!("k {k} {path:?} call {pass} row {r} (num_valid {n}): {e}");
+                    }
                 }
             }
         }
@@ -974,18 +977,27 @@ fn gpu_topk_final_branches_match_reference() {
         let sd = gpu.upload(&flat).unwrap();
         let nvd = gpu.upload(&nv).unwrap();
         let mut bufs = TopkBuffers::new(&gpu, rows, k, stride).unwrap();
-        // Three calls on the same buffers: each final pass must leave the histogram and counters zeroed, so
-        // every call gives the reference answer (indices exactly, scores bit for bit).
+        // Three chain calls on the same buffers: each final pass must leave the histogram and counters zeroed,
+        // so every call gives the reference answer (indices exactly, scores bit for bit). Then two calls of the
+        // one-CTA top-k (its branches: rank inside the bucket, whole bucket chosen, heavy-tie fallback over the
+        // row; one chunk and many) on the same rows.
         let wants: Vec<Vec<i32>> = (0..rows)
             .map(|r| reference::topk(&flat[r * stride..r * stride + nv[r] as usize], k))
             .collect();
-        for call in 0..3 {
+        let calls = [
+            indexer::TopkPath::Chain,
+            indexer::TopkPath::Chain,
+            indexer::TopkPath::Chain,
+            indexer::TopkPath::OneCta,
+            indexer::TopkPath::OneCta,
+        ];
+        for (call, &path) in calls.iter().enumerate() {
             gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
             gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
-            indexer::topk(&gpu, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
+            indexer::topk_with(&gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
             assert!(
                 stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-                "seed {seed:#x}: top-k did not finish within 5 s (k {k}, call {call})"
+                "seed {seed:#x}: top-k ({path:?}) did not finish within 5 s (k {k}, call {call})"
             );
             let idx = gpu.download(&bufs.out_idx).unwrap();
             let sc = gpu.download(&bufs.out_score).unwrap();
@@ -1003,8 +1015,8 @@ fn gpu_topk_final_branches_match_reference() {
                     let p = r * k + j;
                     assert!(
                         idx[p] == wi && sc[p].to_bits() == ws.to_bits(),
-                        "seed {seed:#x} k {k} call {call} row {r} (num_valid {n}, v3 row class (rank select, rank sort) \
-                         {:?}) position {j}: got ({}, {:e}) want ({wi}, {ws:e})",
+                        "seed {seed:#x} k {k} call {call} ({path:?}) row {r} (num_valid {n}, v3 row class (rank \
+                         select, rank sort) {:?}) position {j}: got ({}, {:e}) want ({wi}, {ws:e})",
                         v3_paths(row, k),
                         idx[p],
                         sc[p]
@@ -1107,21 +1119,11 @@ fn topk_result(gpu: &megamoe::gpu::Gpu, bufs: &TopkBuffers) -> (Vec<i32>, Vec<f3
     )
 }
 
-/// The default top-k on `rows` (one launch group, `calls` back-to-back calls on the same buffers), each call
-/// against the reference: indices exactly, scores bit for bit. Each call must leave the histogram, counters
-/// and arrival counters zeroed, or the next call's threshold (and answer) is wrong.
-fn check_default_topk(
-    gpu: &megamoe::gpu::Gpu,
-    seed: u64,
-    k: usize,
-    rows: &[(Vec<f32>, String)],
-    calls: usize,
-) {
-    check_topk_path(gpu, seed, k, rows, calls, indexer::TopkPath::Default);
-}
-
-/// [`check_default_topk`] along `path`; a path other than the default is also compared with one default call
-/// (on its own buffers) bit for bit, indices and scores.
+/// The top-k along `path` on `rows` (one launch group, `calls` back-to-back calls on the same buffers), each
+/// call against the reference: indices exactly, scores bit for bit. The chain's calls must each leave the
+/// histogram, counters and arrival counters zeroed, or the next call's threshold (and answer) is wrong. A path
+/// other than [`indexer::TopkPath::Default`] is also compared with one default call (on its own buffers) bit
+/// for bit, indices and scores.
 fn check_topk_path(
     gpu: &megamoe::gpu::Gpu,
     seed: u64,
@@ -1213,8 +1215,9 @@ fn gpu_topk_multi_cta_matches_reference() {
         // The final pass's CTAs per row depend on the row count (2 * SMs / rows, clamped to 8..=32): all rows
         // in one launch (8 per row), then the last 9 rows alone (the longest rows and the directed buckets;
         // 29 per row on 132 SMs).
-        check_default_topk(&gpu, seed, k, &rows, 3);
-        check_default_topk(&gpu, seed, k, &rows[rows.len() - 9..], 2);
+        let chain = indexer::TopkPath::Chain;
+        check_topk_path(&gpu, seed, k, &rows, 3, chain);
+        check_topk_path(&gpu, seed, k, &rows[rows.len() - 9..], 2, chain);
     }
 }
 
@@ -1224,7 +1227,7 @@ fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
         return;
     };
     let (seed, mut rng) = seeded("gpu_topk_mcta_graph");
-    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::Default);
+    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::Chain);
 }
 
 /// Graph replays of `path` with new scores each time, then an eager call on the same buffers: all exact.
@@ -1355,6 +1358,53 @@ fn gpu_topk_pdl_graph_replay_is_exact() {
     let (seed, mut rng) = seeded("gpu_topk_pdl_graph");
     println!("seed {seed:#x}");
     check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::Pdl);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// One-launch top-k (`TopkPath::OneCta`, kernels/indexer.cu "Top-k in ONE launch"): the same threshold rule and
+// helpers as the chain's fallback, so its outputs must equal the reference and the chain bit for bit.
+// ---------------------------------------------------------------------------------------------------------
+
+#[test]
+fn gpu_topk_one_cta_matches_the_chain_and_reference() {
+    let Some(gpu) = gpu_for_test("gpu_topk_one_cta_matches_the_chain_and_reference") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_one_cta");
+    println!("seed {seed:#x}");
+    for k in [1usize, 512, 1024, 2048] {
+        // num_valid 0, 1, 2, k +- 1, 4095 / 4097, 16,384 +- 1 (one chunk / two), up to 262,144, mixed in one
+        // launch; ties, specials; threshold buckets of 4095 / 4096 / 4097 entries (the shared-memory bucket's
+        // capacity: rank inside the bucket vs the whole-row fallback). Back-to-back calls on the same buffers.
+        let mut rows = mcta_rows(&mut rng, k.max(2));
+        for n in [16_383usize, 16_384, 16_385, 32_769] {
+            let v: Vec<f32> = (0..n)
+                .map(|_| (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0)
+                .collect();
+            rows.push((v, format!("logit-like, {n} entries (chunk edge)")));
+        }
+        check_topk_path(&gpu, seed, k, &rows, 2, indexer::TopkPath::OneCta);
+        check_topk_path(&gpu, seed, k, &rows, 1, indexer::TopkPath::OneCtaPdl);
+        // Routed by the default path (the longest row <= TOPK_ONE_CTA_MAX_N takes the one-CTA kernel).
+        let short: Vec<(Vec<f32>, String)> = rows
+            .iter()
+            .filter(|r| r.0.len() <= indexer::TOPK_ONE_CTA_MAX_N)
+            .cloned()
+            .collect();
+        check_topk_path(&gpu, seed, k, &short, 2, indexer::TopkPath::Default);
+        check_topk_path(&gpu, seed, k, &short, 1, indexer::TopkPath::Chain);
+    }
+}
+
+#[test]
+fn gpu_topk_one_cta_graph_replay_is_exact() {
+    let Some(gpu) = gpu_for_test("gpu_topk_one_cta_graph_replay_is_exact") else {
+        return;
+    };
+    let (seed, mut rng) = seeded("gpu_topk_one_cta_graph");
+    println!("seed {seed:#x}");
+    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::OneCta);
+    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::OneCtaPdl);
 }
 
 #[test]
@@ -2099,8 +2149,8 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// FP8 logits v6 (TMA ring, `Fp8LogitsKernel::TmaRing`, bench variant `fused_tma`): same wgmma sequence and
-// epilogue as the default kernel, so its scores must be bit-identical to it; also checked against the f64
+// FP8 logits v6 (TMA ring, `Fp8LogitsKernel::TmaRing`, the default since session 6): same wgmma sequence and
+// epilogue as the cp.async-rounds kernel (bench `*_rounds*`), so their scores must be bit-identical; also checked against the f64
 // reference (WGMMA_TOL) so the two cannot be wrong together unnoticed.
 // ---------------------------------------------------------------------------------------------------------
 
@@ -2362,16 +2412,15 @@ fn gpu_tma_logits_nan_entries_and_empty_calls_match_the_default() {
 }
 
 #[test]
-fn gpu_tma_indexer_run_matches_the_default_run() {
-    let Some(gpu) = gpu_for_test("gpu_tma_indexer_run_matches_the_default_run") else {
+fn gpu_indexer_run_along_every_path_matches_the_default_run() {
+    let Some(gpu) = gpu_for_test("gpu_indexer_run_along_every_path_matches_the_default_run") else {
         return;
     };
     let (seed, mut rng) = seeded("gpu_tma_run");
     println!("seed {seed}");
-    // Whole call (logits + top-k): identical scores give identical top-k (the top-k is deterministic), so the
-    // index and score outputs must agree exactly; the default run's top-k is checked against the reference in
-    // gpu_wgmma_indexer_selects_the_reference_topk, and here the TMA run's top-k is checked exact on its own
-    // scores too.
+    // Whole call (logits + top-k) along every kernel path: the FP8 logits kernels are bit-identical and the
+    // top-k paths deterministic, so the index and score outputs must agree exactly with the default run; the
+    // default run's top-k is checked exact against the reference on its own scores.
     let lens = [20_000usize, 513, 7_777, 1];
     let cap = 20_000usize;
     let host = random_fp8_cache(&mut rng, lens.len(), cap);
@@ -2401,55 +2450,47 @@ fn gpu_tma_indexer_run_matches_the_default_run() {
             println!("launch default run: {ctx}");
             indexer::run(&gpu, &qb, &cache, &mut def).unwrap();
             synced("default run");
-            let mut tma = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            let tma_paths = indexer::IndexerPaths {
-                logits: indexer::Fp8LogitsKernel::TmaRing,
-                ..Default::default()
-            };
-            println!("launch TMA-logits run: {ctx}");
-            indexer::run_with(&gpu, tma_paths, &qb, &cache, &mut tma).unwrap();
-            synced("TMA-logits run");
-            // Both session-5 candidates together (bench variant fused_tma_pdl): the same indices and scores.
-            let mut both = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            let both_paths = indexer::IndexerPaths {
-                logits: indexer::Fp8LogitsKernel::TmaRing,
-                topk: indexer::TopkPath::Pdl,
-            };
-            println!("launch TMA-logits + PDL top-k run: {ctx}");
-            indexer::run_with(&gpu, both_paths, &qb, &cache, &mut both).unwrap();
-            synced("TMA-logits + PDL top-k run");
-            let bits = |(i, s): (Vec<i32>, Vec<f32>)| {
-                (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-            };
-            assert_eq!(
-                bits(topk_result(&gpu, &both.topk)),
-                bits(topk_result(&gpu, &tma.topk)),
-                "seed {seed} next_n {next_n} k {k}: TMA logits + PDL top-k differ from TMA logits + default top-k"
-            );
             let (di, ds) = topk_result(&gpu, &def.topk);
-            let (ti, ts) = topk_result(&gpu, &tma.topk);
-            let tma_scores = gpu.download(&tma.scores).unwrap();
-            let stride = tma.score_stride;
+            let def_scores = gpu.download(&def.scores).unwrap();
+            let stride = def.score_stride;
             for r in 0..rows {
                 let n = nv[r] as usize;
                 if let Err(e) = reference::check_topk_exact(
-                    &tma_scores[r * stride..r * stride + n],
+                    &def_scores[r * stride..r * stride + n],
                     k,
-                    &ti[r * k..(r + 1) * k],
+                    &di[r * k..(r + 1) * k],
                 ) {
-                    panic!("seed {seed} next_n {next_n} k {k} row {r}: TMA run top-k: {e}");
+                    panic!("seed {seed} next_n {next_n} k {k} row {r}: default run top-k: {e}");
                 }
-                for i in r * k..(r + 1) * k {
-                    assert!(
-                        ti[i] == di[i] && ts[i].to_bits() == ds[i].to_bits(),
-                        "seed {seed} next_n {next_n} k {k} row {r} (n {n}) rank {}: TMA run ({}, {:e}) vs default \
-                         run ({}, {:e})",
-                        i - r * k,
-                        ti[i],
-                        ts[i],
-                        di[i],
-                        ds[i]
-                    );
+            }
+            use indexer::{Fp8LogitsKernel as L, TopkPath as T};
+            for (logits, topk) in [
+                (L::CpAsyncRounds, T::Chain), // the session-5 default
+                (L::CpAsyncRounds, T::Default),
+                (L::TmaRing, T::Chain),
+                (L::TmaRing, T::OneCta),
+                (L::TmaRing, T::OneCtaPdl),
+                (L::TmaRing, T::Pdl),
+            ] {
+                let paths = indexer::IndexerPaths { logits, topk };
+                let mut alt = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
+                println!("launch {paths:?} run: {ctx}");
+                indexer::run_with(&gpu, paths, &qb, &cache, &mut alt).unwrap();
+                synced(&format!("{paths:?} run"));
+                let (ti, ts) = topk_result(&gpu, &alt.topk);
+                for (r, &n) in nv.iter().enumerate() {
+                    for i in r * k..(r + 1) * k {
+                        assert!(
+                            ti[i] == di[i] && ts[i].to_bits() == ds[i].to_bits(),
+                            "seed {seed} next_n {next_n} k {k} row {r} (n {n}) rank {}: {paths:?} run ({}, {:e}) \
+                             vs default run ({}, {:e})",
+                            i - r * k,
+                            ti[i],
+                            ts[i],
+                            di[i],
+                            ds[i]
+                        );
+                    }
                 }
             }
         }
@@ -2479,19 +2520,22 @@ fn tma_scale_boxes_start_16_byte_aligned_and_hold_the_tile() {
 }
 
 #[test]
-fn bench_config_races_fused_tma_next_to_fused_at_the_issue_points() {
+fn bench_config_races_the_session5_default_next_to_fused_at_the_issue_points() {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/bench-configs/indexer.toml"
     ))
     .unwrap();
     let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
-    // The A/B keeps the current kernel as the default: `logits` / `run` must still launch the cp.async rounds.
+    // The TMA ring is the default FP8 logits kernel since session 6; the previous default (cp.async rounds +
+    // the three-launch top-k, "fused_rounds_chain") and the forced chain ("fused_chain") stay raced beside it.
     assert_eq!(
         indexer::Fp8LogitsKernel::default(),
-        indexer::Fp8LogitsKernel::CpAsyncRounds
+        indexer::Fp8LogitsKernel::TmaRing
     );
-    assert!(indexer::VARIANTS.contains(&"fused_tma") && indexer::VARIANTS.contains(&"fused"));
+    for v in ["fused", "fused_chain", "fused_rounds_chain", "fused_onecta"] {
+        assert!(indexer::VARIANTS.contains(&v), "{v}");
+    }
     let races = |axis: &str, value: u64, ctx_or_batch: (&str, u64), next_n: u64| {
         cfg.sweeps
             .iter()
@@ -2504,7 +2548,7 @@ fn bench_config_races_fused_tma_next_to_fused_at_the_issue_points() {
                     && s.param_u64("next_n").unwrap_or(1) == next_n
                     && (!s.has_param("format") || s.param_str("format").unwrap() == "fp8")
                     && vars.iter().any(|v| v == "fused")
-                    && vars.iter().any(|v| v == "fused_tma")
+                    && vars.iter().any(|v| v == "fused_rounds_chain")
             })
     };
     assert!(races("ctx", 1_048_576, ("batch", 1), 1), "1M ctx, batch 1");

@@ -3,15 +3,15 @@
 //! Device code and its design notes: kernels/indexer.cu. CPU reference: [`reference`]. Stress suite with a
 //! host-side watchdog: [`stress`].
 //!
-//! One path (the session-4 A/B winners): FP8 keys -> wgmma logits with 3 CTAs per SM
-//! (`indexer_logits_fp8w3_n1/_n2`), MXFP4 keys -> the e4m3 mma.sync logits; top-k = histogram ->
+//! Default path: FP8 keys -> wgmma logits fed by a TMA + mbarrier ring (`indexer_logits_fp8tma_n1/_n2`,
+//! [`Fp8LogitsKernel::TmaRing`]), MXFP4 keys -> the e4m3 mma.sync logits; top-k ([`topk`]) = one launch with one
+//! CTA per row (`indexer_topk_one_cta`) up to [`TOPK_ONE_CTA_MAX_N`] entries per row, else histogram ->
 //! CTA-aggregated threshold select -> multi-CTA exact final pass (`indexer_topk2_hist`,
 //! `indexer_topk5_select_agg`, `indexer_topk4_final_mcta`).
 //!
-//! Session-5 A/B candidates (not the default; [`IndexerPaths`], [`run_with`]): [`Fp8LogitsKernel::TmaRing`] =
-//! FP8 logits with TMA key tiles through an mbarrier ring (`indexer_logits_fp8tma_n1/_n2`, bench `fused_tma`),
-//! [`TopkPath::Pdl`] = the default top-k kernels through PDL entry points ([`topk_pdl`]: each launch overlaps
-//! the previous kernel's tail; bench `fused_pdl`); `graph_*` bench variants replay a call as a CUDA graph.
+//! Options kept measurable ([`IndexerPaths`], [`run_with`], bench variants in [`VARIANTS`]): the previous FP8
+//! logits ([`Fp8LogitsKernel::CpAsyncRounds`]), each top-k path forced ([`TopkPath`]), the chain through PDL
+//! entry points ([`topk_pdl`]); `graph_*` bench variants replay a call as a CUDA graph.
 //!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
@@ -56,6 +56,15 @@ pub const TOPK4_MAX_CTAS_PER_ROW: u32 = 64;
 /// Threshold-bucket composites the multi-CTA final pass ranks in shared memory; larger buckets (heavy ties)
 /// take its one-CTA radix-select fallback.
 pub const TOPK4_BUCKET_CAP: usize = 4096;
+/// One-launch top-k (`indexer_topk_one_cta`, kernel constants T1_THREADS, T1_SORT_SLOTS, T1_BUCKET_CAP): block
+/// size and dynamic shared memory (sort buffer + threshold bucket, u64 each).
+const TOPK_ONE_CTA_THREADS: u32 = 1024;
+const TOPK_ONE_CTA_SMEM: usize = 8 * (TOPK_MAX_K + 4096);
+/// Longest row [`topk`] sends to the one-launch top-k (one CTA per row); longer calls take the three-launch
+/// chain, which spreads a row over many CTAs. 65,536 entries = 256K context at m = 4. Chosen from the session-6
+/// A/B prediction (one SM re-reads a 256 KB row from L2 in ~3 us per pass); the bench races both paths at every
+/// context (`fused` vs `fused_chain`), so the number is checked by each run.
+pub const TOPK_ONE_CTA_MAX_N: usize = 65_536;
 /// Keys per logits CTA (kernel constant LG_CTA_KEYS) and its block size.
 const LOGITS_CTA_KEYS: usize = 1024;
 const LOGITS_THREADS: u32 = 256;
@@ -433,12 +442,14 @@ fn logits_wgmma(
 /// Which FP8 logits kernel [`logits_with`] / [`run_with`] launch. Both compute bit-identical scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fp8LogitsKernel {
-    /// `indexer_logits_fp8w3_n1/_n2` (the default): cp.async rounds of 3 key tiles, double-buffered.
+    /// `indexer_logits_fp8tma_n1/_n2` (the default since session 6; it won every FP8 point of the session-5
+    /// A/B, e.g. 1M b1 18.5 vs 20.6 us, b16 @1M 146 vs 178 us): key tiles by tensor-map bulk copies (TMA) into
+    /// a ring of full/empty mbarriers fed by one producer thread.
     #[default]
-    CpAsyncRounds,
-    /// `indexer_logits_fp8tma_n1/_n2` (session-5 A/B candidate, bench variant `fused_tma`): key tiles by
-    /// tensor-map bulk copies (TMA) into a ring of full/empty mbarriers fed by one producer thread.
     TmaRing,
+    /// `indexer_logits_fp8w3_n1/_n2` (the default until session 5; bench variants `*_rounds*`): cp.async rounds
+    /// of 3 key tiles, double-buffered.
+    CpAsyncRounds,
 }
 
 /// The TMA logits kernels (kernels/indexer.cu "FP8 logits v6"): entry points, ring stages per next_n, CTAs per
@@ -659,13 +670,120 @@ pub fn topk4_smem_bytes(k: usize) -> usize {
     8 * (k.next_power_of_two().max(2) + 2 + TOPK4_BUCKET_CAP + 2)
 }
 
-/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing), three launches:
-/// histogram of the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row and one
+/// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): exactly
+/// `min(k, num_valid)` indices per row ordered by (score desc, index asc), then -1 (see the module contract).
+/// One launch ([`topk_one_cta`]) when the longest row has at most [`TOPK_ONE_CTA_MAX_N`] entries, else the
+/// three-launch chain ([`topk_three_launch`]); both give bit-identical outputs.
+pub fn topk(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    let longest = num_valid_host.iter().copied().max().unwrap_or(0).max(0) as usize;
+    if longest <= TOPK_ONE_CTA_MAX_N {
+        topk_one_cta(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
+    } else {
+        topk_three_launch(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
+    }
+}
+
+/// Top-k in one launch, one 1024-thread CTA per row (`indexer_topk_one_cta`, kernels/indexer.cu "Top-k in ONE
+/// launch"): shared-memory histogram of the top 12 key bits, threshold bin, collect, radix select inside the
+/// threshold bucket, bitonic sort. No global scratch: `bufs`' histogram / counters are not touched. Any row length
+/// (each CTA loops over its row in chunks of 16,384), but one SM per row: [`topk`] uses it up to
+/// [`TOPK_ONE_CTA_MAX_N`].
+pub fn topk_one_cta(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    one_cta_launch(
+        gpu,
+        false,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+    )
+}
+
+/// [`topk_one_cta`] through its PDL entry point (`indexer_topk_one_cta_pdl`, [`TopkPath::OneCtaPdl`]): launched
+/// with programmatic stream serialization, so its launch overlaps the previous kernel's tail; it waits for that
+/// kernel's completion before reading anything. Bit-identical outputs.
+pub fn topk_one_cta_pdl(
+    gpu: &Gpu,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    one_cta_launch(
+        gpu,
+        true,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+    )
+}
+
+fn one_cta_launch(
+    gpu: &Gpu,
+    pdl: bool,
+    scores: &CudaSlice<f32>,
+    score_stride: usize,
+    num_valid: &CudaSlice<i32>,
+    num_valid_host: &[i32],
+    bufs: &mut TopkBuffers,
+) -> Result<()> {
+    check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
+    let rows = bufs.rows;
+    ensure!(
+        rows <= i32::MAX as usize,
+        "top-k: {rows} rows exceed the grid's x limit"
+    );
+    let name = if pdl {
+        "indexer_topk_one_cta_pdl"
+    } else {
+        "indexer_topk_one_cta"
+    };
+    let f = gpu.function_with_smem(FAMILY, name, TOPK_ONE_CTA_SMEM)?;
+    let mut a = RawArgs::default();
+    a.slice(gpu, scores)
+        .i32(score_stride as i32)
+        .slice(gpu, num_valid)
+        .i32(bufs.k as i32)
+        .slice(gpu, &bufs.out_idx)
+        .slice(gpu, &bufs.out_score);
+    launch_ex(
+        gpu,
+        &f,
+        (rows as u32, 1, 1),
+        (TOPK_ONE_CTA_THREADS, 1, 1),
+        LaunchExOpts {
+            smem_bytes: TOPK_ONE_CTA_SMEM as u32,
+            pdl,
+        },
+        &mut a,
+        "indexer top-k (one CTA per row)",
+    )
+}
+
+/// Top-k in three launches ([`TopkPath::Chain`]): histogram of the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row and one
 /// slot atomic per counter per CTA (`indexer_topk5_select_agg`) -> exact final pass with several CTAs per row
 /// (`indexer_topk4_final_mcta`: rank by counting, each CTA a slice of the chosen entries; a one-CTA radix
 /// select and bitonic sort fallback when the threshold bucket exceeds TOPK4_BUCKET_CAP). See kernels/indexer.cu
 /// "Top-k v2" (passes 1-2), "Top-k v4" (final pass) and "Top-k pass 2 with CTA-aggregated slot allocation".
-pub fn topk(
+pub fn topk_three_launch(
     gpu: &Gpu,
     scores: &CudaSlice<f32>,
     score_stride: usize,
@@ -684,7 +802,7 @@ pub fn topk(
     )
 }
 
-/// [`topk`] through the PDL entry points (`indexer_topk2_hist_pdl`, `indexer_topk5_select_agg_pdl`,
+/// [`topk_three_launch`] through the PDL entry points (`indexer_topk2_hist_pdl`, `indexer_topk5_select_agg_pdl`,
 /// `indexer_topk4_final_mcta_pdl`; [`TopkPath::Pdl`]): the same kernel bodies, each launched with programmatic
 /// stream serialization so its launch overlaps the previous kernel's tail (the logits' for the histogram).
 /// Bit-identical outputs; see kernels/indexer.cu "Top-k PDL entry points" for the protocol.
@@ -707,7 +825,7 @@ pub fn topk_pdl(
     )
 }
 
-/// The three top-k launches of [`topk`] (`pdl` false) or [`topk_pdl`] (`pdl` true).
+/// The three top-k launches of [`topk_three_launch`] (`pdl` false) or [`topk_pdl`] (`pdl` true).
 fn topk_chain(
     gpu: &Gpu,
     pdl: bool,
@@ -900,18 +1018,28 @@ fn topk_chain_pdl(
     Ok(())
 }
 
-/// Which top-k kernels a call uses (an A/B option; [`TopkPath::Default`] is [`topk`]).
+/// Which top-k kernels a call uses ([`TopkPath::Default`] is [`topk`]). Every path has the same contract and
+/// bit-identical outputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TopkPath {
-    /// Histogram -> CTA-aggregated threshold select -> multi-CTA final pass (three launches).
+    /// [`topk`]: the one-launch top-k when the longest row has at most [`TOPK_ONE_CTA_MAX_N`] entries, else the
+    /// three-launch chain.
     #[default]
     Default,
-    /// The default kernels through their PDL entry points ([`topk_pdl`]): each launch overlaps the previous
-    /// kernel's tail (session-5 A/B candidate).
+    /// [`topk_one_cta`] at every length (bench `*_onecta`).
+    OneCta,
+    /// [`topk_one_cta`]'s kernel through its PDL entry point at every length ([`topk_one_cta_pdl`]: its launch
+    /// overlaps the logits' tail; session-6 A/B candidate, bench `*_onecta_pdl`).
+    OneCtaPdl,
+    /// [`topk_three_launch`] at every length: histogram -> CTA-aggregated threshold select -> multi-CTA final
+    /// pass (the only path until session 5; bench `*_chain`).
+    Chain,
+    /// The chain's kernels through their PDL entry points ([`topk_pdl`]): each launch overlaps the previous
+    /// kernel's tail (session-5 A/B candidate; bench `*_pdl`).
     Pdl,
 }
 
-/// Top-k along `path`: [`topk`] or [`topk_pdl`]. Same contract and outputs (bit-identical indices and scores).
+/// Top-k along `path`. Same contract and outputs (bit-identical indices and scores).
 pub fn topk_with(
     gpu: &Gpu,
     path: TopkPath,
@@ -923,6 +1051,15 @@ pub fn topk_with(
 ) -> Result<()> {
     match path {
         TopkPath::Default => topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
+        TopkPath::OneCta => {
+            topk_one_cta(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
+        }
+        TopkPath::OneCtaPdl => {
+            topk_one_cta_pdl(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
+        }
+        TopkPath::Chain => {
+            topk_three_launch(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
+        }
         TopkPath::Pdl => topk_pdl(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
     }
 }
@@ -1215,33 +1352,40 @@ pub struct IndexerSamples {
     pub total: Vec<f64>,
 }
 
-/// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "baseline" (the seeds' path), the
-/// session-5 A/B candidates "fused_tma" (TMA-ring FP8 logits, [`Fp8LogitsKernel::TmaRing`]; MXFP4 points run
-/// the same kernels as "fused"), "fused_pdl" (default kernels, the top-k through its PDL entry points,
-/// [`TopkPath::Pdl`]), "fused_tma_pdl" (both), and "graph_<variant>": the same calls
-/// captured once into CUDA graphs and replayed (logits alone, top-k alone, the whole call), i.e. device time
-/// as a decode step's graph sees it, without host launch gaps.
+/// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "baseline" (the seeds' path), and
+/// the A/B paths named `fused[_rounds][_onecta|_onecta_pdl|_chain|_pdl]`: `_rounds` = the cp.async-rounds FP8
+/// logits ([`Fp8LogitsKernel::CpAsyncRounds`], the default until session 5; MXFP4 points run the same kernels as
+/// "fused"), `_onecta` / `_onecta_pdl` / `_chain` / `_pdl` = the top-k forced to [`TopkPath::OneCta`] /
+/// [`TopkPath::OneCtaPdl`] / [`TopkPath::Chain`] / [`TopkPath::Pdl`] ("fused_rounds_chain" is the session-5 default). "graph_<variant>": the same calls captured
+/// once into CUDA graphs and replayed (logits alone, top-k alone, the whole call), i.e. device time as a decode
+/// step's graph sees it, without host launch gaps.
 pub const VARIANTS: &[&str] = &[
     "fused",
     "baseline",
-    "fused_tma",
+    "fused_onecta",
+    "fused_onecta_pdl",
+    "fused_chain",
     "fused_pdl",
-    "fused_tma_pdl",
+    "fused_rounds_chain",
     "graph_fused",
-    "graph_fused_tma",
+    "graph_fused_onecta",
+    "graph_fused_onecta_pdl",
+    "graph_fused_chain",
     "graph_fused_pdl",
-    "graph_fused_tma_pdl",
 ];
 
 /// The kernel paths of a fused variant name (without the `graph_` prefix).
 fn variant_paths(fused_variant: &str) -> Option<IndexerPaths> {
     let rest = fused_variant.strip_prefix("fused")?;
-    let (logits, rest) = match rest.strip_prefix("_tma") {
-        Some(r) => (Fp8LogitsKernel::TmaRing, r),
-        None => (Fp8LogitsKernel::CpAsyncRounds, rest),
+    let (logits, rest) = match rest.strip_prefix("_rounds") {
+        Some(r) => (Fp8LogitsKernel::CpAsyncRounds, r),
+        None => (Fp8LogitsKernel::TmaRing, rest),
     };
     let topk = match rest {
         "" => TopkPath::Default,
+        "_onecta" => TopkPath::OneCta,
+        "_onecta_pdl" => TopkPath::OneCtaPdl,
+        "_chain" => TopkPath::Chain,
         "_pdl" => TopkPath::Pdl,
         _ => return None,
     };
@@ -1255,8 +1399,7 @@ fn variant_paths(fused_variant: &str) -> Option<IndexerPaths> {
 /// the host has enqueued the event and the graph long before the device reaches them.
 const GRAPH_REPLAYS_PER_SAMPLE: usize = 1;
 
-/// Time `variant` = "fused" (ours: wgmma / mma.sync logits + histogram / CTA-aggregated threshold select /
-/// multi-CTA rank-by-counting final pass) or "baseline" (the seeds' path).
+/// Time one of [`VARIANTS`]: a fused path (eager or `graph_` replays) or "baseline" (the seeds' path).
 pub fn time_variant(
     gpu: &Gpu,
     variant: &str,

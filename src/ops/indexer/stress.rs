@@ -7,14 +7,14 @@
 //! cancelled, and tearing the context down would wait on it). Nothing here ever blocks on the device
 //! except after the event reported completion.
 //!
-//! Path under test: [`super::topk`] / [`super::run`], i.e. the default top-k (histogram -> CTA-aggregated
-//! threshold select -> indexer_topk4_final_mcta: multi-CTA rank by counting, with a one-CTA radix-select /
-//! bitonic fallback for threshold buckets above TOPK4_BUCKET_CAP) and the default logits (FP8: wgmma, 3 CTAs
-//! per SM; MXFP4: the e4m3 mma.sync kernels), each against the CPU reference. Every top-k case of (A) also
-//! runs the PDL entry points of the default kernels (`StressOptions::topk_paths`: [`TopkPath::Pdl`]) on the
-//! same rows and buffers, and (B) runs [`TopkPath::Pdl`] on the GPU's own scores and requires its indices and
-//! scores bit-identical to the default path's. The per-branch tests of the final passes are in
-//! tests/indexer.rs.
+//! Paths under test (`StressOptions::topk_paths`): the one-launch top-k (`indexer_topk_one_cta`, one CTA per
+//! row), the three-launch chain (histogram -> CTA-aggregated threshold select -> indexer_topk4_final_mcta:
+//! multi-CTA rank by counting, with a one-CTA radix-select / bitonic fallback for threshold buckets above
+//! TOPK4_BUCKET_CAP), the chain through its PDL entry points, and (quick subset) the routed default
+//! [`super::topk`]: every case of (A) runs each listed path against the CPU reference. (B) runs the default
+//! [`super::run`] (FP8: TMA-ring wgmma logits; MXFP4: the e4m3 mma.sync kernels) end to end against the
+//! reference, then every other listed top-k path on the GPU's own scores, which must give bit-identical
+//! indices and scores. The per-branch tests of the final passes are in tests/indexer.rs.
 //!
 //! Cases: (A) top-k alone on host-made scores: every num_valid in 0..=4096 (batched, many rows per launch),
 //! random lengths up to 262,144, k - 1, k, k + 1, multiples of 128 and of 32,768 +- 1, histogram-slice and
@@ -56,8 +56,8 @@ pub struct StressOptions {
     pub formats: Vec<KeyFormat>,
     /// Largest sequence of the end-to-end cases.
     pub e2e_max: usize,
-    /// Top-k paths every case of part (A) runs (the default path first); part (B) compares
-    /// [`TopkPath::Pdl`] with the default path when it is listed.
+    /// Top-k paths every case of part (A) runs; part (B) runs the default path end to end and compares
+    /// every other listed path with it on the GPU's own scores, bit for bit.
     pub topk_paths: Vec<TopkPath>,
 }
 
@@ -72,7 +72,14 @@ impl Default for StressOptions {
             ks: vec![512, 1024, 2048],
             formats: vec![KeyFormat::Fp8, KeyFormat::Mxfp4],
             e2e_max: 262_144,
-            topk_paths: vec![TopkPath::Default, TopkPath::Pdl],
+            // The default is one of OneCta / Chain by construction (routing by the longest row), so the full
+            // suite runs the three kernel paths at every length; part (B) runs the default itself.
+            topk_paths: vec![
+                TopkPath::OneCta,
+                TopkPath::OneCtaPdl,
+                TopkPath::Chain,
+                TopkPath::Pdl,
+            ],
         }
     }
 }
@@ -87,8 +94,14 @@ impl StressOptions {
             random_max: 80_000,
             ks: vec![512, 2048],
             e2e_max: 40_000,
-            // The sanitizer runs this subset, the PDL entry points included.
-            topk_paths: vec![TopkPath::Default, TopkPath::Pdl],
+            // The sanitizers run this subset: every path, the routed default and the PDL entry points included.
+            topk_paths: vec![
+                TopkPath::Default,
+                TopkPath::OneCta,
+                TopkPath::OneCtaPdl,
+                TopkPath::Chain,
+                TopkPath::Pdl,
+            ],
             ..Default::default()
         }
     }
@@ -310,12 +323,16 @@ fn special_lengths(k: usize, max: usize) -> Vec<usize> {
         4097,
         8191,
         8193,
+        // The one-CTA top-k's chunk (16,384 entries: values kept in registers up to one chunk) and the routing
+        // limit of the default top-k (65,536 = 2c: one-CTA at most, chain above).
+        16_383,
         16_384,
         16_385,
         c - 1,
         c,
         c + 1,
         2 * c - 1,
+        2 * c,
         2 * c + 1,
         8 * c,
         8 * c + 1,
@@ -508,42 +525,44 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
         }
     }
 
-    // The PDL top-k on the same scores: bit-identical to the default path (indices and scores).
-    if !cx.opts.topk_paths.contains(&TopkPath::Pdl) {
-        return Ok(true);
-    }
+    // Every other listed top-k path on the same scores: bit-identical to the default path (indices and scores).
     let default_idx = idx;
     let default_sc = tsc;
-    gpu.fill_bytes(&mut bufs.topk.out_idx, 0xFF)?;
-    gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF)?;
-    if let Err(e) = super::topk_with(
-        gpu,
-        TopkPath::Pdl,
-        &bufs.scores,
-        stride,
-        &q.num_valid,
-        &q.num_valid_host,
-        &mut bufs.topk,
-    ) {
-        cx.fail(&format!("{label} PDL top-k launch"), format!("{e:#}"));
-        return Ok(true);
-    }
-    if !cx.watch(&format!("{label}: PDL top-k on the GPU scores"))? {
-        return Ok(false);
-    }
-    let idx = gpu.download(&bufs.topk.out_idx)?;
-    let tsc = gpu.download(&bufs.topk.out_score)?;
-    cx.rep.cases += 1;
-    if let Some(p) = (0..rows * k)
-        .find(|&p| idx[p] != default_idx[p] || tsc[p].to_bits() != default_sc[p].to_bits())
-    {
-        cx.fail(
-            &format!("{label} PDL top-k row={} position={}", p / k, p % k),
-            format!(
-                "got ({}, {:e}), default path ({}, {:e})",
-                idx[p], tsc[p], default_idx[p], default_sc[p]
-            ),
-        );
+    for path in cx.opts.topk_paths.clone() {
+        if path == TopkPath::Default {
+            continue;
+        }
+        gpu.fill_bytes(&mut bufs.topk.out_idx, 0xFF)?;
+        gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF)?;
+        if let Err(e) = super::topk_with(
+            gpu,
+            path,
+            &bufs.scores,
+            stride,
+            &q.num_valid,
+            &q.num_valid_host,
+            &mut bufs.topk,
+        ) {
+            cx.fail(&format!("{label} {path:?} top-k launch"), format!("{e:#}"));
+            continue;
+        }
+        if !cx.watch(&format!("{label}: {path:?} top-k on the GPU scores"))? {
+            return Ok(false);
+        }
+        let idx = gpu.download(&bufs.topk.out_idx)?;
+        let tsc = gpu.download(&bufs.topk.out_score)?;
+        cx.rep.cases += 1;
+        if let Some(p) = (0..rows * k)
+            .find(|&p| idx[p] != default_idx[p] || tsc[p].to_bits() != default_sc[p].to_bits())
+        {
+            cx.fail(
+                &format!("{label} {path:?} top-k row={} position={}", p / k, p % k),
+                format!(
+                    "got ({}, {:e}), default path ({}, {:e})",
+                    idx[p], tsc[p], default_idx[p], default_sc[p]
+                ),
+            );
+        }
     }
     Ok(true)
 }
