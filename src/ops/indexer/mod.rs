@@ -11,7 +11,7 @@
 //!
 //! Options kept measurable ([`IndexerPaths`], [`run_with`], bench variants in [`VARIANTS`]): the previous FP8
 //! logits ([`Fp8LogitsKernel::CpAsyncRounds`]), each top-k path forced ([`TopkPath`]), the chain through PDL
-//! entry points ([`topk_pdl`]); `graph_*` bench variants replay a call as a CUDA graph.
+//! entry points ([`TopkPath::Pdl`]); `graph_*` bench variants replay a call as a CUDA graph.
 //!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
@@ -672,8 +672,8 @@ pub fn topk4_smem_bytes(k: usize) -> usize {
 
 /// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): exactly
 /// `min(k, num_valid)` indices per row ordered by (score desc, index asc), then -1 (see the module contract).
-/// One launch ([`topk_one_cta`]) when the longest row has at most [`TOPK_ONE_CTA_MAX_N`] entries, else the
-/// three-launch chain ([`topk_three_launch`]); both give bit-identical outputs.
+/// One launch ([`TopkPath::OneCta`]) when the longest row has at most [`TOPK_ONE_CTA_MAX_N`] entries, else the
+/// three-launch chain ([`TopkPath::Chain`]); both give bit-identical outputs.
 pub fn topk(
     gpu: &Gpu,
     scores: &CudaSlice<f32>,
@@ -683,29 +683,14 @@ pub fn topk(
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
     let longest = num_valid_host.iter().copied().max().unwrap_or(0).max(0) as usize;
-    if longest <= TOPK_ONE_CTA_MAX_N {
-        topk_one_cta(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
+    let path = if longest <= TOPK_ONE_CTA_MAX_N {
+        TopkPath::OneCta
     } else {
-        topk_three_launch(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
-    }
-}
-
-/// Top-k in one launch, one 1024-thread CTA per row (`indexer_topk_one_cta`, kernels/indexer.cu "Top-k in ONE
-/// launch"): shared-memory histogram of the top 12 key bits, threshold bin, collect, radix select inside the
-/// threshold bucket, bitonic sort. No global scratch: `bufs`' histogram / counters are not touched. Any row length
-/// (each CTA loops over its row in chunks of 16,384), but one SM per row: [`topk`] uses it up to
-/// [`TOPK_ONE_CTA_MAX_N`].
-pub fn topk_one_cta(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    one_cta_launch(
+        TopkPath::Chain
+    };
+    topk_with(
         gpu,
-        false,
+        path,
         scores,
         score_stride,
         num_valid,
@@ -714,29 +699,14 @@ pub fn topk_one_cta(
     )
 }
 
-/// [`topk_one_cta`] through its PDL entry point (`indexer_topk_one_cta_pdl`, [`TopkPath::OneCtaPdl`]): launched
-/// with programmatic stream serialization, so its launch overlaps the previous kernel's tail; it waits for that
-/// kernel's completion before reading anything. Bit-identical outputs.
-pub fn topk_one_cta_pdl(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    one_cta_launch(
-        gpu,
-        true,
-        scores,
-        score_stride,
-        num_valid,
-        num_valid_host,
-        bufs,
-    )
-}
-
-fn one_cta_launch(
+/// Top-k in one launch, one 1024-thread CTA per row (`indexer_topk_one_cta`, [`TopkPath::OneCta`];
+/// kernels/indexer.cu "Top-k in ONE launch"): shared-memory histogram of the top 12 key bits, threshold bin,
+/// collect, radix select inside the threshold bucket, bitonic sort. No global scratch: `bufs`' histogram /
+/// counters are not touched. Any row length (each CTA loops over its row in chunks of 16,384), but one SM per
+/// row: [`topk`] uses it up to [`TOPK_ONE_CTA_MAX_N`]. With `pdl` ([`TopkPath::OneCtaPdl`]) the PDL entry point
+/// `indexer_topk_one_cta_pdl` is launched with programmatic stream serialization, so its launch overlaps the
+/// previous kernel's tail; it waits for that kernel's completion before reading anything. Bit-identical outputs.
+fn topk_one_cta(
     gpu: &Gpu,
     pdl: bool,
     scores: &CudaSlice<f32>,
@@ -778,54 +748,15 @@ fn one_cta_launch(
     )
 }
 
-/// Top-k in three launches ([`TopkPath::Chain`]): histogram of the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row and one
+/// Top-k in three launches ([`TopkPath::Chain`]; with `pdl`, [`TopkPath::Pdl`]): histogram of the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row and one
 /// slot atomic per counter per CTA (`indexer_topk5_select_agg`) -> exact final pass with several CTAs per row
 /// (`indexer_topk4_final_mcta`: rank by counting, each CTA a slice of the chosen entries; a one-CTA radix
 /// select and bitonic sort fallback when the threshold bucket exceeds TOPK4_BUCKET_CAP). See kernels/indexer.cu
 /// "Top-k v2" (passes 1-2), "Top-k v4" (final pass) and "Top-k pass 2 with CTA-aggregated slot allocation".
-pub fn topk_three_launch(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    topk_chain(
-        gpu,
-        false,
-        scores,
-        score_stride,
-        num_valid,
-        num_valid_host,
-        bufs,
-    )
-}
-
-/// [`topk_three_launch`] through the PDL entry points (`indexer_topk2_hist_pdl`, `indexer_topk5_select_agg_pdl`,
-/// `indexer_topk4_final_mcta_pdl`; [`TopkPath::Pdl`]): the same kernel bodies, each launched with programmatic
-/// stream serialization so its launch overlaps the previous kernel's tail (the logits' for the histogram).
-/// Bit-identical outputs; see kernels/indexer.cu "Top-k PDL entry points" for the protocol.
-pub fn topk_pdl(
-    gpu: &Gpu,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    topk_chain(
-        gpu,
-        true,
-        scores,
-        score_stride,
-        num_valid,
-        num_valid_host,
-        bufs,
-    )
-}
-
-/// The three top-k launches of [`topk_three_launch`] (`pdl` false) or [`topk_pdl`] (`pdl` true).
+/// With `pdl`, the same kernel bodies through their PDL entry points (`indexer_topk2_hist_pdl`,
+/// `indexer_topk5_select_agg_pdl`, `indexer_topk4_final_mcta_pdl`), each launched with programmatic stream
+/// serialization so its launch overlaps the previous kernel's tail; bit-identical outputs (kernels/indexer.cu
+/// "Top-k PDL entry points" has the protocol).
 fn topk_chain(
     gpu: &Gpu,
     pdl: bool,
@@ -934,7 +865,7 @@ fn topk_chain(
     Ok(())
 }
 
-/// The PDL launches of [`topk_pdl`] (after [`topk_chain`]'s checks and dirty-buffer reset). Same grids, blocks,
+/// The PDL launches of [`TopkPath::Pdl`] (after [`topk_chain`]'s checks and dirty-buffer reset). Same grids, blocks,
 /// shared memory and parameters as the default launches; parameter slots in the kernels' order.
 #[allow(clippy::too_many_arguments)]
 fn topk_chain_pdl(
@@ -1026,15 +957,15 @@ pub enum TopkPath {
     /// three-launch chain.
     #[default]
     Default,
-    /// [`topk_one_cta`] at every length (bench `*_onecta`).
+    /// One launch, one CTA per row, at every length (`indexer_topk_one_cta`; bench `*_onecta`).
     OneCta,
-    /// [`topk_one_cta`]'s kernel through its PDL entry point at every length ([`topk_one_cta_pdl`]: its launch
+    /// The one-CTA kernel through its PDL entry point at every length (`indexer_topk_one_cta_pdl`: its launch
     /// overlaps the logits' tail; session-6 A/B candidate, bench `*_onecta_pdl`).
     OneCtaPdl,
-    /// [`topk_three_launch`] at every length: histogram -> CTA-aggregated threshold select -> multi-CTA final
+    /// Three launches at every length: histogram -> CTA-aggregated threshold select -> multi-CTA final
     /// pass (the only path until session 5; bench `*_chain`).
     Chain,
-    /// The chain's kernels through their PDL entry points ([`topk_pdl`]): each launch overlaps the previous
+    /// The chain's kernels through their PDL entry points: each launch overlaps the previous
     /// kernel's tail (session-5 A/B candidate; bench `*_pdl`).
     Pdl,
 }
@@ -1049,19 +980,25 @@ pub fn topk_with(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
-    match path {
-        TopkPath::Default => topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
-        TopkPath::OneCta => {
-            topk_one_cta(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
+    let (one_cta, pdl) = match path {
+        TopkPath::Default => {
+            return topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
         }
-        TopkPath::OneCtaPdl => {
-            topk_one_cta_pdl(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
-        }
-        TopkPath::Chain => {
-            topk_three_launch(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
-        }
-        TopkPath::Pdl => topk_pdl(gpu, scores, score_stride, num_valid, num_valid_host, bufs),
-    }
+        TopkPath::OneCta => (true, false),
+        TopkPath::OneCtaPdl => (true, true),
+        TopkPath::Chain => (false, false),
+        TopkPath::Pdl => (false, true),
+    };
+    let launch = if one_cta { topk_one_cta } else { topk_chain };
+    launch(
+        gpu,
+        pdl,
+        scores,
+        score_stride,
+        num_valid,
+        num_valid_host,
+        bufs,
+    )
 }
 
 /// Everything one indexer call needs on the device besides its inputs.
