@@ -13,6 +13,9 @@
 //                                  load_raw_regs), behind a cheaper q prologue than v5's (q codes by x * 2^-k
 //                                  instead of x / 2^k, the same value; tile 0's loads issued before the q
 //                                  quantization); notes above decode_fp8_v6_body.
+//   sparse_attn_decode_fp8_c2      session-6 A/B candidate (bench "fp8_cluster2", Path::Fp8Cluster2, 128 heads only): v6 on a
+//                                  2-CTA cluster of the two head-group CTAs, each dequantizing half of every tile into
+//                                  both CTAs' shared memory; bit-identical to v6; notes above decode_fp8_c2_body.
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.

@@ -33,6 +33,10 @@
 //! [`SplitPlan::fp8_default`]); the previous default stays measurable as [`Path::Fp8OldCombine`] (bench
 //! `fp8_oldcombine`), the forced new combine as [`Path::Fp8ParallelCombine`] (`fp8_pcombine`) and
 //! [`Path::Fp8ParallelCombineRefit`] (`fp8_pcombine_refit`).
+//!
+//! Session 6 A/B candidate: [`Path::Fp8Cluster2`] (bench `fp8_cluster2`, 128 heads only), kernel
+//! `sparse_attn_decode_fp8_c2`: the two head-group CTAs of a (sequence, split) run as one 2-CTA thread-block cluster
+//! and each dequantizes half of every shared tile into both CTAs' shared memory; same plan, same bits as `Fp8`.
 
 pub mod exec;
 pub mod reference;
