@@ -13,6 +13,9 @@
 //                                  load_raw_regs), behind a cheaper q prologue than v5's (q codes by x * 2^-k
 //                                  instead of x / 2^k, the same value; tile 0's loads issued before the q
 //                                  quantization); notes above decode_fp8_v6_body.
+//   sparse_attn_decode_fp8_c2      session-6 A/B candidate (bench "fp8_cluster2", Path::Fp8Cluster2, 128 heads only): v6 on a
+//                                  2-CTA cluster of the two head-group CTAs, each dequantizing half of every tile into
+//                                  both CTAs' shared memory; bit-identical to v6; notes above decode_fp8_c2_body.
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -1145,4 +1148,281 @@ __device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
 // as the removed sparse_attn_decode_fp8_v5 did: the same finish()). Measured bit-identical to v5 until its removal.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v6(SA_DECODE_PARAMS) {
     sa::decode_fp8_v6_body(SA_DECODE_ARGS);
+}
+
+namespace sa {
+
+// =============================================================================================================
+// c2 body (sparse_attn_decode_fp8_c2, Path::Fp8Cluster2, bench "fp8_cluster2"; 128-head models only): the v6 body
+// on a 2-CTA thread-block cluster = the two head-group CTAs of one (sequence, split), which dequantize the SAME
+// tiles. Each CTA now loads and dequantizes HALF of every tile (cluster rank r: entries 32r..32r+31) and writes the
+// BF16 chunks into its own vt buffer AND the peer's (st.shared::cluster at the mapa address of the same offset), so
+// per tile and CTA the raw loads, the e4m3 -> BF16 conversions and the address math halve; the shared-memory
+// stores per CTA stay 16 x 16 B per thread (8 local + 8 remote). Everything else is v6's code in v6's order: the q
+// prologue, QK^T / softmax / P.V, finish(). The tile bytes are the same (same chunk positions, same conversion
+// e4m3x2_to_bf16x2_scaled with the same UE8M0 scale), so the output is bit-identical to `fp8` (GPU test).
+//   * Thread (entry de = 32r + tid / 8, quarter dq = tid % 4, half dh = (tid / 4) % 2) converts nope chunks
+//     i = 2k + dh (k = 0..6) of v5's thread (de, dq): chunk 8k + dq + 4 (dh ^ (de & 1)) of k-block k, and rope
+//     chunk 56 + dq + 4 dh. Over (dq, dh) that is every chunk of the entry once. A quarter-warp (8 lanes) is one
+//     entry with chunk positions dq + 4 (dh ^ odd) = 0..7 of the row, XOR-swizzled by the row: 8 distinct 16-byte
+//     bank groups, conflict-free like v5's stores.
+//   * Cluster protocol, per iteration it (both CTAs have the same b and split, so the same n_it and the same
+//     number of cluster barriers; every barrier.cluster below is executed by all 256 threads of both CTAs):
+//       - top: a cluster barrier (relaxed arrive + acquiring wait) replaces v6's __syncthreads. It orders (a) both
+//         CTAs' stores of tile it (made in iteration it-1 or the prologue, each thread's followed at once by
+//         publish_tile_stores() = fence.proxy.async.shared::cluster + fence.acq_rel.cluster: the proxy fence puts the
+//         generic st.shared::cluster stores before either CTA's async-proxy wgmma reads, the fence + the relaxed
+//         arrive form the release, the wait the acquire), and (b) every thread's wgmma.wait of P.V(it-1) in BOTH
+//         CTAs (execution order) before any dequant store of iteration it into vt[(it+1) & 1] = the buffer P.V(it-1)
+//         read, local or remote.
+//       - the mid-iteration __syncthreads (P complete, CTA-local: P is never shared) with v6's CTA proxy fence also
+//         orders the index-ring writes made at the loop top before their readers, as in v6.
+//       - before the first remote store (the prologue's tile-0 dequant) a cluster barrier guarantees the peer CTA
+//         is running (distributed shared memory of a CTA that has not started or has exited must not be touched).
+//       - exit: the last remote store into a CTA's buffer is made in iteration n_it-2, before both CTAs pass the
+//         top barrier of iteration n_it-1, so no CTA exits while its peer may still write into it.
+//   * Cost: one cluster barrier per tile (an SM-to-SM round trip + CCTL.IVALL) instead of a CTA barrier, and a
+//     MEMBAR.ALL.GPU per thread per tile after its stores (remote-store acknowledgement), overlapped with QK^T.
+//   * Both CTAs share a dynamic shared-memory layout (same kernel, same static smem), so the 1024-alignment
+//     offset and every buffer offset are equal in both: mapa(local address, peer) is the peer's copy.
+// =============================================================================================================
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
+    uint32_t out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
+    return out;
+}
+__device__ __forceinline__ void st_cluster_v4(uint32_t addr, uint4 v) {
+    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+// All threads of both CTAs: release this thread's prior memory operations at cluster scope, acquire the others'
+// (SASS: MEMBAR.ALL.GPU, UCGABAR_ARV, UCGABAR_WAIT, CCTL.IVALL). Used once, in the prologue.
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The per-tile barrier: a relaxed arrive (no MEMBAR here, where this thread's prefetch loads of tile it+2 may still
+// be in flight: a MEMBAR.ALL.GPU would wait for them) + the acquiring wait. The release half is
+// publish_tile_stores(), executed by every thread that stored, right after its stores and before its next loads.
+__device__ __forceinline__ void cluster_barrier_after_publish() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// After this thread's dequant stores (local and remote): the proxy fence makes the generic stores visible to the
+// async proxy (wgmma) of either CTA; fence.acq_rel.cluster followed by the relaxed arrive of the next
+// cluster_barrier_after_publish() is a release pattern at cluster scope (PTX memory model), paired with that
+// barrier's acquiring wait. Both compile to MEMBAR.ALL.GPU (+ FENCE.VIEW.ASYNC.S / ERRBAR, CGAERRBAR, CCTL.IVALL):
+// issued here, they wait only for the stores just made (the raw registers were consumed by them and the next
+// loads are issued after), while the QK^T wgmma runs.
+__device__ __forceinline__ void publish_tile_stores() {
+    asm volatile("fence.proxy.async.shared::cluster;\nfence.acq_rel.cluster;\n" ::: "memory");
+}
+
+struct RawRegsHalf {
+    uint2 nope[7];  // chunk 8k + cpos of the entry (k-block k), cpos = dq + 4 (dh ^ odd)
+    uint2 sc;       // bytes 576..583: the 7 UE8M0 scales + pad
+    uint2 rope[2];  // rope 16-byte chunk dq + 4 dh (words 0, 1)
+};
+
+__device__ __forceinline__ void load_raw_half(RawRegsHalf& r, const uint8_t* __restrict__ pool, int idx, int cpos,
+                                              int rope_chunk) {
+    if (idx >= 0) {
+        const uint8_t* src = pool + (size_t)idx * kEntryBytes;
+#pragma unroll
+        for (int k = 0; k < 7; ++k) r.nope[k] = __ldg(reinterpret_cast<const uint2*>(src + 64 * k + 8 * cpos));
+        r.sc = __ldg(reinterpret_cast<const uint2*>(src + kScaleOffset));
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            r.rope[j] = __ldg(reinterpret_cast<const uint2*>(src + kRopeOffset + 16 * rope_chunk + 8 * j));
+    } else {  // as load_raw_regs: zero codes and scale code 0, K = V = 0
+#pragma unroll
+        for (int k = 0; k < 7; ++k) r.nope[k] = make_uint2(0u, 0u);
+        r.sc = make_uint2(0u, 0u);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) r.rope[j] = make_uint2(0u, 0u);
+    }
+}
+
+// Converts this thread's half of its entry (the same values dequant_regs_v5 writes at the same offsets) into the
+// local tile at `vt` and the peer's copy at cluster address `vt_peer`.
+__device__ __forceinline__ void dequant_half_c2(const RawRegsHalf& r, uint8_t* vt, uint32_t vt_peer, int e, int cpos,
+                                                int rope_chunk) {
+#pragma unroll
+    for (int k = 0; k < kTiles; ++k) {
+        const float s =
+            mm::ue8m0_decode(static_cast<uint8_t>(((k < 4 ? r.sc.x : r.sc.y) >> (8 * (k & 3))) & 0xFFu));
+        const uint2 w = r.nope[k];
+        uint4 o;
+        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
+        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
+        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
+        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
+        const uint32_t off = sw_off(e, 8 * k + cpos);
+        *reinterpret_cast<uint4*>(vt + off) = o;
+        st_cluster_v4(vt_peer + off, o);
+    }
+    const uint4 ro = make_uint4(r.rope[0].x, r.rope[0].y, r.rope[1].x, r.rope[1].y);
+    const uint32_t roff = sw_off(e, 56 + rope_chunk);
+    *reinterpret_cast<uint4*>(vt + roff) = ro;
+    st_cluster_v4(vt_peer + roff, ro);
+}
+
+__device__ __forceinline__ void decode_fp8_c2_body(const DecodeArgs& a) {
+    extern __shared__ __align__(16) uint8_t smem_unaligned[];
+    uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
+    uint8_t* qsw = smem + kV5Q;
+    uint8_t* psw = smem + kV5P;
+    float* red_max = reinterpret_cast<float*>(smem + kV5RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kV5RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kV5Idx);
+
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 3, wh = warp >> 2, g = lane >> 2, tq = lane & 3;
+    const uint32_t crank = cluster_ctarank();
+    // This thread's dequant share (header above): entry de of the tile, chunk position cpos in each k-block.
+    const int de = 32 * (int)crank + (tid >> 3), dq = tid & 3, dh = (tid >> 2) & 1;
+    const int cpos = dq + 4 * (dh ^ (de & 1)), rope_chunk = dq + 4 * dh;
+    const uint32_t vt_peer0 = mapa_shared(smem_addr(smem + kV5Vt), crank ^ 1u);
+    int len, t_begin, n_it;
+    tile_range(a, b, split, len, t_begin, n_it);
+
+    // q prologue: v6's, unchanged (this CTA's 64 heads).
+    uint4 raw[8][2];
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) {
+        const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+        raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+        raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+    }
+    if (tid < kBlockN) {
+#pragma unroll
+        for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
+    }
+    RawRegsHalf rr;
+    if (n_it > 0) load_raw_half(rr, a.pool, resolve_candidate(a, b, len, t_begin * kBlockN + de), cpos, rope_chunk);
+    {
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane_pow2_mul(x);
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+                *dst0 = raw[hh][0];
+                *dst1 = raw[hh][1];
+            }
+        }
+    }
+
+    WarpState st;
+#pragma unroll
+    for (int nt = 0; nt < 32; ++nt) st.o[nt][0] = st.o[nt][1] = st.o[nt][2] = st.o[nt][3] = 0.f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.f;
+
+    cluster_barrier();  // idx slots 0..2 visible; the peer CTA is running before the first remote store
+    if (n_it > 0) dequant_half_c2(rr, smem + kV5Vt, vt_peer0, de, cpos, rope_chunk);
+    fence_proxy_async();    // q (local) generic stores -> async proxy, as v6
+    publish_tile_stores();  // vt[0] halves (local and remote) -> both CTAs' wgmma, before the next loads
+    if (n_it > 1) load_raw_half(rr, a.pool, idxs[kBlockN + de], cpos, rope_chunk);
+
+    const uint32_t q_base = smem_addr(qsw);
+    const uint32_t vt_base0 = smem_addr(smem + kV5Vt);
+    const uint64_t p_desc = sw128_desc(smem_addr(psw));
+
+    for (int it = 0; it < n_it; ++it) {
+        // Both CTAs: vt[it & 1] complete (own and peer's halves, published by publish_tile_stores); every warp
+        // group of both CTAs finished P.V(it-1) (wgmma.wait: its reads are done), so vt[(it+1) & 1] may be
+        // overwritten here and in the peer. The idx slot (it+2)%4, written before the previous mid-iteration
+        // __syncthreads, is already visible without this barrier's ordering.
+        cluster_barrier_after_publish();
+        const uint32_t vt_cur = vt_base0 + (uint32_t)((it & 1) * kSwTileBytes);
+        const int* idx_cur = idxs + (it % 4) * kBlockN;
+        if (tid < kBlockN && it + 3 < n_it)
+            idxs[((it + 3) % 4) * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + it + 3) * kBlockN + tid);
+
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        fence_acc(acc);
+        wgmma_fence();
+        {
+            const uint32_t b_rows = vt_cur + (uint32_t)(32 * wh * 128);
+#pragma unroll
+            for (int kb = 0; kb < 8; ++kb) {
+                const uint64_t da = sw128_desc(q_base + kb * kSwBlockBytes);
+                const uint64_t db = sw128_desc(b_rows + kb * kSwBlockBytes);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) wgmma_m64n32k16(acc, da + 2 * k, db + 2 * k);
+            }
+        }
+        wgmma_commit();
+
+        // ---- while the tensor cores run: this CTA's half of tile it+1 -> both CTAs' vt[(it+1) & 1] ----
+        if (it + 1 < n_it) {
+            const uint32_t nb = (uint32_t)(((it + 1) & 1) * kSwTileBytes);
+            dequant_half_c2(rr, smem + kV5Vt + nb, vt_peer0 + nb, de, cpos, rope_chunk);
+            publish_tile_stores();
+            if (it + 2 < n_it) load_raw_half(rr, a.pool, idxs[((it + 2) % 4) * kBlockN + de], cpos, rope_chunk);
+        }
+
+        wgmma_wait_all();
+        fence_acc(acc);
+
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int c0 = 32 * wh + 8 * n + 2 * tq;
+            const bool v0 = idx_cur[c0] >= 0, v1 = idx_cur[c0 + 1] >= 0;
+            s[n][0] = v0 ? acc[4 * n + 0] * kScoreScaleLog2 : -INFINITY;
+            s[n][1] = v1 ? acc[4 * n + 1] * kScoreScaleLog2 : -INFINITY;
+            s[n][2] = v0 ? acc[4 * n + 2] * kScoreScaleLog2 : -INFINITY;
+            s[n][3] = v1 ? acc[4 * n + 3] * kScoreScaleLog2 : -INFINITY;
+        }
+
+        softmax_step<true>(st, s, red_max, PSwizzled{psw, wh, g, tq}, wm, wh, g, tq);
+        fence_proxy_async();  // P (local) stores -> async proxy, as v6
+        __syncthreads();      // all 64 P rows written (CTA-local)
+
+        const uint64_t v_desc = sw128_desc_mn(vt_cur + (uint32_t)(4 * wh * kSwBlockBytes));
+        fence_acc_o(st.o);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_acc_o(st.o);
+    }
+    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+}
+
+}  // namespace sa
+
+// grid (2, n_splits, batch) (128 heads: the two head groups of a (sequence, split) form one cluster), block 256,
+// dynamic smem sa::kV5SmemBytes (as v6). Path::Fp8Cluster2, bench "fp8_cluster2"; bit-identical to
+// sparse_attn_decode_fp8_v6 (notes above decode_fp8_c2_body). The launcher never runs it with heads != 128.
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(256, 1) sparse_attn_decode_fp8_c2(SA_DECODE_PARAMS) {
+    sa::decode_fp8_c2_body(SA_DECODE_ARGS);
 }
