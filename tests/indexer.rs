@@ -390,6 +390,62 @@ fn threshold_topk_model_matches_reference_topk() {
     }
 }
 
+/// The one-CTA top-k's threshold scan (kernels/indexer.cu "Top-k in ONE launch", step 2), mirrored: thread t of
+/// 1024 owns bins 4095-4t .. 4092-4t (one uint4 read at index 1023 - t: components w, z, y, x), the inclusive
+/// prefix over threads in thread order = the count of every bin at or above the thread's lowest bin; the one
+/// thread with excl < kk <= incl walks its 4 bins. Must give the sequential scan's (bin, entries above).
+fn one_cta_threshold_scan(hist: &[u32; 4096], kk: u32) -> Option<(u32, u32)> {
+    let mut found = None;
+    let mut before = 0u32; // = excl of thread t (sum over threads < t)
+    for t in 0..1024usize {
+        let g = &hist[4096 - 4 - 4 * t..4096 - 4 * t]; // x, y, z, w
+        let c = [g[3], g[2], g[1], g[0]];
+        let own: u32 = c.iter().sum();
+        let (excl, incl) = (before, before + own);
+        if excl < kk && incl >= kk {
+            let mut run = excl;
+            for (j, &cj) in c.iter().enumerate() {
+                if run < kk && run + cj >= kk {
+                    assert!(found.is_none(), "two threshold bins");
+                    found = Some(((4095 - (4 * t + j)) as u32, run));
+                }
+                run += cj;
+            }
+        }
+        before = incl;
+    }
+    found
+}
+
+#[test]
+fn one_cta_threshold_scan_matches_the_sequential_scan() {
+    let (seed, mut rng) = seeded("one_cta_scan");
+    for case in 0..2000 {
+        let mut hist = [0u32; 4096];
+        // Sparse (a few hot bins, like logits), dense, and single-bin histograms.
+        let fill = [3usize, 40, 4096, 1][case % 4];
+        for _ in 0..fill {
+            hist[rng.random_range(0..4096)] += rng.random_range(1..50);
+        }
+        let n: u32 = hist.iter().sum();
+        let kk = rng.random_range(1..=n.min(2048));
+        let mut above = 0u32;
+        let mut want = None;
+        for bin in (0..4096u32).rev() {
+            if above < kk && above + hist[bin as usize] >= kk {
+                want = Some((bin, above));
+                break;
+            }
+            above += hist[bin as usize];
+        }
+        assert_eq!(
+            one_cta_threshold_scan(&hist, kk),
+            want,
+            "seed {seed:#x} case {case}: n {n} kk {kk}"
+        );
+    }
+}
+
 /// The threshold bin of a row for `k` (top-k pass 2's rule): (nb = entries in the bin, rem = kk - entries
 /// above it); None when kk = 0.
 fn threshold_bucket(scores: &[f32], k: usize) -> Option<(usize, usize)> {
