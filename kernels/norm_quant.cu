@@ -988,16 +988,11 @@ __device__ __forceinline__ float v6_block_max(float v, float* red) {
 }
 
 // v5_norm_pairs with D = 1024 NW, blockDim = 32 NW fixed.
+// Takes the row already unpacked to f32 (v6_nvfp4_row unpacks, then reuses the load registers for the next row).
 template <int NW, bool NORM>
-__device__ __forceinline__ void v6_norm_pairs(const uint4 (&raw)[V5_CH], const float4* wsm, float eps, float* red_ss,
+__device__ __forceinline__ void v6_norm_pairs(const float (&x)[V5_CH][8], const float4* wsm, float eps, float* red_ss,
                                               float* rstd_out, uint32_t (&pk)[V5_CH][4]) {
     constexpr int D = 1024 * NW, BD = 32 * NW, NCHUNKS = D / 8;
-    float x[V5_CH][8];
-#pragma unroll
-    for (int k = 0; k < V5_CH; ++k) {
-        x[k][0] = bf16_lo(raw[k].x); x[k][1] = bf16_hi(raw[k].x); x[k][2] = bf16_lo(raw[k].y); x[k][3] = bf16_hi(raw[k].y);
-        x[k][4] = bf16_lo(raw[k].z); x[k][5] = bf16_hi(raw[k].z); x[k][6] = bf16_lo(raw[k].w); x[k][7] = bf16_hi(raw[k].w);
-    }
     if (!NORM) {
 #pragma unroll
         for (int k = 0; k < V5_CH; ++k)
@@ -1071,20 +1066,28 @@ __device__ __forceinline__ uint8_t v6_nvfp4_block(const uint32_t (&lo)[4], const
     return s;
 }
 
-// One row of rmsnorm_nvfp4_rows_v6 (v5's loop body): issues the loads of row + gridDim.x into `next` (in flight
-// during this row), then normalizes and quantizes `cur` (row `row`) with the reduction buffers of its parity.
+// One row of rmsnorm_nvfp4_rows_v6 (v5's loop body): unpacks row `row` from `raw` to f32, issues the loads of
+// row + gridDim.x into `raw` (in flight during this row), then normalizes and quantizes the row with the
+// reduction buffers of its parity.
 template <int NW, bool NORM>
 __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x, const float4* wsm,
                                              uint8_t* __restrict__ q, uint8_t* __restrict__ scales,
                                              float* __restrict__ gsa, float* __restrict__ rstd, int rows, float eps,
-                                             long row, const uint4 (&cur)[V5_CH], uint4 (&next)[V5_CH], float* red_ss,
+                                             long row, uint4 (&raw)[V5_CH], float* red_ss,
                                              float* red_mx) {
     constexpr int D = 1024 * NW, BD = 32 * NW;
     const int tid = threadIdx.x;
     const bool odd = (tid & 1) != 0;
-    if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, next);
+    float xf[V5_CH][8];
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k) {
+        xf[k][0] = bf16_lo(raw[k].x); xf[k][1] = bf16_hi(raw[k].x); xf[k][2] = bf16_lo(raw[k].y); xf[k][3] = bf16_hi(raw[k].y);
+        xf[k][4] = bf16_lo(raw[k].z); xf[k][5] = bf16_hi(raw[k].z); xf[k][6] = bf16_lo(raw[k].w); xf[k][7] = bf16_hi(raw[k].w);
+    }
+    // issued after the unpack, into the same registers: no copy (v5 moved 16 registers per row)
+    if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, raw);
     uint32_t pk[V5_CH][4];
-    v6_norm_pairs<NW, NORM>(cur, wsm, eps, red_ss, rstd ? rstd + row : nullptr, pk);
+    v6_norm_pairs<NW, NORM>(xf, wsm, eps, red_ss, rstd ? rstd + row : nullptr, pk);
     uint32_t key[V5_CH];
     uint32_t row_key = 0x8000u;
 #pragma unroll
@@ -1123,8 +1126,9 @@ __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x
 }
 
 // rmsnorm_nvfp4_rows_v5 with D = 1024 NW. Grid: one resident wave (or rows if fewer); block 32 NW; dynamic smem
-// D * 4 bytes (NORM). (Unrolling the row loop by two over two load buffers, to drop the 16 register moves per
-// row of the cur = raw copy, spilled ~110 bytes under the 64-register cap: not done.)
+// D * 4 bytes (NORM). The row is unpacked to f32 before the next row's loads reuse its registers: v5 copied the
+// prefetch registers (16 moves per thread and row); unrolling the loop by two over two buffers spilled ~110 bytes
+// under the 64-register cap.
 template <int NW, bool NORM>
 __device__ __forceinline__ void rmsnorm_nvfp4_rows_v6(const __nv_bfloat16* __restrict__ x,
                                                       const __nv_bfloat16* __restrict__ w, uint8_t* __restrict__ q,
@@ -1141,13 +1145,9 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_v6(const __nv_bfloat16* __res
         v5_stage_weight(w, v5_wsm, NCHUNKS);
         __syncthreads();
     }
-    for (int it = 0; row < rows; row += gridDim.x, ++it) {
-        uint4 cur[V5_CH];
-#pragma unroll
-        for (int k = 0; k < V5_CH; ++k) cur[k] = raw[k];
-        v6_nvfp4_row<NW, NORM>(x, v5_wsm, q, scales, gsa, rstd, rows, eps, row, cur, raw, red_ss[it & 1],
+    for (int it = 0; row < rows; row += gridDim.x, ++it)
+        v6_nvfp4_row<NW, NORM>(x, v5_wsm, q, scales, gsa, rstd, rows, eps, row, raw, red_ss[it & 1],
                                red_mx[it & 1]);
-    }
 }
 
 }  // namespace
