@@ -891,6 +891,292 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_v5(const _
 
 namespace {
 // ==== end of the v5 section ===================================================================================
+// ==== RMSNorm rows v6 NVFP4 (A/B candidate, session 6): v5 with fewer SASS instructions per element ==========
+// rmsnorm_nvfp4_bf16in_v6_w<NW> / quant_nvfp4_bf16in_v6_w<NW> (NW = D / 1024 = warps per CTA, 1..8; launcher
+// RowsPath::V6): the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v5 / quant_nvfp4_bf16in_v5 (same
+// channel ownership, same fp32 operations in the same order, same encoder decisions). What changes:
+//  * D is a compile-time constant (NW warps, D = 1024 NW, block 32 NW): the reads of the per-warp partials
+//    after each barrier become NW/4 LDS.128 and NW straight-line FADD / FMNMX in warp order (v5: a runtime loop
+//    over blockDim / 32 with an unroll-by-4 body and remainder branches, ~40 executed instructions per
+//    reduction); chunk addressing folds into immediates.
+//  * ss / D for D = 2^k (NW = 1, 2, 4, 8) is ss * 2^-k: both are the correctly rounded value of the same real
+//    ss / 2^k (2^-k is exact in f32, and subnormal results round the same way), so one FMUL replaces the IEEE
+//    division. Other D keep __fdiv_rn.
+//  * e2m1 codes by a 3-step binary search over the 7 sorted keys (v6_codes8_bsearch) instead of 7 compares +
+//    XOR parity: 10 instead of 12 integer operations per BF16 pair; same code bits (proof beside it).
+// Everything else (row loop, prefetch, weight staging, odd/even block ownership, block scale, threshold keys,
+// the non-finite fallback) is v5's code.
+
+// Codes of 8 values pk[p] = (y[p] lo, y[p + 4] hi), keys[i] = bf16_key_ru_x2(B_i) non-decreasing in i: the same
+// 32-bit word as e2m1_codes8_keys<true>(pk, keys). Identities:
+//  * Per 16-bit half, with A = pk | 0x80008000 and a key K <= 0x7F80 (0 < B <= +inf): bit 15 of (A - K) is
+//    [|y| bits >= K] and no borrow crosses into the high half (the low half of A - K is >= 0x8000 - 0x7F80 > 0),
+//    as in e2m1_codes8_keys.
+//  * The bits t_i = [a >= K_i] are a thermometer (K sorted), so their count c (the code magnitude, which
+//    e2m1_codes8_keys assembles as c2 = t_3, c1 = (t_1 & !t_3) | t_5, c0 = parity) is also found by binary
+//    search: c2 = t_3; c1 = [a >= (c2 ? K_5 : K_1)]; c0 = [a >= K_{4 c2 + 2 c1}]  (c >= 4 <=> t_3, and within the
+//    half chosen by c2 the same argument on two and then one key). Each half of a pair chooses its own keys:
+//    the per-half choice is a LOP3 select under a mask that prmt makes from bit 15 / 31 of the previous
+//    difference (selector 0xBB99: bytes 1, 1, 3, 3 sign-replicated -> 0x0000 or 0xFFFF per half).
+//  * The three difference words d3, d1, d0 then carry c2, c1, c0 in bits 15 and 31 exactly as the planes
+//    m2, m1, m0 of e2m1_codes8_keys (their other bits differ, and the placement reads only bits 15 / 31), so
+//    the prmt placement that follows is e2m1_codes8_keys<true>'s own.
+// Mirrored in reference.rs (packed_e2m1_mirror::codes8_bsearch) and compared with codes8 / codes8_prmt for
+// every BF16 bit pattern in each half against sorted key sets from a sweep of scales and random sorted keys.
+__device__ __forceinline__ uint32_t v6_codes8_bsearch(const uint32_t (&pk)[4], const uint32_t (&keys)[7]) {
+    uint32_t x[3][4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const uint32_t a = pk[p] | 0x80008000u;
+        const uint32_t d3 = a - keys[3];
+        const uint32_t m2 = prmt_b32(d3, 0u, 0xBB99u);
+        const uint32_t k1 = (keys[5] & m2) | (keys[1] & ~m2);
+        const uint32_t d1 = a - k1;
+        const uint32_t m1 = prmt_b32(d1, 0u, 0xBB99u);
+        const uint32_t khi = (keys[6] & m2) | (keys[2] & ~m2);  // c1 = 1: K_6 or K_2
+        const uint32_t klo = (keys[4] & m2) | (keys[0] & ~m2);  // c1 = 0: K_4 or K_0
+        const uint32_t d0 = a - ((khi & m1) | (klo & ~m1));
+        x[0][p] = d0; x[1][p] = d1; x[2][p] = d3;
+    }
+    uint32_t out = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t* xj = j < 3 ? x[j] : pk;
+        out |= (prmt_b32(xj[0], xj[2], 0xFBD9u) & (0x01010101u << j)) |
+               (prmt_b32(xj[1], xj[3], 0xFBD9u) & (0x10101010u << j));
+    }
+    return out;
+}
+
+// v5_block_sum / v5_block_max with the warp count NW known: the same tree, the same warp-order sum from 0.f.
+// red must be 16-byte aligned with at least 4 * ceil(NW / 4) floats (the buffers hold MAX_WARPS).
+template <int NW>
+__device__ __forceinline__ void v6_read_partials(const float* red, float (&r)[(NW + 3) / 4 * 4]) {
+#pragma unroll
+    for (int q = 0; q < (NW + 3) / 4; ++q) {
+        const float4 t = reinterpret_cast<const float4*>(red)[q];
+        r[4 * q] = t.x; r[4 * q + 1] = t.y; r[4 * q + 2] = t.z; r[4 * q + 3] = t.w;
+    }
+}
+
+template <int NW>
+__device__ __forceinline__ float v6_block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r[(NW + 3) / 4 * 4];
+    v6_read_partials<NW>(red, r);
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) s += r[w];
+    return s;
+}
+
+template <int NW>
+__device__ __forceinline__ float v6_block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r[(NW + 3) / 4 * 4];
+    v6_read_partials<NW>(red, r);
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) s = fmaxf(s, r[w]);
+    return s;
+}
+
+// v5_norm_pairs with D = 1024 NW, blockDim = 32 NW fixed.
+// Takes the row already unpacked to f32 (v6_nvfp4_row unpacks, then reuses the load registers for the next row).
+template <int NW, bool NORM>
+__device__ __forceinline__ void v6_norm_pairs(const float (&x)[V5_CH][8], const float4* wsm, float eps, float* red_ss,
+                                              float* rstd_out, uint32_t (&pk)[V5_CH][4]) {
+    constexpr int D = 1024 * NW, BD = 32 * NW, NCHUNKS = D / 8;
+    if (!NORM) {
+#pragma unroll
+        for (int k = 0; k < V5_CH; ++k)
+#pragma unroll
+            for (int p = 0; p < 4; ++p) pk[k][p] = pack_bf16x2(x[k][p], x[k][p + 4]);
+        return;
+    }
+    float ss = 0.f;  // v5's order: chunks k = 0..3, elements 0..7
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(x[k][e], x[k][e], ss);
+    ss = v6_block_sum<NW>(ss, red_ss);
+    // D = 2^k: ss * 2^-k is the IEEE ss / D (see the section header); 1.f / D is exact then.
+    constexpr bool POW2 = (NW & (NW - 1)) == 0;
+    const float mean = POW2 ? __fmul_rn(ss, 1.f / (float)D) : __fdiv_rn(ss, (float)D);
+    const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(mean, eps)));
+    if (threadIdx.x == 0 && rstd_out) *rstd_out = rstd;
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k) {
+        const int c = threadIdx.x + k * BD;
+        const float4 wa = wsm[c], wb = wsm[NCHUNKS + c];
+        const float wlo[4] = {wa.x, wa.y, wa.z, wa.w}, whi[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+            pk[k][p] = pack_bf16x2(__fmul_rn(wlo[p], __fmul_rn(x[k][p], rstd)),
+                                   __fmul_rn(whi[p], __fmul_rn(x[k][p + 4], rstd)));
+    }
+}
+
+// Non-finite scale (non-finite input): v4p's per-element search, v5_nvfp4_block's fallback. Not inlined: inline,
+// ptxas if-converted it into ~130 predicated FSETP / SEL per block that every block then issued.
+__device__ __noinline__ uint2 v6_codes16_nonfinite(uint32_t l0, uint32_t l1, uint32_t l2, uint32_t l3, uint32_t h0,
+                                                   uint32_t h1, uint32_t h2, uint32_t h3, float b0, float b1, float b2,
+                                                   float b3, float b4, float b5, float b6) {
+    // scalars, not arrays by reference: the call then needs no stack (references made ptxas store the arrays
+    // to local memory before the branch, on the hot path)
+    const uint32_t lo[4] = {l0, l1, l2, l3}, hi[4] = {h0, h1, h2, h3};
+    const E2m1Thresholds thr = {{b0, b1, b2, b3, b4, b5, b6}};
+    uint2 cw = make_uint2(0u, 0u);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        cw.x |= e2m1_code_thr(bf16_lo(lo[p]), thr) << (4 * p);
+        cw.x |= e2m1_code_thr(bf16_hi(lo[p]), thr) << (4 * (p + 4));
+        cw.y |= e2m1_code_thr(bf16_lo(hi[p]), thr) << (4 * p);
+        cw.y |= e2m1_code_thr(bf16_hi(hi[p]), thr) << (4 * (p + 4));
+    }
+    return cw;
+}
+
+// v5_nvfp4_block with the binary-search encoder.
+__device__ __forceinline__ uint8_t v6_nvfp4_block(const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t kb,
+                                                  float gs, uint2& cw) {
+    const float ab = __uint_as_float((kb & 0x7FFFu) << 16);
+    const uint8_t s = mm::nvfp4_block_scale(ab, gs);
+    const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+    cw = make_uint2(0u, 0u);
+    if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
+        const E2m1Thresholds thr = e2m1_thresholds_fma(scale);
+        if (scale < INFINITY) {
+            uint32_t keys[7];
+#pragma unroll
+            for (int i = 0; i < 7; ++i) keys[i] = bf16_key_ru_x2(thr.b[i]);
+            cw.x = v6_codes8_bsearch(lo, keys);
+            cw.y = v6_codes8_bsearch(hi, keys);
+        } else {
+            cw = v6_codes16_nonfinite(lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3], thr.b[0], thr.b[1],
+                                      thr.b[2], thr.b[3], thr.b[4], thr.b[5], thr.b[6]);
+        }
+    }
+    return s;
+}
+
+// One row of rmsnorm_nvfp4_rows_v6 (v5's loop body): unpacks row `row` from `raw` to f32, issues the loads of
+// row + gridDim.x into `raw` (in flight during this row), then normalizes and quantizes the row with the
+// reduction buffers of its parity.
+template <int NW, bool NORM>
+__device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x, const float4* wsm,
+                                             uint8_t* __restrict__ q, uint8_t* __restrict__ scales,
+                                             float* __restrict__ gsa, float* __restrict__ rstd, int rows, float eps,
+                                             long row, uint4 (&raw)[V5_CH], float* red_ss,
+                                             float* red_mx) {
+    constexpr int D = 1024 * NW, BD = 32 * NW;
+    const int tid = threadIdx.x;
+    const bool odd = (tid & 1) != 0;
+    float xf[V5_CH][8];
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k) {
+        xf[k][0] = bf16_lo(raw[k].x); xf[k][1] = bf16_hi(raw[k].x); xf[k][2] = bf16_lo(raw[k].y); xf[k][3] = bf16_hi(raw[k].y);
+        xf[k][4] = bf16_lo(raw[k].z); xf[k][5] = bf16_hi(raw[k].z); xf[k][6] = bf16_lo(raw[k].w); xf[k][7] = bf16_hi(raw[k].w);
+    }
+    // issued after the unpack, into the same registers: no copy (v5 moved 16 registers per row)
+    if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, raw);
+    uint32_t pk[V5_CH][4];
+    v6_norm_pairs<NW, NORM>(xf, wsm, eps, red_ss, rstd ? rstd + row : nullptr, pk);
+    uint32_t key[V5_CH];
+    uint32_t row_key = 0x8000u;
+#pragma unroll
+    for (int k = 0; k < V5_CH; ++k) {
+        const uint32_t m = max_u16x2(max_u16x2(pk[k][0] | 0x80008000u, pk[k][1] | 0x80008000u),
+                                     max_u16x2(pk[k][2] | 0x80008000u, pk[k][3] | 0x80008000u));
+        key[k] = max(m & 0xFFFFu, m >> 16);
+        row_key = max(row_key, key[k]);
+    }
+    const float amax_row = v6_block_max<NW>(__uint_as_float((row_key & 0x7FFFu) << 16), red_mx);
+    const float gs = mm::nvfp4_global_scale(amax_row);
+    if (tid == 0) gsa[row] = gs;
+    uint8_t* qrow = q + row * (D / 2);
+    uint8_t* srow = scales + row * (D / 16);
+#pragma unroll
+    for (int kp = 0; kp < V5_CH; kp += 2) {
+        // v5: even lane = block of chunk k = kp, odd lane = block of k = kp + 1 (halves swapped over xor 1)
+        uint32_t other[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) other[p] = __shfl_xor_sync(0xffffffffu, odd ? pk[kp][p] : pk[kp + 1][p], 1);
+        const uint32_t okey = __shfl_xor_sync(0xffffffffu, odd ? key[kp] : key[kp + 1], 1);
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            lo[p] = odd ? other[p] : pk[kp][p];
+            hi[p] = odd ? pk[kp + 1][p] : other[p];
+        }
+        const uint32_t kb = max(odd ? key[kp + 1] : key[kp], okey);
+        uint2 cw;
+        const uint8_t s = v6_nvfp4_block(lo, hi, kb, gs, cw);
+        const uint32_t blk = (uint32_t)(tid >> 1) + (uint32_t)(kp + (odd ? 1 : 0)) * (BD >> 1);  // unsigned: no
+        // sign extension to hoist (signed, ptxas kept 64-bit offsets live across the row and spilled them at NW = 7)
+        *reinterpret_cast<uint2*>(qrow + blk * 8) = cw;
+        srow[blk] = s;
+    }
+}
+
+// rmsnorm_nvfp4_rows_v5 with D = 1024 NW. Grid: one resident wave (or rows if fewer); block 32 NW; dynamic smem
+// D * 4 bytes (NORM). The row is unpacked to f32 before the next row's loads reuse its registers: v5 copied the
+// prefetch registers (16 moves per thread and row); unrolling the loop by two over two buffers spilled ~110 bytes
+// under the 64-register cap.
+template <int NW, bool NORM>
+__device__ __forceinline__ void rmsnorm_nvfp4_rows_v6(const __nv_bfloat16* __restrict__ x,
+                                                      const __nv_bfloat16* __restrict__ w, uint8_t* __restrict__ q,
+                                                      uint8_t* __restrict__ scales, float* __restrict__ gsa,
+                                                      float* __restrict__ rstd, int rows, float eps) {
+    constexpr int D = 1024 * NW, NCHUNKS = D / 8;
+    extern __shared__ float4 v5_wsm[];
+    __shared__ __align__(16) float red_ss[2][MAX_WARPS];
+    __shared__ __align__(16) float red_mx[2][MAX_WARPS];  // by row parity, as v5
+    uint4 raw[V5_CH];
+    long row = blockIdx.x;
+    if (row < rows) v5_load_row(x, row, D, raw);
+    if (NORM) {
+        v5_stage_weight(w, v5_wsm, NCHUNKS);
+        __syncthreads();
+    }
+    for (int it = 0; row < rows; row += gridDim.x, ++it)
+        v6_nvfp4_row<NW, NORM>(x, v5_wsm, q, scales, gsa, rstd, rows, eps, row, raw, red_ss[it & 1],
+                               red_mx[it & 1]);
+}
+
+}  // namespace
+
+// v6 entry points (launcher: rmsnorm_quant_with(.., RowsPath::V6), quantize_bf16_rows_v6): x [rows, 1024 NW]
+// BF16; block 32 NW; dynamic shared memory D * 4 bytes (quantize-only: 0). 64 registers: v5's cap (its
+// __launch_bounds__(1024)), so the same CTAs per SM (uncapped, ptxas took 72 at NW = 4: 7 instead of 8 CTAs).
+#define NQ_V6_ENTRIES(NW)                                                                                          \
+    extern "C" __global__ void __maxnreg__(64) rmsnorm_nvfp4_bf16in_v6_w##NW(                          \
+        const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd,      \
+        int rows, float eps) {                                                                                     \
+        rmsnorm_nvfp4_rows_v6<NW, true>(x, w, q, scales, gsa, rstd, rows, eps);                                    \
+    }                                                                                                              \
+    extern "C" __global__ void __maxnreg__(64) quant_nvfp4_bf16in_v6_w##NW(                            \
+        const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa, int rows) {                               \
+        rmsnorm_nvfp4_rows_v6<NW, false>(x, nullptr, q, scales, gsa, nullptr, rows, 0.f);                          \
+    }
+NQ_V6_ENTRIES(1)
+NQ_V6_ENTRIES(2)
+NQ_V6_ENTRIES(3)
+NQ_V6_ENTRIES(4)
+NQ_V6_ENTRIES(5)
+NQ_V6_ENTRIES(6)
+NQ_V6_ENTRIES(7)
+NQ_V6_ENTRIES(8)
+#undef NQ_V6_ENTRIES
+
+namespace {
+// ==== end of the v6 section ===================================================================================
 
 // ---- mHC -----------------------------------------------------------------------------------------------------
 

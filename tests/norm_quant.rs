@@ -2064,3 +2064,237 @@ fn gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         }
     }
 }
+
+// ---- the v6 NVFP4 row kernels (RowsPath::V6, session-6 A/B candidate) ------------------------------------------
+
+/// The v6 binary-search encoder (Rust mirror of v6_codes8_bsearch) gives the same code word as the v4p/v5 encoder
+/// (codes8 and its prmt placement) for EVERY 16-bit pattern in each half of a pair (both signs, subnormals, +-inf
+/// and NaN patterns), against (a) the sorted keys of a sweep of scales made as the kernel makes them, also
+/// checked against formats::e2m1 of the IEEE quotient for every non-NaN value, and (b) random non-decreasing key
+/// sets anywhere in the key domain [1, 0x7F80], with repeated keys and both ends.
+#[test]
+fn v6_bsearch_e2m1_encoder_equals_the_v5_encoder_for_every_bf16_pair() {
+    use megamoe::ops::norm_quant::reference::packed_e2m1_mirror as pm;
+    let seed = fresh_seed("v6_bsearch_e2m1_encoder_equals_the_v5_encoder_for_every_bf16_pair");
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut key_sets: Vec<([u32; 7], Option<f32>)> = Vec::new();
+    for code in (1u8..0x7F).step_by(3) {
+        for k in [-130i32, -20, 0, 100] {
+            let s = e4m3::decode(code) * 2f32.powi(k);
+            if s.is_finite() && s > 0.0 {
+                key_sets.push((pm::thresholds_fma(s).map(pm::key_ru_x2), Some(s)));
+            }
+        }
+    }
+    let ends = [
+        [1u32; 7],
+        [0x7F80; 7],
+        [1, 1, 1, 0x7F80, 0x7F80, 0x7F80, 0x7F80],
+    ];
+    for e in ends {
+        key_sets.push((e.map(|k| k | (k << 16)), None));
+    }
+    for _ in 0..120 {
+        let mut k: [u32; 7] = std::array::from_fn(|_| match next() % 8 {
+            0 => 1,
+            1 => 0x7F80,
+            _ => (next() % 0x7F80) as u32 + 1,
+        });
+        if next() % 3 == 0 {
+            k[(next() % 6) as usize + 1] = k[0]; // a repeated key
+        }
+        k.sort_unstable();
+        key_sets.push((k.map(|v| v | (v << 16)), None));
+    }
+    let mut checked = 0u64;
+    for (keys, scale) in &key_sets {
+        // all 65536 patterns in the low halves; the high halves get a permutation of them (odd multiplier)
+        for base in (0u32..0x1_0000).step_by(4) {
+            let pk: [u32; 4] = std::array::from_fn(|p| {
+                let lo = base + p as u32;
+                let hi = (lo.wrapping_mul(40503) ^ (next() as u32 & 0x8000)) & 0xFFFF;
+                lo | (hi << 16)
+            });
+            let want = pm::codes8(&pk, keys);
+            let got = pm::codes8_bsearch(&pk, keys);
+            assert_eq!(
+                got,
+                want,
+                "v6 bsearch vs v5 codes: pairs {pk:08x?}, keys {:04x?}, scale {scale:?} (seed {seed})",
+                keys.map(|k| k & 0xFFFF)
+            );
+            assert_eq!(
+                pm::codes8_prmt(&pk, keys),
+                want,
+                "v5 placements disagree (seed {seed})"
+            );
+            if let Some(s) = scale {
+                for (e, half) in (0..8).map(|e| (e, (pk[e & 3] >> (16 * (e >> 2))) & 0xFFFF)) {
+                    if half & 0x7FFF > 0x7F80 {
+                        continue; // NaN: no reference code
+                    }
+                    let y = f32::from_bits(half << 16);
+                    let have = ((got >> (4 * e)) & 0xF) as u8;
+                    assert_eq!(
+                        have,
+                        e2m1::encode_rne(y / s),
+                        "v6 code of y {y:e} at scale {s:e} (seed {seed})"
+                    );
+                }
+            }
+            checked += 8;
+        }
+    }
+    eprintln!(
+        "v6 bsearch encoder: {checked} codes equal to the v5 encoder ({} key sets)",
+        key_sets.len()
+    );
+}
+
+/// check_v6: NVFP4 only, D a multiple of 1024 up to V6_MAX_D; clear errors otherwise.
+#[test]
+fn v6_launcher_rules() {
+    assert_eq!(nq::V6_MAX_D, 8192);
+    for d in (1024..=nq::V6_MAX_D).step_by(1024) {
+        nq::check_v6(5, d, OutFormat::Nvfp4).unwrap();
+    }
+    let err = |rows, d, f| nq::check_v6(rows, d, f).unwrap_err().to_string();
+    assert!(err(5, 4096, OutFormat::Fp8).contains("nvfp4"));
+    assert!(err(5, 4096 + 128, OutFormat::Nvfp4).contains("multiple of 1024"));
+    assert!(err(5, 9216, OutFormat::Nvfp4).contains("above 8192"));
+    assert!(nq::check_v6(0, 4096, OutFormat::Nvfp4).is_err());
+}
+
+/// RowsPath::V6 (rmsnorm_nvfp4_bf16in_v6_w<D/1024>) bit for bit against RowsPath::V5 (the default kernel from
+/// 4096 rows) and rmsnorm_quant as called, every row (codes, block scales, global scales, rstd; outputs poisoned
+/// before each run), on v5_rows (random rows with all-zero, 2^40-, 2^-40- and 2^100-scaled rows and every 5th row
+/// at exact e2m1 decision points), D = 4096 and 7168 (NW = 4: ss / D as a multiply; NW = 7: the division),
+/// rows 4096, 4097 (one CTA gets one extra row), 8191, and 2048 at D = 1024 / 3072 / 8192 (NW = 1, 3, 8), plus
+/// the CPU reference on random rows among the first 300 and the last 64.
+#[test]
+fn gpu_v6_nvfp4_rows_equal_v5_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_v6_nvfp4_rows_equal_v5_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_v6_nvfp4_rows_equal_v5_bitwise");
+    let cases: &[(usize, &[usize])] = &[
+        (4096, &[4096, 4097, 8191]),
+        (7168, &[4096, 4097, 8191]),
+        (1024, &[2048]),
+        (3072, &[2048]),
+        (8192, &[2048]),
+    ];
+    let format = OutFormat::Nvfp4;
+    for &(d, rows_list) in cases {
+        let w = nq::random_weight(d, seed ^ d as u64 ^ 0x6);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        for &rows in rows_list {
+            let x = v5_rows(rows, d, seed ^ (rows as u64 * 977 + d as u64));
+            let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
+            let label = format!("nvfp4 v6 {rows}x{d}, seed {seed}");
+            let run = |path: Option<nq::RowsPath>| {
+                let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                match path {
+                    Some(p) => nq::rmsnorm_quant_with(
+                        &gpu,
+                        RowsIn::Bf16(&dx),
+                        &dw,
+                        r::RMS_EPS,
+                        &mut out,
+                        p,
+                    ),
+                    None => nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out),
+                }
+                .unwrap();
+                out.download(&gpu).unwrap()
+            };
+            let got = run(Some(nq::RowsPath::V6));
+            assert_same_rows(
+                &format!("V6 vs V5 {label}"),
+                &got,
+                &run(Some(nq::RowsPath::V5)),
+                d,
+            );
+            assert_same_rows(&format!("V6 vs rmsnorm_quant {label}"), &got, &run(None), d);
+            let mut checked = 0;
+            for row in (0..rows.min(300)).chain(rows.saturating_sub(64).max(300)..rows) {
+                if row % 5 == 0 || (1..=4).contains(&row) {
+                    continue;
+                }
+                check_norm_outputs(
+                    &format!("V6 {label} row {row}"),
+                    &x[row * d..(row + 1) * d],
+                    &w,
+                    1,
+                    d,
+                    format,
+                    &one_row(&got, row, d),
+                );
+                checked += 1;
+            }
+            eprintln!("{label}: V6, V5 and rmsnorm_quant bit-identical; {checked} rows exact vs the CPU reference");
+        }
+    }
+}
+
+/// The v6 encoder on the GPU (quant_nvfp4_bf16in_v6_w<D/1024>) at exact e2m1 decision points (ties included,
+/// boundary_rows), bit for bit against the CPU reference and the v5 quantize-only kernel; rows 64 and 2000.
+#[test]
+fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
+    let Some(gpu) = gpu_for_test("gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries");
+    for d in [4096usize, 7168] {
+        for rows in [64usize, 2000] {
+            let y = boundary_rows(rows, d, seed ^ (d as u64 * 3 + rows as u64));
+            assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
+            let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
+            let label = format!("v6 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+            let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
+            let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::quantize_bf16_rows_v6(&gpu, &dy, &mut out).unwrap();
+            let got = out.download(&gpu).unwrap();
+            assert_same_nvfp4(&label, &got.q, &want, d);
+            let mut v5 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+            nq::quantize_bf16_rows_v5(&gpu, &dy, &mut v5).unwrap();
+            assert_same_nvfp4(
+                &format!("{label} (vs v5)"),
+                &got.q,
+                &v5.download(&gpu).unwrap().q,
+                d,
+            );
+            eprintln!("{label}: v6, v5 and the CPU reference bit-identical");
+        }
+        // non-finite input (the noinline per-element fallback of a non-finite block scale): v6 vs v5 only
+        // (NaN codes are not defined by the reference); +-inf and NaN spliced into random rows
+        let rows = 64;
+        let mut y = nq::random_rows(rows, d, seed ^ 0x1f ^ d as u64);
+        for (row, v) in [
+            (3usize, f32::INFINITY),
+            (9, f32::NEG_INFINITY),
+            (17, f32::NAN),
+        ] {
+            y[row * d + (row * 37) % d] = v;
+        }
+        let dy = gpu.upload(&bf16::to_bf16_vec(&y)).unwrap(); // upload_checked_bf16 refuses non-finite values
+        let label = format!("v6 quant->nvfp4 non-finite rows {rows}x{d}, seed {seed}");
+        let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows_v6(&gpu, &dy, &mut out).unwrap();
+        let mut v5 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
+        nq::quantize_bf16_rows_v5(&gpu, &dy, &mut v5).unwrap();
+        assert_same_nvfp4(
+            &label,
+            &out.download(&gpu).unwrap().q,
+            &v5.download(&gpu).unwrap().q,
+            d,
+        );
+        eprintln!("{label}: v6 and v5 bit-identical");
+    }
+}

@@ -354,6 +354,11 @@ pub enum RowsPath {
     /// weight staged once per CTA in shared memory (as f32), one thread per 16-block for NVFP4, a
     /// division-free ue8m0 scale for FP8. BF16 in, NVFP4 and FP8 only, `d` a multiple of [`V5_D_MULTIPLE`].
     V5,
+    /// Session-6 A/B candidate, BF16 -> NVFP4 only: `rmsnorm_nvfp4_bf16in_v6_w<d / 1024>`, the v5 NVFP4 kernel
+    /// with D fixed at compile time (straight-line reads of the reduction partials), ss / D as a multiply for
+    /// D = 2^k, and a binary-search e2m1 encoder (fewer SASS instructions per element; same bits). `d` a
+    /// multiple of 1024 up to [`V6_MAX_D`]. Not taken by [`rows_path`].
+    V6,
 }
 
 /// Largest D the v4p BF16 -> NVFP4 row kernels launch at: they run roundup32(D / 32) threads held to 80
@@ -575,6 +580,7 @@ pub fn rmsnorm_quant_with(
         }
         RowsPath::V4 => rmsnorm_quant_per_row_kernel(gpu, x, w, eps, out),
         RowsPath::V5 => rmsnorm_quant_v5(gpu, x, w, eps, out),
+        RowsPath::V6 => rmsnorm_quant_v6(gpu, x, w, eps, out),
     }
 }
 
@@ -606,6 +612,86 @@ fn rmsnorm_quant_v5(
     out.q.push_launch_args(&mut b); // NVFP4 or FP8: check_v5 rejected BF16 above
     b.arg(&mut out.rstd).arg(&rows_i).arg(&d_i).arg(&eps);
     drv(unsafe { b.launch(cfg) }, name)?;
+    Ok(())
+}
+
+// ---- the v6 NVFP4 row kernels (RowsPath::V6, session-6 A/B candidate) -------------------------------------------
+
+/// Largest D of the v6 kernels: one entry point per warp count d / 1024 = 1..=8 (DSV4: 4096 and 7168).
+pub const V6_MAX_D: usize = 8 * V5_D_MULTIPLE;
+
+/// Shape / format rules of the v6 kernels (checked before any launch): v5's, NVFP4 output, `d` <= [`V6_MAX_D`].
+pub fn check_v6(rows: usize, d: usize, format: OutFormat) -> Result<()> {
+    check_v5(rows, d, format)?;
+    if format != OutFormat::Nvfp4 {
+        bail!("norm_quant v6: output format must be nvfp4 (v6 is the NVFP4 kernel only)");
+    }
+    if d > V6_MAX_D {
+        bail!("norm_quant v6: hidden size {d} is above {V6_MAX_D} (entry points exist for d / 1024 = 1..=8)");
+    }
+    Ok(())
+}
+
+/// Entry point of the v6 kernel for `d` (`prefix` = `rmsnorm_nvfp4_bf16in` or `quant_nvfp4_bf16in`).
+fn v6_entry(prefix: &str, d: usize) -> String {
+    format!("{prefix}_v6_w{}", d / V5_D_MULTIPLE)
+}
+
+fn rmsnorm_quant_v6(
+    gpu: &Gpu,
+    x: RowsIn<'_>,
+    w: &CudaSlice<bf16>,
+    eps: f32,
+    out: &mut NormOutputs,
+) -> Result<()> {
+    check_rmsnorm_args(&x, w, eps, out)?;
+    let (rows, d) = (out.rows, out.d);
+    check_v6(rows, d, out.format)?;
+    let RowsIn::Bf16(xs) = x else {
+        bail!("norm_quant v6: the input must be BF16");
+    };
+    let name = v6_entry("rmsnorm_nvfp4_bf16in", d);
+    let smem = d * 4; // the weight as f32
+    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
+    let threads = v5_block_threads(d);
+    let grid = resident_wave_grid(gpu, &f, threads, smem, rows, &name)?;
+    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), smem as u32);
+    let rows_i = rows as i32;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(xs).arg(w);
+    out.q.push_launch_args(&mut b); // NVFP4: data, scales, global scales
+    b.arg(&mut out.rstd).arg(&rows_i).arg(&eps);
+    drv(unsafe { b.launch(cfg) }, &name)?;
+    Ok(())
+}
+
+/// Quantize-only v6 NVFP4 (`quant_nvfp4_bf16in_v6_w<d / 1024>`): BF16 rows `y` -> NVFP4, the same bits as
+/// [`quantize_bf16_rows_v5`]; tests the v6 encoder at exact e2m1 decision points. `out.rstd` untouched.
+pub fn quantize_bf16_rows_v6(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_v6(rows, d, out.format)?;
+    check_len("y", y.len(), rows * d)?;
+    let name = v6_entry("quant_nvfp4_bf16in", d);
+    let QuantBufs::Nvfp4 {
+        data,
+        scales,
+        global_scale,
+    } = &mut out.q
+    else {
+        bail!("{name}: the output format must be nvfp4");
+    };
+    let threads = v5_block_threads(d);
+    let f = gpu.function(FAMILY, &name)?;
+    let grid = resident_wave_grid(gpu, &f, threads, 0, rows, &name)?;
+    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
+    let rows_i = rows as i32;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(y)
+        .arg(data)
+        .arg(scales)
+        .arg(global_scale)
+        .arg(&rows_i);
+    drv(unsafe { b.launch(cfg) }, &name)?;
     Ok(())
 }
 
@@ -1285,8 +1371,10 @@ pub struct BenchPoint {
 /// (device-to-device copy of the same number of bytes, the bandwidth reference). Removed candidates (see
 /// kernels/norm_quant.cu): session 3 fused_v4_nvfp4, fused_v4_fp8, fused_v4p_nvfp4 (v4p became fused_nvfp4);
 /// session 4 fused_nvfp4_v5 / fused_fp8_v5 (became fused_* from 4096 rows) and fused_fp8_v5r (lost).
+/// Session-6 A/B candidate: `fused_nvfp4_v6` ([`RowsPath::V6`] forced; its baseline column is `fused_nvfp4`).
 pub const ROW_VARIANTS: &[&str] = &[
     "fused_nvfp4",
+    "fused_nvfp4_v6",
     "unfused_nvfp4",
     "fused_fp8",
     "unfused_fp8",
@@ -1320,6 +1408,15 @@ pub fn bench_rows(
         samples_us: samples,
         baseline,
     };
+    if variant == "fused_nvfp4_v6" {
+        // session-6 A/B candidate: RowsPath::V6 forced, raced against fused_nvfp4 (the default, v5 here)
+        let mut out = NormOutputs::alloc_poisoned(gpu, OutFormat::Nvfp4, rows, d)?;
+        let s = gpu.time_us(plan, || {
+            rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, RowsPath::V6)
+        })?;
+        let bytes = in_bytes + (rows * (OutFormat::Nvfp4.row_bytes(d) + 4)) as u64;
+        return Ok(point(bytes, s, Some("fused_nvfp4".to_string())));
+    }
     match kind {
         "copy" => {
             let mut dst = gpu.zeros::<bf16>(rows * d)?;

@@ -225,6 +225,33 @@ pub mod packed_e2m1_mirror {
         })
     }
 
+    /// `v6_codes8_bsearch` of the .cu (the v6 kernels' encoder): per pair, a 3-step binary search over the
+    /// sorted keys with per-half LOP3 selects under prmt masks; the difference words carry the code bits in
+    /// bits 15 / 31 like the planes of [`codes8_prmt`], whose placement follows. Same word as [`codes8`] when
+    /// `keys` is non-decreasing in each half and every key is at most 0x7F80 (tests/norm_quant.rs).
+    pub fn codes8_bsearch(pk: &[u32; 4], keys: &[u32; 7]) -> u32 {
+        let sel = |m: u32, a: u32, b: u32| (a & m) | (b & !m);
+        let mut planes = [[0u32; 4]; 4];
+        for (p, &pair) in pk.iter().enumerate() {
+            let a = pair | 0x8000_8000;
+            let d3 = a.wrapping_sub(keys[3]);
+            let m2 = prmt_b32(d3, 0, 0xBB99);
+            let d1 = a.wrapping_sub(sel(m2, keys[5], keys[1]));
+            let m1 = prmt_b32(d1, 0, 0xBB99);
+            let khi = sel(m2, keys[6], keys[2]);
+            let klo = sel(m2, keys[4], keys[0]);
+            let d0 = a.wrapping_sub(sel(m1, khi, klo));
+            planes[0][p] = d0;
+            planes[1][p] = d1;
+            planes[2][p] = d3;
+            planes[3][p] = pair;
+        }
+        planes.iter().enumerate().fold(0u32, |out, (j, x)| {
+            out | (prmt_b32(x[0], x[2], 0xFBD9) & (0x0101_0101 << j))
+                | (prmt_b32(x[1], x[3], 0xFBD9) & (0x1010_1010 << j))
+        })
+    }
+
     /// `max.u16x2` of the .cu.
     pub fn max_u16x2(a: u32, b: u32) -> u32 {
         (a & 0xFFFF).max(b & 0xFFFF) | (a >> 16).max(b >> 16) << 16
