@@ -6,13 +6,13 @@
 //     v6" below; default since session 6). The session-5 default indexer_logits_fp8w3_n1 / _n2 (double-buffered
 //     cp.async rounds of 3 key tiles, "FP8 logits v5") stays as the bit-identical `Fp8LogitsKernel::CpAsyncRounds`.
 //     MXFP4 keys: the e4m3 mma.sync kernels indexer_logits_mxfp4_n1 / _n2 ("Logits" below).
-//   Top-k, rows of <= TOPK_ONE_CTA_MAX_N entries: indexer_topk_one_cta ("Top-k in ONE launch", session 6).
-//   Longer rows, the three-launch chain: indexer_topk2_hist (4096-bin histogram of the top 12 key bits) ->
+//   Top-k, three launches: indexer_topk2_hist (4096-bin histogram of the top 12 key bits) ->
 //     indexer_topk5_select_agg (threshold select, many CTAs per row, one slot atomic per counter per CTA) ->
 //     indexer_topk4_final_mcta (exact final pass, 8..32 CTAs per row ranking by counting, one-CTA radix select +
-//     bitonic sort fallback for threshold buckets above 4096 entries). See "Top-k v2" (pass 1 and the threshold
-//     rule), "Top-k v4", "Top-k pass 2 with CTA-aggregated slot allocation"; the shared radix select / bitonic
-//     helpers are under "Top-k". The chain also has PDL entry points ("Top-k PDL entry points").
+//     bitonic sort fallback for threshold buckets above 4096 entries). For k <= 512 the same bodies through their
+//     PDL entry points (*_pdl, "Top-k PDL entry points"; default for k <= 512 since session 6). See "Top-k v2"
+//     (pass 1 and the threshold rule), "Top-k v4", "Top-k pass 2 with CTA-aggregated slot allocation"; the shared
+//     radix select / bitonic helpers are under "Top-k".
 // History (H200, median us, FP8, k 512 unless said):
 // Session 4 A/B (results/h200/session4-ab/indexer.csv): removed FP8 logits v2 (indexer_logits_fp8h_n1/_n2, f16
 //   HMMA) and the 2-CTA wgmma config (indexer_logits_fp8w_n1/_n2): logits 1M b1 v2 23.6 / 2-CTA 22.7 / 3-CTA 20.3;
@@ -25,6 +25,18 @@
 //   point: top-k 1M b1 17.4 (default) vs 23.3 / 21.5 (8 / 16 CTAs), 4K b1 16.9 vs 18.7 / 19.9, b64 @ 64K 26.5 vs
 //   81.7, k 2048 b3 @ 1M 23.0 vs 45.1 / 33.6. The default's ~16-17 us is nearly the same from 4K to 1M context:
 //   fixed cost per launch chain, which one big cluster launch did not remove.
+// Session 6 A/B (commit 79c9c8c, results/h200/session6-ab/indexer.csv; removed): top-k in ONE launch, one
+//   1024-thread CTA per row (indexer_topk_one_cta[_pdl]: shared-memory 12-bit histogram, threshold scan, ballot
+//   collect, block_select inside the threshold bucket, bitonic sort_and_write; no global scratch; bit-identical,
+//   all GPU tests and 51,530 stress cases passed) lost at every point but one: top-k b1 4K 18.5 vs chain 15.3,
+//   64K 22.5 vs 16.8, 256K 36.5 vs 16.6, 1M (forced) 88.5 vs 17.2; graph 4K 18.5 vs 14.0; k 2048 b3 @ 8K 33.9 vs
+//   19.8; whole call 64K b16 40.3 vs 36.0, b64 69.9 vs 74.0 (its one win). ~12 us of device time even at 1,024
+//   scores: ~100 dependent barrier / shared-memory steps (8 radix passes of block_select, 46 bitonic stages) on one
+//   SM, against the chain's three launches of which the rank-by-counting pass spreads over 8-32 CTAs. Same lesson
+//   as the session-5 cluster top-k: the fixed cost is serial latency inside one SM, not the launch count.
+//   The same run raced the chain through PDL (`fused_pdl`): it won at every k = 512 point (b1 4K 20.1 -> 16.6,
+//   1M 32.5 -> 28.6; b16 @ 64K 36.0 -> 34.0; b64 74.0 -> 68.5; next_n 2 b16 @ 1M 245.6 -> 241.9) and lost at k 1024
+//   from batch 16 at 1M (top-k 42.9 -> 52.9): the PDL chain is the default for k <= 512.
 // Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
 // indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
 // top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1
@@ -1316,233 +1328,6 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_a
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
     topk5_select_body<true>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
-}
-
-// ------------------------------------------------------------------------------------------------------------
-// Top-k in ONE launch, one CTA per row (indexer_topk_one_cta; session 6). The default top-k for calls whose
-// longest row has at most TOPK_ONE_CTA_MAX_N entries (src/ops/indexer/mod.rs), `TopkPath::OneCta` forces it.
-// Why: the three-launch chain (hist -> select -> final) costs ~14-17 us at EVERY context from 4K to 1M (session-5
-//   A/B: 16.1 us at 64K b1, 18.7 us at 64K b16, 14.5 in graph replay), i.e. three launch ramps and dependent
-//   global round trips (atomics on hist / counters, above / bucket written and read back), not bytes: a row of
-//   16,384 scores is 64 KB, which one SM reads from L2 in well under a microsecond. One CTA per row needs no
-//   global scratch, no atomics outside shared memory and no second launch.
-// Algorithm (kk = min(k, n) >= 1; the same threshold rule as the chain, then the chain's fallback helpers):
-//   1. Histogram of bin = order_key(score) >> 20 (top 12 bits) in shared memory over the whole row, T1_PER_THREAD
-//      loads in flight per thread per chunk of T1_CHUNK entries.
-//   2. Threshold bin B: the unique bin with excl(B) < kk <= incl(B), counting from the top bin down (thread t owns
-//      bins 4095-4t .. 4092-4t; warp scan + a sum over the preceding warps' totals). a = excl(B) entries are
-//      above B (all selected), rem = kk - a (1 <= rem <= nb = hist[B]) are picked from bin B.
-//   3. Collect pass (re-reads the row unless it fit in one chunk, whose values are still in registers): bin > B
-//      -> A[0..a), bin == B -> Bk[0..nb) when nb <= T1_BUCKET_CAP; slots by warp ballot + one shared atomic per
-//      (warp, step).
-//   4. rem == nb: the whole bucket is chosen (copied after A). Else block_select / block_collect ("Top-k") over the
-//      bucket's composites in shared memory pick its rem largest into A[a..kk). Heavy ties (nb > T1_BUCKET_CAP,
-//      e.g. an all-equal row) instead run block_select / block_collect over the whole row's composites read from
-//      global memory, which picks the kk largest directly (A rewritten from 0).
-//   5. sort_and_write: bitonic sort of A[0..kk) (descending composites = score desc, index asc) and the row write,
-//      -1 / -inf after kk.
-//   Exactness: as the chain's argument ("Top-k v2" pass 3): bin is a monotone function of the composite's top 12
-//   bits, so "every entry above B plus the rem largest composites of B" is exactly the kk largest composites; the
-//   composites are unique (low word ~index), so the order is total and the output equals the reference's.
-// Shared memory (dynamic, 48 KB): A = T1_SORT_SLOTS u64 (kpad <= TOPK_MAX_K), Bk = T1_BUCKET_CAP u64; the 4096-bin
-//   histogram (16 KB) aliases Bk: it is dead once every thread has read hist[B] (a barrier before the collect
-//   pass writes Bk).
-// Deadlock freedom: one CTA per row; the chunk loops have a block-uniform trip count (n is the row's) and no
-//   barrier inside; ballots run over compile-time trip counts inside them (warp-uniform); every other barrier is
-//   in straight-line code after block-uniform branches (kk == 0; rem == nb; nb > cap) or inside the "Top-k"
-//   helpers, called under block-uniform conditions (argument under "Top-k").
-// ------------------------------------------------------------------------------------------------------------
-namespace {
-
-constexpr int T1_THREADS = 1024;
-constexpr int T1_PER_THREAD = 16;
-constexpr int T1_CHUNK = T1_THREADS * T1_PER_THREAD;  // 16,384 entries (64K context at m = 4) per chunk
-constexpr int T1_BUCKET_CAP = 4096;
-constexpr int T1_SORT_SLOTS = TOPK_MAX_K;
-static_assert(T1_THREADS * 4 == TK2_BINS, "the threshold scan gives each thread 4 bins (one uint4)");
-static_assert(T1_BUCKET_CAP * 8 >= TK2_BINS * 4, "the histogram aliases the bucket buffer");
-
-struct SharedCompSrc {
-    const uint64_t* comps;
-    __device__ __forceinline__ uint64_t comp(int i) const { return comps[i]; }
-};
-
-// The composites of a row of scores, computed on the fly (the heavy-tie fallback).
-struct RowScoreCompSrc {
-    const float* scores;
-    __device__ __forceinline__ uint64_t comp(int i) const { return composite(order_key(scores[i]), (uint32_t)i); }
-};
-
-__device__ __forceinline__ void t1_load_chunk(const float* __restrict__ src, int base, int n, float v[T1_PER_THREAD]) {
-#pragma unroll
-    for (int r = 0; r < T1_PER_THREAD; ++r) {  // all loads first: T1_PER_THREAD in flight per thread
-        const int i = base + r * T1_THREADS + (int)threadIdx.x;
-        v[r] = i < n ? src[i] : 0.f;
-    }
-}
-
-__device__ __forceinline__ void t1_hist_chunk(const float v[T1_PER_THREAD], int base, int n, uint32_t* h) {
-#pragma unroll
-    for (int r = 0; r < T1_PER_THREAD; ++r) {
-        const int i = base + r * T1_THREADS + (int)threadIdx.x;
-        if (i < n) atomicAdd(&h[order_key(v[r]) >> TK2_SHIFT], 1u);
-    }
-}
-
-// Append one warp's ballot of selected entries at dst[*count ...]: one shared atomic per warp, lanes in order.
-__device__ __forceinline__ void t1_append(bool sel, uint64_t c, uint64_t* dst, uint32_t* count, int lane) {
-    const unsigned ballot = __ballot_sync(FULL, sel);
-    if (ballot == 0) return;  // warp-uniform
-    uint32_t wbase = 0;
-    if (lane == 0) wbase = atomicAdd(count, (uint32_t)__popc(ballot));
-    wbase = __shfl_sync(FULL, wbase, 0);
-    if (sel) dst[wbase + __popc(ballot & ((1u << lane) - 1u))] = c;
-}
-
-__device__ __forceinline__ void t1_collect_chunk(const float v[T1_PER_THREAD], int base, int n, uint32_t B,
-                                                 bool keep_bucket, uint64_t* A, uint64_t* Bk, uint32_t* n_above,
-                                                 uint32_t* n_bucket, int lane) {
-#pragma unroll
-    for (int r = 0; r < T1_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
-        const int i = base + r * T1_THREADS + (int)threadIdx.x;
-        const uint32_t key = order_key(v[r]);
-        const uint32_t bin = key >> TK2_SHIFT;
-        const uint64_t c = composite(key, (uint32_t)i);
-        t1_append(i < n && bin > B, c, A, n_above, lane);
-        t1_append(keep_bucket && i < n && bin == B, c, Bk, n_bucket, lane);
-    }
-}
-
-}  // namespace
-
-namespace {
-// Body of indexer_topk_one_cta (PDL = false) and indexer_topk_one_cta_pdl. PDL: launched with programmatic stream
-// serialization behind the logits, the CTA waits (griddepcontrol.wait: the previous grid completed and its
-// writes are visible) before its first global access, so the scores it reads are final (the protocol of "Top-k
-// PDL entry points"); it does not trigger dependents, so its successor starts after it completes.
-template <bool PDL>
-__device__ __forceinline__ void topk_one_cta_body(const float* __restrict__ scores, int score_stride,
-                                                  const int* __restrict__ num_valid, int k, int* __restrict__ out_idx,
-                                                  float* __restrict__ out_score) {
-    extern __shared__ __align__(16) uint8_t smem_raw[];
-    uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // chosen composites; the sort buffer
-    uint64_t* const Bk = A + T1_SORT_SLOTS;                      // threshold-bucket composites
-    uint32_t* const h = reinterpret_cast<uint32_t*>(Bk);         // histogram, dead before Bk is written
-    __shared__ SelectShared sh;
-    __shared__ uint32_t warp_tot[T1_THREADS / 32];
-    __shared__ uint32_t thr_bin, thr_excl, n_above, n_bucket;
-    if (PDL) topk_pdl_wait();  // before any global access and any return
-    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int n = row_valid(num_valid, row, score_stride);
-    const int kk = min(k, n);
-    int* const oi = out_idx + (size_t)row * k;
-    float* const os = out_score + (size_t)row * k;
-    if (kk <= 0) {  // block-uniform, before any barrier
-        for (int j = tid; j < k; j += T1_THREADS) {
-            oi[j] = -1;
-            os[j] = -INFINITY;
-        }
-        return;
-    }
-    const float* src = scores + (size_t)row * score_stride;
-
-    // 1. Histogram. The first chunk's loads are issued before the zeroing so their latency overlaps it.
-    float v[T1_PER_THREAD];
-    t1_load_chunk(src, 0, n, v);
-    for (int i = tid; i < TK2_BINS; i += T1_THREADS) h[i] = 0;
-    if (tid == 0) {
-        n_above = 0;
-        n_bucket = 0;
-    }
-    __syncthreads();  // h zeroed
-    t1_hist_chunk(v, 0, n, h);
-    for (int base = T1_CHUNK; base < n; base += T1_CHUNK) {  // block-uniform trip count, no barrier inside
-        t1_load_chunk(src, base, n, v);
-        t1_hist_chunk(v, base, n, h);
-    }
-    __syncthreads();
-
-    // 2. Threshold bin (the bins of thread t, from the top: 4095 - 4t, ..., 4092 - 4t).
-    const uint4 g = reinterpret_cast<const uint4*>(h)[TK2_BINS / 4 - 1 - tid];
-    const uint32_t c[4] = {g.w, g.z, g.y, g.x};
-    const uint32_t own = c[0] + c[1] + c[2] + c[3];
-    uint32_t incl = own;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t y = __shfl_up_sync(FULL, incl, o);
-        if (lane >= o) incl += y;
-    }
-    if (lane == 31) warp_tot[warp] = incl;
-    __syncthreads();
-    for (int w2 = 0; w2 < warp; ++w2) incl += warp_tot[w2];  // no barrier inside
-    const uint32_t excl = incl - own;
-    if (excl < (uint32_t)kk && incl >= (uint32_t)kk) {  // exactly one thread: the counts sum to n >= kk
-        uint32_t run = excl;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (run < (uint32_t)kk && run + c[j] >= (uint32_t)kk) {
-                thr_bin = (uint32_t)(TK2_BINS - 1 - (4 * tid + j));
-                thr_excl = run;
-            }
-            run += c[j];
-        }
-    }
-    __syncthreads();
-    const uint32_t B = thr_bin;
-    const int a = (int)thr_excl;                    // < kk
-    const int nb = (int)h[B];                       // >= kk - a
-    const int rem = kk - a;                         // 1 <= rem <= nb
-    const bool keep_bucket = nb <= T1_BUCKET_CAP;   // block-uniform
-    __syncthreads();  // every thread has read h[B]: Bk (aliasing h) may be written from here on
-
-    // 3. Collect: the values of a one-chunk row are still in registers.
-    if (n > T1_CHUNK) t1_load_chunk(src, 0, n, v);  // block-uniform
-    t1_collect_chunk(v, 0, n, B, keep_bucket, A, Bk, &n_above, &n_bucket, lane);
-    for (int base = T1_CHUNK; base < n; base += T1_CHUNK) {  // block-uniform trip count, no barrier inside
-        t1_load_chunk(src, base, n, v);
-        t1_collect_chunk(v, base, n, B, keep_bucket, A, Bk, &n_above, &n_bucket, lane);
-    }
-    __syncthreads();  // A[0..a) and Bk[0..nb) written
-
-    // 4. The rem entries of bucket B.
-    if (!keep_bucket) {  // heavy ties: the kk largest composites of the whole row, straight from the scores
-        uint64_t prefix = 0;
-        int shift = 64;
-        const RowScoreCompSrc rsrc{src};
-        block_select(rsrc, n, kk, sh, prefix, shift);
-        block_collect(rsrc, n, false, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) {  // kk <= 2048 < nb <= n
-            if ((int)pos < kk) A[pos] = cc;
-        });
-    } else if (rem == nb) {
-        for (int i = tid; i < nb; i += T1_THREADS) A[a + i] = Bk[i];
-    } else {
-        uint64_t prefix = 0;
-        int shift = 64;
-        const SharedCompSrc bsrc{Bk};
-        block_select(bsrc, nb, rem, sh, prefix, shift);
-        block_collect(bsrc, nb, false, prefix, shift, sh, [&](uint32_t pos, uint64_t cc) {
-            if ((int)pos < rem) A[a + pos] = cc;
-        });
-    }
-    // 5. Sort and write (sort_and_write's first barrier orders the writes to A above before its reads).
-    sort_and_write(A, kk, k, oi, os);
-}
-}  // namespace
-
-// grid (rows), block T1_THREADS, dynamic smem 8 * (T1_SORT_SLOTS + T1_BUCKET_CAP). Writes out_idx / out_score
-// [rows][k]; reads nothing but num_valid and the scores (no scratch, no reset protocol).
-extern "C" __global__ void __launch_bounds__(T1_THREADS, 1) indexer_topk_one_cta(const float* __restrict__ scores,
-                                                                                int score_stride,
-                                                                                const int* __restrict__ num_valid,
-                                                                                int k, int* __restrict__ out_idx,
-                                                                                float* __restrict__ out_score) {
-    topk_one_cta_body<false>(scores, score_stride, num_valid, k, out_idx, out_score);
-}
-// indexer_topk_one_cta for a PDL launch (`TopkPath::OneCtaPdl`, session-6 A/B). Same launch shape and smem.
-extern "C" __global__ void __launch_bounds__(T1_THREADS, 1) indexer_topk_one_cta_pdl(
-    const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
-    int* __restrict__ out_idx, float* __restrict__ out_score) {
-    topk_one_cta_body<true>(scores, score_stride, num_valid, k, out_idx, out_score);
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -390,62 +390,6 @@ fn threshold_topk_model_matches_reference_topk() {
     }
 }
 
-/// The one-CTA top-k's threshold scan (kernels/indexer.cu "Top-k in ONE launch", step 2), mirrored: thread t of
-/// 1024 owns bins 4095-4t .. 4092-4t (one uint4 read at index 1023 - t: components w, z, y, x), the inclusive
-/// prefix over threads in thread order = the count of every bin at or above the thread's lowest bin; the one
-/// thread with excl < kk <= incl walks its 4 bins. Must give the sequential scan's (bin, entries above).
-fn one_cta_threshold_scan(hist: &[u32; 4096], kk: u32) -> Option<(u32, u32)> {
-    let mut found = None;
-    let mut before = 0u32; // = excl of thread t (sum over threads < t)
-    for t in 0..1024usize {
-        let g = &hist[4096 - 4 - 4 * t..4096 - 4 * t]; // x, y, z, w
-        let c = [g[3], g[2], g[1], g[0]];
-        let own: u32 = c.iter().sum();
-        let (excl, incl) = (before, before + own);
-        if excl < kk && incl >= kk {
-            let mut run = excl;
-            for (j, &cj) in c.iter().enumerate() {
-                if run < kk && run + cj >= kk {
-                    assert!(found.is_none(), "two threshold bins");
-                    found = Some(((4095 - (4 * t + j)) as u32, run));
-                }
-                run += cj;
-            }
-        }
-        before = incl;
-    }
-    found
-}
-
-#[test]
-fn one_cta_threshold_scan_matches_the_sequential_scan() {
-    let (seed, mut rng) = seeded("one_cta_scan");
-    for case in 0..2000 {
-        let mut hist = [0u32; 4096];
-        // Sparse (a few hot bins, like logits), dense, and single-bin histograms.
-        let fill = [3usize, 40, 4096, 1][case % 4];
-        for _ in 0..fill {
-            hist[rng.random_range(0..4096)] += rng.random_range(1..50);
-        }
-        let n: u32 = hist.iter().sum();
-        let kk = rng.random_range(1..=n.min(2048));
-        let mut above = 0u32;
-        let mut want = None;
-        for bin in (0..4096u32).rev() {
-            if above < kk && above + hist[bin as usize] >= kk {
-                want = Some((bin, above));
-                break;
-            }
-            above += hist[bin as usize];
-        }
-        assert_eq!(
-            one_cta_threshold_scan(&hist, kk),
-            want,
-            "seed {seed:#x} case {case}: n {n} kk {kk}"
-        );
-    }
-}
-
 /// The threshold bin of a row for `k` (top-k pass 2's rule): (nb = entries in the bin, rem = kk - entries
 /// above it); None when kk = 0.
 fn threshold_bucket(scores: &[f32], k: usize) -> Option<(usize, usize)> {
@@ -952,9 +896,8 @@ fn gpu_topk_long_rows_and_specials() {
         let nvd = gpu.upload(&nv).unwrap();
         let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
         // Three calls of each path on the same buffers (the chain's histogram and counters must be back to
-        // zero after every call: a missing reset shows up as a wrong second answer). The one-CTA path takes
-        // rows of up to 262,144 entries here too (16 chunks per pass; heavy ties: whole-row fallback).
-        for path in [indexer::TopkPath::Chain, indexer::TopkPath::OneCta] {
+        // zero after every call: a missing reset shows up as a wrong second answer).
+        for path in [indexer::TopkPath::Chain, indexer::TopkPath::Pdl] {
             for pass in 0..3 {
                 gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
                 indexer::topk_with(&gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
@@ -1034,9 +977,8 @@ fn gpu_topk_final_branches_match_reference() {
         let nvd = gpu.upload(&nv).unwrap();
         let mut bufs = TopkBuffers::new(&gpu, rows, k, stride).unwrap();
         // Three chain calls on the same buffers: each final pass must leave the histogram and counters zeroed,
-        // so every call gives the reference answer (indices exactly, scores bit for bit). Then two calls of the
-        // one-CTA top-k (its branches: rank inside the bucket, whole bucket chosen, heavy-tie fallback over the
-        // row; one chunk and many) on the same rows.
+        // so every call gives the reference answer (indices exactly, scores bit for bit). Then two calls through
+        // the PDL entry points on the same buffers.
         let wants: Vec<Vec<i32>> = (0..rows)
             .map(|r| reference::topk(&flat[r * stride..r * stride + nv[r] as usize], k))
             .collect();
@@ -1044,8 +986,8 @@ fn gpu_topk_final_branches_match_reference() {
             indexer::TopkPath::Chain,
             indexer::TopkPath::Chain,
             indexer::TopkPath::Chain,
-            indexer::TopkPath::OneCta,
-            indexer::TopkPath::OneCta,
+            indexer::TopkPath::Pdl,
+            indexer::TopkPath::Pdl,
         ];
         for (call, &path) in calls.iter().enumerate() {
             gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
@@ -1416,53 +1358,6 @@ fn gpu_topk_pdl_graph_replay_is_exact() {
     check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::Pdl);
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// One-launch top-k (`TopkPath::OneCta`, kernels/indexer.cu "Top-k in ONE launch"): the same threshold rule and
-// helpers as the chain's fallback, so its outputs must equal the reference and the chain bit for bit.
-// ---------------------------------------------------------------------------------------------------------
-
-#[test]
-fn gpu_topk_one_cta_matches_the_chain_and_reference() {
-    let Some(gpu) = gpu_for_test("gpu_topk_one_cta_matches_the_chain_and_reference") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_topk_one_cta");
-    println!("seed {seed:#x}");
-    for k in [1usize, 512, 1024, 2048] {
-        // num_valid 0, 1, 2, k +- 1, 4095 / 4097, 16,384 +- 1 (one chunk / two), up to 262,144, mixed in one
-        // launch; ties, specials; threshold buckets of 4095 / 4096 / 4097 entries (the shared-memory bucket's
-        // capacity: rank inside the bucket vs the whole-row fallback). Back-to-back calls on the same buffers.
-        let mut rows = mcta_rows(&mut rng, k.max(2));
-        for n in [16_383usize, 16_384, 16_385, 32_769] {
-            let v: Vec<f32> = (0..n)
-                .map(|_| (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0)
-                .collect();
-            rows.push((v, format!("logit-like, {n} entries (chunk edge)")));
-        }
-        check_topk_path(&gpu, seed, k, &rows, 2, indexer::TopkPath::OneCta);
-        check_topk_path(&gpu, seed, k, &rows, 1, indexer::TopkPath::OneCtaPdl);
-        // Routed by the default path (the longest row <= TOPK_ONE_CTA_MAX_N takes the one-CTA kernel).
-        let short: Vec<(Vec<f32>, String)> = rows
-            .iter()
-            .filter(|r| r.0.len() <= indexer::TOPK_ONE_CTA_MAX_N)
-            .cloned()
-            .collect();
-        check_topk_path(&gpu, seed, k, &short, 2, indexer::TopkPath::Default);
-        check_topk_path(&gpu, seed, k, &short, 1, indexer::TopkPath::Chain);
-    }
-}
-
-#[test]
-fn gpu_topk_one_cta_graph_replay_is_exact() {
-    let Some(gpu) = gpu_for_test("gpu_topk_one_cta_graph_replay_is_exact") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_topk_one_cta_graph");
-    println!("seed {seed:#x}");
-    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::OneCta);
-    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::OneCtaPdl);
-}
-
 #[test]
 fn gpu_pdl_indexer_run_matches_the_default_run() {
     let Some(gpu) = gpu_for_test("gpu_pdl_indexer_run_matches_the_default_run") else {
@@ -1572,7 +1467,7 @@ fn gpu_pdl_indexer_run_matches_the_default_run() {
 }
 
 #[test]
-fn bench_config_races_fused_pdl_next_to_fused() {
+fn bench_config_races_both_top_k_launch_modes() {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/bench-configs/indexer.toml"
@@ -1580,7 +1475,10 @@ fn bench_config_races_fused_pdl_next_to_fused() {
     .unwrap();
     let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
     assert_eq!(indexer::TopkPath::default(), indexer::TopkPath::Default);
-    let races = |axis: &str, value: u64, fixed: (&str, u64), pair: (&str, &str)| {
+    // The default top-k is the PDL chain for k <= TOPK_PDL_MAX_K, the plain chain above: each sweep races the
+    // default against the other launch mode at its k.
+    assert_eq!(indexer::TOPK_PDL_MAX_K, 512);
+    let races = |axis: &str, value: u64, fixed: (&str, u64), k: u64, pair: (&str, &str)| {
         cfg.sweeps
             .iter()
             .filter(|s| s.kernel == "indexer")
@@ -1589,33 +1487,35 @@ fn bench_config_races_fused_pdl_next_to_fused() {
                 s.axis == axis
                     && s.values.contains(&value)
                     && s.param_u64(fixed.0).unwrap_or(1) == fixed.1
+                    && s.param_u64("k").unwrap_or(512) == k
                     && (!s.has_param("format") || s.param_str("format").unwrap() == "fp8")
                     && vars.iter().any(|v| v == pair.0)
                     && vars.iter().any(|v| v == pair.1)
             })
     };
-    let eager = ("fused", "fused_pdl");
-    let graph = ("graph_fused", "graph_fused_pdl");
+    let (eager, graph) = (
+        ("fused", "fused_chain"),
+        ("graph_fused", "graph_fused_chain"),
+    );
+    assert!(races("ctx", 1_048_576, ("batch", 1), 512, eager), "1M b1");
+    assert!(races("ctx", 4096, ("batch", 1), 512, graph), "4K b1, graph");
     assert!(
-        races("ctx", 1_048_576, ("batch", 1), eager),
-        "1M b1 ctx sweep"
+        races("ctx", 1_048_576, ("batch", 1), 512, graph),
+        "1M b1, graph"
+    );
+    assert!(races("batch", 16, ("ctx", 65_536), 512, eager), "64K b16");
+    assert!(
+        races("batch", 64, ("ctx", 65_536), 512, graph),
+        "64K b64, graph"
+    );
+    let (eager, graph) = (("fused", "fused_pdl"), ("graph_fused", "graph_fused_pdl"));
+    assert!(
+        races("batch", 16, ("ctx", 1_048_576), 1024, eager),
+        "1M b16 k 1024"
     );
     assert!(
-        races("ctx", 4096, ("batch", 1), graph),
-        "b1 ctx sweep, graph"
-    );
-    assert!(races("ctx", 1_048_576, ("batch", 1), graph), "1M b1, graph");
-    assert!(
-        races("batch", 16, ("ctx", 1_048_576), eager),
-        "1M batch sweep"
-    );
-    assert!(
-        races("batch", 16, ("ctx", 1_048_576), graph),
-        "1M batch sweep, graph"
-    );
-    assert!(
-        races("batch", 16, ("ctx", 65_536), eager),
-        "64K batch sweep"
+        races("batch", 16, ("ctx", 1_048_576), 1024, graph),
+        "1M b16 k 1024, graph"
     );
 }
 
@@ -2524,8 +2424,6 @@ fn gpu_indexer_run_along_every_path_matches_the_default_run() {
                 (L::CpAsyncRounds, T::Chain), // the session-5 default
                 (L::CpAsyncRounds, T::Default),
                 (L::TmaRing, T::Chain),
-                (L::TmaRing, T::OneCta),
-                (L::TmaRing, T::OneCtaPdl),
                 (L::TmaRing, T::Pdl),
             ] {
                 let paths = indexer::IndexerPaths { logits, topk };
@@ -2589,7 +2487,7 @@ fn bench_config_races_the_session5_default_next_to_fused_at_the_issue_points() {
         indexer::Fp8LogitsKernel::default(),
         indexer::Fp8LogitsKernel::TmaRing
     );
-    for v in ["fused", "fused_chain", "fused_rounds_chain", "fused_onecta"] {
+    for v in ["fused", "fused_chain", "fused_pdl", "fused_rounds_chain"] {
         assert!(indexer::VARIANTS.contains(&v), "{v}");
     }
     let races = |axis: &str, value: u64, ctx_or_batch: (&str, u64), next_n: u64| {

@@ -4,14 +4,14 @@
 //! host-side watchdog: [`stress`].
 //!
 //! Default path: FP8 keys -> wgmma logits fed by a TMA + mbarrier ring (`indexer_logits_fp8tma_n1/_n2`,
-//! [`Fp8LogitsKernel::TmaRing`]), MXFP4 keys -> the e4m3 mma.sync logits; top-k ([`topk`]) = one launch with one
-//! CTA per row (`indexer_topk_one_cta`) up to [`TOPK_ONE_CTA_MAX_N`] entries per row, else histogram ->
+//! [`Fp8LogitsKernel::TmaRing`]), MXFP4 keys -> the e4m3 mma.sync logits; top-k ([`topk`]) = histogram ->
 //! CTA-aggregated threshold select -> multi-CTA exact final pass (`indexer_topk2_hist`,
-//! `indexer_topk5_select_agg`, `indexer_topk4_final_mcta`).
+//! `indexer_topk5_select_agg`, `indexer_topk4_final_mcta`), launched through their PDL entry points when
+//! k <= [`TOPK_PDL_MAX_K`] (each launch overlaps the previous kernel's tail).
 //!
 //! Options kept measurable ([`IndexerPaths`], [`run_with`], bench variants in [`VARIANTS`]): the previous FP8
-//! logits ([`Fp8LogitsKernel::CpAsyncRounds`]), each top-k path forced ([`TopkPath`]), the chain through PDL
-//! entry points ([`TopkPath::Pdl`]); `graph_*` bench variants replay a call as a CUDA graph.
+//! logits ([`Fp8LogitsKernel::CpAsyncRounds`]) and each top-k launch mode forced ([`TopkPath`]); `graph_*` bench
+//! variants replay a call as a CUDA graph.
 //!
 //! Contracts:
 //! * Rows are `b * next_n + t` (next_n = 1 or 2); `num_valid[row]` entries of sequence `b` are visible to
@@ -56,15 +56,11 @@ pub const TOPK4_MAX_CTAS_PER_ROW: u32 = 64;
 /// Threshold-bucket composites the multi-CTA final pass ranks in shared memory; larger buckets (heavy ties)
 /// take its one-CTA radix-select fallback.
 pub const TOPK4_BUCKET_CAP: usize = 4096;
-/// One-launch top-k (`indexer_topk_one_cta`, kernel constants T1_THREADS, T1_SORT_SLOTS, T1_BUCKET_CAP): block
-/// size and dynamic shared memory (sort buffer + threshold bucket, u64 each).
-const TOPK_ONE_CTA_THREADS: u32 = 1024;
-const TOPK_ONE_CTA_SMEM: usize = 8 * (TOPK_MAX_K + 4096);
-/// Longest row [`topk`] sends to the one-launch top-k (one CTA per row); longer calls take the three-launch
-/// chain, which spreads a row over many CTAs. 65,536 entries = 256K context at m = 4. Chosen from the session-6
-/// A/B prediction (one SM re-reads a 256 KB row from L2 in ~3 us per pass); the bench races both paths at every
-/// context (`fused` vs `fused_chain`), so the number is checked by each run.
-pub const TOPK_ONE_CTA_MAX_N: usize = 65_536;
+/// Largest k for which [`topk`] launches the chain through its PDL entry points ([`TopkPath::Pdl`]). Session-6
+/// A/B (results/h200/session6-ab/indexer.csv): PDL won at every k = 512 point (b1 4K-1M: whole call -3.5 to -4
+/// us; b16-b64 @ 64K -2 to -5.5 us; next_n 2 b16 up to 1M) and lost at k = 1024 from batch 16 at 1M (top-k
+/// 42.9 -> 52.9 us: dependent CTAs launched early hold SM slots the running kernel still needs).
+pub const TOPK_PDL_MAX_K: usize = 512;
 /// Keys per logits CTA (kernel constant LG_CTA_KEYS) and its block size.
 const LOGITS_CTA_KEYS: usize = 1024;
 const LOGITS_THREADS: u32 = 256;
@@ -672,8 +668,8 @@ pub fn topk4_smem_bytes(k: usize) -> usize {
 
 /// Top-k of `scores` rows (`num_valid` per row, host copy for validation and grid sizing): exactly
 /// `min(k, num_valid)` indices per row ordered by (score desc, index asc), then -1 (see the module contract).
-/// One launch ([`TopkPath::OneCta`]) when the longest row has at most [`TOPK_ONE_CTA_MAX_N`] entries, else the
-/// three-launch chain ([`TopkPath::Chain`]); both give bit-identical outputs.
+/// Three launches ([`TopkPath::Chain`]), through their PDL entry points when k <= [`TOPK_PDL_MAX_K`]
+/// ([`TopkPath::Pdl`]); both give bit-identical outputs.
 pub fn topk(
     gpu: &Gpu,
     scores: &CudaSlice<f32>,
@@ -682,69 +678,15 @@ pub fn topk(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
-    let longest = num_valid_host.iter().copied().max().unwrap_or(0).max(0) as usize;
-    let path = if longest <= TOPK_ONE_CTA_MAX_N {
-        TopkPath::OneCta
-    } else {
-        TopkPath::Chain
-    };
-    topk_with(
+    let pdl = bufs.k <= TOPK_PDL_MAX_K;
+    topk_chain(
         gpu,
-        path,
+        pdl,
         scores,
         score_stride,
         num_valid,
         num_valid_host,
         bufs,
-    )
-}
-
-/// Top-k in one launch, one 1024-thread CTA per row (`indexer_topk_one_cta`, [`TopkPath::OneCta`];
-/// kernels/indexer.cu "Top-k in ONE launch"): shared-memory histogram of the top 12 key bits, threshold bin,
-/// collect, radix select inside the threshold bucket, bitonic sort. No global scratch: `bufs`' histogram /
-/// counters are not touched. Any row length (each CTA loops over its row in chunks of 16,384), but one SM per
-/// row: [`topk`] uses it up to [`TOPK_ONE_CTA_MAX_N`]. With `pdl` ([`TopkPath::OneCtaPdl`]) the PDL entry point
-/// `indexer_topk_one_cta_pdl` is launched with programmatic stream serialization, so its launch overlaps the
-/// previous kernel's tail; it waits for that kernel's completion before reading anything. Bit-identical outputs.
-fn topk_one_cta(
-    gpu: &Gpu,
-    pdl: bool,
-    scores: &CudaSlice<f32>,
-    score_stride: usize,
-    num_valid: &CudaSlice<i32>,
-    num_valid_host: &[i32],
-    bufs: &mut TopkBuffers,
-) -> Result<()> {
-    check_topk_args(scores, score_stride, num_valid, num_valid_host, bufs)?;
-    let rows = bufs.rows;
-    ensure!(
-        rows <= i32::MAX as usize,
-        "top-k: {rows} rows exceed the grid's x limit"
-    );
-    let name = if pdl {
-        "indexer_topk_one_cta_pdl"
-    } else {
-        "indexer_topk_one_cta"
-    };
-    let f = gpu.function_with_smem(FAMILY, name, TOPK_ONE_CTA_SMEM)?;
-    let mut a = RawArgs::default();
-    a.slice(gpu, scores)
-        .i32(score_stride as i32)
-        .slice(gpu, num_valid)
-        .i32(bufs.k as i32)
-        .slice(gpu, &bufs.out_idx)
-        .slice(gpu, &bufs.out_score);
-    launch_ex(
-        gpu,
-        &f,
-        (rows as u32, 1, 1),
-        (TOPK_ONE_CTA_THREADS, 1, 1),
-        LaunchExOpts {
-            smem_bytes: TOPK_ONE_CTA_SMEM as u32,
-            pdl,
-        },
-        &mut a,
-        "indexer top-k (one CTA per row)",
     )
 }
 
@@ -949,24 +891,18 @@ fn topk_chain_pdl(
     Ok(())
 }
 
-/// Which top-k kernels a call uses ([`TopkPath::Default`] is [`topk`]). Every path has the same contract and
+/// Which top-k launch mode a call uses ([`TopkPath::Default`] is [`topk`]). Every path has the same contract and
 /// bit-identical outputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TopkPath {
-    /// [`topk`]: the one-launch top-k when the longest row has at most [`TOPK_ONE_CTA_MAX_N`] entries, else the
-    /// three-launch chain.
+    /// [`topk`]: [`TopkPath::Pdl`] for k <= [`TOPK_PDL_MAX_K`], else [`TopkPath::Chain`].
     #[default]
     Default,
-    /// One launch, one CTA per row, at every length (`indexer_topk_one_cta`; bench `*_onecta`).
-    OneCta,
-    /// The one-CTA kernel through its PDL entry point at every length (`indexer_topk_one_cta_pdl`: its launch
-    /// overlaps the logits' tail; session-6 A/B candidate, bench `*_onecta_pdl`).
-    OneCtaPdl,
-    /// Three launches at every length: histogram -> CTA-aggregated threshold select -> multi-CTA final
-    /// pass (the only path until session 5; bench `*_chain`).
+    /// Three plain launches: histogram -> CTA-aggregated threshold select -> multi-CTA final pass (bench
+    /// `*_chain`).
     Chain,
-    /// The chain's kernels through their PDL entry points: each launch overlaps the previous
-    /// kernel's tail (session-5 A/B candidate; bench `*_pdl`).
+    /// The chain's kernels through their PDL entry points: each launch overlaps the previous kernel's tail
+    /// (bench `*_pdl`).
     Pdl,
 }
 
@@ -980,17 +916,14 @@ pub fn topk_with(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
-    let (one_cta, pdl) = match path {
+    let pdl = match path {
         TopkPath::Default => {
             return topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
         }
-        TopkPath::OneCta => (true, false),
-        TopkPath::OneCtaPdl => (true, true),
-        TopkPath::Chain => (false, false),
-        TopkPath::Pdl => (false, true),
+        TopkPath::Chain => false,
+        TopkPath::Pdl => true,
     };
-    let launch = if one_cta { topk_one_cta } else { topk_chain };
-    launch(
+    topk_chain(
         gpu,
         pdl,
         scores,
@@ -1290,23 +1223,19 @@ pub struct IndexerSamples {
 }
 
 /// Bench variants of the indexer: "fused" (the default kernels, [`run`]), "baseline" (the seeds' path), and
-/// the A/B paths named `fused[_rounds][_onecta|_onecta_pdl|_chain|_pdl]`: `_rounds` = the cp.async-rounds FP8
-/// logits ([`Fp8LogitsKernel::CpAsyncRounds`], the default until session 5; MXFP4 points run the same kernels as
-/// "fused"), `_onecta` / `_onecta_pdl` / `_chain` / `_pdl` = the top-k forced to [`TopkPath::OneCta`] /
-/// [`TopkPath::OneCtaPdl`] / [`TopkPath::Chain`] / [`TopkPath::Pdl`] ("fused_rounds_chain" is the session-5 default). "graph_<variant>": the same calls captured
-/// once into CUDA graphs and replayed (logits alone, top-k alone, the whole call), i.e. device time as a decode
-/// step's graph sees it, without host launch gaps.
+/// the A/B paths named `fused[_rounds][_chain|_pdl]`: `_rounds` = the cp.async-rounds FP8 logits
+/// ([`Fp8LogitsKernel::CpAsyncRounds`], the default until session 5; MXFP4 points run the same kernels as
+/// "fused"), `_chain` / `_pdl` = the top-k forced to [`TopkPath::Chain`] / [`TopkPath::Pdl`]
+/// ("fused_rounds_chain" is the session-5 default). "graph_<variant>": the same calls captured once into CUDA
+/// graphs and replayed (logits alone, top-k alone, the whole call), i.e. device time as a decode step's graph sees
+/// it, without host launch gaps.
 pub const VARIANTS: &[&str] = &[
     "fused",
     "baseline",
-    "fused_onecta",
-    "fused_onecta_pdl",
     "fused_chain",
     "fused_pdl",
     "fused_rounds_chain",
     "graph_fused",
-    "graph_fused_onecta",
-    "graph_fused_onecta_pdl",
     "graph_fused_chain",
     "graph_fused_pdl",
 ];
@@ -1320,8 +1249,6 @@ fn variant_paths(fused_variant: &str) -> Option<IndexerPaths> {
     };
     let topk = match rest {
         "" => TopkPath::Default,
-        "_onecta" => TopkPath::OneCta,
-        "_onecta_pdl" => TopkPath::OneCtaPdl,
         "_chain" => TopkPath::Chain,
         "_pdl" => TopkPath::Pdl,
         _ => return None,

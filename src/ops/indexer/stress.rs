@@ -7,14 +7,13 @@
 //! cancelled, and tearing the context down would wait on it). Nothing here ever blocks on the device
 //! except after the event reported completion.
 //!
-//! Paths under test (`StressOptions::topk_paths`): the one-launch top-k (`indexer_topk_one_cta`, one CTA per
-//! row), the three-launch chain (histogram -> CTA-aggregated threshold select -> indexer_topk4_final_mcta:
-//! multi-CTA rank by counting, with a one-CTA radix-select / bitonic fallback for threshold buckets above
-//! TOPK4_BUCKET_CAP), the chain through its PDL entry points, and (quick subset) the routed default
-//! [`super::topk`]: every case of (A) runs each listed path against the CPU reference. (B) runs the default
-//! [`super::run`] (FP8: TMA-ring wgmma logits; MXFP4: the e4m3 mma.sync kernels) end to end against the
-//! reference, then every other listed top-k path on the GPU's own scores, which must give bit-identical
-//! indices and scores. The per-branch tests of the final passes are in tests/indexer.rs.
+//! Paths under test (`StressOptions::topk_paths`): the three-launch top-k chain (histogram -> CTA-aggregated
+//! threshold select -> indexer_topk4_final_mcta: multi-CTA rank by counting, with a one-CTA radix-select /
+//! bitonic fallback for threshold buckets above TOPK4_BUCKET_CAP) with plain launches and through its PDL entry
+//! points, and (quick subset) the routed default [`super::topk`]: every case of (A) runs each listed path against
+//! the CPU reference. (B) runs the default [`super::run`] (FP8: TMA-ring wgmma logits; MXFP4: the e4m3 mma.sync
+//! kernels) end to end against the reference, then every other listed top-k path on the GPU's own scores, which
+//! must give bit-identical indices and scores. The per-branch tests of the final passes are in tests/indexer.rs.
 //!
 //! Cases: (A) top-k alone on host-made scores: every num_valid in 0..=4096 (batched, many rows per launch),
 //! random lengths up to 262,144, k - 1, k, k + 1, multiples of 128 and of 32,768 +- 1, histogram-slice and
@@ -72,14 +71,9 @@ impl Default for StressOptions {
             ks: vec![512, 1024, 2048],
             formats: vec![KeyFormat::Fp8, KeyFormat::Mxfp4],
             e2e_max: 262_144,
-            // The default is one of OneCta / Chain by construction (routing by the longest row), so the full
-            // suite runs the three kernel paths at every length; part (B) runs the default itself.
-            topk_paths: vec![
-                TopkPath::OneCta,
-                TopkPath::OneCtaPdl,
-                TopkPath::Chain,
-                TopkPath::Pdl,
-            ],
+            // The default is Pdl (k <= 512) or Chain by construction, so the full suite runs both launch modes at
+            // every k and length; part (B) runs the default itself.
+            topk_paths: vec![TopkPath::Chain, TopkPath::Pdl],
         }
     }
 }
@@ -95,13 +89,7 @@ impl StressOptions {
             ks: vec![512, 2048],
             e2e_max: 40_000,
             // The sanitizers run this subset: every path, the routed default and the PDL entry points included.
-            topk_paths: vec![
-                TopkPath::Default,
-                TopkPath::OneCta,
-                TopkPath::OneCtaPdl,
-                TopkPath::Chain,
-                TopkPath::Pdl,
-            ],
+            topk_paths: vec![TopkPath::Default, TopkPath::Chain, TopkPath::Pdl],
             ..Default::default()
         }
     }
@@ -323,16 +311,12 @@ fn special_lengths(k: usize, max: usize) -> Vec<usize> {
         4097,
         8191,
         8193,
-        // The one-CTA top-k's chunk (16,384 entries: values kept in registers up to one chunk) and the routing
-        // limit of the default top-k (65,536 = 2c: one-CTA at most, chain above).
-        16_383,
         16_384,
         16_385,
         c - 1,
         c,
         c + 1,
         2 * c - 1,
-        2 * c,
         2 * c + 1,
         8 * c,
         8 * c + 1,
