@@ -3,7 +3,9 @@
 // Design
 // ------
 // RMSNorm rows. BF16 in -> NVFP4 / FP8 from 4096 rows (D % 1024 == 0): the v5 kernels (own section below;
-// launcher rule rows_path in src/ops/norm_quant/mod.rs). Otherwise (rmsnorm_*; BF16 -> NVFP4 is
+// launcher rule rows_path in src/ops/norm_quant/mod.rs), except BF16 -> NVFP4 with D <= 8192, which runs v6
+// (v5 with fewer instructions per element, bit-identical; the default since the session-6 A/B: 4096 x 4096
+// 25.4 vs 27.8 us, 65536 x 4096 275.0 vs 306.9 us). Otherwise (rmsnorm_*; BF16 -> NVFP4 is
 // rmsnorm_nvfp4_bf16in_v4p, the same per-row work with rows looped by one resident wave and a packed-pair
 // encoder, see its section): one CTA per row, blockDim =
 // roundup32(D/8/CH) threads (CH = 4 chunks of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224).
@@ -891,7 +893,7 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_v5(const _
 
 namespace {
 // ==== end of the v5 section ===================================================================================
-// ==== RMSNorm rows v6 NVFP4 (A/B candidate, session 6): v5 with fewer SASS instructions per element ==========
+// ==== RMSNorm rows v6 NVFP4 (default from 4096 rows since session 6): v5 with fewer SASS instructions per element
 // rmsnorm_nvfp4_bf16in_v6_w<NW> / quant_nvfp4_bf16in_v6_w<NW> (NW = D / 1024 = warps per CTA, 1..8; launcher
 // RowsPath::V6): the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v5 / quant_nvfp4_bf16in_v5 (same
 // channel ownership, same fp32 operations in the same order, same encoder decisions). What changes:

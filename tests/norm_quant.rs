@@ -1781,11 +1781,11 @@ fn v5_assert_same(label: &str, what: &str, got: &[u8], want: &[u8], row_bytes: u
 }
 
 /// `rows_path` (the kernel rmsnorm_quant takes for BF16 rows): v5 exactly from 4096 rows, for NVFP4 and FP8,
-/// when D is a multiple of 1024; V4 below 4096 rows, for BF16 output and for every other D; and every shape it
-/// sends to v5 passes v5's own shape check.
+/// when D is a multiple of 1024 (v6 instead of v5 for NVFP4 up to V6_MAX_D); V4 below 4096 rows, for BF16 output
+/// and for every other D; and every shape it sends to v5 / v6 passes that kernel's own shape check.
 #[test]
 fn rows_path_switches_to_v5_at_4096_rows_for_d_multiple_of_1024() {
-    use nq::RowsPath::{V4, V5};
+    use nq::RowsPath::{V4, V5, V6};
     assert_eq!(nq::V5_MIN_ROWS, 4096);
     for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
         for d in [1024usize, 2048, 4096, 7168, nq::MAX_D] {
@@ -1805,10 +1805,18 @@ fn rows_path_switches_to_v5_at_4096_rows_for_d_multiple_of_1024() {
                 } else {
                     want
                 };
+                // NVFP4 up to V6_MAX_D: v6 wherever v5 would run (session-6 A/B)
+                let want = if want == V5 && format == OutFormat::Nvfp4 && d <= nq::V6_MAX_D {
+                    V6
+                } else {
+                    want
+                };
                 let got = nq::rows_path(rows, d, format);
                 assert_eq!(got, want, "{} {rows}x{d}", format.name());
-                if got == V5 {
-                    nq::check_v5(rows, d, format).unwrap();
+                match got {
+                    V5 => nq::check_v5(rows, d, format).unwrap(),
+                    V6 => nq::check_v6(rows, d, format).unwrap(),
+                    V4 => {}
                 }
             }
         }
@@ -2065,7 +2073,7 @@ fn gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries() {
     }
 }
 
-// ---- the v6 NVFP4 row kernels (RowsPath::V6, session-6 A/B candidate) ------------------------------------------
+// ---- the v6 NVFP4 row kernels (RowsPath::V6, the NVFP4 default from 4096 rows since session 6) --------------------
 
 /// The v6 binary-search encoder (Rust mirror of v6_codes8_bsearch) gives the same code word as the v4p/v5 encoder
 /// (codes8 and its prmt placement) for EVERY 16-bit pattern in each half of a pair (both signs, subnormals, +-inf

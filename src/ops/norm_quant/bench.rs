@@ -20,7 +20,7 @@ pub fn kernels() -> Vec<BenchKernel> {
             name: "rmsnorm_quant",
             variants: &[
                 "fused_nvfp4",
-                "fused_nvfp4_v6",
+                "fused_nvfp4_v5",
                 "unfused_nvfp4",
                 "fused_fp8",
                 "unfused_fp8",

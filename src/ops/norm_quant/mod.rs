@@ -354,10 +354,10 @@ pub enum RowsPath {
     /// weight staged once per CTA in shared memory (as f32), one thread per 16-block for NVFP4, a
     /// division-free ue8m0 scale for FP8. BF16 in, NVFP4 and FP8 only, `d` a multiple of [`V5_D_MULTIPLE`].
     V5,
-    /// Session-6 A/B candidate, BF16 -> NVFP4 only: `rmsnorm_nvfp4_bf16in_v6_w<d / 1024>`, the v5 NVFP4 kernel
-    /// with D fixed at compile time (straight-line reads of the reduction partials), ss / D as a multiply for
-    /// D = 2^k, and a binary-search e2m1 encoder (fewer SASS instructions per element; same bits). `d` a
-    /// multiple of 1024 up to [`V6_MAX_D`]. Not taken by [`rows_path`].
+    /// BF16 -> NVFP4 only: `rmsnorm_nvfp4_bf16in_v6_w<d / 1024>`, the v5 NVFP4 kernel with D fixed at compile
+    /// time (straight-line reads of the reduction partials), ss / D as a multiply for D = 2^k, and a
+    /// binary-search e2m1 encoder (fewer SASS instructions per element; same bits). `d` a multiple of 1024 up
+    /// to [`V6_MAX_D`]. [`rows_path`] takes it where it took v5 for NVFP4 since the session-6 A/B.
     V6,
 }
 
@@ -373,7 +373,12 @@ pub const V5_MIN_ROWS: usize = 4096;
 
 /// The kernels [`rmsnorm_quant`] runs for BF16 rows `[rows, d]` -> `format`: [`RowsPath::V5`] when
 /// `rows >= V5_MIN_ROWS`, `d` is a multiple of [`V5_D_MULTIPLE`] (v5's shape rule) and the format is NVFP4 or
-/// FP8 (v5 has no BF16 kernel); [`RowsPath::V4`] otherwise.
+/// FP8 (v5 has no BF16 kernel), except NVFP4 with `d <= V6_MAX_D`, which takes [`RowsPath::V6`];
+/// [`RowsPath::V4`] otherwise.
+///
+/// Session-6 A/B (results/h200/session6-ab/rmsnorm_quant.csv, median us, v6 vs v5, bit-identical): NVFP4 D 4096
+/// rows 4096 25.4 vs 27.8, 16384 74.7 vs 82.7, 65536 275.0 (58.9% of copy bandwidth) vs 306.9 (52.8%); D 7168
+/// 4096 43.0 vs 45.9, 16384 146.1 vs 156.2, 65536 558.5 vs 601.0. v6 won every point.
 ///
 /// Measured on the H200 (session-4 A/B, BF16 in, median us, v5 vs V4; results/h200/session4-ab/rmsnorm_quant.csv):
 /// * NVFP4 D 4096: rows 1 6.8 vs 6.3, 64 7.2 vs 6.4, 1024 12.7 vs 12.7, 4096 27.8 vs 30.6, 16384 83.1 vs
@@ -391,7 +396,11 @@ pub fn rows_path(rows: usize, d: usize, format: OutFormat) -> RowsPath {
     let v5_shape = d.is_multiple_of(V5_D_MULTIPLE) && format != OutFormat::Bf16;
     let v4_fits = format != OutFormat::Nvfp4 || d <= V4P_NVFP4_MAX_D;
     if (rows >= V5_MIN_ROWS || !v4_fits) && v5_shape {
-        RowsPath::V5
+        if format == OutFormat::Nvfp4 && d <= V6_MAX_D {
+            RowsPath::V6
+        } else {
+            RowsPath::V5
+        }
     } else {
         RowsPath::V4
     }
@@ -615,7 +624,7 @@ fn rmsnorm_quant_v5(
     Ok(())
 }
 
-// ---- the v6 NVFP4 row kernels (RowsPath::V6, session-6 A/B candidate) -------------------------------------------
+// ---- the v6 NVFP4 row kernels (RowsPath::V6, the NVFP4 default from 4096 rows since session 6) ---------------------
 
 /// Largest D of the v6 kernels: one entry point per warp count d / 1024 = 1..=8 (DSV4: 4096 and 7168).
 pub const V6_MAX_D: usize = 8 * V5_D_MULTIPLE;
@@ -1371,10 +1380,11 @@ pub struct BenchPoint {
 /// (device-to-device copy of the same number of bytes, the bandwidth reference). Removed candidates (see
 /// kernels/norm_quant.cu): session 3 fused_v4_nvfp4, fused_v4_fp8, fused_v4p_nvfp4 (v4p became fused_nvfp4);
 /// session 4 fused_nvfp4_v5 / fused_fp8_v5 (became fused_* from 4096 rows) and fused_fp8_v5r (lost).
-/// Session-6 A/B candidate: `fused_nvfp4_v6` ([`RowsPath::V6`] forced; its baseline column is `fused_nvfp4`).
+/// `fused_nvfp4_v5`: [`RowsPath::V5`] forced (the NVFP4 default from 4096 rows until the session-6 A/B, which v6
+/// won; its baseline column is `fused_nvfp4`).
 pub const ROW_VARIANTS: &[&str] = &[
     "fused_nvfp4",
-    "fused_nvfp4_v6",
+    "fused_nvfp4_v5",
     "unfused_nvfp4",
     "fused_fp8",
     "unfused_fp8",
@@ -1408,11 +1418,11 @@ pub fn bench_rows(
         samples_us: samples,
         baseline,
     };
-    if variant == "fused_nvfp4_v6" {
-        // session-6 A/B candidate: RowsPath::V6 forced, raced against fused_nvfp4 (the default, v5 here)
+    if variant == "fused_nvfp4_v5" {
+        // the previous NVFP4 default forced, raced against fused_nvfp4 (v6 from 4096 rows)
         let mut out = NormOutputs::alloc_poisoned(gpu, OutFormat::Nvfp4, rows, d)?;
         let s = gpu.time_us(plan, || {
-            rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, RowsPath::V6)
+            rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, RowsPath::V5)
         })?;
         let bytes = in_bytes + (rows * (OutFormat::Nvfp4.row_bytes(d) + 4)) as u64;
         return Ok(point(bytes, s, Some("fused_nvfp4".to_string())));
