@@ -33,10 +33,6 @@
 //! [`SplitPlan::fp8_default`]); the previous default stays measurable as [`Path::Fp8OldCombine`] (bench
 //! `fp8_oldcombine`), the forced new combine as [`Path::Fp8ParallelCombine`] (`fp8_pcombine`) and
 //! [`Path::Fp8ParallelCombineRefit`] (`fp8_pcombine_refit`).
-//!
-//! Session 6 A/B candidate: [`Path::Fp8Cluster2`] (bench `fp8_cluster2`, 128 heads only), kernel
-//! `sparse_attn_decode_fp8_c2`: the two head-group CTAs of a (sequence, split) run as one 2-CTA thread-block cluster
-//! and each dequantizes half of every shared tile into both CTAs' shared memory; same plan, same bits as `Fp8`.
 
 pub mod exec;
 pub mod reference;
@@ -61,9 +57,6 @@ pub const BLOCK_N: usize = 64;
 const FP8_SMEM_BYTES: u32 = 207_872;
 /// Entry point of the FP8 path (v6: the removed v5's main loop behind a cheaper q prologue).
 const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v6";
-/// Entry point of [`Path::Fp8Cluster2`]: v6 on a 2-CTA cluster (the two head groups of a (sequence, split)), each
-/// CTA dequantizing half of every tile into both CTAs' shared memory. Same dynamic shared memory as v6.
-const FP8_C2_KERNEL: &str = "sparse_attn_decode_fp8_c2";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -167,7 +160,7 @@ impl SplitPlan {
     /// [`SplitPlan::by_cost_v6`]; the baseline keeps [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8Cluster2 => SplitPlan::fp8_default(sm_count, shape),
+            Path::Fp8 => SplitPlan::fp8_default(sm_count, shape),
             Path::Fp8OldCombine | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
             Path::Fp8ParallelCombineRefit => SplitPlan::by_cost_v6(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
@@ -312,9 +305,6 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    /// `sparse_attn_decode_fp8_c2`; looked up leniently (an A/B candidate must not break the other paths): a
-    /// lookup failure surfaces when [`Path::Fp8Cluster2`] is launched.
-    decode_fp8_c2: std::result::Result<CudaFunction, String>,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
     /// `sparse_attn_combine_v2`, `_h2`, `_h4` (1, 2, 4 heads per thread), indexed by [`combine_v2_variant`].
@@ -327,7 +317,6 @@ impl Kernels {
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
-            decode_fp8_c2: with_smem(FP8_C2_KERNEL, FP8_SMEM_BYTES).map_err(|e| format!("{e:#}")),
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
             combine_v2: [
@@ -439,7 +428,7 @@ pub const PARALLEL_COMBINE_MIN_SPLITS: usize = 3;
 /// (no combine runs) and for the baseline (it keeps the old combine).
 pub fn fp8_combine(path: Path, n_splits: usize) -> bool {
     match path {
-        Path::Fp8 | Path::Fp8Cluster2 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
+        Path::Fp8 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
         Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => true,
         Path::Fp8OldCombine | Path::Bf16Staging => false,
     }
@@ -464,12 +453,6 @@ pub enum Path {
     /// [`Path::Fp8ParallelCombine`] with the refitted plan [`SplitPlan::by_cost_v6`]. Bench variant
     /// `fp8_pcombine_refit`.
     Fp8ParallelCombineRefit,
-    /// Session-6 A/B candidate, 128-head models only: `sparse_attn_decode_fp8_c2` = the `Fp8` kernel on a 2-CTA
-    /// thread-block cluster formed by the two head-group CTAs of one (sequence, split), which read the same
-    /// tiles: each CTA loads and dequantizes half of every tile and stores the BF16 chunks into its own and its
-    /// peer's shared memory (distributed shared memory), one cluster barrier per tile. Same plan and combine
-    /// routing as `Fp8`; bit-identical outputs. Bench variant `fp8_cluster2`.
-    Fp8Cluster2,
     /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
     Bf16Staging,
 }
@@ -496,13 +479,6 @@ pub fn decode(
         out.len(),
         shape.batch * shape.heads * HEAD_DIM
     );
-    if path == Path::Fp8Cluster2 && shape.heads != 2 * HEADS_PER_CTA {
-        bail!(
-            "Path::Fp8Cluster2 pairs the two head-group CTAs of a sequence: it needs {} heads, the shape has {}",
-            2 * HEADS_PER_CTA,
-            shape.heads
-        );
-    }
     if path == Path::Bf16Staging && ws.staging.is_none() {
         bail!("the BF16 staging path needs a workspace made with with_staging = true");
     }
@@ -537,14 +513,6 @@ pub fn decode(
         | Path::Fp8ParallelCombineRefit => {
             (FP8_KERNEL, FP8_SMEM_BYTES, ws.kernels.decode_fp8.clone())
         }
-        Path::Fp8Cluster2 => (
-            FP8_C2_KERNEL,
-            FP8_SMEM_BYTES,
-            ws.kernels
-                .decode_fp8_c2
-                .clone()
-                .map_err(|e| anyhow!("{FP8_C2_KERNEL}: {e}"))?,
-        ),
         Path::Bf16Staging => (
             "sparse_attn_decode_bf16",
             BF16_SMEM_BYTES,
@@ -563,8 +531,7 @@ pub fn decode(
             Path::Fp8
             | Path::Fp8OldCombine
             | Path::Fp8ParallelCombine
-            | Path::Fp8ParallelCombineRefit
-            | Path::Fp8Cluster2 => b.arg(inp.pool).arg(&null),
+            | Path::Fp8ParallelCombineRefit => b.arg(inp.pool).arg(&null),
             Path::Bf16Staging => b
                 .arg(&null)
                 .arg(ws.staging.as_ref().expect("checked above")),
@@ -731,8 +698,7 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
         Path::Fp8
         | Path::Fp8OldCombine
         | Path::Fp8ParallelCombine
-        | Path::Fp8ParallelCombineRefit
-        | Path::Fp8Cluster2 => b * l * ENTRY_BYTES as u64,
+        | Path::Fp8ParallelCombineRefit => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
         Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
@@ -747,13 +713,11 @@ pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Forcing variants that keep
 /// the session-5 A/B measurable: `fp8_oldcombine` ([`Path::Fp8OldCombine`], the previous default),
 /// `fp8_pcombine` ([`Path::Fp8ParallelCombine`]) and `fp8_pcombine_refit` ([`Path::Fp8ParallelCombineRefit`]).
-/// Session 6: `fp8_cluster2` ([`Path::Fp8Cluster2`], 128-head sweeps only).
-pub const BENCH_VARIANTS: [&str; 6] = [
+pub const BENCH_VARIANTS: [&str; 5] = [
     "fp8",
     "fp8_oldcombine",
     "fp8_pcombine",
     "fp8_pcombine_refit",
-    "fp8_cluster2",
     "bf16_staging",
 ];
 
@@ -764,7 +728,6 @@ pub fn bench_path(variant: &str) -> Result<Path> {
         "fp8_oldcombine" => Path::Fp8OldCombine,
         "fp8_pcombine" => Path::Fp8ParallelCombine,
         "fp8_pcombine_refit" => Path::Fp8ParallelCombineRefit,
-        "fp8_cluster2" => Path::Fp8Cluster2,
         "bf16_staging" => Path::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
