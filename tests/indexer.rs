@@ -1758,7 +1758,8 @@ fn exec_indexer_cpu_matches_reference_and_rejects_bad_arguments() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// FP8 logits on native wgmma (the default FP8 path: indexer_logits_fp8w3_n1 / _n2).
+// FP8 logits on native wgmma through `indexer::logits` (the default FP8 kernel: indexer_logits_fp8tma_n1 / _n2
+// since session 6; the cp.async-rounds kernel indexer_logits_fp8w3_n1 / _n2 has the same tile layout and math).
 // ---------------------------------------------------------------------------------------------------------
 
 /// Mirror of the wgmma logits' shared-memory store (kernels/indexer.cu, logits_wgmma_body): 16-byte chunk `ch`
