@@ -588,39 +588,55 @@ pub fn rmsnorm_quant_with(
             rmsnorm_nvfp4_bf16in_rows_v4p(gpu, x, w, eps, out)
         }
         RowsPath::V4 => rmsnorm_quant_per_row_kernel(gpu, x, w, eps, out),
-        RowsPath::V5 => rmsnorm_quant_v5(gpu, x, w, eps, out),
-        RowsPath::V6 => rmsnorm_quant_v6(gpu, x, w, eps, out),
+        RowsPath::V5 => rmsnorm_quant_resident_wave(gpu, x, w, eps, out, false),
+        RowsPath::V6 => rmsnorm_quant_resident_wave(gpu, x, w, eps, out, true),
     }
 }
 
-fn rmsnorm_quant_v5(
+/// The resident-wave row kernels: v5 (`rmsnorm_{nvfp4,fp8}_bf16in_v5`, parameters ..., rows, d, eps) or, with
+/// `v6`, the NVFP4 v6 entry point for `d` (`rmsnorm_nvfp4_bf16in_v6_w<d / 1024>`, D compiled in: ..., rows, eps).
+/// Same grid rule, block size and shared memory (the weight as f32).
+fn rmsnorm_quant_resident_wave(
     gpu: &Gpu,
     x: RowsIn<'_>,
     w: &CudaSlice<bf16>,
     eps: f32,
     out: &mut NormOutputs,
+    v6: bool,
 ) -> Result<()> {
     check_rmsnorm_args(&x, w, eps, out)?;
     let (rows, d) = (out.rows, out.d);
-    check_v5(rows, d, out.format)?;
+    if v6 {
+        check_v6(rows, d, out.format)?;
+    } else {
+        check_v5(rows, d, out.format)?;
+    }
     let RowsIn::Bf16(xs) = x else {
-        bail!("norm_quant v5: the input must be BF16");
+        bail!(
+            "norm_quant {}: the input must be BF16",
+            if v6 { "v6" } else { "v5" }
+        );
     };
-    let name = match out.format {
-        OutFormat::Nvfp4 => "rmsnorm_nvfp4_bf16in_v5",
-        _ => "rmsnorm_fp8_bf16in_v5",
+    let name = match (v6, out.format) {
+        (true, _) => v6_entry("rmsnorm_nvfp4_bf16in", d),
+        (false, OutFormat::Nvfp4) => "rmsnorm_nvfp4_bf16in_v5".to_string(),
+        (false, _) => "rmsnorm_fp8_bf16in_v5".to_string(),
     };
     let smem = d * 4; // the weight as f32
-    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
     let threads = v5_block_threads(d);
-    let grid = resident_wave_grid(gpu, &f, threads, smem, rows, name)?;
+    let grid = resident_wave_grid(gpu, &f, threads, smem, rows, &name)?;
     let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), smem as u32);
     let (rows_i, d_i) = (rows as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(xs).arg(w);
-    out.q.push_launch_args(&mut b); // NVFP4 or FP8: check_v5 rejected BF16 above
-    b.arg(&mut out.rstd).arg(&rows_i).arg(&d_i).arg(&eps);
-    drv(unsafe { b.launch(cfg) }, name)?;
+    out.q.push_launch_args(&mut b); // NVFP4 or FP8: the checks rejected BF16 above
+    b.arg(&mut out.rstd).arg(&rows_i);
+    if !v6 {
+        b.arg(&d_i);
+    }
+    b.arg(&eps);
+    drv(unsafe { b.launch(cfg) }, &name)?;
     Ok(())
 }
 
@@ -644,34 +660,6 @@ pub fn check_v6(rows: usize, d: usize, format: OutFormat) -> Result<()> {
 /// Entry point of the v6 kernel for `d` (`prefix` = `rmsnorm_nvfp4_bf16in` or `quant_nvfp4_bf16in`).
 fn v6_entry(prefix: &str, d: usize) -> String {
     format!("{prefix}_v6_w{}", d / V5_D_MULTIPLE)
-}
-
-fn rmsnorm_quant_v6(
-    gpu: &Gpu,
-    x: RowsIn<'_>,
-    w: &CudaSlice<bf16>,
-    eps: f32,
-    out: &mut NormOutputs,
-) -> Result<()> {
-    check_rmsnorm_args(&x, w, eps, out)?;
-    let (rows, d) = (out.rows, out.d);
-    check_v6(rows, d, out.format)?;
-    let RowsIn::Bf16(xs) = x else {
-        bail!("norm_quant v6: the input must be BF16");
-    };
-    let name = v6_entry("rmsnorm_nvfp4_bf16in", d);
-    let smem = d * 4; // the weight as f32
-    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
-    let threads = v5_block_threads(d);
-    let grid = resident_wave_grid(gpu, &f, threads, smem, rows, &name)?;
-    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), smem as u32);
-    let rows_i = rows as i32;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(xs).arg(w);
-    out.q.push_launch_args(&mut b); // NVFP4: data, scales, global scales
-    b.arg(&mut out.rstd).arg(&rows_i).arg(&eps);
-    drv(unsafe { b.launch(cfg) }, &name)?;
-    Ok(())
 }
 
 /// Quantize-only v6 NVFP4 (`quant_nvfp4_bf16in_v6_w<d / 1024>`): BF16 rows `y` -> NVFP4, the same bits as
