@@ -678,10 +678,9 @@ pub fn topk(
     num_valid_host: &[i32],
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
-    let pdl = bufs.k <= TOPK_PDL_MAX_K;
-    topk_chain(
+    topk_with(
         gpu,
-        pdl,
+        TopkPath::Default,
         scores,
         score_stride,
         num_valid,
@@ -917,9 +916,7 @@ pub fn topk_with(
     bufs: &mut TopkBuffers,
 ) -> Result<()> {
     let pdl = match path {
-        TopkPath::Default => {
-            return topk(gpu, scores, score_stride, num_valid, num_valid_host, bufs)
-        }
+        TopkPath::Default => bufs.k <= TOPK_PDL_MAX_K,
         TopkPath::Chain => false,
         TopkPath::Pdl => true,
     };
