@@ -2107,8 +2107,8 @@ fn gpu_wgmma_indexer_selects_the_reference_topk() {
 
 // ---------------------------------------------------------------------------------------------------------
 // FP8 logits v6 (TMA ring, `Fp8LogitsKernel::TmaRing`, the default since session 6): same wgmma sequence and
-// epilogue as the cp.async-rounds kernel (bench `*_rounds*`), so their scores must be bit-identical; also checked against the f64
-// reference (WGMMA_TOL) so the two cannot be wrong together unnoticed.
+// epilogue as the cp.async-rounds kernel (bench `*_rounds*`), so their scores must be bit-identical; also
+// checked against the f64 reference (WGMMA_TOL) so the two cannot be wrong together unnoticed.
 // ---------------------------------------------------------------------------------------------------------
 
 /// Logits of `kernel` on a buffer poisoned with 0xFF (stride = capacity rounded up + 4, so the columns past the

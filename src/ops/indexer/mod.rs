@@ -689,10 +689,11 @@ pub fn topk(
     )
 }
 
-/// Top-k in three launches ([`TopkPath::Chain`]; with `pdl`, [`TopkPath::Pdl`]): histogram of the top 12 key bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row and one
-/// slot atomic per counter per CTA (`indexer_topk5_select_agg`) -> exact final pass with several CTAs per row
-/// (`indexer_topk4_final_mcta`: rank by counting, each CTA a slice of the chosen entries; a one-CTA radix
-/// select and bitonic sort fallback when the threshold bucket exceeds TOPK4_BUCKET_CAP). See kernels/indexer.cu
+/// Top-k in three launches ([`TopkPath::Chain`]; with `pdl`, [`TopkPath::Pdl`]): histogram of the top 12 key
+/// bits (`indexer_topk2_hist`) -> threshold select with many CTAs per row and one slot atomic per counter per CTA
+/// (`indexer_topk5_select_agg`) -> exact final pass with several CTAs per row (`indexer_topk4_final_mcta`: rank
+/// by counting, each CTA a slice of the chosen entries; a one-CTA radix select and bitonic sort fallback when
+/// the threshold bucket exceeds TOPK4_BUCKET_CAP). See kernels/indexer.cu
 /// "Top-k v2" (passes 1-2), "Top-k v4" (final pass) and "Top-k pass 2 with CTA-aggregated slot allocation".
 /// With `pdl`, the same kernel bodies through their PDL entry points (`indexer_topk2_hist_pdl`,
 /// `indexer_topk5_select_agg_pdl`, `indexer_topk4_final_mcta_pdl`), each launched with programmatic stream
@@ -806,8 +807,8 @@ fn topk_chain(
     Ok(())
 }
 
-/// The PDL launches of [`TopkPath::Pdl`] (after [`topk_chain`]'s checks and dirty-buffer reset). Same grids, blocks,
-/// shared memory and parameters as the default launches; parameter slots in the kernels' order.
+/// The PDL launches of [`TopkPath::Pdl`] (after [`topk_chain`]'s checks and dirty-buffer reset). Same grids,
+/// blocks, shared memory and parameters as the plain launches; parameter slots in the kernels' order.
 #[allow(clippy::too_many_arguments)]
 fn topk_chain_pdl(
     gpu: &Gpu,

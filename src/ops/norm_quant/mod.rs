@@ -532,7 +532,7 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
     let d_i = d as i32;
     match &mut out.q {
         QuantBufs::Nvfp4 { .. } => {
-            launch_quant_nvfp4_rows(gpu, "quant_nvfp4_bf16in_v4p", threads, y, out)?;
+            launch_quant_nvfp4_rows(gpu, "quant_nvfp4_bf16in_v4p", threads, true, y, out)?;
         }
         QuantBufs::Fp8 { data, scales } => {
             let cfg = launch_cfg((rows as u32, 1, 1), (threads, 1, 1), 0);
@@ -669,27 +669,7 @@ pub fn quantize_bf16_rows_v6(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutpu
     check_v6(rows, d, out.format)?;
     check_len("y", y.len(), rows * d)?;
     let name = v6_entry("quant_nvfp4_bf16in", d);
-    let QuantBufs::Nvfp4 {
-        data,
-        scales,
-        global_scale,
-    } = &mut out.q
-    else {
-        bail!("{name}: the output format must be nvfp4");
-    };
-    let threads = v5_block_threads(d);
-    let f = gpu.function(FAMILY, &name)?;
-    let grid = resident_wave_grid(gpu, &f, threads, 0, rows, &name)?;
-    let cfg = launch_cfg((grid as u32, 1, 1), (threads, 1, 1), 0);
-    let rows_i = rows as i32;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(y)
-        .arg(data)
-        .arg(scales)
-        .arg(global_scale)
-        .arg(&rows_i);
-    drv(unsafe { b.launch(cfg) }, &name)?;
-    Ok(())
+    launch_quant_nvfp4_rows(gpu, &name, v5_block_threads(d), false, y, out)
 }
 
 /// Quantize-only v5 NVFP4 (`quant_nvfp4_bf16in_v5`): BF16 rows `y` -> NVFP4, the same bits as
@@ -698,15 +678,24 @@ pub fn quantize_bf16_rows_v5(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutpu
     let (rows, d) = (out.rows, out.d);
     check_v5(rows, d, out.format)?;
     check_len("y", y.len(), rows * d)?;
-    launch_quant_nvfp4_rows(gpu, "quant_nvfp4_bf16in_v5", v5_block_threads(d), y, out)
+    launch_quant_nvfp4_rows(
+        gpu,
+        "quant_nvfp4_bf16in_v5",
+        v5_block_threads(d),
+        true,
+        y,
+        out,
+    )
 }
 
-/// A quantize-only BF16 -> NVFP4 row-looping kernel (`quant_nvfp4_bf16in_v4p` / `_v5`: the same parameters):
-/// one resident wave of `threads`-thread CTAs over `out.rows` rows. The caller checked the shapes.
+/// A quantize-only BF16 -> NVFP4 row-looping kernel (`quant_nvfp4_bf16in_v4p` / `_v5` / `_v6_w<d / 1024>`: the
+/// same parameters, except that v6 has D compiled in and takes no `d`, `with_d` false): one resident wave of
+/// `threads`-thread CTAs over `out.rows` rows. The caller checked the shapes.
 fn launch_quant_nvfp4_rows(
     gpu: &Gpu,
     name: &str,
     threads: u32,
+    with_d: bool,
     y: &CudaSlice<bf16>,
     out: &mut NormOutputs,
 ) -> Result<()> {
@@ -728,8 +717,10 @@ fn launch_quant_nvfp4_rows(
         .arg(data)
         .arg(scales)
         .arg(global_scale)
-        .arg(&rows_i)
-        .arg(&d_i);
+        .arg(&rows_i);
+    if with_d {
+        b.arg(&d_i);
+    }
     drv(unsafe { b.launch(cfg) }, name)?;
     Ok(())
 }
@@ -1395,8 +1386,12 @@ pub fn bench_rows(
     let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
     let eps = reference::RMS_EPS;
     let in_bytes = (rows * d * 2 + d * 2) as u64;
-    // kind_fmt, kind in fused / unfused; or `copy`.
-    let (kind, fmt) = variant.rsplit_once('_').unwrap_or((variant, "bf16"));
+    // kind_fmt[_v5], kind in fused / unfused; or `copy`. `_v5`: the fused kernel forced to RowsPath::V5.
+    let (base, forced) = match variant.strip_suffix("_v5") {
+        Some(b) => (b, Some(RowsPath::V5)),
+        None => (variant, None),
+    };
+    let (kind, fmt) = base.rsplit_once('_').unwrap_or((base, "bf16"));
     let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
         kernel: "rmsnorm_quant",
         variant: variant.to_string(),
@@ -1406,15 +1401,6 @@ pub fn bench_rows(
         samples_us: samples,
         baseline,
     };
-    if variant == "fused_nvfp4_v5" {
-        // the previous NVFP4 default forced, raced against fused_nvfp4 (v6 from 4096 rows)
-        let mut out = NormOutputs::alloc_poisoned(gpu, OutFormat::Nvfp4, rows, d)?;
-        let s = gpu.time_us(plan, || {
-            rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, RowsPath::V5)
-        })?;
-        let bytes = in_bytes + (rows * (OutFormat::Nvfp4.row_bytes(d) + 4)) as u64;
-        return Ok(point(bytes, s, Some("fused_nvfp4".to_string())));
-    }
     match kind {
         "copy" => {
             let mut dst = gpu.zeros::<bf16>(rows * d)?;
@@ -1426,12 +1412,17 @@ pub fn bench_rows(
         "fused" => {
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let s = gpu.time_us(plan, || {
-                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
+            let s = gpu.time_us(plan, || match forced {
+                Some(path) => rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, path),
+                None => rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out),
             })?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
-            let base = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
-            Ok(point(bytes, s, base))
+            // A forced path is raced against the default (`fused_<fmt>`), the default against the unfused chain.
+            let baseline = match forced {
+                Some(_) => Some(format!("fused_{fmt}")),
+                None => (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}")),
+            };
+            Ok(point(bytes, s, baseline))
         }
         "unfused" => {
             let format = OutFormat::parse(fmt)?;
