@@ -1893,6 +1893,74 @@ fn one_row(got: &nq::HostNormOutputs, row: usize, d: usize) -> nq::HostNormOutpu
     }
 }
 
+/// A quantize-only NVFP4 kernel (`quantize`: v4p / v5 / v6 launcher) on device BF16 rows `dy` [rows, d], into
+/// freshly poisoned outputs; returns them downloaded.
+fn quantized_nvfp4(
+    gpu: &megamoe::gpu::Gpu,
+    dy: &cudarc::driver::CudaSlice<half::bf16>,
+    rows: usize,
+    d: usize,
+    quantize: fn(
+        &megamoe::gpu::Gpu,
+        &cudarc::driver::CudaSlice<half::bf16>,
+        &mut NormOutputs,
+    ) -> anyhow::Result<()>,
+) -> nq::HostNormOutputs {
+    let mut out = NormOutputs::alloc_poisoned(gpu, OutFormat::Nvfp4, rows, d).unwrap();
+    quantize(gpu, dy, &mut out).unwrap();
+    out.download(gpu).unwrap()
+}
+
+/// `rmsnorm_quant` on device rows `dx` [rows, d] along `path` (`None`: as called, i.e. `rows_path`'s choice),
+/// into freshly poisoned outputs; returns them downloaded.
+fn run_rows_path(
+    gpu: &megamoe::gpu::Gpu,
+    dx: &cudarc::driver::CudaSlice<half::bf16>,
+    dw: &cudarc::driver::CudaSlice<half::bf16>,
+    format: OutFormat,
+    rows: usize,
+    d: usize,
+    path: Option<nq::RowsPath>,
+) -> nq::HostNormOutputs {
+    let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d).unwrap();
+    match path {
+        Some(p) => nq::rmsnorm_quant_with(gpu, RowsIn::Bf16(dx), dw, r::RMS_EPS, &mut out, p),
+        None => nq::rmsnorm_quant(gpu, RowsIn::Bf16(dx), dw, r::RMS_EPS, &mut out),
+    }
+    .unwrap();
+    out.download(gpu).unwrap()
+}
+
+/// The CPU reference on the random rows of `v5_rows` data (not the boundary / extreme ones, rows 1..=4 and every
+/// 5th: their rstd may be far from the CPU's) among the first 300 and the last 64; returns how many were checked.
+fn check_sampled_rows_vs_cpu(
+    label: &str,
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    d: usize,
+    format: OutFormat,
+    got: &nq::HostNormOutputs,
+) -> usize {
+    let mut checked = 0;
+    for row in (0..rows.min(300)).chain(rows.saturating_sub(64).max(300)..rows) {
+        if row % 5 == 0 || (1..=4).contains(&row) {
+            continue;
+        }
+        check_norm_outputs(
+            &format!("{label} row {row}"),
+            &x[row * d..(row + 1) * d],
+            w,
+            1,
+            d,
+            format,
+            &one_row(got, row, d),
+        );
+        checked += 1;
+    }
+    checked
+}
+
 /// The two BF16 row kernels (RowsPath::V4: v4p NVFP4 / one-CTA-per-row FP8; RowsPath::V5), each forced, bit for
 /// bit against each other on every row (codes, block scales, global scales, FP8 scales, rstd; outputs poisoned
 /// before each run), and the v5 output against the CPU reference (exact given the GPU rstd) on the random rows
@@ -1920,24 +1988,7 @@ fn gpu_v5_rows_equal_v4_and_default_bitwise() {
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
                 let label = format!("{} {rows}x{d}, seed {seed}", format.name());
-                let run = |path: Option<nq::RowsPath>| {
-                    let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                    match path {
-                        Some(p) => nq::rmsnorm_quant_with(
-                            &gpu,
-                            RowsIn::Bf16(&dx),
-                            &dw,
-                            r::RMS_EPS,
-                            &mut out,
-                            p,
-                        ),
-                        None => {
-                            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out)
-                        }
-                    }
-                    .unwrap();
-                    out.download(&gpu).unwrap()
-                };
+                let run = |path| run_rows_path(&gpu, &dx, &dw, format, rows, d, path);
                 let got = run(Some(nq::RowsPath::V5));
                 let default_path = nq::rows_path(rows, d, format);
                 if format == OutFormat::Nvfp4 && d > nq::V4P_NVFP4_MAX_D {
@@ -1970,22 +2021,15 @@ fn gpu_v5_rows_equal_v4_and_default_bitwise() {
                 }
                 // the CPU reference on random rows (not the boundary / extreme ones: their rstd may be far
                 // from the CPU's, see v5_rows) among the first 300 and the last 64
-                let mut checked = 0;
-                for row in (0..rows.min(300)).chain(rows.saturating_sub(64).max(300)..rows) {
-                    if row % 5 == 0 || (1..=4).contains(&row) {
-                        continue;
-                    }
-                    check_norm_outputs(
-                        &format!("V5 {label} row {row}"),
-                        &x[row * d..(row + 1) * d],
-                        &w,
-                        1,
-                        d,
-                        format,
-                        &one_row(&got, row, d),
-                    );
-                    checked += 1;
-                }
+                let checked = check_sampled_rows_vs_cpu(
+                    &format!("V5 {label}"),
+                    &x,
+                    &w,
+                    rows,
+                    d,
+                    format,
+                    &got,
+                );
                 eprintln!("{label}: V5, V4 and rmsnorm_quant ({default_path:?}) bit-identical; {checked} rows exact vs the CPU reference");
             }
         }
@@ -2056,18 +2100,10 @@ fn gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries() {
             let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
             let label = format!("v5 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
             let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
-            let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            nq::quantize_bf16_rows_v5(&gpu, &dy, &mut out).unwrap();
-            let got = out.download(&gpu).unwrap();
+            let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v5);
             assert_same_nvfp4(&label, &got.q, &want, d);
-            let mut v4p = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            nq::quantize_bf16_rows(&gpu, &dy, &mut v4p).unwrap();
-            assert_same_nvfp4(
-                &format!("{label} (vs v4p)"),
-                &got.q,
-                &v4p.download(&gpu).unwrap().q,
-                d,
-            );
+            let v4p = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows);
+            assert_same_nvfp4(&format!("{label} (vs v4p)"), &got.q, &v4p.q, d);
             eprintln!("{label}: v5, v4p and the CPU reference bit-identical");
         }
     }
@@ -2206,22 +2242,7 @@ fn gpu_v6_nvfp4_rows_equal_v5_bitwise() {
             let x = v5_rows(rows, d, seed ^ (rows as u64 * 977 + d as u64));
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             let label = format!("nvfp4 v6 {rows}x{d}, seed {seed}");
-            let run = |path: Option<nq::RowsPath>| {
-                let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                match path {
-                    Some(p) => nq::rmsnorm_quant_with(
-                        &gpu,
-                        RowsIn::Bf16(&dx),
-                        &dw,
-                        r::RMS_EPS,
-                        &mut out,
-                        p,
-                    ),
-                    None => nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out),
-                }
-                .unwrap();
-                out.download(&gpu).unwrap()
-            };
+            let run = |path| run_rows_path(&gpu, &dx, &dw, format, rows, d, path);
             let got = run(Some(nq::RowsPath::V6));
             assert_same_rows(
                 &format!("V6 vs V5 {label}"),
@@ -2230,22 +2251,8 @@ fn gpu_v6_nvfp4_rows_equal_v5_bitwise() {
                 d,
             );
             assert_same_rows(&format!("V6 vs rmsnorm_quant {label}"), &got, &run(None), d);
-            let mut checked = 0;
-            for row in (0..rows.min(300)).chain(rows.saturating_sub(64).max(300)..rows) {
-                if row % 5 == 0 || (1..=4).contains(&row) {
-                    continue;
-                }
-                check_norm_outputs(
-                    &format!("V6 {label} row {row}"),
-                    &x[row * d..(row + 1) * d],
-                    &w,
-                    1,
-                    d,
-                    format,
-                    &one_row(&got, row, d),
-                );
-                checked += 1;
-            }
+            let checked =
+                check_sampled_rows_vs_cpu(&format!("V6 {label}"), &x, &w, rows, d, format, &got);
             eprintln!("{label}: V6, V5 and rmsnorm_quant bit-identical; {checked} rows exact vs the CPU reference");
         }
     }
@@ -2266,18 +2273,10 @@ fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
             let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
             let label = format!("v6 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
             let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
-            let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            nq::quantize_bf16_rows_v6(&gpu, &dy, &mut out).unwrap();
-            let got = out.download(&gpu).unwrap();
+            let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v6);
             assert_same_nvfp4(&label, &got.q, &want, d);
-            let mut v5 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            nq::quantize_bf16_rows_v5(&gpu, &dy, &mut v5).unwrap();
-            assert_same_nvfp4(
-                &format!("{label} (vs v5)"),
-                &got.q,
-                &v5.download(&gpu).unwrap().q,
-                d,
-            );
+            let v5 = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v5);
+            assert_same_nvfp4(&format!("{label} (vs v5)"), &got.q, &v5.q, d);
             eprintln!("{label}: v6, v5 and the CPU reference bit-identical");
         }
         // non-finite input (the noinline per-element fallback of a non-finite block scale): v6 vs v5 only
@@ -2293,16 +2292,9 @@ fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         }
         let dy = gpu.upload(&bf16::to_bf16_vec(&y)).unwrap(); // upload_checked_bf16 refuses non-finite values
         let label = format!("v6 quant->nvfp4 non-finite rows {rows}x{d}, seed {seed}");
-        let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::quantize_bf16_rows_v6(&gpu, &dy, &mut out).unwrap();
-        let mut v5 = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::quantize_bf16_rows_v5(&gpu, &dy, &mut v5).unwrap();
-        assert_same_nvfp4(
-            &label,
-            &out.download(&gpu).unwrap().q,
-            &v5.download(&gpu).unwrap().q,
-            d,
-        );
+        let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v6);
+        let v5 = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v5);
+        assert_same_nvfp4(&label, &got.q, &v5.q, d);
         eprintln!("{label}: v6 and v5 bit-identical");
     }
 }
