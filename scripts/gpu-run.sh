@@ -91,6 +91,8 @@ if [ "$what" = profile ]; then
   sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
   sections="$sections --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats"
   sections="$sections --section InstructionStats --section SourceCounters"
+  # The section bodies (pipe utilization per unit: tensor / ALU / FMA / shared) when this ncu can print them.
+  details=(); "$ncu" --help 2>/dev/null | grep -q -- "--print-details" && details=(--print-details all)
   for c in "$B"/bench-configs/profile/*.toml; do
     name="$(basename "$c" .toml)"
     if [ -n "${CONFIGS:-}" ] && ! [[ " $CONFIGS " == *" $name "* ]]; then continue; fi
@@ -100,7 +102,7 @@ if [ "$what" = profile ]; then
     # instruction: which load a warp waits on) as ncu-<family>-source.csv.gz, summarized by ncu-hot.py into ncu-<family>-hot.txt.
     rep=(); [ -n "${PROFILE_SOURCE:-}" ] && rep=(-o "$work/ncu-$name" -f)
     # shellcheck disable=SC2086
-    timeout "${PROFILE_TIMEOUT:-200}" "$ncu" --clock-control none $sections -k "regex:$re" "${rep[@]}" \
+    timeout "${PROFILE_TIMEOUT:-200}" "$ncu" --clock-control none $sections "${details[@]}" -k "regex:$re" "${rep[@]}" \
       --launch-count "${launches:-8}" "$B/megamoe" bench --config "$c" --out "$work/profile-bench" \
       > "$work/ncu-$name.txt" 2>&1 || { echo "ncu $name failed"; status=1; }
     if [ -n "${PROFILE_SOURCE:-}" ] && [ -f "$work/ncu-$name.ncu-rep" ]; then
