@@ -12,7 +12,7 @@
 //                                  tile's dequant overlapped with QK^T (the v5 main loop, design notes above
 //                                  load_raw_regs), behind a cheaper q prologue than v5's (q codes by x * 2^-k
 //                                  instead of x / 2^k, the same value; tile 0's loads issued before the q
-//                                  quantization); notes above decode_fp8_v6_body.
+//                                  quantization); notes above decode_fp8_body.
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -263,13 +263,20 @@ __device__ __forceinline__ int resolve_candidate(const DecodeArgs& a, int b, int
 }
 
 // Inverse RoPE of one interleaved pair at query position `pos`: (x + iy) * e^{-i pos f}.
-__device__ __forceinline__ void inverse_rope_pair(float& x, float& y, int pos, float freq) {
-    float s, c;
-    sincosf(__fmul_rn(static_cast<float>(pos), freq), &s, &c);
+// (c, s) = (cos, sin) of the pair's angle pos * freq; inverse_rope_pair computes them, the compact epilogue of
+// sparse_attn_decode_fp8_v7 reads them from a per-CTA table (the same sincosf of the same product, so the same
+// values), and both rotate through this one expression.
+__device__ __forceinline__ void inverse_rope_rotate(float& x, float& y, float c, float s) {
     const float nx = x * c + y * s;
     const float ny = y * c - x * s;
     x = nx;
     y = ny;
+}
+
+__device__ __forceinline__ void inverse_rope_pair(float& x, float& y, int pos, float freq) {
+    float s, c;
+    sincosf(__fmul_rn(static_cast<float>(pos), freq), &s, &c);
+    inverse_rope_rotate(x, y, c, s);
 }
 
 // Per-thread state of the online softmax and output (see the warp layout in the header comment).
@@ -384,9 +391,9 @@ __device__ __forceinline__ void pv_step(WarpState& st, const __nv_bfloat16* ps, 
 
 // Final step of a CTA: full row sums, then either the finished output (sink, 1/Z, inverse RoPE, BF16) or the
 // split partial (O/l, lse = m + log2 l).
-__device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float* red_sum, int b, int hg, int split,
-                                       int wm, int wh, int g, int tq) {
-    float l[2];
+// Full row sums l[r] of rows row0 and row0 + 8 (the quad, then the other warp group's half through red_sum).
+__device__ __forceinline__ void row_sums(const WarpState& st, float* red_sum, int wm, int wh, int g, int tq,
+                                         float (&l)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] = st.l[r];
@@ -401,6 +408,31 @@ __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float
     pair_barrier(wm);
     l[0] += red_sum[(1 - wh) * kHeadsPerCta + row0];
     l[1] += red_sum[(1 - wh) * kHeadsPerCta + row0 + 8];
+}
+
+// Split partial of rows row0 (+8): O / l and lse = m + log2 l (f32), for sparse_attn_combine*.
+__device__ __forceinline__ void store_split_partial(const WarpState& st, const DecodeArgs& a, const float (&l)[2],
+                                                    int b, int hg, int split, int row0, int wh, int tq) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = hg * kHeadsPerCta + row0 + 8 * r;
+        const bool empty = (st.m[r] == -INFINITY);
+        const float inv = empty ? 0.f : 1.f / l[r];
+        const size_t prow = ((size_t)b * a.n_splits + split) * a.heads + h;
+        float* orow = a.part_o + prow * kDim + 256 * wh;
+#pragma unroll
+        for (int nt = 0; nt < 32; ++nt)
+            *reinterpret_cast<float2*>(orow + 8 * nt + 2 * tq) =
+                make_float2(st.o[nt][2 * r] * inv, st.o[nt][2 * r + 1] * inv);
+        if (wh == 0 && tq == 0) a.part_lse[prow] = empty ? -INFINITY : st.m[r] + log2f(l[r]);
+    }
+}
+
+__device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float* red_sum, int b, int hg, int split,
+                                       int wm, int wh, int g, int tq) {
+    float l[2];
+    row_sums(st, red_sum, wm, wh, g, tq, l);
+    const int row0 = 16 * wm + g;
 
     const int pos = a.positions[b];
 #pragma unroll
@@ -428,6 +460,56 @@ __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float
                     make_float2(st.o[nt][2 * r] * inv, st.o[nt][2 * r + 1] * inv);
             if (wh == 0 && tq == 0) a.part_lse[prow] = empty ? -INFINITY : st.m[r] + log2f(l[r]);
         }
+    }
+}
+
+// The epilogue of sparse_attn_decode_fp8_v7: the values of finish(), bit for bit, in compact code. finish() is
+// executed once per warp, and its unrolled form (an inlined sincosf and a branch per rope pair, 2 rows x 32
+// n-tiles) compiled to ~7,900 straight-line SASS instructions: at Pro batch 128 the decode kernel spent 26% of its
+// warp-stall samples there, 22 points of them instruction-fetch stalls (session-7 ncu, results/h200/profile/
+// ncu-sparse_attn-session7-start-hot.txt). Here:
+//   * cos / sin of the 32 rope pairs come from rope_cs, filled once per CTA in the prologue with the same
+//     sincosf(__fmul_rn(pos, freq)) finish() evaluates per pair (every head shares the query position);
+//   * the rope is one warp-uniform branch: rope dims 448..511 are n-tiles 24..31 of warp group 1 only
+//     (dim = 256 wh + 8 nt + 2 tq >= 448 <=> wh = 1 and nt >= 24), pair index (dim - 448) / 2 = 4 (nt - 24) + tq;
+//   * x = o * inv is computed in place first, then rotated, then packed: the operations and their order per
+//     element are finish()'s (o * inv, inverse_rope_rotate, pack_bf16x2).
+__device__ __forceinline__ void finish_compact(WarpState& st, const DecodeArgs& a, float* red_sum,
+                                               const float2* rope_cs, int b, int hg, int split, int wm, int wh,
+                                               int g, int tq) {
+    float l[2];
+    row_sums(st, red_sum, wm, wh, g, tq, l);
+    const int row0 = 16 * wm + g;
+    if (a.n_splits != 1) {
+        store_split_partial(st, a, l, b, hg, split, row0, wh, tq);
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = hg * kHeadsPerCta + row0 + 8 * r;
+        const bool empty = (st.m[r] == -INFINITY);
+        const float z = empty ? 1.f : l[r] + exp2f(a.sinks[h] * kLog2e - st.m[r]);
+        const float inv = empty ? 0.f : 1.f / z;
+#pragma unroll
+        for (int nt = 0; nt < 32; ++nt) {
+            st.o[nt][2 * r] *= inv;
+            st.o[nt][2 * r + 1] *= inv;
+        }
+    }
+    if (wh == 1) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float2 cs = rope_cs[4 * j + tq];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) inverse_rope_rotate(st.o[24 + j][2 * r], st.o[24 + j][2 * r + 1], cs.x, cs.y);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        __nv_bfloat16* orow = a.out + ((size_t)b * a.heads + hg * kHeadsPerCta + row0 + 8 * r) * kDim + 256 * wh;
+#pragma unroll
+        for (int nt = 0; nt < 32; ++nt)
+            *reinterpret_cast<uint32_t*>(orow + 8 * nt + 2 * tq) = pack_bf16x2(st.o[nt][2 * r], st.o[nt][2 * r + 1]);
     }
 }
 
@@ -514,7 +596,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[32][4], uint64_t 
         : "l"(da), "l"(db), "r"(1));
 }
 // ---------------------------------------------------------------------------------------------------------
-// FP8 main loop (introduced by v5, whose entry point was removed after the session-4 final run; decode_fp8_v6_body
+// FP8 main loop (introduced by v5, whose entry point was removed after the session-4 final run; decode_fp8_body
 // runs it, with the same epilogue):
 // QK^T and P.V on wgmma, with the next tile's dequant overlapped with the current tile's QK^T wgmma, and no raw shared-memory stage.
 //   * Two swizzled K = V tiles (vt[0], vt[1]). The raw entries go global -> registers -> BF16 tile: thread
@@ -537,6 +619,10 @@ constexpr int kV5Idx = kV5RedSum + kRedBytes;           // 4 slots of 64 indices
 constexpr int kV5Bytes = kV5Idx + 4 * kBlockN * 4;      // 206848
 constexpr int kV5SmemBytes = kV5Bytes + 1024;
 static_assert(kV5SmemBytes == 207872, "mirror FP8_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+// v7 (decode_fp8_body<true>): the v6 map plus the rope cos / sin table (32 float2) of finish_compact.
+constexpr int kV7RopeCs = kV5Bytes;
+constexpr int kV7SmemBytes = kV7RopeCs + 32 * 8 + 1024;
+static_assert(kV7SmemBytes == 208128, "mirror FP8_V7_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
 static_assert(kV5P % 1024 == 0 && kV5Vt % 1024 == 0, "wgmma tiles 1024-aligned");
 
 struct RawRegs {
@@ -1005,7 +1091,17 @@ __device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]
     return r;
 }
 
-__device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
+// kCompact = false: the v6 body (sparse_attn_decode_fp8_v6). kCompact = true: sparse_attn_decode_fp8_v7, the same
+// values bit for bit with the code executed once per warp made small (the session-7 profile: at Pro batch 128 the
+// v6 prologue held 12% and the epilogue 26% of the warp-stall samples, mostly instruction-fetch stalls on
+// straight-line code that no warp executes twice):
+//   * q: each thread stores its raw BF16 q chunks straight into their swizzled q-tile slots, then quantizes them in
+//     place in a rolled loop over its warp's 8 heads (one copy of the quantizer instead of 8 unrolled ones; every
+//     thread reads back only the 32 bytes it wrote, so no barrier is needed between the two);
+//   * the rope cos / sin table of the query position (32 pairs) is computed once per CTA into rope_cs
+//     (kV7RopeCs), for finish_compact (see there).
+template <bool kCompact>
+__device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     extern __shared__ __align__(16) uint8_t smem_unaligned[];
     uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
     uint8_t* qsw = smem + kV5Q;
@@ -1036,9 +1132,51 @@ __device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
 #pragma unroll
         for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
     }
+    if constexpr (kCompact) {
+        // Raw q chunks into their q-tile slots now (the same addresses the quantized codes go to below).
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            *reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane)) = raw[hh][0];
+            *reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1)) = raw[hh][1];
+        }
+    }
     RawRegs rr;
     if (n_it > 0) load_raw_regs(rr, a.pool, resolve_candidate(a, b, len, t_begin * kBlockN + de), dq, dodd);
-    {
+    if constexpr (kCompact) {
+        if (a.n_splits == 1 && tid < 32) {
+            float sn, cs;
+            sincosf(__fmul_rn(static_cast<float>(a.positions[b]), __ldg(a.freqs + tid)), &sn, &cs);
+            reinterpret_cast<float2*>(smem + kV7RopeCs)[tid] = make_float2(cs, sn);
+        }
+        // Rolled: one quantizer in the code. Lanes 28..31 (rope dims) run the quantizer too (its shuffles need the
+        // full warp) and keep their raw BF16 values.
+#pragma unroll 1
+        for (int hh = 0; hh < 8; ++hh) {
+            const int hrow = 8 * warp + hh;
+            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+            const uint4 r0 = *dst0, r1 = *dst1;
+            const uint32_t wv[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                x[2 * i] = __uint_as_float(wv[i] << 16);
+                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+            }
+            const LaneQuant lq = quantize_lane_pow2_mul(x);
+            if (lane < 28) {
+                uint32_t o[8];
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+                }
+                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+            }
+        }
+    } else {
 #pragma unroll
         for (int hh = 0; hh < 8; ++hh) {
             const int hrow = 8 * warp + hh;
@@ -1143,7 +1281,12 @@ __device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
         wgmma_wait_all();
         fence_acc_o(st.o);
     }
-    finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+    if constexpr (kCompact) {
+        finish_compact(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV7RopeCs), b, hg, split, wm, wh, g,
+                       tq);
+    } else {
+        finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
+    }
 }
 
 }  // namespace sa
@@ -1152,5 +1295,11 @@ __device__ __forceinline__ void decode_fp8_v6_body(const DecodeArgs& a) {
 // the v6 body; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for sparse_attn_combine (exactly
 // as the removed sparse_attn_decode_fp8_v5 did: the same finish()). Measured bit-identical to v5 until its removal.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v6(SA_DECODE_PARAMS) {
-    sa::decode_fp8_v6_body(SA_DECODE_ARGS);
+    sa::decode_fp8_body<false>(SA_DECODE_ARGS);
+}
+
+// Same grid and outputs as sparse_attn_decode_fp8_v6 (bit-identical), dynamic smem sa::kV7SmemBytes: the compact
+// prologue / epilogue (decode_fp8_body<true>). Path::Fp8Compact, bench "fp8_compact" (session-7 A/B).
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v7(SA_DECODE_PARAMS) {
+    sa::decode_fp8_body<true>(SA_DECODE_ARGS);
 }

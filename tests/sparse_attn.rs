@@ -1133,6 +1133,69 @@ fn gpu_combine_v2_bit_identical_to_combine() {
     }
 }
 
+/// The session-7 A/B candidate Path::Fp8Compact (`sparse_attn_decode_fp8_v7`: v6's main loop behind a compact
+/// prologue and epilogue) against Path::Fp8 (v6): the same plan, outputs equal bit for bit (the rolled q
+/// quantization and the per-CTA rope table change no operation, see decode_fp8_body / finish_compact), and within
+/// tolerance of the CPU reference. 64 and 128 heads, lengths 0 / 1 / 127 / 129 / 200 / 640 / 1152 with -1 holes,
+/// random query positions below 1M (the rope angles reach sincosf's slow path); plans: one split (the compact
+/// epilogue with the rope), 1 / 2 / 3 tiles per split (split partials + combine), the default plan; and HCA 8320
+/// candidates under the default plan and one split.
+#[test]
+fn gpu_decode_fp8_compact_bit_identical_to_fp8() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_compact_bit_identical_to_fp8") else {
+        return;
+    };
+    let mut rng = seeded("gpu_decode_fp8_compact_bit_identical_to_fp8", 0xC0A7);
+    let sms = gpu.info.sm_count as usize;
+    let problems = [
+        HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true),
+        HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true),
+        HostProblem::random(&mut rng, 64, &[8320, 640], true),
+    ];
+    for hp in &problems {
+        let shape = hp.shape();
+        let r = fp8_reference(hp);
+        let dp = DeviceProblem::upload(&gpu, hp);
+        let mut plans = vec![
+            (
+                "single split".to_string(),
+                SplitPlan::with_tiles_per_split(&shape, 1000).unwrap(),
+            ),
+            (
+                "fp8_default".to_string(),
+                SplitPlan::for_path(sms, &shape, Path::Fp8Compact),
+            ),
+        ];
+        if shape.stride <= 1152 {
+            for t in [1usize, 2, 3] {
+                plans.push((
+                    format!("{t} tiles per split"),
+                    SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
+                ));
+            }
+        }
+        for (name, plan) in plans {
+            let label = format!("h{} lengths {:?} {name} {plan:?}", hp.heads, hp.lengths);
+            let v6 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+            let v7 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8Compact);
+            let v7_f64: Vec<f64> = v7.iter().map(|v| v.to_f64()).collect();
+            assert_within_reference(
+                &format!("{label}: Fp8Compact vs reference"),
+                &shape,
+                &v7_f64,
+                &r,
+            );
+            assert_same_bits(
+                &format!("{label}: Fp8Compact vs Fp8 (\"first call\" = Fp8)"),
+                &shape,
+                &v6,
+                &v7,
+            );
+            println!("{label}: Fp8Compact bit-identical to Fp8 and within the reference tolerance");
+        }
+    }
+}
+
 /// Path::Fp8 as a replayed CUDA graph (decode + combine when split): outputs and partials poisoned before each of
 /// 4 replays, each bit-identical to a plain (not captured) Path::Fp8 call on the same plan, which is itself held
 /// to the CPU reference.
@@ -1526,6 +1589,7 @@ fn bench_config_and_split_plans() {
         bench_path(v).unwrap();
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
+    assert_eq!(bench_path("fp8_compact").unwrap(), Path::Fp8Compact);
     assert_eq!(bench_path("fp8_oldcombine").unwrap(), Path::Fp8OldCombine);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
     assert_eq!(
