@@ -671,90 +671,6 @@ __device__ __forceinline__ void dequant_regs_v5(const RawRegs& r, uint8_t* vt, i
     *reinterpret_cast<uint4*>(vt + sw_off(e, 60 + q)) = make_uint4(r.rope[2].x, r.rope[2].y, r.rope[3].x, r.rope[3].y);
 }
 
-// Half-tile register staging of sparse_attn_decode_fp8_v8 (decode_fp8_body<true, true>): half kH of a thread's
-// RawRegs: nope chunks i = 7 kH .. 7 kH + 6 (the same i as load_raw_regs / dequant_regs_v5, so the same bytes go to
-// the same swizzled addresses), the scale word (both halves load it: 8 bytes, an L1 hit for the second) and rope
-// words 2 kH, 2 kH + 1 (half 0 writes chunk 56 + q, half 1 chunk 60 + q, as dequant_regs_v5 does).
-struct RawHalf {
-    uint2 nope[7];
-    uint2 sc;
-    uint2 rope[2];
-};
-
-template <int kH>
-__device__ __forceinline__ void load_raw_half(RawHalf& r, const uint8_t* __restrict__ pool, int idx, int q, int odd) {
-    if (idx >= 0) {
-        const uint8_t* src = pool + (size_t)idx * kEntryBytes;
-#pragma unroll
-        for (int j = 0; j < 7; ++j) {
-            const int i = 7 * kH + j;
-            r.nope[j] = __ldg(reinterpret_cast<const uint2*>(src + 8 * (8 * (i >> 1) + q + 4 * ((i & 1) ^ odd))));
-        }
-        r.sc = __ldg(reinterpret_cast<const uint2*>(src + kScaleOffset));
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int jj = 2 * kH + j;
-            r.rope[j] = __ldg(reinterpret_cast<const uint2*>(src + kRopeOffset + 16 * q + 8 * (jj & 1) + 64 * (jj >> 1)));
-        }
-    } else {  // as load_raw_regs: zero codes and scale code 0
-#pragma unroll
-        for (int j = 0; j < 7; ++j) r.nope[j] = make_uint2(0u, 0u);
-        r.sc = make_uint2(0u, 0u);
-        r.rope[0] = r.rope[1] = make_uint2(0u, 0u);
-    }
-}
-
-template <int kH>
-__device__ __forceinline__ void dequant_half(const RawHalf& r, uint8_t* vt, int e, int q, int odd) {
-#pragma unroll
-    for (int j = 0; j < 7; ++j) {
-        const int i = 7 * kH + j;
-        const int t = i >> 1;
-        const float s = mm::ue8m0_decode(static_cast<uint8_t>(((t < 4 ? r.sc.x : r.sc.y) >> (8 * (t & 3))) & 0xFFu));
-        const int c = 8 * (i >> 1) + q + 4 * ((i & 1) ^ odd);
-        const uint2 w = r.nope[j];
-        uint4 o;
-        o.x = e4m3x2_to_bf16x2_scaled(w.x, s);
-        o.y = e4m3x2_to_bf16x2_scaled(w.x >> 16, s);
-        o.z = e4m3x2_to_bf16x2_scaled(w.y, s);
-        o.w = e4m3x2_to_bf16x2_scaled(w.y >> 16, s);
-        *reinterpret_cast<uint4*>(vt + sw_off(e, c)) = o;
-    }
-    *reinterpret_cast<uint4*>(vt + sw_off(e, 56 + 4 * kH + q)) =
-        make_uint4(r.rope[0].x, r.rope[0].y, r.rope[1].x, r.rope[1].y);
-}
-
-// The next tile's raw entry in registers, and where its dequant runs. kSplit = false (v6, v7): the whole tile is
-// dequantized while QK^T runs (dequant_a; the b calls are empty). kSplit = true (v8): half while QK^T runs, the
-// other half while P.V runs (the session-7 profile of v6 at Pro batch 128: the QK^T wait held 0.3% of the stall
-// samples and the P.V wait 9.6%, i.e. the dequant outlasts QK^T while the CUDA cores idle through P.V).
-template <bool kSplit>
-struct TileStage;
-
-template <>
-struct TileStage<false> {
-    RawRegs rr;
-    __device__ __forceinline__ void load_a(const uint8_t* pool, int idx, int q, int odd) {
-        load_raw_regs(rr, pool, idx, q, odd);
-    }
-    __device__ __forceinline__ void dequant_a(uint8_t* vt, int e, int q, int odd) { dequant_regs_v5(rr, vt, e, q, odd); }
-    __device__ __forceinline__ void load_b(const uint8_t*, int, int, int) {}
-    __device__ __forceinline__ void dequant_b(uint8_t*, int, int, int) {}
-};
-
-template <>
-struct TileStage<true> {
-    RawHalf ra, rb;
-    __device__ __forceinline__ void load_a(const uint8_t* pool, int idx, int q, int odd) {
-        load_raw_half<0>(ra, pool, idx, q, odd);
-    }
-    __device__ __forceinline__ void dequant_a(uint8_t* vt, int e, int q, int odd) { dequant_half<0>(ra, vt, e, q, odd); }
-    __device__ __forceinline__ void load_b(const uint8_t* pool, int idx, int q, int odd) {
-        load_raw_half<1>(rb, pool, idx, q, odd);
-    }
-    __device__ __forceinline__ void dequant_b(uint8_t* vt, int e, int q, int odd) { dequant_half<1>(rb, vt, e, q, odd); }
-};
-
 // ---------------------------------------------------------------------------------------------------------
 // BF16 baseline path (the seeds' staging design): same tiling, K = V read as BF16 rows of the staging buffer.
 // ---------------------------------------------------------------------------------------------------------
@@ -1184,7 +1100,7 @@ __device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]
 //     thread reads back only the 32 bytes it wrote, so no barrier is needed between the two);
 //   * the rope cos / sin table of the query position (32 pairs) is computed once per CTA into rope_cs
 //     (kV7RopeCs), for finish_compact (see there).
-template <bool kCompact, bool kSplitDequant = false>
+template <bool kCompact>
 __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     extern __shared__ __align__(16) uint8_t smem_unaligned[];
     uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
@@ -1225,12 +1141,8 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
             *reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1)) = raw[hh][1];
         }
     }
-    TileStage<kSplitDequant> stage;
-    if (n_it > 0) {
-        const int idx0 = resolve_candidate(a, b, len, t_begin * kBlockN + de);
-        stage.load_a(a.pool, idx0, dq, dodd);
-        stage.load_b(a.pool, idx0, dq, dodd);
-    }
+    RawRegs rr;
+    if (n_it > 0) load_raw_regs(rr, a.pool, resolve_candidate(a, b, len, t_begin * kBlockN + de), dq, dodd);
     if constexpr (kCompact) {
         if (a.n_splits == 1 && tid < 32) {
             float sn, cs;
@@ -1302,14 +1214,8 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     st.l[0] = st.l[1] = 0.f;
 
     __syncthreads();  // idx slots 0..2 visible
-    if (n_it > 0) {
-        stage.dequant_a(smem + kV5Vt, de, dq, dodd);
-        stage.dequant_b(smem + kV5Vt, de, dq, dodd);
-    }
-    if (n_it > 1) {
-        stage.load_a(a.pool, idxs[kBlockN + de], dq, dodd);
-        stage.load_b(a.pool, idxs[kBlockN + de], dq, dodd);
-    }
+    if (n_it > 0) dequant_regs_v5(rr, smem + kV5Vt, de, dq, dodd);
+    if (n_it > 1) load_raw_regs(rr, a.pool, idxs[kBlockN + de], dq, dodd);
     fence_proxy_async();  // q and vt[0] generic stores -> async proxy (after the loop-top barrier)
 
     const uint32_t q_base = smem_addr(qsw);
@@ -1343,8 +1249,8 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 
         // ---- while the tensor cores run: tile it+1 registers -> vt[(it+1) & 1]; load tile it+2 ----
         if (it + 1 < n_it) {
-            stage.dequant_a(smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
-            if (it + 2 < n_it) stage.load_a(a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
+            dequant_regs_v5(rr, smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
+            if (it + 2 < n_it) load_raw_regs(rr, a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
         }
 
         wgmma_wait_all();
@@ -1372,16 +1278,6 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) wgmma_m64n256k16_tb(st.o, p_desc + 2 * k, v_desc + (2048 >> 4) * k);
         wgmma_commit();
-        if constexpr (kSplitDequant) {
-            // The second half of tile it+1 while P.V(it) runs: it writes vt[(it+1) & 1], which P.V(it) (on
-            // vt[it & 1] and P) does not read, and which P.V(it-1), its last reader, finished before this
-            // iteration's top barrier. The fence + the next top barrier publish it to QK^T(it+1).
-            if (it + 1 < n_it) {
-                stage.dequant_b(smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
-                if (it + 2 < n_it) stage.load_b(a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
-                fence_proxy_async();
-            }
-        }
         wgmma_wait_all();
         fence_acc_o(st.o);
     }
@@ -1406,11 +1302,4 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v6(S
 // prologue / epilogue (decode_fp8_body<true>). Path::Fp8Compact, bench "fp8_compact" (session-7 A/B).
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v7(SA_DECODE_PARAMS) {
     sa::decode_fp8_body<true>(SA_DECODE_ARGS);
-}
-
-// v7 with the next tile's dequant split between the QK^T and the P.V windows (TileStage<true>); the same values,
-// bit for bit (every chunk gets the same bytes at the same address before the same barrier). Dynamic smem
-// sa::kV7SmemBytes. Path::Fp8CompactSplitDequant, bench "fp8_compact_split" (session-7 A/B).
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v8(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<true, true>(SA_DECODE_ARGS);
 }
