@@ -513,6 +513,90 @@ __device__ __forceinline__ void finish_compact(WarpState& st, const DecodeArgs& 
     }
 }
 
+// The epilogue of sparse_attn_decode_fp8_v9 / _v10: finish_compact's values (bit for bit: the same operations on the
+// same registers), stored through shared memory so that global memory sees full 16-byte chunks. v7's profile at Pro
+// batch 128 put 7.2% of all stall samples on finish_compact's 64 scattered 4-byte stores per thread (`lg`: the
+// memory pipe's queue); here each thread writes its fragments to a staging image of the CTA's output rows and then
+// stores 16 (BF16 output) or 32 (f32 split partial) whole, coalesced chunks.
+//   * Staging = the two K = V tiles (vt, 2 x 64 KiB, contiguous from kV5Vt): free once every warp group has waited
+//     its last P.V, which the first __syncthreads below guarantees (each warp group waits its own wgmma groups).
+//   * Image: row h of the CTA's 64 heads, 16-byte chunk c stored at chunk slot c ^ (h & 7) of its row (rows of
+//     1 KiB BF16 or 2 KiB f32): the 8 rows a warp instruction writes (g = h & 7) land in 8 different bank groups.
+//   * Every thread reaches both barriers (a.n_splits is uniform over the CTA).
+__device__ __forceinline__ void finish_staged(WarpState& st, const DecodeArgs& a, float* red_sum, const float2* rope_cs,
+                                              uint8_t* stage, int b, int hg, int split, int wm, int wh, int g, int tq,
+                                              int tid) {
+    float l[2];
+    row_sums(st, red_sum, wm, wh, g, tq, l);
+    const int row0 = 16 * wm + g;
+    if (a.n_splits == 1) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int h = hg * kHeadsPerCta + row0 + 8 * r;
+            const bool empty = (st.m[r] == -INFINITY);
+            const float z = empty ? 1.f : l[r] + exp2f(a.sinks[h] * kLog2e - st.m[r]);
+            const float inv = empty ? 0.f : 1.f / z;
+#pragma unroll
+            for (int nt = 0; nt < 32; ++nt) {
+                st.o[nt][2 * r] *= inv;
+                st.o[nt][2 * r + 1] *= inv;
+            }
+        }
+        if (wh == 1) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float2 cs = rope_cs[4 * j + tq];
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    inverse_rope_rotate(st.o[24 + j][2 * r], st.o[24 + j][2 * r + 1], cs.x, cs.y);
+            }
+        }
+        __syncthreads();  // every warp group's last P.V is complete: the vt tiles are free
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int h = row0 + 8 * r;  // h & 7 == g
+            uint8_t* row = stage + h * 1024 + 4 * tq;
+#pragma unroll
+            for (int nt = 0; nt < 32; ++nt)  // dims 256 wh + 8 nt + 2 tq: chunk 32 wh + nt, bytes 4 tq
+                *reinterpret_cast<uint32_t*>(row + (((32 * wh + nt) ^ g) << 4)) =
+                    pack_bf16x2(st.o[nt][2 * r], st.o[nt][2 * r + 1]);
+        }
+        __syncthreads();
+        __nv_bfloat16* out = a.out + ((size_t)b * a.heads + hg * kHeadsPerCta) * kDim;
+#pragma unroll 4
+        for (int u = tid; u < kHeadsPerCta * 64; u += kThreads) {
+            const int h = u >> 6, c = u & 63;
+            *reinterpret_cast<uint4*>(out + h * kDim + 8 * c) =
+                *reinterpret_cast<const uint4*>(stage + h * 1024 + ((c ^ (h & 7)) << 4));
+        }
+    } else {
+        __syncthreads();  // as above: the vt tiles are free
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int h = row0 + 8 * r;
+            const bool empty = (st.m[r] == -INFINITY);
+            const float inv = empty ? 0.f : 1.f / l[r];
+            uint8_t* row = stage + h * 2048 + 8 * (tq & 1);
+#pragma unroll
+            for (int nt = 0; nt < 32; ++nt)  // dims 256 wh + 8 nt + 2 tq: chunk 64 wh + 2 nt + tq / 2, bytes 8 (tq & 1)
+                *reinterpret_cast<float2*>(row + (((64 * wh + 2 * nt + (tq >> 1)) ^ g) << 4)) =
+                    make_float2(st.o[nt][2 * r] * inv, st.o[nt][2 * r + 1] * inv);
+            if (wh == 0 && tq == 0) {
+                const size_t prow = ((size_t)b * a.n_splits + split) * a.heads + hg * kHeadsPerCta + h;
+                a.part_lse[prow] = empty ? -INFINITY : st.m[r] + log2f(l[r]);
+            }
+        }
+        __syncthreads();
+        float* part = a.part_o + (((size_t)b * a.n_splits + split) * a.heads + hg * kHeadsPerCta) * kDim;
+#pragma unroll 4
+        for (int u = tid; u < kHeadsPerCta * 128; u += kThreads) {
+            const int h = u >> 7, c = u & 127;
+            *reinterpret_cast<float4*>(part + h * kDim + 4 * c) =
+                *reinterpret_cast<const float4*>(stage + h * 2048 + ((c ^ (h & 7)) << 4));
+        }
+    }
+}
+
 // Tile range of this CTA: split `split` covers tiles [split*tps, (split+1)*tps) of its sequence's list.
 __device__ __forceinline__ void tile_range(const DecodeArgs& a, int b, int split, int& len, int& t_begin,
                                            int& n_it) {
@@ -1091,16 +1175,17 @@ __device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]
     return r;
 }
 
-// kCompact = false: the v6 body (sparse_attn_decode_fp8_v6). kCompact = true: sparse_attn_decode_fp8_v7, the same
-// values bit for bit with the code executed once per warp made small (the session-7 profile: at Pro batch 128 the
-// v6 prologue held 12% and the epilogue 26% of the warp-stall samples, mostly instruction-fetch stalls on
+// The FP8 decode body. <false, 0>: v6 (sparse_attn_decode_fp8_v6). The session-7 candidates compute the same values
+// bit for bit with the code executed once per warp made small (the session-7 profile: at Pro batch 128 the v6
+// prologue held 12% and the epilogue 26% of the warp-stall samples, mostly instruction-fetch stalls on
 // straight-line code that no warp executes twice):
-//   * q: each thread stores its raw BF16 q chunks straight into their swizzled q-tile slots, then quantizes them in
-//     place in a rolled loop over its warp's 8 heads (one copy of the quantizer instead of 8 unrolled ones; every
-//     thread reads back only the 32 bytes it wrote, so no barrier is needed between the two);
-//   * the rope cos / sin table of the query position (32 pairs) is computed once per CTA into rope_cs
-//     (kV7RopeCs), for finish_compact (see there).
-template <bool kCompact>
+//   * kRolledQ: each thread stores its raw BF16 q chunks straight into their swizzled q-tile slots, then quantizes
+//     them in place in a rolled loop over its warp's 8 heads (one copy of the quantizer instead of 8 unrolled ones;
+//     every thread reads back only the 32 bytes it wrote, so no barrier is needed between the two);
+//   * kEpilogue 1 (finish_compact) / 2 (finish_staged): the rope cos / sin table of the query position (32 pairs)
+//     is computed once per CTA into rope_cs (kV7RopeCs); 2 also stages the output through shared memory.
+// v7 = <true, 1>, v9 = <false, 2>, v10 = <true, 2>.
+template <bool kRolledQ, int kEpilogue>
 __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     extern __shared__ __align__(16) uint8_t smem_unaligned[];
     uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
@@ -1132,7 +1217,7 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 #pragma unroll
         for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
     }
-    if constexpr (kCompact) {
+    if constexpr (kRolledQ) {
         // Raw q chunks into their q-tile slots now (the same addresses the quantized codes go to below).
 #pragma unroll
         for (int hh = 0; hh < 8; ++hh) {
@@ -1143,12 +1228,14 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     }
     RawRegs rr;
     if (n_it > 0) load_raw_regs(rr, a.pool, resolve_candidate(a, b, len, t_begin * kBlockN + de), dq, dodd);
-    if constexpr (kCompact) {
+    if constexpr (kEpilogue != 0) {
         if (a.n_splits == 1 && tid < 32) {
             float sn, cs;
             sincosf(__fmul_rn(static_cast<float>(a.positions[b]), __ldg(a.freqs + tid)), &sn, &cs);
             reinterpret_cast<float2*>(smem + kV7RopeCs)[tid] = make_float2(cs, sn);
         }
+    }
+    if constexpr (kRolledQ) {
         // Rolled: one quantizer in the code. Lanes 28..31 (rope dims) run the quantizer too (its shuffles need the
         // full warp) and keep their raw BF16 values.
 #pragma unroll 1
@@ -1281,7 +1368,10 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
         wgmma_wait_all();
         fence_acc_o(st.o);
     }
-    if constexpr (kCompact) {
+    if constexpr (kEpilogue == 2) {
+        finish_staged(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV7RopeCs), smem + kV5Vt, b, hg, split, wm,
+                      wh, g, tq, tid);
+    } else if constexpr (kEpilogue == 1) {
         finish_compact(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV7RopeCs), b, hg, split, wm, wh, g,
                        tq);
     } else {
@@ -1295,11 +1385,23 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 // the v6 body; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for sparse_attn_combine (exactly
 // as the removed sparse_attn_decode_fp8_v5 did: the same finish()). Measured bit-identical to v5 until its removal.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v6(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<false>(SA_DECODE_ARGS);
+    sa::decode_fp8_body<false, 0>(SA_DECODE_ARGS);
 }
 
 // Same grid and outputs as sparse_attn_decode_fp8_v6 (bit-identical), dynamic smem sa::kV7SmemBytes: the compact
 // prologue / epilogue (decode_fp8_body<true>). Path::Fp8Compact, bench "fp8_compact" (session-7 A/B).
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v7(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<true>(SA_DECODE_ARGS);
+    sa::decode_fp8_body<true, 1>(SA_DECODE_ARGS);
+}
+
+// v6's prologue (q quantized unrolled, from registers) + finish_staged. Dynamic smem sa::kV7SmemBytes; bit-identical
+// to v6. Path::Fp8StagedEpilogue, bench "fp8_staged" (session-7 A/B round 2).
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v9(SA_DECODE_PARAMS) {
+    sa::decode_fp8_body<false, 2>(SA_DECODE_ARGS);
+}
+
+// v7's rolled q prologue + finish_staged. Dynamic smem sa::kV7SmemBytes; bit-identical to v6. Path::Fp8CompactStaged,
+// bench "fp8_compact_staged" (session-7 A/B round 2).
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v10(SA_DECODE_PARAMS) {
+    sa::decode_fp8_body<true, 2>(SA_DECODE_ARGS);
 }

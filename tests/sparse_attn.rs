@@ -1133,8 +1133,10 @@ fn gpu_combine_v2_bit_identical_to_combine() {
     }
 }
 
-/// The session-7 A/B candidate Path::Fp8Compact (`sparse_attn_decode_fp8_v7`: v6's main loop behind a compact
-/// prologue and epilogue) against Path::Fp8 (v6): the same plan, outputs equal bit for bit (the rolled q
+/// The session-7 A/B candidates Path::Fp8Compact (`sparse_attn_decode_fp8_v7`: v6's main loop behind a compact
+/// prologue and epilogue), Path::Fp8StagedEpilogue (`_v9`: v6's prologue, the compact epilogue stored through shared
+/// memory) and Path::Fp8CompactStaged (`_v10`: v7's prologue, the staged epilogue) against Path::Fp8 (v6): the same
+/// plan, outputs equal bit for bit (the rolled q
 /// quantization and the per-CTA rope table change no operation, see decode_fp8_body / finish_compact), and within
 /// tolerance of the CPU reference. 64 and 128 heads, lengths 0 / 1 / 127 / 129 / 200 / 640 / 1152 with -1 holes,
 /// random query positions below 1M (the rope angles reach sincosf's slow path); plans: one split (the compact
@@ -1178,6 +1180,15 @@ fn gpu_decode_fp8_compact_bit_identical_to_fp8() {
             let label = format!("h{} lengths {:?} {name} {plan:?}", hp.heads, hp.lengths);
             let v6 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
             let v7 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8Compact);
+            for path in [Path::Fp8StagedEpilogue, Path::Fp8CompactStaged] {
+                let got = run_path_poisoned(&gpu, &dp, &shape, plan, path);
+                assert_same_bits(
+                    &format!("{label}: {path:?} vs Fp8 (\"first call\" = Fp8)"),
+                    &shape,
+                    &v6,
+                    &got,
+                );
+            }
             let v7_f64: Vec<f64> = v7.iter().map(|v| v.to_f64()).collect();
             assert_within_reference(
                 &format!("{label}: Fp8Compact vs reference"),
@@ -1191,7 +1202,9 @@ fn gpu_decode_fp8_compact_bit_identical_to_fp8() {
                 &v6,
                 &v7,
             );
-            println!("{label}: Fp8Compact bit-identical to Fp8 and within the reference tolerance");
+            println!(
+                "{label}: Fp8Compact, Fp8StagedEpilogue and Fp8CompactStaged bit-identical to Fp8, Fp8Compact within the reference tolerance"
+            );
         }
     }
 }
@@ -1590,6 +1603,15 @@ fn bench_config_and_split_plans() {
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
     assert_eq!(bench_path("fp8_compact").unwrap(), Path::Fp8Compact);
+    assert_eq!(bench_path("fp8_staged").unwrap(), Path::Fp8StagedEpilogue);
+    assert_eq!(
+        bench_path("fp8_compact_staged").unwrap(),
+        Path::Fp8CompactStaged
+    );
+    assert!(
+        bench_path("fp8_compact_split").is_err(),
+        "A/B variant fp8_compact_split (v8) was retired"
+    );
     assert_eq!(bench_path("fp8_oldcombine").unwrap(), Path::Fp8OldCombine);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
     assert_eq!(

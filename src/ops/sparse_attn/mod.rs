@@ -62,6 +62,10 @@ const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v6";
 const FP8_V7_SMEM_BYTES: u32 = 208_128;
 /// Entry point of [`Path::Fp8Compact`] (v6's values bit for bit, with a compact prologue and epilogue).
 const FP8_V7_KERNEL: &str = "sparse_attn_decode_fp8_v7";
+/// Entry point of [`Path::Fp8StagedEpilogue`] (v6's prologue, the epilogue staged through shared memory).
+const FP8_V9_KERNEL: &str = "sparse_attn_decode_fp8_v9";
+/// Entry point of [`Path::Fp8CompactStaged`] (v7's rolled q prologue, the epilogue staged through shared memory).
+const FP8_V10_KERNEL: &str = "sparse_attn_decode_fp8_v10";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -165,7 +169,9 @@ impl SplitPlan {
     /// [`SplitPlan::by_cost_v6`]; the baseline keeps [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8Compact => SplitPlan::fp8_default(sm_count, shape),
+            Path::Fp8 | Path::Fp8Compact | Path::Fp8StagedEpilogue | Path::Fp8CompactStaged => {
+                SplitPlan::fp8_default(sm_count, shape)
+            }
             Path::Fp8OldCombine | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
             Path::Fp8ParallelCombineRefit => SplitPlan::by_cost_v6(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
@@ -311,6 +317,8 @@ struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
     decode_fp8_v7: CudaFunction,
+    decode_fp8_v9: CudaFunction,
+    decode_fp8_v10: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
     /// `sparse_attn_combine_v2`, `_h2`, `_h4` (1, 2, 4 heads per thread), indexed by [`combine_v2_variant`].
@@ -324,6 +332,8 @@ impl Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
             decode_fp8_v7: with_smem(FP8_V7_KERNEL, FP8_V7_SMEM_BYTES)?,
+            decode_fp8_v9: with_smem(FP8_V9_KERNEL, FP8_V7_SMEM_BYTES)?,
+            decode_fp8_v10: with_smem(FP8_V10_KERNEL, FP8_V7_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
             combine_v2: [
@@ -435,7 +445,9 @@ pub const PARALLEL_COMBINE_MIN_SPLITS: usize = 3;
 /// (no combine runs) and for the baseline (it keeps the old combine).
 pub fn fp8_combine(path: Path, n_splits: usize) -> bool {
     match path {
-        Path::Fp8 | Path::Fp8Compact => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
+        Path::Fp8 | Path::Fp8Compact | Path::Fp8StagedEpilogue | Path::Fp8CompactStaged => {
+            n_splits >= PARALLEL_COMBINE_MIN_SPLITS
+        }
         Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => true,
         Path::Fp8OldCombine | Path::Bf16Staging => false,
     }
@@ -454,6 +466,13 @@ pub enum Path {
     /// v6 main loop behind a compact prologue (q quantized in a rolled loop) and epilogue (rope cos / sin from a
     /// per-CTA table, one warp-uniform rope branch). Session-7 A/B candidate; bench variant `fp8_compact`.
     Fp8Compact,
+    /// [`Path::Fp8`] (same plan, combine routing and output bits) with `sparse_attn_decode_fp8_v9`: v6's prologue,
+    /// v7's compact epilogue with the output (or split partial) staged through shared memory and stored in whole
+    /// 16-byte chunks. Session-7 A/B candidate; bench variant `fp8_staged`.
+    Fp8StagedEpilogue,
+    /// The same with v7's rolled q prologue (`sparse_attn_decode_fp8_v10`). Session-7 A/B candidate; bench variant
+    /// `fp8_compact_staged`.
+    Fp8CompactStaged,
     /// The default before the session-5 A/B: the same decode kernel, plan [`SplitPlan::by_cost`], every split
     /// merged by `sparse_attn_combine` (one warp per head). Bench variant `fp8_oldcombine`.
     Fp8OldCombine,
@@ -523,6 +542,16 @@ pub fn decode(
             FP8_V7_SMEM_BYTES,
             ws.kernels.decode_fp8_v7.clone(),
         ),
+        Path::Fp8StagedEpilogue => (
+            FP8_V9_KERNEL,
+            FP8_V7_SMEM_BYTES,
+            ws.kernels.decode_fp8_v9.clone(),
+        ),
+        Path::Fp8CompactStaged => (
+            FP8_V10_KERNEL,
+            FP8_V7_SMEM_BYTES,
+            ws.kernels.decode_fp8_v10.clone(),
+        ),
         Path::Fp8
         | Path::Fp8OldCombine
         | Path::Fp8ParallelCombine
@@ -546,6 +575,8 @@ pub fn decode(
         match path {
             Path::Fp8
             | Path::Fp8Compact
+            | Path::Fp8StagedEpilogue
+            | Path::Fp8CompactStaged
             | Path::Fp8OldCombine
             | Path::Fp8ParallelCombine
             | Path::Fp8ParallelCombineRefit => b.arg(inp.pool).arg(&null),
@@ -714,6 +745,8 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let kv = match path {
         Path::Fp8
         | Path::Fp8Compact
+        | Path::Fp8StagedEpilogue
+        | Path::Fp8CompactStaged
         | Path::Fp8OldCombine
         | Path::Fp8ParallelCombine
         | Path::Fp8ParallelCombineRefit => b * l * ENTRY_BYTES as u64,
@@ -731,10 +764,13 @@ pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Forcing variants that keep
 /// the session-5 A/B measurable: `fp8_oldcombine` ([`Path::Fp8OldCombine`], the previous default),
 /// `fp8_pcombine` ([`Path::Fp8ParallelCombine`]) and `fp8_pcombine_refit` ([`Path::Fp8ParallelCombineRefit`]).
-/// Session-7 A/B candidate: `fp8_compact` ([`Path::Fp8Compact`]).
-pub const BENCH_VARIANTS: [&str; 6] = [
+/// Session-7 A/B candidates: `fp8_compact` ([`Path::Fp8Compact`]), `fp8_staged` ([`Path::Fp8StagedEpilogue`]),
+/// `fp8_compact_staged` ([`Path::Fp8CompactStaged`]).
+pub const BENCH_VARIANTS: [&str; 8] = [
     "fp8",
     "fp8_compact",
+    "fp8_staged",
+    "fp8_compact_staged",
     "fp8_oldcombine",
     "fp8_pcombine",
     "fp8_pcombine_refit",
@@ -746,6 +782,8 @@ pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
         "fp8_compact" => Path::Fp8Compact,
+        "fp8_staged" => Path::Fp8StagedEpilogue,
+        "fp8_compact_staged" => Path::Fp8CompactStaged,
         "fp8_oldcombine" => Path::Fp8OldCombine,
         "fp8_pcombine" => Path::Fp8ParallelCombine,
         "fp8_pcombine_refit" => Path::Fp8ParallelCombineRefit,
