@@ -2,10 +2,10 @@
 //
 // Design
 // ------
-// RMSNorm rows. BF16 in -> NVFP4 / FP8 from 4096 rows (D % 1024 == 0): the v5 kernels (own section below;
-// launcher rule rows_path in src/ops/norm_quant/mod.rs), except BF16 -> NVFP4 with D <= 8192, which runs v6
-// (v5 with fewer instructions per element, bit-identical; the default since the session-6 A/B: 4096 x 4096
-// 25.4 vs 27.8 us, 65536 x 4096 275.0 vs 306.9 us). Otherwise (rmsnorm_*; BF16 -> NVFP4 is
+// RMSNorm rows. From 4096 rows with D % 1024 == 0 (launcher rule rows_path in src/ops/norm_quant/mod.rs):
+// BF16 -> FP8 runs the v5 FP8 kernel (own section below), BF16 -> NVFP4 with D <= 8192 the v6 kernels (own
+// section; they replaced the v5 NVFP4 kernel, see the history below). Otherwise (rmsnorm_*; BF16 -> NVFP4 at
+// any other shape, D > 8192 included, is
 // rmsnorm_nvfp4_bf16in_v4p, the same per-row work with rows looped by one resident wave and a packed-pair
 // encoder, see its section): one CTA per row, blockDim =
 // roundup32(D/8/CH) threads (CH = 4 chunks of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224).
@@ -42,6 +42,9 @@
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
+//   * Session 7: v5 NVFP4 (rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5; bit-identical to v4p and v6) lost to v6
+//     again in the session-7 run (7666184), median us v6 vs v5: 4096 x 4096 25.41 vs 27.46, 65536 x 4096 275.0
+//     vs 307.1 (session 6: 25.4 vs 27.8, 275.0 vs 306.9). NVFP4 shapes v6 lacks (D > 8192) fall back to v4p.
 //   * Session 5 (A/B run 48a7d82, branch s5-mhc): the whole boundary in ONE launch on a 16-CTA thread-block cluster
 //     per <= 8 tokens (mhc_pre_cluster_*: each CTA stages its F slice before griddepcontrol.wait, partials summed
 //     over distributed shared memory, Sinkhorn on __frcp_rn's fast path; bit-identical, all GPU tests passed)
@@ -585,11 +588,13 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
 }
 
 // ==== RMSNorm rows v5 (persistent CTAs, fixed channels, weight staged once per CTA): BF16 in, >= 4096 rows ====
-// The default from 4096 rows (session-4 A/B, BF16 in, median us, v5 vs v4p / one CTA per row: NVFP4 4096 x 4096
-// 27.8 vs 30.6, 65536 x 4096 306.8 vs 380.6 (52.8% of copy bandwidth), 65536 x 7168 598.8 vs 756.0; FP8 4096 x
-// 4096 21.2 vs 21.6, 65536 x 4096 220.4 vs 233.9 (86.3%); at 1-64 rows v5 loses, 6.8 vs 6.3 NVFP4 at 1 row).
-// rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5 (quantize only, the encoder's boundary test) and
-// rmsnorm_fp8_bf16in_v5: the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p /
+// The FP8 default from 4096 rows (session-4 A/B, BF16 in, median us, v5 vs v4p / one CTA per row: NVFP4 4096 x
+// 4096 27.8 vs 30.6, 65536 x 4096 306.8 vs 380.6 (52.8% of copy bandwidth), 65536 x 7168 598.8 vs 756.0; FP8
+// 4096 x 4096 21.2 vs 21.6, 65536 x 4096 220.4 vs 233.9 (86.3%); at 1-64 rows v5 loses, 6.8 vs 6.3 NVFP4 at 1
+// row). Only rmsnorm_fp8_bf16in_v5 is left: the NVFP4 v5 kernels (rmsnorm_nvfp4_bf16in_v5,
+// quant_nvfp4_bf16in_v5) were removed in session 7 for v6 (next section), which keeps their NVFP4 design below
+// (lane pairs, one thread per 16-block) and the helpers here (v5_stage_weight, v5_load_row, v5_norm_pairs'
+// order). The v5 kernels gave the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p /
 // rmsnorm_fp8_bf16in, rebuilt around the instruction count (Nsight Compute, 4096 x 4096: v4p issues ~34
 // thread-instructions per element at 62% issue, FP8 ~24; 85% of copy bandwidth needs <= ~15 / ~12).
 // Where v4p's instructions went (SASS, per thread and 8-value chunk, ~37 per element in all): ~59 for the
@@ -607,7 +612,7 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
 //    enough: a buffer is rewritten two rows later at the earliest, and a thread gets there only after passing
 //    the next row's barrier(s), which every thread reaches after its reads of the buffer. (One buffer per
 //    reduction without the parity would race when a row has only one barrier: FP8, or NVFP4 without NORM.)
-//  * NVFP4: lane pairs (2i, 2i+1) hold the two halves of each 16-block (chunks 2i, 2i+1 of the same k). After
+//  * NVFP4 (the removed v5 NVFP4 kernel; v6 keeps this scheme): lane pairs (2i, 2i+1) hold the two halves of each 16-block (chunks 2i, 2i+1 of the same k). After
 //    the row max, they swap half their y words (one shuffle per word) so that the even lane owns the blocks of
 //    k = 0, 2 and the odd lane those of k = 1, 3: the block scale and the 7 threshold keys are computed ONCE per
 //    block (v4p: twice), the block amax needs no extra shuffle (the chunk keys travel with the halves), and a
@@ -619,7 +624,7 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
 //    ue8m0_scale_448_divfree (CPU mirror tested against formats::ue8m0 for every BF16 amax).
 // Rounding points unchanged: rstd, t = x*rstd, y = w*t (no FMA), y -> BF16, then the v4p / FP8 quantizers.
 // SASS (cuobjdump, D = 4096, fast path, the reduction loops at their 4-warp trip counts), thread-instructions
-// per element: v4p ~34 (Nsight Compute: 34), v5 NVFP4 ~30 (per thread and row: ~110 unpack + sum of squares,
+// per element: v4p ~34 (Nsight Compute: 34), the removed v5 NVFP4 ~30 (per thread and row: ~110 unpack + sum of squares,
 // ~55 sum reduction, ~40 rstd, ~190 y + keys, ~95 max reduction + gs, 2 x ~205 per 16-block of which ~140 is
 // the packed encoder); FP8 one-CTA-per-row ~24 (Nsight), v5 FP8 ~19. What is left per row (~230 of ~950 for
 // NVFP4: reductions, rstd, gs, addressing) is spread over only 32 values per thread: the next step would be
@@ -634,16 +639,6 @@ __device__ __forceinline__ float v5_block_sum(float v, float* red) {
     float s = 0.f;
     for (int w = 0; w < nw; ++w) s += red[w];
     return s;  // same value as block_sum; no trailing barrier (see the header of this section)
-}
-
-__device__ __forceinline__ float v5_block_max(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int w = 0; w < nw; ++w) s = fmaxf(s, red[w]);
-    return s;  // same value as block_max
 }
 
 // Weight -> f32 shared memory, split layout: wsm[c] = elements 0..3 of chunk c, wsm[nchunks + c] = 4..7.
@@ -697,100 +692,6 @@ __device__ __forceinline__ void v5_norm_pairs(const uint4 (&raw)[V5_CH], const f
         for (int p = 0; p < 4; ++p)
             pk[k][p] = pack_bf16x2(__fmul_rn(wlo[p], __fmul_rn(x[k][p], rstd)),
                                    __fmul_rn(whi[p], __fmul_rn(x[k][p + 4], rstd)));
-    }
-}
-
-// One 16-block: lo = the y pairs of its first chunk (2b), hi = of its second (2b + 1); kb = its guarded amax
-// key (0x8000 | bits(amax)). Returns the scale byte; codes of chunk 2b in cw.x, of 2b + 1 in cw.y. Same
-// operations as rmsnorm_nvfp4_row_v4 (PRMT_PLACE = true) for each chunk, the scale work done once.
-__device__ __forceinline__ uint8_t v5_nvfp4_block(const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t kb,
-                                                  float gs, uint2& cw) {
-    const float ab = __uint_as_float((kb & 0x7FFFu) << 16);
-    const uint8_t s = mm::nvfp4_block_scale(ab, gs);
-    const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
-    cw = make_uint2(0u, 0u);
-    if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
-        const E2m1Thresholds thr = e2m1_thresholds_fma(scale);
-        if (scale < INFINITY) {
-            uint32_t keys[7];
-#pragma unroll
-            for (int i = 0; i < 7; ++i) keys[i] = bf16_key_ru_x2(thr.b[i]);
-            cw.x = e2m1_codes8_keys<true>(lo, keys);
-            cw.y = e2m1_codes8_keys<true>(hi, keys);
-        } else {  // non-finite scale (non-finite input): v4p's per-element search
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                cw.x |= e2m1_code_thr(bf16_lo(lo[p]), thr) << (4 * p);
-                cw.x |= e2m1_code_thr(bf16_hi(lo[p]), thr) << (4 * (p + 4));
-                cw.y |= e2m1_code_thr(bf16_lo(hi[p]), thr) << (4 * p);
-                cw.y |= e2m1_code_thr(bf16_hi(hi[p]), thr) << (4 * (p + 4));
-            }
-        }
-    }
-    return s;
-}
-
-// NVFP4 rows. Grid: one resident wave (or rows if fewer); block D/32; dynamic smem D * 4 bytes (NORM).
-template <bool NORM>
-__device__ void rmsnorm_nvfp4_rows_v5(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-                                      uint8_t* __restrict__ q, uint8_t* __restrict__ scales, float* __restrict__ gsa,
-                                      float* __restrict__ rstd, int rows, int D, float eps) {
-    extern __shared__ float4 v5_wsm[];
-    __shared__ float red_ss[2][MAX_WARPS];
-    __shared__ float red_mx[2][MAX_WARPS];  // by row parity too: without NORM it is the only barrier of a row
-    const int tid = threadIdx.x, bd = blockDim.x, nchunks = D / 8;
-    const bool odd = (tid & 1) != 0;
-    uint4 raw[V5_CH];
-    long row = blockIdx.x;
-    if (row < rows) v5_load_row(x, row, D, raw);
-    if (NORM) {
-        v5_stage_weight(w, v5_wsm, nchunks);
-        __syncthreads();
-    }
-    for (int it = 0; row < rows; row += gridDim.x, ++it) {
-        uint4 cur[V5_CH];
-#pragma unroll
-        for (int k = 0; k < V5_CH; ++k) cur[k] = raw[k];
-        if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, raw);  // in flight during this row
-        uint32_t pk[V5_CH][4];
-        v5_norm_pairs<NORM>(cur, v5_wsm, nchunks, D, eps, red_ss[it & 1], rstd ? rstd + row : nullptr, pk);
-        // chunk amax keys and the row max: rmsnorm_nvfp4_row_v4's operations
-        uint32_t key[V5_CH];
-        uint32_t row_key = 0x8000u;
-#pragma unroll
-        for (int k = 0; k < V5_CH; ++k) {
-            const uint32_t m = max_u16x2(max_u16x2(pk[k][0] | 0x80008000u, pk[k][1] | 0x80008000u),
-                                         max_u16x2(pk[k][2] | 0x80008000u, pk[k][3] | 0x80008000u));
-            key[k] = max(m & 0xFFFFu, m >> 16);
-            row_key = max(row_key, key[k]);
-        }
-        const float amax_row = v5_block_max(__uint_as_float((row_key & 0x7FFFu) << 16), red_mx[it & 1]);
-        const float gs = mm::nvfp4_global_scale(amax_row);
-        if (tid == 0) gsa[row] = gs;
-        uint8_t* qrow = q + row * (D / 2);
-        uint8_t* srow = scales + row * (D / 16);
-#pragma unroll
-        for (int kp = 0; kp < V5_CH; kp += 2) {
-            // even lane: block of chunk k = kp (its own half = lo, the partner's = hi);
-            // odd lane: block of k = kp + 1 (the partner's half = lo, its own = hi).
-            uint32_t other[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) other[p] = __shfl_xor_sync(0xffffffffu, odd ? pk[kp][p] : pk[kp + 1][p], 1);
-            const uint32_t okey = __shfl_xor_sync(0xffffffffu, odd ? key[kp] : key[kp + 1], 1);
-            // selects, not a branch per lane parity: both lanes of a pair must run the one block code path
-            uint32_t lo[4], hi[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                lo[p] = odd ? other[p] : pk[kp][p];
-                hi[p] = odd ? pk[kp + 1][p] : other[p];
-            }
-            const uint32_t kb = max(odd ? key[kp + 1] : key[kp], okey);  // = v4p's max(key, xor-1 partner key)
-            uint2 cw;
-            const uint8_t s = v5_nvfp4_block(lo, hi, kb, gs, cw);
-            const int blk = (tid >> 1) + (kp + (odd ? 1 : 0)) * (bd >> 1);  // = chunk (tid & ~1) + k * bd, halved
-            *reinterpret_cast<uint2*>(qrow + blk * 8) = cw;
-            srow[blk] = s;
-        }
     }
 }
 
@@ -876,16 +777,8 @@ __device__ void rmsnorm_fp8_rows_v5(const __nv_bfloat16* __restrict__ x, const _
 
 }  // namespace
 
-// v5 entry points (launchers: rmsnorm_quant / rmsnorm_quant_with(.., RowsPath::V5), quantize_bf16_rows_v5).
-// x [rows, D] BF16, D % 1024 == 0; block D/32; dynamic shared memory D * 4 bytes (the quantize-only kernel: 0).
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_nvfp4_bf16in_v5(const __nv_bfloat16* x, const __nv_bfloat16* w,
-        uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
-    rmsnorm_nvfp4_rows_v5<true>(x, w, q, scales, gsa, rstd, rows, D, eps);
-}
-extern "C" __global__ void __launch_bounds__(1024) quant_nvfp4_bf16in_v5(const __nv_bfloat16* x, uint8_t* q,
-                                                                        uint8_t* scales, float* gsa, int rows, int D) {
-    rmsnorm_nvfp4_rows_v5<false>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
-}
+// v5 entry point (launchers: rmsnorm_quant / rmsnorm_quant_with(.., RowsPath::V5)).
+// x [rows, D] BF16, D % 1024 == 0; block D/32; dynamic shared memory D * 4 bytes.
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_v5(const __nv_bfloat16* x, const __nv_bfloat16* w,
         uint8_t* q, uint8_t* scales, float* rstd, int rows, int D, float eps) {
     rmsnorm_fp8_rows_v5(x, w, q, scales, rstd, rows, D, eps);
@@ -893,10 +786,12 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_v5(const _
 
 namespace {
 // ==== end of the v5 section ===================================================================================
-// ==== RMSNorm rows v6 NVFP4 (default from 4096 rows since session 6): v5 with fewer SASS instructions per element
+// ==== RMSNorm rows v6 NVFP4 (default from 4096 rows since session 6): the removed v5 NVFP4 kernel with fewer SASS
+// instructions per element.
 // rmsnorm_nvfp4_bf16in_v6_w<NW> / quant_nvfp4_bf16in_v6_w<NW> (NW = D / 1024 = warps per CTA, 1..8; launcher
-// RowsPath::V6): the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v5 / quant_nvfp4_bf16in_v5 (same
-// channel ownership, same fp32 operations in the same order, same encoder decisions). What changes:
+// RowsPath::V6): the same outputs, bit for bit, as the removed rmsnorm_nvfp4_bf16in_v5 / quant_nvfp4_bf16in_v5
+// and so as rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p (same channel ownership, same fp32 operations in
+// the same order, same encoder decisions; the GPU tests compare v6 with v4p). What changed against v5:
 //  * D is a compile-time constant (NW warps, D = 1024 NW, block 32 NW): the reads of the per-warp partials
 //    after each barrier become NW/4 LDS.128 and NW straight-line FADD / FMNMX in warp order (v5: a runtime loop
 //    over blockDim / 32 with an unroll-by-4 body and remainder branches, ~40 executed instructions per
@@ -907,7 +802,7 @@ namespace {
 //  * e2m1 codes by a 3-step binary search over the 7 sorted keys (v6_codes8_bsearch) instead of 7 compares +
 //    XOR parity: 10 instead of 12 integer operations per BF16 pair; same code bits (proof beside it).
 // Everything else (row loop, prefetch, weight staging, odd/even block ownership, block scale, threshold keys,
-// the non-finite fallback) is v5's code.
+// the non-finite fallback) was v5's code (the v5 section header describes it).
 
 // Codes of 8 values pk[p] = (y[p] lo, y[p + 4] hi), keys[i] = bf16_key_ru_x2(B_i) non-decreasing in i: the same
 // 32-bit word as e2m1_codes8_keys<true>(pk, keys). Identities:
@@ -950,7 +845,7 @@ __device__ __forceinline__ uint32_t v6_codes8_bsearch(const uint32_t (&pk)[4], c
     return out;
 }
 
-// v5_block_sum / v5_block_max with the warp count NW known: the same tree, the same warp-order sum from 0.f.
+// v5_block_sum / v5's block max (a runtime loop over the warps) with the warp count NW known: the same tree, the same warp-order sum from 0.f.
 // red must be 16-byte aligned with at least 4 * ceil(NW / 4) floats (the buffers hold MAX_WARPS).
 template <int NW>
 __device__ __forceinline__ void v6_read_partials(const float* red, float (&r)[(NW + 3) / 4 * 4]) {
@@ -1025,7 +920,7 @@ __device__ __forceinline__ void v6_norm_pairs(const float (&x)[V5_CH][8], const 
     }
 }
 
-// Non-finite scale (non-finite input): v4p's per-element search, v5_nvfp4_block's fallback. Not inlined: inline,
+// Non-finite scale (non-finite input): v4p's per-element search (v5's NVFP4 fallback too). Not inlined: inline,
 // ptxas if-converted it into ~130 predicated FSETP / SEL per block that every block then issued.
 __device__ __noinline__ uint2 v6_codes16_nonfinite(uint32_t l0, uint32_t l1, uint32_t l2, uint32_t l3, uint32_t h0,
                                                    uint32_t h1, uint32_t h2, uint32_t h3, float b0, float b1, float b2,
@@ -1045,7 +940,7 @@ __device__ __noinline__ uint2 v6_codes16_nonfinite(uint32_t l0, uint32_t l1, uin
     return cw;
 }
 
-// v5_nvfp4_block with the binary-search encoder.
+// The removed v5 NVFP4 block step with the binary-search encoder.
 __device__ __forceinline__ uint8_t v6_nvfp4_block(const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t kb,
                                                   float gs, uint2& cw) {
     const float ab = __uint_as_float((kb & 0x7FFFu) << 16);
@@ -1068,7 +963,7 @@ __device__ __forceinline__ uint8_t v6_nvfp4_block(const uint32_t (&lo)[4], const
     return s;
 }
 
-// One row of rmsnorm_nvfp4_rows_v6 (v5's loop body): unpacks row `row` from `raw` to f32, issues the loads of
+// One row of rmsnorm_nvfp4_rows_v6 (the removed v5 NVFP4 loop body): unpacks row `row` from `raw` to f32, issues the loads of
 // row + gridDim.x into `raw` (in flight during this row), then normalizes and quantizes the row with the
 // reduction buffers of its parity.
 template <int NW, bool NORM>
@@ -1086,7 +981,7 @@ __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x
         xf[k][0] = bf16_lo(raw[k].x); xf[k][1] = bf16_hi(raw[k].x); xf[k][2] = bf16_lo(raw[k].y); xf[k][3] = bf16_hi(raw[k].y);
         xf[k][4] = bf16_lo(raw[k].z); xf[k][5] = bf16_hi(raw[k].z); xf[k][6] = bf16_lo(raw[k].w); xf[k][7] = bf16_hi(raw[k].w);
     }
-    // issued after the unpack, into the same registers: no copy (v5 moved 16 registers per row)
+    // issued after the unpack, into the same registers: no copy (the v5 NVFP4 kernel moved 16 registers per row)
     if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, raw);
     uint32_t pk[V5_CH][4];
     v6_norm_pairs<NW, NORM>(xf, wsm, eps, red_ss, rstd ? rstd + row : nullptr, pk);
@@ -1106,7 +1001,7 @@ __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x
     uint8_t* srow = scales + row * (D / 16);
 #pragma unroll
     for (int kp = 0; kp < V5_CH; kp += 2) {
-        // v5: even lane = block of chunk k = kp, odd lane = block of k = kp + 1 (halves swapped over xor 1)
+        // as v5 NVFP4: even lane = block of chunk k = kp, odd lane = block of k = kp + 1 (halves swapped over xor 1)
         uint32_t other[4];
 #pragma unroll
         for (int p = 0; p < 4; ++p) other[p] = __shfl_xor_sync(0xffffffffu, odd ? pk[kp][p] : pk[kp + 1][p], 1);
@@ -1127,7 +1022,7 @@ __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x
     }
 }
 
-// rmsnorm_nvfp4_rows_v5 with D = 1024 NW. Grid: one resident wave (or rows if fewer); block 32 NW; dynamic smem
+// The removed rmsnorm_nvfp4_rows_v5 with D = 1024 NW. Grid: one resident wave (or rows if fewer); block 32 NW; dynamic smem
 // D * 4 bytes (NORM). The row is unpacked to f32 before the next row's loads reuse its registers: v5 copied the
 // prefetch registers (16 moves per thread and row); unrolling the loop by two over two buffers spilled ~110 bytes
 // under the 64-register cap.
@@ -1139,7 +1034,7 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_v6(const __nv_bfloat16* __res
     constexpr int D = 1024 * NW, NCHUNKS = D / 8;
     extern __shared__ float4 v5_wsm[];
     __shared__ __align__(16) float red_ss[2][MAX_WARPS];
-    __shared__ __align__(16) float red_mx[2][MAX_WARPS];  // by row parity, as v5
+    __shared__ __align__(16) float red_mx[2][MAX_WARPS];  // by row parity, as v5 NVFP4
     uint4 raw[V5_CH];
     long row = blockIdx.x;
     if (row < rows) v5_load_row(x, row, D, raw);
