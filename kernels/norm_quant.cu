@@ -1515,6 +1515,253 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     norm_quant_row<KIND, true, LANES>(v, nchunks, D, w, eps, o, red);  // LANES = true: the early weight load
 }
 
+// ---- A/B (session 7): the compact finish (mhc_pre_finish_compact_pdl_*, launcher MhcPrePath::CompactPdl) -------
+// mhc_pre_finish<KIND, false, true, true> (the PDL finish) with the same operations in the same order, so the
+// same bits, compiled to less straight-line code. Why: Nsight Compute (session-7 run, T = 1, D = 4096, NVFP4)
+// counts 4,392 SASS instructions in the PDL finish, ~2,400 of them executed exactly once per warp by the four
+// warps of the token CTA (the CH = 4 chunks of a thread each get their own unrolled copy of the apply, norm and
+// quantizer code) and the Sinkhorn loop unrolled by 4; one warp per scheduler then waits on every instruction
+// fetch of that code (in sparse_attn the same shape of code cost 22% of all warp-stall samples in `no_inst`).
+// What changes (values are untouched: each loop body is the unrolled code's per-chunk step, run in the same
+// chunk order, and every reduction is the same function):
+//  * The token CTA copies its X rows (4 streams x 4 chunks x 16 B per thread) and weight chunks into shared
+//    memory with cp.async (the weight before griddep_wait: a constant; X right after it, so its round trip
+//    overlaps the partials reduction) and waits once (cp.async.wait_all: each thread reads back only the
+//    slots it filled itself, so no barrier). The per-chunk work then runs in loops that are NOT unrolled
+//    (#pragma unroll 1) reading the staged chunk k: no register array is indexed by k.
+//  * u chunk k (BF16 values) replaces X stream 0 of chunk k in shared memory; pass 2 reads it and the weight,
+//    writes y (BF16) back to the same slot (NVFP4: the row max needs every y before the block scales).
+//  * The Sinkhorn loop is rolled (sinkhorn_lanes_rolled: sinkhorn_lanes' operations, #pragma unroll 1).
+// Dynamic shared memory: blockDim * CH * 5 * 16 bytes (D = 4096: 40 KB, 7168: 70 KB); both CTAs of a token
+// get it (the coefficient CTA does not use it).
+// Identities: store8_bf16 of BF16-rounded values and the uint4 staging of their packed halves are exact; an
+// invalid chunk (c >= nchunks) contributes the zeros the unrolled code holds for it (ss: fmaf(0, 0, ss) = ss;
+// max: fmaxf(m, 0) = m for m >= 0); fmaxf over |y| does not depend on order (NaN is dropped in any order).
+constexpr int CF_SLOTS = 5;  // per chunk: X streams 0..3 (slot 0 later u, then y), weight
+
+__device__ float sinkhorn_lanes_rolled(float z) {
+    const float mx = fmaxf(fmaxf(z, __shfl_xor_sync(0xffffffffu, z, 1)),
+                           fmaxf(__shfl_xor_sync(0xffffffffu, z, 2), __shfl_xor_sync(0xffffffffu, z, 3)));
+    const float e = expf(__fsub_rn(z, mx));
+    float c = __fadd_rn(__fmul_rn(e, __frcp_rn(quad_sum(e, 1))), 1e-6f);
+    c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+#pragma unroll 1
+    for (int it = 1; it < 20; ++it) {
+        c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 1), 1e-6f)));  // rows
+        c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+    }
+    return c;
+}
+
+__device__ __forceinline__ void unpack8(const uint4 r, float v[8]) {
+    v[0] = bf16_lo(r.x); v[1] = bf16_hi(r.x); v[2] = bf16_lo(r.y); v[3] = bf16_hi(r.y);
+    v[4] = bf16_lo(r.z); v[5] = bf16_hi(r.z); v[6] = bf16_lo(r.w); v[7] = bf16_hi(r.w);
+}
+
+__device__ __forceinline__ uint4 pack8(const float v[8]) {
+    uint4 r;
+    r.x = pack_bf16x2(v[0], v[1]); r.y = pack_bf16x2(v[2], v[3]);
+    r.z = pack_bf16x2(v[4], v[5]); r.w = pack_bf16x2(v[6], v[7]);
+    return r;
+}
+
+template <int KIND>
+__device__ void mhc_pre_finish_compact(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S,
+                                       int T, int D, const float* __restrict__ hc_scale,
+                                       const float* __restrict__ hc_base, const __nv_bfloat16* __restrict__ w,
+                                       float eps, float* pre_out, float* post_out, float* comb_out,
+                                       __nv_bfloat16* u_out, uint8_t* q, uint8_t* scales, float* gsa,
+                                       __nv_bfloat16* bf, float* rstd_out, int t, bool coef_task) {
+    constexpr int NMIX = 24;
+    extern __shared__ uint4 cf_stage[];  // [CH][CF_SLOTS][blockDim]: 16-B slots, consecutive per thread
+    __shared__ float red[MAX_WARPS];
+    __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
+    __shared__ float mix[NMIX + 1];
+    __shared__ float pre_s[4];
+    const int tid = threadIdx.x, bd = blockDim.x, nchunks = D / 8;
+    auto slot = [&](int k, int i) -> uint4* { return &cf_stage[(k * CF_SLOTS + i) * bd + tid]; };
+    const __nv_bfloat16* Xt = X + (long)t * 4 * D;
+    griddep_launch_dependents();
+    if (!coef_task) {
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            if (c < nchunks) cp_async16(slot(k, 4), w + c * 8);  // constant weight: before the wait
+        }
+    }
+    griddep_wait();
+    if (!coef_task) {
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            if (c < nchunks) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) cp_async16(slot(k, i), Xt + (long)i * D + c * 8);
+            }
+        }
+    }
+    reduce_partials<NMIX>(part, S, t, mix, wsum);
+    const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
+    if (coef_task) {  // mhc_pre_finish's LANES branch, the Sinkhorn rolled
+        const int warp = tid >> 5, lane = tid & 31;
+        const int post_warp = bd > 32 ? 1 : 0;
+        if (warp == 0) {
+            const int i = lane & 15;
+            const float c = sinkhorn_lanes_rolled(mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]));
+            if (lane < 16) comb_out[t * 16 + i] = c;
+        }
+        if (warp == post_warp && lane >= 16 && lane < 20) {
+            const int i = lane - 16;
+            const float z = mix_logit(rho, mix[4 + i], hc_scale[1], hc_base[4 + i]);
+            post_out[t * 4 + i] = __fmul_rn(2.f, sigmoid_f(z));
+        }
+        return;
+    }
+    if (tid < 4) {
+        const int i = tid;
+        const float p = __fadd_rn(sigmoid_f(mix_logit(rho, mix[i], hc_scale[0], hc_base[i])), 1e-6f);
+        pre_s[i] = p;
+        pre_out[t * 4 + i] = p;
+    }
+    __syncthreads();
+    const float pre[4] = {pre_s[0], pre_s[1], pre_s[2], pre_s[3]};
+    cp_async_wait_all();
+    // Pass 1 (apply_pre_chunk, store of u, the sum of squares of norm_quant_row in its k, e order).
+    float ss = 0.f;
+#pragma unroll 1
+    for (int k = 0; k < CH; ++k) {
+        const int c = tid + k * bd;
+        float v[8];
+        if (c < nchunks) {
+            float xs[4][8];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) unpack8(*slot(k, i), xs[i]);
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc[e] = __fmul_rn(pre[0], xs[0][e]);
+#pragma unroll
+                for (int i = 1; i < 4; ++i) acc[e] = __fadd_rn(acc[e], __fmul_rn(pre[i], xs[i][e]));
+            }
+            const uint4 uk = pack8(acc);  // the BF16 rounding of apply_pre_chunk
+            *reinterpret_cast<uint4*>(u_out + (long)t * D + c * 8) = uk;
+            *slot(k, 0) = uk;
+            unpack8(uk, v);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(v[e], v[e], ss);
+    }
+    ss = block_sum(ss, red);
+    const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+    if (tid == 0) rstd_out[t] = rstd;
+    // Pass 2: y = bf16(w * (u * rstd)) per chunk (norm_quant_row's pairs), then the quantizer's per-chunk step.
+    // y of chunk k (zeros for an invalid chunk) into `y`; valid chunks also keep it in slot (k, 0).
+    auto norm_chunk = [&](int k, float (&y)[8]) {
+        const int c = tid + k * bd;
+        if (c < nchunks) {
+            float wv[8];
+            unpack8(*slot(k, 4), wv);
+            unpack8(*slot(k, 0), y);
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                const uint32_t pk = pack_bf16x2(__fmul_rn(wv[e], __fmul_rn(y[e], rstd)),
+                                                __fmul_rn(wv[e + 1], __fmul_rn(y[e + 1], rstd)));
+                y[e] = bf16_lo(pk);
+                y[e + 1] = bf16_hi(pk);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] = 0.f;
+        }
+    };
+    if (KIND == KIND_BF16) {
+        __nv_bfloat16* brow = bf + (long)t * D;
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            float y[8];
+            norm_chunk(k, y);
+            const int c = tid + k * bd;
+            if (c < nchunks) store8_bf16(brow + c * 8, y);
+        }
+    } else if (KIND == KIND_FP8) {
+        uint8_t* qrow = q + (long)t * D;
+        uint8_t* srow = scales + (long)t * (D / 128);
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            float y[8];
+            norm_chunk(k, y);
+            const int c = tid + k * bd;
+            float amax = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(y[e]));
+#pragma unroll
+            for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            if (c < nchunks) {
+                const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
+                const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));  // exact 1 / scale, see norm_quant_row
+                uint32_t w4[4];
+#pragma unroll
+                for (int p = 0; p < 4; ++p)
+                    w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(y[2 * p] * inv, y[2 * p + 1] * inv),
+                                                               __NV_SATFINITE, __NV_E4M3);
+                *reinterpret_cast<uint2*>(qrow + c * 8) = make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
+                if ((c & 15) == 0) srow[c >> 4] = sc;
+            }
+        }
+    } else {  // NVFP4
+        float amax = 0.f;
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            float y[8];
+            norm_chunk(k, y);
+            const int c = tid + k * bd;
+            if (c < nchunks) *slot(k, 0) = pack8(y);  // exact: y holds BF16 values
+#pragma unroll
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(y[e]));
+        }
+        const float amax_row = block_max(amax, red);
+        const float gs = mm::nvfp4_global_scale(amax_row);
+        if (tid == 0) gsa[t] = gs;
+        uint8_t* qrow = q + (long)t * (D / 2);
+        uint8_t* srow = scales + (long)t * (D / 16);
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            float y[8];
+            if (c < nchunks) {
+                unpack8(*slot(k, 0), y);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) y[e] = 0.f;
+            }
+            float ab = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ab = fmaxf(ab, fabsf(y[e]));
+            ab = fmaxf(ab, __shfl_xor_sync(0xffffffffu, ab, 1));  // 16-block = chunks (2i, 2i+1)
+            if (c < nchunks) {
+                const uint8_t s = mm::nvfp4_block_scale(ab, gs);
+                const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+                uint32_t packed = 0;
+#ifdef NQ_E2M1_BY_DIVISION
+#pragma unroll
+                for (int e = 0; e < 8; ++e) packed |= (uint32_t)mm::nvfp4_element(y[e], scale) << (4 * e);
+#else
+                if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
+                    const E2m1Thresholds thr = e2m1_thresholds(scale);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) packed |= e2m1_code_thr(y[e], thr) << (4 * e);
+                }
+#endif
+                *reinterpret_cast<uint32_t*>(qrow + c * 4) = packed;
+                if ((c & 1) == 0) srow[c >> 1] = s;
+            }
+        }
+    }
+}
+
 }  // namespace
 
 // ---- entry points ------------------------------------------------------------------------------------------------
@@ -1637,6 +1884,22 @@ extern "C" __global__ void mhc_pre_finish_pdl_fp8(MHC_PRE_COMMON, uint8_t* q, ui
 extern "C" __global__ void mhc_pre_finish_pdl_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
     mhc_pre_finish<KIND_BF16, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
                                                  nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
+}
+
+// A/B (session 7): the compact finish (see mhc_pre_finish_compact), after mhc_mix_partial24_pdl as the PDL pair.
+// Grid (T, 2), block as RMSNorm, dynamic shared memory blockDim * 320 bytes (launcher MhcPrePath::CompactPdl).
+extern "C" __global__ void mhc_pre_finish_compact_pdl_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
+                                                            float* rstd) {
+    mhc_pre_finish_compact<KIND_NVFP4>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
+                                       gsa, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
+}
+extern "C" __global__ void mhc_pre_finish_compact_pdl_fp8(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
+    mhc_pre_finish_compact<KIND_FP8>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
+                                     nullptr, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
+}
+extern "C" __global__ void mhc_pre_finish_compact_pdl_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
+    mhc_pre_finish_compact<KIND_BF16>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr,
+                                      nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
 }
 
 // hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.

@@ -1474,6 +1474,73 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
     }
 }
 
+// ---- A/B (session 7): the compact finish (MhcPrePath::CompactPdl: mhc_mix_partial24_pdl +
+// mhc_pre_finish_compact_pdl_*) ----------------------------------------------------------------------------
+// The same operations in the same order as the PDL pair's finish, only rolled loops and shared-memory staging:
+// every output (partials included) must be bit-identical to MhcPrePath::PdlPair. Outputs and partials are
+// poisoned before the compact run (a finish that read the partials or X before the mix finished, or a chunk
+// left unwritten, shows up as a difference).
+
+#[test]
+fn compact_finish_smem_is_320_bytes_per_thread() {
+    assert_eq!(nq::compact_finish_smem_bytes(128), 40 * 1024);
+    assert_eq!(
+        nq::compact_finish_smem_bytes(nq::row_block_threads(7168)),
+        70 * 1024
+    );
+}
+
+#[test]
+fn gpu_mhc_pre_compact_finish_equals_pdl_pair_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_compact_finish_equals_pdl_pair_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_compact_finish_equals_pdl_pair_bitwise");
+    for d in [4096usize, 7168] {
+        for tokens in [1usize, 2, 7, 64] {
+            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 7919 + d as u64));
+            let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+            let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+            for format in FORMATS {
+                let label = format!(
+                    "compact finish->{} T={tokens} D={d} seed {seed}",
+                    format.name()
+                );
+                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair)
+                    .unwrap();
+                let want = MhcSnapshot::take(&gpu, &out);
+                out.poison(&gpu).unwrap();
+                out.poison_partials(&gpu).unwrap();
+                nq::mhc_pre_with(
+                    &gpu,
+                    &dx,
+                    &w,
+                    r::RMS_EPS,
+                    &mut out,
+                    nq::MhcPrePath::CompactPdl,
+                )
+                .unwrap();
+                let got = MhcSnapshot::take(&gpu, &out);
+                got.assert_same(&want, &label);
+                let dots = gpu_dots(&got.partials, tokens, d);
+                check_mhc(
+                    &label,
+                    &c,
+                    &got.pre,
+                    &got.post,
+                    &got.comb,
+                    &got.u,
+                    &got.normed,
+                    format,
+                    Some(&dots),
+                );
+            }
+            eprintln!("compact finish T={tokens} D={d}: bit-identical to the PDL pair in every format, CPU reference ok (seed {seed})");
+        }
+    }
+}
+
 #[test]
 fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
     let Some(gpu) =
