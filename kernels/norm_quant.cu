@@ -2,10 +2,10 @@
 //
 // Design
 // ------
-// RMSNorm rows. BF16 in -> NVFP4 / FP8 from 4096 rows (D % 1024 == 0): the v5 kernels (own section below;
-// launcher rule rows_path in src/ops/norm_quant/mod.rs), except BF16 -> NVFP4 with D <= 8192, which runs v6
-// (v5 with fewer instructions per element, bit-identical; the default since the session-6 A/B: 4096 x 4096
-// 25.4 vs 27.8 us, 65536 x 4096 275.0 vs 306.9 us). Otherwise (rmsnorm_*; BF16 -> NVFP4 is
+// RMSNorm rows. From 4096 rows with D % 1024 == 0 (launcher rule rows_path in src/ops/norm_quant/mod.rs):
+// BF16 -> FP8 runs the v5 FP8 kernel (own section below), BF16 -> NVFP4 with D <= 8192 the v6 kernels (own
+// section; they replaced the v5 NVFP4 kernel, see the history below). Otherwise (rmsnorm_*; BF16 -> NVFP4 at
+// any other shape, D > 8192 included, is
 // rmsnorm_nvfp4_bf16in_v4p, the same per-row work with rows looped by one resident wave and a packed-pair
 // encoder, see its section): one CTA per row, blockDim =
 // roundup32(D/8/CH) threads (CH = 4 chunks of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224).
@@ -42,6 +42,9 @@
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
+//   * Session 7: v5 NVFP4 (rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5; bit-identical to v4p and v6) lost to v6
+//     again in the session-7 run (7666184), median us v6 vs v5: 4096 x 4096 25.41 vs 27.46, 65536 x 4096 275.0
+//     vs 307.1 (session 6: 25.4 vs 27.8, 275.0 vs 306.9). NVFP4 shapes v6 lacks (D > 8192) fall back to v4p.
 //   * Session 5 (A/B run 48a7d82, branch s5-mhc): the whole boundary in ONE launch on a 16-CTA thread-block cluster
 //     per <= 8 tokens (mhc_pre_cluster_*: each CTA stages its F slice before griddepcontrol.wait, partials summed
 //     over distributed shared memory, Sinkhorn on __frcp_rn's fast path; bit-identical, all GPU tests passed)
@@ -585,11 +588,13 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
 }
 
 // ==== RMSNorm rows v5 (persistent CTAs, fixed channels, weight staged once per CTA): BF16 in, >= 4096 rows ====
-// The default from 4096 rows (session-4 A/B, BF16 in, median us, v5 vs v4p / one CTA per row: NVFP4 4096 x 4096
-// 27.8 vs 30.6, 65536 x 4096 306.8 vs 380.6 (52.8% of copy bandwidth), 65536 x 7168 598.8 vs 756.0; FP8 4096 x
-// 4096 21.2 vs 21.6, 65536 x 4096 220.4 vs 233.9 (86.3%); at 1-64 rows v5 loses, 6.8 vs 6.3 NVFP4 at 1 row).
-// rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5 (quantize only, the encoder's boundary test) and
-// rmsnorm_fp8_bf16in_v5: the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p /
+// The FP8 default from 4096 rows (session-4 A/B, BF16 in, median us, v5 vs v4p / one CTA per row: NVFP4 4096 x
+// 4096 27.8 vs 30.6, 65536 x 4096 306.8 vs 380.6 (52.8% of copy bandwidth), 65536 x 7168 598.8 vs 756.0; FP8
+// 4096 x 4096 21.2 vs 21.6, 65536 x 4096 220.4 vs 233.9 (86.3%); at 1-64 rows v5 loses, 6.8 vs 6.3 NVFP4 at 1
+// row). Only rmsnorm_fp8_bf16in_v5 is left: the NVFP4 v5 kernels (rmsnorm_nvfp4_bf16in_v5,
+// quant_nvfp4_bf16in_v5) were removed in session 7 for v6 (next section), which keeps their NVFP4 design below
+// (lane pairs, one thread per 16-block) and the helpers here (v5_stage_weight, v5_load_row, v5_norm_pairs'
+// order). The v5 kernels gave the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p /
 // rmsnorm_fp8_bf16in, rebuilt around the instruction count (Nsight Compute, 4096 x 4096: v4p issues ~34
 // thread-instructions per element at 62% issue, FP8 ~24; 85% of copy bandwidth needs <= ~15 / ~12).
 // Where v4p's instructions went (SASS, per thread and 8-value chunk, ~37 per element in all): ~59 for the
@@ -607,7 +612,7 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
 //    enough: a buffer is rewritten two rows later at the earliest, and a thread gets there only after passing
 //    the next row's barrier(s), which every thread reaches after its reads of the buffer. (One buffer per
 //    reduction without the parity would race when a row has only one barrier: FP8, or NVFP4 without NORM.)
-//  * NVFP4: lane pairs (2i, 2i+1) hold the two halves of each 16-block (chunks 2i, 2i+1 of the same k). After
+//  * NVFP4 (the removed v5 NVFP4 kernel; v6 keeps this scheme): lane pairs (2i, 2i+1) hold the two halves of each 16-block (chunks 2i, 2i+1 of the same k). After
 //    the row max, they swap half their y words (one shuffle per word) so that the even lane owns the blocks of
 //    k = 0, 2 and the odd lane those of k = 1, 3: the block scale and the 7 threshold keys are computed ONCE per
 //    block (v4p: twice), the block amax needs no extra shuffle (the chunk keys travel with the halves), and a
@@ -619,7 +624,7 @@ __device__ void rmsnorm_rows_v4(const Tin* __restrict__ x, const __nv_bfloat16* 
 //    ue8m0_scale_448_divfree (CPU mirror tested against formats::ue8m0 for every BF16 amax).
 // Rounding points unchanged: rstd, t = x*rstd, y = w*t (no FMA), y -> BF16, then the v4p / FP8 quantizers.
 // SASS (cuobjdump, D = 4096, fast path, the reduction loops at their 4-warp trip counts), thread-instructions
-// per element: v4p ~34 (Nsight Compute: 34), v5 NVFP4 ~30 (per thread and row: ~110 unpack + sum of squares,
+// per element: v4p ~34 (Nsight Compute: 34), the removed v5 NVFP4 ~30 (per thread and row: ~110 unpack + sum of squares,
 // ~55 sum reduction, ~40 rstd, ~190 y + keys, ~95 max reduction + gs, 2 x ~205 per 16-block of which ~140 is
 // the packed encoder); FP8 one-CTA-per-row ~24 (Nsight), v5 FP8 ~19. What is left per row (~230 of ~950 for
 // NVFP4: reductions, rstd, gs, addressing) is spread over only 32 values per thread: the next step would be
@@ -634,16 +639,6 @@ __device__ __forceinline__ float v5_block_sum(float v, float* red) {
     float s = 0.f;
     for (int w = 0; w < nw; ++w) s += red[w];
     return s;  // same value as block_sum; no trailing barrier (see the header of this section)
-}
-
-__device__ __forceinline__ float v5_block_max(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int w = 0; w < nw; ++w) s = fmaxf(s, red[w]);
-    return s;  // same value as block_max
 }
 
 // Weight -> f32 shared memory, split layout: wsm[c] = elements 0..3 of chunk c, wsm[nchunks + c] = 4..7.
@@ -697,100 +692,6 @@ __device__ __forceinline__ void v5_norm_pairs(const uint4 (&raw)[V5_CH], const f
         for (int p = 0; p < 4; ++p)
             pk[k][p] = pack_bf16x2(__fmul_rn(wlo[p], __fmul_rn(x[k][p], rstd)),
                                    __fmul_rn(whi[p], __fmul_rn(x[k][p + 4], rstd)));
-    }
-}
-
-// One 16-block: lo = the y pairs of its first chunk (2b), hi = of its second (2b + 1); kb = its guarded amax
-// key (0x8000 | bits(amax)). Returns the scale byte; codes of chunk 2b in cw.x, of 2b + 1 in cw.y. Same
-// operations as rmsnorm_nvfp4_row_v4 (PRMT_PLACE = true) for each chunk, the scale work done once.
-__device__ __forceinline__ uint8_t v5_nvfp4_block(const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t kb,
-                                                  float gs, uint2& cw) {
-    const float ab = __uint_as_float((kb & 0x7FFFu) << 16);
-    const uint8_t s = mm::nvfp4_block_scale(ab, gs);
-    const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
-    cw = make_uint2(0u, 0u);
-    if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
-        const E2m1Thresholds thr = e2m1_thresholds_fma(scale);
-        if (scale < INFINITY) {
-            uint32_t keys[7];
-#pragma unroll
-            for (int i = 0; i < 7; ++i) keys[i] = bf16_key_ru_x2(thr.b[i]);
-            cw.x = e2m1_codes8_keys<true>(lo, keys);
-            cw.y = e2m1_codes8_keys<true>(hi, keys);
-        } else {  // non-finite scale (non-finite input): v4p's per-element search
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                cw.x |= e2m1_code_thr(bf16_lo(lo[p]), thr) << (4 * p);
-                cw.x |= e2m1_code_thr(bf16_hi(lo[p]), thr) << (4 * (p + 4));
-                cw.y |= e2m1_code_thr(bf16_lo(hi[p]), thr) << (4 * p);
-                cw.y |= e2m1_code_thr(bf16_hi(hi[p]), thr) << (4 * (p + 4));
-            }
-        }
-    }
-    return s;
-}
-
-// NVFP4 rows. Grid: one resident wave (or rows if fewer); block D/32; dynamic smem D * 4 bytes (NORM).
-template <bool NORM>
-__device__ void rmsnorm_nvfp4_rows_v5(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-                                      uint8_t* __restrict__ q, uint8_t* __restrict__ scales, float* __restrict__ gsa,
-                                      float* __restrict__ rstd, int rows, int D, float eps) {
-    extern __shared__ float4 v5_wsm[];
-    __shared__ float red_ss[2][MAX_WARPS];
-    __shared__ float red_mx[2][MAX_WARPS];  // by row parity too: without NORM it is the only barrier of a row
-    const int tid = threadIdx.x, bd = blockDim.x, nchunks = D / 8;
-    const bool odd = (tid & 1) != 0;
-    uint4 raw[V5_CH];
-    long row = blockIdx.x;
-    if (row < rows) v5_load_row(x, row, D, raw);
-    if (NORM) {
-        v5_stage_weight(w, v5_wsm, nchunks);
-        __syncthreads();
-    }
-    for (int it = 0; row < rows; row += gridDim.x, ++it) {
-        uint4 cur[V5_CH];
-#pragma unroll
-        for (int k = 0; k < V5_CH; ++k) cur[k] = raw[k];
-        if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, raw);  // in flight during this row
-        uint32_t pk[V5_CH][4];
-        v5_norm_pairs<NORM>(cur, v5_wsm, nchunks, D, eps, red_ss[it & 1], rstd ? rstd + row : nullptr, pk);
-        // chunk amax keys and the row max: rmsnorm_nvfp4_row_v4's operations
-        uint32_t key[V5_CH];
-        uint32_t row_key = 0x8000u;
-#pragma unroll
-        for (int k = 0; k < V5_CH; ++k) {
-            const uint32_t m = max_u16x2(max_u16x2(pk[k][0] | 0x80008000u, pk[k][1] | 0x80008000u),
-                                         max_u16x2(pk[k][2] | 0x80008000u, pk[k][3] | 0x80008000u));
-            key[k] = max(m & 0xFFFFu, m >> 16);
-            row_key = max(row_key, key[k]);
-        }
-        const float amax_row = v5_block_max(__uint_as_float((row_key & 0x7FFFu) << 16), red_mx[it & 1]);
-        const float gs = mm::nvfp4_global_scale(amax_row);
-        if (tid == 0) gsa[row] = gs;
-        uint8_t* qrow = q + row * (D / 2);
-        uint8_t* srow = scales + row * (D / 16);
-#pragma unroll
-        for (int kp = 0; kp < V5_CH; kp += 2) {
-            // even lane: block of chunk k = kp (its own half = lo, the partner's = hi);
-            // odd lane: block of k = kp + 1 (the partner's half = lo, its own = hi).
-            uint32_t other[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) other[p] = __shfl_xor_sync(0xffffffffu, odd ? pk[kp][p] : pk[kp + 1][p], 1);
-            const uint32_t okey = __shfl_xor_sync(0xffffffffu, odd ? key[kp] : key[kp + 1], 1);
-            // selects, not a branch per lane parity: both lanes of a pair must run the one block code path
-            uint32_t lo[4], hi[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                lo[p] = odd ? other[p] : pk[kp][p];
-                hi[p] = odd ? pk[kp + 1][p] : other[p];
-            }
-            const uint32_t kb = max(odd ? key[kp + 1] : key[kp], okey);  // = v4p's max(key, xor-1 partner key)
-            uint2 cw;
-            const uint8_t s = v5_nvfp4_block(lo, hi, kb, gs, cw);
-            const int blk = (tid >> 1) + (kp + (odd ? 1 : 0)) * (bd >> 1);  // = chunk (tid & ~1) + k * bd, halved
-            *reinterpret_cast<uint2*>(qrow + blk * 8) = cw;
-            srow[blk] = s;
-        }
     }
 }
 
@@ -876,16 +777,8 @@ __device__ void rmsnorm_fp8_rows_v5(const __nv_bfloat16* __restrict__ x, const _
 
 }  // namespace
 
-// v5 entry points (launchers: rmsnorm_quant / rmsnorm_quant_with(.., RowsPath::V5), quantize_bf16_rows_v5).
-// x [rows, D] BF16, D % 1024 == 0; block D/32; dynamic shared memory D * 4 bytes (the quantize-only kernel: 0).
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_nvfp4_bf16in_v5(const __nv_bfloat16* x, const __nv_bfloat16* w,
-        uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
-    rmsnorm_nvfp4_rows_v5<true>(x, w, q, scales, gsa, rstd, rows, D, eps);
-}
-extern "C" __global__ void __launch_bounds__(1024) quant_nvfp4_bf16in_v5(const __nv_bfloat16* x, uint8_t* q,
-                                                                        uint8_t* scales, float* gsa, int rows, int D) {
-    rmsnorm_nvfp4_rows_v5<false>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
-}
+// v5 entry point (launchers: rmsnorm_quant / rmsnorm_quant_with(.., RowsPath::V5)).
+// x [rows, D] BF16, D % 1024 == 0; block D/32; dynamic shared memory D * 4 bytes.
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_v5(const __nv_bfloat16* x, const __nv_bfloat16* w,
         uint8_t* q, uint8_t* scales, float* rstd, int rows, int D, float eps) {
     rmsnorm_fp8_rows_v5(x, w, q, scales, rstd, rows, D, eps);
@@ -893,10 +786,12 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_v5(const _
 
 namespace {
 // ==== end of the v5 section ===================================================================================
-// ==== RMSNorm rows v6 NVFP4 (default from 4096 rows since session 6): v5 with fewer SASS instructions per element
+// ==== RMSNorm rows v6 NVFP4 (default from 4096 rows since session 6): the removed v5 NVFP4 kernel with fewer SASS
+// instructions per element.
 // rmsnorm_nvfp4_bf16in_v6_w<NW> / quant_nvfp4_bf16in_v6_w<NW> (NW = D / 1024 = warps per CTA, 1..8; launcher
-// RowsPath::V6): the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_v5 / quant_nvfp4_bf16in_v5 (same
-// channel ownership, same fp32 operations in the same order, same encoder decisions). What changes:
+// RowsPath::V6): the same outputs, bit for bit, as the removed rmsnorm_nvfp4_bf16in_v5 / quant_nvfp4_bf16in_v5
+// and so as rmsnorm_nvfp4_bf16in_v4p / quant_nvfp4_bf16in_v4p (same channel ownership, same fp32 operations in
+// the same order, same encoder decisions; the GPU tests compare v6 with v4p). What changed against v5:
 //  * D is a compile-time constant (NW warps, D = 1024 NW, block 32 NW): the reads of the per-warp partials
 //    after each barrier become NW/4 LDS.128 and NW straight-line FADD / FMNMX in warp order (v5: a runtime loop
 //    over blockDim / 32 with an unroll-by-4 body and remainder branches, ~40 executed instructions per
@@ -907,7 +802,7 @@ namespace {
 //  * e2m1 codes by a 3-step binary search over the 7 sorted keys (v6_codes8_bsearch) instead of 7 compares +
 //    XOR parity: 10 instead of 12 integer operations per BF16 pair; same code bits (proof beside it).
 // Everything else (row loop, prefetch, weight staging, odd/even block ownership, block scale, threshold keys,
-// the non-finite fallback) is v5's code.
+// the non-finite fallback) was v5's code (the v5 section header describes it).
 
 // Codes of 8 values pk[p] = (y[p] lo, y[p + 4] hi), keys[i] = bf16_key_ru_x2(B_i) non-decreasing in i: the same
 // 32-bit word as e2m1_codes8_keys<true>(pk, keys). Identities:
@@ -950,7 +845,7 @@ __device__ __forceinline__ uint32_t v6_codes8_bsearch(const uint32_t (&pk)[4], c
     return out;
 }
 
-// v5_block_sum / v5_block_max with the warp count NW known: the same tree, the same warp-order sum from 0.f.
+// v5_block_sum / v5's block max (a runtime loop over the warps) with the warp count NW known: the same tree, the same warp-order sum from 0.f.
 // red must be 16-byte aligned with at least 4 * ceil(NW / 4) floats (the buffers hold MAX_WARPS).
 template <int NW>
 __device__ __forceinline__ void v6_read_partials(const float* red, float (&r)[(NW + 3) / 4 * 4]) {
@@ -1025,7 +920,7 @@ __device__ __forceinline__ void v6_norm_pairs(const float (&x)[V5_CH][8], const 
     }
 }
 
-// Non-finite scale (non-finite input): v4p's per-element search, v5_nvfp4_block's fallback. Not inlined: inline,
+// Non-finite scale (non-finite input): v4p's per-element search (v5's NVFP4 fallback too). Not inlined: inline,
 // ptxas if-converted it into ~130 predicated FSETP / SEL per block that every block then issued.
 __device__ __noinline__ uint2 v6_codes16_nonfinite(uint32_t l0, uint32_t l1, uint32_t l2, uint32_t l3, uint32_t h0,
                                                    uint32_t h1, uint32_t h2, uint32_t h3, float b0, float b1, float b2,
@@ -1045,7 +940,7 @@ __device__ __noinline__ uint2 v6_codes16_nonfinite(uint32_t l0, uint32_t l1, uin
     return cw;
 }
 
-// v5_nvfp4_block with the binary-search encoder.
+// The removed v5 NVFP4 block step with the binary-search encoder.
 __device__ __forceinline__ uint8_t v6_nvfp4_block(const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t kb,
                                                   float gs, uint2& cw) {
     const float ab = __uint_as_float((kb & 0x7FFFu) << 16);
@@ -1068,7 +963,7 @@ __device__ __forceinline__ uint8_t v6_nvfp4_block(const uint32_t (&lo)[4], const
     return s;
 }
 
-// One row of rmsnorm_nvfp4_rows_v6 (v5's loop body): unpacks row `row` from `raw` to f32, issues the loads of
+// One row of rmsnorm_nvfp4_rows_v6 (the removed v5 NVFP4 loop body): unpacks row `row` from `raw` to f32, issues the loads of
 // row + gridDim.x into `raw` (in flight during this row), then normalizes and quantizes the row with the
 // reduction buffers of its parity.
 template <int NW, bool NORM>
@@ -1086,7 +981,7 @@ __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x
         xf[k][0] = bf16_lo(raw[k].x); xf[k][1] = bf16_hi(raw[k].x); xf[k][2] = bf16_lo(raw[k].y); xf[k][3] = bf16_hi(raw[k].y);
         xf[k][4] = bf16_lo(raw[k].z); xf[k][5] = bf16_hi(raw[k].z); xf[k][6] = bf16_lo(raw[k].w); xf[k][7] = bf16_hi(raw[k].w);
     }
-    // issued after the unpack, into the same registers: no copy (v5 moved 16 registers per row)
+    // issued after the unpack, into the same registers: no copy (the v5 NVFP4 kernel moved 16 registers per row)
     if (row + gridDim.x < rows) v5_load_row(x, row + gridDim.x, D, raw);
     uint32_t pk[V5_CH][4];
     v6_norm_pairs<NW, NORM>(xf, wsm, eps, red_ss, rstd ? rstd + row : nullptr, pk);
@@ -1106,7 +1001,7 @@ __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x
     uint8_t* srow = scales + row * (D / 16);
 #pragma unroll
     for (int kp = 0; kp < V5_CH; kp += 2) {
-        // v5: even lane = block of chunk k = kp, odd lane = block of k = kp + 1 (halves swapped over xor 1)
+        // as v5 NVFP4: even lane = block of chunk k = kp, odd lane = block of k = kp + 1 (halves swapped over xor 1)
         uint32_t other[4];
 #pragma unroll
         for (int p = 0; p < 4; ++p) other[p] = __shfl_xor_sync(0xffffffffu, odd ? pk[kp][p] : pk[kp + 1][p], 1);
@@ -1127,7 +1022,7 @@ __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x
     }
 }
 
-// rmsnorm_nvfp4_rows_v5 with D = 1024 NW. Grid: one resident wave (or rows if fewer); block 32 NW; dynamic smem
+// The removed rmsnorm_nvfp4_rows_v5 with D = 1024 NW. Grid: one resident wave (or rows if fewer); block 32 NW; dynamic smem
 // D * 4 bytes (NORM). The row is unpacked to f32 before the next row's loads reuse its registers: v5 copied the
 // prefetch registers (16 moves per thread and row); unrolling the loop by two over two buffers spilled ~110 bytes
 // under the 64-register cap.
@@ -1139,7 +1034,7 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_v6(const __nv_bfloat16* __res
     constexpr int D = 1024 * NW, NCHUNKS = D / 8;
     extern __shared__ float4 v5_wsm[];
     __shared__ __align__(16) float red_ss[2][MAX_WARPS];
-    __shared__ __align__(16) float red_mx[2][MAX_WARPS];  // by row parity, as v5
+    __shared__ __align__(16) float red_mx[2][MAX_WARPS];  // by row parity, as v5 NVFP4
     uint4 raw[V5_CH];
     long row = blockIdx.x;
     if (row < rows) v5_load_row(x, row, D, raw);
@@ -1620,6 +1515,253 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     norm_quant_row<KIND, true, LANES>(v, nchunks, D, w, eps, o, red);  // LANES = true: the early weight load
 }
 
+// ---- A/B (session 7): the compact finish (mhc_pre_finish_compact_pdl_*, launcher MhcPrePath::CompactPdl) -------
+// mhc_pre_finish<KIND, false, true, true> (the PDL finish) with the same operations in the same order, so the
+// same bits, compiled to less straight-line code. Why: Nsight Compute (session-7 run, T = 1, D = 4096, NVFP4)
+// counts 4,392 SASS instructions in the PDL finish, ~2,400 of them executed exactly once per warp by the four
+// warps of the token CTA (the CH = 4 chunks of a thread each get their own unrolled copy of the apply, norm and
+// quantizer code) and the Sinkhorn loop unrolled by 4; one warp per scheduler then waits on every instruction
+// fetch of that code (in sparse_attn the same shape of code cost 22% of all warp-stall samples in `no_inst`).
+// What changes (values are untouched: each loop body is the unrolled code's per-chunk step, run in the same
+// chunk order, and every reduction is the same function):
+//  * The token CTA copies its X rows (4 streams x 4 chunks x 16 B per thread) and weight chunks into shared
+//    memory with cp.async (the weight before griddep_wait: a constant; X right after it, so its round trip
+//    overlaps the partials reduction) and waits once (cp.async.wait_all: each thread reads back only the
+//    slots it filled itself, so no barrier). The per-chunk work then runs in loops that are NOT unrolled
+//    (#pragma unroll 1) reading the staged chunk k: no register array is indexed by k.
+//  * u chunk k (BF16 values) replaces X stream 0 of chunk k in shared memory; pass 2 reads it and the weight,
+//    writes y (BF16) back to the same slot (NVFP4: the row max needs every y before the block scales).
+//  * The Sinkhorn loop is rolled (sinkhorn_lanes_rolled: sinkhorn_lanes' operations, #pragma unroll 1).
+// Dynamic shared memory: blockDim * CH * 5 * 16 bytes (D = 4096: 40 KB, 7168: 70 KB); both CTAs of a token
+// get it (the coefficient CTA does not use it).
+// Identities: store8_bf16 of BF16-rounded values and the uint4 staging of their packed halves are exact; an
+// invalid chunk (c >= nchunks) contributes the zeros the unrolled code holds for it (ss: fmaf(0, 0, ss) = ss;
+// max: fmaxf(m, 0) = m for m >= 0); fmaxf over |y| does not depend on order (NaN is dropped in any order).
+constexpr int CF_SLOTS = 5;  // per chunk: X streams 0..3 (slot 0 later u, then y), weight
+
+__device__ float sinkhorn_lanes_rolled(float z) {
+    const float mx = fmaxf(fmaxf(z, __shfl_xor_sync(0xffffffffu, z, 1)),
+                           fmaxf(__shfl_xor_sync(0xffffffffu, z, 2), __shfl_xor_sync(0xffffffffu, z, 3)));
+    const float e = expf(__fsub_rn(z, mx));
+    float c = __fadd_rn(__fmul_rn(e, __frcp_rn(quad_sum(e, 1))), 1e-6f);
+    c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+#pragma unroll 1
+    for (int it = 1; it < 20; ++it) {
+        c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 1), 1e-6f)));  // rows
+        c = __fmul_rn(c, __frcp_rn(__fadd_rn(quad_sum(c, 4), 1e-6f)));  // columns
+    }
+    return c;
+}
+
+__device__ __forceinline__ void unpack8(const uint4 r, float v[8]) {
+    v[0] = bf16_lo(r.x); v[1] = bf16_hi(r.x); v[2] = bf16_lo(r.y); v[3] = bf16_hi(r.y);
+    v[4] = bf16_lo(r.z); v[5] = bf16_hi(r.z); v[6] = bf16_lo(r.w); v[7] = bf16_hi(r.w);
+}
+
+__device__ __forceinline__ uint4 pack8(const float v[8]) {
+    uint4 r;
+    r.x = pack_bf16x2(v[0], v[1]); r.y = pack_bf16x2(v[2], v[3]);
+    r.z = pack_bf16x2(v[4], v[5]); r.w = pack_bf16x2(v[6], v[7]);
+    return r;
+}
+
+template <int KIND>
+__device__ void mhc_pre_finish_compact(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S,
+                                       int T, int D, const float* __restrict__ hc_scale,
+                                       const float* __restrict__ hc_base, const __nv_bfloat16* __restrict__ w,
+                                       float eps, float* pre_out, float* post_out, float* comb_out,
+                                       __nv_bfloat16* u_out, uint8_t* q, uint8_t* scales, float* gsa,
+                                       __nv_bfloat16* bf, float* rstd_out, int t, bool coef_task) {
+    constexpr int NMIX = 24;
+    extern __shared__ uint4 cf_stage[];  // [CH][CF_SLOTS][blockDim]: 16-B slots, consecutive per thread
+    __shared__ float red[MAX_WARPS];
+    __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
+    __shared__ float mix[NMIX + 1];
+    __shared__ float pre_s[4];
+    const int tid = threadIdx.x, bd = blockDim.x, nchunks = D / 8;
+    auto slot = [&](int k, int i) -> uint4* { return &cf_stage[(k * CF_SLOTS + i) * bd + tid]; };
+    const __nv_bfloat16* Xt = X + (long)t * 4 * D;
+    griddep_launch_dependents();
+    if (!coef_task) {
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            if (c < nchunks) cp_async16(slot(k, 4), w + c * 8);  // constant weight: before the wait
+        }
+    }
+    griddep_wait();
+    if (!coef_task) {
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            if (c < nchunks) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) cp_async16(slot(k, i), Xt + (long)i * D + c * 8);
+            }
+        }
+    }
+    reduce_partials<NMIX>(part, S, t, mix, wsum);
+    const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
+    if (coef_task) {  // mhc_pre_finish's LANES branch, the Sinkhorn rolled
+        const int warp = tid >> 5, lane = tid & 31;
+        const int post_warp = bd > 32 ? 1 : 0;
+        if (warp == 0) {
+            const int i = lane & 15;
+            const float c = sinkhorn_lanes_rolled(mix_logit(rho, mix[8 + i], hc_scale[2], hc_base[8 + i]));
+            if (lane < 16) comb_out[t * 16 + i] = c;
+        }
+        if (warp == post_warp && lane >= 16 && lane < 20) {
+            const int i = lane - 16;
+            const float z = mix_logit(rho, mix[4 + i], hc_scale[1], hc_base[4 + i]);
+            post_out[t * 4 + i] = __fmul_rn(2.f, sigmoid_f(z));
+        }
+        return;
+    }
+    if (tid < 4) {
+        const int i = tid;
+        const float p = __fadd_rn(sigmoid_f(mix_logit(rho, mix[i], hc_scale[0], hc_base[i])), 1e-6f);
+        pre_s[i] = p;
+        pre_out[t * 4 + i] = p;
+    }
+    __syncthreads();
+    const float pre[4] = {pre_s[0], pre_s[1], pre_s[2], pre_s[3]};
+    cp_async_wait_all();
+    // Pass 1 (apply_pre_chunk, store of u, the sum of squares of norm_quant_row in its k, e order).
+    float ss = 0.f;
+#pragma unroll 1
+    for (int k = 0; k < CH; ++k) {
+        const int c = tid + k * bd;
+        float v[8];
+        if (c < nchunks) {
+            float xs[4][8];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) unpack8(*slot(k, i), xs[i]);
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                acc[e] = __fmul_rn(pre[0], xs[0][e]);
+#pragma unroll
+                for (int i = 1; i < 4; ++i) acc[e] = __fadd_rn(acc[e], __fmul_rn(pre[i], xs[i][e]));
+            }
+            const uint4 uk = pack8(acc);  // the BF16 rounding of apply_pre_chunk
+            *reinterpret_cast<uint4*>(u_out + (long)t * D + c * 8) = uk;
+            *slot(k, 0) = uk;
+            unpack8(uk, v);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(v[e], v[e], ss);
+    }
+    ss = block_sum(ss, red);
+    const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+    if (tid == 0) rstd_out[t] = rstd;
+    // Pass 2: y = bf16(w * (u * rstd)) per chunk (norm_quant_row's pairs), then the quantizer's per-chunk step.
+    // y of chunk k (zeros for an invalid chunk) into `y`; valid chunks also keep it in slot (k, 0).
+    auto norm_chunk = [&](int k, float (&y)[8]) {
+        const int c = tid + k * bd;
+        if (c < nchunks) {
+            float wv[8];
+            unpack8(*slot(k, 4), wv);
+            unpack8(*slot(k, 0), y);
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                const uint32_t pk = pack_bf16x2(__fmul_rn(wv[e], __fmul_rn(y[e], rstd)),
+                                                __fmul_rn(wv[e + 1], __fmul_rn(y[e + 1], rstd)));
+                y[e] = bf16_lo(pk);
+                y[e + 1] = bf16_hi(pk);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) y[e] = 0.f;
+        }
+    };
+    if (KIND == KIND_BF16) {
+        __nv_bfloat16* brow = bf + (long)t * D;
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            float y[8];
+            norm_chunk(k, y);
+            const int c = tid + k * bd;
+            if (c < nchunks) store8_bf16(brow + c * 8, y);
+        }
+    } else if (KIND == KIND_FP8) {
+        uint8_t* qrow = q + (long)t * D;
+        uint8_t* srow = scales + (long)t * (D / 128);
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            float y[8];
+            norm_chunk(k, y);
+            const int c = tid + k * bd;
+            float amax = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(y[e]));
+#pragma unroll
+            for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            if (c < nchunks) {
+                const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
+                const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));  // exact 1 / scale, see norm_quant_row
+                uint32_t w4[4];
+#pragma unroll
+                for (int p = 0; p < 4; ++p)
+                    w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(y[2 * p] * inv, y[2 * p + 1] * inv),
+                                                               __NV_SATFINITE, __NV_E4M3);
+                *reinterpret_cast<uint2*>(qrow + c * 8) = make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
+                if ((c & 15) == 0) srow[c >> 4] = sc;
+            }
+        }
+    } else {  // NVFP4
+        float amax = 0.f;
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            float y[8];
+            norm_chunk(k, y);
+            const int c = tid + k * bd;
+            if (c < nchunks) *slot(k, 0) = pack8(y);  // exact: y holds BF16 values
+#pragma unroll
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(y[e]));
+        }
+        const float amax_row = block_max(amax, red);
+        const float gs = mm::nvfp4_global_scale(amax_row);
+        if (tid == 0) gsa[t] = gs;
+        uint8_t* qrow = q + (long)t * (D / 2);
+        uint8_t* srow = scales + (long)t * (D / 16);
+#pragma unroll 1
+        for (int k = 0; k < CH; ++k) {
+            const int c = tid + k * bd;
+            float y[8];
+            if (c < nchunks) {
+                unpack8(*slot(k, 0), y);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) y[e] = 0.f;
+            }
+            float ab = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ab = fmaxf(ab, fabsf(y[e]));
+            ab = fmaxf(ab, __shfl_xor_sync(0xffffffffu, ab, 1));  // 16-block = chunks (2i, 2i+1)
+            if (c < nchunks) {
+                const uint8_t s = mm::nvfp4_block_scale(ab, gs);
+                const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+                uint32_t packed = 0;
+#ifdef NQ_E2M1_BY_DIVISION
+#pragma unroll
+                for (int e = 0; e < 8; ++e) packed |= (uint32_t)mm::nvfp4_element(y[e], scale) << (4 * e);
+#else
+                if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
+                    const E2m1Thresholds thr = e2m1_thresholds(scale);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) packed |= e2m1_code_thr(y[e], thr) << (4 * e);
+                }
+#endif
+                *reinterpret_cast<uint32_t*>(qrow + c * 4) = packed;
+                if ((c & 1) == 0) srow[c >> 1] = s;
+            }
+        }
+    }
+}
+
 }  // namespace
 
 // ---- entry points ------------------------------------------------------------------------------------------------
@@ -1742,6 +1884,22 @@ extern "C" __global__ void mhc_pre_finish_pdl_fp8(MHC_PRE_COMMON, uint8_t* q, ui
 extern "C" __global__ void mhc_pre_finish_pdl_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
     mhc_pre_finish<KIND_BF16, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
                                                  nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
+}
+
+// A/B (session 7): the compact finish (see mhc_pre_finish_compact), after mhc_mix_partial24_pdl as the PDL pair.
+// Grid (T, 2), block as RMSNorm, dynamic shared memory blockDim * 320 bytes (launcher MhcPrePath::CompactPdl).
+extern "C" __global__ void mhc_pre_finish_compact_pdl_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
+                                                            float* rstd) {
+    mhc_pre_finish_compact<KIND_NVFP4>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
+                                       gsa, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
+}
+extern "C" __global__ void mhc_pre_finish_compact_pdl_fp8(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
+    mhc_pre_finish_compact<KIND_FP8>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q, scales,
+                                     nullptr, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
+}
+extern "C" __global__ void mhc_pre_finish_compact_pdl_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
+    mhc_pre_finish_compact<KIND_BF16>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, nullptr,
+                                      nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
 }
 
 // hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.

@@ -1474,6 +1474,73 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
     }
 }
 
+// ---- A/B (session 7): the compact finish (MhcPrePath::CompactPdl: mhc_mix_partial24_pdl +
+// mhc_pre_finish_compact_pdl_*) ----------------------------------------------------------------------------
+// The same operations in the same order as the PDL pair's finish, only rolled loops and shared-memory staging:
+// every output (partials included) must be bit-identical to MhcPrePath::PdlPair. Outputs and partials are
+// poisoned before the compact run (a finish that read the partials or X before the mix finished, or a chunk
+// left unwritten, shows up as a difference).
+
+#[test]
+fn compact_finish_smem_is_320_bytes_per_thread() {
+    assert_eq!(nq::compact_finish_smem_bytes(128), 40 * 1024);
+    assert_eq!(
+        nq::compact_finish_smem_bytes(nq::row_block_threads(7168)),
+        70 * 1024
+    );
+}
+
+#[test]
+fn gpu_mhc_pre_compact_finish_equals_pdl_pair_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_compact_finish_equals_pdl_pair_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_compact_finish_equals_pdl_pair_bitwise");
+    for d in [4096usize, 7168] {
+        for tokens in [1usize, 2, 7, 64] {
+            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 7919 + d as u64));
+            let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+            let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+            for format in FORMATS {
+                let label = format!(
+                    "compact finish->{} T={tokens} D={d} seed {seed}",
+                    format.name()
+                );
+                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair)
+                    .unwrap();
+                let want = MhcSnapshot::take(&gpu, &out);
+                out.poison(&gpu).unwrap();
+                out.poison_partials(&gpu).unwrap();
+                nq::mhc_pre_with(
+                    &gpu,
+                    &dx,
+                    &w,
+                    r::RMS_EPS,
+                    &mut out,
+                    nq::MhcPrePath::CompactPdl,
+                )
+                .unwrap();
+                let got = MhcSnapshot::take(&gpu, &out);
+                got.assert_same(&want, &label);
+                let dots = gpu_dots(&got.partials, tokens, d);
+                check_mhc(
+                    &label,
+                    &c,
+                    &got.pre,
+                    &got.post,
+                    &got.comb,
+                    &got.u,
+                    &got.normed,
+                    format,
+                    Some(&dots),
+                );
+            }
+            eprintln!("compact finish T={tokens} D={d}: bit-identical to the PDL pair in every format, CPU reference ok (seed {seed})");
+        }
+    }
+}
+
 #[test]
 fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
     let Some(gpu) =
@@ -1668,7 +1735,7 @@ fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
     }
 }
 
-// ---- the v5 row kernels (RowsPath::V5 from 4096 rows, quant_nvfp4_bf16in_v5) and the path rule ------------
+// ---- the resident-wave row kernels (RowsPath::V5 FP8 / V6 NVFP4 from 4096 rows) and the path rule ------------
 
 /// The v5 FP8 kernel's division-free ue8m0 scale (reference::ue8m0_scale_448_divfree, the mirror of the
 /// .cu's ue8m0_scale_448_divfree) against formats::ue8m0::pow2_scale_for(max(amax, 1e-4), 448): every
@@ -1715,8 +1782,9 @@ fn v5_divfree_ue8m0_scale_equals_formats_rule() {
     eprintln!("division-free ue8m0 scale equals formats::ue8m0 on all BF16 amax values and {n} strided f32 (seed {seed})");
 }
 
-/// v5 shape rules: D a multiple of 1024 (else a clear error before any launch), NVFP4 / FP8 only; and the v5
-/// block size equals the default kernels' (the same channel ownership, hence the same sum-of-squares order).
+/// v5 shape rules: D a multiple of 1024 (else a clear error before any launch), FP8 only (its NVFP4 kernel was
+/// removed in session 7); and the v5 / v6 block size equals the default kernels' (the same channel ownership,
+/// hence the same sum-of-squares order).
 #[test]
 fn v5_launcher_rules_and_channel_ownership() {
     for d in (1024..=nq::MAX_D).step_by(nq::V5_D_MULTIPLE) {
@@ -1725,8 +1793,14 @@ fn v5_launcher_rules_and_channel_ownership() {
             nq::row_block_threads(d),
             "v5 block size differs from the default at D = {d}"
         );
-        nq::check_v5(3, d, OutFormat::Nvfp4).unwrap();
         nq::check_v5(3, d, OutFormat::Fp8).unwrap();
+        let e = nq::check_v5(3, d, OutFormat::Nvfp4)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("must be fp8"),
+            "nvfp4 D = {d}: unexpected error `{e}`"
+        );
     }
     for d in [128usize, 1152, 4096 + 128, 7168 - 512] {
         let e = nq::check_v5(3, d, OutFormat::Fp8).unwrap_err().to_string();
@@ -1738,15 +1812,15 @@ fn v5_launcher_rules_and_channel_ownership() {
     let e = nq::check_v5(3, 4096, OutFormat::Bf16)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("nvfp4 or fp8"), "bf16: unexpected error `{e}`");
+    assert!(e.contains("must be fp8"), "bf16: unexpected error `{e}`");
     assert!(nq::check_v5(0, 4096, OutFormat::Fp8).is_err());
 }
 
-/// Rows for the v5 bit-identity test: the bench generator's rows, with an all-zero row (1), rows scaled by
+/// Rows for the resident-wave (v5 / v6) bit-identity tests: the bench generator's rows, with an all-zero row (1), rows scaled by
 /// 2^40 (2) and 2^-40 (3) and one whose sum of squares overflows f32 (4: scaled by 2^100, rstd 0) spliced in, and every 5th row replaced by a row of
 /// the encoder's exact-decision-point generator (boundary_rows; scales 2^-112..2^110, so some of these rows'
 /// sums of squares overflow or underflow f32: both kernels must still agree bit for bit).
-fn v5_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
+fn resident_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
     let mut x = nq::random_rows(rows, d, seed);
     let b = boundary_rows(rows.div_ceil(5), d, seed ^ 0xb5);
     for row in (0..rows).step_by(5) {
@@ -1769,7 +1843,7 @@ fn v5_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
 }
 
 /// First differing byte of two downloads, with the row it lies in.
-fn v5_assert_same(label: &str, what: &str, got: &[u8], want: &[u8], row_bytes: usize) {
+fn assert_same_bytes(label: &str, what: &str, got: &[u8], want: &[u8], row_bytes: usize) {
     assert_eq!(got.len(), want.len(), "{label}: {what} lengths differ");
     if let Some((i, a, b)) = first_diff(got, want) {
         panic!(
@@ -1780,11 +1854,12 @@ fn v5_assert_same(label: &str, what: &str, got: &[u8], want: &[u8], row_bytes: u
     }
 }
 
-/// `rows_path` (the kernel rmsnorm_quant takes for BF16 rows): v5 exactly from 4096 rows, for NVFP4 and FP8,
-/// when D is a multiple of 1024 (v6 instead of v5 for NVFP4 up to V6_MAX_D); V4 below 4096 rows, for BF16 output
-/// and for every other D; and every shape it sends to v5 / v6 passes that kernel's own shape check.
+/// `rows_path` (the kernel rmsnorm_quant takes for BF16 rows): exactly from 4096 rows when D is a multiple of
+/// 1024, v5 for FP8 and v6 for NVFP4 up to V6_MAX_D (NVFP4 above it: V4, the v4p row loop, at every row count
+/// since the v5 NVFP4 kernel's removal); V4 below 4096 rows, for BF16 output and for every other D; and every
+/// shape it sends to v5 / v6 passes that kernel's own shape check.
 #[test]
-fn rows_path_switches_to_v5_at_4096_rows_for_d_multiple_of_1024() {
+fn rows_path_switches_at_4096_rows_for_d_multiple_of_1024() {
     use nq::RowsPath::{V4, V5, V6};
     assert_eq!(nq::V5_MIN_ROWS, 4096);
     for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
@@ -1799,17 +1874,11 @@ fn rows_path_switches_to_v5_at_4096_rows_for_d_multiple_of_1024() {
                 (9000, V5),
                 (65536, V5),
             ] {
-                // BF16 -> NVFP4 above V4P_NVFP4_MAX_D: v4p cannot launch, v5 at every row count
-                let want = if format == OutFormat::Nvfp4 && d > nq::V4P_NVFP4_MAX_D {
-                    V5
-                } else {
-                    want
-                };
-                // NVFP4 up to V6_MAX_D: v6 wherever v5 would run (session-6 A/B)
-                let want = if want == V5 && format == OutFormat::Nvfp4 && d <= nq::V6_MAX_D {
-                    V6
-                } else {
-                    want
+                // NVFP4: v6 up to V6_MAX_D wherever the resident wave runs; above it v4p (V4) everywhere
+                let want = match (format, want) {
+                    (OutFormat::Nvfp4, V5) if d <= nq::V6_MAX_D => V6,
+                    (OutFormat::Nvfp4, _) => V4,
+                    _ => want,
                 };
                 let got = nq::rows_path(rows, d, format);
                 assert_eq!(got, want, "{} {rows}x{d}", format.name());
@@ -1849,12 +1918,12 @@ fn assert_same_rows(label: &str, got: &nq::HostNormOutputs, want: &nq::HostNormO
             .flat_map(|f| f.to_bits().to_le_bytes())
             .collect::<Vec<u8>>()
     };
-    v5_assert_same(label, "rstd", &rbits(&got.rstd), &rbits(&want.rstd), 4);
+    assert_same_bytes(label, "rstd", &rbits(&got.rstd), &rbits(&want.rstd), 4);
     match (&got.q, &want.q) {
         (HostQuant::Nvfp4(g), HostQuant::Nvfp4(b)) => {
-            v5_assert_same(label, "codes", &g.data, &b.data, d / 2);
-            v5_assert_same(label, "block scales", &g.scales, &b.scales, d / 16);
-            v5_assert_same(
+            assert_same_bytes(label, "codes", &g.data, &b.data, d / 2);
+            assert_same_bytes(label, "block scales", &g.scales, &b.scales, d / 16);
+            assert_same_bytes(
                 label,
                 "global scales",
                 &rbits(&g.global_scale),
@@ -1863,8 +1932,8 @@ fn assert_same_rows(label: &str, got: &nq::HostNormOutputs, want: &nq::HostNormO
             );
         }
         (HostQuant::Fp8(g), HostQuant::Fp8(b)) => {
-            v5_assert_same(label, "codes", &g.data, &b.data, d);
-            v5_assert_same(label, "scales", &g.scales, &b.scales, d / 128);
+            assert_same_bytes(label, "codes", &g.data, &b.data, d);
+            assert_same_bytes(label, "scales", &g.scales, &b.scales, d / 128);
         }
         _ => panic!("{label}: unexpected output formats"),
     }
@@ -1893,7 +1962,7 @@ fn one_row(got: &nq::HostNormOutputs, row: usize, d: usize) -> nq::HostNormOutpu
     }
 }
 
-/// A quantize-only NVFP4 kernel (`quantize`: v4p / v5 / v6 launcher) on device BF16 rows `dy` [rows, d], into
+/// A quantize-only NVFP4 kernel (`quantize`: v4p / v6 launcher) on device BF16 rows `dy` [rows, d], into
 /// freshly poisoned outputs; returns them downloaded.
 fn quantized_nvfp4(
     gpu: &megamoe::gpu::Gpu,
@@ -1931,7 +2000,7 @@ fn run_rows_path(
     out.download(gpu).unwrap()
 }
 
-/// The CPU reference on the random rows of `v5_rows` data (not the boundary / extreme ones, rows 1..=4 and every
+/// The CPU reference on the random rows of `resident_rows` data (not the boundary / extreme ones, rows 1..=4 and every
 /// 5th: their rstd may be far from the CPU's) among the first 300 and the last 64; returns how many were checked.
 fn check_sampled_rows_vs_cpu(
     label: &str,
@@ -1961,19 +2030,21 @@ fn check_sampled_rows_vs_cpu(
     checked
 }
 
-/// The two BF16 row kernels (RowsPath::V4: v4p NVFP4 / one-CTA-per-row FP8; RowsPath::V5), each forced, bit for
-/// bit against each other on every row (codes, block scales, global scales, FP8 scales, rstd; outputs poisoned
-/// before each run), and the v5 output against the CPU reference (exact given the GPU rstd) on the random rows
-/// among the first 300 and the last 64. The public rmsnorm_quant must give the same bits too, on both sides of
-/// its 4096-row switch (4095, 4096, 9000 rows). D = 4096, 7168 and 2048, rows from 1 to 9000 (several rows per
-/// CTA of the resident wave, and a partial last round of the loop); D = 32768 (the largest: 1024 threads, 128 KB
-/// of staged weight) at a few rows, forced paths only below the switch.
+/// The BF16 row kernels, each forced: RowsPath::V4 (v4p NVFP4 / one-CTA-per-row FP8) against the resident-wave
+/// kernel of the format (RowsPath::V5 for FP8, RowsPath::V6 for NVFP4), bit for bit on every row (codes, block
+/// scales, global scales, FP8 scales, rstd; outputs poisoned before each run), and the resident-wave output
+/// against the CPU reference (exact given the GPU rstd) on the random rows among the first 300 and the last 64.
+/// The public rmsnorm_quant must give the same bits too, on both sides of its 4096-row switch (4095, 4096, 9000
+/// rows). D = 4096, 7168 and 2048, rows from 1 to 9000 (several rows per CTA of the resident wave, and a partial
+/// last round of the loop); D = 32768 (the largest: 1024 threads, 128 KB of staged weight) at a few rows: FP8
+/// as above, NVFP4 refused with a clear error by V4 (v4p does not fit), V6 and rmsnorm_quant (no BF16 -> NVFP4
+/// kernel above V4P_NVFP4_MAX_D since the v5 NVFP4 kernel's removal).
 #[test]
-fn gpu_v5_rows_equal_v4_and_default_bitwise() {
-    let Some(gpu) = gpu_for_test("gpu_v5_rows_equal_v4_and_default_bitwise") else {
+fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_resident_wave_rows_equal_v4_and_default_bitwise") else {
         return;
     };
-    let seed = fresh_seed("gpu_v5_rows_equal_v4_and_default_bitwise");
+    let seed = fresh_seed("gpu_resident_wave_rows_equal_v4_and_default_bitwise");
     let rows_list = [1usize, 2, 3, 7, 64, 127, 129, 4095, 4096, 9000];
     for (d, rows_list) in [
         (4096usize, &rows_list[..]),
@@ -1984,34 +2055,63 @@ fn gpu_v5_rows_equal_v4_and_default_bitwise() {
         let w = nq::random_weight(d, seed ^ d as u64);
         let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
         for &rows in rows_list {
-            let x = v5_rows(rows, d, seed ^ (rows as u64 * 131 + d as u64));
+            let x = resident_rows(rows, d, seed ^ (rows as u64 * 131 + d as u64));
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
                 let label = format!("{} {rows}x{d}, seed {seed}", format.name());
                 let run = |path| run_rows_path(&gpu, &dx, &dw, format, rows, d, path);
-                let got = run(Some(nq::RowsPath::V5));
+                let resident = match format {
+                    OutFormat::Nvfp4 => nq::RowsPath::V6,
+                    _ => nq::RowsPath::V5,
+                };
                 let default_path = nq::rows_path(rows, d, format);
                 if format == OutFormat::Nvfp4 && d > nq::V4P_NVFP4_MAX_D {
-                    // v4p cannot launch here (registers): a clear error, and the default takes v5
-                    let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                    let err = nq::rmsnorm_quant_with(
-                        &gpu,
-                        RowsIn::Bf16(&dx),
-                        &dw,
-                        r::RMS_EPS,
-                        &mut out,
-                        nq::RowsPath::V4,
-                    )
-                    .expect_err("v4p must refuse D above V4P_NVFP4_MAX_D");
-                    assert!(
-                        format!("{err:#}").contains("does not fit"),
-                        "{label}: {err:#}"
-                    );
-                    assert_eq!(default_path, nq::RowsPath::V5, "{label}");
-                    assert_same_rows(&format!("rmsnorm_quant vs V5 {label}"), &run(None), &got, d);
-                } else {
+                    // no BF16 -> NVFP4 kernel for this D: clear errors before any launch, outputs untouched
+                    assert_eq!(default_path, nq::RowsPath::V4, "{label}");
+                    for (path, want) in [
+                        (Some(nq::RowsPath::V4), "does not fit"),
+                        (Some(nq::RowsPath::V6), "above 8192"),
+                        (None, "does not fit"),
+                    ] {
+                        let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                        let before = out.download(&gpu).unwrap();
+                        let res = match path {
+                            Some(p) => nq::rmsnorm_quant_with(
+                                &gpu,
+                                RowsIn::Bf16(&dx),
+                                &dw,
+                                r::RMS_EPS,
+                                &mut out,
+                                p,
+                            ),
+                            None => nq::rmsnorm_quant(
+                                &gpu,
+                                RowsIn::Bf16(&dx),
+                                &dw,
+                                r::RMS_EPS,
+                                &mut out,
+                            ),
+                        };
+                        let err =
+                            res.expect_err("BF16 -> NVFP4 above V4P_NVFP4_MAX_D must be refused");
+                        assert!(
+                            format!("{err:#}").contains(want),
+                            "{label} {path:?}: `{err:#}` lacks `{want}`"
+                        );
+                        assert_same_rows(
+                            &format!("{label} {path:?}: outputs untouched"),
+                            &out.download(&gpu).unwrap(),
+                            &before,
+                            d,
+                        );
+                    }
+                    eprintln!("{label}: refused with clear errors (no kernel for this D)");
+                    continue;
+                }
+                let got = run(Some(resident));
+                {
                     let v4 = run(Some(nq::RowsPath::V4));
-                    assert_same_rows(&format!("V5 vs V4 {label}"), &got, &v4, d);
+                    assert_same_rows(&format!("{resident:?} vs V4 {label}"), &got, &v4, d);
                     assert_same_rows(
                         &format!("rmsnorm_quant ({default_path:?}) vs V4 {label}"),
                         &run(None),
@@ -2020,9 +2120,9 @@ fn gpu_v5_rows_equal_v4_and_default_bitwise() {
                     );
                 }
                 // the CPU reference on random rows (not the boundary / extreme ones: their rstd may be far
-                // from the CPU's, see v5_rows) among the first 300 and the last 64
+                // from the CPU's, see resident_rows) among the first 300 and the last 64
                 let checked = check_sampled_rows_vs_cpu(
-                    &format!("V5 {label}"),
+                    &format!("{resident:?} {label}"),
                     &x,
                     &w,
                     rows,
@@ -2030,14 +2130,14 @@ fn gpu_v5_rows_equal_v4_and_default_bitwise() {
                     format,
                     &got,
                 );
-                eprintln!("{label}: V5, V4 and rmsnorm_quant ({default_path:?}) bit-identical; {checked} rows exact vs the CPU reference");
+                eprintln!("{label}: {resident:?}, V4 and rmsnorm_quant ({default_path:?}) bit-identical; {checked} rows exact vs the CPU reference");
             }
         }
     }
 }
 
 /// Above the 4096-row switch with a D that is not a multiple of 1024 (4096 + 128, 1152), rmsnorm_quant must
-/// stay on the V4 kernels (V5 refuses the shape with a clear error before any launch) and match the CPU
+/// stay on the V4 kernels (V5 / V6 refuse the shape with a clear error before any launch) and match the CPU
 /// reference on every row.
 #[test]
 fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
@@ -2056,15 +2156,19 @@ fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
             let label = format!("{} {rows}x{d}, seed {seed}", format.name());
             assert_eq!(nq::rows_path(rows, d, format), nq::RowsPath::V4, "{label}");
             let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+            let resident = match format {
+                OutFormat::Nvfp4 => nq::RowsPath::V6,
+                _ => nq::RowsPath::V5,
+            };
             let err = nq::rmsnorm_quant_with(
                 &gpu,
                 RowsIn::Bf16(&dx),
                 &dw,
                 r::RMS_EPS,
                 &mut out,
-                nq::RowsPath::V5,
+                resident,
             )
-            .expect_err("V5 must refuse D not a multiple of 1024");
+            .expect_err("V5 / V6 must refuse D not a multiple of 1024");
             assert!(
                 format!("{err:#}").contains("multiple of 1024"),
                 "{label}: unexpected error `{err:#}`"
@@ -2084,42 +2188,17 @@ fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
     }
 }
 
-/// The v5 NVFP4 encoder (quant_nvfp4_bf16in_v5: lane pairs swap halves, one thread per 16-block) at exact
-/// e2m1 decision points (ties included, boundary_rows), bit for bit against the CPU reference and the v4p
-/// quantize-only kernel; 64 rows (one row per CTA) and 2000 rows (CTAs loop).
-#[test]
-fn gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries() {
-    let Some(gpu) = gpu_for_test("gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries") else {
-        return;
-    };
-    let seed = fresh_seed("gpu_v5_quant_nvfp4_matches_cpu_at_exact_boundaries");
-    for d in [4096usize, 7168] {
-        for rows in [64usize, 2000] {
-            let y = boundary_rows(rows, d, seed ^ (d as u64 + rows as u64));
-            assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
-            let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
-            let label = format!("v5 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
-            let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
-            let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v5);
-            assert_same_nvfp4(&label, &got.q, &want, d);
-            let v4p = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows);
-            assert_same_nvfp4(&format!("{label} (vs v4p)"), &got.q, &v4p.q, d);
-            eprintln!("{label}: v5, v4p and the CPU reference bit-identical");
-        }
-    }
-}
-
 // ---- the v6 NVFP4 row kernels (RowsPath::V6, the NVFP4 default from 4096 rows since session 6) --------------------
 
-/// The v6 binary-search encoder (Rust mirror of v6_codes8_bsearch) gives the same code word as the v4p/v5 encoder
+/// The v6 binary-search encoder (Rust mirror of v6_codes8_bsearch) gives the same code word as the v4p encoder
 /// (codes8 and its prmt placement) for EVERY 16-bit pattern in each half of a pair (both signs, subnormals, +-inf
 /// and NaN patterns), against (a) the sorted keys of a sweep of scales made as the kernel makes them, also
 /// checked against formats::e2m1 of the IEEE quotient for every non-NaN value, and (b) random non-decreasing key
 /// sets anywhere in the key domain [1, 0x7F80], with repeated keys and both ends.
 #[test]
-fn v6_bsearch_e2m1_encoder_equals_the_v5_encoder_for_every_bf16_pair() {
+fn v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair() {
     use megamoe::ops::norm_quant::reference::packed_e2m1_mirror as pm;
-    let seed = fresh_seed("v6_bsearch_e2m1_encoder_equals_the_v5_encoder_for_every_bf16_pair");
+    let seed = fresh_seed("v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair");
     let mut state = seed | 1;
     let mut next = move || {
         state ^= state << 13;
@@ -2170,13 +2249,13 @@ fn v6_bsearch_e2m1_encoder_equals_the_v5_encoder_for_every_bf16_pair() {
             assert_eq!(
                 got,
                 want,
-                "v6 bsearch vs v5 codes: pairs {pk:08x?}, keys {:04x?}, scale {scale:?} (seed {seed})",
+                "v6 bsearch vs v4p codes: pairs {pk:08x?}, keys {:04x?}, scale {scale:?} (seed {seed})",
                 keys.map(|k| k & 0xFFFF)
             );
             assert_eq!(
                 pm::codes8_prmt(&pk, keys),
                 want,
-                "v5 placements disagree (seed {seed})"
+                "v4p placements disagree (seed {seed})"
             );
             if let Some(s) = scale {
                 for (e, half) in (0..8).map(|e| (e, (pk[e & 3] >> (16 * (e >> 2))) & 0xFFFF)) {
@@ -2196,7 +2275,7 @@ fn v6_bsearch_e2m1_encoder_equals_the_v5_encoder_for_every_bf16_pair() {
         }
     }
     eprintln!(
-        "v6 bsearch encoder: {checked} codes equal to the v5 encoder ({} key sets)",
+        "v6 bsearch encoder: {checked} codes equal to the v4p encoder ({} key sets)",
         key_sets.len()
     );
 }
@@ -2215,18 +2294,18 @@ fn v6_launcher_rules() {
     assert!(nq::check_v6(0, 4096, OutFormat::Nvfp4).is_err());
 }
 
-/// RowsPath::V6 (rmsnorm_nvfp4_bf16in_v6_w<D/1024>) bit for bit against RowsPath::V5 (the default kernel from
-/// 4096 rows) and rmsnorm_quant as called, every row (codes, block scales, global scales, rstd; outputs poisoned
-/// before each run), on v5_rows (random rows with all-zero, 2^40-, 2^-40- and 2^100-scaled rows and every 5th row
+/// RowsPath::V6 (rmsnorm_nvfp4_bf16in_v6_w<D/1024>, the NVFP4 default from 4096 rows) bit for bit against
+/// RowsPath::V4 (the v4p row loop; until session 7 the removed v5 NVFP4 kernel) and rmsnorm_quant as called,
+/// every row (codes, block scales, global scales, rstd; outputs poisoned before each run), on resident_rows (random rows with all-zero, 2^40-, 2^-40- and 2^100-scaled rows and every 5th row
 /// at exact e2m1 decision points), D = 4096 and 7168 (NW = 4: ss / D as a multiply; NW = 7: the division),
 /// rows 4096, 4097 (one CTA gets one extra row), 8191, and 2048 at D = 1024 / 3072 / 8192 (NW = 1, 3, 8), plus
 /// the CPU reference on random rows among the first 300 and the last 64.
 #[test]
-fn gpu_v6_nvfp4_rows_equal_v5_bitwise() {
-    let Some(gpu) = gpu_for_test("gpu_v6_nvfp4_rows_equal_v5_bitwise") else {
+fn gpu_v6_nvfp4_rows_equal_v4p_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_v6_nvfp4_rows_equal_v4p_bitwise") else {
         return;
     };
-    let seed = fresh_seed("gpu_v6_nvfp4_rows_equal_v5_bitwise");
+    let seed = fresh_seed("gpu_v6_nvfp4_rows_equal_v4p_bitwise");
     let cases: &[(usize, &[usize])] = &[
         (4096, &[4096, 4097, 8191]),
         (7168, &[4096, 4097, 8191]),
@@ -2239,27 +2318,28 @@ fn gpu_v6_nvfp4_rows_equal_v5_bitwise() {
         let w = nq::random_weight(d, seed ^ d as u64 ^ 0x6);
         let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
         for &rows in rows_list {
-            let x = v5_rows(rows, d, seed ^ (rows as u64 * 977 + d as u64));
+            let x = resident_rows(rows, d, seed ^ (rows as u64 * 977 + d as u64));
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             let label = format!("nvfp4 v6 {rows}x{d}, seed {seed}");
             let run = |path| run_rows_path(&gpu, &dx, &dw, format, rows, d, path);
             let got = run(Some(nq::RowsPath::V6));
             assert_same_rows(
-                &format!("V6 vs V5 {label}"),
+                &format!("V6 vs V4 (v4p) {label}"),
                 &got,
-                &run(Some(nq::RowsPath::V5)),
+                &run(Some(nq::RowsPath::V4)),
                 d,
             );
             assert_same_rows(&format!("V6 vs rmsnorm_quant {label}"), &got, &run(None), d);
             let checked =
                 check_sampled_rows_vs_cpu(&format!("V6 {label}"), &x, &w, rows, d, format, &got);
-            eprintln!("{label}: V6, V5 and rmsnorm_quant bit-identical; {checked} rows exact vs the CPU reference");
+            eprintln!("{label}: V6, V4 (v4p) and rmsnorm_quant bit-identical; {checked} rows exact vs the CPU reference");
         }
     }
 }
 
 /// The v6 encoder on the GPU (quant_nvfp4_bf16in_v6_w<D/1024>) at exact e2m1 decision points (ties included,
-/// boundary_rows), bit for bit against the CPU reference and the v5 quantize-only kernel; rows 64 and 2000.
+/// boundary_rows), bit for bit against the CPU reference and the v4p quantize-only kernel (quant_nvfp4_bf16in_v4p);
+/// rows 64 and 2000 (one row per CTA, CTAs loop).
 #[test]
 fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
     let Some(gpu) = gpu_for_test("gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries") else {
@@ -2275,11 +2355,11 @@ fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
             let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
             let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v6);
             assert_same_nvfp4(&label, &got.q, &want, d);
-            let v5 = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v5);
-            assert_same_nvfp4(&format!("{label} (vs v5)"), &got.q, &v5.q, d);
-            eprintln!("{label}: v6, v5 and the CPU reference bit-identical");
+            let v4p = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows);
+            assert_same_nvfp4(&format!("{label} (vs v4p)"), &got.q, &v4p.q, d);
+            eprintln!("{label}: v6, v4p and the CPU reference bit-identical");
         }
-        // non-finite input (the noinline per-element fallback of a non-finite block scale): v6 vs v5 only
+        // non-finite input (the noinline per-element fallback of a non-finite block scale): v6 vs v4p only
         // (NaN codes are not defined by the reference); +-inf and NaN spliced into random rows
         let rows = 64;
         let mut y = nq::random_rows(rows, d, seed ^ 0x1f ^ d as u64);
@@ -2293,8 +2373,8 @@ fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         let dy = gpu.upload(&bf16::to_bf16_vec(&y)).unwrap(); // upload_checked_bf16 refuses non-finite values
         let label = format!("v6 quant->nvfp4 non-finite rows {rows}x{d}, seed {seed}");
         let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v6);
-        let v5 = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v5);
-        assert_same_nvfp4(&label, &got.q, &v5.q, d);
-        eprintln!("{label}: v6 and v5 bit-identical");
+        let v4p = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows);
+        assert_same_nvfp4(&label, &got.q, &v4p.q, d);
+        eprintln!("{label}: v6 and v4p bit-identical");
     }
 }

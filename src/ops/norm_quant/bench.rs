@@ -2,8 +2,8 @@
 //! `tokens`, param `d`). Each fused variant names the unfused chain it is raced against (same run, same
 //! inputs); the runner adds the measured copy bandwidth, so `pct_copy_bw` is a side-by-side ratio.
 //! `rmsnorm_quant` `fused_<fmt>` measures `rmsnorm_quant` as called, i.e. its kernel choice by shape
-//! (`rows_path`: for BF16 -> NVFP4 / FP8 the v5 kernels from 4096 rows when D is a multiple of 1024, the
-//! v4p row loop / one CTA per row below); `mhc` `fused_*` / `graph_fused_*` / `graph16_fused_*` measure
+//! (`rows_path`: from 4096 rows when D is a multiple of 1024, BF16 -> NVFP4 v6 (D <= 8192) and BF16 -> FP8
+//! v5, otherwise the v4p row loop / one CTA per row); `mhc` `fused_*` / `graph_fused_*` / `graph16_fused_*` measure
 //! `mhc_pre`'s automatic launch-path choice (PDL pair up to 8 tokens, two launches above), `*_fused_pdl_*`
 //! and `*_fused_twolaunch_*` one path each (see `MHC_VARIANTS`).
 
@@ -20,7 +20,6 @@ pub fn kernels() -> Vec<BenchKernel> {
             name: "rmsnorm_quant",
             variants: &[
                 "fused_nvfp4",
-                "fused_nvfp4_v5",
                 "unfused_nvfp4",
                 "fused_fp8",
                 "unfused_fp8",

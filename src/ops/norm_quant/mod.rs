@@ -2,9 +2,10 @@
 //!
 //! * [`rmsnorm_quant`]: rows `[rows, D]` (BF16 or f32, D a multiple of 128, at most 32768) -> RMSNorm with
 //!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch.
-//!   BF16 in -> NVFP4 / FP8 picks its kernel by shape ([`rows_path`]): the v5 kernels (one resident wave
-//!   looping over rows, weight staged once per CTA) from 4096 rows when D is a multiple of 1024, below that
-//!   the v4p row loop (NVFP4) / one CTA per row (FP8); everything else one CTA per row.
+//!   BF16 in -> NVFP4 / FP8 picks its kernel by shape ([`rows_path`]): from 4096 rows when D is a multiple
+//!   of 1024 the resident-wave kernels (one wave of CTAs looping over rows, weight staged once per CTA: v6
+//!   for NVFP4 up to D 8192, v5 for FP8), otherwise the v4p row loop (NVFP4; it refuses D above
+//!   [`V4P_NVFP4_MAX_D`]) / one CTA per row (FP8); everything else one CTA per row.
 //!   [`rmsnorm_quant_with`] forces one [`RowsPath`]; both give the same bits.
 //! * [`rmsnorm_then_quant`]: the unfused baseline (RMSNorm kernel -> BF16 in HBM -> quantize kernel). It
 //!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
@@ -34,7 +35,7 @@ use anyhow::{bail, Result};
 use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
-use crate::gpu::pdl::{launch_pdl, RawArgs};
+use crate::gpu::pdl::{launch_ex, launch_pdl, LaunchExOpts, RawArgs};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
 
@@ -323,7 +324,7 @@ pub fn upload_checked_bf16(gpu: &Gpu, what: &str, v: &[f32]) -> Result<CudaSlice
 
 /// Fused RMSNorm + quantization of `rows` rows of `d` with weight `w` (BF16 [d]) into `out`.
 ///
-/// BF16 input -> NVFP4 / FP8 runs the kernel [`rows_path`] picks for the shape (v5 from 4096 rows, else
+/// BF16 input -> NVFP4 / FP8 runs the kernel [`rows_path`] picks for the shape (v6 / v5 from 4096 rows, else
 /// [`RowsPath::V4`]); F32 input and BF16 output always run [`RowsPath::V4`] (one CTA per row). Every path
 /// gives the same bits.
 pub fn rmsnorm_quant(
@@ -350,31 +351,42 @@ pub enum RowsPath {
     /// one-CTA-per-row kernel: 30.5 vs 34.1 us at 4096 x 4096, a tie at 1-64 rows); every other input/format
     /// pair the one-CTA-per-row kernel `rmsnorm_<fmt>_<in>` (a looping FP8 v4 lost: 23.4 vs 21.6 us). Any shape.
     V4,
-    /// The v5 kernels (`rmsnorm_{nvfp4,fp8}_bf16in_v5`): one resident wave of CTAs looping over rows, the
-    /// weight staged once per CTA in shared memory (as f32), one thread per 16-block for NVFP4, a
-    /// division-free ue8m0 scale for FP8. BF16 in, NVFP4 and FP8 only, `d` a multiple of [`V5_D_MULTIPLE`].
+    /// BF16 -> FP8 only: the v5 kernel `rmsnorm_fp8_bf16in_v5`, one resident wave of CTAs looping over rows,
+    /// the weight staged once per CTA in shared memory (as f32), a division-free ue8m0 scale. `d` a multiple
+    /// of [`V5_D_MULTIPLE`]. (The v5 NVFP4 kernel was removed in session 7: v6 beat it twice, see
+    /// [`rows_path`].)
     V5,
-    /// BF16 -> NVFP4 only: `rmsnorm_nvfp4_bf16in_v6_w<d / 1024>`, the v5 NVFP4 kernel with D fixed at compile
-    /// time (straight-line reads of the reduction partials), ss / D as a multiply for D = 2^k, and a
-    /// binary-search e2m1 encoder (fewer SASS instructions per element; same bits). `d` a multiple of 1024 up
-    /// to [`V6_MAX_D`]. [`rows_path`] takes it where it took v5 for NVFP4 since the session-6 A/B.
+    /// BF16 -> NVFP4 only: `rmsnorm_nvfp4_bf16in_v6_w<d / 1024>`, the (removed) v5 NVFP4 kernel with D fixed
+    /// at compile time (straight-line reads of the reduction partials), ss / D as a multiply for D = 2^k, and a
+    /// binary-search e2m1 encoder (fewer SASS instructions per element; the same bits as v4p). `d` a multiple
+    /// of 1024 up to [`V6_MAX_D`]. [`rows_path`] takes it where it took v5 for NVFP4 since the session-6 A/B.
     V6,
 }
 
 /// Largest D the v4p BF16 -> NVFP4 row kernels launch at: they run roundup32(D / 32) threads held to 80
 /// registers (`__maxnreg__`), i.e. 2,560 registers per warp, and an SM's 65,536 registers hold 25 such warps
-/// = 800 threads = D 25,600. Above it [`rows_path`] sends BF16 -> NVFP4 rows to v5 at any row count (D a
-/// multiple of 1024), and the v4p launch refuses the shape before launching (found by the H200 run: D 32,768
-/// failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
+/// = 800 threads = D 25,600. Above it the v4p launch refuses the shape before launching (found by the H200
+/// run: D 32,768 failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES). Until session 7 [`rows_path`] sent those
+/// BF16 -> NVFP4 rows to the v5 NVFP4 kernel; since its removal BF16 -> NVFP4 has no kernel above this D
+/// (a clear error before any launch; DSV4's D are 4096 and 7168; f32 input still runs one CTA per row).
 pub const V4P_NVFP4_MAX_D: usize = 25_600;
 
-/// Fewest rows for which [`rows_path`] picks [`RowsPath::V5`] (except for BF16 -> NVFP4 above V4P_NVFP4_MAX_D).
+/// Fewest rows for which [`rows_path`] picks a resident-wave kernel ([`RowsPath::V5`] FP8, [`RowsPath::V6`]
+/// NVFP4).
 pub const V5_MIN_ROWS: usize = 4096;
 
-/// The kernels [`rmsnorm_quant`] runs for BF16 rows `[rows, d]` -> `format`: [`RowsPath::V5`] when
-/// `rows >= V5_MIN_ROWS`, `d` is a multiple of [`V5_D_MULTIPLE`] (v5's shape rule) and the format is NVFP4 or
-/// FP8 (v5 has no BF16 kernel), except NVFP4 with `d <= V6_MAX_D`, which takes [`RowsPath::V6`];
-/// [`RowsPath::V4`] otherwise.
+/// The kernels [`rmsnorm_quant`] runs for BF16 rows `[rows, d]` -> `format`, when `rows >= V5_MIN_ROWS` and
+/// `d` is a multiple of [`V5_D_MULTIPLE`]: FP8 [`RowsPath::V5`], NVFP4 with `d <= V6_MAX_D` [`RowsPath::V6`];
+/// [`RowsPath::V4`] otherwise (BF16 output, smaller row counts, other D).
+///
+/// NVFP4 with `d` above [`V6_MAX_D`] (9216 ..= 32768, multiples of 1024): the v5 NVFP4 kernel ran these from
+/// 4096 rows (and at any row count above [`V4P_NVFP4_MAX_D`]) until session 7; now they take v4p (one
+/// resident wave too, the weight re-read per row instead of staged; session-4 A/B at D 7168, the nearest
+/// measured D: v4p 756.0 vs v5 598.8 us at 65536 rows, so expect v4p ~25% slower there than v5 was; not
+/// measured above 8192), and above [`V4P_NVFP4_MAX_D`] they are refused. No DSV4 shape is among them.
+///
+/// Session-7 H200 run (commit 7666184, median us, v6 vs v5, bit-identical): NVFP4 4096 x 4096 25.41 vs 27.46,
+/// 65536 x 4096 275.0 vs 307.1: the session-6 result again, so the v5 NVFP4 kernel was removed.
 ///
 /// Session-6 A/B (results/h200/session6-ab/rmsnorm_quant.csv, median us, v6 vs v5, bit-identical): NVFP4 D 4096
 /// rows 4096 25.4 vs 27.8, 16384 74.7 vs 82.7, 65536 275.0 (58.9% of copy bandwidth) vs 306.9 (52.8%); D 7168
@@ -393,16 +405,11 @@ pub const V5_MIN_ROWS: usize = 4096;
 /// at D 7168, tied (NVFP4) or lost (FP8) at D 4096. 4096 is the smallest measured row count where v5 wins
 /// everywhere, so the switch sits there (rows between 1024 and 4096 were not measured).
 pub fn rows_path(rows: usize, d: usize, format: OutFormat) -> RowsPath {
-    let v5_shape = d.is_multiple_of(V5_D_MULTIPLE) && format != OutFormat::Bf16;
-    let v4_fits = format != OutFormat::Nvfp4 || d <= V4P_NVFP4_MAX_D;
-    if (rows >= V5_MIN_ROWS || !v4_fits) && v5_shape {
-        if format == OutFormat::Nvfp4 && d <= V6_MAX_D {
-            RowsPath::V6
-        } else {
-            RowsPath::V5
-        }
-    } else {
-        RowsPath::V4
+    let resident_wave = rows >= V5_MIN_ROWS && d.is_multiple_of(V5_D_MULTIPLE);
+    match format {
+        OutFormat::Nvfp4 if resident_wave && d <= V6_MAX_D => RowsPath::V6,
+        OutFormat::Fp8 if resident_wave => RowsPath::V5,
+        _ => RowsPath::V4,
     }
 }
 
@@ -444,7 +451,7 @@ fn rmsnorm_quant_per_row_kernel(
     Ok(())
 }
 
-/// Grid of a row-looping kernel (v4p or v5): one full resident wave of `f` at `threads` per CTA and `smem` bytes
+/// Grid of a row-looping kernel (v4p, v5 or v6): one full resident wave of `f` at `threads` per CTA and `smem` bytes
 /// of dynamic shared memory (see [`v4_grid`]), or `rows` CTAs if fewer.
 fn resident_wave_grid(
     gpu: &Gpu,
@@ -463,8 +470,7 @@ fn resident_wave_grid(
     anyhow::ensure!(
         per_sm > 0,
         "{name}: a CTA of {threads} threads and {smem} B of shared memory does not fit on one SM (the v4p \
-         NVFP4 row kernels support D up to {V4P_NVFP4_MAX_D}; D that are multiples of {V5_D_MULTIPLE} go to the \
-         v5 kernels)"
+         NVFP4 row kernels support D up to {V4P_NVFP4_MAX_D})"
     );
     Ok(v4_grid(
         rows,
@@ -483,6 +489,7 @@ fn rmsnorm_nvfp4_bf16in_rows_v4p(
     check_rmsnorm_args(&x, w, eps, out)?;
     let (rows, d) = (out.rows, out.d);
     let name = "rmsnorm_nvfp4_bf16in_v4p";
+    check_v4p_nvfp4_d(name, d)?;
     let RowsIn::Bf16(xs) = x else {
         bail!("{name}: the input must be BF16");
     };
@@ -513,6 +520,18 @@ fn rmsnorm_nvfp4_bf16in_rows_v4p(
     Ok(())
 }
 
+/// The v4p NVFP4 kernels' D limit ([`V4P_NVFP4_MAX_D`]), checked before any launch.
+fn check_v4p_nvfp4_d(name: &str, d: usize) -> Result<()> {
+    if d > V4P_NVFP4_MAX_D {
+        bail!(
+            "{name}: hidden size {d} is above {V4P_NVFP4_MAX_D}: a CTA of the v4p NVFP4 row kernel does not fit \
+             on one SM, and no other BF16 -> NVFP4 row kernel runs this D (v6 stops at {V6_MAX_D}; the v5 NVFP4 \
+             kernel was removed in session 7)"
+        );
+    }
+    Ok(())
+}
+
 /// CTAs of a v4 launch: one full resident wave (`max_resident` = occupancy x SMs), or one CTA per row when
 /// there are fewer rows. A full wave puts the same number of CTAs on every SM and CTA b runs rows b, b + grid,
 /// ...: per SM the row counts differ by at most one per CTA, spread over the SMs. (Fewer, evenly loaded CTAs
@@ -532,6 +551,7 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
     let d_i = d as i32;
     match &mut out.q {
         QuantBufs::Nvfp4 { .. } => {
+            check_v4p_nvfp4_d("quant_nvfp4_bf16in_v4p", d)?;
             launch_quant_nvfp4_rows(gpu, "quant_nvfp4_bf16in_v4p", threads, true, y, out)?;
         }
         QuantBufs::Fp8 { data, scales } => {
@@ -548,33 +568,43 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
     Ok(())
 }
 
-// ---- the v5 row kernels (RowsPath::V5) -------------------------------------------------------------------------
+// ---- the v5 FP8 row kernel (RowsPath::V5) ---------------------------------------------------------------------
 
-/// The v5 kernels give every thread exactly 4 chunks of 8 values (blockDim = d / 32, a whole number of warps).
+/// The v5 and v6 kernels give every thread exactly 4 chunks of 8 values (blockDim = d / 32, whole warps).
 pub const V5_D_MULTIPLE: usize = 1024;
 
-/// Shape / format rules of the v5 kernels (checked before any launch).
-pub fn check_v5(rows: usize, d: usize, format: OutFormat) -> Result<()> {
+/// The D rule the v5 and v6 kernels share: `d` a multiple of [`V5_D_MULTIPLE`] (`kernel` names the kernel).
+fn check_resident_wave_d(kernel: &str, rows: usize, d: usize) -> Result<()> {
     check_rows(rows, d)?;
     if !d.is_multiple_of(V5_D_MULTIPLE) {
         bail!(
-            "norm_quant v5: hidden size {d} must be a multiple of {V5_D_MULTIPLE} (one warp per 1024 values)"
+            "norm_quant {kernel}: hidden size {d} must be a multiple of {V5_D_MULTIPLE} (one warp per 1024 values)"
         );
-    }
-    if format == OutFormat::Bf16 {
-        bail!("norm_quant v5: output format must be nvfp4 or fp8 (bf16 has no v5 kernel)");
     }
     Ok(())
 }
 
-/// Threads per CTA of the v5 kernels (= [`row_block_threads`] for their sizes: the same channel ownership).
+/// Shape / format rules of the v5 kernel (checked before any launch): FP8 output (the v5 NVFP4 kernel was
+/// removed in session 7; NVFP4 runs [`RowsPath::V6`] or [`RowsPath::V4`]), `d` a multiple of 1024.
+pub fn check_v5(rows: usize, d: usize, format: OutFormat) -> Result<()> {
+    check_resident_wave_d("v5", rows, d)?;
+    if format != OutFormat::Fp8 {
+        bail!(
+            "norm_quant v5: output format must be fp8 (v5 is the FP8 kernel only; its NVFP4 kernel was removed \
+             in session 7 for v6)"
+        );
+    }
+    Ok(())
+}
+
+/// Threads per CTA of the v5 / v6 kernels (= [`row_block_threads`] for their sizes: the same channel ownership).
 pub fn v5_block_threads(d: usize) -> u32 {
     (d / 32) as u32
 }
 
 /// [`rmsnorm_quant`] with an explicit kernel choice ([`RowsPath`]); every path gives the same bits.
-/// [`RowsPath::V5`] refuses (before any launch) what it does not run: F32 input, BF16 output, `d` not a
-/// multiple of [`V5_D_MULTIPLE`].
+/// [`RowsPath::V5`] / [`RowsPath::V6`] refuse (before any launch) what they do not run: F32 input, another
+/// output format than FP8 / NVFP4, `d` not a multiple of [`V5_D_MULTIPLE`] (V6: or above [`V6_MAX_D`]).
 pub fn rmsnorm_quant_with(
     gpu: &Gpu,
     x: RowsIn<'_>,
@@ -593,7 +623,7 @@ pub fn rmsnorm_quant_with(
     }
 }
 
-/// The resident-wave row kernels: v5 (`rmsnorm_{nvfp4,fp8}_bf16in_v5`, parameters ..., rows, d, eps) or, with
+/// The resident-wave row kernels: v5 FP8 (`rmsnorm_fp8_bf16in_v5`, parameters ..., rows, d, eps) or, with
 /// `v6`, the NVFP4 v6 entry point for `d` (`rmsnorm_nvfp4_bf16in_v6_w<d / 1024>`, D compiled in: ..., rows, eps).
 /// Same grid rule, block size and shared memory (the weight as f32).
 fn rmsnorm_quant_resident_wave(
@@ -617,10 +647,10 @@ fn rmsnorm_quant_resident_wave(
             if v6 { "v6" } else { "v5" }
         );
     };
-    let name = match (v6, out.format) {
-        (true, _) => v6_entry("rmsnorm_nvfp4_bf16in", d),
-        (false, OutFormat::Nvfp4) => "rmsnorm_nvfp4_bf16in_v5".to_string(),
-        (false, _) => "rmsnorm_fp8_bf16in_v5".to_string(),
+    let name = if v6 {
+        v6_entry("rmsnorm_nvfp4_bf16in", d)
+    } else {
+        "rmsnorm_fp8_bf16in_v5".to_string()
     };
     let smem = d * 4; // the weight as f32
     let f = gpu.function_with_smem(FAMILY, &name, smem)?;
@@ -630,7 +660,7 @@ fn rmsnorm_quant_resident_wave(
     let (rows_i, d_i) = (rows as i32, d as i32);
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(xs).arg(w);
-    out.q.push_launch_args(&mut b); // NVFP4 or FP8: the checks rejected BF16 above
+    out.q.push_launch_args(&mut b); // v6: NVFP4, v5: FP8 (the checks above)
     b.arg(&mut out.rstd).arg(&rows_i);
     if !v6 {
         b.arg(&d_i);
@@ -645,9 +675,10 @@ fn rmsnorm_quant_resident_wave(
 /// Largest D of the v6 kernels: one entry point per warp count d / 1024 = 1..=8 (DSV4: 4096 and 7168).
 pub const V6_MAX_D: usize = 8 * V5_D_MULTIPLE;
 
-/// Shape / format rules of the v6 kernels (checked before any launch): v5's, NVFP4 output, `d` <= [`V6_MAX_D`].
+/// Shape / format rules of the v6 kernels (checked before any launch): `d` a multiple of 1024 (as v5), NVFP4
+/// output, `d` <= [`V6_MAX_D`].
 pub fn check_v6(rows: usize, d: usize, format: OutFormat) -> Result<()> {
-    check_v5(rows, d, format)?;
+    check_resident_wave_d("v6", rows, d)?;
     if format != OutFormat::Nvfp4 {
         bail!("norm_quant v6: output format must be nvfp4 (v6 is the NVFP4 kernel only)");
     }
@@ -663,7 +694,7 @@ fn v6_entry(prefix: &str, d: usize) -> String {
 }
 
 /// Quantize-only v6 NVFP4 (`quant_nvfp4_bf16in_v6_w<d / 1024>`): BF16 rows `y` -> NVFP4, the same bits as
-/// [`quantize_bf16_rows_v5`]; tests the v6 encoder at exact e2m1 decision points. `out.rstd` untouched.
+/// [`quantize_bf16_rows`] (v4p); tests the v6 encoder at exact e2m1 decision points. `out.rstd` untouched.
 pub fn quantize_bf16_rows_v6(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
     let (rows, d) = (out.rows, out.d);
     check_v6(rows, d, out.format)?;
@@ -672,23 +703,7 @@ pub fn quantize_bf16_rows_v6(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutpu
     launch_quant_nvfp4_rows(gpu, &name, v5_block_threads(d), false, y, out)
 }
 
-/// Quantize-only v5 NVFP4 (`quant_nvfp4_bf16in_v5`): BF16 rows `y` -> NVFP4, the same bits as
-/// [`quantize_bf16_rows`]; used to test the v5 encoder at exact e2m1 decision points. `out.rstd` untouched.
-pub fn quantize_bf16_rows_v5(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
-    let (rows, d) = (out.rows, out.d);
-    check_v5(rows, d, out.format)?;
-    check_len("y", y.len(), rows * d)?;
-    launch_quant_nvfp4_rows(
-        gpu,
-        "quant_nvfp4_bf16in_v5",
-        v5_block_threads(d),
-        true,
-        y,
-        out,
-    )
-}
-
-/// A quantize-only BF16 -> NVFP4 row-looping kernel (`quant_nvfp4_bf16in_v4p` / `_v5` / `_v6_w<d / 1024>`: the
+/// A quantize-only BF16 -> NVFP4 row-looping kernel (`quant_nvfp4_bf16in_v4p` / `_v6_w<d / 1024>`: the
 /// same parameters, except that v6 has D compiled in and takes no `d`, `with_d` false): one resident wave of
 /// `threads`-thread CTAs over `out.rows` rows. The caller checked the shapes.
 fn launch_quant_nvfp4_rows(
@@ -1046,6 +1061,17 @@ pub enum MhcPrePath {
     /// stages its weight tile while the previous finish runs. Needs sm_90 and a driver that captures PDL
     /// launches into graphs (CUDA >= 12.3).
     PdlPair,
+    /// A/B candidate (session 7): [`MhcPrePath::PdlPair`] with the compact finish
+    /// `mhc_pre_finish_compact_pdl_*` (the same operations in the same order, so bit-identical outputs; the
+    /// per-chunk code and the Sinkhorn loop rolled instead of unrolled, X and the norm weight staged in shared
+    /// memory with cp.async, [`compact_finish_smem_bytes`] of it). Same mix kernel, same launches.
+    CompactPdl,
+}
+
+/// Dynamic shared memory of the compact finish (`mhc_pre_finish_compact_pdl_*`) for a block of `threads`:
+/// per thread 4 chunks x 5 16-byte slots (X streams 0..3 and the weight). D = 4096: 40 KB, 7168: 70 KB.
+pub fn compact_finish_smem_bytes(threads: u32) -> usize {
+    threads as usize * CHUNKS_PER_THREAD * 5 * 16
 }
 
 /// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
@@ -1063,7 +1089,7 @@ pub fn mhc_pre_with(
             launch_mix_partial_v2(gpu, x, w, out.tokens, &mut out.partials)?;
             launch_pre_finish(gpu, x, w, eps, out)
         }
-        MhcPrePath::PdlPair => {
+        MhcPrePath::PdlPair | MhcPrePath::CompactPdl => {
             let (tokens, d) = (out.tokens, out.d);
             let name = "mhc_mix_partial24_pdl";
             let f = gpu.function(FAMILY, name)?;
@@ -1076,8 +1102,22 @@ pub fn mhc_pre_with(
             let grid = (mix_splits(d) as u32, tokens.div_ceil(32) as u32, 1);
             launch_pdl(gpu, &f, grid, (128, 1, 1), &mut a, name)?;
 
-            let name = format!("mhc_pre_finish_pdl_{}", out.normed.format.name());
-            let f = gpu.function(FAMILY, &name)?;
+            let compact = path == MhcPrePath::CompactPdl;
+            let fmt = out.normed.format.name();
+            let threads = row_block_threads(d);
+            let (name, smem) = if compact {
+                (
+                    format!("mhc_pre_finish_compact_pdl_{fmt}"),
+                    compact_finish_smem_bytes(threads),
+                )
+            } else {
+                (format!("mhc_pre_finish_pdl_{fmt}"), 0)
+            };
+            let f = if compact {
+                gpu.function_with_smem(FAMILY, &name, smem)?
+            } else {
+                gpu.function(FAMILY, &name)?
+            };
             let mut a = RawArgs::default();
             a.slice(gpu, x)
                 .slice(gpu, &out.partials)
@@ -1112,7 +1152,11 @@ pub fn mhc_pre_with(
             a.slice(gpu, &out.normed.rstd);
             // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn (as mhc_pre_finish2_*).
             let grid = (tokens as u32, 2, 1);
-            launch_pdl(gpu, &f, grid, (row_block_threads(d), 1, 1), &mut a, &name)
+            let opts = LaunchExOpts {
+                smem_bytes: smem as u32,
+                pdl: true,
+            };
+            launch_ex(gpu, &f, grid, (threads, 1, 1), opts, &mut a, &name)
         }
     }
 }
@@ -1358,12 +1402,10 @@ pub struct BenchPoint {
 /// [`rows_path`]), `unfused_<fmt>` (fmt in nvfp4, fp8, bf16; bf16 has only the one kernel) and `copy`
 /// (device-to-device copy of the same number of bytes, the bandwidth reference). Removed candidates (see
 /// kernels/norm_quant.cu): session 3 fused_v4_nvfp4, fused_v4_fp8, fused_v4p_nvfp4 (v4p became fused_nvfp4);
-/// session 4 fused_nvfp4_v5 / fused_fp8_v5 (became fused_* from 4096 rows) and fused_fp8_v5r (lost).
-/// `fused_nvfp4_v5`: [`RowsPath::V5`] forced (the NVFP4 default from 4096 rows until the session-6 A/B, which v6
-/// won; its baseline column is `fused_nvfp4`).
+/// session 4 fused_nvfp4_v5 / fused_fp8_v5 (became fused_* from 4096 rows) and fused_fp8_v5r (lost);
+/// session 7 fused_nvfp4_v5 (the v5 NVFP4 kernel forced: lost to v6, the default, in sessions 6 and 7).
 pub const ROW_VARIANTS: &[&str] = &[
     "fused_nvfp4",
-    "fused_nvfp4_v5",
     "unfused_nvfp4",
     "fused_fp8",
     "unfused_fp8",
@@ -1386,12 +1428,8 @@ pub fn bench_rows(
     let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
     let eps = reference::RMS_EPS;
     let in_bytes = (rows * d * 2 + d * 2) as u64;
-    // kind_fmt[_v5], kind in fused / unfused; or `copy`. `_v5`: the fused kernel forced to RowsPath::V5.
-    let (base, forced) = match variant.strip_suffix("_v5") {
-        Some(b) => (b, Some(RowsPath::V5)),
-        None => (variant, None),
-    };
-    let (kind, fmt) = base.rsplit_once('_').unwrap_or((base, "bf16"));
+    // kind_fmt, kind in fused / unfused; or `copy`.
+    let (kind, fmt) = variant.rsplit_once('_').unwrap_or((variant, "bf16"));
     let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
         kernel: "rmsnorm_quant",
         variant: variant.to_string(),
@@ -1412,16 +1450,12 @@ pub fn bench_rows(
         "fused" => {
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let s = gpu.time_us(plan, || match forced {
-                Some(path) => rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, path),
-                None => rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out),
+            let s = gpu.time_us(plan, || {
+                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
             })?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
-            // A forced path is raced against the default (`fused_<fmt>`), the default against the unfused chain.
-            let baseline = match forced {
-                Some(_) => Some(format!("fused_{fmt}")),
-                None => (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}")),
-            };
+            // raced against the unfused chain
+            let baseline = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
             Ok(point(bytes, s, baseline))
         }
         "unfused" => {
@@ -1447,6 +1481,8 @@ pub fn bench_rows(
 ///   launches above, [`mhc_pre_auto_path`]);
 /// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
 ///   so both stay measurable on both sides of the threshold (registered in graph form only);
+/// * `fused_compact_pdl`: the session-7 A/B candidate [`MhcPrePath::CompactPdl`] (graph16 form only; raced
+///   against `graph16_fused_pdl_<fmt>`);
 /// * `unfused`: the op-by-op chain;
 ///
 /// each timed three ways:
@@ -1487,6 +1523,8 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_twolaunch_fp8",
     "graph16_fused_twolaunch_nvfp4",
     "graph16_fused_twolaunch_fp8",
+    "graph16_fused_compact_pdl_nvfp4",
+    "graph16_fused_compact_pdl_fp8",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
@@ -1596,6 +1634,7 @@ pub fn bench_mhc(
         "fused" => Some(None),
         "fused_pdl" => Some(Some(MhcPrePath::PdlPair)),
         "fused_twolaunch" => Some(Some(MhcPrePath::TwoLaunch)),
+        "fused_compact_pdl" => Some(Some(MhcPrePath::CompactPdl)),
         "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
@@ -1640,7 +1679,11 @@ pub fn bench_mhc(
         1 => "graph_",
         _ => "graph16_",
     };
-    let base = fused.then(|| format!("{prefix}unfused_{fmt}"));
+    // The compact-finish candidate is raced against the PDL pair it replaces (same graph shape).
+    let base = match path {
+        Some(Some(MhcPrePath::CompactPdl)) => Some(format!("{prefix}fused_pdl_{fmt}")),
+        _ => fused.then(|| format!("{prefix}unfused_{fmt}")),
+    };
     Ok(point(bytes, s, base))
 }
 
