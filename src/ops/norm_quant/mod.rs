@@ -35,7 +35,7 @@ use anyhow::{bail, Result};
 use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
-use crate::gpu::pdl::{launch_ex, launch_pdl, LaunchExOpts, RawArgs};
+use crate::gpu::pdl::{launch_pdl, RawArgs};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
 
@@ -1061,17 +1061,6 @@ pub enum MhcPrePath {
     /// stages its weight tile while the previous finish runs. Needs sm_90 and a driver that captures PDL
     /// launches into graphs (CUDA >= 12.3).
     PdlPair,
-    /// A/B candidate (session 7): [`MhcPrePath::PdlPair`] with the compact finish
-    /// `mhc_pre_finish_compact_pdl_*` (the same operations in the same order, so bit-identical outputs; the
-    /// per-chunk code and the Sinkhorn loop rolled instead of unrolled, X and the norm weight staged in shared
-    /// memory with cp.async, [`compact_finish_smem_bytes`] of it). Same mix kernel, same launches.
-    CompactPdl,
-}
-
-/// Dynamic shared memory of the compact finish (`mhc_pre_finish_compact_pdl_*`) for a block of `threads`:
-/// per thread 4 chunks x 5 16-byte slots (X streams 0..3 and the weight). D = 4096: 40 KB, 7168: 70 KB.
-pub fn compact_finish_smem_bytes(threads: u32) -> usize {
-    threads as usize * CHUNKS_PER_THREAD * 5 * 16
 }
 
 /// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
@@ -1089,7 +1078,7 @@ pub fn mhc_pre_with(
             launch_mix_partial_v2(gpu, x, w, out.tokens, &mut out.partials)?;
             launch_pre_finish(gpu, x, w, eps, out)
         }
-        MhcPrePath::PdlPair | MhcPrePath::CompactPdl => {
+        MhcPrePath::PdlPair => {
             let (tokens, d) = (out.tokens, out.d);
             let name = "mhc_mix_partial24_pdl";
             let f = gpu.function(FAMILY, name)?;
@@ -1102,22 +1091,8 @@ pub fn mhc_pre_with(
             let grid = (mix_splits(d) as u32, tokens.div_ceil(32) as u32, 1);
             launch_pdl(gpu, &f, grid, (128, 1, 1), &mut a, name)?;
 
-            let compact = path == MhcPrePath::CompactPdl;
-            let fmt = out.normed.format.name();
-            let threads = row_block_threads(d);
-            let (name, smem) = if compact {
-                (
-                    format!("mhc_pre_finish_compact_pdl_{fmt}"),
-                    compact_finish_smem_bytes(threads),
-                )
-            } else {
-                (format!("mhc_pre_finish_pdl_{fmt}"), 0)
-            };
-            let f = if compact {
-                gpu.function_with_smem(FAMILY, &name, smem)?
-            } else {
-                gpu.function(FAMILY, &name)?
-            };
+            let name = format!("mhc_pre_finish_pdl_{}", out.normed.format.name());
+            let f = gpu.function(FAMILY, &name)?;
             let mut a = RawArgs::default();
             a.slice(gpu, x)
                 .slice(gpu, &out.partials)
@@ -1152,11 +1127,7 @@ pub fn mhc_pre_with(
             a.slice(gpu, &out.normed.rstd);
             // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn (as mhc_pre_finish2_*).
             let grid = (tokens as u32, 2, 1);
-            let opts = LaunchExOpts {
-                smem_bytes: smem as u32,
-                pdl: true,
-            };
-            launch_ex(gpu, &f, grid, (threads, 1, 1), opts, &mut a, &name)
+            launch_pdl(gpu, &f, grid, (row_block_threads(d), 1, 1), &mut a, &name)
         }
     }
 }
@@ -1481,8 +1452,6 @@ pub fn bench_rows(
 ///   launches above, [`mhc_pre_auto_path`]);
 /// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
 ///   so both stay measurable on both sides of the threshold (registered in graph form only);
-/// * `fused_compact_pdl`: the session-7 A/B candidate [`MhcPrePath::CompactPdl`] (graph16 form only; raced
-///   against `graph16_fused_pdl_<fmt>`);
 /// * `unfused`: the op-by-op chain;
 ///
 /// each timed three ways:
@@ -1523,8 +1492,6 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_twolaunch_fp8",
     "graph16_fused_twolaunch_nvfp4",
     "graph16_fused_twolaunch_fp8",
-    "graph16_fused_compact_pdl_nvfp4",
-    "graph16_fused_compact_pdl_fp8",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
@@ -1634,7 +1601,6 @@ pub fn bench_mhc(
         "fused" => Some(None),
         "fused_pdl" => Some(Some(MhcPrePath::PdlPair)),
         "fused_twolaunch" => Some(Some(MhcPrePath::TwoLaunch)),
-        "fused_compact_pdl" => Some(Some(MhcPrePath::CompactPdl)),
         "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
@@ -1679,11 +1645,7 @@ pub fn bench_mhc(
         1 => "graph_",
         _ => "graph16_",
     };
-    // The compact-finish candidate is raced against the PDL pair it replaces (same graph shape).
-    let base = match path {
-        Some(Some(MhcPrePath::CompactPdl)) => Some(format!("{prefix}fused_pdl_{fmt}")),
-        _ => fused.then(|| format!("{prefix}unfused_{fmt}")),
-    };
+    let base = fused.then(|| format!("{prefix}unfused_{fmt}"));
     Ok(point(bytes, s, base))
 }
 
