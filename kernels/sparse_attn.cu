@@ -8,11 +8,15 @@
 //
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
-//   sparse_attn_decode_fp8_v6      the FP8 path (bench variant "fp8", Path::Fp8): QK^T and P.V on wgmma, the next
-//                                  tile's dequant overlapped with QK^T (the v5 main loop, design notes above
-//                                  load_raw_regs), behind a cheaper q prologue than v5's (q codes by x * 2^-k
-//                                  instead of x / 2^k, the same value; tile 0's loads issued before the q
-//                                  quantization); notes above decode_fp8_body.
+//   sparse_attn_decode_fp8_v11     the FP8 path (bench variant "fp8", Path::Fp8) since session 7: v6's prologue and
+//                                  main loop, with a small epilogue (finish_staged: rope cos / sin once per CTA,
+//                                  the finished output stored through shared memory in whole 16-byte chunks);
+//                                  bit-identical to v6.
+//   sparse_attn_decode_fp8_v6      the FP8 path before (bench "fp8_v6", Path::Fp8V6; kept for one run): QK^T and
+//                                  P.V on wgmma, the next tile's dequant overlapped with QK^T (the v5 main loop,
+//                                  design notes above load_raw_regs), behind a cheaper q prologue than v5's (q codes
+//                                  by x * 2^-k instead of x / 2^k, the same value; tile 0's loads issued before the
+//                                  q quantization); notes above decode_fp8_body.
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -65,6 +69,21 @@
 // 1.5x), b64 96.0 -> 94.6, but b8 30.4 -> 31.0, b32 56.1 -> 57.1; b1-b16 ties. Halving the dequant bought ~2%: the
 // per-tile time is not set by the dequant block, so QK^T / P.V issue or the softmax chain is the next suspect.
 // Removed (a tie within run-to-run noise, ~2 us at b128; ties go to less code).
+//
+// Session 7 (results/h200/session7-ab, PERF-LOG "Session 7"; all candidates bit-identical to v6 in the GPU test, then
+// removed except the winner v11). Nsight at Pro b128 (v6, 189.5 us): the warp-stall samples split prologue 12% / main
+// loop 62% / epilogue 26%; finish() was ~7,900 straight-line SASS instructions (an inlined sincosf and a branch per
+// rope pair, unrolled over 2 rows x 32 n-tiles) executed once per warp, 22 of its 26 points instruction-fetch stalls.
+// Candidates, median us, Pro b128 / Pro b64 / Flash b128 (v6 in the same run):
+//   v7 (rope table + one warp-uniform rope branch, q quantized in a rolled loop; 3,696 SASS): 155.9 / 83.9 / 57.9
+//     (203.4 / 96.6 / 71.2); its epilogue stalls moved to `lg` (64 scattered 4-byte stores per thread).
+//   v8 (v7 + the next tile's dequant split between the QK^T and P.V windows): 157.2 / 82.7 / 57.7, HCA 1M b64 255.7
+//     vs v7 249.6: the half-tile loads issued during P.V landed late (long_sb 5.5% -> 13.3% of loop samples).
+//   v9 (v6's unrolled prologue + v7's epilogue staged through shared memory for BF16 output and split partials):
+//     145.6 / 77.5 / 52.3 (199.0 / 94.8 / 70.1); but +0.5-1.4 us at batch 1-4, where staging the f32 partials adds
+//     two barriers to CTAs of one or two tiles.
+//   v10 (v9 with v7's rolled prologue): 147.1 / 78.8 / 52.8.
+// v11 = v9 for one split, v6's direct partial stores for split plans.
 // Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
 // 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
 // tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate.
@@ -263,9 +282,9 @@ __device__ __forceinline__ int resolve_candidate(const DecodeArgs& a, int b, int
 }
 
 // Inverse RoPE of one interleaved pair at query position `pos`: (x + iy) * e^{-i pos f}.
-// (c, s) = (cos, sin) of the pair's angle pos * freq; inverse_rope_pair computes them, the compact epilogue of
-// sparse_attn_decode_fp8_v7 reads them from a per-CTA table (the same sincosf of the same product, so the same
-// values), and both rotate through this one expression.
+// (c, s) = (cos, sin) of the pair's angle pos * freq; inverse_rope_pair computes them, the epilogue of
+// sparse_attn_decode_fp8_v11 (finish_staged) reads them from a per-CTA table (the same sincosf of the same product,
+// so the same values), and both rotate through this one expression.
 __device__ __forceinline__ void inverse_rope_rotate(float& x, float& y, float c, float s) {
     const float nx = x * c + y * s;
     const float ny = y * c - x * s;
@@ -463,20 +482,28 @@ __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float
     }
 }
 
-// The epilogue of sparse_attn_decode_fp8_v7: the values of finish(), bit for bit, in compact code. finish() is
-// executed once per warp, and its unrolled form (an inlined sincosf and a branch per rope pair, 2 rows x 32
-// n-tiles) compiled to ~7,900 straight-line SASS instructions: at Pro batch 128 the decode kernel spent 26% of its
-// warp-stall samples there, 22 points of them instruction-fetch stalls (session-7 ncu, results/h200/profile/
-// ncu-sparse_attn-session7-start-hot.txt). Here:
+// The epilogue of sparse_attn_decode_fp8_v11: finish()'s values, bit for bit (the same operations on the same
+// registers), in code that is small and stores whole 16-byte chunks. finish() is executed once per warp, and its
+// unrolled form (an inlined sincosf and a branch per rope pair, 2 rows x 32 n-tiles) compiled to ~7,900 straight-line
+// SASS instructions: at Pro batch 128, v6 spent 26% of its warp-stall samples there, 22 points of them instruction-
+// fetch stalls (results/h200/profile/ncu-sparse_attn-session7-start-hot.txt). Here:
 //   * cos / sin of the 32 rope pairs come from rope_cs, filled once per CTA in the prologue with the same
 //     sincosf(__fmul_rn(pos, freq)) finish() evaluates per pair (every head shares the query position);
 //   * the rope is one warp-uniform branch: rope dims 448..511 are n-tiles 24..31 of warp group 1 only
 //     (dim = 256 wh + 8 nt + 2 tq >= 448 <=> wh = 1 and nt >= 24), pair index (dim - 448) / 2 = 4 (nt - 24) + tq;
-//   * x = o * inv is computed in place first, then rotated, then packed: the operations and their order per
-//     element are finish()'s (o * inv, inverse_rope_rotate, pack_bf16x2).
-__device__ __forceinline__ void finish_compact(WarpState& st, const DecodeArgs& a, float* red_sum,
-                                               const float2* rope_cs, int b, int hg, int split, int wm, int wh,
-                                               int g, int tq) {
+//     x = o * inv is computed in place first, then rotated, then packed: finish()'s operations in finish()'s order;
+//   * one split (the finished BF16 output): the fragments go to a staging image of the CTA's 64 output rows in shared
+//     memory, then out as 16 whole, coalesced 16-byte chunks per thread (stored directly, the 64 scattered 4-byte
+//     stores per thread held 7.2% of the Pro b128 samples in `lg`, the memory pipe's queue). Staging = the two
+//     K = V tiles (vt, 2 x 64 KiB from kV5Vt), free once every warp group has waited its last P.V, which the first
+//     __syncthreads guarantees; row h's chunk c sits at chunk slot c ^ (h & 7) of its 1 KiB row, so the 8 rows a
+//     warp instruction writes (g = h & 7) land in 8 different bank groups. a.n_splits is uniform over the CTA, so
+//     every thread reaches both barriers;
+//   * split partials are stored directly (store_split_partial): staging them through shared memory lost 0.5-1.4 us
+//     at batch 1-4 (session-7 A/B run 2), where a CTA has one or two tiles and two more barriers show.
+__device__ __forceinline__ void finish_staged(WarpState& st, const DecodeArgs& a, float* red_sum, const float2* rope_cs,
+                                              uint8_t* stage, int b, int hg, int split, int wm, int wh, int g, int tq,
+                                              int tid) {
     float l[2];
     row_sums(st, red_sum, wm, wh, g, tq, l);
     const int row0 = 16 * wm + g;
@@ -504,96 +531,23 @@ __device__ __forceinline__ void finish_compact(WarpState& st, const DecodeArgs& 
             for (int r = 0; r < 2; ++r) inverse_rope_rotate(st.o[24 + j][2 * r], st.o[24 + j][2 * r + 1], cs.x, cs.y);
         }
     }
+    __syncthreads();  // every warp group's last P.V is complete: the vt tiles are free
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        __nv_bfloat16* orow = a.out + ((size_t)b * a.heads + hg * kHeadsPerCta + row0 + 8 * r) * kDim + 256 * wh;
+        const int h = row0 + 8 * r;  // h & 7 == g
+        uint8_t* row = stage + h * 1024 + 4 * tq;
 #pragma unroll
-        for (int nt = 0; nt < 32; ++nt)
-            *reinterpret_cast<uint32_t*>(orow + 8 * nt + 2 * tq) = pack_bf16x2(st.o[nt][2 * r], st.o[nt][2 * r + 1]);
+        for (int nt = 0; nt < 32; ++nt)  // dims 256 wh + 8 nt + 2 tq: chunk 32 wh + nt, bytes 4 tq
+            *reinterpret_cast<uint32_t*>(row + (((32 * wh + nt) ^ g) << 4)) =
+                pack_bf16x2(st.o[nt][2 * r], st.o[nt][2 * r + 1]);
     }
-}
-
-// The epilogue of sparse_attn_decode_fp8_v9 / _v10: finish_compact's values (bit for bit: the same operations on the
-// same registers), stored through shared memory so that global memory sees full 16-byte chunks. v7's profile at Pro
-// batch 128 put 7.2% of all stall samples on finish_compact's 64 scattered 4-byte stores per thread (`lg`: the
-// memory pipe's queue); here each thread writes its fragments to a staging image of the CTA's output rows and then
-// stores 16 (BF16 output) or 32 (f32 split partial) whole, coalesced chunks.
-//   * Staging = the two K = V tiles (vt, 2 x 64 KiB, contiguous from kV5Vt): free once every warp group has waited
-//     its last P.V, which the first __syncthreads below guarantees (each warp group waits its own wgmma groups).
-//   * Image: row h of the CTA's 64 heads, 16-byte chunk c stored at chunk slot c ^ (h & 7) of its row (rows of
-//     1 KiB BF16 or 2 KiB f32): the 8 rows a warp instruction writes (g = h & 7) land in 8 different bank groups.
-//   * Every thread reaches both barriers (a.n_splits is uniform over the CTA).
-__device__ __forceinline__ void finish_staged(WarpState& st, const DecodeArgs& a, float* red_sum, const float2* rope_cs,
-                                              uint8_t* stage, int b, int hg, int split, int wm, int wh, int g, int tq,
-                                              int tid) {
-    float l[2];
-    row_sums(st, red_sum, wm, wh, g, tq, l);
-    const int row0 = 16 * wm + g;
-    if (a.n_splits == 1) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int h = hg * kHeadsPerCta + row0 + 8 * r;
-            const bool empty = (st.m[r] == -INFINITY);
-            const float z = empty ? 1.f : l[r] + exp2f(a.sinks[h] * kLog2e - st.m[r]);
-            const float inv = empty ? 0.f : 1.f / z;
-#pragma unroll
-            for (int nt = 0; nt < 32; ++nt) {
-                st.o[nt][2 * r] *= inv;
-                st.o[nt][2 * r + 1] *= inv;
-            }
-        }
-        if (wh == 1) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float2 cs = rope_cs[4 * j + tq];
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    inverse_rope_rotate(st.o[24 + j][2 * r], st.o[24 + j][2 * r + 1], cs.x, cs.y);
-            }
-        }
-        __syncthreads();  // every warp group's last P.V is complete: the vt tiles are free
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int h = row0 + 8 * r;  // h & 7 == g
-            uint8_t* row = stage + h * 1024 + 4 * tq;
-#pragma unroll
-            for (int nt = 0; nt < 32; ++nt)  // dims 256 wh + 8 nt + 2 tq: chunk 32 wh + nt, bytes 4 tq
-                *reinterpret_cast<uint32_t*>(row + (((32 * wh + nt) ^ g) << 4)) =
-                    pack_bf16x2(st.o[nt][2 * r], st.o[nt][2 * r + 1]);
-        }
-        __syncthreads();
-        __nv_bfloat16* out = a.out + ((size_t)b * a.heads + hg * kHeadsPerCta) * kDim;
+    __syncthreads();
+    __nv_bfloat16* out = a.out + ((size_t)b * a.heads + hg * kHeadsPerCta) * kDim;
 #pragma unroll 4
-        for (int u = tid; u < kHeadsPerCta * 64; u += kThreads) {
-            const int h = u >> 6, c = u & 63;
-            *reinterpret_cast<uint4*>(out + h * kDim + 8 * c) =
-                *reinterpret_cast<const uint4*>(stage + h * 1024 + ((c ^ (h & 7)) << 4));
-        }
-    } else {
-        __syncthreads();  // as above: the vt tiles are free
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int h = row0 + 8 * r;
-            const bool empty = (st.m[r] == -INFINITY);
-            const float inv = empty ? 0.f : 1.f / l[r];
-            uint8_t* row = stage + h * 2048 + 8 * (tq & 1);
-#pragma unroll
-            for (int nt = 0; nt < 32; ++nt)  // dims 256 wh + 8 nt + 2 tq: chunk 64 wh + 2 nt + tq / 2, bytes 8 (tq & 1)
-                *reinterpret_cast<float2*>(row + (((64 * wh + 2 * nt + (tq >> 1)) ^ g) << 4)) =
-                    make_float2(st.o[nt][2 * r] * inv, st.o[nt][2 * r + 1] * inv);
-            if (wh == 0 && tq == 0) {
-                const size_t prow = ((size_t)b * a.n_splits + split) * a.heads + hg * kHeadsPerCta + h;
-                a.part_lse[prow] = empty ? -INFINITY : st.m[r] + log2f(l[r]);
-            }
-        }
-        __syncthreads();
-        float* part = a.part_o + (((size_t)b * a.n_splits + split) * a.heads + hg * kHeadsPerCta) * kDim;
-#pragma unroll 4
-        for (int u = tid; u < kHeadsPerCta * 128; u += kThreads) {
-            const int h = u >> 7, c = u & 127;
-            *reinterpret_cast<float4*>(part + h * kDim + 4 * c) =
-                *reinterpret_cast<const float4*>(stage + h * 2048 + ((c ^ (h & 7)) << 4));
-        }
+    for (int u = tid; u < kHeadsPerCta * 64; u += kThreads) {
+        const int h = u >> 6, c = u & 63;
+        *reinterpret_cast<uint4*>(out + h * kDim + 8 * c) =
+            *reinterpret_cast<const uint4*>(stage + h * 1024 + ((c ^ (h & 7)) << 4));
     }
 }
 
@@ -703,10 +657,10 @@ constexpr int kV5Idx = kV5RedSum + kRedBytes;           // 4 slots of 64 indices
 constexpr int kV5Bytes = kV5Idx + 4 * kBlockN * 4;      // 206848
 constexpr int kV5SmemBytes = kV5Bytes + 1024;
 static_assert(kV5SmemBytes == 207872, "mirror FP8_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
-// v7 (decode_fp8_body<true>): the v6 map plus the rope cos / sin table (32 float2) of finish_compact.
-constexpr int kV7RopeCs = kV5Bytes;
-constexpr int kV7SmemBytes = kV7RopeCs + 32 * 8 + 1024;
-static_assert(kV7SmemBytes == 208128, "mirror FP8_V7_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+// v11 (decode_fp8_body<true>): the v6 map plus the rope cos / sin table (32 float2) of finish_staged.
+constexpr int kV11RopeCs = kV5Bytes;
+constexpr int kV11SmemBytes = kV11RopeCs + 32 * 8 + 1024;
+static_assert(kV11SmemBytes == 208128, "mirror FP8_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
 static_assert(kV5P % 1024 == 0 && kV5Vt % 1024 == 0, "wgmma tiles 1024-aligned");
 
 struct RawRegs {
@@ -1175,17 +1129,11 @@ __device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]
     return r;
 }
 
-// The FP8 decode body. <false, 0>: v6 (sparse_attn_decode_fp8_v6). The session-7 candidates compute the same values
-// bit for bit with the code executed once per warp made small (the session-7 profile: at Pro batch 128 the v6
-// prologue held 12% and the epilogue 26% of the warp-stall samples, mostly instruction-fetch stalls on
-// straight-line code that no warp executes twice):
-//   * kRolledQ: each thread stores its raw BF16 q chunks straight into their swizzled q-tile slots, then quantizes
-//     them in place in a rolled loop over its warp's 8 heads (one copy of the quantizer instead of 8 unrolled ones;
-//     every thread reads back only the 32 bytes it wrote, so no barrier is needed between the two);
-//   * kEpilogue 1 (finish_compact) / 2 (finish_staged): the rope cos / sin table of the query position (32 pairs)
-//     is computed once per CTA into rope_cs (kV7RopeCs); 2 also stages the output through shared memory.
-// v7 = <true, 1>, v9 = <false, 2>, v10 = <true, 2>.
-template <bool kRolledQ, int kEpilogue>
+// The FP8 decode body. <false>: v6 (sparse_attn_decode_fp8_v6, the default until session 7). <true>: v11
+// (sparse_attn_decode_fp8_v11, the default), the same values bit for bit with the code executed once per warp small:
+// the rope cos / sin table of the query position (32 pairs) is computed once per CTA into rope_cs (kV11RopeCs) for
+// finish_staged (see there).
+template <bool kStagedEpilogue>
 __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     extern __shared__ __align__(16) uint8_t smem_unaligned[];
     uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
@@ -1217,53 +1165,16 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 #pragma unroll
         for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
     }
-    if constexpr (kRolledQ) {
-        // Raw q chunks into their q-tile slots now (the same addresses the quantized codes go to below).
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const int hrow = 8 * warp + hh;
-            *reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane)) = raw[hh][0];
-            *reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1)) = raw[hh][1];
-        }
-    }
     RawRegs rr;
     if (n_it > 0) load_raw_regs(rr, a.pool, resolve_candidate(a, b, len, t_begin * kBlockN + de), dq, dodd);
-    if constexpr (kEpilogue != 0) {
+    if constexpr (kStagedEpilogue) {
         if (a.n_splits == 1 && tid < 32) {
             float sn, cs;
             sincosf(__fmul_rn(static_cast<float>(a.positions[b]), __ldg(a.freqs + tid)), &sn, &cs);
-            reinterpret_cast<float2*>(smem + kV7RopeCs)[tid] = make_float2(cs, sn);
+            reinterpret_cast<float2*>(smem + kV11RopeCs)[tid] = make_float2(cs, sn);
         }
     }
-    if constexpr (kRolledQ) {
-        // Rolled: one quantizer in the code. Lanes 28..31 (rope dims) run the quantizer too (its shuffles need the
-        // full warp) and keep their raw BF16 values.
-#pragma unroll 1
-        for (int hh = 0; hh < 8; ++hh) {
-            const int hrow = 8 * warp + hh;
-            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
-            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
-            const uint4 r0 = *dst0, r1 = *dst1;
-            const uint32_t wv[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
-            float x[16];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                x[2 * i] = __uint_as_float(wv[i] << 16);
-                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
-            }
-            const LaneQuant lq = quantize_lane_pow2_mul(x);
-            if (lane < 28) {
-                uint32_t o[8];
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
-                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
-                }
-                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
-                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
-            }
-        }
-    } else {
+    {
 #pragma unroll
         for (int hh = 0; hh < 8; ++hh) {
             const int hrow = 8 * warp + hh;
@@ -1368,12 +1279,9 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
         wgmma_wait_all();
         fence_acc_o(st.o);
     }
-    if constexpr (kEpilogue == 2) {
-        finish_staged(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV7RopeCs), smem + kV5Vt, b, hg, split, wm,
-                      wh, g, tq, tid);
-    } else if constexpr (kEpilogue == 1) {
-        finish_compact(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV7RopeCs), b, hg, split, wm, wh, g,
-                       tq);
+    if constexpr (kStagedEpilogue) {
+        finish_staged(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV11RopeCs), smem + kV5Vt, b, hg, split,
+                      wm, wh, g, tq, tid);
     } else {
         finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
     }
@@ -1385,23 +1293,11 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 // the v6 body; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for sparse_attn_combine (exactly
 // as the removed sparse_attn_decode_fp8_v5 did: the same finish()). Measured bit-identical to v5 until its removal.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v6(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<false, 0>(SA_DECODE_ARGS);
+    sa::decode_fp8_body<false>(SA_DECODE_ARGS);
 }
 
-// Same grid and outputs as sparse_attn_decode_fp8_v6 (bit-identical), dynamic smem sa::kV7SmemBytes: the compact
-// prologue / epilogue (decode_fp8_body<true>). Path::Fp8Compact, bench "fp8_compact" (session-7 A/B).
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v7(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<true, 1>(SA_DECODE_ARGS);
-}
-
-// v6's prologue (q quantized unrolled, from registers) + finish_staged. Dynamic smem sa::kV7SmemBytes; bit-identical
-// to v6. Path::Fp8StagedEpilogue, bench "fp8_staged" (session-7 A/B round 2).
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v9(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<false, 2>(SA_DECODE_ARGS);
-}
-
-// v7's rolled q prologue + finish_staged. Dynamic smem sa::kV7SmemBytes; bit-identical to v6. Path::Fp8CompactStaged,
-// bench "fp8_compact_staged" (session-7 A/B round 2).
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v10(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<true, 2>(SA_DECODE_ARGS);
+// The FP8 path (Path::Fp8, bench "fp8") since the session-7 A/B: same grid and outputs as sparse_attn_decode_fp8_v6
+// (bit-identical), dynamic smem sa::kV11SmemBytes; decode_fp8_body<true> (v6's prologue and main loop, finish_staged).
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v11(SA_DECODE_PARAMS) {
+    sa::decode_fp8_body<true>(SA_DECODE_ARGS);
 }

@@ -818,11 +818,11 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
     check_gpu_path("bf16 staging h128", &gpu, &hp, Path::Bf16Staging, None);
 }
 
-/// The FP8 path (`sparse_attn_decode_fp8_v6`) at the edges of its pipeline, against the CPU reference: tile
+/// The FP8 path (`sparse_attn_decode_fp8_v11`) at the edges of its pipeline, against the CPU reference: tile
 /// edges (0, 1, 127, 129), lists of 4, 10 and 18 tiles, so that the 4-slot candidate-index ring and the two
 /// BF16 tiles wrap several times, the register prefetch two tiles ahead runs off the end of a split at every
 /// phase (splits of 1, 2 and 3 tiles), and -1 holes; 64 and 128 heads. (These cases checked the former A/B
-/// candidates v3 / v4 / v5 against the old `Fp8` kernel; `Fp8` is now v6 and is held to the reference.)
+/// candidates v3 / v4 / v5 against the old `Fp8` kernel; `Fp8` is now v11 and is held to the reference.)
 #[test]
 fn gpu_decode_fp8_pipeline_edges() {
     let Some(gpu) = gpu_for_test("gpu_decode_fp8_pipeline_edges") else {
@@ -848,7 +848,7 @@ fn gpu_decode_fp8_pipeline_edges() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The FP8 path (Path::Fp8, `sparse_attn_decode_fp8_v6`) under every split plan, repeated calls on one workspace
+// The FP8 path (Path::Fp8, `sparse_attn_decode_fp8_v11`) under every split plan, repeated calls on one workspace
 // and CUDA-graph replay: every output within tolerance of the CPU reference, repeats bit for bit equal to the
 // first call. (These tests compared v6 against the previous path, v5, bit for bit until v5 was removed after the
 // session-4 final run, where the two were bit-identical in every GPU test.)
@@ -1133,21 +1133,20 @@ fn gpu_combine_v2_bit_identical_to_combine() {
     }
 }
 
-/// The session-7 A/B candidates Path::Fp8Compact (`sparse_attn_decode_fp8_v7`: v6's main loop behind a compact
-/// prologue and epilogue), Path::Fp8StagedEpilogue (`_v9`: v6's prologue, the compact epilogue stored through shared
-/// memory) and Path::Fp8CompactStaged (`_v10`: v7's prologue, the staged epilogue) against Path::Fp8 (v6): the same
-/// plan, outputs equal bit for bit (the rolled q
-/// quantization and the per-CTA rope table change no operation, see decode_fp8_body / finish_compact), and within
-/// tolerance of the CPU reference. 64 and 128 heads, lengths 0 / 1 / 127 / 129 / 200 / 640 / 1152 with -1 holes,
-/// random query positions below 1M (the rope angles reach sincosf's slow path); plans: one split (the compact
-/// epilogue with the rope), 1 / 2 / 3 tiles per split (split partials + combine), the default plan; and HCA 8320
-/// candidates under the default plan and one split.
+/// The FP8 path (Path::Fp8, `sparse_attn_decode_fp8_v11` since session 7: v6's prologue and main loop with a small
+/// epilogue that stores the finished output through shared memory) against Path::Fp8V6 (`sparse_attn_decode_fp8_v6`,
+/// the kernel before): the same plan, outputs equal bit for bit (the per-CTA rope table and the staged stores change
+/// no operation, see finish_staged), and within tolerance of the CPU reference. 64 and 128 heads, lengths 0 / 1 /
+/// 127 / 129 / 200 / 640 / 1152 with -1 holes, random query positions below 1M (the rope angles reach sincosf's
+/// slow path); plans: one split (the staged epilogue with the rope), 1 / 2 / 3 tiles per split (direct split
+/// partials + combine), the default plan; and HCA 8320 candidates under the default plan and one split. (The
+/// session-7 A/B candidates v7 / v8 / v9 / v10 passed the same comparison on the H200 before their removal.)
 #[test]
-fn gpu_decode_fp8_compact_bit_identical_to_fp8() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_compact_bit_identical_to_fp8") else {
+fn gpu_decode_fp8_bit_identical_to_v6() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_bit_identical_to_v6") else {
         return;
     };
-    let mut rng = seeded("gpu_decode_fp8_compact_bit_identical_to_fp8", 0xC0A7);
+    let mut rng = seeded("gpu_decode_fp8_bit_identical_to_v6", 0xC0A7);
     let sms = gpu.info.sm_count as usize;
     let problems = [
         HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true),
@@ -1165,7 +1164,7 @@ fn gpu_decode_fp8_compact_bit_identical_to_fp8() {
             ),
             (
                 "fp8_default".to_string(),
-                SplitPlan::for_path(sms, &shape, Path::Fp8Compact),
+                SplitPlan::for_path(sms, &shape, Path::Fp8),
             ),
         ];
         if shape.stride <= 1152 {
@@ -1178,32 +1177,18 @@ fn gpu_decode_fp8_compact_bit_identical_to_fp8() {
         }
         for (name, plan) in plans {
             let label = format!("h{} lengths {:?} {name} {plan:?}", hp.heads, hp.lengths);
-            let v6 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
-            let v7 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8Compact);
-            for path in [Path::Fp8StagedEpilogue, Path::Fp8CompactStaged] {
-                let got = run_path_poisoned(&gpu, &dp, &shape, plan, path);
-                assert_same_bits(
-                    &format!("{label}: {path:?} vs Fp8 (\"first call\" = Fp8)"),
-                    &shape,
-                    &v6,
-                    &got,
-                );
-            }
-            let v7_f64: Vec<f64> = v7.iter().map(|v| v.to_f64()).collect();
-            assert_within_reference(
-                &format!("{label}: Fp8Compact vs reference"),
-                &shape,
-                &v7_f64,
-                &r,
-            );
+            let v6 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8V6);
+            let v11 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+            let v11_f64: Vec<f64> = v11.iter().map(|v| v.to_f64()).collect();
+            assert_within_reference(&format!("{label}: Fp8 vs reference"), &shape, &v11_f64, &r);
             assert_same_bits(
-                &format!("{label}: Fp8Compact vs Fp8 (\"first call\" = Fp8)"),
+                &format!("{label}: Fp8 (v11) vs Fp8V6 (\"first call\" = v6)"),
                 &shape,
                 &v6,
-                &v7,
+                &v11,
             );
             println!(
-                "{label}: Fp8Compact, Fp8StagedEpilogue and Fp8CompactStaged bit-identical to Fp8, Fp8Compact within the reference tolerance"
+                "{label}: Fp8 (v11) bit-identical to Fp8V6 and within the reference tolerance"
             );
         }
     }
@@ -1602,16 +1587,7 @@ fn bench_config_and_split_plans() {
         bench_path(v).unwrap();
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
-    assert_eq!(bench_path("fp8_compact").unwrap(), Path::Fp8Compact);
-    assert_eq!(bench_path("fp8_staged").unwrap(), Path::Fp8StagedEpilogue);
-    assert_eq!(
-        bench_path("fp8_compact_staged").unwrap(),
-        Path::Fp8CompactStaged
-    );
-    assert!(
-        bench_path("fp8_compact_split").is_err(),
-        "A/B variant fp8_compact_split (v8) was retired"
-    );
+    assert_eq!(bench_path("fp8_v6").unwrap(), Path::Fp8V6);
     assert_eq!(bench_path("fp8_oldcombine").unwrap(), Path::Fp8OldCombine);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
     assert_eq!(
@@ -1629,6 +1605,10 @@ fn bench_config_and_split_plans() {
         "fp8_fused_v6",
         "fp8_pdl",
         "fp8_v5",
+        "fp8_compact",
+        "fp8_compact_split",
+        "fp8_staged",
+        "fp8_compact_staged",
     ] {
         assert!(
             bench_path(retired).is_err(),

@@ -14,7 +14,7 @@
 //! Precision of the FP8 path: q's 448 nope dims are quantized per (head, 64-tile) with a UE8M0 power-of-two
 //! scale (the KV entry rule), K nope dims are the cache's FP8 codes times their pow2 tile scale, rope dims
 //! BF16; every product is exact and the scores accumulate in f32. The kernel holds q and each KV tile as
-//! exact BF16 values and runs both products on BF16 `wgmma` (kernel `sparse_attn_decode_fp8_v6`); softmax in
+//! exact BF16 values and runs both products on BF16 `wgmma` (kernel `sparse_attn_decode_fp8_v11`); softmax in
 //! f32, P rounded to BF16 for P.V (denominator unrounded), V = K dequantized exactly to BF16.
 //!
 //! History: the A/B run on the H200 (commit 4199846) measured four FP8 kernels; v5 won at every point (e.g.
@@ -33,6 +33,13 @@
 //! [`SplitPlan::fp8_default`]); the previous default stays measurable as [`Path::Fp8OldCombine`] (bench
 //! `fp8_oldcombine`), the forced new combine as [`Path::Fp8ParallelCombine`] (`fp8_pcombine`) and
 //! [`Path::Fp8ParallelCombineRefit`] (`fp8_pcombine_refit`).
+//!
+//! Session 7 (results/h200/session7-ab, PERF-LOG "Session 7"): the default kernel became
+//! `sparse_attn_decode_fp8_v11`, v6's prologue and main loop with a small epilogue (rope cos / sin once per CTA,
+//! one warp-uniform rope branch, the finished output stored through shared memory in whole 16-byte chunks);
+//! bit-identical to v6. v6's epilogue was ~7,900 straight-line SASS instructions executed once per warp, 26% of the
+//! Pro batch-128 stall samples, mostly instruction fetch. A/B run 2: Pro b128 199.0 -> 145.6 us (the v11 epilogue's
+//! one-split path), Pro b64 94.8 -> 77.5, Flash b128 70.1 -> 52.3. [`Path::Fp8V6`] (`fp8_v6`) keeps v6 measurable.
 
 pub mod exec;
 pub mod reference;
@@ -52,20 +59,16 @@ pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
 pub const HEADS_PER_CTA: usize = 64;
 /// Candidates per KV tile (the kernel's inner-loop step).
 pub const BLOCK_N: usize = 64;
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v6` (mirrors `sa::kV5SmemBytes`: 206848 + 1024 B of slack
-/// the kernel uses to align its wgmma tiles to 1024 bytes).
-const FP8_SMEM_BYTES: u32 = 207_872;
-/// Entry point of the FP8 path (v6: the removed v5's main loop behind a cheaper q prologue).
-const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v6";
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v7` (mirrors `sa::kV7SmemBytes`: v6's map plus the 256-byte
-/// rope cos / sin table of its compact epilogue).
-const FP8_V7_SMEM_BYTES: u32 = 208_128;
-/// Entry point of [`Path::Fp8Compact`] (v6's values bit for bit, with a compact prologue and epilogue).
-const FP8_V7_KERNEL: &str = "sparse_attn_decode_fp8_v7";
-/// Entry point of [`Path::Fp8StagedEpilogue`] (v6's prologue, the epilogue staged through shared memory).
-const FP8_V9_KERNEL: &str = "sparse_attn_decode_fp8_v9";
-/// Entry point of [`Path::Fp8CompactStaged`] (v7's rolled q prologue, the epilogue staged through shared memory).
-const FP8_V10_KERNEL: &str = "sparse_attn_decode_fp8_v10";
+/// Dynamic shared memory of `sparse_attn_decode_fp8_v11` (mirrors `sa::kV11SmemBytes`: v6's 206848 B, the 256-byte
+/// rope cos / sin table of its epilogue, and 1024 B of slack the kernel uses to align its wgmma tiles to 1024 bytes).
+const FP8_SMEM_BYTES: u32 = 208_128;
+/// Entry point of the FP8 path since the session-7 A/B (v11: v6's prologue and main loop, an epilogue that is small
+/// and stores the finished output in whole 16-byte chunks; bit-identical to v6).
+const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v11";
+/// Dynamic shared memory of `sparse_attn_decode_fp8_v6` (mirrors `sa::kV5SmemBytes`).
+const FP8_V6_SMEM_BYTES: u32 = 207_872;
+/// Entry point of [`Path::Fp8V6`], the FP8 path before the session-7 A/B (kept measurable for one run).
+const FP8_V6_KERNEL: &str = "sparse_attn_decode_fp8_v6";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -169,9 +172,7 @@ impl SplitPlan {
     /// [`SplitPlan::by_cost_v6`]; the baseline keeps [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8Compact | Path::Fp8StagedEpilogue | Path::Fp8CompactStaged => {
-                SplitPlan::fp8_default(sm_count, shape)
-            }
+            Path::Fp8 | Path::Fp8V6 => SplitPlan::fp8_default(sm_count, shape),
             Path::Fp8OldCombine | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
             Path::Fp8ParallelCombineRefit => SplitPlan::by_cost_v6(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
@@ -316,9 +317,7 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    decode_fp8_v7: CudaFunction,
-    decode_fp8_v9: CudaFunction,
-    decode_fp8_v10: CudaFunction,
+    decode_fp8_v6: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
     /// `sparse_attn_combine_v2`, `_h2`, `_h4` (1, 2, 4 heads per thread), indexed by [`combine_v2_variant`].
@@ -331,9 +330,7 @@ impl Kernels {
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
-            decode_fp8_v7: with_smem(FP8_V7_KERNEL, FP8_V7_SMEM_BYTES)?,
-            decode_fp8_v9: with_smem(FP8_V9_KERNEL, FP8_V7_SMEM_BYTES)?,
-            decode_fp8_v10: with_smem(FP8_V10_KERNEL, FP8_V7_SMEM_BYTES)?,
+            decode_fp8_v6: with_smem(FP8_V6_KERNEL, FP8_V6_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
             combine_v2: [
@@ -445,9 +442,7 @@ pub const PARALLEL_COMBINE_MIN_SPLITS: usize = 3;
 /// (no combine runs) and for the baseline (it keeps the old combine).
 pub fn fp8_combine(path: Path, n_splits: usize) -> bool {
     match path {
-        Path::Fp8 | Path::Fp8Compact | Path::Fp8StagedEpilogue | Path::Fp8CompactStaged => {
-            n_splits >= PARALLEL_COMBINE_MIN_SPLITS
-        }
+        Path::Fp8 | Path::Fp8V6 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
         Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => true,
         Path::Fp8OldCombine | Path::Bf16Staging => false,
     }
@@ -456,23 +451,17 @@ pub fn fp8_combine(path: Path, n_splits: usize) -> bool {
 /// Which attention kernel reads the KV.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
-    /// `sparse_attn_decode_fp8_v6`: reads the FP8 pool directly, quantizes q per (head, 64-tile) like a KV entry
+    /// `sparse_attn_decode_fp8_v11`: reads the FP8 pool directly, quantizes q per (head, 64-tile) like a KV entry
     /// (codes from `x * 2^-k`, the same values as `x / 2^k`), dequantizes each tile once to a 128B-swizzled BF16
     /// tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T. Plan
     /// [`SplitPlan::fp8_default`]; when it splits, [`fp8_combine`] picks the merge (`sparse_attn_combine_v2` from
-    /// 3 splits, `sparse_attn_combine` at 2). Bench variant `fp8`.
+    /// 3 splits, `sparse_attn_combine` at 2). Its epilogue computes the rope once per CTA and stores the finished
+    /// output through shared memory (see the module notes). Bench variant `fp8`.
     Fp8,
-    /// [`Path::Fp8`] (same plan, same combine routing, the same output bits) with `sparse_attn_decode_fp8_v7`: the
-    /// v6 main loop behind a compact prologue (q quantized in a rolled loop) and epilogue (rope cos / sin from a
-    /// per-CTA table, one warp-uniform rope branch). Session-7 A/B candidate; bench variant `fp8_compact`.
-    Fp8Compact,
-    /// [`Path::Fp8`] (same plan, combine routing and output bits) with `sparse_attn_decode_fp8_v9`: v6's prologue,
-    /// v7's compact epilogue with the output (or split partial) staged through shared memory and stored in whole
-    /// 16-byte chunks. Session-7 A/B candidate; bench variant `fp8_staged`.
-    Fp8StagedEpilogue,
-    /// The same with v7's rolled q prologue (`sparse_attn_decode_fp8_v10`). Session-7 A/B candidate; bench variant
-    /// `fp8_compact_staged`.
-    Fp8CompactStaged,
+    /// [`Path::Fp8`] (same plan, same combine routing, the same output bits) with `sparse_attn_decode_fp8_v6`, the
+    /// FP8 kernel before the session-7 A/B (its once-per-warp epilogue: ~7,900 straight-line SASS instructions).
+    /// Bench variant `fp8_v6`, kept for one run beside the new default.
+    Fp8V6,
     /// The default before the session-5 A/B: the same decode kernel, plan [`SplitPlan::by_cost`], every split
     /// merged by `sparse_attn_combine` (one warp per head). Bench variant `fp8_oldcombine`.
     Fp8OldCombine,
@@ -537,20 +526,10 @@ pub fn decode(
     }
 
     let (name, smem, f) = match path {
-        Path::Fp8Compact => (
-            FP8_V7_KERNEL,
-            FP8_V7_SMEM_BYTES,
-            ws.kernels.decode_fp8_v7.clone(),
-        ),
-        Path::Fp8StagedEpilogue => (
-            FP8_V9_KERNEL,
-            FP8_V7_SMEM_BYTES,
-            ws.kernels.decode_fp8_v9.clone(),
-        ),
-        Path::Fp8CompactStaged => (
-            FP8_V10_KERNEL,
-            FP8_V7_SMEM_BYTES,
-            ws.kernels.decode_fp8_v10.clone(),
+        Path::Fp8V6 => (
+            FP8_V6_KERNEL,
+            FP8_V6_SMEM_BYTES,
+            ws.kernels.decode_fp8_v6.clone(),
         ),
         Path::Fp8
         | Path::Fp8OldCombine
@@ -574,9 +553,7 @@ pub fn decode(
         b.arg(inp.q);
         match path {
             Path::Fp8
-            | Path::Fp8Compact
-            | Path::Fp8StagedEpilogue
-            | Path::Fp8CompactStaged
+            | Path::Fp8V6
             | Path::Fp8OldCombine
             | Path::Fp8ParallelCombine
             | Path::Fp8ParallelCombineRefit => b.arg(inp.pool).arg(&null),
@@ -744,9 +721,7 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
         Path::Fp8
-        | Path::Fp8Compact
-        | Path::Fp8StagedEpilogue
-        | Path::Fp8CompactStaged
+        | Path::Fp8V6
         | Path::Fp8OldCombine
         | Path::Fp8ParallelCombine
         | Path::Fp8ParallelCombineRefit => b * l * ENTRY_BYTES as u64,
@@ -756,21 +731,19 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     (io + kv, 4 * b * h * l * HEAD_DIM as u64)
 }
 
-/// Kernel name of the bench rows; variants `fp8` (this family's kernel `sparse_attn_decode_fp8_v6`, with its own
+/// Kernel name of the bench rows; variants `fp8` (this family's kernel `sparse_attn_decode_fp8_v11`, with its own
 /// split plan and combine routing) and `bf16_staging` (the baseline). Retired after the H200 A/B runs: `fp8_v3` / `fp8_v4` (v5 became
 /// `fp8`), then `fp8_fused` / `fp8_fused_v6` (in-kernel split merge) and `fp8_pdl` (combine launched by PDL), and
-/// after the session-4 final run `fp8_v5` (v6 became `fp8`).
+/// after the session-4 final run `fp8_v5` (v6 became `fp8`); after the session-7 A/B runs `fp8_compact` (v7),
+/// `fp8_compact_split` (v8), `fp8_staged` (v9) and `fp8_compact_staged` (v10) (v11 became `fp8`).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Forcing variants that keep
 /// the session-5 A/B measurable: `fp8_oldcombine` ([`Path::Fp8OldCombine`], the previous default),
 /// `fp8_pcombine` ([`Path::Fp8ParallelCombine`]) and `fp8_pcombine_refit` ([`Path::Fp8ParallelCombineRefit`]).
-/// Session-7 A/B candidates: `fp8_compact` ([`Path::Fp8Compact`]), `fp8_staged` ([`Path::Fp8StagedEpilogue`]),
-/// `fp8_compact_staged` ([`Path::Fp8CompactStaged`]).
-pub const BENCH_VARIANTS: [&str; 8] = [
+/// `fp8_v6` ([`Path::Fp8V6`]) is the FP8 kernel before the session-7 A/B, kept for one run.
+pub const BENCH_VARIANTS: [&str; 6] = [
     "fp8",
-    "fp8_compact",
-    "fp8_staged",
-    "fp8_compact_staged",
+    "fp8_v6",
     "fp8_oldcombine",
     "fp8_pcombine",
     "fp8_pcombine_refit",
@@ -781,9 +754,7 @@ pub const BENCH_VARIANTS: [&str; 8] = [
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
-        "fp8_compact" => Path::Fp8Compact,
-        "fp8_staged" => Path::Fp8StagedEpilogue,
-        "fp8_compact_staged" => Path::Fp8CompactStaged,
+        "fp8_v6" => Path::Fp8V6,
         "fp8_oldcombine" => Path::Fp8OldCombine,
         "fp8_pcombine" => Path::Fp8ParallelCombine,
         "fp8_pcombine_refit" => Path::Fp8ParallelCombineRefit,
