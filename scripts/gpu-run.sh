@@ -5,8 +5,9 @@
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile] [extra args for `megamoe bench`]
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
 #            bench-configs/profile/<family>.toml; one text report per family (ncu-<family>.txt).
-#   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, SANITIZE_TESTS (stress: extra memcheck
-#        runs of test executables, "exe[:filter] ..."), BENCH_TIMEOUT (per config), REPS,
+#   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, SANITIZE_TESTS (stress: extra sanitizer
+#        runs of test executables, "exe[:filter] ..."), SANITIZE_TOOLS (their tools, default memcheck),
+#        SKIP_INDEXER_STRESS=1 (stress: only the SANITIZE_TESTS runs), BENCH_TIMEOUT (per config), REPS,
 #        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all when unset),
 #        TESTS (tests: space-separated test executable names to run; all when unset), PROFILE_TIMEOUT
 #        (per family; CONFIGS also selects profile families), PROFILE_SOURCE=1 (profile: also export the
@@ -41,26 +42,32 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   done
 fi
 if { [ "$what" = all ] || [ "$what" = stress ]; } && "$B/megamoe" stress --help >/dev/null 2>&1; then
-  step "stress indexer"
-  timeout "${STRESS_TIMEOUT:-900}" "$B/megamoe" stress indexer --out "$work" 2>&1 | tail -n 20; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   san="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  if [ -z "${SKIP_INDEXER_STRESS:-}" ]; then
+    step "stress indexer"
+    timeout "${STRESS_TIMEOUT:-900}" "$B/megamoe" stress indexer --out "$work" 2>&1 | tail -n 20; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
   if [ -x "$san" ]; then
     for tool in memcheck racecheck synccheck; do
+      [ -n "${SKIP_INDEXER_STRESS:-}" ] && break
       step "compute-sanitizer --tool $tool (indexer stress, quick subset)"
       timeout "${SANITIZER_TIMEOUT:-420}" "$san" --tool "$tool" --error-exitcode 9 "$B/megamoe" stress indexer --quick \
         --exhaustive-max "${SANITIZER_MAX:-300}" --random-cases 1 --random-max 40000 --e2e-max 40000 --watchdog-ms 300000 \
         > "$work/sanitizer-$tool.txt" 2>&1; rc=$?
       tail -n 4 "$work/sanitizer-$tool.txt"; [ $rc -eq 0 ] || { echo "sanitizer $tool: rc $rc"; status=1; }
     done
-    # Kernels outside the indexer (e.g. ones with cross-CTA counters) under memcheck through their own GPU tests:
-    # SANITIZE_TESTS="exe[:filter] ..." (filter = a libtest name filter; the whole executable when omitted).
+    # Kernels outside the indexer (e.g. ones with cross-CTA counters or shared-memory staging) under the sanitizer
+    # tools SANITIZE_TOOLS (default memcheck) through their own GPU tests: SANITIZE_TESTS="exe[:filter] ..."
+    # (filter = a libtest name filter; the whole executable when omitted).
     for spec in ${SANITIZE_TESTS:-}; do
       exe="${spec%%:*}"; filter=""; [[ "$spec" == *:* ]] && filter="${spec#*:}"
-      step "compute-sanitizer --tool memcheck tests/$exe ${filter}"
-      # shellcheck disable=SC2086
-      timeout "${SANITIZER_TIMEOUT:-420}" "$san" --tool memcheck --error-exitcode 9 "$B/tests/$exe" --test-threads=1 $filter \
-        > "$work/sanitizer-memcheck-$exe.txt" 2>&1; rc=$?
-      tail -n 4 "$work/sanitizer-memcheck-$exe.txt"; [ $rc -eq 0 ] || { echo "sanitizer memcheck $exe: rc $rc"; status=1; }
+      for tool in ${SANITIZE_TOOLS:-memcheck}; do
+        step "compute-sanitizer --tool $tool tests/$exe ${filter}"
+        # shellcheck disable=SC2086
+        timeout "${SANITIZER_TIMEOUT:-420}" "$san" --tool "$tool" --error-exitcode 9 "$B/tests/$exe" --test-threads=1 $filter \
+          > "$work/sanitizer-$tool-$exe.txt" 2>&1; rc=$?
+        tail -n 4 "$work/sanitizer-$tool-$exe.txt"; [ $rc -eq 0 ] || { echo "sanitizer $tool $exe: rc $rc"; status=1; }
+      done
     done
   fi
 fi
