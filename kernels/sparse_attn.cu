@@ -408,8 +408,6 @@ __device__ __forceinline__ void pv_step(WarpState& st, const __nv_bfloat16* ps, 
     }
 }
 
-// Final step of a CTA: full row sums, then either the finished output (sink, 1/Z, inverse RoPE, BF16) or the
-// split partial (O/l, lse = m + log2 l).
 // Full row sums l[r] of rows row0 and row0 + 8 (the quad, then the other warp group's half through red_sum).
 __device__ __forceinline__ void row_sums(const WarpState& st, float* red_sum, int wm, int wh, int g, int tq,
                                          float (&l)[2]) {
@@ -447,6 +445,9 @@ __device__ __forceinline__ void store_split_partial(const WarpState& st, const D
     }
 }
 
+// Final step of a v6 CTA (sparse_attn_decode_fp8_v6, kept one run beside v11; its split branch is
+// store_split_partial's code, inline): full row sums, then either the finished output (sink, 1/Z, inverse RoPE,
+// BF16) or the split partial (O/l, lse = m + log2 l).
 __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float* red_sum, int b, int hg, int split,
                                        int wm, int wh, int g, int tq) {
     float l[2];
