@@ -1937,17 +1937,27 @@ fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
         scales: gpu.zeros::<u8>(inp.experts * n * k / 16).unwrap(),
         global: gpu.upload(&inp.gsb).unwrap(),
     };
+    // Device buffers hold at least one element (a zero-byte allocation is an error), as Workspace::new does.
+    let at_least_one = |v: &[f32]| -> Vec<f32> {
+        if v.is_empty() {
+            vec![0.0]
+        } else {
+            v.to_vec()
+        }
+    };
     let ws = Workspace {
         splits,
         rows_total: rows,
         n,
-        partial: gpu.upload(&inp.partial).unwrap(),
+        partial: gpu.upload(&at_least_one(&inp.partial)).unwrap(),
     };
     let a_codes = gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap();
     let a_scales = gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap();
     let a_bf16 = gpu.zeros::<bf16>((rows * k).max(1)).unwrap();
     let a_global = gpu
-        .upload(&inp.gsa.clone().unwrap_or_else(|| vec![1.0; rows.max(1)]))
+        .upload(&at_least_one(
+            inp.gsa.as_deref().unwrap_or(&vec![1.0; rows]),
+        ))
         .unwrap();
     let a = match inp.gsa {
         Some(_) => mg::DeviceActivations::Nvfp4 {
@@ -1963,7 +1973,7 @@ fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
             data: &a_bf16,
         },
     };
-    let droute = gpu.upload(&inp.routing).unwrap();
+    let droute = gpu.upload(&at_least_one(&inp.routing)).unwrap();
     let run = |kernel: mg::FinishL1Kernel, keep_h: bool| -> L1Output {
         let mut out = L1Output::new(gpu, rows, inter, keep_h).unwrap();
         mg::launch_finish_l1_with(gpu, &ws, &dg, &d13, &a, &droute, &mut out, kernel).unwrap();
