@@ -44,6 +44,8 @@
 //   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
 // * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_vec / moe_gemm_finish_l2_combine_cols: all split loads of a
 //   column issued together, columns spread over many CTAs.
+//   Session-7 A/B: moe_gemm_finish_l1_swiglu_nvfp4_q4 = the _vec finish's pass 1 (shared code) + an NVFP4 pass with
+//   4 elements per thread (bit-identical outputs; launcher option FinishL1Kernel::Q4, bench variant nvfp4_finishq4).
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
