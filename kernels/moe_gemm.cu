@@ -44,6 +44,8 @@
 //   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
 // * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_vec / moe_gemm_finish_l2_combine_cols: all split loads of a
 //   column issued together, columns spread over many CTAs.
+//   Session-7 A/B: moe_gemm_finish_l1_swiglu_nvfp4_q4 = the _vec finish's pass 1 (shared code) + an NVFP4 pass with
+//   4 elements per thread (bit-identical outputs; launcher option FinishL1Kernel::Q4, bench variant nvfp4_finishq4).
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
@@ -538,13 +540,14 @@ __device__ __forceinline__ void reduce_splits4_gate_up(const float* partial, int
 // scales 0, gs = 1 (the quantizer's value for an all-zero row). grid = rows_total, block = 512, smem = I * 4; each
 // thread owns 4 consecutive columns per pass (float4 loads of the splits and gsb: I / 2048 passes, i.e. one memory
 // round trip at I = 2048, instead of I / 256). Requires I % 16 == 0 (so I % 4 == 0 and every float4 is 16-byte aligned).
-extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_vec(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+//
+// Pass 1, shared by both L1 finish entries (one source, so the two cannot drift apart): h of the CTA's row into
+// s_h (and h_out), the row amax, the global scale gs (written to h_gs[row]). Returns gs; ends after a barrier, so
+// s_h is complete for the caller's quantization pass. s_red: 32 floats (block_max).
+__device__ __forceinline__ float finish_l1_swiglu_to_smem(
+    const float* __restrict__ partial, int splits, const Grouping& grp, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
-    extern __shared__ float s_h[];
-    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
-    Grouping grp{group, capacity, experts, rows_total};
+    float* __restrict__ h_gs, float* __restrict__ h_out, float* s_h, float* s_red) {
     const int row = blockIdx.x;
     const int N = 2 * I;
     const int e = grp.expert_of_row(row);
@@ -578,6 +581,20 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
     amax = block_max(amax, s_red);  // also a barrier: s_h is complete
     const float gs = mm::nvfp4_global_scale(amax);
     if (threadIdx.x == 0) h_gs[row] = gs;
+    return gs;
+}
+
+// The default L1 finish: pass 1 above, then pass 2 with one thread per 16-element NVFP4 block (I / 16 threads).
+extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_vec(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
+    extern __shared__ float s_h[];
+    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
+    Grouping grp{group, capacity, experts, rows_total};
+    const int row = blockIdx.x;
+    const float gs =
+        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red);
     const int blocks = I / 16;
     for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
         float bmax = 0.f;
@@ -591,6 +608,57 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
         for (int i = 0; i < 16; ++i) packed[i >> 3] |= (uint32_t)mm::nvfp4_element(s_h[b * 16 + i], scale) << (4 * (i & 7));
         uint2 v = make_uint2(packed[0], packed[1]);
         *reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2) + b * 8) = v;
+    }
+}
+
+// Session-7 A/B candidate (FinishL1Kernel::Q4): the same pass 1, then a parallel pass 2. In the _vec pass 2 only
+// I / 16 threads (128 of 512 at I = 2048) work, each a serial chain of 16 shared loads (16 floats apart across
+// lanes: a 16-way bank conflict), the block scale and 16 IEEE divisions. Here every thread quantizes 4 consecutive
+// elements (chunk c = elements 4c..4c+3, one conflict-free float4 load) and the 4 lanes of one 16-block cooperate.
+// Outputs are bit-identical to _vec (h, h_out and gs come from the shared pass 1; for pass 2):
+// * lane <-> chunk: c = threadIdx.x + k * blockDim.x with blockDim.x % 32 == 0 (launcher: 512), so c % 32 == lane
+//   and the 4 chunks of 16-block b = c / 4 (c % 4 = 0..3) sit on the 4 consecutive lanes 4*(lane/4) + 0..3 of one
+//   warp; xor 1 and xor 2 stay inside that group.
+// * block amax: _vec computes max(0, |x_0|, ..., |x_15|) by a chain of fmaxf from 0. fmaxf of non-NaN values is
+//   the exact maximum, independent of order and grouping, and fmaxf(a, NaN) = a, so max(0, own 4) then two
+//   xor-shuffle fmaxf gives the same bits (the leading 0 keeps even an all-NaN chunk at the _vec value).
+// * the block scale byte and `scale` are the same functions of (bmax, gs), so the same bits on all 4 lanes; each
+//   element goes through the same mm::nvfp4_element(x, scale).
+// * packing: _vec stores element 16b + i at code byte 8b + i/2, low nibble for even i (uint2, little-endian).
+//   Element 4c + i (i = 0..3) is 16b + 4(c%4) + i, i.e. byte 8b + 2(c%4) + i/2 = 2c + i/2: the little-endian
+//   uint16 (x0 | x1 << 4 | x2 << 8 | x3 << 12) at byte 2c (2-byte aligned: the row base is I/2, a multiple of 8).
+// * the scale byte of block b is stored once, by the lane with c % 4 == 0.
+// * shuffle mask: lane l is in iteration k iff c_l = c - lane + l < I/4, a prefix of the warp of
+//   min(32, I/4 - (c - lane)) lanes. I % 16 == 0 makes I/4 a multiple of 4 and c - lane is a multiple of 32, so the
+//   prefix length is a multiple of 4: the 4 lanes of a 16-block are all in the loop or all out (I > 4 * blockDim.x,
+//   e.g. Pro I = 3072, takes a second, partly filled iteration), and the mask names exactly the lanes present.
+extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_q4(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
+    extern __shared__ float s_h[];
+    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
+    Grouping grp{group, capacity, experts, rows_total};
+    const int row = blockIdx.x;
+    const float gs =
+        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red);
+    const int chunks = I / 4;
+    const int lane = threadIdx.x & 31;
+    uint8_t* codes_row = h_codes + (size_t)row * (I / 2);
+    uint8_t* scales_row = h_scales + (size_t)row * (I / 16);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1 >= 1, a multiple of 4 (above)
+        const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
+        const float4 x = *reinterpret_cast<const float4*>(s_h + 4 * c);
+        float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
+        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 1));
+        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 2));
+        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+        if ((c & 3) == 0) scales_row[c >> 2] = sc;
+        const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
+                           (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
+        *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
     }
 }
 

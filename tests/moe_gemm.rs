@@ -544,7 +544,21 @@ fn check_l1_l2(
     let mut l1 = L1Output::new(gpu, rows, inter, true).unwrap();
     mg::launch_partial(gpu, &d13, &da.view(), &dg, &cfg1, &mut ws1).unwrap();
     mg::launch_finish_l1(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1).unwrap();
+    // The session-7 q4 finish on the same partials: bit-identical outputs (the CPU checks below then cover it too).
+    let mut l1_q4 = L1Output::new(gpu, rows, inter, true).unwrap();
+    mg::launch_finish_l1_with(
+        gpu,
+        &ws1,
+        &dg,
+        &d13,
+        &da.view(),
+        &droute,
+        &mut l1_q4,
+        mg::FinishL1Kernel::Q4,
+    )
+    .unwrap();
     gpu.synchronize().unwrap();
+    assert_l1_outputs_bit_equal(gpu, &format!("{label} L1 finish"), &l1_q4, &l1);
     let (exact, abs) = grouped_gemm_acc_f64(&w13, &a, &rb.grouping).unwrap();
     let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
     let got = gpu_accumulator(gpu, &ws1);
@@ -1739,4 +1753,388 @@ fn v6_tiled_layout_rejects_bad_shapes_and_sizes() {
             .unwrap_err()
             .to_string();
     assert!(err.contains("scales"), "{err}");
+}
+
+// ------------------------------------------------- session-7 A/B: q4 L1 finish (parallel NVFP4 quantization pass)
+
+/// First difference between two L1 outputs of the same rows, bit for bit: codes, block scales, global scales and
+/// (when both kept it) the fp32 h.
+fn assert_l1_outputs_bit_equal(gpu: &Gpu, label: &str, got: &L1Output, want: &L1Output) {
+    let (rows, inter) = (want.rows, want.i_dim);
+    for (what, per_row, g, w) in [
+        (
+            "code byte",
+            inter / 2,
+            gpu.download(&got.codes).unwrap(),
+            gpu.download(&want.codes).unwrap(),
+        ),
+        (
+            "block scale",
+            inter / 16,
+            gpu.download(&got.scales).unwrap(),
+            gpu.download(&want.scales).unwrap(),
+        ),
+    ] {
+        assert_eq!(g.len(), w.len(), "{label}: {what} buffer sizes differ");
+        if let Some(i) = (0..g.len()).find(|&i| g[i] != w[i]) {
+            panic!(
+                "{label}: q4 {what} {i} (row {} of {rows}, index {}) = {:#04x}, vec {:#04x}; {} of {} differ",
+                i / per_row.max(1),
+                i % per_row.max(1),
+                g[i],
+                w[i],
+                (0..g.len()).filter(|&j| g[j] != w[j]).count(),
+                g.len()
+            );
+        }
+    }
+    let (g, w) = (
+        gpu.download(&got.global).unwrap(),
+        gpu.download(&want.global).unwrap(),
+    );
+    if let Some(r) = (0..g.len()).find(|&r| g[r].to_bits() != w[r].to_bits()) {
+        panic!(
+            "{label}: q4 global scale row {r} = {} ({:#010x}), vec {} ({:#010x})",
+            g[r],
+            g[r].to_bits(),
+            w[r],
+            w[r].to_bits()
+        );
+    }
+    if let (Some(hg), Some(hw)) = (&got.h_f32, &want.h_f32) {
+        let (g, w) = (gpu.download(hg).unwrap(), gpu.download(hw).unwrap());
+        if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
+            panic!(
+                "{label}: q4 h row {} col {} = {} ({:#010x}), vec {} ({:#010x})",
+                i / inter,
+                i % inter,
+                g[i],
+                g[i].to_bits(),
+                w[i],
+                w[i].to_bits()
+            );
+        }
+    }
+}
+
+/// Synthetic inputs of the L1 finish (it reads only these): split partials `[splits, rows, 2I]`, per-(expert,
+/// column) global scales, per-row gsa (None = BF16 A, gsa = 1) and routing weights.
+struct FinishInputs {
+    rb: RoutedBatch,
+    experts: usize,
+    inter: usize,
+    splits: usize,
+    partial: Vec<f32>,
+    gsb: Vec<f32>,
+    gsa: Option<Vec<f32>>,
+    routing: Vec<f32>,
+}
+
+/// Top-6 routing of `tokens` over all experts but the last two (those stay empty); `padding`: Some(p) = masked
+/// layout with p padding slots per expert beyond the largest count, None = contiguous. Owned rows get partials
+/// whose scaled sums have a per-row magnitude of 10^[-1.5, 1] with 1-in-64 outliers x30 (past the +-10 clamps),
+/// one all-zero 16-block of gate columns when I >= 256 (h = +-0 there: scale byte 0, codes 0), the first owned row
+/// gets routing weight 0 (an all-zero h row: gs = 1). Unowned rows hold NaN partials, as the mainloop leaves its
+/// 0xFF-poisoned workspace there: the finish must not read them.
+fn finish_inputs(
+    rng: &mut impl Rng,
+    inter: usize,
+    experts: usize,
+    tokens: usize,
+    splits: usize,
+    padding: Option<usize>,
+    nvfp4_a: bool,
+) -> FinishInputs {
+    let topk = 6;
+    let rb0 = RoutedBatch::random(rng, tokens, experts - 2, topk, None).unwrap();
+    let most = (0..experts - 2)
+        .map(|e| rb0.grouping.expert_rows(e).len())
+        .max()
+        .unwrap_or(0);
+    let rb = RoutedBatch::from_choices(
+        tokens,
+        experts,
+        topk,
+        rb0.experts_of,
+        padding.map(|p| most + p),
+    )
+    .unwrap();
+    let (n, rows) = (2 * inter, rb.grouping.rows_total());
+    let gsb: Vec<f32> = (0..experts * n)
+        .map(|_| 2f32.powf(rng.random_range(-9.0f32..-3.0)))
+        .collect();
+    let gsa = nvfp4_a.then(|| {
+        (0..rows)
+            .map(|_| rng.random_range(0.5f32..2.0))
+            .collect::<Vec<f32>>()
+    });
+    let mut routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
+    let mut partial = vec![f32::from_bits(u32::MAX); splits * rows * n];
+    let mut zero_row_done = false;
+    for r in 0..rows {
+        let Some(e) = rb.grouping.expert_of_row(r) else {
+            continue;
+        };
+        if !zero_row_done {
+            routing[r] = 0.0;
+            zero_row_done = true;
+        }
+        let sa = gsa.as_ref().map_or(1.0, |g| g[r]);
+        let mag = 10f32.powf(rng.random_range(-1.5f32..1.0)) / splits as f32;
+        // (Only when a row has >= 16 blocks: at tiny I it would zero most of the row.)
+        let zero_block = (inter >= 256).then(|| rng.random_range(0..inter / 16));
+        for c in 0..n {
+            let zero = c < inter && Some(c / 16) == zero_block;
+            for s in 0..splits {
+                let v = if zero {
+                    0.0
+                } else {
+                    let b: u32 = rng.random();
+                    let tri = ((b & 0x7FFF) as f32 + ((b >> 15) & 0x7FFF) as f32) / 32768.0 - 1.0;
+                    let x = tri * mag;
+                    if b >> 26 == 0 {
+                        x * 30.0
+                    } else {
+                        x
+                    }
+                };
+                partial[(s * rows + r) * n + c] = v / (sa * gsb[e * n + c]);
+            }
+        }
+    }
+    FinishInputs {
+        rb,
+        experts,
+        inter,
+        splits,
+        partial,
+        gsb,
+        gsa,
+        routing,
+    }
+}
+
+/// Both L1 finish kernels on the same synthetic partials into 0xFF-poisoned outputs: q4 against vec bit for bit
+/// (with and without the fp32 h output), and q4 against the CPU reference (h against the f64 SwiGLU of the
+/// partials' fp32 split sums; codes, block scales and global scales bit-exact against the CPU quantizer applied to
+/// the GPU's h, as `check_l1_l2` does).
+fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
+    let (inter, splits) = (inp.inter, inp.splits);
+    let (n, rows) = (2 * inter, inp.rb.grouping.rows_total());
+    let label = format!(
+        "{label} [I {inter}, {} tokens, rows {rows}, splits {splits}, {} A]",
+        inp.rb.tokens,
+        if inp.gsa.is_some() { "NVFP4" } else { "BF16" }
+    );
+    let dg = DeviceGrouping::upload(gpu, &inp.rb.grouping).unwrap();
+    // The finish reads only the global scales of W13; codes and block scales are placeholders of the right size.
+    let k = mg::STAGE_K;
+    let d13 = DeviceExpertWeights {
+        experts: inp.experts,
+        n,
+        k,
+        codes: gpu.zeros::<u8>(inp.experts * n * k / 2).unwrap(),
+        scales: gpu.zeros::<u8>(inp.experts * n * k / 16).unwrap(),
+        global: gpu.upload(&inp.gsb).unwrap(),
+    };
+    // Device buffers hold at least one element (a zero-byte allocation is an error), as Workspace::new does.
+    let at_least_one = |v: &[f32]| -> Vec<f32> {
+        if v.is_empty() {
+            vec![0.0]
+        } else {
+            v.to_vec()
+        }
+    };
+    let ws = Workspace {
+        splits,
+        rows_total: rows,
+        n,
+        partial: gpu.upload(&at_least_one(&inp.partial)).unwrap(),
+    };
+    let a_codes = gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap();
+    let a_scales = gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap();
+    let a_bf16 = gpu.zeros::<bf16>((rows * k).max(1)).unwrap();
+    let a_global = gpu
+        .upload(&at_least_one(
+            inp.gsa.as_deref().unwrap_or(&vec![1.0; rows]),
+        ))
+        .unwrap();
+    let a = match inp.gsa {
+        Some(_) => mg::DeviceActivations::Nvfp4 {
+            rows,
+            k,
+            codes: &a_codes,
+            scales: &a_scales,
+            global: &a_global,
+        },
+        None => mg::DeviceActivations::Bf16 {
+            rows,
+            k,
+            data: &a_bf16,
+        },
+    };
+    let droute = gpu.upload(&at_least_one(&inp.routing)).unwrap();
+    let run = |kernel: mg::FinishL1Kernel, keep_h: bool| -> L1Output {
+        let mut out = L1Output::new(gpu, rows, inter, keep_h).unwrap();
+        mg::launch_finish_l1_with(gpu, &ws, &dg, &d13, &a, &droute, &mut out, kernel).unwrap();
+        gpu.synchronize().unwrap();
+        out
+    };
+    let vec_h = run(mg::FinishL1Kernel::Vec, true);
+    let q4_h = run(mg::FinishL1Kernel::Q4, true);
+    let q4 = run(mg::FinishL1Kernel::Q4, false);
+    assert_l1_outputs_bit_equal(gpu, &format!("{label} (h kept)"), &q4_h, &vec_h);
+    assert_l1_outputs_bit_equal(gpu, &format!("{label} (no h output)"), &q4, &vec_h);
+    if rows == 0 {
+        return;
+    }
+
+    let h_gpu = gpu.download(q4_h.h_f32.as_ref().unwrap()).unwrap();
+    let max_rel = check_h_against_f64_reference(&label, inp, &h_gpu);
+    let q_cpu = quantize_rows_nvfp4(&h_gpu, rows, inter).unwrap();
+    let (codes, scales, global) = (
+        gpu.download(&q4.codes).unwrap(),
+        gpu.download(&q4.scales).unwrap(),
+        gpu.download(&q4.global).unwrap(),
+    );
+    if let Some(r) = (0..rows).find(|&r| global[r].to_bits() != q_cpu.global[r].to_bits()) {
+        panic!(
+            "{label}: q4 global scale row {r}: gpu {} cpu {}",
+            global[r], q_cpu.global[r]
+        );
+    }
+    if let Some(i) = (0..q_cpu.scales.len()).find(|&i| scales[i] != q_cpu.scales[i]) {
+        panic!(
+            "{label}: q4 block scale {i} (row {}): gpu {:#04x} cpu {:#04x}",
+            i / (inter / 16),
+            scales[i],
+            q_cpu.scales[i]
+        );
+    }
+    if let Some(i) = (0..q_cpu.codes.len()).find(|&i| codes[i] != q_cpu.codes[i]) {
+        panic!(
+            "{label}: q4 code byte {i} (row {}): gpu {:#04x} cpu {:#04x}",
+            i / (inter / 2),
+            codes[i],
+            q_cpu.codes[i]
+        );
+    }
+    let zero_scales = scales.iter().filter(|&&s| s == 0).count();
+    eprintln!(
+        "{label}: q4 == vec bit for bit; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
+        scales.len()
+    );
+}
+
+/// The GPU's fp32 h against the f64 SwiGLU of the partials' fp32 split sums (split order, as the kernels add them).
+/// Returns the largest relative error over reference values >= 1e-30 (a diagnostic; smaller ones underflow in fp32).
+fn check_h_against_f64_reference(label: &str, inp: &FinishInputs, h_gpu: &[f32]) -> f64 {
+    let (inter, splits) = (inp.inter, inp.splits);
+    let (n, rows) = (2 * inter, inp.rb.grouping.rows_total());
+    let g = &inp.rb.grouping;
+    let mut d = vec![0f64; rows * n];
+    for r in 0..rows {
+        let Some(e) = g.expert_of_row(r) else {
+            continue;
+        };
+        let sa = inp.gsa.as_ref().map_or(1.0, |v| v[r]) as f64;
+        for c in 0..n {
+            let acc = (0..splits).fold(0f32, |s, sp| s + inp.partial[(sp * rows + r) * n + c]);
+            d[r * n + c] = acc as f64 * sa * inp.gsb[e * n + c] as f64;
+        }
+    }
+    let h_ref = swiglu_l1_f64(&d, inter, &inp.routing, g);
+    let mut max_rel = 0f64;
+    for r in 0..rows {
+        if g.expert_of_row(r).is_none() {
+            if let Some(j) = (0..inter).find(|&j| h_gpu[r * inter + j].to_bits() != 0) {
+                panic!(
+                    "{label}: padding row {r} h col {j} = {} (must be +0)",
+                    h_gpu[r * inter + j]
+                );
+            }
+            continue;
+        }
+        for j in 0..inter {
+            // The kernel's scaled gate/up carry 2 roundings (acc * fl(sa * sb): 2u + u^2 < 3u relative; the clamps
+            // are 1-Lipschitz); silu' <= 1.1; then expf (<= 2 ulp), 1 + ., the division and two products: <= 16u of
+            // |h| (as check_l1_l2).
+            let (dg_raw, du_raw) = (d[r * n + j], d[r * n + inter + j]);
+            let gate = dg_raw.min(10.0);
+            let up = du_raw.clamp(-10.0, 10.0);
+            let silu = gate / (1.0 + (-gate).exp());
+            let hr = h_ref[r * inter + j];
+            let tol = inp.routing[r] as f64
+                * (1.1 * up.abs() * 3.0 * U * dg_raw.abs() + silu.abs() * 3.0 * U * du_raw.abs())
+                + 16.0 * U * hr.abs()
+                + 1e-30;
+            let hg = h_gpu[r * inter + j] as f64;
+            assert!(
+                (hg - hr).abs() <= tol,
+                "{label}: h row {r} col {j}: gpu {hg} ref {hr} tol {tol:e}"
+            );
+            if hr.abs() >= 1e-30 {
+                max_rel = max_rel.max((hg - hr).abs() / hr.abs());
+            }
+        }
+    }
+    max_rel
+}
+
+/// The token counts of the brief, one split count each (5 exercises the second 4-split pass of the partial
+/// loads), masked with 2 padding slots per expert; plus a contiguous grouping, BF16 A (gsa = 1) and the empty
+/// contiguous batch (rows_total = 0: nothing launched, nothing written).
+fn check_finish_q4_over_token_counts(gpu: &Gpu, name: &str, inter: usize) {
+    let mut rng = seeded(name);
+    let experts = 16;
+    for (tokens, splits) in [(0usize, 2usize), (1, 4), (2, 3), (7, 5), (64, 1)] {
+        let inp = finish_inputs(&mut rng, inter, experts, tokens, splits, Some(2), true);
+        check_finish_q4_against_vec(gpu, name, &inp);
+    }
+    let inp = finish_inputs(&mut rng, inter, experts, 7, 2, None, true);
+    check_finish_q4_against_vec(gpu, &format!("{name} contiguous"), &inp);
+    let inp = finish_inputs(&mut rng, inter, experts, 2, 4, Some(1), false);
+    check_finish_q4_against_vec(gpu, &format!("{name} BF16 A"), &inp);
+    let inp = finish_inputs(&mut rng, inter, experts, 0, 1, None, true);
+    assert_eq!(inp.rb.grouping.rows_total(), 0);
+    check_finish_q4_against_vec(gpu, &format!("{name} empty contiguous"), &inp);
+}
+
+#[test]
+fn gpu_l1_finish_q4_bit_identical_to_vec_flash_inter() {
+    let name = "gpu_l1_finish_q4_bit_identical_to_vec_flash_inter";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    check_finish_q4_over_token_counts(&gpu, name, 2048);
+}
+
+#[test]
+fn gpu_l1_finish_q4_bit_identical_to_vec_pro_inter() {
+    let name = "gpu_l1_finish_q4_bit_identical_to_vec_pro_inter";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    check_finish_q4_over_token_counts(&gpu, name, 3072);
+}
+
+/// Off the DSV4 shapes: I = 16 * odd, so I / 4 is not a multiple of 32 and the last warp of the q4 pass 2 is only
+/// partly inside the loop (its shuffle mask names a prefix of the warp); I = 2064 also takes a second pass-1 and
+/// pass-2 iteration with a single partly filled warp (I / 4 = 516 chunks for 512 threads).
+#[test]
+fn gpu_l1_finish_q4_bit_identical_to_vec_partial_warps() {
+    let name = "gpu_l1_finish_q4_bit_identical_to_vec_partial_warps";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    for (inter, tokens, splits) in [
+        (16usize, 3usize, 2usize),
+        (48, 2, 1),
+        (2064, 3, 3),
+        (1136, 7, 2),
+    ] {
+        let inp = finish_inputs(&mut rng, inter, 8, tokens, splits, Some(1), true);
+        check_finish_q4_against_vec(&gpu, name, &inp);
+    }
 }

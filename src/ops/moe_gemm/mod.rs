@@ -43,7 +43,7 @@ pub const TOKEN_TILES: [usize; 4] = [8, 16, 32, 64];
 /// Most experts one launch can group (shared-memory prefix in the kernel).
 pub const MAX_EXPERTS: usize = 512;
 const THREADS: u32 = 256;
-/// Block of the L1 finish kernel (`__launch_bounds__(512)`): 4 columns per thread, so I = 2048 is one pass.
+/// Block of the L1 finish kernels (`__launch_bounds__(512)`): 4 columns per thread, so I = 2048 is one pass.
 const FINISH_L1_VEC_THREADS: u32 = 512;
 
 /// `N % 128 == 0`, `K % 512 == 0`: the tile shapes of the kernel (all DSV4 shapes qualify).
@@ -583,6 +583,44 @@ pub fn launch_finish_l1(
     routing: &CudaSlice<f32>,
     out: &mut L1Output,
 ) -> Result<()> {
+    launch_finish_l1_with(gpu, ws, grp, w13, a, routing, out, FinishL1Kernel::Vec)
+}
+
+/// Which L1 finish kernel [`launch_finish_l1_with`] runs. Both share the first pass (split sums, SwiGLU, routing
+/// weight, row amax, global scale) and write bit-identical outputs (h, codes, block scales, global scales).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FinishL1Kernel {
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_vec` (the default): the NVFP4 pass runs one thread per 16-element block,
+    /// serially (I / 16 of the 512 threads).
+    #[default]
+    Vec,
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_q4` (session-7 A/B): every thread quantizes 4 consecutive elements; the 4
+    /// lanes of a block share its amax by two xor-shuffles and each stores its own 2 code bytes.
+    Q4,
+}
+
+impl FinishL1Kernel {
+    /// The kernel's entry point in kernels/moe_gemm.cu.
+    pub fn entry(self) -> &'static str {
+        match self {
+            FinishL1Kernel::Vec => "moe_gemm_finish_l1_swiglu_nvfp4_vec",
+            FinishL1Kernel::Q4 => "moe_gemm_finish_l1_swiglu_nvfp4_q4",
+        }
+    }
+}
+
+/// [`launch_finish_l1`] with an explicit finish kernel (same checks, same output contract).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l1_with(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w13: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    routing: &CudaSlice<f32>,
+    out: &mut L1Output,
+    kernel: FinishL1Kernel,
+) -> Result<()> {
     check_finish(ws, grp, w13)?;
     ensure!(
         w13.n.is_multiple_of(2),
@@ -615,7 +653,9 @@ pub fn launch_finish_l1(
     if grp.rows_total == 0 {
         return Ok(());
     }
-    let (name, block) = ("moe_gemm_finish_l1_swiglu_nvfp4_vec", FINISH_L1_VEC_THREADS);
+    // Both kernels are `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
+    // chunk % 32), which 512 is.
+    let (name, block) = (kernel.entry(), FINISH_L1_VEC_THREADS);
     let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
     let (part, grp_p, gsa, gsb, rw) = (
         ptr(gpu, &ws.partial),
