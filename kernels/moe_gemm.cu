@@ -44,8 +44,11 @@
 //   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
 // * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_vec / moe_gemm_finish_l2_combine_cols: all split loads of a
 //   column issued together, columns spread over many CTAs.
-//   Session-7 A/B: moe_gemm_finish_l1_swiglu_nvfp4_q4 = the _vec finish's pass 1 (shared code) + an NVFP4 pass with
-//   4 elements per thread (bit-identical outputs; launcher option FinishL1Kernel::Q4, bench variant nvfp4_finishq4).
+//   Since the session-7 final run (f24d816) the L1 default is moe_gemm_finish_l1_swiglu_nvfp4_q4 = the _vec finish's
+//   pass 1 (shared code) + an NVFP4 pass with 4 elements per thread (bit-identical outputs; FinishL1Kernel::Q4).
+//   Flash L1, us, _vec / _q4: 1 token 41.86 / 39.14, 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token
+//   84.45 / 82.24; the finish alone (ncu, 1 token) 7.7-7.9 / 6.1-6.2. _vec stays one run (FinishL1Kernel::Vec,
+//   bench variant nvfp4_finishvec).
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
@@ -611,9 +614,9 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
     }
 }
 
-// Session-7 A/B candidate (FinishL1Kernel::Q4): the same pass 1, then a parallel pass 2. In the _vec pass 2 only
-// I / 16 threads (128 of 512 at I = 2048) work, each a serial chain of 16 shared loads (16 floats apart across
-// lanes: a 16-way bank conflict), the block scale and 16 IEEE divisions. Here every thread quantizes 4 consecutive
+// The L1 finish (FinishL1Kernel::Q4, the default since the session-7 final run): the same pass 1, then a parallel
+// pass 2. In the _vec pass 2 only I / 16 threads (128 of 512 at I = 2048) work, each a serial chain of 16 shared
+// loads (16 floats apart across lanes: a 16-way bank conflict), the block scale and 16 IEEE divisions. Here every thread quantizes 4 consecutive
 // elements (chunk c = elements 4c..4c+3, one conflict-free float4 load) and the 4 lanes of one 16-block cooperate.
 // Outputs are bit-identical to _vec (h, h_out and gs come from the shared pass 1; for pass 2):
 // * lane <-> chunk: c = threadIdx.x + k * blockDim.x with blockDim.x % 32 == 0 (launcher: 512), so c % 32 == lane

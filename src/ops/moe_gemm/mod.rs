@@ -583,19 +583,31 @@ pub fn launch_finish_l1(
     routing: &CudaSlice<f32>,
     out: &mut L1Output,
 ) -> Result<()> {
-    launch_finish_l1_with(gpu, ws, grp, w13, a, routing, out, FinishL1Kernel::Vec)
+    launch_finish_l1_with(
+        gpu,
+        ws,
+        grp,
+        w13,
+        a,
+        routing,
+        out,
+        FinishL1Kernel::default(),
+    )
 }
 
 /// Which L1 finish kernel [`launch_finish_l1_with`] runs. Both share the first pass (split sums, SwiGLU, routing
 /// weight, row amax, global scale) and write bit-identical outputs (h, codes, block scales, global scales).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FinishL1Kernel {
-    /// `moe_gemm_finish_l1_swiglu_nvfp4_vec` (the default): the NVFP4 pass runs one thread per 16-element block,
-    /// serially (I / 16 of the 512 threads).
-    #[default]
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_vec` (the default until the session-7 final run): the NVFP4 pass runs one
+    /// thread per 16-element block, serially (I / 16 of the 512 threads). Bench variant `nvfp4_finishvec`, kept
+    /// measurable for one run.
     Vec,
-    /// `moe_gemm_finish_l1_swiglu_nvfp4_q4` (session-7 A/B): every thread quantizes 4 consecutive elements; the 4
-    /// lanes of a block share its amax by two xor-shuffles and each stores its own 2 code bytes.
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_q4` (the default): every thread quantizes 4 consecutive elements; the 4
+    /// lanes of a block share its amax by two xor-shuffles and each stores its own 2 code bytes. Session-7 final
+    /// run (f24d816, us, Flash L1 vec / q4): 1 token 41.86 / 39.14, 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1;
+    /// Pro 1 token 84.45 / 82.24; the finish alone under ncu at 1 token 7.7-7.9 / 6.1-6.2.
+    #[default]
     Q4,
 }
 
