@@ -11,7 +11,8 @@
 #        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all when unset),
 #        TESTS (tests: space-separated test executable names to run; all when unset), PROFILE_TIMEOUT
 #        (per family; CONFIGS also selects profile families), PROFILE_SOURCE=1 (profile: also export the
-#        per-SASS-instruction source page with warp-stall samples, ncu-<family>-hot.txt)
+#        per-SASS-instruction source page with warp-stall samples, ncu-<family>-hot.txt; scripts/ncu-regions.py
+#        splits a kernel's samples from that page into before / inside / after its main loop)
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || B="$(pwd)/gpu-bundle"
