@@ -587,7 +587,8 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
     return gs;
 }
 
-// The default L1 finish: pass 1 above, then pass 2 with one thread per 16-element NVFP4 block (I / 16 threads).
+// The L1 finish before the session-7 final run (FinishL1Kernel::Vec, bench nvfp4_finishvec, kept one run): pass 1
+// above, then pass 2 with one thread per 16-element NVFP4 block (I / 16 threads).
 extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_vec(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
@@ -616,8 +617,9 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
 
 // The L1 finish (FinishL1Kernel::Q4, the default since the session-7 final run): the same pass 1, then a parallel
 // pass 2. In the _vec pass 2 only I / 16 threads (128 of 512 at I = 2048) work, each a serial chain of 16 shared
-// loads (16 floats apart across lanes: a 16-way bank conflict), the block scale and 16 IEEE divisions. Here every thread quantizes 4 consecutive
-// elements (chunk c = elements 4c..4c+3, one conflict-free float4 load) and the 4 lanes of one 16-block cooperate.
+// loads (16 floats apart across lanes: a 16-way bank conflict), the block scale and 16 IEEE divisions. Here every
+// thread quantizes 4 consecutive elements (chunk c = elements 4c..4c+3, one conflict-free float4 load) and the 4
+// lanes of one 16-block cooperate.
 // Outputs are bit-identical to _vec (h, h_out and gs come from the shared pass 1; for pass 2):
 // * lane <-> chunk: c = threadIdx.x + k * blockDim.x with blockDim.x % 32 == 0 (launcher: 512), so c % 32 == lane
 //   and the 4 chunks of 16-block b = c / 4 (c % 4 = 0..3) sit on the 4 consecutive lanes 4*(lane/4) + 0..3 of one
