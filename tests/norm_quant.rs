@@ -1933,6 +1933,45 @@ fn run_rows_path(
     out.download(gpu).unwrap()
 }
 
+/// A resident-wave row path (`resident`: V6 for NVFP4, V5 for FP8) on `resident_rows` data: bit-identical to the
+/// V4 kernels and to `rmsnorm_quant`'s own pick, and exact against the CPU reference on the sampled rows
+/// ([`check_sampled_rows_vs_cpu`]). Prints what was checked.
+#[allow(clippy::too_many_arguments)]
+fn check_resident_path(
+    gpu: &megamoe::gpu::Gpu,
+    dx: &cudarc::driver::CudaSlice<half::bf16>,
+    dw: &cudarc::driver::CudaSlice<half::bf16>,
+    x: &[f32],
+    w: &[f32],
+    format: OutFormat,
+    rows: usize,
+    d: usize,
+    resident: nq::RowsPath,
+    label: &str,
+) {
+    let run = |path| run_rows_path(gpu, dx, dw, format, rows, d, path);
+    let got = run(Some(resident));
+    let default_path = nq::rows_path(rows, d, format);
+    let v4 = run(Some(nq::RowsPath::V4));
+    assert_same_rows(&format!("{resident:?} vs V4 {label}"), &got, &v4, d);
+    assert_same_rows(
+        &format!("rmsnorm_quant ({default_path:?}) vs V4 {label}"),
+        &run(None),
+        &v4,
+        d,
+    );
+    let checked = check_sampled_rows_vs_cpu(
+        &format!("{resident:?} {label}"),
+        x,
+        w,
+        rows,
+        d,
+        format,
+        &got,
+    );
+    eprintln!("{label}: {resident:?}, V4 and rmsnorm_quant ({default_path:?}) bit-identical; {checked} rows exact vs the CPU reference");
+}
+
 /// The CPU reference on the random rows of `resident_rows` data (not the boundary / extreme ones, rows 1..=4 and every
 /// 5th: their rstd may be far from the CPU's) among the first 300 and the last 64; returns how many were checked.
 fn check_sampled_rows_vs_cpu(
@@ -1992,7 +2031,6 @@ fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
                 let label = format!("{} {rows}x{d}, seed {seed}", format.name());
-                let run = |path| run_rows_path(&gpu, &dx, &dw, format, rows, d, path);
                 let resident = match format {
                     OutFormat::Nvfp4 => nq::RowsPath::V6,
                     _ => nq::RowsPath::V5,
@@ -2041,29 +2079,7 @@ fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
                     eprintln!("{label}: refused with clear errors (no kernel for this D)");
                     continue;
                 }
-                let got = run(Some(resident));
-                {
-                    let v4 = run(Some(nq::RowsPath::V4));
-                    assert_same_rows(&format!("{resident:?} vs V4 {label}"), &got, &v4, d);
-                    assert_same_rows(
-                        &format!("rmsnorm_quant ({default_path:?}) vs V4 {label}"),
-                        &run(None),
-                        &v4,
-                        d,
-                    );
-                }
-                // the CPU reference on random rows (not the boundary / extreme ones: their rstd may be far
-                // from the CPU's, see resident_rows) among the first 300 and the last 64
-                let checked = check_sampled_rows_vs_cpu(
-                    &format!("{resident:?} {label}"),
-                    &x,
-                    &w,
-                    rows,
-                    d,
-                    format,
-                    &got,
-                );
-                eprintln!("{label}: {resident:?}, V4 and rmsnorm_quant ({default_path:?}) bit-identical; {checked} rows exact vs the CPU reference");
+                check_resident_path(&gpu, &dx, &dw, &x, &w, format, rows, d, resident, &label);
             }
         }
     }
@@ -2254,18 +2270,18 @@ fn gpu_v6_nvfp4_rows_equal_v4p_bitwise() {
             let x = resident_rows(rows, d, seed ^ (rows as u64 * 977 + d as u64));
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             let label = format!("nvfp4 v6 {rows}x{d}, seed {seed}");
-            let run = |path| run_rows_path(&gpu, &dx, &dw, format, rows, d, path);
-            let got = run(Some(nq::RowsPath::V6));
-            assert_same_rows(
-                &format!("V6 vs V4 (v4p) {label}"),
-                &got,
-                &run(Some(nq::RowsPath::V4)),
+            check_resident_path(
+                &gpu,
+                &dx,
+                &dw,
+                &x,
+                &w,
+                format,
+                rows,
                 d,
+                nq::RowsPath::V6,
+                &label,
             );
-            assert_same_rows(&format!("V6 vs rmsnorm_quant {label}"), &got, &run(None), d);
-            let checked =
-                check_sampled_rows_vs_cpu(&format!("V6 {label}"), &x, &w, rows, d, format, &got);
-            eprintln!("{label}: V6, V4 (v4p) and rmsnorm_quant bit-identical; {checked} rows exact vs the CPU reference");
         }
     }
 }
