@@ -8,6 +8,18 @@ use megamoe::ops::norm_quant::{
     self as nq, HostQuant, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
 };
 
+/// Xorshift64 (13, 7, 17) from `seed | 1`: the cheap, reproducible bit stream of the exhaustive encoder sweeps and
+/// the synthetic rows (any seed works; `| 1` keeps the state non-zero).
+fn xorshift64(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed | 1;
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}
+
 fn fresh_seed(test: &str) -> u64 {
     megamoe::ops::inputs::fresh_seed(test, "NORM_QUANT_SEED")
 }
@@ -169,13 +181,8 @@ fn sinkhorn_lanes_mirror(z: &[f32; 16]) -> [f32; 16] {
 #[test]
 fn lane_sinkhorn_mirror_equals_the_reference_bitwise() {
     let seed = fresh_seed("lane_sinkhorn_mirror_equals_the_reference_bitwise");
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 40) as f32 / (1u64 << 24) as f32 // U(0, 1)
-    };
+    let mut bits = xorshift64(seed);
+    let mut next = move || (bits() >> 40) as f32 / (1u64 << 24) as f32; // U(0, 1)
     for spread in [0.01f32, 1.5, 3.0, 20.0, 80.0] {
         for case in 0..20_000 {
             let logits: [f32; 16] = std::array::from_fn(|_| (next() * 2.0 - 1.0) * spread);
@@ -193,19 +200,14 @@ fn lane_sinkhorn_mirror_equals_the_reference_bitwise() {
 #[test]
 fn sinkhorn_is_doubly_stochastic() {
     let seed = fresh_seed("sinkhorn_is_doubly_stochastic");
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 40) as f32 / (1u64 << 24) as f32 // U(0, 1)
-    };
-    // Columns are normalized last, so they sum to 1 - eps/colsum; rows converge geometrically with a rate
-    // set by the logit spread: 20 iterations give 1e-5 for logits within +-1.5 (the mixes of the test
-    // parameters). For +-3 no useful rate is guaranteed (entry ratios up to e^12 within a cross ratio:
-    // Birkhoff's contraction tanh(12/4) = 0.995 per normalization), and DSV4's fixed 20 iterations leave row
-    // sums off by up to 1.2e-2 over random seeds (seen on the H200 run of session 3, seed 1796349619050610169,
-    // case 141): the 5e-2 bound there only catches a broken row normalization.
+    let mut bits = xorshift64(seed);
+    let mut next = move || (bits() >> 40) as f32 / (1u64 << 24) as f32; // U(0, 1)
+                                                                        // Columns are normalized last, so they sum to 1 - eps/colsum; rows converge geometrically with a rate
+                                                                        // set by the logit spread: 20 iterations give 1e-5 for logits within +-1.5 (the mixes of the test
+                                                                        // parameters). For +-3 no useful rate is guaranteed (entry ratios up to e^12 within a cross ratio:
+                                                                        // Birkhoff's contraction tanh(12/4) = 0.995 per normalization), and DSV4's fixed 20 iterations leave row
+                                                                        // sums off by up to 1.2e-2 over random seeds (seen on the H200 run of session 3, seed 1796349619050610169,
+                                                                        // case 141): the 5e-2 bound there only catches a broken row normalization.
     for (spread, row_tol) in [(1.5f32, 1e-5f32), (3.0, 5e-2)] {
         for case in 0..200 {
             let logits: [f32; 16] = std::array::from_fn(|_| (next() * 2.0 - 1.0) * spread);
@@ -551,13 +553,7 @@ fn gpu_unfused_chain_equals_fused() {
 fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
     use megamoe::ops::norm_quant::reference::packed_e2m1_mirror as pm;
     let seed = fresh_seed("v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16");
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift64(seed);
     let mut scales = Vec::new();
     for code in 1u8..0x7F {
         for k in [-130i32, -100, -20, 0, 20, 100] {
@@ -1247,13 +1243,7 @@ fn e2m1_via_thresholds(y: f32, scale: f32) -> u8 {
 #[test]
 fn division_free_e2m1_equals_the_reference_encoder() {
     let seed = fresh_seed("division_free_e2m1_equals_the_reference_encoder");
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift64(seed);
     let thresholds = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
     let mut checked = 0u64;
     for _ in 0..200_000 {
@@ -1596,13 +1586,7 @@ fn assert_same_nvfp4(label: &str, got: &HostQuant, want: &HostQuant, d: usize) {
 /// Rows with a power-of-two global scale make t * scale exactly BF16 (ties hit exactly); others have random
 /// global scales; a few rows have scales below 2^-100 or above 2^100 (far from the usual range).
 fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift64(seed);
     let thresholds = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
     let bf = |v: f32| bf16::round(v);
     let mut out = Vec::with_capacity(rows * d);
@@ -1627,7 +1611,7 @@ fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
             let s = e4m3::decode(e4m3::encode_rne(ab / (6.0 * gs)));
             let scale = s * gs;
             let blk = &mut y[b * 16..(b + 1) * 16];
-            blk[0] = if next() % 2 == 0 { ab } else { -ab };
+            blk[0] = if next().is_multiple_of(2) { ab } else { -ab };
             for v in blk.iter_mut().skip(1) {
                 let t = thresholds[(next() % 7) as usize];
                 let target = bf(t * scale);
@@ -1636,7 +1620,7 @@ fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
                 if a.is_nan() || a.abs() > ab {
                     a = ab;
                 }
-                *v = if next() % 2 == 0 { a } else { -a };
+                *v = if next().is_multiple_of(2) { a } else { -a };
             }
         }
         y[(next() as usize) % d] = a_row;
@@ -2148,13 +2132,7 @@ fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
 fn v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair() {
     use megamoe::ops::norm_quant::reference::packed_e2m1_mirror as pm;
     let seed = fresh_seed("v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair");
-    let mut state = seed | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift64(seed);
     let mut key_sets: Vec<([u32; 7], Option<f32>)> = Vec::new();
     for code in (1u8..0x7F).step_by(3) {
         for k in [-130i32, -20, 0, 100] {
@@ -2178,7 +2156,7 @@ fn v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair() {
             1 => 0x7F80,
             _ => (next() % 0x7F80) as u32 + 1,
         });
-        if next() % 3 == 0 {
+        if next().is_multiple_of(3) {
             k[(next() % 6) as usize + 1] = k[0]; // a repeated key
         }
         k.sort_unstable();
