@@ -856,31 +856,19 @@ __device__ __forceinline__ void v6_read_partials(const float* red, float (&r)[(N
     }
 }
 
-template <int NW>
-__device__ __forceinline__ float v6_block_sum(float v, float* red) {
+// The block sum (kMax = false: the warp partials added in warp order from 0.f) and the block max (kMax = true: their
+// fmaxf from 0.f) of the v6 kernels: one barrier, one read of the partials.
+template <int NW, bool kMax>
+__device__ __forceinline__ float v6_block_reduce(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    v = kMax ? warp_max(v) : warp_sum(v);
     if (lane == 0) red[warp] = v;
     __syncthreads();
     float r[(NW + 3) / 4 * 4];
     v6_read_partials<NW>(red, r);
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) s += r[w];
-    return s;
-}
-
-template <int NW>
-__device__ __forceinline__ float v6_block_max(float v, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r[(NW + 3) / 4 * 4];
-    v6_read_partials<NW>(red, r);
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) s = fmaxf(s, r[w]);
+    for (int w = 0; w < NW; ++w) s = kMax ? fmaxf(s, r[w]) : s + r[w];
     return s;
 }
 
@@ -902,7 +890,7 @@ __device__ __forceinline__ void v6_norm_pairs(const float (&x)[V5_CH][8], const 
     for (int k = 0; k < V5_CH; ++k)
 #pragma unroll
         for (int e = 0; e < 8; ++e) ss = fmaf(x[k][e], x[k][e], ss);
-    ss = v6_block_sum<NW>(ss, red_ss);
+    ss = v6_block_reduce<NW, false>(ss, red_ss);
     // D = 2^k: ss * 2^-k is the IEEE ss / D (see the section header); 1.f / D is exact then.
     constexpr bool POW2 = (NW & (NW - 1)) == 0;
     const float mean = POW2 ? __fmul_rn(ss, 1.f / (float)D) : __fdiv_rn(ss, (float)D);
@@ -994,7 +982,7 @@ __device__ __forceinline__ void v6_nvfp4_row(const __nv_bfloat16* __restrict__ x
         key[k] = max(m & 0xFFFFu, m >> 16);
         row_key = max(row_key, key[k]);
     }
-    const float amax_row = v6_block_max<NW>(__uint_as_float((row_key & 0x7FFFu) << 16), red_mx);
+    const float amax_row = v6_block_reduce<NW, true>(__uint_as_float((row_key & 0x7FFFu) << 16), red_mx);
     const float gs = mm::nvfp4_global_scale(amax_row);
     if (tid == 0) gsa[row] = gs;
     uint8_t* qrow = q + row * (D / 2);
