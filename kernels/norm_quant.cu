@@ -1506,8 +1506,15 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
 }  // namespace
 
 // ---- entry points ------------------------------------------------------------------------------------------------
-// RMSNorm rows, one CTA per row (every input/format pair except BF16 -> NVFP4, which is rmsnorm_nvfp4_bf16in_v4p
-// below): grid (rows), block roundup32(ceil(D/8/4)); x [rows, D], w [D] BF16, rstd [rows] (may be null).
+// One-CTA-per-row kernels run roundup32(D / 32) threads, 1024 at the largest D (32,768), so they must fit in 64
+// registers. ptxas takes <= 64 for most of them unasked; rmsnorm_{nvfp4,bf16}_f32in and rmsnorm_nvfp4_bf16in took
+// 66-68 (a 1024-thread launch then fails with too many resources above D 28,672), so those three carry
+// __launch_bounds__(kRowMaxThreads) (62-63 registers, no spills). The others keep their measured code unchanged.
+constexpr int kRowMaxThreads = 1024;
+// RMSNorm rows, one CTA per row: grid (rows), block roundup32(ceil(D/8/4)); x [rows, D], w [D] BF16, rstd [rows]
+// (may be null). BF16 -> NVFP4 runs rmsnorm_nvfp4_bf16in_v4p / _v6 below where they fit; rmsnorm_nvfp4_bf16in
+// covers the D above the v4p limit (25,600 < D <= 32,768: a v4p CTA of D/32 threads at 80 registers does not fit
+// on one SM), the same template as the f32-input kernel and the same bits as v4p (both follow the CPU quantizer).
 
 extern "C" __global__ void rmsnorm_fp8_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                         float* rstd, int D, float eps) {
@@ -1518,7 +1525,11 @@ extern "C" __global__ void rmsnorm_bf16_bf16in(const __nv_bfloat16* x, const __n
     rmsnorm_rows<__nv_bfloat16, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
-extern "C" __global__ void rmsnorm_nvfp4_f32in(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
+extern "C" __global__ void __launch_bounds__(kRowMaxThreads) rmsnorm_nvfp4_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
+                                           uint8_t* scales, float* gsa, float* rstd, int D, float eps) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
+}
+extern "C" __global__ void __launch_bounds__(kRowMaxThreads) rmsnorm_nvfp4_f32in(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                           float* gsa, float* rstd, int D, float eps) {
     rmsnorm_rows<float, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
 }
@@ -1526,7 +1537,7 @@ extern "C" __global__ void rmsnorm_fp8_f32in(const float* x, const __nv_bfloat16
                                         float* rstd, int D, float eps) {
     rmsnorm_rows<float, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
 }
-extern "C" __global__ void rmsnorm_bf16_f32in(const float* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
+extern "C" __global__ void __launch_bounds__(kRowMaxThreads) rmsnorm_bf16_f32in(const float* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
                                          int D, float eps) {
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
@@ -1553,6 +1564,10 @@ extern "C" __global__ void __maxnreg__(V4_MAX_REGS) quant_nvfp4_bf16in_v4p(const
 // counterpart is quant_nvfp4_bf16in_v4p).
 extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
+}
+// Stand-alone NVFP4 quantizer of BF16 rows, one CTA per row: the unfused chain's quantizer above the v4p D limit.
+extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa, int D) {
+    rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
 }
 
 // mHC split-K mixes: grid (S = 4D/128, ceil(T/32)), block 128. X [T, 4, D] BF16, F [NMIX, 4D] f32,

@@ -1993,8 +1993,8 @@ fn check_sampled_rows_vs_cpu(
 /// The public rmsnorm_quant must give the same bits too, on both sides of its 4096-row switch (4095, 4096, 9000
 /// rows). D = 4096, 7168 and 2048, rows from 1 to 9000 (several rows per CTA of the resident wave, and a partial
 /// last round of the loop); D = 32768 (the largest: 1024 threads, 128 KB of staged weight) at a few rows: FP8
-/// as above, NVFP4 refused with a clear error by V4 (v4p does not fit), V6 and rmsnorm_quant (no BF16 -> NVFP4
-/// kernel above V4P_NVFP4_MAX_D since the v5 NVFP4 kernel's removal).
+/// as above; NVFP4 refused with a clear error by V6 (above V6_MAX_D), while V4 (one CTA per row above
+/// V4P_NVFP4_MAX_D) and rmsnorm_quant agree bit for bit and with the CPU reference.
 #[test]
 fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
     let Some(gpu) = gpu_for_test("gpu_resident_wave_rows_equal_v4_and_default_bitwise") else {
@@ -2020,51 +2020,127 @@ fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
                     _ => nq::RowsPath::V5,
                 };
                 let default_path = nq::rows_path(rows, d, format);
-                if format == OutFormat::Nvfp4 && d > nq::V4P_NVFP4_MAX_D {
-                    // no BF16 -> NVFP4 kernel for this D: clear errors before any launch, outputs untouched
+                if format == OutFormat::Nvfp4 && d > nq::V6_MAX_D {
+                    // V6 refuses this D before any launch (outputs untouched); V4 (above
+                    // V4P_NVFP4_MAX_D: one CTA per row) and rmsnorm_quant agree bit for bit and with the CPU.
                     assert_eq!(default_path, nq::RowsPath::V4, "{label}");
-                    for (path, want) in [
-                        (Some(nq::RowsPath::V4), "does not fit"),
-                        (Some(nq::RowsPath::V6), "above 8192"),
-                        (None, "does not fit"),
-                    ] {
-                        let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                        let before = out.download(&gpu).unwrap();
-                        let res = match path {
-                            Some(p) => nq::rmsnorm_quant_with(
-                                &gpu,
-                                RowsIn::Bf16(&dx),
-                                &dw,
-                                r::RMS_EPS,
-                                &mut out,
-                                p,
-                            ),
-                            None => nq::rmsnorm_quant(
-                                &gpu,
-                                RowsIn::Bf16(&dx),
-                                &dw,
-                                r::RMS_EPS,
-                                &mut out,
-                            ),
-                        };
-                        let err =
-                            res.expect_err("BF16 -> NVFP4 above V4P_NVFP4_MAX_D must be refused");
-                        assert!(
-                            format!("{err:#}").contains(want),
-                            "{label} {path:?}: `{err:#}` lacks `{want}`"
-                        );
-                        assert_same_rows(
-                            &format!("{label} {path:?}: outputs untouched"),
-                            &out.download(&gpu).unwrap(),
-                            &before,
-                            d,
-                        );
-                    }
-                    eprintln!("{label}: refused with clear errors (no kernel for this D)");
+                    let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                    let before = out.download(&gpu).unwrap();
+                    let err = nq::rmsnorm_quant_with(
+                        &gpu,
+                        RowsIn::Bf16(&dx),
+                        &dw,
+                        r::RMS_EPS,
+                        &mut out,
+                        nq::RowsPath::V6,
+                    )
+                    .expect_err("V6 must refuse D above V6_MAX_D");
+                    assert!(
+                        format!("{err:#}").contains("above 8192"),
+                        "{label}: `{err:#}`"
+                    );
+                    assert_same_rows(
+                        &format!("{label} V6: outputs untouched"),
+                        &out.download(&gpu).unwrap(),
+                        &before,
+                        d,
+                    );
+                    let v4 = run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(nq::RowsPath::V4));
+                    let default = run_rows_path(&gpu, &dx, &dw, format, rows, d, None);
+                    assert_same_rows(&format!("rmsnorm_quant vs V4 {label}"), &default, &v4, d);
+                    let checked = check_sampled_rows_vs_cpu(
+                        &format!("V4 {label}"),
+                        &x,
+                        &w,
+                        rows,
+                        d,
+                        format,
+                        &v4,
+                    );
+                    eprintln!(
+                        "{label}: V6 refused; V4 = rmsnorm_quant, {checked} rows exact vs the CPU"
+                    );
                     continue;
                 }
                 check_resident_path(&gpu, &dx, &dw, &x, &w, format, rows, d, resident, &label);
             }
+        }
+    }
+}
+
+/// The largest hidden sizes, where the one-CTA-per-row kernels run 800-1024 threads: D just above the v4p
+/// NVFP4 limit (V4P_NVFP4_MAX_D + 128, not a multiple of 1024) and MAX_D, BF16 and f32 input, every output
+/// format, against the CPU reference (rmsnorm_quant), and the unfused chain (its NVFP4 quantizer is one CTA per
+/// row above the v4p limit too) bit-identical to the fused kernel. Before session 8 BF16 -> NVFP4 was refused at
+/// these D, and f32 -> NVFP4 / BF16 failed to launch above D 28,672 (66-68 registers x 1024 threads).
+#[test]
+fn gpu_rows_at_the_largest_d_every_input_and_format() {
+    let Some(gpu) = gpu_for_test("gpu_rows_at_the_largest_d_every_input_and_format") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_rows_at_the_largest_d_every_input_and_format");
+    for d in [nq::V4P_NVFP4_MAX_D + 128, nq::MAX_D] {
+        let w = nq::random_weight(d, seed ^ d as u64);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        for rows in [1usize, 3, 130] {
+            let x = nq::random_rows(rows, d, seed ^ (rows as u64 * 7919 + d as u64));
+            // f32 input with full mantissas (not BF16-representable)
+            let x32: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * (1.0 + (i % 89) as f32 * 1.91e-5))
+                .collect();
+            let dx16 = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
+            let dx32 = nq::upload_checked_f32(&gpu, "x", &x32).unwrap();
+            for format in FORMATS {
+                for f32_input in [false, true] {
+                    let label = format!(
+                        "rmsnorm->{} {rows}x{d} {} in, seed {seed}",
+                        format.name(),
+                        if f32_input { "f32" } else { "bf16" }
+                    );
+                    let (input, xs) = if f32_input {
+                        (RowsIn::F32(&dx32), &x32)
+                    } else {
+                        (RowsIn::Bf16(&dx16), &x)
+                    };
+                    let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                    nq::rmsnorm_quant(&gpu, input, &dw, r::RMS_EPS, &mut out)
+                        .unwrap_or_else(|e| panic!("{label}: {e:#}"));
+                    check_norm_outputs(
+                        &label,
+                        xs,
+                        &w,
+                        rows,
+                        d,
+                        format,
+                        &out.download(&gpu).unwrap(),
+                    );
+                }
+                if format == OutFormat::Bf16 {
+                    continue;
+                }
+                let mut fused = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                let mut staging =
+                    NormOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, rows, d).unwrap();
+                let mut unfused = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx16), &dw, r::RMS_EPS, &mut fused).unwrap();
+                nq::rmsnorm_then_quant(
+                    &gpu,
+                    RowsIn::Bf16(&dx16),
+                    &dw,
+                    r::RMS_EPS,
+                    &mut staging,
+                    &mut unfused,
+                )
+                .unwrap();
+                assert!(
+                    fused.download(&gpu).unwrap().q == unfused.download(&gpu).unwrap().q,
+                    "{} {rows}x{d} seed {seed}: fused and unfused outputs differ",
+                    format.name()
+                );
+            }
+            eprintln!("{rows}x{d}: every input and format exact vs the CPU; unfused = fused");
         }
     }
 }

@@ -4,8 +4,8 @@
 //!   a BF16 weight -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch.
 //!   BF16 in -> NVFP4 / FP8 picks its kernel by shape ([`rows_path`]): from 4096 rows when D is a multiple
 //!   of 1024 the resident-wave kernels (one wave of CTAs looping over rows, weight staged once per CTA: v6
-//!   for NVFP4 up to D 8192, v5 for FP8), otherwise the v4p row loop (NVFP4; it refuses D above
-//!   [`V4P_NVFP4_MAX_D`]) / one CTA per row (FP8); everything else one CTA per row.
+//!   for NVFP4 up to D 8192, v5 for FP8), otherwise the v4p row loop (NVFP4 up to [`V4P_NVFP4_MAX_D`]) /
+//!   one CTA per row (FP8, and NVFP4 above that D); everything else one CTA per row.
 //!   [`rmsnorm_quant_with`] forces one [`RowsPath`]; both give the same bits.
 //! * [`rmsnorm_then_quant`]: the unfused baseline (RMSNorm kernel -> BF16 in HBM -> quantize kernel). It
 //!   produces the same bits as the fused kernel (the quantizer sees the BF16 `y` in both).
@@ -348,8 +348,10 @@ pub fn rmsnorm_quant(
 pub enum RowsPath {
     /// The session-3 kernels: BF16 -> NVFP4 `rmsnorm_nvfp4_bf16in_v4p` (one resident wave looping over rows
     /// with the next row's loads in flight, packed BF16-pair e2m1 encoder, grid [`v4_grid`]; it replaced the
-    /// one-CTA-per-row kernel: 30.5 vs 34.1 us at 4096 x 4096, a tie at 1-64 rows); every other input/format
-    /// pair the one-CTA-per-row kernel `rmsnorm_<fmt>_<in>` (a looping FP8 v4 lost: 23.4 vs 21.6 us). Any shape.
+    /// one-CTA-per-row kernel: 30.5 vs 34.1 us at 4096 x 4096, a tie at 1-64 rows; above
+    /// [`V4P_NVFP4_MAX_D`], where a v4p CTA does not fit on an SM, that one-CTA-per-row kernel
+    /// `rmsnorm_nvfp4_bf16in` again); every other input/format pair the one-CTA-per-row kernel
+    /// `rmsnorm_<fmt>_<in>` (a looping FP8 v4 lost: 23.4 vs 21.6 us). Any shape.
     V4,
     /// BF16 -> FP8 only: the v5 kernel `rmsnorm_fp8_bf16in_v5`, one resident wave of CTAs looping over rows,
     /// the weight staged once per CTA in shared memory (as f32), a division-free ue8m0 scale. `d` a multiple
@@ -365,10 +367,10 @@ pub enum RowsPath {
 
 /// Largest D the v4p BF16 -> NVFP4 row kernels launch at: they run roundup32(D / 32) threads held to 80
 /// registers (`__maxnreg__`), i.e. 2,560 registers per warp, and an SM's 65,536 registers hold 25 such warps
-/// = 800 threads = D 25,600. Above it the v4p launch refuses the shape before launching (found by the H200
-/// run: D 32,768 failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES). Until session 7 [`rows_path`] sent those
-/// BF16 -> NVFP4 rows to the v5 NVFP4 kernel; since its removal BF16 -> NVFP4 has no kernel above this D
-/// (a clear error before any launch; DSV4's D are 4096 and 7168; f32 input still runs one CTA per row).
+/// = 800 threads = D 25,600 (found by the H200 run: D 32,768 failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
+/// Above it [`RowsPath::V4`] (and the unfused chain's quantizer) run the one-CTA-per-row kernels
+/// `rmsnorm_nvfp4_bf16in` / `quant_nvfp4_bf16in` instead (until session 7 the v5 NVFP4 kernel ran them; in
+/// between, session 7's last commits refused these D). No DSV4 shape is among them (D 4096 and 7168).
 pub const V4P_NVFP4_MAX_D: usize = 25_600;
 
 /// Fewest rows for which [`rows_path`] picks a resident-wave kernel ([`RowsPath::V5`] FP8, [`RowsPath::V6`]
@@ -383,7 +385,7 @@ pub const V5_MIN_ROWS: usize = 4096;
 /// 4096 rows (and at any row count above [`V4P_NVFP4_MAX_D`]) until session 7; now they take v4p (one
 /// resident wave too, the weight re-read per row instead of staged; session-4 A/B at D 7168, the nearest
 /// measured D: v4p 756.0 vs v5 598.8 us at 65536 rows, so expect v4p ~25% slower there than v5 was; not
-/// measured above 8192), and above [`V4P_NVFP4_MAX_D`] they are refused. No DSV4 shape is among them.
+/// measured above 8192), and above [`V4P_NVFP4_MAX_D`] one CTA per row. No DSV4 shape is among them.
 ///
 /// Session-7 H200 run (commit 7666184, median us, v6 vs v5, bit-identical): NVFP4 4096 x 4096 25.41 vs 27.46,
 /// 65536 x 4096 275.0 vs 307.1: the session-6 result again, so the v5 NVFP4 kernel was removed.
@@ -489,7 +491,6 @@ fn rmsnorm_nvfp4_bf16in_rows_v4p(
     check_rmsnorm_args(&x, w, eps, out)?;
     let (rows, d) = (out.rows, out.d);
     let name = "rmsnorm_nvfp4_bf16in_v4p";
-    check_v4p_nvfp4_d(name, d)?;
     let RowsIn::Bf16(xs) = x else {
         bail!("{name}: the input must be BF16");
     };
@@ -520,18 +521,6 @@ fn rmsnorm_nvfp4_bf16in_rows_v4p(
     Ok(())
 }
 
-/// The v4p NVFP4 kernels' D limit ([`V4P_NVFP4_MAX_D`]), checked before any launch.
-fn check_v4p_nvfp4_d(name: &str, d: usize) -> Result<()> {
-    if d > V4P_NVFP4_MAX_D {
-        bail!(
-            "{name}: hidden size {d} is above {V4P_NVFP4_MAX_D}: a CTA of the v4p NVFP4 row kernel does not fit \
-             on one SM, and no other BF16 -> NVFP4 row kernel runs this D (v6 stops at {V6_MAX_D}; the v5 NVFP4 \
-             kernel was removed in session 7)"
-        );
-    }
-    Ok(())
-}
-
 /// CTAs of a v4 launch: one full resident wave (`max_resident` = occupancy x SMs), or one CTA per row when
 /// there are fewer rows. A full wave puts the same number of CTAs on every SM and CTA b runs rows b, b + grid,
 /// ...: per SM the row counts differ by at most one per CTA, spread over the SMs. (Fewer, evenly loaded CTAs
@@ -550,9 +539,20 @@ pub fn quantize_bf16_rows(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs)
     let threads = row_block_threads(d);
     let d_i = d as i32;
     match &mut out.q {
-        QuantBufs::Nvfp4 { .. } => {
-            check_v4p_nvfp4_d("quant_nvfp4_bf16in_v4p", d)?;
+        QuantBufs::Nvfp4 { .. } if d <= V4P_NVFP4_MAX_D => {
             launch_quant_nvfp4_rows(gpu, "quant_nvfp4_bf16in_v4p", threads, true, y, out)?;
+        }
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
+            // Above the v4p limit: one CTA per row (same encoder contract, the CPU quantizer's bits).
+            let cfg = launch_cfg((rows as u32, 1, 1), (threads, 1, 1), 0);
+            let f = gpu.function(FAMILY, "quant_nvfp4_bf16in")?;
+            let mut b = gpu.stream.launch_builder(&f);
+            b.arg(y).arg(data).arg(scales).arg(global_scale).arg(&d_i);
+            drv(unsafe { b.launch(cfg) }, "quant_nvfp4_bf16in")?;
         }
         QuantBufs::Fp8 { data, scales } => {
             let cfg = launch_cfg((rows as u32, 1, 1), (threads, 1, 1), 0);
@@ -614,7 +614,11 @@ pub fn rmsnorm_quant_with(
     path: RowsPath,
 ) -> Result<()> {
     match path {
-        RowsPath::V4 if out.format == OutFormat::Nvfp4 && matches!(x, RowsIn::Bf16(_)) => {
+        RowsPath::V4
+            if out.format == OutFormat::Nvfp4
+                && matches!(x, RowsIn::Bf16(_))
+                && out.d <= V4P_NVFP4_MAX_D =>
+        {
             rmsnorm_nvfp4_bf16in_rows_v4p(gpu, x, w, eps, out)
         }
         RowsPath::V4 => rmsnorm_quant_per_row_kernel(gpu, x, w, eps, out),
