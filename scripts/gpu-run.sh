@@ -12,7 +12,8 @@
 #        TESTS (tests: space-separated test executable names to run; all when unset), PROFILE_TIMEOUT
 #        (per family; CONFIGS also selects profile families), PROFILE_SOURCE=1 (profile: also export the
 #        per-SASS-instruction source page with warp-stall samples, ncu-<family>-hot.txt; scripts/ncu-regions.py
-#        splits a kernel's samples from that page into before / inside / after its main loop)
+#        splits a kernel's samples from that page into before / inside / after its main loop), NCU_EXTRA (extra
+#        ncu arguments, e.g. "--warp-sampling-interval 0" for more stall samples from a short kernel)
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || B="$(pwd)/gpu-bundle"
@@ -110,7 +111,7 @@ if [ "$what" = profile ]; then
     # instruction: which load a warp waits on) as ncu-<family>-source.csv.gz, summarized by ncu-hot.py into ncu-<family>-hot.txt.
     rep=(); [ -n "${PROFILE_SOURCE:-}" ] && rep=(-o "$work/ncu-$name" -f)
     # shellcheck disable=SC2086
-    timeout "${PROFILE_TIMEOUT:-200}" "$ncu" --clock-control none $sections "${details[@]}" -k "regex:$re" "${rep[@]}" \
+    timeout "${PROFILE_TIMEOUT:-200}" "$ncu" --clock-control none $sections ${NCU_EXTRA:-} "${details[@]}" -k "regex:$re" "${rep[@]}" \
       --launch-count "${launches:-8}" "$B/megamoe" bench --config "$c" --out "$work/profile-bench" \
       > "$work/ncu-$name.txt" 2>&1 || { echo "ncu $name failed"; status=1; }
     if [ -n "${PROFILE_SOURCE:-}" ] && [ -f "$work/ncu-$name.ncu-rep" ]; then
