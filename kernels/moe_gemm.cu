@@ -728,6 +728,74 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combin
     out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
 }
 
+// The L2 finish with one warp per routed row (FinishL2Kernel::RowWarps, bench `nvfp4_l2rowwarps`, session-8 A/B).
+// Why: in moe_gemm_finish_l2_combine_cols one thread holds a column's 8 rows x 4 splits, each load and add under
+// its own validity predicate; with 7 predicate registers ptxas interleaves them (load, add, recompute, load, ...),
+// so at 1 token (ncu, session-8 start run) the kernel took 9.6-10.0 us: ~12 dependent L2 round trips (long_sb on
+// 12 predicated FADDs), for 16 CTAs. Here grid = (tokens, ceil(N / 32)), block 256 = 8 warps: in pass j0 warp u
+// owns routed slot j = j0 + u and lane l column n = 32 * blockIdx.y + l (coalesced 128-byte loads). A warp's
+// validity is warp-uniform (a branch, not a predicate per load); its split loads use clamped addresses (always
+// inside the workspace) so all of them are in flight at once. Then warp 0 combines the 8 slots in order.
+// Bit-identical to _cols (the same fp32 operations on the same values in the same order):
+// * acc of slot j: _cols adds the splits in split order starting from +0.0 (FADDs); here the same FADD chain
+//   (a clamped load past `splits` is not added).
+// * y: _cols computes y = fma(acc_j, s_sa[j] * sb_j, y) (ptxas contracts `y += acc * (sa * sb)` into one FFMA;
+//   checked in its SASS) for valid j in routing order, from y = +0.0. Warp 0 does exactly that with __fmaf_rn
+//   and __fmul_rn. For an invalid slot both factors are stored as +0.0: fma(+0, +0, y) = y + (+0) = y, because y
+//   is never -0.0 (it starts at +0.0 and round-to-nearest gives -0 only for (-0) + (-0)).
+extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_rowwarps(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    __nv_bfloat16* __restrict__ out) {
+    constexpr int kSlots = 8, kSplitsPerPass = 8;
+    __shared__ int s_row[kFinishMaxTopk];
+    __shared__ int s_exp[kFinishMaxTopk];
+    __shared__ float s_sa[kFinishMaxTopk];
+    __shared__ float s_acc[kSlots][32];
+    __shared__ float s_scale[kSlots][32];
+    Grouping grp{group, capacity, experts, rows_total};
+    const int tok = blockIdx.x;
+    if ((int)threadIdx.x < topk) {
+        const int row = token_rows[(size_t)tok * topk + threadIdx.x];
+        const int e = grp.expert_of_row(row);
+        s_row[threadIdx.x] = row;
+        s_exp[threadIdx.x] = e;
+        s_sa[threadIdx.x] = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, u = threadIdx.x >> 5;
+    const int n = blockIdx.y * 32 + lane;
+    const bool col_ok = n < N;
+    const size_t split_stride = (size_t)rows_total * N;
+    float y = 0.f;
+    for (int j0 = 0; j0 < topk; j0 += kSlots) {  // topk <= kFinishMaxTopk: j = j0 + u < 32
+        const int j = j0 + u;
+        float acc = 0.f, scale = 0.f;
+        if (j < topk && s_exp[j] >= 0 && col_ok) {  // uniform across the warp except col_ok (last column block)
+            const float* src = partial + (size_t)s_row[j] * N + n;
+            const float sb = gsb[(size_t)s_exp[j] * N + n];
+            for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
+                float p[kSplitsPerPass];
+#pragma unroll
+                for (int v = 0; v < kSplitsPerPass; ++v) p[v] = src[(size_t)min(s0 + v, splits - 1) * split_stride];
+#pragma unroll
+                for (int v = 0; v < kSplitsPerPass; ++v)
+                    if (s0 + v < splits) acc += p[v];
+            }
+            scale = __fmul_rn(s_sa[j], sb);
+        }
+        s_acc[u][lane] = acc;
+        s_scale[u][lane] = scale;
+        __syncthreads();
+        if (u == 0) {
+#pragma unroll
+            for (int k = 0; k < kSlots; ++k) y = __fmaf_rn(s_acc[k][lane], s_scale[k][lane], y);
+        }
+        __syncthreads();  // s_acc / s_scale are rewritten by the next pass
+    }
+    if (u == 0 && col_ok) out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+}
+
 // Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block
 // scales are e4m3 codes in [0x28, 0x37] (2^-2 .. 0.94, never NaN), so timings never run on zeros.
 extern "C" __global__ void moe_gemm_fill_bench_weights(uint8_t* __restrict__ codes, unsigned long long n_codes,

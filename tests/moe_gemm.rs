@@ -655,7 +655,33 @@ fn check_l1_l2(
         &mut y,
     )
     .unwrap();
+    // The session-8 A/B L2 finish (one warp per routed row) on the same partials: the same bits.
+    let mut y_rw = gpu.poisoned::<bf16>(tokens * hidden, 0xA5).unwrap();
+    mg::launch_finish_l2_with(
+        gpu,
+        &ws2,
+        &dg,
+        &d2,
+        &l1.as_activations(),
+        &dtr,
+        topk,
+        &mut y_rw,
+        mg::FinishL2Kernel::RowWarps,
+    )
+    .unwrap();
     gpu.synchronize().unwrap();
+    let (y_cols_bits, y_rw_bits) = (gpu.download(&y).unwrap(), gpu.download(&y_rw).unwrap());
+    if let Some(i) =
+        (0..y_cols_bits.len()).find(|&i| y_cols_bits[i].to_bits() != y_rw_bits[i].to_bits())
+    {
+        panic!(
+            "{label}: L2 RowWarps vs Cols at token {} col {}: {:#06x} vs {:#06x}",
+            i / hidden,
+            i % hidden,
+            y_rw_bits[i].to_bits(),
+            y_cols_bits[i].to_bits()
+        );
+    }
     let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
     let got2 = gpu_accumulator(gpu, &ws2);
     check_accumulator(
@@ -2137,5 +2163,173 @@ fn gpu_l1_finish_q4_bit_identical_to_vec_partial_warps() {
     ] {
         let inp = finish_inputs(&mut rng, inter, 8, tokens, splits, Some(1), true);
         check_finish_q4_against_vec(&gpu, name, &inp);
+    }
+}
+
+/// The L2 finish kernels against each other, bit for bit (FinishL2Kernel::RowWarps vs the default Cols, which the
+/// L1/L2 tests above check against the f64 reference), on synthetic split-K partials that reach the corners the
+/// model shapes do not: 1-9 splits (RowWarps loads 8 per pass: 9 takes two passes), topk 1, 6, 9 and 13 (two
+/// passes of 8 slots), slots that are -1 or point at padding rows, empty experts, N not a multiple of 32 (a
+/// partial last column block), per-row gsa or none (BF16 activations), and partials with -0.0, subnormals,
+/// +-inf and NaN mixed in. Outputs poisoned (different patterns per kernel), with a poisoned tail past
+/// tokens x N that neither kernel may touch.
+#[test]
+fn gpu_l2_finish_rowwarps_bit_identical_to_cols() {
+    let Some(gpu) = gpu_for_test("gpu_l2_finish_rowwarps_bit_identical_to_cols") else {
+        return;
+    };
+    let seed = megamoe::ops::inputs::fresh_seed(
+        "gpu_l2_finish_rowwarps_bit_identical_to_cols",
+        "MOE_GEMM_SEED",
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    // (label, masked capacity (0 = contiguous), experts, tokens, topk, splits, n, per-row gsa)
+    type Case = (&'static str, usize, usize, usize, usize, usize, usize, bool);
+    let cases: &[Case] = &[
+        ("masked decode 1 token", 4, 16, 1, 6, 1, 4096, true),
+        ("masked 7 tokens, 2 splits", 4, 16, 7, 6, 2, 2080, true),
+        (
+            "contiguous topk 9, 9 splits, n 200",
+            0,
+            12,
+            5,
+            9,
+            9,
+            200,
+            true,
+        ),
+        (
+            "contiguous topk 13, 4 splits, bf16 activations",
+            0,
+            20,
+            3,
+            13,
+            4,
+            96,
+            false,
+        ),
+        ("topk 1, 8 splits", 0, 3, 4, 1, 8, 64, true),
+    ];
+    for &(label, capacity, experts, tokens, topk, splits, n, with_gsa) in cases {
+        let grouping = if capacity > 0 {
+            let counts: Vec<i32> = (0..experts)
+                .map(|e| {
+                    if e % 5 == 3 {
+                        0
+                    } else {
+                        rng.random_range(0..=capacity as i32)
+                    }
+                })
+                .collect();
+            Grouping::Masked { capacity, counts }
+        } else {
+            let mut offsets = vec![0i32];
+            for e in 0..experts {
+                let c = if e % 4 == 1 {
+                    0
+                } else {
+                    rng.random_range(0..4)
+                };
+                offsets.push(offsets[e] + c);
+            }
+            Grouping::Contiguous { offsets }
+        };
+        let rows_total = grouping.rows_total();
+        let dg = DeviceGrouping::upload(&gpu, &grouping).unwrap();
+        // Slots: a routed row, -1, or (masked) a padding row; rows may repeat across tokens.
+        let token_rows: Vec<i32> = (0..tokens * topk)
+            .map(|_| match rng.random_range(0..10) {
+                0 => -1,
+                _ if rows_total == 0 => -1,
+                _ => rng.random_range(0..rows_total as i32),
+            })
+            .collect();
+        let special = [
+            0.0f32,
+            -0.0,
+            1e-42,
+            -3e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ];
+        let partial: Vec<f32> = (0..splits * rows_total.max(1) * n)
+            .map(|_| {
+                if rng.random_range(0..64) == 0 {
+                    special[rng.random_range(0..special.len())]
+                } else {
+                    rng.random_range(-4.0f32..4.0) * 2f32.powi(rng.random_range(-20..20))
+                }
+            })
+            .collect();
+        let mut ws = Workspace::new(&gpu, splits, rows_total, n).unwrap();
+        ws.partial = gpu.upload(&partial).unwrap();
+        let gsb: Vec<f32> = (0..experts * n)
+            .map(|_| rng.random_range(0.01f32..3.0))
+            .collect();
+        let w2 = DeviceExpertWeights {
+            experts,
+            n,
+            k: 64,
+            codes: gpu.upload(&[0u8; 1]).unwrap(),
+            scales: gpu.upload(&[0u8; 1]).unwrap(),
+            global: gpu.upload(&gsb).unwrap(),
+        };
+        let gsa: Vec<f32> = (0..rows_total.max(1))
+            .map(|_| rng.random_range(0.001f32..2.0))
+            .collect();
+        let (codes, scales) = (
+            gpu.upload(&[0u8; 1]).unwrap(),
+            gpu.upload(&[0u8; 1]).unwrap(),
+        );
+        let (dgsa, bf) = (gpu.upload(&gsa).unwrap(), gpu.zeros::<bf16>(1).unwrap());
+        let a = if with_gsa {
+            mg::DeviceActivations::Nvfp4 {
+                rows: rows_total,
+                k: 64,
+                codes: &codes,
+                scales: &scales,
+                global: &dgsa,
+            }
+        } else {
+            mg::DeviceActivations::Bf16 {
+                rows: rows_total,
+                k: 64,
+                data: &bf,
+            }
+        };
+        let dtr = gpu.upload(&token_rows).unwrap();
+        let tail = 77;
+        let mut outs = Vec::new();
+        for (kernel, pattern) in [
+            (mg::FinishL2Kernel::Cols, 0xFFu8),
+            (mg::FinishL2Kernel::RowWarps, 0x5A),
+        ] {
+            let mut y = gpu.poisoned::<bf16>(tokens * n + tail, pattern).unwrap();
+            mg::launch_finish_l2_with(&gpu, &ws, &dg, &w2, &a, &dtr, topk, &mut y, kernel)
+                .unwrap_or_else(|e| panic!("{label} {kernel:?}: {e:#}"));
+            gpu.synchronize().unwrap();
+            let y = gpu.download(&y).unwrap();
+            let poison = u16::from_le_bytes([pattern, pattern]);
+            assert!(
+                y[tokens * n..].iter().all(|v| v.to_bits() == poison),
+                "{label} {kernel:?}: wrote past tokens x N (seed {seed})"
+            );
+            outs.push(y);
+        }
+        if let Some(i) = (0..tokens * n).find(|&i| outs[0][i].to_bits() != outs[1][i].to_bits()) {
+            panic!(
+                "{label}: RowWarps vs Cols at token {} col {}: {:#06x} vs {:#06x} (seed {seed})",
+                i / n,
+                i % n,
+                outs[1][i].to_bits(),
+                outs[0][i].to_bits()
+            );
+        }
+        let nan = outs[0][..tokens * n].iter().filter(|v| v.is_nan()).count();
+        eprintln!(
+            "{label}: {} outputs bit-identical ({nan} NaN), seed {seed}",
+            tokens * n
+        );
     }
 }

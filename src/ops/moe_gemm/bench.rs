@@ -18,6 +18,9 @@
 //!   previous L1 finish kernel `FinishL1Kernel::Vec` (one thread per 16-element NVFP4 block, bit-identical
 //!   outputs) instead of the default q4 (the session-7 A/B winner, measured as `nvfp4_finishq4` in the final run
 //!   f24d816). It has no L2 meaning: `moe_gemm_l2` skips it.
+//! * `nvfp4_l2rowwarps` (`moe_gemm_l2` only, session-8 A/B): `nvfp4` with the L2 finish
+//!   `FinishL2Kernel::RowWarps` (one warp per routed row, its split loads all in flight; bit-identical output).
+//!   It has no L1 meaning: `moe_gemm_l1` skips it.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -47,6 +50,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_tma",
     "nvfp4_tma_tiled",
     "nvfp4_finishvec",
+    "nvfp4_l2rowwarps",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -63,6 +67,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_tma"
             | "nvfp4_tma_tiled"
             | "nvfp4_finishvec"
+            | "nvfp4_l2rowwarps"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
     )
@@ -283,6 +288,9 @@ fn row(
 }
 
 fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
+    if variant == "nvfp4_l2rowwarps" {
+        return Ok(vec![]); // an L2 finish variant: nothing to measure in L1
+    }
     let p = Point::new(s, tokens, ctx.seed, 1)?;
     match variant {
         v if is_ours(v) => {
@@ -374,10 +382,25 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4)
                 + p.tokens * p.n * 2;
+            let l2_kernel = if variant == "nvfp4_l2rowwarps" {
+                FinishL2Kernel::RowWarps
+            } else {
+                FinishL2Kernel::default()
+            };
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
+                launch_finish_l2_with(
+                    gpu,
+                    &ws,
+                    &dg,
+                    &w,
+                    &a,
+                    &token_rows,
+                    p.topk,
+                    &mut y,
+                    l2_kernel,
+                )
             })?;
             Ok(vec![row(
                 "moe_gemm_l2",

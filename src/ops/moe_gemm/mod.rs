@@ -726,6 +726,54 @@ pub fn launch_finish_l2(
     topk: usize,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
+    launch_finish_l2_with(
+        gpu,
+        ws,
+        grp,
+        w2,
+        a,
+        token_rows,
+        topk,
+        out,
+        FinishL2Kernel::default(),
+    )
+}
+
+/// Which L2 finish kernel [`launch_finish_l2_with`] runs. Both give the same output bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FinishL2Kernel {
+    /// `moe_gemm_finish_l2_combine_cols`: the loads of a pass (8 rows x 4 splits) and their adds each carry a
+    /// validity predicate, which ptxas interleaves (9.6-10 us at 1 token under ncu, session-8 start run).
+    #[default]
+    Cols,
+    /// `moe_gemm_finish_l2_combine_rowwarps`: grid `tokens x ceil(N / 32)`, one warp per routed row (slot) and
+    /// 32 columns per CTA, each warp's split loads in flight together, then warp 0 combines the slots in routing
+    /// order. Session-8 A/B, bench `nvfp4_l2rowwarps`.
+    RowWarps,
+}
+
+impl FinishL2Kernel {
+    fn name(self) -> &'static str {
+        match self {
+            FinishL2Kernel::Cols => "moe_gemm_finish_l2_combine_cols",
+            FinishL2Kernel::RowWarps => "moe_gemm_finish_l2_combine_rowwarps",
+        }
+    }
+}
+
+/// [`launch_finish_l2`] with an explicit finish kernel (same checks, same output contract).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l2_with(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w2: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    token_rows: &CudaSlice<i32>,
+    topk: usize,
+    out: &mut CudaSlice<bf16>,
+    kernel: FinishL2Kernel,
+) -> Result<()> {
     check_finish(ws, grp, w2)?;
     ensure!(topk >= 1, "moe_gemm L2: topk must be >= 1");
     let tokens = token_rows.len() / topk;
@@ -751,8 +799,13 @@ pub fn launch_finish_l2(
         tokens <= u32::MAX as usize,
         "moe_gemm L2: {tokens} tokens exceed the grid"
     );
-    let name = "moe_gemm_finish_l2_combine_cols";
-    let grid = (tokens as u32, w2.n.div_ceil(THREADS as usize) as u32, 1);
+    let name = kernel.name();
+    // Columns per CTA: one per thread (Cols), one per lane of each slot warp (RowWarps); both 256 threads.
+    let cols_per_cta = match kernel {
+        FinishL2Kernel::Cols => THREADS as usize,
+        FinishL2Kernel::RowWarps => 32,
+    };
+    let grid = (tokens as u32, w2.n.div_ceil(cols_per_cta) as u32, 1);
     let f = gpu.function(FAMILY, name)?;
     let (part, grp_p, gsa, gsb, tr, o) = (
         ptr(gpu, &ws.partial),
