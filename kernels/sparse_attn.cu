@@ -11,12 +11,11 @@
 //   sparse_attn_decode_fp8_v11     the FP8 path (bench variant "fp8", Path::Fp8) since session 7: v6's prologue and
 //                                  main loop, with a small epilogue (finish_staged: rope cos / sin once per CTA,
 //                                  the finished output stored through shared memory in whole 16-byte chunks);
-//                                  bit-identical to v6.
-//   sparse_attn_decode_fp8_v6      the FP8 path before (bench "fp8_v6", Path::Fp8V6; kept for one run): QK^T and
-//                                  P.V on wgmma, the next tile's dequant overlapped with QK^T (the v5 main loop,
-//                                  design notes above load_raw_regs), behind a cheaper q prologue than v5's (q codes
-//                                  by x * 2^-k instead of x / 2^k, the same value; tile 0's loads issued before the
-//                                  q quantization); notes above decode_fp8_body.
+//                                  bit-identical to v6 (the removed previous kernel: QK^T and P.V on wgmma, the next
+//                                  tile's dequant overlapped with QK^T (the v5 main loop, design notes above
+//                                  load_raw_regs), behind a cheaper q prologue than v5's (q codes by x * 2^-k instead
+//                                  of x / 2^k, the same value; tile 0's loads issued before the q quantization);
+//                                  notes above decode_fp8_body).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
@@ -84,6 +83,8 @@
 //     two barriers to CTAs of one or two tiles.
 //   v10 (v9 with v7's rolled prologue): 147.1 / 78.8 / 52.8.
 // v11 = v9 for one split, v6's direct partial stores for split plans.
+// Session 8: the v6 entry point (sparse_attn_decode_fp8_v6, bench "fp8_v6") was removed after v11 won in two runs
+// (results/h200/session7-ab; PERF-LOG "Session 7"); finish() stays as the BF16 baseline's epilogue.
 // Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
 // 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
 // tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate.
@@ -445,9 +446,9 @@ __device__ __forceinline__ void store_split_partial(const WarpState& st, const D
     }
 }
 
-// Final step of a v6 CTA (sparse_attn_decode_fp8_v6, kept one run beside v11; its split branch is
-// store_split_partial's code, inline): full row sums, then either the finished output (sink, 1/Z, inverse RoPE,
-// BF16) or the split partial (O/l, lse = m + log2 l).
+// Final step of a BF16 baseline CTA (sparse_attn_decode_bf16; also the epilogue of the removed FP8 v6 kernel; its
+// split branch is store_split_partial's code, inline): full row sums, then either the finished output (sink, 1/Z,
+// inverse RoPE, BF16) or the split partial (O/l, lse = m + log2 l).
 __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float* red_sum, int b, int hg, int split,
                                        int wm, int wh, int g, int tq) {
     float l[2];
@@ -656,9 +657,7 @@ constexpr int kV5RedMax = kV5P + kV4PswBytes;
 constexpr int kV5RedSum = kV5RedMax + kRedBytes;
 constexpr int kV5Idx = kV5RedSum + kRedBytes;           // 4 slots of 64 indices
 constexpr int kV5Bytes = kV5Idx + 4 * kBlockN * 4;      // 206848
-constexpr int kV5SmemBytes = kV5Bytes + 1024;
-static_assert(kV5SmemBytes == 207872, "mirror FP8_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
-// v11 (decode_fp8_body<true>): the v6 map plus the rope cos / sin table (32 float2) of finish_staged.
+// v11 (decode_fp8_body): the v6 map plus the rope cos / sin table (32 float2) of finish_staged.
 constexpr int kV11RopeCs = kV5Bytes;
 constexpr int kV11SmemBytes = kV11RopeCs + 32 * 8 + 1024;
 static_assert(kV11SmemBytes == 208128, "mirror FP8_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
@@ -1099,8 +1098,8 @@ extern "C" __global__ void __launch_bounds__(128, 6) sparse_attn_combine_v2_h4(S
 namespace sa {
 
 // =============================================================================================================
-// v6 body (sparse_attn_decode_fp8_v6, the FP8 path: Path::Fp8, bench "fp8"): the removed v5 body with a cheaper
-// prologue, same values bit for bit (same main loop and epilogue: finish() writes `out` or the split partials):
+// v6 body (the removed sparse_attn_decode_fp8_v6; its prologue and main loop are v11's): the removed v5 body with a
+// cheaper prologue, same values bit for bit (same main loop and epilogue: finish() writes `out` or the split partials):
 //   * q codes by multiplication: e4m3(x / s) with s = 2^(c-127) the UE8M0 scale (code c in 1..254, from
 //     ue8m0_pow2_scale_for) equals e4m3(x * 2^(127-c)): x / 2^k and x * 2^-k are the same real number, and both
 //     IEEE operations round it once to nearest-even (no FTZ in this build), so the f32 inputs of the e4m3
@@ -1130,11 +1129,9 @@ __device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]
     return r;
 }
 
-// The FP8 decode body. <false>: v6 (sparse_attn_decode_fp8_v6, the default until session 7). <true>: v11
-// (sparse_attn_decode_fp8_v11, the default), the same values bit for bit with the code executed once per warp small:
-// the rope cos / sin table of the query position (32 pairs) is computed once per CTA into rope_cs (kV11RopeCs) for
-// finish_staged (see there).
-template <bool kStagedEpilogue>
+// The FP8 decode body of v11 (sparse_attn_decode_fp8_v11, the default): v6's prologue and main loop, the same values
+// bit for bit as v6 with the code executed once per warp small: the rope cos / sin table of the query position
+// (32 pairs) is computed once per CTA into rope_cs (kV11RopeCs) for finish_staged (see there).
 __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     extern __shared__ __align__(16) uint8_t smem_unaligned[];
     uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
@@ -1168,12 +1165,10 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     }
     RawRegs rr;
     if (n_it > 0) load_raw_regs(rr, a.pool, resolve_candidate(a, b, len, t_begin * kBlockN + de), dq, dodd);
-    if constexpr (kStagedEpilogue) {
-        if (a.n_splits == 1 && tid < 32) {
-            float sn, cs;
-            sincosf(__fmul_rn(static_cast<float>(a.positions[b]), __ldg(a.freqs + tid)), &sn, &cs);
-            reinterpret_cast<float2*>(smem + kV11RopeCs)[tid] = make_float2(cs, sn);
-        }
+    if (a.n_splits == 1 && tid < 32) {
+        float sn, cs;
+        sincosf(__fmul_rn(static_cast<float>(a.positions[b]), __ldg(a.freqs + tid)), &sn, &cs);
+        reinterpret_cast<float2*>(smem + kV11RopeCs)[tid] = make_float2(cs, sn);
     }
     {
 #pragma unroll
@@ -1280,25 +1275,16 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
         wgmma_wait_all();
         fence_acc_o(st.o);
     }
-    if constexpr (kStagedEpilogue) {
-        finish_staged(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV11RopeCs), smem + kV5Vt, b, hg, split,
-                      wm, wh, g, tq, tid);
-    } else {
-        finish(st, a, red_sum, b, hg, split, wm, wh, g, tq);
-    }
+    finish_staged(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV11RopeCs), smem + kV5Vt, b, hg, split, wm,
+                  wh, g, tq, tid);
 }
 
 }  // namespace sa
 
-// grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kV5SmemBytes. The FP8 path (Path::Fp8, bench "fp8"):
-// the v6 body; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for sparse_attn_combine (exactly
-// as the removed sparse_attn_decode_fp8_v5 did: the same finish()). Measured bit-identical to v5 until its removal.
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v6(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<false>(SA_DECODE_ARGS);
-}
-
-// The FP8 path (Path::Fp8, bench "fp8") since the session-7 A/B: same grid and outputs as sparse_attn_decode_fp8_v6
-// (bit-identical), dynamic smem sa::kV11SmemBytes; decode_fp8_body<true> (v6's prologue and main loop, finish_staged).
+// The FP8 path (Path::Fp8, bench "fp8") since the session-7 A/B. grid (heads/64, n_splits, batch), block 256, dynamic
+// smem sa::kV11SmemBytes; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for the combine. Same
+// outputs as the removed sparse_attn_decode_fp8_v6 (bit-identical in the session-7 GPU tests); decode_fp8_body (v6's
+// prologue and main loop, finish_staged).
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v11(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<true>(SA_DECODE_ARGS);
+    sa::decode_fp8_body(SA_DECODE_ARGS);
 }

@@ -39,7 +39,8 @@
 //! one warp-uniform rope branch, the finished output stored through shared memory in whole 16-byte chunks);
 //! bit-identical to v6. v6's epilogue was ~7,900 straight-line SASS instructions executed once per warp, 26% of the
 //! Pro batch-128 stall samples, mostly instruction fetch. A/B run 2: Pro b128 199.0 -> 145.6 us (the v11 epilogue's
-//! one-split path), Pro b64 94.8 -> 77.5, Flash b128 70.1 -> 52.3. [`Path::Fp8V6`] (`fp8_v6`) keeps v6 measurable.
+//! one-split path), Pro b64 94.8 -> 77.5, Flash b128 70.1 -> 52.3. The v6 path (`Fp8V6`, bench variant `fp8_v6`)
+//! was removed in session 8 after v11 won in two runs.
 
 pub mod exec;
 pub mod reference;
@@ -65,10 +66,6 @@ const FP8_SMEM_BYTES: u32 = 208_128;
 /// Entry point of the FP8 path since the session-7 A/B (v11: v6's prologue and main loop, an epilogue that is small
 /// and stores the finished output in whole 16-byte chunks; bit-identical to v6).
 const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v11";
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v6` (mirrors `sa::kV5SmemBytes`).
-const FP8_V6_SMEM_BYTES: u32 = 207_872;
-/// Entry point of [`Path::Fp8V6`], the FP8 path before the session-7 A/B (kept measurable for one run).
-const FP8_V6_KERNEL: &str = "sparse_attn_decode_fp8_v6";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -172,7 +169,7 @@ impl SplitPlan {
     /// [`SplitPlan::by_cost_v6`]; the baseline keeps [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8V6 => SplitPlan::fp8_default(sm_count, shape),
+            Path::Fp8 => SplitPlan::fp8_default(sm_count, shape),
             Path::Fp8OldCombine | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
             Path::Fp8ParallelCombineRefit => SplitPlan::by_cost_v6(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
@@ -317,7 +314,6 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    decode_fp8_v6: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
     /// `sparse_attn_combine_v2`, `_h2`, `_h4` (1, 2, 4 heads per thread), indexed by [`combine_v2_variant`].
@@ -330,7 +326,6 @@ impl Kernels {
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
-            decode_fp8_v6: with_smem(FP8_V6_KERNEL, FP8_V6_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
             combine_v2: [
@@ -442,7 +437,7 @@ pub const PARALLEL_COMBINE_MIN_SPLITS: usize = 3;
 /// (no combine runs) and for the baseline (it keeps the old combine).
 pub fn fp8_combine(path: Path, n_splits: usize) -> bool {
     match path {
-        Path::Fp8 | Path::Fp8V6 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
+        Path::Fp8 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
         Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => true,
         Path::Fp8OldCombine | Path::Bf16Staging => false,
     }
@@ -458,10 +453,6 @@ pub enum Path {
     /// 3 splits, `sparse_attn_combine` at 2). Its epilogue computes the rope once per CTA and stores the finished
     /// output through shared memory (see the module notes). Bench variant `fp8`.
     Fp8,
-    /// [`Path::Fp8`] (same plan, same combine routing, the same output bits) with `sparse_attn_decode_fp8_v6`, the
-    /// FP8 kernel before the session-7 A/B (its once-per-warp epilogue: ~7,900 straight-line SASS instructions).
-    /// Bench variant `fp8_v6`, kept for one run beside the new default.
-    Fp8V6,
     /// The default before the session-5 A/B: the same decode kernel, plan [`SplitPlan::by_cost`], every split
     /// merged by `sparse_attn_combine` (one warp per head). Bench variant `fp8_oldcombine`.
     Fp8OldCombine,
@@ -526,11 +517,6 @@ pub fn decode(
     }
 
     let (name, smem, f) = match path {
-        Path::Fp8V6 => (
-            FP8_V6_KERNEL,
-            FP8_V6_SMEM_BYTES,
-            ws.kernels.decode_fp8_v6.clone(),
-        ),
         Path::Fp8
         | Path::Fp8OldCombine
         | Path::Fp8ParallelCombine
@@ -553,7 +539,6 @@ pub fn decode(
         b.arg(inp.q);
         match path {
             Path::Fp8
-            | Path::Fp8V6
             | Path::Fp8OldCombine
             | Path::Fp8ParallelCombine
             | Path::Fp8ParallelCombineRefit => b.arg(inp.pool).arg(&null),
@@ -721,7 +706,6 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
         Path::Fp8
-        | Path::Fp8V6
         | Path::Fp8OldCombine
         | Path::Fp8ParallelCombine
         | Path::Fp8ParallelCombineRefit => b * l * ENTRY_BYTES as u64,
@@ -735,15 +719,14 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
 /// split plan and combine routing) and `bf16_staging` (the baseline). Retired after the H200 A/B runs: `fp8_v3` / `fp8_v4` (v5 became
 /// `fp8`), then `fp8_fused` / `fp8_fused_v6` (in-kernel split merge) and `fp8_pdl` (combine launched by PDL), and
 /// after the session-4 final run `fp8_v5` (v6 became `fp8`); after the session-7 A/B runs `fp8_compact` (v7),
-/// `fp8_compact_split` (v8), `fp8_staged` (v9) and `fp8_compact_staged` (v10) (v11 became `fp8`).
+/// `fp8_compact_split` (v8), `fp8_staged` (v9) and `fp8_compact_staged` (v10) (v11 became `fp8`); in session 8
+/// `fp8_v6` (v11 won in two runs).
 pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Forcing variants that keep
 /// the session-5 A/B measurable: `fp8_oldcombine` ([`Path::Fp8OldCombine`], the previous default),
 /// `fp8_pcombine` ([`Path::Fp8ParallelCombine`]) and `fp8_pcombine_refit` ([`Path::Fp8ParallelCombineRefit`]).
-/// `fp8_v6` ([`Path::Fp8V6`]) is the FP8 kernel before the session-7 A/B, kept for one run.
-pub const BENCH_VARIANTS: [&str; 6] = [
+pub const BENCH_VARIANTS: [&str; 5] = [
     "fp8",
-    "fp8_v6",
     "fp8_oldcombine",
     "fp8_pcombine",
     "fp8_pcombine_refit",
@@ -754,7 +737,6 @@ pub const BENCH_VARIANTS: [&str; 6] = [
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
-        "fp8_v6" => Path::Fp8V6,
         "fp8_oldcombine" => Path::Fp8OldCombine,
         "fp8_pcombine" => Path::Fp8ParallelCombine,
         "fp8_pcombine_refit" => Path::Fp8ParallelCombineRefit,
