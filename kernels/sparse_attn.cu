@@ -466,7 +466,8 @@ __device__ __forceinline__ void store_split_partial(const WarpState& st, const D
 //     store_split_partial uses for it.
 //   * Values: each product o * inv is computed by the lane that owns o, with the row's own inv (inv_g for o[nt][0..1],
 //     inv_g8 for o[nt][2..3]), exactly store_split_partial's FMUL on the same operands; the shuffle moves the f32 bits
-//     unchanged. So part_o is bit-identical to v11's, and part_lse is store_split_partial's statement.
+//     unchanged. So part_o is bit-identical to v11's, and part_lse is store_split_partial's statement. CPU mirror of
+//     the mapping: tests/sparse_attn.rs `paired_split_store_lane_mapping`.
 //   * Coalescing: per warp instruction, lanes 4g + {0, 2} write row g's 32 contiguous bytes 256 wh + 8 nt .. + 7 and
 //     lanes 4g + {1, 3} row g + 8's: 16 full 32-byte sectors, the same sectors v11's two STG.64 instructions cover.
 //   * Shuffles are warp-wide with every lane active: finish_staged is reached by all threads (no early exit).
@@ -1158,10 +1159,10 @@ namespace sa {
 // Split-KV merge v3 (Path::Fp8V12Combine3, bench "fp8_v12_combine3"; entry points sparse_attn_combine_v3 and _h2 with
 // the grids, blocks and heads per thread of v2 and v2_h2): combine_v2_body's values bit for bit with a shorter
 // dependency chain, for plans whose splits all fit the first load chunk (3..8 splits, n_splits <= kChunk = 8 / kHeads:
-// Pro b4 .. b16, Flash b16 / b32; otherwise the host launches combine_v2: sparse_attn::combine_v3_fits). The
-// session-7 Pro b8 profile had 39% of v2's
-// samples on the first use of its second, lane-strided lse pass (a reload issued behind the chunk's loads), followed
-// by two 5-step shuffle butterflies per head before the first weight. Here:
+// Pro b4 .. b16, Flash b16 / b32; otherwise the host launches combine_v2: sparse_attn::combine_v3_fits). v2 already
+// issues the chunk's O and lse loads first; the session-7 Pro b8 profile had 39% of its samples on the first use of its
+// second, lane-strided lse pass (a reload of the same lines, queued behind the chunk's loads), which then feeds two
+// 5-step shuffle butterflies per head before the first weight. Here:
 //   * the chunk's lse loads are issued first, then its partial-O loads (neither depends on anything computed);
 //   * the merge statistics come from the lse values already in registers (every thread holds all n_splits of them):
 //     m_parts = fmaxf over them from -inf: v2's lane-strided max + xor butterfly is the same maximum (max is exact in
@@ -1171,7 +1172,7 @@ namespace sa {
 //     the steps 16 and 8 add +0 (lanes 8..31 hold +0): x + (+0) == x for every x >= +0 (w = exp2f(.) is never -0),
 //     so lane 0 ends with ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)) with w_i = +0 for i >= n_splits, and
 //     every lane holds that value (each butterfly step adds the same two values in swapped order, a + b == b + a).
-//     The same holds for kChunk 4 / 2 (w_4.. = +0). z = exp2f(sink2 - m_all) + zl as in v2;
+//     The same holds for kChunk 4 (_h2: w_4.. = +0; CPU mirror: combine_v3_sum_tree_equals_v2_butterfly). z = exp2f(sink2 - m_all) + zl as in v2;
 //   * the weighted sum is v2's loop: acc = fma(w_i, o_i, acc) in split order from 0.f, with w_i the same exp2f of the
 //     same operands (computed once here, twice in v2: the same bits); then v2's 1/z, inverse RoPE and BF16 store.
 template <int kHeads>
