@@ -1133,67 +1133,6 @@ fn gpu_combine_v2_bit_identical_to_combine() {
     }
 }
 
-/// The FP8 path (Path::Fp8, `sparse_attn_decode_fp8_v11` since session 7: v6's prologue and main loop with a small
-/// epilogue that stores the finished output through shared memory) against Path::Fp8V6 (`sparse_attn_decode_fp8_v6`,
-/// the kernel before): the same plan, outputs equal bit for bit (the per-CTA rope table and the staged stores change
-/// no operation, see finish_staged), and within tolerance of the CPU reference. 64 and 128 heads, lengths 0 / 1 /
-/// 127 / 129 / 200 / 640 / 1152 with -1 holes, random query positions below 1M (the rope angles reach sincosf's
-/// slow path); plans: one split (the staged epilogue with the rope), 1 / 2 / 3 tiles per split (direct split
-/// partials + combine), the default plan; and HCA 8320 candidates under the default plan and one split. (The
-/// session-7 A/B candidates v7 / v8 / v9 / v10 passed the same comparison on the H200 before their removal.)
-#[test]
-fn gpu_decode_fp8_bit_identical_to_v6() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_bit_identical_to_v6") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_bit_identical_to_v6", 0xC0A7);
-    let sms = gpu.info.sm_count as usize;
-    let problems = [
-        HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true),
-        HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true),
-        HostProblem::random(&mut rng, 64, &[8320, 640], true),
-    ];
-    for hp in &problems {
-        let shape = hp.shape();
-        let r = fp8_reference(hp);
-        let dp = DeviceProblem::upload(&gpu, hp);
-        let mut plans = vec![
-            (
-                "single split".to_string(),
-                SplitPlan::with_tiles_per_split(&shape, 1000).unwrap(),
-            ),
-            (
-                "fp8_default".to_string(),
-                SplitPlan::for_path(sms, &shape, Path::Fp8),
-            ),
-        ];
-        if shape.stride <= 1152 {
-            for t in [1usize, 2, 3] {
-                plans.push((
-                    format!("{t} tiles per split"),
-                    SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
-                ));
-            }
-        }
-        for (name, plan) in plans {
-            let label = format!("h{} lengths {:?} {name} {plan:?}", hp.heads, hp.lengths);
-            let v6 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8V6);
-            let v11 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
-            let v11_f64: Vec<f64> = v11.iter().map(|v| v.to_f64()).collect();
-            assert_within_reference(&format!("{label}: Fp8 vs reference"), &shape, &v11_f64, &r);
-            assert_same_bits(
-                &format!("{label}: Fp8 (v11) vs Fp8V6 (\"first call\" = v6)"),
-                &shape,
-                &v6,
-                &v11,
-            );
-            println!(
-                "{label}: Fp8 (v11) bit-identical to Fp8V6 and within the reference tolerance"
-            );
-        }
-    }
-}
-
 /// Path::Fp8 as a replayed CUDA graph (decode + combine when split): outputs and partials poisoned before each of
 /// 4 replays, each bit-identical to a plain (not captured) Path::Fp8 call on the same plan, which is itself held
 /// to the CPU reference.
@@ -1587,7 +1526,11 @@ fn bench_config_and_split_plans() {
         bench_path(v).unwrap();
     }
     assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
-    assert_eq!(bench_path("fp8_v6").unwrap(), Path::Fp8V6);
+    assert_eq!(bench_path("fp8_v12").unwrap(), Path::Fp8V12);
+    assert_eq!(
+        bench_path("fp8_v12_combine3").unwrap(),
+        Path::Fp8V12Combine3
+    );
     assert_eq!(bench_path("fp8_oldcombine").unwrap(), Path::Fp8OldCombine);
     assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
     assert_eq!(
@@ -1609,6 +1552,7 @@ fn bench_config_and_split_plans() {
         "fp8_compact_split",
         "fp8_staged",
         "fp8_compact_staged",
+        "fp8_v6",
     ] {
         assert!(
             bench_path(retired).is_err(),
@@ -1943,6 +1887,256 @@ fn exec_entry_validates_arguments_and_matches_reference() {
         assert!(
             err.contains(expect),
             "{what}: error `{err}` does not mention `{expect}`"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Session-8 A/B candidates: Path::Fp8V12 (`sparse_attn_decode_fp8_v12`, split partials stored as 16-byte chunks
+// through a lane-pair shuffle) and Path::Fp8V12Combine3 (v12 + `sparse_attn_combine_v3*`, merge statistics from
+// the first load chunk's registers), both bit-identical to Path::Fp8 by construction (identities in the kernel
+// comments above store_split_partial_paired and combine_v3_body).
+// ---------------------------------------------------------------------------------------------------------
+
+/// CPU mirror of store_split_partial_paired's lane mapping: for every lane (g, tq) of a warp and every n-tile, the
+/// fragment values (row g / g + 8, dims 8 nt + 2 tq, +1 of the warp group's 256) go through the xor-1 exchange and
+/// land at the float offset the kernel stores them to. Every (row, dim) must be written exactly once, with the value
+/// its owner lane computed (v11's direct store writes value (row, dim) at row * 512 + dim), and every 16-byte store
+/// must be 16-byte aligned.
+#[test]
+fn paired_split_store_lane_mapping() {
+    let mut rng = seeded("paired_split_store_lane_mapping", 0x5712);
+    for wh in 0..2usize {
+        // frag[lane][nt][i]: O fragment of lane (g = lane / 4, tq = lane % 4), already multiplied by its row's inv.
+        let frag: Vec<Vec<[f32; 4]>> = (0..32)
+            .map(|_| {
+                (0..32)
+                    .map(|_| std::array::from_fn(|_| rng.random_range(-4.0f32..4.0)))
+                    .collect()
+            })
+            .collect();
+        // Row-major image of the warp's 16 rows x 512 dims, as v11 writes it.
+        let mut want = vec![f32::NAN; 16 * 512];
+        for (lane, lane_frag) in frag.iter().enumerate() {
+            let (g, tq) = (lane / 4, lane % 4);
+            for (nt, f) in lane_frag.iter().enumerate() {
+                let d = 256 * wh + 8 * nt + 2 * tq;
+                want[g * 512 + d] = f[0];
+                want[g * 512 + d + 1] = f[1];
+                want[(g + 8) * 512 + d] = f[2];
+                want[(g + 8) * 512 + d + 1] = f[3];
+            }
+        }
+        let mut got = vec![f32::NAN; 16 * 512];
+        let mut writes = vec![0u32; 16 * 512];
+        for nt in 0..32 {
+            // The value each lane sends: the odd lane its row-g pair, the even lane its row-g+8 pair.
+            let send: Vec<[f32; 2]> = frag
+                .iter()
+                .enumerate()
+                .map(|(lane, lane_frag)| {
+                    let f = lane_frag[nt];
+                    if lane % 2 == 1 {
+                        [f[0], f[1]]
+                    } else {
+                        [f[2], f[3]]
+                    }
+                })
+                .collect();
+            for (lane, lane_frag) in frag.iter().enumerate() {
+                let (g, tq) = (lane / 4, lane % 4);
+                let odd = tq % 2 == 1;
+                let recv = send[lane ^ 1];
+                let f = lane_frag[nt];
+                let chunk = if odd {
+                    [recv[0], recv[1], f[2], f[3]]
+                } else {
+                    [f[0], f[1], recv[0], recv[1]]
+                };
+                let row = g + if odd { 8 } else { 0 };
+                let offset = 256 * wh + 4 * (tq >> 1) + 8 * nt; // floats, as the kernel's dst[2 * nt]
+                assert_eq!(
+                    (row * 512 + offset) % 4,
+                    0,
+                    "lane {lane} nt {nt}: 16-byte store misaligned"
+                );
+                for (k, &v) in chunk.iter().enumerate() {
+                    got[row * 512 + offset + k] = v;
+                    writes[row * 512 + offset + k] += 1;
+                }
+            }
+        }
+        for row in 0..16 {
+            for d in 0..512 {
+                let i = row * 512 + d;
+                let ours = (256 * wh..256 * wh + 256).contains(&d);
+                assert_eq!(
+                    writes[i],
+                    u32::from(ours),
+                    "wh {wh} row {row} dim {d}: written {} times",
+                    writes[i]
+                );
+                if ours {
+                    assert_eq!(
+                        got[i].to_bits(),
+                        want[i].to_bits(),
+                        "wh {wh} row {row} dim {d}: paired store {} vs direct {}",
+                        got[i],
+                        want[i]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// CPU mirror of combine_v3_body's sum of weights: for n_splits <= 8, v2's lane-strided sum (lane l starts from
+/// 0.0 + w_l, or 0.0) followed by the xor butterfly 16, 8, 4, 2, 1 in f32 gives, in every lane, the same bits as
+/// the spelled-out tree ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)) with w_i = 0 beyond n_splits. Weights are
+/// exp2 of random non-positive exponents (the kernel's w = exp2f(lse - m_all) <= 1), including 0, subnormals and 1.
+#[test]
+fn combine_v3_sum_tree_equals_v2_butterfly() {
+    let mut rng = seeded("combine_v3_sum_tree_equals_v2_butterfly", 0x7BEE);
+    for trial in 0..20_000 {
+        let n = 1 + trial % 8;
+        let w: Vec<f32> = (0..n)
+            .map(|_| match rng.random_range(0..10) {
+                0 => 0.0,
+                1 => 1.0,
+                2 => (-rng.random_range(126.0f32..149.0)).exp2(), // subnormal range
+                _ => (-rng.random_range(0.0f32..40.0)).exp2(),
+            })
+            .collect();
+        let mut lanes: Vec<f32> = (0..32)
+            .map(|l| if l < n { 0.0f32 + w[l] } else { 0.0 })
+            .collect();
+        for o in [16usize, 8, 4, 2, 1] {
+            let prev = lanes.clone();
+            for (l, v) in lanes.iter_mut().enumerate() {
+                *v = prev[l] + prev[l ^ o];
+            }
+        }
+        let wt = |i: usize| if i < n { w[i] } else { 0.0f32 };
+        let tree = ((wt(0) + wt(4)) + (wt(2) + wt(6))) + ((wt(1) + wt(5)) + (wt(3) + wt(7)));
+        for (l, v) in lanes.iter().enumerate() {
+            assert_eq!(
+                v.to_bits(),
+                tree.to_bits(),
+                "trial {trial}: n {n} weights {w:?}: lane {l} butterfly {v} vs tree {tree}"
+            );
+        }
+    }
+}
+
+/// Path::Fp8V12Combine3 merges with combine_v3 exactly where Path::Fp8 takes combine_v2 and every split fits one
+/// load chunk (3..=8 splits); the Pro batch-8 target point (6 splits on 132 SMs) is one of them.
+#[test]
+fn combine_v3_routing() {
+    use megamoe::ops::sparse_attn::{combine_v3_fits, fp8_combine};
+    for n in 1usize..=200 {
+        assert_eq!(combine_v3_fits(n), (3..=8).contains(&n), "n_splits {n}");
+        if combine_v3_fits(n) {
+            assert!(fp8_combine(Path::Fp8, n), "n_splits {n}: fp8 takes v2");
+        }
+        assert_eq!(
+            fp8_combine(Path::Fp8V12Combine3, n),
+            fp8_combine(Path::Fp8, n),
+            "n_splits {n}"
+        );
+        assert_eq!(
+            fp8_combine(Path::Fp8V12, n),
+            fp8_combine(Path::Fp8, n),
+            "n_splits {n}"
+        );
+    }
+    let pro_b8 = DecodeShape {
+        batch: 8,
+        heads: 128,
+        stride: 1152,
+        n_entries: 8 * 1152,
+    };
+    let plan = SplitPlan::for_path(132, &pro_b8, Path::Fp8V12Combine3);
+    assert_eq!(plan, SplitPlan::for_path(132, &pro_b8, Path::Fp8));
+    assert!(
+        combine_v3_fits(plan.n_splits),
+        "Pro b8 plan {plan:?} should merge with combine_v3"
+    );
+}
+
+/// Path::Fp8V12 and Path::Fp8V12Combine3 against Path::Fp8 (v11 + its combine routing) bit for bit, and all three
+/// within tolerance of the CPU reference, outputs and split partials poisoned before every call. 64 and 128 heads;
+/// lengths with -1 holes, empty sequences (0) and a batch of empty sequences only; lists of 18 tiles (Flash / Pro
+/// lengths) and of 8 tiles. Plans: one split (v11's staged epilogue in both kernels), 1..=6 tiles per split (18 tiles:
+/// 18 / 9 / 6 / 5 / 4 / 3 splits; 8 tiles: 8 / 4 / 3 / 2 splits, so combine_v3 runs at 3, 4, 5, 6 and 8 splits and
+/// with 1 and 2 heads per thread, combine_v2 behind Fp8V12Combine3 at 9 and 18, the old combine at 2) and the default.
+#[test]
+fn gpu_decode_fp8_v12_and_combine3_bit_identical_to_fp8() {
+    let Some(gpu) = gpu_for_test("gpu_decode_fp8_v12_and_combine3_bit_identical_to_fp8") else {
+        return;
+    };
+    use megamoe::ops::sparse_attn::combine_v3_fits;
+    let mut rng = seeded(
+        "gpu_decode_fp8_v12_and_combine3_bit_identical_to_fp8",
+        0x5E8,
+    );
+    let sms = gpu.info.sm_count as usize;
+    let problems = [
+        HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true),
+        HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true),
+        HostProblem::random(&mut rng, 64, &[500, 0, 64, 65, 333, 448], true),
+        HostProblem::random(&mut rng, 128, &[512, 7, 0, 257], true),
+        HostProblem::random(&mut rng, 64, &[0, 0], false),
+    ];
+    let mut v3_splits = std::collections::BTreeSet::new();
+    for hp in &problems {
+        let shape = hp.shape();
+        let r = fp8_reference(hp);
+        let dp = DeviceProblem::upload(&gpu, hp);
+        let mut plans = vec![
+            (
+                "single split".to_string(),
+                SplitPlan::with_tiles_per_split(&shape, 1000).unwrap(),
+            ),
+            (
+                "fp8_default".to_string(),
+                SplitPlan::for_path(sms, &shape, Path::Fp8),
+            ),
+        ];
+        for t in 1usize..=6 {
+            plans.push((
+                format!("{t} tiles per split"),
+                SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
+            ));
+        }
+        for (name, plan) in plans {
+            let label = format!("h{} lengths {:?} {name} {plan:?}", hp.heads, hp.lengths);
+            let fp8 = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+            for path in [Path::Fp8V12, Path::Fp8V12Combine3] {
+                let got = run_path_poisoned(&gpu, &dp, &shape, plan, path);
+                let got_f64: Vec<f64> = got.iter().map(|v| v.to_f64()).collect();
+                assert_within_reference(
+                    &format!("{label}: {path:?} vs reference"),
+                    &shape,
+                    &got_f64,
+                    &r,
+                );
+                assert_same_bits(
+                    &format!("{label}: {path:?} vs Fp8 (\"first call\" = Fp8)"),
+                    &shape,
+                    &fp8,
+                    &got,
+                );
+            }
+            if plan.n_splits > 1 && combine_v3_fits(plan.n_splits) {
+                v3_splits.insert(plan.n_splits);
+            }
+            println!("{label}: Fp8V12 and Fp8V12Combine3 bit-identical to Fp8, within the reference tolerance");
+        }
+    }
+    for n in [3usize, 4, 5, 6, 8] {
+        assert!(
+            v3_splits.contains(&n),
+            "combine_v3 never ran at {n} splits (ran at {v3_splits:?})"
         );
     }
 }
