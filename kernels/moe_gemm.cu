@@ -42,13 +42,14 @@
 //   memory while the current step computes, then converted smem -> smem; the weights wait in ONE register stage
 //   that is refilled chunk by chunk as the compute consumes it, so the 1- and 2-token-tile entries fit 80
 //   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
-// * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_vec / moe_gemm_finish_l2_combine_cols: all split loads of a
+// * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_q4 / moe_gemm_finish_l2_combine_cols: all split loads of a
 //   column issued together, columns spread over many CTAs.
-//   Since the session-7 final run (f24d816) the L1 default is moe_gemm_finish_l1_swiglu_nvfp4_q4 = the _vec finish's
-//   pass 1 (shared code) + an NVFP4 pass with 4 elements per thread (bit-identical outputs; FinishL1Kernel::Q4).
-//   Flash L1, us, _vec / _q4: 1 token 41.86 / 39.14, 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token
-//   84.45 / 82.24; the finish alone (ncu, 1 token) 7.7-7.9 / 6.1-6.2. _vec stays one run (FinishL1Kernel::Vec,
-//   bench variant nvfp4_finishvec).
+//   The L1 default since the session-7 final run (f24d816) is moe_gemm_finish_l1_swiglu_nvfp4_q4 (FinishL1Kernel::Q4):
+//   pass 1 (split sums, SwiGLU, row amax) + an NVFP4 pass with 4 elements per thread. It replaced
+//   moe_gemm_finish_l1_swiglu_nvfp4_vec (same pass 1, one thread per 16-element block in pass 2, bit-identical
+//   outputs; removed in session 8 after two H200 runs). Flash L1, us, _vec / _q4: 1 token 41.86 / 39.14, 8 tokens
+//   180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone (ncu, 1 token) 7.7-7.9 /
+//   6.1-6.2.
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
@@ -544,7 +545,7 @@ __device__ __forceinline__ void reduce_splits4_gate_up(const float* partial, int
 // thread owns 4 consecutive columns per pass (float4 loads of the splits and gsb: I / 2048 passes, i.e. one memory
 // round trip at I = 2048, instead of I / 256). Requires I % 16 == 0 (so I % 4 == 0 and every float4 is 16-byte aligned).
 //
-// Pass 1, shared by both L1 finish entries (one source, so the two cannot drift apart): h of the CTA's row into
+// Pass 1, shared by the L1 finish entries (one source, so they cannot drift apart): h of the CTA's row into
 // s_h (and h_out), the row amax, the global scale gs (written to h_gs[row]). Returns gs; ends after a barrier, so
 // s_h is complete for the caller's quantization pass. s_red: 32 floats (block_max).
 __device__ __forceinline__ float finish_l1_swiglu_to_smem(
@@ -587,40 +588,13 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
     return gs;
 }
 
-// The L1 finish before the session-7 final run (FinishL1Kernel::Vec, bench nvfp4_finishvec, kept one run): pass 1
-// above, then pass 2 with one thread per 16-element NVFP4 block (I / 16 threads).
-extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_vec(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
-    extern __shared__ float s_h[];
-    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
-    Grouping grp{group, capacity, experts, rows_total};
-    const int row = blockIdx.x;
-    const float gs =
-        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red);
-    const int blocks = I / 16;
-    for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
-        float bmax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) bmax = fmaxf(bmax, fabsf(s_h[b * 16 + i]));
-        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
-        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
-        h_scales[(size_t)row * blocks + b] = sc;
-        uint32_t packed[2] = {0, 0};
-#pragma unroll
-        for (int i = 0; i < 16; ++i) packed[i >> 3] |= (uint32_t)mm::nvfp4_element(s_h[b * 16 + i], scale) << (4 * (i & 7));
-        uint2 v = make_uint2(packed[0], packed[1]);
-        *reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2) + b * 8) = v;
-    }
-}
-
 // The L1 finish (FinishL1Kernel::Q4, the default since the session-7 final run): the same pass 1, then a parallel
-// pass 2. In the _vec pass 2 only I / 16 threads (128 of 512 at I = 2048) work, each a serial chain of 16 shared
-// loads (16 floats apart across lanes: a 16-way bank conflict), the block scale and 16 IEEE divisions. Here every
-// thread quantizes 4 consecutive elements (chunk c = elements 4c..4c+3, one conflict-free float4 load) and the 4
-// lanes of one 16-block cooperate.
-// Outputs are bit-identical to _vec (h, h_out and gs come from the shared pass 1; for pass 2):
+// pass 2. In the pass 2 of the removed _vec finish only I / 16 threads (128 of 512 at I = 2048) worked, each a
+// serial chain of 16 shared loads (16 floats apart across lanes: a 16-way bank conflict), the block scale and 16
+// IEEE divisions. Here every thread quantizes 4 consecutive elements (chunk c = elements 4c..4c+3, one
+// conflict-free float4 load) and the 4 lanes of one 16-block cooperate.
+// Outputs were bit-identical to _vec, and the rules below are why q4 equals the one-block-per-thread CPU quantizer
+// (h, h_out and gs come from the shared pass 1; for pass 2):
 // * lane <-> chunk: c = threadIdx.x + k * blockDim.x with blockDim.x % 32 == 0 (launcher: 512), so c % 32 == lane
 //   and the 4 chunks of 16-block b = c / 4 (c % 4 = 0..3) sit on the 4 consecutive lanes 4*(lane/4) + 0..3 of one
 //   warp; xor 1 and xor 2 stay inside that group.

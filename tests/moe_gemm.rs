@@ -544,22 +544,15 @@ fn check_l1_l2(
     let mut l1 = L1Output::new(gpu, rows, inter, true).unwrap();
     mg::launch_partial(gpu, &d13, &da.view(), &dg, &cfg1, &mut ws1).unwrap();
     mg::launch_finish_l1(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1).unwrap();
-    // The previous (vec) finish on the same partials: bit-identical outputs to the default q4 (the CPU checks below
-    // then cover both).
-    let mut l1_vec = L1Output::new(gpu, rows, inter, true).unwrap();
-    mg::launch_finish_l1_with(
-        gpu,
-        &ws1,
-        &dg,
-        &d13,
-        &da.view(),
-        &droute,
-        &mut l1_vec,
-        mg::FinishL1Kernel::Vec,
-    )
-    .unwrap();
-    gpu.synchronize().unwrap();
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} L1 finish"), &l1_vec, &l1);
+    // Every other L1 finish kernel on the same partials: bit-identical outputs to the default (the CPU checks below
+    // then cover all of them).
+    for &kernel in &mg::FinishL1Kernel::ALL[1..] {
+        let mut l1_k = L1Output::new(gpu, rows, inter, true).unwrap();
+        mg::launch_finish_l1_with(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1_k, kernel)
+            .unwrap();
+        gpu.synchronize().unwrap();
+        assert_l1_outputs_bit_equal(gpu, &format!("{label} L1 finish {kernel:?}"), &l1_k, &l1);
+    }
     let (exact, abs) = grouped_gemm_acc_f64(&w13, &a, &rb.grouping).unwrap();
     let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
     let got = gpu_accumulator(gpu, &ws1);
@@ -1756,7 +1749,7 @@ fn v6_tiled_layout_rejects_bad_shapes_and_sizes() {
     assert!(err.contains("scales"), "{err}");
 }
 
-// ------------------------------------------------- session-7 A/B: q4 L1 finish (parallel NVFP4 quantization pass)
+// ------------------------------ L1 finish kernels: each against the default q4 bit for bit, q4 against the CPU reference
 
 /// First difference between two L1 outputs of the same rows, bit for bit: codes, block scales, global scales and
 /// (when both kept it) the fp32 h.
@@ -1779,7 +1772,7 @@ fn assert_l1_outputs_bit_equal(gpu: &Gpu, label: &str, got: &L1Output, want: &L1
         assert_eq!(g.len(), w.len(), "{label}: {what} buffer sizes differ");
         if let Some(i) = (0..g.len()).find(|&i| g[i] != w[i]) {
             panic!(
-                "{label}: q4 {what} {i} (row {} of {rows}, index {}) = {:#04x}, vec {:#04x}; {} of {} differ",
+                "{label}: {what} {i} (row {} of {rows}, index {}) = {:#04x}, default {:#04x}; {} of {} differ",
                 i / per_row.max(1),
                 i % per_row.max(1),
                 g[i],
@@ -1795,7 +1788,7 @@ fn assert_l1_outputs_bit_equal(gpu: &Gpu, label: &str, got: &L1Output, want: &L1
     );
     if let Some(r) = (0..g.len()).find(|&r| g[r].to_bits() != w[r].to_bits()) {
         panic!(
-            "{label}: q4 global scale row {r} = {} ({:#010x}), vec {} ({:#010x})",
+            "{label}: global scale row {r} = {} ({:#010x}), default {} ({:#010x})",
             g[r],
             g[r].to_bits(),
             w[r],
@@ -1806,7 +1799,7 @@ fn assert_l1_outputs_bit_equal(gpu: &Gpu, label: &str, got: &L1Output, want: &L1
         let (g, w) = (gpu.download(hg).unwrap(), gpu.download(hw).unwrap());
         if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
             panic!(
-                "{label}: q4 h row {} col {} = {} ({:#010x}), vec {} ({:#010x})",
+                "{label}: h row {} col {} = {} ({:#010x}), default {} ({:#010x})",
                 i / inter,
                 i % inter,
                 g[i],
@@ -1915,11 +1908,12 @@ fn finish_inputs(
     }
 }
 
-/// Both L1 finish kernels on the same synthetic partials into 0xFF-poisoned outputs: q4 against vec bit for bit
-/// (with and without the fp32 h output), and q4 against the CPU reference (h against the f64 SwiGLU of the
+/// Every L1 finish kernel on the same synthetic partials into 0xFF-poisoned outputs, with and without the fp32 h
+/// output, against the default q4 with h bit for bit (codes, block scales, global scales, h); and q4 against the
+/// CPU reference (h against the f64 SwiGLU of the
 /// partials' fp32 split sums; codes, block scales and global scales bit-exact against the CPU quantizer applied to
 /// the GPU's h, as `check_l1_l2` does).
-fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
+fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     let (inter, splits) = (inp.inter, inp.splits);
     let (n, rows) = (2 * inter, inp.rb.grouping.rows_total());
     let label = format!(
@@ -1981,11 +1975,20 @@ fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
         gpu.synchronize().unwrap();
         out
     };
-    let vec_h = run(mg::FinishL1Kernel::Vec, true);
     let q4_h = run(mg::FinishL1Kernel::Q4, true);
     let q4 = run(mg::FinishL1Kernel::Q4, false);
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} (h kept)"), &q4_h, &vec_h);
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} (no h output)"), &q4, &vec_h);
+    assert_l1_outputs_bit_equal(gpu, &format!("{label} Q4 (no h output)"), &q4, &q4_h);
+    for &kernel in &mg::FinishL1Kernel::ALL[1..] {
+        for keep_h in [true, false] {
+            let got = run(kernel, keep_h);
+            assert_l1_outputs_bit_equal(
+                gpu,
+                &format!("{label} {kernel:?} (h kept: {keep_h})"),
+                &got,
+                &q4_h,
+            );
+        }
+    }
     if rows == 0 {
         return;
     }
@@ -2022,7 +2025,8 @@ fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     }
     let zero_scales = scales.iter().filter(|&&s| s == 0).count();
     eprintln!(
-        "{label}: q4 == vec bit for bit; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
+        "{label}: {:?} == Q4 bit for bit; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
+        &mg::FinishL1Kernel::ALL[1..],
         scales.len()
     );
 }
@@ -2085,46 +2089,46 @@ fn check_h_against_f64_reference(label: &str, inp: &FinishInputs, h_gpu: &[f32])
 /// The token counts of the brief, one split count each (5 exercises the second 4-split pass of the partial
 /// loads), masked with 2 padding slots per expert; plus a contiguous grouping, BF16 A (gsa = 1) and the empty
 /// contiguous batch (rows_total = 0: nothing launched, nothing written).
-fn check_finish_q4_over_token_counts(gpu: &Gpu, name: &str, inter: usize) {
+fn check_finish_l1_over_token_counts(gpu: &Gpu, name: &str, inter: usize) {
     let mut rng = seeded(name);
     let experts = 16;
     for (tokens, splits) in [(0usize, 2usize), (1, 4), (2, 3), (7, 5), (64, 1)] {
         let inp = finish_inputs(&mut rng, inter, experts, tokens, splits, Some(2), true);
-        check_finish_q4_against_vec(gpu, name, &inp);
+        check_finish_l1_kernels(gpu, name, &inp);
     }
     let inp = finish_inputs(&mut rng, inter, experts, 7, 2, None, true);
-    check_finish_q4_against_vec(gpu, &format!("{name} contiguous"), &inp);
+    check_finish_l1_kernels(gpu, &format!("{name} contiguous"), &inp);
     let inp = finish_inputs(&mut rng, inter, experts, 2, 4, Some(1), false);
-    check_finish_q4_against_vec(gpu, &format!("{name} BF16 A"), &inp);
+    check_finish_l1_kernels(gpu, &format!("{name} BF16 A"), &inp);
     let inp = finish_inputs(&mut rng, inter, experts, 0, 1, None, true);
     assert_eq!(inp.rb.grouping.rows_total(), 0);
-    check_finish_q4_against_vec(gpu, &format!("{name} empty contiguous"), &inp);
+    check_finish_l1_kernels(gpu, &format!("{name} empty contiguous"), &inp);
 }
 
 #[test]
-fn gpu_l1_finish_q4_bit_identical_to_vec_flash_inter() {
-    let name = "gpu_l1_finish_q4_bit_identical_to_vec_flash_inter";
+fn gpu_l1_finish_kernels_bit_identical_flash_inter() {
+    let name = "gpu_l1_finish_kernels_bit_identical_flash_inter";
     let Some(gpu) = gpu_for_test(name) else {
         return;
     };
-    check_finish_q4_over_token_counts(&gpu, name, 2048);
+    check_finish_l1_over_token_counts(&gpu, name, 2048);
 }
 
 #[test]
-fn gpu_l1_finish_q4_bit_identical_to_vec_pro_inter() {
-    let name = "gpu_l1_finish_q4_bit_identical_to_vec_pro_inter";
+fn gpu_l1_finish_kernels_bit_identical_pro_inter() {
+    let name = "gpu_l1_finish_kernels_bit_identical_pro_inter";
     let Some(gpu) = gpu_for_test(name) else {
         return;
     };
-    check_finish_q4_over_token_counts(&gpu, name, 3072);
+    check_finish_l1_over_token_counts(&gpu, name, 3072);
 }
 
 /// Off the DSV4 shapes: I = 16 * odd, so I / 4 is not a multiple of 32 and the last warp of the q4 pass 2 is only
 /// partly inside the loop (its shuffle mask names a prefix of the warp); I = 2064 also takes a second pass-1 and
 /// pass-2 iteration with a single partly filled warp (I / 4 = 516 chunks for 512 threads).
 #[test]
-fn gpu_l1_finish_q4_bit_identical_to_vec_partial_warps() {
-    let name = "gpu_l1_finish_q4_bit_identical_to_vec_partial_warps";
+fn gpu_l1_finish_kernels_bit_identical_partial_warps() {
+    let name = "gpu_l1_finish_kernels_bit_identical_partial_warps";
     let Some(gpu) = gpu_for_test(name) else {
         return;
     };
@@ -2136,6 +2140,6 @@ fn gpu_l1_finish_q4_bit_identical_to_vec_partial_warps() {
         (1136, 7, 2),
     ] {
         let inp = finish_inputs(&mut rng, inter, 8, tokens, splits, Some(1), true);
-        check_finish_q4_against_vec(&gpu, name, &inp);
+        check_finish_l1_kernels(&gpu, name, &inp);
     }
 }

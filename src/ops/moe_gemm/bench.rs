@@ -14,10 +14,6 @@
 //!   `tma::tile_weights` into one contiguous 18 KB block per (expert, n tile, 256-K stage) (kernel
 //!   `moe_gemm_nvfp4_partial_v6t_nt*`, one 1D bulk copy per stage). The re-layout is weight preparation, done
 //!   once per point before timing (not timed); the tiled copy is held next to the plain weights.
-//! * `nvfp4_finishvec` (`moe_gemm_l1` masked / decode points only): `nvfp4` (same mainloop and config) with the
-//!   previous L1 finish kernel `FinishL1Kernel::Vec` (one thread per 16-element NVFP4 block, bit-identical
-//!   outputs) instead of the default q4 (the session-7 A/B winner, measured as `nvfp4_finishq4` in the final run
-//!   f24d816). It has no L2 meaning: `moe_gemm_l2` skips it.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -46,7 +42,6 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_tma",
     "nvfp4_tma_tiled",
-    "nvfp4_finishvec",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -59,31 +54,15 @@ pub const VARIANTS: &[&str] = &[
 fn is_ours(variant: &str) -> bool {
     matches!(
         variant,
-        "nvfp4"
-            | "nvfp4_tma"
-            | "nvfp4_tma_tiled"
-            | "nvfp4_finishvec"
-            | "nvfp4_wgmma"
-            | "nvfp4_wgmma256"
+        "nvfp4" | "nvfp4_tma" | "nvfp4_tma_tiled" | "nvfp4_wgmma" | "nvfp4_wgmma256"
     )
 }
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
-/// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and
-/// `nvfp4_finishvec` (the previous decode finish) only on masked points too.
+/// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma).
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || ((variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishvec") && dg.capacity == 0)
-}
-
-/// The L1 finish kernel of a variant: `nvfp4_finishvec` runs the previous (vec) finish, every other variant the
-/// default.
-fn finish_l1_for(variant: &str) -> FinishL1Kernel {
-    if variant == "nvfp4_finishvec" {
-        FinishL1Kernel::Vec
-    } else {
-        FinishL1Kernel::default()
-    }
+        || (variant.starts_with("nvfp4_tma") && dg.capacity == 0)
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
@@ -321,10 +300,9 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let mut out = L1Output::new(gpu, rows, i, false)?;
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
-            let finish = finish_l1_for(variant);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
+                launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
             })?;
             Ok(vec![row(
                 "moe_gemm_l1",
@@ -340,9 +318,6 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant == "nvfp4_finishvec" {
-        return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
-    }
     let p = Point::new(s, tokens, ctx.seed, 2)?;
     match variant {
         v if is_ours(v) => {

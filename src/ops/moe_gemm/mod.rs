@@ -44,7 +44,7 @@ pub const TOKEN_TILES: [usize; 4] = [8, 16, 32, 64];
 pub const MAX_EXPERTS: usize = 512;
 const THREADS: u32 = 256;
 /// Block of the L1 finish kernels (`__launch_bounds__(512)`): 4 columns per thread, so I = 2048 is one pass.
-const FINISH_L1_VEC_THREADS: u32 = 512;
+const FINISH_L1_THREADS: u32 = 512;
 
 /// `N % 128 == 0`, `K % 512 == 0`: the tile shapes of the kernel (all DSV4 shapes qualify).
 pub fn check_gemm_shape(n: usize, k: usize) -> Result<()> {
@@ -595,27 +595,26 @@ pub fn launch_finish_l1(
     )
 }
 
-/// Which L1 finish kernel [`launch_finish_l1_with`] runs. Both share the first pass (split sums, SwiGLU, routing
+/// Which L1 finish kernel [`launch_finish_l1_with`] runs. All share the first pass (split sums, SwiGLU, routing
 /// weight, row amax, global scale) and write bit-identical outputs (h, codes, block scales, global scales).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FinishL1Kernel {
-    /// `moe_gemm_finish_l1_swiglu_nvfp4_vec` (the default until the session-7 final run): the NVFP4 pass runs one
-    /// thread per 16-element block, serially (I / 16 of the 512 threads). Bench variant `nvfp4_finishvec`, kept
-    /// measurable for one run.
-    Vec,
     /// `moe_gemm_finish_l1_swiglu_nvfp4_q4` (the default): every thread quantizes 4 consecutive elements; the 4
     /// lanes of a block share its amax by two xor-shuffles and each stores its own 2 code bytes. Session-7 final
-    /// run (f24d816, us, Flash L1 vec / q4): 1 token 41.86 / 39.14, 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1;
-    /// Pro 1 token 84.45 / 82.24; the finish alone under ncu at 1 token 7.7-7.9 / 6.1-6.2.
+    /// run (f24d816, us, Flash L1, the removed one-thread-per-block `vec` finish / q4): 1 token 41.86 / 39.14,
+    /// 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone under ncu at
+    /// 1 token 7.7-7.9 / 6.1-6.2.
     #[default]
     Q4,
 }
 
 impl FinishL1Kernel {
+    /// Every L1 finish kernel, the default first (tests compare each against it bit for bit).
+    pub const ALL: &'static [FinishL1Kernel] = &[FinishL1Kernel::Q4];
+
     /// The kernel's entry point in kernels/moe_gemm.cu.
     pub fn entry(self) -> &'static str {
         match self {
-            FinishL1Kernel::Vec => "moe_gemm_finish_l1_swiglu_nvfp4_vec",
             FinishL1Kernel::Q4 => "moe_gemm_finish_l1_swiglu_nvfp4_q4",
         }
     }
@@ -665,9 +664,9 @@ pub fn launch_finish_l1_with(
     if grp.rows_total == 0 {
         return Ok(());
     }
-    // Both kernels are `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
+    // Every L1 finish kernel is `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
     // chunk % 32), which 512 is.
-    let (name, block) = (kernel.entry(), FINISH_L1_VEC_THREADS);
+    let (name, block) = (kernel.entry(), FINISH_L1_THREADS);
     let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
     let (part, grp_p, gsa, gsb, rw) = (
         ptr(gpu, &ws.partial),
