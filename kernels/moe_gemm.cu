@@ -536,6 +536,31 @@ __device__ __forceinline__ void reduce_splits4_gate_up(const float* partial, int
     }
 }
 
+// Number of threads of every L1 finish block (launcher: FINISH_L1_THREADS), i.e. 16 warps.
+constexpr int kFinishL1Threads = 512;
+
+// block_max for the L1 finish candidates (FinishL1Kernel::PadOneBarrier): same value, one barrier instead of two,
+// the 16 warp slots read as 4 float4 and reduced as a tree. Requirements / identities:
+// * blockDim.x == kFinishL1Threads (16 warps, all slots written); s_red 16-byte aligned.
+// * the trailing barrier of block_max only protects s_red against a later reuse; the L1 finish writes s_red once
+//   (before the barrier here) and never again, and s_h is written before that same barrier, so dropping it
+//   changes no value any thread reads.
+// * every slot is a non-NaN value >= +0 (each thread's amax starts at 0.f, fmaxf(a, NaN) = a, and only fabsf
+//   values enter), so the maximum of the 16 slots and 0 is one well-defined float: block_max's serial
+//   fmaxf chain from 0 and this tree give the same bits.
+__device__ __forceinline__ float block_max_l1_one_barrier(float v, float* s_red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    const float4* r = reinterpret_cast<const float4*>(s_red);
+    const float4 a = r[0], b = r[1], c = r[2], d = r[3];
+    static_assert(kFinishL1Threads / 32 == 16, "4 float4 slots");
+    const float ab = fmaxf(fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)), fmaxf(fmaxf(b.x, b.y), fmaxf(b.z, b.w)));
+    const float cd = fmaxf(fmaxf(fmaxf(c.x, c.y), fmaxf(c.z, c.w)), fmaxf(fmaxf(d.x, d.y), fmaxf(d.z, d.w)));
+    return fmaxf(0.f, fmaxf(ab, cd));
+}
+
 // L1 epilogue. The weight matrix is W13 = [w1; w3] stacked along N (N = 2I): gate = column n, up = column I + n.
 //   g = min(acc_g * (gsa*gsb_g), 10), u = clamp(acc_u * (gsa*gsb_u), -10, 10), h = silu(g) * u * routing[row]
 // then h is quantized to NVFP4 with a per-row global scale (rule of common/formats.cuh), which needs the row
@@ -548,6 +573,7 @@ __device__ __forceinline__ void reduce_splits4_gate_up(const float* partial, int
 // Pass 1, shared by the L1 finish entries (one source, so they cannot drift apart): h of the CTA's row into
 // s_h (and h_out), the row amax, the global scale gs (written to h_gs[row]). Returns gs; ends after a barrier, so
 // s_h is complete for the caller's quantization pass. s_red: 32 floats (block_max).
+template <bool kOneBarrierMax = false>
 __device__ __forceinline__ float finish_l1_swiglu_to_smem(
     const float* __restrict__ partial, int splits, const Grouping& grp, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
@@ -582,10 +608,38 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
         if (h_out != nullptr) *reinterpret_cast<float4*>(h_out + (size_t)row * I + n) = hv;
         amax = fmaxf(amax, fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3]))));
     }
-    amax = block_max(amax, s_red);  // also a barrier: s_h is complete
+    if constexpr (kOneBarrierMax) {
+        amax = block_max_l1_one_barrier(amax, s_red);  // its barrier also completes s_h
+    } else {
+        amax = block_max(amax, s_red);  // also a barrier: s_h is complete
+    }
     const float gs = mm::nvfp4_global_scale(amax);
     if (threadIdx.x == 0) h_gs[row] = gs;
     return gs;
+}
+
+// Pass 2 of the q4 finish (and of the candidates built on it): NVFP4 quantization of the h row in s_h with global
+// scale gs, 4 elements per thread (the rules are in the comment of moe_gemm_finish_l1_swiglu_nvfp4_q4 below).
+__device__ __forceinline__ void finish_l1_nvfp4_q4_pass(const float* s_h, int I, float gs, int row,
+                                                        uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales) {
+    const int chunks = I / 4;
+    const int lane = threadIdx.x & 31;
+    uint8_t* codes_row = h_codes + (size_t)row * (I / 2);
+    uint8_t* scales_row = h_scales + (size_t)row * (I / 16);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1 >= 1, a multiple of 4 (above)
+        const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
+        const float4 x = *reinterpret_cast<const float4*>(s_h + 4 * c);
+        float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
+        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 1));
+        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 2));
+        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+        if ((c & 3) == 0) scales_row[c >> 2] = sc;
+        const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
+                           (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
+        *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
+    }
 }
 
 // The L1 finish (FinishL1Kernel::Q4, the default since the session-7 final run): the same pass 1, then a parallel
@@ -621,24 +675,94 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
     const int row = blockIdx.x;
     const float gs =
         finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red);
-    const int chunks = I / 4;
-    const int lane = threadIdx.x & 31;
-    uint8_t* codes_row = h_codes + (size_t)row * (I / 2);
+    finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
+}
+
+// ---- Session-8 A/B candidates for the decode L1 finish (FinishL1Kernel::Pad / PadOneBarrier) -------------------
+// In the masked layout almost every finish CTA runs on a padding row (expert_of_row(row) < 0): at 1 token 250 of
+// Flash's 256 rows (378 of Pro's 384), at 8 / 64 tokens ~94% / ~75% of rows_total = experts * max count. The q4
+// finish still runs both passes on them: h = 0 into s_h (and h_out), the block_max barriers, then pass 2 on zeros.
+// At 2 CTAs per SM (61 registers x 512 threads) those CTAs fill whole waves from 384 rows on (Pro 1 token, Flash
+// 8 and 64 tokens) and delay the real rows' CTAs of later waves.
+//
+// What q4 writes for a padding row (e < 0), step by step (h = +0 everywhere: h[i] starts as 0.f and e < 0 skips
+// the SwiGLU):
+// * h_out (if requested): I floats +0 (bits 0x00000000).
+// * pass 1: amax = fmaxf(0.f, |+0| ...) = +0 in every thread; block_max folds the 16 slots from 0.f: +0.
+//   gs = mm::nvfp4_global_scale(+0) = 1.0f (amax == 0 branch); h_gs[row] = 1.0f (0x3f800000).
+// * pass 2: bmax = +0; sc = mm::nvfp4_block_scale(+0, 1.0f) = e4m3_encode(__fdiv_rn(+0, 6.f)) = e4m3(+0) = 0x00;
+//   scale = __fmul_rn(mm::e4m3_decode(0x00), 1.0f) = +0; mm::nvfp4_element(+0, +0) = 0 (scale == 0 branch).
+//   So every code byte is 0x00 (nibbles 0 | 0 << 4) and every block scale byte 0x00.
+// finish_l1_write_padding_row writes exactly these bytes, computed by the same device functions on the same inputs
+// (+0 amax, +0 block max, +0 element) rather than hard-coded, with no shared memory, no barrier and no reduction.
+__device__ __forceinline__ void finish_l1_write_padding_row(int row, int I, uint8_t* __restrict__ h_codes,
+                                                            uint8_t* __restrict__ h_scales, float* __restrict__ h_gs,
+                                                            float* __restrict__ h_out) {
+    const float gs = mm::nvfp4_global_scale(0.f);                 // row amax +0 -> 1.0f
+    const uint8_t sc = mm::nvfp4_block_scale(0.f, gs);            // block amax +0 -> 0x00
+    const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);      // +0
+    const uint32_t code = mm::nvfp4_element(0.f, scale);          // element +0 -> 0
+    const uint32_t code_byte = code | code << 4;                  // two elements per byte, low nibble first
+    const uint32_t code_word = code_byte * 0x01010101u;           // the byte in all 4 lanes of a word
+    const uint32_t scale_word = (uint32_t)sc * 0x01010101u;
+    if (threadIdx.x == 0) h_gs[row] = gs;
+    // Codes: I / 2 bytes per row, I % 16 == 0 (launcher) -> the row base (row * I / 2) is a multiple of 8: uint2.
+    uint2* codes_row = reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2));
+    for (int i = threadIdx.x; i < I / 16; i += blockDim.x) codes_row[i] = make_uint2(code_word, code_word);
+    // Block scales: I / 16 bytes per row; 4-byte stores when I % 64 == 0 (row base a multiple of 4: Flash 2048,
+    // Pro 3072), bytes otherwise.
     uint8_t* scales_row = h_scales + (size_t)row * (I / 16);
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1 >= 1, a multiple of 4 (above)
-        const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
-        const float4 x = *reinterpret_cast<const float4*>(s_h + 4 * c);
-        float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
-        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 1));
-        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 2));
-        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
-        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
-        if ((c & 3) == 0) scales_row[c >> 2] = sc;
-        const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
-                           (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
-        *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
+    if ((I & 63) == 0) {
+        for (int i = threadIdx.x; i < I / 64; i += blockDim.x) reinterpret_cast<uint32_t*>(scales_row)[i] = scale_word;
+    } else {
+        for (int i = threadIdx.x; i < I / 16; i += blockDim.x) scales_row[i] = sc;
     }
+    // h: I % 4 == 0 -> float4 stores of +0 (q4 stores make_float4(h[0..3]) with h = 0.f).
+    if (h_out != nullptr) {
+        float4* h_row = reinterpret_cast<float4*>(h_out + (size_t)row * I);
+        for (int i = threadIdx.x; i < I / 4; i += blockDim.x) h_row[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// The candidates: a padding row (uniform per CTA: the whole block returns, so no barrier is left half-reached)
+// takes finish_l1_write_padding_row; a real row runs the q4 finish unchanged (kOneBarrierMax = false: Pad) or
+// with the one-barrier row amax (block_max_l1_one_barrier, same value: PadOneBarrier). Bit-identical to q4 on
+// every row.
+template <bool kOneBarrierMax>
+__device__ __forceinline__ void finish_l1_pad_body(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out,
+    float* s_h, float* s_red) {
+    Grouping grp{group, capacity, experts, rows_total};
+    const int row = blockIdx.x;
+    if (grp.expert_of_row(row) < 0) {
+        finish_l1_write_padding_row(row, I, h_codes, h_scales, h_gs, h_out);
+        return;
+    }
+    const float gs = finish_l1_swiglu_to_smem<kOneBarrierMax>(partial, splits, grp, rows_total, I, gsa, gsb, routing,
+                                                              h_gs, h_out, s_h, s_red);
+    finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
+}
+
+extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l1_swiglu_nvfp4_pad(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
+    extern __shared__ float s_h[];
+    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
+    finish_l1_pad_body<false>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
+                              h_scales, h_gs, h_out, s_h, s_red);
+}
+
+extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l1_swiglu_nvfp4_pad1b(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
+    extern __shared__ float s_h[];
+    __shared__ __align__(16) float s_red[32];  // block_max_l1_one_barrier reads the 16 slots as float4
+    finish_l1_pad_body<true>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
+                             h_scales, h_gs, h_out, s_h, s_red);
 }
 
 // L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the

@@ -2024,8 +2024,16 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
         );
     }
     let zero_scales = scales.iter().filter(|&&s| s == 0).count();
+    // The Pad candidates' fast path runs only on padding rows: every masked batch here has some.
+    let padding_rows = (0..rows)
+        .filter(|&r| inp.rb.grouping.expert_of_row(r).is_none())
+        .count();
+    assert!(
+        !matches!(inp.rb.grouping, Grouping::Masked { .. }) || padding_rows > 0,
+        "{label}: masked batch without padding rows (the Pad fast path would go untested)"
+    );
     eprintln!(
-        "{label}: {:?} == Q4 bit for bit; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
+        "{label}: {:?} == Q4 bit for bit; {padding_rows} padding rows; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
         &mg::FinishL1Kernel::ALL[1..],
         scales.len()
     );

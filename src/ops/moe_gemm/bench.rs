@@ -14,6 +14,10 @@
 //!   `tma::tile_weights` into one contiguous 18 KB block per (expert, n tile, 256-K stage) (kernel
 //!   `moe_gemm_nvfp4_partial_v6t_nt*`, one 1D bulk copy per stage). The re-layout is weight preparation, done
 //!   once per point before timing (not timed); the tiled copy is held next to the plain weights.
+//! * `nvfp4_finishpad` / `nvfp4_finishpad1b` (`moe_gemm_l1` masked / decode points only, session-8 A/B): `nvfp4`
+//!   (same mainloop and config) with the L1 finish `FinishL1Kernel::Pad` / `PadOneBarrier` instead of the default
+//!   q4 (bit-identical outputs: padding rows written directly without the two passes; `pad1b` also drops one
+//!   barrier from the real rows' amax). They have no L2 meaning: `moe_gemm_l2` skips them.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -42,6 +46,8 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_tma",
     "nvfp4_tma_tiled",
+    "nvfp4_finishpad",
+    "nvfp4_finishpad1b",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -59,10 +65,22 @@ fn is_ours(variant: &str) -> bool {
 }
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
-/// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma).
+/// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and the
+/// L1 finish candidates `nvfp4_finishpad*` (decode finish) only on masked points too.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || (variant.starts_with("nvfp4_tma") && dg.capacity == 0)
+        || ((variant.starts_with("nvfp4_tma") || variant.starts_with("nvfp4_finishpad"))
+            && dg.capacity == 0)
+}
+
+/// The L1 finish kernel of a variant: the `nvfp4_finishpad*` candidates run theirs, every other variant the
+/// default.
+fn finish_l1_for(variant: &str) -> FinishL1Kernel {
+    match variant {
+        "nvfp4_finishpad" => FinishL1Kernel::Pad,
+        "nvfp4_finishpad1b" => FinishL1Kernel::PadOneBarrier,
+        _ => FinishL1Kernel::default(),
+    }
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
@@ -300,9 +318,10 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let mut out = L1Output::new(gpu, rows, i, false)?;
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
+            let finish = finish_l1_for(variant);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l1(gpu, &ws, &dg, &w, &a, &routing, &mut out)
+                launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
             })?;
             Ok(vec![row(
                 "moe_gemm_l1",
@@ -318,6 +337,9 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
+    if variant.starts_with("nvfp4_finishpad") {
+        return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
+    }
     let p = Point::new(s, tokens, ctx.seed, 2)?;
     match variant {
         v if is_ours(v) => {

@@ -606,16 +606,31 @@ pub enum FinishL1Kernel {
     /// 1 token 7.7-7.9 / 6.1-6.2.
     #[default]
     Q4,
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_pad` (session-8 A/B, bench variant `nvfp4_finishpad`): q4, except that a
+    /// CTA whose row belongs to no expert (a padding slot of the masked layout: 250 of 256 rows at 1 token on
+    /// Flash) writes the bytes q4 produces for an all-zero row (codes 0, block scales 0, gs 1.0, h +0) with plain
+    /// wide stores, skipping both passes and their barriers.
+    Pad,
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_pad1b` (session-8 A/B, bench variant `nvfp4_finishpad1b`): `Pad` plus a
+    /// row amax with one barrier instead of two (the trailing one only guarded a reuse of the reduction slots that
+    /// the L1 finish never makes) on the real rows' critical path.
+    PadOneBarrier,
 }
 
 impl FinishL1Kernel {
     /// Every L1 finish kernel, the default first (tests compare each against it bit for bit).
-    pub const ALL: &'static [FinishL1Kernel] = &[FinishL1Kernel::Q4];
+    pub const ALL: &'static [FinishL1Kernel] = &[
+        FinishL1Kernel::Q4,
+        FinishL1Kernel::Pad,
+        FinishL1Kernel::PadOneBarrier,
+    ];
 
     /// The kernel's entry point in kernels/moe_gemm.cu.
     pub fn entry(self) -> &'static str {
         match self {
             FinishL1Kernel::Q4 => "moe_gemm_finish_l1_swiglu_nvfp4_q4",
+            FinishL1Kernel::Pad => "moe_gemm_finish_l1_swiglu_nvfp4_pad",
+            FinishL1Kernel::PadOneBarrier => "moe_gemm_finish_l1_swiglu_nvfp4_pad1b",
         }
     }
 }
@@ -665,7 +680,7 @@ pub fn launch_finish_l1_with(
         return Ok(());
     }
     // Every L1 finish kernel is `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
-    // chunk % 32), which 512 is.
+    // chunk % 32), which 512 is, and PadOneBarrier exactly 16 warps (kFinishL1Threads in kernels/moe_gemm.cu).
     let (name, block) = (kernel.entry(), FINISH_L1_THREADS);
     let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
     let (part, grp_p, gsa, gsb, rw) = (
