@@ -826,6 +826,86 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combin
     out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
 }
 
+// Session-8 A/B candidate for the L2 finish (FinishL2Kernel::ColsSpec, bench variant nvfp4_finishl2spec). At 1-8
+// decode tokens the combine is a short chain of dependent memory round trips per CTA: token_rows (1) -> group[e]
+// inside expert_of_row (2) -> gsa[row] (3, only after e >= 0 is known) -> barrier -> gsb[e] and the partials (4).
+// Here every thread reads the token's rows itself (uniform addresses: one request per warp, no shared memory, no
+// barrier) and, in the masked layout, takes the candidate expert e = row / capacity without a load: the
+// ownership test (row - e * capacity < clamp(group[e], 0, capacity)) only decides whether the row counts, so
+// group[e], gsa[row], gsb[e, n] and the partials are all issued in round trip 2. Identities:
+// * masked expert_of_row(row) is -1 for row outside [0, rows_total) or e >= experts, else e = row / capacity if
+//   the slot is owned, else -1: cand_e below is that e before the ownership test, so valid == (expert_of_row >= 0)
+//   and the expert used for gsb is the same.
+// * speculative loads only touch valid addresses: partials / gsa of a row in [0, rows_total), gsb of e < experts.
+//   A row that turns out unowned contributes nothing (its loaded values are never added), as in _cols.
+// * per row the splits are added in split order from 0.f, skipping missing splits, and y += acc * fl(sa * sb) in
+//   routing order j = 0, 1, ... over valid rows: the same roundings in the same order as _cols (fl(sa * sb) is one
+//   rounded product in both, computed here before the split loop to hold 8 scale registers instead of 16; nvcc
+//   contracts y += acc * scale to one fma in both; the GPU test compares the two bit for bit).
+// * __launch_bounds__(256, 3): 80 registers without spills (4 CTAs/SM forces 64 and spills); _cols has 48
+//   (5 CTAs/SM), which may matter at 64 tokens (1,024 CTAs), not at 1-8 tokens (16-128 CTAs).
+// * the contiguous layout (capacity == 0) has no load-free candidate expert: it calls expert_of_row (its binary
+//   search) per thread, same values as _cols; only the barrier and the shared staging go.
+extern "C" __global__ void __launch_bounds__(kThreads, 3) moe_gemm_finish_l2_combine_cols_spec(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    __nv_bfloat16* __restrict__ out) {
+    Grouping grp{group, capacity, experts, rows_total};
+    const int tok = blockIdx.x;
+    const int n = blockIdx.y * blockDim.x + threadIdx.x;
+    if (n >= N) return;  // no barrier in this kernel: threads past N may leave at once
+    constexpr int kRowsPerPass = 8, kSplitsPerPass = 4;
+    float y = 0.f;
+    for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
+        bool valid[kRowsPerPass];
+        int row[kRowsPerPass];
+        float acc[kRowsPerPass], scale[kRowsPerPass];  // scale = fl(sa * sb), as _cols rounds it
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) {
+            const int j = j0 + u;
+            row[u] = j < topk ? token_rows[(size_t)tok * topk + j] : -1;
+            const bool in_range = row[u] >= 0 && row[u] < rows_total;
+            int e = -1;
+            bool owned = false;
+            if (capacity > 0) {
+                const int cand_e = in_range ? row[u] / capacity : -1;
+                const bool cand_ok = cand_e >= 0 && cand_e < experts;
+                e = cand_ok ? cand_e : -1;
+                // Loads below are independent of each other: all in flight together.
+                const int count = cand_ok ? group[cand_e] : 0;
+                owned = cand_ok && (row[u] - cand_e * capacity) < min(max(count, 0), capacity);
+            } else {
+                e = grp.expert_of_row(row[u]);
+                owned = e >= 0;
+            }
+            const float sb = e >= 0 ? gsb[(size_t)e * N + n] : 0.f;
+            const float sa = (gsa != nullptr && in_range) ? gsa[row[u]] : 1.f;
+            scale[u] = sa * sb;
+            valid[u] = owned;
+            acc[u] = 0.f;
+        }
+        for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
+            float p[kRowsPerPass][kSplitsPerPass];
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                for (int v = 0; v < kSplitsPerPass; ++v)
+                    p[u][v] = (row[u] >= 0 && row[u] < rows_total && s0 + v < splits)
+                                  ? partial[((size_t)(s0 + v) * rows_total + row[u]) * N + n]
+                                  : 0.f;
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                for (int v = 0; v < kSplitsPerPass; ++v)
+                    if (valid[u] && s0 + v < splits) acc[u] += p[u][v];
+        }
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u)
+            if (valid[u]) y += acc[u] * scale[u];
+    }
+    out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+}
+
 // Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block
 // scales are e4m3 codes in [0x28, 0x37] (2^-2 .. 0.94, never NaN), so timings never run on zeros.
 extern "C" __global__ void moe_gemm_fill_bench_weights(uint8_t* __restrict__ codes, unsigned long long n_codes,

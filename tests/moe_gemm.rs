@@ -648,6 +648,33 @@ fn check_l1_l2(
         &mut y,
     )
     .unwrap();
+    // Every other L2 combine kernel on the same partials, into its own poisoned output: bit-identical to the default.
+    for &kernel in &mg::FinishL2Kernel::ALL[1..] {
+        let mut y_k = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+        mg::launch_finish_l2_with(
+            gpu,
+            &ws2,
+            &dg,
+            &d2,
+            &l1.as_activations(),
+            &dtr,
+            topk,
+            &mut y_k,
+            kernel,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let (gk, gd) = (gpu.download(&y_k).unwrap(), gpu.download(&y).unwrap());
+        if let Some(i) = (0..gd.len()).find(|&i| gk[i].to_bits() != gd[i].to_bits()) {
+            panic!(
+                "{label}: L2 {kernel:?} token {} col {}: {:#06x}, default {:#06x}",
+                i / hidden,
+                i % hidden,
+                gk[i].to_bits(),
+                gd[i].to_bits()
+            );
+        }
+    }
     gpu.synchronize().unwrap();
     let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
     let got2 = gpu_accumulator(gpu, &ws2);
@@ -2149,5 +2176,192 @@ fn gpu_l1_finish_kernels_bit_identical_partial_warps() {
     ] {
         let inp = finish_inputs(&mut rng, inter, 8, tokens, splits, Some(1), true);
         check_finish_l1_kernels(&gpu, name, &inp);
+    }
+}
+
+// ------------------------------------ L2 combine kernels: each against the default bit for bit, and the CPU reference
+
+/// Every L2 combine kernel on synthetic split partials `[splits, rows, n]` into 0xFF-poisoned outputs, against the
+/// default (`Cols`) bit for bit, and the default against the f64 combine of the fp32 split sums (tolerance: the
+/// bf16 rounding of the output, 2^-8 relative, plus 16 fp32 ulps of the absolute terms). Unowned rows hold NaN
+/// partials (as the mainloop's poisoned workspace): a kernel that added one would fail. A few routed slots are
+/// replaced by -1 and (masked) by a padding slot: both kernels must skip them.
+#[allow(clippy::too_many_arguments)]
+fn check_l2_combine_kernels(
+    gpu: &Gpu,
+    label: &str,
+    rng: &mut impl Rng,
+    n: usize,
+    experts: usize,
+    tokens: usize,
+    splits: usize,
+    padding: Option<usize>,
+    nvfp4_a: bool,
+) {
+    let topk = 6;
+    let rb0 = RoutedBatch::random(rng, tokens, experts - 2, topk, None).unwrap();
+    let most = (0..experts - 2)
+        .map(|e| rb0.grouping.expert_rows(e).len())
+        .max()
+        .unwrap_or(0);
+    let rb = RoutedBatch::from_choices(
+        tokens,
+        experts,
+        topk,
+        rb0.experts_of,
+        padding.map(|p| most + p),
+    )
+    .unwrap();
+    let g = &rb.grouping;
+    let rows = g.rows_total();
+    let label = format!(
+        "{label} [N {n}, {tokens} tokens, rows {rows}, splits {splits}, {}, {} A]",
+        if padding.is_some() {
+            "masked"
+        } else {
+            "contiguous"
+        },
+        if nvfp4_a { "NVFP4" } else { "BF16" }
+    );
+    let gsb: Vec<f32> = (0..experts * n)
+        .map(|_| 2f32.powf(rng.random_range(-9.0f32..-3.0)))
+        .collect();
+    let gsa: Vec<f32> = (0..rows.max(1))
+        .map(|_| {
+            if nvfp4_a {
+                rng.random_range(0.5f32..2.0)
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let mut partial = vec![f32::NAN; (splits * rows * n).max(1)];
+    for r in 0..rows {
+        if g.expert_of_row(r).is_none() {
+            continue;
+        }
+        let mag = 10f32.powf(rng.random_range(0.0f32..3.0));
+        for s in 0..splits {
+            for c in 0..n {
+                partial[(s * rows + r) * n + c] = rng.random_range(-1.0f32..1.0) * mag;
+            }
+        }
+    }
+    // Unrouted slots: -1 for one slot of the first token, a padding row (if any) for one slot of the last.
+    let mut token_rows = rb.token_rows.clone();
+    token_rows[rng.random_range(0..topk)] = -1;
+    if let Some(pad) = (0..rows).find(|&r| g.expert_of_row(r).is_none()) {
+        token_rows[(tokens - 1) * topk + rng.random_range(0..topk)] = pad as i32;
+    }
+    let dg = DeviceGrouping::upload(gpu, g).unwrap();
+    let k = mg::STAGE_K;
+    let d2 = DeviceExpertWeights {
+        experts,
+        n,
+        k,
+        codes: gpu.zeros::<u8>(experts * n * k / 2).unwrap(),
+        scales: gpu.zeros::<u8>(experts * n * k / 16).unwrap(),
+        global: gpu.upload(&gsb).unwrap(),
+    };
+    let ws = Workspace {
+        splits,
+        rows_total: rows,
+        n,
+        partial: gpu.upload(&partial).unwrap(),
+    };
+    let a_codes = gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap();
+    let a_scales = gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap();
+    let a_bf16 = gpu.zeros::<bf16>((rows * k).max(1)).unwrap();
+    let a_global = gpu.upload(&gsa).unwrap();
+    let a = if nvfp4_a {
+        mg::DeviceActivations::Nvfp4 {
+            rows,
+            k,
+            codes: &a_codes,
+            scales: &a_scales,
+            global: &a_global,
+        }
+    } else {
+        mg::DeviceActivations::Bf16 {
+            rows,
+            k,
+            data: &a_bf16,
+        }
+    };
+    assert!(
+        tokens > 0,
+        "{label}: the launcher writes nothing for 0 tokens"
+    );
+    let dtr = gpu.upload(&token_rows).unwrap();
+    let run = |kernel: mg::FinishL2Kernel| -> Vec<bf16> {
+        let mut y = gpu.poisoned::<bf16>(tokens * n, 0xFF).unwrap();
+        mg::launch_finish_l2_with(gpu, &ws, &dg, &d2, &a, &dtr, topk, &mut y, kernel).unwrap();
+        gpu.synchronize().unwrap();
+        gpu.download(&y).unwrap()
+    };
+    let want = run(mg::FinishL2Kernel::Cols);
+    for &kernel in &mg::FinishL2Kernel::ALL[1..] {
+        let got = run(kernel);
+        if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            panic!(
+                "{label}: {kernel:?} token {} col {}: {:#06x}, Cols {:#06x}; {} of {} differ",
+                i / n,
+                i % n,
+                got[i].to_bits(),
+                want[i].to_bits(),
+                (0..want.len())
+                    .filter(|&j| got[j].to_bits() != want[j].to_bits())
+                    .count(),
+                want.len()
+            );
+        }
+    }
+    let mut max_rel = 0f64;
+    for t in 0..tokens {
+        for c in 0..n {
+            let (mut y_ref, mut abs_sum) = (0f64, 0f64);
+            for j in 0..topk {
+                let r = token_rows[t * topk + j];
+                let Some(e) = (r >= 0).then(|| g.expert_of_row(r as usize)).flatten() else {
+                    continue;
+                };
+                let r = r as usize;
+                let acc = (0..splits).fold(0f32, |s, sp| s + partial[(sp * rows + r) * n + c]);
+                let term = acc as f64 * gsa[r] as f64 * gsb[e * n + c] as f64;
+                y_ref += term;
+                abs_sum += term.abs();
+            }
+            let got = want[t * n + c].to_f32() as f64;
+            let tol = y_ref.abs() / 256.0 + 16.0 * U * abs_sum + 1e-30;
+            assert!(
+                (got - y_ref).abs() <= tol,
+                "{label}: token {t} col {c}: gpu {got} ref {y_ref} tol {tol:e}"
+            );
+            if y_ref.abs() > 1e-30 {
+                max_rel = max_rel.max((got - y_ref).abs() / y_ref.abs());
+            }
+        }
+    }
+    eprintln!(
+        "{label}: {:?} == Cols bit for bit; Cols vs f64 max rel err {max_rel:e}",
+        &mg::FinishL2Kernel::ALL[1..]
+    );
+}
+
+/// Flash (N 4096) and Pro (N 7168) hidden sizes, 1 / 2 / 7 / 64 tokens with 1-5 splits (5: a second 4-split pass),
+/// masked with padding (the layout the candidate speeds up) and contiguous (its fallback), NVFP4 and BF16 A.
+#[test]
+fn gpu_l2_combine_kernels_bit_identical() {
+    let name = "gpu_l2_combine_kernels_bit_identical";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    for n in [4096usize, 7168] {
+        for (tokens, splits) in [(1usize, 4usize), (2, 3), (7, 5), (64, 1)] {
+            check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, tokens, splits, Some(2), true);
+        }
+        check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, 7, 2, None, true);
+        check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, 2, 4, Some(1), false);
     }
 }

@@ -18,6 +18,9 @@
 //!   (same mainloop and config) with the L1 finish `FinishL1Kernel::Pad` / `PadOneBarrier` instead of the default
 //!   q4 (bit-identical outputs: padding rows written directly without the two passes; `pad1b` also drops one
 //!   barrier from the real rows' amax). They have no L2 meaning: `moe_gemm_l2` skips them.
+//! * `nvfp4_finishl2spec` (`moe_gemm_l2` masked / decode points only, session-8 A/B): `nvfp4` with the L2 combine
+//!   `FinishL2Kernel::ColsSpec` (row metadata and column loads in two dependent round trips instead of four, no
+//!   barrier; bit-identical outputs). `moe_gemm_l1` skips it.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -48,6 +51,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_tma_tiled",
     "nvfp4_finishpad",
     "nvfp4_finishpad1b",
+    "nvfp4_finishl2spec",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -66,7 +70,7 @@ fn is_ours(variant: &str) -> bool {
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
 /// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and the
-/// L1 finish candidates `nvfp4_finishpad*` (decode finish) only on masked points too.
+/// decode finish candidates `nvfp4_finishpad*` / `nvfp4_finishl2spec` only on masked points too.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
         || ((variant.starts_with("nvfp4_tma") || variant.starts_with("nvfp4_finishpad"))
@@ -80,6 +84,14 @@ fn finish_l1_for(variant: &str) -> FinishL1Kernel {
         "nvfp4_finishpad" => FinishL1Kernel::Pad,
         "nvfp4_finishpad1b" => FinishL1Kernel::PadOneBarrier,
         _ => FinishL1Kernel::default(),
+    }
+}
+
+/// The L2 combine kernel of a variant: `nvfp4_finishl2spec` runs its candidate, every other variant the default.
+fn finish_l2_for(variant: &str) -> FinishL2Kernel {
+    match variant {
+        "nvfp4_finishl2spec" => FinishL2Kernel::ColsSpec,
+        _ => FinishL2Kernel::default(),
     }
 }
 
@@ -280,6 +292,9 @@ fn row(
 }
 
 fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
+    if variant == "nvfp4_finishl2spec" {
+        return Ok(vec![]); // an L2 combine variant: nothing to measure in L1
+    }
     let p = Point::new(s, tokens, ctx.seed, 1)?;
     match variant {
         v if is_ours(v) => {
@@ -371,10 +386,11 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4)
                 + p.tokens * p.n * 2;
+            let finish = finish_l2_for(variant);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l2(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y)
+                launch_finish_l2_with(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y, finish)
             })?;
             Ok(vec![row(
                 "moe_gemm_l2",

@@ -740,6 +740,58 @@ pub fn launch_finish_l2(
     topk: usize,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
+    launch_finish_l2_with(
+        gpu,
+        ws,
+        grp,
+        w2,
+        a,
+        token_rows,
+        topk,
+        out,
+        FinishL2Kernel::default(),
+    )
+}
+
+/// Which L2 combine kernel [`launch_finish_l2_with`] runs (bit-identical outputs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FinishL2Kernel {
+    /// `moe_gemm_finish_l2_combine_cols` (the default): the token's rows, experts and gsa staged in shared memory
+    /// by `topk` threads (token_rows -> group -> gsa: three dependent loads), a barrier, then the column loads.
+    #[default]
+    Cols,
+    /// `moe_gemm_finish_l2_combine_cols_spec` (session-8 A/B, bench variant `nvfp4_finishl2spec`): every thread
+    /// reads the token's rows itself and, in the masked layout, issues gsb / gsa / partial loads for the candidate
+    /// expert row / capacity together with the ownership load: two dependent round trips, no barrier.
+    ColsSpec,
+}
+
+impl FinishL2Kernel {
+    /// Every L2 combine kernel, the default first (tests compare each against it bit for bit).
+    pub const ALL: &'static [FinishL2Kernel] = &[FinishL2Kernel::Cols, FinishL2Kernel::ColsSpec];
+
+    /// The kernel's entry point in kernels/moe_gemm.cu.
+    pub fn entry(self) -> &'static str {
+        match self {
+            FinishL2Kernel::Cols => "moe_gemm_finish_l2_combine_cols",
+            FinishL2Kernel::ColsSpec => "moe_gemm_finish_l2_combine_cols_spec",
+        }
+    }
+}
+
+/// [`launch_finish_l2`] with an explicit combine kernel (same checks, same output contract).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l2_with(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w2: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    token_rows: &CudaSlice<i32>,
+    topk: usize,
+    out: &mut CudaSlice<bf16>,
+    kernel: FinishL2Kernel,
+) -> Result<()> {
     check_finish(ws, grp, w2)?;
     ensure!(topk >= 1, "moe_gemm L2: topk must be >= 1");
     let tokens = token_rows.len() / topk;
@@ -765,7 +817,7 @@ pub fn launch_finish_l2(
         tokens <= u32::MAX as usize,
         "moe_gemm L2: {tokens} tokens exceed the grid"
     );
-    let name = "moe_gemm_finish_l2_combine_cols";
+    let name = kernel.entry();
     let grid = (tokens as u32, w2.n.div_ceil(THREADS as usize) as u32, 1);
     let f = gpu.function(FAMILY, name)?;
     let (part, grp_p, gsa, gsb, tr, o) = (
