@@ -50,6 +50,9 @@
 //   outputs; removed in session 8 after two H200 runs). Flash L1, us, _vec / _q4: 1 token 41.86 / 39.14, 8 tokens
 //   180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone (ncu, 1 token) 7.7-7.9 /
 //   6.1-6.2.
+//   Session-8 A/B candidates (bit-identical; the defaults above are untouched): L1 _pad / _pad1b (padding rows of
+//   the masked layout written directly; _pad1b also a one-barrier row amax) and L2 _cols_spec (row metadata in
+//   two dependent round trips instead of four, no barrier). Comments at their definitions.
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
@@ -572,15 +575,15 @@ __device__ __forceinline__ float block_max_l1_one_barrier(float v, float* s_red)
 //
 // Pass 1, shared by the L1 finish entries (one source, so they cannot drift apart): h of the CTA's row into
 // s_h (and h_out), the row amax, the global scale gs (written to h_gs[row]). Returns gs; ends after a barrier, so
-// s_h is complete for the caller's quantization pass. s_red: 32 floats (block_max).
+// s_h is complete for the caller's quantization pass. s_red: 32 floats (block_max). e = grp.expert_of_row(blockIdx.x),
+// from the caller (the pad candidates need it before pass 1; passing it saves them a second grouping load).
 template <bool kOneBarrierMax = false>
 __device__ __forceinline__ float finish_l1_swiglu_to_smem(
     const float* __restrict__ partial, int splits, const Grouping& grp, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    float* __restrict__ h_gs, float* __restrict__ h_out, float* s_h, float* s_red) {
+    float* __restrict__ h_gs, float* __restrict__ h_out, float* s_h, float* s_red, int e) {
     const int row = blockIdx.x;
     const int N = 2 * I;
-    const int e = grp.expert_of_row(row);
     const float sa = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
     const float rw = e >= 0 ? routing[row] : 0.f;
     float amax = 0.f;
@@ -674,7 +677,8 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
     Grouping grp{group, capacity, experts, rows_total};
     const int row = blockIdx.x;
     const float gs =
-        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red);
+        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red,
+                                 grp.expert_of_row(row));
     finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
 }
 
@@ -736,12 +740,13 @@ __device__ __forceinline__ void finish_l1_pad_body(
     float* s_h, float* s_red) {
     Grouping grp{group, capacity, experts, rows_total};
     const int row = blockIdx.x;
-    if (grp.expert_of_row(row) < 0) {
+    const int e = grp.expert_of_row(row);  // one grouping load, reused by pass 1
+    if (e < 0) {
         finish_l1_write_padding_row(row, I, h_codes, h_scales, h_gs, h_out);
         return;
     }
     const float gs = finish_l1_swiglu_to_smem<kOneBarrierMax>(partial, splits, grp, rows_total, I, gsa, gsb, routing,
-                                                              h_gs, h_out, s_h, s_red);
+                                                              h_gs, h_out, s_h, s_red, e);
     finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
 }
 
