@@ -42,13 +42,17 @@
 //   memory while the current step computes, then converted smem -> smem; the weights wait in ONE register stage
 //   that is refilled chunk by chunk as the compute consumes it, so the 1- and 2-token-tile entries fit 80
 //   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
-// * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_vec / moe_gemm_finish_l2_combine_cols: all split loads of a
+// * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_q4 / moe_gemm_finish_l2_combine_cols: all split loads of a
 //   column issued together, columns spread over many CTAs.
-//   Since the session-7 final run (f24d816) the L1 default is moe_gemm_finish_l1_swiglu_nvfp4_q4 = the _vec finish's
-//   pass 1 (shared code) + an NVFP4 pass with 4 elements per thread (bit-identical outputs; FinishL1Kernel::Q4).
-//   Flash L1, us, _vec / _q4: 1 token 41.86 / 39.14, 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token
-//   84.45 / 82.24; the finish alone (ncu, 1 token) 7.7-7.9 / 6.1-6.2. _vec stays one run (FinishL1Kernel::Vec,
-//   bench variant nvfp4_finishvec).
+//   The L1 default since the session-7 final run (f24d816) is moe_gemm_finish_l1_swiglu_nvfp4_q4 (FinishL1Kernel::Q4):
+//   pass 1 (split sums, SwiGLU, row amax) + an NVFP4 pass with 4 elements per thread. It replaced
+//   moe_gemm_finish_l1_swiglu_nvfp4_vec (same pass 1, one thread per 16-element block in pass 2, bit-identical
+//   outputs; removed in session 8 after two H200 runs). Flash L1, us, _vec / _q4: 1 token 41.86 / 39.14, 8 tokens
+//   180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone (ncu, 1 token) 7.7-7.9 /
+//   6.1-6.2.
+//   Session-8 A/B candidates (bit-identical; the defaults above are untouched): L1 _pad / _pad1b (padding rows of
+//   the masked layout written directly; _pad1b also a one-barrier row amax) and L2 _cols_spec (row metadata in
+//   two dependent round trips instead of four, no barrier). Comments at their definitions.
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
@@ -535,6 +539,31 @@ __device__ __forceinline__ void reduce_splits4_gate_up(const float* partial, int
     }
 }
 
+// Number of threads of every L1 finish block (launcher: FINISH_L1_THREADS), i.e. 16 warps.
+constexpr int kFinishL1Threads = 512;
+
+// block_max for the L1 finish candidates (FinishL1Kernel::PadOneBarrier): same value, one barrier instead of two,
+// the 16 warp slots read as 4 float4 and reduced as a tree. Requirements / identities:
+// * blockDim.x == kFinishL1Threads (16 warps, all slots written); s_red 16-byte aligned.
+// * the trailing barrier of block_max only protects s_red against a later reuse; the L1 finish writes s_red once
+//   (before the barrier here) and never again, and s_h is written before that same barrier, so dropping it
+//   changes no value any thread reads.
+// * every slot is a non-NaN value >= +0 (each thread's amax starts at 0.f, fmaxf(a, NaN) = a, and only fabsf
+//   values enter), so the maximum of the 16 slots and 0 is one well-defined float: block_max's serial
+//   fmaxf chain from 0 and this tree give the same bits.
+__device__ __forceinline__ float block_max_l1_one_barrier(float v, float* s_red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    const float4* r = reinterpret_cast<const float4*>(s_red);
+    const float4 a = r[0], b = r[1], c = r[2], d = r[3];
+    static_assert(kFinishL1Threads / 32 == 16, "4 float4 slots");
+    const float ab = fmaxf(fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)), fmaxf(fmaxf(b.x, b.y), fmaxf(b.z, b.w)));
+    const float cd = fmaxf(fmaxf(fmaxf(c.x, c.y), fmaxf(c.z, c.w)), fmaxf(fmaxf(d.x, d.y), fmaxf(d.z, d.w)));
+    return fmaxf(0.f, fmaxf(ab, cd));
+}
+
 // L1 epilogue. The weight matrix is W13 = [w1; w3] stacked along N (N = 2I): gate = column n, up = column I + n.
 //   g = min(acc_g * (gsa*gsb_g), 10), u = clamp(acc_u * (gsa*gsb_u), -10, 10), h = silu(g) * u * routing[row]
 // then h is quantized to NVFP4 with a per-row global scale (rule of common/formats.cuh), which needs the row
@@ -544,16 +573,17 @@ __device__ __forceinline__ void reduce_splits4_gate_up(const float* partial, int
 // thread owns 4 consecutive columns per pass (float4 loads of the splits and gsb: I / 2048 passes, i.e. one memory
 // round trip at I = 2048, instead of I / 256). Requires I % 16 == 0 (so I % 4 == 0 and every float4 is 16-byte aligned).
 //
-// Pass 1, shared by both L1 finish entries (one source, so the two cannot drift apart): h of the CTA's row into
+// Pass 1, shared by the L1 finish entries (one source, so they cannot drift apart): h of the CTA's row into
 // s_h (and h_out), the row amax, the global scale gs (written to h_gs[row]). Returns gs; ends after a barrier, so
-// s_h is complete for the caller's quantization pass. s_red: 32 floats (block_max).
+// s_h is complete for the caller's quantization pass. s_red: 32 floats (block_max). e = grp.expert_of_row(blockIdx.x),
+// from the caller (the pad candidates need it before pass 1; passing it saves them a second grouping load).
+template <bool kOneBarrierMax = false>
 __device__ __forceinline__ float finish_l1_swiglu_to_smem(
     const float* __restrict__ partial, int splits, const Grouping& grp, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    float* __restrict__ h_gs, float* __restrict__ h_out, float* s_h, float* s_red) {
+    float* __restrict__ h_gs, float* __restrict__ h_out, float* s_h, float* s_red, int e) {
     const int row = blockIdx.x;
     const int N = 2 * I;
-    const int e = grp.expert_of_row(row);
     const float sa = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
     const float rw = e >= 0 ? routing[row] : 0.f;
     float amax = 0.f;
@@ -581,46 +611,47 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
         if (h_out != nullptr) *reinterpret_cast<float4*>(h_out + (size_t)row * I + n) = hv;
         amax = fmaxf(amax, fmaxf(fmaxf(fabsf(h[0]), fabsf(h[1])), fmaxf(fabsf(h[2]), fabsf(h[3]))));
     }
-    amax = block_max(amax, s_red);  // also a barrier: s_h is complete
+    if constexpr (kOneBarrierMax) {
+        amax = block_max_l1_one_barrier(amax, s_red);  // its barrier also completes s_h
+    } else {
+        amax = block_max(amax, s_red);  // also a barrier: s_h is complete
+    }
     const float gs = mm::nvfp4_global_scale(amax);
     if (threadIdx.x == 0) h_gs[row] = gs;
     return gs;
 }
 
-// The L1 finish before the session-7 final run (FinishL1Kernel::Vec, bench nvfp4_finishvec, kept one run): pass 1
-// above, then pass 2 with one thread per 16-element NVFP4 block (I / 16 threads).
-extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_vec(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
-    extern __shared__ float s_h[];
-    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
-    Grouping grp{group, capacity, experts, rows_total};
-    const int row = blockIdx.x;
-    const float gs =
-        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red);
-    const int blocks = I / 16;
-    for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
-        float bmax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) bmax = fmaxf(bmax, fabsf(s_h[b * 16 + i]));
+// Pass 2 of the q4 finish (and of the candidates built on it): NVFP4 quantization of the h row in s_h with global
+// scale gs, 4 elements per thread (the rules are in the comment of moe_gemm_finish_l1_swiglu_nvfp4_q4 below).
+__device__ __forceinline__ void finish_l1_nvfp4_q4_pass(const float* s_h, int I, float gs, int row,
+                                                        uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales) {
+    const int chunks = I / 4;
+    const int lane = threadIdx.x & 31;
+    uint8_t* codes_row = h_codes + (size_t)row * (I / 2);
+    uint8_t* scales_row = h_scales + (size_t)row * (I / 16);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1 >= 1, a multiple of 4 (above)
+        const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
+        const float4 x = *reinterpret_cast<const float4*>(s_h + 4 * c);
+        float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
+        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 1));
+        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 2));
         const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
         const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
-        h_scales[(size_t)row * blocks + b] = sc;
-        uint32_t packed[2] = {0, 0};
-#pragma unroll
-        for (int i = 0; i < 16; ++i) packed[i >> 3] |= (uint32_t)mm::nvfp4_element(s_h[b * 16 + i], scale) << (4 * (i & 7));
-        uint2 v = make_uint2(packed[0], packed[1]);
-        *reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2) + b * 8) = v;
+        if ((c & 3) == 0) scales_row[c >> 2] = sc;
+        const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
+                           (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
+        *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
     }
 }
 
 // The L1 finish (FinishL1Kernel::Q4, the default since the session-7 final run): the same pass 1, then a parallel
-// pass 2. In the _vec pass 2 only I / 16 threads (128 of 512 at I = 2048) work, each a serial chain of 16 shared
-// loads (16 floats apart across lanes: a 16-way bank conflict), the block scale and 16 IEEE divisions. Here every
-// thread quantizes 4 consecutive elements (chunk c = elements 4c..4c+3, one conflict-free float4 load) and the 4
-// lanes of one 16-block cooperate.
-// Outputs are bit-identical to _vec (h, h_out and gs come from the shared pass 1; for pass 2):
+// pass 2. In the pass 2 of the removed _vec finish only I / 16 threads (128 of 512 at I = 2048) worked, each a
+// serial chain of 16 shared loads (16 floats apart across lanes: a 16-way bank conflict), the block scale and 16
+// IEEE divisions. Here every thread quantizes 4 consecutive elements (chunk c = elements 4c..4c+3, one
+// conflict-free float4 load) and the 4 lanes of one 16-block cooperate.
+// Outputs were bit-identical to _vec, and the rules below are why q4 equals the one-block-per-thread CPU quantizer
+// (h, h_out and gs come from the shared pass 1; for pass 2):
 // * lane <-> chunk: c = threadIdx.x + k * blockDim.x with blockDim.x % 32 == 0 (launcher: 512), so c % 32 == lane
 //   and the 4 chunks of 16-block b = c / 4 (c % 4 = 0..3) sit on the 4 consecutive lanes 4*(lane/4) + 0..3 of one
 //   warp; xor 1 and xor 2 stay inside that group.
@@ -646,25 +677,97 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
     Grouping grp{group, capacity, experts, rows_total};
     const int row = blockIdx.x;
     const float gs =
-        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red);
-    const int chunks = I / 4;
-    const int lane = threadIdx.x & 31;
-    uint8_t* codes_row = h_codes + (size_t)row * (I / 2);
+        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red,
+                                 grp.expert_of_row(row));
+    finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
+}
+
+// ---- Session-8 A/B candidates for the decode L1 finish (FinishL1Kernel::Pad / PadOneBarrier) -------------------
+// In the masked layout almost every finish CTA runs on a padding row (expert_of_row(row) < 0): at 1 token 250 of
+// Flash's 256 rows (378 of Pro's 384), at 8 / 64 tokens ~94% / ~75% of rows_total = experts * max count. The q4
+// finish still runs both passes on them: h = 0 into s_h (and h_out), the block_max barriers, then pass 2 on zeros.
+// At 2 CTAs per SM (61 registers x 512 threads) those CTAs fill whole waves from 384 rows on (Pro 1 token, Flash
+// 8 and 64 tokens) and delay the real rows' CTAs of later waves.
+//
+// What q4 writes for a padding row (e < 0), step by step (h = +0 everywhere: h[i] starts as 0.f and e < 0 skips
+// the SwiGLU):
+// * h_out (if requested): I floats +0 (bits 0x00000000).
+// * pass 1: amax = fmaxf(0.f, |+0| ...) = +0 in every thread; block_max folds the 16 slots from 0.f: +0.
+//   gs = mm::nvfp4_global_scale(+0) = 1.0f (amax == 0 branch); h_gs[row] = 1.0f (0x3f800000).
+// * pass 2: bmax = +0; sc = mm::nvfp4_block_scale(+0, 1.0f) = e4m3_encode(__fdiv_rn(+0, 6.f)) = e4m3(+0) = 0x00;
+//   scale = __fmul_rn(mm::e4m3_decode(0x00), 1.0f) = +0; mm::nvfp4_element(+0, +0) = 0 (scale == 0 branch).
+//   So every code byte is 0x00 (nibbles 0 | 0 << 4) and every block scale byte 0x00.
+// finish_l1_write_padding_row writes exactly these bytes, computed by the same device functions on the same inputs
+// (+0 amax, +0 block max, +0 element) rather than hard-coded, with no shared memory, no barrier and no reduction.
+__device__ __forceinline__ void finish_l1_write_padding_row(int row, int I, uint8_t* __restrict__ h_codes,
+                                                            uint8_t* __restrict__ h_scales, float* __restrict__ h_gs,
+                                                            float* __restrict__ h_out) {
+    const float gs = mm::nvfp4_global_scale(0.f);                 // row amax +0 -> 1.0f
+    const uint8_t sc = mm::nvfp4_block_scale(0.f, gs);            // block amax +0 -> 0x00
+    const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);      // +0
+    const uint32_t code = mm::nvfp4_element(0.f, scale);          // element +0 -> 0
+    const uint32_t code_byte = code | code << 4;                  // two elements per byte, low nibble first
+    const uint32_t code_word = code_byte * 0x01010101u;           // the byte in all 4 lanes of a word
+    const uint32_t scale_word = (uint32_t)sc * 0x01010101u;
+    if (threadIdx.x == 0) h_gs[row] = gs;
+    // Codes: I / 2 bytes per row, I % 16 == 0 (launcher) -> the row base (row * I / 2) is a multiple of 8: uint2.
+    uint2* codes_row = reinterpret_cast<uint2*>(h_codes + (size_t)row * (I / 2));
+    for (int i = threadIdx.x; i < I / 16; i += blockDim.x) codes_row[i] = make_uint2(code_word, code_word);
+    // Block scales: I / 16 bytes per row; 4-byte stores when I % 64 == 0 (row base a multiple of 4: Flash 2048,
+    // Pro 3072), bytes otherwise.
     uint8_t* scales_row = h_scales + (size_t)row * (I / 16);
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1 >= 1, a multiple of 4 (above)
-        const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
-        const float4 x = *reinterpret_cast<const float4*>(s_h + 4 * c);
-        float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
-        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 1));
-        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 2));
-        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
-        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
-        if ((c & 3) == 0) scales_row[c >> 2] = sc;
-        const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
-                           (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
-        *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
+    if ((I & 63) == 0) {
+        for (int i = threadIdx.x; i < I / 64; i += blockDim.x) reinterpret_cast<uint32_t*>(scales_row)[i] = scale_word;
+    } else {
+        for (int i = threadIdx.x; i < I / 16; i += blockDim.x) scales_row[i] = sc;
     }
+    // h: I % 4 == 0 -> float4 stores of +0 (q4 stores make_float4(h[0..3]) with h = 0.f).
+    if (h_out != nullptr) {
+        float4* h_row = reinterpret_cast<float4*>(h_out + (size_t)row * I);
+        for (int i = threadIdx.x; i < I / 4; i += blockDim.x) h_row[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// The candidates: a padding row (uniform per CTA: the whole block returns, so no barrier is left half-reached)
+// takes finish_l1_write_padding_row; a real row runs the q4 finish unchanged (kOneBarrierMax = false: Pad) or
+// with the one-barrier row amax (block_max_l1_one_barrier, same value: PadOneBarrier). Bit-identical to q4 on
+// every row.
+template <bool kOneBarrierMax>
+__device__ __forceinline__ void finish_l1_pad_body(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out,
+    float* s_h, float* s_red) {
+    Grouping grp{group, capacity, experts, rows_total};
+    const int row = blockIdx.x;
+    const int e = grp.expert_of_row(row);  // one grouping load, reused by pass 1
+    if (e < 0) {
+        finish_l1_write_padding_row(row, I, h_codes, h_scales, h_gs, h_out);
+        return;
+    }
+    const float gs = finish_l1_swiglu_to_smem<kOneBarrierMax>(partial, splits, grp, rows_total, I, gsa, gsb, routing,
+                                                              h_gs, h_out, s_h, s_red, e);
+    finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
+}
+
+extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l1_swiglu_nvfp4_pad(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
+    extern __shared__ float s_h[];
+    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
+    finish_l1_pad_body<false>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
+                              h_scales, h_gs, h_out, s_h, s_red);
+}
+
+extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l1_swiglu_nvfp4_pad1b(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
+    extern __shared__ float s_h[];
+    __shared__ __align__(16) float s_red[32];  // block_max_l1_one_barrier reads the 16 slots as float4
+    finish_l1_pad_body<true>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
+                             h_scales, h_gs, h_out, s_h, s_red);
 }
 
 // L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
@@ -794,6 +897,86 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
         __syncthreads();  // s_acc / s_scale are rewritten by the next pass
     }
     if (u == 0 && col_ok) out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+}
+
+// Session-8 A/B candidate for the L2 finish (FinishL2Kernel::ColsSpec, bench variant nvfp4_finishl2spec). At 1-8
+// decode tokens the combine is a short chain of dependent memory round trips per CTA: token_rows (1) -> group[e]
+// inside expert_of_row (2) -> gsa[row] (3, only after e >= 0 is known) -> barrier -> gsb[e] and the partials (4).
+// Here every thread reads the token's rows itself (uniform addresses: one request per warp, no shared memory, no
+// barrier) and, in the masked layout, takes the candidate expert e = row / capacity without a load: the
+// ownership test (row - e * capacity < clamp(group[e], 0, capacity)) only decides whether the row counts, so
+// group[e], gsa[row], gsb[e, n] and the partials are all issued in round trip 2. Identities:
+// * masked expert_of_row(row) is -1 for row outside [0, rows_total) or e >= experts, else e = row / capacity if
+//   the slot is owned, else -1: cand_e below is that e before the ownership test, so valid == (expert_of_row >= 0)
+//   and the expert used for gsb is the same.
+// * speculative loads only touch valid addresses: partials / gsa of a row in [0, rows_total), gsb of e < experts.
+//   A row that turns out unowned contributes nothing (its loaded values are never added), as in _cols.
+// * per row the splits are added in split order from 0.f, skipping missing splits, and y += acc * fl(sa * sb) in
+//   routing order j = 0, 1, ... over valid rows: the same roundings in the same order as _cols (fl(sa * sb) is one
+//   rounded product in both, computed here before the split loop to hold 8 scale registers instead of 16; nvcc
+//   contracts y += acc * scale to one fma in both; the GPU test compares the two bit for bit).
+// * __launch_bounds__(256, 3): 80 registers without spills (4 CTAs/SM forces 64 and spills); _cols has 48
+//   (5 CTAs/SM), which may matter at 64 tokens (1,024 CTAs), not at 1-8 tokens (16-128 CTAs).
+// * the contiguous layout (capacity == 0) has no load-free candidate expert: it calls expert_of_row (its binary
+//   search) per thread, same values as _cols; only the barrier and the shared staging go.
+extern "C" __global__ void __launch_bounds__(kThreads, 3) moe_gemm_finish_l2_combine_cols_spec(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    __nv_bfloat16* __restrict__ out) {
+    Grouping grp{group, capacity, experts, rows_total};
+    const int tok = blockIdx.x;
+    const int n = blockIdx.y * blockDim.x + threadIdx.x;
+    if (n >= N) return;  // no barrier in this kernel: threads past N may leave at once
+    constexpr int kRowsPerPass = 8, kSplitsPerPass = 4;
+    float y = 0.f;
+    for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
+        bool valid[kRowsPerPass];
+        int row[kRowsPerPass];
+        float acc[kRowsPerPass], scale[kRowsPerPass];  // scale = fl(sa * sb), as _cols rounds it
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u) {
+            const int j = j0 + u;
+            row[u] = j < topk ? token_rows[(size_t)tok * topk + j] : -1;
+            const bool in_range = row[u] >= 0 && row[u] < rows_total;
+            int e = -1;
+            bool owned = false;
+            if (capacity > 0) {
+                const int cand_e = in_range ? row[u] / capacity : -1;
+                const bool cand_ok = cand_e >= 0 && cand_e < experts;
+                e = cand_ok ? cand_e : -1;
+                // Loads below are independent of each other: all in flight together.
+                const int count = cand_ok ? group[cand_e] : 0;
+                owned = cand_ok && (row[u] - cand_e * capacity) < min(max(count, 0), capacity);
+            } else {
+                e = grp.expert_of_row(row[u]);
+                owned = e >= 0;
+            }
+            const float sb = e >= 0 ? gsb[(size_t)e * N + n] : 0.f;
+            const float sa = (gsa != nullptr && in_range) ? gsa[row[u]] : 1.f;
+            scale[u] = sa * sb;
+            valid[u] = owned;
+            acc[u] = 0.f;
+        }
+        for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
+            float p[kRowsPerPass][kSplitsPerPass];
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                for (int v = 0; v < kSplitsPerPass; ++v)
+                    p[u][v] = (row[u] >= 0 && row[u] < rows_total && s0 + v < splits)
+                                  ? partial[((size_t)(s0 + v) * rows_total + row[u]) * N + n]
+                                  : 0.f;
+#pragma unroll
+            for (int u = 0; u < kRowsPerPass; ++u)
+#pragma unroll
+                for (int v = 0; v < kSplitsPerPass; ++v)
+                    if (valid[u] && s0 + v < splits) acc[u] += p[u][v];
+        }
+#pragma unroll
+        for (int u = 0; u < kRowsPerPass; ++u)
+            if (valid[u]) y += acc[u] * scale[u];
+    }
+    out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
 }
 
 // Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block

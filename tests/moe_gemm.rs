@@ -544,22 +544,15 @@ fn check_l1_l2(
     let mut l1 = L1Output::new(gpu, rows, inter, true).unwrap();
     mg::launch_partial(gpu, &d13, &da.view(), &dg, &cfg1, &mut ws1).unwrap();
     mg::launch_finish_l1(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1).unwrap();
-    // The previous (vec) finish on the same partials: bit-identical outputs to the default q4 (the CPU checks below
-    // then cover both).
-    let mut l1_vec = L1Output::new(gpu, rows, inter, true).unwrap();
-    mg::launch_finish_l1_with(
-        gpu,
-        &ws1,
-        &dg,
-        &d13,
-        &da.view(),
-        &droute,
-        &mut l1_vec,
-        mg::FinishL1Kernel::Vec,
-    )
-    .unwrap();
-    gpu.synchronize().unwrap();
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} L1 finish"), &l1_vec, &l1);
+    // Every other L1 finish kernel on the same partials: bit-identical outputs to the default (the CPU checks below
+    // then cover all of them).
+    for &kernel in &mg::FinishL1Kernel::ALL[1..] {
+        let mut l1_k = L1Output::new(gpu, rows, inter, true).unwrap();
+        mg::launch_finish_l1_with(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1_k, kernel)
+            .unwrap();
+        gpu.synchronize().unwrap();
+        assert_l1_outputs_bit_equal(gpu, &format!("{label} L1 finish {kernel:?}"), &l1_k, &l1);
+    }
     let (exact, abs) = grouped_gemm_acc_f64(&w13, &a, &rb.grouping).unwrap();
     let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
     let got = gpu_accumulator(gpu, &ws1);
@@ -655,33 +648,34 @@ fn check_l1_l2(
         &mut y,
     )
     .unwrap();
-    // The session-8 A/B L2 finish (one warp per routed row) on the same partials: the same bits.
-    let mut y_rw = gpu.poisoned::<bf16>(tokens * hidden, 0xA5).unwrap();
-    mg::launch_finish_l2_with(
-        gpu,
-        &ws2,
-        &dg,
-        &d2,
-        &l1.as_activations(),
-        &dtr,
-        topk,
-        &mut y_rw,
-        mg::FinishL2Kernel::RowWarps,
-    )
-    .unwrap();
-    gpu.synchronize().unwrap();
-    let (y_cols_bits, y_rw_bits) = (gpu.download(&y).unwrap(), gpu.download(&y_rw).unwrap());
-    if let Some(i) =
-        (0..y_cols_bits.len()).find(|&i| y_cols_bits[i].to_bits() != y_rw_bits[i].to_bits())
-    {
-        panic!(
-            "{label}: L2 RowWarps vs Cols at token {} col {}: {:#06x} vs {:#06x}",
-            i / hidden,
-            i % hidden,
-            y_rw_bits[i].to_bits(),
-            y_cols_bits[i].to_bits()
-        );
+    // Every other L2 combine kernel on the same partials, into its own poisoned output: bit-identical to the default.
+    for &kernel in &mg::FinishL2Kernel::ALL[1..] {
+        let mut y_k = gpu.poisoned::<bf16>(tokens * hidden, 0xA5).unwrap();
+        mg::launch_finish_l2_with(
+            gpu,
+            &ws2,
+            &dg,
+            &d2,
+            &l1.as_activations(),
+            &dtr,
+            topk,
+            &mut y_k,
+            kernel,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let (gk, gd) = (gpu.download(&y_k).unwrap(), gpu.download(&y).unwrap());
+        if let Some(i) = (0..gd.len()).find(|&i| gk[i].to_bits() != gd[i].to_bits()) {
+            panic!(
+                "{label}: L2 {kernel:?} token {} col {}: {:#06x}, default {:#06x}",
+                i / hidden,
+                i % hidden,
+                gk[i].to_bits(),
+                gd[i].to_bits()
+            );
+        }
     }
+    gpu.synchronize().unwrap();
     let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
     let got2 = gpu_accumulator(gpu, &ws2);
     check_accumulator(
@@ -1782,7 +1776,7 @@ fn v6_tiled_layout_rejects_bad_shapes_and_sizes() {
     assert!(err.contains("scales"), "{err}");
 }
 
-// ------------------------------------------------- session-7 A/B: q4 L1 finish (parallel NVFP4 quantization pass)
+// ------------------------------ L1 finish kernels: each against the default q4 bit for bit, q4 against the CPU reference
 
 /// First difference between two L1 outputs of the same rows, bit for bit: codes, block scales, global scales and
 /// (when both kept it) the fp32 h.
@@ -1805,7 +1799,7 @@ fn assert_l1_outputs_bit_equal(gpu: &Gpu, label: &str, got: &L1Output, want: &L1
         assert_eq!(g.len(), w.len(), "{label}: {what} buffer sizes differ");
         if let Some(i) = (0..g.len()).find(|&i| g[i] != w[i]) {
             panic!(
-                "{label}: q4 {what} {i} (row {} of {rows}, index {}) = {:#04x}, vec {:#04x}; {} of {} differ",
+                "{label}: {what} {i} (row {} of {rows}, index {}) = {:#04x}, default {:#04x}; {} of {} differ",
                 i / per_row.max(1),
                 i % per_row.max(1),
                 g[i],
@@ -1821,7 +1815,7 @@ fn assert_l1_outputs_bit_equal(gpu: &Gpu, label: &str, got: &L1Output, want: &L1
     );
     if let Some(r) = (0..g.len()).find(|&r| g[r].to_bits() != w[r].to_bits()) {
         panic!(
-            "{label}: q4 global scale row {r} = {} ({:#010x}), vec {} ({:#010x})",
+            "{label}: global scale row {r} = {} ({:#010x}), default {} ({:#010x})",
             g[r],
             g[r].to_bits(),
             w[r],
@@ -1832,7 +1826,7 @@ fn assert_l1_outputs_bit_equal(gpu: &Gpu, label: &str, got: &L1Output, want: &L1
         let (g, w) = (gpu.download(hg).unwrap(), gpu.download(hw).unwrap());
         if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
             panic!(
-                "{label}: q4 h row {} col {} = {} ({:#010x}), vec {} ({:#010x})",
+                "{label}: h row {} col {} = {} ({:#010x}), default {} ({:#010x})",
                 i / inter,
                 i % inter,
                 g[i],
@@ -1941,11 +1935,12 @@ fn finish_inputs(
     }
 }
 
-/// Both L1 finish kernels on the same synthetic partials into 0xFF-poisoned outputs: q4 against vec bit for bit
-/// (with and without the fp32 h output), and q4 against the CPU reference (h against the f64 SwiGLU of the
+/// Every L1 finish kernel on the same synthetic partials into 0xFF-poisoned outputs, with and without the fp32 h
+/// output, against the default q4 with h bit for bit (codes, block scales, global scales, h); and q4 against the
+/// CPU reference (h against the f64 SwiGLU of the
 /// partials' fp32 split sums; codes, block scales and global scales bit-exact against the CPU quantizer applied to
 /// the GPU's h, as `check_l1_l2` does).
-fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
+fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     let (inter, splits) = (inp.inter, inp.splits);
     let (n, rows) = (2 * inter, inp.rb.grouping.rows_total());
     let label = format!(
@@ -2007,11 +2002,20 @@ fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
         gpu.synchronize().unwrap();
         out
     };
-    let vec_h = run(mg::FinishL1Kernel::Vec, true);
     let q4_h = run(mg::FinishL1Kernel::Q4, true);
     let q4 = run(mg::FinishL1Kernel::Q4, false);
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} (h kept)"), &q4_h, &vec_h);
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} (no h output)"), &q4, &vec_h);
+    assert_l1_outputs_bit_equal(gpu, &format!("{label} Q4 (no h output)"), &q4, &q4_h);
+    for &kernel in &mg::FinishL1Kernel::ALL[1..] {
+        for keep_h in [true, false] {
+            let got = run(kernel, keep_h);
+            assert_l1_outputs_bit_equal(
+                gpu,
+                &format!("{label} {kernel:?} (h kept: {keep_h})"),
+                &got,
+                &q4_h,
+            );
+        }
+    }
     if rows == 0 {
         return;
     }
@@ -2047,8 +2051,17 @@ fn check_finish_q4_against_vec(gpu: &Gpu, label: &str, inp: &FinishInputs) {
         );
     }
     let zero_scales = scales.iter().filter(|&&s| s == 0).count();
+    // The Pad candidates' fast path runs only on padding rows: every masked batch here has some.
+    let padding_rows = (0..rows)
+        .filter(|&r| inp.rb.grouping.expert_of_row(r).is_none())
+        .count();
+    assert!(
+        !matches!(inp.rb.grouping, Grouping::Masked { .. }) || padding_rows > 0,
+        "{label}: masked batch without padding rows (the Pad fast path would go untested)"
+    );
     eprintln!(
-        "{label}: q4 == vec bit for bit; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
+        "{label}: {:?} == Q4 bit for bit; {padding_rows} padding rows; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
+        &mg::FinishL1Kernel::ALL[1..],
         scales.len()
     );
 }
@@ -2111,46 +2124,46 @@ fn check_h_against_f64_reference(label: &str, inp: &FinishInputs, h_gpu: &[f32])
 /// The token counts of the brief, one split count each (5 exercises the second 4-split pass of the partial
 /// loads), masked with 2 padding slots per expert; plus a contiguous grouping, BF16 A (gsa = 1) and the empty
 /// contiguous batch (rows_total = 0: nothing launched, nothing written).
-fn check_finish_q4_over_token_counts(gpu: &Gpu, name: &str, inter: usize) {
+fn check_finish_l1_over_token_counts(gpu: &Gpu, name: &str, inter: usize) {
     let mut rng = seeded(name);
     let experts = 16;
     for (tokens, splits) in [(0usize, 2usize), (1, 4), (2, 3), (7, 5), (64, 1)] {
         let inp = finish_inputs(&mut rng, inter, experts, tokens, splits, Some(2), true);
-        check_finish_q4_against_vec(gpu, name, &inp);
+        check_finish_l1_kernels(gpu, name, &inp);
     }
     let inp = finish_inputs(&mut rng, inter, experts, 7, 2, None, true);
-    check_finish_q4_against_vec(gpu, &format!("{name} contiguous"), &inp);
+    check_finish_l1_kernels(gpu, &format!("{name} contiguous"), &inp);
     let inp = finish_inputs(&mut rng, inter, experts, 2, 4, Some(1), false);
-    check_finish_q4_against_vec(gpu, &format!("{name} BF16 A"), &inp);
+    check_finish_l1_kernels(gpu, &format!("{name} BF16 A"), &inp);
     let inp = finish_inputs(&mut rng, inter, experts, 0, 1, None, true);
     assert_eq!(inp.rb.grouping.rows_total(), 0);
-    check_finish_q4_against_vec(gpu, &format!("{name} empty contiguous"), &inp);
+    check_finish_l1_kernels(gpu, &format!("{name} empty contiguous"), &inp);
 }
 
 #[test]
-fn gpu_l1_finish_q4_bit_identical_to_vec_flash_inter() {
-    let name = "gpu_l1_finish_q4_bit_identical_to_vec_flash_inter";
+fn gpu_l1_finish_kernels_bit_identical_flash_inter() {
+    let name = "gpu_l1_finish_kernels_bit_identical_flash_inter";
     let Some(gpu) = gpu_for_test(name) else {
         return;
     };
-    check_finish_q4_over_token_counts(&gpu, name, 2048);
+    check_finish_l1_over_token_counts(&gpu, name, 2048);
 }
 
 #[test]
-fn gpu_l1_finish_q4_bit_identical_to_vec_pro_inter() {
-    let name = "gpu_l1_finish_q4_bit_identical_to_vec_pro_inter";
+fn gpu_l1_finish_kernels_bit_identical_pro_inter() {
+    let name = "gpu_l1_finish_kernels_bit_identical_pro_inter";
     let Some(gpu) = gpu_for_test(name) else {
         return;
     };
-    check_finish_q4_over_token_counts(&gpu, name, 3072);
+    check_finish_l1_over_token_counts(&gpu, name, 3072);
 }
 
 /// Off the DSV4 shapes: I = 16 * odd, so I / 4 is not a multiple of 32 and the last warp of the q4 pass 2 is only
 /// partly inside the loop (its shuffle mask names a prefix of the warp); I = 2064 also takes a second pass-1 and
 /// pass-2 iteration with a single partly filled warp (I / 4 = 516 chunks for 512 threads).
 #[test]
-fn gpu_l1_finish_q4_bit_identical_to_vec_partial_warps() {
-    let name = "gpu_l1_finish_q4_bit_identical_to_vec_partial_warps";
+fn gpu_l1_finish_kernels_bit_identical_partial_warps() {
+    let name = "gpu_l1_finish_kernels_bit_identical_partial_warps";
     let Some(gpu) = gpu_for_test(name) else {
         return;
     };
@@ -2162,11 +2175,198 @@ fn gpu_l1_finish_q4_bit_identical_to_vec_partial_warps() {
         (1136, 7, 2),
     ] {
         let inp = finish_inputs(&mut rng, inter, 8, tokens, splits, Some(1), true);
-        check_finish_q4_against_vec(&gpu, name, &inp);
+        check_finish_l1_kernels(&gpu, name, &inp);
     }
 }
 
-/// The L2 finish kernels against each other, bit for bit (FinishL2Kernel::RowWarps vs the default Cols, which the
+// ------------------------------------ L2 combine kernels: each against the default bit for bit, and the CPU reference
+
+/// Every L2 combine kernel on synthetic split partials `[splits, rows, n]` into 0xFF-poisoned outputs, against the
+/// default (`Cols`) bit for bit, and the default against the f64 combine of the fp32 split sums (tolerance: the
+/// bf16 rounding of the output, 2^-8 relative, plus 16 fp32 ulps of the absolute terms). Unowned rows hold NaN
+/// partials (as the mainloop's poisoned workspace): a kernel that added one would fail. A few routed slots are
+/// replaced by -1 and (masked) by a padding slot: both kernels must skip them.
+#[allow(clippy::too_many_arguments)]
+fn check_l2_combine_kernels(
+    gpu: &Gpu,
+    label: &str,
+    rng: &mut impl Rng,
+    n: usize,
+    experts: usize,
+    tokens: usize,
+    splits: usize,
+    padding: Option<usize>,
+    nvfp4_a: bool,
+) {
+    let topk = 6;
+    let rb0 = RoutedBatch::random(rng, tokens, experts - 2, topk, None).unwrap();
+    let most = (0..experts - 2)
+        .map(|e| rb0.grouping.expert_rows(e).len())
+        .max()
+        .unwrap_or(0);
+    let rb = RoutedBatch::from_choices(
+        tokens,
+        experts,
+        topk,
+        rb0.experts_of,
+        padding.map(|p| most + p),
+    )
+    .unwrap();
+    let g = &rb.grouping;
+    let rows = g.rows_total();
+    let label = format!(
+        "{label} [N {n}, {tokens} tokens, rows {rows}, splits {splits}, {}, {} A]",
+        if padding.is_some() {
+            "masked"
+        } else {
+            "contiguous"
+        },
+        if nvfp4_a { "NVFP4" } else { "BF16" }
+    );
+    let gsb: Vec<f32> = (0..experts * n)
+        .map(|_| 2f32.powf(rng.random_range(-9.0f32..-3.0)))
+        .collect();
+    let gsa: Vec<f32> = (0..rows.max(1))
+        .map(|_| {
+            if nvfp4_a {
+                rng.random_range(0.5f32..2.0)
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let mut partial = vec![f32::NAN; (splits * rows * n).max(1)];
+    for r in 0..rows {
+        if g.expert_of_row(r).is_none() {
+            continue;
+        }
+        let mag = 10f32.powf(rng.random_range(0.0f32..3.0));
+        for s in 0..splits {
+            for c in 0..n {
+                partial[(s * rows + r) * n + c] = rng.random_range(-1.0f32..1.0) * mag;
+            }
+        }
+    }
+    // Unrouted slots: -1 for one slot of the first token, a padding row (if any) for one slot of the last.
+    let mut token_rows = rb.token_rows.clone();
+    token_rows[rng.random_range(0..topk)] = -1;
+    if let Some(pad) = (0..rows).find(|&r| g.expert_of_row(r).is_none()) {
+        token_rows[(tokens - 1) * topk + rng.random_range(0..topk)] = pad as i32;
+    }
+    let dg = DeviceGrouping::upload(gpu, g).unwrap();
+    let k = mg::STAGE_K;
+    let d2 = DeviceExpertWeights {
+        experts,
+        n,
+        k,
+        codes: gpu.zeros::<u8>(experts * n * k / 2).unwrap(),
+        scales: gpu.zeros::<u8>(experts * n * k / 16).unwrap(),
+        global: gpu.upload(&gsb).unwrap(),
+    };
+    let ws = Workspace {
+        splits,
+        rows_total: rows,
+        n,
+        partial: gpu.upload(&partial).unwrap(),
+    };
+    let a_codes = gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap();
+    let a_scales = gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap();
+    let a_bf16 = gpu.zeros::<bf16>((rows * k).max(1)).unwrap();
+    let a_global = gpu.upload(&gsa).unwrap();
+    let a = if nvfp4_a {
+        mg::DeviceActivations::Nvfp4 {
+            rows,
+            k,
+            codes: &a_codes,
+            scales: &a_scales,
+            global: &a_global,
+        }
+    } else {
+        mg::DeviceActivations::Bf16 {
+            rows,
+            k,
+            data: &a_bf16,
+        }
+    };
+    assert!(
+        tokens > 0,
+        "{label}: the launcher writes nothing for 0 tokens"
+    );
+    let dtr = gpu.upload(&token_rows).unwrap();
+    let run = |kernel: mg::FinishL2Kernel| -> Vec<bf16> {
+        let mut y = gpu.poisoned::<bf16>(tokens * n, 0xFF).unwrap();
+        mg::launch_finish_l2_with(gpu, &ws, &dg, &d2, &a, &dtr, topk, &mut y, kernel).unwrap();
+        gpu.synchronize().unwrap();
+        gpu.download(&y).unwrap()
+    };
+    let want = run(mg::FinishL2Kernel::Cols);
+    for &kernel in &mg::FinishL2Kernel::ALL[1..] {
+        let got = run(kernel);
+        if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            panic!(
+                "{label}: {kernel:?} token {} col {}: {:#06x}, Cols {:#06x}; {} of {} differ",
+                i / n,
+                i % n,
+                got[i].to_bits(),
+                want[i].to_bits(),
+                (0..want.len())
+                    .filter(|&j| got[j].to_bits() != want[j].to_bits())
+                    .count(),
+                want.len()
+            );
+        }
+    }
+    let mut max_rel = 0f64;
+    for t in 0..tokens {
+        for c in 0..n {
+            let (mut y_ref, mut abs_sum) = (0f64, 0f64);
+            for j in 0..topk {
+                let r = token_rows[t * topk + j];
+                let Some(e) = (r >= 0).then(|| g.expert_of_row(r as usize)).flatten() else {
+                    continue;
+                };
+                let r = r as usize;
+                let acc = (0..splits).fold(0f32, |s, sp| s + partial[(sp * rows + r) * n + c]);
+                let term = acc as f64 * gsa[r] as f64 * gsb[e * n + c] as f64;
+                y_ref += term;
+                abs_sum += term.abs();
+            }
+            let got = want[t * n + c].to_f32() as f64;
+            let tol = y_ref.abs() / 256.0 + 16.0 * U * abs_sum + 1e-30;
+            assert!(
+                (got - y_ref).abs() <= tol,
+                "{label}: token {t} col {c}: gpu {got} ref {y_ref} tol {tol:e}"
+            );
+            if y_ref.abs() > 1e-30 {
+                max_rel = max_rel.max((got - y_ref).abs() / y_ref.abs());
+            }
+        }
+    }
+    eprintln!(
+        "{label}: {:?} == Cols bit for bit; Cols vs f64 max rel err {max_rel:e}",
+        &mg::FinishL2Kernel::ALL[1..]
+    );
+}
+
+/// Flash (N 4096) and Pro (N 7168) hidden sizes, 1 / 2 / 7 / 64 tokens with 1-5 splits (5: a second 4-split pass),
+/// masked with padding (the layout the candidate speeds up) and contiguous (its fallback), NVFP4 and BF16 A.
+#[test]
+fn gpu_l2_combine_kernels_bit_identical() {
+    let name = "gpu_l2_combine_kernels_bit_identical";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    for n in [4096usize, 7168] {
+        for (tokens, splits) in [(1usize, 4usize), (2, 3), (7, 5), (64, 1)] {
+            check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, tokens, splits, Some(2), true);
+        }
+        check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, 7, 2, None, true);
+        check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, 2, 4, Some(1), false);
+    }
+}
+
+/// The L2 finish kernels against each other, bit for bit (every FinishL2Kernel vs the default Cols, which the
 /// L1/L2 tests above check against the f64 reference), on synthetic split-K partials that reach the corners the
 /// model shapes do not: 1-9 splits (RowWarps loads 8 per pass: 9 takes two passes), topk 1, 6, 9 and 13 (two
 /// passes of 8 slots), slots that are -1 or point at padding rows, empty experts, N not a multiple of 32 (a
@@ -2174,12 +2374,12 @@ fn gpu_l1_finish_q4_bit_identical_to_vec_partial_warps() {
 /// +-inf and NaN mixed in. Outputs poisoned (different patterns per kernel), with a poisoned tail past
 /// tokens x N that neither kernel may touch.
 #[test]
-fn gpu_l2_finish_rowwarps_bit_identical_to_cols() {
-    let Some(gpu) = gpu_for_test("gpu_l2_finish_rowwarps_bit_identical_to_cols") else {
+fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
+    let Some(gpu) = gpu_for_test("gpu_l2_finish_kernels_bit_identical_on_edge_partials") else {
         return;
     };
     let seed = megamoe::ops::inputs::fresh_seed(
-        "gpu_l2_finish_rowwarps_bit_identical_to_cols",
+        "gpu_l2_finish_kernels_bit_identical_on_edge_partials",
         "MOE_GEMM_SEED",
     );
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -2301,10 +2501,8 @@ fn gpu_l2_finish_rowwarps_bit_identical_to_cols() {
         let dtr = gpu.upload(&token_rows).unwrap();
         let tail = 77;
         let mut outs = Vec::new();
-        for (kernel, pattern) in [
-            (mg::FinishL2Kernel::Cols, 0xFFu8),
-            (mg::FinishL2Kernel::RowWarps, 0x5A),
-        ] {
+        for (i, &kernel) in mg::FinishL2Kernel::ALL.iter().enumerate() {
+            let pattern = [0xFFu8, 0x5A, 0xC3, 0x81][i % 4];
             let mut y = gpu.poisoned::<bf16>(tokens * n + tail, pattern).unwrap();
             mg::launch_finish_l2_with(&gpu, &ws, &dg, &w2, &a, &dtr, topk, &mut y, kernel)
                 .unwrap_or_else(|e| panic!("{label} {kernel:?}: {e:#}"));
@@ -2317,14 +2515,17 @@ fn gpu_l2_finish_rowwarps_bit_identical_to_cols() {
             );
             outs.push(y);
         }
-        if let Some(i) = (0..tokens * n).find(|&i| outs[0][i].to_bits() != outs[1][i].to_bits()) {
-            panic!(
-                "{label}: RowWarps vs Cols at token {} col {}: {:#06x} vs {:#06x} (seed {seed})",
-                i / n,
-                i % n,
-                outs[1][i].to_bits(),
-                outs[0][i].to_bits()
-            );
+        for (k, got) in outs.iter().enumerate().skip(1) {
+            if let Some(i) = (0..tokens * n).find(|&i| got[i].to_bits() != outs[0][i].to_bits()) {
+                panic!(
+                    "{label}: {:?} vs Cols at token {} col {}: {:#06x} vs {:#06x} (seed {seed})",
+                    mg::FinishL2Kernel::ALL[k],
+                    i / n,
+                    i % n,
+                    got[i].to_bits(),
+                    outs[0][i].to_bits()
+                );
+            }
         }
         let nan = outs[0][..tokens * n].iter().filter(|v| v.is_nan()).count();
         eprintln!(

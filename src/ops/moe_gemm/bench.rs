@@ -14,13 +14,16 @@
 //!   `tma::tile_weights` into one contiguous 18 KB block per (expert, n tile, 256-K stage) (kernel
 //!   `moe_gemm_nvfp4_partial_v6t_nt*`, one 1D bulk copy per stage). The re-layout is weight preparation, done
 //!   once per point before timing (not timed); the tiled copy is held next to the plain weights.
-//! * `nvfp4_finishvec` (`moe_gemm_l1` masked / decode points only): `nvfp4` (same mainloop and config) with the
-//!   previous L1 finish kernel `FinishL1Kernel::Vec` (one thread per 16-element NVFP4 block, bit-identical
-//!   outputs) instead of the default q4 (the session-7 A/B winner, measured as `nvfp4_finishq4` in the final run
-//!   f24d816). It has no L2 meaning: `moe_gemm_l2` skips it.
-//! * `nvfp4_l2rowwarps` (`moe_gemm_l2` only, session-8 A/B): `nvfp4` with the L2 finish
+//! * `nvfp4_finishpad` / `nvfp4_finishpad1b` (`moe_gemm_l1` masked / decode points only, session-8 A/B): `nvfp4`
+//!   (same mainloop and config) with the L1 finish `FinishL1Kernel::Pad` / `PadOneBarrier` instead of the default
+//!   q4 (bit-identical outputs: padding rows written directly without the two passes; `pad1b` also drops one
+//!   barrier from the real rows' amax). They have no L2 meaning: `moe_gemm_l2` skips them.
+//! * `nvfp4_finishl2spec` (`moe_gemm_l2` masked / decode points only, session-8 A/B): `nvfp4` with the L2 combine
+//!   `FinishL2Kernel::ColsSpec` (row metadata and column loads in two dependent round trips instead of four, no
+//!   barrier; bit-identical outputs). `moe_gemm_l1` skips it.
+//! * `nvfp4_l2rowwarps` (`moe_gemm_l2`, decode and prefill points, session-8 A/B): `nvfp4` with the L2 combine
 //!   `FinishL2Kernel::RowWarps` (one warp per routed row, its split loads all in flight; bit-identical output).
-//!   It has no L1 meaning: `moe_gemm_l1` skips it.
+//!   `moe_gemm_l1` skips it.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -49,7 +52,9 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_tma",
     "nvfp4_tma_tiled",
-    "nvfp4_finishvec",
+    "nvfp4_finishpad",
+    "nvfp4_finishpad1b",
+    "nvfp4_finishl2spec",
     "nvfp4_l2rowwarps",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
@@ -66,7 +71,9 @@ fn is_ours(variant: &str) -> bool {
         "nvfp4"
             | "nvfp4_tma"
             | "nvfp4_tma_tiled"
-            | "nvfp4_finishvec"
+            | "nvfp4_finishpad"
+            | "nvfp4_finishpad1b"
+            | "nvfp4_finishl2spec"
             | "nvfp4_l2rowwarps"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
@@ -74,20 +81,31 @@ fn is_ours(variant: &str) -> bool {
 }
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
-/// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and
-/// `nvfp4_finishvec` (the previous decode finish) only on masked points too.
+/// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and the
+/// decode finish candidates `nvfp4_finishpad*` / `nvfp4_finishl2spec` only on masked points too.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || ((variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishvec") && dg.capacity == 0)
+        || ((variant.starts_with("nvfp4_tma") || variant.starts_with("nvfp4_finishpad"))
+            && dg.capacity == 0)
 }
 
-/// The L1 finish kernel of a variant: `nvfp4_finishvec` runs the previous (vec) finish, every other variant the
+/// The L1 finish kernel of a variant: the `nvfp4_finishpad*` candidates run theirs, every other variant the
 /// default.
 fn finish_l1_for(variant: &str) -> FinishL1Kernel {
-    if variant == "nvfp4_finishvec" {
-        FinishL1Kernel::Vec
-    } else {
-        FinishL1Kernel::default()
+    match variant {
+        "nvfp4_finishpad" => FinishL1Kernel::Pad,
+        "nvfp4_finishpad1b" => FinishL1Kernel::PadOneBarrier,
+        _ => FinishL1Kernel::default(),
+    }
+}
+
+/// The L2 combine kernel of a variant: `nvfp4_finishl2spec` / `nvfp4_l2rowwarps` run their candidate, every other
+/// variant the default.
+fn finish_l2_for(variant: &str) -> FinishL2Kernel {
+    match variant {
+        "nvfp4_finishl2spec" => FinishL2Kernel::ColsSpec,
+        "nvfp4_l2rowwarps" => FinishL2Kernel::RowWarps,
+        _ => FinishL2Kernel::default(),
     }
 }
 
@@ -288,8 +306,8 @@ fn row(
 }
 
 fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant == "nvfp4_l2rowwarps" {
-        return Ok(vec![]); // an L2 finish variant: nothing to measure in L1
+    if variant == "nvfp4_finishl2spec" || variant == "nvfp4_l2rowwarps" {
+        return Ok(vec![]); // an L2 combine variant: nothing to measure in L1
     }
     let p = Point::new(s, tokens, ctx.seed, 1)?;
     match variant {
@@ -348,7 +366,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant == "nvfp4_finishvec" {
+    if variant.starts_with("nvfp4_finishpad") {
         return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
     }
     let p = Point::new(s, tokens, ctx.seed, 2)?;
@@ -382,25 +400,11 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4)
                 + p.tokens * p.n * 2;
-            let l2_kernel = if variant == "nvfp4_l2rowwarps" {
-                FinishL2Kernel::RowWarps
-            } else {
-                FinishL2Kernel::default()
-            };
+            let finish = finish_l2_for(variant);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l2_with(
-                    gpu,
-                    &ws,
-                    &dg,
-                    &w,
-                    &a,
-                    &token_rows,
-                    p.topk,
-                    &mut y,
-                    l2_kernel,
-                )
+                launch_finish_l2_with(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y, finish)
             })?;
             Ok(vec![row(
                 "moe_gemm_l2",

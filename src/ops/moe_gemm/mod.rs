@@ -44,7 +44,7 @@ pub const TOKEN_TILES: [usize; 4] = [8, 16, 32, 64];
 pub const MAX_EXPERTS: usize = 512;
 const THREADS: u32 = 256;
 /// Block of the L1 finish kernels (`__launch_bounds__(512)`): 4 columns per thread, so I = 2048 is one pass.
-const FINISH_L1_VEC_THREADS: u32 = 512;
+const FINISH_L1_THREADS: u32 = 512;
 
 /// `N % 128 == 0`, `K % 512 == 0`: the tile shapes of the kernel (all DSV4 shapes qualify).
 pub fn check_gemm_shape(n: usize, k: usize) -> Result<()> {
@@ -595,28 +595,42 @@ pub fn launch_finish_l1(
     )
 }
 
-/// Which L1 finish kernel [`launch_finish_l1_with`] runs. Both share the first pass (split sums, SwiGLU, routing
+/// Which L1 finish kernel [`launch_finish_l1_with`] runs. All share the first pass (split sums, SwiGLU, routing
 /// weight, row amax, global scale) and write bit-identical outputs (h, codes, block scales, global scales).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FinishL1Kernel {
-    /// `moe_gemm_finish_l1_swiglu_nvfp4_vec` (the default until the session-7 final run): the NVFP4 pass runs one
-    /// thread per 16-element block, serially (I / 16 of the 512 threads). Bench variant `nvfp4_finishvec`, kept
-    /// measurable for one run.
-    Vec,
     /// `moe_gemm_finish_l1_swiglu_nvfp4_q4` (the default): every thread quantizes 4 consecutive elements; the 4
     /// lanes of a block share its amax by two xor-shuffles and each stores its own 2 code bytes. Session-7 final
-    /// run (f24d816, us, Flash L1 vec / q4): 1 token 41.86 / 39.14, 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1;
-    /// Pro 1 token 84.45 / 82.24; the finish alone under ncu at 1 token 7.7-7.9 / 6.1-6.2.
+    /// run (f24d816, us, Flash L1, the removed one-thread-per-block `vec` finish / q4): 1 token 41.86 / 39.14,
+    /// 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone under ncu at
+    /// 1 token 7.7-7.9 / 6.1-6.2.
     #[default]
     Q4,
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_pad` (session-8 A/B, bench variant `nvfp4_finishpad`): q4, except that a
+    /// CTA whose row belongs to no expert (a padding slot of the masked layout: 250 of 256 rows at 1 token on
+    /// Flash) writes the bytes q4 produces for an all-zero row (codes 0, block scales 0, gs 1.0, h +0) with plain
+    /// wide stores, skipping both passes and their barriers.
+    Pad,
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_pad1b` (session-8 A/B, bench variant `nvfp4_finishpad1b`): `Pad` plus a
+    /// row amax with one barrier instead of two (the trailing one only guarded a reuse of the reduction slots that
+    /// the L1 finish never makes) on the real rows' critical path.
+    PadOneBarrier,
 }
 
 impl FinishL1Kernel {
+    /// Every L1 finish kernel, the default first (tests compare each against it bit for bit).
+    pub const ALL: &'static [FinishL1Kernel] = &[
+        FinishL1Kernel::Q4,
+        FinishL1Kernel::Pad,
+        FinishL1Kernel::PadOneBarrier,
+    ];
+
     /// The kernel's entry point in kernels/moe_gemm.cu.
     pub fn entry(self) -> &'static str {
         match self {
-            FinishL1Kernel::Vec => "moe_gemm_finish_l1_swiglu_nvfp4_vec",
             FinishL1Kernel::Q4 => "moe_gemm_finish_l1_swiglu_nvfp4_q4",
+            FinishL1Kernel::Pad => "moe_gemm_finish_l1_swiglu_nvfp4_pad",
+            FinishL1Kernel::PadOneBarrier => "moe_gemm_finish_l1_swiglu_nvfp4_pad1b",
         }
     }
 }
@@ -665,9 +679,9 @@ pub fn launch_finish_l1_with(
     if grp.rows_total == 0 {
         return Ok(());
     }
-    // Both kernels are `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
-    // chunk % 32), which 512 is.
-    let (name, block) = (kernel.entry(), FINISH_L1_VEC_THREADS);
+    // Every L1 finish kernel is `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
+    // chunk % 32), which 512 is, and PadOneBarrier exactly 16 warps (kFinishL1Threads in kernels/moe_gemm.cu).
+    let (name, block) = (kernel.entry(), FINISH_L1_THREADS);
     let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
     let (part, grp_p, gsa, gsb, rw) = (
         ptr(gpu, &ws.partial),
@@ -739,29 +753,44 @@ pub fn launch_finish_l2(
     )
 }
 
-/// Which L2 finish kernel [`launch_finish_l2_with`] runs. Both give the same output bits.
+/// Which L2 combine kernel [`launch_finish_l2_with`] runs (bit-identical outputs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FinishL2Kernel {
-    /// `moe_gemm_finish_l2_combine_cols`: the loads of a pass (8 rows x 4 splits) and their adds each carry a
-    /// validity predicate, which ptxas interleaves (9.6-10 us at 1 token under ncu, session-8 start run).
+    /// `moe_gemm_finish_l2_combine_cols` (the default): the token's rows, experts and gsa staged in shared memory
+    /// by `topk` threads (token_rows -> group -> gsa: three dependent loads), a barrier, then the column loads;
+    /// the loads of a pass (8 rows x 4 splits) and their adds each carry a validity predicate, which ptxas
+    /// interleaves (9.6-10 us at 1 token under ncu, session-8 start run).
     #[default]
     Cols,
-    /// `moe_gemm_finish_l2_combine_rowwarps`: grid `tokens x ceil(N / 32)`, one warp per routed row (slot) and
-    /// 32 columns per CTA, each warp's split loads in flight together, then warp 0 combines the slots in routing
-    /// order. Session-8 A/B, bench `nvfp4_l2rowwarps`.
+    /// `moe_gemm_finish_l2_combine_cols_spec` (session-8 A/B, bench variant `nvfp4_finishl2spec`): every thread
+    /// reads the token's rows itself and, in the masked layout, issues gsb / gsa / partial loads for the candidate
+    /// expert row / capacity together with the ownership load: two dependent round trips, no barrier.
+    ColsSpec,
+    /// `moe_gemm_finish_l2_combine_rowwarps` (session-8 A/B, bench variant `nvfp4_l2rowwarps`): grid
+    /// `tokens x ceil(N / 32)`, one warp per routed row (slot) and 32 columns per CTA, each warp's split loads
+    /// in flight together, then warp 0 combines the slots in routing order.
     RowWarps,
 }
 
 impl FinishL2Kernel {
-    fn name(self) -> &'static str {
+    /// Every L2 combine kernel, the default first (tests compare each against it bit for bit).
+    pub const ALL: &'static [FinishL2Kernel] = &[
+        FinishL2Kernel::Cols,
+        FinishL2Kernel::ColsSpec,
+        FinishL2Kernel::RowWarps,
+    ];
+
+    /// The kernel's entry point in kernels/moe_gemm.cu.
+    pub fn entry(self) -> &'static str {
         match self {
             FinishL2Kernel::Cols => "moe_gemm_finish_l2_combine_cols",
+            FinishL2Kernel::ColsSpec => "moe_gemm_finish_l2_combine_cols_spec",
             FinishL2Kernel::RowWarps => "moe_gemm_finish_l2_combine_rowwarps",
         }
     }
 }
 
-/// [`launch_finish_l2`] with an explicit finish kernel (same checks, same output contract).
+/// [`launch_finish_l2`] with an explicit combine kernel (same checks, same output contract).
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2_with(
     gpu: &Gpu,
@@ -799,10 +828,10 @@ pub fn launch_finish_l2_with(
         tokens <= u32::MAX as usize,
         "moe_gemm L2: {tokens} tokens exceed the grid"
     );
-    let name = kernel.name();
-    // Columns per CTA: one per thread (Cols), one per lane of each slot warp (RowWarps); both 256 threads.
+    let name = kernel.entry();
+    // Columns per CTA: one per thread (Cols, ColsSpec), one per lane of each slot warp (RowWarps); all 256 threads.
     let cols_per_cta = match kernel {
-        FinishL2Kernel::Cols => THREADS as usize,
+        FinishL2Kernel::Cols | FinishL2Kernel::ColsSpec => THREADS as usize,
         FinishL2Kernel::RowWarps => 32,
     };
     let grid = (tokens as u32, w2.n.div_ceil(cols_per_cta) as u32, 1);
