@@ -50,9 +50,12 @@
 //   outputs; removed in session 8 after two H200 runs). Flash L1, us, _vec / _q4: 1 token 41.86 / 39.14, 8 tokens
 //   180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone (ncu, 1 token) 7.7-7.9 /
 //   6.1-6.2.
-//   Session-8 A/B candidates (bit-identical; the defaults above are untouched): L1 _pad / _pad1b (padding rows of
-//   the masked layout written directly; _pad1b also a one-barrier row amax) and L2 _cols_spec (row metadata in
-//   two dependent round trips instead of four, no barrier). Comments at their definitions.
+//   Session-8 A/B (727e353; results/h200/session8-ab): the L1 default is now moe_gemm_finish_l1_swiglu_nvfp4_pad1b
+//   (padding rows of the masked layout written directly, one-barrier row amax; q4 kept one run as the bench
+//   variant nvfp4_finishq4), and up to 8 tokens the L2 combine is moe_gemm_finish_l2_combine_rowwarps (one warp
+//   per routed row; _cols above). Removed candidates: L1 _pad (pad1b without the one-barrier amax; between q4 and
+//   pad1b at every point) and L2 _cols_spec (row metadata in two dependent round trips, no barrier: Flash 1 token
+//   27.17 us vs rowwarps 25.31 and cols 29.60, a tie at 8-64 tokens). Comments at the definitions.
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
@@ -682,7 +685,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp
     finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
 }
 
-// ---- Session-8 A/B candidates for the decode L1 finish (FinishL1Kernel::Pad / PadOneBarrier) -------------------
+// ---- The decode L1 finish with direct padding rows (FinishL1Kernel::PadOneBarrier, the default since session 8) --
 // In the masked layout almost every finish CTA runs on a padding row (expert_of_row(row) < 0): at 1 token 250 of
 // Flash's 256 rows (378 of Pro's 384), at 8 / 64 tokens ~94% / ~75% of rows_total = experts * max count. The q4
 // finish still runs both passes on them: h = 0 into s_h (and h_out), the block_max barriers, then pass 2 on zeros.
@@ -728,11 +731,9 @@ __device__ __forceinline__ void finish_l1_write_padding_row(int row, int I, uint
     }
 }
 
-// The candidates: a padding row (uniform per CTA: the whole block returns, so no barrier is left half-reached)
-// takes finish_l1_write_padding_row; a real row runs the q4 finish unchanged (kOneBarrierMax = false: Pad) or
-// with the one-barrier row amax (block_max_l1_one_barrier, same value: PadOneBarrier). Bit-identical to q4 on
-// every row.
-template <bool kOneBarrierMax>
+// pad1b: a padding row (uniform per CTA: the whole block returns, so no barrier is left half-reached) takes
+// finish_l1_write_padding_row; a real row runs the q4 finish with the one-barrier row amax
+// (block_max_l1_one_barrier, same value). Bit-identical to q4 on every row.
 __device__ __forceinline__ void finish_l1_pad_body(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
@@ -745,19 +746,9 @@ __device__ __forceinline__ void finish_l1_pad_body(
         finish_l1_write_padding_row(row, I, h_codes, h_scales, h_gs, h_out);
         return;
     }
-    const float gs = finish_l1_swiglu_to_smem<kOneBarrierMax>(partial, splits, grp, rows_total, I, gsa, gsb, routing,
-                                                              h_gs, h_out, s_h, s_red, e);
+    const float gs = finish_l1_swiglu_to_smem<true>(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out,
+                                                    s_h, s_red, e);
     finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
-}
-
-extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l1_swiglu_nvfp4_pad(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
-    extern __shared__ float s_h[];
-    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
-    finish_l1_pad_body<false>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
-                              h_scales, h_gs, h_out, s_h, s_red);
 }
 
 extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l1_swiglu_nvfp4_pad1b(
@@ -766,7 +757,7 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
     uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
     extern __shared__ float s_h[];
     __shared__ __align__(16) float s_red[32];  // block_max_l1_one_barrier reads the 16 slots as float4
-    finish_l1_pad_body<true>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
+    finish_l1_pad_body(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
                              h_scales, h_gs, h_out, s_h, s_red);
 }
 
@@ -899,84 +890,96 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
     if (u == 0 && col_ok) out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
 }
 
-// Session-8 A/B candidate for the L2 finish (FinishL2Kernel::ColsSpec, bench variant nvfp4_finishl2spec). At 1-8
-// decode tokens the combine is a short chain of dependent memory round trips per CTA: token_rows (1) -> group[e]
-// inside expert_of_row (2) -> gsa[row] (3, only after e >= 0 is known) -> barrier -> gsb[e] and the partials (4).
-// Here every thread reads the token's rows itself (uniform addresses: one request per warp, no shared memory, no
-// barrier) and, in the masked layout, takes the candidate expert e = row / capacity without a load: the
-// ownership test (row - e * capacity < clamp(group[e], 0, capacity)) only decides whether the row counts, so
-// group[e], gsa[row], gsb[e, n] and the partials are all issued in round trip 2. Identities:
-// * masked expert_of_row(row) is -1 for row outside [0, rows_total) or e >= experts, else e = row / capacity if
-//   the slot is owned, else -1: cand_e below is that e before the ownership test, so valid == (expert_of_row >= 0)
-//   and the expert used for gsb is the same.
-// * speculative loads only touch valid addresses: partials / gsa of a row in [0, rows_total), gsb of e < experts.
-//   A row that turns out unowned contributes nothing (its loaded values are never added), as in _cols.
-// * per row the splits are added in split order from 0.f, skipping missing splits, and y += acc * fl(sa * sb) in
-//   routing order j = 0, 1, ... over valid rows: the same roundings in the same order as _cols (fl(sa * sb) is one
-//   rounded product in both, computed here before the split loop to hold 8 scale registers instead of 16; nvcc
-//   contracts y += acc * scale to one fma in both; the GPU test compares the two bit for bit).
-// * __launch_bounds__(256, 3): 80 registers without spills (4 CTAs/SM forces 64 and spills); _cols has 48
-//   (5 CTAs/SM), which may matter at 64 tokens (1,024 CTAs), not at 1-8 tokens (16-128 CTAs).
-// * the contiguous layout (capacity == 0) has no load-free candidate expert: it calls expert_of_row (its binary
-//   search) per thread, same values as _cols; only the barrier and the shared staging go.
-extern "C" __global__ void __launch_bounds__(kThreads, 3) moe_gemm_finish_l2_combine_cols_spec(
+// The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2, bench
+// `nvfp4_l2cols2`, session-8 candidate). The session-8 A/B (727e353) found both earlier kernels short of the
+// bytes: _cols serializes its predicated loads (9.8-10.1 us at 1 token; 667 us at 4096 tokens = 403 MB of
+// partials at 0.6 TB/s) and _rowwarps fixes the decode chain (4.5 us) but spends two barriers and a serial
+// combine per 32 columns (1,440 us at 4096 tokens). Here grid = (tokens, ceil(N / 512)), block 256, thread ->
+// columns n0, n0 + 1 (float2 loads of partials and gsb, one 4-byte BF16 store). Warp 0 compacts the token's
+// valid slots (routing order kept: position = popc of the valid lanes below) into shared memory, one barrier;
+// then per pass of 8 compacted slots every load is unconditional (a slot past the valid count reloads the last
+// valid row, is masked to +0.0 and never counted), so the 8 float2 partial loads and 8 gsb loads of a split
+// issue together. (A float4 version held ~120 values live and ptxas issued its loads two at a time next to their
+// adds; with float2, 64 registers, the SASS issues all 8 partial loads of a split back to back.)
+// Bit-identical to _cols (per column, the same fp32 operations on the same values in the same order):
+// * acc of a valid slot: +0.0 plus the splits in split order (FADD), as _cols. A masked slot adds +0.0 to +0.0.
+// * y: _cols computes y = fma(acc_j, fl(sa_j * sb_j), y) for valid j in routing order (ptxas contracts its
+//   `y += acc * (sa * sb)`; SASS checked): here __fmul_rn / __fmaf_rn over the compacted slots, i.e. the valid j in
+//   routing order. A masked slot is fma(+0, +0, y) = y + (+0) = y, because y is never -0.0 (it starts at +0.0 and
+//   round-to-nearest gives -0 only for (-0) + (-0)).
+// * No valid slot: y stays +0.0, as in _cols.
+// Launcher: N % 2 == 0 (8-byte aligned float2 rows of partials and gsb, 4-byte aligned BF16 output).
+extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_cols2(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
     __nv_bfloat16* __restrict__ out) {
+    constexpr int kSlots = 8, kCols = 2;
+    __shared__ int s_row[kFinishMaxTopk];  // the valid slots, compacted in routing order
+    __shared__ int s_exp[kFinishMaxTopk];
+    __shared__ float s_sa[kFinishMaxTopk];
+    __shared__ int s_valid;
     Grouping grp{group, capacity, experts, rows_total};
     const int tok = blockIdx.x;
-    const int n = blockIdx.y * blockDim.x + threadIdx.x;
-    if (n >= N) return;  // no barrier in this kernel: threads past N may leave at once
-    constexpr int kRowsPerPass = 8, kSplitsPerPass = 4;
-    float y = 0.f;
-    for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
-        bool valid[kRowsPerPass];
-        int row[kRowsPerPass];
-        float acc[kRowsPerPass], scale[kRowsPerPass];  // scale = fl(sa * sb), as _cols rounds it
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) {
-            const int j = j0 + u;
-            row[u] = j < topk ? token_rows[(size_t)tok * topk + j] : -1;
-            const bool in_range = row[u] >= 0 && row[u] < rows_total;
-            int e = -1;
-            bool owned = false;
-            if (capacity > 0) {
-                const int cand_e = in_range ? row[u] / capacity : -1;
-                const bool cand_ok = cand_e >= 0 && cand_e < experts;
-                e = cand_ok ? cand_e : -1;
-                // Loads below are independent of each other: all in flight together.
-                const int count = cand_ok ? group[cand_e] : 0;
-                owned = cand_ok && (row[u] - cand_e * capacity) < min(max(count, 0), capacity);
-            } else {
-                e = grp.expert_of_row(row[u]);
-                owned = e >= 0;
-            }
-            const float sb = e >= 0 ? gsb[(size_t)e * N + n] : 0.f;
-            const float sa = (gsa != nullptr && in_range) ? gsa[row[u]] : 1.f;
-            scale[u] = sa * sb;
-            valid[u] = owned;
-            acc[u] = 0.f;
+    if (threadIdx.x < 32) {  // topk <= kFinishMaxTopk = 32 (launcher)
+        const int j = threadIdx.x;
+        int row = -1, e = -1;
+        if (j < topk) {
+            row = token_rows[(size_t)tok * topk + j];
+            e = grp.expert_of_row(row);
         }
-        for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
-            float p[kRowsPerPass][kSplitsPerPass];
-#pragma unroll
-            for (int u = 0; u < kRowsPerPass; ++u)
-#pragma unroll
-                for (int v = 0; v < kSplitsPerPass; ++v)
-                    p[u][v] = (row[u] >= 0 && row[u] < rows_total && s0 + v < splits)
-                                  ? partial[((size_t)(s0 + v) * rows_total + row[u]) * N + n]
-                                  : 0.f;
-#pragma unroll
-            for (int u = 0; u < kRowsPerPass; ++u)
-#pragma unroll
-                for (int v = 0; v < kSplitsPerPass; ++v)
-                    if (valid[u] && s0 + v < splits) acc[u] += p[u][v];
+        const unsigned ballot = __ballot_sync(0xffffffffu, e >= 0);
+        if (e >= 0) {
+            const int pos = __popc(ballot & ((1u << j) - 1u));
+            s_row[pos] = row;
+            s_exp[pos] = e;
+            s_sa[pos] = gsa != nullptr ? gsa[row] : 1.f;
         }
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u)
-            if (valid[u]) y += acc[u] * scale[u];
+        if (j == 0) s_valid = __popc(ballot);
     }
-    out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+    __syncthreads();
+    const int valid = s_valid;
+    const int n0 = kCols * (blockIdx.y * blockDim.x + threadIdx.x);
+    if (n0 >= N) return;  // no barrier below
+    const size_t split_stride2 = (size_t)rows_total * N / kCols;  // float2 units (N % 2 == 0)
+    float y[kCols] = {0.f, 0.f};
+    for (int u0 = 0; u0 < valid; u0 += kSlots) {
+        const float2* src[kSlots];
+        float2 sb[kSlots];
+        unsigned m[kSlots];
+        float acc[kSlots][kCols];
+#pragma unroll
+        for (int u = 0; u < kSlots; ++u) {
+            const int uu = min(u0 + u, valid - 1);
+            m[u] = u0 + u < valid ? 0xffffffffu : 0u;
+            src[u] = reinterpret_cast<const float2*>(partial + (size_t)s_row[uu] * N + n0);
+            sb[u] = *reinterpret_cast<const float2*>(gsb + (size_t)s_exp[uu] * N + n0);
+            acc[u][0] = 0.f;
+            acc[u][1] = 0.f;
+        }
+        for (int s = 0; s < splits; ++s) {
+            float2 p[kSlots];
+#pragma unroll
+            for (int u = 0; u < kSlots; ++u) p[u] = src[u][(size_t)s * split_stride2];
+#pragma unroll
+            for (int u = 0; u < kSlots; ++u) {
+                acc[u][0] += __uint_as_float(__float_as_uint(p[u].x) & m[u]);
+                acc[u][1] += __uint_as_float(__float_as_uint(p[u].y) & m[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kSlots; ++u) {
+            const float sa = s_sa[min(u0 + u, valid - 1)];
+            const float sbv[kCols] = {sb[u].x, sb[u].y};
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                const float scale = __uint_as_float(__float_as_uint(__fmul_rn(sa, sbv[c])) & m[u]);
+                y[c] = __fmaf_rn(__uint_as_float(__float_as_uint(acc[u][c]) & m[u]), scale, y[c]);
+            }
+        }
+    }
+    // __floats2bfloat162_rn (cvt.rn.bf16x2.f32) rounds each element as __float2bfloat16_rn does in _cols (RNE, the
+    // same NaN result); here y need not be exact in BF16.
+    *reinterpret_cast<uint32_t*>(out + (size_t)tok * N + n0) = pack_bf16x2(y[0], y[1]);
 }
 
 // Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block

@@ -16,16 +16,11 @@
 //                                  load_raw_regs), behind a cheaper q prologue than v5's (q codes by x * 2^-k instead
 //                                  of x / 2^k, the same value; tile 0's loads issued before the q quantization);
 //                                  notes above decode_fp8_body).
-//   sparse_attn_decode_fp8_v12     session-8 A/B candidate (bench "fp8_v12", Path::Fp8V12): v11 with the split
-//                                  partials stored as 16-byte chunks (lane-pair shuffle, store_split_partial_paired);
-//                                  bit-identical to v11.
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
 //   sparse_attn_combine_v2[_h2|_h4] the same merge, bit for bit, latency-parallel: one CTA per (sequence, 1 / 2 /
 //                                  4 heads), 8 partials' loads in flight per thread (A/B candidate, "fp8_pcombine").
-//   sparse_attn_combine_v3[_h2]    session-8 A/B candidate (Path::Fp8V12Combine3, "fp8_v12_combine3"): v2 bit for bit
-//                                  at 3..8 splits, lse loads first and the merge statistics from registers.
 //
 // Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
 // CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
@@ -90,6 +85,11 @@
 // v11 = v9 for one split, v6's direct partial stores for split plans.
 // Session 8: the v6 entry point (sparse_attn_decode_fp8_v6, bench "fp8_v6") was removed after v11 won in two runs
 // (results/h200/session7-ab; PERF-LOG "Session 7"); finish() stays as the BF16 baseline's epilogue.
+// Session-8 A/B (commit 727e353, results/h200/session8-ab; removed): v12 stored the split partials as 16-byte
+// chunks through a lane-pair shuffle (32 STG.128 + 64 SHFL + 64 SEL instead of 64 STG.64) and lost at every split
+// point (Pro b8 30.5 -> 31.6 us, Pro b1 20.9 -> 21.9; under ncu at Pro b8 the decode kernel 22.2 -> 24.7-25.1): the
+// shuffles cost more than the store requests they saved. combine_v3 (merge statistics from registers, lse loads
+// first) tied combine_v2 (6.1-7.1 vs 6.6-6.8 us at Pro b8).
 // Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
 // 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
 // tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate.
@@ -451,53 +451,6 @@ __device__ __forceinline__ void store_split_partial(const WarpState& st, const D
     }
 }
 
-// store_split_partial's values and lse, with the partial O stored as 16-byte chunks (v12, sparse_attn_decode_fp8_v12):
-// half the store instructions, no barrier, no shared memory. The session-7 Pro b8 profile had 15.7% of the v11 decode
-// samples in `lg` (the memory pipe's queue) on store_split_partial's 64 STG.64 per thread.
-//   * Fragment (the WarpState O layout): lane (g, tq) holds, for n-tile nt, dims d = 256 wh + 8 nt + 2 tq and d + 1 of
-//     row g (o[nt][0], o[nt][1]) and of row g + 8 (o[nt][2], o[nt][3]). The lane pair (tq, tq ^ 1) with tq even thus
-//     holds dims D = 256 wh + 8 nt + 2 (tq & 2) .. D + 3 of both rows: the even lane D, D + 1, the odd lane D + 2, D + 3.
-//   * Exchange (one __shfl_xor_sync by 1 per float, 2 per n-tile): the even lane keeps row g and sends its row-g+8 pair;
-//     the odd lane keeps row g + 8 and sends its row-g pair. After it the even lane holds row g dims D..D+3 as
-//     (own x, own y, received x, received y) and the odd lane row g + 8 dims D..D+3 as (received x, received y, own x,
-//     own y): 4 consecutive floats of one row, stored by one 16-byte st.global at float offset D of that row
-//     (D = 8 nt + 4 (tq >> 1) + 256 wh is a multiple of 4 and a partial row is 512 floats = 2 KiB, so the address is
-//     16-byte aligned). Every (row, dim) of the CTA's part is still written exactly once, by one lane, at the address
-//     store_split_partial uses for it.
-//   * Values: each product o * inv is computed by the lane that owns o, with the row's own inv (inv_g for o[nt][0..1],
-//     inv_g8 for o[nt][2..3]), exactly store_split_partial's FMUL on the same operands; the shuffle moves the f32 bits
-//     unchanged. So part_o is bit-identical to v11's, and part_lse is store_split_partial's statement. CPU mirror of
-//     the mapping: tests/sparse_attn.rs `paired_split_store_lane_mapping`.
-//   * Coalescing: per warp instruction, lanes 4g + {0, 2} write row g's 32 contiguous bytes 256 wh + 8 nt .. + 7 and
-//     lanes 4g + {1, 3} row g + 8's: 16 full 32-byte sectors, the same sectors v11's two STG.64 instructions cover.
-//   * Shuffles are warp-wide with every lane active: finish_staged is reached by all threads (no early exit).
-__device__ __forceinline__ void store_split_partial_paired(const WarpState& st, const DecodeArgs& a,
-                                                           const float (&l)[2], int b, int hg, int split, int row0,
-                                                           int wh, int tq) {
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int h = hg * kHeadsPerCta + row0 + 8 * r;
-        const bool empty = (st.m[r] == -INFINITY);
-        inv[r] = empty ? 0.f : 1.f / l[r];
-        const size_t prow = ((size_t)b * a.n_splits + split) * a.heads + h;
-        if (wh == 0 && tq == 0) a.part_lse[prow] = empty ? -INFINITY : st.m[r] + log2f(l[r]);
-    }
-    const bool odd = (tq & 1) != 0;
-    const int my_row = row0 + (odd ? 8 : 0);
-    const size_t my_prow = ((size_t)b * a.n_splits + split) * a.heads + hg * kHeadsPerCta + my_row;
-    float4* dst = reinterpret_cast<float4*>(a.part_o + my_prow * kDim + 256 * wh + 4 * (tq >> 1));
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt) {
-        const float g0 = st.o[nt][0] * inv[0], g1 = st.o[nt][1] * inv[0];  // row g, dims d, d + 1
-        const float h0 = st.o[nt][2] * inv[1], h1 = st.o[nt][3] * inv[1];  // row g + 8
-        const float send0 = odd ? g0 : h0, send1 = odd ? g1 : h1;
-        const float recv0 = __shfl_xor_sync(0xffffffffu, send0, 1);
-        const float recv1 = __shfl_xor_sync(0xffffffffu, send1, 1);
-        dst[2 * nt] = odd ? make_float4(recv0, recv1, h0, h1) : make_float4(g0, g1, recv0, recv1);  // 8 nt floats
-    }
-}
-
 // Final step of a BF16 baseline CTA (sparse_attn_decode_bf16; also the epilogue of the removed FP8 v6 kernel; its
 // split branch is store_split_partial's code, inline): full row sums, then either the finished output (sink, 1/Z,
 // inverse RoPE, BF16) or the split partial (O/l, lse = m + log2 l).
@@ -555,9 +508,6 @@ __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float
 //     every thread reaches both barriers;
 //   * split partials are stored directly (store_split_partial): staging them through shared memory lost 0.5-1.4 us
 //     at batch 1-4 (session-7 A/B run 2), where a CTA has one or two tiles and two more barriers show.
-// kPairedSplitStore: the split branch stores through store_split_partial_paired (v12) instead of store_split_partial
-// (v11); the one-split path is the same code in both.
-template <bool kPairedSplitStore>
 __device__ __forceinline__ void finish_staged(WarpState& st, const DecodeArgs& a, float* red_sum, const float2* rope_cs,
                                               uint8_t* stage, int b, int hg, int split, int wm, int wh, int g, int tq,
                                               int tid) {
@@ -565,11 +515,7 @@ __device__ __forceinline__ void finish_staged(WarpState& st, const DecodeArgs& a
     row_sums(st, red_sum, wm, wh, g, tq, l);
     const int row0 = 16 * wm + g;
     if (a.n_splits != 1) {
-        if constexpr (kPairedSplitStore) {
-            store_split_partial_paired(st, a, l, b, hg, split, row0, wh, tq);
-        } else {
-            store_split_partial(st, a, l, b, hg, split, row0, wh, tq);
-        }
+        store_split_partial(st, a, l, b, hg, split, row0, wh, tq);
         return;
     }
 #pragma unroll
@@ -1156,132 +1102,6 @@ extern "C" __global__ void __launch_bounds__(128, 6) sparse_attn_combine_v2_h4(S
 
 namespace sa {
 
-// Split-KV merge v3 (Path::Fp8V12Combine3, bench "fp8_v12_combine3"; entry points sparse_attn_combine_v3 and _h2 with
-// the grids, blocks and heads per thread of v2 and v2_h2): combine_v2_body's values bit for bit with a shorter
-// dependency chain, for plans whose splits all fit the first load chunk (3..8 splits, n_splits <= kChunk = 8 / kHeads:
-// Pro b4 .. b16, Flash b16 / b32; otherwise the host launches combine_v2: sparse_attn::combine_v3_fits). v2 already
-// issues the chunk's O and lse loads first; the session-7 Pro b8 profile had 39% of its samples on the first use of its
-// second, lane-strided lse pass (a reload of the same lines, queued behind the chunk's loads), which then feeds two
-// 5-step shuffle butterflies per head before the first weight. Here:
-//   * the chunk's lse loads are issued first, then its partial-O loads (neither depends on anything computed);
-//   * the merge statistics come from the lse values already in registers (every thread holds all n_splits of them):
-//     m_parts = fmaxf over them from -inf: v2's lane-strided max + xor butterfly is the same maximum (max is exact in
-//     any order);
-//   * the sum of weights spells out v2's tree: in v2, lane l starts from zl_l = 0.f + w_l (w_l = exp2f(lse_l - m_all)
-//     for l < n_splits, else nothing added: zl_l = +0), then adds its xor-16, 8, 4, 2, 1 partner. For n_splits <= 8
-//     the steps 16 and 8 add +0 (lanes 8..31 hold +0): x + (+0) == x for every x >= +0 (w = exp2f(.) is never -0),
-//     so lane 0 ends with ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)) with w_i = +0 for i >= n_splits, and
-//     every lane holds that value (each butterfly step adds the same two values in swapped order, a + b == b + a).
-//     The same holds for kChunk 4 (_h2: w_4.. = +0; CPU mirror: combine_v3_sum_tree_equals_v2_butterfly). z = exp2f(sink2 - m_all) + zl as in v2;
-//   * the weighted sum is v2's loop: acc = fma(w_i, o_i, acc) in split order from 0.f, with w_i the same exp2f of the
-//     same operands (computed once here, twice in v2: the same bits); then v2's 1/z, inverse RoPE and BF16 store.
-template <int kHeads>
-__device__ __forceinline__ void combine_v3_body(__nv_bfloat16* out, const float* part_o, const float* part_lse,
-                                                const float* sinks, const int* positions, const float* freqs,
-                                                int heads, int n_splits) {
-    constexpr int kChunk = kCombineLoads / kHeads;  // splits per chunk
-    static_assert(kChunk <= 8, "the spelled-out sum tree covers 8 splits");
-    // The host launches this kernel only for n_splits <= kChunk (combine_v3_fits). Inlining combine_v2_body here as
-    // the fallback made ptxas spill its lse values (72-104 bytes of local memory at 64 registers).
-    if (n_splits > kChunk) return;
-    constexpr int kVecPerRow = kDim / 4;  // float4s per partial row
-    const int h0 = blockIdx.x * kHeads;
-    const int b = blockIdx.y;
-    const int t = threadIdx.x;
-    if (h0 + kHeads > heads) return;  // the host launches heads / kHeads CTAs (heads % kHeads == 0)
-    // Partial row of (split s, head h0 + j): (b * n_splits + s) * heads + h0 + j = row0 + s * heads + j.
-    const size_t row0 = (size_t)b * n_splits * heads + h0;
-    const float* lse_row = part_lse + row0;
-    const float4* o_row = reinterpret_cast<const float4*>(part_o) + row0 * kVecPerRow + t;
-    const size_t o_split_step = (size_t)heads * kVecPerRow;
-
-    float lse[kHeads][kChunk];
-    float4 v[kHeads][kChunk];
-    {
-        const float* lse_ptr = lse_row;
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-#pragma unroll
-            for (int j = 0; j < kHeads; ++j) lse[j][i] = (i < n_splits) ? lse_ptr[j] : -INFINITY;
-            lse_ptr += heads;
-        }
-        const float4* o_ptr = o_row;
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-            if (i < n_splits) {
-#pragma unroll
-                for (int j = 0; j < kHeads; ++j) v[j][i] = o_ptr[j * kVecPerRow];
-            }
-            o_ptr += o_split_step;
-        }
-    }
-    float sink[kHeads];
-#pragma unroll
-    for (int j = 0; j < kHeads; ++j) sink[j] = sinks[h0 + j];
-
-    float acc[kHeads][4];
-    bool any_valid[kHeads];
-    float z[kHeads];
-#pragma unroll
-    for (int j = 0; j < kHeads; ++j) {
-        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-        float m_parts = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) m_parts = fmaxf(m_parts, lse[j][i]);  // absent splits: -inf
-        any_valid[j] = (m_parts != -INFINITY);
-        z[j] = 1.f;
-        if (any_valid[j]) {
-            const float sink2 = sink[j] * kLog2e;
-            const float m_all = fmaxf(m_parts, sink2);
-            // lse[j][i] becomes the weight w_i in place (+0 for absent splits; fewer live registers).
-#pragma unroll
-            for (int i = 0; i < kChunk; ++i) lse[j][i] = (i < n_splits) ? exp2f(lse[j][i] - m_all) : 0.f;
-            const float* w = lse[j];
-            auto wt = [&](int i) { return i < kChunk ? w[i % kChunk] : 0.f; };  // w_i, +0 beyond the chunk
-            const float zl = ((wt(0) + wt(4)) + (wt(2) + wt(6))) + ((wt(1) + wt(5)) + (wt(3) + wt(7)));
-            z[j] = exp2f(sink2 - m_all) + zl;
-            // Weighted sum in split order (v2's loop; an empty split has w = 0 and o = 0: it adds exactly 0).
-#pragma unroll
-            for (int i = 0; i < kChunk; ++i) {
-                if (i < n_splits) {
-                    acc[j][0] = __fmaf_rn(w[i], v[j][i].x, acc[j][0]);
-                    acc[j][1] = __fmaf_rn(w[i], v[j][i].y, acc[j][1]);
-                    acc[j][2] = __fmaf_rn(w[i], v[j][i].z, acc[j][2]);
-                    acc[j][3] = __fmaf_rn(w[i], v[j][i].w, acc[j][3]);
-                }
-            }
-        }
-    }
-    const int pos = positions[b];
-#pragma unroll
-    for (int j = 0; j < kHeads; ++j) {
-        if (any_valid[j]) {
-            const float inv = 1.f / z[j];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][i] *= inv;
-            if (4 * t >= kRopeOffset) {
-                const int f = 2 * (t - kRopeOffset / 4);
-                inverse_rope_pair(acc[j][0], acc[j][1], pos, freqs[f]);
-                inverse_rope_pair(acc[j][2], acc[j][3], pos, freqs[f + 1]);
-            }
-        }
-        uint2* dst = reinterpret_cast<uint2*>(out + ((size_t)b * heads + h0 + j) * kDim + 4 * t);
-        *dst = make_uint2(pack_bf16x2(acc[j][0], acc[j][1]), pack_bf16x2(acc[j][2], acc[j][3]));
-    }
-}
-}  // namespace sa
-
-// Session-8 A/B candidates (Path::Fp8V12Combine3): combine_v2's grids and blocks, combine_v3_body.
-extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_v3(SA_COMBINE_PARAMS) {
-    sa::combine_v3_body<1>(SA_COMBINE_ARGS);
-}
-extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_v3_h2(SA_COMBINE_PARAMS) {
-    sa::combine_v3_body<2>(SA_COMBINE_ARGS);
-}
-// (No 4-heads-per-thread entry: the routing it would serve, 2 splits, merges with sparse_attn_combine.)
-
-namespace sa {
-
 // =============================================================================================================
 // v6 body (the removed sparse_attn_decode_fp8_v6; its prologue and main loop are v11's): the removed v5 body with a
 // cheaper prologue, same values bit for bit (same main loop and epilogue: finish() writes `out` or the split partials):
@@ -1317,9 +1137,6 @@ __device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]
 // The FP8 decode body of v11 (sparse_attn_decode_fp8_v11, the default): v6's prologue and main loop, the same values
 // bit for bit as v6 with the code executed once per warp small: the rope cos / sin table of the query position
 // (32 pairs) is computed once per CTA into rope_cs (kV11RopeCs) for finish_staged (see there).
-// kPairedSplitStore = true: v12 (sparse_attn_decode_fp8_v12), split partials stored as 16-byte chunks
-// (store_split_partial_paired), otherwise v11 line for line.
-template <bool kPairedSplitStore>
 __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     extern __shared__ __align__(16) uint8_t smem_unaligned[];
     uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
@@ -1463,8 +1280,8 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
         wgmma_wait_all();
         fence_acc_o(st.o);
     }
-    finish_staged<kPairedSplitStore>(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV11RopeCs), smem + kV5Vt,
-                                     b, hg, split, wm, wh, g, tq, tid);
+    finish_staged(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV11RopeCs), smem + kV5Vt, b, hg, split, wm,
+                  wh, g, tq, tid);
 }
 
 }  // namespace sa
@@ -1474,11 +1291,5 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 // outputs as the removed sparse_attn_decode_fp8_v6 (bit-identical in the session-7 GPU tests); decode_fp8_body (v6's
 // prologue and main loop, finish_staged).
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v11(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<false>(SA_DECODE_ARGS);
-}
-
-// Session-8 A/B candidate (Path::Fp8V12, bench "fp8_v12"): v11 with the split partials stored as 16-byte chunks
-// (store_split_partial_paired: a lane-pair shuffle, no barrier); same grid, smem, arguments and output bits as v11.
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v12(SA_DECODE_PARAMS) {
-    sa::decode_fp8_body<true>(SA_DECODE_ARGS);
+    sa::decode_fp8_body(SA_DECODE_ARGS);
 }

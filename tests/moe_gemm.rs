@@ -546,7 +546,10 @@ fn check_l1_l2(
     mg::launch_finish_l1(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1).unwrap();
     // Every other L1 finish kernel on the same partials: bit-identical outputs to the default (the CPU checks below
     // then cover all of them).
-    for &kernel in &mg::FinishL1Kernel::ALL[1..] {
+    for &kernel in mg::FinishL1Kernel::ALL
+        .iter()
+        .filter(|&&k| k != mg::FinishL1Kernel::default())
+    {
         let mut l1_k = L1Output::new(gpu, rows, inter, true).unwrap();
         mg::launch_finish_l1_with(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1_k, kernel)
             .unwrap();
@@ -648,8 +651,9 @@ fn check_l1_l2(
         &mut y,
     )
     .unwrap();
-    // Every other L2 combine kernel on the same partials, into its own poisoned output: bit-identical to the default.
-    for &kernel in &mg::FinishL2Kernel::ALL[1..] {
+    // Every L2 combine kernel on the same partials, into its own poisoned output: bit-identical to the default
+    // launch_finish_l2 (which picks one of them by the token count).
+    for &kernel in mg::FinishL2Kernel::ALL {
         let mut y_k = gpu.poisoned::<bf16>(tokens * hidden, 0xA5).unwrap();
         mg::launch_finish_l2_with(
             gpu,
@@ -2051,13 +2055,13 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
         );
     }
     let zero_scales = scales.iter().filter(|&&s| s == 0).count();
-    // The Pad candidates' fast path runs only on padding rows: every masked batch here has some.
+    // pad1b's fast path runs only on padding rows: every masked batch here has some.
     let padding_rows = (0..rows)
         .filter(|&r| inp.rb.grouping.expert_of_row(r).is_none())
         .count();
     assert!(
         !matches!(inp.rb.grouping, Grouping::Masked { .. }) || padding_rows > 0,
-        "{label}: masked batch without padding rows (the Pad fast path would go untested)"
+        "{label}: masked batch without padding rows (the pad1b fast path would go untested)"
     );
     eprintln!(
         "{label}: {:?} == Q4 bit for bit; {padding_rows} padding rows; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
@@ -2409,6 +2413,16 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
             false,
         ),
         ("topk 1, 8 splits", 0, 3, 4, 1, 8, 64, true),
+        (
+            "masked 3 tokens, N 201 (Cols2 refuses N % 2 != 0)",
+            2,
+            9,
+            3,
+            6,
+            2,
+            201,
+            true,
+        ),
     ];
     for &(label, capacity, experts, tokens, topk, splits, n, with_gsa) in cases {
         let grouping = if capacity > 0 {
@@ -2500,12 +2514,25 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
         };
         let dtr = gpu.upload(&token_rows).unwrap();
         let tail = 77;
-        let mut outs = Vec::new();
+        let mut outs: Vec<Vec<bf16>> = Vec::new();
         for (i, &kernel) in mg::FinishL2Kernel::ALL.iter().enumerate() {
             let pattern = [0xFFu8, 0x5A, 0xC3, 0x81][i % 4];
             let mut y = gpu.poisoned::<bf16>(tokens * n + tail, pattern).unwrap();
-            mg::launch_finish_l2_with(&gpu, &ws, &dg, &w2, &a, &dtr, topk, &mut y, kernel)
-                .unwrap_or_else(|e| panic!("{label} {kernel:?}: {e:#}"));
+            let res =
+                mg::launch_finish_l2_with(&gpu, &ws, &dg, &w2, &a, &dtr, topk, &mut y, kernel);
+            if kernel == mg::FinishL2Kernel::Cols2 && n % 2 != 0 {
+                let err = res.expect_err("Cols2 must refuse N % 2 != 0");
+                assert!(format!("{err:#}").contains("N % 2"), "{label}: `{err:#}`");
+                let y = gpu.download(&y).unwrap();
+                let poison = u16::from_le_bytes([pattern, pattern]);
+                assert!(
+                    y.iter().all(|v| v.to_bits() == poison),
+                    "{label}: Cols2 wrote after refusing"
+                );
+                outs.push(outs[0].clone()); // keep the indices of ALL
+                continue;
+            }
+            res.unwrap_or_else(|e| panic!("{label} {kernel:?}: {e:#}"));
             gpu.synchronize().unwrap();
             let y = gpu.download(&y).unwrap();
             let poison = u16::from_le_bytes([pattern, pattern]);

@@ -14,16 +14,14 @@
 //!   `tma::tile_weights` into one contiguous 18 KB block per (expert, n tile, 256-K stage) (kernel
 //!   `moe_gemm_nvfp4_partial_v6t_nt*`, one 1D bulk copy per stage). The re-layout is weight preparation, done
 //!   once per point before timing (not timed); the tiled copy is held next to the plain weights.
-//! * `nvfp4_finishpad` / `nvfp4_finishpad1b` (`moe_gemm_l1` masked / decode points only, session-8 A/B): `nvfp4`
-//!   (same mainloop and config) with the L1 finish `FinishL1Kernel::Pad` / `PadOneBarrier` instead of the default
-//!   q4 (bit-identical outputs: padding rows written directly without the two passes; `pad1b` also drops one
-//!   barrier from the real rows' amax). They have no L2 meaning: `moe_gemm_l2` skips them.
-//! * `nvfp4_finishl2spec` (`moe_gemm_l2` masked / decode points only, session-8 A/B): `nvfp4` with the L2 combine
-//!   `FinishL2Kernel::ColsSpec` (row metadata and column loads in two dependent round trips instead of four, no
-//!   barrier; bit-identical outputs). `moe_gemm_l1` skips it.
-//! * `nvfp4_l2rowwarps` (`moe_gemm_l2`, decode and prefill points, session-8 A/B): `nvfp4` with the L2 combine
-//!   `FinishL2Kernel::RowWarps` (one warp per routed row, its split loads all in flight; bit-identical output).
-//!   `moe_gemm_l1` skips it.
+//! * `nvfp4_finishq4` (`moe_gemm_l1` masked / decode points only): `nvfp4` (same mainloop and config) with the
+//!   previous L1 finish `FinishL1Kernel::Q4` instead of the default pad1b (bit-identical outputs; the session-8 A/B
+//!   made pad1b the default), kept measurable for one run. `moe_gemm_l2` skips it.
+//! * `nvfp4_l2cols` / `nvfp4_l2cols2` (`moe_gemm_l2` only): `nvfp4` with the L2 combine forced to
+//!   `FinishL2Kernel::Cols` (the default before session 8 at every token count; now above 8 tokens) /
+//!   `FinishL2Kernel::Cols2` (session-8 candidate: 2 columns per thread, every load of a pass in flight), where
+//!   `nvfp4` takes `FinishL2Kernel::for_tokens` (RowWarps up to 8 tokens). Bit-identical outputs. `moe_gemm_l1`
+//!   skips them.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -52,10 +50,9 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_tma",
     "nvfp4_tma_tiled",
-    "nvfp4_finishpad",
-    "nvfp4_finishpad1b",
-    "nvfp4_finishl2spec",
-    "nvfp4_l2rowwarps",
+    "nvfp4_finishq4",
+    "nvfp4_l2cols",
+    "nvfp4_l2cols2",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "cublaslt_bf16",
@@ -71,10 +68,9 @@ fn is_ours(variant: &str) -> bool {
         "nvfp4"
             | "nvfp4_tma"
             | "nvfp4_tma_tiled"
-            | "nvfp4_finishpad"
-            | "nvfp4_finishpad1b"
-            | "nvfp4_finishl2spec"
-            | "nvfp4_l2rowwarps"
+            | "nvfp4_finishq4"
+            | "nvfp4_l2cols"
+            | "nvfp4_l2cols2"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
     )
@@ -82,30 +78,27 @@ fn is_ours(variant: &str) -> bool {
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
 /// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and the
-/// decode finish candidates `nvfp4_finishpad*` / `nvfp4_finishl2spec` only on masked points too.
+/// previous decode finish `nvfp4_finishq4` only on masked points too.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || ((variant.starts_with("nvfp4_tma") || variant.starts_with("nvfp4_finishpad"))
-            && dg.capacity == 0)
+        || ((variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishq4") && dg.capacity == 0)
 }
 
-/// The L1 finish kernel of a variant: the `nvfp4_finishpad*` candidates run theirs, every other variant the
-/// default.
+/// The L1 finish kernel of a variant: `nvfp4_finishq4` runs q4, every other variant the default.
 fn finish_l1_for(variant: &str) -> FinishL1Kernel {
     match variant {
-        "nvfp4_finishpad" => FinishL1Kernel::Pad,
-        "nvfp4_finishpad1b" => FinishL1Kernel::PadOneBarrier,
+        "nvfp4_finishq4" => FinishL1Kernel::Q4,
         _ => FinishL1Kernel::default(),
     }
 }
 
-/// The L2 combine kernel of a variant: `nvfp4_finishl2spec` / `nvfp4_l2rowwarps` run their candidate, every other
-/// variant the default.
-fn finish_l2_for(variant: &str) -> FinishL2Kernel {
+/// The L2 combine kernel of a variant at `tokens` tokens: `nvfp4_l2cols` / `nvfp4_l2cols2` force theirs, every
+/// other variant takes the default routing ([`FinishL2Kernel::for_tokens`]).
+fn finish_l2_for(variant: &str, tokens: usize) -> FinishL2Kernel {
     match variant {
-        "nvfp4_finishl2spec" => FinishL2Kernel::ColsSpec,
-        "nvfp4_l2rowwarps" => FinishL2Kernel::RowWarps,
-        _ => FinishL2Kernel::default(),
+        "nvfp4_l2cols" => FinishL2Kernel::Cols,
+        "nvfp4_l2cols2" => FinishL2Kernel::Cols2,
+        _ => FinishL2Kernel::for_tokens(tokens),
     }
 }
 
@@ -306,7 +299,7 @@ fn row(
 }
 
 fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant == "nvfp4_finishl2spec" || variant == "nvfp4_l2rowwarps" {
+    if variant.starts_with("nvfp4_l2cols") {
         return Ok(vec![]); // an L2 combine variant: nothing to measure in L1
     }
     let p = Point::new(s, tokens, ctx.seed, 1)?;
@@ -366,7 +359,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant.starts_with("nvfp4_finishpad") {
+    if variant == "nvfp4_finishq4" {
         return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
     }
     let p = Point::new(s, tokens, ctx.seed, 2)?;
@@ -400,7 +393,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4)
                 + p.tokens * p.n * 2;
-            let finish = finish_l2_for(variant);
+            let finish = finish_l2_for(variant, p.tokens);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;

@@ -599,37 +599,32 @@ pub fn launch_finish_l1(
 /// weight, row amax, global scale) and write bit-identical outputs (h, codes, block scales, global scales).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FinishL1Kernel {
-    /// `moe_gemm_finish_l1_swiglu_nvfp4_q4` (the default): every thread quantizes 4 consecutive elements; the 4
-    /// lanes of a block share its amax by two xor-shuffles and each stores its own 2 code bytes. Session-7 final
-    /// run (f24d816, us, Flash L1, the removed one-thread-per-block `vec` finish / q4): 1 token 41.86 / 39.14,
-    /// 8 tokens 180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone under ncu at
-    /// 1 token 7.7-7.9 / 6.1-6.2.
-    #[default]
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_q4` (the default from the session-7 final run to the session-8 A/B; bench
+    /// variant `nvfp4_finishq4`, kept one run): every thread quantizes 4 consecutive elements; the 4 lanes of a block
+    /// share its amax by two xor-shuffles and each stores its own 2 code bytes. Session-7 final run (f24d816, us,
+    /// Flash L1, the removed one-thread-per-block `vec` finish / q4): 1 token 41.86 / 39.14, 8 tokens 180.1 /
+    /// 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone under ncu at 1 token 7.7-7.9 /
+    /// 6.1-6.2. The tests check it against the CPU quantizer and every other kernel against it.
     Q4,
-    /// `moe_gemm_finish_l1_swiglu_nvfp4_pad` (session-8 A/B, bench variant `nvfp4_finishpad`): q4, except that a
-    /// CTA whose row belongs to no expert (a padding slot of the masked layout: 250 of 256 rows at 1 token on
-    /// Flash) writes the bytes q4 produces for an all-zero row (codes 0, block scales 0, gs 1.0, h +0) with plain
-    /// wide stores, skipping both passes and their barriers.
-    Pad,
-    /// `moe_gemm_finish_l1_swiglu_nvfp4_pad1b` (session-8 A/B, bench variant `nvfp4_finishpad1b`): `Pad` plus a
-    /// row amax with one barrier instead of two (the trailing one only guarded a reuse of the reduction slots that
-    /// the L1 finish never makes) on the real rows' critical path.
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_pad1b` (the default since the session-8 A/B): q4, except that a CTA whose
+    /// row belongs to no expert (a padding slot of the masked layout: 250 of 256 rows at 1 token on Flash) writes
+    /// the bytes q4 produces for an all-zero row (codes 0, block scales 0, gs 1.0, h +0) with plain wide stores,
+    /// skipping both passes and their barriers, and the real rows take their amax with one barrier instead of two.
+    /// Session-8 A/B (727e353, us, q4 / pad1b): Flash L1 1 token 39.42 / 38.27, 8 tokens 176.70 / 175.87, 64
+    /// tokens 770.50 / 766.46; Pro 1 token 81.82 / 81.44, 64 tokens 2321.98 / 2302.53. (`pad`, the same without
+    /// the one-barrier amax, measured between them and was removed.)
+    #[default]
     PadOneBarrier,
 }
 
 impl FinishL1Kernel {
-    /// Every L1 finish kernel, the default first (tests compare each against it bit for bit).
-    pub const ALL: &'static [FinishL1Kernel] = &[
-        FinishL1Kernel::Q4,
-        FinishL1Kernel::Pad,
-        FinishL1Kernel::PadOneBarrier,
-    ];
+    /// Every L1 finish kernel, q4 first (the tests check it against the CPU quantizer and the others against it).
+    pub const ALL: &'static [FinishL1Kernel] = &[FinishL1Kernel::Q4, FinishL1Kernel::PadOneBarrier];
 
     /// The kernel's entry point in kernels/moe_gemm.cu.
     pub fn entry(self) -> &'static str {
         match self {
             FinishL1Kernel::Q4 => "moe_gemm_finish_l1_swiglu_nvfp4_q4",
-            FinishL1Kernel::Pad => "moe_gemm_finish_l1_swiglu_nvfp4_pad",
             FinishL1Kernel::PadOneBarrier => "moe_gemm_finish_l1_swiglu_nvfp4_pad1b",
         }
     }
@@ -728,7 +723,8 @@ pub fn launch_finish_l1_with(
 
 /// L2 epilogue: `out[t, n] = bf16(sum_j acc(rows[t, j], n) * gsa * gsb)` in routing order (deterministic).
 /// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows; topk <= [`FINISH_MAX_TOPK`]. Grid
-/// `tokens x ceil(N / 256)`, one column per thread.
+/// `tokens x ceil(N / 256)`, one column per thread ([`FinishL2Kernel::Cols`]); up to [`L2_ROWWARPS_MAX_TOKENS`]
+/// tokens [`FinishL2Kernel::RowWarps`] (the same bits; see [`FinishL2Kernel::for_tokens`]).
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2(
     gpu: &Gpu,
@@ -749,43 +745,59 @@ pub fn launch_finish_l2(
         token_rows,
         topk,
         out,
-        FinishL2Kernel::default(),
+        FinishL2Kernel::for_tokens(token_rows.len() / topk.max(1)),
     )
 }
 
-/// Which L2 combine kernel [`launch_finish_l2_with`] runs (bit-identical outputs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Which L2 combine kernel [`launch_finish_l2_with`] runs (bit-identical outputs). [`launch_finish_l2`] takes
+/// [`FinishL2Kernel::for_tokens`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishL2Kernel {
-    /// `moe_gemm_finish_l2_combine_cols` (the default): the token's rows, experts and gsa staged in shared memory
-    /// by `topk` threads (token_rows -> group -> gsa: three dependent loads), a barrier, then the column loads;
-    /// the loads of a pass (8 rows x 4 splits) and their adds each carry a validity predicate, which ptxas
-    /// interleaves (9.6-10 us at 1 token under ncu, session-8 start run).
-    #[default]
+    /// `moe_gemm_finish_l2_combine_cols`: one column per thread; the token's rows, experts and gsa staged in shared
+    /// memory by `topk` threads, a barrier, then the column loads, each of the 8 rows x 4 splits loads of a pass and
+    /// its add under its own validity predicate, which ptxas interleaves (~12 dependent round trips). The default
+    /// above [`L2_ROWWARPS_MAX_TOKENS`] tokens.
     Cols,
-    /// `moe_gemm_finish_l2_combine_cols_spec` (session-8 A/B, bench variant `nvfp4_finishl2spec`): every thread
-    /// reads the token's rows itself and, in the masked layout, issues gsb / gsa / partial loads for the candidate
-    /// expert row / capacity together with the ownership load: two dependent round trips, no barrier.
-    ColsSpec,
-    /// `moe_gemm_finish_l2_combine_rowwarps` (session-8 A/B, bench variant `nvfp4_l2rowwarps`): grid
-    /// `tokens x ceil(N / 32)`, one warp per routed row (slot) and 32 columns per CTA, each warp's split loads
-    /// in flight together, then warp 0 combines the slots in routing order.
+    /// `moe_gemm_finish_l2_combine_rowwarps`: grid `tokens x ceil(N / 32)`, one warp per routed row (slot) and
+    /// 32 columns per CTA, each warp's split loads in flight together, then warp 0 combines the slots in routing
+    /// order. The default up to [`L2_ROWWARPS_MAX_TOKENS`] tokens.
     RowWarps,
+    /// `moe_gemm_finish_l2_combine_cols2` (session-8 candidate, bench variant `nvfp4_l2cols2`): 2 columns per
+    /// thread (float2 loads), the token's valid slots compacted by warp 0, every load of a pass unconditional.
+    /// Needs N % 2 == 0 (checked before the launch).
+    Cols2,
 }
 
+/// Most tokens for which [`FinishL2Kernel::for_tokens`] picks [`FinishL2Kernel::RowWarps`]. Session-8 A/B (727e353,
+/// us, whole L2 call, Cols / RowWarps): Flash 1 token 29.60 / 25.31, 8 tokens 98.11 / 97.38, 64 tokens 406.24 /
+/// 412.42, 4096 tokens 2317 / 3089; Pro 1 token 50.53 / 47.55, 64 tokens 1168.3 / 1179.7. The finish alone under
+/// ncu at Flash 1 token: 9.8-10.1 / 4.5 us; at 4096 tokens 667 / 1,440 us (its 2 barriers and serial slot
+/// combine per 32 columns). 8 is the largest measured count where RowWarps won.
+pub const L2_ROWWARPS_MAX_TOKENS: usize = 8;
+
 impl FinishL2Kernel {
-    /// Every L2 combine kernel, the default first (tests compare each against it bit for bit).
+    /// Every L2 combine kernel, Cols first (the tests compare the others against it bit for bit).
     pub const ALL: &'static [FinishL2Kernel] = &[
         FinishL2Kernel::Cols,
-        FinishL2Kernel::ColsSpec,
         FinishL2Kernel::RowWarps,
+        FinishL2Kernel::Cols2,
     ];
+
+    /// The kernel [`launch_finish_l2`] runs for `tokens` tokens.
+    pub fn for_tokens(tokens: usize) -> FinishL2Kernel {
+        if tokens <= L2_ROWWARPS_MAX_TOKENS {
+            FinishL2Kernel::RowWarps
+        } else {
+            FinishL2Kernel::Cols
+        }
+    }
 
     /// The kernel's entry point in kernels/moe_gemm.cu.
     pub fn entry(self) -> &'static str {
         match self {
             FinishL2Kernel::Cols => "moe_gemm_finish_l2_combine_cols",
-            FinishL2Kernel::ColsSpec => "moe_gemm_finish_l2_combine_cols_spec",
             FinishL2Kernel::RowWarps => "moe_gemm_finish_l2_combine_rowwarps",
+            FinishL2Kernel::Cols2 => "moe_gemm_finish_l2_combine_cols2",
         }
     }
 }
@@ -829,10 +841,19 @@ pub fn launch_finish_l2_with(
         "moe_gemm L2: {tokens} tokens exceed the grid"
     );
     let name = kernel.entry();
-    // Columns per CTA: one per thread (Cols, ColsSpec), one per lane of each slot warp (RowWarps); all 256 threads.
-    let cols_per_cta = match kernel {
-        FinishL2Kernel::Cols | FinishL2Kernel::ColsSpec => THREADS as usize,
-        FinishL2Kernel::RowWarps => 32,
+    // Columns and threads per CTA: Cols one column per thread (256), RowWarps one per lane of each slot warp (32 of
+    // 256 threads), Cols2 2 per thread (512 of 256 threads; N % 2 == 0 for its float2 rows).
+    let (cols_per_cta, block) = match kernel {
+        FinishL2Kernel::Cols => (THREADS as usize, THREADS),
+        FinishL2Kernel::RowWarps => (32, THREADS),
+        FinishL2Kernel::Cols2 => {
+            ensure!(
+                w2.n.is_multiple_of(2),
+                "moe_gemm L2: {name} needs N % 2 == 0 (float2 rows), N = {}",
+                w2.n
+            );
+            (512, THREADS)
+        }
     };
     let grid = (tokens as u32, w2.n.div_ceil(cols_per_cta) as u32, 1);
     let f = gpu.function(FAMILY, name)?;
@@ -865,7 +886,7 @@ pub fn launch_finish_l2_with(
         .arg(&tr)
         .arg(&k)
         .arg(&o);
-    unsafe { b.launch(launch_cfg(grid, (THREADS, 1, 1), 0)) }
+    unsafe { b.launch(launch_cfg(grid, (block, 1, 1), 0)) }
         .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }

@@ -41,9 +41,6 @@
 //! Pro batch-128 stall samples, mostly instruction fetch. A/B run 2: Pro b128 199.0 -> 145.6 us (the v11 epilogue's
 //! one-split path), Pro b64 94.8 -> 77.5, Flash b128 70.1 -> 52.3. The v6 path (`Fp8V6`, bench variant `fp8_v6`)
 //! was removed in session 8 after v11 won in two runs.
-//!
-//! Session-8 A/B candidates (bit-identical to [`Path::Fp8`]): [`Path::Fp8V12`] (`fp8_v12`, split partials stored as
-//! 16-byte chunks) and [`Path::Fp8V12Combine3`] (`fp8_v12_combine3`, plus `sparse_attn_combine_v3*` at 3..=8 splits).
 
 pub mod exec;
 pub mod reference;
@@ -69,9 +66,6 @@ const FP8_SMEM_BYTES: u32 = 208_128;
 /// Entry point of the FP8 path since the session-7 A/B (v11: v6's prologue and main loop, an epilogue that is small
 /// and stores the finished output in whole 16-byte chunks; bit-identical to v6).
 const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v11";
-/// Entry point of [`Path::Fp8V12`] / [`Path::Fp8V12Combine3`] (session-8 A/B): v11 with the split partials stored as
-/// 16-byte chunks; same grid, shared memory ([`FP8_SMEM_BYTES`]) and arguments as v11.
-const FP8_V12_KERNEL: &str = "sparse_attn_decode_fp8_v12";
 /// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
 const BF16_SMEM_BYTES: u32 = 210_688;
 const FAMILY: &str = "sparse_attn";
@@ -175,9 +169,7 @@ impl SplitPlan {
     /// [`SplitPlan::by_cost_v6`]; the baseline keeps [`SplitPlan::auto`] (what it was measured with).
     pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
         match path {
-            Path::Fp8 | Path::Fp8V12 | Path::Fp8V12Combine3 => {
-                SplitPlan::fp8_default(sm_count, shape)
-            }
+            Path::Fp8 => SplitPlan::fp8_default(sm_count, shape),
             Path::Fp8OldCombine | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
             Path::Fp8ParallelCombineRefit => SplitPlan::by_cost_v6(sm_count, shape),
             Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
@@ -322,13 +314,10 @@ pub struct Workspace {
 struct Kernels {
     gather: CudaFunction,
     decode_fp8: CudaFunction,
-    decode_fp8_v12: CudaFunction,
     decode_bf16: CudaFunction,
     combine: CudaFunction,
     /// `sparse_attn_combine_v2`, `_h2`, `_h4` (1, 2, 4 heads per thread), indexed by [`combine_v2_variant`].
     combine_v2: [CudaFunction; 3],
-    /// `sparse_attn_combine_v3`, `_h2` ([`Path::Fp8V12Combine3`]), indexed like `combine_v2` (3+ splits: index 0, 1).
-    combine_v3: [CudaFunction; 2],
 }
 
 impl Kernels {
@@ -337,17 +326,12 @@ impl Kernels {
         Ok(Kernels {
             gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
             decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
-            decode_fp8_v12: with_smem(FP8_V12_KERNEL, FP8_SMEM_BYTES)?,
             decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
             combine: gpu.function(FAMILY, "sparse_attn_combine")?,
             combine_v2: [
                 gpu.function(FAMILY, COMBINE_V2_KERNELS[0])?,
                 gpu.function(FAMILY, COMBINE_V2_KERNELS[1])?,
                 gpu.function(FAMILY, COMBINE_V2_KERNELS[2])?,
-            ],
-            combine_v3: [
-                gpu.function(FAMILY, COMBINE_V3_KERNELS[0])?,
-                gpu.function(FAMILY, COMBINE_V3_KERNELS[1])?,
             ],
         })
     }
@@ -418,20 +402,6 @@ const COMBINE_V2_KERNELS: [&str; 3] = [
     "sparse_attn_combine_v2_h4",
 ];
 
-/// Entry points of the session-8 combine candidate ([`Path::Fp8V12Combine3`]): the same grids and heads per thread as
-/// [`COMBINE_V2_KERNELS`], bit-identical to them; the merge statistics come from the first chunk's registers when every
-/// split fits that chunk (see `combine_v3_body` in the kernel source).
-const COMBINE_V3_KERNELS: [&str; 2] = ["sparse_attn_combine_v3", "sparse_attn_combine_v3_h2"];
-
-/// Whether [`Path::Fp8V12Combine3`] merges `n_splits` splits with `sparse_attn_combine_v3*`: 3..=8 splits, where
-/// every split fits the first load chunk of the entry [`combine_v2_variant`] picks (8 / heads-per-thread splits: 3..4
-/// with 2 heads per thread, 5..8 with 1). Elsewhere it merges like [`Path::Fp8`] (the kernel returns without writing
-/// for more splits than one chunk).
-pub fn combine_v3_fits(n_splits: usize) -> bool {
-    let (_, heads_per_thread) = combine_v2_variant(n_splits);
-    n_splits >= PARALLEL_COMBINE_MIN_SPLITS && n_splits * heads_per_thread <= 8
-}
-
 /// Which `sparse_attn_combine_v2` entry merges `n_splits` splits, as (index into `COMBINE_V2_KERNELS`, heads per
 /// thread): the most heads per thread with heads * n_splits <= 8 (a thread holds 8 partials' loads at once), so
 /// a plan with few splits still keeps 8 loads in flight per thread. Heads are multiples of 64, so every choice
@@ -467,7 +437,7 @@ pub const PARALLEL_COMBINE_MIN_SPLITS: usize = 3;
 /// (no combine runs) and for the baseline (it keeps the old combine).
 pub fn fp8_combine(path: Path, n_splits: usize) -> bool {
     match path {
-        Path::Fp8 | Path::Fp8V12 | Path::Fp8V12Combine3 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
+        Path::Fp8 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
         Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => true,
         Path::Fp8OldCombine | Path::Bf16Staging => false,
     }
@@ -483,16 +453,6 @@ pub enum Path {
     /// 3 splits, `sparse_attn_combine` at 2). Its epilogue computes the rope once per CTA and stores the finished
     /// output through shared memory (see the module notes). Bench variant `fp8`.
     Fp8,
-    /// Session-8 A/B candidate: [`Path::Fp8`] (same plan, same combine routing, the same output bits) with
-    /// `sparse_attn_decode_fp8_v12`, whose split branch stores each thread's partial O as 16-byte chunks (a lane-pair
-    /// shuffle gives each lane 4 consecutive floats of one row: 32 16-byte stores per thread instead of 64 8-byte
-    /// ones). One-split plans run v11's code. Bench variant `fp8_v12`.
-    Fp8V12,
-    /// Session-8 A/B candidate: [`Path::Fp8V12`] with `sparse_attn_combine_v3*` wherever [`Path::Fp8`] merges with
-    /// `sparse_attn_combine_v2*` and every split fits one load chunk of 8 partials ([`combine_v3_fits`]: 3..=8 splits;
-    /// bit-identical, a shorter chain: lse loads first, merge statistics from those registers). Longer plans keep
-    /// `sparse_attn_combine_v2*`. Bench variant `fp8_v12_combine3`.
-    Fp8V12Combine3,
     /// The default before the session-5 A/B: the same decode kernel, plan [`SplitPlan::by_cost`], every split
     /// merged by `sparse_attn_combine` (one warp per head). Bench variant `fp8_oldcombine`.
     Fp8OldCombine,
@@ -557,11 +517,6 @@ pub fn decode(
     }
 
     let (name, smem, f) = match path {
-        Path::Fp8V12 | Path::Fp8V12Combine3 => (
-            FP8_V12_KERNEL,
-            FP8_SMEM_BYTES,
-            ws.kernels.decode_fp8_v12.clone(),
-        ),
         Path::Fp8
         | Path::Fp8OldCombine
         | Path::Fp8ParallelCombine
@@ -584,8 +539,6 @@ pub fn decode(
         b.arg(inp.q);
         match path {
             Path::Fp8
-            | Path::Fp8V12
-            | Path::Fp8V12Combine3
             | Path::Fp8OldCombine
             | Path::Fp8ParallelCombine
             | Path::Fp8ParallelCombineRefit => b.arg(inp.pool).arg(&null),
@@ -619,14 +572,9 @@ pub fn decode(
         let parallel = fp8_combine(path, plan.n_splits);
         let (cname, f, grid, block) = if parallel {
             let (k, heads_per_thread) = combine_v2_variant(plan.n_splits);
-            let (cname, f) = if path == Path::Fp8V12Combine3 && combine_v3_fits(plan.n_splits) {
-                (COMBINE_V3_KERNELS[k], ws.kernels.combine_v3[k].clone())
-            } else {
-                (COMBINE_V2_KERNELS[k], ws.kernels.combine_v2[k].clone())
-            };
             (
-                cname,
-                f,
+                COMBINE_V2_KERNELS[k],
+                ws.kernels.combine_v2[k].clone(),
                 (
                     (shape.heads / heads_per_thread) as u32,
                     shape.batch as u32,
@@ -758,8 +706,6 @@ pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) 
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
     let kv = match path {
         Path::Fp8
-        | Path::Fp8V12
-        | Path::Fp8V12Combine3
         | Path::Fp8OldCombine
         | Path::Fp8ParallelCombine
         | Path::Fp8ParallelCombineRefit => b * l * ENTRY_BYTES as u64,
@@ -779,11 +725,8 @@ pub const BENCH_KERNEL: &str = "sparse_attn_decode";
 /// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Forcing variants that keep
 /// the session-5 A/B measurable: `fp8_oldcombine` ([`Path::Fp8OldCombine`], the previous default),
 /// `fp8_pcombine` ([`Path::Fp8ParallelCombine`]) and `fp8_pcombine_refit` ([`Path::Fp8ParallelCombineRefit`]).
-/// Session-8 A/B candidates: `fp8_v12` ([`Path::Fp8V12`]) and `fp8_v12_combine3` ([`Path::Fp8V12Combine3`]).
-pub const BENCH_VARIANTS: [&str; 7] = [
+pub const BENCH_VARIANTS: [&str; 5] = [
     "fp8",
-    "fp8_v12",
-    "fp8_v12_combine3",
     "fp8_oldcombine",
     "fp8_pcombine",
     "fp8_pcombine_refit",
@@ -794,8 +737,6 @@ pub const BENCH_VARIANTS: [&str; 7] = [
 pub fn bench_path(variant: &str) -> Result<Path> {
     Ok(match variant {
         "fp8" => Path::Fp8,
-        "fp8_v12" => Path::Fp8V12,
-        "fp8_v12_combine3" => Path::Fp8V12Combine3,
         "fp8_oldcombine" => Path::Fp8OldCombine,
         "fp8_pcombine" => Path::Fp8ParallelCombine,
         "fp8_pcombine_refit" => Path::Fp8ParallelCombineRefit,
