@@ -52,8 +52,9 @@
 //   6.1-6.2.
 //   Session-8 A/B (727e353; results/h200/session8-ab): the L1 default is now moe_gemm_finish_l1_swiglu_nvfp4_pad1b
 //   (padding rows of the masked layout written directly, one-barrier row amax; q4 kept one run as the bench
-//   variant nvfp4_finishq4), and up to 8 tokens the L2 combine is moe_gemm_finish_l2_combine_rowwarps (one warp
-//   per routed row; _cols above). Removed candidates: L1 _pad (pad1b without the one-barrier amax; between q4 and
+//   variant nvfp4_finishq4); the L2 combine is moe_gemm_finish_l2_combine_rowwarps (one warp per routed row) up to
+//   8 tokens and moe_gemm_finish_l2_combine_cols2 (2 columns per thread, compacted slots) above, _cols only for an
+//   odd N (host routing: FinishL2Kernel::for_tokens). Removed candidates: L1 _pad (pad1b without the one-barrier amax; between q4 and
 //   pad1b at every point) and L2 _cols_spec (row metadata in two dependent round trips, no barrier: Flash 1 token
 //   27.17 us vs rowwarps 25.31 and cols 29.60, a tie at 8-64 tokens). Comments at the definitions.
 //
@@ -890,8 +891,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
     if (u == 0 && col_ok) out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
 }
 
-// The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2, bench
-// `nvfp4_l2cols2`, session-8 candidate). The session-8 A/B (727e353) found both earlier kernels short of the
+// The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2, the
+// default above 8 tokens since session 8; bench `nvfp4_l2cols2` forces it). The session-8 A/B (727e353) found both earlier kernels short of the
 // bytes: _cols serializes its predicated loads (9.8-10.1 us at 1 token; 667 us at 4096 tokens = 403 MB of
 // partials at 0.6 TB/s) and _rowwarps fixes the decode chain (4.5 us) but spends two barriers and a serial
 // combine per 32 columns (1,440 us at 4096 tokens). Here grid = (tokens, ceil(N / 512)), block 256, thread ->

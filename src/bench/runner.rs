@@ -95,14 +95,23 @@ pub fn run(
     let mut by_kernel: BTreeMap<&str, Vec<Row>> = BTreeMap::new();
     let mut failures = Vec::new();
     let mut written = Vec::new();
-    for (i, (s, k, variants)) in plan.iter().enumerate() {
+    for (s, k, variants) in plan.iter() {
         let mut settings = s.settings(&config.defaults);
         if let Some(r) = opts.reps {
             settings.reps = r;
         }
         for &value in &s.values {
             for v in variants {
-                let seed = opts.seed ^ ((i as u64) << 48) ^ value.rotate_left(17);
+                // The point's data seed depends on the kernel and the point's shape only, not on which sweep
+                // lists it: a variant measured in its own sweep sees the same inputs (e.g. the same MoE routing,
+                // hence the same expert loads) as the variants of another sweep at that point, so rows of
+                // different sweeps compare like for like. (Until session 8 the sweep index was mixed in.)
+                let seed = opts.seed
+                    ^ crate::model::weights::fnv1a64(&format!(
+                        "{} {}",
+                        k.name,
+                        s.shape_label(value)
+                    ));
                 let ctx = BenchCtx {
                     gpu,
                     settings,

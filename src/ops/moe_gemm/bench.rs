@@ -17,11 +17,10 @@
 //! * `nvfp4_finishq4` (`moe_gemm_l1` masked / decode points only): `nvfp4` (same mainloop and config) with the
 //!   previous L1 finish `FinishL1Kernel::Q4` instead of the default pad1b (bit-identical outputs; the session-8 A/B
 //!   made pad1b the default), kept measurable for one run. `moe_gemm_l2` skips it.
-//! * `nvfp4_l2cols` / `nvfp4_l2cols2` (`moe_gemm_l2` only): `nvfp4` with the L2 combine forced to
-//!   `FinishL2Kernel::Cols` (the default before session 8 at every token count; now above 8 tokens) /
-//!   `FinishL2Kernel::Cols2` (session-8 candidate: 2 columns per thread, every load of a pass in flight), where
-//!   `nvfp4` takes `FinishL2Kernel::for_tokens` (RowWarps up to 8 tokens). Bit-identical outputs. `moe_gemm_l1`
-//!   skips them.
+//! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` (`moe_gemm_l2` only): `nvfp4` with the L2 combine
+//!   forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) / `RowWarps` / `Cols2`,
+//!   where `nvfp4` takes `FinishL2Kernel::for_tokens` (RowWarps up to 8 tokens, Cols2 above). Bit-identical
+//!   outputs. `moe_gemm_l1` skips them.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
@@ -52,6 +51,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_tma_tiled",
     "nvfp4_finishq4",
     "nvfp4_l2cols",
+    "nvfp4_l2rowwarps",
     "nvfp4_l2cols2",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
@@ -70,6 +70,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_tma_tiled"
             | "nvfp4_finishq4"
             | "nvfp4_l2cols"
+            | "nvfp4_l2rowwarps"
             | "nvfp4_l2cols2"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
@@ -92,13 +93,14 @@ fn finish_l1_for(variant: &str) -> FinishL1Kernel {
     }
 }
 
-/// The L2 combine kernel of a variant at `tokens` tokens: `nvfp4_l2cols` / `nvfp4_l2cols2` force theirs, every
-/// other variant takes the default routing ([`FinishL2Kernel::for_tokens`]).
-fn finish_l2_for(variant: &str, tokens: usize) -> FinishL2Kernel {
+/// The L2 combine kernel of a variant at `tokens` tokens of `n` columns: `nvfp4_l2cols` / `nvfp4_l2rowwarps` /
+/// `nvfp4_l2cols2` force theirs, every other variant takes the default routing ([`FinishL2Kernel::for_tokens`]).
+fn finish_l2_for(variant: &str, tokens: usize, n: usize) -> FinishL2Kernel {
     match variant {
         "nvfp4_l2cols" => FinishL2Kernel::Cols,
+        "nvfp4_l2rowwarps" => FinishL2Kernel::RowWarps,
         "nvfp4_l2cols2" => FinishL2Kernel::Cols2,
-        _ => FinishL2Kernel::for_tokens(tokens),
+        _ => FinishL2Kernel::for_tokens(tokens, n),
     }
 }
 
@@ -299,7 +301,7 @@ fn row(
 }
 
 fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant.starts_with("nvfp4_l2cols") {
+    if variant.starts_with("nvfp4_l2") {
         return Ok(vec![]); // an L2 combine variant: nothing to measure in L1
     }
     let p = Point::new(s, tokens, ctx.seed, 1)?;
@@ -393,7 +395,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4)
                 + p.tokens * p.n * 2;
-            let finish = finish_l2_for(variant, p.tokens);
+            let finish = finish_l2_for(variant, p.tokens, p.n);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;

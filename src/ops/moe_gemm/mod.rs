@@ -745,7 +745,7 @@ pub fn launch_finish_l2(
         token_rows,
         topk,
         out,
-        FinishL2Kernel::for_tokens(token_rows.len() / topk.max(1)),
+        FinishL2Kernel::for_tokens(token_rows.len() / topk.max(1), w2.n),
     )
 }
 
@@ -756,15 +756,18 @@ pub enum FinishL2Kernel {
     /// `moe_gemm_finish_l2_combine_cols`: one column per thread; the token's rows, experts and gsa staged in shared
     /// memory by `topk` threads, a barrier, then the column loads, each of the 8 rows x 4 splits loads of a pass and
     /// its add under its own validity predicate, which ptxas interleaves (~12 dependent round trips). The default
-    /// above [`L2_ROWWARPS_MAX_TOKENS`] tokens.
+    /// at every token count until session 8; now only for an odd N (bench variant `nvfp4_l2cols` forces it).
     Cols,
     /// `moe_gemm_finish_l2_combine_rowwarps`: grid `tokens x ceil(N / 32)`, one warp per routed row (slot) and
     /// 32 columns per CTA, each warp's split loads in flight together, then warp 0 combines the slots in routing
-    /// order. The default up to [`L2_ROWWARPS_MAX_TOKENS`] tokens.
+    /// order. The default up to [`L2_ROWWARPS_MAX_TOKENS`] tokens (bench variant `nvfp4_l2rowwarps` forces it).
     RowWarps,
-    /// `moe_gemm_finish_l2_combine_cols2` (session-8 candidate, bench variant `nvfp4_l2cols2`): 2 columns per
-    /// thread (float2 loads), the token's valid slots compacted by warp 0, every load of a pass unconditional.
-    /// Needs N % 2 == 0 (checked before the launch).
+    /// `moe_gemm_finish_l2_combine_cols2`: 2 columns per thread (float2 loads), the token's valid slots compacted
+    /// by warp 0, every load of a pass unconditional. Needs N % 2 == 0 (checked before the launch). The default
+    /// above [`L2_ROWWARPS_MAX_TOKENS`] tokens (bench variant `nvfp4_l2cols2` forces it). Session-8 final run
+    /// (318bcad, us, whole L2 call, Cols / Cols2; rows of one sweep each): Flash 64 tokens 411.3 / 378.7, 4096
+    /// tokens 2304.8 / 1862.3, 16384 tokens 8322.4 / 6569.8; Pro 64 tokens 1177.8 / 1127.6; the combine alone
+    /// under ncu at 4096 tokens 662 / 209 us, at 1 token 9.6-9.9 / 7.8-8.1 (RowWarps 4.3).
     Cols2,
 }
 
@@ -783,10 +786,13 @@ impl FinishL2Kernel {
         FinishL2Kernel::Cols2,
     ];
 
-    /// The kernel [`launch_finish_l2`] runs for `tokens` tokens.
-    pub fn for_tokens(tokens: usize) -> FinishL2Kernel {
+    /// The kernel [`launch_finish_l2`] runs for `tokens` tokens of `n` output columns: RowWarps up to
+    /// [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above (Cols when N is odd, which Cols2 does not take).
+    pub fn for_tokens(tokens: usize, n: usize) -> FinishL2Kernel {
         if tokens <= L2_ROWWARPS_MAX_TOKENS {
             FinishL2Kernel::RowWarps
+        } else if n.is_multiple_of(2) {
+            FinishL2Kernel::Cols2
         } else {
             FinishL2Kernel::Cols
         }
