@@ -770,15 +770,12 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
 // in split order starting from 0 (as reduce_splits), then y over j = 0, 1, ... (routing order) (the order of
 // the CPU reference).
 constexpr int kFinishMaxTopk = 32;
-extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combine_cols(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    __nv_bfloat16* __restrict__ out) {
-    __shared__ int s_row[kFinishMaxTopk];
-    __shared__ int s_exp[kFinishMaxTopk];
-    __shared__ float s_sa[kFinishMaxTopk];
-    Grouping grp{group, capacity, experts, rows_total};
-    const int tok = blockIdx.x;
+
+// The L2 combines' per-token slot table in shared memory: slot j < topk gets its routed row, the row's expert (-1:
+// no expert owns it) and the row's gsa (1 for BF16 activations or an unowned row); ends with a barrier.
+__device__ __forceinline__ void stage_token_slots(const Grouping& grp, const float* __restrict__ gsa,
+                                                  const int* __restrict__ token_rows, int topk, int tok, int* s_row,
+                                                  int* s_exp, float* s_sa) {
     if ((int)threadIdx.x < topk) {
         const int row = token_rows[(size_t)tok * topk + threadIdx.x];
         const int e = grp.expert_of_row(row);
@@ -787,6 +784,16 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combin
         s_sa[threadIdx.x] = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
     }
     __syncthreads();
+}
+extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combine_cols(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    __nv_bfloat16* __restrict__ out) {
+    __shared__ int s_row[kFinishMaxTopk];
+    __shared__ int s_exp[kFinishMaxTopk];
+    __shared__ float s_sa[kFinishMaxTopk];
+    const int tok = blockIdx.x;
+    stage_token_slots(Grouping{group, capacity, experts, rows_total}, gsa, token_rows, topk, tok, s_row, s_exp, s_sa);
     const int n = blockIdx.y * blockDim.x + threadIdx.x;
     if (n >= N) return;
     constexpr int kRowsPerPass = 8, kSplitsPerPass = 4;
@@ -848,16 +855,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
     __shared__ float s_sa[kFinishMaxTopk];
     __shared__ float s_acc[kSlots][32];
     __shared__ float s_scale[kSlots][32];
-    Grouping grp{group, capacity, experts, rows_total};
     const int tok = blockIdx.x;
-    if ((int)threadIdx.x < topk) {
-        const int row = token_rows[(size_t)tok * topk + threadIdx.x];
-        const int e = grp.expert_of_row(row);
-        s_row[threadIdx.x] = row;
-        s_exp[threadIdx.x] = e;
-        s_sa[threadIdx.x] = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
-    }
-    __syncthreads();
+    stage_token_slots(Grouping{group, capacity, experts, rows_total}, gsa, token_rows, topk, tok, s_row, s_exp, s_sa);
     const int lane = threadIdx.x & 31, u = threadIdx.x >> 5;
     const int n = blockIdx.y * 32 + lane;
     const bool col_ok = n < N;

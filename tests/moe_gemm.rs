@@ -1855,6 +1855,28 @@ struct FinishInputs {
     routing: Vec<f32>,
 }
 
+/// Top-6 routing of `tokens` tokens over the first `experts - 2` experts (the last two stay empty); masked with
+/// `most + p` slots per expert when `padding` is `Some(p)` (so some slots are padding), contiguous when `None`.
+fn routed_top6_two_empty_experts(
+    rng: &mut impl Rng,
+    tokens: usize,
+    experts: usize,
+    padding: Option<usize>,
+) -> RoutedBatch {
+    let rb0 = RoutedBatch::random(rng, tokens, experts - 2, 6, None).unwrap();
+    let most = (0..experts - 2)
+        .map(|e| rb0.grouping.expert_rows(e).len())
+        .max()
+        .unwrap_or(0);
+    RoutedBatch::from_choices(
+        tokens,
+        experts,
+        6,
+        rb0.experts_of,
+        padding.map(|p| most + p),
+    )
+    .unwrap()
+}
 /// Top-6 routing of `tokens` over all experts but the last two (those stay empty); `padding`: Some(p) = masked
 /// layout with p padding slots per expert beyond the largest count, None = contiguous. Owned rows get partials
 /// whose scaled sums have a per-row magnitude of 10^[-1.5, 1] with 1-in-64 outliers x30 (past the +-10 clamps),
@@ -1870,20 +1892,7 @@ fn finish_inputs(
     padding: Option<usize>,
     nvfp4_a: bool,
 ) -> FinishInputs {
-    let topk = 6;
-    let rb0 = RoutedBatch::random(rng, tokens, experts - 2, topk, None).unwrap();
-    let most = (0..experts - 2)
-        .map(|e| rb0.grouping.expert_rows(e).len())
-        .max()
-        .unwrap_or(0);
-    let rb = RoutedBatch::from_choices(
-        tokens,
-        experts,
-        topk,
-        rb0.experts_of,
-        padding.map(|p| most + p),
-    )
-    .unwrap();
+    let rb = routed_top6_two_empty_experts(rng, tokens, experts, padding);
     let (n, rows) = (2 * inter, rb.grouping.rows_total());
     let gsb: Vec<f32> = (0..experts * n)
         .map(|_| 2f32.powf(rng.random_range(-9.0f32..-3.0)))
@@ -2203,19 +2212,7 @@ fn check_l2_combine_kernels(
     nvfp4_a: bool,
 ) {
     let topk = 6;
-    let rb0 = RoutedBatch::random(rng, tokens, experts - 2, topk, None).unwrap();
-    let most = (0..experts - 2)
-        .map(|e| rb0.grouping.expert_rows(e).len())
-        .max()
-        .unwrap_or(0);
-    let rb = RoutedBatch::from_choices(
-        tokens,
-        experts,
-        topk,
-        rb0.experts_of,
-        padding.map(|p| most + p),
-    )
-    .unwrap();
+    let rb = routed_top6_two_empty_experts(rng, tokens, experts, padding);
     let g = &rb.grouping;
     let rows = g.rows_total();
     let label = format!(

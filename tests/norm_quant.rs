@@ -483,6 +483,40 @@ fn gpu_rmsnorm_quant_matches_reference() {
     }
 }
 
+/// BF16 rows through the fused kernel (rmsnorm_quant) and through the unfused chain (RMSNorm -> BF16 staging ->
+/// quantize), every output poisoned first: (fused, unfused, staging) as downloaded.
+fn fused_and_unfused(
+    gpu: &megamoe::gpu::Gpu,
+    dx: &cudarc::driver::CudaSlice<half::bf16>,
+    dw: &cudarc::driver::CudaSlice<half::bf16>,
+    format: OutFormat,
+    rows: usize,
+    d: usize,
+) -> (
+    nq::HostNormOutputs,
+    nq::HostNormOutputs,
+    nq::HostNormOutputs,
+) {
+    let mut fused = NormOutputs::alloc_poisoned(gpu, format, rows, d).unwrap();
+    let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, rows, d).unwrap();
+    let mut unfused = NormOutputs::alloc_poisoned(gpu, format, rows, d).unwrap();
+    nq::rmsnorm_quant(gpu, RowsIn::Bf16(dx), dw, r::RMS_EPS, &mut fused).unwrap();
+    nq::rmsnorm_then_quant(
+        gpu,
+        RowsIn::Bf16(dx),
+        dw,
+        r::RMS_EPS,
+        &mut staging,
+        &mut unfused,
+    )
+    .unwrap();
+    (
+        fused.download(gpu).unwrap(),
+        unfused.download(gpu).unwrap(),
+        staging.download(gpu).unwrap(),
+    )
+}
+
 #[test]
 fn gpu_unfused_chain_equals_fused() {
     let Some(gpu) = gpu_for_test("gpu_unfused_chain_equals_fused") else {
@@ -495,24 +529,7 @@ fn gpu_unfused_chain_equals_fused() {
         let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
         let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
         for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
-            let mut fused = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-            let mut staging = NormOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, rows, d).unwrap();
-            let mut unfused = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-            nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut fused).unwrap();
-            nq::rmsnorm_then_quant(
-                &gpu,
-                RowsIn::Bf16(&dx),
-                &dw,
-                r::RMS_EPS,
-                &mut staging,
-                &mut unfused,
-            )
-            .unwrap();
-            let (a, b) = (
-                fused.download(&gpu).unwrap(),
-                unfused.download(&gpu).unwrap(),
-            );
-            let st = staging.download(&gpu).unwrap();
+            let (a, b, st) = fused_and_unfused(&gpu, &dx, &dw, format, rows, d);
             // The unfused chain's rstd is written by its first kernel, into the staging outputs; the second
             // (quantize-only) kernel has none. Check the chain's codes against the rstd it really used.
             let b = nq::HostNormOutputs {
@@ -2120,22 +2137,9 @@ fn gpu_rows_at_the_largest_d_every_input_and_format() {
                 if format == OutFormat::Bf16 {
                     continue;
                 }
-                let mut fused = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                let mut staging =
-                    NormOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, rows, d).unwrap();
-                let mut unfused = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                nq::rmsnorm_quant(&gpu, RowsIn::Bf16(&dx16), &dw, r::RMS_EPS, &mut fused).unwrap();
-                nq::rmsnorm_then_quant(
-                    &gpu,
-                    RowsIn::Bf16(&dx16),
-                    &dw,
-                    r::RMS_EPS,
-                    &mut staging,
-                    &mut unfused,
-                )
-                .unwrap();
+                let (fused, unfused, _) = fused_and_unfused(&gpu, &dx16, &dw, format, rows, d);
                 assert!(
-                    fused.download(&gpu).unwrap().q == unfused.download(&gpu).unwrap().q,
+                    fused.q == unfused.q,
                     "{} {rows}x{d} seed {seed}: fused and unfused outputs differ",
                     format.name()
                 );
