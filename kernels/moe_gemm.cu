@@ -42,8 +42,9 @@
 //   memory while the current step computes, then converted smem -> smem; the weights wait in ONE register stage
 //   that is refilled chunk by chunk as the compute consumes it, so the 1- and 2-token-tile entries fit 80
 //   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
-// * Finish kernels moe_gemm_finish_l1_swiglu_nvfp4_q4 / moe_gemm_finish_l2_combine_cols: all split loads of a
-//   column issued together, columns spread over many CTAs.
+// * Finish kernels: one CTA per row (L1) / columns spread over many CTAs (L2), the split loads meant to be in flight
+//   together. For moe_gemm_finish_l2_combine_cols that did not hold: ptxas serialized its predicated loads (session-8
+//   ncu), which the L2 defaults _rowwarps / _cols2 fix (below).
 //   The L1 default since the session-7 final run (f24d816) is moe_gemm_finish_l1_swiglu_nvfp4_q4 (FinishL1Kernel::Q4):
 //   pass 1 (split sums, SwiGLU, row amax) + an NVFP4 pass with 4 elements per thread. It replaced
 //   moe_gemm_finish_l1_swiglu_nvfp4_vec (same pass 1, one thread per 16-element block in pass 2, bit-identical
@@ -765,8 +766,10 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
 // L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
 // fp32 sum taken in routing order j = 0, 1, ... (deterministic). The routing weight was applied in L1 (DSV4 applies
 // it to h before w2). grid = (tokens, ceil(N / 256)), block = 256, one column per thread. The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
-// kFinishMaxTopk, launcher check). The loads of up to 8 rows x 4 splits are predicated and independent, so they are
-// in flight together (one memory round trip instead of topk x splits dependent ones). Order: per row j the splits
+// kFinishMaxTopk, launcher check). The loads of up to 8 rows x 4 splits are predicated and independent, meant to be
+// in flight together; ptxas interleaves them with their predicated adds instead (~12 dependent round trips at 1
+// token, session-8 ncu), so since session 8 this kernel runs only for an odd N (_rowwarps / _cols2 below are the
+// defaults). Order: per row j the splits
 // in split order starting from 0 (as reduce_splits), then y over j = 0, 1, ... (routing order) (the order of
 // the CPU reference).
 constexpr int kFinishMaxTopk = 32;

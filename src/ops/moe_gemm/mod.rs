@@ -722,9 +722,9 @@ pub fn launch_finish_l1_with(
 }
 
 /// L2 epilogue: `out[t, n] = bf16(sum_j acc(rows[t, j], n) * gsa * gsb)` in routing order (deterministic).
-/// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows; topk <= [`FINISH_MAX_TOPK`]. Grid
-/// `tokens x ceil(N / 256)`, one column per thread ([`FinishL2Kernel::Cols`]); up to [`L2_ROWWARPS_MAX_TOKENS`]
-/// tokens [`FinishL2Kernel::RowWarps`] (the same bits; see [`FinishL2Kernel::for_tokens`]).
+/// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows; topk <= [`FINISH_MAX_TOPK`]. The
+/// combine kernel is [`FinishL2Kernel::for_tokens`]: RowWarps up to [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above
+/// (Cols for an odd N); all give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2(
     gpu: &Gpu,
