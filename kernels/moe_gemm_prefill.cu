@@ -382,3 +382,302 @@ __device__ __forceinline__ void prefill_body(
 
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial, 128)
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
+
+// =====================================================================================================================
+// RS mainloop (`moe_gemm_prefill_partial_rs`): weights dequantized IN REGISTERS as the wgmma A operand.
+// =====================================================================================================================
+// Why: the SS mainloop above writes every dequantized BF16 weight tile to shared memory and reads it back through
+// wgmma; with the A tile, the raw stages and the cp.async traffic that is ~150 KB of shared-memory traffic per
+// 1024 tensor cycles (~146 B/clk against the 128 B/clk an SM's shared memory delivers), so the tensor cores wait
+// (Nsight, session 8: HGMMA 1.7% of the stall samples; short_sb, dequant issue and weight loads dominate).
+// Here the roles swap (as in the decode kernel): weight rows are the wgmma M dimension and come from REGISTERS
+// (`wgmma ... {a0..a3}, b-desc`: the RS form), tokens are the wgmma N dimension and come from shared memory.
+// Shared-memory traffic per 1024 tensor cycles: the B operand (tokens) 64 KB + the activation dequant (~25 KB)
+// = ~90 B/clk; the weights never touch shared memory (16-byte ld.global.nc straight into registers, one stage
+// ahead, exactly as the decode kernel loads them).
+//
+// * CTA tile: 256 weight rows (2 warp groups x 2 m64 blocks) x 128 tokens (m64n128k16, 2 x 64 fp32 accumulators
+//   per thread) x K in stages of 128 (two 128B-swizzle atoms of 64 K).
+// * K permutation (the decode kernel's, kernels/moe_gemm.cu header; free because both operands agree): lane t of a
+//   quad owns the 32 contiguous K [32t, 32t+32) of a 128-K stage, i.e. two NVFP4 blocks = 4 code words j = 0..3
+//   (word 4t+j holds physical K 32t+8j .. 32t+8j+7). Pair P_i(word) = (x_i, x_{i+4}) of a word (i = 0..3) is one
+//   bf16x2 after the shift-and-mask trick (e2m1_pair_to_bf16x2_tiny) and one mul.rn.bf16x2 by the block scale.
+//   Logical k16 slice S = 2j + h (S = 0..7 across the stage) takes from word j: a0 = P_2h(row g), a1 = P_2h(row
+//   g+8), a2 = P_2h+1(row g), a3 = P_2h+1(row g+8) -- the m64nNk16 A register fragment is the mma.sync m16n8k16
+//   one per warp (a0: row g, k 2t..2t+1; a1: row g+8; a2: row g, k 2t+8..2t+9; a3: row g+8), warp w holding rows
+//   16w .. 16w+15 of the m64 block.
+//   So logical k = 2t + b of slice S is physical K 32t + 8j + 2h + 4b, and logical k = 2t + 8 + b is physical
+//   32t + 8j + 2h + 1 + 4b. The activation tile must hold the same physical elements at those logical places:
+//   logical 16-byte chunk c = 4j + i (i = 0..3) of a token's 128-K row = [P_i(word 4t+j) for t = 0..3], built by the
+//   activation dequant below (chunks 0..7 in atom 0, 8..15 in atom 1; 128B swizzle inside each atom).
+//   CPU mirrors of both index maps are checked against each other in src/ops/moe_gemm/prefill.rs
+//   (rs_fragments_and_activation_tile_agree_on_a_permutation_of_k).
+// * Numerics: identical rounding points to the SS kernel (products exact: e2m1 * s * 2^-9 per operand, fp32
+//   accumulation; the epilogue multiplies by 2^18, exact), only the fp32 summation order differs.
+// * Pipeline per 128-K stage st (all 256 threads; no warp specialization):
+//     cp.async the raw NVFP4 activations of stage st+3 into ring slot (st+3) % 4; ld.global the weights of st+1
+//     into the second register stage; slices 0-3: dequant fragment, wgmma.fence, 2 wgmma (m64 blocks), commit,
+//     wgmma.wait_group 1 (the previous slice's registers are free again); mid-stage: cp.async.wait (raw st+1
+//     landed), barrier, dequant the activations of st+1 into the other BF16 tile (its previous readers, stage
+//     st-1's wgmmas, completed at this stage's first wait_group 1, before the barrier), fence.proxy.async;
+//     slices 4-7; barrier (tile st+1 complete).
+// * Budget per CTA stage: 256 x 128 x 128 MAC = 4 Mi MAC at 2048 BF16 MAC/clk/SM (H200 dense BF16 peak) = 2048
+//   tensor cycles. Issue per warp and stage: weight dequant 2 m64 x 8 slices x (4 pairs x 4 ops) = 256 + scales 16 + activation dequant ~90 +
+//   wgmma / fence / wait ~60 = ~420 issue slots per 2048 cycles and scheduler pair of warps (~40% of issue).
+//   HBM: 16 KB of weight codes + 1 KB scales per CTA stage per 2048 cycles = ~8.5 B/clk/SM (~2.2 TB/s at 132 SMs).
+namespace rs {
+constexpr int kThreads = 256;
+constexpr int kTileT = 128;                       // tokens per CTA tile (wgmma N)
+constexpr int kTileRows = 256;                    // weight rows per CTA tile (2 WG x 2 m64 blocks)
+constexpr int kStageK = 128;
+constexpr int kRing = 4;                          // raw activation ring (prefetch distance 3 stages)
+constexpr int kAtomBytes = kTileT * 128;          // one [128 tokens][64 K] BF16 swizzle atom: 16 KiB
+constexpr int kActTile = 2 * kAtomBytes;          // one 128-K stage of BF16 activations: 32 KiB
+constexpr int kRawCodes = kTileT * 64;            // 128 tokens x 64 code bytes
+constexpr int kRawStage = kRawCodes + kTileT * 8; // + 8 block-scale bytes per token: 9 KiB
+constexpr int kBytes = 2 * kActTile + kRing * kRawStage;  // 100 KiB (+ 1024 alignment slack from the host)
+static_assert(kBytes + 1024 == 103424, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_RS in sync");
+
+// Weights of one 128-K stage for one thread: rows g and g+8 of its two m64 blocks (16 B of codes each) and their
+// block scales (lo16: row g blocks 2t, 2t+1; hi16: row g+8).
+struct WStage {
+    uint4 lo[2], hi[2];
+    uint32_t sc[2];
+};
+
+__device__ __forceinline__ uint4 ldg_nc16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+__device__ __forceinline__ uint32_t ldg_nc_u16(const void* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// D(64 x 128, fp32) += A(64 x 16, bf16, registers) * B(128 x 16, bf16, smem desc, K-major)^T.
+__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                    uint32_t a3, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Raw NVFP4 activations of one stage (token rows of 64 code bytes + 8 scale bytes) -> the permuted, swizzled BF16
+// tile (header: chunk 4j + i of a token = [P_i(word 4t + j) * s(block 2t + j/2), t = 0..3]). Task (token, j):
+// 4 code words, 4 block scales, 16 pairs, 4 x 16-byte stores; 512 tasks, 2 per thread.
+__device__ __forceinline__ void dequant_activations(const uint8_t* raw, uint8_t* tile) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int q = threadIdx.x + kThreads * r;
+        const int token = q >> 2, j = q & 3;
+        const uint8_t* codes = raw + token * 64 + 4 * j;
+        const uint2 sc8 = *reinterpret_cast<const uint2*>(raw + kRawCodes + token * 8);
+        uint32_t w[4], s[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[t] = *reinterpret_cast<const uint32_t*>(codes + 16 * t);
+            const int sb = 2 * t + (j >> 1);  // block scale byte of word 4t + j
+            s[t] = scale_bf16x2(((sb < 4 ? sc8.x : sc8.y) >> (8 * (sb & 3))) & 0xFF);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            uint4 o;
+            o.x = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[0], i), s[0]);
+            o.y = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[1], i), s[1]);
+            o.z = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[2], i), s[2]);
+            o.w = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[3], i), s[3]);
+            const int c = 4 * j + i;  // logical 16-byte chunk of the 128-K row
+            *reinterpret_cast<uint4*>(tile + (c >> 3) * kAtomBytes + sw128_offset(token, c & 7)) = o;
+        }
+    }
+}
+}  // namespace rs
+
+// grid = persistent, block = 256, dynamic smem = rs::kBytes + 1024. NVFP4 activations only (act_is_nvfp4 must be
+// 1: the launcher refuses BF16 A, which keeps the SS kernels), N % 256 == 0, K % 128 == 0, 1 <= experts <= 512.
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
+    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    extern __shared__ uint8_t rs_smem_raw[];
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[rs::kThreads / 32];
+    if (!act_is_nvfp4) return;  // refused by the launcher; nothing sensible to compute
+
+    uint8_t* smem = rs_smem_raw + ((1024u - (smem_u32(rs_smem_raw) & 1023u)) & 1023u);
+    uint8_t* act_tiles = smem;                 // 2 x rs::kActTile, 1024-aligned
+    uint8_t* raw_ring = smem + 2 * rs::kActTile;   // rs::kRing x rs::kRawStage
+    const uint32_t smem_base = smem_u32(smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;   // warp group, warp within it
+    const int g = lane >> 2, t = lane & 3;
+    const int E = experts;
+
+    auto expert_rows = [&](int e, int& start, int& count) {
+        const int lo = min(max(offsets[e], 0), rows_total);
+        const int hi = min(max(offsets[e + 1], lo), rows_total);
+        start = lo;
+        count = hi - lo;
+    };
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + rs::kTileT - 1) / rs::kTileT; }
+        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + rs::kTileT - 1) / rs::kTileT; }
+    }
+    expert_tile_prefix<rs::kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+
+    const int n_tiles = N / rs::kTileRows;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    const int stages = K / rs::kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+    const uint8_t* a_codes = reinterpret_cast<const uint8_t*>(act);
+
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int n_tile = (int)(item % n_tiles);
+        const int et = (int)(item / n_tiles);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        const int e = lo;
+        int start, count;
+        expert_rows(e, start, count);
+        const int row0 = start + (et - s_tile_prefix[e]) * rs::kTileT;
+        const int ntok = min(rs::kTileT, count - (et - s_tile_prefix[e]) * rs::kTileT);
+        // This thread's weight rows: n0 + 128 wg + 64 mb + 16 wq + g (+ 8), mb = 0, 1.
+        const int wrow0 = n_tile * rs::kTileRows + 128 * wg + 16 * wq + g;
+        const uint8_t* wc = w_codes + ((size_t)e * N + wrow0) * codes_row + 16 * t;
+        const uint8_t* ws = w_scales + ((size_t)e * N + wrow0) * scales_row + 2 * t;
+        auto load_w = [&](rs::WStage& w, int st) {
+#pragma unroll
+            for (int mb = 0; mb < 2; ++mb) {
+                const size_t r = (size_t)64 * mb;
+                w.lo[mb] = rs::ldg_nc16(wc + r * codes_row + st * 64);
+                w.hi[mb] = rs::ldg_nc16(wc + (r + 8) * codes_row + st * 64);
+                w.sc[mb] = rs::ldg_nc_u16(ws + r * scales_row + st * 8) |
+                           (rs::ldg_nc_u16(ws + (r + 8) * scales_row + st * 8) << 16);
+            }
+        };
+        // Raw activations of stage st -> ring slot st % rs::kRing (one commit group per call, possibly empty). Token
+        // rows >= ntok are zero-filled (src size 0), so their products are 0 (and they are never stored).
+        auto issue_act = [&](int st) {
+            if (st < stages) {
+                const uint32_t raw = smem_base + 2 * rs::kActTile + (st % rs::kRing) * rs::kRawStage;
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {  // 128 tokens x 4 chunks of 16 code bytes
+                    const int q = tid + rs::kThreads * i;
+                    const int r = q >> 2, c = q & 3;
+                    const bool ok = r < ntok;
+                    const size_t grow = (size_t)(row0 + (ok ? r : 0));
+                    cp_async16(raw + r * 64 + c * 16, a_codes + grow * codes_row + st * 64 + c * 16, ok ? 16 : 0);
+                }
+                if (tid < rs::kTileT) {  // 8 scale bytes per token
+                    const bool ok = tid < ntok;
+                    const size_t grow = (size_t)(row0 + (ok ? tid : 0));
+                    cp_async4(raw + rs::kRawCodes + tid * 8, act_scales + grow * scales_row + st * 8, ok ? 4 : 0);
+                    cp_async4(raw + rs::kRawCodes + tid * 8 + 4, act_scales + grow * scales_row + st * 8 + 4, ok ? 4 : 0);
+                }
+            }
+            cp_async_commit();
+        };
+
+        float d[2][64];
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) d[mb][i] = 0.f;
+
+        // Prologue: raw stages 0..rs::kRing-2 in flight, weights of stage 0 in registers, activations of stage 0
+        // dequantized into tile 0.
+        rs::WStage w_cur, w_next;
+        load_w(w_cur, 0);
+#pragma unroll
+        for (int st = 0; st < rs::kRing - 1; ++st) issue_act(st);
+        cp_async_wait<rs::kRing - 2>();
+        __syncthreads();  // raw stage 0 complete; the previous item's last readers of tile 0 / ring are done
+        rs::dequant_activations(raw_ring, act_tiles);
+        fence_proxy_async();
+        __syncthreads();
+
+        // One logical k16 slice S = 2j + h for both m64 blocks: fragments from word j of the current weights.
+        auto slice = [&](const rs::WStage& w, int S, uint64_t db) {
+            const int j = S >> 1, h = S & 1;
+            uint32_t a[2][4];
+#pragma unroll
+            for (int mb = 0; mb < 2; ++mb) {
+                const uint32_t sl = scale_bf16x2((w.sc[mb] >> (8 * (j >> 1))) & 0xFF);
+                const uint32_t sh = scale_bf16x2((w.sc[mb] >> (16 + 8 * (j >> 1))) & 0xFF);
+                const uint32_t wl = rs::word_of(w.lo[mb], j), wh = rs::word_of(w.hi[mb], j);
+                a[mb][0] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h), sl);
+                a[mb][1] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h), sh);
+                a[mb][2] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h + 1), sl);
+                a[mb][3] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h + 1), sh);
+            }
+            // Slice S sits in atom S / 4 at +32 bytes per slice (+2 in the descriptor's 16-byte units).
+            const uint64_t dbs = db + (uint64_t)((S >> 2) * (rs::kAtomBytes >> 4)) + 2 * (S & 3);
+            fence_acc(d[0]);
+            fence_acc(d[1]);
+            wgmma_fence();
+            rs::wgmma_rs_m64n128k16(d[0], a[0][0], a[0][1], a[0][2], a[0][3], dbs);
+            rs::wgmma_rs_m64n128k16(d[1], a[1][0], a[1][1], a[1][2], a[1][3], dbs);
+            wgmma_commit();
+            rs::wgmma_wait<1>();  // the previous slice's group is done: its fragment registers may be reused
+            fence_acc(d[0]);
+            fence_acc(d[1]);
+        };
+
+        for (int st = 0; st < stages; ++st) {
+            issue_act(st + rs::kRing - 1);
+            if (st + 1 < stages) load_w(w_next, st + 1);
+            const uint64_t db = sw128_desc(smem_base + (st & 1) * rs::kActTile);
+#pragma unroll
+            for (int S = 0; S < 4; ++S) slice(w_cur, S, db);
+            if (st + 1 < stages) {
+                cp_async_wait<rs::kRing - 2>();  // this thread's raw copies of stage st + 1 landed
+                __syncthreads();             // everyone's; and every stage st-1 wgmma (tile (st+1)&1) completed
+                rs::dequant_activations(raw_ring + ((st + 1) % rs::kRing) * rs::kRawStage, act_tiles + ((st + 1) & 1) * rs::kActTile);
+                fence_proxy_async();
+            }
+#pragma unroll
+            for (int S = 4; S < 8; ++S) slice(w_cur, S, db);
+            __syncthreads();  // activation tile st + 1 complete
+            w_cur = w_next;
+        }
+        rs::wgmma_wait<0>();
+        fence_acc(d[0]);
+        fence_acc(d[1]);
+
+        // Epilogue: accumulator (weight row 16 wq + g (+8), token 8 jj + 2t (+1)) * 2^18 -> partial[token][n].
+        const float restore = 0x1p18f;
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb) {
+            const int n = wrow0 + 64 * mb;
+#pragma unroll
+            for (int jj = 0; jj < 16; ++jj) {
+#pragma unroll
+                for (int b = 0; b < 2; ++b) {
+                    const int tok = 8 * jj + 2 * t + b;
+                    if (tok < ntok) {
+                        float* p = partial + (size_t)(row0 + tok) * N + n;
+                        p[0] = d[mb][4 * jj + b] * restore;
+                        p[8] = d[mb][4 * jj + 2 + b] * restore;
+                    }
+                }
+            }
+        }
+    }
+}

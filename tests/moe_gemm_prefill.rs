@@ -12,6 +12,7 @@
 use half::bf16;
 use megamoe::gpu::{gpu_for_test, Gpu};
 use megamoe::ops::moe_gemm::prefill;
+use megamoe::ops::moe_gemm::prefill::PrefillKernel;
 use megamoe::ops::moe_gemm::reference::{apply_global_scales, grouped_gemm_acc_f64, ExpertWeights};
 use megamoe::ops::moe_gemm::{
     self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, RoutedBatch, Workspace,
@@ -97,10 +98,12 @@ fn check_accumulator(
 enum Mode {
     /// `mg::launch_partial` with a config it must route to the prefill kernel (128 x 128 tile).
     Routed,
-    /// `prefill::launch_partial_prefill_tile` with the 128 x 128 tile.
+    /// `prefill::launch_partial_prefill_with` and `PrefillKernel::Ss128` (128 x 128 tile).
     Tile128,
-    /// ... with the 128 x 256 tile (m64n256k16).
+    /// ... with `PrefillKernel::Ss256` (128 x 256 tile, m64n256k16).
     Tile256,
+    /// ... with `PrefillKernel::Rs` (weights in registers as the wgmma A operand; NVFP4 A only).
+    Rs,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -130,6 +133,7 @@ fn check_prefill(
             Mode::Routed => "via launch_partial",
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
+            Mode::Rs => "forced, RS 256x128",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -146,12 +150,12 @@ fn check_prefill(
         );
         mg::launch_partial(gpu, dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
     } else {
-        let tile = if mode == Mode::Tile256 {
-            prefill::TILE_N_WIDE
-        } else {
-            prefill::TILE_N
+        let kernel = match mode {
+            Mode::Tile128 => PrefillKernel::Ss128,
+            Mode::Tile256 => PrefillKernel::Ss256,
+            _ => PrefillKernel::Rs,
         };
-        prefill::launch_partial_prefill_tile(gpu, dw, &da.view(), &dg, &mut ws, tile).unwrap();
+        prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
     }
     let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
     mg::launch_finish_bf16(gpu, &ws, &dg, dw, &da.view(), &mut out).unwrap();
@@ -192,8 +196,11 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    for mode in [Mode::Tile128, Mode::Tile256] {
+    for mode in [Mode::Tile128, Mode::Tile256, Mode::Rs] {
         for nvfp4 in [false, true] {
+            if mode == Mode::Rs && !nvfp4 {
+                continue; // RS takes NVFP4 A only (refusal checked in the rejects test)
+            }
             check_prefill(
                 &gpu,
                 &format!("counts {counts:?}"),
@@ -223,6 +230,19 @@ fn gpu_prefill_token_counts_both_a_formats() {
                 &mut rng,
             );
         }
+        // RS: N % 256, 4 stages of 128 K (one more than the 3 stages its prologue puts in flight).
+        let w = quantized_weights(&mut rng, 3, 256, k);
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+        check_prefill(
+            &gpu,
+            &format!("short K {k}"),
+            &w,
+            &dw,
+            &rb,
+            true,
+            Mode::Rs,
+            &mut rng,
+        );
     }
 }
 
@@ -249,9 +269,9 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         &mut rng,
     );
     // N % 256 == 0: launch_partial routes to the 128 x 256 tile (the default), N = 128 above to the 128 x 128.
-    assert_eq!(prefill::default_tile_n(256), prefill::TILE_N_WIDE);
-    assert_eq!(prefill::default_tile_n(128), prefill::TILE_N);
-    assert_eq!(prefill::default_tile_n(384), prefill::TILE_N);
+    assert_eq!(PrefillKernel::default_for(256), PrefillKernel::Ss256);
+    assert_eq!(PrefillKernel::default_for(128), PrefillKernel::Ss128);
+    assert_eq!(PrefillKernel::default_for(384), PrefillKernel::Ss128);
     let w = quantized_weights(&mut rng, 2, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&[200, 70]);
@@ -283,6 +303,19 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
             &mut rng,
         );
     }
+    // The same routing through the RS kernel (N = 256: one n tile per expert token tile).
+    let w = quantized_weights(&mut rng, 256, 256, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    check_prefill(
+        &gpu,
+        "4096 tokens, 6 of 256",
+        &w,
+        &dw,
+        &rb,
+        true,
+        Mode::Rs,
+        &mut rng,
+    );
 }
 
 #[test]
@@ -312,6 +345,8 @@ fn gpu_prefill_flash_and_pro_shapes() {
             Mode::Tile256,
         ),
         ("Pro L2", 7168, 3072, vec![130], true, Mode::Tile256),
+        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::Rs),
+        ("Pro L2", 7168, 3072, vec![1, 128], true, Mode::Rs),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -344,7 +379,24 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     assert!(prefill::check_shape(128, 96).is_err());
     // The 256-wide tile needs N % 256 == 0 (N = 128 here).
     let mut ws3 = Workspace::new(&gpu, 1, 3, 128).unwrap();
-    let err = prefill::launch_partial_prefill_tile(&gpu, &dw, &da.view(), &dg, &mut ws3, 256)
-        .unwrap_err();
-    assert!(err.to_string().contains("tile width"), "{err}");
+    for kernel in [PrefillKernel::Ss256, PrefillKernel::Rs] {
+        let err =
+            prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws3, kernel)
+                .unwrap_err();
+        assert!(err.to_string().contains("tile width"), "{kernel:?}: {err}");
+    }
+    // RS takes NVFP4 activations only (the BF16 A above is refused before any launch).
+    let w = quantized_weights(&mut rng, 2, 256, 512);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let mut ws4 = Workspace::new(&gpu, 1, 3, 256).unwrap();
+    let err = prefill::launch_partial_prefill_with(
+        &gpu,
+        &dw,
+        &da.view(),
+        &dg,
+        &mut ws4,
+        PrefillKernel::Rs,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("NVFP4 activations only"), "{err}");
 }

@@ -23,6 +23,8 @@
 //!   outputs. `moe_gemm_l1` skips them.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
+//! * `nvfp4_wgmma_rs` (contiguous points only, session-9 A/B): the RS prefill mainloop
+//!   (`PrefillKernel::Rs`: weights dequantized in registers as the wgmma A operand), same finish kernels.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -55,6 +57,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_l2cols2",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
+    "nvfp4_wgmma_rs",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -74,6 +77,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_l2cols2"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
+            | "nvfp4_wgmma_rs"
     )
 }
 
@@ -124,9 +128,14 @@ fn launch_variant(
     ws: &mut Workspace,
 ) -> Result<()> {
     match variant {
-        "nvfp4_wgmma" => prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N),
+        "nvfp4_wgmma" => {
+            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::Ss128)
+        }
         "nvfp4_wgmma256" => {
-            prefill::launch_partial_prefill_tile(gpu, w, a, dg, ws, prefill::TILE_N_WIDE)
+            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::Ss256)
+        }
+        "nvfp4_wgmma_rs" => {
+            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::Rs)
         }
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
         "nvfp4_tma_tiled" => {

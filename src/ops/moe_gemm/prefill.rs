@@ -4,18 +4,20 @@
 //! `partial[row, n] = sum_k A[row, k] * B[e(row), n, k]` (no global scales) into a [`Workspace`] with
 //! `splits == 1`, so the existing finish kernels ([`super::launch_finish_bf16`], [`super::launch_finish_l1`],
 //! [`super::launch_finish_l2`]) apply the epilogues unchanged. Contiguous grouping only (prefill: tokens sorted
-//! by expert, offsets). CTA tile 128 tokens x 128 or 256 weight rows, K stages of 64: `N % 128 == 0`,
-//! `K % 64 == 0`.
+//! by expert, offsets). Three mainloops ([`PrefillKernel`]): the SS kernels (CTA tile 128 tokens x 128 or 256
+//! weight rows, both wgmma operands from shared memory, K stages of 64: `N % 128 == 0`, `K % 64 == 0`) and the
+//! RS kernel (256 weight rows x 128 tokens, weights dequantized in registers as the wgmma A operand, K stages of
+//! 128, NVFP4 activations only).
 //!
 //! [`super::launch_partial`] routes here when [`routes_here`] holds (contiguous layout, mean rows per
 //! expert >= [`MIN_MEAN_ROWS_PER_EXPERT`], one K split); [`launch_partial_prefill`] forces this path with
-//! the 128 x 256 tile when `N % 256 == 0` ([`default_tile_n`]), [`launch_partial_prefill_tile`] with a
-//! chosen tile.
+//! the 128 x 256 tile when `N % 256 == 0` ([`PrefillKernel::default_for`]), [`launch_partial_prefill_with`]
+//! with a chosen mainloop.
 //!
 //! The CPU mirrors at the bottom ([`sw128_offset`], [`dequant8_like_kernel`], [`sw128_desc`]) restate the
 //! device address, dequant and descriptor logic so unit tests can check them without a GPU.
 
-use anyhow::{anyhow, bail, ensure, Result};
+use anyhow::{anyhow, ensure, Result};
 use half::bf16;
 
 use super::{
@@ -46,6 +48,14 @@ pub const SMEM_BYTES_N256: usize = RING * 16384 + 2 * 32768 + RING * (9216 + 460
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
 /// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
 /// mostly padding and the swap-AB mma.sync kernel wins.
+/// Weight rows per CTA tile of the RS kernel (`moe_gemm_prefill_partial_rs`: 2 warp groups x 2 m64 blocks).
+pub const TILE_N_RS: usize = 256;
+/// K per stage of the RS kernel (two NVFP4 blocks per lane of a quad).
+pub const STAGE_K_RS: usize = 128;
+/// Dynamic shared memory of the RS kernel: 2 BF16 activation tiles of 128 tokens x 128 K (32 KiB each), a
+/// 4-slot raw NVFP4 activation ring (128 x (64 + 8) B each), plus 1 KiB for the 1024-byte alignment.
+/// Must match `rs::kBytes + 1024` in the .cu (a static_assert there pins the number).
+pub const SMEM_BYTES_RS: usize = 2 * 32768 + 4 * 9216 + 1024;
 pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 64;
 
 /// `N % 128 == 0`, `K % 64 == 0` (all DSV4 expert shapes qualify).
@@ -70,6 +80,50 @@ pub fn routes_here(w: &DeviceExpertWeights, grp: &DeviceGrouping, cfg: &GemmConf
         && check_shape(w.n, w.k).is_ok()
 }
 
+/// Which prefill mainloop runs (kernels/moe_gemm_prefill.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// `moe_gemm_prefill_partial`: 128 tokens x 128 weight rows, both wgmma operands from shared memory (the
+    /// weights dequantized into a BF16 tile). `N % 128 == 0`, `K % 64 == 0`, either A format.
+    Ss128,
+    /// `moe_gemm_prefill_partial_n256`: the same with 128 x 256 (m64n256k16). `N % 256 == 0`.
+    Ss256,
+    /// `moe_gemm_prefill_partial_rs`: 256 weight rows x 128 tokens, the weights dequantized in registers as the
+    /// wgmma A operand (RS form), the tokens from shared memory. `N % 256 == 0`, `K % 128 == 0`, NVFP4 A only.
+    Rs,
+}
+
+impl PrefillKernel {
+    /// Entry point, dynamic shared memory, weight rows per CTA tile, K per stage.
+    fn entry(self) -> (&'static str, usize, usize, usize) {
+        match self {
+            PrefillKernel::Ss128 => ("moe_gemm_prefill_partial", SMEM_BYTES, TILE_N, STAGE_K),
+            PrefillKernel::Ss256 => (
+                "moe_gemm_prefill_partial_n256",
+                SMEM_BYTES_N256,
+                TILE_N_WIDE,
+                STAGE_K,
+            ),
+            PrefillKernel::Rs => (
+                "moe_gemm_prefill_partial_rs",
+                SMEM_BYTES_RS,
+                TILE_N_RS,
+                STAGE_K_RS,
+            ),
+        }
+    }
+
+    /// The SS kernel [`launch_partial_prefill`] uses for `N` weight rows: [`PrefillKernel::Ss256`] when 256
+    /// divides N, else [`PrefillKernel::Ss128`].
+    pub fn default_for(n: usize) -> PrefillKernel {
+        if n.is_multiple_of(TILE_N_WIDE) {
+            PrefillKernel::Ss256
+        } else {
+            PrefillKernel::Ss128
+        }
+    }
+}
+
 /// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
 /// CTA tile 128 x 256 when `N % 256 == 0` (the routed default: on the H200 it beat 128 x 128 at every prefill
 /// point of round 1, e.g. L1 4096 tokens 3724 vs 4822 us), else 128 x 128.
@@ -80,39 +134,33 @@ pub fn launch_partial_prefill(
     grp: &DeviceGrouping,
     ws: &mut Workspace,
 ) -> Result<()> {
-    launch_partial_prefill_tile(gpu, w, a, grp, ws, default_tile_n(w.n))
+    launch_partial_prefill_with(gpu, w, a, grp, ws, PrefillKernel::default_for(w.n))
 }
 
-/// Tile width [`launch_partial_prefill`] uses for `N` weight rows: [`TILE_N_WIDE`] when it divides N, else
-/// [`TILE_N`].
-pub fn default_tile_n(n: usize) -> usize {
-    if n.is_multiple_of(TILE_N_WIDE) {
-        TILE_N_WIDE
-    } else {
-        TILE_N
-    }
-}
-
-/// [`launch_partial_prefill`] with a chosen CTA tile width: [`TILE_N`] (128) or [`TILE_N_WIDE`] (256, needs
-/// `N % 256 == 0`).
-pub fn launch_partial_prefill_tile(
+/// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes and A formats the kernel does not take.
+pub fn launch_partial_prefill_with(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
     ws: &mut Workspace,
-    tile_n: usize,
+    kernel: PrefillKernel,
 ) -> Result<()> {
     check_shape(w.n, w.k)?;
-    let (name, smem) = match tile_n {
-        TILE_N => ("moe_gemm_prefill_partial", SMEM_BYTES),
-        TILE_N_WIDE => ("moe_gemm_prefill_partial_n256", SMEM_BYTES_N256),
-        other => bail!("moe_gemm prefill: tile width {other} (known: {TILE_N}, {TILE_N_WIDE})"),
-    };
+    let (name, smem, tile_n, stage_k) = kernel.entry();
     ensure!(
         w.n.is_multiple_of(tile_n),
-        "moe_gemm prefill: N = {} must be a multiple of the tile width {tile_n}",
+        "moe_gemm prefill ({name}): N = {} must be a multiple of the tile width {tile_n}",
         w.n
+    );
+    ensure!(
+        w.k.is_multiple_of(stage_k),
+        "moe_gemm prefill ({name}): K = {} must be a multiple of the stage depth {stage_k}",
+        w.k
+    );
+    ensure!(
+        kernel != PrefillKernel::Rs || matches!(a, DeviceActivations::Nvfp4 { .. }),
+        "moe_gemm prefill ({name}): takes NVFP4 activations only (BF16 A: use the SS kernels)"
     );
     a.check()?;
     let (a_rows, a_k) = a.rows_k();
@@ -167,8 +215,9 @@ pub fn launch_partial_prefill_tile(
         as_i32(grp.experts, "experts")?,
         as_i32(grp.rows_total, "rows")?,
     );
-    // Persistent grid: one CTA per SM (136 / 187 KB of shared memory each), never more than the most work items
-    // any grouping of these rows can produce (sum_e ceil(c_e / 128) <= rows / 128 + experts).
+    // Persistent grid: one CTA per SM (136 / 187 / 102 KB of shared memory, up to 255 registers per thread),
+    // never more than the most work items any grouping of these rows can produce (every kernel's token tile is
+    // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
     let mut b = gpu.stream.launch_builder(&f);
@@ -214,6 +263,24 @@ pub fn byte_perm(x: u32, y: u32, s: u32) -> u32 {
         let sel = (s >> (4 * i)) & 7;
         r | ((((v >> (8 * sel)) & 0xFF) as u32) << (8 * i))
     })
+}
+
+/// RS kernel, weight side: the physical K (0..128 inside a 128-K stage) that lane `t` of a quad feeds at
+/// logical k `2t + b` (`hi_k == false`, fragment registers a0 / a1) or `2t + 8 + b` (`hi_k == true`, a2 / a3) of
+/// k16 slice `s` (0..8): pair `P_i` of code word `4t + j` with `s = 2j + h`, `i = 2h + hi_k` (kernel header).
+pub fn rs_weight_physical_k(t: usize, s: usize, hi_k: bool, b: usize) -> usize {
+    let (j, h) = (s / 2, s % 2);
+    let i = 2 * h + hi_k as usize;
+    32 * t + 8 * j + i + 4 * b
+}
+
+/// RS kernel, activation side: the physical K stored at logical position `l` (0..128) of a token's BF16 row:
+/// logical 16-byte chunk `c = 4j + i` holds `P_i` of word `4t + j` at 32-bit word `t` (kernel header).
+pub fn rs_activation_physical_k(l: usize) -> usize {
+    let (c, e) = (l / 8, l % 8);
+    let (j, i) = (c / 4, c % 4);
+    let (t, b) = (e / 2, e % 2);
+    32 * t + 8 * j + i + 4 * b
 }
 
 /// Mirror of the kernel's `dequant8`: the 8 codes of `word` (nibble i = element i) times block scale
@@ -336,6 +403,45 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn rs_fragments_and_activation_tile_agree_on_a_permutation_of_k() {
+        // The activation row is a permutation of the 128 physical K of a stage ...
+        let mut seen = [false; 128];
+        for l in 0..128 {
+            let p = rs_activation_physical_k(l);
+            assert!(!seen[p], "physical K {p} stored twice");
+            seen[p] = true;
+        }
+        // ... and at every logical k of every slice the weight fragment and the activation tile hold the same one.
+        for t in 0..4 {
+            for s in 0..8 {
+                for hi_k in [false, true] {
+                    for b in 0..2 {
+                        let l = 16 * s + 2 * t + 8 * hi_k as usize + b;
+                        assert_eq!(
+                            rs_weight_physical_k(t, s, hi_k, b),
+                            rs_activation_physical_k(l),
+                            "lane {t} slice {s} hi_k {hi_k} b {b}"
+                        );
+                    }
+                }
+            }
+        }
+        // Each lane's fragments cover exactly its own 32 K (two NVFP4 blocks, one 16-byte load per row).
+        for t in 0..4 {
+            let mut ks: Vec<usize> = (0..8)
+                .flat_map(|s| {
+                    [false, true]
+                        .into_iter()
+                        .flat_map(move |h| (0..2).map(move |b| (s, h, b)))
+                })
+                .map(|(s, h, b)| rs_weight_physical_k(t, s, h, b))
+                .collect();
+            ks.sort_unstable();
+            assert_eq!(ks, (32 * t..32 * t + 32).collect::<Vec<_>>());
         }
     }
 }
