@@ -1549,6 +1549,160 @@ fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
     }
 }
 
+// ---- the coefficient task on a parallel branch (nq::mhc_pre_pdl_side) ---------------------------------------
+// The side path must give the PDL pair's bits in every output, with plain launches (the branch runs on a second
+// stream concurrently with the finish) and inside captured graphs (a parallel graph branch). Outputs and
+// partials are poisoned before each run: a coefficient kernel that read the partials before the mix had
+// written them would turn post / comb into NaN; one that was never joined before the host read would leave
+// them poisoned.
+
+/// Boundaries per graph in the multi-boundary capture below (each with its own outputs, as the bench does).
+const SIDE_GRAPH_BOUNDARIES: usize = 4;
+
+#[test]
+fn gpu_mhc_pre_side_branch_equals_pdl_pair_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_side_branch_equals_pdl_pair_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_side_branch_equals_pdl_pair_bitwise");
+    let side = megamoe::gpu::side::SideStream::new(&gpu).unwrap();
+    for &d in DS {
+        for &tokens in &[1usize, 2, 8, 9, 64] {
+            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 7919 + d as u64));
+            let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+            let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+            for format in FORMATS {
+                let label = format!(
+                    "side branch->{} T={tokens} D={d} seed {seed}",
+                    format.name()
+                );
+                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair)
+                    .unwrap();
+                let want = MhcSnapshot::take(&gpu, &out);
+
+                // Plain launches: mix + finish on the main stream, the coefficient kernel on the side stream.
+                out.poison(&gpu).unwrap();
+                out.poison_partials(&gpu).unwrap();
+                nq::mhc_pre_pdl_side(&gpu, &dx, &w, r::RMS_EPS, &mut out, &side).unwrap();
+                side.join(&gpu).unwrap();
+                let got = MhcSnapshot::take(&gpu, &out);
+                got.assert_same(&want, &format!("{label} plain launches"));
+                // And against the CPU reference (comb doubly stochastic, post / pre / u / RMSNorm(u)).
+                let dots = gpu_dots(&got.partials, tokens, d);
+                check_mhc(
+                    &label,
+                    &c,
+                    &got.pre,
+                    &got.post,
+                    &got.comb,
+                    &got.u,
+                    &got.normed,
+                    format,
+                    Some(&dots),
+                );
+
+                // One boundary in a graph (fork after the mix, join at the end), replayed.
+                let g = gpu
+                    .capture(|| {
+                        nq::mhc_pre_pdl_side(&gpu, &dx, &w, r::RMS_EPS, &mut out, &side)?;
+                        side.join(&gpu)
+                    })
+                    .unwrap();
+                for rep in 0..3 {
+                    out.poison(&gpu).unwrap();
+                    out.poison_partials(&gpu).unwrap();
+                    g.launch().unwrap();
+                    gpu.synchronize().unwrap();
+                    MhcSnapshot::take(&gpu, &out)
+                        .assert_same(&want, &format!("{label} one-boundary graph replay {rep}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_mhc_side_branch_graph_keeps_the_pdl_edges() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_side_branch_graph_keeps_the_pdl_edges") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_side_branch_graph_keeps_the_pdl_edges");
+    let side = megamoe::gpu::side::SideStream::new(&gpu).unwrap();
+    let n = SIDE_GRAPH_BOUNDARIES;
+    for &(tokens, d) in &[(1usize, 4096usize), (9, 7168), (64, 4096)] {
+        let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 31 + d as u64));
+        let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+        let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+        let format = OutFormat::Fp8;
+        let label = format!("side branch graph T={tokens} D={d} seed {seed}");
+        let mut outs: Vec<MhcPreOutputs> = (0..n)
+            .map(|_| MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap())
+            .collect();
+        nq::mhc_pre_with(
+            &gpu,
+            &dx,
+            &w,
+            r::RMS_EPS,
+            &mut outs[0],
+            nq::MhcPrePath::PdlPair,
+        )
+        .unwrap();
+        let want = MhcSnapshot::take(&gpu, &outs[0]);
+        // The PDL pair's graph of n boundaries on one output set (as graph16_fused_pdl_*).
+        let pdl = gpu
+            .capture(|| {
+                for _ in 0..n {
+                    nq::mhc_pre_with(
+                        &gpu,
+                        &dx,
+                        &w,
+                        r::RMS_EPS,
+                        &mut outs[0],
+                        nq::MhcPrePath::PdlPair,
+                    )?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        // The side path's graph of n boundaries, one output set each, joined once at the end (as
+        // graph16_fused_side_*).
+        let g = gpu
+            .capture(|| {
+                for o in outs.iter_mut() {
+                    nq::mhc_pre_pdl_side(&gpu, &dx, &w, r::RMS_EPS, o, &side)?;
+                }
+                side.join(&gpu)
+            })
+            .unwrap();
+        let (sp, ss) = (
+            megamoe::gpu::side::graph_shape(&pdl).unwrap(),
+            megamoe::gpu::side::graph_shape(&g).unwrap(),
+        );
+        eprintln!("{label}: PDL pair graph {sp:?}, side-branch graph {ss:?}");
+        // One coefficient kernel node per boundary, and the fork must not have turned any PDL edge (mix ->
+        // finish, finish -> next mix) into a full dependency: the same programmatic edges as the PDL pair's.
+        assert_eq!(ss.nodes, sp.nodes + n, "{label}: graph nodes");
+        assert_eq!(
+            ss.programmatic_edges, sp.programmatic_edges,
+            "{label}: programmatic (PDL) edges"
+        );
+        assert!(ss.edges >= sp.edges + n, "{label}: edges {ss:?} vs {sp:?}");
+        for rep in 0..3 {
+            for o in outs.iter_mut() {
+                o.poison(&gpu).unwrap();
+                o.poison_partials(&gpu).unwrap();
+            }
+            g.launch().unwrap();
+            gpu.synchronize().unwrap();
+            for (k, o) in outs.iter().enumerate() {
+                MhcSnapshot::take(&gpu, o)
+                    .assert_same(&want, &format!("{label} replay {rep} boundary {k}"));
+            }
+        }
+    }
+}
+
 #[test]
 fn bench_config_names_known_kernels_and_variants() {
     let path =
