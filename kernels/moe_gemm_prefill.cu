@@ -73,6 +73,7 @@
 #include "common/formats.cuh"
 #include "common/expert_tiles.cuh"
 #include "common/wgmma.cuh"
+#include "common/tma.cuh"
 
 namespace {
 
@@ -104,9 +105,6 @@ struct Layout {
 static_assert(Layout<128>::kBytes + 1024 == 136192, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES in sync");
 static_assert(Layout<256>::kBytes + 1024 == 187392, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_N256 in sync");
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // 16-byte cp.async with zero fill: src_bytes = 0 writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
