@@ -58,6 +58,10 @@
 //   odd N (host routing: FinishL2Kernel::for_tokens). Removed candidates: L1 _pad (pad1b without the one-barrier amax; between q4 and
 //   pad1b at every point) and L2 _cols_spec (row metadata in two dependent round trips, no barrier: Flash 1 token
 //   27.17 us vs rowwarps 25.31 and cols 29.60, a tie at 8-64 tokens). Comments at the definitions.
+//   Session 9: moe_gemm_finish_l1_swiglu_nvfp4_rows_kc* (FinishL1Kernel::Rows, bench `nvfp4_finishl1v2`, not routed
+//   yet), the prefill L1 finish: persistent CTAs over contiguous row ranges, a per-thread cp.async ring of the next
+//   rows' partials, h in registers, one barrier per row; bit-identical to pad1b (shared l1_swiglu_h /
+//   nvfp4_quant_chunk4; pad1b and q4 SASS unchanged by that refactor). Why pad1b is slow at prefill: the rows comment.
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
@@ -570,6 +574,18 @@ __device__ __forceinline__ float block_max_l1_one_barrier(float v, float* s_red)
     return fmaxf(0.f, fmaxf(ab, cd));
 }
 
+// h of one column pair (the L1 epilogue below): gate / up accumulators, the row's gsa, the column pair's gsb, the
+// row's routing weight. One source for every L1 finish (pass 1 and the rows kernel), so their h cannot drift apart.
+// (ptxas contracts the `1.f +` with the last multiply of expf into one FFMA; the same expression in every caller.)
+__device__ __forceinline__ float l1_swiglu_h(float accg, float accu, float sa, float scg, float scu, float rw) {
+    float gte = accg * (sa * scg);
+    float up = accu * (sa * scu);
+    gte = fminf(gte, 10.f);
+    up = fminf(fmaxf(up, -10.f), 10.f);
+    const float silu = __fdiv_rn(gte, 1.f + expf(-gte));
+    return __fmul_rn(__fmul_rn(silu, up), rw);
+}
+
 // L1 epilogue. The weight matrix is W13 = [w1; w3] stacked along N (N = 2I): gate = column n, up = column I + n.
 //   g = min(acc_g * (gsa*gsb_g), 10), u = clamp(acc_u * (gsa*gsb_u), -10, 10), h = silu(g) * u * routing[row]
 // then h is quantized to NVFP4 with a per-row global scale (rule of common/formats.cuh), which needs the row
@@ -603,14 +619,7 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
             const float accg[4] = {ag.x, ag.y, ag.z, ag.w}, accu[4] = {au.x, au.y, au.z, au.w};
             const float scg[4] = {sg.x, sg.y, sg.z, sg.w}, scu[4] = {su.x, su.y, su.z, su.w};
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float gte = accg[i] * (sa * scg[i]);
-                float up = accu[i] * (sa * scu[i]);
-                gte = fminf(gte, 10.f);
-                up = fminf(fmaxf(up, -10.f), 10.f);
-                const float silu = __fdiv_rn(gte, 1.f + expf(-gte));
-                h[i] = __fmul_rn(__fmul_rn(silu, up), rw);
-            }
+            for (int i = 0; i < 4; ++i) h[i] = l1_swiglu_h(accg[i], accu[i], sa, scg[i], scu[i], rw);
         }
         const float4 hv = make_float4(h[0], h[1], h[2], h[3]);
         *reinterpret_cast<float4*>(s_h + n) = hv;
@@ -627,6 +636,23 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
     return gs;
 }
 
+// NVFP4 quantization of chunk c = h elements 4c..4c+3 (x) of a row with global scale gs: the 4 lanes of the chunk's
+// 16-block (lanes 4*(lane/4) + 0..3, all named in `mask`) share the block amax by two xor-shuffles; the lane with
+// c % 4 == 0 stores the block scale byte, every lane its 2 code bytes (the rules are in the comment of
+// moe_gemm_finish_l1_swiglu_nvfp4_q4 below). One source for the q4 pass and the rows kernel.
+__device__ __forceinline__ void nvfp4_quant_chunk4(const float4 x, float gs, unsigned mask, int c,
+                                                   uint8_t* __restrict__ codes_row, uint8_t* __restrict__ scales_row) {
+    float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
+    bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 1));
+    bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 2));
+    const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+    const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+    if ((c & 3) == 0) scales_row[c >> 2] = sc;
+    const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
+                       (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
+    *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
+}
+
 // Pass 2 of the q4 finish (and of the candidates built on it): NVFP4 quantization of the h row in s_h with global
 // scale gs, 4 elements per thread (the rules are in the comment of moe_gemm_finish_l1_swiglu_nvfp4_q4 below).
 __device__ __forceinline__ void finish_l1_nvfp4_q4_pass(const float* s_h, int I, float gs, int row,
@@ -638,16 +664,7 @@ __device__ __forceinline__ void finish_l1_nvfp4_q4_pass(const float* s_h, int I,
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1 >= 1, a multiple of 4 (above)
         const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
-        const float4 x = *reinterpret_cast<const float4*>(s_h + 4 * c);
-        float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
-        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 1));
-        bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 2));
-        const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
-        const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
-        if ((c & 3) == 0) scales_row[c >> 2] = sc;
-        const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
-                           (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
-        *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
+        nvfp4_quant_chunk4(*reinterpret_cast<const float4*>(s_h + 4 * c), gs, mask, c, codes_row, scales_row);
     }
 }
 
@@ -763,6 +780,194 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
     finish_l1_pad_body(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
                              h_scales, h_gs, h_out, s_h, s_red);
 }
+
+// ---- The prefill L1 finish (FinishL1Kernel::Rows, bench `nvfp4_finishl1v2`, session 9) ---------------------------
+// Why (pad1b's SASS at Flash 4096 tokens, 24,576 rows, 0.40 ms = ~1.1 TB/s of partials): pad1b runs one CTA per
+// row; every CTA walks a chain of dependent memory steps before its math (the contiguous expert lookup, a binary
+// search of ~8 dependent loads; gsa / routing; the row's 16 KB of partials; then gsb, which ptxas loads after the
+// split loop's adds), then SwiGLU, a 512-thread barrier, the quantization, and exits. At 2 CTAs per SM only
+// 2 x 16 KB of partials per SM are ever requested, and only during one phase of each CTA's life.
+// Here:
+// * grid = ceil(rows_total / rows_per_cta) CTAs of 256 threads, CTA b owns the contiguous rows
+//   [b * rows_per_cta, ...) (rows_per_cta <= 256: the launcher picks one wave of resident CTAs). The expert, gsa and
+//   routing weight of the CTA's rows are looked up once, thread t for row t, into shared memory (one barrier).
+// * thread t owns the chunks c = t + 256 k (k < KC, c < I / 4) of every row: h columns 4c..4c+3, i.e. the float4 of
+//   gate columns [4c, 4c+4) and of up columns [I+4c, I+4c+4). Split 0 of those 2 x KC float4 is copied by cp.async
+//   into a per-thread slot of a shared ring of kStages rows, kStages - 1 rows ahead of the row being computed; a
+//   thread reads back only the 16-byte units it copied itself, so cp.async.wait_group alone orders the ring (no
+//   barrier). Splits 1.. (decode) are loaded directly when the row is computed (correct, not prefetched).
+// * gsb of the current expert stays in registers (reloaded when the CTA-uniform expert changes: rows of one expert
+//   are contiguous in the prefill layout).
+// * h stays in registers (no shared h row); the row amax takes one barrier per row: row i's per-warp slots are
+//   s_red[i & 1]. A thread writes the same parity again for row i + 2 only after passing row i + 1's barrier, which
+//   every thread reaches only after it has read row i's slots, so no second barrier is needed.
+// Bit-identical to pad1b / q4 (the same fp32 operations on the same values):
+// * split sums: acc = +0 + p_0 + p_1 + ... in split order, component-wise (reduce_splits4_gate_up's order).
+// * h: l1_swiglu_h, the function of pass 1, with the same sa (gsa[row], 1 without gsa), gsb and routing weight.
+//   A row owned by no expert gets h = +0 (pass 1: h[i] = 0.f); its quantization then yields q4's bytes for an
+//   all-zero row (codes 0, block scales 0, gs 1.0: the derivation at finish_l1_write_padding_row).
+// * row amax: each thread folds fmaxf(amax, max4 |h|) from amax = 0 as pass 1 does; the block maximum of non-NaN
+//   values >= +0 is one well-defined float whatever the grouping (block_max_l1_one_barrier's comment), so gs =
+//   mm::nvfp4_global_scale(amax) has the same bits.
+// * quantization: nvfp4_quant_chunk4, the function of the q4 pass, on the same chunk <-> lane mapping
+//   (blockDim % 32 == 0, so c % 32 == lane and a 16-block's 4 chunks sit on 4 consecutive lanes; the shuffle mask
+//   is the same prefix argument with 256 for 512 threads: the lanes of a warp with c < I / 4 are a prefix whose
+//   length is a multiple of 4).
+// Requirements (launcher): I % 16 == 0, I / 4 <= KC * 256, dynamic smem = kStages * KC * 2 * 256 * 16 bytes,
+// 1 <= rows_per_cta <= 256 and every CTA owns >= 1 row.
+constexpr int kFinishL1RowsThreads = 256;
+constexpr int kFinishL1RowsMaxRowsPerCta = kFinishL1RowsThreads;  // one metadata row per thread
+
+// Wait until at most kPending of this thread's cp.async groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+template <int KC, int kStages>
+__device__ __forceinline__ void finish_l1_rows_body(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out,
+    int rows_per_cta) {
+    extern __shared__ uint4 s_ring[];  // [kStages][KC][2 (gate, up)][256] 16-byte units
+    __shared__ int s_exp[kFinishL1RowsMaxRowsPerCta];
+    __shared__ float s_sa[kFinishL1RowsMaxRowsPerCta];
+    __shared__ float s_rw[kFinishL1RowsMaxRowsPerCta];
+    __shared__ __align__(16) float s_red[2][kFinishL1RowsThreads / 32];  // per-warp amax, by row parity
+    constexpr int kWarps = kFinishL1RowsThreads / 32;
+    static_assert(kWarps == 8, "2 float4 slots per parity");
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int N = 2 * I, chunks = I / 4;
+    const int first = blockIdx.x * rows_per_cta;
+    const int nrows = min(rows_per_cta, rows_total - first);  // >= 1 (launcher grid)
+    const Grouping grp{group, capacity, experts, rows_total};
+    if (tid < nrows) {
+        const int row = first + tid;
+        const int e = grp.expert_of_row(row);
+        s_exp[tid] = e;
+        s_sa[tid] = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
+        s_rw[tid] = e >= 0 ? routing[row] : 0.f;
+    }
+    // Ring: slot of local row i = i % kStages; thread tid's unit (k, g) of a slot at [((slot*KC + k)*2 + g)*256 + tid]
+    // (consecutive threads, consecutive 16 bytes: conflict-free).
+    // Copies split 0 of local row i (if i < nrows and `take`) and commits one group per call, empty or not, so the
+    // wait counts stay uniform.
+    auto issue_row = [&](int i, bool take) {
+        if (i < nrows && take) {
+            const float* src = partial + (size_t)(first + i) * N;  // split 0
+            uint4* dst = s_ring + (size_t)(i % kStages) * KC * 2 * kFinishL1RowsThreads + tid;
+#pragma unroll
+            for (int k = 0; k < KC; ++k) {
+                const int c = tid + k * kFinishL1RowsThreads;
+                if (c < chunks) {
+                    cp_async_16(dst + (2 * k) * kFinishL1RowsThreads, src + 4 * c);
+                    cp_async_16(dst + (2 * k + 1) * kFinishL1RowsThreads, src + I + 4 * c);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    // The first kStages - 1 rows are copied before their experts are known (overlapping the lookups above); later
+    // rows only when an expert owns them (a padding row's partials are never read: in the masked decode layout
+    // most rows are padding).
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) issue_row(i, true);
+    __syncthreads();  // s_exp / s_sa / s_rw
+    int e_cur = -1;
+    float4 sg[KC], su[KC];  // gsb of expert e_cur at the thread's chunks (gate, up)
+#pragma unroll
+    for (int k = 0; k < KC; ++k) sg[k] = su[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const size_t split_stride = (size_t)rows_total * N;
+    for (int i = 0; i < nrows; ++i) {
+        issue_row(i + kStages - 1, i + kStages - 1 < nrows && s_exp[min(i + kStages - 1, nrows - 1)] >= 0);
+        cp_async_wait_group<kStages - 1>();  // this thread's copies of row i have landed
+        const int row = first + i;
+        const int e = s_exp[i];
+        if (e >= 0 && e != e_cur) {  // CTA-uniform
+            e_cur = e;
+#pragma unroll
+            for (int k = 0; k < KC; ++k) {
+                const int c = tid + k * kFinishL1RowsThreads;
+                if (c < chunks) {
+                    sg[k] = *reinterpret_cast<const float4*>(gsb + (size_t)e * N + 4 * c);
+                    su[k] = *reinterpret_cast<const float4*>(gsb + (size_t)e * N + I + 4 * c);
+                }
+            }
+        }
+        const float sa = s_sa[i], rw = s_rw[i];
+        const uint4* slot = s_ring + (size_t)(i % kStages) * KC * 2 * kFinishL1RowsThreads + tid;
+        float4 h[KC];
+        float amax = 0.f;
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+            const int c = tid + k * kFinishL1RowsThreads;
+            h[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (c < chunks) {
+                if (e >= 0) {
+                    const uint4 pg0 = slot[(2 * k) * kFinishL1RowsThreads];
+                    const uint4 pu0 = slot[(2 * k + 1) * kFinishL1RowsThreads];
+                    float4 ag = make_float4(0.f, 0.f, 0.f, 0.f), au = ag;
+                    ag.x += __uint_as_float(pg0.x); ag.y += __uint_as_float(pg0.y);
+                    ag.z += __uint_as_float(pg0.z); ag.w += __uint_as_float(pg0.w);
+                    au.x += __uint_as_float(pu0.x); au.y += __uint_as_float(pu0.y);
+                    au.z += __uint_as_float(pu0.z); au.w += __uint_as_float(pu0.w);
+                    for (int s = 1; s < splits; ++s) {
+                        const float* src = partial + s * split_stride + (size_t)row * N + 4 * c;
+                        const float4 pg = *reinterpret_cast<const float4*>(src);
+                        const float4 pu = *reinterpret_cast<const float4*>(src + I);
+                        ag.x += pg.x; ag.y += pg.y; ag.z += pg.z; ag.w += pg.w;
+                        au.x += pu.x; au.y += pu.y; au.z += pu.z; au.w += pu.w;
+                    }
+                    h[k].x = l1_swiglu_h(ag.x, au.x, sa, sg[k].x, su[k].x, rw);
+                    h[k].y = l1_swiglu_h(ag.y, au.y, sa, sg[k].y, su[k].y, rw);
+                    h[k].z = l1_swiglu_h(ag.z, au.z, sa, sg[k].z, su[k].z, rw);
+                    h[k].w = l1_swiglu_h(ag.w, au.w, sa, sg[k].w, su[k].w, rw);
+                }
+                if (h_out != nullptr) *reinterpret_cast<float4*>(h_out + (size_t)row * I + 4 * c) = h[k];
+                amax = fmaxf(amax, fmaxf(fmaxf(fabsf(h[k].x), fabsf(h[k].y)), fmaxf(fabsf(h[k].z), fabsf(h[k].w))));
+            }
+        }
+        // Row amax: warp tree, then the 8 warp slots of this row's parity (one barrier; see the header).
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float* red = s_red[i & 1];
+        if (lane == 0) red[tid >> 5] = amax;
+        __syncthreads();
+        const float4 ra = reinterpret_cast<const float4*>(red)[0], rb = reinterpret_cast<const float4*>(red)[1];
+        amax = fmaxf(0.f, fmaxf(fmaxf(fmaxf(ra.x, ra.y), fmaxf(ra.z, ra.w)), fmaxf(fmaxf(rb.x, rb.y), fmaxf(rb.z, rb.w))));
+        const float gs = mm::nvfp4_global_scale(amax);
+        if (tid == 0) h_gs[row] = gs;
+        uint8_t* codes_row = h_codes + (size_t)row * (I / 2);
+        uint8_t* scales_row = h_scales + (size_t)row * (I / 16);
+#pragma unroll
+        for (int k = 0; k < KC; ++k) {
+            const int c = tid + k * kFinishL1RowsThreads;
+            if (c < chunks) {
+                const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1, a multiple of 4 (q4's comment)
+                const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
+                nvfp4_quant_chunk4(h[k], gs, mask, c, codes_row, scales_row);
+            }
+        }
+    }
+}
+
+#define MOE_FINISH_L1_ROWS(KC, STAGES, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(kFinishL1RowsThreads, MINB) moe_gemm_finish_l1_swiglu_nvfp4_rows_kc##KC( \
+        const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total,   \
+        int I, const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,       \
+        uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs,                      \
+        float* __restrict__ h_out, int rows_per_cta) {                                                                \
+        finish_l1_rows_body<KC, STAGES>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, \
+                                        h_codes, h_scales, h_gs, h_out, rows_per_cta);                                 \
+    }
+// (KC, ring stages, CTAs per SM): the launcher's table FINISH_L1_ROWS_KINDS in src/ops/moe_gemm/mod.rs must match.
+// Ring bytes = stages * KC * 8 KB: kc1 64 KB, kc2 64 KB (Flash I = 2048: 3 CTAs x 3 rows x 16 KB ahead per SM),
+// kc3 48 KB (Pro I = 3072), kc4 64 KB.
+MOE_FINISH_L1_ROWS(1, 8, 3)
+MOE_FINISH_L1_ROWS(2, 4, 3)
+MOE_FINISH_L1_ROWS(3, 2, 3)
+MOE_FINISH_L1_ROWS(4, 2, 2)
 
 // L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
 // fp32 sum taken in routing order j = 0, 1, ... (deterministic). The routing weight was applied in L1 (DSV4 applies

@@ -1948,6 +1948,124 @@ fn finish_inputs(
     }
 }
 
+/// The device side of [`FinishInputs`]: everything an L1 finish launch reads (the finish reads only the global
+/// scales of W13: its codes and block scales are placeholders of the right size).
+struct FinishDevice {
+    rows: usize,
+    inter: usize,
+    dg: DeviceGrouping,
+    d13: DeviceExpertWeights,
+    ws: Workspace,
+    a_codes: cudarc::driver::CudaSlice<u8>,
+    a_scales: cudarc::driver::CudaSlice<u8>,
+    a_bf16: cudarc::driver::CudaSlice<bf16>,
+    a_global: cudarc::driver::CudaSlice<f32>,
+    nvfp4_a: bool,
+    droute: cudarc::driver::CudaSlice<f32>,
+}
+
+impl FinishDevice {
+    fn upload(gpu: &Gpu, inp: &FinishInputs) -> FinishDevice {
+        let (inter, splits) = (inp.inter, inp.splits);
+        let (n, rows) = (2 * inter, inp.rb.grouping.rows_total());
+        let k = mg::STAGE_K;
+        // Device buffers hold at least one element (a zero-byte allocation is an error), as Workspace::new does.
+        let at_least_one = |v: &[f32]| -> Vec<f32> {
+            if v.is_empty() {
+                vec![0.0]
+            } else {
+                v.to_vec()
+            }
+        };
+        FinishDevice {
+            rows,
+            inter,
+            dg: DeviceGrouping::upload(gpu, &inp.rb.grouping).unwrap(),
+            d13: DeviceExpertWeights {
+                experts: inp.experts,
+                n,
+                k,
+                codes: gpu.zeros::<u8>(inp.experts * n * k / 2).unwrap(),
+                scales: gpu.zeros::<u8>(inp.experts * n * k / 16).unwrap(),
+                global: gpu.upload(&inp.gsb).unwrap(),
+            },
+            ws: Workspace {
+                splits,
+                rows_total: rows,
+                n,
+                partial: gpu.upload(&at_least_one(&inp.partial)).unwrap(),
+            },
+            a_codes: gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap(),
+            a_scales: gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap(),
+            a_bf16: gpu.zeros::<bf16>((rows * k).max(1)).unwrap(),
+            a_global: gpu
+                .upload(&at_least_one(
+                    inp.gsa.as_deref().unwrap_or(&vec![1.0; rows]),
+                ))
+                .unwrap(),
+            nvfp4_a: inp.gsa.is_some(),
+            droute: gpu.upload(&at_least_one(&inp.routing)).unwrap(),
+        }
+    }
+
+    fn activations(&self) -> mg::DeviceActivations<'_> {
+        let k = mg::STAGE_K;
+        if self.nvfp4_a {
+            mg::DeviceActivations::Nvfp4 {
+                rows: self.rows,
+                k,
+                codes: &self.a_codes,
+                scales: &self.a_scales,
+                global: &self.a_global,
+            }
+        } else {
+            mg::DeviceActivations::Bf16 {
+                rows: self.rows,
+                k,
+                data: &self.a_bf16,
+            }
+        }
+    }
+
+    /// `kernel` into fresh 0xFF-poisoned outputs (with the fp32 h when `keep_h`).
+    fn run(&self, gpu: &Gpu, kernel: mg::FinishL1Kernel, keep_h: bool) -> L1Output {
+        let mut out = L1Output::new(gpu, self.rows, self.inter, keep_h).unwrap();
+        let a = self.activations();
+        mg::launch_finish_l1_with(
+            gpu,
+            &self.ws,
+            &self.dg,
+            &self.d13,
+            &a,
+            &self.droute,
+            &mut out,
+            kernel,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        out
+    }
+
+    /// The rows kernel with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned outputs.
+    fn run_rows(&self, gpu: &Gpu, rows_per_cta: usize, keep_h: bool) -> L1Output {
+        let mut out = L1Output::new(gpu, self.rows, self.inter, keep_h).unwrap();
+        let a = self.activations();
+        mg::launch_finish_l1_rows(
+            gpu,
+            &self.ws,
+            &self.dg,
+            &self.d13,
+            &a,
+            &self.droute,
+            &mut out,
+            rows_per_cta,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        out
+    }
+}
+
 /// Every L1 finish kernel on the same synthetic partials into 0xFF-poisoned outputs, with and without the fp32 h
 /// output, against the default q4 with h bit for bit (codes, block scales, global scales, h); and q4 against the
 /// CPU reference (h against the f64 SwiGLU of the
@@ -1955,66 +2073,14 @@ fn finish_inputs(
 /// the GPU's h, as `check_l1_l2` does).
 fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     let (inter, splits) = (inp.inter, inp.splits);
-    let (n, rows) = (2 * inter, inp.rb.grouping.rows_total());
+    let rows = inp.rb.grouping.rows_total();
     let label = format!(
         "{label} [I {inter}, {} tokens, rows {rows}, splits {splits}, {} A]",
         inp.rb.tokens,
         if inp.gsa.is_some() { "NVFP4" } else { "BF16" }
     );
-    let dg = DeviceGrouping::upload(gpu, &inp.rb.grouping).unwrap();
-    // The finish reads only the global scales of W13; codes and block scales are placeholders of the right size.
-    let k = mg::STAGE_K;
-    let d13 = DeviceExpertWeights {
-        experts: inp.experts,
-        n,
-        k,
-        codes: gpu.zeros::<u8>(inp.experts * n * k / 2).unwrap(),
-        scales: gpu.zeros::<u8>(inp.experts * n * k / 16).unwrap(),
-        global: gpu.upload(&inp.gsb).unwrap(),
-    };
-    // Device buffers hold at least one element (a zero-byte allocation is an error), as Workspace::new does.
-    let at_least_one = |v: &[f32]| -> Vec<f32> {
-        if v.is_empty() {
-            vec![0.0]
-        } else {
-            v.to_vec()
-        }
-    };
-    let ws = Workspace {
-        splits,
-        rows_total: rows,
-        n,
-        partial: gpu.upload(&at_least_one(&inp.partial)).unwrap(),
-    };
-    let a_codes = gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap();
-    let a_scales = gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap();
-    let a_bf16 = gpu.zeros::<bf16>((rows * k).max(1)).unwrap();
-    let a_global = gpu
-        .upload(&at_least_one(
-            inp.gsa.as_deref().unwrap_or(&vec![1.0; rows]),
-        ))
-        .unwrap();
-    let a = match inp.gsa {
-        Some(_) => mg::DeviceActivations::Nvfp4 {
-            rows,
-            k,
-            codes: &a_codes,
-            scales: &a_scales,
-            global: &a_global,
-        },
-        None => mg::DeviceActivations::Bf16 {
-            rows,
-            k,
-            data: &a_bf16,
-        },
-    };
-    let droute = gpu.upload(&at_least_one(&inp.routing)).unwrap();
-    let run = |kernel: mg::FinishL1Kernel, keep_h: bool| -> L1Output {
-        let mut out = L1Output::new(gpu, rows, inter, keep_h).unwrap();
-        mg::launch_finish_l1_with(gpu, &ws, &dg, &d13, &a, &droute, &mut out, kernel).unwrap();
-        gpu.synchronize().unwrap();
-        out
-    };
+    let dev = FinishDevice::upload(gpu, inp);
+    let run = |kernel: mg::FinishL1Kernel, keep_h: bool| dev.run(gpu, kernel, keep_h);
     let q4_h = run(mg::FinishL1Kernel::Q4, true);
     let q4 = run(mg::FinishL1Kernel::Q4, false);
     assert_l1_outputs_bit_equal(gpu, &format!("{label} Q4 (no h output)"), &q4, &q4_h);
@@ -2190,6 +2256,187 @@ fn gpu_l1_finish_kernels_bit_identical_partial_warps() {
         let inp = finish_inputs(&mut rng, inter, 8, tokens, splits, Some(1), true);
         check_finish_l1_kernels(&gpu, name, &inp);
     }
+}
+
+// ------------------------------------ The rows L1 finish (FinishL1Kernel::Rows): prefill-sized, forced rows per CTA
+
+/// Overwrites about one in `one_in` partials of owned rows with -0.0, +0.0, subnormals, +-inf, NaN or +-3e38 (inf
+/// once scaled): h then holds NaN (silu of -inf), +-inf and signed zeros, which the row amax, the block maxima and
+/// the quantizer must treat exactly as pad1b does.
+fn sprinkle_special_partials(rng: &mut impl Rng, inp: &mut FinishInputs, one_in: u32) {
+    let specials = [
+        -0.0f32,
+        0.0,
+        1e-40,
+        -1e-40,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        3e38,
+        -3e38,
+    ];
+    let (n, rows) = (2 * inp.inter, inp.rb.grouping.rows_total());
+    for r in 0..rows {
+        if inp.rb.grouping.expert_of_row(r).is_none() {
+            continue;
+        }
+        for s in 0..inp.splits {
+            for c in 0..n {
+                if rng.random_range(0..one_in) == 0 {
+                    inp.partial[(s * rows + r) * n + c] =
+                        specials[rng.random_range(0..specials.len())];
+                }
+            }
+        }
+    }
+}
+
+/// The rows L1 finish against pad1b (the default) bit for bit (codes, block scales, global scales, h) into
+/// 0xFF-poisoned outputs: through [`mg::launch_finish_l1_with`] (the launcher's rows per CTA: one wave) and with
+/// each forced `rows_per_cta` (the ring wraps, the expert changes inside a CTA, the last CTA owns fewer rows),
+/// with and without the fp32 h output.
+fn check_rows_finish_against_pad1b(
+    gpu: &Gpu,
+    label: &str,
+    inp: &FinishInputs,
+    rows_per_cta: &[usize],
+) {
+    let rows = inp.rb.grouping.rows_total();
+    let label = format!(
+        "{label} [I {}, {} tokens, rows {rows}, splits {}, {} A]",
+        inp.inter,
+        inp.rb.tokens,
+        inp.splits,
+        if inp.gsa.is_some() { "NVFP4" } else { "BF16" }
+    );
+    let dev = FinishDevice::upload(gpu, inp);
+    let want = dev.run(gpu, mg::FinishL1Kernel::PadOneBarrier, true);
+    for keep_h in [true, false] {
+        let got = dev.run(gpu, mg::FinishL1Kernel::Rows, keep_h);
+        assert_l1_outputs_bit_equal(
+            gpu,
+            &format!("{label} Rows, launcher's rows per CTA (h kept: {keep_h})"),
+            &got,
+            &want,
+        );
+        for &rpc in rows_per_cta {
+            let got = dev.run_rows(gpu, rpc, keep_h);
+            assert_l1_outputs_bit_equal(
+                gpu,
+                &format!("{label} Rows, {rpc} rows per CTA (h kept: {keep_h})"),
+                &got,
+                &want,
+            );
+        }
+    }
+    let h = gpu.download(want.h_f32.as_ref().unwrap()).unwrap();
+    let (nan, inf, neg_zero) = (
+        h.iter().filter(|v| v.is_nan()).count(),
+        h.iter().filter(|v| v.is_infinite()).count(),
+        h.iter().filter(|v| v.to_bits() == 0x8000_0000).count(),
+    );
+    eprintln!(
+        "{label}: Rows == pad1b bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has {nan} NaN, \
+         {inf} inf, {neg_zero} -0.0"
+    );
+}
+
+/// Prefill-sized contiguous batches with one K split (the wgmma mainloop's workspace) and special values in the
+/// partials: Flash I = 2048 (kc2) at 4,200 rows (the launcher's one wave is ~11 rows per CTA on 132 SMs), Pro I =
+/// 3072 (kc3, BF16 A), I = 4096 (kc4); split-K batches with many rows per CTA, contiguous and masked (padding rows
+/// inside a CTA's range); I off the DSV4 shapes (partial warps: I / 4 not a multiple of 32, kc1 and kc3).
+#[test]
+fn gpu_l1_finish_rows_bit_identical_prefill_sized() {
+    let name = "gpu_l1_finish_rows_bit_identical_prefill_sized";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    let forced = [1usize, 3, 7, 64, 256];
+    let mut inp = finish_inputs(&mut rng, 2048, 40, 700, 1, None, true);
+    sprinkle_special_partials(&mut rng, &mut inp, 64);
+    check_rows_finish_against_pad1b(&gpu, name, &inp, &forced);
+    let mut inp = finish_inputs(&mut rng, 3072, 24, 300, 1, None, false);
+    sprinkle_special_partials(&mut rng, &mut inp, 64);
+    check_rows_finish_against_pad1b(&gpu, name, &inp, &[5, 256]);
+    let inp = finish_inputs(&mut rng, 4096, 12, 100, 1, None, true);
+    check_rows_finish_against_pad1b(&gpu, name, &inp, &[2, 9]);
+    for (splits, padding) in [(3usize, None), (2, Some(3)), (5, Some(1))] {
+        let mut inp = finish_inputs(&mut rng, 2048, 16, 150, splits, padding, true);
+        sprinkle_special_partials(&mut rng, &mut inp, 128);
+        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 6, 31]);
+    }
+    for (inter, splits) in [(16usize, 1usize), (48, 2), (1136, 1), (2064, 3)] {
+        let mut inp = finish_inputs(&mut rng, inter, 10, 90, splits, Some(2), true);
+        sprinkle_special_partials(&mut rng, &mut inp, 32);
+        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 5, 13]);
+    }
+}
+
+/// The rows L1 finish after the real prefill mainloop (wgmma, one K split) on a Flash L1 shape (N = 2 * 2048, short
+/// K), contiguous rows crossing tile edges with an empty expert: bit-identical to pad1b, and pad1b's h against
+/// the f64 reference of the same path is what check_l1_l2 establishes for the default.
+#[test]
+fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
+    let name = "gpu_l1_finish_rows_after_the_prefill_mainloop";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    let (inter, k) = (2048usize, 512usize);
+    let counts = [700usize, 129, 0, 301, 64, 3];
+    let experts = counts.len();
+    let choices = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(e, &c)| std::iter::repeat_n(e, c))
+        .collect();
+    let tokens: usize = counts.iter().sum();
+    let rb = RoutedBatch::from_choices(tokens, experts, 1, choices, None).unwrap();
+    let rows = rb.grouping.rows_total();
+    let w13 = quantized_weights(&mut rng, experts, 2 * inter, k);
+    let d13 = DeviceExpertWeights::upload(&gpu, &w13).unwrap();
+    let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+    let a = gathered_activations(&mut rng, &rb, k, true);
+    let da = DevA::upload(&gpu, &a);
+    let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
+    let droute = gpu.upload(&routing).unwrap();
+    let mut ws = Workspace::new(&gpu, 1, rows, 2 * inter).unwrap();
+    mg::prefill::launch_partial_prefill(&gpu, &d13, &da.view(), &dg, &mut ws).unwrap();
+    let run = |kernel: Option<mg::FinishL1Kernel>, rows_per_cta: usize| -> L1Output {
+        let mut out = L1Output::new(&gpu, rows, inter, true).unwrap();
+        match kernel {
+            Some(kn) => {
+                mg::launch_finish_l1_with(&gpu, &ws, &dg, &d13, &da.view(), &droute, &mut out, kn)
+            }
+            None => mg::launch_finish_l1_rows(
+                &gpu,
+                &ws,
+                &dg,
+                &d13,
+                &da.view(),
+                &droute,
+                &mut out,
+                rows_per_cta,
+            ),
+        }
+        .unwrap();
+        gpu.synchronize().unwrap();
+        out
+    };
+    let want = run(Some(mg::FinishL1Kernel::PadOneBarrier), 0);
+    let got = run(Some(mg::FinishL1Kernel::Rows), 0);
+    assert_l1_outputs_bit_equal(&gpu, &format!("{name}: Rows (launcher)"), &got, &want);
+    for rpc in [1usize, 7, 100, 256] {
+        let got = run(None, rpc);
+        assert_l1_outputs_bit_equal(
+            &gpu,
+            &format!("{name}: Rows, {rpc} rows per CTA"),
+            &got,
+            &want,
+        );
+    }
+    eprintln!("{name}: {rows} rows, Rows == pad1b bit for bit after the prefill mainloop");
 }
 
 // ------------------------------------ L2 combine kernels: each against the default bit for bit, and the CPU reference

@@ -17,6 +17,9 @@
 //! * `nvfp4_finishq4` (`moe_gemm_l1` masked / decode points only): `nvfp4` (same mainloop and config) with the
 //!   previous L1 finish `FinishL1Kernel::Q4` instead of the default pad1b (bit-identical outputs; the session-8 A/B
 //!   made pad1b the default), kept measurable for one run. `moe_gemm_l2` skips it.
+//! * `nvfp4_finishl1v2` (`moe_gemm_l1` only, masked and contiguous points): `nvfp4` (same mainloop and config) with
+//!   the L1 finish forced to `FinishL1Kernel::Rows` (session 9: persistent CTAs over row ranges, cp.async ring of
+//!   the next rows' partials; bit-identical outputs), the prefill candidate. `moe_gemm_l2` skips it.
 //! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` (`moe_gemm_l2` only): `nvfp4` with the L2 combine
 //!   forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) / `RowWarps` / `Cols2`,
 //!   where `nvfp4` takes `FinishL2Kernel::for_tokens` (RowWarps up to 8 tokens, Cols2 above). Bit-identical
@@ -52,6 +55,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_tma",
     "nvfp4_tma_tiled",
     "nvfp4_finishq4",
+    "nvfp4_finishl1v2",
     "nvfp4_l2cols",
     "nvfp4_l2rowwarps",
     "nvfp4_l2cols2",
@@ -72,6 +76,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_tma"
             | "nvfp4_tma_tiled"
             | "nvfp4_finishq4"
+            | "nvfp4_finishl1v2"
             | "nvfp4_l2cols"
             | "nvfp4_l2rowwarps"
             | "nvfp4_l2cols2"
@@ -89,10 +94,12 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
         || ((variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishq4") && dg.capacity == 0)
 }
 
-/// The L1 finish kernel of a variant: `nvfp4_finishq4` runs q4, every other variant the default.
+/// The L1 finish kernel of a variant: `nvfp4_finishq4` runs q4, `nvfp4_finishl1v2` the rows kernel, every other
+/// variant the default.
 fn finish_l1_for(variant: &str) -> FinishL1Kernel {
     match variant {
         "nvfp4_finishq4" => FinishL1Kernel::Q4,
+        "nvfp4_finishl1v2" => FinishL1Kernel::Rows,
         _ => FinishL1Kernel::default(),
     }
 }
@@ -370,7 +377,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant == "nvfp4_finishq4" {
+    if variant == "nvfp4_finishq4" || variant == "nvfp4_finishl1v2" {
         return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
     }
     let p = Point::new(s, tokens, ctx.seed, 2)?;

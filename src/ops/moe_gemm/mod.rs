@@ -615,18 +615,101 @@ pub enum FinishL1Kernel {
     /// the one-barrier amax, measured between them and was removed.)
     #[default]
     PadOneBarrier,
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_rows_kc{1,2,3,4}` (session 9, the prefill candidate; bench variant
+    /// `nvfp4_finishl1v2`; not routed by default yet): persistent CTAs of 256 threads, each a contiguous range of
+    /// up to [`FINISH_L1_ROWS_MAX_ROWS_PER_CTA`] rows; split 0 of the next rows' partials streams through a
+    /// per-thread cp.async ring in shared memory while the current row computes; gsb stays in registers while the
+    /// expert does; h stays in registers, one barrier per row. The instantiation is picked by I (`kcK` takes
+    /// I <= 1024 K; I > 4096 is refused). Splits 1.. (decode) are read without prefetch: correct, not tuned.
+    Rows,
 }
 
 impl FinishL1Kernel {
     /// Every L1 finish kernel, q4 first (the tests check it against the CPU quantizer and the others against it).
-    pub const ALL: &'static [FinishL1Kernel] = &[FinishL1Kernel::Q4, FinishL1Kernel::PadOneBarrier];
+    pub const ALL: &'static [FinishL1Kernel] = &[
+        FinishL1Kernel::Q4,
+        FinishL1Kernel::PadOneBarrier,
+        FinishL1Kernel::Rows,
+    ];
 
-    /// The kernel's entry point in kernels/moe_gemm.cu.
-    pub fn entry(self) -> &'static str {
+    /// The kernel's entry point in kernels/moe_gemm.cu for inner dimension `i_dim` (Rows: the instantiation whose
+    /// chunks per thread cover I / 4; None when I is larger than every instantiation takes).
+    pub fn entry(self, i_dim: usize) -> Option<&'static str> {
         match self {
-            FinishL1Kernel::Q4 => "moe_gemm_finish_l1_swiglu_nvfp4_q4",
-            FinishL1Kernel::PadOneBarrier => "moe_gemm_finish_l1_swiglu_nvfp4_pad1b",
+            FinishL1Kernel::Q4 => Some("moe_gemm_finish_l1_swiglu_nvfp4_q4"),
+            FinishL1Kernel::PadOneBarrier => Some("moe_gemm_finish_l1_swiglu_nvfp4_pad1b"),
+            FinishL1Kernel::Rows => FinishL1RowsKind::for_i_dim(i_dim).map(|k| k.entry),
         }
+    }
+}
+
+/// Threads of the rows L1 finish (`kFinishL1RowsThreads` in kernels/moe_gemm.cu).
+const FINISH_L1_ROWS_THREADS: usize = 256;
+/// Most rows one CTA of the rows L1 finish owns (`kFinishL1RowsMaxRowsPerCta`: one metadata row per thread).
+pub const FINISH_L1_ROWS_MAX_ROWS_PER_CTA: usize = 256;
+
+/// One instantiation of the rows L1 finish (`MOE_FINISH_L1_ROWS(KC, STAGES, MINB)` in kernels/moe_gemm.cu; the
+/// table below must match it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinishL1RowsKind {
+    pub entry: &'static str,
+    /// Chunks of 4 h columns per thread: takes I / 4 <= chunks_per_thread * 256.
+    pub chunks_per_thread: usize,
+    /// Rows in the per-thread cp.async ring (stages - 1 rows are prefetched).
+    pub stages: usize,
+    /// CTAs per SM the launch bounds, registers and ring allow (the launcher sizes one wave with it).
+    pub ctas_per_sm: usize,
+}
+
+const FINISH_L1_ROWS_KINDS: [FinishL1RowsKind; 4] = [
+    FinishL1RowsKind {
+        entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc1",
+        chunks_per_thread: 1,
+        stages: 8,
+        ctas_per_sm: 3,
+    },
+    FinishL1RowsKind {
+        entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc2",
+        chunks_per_thread: 2,
+        stages: 4,
+        ctas_per_sm: 3,
+    },
+    FinishL1RowsKind {
+        entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc3",
+        chunks_per_thread: 3,
+        stages: 2,
+        ctas_per_sm: 3,
+    },
+    FinishL1RowsKind {
+        entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc4",
+        chunks_per_thread: 4,
+        stages: 2,
+        ctas_per_sm: 2,
+    },
+];
+
+impl FinishL1RowsKind {
+    /// The smallest instantiation whose threads cover the I / 4 chunks of a row (Flash I = 2048: kc2, Pro 3072:
+    /// kc3); None above I = 4096.
+    pub fn for_i_dim(i_dim: usize) -> Option<FinishL1RowsKind> {
+        let chunks = i_dim / 4;
+        FINISH_L1_ROWS_KINDS
+            .iter()
+            .copied()
+            .find(|k| chunks <= k.chunks_per_thread * FINISH_L1_ROWS_THREADS)
+    }
+
+    /// Dynamic shared memory: the ring, stages x chunks x (gate, up) x 256 threads x 16 bytes.
+    pub fn ring_bytes(&self) -> usize {
+        self.stages * self.chunks_per_thread * 2 * FINISH_L1_ROWS_THREADS * 16
+    }
+
+    /// Rows per CTA for `rows` rows on `sm_count` SMs: one wave of resident CTAs (ceil(rows / resident)), at least
+    /// 1 and at most [`FINISH_L1_ROWS_MAX_ROWS_PER_CTA`] (more rows than that take more waves).
+    pub fn default_rows_per_cta(&self, rows: usize, sm_count: usize) -> usize {
+        let resident = (sm_count * self.ctas_per_sm).max(1);
+        rows.div_ceil(resident)
+            .clamp(1, FINISH_L1_ROWS_MAX_ROWS_PER_CTA)
     }
 }
 
@@ -641,6 +724,170 @@ pub fn launch_finish_l1_with(
     routing: &CudaSlice<f32>,
     out: &mut L1Output,
     kernel: FinishL1Kernel,
+) -> Result<()> {
+    if kernel == FinishL1Kernel::Rows {
+        let i_dim = w13.n / 2;
+        let kind = FinishL1RowsKind::for_i_dim(i_dim)
+            .ok_or_else(|| anyhow!("moe_gemm L1: the rows finish takes I <= 4096, I = {i_dim}"))?;
+        let rows_per_cta = kind.default_rows_per_cta(grp.rows_total, gpu.info.sm_count as usize);
+        return launch_finish_l1_rows(gpu, ws, grp, w13, a, routing, out, rows_per_cta);
+    }
+    check_finish_l1(ws, grp, w13, routing, out)?;
+    let i_dim = w13.n / 2;
+    let smem = (i_dim * 4) as u32;
+    ensure!(
+        smem as usize <= gpu.info.max_smem_per_block_optin,
+        "moe_gemm L1: I = {i_dim} needs {smem} B of shared memory"
+    );
+    if grp.rows_total == 0 {
+        return Ok(());
+    }
+    // Every L1 finish kernel is `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
+    // chunk % 32), which 512 is, and PadOneBarrier exactly 16 warps (kFinishL1Threads in kernels/moe_gemm.cu).
+    let name = kernel
+        .entry(i_dim)
+        .ok_or_else(|| anyhow!("moe_gemm L1: no {kernel:?} kernel for I = {i_dim}"))?;
+    let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
+    let mut b = gpu.stream.launch_builder(&f);
+    let args = FinishL1Args::new(gpu, ws, grp, w13, a, routing, out);
+    args.push(&mut b);
+    unsafe {
+        b.launch(launch_cfg(
+            (grp.rows_total as u32, 1, 1),
+            (FINISH_L1_THREADS, 1, 1),
+            smem,
+        ))
+    }
+    .map_err(|e| anyhow!("{name}: {e:?}"))?;
+    Ok(())
+}
+
+/// The rows L1 finish ([`FinishL1Kernel::Rows`]) with an explicit number of rows per CTA (1 ..=
+/// [`FINISH_L1_ROWS_MAX_ROWS_PER_CTA`]; [`launch_finish_l1_with`] takes
+/// [`FinishL1RowsKind::default_rows_per_cta`]). The tests force small and odd values so that the ring wraps, the
+/// expert changes inside a CTA and the last CTA owns fewer rows. Same checks and output contract as
+/// [`launch_finish_l1`].
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l1_rows(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w13: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    routing: &CudaSlice<f32>,
+    out: &mut L1Output,
+    rows_per_cta: usize,
+) -> Result<()> {
+    check_finish_l1(ws, grp, w13, routing, out)?;
+    let i_dim = w13.n / 2;
+    let kind = FinishL1RowsKind::for_i_dim(i_dim)
+        .ok_or_else(|| anyhow!("moe_gemm L1: the rows finish takes I <= 4096, I = {i_dim}"))?;
+    ensure!(
+        ws.splits >= 1,
+        "moe_gemm L1: the rows finish needs >= 1 K split (it streams split 0)"
+    );
+    ensure!(
+        (1..=FINISH_L1_ROWS_MAX_ROWS_PER_CTA).contains(&rows_per_cta),
+        "moe_gemm L1: rows per CTA = {rows_per_cta}, must be 1..={FINISH_L1_ROWS_MAX_ROWS_PER_CTA}"
+    );
+    if grp.rows_total == 0 {
+        return Ok(());
+    }
+    // Every CTA owns >= 1 row: ceil(rows / rows_per_cta) CTAs.
+    let grid = grp.rows_total.div_ceil(rows_per_cta);
+    ensure!(
+        grid <= u32::MAX as usize,
+        "moe_gemm L1: {grid} CTAs exceed the grid"
+    );
+    let smem = kind.ring_bytes();
+    let f = gpu.function_with_smem(FAMILY, kind.entry, smem)?;
+    let mut b = gpu.stream.launch_builder(&f);
+    let args = FinishL1Args::new(gpu, ws, grp, w13, a, routing, out);
+    args.push(&mut b);
+    let rpc = rows_per_cta as i32;
+    b.arg(&rpc);
+    unsafe {
+        b.launch(launch_cfg(
+            (grid as u32, 1, 1),
+            (FINISH_L1_ROWS_THREADS as u32, 1, 1),
+            smem as u32,
+        ))
+    }
+    .map_err(|e| anyhow!("{}: {e:?}", kind.entry))?;
+    Ok(())
+}
+
+/// The arguments every L1 finish kernel takes, in order (partial .. h_out).
+struct FinishL1Args {
+    part: u64,
+    splits: i32,
+    group: u64,
+    capacity: i32,
+    experts: i32,
+    rows: i32,
+    i_dim: i32,
+    gsa: u64,
+    gsb: u64,
+    routing: u64,
+    codes: u64,
+    scales: u64,
+    global: u64,
+    h_f32: u64,
+}
+
+impl FinishL1Args {
+    fn new(
+        gpu: &Gpu,
+        ws: &Workspace,
+        grp: &DeviceGrouping,
+        w13: &DeviceExpertWeights,
+        a: &DeviceActivations,
+        routing: &CudaSlice<f32>,
+        out: &L1Output,
+    ) -> FinishL1Args {
+        FinishL1Args {
+            part: ptr(gpu, &ws.partial),
+            splits: ws.splits as i32,
+            group: ptr(gpu, &grp.group),
+            capacity: grp.capacity as i32,
+            experts: grp.experts as i32,
+            rows: grp.rows_total as i32,
+            i_dim: (w13.n / 2) as i32,
+            gsa: a.gsa_ptr(gpu),
+            gsb: ptr(gpu, &w13.global),
+            routing: ptr(gpu, routing),
+            codes: ptr(gpu, &out.codes),
+            scales: ptr(gpu, &out.scales),
+            global: ptr(gpu, &out.global),
+            h_f32: out.h_f32.as_ref().map(|h| ptr(gpu, h)).unwrap_or(0),
+        }
+    }
+
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(&self.part)
+            .arg(&self.splits)
+            .arg(&self.group)
+            .arg(&self.capacity)
+            .arg(&self.experts)
+            .arg(&self.rows)
+            .arg(&self.i_dim)
+            .arg(&self.gsa)
+            .arg(&self.gsb)
+            .arg(&self.routing);
+        b.arg(&self.codes)
+            .arg(&self.scales)
+            .arg(&self.global)
+            .arg(&self.h_f32);
+    }
+}
+
+/// The checks every L1 finish launch makes before anything runs (shapes, the output, the routing weights).
+fn check_finish_l1(
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w13: &DeviceExpertWeights,
+    routing: &CudaSlice<f32>,
+    out: &L1Output,
 ) -> Result<()> {
     check_finish(ws, grp, w13)?;
     ensure!(
@@ -666,58 +913,11 @@ pub fn launch_finish_l1_with(
         routing.len(),
         grp.rows_total
     );
-    let smem = (i_dim * 4) as u32;
     ensure!(
-        smem as usize <= gpu.info.max_smem_per_block_optin,
-        "moe_gemm L1: I = {i_dim} needs {smem} B of shared memory"
+        grp.rows_total <= i32::MAX as usize,
+        "moe_gemm L1: {} rows exceed the kernels' int row index",
+        grp.rows_total
     );
-    if grp.rows_total == 0 {
-        return Ok(());
-    }
-    // Every L1 finish kernel is `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
-    // chunk % 32), which 512 is, and PadOneBarrier exactly 16 warps (kFinishL1Threads in kernels/moe_gemm.cu).
-    let (name, block) = (kernel.entry(), FINISH_L1_THREADS);
-    let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
-    let (part, grp_p, gsa, gsb, rw) = (
-        ptr(gpu, &ws.partial),
-        ptr(gpu, &grp.group),
-        a.gsa_ptr(gpu),
-        ptr(gpu, &w13.global),
-        ptr(gpu, routing),
-    );
-    let (hc, hs, hg) = (
-        ptr(gpu, &out.codes),
-        ptr(gpu, &out.scales),
-        ptr(gpu, &out.global),
-    );
-    let hf = out.h_f32.as_ref().map(|h| ptr(gpu, h)).unwrap_or(0);
-    let (splits, cap, e, rows, i) = (
-        ws.splits as i32,
-        grp.capacity as i32,
-        grp.experts as i32,
-        grp.rows_total as i32,
-        i_dim as i32,
-    );
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&part)
-        .arg(&splits)
-        .arg(&grp_p)
-        .arg(&cap)
-        .arg(&e)
-        .arg(&rows)
-        .arg(&i)
-        .arg(&gsa)
-        .arg(&gsb)
-        .arg(&rw);
-    b.arg(&hc).arg(&hs).arg(&hg).arg(&hf);
-    unsafe {
-        b.launch(launch_cfg(
-            (grp.rows_total as u32, 1, 1),
-            (block, 1, 1),
-            smem,
-        ))
-    }
-    .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
 
