@@ -501,6 +501,70 @@ __device__ __forceinline__ void dequant_activations(const uint8_t* raw, uint8_t*
         }
     }
 }
+
+// This thread's weights of 128-K stage st: rows g and g+8 of both m64 blocks (64 rows apart), 16 code bytes each
+// at the lane's 32-K slice, and their two block scales. `wc` / `ws` point at row g of block 0, lane offset included.
+__device__ __forceinline__ void load_weights(WStage& w, const uint8_t* wc, const uint8_t* ws, size_t codes_row,
+                                             size_t scales_row, int st) {
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb) {
+        const size_t r = (size_t)64 * mb;
+        w.lo[mb] = ldg_nc16(wc + r * codes_row + st * 64);
+        w.hi[mb] = ldg_nc16(wc + (r + 8) * codes_row + st * 64);
+        w.sc[mb] = ldg_nc_u16(ws + r * scales_row + st * 8) | (ldg_nc_u16(ws + (r + 8) * scales_row + st * 8) << 16);
+    }
+}
+
+// One logical k16 slice S = 2j + h for both m64 blocks: fragments from word j of the stage's weights (header), then
+// two RS wgmmas on the activation tile described by `db`, committed as one group; waits until at most this group is
+// in flight, so the previous slice's fragment registers are free again.
+__device__ __forceinline__ void mma_slice(float (&d)[2][64], const WStage& w, int S, uint64_t db) {
+    const int j = S >> 1, h = S & 1;
+    uint32_t a[2][4];
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb) {
+        const uint32_t sl = scale_bf16x2((w.sc[mb] >> (8 * (j >> 1))) & 0xFF);
+        const uint32_t sh = scale_bf16x2((w.sc[mb] >> (16 + 8 * (j >> 1))) & 0xFF);
+        const uint32_t wl = word_of(w.lo[mb], j), wh = word_of(w.hi[mb], j);
+        a[mb][0] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h), sl);
+        a[mb][1] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h), sh);
+        a[mb][2] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h + 1), sl);
+        a[mb][3] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h + 1), sh);
+    }
+    // Slice S sits in atom S / 4 at +32 bytes per slice (+2 in the descriptor's 16-byte units).
+    const uint64_t dbs = db + (uint64_t)((S >> 2) * (kAtomBytes >> 4)) + 2 * (S & 3);
+    fence_acc(d[0]);
+    fence_acc(d[1]);
+    wgmma_fence();
+    wgmma_rs_m64n128k16(d[0], a[0][0], a[0][1], a[0][2], a[0][3], dbs);
+    wgmma_rs_m64n128k16(d[1], a[1][0], a[1][1], a[1][2], a[1][3], dbs);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_acc(d[0]);
+    fence_acc(d[1]);
+}
+
+// Epilogue: accumulator (weight row 16 wq + g (+8) of m64 block mb, token 8 jj + 2t (+1)) * restore ->
+// partial[row0 + token][wrow0 + 64 mb (+8)], tokens < ntok only (the rest of the tile belongs to other experts).
+__device__ __forceinline__ void store_partials(const float (&d)[2][64], float* __restrict__ partial, int N, int row0,
+                                               int ntok, int wrow0, int t, float restore) {
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb) {
+        const int n = wrow0 + 64 * mb;
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const int tok = 8 * jj + 2 * t + b;
+                if (tok < ntok) {
+                    float* p = partial + (size_t)(row0 + tok) * N + n;
+                    p[0] = d[mb][4 * jj + b] * restore;
+                    p[8] = d[mb][4 * jj + 2 + b] * restore;
+                }
+            }
+        }
+    }
+}
 }  // namespace rs
 
 // grid = persistent, block = 256, dynamic smem = rs::kBytes + 1024. NVFP4 activations only (act_is_nvfp4 must be
@@ -560,16 +624,6 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
         const int wrow0 = n_tile * rs::kTileRows + 128 * wg + 16 * wq + g;
         const uint8_t* wc = w_codes + ((size_t)e * N + wrow0) * codes_row + 16 * t;
         const uint8_t* ws = w_scales + ((size_t)e * N + wrow0) * scales_row + 2 * t;
-        auto load_w = [&](rs::WStage& w, int st) {
-#pragma unroll
-            for (int mb = 0; mb < 2; ++mb) {
-                const size_t r = (size_t)64 * mb;
-                w.lo[mb] = rs::ldg_nc16(wc + r * codes_row + st * 64);
-                w.hi[mb] = rs::ldg_nc16(wc + (r + 8) * codes_row + st * 64);
-                w.sc[mb] = rs::ldg_nc_u16(ws + r * scales_row + st * 8) |
-                           (rs::ldg_nc_u16(ws + (r + 8) * scales_row + st * 8) << 16);
-            }
-        };
         // Raw activations of stage st -> ring slot st % rs::kRing (one commit group per call, possibly empty). Token
         // rows >= ntok are zero-filled (src size 0), so their products are 0 (and they are never stored).
         auto issue_act = [&](int st) {
@@ -602,7 +656,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
         // Prologue: raw stages 0..rs::kRing-2 in flight, weights of stage 0 in registers, activations of stage 0
         // dequantized into tile 0.
         rs::WStage w_cur, w_next;
-        load_w(w_cur, 0);
+        rs::load_weights(w_cur, wc, ws, codes_row, scales_row, 0);
 #pragma unroll
         for (int st = 0; st < rs::kRing - 1; ++st) issue_act(st);
         cp_async_wait<rs::kRing - 2>();
@@ -611,39 +665,12 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
         fence_proxy_async();
         __syncthreads();
 
-        // One logical k16 slice S = 2j + h for both m64 blocks: fragments from word j of the current weights.
-        auto slice = [&](const rs::WStage& w, int S, uint64_t db) {
-            const int j = S >> 1, h = S & 1;
-            uint32_t a[2][4];
-#pragma unroll
-            for (int mb = 0; mb < 2; ++mb) {
-                const uint32_t sl = scale_bf16x2((w.sc[mb] >> (8 * (j >> 1))) & 0xFF);
-                const uint32_t sh = scale_bf16x2((w.sc[mb] >> (16 + 8 * (j >> 1))) & 0xFF);
-                const uint32_t wl = rs::word_of(w.lo[mb], j), wh = rs::word_of(w.hi[mb], j);
-                a[mb][0] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h), sl);
-                a[mb][1] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h), sh);
-                a[mb][2] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h + 1), sl);
-                a[mb][3] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h + 1), sh);
-            }
-            // Slice S sits in atom S / 4 at +32 bytes per slice (+2 in the descriptor's 16-byte units).
-            const uint64_t dbs = db + (uint64_t)((S >> 2) * (rs::kAtomBytes >> 4)) + 2 * (S & 3);
-            fence_acc(d[0]);
-            fence_acc(d[1]);
-            wgmma_fence();
-            rs::wgmma_rs_m64n128k16(d[0], a[0][0], a[0][1], a[0][2], a[0][3], dbs);
-            rs::wgmma_rs_m64n128k16(d[1], a[1][0], a[1][1], a[1][2], a[1][3], dbs);
-            wgmma_commit();
-            rs::wgmma_wait<1>();  // the previous slice's group is done: its fragment registers may be reused
-            fence_acc(d[0]);
-            fence_acc(d[1]);
-        };
-
         for (int st = 0; st < stages; ++st) {
             issue_act(st + rs::kRing - 1);
-            if (st + 1 < stages) load_w(w_next, st + 1);
+            if (st + 1 < stages) rs::load_weights(w_next, wc, ws, codes_row, scales_row, st + 1);
             const uint64_t db = sw128_desc(smem_base + (st & 1) * rs::kActTile);
 #pragma unroll
-            for (int S = 0; S < 4; ++S) slice(w_cur, S, db);
+            for (int S = 0; S < 4; ++S) rs::mma_slice(d, w_cur, S, db);
             if (st + 1 < stages) {
                 cp_async_wait<rs::kRing - 2>();  // this thread's raw copies of stage st + 1 landed
                 __syncthreads();             // everyone's; and every stage st-1 wgmma (tile (st+1)&1) completed
@@ -651,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
                 fence_proxy_async();
             }
 #pragma unroll
-            for (int S = 4; S < 8; ++S) slice(w_cur, S, db);
+            for (int S = 4; S < 8; ++S) rs::mma_slice(d, w_cur, S, db);
             __syncthreads();  // activation tile st + 1 complete
             w_cur = w_next;
         }
@@ -659,23 +686,194 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
         fence_acc(d[0]);
         fence_acc(d[1]);
 
-        // Epilogue: accumulator (weight row 16 wq + g (+8), token 8 jj + 2t (+1)) * 2^18 -> partial[token][n].
-        const float restore = 0x1p18f;
+        rs::store_partials(d, partial, N, row0, ntok, wrow0, t, 0x1p18f);
+    }
+}
+
+// =====================================================================================================================
+// RS mainloop fed by TMA (`moe_gemm_prefill_partial_rs_tma`) + its activation pre-pass (`moe_gemm_prefill_act_rs`).
+// =====================================================================================================================
+// Why: in `moe_gemm_prefill_partial_rs` every CTA dequantizes its 128-token activation tile once per stage
+// (~200 of its ~850 SASS per warp and stage, plus ~60 of cp.async address math and a mid-stage barrier), and the
+// 16 CTAs that share a token tile (one per 256-row n tile) all repeat it. Here one pass over A writes it once,
+// in the RS logical order, as BF16 [rows][K] (e2m1 * s * 2^-9 for NVFP4 A, the exact values of the in-CTA
+// dequant; the BF16 values themselves for BF16 A, which the RS kernel could not take); the mainloop then streams
+// each stage's two [128 tokens][64 K] atoms with two TMA copies (SWIZZLE_128B lands exactly the swizzled K-major
+// layout the descriptor expects) into a 4-slot ring: one thread issues, mbarriers count the bytes, no barrier
+// across the CTA and no generic-proxy writes of wgmma operands (hence no proxy fence). Token rows past the
+// expert's count are loaded too (rows of the next expert, or zeros past rows_total): their accumulator columns
+// are never stored, so they cost nothing but bandwidth.
+// Ring protocol (fills and consumptions counted per CTA across its work items, same order): fill f goes to slot
+// f % 4; its full barrier (count 1: the producer's arrive.expect_tx of 32 KiB) completes phase f / 4; the empty
+// barrier (count 8: lane 0 of every warp after wgmma.wait_group 0 of the stage) must have completed phase
+// f / 4 - 1 before fill f reuses the slot. Thread 0 produces and consumes; its empty-wait is for the consumption
+// one stage back, which it finished itself, so the protocol cannot deadlock.
+namespace rs {
+constexpr int kRingT = 4;
+constexpr int kBytesT = kRingT * kActTile;  // 128 KiB (+ 1024 alignment slack from the host)
+static_assert(kBytesT + 1024 == 132096, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_RS_TMA in sync");
+}  // namespace rs
+
+// One task = (row, 128-K chunk, word column j): 4 code words (or 4 x 16 B of BF16) -> 4 logical 16-byte chunks
+// c = 4j + i = [P_i(word 4t + j), t = 0..3] (RS header). grid = ceil(rows * K / 32 / 256), block 256; K % 128 == 0.
+extern "C" __global__ void __launch_bounds__(256) moe_gemm_prefill_act_rs(
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, int rows, int K,
+    __nv_bfloat16* __restrict__ out) {
+    const long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int tasks_per_row = K / 32;
+    if (q >= (long long)rows * tasks_per_row) return;
+    const int row = (int)(q / tasks_per_row), rem = (int)(q % tasks_per_row);
+    const int ch = rem >> 2, j = rem & 3;
+    uint4 o[4];
+    if (act_is_nvfp4) {
+        const uint8_t* codes = reinterpret_cast<const uint8_t*>(act) + (size_t)row * (K / 2) + ch * 64 + 4 * j;
+        const uint8_t* sc = act_scales + (size_t)row * (K / 16) + ch * 8;
+        uint32_t w[4], sv[4];
 #pragma unroll
-        for (int mb = 0; mb < 2; ++mb) {
-            const int n = wrow0 + 64 * mb;
-#pragma unroll
-            for (int jj = 0; jj < 16; ++jj) {
-#pragma unroll
-                for (int b = 0; b < 2; ++b) {
-                    const int tok = 8 * jj + 2 * t + b;
-                    if (tok < ntok) {
-                        float* p = partial + (size_t)(row0 + tok) * N + n;
-                        p[0] = d[mb][4 * jj + b] * restore;
-                        p[8] = d[mb][4 * jj + 2 + b] * restore;
-                    }
-                }
-            }
+        for (int t = 0; t < 4; ++t) {
+            w[t] = __ldg(reinterpret_cast<const uint32_t*>(codes + 16 * t));
+            sv[t] = scale_bf16x2(__ldg(sc + 2 * t + (j >> 1)));  // block of word 4t + j
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            o[i].x = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[0], i), sv[0]);
+            o[i].y = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[1], i), sv[1]);
+            o[i].z = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[2], i), sv[2]);
+            o[i].w = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[3], i), sv[3]);
+        }
+    } else {
+        // 16-byte chunk 4t + j of the 128-K row segment holds elements 32t + 8j + (0..7) = words (e0,e1) (e2,e3)
+        // (e4,e5) (e6,e7); P_i = (e_i, e_{i+4}) = bf16 i%2 of words i/2 and i/2 + 2.
+        const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(act) +
+                                                          (size_t)row * K + ch * 128);
+        uint32_t r[4][4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const uint4 v = __ldg(src + 4 * t + j);
+            r[t][0] = v.x; r[t][1] = v.y; r[t][2] = v.z; r[t][3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t sel = (i & 1) ? 0x7632 : 0x5410;
+            o[i].x = __byte_perm(r[0][i >> 1], r[0][(i >> 1) + 2], sel);
+            o[i].y = __byte_perm(r[1][i >> 1], r[1][(i >> 1) + 2], sel);
+            o[i].z = __byte_perm(r[2][i >> 1], r[2][(i >> 1) + 2], sel);
+            o[i].w = __byte_perm(r[3][i >> 1], r[3][(i >> 1) + 2], sel);
+        }
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + (size_t)row * K + ch * 128) + 4 * j;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = o[i];
+}
+
+// grid = persistent, block = 256, dynamic smem = rs::kBytesT + 1024. act_map: 2D tensor map over the pre-pass
+// output [rows_total][K] BF16 (inner dim K), box 64 x 128 rows, SWIZZLE_128B. restore = 2^18 (NVFP4 A) or 2^9
+// (BF16 A): the accumulators hold sum * 2^-9 per dequantized operand. N % 256 == 0, K % 128 == 0.
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_tma(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
+    int rows_total, float* __restrict__ partial) {
+    extern __shared__ uint8_t rs_tma_smem_raw[];
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[rs::kThreads / 32];
+    __shared__ __align__(8) uint64_t bar_full[rs::kRingT], bar_empty[rs::kRingT];
+
+    uint8_t* ring = rs_tma_smem_raw + ((1024u - (smem_u32(rs_tma_smem_raw) & 1023u)) & 1023u);
+    const uint32_t ring_base = smem_u32(ring);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const int E = experts;
+    if (tid == 0) {
+        for (int s = 0; s < rs::kRingT; ++s) {
+            mbar_init(&bar_full[s], 1);
+            mbar_init(&bar_empty[s], rs::kThreads / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
+    }
+    auto expert_rows = [&](int e, int& start, int& count) {
+        const int lo = min(max(offsets[e], 0), rows_total);
+        const int hi = min(max(offsets[e + 1], lo), rows_total);
+        start = lo;
+        count = hi - lo;
+    };
+    int tiles0 = 0, tiles1 = 0;
+    {
+        int s, c;
+        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + rs::kTileT - 1) / rs::kTileT; }
+        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + rs::kTileT - 1) / rs::kTileT; }
+    }
+    expert_tile_prefix<rs::kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);  // also publishes the inits
+
+    const int n_tiles = N / rs::kTileRows;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    const int stages = K / rs::kStageK;
+    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
+    uint32_t fills = 0, cons = 0;  // ring counters (fills: thread 0 only; cons: CTA-uniform)
+
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int n_tile = (int)(item % n_tiles);
+        const int et = (int)(item / n_tiles);
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+        }
+        const int e = lo;
+        int start, count;
+        expert_rows(e, start, count);
+        const int row0 = start + (et - s_tile_prefix[e]) * rs::kTileT;
+        const int ntok = min(rs::kTileT, count - (et - s_tile_prefix[e]) * rs::kTileT);
+        const int wrow0 = n_tile * rs::kTileRows + 128 * wg + 16 * wq + g;
+        const uint8_t* wc = w_codes + ((size_t)e * N + wrow0) * codes_row + 16 * t;
+        const uint8_t* ws = w_scales + ((size_t)e * N + wrow0) * scales_row + 2 * t;
+
+        // Producer (thread 0): stage st of this item -> the next ring slot. Both boxes start 16-byte aligned
+        // (x = 128 st and 128 st + 64 elements).
+        bool ok = true;
+        auto fill = [&](int st) {
+            const uint32_t slot = fills % rs::kRingT;
+            if (fills >= (uint32_t)rs::kRingT &&
+                !mbar_wait(&bar_empty[slot], ((fills / rs::kRingT) - 1) & 1u)) {
+                ok = false;
+                return;
+            }
+            mbar_arrive_expect_tx(&bar_full[slot], rs::kActTile);
+            tma_load_2d(ring + slot * rs::kActTile, &act_map, st * rs::kStageK, row0, &bar_full[slot]);
+            tma_load_2d(ring + slot * rs::kActTile + rs::kAtomBytes, &act_map, st * rs::kStageK + 64, row0,
+                        &bar_full[slot]);
+            ++fills;
+        };
+        if (tid == 0) {
+            for (int st = 0; st < rs::kRingT - 1 && st < stages; ++st) fill(st);
+        }
+        __syncwarp();
+
+        rs::WStage w_cur, w_next;
+        rs::load_weights(w_cur, wc, ws, codes_row, scales_row, 0);
+        float d[2][64];
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) d[mb][i] = 0.f;
+
+        for (int st = 0; st < stages; ++st) {
+            if (tid == 0 && st + rs::kRingT - 1 < stages) fill(st + rs::kRingT - 1);
+            __syncwarp();
+            if (st + 1 < stages) rs::load_weights(w_next, wc, ws, codes_row, scales_row, st + 1);
+            const uint32_t slot = cons % rs::kRingT;
+            if (!mbar_wait(&bar_full[slot], (cons / rs::kRingT) & 1u)) return;  // protocol timeout: outputs unwritten
+            const uint64_t db = sw128_desc(ring_base + slot * rs::kActTile);
+#pragma unroll
+            for (int S = 0; S < 8; ++S) rs::mma_slice(d, w_cur, S, db);
+            rs::wgmma_wait<0>();  // this warp group's reads of the slot are done
+            if (lane == 0) mbar_arrive(&bar_empty[slot]);
+            ++cons;
+            w_cur = w_next;
+        }
+        if (tid == 0 && !ok) return;
+        fence_acc(d[0]);
+        fence_acc(d[1]);
+        rs::store_partials(d, partial, N, row0, ntok, wrow0, t, restore);
     }
 }

@@ -1994,6 +1994,7 @@ impl FinishDevice {
                 rows_total: rows,
                 n,
                 partial: gpu.upload(&at_least_one(&inp.partial)).unwrap(),
+                act_rs: None,
             },
             a_codes: gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap(),
             a_scales: gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap(),
@@ -2516,6 +2517,7 @@ fn check_l2_combine_kernels(
         rows_total: rows,
         n,
         partial: gpu.upload(&partial).unwrap(),
+        act_rs: None,
     };
     let a_codes = gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap();
     let a_scales = gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap();

@@ -104,6 +104,8 @@ enum Mode {
     Tile256,
     /// ... with `PrefillKernel::Rs` (weights in registers as the wgmma A operand; NVFP4 A only).
     Rs,
+    /// ... with `PrefillKernel::RsTma` (activation pre-pass + the RS mainloop fed by TMA; both A formats).
+    RsTma,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -134,6 +136,7 @@ fn check_prefill(
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
             Mode::Rs => "forced, RS 256x128",
+            Mode::RsTma => "forced, RS 256x128 via TMA",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -153,7 +156,8 @@ fn check_prefill(
         let kernel = match mode {
             Mode::Tile128 => PrefillKernel::Ss128,
             Mode::Tile256 => PrefillKernel::Ss256,
-            _ => PrefillKernel::Rs,
+            Mode::Rs => PrefillKernel::Rs,
+            _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
     }
@@ -196,7 +200,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    for mode in [Mode::Tile128, Mode::Tile256, Mode::Rs] {
+    for mode in [Mode::Tile128, Mode::Tile256, Mode::Rs, Mode::RsTma] {
         for nvfp4 in [false, true] {
             if mode == Mode::Rs && !nvfp4 {
                 continue; // RS takes NVFP4 A only (refusal checked in the rejects test)
@@ -233,16 +237,18 @@ fn gpu_prefill_token_counts_both_a_formats() {
         // RS: N % 256, 4 stages of 128 K (one more than the 3 stages its prologue puts in flight).
         let w = quantized_weights(&mut rng, 3, 256, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        check_prefill(
-            &gpu,
-            &format!("short K {k}"),
-            &w,
-            &dw,
-            &rb,
-            true,
-            Mode::Rs,
-            &mut rng,
-        );
+        for (nvfp4, mode) in [(true, Mode::Rs), (true, Mode::RsTma), (false, Mode::RsTma)] {
+            check_prefill(
+                &gpu,
+                &format!("short K {k}"),
+                &w,
+                &dw,
+                &rb,
+                nvfp4,
+                mode,
+                &mut rng,
+            );
+        }
     }
 }
 
@@ -306,16 +312,18 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     // The same routing through the RS kernel (N = 256: one n tile per expert token tile).
     let w = quantized_weights(&mut rng, 256, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    check_prefill(
-        &gpu,
-        "4096 tokens, 6 of 256",
-        &w,
-        &dw,
-        &rb,
-        true,
-        Mode::Rs,
-        &mut rng,
-    );
+    for mode in [Mode::Rs, Mode::RsTma] {
+        check_prefill(
+            &gpu,
+            "4096 tokens, 6 of 256",
+            &w,
+            &dw,
+            &rb,
+            true,
+            mode,
+            &mut rng,
+        );
+    }
 }
 
 #[test]
@@ -347,6 +355,8 @@ fn gpu_prefill_flash_and_pro_shapes() {
         ("Pro L2", 7168, 3072, vec![130], true, Mode::Tile256),
         ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::Rs),
         ("Pro L2", 7168, 3072, vec![1, 128], true, Mode::Rs),
+        ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsTma),
+        ("Pro L2", 7168, 3072, vec![130], true, Mode::RsTma),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -379,7 +389,11 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     assert!(prefill::check_shape(128, 96).is_err());
     // The 256-wide tile needs N % 256 == 0 (N = 128 here).
     let mut ws3 = Workspace::new(&gpu, 1, 3, 128).unwrap();
-    for kernel in [PrefillKernel::Ss256, PrefillKernel::Rs] {
+    for kernel in [
+        PrefillKernel::Ss256,
+        PrefillKernel::Rs,
+        PrefillKernel::RsTma,
+    ] {
         let err =
             prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws3, kernel)
                 .unwrap_err();

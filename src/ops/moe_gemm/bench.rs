@@ -27,7 +27,9 @@
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `nvfp4_wgmma_rs` (contiguous points only, session-9 A/B): the RS prefill mainloop
-//!   (`PrefillKernel::Rs`: weights dequantized in registers as the wgmma A operand), same finish kernels.
+//!   (`PrefillKernel::Rs`: weights dequantized in registers as the wgmma A operand), same finish kernels;
+//!   `nvfp4_wgmma_rstma`: the same mainloop fed by TMA from a one-pass permuted BF16 copy of the activations
+//!   (`PrefillKernel::RsTma`; the pre-pass is inside the timed call).
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -62,6 +64,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rs",
+    "nvfp4_wgmma_rstma",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -83,6 +86,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rs"
+            | "nvfp4_wgmma_rstma"
     )
 }
 
@@ -143,6 +147,9 @@ fn launch_variant(
         }
         "nvfp4_wgmma_rs" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::Rs)
+        }
+        "nvfp4_wgmma_rstma" => {
+            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsTma)
         }
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
         "nvfp4_tma_tiled" => {

@@ -303,6 +303,9 @@ pub struct Workspace {
     pub rows_total: usize,
     pub n: usize,
     pub partial: CudaSlice<f32>,
+    /// Scratch of the TMA-fed RS prefill mainloop ([`prefill::PrefillKernel::RsTma`]): the activations in its
+    /// permuted BF16 order, `rows_total * K` elements; allocated by that launcher on first use (None until then).
+    pub act_rs: Option<CudaSlice<bf16>>,
 }
 
 impl Workspace {
@@ -313,6 +316,7 @@ impl Workspace {
             rows_total,
             n,
             partial: gpu.zeros::<f32>(len)?,
+            act_rs: None,
         })
     }
 }

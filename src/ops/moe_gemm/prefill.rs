@@ -25,7 +25,9 @@ use super::{
     GemmConfig, Workspace, MAX_EXPERTS,
 };
 use crate::formats::e4m3;
+use crate::gpu::tma::{encode_tiled, TensorMap};
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
+use cudarc::driver::sys;
 
 /// Kernel family name (kernels/moe_gemm_prefill.cu).
 pub const FAMILY: &str = "moe_gemm_prefill";
@@ -56,6 +58,9 @@ pub const STAGE_K_RS: usize = 128;
 /// 4-slot raw NVFP4 activation ring (128 x (64 + 8) B each), plus 1 KiB for the 1024-byte alignment.
 /// Must match `rs::kBytes + 1024` in the .cu (a static_assert there pins the number).
 pub const SMEM_BYTES_RS: usize = 2 * 32768 + 4 * 9216 + 1024;
+/// Dynamic shared memory of the TMA-fed RS kernel: a 4-slot ring of 128-token x 128-K BF16 activation tiles
+/// (`rs::kBytesT + 1024` in the .cu).
+pub const SMEM_BYTES_RS_TMA: usize = 4 * 32768 + 1024;
 pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 64;
 
 /// `N % 128 == 0`, `K % 64 == 0` (all DSV4 expert shapes qualify).
@@ -91,6 +96,10 @@ pub enum PrefillKernel {
     /// `moe_gemm_prefill_partial_rs`: 256 weight rows x 128 tokens, the weights dequantized in registers as the
     /// wgmma A operand (RS form), the tokens from shared memory. `N % 256 == 0`, `K % 128 == 0`, NVFP4 A only.
     Rs,
+    /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_tma`: a pre-pass writes the activations once in
+    /// the RS permuted BF16 order (into [`Workspace::act_rs`]), then the RS mainloop streams them with TMA.
+    /// `N % 256 == 0`, `K % 128 == 0`, either A format.
+    RsTma,
 }
 
 impl PrefillKernel {
@@ -107,6 +116,12 @@ impl PrefillKernel {
             PrefillKernel::Rs => (
                 "moe_gemm_prefill_partial_rs",
                 SMEM_BYTES_RS,
+                TILE_N_RS,
+                STAGE_K_RS,
+            ),
+            PrefillKernel::RsTma => (
+                "moe_gemm_prefill_partial_rs_tma",
+                SMEM_BYTES_RS_TMA,
                 TILE_N_RS,
                 STAGE_K_RS,
             ),
@@ -220,6 +235,21 @@ pub fn launch_partial_prefill_with(
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
+    if kernel == PrefillKernel::RsTma {
+        let act_map = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
+        let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 }; // 2^18 / 2^9, see the .cu
+        let mut b = gpu.stream.launch_builder(&f);
+        b.arg(&wc)
+            .arg(&wsc)
+            .arg(&n)
+            .arg(&k)
+            .arg(&act_map)
+            .arg(&restore);
+        b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
+        unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
+            .map_err(|e| anyhow!("{name}: {e:?}"))?;
+        return Ok(());
+    }
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(&wc)
         .arg(&wsc)
@@ -232,6 +262,53 @@ pub fn launch_partial_prefill_with(
     unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
         .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
+}
+
+/// The RsTma pre-pass: the first `rows` activation rows, in the RS permuted BF16 order, into `ws.act_rs`
+/// (allocated or grown here), and the tensor map the mainloop reads them through (box 64 K x 128 rows, 128-byte
+/// swizzle: one [128 tokens][64 K] atom per copy).
+fn permute_activations_for_rs(
+    gpu: &Gpu,
+    a: &DeviceActivations,
+    rows: usize,
+    k: usize,
+    ws: &mut Workspace,
+) -> Result<TensorMap> {
+    let len = rows * k;
+    if ws.act_rs.as_ref().is_none_or(|b| b.len() < len) {
+        ws.act_rs = Some(gpu.zeros::<bf16>(len)?);
+    }
+    let buf = ws.act_rs.as_mut().expect("allocated above");
+    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
+    let f = gpu.function(FAMILY, "moe_gemm_prefill_act_rs")?;
+    let (rows_i, k_i) = (as_i32(rows, "rows")?, as_i32(k, "K")?);
+    let out = ptr(gpu, buf);
+    let tasks = rows * k / 32;
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&act)
+        .arg(&act_scales)
+        .arg(&is_nvfp4)
+        .arg(&rows_i)
+        .arg(&k_i)
+        .arg(&out);
+    unsafe {
+        b.launch(launch_cfg(
+            (tasks.div_ceil(256) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+        ))
+    }
+    .map_err(|e| anyhow!("moe_gemm_prefill_act_rs: {e:?}"))?;
+    encode_tiled(
+        "moe_gemm prefill RS activations",
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        2,
+        out,
+        &[k as u64, rows as u64],
+        &[(k * 2) as u64],
+        &[64, TILE_M as u32],
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )
 }
 
 // ------------------------------------------------------------------------------------ CPU mirrors of the device
