@@ -99,6 +99,7 @@
 #include "common/formats.cuh"
 #include "common/expert_tiles.cuh"
 #include "common/tma.cuh"
+#include "common/nvfp4_dequant.cuh"
 
 namespace {
 
@@ -116,45 +117,12 @@ struct WChunk {
     uint32_t scales;   // bytes: row g block 2t, row g block 2t+1, row g+8 block 2t, row g+8 block 2t+1
 };
 
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ uint32_t ldg_u16(const void* p) {
-    unsigned short v;
-    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
-    return v;
-}
-
-// Nibbles i and i+4 of w -> bf16x2 (e2m1 * 2^-126 each); see the header comment.
-__device__ __forceinline__ uint32_t e2m1_pair_to_bf16x2_tiny(uint32_t w, int i) {
-    uint32_t v = w << (12 - 4 * i);
-    return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u);
-}
-
 // Value of an e2m1 code without a lookup table (a dynamically indexed local array would live in local memory):
 // m = code & 7; m < 2 -> 0.5 * m, else 2^((m >> 1) - 1) * (1 + (m & 1) / 2), built from its fp32 bits.
 __device__ __forceinline__ float e2m1_value(uint32_t code) {
     const uint32_t m = code & 7;
     const float mag = m < 2 ? 0.5f * (float)m : __uint_as_float((((m >> 1) + 126u) << 23) | ((m & 1u) << 22));
     return (code & 8) ? -mag : mag;
-}
-
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-// s_e4m3 * 2^117 as a broadcast bf16x2 (exact: 4 significant bits, 2^108 .. 448 * 2^117).
-__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t code) {
-    float f = mm::e4m3_decode((uint8_t)code) * 0x1p117f;
-    uint32_t b = __float_as_uint(f) >> 16;  // exact: the low 16 bits are zero
-    return b | (b << 16);
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,

@@ -74,11 +74,13 @@
 #include "common/expert_tiles.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/nvfp4_dequant.cuh"
 
 namespace {
 
 constexpr int kThreads = 256;      // 2 consumer warp groups
 constexpr int kTileM = 128;        // tokens per CTA tile
+static_assert(kTileM == 128, "locate_item / token_tile_prefix assume 128-row token tiles");
 constexpr int kStageK = 64;        // K per stage
 constexpr int kRing = 4;           // raw/A ring depth (prefetch distance kRing - 1)
 constexpr int kMaxExperts = 512;
@@ -149,21 +151,6 @@ __device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t chunk) {
     return row * 128u + ((chunk ^ (row & 7u)) << 4);
 }
 
-__device__ __forceinline__ uint32_t e2m1_pair_to_bf16x2_tiny(uint32_t w, int i) {
-    const uint32_t v = w << (12 - 4 * i);
-    return (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u);
-}
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-// bf16(s_e4m3 * 2^117) broadcast to both halves (exact: 4 significant bits, 2^108 .. 448 * 2^117).
-__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t code) {
-    const float f = mm::e4m3_decode((uint8_t)code) * 0x1p117f;
-    const uint32_t b = __float_as_uint(f) >> 16;
-    return b | (b << 16);
-}
 
 // 8 codes (one word, nibble i = element i) times one block scale -> 8 BF16 (e2m1 * s * 2^-9) in natural order.
 __device__ __forceinline__ uint4 dequant8(uint32_t w, uint32_t s2) {
@@ -194,6 +181,50 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* raw_codes, const uin
     }
 }
 
+
+// ---- Work items shared by the prefill mainloops: (expert token tile of 128 rows, n tile), n tile fastest ----------
+// Rows of expert e in the contiguous grouping, clamped to [0, rows_total] so a bad offset cannot index out of bounds.
+__device__ __forceinline__ void contiguous_expert_rows(const int* __restrict__ offsets, int rows_total, int e,
+                                                       int& start, int& count) {
+    const int lo = min(max(offsets[e], 0), rows_total);
+    const int hi = min(max(offsets[e + 1], lo), rows_total);
+    start = lo;
+    count = hi - lo;
+}
+
+// s_tile_prefix[e] = 128-row token tiles of the experts before e (e = 0..E); thread t owns experts 2t and 2t+1.
+// Leaves the CTA synchronized (expert_tile_prefix).
+template <int THREADS>
+__device__ __forceinline__ void token_tile_prefix(const int* __restrict__ offsets, int E, int rows_total,
+                                                  int* s_warp_sum, int* s_tile_prefix) {
+    const int tid = threadIdx.x;
+    int tiles0 = 0, tiles1 = 0, s, c;
+    if (2 * tid < E) { contiguous_expert_rows(offsets, rows_total, 2 * tid, s, c); tiles0 = (c + 127) / 128; }
+    if (2 * tid + 1 < E) { contiguous_expert_rows(offsets, rows_total, 2 * tid + 1, s, c); tiles1 = (c + 127) / 128; }
+    expert_tile_prefix<THREADS>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+}
+
+struct TileItem {
+    int e, n_tile, row0, ntok;  // expert, n tile, first row of the token tile, its valid rows (1..128)
+};
+__device__ __forceinline__ TileItem locate_item(long long item, int n_tiles, const int* s_tile_prefix, int E,
+                                                const int* __restrict__ offsets, int rows_total) {
+    TileItem it;
+    it.n_tile = (int)(item % n_tiles);
+    const int et = (int)(item / n_tiles);
+    int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
+    }
+    it.e = lo;
+    int start, count;
+    contiguous_expert_rows(offsets, rows_total, lo, start, count);
+    const int tile = et - s_tile_prefix[lo];
+    it.row0 = start + tile * 128;
+    it.ntok = min(128, count - tile * 128);
+    return it;
+}
 }  // namespace
 
 // Mainloop for a CTA tile of 128 tokens x TN weight rows (see the header). TN = 256 halves the A tile reads
@@ -209,24 +240,10 @@ __device__ __forceinline__ void prefill_body(
     __shared__ int s_warp_sum[kThreads / 32];
 
     uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31;
     const int E = experts;
 
-    auto expert_rows = [&](int e, int& start, int& count) {
-        const int lo = min(max(offsets[e], 0), rows_total);
-        const int hi = min(max(offsets[e + 1], lo), rows_total);
-        start = lo;
-        count = hi - lo;
-    };
-
-    // Exclusive prefix of 128-row token tiles per expert; thread t owns experts 2t and 2t+1.
-    int tiles0 = 0, tiles1 = 0;
-    {
-        int s, c;
-        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + kTileM - 1) / kTileM; }
-        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + kTileM - 1) / kTileM; }
-    }
-    expert_tile_prefix<kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+    token_tile_prefix<kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);
 
     const int n_tiles = N / TN;
     const long long items = (long long)s_tile_prefix[E] * n_tiles;
@@ -239,18 +256,8 @@ __device__ __forceinline__ void prefill_body(
     const uint32_t smem_base = smem_u32(smem);
 
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const int n_tile = (int)(item % n_tiles);
-        const int et = (int)(item / n_tiles);
-        int lo = 0, hi = E - 1;  // largest e with prefix[e] <= et
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
-        }
-        const int e = lo;
-        int start, count;
-        expert_rows(e, start, count);
-        const int row0 = start + (et - s_tile_prefix[e]) * kTileM;
-        const int ntok = min(kTileM, count - (et - s_tile_prefix[e]) * kTileM);
+        const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
+        const int n_tile = it.n_tile, e = it.e, row0 = it.row0, ntok = it.ntok;
         const int n0 = n_tile * TN;
         const uint8_t* b_codes = w_codes + ((size_t)e * N + n0) * codes_row;
         const uint8_t* b_scales = w_scales + ((size_t)e * N + n0) * scales_row;
@@ -426,6 +433,7 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 namespace rs {
 constexpr int kThreads = 256;
 constexpr int kTileT = 128;                       // tokens per CTA tile (wgmma N)
+static_assert(kTileT == 128, "locate_item / token_tile_prefix assume 128-row token tiles");
 constexpr int kTileRows = 256;                    // weight rows per CTA tile (2 WG x 2 m64 blocks)
 constexpr int kStageK = 128;
 constexpr int kRing = 4;                          // raw activation ring (prefetch distance 3 stages)
@@ -443,18 +451,6 @@ struct WStage {
     uint32_t sc[2];
 };
 
-__device__ __forceinline__ uint4 ldg_nc16(const void* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-__device__ __forceinline__ uint32_t ldg_nc_u16(const void* p) {
-    unsigned short v;
-    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
-    return v;
-}
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
@@ -509,9 +505,9 @@ __device__ __forceinline__ void load_weights(WStage& w, const uint8_t* wc, const
 #pragma unroll
     for (int mb = 0; mb < 2; ++mb) {
         const size_t r = (size_t)64 * mb;
-        w.lo[mb] = ldg_nc16(wc + r * codes_row + st * 64);
-        w.hi[mb] = ldg_nc16(wc + (r + 8) * codes_row + st * 64);
-        w.sc[mb] = ldg_nc_u16(ws + r * scales_row + st * 8) | (ldg_nc_u16(ws + (r + 8) * scales_row + st * 8) << 16);
+        w.lo[mb] = ldg_stream(wc + r * codes_row + st * 64);
+        w.hi[mb] = ldg_stream(wc + (r + 8) * codes_row + st * 64);
+        w.sc[mb] = ldg_u16(ws + r * scales_row + st * 8) | (ldg_u16(ws + (r + 8) * scales_row + st * 8) << 16);
     }
 }
 
@@ -587,19 +583,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     const int g = lane >> 2, t = lane & 3;
     const int E = experts;
 
-    auto expert_rows = [&](int e, int& start, int& count) {
-        const int lo = min(max(offsets[e], 0), rows_total);
-        const int hi = min(max(offsets[e + 1], lo), rows_total);
-        start = lo;
-        count = hi - lo;
-    };
-    int tiles0 = 0, tiles1 = 0;
-    {
-        int s, c;
-        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + rs::kTileT - 1) / rs::kTileT; }
-        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + rs::kTileT - 1) / rs::kTileT; }
-    }
-    expert_tile_prefix<rs::kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
+    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
 
     const int n_tiles = N / rs::kTileRows;
     const long long items = (long long)s_tile_prefix[E] * n_tiles;
@@ -608,18 +592,8 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     const uint8_t* a_codes = reinterpret_cast<const uint8_t*>(act);
 
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const int n_tile = (int)(item % n_tiles);
-        const int et = (int)(item / n_tiles);
-        int lo = 0, hi = E - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
-        }
-        const int e = lo;
-        int start, count;
-        expert_rows(e, start, count);
-        const int row0 = start + (et - s_tile_prefix[e]) * rs::kTileT;
-        const int ntok = min(rs::kTileT, count - (et - s_tile_prefix[e]) * rs::kTileT);
+        const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
+        const int n_tile = it.n_tile, e = it.e, row0 = it.row0, ntok = it.ntok;
         // This thread's weight rows: n0 + 128 wg + 64 mb + 16 wq + g (+ 8), mb = 0, 1.
         const int wrow0 = n_tile * rs::kTileRows + 128 * wg + 16 * wq + g;
         const uint8_t* wc = w_codes + ((size_t)e * N + wrow0) * codes_row + 16 * t;
@@ -791,19 +765,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
     }
-    auto expert_rows = [&](int e, int& start, int& count) {
-        const int lo = min(max(offsets[e], 0), rows_total);
-        const int hi = min(max(offsets[e + 1], lo), rows_total);
-        start = lo;
-        count = hi - lo;
-    };
-    int tiles0 = 0, tiles1 = 0;
-    {
-        int s, c;
-        if (2 * tid < E) { expert_rows(2 * tid, s, c); tiles0 = (c + rs::kTileT - 1) / rs::kTileT; }
-        if (2 * tid + 1 < E) { expert_rows(2 * tid + 1, s, c); tiles1 = (c + rs::kTileT - 1) / rs::kTileT; }
-    }
-    expert_tile_prefix<rs::kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);  // also publishes the inits
+    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
 
     const int n_tiles = N / rs::kTileRows;
     const long long items = (long long)s_tile_prefix[E] * n_tiles;
@@ -812,18 +774,8 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     uint32_t fills = 0, cons = 0;  // ring counters (fills: thread 0 only; cons: CTA-uniform)
 
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const int n_tile = (int)(item % n_tiles);
-        const int et = (int)(item / n_tiles);
-        int lo = 0, hi = E - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
-        }
-        const int e = lo;
-        int start, count;
-        expert_rows(e, start, count);
-        const int row0 = start + (et - s_tile_prefix[e]) * rs::kTileT;
-        const int ntok = min(rs::kTileT, count - (et - s_tile_prefix[e]) * rs::kTileT);
+        const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
+        const int n_tile = it.n_tile, e = it.e, row0 = it.row0, ntok = it.ntok;
         const int wrow0 = n_tile * rs::kTileRows + 128 * wg + 16 * wq + g;
         const uint8_t* wc = w_codes + ((size_t)e * N + wrow0) * codes_row + 16 * t;
         const uint8_t* ws = w_scales + ((size_t)e * N + wrow0) * scales_row + 2 * t;
