@@ -40,9 +40,6 @@
 //     it up to 8 tokens, two plain launches above. Measured (H200, 16 boundaries in one graph, us per boundary,
 //     D = 4096 NVFP4, two-launch / PDL): T = 1 8.3 / 7.3, T = 8 8.9 / 8.8, T = 16 10.3 / 11.0, T = 32 12.4 /
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
-//   Side branch (session 9 A/B, mhc_pre_pdl_side): the same two kernels with the finish on grid (T, 1) and the
-//     coefficient task (post + Sinkhorn -> comb) as its own kernel mhc_pre_coef_side on a stream forked after the
-//     mix: a parallel graph branch, joined back before the consumer of post / comb (see its entry point).
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Removed after the H200 A/B (history):
 //   * Session 7: v5 NVFP4 (rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5; bit-identical to v4p and v6) lost to v6
@@ -1427,7 +1424,6 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
 
 // Grid (T, HEAD ? 1 : 2). blockIdx.y == 1: the coefficient CTA (post + Sinkhorn -> comb), which runs
 // concurrently with blockIdx.y == 0: pre, u = sum pre_i X_i, RMSNorm(u) + quant (u does not need C).
-// (The side-branch path launches the finish on grid (T, 1) and the coefficient task as mhc_pre_coef_side.)
 // HEAD: NMIX = 4, no post / Sinkhorn (hc_head).
 // One token's finish on the calling CTA: coef_task -> post + Sinkhorn (comb); else pre, u, RMSNorm + quant.
 // LANES: the Sinkhorn on 16 lanes (sinkhorn_lanes), else on one thread (sinkhorn_thread; only the removed v1
@@ -1435,11 +1431,7 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
 // All threads of the CTA must call this with the same (t, coef_task); it ends without a trailing barrier.
 // PDL (only the mhc_pre_finish_pdl_* entry points): let the next PDL kernel be scheduled, then wait for the
 // mix kernel (griddep_wait) before the first read of the partials. PDL = false: unchanged.
-// COEF_ONLY (only mhc_pre_coef_side): the coefficient task whatever coef_task says; the rest is dead code. A
-// template argument of its own so that the side kernel is a separate instantiation: sharing one with an
-// existing entry point changed that entry point's SASS (function-scope __shared__ variables belong to the
-// instantiation); with it every existing kernel's SASS is byte-identical to before the side path.
-template <int KIND, bool HEAD, bool LANES, bool PDL = false, bool COEF_ONLY = false>
+template <int KIND, bool HEAD, bool LANES, bool PDL = false>
 __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S, int T,
                                int D, const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
                                const __nv_bfloat16* __restrict__ w, float eps, float* pre_out, float* post_out,
@@ -1456,7 +1448,7 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     }
     reduce_partials<NMIX>(part, S, t, mix, wsum);
     const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
-    if (!HEAD && (COEF_ONLY || coef_task)) {
+    if (!HEAD && coef_task) {
         const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int post_warp = blockDim.x > 32 ? 1 : 0;  // with one warp, post follows the Sinkhorn
         if (LANES) {
@@ -1648,33 +1640,6 @@ extern "C" __global__ void mhc_pre_finish_pdl_fp8(MHC_PRE_COMMON, uint8_t* q, ui
 extern "C" __global__ void mhc_pre_finish_pdl_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
     mhc_pre_finish<KIND_BF16, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
                                                  nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
-}
-
-// ---- A/B (session 9): the coefficient task off the boundary's critical path (mhc_pre_pdl_side) -------------
-// The PDL pair's finish grid (T, 2) runs the coefficient task (partials reduce -> post sigmoids + the 40-step
-// Sinkhorn -> comb) on the y = 1 CTA beside the y = 0 CTA (pre, u, RMSNorm + quant). Session-8 ncu (T = 1): the
-// Sinkhorn warp is the finish kernel's longest warp, ~2-3x each warp of the y = 0 CTA, so the boundary's critical
-// path ends on it, although post and comb are consumed only by the NEXT mhc_post (after the attention / MoE
-// sub-layer). mhc_pre_pdl_side launches:
-//   main stream:  mhc_mix_partial24_pdl (PDL) -> mhc_pre_finish_pdl_* with grid (T, 1) (PDL): only the y = 0 task,
-//                 i.e. pre, u, RMSNorm + quant, unchanged code;
-//   side stream:  forked after the mix (event), mhc_pre_coef_side below (plain launch, grid (T, 1)): the
-//                 coefficient task, unchanged code, writes post and comb.
-// In a CUDA graph the side kernel is a parallel branch with a full edge from the mix; the caller joins the
-// branch back into the main stream before the consumer of post / comb (SideStream::join). A graph completes
-// only when every branch has, so graph replay timing counts the side kernel (it hides behind what follows
-// the boundary, and shows up in full when nothing does).
-// Bits: both kernels call mhc_pre_finish with the same template arguments' arithmetic, and the side kernel runs
-// with the finish's blockDim (row_block_threads(D)), so reduce_partials sums in the same order (nw warps) and
-// every output is bit-identical to the PDL pair's (tests/norm_quant.rs compares them bit for bit). Contract:
-// the side kernel reads the partials after the mix completes, so nothing may rewrite those partials (the next
-// boundary's mix on the same outputs) before the branch is joined.
-extern "C" __global__ void mhc_pre_coef_side(const float* part, int S, int T, int D, const float* hc_scale,
-                                             const float* hc_base, float eps, float* post, float* comb) {
-    // COEF_ONLY: the KIND / quant arguments are never used on this path (X, w, pre, u, q, ... = null).
-    mhc_pre_finish<KIND_BF16, false, true, false, true>(nullptr, part, S, T, D, hc_scale, hc_base, nullptr, eps, nullptr, post,
-                                                        comb, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                        blockIdx.x, true);
 }
 
 // hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.

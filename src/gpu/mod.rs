@@ -2,14 +2,12 @@
 //! context and one explicit stream, the registry of embedded kernel modules, typed launch helpers,
 //! CUDA-event timing, CUDA-graph capture and replay, an L2 flush, NVML telemetry and cuBLASLt GEMMs.
 //!
-//! Everything runs on a single non-default stream (a parallel branch forks onto a [`side::SideStream`] and joins
-//! back explicitly) with cudarc's event tracking disabled (it is disabled
+//! Everything runs on a single non-default stream with cudarc's event tracking disabled (it is disabled
 //! before the first allocation), so launches carry no hidden waits and graph capture sees only our work.
 
 pub mod blas;
 pub mod module;
 pub mod pdl;
-pub mod side;
 pub mod telemetry;
 pub mod timing;
 pub mod tma;

@@ -13,9 +13,7 @@
 //!   finish kernel; [`mhc_pre_unfused`] is the op-by-op chain (rms, GEMV, Sinkhorn, apply, RMSNorm,
 //!   quant: 6 launches); [`mhc_post`] and [`hc_head`]. [`mhc_pre`] launches its two kernels as a
 //!   programmatic-dependent-launch pair up to 8 tokens and as two plain launches above
-//!   ([`mhc_pre_auto_path`]); [`mhc_pre_with`] takes an explicit [`MhcPrePath`] (same bits either way);
-//!   [`mhc_pre_pdl_side`] (A/B candidate) runs the coefficient task on a forked stream (a parallel graph
-//!   branch the caller joins before the consumer of post / comb).
+//!   ([`mhc_pre_auto_path`]); [`mhc_pre_with`] takes an explicit [`MhcPrePath`] (same bits either way).
 //!
 //! Layouts: NVFP4 codes `[rows, D/2]` (lower index in the low nibble), e4m3 scales `[rows, D/16]`,
 //! global scale `[rows]` f32; FP8 codes `[rows, D]`, ue8m0 scale codes `[rows, D/128]`; residual streams
@@ -38,7 +36,6 @@ use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
 use crate::gpu::pdl::{launch_pdl, RawArgs};
-use crate::gpu::side::SideStream;
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
 
@@ -1086,127 +1083,57 @@ pub fn mhc_pre_with(
             launch_pre_finish(gpu, x, w, eps, out)
         }
         MhcPrePath::PdlPair => {
-            launch_mix_partial_pdl(gpu, x, w, out)?;
+            let (tokens, d) = (out.tokens, out.d);
+            let name = "mhc_mix_partial24_pdl";
+            let f = gpu.function(FAMILY, name)?;
+            let mut a = RawArgs::default();
+            a.slice(gpu, x)
+                .slice(gpu, &w.mix_fn)
+                .slice(gpu, &out.partials)
+                .i32(tokens as i32)
+                .i32((4 * d) as i32);
+            let grid = (mix_splits(d) as u32, tokens.div_ceil(32) as u32, 1);
+            launch_pdl(gpu, &f, grid, (128, 1, 1), &mut a, name)?;
+
+            let name = format!("mhc_pre_finish_pdl_{}", out.normed.format.name());
+            let f = gpu.function(FAMILY, &name)?;
+            let mut a = RawArgs::default();
+            a.slice(gpu, x)
+                .slice(gpu, &out.partials)
+                .i32(mix_splits(d) as i32)
+                .i32(tokens as i32)
+                .i32(d as i32)
+                .slice(gpu, &w.scale)
+                .slice(gpu, &w.base)
+                .slice(gpu, &w.norm_weight)
+                .f32(eps)
+                .slice(gpu, &out.pre)
+                .slice(gpu, &out.post)
+                .slice(gpu, &out.comb)
+                .slice(gpu, &out.u);
+            match &out.normed.q {
+                QuantBufs::Nvfp4 {
+                    data,
+                    scales,
+                    global_scale,
+                } => {
+                    a.slice(gpu, data)
+                        .slice(gpu, scales)
+                        .slice(gpu, global_scale);
+                }
+                QuantBufs::Fp8 { data, scales } => {
+                    a.slice(gpu, data).slice(gpu, scales);
+                }
+                QuantBufs::Bf16 { y } => {
+                    a.slice(gpu, y);
+                }
+            }
+            a.slice(gpu, &out.normed.rstd);
             // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn (as mhc_pre_finish2_*).
-            launch_pre_finish_pdl(gpu, x, w, eps, out, 2)
+            let grid = (tokens as u32, 2, 1);
+            launch_pdl(gpu, &f, grid, (row_block_threads(d), 1, 1), &mut a, &name)
         }
     }
-}
-
-/// `mhc_mix_partial24_pdl` on the Gpu's stream (PDL launch): the split-K partials of `x` into `out`.
-fn launch_mix_partial_pdl(
-    gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &MhcWeights,
-    out: &MhcPreOutputs,
-) -> Result<()> {
-    let (tokens, d) = (out.tokens, out.d);
-    let name = "mhc_mix_partial24_pdl";
-    let f = gpu.function(FAMILY, name)?;
-    let mut a = RawArgs::default();
-    a.slice(gpu, x)
-        .slice(gpu, &w.mix_fn)
-        .slice(gpu, &out.partials)
-        .i32(tokens as i32)
-        .i32((4 * d) as i32);
-    let grid = (mix_splits(d) as u32, tokens.div_ceil(32) as u32, 1);
-    launch_pdl(gpu, &f, grid, (128, 1, 1), &mut a, name)
-}
-
-/// `mhc_pre_finish_pdl_*` on the Gpu's stream (PDL launch), grid (T, `ctas_per_token`): with 2 the y = 1 CTA
-/// of each token also writes post and comb (the PDL pair); with 1 only pre, u and RMSNorm(u) are written
-/// (the side-branch path, whose coefficient kernel writes post and comb).
-fn launch_pre_finish_pdl(
-    gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &MhcWeights,
-    eps: f32,
-    out: &MhcPreOutputs,
-    ctas_per_token: u32,
-) -> Result<()> {
-    let (tokens, d) = (out.tokens, out.d);
-    let name = format!("mhc_pre_finish_pdl_{}", out.normed.format.name());
-    let f = gpu.function(FAMILY, &name)?;
-    let mut a = RawArgs::default();
-    a.slice(gpu, x)
-        .slice(gpu, &out.partials)
-        .i32(mix_splits(d) as i32)
-        .i32(tokens as i32)
-        .i32(d as i32)
-        .slice(gpu, &w.scale)
-        .slice(gpu, &w.base)
-        .slice(gpu, &w.norm_weight)
-        .f32(eps)
-        .slice(gpu, &out.pre)
-        .slice(gpu, &out.post)
-        .slice(gpu, &out.comb)
-        .slice(gpu, &out.u);
-    match &out.normed.q {
-        QuantBufs::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } => {
-            a.slice(gpu, data)
-                .slice(gpu, scales)
-                .slice(gpu, global_scale);
-        }
-        QuantBufs::Fp8 { data, scales } => {
-            a.slice(gpu, data).slice(gpu, scales);
-        }
-        QuantBufs::Bf16 { y } => {
-            a.slice(gpu, y);
-        }
-    }
-    a.slice(gpu, &out.normed.rstd);
-    let grid = (tokens as u32, ctas_per_token, 1);
-    launch_pdl(gpu, &f, grid, (row_block_threads(d), 1, 1), &mut a, &name)
-}
-
-/// The fused mHC boundary with its coefficient task (post + the 4x4 Sinkhorn -> comb) on a parallel branch
-/// (A/B candidate beside [`MhcPrePath::PdlPair`], bit-identical outputs):
-/// * main stream: `mhc_mix_partial24_pdl`, then `mhc_pre_finish_pdl_*` on grid (T, 1) (PDL pair as before,
-///   without the coefficient CTA): pre, u, RMSNorm(u) + quant;
-/// * `side`, forked after the mix: `mhc_pre_coef_side`, grid (T, 1), the PDL pair's coefficient CTA as its own
-///   kernel (plain launch, full dependency on the mix): post and comb.
-///
-/// The Sinkhorn (40 dependent normalizations, the finish kernel's longest warp in the session-8 profile) thus
-/// leaves the chain that feeds the sub-layer; post and comb are read only by the next `mhc_post`.
-///
-/// Contract: the branch is NOT joined here. The caller joins it ([`SideStream::join`]) before anything reads
-/// `out.post` / `out.comb` (the next mhc_post, a download) and before anything rewrites `out`'s split-K
-/// partials (the next boundary on the same outputs), which the side kernel reads; inside a capture, before
-/// the capture ends. Every output is then bit-identical to [`MhcPrePath::PdlPair`]'s.
-pub fn mhc_pre_pdl_side(
-    gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &MhcWeights,
-    eps: f32,
-    out: &mut MhcPreOutputs,
-    side: &SideStream,
-) -> Result<()> {
-    check_mhc_pre(x, w, eps, out)?;
-    let (tokens, d) = (out.tokens, out.d);
-    launch_mix_partial_pdl(gpu, x, w, out)?;
-    side.fork(gpu)?;
-    let name = "mhc_pre_coef_side";
-    let f = gpu.function(FAMILY, name)?;
-    // The finish's block size: reduce_partials sums the partials in an order set by the warp count, so the
-    // coefficient kernel must run with the same blockDim as the PDL pair's coefficient CTA (same bits).
-    let cfg = launch_cfg((tokens as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
-    let (s_i, t_i, d_i) = (mix_splits(d) as i32, tokens as i32, d as i32);
-    let mut b = side.stream().launch_builder(&f);
-    b.arg(&out.partials)
-        .arg(&s_i)
-        .arg(&t_i)
-        .arg(&d_i)
-        .arg(&w.scale)
-        .arg(&w.base)
-        .arg(&eps)
-        .arg(&mut out.post)
-        .arg(&mut out.comb);
-    drv(unsafe { b.launch(cfg) }, name)?;
-    launch_pre_finish_pdl(gpu, x, w, eps, out, 1)
 }
 
 /// `hc_post` of one sub-layer fused with `hc_pre` of the next: `x_out = post (x) y + comb^T x` (as
@@ -1529,9 +1456,6 @@ pub fn bench_rows(
 ///   launches above, [`mhc_pre_auto_path`]);
 /// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
 ///   so both stay measurable on both sides of the threshold (registered in graph form only);
-/// * `fused_side`: [`mhc_pre_pdl_side`] (session-9 A/B): the PDL pair with its coefficient task (post + Sinkhorn
-///   -> comb) as a kernel on a parallel graph branch; graph form only, one output set per boundary, every
-///   branch joined at the end of the graph (so a replay counts them); raced against `fused_pdl`;
 /// * `unfused`: the op-by-op chain;
 ///
 /// each timed three ways:
@@ -1572,10 +1496,6 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_twolaunch_fp8",
     "graph16_fused_twolaunch_nvfp4",
     "graph16_fused_twolaunch_fp8",
-    "graph_fused_side_nvfp4",
-    "graph_fused_side_fp8",
-    "graph16_fused_side_nvfp4",
-    "graph16_fused_side_fp8",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
@@ -1672,7 +1592,7 @@ pub fn bench_mhc(
     };
     let graph = per_graph > 0;
     // kind_fmt with kind in fused (mhc_pre's automatic path), fused_pdl / fused_twolaunch (one path forced),
-    // fused_side (mhc_pre_pdl_side, graph forms only), unfused (the op-by-op chain): MhcBenchPath.
+    // unfused (the op-by-op chain). path: None = unfused, Some(None) = automatic, Some(Some(p)) = forced.
     let (kind, fmt) = rest
         .rsplit_once('_')
         .ok_or_else(|| anyhow::anyhow!("unknown mhc variant `{variant}`"))?;
@@ -1682,107 +1602,55 @@ pub fn bench_mhc(
     let mut scratch = MhcUnfusedScratch::alloc(gpu, tokens)?;
     let mut staging = NormOutputs::alloc_poisoned(gpu, OutFormat::Bf16, tokens, d)?;
     let path = match kind {
-        "fused" => MhcBenchPath::Auto,
-        "fused_pdl" => MhcBenchPath::Forced(MhcPrePath::PdlPair),
-        "fused_twolaunch" => MhcBenchPath::Forced(MhcPrePath::TwoLaunch),
-        "fused_side" => MhcBenchPath::Side,
-        "unfused" => MhcBenchPath::Unfused,
+        "fused" => Some(None),
+        "fused_pdl" => Some(Some(MhcPrePath::PdlPair)),
+        "fused_twolaunch" => Some(Some(MhcPrePath::TwoLaunch)),
+        "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
             MHC_VARIANTS.join(", ")
         ),
     };
-    let replays = if per_graph == 1 {
-        MHC_GRAPH1_REPLAYS
-    } else {
-        MHC_GRAPH16_REPLAYS
+    let fused = path.is_some();
+    let mut run = |out: &mut MhcPreOutputs| match path {
+        Some(None) => mhc_pre(gpu, &x, &w, eps, out),
+        Some(Some(p)) => mhc_pre_with(gpu, &x, &w, eps, out, p),
+        None => mhc_pre_unfused(gpu, &x, &w, eps, &mut scratch, &mut staging, out),
     };
-    let s = if path == MhcBenchPath::Side {
-        if !graph {
-            bail!("mhc variant `{variant}`: the side-branch path is timed in graph form only (graph_ / graph16_)");
-        }
-        // The coefficient kernel of boundary k reads boundary k's split-K partials after the main stream has
-        // moved on; with back-to-back boundaries (no sub-layer in between, unlike a decode step, where the
-        // branch joins before the next mhc_post) the next boundary's mix would rewrite those partials while the
-        // branch may still read them. So each boundary of the graph gets its own output set (16 x ~30 KB at
-        // T = 1, ~1.6 MB at T = 64, D = 4096; graph16_fused_pdl_* reuses one), and the branches of all
-        // boundaries join the main stream once, at the end of the graph: a replay completes only when the last
-        // coefficient kernel has, so time / boundary counts every branch.
-        let side = SideStream::new(gpu)?;
-        let mut outs = vec![out];
-        for _ in 1..per_graph {
-            outs.push(MhcPreOutputs::alloc_poisoned(gpu, format, tokens, d)?);
-        }
-        mhc_pre_pdl_side(gpu, &x, &w, eps, &mut outs[0], &side)?; // module load + shape checks outside the capture
-        side.join(gpu)?;
+    let s = if graph {
+        run(&mut out)?; // loads the module and checks shapes outside the capture
         gpu.synchronize()?;
         let g = gpu.capture(|| {
-            for o in outs.iter_mut() {
-                mhc_pre_pdl_side(gpu, &x, &w, eps, o, &side)?;
+            for _ in 0..per_graph {
+                run(&mut out)?;
             }
-            side.join(gpu)
+            Ok(())
         })?;
+        let replays = if per_graph == 1 {
+            MHC_GRAPH1_REPLAYS
+        } else {
+            MHC_GRAPH16_REPLAYS
+        };
+        // time_graph_us divides by the replays; per boundary divides by the boundaries of one graph too.
         gpu.time_graph_us(&g, plan, replays)?
             .into_iter()
             .map(|us| us / per_graph as f64)
             .collect()
     } else {
-        let mut run = |out: &mut MhcPreOutputs| match path {
-            MhcBenchPath::Auto => mhc_pre(gpu, &x, &w, eps, out),
-            MhcBenchPath::Forced(p) => mhc_pre_with(gpu, &x, &w, eps, out, p),
-            MhcBenchPath::Side => unreachable!("timed above"),
-            MhcBenchPath::Unfused => {
-                mhc_pre_unfused(gpu, &x, &w, eps, &mut scratch, &mut staging, out)
-            }
-        };
-        if graph {
-            run(&mut out)?; // loads the module and checks shapes outside the capture
-            gpu.synchronize()?;
-            let g = gpu.capture(|| {
-                for _ in 0..per_graph {
-                    run(&mut out)?;
-                }
-                Ok(())
-            })?;
-            // time_graph_us divides by the replays; per boundary divides by the boundaries of one graph too.
-            gpu.time_graph_us(&g, plan, replays)?
-                .into_iter()
-                .map(|us| us / per_graph as f64)
-                .collect()
-        } else {
-            gpu.time_us(plan, || run(&mut out))?
-        }
+        gpu.time_us(plan, || run(&mut out))?
     };
     // Inputs once (X, F, norm weight, scale/base), outputs once (pre, post, C, u, rstd, quantized y).
     let bytes = x_bytes
         + (reference::HC_MIX * 4 * d * 4 + d * 2 + 27 * 4) as u64
         + (tokens * (24 * 4 + 2 * d + 4 + format.row_bytes(d))) as u64;
-    // Baselines are timed the same way (same graph shape).
+    // Raced against the op-by-op chain timed the same way (same graph shape).
     let prefix = match per_graph {
         0 => "",
         1 => "graph_",
         _ => "graph16_",
     };
-    // Raced against the op-by-op chain; the side-branch path against the PDL pair it splits.
-    let base = match path {
-        MhcBenchPath::Unfused => None,
-        MhcBenchPath::Side => Some(format!("{prefix}fused_pdl_{fmt}")),
-        _ => Some(format!("{prefix}unfused_{fmt}")),
-    };
+    let base = fused.then(|| format!("{prefix}unfused_{fmt}"));
     Ok(point(bytes, s, base))
-}
-
-/// How a `<kind>_<fmt>` mHC bench variant launches the boundary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum MhcBenchPath {
-    /// `fused`: [`mhc_pre`]'s automatic choice.
-    Auto,
-    /// `fused_pdl` / `fused_twolaunch`.
-    Forced(MhcPrePath),
-    /// `fused_side`: [`mhc_pre_pdl_side`], the coefficient task on a parallel graph branch.
-    Side,
-    /// `unfused`: the op-by-op chain.
-    Unfused,
 }
 
 // ---- seeded inputs shared by tests and benchmarks ------------------------------------------------------------
