@@ -389,17 +389,17 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial, 128)
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 
 // =====================================================================================================================
-// RS mainloop (`moe_gemm_prefill_partial_rs`): weights dequantized IN REGISTERS as the wgmma A operand.
+// RS mainloop (`moe_gemm_prefill_partial_rs_tma`, the routed prefill mainloop since session 9): weights dequantized
+// IN REGISTERS as the wgmma A operand; activations pre-permuted once (`moe_gemm_prefill_act_rs`) and fed by TMA.
 // =====================================================================================================================
 // Why: the SS mainloop above writes every dequantized BF16 weight tile to shared memory and reads it back through
 // wgmma; with the A tile, the raw stages and the cp.async traffic that is ~150 KB of shared-memory traffic per
 // 1024 tensor cycles (~146 B/clk against the 128 B/clk an SM's shared memory delivers), so the tensor cores wait
 // (Nsight, session 8: HGMMA 1.7% of the stall samples; short_sb, dequant issue and weight loads dominate).
 // Here the roles swap (as in the decode kernel): weight rows are the wgmma M dimension and come from REGISTERS
-// (`wgmma ... {a0..a3}, b-desc`: the RS form), tokens are the wgmma N dimension and come from shared memory.
-// Shared-memory traffic per 1024 tensor cycles: the B operand (tokens) 64 KB + the activation dequant (~25 KB)
-// = ~90 B/clk; the weights never touch shared memory (16-byte ld.global.nc straight into registers, one stage
-// ahead, exactly as the decode kernel loads them).
+// (`wgmma ... {a0..a3}, b-desc`: the RS form), tokens are the wgmma N dimension and come from shared memory. The
+// weights never touch shared memory (16-byte ld.global.nc straight into registers, one 128-K stage ahead, exactly
+// as the decode kernel loads them); the B operand (tokens) is 64 B/clk of shared-memory reads at the full rate.
 //
 // * CTA tile: 256 weight rows (2 warp groups x 2 m64 blocks) x 128 tokens (m64n128k16, 2 x 64 fp32 accumulators
 //   per thread) x K in stages of 128 (two 128B-swizzle atoms of 64 K).
@@ -412,37 +412,32 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 //   one per warp (a0: row g, k 2t..2t+1; a1: row g+8; a2: row g, k 2t+8..2t+9; a3: row g+8), warp w holding rows
 //   16w .. 16w+15 of the m64 block.
 //   So logical k = 2t + b of slice S is physical K 32t + 8j + 2h + 4b, and logical k = 2t + 8 + b is physical
-//   32t + 8j + 2h + 1 + 4b. The activation tile must hold the same physical elements at those logical places:
-//   logical 16-byte chunk c = 4j + i (i = 0..3) of a token's 128-K row = [P_i(word 4t+j) for t = 0..3], built by the
-//   activation dequant below (chunks 0..7 in atom 0, 8..15 in atom 1; 128B swizzle inside each atom).
+//   32t + 8j + 2h + 1 + 4b. The activations must hold the same physical elements at those logical places:
+//   logical 16-byte chunk c = 4j + i (i = 0..3) of a token's 128-K row = [P_i(word 4t+j) for t = 0..3], which the
+//   pre-pass writes (chunks 0..7 = TMA box / swizzle atom 0, 8..15 = atom 1).
 //   CPU mirrors of both index maps are checked against each other in src/ops/moe_gemm/prefill.rs
 //   (rs_fragments_and_activation_tile_agree_on_a_permutation_of_k).
-// * Numerics: identical rounding points to the SS kernel (products exact: e2m1 * s * 2^-9 per operand, fp32
-//   accumulation; the epilogue multiplies by 2^18, exact), only the fp32 summation order differs.
-// * Pipeline per 128-K stage st (all 256 threads; no warp specialization):
-//     cp.async the raw NVFP4 activations of stage st+3 into ring slot (st+3) % 4; ld.global the weights of st+1
-//     into the second register stage; slices 0-3: dequant fragment, wgmma.fence, 2 wgmma (m64 blocks), commit,
-//     wgmma.wait_group 1 (the previous slice's registers are free again); mid-stage: cp.async.wait (raw st+1
-//     landed), barrier, dequant the activations of st+1 into the other BF16 tile (its previous readers, stage
-//     st-1's wgmmas, completed at this stage's first wait_group 1, before the barrier), fence.proxy.async;
-//     slices 4-7; barrier (tile st+1 complete).
+// * Numerics: identical rounding points to the SS kernel (products exact: e2m1 * s * 2^-9 per dequantized operand,
+//   fp32 accumulation; the epilogue multiplies by 2^18 (NVFP4 A) or 2^9 (BF16 A), exact), only the fp32 summation
+//   order differs.
 // * Budget per CTA stage: 256 x 128 x 128 MAC = 4 Mi MAC at 2048 BF16 MAC/clk/SM (H200 dense BF16 peak) = 2048
-//   tensor cycles. Issue per warp and stage: weight dequant 2 m64 x 8 slices x (4 pairs x 4 ops) = 256 + scales 16 + activation dequant ~90 +
-//   wgmma / fence / wait ~60 = ~420 issue slots per 2048 cycles and scheduler pair of warps (~40% of issue).
-//   HBM: 16 KB of weight codes + 1 KB scales per CTA stage per 2048 cycles = ~8.5 B/clk/SM (~2.2 TB/s at 132 SMs).
+//   tensor cycles. SASS per warp and stage: ~520 (64 HMUL2 + ~190 integer ops of the e2m1 trick for 64 weight
+//   pairs, 8 scale decodes, 16 HGMMA with their fences / waits, loads, ring protocol): ~1040 issue cycles per
+//   scheduler (2 warps) per 2048 tensor cycles. HBM: 16 KB of weight codes + 1 KB scales per CTA stage.
+// * History (session-9 A/B, H200, 5b417ca; whole L1 / L2 call in us, SS n256 / RS / RS-TMA): the first RS kernel
+//   (`moe_gemm_prefill_partial_rs`, removed) dequantized each stage's NVFP4 activation tile inside every CTA
+//   (~850 SASS per warp and stage, a mid-stage barrier, 16 CTAs repeating the same tile): Flash L1 4096 tokens
+//   3628.4 / 2976.2 / 2854.8, 16384 12508.9 / 10238.2 / 9776.6, L2 4096 1876.2 / 1558.5 / 1504.2, 16384 6581.7 /
+//   5368.4 / 5055.6; Pro L1 4096 12201.3 / 10006.5 / 9838.3. Mainloop alone under ncu at Flash L1 4096: 3.19 /
+//   2.55 / 2.32 ms (+ 0.124 ms pre-pass).
 namespace rs {
 constexpr int kThreads = 256;
 constexpr int kTileT = 128;                       // tokens per CTA tile (wgmma N)
 static_assert(kTileT == 128, "locate_item / token_tile_prefix assume 128-row token tiles");
 constexpr int kTileRows = 256;                    // weight rows per CTA tile (2 WG x 2 m64 blocks)
 constexpr int kStageK = 128;
-constexpr int kRing = 4;                          // raw activation ring (prefetch distance 3 stages)
 constexpr int kAtomBytes = kTileT * 128;          // one [128 tokens][64 K] BF16 swizzle atom: 16 KiB
 constexpr int kActTile = 2 * kAtomBytes;          // one 128-K stage of BF16 activations: 32 KiB
-constexpr int kRawCodes = kTileT * 64;            // 128 tokens x 64 code bytes
-constexpr int kRawStage = kRawCodes + kTileT * 8; // + 8 block-scale bytes per token: 9 KiB
-constexpr int kBytes = 2 * kActTile + kRing * kRawStage;  // 100 KiB (+ 1024 alignment slack from the host)
-static_assert(kBytes + 1024 == 103424, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_RS in sync");
 
 // Weights of one 128-K stage for one thread: rows g and g+8 of its two m64 blocks (16 B of codes each) and their
 // block scales (lo16: row g blocks 2t, 2t+1; hi16: row g+8).
@@ -467,36 +462,6 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[64], uint32_t a0,
 }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-
-// Raw NVFP4 activations of one stage (token rows of 64 code bytes + 8 scale bytes) -> the permuted, swizzled BF16
-// tile (header: chunk 4j + i of a token = [P_i(word 4t + j) * s(block 2t + j/2), t = 0..3]). Task (token, j):
-// 4 code words, 4 block scales, 16 pairs, 4 x 16-byte stores; 512 tasks, 2 per thread.
-__device__ __forceinline__ void dequant_activations(const uint8_t* raw, uint8_t* tile) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int q = threadIdx.x + kThreads * r;
-        const int token = q >> 2, j = q & 3;
-        const uint8_t* codes = raw + token * 64 + 4 * j;
-        const uint2 sc8 = *reinterpret_cast<const uint2*>(raw + kRawCodes + token * 8);
-        uint32_t w[4], s[4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            w[t] = *reinterpret_cast<const uint32_t*>(codes + 16 * t);
-            const int sb = 2 * t + (j >> 1);  // block scale byte of word 4t + j
-            s[t] = scale_bf16x2(((sb < 4 ? sc8.x : sc8.y) >> (8 * (sb & 3))) & 0xFF);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            uint4 o;
-            o.x = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[0], i), s[0]);
-            o.y = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[1], i), s[1]);
-            o.z = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[2], i), s[2]);
-            o.w = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[3], i), s[3]);
-            const int c = 4 * j + i;  // logical 16-byte chunk of the 128-K row
-            *reinterpret_cast<uint4*>(tile + (c >> 3) * kAtomBytes + sw128_offset(token, c & 7)) = o;
-        }
-    }
-}
 
 // This thread's weights of 128-K stage st: rows g and g+8 of both m64 blocks (64 rows apart), 16 code bytes each
 // at the lane's 32-K slice, and their two block scales. `wc` / `ws` point at row g of block 0, lane offset included.
@@ -563,120 +528,15 @@ __device__ __forceinline__ void store_partials(const float (&d)[2][64], float* _
 }
 }  // namespace rs
 
-// grid = persistent, block = 256, dynamic smem = rs::kBytes + 1024. NVFP4 activations only (act_is_nvfp4 must be
-// 1: the launcher refuses BF16 A, which keeps the SS kernels), N % 256 == 0, K % 128 == 0, 1 <= experts <= 512.
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs(
-    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
-    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
-    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
-    extern __shared__ uint8_t rs_smem_raw[];
-    __shared__ int s_tile_prefix[kMaxExperts + 1];
-    __shared__ int s_warp_sum[rs::kThreads / 32];
-    if (!act_is_nvfp4) return;  // refused by the launcher; nothing sensible to compute
-
-    uint8_t* smem = rs_smem_raw + ((1024u - (smem_u32(rs_smem_raw) & 1023u)) & 1023u);
-    uint8_t* act_tiles = smem;                 // 2 x rs::kActTile, 1024-aligned
-    uint8_t* raw_ring = smem + 2 * rs::kActTile;   // rs::kRing x rs::kRawStage
-    const uint32_t smem_base = smem_u32(smem);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wg = warp >> 2, wq = warp & 3;   // warp group, warp within it
-    const int g = lane >> 2, t = lane & 3;
-    const int E = experts;
-
-    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
-
-    const int n_tiles = N / rs::kTileRows;
-    const long long items = (long long)s_tile_prefix[E] * n_tiles;
-    const int stages = K / rs::kStageK;
-    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
-    const uint8_t* a_codes = reinterpret_cast<const uint8_t*>(act);
-
-    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
-        const int n_tile = it.n_tile, e = it.e, row0 = it.row0, ntok = it.ntok;
-        // This thread's weight rows: n0 + 128 wg + 64 mb + 16 wq + g (+ 8), mb = 0, 1.
-        const int wrow0 = n_tile * rs::kTileRows + 128 * wg + 16 * wq + g;
-        const uint8_t* wc = w_codes + ((size_t)e * N + wrow0) * codes_row + 16 * t;
-        const uint8_t* ws = w_scales + ((size_t)e * N + wrow0) * scales_row + 2 * t;
-        // Raw activations of stage st -> ring slot st % rs::kRing (one commit group per call, possibly empty). Token
-        // rows >= ntok are zero-filled (src size 0), so their products are 0 (and they are never stored).
-        auto issue_act = [&](int st) {
-            if (st < stages) {
-                const uint32_t raw = smem_base + 2 * rs::kActTile + (st % rs::kRing) * rs::kRawStage;
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {  // 128 tokens x 4 chunks of 16 code bytes
-                    const int q = tid + rs::kThreads * i;
-                    const int r = q >> 2, c = q & 3;
-                    const bool ok = r < ntok;
-                    const size_t grow = (size_t)(row0 + (ok ? r : 0));
-                    cp_async16(raw + r * 64 + c * 16, a_codes + grow * codes_row + st * 64 + c * 16, ok ? 16 : 0);
-                }
-                if (tid < rs::kTileT) {  // 8 scale bytes per token
-                    const bool ok = tid < ntok;
-                    const size_t grow = (size_t)(row0 + (ok ? tid : 0));
-                    cp_async4(raw + rs::kRawCodes + tid * 8, act_scales + grow * scales_row + st * 8, ok ? 4 : 0);
-                    cp_async4(raw + rs::kRawCodes + tid * 8 + 4, act_scales + grow * scales_row + st * 8 + 4, ok ? 4 : 0);
-                }
-            }
-            cp_async_commit();
-        };
-
-        float d[2][64];
-#pragma unroll
-        for (int mb = 0; mb < 2; ++mb)
-#pragma unroll
-            for (int i = 0; i < 64; ++i) d[mb][i] = 0.f;
-
-        // Prologue: raw stages 0..rs::kRing-2 in flight, weights of stage 0 in registers, activations of stage 0
-        // dequantized into tile 0.
-        rs::WStage w_cur, w_next;
-        rs::load_weights(w_cur, wc, ws, codes_row, scales_row, 0);
-#pragma unroll
-        for (int st = 0; st < rs::kRing - 1; ++st) issue_act(st);
-        cp_async_wait<rs::kRing - 2>();
-        __syncthreads();  // raw stage 0 complete; the previous item's last readers of tile 0 / ring are done
-        rs::dequant_activations(raw_ring, act_tiles);
-        fence_proxy_async();
-        __syncthreads();
-
-        for (int st = 0; st < stages; ++st) {
-            issue_act(st + rs::kRing - 1);
-            if (st + 1 < stages) rs::load_weights(w_next, wc, ws, codes_row, scales_row, st + 1);
-            const uint64_t db = sw128_desc(smem_base + (st & 1) * rs::kActTile);
-#pragma unroll
-            for (int S = 0; S < 4; ++S) rs::mma_slice(d, w_cur, S, db);
-            if (st + 1 < stages) {
-                cp_async_wait<rs::kRing - 2>();  // this thread's raw copies of stage st + 1 landed
-                __syncthreads();             // everyone's; and every stage st-1 wgmma (tile (st+1)&1) completed
-                rs::dequant_activations(raw_ring + ((st + 1) % rs::kRing) * rs::kRawStage, act_tiles + ((st + 1) & 1) * rs::kActTile);
-                fence_proxy_async();
-            }
-#pragma unroll
-            for (int S = 4; S < 8; ++S) rs::mma_slice(d, w_cur, S, db);
-            __syncthreads();  // activation tile st + 1 complete
-            w_cur = w_next;
-        }
-        rs::wgmma_wait<0>();
-        fence_acc(d[0]);
-        fence_acc(d[1]);
-
-        rs::store_partials(d, partial, N, row0, ntok, wrow0, t, 0x1p18f);
-    }
-}
-
 // =====================================================================================================================
-// RS mainloop fed by TMA (`moe_gemm_prefill_partial_rs_tma`) + its activation pre-pass (`moe_gemm_prefill_act_rs`).
+// The activation pre-pass (`moe_gemm_prefill_act_rs`) and the TMA ring of the RS mainloop.
 // =====================================================================================================================
-// Why: in `moe_gemm_prefill_partial_rs` every CTA dequantizes its 128-token activation tile once per stage
-// (~200 of its ~850 SASS per warp and stage, plus ~60 of cp.async address math and a mid-stage barrier), and the
-// 16 CTAs that share a token tile (one per 256-row n tile) all repeat it. Here one pass over A writes it once,
-// in the RS logical order, as BF16 [rows][K] (e2m1 * s * 2^-9 for NVFP4 A, the exact values of the in-CTA
-// dequant; the BF16 values themselves for BF16 A, which the RS kernel could not take); the mainloop then streams
-// each stage's two [128 tokens][64 K] atoms with two TMA copies (SWIZZLE_128B lands exactly the swizzled K-major
-// layout the descriptor expects) into a 4-slot ring: one thread issues, mbarriers count the bytes, no barrier
-// across the CTA and no generic-proxy writes of wgmma operands (hence no proxy fence). Token rows past the
-// expert's count are loaded too (rows of the next expert, or zeros past rows_total): their accumulator columns
-// are never stored, so they cost nothing but bandwidth.
+// One pass over A writes it once, in the RS logical order, as BF16 [rows][K] (e2m1 * s * 2^-9 for NVFP4 A, the
+// values the weights' trick produces too; the BF16 values themselves for BF16 A); the mainloop streams each stage's
+// two [128 tokens][64 K] atoms with two TMA copies (SWIZZLE_128B lands exactly the swizzled K-major layout the
+// descriptor expects) into a 4-slot ring: one thread issues, mbarriers count the bytes, no CTA-wide barrier and no
+// generic-proxy writes of wgmma operands (hence no proxy fence). Token rows past the expert's count are loaded too
+// (rows of the next expert, or zeros past rows_total): their accumulator columns are never stored.
 // Ring protocol (fills and consumptions counted per CTA across its work items, same order): fill f goes to slot
 // f % 4; its full barrier (count 1: the producer's arrive.expect_tx of 32 KiB) completes phase f / 4; the empty
 // barrier (count 8: lane 0 of every warp after wgmma.wait_group 0 of the stage) must have completed phase

@@ -102,8 +102,6 @@ enum Mode {
     Tile128,
     /// ... with `PrefillKernel::Ss256` (128 x 256 tile, m64n256k16).
     Tile256,
-    /// ... with `PrefillKernel::Rs` (weights in registers as the wgmma A operand; NVFP4 A only).
-    Rs,
     /// ... with `PrefillKernel::RsTma` (activation pre-pass + the RS mainloop fed by TMA; both A formats).
     RsTma,
 }
@@ -135,7 +133,6 @@ fn check_prefill(
             Mode::Routed => "via launch_partial",
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
-            Mode::Rs => "forced, RS 256x128",
             Mode::RsTma => "forced, RS 256x128 via TMA",
         }
     );
@@ -156,7 +153,6 @@ fn check_prefill(
         let kernel = match mode {
             Mode::Tile128 => PrefillKernel::Ss128,
             Mode::Tile256 => PrefillKernel::Ss256,
-            Mode::Rs => PrefillKernel::Rs,
             _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
@@ -200,11 +196,8 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    for mode in [Mode::Tile128, Mode::Tile256, Mode::Rs, Mode::RsTma] {
+    for mode in [Mode::Tile128, Mode::Tile256, Mode::RsTma] {
         for nvfp4 in [false, true] {
-            if mode == Mode::Rs && !nvfp4 {
-                continue; // RS takes NVFP4 A only (refusal checked in the rejects test)
-            }
             check_prefill(
                 &gpu,
                 &format!("counts {counts:?}"),
@@ -237,7 +230,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
         // RS: N % 256, 4 stages of 128 K (one more than the 3 stages its prologue puts in flight).
         let w = quantized_weights(&mut rng, 3, 256, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        for (nvfp4, mode) in [(true, Mode::Rs), (true, Mode::RsTma), (false, Mode::RsTma)] {
+        for nvfp4 in [true, false] {
             check_prefill(
                 &gpu,
                 &format!("short K {k}"),
@@ -245,7 +238,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
                 &dw,
                 &rb,
                 nvfp4,
-                mode,
+                Mode::RsTma,
                 &mut rng,
             );
         }
@@ -275,9 +268,10 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         &mut rng,
     );
     // N % 256 == 0: launch_partial routes to the 128 x 256 tile (the default), N = 128 above to the 128 x 128.
-    assert_eq!(PrefillKernel::default_for(256), PrefillKernel::Ss256);
-    assert_eq!(PrefillKernel::default_for(128), PrefillKernel::Ss128);
-    assert_eq!(PrefillKernel::default_for(384), PrefillKernel::Ss128);
+    assert_eq!(PrefillKernel::default_for(256, 512), PrefillKernel::RsTma);
+    assert_eq!(PrefillKernel::default_for(256, 576), PrefillKernel::Ss256);
+    assert_eq!(PrefillKernel::default_for(128, 512), PrefillKernel::Ss128);
+    assert_eq!(PrefillKernel::default_for(384, 512), PrefillKernel::Ss128);
     let w = quantized_weights(&mut rng, 2, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&[200, 70]);
@@ -312,18 +306,16 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     // The same routing through the RS kernel (N = 256: one n tile per expert token tile).
     let w = quantized_weights(&mut rng, 256, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    for mode in [Mode::Rs, Mode::RsTma] {
-        check_prefill(
-            &gpu,
-            "4096 tokens, 6 of 256",
-            &w,
-            &dw,
-            &rb,
-            true,
-            mode,
-            &mut rng,
-        );
-    }
+    check_prefill(
+        &gpu,
+        "4096 tokens, 6 of 256",
+        &w,
+        &dw,
+        &rb,
+        true,
+        Mode::RsTma,
+        &mut rng,
+    );
 }
 
 #[test]
@@ -353,8 +345,7 @@ fn gpu_prefill_flash_and_pro_shapes() {
             Mode::Tile256,
         ),
         ("Pro L2", 7168, 3072, vec![130], true, Mode::Tile256),
-        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::Rs),
-        ("Pro L2", 7168, 3072, vec![1, 128], true, Mode::Rs),
+        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsTma),
         ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsTma),
         ("Pro L2", 7168, 3072, vec![130], true, Mode::RsTma),
     ] {
@@ -389,28 +380,10 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     assert!(prefill::check_shape(128, 96).is_err());
     // The 256-wide tile needs N % 256 == 0 (N = 128 here).
     let mut ws3 = Workspace::new(&gpu, 1, 3, 128).unwrap();
-    for kernel in [
-        PrefillKernel::Ss256,
-        PrefillKernel::Rs,
-        PrefillKernel::RsTma,
-    ] {
+    for kernel in [PrefillKernel::Ss256, PrefillKernel::RsTma] {
         let err =
             prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws3, kernel)
                 .unwrap_err();
         assert!(err.to_string().contains("tile width"), "{kernel:?}: {err}");
     }
-    // RS takes NVFP4 activations only (the BF16 A above is refused before any launch).
-    let w = quantized_weights(&mut rng, 2, 256, 512);
-    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    let mut ws4 = Workspace::new(&gpu, 1, 3, 256).unwrap();
-    let err = prefill::launch_partial_prefill_with(
-        &gpu,
-        &dw,
-        &da.view(),
-        &dg,
-        &mut ws4,
-        PrefillKernel::Rs,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("NVFP4 activations only"), "{err}");
 }

@@ -17,19 +17,19 @@
 //! * `nvfp4_finishq4` (`moe_gemm_l1` masked / decode points only): `nvfp4` (same mainloop and config) with the
 //!   previous L1 finish `FinishL1Kernel::Q4` instead of the default pad1b (bit-identical outputs; the session-8 A/B
 //!   made pad1b the default), kept measurable for one run. `moe_gemm_l2` skips it.
-//! * `nvfp4_finishl1v2` (`moe_gemm_l1` only, masked and contiguous points): `nvfp4` (same mainloop and config) with
-//!   the L1 finish forced to `FinishL1Kernel::Rows` (session 9: persistent CTAs over row ranges, cp.async ring of
-//!   the next rows' partials; bit-identical outputs), the prefill candidate. `moe_gemm_l2` skips it.
+//! * `nvfp4_finishpad1b` (`moe_gemm_l1` only): `nvfp4` with the L1 finish forced to `FinishL1Kernel::PadOneBarrier`,
+//!   the finish of contiguous (prefill) points before session 9 made `FinishL1Kernel::Rows` their routed finish
+//!   (bit-identical outputs), kept measurable for one run. `moe_gemm_l2` skips it.
 //! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` (`moe_gemm_l2` only): `nvfp4` with the L2 combine
 //!   forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) / `RowWarps` / `Cols2`,
 //!   where `nvfp4` takes `FinishL2Kernel::for_tokens` (RowWarps up to 8 tokens, Cols2 above). Bit-identical
 //!   outputs. `moe_gemm_l1` skips them.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
-//! * `nvfp4_wgmma_rs` (contiguous points only, session-9 A/B): the RS prefill mainloop
-//!   (`PrefillKernel::Rs`: weights dequantized in registers as the wgmma A operand), same finish kernels;
-//!   `nvfp4_wgmma_rstma`: the same mainloop fed by TMA from a one-pass permuted BF16 copy of the activations
-//!   (`PrefillKernel::RsTma`; the pre-pass is inside the timed call).
+//! * `nvfp4_wgmma_rstma` (contiguous points only): the RS prefill mainloop forced (`PrefillKernel::RsTma`: weights
+//!   dequantized in registers as the wgmma A operand, activations from a one-pass permuted BF16 copy through TMA;
+//!   the pre-pass is inside the timed call). Since session 9 `nvfp4` routes prefill shapes to it whenever
+//!   `N % 256 == 0` and `K % 128 == 0`; `nvfp4_wgmma256` keeps the previous SS default measurable.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -57,13 +57,12 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_tma",
     "nvfp4_tma_tiled",
     "nvfp4_finishq4",
-    "nvfp4_finishl1v2",
+    "nvfp4_finishpad1b",
     "nvfp4_l2cols",
     "nvfp4_l2rowwarps",
     "nvfp4_l2cols2",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
-    "nvfp4_wgmma_rs",
     "nvfp4_wgmma_rstma",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -79,32 +78,34 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_tma"
             | "nvfp4_tma_tiled"
             | "nvfp4_finishq4"
-            | "nvfp4_finishl1v2"
+            | "nvfp4_finishpad1b"
             | "nvfp4_l2cols"
             | "nvfp4_l2rowwarps"
             | "nvfp4_l2cols2"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
-            | "nvfp4_wgmma_rs"
             | "nvfp4_wgmma_rstma"
     )
 }
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
 /// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and the
-/// previous decode finish `nvfp4_finishq4` only on masked points too.
+/// previous decode finish `nvfp4_finishq4` only on masked points too; `nvfp4_finishpad1b` (the previous prefill
+/// finish) only on contiguous points.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
-    (variant.starts_with("nvfp4_wgmma") && dg.capacity != 0)
-        || ((variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishq4") && dg.capacity == 0)
+    let masked = dg.capacity != 0;
+    let prefill_only = variant.starts_with("nvfp4_wgmma") || variant == "nvfp4_finishpad1b";
+    let decode_only = variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishq4";
+    (prefill_only && masked) || (decode_only && !masked)
 }
 
-/// The L1 finish kernel of a variant: `nvfp4_finishq4` runs q4, `nvfp4_finishl1v2` the rows kernel, every other
-/// variant the default.
-fn finish_l1_for(variant: &str) -> FinishL1Kernel {
+/// The L1 finish kernel of a variant: `nvfp4_finishq4` runs q4, `nvfp4_finishpad1b` pad1b (the default before
+/// session 9 at contiguous points), every other variant the routed one ([`FinishL1Kernel::for_grouping`]).
+fn finish_l1_for(variant: &str, dg: &DeviceGrouping, i_dim: usize) -> FinishL1Kernel {
     match variant {
         "nvfp4_finishq4" => FinishL1Kernel::Q4,
-        "nvfp4_finishl1v2" => FinishL1Kernel::Rows,
-        _ => FinishL1Kernel::default(),
+        "nvfp4_finishpad1b" => FinishL1Kernel::PadOneBarrier,
+        _ => FinishL1Kernel::for_grouping(dg, i_dim),
     }
 }
 
@@ -144,9 +145,6 @@ fn launch_variant(
         }
         "nvfp4_wgmma256" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::Ss256)
-        }
-        "nvfp4_wgmma_rs" => {
-            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::Rs)
         }
         "nvfp4_wgmma_rstma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsTma)
@@ -365,7 +363,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let mut out = L1Output::new(gpu, rows, i, false)?;
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
-            let finish = finish_l1_for(variant);
+            let finish = finish_l1_for(variant, &dg, i);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
@@ -384,7 +382,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant == "nvfp4_finishq4" || variant == "nvfp4_finishl1v2" {
+    if variant == "nvfp4_finishq4" || variant == "nvfp4_finishpad1b" {
         return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
     }
     let p = Point::new(s, tokens, ctx.seed, 2)?;

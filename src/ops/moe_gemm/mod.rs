@@ -577,7 +577,7 @@ impl L1Output {
 }
 
 /// L1 epilogue on a W13 = [w1; w3] GEMM (N = 2I): DSV4 SwiGLU with clamp, times `routing[row]`, quantized to
-/// NVFP4 with a per-row global scale (one CTA per row holds the fp32 h row in shared memory for the row amax).
+/// NVFP4 with a per-row global scale. Kernel: [`FinishL1Kernel::for_grouping`].
 pub fn launch_finish_l1(
     gpu: &Gpu,
     ws: &Workspace,
@@ -595,7 +595,7 @@ pub fn launch_finish_l1(
         a,
         routing,
         out,
-        FinishL1Kernel::default(),
+        FinishL1Kernel::for_grouping(grp, w13.n / 2),
     )
 }
 
@@ -619,8 +619,10 @@ pub enum FinishL1Kernel {
     /// the one-barrier amax, measured between them and was removed.)
     #[default]
     PadOneBarrier,
-    /// `moe_gemm_finish_l1_swiglu_nvfp4_rows_kc{1,2,3,4}` (session 9, the prefill candidate; bench variant
-    /// `nvfp4_finishl1v2`; not routed by default yet): persistent CTAs of 256 threads, each a contiguous range of
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_rows_kc{1,2,3,4}` (session 9; routed for contiguous groupings by
+    /// [`FinishL1Kernel::for_grouping`]). Session-9 A/B (H200, us, whole Flash L1 call, pad1b / rows): 1024 tokens
+    /// 2582.4 / 2482.6, 4096 3628.4 / 3428.9 (the finish alone under ncu 399 / 255), 16384 12508.9 / 12009.3;
+    /// masked 64 tokens 778.9 / 768.6, 256 tokens 1198.4 / 1193.9; Pro 4096 12201.3 / 11968.4. Persistent CTAs of 256 threads, each a contiguous range of
     /// up to [`FINISH_L1_ROWS_MAX_ROWS_PER_CTA`] rows; split 0 of the next rows' partials streams through a
     /// per-thread cp.async ring in shared memory while the current row computes; gsb stays in registers while the
     /// expert does; h stays in registers, one barrier per row. The instantiation is picked by I (`kcK` takes
@@ -629,6 +631,17 @@ pub enum FinishL1Kernel {
 }
 
 impl FinishL1Kernel {
+    /// The routed L1 finish: [`FinishL1Kernel::Rows`] for a contiguous grouping (prefill; it won at every
+    /// contiguous point of the session-9 A/B) when an instantiation takes `i_dim`, else
+    /// [`FinishL1Kernel::PadOneBarrier`] (the masked / decode layout, whose padding rows it writes directly).
+    pub fn for_grouping(grp: &DeviceGrouping, i_dim: usize) -> FinishL1Kernel {
+        if grp.capacity == 0 && FinishL1Kernel::Rows.entry(i_dim).is_some() {
+            FinishL1Kernel::Rows
+        } else {
+            FinishL1Kernel::PadOneBarrier
+        }
+    }
+
     /// Every L1 finish kernel, q4 first (the tests check it against the CPU quantizer and the others against it).
     pub const ALL: &'static [FinishL1Kernel] = &[
         FinishL1Kernel::Q4,

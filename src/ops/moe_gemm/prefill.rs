@@ -4,15 +4,14 @@
 //! `partial[row, n] = sum_k A[row, k] * B[e(row), n, k]` (no global scales) into a [`Workspace`] with
 //! `splits == 1`, so the existing finish kernels ([`super::launch_finish_bf16`], [`super::launch_finish_l1`],
 //! [`super::launch_finish_l2`]) apply the epilogues unchanged. Contiguous grouping only (prefill: tokens sorted
-//! by expert, offsets). Three mainloops ([`PrefillKernel`]): the SS kernels (CTA tile 128 tokens x 128 or 256
-//! weight rows, both wgmma operands from shared memory, K stages of 64: `N % 128 == 0`, `K % 64 == 0`) and the
-//! RS kernel (256 weight rows x 128 tokens, weights dequantized in registers as the wgmma A operand, K stages of
-//! 128, NVFP4 activations only).
+//! by expert, offsets). Mainloops ([`PrefillKernel`]): the RS kernel (routed: 256 weight rows x 128 tokens,
+//! weights dequantized in registers as the wgmma A operand, activations pre-permuted once and fed by TMA, K stages
+//! of 128) and the SS kernels (CTA tile 128 tokens x 128 or 256 weight rows, both wgmma operands from shared
+//! memory, K stages of 64: `N % 128 == 0`, `K % 64 == 0`; the fallback for other shapes).
 //!
 //! [`super::launch_partial`] routes here when [`routes_here`] holds (contiguous layout, mean rows per
 //! expert >= [`MIN_MEAN_ROWS_PER_EXPERT`], one K split); [`launch_partial_prefill`] forces this path with
-//! the 128 x 256 tile when `N % 256 == 0` ([`PrefillKernel::default_for`]), [`launch_partial_prefill_with`]
-//! with a chosen mainloop.
+//! [`PrefillKernel::default_for`], [`launch_partial_prefill_with`] with a chosen mainloop.
 //!
 //! The CPU mirrors at the bottom ([`sw128_offset`], [`dequant8_like_kernel`], [`sw128_desc`]) restate the
 //! device address, dequant and descriptor logic so unit tests can check them without a GPU.
@@ -50,14 +49,10 @@ pub const SMEM_BYTES_N256: usize = RING * 16384 + 2 * 32768 + RING * (9216 + 460
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
 /// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
 /// mostly padding and the swap-AB mma.sync kernel wins.
-/// Weight rows per CTA tile of the RS kernel (`moe_gemm_prefill_partial_rs`: 2 warp groups x 2 m64 blocks).
+/// Weight rows per CTA tile of the RS kernel (`moe_gemm_prefill_partial_rs_tma`: 2 warp groups x 2 m64 blocks).
 pub const TILE_N_RS: usize = 256;
 /// K per stage of the RS kernel (two NVFP4 blocks per lane of a quad).
 pub const STAGE_K_RS: usize = 128;
-/// Dynamic shared memory of the RS kernel: 2 BF16 activation tiles of 128 tokens x 128 K (32 KiB each), a
-/// 4-slot raw NVFP4 activation ring (128 x (64 + 8) B each), plus 1 KiB for the 1024-byte alignment.
-/// Must match `rs::kBytes + 1024` in the .cu (a static_assert there pins the number).
-pub const SMEM_BYTES_RS: usize = 2 * 32768 + 4 * 9216 + 1024;
 /// Dynamic shared memory of the TMA-fed RS kernel: a 4-slot ring of 128-token x 128-K BF16 activation tiles
 /// (`rs::kBytesT + 1024` in the .cu).
 pub const SMEM_BYTES_RS_TMA: usize = 4 * 32768 + 1024;
@@ -93,12 +88,10 @@ pub enum PrefillKernel {
     Ss128,
     /// `moe_gemm_prefill_partial_n256`: the same with 128 x 256 (m64n256k16). `N % 256 == 0`.
     Ss256,
-    /// `moe_gemm_prefill_partial_rs`: 256 weight rows x 128 tokens, the weights dequantized in registers as the
-    /// wgmma A operand (RS form), the tokens from shared memory. `N % 256 == 0`, `K % 128 == 0`, NVFP4 A only.
-    Rs,
-    /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_tma`: a pre-pass writes the activations once in
-    /// the RS permuted BF16 order (into [`Workspace::act_rs`]), then the RS mainloop streams them with TMA.
-    /// `N % 256 == 0`, `K % 128 == 0`, either A format.
+    /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_tma`: 256 weight rows x 128 tokens, the weights
+    /// dequantized in registers as the wgmma A operand (RS form); a pre-pass writes the activations once in the RS
+    /// permuted BF16 order (into [`Workspace::act_rs`]), which the mainloop streams with TMA. `N % 256 == 0`,
+    /// `K % 128 == 0`, either A format. The routed prefill mainloop since session 9 (A/B in the .cu header).
     RsTma,
 }
 
@@ -113,12 +106,6 @@ impl PrefillKernel {
                 TILE_N_WIDE,
                 STAGE_K,
             ),
-            PrefillKernel::Rs => (
-                "moe_gemm_prefill_partial_rs",
-                SMEM_BYTES_RS,
-                TILE_N_RS,
-                STAGE_K_RS,
-            ),
             PrefillKernel::RsTma => (
                 "moe_gemm_prefill_partial_rs_tma",
                 SMEM_BYTES_RS_TMA,
@@ -128,10 +115,13 @@ impl PrefillKernel {
         }
     }
 
-    /// The SS kernel [`launch_partial_prefill`] uses for `N` weight rows: [`PrefillKernel::Ss256`] when 256
+    /// The mainloop [`launch_partial_prefill`] uses for `N` x `K` weights: [`PrefillKernel::RsTma`] when
+    /// `N % 256 == 0` and `K % 128 == 0` (every DSV4 expert shape), else [`PrefillKernel::Ss256`] when 256
     /// divides N, else [`PrefillKernel::Ss128`].
-    pub fn default_for(n: usize) -> PrefillKernel {
-        if n.is_multiple_of(TILE_N_WIDE) {
+    pub fn default_for(n: usize, k: usize) -> PrefillKernel {
+        if n.is_multiple_of(TILE_N_RS) && k.is_multiple_of(STAGE_K_RS) {
+            PrefillKernel::RsTma
+        } else if n.is_multiple_of(TILE_N_WIDE) {
             PrefillKernel::Ss256
         } else {
             PrefillKernel::Ss128
@@ -140,8 +130,8 @@ impl PrefillKernel {
 }
 
 /// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
-/// CTA tile 128 x 256 when `N % 256 == 0` (the routed default: on the H200 it beat 128 x 128 at every prefill
-/// point of round 1, e.g. L1 4096 tokens 3724 vs 4822 us), else 128 x 128.
+/// The mainloop is [`PrefillKernel::default_for`] (the RS kernel for every DSV4 shape; among the SS tiles, 128 x
+/// 256 beat 128 x 128 at every prefill point of session 2, e.g. L1 4096 tokens 3724 vs 4822 us).
 pub fn launch_partial_prefill(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -149,7 +139,7 @@ pub fn launch_partial_prefill(
     grp: &DeviceGrouping,
     ws: &mut Workspace,
 ) -> Result<()> {
-    launch_partial_prefill_with(gpu, w, a, grp, ws, PrefillKernel::default_for(w.n))
+    launch_partial_prefill_with(gpu, w, a, grp, ws, PrefillKernel::default_for(w.n, w.k))
 }
 
 /// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes and A formats the kernel does not take.
@@ -172,10 +162,6 @@ pub fn launch_partial_prefill_with(
         w.k.is_multiple_of(stage_k),
         "moe_gemm prefill ({name}): K = {} must be a multiple of the stage depth {stage_k}",
         w.k
-    );
-    ensure!(
-        kernel != PrefillKernel::Rs || matches!(a, DeviceActivations::Nvfp4 { .. }),
-        "moe_gemm prefill ({name}): takes NVFP4 activations only (BF16 A: use the SS kernels)"
     );
     a.check()?;
     let (a_rows, a_k) = a.rows_k();
