@@ -476,6 +476,17 @@ __device__ __forceinline__ void load_weights(WStage& w, const uint8_t* wc, const
     }
 }
 
+// L2 prefetch of the bytes load_weights(.., st) will read (codes of the 4 rows, their scale bytes): no registers.
+__device__ __forceinline__ void prefetch_weights_l2(const uint8_t* wc, const uint8_t* ws, size_t codes_row,
+                                                    size_t scales_row, int st) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // rows g, g+8, g+64, g+72
+        const size_t row = (size_t)(r >> 1) * 64 + (r & 1) * 8;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(wc + row * codes_row + st * 64) : "memory");
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(ws + row * scales_row + st * 8) : "memory");
+    }
+}
+
 // One logical k16 slice S = 2j + h for both m64 blocks: fragments from word j of the stage's weights (header), then
 // two RS wgmmas on the activation tile described by `db`, committed as one group; waits until at most this group is
 // in flight, so the previous slice's fragment registers are free again.
@@ -603,10 +614,15 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_prefill_act_rs(
 // grid = persistent, block = 256, dynamic smem = rs::kBytesT + 1024. act_map: 2D tensor map over the pre-pass
 // output [rows_total][K] BF16 (inner dim K), box 64 x 128 rows, SWIZZLE_128B. restore = 2^18 (NVFP4 A) or 2^9
 // (BF16 A): the accumulators hold sum * 2^-9 per dequantized operand. N % 256 == 0, K % 128 == 0.
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_tma(
-    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
-    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
+// PF > 0 (session-9 candidate, entry `_pf2`): at the top of stage st also prefetch into L2 this thread's weights
+// of stage st + PF (prefetch.global.L2: no registers held), so that the register load of stage st + 1 issued one
+// stage later finds them in L2. Why: the session-9 A/B profile put 31% of the warp-stall samples on the first use
+// of each stage's weight registers (long_sb) - one 128-K stage (~1 us) is not enough to hide an HBM load under load.
+template <int PF>
+__device__ __forceinline__ void rs_tma_body(const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales,
+                                            int N, int K, const TmaDesc& act_map, float restore,
+                                            const int* __restrict__ offsets, int experts, int rows_total,
+                                            float* __restrict__ partial) {
     extern __shared__ uint8_t rs_tma_smem_raw[];
     __shared__ int s_tile_prefix[kMaxExperts + 1];
     __shared__ int s_warp_sum[rs::kThreads / 32];
@@ -673,6 +689,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
             if (tid == 0 && st + rs::kRingT - 1 < stages) fill(st + rs::kRingT - 1);
             __syncwarp();
             if (st + 1 < stages) rs::load_weights(w_next, wc, ws, codes_row, scales_row, st + 1);
+            if (PF > 0 && st + PF < stages) rs::prefetch_weights_l2(wc, ws, codes_row, scales_row, st + PF);
             const uint32_t slot = cons % rs::kRingT;
             if (!mbar_wait(&bar_full[slot], (cons / rs::kRingT) & 1u)) return;  // protocol timeout: outputs unwritten
             const uint64_t db = sw128_desc(ring_base + slot * rs::kActTile);
@@ -688,4 +705,17 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
         fence_acc(d[1]);
         rs::store_partials(d, partial, N, row0, ntok, wrow0, t, restore);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_tma(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
+    int rows_total, float* __restrict__ partial) {
+    rs_tma_body<0>(w_codes, w_scales, N, K, act_map, restore, offsets, experts, rows_total, partial);
+}
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_tma_pf2(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
+    int rows_total, float* __restrict__ partial) {
+    rs_tma_body<2>(w_codes, w_scales, N, K, act_map, restore, offsets, experts, rows_total, partial);
 }
