@@ -614,15 +614,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_prefill_act_rs(
 // grid = persistent, block = 256, dynamic smem = rs::kBytesT + 1024. act_map: 2D tensor map over the pre-pass
 // output [rows_total][K] BF16 (inner dim K), box 64 x 128 rows, SWIZZLE_128B. restore = 2^18 (NVFP4 A) or 2^9
 // (BF16 A): the accumulators hold sum * 2^-9 per dequantized operand. N % 256 == 0, K % 128 == 0.
-// PF > 0 (session-9 candidate, entry `_pf2`): at the top of stage st also prefetch into L2 this thread's weights
-// of stage st + PF (prefetch.global.L2: no registers held), so that the register load of stage st + 1 issued one
-// stage later finds them in L2. Why: the session-9 A/B profile put 31% of the warp-stall samples on the first use
-// of each stage's weight registers (long_sb) - one 128-K stage (~1 us) is not enough to hide an HBM load under load.
-template <int PF>
-__device__ __forceinline__ void rs_tma_body(const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales,
-                                            int N, int K, const TmaDesc& act_map, float restore,
-                                            const int* __restrict__ offsets, int experts, int rows_total,
-                                            float* __restrict__ partial) {
+// Weight loads: registers one stage ahead, and an L2 prefetch (prefetch.global.L2, no registers held) kL2Ahead
+// stages ahead, so that the register load finds them in L2. Why: the session-9 A/B profile put 31% of the
+// warp-stall samples on the first use of each stage's weight registers (long_sb): one 128-K stage (~1 us) does not
+// hide an HBM load under this load. Session-9 check (H200, ed96fa8, us, without / with the prefetch): Flash L1
+// 1024 tokens 2444.7 / 2181.4, 4096 2733.2 / 2519.2, 16384 9403.7 / 9120.5; L2 4096 1506.9 / 1373.4, 16384
+// 5114.8 / 4963.5; Pro L1 4096 9776.6 / 9548.4; the mainloop alone under ncu at Flash L1 4096 2.32 / 2.12 ms.
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_tma(
+    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
+    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
+    int rows_total, float* __restrict__ partial) {
+    constexpr int kL2Ahead = 2;
     extern __shared__ uint8_t rs_tma_smem_raw[];
     __shared__ int s_tile_prefix[kMaxExperts + 1];
     __shared__ int s_warp_sum[rs::kThreads / 32];
@@ -689,7 +691,7 @@ __device__ __forceinline__ void rs_tma_body(const uint8_t* __restrict__ w_codes,
             if (tid == 0 && st + rs::kRingT - 1 < stages) fill(st + rs::kRingT - 1);
             __syncwarp();
             if (st + 1 < stages) rs::load_weights(w_next, wc, ws, codes_row, scales_row, st + 1);
-            if (PF > 0 && st + PF < stages) rs::prefetch_weights_l2(wc, ws, codes_row, scales_row, st + PF);
+            if (st + kL2Ahead < stages) rs::prefetch_weights_l2(wc, ws, codes_row, scales_row, st + kL2Ahead);
             const uint32_t slot = cons % rs::kRingT;
             if (!mbar_wait(&bar_full[slot], (cons / rs::kRingT) & 1u)) return;  // protocol timeout: outputs unwritten
             const uint64_t db = sw128_desc(ring_base + slot * rs::kActTile);
@@ -705,17 +707,4 @@ __device__ __forceinline__ void rs_tma_body(const uint8_t* __restrict__ w_codes,
         fence_acc(d[1]);
         rs::store_partials(d, partial, N, row0, ntok, wrow0, t, restore);
     }
-}
-
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_tma(
-    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
-    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
-    rs_tma_body<0>(w_codes, w_scales, N, K, act_map, restore, offsets, experts, rows_total, partial);
-}
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_tma_pf2(
-    const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
-    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
-    rs_tma_body<2>(w_codes, w_scales, N, K, act_map, restore, offsets, experts, rows_total, partial);
 }

@@ -104,8 +104,6 @@ enum Mode {
     Tile256,
     /// ... with `PrefillKernel::RsTma` (activation pre-pass + the RS mainloop fed by TMA; both A formats).
     RsTma,
-    /// ... with `PrefillKernel::RsTmaPf2` (RsTma + L2 prefetch of the weights two stages ahead).
-    RsTmaPf2,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -136,7 +134,6 @@ fn check_prefill(
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
             Mode::RsTma => "forced, RS 256x128 via TMA",
-            Mode::RsTmaPf2 => "forced, RS 256x128 via TMA, L2 prefetch",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -156,7 +153,6 @@ fn check_prefill(
         let kernel = match mode {
             Mode::Tile128 => PrefillKernel::Ss128,
             Mode::Tile256 => PrefillKernel::Ss256,
-            Mode::RsTmaPf2 => PrefillKernel::RsTmaPf2,
             _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
@@ -200,7 +196,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    for mode in [Mode::Tile128, Mode::Tile256, Mode::RsTma, Mode::RsTmaPf2] {
+    for mode in [Mode::Tile128, Mode::Tile256, Mode::RsTma] {
         for nvfp4 in [false, true] {
             check_prefill(
                 &gpu,
@@ -350,7 +346,6 @@ fn gpu_prefill_flash_and_pro_shapes() {
         ),
         ("Pro L2", 7168, 3072, vec![130], true, Mode::Tile256),
         ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsTma),
-        ("Flash L1", 4096, 4096, vec![130], true, Mode::RsTmaPf2),
         ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsTma),
         ("Pro L2", 7168, 3072, vec![130], true, Mode::RsTma),
     ] {

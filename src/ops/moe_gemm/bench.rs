@@ -30,8 +30,6 @@
 //!   dequantized in registers as the wgmma A operand, activations from a one-pass permuted BF16 copy through TMA;
 //!   the pre-pass is inside the timed call). Since session 9 `nvfp4` routes prefill shapes to it whenever
 //!   `N % 256 == 0` and `K % 128 == 0`; `nvfp4_wgmma256` keeps the previous SS default measurable.
-//!   `nvfp4_wgmma_rstma_pf2` (session-9 candidate): the same with the weights also prefetched into L2 two stages
-//!   ahead (`PrefillKernel::RsTmaPf2`).
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -66,7 +64,6 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rstma",
-    "nvfp4_wgmma_rstma_pf2",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -88,7 +85,6 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rstma"
-            | "nvfp4_wgmma_rstma_pf2"
     )
 }
 
@@ -153,14 +149,6 @@ fn launch_variant(
         "nvfp4_wgmma_rstma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsTma)
         }
-        "nvfp4_wgmma_rstma_pf2" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::PrefillKernel::RsTmaPf2,
-        ),
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
         "nvfp4_tma_tiled" => {
             let t = tiled.ok_or_else(|| anyhow!("nvfp4_tma_tiled: no tiled weights"))?;

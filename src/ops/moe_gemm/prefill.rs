@@ -93,9 +93,6 @@ pub enum PrefillKernel {
     /// permuted BF16 order (into [`Workspace::act_rs`]), which the mainloop streams with TMA. `N % 256 == 0`,
     /// `K % 128 == 0`, either A format. The routed prefill mainloop since session 9 (A/B in the .cu header).
     RsTma,
-    /// `moe_gemm_prefill_partial_rs_tma_pf2` (session-9 candidate): [`PrefillKernel::RsTma`] that also prefetches
-    /// each thread's weights two stages ahead into L2 (`prefetch.global.L2`); same contract, same partials.
-    RsTmaPf2,
 }
 
 impl PrefillKernel {
@@ -111,12 +108,6 @@ impl PrefillKernel {
             ),
             PrefillKernel::RsTma => (
                 "moe_gemm_prefill_partial_rs_tma",
-                SMEM_BYTES_RS_TMA,
-                TILE_N_RS,
-                STAGE_K_RS,
-            ),
-            PrefillKernel::RsTmaPf2 => (
-                "moe_gemm_prefill_partial_rs_tma_pf2",
                 SMEM_BYTES_RS_TMA,
                 TILE_N_RS,
                 STAGE_K_RS,
@@ -230,7 +221,7 @@ pub fn launch_partial_prefill_with(
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    if matches!(kernel, PrefillKernel::RsTma | PrefillKernel::RsTmaPf2) {
+    if kernel == PrefillKernel::RsTma {
         let act_map = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 }; // 2^18 / 2^9, see the .cu
         let mut b = gpu.stream.launch_builder(&f);
