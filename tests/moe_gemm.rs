@@ -2028,42 +2028,49 @@ impl FinishDevice {
         }
     }
 
-    /// `kernel` into fresh 0xFF-poisoned outputs (with the fp32 h when `keep_h`).
-    fn run(&self, gpu: &Gpu, kernel: mg::FinishL1Kernel, keep_h: bool) -> L1Output {
+    /// `launch` into fresh 0xFF-poisoned outputs (with the fp32 h when `keep_h`), synchronized.
+    fn run_launch(
+        &self,
+        gpu: &Gpu,
+        keep_h: bool,
+        launch: impl FnOnce(&mg::DeviceActivations, &mut L1Output) -> anyhow::Result<()>,
+    ) -> L1Output {
         let mut out = L1Output::new(gpu, self.rows, self.inter, keep_h).unwrap();
-        let a = self.activations();
-        mg::launch_finish_l1_with(
-            gpu,
-            &self.ws,
-            &self.dg,
-            &self.d13,
-            &a,
-            &self.droute,
-            &mut out,
-            kernel,
-        )
-        .unwrap();
+        launch(&self.activations(), &mut out).unwrap();
         gpu.synchronize().unwrap();
         out
     }
 
+    /// `kernel` into fresh 0xFF-poisoned outputs (with the fp32 h when `keep_h`).
+    fn run(&self, gpu: &Gpu, kernel: mg::FinishL1Kernel, keep_h: bool) -> L1Output {
+        self.run_launch(gpu, keep_h, |a, out| {
+            mg::launch_finish_l1_with(
+                gpu,
+                &self.ws,
+                &self.dg,
+                &self.d13,
+                a,
+                &self.droute,
+                out,
+                kernel,
+            )
+        })
+    }
+
     /// The rows kernel with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned outputs.
     fn run_rows(&self, gpu: &Gpu, rows_per_cta: usize, keep_h: bool) -> L1Output {
-        let mut out = L1Output::new(gpu, self.rows, self.inter, keep_h).unwrap();
-        let a = self.activations();
-        mg::launch_finish_l1_rows(
-            gpu,
-            &self.ws,
-            &self.dg,
-            &self.d13,
-            &a,
-            &self.droute,
-            &mut out,
-            rows_per_cta,
-        )
-        .unwrap();
-        gpu.synchronize().unwrap();
-        out
+        self.run_launch(gpu, keep_h, |a, out| {
+            mg::launch_finish_l1_rows(
+                gpu,
+                &self.ws,
+                &self.dg,
+                &self.d13,
+                a,
+                &self.droute,
+                out,
+                rows_per_cta,
+            )
+        })
     }
 }
 

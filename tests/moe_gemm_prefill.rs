@@ -210,11 +210,13 @@ fn gpu_prefill_token_counts_both_a_formats() {
             );
         }
     }
-    // The shortest K the family accepts (K % 512 == 0, checked at weight upload): 8 prefill stages.
-    for k in [512] {
-        let w = quantized_weights(&mut rng, 3, 128, k);
+    // The shortest K the family accepts (K % 512 == 0, checked at weight upload): 8 SS stages of 64, 4 RS stages of
+    // 128 (one more than the 3 stages its prologue puts in flight); RS needs N % 256.
+    let k = 512;
+    let rb = batch_with_counts(&[130, 0, 5]);
+    for (n, mode) in [(128, Mode::Tile128), (256, Mode::RsTma)] {
+        let w = quantized_weights(&mut rng, 3, n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        let rb = batch_with_counts(&[130, 0, 5]);
         for nvfp4 in [false, true] {
             check_prefill(
                 &gpu,
@@ -223,22 +225,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
                 &dw,
                 &rb,
                 nvfp4,
-                Mode::Tile128,
-                &mut rng,
-            );
-        }
-        // RS: N % 256, 4 stages of 128 K (one more than the 3 stages its prologue puts in flight).
-        let w = quantized_weights(&mut rng, 3, 256, k);
-        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        for nvfp4 in [true, false] {
-            check_prefill(
-                &gpu,
-                &format!("short K {k}"),
-                &w,
-                &dw,
-                &rb,
-                nvfp4,
-                Mode::RsTma,
+                mode,
                 &mut rng,
             );
         }
@@ -287,35 +274,26 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
             &mut rng,
         );
     }
-    // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles), small N and K for the CPU reference.
-    let w = quantized_weights(&mut rng, 256, 128, 512);
-    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles), small N and K for the CPU reference:
+    // through launch_partial at N = 128 (the SS 128 x 128 tile), and forced through the RS kernel at N = 256 (one
+    // n tile per expert token tile).
     let rb = RoutedBatch::random(&mut rng, 4096, 256, 6, None).unwrap();
-    for nvfp4 in [false, true] {
-        check_prefill(
-            &gpu,
-            "4096 tokens, 6 of 256",
-            &w,
-            &dw,
-            &rb,
-            nvfp4,
-            Mode::Routed,
-            &mut rng,
-        );
+    for (n, mode) in [(128, Mode::Routed), (256, Mode::RsTma)] {
+        let w = quantized_weights(&mut rng, 256, n, 512);
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+        for nvfp4 in [false, true] {
+            check_prefill(
+                &gpu,
+                "4096 tokens, 6 of 256",
+                &w,
+                &dw,
+                &rb,
+                nvfp4,
+                mode,
+                &mut rng,
+            );
+        }
     }
-    // The same routing through the RS kernel (N = 256: one n tile per expert token tile).
-    let w = quantized_weights(&mut rng, 256, 256, 512);
-    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    check_prefill(
-        &gpu,
-        "4096 tokens, 6 of 256",
-        &w,
-        &dw,
-        &rb,
-        true,
-        Mode::RsTma,
-        &mut rng,
-    );
 }
 
 #[test]
