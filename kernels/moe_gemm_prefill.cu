@@ -4,16 +4,21 @@
 // so the existing finish kernels (plain BF16, L1 SwiGLU + NVFP4 quant, L2 combine) run unchanged after it.
 // Contiguous grouping only (tokens sorted by expert, offsets[E+1]); the decode kernel keeps the masked layout.
 //
-// Design
-// ------
+// Two mainloop designs live here: the SS kernels (this header; both wgmma operands from shared memory, the
+// routed prefill path until session 8, now the fallback for shapes the RS kernel does not take) and the RS kernel
+// (own header further down; weights dequantized in registers, the routed path since session 9).
+//
+// Design (SS)
+// -----------
 // * CTA tile: 128 tokens (wgmma M; two consumer warp groups of 64 rows each) x 128 weight rows (wgmma N) x K.
 //   K advances in stages of 64 (one 128-byte BF16 row segment = exactly one 128B-swizzle atom width).
 //   Per stage and warp group: 4 x `wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16`, both operands from
 //   shared memory through matrix descriptors, fp32 accumulators in registers (64 per thread).
 //   Second entry `moe_gemm_prefill_partial_n256`: 128 x 256 tile, m64n256k16, 128 accumulators per thread
 //   (half the A-operand shared-memory reads and barriers per FLOP; 187 KB of shared memory). Bench variant
-//   `nvfp4_wgmma256`; the launcher routes to it whenever N % 256 == 0 (faster than 128 x 128 at every H200
-//   prefill point, e.g. L1 4096 tokens 3724 vs 4822 us), else to the 128-wide tile.
+//   `nvfp4_wgmma256` (faster than 128 x 128 at every H200 prefill point, e.g. L1 4096 tokens 3724 vs 4822 us).
+//   Since session 9 both SS entries are the fallback: the launcher routes every shape with N % 256 == 0 and
+//   K % 128 == 0 to the RS mainloop at the end of this file (PrefillKernel::default_for in prefill.rs).
 //   Session-3 A/B (commit 4199846, removed; bit-identical to n256): moe_gemm_prefill_partial_n256_v4 (128 x 256,
 //   one wgmma group kept in flight across stages with 3 B tiles, one barrier per stage via thread-private raw
 //   bytes) lost. H200, Flash, n256 / v4 us: L1 4096 tokens 3693.6 / 4135.0, L1 16384 tokens 13096.7 / 14024.9,

@@ -142,7 +142,7 @@ pub fn launch_partial_prefill(
     launch_partial_prefill_with(gpu, w, a, grp, ws, PrefillKernel::default_for(w.n, w.k))
 }
 
-/// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes and A formats the kernel does not take.
+/// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes the kernel does not take before any launch.
 pub fn launch_partial_prefill_with(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
