@@ -58,8 +58,8 @@
 //   odd N (host routing: FinishL2Kernel::for_tokens). Removed candidates: L1 _pad (pad1b without the one-barrier amax; between q4 and
 //   pad1b at every point) and L2 _cols_spec (row metadata in two dependent round trips, no barrier: Flash 1 token
 //   27.17 us vs rowwarps 25.31 and cols 29.60, a tie at 8-64 tokens). Comments at the definitions.
-//   Session 9: moe_gemm_finish_l1_swiglu_nvfp4_rows_kc* (FinishL1Kernel::Rows, bench `nvfp4_finishl1v2`, not routed
-//   yet), the prefill L1 finish: persistent CTAs over contiguous row ranges, a per-thread cp.async ring of the next
+//   Session 9: moe_gemm_finish_l1_swiglu_nvfp4_rows_kc* (FinishL1Kernel::Rows, routed for contiguous groupings by
+//   FinishL1Kernel::for_grouping; bench `nvfp4_finishpad1b` keeps pad1b measurable there), the prefill L1 finish: persistent CTAs over contiguous row ranges, a per-thread cp.async ring of the next
 //   rows' partials, h in registers, one barrier per row; bit-identical to pad1b (shared l1_swiglu_h /
 //   nvfp4_quant_chunk4; pad1b and q4 SASS unchanged by that refactor). Why pad1b is slow at prefill: the rows comment.
 //
@@ -749,7 +749,7 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
                              h_scales, h_gs, h_out, s_h, s_red);
 }
 
-// ---- The prefill L1 finish (FinishL1Kernel::Rows, bench `nvfp4_finishl1v2`, session 9) ---------------------------
+// ---- The prefill L1 finish (FinishL1Kernel::Rows, session 9; routed for contiguous groupings) --------------------
 // Why (pad1b's SASS at Flash 4096 tokens, 24,576 rows, 0.40 ms = ~1.1 TB/s of partials): pad1b runs one CTA per
 // row; every CTA walks a chain of dependent memory steps before its math (the contiguous expert lookup, a binary
 // search of ~8 dependent loads; gsa / routing; the row's 16 KB of partials; then gsb, which ptxas loads after the
