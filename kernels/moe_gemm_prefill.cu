@@ -713,3 +713,302 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
         rs::store_partials(d, partial, N, row0, ntok, wrow0, t, restore);
     }
 }
+
+// =====================================================================================================================
+// RS mainloop with the weights in the TMA ring too (`moe_gemm_prefill_partial_rs_wtma`, PrefillKernel::RsWtma; the
+// session-10 candidate beside moe_gemm_prefill_partial_rs_tma).
+// =====================================================================================================================
+// Why: the session-9 profile of the RS kernel put 31% of its warp-stall samples on the first use of each stage's
+// weight registers (long_sb) and 5.5% on the end-of-stage wgmma.wait_group 0. The register double buffer holds one
+// stage (~1-2 us) of weights in flight, which does not cover an HBM load under this load; the L2 prefetch two
+// stages ahead removed only part of it (2.32 -> 2.12 ms). Here each ring slot carries, beside the stage's two
+// activation atoms, the stage's weight codes and block scales, loaded by the same producer thread with TMA three
+// stages ahead and counted by the same full barrier; the weights then come from shared memory (LDS into the very
+// registers the RS kernel loaded from global memory: same fragments, same wgmma order, bit-identical partials).
+// * Slot layout (53,248 B, a multiple of 1024 so every activation atom stays 1024-aligned for the 128B swizzle):
+//   [0, 32 KiB) the activation atoms (as in rs_tma); [32 KiB, 48 KiB) codes of the tile's 256 weight rows for this
+//   stage, row r at 64 r (box 64 B x 256 rows of the [E*N][K/2] byte tensor, no swizzle); [48 KiB, 52 KiB) the block
+//   scales of the stage PAIR (st & ~1, st | 1), row r at 16 r (box 16 B x 256 rows of the [E*N][K/16] byte tensor:
+//   a TMA box row must be a multiple of 16 bytes and one stage has only 8 scale bytes per row, so each slot loads
+//   its pair and reads half; the duplicate 4 KiB per stage is an L2 hit). Needs K % 256 == 0 (the scale tensor's
+//   row pitch K/16 must be a multiple of 16 bytes), so the stage count is even and every pair lies in bounds.
+// * Bank conflicts: a warp's LDS.128 of codes covers rows g = 0..7 (64 B apart) x 16 B at 16 t = 512 contiguous
+//   bytes (4 wavefronts, the minimum); its u16 scale loads fall in one 128-byte span (one wavefront).
+// * Slot release one stage later: a consumer warp arrives on a slot's empty barrier after the FIRST slice of the
+//   next stage, whose wgmma.wait_group 1 guarantees that every wgmma of the previous stage has completed (its
+//   activation reads are done; its weight LDS were consumed before its own slices). So the wgmma pipe is not drained
+//   at every stage end (rs_tma: wait_group 0 per stage); only the last stage of a work item waits for 0.
+// * Producer: thread 0 fills stages 0..2 of an item at its start and stage st + 3 after the slices of stage st. The
+//   fill of stage st + 3 reuses the slot of stage st - 1, released by every warp after slice 0 of stage st: thread
+//   0 has passed that point itself, and no warp needs thread 0 to get there (stage st was filled earlier), so the
+//   wait cannot deadlock. Across items the counters run on (fills / consumptions per CTA, same order); the last
+//   stage of an item is released after its wait_group 0.
+namespace rs {
+constexpr int kWCodes = kTileRows * 64;                       // 16 KiB of codes per stage
+constexpr int kWScales = kTileRows * 16;                      // 4 KiB: scale bytes of the stage pair
+constexpr int kSlotW = kActTile + kWCodes + kWScales;         // 52 KiB
+constexpr int kBytesW = kRingT * kSlotW;                      // 208 KiB (+ 1024 alignment slack from the host)
+static_assert(kSlotW % 1024 == 0, "activation atoms must stay 1024-byte aligned");
+static_assert(kBytesW + 1024 == 214016, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_RS_WTMA in sync");
+
+// This thread's weights of the stage in ring slot `slot` (local tile row `lrow` = 128 wg + 16 wq + g): the same
+// registers load_weights fills from global memory.
+__device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int lrow, int t, int st) {
+    const uint8_t* codes = slot + kActTile;
+    const uint8_t* scales = slot + kActTile + kWCodes;
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb) {
+        const int r = lrow + 64 * mb;
+        w.lo[mb] = *reinterpret_cast<const uint4*>(codes + r * 64 + 16 * t);
+        w.hi[mb] = *reinterpret_cast<const uint4*>(codes + (r + 8) * 64 + 16 * t);
+        const int so = (st & 1) * 8 + 2 * t;
+        w.sc[mb] = (uint32_t)*reinterpret_cast<const uint16_t*>(scales + r * 16 + so) |
+                   ((uint32_t)*reinterpret_cast<const uint16_t*>(scales + (r + 8) * 16 + so) << 16);
+    }
+}
+
+// Narrow token tiles (the `_ragged` entry): the RS wgmma with N = 32 / 64 / 96 tokens. Accumulator fragment layout of
+// m64nNk16 = the first N/2 registers of the n128 layout (d[4j + ..] is column group j), so one float[64] array serves
+// every width and store_partials_n stores the first N/8 column groups.
+__device__ __forceinline__ void wgmma_rs_m64n32k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                   uint32_t a3, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                   uint32_t a3, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs_m64n96k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                   uint32_t a3, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}
+
+template <int NT>
+__device__ __forceinline__ void wgmma_rs_n(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint64_t db) {
+    if constexpr (NT == 128) wgmma_rs_m64n128k16(d, a0, a1, a2, a3, db);
+    else if constexpr (NT == 96) wgmma_rs_m64n96k16(d, a0, a1, a2, a3, db);
+    else if constexpr (NT == 64) wgmma_rs_m64n64k16(d, a0, a1, a2, a3, db);
+    else wgmma_rs_m64n32k16(d, a0, a1, a2, a3, db);
+}
+
+// mma_slice with an NT-token wgmma (same fragments, same order; NT = 128 is mma_slice).
+template <int NT>
+__device__ __forceinline__ void mma_slice_n(float (&d)[2][64], const WStage& w, int S, uint64_t db) {
+    const int j = S >> 1, h = S & 1;
+    uint32_t a[2][4];
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb) {
+        const uint32_t sl = scale_bf16x2((w.sc[mb] >> (8 * (j >> 1))) & 0xFF);
+        const uint32_t sh = scale_bf16x2((w.sc[mb] >> (16 + 8 * (j >> 1))) & 0xFF);
+        const uint32_t wl = word_of(w.lo[mb], j), wh = word_of(w.hi[mb], j);
+        a[mb][0] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h), sl);
+        a[mb][1] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h), sh);
+        a[mb][2] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h + 1), sl);
+        a[mb][3] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h + 1), sh);
+    }
+    const uint64_t dbs = db + (uint64_t)((S >> 2) * (kAtomBytes >> 4)) + 2 * (S & 3);
+    fence_acc(d[0]);
+    fence_acc(d[1]);
+    wgmma_fence();
+    wgmma_rs_n<NT>(d[0], a[0][0], a[0][1], a[0][2], a[0][3], dbs);
+    wgmma_rs_n<NT>(d[1], a[1][0], a[1][1], a[1][2], a[1][3], dbs);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_acc(d[0]);
+    fence_acc(d[1]);
+}
+
+// store_partials over the first NT tokens of the tile (columns past NT were never computed; tokens >= ntok skipped).
+template <int NT>
+__device__ __forceinline__ void store_partials_n(const float (&d)[2][64], float* __restrict__ partial, int N,
+                                                 int row0, int ntok, int wrow0, int t, float restore) {
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb) {
+        const int n = wrow0 + 64 * mb;
+#pragma unroll
+        for (int jj = 0; jj < NT / 8; ++jj) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const int tok = 8 * jj + 2 * t + b;
+                if (tok < ntok) {
+                    float* p = partial + (size_t)(row0 + tok) * N + n;
+                    p[0] = d[mb][4 * jj + b] * restore;
+                    p[8] = d[mb][4 * jj + 2 + b] * restore;
+                }
+            }
+        }
+    }
+}
+
+// The TMA ring of the wtma kernels as seen by one CTA (counters run on across its work items).
+struct WRing {
+    uint8_t* base;
+    uint32_t base_u32;
+    uint64_t* full;
+    uint64_t* empty;
+    uint32_t fills, cons;  // fills: thread 0 only; cons: CTA-uniform
+    bool ok;               // thread 0: false after a timed-out empty wait (its fills stop)
+};
+
+// Producer (thread 0): stage st of the item (token rows from row0, weight rows from wtile) -> the next ring slot.
+__device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, const TmaDesc* codes_map,
+                                           const TmaDesc* scales_map, int st, int row0, int wtile) {
+    const uint32_t slot = r.fills % kRingT;
+    if (r.fills >= (uint32_t)kRingT && !mbar_wait(&r.empty[slot], ((r.fills / kRingT) - 1) & 1u)) {
+        r.ok = false;
+        return;
+    }
+    uint8_t* s = r.base + slot * kSlotW;
+    mbar_arrive_expect_tx(&r.full[slot], kSlotW);
+    tma_load_2d(s, act_map, st * kStageK, row0, &r.full[slot]);
+    tma_load_2d(s + kAtomBytes, act_map, st * kStageK + 64, row0, &r.full[slot]);
+    tma_load_2d(s + kActTile, codes_map, st * 64, wtile, &r.full[slot]);
+    tma_load_2d(s + kActTile + kWCodes, scales_map, (st & ~1) * 8, wtile, &r.full[slot]);
+    ++r.fills;
+}
+
+// One work item with NT-token wgmmas (the ring protocol of the section header). False on a protocol timeout
+// (outputs of the item unwritten).
+template <int NT>
+__device__ __forceinline__ bool wtma_item(WRing& r, const TmaDesc* act_map, const TmaDesc* codes_map,
+                                          const TmaDesc* scales_map, int stages, int row0, int ntok, int wtile,
+                                          int wrow0, int lrow, float* __restrict__ partial, int N, float restore) {
+    const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
+    if (tid == 0 && r.ok) {
+        for (int st = 0; st < kRingT - 1 && st < stages && r.ok; ++st)
+            wring_fill(r, act_map, codes_map, scales_map, st, row0, wtile);
+    }
+    __syncwarp();
+    float d[2][64];
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) d[mb][i] = 0.f;
+    bool timed_out = false;
+    for (int st = 0; st < stages; ++st) {
+        const uint32_t slot = r.cons % kRingT;
+        // Protocol timeout: leave the loop (not return: a return with the last slice's wgmma in flight makes ptxas
+        // inject a wait_group 0 at the top of every stage, draining the pipe the late release keeps full).
+        if (!mbar_wait(&r.full[slot], (r.cons / kRingT) & 1u)) {
+            timed_out = true;
+            break;
+        }
+        WStage w;
+        lds_weights(w, r.base + slot * kSlotW, lrow, t, st);
+        const uint64_t db = sw128_desc(r.base_u32 + slot * kSlotW);
+        mma_slice_n<NT>(d, w, 0, db);
+        // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
+        if (st > 0 && lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
+#pragma unroll
+        for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
+        ++r.cons;
+        if (tid == 0 && r.ok && st + kRingT - 1 < stages)
+            wring_fill(r, act_map, codes_map, scales_map, st + kRingT - 1, row0, wtile);
+        __syncwarp();
+    }
+    wgmma_wait<0>();
+    if (timed_out) return false;
+    if (lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);  // the item's last stage
+    if (tid == 0 && !r.ok) return false;
+    fence_acc(d[0]);
+    fence_acc(d[1]);
+    store_partials_n<NT>(d, partial, N, row0, ntok, wrow0, t, restore);
+    return true;
+}
+}  // namespace rs
+
+// grid = persistent, block = 256, dynamic smem = rs::kBytesW + 1024. act_map as for rs_tma; w_codes_map: 2D map over
+// the weight codes [E*N][K/2] bytes, box 64 x 256, no swizzle; w_scales_map: over the block scales [E*N][K/16]
+// bytes, box 16 x 256, no swizzle. N % 256 == 0, K % 256 == 0.
+// kRagged (entry `_ragged`, PrefillKernel::RsWtmaRagged): an item whose token tile holds ntok <= 96 valid rows runs
+// the wgmma with N = 32 ceil(ntok / 32) instead of 128. Why: at 4096 Flash tokens an expert has ~96 rows, so the
+// 128-token tile spends ~25% of the MMA work on padding rows whose columns are never stored. Each output column's
+// dot product is the same k16 sequence of the same operands at any N (bit-identical partials expected; the GPU test
+// compares with rs_tma bit for bit).
+template <bool kRagged>
+__device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map, int N,
+                                               int K, const TmaDesc* act_map, float restore,
+                                               const int* __restrict__ offsets, int experts, int rows_total,
+                                               float* __restrict__ partial, uint8_t* smem_raw) {
+    __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_warp_sum[rs::kThreads / 32];
+    __shared__ __align__(8) uint64_t bar_full[rs::kRingT], bar_empty[rs::kRingT];
+
+    rs::WRing r;
+    r.base = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    r.base_u32 = smem_u32(r.base);
+    r.full = bar_full;
+    r.empty = bar_empty;
+    r.fills = 0;
+    r.cons = 0;
+    r.ok = true;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int lrow = 128 * (warp >> 2) + 16 * (warp & 3) + (lane >> 2);
+    const int E = experts;
+    if (tid == 0) {
+        for (int s = 0; s < rs::kRingT; ++s) {
+            mbar_init(&bar_full[s], 1);
+            mbar_init(&bar_empty[s], rs::kThreads / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
+    }
+    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
+
+    const int n_tiles = N / rs::kTileRows;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    const int stages = K / rs::kStageK;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
+        const int wtile = it.e * N + it.n_tile * rs::kTileRows;  // first weight row of the tile in [E*N]
+        const int wrow0 = it.n_tile * rs::kTileRows + lrow;
+        const int nt = kRagged ? ((it.ntok + 31) & ~31) : 128;  // CTA-uniform
+        bool ok;
+        if (nt == 32)
+            ok = rs::wtma_item<32>(r, act_map, w_codes_map, w_scales_map, stages, it.row0, it.ntok, wtile, wrow0,
+                                   lrow, partial, N, restore);
+        else if (nt == 64)
+            ok = rs::wtma_item<64>(r, act_map, w_codes_map, w_scales_map, stages, it.row0, it.ntok, wtile, wrow0,
+                                   lrow, partial, N, restore);
+        else if (nt == 96)
+            ok = rs::wtma_item<96>(r, act_map, w_codes_map, w_scales_map, stages, it.row0, it.ntok, wtile, wrow0,
+                                   lrow, partial, N, restore);
+        else
+            ok = rs::wtma_item<128>(r, act_map, w_codes_map, w_scales_map, stages, it.row0, it.ntok, wtile, wrow0,
+                                    lrow, partial, N, restore);
+        if (!ok) return;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma(
+    const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,
+    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
+    int rows_total, float* __restrict__ partial) {
+    extern __shared__ uint8_t rs_wtma_smem_raw[];
+    rs_wtma_kernel<false>(&w_codes_map, &w_scales_map, N, K, &act_map, restore, offsets, experts, rows_total,
+                          partial, rs_wtma_smem_raw);
+}
+
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_ragged(
+    const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,
+    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
+    int rows_total, float* __restrict__ partial) {
+    extern __shared__ uint8_t rs_wtma_smem_raw[];
+    rs_wtma_kernel<true>(&w_codes_map, &w_scales_map, N, K, &act_map, restore, offsets, experts, rows_total,
+                         partial, rs_wtma_smem_raw);
+}

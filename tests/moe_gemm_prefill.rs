@@ -104,6 +104,10 @@ enum Mode {
     Tile256,
     /// ... with `PrefillKernel::RsTma` (activation pre-pass + the RS mainloop fed by TMA; both A formats).
     RsTma,
+    /// ... with `PrefillKernel::RsWtma` (RsTma with the weights in the TMA ring too).
+    RsWtma,
+    /// ... with `PrefillKernel::RsWtmaRagged` (RsWtma with narrow wgmmas for token tiles of <= 96 rows).
+    RsWtmaRagged,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -134,6 +138,8 @@ fn check_prefill(
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
             Mode::RsTma => "forced, RS 256x128 via TMA",
+            Mode::RsWtma => "forced, RS 256x128, weights via TMA",
+            Mode::RsWtmaRagged => "forced, RS 256x(32..128), weights via TMA",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -153,6 +159,8 @@ fn check_prefill(
         let kernel = match mode {
             Mode::Tile128 => PrefillKernel::Ss128,
             Mode::Tile256 => PrefillKernel::Ss256,
+            Mode::RsWtma => PrefillKernel::RsWtma,
+            Mode::RsWtmaRagged => PrefillKernel::RsWtmaRagged,
             _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
@@ -196,7 +204,13 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    for mode in [Mode::Tile128, Mode::Tile256, Mode::RsTma] {
+    for mode in [
+        Mode::Tile128,
+        Mode::Tile256,
+        Mode::RsTma,
+        Mode::RsWtma,
+        Mode::RsWtmaRagged,
+    ] {
         for nvfp4 in [false, true] {
             check_prefill(
                 &gpu,
@@ -214,7 +228,12 @@ fn gpu_prefill_token_counts_both_a_formats() {
     // 128 (one more than the 3 stages its prologue puts in flight); RS needs N % 256.
     let k = 512;
     let rb = batch_with_counts(&[130, 0, 5]);
-    for (n, mode) in [(128, Mode::Tile128), (256, Mode::RsTma)] {
+    for (n, mode) in [
+        (128, Mode::Tile128),
+        (256, Mode::RsTma),
+        (256, Mode::RsWtma),
+        (256, Mode::RsWtmaRagged),
+    ] {
         let w = quantized_weights(&mut rng, 3, n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         for nvfp4 in [false, true] {
@@ -278,7 +297,12 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     // through launch_partial at N = 128 (the SS 128 x 128 tile), and forced through the RS kernel at N = 256 (one
     // n tile per expert token tile).
     let rb = RoutedBatch::random(&mut rng, 4096, 256, 6, None).unwrap();
-    for (n, mode) in [(128, Mode::Routed), (256, Mode::RsTma)] {
+    for (n, mode) in [
+        (128, Mode::Routed),
+        (256, Mode::RsTma),
+        (256, Mode::RsWtma),
+        (256, Mode::RsWtmaRagged),
+    ] {
         let w = quantized_weights(&mut rng, 256, n, 512);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         for nvfp4 in [false, true] {
@@ -326,6 +350,25 @@ fn gpu_prefill_flash_and_pro_shapes() {
         ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsTma),
         ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsTma),
         ("Pro L2", 7168, 3072, vec![130], true, Mode::RsTma),
+        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsWtma),
+        ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsWtma),
+        ("Pro L2", 7168, 3072, vec![130], true, Mode::RsWtma),
+        (
+            "Flash L1",
+            4096,
+            4096,
+            vec![3, 129],
+            true,
+            Mode::RsWtmaRagged,
+        ),
+        (
+            "Pro L2",
+            7168,
+            3072,
+            vec![130, 70],
+            false,
+            Mode::RsWtmaRagged,
+        ),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -363,5 +406,62 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
             prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws3, kernel)
                 .unwrap_err();
         assert!(err.to_string().contains("tile width"), "{kernel:?}: {err}");
+    }
+}
+
+/// The RS kernels with the weights in their TMA ring (`RsWtma`, `RsWtmaRagged`) must write the same partials, bit
+/// for bit, as the RS kernel they derive from (`RsTma`): same fragments, same wgmma order per output column, only
+/// where the weights wait (and, ragged, how many token columns a wgmma computes) differs. Many stages (K 4096: 32
+/// stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
+/// narrow width (1..32, 33..64, 65..96, 97..128 rows), empty experts, both A formats.
+#[test]
+fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma");
+    let counts = [
+        130usize, 0, 97, 256, 1, 0, 300, 64, 129, 7, 0, 200, 128, 90, 3, 511, 32, 33, 65, 96,
+    ];
+    let (n, k) = (1024, 4096);
+    let w = quantized_weights(&mut rng, counts.len(), n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = batch_with_counts(&counts);
+    let rows = rb.grouping.rows_total();
+    let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+    for nvfp4 in [false, true] {
+        let a = gathered_activations(&mut rng, &rb, k, nvfp4);
+        let da = DevA::upload(&gpu, &a);
+        let mut got = Vec::new();
+        for kernel in [
+            PrefillKernel::RsTma,
+            PrefillKernel::RsWtma,
+            PrefillKernel::RsWtmaRagged,
+        ] {
+            let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
+            gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+            prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
+                .unwrap();
+            gpu.synchronize().unwrap();
+            got.push(gpu.download(&ws.partial).unwrap());
+        }
+        let label = if nvfp4 { "NVFP4 A" } else { "BF16 A" };
+        assert!(
+            got[0].iter().all(|x| x.is_finite()),
+            "{label}: RsTma left unwritten (NaN-poisoned) partials"
+        );
+        for (name, other) in [("RsWtma", &got[1]), ("RsWtmaRagged", &got[2])] {
+            let mismatches = got[0]
+                .iter()
+                .zip(other.iter())
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(
+                mismatches,
+                0,
+                "{label}: {name} differs from RsTma in {mismatches} of {} partials",
+                got[0].len()
+            );
+        }
     }
 }

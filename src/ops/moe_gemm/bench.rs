@@ -30,6 +30,9 @@
 //!   dequantized in registers as the wgmma A operand, activations from a one-pass permuted BF16 copy through TMA;
 //!   the pre-pass is inside the timed call). Since session 9 `nvfp4` routes prefill shapes to it whenever
 //!   `N % 256 == 0` and `K % 128 == 0`; `nvfp4_wgmma256` keeps the previous SS default measurable.
+//! * `nvfp4_wgmma_rswtma` (contiguous points only): the RS mainloop with the weights in its TMA ring
+//!   (`PrefillKernel::RsWtma`, session-10 candidate; `K % 256 == 0`), same pre-pass and finish kernels;
+//!   `nvfp4_wgmma_rswtma_ragged` the same with narrow wgmmas (N = 32 / 64 / 96) for token tiles of <= 96 rows.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -64,6 +67,8 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rstma",
+    "nvfp4_wgmma_rswtma",
+    "nvfp4_wgmma_rswtma_ragged",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -85,6 +90,8 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rstma"
+            | "nvfp4_wgmma_rswtma"
+            | "nvfp4_wgmma_rswtma_ragged"
     )
 }
 
@@ -149,6 +156,17 @@ fn launch_variant(
         "nvfp4_wgmma_rstma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsTma)
         }
+        "nvfp4_wgmma_rswtma" => {
+            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsWtma)
+        }
+        "nvfp4_wgmma_rswtma_ragged" => prefill::launch_partial_prefill_with(
+            gpu,
+            w,
+            a,
+            dg,
+            ws,
+            prefill::PrefillKernel::RsWtmaRagged,
+        ),
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
         "nvfp4_tma_tiled" => {
             let t = tiled.ok_or_else(|| anyhow!("nvfp4_tma_tiled: no tiled weights"))?;

@@ -46,9 +46,6 @@ pub const SMEM_BYTES: usize = RING * 16384 + 2 * 16384 + RING * 9216 + 1024;
 pub const TILE_N_WIDE: usize = 256;
 /// Dynamic shared memory of the wide variant: B tiles and raw B stages twice as large (`Layout<256>` + 1024).
 pub const SMEM_BYTES_N256: usize = RING * 16384 + 2 * 32768 + RING * (9216 + 4608) + 1024;
-/// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
-/// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
-/// mostly padding and the swap-AB mma.sync kernel wins.
 /// Weight rows per CTA tile of the RS kernel (`moe_gemm_prefill_partial_rs_tma`: 2 warp groups x 2 m64 blocks).
 pub const TILE_N_RS: usize = 256;
 /// K per stage of the RS kernel (two NVFP4 blocks per lane of a quad).
@@ -56,6 +53,16 @@ pub const STAGE_K_RS: usize = 128;
 /// Dynamic shared memory of the TMA-fed RS kernel: a 4-slot ring of 128-token x 128-K BF16 activation tiles
 /// (`rs::kBytesT + 1024` in the .cu).
 pub const SMEM_BYTES_RS_TMA: usize = 4 * 32768 + 1024;
+/// K granularity of the RS kernel with the weights in its TMA ring (`moe_gemm_prefill_partial_rs_wtma`): each slot
+/// loads the block scales of a stage pair (a TMA box row must be a multiple of 16 bytes), so the scale tensor's row
+/// pitch K / 16 must be a multiple of 16 bytes.
+pub const K_MULTIPLE_RS_WTMA: usize = 256;
+/// Dynamic shared memory of `moe_gemm_prefill_partial_rs_wtma`: a 4-slot ring of (activation tile 32 KiB, weight
+/// codes 16 KiB, scales of the stage pair 4 KiB) (`rs::kBytesW + 1024` in the .cu).
+pub const SMEM_BYTES_RS_WTMA: usize = 4 * (32768 + 16384 + 4096) + 1024;
+/// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
+/// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
+/// mostly padding and the swap-AB mma.sync kernel wins.
 pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 64;
 
 /// `N % 128 == 0`, `K % 64 == 0` (all DSV4 expert shapes qualify).
@@ -93,6 +100,13 @@ pub enum PrefillKernel {
     /// permuted BF16 order (into [`Workspace::act_rs`]), which the mainloop streams with TMA. `N % 256 == 0`,
     /// `K % 128 == 0`, either A format. The routed prefill mainloop since session 9 (A/B in the .cu header).
     RsTma,
+    /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_wtma`: [`PrefillKernel::RsTma`] with each stage's
+    /// weight codes and block scales in the same TMA ring as the activations (three stages ahead) and the ring
+    /// slot released one stage later. Bit-identical partials. `N % 256 == 0`, `K % 256 == 0`.
+    RsWtma,
+    /// `moe_gemm_prefill_partial_rs_wtma_ragged`: [`PrefillKernel::RsWtma`] where a token tile with `ntok <= 96`
+    /// valid rows runs the wgmma with N = 32 * ceil(ntok / 32) instead of 128 (less MMA work on padding rows).
+    RsWtmaRagged,
 }
 
 impl PrefillKernel {
@@ -111,6 +125,18 @@ impl PrefillKernel {
                 SMEM_BYTES_RS_TMA,
                 TILE_N_RS,
                 STAGE_K_RS,
+            ),
+            PrefillKernel::RsWtma => (
+                "moe_gemm_prefill_partial_rs_wtma",
+                SMEM_BYTES_RS_WTMA,
+                TILE_N_RS,
+                K_MULTIPLE_RS_WTMA,
+            ),
+            PrefillKernel::RsWtmaRagged => (
+                "moe_gemm_prefill_partial_rs_wtma_ragged",
+                SMEM_BYTES_RS_WTMA,
+                TILE_N_RS,
+                K_MULTIPLE_RS_WTMA,
             ),
         }
     }
@@ -221,16 +247,23 @@ pub fn launch_partial_prefill_with(
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    if kernel == PrefillKernel::RsTma {
+    if matches!(
+        kernel,
+        PrefillKernel::RsTma | PrefillKernel::RsWtma | PrefillKernel::RsWtmaRagged
+    ) {
         let act_map = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 }; // 2^18 / 2^9, see the .cu
+        let weight_maps = if kernel != PrefillKernel::RsTma {
+            Some(weight_maps_for_rs(w, wc, wsc)?)
+        } else {
+            None
+        };
         let mut b = gpu.stream.launch_builder(&f);
-        b.arg(&wc)
-            .arg(&wsc)
-            .arg(&n)
-            .arg(&k)
-            .arg(&act_map)
-            .arg(&restore);
+        match &weight_maps {
+            Some((codes_map, scales_map)) => b.arg(codes_map).arg(scales_map),
+            None => b.arg(&wc).arg(&wsc),
+        };
+        b.arg(&n).arg(&k).arg(&act_map).arg(&restore);
         b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
         unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
             .map_err(|e| anyhow!("{name}: {e:?}"))?;
@@ -295,6 +328,40 @@ fn permute_activations_for_rs(
         &[64, TILE_M as u32],
         sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     )
+}
+
+/// Tensor maps of the weights for [`PrefillKernel::RsWtma`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
+/// 128-K stage x 256 rows) and block scales as a [E*N][K/16] byte tensor (box 16 B = a stage pair x 256 rows); no
+/// swizzle (the kernel reads rows at 64 / 16-byte pitch, conflict-free, see the .cu).
+fn weight_maps_for_rs(
+    w: &DeviceExpertWeights,
+    codes: u64,
+    scales: u64,
+) -> Result<(TensorMap, TensorMap)> {
+    let rows = (w.experts * w.n) as u64;
+    let u8_ty = sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    let none = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE;
+    let codes_map = encode_tiled(
+        "moe_gemm prefill RS weight codes",
+        u8_ty,
+        1,
+        codes,
+        &[(w.k / 2) as u64, rows],
+        &[(w.k / 2) as u64],
+        &[64, TILE_N_RS as u32],
+        none,
+    )?;
+    let scales_map = encode_tiled(
+        "moe_gemm prefill RS weight scales",
+        u8_ty,
+        1,
+        scales,
+        &[(w.k / 16) as u64, rows],
+        &[(w.k / 16) as u64],
+        &[16, TILE_N_RS as u32],
+        none,
+    )?;
+    Ok((codes_map, scales_map))
 }
 
 // ------------------------------------------------------------------------------------ CPU mirrors of the device
