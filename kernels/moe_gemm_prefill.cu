@@ -715,8 +715,9 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 }
 
 // =====================================================================================================================
-// RS mainloop with the weights in the TMA ring too (`moe_gemm_prefill_partial_rs_wtma`, PrefillKernel::RsWtma; the
-// session-10 candidate beside moe_gemm_prefill_partial_rs_tma).
+// RS mainloop with the weights in the TMA ring too (`moe_gemm_prefill_partial_rs_wtma_ragged`, PrefillKernel::RsWtmaRagged,
+// the routed prefill mainloop since the session-10 A/B; `_across`, PrefillKernel::RsWtmaAcross, its candidate with a
+// producer that runs ahead across work items).
 // =====================================================================================================================
 // Why: the session-9 profile of the RS kernel put 31% of its warp-stall samples on the first use of each stage's
 // weight registers (long_sb) and 5.5% on the end-of-stage wgmma.wait_group 0. The register double buffer holds one
@@ -738,11 +739,13 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 //   next stage, whose wgmma.wait_group 1 guarantees that every wgmma of the previous stage has completed (its
 //   activation reads are done; its weight LDS were consumed before its own slices). So the wgmma pipe is not drained
 //   at every stage end (rs_tma: wait_group 0 per stage); only the last stage of a work item waits for 0.
-// * Producer: thread 0 fills stages 0..2 of an item at its start and stage st + 3 after the slices of stage st. The
-//   fill of stage st + 3 reuses the slot of stage st - 1, released by every warp after slice 0 of stage st: thread
-//   0 has passed that point itself, and no warp needs thread 0 to get there (stage st was filled earlier), so the
-//   wait cannot deadlock. Across items the counters run on (fills / consumptions per CTA, same order); the last
-//   stage of an item is released after its wait_group 0.
+// * Producer: thread 0 fills stages 0..2 of an item at its start and stage st + 3 after the slices of stage st
+//   (`_across`: after every consumed stage, the stage three ahead in the CTA's linear order of (item, stage), so the
+//   next item's first stages are in flight while this item ends). Either way the fill three consumptions ahead
+//   reuses the slot of the consumption one before the current one, released by every warp after slice 0 of the
+//   current stage (or, at an item start, after the previous item's wait_group 0): thread 0 has passed that point
+//   itself, and no warp needs thread 0 to get there (the current stage was filled earlier), so the wait cannot
+//   deadlock. The counters run on across items (fills / consumptions per CTA, same order).
 namespace rs {
 constexpr int kWCodes = kTileRows * 64;                       // 16 KiB of codes per stage
 constexpr int kWScales = kTileRows * 16;                      // 4 KiB: scale bytes of the stage pair
@@ -883,16 +886,55 @@ __device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, con
     ++r.fills;
 }
 
+// Producer cursor (thread 0 of the `_across` kernel): the next (work item, stage) to fill, in the CTA's linear order
+// of its items' stages, so the ring runs three stages ahead across item boundaries too (the per-item producer of
+// the other entries drains it at every item start: the first stage of each item waits a full TMA round trip).
+struct WCursor {
+    long long item;  // >= items: nothing left to fill
+    int st, row0, wtile;
+};
+
+// Kernel-wide constants of the wtma kernels.
+struct WCtx {
+    const TmaDesc* act;
+    const TmaDesc* codes;
+    const TmaDesc* scales;
+    const int* tile_prefix;  // shared memory
+    const int* offsets;      // shared-memory copy of the grouping offsets (the `_across` producer locates items)
+    long long items;
+    int n_tiles, experts, rows_total, N, stages;
+};
+
+__device__ __forceinline__ void cursor_locate(WCursor& c, const WCtx& x) {
+    if (c.item < x.items) {
+        const TileItem it = locate_item(c.item, x.n_tiles, x.tile_prefix, x.experts, x.offsets, x.rows_total);
+        c.row0 = it.row0;
+        c.wtile = it.e * x.N + it.n_tile * kTileRows;
+    }
+}
+
+// Thread 0: fill the cursor's stage (if any is left) and advance the cursor.
+__device__ __forceinline__ void cursor_fill(WRing& r, WCursor& c, const WCtx& x) {
+    if (c.item >= x.items || !r.ok) return;
+    wring_fill(r, x.act, x.codes, x.scales, c.st, c.row0, c.wtile);
+    if (++c.st == x.stages) {
+        c.st = 0;
+        c.item += gridDim.x;
+        cursor_locate(c, x);
+    }
+}
+
 // One work item with NT-token wgmmas (the ring protocol of the section header). False on a protocol timeout
-// (outputs of the item unwritten).
-template <int NT>
-__device__ __forceinline__ bool wtma_item(WRing& r, const TmaDesc* act_map, const TmaDesc* codes_map,
-                                          const TmaDesc* scales_map, int stages, int row0, int ntok, int wtile,
-                                          int wrow0, int lrow, float* __restrict__ partial, int N, float restore) {
+// (outputs of the item unwritten). kAcross: thread 0 fills one stage per consumed stage from the cursor (primed
+// with three stages at kernel start), else it fills this item's stages only (three at its start).
+template <int NT, bool kAcross>
+__device__ __forceinline__ bool wtma_item(WRing& r, WCursor& cur, const WCtx& x, int row0, int ntok, int wtile,
+                                          int wrow0, int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
-    if (tid == 0 && r.ok) {
+    const int stages = x.stages;
+    if (!kAcross && tid == 0 && r.ok) {
         for (int st = 0; st < kRingT - 1 && st < stages && r.ok; ++st)
-            wring_fill(r, act_map, codes_map, scales_map, st, row0, wtile);
+            wring_fill(r, x.act, x.codes, x.scales, st, row0, wtile);
     }
     __syncwarp();
     float d[2][64];
@@ -918,8 +960,11 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const TmaDesc* act_map, cons
 #pragma unroll
         for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
         ++r.cons;
-        if (tid == 0 && r.ok && st + kRingT - 1 < stages)
-            wring_fill(r, act_map, codes_map, scales_map, st + kRingT - 1, row0, wtile);
+        if (tid == 0) {
+            if (kAcross) cursor_fill(r, cur, x);
+            else if (r.ok && st + kRingT - 1 < stages)
+                wring_fill(r, x.act, x.codes, x.scales, st + kRingT - 1, row0, wtile);
+        }
         __syncwarp();
     }
     wgmma_wait<0>();
@@ -928,7 +973,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const TmaDesc* act_map, cons
     if (tid == 0 && !r.ok) return false;
     fence_acc(d[0]);
     fence_acc(d[1]);
-    store_partials_n<NT>(d, partial, N, row0, ntok, wrow0, t, restore);
+    store_partials_n<NT>(d, partial, x.N, row0, ntok, wrow0, t, restore);
     return true;
 }
 }  // namespace rs
@@ -936,17 +981,25 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const TmaDesc* act_map, cons
 // grid = persistent, block = 256, dynamic smem = rs::kBytesW + 1024. act_map as for rs_tma; w_codes_map: 2D map over
 // the weight codes [E*N][K/2] bytes, box 64 x 256, no swizzle; w_scales_map: over the block scales [E*N][K/16]
 // bytes, box 16 x 256, no swizzle. N % 256 == 0, K % 256 == 0.
-// kRagged (entry `_ragged`, PrefillKernel::RsWtmaRagged): an item whose token tile holds ntok <= 96 valid rows runs
-// the wgmma with N = 32 ceil(ntok / 32) instead of 128. Why: at 4096 Flash tokens an expert has ~96 rows, so the
-// 128-token tile spends ~25% of the MMA work on padding rows whose columns are never stored. Each output column's
-// dot product is the same k16 sequence of the same operands at any N (bit-identical partials expected; the GPU test
-// compares with rs_tma bit for bit).
-template <bool kRagged>
+// Narrow token tiles: an item whose token tile holds ntok <= 96 valid rows runs the wgmma with N = 32 ceil(ntok / 32)
+// instead of 128. Why: at 4096 Flash tokens an expert has ~96 rows, so the 128-token tile spends ~25% of the MMA
+// work on padding rows whose columns are never stored. Each output column's dot product is the same k16 sequence of
+// the same operands at any N: bit-identical partials (GPU test against rs_tma).
+// Session-10 A/B (H200, 909f15d, whole L1 / L2 call in us; rs_tma / weights in the ring, n128 only (the removed
+// `moe_gemm_prefill_partial_rs_wtma`) / + narrow tiles): Flash L1 1024 tokens 2200.9 / 1735.4 / 1301.4, 4096
+// 2506.5 / 2103.9 / 2060.3, 16384 8923.0 / 7480.3 / 7855.0 (p10 7202.7 / 7160.6: the 16384 gap is inside that
+// point's spread, clocks 1770-1815 MHz near the power limit), L2 4096 1382.8 / 1158.8 / 1133.2; Pro L1 4096 9765.0 /
+// 8834.6 / 6660.0, Pro L2 4096 4728.3 / 4075.0 / 3481.4. Mainloop alone under ncu at Flash L1 4096: 2.12 / 1.68 /
+// 1.60 ms (tensor pipe 53.6% / 70.2% of elapsed cycles).
+// kAcross (entry `_across`): the producer runs three stages ahead across work items (WCursor); the grouping offsets
+// are copied to shared memory so that thread 0 locates the next item without a global round trip.
+template <bool kAcross>
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map, int N,
                                                int K, const TmaDesc* act_map, float restore,
                                                const int* __restrict__ offsets, int experts, int rows_total,
                                                float* __restrict__ partial, uint8_t* smem_raw) {
     __shared__ int s_tile_prefix[kMaxExperts + 1];
+    __shared__ int s_offsets[kAcross ? kMaxExperts + 1 : 1];
     __shared__ int s_warp_sum[rs::kThreads / 32];
     __shared__ __align__(8) uint64_t bar_full[rs::kRingT], bar_empty[rs::kRingT];
 
@@ -968,34 +1021,50 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
     }
-    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
+    if (kAcross) {
+        for (int e = tid; e <= E; e += rs::kThreads) s_offsets[e] = offsets[e];
+    }
+    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes both
 
-    const int n_tiles = N / rs::kTileRows;
-    const long long items = (long long)s_tile_prefix[E] * n_tiles;
-    const int stages = K / rs::kStageK;
-    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
+    rs::WCtx x;
+    x.act = act_map;
+    x.codes = w_codes_map;
+    x.scales = w_scales_map;
+    x.tile_prefix = s_tile_prefix;
+    x.offsets = kAcross ? s_offsets : offsets;
+    x.n_tiles = N / rs::kTileRows;
+    x.items = (long long)s_tile_prefix[E] * x.n_tiles;
+    x.experts = E;
+    x.rows_total = rows_total;
+    x.N = N;
+    x.stages = K / rs::kStageK;
+    rs::WCursor cur;
+    cur.item = blockIdx.x;
+    cur.st = 0;
+    if (kAcross && tid == 0) {
+        rs::cursor_locate(cur, x);
+        for (int i = 0; i < rs::kRingT - 1; ++i) rs::cursor_fill(r, cur, x);
+    }
+    __syncwarp();
+    for (long long item = blockIdx.x; item < x.items; item += gridDim.x) {
+        const TileItem it = locate_item(item, x.n_tiles, s_tile_prefix, E, x.offsets, rows_total);
         const int wtile = it.e * N + it.n_tile * rs::kTileRows;  // first weight row of the tile in [E*N]
         const int wrow0 = it.n_tile * rs::kTileRows + lrow;
-        const int nt = kRagged ? ((it.ntok + 31) & ~31) : 128;  // CTA-uniform
+        const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
         if (nt == 32)
-            ok = rs::wtma_item<32>(r, act_map, w_codes_map, w_scales_map, stages, it.row0, it.ntok, wtile, wrow0,
-                                   lrow, partial, N, restore);
+            ok = rs::wtma_item<32, kAcross>(r, cur, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 64)
-            ok = rs::wtma_item<64>(r, act_map, w_codes_map, w_scales_map, stages, it.row0, it.ntok, wtile, wrow0,
-                                   lrow, partial, N, restore);
+            ok = rs::wtma_item<64, kAcross>(r, cur, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 96)
-            ok = rs::wtma_item<96>(r, act_map, w_codes_map, w_scales_map, stages, it.row0, it.ntok, wtile, wrow0,
-                                   lrow, partial, N, restore);
+            ok = rs::wtma_item<96, kAcross>(r, cur, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else
-            ok = rs::wtma_item<128>(r, act_map, w_codes_map, w_scales_map, stages, it.row0, it.ntok, wtile, wrow0,
-                                    lrow, partial, N, restore);
+            ok = rs::wtma_item<128, kAcross>(r, cur, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         if (!ok) return;
     }
 }
 
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma(
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_ragged(
     const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,
     const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
     int rows_total, float* __restrict__ partial) {
@@ -1004,7 +1073,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
                           partial, rs_wtma_smem_raw);
 }
 
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_ragged(
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_across(
     const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,
     const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
     int rows_total, float* __restrict__ partial) {

@@ -104,10 +104,11 @@ enum Mode {
     Tile256,
     /// ... with `PrefillKernel::RsTma` (activation pre-pass + the RS mainloop fed by TMA; both A formats).
     RsTma,
-    /// ... with `PrefillKernel::RsWtma` (RsTma with the weights in the TMA ring too).
-    RsWtma,
-    /// ... with `PrefillKernel::RsWtmaRagged` (RsWtma with narrow wgmmas for token tiles of <= 96 rows).
+    /// ... with `PrefillKernel::RsWtmaRagged` (RsTma with the weights in the TMA ring too and narrow wgmmas for
+    /// token tiles of <= 96 rows).
     RsWtmaRagged,
+    /// ... with `PrefillKernel::RsWtmaAcross` (RsWtmaRagged with a producer running ahead across work items).
+    RsWtmaAcross,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -138,8 +139,8 @@ fn check_prefill(
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
             Mode::RsTma => "forced, RS 256x128 via TMA",
-            Mode::RsWtma => "forced, RS 256x128, weights via TMA",
             Mode::RsWtmaRagged => "forced, RS 256x(32..128), weights via TMA",
+            Mode::RsWtmaAcross => "forced, RS 256x(32..128), weights via TMA, across items",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -159,8 +160,8 @@ fn check_prefill(
         let kernel = match mode {
             Mode::Tile128 => PrefillKernel::Ss128,
             Mode::Tile256 => PrefillKernel::Ss256,
-            Mode::RsWtma => PrefillKernel::RsWtma,
             Mode::RsWtmaRagged => PrefillKernel::RsWtmaRagged,
+            Mode::RsWtmaAcross => PrefillKernel::RsWtmaAcross,
             _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
@@ -208,7 +209,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
         Mode::Tile128,
         Mode::Tile256,
         Mode::RsTma,
-        Mode::RsWtma,
+        Mode::RsWtmaAcross,
         Mode::RsWtmaRagged,
     ] {
         for nvfp4 in [false, true] {
@@ -231,7 +232,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
     for (n, mode) in [
         (128, Mode::Tile128),
         (256, Mode::RsTma),
-        (256, Mode::RsWtma),
+        (256, Mode::RsWtmaAcross),
         (256, Mode::RsWtmaRagged),
     ] {
         let w = quantized_weights(&mut rng, 3, n, k);
@@ -274,7 +275,11 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         &mut rng,
     );
     // N % 256 == 0: launch_partial routes to the 128 x 256 tile (the default), N = 128 above to the 128 x 128.
-    assert_eq!(PrefillKernel::default_for(256, 512), PrefillKernel::RsTma);
+    assert_eq!(
+        PrefillKernel::default_for(256, 512),
+        PrefillKernel::RsWtmaRagged
+    );
+    assert_eq!(PrefillKernel::default_for(256, 640), PrefillKernel::RsTma);
     assert_eq!(PrefillKernel::default_for(256, 576), PrefillKernel::Ss256);
     assert_eq!(PrefillKernel::default_for(128, 512), PrefillKernel::Ss128);
     assert_eq!(PrefillKernel::default_for(384, 512), PrefillKernel::Ss128);
@@ -300,7 +305,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     for (n, mode) in [
         (128, Mode::Routed),
         (256, Mode::RsTma),
-        (256, Mode::RsWtma),
+        (256, Mode::RsWtmaAcross),
         (256, Mode::RsWtmaRagged),
     ] {
         let w = quantized_weights(&mut rng, 256, n, 512);
@@ -350,9 +355,23 @@ fn gpu_prefill_flash_and_pro_shapes() {
         ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsTma),
         ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsTma),
         ("Pro L2", 7168, 3072, vec![130], true, Mode::RsTma),
-        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsWtma),
-        ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsWtma),
-        ("Pro L2", 7168, 3072, vec![130], true, Mode::RsWtma),
+        (
+            "Flash L1",
+            4096,
+            4096,
+            vec![3, 129],
+            true,
+            Mode::RsWtmaAcross,
+        ),
+        (
+            "Flash L2",
+            4096,
+            2048,
+            vec![70, 0, 65],
+            false,
+            Mode::RsWtmaAcross,
+        ),
+        ("Pro L2", 7168, 3072, vec![130], true, Mode::RsWtmaAcross),
         (
             "Flash L1",
             4096,
@@ -409,7 +428,7 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     }
 }
 
-/// The RS kernels with the weights in their TMA ring (`RsWtma`, `RsWtmaRagged`) must write the same partials, bit
+/// The RS kernels with the weights in their TMA ring (`RsWtmaRagged`, `RsWtmaAcross`) must write the same partials, bit
 /// for bit, as the RS kernel they derive from (`RsTma`): same fragments, same wgmma order per output column, only
 /// where the weights wait (and, ragged, how many token columns a wgmma computes) differs. Many stages (K 4096: 32
 /// stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
@@ -435,8 +454,8 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
         let mut got = Vec::new();
         for kernel in [
             PrefillKernel::RsTma,
-            PrefillKernel::RsWtma,
             PrefillKernel::RsWtmaRagged,
+            PrefillKernel::RsWtmaAcross,
         ] {
             let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
             gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
@@ -450,7 +469,7 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
             got[0].iter().all(|x| x.is_finite()),
             "{label}: RsTma left unwritten (NaN-poisoned) partials"
         );
-        for (name, other) in [("RsWtma", &got[1]), ("RsWtmaRagged", &got[2])] {
+        for (name, other) in [("RsWtmaRagged", &got[1]), ("RsWtmaAcross", &got[2])] {
             let mismatches = got[0]
                 .iter()
                 .zip(other.iter())

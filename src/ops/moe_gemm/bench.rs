@@ -30,9 +30,13 @@
 //!   dequantized in registers as the wgmma A operand, activations from a one-pass permuted BF16 copy through TMA;
 //!   the pre-pass is inside the timed call). Since session 9 `nvfp4` routes prefill shapes to it whenever
 //!   `N % 256 == 0` and `K % 128 == 0`; `nvfp4_wgmma256` keeps the previous SS default measurable.
-//! * `nvfp4_wgmma_rswtma` (contiguous points only): the RS mainloop with the weights in its TMA ring
-//!   (`PrefillKernel::RsWtma`, session-10 candidate; `K % 256 == 0`), same pre-pass and finish kernels;
-//!   `nvfp4_wgmma_rswtma_ragged` the same with narrow wgmmas (N = 32 / 64 / 96) for token tiles of <= 96 rows.
+//! * `nvfp4_wgmma_rswtma_ragged` (contiguous points only): the RS mainloop with the weights in its TMA ring and
+//!   narrow wgmmas (N = 32 / 64 / 96) for token tiles of <= 96 rows (`PrefillKernel::RsWtmaRagged`, `K % 256 == 0`),
+//!   same pre-pass and finish kernels; `nvfp4_wgmma_rswtma_across` its session-10 candidate whose producer runs
+//!   ahead across work items (`PrefillKernel::RsWtmaAcross`).
+//! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
+//!   (`launch_partial_mma_with(.., DecodeMainloop::V3)`, the chosen config), where `nvfp4` may route the point to the
+//!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -67,8 +71,9 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rstma",
-    "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_ragged",
+    "nvfp4_wgmma_rswtma_across",
+    "nvfp4_decode",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -90,18 +95,21 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rstma"
-            | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_ragged"
+            | "nvfp4_wgmma_rswtma_across"
+            | "nvfp4_decode"
     )
 }
 
 /// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
 /// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and the
 /// previous decode finish `nvfp4_finishq4` only on masked points too; `nvfp4_finishpad1b` (the previous prefill
-/// finish) only on contiguous points.
+/// finish) and `nvfp4_decode` (the decode mainloop where `nvfp4` may take the prefill one) only on contiguous points.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
-    let prefill_only = variant.starts_with("nvfp4_wgmma") || variant == "nvfp4_finishpad1b";
+    let prefill_only = variant.starts_with("nvfp4_wgmma")
+        || variant == "nvfp4_finishpad1b"
+        || variant == "nvfp4_decode";
     let decode_only = variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishq4";
     (prefill_only && masked) || (decode_only && !masked)
 }
@@ -156,9 +164,14 @@ fn launch_variant(
         "nvfp4_wgmma_rstma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsTma)
         }
-        "nvfp4_wgmma_rswtma" => {
-            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsWtma)
-        }
+        "nvfp4_wgmma_rswtma_across" => prefill::launch_partial_prefill_with(
+            gpu,
+            w,
+            a,
+            dg,
+            ws,
+            prefill::PrefillKernel::RsWtmaAcross,
+        ),
         "nvfp4_wgmma_rswtma_ragged" => prefill::launch_partial_prefill_with(
             gpu,
             w,
@@ -168,6 +181,7 @@ fn launch_variant(
             prefill::PrefillKernel::RsWtmaRagged,
         ),
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
+        "nvfp4_decode" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::V3),
         "nvfp4_tma_tiled" => {
             let t = tiled.ok_or_else(|| anyhow!("nvfp4_tma_tiled: no tiled weights"))?;
             launch_partial_mma_tiled(gpu, w, t, a, dg, cfg, ws)

@@ -53,17 +53,20 @@ pub const STAGE_K_RS: usize = 128;
 /// Dynamic shared memory of the TMA-fed RS kernel: a 4-slot ring of 128-token x 128-K BF16 activation tiles
 /// (`rs::kBytesT + 1024` in the .cu).
 pub const SMEM_BYTES_RS_TMA: usize = 4 * 32768 + 1024;
-/// K granularity of the RS kernel with the weights in its TMA ring (`moe_gemm_prefill_partial_rs_wtma`): each slot
+/// K granularity of the RS kernels with the weights in their TMA ring (`moe_gemm_prefill_partial_rs_wtma_*`): each slot
 /// loads the block scales of a stage pair (a TMA box row must be a multiple of 16 bytes), so the scale tensor's row
 /// pitch K / 16 must be a multiple of 16 bytes.
 pub const K_MULTIPLE_RS_WTMA: usize = 256;
-/// Dynamic shared memory of `moe_gemm_prefill_partial_rs_wtma`: a 4-slot ring of (activation tile 32 KiB, weight
+/// Dynamic shared memory of `moe_gemm_prefill_partial_rs_wtma_*`: a 4-slot ring of (activation tile 32 KiB, weight
 /// codes 16 KiB, scales of the stage pair 4 KiB) (`rs::kBytesW + 1024` in the .cu).
 pub const SMEM_BYTES_RS_WTMA: usize = 4 * (32768 + 16384 + 4096) + 1024;
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
-/// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~2730 tokens). Below it most token tiles would be
-/// mostly padding and the swap-AB mma.sync kernel wins.
-pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 64;
+/// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~342 tokens, Pro top-6 of 384 at 512). Session-10 A/B
+/// (H200, 909f15d, whole L1 / L2 calls, us, mma.sync decode kernel vs the RS kernel with narrow token tiles): Flash
+/// 512 tokens (12 rows per expert) L1 1462.6 vs 1342.4, L2 777.7 vs 652.0; 1024 tokens L1 2466.9 vs 1301.4; Pro 512
+/// tokens (8 rows per expert) L1 5533.3 vs 4598.9, L2 2976.8 vs 2364.3. Until session 9 it was 64 (the 128-token
+/// tiles of the RS / SS kernels were mostly padding below that).
+pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 8;
 
 /// `N % 128 == 0`, `K % 64 == 0` (all DSV4 expert shapes qualify).
 pub fn check_shape(n: usize, k: usize) -> Result<()> {
@@ -100,13 +103,15 @@ pub enum PrefillKernel {
     /// permuted BF16 order (into [`Workspace::act_rs`]), which the mainloop streams with TMA. `N % 256 == 0`,
     /// `K % 128 == 0`, either A format. The routed prefill mainloop since session 9 (A/B in the .cu header).
     RsTma,
-    /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_wtma`: [`PrefillKernel::RsTma`] with each stage's
-    /// weight codes and block scales in the same TMA ring as the activations (three stages ahead) and the ring
-    /// slot released one stage later. Bit-identical partials. `N % 256 == 0`, `K % 256 == 0`.
-    RsWtma,
-    /// `moe_gemm_prefill_partial_rs_wtma_ragged`: [`PrefillKernel::RsWtma`] where a token tile with `ntok <= 96`
-    /// valid rows runs the wgmma with N = 32 * ceil(ntok / 32) instead of 128 (less MMA work on padding rows).
+    /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_wtma_ragged`: [`PrefillKernel::RsTma`] with each
+    /// stage's weight codes and block scales in the same TMA ring as the activations (three stages ahead), the ring
+    /// slot released one stage later, and a token tile with `ntok <= 96` valid rows run with N = 32 * ceil(ntok / 32)
+    /// wgmmas instead of 128 (less MMA work on padding rows). Bit-identical partials. `N % 256 == 0`,
+    /// `K % 256 == 0`. The routed prefill mainloop since the session-10 A/B (numbers in the .cu).
     RsWtmaRagged,
+    /// `moe_gemm_prefill_partial_rs_wtma_across`: [`PrefillKernel::RsWtmaRagged`] whose TMA producer runs three
+    /// stages ahead across work items (the next item's first stages load while the current one ends).
+    RsWtmaAcross,
 }
 
 impl PrefillKernel {
@@ -126,8 +131,8 @@ impl PrefillKernel {
                 TILE_N_RS,
                 STAGE_K_RS,
             ),
-            PrefillKernel::RsWtma => (
-                "moe_gemm_prefill_partial_rs_wtma",
+            PrefillKernel::RsWtmaAcross => (
+                "moe_gemm_prefill_partial_rs_wtma_across",
                 SMEM_BYTES_RS_WTMA,
                 TILE_N_RS,
                 K_MULTIPLE_RS_WTMA,
@@ -141,11 +146,13 @@ impl PrefillKernel {
         }
     }
 
-    /// The mainloop [`launch_partial_prefill`] uses for `N` x `K` weights: [`PrefillKernel::RsTma`] when
-    /// `N % 256 == 0` and `K % 128 == 0` (every DSV4 expert shape), else [`PrefillKernel::Ss256`] when 256
-    /// divides N, else [`PrefillKernel::Ss128`].
+    /// The mainloop [`launch_partial_prefill`] uses for `N` x `K` weights: [`PrefillKernel::RsWtmaRagged`] when
+    /// `N % 256 == 0` and `K % 256 == 0` (every DSV4 expert shape), [`PrefillKernel::RsTma`] when `N % 256 == 0`
+    /// and `K % 128 == 0`, else [`PrefillKernel::Ss256`] when 256 divides N, else [`PrefillKernel::Ss128`].
     pub fn default_for(n: usize, k: usize) -> PrefillKernel {
-        if n.is_multiple_of(TILE_N_RS) && k.is_multiple_of(STAGE_K_RS) {
+        if n.is_multiple_of(TILE_N_RS) && k.is_multiple_of(K_MULTIPLE_RS_WTMA) {
+            PrefillKernel::RsWtmaRagged
+        } else if n.is_multiple_of(TILE_N_RS) && k.is_multiple_of(STAGE_K_RS) {
             PrefillKernel::RsTma
         } else if n.is_multiple_of(TILE_N_WIDE) {
             PrefillKernel::Ss256
@@ -249,7 +256,7 @@ pub fn launch_partial_prefill_with(
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
     if matches!(
         kernel,
-        PrefillKernel::RsTma | PrefillKernel::RsWtma | PrefillKernel::RsWtmaRagged
+        PrefillKernel::RsTma | PrefillKernel::RsWtmaRagged | PrefillKernel::RsWtmaAcross
     ) {
         let act_map = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 }; // 2^18 / 2^9, see the .cu
@@ -330,7 +337,7 @@ fn permute_activations_for_rs(
     )
 }
 
-/// Tensor maps of the weights for [`PrefillKernel::RsWtma`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
+/// Tensor maps of the weights for [`PrefillKernel::RsWtmaRagged`] / [`PrefillKernel::RsWtmaAcross`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
 /// 128-K stage x 256 rows) and block scales as a [E*N][K/16] byte tensor (box 16 B = a stage pair x 256 rows); no
 /// swizzle (the kernel reads rows at 64 / 16-byte pitch, conflict-free, see the .cu).
 fn weight_maps_for_rs(
