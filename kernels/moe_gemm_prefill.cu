@@ -716,8 +716,8 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 
 // =====================================================================================================================
 // RS mainloop with the weights in the TMA ring too (`moe_gemm_prefill_partial_rs_wtma_ragged`, PrefillKernel::RsWtmaRagged,
-// the routed prefill mainloop since the session-10 A/B; `_across`, PrefillKernel::RsWtmaAcross, its candidate with a
-// producer that runs ahead across work items).
+// the routed prefill mainloop since the session-10 A/B; `_nact`, PrefillKernel::RsWtmaNarrowAct, its candidate that
+// loads only the activation rows a narrow tile reads).
 // =====================================================================================================================
 // Why: the session-9 profile of the RS kernel put 31% of its warp-stall samples on the first use of each stage's
 // weight registers (long_sb) and 5.5% on the end-of-stage wgmma.wait_group 0. The register double buffer holds one
@@ -739,13 +739,11 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 //   next stage, whose wgmma.wait_group 1 guarantees that every wgmma of the previous stage has completed (its
 //   activation reads are done; its weight LDS were consumed before its own slices). So the wgmma pipe is not drained
 //   at every stage end (rs_tma: wait_group 0 per stage); only the last stage of a work item waits for 0.
-// * Producer: thread 0 fills stages 0..2 of an item at its start and stage st + 3 after the slices of stage st
-//   (`_across`: after every consumed stage, the stage three ahead in the CTA's linear order of (item, stage), so the
-//   next item's first stages are in flight while this item ends). Either way the fill three consumptions ahead
-//   reuses the slot of the consumption one before the current one, released by every warp after slice 0 of the
-//   current stage (or, at an item start, after the previous item's wait_group 0): thread 0 has passed that point
-//   itself, and no warp needs thread 0 to get there (the current stage was filled earlier), so the wait cannot
-//   deadlock. The counters run on across items (fills / consumptions per CTA, same order).
+// * Producer: thread 0 fills stages 0..2 of an item at its start and stage st + 3 after the slices of stage st. The
+//   fill three consumptions ahead reuses the slot of the consumption one before the current one, released by every
+//   warp after slice 0 of the current stage (or, at an item start, after the previous item's wait_group 0): thread
+//   0 has passed that point itself, and no warp needs thread 0 to get there (the current stage was filled earlier),
+//   so the wait cannot deadlock. The counters run on across items (fills / consumptions per CTA, same order).
 namespace rs {
 constexpr int kWCodes = kTileRows * 64;                       // 16 KiB of codes per stage
 constexpr int kWScales = kTileRows * 16;                      // 4 KiB: scale bytes of the stage pair
@@ -870,15 +868,17 @@ struct WRing {
 };
 
 // Producer (thread 0): stage st of the item (token rows from row0, weight rows from wtile) -> the next ring slot.
-__device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, const TmaDesc* codes_map,
-                                           const TmaDesc* scales_map, int st, int row0, int wtile) {
+// act_map's box holds act_rows token rows (two boxes of act_rows x 128 bytes: the expected transaction bytes).
+__device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, uint32_t act_rows,
+                                           const TmaDesc* codes_map, const TmaDesc* scales_map, int st, int row0,
+                                           int wtile) {
     const uint32_t slot = r.fills % kRingT;
     if (r.fills >= (uint32_t)kRingT && !mbar_wait(&r.empty[slot], ((r.fills / kRingT) - 1) & 1u)) {
         r.ok = false;
         return;
     }
     uint8_t* s = r.base + slot * kSlotW;
-    mbar_arrive_expect_tx(&r.full[slot], kSlotW);
+    mbar_arrive_expect_tx(&r.full[slot], 2u * act_rows * 128u + kWCodes + kWScales);
     tma_load_2d(s, act_map, st * kStageK, row0, &r.full[slot]);
     tma_load_2d(s + kAtomBytes, act_map, st * kStageK + 64, row0, &r.full[slot]);
     tma_load_2d(s + kActTile, codes_map, st * 64, wtile, &r.full[slot]);
@@ -886,55 +886,29 @@ __device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, con
     ++r.fills;
 }
 
-// Producer cursor (thread 0 of the `_across` kernel): the next (work item, stage) to fill, in the CTA's linear order
-// of its items' stages, so the ring runs three stages ahead across item boundaries too (the per-item producer of
-// the other entries drains it at every item start: the first stage of each item waits a full TMA round trip).
-struct WCursor {
-    long long item;  // >= items: nothing left to fill
-    int st, row0, wtile;
-};
-
-// Kernel-wide constants of the wtma kernels.
+// Kernel-wide constants of the wtma kernels. act[i]: the activation tensor map with a box of 32 (i + 1) token rows
+// (`_nact`: an item of NT-token wgmmas loads only the NT rows they read; the other entries use act[3] = 128 rows).
 struct WCtx {
-    const TmaDesc* act;
+    const TmaDesc* act[4];
     const TmaDesc* codes;
     const TmaDesc* scales;
-    const int* tile_prefix;  // shared memory
-    const int* offsets;      // shared-memory copy of the grouping offsets (the `_across` producer locates items)
-    long long items;
-    int n_tiles, experts, rows_total, N, stages;
+    int N, stages;
 };
 
-__device__ __forceinline__ void cursor_locate(WCursor& c, const WCtx& x) {
-    if (c.item < x.items) {
-        const TileItem it = locate_item(c.item, x.n_tiles, x.tile_prefix, x.experts, x.offsets, x.rows_total);
-        c.row0 = it.row0;
-        c.wtile = it.e * x.N + it.n_tile * kTileRows;
-    }
-}
-
-// Thread 0: fill the cursor's stage (if any is left) and advance the cursor.
-__device__ __forceinline__ void cursor_fill(WRing& r, WCursor& c, const WCtx& x) {
-    if (c.item >= x.items || !r.ok) return;
-    wring_fill(r, x.act, x.codes, x.scales, c.st, c.row0, c.wtile);
-    if (++c.st == x.stages) {
-        c.st = 0;
-        c.item += gridDim.x;
-        cursor_locate(c, x);
-    }
-}
-
 // One work item with NT-token wgmmas (the ring protocol of the section header). False on a protocol timeout
-// (outputs of the item unwritten). kAcross: thread 0 fills one stage per consumed stage from the cursor (primed
-// with three stages at kernel start), else it fills this item's stages only (three at its start).
-template <int NT, bool kAcross>
-__device__ __forceinline__ bool wtma_item(WRing& r, WCursor& cur, const WCtx& x, int row0, int ntok, int wtile,
-                                          int wrow0, int lrow, float* __restrict__ partial, float restore) {
+// (outputs of the item unwritten). kNarrowAct: the activation boxes hold NT token rows (2 x NT x 128 bytes per
+// stage instead of 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
+// groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
+template <int NT, bool kNarrowAct>
+__device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
+                                          int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
     const int stages = x.stages;
-    if (!kAcross && tid == 0 && r.ok) {
+    const TmaDesc* act = x.act[kNarrowAct ? NT / 32 - 1 : 3];
+    constexpr uint32_t kActRows = kNarrowAct ? NT : kTileT;
+    if (tid == 0 && r.ok) {
         for (int st = 0; st < kRingT - 1 && st < stages && r.ok; ++st)
-            wring_fill(r, x.act, x.codes, x.scales, st, row0, wtile);
+            wring_fill(r, act, kActRows, x.codes, x.scales, st, row0, wtile);
     }
     __syncwarp();
     float d[2][64];
@@ -960,11 +934,8 @@ __device__ __forceinline__ bool wtma_item(WRing& r, WCursor& cur, const WCtx& x,
 #pragma unroll
         for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
         ++r.cons;
-        if (tid == 0) {
-            if (kAcross) cursor_fill(r, cur, x);
-            else if (r.ok && st + kRingT - 1 < stages)
-                wring_fill(r, x.act, x.codes, x.scales, st + kRingT - 1, row0, wtile);
-        }
+        if (tid == 0 && r.ok && st + kRingT - 1 < stages)
+            wring_fill(r, act, kActRows, x.codes, x.scales, st + kRingT - 1, row0, wtile);
         __syncwarp();
     }
     wgmma_wait<0>();
@@ -991,15 +962,20 @@ __device__ __forceinline__ bool wtma_item(WRing& r, WCursor& cur, const WCtx& x,
 // point's spread, clocks 1770-1815 MHz near the power limit), L2 4096 1382.8 / 1158.8 / 1133.2; Pro L1 4096 9765.0 /
 // 8834.6 / 6660.0, Pro L2 4096 4728.3 / 4075.0 / 3481.4. Mainloop alone under ncu at Flash L1 4096: 2.12 / 1.68 /
 // 1.60 ms (tensor pipe 53.6% / 70.2% of elapsed cycles).
-// kAcross (entry `_across`): the producer runs three stages ahead across work items (WCursor); the grouping offsets
-// are copied to shared memory so that thread 0 locates the next item without a global round trip.
-template <bool kAcross>
+// kNarrowAct (entry `_nact`, session-10 candidate): an item of NT-token wgmmas loads NT activation rows per stage
+// (act maps with boxes of 32 / 64 / 96 / 128 rows) instead of 128. Why: the full-barrier wait of a stage is the top
+// stall of `_ragged` (15% of samples, ncu at Flash L1 4096) and the producer running ahead across items (the removed
+// `_across`: Flash L1 4096 1987.6 -> 2094.3 us, 512 tokens 1186.4 -> 1288.4; the wait stayed at 13.6%) did not
+// remove it, so the stage's bytes, not the item start, set the pace: 52 KiB per stage per SM, 32 KiB of them
+// activation rows from L2, which at n32 tiles (288-1024 Flash tokens) are 75% rows no wgmma reads (L2 -> SM ~5 TB/s
+// at 288 tokens).
+template <bool kNarrowAct>
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map, int N,
-                                               int K, const TmaDesc* act_map, float restore,
+                                               int K, const TmaDesc* act32, const TmaDesc* act64,
+                                               const TmaDesc* act96, const TmaDesc* act128, float restore,
                                                const int* __restrict__ offsets, int experts, int rows_total,
                                                float* __restrict__ partial, uint8_t* smem_raw) {
     __shared__ int s_tile_prefix[kMaxExperts + 1];
-    __shared__ int s_offsets[kAcross ? kMaxExperts + 1 : 1];
     __shared__ int s_warp_sum[rs::kThreads / 32];
     __shared__ __align__(8) uint64_t bar_full[rs::kRingT], bar_empty[rs::kRingT];
 
@@ -1021,63 +997,49 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
     }
-    if (kAcross) {
-        for (int e = tid; e <= E; e += rs::kThreads) s_offsets[e] = offsets[e];
-    }
-    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes both
+    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
 
     rs::WCtx x;
-    x.act = act_map;
+    x.act[0] = act32;
+    x.act[1] = act64;
+    x.act[2] = act96;
+    x.act[3] = act128;
     x.codes = w_codes_map;
     x.scales = w_scales_map;
-    x.tile_prefix = s_tile_prefix;
-    x.offsets = kAcross ? s_offsets : offsets;
-    x.n_tiles = N / rs::kTileRows;
-    x.items = (long long)s_tile_prefix[E] * x.n_tiles;
-    x.experts = E;
-    x.rows_total = rows_total;
     x.N = N;
     x.stages = K / rs::kStageK;
-    rs::WCursor cur;
-    cur.item = blockIdx.x;
-    cur.st = 0;
-    if (kAcross && tid == 0) {
-        rs::cursor_locate(cur, x);
-        for (int i = 0; i < rs::kRingT - 1; ++i) rs::cursor_fill(r, cur, x);
-    }
-    __syncwarp();
-    for (long long item = blockIdx.x; item < x.items; item += gridDim.x) {
-        const TileItem it = locate_item(item, x.n_tiles, s_tile_prefix, E, x.offsets, rows_total);
+    const int n_tiles = N / rs::kTileRows;
+    const long long items = (long long)s_tile_prefix[E] * n_tiles;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
         const int wtile = it.e * N + it.n_tile * rs::kTileRows;  // first weight row of the tile in [E*N]
         const int wrow0 = it.n_tile * rs::kTileRows + lrow;
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
         if (nt == 32)
-            ok = rs::wtma_item<32, kAcross>(r, cur, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<32, kNarrowAct>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 64)
-            ok = rs::wtma_item<64, kAcross>(r, cur, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<64, kNarrowAct>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 96)
-            ok = rs::wtma_item<96, kAcross>(r, cur, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<96, kNarrowAct>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else
-            ok = rs::wtma_item<128, kAcross>(r, cur, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<128, kNarrowAct>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         if (!ok) return;
     }
 }
 
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_ragged(
-    const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,
-    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
-    extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel<false>(&w_codes_map, &w_scales_map, N, K, &act_map, restore, offsets, experts, rows_total,
-                          partial, rs_wtma_smem_raw);
-}
-
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_across(
-    const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,
-    const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
-    extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel<true>(&w_codes_map, &w_scales_map, N, K, &act_map, restore, offsets, experts, rows_total,
-                         partial, rs_wtma_smem_raw);
-}
+// act32 .. act128: tensor maps over the pre-pass output with boxes of 64 K x 32 / 64 / 96 / 128 token rows (the
+// `_ragged` entry reads act128 only).
+#define RS_WTMA_ENTRY(NAME, NARROW)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) NAME(                                              \
+        const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,     \
+        const __grid_constant__ TmaDesc act32, const __grid_constant__ TmaDesc act64,                                \
+        const __grid_constant__ TmaDesc act96, const __grid_constant__ TmaDesc act128, float restore,                \
+        const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {                 \
+        extern __shared__ uint8_t rs_wtma_smem_raw[];                                                                \
+        rs_wtma_kernel<NARROW>(&w_codes_map, &w_scales_map, N, K, &act32, &act64, &act96, &act128, restore, offsets, \
+                               experts, rows_total, partial, rs_wtma_smem_raw);                                      \
+    }
+RS_WTMA_ENTRY(moe_gemm_prefill_partial_rs_wtma_ragged, false)
+RS_WTMA_ENTRY(moe_gemm_prefill_partial_rs_wtma_nact, true)
+#undef RS_WTMA_ENTRY

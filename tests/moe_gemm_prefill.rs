@@ -107,8 +107,8 @@ enum Mode {
     /// ... with `PrefillKernel::RsWtmaRagged` (RsTma with the weights in the TMA ring too and narrow wgmmas for
     /// token tiles of <= 96 rows).
     RsWtmaRagged,
-    /// ... with `PrefillKernel::RsWtmaAcross` (RsWtmaRagged with a producer running ahead across work items).
-    RsWtmaAcross,
+    /// ... with `PrefillKernel::RsWtmaNarrowAct` (RsWtmaRagged loading only the activation rows a narrow tile reads).
+    RsWtmaNarrowAct,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -140,7 +140,8 @@ fn check_prefill(
             Mode::Tile256 => "forced, tile 128x256",
             Mode::RsTma => "forced, RS 256x128 via TMA",
             Mode::RsWtmaRagged => "forced, RS 256x(32..128), weights via TMA",
-            Mode::RsWtmaAcross => "forced, RS 256x(32..128), weights via TMA, across items",
+            Mode::RsWtmaNarrowAct =>
+                "forced, RS 256x(32..128), weights via TMA, narrow activation boxes",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -161,7 +162,7 @@ fn check_prefill(
             Mode::Tile128 => PrefillKernel::Ss128,
             Mode::Tile256 => PrefillKernel::Ss256,
             Mode::RsWtmaRagged => PrefillKernel::RsWtmaRagged,
-            Mode::RsWtmaAcross => PrefillKernel::RsWtmaAcross,
+            Mode::RsWtmaNarrowAct => PrefillKernel::RsWtmaNarrowAct,
             _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
@@ -209,7 +210,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
         Mode::Tile128,
         Mode::Tile256,
         Mode::RsTma,
-        Mode::RsWtmaAcross,
+        Mode::RsWtmaNarrowAct,
         Mode::RsWtmaRagged,
     ] {
         for nvfp4 in [false, true] {
@@ -232,7 +233,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
     for (n, mode) in [
         (128, Mode::Tile128),
         (256, Mode::RsTma),
-        (256, Mode::RsWtmaAcross),
+        (256, Mode::RsWtmaNarrowAct),
         (256, Mode::RsWtmaRagged),
     ] {
         let w = quantized_weights(&mut rng, 3, n, k);
@@ -305,7 +306,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     for (n, mode) in [
         (128, Mode::Routed),
         (256, Mode::RsTma),
-        (256, Mode::RsWtmaAcross),
+        (256, Mode::RsWtmaNarrowAct),
         (256, Mode::RsWtmaRagged),
     ] {
         let w = quantized_weights(&mut rng, 256, n, 512);
@@ -361,7 +362,7 @@ fn gpu_prefill_flash_and_pro_shapes() {
             4096,
             vec![3, 129],
             true,
-            Mode::RsWtmaAcross,
+            Mode::RsWtmaNarrowAct,
         ),
         (
             "Flash L2",
@@ -369,9 +370,9 @@ fn gpu_prefill_flash_and_pro_shapes() {
             2048,
             vec![70, 0, 65],
             false,
-            Mode::RsWtmaAcross,
+            Mode::RsWtmaNarrowAct,
         ),
-        ("Pro L2", 7168, 3072, vec![130], true, Mode::RsWtmaAcross),
+        ("Pro L2", 7168, 3072, vec![130], true, Mode::RsWtmaNarrowAct),
         (
             "Flash L1",
             4096,
@@ -428,7 +429,7 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     }
 }
 
-/// The RS kernels with the weights in their TMA ring (`RsWtmaRagged`, `RsWtmaAcross`) must write the same partials, bit
+/// The RS kernels with the weights in their TMA ring (`RsWtmaRagged`, `RsWtmaNarrowAct`) must write the same partials, bit
 /// for bit, as the RS kernel they derive from (`RsTma`): same fragments, same wgmma order per output column, only
 /// where the weights wait (and, ragged, how many token columns a wgmma computes) differs. Many stages (K 4096: 32
 /// stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
@@ -455,7 +456,7 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
         for kernel in [
             PrefillKernel::RsTma,
             PrefillKernel::RsWtmaRagged,
-            PrefillKernel::RsWtmaAcross,
+            PrefillKernel::RsWtmaNarrowAct,
         ] {
             let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
             gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
@@ -469,7 +470,7 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
             got[0].iter().all(|x| x.is_finite()),
             "{label}: RsTma left unwritten (NaN-poisoned) partials"
         );
-        for (name, other) in [("RsWtmaRagged", &got[1]), ("RsWtmaAcross", &got[2])] {
+        for (name, other) in [("RsWtmaRagged", &got[1]), ("RsWtmaNarrowAct", &got[2])] {
             let mismatches = got[0]
                 .iter()
                 .zip(other.iter())

@@ -32,8 +32,8 @@
 //!   `N % 256 == 0` and `K % 128 == 0`; `nvfp4_wgmma256` keeps the previous SS default measurable.
 //! * `nvfp4_wgmma_rswtma_ragged` (contiguous points only): the RS mainloop with the weights in its TMA ring and
 //!   narrow wgmmas (N = 32 / 64 / 96) for token tiles of <= 96 rows (`PrefillKernel::RsWtmaRagged`, `K % 256 == 0`),
-//!   same pre-pass and finish kernels; `nvfp4_wgmma_rswtma_across` its session-10 candidate whose producer runs
-//!   ahead across work items (`PrefillKernel::RsWtmaAcross`).
+//!   same pre-pass and finish kernels; `nvfp4_wgmma_rswtma_nact` its session-10 candidate that loads only
+//!   the activation rows a narrow tile reads (`PrefillKernel::RsWtmaNarrowAct`).
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   (`launch_partial_mma_with(.., DecodeMainloop::V3)`, the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
@@ -72,7 +72,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rstma",
     "nvfp4_wgmma_rswtma_ragged",
-    "nvfp4_wgmma_rswtma_across",
+    "nvfp4_wgmma_rswtma_nact",
     "nvfp4_decode",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -96,7 +96,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rstma"
             | "nvfp4_wgmma_rswtma_ragged"
-            | "nvfp4_wgmma_rswtma_across"
+            | "nvfp4_wgmma_rswtma_nact"
             | "nvfp4_decode"
     )
 }
@@ -164,13 +164,13 @@ fn launch_variant(
         "nvfp4_wgmma_rstma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsTma)
         }
-        "nvfp4_wgmma_rswtma_across" => prefill::launch_partial_prefill_with(
+        "nvfp4_wgmma_rswtma_nact" => prefill::launch_partial_prefill_with(
             gpu,
             w,
             a,
             dg,
             ws,
-            prefill::PrefillKernel::RsWtmaAcross,
+            prefill::PrefillKernel::RsWtmaNarrowAct,
         ),
         "nvfp4_wgmma_rswtma_ragged" => prefill::launch_partial_prefill_with(
             gpu,

@@ -61,12 +61,13 @@ pub const K_MULTIPLE_RS_WTMA: usize = 256;
 /// codes 16 KiB, scales of the stage pair 4 KiB) (`rs::kBytesW + 1024` in the .cu).
 pub const SMEM_BYTES_RS_WTMA: usize = 4 * (32768 + 16384 + 4096) + 1024;
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
-/// (`rows_total / experts`; Flash top-6 of 256 crosses it at ~342 tokens, Pro top-6 of 384 at 512). Session-10 A/B
-/// (H200, 909f15d, whole L1 / L2 calls, us, mma.sync decode kernel vs the RS kernel with narrow token tiles): Flash
-/// 512 tokens (12 rows per expert) L1 1462.6 vs 1342.4, L2 777.7 vs 652.0; 1024 tokens L1 2466.9 vs 1301.4; Pro 512
-/// tokens (8 rows per expert) L1 5533.3 vs 4598.9, L2 2976.8 vs 2364.3. Until session 9 it was 64 (the 128-token
-/// tiles of the RS / SS kernels were mostly padding below that).
-pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 8;
+/// (`rows_total / experts`; Flash top-6 of 256 crosses it at 256 tokens, Pro top-6 of 384 at 384). Session-10 A/B
+/// (H200, whole L1 / L2 calls, us, mma.sync decode kernel vs the RS kernel with narrow token tiles, run 2ac9f33):
+/// Flash 288 tokens (6.75 rows per expert) L1 1299.3 vs 1129.5, L2 675.4 vs 628.6; 320 tokens L1 1422.2 vs 1174.8;
+/// 512 tokens L1 1482.3 vs 1186.4, L2 777.4 vs 641.7; Pro 512 tokens (8 rows per expert) L1 5650.9 vs 4634.2, L2
+/// 2896.2 vs 2300.8. Below 6 rows per expert nothing was measured on a contiguous grouping (the bench runs the masked
+/// layout up to 256 tokens). Until session 9 it was 64 (the 128-token tiles were mostly padding below that).
+pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 6;
 
 /// `N % 128 == 0`, `K % 64 == 0` (all DSV4 expert shapes qualify).
 pub fn check_shape(n: usize, k: usize) -> Result<()> {
@@ -109,9 +110,9 @@ pub enum PrefillKernel {
     /// wgmmas instead of 128 (less MMA work on padding rows). Bit-identical partials. `N % 256 == 0`,
     /// `K % 256 == 0`. The routed prefill mainloop since the session-10 A/B (numbers in the .cu).
     RsWtmaRagged,
-    /// `moe_gemm_prefill_partial_rs_wtma_across`: [`PrefillKernel::RsWtmaRagged`] whose TMA producer runs three
-    /// stages ahead across work items (the next item's first stages load while the current one ends).
-    RsWtmaAcross,
+    /// `moe_gemm_prefill_partial_rs_wtma_nact`: [`PrefillKernel::RsWtmaRagged`] where a narrow token tile loads
+    /// only the activation rows its wgmmas read (TMA boxes of 32 / 64 / 96 / 128 rows instead of 128).
+    RsWtmaNarrowAct,
 }
 
 impl PrefillKernel {
@@ -131,8 +132,8 @@ impl PrefillKernel {
                 TILE_N_RS,
                 STAGE_K_RS,
             ),
-            PrefillKernel::RsWtmaAcross => (
-                "moe_gemm_prefill_partial_rs_wtma_across",
+            PrefillKernel::RsWtmaNarrowAct => (
+                "moe_gemm_prefill_partial_rs_wtma_nact",
                 SMEM_BYTES_RS_WTMA,
                 TILE_N_RS,
                 K_MULTIPLE_RS_WTMA,
@@ -256,21 +257,34 @@ pub fn launch_partial_prefill_with(
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
     if matches!(
         kernel,
-        PrefillKernel::RsTma | PrefillKernel::RsWtmaRagged | PrefillKernel::RsWtmaAcross
+        PrefillKernel::RsTma | PrefillKernel::RsWtmaRagged | PrefillKernel::RsWtmaNarrowAct
     ) {
-        let act_map = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
+        let act_rs = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 }; // 2^18 / 2^9, see the .cu
-        let weight_maps = if kernel != PrefillKernel::RsTma {
-            Some(weight_maps_for_rs(w, wc, wsc)?)
-        } else {
-            None
+                                                                         // RsTma: one activation map (128-row boxes); the wtma kernels: the weight maps, then activation maps with
+                                                                         // boxes of 32 / 64 / 96 / 128 token rows.
+        let weight_maps = match kernel {
+            PrefillKernel::RsTma => None,
+            _ => Some(weight_maps_for_rs(w, wc, wsc)?),
         };
+        let box_rows: &[usize] = match kernel {
+            PrefillKernel::RsTma => &[TILE_M],
+            _ => &[32, 64, 96, 128],
+        };
+        let act_maps = box_rows
+            .iter()
+            .map(|&r| rs_activation_map(act_rs, grp.rows_total, w.k, r))
+            .collect::<Result<Vec<_>>>()?;
         let mut b = gpu.stream.launch_builder(&f);
         match &weight_maps {
             Some((codes_map, scales_map)) => b.arg(codes_map).arg(scales_map),
             None => b.arg(&wc).arg(&wsc),
         };
-        b.arg(&n).arg(&k).arg(&act_map).arg(&restore);
+        b.arg(&n).arg(&k);
+        for m in &act_maps {
+            b.arg(m);
+        }
+        b.arg(&restore);
         b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
         unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
             .map_err(|e| anyhow!("{name}: {e:?}"))?;
@@ -290,16 +304,15 @@ pub fn launch_partial_prefill_with(
     Ok(())
 }
 
-/// The RsTma pre-pass: the first `rows` activation rows, in the RS permuted BF16 order, into `ws.act_rs`
-/// (allocated or grown here), and the tensor map the mainloop reads them through (box 64 K x 128 rows, 128-byte
-/// swizzle: one [128 tokens][64 K] atom per copy).
+/// The RS pre-pass: the first `rows` activation rows, in the RS permuted BF16 order, into `ws.act_rs` (allocated
+/// or grown here); returns its device address for [`rs_activation_map`].
 fn permute_activations_for_rs(
     gpu: &Gpu,
     a: &DeviceActivations,
     rows: usize,
     k: usize,
     ws: &mut Workspace,
-) -> Result<TensorMap> {
+) -> Result<u64> {
     let len = rows * k;
     if ws.act_rs.as_ref().is_none_or(|b| b.len() < len) {
         ws.act_rs = Some(gpu.zeros::<bf16>(len)?);
@@ -325,19 +338,26 @@ fn permute_activations_for_rs(
         ))
     }
     .map_err(|e| anyhow!("moe_gemm_prefill_act_rs: {e:?}"))?;
+    Ok(out)
+}
+
+/// Tensor map over the pre-pass output `[rows][K]` BF16 at `addr` with a box of 64 K x `box_rows` token rows and the
+/// 128-byte swizzle: one copy lands the first `box_rows` rows of a [128 tokens][64 K] atom in the swizzled K-major
+/// layout the wgmma descriptor expects.
+fn rs_activation_map(addr: u64, rows: usize, k: usize, box_rows: usize) -> Result<TensorMap> {
     encode_tiled(
         "moe_gemm prefill RS activations",
         sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         2,
-        out,
+        addr,
         &[k as u64, rows as u64],
         &[(k * 2) as u64],
-        &[64, TILE_M as u32],
+        &[64, box_rows as u32],
         sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     )
 }
 
-/// Tensor maps of the weights for [`PrefillKernel::RsWtmaRagged`] / [`PrefillKernel::RsWtmaAcross`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
+/// Tensor maps of the weights for [`PrefillKernel::RsWtmaRagged`] / [`PrefillKernel::RsWtmaNarrowAct`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
 /// 128-K stage x 256 rows) and block scales as a [E*N][K/16] byte tensor (box 16 B = a stage pair x 256 rows); no
 /// swizzle (the kernel reads rows at 64 / 16-byte pitch, conflict-free, see the .cu).
 fn weight_maps_for_rs(
