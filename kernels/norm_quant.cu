@@ -41,6 +41,8 @@
 //     D = 4096 NVFP4, two-launch / PDL): T = 1 8.3 / 7.3, T = 8 8.9 / 8.8, T = 16 10.3 / 11.0, T = 32 12.4 /
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
+// Session-10 A/B candidate (not the default): rmsnorm_nvfp4_bf16in_v7_w<NW> (RowsPath::V7, own section after v6):
+// v6's outputs bit for bit, two v6 lanes per thread, ~18 instead of ~25 SASS instructions per element.
 // Removed after the H200 A/B (history):
 //   * Session 7: v5 NVFP4 (rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5; bit-identical to v4p and v6) lost to v6
 //     again in the session-7 run (7666184), median us v6 vs v5: 4096 x 4096 25.41 vs 27.46, 65536 x 4096 275.0
@@ -1062,6 +1064,348 @@ NQ_V6_ENTRIES(8)
 
 namespace {
 // ==== end of the v6 section ===================================================================================
+// ==== RMSNorm rows v7 NVFP4 (session-10 A/B candidate): v6's outputs, bit for bit, with two v6 lanes per thread ====
+// rmsnorm_nvfp4_bf16in_v7_w<NW> / quant_nvfp4_bf16in_v7_w<NW> (NW = D / 1024, 1..8; launcher RowsPath::V7). Same
+// CTA size as v6 (32 NW threads), but a CTA works on TWO rows per iteration (pair p: rows 2p, 2p + 1), 16 NW
+// threads per row, and thread j of a row does the work of v6's lanes 2j and 2j + 1 of that row (v6 "old lanes").
+// Why: v6 spends 25.0 SASS thread-instructions per element (cuobjdump, D = 4096, fast path: 799 per thread and
+// row of 32 values; ncu: issue-bound), of which 2.1 unpack the row twice (64 registers cannot hold 32 f32 + the
+// prefetch, so it is unpacked again after the barrier), 0.5 copy the prefetch registers, 1.2 swap half blocks
+// between lane pairs (SHFL xor 1 + SEL), and the per-row work (reductions, rstd, gs, addressing) is spread
+// over only 32 values. Here a thread holds whole 16-blocks from the load on (no swap), per-row work is spread
+// over 64 values, the next rows come in by cp.async into shared memory (no prefetch registers, no copies) and
+// the row stays in registers as f32 (one unpack per element; up to 128 registers), and the upper three e2m1
+// keys of a block are derived from the lower ones (v7_keys_in_range): 17.7 per element (1135 per thread and
+// row of 64 values); by category, per element v6 -> v7: unpack 2.1 -> 1.0, moves 0.5 -> 0, partner swap 1.2
+// -> 0, threshold keys 2.1 -> 1.1, block scale 1.25 -> 1.0, stores + loads + loop ~4.7 -> ~2.4; the encoder
+// (6.5), sum of squares (1.0), normalize + pack (2.8) stay. Occupancy: 4 CTAs of 128 threads per SM at D = 4096
+// (v6: 8), the same bytes in flight (two rows per CTA staged while two are processed).
+// Bit identity with v6 (every output: codes, e4m3 block scales, gsa, rstd):
+//  * Sum of squares: v6 lane L sums its chunks L + k * 32 NW (k = 0..3) in order with fmaf; here the chunks of
+//    old lanes 2j and 2j + 1 are the lo / hi halves of the 16-blocks j + k * 16 NW, and the two chains run
+//    separately in the same order (ssa, ssb). v6's warp tree adds lane L and L ^ o for o = 16, 8, 4, 2, 1; old
+//    lanes 2j / 2j + 1 of v6 warp w are thread j's chains, v6 warp w = 16 threads (half a warp here: rows never
+//    split a half warp), and old lane 2j ^ 2o = 2 (j ^ o): levels 16, 8, 4, 2 are xor 8, 4, 2, 1 here on each
+//    chain, level 1 is ssa + ssb in the thread. IEEE addition is commutative, so every partial is the same
+//    value; one partial per old warp goes to red_ss[parity][row slot][old warp], summed in old-warp order from
+//    0.f as v6. rstd: v6's expression.
+//  * Row amax: v6 takes per lane the 16-bit max key of its 32 y (|y| bits, NaN keys above +inf), turns it into
+//    a float (NaN if the lane holds a NaN) and reduces with fmaxf, which drops NaN operands: the result is the
+//    largest key among the lanes without a NaN, whatever the tree (fmaxf over non-negative values and NaN is
+//    associative and commutative). Here: the two old lanes' keys, their fmaxf, a half-warp fmaxf tree, fmaxf
+//    over the old-warp partials from 0.f: the same set, so the same value.
+//  * Block amax, block scale, thresholds, keys, codes: v6's operations on the same values (the block key is the
+//    integer max of the two chunks' keys, as v6's max(key, okey)). Fast path when 2^-100 <= scale <= 2^100 (the
+//    scale is nonzero and finite and e2m1_thresholds_fma takes its FMA form): v7_keys_in_range (the same keys,
+//    proof beside it) + binary search exactly as v6_codes8_bsearch; otherwise v7_block_codes_slow, v6's branches
+//    (scale 0, FP64 thresholds, non-finite).
+//  * Codes: v6_codes8_bsearch's sign plane (j = 3) reads only bits 15 / 31 of pk; it is computed once per chunk
+//    before pk becomes A = pk | 0x80008000 (the biased magnitudes the block keys and the search use; A | 0x80008000
+//    = A, so the search is v6's on the same A).
+// Rounding points unchanged (v6's): rstd, t = x * rstd, y = w * t (no FMA), y -> BF16, then the v4p quantizer.
+constexpr int V7_BLOCKS = 4;  // 16-blocks per thread and row (= 2 old lanes x 4 chunks / 2)
+
+// Codes of 8 values (A[p] = pk[p] | 0x80008000, pairs (p, p + 4)) with the sign plane `sign` already placed:
+// v6_codes8_bsearch(pk, keys) == v7_codes8(pk | 0x80008000, keys, its j = 3 term) (the same operations on the
+// same a = A[p]; the j = 3 term (prmt(pk[0], pk[2]) & 0x08080808) | (prmt(pk[1], pk[3]) & 0x80808080) is
+// v7_sign_plane(pk)). A copy of v6's body rather than a call: v6's takes pk and rebuilds a and the sign plane
+// itself, which here are computed once per chunk (the sign planes before pk is biased in place).
+__device__ __forceinline__ uint32_t v7_codes8(const uint32_t (&A)[4], const uint32_t (&keys)[7], uint32_t sign) {
+    uint32_t x[3][4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const uint32_t a = A[p];
+        const uint32_t d3 = a - keys[3];
+        const uint32_t m2 = prmt_b32(d3, 0u, 0xBB99u);
+        const uint32_t k1 = (keys[5] & m2) | (keys[1] & ~m2);
+        const uint32_t d1 = a - k1;
+        const uint32_t m1 = prmt_b32(d1, 0u, 0xBB99u);
+        const uint32_t khi = (keys[6] & m2) | (keys[2] & ~m2);
+        const uint32_t klo = (keys[4] & m2) | (keys[0] & ~m2);
+        const uint32_t d0 = a - ((khi & m1) | (klo & ~m1));
+        x[0][p] = d0; x[1][p] = d1; x[2][p] = d3;
+    }
+    uint32_t out = sign;
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+        out |= (prmt_b32(x[j][0], x[j][2], 0xFBD9u) & (0x01010101u << j)) |
+               (prmt_b32(x[j][1], x[j][3], 0xFBD9u) & (0x10101010u << j));
+    return out;
+}
+
+// The 7 keys bf16_key_ru_x2(e2m1_thresholds_fma(scale).b[i]) for 2^-100 <= scale <= 2^100 (v7's fast path), with
+// 4 threshold FMAs instead of 7. The upper thresholds are the lower ones doubled or quadrupled: with h_k = s * 2^-k
+// (exact: s * 2^-26 is normal), s * 2.5 + h23 = 2 (s * 1.25 + h24), s * 5 + h22 = 4 (s * 1.25 + h24) and
+// s * 3.5 - h23 = 2 (s * 1.75 - h24) as reals, directed roundings commute with exact scaling by 2^j (no overflow
+// below 2^103), so b4 = nextup(2 RD(s*1.25 + h24)), b6 = nextup(4 RD(..)), b5 = 2 b3. Doubling a normal f32 adds
+// 0x800000 to its bits, a multiple of 0x10000, so its key ((bits + 0xFFFF) >> 16) grows by exactly 0x80 (per
+// half of the x2 key, no carry: keys <= 0x7F80): K4 = K2 + 0x80, K6 = K2 + 0x100, K5 = K3 + 0x80. Mirrored in
+// reference.rs (packed_e2m1_mirror::keys_v7) and compared with the 7-FMA keys on the CPU for a sweep of scales.
+__device__ __forceinline__ void v7_keys_in_range(float scale, uint32_t (&keys)[7]) {
+    const float h26 = __fmul_rn(scale, 0x1p-26f), h25 = __fmul_rn(scale, 0x1p-25f);
+    const float h24 = __fmul_rn(scale, 0x1p-24f);
+    keys[0] = bf16_key_ru_x2(nextup_pos(__fmaf_rd(scale, 0.25f, h26)));
+    keys[1] = bf16_key_ru_x2(__fmaf_ru(scale, 0.75f, -h25));
+    keys[2] = bf16_key_ru_x2(nextup_pos(__fmaf_rd(scale, 1.25f, h24)));
+    keys[3] = bf16_key_ru_x2(__fmaf_ru(scale, 1.75f, -h24));
+    keys[4] = keys[2] + 0x00800080u;
+    keys[5] = keys[3] + 0x00800080u;
+    keys[6] = keys[2] + 0x01000100u;
+}
+
+// The j = 3 (sign) term of v6_codes8_bsearch / e2m1_codes8_keys<true>: sign of y[e] at bit 4 e + 3.
+__device__ __forceinline__ uint32_t v7_sign_plane(const uint32_t (&pk)[4]) {
+    return (prmt_b32(pk[0], pk[2], 0xFBD9u) & 0x08080808u) | (prmt_b32(pk[1], pk[3], 0xFBD9u) & 0x80808080u);
+}
+
+// v6_nvfp4_block's branches other than its common case (scale in [2^-100, 2^100]), on the biased magnitudes A
+// and the sign planes: scale 0 -> all codes 0 (no sign, as v6); FP64 thresholds (e2m1_thresholds_fma's other
+// branch) with the binary search; non-finite scale -> v6_codes16_nonfinite on |y| (sign bits cleared) with the
+// sign planes OR-ed in (e2m1_code_thr = magnitude | sign of y). Not inlined: it holds the FP64 code.
+__device__ __noinline__ uint2 v7_block_codes_slow(float scale, uint32_t l0, uint32_t l1, uint32_t l2, uint32_t l3,
+                                                  uint32_t h0, uint32_t h1, uint32_t h2, uint32_t h3, uint32_t slo,
+                                                  uint32_t shi) {
+    if (!(scale != 0.f)) return make_uint2(0u, 0u);
+    const E2m1Thresholds thr = e2m1_thresholds_fma(scale);
+    if (scale < INFINITY) {
+        uint32_t keys[7];
+#pragma unroll
+        for (int i = 0; i < 7; ++i) keys[i] = bf16_key_ru_x2(thr.b[i]);
+        const uint32_t lo[4] = {l0, l1, l2, l3}, hi[4] = {h0, h1, h2, h3};
+        return make_uint2(v7_codes8(lo, keys, slo), v7_codes8(hi, keys, shi));
+    }
+    const uint32_t M = 0x7FFF7FFFu;  // |y|: the codes' magnitudes read only |y|
+    const uint2 cw = v6_codes16_nonfinite(l0 & M, l1 & M, l2 & M, l3 & M, h0 & M, h1 & M, h2 & M, h3 & M, thr.b[0],
+                                          thr.b[1], thr.b[2], thr.b[3], thr.b[4], thr.b[5], thr.b[6]);
+    return make_uint2(cw.x | slo, cw.y | shi);
+}
+
+// Weight as f32 in shared memory, v7 layout: float4 index ((k * 2 + hf) * 2 + qq) * 16 NW + j holds elements
+// 4 qq .. 4 qq + 3 of chunk 2j + hf + k * 32 NW (the chunk of old lane 2j + hf in block j + k * 16 NW): thread j's
+// reads are consecutive float4s across threads (conflict-free LDS.128).
+template <int NW>
+__device__ __forceinline__ void v7_stage_weight(const __nv_bfloat16* __restrict__ w, float4* wsm) {
+    constexpr int TPR = 16 * NW, OBD = 32 * NW, NF4 = 256 * NW;  // NF4 = D / 4
+    for (int f = threadIdx.x; f < NF4; f += blockDim.x) {
+        const int jj = f % TPR, r = f / TPR, qq = r & 1, hf = (r >> 1) & 1, k = r >> 2;
+        const int chunk = 2 * jj + hf + k * OBD;
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(w + chunk * 8 + qq * 4));
+        wsm[f] = make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
+    }
+}
+
+// bf16_lo / bf16_hi of one word, as inline PTX: NVVM otherwise re-emits the unpack after the sum-of-squares
+// barrier (it keeps the 32 packed words live instead of the 64 floats: 64 more instructions per thread and row);
+// an asm result is not recomputed, so the floats stay in registers.
+__device__ __forceinline__ void v7_unpack_bf16x2(uint32_t w, float& lo, float& hi) {
+    uint32_t l, h;
+    asm("shl.b32 %0, %2, 16;\n\tand.b32 %1, %2, 0xffff0000;" : "=r"(l), "=r"(h) : "r"(w));
+    lo = __uint_as_float(l);
+    hi = __uint_as_float(h);
+}
+
+// cp.async with a "memory" clobber (the mHC stage's cp_async16 further down has none: its tile is read only after
+// a barrier; here a copy overwrites staging this thread has just read, and the compiler must not move those reads
+// past it), and one commit group per row.
+__device__ __forceinline__ void v7_cp_async16(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void v7_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void v7_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// The next row of this thread's slot into its own staging words (cp.async, no registers held): chunk
+// 2j + hf + k * 32 NW (16 bytes; hf = 0/1 are the two halves of block j + k * 16 NW, 32 contiguous bytes) goes to
+// staging float4 index (2k + hf) * 16 NW + j of the slot (consecutive threads, consecutive 16 bytes: the
+// LDS.128 reads back are conflict-free). Each thread reads back only what it copied itself, after its own
+// cp.async.wait_group: no barrier for the staging (and it reads a chunk into registers before it issues the
+// copy that overwrites it: same thread, program order).
+template <int NW>
+__device__ __forceinline__ void v7_copy_row(const __nv_bfloat16* __restrict__ x, long row, int j, uint32_t stage) {
+    constexpr int D = 1024 * NW, OBD = 32 * NW, TPR = 16 * NW;
+    const __nv_bfloat16* p = x + row * D + j * 16;
+#pragma unroll
+    for (int c = 0; c < 2 * V7_BLOCKS; ++c)
+        v7_cp_async16(stage + (uint32_t)(c * TPR * 16), p + ((c >> 1) * OBD + (c & 1)) * 8);
+    v7_cp_async_commit();
+}
+
+// Grid: one resident wave or ceil(rows / 2) CTAs; block 32 NW; dynamic shared memory: the weight as f32
+// (D * 4 bytes, NORM only) then the row staging (2 rows x D BF16 = D * 4 bytes).
+template <int NW, bool NORM>
+__device__ __forceinline__ void rmsnorm_nvfp4_rows_v7(const __nv_bfloat16* __restrict__ x,
+                                                      const __nv_bfloat16* __restrict__ w, uint8_t* __restrict__ q,
+                                                      uint8_t* __restrict__ scales, float* __restrict__ gsa,
+                                                      float* __restrict__ rstd, int rows, float eps) {
+    constexpr int D = 1024 * NW, TPR = 16 * NW;
+    constexpr int NCH = 2 * V7_BLOCKS;  // chunks per thread: c = 2k + hf
+    extern __shared__ float4 v7_smem[];
+    __shared__ __align__(16) float red_ss[2][2][8];  // [row parity][row slot][old warp], NW <= 8
+    __shared__ __align__(16) float red_mx[2][2][8];
+    const int slot = threadIdx.x >= TPR ? 1 : 0;
+    const int j = threadIdx.x - slot * TPR;
+    const bool leader = (j & 15) == 0;  // lane 0 of an old warp (half warp here)
+    const int old_warp = j >> 4;
+    const float4* wsm = v7_smem;
+    float4* stage = v7_smem + (NORM ? D / 4 : 0) + slot * (D / 8) + j;  // this thread's chunk c at stage[c * TPR]
+    const uint32_t stage_s = (uint32_t)__cvta_generic_to_shared(stage);
+    long pair = blockIdx.x;
+    if (2 * pair + slot < rows) {
+        v7_copy_row<NW>(x, 2 * pair + slot, j, stage_s);
+    } else {
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) stage[c * TPR] = make_float4(0.f, 0.f, 0.f, 0.f);  // a slot without a row
+        // (rows = 1) computes on zeros, not on uninitialized shared memory; it stores nothing
+    }
+    if (NORM) {
+        v7_stage_weight<NW>(w, v7_smem);
+        __syncthreads();
+    }
+    for (int it = 0; 2 * pair < rows; pair += gridDim.x, ++it) {
+        const long row = 2 * pair + slot;
+        const bool valid = row < rows;
+        v7_cp_async_wait_all();
+        float xf[NCH][8];
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) {
+            const uint4 r = *reinterpret_cast<const uint4*>(&stage[c * TPR]);
+            const uint32_t rw[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v7_unpack_bf16x2(rw[i], xf[c][2 * i], xf[c][2 * i + 1]);
+        }
+        // the next pair's row into the staging just read (in flight during this pair)
+        if (2 * (pair + gridDim.x) + slot < rows) v7_copy_row<NW>(x, 2 * (pair + gridDim.x) + slot, j, stage_s);
+        uint32_t pk[NCH][4];
+        if (NORM) {
+            float ssa = 0.f, ssb = 0.f;  // old lanes 2j (chunks hf = 0) and 2j + 1 (hf = 1), v6's order
+#pragma unroll
+            for (int k = 0; k < V7_BLOCKS; ++k)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    ssa = fmaf(xf[2 * k][e], xf[2 * k][e], ssa);
+                    ssb = fmaf(xf[2 * k + 1][e], xf[2 * k + 1][e], ssb);
+                }
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) {  // v6 levels 16, 8, 4, 2
+                ssa += __shfl_xor_sync(0xffffffffu, ssa, o);
+                ssb += __shfl_xor_sync(0xffffffffu, ssb, o);
+            }
+            float* red = red_ss[it & 1][slot];
+            if (leader) red[old_warp] = ssa + ssb;  // v6 level 1
+            __syncthreads();
+            float r[(NW + 3) / 4 * 4];
+            v6_read_partials<NW>(red, r);
+            float ss = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < NW; ++wi) ss += r[wi];
+            constexpr bool POW2 = (NW & (NW - 1)) == 0;
+            const float mean = POW2 ? __fmul_rn(ss, 1.f / (float)D) : __fdiv_rn(ss, (float)D);
+            const float rs = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(mean, eps)));
+            if (j == 0 && valid && rstd) rstd[row] = rs;
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) {
+                const float4 wa = wsm[(2 * c) * TPR + j], wb = wsm[(2 * c + 1) * TPR + j];
+                const float wlo[4] = {wa.x, wa.y, wa.z, wa.w}, whi[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+                for (int p = 0; p < 4; ++p)
+                    pk[c][p] = pack_bf16x2(__fmul_rn(wlo[p], __fmul_rn(xf[c][p], rs)),
+                                           __fmul_rn(whi[p], __fmul_rn(xf[c][p + 4], rs)));
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < NCH; ++c)
+#pragma unroll
+                for (int p = 0; p < 4; ++p) pk[c][p] = pack_bf16x2(xf[c][p], xf[c][p + 4]);
+        }
+        // sign planes, then A = pk | 0x80008000 in place; chunk keys mc (max |y| bits of elements p / p + 4 per half)
+        uint32_t sgn[NCH], mc[NCH];
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) {
+            sgn[c] = v7_sign_plane(pk[c]);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) pk[c][p] |= 0x80008000u;
+            mc[c] = max_u16x2(max_u16x2(pk[c][0], pk[c][1]), max_u16x2(pk[c][2], pk[c][3]));
+        }
+        // Old lanes' row keys (v6: max(0x8000, chunk keys)) as floats; fold = max of the halves in both halves
+        // (prmt 0x1032 swaps them), & 0x7FFF0000 = (key & 0x7FFF) << 16.
+        uint32_t rk[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            uint32_t m = 0x80008000u;
+#pragma unroll
+            for (int k = 0; k < V7_BLOCKS; ++k) m = max_u16x2(m, mc[2 * k + hf]);
+            rk[hf] = max_u16x2(m, prmt_b32(m, m, 0x1032u)) & 0x7FFF0000u;
+        }
+        float am = fmaxf(__uint_as_float(rk[0]), __uint_as_float(rk[1]));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        {
+            float* red = red_mx[it & 1][slot];
+            if (leader) red[old_warp] = am;
+            __syncthreads();
+            float r[(NW + 3) / 4 * 4];
+            v6_read_partials<NW>(red, r);
+            am = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < NW; ++wi) am = fmaxf(am, r[wi]);
+        }
+        const float gs = mm::nvfp4_global_scale(am);
+        if (j == 0 && valid) gsa[row] = gs;
+        // block j + k * 16 NW of the row: 8 code bytes at qb + k * 16 NW * 8, its scale at sb + k * 16 NW
+        uint8_t* qb = q + row * (D / 2) + j * 8;
+        uint8_t* sb = scales + row * (D / 16) + j;
+#pragma unroll
+        for (int k = 0; k < V7_BLOCKS; ++k) {
+            const uint32_t mb = max_u16x2(mc[2 * k], mc[2 * k + 1]);
+            const float ab = __uint_as_float(max_u16x2(mb, prmt_b32(mb, mb, 0x1032u)) & 0x7FFF0000u);
+            const uint8_t s = mm::nvfp4_block_scale(ab, gs);
+            const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+            uint2 cw;
+            if (scale >= 0x1p-100f && scale <= 0x1p100f) {
+                uint32_t keys[7];
+                v7_keys_in_range(scale, keys);
+                cw.x = v7_codes8(pk[2 * k], keys, sgn[2 * k]);
+                cw.y = v7_codes8(pk[2 * k + 1], keys, sgn[2 * k + 1]);
+            } else {
+                cw = v7_block_codes_slow(scale, pk[2 * k][0], pk[2 * k][1], pk[2 * k][2], pk[2 * k][3],
+                                         pk[2 * k + 1][0], pk[2 * k + 1][1], pk[2 * k + 1][2], pk[2 * k + 1][3],
+                                         sgn[2 * k], sgn[2 * k + 1]);
+            }
+            if (valid) {
+                *reinterpret_cast<uint2*>(qb + k * TPR * 8) = cw;
+                sb[k * TPR] = s;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// v7 entry points (launcher: rmsnorm_quant_with(.., RowsPath::V7), quantize_bf16_rows_v7): x [rows, 1024 NW]
+// BF16; block 32 NW (two rows per CTA iteration); grid one resident wave or ceil(rows / 2) CTAs; dynamic shared
+// memory D * 8 bytes (weight + row staging; quantize-only: D * 4, the staging). At most 128 registers (the row is
+// held as 64 f32 per thread).
+#define NQ_V7_ENTRIES(NW)                                                                                          \
+    extern "C" __global__ void __maxnreg__(128) rmsnorm_nvfp4_bf16in_v7_w##NW(                                     \
+        const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd,      \
+        int rows, float eps) {                                                                                     \
+        rmsnorm_nvfp4_rows_v7<NW, true>(x, w, q, scales, gsa, rstd, rows, eps);                                    \
+    }                                                                                                              \
+    extern "C" __global__ void __maxnreg__(128) quant_nvfp4_bf16in_v7_w##NW(                                       \
+        const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa, int rows) {                               \
+        rmsnorm_nvfp4_rows_v7<NW, false>(x, nullptr, q, scales, gsa, nullptr, rows, 0.f);                          \
+    }
+NQ_V7_ENTRIES(1)
+NQ_V7_ENTRIES(2)
+NQ_V7_ENTRIES(3)
+NQ_V7_ENTRIES(4)
+NQ_V7_ENTRIES(5)
+NQ_V7_ENTRIES(6)
+NQ_V7_ENTRIES(7)
+NQ_V7_ENTRIES(8)
+#undef NQ_V7_ENTRIES
+
+namespace {
+// ==== end of the v7 section ===================================================================================
 
 // ---- mHC -----------------------------------------------------------------------------------------------------
 

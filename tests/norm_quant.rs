@@ -1820,6 +1820,7 @@ fn rows_path_switches_at_4096_rows_for_d_multiple_of_1024() {
                     V5 => nq::check_v5(rows, d, format).unwrap(),
                     V6 => nq::check_v6(rows, d, format).unwrap(),
                     V4 => {}
+                    nq::RowsPath::V7 => panic!("rows_path never picks the v7 A/B candidate"),
                 }
             }
         }
@@ -2383,5 +2384,187 @@ fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         let v4p = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows);
         assert_same_nvfp4(&label, &got.q, &v4p.q, d);
         eprintln!("{label}: v6 and v4p bit-identical");
+    }
+}
+
+// ---- the v7 NVFP4 row kernels (RowsPath::V7, session-10 A/B candidate: v6's bits, two v6 lanes per thread) -------
+
+/// v7's fast-path keys (keys 4..6 derived from keys 2 / 3, packed_e2m1_mirror::keys_v7) equal the keys of the
+/// seven FMA thresholds (key_ru_x2(thresholds_fma)) for every e4m3 block scale times a sweep of global scales
+/// (powers of two, random mantissas) and for random f32 scales, all within [2^-100, 2^100] (the fast path's range),
+/// the two ends included.
+#[test]
+fn v7_derived_keys_equal_the_fma_threshold_keys() {
+    use r::packed_e2m1_mirror as m;
+    let seed = fresh_seed("v7_derived_keys_equal_the_fma_threshold_keys");
+    let mut next = xorshift64(seed);
+    let (lo, hi) = (2f32.powi(-100), 2f32.powi(100));
+    let mut scales = vec![
+        lo,
+        hi,
+        f32::from_bits(lo.to_bits() + 1),
+        f32::from_bits(hi.to_bits() - 1),
+    ];
+    for e in -110..=110 {
+        for _ in 0..8 {
+            let gs = 2f32.powi(e) * (1.0 + (next() >> 41) as f32 / (1u64 << 23) as f32);
+            for code in 1u8..0x7F {
+                scales.push(e4m3::decode(code) * gs);
+            }
+        }
+    }
+    for _ in 0..1_000_000 {
+        scales.push(f32::from_bits((next() >> 32) as u32 & 0x7FFF_FFFF));
+    }
+    let mut checked = 0usize;
+    for s in scales.into_iter().filter(|s| (lo..=hi).contains(s)) {
+        let want: Vec<u32> = m::thresholds_fma(s)
+            .iter()
+            .map(|&b| m::key_ru_x2(b))
+            .collect();
+        assert_eq!(m::keys_v7(s).to_vec(), want, "scale {s:e} (seed {seed})");
+        checked += 1;
+    }
+    eprintln!("v7 derived keys: {checked} scales equal to the 7-FMA keys");
+}
+
+/// check_v7: v6's rules (NVFP4 only, D a multiple of 1024 up to V6_MAX_D), errors naming v7.
+#[test]
+fn v7_launcher_rules() {
+    for d in (1024..=nq::V6_MAX_D).step_by(1024) {
+        nq::check_v7(5, d, OutFormat::Nvfp4).unwrap();
+    }
+    let err = |rows, d, f| nq::check_v7(rows, d, f).unwrap_err().to_string();
+    assert!(err(5, 4096, OutFormat::Fp8).contains("nvfp4"));
+    assert!(err(5, 4096, OutFormat::Fp8).contains("v7"));
+    assert!(err(5, 4096 + 128, OutFormat::Nvfp4).contains("multiple of 1024"));
+    assert!(err(5, 9216, OutFormat::Nvfp4).contains("above 8192"));
+    assert!(nq::check_v7(0, 4096, OutFormat::Nvfp4).is_err());
+}
+
+/// resident_rows plus rows v7 must treat exactly as v6 (placed at multiples of 5, which the CPU comparison
+/// skips): 5 one huge value (2^120 among random values: its block's scale is above 2^100, the FP64
+/// thresholds; the other blocks' e4m3 scales are 0), 10 every value scaled by 2^-130 (BF16 subnormals: the sum
+/// of squares underflows; quantize-only: gs and block scales subnormal or 0), 15 a NaN among random values,
+/// 20 +inf, 25 -inf and a NaN in the same 16-block, 30 NaN everywhere, 35 values scaled by 2^126 (the sum of
+/// squares overflows, rstd 0). Non-finite rows go up through `gpu.upload` (upload_checked_bf16 refuses them).
+fn v7_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut x = resident_rows(rows, d, seed);
+    let mut next = xorshift64(seed ^ 0x77);
+    let set_row = |x: &mut [f32], row: usize, f: &mut dyn FnMut(usize, f32) -> f32| {
+        if row < rows {
+            for (i, v) in x[row * d..(row + 1) * d].iter_mut().enumerate() {
+                *v = bf16::round(f(i, *v));
+            }
+        }
+    };
+    let pos = (next() as usize) % d;
+    set_row(&mut x, 5, &mut |i, v| {
+        if i == pos {
+            2f32.powi(120)
+        } else {
+            v
+        }
+    });
+    set_row(&mut x, 10, &mut |_, v| v * 2f32.powi(-130));
+    let pos15 = (next() as usize) % d;
+    set_row(&mut x, 15, &mut |i, v| {
+        if i == pos15 {
+            f32::NAN
+        } else {
+            v
+        }
+    });
+    let pos20 = (next() as usize) % d;
+    set_row(&mut x, 20, &mut |i, v| {
+        if i == pos20 {
+            f32::INFINITY
+        } else {
+            v
+        }
+    });
+    let blk = ((next() as usize) % (d / 16)) * 16;
+    set_row(&mut x, 25, &mut |i, v| {
+        if i == blk {
+            f32::NEG_INFINITY
+        } else if i == blk + 3 {
+            f32::NAN
+        } else {
+            v
+        }
+    });
+    set_row(&mut x, 30, &mut |_, _| f32::NAN);
+    set_row(&mut x, 35, &mut |_, v| v * 2f32.powi(126));
+    x
+}
+
+/// RowsPath::V7 (rmsnorm_nvfp4_bf16in_v7_w<D/1024>) bit for bit against RowsPath::V6 (every row: codes, block
+/// scales, global scales, rstd; outputs poisoned before each run), for every NW = D / 1024 in 1..=8, rows 1, 7
+/// (one CTA, its second row slot idle at the end), 4099 (the CTAs loop, a half-empty last pair) and, at NW 1 / 2
+/// / 4, 9003 (more than two resident waves of row pairs at NW 1), on v7_rows (random rows, the resident_rows
+/// extremes, exact e2m1 decision points, huge / subnormal / NaN / inf rows); and v7 against the CPU reference
+/// on the random rows among the first 300 and the last 64.
+#[test]
+fn gpu_v7_nvfp4_rows_equal_v6_bitwise() {
+    let Some(gpu) = gpu_for_test("gpu_v7_nvfp4_rows_equal_v6_bitwise") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_v7_nvfp4_rows_equal_v6_bitwise");
+    let format = OutFormat::Nvfp4;
+    for nw in 1..=8usize {
+        let d = 1024 * nw;
+        let w = nq::random_weight(d, seed ^ d as u64 ^ 0x7);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        let mut rows_list = vec![1usize, 7, 4099];
+        if matches!(nw, 1 | 2 | 4) {
+            rows_list.push(9003);
+        }
+        for rows in rows_list {
+            let x = v7_rows(rows, d, seed ^ (rows as u64 * 977 + d as u64));
+            let dx = gpu.upload(&bf16::to_bf16_vec(&x)).unwrap();
+            let label = format!("nvfp4 v7 {rows}x{d}, seed {seed}");
+            let got = run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(nq::RowsPath::V7));
+            let v6 = run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(nq::RowsPath::V6));
+            assert_same_rows(&format!("V7 vs V6 {label}"), &got, &v6, d);
+            let checked =
+                check_sampled_rows_vs_cpu(&format!("V7 {label}"), &x, &w, rows, d, format, &got);
+            eprintln!(
+                "{label}: V7 and V6 bit-identical; {checked} rows exact vs the CPU reference"
+            );
+        }
+    }
+}
+
+/// The v7 quantize-only kernel (quant_nvfp4_bf16in_v7_w<D/1024>) at exact e2m1 decision points (boundary_rows,
+/// ties included) bit for bit against the CPU reference and quant_nvfp4_bf16in_v6_w<D/1024>, and on non-finite
+/// rows against v6 only; NW 1, 4, 7, 8, rows 7 and 2001 (the CTAs loop, a half-empty last pair).
+#[test]
+fn gpu_v7_quant_nvfp4_matches_v6_and_cpu_at_exact_boundaries() {
+    let Some(gpu) = gpu_for_test("gpu_v7_quant_nvfp4_matches_v6_and_cpu_at_exact_boundaries")
+    else {
+        return;
+    };
+    let seed = fresh_seed("gpu_v7_quant_nvfp4_matches_v6_and_cpu_at_exact_boundaries");
+    for d in [1024usize, 4096, 7168, 8192] {
+        for rows in [7usize, 2001] {
+            let y = boundary_rows(rows, d, seed ^ (d as u64 * 3 + rows as u64));
+            assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
+            let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
+            let label = format!("v7 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+            let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
+            let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v7);
+            assert_same_nvfp4(&label, &got.q, &want, d);
+            let v6 = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v6);
+            assert_same_nvfp4(&format!("{label} (vs v6)"), &got.q, &v6.q, d);
+            eprintln!("{label}: v7, v6 and the CPU reference bit-identical");
+        }
+        let rows = 41;
+        let y = v7_rows(rows, d, seed ^ 0x1f ^ d as u64);
+        let dy = gpu.upload(&bf16::to_bf16_vec(&y)).unwrap();
+        let label = format!("v7 quant->nvfp4 extreme / non-finite rows {rows}x{d}, seed {seed}");
+        let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v7);
+        let v6 = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v6);
+        assert_same_nvfp4(&label, &got.q, &v6.q, d);
+        eprintln!("{label}: v7 and v6 bit-identical");
     }
 }

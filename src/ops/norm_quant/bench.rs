@@ -20,6 +20,7 @@ pub fn kernels() -> Vec<BenchKernel> {
             name: "rmsnorm_quant",
             variants: &[
                 "fused_nvfp4",
+                "fused_nvfp4_v7",
                 "unfused_nvfp4",
                 "fused_fp8",
                 "unfused_fp8",
