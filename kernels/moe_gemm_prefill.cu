@@ -715,9 +715,8 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 }
 
 // =====================================================================================================================
-// RS mainloop with the weights in the TMA ring too (`moe_gemm_prefill_partial_rs_wtma_ragged`, PrefillKernel::RsWtmaRagged,
-// the routed prefill mainloop since the session-10 A/B; `_nact`, PrefillKernel::RsWtmaNarrowAct, its candidate that
-// loads only the activation rows a narrow tile reads).
+// RS mainloop with the weights in the TMA ring too and narrow token tiles (`moe_gemm_prefill_partial_rs_wtma`,
+// PrefillKernel::RsWtma: the routed prefill mainloop since the session-10 A/B).
 // =====================================================================================================================
 // Why: the session-9 profile of the RS kernel put 31% of its warp-stall samples on the first use of each stage's
 // weight registers (long_sb) and 5.5% on the end-of-stage wgmma.wait_group 0. The register double buffer holds one
@@ -768,7 +767,7 @@ __device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int 
     }
 }
 
-// Narrow token tiles (the `_ragged` entry): the RS wgmma with N = 32 / 64 / 96 tokens. Accumulator fragment layout of
+// Narrow token tiles: the RS wgmma with N = 32 / 64 / 96 tokens. Accumulator fragment layout of
 // m64nNk16 = the first N/2 registers of the n128 layout (d[4j + ..] is column group j), so one float[64] array serves
 // every width and store_partials_n stores the first N/8 column groups.
 __device__ __forceinline__ void wgmma_rs_m64n32k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -886,8 +885,8 @@ __device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, uin
     ++r.fills;
 }
 
-// Kernel-wide constants of the wtma kernels. act[i]: the activation tensor map with a box of 32 (i + 1) token rows
-// (`_nact`: an item of NT-token wgmmas loads only the NT rows they read; the other entries use act[3] = 128 rows).
+// Kernel-wide constants of the wtma kernel. act[i]: the activation tensor map with a box of 32 (i + 1) token rows (an
+// item of NT-token wgmmas loads only the NT rows they read).
 struct WCtx {
     const TmaDesc* act[4];
     const TmaDesc* codes;
@@ -896,16 +895,16 @@ struct WCtx {
 };
 
 // One work item with NT-token wgmmas (the ring protocol of the section header). False on a protocol timeout
-// (outputs of the item unwritten). kNarrowAct: the activation boxes hold NT token rows (2 x NT x 128 bytes per
-// stage instead of 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
+// (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
+// 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
 // groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
-template <int NT, bool kNarrowAct>
+template <int NT>
 __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
                                           int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
     const int stages = x.stages;
-    const TmaDesc* act = x.act[kNarrowAct ? NT / 32 - 1 : 3];
-    constexpr uint32_t kActRows = kNarrowAct ? NT : kTileT;
+    const TmaDesc* act = x.act[NT / 32 - 1];
+    constexpr uint32_t kActRows = NT;
     if (tid == 0 && r.ok) {
         for (int st = 0; st < kRingT - 1 && st < stages && r.ok; ++st)
             wring_fill(r, act, kActRows, x.codes, x.scales, st, row0, wtile);
@@ -956,20 +955,20 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // instead of 128. Why: at 4096 Flash tokens an expert has ~96 rows, so the 128-token tile spends ~25% of the MMA
 // work on padding rows whose columns are never stored. Each output column's dot product is the same k16 sequence of
 // the same operands at any N: bit-identical partials (GPU test against rs_tma).
-// Session-10 A/B (H200, 909f15d, whole L1 / L2 call in us; rs_tma / weights in the ring, n128 only (the removed
-// `moe_gemm_prefill_partial_rs_wtma`) / + narrow tiles): Flash L1 1024 tokens 2200.9 / 1735.4 / 1301.4, 4096
-// 2506.5 / 2103.9 / 2060.3, 16384 8923.0 / 7480.3 / 7855.0 (p10 7202.7 / 7160.6: the 16384 gap is inside that
-// point's spread, clocks 1770-1815 MHz near the power limit), L2 4096 1382.8 / 1158.8 / 1133.2; Pro L1 4096 9765.0 /
-// 8834.6 / 6660.0, Pro L2 4096 4728.3 / 4075.0 / 3481.4. Mainloop alone under ncu at Flash L1 4096: 2.12 / 1.68 /
-// 1.60 ms (tensor pipe 53.6% / 70.2% of elapsed cycles).
-// kNarrowAct (entry `_nact`, session-10 candidate): an item of NT-token wgmmas loads NT activation rows per stage
-// (act maps with boxes of 32 / 64 / 96 / 128 rows) instead of 128. Why: the full-barrier wait of a stage is the top
-// stall of `_ragged` (15% of samples, ncu at Flash L1 4096) and the producer running ahead across items (the removed
-// `_across`: Flash L1 4096 1987.6 -> 2094.3 us, 512 tokens 1186.4 -> 1288.4; the wait stayed at 13.6%) did not
-// remove it, so the stage's bytes, not the item start, set the pace: 52 KiB per stage per SM, 32 KiB of them
-// activation rows from L2, which at n32 tiles (288-1024 Flash tokens) are 75% rows no wgmma reads (L2 -> SM ~5 TB/s
-// at 288 tokens).
-template <bool kNarrowAct>
+// Session-10 A/B (H200, 909f15d, whole L1 / L2 call in us; rs_tma / weights in the ring, n128 only (removed) /
+// + narrow tiles): Flash L1 1024 tokens 2200.9 / 1735.4 / 1301.4, 4096 2506.5 / 2103.9 / 2060.3, 16384 8923.0 /
+// 7480.3 / 7855.0 (p10 7202.7 / 7160.6: the 16384 gap is inside that point's spread, clocks 1770-1815 MHz near the
+// power limit), L2 4096 1382.8 / 1158.8 / 1133.2; Pro L1 4096 9765.0 / 8834.6 / 6660.0, Pro L2 4096 4728.3 / 4075.0 /
+// 3481.4. Mainloop alone under ncu at Flash L1 4096: 2.12 / 1.68 / 1.60 ms (tensor pipe 53.6% / 70.2% of elapsed
+// cycles). Then (removed candidates, same partials): a producer running three stages ahead across work items LOST
+// (2ac9f33: Flash L1 4096 1987.6 -> 2094.3 us, 512 tokens 1186.4 -> 1288.4; its full-barrier wait stayed at 13.6% of
+// the stall samples, so the item start is not what that wait is). Narrow activation boxes (an NT-token item loads NT
+// rows of the activation atoms per stage through the act32 .. act128 maps: 28 / 36 / 44 / 52 KiB per stage instead
+// of 52) WON BY A LITTLE (24d9920, medians of the 128-row-box kernel / this one, us: Flash L1 512 tokens 1165.0 /
+// 1157.8, 4096 2102.8 / 2028.1, 16384 7748.2 / 7618.0; Pro L1 512 4695.4 / 4398.4, 1024 5054.0 / 4627.1, 4096
+// 6922.4 / 6740.0; L2 16384 4416.7 / 4294.1; 15 of 18 points lower, 3 higher by <= 46 us; the point-to-point
+// spread of this run was 5-8%), not by the >= 100 us predicted at 512 tokens: the L2 -> SM bytes are not what
+// holds the low-token points, and it is the only form kept.
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map, int N,
                                                int K, const TmaDesc* act32, const TmaDesc* act64,
                                                const TmaDesc* act96, const TmaDesc* act128, float restore,
@@ -1017,29 +1016,24 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
         if (nt == 32)
-            ok = rs::wtma_item<32, kNarrowAct>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<32>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 64)
-            ok = rs::wtma_item<64, kNarrowAct>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<64>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 96)
-            ok = rs::wtma_item<96, kNarrowAct>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<96>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else
-            ok = rs::wtma_item<128, kNarrowAct>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<128>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         if (!ok) return;
     }
 }
 
-// act32 .. act128: tensor maps over the pre-pass output with boxes of 64 K x 32 / 64 / 96 / 128 token rows (the
-// `_ragged` entry reads act128 only).
-#define RS_WTMA_ENTRY(NAME, NARROW)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) NAME(                                              \
-        const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,     \
-        const __grid_constant__ TmaDesc act32, const __grid_constant__ TmaDesc act64,                                \
-        const __grid_constant__ TmaDesc act96, const __grid_constant__ TmaDesc act128, float restore,                \
-        const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {                 \
-        extern __shared__ uint8_t rs_wtma_smem_raw[];                                                                \
-        rs_wtma_kernel<NARROW>(&w_codes_map, &w_scales_map, N, K, &act32, &act64, &act96, &act128, restore, offsets, \
-                               experts, rows_total, partial, rs_wtma_smem_raw);                                      \
-    }
-RS_WTMA_ENTRY(moe_gemm_prefill_partial_rs_wtma_ragged, false)
-RS_WTMA_ENTRY(moe_gemm_prefill_partial_rs_wtma_nact, true)
-#undef RS_WTMA_ENTRY
+// act32 .. act128: tensor maps over the pre-pass output with boxes of 64 K x 32 / 64 / 96 / 128 token rows.
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma(
+    const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,
+    const __grid_constant__ TmaDesc act32, const __grid_constant__ TmaDesc act64,
+    const __grid_constant__ TmaDesc act96, const __grid_constant__ TmaDesc act128, float restore,
+    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
+    extern __shared__ uint8_t rs_wtma_smem_raw[];
+    rs_wtma_kernel(&w_codes_map, &w_scales_map, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
+                   rows_total, partial, rs_wtma_smem_raw);
+}

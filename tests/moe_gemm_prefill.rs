@@ -104,11 +104,9 @@ enum Mode {
     Tile256,
     /// ... with `PrefillKernel::RsTma` (activation pre-pass + the RS mainloop fed by TMA; both A formats).
     RsTma,
-    /// ... with `PrefillKernel::RsWtmaRagged` (RsTma with the weights in the TMA ring too and narrow wgmmas for
+    /// ... with `PrefillKernel::RsWtma` (the weights in the TMA ring too, narrow wgmmas and activation boxes for
     /// token tiles of <= 96 rows).
-    RsWtmaRagged,
-    /// ... with `PrefillKernel::RsWtmaNarrowAct` (RsWtmaRagged loading only the activation rows a narrow tile reads).
-    RsWtmaNarrowAct,
+    RsWtma,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -139,9 +137,7 @@ fn check_prefill(
             Mode::Tile128 => "forced, tile 128x128",
             Mode::Tile256 => "forced, tile 128x256",
             Mode::RsTma => "forced, RS 256x128 via TMA",
-            Mode::RsWtmaRagged => "forced, RS 256x(32..128), weights via TMA",
-            Mode::RsWtmaNarrowAct =>
-                "forced, RS 256x(32..128), weights via TMA, narrow activation boxes",
+            Mode::RsWtma => "forced, RS 256x(32..128), weights via TMA",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -161,8 +157,7 @@ fn check_prefill(
         let kernel = match mode {
             Mode::Tile128 => PrefillKernel::Ss128,
             Mode::Tile256 => PrefillKernel::Ss256,
-            Mode::RsWtmaRagged => PrefillKernel::RsWtmaRagged,
-            Mode::RsWtmaNarrowAct => PrefillKernel::RsWtmaNarrowAct,
+            Mode::RsWtma => PrefillKernel::RsWtma,
             _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
@@ -206,13 +201,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    for mode in [
-        Mode::Tile128,
-        Mode::Tile256,
-        Mode::RsTma,
-        Mode::RsWtmaNarrowAct,
-        Mode::RsWtmaRagged,
-    ] {
+    for mode in [Mode::Tile128, Mode::Tile256, Mode::RsTma, Mode::RsWtma] {
         for nvfp4 in [false, true] {
             check_prefill(
                 &gpu,
@@ -233,8 +222,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
     for (n, mode) in [
         (128, Mode::Tile128),
         (256, Mode::RsTma),
-        (256, Mode::RsWtmaNarrowAct),
-        (256, Mode::RsWtmaRagged),
+        (256, Mode::RsWtma),
     ] {
         let w = quantized_weights(&mut rng, 3, n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -276,10 +264,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         &mut rng,
     );
     // N % 256 == 0: launch_partial routes to the 128 x 256 tile (the default), N = 128 above to the 128 x 128.
-    assert_eq!(
-        PrefillKernel::default_for(256, 512),
-        PrefillKernel::RsWtmaRagged
-    );
+    assert_eq!(PrefillKernel::default_for(256, 512), PrefillKernel::RsWtma);
     assert_eq!(PrefillKernel::default_for(256, 640), PrefillKernel::RsTma);
     assert_eq!(PrefillKernel::default_for(256, 576), PrefillKernel::Ss256);
     assert_eq!(PrefillKernel::default_for(128, 512), PrefillKernel::Ss128);
@@ -303,12 +288,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     // through launch_partial at N = 128 (the SS 128 x 128 tile), and forced through the RS kernel at N = 256 (one
     // n tile per expert token tile).
     let rb = RoutedBatch::random(&mut rng, 4096, 256, 6, None).unwrap();
-    for (n, mode) in [
-        (128, Mode::Routed),
-        (256, Mode::RsTma),
-        (256, Mode::RsWtmaNarrowAct),
-        (256, Mode::RsWtmaRagged),
-    ] {
+    for (n, mode) in [(128, Mode::Routed), (256, Mode::RsTma), (256, Mode::RsWtma)] {
         let w = quantized_weights(&mut rng, 256, n, 512);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         for nvfp4 in [false, true] {
@@ -356,39 +336,9 @@ fn gpu_prefill_flash_and_pro_shapes() {
         ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsTma),
         ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsTma),
         ("Pro L2", 7168, 3072, vec![130], true, Mode::RsTma),
-        (
-            "Flash L1",
-            4096,
-            4096,
-            vec![3, 129],
-            true,
-            Mode::RsWtmaNarrowAct,
-        ),
-        (
-            "Flash L2",
-            4096,
-            2048,
-            vec![70, 0, 65],
-            false,
-            Mode::RsWtmaNarrowAct,
-        ),
-        ("Pro L2", 7168, 3072, vec![130], true, Mode::RsWtmaNarrowAct),
-        (
-            "Flash L1",
-            4096,
-            4096,
-            vec![3, 129],
-            true,
-            Mode::RsWtmaRagged,
-        ),
-        (
-            "Pro L2",
-            7168,
-            3072,
-            vec![130, 70],
-            false,
-            Mode::RsWtmaRagged,
-        ),
+        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsWtma),
+        ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsWtma),
+        ("Pro L2", 7168, 3072, vec![130, 70], false, Mode::RsWtma),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -429,10 +379,10 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     }
 }
 
-/// The RS kernels with the weights in their TMA ring (`RsWtmaRagged`, `RsWtmaNarrowAct`) must write the same partials, bit
-/// for bit, as the RS kernel they derive from (`RsTma`): same fragments, same wgmma order per output column, only
-/// where the weights wait (and, ragged, how many token columns a wgmma computes) differs. Many stages (K 4096: 32
-/// stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
+/// The RS kernel with the weights in its TMA ring (`RsWtma`) must write the same partials, bit for bit, as the RS
+/// kernel it derives from (`RsTma`): same fragments, same wgmma order per output column; only where the weights wait,
+/// how many token columns a wgmma computes and how many activation rows a stage loads differ. Many stages (K 4096:
+/// 32 stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
 /// narrow width (1..32, 33..64, 65..96, 97..128 rows), empty experts, both A formats.
 #[test]
 fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
@@ -453,11 +403,7 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
         let a = gathered_activations(&mut rng, &rb, k, nvfp4);
         let da = DevA::upload(&gpu, &a);
         let mut got = Vec::new();
-        for kernel in [
-            PrefillKernel::RsTma,
-            PrefillKernel::RsWtmaRagged,
-            PrefillKernel::RsWtmaNarrowAct,
-        ] {
+        for kernel in [PrefillKernel::RsTma, PrefillKernel::RsWtma] {
             let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
             gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
             prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
@@ -470,7 +416,7 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
             got[0].iter().all(|x| x.is_finite()),
             "{label}: RsTma left unwritten (NaN-poisoned) partials"
         );
-        for (name, other) in [("RsWtmaRagged", &got[1]), ("RsWtmaNarrowAct", &got[2])] {
+        for (name, other) in [("RsWtma", &got[1])] {
             let mismatches = got[0]
                 .iter()
                 .zip(other.iter())

@@ -30,10 +30,8 @@
 //!   dequantized in registers as the wgmma A operand, activations from a one-pass permuted BF16 copy through TMA;
 //!   the pre-pass is inside the timed call). Since session 9 `nvfp4` routes prefill shapes to it whenever
 //!   `N % 256 == 0` and `K % 128 == 0`; `nvfp4_wgmma256` keeps the previous SS default measurable.
-//! * `nvfp4_wgmma_rswtma_ragged` (contiguous points only): the RS mainloop with the weights in its TMA ring and
-//!   narrow wgmmas (N = 32 / 64 / 96) for token tiles of <= 96 rows (`PrefillKernel::RsWtmaRagged`, `K % 256 == 0`),
-//!   same pre-pass and finish kernels; `nvfp4_wgmma_rswtma_nact` its session-10 candidate that loads only
-//!   the activation rows a narrow tile reads (`PrefillKernel::RsWtmaNarrowAct`).
+//! * `nvfp4_wgmma_rswtma` (contiguous points only): the session-10 routed RS mainloop forced
+//!   (`PrefillKernel::RsWtma`: weights in the TMA ring, narrow token tiles; `K % 256 == 0`), same pre-pass and finish.
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   (`launch_partial_mma_with(.., DecodeMainloop::V3)`, the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
@@ -71,8 +69,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rstma",
-    "nvfp4_wgmma_rswtma_ragged",
-    "nvfp4_wgmma_rswtma_nact",
+    "nvfp4_wgmma_rswtma",
     "nvfp4_decode",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -95,8 +92,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rstma"
-            | "nvfp4_wgmma_rswtma_ragged"
-            | "nvfp4_wgmma_rswtma_nact"
+            | "nvfp4_wgmma_rswtma"
             | "nvfp4_decode"
     )
 }
@@ -164,22 +160,9 @@ fn launch_variant(
         "nvfp4_wgmma_rstma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsTma)
         }
-        "nvfp4_wgmma_rswtma_nact" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::PrefillKernel::RsWtmaNarrowAct,
-        ),
-        "nvfp4_wgmma_rswtma_ragged" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::PrefillKernel::RsWtmaRagged,
-        ),
+        "nvfp4_wgmma_rswtma" => {
+            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsWtma)
+        }
         "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
         "nvfp4_decode" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::V3),
         "nvfp4_tma_tiled" => {

@@ -53,11 +53,11 @@ pub const STAGE_K_RS: usize = 128;
 /// Dynamic shared memory of the TMA-fed RS kernel: a 4-slot ring of 128-token x 128-K BF16 activation tiles
 /// (`rs::kBytesT + 1024` in the .cu).
 pub const SMEM_BYTES_RS_TMA: usize = 4 * 32768 + 1024;
-/// K granularity of the RS kernels with the weights in their TMA ring (`moe_gemm_prefill_partial_rs_wtma_*`): each slot
+/// K granularity of the RS kernel with the weights in its TMA ring (`moe_gemm_prefill_partial_rs_wtma`): each slot
 /// loads the block scales of a stage pair (a TMA box row must be a multiple of 16 bytes), so the scale tensor's row
 /// pitch K / 16 must be a multiple of 16 bytes.
 pub const K_MULTIPLE_RS_WTMA: usize = 256;
-/// Dynamic shared memory of `moe_gemm_prefill_partial_rs_wtma_*`: a 4-slot ring of (activation tile 32 KiB, weight
+/// Dynamic shared memory of `moe_gemm_prefill_partial_rs_wtma`: a 4-slot ring of (activation tile 32 KiB, weight
 /// codes 16 KiB, scales of the stage pair 4 KiB) (`rs::kBytesW + 1024` in the .cu).
 pub const SMEM_BYTES_RS_WTMA: usize = 4 * (32768 + 16384 + 4096) + 1024;
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
@@ -104,15 +104,12 @@ pub enum PrefillKernel {
     /// permuted BF16 order (into [`Workspace::act_rs`]), which the mainloop streams with TMA. `N % 256 == 0`,
     /// `K % 128 == 0`, either A format. The routed prefill mainloop since session 9 (A/B in the .cu header).
     RsTma,
-    /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_wtma_ragged`: [`PrefillKernel::RsTma`] with each
-    /// stage's weight codes and block scales in the same TMA ring as the activations (three stages ahead), the ring
-    /// slot released one stage later, and a token tile with `ntok <= 96` valid rows run with N = 32 * ceil(ntok / 32)
-    /// wgmmas instead of 128 (less MMA work on padding rows). Bit-identical partials. `N % 256 == 0`,
+    /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_wtma`: [`PrefillKernel::RsTma`] with each stage's
+    /// weight codes and block scales in the same TMA ring as the activations (three stages ahead), the ring slot
+    /// released one stage later, and a token tile with `ntok <= 96` valid rows run with N = 32 * ceil(ntok / 32)
+    /// wgmmas (and activation boxes of as many rows) instead of 128. Bit-identical partials. `N % 256 == 0`,
     /// `K % 256 == 0`. The routed prefill mainloop since the session-10 A/B (numbers in the .cu).
-    RsWtmaRagged,
-    /// `moe_gemm_prefill_partial_rs_wtma_nact`: [`PrefillKernel::RsWtmaRagged`] where a narrow token tile loads
-    /// only the activation rows its wgmmas read (TMA boxes of 32 / 64 / 96 / 128 rows instead of 128).
-    RsWtmaNarrowAct,
+    RsWtma,
 }
 
 impl PrefillKernel {
@@ -132,14 +129,8 @@ impl PrefillKernel {
                 TILE_N_RS,
                 STAGE_K_RS,
             ),
-            PrefillKernel::RsWtmaNarrowAct => (
-                "moe_gemm_prefill_partial_rs_wtma_nact",
-                SMEM_BYTES_RS_WTMA,
-                TILE_N_RS,
-                K_MULTIPLE_RS_WTMA,
-            ),
-            PrefillKernel::RsWtmaRagged => (
-                "moe_gemm_prefill_partial_rs_wtma_ragged",
+            PrefillKernel::RsWtma => (
+                "moe_gemm_prefill_partial_rs_wtma",
                 SMEM_BYTES_RS_WTMA,
                 TILE_N_RS,
                 K_MULTIPLE_RS_WTMA,
@@ -147,12 +138,12 @@ impl PrefillKernel {
         }
     }
 
-    /// The mainloop [`launch_partial_prefill`] uses for `N` x `K` weights: [`PrefillKernel::RsWtmaRagged`] when
+    /// The mainloop [`launch_partial_prefill`] uses for `N` x `K` weights: [`PrefillKernel::RsWtma`] when
     /// `N % 256 == 0` and `K % 256 == 0` (every DSV4 expert shape), [`PrefillKernel::RsTma`] when `N % 256 == 0`
     /// and `K % 128 == 0`, else [`PrefillKernel::Ss256`] when 256 divides N, else [`PrefillKernel::Ss128`].
     pub fn default_for(n: usize, k: usize) -> PrefillKernel {
         if n.is_multiple_of(TILE_N_RS) && k.is_multiple_of(K_MULTIPLE_RS_WTMA) {
-            PrefillKernel::RsWtmaRagged
+            PrefillKernel::RsWtma
         } else if n.is_multiple_of(TILE_N_RS) && k.is_multiple_of(STAGE_K_RS) {
             PrefillKernel::RsTma
         } else if n.is_multiple_of(TILE_N_WIDE) {
@@ -255,10 +246,7 @@ pub fn launch_partial_prefill_with(
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    if matches!(
-        kernel,
-        PrefillKernel::RsTma | PrefillKernel::RsWtmaRagged | PrefillKernel::RsWtmaNarrowAct
-    ) {
+    if matches!(kernel, PrefillKernel::RsTma | PrefillKernel::RsWtma) {
         let act_rs = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 }; // 2^18 / 2^9, see the .cu
                                                                          // RsTma: one activation map (128-row boxes); the wtma kernels: the weight maps, then activation maps with
@@ -357,7 +345,7 @@ fn rs_activation_map(addr: u64, rows: usize, k: usize, box_rows: usize) -> Resul
     )
 }
 
-/// Tensor maps of the weights for [`PrefillKernel::RsWtmaRagged`] / [`PrefillKernel::RsWtmaNarrowAct`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
+/// Tensor maps of the weights for [`PrefillKernel::RsWtma`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
 /// 128-K stage x 256 rows) and block scales as a [E*N][K/16] byte tensor (box 16 B = a stage pair x 256 rows); no
 /// swizzle (the kernel reads rows at 64 / 16-byte pitch, conflict-free, see the .cu).
 fn weight_maps_for_rs(
