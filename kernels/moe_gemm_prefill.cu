@@ -492,10 +492,52 @@ __device__ __forceinline__ void prefetch_weights_l2(const uint8_t* wc, const uin
     }
 }
 
-// One logical k16 slice S = 2j + h for both m64 blocks: fragments from word j of the stage's weights (header), then
-// two RS wgmmas on the activation tile described by `db`, committed as one group; waits until at most this group is
-// in flight, so the previous slice's fragment registers are free again.
-__device__ __forceinline__ void mma_slice(float (&d)[2][64], const WStage& w, int S, uint64_t db) {
+// Narrow token tiles: the RS wgmma with N = 32 / 64 / 96 tokens. Accumulator fragment layout of
+// m64nNk16 = the first N/2 registers of the n128 layout (d[4j + ..] is column group j), so one float[64] array serves
+// every width and store_partials_n stores the first N/8 column groups.
+__device__ __forceinline__ void wgmma_rs_m64n32k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                   uint32_t a3, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                   uint32_t a3, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs_m64n96k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                   uint32_t a3, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}
+
+template <int NT>
+__device__ __forceinline__ void wgmma_rs_n(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint64_t db) {
+    if constexpr (NT == 128) wgmma_rs_m64n128k16(d, a0, a1, a2, a3, db);
+    else if constexpr (NT == 96) wgmma_rs_m64n96k16(d, a0, a1, a2, a3, db);
+    else if constexpr (NT == 64) wgmma_rs_m64n64k16(d, a0, a1, a2, a3, db);
+    else wgmma_rs_m64n32k16(d, a0, a1, a2, a3, db);
+}
+
+// One logical k16 slice S = 2j + h for both m64 blocks with NT-token wgmmas: fragments from word j of the stage's
+// weights (header), then two RS wgmmas on the activation tile described by `db`, committed as one group; waits until
+// at most this group is in flight, so the previous slice's fragment registers are free again. NT = 128: the full
+// token tile (rs_tma); 32 / 64 / 96: the narrow tiles of rs_wtma (same fragments, same order).
+template <int NT>
+__device__ __forceinline__ void mma_slice_n(float (&d)[2][64], const WStage& w, int S, uint64_t db) {
     const int j = S >> 1, h = S & 1;
     uint32_t a[2][4];
 #pragma unroll
@@ -513,8 +555,8 @@ __device__ __forceinline__ void mma_slice(float (&d)[2][64], const WStage& w, in
     fence_acc(d[0]);
     fence_acc(d[1]);
     wgmma_fence();
-    wgmma_rs_m64n128k16(d[0], a[0][0], a[0][1], a[0][2], a[0][3], dbs);
-    wgmma_rs_m64n128k16(d[1], a[1][0], a[1][1], a[1][2], a[1][3], dbs);
+    wgmma_rs_n<NT>(d[0], a[0][0], a[0][1], a[0][2], a[0][3], dbs);
+    wgmma_rs_n<NT>(d[1], a[1][0], a[1][1], a[1][2], a[1][3], dbs);
     wgmma_commit();
     wgmma_wait<1>();
     fence_acc(d[0]);
@@ -522,14 +564,16 @@ __device__ __forceinline__ void mma_slice(float (&d)[2][64], const WStage& w, in
 }
 
 // Epilogue: accumulator (weight row 16 wq + g (+8) of m64 block mb, token 8 jj + 2t (+1)) * restore ->
-// partial[row0 + token][wrow0 + 64 mb (+8)], tokens < ntok only (the rest of the tile belongs to other experts).
-__device__ __forceinline__ void store_partials(const float (&d)[2][64], float* __restrict__ partial, int N, int row0,
-                                               int ntok, int wrow0, int t, float restore) {
+// partial[row0 + token][wrow0 + 64 mb (+8)], tokens < ntok only (the rest of the tile belongs to other experts), over
+// the first NT tokens of the tile (columns past NT were never computed).
+template <int NT>
+__device__ __forceinline__ void store_partials_n(const float (&d)[2][64], float* __restrict__ partial, int N,
+                                                 int row0, int ntok, int wrow0, int t, float restore) {
 #pragma unroll
     for (int mb = 0; mb < 2; ++mb) {
         const int n = wrow0 + 64 * mb;
 #pragma unroll
-        for (int jj = 0; jj < 16; ++jj) {
+        for (int jj = 0; jj < NT / 8; ++jj) {
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 const int tok = 8 * jj + 2 * t + b;
@@ -542,6 +586,7 @@ __device__ __forceinline__ void store_partials(const float (&d)[2][64], float* _
         }
     }
 }
+
 }  // namespace rs
 
 // =====================================================================================================================
@@ -560,6 +605,18 @@ __device__ __forceinline__ void store_partials(const float (&d)[2][64], float* _
 // one stage back, which it finished itself, so the protocol cannot deadlock.
 namespace rs {
 constexpr int kRingT = 4;
+
+// Thread 0: the ring's full barriers (count 1: the producer's arrive.expect_tx) and empty barriers (count 8: lane 0 of
+// every warp), made visible to the async proxy. The caller's next __syncthreads publishes them to the CTA.
+__device__ __forceinline__ void ring_init(uint64_t* full, uint64_t* empty) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kRingT; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], kThreads / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
+    }
+}
 constexpr int kBytesT = kRingT * kActTile;  // 128 KiB (+ 1024 alignment slack from the host)
 static_assert(kBytesT + 1024 == 132096, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_RS_TMA in sync");
 }  // namespace rs
@@ -641,13 +698,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     const int wg = warp >> 2, wq = warp & 3;
     const int g = lane >> 2, t = lane & 3;
     const int E = experts;
-    if (tid == 0) {
-        for (int s = 0; s < rs::kRingT; ++s) {
-            mbar_init(&bar_full[s], 1);
-            mbar_init(&bar_empty[s], rs::kThreads / 32);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
-    }
+    rs::ring_init(bar_full, bar_empty);
     token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
 
     const int n_tiles = N / rs::kTileRows;
@@ -701,7 +752,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
             if (!mbar_wait(&bar_full[slot], (cons / rs::kRingT) & 1u)) return;  // protocol timeout: outputs unwritten
             const uint64_t db = sw128_desc(ring_base + slot * rs::kActTile);
 #pragma unroll
-            for (int S = 0; S < 8; ++S) rs::mma_slice(d, w_cur, S, db);
+            for (int S = 0; S < 8; ++S) rs::mma_slice_n<128>(d, w_cur, S, db);
             rs::wgmma_wait<0>();  // this warp group's reads of the slot are done
             if (lane == 0) mbar_arrive(&bar_empty[slot]);
             ++cons;
@@ -710,7 +761,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
         if (tid == 0 && !ok) return;
         fence_acc(d[0]);
         fence_acc(d[1]);
-        rs::store_partials(d, partial, N, row0, ntok, wrow0, t, restore);
+        rs::store_partials_n<128>(d, partial, N, row0, ntok, wrow0, t, restore);
     }
 }
 
@@ -764,95 +815,6 @@ __device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int 
         const int so = (st & 1) * 8 + 2 * t;
         w.sc[mb] = (uint32_t)*reinterpret_cast<const uint16_t*>(scales + r * 16 + so) |
                    ((uint32_t)*reinterpret_cast<const uint16_t*>(scales + (r + 8) * 16 + so) << 16);
-    }
-}
-
-// Narrow token tiles: the RS wgmma with N = 32 / 64 / 96 tokens. Accumulator fragment layout of
-// m64nNk16 = the first N/2 registers of the n128 layout (d[4j + ..] is column group j), so one float[64] array serves
-// every width and store_partials_n stores the first N/8 column groups.
-__device__ __forceinline__ void wgmma_rs_m64n32k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                   uint32_t a3, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                   uint32_t a3, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void wgmma_rs_m64n96k16(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                   uint32_t a3, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}
-
-template <int NT>
-__device__ __forceinline__ void wgmma_rs_n(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                           uint64_t db) {
-    if constexpr (NT == 128) wgmma_rs_m64n128k16(d, a0, a1, a2, a3, db);
-    else if constexpr (NT == 96) wgmma_rs_m64n96k16(d, a0, a1, a2, a3, db);
-    else if constexpr (NT == 64) wgmma_rs_m64n64k16(d, a0, a1, a2, a3, db);
-    else wgmma_rs_m64n32k16(d, a0, a1, a2, a3, db);
-}
-
-// mma_slice with an NT-token wgmma (same fragments, same order; NT = 128 is mma_slice).
-template <int NT>
-__device__ __forceinline__ void mma_slice_n(float (&d)[2][64], const WStage& w, int S, uint64_t db) {
-    const int j = S >> 1, h = S & 1;
-    uint32_t a[2][4];
-#pragma unroll
-    for (int mb = 0; mb < 2; ++mb) {
-        const uint32_t sl = scale_bf16x2((w.sc[mb] >> (8 * (j >> 1))) & 0xFF);
-        const uint32_t sh = scale_bf16x2((w.sc[mb] >> (16 + 8 * (j >> 1))) & 0xFF);
-        const uint32_t wl = word_of(w.lo[mb], j), wh = word_of(w.hi[mb], j);
-        a[mb][0] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h), sl);
-        a[mb][1] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h), sh);
-        a[mb][2] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h + 1), sl);
-        a[mb][3] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h + 1), sh);
-    }
-    const uint64_t dbs = db + (uint64_t)((S >> 2) * (kAtomBytes >> 4)) + 2 * (S & 3);
-    fence_acc(d[0]);
-    fence_acc(d[1]);
-    wgmma_fence();
-    wgmma_rs_n<NT>(d[0], a[0][0], a[0][1], a[0][2], a[0][3], dbs);
-    wgmma_rs_n<NT>(d[1], a[1][0], a[1][1], a[1][2], a[1][3], dbs);
-    wgmma_commit();
-    wgmma_wait<1>();
-    fence_acc(d[0]);
-    fence_acc(d[1]);
-}
-
-// store_partials over the first NT tokens of the tile (columns past NT were never computed; tokens >= ntok skipped).
-template <int NT>
-__device__ __forceinline__ void store_partials_n(const float (&d)[2][64], float* __restrict__ partial, int N,
-                                                 int row0, int ntok, int wrow0, int t, float restore) {
-#pragma unroll
-    for (int mb = 0; mb < 2; ++mb) {
-        const int n = wrow0 + 64 * mb;
-#pragma unroll
-        for (int jj = 0; jj < NT / 8; ++jj) {
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                const int tok = 8 * jj + 2 * t + b;
-                if (tok < ntok) {
-                    float* p = partial + (size_t)(row0 + tok) * N + n;
-                    p[0] = d[mb][4 * jj + b] * restore;
-                    p[8] = d[mb][4 * jj + 2 + b] * restore;
-                }
-            }
-        }
     }
 }
 
@@ -989,13 +951,7 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int lrow = 128 * (warp >> 2) + 16 * (warp & 3) + (lane >> 2);
     const int E = experts;
-    if (tid == 0) {
-        for (int s = 0; s < rs::kRingT; ++s) {
-            mbar_init(&bar_full[s], 1);
-            mbar_init(&bar_empty[s], rs::kThreads / 32);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
-    }
+    rs::ring_init(bar_full, bar_empty);
     token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
 
     rs::WCtx x;

@@ -354,29 +354,23 @@ fn weight_maps_for_rs(
     scales: u64,
 ) -> Result<(TensorMap, TensorMap)> {
     let rows = (w.experts * w.n) as u64;
-    let u8_ty = sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
-    let none = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE;
-    let codes_map = encode_tiled(
-        "moe_gemm prefill RS weight codes",
-        u8_ty,
-        1,
-        codes,
-        &[(w.k / 2) as u64, rows],
-        &[(w.k / 2) as u64],
-        &[64, TILE_N_RS as u32],
-        none,
-    )?;
-    let scales_map = encode_tiled(
-        "moe_gemm prefill RS weight scales",
-        u8_ty,
-        1,
-        scales,
-        &[(w.k / 16) as u64, rows],
-        &[(w.k / 16) as u64],
-        &[16, TILE_N_RS as u32],
-        none,
-    )?;
-    Ok((codes_map, scales_map))
+    // A [rows][row_bytes] byte tensor read in boxes of box_bytes x 256 rows, no swizzle.
+    let byte_rows = |what: &str, addr: u64, row_bytes: usize, box_bytes: u32| {
+        encode_tiled(
+            what,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            1,
+            addr,
+            &[row_bytes as u64, rows],
+            &[row_bytes as u64],
+            &[box_bytes, TILE_N_RS as u32],
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        )
+    };
+    Ok((
+        byte_rows("moe_gemm prefill RS weight codes", codes, w.k / 2, 64)?,
+        byte_rows("moe_gemm prefill RS weight scales", scales, w.k / 16, 16)?,
+    ))
 }
 
 // ------------------------------------------------------------------------------------ CPU mirrors of the device
