@@ -42,7 +42,9 @@
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
 // Session-10 A/B candidate (not the default): rmsnorm_nvfp4_bf16in_v7_w<NW> (RowsPath::V7, own section after v6):
-// v6's outputs bit for bit, two v6 lanes per thread, ~18 instead of ~25 SASS instructions per element.
+// v6's outputs bit for bit, two v6 lanes per thread, ~18 instead of ~25 SASS instructions per element. H200
+// (24d9920): slower than v6 (65536 x 4096 314.4 vs 275.4 us; latency-bound at 128 registers, 4 CTAs/SM), so
+// also rmsnorm_nvfp4_bf16in_v7r_w<NW> / quant_nvfp4_bf16in_v7r_w<NW> (RowsPath::V7r): v7 at 80 registers, 6 CTAs/SM.
 // Removed after the H200 A/B (history):
 //   * Session 7: v5 NVFP4 (rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5; bit-identical to v4p and v6) lost to v6
 //     again in the session-7 run (7666184), median us v6 vs v5: 4096 x 4096 25.41 vs 27.46, 65536 x 4096 275.0
@@ -1231,7 +1233,7 @@ __device__ __forceinline__ void v7_copy_row(const __nv_bfloat16* __restrict__ x,
 
 // Grid: one resident wave or ceil(rows / 2) CTAs; block 32 NW; dynamic shared memory: the weight as f32
 // (D * 4 bytes, NORM only) then the row staging (2 rows x D BF16 = D * 4 bytes).
-template <int NW, bool NORM>
+template <int NW, bool NORM, bool LEAN = false>
 __device__ __forceinline__ void rmsnorm_nvfp4_rows_v7(const __nv_bfloat16* __restrict__ x,
                                                       const __nv_bfloat16* __restrict__ w, uint8_t* __restrict__ q,
                                                       uint8_t* __restrict__ scales, float* __restrict__ gsa,
@@ -1272,8 +1274,10 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_v7(const __nv_bfloat16* __res
 #pragma unroll
             for (int i = 0; i < 4; ++i) v7_unpack_bf16x2(rw[i], xf[c][2 * i], xf[c][2 * i + 1]);
         }
-        // the next pair's row into the staging just read (in flight during this pair)
-        if (2 * (pair + gridDim.x) + slot < rows) v7_copy_row<NW>(x, 2 * (pair + gridDim.x) + slot, j, stage_s);
+        // the next pair's row into the staging just read (in flight during this pair); LEAN: after the row's
+        // second read (below), the staging still holds it until then
+        if (!LEAN && 2 * (pair + gridDim.x) + slot < rows)
+            v7_copy_row<NW>(x, 2 * (pair + gridDim.x) + slot, j, stage_s);
         uint32_t pk[NCH][4];
         if (NORM) {
             float ssa = 0.f, ssb = 0.f;  // old lanes 2j (chunks hf = 0) and 2j + 1 (hf = 1), v6's order
@@ -1301,6 +1305,20 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_v7(const __nv_bfloat16* __res
             const float mean = POW2 ? __fmul_rn(ss, 1.f / (float)D) : __fdiv_rn(ss, (float)D);
             const float rs = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(mean, eps)));
             if (j == 0 && valid && rstd) rstd[row] = rs;
+            if (LEAN) {
+                // v7r: the 64 f32 of the row are not kept across the barrier (that is what needs 128
+                // registers); the same BF16 words are read again from this thread's staging (written only by
+                // its own cp.async, waited for above, not overwritten before the copy below) and unpacked by
+                // the same instructions: the same floats, so the same pk bits as v7 / v6. The barrier orders
+                // the two reads (no CSE across it: __syncthreads is a compiler memory fence).
+#pragma unroll
+                for (int c = 0; c < NCH; ++c) {
+                    const uint4 r = *reinterpret_cast<const uint4*>(&stage[c * TPR]);
+                    const uint32_t rw[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) v7_unpack_bf16x2(rw[i], xf[c][2 * i], xf[c][2 * i + 1]);
+                }
+            }
 #pragma unroll
             for (int c = 0; c < NCH; ++c) {
                 const float4 wa = wsm[(2 * c) * TPR + j], wb = wsm[(2 * c + 1) * TPR + j];
@@ -1316,10 +1334,20 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_v7(const __nv_bfloat16* __res
 #pragma unroll
                 for (int p = 0; p < 4; ++p) pk[c][p] = pack_bf16x2(xf[c][p], xf[c][p + 4]);
         }
+        // LEAN: the next pair's row, now that this row's staging has been read for the last time (pk holds it)
+        if (LEAN && 2 * (pair + gridDim.x) + slot < rows)
+            v7_copy_row<NW>(x, 2 * (pair + gridDim.x) + slot, j, stage_s);
         // sign planes, then A = pk | 0x80008000 in place; chunk keys mc (max |y| bits of elements p / p + 4 per half)
+        // (LEAN: pk kept unbiased and the sign planes made per block in the encoder loop: 8 registers fewer live
+        // across the amax barrier; the same values reach max_u16x2 / v7_codes8 / the slow path)
         uint32_t sgn[NCH], mc[NCH];
 #pragma unroll
         for (int c = 0; c < NCH; ++c) {
+            if (LEAN) {
+                mc[c] = max_u16x2(max_u16x2(pk[c][0] | 0x80008000u, pk[c][1] | 0x80008000u),
+                                  max_u16x2(pk[c][2] | 0x80008000u, pk[c][3] | 0x80008000u));
+                continue;
+            }
             sgn[c] = v7_sign_plane(pk[c]);
 #pragma unroll
             for (int p = 0; p < 4; ++p) pk[c][p] |= 0x80008000u;
@@ -1359,6 +1387,14 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_v7(const __nv_bfloat16* __res
             const float ab = __uint_as_float(max_u16x2(mb, prmt_b32(mb, mb, 0x1032u)) & 0x7FFF0000u);
             const uint8_t s = mm::nvfp4_block_scale(ab, gs);
             const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+            if (LEAN) {  // the non-LEAN form's sign planes and in-place bias, for this block only
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    sgn[2 * k + hf] = v7_sign_plane(pk[2 * k + hf]);
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) pk[2 * k + hf][p] |= 0x80008000u;
+                }
+            }
             uint2 cw;
             if (scale >= 0x1p-100f && scale <= 0x1p100f) {
                 uint32_t keys[7];
@@ -1403,6 +1439,33 @@ NQ_V7_ENTRIES(6)
 NQ_V7_ENTRIES(7)
 NQ_V7_ENTRIES(8)
 #undef NQ_V7_ENTRIES
+
+// v7r entry points (session-10 A/B candidate, launcher RowsPath::V7r): v7 (same grid rule, block, shared memory,
+// outputs bit for bit) held to V7R_MAXNREG registers, LEAN form (the row re-read from its staging after the
+// sum-of-squares barrier instead of kept as 64 f32; the next pair's copy issued after that second read). Why:
+// the H200 run of v7 (65536 x 4096: 315 us vs v6 280 us) was latency-bound at 4 CTAs (16 warps) per SM (issue
+// slots 46% busy, short_sb 25% = the staging LDS / cp.async); 80 registers give 6 CTAs of 128 threads per SM at
+// D 4096 (shared memory, 32 KB + 1 KB per CTA, also stops at 6).
+#define V7R_MAXNREG 80
+#define NQ_V7R_ENTRIES(NW)                                                                                         \
+    extern "C" __global__ void __maxnreg__(V7R_MAXNREG) rmsnorm_nvfp4_bf16in_v7r_w##NW(                            \
+        const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd,      \
+        int rows, float eps) {                                                                                     \
+        rmsnorm_nvfp4_rows_v7<NW, true, true>(x, w, q, scales, gsa, rstd, rows, eps);                              \
+    }                                                                                                              \
+    extern "C" __global__ void __maxnreg__(V7R_MAXNREG) quant_nvfp4_bf16in_v7r_w##NW(                              \
+        const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa, int rows) {                               \
+        rmsnorm_nvfp4_rows_v7<NW, false, true>(x, nullptr, q, scales, gsa, nullptr, rows, 0.f);                    \
+    }
+NQ_V7R_ENTRIES(1)
+NQ_V7R_ENTRIES(2)
+NQ_V7R_ENTRIES(3)
+NQ_V7R_ENTRIES(4)
+NQ_V7R_ENTRIES(5)
+NQ_V7R_ENTRIES(6)
+NQ_V7R_ENTRIES(7)
+NQ_V7R_ENTRIES(8)
+#undef NQ_V7R_ENTRIES
 
 namespace {
 // ==== end of the v7 section ===================================================================================

@@ -1820,7 +1820,9 @@ fn rows_path_switches_at_4096_rows_for_d_multiple_of_1024() {
                     V5 => nq::check_v5(rows, d, format).unwrap(),
                     V6 => nq::check_v6(rows, d, format).unwrap(),
                     V4 => {}
-                    nq::RowsPath::V7 => panic!("rows_path never picks the v7 A/B candidate"),
+                    nq::RowsPath::V7 | nq::RowsPath::V7r => {
+                        panic!("rows_path never picks the v7 / v7r A/B candidates")
+                    }
                 }
             }
         }
@@ -2503,7 +2505,9 @@ fn v7_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
 /// (one CTA, its second row slot idle at the end), 4099 (the CTAs loop, a half-empty last pair) and, at NW 1 / 2
 /// / 4, 9003 (more than two resident waves of row pairs at NW 1), on v7_rows (random rows, the resident_rows
 /// extremes, exact e2m1 decision points, huge / subnormal / NaN / inf rows); and v7 against the CPU reference
-/// on the random rows among the first 300 and the last 64.
+/// on the random rows among the first 300 and the last 64. The same for RowsPath::V7r
+/// (rmsnorm_nvfp4_bf16in_v7r_w<D/1024>: v7 held to 80 registers, its own resident-wave grid, the row re-read
+/// from the staging after the barrier) against the same V6 outputs.
 #[test]
 fn gpu_v7_nvfp4_rows_equal_v6_bitwise() {
     let Some(gpu) = gpu_for_test("gpu_v7_nvfp4_rows_equal_v6_bitwise") else {
@@ -2522,22 +2526,24 @@ fn gpu_v7_nvfp4_rows_equal_v6_bitwise() {
         for rows in rows_list {
             let x = v7_rows(rows, d, seed ^ (rows as u64 * 977 + d as u64));
             let dx = gpu.upload(&bf16::to_bf16_vec(&x)).unwrap();
-            let label = format!("nvfp4 v7 {rows}x{d}, seed {seed}");
-            let got = run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(nq::RowsPath::V7));
             let v6 = run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(nq::RowsPath::V6));
-            assert_same_rows(&format!("V7 vs V6 {label}"), &got, &v6, d);
-            let checked =
-                check_sampled_rows_vs_cpu(&format!("V7 {label}"), &x, &w, rows, d, format, &got);
-            eprintln!(
-                "{label}: V7 and V6 bit-identical; {checked} rows exact vs the CPU reference"
-            );
+            for path in [nq::RowsPath::V7, nq::RowsPath::V7r] {
+                let label = format!("nvfp4 {path:?} {rows}x{d}, seed {seed}");
+                let got = run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(path));
+                assert_same_rows(&format!("{path:?} vs V6 {label}"), &got, &v6, d);
+                let checked = check_sampled_rows_vs_cpu(&label, &x, &w, rows, d, format, &got);
+                eprintln!(
+                    "{label}: {path:?} and V6 bit-identical; {checked} rows exact vs the CPU reference"
+                );
+            }
         }
     }
 }
 
 /// The v7 quantize-only kernel (quant_nvfp4_bf16in_v7_w<D/1024>) at exact e2m1 decision points (boundary_rows,
 /// ties included) bit for bit against the CPU reference and quant_nvfp4_bf16in_v6_w<D/1024>, and on non-finite
-/// rows against v6 only; NW 1, 4, 7, 8, rows 7 and 2001 (the CTAs loop, a half-empty last pair).
+/// rows against v6 only; NW 1, 4, 7, 8, rows 7 and 2001 (the CTAs loop, a half-empty last pair). The same for
+/// the 80-register form quant_nvfp4_bf16in_v7r_w<D/1024> (quantize_bf16_rows_v7r).
 #[test]
 fn gpu_v7_quant_nvfp4_matches_v6_and_cpu_at_exact_boundaries() {
     let Some(gpu) = gpu_for_test("gpu_v7_quant_nvfp4_matches_v6_and_cpu_at_exact_boundaries")
@@ -2550,21 +2556,39 @@ fn gpu_v7_quant_nvfp4_matches_v6_and_cpu_at_exact_boundaries() {
             let y = boundary_rows(rows, d, seed ^ (d as u64 * 3 + rows as u64));
             assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
             let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
-            let label = format!("v7 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
             let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
-            let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v7);
-            assert_same_nvfp4(&label, &got.q, &want, d);
             let v6 = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v6);
-            assert_same_nvfp4(&format!("{label} (vs v6)"), &got.q, &v6.q, d);
-            eprintln!("{label}: v7, v6 and the CPU reference bit-identical");
+            for (name, quant) in v7_quantizers() {
+                let label = format!("{name} quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+                let got = quantized_nvfp4(&gpu, &dy, rows, d, quant);
+                assert_same_nvfp4(&label, &got.q, &want, d);
+                assert_same_nvfp4(&format!("{label} (vs v6)"), &got.q, &v6.q, d);
+                eprintln!("{label}: {name}, v6 and the CPU reference bit-identical");
+            }
         }
         let rows = 41;
         let y = v7_rows(rows, d, seed ^ 0x1f ^ d as u64);
         let dy = gpu.upload(&bf16::to_bf16_vec(&y)).unwrap();
-        let label = format!("v7 quant->nvfp4 extreme / non-finite rows {rows}x{d}, seed {seed}");
-        let got = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v7);
         let v6 = quantized_nvfp4(&gpu, &dy, rows, d, nq::quantize_bf16_rows_v6);
-        assert_same_nvfp4(&label, &got.q, &v6.q, d);
-        eprintln!("{label}: v7 and v6 bit-identical");
+        for (name, quant) in v7_quantizers() {
+            let label =
+                format!("{name} quant->nvfp4 extreme / non-finite rows {rows}x{d}, seed {seed}");
+            let got = quantized_nvfp4(&gpu, &dy, rows, d, quant);
+            assert_same_nvfp4(&label, &got.q, &v6.q, d);
+            eprintln!("{label}: {name} and v6 bit-identical");
+        }
     }
+}
+
+/// The v7 quantize-only launchers: v7 and its 80-register form v7r.
+type QuantFn = fn(
+    &megamoe::gpu::Gpu,
+    &cudarc::driver::CudaSlice<half::bf16>,
+    &mut NormOutputs,
+) -> anyhow::Result<()>;
+fn v7_quantizers() -> [(&'static str, QuantFn); 2] {
+    [
+        ("v7", nq::quantize_bf16_rows_v7),
+        ("v7r", nq::quantize_bf16_rows_v7r),
+    ]
 }
