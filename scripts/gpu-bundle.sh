@@ -34,7 +34,7 @@ for line in sys.stdin:
 strip "$out/megamoe" "$out"/tests/* 2>/dev/null || true
 # Compressed: a device call carries at most 64 MiB, and the stripped executables shrink about 3x; gpu-run.sh
 # unpacks them on the GPU machine.
-gzip -9 "$out"/tests/*
+gzip -9 "$out"/tests/* "$out/megamoe"
 cp scripts/gpu-run.sh scripts/ncu-hot.py "$out/"
 cp -r bench-configs "$out/"
 git rev-parse --short HEAD > "$out/COMMIT"

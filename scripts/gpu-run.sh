@@ -27,7 +27,7 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
 done
 py_cublas="$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null)"
 for d in $(ls -d "$py_cublas"/nvidia/*/lib 2>/dev/null); do export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"; done
-for f in "$B"/tests/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done  # gpu-bundle.sh ships them compressed
+for f in "$B"/megamoe.gz "$B"/tests/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done  # gpu-bundle.sh ships them compressed
 status=0
 step() { echo "=== $*"; }
 { nvidia-smi; nvidia-smi -q -d CLOCK,POWER,PERFORMANCE; } > "$work/nvidia-smi.txt" 2>&1
