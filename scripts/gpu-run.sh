@@ -16,7 +16,7 @@
 #        ncu arguments, e.g. "--warp-sampling-interval 0" for more stall samples from a short kernel)
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
-[ -x "$B/megamoe" ] || B="$(pwd)/gpu-bundle"
+[ -x "$B/megamoe" ] || [ -f "$B/megamoe.gz" ] || B="$(pwd)/gpu-bundle"
 what="${1:-all}"; shift || true
 out="${OUT:-$(pwd)/gpu-out}"
 work="$(mktemp -d)/h200"

@@ -20,8 +20,6 @@ pub fn kernels() -> Vec<BenchKernel> {
             name: "rmsnorm_quant",
             variants: &[
                 "fused_nvfp4",
-                "fused_nvfp4_v7",
-                "fused_nvfp4_v7r",
                 "unfused_nvfp4",
                 "fused_fp8",
                 "unfused_fp8",

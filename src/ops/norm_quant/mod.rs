@@ -363,16 +363,6 @@ pub enum RowsPath {
     /// binary-search e2m1 encoder (fewer SASS instructions per element; the same bits as v4p). `d` a multiple
     /// of 1024 up to [`V6_MAX_D`]. [`rows_path`] takes it where it took v5 for NVFP4 since the session-6 A/B.
     V6,
-    /// BF16 -> NVFP4 only, session-10 A/B candidate (not taken by [`rows_path`]):
-    /// `rmsnorm_nvfp4_bf16in_v7_w<d / 1024>`, v6's outputs bit for bit with two v6 lanes per thread (two rows
-    /// per CTA iteration, whole 16-blocks per thread, the row held as f32, the next rows staged by cp.async);
-    /// ~18 instead of ~25 SASS instructions per element. Same shape rules as [`RowsPath::V6`].
-    V7,
-    /// BF16 -> NVFP4 only, session-10 A/B candidate (not taken by [`rows_path`]):
-    /// `rmsnorm_nvfp4_bf16in_v7r_w<d / 1024>`, [`RowsPath::V7`] held to 80 registers (6 CTAs per SM at d 4096
-    /// instead of 4: v7 was latency-bound on the H200), the row re-read from its shared-memory staging after
-    /// the sum-of-squares barrier instead of held as 64 f32. Same bits, same shape rules.
-    V7r,
 }
 
 /// Largest D the v4p BF16 -> NVFP4 row kernels launch at: they run roundup32(D / 32) threads held to 80
@@ -634,8 +624,6 @@ pub fn rmsnorm_quant_with(
         RowsPath::V4 => rmsnorm_quant_per_row_kernel(gpu, x, w, eps, out),
         RowsPath::V5 => rmsnorm_quant_resident_wave(gpu, x, w, eps, out, false),
         RowsPath::V6 => rmsnorm_quant_resident_wave(gpu, x, w, eps, out, true),
-        RowsPath::V7 => rmsnorm_quant_v7(gpu, x, w, eps, out, false),
-        RowsPath::V7r => rmsnorm_quant_v7(gpu, x, w, eps, out, true),
     }
 }
 
@@ -707,121 +695,6 @@ pub fn check_v6(rows: usize, d: usize, format: OutFormat) -> Result<()> {
 /// Entry point of the v6 kernel for `d` (`prefix` = `rmsnorm_nvfp4_bf16in` or `quant_nvfp4_bf16in`).
 fn v6_entry(prefix: &str, d: usize) -> String {
     format!("{prefix}_v6_w{}", d / V5_D_MULTIPLE)
-}
-
-// ---- the v7 NVFP4 row kernels (RowsPath::V7, session-10 A/B candidate) ---------------------------------------------
-
-/// Shape / format rules of the v7 kernels: those of v6 (NVFP4 output, `d` a multiple of 1024 up to
-/// [`V6_MAX_D`]), checked before any launch.
-pub fn check_v7(rows: usize, d: usize, format: OutFormat) -> Result<()> {
-    check_v6(rows, d, format).map_err(|e| anyhow::anyhow!("{}", e.to_string().replace("v6", "v7")))
-}
-
-/// Entry point of the v7 kernel for `d` (`prefix` = `rmsnorm_nvfp4_bf16in` or `quant_nvfp4_bf16in`); `capped`:
-/// its 80-register form v7r.
-fn v7_entry(prefix: &str, d: usize, capped: bool) -> String {
-    let tag = if capped { "v7r" } else { "v7" };
-    format!("{prefix}_{tag}_w{}", d / V5_D_MULTIPLE)
-}
-
-/// Dynamic shared memory of the v7 kernels: the row staging (2 rows of `d` BF16 = `d` * 4 bytes) and, with the
-/// norm, the weight as f32 (`d` * 4 bytes).
-fn v7_smem(d: usize, norm: bool) -> usize {
-    if norm {
-        8 * d
-    } else {
-        4 * d
-    }
-}
-
-/// Grid of a v7 kernel: one resident wave, or one CTA per pair of rows if fewer (a CTA works on two rows per
-/// iteration). The resident wave comes from the function's own occupancy (its registers: 4 CTAs per SM for
-/// v7 at d 4096, 6 for v7r).
-fn v7_grid(
-    gpu: &Gpu,
-    f: &CudaFunction,
-    d: usize,
-    smem: usize,
-    rows: usize,
-    name: &str,
-) -> Result<u32> {
-    Ok(resident_wave_grid(gpu, f, v5_block_threads(d), smem, rows.div_ceil(2), name)? as u32)
-}
-
-/// [`RowsPath::V7`]: `rmsnorm_nvfp4_bf16in_v7_w<d / 1024>` (parameters x, w, q, scales, gsa, rstd, rows, eps);
-/// `capped`: [`RowsPath::V7r`], `rmsnorm_nvfp4_bf16in_v7r_w<d / 1024>` (same parameters, grid rule, block and
-/// shared memory).
-fn rmsnorm_quant_v7(
-    gpu: &Gpu,
-    x: RowsIn<'_>,
-    w: &CudaSlice<bf16>,
-    eps: f32,
-    out: &mut NormOutputs,
-    capped: bool,
-) -> Result<()> {
-    check_rmsnorm_args(&x, w, eps, out)?;
-    let (rows, d) = (out.rows, out.d);
-    check_v7(rows, d, out.format)?;
-    let RowsIn::Bf16(xs) = x else {
-        bail!("norm_quant v7: the input must be BF16");
-    };
-    let name = v7_entry("rmsnorm_nvfp4_bf16in", d, capped);
-    let smem = v7_smem(d, true);
-    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
-    let grid = v7_grid(gpu, &f, d, smem, rows, &name)?;
-    let cfg = launch_cfg((grid, 1, 1), (v5_block_threads(d), 1, 1), smem as u32);
-    let rows_i = rows as i32;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(xs).arg(w);
-    out.q.push_launch_args(&mut b);
-    b.arg(&mut out.rstd).arg(&rows_i).arg(&eps);
-    drv(unsafe { b.launch(cfg) }, &name)?;
-    Ok(())
-}
-
-/// Quantize-only v7 NVFP4 (`quant_nvfp4_bf16in_v7_w<d / 1024>`): BF16 rows `y` -> NVFP4, the same bits as
-/// [`quantize_bf16_rows_v6`] / [`quantize_bf16_rows`]. `out.rstd` untouched.
-pub fn quantize_bf16_rows_v7(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
-    quantize_bf16_rows_v7_form(gpu, y, out, false)
-}
-
-/// Quantize-only v7r NVFP4 (`quant_nvfp4_bf16in_v7r_w<d / 1024>`, v7 held to 80 registers): the same bits as
-/// [`quantize_bf16_rows_v7`]. `out.rstd` untouched.
-pub fn quantize_bf16_rows_v7r(gpu: &Gpu, y: &CudaSlice<bf16>, out: &mut NormOutputs) -> Result<()> {
-    quantize_bf16_rows_v7_form(gpu, y, out, true)
-}
-
-fn quantize_bf16_rows_v7_form(
-    gpu: &Gpu,
-    y: &CudaSlice<bf16>,
-    out: &mut NormOutputs,
-    capped: bool,
-) -> Result<()> {
-    let (rows, d) = (out.rows, out.d);
-    check_v7(rows, d, out.format)?;
-    check_len("y", y.len(), rows * d)?;
-    let QuantBufs::Nvfp4 {
-        data,
-        scales,
-        global_scale,
-    } = &mut out.q
-    else {
-        bail!("quantize_bf16_rows_v7: the output format must be nvfp4");
-    };
-    let name = v7_entry("quant_nvfp4_bf16in", d, capped);
-    let smem = v7_smem(d, false);
-    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
-    let grid = v7_grid(gpu, &f, d, smem, rows, &name)?;
-    let cfg = launch_cfg((grid, 1, 1), (v5_block_threads(d), 1, 1), smem as u32);
-    let rows_i = rows as i32;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(y)
-        .arg(data)
-        .arg(scales)
-        .arg(global_scale)
-        .arg(&rows_i);
-    drv(unsafe { b.launch(cfg) }, &name)?;
-    Ok(())
 }
 
 /// Quantize-only v6 NVFP4 (`quant_nvfp4_bf16in_v6_w<d / 1024>`): BF16 rows `y` -> NVFP4, the same bits as
@@ -1506,12 +1379,8 @@ pub struct BenchPoint {
 /// kernels/norm_quant.cu): session 3 fused_v4_nvfp4, fused_v4_fp8, fused_v4p_nvfp4 (v4p became fused_nvfp4);
 /// session 4 fused_nvfp4_v5 / fused_fp8_v5 (became fused_* from 4096 rows) and fused_fp8_v5r (lost);
 /// session 7 fused_nvfp4_v5 (the v5 NVFP4 kernel forced: lost to v6, the default, in sessions 6 and 7).
-/// `fused_nvfp4_v7` / `fused_nvfp4_v7r`: [`RowsPath::V7`] / [`RowsPath::V7r`] forced (session-10 A/B
-/// candidates), raced against `fused_nvfp4`.
 pub const ROW_VARIANTS: &[&str] = &[
     "fused_nvfp4",
-    "fused_nvfp4_v7",
-    "fused_nvfp4_v7r",
     "unfused_nvfp4",
     "fused_fp8",
     "unfused_fp8",
@@ -1534,16 +1403,8 @@ pub fn bench_rows(
     let w = upload_checked_bf16(gpu, "w", &random_weight(d, seed ^ 0x5eed))?;
     let eps = reference::RMS_EPS;
     let in_bytes = (rows * d * 2 + d * 2) as u64;
-    // kind_fmt[_v7 | _v7r], kind in fused / unfused; or `copy`. `_v7` / `_v7r`: the fused kernel forced to
-    // RowsPath::V7 / RowsPath::V7r.
-    let (base, forced) = if let Some(b) = variant.strip_suffix("_v7r") {
-        (b, Some(RowsPath::V7r))
-    } else if let Some(b) = variant.strip_suffix("_v7") {
-        (b, Some(RowsPath::V7))
-    } else {
-        (variant, None)
-    };
-    let (kind, fmt) = base.rsplit_once('_').unwrap_or((base, "bf16"));
+    // kind_fmt, kind in fused / unfused; or `copy`.
+    let (kind, fmt) = variant.rsplit_once('_').unwrap_or((variant, "bf16"));
     let point = |bytes: u64, samples: Vec<f64>, baseline: Option<String>| BenchPoint {
         kernel: "rmsnorm_quant",
         variant: variant.to_string(),
@@ -1564,16 +1425,12 @@ pub fn bench_rows(
         "fused" => {
             let format = OutFormat::parse(fmt)?;
             let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d)?;
-            let s = gpu.time_us(plan, || match forced {
-                Some(path) => rmsnorm_quant_with(gpu, RowsIn::Bf16(&x), &w, eps, &mut out, path),
-                None => rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out),
+            let s = gpu.time_us(plan, || {
+                rmsnorm_quant(gpu, RowsIn::Bf16(&x), &w, eps, &mut out)
             })?;
             let bytes = in_bytes + (rows * (format.row_bytes(d) + 4)) as u64;
-            // A forced path is raced against the default (`fused_<fmt>`), the default against the unfused chain.
-            let baseline = match forced {
-                Some(_) => Some(format!("fused_{fmt}")),
-                None => (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}")),
-            };
+            // raced against the unfused chain
+            let baseline = (format != OutFormat::Bf16).then(|| format!("unfused_{fmt}"));
             Ok(point(bytes, s, baseline))
         }
         "unfused" => {

@@ -163,28 +163,6 @@ pub mod packed_e2m1_mirror {
         ]
     }
 
-    /// `v7_keys_in_range(scale)` of the .cu (2^-100 <= scale <= 2^100): keys 0..3 from the FMA thresholds,
-    /// 4 / 5 / 6 as keys 2 / 3 / 2 plus 0x80 / 0x80 / 0x100 per half (the doubled / quadrupled thresholds). The
-    /// tests compare it with `key_ru_x2(thresholds_fma(scale)[i])`.
-    pub fn keys_v7(scale: f32) -> [u32; 7] {
-        let b = thresholds_fma(scale);
-        let (k0, k1, k2, k3) = (
-            key_ru_x2(b[0]),
-            key_ru_x2(b[1]),
-            key_ru_x2(b[2]),
-            key_ru_x2(b[3]),
-        );
-        [
-            k0,
-            k1,
-            k2,
-            k3,
-            k2 + 0x0080_0080,
-            k3 + 0x0080_0080,
-            k2 + 0x0100_0100,
-        ]
-    }
-
     /// `bf16_key_ru_x2`: the smallest BF16 >= b (0 < b <= +inf) as a 16-bit key in both halves.
     pub fn key_ru_x2(b: f32) -> u32 {
         let k = b.to_bits().wrapping_add(0xFFFF) >> 16;
