@@ -188,6 +188,22 @@ fn check_prefill(
     }
 }
 
+/// [`check_prefill`] with BF16 activations, then NVFP4 activations.
+#[allow(clippy::too_many_arguments)]
+fn check_prefill_both_a_formats(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    mode: Mode,
+    rng: &mut impl Rng,
+) {
+    for nvfp4 in [false, true] {
+        check_prefill(gpu, label, w, dw, rb, nvfp4, mode, rng);
+    }
+}
+
 #[test]
 fn gpu_prefill_token_counts_both_a_formats() {
     let Some(gpu) = gpu_for_test("gpu_prefill_token_counts_both_a_formats") else {
@@ -202,18 +218,15 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
     for mode in [Mode::Tile128, Mode::Tile256, Mode::RsTma, Mode::RsWtma] {
-        for nvfp4 in [false, true] {
-            check_prefill(
-                &gpu,
-                &format!("counts {counts:?}"),
-                &w,
-                &dw,
-                &rb,
-                nvfp4,
-                mode,
-                &mut rng,
-            );
-        }
+        check_prefill_both_a_formats(
+            &gpu,
+            &format!("counts {counts:?}"),
+            &w,
+            &dw,
+            &rb,
+            mode,
+            &mut rng,
+        );
     }
     // The shortest K the family accepts (K % 512 == 0, checked at weight upload): 8 SS stages of 64, 4 RS stages of
     // 128 (one more than the 3 stages its prologue puts in flight); RS needs N % 256.
@@ -226,18 +239,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
     ] {
         let w = quantized_weights(&mut rng, 3, n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        for nvfp4 in [false, true] {
-            check_prefill(
-                &gpu,
-                &format!("short K {k}"),
-                &w,
-                &dw,
-                &rb,
-                nvfp4,
-                mode,
-                &mut rng,
-            );
-        }
+        check_prefill_both_a_formats(&gpu, &format!("short K {k}"), &w, &dw, &rb, mode, &mut rng);
     }
 }
 
@@ -272,18 +274,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     let w = quantized_weights(&mut rng, 2, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&[200, 70]);
-    for nvfp4 in [false, true] {
-        check_prefill(
-            &gpu,
-            "routed N 256",
-            &w,
-            &dw,
-            &rb,
-            nvfp4,
-            Mode::Routed,
-            &mut rng,
-        );
-    }
+    check_prefill_both_a_formats(&gpu, "routed N 256", &w, &dw, &rb, Mode::Routed, &mut rng);
     // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles), small N and K for the CPU reference:
     // through launch_partial at N = 128 (the SS 128 x 128 tile), and forced through the RS kernel at N = 256 (one
     // n tile per expert token tile).
@@ -291,18 +282,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     for (n, mode) in [(128, Mode::Routed), (256, Mode::RsTma), (256, Mode::RsWtma)] {
         let w = quantized_weights(&mut rng, 256, n, 512);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        for nvfp4 in [false, true] {
-            check_prefill(
-                &gpu,
-                "4096 tokens, 6 of 256",
-                &w,
-                &dw,
-                &rb,
-                nvfp4,
-                mode,
-                &mut rng,
-            );
-        }
+        check_prefill_both_a_formats(&gpu, "4096 tokens, 6 of 256", &w, &dw, &rb, mode, &mut rng);
     }
 }
 
