@@ -794,6 +794,15 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 //   warp after slice 0 of the current stage (or, at an item start, after the previous item's wait_group 0): thread
 //   0 has passed that point itself, and no warp needs thread 0 to get there (the current stage was filled earlier),
 //   so the wait cannot deadlock. The counters run on across items (fills / consumptions per CTA, same order).
+// * Budget of one 128-K stage per SM (one CTA per SM), n128 item: 256 x 128 x 128 MAC = 2048 tensor cycles at the
+//   dense BF16 rate; ~520 SASS per warp (the e2m1 dequant of 64 weight pairs, 8 scale decodes, 16 HGMMA with their
+//   fences / waits, 8 LDS, the ring protocol), 8 warps on 4 schedulers = ~1040 issue cycles; 20 KiB of weights from
+//   HBM and 2 x NT x 128 B of activations (mostly L2 hits: the 16 n tiles of a token tile run close together). An
+//   n32 item has a quarter of the tensor cycles and the same weight bytes and dequant issue, so below ~1000 tokens
+//   the issue and the weight stream, not the tensor pipe, set the pace. Measured (ncu, Flash L1 4096, session 10):
+//   ~1.5 us per stage (~2900 cycles at ~1.9 GHz) against the 2048 of a full tile: tensor pipe 70% of elapsed cycles,
+//   issue slots ~35% busy, and ~15% of the warp-stall samples on the full-barrier wait of a stage (its TMA bytes
+//   not there yet), which neither a producer running ahead across items nor smaller activation boxes removed.
 namespace rs {
 constexpr int kWCodes = kTileRows * 64;                       // 16 KiB of codes per stage
 constexpr int kWScales = kTileRows * 16;                      // 4 KiB: scale bytes of the stage pair
