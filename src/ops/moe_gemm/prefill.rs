@@ -241,16 +241,17 @@ pub fn launch_partial_prefill_with(
         as_i32(grp.experts, "experts")?,
         as_i32(grp.rows_total, "rows")?,
     );
-    // Persistent grid: one CTA per SM (136 / 187 / 102 KB of shared memory, up to 255 registers per thread),
+    // Persistent grid: one CTA per SM (136 / 187 / 130 / 209 KB of shared memory, up to 255 registers per thread),
     // never more than the most work items any grouping of these rows can produce (every kernel's token tile is
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
     if matches!(kernel, PrefillKernel::RsTma | PrefillKernel::RsWtma) {
         let act_rs = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
-        let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 }; // 2^18 / 2^9, see the .cu
-                                                                         // RsTma: one activation map (128-row boxes); the wtma kernels: the weight maps, then activation maps with
-                                                                         // boxes of 32 / 64 / 96 / 128 token rows.
+        // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
+        let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
+        // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
+        // 32 / 64 / 96 / 128 token rows.
         let weight_maps = match kernel {
             PrefillKernel::RsTma => None,
             _ => Some(weight_maps_for_rs(w, wc, wsc)?),
