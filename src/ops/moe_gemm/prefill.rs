@@ -113,7 +113,8 @@ pub enum PrefillKernel {
 }
 
 impl PrefillKernel {
-    /// Entry point, dynamic shared memory, weight rows per CTA tile, K per stage.
+    /// Entry point, dynamic shared memory, weight rows per CTA tile, the multiple K must be (the K per stage;
+    /// for RsWtma the stage pair its scale boxes span).
     fn entry(self) -> (&'static str, usize, usize, usize) {
         match self {
             PrefillKernel::Ss128 => ("moe_gemm_prefill_partial", SMEM_BYTES, TILE_N, STAGE_K),
@@ -177,15 +178,15 @@ pub fn launch_partial_prefill_with(
     kernel: PrefillKernel,
 ) -> Result<()> {
     check_shape(w.n, w.k)?;
-    let (name, smem, tile_n, stage_k) = kernel.entry();
+    let (name, smem, tile_n, k_multiple) = kernel.entry();
     ensure!(
         w.n.is_multiple_of(tile_n),
         "moe_gemm prefill ({name}): N = {} must be a multiple of the tile width {tile_n}",
         w.n
     );
     ensure!(
-        w.k.is_multiple_of(stage_k),
-        "moe_gemm prefill ({name}): K = {} must be a multiple of the stage depth {stage_k}",
+        w.k.is_multiple_of(k_multiple),
+        "moe_gemm prefill ({name}): K = {} must be a multiple of {k_multiple}",
         w.k
     );
     a.check()?;
@@ -247,6 +248,13 @@ pub fn launch_partial_prefill_with(
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
     if matches!(kernel, PrefillKernel::RsTma | PrefillKernel::RsWtma) {
+        // TMA box coordinates are signed 32-bit: the weight row e * N + n and the token row must fit.
+        ensure!(
+            w.experts * w.n <= i32::MAX as usize,
+            "moe_gemm prefill ({name}): {} experts x N = {} weight rows exceed the TMA coordinate range",
+            w.experts,
+            w.n
+        );
         let act_rs = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
         // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
