@@ -35,6 +35,9 @@
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   (`launch_partial_mma_with(.., DecodeMainloop::V3)`, the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
+//! * `nvfp4_l1fused` (`moe_gemm_l1` contiguous points only): the L1 with its SwiGLU in the RS mainloop's epilogue
+//!   ([`prefill::launch_l1_swiglu_prefill`], `PrefillL1::Fused`: pre-pass, paired mainloop writing fp32 h, NVFP4 pass
+//!   over h) instead of the mainloop + L1 finish pair; bit-identical outputs. `moe_gemm_l2` skips it.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -71,6 +74,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma_rstma",
     "nvfp4_wgmma_rswtma",
     "nvfp4_decode",
+    "nvfp4_l1fused",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -94,6 +98,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma_rstma"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_decode"
+            | "nvfp4_l1fused"
     )
 }
 
@@ -105,7 +110,8 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
     let prefill_only = variant.starts_with("nvfp4_wgmma")
         || variant == "nvfp4_finishpad1b"
-        || variant == "nvfp4_decode";
+        || variant == "nvfp4_decode"
+        || variant == "nvfp4_l1fused";
     let decode_only = variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishq4";
     (prefill_only && masked) || (decode_only && !masked)
 }
@@ -132,7 +138,7 @@ fn finish_l2_for(variant: &str, tokens: usize, n: usize) -> FinishL2Kernel {
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
-    if variant.starts_with("nvfp4_wgmma") {
+    if variant.starts_with("nvfp4_wgmma") || variant == "nvfp4_l1fused" {
         GemmConfig { splits: 1, ..cfg }
     } else {
         cfg
@@ -380,6 +386,11 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let finish = finish_l1_for(variant, &dg, i);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
+                if variant == "nvfp4_l1fused" {
+                    return prefill::launch_l1_swiglu_prefill(
+                        gpu, &w, &a, &dg, &routing, &mut ws, &mut out,
+                    );
+                }
                 launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
             })?;
@@ -397,8 +408,11 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant == "nvfp4_finishq4" || variant == "nvfp4_finishpad1b" {
-        return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
+    if matches!(
+        variant,
+        "nvfp4_finishq4" | "nvfp4_finishpad1b" | "nvfp4_l1fused"
+    ) {
+        return Ok(vec![]); // an L1 epilogue variant: nothing to measure in L2
     }
     let p = Point::new(s, tokens, ctx.seed, 2)?;
     match variant {
