@@ -496,6 +496,32 @@ fn gpu_l1_fused_swiglu_bit_identical_to_unfused() {
                     &want,
                 );
             }
+            // The routed entry point takes the fused path for these groupings, with the same bits.
+            let cfg = GemmConfig {
+                token_tile: 64,
+                splits: 1,
+                ctas: gpu.info.sm_count as u32,
+            };
+            assert_eq!(
+                prefill::PrefillL1::for_launch(&d13, &dg, &cfg),
+                prefill::PrefillL1::Fused,
+                "{label}: launch_l1 would not take the fused path"
+            );
+            let mut ws_r = Workspace::new(&gpu, 1, rows, 2 * inter).unwrap();
+            let mut routed = mg::L1Output::new(&gpu, rows, inter, true).unwrap();
+            mg::launch_l1(
+                &gpu,
+                &d13,
+                &da.view(),
+                &dg,
+                &cfg,
+                &droute,
+                &mut ws_r,
+                &mut routed,
+            )
+            .unwrap();
+            gpu.synchronize().unwrap();
+            assert_l1_outputs_bit_equal(&gpu, &format!("{label}, launch_l1"), &routed, &want);
             let h = gpu.download(want.h_f32.as_ref().unwrap()).unwrap();
             assert!(
                 h.iter().all(|v| v.is_finite()),

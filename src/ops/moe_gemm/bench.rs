@@ -36,8 +36,11 @@
 //!   (`launch_partial_mma_with(.., DecodeMainloop::V3)`, the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
 //! * `nvfp4_l1fused` (`moe_gemm_l1` contiguous points only): the L1 with its SwiGLU in the RS mainloop's epilogue
-//!   ([`prefill::launch_l1_swiglu_prefill`], `PrefillL1::Fused`: pre-pass, paired mainloop writing fp32 h, NVFP4 pass
-//!   over h) instead of the mainloop + L1 finish pair; bit-identical outputs. `moe_gemm_l2` skips it.
+//!   forced ([`prefill::launch_l1_swiglu_prefill`], `PrefillL1::Fused`: pre-pass, paired mainloop writing fp32 h,
+//!   NVFP4 pass over h) instead of the mainloop + L1 finish pair; bit-identical outputs. `moe_gemm_l2` skips it.
+//!   `nvfp4` runs L1 through [`launch_l1`], which takes this path wherever the prefill mainloop would run.
+//! * `nvfp4_l1unfused` (`moe_gemm_l1` contiguous points only): the mainloop + L1 finish pair forced (`nvfp4`'s L1
+//!   before session 11), bit-identical outputs. `moe_gemm_l2` skips it.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -75,6 +78,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma_rswtma",
     "nvfp4_decode",
     "nvfp4_l1fused",
+    "nvfp4_l1unfused",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -99,6 +103,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_decode"
             | "nvfp4_l1fused"
+            | "nvfp4_l1unfused"
     )
 }
 
@@ -111,7 +116,8 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let prefill_only = variant.starts_with("nvfp4_wgmma")
         || variant == "nvfp4_finishpad1b"
         || variant == "nvfp4_decode"
-        || variant == "nvfp4_l1fused";
+        || variant == "nvfp4_l1fused"
+        || variant == "nvfp4_l1unfused";
     let decode_only = variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishq4";
     (prefill_only && masked) || (decode_only && !masked)
 }
@@ -385,14 +391,15 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let finish = finish_l1_for(variant, &dg, i);
-            let samples = gpu.time_us(ctx.plan(bytes as u64), || {
-                if variant == "nvfp4_l1fused" {
-                    return prefill::launch_l1_swiglu_prefill(
-                        gpu, &w, &a, &dg, &routing, &mut ws, &mut out,
-                    );
+            let samples = gpu.time_us(ctx.plan(bytes as u64), || match variant {
+                "nvfp4" => launch_l1(gpu, &w, &a, &dg, &cfg, &routing, &mut ws, &mut out),
+                "nvfp4_l1fused" => {
+                    prefill::launch_l1_swiglu_prefill(gpu, &w, &a, &dg, &routing, &mut ws, &mut out)
                 }
-                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
-                launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
+                _ => {
+                    launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
+                    launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
+                }
             })?;
             Ok(vec![row(
                 "moe_gemm_l1",
@@ -410,7 +417,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
     if matches!(
         variant,
-        "nvfp4_finishq4" | "nvfp4_finishpad1b" | "nvfp4_l1fused"
+        "nvfp4_finishq4" | "nvfp4_finishpad1b" | "nvfp4_l1fused" | "nvfp4_l1unfused"
     ) {
         return Ok(vec![]); // an L1 epilogue variant: nothing to measure in L2
     }

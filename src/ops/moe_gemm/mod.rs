@@ -576,6 +576,32 @@ impl L1Output {
     }
 }
 
+/// The whole L1 (W13 GEMM, DSV4 SwiGLU with clamp, times `routing[row]`, NVFP4 of h with a per-row global scale)
+/// for any grouping: [`prefill::PrefillL1::for_launch`] picks the SwiGLU-fused prefill kernels
+/// ([`prefill::launch_l1_swiglu_prefill`]) or the mainloop ([`launch_partial`]) + L1 finish ([`launch_finish_l1`])
+/// pair. Both give the same bits where both apply (GPU test).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_l1(
+    gpu: &Gpu,
+    w13: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    routing: &CudaSlice<f32>,
+    ws: &mut Workspace,
+    out: &mut L1Output,
+) -> Result<()> {
+    match prefill::PrefillL1::for_launch(w13, grp, cfg) {
+        prefill::PrefillL1::Fused => {
+            prefill::launch_l1_swiglu_prefill(gpu, w13, a, grp, routing, ws, out)
+        }
+        prefill::PrefillL1::Unfused => {
+            launch_partial(gpu, w13, a, grp, cfg, ws)?;
+            launch_finish_l1(gpu, ws, grp, w13, a, routing, out)
+        }
+    }
+}
+
 /// L1 epilogue on a W13 = [w1; w3] GEMM (N = 2I): DSV4 SwiGLU with clamp, times `routing[row]`, quantized to
 /// NVFP4 with a per-row global scale. Kernel: [`FinishL1Kernel::for_grouping`].
 pub fn launch_finish_l1(

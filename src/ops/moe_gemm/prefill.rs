@@ -454,6 +454,26 @@ pub enum PrefillL1 {
     Fused,
 }
 
+impl PrefillL1 {
+    /// The L1 path [`super::launch_l1`] takes: [`PrefillL1::Fused`] wherever [`super::launch_partial`] would route
+    /// to the prefill mainloop ([`routes_here`]) and the shape fits the fused kernels (`N % 256 == 0`,
+    /// `K % 256 == 0`, `I <= 4096`: every DSV4 expert shape), else [`PrefillL1::Unfused`].
+    pub fn for_launch(
+        w13: &DeviceExpertWeights,
+        grp: &DeviceGrouping,
+        cfg: &GemmConfig,
+    ) -> PrefillL1 {
+        let fits = w13.n.is_multiple_of(TILE_N_RS)
+            && w13.k.is_multiple_of(K_MULTIPLE_RS_WTMA)
+            && w13.n / 2 <= L1_QUANT_MAX_I;
+        if fits && routes_here(w13, grp, cfg) {
+            PrefillL1::Fused
+        } else {
+            PrefillL1::Unfused
+        }
+    }
+}
+
 /// Largest I the h quantization pass takes (4 chunks of 4 elements per thread of 256).
 pub const L1_QUANT_MAX_I: usize = 4096;
 
