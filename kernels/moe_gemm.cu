@@ -1058,18 +1058,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
 //   round-to-nearest gives -0 only for (-0) + (-0)).
 // * No valid slot: y stays +0.0, as in _cols.
 // Launcher: N % 2 == 0 (8-byte aligned float2 rows of partials and gsb, 4-byte aligned BF16 output).
-extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_cols2(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    __nv_bfloat16* __restrict__ out) {
-    constexpr int kSlots = 8, kCols = 2;
-    __shared__ int s_row[kFinishMaxTopk];  // the valid slots, compacted in routing order
-    __shared__ int s_exp[kFinishMaxTopk];
-    __shared__ float s_sa[kFinishMaxTopk];
-    __shared__ int s_valid;
-    Grouping grp{group, capacity, experts, rows_total};
-    const int tok = blockIdx.x;
-    if (threadIdx.x < 32) {  // topk <= kFinishMaxTopk = 32 (launcher)
+// The token's valid slots, compacted in routing order by warp 0 (rows, experts, gsa) into shared memory; returns
+// their count after a barrier. topk <= kFinishMaxTopk = 32 (launcher).
+__device__ __forceinline__ int l2_stage_valid_slots(const Grouping& grp, const float* __restrict__ gsa,
+                                                    const int* __restrict__ token_rows, int topk, int tok, int* s_row,
+                                                    int* s_exp, float* s_sa, int* s_valid) {
+    if (threadIdx.x < 32) {
         const int j = threadIdx.x;
         int row = -1, e = -1;
         if (j < topk) {
@@ -1083,12 +1077,18 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
             s_exp[pos] = e;
             s_sa[pos] = gsa != nullptr ? gsa[row] : 1.f;
         }
-        if (j == 0) s_valid = __popc(ballot);
+        if (j == 0) *s_valid = __popc(ballot);
     }
     __syncthreads();
-    const int valid = s_valid;
-    const int n0 = kCols * (blockIdx.y * blockDim.x + threadIdx.x);
-    if (n0 >= N) return;  // no barrier below
+    return *s_valid;
+}
+
+// Columns n0, n0 + 1 of token tok from the staged valid slots (the comment above: every load of a pass unconditional).
+__device__ __forceinline__ void l2_cols2_columns(const float* __restrict__ partial, int splits, int rows_total, int N,
+                                                 const float* __restrict__ gsb, const int* s_row, const int* s_exp,
+                                                 const float* s_sa, int valid, int tok, int n0,
+                                                 __nv_bfloat16* __restrict__ out) {
+    constexpr int kSlots = 8, kCols = 2;
     const size_t split_stride2 = (size_t)rows_total * N / kCols;  // float2 units (N % 2 == 0)
     float y[kCols] = {0.f, 0.f};
     for (int u0 = 0; u0 < valid; u0 += kSlots) {
@@ -1129,6 +1129,43 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
     // __floats2bfloat162_rn (cvt.rn.bf16x2.f32) rounds each element as __float2bfloat16_rn does in _cols (RNE, the
     // same NaN result); here y need not be exact in BF16.
     *reinterpret_cast<uint32_t*>(out + (size_t)tok * N + n0) = pack_bf16x2(y[0], y[1]);
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_cols2(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    __nv_bfloat16* __restrict__ out) {
+    __shared__ int s_row[kFinishMaxTopk];  // the valid slots, compacted in routing order
+    __shared__ int s_exp[kFinishMaxTopk];
+    __shared__ float s_sa[kFinishMaxTopk];
+    __shared__ int s_valid;
+    const Grouping grp{group, capacity, experts, rows_total};
+    const int tok = blockIdx.x;
+    const int valid = l2_stage_valid_slots(grp, gsa, token_rows, topk, tok, s_row, s_exp, s_sa, &s_valid);
+    const int n0 = 2 * (blockIdx.y * blockDim.x + threadIdx.x);
+    if (n0 >= N) return;  // no barrier below
+    l2_cols2_columns(partial, splits, rows_total, N, gsb, s_row, s_exp, s_sa, valid, tok, n0, out);
+}
+
+// Cols2 with one CTA per token over all N columns (FinishL2Kernel::Cols2Tok, session 11; bench `nvfp4_l2cols2tok`):
+// grid = tokens. Why: in Cols2 each of the ceil(N / 512) CTAs of a token first walks the same dependent chain
+// (token_rows -> the expert search over the offsets -> gsa -> barrier) before its first partial load; at prefill
+// (4096 tokens x 8 slices = 32,768 CTAs of 12 KB each) that chain, not the bytes, sets the pace (the combine alone
+// ran at ~2.1 TB/s under ncu, session 10). Here the table is built once per token and a thread walks the token's
+// 512-column slices in order. Each column is computed by l2_cols2_columns as in Cols2: bit-identical outputs.
+extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_cols2_tok(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    __nv_bfloat16* __restrict__ out) {
+    __shared__ int s_row[kFinishMaxTopk];
+    __shared__ int s_exp[kFinishMaxTopk];
+    __shared__ float s_sa[kFinishMaxTopk];
+    __shared__ int s_valid;
+    const Grouping grp{group, capacity, experts, rows_total};
+    const int tok = blockIdx.x;
+    const int valid = l2_stage_valid_slots(grp, gsa, token_rows, topk, tok, s_row, s_exp, s_sa, &s_valid);
+    for (int n0 = 2 * threadIdx.x; n0 < N; n0 += 2 * blockDim.x)
+        l2_cols2_columns(partial, splits, rows_total, N, gsb, s_row, s_exp, s_sa, valid, tok, n0, out);
 }
 
 // Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block

@@ -2716,14 +2716,18 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
             let mut y = gpu.poisoned::<bf16>(tokens * n + tail, pattern).unwrap();
             let res =
                 mg::launch_finish_l2_with(&gpu, &ws, &dg, &w2, &a, &dtr, topk, &mut y, kernel);
-            if kernel == mg::FinishL2Kernel::Cols2 && n % 2 != 0 {
-                let err = res.expect_err("Cols2 must refuse N % 2 != 0");
+            let float2_rows = matches!(
+                kernel,
+                mg::FinishL2Kernel::Cols2 | mg::FinishL2Kernel::Cols2Tok
+            );
+            if float2_rows && n % 2 != 0 {
+                let err = res.expect_err("Cols2 / Cols2Tok must refuse N % 2 != 0");
                 assert!(format!("{err:#}").contains("N % 2"), "{label}: `{err:#}`");
                 let y = gpu.download(&y).unwrap();
                 let poison = u16::from_le_bytes([pattern, pattern]);
                 assert!(
                     y.iter().all(|v| v.to_bits() == poison),
-                    "{label}: Cols2 wrote after refusing"
+                    "{label}: {kernel:?} wrote after refusing"
                 );
                 outs.push(outs[0].clone()); // keep the indices of ALL
                 continue;

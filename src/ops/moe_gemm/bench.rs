@@ -20,8 +20,9 @@
 //! * `nvfp4_finishpad1b` (`moe_gemm_l1` only): `nvfp4` with the L1 finish forced to `FinishL1Kernel::PadOneBarrier`,
 //!   the finish of contiguous (prefill) points before session 9 made `FinishL1Kernel::Rows` their routed finish
 //!   (bit-identical outputs), kept measurable for one run. `moe_gemm_l2` skips it.
-//! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` (`moe_gemm_l2` only): `nvfp4` with the L2 combine
-//!   forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) / `RowWarps` / `Cols2`,
+//! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` / `nvfp4_l2cols2tok` (`moe_gemm_l2` only): `nvfp4` with
+//!   the L2 combine forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) /
+//!   `RowWarps` / `Cols2` / `Cols2Tok` (session 11: one CTA per token),
 //!   where `nvfp4` takes `FinishL2Kernel::for_tokens` (RowWarps up to 8 tokens, Cols2 above). Bit-identical
 //!   outputs. `moe_gemm_l1` skips them.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
@@ -72,6 +73,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_l2cols",
     "nvfp4_l2rowwarps",
     "nvfp4_l2cols2",
+    "nvfp4_l2cols2tok",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rstma",
@@ -97,6 +99,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_l2cols"
             | "nvfp4_l2rowwarps"
             | "nvfp4_l2cols2"
+            | "nvfp4_l2cols2tok"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rstma"
@@ -133,12 +136,13 @@ fn finish_l1_for(variant: &str, dg: &DeviceGrouping, i_dim: usize) -> FinishL1Ke
 }
 
 /// The L2 combine kernel of a variant at `tokens` tokens of `n` columns: `nvfp4_l2cols` / `nvfp4_l2rowwarps` /
-/// `nvfp4_l2cols2` force theirs, every other variant takes the default routing ([`FinishL2Kernel::for_tokens`]).
+/// `nvfp4_l2cols2` / `nvfp4_l2cols2tok` force theirs, every other variant takes the default routing ([`FinishL2Kernel::for_tokens`]).
 fn finish_l2_for(variant: &str, tokens: usize, n: usize) -> FinishL2Kernel {
     match variant {
         "nvfp4_l2cols" => FinishL2Kernel::Cols,
         "nvfp4_l2rowwarps" => FinishL2Kernel::RowWarps,
         "nvfp4_l2cols2" => FinishL2Kernel::Cols2,
+        "nvfp4_l2cols2tok" => FinishL2Kernel::Cols2Tok,
         _ => FinishL2Kernel::for_tokens(tokens, n),
     }
 }

@@ -1012,6 +1012,10 @@ pub enum FinishL2Kernel {
     /// tokens 2304.8 / 1862.3, 16384 tokens 8322.4 / 6569.8; Pro 64 tokens 1177.8 / 1127.6; the combine alone
     /// under ncu at 4096 tokens 662 / 209 us, at 1 token 9.6-9.9 / 7.8-8.1 (RowWarps 4.3).
     Cols2,
+    /// `moe_gemm_finish_l2_combine_cols2_tok`: Cols2's per-column code with one CTA per token over all N columns,
+    /// so the token's slot table (a chain of dependent loads) is built once per token instead of once per 512
+    /// columns. Needs N % 2 == 0. Bench variant `nvfp4_l2cols2tok` (session-11 A/B).
+    Cols2Tok,
 }
 
 /// Most tokens for which [`FinishL2Kernel::for_tokens`] picks [`FinishL2Kernel::RowWarps`]. Session-8 A/B (727e353,
@@ -1027,6 +1031,7 @@ impl FinishL2Kernel {
         FinishL2Kernel::Cols,
         FinishL2Kernel::RowWarps,
         FinishL2Kernel::Cols2,
+        FinishL2Kernel::Cols2Tok,
     ];
 
     /// The kernel [`launch_finish_l2`] runs for `tokens` tokens of `n` output columns: RowWarps up to
@@ -1047,6 +1052,7 @@ impl FinishL2Kernel {
             FinishL2Kernel::Cols => "moe_gemm_finish_l2_combine_cols",
             FinishL2Kernel::RowWarps => "moe_gemm_finish_l2_combine_rowwarps",
             FinishL2Kernel::Cols2 => "moe_gemm_finish_l2_combine_cols2",
+            FinishL2Kernel::Cols2Tok => "moe_gemm_finish_l2_combine_cols2_tok",
         }
     }
 }
@@ -1091,18 +1097,19 @@ pub fn launch_finish_l2_with(
     );
     let name = kernel.entry();
     // Columns and threads per CTA: Cols one column per thread (256), RowWarps one per lane of each slot warp (32 of
-    // 256 threads), Cols2 2 per thread (512 of 256 threads; N % 2 == 0 for its float2 rows).
+    // 256 threads), Cols2 2 per thread (512 of 256 threads), Cols2Tok all N (N % 2 == 0 for their float2 rows).
+    if matches!(kernel, FinishL2Kernel::Cols2 | FinishL2Kernel::Cols2Tok) {
+        ensure!(
+            w2.n.is_multiple_of(2),
+            "moe_gemm L2: {name} needs N % 2 == 0 (float2 rows), N = {}",
+            w2.n
+        );
+    }
     let (cols_per_cta, block) = match kernel {
         FinishL2Kernel::Cols => (THREADS as usize, THREADS),
         FinishL2Kernel::RowWarps => (32, THREADS),
-        FinishL2Kernel::Cols2 => {
-            ensure!(
-                w2.n.is_multiple_of(2),
-                "moe_gemm L2: {name} needs N % 2 == 0 (float2 rows), N = {}",
-                w2.n
-            );
-            (512, THREADS)
-        }
+        FinishL2Kernel::Cols2 => (512, THREADS),
+        FinishL2Kernel::Cols2Tok => (w2.n.max(1), THREADS),
     };
     let grid = (tokens as u32, w2.n.div_ceil(cols_per_cta) as u32, 1);
     let f = gpu.function(FAMILY, name)?;
