@@ -622,56 +622,168 @@ constexpr int kBytesT = kRingT * kActTile;  // 128 KiB (+ 1024 alignment slack f
 static_assert(kBytesT + 1024 == 132096, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_RS_TMA in sync");
 }  // namespace rs
 
-// One task = (row, 128-K chunk, word column j): 4 code words (or 4 x 16 B of BF16) -> 4 logical 16-byte chunks
-// c = 4j + i = [P_i(word 4t + j), t = 0..3] (RS header). grid = ceil(rows * K / 32 / 256), block 256; K % 128 == 0.
-extern "C" __global__ void __launch_bounds__(256) moe_gemm_prefill_act_rs(
-    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, int rows, int K,
-    __nv_bfloat16* __restrict__ out) {
-    const long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const int tasks_per_row = K / 32;
-    if (q >= (long long)rows * tasks_per_row) return;
-    const int row = (int)(q / tasks_per_row), rem = (int)(q % tasks_per_row);
-    const int ch = rem >> 2, j = rem & 3;
-    uint4 o[4];
-    if (act_is_nvfp4) {
-        const uint8_t* codes = reinterpret_cast<const uint8_t*>(act) + (size_t)row * (K / 2) + ch * 64 + 4 * j;
-        const uint8_t* sc = act_scales + (size_t)row * (K / 16) + ch * 8;
-        uint32_t w[4], sv[4];
+// The pre-pass kernel. A's rows are contiguous 128-K segments: segment g = row * (K / 128) + (128-K chunk) has its
+// 64 code bytes at g * 64 (NVFP4; 8 block-scale bytes at g * 8) or its 256 BF16 bytes at g * 256, and its 256
+// output bytes at g * 256, so the pass is one flat stream of segments (no division by K / 128). Per segment (RS
+// header): output chunk c = 4j + i, 32-bit slot s = P_i(word 4s + j) (times the block scale of word 4s + j, byte
+// (4s + j) / 2, for NVFP4), where word k = code bytes 4k .. 4k + 3 (BF16: input 16-byte chunk k, elements 8k ..
+// 8k + 7, whose P_i = (e_i, e_{i+4})).
+// Lane roles (16 lanes per segment, a warp covers a segment PAIR g, g + 1 per step; lane l = 4t + j of its half):
+// * load: lane l reads word l (4 B of codes + its scale byte l / 2, or 16 B of BF16): per segment pair the warp
+//   loads 128 contiguous code bytes + 16 scale bytes (NVFP4) or 512 contiguous bytes (BF16);
+// * compute: it forms A[t][i] = P_i(word l) (scaled) for i = 0..3, all four chunks' slot t;
+// * transpose: the 4 lanes j, 4 + j, 8 + j, 12 + j (t = 0..3) swap them so that lane 4t + j holds chunk c = 4j + t
+//   = [A[s][t], s = 0..3]: slot q of lane t holds A[t][t ^ q] (the i order is free: a shift amount for NVFP4, a
+//   register / selector choice for BF16), shfl.bfly by 4q hands it to lane t ^ q, which wants exactly A[t][t ^ q]
+//   as its slot t; so received value m (m = 0 own) is slot s = t ^ m, a fixed xor placement (8 SEL);
+// * store: lane 4t + j writes chunk 4j + t: each STG.128 of the warp writes 512 contiguous bytes (two segments).
+// Values are produced by the same helpers on the same inputs as before (e2m1_pair_to_bf16x2_tiny, bf16x2_mul,
+// the scale decode of scale_bf16x2; BF16: the same byte_perm selectors), so the output bytes are unchanged.
+// Session-10 version (one task = (row, chunk, j) per thread, the four 16-byte chunks 4j .. 4j + 3 from one thread):
+// 124 us under ncu at 24,576 rows x K 4096 NVFP4 (~2.1 TB/s); each of its STG.128 wrote 16 B at a 64-byte lane
+// stride (half of every 32-byte sector per instruction), one dependent load -> store chain per thread, and a 64-bit
+// division per thread (its 32-bit path, ~20 instructions). SASS per lane and 64 output bytes (NVFP4 / BF16): 196 / 96
+// then, 192 / 124 now (the transpose's 3 SHFL + 8 SEL per chunk replace the division and most address math), 36 ->
+// 32 registers (6 -> 8 CTAs per SM).
+namespace act_rs {
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kCtasPerSm = 8;  // 2048 threads: at most 32 registers
+constexpr int kPairsNvfp4 = 4;  // segment pairs per warp step: 4 x (code word + scale byte) in flight per lane
+constexpr int kPairsBf16 = 4;   // 4 x 16 B in flight per lane
+static_assert(kPairsNvfp4 % 2 == 0, "nvfp4_step converts the scale codes of two pairs at a time");
+static_assert(kPairsNvfp4 == 4 && kPairsBf16 == 4,
+              "keep src/ops/moe_gemm/prefill.rs ACT_RS_SEGMENTS_PER_WARP_STEP (= 2 x pairs) in sync");
+
+// scale_bf16x2 (nvfp4_dequant.cuh) of the e4m3 codes in bytes 0 and 1 of `two`, with one cvt.rn.f16x2.e4m3x2 for
+// both (e4m3_decode converts a single code with the same instruction, the code in the low byte: the conversion is
+// per element) and b | b << 16 as one byte_perm (bytes 2, 3, 2, 3 of the f32 = its high half twice).
+__device__ __forceinline__ void scale_bf16x2_two(uint32_t two, uint32_t& s0, uint32_t& s1) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFF), __NV_E4M3);
+    __half_raw h0, h1;
+    h0.x = h.x;
+    h1.x = h.y;
+    s0 = __byte_perm(__float_as_uint(__half2float(__half(h0)) * 0x1p117f), 0, 0x3232);
+    s1 = __byte_perm(__float_as_uint(__half2float(__half(h1)) * 0x1p117f), 0, 0x3232);
+}
+
+// The transpose of the header: v[m] = A[t ^ m][t] (v[0] own, v[m] from shfl.bfly 4m) -> chunk slot s = t ^ m.
+__device__ __forceinline__ uint4 transpose_to_chunk(const uint32_t (&a)[4], bool t0, bool t1) {
+    uint32_t v[4];
+    v[0] = a[0];
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            w[t] = __ldg(reinterpret_cast<const uint32_t*>(codes + 16 * t));
-            sv[t] = scale_bf16x2(__ldg(sc + 2 * t + (j >> 1)));  // block of word 4t + j
-        }
+    for (int m = 1; m < 4; ++m) v[m] = __shfl_xor_sync(0xffffffffu, a[m], 4 * m);
+    // out[s] = v[s ^ t]: first xor by t0 (u[s] = v[s ^ t0]), then by 2 t1.
+    const uint32_t u0 = t0 ? v[1] : v[0], u1 = t0 ? v[0] : v[1];
+    const uint32_t u2 = t0 ? v[3] : v[2], u3 = t0 ? v[2] : v[3];
+    uint4 o;
+    o.x = t1 ? u2 : u0;
+    o.y = t1 ? u3 : u1;
+    o.z = t1 ? u0 : u2;
+    o.w = t1 ? u1 : u3;
+    return o;
+}
+
+// One warp step of the NVFP4 branch: P segment pairs, pair p = segments g0 + 2p (this lane's code word at cw + 128p,
+// its scale byte at cs + 16p, its output chunk at co + 512p). kGuard: only pairs 2p < left exist (the grid's last
+// step); otherwise all P do and the loads and stores need no predicate.
+template <int P, bool kGuard>
+__device__ __forceinline__ void nvfp4_step(const uint8_t* cw, const uint8_t* cs, uint8_t* co, int left, int t,
+                                           bool t0, bool t1) {
+    uint32_t word[P], code[P];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            o[i].x = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[0], i), sv[0]);
-            o[i].y = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[1], i), sv[1]);
-            o[i].z = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[2], i), sv[2]);
-            o[i].w = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(w[3], i), sv[3]);
-        }
-    } else {
-        // 16-byte chunk 4t + j of the 128-K row segment holds elements 32t + 8j + (0..7) = words (e0,e1) (e2,e3)
-        // (e4,e5) (e6,e7); P_i = (e_i, e_{i+4}) = bf16 i%2 of words i/2 and i/2 + 2.
-        const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(act) +
-                                                          (size_t)row * K + ch * 128);
-        uint32_t r[4][4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const uint4 v = __ldg(src + 4 * t + j);
-            r[t][0] = v.x; r[t][1] = v.y; r[t][2] = v.z; r[t][3] = v.w;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t sel = (i & 1) ? 0x7632 : 0x5410;
-            o[i].x = __byte_perm(r[0][i >> 1], r[0][(i >> 1) + 2], sel);
-            o[i].y = __byte_perm(r[1][i >> 1], r[1][(i >> 1) + 2], sel);
-            o[i].z = __byte_perm(r[2][i >> 1], r[2][(i >> 1) + 2], sel);
-            o[i].w = __byte_perm(r[3][i >> 1], r[3][(i >> 1) + 2], sel);
+    for (int p = 0; p < P; ++p) {
+        word[p] = 0;
+        code[p] = 0;
+        if (!kGuard || 2 * p < left) {
+            word[p] = __ldg(reinterpret_cast<const uint32_t*>(cw + 128 * p));
+            code[p] = __ldg(cs + 16 * p);
         }
     }
-    uint4* dst = reinterpret_cast<uint4*>(out + (size_t)row * K + ch * 128) + 4 * j;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dst[i] = o[i];
+    for (int p = 0; p < P; p += 2) {
+        uint32_t sv[2];  // two pairs share one two-code conversion
+        scale_bf16x2_two(code[p] | (code[p + 1] << 8), sv[0], sv[1]);
+#pragma unroll
+        for (int pp = 0; pp < 2; ++pp) {
+            uint32_t a[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)  // slot q = A[t][t ^ q] (header)
+                a[q] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(word[p + pp], t ^ q), sv[pp]);
+            const uint4 o = transpose_to_chunk(a, t0, t1);
+            if (!kGuard || 2 * (p + pp) < left) *reinterpret_cast<uint4*>(co + 512 * (p + pp)) = o;
+        }
+    }
+}
+
+// One warp step of the BF16 branch: this lane's input chunk at ci + 512p, output chunk at co + 512p. P_i = (e_i,
+// e_{i+4}) = byte_perm(i >> 1 ? y : x, i >> 1 ? w : z, i & 1 ? 0x7632 : 0x5410) (the session-10 selectors); slot q
+// has i = t ^ q, so its registers follow t1 ^ q1 and its selector t0 ^ q0 (sel_a: q0 = 0, sel_b: q0 = 1).
+template <int P, bool kGuard>
+__device__ __forceinline__ void bf16_step(const uint8_t* ci, uint8_t* co, int left, uint32_t sel_a, uint32_t sel_b,
+                                          bool t0, bool t1) {
+    uint4 v[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        v[p] = make_uint4(0, 0, 0, 0);
+        if (!kGuard || 2 * p < left) v[p] = __ldg(reinterpret_cast<const uint4*>(ci + 512 * p));
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const uint32_t x = t1 ? v[p].y : v[p].x, y = t1 ? v[p].x : v[p].y;
+        const uint32_t z = t1 ? v[p].w : v[p].z, w = t1 ? v[p].z : v[p].w;
+        uint32_t a[4];
+        a[0] = __byte_perm(x, z, sel_a);  // i = t
+        a[1] = __byte_perm(x, z, sel_b);  // i = t ^ 1
+        a[2] = __byte_perm(y, w, sel_a);  // i = t ^ 2
+        a[3] = __byte_perm(y, w, sel_b);  // i = t ^ 3
+        const uint4 o = transpose_to_chunk(a, t0, t1);
+        if (!kGuard || 2 * p < left) *reinterpret_cast<uint4*>(co + 512 * p) = o;
+    }
+}
+}  // namespace act_rs
+
+// grid = min(warp steps / 8, resident CTAs) (the loop strides over warp steps), block = 256; K % 128 == 0,
+// rows * K / 128 < 2^31; NVFP4 codes 4-byte, BF16 A and out 16-byte aligned (checked by the launcher).
+extern "C" __global__ void __launch_bounds__(act_rs::kThreads, act_rs::kCtasPerSm) moe_gemm_prefill_act_rs(
+    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, int rows, int K,
+    __nv_bfloat16* __restrict__ out) {
+    const int segments = rows * (K / 128);
+    const int lane = threadIdx.x & 31;
+    const int l = lane & 15, t = l >> 2, j = l & 3;
+    const bool t0 = (t & 1) != 0, t1 = (t & 2) != 0;
+    const int warp0 = blockIdx.x * act_rs::kWarps + (threadIdx.x >> 5);
+    const int warps = gridDim.x * act_rs::kWarps;
+    // A warp step covers 2P segments: pair p = segments g0 + 2p, g0 = 2P * step + (lane >> 4); the lane writes
+    // output chunk 4j + t of its segment.
+    const int half = lane >> 4;
+    uint8_t* const out_lane = reinterpret_cast<uint8_t*>(out) + 16 * (4 * j + t);
+    if (act_is_nvfp4) {
+        constexpr int P = act_rs::kPairsNvfp4;
+        const uint8_t* const codes_lane = reinterpret_cast<const uint8_t*>(act) + 4 * l;  // word l
+        const uint8_t* const scales_lane = act_scales + (l >> 1);                        // its block's scale
+        const int steps = segments / (2 * P) + (segments % (2 * P) != 0);
+        for (int st = warp0; st < steps; st += warps) {
+            const int g0 = st * 2 * P + half;
+            const uint8_t* const cw = codes_lane + (size_t)g0 * 64;
+            const uint8_t* const cs = scales_lane + (size_t)g0 * 8;
+            uint8_t* const co = out_lane + (size_t)g0 * 256;
+            if (segments - st * 2 * P >= 2 * P) act_rs::nvfp4_step<P, false>(cw, cs, co, 0, t, t0, t1);
+            else act_rs::nvfp4_step<P, true>(cw, cs, co, segments - g0, t, t0, t1);
+        }
+    } else {
+        constexpr int P = act_rs::kPairsBf16;
+        const uint8_t* const in_lane = reinterpret_cast<const uint8_t*>(act) + 16 * l;  // input chunk l
+        const uint32_t sel_a = t0 ? 0x7632u : 0x5410u, sel_b = t0 ? 0x5410u : 0x7632u;
+        const int steps = segments / (2 * P) + (segments % (2 * P) != 0);
+        for (int st = warp0; st < steps; st += warps) {
+            const int g0 = st * 2 * P + half;
+            const uint8_t* const ci = in_lane + (size_t)g0 * 256;
+            uint8_t* const co = out_lane + (size_t)g0 * 256;
+            if (segments - st * 2 * P >= 2 * P) act_rs::bf16_step<P, false>(ci, co, 0, sel_a, sel_b, t0, t1);
+            else act_rs::bf16_step<P, true>(ci, co, segments - g0, sel_a, sel_b, t0, t1);
+        }
+    }
 }
 
 // grid = persistent, block = 256, dynamic smem = rs::kBytesT + 1024. act_map: 2D tensor map over the pre-pass

@@ -561,3 +561,139 @@ fn gpu_l1_fused_swiglu_bit_identical_to_unfused() {
         }
     }
 }
+
+/// One check of the RS activation pre-pass (`moe_gemm_prefill_act_rs` via `prefill::permute_activations_for_rs`)
+/// against its CPU mirror: fresh random A of `rows + 2` rows (the pass converts the first `rows`), an output
+/// buffer of `rows * k + 4096` elements poisoned first with 0xFF bytes (BF16 NaN) and then, in a second run, with
+/// 0x00 (+0): every element of the first `rows * k` must hold the mirror's bits after both runs (an unwritten one
+/// keeps the poison and fails one of them), the 4096 past it the poison. NVFP4: random code bytes (every e2m1 code),
+/// random e4m3 scale bytes, NaN codes 0x7F / 0xFF only with `nan_scales` (then also every 7th block), where the
+/// mirror's NaN must be a NaN (any payload). BF16: random 16-bit patterns (NaN, Inf, subnormals: a copy keeps all
+/// bits).
+fn check_act_rs_prepass(
+    gpu: &Gpu,
+    rng: &mut impl Rng,
+    rows: usize,
+    k: usize,
+    nvfp4: bool,
+    nan_scales: bool,
+) {
+    let a_rows = rows + 2;
+    let slack = 4096;
+    let label = format!(
+        "act_rs pre-pass [{} A, rows {rows}, K {k}{}]",
+        if nvfp4 { "NVFP4" } else { "BF16" },
+        if nan_scales { ", NaN block scales" } else { "" }
+    );
+    // Device buffers of the A format under test only (the other format's vectors stay empty).
+    let (mut codes, mut scales, mut data) = (Vec::new(), Vec::new(), Vec::new());
+    let want = if nvfp4 {
+        codes = vec![0u8; a_rows * k / 2];
+        scales = vec![0u8; a_rows * k / 16];
+        rng.fill_bytes(&mut codes);
+        rng.fill_bytes(&mut scales);
+        for (i, s) in scales.iter_mut().enumerate() {
+            if nan_scales && i % 7 == 3 {
+                *s |= 0x7F;
+            } else if !nan_scales && *s & 0x7F == 0x7F {
+                *s ^= 1; // 0x7E / 0xFE: the largest finite e4m3 magnitude (448)
+            }
+        }
+        prefill::rs_prepass_nvfp4_like_kernel(&codes, &scales, rows, k)
+    } else {
+        data = (0..a_rows * k)
+            .map(|_| bf16::from_bits(rng.random()))
+            .collect();
+        prefill::rs_prepass_bf16_like_kernel(&data, rows, k)
+    };
+    let dc = nvfp4.then(|| gpu.upload(&codes).unwrap());
+    let ds = nvfp4.then(|| gpu.upload(&scales).unwrap());
+    let global = nvfp4.then(|| gpu.upload(&vec![1f32; a_rows]).unwrap());
+    let dd = (!nvfp4).then(|| gpu.upload(&data).unwrap());
+    let a = if nvfp4 {
+        mg::DeviceActivations::Nvfp4 {
+            rows: a_rows,
+            k,
+            codes: dc.as_ref().unwrap(),
+            scales: ds.as_ref().unwrap(),
+            global: global.as_ref().unwrap(),
+        }
+    } else {
+        mg::DeviceActivations::Bf16 {
+            rows: a_rows,
+            k,
+            data: dd.as_ref().unwrap(),
+        }
+    };
+    let mut ws = Workspace::new(gpu, 1, rows, 256).unwrap();
+    for poison in [0xFFu8, 0x00] {
+        ws.act_rs = Some(gpu.poisoned::<bf16>(rows * k + slack, poison).unwrap());
+        prefill::permute_activations_for_rs(gpu, &a, rows, k, &mut ws).unwrap();
+        gpu.synchronize().unwrap();
+        let got = gpu.download(ws.act_rs.as_ref().unwrap()).unwrap();
+        let poison_bits = u16::from_ne_bytes([poison; 2]);
+        let mut bad = 0usize;
+        let mut first_bad = None;
+        for (i, (g, w)) in got[..rows * k].iter().zip(&want).enumerate() {
+            let nan_ok = nvfp4 && bf16::from_bits(*w).is_nan() && g.is_nan();
+            if g.to_bits() != *w && !nan_ok {
+                bad += 1;
+                if first_bad.is_none() {
+                    let (r, l) = (i / k, i % k);
+                    first_bad = Some(format!(
+                        "row {r} K {l} (segment {}, logical {} = physical K {}): gpu {:#06x} want {w:#06x}",
+                        l / 128,
+                        l % 128,
+                        l / 128 * 128 + prefill::rs_activation_physical_k(l % 128),
+                        g.to_bits()
+                    ));
+                }
+            }
+        }
+        assert!(
+            bad == 0,
+            "{label}, poison {poison:#04x}: {bad} of {} elements differ; first: {}",
+            rows * k,
+            first_bad.unwrap()
+        );
+        let past = got[rows * k..]
+            .iter()
+            .filter(|g| g.to_bits() != poison_bits)
+            .count();
+        assert_eq!(
+            past, 0,
+            "{label}, poison {poison:#04x}: {past} elements past rows x K written"
+        );
+    }
+    eprintln!(
+        "{label}: {} elements bit-identical to the CPU mirror",
+        rows * k
+    );
+}
+
+/// The RS activation pre-pass writes exactly its CPU mirror's bytes, both A formats. Row counts: 1 and 3 (a warp step
+/// of 8 segments only partly used at K 256 / 384), the 128-row tile edges 127 / 129, and 4099 rows (at K 4096 / 7168
+/// 131,168 / 229,544 segments: more than one resident wave of 132 SMs x 8 CTAs x 64 segments, so the grid-stride
+/// loop runs several laps and ends in a partial step). K: 256 (2 segments per row), 384 (3: odd segment counts, the
+/// upper half-warp idle in the last pair), 4096 (Flash L1), 7168 (Pro). Then NaN block scales.
+#[test]
+fn gpu_prefill_act_rs_prepass_bit_identical_to_cpu_mirror() {
+    let Some(gpu) = gpu_for_test("gpu_prefill_act_rs_prepass_bit_identical_to_cpu_mirror") else {
+        return;
+    };
+    let mut rng = seeded("gpu_prefill_act_rs_prepass_bit_identical_to_cpu_mirror");
+    for (k, row_counts) in [
+        (256usize, &[1usize, 3, 127, 129, 4099][..]),
+        (384, &[1, 3, 129][..]),
+        (4096, &[1, 3, 127, 129, 4099][..]),
+        (7168, &[1, 3, 127, 129, 4099][..]),
+    ] {
+        for &rows in row_counts {
+            for nvfp4 in [false, true] {
+                check_act_rs_prepass(&gpu, &mut rng, rows, k, nvfp4, false);
+            }
+        }
+    }
+    check_act_rs_prepass(&gpu, &mut rng, 3, 256, true, true);
+    check_act_rs_prepass(&gpu, &mut rng, 129, 4096, true, true);
+}

@@ -321,25 +321,71 @@ fn check_launch(
     Ok(())
 }
 
+/// Segment pairs per warp step of `moe_gemm_prefill_act_rs` (`act_rs::kPairsNvfp4` = `kPairsBf16` in the .cu): a warp
+/// step converts 2 x 4 = 8 segments of 128 K, a CTA of 8 warps 64.
+const ACT_RS_SEGMENTS_PER_WARP_STEP: usize = 8;
+/// Threads per CTA of `moe_gemm_prefill_act_rs` (`act_rs::kThreads`).
+const ACT_RS_THREADS: u32 = 256;
+/// CTAs per SM the pre-pass is built for (`act_rs::kCtasPerSm`, its `__launch_bounds__` minimum): the grid when the
+/// occupancy query fails.
+const ACT_RS_CTAS_PER_SM: usize = 8;
+
 /// The RS pre-pass: the first `rows` activation rows, in the RS permuted BF16 order, into `ws.act_rs` (allocated
-/// or grown here); returns its device address for [`rs_activation_map`].
-fn permute_activations_for_rs(
+/// or grown here; an existing buffer of at least `rows * k` elements is reused and nothing past its first
+/// `rows * k` elements is written); returns its device address for [`rs_activation_map`]. `k % 128 == 0`.
+/// Grid: one resident wave (occupancy x SMs) of 256-thread CTAs, or fewer when there are fewer warp steps; the
+/// kernel loops over its warp steps (8 segments of 128 K each).
+pub fn permute_activations_for_rs(
     gpu: &Gpu,
     a: &DeviceActivations,
     rows: usize,
     k: usize,
     ws: &mut Workspace,
 ) -> Result<u64> {
+    ensure!(
+        k > 0 && k.is_multiple_of(STAGE_K_RS),
+        "moe_gemm_prefill_act_rs: K = {k} must be a positive multiple of {STAGE_K_RS}"
+    );
+    a.check()?;
+    let (a_rows, a_k) = a.rows_k();
+    ensure!(
+        a_k == k && a_rows >= rows,
+        "moe_gemm_prefill_act_rs: activations are {a_rows} x {a_k}, need at least {rows} x {k}"
+    );
+    // The kernel indexes 128-K segments (rows * K / 128 of them) with 32-bit ints.
+    let segments = rows * (k / STAGE_K_RS);
+    ensure!(
+        segments <= i32::MAX as usize,
+        "moe_gemm_prefill_act_rs: {rows} rows x K {k} = {segments} segments of 128 K exceed the kernel's i32 index"
+    );
     let len = rows * k;
     if ws.act_rs.as_ref().is_none_or(|b| b.len() < len) {
         ws.act_rs = Some(gpu.zeros::<bf16>(len)?);
     }
     let buf = ws.act_rs.as_mut().expect("allocated above");
     let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
+    // Vector accesses: 4-byte code words (NVFP4) or 16-byte BF16 chunks, 16-byte output chunks.
+    let out = ptr(gpu, buf);
+    let act_align = if is_nvfp4 != 0 { 4 } else { 16 };
+    ensure!(
+        act.is_multiple_of(act_align) && out.is_multiple_of(16),
+        "moe_gemm_prefill_act_rs: activations at {act:#x} (need {act_align}-byte alignment) or output at {out:#x} \
+         (need 16) misaligned"
+    );
+    if segments == 0 {
+        return Ok(out);
+    }
     let f = gpu.function(FAMILY, "moe_gemm_prefill_act_rs")?;
     let (rows_i, k_i) = (as_i32(rows, "rows")?, as_i32(k, "K")?);
-    let out = ptr(gpu, buf);
-    let tasks = rows * k / 32;
+    let per_sm = f
+        .occupancy_max_active_blocks_per_multiprocessor(ACT_RS_THREADS, 0, None)
+        .map(|b| b as usize)
+        .unwrap_or(ACT_RS_CTAS_PER_SM)
+        .max(1);
+    let warp_steps = segments.div_ceil(ACT_RS_SEGMENTS_PER_WARP_STEP);
+    let ctas = warp_steps
+        .div_ceil(ACT_RS_THREADS as usize / 32)
+        .min(per_sm * gpu.info.sm_count.max(1) as usize);
     let mut b = gpu.stream.launch_builder(&f);
     b.arg(&act)
         .arg(&act_scales)
@@ -347,14 +393,8 @@ fn permute_activations_for_rs(
         .arg(&rows_i)
         .arg(&k_i)
         .arg(&out);
-    unsafe {
-        b.launch(launch_cfg(
-            (tasks.div_ceil(256) as u32, 1, 1),
-            (256, 1, 1),
-            0,
-        ))
-    }
-    .map_err(|e| anyhow!("moe_gemm_prefill_act_rs: {e:?}"))?;
+    unsafe { b.launch(launch_cfg((ctas as u32, 1, 1), (ACT_RS_THREADS, 1, 1), 0)) }
+        .map_err(|e| anyhow!("moe_gemm_prefill_act_rs: {e:?}"))?;
     Ok(out)
 }
 
@@ -652,6 +692,59 @@ pub fn dequant8_like_kernel(word: u32, scale_code: u8) -> [f32; 8] {
     v
 }
 
+/// CPU mirror of the RS pre-pass (`moe_gemm_prefill_act_rs`) for NVFP4 activations: the BF16 bits it writes for the
+/// first `rows` rows of `codes` ([rows][k / 2], low nibble first) and `scales` ([rows][k / 16] e4m3). Logical
+/// position `l` of 128-K segment `s` of a row holds physical K `p = 128 s + rs_activation_physical_k(l)` as
+/// `bf16(e2m1(code_p) * e4m3(scale of block p / 16) * 2^-9)`: the value the kernel's shift-and-mask pair times
+/// `bf16(scale * 2^117)` gives, exact (at most 6 significant bits, between 2^-19 and 6 * 448 * 2^-9), so any
+/// rounding mode agrees; signed zeros follow the product's sign; a NaN scale (0x7F / 0xFF) gives NaN. Written from
+/// the values (e2m1 / e4m3 decode), not from the kernel's bit trick, so it checks the trick too.
+pub fn rs_prepass_nvfp4_like_kernel(
+    codes: &[u8],
+    scales: &[u8],
+    rows: usize,
+    k: usize,
+) -> Vec<u16> {
+    assert!(
+        k.is_multiple_of(STAGE_K_RS)
+            && codes.len() >= rows * k / 2
+            && scales.len() >= rows * k / 16
+    );
+    let perm: Vec<usize> = (0..STAGE_K_RS).map(rs_activation_physical_k).collect();
+    // (scale code, e2m1 code) -> output bits: 256 x 16 products instead of one per element.
+    let table: Vec<u16> = (0..256usize)
+        .flat_map(|sc| {
+            let s = e4m3::decode(sc as u8);
+            (0..16u8).map(move |c| {
+                bf16::from_f32(crate::formats::e2m1::decode(c) * s * f32::powi(2.0, -9)).to_bits()
+            })
+        })
+        .collect();
+    let mut out = vec![0u16; rows * k];
+    for r in 0..rows {
+        for (l, o) in out[r * k..(r + 1) * k].iter_mut().enumerate() {
+            let p = l / STAGE_K_RS * STAGE_K_RS + perm[l % STAGE_K_RS];
+            let code = (codes[r * k / 2 + p / 2] >> (4 * (p % 2))) & 0xF;
+            let sc = scales[r * k / 16 + p / 16];
+            *o = table[sc as usize * 16 + code as usize];
+        }
+    }
+    out
+}
+
+/// CPU mirror of the RS pre-pass for BF16 activations (`data` [rows][k]): the same permutation of K inside each
+/// 128-K segment, values copied bit for bit.
+pub fn rs_prepass_bf16_like_kernel(data: &[bf16], rows: usize, k: usize) -> Vec<u16> {
+    assert!(k.is_multiple_of(STAGE_K_RS) && data.len() >= rows * k);
+    let perm: Vec<usize> = (0..STAGE_K_RS).map(rs_activation_physical_k).collect();
+    (0..rows * k)
+        .map(|i| {
+            let (r, l) = (i / k, i % k);
+            data[r * k + l / STAGE_K_RS * STAGE_K_RS + perm[l % STAGE_K_RS]].to_bits()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -742,6 +835,71 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The pre-pass mirror (written from values and [`rs_activation_physical_k`]) against the kernel header's
+    /// formulation with the kernel's arithmetic: output chunk c = 4j + i of a segment, 32-bit slot s =
+    /// `mul.rn.bf16x2(pair_tiny(word 4s + j, i), bf16x2(scale of byte (4s + j) / 2 * 2^117))`. Every e2m1 code at
+    /// every nibble, every scale code (NaN codes: both NaN), two rows of two segments.
+    #[test]
+    fn rs_prepass_mirror_matches_the_kernel_formula() {
+        let (rows, k) = (2usize, 256usize);
+        let mut codes = vec![0u8; rows * k / 2];
+        let mut scales = vec![0u8; rows * k / 16];
+        // Word w has code (w + n) % 16 at nibble n (plus a per-row offset): every code at every nibble position.
+        for (i, c) in codes.iter_mut().enumerate() {
+            let (w, b) = (i / 4 + i / 128, i % 4);
+            *c = (((w + 2 * b) % 16) | ((w + 2 * b + 1) % 16) << 4) as u8;
+        }
+        for sc0 in (0..256usize).step_by(scales.len()) {
+            for (i, s) in scales.iter_mut().enumerate() {
+                *s = (sc0 + i) as u8;
+            }
+            let got = rs_prepass_nvfp4_like_kernel(&codes, &scales, rows, k);
+            let pair_tiny = |w: u32, i: u32| -> u32 {
+                let v = w << (12 - 4 * i);
+                (v & 0x8000_8000) | ((v >> 6) & 0x01C0_01C0)
+            };
+            let mul = |a: u16, s: u8| -> u16 {
+                let sb = bf16::from_f32(e4m3::decode(s) * f32::powi(2.0, 117));
+                bf16::from_f32(bf16::from_bits(a).to_f32() * sb.to_f32()).to_bits()
+            };
+            for r in 0..rows {
+                for seg in 0..k / STAGE_K_RS {
+                    for c in 0..16u32 {
+                        let (j, i) = (c / 4, c % 4);
+                        for slot in 0..4u32 {
+                            let word_idx = (4 * slot + j) as usize;
+                            let base = r * k / 2 + seg * 64 + 4 * word_idx;
+                            let w = u32::from_le_bytes(codes[base..base + 4].try_into().unwrap());
+                            let sc = scales[r * k / 16 + seg * 8 + word_idx / 2];
+                            let pr = pair_tiny(w, i);
+                            let want = [mul(pr as u16, sc), mul((pr >> 16) as u16, sc)];
+                            let at = r * k + seg * STAGE_K_RS + 8 * c as usize + 2 * slot as usize;
+                            for h in 0..2 {
+                                let (g, w) =
+                                    (bf16::from_bits(got[at + h]), bf16::from_bits(want[h]));
+                                assert!(
+                                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                                    "row {r} segment {seg} chunk {c} slot {slot} half {h} scale {sc:#04x}: \
+                                     mirror {:#06x} kernel formula {:#06x}",
+                                    g.to_bits(),
+                                    w.to_bits()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // BF16: a pure permutation of each 128-K segment.
+        let data: Vec<bf16> = (0..rows * k).map(|i| bf16::from_bits(i as u16)).collect();
+        let got = rs_prepass_bf16_like_kernel(&data, rows, k);
+        for (i, g) in got.iter().enumerate() {
+            let (r, l) = (i / k, i % k);
+            let p = l / 128 * 128 + rs_activation_physical_k(l % 128);
+            assert_eq!(*g as usize, r * k + p);
         }
     }
 
