@@ -8,12 +8,6 @@
 //!   `prefill.rs`; the other points run the v3 mma.sync mainloop, 3 CTAs per SM for token tiles <= 16).
 //!   The A/B variants `nvfp4_v1` / `nvfp4_v3` were removed: v3 (now `nvfp4`) beat v1 and v2 (the old `nvfp4`)
 //!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
-//! * `nvfp4_tma` (masked / decode points only, session-5 A/B): `nvfp4` with the v6 decode mainloop
-//!   (`DecodeMainloop::Tma`, src/ops/moe_gemm/tma.rs: TMA ring, bit-identical partials), same config and finish.
-//! * `nvfp4_tma_tiled` (masked / decode points only, session-5 A/B): `nvfp4_tma` on weights re-laid by
-//!   `tma::tile_weights` into one contiguous 18 KB block per (expert, n tile, 256-K stage) (kernel
-//!   `moe_gemm_nvfp4_partial_v6t_nt*`, one 1D bulk copy per stage). The re-layout is weight preparation, done
-//!   once per point before timing (not timed); the tiled copy is held next to the plain weights.
 //! * `nvfp4_finishq4` (`moe_gemm_l1` masked / decode points only): `nvfp4` (same mainloop and config) with the
 //!   previous L1 finish `FinishL1Kernel::Q4` instead of the default pad1b (bit-identical outputs; the session-8 A/B
 //!   made pad1b the default), kept measurable for one run. `moe_gemm_l2` skips it.
@@ -34,7 +28,7 @@
 //! * `nvfp4_wgmma_rswtma` (contiguous points only): the session-10 routed RS mainloop forced
 //!   (`PrefillKernel::RsWtma`: weights in the TMA ring, narrow token tiles; `K % 256 == 0`), same pre-pass and finish.
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
-//!   (`launch_partial_mma_with(.., DecodeMainloop::V3)`, the chosen config), where `nvfp4` may route the point to the
+//!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
 //! * `nvfp4_l1fused` (`moe_gemm_l1` contiguous points only): the L1 with its SwiGLU in the RS mainloop's epilogue
 //!   forced ([`prefill::launch_l1_swiglu_prefill`], `PrefillL1::Fused`: pre-pass, paired mainloop writing fp32 h,
@@ -66,8 +60,6 @@ use crate::gpu::grid_1d;
 
 pub const VARIANTS: &[&str] = &[
     "nvfp4",
-    "nvfp4_tma",
-    "nvfp4_tma_tiled",
     "nvfp4_finishq4",
     "nvfp4_finishpad1b",
     "nvfp4_l2cols",
@@ -92,8 +84,6 @@ fn is_ours(variant: &str) -> bool {
     matches!(
         variant,
         "nvfp4"
-            | "nvfp4_tma"
-            | "nvfp4_tma_tiled"
             | "nvfp4_finishq4"
             | "nvfp4_finishpad1b"
             | "nvfp4_l2cols"
@@ -110,10 +100,9 @@ fn is_ours(variant: &str) -> bool {
     )
 }
 
-/// The wgmma variants run only on contiguous (prefill) points, `nvfp4_tma` only on masked (decode) points (its
-/// contiguous points would measure a decode mainloop on prefill shapes, which `nvfp4` routes to wgmma), and the
-/// previous decode finish `nvfp4_finishq4` only on masked points too; `nvfp4_finishpad1b` (the previous prefill
-/// finish) and `nvfp4_decode` (the decode mainloop where `nvfp4` may take the prefill one) only on contiguous points.
+/// The wgmma variants run only on contiguous (prefill) points, the previous decode finish `nvfp4_finishq4` only on
+/// masked (decode) points; `nvfp4_finishpad1b` (the previous prefill finish) and `nvfp4_decode` (the decode
+/// mainloop where `nvfp4` may take the prefill one) only on contiguous points.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
     let prefill_only = variant.starts_with("nvfp4_wgmma")
@@ -121,7 +110,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
         || variant == "nvfp4_decode"
         || variant == "nvfp4_l1fused"
         || variant == "nvfp4_l1unfused";
-    let decode_only = variant.starts_with("nvfp4_tma") || variant == "nvfp4_finishq4";
+    let decode_only = variant == "nvfp4_finishq4";
     (prefill_only && masked) || (decode_only && !masked)
 }
 
@@ -155,12 +144,10 @@ fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn launch_variant(
     gpu: &Gpu,
     variant: &str,
     w: &DeviceExpertWeights,
-    tiled: Option<&tma::TiledExpertWeights>,
     a: &DeviceActivations,
     dg: &DeviceGrouping,
     cfg: &GemmConfig,
@@ -179,28 +166,9 @@ fn launch_variant(
         "nvfp4_wgmma_rswtma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsWtma)
         }
-        "nvfp4_tma" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::Tma),
-        "nvfp4_decode" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeMainloop::V3),
-        "nvfp4_tma_tiled" => {
-            let t = tiled.ok_or_else(|| anyhow!("nvfp4_tma_tiled: no tiled weights"))?;
-            launch_partial_mma_tiled(gpu, w, t, a, dg, cfg, ws)
-        }
+        "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
-}
-
-/// The tiled copy of the weights for `nvfp4_tma_tiled` (weight preparation, before the timed loop), else None.
-fn tiled_for(
-    gpu: &Gpu,
-    variant: &str,
-    w: &DeviceExpertWeights,
-) -> Result<Option<tma::TiledExpertWeights>> {
-    if variant != "nvfp4_tma_tiled" {
-        return Ok(None);
-    }
-    let t = tma::tile_weights(gpu, w)?;
-    gpu.synchronize()?;
-    Ok(Some(t))
 }
 
 pub fn kernels() -> Vec<BenchKernel> {
@@ -366,7 +334,6 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
-            let tiled = tiled_for(gpu, variant, &w)?;
             let mut codes = gpu.zeros::<u8>(rows * p.k / 2)?;
             let mut scales = gpu.zeros::<u8>(rows * p.k / 16)?;
             fill_weights(gpu, &mut codes, &mut scales, 17)?;
@@ -401,7 +368,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                     prefill::launch_l1_swiglu_prefill(gpu, &w, &a, &dg, &routing, &mut ws, &mut out)
                 }
                 _ => {
-                    launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
+                    launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
                     launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
                 }
             })?;
@@ -435,7 +402,6 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
-            let tiled = tiled_for(gpu, variant, &w)?;
             // The L1 output (NVFP4 h with a per-row global scale), synthetic.
             let mut h = L1Output::new(gpu, rows, p.k, false)?;
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
@@ -459,7 +425,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let finish = finish_l2_for(variant, p.tokens, p.n);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
-                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l2_with(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y, finish)
             })?;
             Ok(vec![row(

@@ -20,7 +20,6 @@ pub mod bench;
 pub mod exec;
 pub mod prefill;
 pub mod reference;
-pub mod tma;
 
 use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -338,32 +337,7 @@ pub fn launch_partial(
     launch_partial_mma(gpu, w, a, grp, cfg, ws)
 }
 
-/// The swap-AB mma.sync mainloop (kernels/moe_gemm.cu, `moe_gemm_nvfp4_partial_v3_nt*`) for every grouping and
-/// config; [`launch_partial`] routes prefill shapes to the wgmma kernel instead. Shared memory: the permuted BF16
-/// activation tile (token_tile x 512 x 2 B) plus the raw cp.async tile, sized for BF16 A (the same again).
-pub fn launch_partial_mma(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-) -> Result<()> {
-    launch_partial_mma_with(gpu, w, a, grp, cfg, ws, DecodeMainloop::V3)
-}
-
-/// Which mma.sync decode mainloop [`launch_partial_mma_with`] runs. Both compute bit-identical partials.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DecodeMainloop {
-    /// `moe_gemm_nvfp4_partial_v3_nt*`: weights through registers (the default).
-    #[default]
-    V3,
-    /// `moe_gemm_nvfp4_partial_v6_nt*` (session-5 A/B, [`tma`]): weights and activations through a shared-memory
-    /// ring filled by TMA from one producer thread; the grid is capped at the CTAs that fit at once.
-    Tma,
-}
-
-/// The launch checks every mma.sync decode mainloop shares (config, A, grouping, workspace against the weights).
+/// The launch checks of the mma.sync decode mainloop (config, A, grouping, workspace against the weights).
 fn check_partial_launch(
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
@@ -399,36 +373,18 @@ fn check_partial_launch(
     Ok(())
 }
 
-/// The v6 mainloop on weights pre-tiled by [`tma::tile_weights`] (session-5 A/B, `moe_gemm_nvfp4_partial_v6t_nt*`):
-/// same checks, workspace contract and bit-identical partials as [`launch_partial_mma`]; `w` supplies the shapes
-/// (and the global scales to the finish kernels), `tiled` the codes and block scales.
-pub fn launch_partial_mma_tiled(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    tiled: &tma::TiledExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-) -> Result<()> {
-    check_partial_launch(w, a, grp, cfg, ws)?;
-    tma::launch_partial_v6(gpu, w, Some(tiled), a, grp, cfg, ws)
-}
-
-/// [`launch_partial_mma`] with an explicit mainloop (same checks, same workspace contract).
-pub fn launch_partial_mma_with(
+/// The swap-AB mma.sync mainloop (kernels/moe_gemm.cu, `moe_gemm_nvfp4_partial_v3_nt*`) for every grouping and
+/// config; [`launch_partial`] routes prefill shapes to the wgmma kernel instead. Shared memory: the permuted BF16
+/// activation tile (token_tile x 512 x 2 B) plus the raw cp.async tile, sized for BF16 A (the same again).
+pub fn launch_partial_mma(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
     cfg: &GemmConfig,
     ws: &mut Workspace,
-    mainloop: DecodeMainloop,
 ) -> Result<()> {
     check_partial_launch(w, a, grp, cfg, ws)?;
-    if mainloop == DecodeMainloop::Tma {
-        return tma::launch_partial_v6(gpu, w, None, a, grp, cfg, ws);
-    }
     let name = format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8);
     // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
     let smem = 2 * cfg.token_tile * STAGE_K * 2;
