@@ -103,7 +103,6 @@
 #include "common/formats.cuh"
 #include "common/expert_tiles.cuh"
 #include "common/nvfp4_dequant.cuh"
-#include "common/moe_l1_epilogue.cuh"
 
 namespace {
 
@@ -546,6 +545,18 @@ __device__ __forceinline__ float block_max_l1_one_barrier(float v, float* s_red)
     return fmaxf(0.f, fmaxf(ab, cd));
 }
 
+// h of one column pair (the L1 epilogue below): gate / up accumulators, the row's gsa, the column pair's gsb, the
+// row's routing weight. One source for every L1 finish (pass 1 and the rows kernel), so their h cannot drift apart.
+// (ptxas contracts the `1.f +` with the last multiply of expf into one FFMA; the same expression in every caller.)
+__device__ __forceinline__ float l1_swiglu_h(float accg, float accu, float sa, float scg, float scu, float rw) {
+    float gte = accg * (sa * scg);
+    float up = accu * (sa * scu);
+    gte = fminf(gte, 10.f);
+    up = fminf(fmaxf(up, -10.f), 10.f);
+    const float silu = __fdiv_rn(gte, 1.f + expf(-gte));
+    return __fmul_rn(__fmul_rn(silu, up), rw);
+}
+
 // L1 epilogue. The weight matrix is W13 = [w1; w3] stacked along N (N = 2I): gate = column n, up = column I + n.
 //   g = min(acc_g * (gsa*gsb_g), 10), u = clamp(acc_u * (gsa*gsb_u), -10, 10), h = silu(g) * u * routing[row]
 // then h is quantized to NVFP4 with a per-row global scale (rule of common/formats.cuh), which needs the row
@@ -594,6 +605,23 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
     const float gs = mm::nvfp4_global_scale(amax);
     if (threadIdx.x == 0) h_gs[row] = gs;
     return gs;
+}
+
+// NVFP4 quantization of chunk c = h elements 4c..4c+3 (x) of a row with global scale gs: the 4 lanes of the chunk's
+// 16-block (lanes 4*(lane/4) + 0..3, all named in `mask`) share the block amax by two xor-shuffles; the lane with
+// c % 4 == 0 stores the block scale byte, every lane its 2 code bytes (the rules are in the comment of
+// moe_gemm_finish_l1_swiglu_nvfp4_q4 below). One source for the q4 pass and the rows kernel.
+__device__ __forceinline__ void nvfp4_quant_chunk4(const float4 x, float gs, unsigned mask, int c,
+                                                   uint8_t* __restrict__ codes_row, uint8_t* __restrict__ scales_row) {
+    float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
+    bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 1));
+    bmax = fmaxf(bmax, __shfl_xor_sync(mask, bmax, 2));
+    const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+    const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+    if ((c & 3) == 0) scales_row[c >> 2] = sc;
+    const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
+                       (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
+    *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
 }
 
 // Pass 2 of the q4 finish (and of the candidates built on it): NVFP4 quantization of the h row in s_h with global

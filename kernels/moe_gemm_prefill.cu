@@ -80,7 +80,6 @@
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "common/nvfp4_dequant.cuh"
-#include "common/moe_l1_epilogue.cuh"
 
 namespace {
 
@@ -924,16 +923,14 @@ constexpr int kBytesW = kRingT * kSlotW;                      // 208 KiB (+ 1024
 static_assert(kSlotW % 1024 == 0, "activation atoms must stay 1024-byte aligned");
 static_assert(kBytesW + 1024 == 214016, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_RS_WTMA in sync");
 
-// This thread's weights of the stage in ring slot `slot`: slot rows lrow (+8) of m64 block 0 and lrow + mb_rows (+8)
-// of block 1 (rs_wtma: lrow = 128 wg + 16 wq + g, mb_rows = 64; the paired L1 kernel: lrow = 64 wg + 16 wq + g,
-// mb_rows = 128, so block 0 is a gate row and block 1 the up row of the same h column): the same registers
-// load_weights fills from global memory.
-__device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int lrow, int mb_rows, int t, int st) {
+// This thread's weights of the stage in ring slot `slot` (local tile row `lrow` = 128 wg + 16 wq + g): the same
+// registers load_weights fills from global memory.
+__device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int lrow, int t, int st) {
     const uint8_t* codes = slot + kActTile;
     const uint8_t* scales = slot + kActTile + kWCodes;
 #pragma unroll
     for (int mb = 0; mb < 2; ++mb) {
-        const int r = lrow + mb_rows * mb;
+        const int r = lrow + 64 * mb;
         w.lo[mb] = *reinterpret_cast<const uint4*>(codes + r * 64 + 16 * t);
         w.hi[mb] = *reinterpret_cast<const uint4*>(codes + (r + 8) * 64 + 16 * t);
         const int so = (st & 1) * 8 + 2 * t;
@@ -952,15 +949,11 @@ struct WRing {
     bool ok;               // thread 0: false after a timed-out empty wait (its fills stop)
 };
 
-// Producer (thread 0): stage st of the item (token rows from row0; weight rows from (wy, wz)) -> the next ring slot.
+// Producer (thread 0): stage st of the item (token rows from row0, weight rows from wtile) -> the next ring slot.
 // act_map's box holds act_rows token rows (two boxes of act_rows x 128 bytes: the expected transaction bytes).
-// kPaired = false: 2D weight maps over [E*N] rows, box of 256 rows from row wy (wz unused). kPaired = true: 3D maps
-// over [2E][I] rows (gate matrix of expert e = 2e, up = 2e + 1), box 128 rows x 2 from (wy, wz = 2e): slot rows
-// 0..127 = gate rows wy.., 128..255 = the up rows of the same h columns (same 256 x 64 B / 256 x 16 B slot image).
-template <bool kPaired>
 __device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, uint32_t act_rows,
                                            const TmaDesc* codes_map, const TmaDesc* scales_map, int st, int row0,
-                                           int wy, int wz) {
+                                           int wtile) {
     const uint32_t slot = r.fills % kRingT;
     if (r.fills >= (uint32_t)kRingT && !mbar_wait(&r.empty[slot], ((r.fills / kRingT) - 1) & 1u)) {
         r.ok = false;
@@ -970,13 +963,8 @@ __device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, uin
     mbar_arrive_expect_tx(&r.full[slot], 2u * act_rows * 128u + kWCodes + kWScales);
     tma_load_2d(s, act_map, st * kStageK, row0, &r.full[slot]);
     tma_load_2d(s + kAtomBytes, act_map, st * kStageK + 64, row0, &r.full[slot]);
-    if constexpr (kPaired) {
-        tma_load_3d(s + kActTile, codes_map, st * 64, wy, wz, &r.full[slot]);
-        tma_load_3d(s + kActTile + kWCodes, scales_map, (st & ~1) * 8, wy, wz, &r.full[slot]);
-    } else {
-        tma_load_2d(s + kActTile, codes_map, st * 64, wy, &r.full[slot]);
-        tma_load_2d(s + kActTile + kWCodes, scales_map, (st & ~1) * 8, wy, &r.full[slot]);
-    }
+    tma_load_2d(s + kActTile, codes_map, st * 64, wtile, &r.full[slot]);
+    tma_load_2d(s + kActTile + kWCodes, scales_map, (st & ~1) * 8, wtile, &r.full[slot]);
     ++r.fills;
 }
 
@@ -989,21 +977,20 @@ struct WCtx {
     int N, stages;
 };
 
-// One work item with NT-token wgmmas (the ring protocol of the section header); the accumulators go to
-// store.write<NT> (PartialStore or SwigluStore below). False on a protocol timeout (outputs of the item unwritten).
-// The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of 32 KiB), at the same smem offsets
-// (the first NT rows of each 128-row atom: rows 128 B apart, 8-row groups 1024 B apart, the same swizzle pattern),
-// which are the only rows an NT-token wgmma reads.
-template <int NT, bool kPaired, class Store>
-__device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wy, int wz, int lrow,
-                                          int mb_rows, const Store& store) {
+// One work item with NT-token wgmmas (the ring protocol of the section header). False on a protocol timeout
+// (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
+// 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
+// groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
+template <int NT>
+__device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
+                                          int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
     const int stages = x.stages;
     const TmaDesc* act = x.act[NT / 32 - 1];
     constexpr uint32_t kActRows = NT;
     if (tid == 0 && r.ok) {
         for (int st = 0; st < kRingT - 1 && st < stages && r.ok; ++st)
-            wring_fill<kPaired>(r, act, kActRows, x.codes, x.scales, st, row0, wy, wz);
+            wring_fill(r, act, kActRows, x.codes, x.scales, st, row0, wtile);
     }
     __syncwarp();
     float d[2][64];
@@ -1021,7 +1008,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
             break;
         }
         WStage w;
-        lds_weights(w, r.base + slot * kSlotW, lrow, mb_rows, t, st);
+        lds_weights(w, r.base + slot * kSlotW, lrow, t, st);
         const uint64_t db = sw128_desc(r.base_u32 + slot * kSlotW);
         mma_slice_n<NT>(d, w, 0, db);
         // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
@@ -1030,7 +1017,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
         for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
         ++r.cons;
         if (tid == 0 && r.ok && st + kRingT - 1 < stages)
-            wring_fill<kPaired>(r, act, kActRows, x.codes, x.scales, st + kRingT - 1, row0, wy, wz);
+            wring_fill(r, act, kActRows, x.codes, x.scales, st + kRingT - 1, row0, wtile);
         __syncwarp();
     }
     wgmma_wait<0>();
@@ -1039,55 +1026,9 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
     if (tid == 0 && !r.ok) return false;
     fence_acc(d[0]);
     fence_acc(d[1]);
-    store.template write<NT>(d, row0, ntok, t);
+    store_partials_n<NT>(d, partial, x.N, row0, ntok, wrow0, t, restore);
     return true;
 }
-
-// rs_wtma's epilogue: the fp32 partials (store_partials_n).
-struct PartialStore {
-    float* partial;
-    int N, wrow0;
-    float restore;
-    template <int NT>
-    __device__ __forceinline__ void write(const float (&d)[2][64], int row0, int ntok, int t) const {
-        store_partials_n<NT>(d, partial, N, row0, ntok, wrow0, t, restore);
-    }
-};
-
-// The paired L1 kernel's epilogue: d[0] holds gate column n (+8 in the hi registers), d[1] the up column n of the
-// same tokens, so h = l1_swiglu_h(..) is computed in place and only h (fp32 [rows][I]) is stored: half the bytes of
-// the gate + up partials, and no separate SwiGLU pass. Same fp32 operations as the rows finish on the same values:
-// its gate / up accumulator is +0 + partial with partial = d * restore (reduce over one split), then l1_swiglu_h with
-// sa = gsa[row] (1 without gsa), the column's gsb and routing[row]; so h has the same bits (GPU test).
-struct SwigluStore {
-    float* h;
-    const float* gsa;       // nullable (BF16 A)
-    const float* gsb_col;   // gsb + e * N + n: gate scale at [0], up scale at [I] (+8: the hi rows)
-    const float* routing;
-    int I, n;
-    float restore;
-    template <int NT>
-    __device__ __forceinline__ void write(const float (&d)[2][64], int row0, int ntok, int t) const {
-        const float sg0 = gsb_col[0], su0 = gsb_col[I], sg8 = gsb_col[8], su8 = gsb_col[I + 8];
-#pragma unroll
-        for (int jj = 0; jj < NT / 8; ++jj) {
-#pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                const int tok = 8 * jj + 2 * t + b;
-                if (tok < ntok) {
-                    const int row = row0 + tok;
-                    const float sa = gsa != nullptr ? gsa[row] : 1.f;
-                    const float rw = routing[row];
-                    float* p = h + (size_t)row * I + n;
-                    p[0] = l1_swiglu_h(0.f + d[0][4 * jj + b] * restore, 0.f + d[1][4 * jj + b] * restore, sa, sg0,
-                                       su0, rw);
-                    p[8] = l1_swiglu_h(0.f + d[0][4 * jj + 2 + b] * restore, 0.f + d[1][4 * jj + 2 + b] * restore, sa,
-                                       sg8, su8, rw);
-                }
-            }
-        }
-    }
-};
 }  // namespace rs
 
 // grid = persistent, block = 256, dynamic smem = rs::kBytesW + 1024. act_map as for rs_tma; w_codes_map: 2D map over
@@ -1111,23 +1052,19 @@ struct SwigluStore {
 // 6922.4 / 6740.0; L2 16384 4416.7 / 4294.1; 15 of 18 points lower, 3 higher by <= 46 us; the point-to-point
 // spread of this run was 5-8%), not by the >= 100 us predicted at 512 tokens: the L2 -> SM bytes are not what
 // holds the low-token points, and it is the only form kept.
-// The L1 outputs of the paired kernel (unused by rs_wtma).
-struct L1SwigluArgs {
-    const float* gsa;  // nullable (BF16 A)
-    const float* gsb;  // [E][N]
-    const float* routing;
-    float* h;          // fp32 [rows][I]
-};
-
-// kPaired = false: rs_wtma (fp32 partials of [E*N] weight rows). kPaired = true: the paired L1 kernel (header of
-// moe_gemm_prefill_l1_swiglu_rs_wtma below): the same mainloop on gate/up row pairs, h stored instead of partials.
-template <bool kPaired>
+// Session 11, removed: the L1 with its SwiGLU in this kernel's epilogue (3D weight maps viewing W13 as [2E][I][K],
+// one box of 128 gate rows + the 128 up rows of the same h columns, so a thread's two m64 blocks held gate and up of
+// one (token, column); fp32 h stored, then a one-row-per-CTA NVFP4 pass; bit-identical outputs) LOST (8b622ad, whole
+// L1 call, us, unfused / fused: Flash 4096 tokens 1893.1 / 2135.6, 16384 7295.2 / 7576.6, Pro 4096 6333.9 /
+// 6499.6). Under ncu the mainloop grew 1.57 -> 1.88 ms (~10 us per n128 item of epilogue: per-token gsa / routing
+// loads in dependent rounds and ~40 SASS of SwiGLU per h element, overlapped with nothing) while the finish it
+// replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
+// took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map, int N,
                                                int K, const TmaDesc* act32, const TmaDesc* act64,
                                                const TmaDesc* act96, const TmaDesc* act128, float restore,
                                                const int* __restrict__ offsets, int experts, int rows_total,
-                                               float* __restrict__ partial, const L1SwigluArgs& l1,
-                                               uint8_t* smem_raw) {
+                                               float* __restrict__ partial, uint8_t* smem_raw) {
     __shared__ int s_tile_prefix[kMaxExperts + 1];
     __shared__ int s_warp_sum[rs::kThreads / 32];
     __shared__ __align__(8) uint64_t bar_full[rs::kRingT], bar_empty[rs::kRingT];
@@ -1141,9 +1078,7 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
     r.cons = 0;
     r.ok = true;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // Slot row of the thread's m64 block 0 (row g of warp quarter wq of warp group wg) and the rows to block 1.
-    const int lrow = (kPaired ? 64 : 128) * (warp >> 2) + 16 * (warp & 3) + (lane >> 2);
-    constexpr int kMbRows = kPaired ? 128 : 64;
+    const int lrow = 128 * (warp >> 2) + 16 * (warp & 3) + (lane >> 2);
     const int E = experts;
     rs::ring_init(bar_full, bar_empty);
     token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
@@ -1157,28 +1092,22 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
     x.scales = w_scales_map;
     x.N = N;
     x.stages = K / rs::kStageK;
-    const int n_tiles = N / rs::kTileRows;  // paired: I / 128 h-column tiles, the same count
-    const int I = N / 2;
+    const int n_tiles = N / rs::kTileRows;
     const long long items = (long long)s_tile_prefix[E] * n_tiles;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
         const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
+        const int wtile = it.e * N + it.n_tile * rs::kTileRows;  // first weight row of the tile in [E*N]
+        const int wrow0 = it.n_tile * rs::kTileRows + lrow;
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
-        // One item with the NT dispatch on the CTA-uniform narrow width (same store for every width).
-        auto run = [&](int wy, int wz, const auto& store) {
-            if (nt == 32) return rs::wtma_item<32, kPaired>(r, x, it.row0, it.ntok, wy, wz, lrow, kMbRows, store);
-            if (nt == 64) return rs::wtma_item<64, kPaired>(r, x, it.row0, it.ntok, wy, wz, lrow, kMbRows, store);
-            if (nt == 96) return rs::wtma_item<96, kPaired>(r, x, it.row0, it.ntok, wy, wz, lrow, kMbRows, store);
-            return rs::wtma_item<128, kPaired>(r, x, it.row0, it.ntok, wy, wz, lrow, kMbRows, store);
-        };
         bool ok;
-        if constexpr (kPaired) {
-            const int n = it.n_tile * 128 + lrow;  // h column of the thread's block-0 (gate) row
-            const rs::SwigluStore st{l1.h, l1.gsa, l1.gsb + (size_t)it.e * N + n, l1.routing, I, n, restore};
-            ok = run(it.n_tile * 128, 2 * it.e, st);
-        } else {
-            const rs::PartialStore st{partial, N, it.n_tile * rs::kTileRows + lrow, restore};
-            ok = run(it.e * N + it.n_tile * rs::kTileRows, 0, st);  // first weight row of the tile in [E*N]
-        }
+        if (nt == 32)
+            ok = rs::wtma_item<32>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+        else if (nt == 64)
+            ok = rs::wtma_item<64>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+        else if (nt == 96)
+            ok = rs::wtma_item<96>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+        else
+            ok = rs::wtma_item<128>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         if (!ok) return;
     }
 }
@@ -1190,86 +1119,6 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     const __grid_constant__ TmaDesc act96, const __grid_constant__ TmaDesc act128, float restore,
     const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
     extern __shared__ uint8_t rs_wtma_smem_raw[];
-    const L1SwigluArgs none{nullptr, nullptr, nullptr, nullptr};
-    rs_wtma_kernel<false>(&w_codes_map, &w_scales_map, N, K, &act32, &act64, &act96, &act128, restore, offsets,
-                          experts, rows_total, partial, none, rs_wtma_smem_raw);
-}
-
-// =====================================================================================================================
-// L1 with the SwiGLU in the mainloop epilogue (`moe_gemm_prefill_l1_swiglu_rs_wtma` + `moe_gemm_l1_quant_h_rows`,
-// PrefillL1::Fused in prefill.rs)
-// =====================================================================================================================
-// Why: the unfused L1 writes the fp32 gate + up partials ([rows][2I]: 403 MB at Flash 4096 tokens) and the rows
-// finish reads them back (~255 us of the 1972-us call, session 10), although only h = silu(gate) * up * routing
-// ([rows][I]) is needed. Here a CTA tile holds gate rows n .. n+127 AND the up rows of the same h columns: the 3D
-// weight maps view W13 [E][2I][K] as [2E][I][K] (gate of expert e = index 2e, up = 2e + 1) and one box of
-// 128 rows x 2 lands gate then up in the slot's 256 rows, so the slot image, the ring and the wgmma sequence are
-// rs_wtma's. Only the thread <-> slot-row map changes: block 0 of a thread is gate row 64 wg + 16 wq + g and block 1
-// (128 rows further) the up row of the same column, so a thread's d[0][i] and d[1][i] are the gate and up sums of
-// one (token, h column) and SwiGLU happens in registers (SwigluStore). The dot products are the same k16 sequences
-// of the same operands as rs_wtma's for those rows (only which warp computes a row changes), so h equals the rows
-// finish's bit for bit (GPU test). The per-row global scale of h needs the amax of the whole row (16 CTAs), so the
-// NVFP4 quantization is a second, streaming pass over h (moe_gemm_l1_quant_h_rows, 4 + 0.56 bytes per element).
-// I % 128 == 0 (N % 256 == 0), K % 256 == 0; h: [rows_total][I] fp32 (rows of no expert unwritten).
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_l1_swiglu_rs_wtma(
-    const __grid_constant__ TmaDesc w_codes_map, const __grid_constant__ TmaDesc w_scales_map, int N, int K,
-    const __grid_constant__ TmaDesc act32, const __grid_constant__ TmaDesc act64,
-    const __grid_constant__ TmaDesc act96, const __grid_constant__ TmaDesc act128, float restore,
-    const int* __restrict__ offsets, int experts, int rows_total, const float* __restrict__ gsa,
-    const float* __restrict__ gsb, const float* __restrict__ routing, float* __restrict__ h) {
-    extern __shared__ uint8_t rs_wtma_smem_raw[];
-    const L1SwigluArgs l1{gsa, gsb, routing, h};
-    rs_wtma_kernel<true>(&w_codes_map, &w_scales_map, N, K, &act32, &act64, &act96, &act128, restore, offsets,
-                         experts, rows_total, nullptr, l1, rs_wtma_smem_raw);
-}
-
-// NVFP4 quantization of the fused kernel's h rows (the rows finish's second half): grid = rows_total, block 256, one
-// row per CTA; I % 16 == 0, I <= 4096. Thread t owns chunks c = t + 256 k (h elements 4c .. 4c+3), the rows finish's
-// chunk <-> lane map, so nvfp4_quant_chunk4 runs with the same shuffle groups and masks (its comment), and the row
-// amax is the same well-defined maximum (fmaxf of non-NaN values from +0, any grouping). A row outside
-// [offsets[0], offsets[E]) (clamped to [0, rows_total]) belongs to no expert: the finish writes h = +0 there, so this
-// kernel writes +0 into h and quantizes the zero row (codes 0, scales 0, gs 1).
-extern "C" __global__ void __launch_bounds__(256) moe_gemm_l1_quant_h_rows(
-    float* __restrict__ h, const int* __restrict__ offsets, int experts, int rows_total, int I,
-    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs) {
-    constexpr int kMaxKc = 4;
-    __shared__ __align__(16) float s_red[8];
-    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
-    const int chunks = I / 4;
-    const int lo = min(max(offsets[0], 0), rows_total), hi = min(max(offsets[experts], 0), rows_total);
-    const bool owned = row >= lo && row < hi;
-    float* hrow = h + (size_t)row * I;
-    float4 v[kMaxKc];
-    float amax = 0.f;
-#pragma unroll
-    for (int k = 0; k < kMaxKc; ++k) {
-        const int c = tid + 256 * k;
-        v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (c < chunks) {
-            if (owned) v[k] = *reinterpret_cast<const float4*>(hrow + 4 * c);
-            else *reinterpret_cast<float4*>(hrow + 4 * c) = v[k];
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < kMaxKc; ++k)
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[k].x), fabsf(v[k].y)), fmaxf(fabsf(v[k].z), fabsf(v[k].w))));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (lane == 0) s_red[tid >> 5] = amax;
-    __syncthreads();
-    const float4 ra = reinterpret_cast<const float4*>(s_red)[0], rb = reinterpret_cast<const float4*>(s_red)[1];
-    amax = fmaxf(0.f, fmaxf(fmaxf(fmaxf(ra.x, ra.y), fmaxf(ra.z, ra.w)), fmaxf(fmaxf(rb.x, rb.y), fmaxf(rb.z, rb.w))));
-    const float gs = mm::nvfp4_global_scale(amax);
-    if (tid == 0) h_gs[row] = gs;
-    uint8_t* codes_row = h_codes + (size_t)row * (I / 2);
-    uint8_t* scales_row = h_scales + (size_t)row * (I / 16);
-#pragma unroll
-    for (int k = 0; k < kMaxKc; ++k) {
-        const int c = tid + 256 * k;
-        if (c < chunks) {
-            const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1, a multiple of 4 (I % 16 == 0)
-            const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
-            nvfp4_quant_chunk4(v[k], gs, mask, c, codes_row, scales_row);
-        }
-    }
+    rs_wtma_kernel(&w_codes_map, &w_scales_map, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
+                   rows_total, partial, rs_wtma_smem_raw);
 }

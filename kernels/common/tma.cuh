@@ -61,16 +61,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaDesc* desc, int 
         : "memory");
 }
 
-// 3D TMA tile copy (x = inner, in elements; y; z), otherwise as tma_load_2d. The box lands dimension 0 fastest, then
-// 1, then 2 (the fused SwiGLU prefill mainloop loads its gate rows then its up rows with one copy this way).
-__device__ __forceinline__ void tma_load_3d(void* dst, const TmaDesc* desc, int x, int y, int z, uint64_t* bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-        "[%5];" ::"r"(smem_u32(dst)),
-        "l"(reinterpret_cast<uint64_t>(desc)), "r"(x), "r"(y), "r"(z), "r"(smem_u32(bar))
-        : "memory");
-}
-
 // 1D bulk copy global -> this CTA's shared memory of `bytes` bytes (both addresses 16-byte aligned, bytes a multiple
 // of 16); completion adds `bytes` to the transaction count of `bar`.
 __device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {

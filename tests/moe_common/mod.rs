@@ -6,7 +6,7 @@
 use half::bf16;
 use megamoe::gpu::Gpu;
 use megamoe::ops::moe_gemm::reference::{quantize_rows_nvfp4, Activations, ExpertWeights};
-use megamoe::ops::moe_gemm::{DeviceActivations, L1Output, RoutedBatch};
+use megamoe::ops::moe_gemm::{DeviceActivations, RoutedBatch};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -111,64 +111,4 @@ impl DevA {
 
 pub fn quantized_weights(rng: &mut impl Rng, e: usize, n: usize, k: usize) -> ExpertWeights {
     ExpertWeights::quantize_per_row(&random_rows(rng, e * n, k, 0.05), e, n, k).unwrap()
-}
-
-/// First difference between two L1 outputs of the same rows, bit for bit: codes, block scales, global scales and
-/// (when both kept it) the fp32 h.
-pub fn assert_l1_outputs_bit_equal(gpu: &Gpu, label: &str, got: &L1Output, want: &L1Output) {
-    let (rows, inter) = (want.rows, want.i_dim);
-    for (what, per_row, g, w) in [
-        (
-            "code byte",
-            inter / 2,
-            gpu.download(&got.codes).unwrap(),
-            gpu.download(&want.codes).unwrap(),
-        ),
-        (
-            "block scale",
-            inter / 16,
-            gpu.download(&got.scales).unwrap(),
-            gpu.download(&want.scales).unwrap(),
-        ),
-    ] {
-        assert_eq!(g.len(), w.len(), "{label}: {what} buffer sizes differ");
-        if let Some(i) = (0..g.len()).find(|&i| g[i] != w[i]) {
-            panic!(
-                "{label}: {what} {i} (row {} of {rows}, index {}) = {:#04x}, default {:#04x}; {} of {} differ",
-                i / per_row.max(1),
-                i % per_row.max(1),
-                g[i],
-                w[i],
-                (0..g.len()).filter(|&j| g[j] != w[j]).count(),
-                g.len()
-            );
-        }
-    }
-    let (g, w) = (
-        gpu.download(&got.global).unwrap(),
-        gpu.download(&want.global).unwrap(),
-    );
-    if let Some(r) = (0..g.len()).find(|&r| g[r].to_bits() != w[r].to_bits()) {
-        panic!(
-            "{label}: global scale row {r} = {} ({:#010x}), default {} ({:#010x})",
-            g[r],
-            g[r].to_bits(),
-            w[r],
-            w[r].to_bits()
-        );
-    }
-    if let (Some(hg), Some(hw)) = (&got.h_f32, &want.h_f32) {
-        let (g, w) = (gpu.download(hg).unwrap(), gpu.download(hw).unwrap());
-        if let Some(i) = (0..g.len()).find(|&i| g[i].to_bits() != w[i].to_bits()) {
-            panic!(
-                "{label}: h row {} col {} = {} ({:#010x}), default {} ({:#010x})",
-                i / inter,
-                i % inter,
-                g[i],
-                g[i].to_bits(),
-                w[i],
-                w[i].to_bits()
-            );
-        }
-    }
 }

@@ -17,25 +17,15 @@
 //! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` / `nvfp4_l2cols2tok` (`moe_gemm_l2` only): `nvfp4` with
 //!   the L2 combine forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) /
 //!   `RowWarps` / `Cols2` / `Cols2Tok` (session 11: one CTA per token),
-//!   where `nvfp4` takes `FinishL2Kernel::for_tokens` (RowWarps up to 8 tokens, Cols2 above). Bit-identical
+//!   where `nvfp4` takes `FinishL2Kernel::for_tokens` (RowWarps up to 8 tokens, Cols2 above, Cols2Tok from 512). Bit-identical
 //!   outputs. `moe_gemm_l1` skips them.
 //! * `nvfp4_wgmma` / `nvfp4_wgmma256` (contiguous points only): the wgmma mainloop forced with a 128 x 128 /
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
-//! * `nvfp4_wgmma_rstma` (contiguous points only): the RS prefill mainloop forced (`PrefillKernel::RsTma`: weights
-//!   dequantized in registers as the wgmma A operand, activations from a one-pass permuted BF16 copy through TMA;
-//!   the pre-pass is inside the timed call). Since session 9 `nvfp4` routes prefill shapes to it whenever
-//!   `N % 256 == 0` and `K % 128 == 0`; `nvfp4_wgmma256` keeps the previous SS default measurable.
 //! * `nvfp4_wgmma_rswtma` (contiguous points only): the session-10 routed RS mainloop forced
 //!   (`PrefillKernel::RsWtma`: weights in the TMA ring, narrow token tiles; `K % 256 == 0`), same pre-pass and finish.
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
-//! * `nvfp4_l1fused` (`moe_gemm_l1` contiguous points only): the L1 with its SwiGLU in the RS mainloop's epilogue
-//!   forced ([`prefill::launch_l1_swiglu_prefill`], `PrefillL1::Fused`: pre-pass, paired mainloop writing fp32 h,
-//!   NVFP4 pass over h) instead of the mainloop + L1 finish pair; bit-identical outputs. `moe_gemm_l2` skips it.
-//!   `nvfp4` runs L1 through [`launch_l1`], which takes this path wherever the prefill mainloop would run.
-//! * `nvfp4_l1unfused` (`moe_gemm_l1` contiguous points only): the mainloop + L1 finish pair forced (`nvfp4`'s L1
-//!   before session 11), bit-identical outputs. `moe_gemm_l2` skips it.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -68,11 +58,8 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_l2cols2tok",
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
-    "nvfp4_wgmma_rstma",
     "nvfp4_wgmma_rswtma",
     "nvfp4_decode",
-    "nvfp4_l1fused",
-    "nvfp4_l1unfused",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -92,11 +79,8 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_l2cols2tok"
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
-            | "nvfp4_wgmma_rstma"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_decode"
-            | "nvfp4_l1fused"
-            | "nvfp4_l1unfused"
     )
 }
 
@@ -107,9 +91,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
     let prefill_only = variant.starts_with("nvfp4_wgmma")
         || variant == "nvfp4_finishpad1b"
-        || variant == "nvfp4_decode"
-        || variant == "nvfp4_l1fused"
-        || variant == "nvfp4_l1unfused";
+        || variant == "nvfp4_decode";
     let decode_only = variant == "nvfp4_finishq4";
     (prefill_only && masked) || (decode_only && !masked)
 }
@@ -137,7 +119,7 @@ fn finish_l2_for(variant: &str, tokens: usize, n: usize) -> FinishL2Kernel {
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
-    if variant.starts_with("nvfp4_wgmma") || variant == "nvfp4_l1fused" {
+    if variant.starts_with("nvfp4_wgmma") {
         GemmConfig { splits: 1, ..cfg }
     } else {
         cfg
@@ -159,9 +141,6 @@ fn launch_variant(
         }
         "nvfp4_wgmma256" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::Ss256)
-        }
-        "nvfp4_wgmma_rstma" => {
-            prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsTma)
         }
         "nvfp4_wgmma_rswtma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsWtma)
@@ -362,15 +341,9 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let finish = finish_l1_for(variant, &dg, i);
-            let samples = gpu.time_us(ctx.plan(bytes as u64), || match variant {
-                "nvfp4" => launch_l1(gpu, &w, &a, &dg, &cfg, &routing, &mut ws, &mut out),
-                "nvfp4_l1fused" => {
-                    prefill::launch_l1_swiglu_prefill(gpu, &w, &a, &dg, &routing, &mut ws, &mut out)
-                }
-                _ => {
-                    launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
-                    launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
-                }
+            let samples = gpu.time_us(ctx.plan(bytes as u64), || {
+                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
             })?;
             Ok(vec![row(
                 "moe_gemm_l1",
@@ -386,11 +359,8 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if matches!(
-        variant,
-        "nvfp4_finishq4" | "nvfp4_finishpad1b" | "nvfp4_l1fused" | "nvfp4_l1unfused"
-    ) {
-        return Ok(vec![]); // an L1 epilogue variant: nothing to measure in L2
+    if variant == "nvfp4_finishq4" || variant == "nvfp4_finishpad1b" {
+        return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
     }
     let p = Point::new(s, tokens, ctx.seed, 2)?;
     match variant {

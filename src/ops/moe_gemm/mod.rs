@@ -532,32 +532,6 @@ impl L1Output {
     }
 }
 
-/// The whole L1 (W13 GEMM, DSV4 SwiGLU with clamp, times `routing[row]`, NVFP4 of h with a per-row global scale)
-/// for any grouping: [`prefill::PrefillL1::for_launch`] picks the SwiGLU-fused prefill kernels
-/// ([`prefill::launch_l1_swiglu_prefill`]) or the mainloop ([`launch_partial`]) + L1 finish ([`launch_finish_l1`])
-/// pair. Both give the same bits where both apply (GPU test).
-#[allow(clippy::too_many_arguments)]
-pub fn launch_l1(
-    gpu: &Gpu,
-    w13: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    routing: &CudaSlice<f32>,
-    ws: &mut Workspace,
-    out: &mut L1Output,
-) -> Result<()> {
-    match prefill::PrefillL1::for_launch(w13, grp, cfg) {
-        prefill::PrefillL1::Fused => {
-            prefill::launch_l1_swiglu_prefill(gpu, w13, a, grp, routing, ws, out)
-        }
-        prefill::PrefillL1::Unfused => {
-            launch_partial(gpu, w13, a, grp, cfg, ws)?;
-            launch_finish_l1(gpu, ws, grp, w13, a, routing, out)
-        }
-    }
-}
-
 /// L1 epilogue on a W13 = [w1; w3] GEMM (N = 2I): DSV4 SwiGLU with clamp, times `routing[row]`, quantized to
 /// NVFP4 with a per-row global scale. Kernel: [`FinishL1Kernel::for_grouping`].
 pub fn launch_finish_l1(
@@ -922,8 +896,8 @@ fn check_finish_l1(
 
 /// L2 epilogue: `out[t, n] = bf16(sum_j acc(rows[t, j], n) * gsa * gsb)` in routing order (deterministic).
 /// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows; topk <= [`FINISH_MAX_TOPK`]. The
-/// combine kernel is [`FinishL2Kernel::for_tokens`]: RowWarps up to [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above
-/// (Cols for an odd N); all give the same bits.
+/// combine kernel is [`FinishL2Kernel::for_tokens`]: RowWarps up to [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above,
+/// Cols2Tok from [`L2_COLS2TOK_MIN_TOKENS`] (Cols for an odd N); all give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2(
     gpu: &Gpu,
@@ -963,16 +937,24 @@ pub enum FinishL2Kernel {
     RowWarps,
     /// `moe_gemm_finish_l2_combine_cols2`: 2 columns per thread (float2 loads), the token's valid slots compacted
     /// by warp 0, every load of a pass unconditional. Needs N % 2 == 0 (checked before the launch). The default
-    /// above [`L2_ROWWARPS_MAX_TOKENS`] tokens (bench variant `nvfp4_l2cols2` forces it). Session-8 final run
+    /// above [`L2_ROWWARPS_MAX_TOKENS`] and below [`L2_COLS2TOK_MIN_TOKENS`] tokens (bench variant `nvfp4_l2cols2`
+    /// forces it). Session-8 final run
     /// (318bcad, us, whole L2 call, Cols / Cols2; rows of one sweep each): Flash 64 tokens 411.3 / 378.7, 4096
     /// tokens 2304.8 / 1862.3, 16384 tokens 8322.4 / 6569.8; Pro 64 tokens 1177.8 / 1127.6; the combine alone
     /// under ncu at 4096 tokens 662 / 209 us, at 1 token 9.6-9.9 / 7.8-8.1 (RowWarps 4.3).
     Cols2,
     /// `moe_gemm_finish_l2_combine_cols2_tok`: Cols2's per-column code with one CTA per token over all N columns,
     /// so the token's slot table (a chain of dependent loads) is built once per token instead of once per 512
-    /// columns. Needs N % 2 == 0. Bench variant `nvfp4_l2cols2tok` (session-11 A/B).
+    /// columns. Needs N % 2 == 0. The default from [`L2_COLS2TOK_MIN_TOKENS`] tokens (bench variant
+    /// `nvfp4_l2cols2tok` forces it).
     Cols2Tok,
 }
+
+/// Fewest tokens for which [`FinishL2Kernel::for_tokens`] picks [`FinishL2Kernel::Cols2Tok`] over Cols2. Session-11
+/// A/B (H200, 8b622ad, whole L2 call, us, Cols2 / Cols2Tok): Flash 16 tokens 170.1 / 170.9, 64 410.0 / 410.1, 512
+/// 629.6 / 623.1, 1024 662.6 / 653.2, 4096 1093.8 / 1063.6, 16384 4043.6 / 3769.9; Pro 4096 3290.1 / 3108.0. 512 is
+/// the fewest measured tokens where it won; between 64 and 512 nothing was measured, so Cols2 stays there.
+pub const L2_COLS2TOK_MIN_TOKENS: usize = 512;
 
 /// Most tokens for which [`FinishL2Kernel::for_tokens`] picks [`FinishL2Kernel::RowWarps`]. Session-8 A/B (727e353,
 /// us, whole L2 call, Cols / RowWarps): Flash 1 token 29.60 / 25.31, 8 tokens 98.11 / 97.38, 64 tokens 406.24 /
@@ -991,14 +973,17 @@ impl FinishL2Kernel {
     ];
 
     /// The kernel [`launch_finish_l2`] runs for `tokens` tokens of `n` output columns: RowWarps up to
-    /// [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above (Cols when N is odd, which Cols2 does not take).
+    /// [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above, Cols2Tok from [`L2_COLS2TOK_MIN_TOKENS`] (Cols when N is odd,
+    /// which neither Cols2 kernel takes).
     pub fn for_tokens(tokens: usize, n: usize) -> FinishL2Kernel {
         if tokens <= L2_ROWWARPS_MAX_TOKENS {
             FinishL2Kernel::RowWarps
-        } else if n.is_multiple_of(2) {
-            FinishL2Kernel::Cols2
-        } else {
+        } else if !n.is_multiple_of(2) {
             FinishL2Kernel::Cols
+        } else if tokens >= L2_COLS2TOK_MIN_TOKENS {
+            FinishL2Kernel::Cols2Tok
+        } else {
+            FinishL2Kernel::Cols2
         }
     }
 

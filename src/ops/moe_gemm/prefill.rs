@@ -13,10 +13,6 @@
 //! expert >= [`MIN_MEAN_ROWS_PER_EXPERT`], one K split); [`launch_partial_prefill`] forces this path with
 //! [`PrefillKernel::default_for`], [`launch_partial_prefill_with`] with a chosen mainloop.
 //!
-//! The L1 (W13) GEMM can instead run with its SwiGLU in the mainloop epilogue ([`launch_l1_swiglu_prefill`]: the
-//! RS kernel on gate/up row pairs writes h, a streaming pass quantizes it), which replaces the mainloop + L1 finish
-//! pair for contiguous groupings.
-//!
 //! The CPU mirrors at the bottom ([`sw128_offset`], [`dequant8_like_kernel`], [`sw128_desc`]) restate the
 //! device address, dequant and descriptor logic so unit tests can check them without a GPU.
 
@@ -24,14 +20,13 @@ use anyhow::{anyhow, ensure, Result};
 use half::bf16;
 
 use super::{
-    activation_ptrs, as_i32, check_finish_l1, ptr, DeviceActivations, DeviceExpertWeights,
-    DeviceGrouping, GemmConfig, L1Output, Workspace, MAX_EXPERTS,
+    activation_ptrs, as_i32, ptr, DeviceActivations, DeviceExpertWeights, DeviceGrouping,
+    GemmConfig, Workspace, MAX_EXPERTS,
 };
 use crate::formats::e4m3;
 use crate::gpu::tma::{encode_tiled, TensorMap};
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 use cudarc::driver::sys;
-use cudarc::driver::CudaSlice;
 
 /// Kernel family name (kernels/moe_gemm_prefill.cu).
 pub const FAMILY: &str = "moe_gemm_prefill";
@@ -182,95 +177,8 @@ pub fn launch_partial_prefill_with(
     ws: &mut Workspace,
     kernel: PrefillKernel,
 ) -> Result<()> {
-    let (name, smem, tile_n, k_multiple) = kernel.entry();
-    check_launch(gpu, w, a, grp, ws, name, smem, tile_n, k_multiple)?;
-    if grp.rows_total == 0 {
-        return Ok(());
-    }
-    let f = gpu.function_with_smem(FAMILY, name, smem)?;
-    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
-    let (wc, wsc, grp_p, part) = (
-        ptr(gpu, &w.codes),
-        ptr(gpu, &w.scales),
-        ptr(gpu, &grp.group),
-        ptr(gpu, &ws.partial),
-    );
-    let (n, k) = (as_i32(w.n, "N")?, as_i32(w.k, "K")?);
-    let (e, rows) = (
-        as_i32(grp.experts, "experts")?,
-        as_i32(grp.rows_total, "rows")?,
-    );
-    // Persistent grid: one CTA per SM (136 / 187 / 130 / 209 KB of shared memory, up to 255 registers per thread),
-    // never more than the most work items any grouping of these rows can produce (every kernel's token tile is
-    // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
-    let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
-    let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    if matches!(kernel, PrefillKernel::RsTma | PrefillKernel::RsWtma) {
-        // TMA box coordinates are signed 32-bit: the weight row e * N + n and the token row must fit.
-        ensure!(
-            w.experts * w.n <= i32::MAX as usize,
-            "moe_gemm prefill ({name}): {} experts x N = {} weight rows exceed the TMA coordinate range",
-            w.experts,
-            w.n
-        );
-        let act_rs = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
-        // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
-        let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
-        // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
-        // 32 / 64 / 96 / 128 token rows.
-        let weight_maps = match kernel {
-            PrefillKernel::RsTma => None,
-            _ => Some(weight_maps_for_rs(w, wc, wsc)?),
-        };
-        let box_rows: &[usize] = match kernel {
-            PrefillKernel::RsTma => &[TILE_M],
-            _ => &[32, 64, 96, 128],
-        };
-        let act_maps = rs_activation_maps(act_rs, grp.rows_total, w.k, box_rows)?;
-        let mut b = gpu.stream.launch_builder(&f);
-        match &weight_maps {
-            Some((codes_map, scales_map)) => b.arg(codes_map).arg(scales_map),
-            None => b.arg(&wc).arg(&wsc),
-        };
-        b.arg(&n).arg(&k);
-        for m in &act_maps {
-            b.arg(m);
-        }
-        b.arg(&restore);
-        b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-        unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
-            .map_err(|e| anyhow!("{name}: {e:?}"))?;
-        return Ok(());
-    }
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&wc)
-        .arg(&wsc)
-        .arg(&n)
-        .arg(&k)
-        .arg(&act)
-        .arg(&act_scales)
-        .arg(&is_nvfp4);
-    b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-    unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
-        .map_err(|e| anyhow!("{name}: {e:?}"))?;
-    Ok(())
-}
-
-/// The checks every prefill mainloop launch makes before anything runs: shapes against the kernel's tile and K
-/// multiple, the activations, the contiguous grouping, the workspace, the shared memory the device allows.
-#[allow(clippy::too_many_arguments)]
-fn check_launch(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    ws: &Workspace,
-    name: &str,
-    smem: usize,
-    tile_n: usize,
-    k_multiple: usize,
-) -> Result<()> {
     check_shape(w.n, w.k)?;
+    let (name, smem, tile_n, k_multiple) = kernel.entry();
     ensure!(
         w.n.is_multiple_of(tile_n),
         "moe_gemm prefill ({name}): N = {} must be a multiple of the tile width {tile_n}",
@@ -318,6 +226,78 @@ fn check_launch(
         "moe_gemm prefill: needs {smem} B of dynamic shared memory, the device allows {}",
         gpu.info.max_smem_per_block_optin
     );
+    if grp.rows_total == 0 {
+        return Ok(());
+    }
+    let f = gpu.function_with_smem(FAMILY, name, smem)?;
+    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
+    let (wc, wsc, grp_p, part) = (
+        ptr(gpu, &w.codes),
+        ptr(gpu, &w.scales),
+        ptr(gpu, &grp.group),
+        ptr(gpu, &ws.partial),
+    );
+    let (n, k) = (as_i32(w.n, "N")?, as_i32(w.k, "K")?);
+    let (e, rows) = (
+        as_i32(grp.experts, "experts")?,
+        as_i32(grp.rows_total, "rows")?,
+    );
+    // Persistent grid: one CTA per SM (136 / 187 / 130 / 209 KB of shared memory, up to 255 registers per thread),
+    // never more than the most work items any grouping of these rows can produce (every kernel's token tile is
+    // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
+    let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
+    let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
+    if matches!(kernel, PrefillKernel::RsTma | PrefillKernel::RsWtma) {
+        // TMA box coordinates are signed 32-bit: the weight row e * N + n and the token row must fit.
+        ensure!(
+            w.experts * w.n <= i32::MAX as usize,
+            "moe_gemm prefill ({name}): {} experts x N = {} weight rows exceed the TMA coordinate range",
+            w.experts,
+            w.n
+        );
+        let act_rs = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
+        // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
+        let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
+        // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
+        // 32 / 64 / 96 / 128 token rows.
+        let weight_maps = match kernel {
+            PrefillKernel::RsTma => None,
+            _ => Some(weight_maps_for_rs(w, wc, wsc)?),
+        };
+        let box_rows: &[usize] = match kernel {
+            PrefillKernel::RsTma => &[TILE_M],
+            _ => &[32, 64, 96, 128],
+        };
+        let act_maps = box_rows
+            .iter()
+            .map(|&r| rs_activation_map(act_rs, grp.rows_total, w.k, r))
+            .collect::<Result<Vec<_>>>()?;
+        let mut b = gpu.stream.launch_builder(&f);
+        match &weight_maps {
+            Some((codes_map, scales_map)) => b.arg(codes_map).arg(scales_map),
+            None => b.arg(&wc).arg(&wsc),
+        };
+        b.arg(&n).arg(&k);
+        for m in &act_maps {
+            b.arg(m);
+        }
+        b.arg(&restore);
+        b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
+        unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
+            .map_err(|e| anyhow!("{name}: {e:?}"))?;
+        return Ok(());
+    }
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&wc)
+        .arg(&wsc)
+        .arg(&n)
+        .arg(&k)
+        .arg(&act)
+        .arg(&act_scales)
+        .arg(&is_nvfp4);
+    b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
+    unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
+        .map_err(|e| anyhow!("{name}: {e:?}"))?;
     Ok(())
 }
 
@@ -398,19 +378,6 @@ pub fn permute_activations_for_rs(
     Ok(out)
 }
 
-/// [`rs_activation_map`] for each box height in `box_rows`.
-fn rs_activation_maps(
-    addr: u64,
-    rows: usize,
-    k: usize,
-    box_rows: &[usize],
-) -> Result<Vec<TensorMap>> {
-    box_rows
-        .iter()
-        .map(|&r| rs_activation_map(addr, rows, k, r))
-        .collect()
-}
-
 /// Tensor map over the pre-pass output `[rows][K]` BF16 at `addr` with a box of 64 K x `box_rows` token rows and the
 /// 128-byte swizzle: one copy lands the first `box_rows` rows of a [128 tokens][64 K] atom in the swizzled K-major
 /// layout the wgmma descriptor expects.
@@ -453,164 +420,6 @@ fn weight_maps_for_rs(
         byte_rows("moe_gemm prefill RS weight codes", codes, w.k / 2, 64)?,
         byte_rows("moe_gemm prefill RS weight scales", scales, w.k / 16, 16)?,
     ))
-}
-
-/// Tensor maps of the weights for the paired L1 kernel: W13 `[E][2I][K]` viewed as `[2E][I][K]` (gate of expert e =
-/// index 2e, up = 2e + 1), codes `[2E][I][K/2]` bytes with a box of 64 B x 128 rows x 2, scales `[2E][I][K/16]` with
-/// a box of 16 B x 128 rows x 2: one copy lands 128 gate rows, then the up rows of the same h columns.
-fn weight_maps_paired(
-    w: &DeviceExpertWeights,
-    codes: u64,
-    scales: u64,
-) -> Result<(TensorMap, TensorMap)> {
-    let i_dim = w.n / 2;
-    let map = |what: &str, addr: u64, row_bytes: usize, box_bytes: u32| {
-        encode_tiled(
-            what,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
-            1,
-            addr,
-            &[row_bytes as u64, i_dim as u64, 2 * w.experts as u64],
-            &[row_bytes as u64, (i_dim * row_bytes) as u64],
-            &[box_bytes, (TILE_N_RS / 2) as u32, 2],
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
-        )
-    };
-    Ok((
-        map("moe_gemm L1 paired weight codes", codes, w.k / 2, 64)?,
-        map("moe_gemm L1 paired weight scales", scales, w.k / 16, 16)?,
-    ))
-}
-
-/// Which kernels run the L1 (W13) GEMM of a contiguous grouping.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PrefillL1 {
-    /// The routed mainloop ([`launch_partial`](super::launch_partial): fp32 gate and up partials) then the L1 finish
-    /// ([`super::launch_finish_l1`]: SwiGLU, routing weight, NVFP4).
-    Unfused,
-    /// `moe_gemm_prefill_l1_swiglu_rs_wtma` (the RS wtma mainloop on gate/up row pairs, SwiGLU and the routing
-    /// weight in its epilogue, h stored as fp32) then `moe_gemm_l1_quant_h_rows` (NVFP4 of h with the per-row
-    /// global scale). Bit-identical outputs to [`PrefillL1::Unfused`]. `N % 256 == 0`, `K % 256 == 0`, `I <= 4096`.
-    Fused,
-}
-
-impl PrefillL1 {
-    /// The L1 path [`super::launch_l1`] takes: [`PrefillL1::Fused`] wherever [`super::launch_partial`] would route
-    /// to the prefill mainloop ([`routes_here`]) and the shape fits the fused kernels (`N % 256 == 0`,
-    /// `K % 256 == 0`, `I <= 4096`: every DSV4 expert shape), else [`PrefillL1::Unfused`].
-    pub fn for_launch(
-        w13: &DeviceExpertWeights,
-        grp: &DeviceGrouping,
-        cfg: &GemmConfig,
-    ) -> PrefillL1 {
-        let fits = w13.n.is_multiple_of(TILE_N_RS)
-            && w13.k.is_multiple_of(K_MULTIPLE_RS_WTMA)
-            && w13.n / 2 <= L1_QUANT_MAX_I;
-        if fits && routes_here(w13, grp, cfg) {
-            PrefillL1::Fused
-        } else {
-            PrefillL1::Unfused
-        }
-    }
-}
-
-/// Largest I the h quantization pass takes (4 chunks of 4 elements per thread of 256).
-pub const L1_QUANT_MAX_I: usize = 4096;
-
-/// L1 of a contiguous grouping with the SwiGLU fused into the RS mainloop ([`PrefillL1::Fused`]): the same outputs
-/// as [`super::launch_partial`] + [`super::launch_finish_l1`] (h codes, block scales, per-row global scales, and
-/// h in fp32 when `out` keeps it), the same checks before any launch. h goes to `out.h_f32` when present, else to
-/// `ws.partial` (its first `rows * I` floats, which the fused path does not otherwise use).
-#[allow(clippy::too_many_arguments)]
-pub fn launch_l1_swiglu_prefill(
-    gpu: &Gpu,
-    w13: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    routing: &CudaSlice<f32>,
-    ws: &mut Workspace,
-    out: &mut L1Output,
-) -> Result<()> {
-    const NAME: &str = "moe_gemm_prefill_l1_swiglu_rs_wtma";
-    check_launch(
-        gpu,
-        w13,
-        a,
-        grp,
-        ws,
-        NAME,
-        SMEM_BYTES_RS_WTMA,
-        TILE_N_RS,
-        K_MULTIPLE_RS_WTMA,
-    )?;
-    check_finish_l1(ws, grp, w13, routing, out)?;
-    let i_dim = w13.n / 2;
-    ensure!(
-        i_dim <= L1_QUANT_MAX_I,
-        "moe_gemm L1 fused: I = {i_dim} exceeds the h quantization pass's {L1_QUANT_MAX_I}"
-    );
-    ensure!(
-        2 * w13.experts * i_dim <= i32::MAX as usize,
-        "moe_gemm L1 fused: {} experts x N = {} weight rows exceed the TMA coordinate range",
-        w13.experts,
-        w13.n
-    );
-    if grp.rows_total == 0 {
-        return Ok(());
-    }
-    let act_rs = permute_activations_for_rs(gpu, a, grp.rows_total, w13.k, ws)?;
-    let (_, _, is_nvfp4) = activation_ptrs(gpu, a);
-    // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
-    let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
-    let (codes_map, scales_map) =
-        weight_maps_paired(w13, ptr(gpu, &w13.codes), ptr(gpu, &w13.scales))?;
-    let act_maps = rs_activation_maps(act_rs, grp.rows_total, w13.k, &[32, 64, 96, 128])?;
-    let h = match &out.h_f32 {
-        Some(h) => ptr(gpu, h),
-        None => ptr(gpu, &ws.partial),
-    };
-    let (n, k) = (as_i32(w13.n, "N")?, as_i32(w13.k, "K")?);
-    let (e, rows, i_i) = (
-        as_i32(grp.experts, "experts")?,
-        as_i32(grp.rows_total, "rows")?,
-        as_i32(i_dim, "I")?,
-    );
-    let (grp_p, gsa, gsb, route) = (
-        ptr(gpu, &grp.group),
-        a.gsa_ptr(gpu),
-        ptr(gpu, &w13.global),
-        ptr(gpu, routing),
-    );
-    let max_items = (grp.rows_total / TILE_M + grp.experts) * (w13.n / TILE_N_RS);
-    let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    let f = gpu.function_with_smem(FAMILY, NAME, SMEM_BYTES_RS_WTMA)?;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&codes_map).arg(&scales_map).arg(&n).arg(&k);
-    for m in &act_maps {
-        b.arg(m);
-    }
-    b.arg(&restore).arg(&grp_p).arg(&e).arg(&rows);
-    b.arg(&gsa).arg(&gsb).arg(&route).arg(&h);
-    unsafe {
-        b.launch(launch_cfg(
-            (ctas, 1, 1),
-            (THREADS, 1, 1),
-            SMEM_BYTES_RS_WTMA as u32,
-        ))
-    }
-    .map_err(|e| anyhow!("{NAME}: {e:?}"))?;
-    let q = gpu.function(FAMILY, "moe_gemm_l1_quant_h_rows")?;
-    let (codes, scales, global) = (
-        ptr(gpu, &out.codes),
-        ptr(gpu, &out.scales),
-        ptr(gpu, &out.global),
-    );
-    let mut b = gpu.stream.launch_builder(&q);
-    b.arg(&h).arg(&grp_p).arg(&e).arg(&rows).arg(&i_i);
-    b.arg(&codes).arg(&scales).arg(&global);
-    unsafe { b.launch(launch_cfg((grp.rows_total as u32, 1, 1), (256, 1, 1), 0)) }
-        .map_err(|e| anyhow!("moe_gemm_l1_quant_h_rows: {e:?}"))?;
-    Ok(())
 }
 
 // ------------------------------------------------------------------------------------ CPU mirrors of the device
