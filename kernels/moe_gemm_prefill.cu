@@ -918,6 +918,8 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 namespace rs {
 constexpr int kWCodes = kTileRows * 64;                       // 16 KiB of codes per stage
 constexpr int kWScales = kTileRows * 16;                      // 4 KiB: scale bytes of the stage pair
+constexpr int kTiledBlock = kWCodes + kTileRows * 8;          // 18 KiB: a pre-tiled stage (codes, its own scales)
+static_assert(kTiledBlock == 18432, "keep src/ops/moe_gemm/prefill.rs TILED_BLOCK_BYTES in sync");
 constexpr int kSlotW = kActTile + kWCodes + kWScales;         // 52 KiB
 constexpr int kBytesW = kRingT * kSlotW;                      // 208 KiB (+ 1024 alignment slack from the host)
 static_assert(kSlotW % 1024 == 0, "activation atoms must stay 1024-byte aligned");
@@ -925,17 +927,20 @@ static_assert(kBytesW + 1024 == 214016, "keep src/ops/moe_gemm/prefill.rs SMEM_B
 
 // This thread's weights of the stage in ring slot `slot` (local tile row `lrow` = 128 wg + 16 wq + g): the same
 // registers load_weights fills from global memory.
+// kTiled (weights pre-tiled, rs_wtma_tiled): the slot's scale rows hold this stage's 8 bytes only (pitch 8).
+template <bool kTiled = false>
 __device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int lrow, int t, int st) {
     const uint8_t* codes = slot + kActTile;
     const uint8_t* scales = slot + kActTile + kWCodes;
+    constexpr int kScalePitch = kTiled ? 8 : 16;
 #pragma unroll
     for (int mb = 0; mb < 2; ++mb) {
         const int r = lrow + 64 * mb;
         w.lo[mb] = *reinterpret_cast<const uint4*>(codes + r * 64 + 16 * t);
         w.hi[mb] = *reinterpret_cast<const uint4*>(codes + (r + 8) * 64 + 16 * t);
-        const int so = (st & 1) * 8 + 2 * t;
-        w.sc[mb] = (uint32_t)*reinterpret_cast<const uint16_t*>(scales + r * 16 + so) |
-                   ((uint32_t)*reinterpret_cast<const uint16_t*>(scales + (r + 8) * 16 + so) << 16);
+        const int so = (kTiled ? 0 : (st & 1) * 8) + 2 * t;
+        w.sc[mb] = (uint32_t)*reinterpret_cast<const uint16_t*>(scales + r * kScalePitch + so) |
+                   ((uint32_t)*reinterpret_cast<const uint16_t*>(scales + (r + 8) * kScalePitch + so) << 16);
     }
 }
 
@@ -951,20 +956,27 @@ struct WRing {
 
 // Producer (thread 0): stage st of the item (token rows from row0, weight rows from wtile) -> the next ring slot.
 // act_map's box holds act_rows token rows (two boxes of act_rows x 128 bytes: the expected transaction bytes).
+// kTiled: `wtile` is the tile's index in the pre-tiled weights (x.tiled): stage st of it is one contiguous block of
+// kTiledBlock bytes (the slot's codes image, then this stage's scale bytes), loaded by one 1D bulk copy.
+template <bool kTiled = false>
 __device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, uint32_t act_rows,
-                                           const TmaDesc* codes_map, const TmaDesc* scales_map, int st, int row0,
-                                           int wtile) {
+                                           const TmaDesc* codes_map, const TmaDesc* scales_map,
+                                           const uint8_t* tiled, int stages, int st, int row0, int wtile) {
     const uint32_t slot = r.fills % kRingT;
     if (r.fills >= (uint32_t)kRingT && !mbar_wait(&r.empty[slot], ((r.fills / kRingT) - 1) & 1u)) {
         r.ok = false;
         return;
     }
     uint8_t* s = r.base + slot * kSlotW;
-    mbar_arrive_expect_tx(&r.full[slot], 2u * act_rows * 128u + kWCodes + kWScales);
+    mbar_arrive_expect_tx(&r.full[slot], 2u * act_rows * 128u + (kTiled ? kTiledBlock : kWCodes + kWScales));
     tma_load_2d(s, act_map, st * kStageK, row0, &r.full[slot]);
     tma_load_2d(s + kAtomBytes, act_map, st * kStageK + 64, row0, &r.full[slot]);
-    tma_load_2d(s + kActTile, codes_map, st * 64, wtile, &r.full[slot]);
-    tma_load_2d(s + kActTile + kWCodes, scales_map, (st & ~1) * 8, wtile, &r.full[slot]);
+    if constexpr (kTiled) {
+        bulk_load_1d(s + kActTile, tiled + ((size_t)wtile * stages + st) * kTiledBlock, kTiledBlock, &r.full[slot]);
+    } else {
+        tma_load_2d(s + kActTile, codes_map, st * 64, wtile, &r.full[slot]);
+        tma_load_2d(s + kActTile + kWCodes, scales_map, (st & ~1) * 8, wtile, &r.full[slot]);
+    }
     ++r.fills;
 }
 
@@ -974,6 +986,7 @@ struct WCtx {
     const TmaDesc* act[4];
     const TmaDesc* codes;
     const TmaDesc* scales;
+    const uint8_t* tiled;  // rs_wtma_tiled only
     int N, stages;
 };
 
@@ -981,7 +994,7 @@ struct WCtx {
 // (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
 // 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
 // groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
-template <int NT>
+template <int NT, bool kTiled = false>
 __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
                                           int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
@@ -990,7 +1003,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
     constexpr uint32_t kActRows = NT;
     if (tid == 0 && r.ok) {
         for (int st = 0; st < kRingT - 1 && st < stages && r.ok; ++st)
-            wring_fill(r, act, kActRows, x.codes, x.scales, st, row0, wtile);
+            wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st, row0, wtile);
     }
     __syncwarp();
     float d[2][64];
@@ -1008,7 +1021,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
             break;
         }
         WStage w;
-        lds_weights(w, r.base + slot * kSlotW, lrow, t, st);
+        lds_weights<kTiled>(w, r.base + slot * kSlotW, lrow, t, st);
         const uint64_t db = sw128_desc(r.base_u32 + slot * kSlotW);
         mma_slice_n<NT>(d, w, 0, db);
         // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
@@ -1017,7 +1030,8 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
         for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
         ++r.cons;
         if (tid == 0 && r.ok && st + kRingT - 1 < stages)
-            wring_fill(r, act, kActRows, x.codes, x.scales, st + kRingT - 1, row0, wtile);
+            wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
+                               wtile);
         __syncwarp();
     }
     wgmma_wait<0>();
@@ -1060,11 +1074,13 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // loads in dependent rounds and ~40 SASS of SwiGLU per h element, overlapped with nothing) while the finish it
 // replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
 // took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
-__device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map, int N,
-                                               int K, const TmaDesc* act32, const TmaDesc* act64,
-                                               const TmaDesc* act96, const TmaDesc* act128, float restore,
-                                               const int* __restrict__ offsets, int experts, int rows_total,
-                                               float* __restrict__ partial, uint8_t* smem_raw) {
+// kTiled: the weights come pre-tiled (`tiled`, moe_gemm_prefill_tile_weights_rs) instead of through the 2D maps.
+template <bool kTiled>
+__device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map,
+                                               const uint8_t* tiled, int N, int K, const TmaDesc* act32,
+                                               const TmaDesc* act64, const TmaDesc* act96, const TmaDesc* act128,
+                                               float restore, const int* __restrict__ offsets, int experts,
+                                               int rows_total, float* __restrict__ partial, uint8_t* smem_raw) {
     __shared__ int s_tile_prefix[kMaxExperts + 1];
     __shared__ int s_warp_sum[rs::kThreads / 32];
     __shared__ __align__(8) uint64_t bar_full[rs::kRingT], bar_empty[rs::kRingT];
@@ -1090,24 +1106,26 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
     x.act[3] = act128;
     x.codes = w_codes_map;
     x.scales = w_scales_map;
+    x.tiled = tiled;
     x.N = N;
     x.stages = K / rs::kStageK;
     const int n_tiles = N / rs::kTileRows;
     const long long items = (long long)s_tile_prefix[E] * n_tiles;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
         const TileItem it = locate_item(item, n_tiles, s_tile_prefix, E, offsets, rows_total);
-        const int wtile = it.e * N + it.n_tile * rs::kTileRows;  // first weight row of the tile in [E*N]
+        // 2D maps: the first weight row of the tile in [E*N]; pre-tiled: the tile's index (stages blocks each).
+        const int wtile = kTiled ? it.e * n_tiles + it.n_tile : it.e * N + it.n_tile * rs::kTileRows;
         const int wrow0 = it.n_tile * rs::kTileRows + lrow;
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
         if (nt == 32)
-            ok = rs::wtma_item<32>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<32, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 64)
-            ok = rs::wtma_item<64>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<64, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 96)
-            ok = rs::wtma_item<96>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<96, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else
-            ok = rs::wtma_item<128>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<128, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         if (!ok) return;
     }
 }
@@ -1119,6 +1137,60 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     const __grid_constant__ TmaDesc act96, const __grid_constant__ TmaDesc act128, float restore,
     const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
     extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel(&w_codes_map, &w_scales_map, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
-                   rows_total, partial, rs_wtma_smem_raw);
+    rs_wtma_kernel<false>(&w_codes_map, &w_scales_map, nullptr, N, K, &act32, &act64, &act96, &act128, restore,
+                          offsets, experts, rows_total, partial, rs_wtma_smem_raw);
+}
+
+// =====================================================================================================================
+// rs_wtma on pre-tiled weights (`moe_gemm_prefill_partial_rs_wtma_tiled`, bench `nvfp4_wgmma_rswtma_tiled`)
+// =====================================================================================================================
+// Why: rs_wtma loads each stage's weights with two 2D TMA boxes of 256 rows x 64 B (codes) and 256 rows x 16 B (the
+// scale bytes of the stage pair): 512 row segments of 16-64 bytes, 2 KB apart in HBM, per stage and CTA. The
+// session-10 profile kept ~15% of the warp-stall samples on the full-barrier wait of a stage (its TMA bytes late)
+// with DRAM at ~42% and L2 at ~55% of peak, so the suspect is the copy engine's per-row work and the scattered DRAM
+// pages, not bytes. Here the weights are re-laid ONCE, at load (moe_gemm_prefill_tile_weights_rs, not timed), so that
+// stage st of tile (e, n tile) is one contiguous 18 KiB block holding exactly the slot image the consumers read: the
+// 256 code rows of 64 B, then the 256 rows of this stage's 8 scale bytes (pitch 8; the 2D form loads the pair's 16
+// with pitch 16, a TMA row must be 16-byte multiple). One cp.async.bulk per stage. Same registers, same fragments,
+// same wgmma order: bit-identical partials (GPU test). Layout: block ((e * N / 256 + n_tile) * K / 128 + st) at
+// byte 18432 * block; inside, code byte c of row r at 64 r + c, scale byte j of row r at 16384 + 8 r + j.
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled(
+    const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
+    const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
+    const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,
+    int rows_total, float* __restrict__ partial) {
+    extern __shared__ uint8_t rs_wtma_smem_raw[];
+    rs_wtma_kernel<true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
+                         rows_total, partial, rs_wtma_smem_raw);
+}
+
+// The re-layout of moe_gemm_prefill_partial_rs_wtma_tiled (weight preparation, once per weight set): codes [E*N][K/2]
+// and scales [E*N][K/16] -> blocks of 18432 bytes as described there. One thread per 16-byte output unit: units
+// 0..1023 of a block are code rows (unit u: row u / 4, bytes 16 (u % 4) of the stage's 64), units 1024..1151 scale
+// row pairs (unit u: rows 2 (u - 1024) and + 1, 8 bytes each). N % 256 == 0, K % 128 == 0.
+extern "C" __global__ void moe_gemm_prefill_tile_weights_rs(const uint8_t* __restrict__ codes,
+                                                            const uint8_t* __restrict__ scales, int experts, int N,
+                                                            int K, uint8_t* __restrict__ tiled) {
+    constexpr int kUnits = rs::kTiledBlock / 16;  // 1152
+    const int stages = K / rs::kStageK;
+    const long long blocks = (long long)experts * (N / rs::kTileRows) * stages;
+    const long long total = blocks * kUnits;
+    for (long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x; q < total;
+         q += (long long)gridDim.x * blockDim.x) {
+        const long long b = q / kUnits;
+        const int u = (int)(q % kUnits);
+        const int st = (int)(b % stages);
+        const long long tile = b / stages;  // e * (N / 256) + n_tile: its first weight row is 256 * tile
+        uint4 v;
+        if (u < 1024) {
+            const long long row = tile * rs::kTileRows + u / 4;
+            v = *reinterpret_cast<const uint4*>(codes + row * (K / 2) + st * 64 + 16 * (u % 4));
+        } else {
+            const long long row = tile * rs::kTileRows + 2 * (u - 1024);
+            const uint2 a = *reinterpret_cast<const uint2*>(scales + row * (K / 16) + st * 8);
+            const uint2 c = *reinterpret_cast<const uint2*>(scales + (row + 1) * (K / 16) + st * 8);
+            v = make_uint4(a.x, a.y, c.x, c.y);
+        }
+        *reinterpret_cast<uint4*>(tiled + b * rs::kTiledBlock + 16 * u) = v;
+    }
 }

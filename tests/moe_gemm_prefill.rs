@@ -360,7 +360,8 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
 }
 
 /// The RS kernel with the weights in its TMA ring (`RsWtma`) must write the same partials, bit for bit, as the RS
-/// kernel it derives from (`RsTma`): same fragments, same wgmma order per output column; only where the weights wait,
+/// kernel it derives from (`RsTma`), and so must `RsWtmaTiled` on the re-laid weights: same fragments, same wgmma
+/// order per output column; only where the weights wait,
 /// how many token columns a wgmma computes and how many activation rows a stage loads differ. Many stages (K 4096:
 /// 32 stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
 /// narrow width (1..32, 33..64, 65..96, 97..128 rows), empty experts, both A formats.
@@ -379,15 +380,27 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
     let rb = batch_with_counts(&counts);
     let rows = rb.grouping.rows_total();
     let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+    // The tiled copy (weight preparation) for RsWtmaTiled. A block or byte the tiling missed stays 0 (code 0, scale 0)
+    // and changes the partials of its rows against RsTma's (random weights): the comparison below catches it.
+    let tiled = prefill::tile_weights_for_rs(&gpu, &dw).unwrap();
     for nvfp4 in [false, true] {
         let a = gathered_activations(&mut rng, &rb, k, nvfp4);
         let da = DevA::upload(&gpu, &a);
         let mut got = Vec::new();
-        for kernel in [PrefillKernel::RsTma, PrefillKernel::RsWtma] {
+        for kernel in [
+            PrefillKernel::RsTma,
+            PrefillKernel::RsWtma,
+            PrefillKernel::RsWtmaTiled,
+        ] {
             let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
             gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-            prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
-                .unwrap();
+            if kernel == PrefillKernel::RsWtmaTiled {
+                prefill::launch_partial_prefill_tiled(&gpu, &dw, &tiled, &da.view(), &dg, &mut ws)
+                    .unwrap();
+            } else {
+                prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
+                    .unwrap();
+            }
             gpu.synchronize().unwrap();
             got.push(gpu.download(&ws.partial).unwrap());
         }
@@ -396,17 +409,19 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
             got[0].iter().all(|x| x.is_finite()),
             "{label}: RsTma left unwritten (NaN-poisoned) partials"
         );
-        let mismatches = got[0]
-            .iter()
-            .zip(&got[1])
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
-        assert_eq!(
-            mismatches,
-            0,
-            "{label}: RsWtma differs from RsTma in {mismatches} of {} partials",
-            got[0].len()
-        );
+        for (i, name) in [(1, "RsWtma"), (2, "RsWtmaTiled")] {
+            let mismatches = got[0]
+                .iter()
+                .zip(&got[i])
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(
+                mismatches,
+                0,
+                "{label}: {name} differs from RsTma in {mismatches} of {} partials",
+                got[0].len()
+            );
+        }
     }
 }
 

@@ -23,6 +23,9 @@
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `nvfp4_wgmma_rswtma` (contiguous points only): the session-10 routed RS mainloop forced
 //!   (`PrefillKernel::RsWtma`: weights in the TMA ring, narrow token tiles; `K % 256 == 0`), same pre-pass and finish.
+//! * `nvfp4_wgmma_rswtma_tiled` (contiguous points only, session-11 A/B): the RS wtma mainloop on weights re-laid
+//!   once per point, before timing, into one contiguous 18 KiB block per stage (`PrefillKernel::RsWtmaTiled`,
+//!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
@@ -59,6 +62,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma",
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rswtma",
+    "nvfp4_wgmma_rswtma_tiled",
     "nvfp4_decode",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -80,6 +84,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma"
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rswtma"
+            | "nvfp4_wgmma_rswtma_tiled"
             | "nvfp4_decode"
     )
 }
@@ -126,10 +131,12 @@ fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn launch_variant(
     gpu: &Gpu,
     variant: &str,
     w: &DeviceExpertWeights,
+    tiled: Option<&prefill::TiledRsWeights>,
     a: &DeviceActivations,
     dg: &DeviceGrouping,
     cfg: &GemmConfig,
@@ -145,9 +152,28 @@ fn launch_variant(
         "nvfp4_wgmma_rswtma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsWtma)
         }
+        "nvfp4_wgmma_rswtma_tiled" => {
+            let t = tiled.ok_or_else(|| anyhow!("nvfp4_wgmma_rswtma_tiled: no tiled weights"))?;
+            prefill::launch_partial_prefill_tiled(gpu, w, t, a, dg, ws)
+        }
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
+}
+
+/// The tiled copy of the weights for `nvfp4_wgmma_rswtma_tiled` (weight preparation, before the timed loop), else
+/// None.
+fn tiled_for(
+    gpu: &Gpu,
+    variant: &str,
+    w: &DeviceExpertWeights,
+) -> Result<Option<prefill::TiledRsWeights>> {
+    if variant != "nvfp4_wgmma_rswtma_tiled" {
+        return Ok(None);
+    }
+    let t = prefill::tile_weights_for_rs(gpu, w)?;
+    gpu.synchronize()?;
+    Ok(Some(t))
 }
 
 pub fn kernels() -> Vec<BenchKernel> {
@@ -313,6 +339,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
+            let tiled = tiled_for(gpu, variant, &w)?;
             let mut codes = gpu.zeros::<u8>(rows * p.k / 2)?;
             let mut scales = gpu.zeros::<u8>(rows * p.k / 16)?;
             fill_weights(gpu, &mut codes, &mut scales, 17)?;
@@ -342,7 +369,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let finish = finish_l1_for(variant, &dg, i);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
-                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
             })?;
             Ok(vec![row(
@@ -372,6 +399,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
+            let tiled = tiled_for(gpu, variant, &w)?;
             // The L1 output (NVFP4 h with a per-row global scale), synthetic.
             let mut h = L1Output::new(gpu, rows, p.k, false)?;
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
@@ -395,7 +423,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let finish = finish_l2_for(variant, p.tokens, p.n);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
-                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l2_with(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y, finish)
             })?;
             Ok(vec![row(

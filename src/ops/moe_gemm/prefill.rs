@@ -27,6 +27,7 @@ use crate::formats::e4m3;
 use crate::gpu::tma::{encode_tiled, TensorMap};
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 use cudarc::driver::sys;
+use cudarc::driver::CudaSlice;
 
 /// Kernel family name (kernels/moe_gemm_prefill.cu).
 pub const FAMILY: &str = "moe_gemm_prefill";
@@ -110,6 +111,11 @@ pub enum PrefillKernel {
     /// wgmmas (and activation boxes of as many rows) instead of 128. Bit-identical partials. `N % 256 == 0`,
     /// `K % 256 == 0`. The routed prefill mainloop since the session-10 A/B (numbers in the .cu).
     RsWtma,
+    /// `moe_gemm_prefill_partial_rs_wtma_tiled`: [`PrefillKernel::RsWtma`] on weights re-laid once by
+    /// [`tile_weights_for_rs`] (one contiguous 18 KiB block per stage, one bulk copy instead of two 2D boxes of 256
+    /// rows). Bit-identical partials. Only through [`launch_partial_prefill_tiled`] (it needs the tiled copy);
+    /// session-11 A/B candidate (bench `nvfp4_wgmma_rswtma_tiled`).
+    RsWtmaTiled,
 }
 
 impl PrefillKernel {
@@ -135,6 +141,12 @@ impl PrefillKernel {
                 SMEM_BYTES_RS_WTMA,
                 TILE_N_RS,
                 K_MULTIPLE_RS_WTMA,
+            ),
+            PrefillKernel::RsWtmaTiled => (
+                "moe_gemm_prefill_partial_rs_wtma_tiled",
+                SMEM_BYTES_RS_WTMA,
+                TILE_N_RS,
+                STAGE_K_RS,
             ),
         }
     }
@@ -169,9 +181,50 @@ pub fn launch_partial_prefill(
 }
 
 /// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes the kernel does not take before any launch.
+/// [`PrefillKernel::RsWtmaTiled`] needs the tiled weights: [`launch_partial_prefill_tiled`].
 pub fn launch_partial_prefill_with(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    ws: &mut Workspace,
+    kernel: PrefillKernel,
+) -> Result<()> {
+    ensure!(
+        kernel != PrefillKernel::RsWtmaTiled,
+        "moe_gemm prefill: RsWtmaTiled runs on tiled weights (launch_partial_prefill_tiled)"
+    );
+    launch_prefill_impl(gpu, w, None, a, grp, ws, kernel)
+}
+
+/// [`PrefillKernel::RsWtmaTiled`]: the RS wtma mainloop on `tiled`, the [`tile_weights_for_rs`] copy of `w` (`w`
+/// still supplies the shape checks; its codes are not read). Same contract and checks as
+/// [`launch_partial_prefill_with`].
+pub fn launch_partial_prefill_tiled(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    tiled: &TiledRsWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    ws: &mut Workspace,
+) -> Result<()> {
+    ensure!(
+        (tiled.experts, tiled.n, tiled.k) == (w.experts, w.n, w.k),
+        "moe_gemm prefill: tiled weights are {} x {} x {}, the weights {} x {} x {}",
+        tiled.experts,
+        tiled.n,
+        tiled.k,
+        w.experts,
+        w.n,
+        w.k
+    );
+    launch_prefill_impl(gpu, w, Some(tiled), a, grp, ws, PrefillKernel::RsWtmaTiled)
+}
+
+fn launch_prefill_impl(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    tiled: Option<&TiledRsWeights>,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
     ws: &mut Workspace,
@@ -247,7 +300,10 @@ pub fn launch_partial_prefill_with(
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    if matches!(kernel, PrefillKernel::RsTma | PrefillKernel::RsWtma) {
+    if matches!(
+        kernel,
+        PrefillKernel::RsTma | PrefillKernel::RsWtma | PrefillKernel::RsWtmaTiled
+    ) {
         // TMA box coordinates are signed 32-bit: the weight row e * N + n and the token row must fit.
         ensure!(
             w.experts * w.n <= i32::MAX as usize,
@@ -259,11 +315,12 @@ pub fn launch_partial_prefill_with(
         // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
         // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
-        // 32 / 64 / 96 / 128 token rows.
+        // 32 / 64 / 96 / 128 token rows; RsWtmaTiled: the tiled weights' address, then the same activation maps.
         let weight_maps = match kernel {
-            PrefillKernel::RsTma => None,
+            PrefillKernel::RsTma | PrefillKernel::RsWtmaTiled => None,
             _ => Some(weight_maps_for_rs(w, wc, wsc)?),
         };
+        let tiled_p = tiled.map(|t| ptr(gpu, &t.blocks)).unwrap_or(0);
         let box_rows: &[usize] = match kernel {
             PrefillKernel::RsTma => &[TILE_M],
             _ => &[32, 64, 96, 128],
@@ -273,9 +330,10 @@ pub fn launch_partial_prefill_with(
             .map(|&r| rs_activation_map(act_rs, grp.rows_total, w.k, r))
             .collect::<Result<Vec<_>>>()?;
         let mut b = gpu.stream.launch_builder(&f);
-        match &weight_maps {
-            Some((codes_map, scales_map)) => b.arg(codes_map).arg(scales_map),
-            None => b.arg(&wc).arg(&wsc),
+        match (&weight_maps, kernel) {
+            (Some((codes_map, scales_map)), _) => b.arg(codes_map).arg(scales_map),
+            (None, PrefillKernel::RsWtmaTiled) => b.arg(&tiled_p),
+            (None, _) => b.arg(&wc).arg(&wsc),
         };
         b.arg(&n).arg(&k);
         for m in &act_maps {
@@ -392,6 +450,57 @@ fn rs_activation_map(addr: u64, rows: usize, k: usize, box_rows: usize) -> Resul
         &[64, box_rows as u32],
         sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     )
+}
+
+/// Bytes of one pre-tiled stage (`rs::kTiledBlock` in the .cu): the 256 code rows of 64 B, then the stage's 8 scale
+/// bytes of each row.
+pub const TILED_BLOCK_BYTES: usize = TILE_N_RS * 64 + TILE_N_RS * 8;
+
+/// The weights re-laid for [`PrefillKernel::RsWtmaTiled`] (weight preparation, once per weight set): block
+/// `(e * N / 256 + n_tile) * K / 128 + st` of [`TILED_BLOCK_BYTES`] holds code byte c of tile row r at `64 r + c` and
+/// scale byte j at `16384 + 8 r + j` (the .cu's layout comment). Same bytes as the plain weights, reordered.
+pub struct TiledRsWeights {
+    pub experts: usize,
+    pub n: usize,
+    pub k: usize,
+    pub blocks: CudaSlice<u8>,
+}
+
+/// Re-lay `w` for [`launch_partial_prefill_tiled`] on the device (`moe_gemm_prefill_tile_weights_rs`).
+/// `N % 256 == 0`, `K % 128 == 0`.
+pub fn tile_weights_for_rs(gpu: &Gpu, w: &DeviceExpertWeights) -> Result<TiledRsWeights> {
+    ensure!(
+        w.n.is_multiple_of(TILE_N_RS) && w.k.is_multiple_of(STAGE_K_RS) && w.experts >= 1,
+        "moe_gemm prefill tiling: N = {} must be a multiple of {TILE_N_RS} and K = {} of {STAGE_K_RS}",
+        w.n,
+        w.k
+    );
+    let blocks = w.experts * (w.n / TILE_N_RS) * (w.k / STAGE_K_RS);
+    let out = gpu.zeros::<u8>(blocks * TILED_BLOCK_BYTES)?;
+    let f = gpu.function(FAMILY, "moe_gemm_prefill_tile_weights_rs")?;
+    let (codes, scales, o) = (ptr(gpu, &w.codes), ptr(gpu, &w.scales), ptr(gpu, &out));
+    let (e, n, k) = (
+        as_i32(w.experts, "experts")?,
+        as_i32(w.n, "N")?,
+        as_i32(w.k, "K")?,
+    );
+    let mut b = gpu.stream.launch_builder(&f);
+    b.arg(&codes).arg(&scales).arg(&e).arg(&n).arg(&k).arg(&o);
+    let units = blocks * (TILED_BLOCK_BYTES / 16);
+    unsafe {
+        b.launch(launch_cfg(
+            (units.div_ceil(256).min(1 << 20) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+        ))
+    }
+    .map_err(|e| anyhow!("moe_gemm_prefill_tile_weights_rs: {e:?}"))?;
+    Ok(TiledRsWeights {
+        experts: w.experts,
+        n: w.n,
+        k: w.k,
+        blocks: out,
+    })
 }
 
 /// Tensor maps of the weights for [`PrefillKernel::RsWtma`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
