@@ -1154,6 +1154,9 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 // with pitch 16, a TMA row must be 16-byte multiple). One cp.async.bulk per stage. Same registers, same fragments,
 // same wgmma order: bit-identical partials (GPU test). Layout: block ((e * N / 256 + n_tile) * K / 128 + st) at
 // byte 18432 * block; inside, code byte c of row r at 64 r + c, scale byte j of row r at 16384 + 8 r + j.
+// Session-11 A/B (H200, 3f5fd93, whole calls, us, rs_wtma / this kernel): Flash L1 512 tokens 1153.5 / 1086.1, 1024
+// 1197.6 / 1140.4, 4096 1933.3 / 1861.9; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6; the mainloop alone
+// under ncu at Flash L1 4096 1.62 / 1.55 ms. Routed (PrefillKernel::routed_for) whenever the weights carry the copy.
 extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled(
     const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,

@@ -1186,6 +1186,7 @@ impl FinishDevice {
                 codes: gpu.zeros::<u8>(inp.experts * n * k / 2).unwrap(),
                 scales: gpu.zeros::<u8>(inp.experts * n * k / 16).unwrap(),
                 global: gpu.upload(&inp.gsb).unwrap(),
+                prefill_tiled: None,
             },
             ws: Workspace {
                 splits,
@@ -1716,6 +1717,7 @@ fn check_l2_combine_kernels(
         codes: gpu.zeros::<u8>(experts * n * k / 2).unwrap(),
         scales: gpu.zeros::<u8>(experts * n * k / 16).unwrap(),
         global: gpu.upload(&gsb).unwrap(),
+        prefill_tiled: None,
     };
     let ws = Workspace {
         splits,
@@ -1939,6 +1941,7 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
             codes: gpu.upload(&[0u8; 1]).unwrap(),
             scales: gpu.upload(&[0u8; 1]).unwrap(),
             global: gpu.upload(&gsb).unwrap(),
+            prefill_tiled: None,
         };
         let gsa: Vec<f32> = (0..rows_total.max(1))
             .map(|_| rng.random_range(0.001f32..2.0))

@@ -381,8 +381,12 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
     let rows = rb.grouping.rows_total();
     let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
     // The tiled copy (weight preparation) for RsWtmaTiled. A block or byte the tiling missed stays 0 (code 0, scale 0)
-    // and changes the partials of its rows against RsTma's (random weights): the comparison below catches it.
-    let tiled = prefill::tile_weights_for_rs(&gpu, &dw).unwrap();
+    // and changes the partials of its rows against RsTma's (random weights): the comparison below catches it. With it
+    // prepared, the routed prefill kernel is the tiled one.
+    let mut dw = dw;
+    assert_eq!(PrefillKernel::routed_for(&dw), PrefillKernel::RsWtma);
+    dw.prepare_prefill_tiling(&gpu).unwrap();
+    assert_eq!(PrefillKernel::routed_for(&dw), PrefillKernel::RsWtmaTiled);
     for nvfp4 in [false, true] {
         let a = gathered_activations(&mut rng, &rb, k, nvfp4);
         let da = DevA::upload(&gpu, &a);
@@ -394,13 +398,8 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
         ] {
             let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
             gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-            if kernel == PrefillKernel::RsWtmaTiled {
-                prefill::launch_partial_prefill_tiled(&gpu, &dw, &tiled, &da.view(), &dg, &mut ws)
-                    .unwrap();
-            } else {
-                prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
-                    .unwrap();
-            }
+            prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
+                .unwrap();
             gpu.synchronize().unwrap();
             got.push(gpu.download(&ws.partial).unwrap());
         }

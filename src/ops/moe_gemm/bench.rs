@@ -23,9 +23,11 @@
 //!   128 x 256 CTA tile, same finish kernels, so one run races the tile widths at every prefill token count.
 //! * `nvfp4_wgmma_rswtma` (contiguous points only): the session-10 routed RS mainloop forced
 //!   (`PrefillKernel::RsWtma`: weights in the TMA ring, narrow token tiles; `K % 256 == 0`), same pre-pass and finish.
-//! * `nvfp4_wgmma_rswtma_tiled` (contiguous points only, session-11 A/B): the RS wtma mainloop on weights re-laid
-//!   once per point, before timing, into one contiguous 18 KiB block per stage (`PrefillKernel::RsWtmaTiled`,
+//! * `nvfp4_wgmma_rswtma_tiled` (contiguous points only): the RS wtma mainloop on weights re-laid once per point,
+//!   before timing, into one contiguous 18 KiB block per stage (`PrefillKernel::RsWtmaTiled`,
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
+//!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
+//!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
@@ -131,12 +133,10 @@ fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn launch_variant(
     gpu: &Gpu,
     variant: &str,
     w: &DeviceExpertWeights,
-    tiled: Option<&prefill::TiledRsWeights>,
     a: &DeviceActivations,
     dg: &DeviceGrouping,
     cfg: &GemmConfig,
@@ -152,28 +152,34 @@ fn launch_variant(
         "nvfp4_wgmma_rswtma" => {
             prefill::launch_partial_prefill_with(gpu, w, a, dg, ws, prefill::PrefillKernel::RsWtma)
         }
-        "nvfp4_wgmma_rswtma_tiled" => {
-            let t = tiled.ok_or_else(|| anyhow!("nvfp4_wgmma_rswtma_tiled: no tiled weights"))?;
-            prefill::launch_partial_prefill_tiled(gpu, w, t, a, dg, ws)
-        }
+        "nvfp4_wgmma_rswtma_tiled" => prefill::launch_partial_prefill_with(
+            gpu,
+            w,
+            a,
+            dg,
+            ws,
+            prefill::PrefillKernel::RsWtmaTiled,
+        ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
 
-/// The tiled copy of the weights for `nvfp4_wgmma_rswtma_tiled` (weight preparation, before the timed loop), else
-/// None.
-fn tiled_for(
+/// Weight preparation before the timed loop (not timed, like the BF16 copy of the cuBLASLt baseline): `nvfp4` at
+/// contiguous points and `nvfp4_wgmma_rswtma_tiled` get the prefill tiling
+/// ([`DeviceExpertWeights::prepare_prefill_tiling`]), which `nvfp4` then runs wherever it routes to the prefill
+/// mainloop; every other variant keeps the plain layout only.
+fn prepare_weights(
     gpu: &Gpu,
     variant: &str,
-    w: &DeviceExpertWeights,
-) -> Result<Option<prefill::TiledRsWeights>> {
-    if variant != "nvfp4_wgmma_rswtma_tiled" {
-        return Ok(None);
+    dg: &DeviceGrouping,
+    w: &mut DeviceExpertWeights,
+) -> Result<()> {
+    if variant == "nvfp4_wgmma_rswtma_tiled" || (variant == "nvfp4" && dg.capacity == 0) {
+        w.prepare_prefill_tiling(gpu)?;
+        gpu.synchronize()?;
     }
-    let t = prefill::tile_weights_for_rs(gpu, w)?;
-    gpu.synchronize()?;
-    Ok(Some(t))
+    Ok(())
 }
 
 pub fn kernels() -> Vec<BenchKernel> {
@@ -238,6 +244,7 @@ pub fn synthetic_weights(
         codes,
         scales,
         global,
+        prefill_tiled: None,
     })
 }
 
@@ -333,13 +340,13 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
     match variant {
         v if is_ours(v) => {
             let gpu = ctx.gpu;
-            let w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 11)?;
+            let mut w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 11)?;
             let rows = p.rb.grouping.rows_total();
             let dg = DeviceGrouping::upload(gpu, &p.rb.grouping)?;
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
-            let tiled = tiled_for(gpu, variant, &w)?;
+            prepare_weights(gpu, variant, &dg, &mut w)?;
             let mut codes = gpu.zeros::<u8>(rows * p.k / 2)?;
             let mut scales = gpu.zeros::<u8>(rows * p.k / 16)?;
             fill_weights(gpu, &mut codes, &mut scales, 17)?;
@@ -369,7 +376,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4 + i / 2 + i / 16 + 4);
             let finish = finish_l1_for(variant, &dg, i);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
-                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l1_with(gpu, &ws, &dg, &w, &a, &routing, &mut out, finish)
             })?;
             Ok(vec![row(
@@ -393,13 +400,13 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
     match variant {
         v if is_ours(v) => {
             let gpu = ctx.gpu;
-            let w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 13)?;
+            let mut w = synthetic_weights(gpu, s.param_u64("experts")? as usize, p.n, p.k, 13)?;
             let rows = p.rb.grouping.rows_total();
             let dg = DeviceGrouping::upload(gpu, &p.rb.grouping)?;
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
-            let tiled = tiled_for(gpu, variant, &w)?;
+            prepare_weights(gpu, variant, &dg, &mut w)?;
             // The L1 output (NVFP4 h with a per-row global scale), synthetic.
             let mut h = L1Output::new(gpu, rows, p.k, false)?;
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
@@ -423,7 +430,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             let finish = finish_l2_for(variant, p.tokens, p.n);
             let samples = gpu.time_us(ctx.plan(bytes as u64), || {
                 let a = h.as_activations();
-                launch_variant(gpu, variant, &w, tiled.as_ref(), &a, &dg, &cfg, &mut ws)?;
+                launch_variant(gpu, variant, &w, &a, &dg, &cfg, &mut ws)?;
                 launch_finish_l2_with(gpu, &ws, &dg, &w, &a, &token_rows, p.topk, &mut y, finish)
             })?;
             Ok(vec![row(

@@ -87,6 +87,11 @@ pub struct DeviceExpertWeights {
     pub scales: CudaSlice<u8>,
     /// fp32 global scale per (expert, row), `[E, N]`.
     pub global: CudaSlice<f32>,
+    /// The same codes and block scales re-laid for the prefill mainloop (one contiguous block per 256-row tile and
+    /// 128-K stage, [`prefill::tile_weights_for_rs`]), or None. Prepared on request
+    /// ([`DeviceExpertWeights::prepare_prefill_tiling`]); when present, [`prefill::launch_partial_prefill`] runs
+    /// `PrefillKernel::RsWtmaTiled` on it. It doubles the weight memory: the decode mainloop reads the plain layout.
+    pub prefill_tiled: Option<CudaSlice<u8>>,
 }
 
 impl DeviceExpertWeights {
@@ -106,7 +111,17 @@ impl DeviceExpertWeights {
             codes: gpu.upload(&w.rows.codes)?,
             scales: gpu.upload(&w.rows.scales)?,
             global: gpu.upload(&w.rows.global)?,
+            prefill_tiled: None,
         })
+    }
+
+    /// Re-lay the weights once for the prefill mainloop ([`DeviceExpertWeights::prefill_tiled`]); a no-op (Ok) for
+    /// shapes it does not take (N % 256 != 0 or K % 128 != 0), which keep the plain-layout kernels.
+    pub fn prepare_prefill_tiling(&mut self, gpu: &Gpu) -> Result<()> {
+        if self.prefill_tiled.is_none() && prefill::tiling_fits(self.n, self.k) {
+            self.prefill_tiled = Some(prefill::tile_weights_for_rs(gpu, self)?);
+        }
+        Ok(())
     }
 
     /// Bytes one expert's weights occupy (codes + block scales + global scales): what a kernel streams per expert.

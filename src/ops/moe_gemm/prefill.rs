@@ -111,10 +111,12 @@ pub enum PrefillKernel {
     /// wgmmas (and activation boxes of as many rows) instead of 128. Bit-identical partials. `N % 256 == 0`,
     /// `K % 256 == 0`. The routed prefill mainloop since the session-10 A/B (numbers in the .cu).
     RsWtma,
-    /// `moe_gemm_prefill_partial_rs_wtma_tiled`: [`PrefillKernel::RsWtma`] on weights re-laid once by
-    /// [`tile_weights_for_rs`] (one contiguous 18 KiB block per stage, one bulk copy instead of two 2D boxes of 256
-    /// rows). Bit-identical partials. Only through [`launch_partial_prefill_tiled`] (it needs the tiled copy);
-    /// session-11 A/B candidate (bench `nvfp4_wgmma_rswtma_tiled`).
+    /// `moe_gemm_prefill_partial_rs_wtma_tiled`: [`PrefillKernel::RsWtma`] on the weights' re-laid copy
+    /// ([`DeviceExpertWeights::prefill_tiled`], one contiguous 18 KiB block per stage, one bulk copy instead of two 2D
+    /// boxes of 256 rows). Bit-identical partials. Routed whenever that copy exists (session-11 A/B, H200, 3f5fd93,
+    /// whole calls, us, RsWtma / RsWtmaTiled: Flash L1 512 tokens 1153.5 / 1086.1, 1024 1197.6 / 1140.4, 4096
+    /// 1933.3 / 1861.9, 16384 7470.2 / 7122.6; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6, L2 4096 3157.1
+    /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms).
     RsWtmaTiled,
 }
 
@@ -167,6 +169,17 @@ impl PrefillKernel {
     }
 }
 
+impl PrefillKernel {
+    /// [`PrefillKernel::RsWtmaTiled`] when the weights carry their tiled copy and [`PrefillKernel::default_for`]
+    /// picks [`PrefillKernel::RsWtma`], else [`PrefillKernel::default_for`].
+    pub fn routed_for(w: &DeviceExpertWeights) -> PrefillKernel {
+        match PrefillKernel::default_for(w.n, w.k) {
+            PrefillKernel::RsWtma if w.prefill_tiled.is_some() => PrefillKernel::RsWtmaTiled,
+            k => k,
+        }
+    }
+}
+
 /// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
 /// The mainloop is [`PrefillKernel::default_for`] (the RS kernel for every DSV4 shape; among the SS tiles, 128 x
 /// 256 beat 128 x 128 at every prefill point of session 2, e.g. L1 4096 tokens 3724 vs 4822 us).
@@ -177,11 +190,11 @@ pub fn launch_partial_prefill(
     grp: &DeviceGrouping,
     ws: &mut Workspace,
 ) -> Result<()> {
-    launch_partial_prefill_with(gpu, w, a, grp, ws, PrefillKernel::default_for(w.n, w.k))
+    launch_partial_prefill_with(gpu, w, a, grp, ws, PrefillKernel::routed_for(w))
 }
 
-/// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes the kernel does not take before any launch.
-/// [`PrefillKernel::RsWtmaTiled`] needs the tiled weights: [`launch_partial_prefill_tiled`].
+/// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes the kernel does not take before any launch
+/// ([`PrefillKernel::RsWtmaTiled`] also needs [`DeviceExpertWeights::prefill_tiled`]).
 pub fn launch_partial_prefill_with(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -191,45 +204,9 @@ pub fn launch_partial_prefill_with(
     kernel: PrefillKernel,
 ) -> Result<()> {
     ensure!(
-        kernel != PrefillKernel::RsWtmaTiled,
-        "moe_gemm prefill: RsWtmaTiled runs on tiled weights (launch_partial_prefill_tiled)"
+        kernel != PrefillKernel::RsWtmaTiled || w.prefill_tiled.is_some(),
+        "moe_gemm prefill: RsWtmaTiled needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
     );
-    launch_prefill_impl(gpu, w, None, a, grp, ws, kernel)
-}
-
-/// [`PrefillKernel::RsWtmaTiled`]: the RS wtma mainloop on `tiled`, the [`tile_weights_for_rs`] copy of `w` (`w`
-/// still supplies the shape checks; its codes are not read). Same contract and checks as
-/// [`launch_partial_prefill_with`].
-pub fn launch_partial_prefill_tiled(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    tiled: &TiledRsWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    ws: &mut Workspace,
-) -> Result<()> {
-    ensure!(
-        (tiled.experts, tiled.n, tiled.k) == (w.experts, w.n, w.k),
-        "moe_gemm prefill: tiled weights are {} x {} x {}, the weights {} x {} x {}",
-        tiled.experts,
-        tiled.n,
-        tiled.k,
-        w.experts,
-        w.n,
-        w.k
-    );
-    launch_prefill_impl(gpu, w, Some(tiled), a, grp, ws, PrefillKernel::RsWtmaTiled)
-}
-
-fn launch_prefill_impl(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    tiled: Option<&TiledRsWeights>,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    ws: &mut Workspace,
-    kernel: PrefillKernel,
-) -> Result<()> {
     check_shape(w.n, w.k)?;
     let (name, smem, tile_n, k_multiple) = kernel.entry();
     ensure!(
@@ -320,7 +297,7 @@ fn launch_prefill_impl(
             PrefillKernel::RsTma | PrefillKernel::RsWtmaTiled => None,
             _ => Some(weight_maps_for_rs(w, wc, wsc)?),
         };
-        let tiled_p = tiled.map(|t| ptr(gpu, &t.blocks)).unwrap_or(0);
+        let tiled_p = w.prefill_tiled.as_ref().map(|t| ptr(gpu, t)).unwrap_or(0);
         let box_rows: &[usize] = match kernel {
             PrefillKernel::RsTma => &[TILE_M],
             _ => &[32, 64, 96, 128],
@@ -456,21 +433,19 @@ fn rs_activation_map(addr: u64, rows: usize, k: usize, box_rows: usize) -> Resul
 /// bytes of each row.
 pub const TILED_BLOCK_BYTES: usize = TILE_N_RS * 64 + TILE_N_RS * 8;
 
-/// The weights re-laid for [`PrefillKernel::RsWtmaTiled`] (weight preparation, once per weight set): block
-/// `(e * N / 256 + n_tile) * K / 128 + st` of [`TILED_BLOCK_BYTES`] holds code byte c of tile row r at `64 r + c` and
-/// scale byte j at `16384 + 8 r + j` (the .cu's layout comment). Same bytes as the plain weights, reordered.
-pub struct TiledRsWeights {
-    pub experts: usize,
-    pub n: usize,
-    pub k: usize,
-    pub blocks: CudaSlice<u8>,
+/// Whether [`tile_weights_for_rs`] takes an `N` x `K` weight shape (`N % 256 == 0`, `K % 128 == 0`).
+pub fn tiling_fits(n: usize, k: usize) -> bool {
+    n > 0 && k > 0 && n.is_multiple_of(TILE_N_RS) && k.is_multiple_of(STAGE_K_RS)
 }
 
-/// Re-lay `w` for [`launch_partial_prefill_tiled`] on the device (`moe_gemm_prefill_tile_weights_rs`).
-/// `N % 256 == 0`, `K % 128 == 0`.
-pub fn tile_weights_for_rs(gpu: &Gpu, w: &DeviceExpertWeights) -> Result<TiledRsWeights> {
+/// The weights' codes and block scales re-laid for [`PrefillKernel::RsWtmaTiled`] on the device
+/// (`moe_gemm_prefill_tile_weights_rs`; weight preparation, once per weight set): block
+/// `(e * N / 256 + n_tile) * K / 128 + st` of [`TILED_BLOCK_BYTES`] holds code byte c of tile row r at `64 r + c` and
+/// scale byte j at `16384 + 8 r + j` (the .cu's layout comment). Same bytes as the plain weights, reordered.
+/// `N % 256 == 0`, `K % 128 == 0` ([`tiling_fits`]).
+pub fn tile_weights_for_rs(gpu: &Gpu, w: &DeviceExpertWeights) -> Result<CudaSlice<u8>> {
     ensure!(
-        w.n.is_multiple_of(TILE_N_RS) && w.k.is_multiple_of(STAGE_K_RS) && w.experts >= 1,
+        tiling_fits(w.n, w.k) && w.experts >= 1,
         "moe_gemm prefill tiling: N = {} must be a multiple of {TILE_N_RS} and K = {} of {STAGE_K_RS}",
         w.n,
         w.k
@@ -495,12 +470,7 @@ pub fn tile_weights_for_rs(gpu: &Gpu, w: &DeviceExpertWeights) -> Result<TiledRs
         ))
     }
     .map_err(|e| anyhow!("moe_gemm_prefill_tile_weights_rs: {e:?}"))?;
-    Ok(TiledRsWeights {
-        experts: w.experts,
-        n: w.n,
-        k: w.k,
-        blocks: out,
-    })
+    Ok(out)
 }
 
 /// Tensor maps of the weights for [`PrefillKernel::RsWtma`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
