@@ -183,13 +183,26 @@ struct Grouping {
     }
 };
 
+// Byte distance between the 128-K chunks of one weight row: 64 code and 8 scale bytes in the plain [E*N][K/2],
+// [E*N][K/16] layout; one 18 KiB block (kTiledBlock) in the prefill tiling (kernels/moe_gemm_prefill.cu,
+// moe_gemm_prefill_tile_weights_rs: block (tile, 128-K stage), codes of tile row r at 64 r, its 8 scale bytes at
+// 16384 + 8 r), which the v3t entries read.
+constexpr int kTiledBlock = 18432;
+template <bool kTiled>
+struct ChunkStride {
+    static constexpr int kCodes = kTiled ? kTiledBlock : 64;
+    static constexpr int kScales = kTiled ? kTiledBlock : 8;
+};
+
+template <bool kTiled = false>
 __device__ __forceinline__ void load_stage(WChunk (&w)[kChunksPerStage], const uint8_t* codes, const uint8_t* scales,
                                            size_t codes_8rows, size_t scales_8rows) {
 #pragma unroll
     for (int c = 0; c < kChunksPerStage; ++c) {
-        w[c].row_lo = ldg_stream(codes + c * 64);
-        w[c].row_hi = ldg_stream(codes + codes_8rows + c * 64);
-        w[c].scales = ldg_u16(scales + c * 8) | (ldg_u16(scales + scales_8rows + c * 8) << 16);
+        w[c].row_lo = ldg_stream(codes + c * ChunkStride<kTiled>::kCodes);
+        w[c].row_hi = ldg_stream(codes + codes_8rows + c * ChunkStride<kTiled>::kCodes);
+        w[c].scales = ldg_u16(scales + c * ChunkStride<kTiled>::kScales) |
+                      (ldg_u16(scales + scales_8rows + c * ChunkStride<kTiled>::kScales) << 16);
     }
 }
 
@@ -286,7 +299,7 @@ __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint
 // buffer costs 36 registers instead of 72, which lets the 1- and 2-token-tile entries run 3 CTAs (24 warps) per
 // SM instead of 2 (ncu round 1: nt1 v2 = 118 registers, occupancy limited to 25% by registers).
 namespace {
-template <int NT>
+template <int NT, bool kTiled = false>
 __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChunk (&w)[kChunksPerStage],
                                                       const uint4* s_act, int g, int t, bool load_next,
                                                       const uint8_t* next_codes, const uint8_t* next_scales,
@@ -317,14 +330,16 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
         // Chunk c has been consumed: refill its slot with chunk c of the next stage (the addresses load_stage
         // would use). Issued after the j loop so the old and new chunk are never live together.
         if (load_next) {
-            w[c].row_lo = ldg_stream(next_codes + c * 64);
-            w[c].row_hi = ldg_stream(next_codes + codes_8rows + c * 64);
-            w[c].scales = ldg_u16(next_scales + c * 8) | (ldg_u16(next_scales + scales_8rows + c * 8) << 16);
+            w[c].row_lo = ldg_stream(next_codes + c * ChunkStride<kTiled>::kCodes);
+            w[c].row_hi = ldg_stream(next_codes + codes_8rows + c * ChunkStride<kTiled>::kCodes);
+            w[c].scales = ldg_u16(next_scales + c * ChunkStride<kTiled>::kScales) |
+                          (ldg_u16(next_scales + scales_8rows + c * ChunkStride<kTiled>::kScales) << 16);
         }
     }
 }
 
-template <int NT>
+// kTiled (v3t): w_codes points at the prefill-tiled weights (w_scales unused); only the weight addresses change.
+template <int NT, bool kTiled = false>
 __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_codes,
                                                  const uint8_t* __restrict__ w_scales, int N, int K,
                                                  const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
@@ -380,8 +395,15 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         const int kbase = p.split * k_split;
         p.n = n_tile * kBlockN + warp * 16 + g;
         const size_t wrow = (size_t)lo * N + p.n;
-        p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
-        p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
+        if constexpr (kTiled) {
+            // Block of (256-row tile wrow / 256, 128-K stage kbase / 128); row wrow % 256 inside it (N % 256 == 0).
+            const uint8_t* blk = w_codes + ((wrow / 256) * (size_t)(K / kChunkK) + kbase / kChunkK) * kTiledBlock;
+            p.codes = blk + (wrow % 256) * 64 + 16 * t;
+            p.scales = blk + 16384 + (wrow % 256) * 8 + 2 * t;
+        } else {
+            p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
+            p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
+        }
         return p;
     };
 
@@ -393,7 +415,12 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     WChunk wbuf[kChunksPerStage];
     copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
-    load_stage(wbuf, cur.codes, cur.scales, 8 * codes_row, 8 * scales_row);
+    // Rows g and g + 8: 8 rows apart (plain: 8 row pitches; tiled: 8 x 64 code / 8 x 8 scale bytes in the block).
+    const size_t codes_8rows = kTiled ? 8 * 64 : 8 * codes_row, scales_8rows = kTiled ? 8 * 8 : 8 * scales_row;
+    // A 512-K stage: 4 chunks further (plain: 256 code / 32 scale bytes; tiled: 4 blocks).
+    constexpr int kStageCodes = kTiled ? kChunksPerStage * kTiledBlock : kStageK / 2;
+    constexpr int kStageScales = kTiled ? kChunksPerStage * kTiledBlock : kStageK / 16;
+    load_stage<kTiled>(wbuf, cur.codes, cur.scales, codes_8rows, scales_8rows);
     int st = 0;
     for (;;) {
         const bool last_stage = st + 1 == stages;
@@ -409,8 +436,8 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         if (has_next)         // the next step's raw tile streams in while this step computes
             copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
                                      nxt.split * k_split + next_st * kStageK);
-        compute_stage_rolling<NT>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * (kStageK / 2),
-                                  nxt.scales + next_st * (kStageK / 16), 8 * codes_row, 8 * scales_row);
+        compute_stage_rolling<NT, kTiled>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
+                                          nxt.scales + next_st * kStageScales, codes_8rows, scales_8rows);
 
         if (last_stage) {
             float* out = partial + (size_t)cur.split * grp.rows_total * N;
@@ -450,6 +477,25 @@ MOE_GEMM_ENTRY_V3(1, 3)
 MOE_GEMM_ENTRY_V3(2, 3)
 MOE_GEMM_ENTRY_V3(4, 1)
 MOE_GEMM_ENTRY_V3(8, 1)
+
+// v3t (session-11 A/B, bench `nvfp4_decode_tiled`): v3 reading the prefill tiling of the weights
+// (DeviceExpertWeights::prefill_tiled) instead of the plain layout, so that one weight copy could serve both mainloops.
+// Same loads (16 B of codes and 2 x 2 scale bytes per lane and 128-K chunk), same registers, fragments and mma
+// order: bit-identical partials (GPU test). A warp's 8 rows of a chunk are now 512 contiguous bytes (plain: 64 B
+// per row, K / 2 bytes apart). w_codes = the tiled blocks; w_scales is ignored. N % 256 == 0, K % 512 == 0.
+#define MOE_GEMM_ENTRY_V3T(NT, MINB)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v3t_nt##NT(                \
+        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
+        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
+        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
+        Grouping grp{group, capacity, experts, rows_total};                                                          \
+        moe_gemm_body_v3<NT, true>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);  \
+    }
+
+MOE_GEMM_ENTRY_V3T(1, 3)
+MOE_GEMM_ENTRY_V3T(2, 3)
+MOE_GEMM_ENTRY_V3T(4, 1)
+MOE_GEMM_ENTRY_V3T(8, 1)
 
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {

@@ -28,6 +28,9 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
+//! * `nvfp4_decode_tiled` (masked / decode points only, session-11 A/B): `nvfp4` with the decode mainloop reading
+//!   the prefill tiling of the weights (`launch_partial_mma_tiled`, prepared before timing like
+//!   `nvfp4_wgmma_rswtma_tiled`'s), same config and finish: whether one weight copy can serve both mainloops.
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
@@ -66,6 +69,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
     "nvfp4_decode",
+    "nvfp4_decode_tiled",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -88,6 +92,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
             | "nvfp4_decode"
+            | "nvfp4_decode_tiled"
     )
 }
 
@@ -99,7 +104,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let prefill_only = variant.starts_with("nvfp4_wgmma")
         || variant == "nvfp4_finishpad1b"
         || variant == "nvfp4_decode";
-    let decode_only = variant == "nvfp4_finishq4";
+    let decode_only = variant == "nvfp4_finishq4" || variant == "nvfp4_decode_tiled";
     (prefill_only && masked) || (decode_only && !masked)
 }
 
@@ -161,12 +166,13 @@ fn launch_variant(
             prefill::PrefillKernel::RsWtmaTiled,
         ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
+        "nvfp4_decode_tiled" => launch_partial_mma_tiled(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
 
 /// Weight preparation before the timed loop (not timed, like the BF16 copy of the cuBLASLt baseline): `nvfp4` at
-/// contiguous points and `nvfp4_wgmma_rswtma_tiled` get the prefill tiling
+/// contiguous points, `nvfp4_wgmma_rswtma_tiled` and `nvfp4_decode_tiled` get the prefill tiling
 /// ([`DeviceExpertWeights::prepare_prefill_tiling`]), which `nvfp4` then runs wherever it routes to the prefill
 /// mainloop; every other variant keeps the plain layout only.
 fn prepare_weights(
@@ -175,7 +181,10 @@ fn prepare_weights(
     dg: &DeviceGrouping,
     w: &mut DeviceExpertWeights,
 ) -> Result<()> {
-    if variant == "nvfp4_wgmma_rswtma_tiled" || (variant == "nvfp4" && dg.capacity == 0) {
+    if variant == "nvfp4_wgmma_rswtma_tiled"
+        || variant == "nvfp4_decode_tiled"
+        || (variant == "nvfp4" && dg.capacity == 0)
+    {
         w.prepare_prefill_tiling(gpu)?;
         gpu.synchronize()?;
     }

@@ -399,14 +399,51 @@ pub fn launch_partial_mma(
     cfg: &GemmConfig,
     ws: &mut Workspace,
 ) -> Result<()> {
+    launch_partial_mma_impl(gpu, w, a, grp, cfg, ws, false)
+}
+
+/// [`launch_partial_mma`] reading the prefill tiling of the weights ([`DeviceExpertWeights::prefill_tiled`], entry
+/// points `moe_gemm_nvfp4_partial_v3t_nt*`): bit-identical partials. Needs the tiled copy (`N % 256 == 0`).
+/// Session-11 A/B candidate (bench `nvfp4_decode_tiled`): if it matches v3, one weight copy can serve both mainloops.
+pub fn launch_partial_mma_tiled(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+) -> Result<()> {
+    ensure!(
+        w.prefill_tiled.is_some(),
+        "moe_gemm: the tiled decode mainloop needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
+    );
+    launch_partial_mma_impl(gpu, w, a, grp, cfg, ws, true)
+}
+
+fn launch_partial_mma_impl(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+    tiled: bool,
+) -> Result<()> {
     check_partial_launch(w, a, grp, cfg, ws)?;
-    let name = format!("moe_gemm_nvfp4_partial_v3_nt{}", cfg.token_tile / 8);
+    let name = format!(
+        "moe_gemm_nvfp4_partial_{}_nt{}",
+        if tiled { "v3t" } else { "v3" },
+        cfg.token_tile / 8
+    );
     // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
     let smem = 2 * cfg.token_tile * STAGE_K * 2;
     let f = gpu.function_with_smem(FAMILY, &name, smem)?;
     let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
     let (wc, wsc, grp_p, part) = (
-        ptr(gpu, &w.codes),
+        match (&w.prefill_tiled, tiled) {
+            (Some(t), true) => ptr(gpu, t),
+            _ => ptr(gpu, &w.codes),
+        },
         ptr(gpu, &w.scales),
         ptr(gpu, &grp.group),
         ptr(gpu, &ws.partial),
