@@ -103,6 +103,7 @@
 #include "common/formats.cuh"
 #include "common/expert_tiles.cuh"
 #include "common/nvfp4_dequant.cuh"
+#include "common/e2m1_thresholds.cuh"
 
 namespace {
 
@@ -653,10 +654,42 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
     return gs;
 }
 
+// The 4 codes of chunk x (x | y << 4 | z << 8 | w << 12) with mm::nvfp4_element's bits, without its IEEE division
+// (FinishL1Kernel::RowsThr): the division-free encoder of common/e2m1_thresholds.cuh (7 thresholds per lane from
+// `scale`, then a 3-compare binary search per element), falling back to mm::nvfp4_element itself wherever that
+// encoder's identities do not hold or its result could differ. Why each case gives nvfp4_element's code:
+// * fast path: 2^-100 <= scale <= 2^100 (so scale > 0, finite, and the FMA thresholds are the exact ones:
+//   e2m1_thresholds_fma's comment) and no element is NaN. Then for each element x:
+//   - x finite: e2m1_code_thr = e2m1_encode(fl(x / scale)) by the identities above e2m1_code_thr (any finite f32
+//     x, subnormals included; __fdiv_rn is the correctly rounded division they assume).
+//   - x = +-inf: fl(+-inf / scale) = +-inf, e2m1_encode -> 7 | sign. e2m1_code_thr: every threshold is finite
+//     (<= nextup(RD32(5.0000003 * 2^100))), so a = +inf >= all 7 -> magnitude 7, sign bit 3 from x -> 7 | sign.
+//   - x = +-0: e2m1_encode(+-0) = 0 | sign (its `neg` keeps -0); e2m1_code_thr: 0 < b[0] = nextup(...) >= 2^-149
+//     -> magnitude 0, sign bit from x -> the same.
+// * scale == 0: nvfp4_element returns code 0 for every x (no sign: e2m1_code_thr would keep the sign of -0 and
+//   negative x) -> fallback.
+// * scale NaN, +-inf, negative, or > 0 outside [2^-100, 2^100] (rows with amax below ~2^-88 or above ~2^111; the
+//   FMA form would lose bits there): fallback (rare: the division itself is the reference).
+// * some x NaN: e2m1_encode(NaN) = 7 (every ladder compare false, sign dropped by its !isnan) but e2m1_code_thr
+//   gives 0 | sign (every `a >= b` false) -> the whole chunk falls back.
+// The fast path has no branch; the one branch per chunk picks it (lane-divergent only where a chunk holds a NaN).
+__device__ __forceinline__ uint32_t nvfp4_codes4_thr(const float4 x, float scale) {
+    const bool any_nan = isnan(x.x) || isnan(x.y) || isnan(x.z) || isnan(x.w);
+    if (e2m1_thresholds_fma_scale_in_range(scale) && !any_nan) {
+        const E2m1Thresholds thr = e2m1_thresholds_fma_in_range(scale);
+        return e2m1_code_thr(x.x, thr) | e2m1_code_thr(x.y, thr) << 4 | e2m1_code_thr(x.z, thr) << 8 |
+               e2m1_code_thr(x.w, thr) << 12;
+    }
+    return (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
+           (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
+}
+
 // NVFP4 quantization of chunk c = h elements 4c..4c+3 (x) of a row with global scale gs: the 4 lanes of the chunk's
 // 16-block (lanes 4*(lane/4) + 0..3, all named in `mask`) share the block amax by two xor-shuffles; the lane with
 // c % 4 == 0 stores the block scale byte, every lane its 2 code bytes (the rules are in the comment of
-// moe_gemm_finish_l1_swiglu_nvfp4_q4 below). One source for the q4 pass and the rows kernel.
+// moe_gemm_finish_l1_swiglu_nvfp4_q4 below). One source for the q4 pass and the rows kernels. kThresholdEncoder:
+// the codes by nvfp4_codes4_thr (RowsThr; the same bits) instead of 4 x mm::nvfp4_element.
+template <bool kThresholdEncoder = false>
 __device__ __forceinline__ void nvfp4_quant_chunk4(const float4 x, float gs, unsigned mask, int c,
                                                    uint8_t* __restrict__ codes_row, uint8_t* __restrict__ scales_row) {
     float bmax = fmaxf(fmaxf(0.f, fmaxf(fabsf(x.x), fabsf(x.y))), fmaxf(fabsf(x.z), fabsf(x.w)));
@@ -665,8 +698,13 @@ __device__ __forceinline__ void nvfp4_quant_chunk4(const float4 x, float gs, uns
     const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
     const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
     if ((c & 3) == 0) scales_row[c >> 2] = sc;
-    const uint32_t q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
-                       (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
+    uint32_t q;
+    if constexpr (kThresholdEncoder) {
+        q = nvfp4_codes4_thr(x, scale);
+    } else {
+        q = (uint32_t)mm::nvfp4_element(x.x, scale) | (uint32_t)mm::nvfp4_element(x.y, scale) << 4 |
+            (uint32_t)mm::nvfp4_element(x.z, scale) << 8 | (uint32_t)mm::nvfp4_element(x.w, scale) << 12;
+    }
     *reinterpret_cast<uint16_t*>(codes_row + 2 * c) = (uint16_t)q;
 }
 
@@ -841,7 +879,8 @@ __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-template <int KC, int kStages>
+// kThresholdEncoder: RowsThr (the codes by nvfp4_codes4_thr, bit-identical; everything else the same code).
+template <int KC, int kStages, bool kThresholdEncoder>
 __device__ __forceinline__ void finish_l1_rows_body(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
@@ -963,21 +1002,25 @@ __device__ __forceinline__ void finish_l1_rows_body(
             if (c < chunks) {
                 const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1, a multiple of 4 (q4's comment)
                 const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
-                nvfp4_quant_chunk4(h[k], gs, mask, c, codes_row, scales_row);
+                nvfp4_quant_chunk4<kThresholdEncoder>(h[k], gs, mask, c, codes_row, scales_row);
             }
         }
     }
 }
 
-#define MOE_FINISH_L1_ROWS(KC, STAGES, MINB)                                                                          \
-    extern "C" __global__ void __launch_bounds__(kFinishL1RowsThreads, MINB) moe_gemm_finish_l1_swiglu_nvfp4_rows_kc##KC( \
+#define MOE_FINISH_L1_ROWS_ENC(NAME, THR, KC, STAGES, MINB)                                                          \
+    extern "C" __global__ void __launch_bounds__(kFinishL1RowsThreads, MINB) moe_gemm_finish_l1_swiglu_nvfp4_##NAME##_kc##KC( \
         const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total,   \
         int I, const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,       \
         uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs,                      \
         float* __restrict__ h_out, int rows_per_cta) {                                                                \
-        finish_l1_rows_body<KC, STAGES>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, \
-                                        h_codes, h_scales, h_gs, h_out, rows_per_cta);                                 \
+        finish_l1_rows_body<KC, STAGES, THR>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb,     \
+                                             routing, h_codes, h_scales, h_gs, h_out, rows_per_cta);                   \
     }
+// Both encoders per (KC, ring stages, CTAs per SM): _rows_kcK (FinishL1Kernel::Rows) and _rows_thr_kcK (RowsThr).
+#define MOE_FINISH_L1_ROWS(KC, STAGES, MINB)              \
+    MOE_FINISH_L1_ROWS_ENC(rows, false, KC, STAGES, MINB) \
+    MOE_FINISH_L1_ROWS_ENC(rows_thr, true, KC, STAGES, MINB)
 // (KC, ring stages, CTAs per SM): the launcher's table FINISH_L1_ROWS_KINDS in src/ops/moe_gemm/mod.rs must match.
 // Ring bytes = stages * KC * 8 KB: kc1 64 KB, kc2 64 KB (Flash I = 2048: 3 CTAs x 3 rows x 16 KB ahead per SM),
 // kc3 48 KB (Pro I = 3072), kc4 64 KB.

@@ -1331,10 +1331,17 @@ impl FinishDevice {
         })
     }
 
-    /// The rows kernel with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned outputs.
-    fn run_rows(&self, gpu: &Gpu, rows_per_cta: usize, keep_h: bool) -> L1Output {
+    /// The rows kernel `kernel` (Rows or RowsThr) with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned
+    /// outputs.
+    fn run_rows(
+        &self,
+        gpu: &Gpu,
+        kernel: mg::FinishL1Kernel,
+        rows_per_cta: usize,
+        keep_h: bool,
+    ) -> L1Output {
         self.run_launch(gpu, keep_h, |a, out| {
-            mg::launch_finish_l1_rows(
+            mg::launch_finish_l1_rows_with(
                 gpu,
                 &self.ws,
                 &self.dg,
@@ -1342,6 +1349,7 @@ impl FinishDevice {
                 a,
                 &self.droute,
                 out,
+                kernel,
                 rows_per_cta,
             )
         })
@@ -1573,10 +1581,22 @@ fn sprinkle_special_partials(rng: &mut impl Rng, inp: &mut FinishInputs, one_in:
     }
 }
 
-/// The rows L1 finish against pad1b (the default) bit for bit (codes, block scales, global scales, h) into
-/// 0xFF-poisoned outputs: through [`mg::launch_finish_l1_with`] (the launcher's rows per CTA: one wave) and with
-/// each forced `rows_per_cta` (the ring wraps, the expert changes inside a CTA, the last CTA owns fewer rows),
-/// with and without the fp32 h output.
+/// Scales the routing weight of about one in `one_in` owned rows by a tiny or huge factor, so whole rows of h sit
+/// far from 1: row amax below ~2^-100 (block scales under 2^-100, subnormal h) or above ~2^110 (block scales over
+/// 2^100, or inf / NaN scales where h overflows). RowsThr's encoder must take its division fallback exactly there.
+fn scale_some_routing_weights(rng: &mut impl Rng, inp: &mut FinishInputs, one_in: u32) {
+    let factors = [1e-33f32, 1e-38, 1e-44, 1e33, 1e36, 1e38];
+    for r in 0..inp.rb.grouping.rows_total() {
+        if inp.rb.grouping.expert_of_row(r).is_some() && rng.random_range(0..one_in) == 0 {
+            inp.routing[r] *= factors[rng.random_range(0..factors.len())];
+        }
+    }
+}
+
+/// The rows L1 finishes (Rows and RowsThr) against pad1b (the default) bit for bit (codes, block scales, global
+/// scales, h) into 0xFF-poisoned outputs: through [`mg::launch_finish_l1_with`] (the launcher's rows per CTA: one
+/// wave) and with each forced `rows_per_cta` (the ring wraps, the expert changes inside a CTA, the last CTA owns
+/// fewer rows), with and without the fp32 h output.
 fn check_rows_finish_against_pad1b(
     gpu: &Gpu,
     label: &str,
@@ -1593,22 +1613,24 @@ fn check_rows_finish_against_pad1b(
     );
     let dev = FinishDevice::upload(gpu, inp);
     let want = dev.run(gpu, mg::FinishL1Kernel::PadOneBarrier, true);
-    for keep_h in [true, false] {
-        let got = dev.run(gpu, mg::FinishL1Kernel::Rows, keep_h);
-        assert_l1_outputs_bit_equal(
-            gpu,
-            &format!("{label} Rows, launcher's rows per CTA (h kept: {keep_h})"),
-            &got,
-            &want,
-        );
-        for &rpc in rows_per_cta {
-            let got = dev.run_rows(gpu, rpc, keep_h);
+    for kernel in [mg::FinishL1Kernel::Rows, mg::FinishL1Kernel::RowsThr] {
+        for keep_h in [true, false] {
+            let got = dev.run(gpu, kernel, keep_h);
             assert_l1_outputs_bit_equal(
                 gpu,
-                &format!("{label} Rows, {rpc} rows per CTA (h kept: {keep_h})"),
+                &format!("{label} {kernel:?}, launcher's rows per CTA (h kept: {keep_h})"),
                 &got,
                 &want,
             );
+            for &rpc in rows_per_cta {
+                let got = dev.run_rows(gpu, kernel, rpc, keep_h);
+                assert_l1_outputs_bit_equal(
+                    gpu,
+                    &format!("{label} {kernel:?}, {rpc} rows per CTA (h kept: {keep_h})"),
+                    &got,
+                    &want,
+                );
+            }
         }
     }
     let h = gpu.download(want.h_f32.as_ref().unwrap()).unwrap();
@@ -1618,8 +1640,8 @@ fn check_rows_finish_against_pad1b(
         h.iter().filter(|v| v.to_bits() == 0x8000_0000).count(),
     );
     eprintln!(
-        "{label}: Rows == pad1b bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has {nan} NaN, \
-         {inf} inf, {neg_zero} -0.0"
+        "{label}: Rows, RowsThr == pad1b bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has \
+         {nan} NaN, {inf} inf, {neg_zero} -0.0"
     );
 }
 
@@ -1638,6 +1660,12 @@ fn gpu_l1_finish_rows_bit_identical_prefill_sized() {
     let mut inp = finish_inputs(&mut rng, 2048, 40, 700, 1, None, true);
     sprinkle_special_partials(&mut rng, &mut inp, 64);
     check_rows_finish_against_pad1b(&gpu, name, &inp, &forced);
+    // Rows of tiny / huge h (RowsThr's out-of-range block scales), with and without special partials.
+    let mut inp = finish_inputs(&mut rng, 2048, 20, 300, 1, None, true);
+    scale_some_routing_weights(&mut rng, &mut inp, 4);
+    check_rows_finish_against_pad1b(&gpu, name, &inp, &[3, 256]);
+    sprinkle_special_partials(&mut rng, &mut inp, 64);
+    check_rows_finish_against_pad1b(&gpu, name, &inp, &[7]);
     let mut inp = finish_inputs(&mut rng, 3072, 24, 300, 1, None, false);
     sprinkle_special_partials(&mut rng, &mut inp, 64);
     check_rows_finish_against_pad1b(&gpu, name, &inp, &[5, 256]);
@@ -1651,6 +1679,7 @@ fn gpu_l1_finish_rows_bit_identical_prefill_sized() {
     for (inter, splits) in [(16usize, 1usize), (48, 2), (1136, 1), (2064, 3)] {
         let mut inp = finish_inputs(&mut rng, inter, 10, 90, splits, Some(2), true);
         sprinkle_special_partials(&mut rng, &mut inp, 32);
+        scale_some_routing_weights(&mut rng, &mut inp, 8);
         check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 5, 13]);
     }
 }
@@ -1709,6 +1738,8 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
     let want = run(Some(mg::FinishL1Kernel::PadOneBarrier), 0);
     let got = run(Some(mg::FinishL1Kernel::Rows), 0);
     assert_l1_outputs_bit_equal(&gpu, &format!("{name}: Rows (launcher)"), &got, &want);
+    let got = run(Some(mg::FinishL1Kernel::RowsThr), 0);
+    assert_l1_outputs_bit_equal(&gpu, &format!("{name}: RowsThr (launcher)"), &got, &want);
     for rpc in [1usize, 7, 100, 256] {
         let got = run(None, rpc);
         assert_l1_outputs_bit_equal(

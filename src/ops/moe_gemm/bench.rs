@@ -14,6 +14,8 @@
 //! * `nvfp4_finishpad1b` (`moe_gemm_l1` only): `nvfp4` with the L1 finish forced to `FinishL1Kernel::PadOneBarrier`,
 //!   the finish of contiguous (prefill) points before session 9 made `FinishL1Kernel::Rows` their routed finish
 //!   (bit-identical outputs), kept measurable for one run. `moe_gemm_l2` skips it.
+//! * `nvfp4_finishrowsthr` (`moe_gemm_l1` contiguous points only): `nvfp4` with the L1 finish forced to
+//!   `FinishL1Kernel::RowsThr` (session 11: the rows finish with the division-free e2m1 encoder; bit-identical).
 //! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` / `nvfp4_l2cols2tok` (`moe_gemm_l2` only): `nvfp4` with
 //!   the L2 combine forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) /
 //!   `RowWarps` / `Cols2` / `Cols2Tok` (session 11: one CTA per token),
@@ -60,6 +62,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4",
     "nvfp4_finishq4",
     "nvfp4_finishpad1b",
+    "nvfp4_finishrowsthr",
     "nvfp4_l2cols",
     "nvfp4_l2rowwarps",
     "nvfp4_l2cols2",
@@ -83,6 +86,7 @@ fn is_ours(variant: &str) -> bool {
         "nvfp4"
             | "nvfp4_finishq4"
             | "nvfp4_finishpad1b"
+            | "nvfp4_finishrowsthr"
             | "nvfp4_l2cols"
             | "nvfp4_l2rowwarps"
             | "nvfp4_l2cols2"
@@ -103,6 +107,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
     let prefill_only = variant.starts_with("nvfp4_wgmma")
         || variant == "nvfp4_finishpad1b"
+        || variant == "nvfp4_finishrowsthr"
         || variant == "nvfp4_decode";
     let decode_only = variant == "nvfp4_finishq4" || variant == "nvfp4_decode_tiled";
     (prefill_only && masked) || (decode_only && !masked)
@@ -114,6 +119,7 @@ fn finish_l1_for(variant: &str, dg: &DeviceGrouping, i_dim: usize) -> FinishL1Ke
     match variant {
         "nvfp4_finishq4" => FinishL1Kernel::Q4,
         "nvfp4_finishpad1b" => FinishL1Kernel::PadOneBarrier,
+        "nvfp4_finishrowsthr" => FinishL1Kernel::RowsThr,
         _ => FinishL1Kernel::for_grouping(dg, i_dim),
     }
 }
@@ -402,7 +408,10 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 }
 
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
-    if variant == "nvfp4_finishq4" || variant == "nvfp4_finishpad1b" {
+    if matches!(
+        variant,
+        "nvfp4_finishq4" | "nvfp4_finishpad1b" | "nvfp4_finishrowsthr"
+    ) {
         return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
     }
     let p = Point::new(s, tokens, ctx.seed, 2)?;

@@ -636,6 +636,13 @@ pub enum FinishL1Kernel {
     /// expert does; h stays in registers, one barrier per row. The instantiation is picked by I (`kcK` takes
     /// I <= 1024 K; I > 4096 is refused). Splits 1.. (decode) are read without prefetch: correct, not tuned.
     Rows,
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc{1,2,3,4}` (session-11 candidate, bench variant
+    /// `nvfp4_finishrowsthr`): [`FinishL1Kernel::Rows`] with the division-free e2m1 encoder of
+    /// kernels/common/e2m1_thresholds.cuh in its quantization step (7 thresholds per lane and 16-block, 3 compares
+    /// per element, instead of an IEEE division and the 7-compare ladder; the rows kernel is issue-bound). Falls
+    /// back to the division where the thresholds' identities do not hold (scale 0 / non-finite / outside
+    /// [2^-100, 2^100], NaN elements): bit-identical outputs. Same instantiations, launcher and limits as Rows.
+    RowsThr,
 }
 
 impl FinishL1Kernel {
@@ -655,6 +662,7 @@ impl FinishL1Kernel {
         FinishL1Kernel::Q4,
         FinishL1Kernel::PadOneBarrier,
         FinishL1Kernel::Rows,
+        FinishL1Kernel::RowsThr,
     ];
 
     /// The kernel's entry point in kernels/moe_gemm.cu for inner dimension `i_dim` (Rows: the instantiation whose
@@ -664,6 +672,7 @@ impl FinishL1Kernel {
             FinishL1Kernel::Q4 => Some("moe_gemm_finish_l1_swiglu_nvfp4_q4"),
             FinishL1Kernel::PadOneBarrier => Some("moe_gemm_finish_l1_swiglu_nvfp4_pad1b"),
             FinishL1Kernel::Rows => FinishL1RowsKind::for_i_dim(i_dim).map(|k| k.entry),
+            FinishL1Kernel::RowsThr => FinishL1RowsKind::for_i_dim(i_dim).map(|k| k.thr_entry),
         }
     }
 }
@@ -678,6 +687,8 @@ pub const FINISH_L1_ROWS_MAX_ROWS_PER_CTA: usize = 256;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FinishL1RowsKind {
     pub entry: &'static str,
+    /// The same instantiation with the division-free encoder ([`FinishL1Kernel::RowsThr`]).
+    pub thr_entry: &'static str,
     /// Chunks of 4 h columns per thread: takes I / 4 <= chunks_per_thread * 256.
     pub chunks_per_thread: usize,
     /// Rows in the per-thread cp.async ring (stages - 1 rows are prefetched).
@@ -689,24 +700,28 @@ pub struct FinishL1RowsKind {
 const FINISH_L1_ROWS_KINDS: [FinishL1RowsKind; 4] = [
     FinishL1RowsKind {
         entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc1",
+        thr_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc1",
         chunks_per_thread: 1,
         stages: 8,
         ctas_per_sm: 3,
     },
     FinishL1RowsKind {
         entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc2",
+        thr_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc2",
         chunks_per_thread: 2,
         stages: 4,
         ctas_per_sm: 3,
     },
     FinishL1RowsKind {
         entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc3",
+        thr_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc3",
         chunks_per_thread: 3,
         stages: 2,
         ctas_per_sm: 3,
     },
     FinishL1RowsKind {
         entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc4",
+        thr_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc4",
         chunks_per_thread: 4,
         stages: 2,
         ctas_per_sm: 2,
@@ -750,12 +765,22 @@ pub fn launch_finish_l1_with(
     out: &mut L1Output,
     kernel: FinishL1Kernel,
 ) -> Result<()> {
-    if kernel == FinishL1Kernel::Rows {
+    if matches!(kernel, FinishL1Kernel::Rows | FinishL1Kernel::RowsThr) {
         let i_dim = w13.n / 2;
         let kind = FinishL1RowsKind::for_i_dim(i_dim)
             .ok_or_else(|| anyhow!("moe_gemm L1: the rows finish takes I <= 4096, I = {i_dim}"))?;
         let rows_per_cta = kind.default_rows_per_cta(grp.rows_total, gpu.info.sm_count as usize);
-        return launch_finish_l1_rows(gpu, ws, grp, w13, a, routing, out, rows_per_cta);
+        return launch_finish_l1_rows_with(
+            gpu,
+            ws,
+            grp,
+            w13,
+            a,
+            routing,
+            out,
+            kernel,
+            rows_per_cta,
+        );
     }
     check_finish_l1(ws, grp, w13, routing, out)?;
     let i_dim = w13.n / 2;
@@ -803,10 +828,42 @@ pub fn launch_finish_l1_rows(
     out: &mut L1Output,
     rows_per_cta: usize,
 ) -> Result<()> {
+    launch_finish_l1_rows_with(
+        gpu,
+        ws,
+        grp,
+        w13,
+        a,
+        routing,
+        out,
+        FinishL1Kernel::Rows,
+        rows_per_cta,
+    )
+}
+
+/// [`launch_finish_l1_rows`] for either rows kernel: `kernel` is [`FinishL1Kernel::Rows`] or
+/// [`FinishL1Kernel::RowsThr`] (same instantiation table, ring and arguments; only the entry point differs).
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l1_rows_with(
+    gpu: &Gpu,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w13: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    routing: &CudaSlice<f32>,
+    out: &mut L1Output,
+    kernel: FinishL1Kernel,
+    rows_per_cta: usize,
+) -> Result<()> {
     check_finish_l1(ws, grp, w13, routing, out)?;
     let i_dim = w13.n / 2;
     let kind = FinishL1RowsKind::for_i_dim(i_dim)
         .ok_or_else(|| anyhow!("moe_gemm L1: the rows finish takes I <= 4096, I = {i_dim}"))?;
+    let entry = match kernel {
+        FinishL1Kernel::Rows => kind.entry,
+        FinishL1Kernel::RowsThr => kind.thr_entry,
+        other => bail!("moe_gemm L1: {other:?} is not a rows finish kernel"),
+    };
     ensure!(
         ws.splits >= 1,
         "moe_gemm L1: the rows finish needs >= 1 K split (it streams split 0)"
@@ -825,7 +882,7 @@ pub fn launch_finish_l1_rows(
         "moe_gemm L1: {grid} CTAs exceed the grid"
     );
     let smem = kind.ring_bytes();
-    let f = gpu.function_with_smem(FAMILY, kind.entry, smem)?;
+    let f = gpu.function_with_smem(FAMILY, entry, smem)?;
     let mut b = gpu.stream.launch_builder(&f);
     let args = FinishL1Args::new(gpu, ws, grp, w13, a, routing, out);
     args.push(&mut b);
@@ -838,7 +895,7 @@ pub fn launch_finish_l1_rows(
             smem as u32,
         ))
     }
-    .map_err(|e| anyhow!("{}: {e:?}", kind.entry))?;
+    .map_err(|e| anyhow!("{entry}: {e:?}"))?;
     Ok(())
 }
 
