@@ -415,8 +415,10 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
     let counts = [0usize, 1, 2, 3, 7, 8, 16, 33, 64, 65, 0];
     let (e, n, k) = (counts.len(), 512, 2048);
     let w = quantized_weights(&mut rng, e, n, k);
-    let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    dw.prepare_prefill_tiling(&gpu).unwrap();
+    // Two device copies: plain only (launch_partial_mma runs v3 on it) and with the tiling (it runs v3t there).
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let mut dwt = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    dwt.prepare_prefill_tiling(&gpu).unwrap();
     let tokens: usize = counts.iter().sum();
     let choices: Vec<usize> = counts
         .iter()
@@ -446,11 +448,16 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
                 for tiled in [false, true] {
                     let mut ws = Workspace::new(&gpu, splits, rows, n).unwrap();
                     gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+                    // The routed entry on each copy, and on the tiled copy also the forced tiled entry.
+                    let d = if tiled { &dwt } else { &dw };
+                    mg::launch_partial_mma(&gpu, d, &da.view(), &dg, &cfg, &mut ws).unwrap();
                     if tiled {
-                        mg::launch_partial_mma_tiled(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws)
+                        let mut ws2 = Workspace::new(&gpu, splits, rows, n).unwrap();
+                        gpu.fill_bytes(&mut ws2.partial, 0xFF).unwrap();
+                        mg::launch_partial_mma_tiled(&gpu, &dwt, &da.view(), &dg, &cfg, &mut ws2)
                             .unwrap();
-                    } else {
-                        mg::launch_partial_mma(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
+                        gpu.synchronize().unwrap();
+                        got.push(gpu.download(&ws2.partial).unwrap());
                     }
                     gpu.synchronize().unwrap();
                     got.push(gpu.download(&ws.partial).unwrap());
@@ -461,17 +468,20 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
                 );
                 let written = got[0].iter().filter(|x| !x.is_nan()).count();
                 assert!(written > 0, "{label}: v3 wrote nothing");
-                let diff = got[0]
-                    .iter()
-                    .zip(&got[1])
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
-                assert_eq!(
-                    diff,
-                    0,
-                    "{label}: v3t differs from v3 in {diff} of {} partials",
-                    got[0].len()
-                );
+                // got[1]: launch_partial_mma_tiled on the tiled copy; got[2]: launch_partial_mma on it (routed).
+                for (i, how) in [(1, "forced"), (2, "routed")] {
+                    let diff = got[0]
+                        .iter()
+                        .zip(&got[i])
+                        .filter(|(x, y)| x.to_bits() != y.to_bits())
+                        .count();
+                    assert_eq!(
+                        diff,
+                        0,
+                        "{label}: v3t ({how}) differs from v3 in {diff} of {} partials",
+                        got[0].len()
+                    );
+                }
             }
         }
     }

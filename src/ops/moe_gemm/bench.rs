@@ -30,9 +30,11 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
-//! * `nvfp4_decode_tiled` (masked / decode points only, session-11 A/B): `nvfp4` with the decode mainloop reading
-//!   the prefill tiling of the weights (`launch_partial_mma_tiled`, prepared before timing like
-//!   `nvfp4_wgmma_rswtma_tiled`'s), same config and finish: whether one weight copy can serve both mainloops.
+//! * `nvfp4_decode_tiled` (masked / decode points only): the decode mainloop forced onto the prefill tiling of the
+//!   weights (`launch_partial_mma_tiled`, prepared before timing), same config and finish. Since session 11 `nvfp4`
+//!   prepares the tiling at every point, so both of its mainloops read it.
+//! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
+//!   the comparison for the tiled routes at every point.
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
@@ -73,6 +75,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma_rswtma_tiled",
     "nvfp4_decode",
     "nvfp4_decode_tiled",
+    "nvfp4_plain",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -97,6 +100,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma_rswtma_tiled"
             | "nvfp4_decode"
             | "nvfp4_decode_tiled"
+            | "nvfp4_plain"
     )
 }
 
@@ -177,20 +181,14 @@ fn launch_variant(
     }
 }
 
-/// Weight preparation before the timed loop (not timed, like the BF16 copy of the cuBLASLt baseline): `nvfp4` at
-/// contiguous points, `nvfp4_wgmma_rswtma_tiled` and `nvfp4_decode_tiled` get the prefill tiling
-/// ([`DeviceExpertWeights::prepare_prefill_tiling`]), which `nvfp4` then runs wherever it routes to the prefill
-/// mainloop; every other variant keeps the plain layout only.
-fn prepare_weights(
-    gpu: &Gpu,
-    variant: &str,
-    dg: &DeviceGrouping,
-    w: &mut DeviceExpertWeights,
-) -> Result<()> {
-    if variant == "nvfp4_wgmma_rswtma_tiled"
-        || variant == "nvfp4_decode_tiled"
-        || (variant == "nvfp4" && dg.capacity == 0)
-    {
+/// Weight preparation before the timed loop (not timed, like the BF16 copy of the cuBLASLt baseline): `nvfp4`,
+/// `nvfp4_wgmma_rswtma_tiled` and `nvfp4_decode_tiled` get the tiling ([`DeviceExpertWeights::prepare_prefill_tiling`]),
+/// which both routed mainloops then read; every other variant (`nvfp4_plain` among them) keeps the plain layout only.
+fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Result<()> {
+    if matches!(
+        variant,
+        "nvfp4" | "nvfp4_wgmma_rswtma_tiled" | "nvfp4_decode_tiled"
+    ) {
         w.prepare_prefill_tiling(gpu)?;
         gpu.synchronize()?;
     }
@@ -361,7 +359,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
-            prepare_weights(gpu, variant, &dg, &mut w)?;
+            prepare_weights(gpu, variant, &mut w)?;
             let mut codes = gpu.zeros::<u8>(rows * p.k / 2)?;
             let mut scales = gpu.zeros::<u8>(rows * p.k / 16)?;
             fill_weights(gpu, &mut codes, &mut scales, 17)?;
@@ -424,7 +422,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             if forced_variant_skips(variant, &dg) {
                 return Ok(vec![]);
             }
-            prepare_weights(gpu, variant, &dg, &mut w)?;
+            prepare_weights(gpu, variant, &mut w)?;
             // The L1 output (NVFP4 h with a per-row global scale), synthetic.
             let mut h = L1Output::new(gpu, rows, p.k, false)?;
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;

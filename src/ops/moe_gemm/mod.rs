@@ -399,12 +399,14 @@ pub fn launch_partial_mma(
     cfg: &GemmConfig,
     ws: &mut Workspace,
 ) -> Result<()> {
-    launch_partial_mma_impl(gpu, w, a, grp, cfg, ws, false)
+    launch_partial_mma_impl(gpu, w, a, grp, cfg, ws, w.prefill_tiled.is_some())
 }
 
-/// [`launch_partial_mma`] reading the prefill tiling of the weights ([`DeviceExpertWeights::prefill_tiled`], entry
+/// The mma.sync mainloop reading the prefill tiling of the weights ([`DeviceExpertWeights::prefill_tiled`], entry
 /// points `moe_gemm_nvfp4_partial_v3t_nt*`): bit-identical partials. Needs the tiled copy (`N % 256 == 0`).
-/// Session-11 A/B candidate (bench `nvfp4_decode_tiled`): if it matches v3, one weight copy can serve both mainloops.
+/// [`launch_partial_mma`] takes it whenever the copy exists. Session-11 A/B (H200, 1bb6168, whole calls, us, v3 /
+/// v3t): Flash L1 1 token 39.1 / 36.3, 8 189.7 / 175.8, 64 738.5 / 702.4, 256 1180.8 / 1120.9; L2 1 26.1 / 25.0,
+/// 8 98.1 / 90.4, 64 396.6 / 373.1; Pro L1 1 80.8 / 74.1, 16 764.9 / 720.6.
 pub fn launch_partial_mma_tiled(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
