@@ -14,8 +14,9 @@
 //! * `nvfp4_finishpad1b` (`moe_gemm_l1` only): `nvfp4` with the L1 finish forced to `FinishL1Kernel::PadOneBarrier`,
 //!   the finish of contiguous (prefill) points before session 9 made `FinishL1Kernel::Rows` their routed finish
 //!   (bit-identical outputs), kept measurable for one run. `moe_gemm_l2` skips it.
-//! * `nvfp4_finishrowsthr` (`moe_gemm_l1` contiguous points only): `nvfp4` with the L1 finish forced to
-//!   `FinishL1Kernel::RowsThr` (session 11: the rows finish with the division-free e2m1 encoder; bit-identical).
+//! * `nvfp4_finishrowsthr` / `nvfp4_finishrows` (`moe_gemm_l1` contiguous points only): `nvfp4` with the L1 finish
+//!   forced to `FinishL1Kernel::RowsThr` (session 11: the rows finish with the division-free e2m1 encoder,
+//!   bit-identical; the routed contiguous finish since session 11) / `FinishL1Kernel::Rows` (the previous one).
 //! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` / `nvfp4_l2cols2tok` (`moe_gemm_l2` only): `nvfp4` with
 //!   the L2 combine forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) /
 //!   `RowWarps` / `Cols2` / `Cols2Tok` (session 11: one CTA per token),
@@ -65,6 +66,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_finishq4",
     "nvfp4_finishpad1b",
     "nvfp4_finishrowsthr",
+    "nvfp4_finishrows",
     "nvfp4_l2cols",
     "nvfp4_l2rowwarps",
     "nvfp4_l2cols2",
@@ -90,6 +92,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_finishq4"
             | "nvfp4_finishpad1b"
             | "nvfp4_finishrowsthr"
+            | "nvfp4_finishrows"
             | "nvfp4_l2cols"
             | "nvfp4_l2rowwarps"
             | "nvfp4_l2cols2"
@@ -112,6 +115,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let prefill_only = variant.starts_with("nvfp4_wgmma")
         || variant == "nvfp4_finishpad1b"
         || variant == "nvfp4_finishrowsthr"
+        || variant == "nvfp4_finishrows"
         || variant == "nvfp4_decode";
     let decode_only = variant == "nvfp4_finishq4" || variant == "nvfp4_decode_tiled";
     (prefill_only && masked) || (decode_only && !masked)
@@ -124,6 +128,7 @@ fn finish_l1_for(variant: &str, dg: &DeviceGrouping, i_dim: usize) -> FinishL1Ke
         "nvfp4_finishq4" => FinishL1Kernel::Q4,
         "nvfp4_finishpad1b" => FinishL1Kernel::PadOneBarrier,
         "nvfp4_finishrowsthr" => FinishL1Kernel::RowsThr,
+        "nvfp4_finishrows" => FinishL1Kernel::Rows,
         _ => FinishL1Kernel::for_grouping(dg, i_dim),
     }
 }
@@ -181,13 +186,18 @@ fn launch_variant(
     }
 }
 
-/// Weight preparation before the timed loop (not timed, like the BF16 copy of the cuBLASLt baseline): `nvfp4`,
-/// `nvfp4_wgmma_rswtma_tiled` and `nvfp4_decode_tiled` get the tiling ([`DeviceExpertWeights::prepare_prefill_tiling`]),
+/// Weight preparation before the timed loop (not timed, like the BF16 copy of the cuBLASLt baseline): `nvfp4`, the
+/// tiled forcing variants and the L1 finish variants (so that they differ from `nvfp4` in the finish only) get the
+/// tiling ([`DeviceExpertWeights::prepare_prefill_tiling`]),
 /// which both routed mainloops then read; every other variant (`nvfp4_plain` among them) keeps the plain layout only.
 fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Result<()> {
     if matches!(
         variant,
-        "nvfp4" | "nvfp4_wgmma_rswtma_tiled" | "nvfp4_decode_tiled"
+        "nvfp4"
+            | "nvfp4_wgmma_rswtma_tiled"
+            | "nvfp4_decode_tiled"
+            | "nvfp4_finishrows"
+            | "nvfp4_finishrowsthr"
     ) {
         w.prepare_prefill_tiling(gpu)?;
         gpu.synchronize()?;
@@ -408,7 +418,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
     if matches!(
         variant,
-        "nvfp4_finishq4" | "nvfp4_finishpad1b" | "nvfp4_finishrowsthr"
+        "nvfp4_finishq4" | "nvfp4_finishpad1b" | "nvfp4_finishrowsthr" | "nvfp4_finishrows"
     ) {
         return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
     }

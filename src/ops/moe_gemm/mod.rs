@@ -648,12 +648,16 @@ pub enum FinishL1Kernel {
 }
 
 impl FinishL1Kernel {
-    /// The routed L1 finish: [`FinishL1Kernel::Rows`] for a contiguous grouping (prefill; it won at every
-    /// contiguous point of the session-9 A/B) when an instantiation takes `i_dim`, else
-    /// [`FinishL1Kernel::PadOneBarrier`] (the masked / decode layout, whose padding rows it writes directly).
+    /// The routed L1 finish: [`FinishL1Kernel::RowsThr`] for a contiguous grouping (prefill) when an instantiation
+    /// takes `i_dim`, else [`FinishL1Kernel::PadOneBarrier`] (the masked / decode layout, whose padding rows it writes
+    /// directly). Rows won at every contiguous point of the session-9 A/B; RowsThr (its division-free encoder, same
+    /// bits) took the finish alone from 255.7 to 214.9 us at Flash L1 4096 tokens and from 362 to 311 us at Pro
+    /// 4096 under ncu (session 11, 975b3f0, profile/ncu-moe_gemm-session11-finish.txt); whole calls on the plain
+    /// mainloop, Rows / RowsThr: Flash 4096 1979.8 / 1934.6 us, 1024 1197.2 / 1183.6, Pro 4096 6392.2 / 6452.9 (that
+    /// point's spread is 5-8%).
     pub fn for_grouping(grp: &DeviceGrouping, i_dim: usize) -> FinishL1Kernel {
-        if grp.capacity == 0 && FinishL1Kernel::Rows.entry(i_dim).is_some() {
-            FinishL1Kernel::Rows
+        if grp.capacity == 0 && FinishL1Kernel::RowsThr.entry(i_dim).is_some() {
+            FinishL1Kernel::RowsThr
         } else {
             FinishL1Kernel::PadOneBarrier
         }
