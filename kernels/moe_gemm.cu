@@ -464,39 +464,29 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
 }
 }  // namespace
 
-// 1- and 2-token tiles: 3 CTAs per SM (<= 80 registers); the launcher's v3 grid for them is 3 x SMs.
-#define MOE_GEMM_ENTRY_V3(NT, MINB)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v3_nt##NT(                 \
+// Entry points: moe_gemm_nvfp4_partial_<GEN>_nt<NT> with GEN = v3 (plain weight layout) or v3t (TILED: the prefill
+// tiling of the weights, DeviceExpertWeights::prefill_tiled; w_codes = the tiled blocks, w_scales ignored; N % 256
+// == 0). v3t (session 11) does the same loads (16 B of codes and 2 x 2 scale bytes per lane and 128-K chunk) with the
+// same registers, fragments and mma order: bit-identical partials (GPU test); a warp's 8 rows of a chunk are 512
+// contiguous bytes instead of 64 B per row, K / 2 bytes apart. 1- and 2-token tiles: 3 CTAs per SM (<= 80 registers);
+// the launcher's grid for them is 3 x SMs.
+#define MOE_GEMM_ENTRY_V3(GEN, TILED, NT, MINB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_##GEN##_nt##NT(            \
         const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3<NT>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);        \
+        moe_gemm_body_v3<NT, TILED>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits); \
     }
 
-MOE_GEMM_ENTRY_V3(1, 3)
-MOE_GEMM_ENTRY_V3(2, 3)
-MOE_GEMM_ENTRY_V3(4, 1)
-MOE_GEMM_ENTRY_V3(8, 1)
-
-// v3t (session-11 A/B, bench `nvfp4_decode_tiled`): v3 reading the prefill tiling of the weights
-// (DeviceExpertWeights::prefill_tiled) instead of the plain layout, so that one weight copy could serve both mainloops.
-// Same loads (16 B of codes and 2 x 2 scale bytes per lane and 128-K chunk), same registers, fragments and mma
-// order: bit-identical partials (GPU test). A warp's 8 rows of a chunk are now 512 contiguous bytes (plain: 64 B
-// per row, K / 2 bytes apart). w_codes = the tiled blocks; w_scales is ignored. N % 256 == 0, K % 512 == 0.
-#define MOE_GEMM_ENTRY_V3T(NT, MINB)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v3t_nt##NT(                \
-        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
-        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
-        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
-        Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3<NT, true>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);  \
-    }
-
-MOE_GEMM_ENTRY_V3T(1, 3)
-MOE_GEMM_ENTRY_V3T(2, 3)
-MOE_GEMM_ENTRY_V3T(4, 1)
-MOE_GEMM_ENTRY_V3T(8, 1)
+MOE_GEMM_ENTRY_V3(v3, false, 1, 3)
+MOE_GEMM_ENTRY_V3(v3, false, 2, 3)
+MOE_GEMM_ENTRY_V3(v3, false, 4, 1)
+MOE_GEMM_ENTRY_V3(v3, false, 8, 1)
+MOE_GEMM_ENTRY_V3(v3t, true, 1, 3)
+MOE_GEMM_ENTRY_V3(v3t, true, 2, 3)
+MOE_GEMM_ENTRY_V3(v3t, true, 4, 1)
+MOE_GEMM_ENTRY_V3(v3t, true, 8, 1)
 
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {

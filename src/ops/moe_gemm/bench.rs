@@ -31,11 +31,9 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
-//! * `nvfp4_decode_tiled` (masked / decode points only): the decode mainloop forced onto the prefill tiling of the
-//!   weights (`launch_partial_mma_tiled`, prepared before timing), same config and finish. Since session 11 `nvfp4`
-//!   prepares the tiling at every point, so both of its mainloops read it.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
-//!   the comparison for the tiled routes at every point.
+//!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
+//!   weights before timing, and both its mainloops read it).
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
@@ -76,7 +74,6 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
     "nvfp4_decode",
-    "nvfp4_decode_tiled",
     "nvfp4_plain",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -102,7 +99,6 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
             | "nvfp4_decode"
-            | "nvfp4_decode_tiled"
             | "nvfp4_plain"
     )
 }
@@ -117,7 +113,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
         || variant == "nvfp4_finishrowsthr"
         || variant == "nvfp4_finishrows"
         || variant == "nvfp4_decode";
-    let decode_only = variant == "nvfp4_finishq4" || variant == "nvfp4_decode_tiled";
+    let decode_only = variant == "nvfp4_finishq4";
     (prefill_only && masked) || (decode_only && !masked)
 }
 
@@ -181,7 +177,6 @@ fn launch_variant(
             prefill::PrefillKernel::RsWtmaTiled,
         ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
-        "nvfp4_decode_tiled" => launch_partial_mma_tiled(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
@@ -193,11 +188,7 @@ fn launch_variant(
 fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Result<()> {
     if matches!(
         variant,
-        "nvfp4"
-            | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_decode_tiled"
-            | "nvfp4_finishrows"
-            | "nvfp4_finishrowsthr"
+        "nvfp4" | "nvfp4_wgmma_rswtma_tiled" | "nvfp4_finishrows" | "nvfp4_finishrowsthr"
     ) {
         w.prepare_prefill_tiling(gpu)?;
         gpu.synchronize()?;

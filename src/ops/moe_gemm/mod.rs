@@ -391,6 +391,10 @@ fn check_partial_launch(
 /// The swap-AB mma.sync mainloop (kernels/moe_gemm.cu, `moe_gemm_nvfp4_partial_v3_nt*`) for every grouping and
 /// config; [`launch_partial`] routes prefill shapes to the wgmma kernel instead. Shared memory: the permuted BF16
 /// activation tile (token_tile x 512 x 2 B) plus the raw cp.async tile, sized for BF16 A (the same again).
+/// When the weights carry their tiling ([`DeviceExpertWeights::prefill_tiled`]) it runs `moe_gemm_nvfp4_partial_v3t_nt*`
+/// on it: bit-identical partials, faster at every decode point of the session-11 A/B (H200, 1bb6168, whole calls,
+/// us, v3 / v3t): Flash L1 1 token 39.1 / 36.3, 8 189.7 / 175.8, 64 738.5 / 702.4, 256 1180.8 / 1120.9; L2 1 26.1 /
+/// 25.0, 8 98.1 / 90.4, 64 396.6 / 373.1; Pro L1 1 80.8 / 74.1, 16 764.9 / 720.6.
 pub fn launch_partial_mma(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -399,38 +403,7 @@ pub fn launch_partial_mma(
     cfg: &GemmConfig,
     ws: &mut Workspace,
 ) -> Result<()> {
-    launch_partial_mma_impl(gpu, w, a, grp, cfg, ws, w.prefill_tiled.is_some())
-}
-
-/// The mma.sync mainloop reading the prefill tiling of the weights ([`DeviceExpertWeights::prefill_tiled`], entry
-/// points `moe_gemm_nvfp4_partial_v3t_nt*`): bit-identical partials. Needs the tiled copy (`N % 256 == 0`).
-/// [`launch_partial_mma`] takes it whenever the copy exists. Session-11 A/B (H200, 1bb6168, whole calls, us, v3 /
-/// v3t): Flash L1 1 token 39.1 / 36.3, 8 189.7 / 175.8, 64 738.5 / 702.4, 256 1180.8 / 1120.9; L2 1 26.1 / 25.0,
-/// 8 98.1 / 90.4, 64 396.6 / 373.1; Pro L1 1 80.8 / 74.1, 16 764.9 / 720.6.
-pub fn launch_partial_mma_tiled(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-) -> Result<()> {
-    ensure!(
-        w.prefill_tiled.is_some(),
-        "moe_gemm: the tiled decode mainloop needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
-    );
-    launch_partial_mma_impl(gpu, w, a, grp, cfg, ws, true)
-}
-
-fn launch_partial_mma_impl(
-    gpu: &Gpu,
-    w: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    cfg: &GemmConfig,
-    ws: &mut Workspace,
-    tiled: bool,
-) -> Result<()> {
+    let tiled = w.prefill_tiled.is_some();
     check_partial_launch(w, a, grp, cfg, ws)?;
     let name = format!(
         "moe_gemm_nvfp4_partial_{}_nt{}",
@@ -818,37 +791,12 @@ pub fn launch_finish_l1_with(
     Ok(())
 }
 
-/// The rows L1 finish ([`FinishL1Kernel::Rows`]) with an explicit number of rows per CTA (1 ..=
+/// A rows L1 finish (`kernel` = [`FinishL1Kernel::Rows`] or [`FinishL1Kernel::RowsThr`]: same instantiation table,
+/// ring and arguments, only the entry point differs) with an explicit number of rows per CTA (1 ..=
 /// [`FINISH_L1_ROWS_MAX_ROWS_PER_CTA`]; [`launch_finish_l1_with`] takes
 /// [`FinishL1RowsKind::default_rows_per_cta`]). The tests force small and odd values so that the ring wraps, the
 /// expert changes inside a CTA and the last CTA owns fewer rows. Same checks and output contract as
 /// [`launch_finish_l1`].
-#[allow(clippy::too_many_arguments)]
-pub fn launch_finish_l1_rows(
-    gpu: &Gpu,
-    ws: &Workspace,
-    grp: &DeviceGrouping,
-    w13: &DeviceExpertWeights,
-    a: &DeviceActivations,
-    routing: &CudaSlice<f32>,
-    out: &mut L1Output,
-    rows_per_cta: usize,
-) -> Result<()> {
-    launch_finish_l1_rows_with(
-        gpu,
-        ws,
-        grp,
-        w13,
-        a,
-        routing,
-        out,
-        FinishL1Kernel::Rows,
-        rows_per_cta,
-    )
-}
-
-/// [`launch_finish_l1_rows`] for either rows kernel: `kernel` is [`FinishL1Kernel::Rows`] or
-/// [`FinishL1Kernel::RowsThr`] (same instantiation table, ring and arguments; only the entry point differs).
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l1_rows_with(
     gpu: &Gpu,
