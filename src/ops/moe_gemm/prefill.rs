@@ -167,9 +167,7 @@ impl PrefillKernel {
             PrefillKernel::Ss128
         }
     }
-}
 
-impl PrefillKernel {
     /// [`PrefillKernel::RsWtmaTiled`] when the weights carry their tiled copy and [`PrefillKernel::default_for`]
     /// picks [`PrefillKernel::RsWtma`], else [`PrefillKernel::default_for`].
     pub fn routed_for(w: &DeviceExpertWeights) -> PrefillKernel {
@@ -181,8 +179,9 @@ impl PrefillKernel {
 }
 
 /// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
-/// The mainloop is [`PrefillKernel::default_for`] (the RS kernel for every DSV4 shape; among the SS tiles, 128 x
-/// 256 beat 128 x 128 at every prefill point of session 2, e.g. L1 4096 tokens 3724 vs 4822 us).
+/// The mainloop is [`PrefillKernel::routed_for`] (the RS kernel for every DSV4 shape, on the tiled weights when
+/// they are prepared; among the SS tiles, 128 x 256 beat 128 x 128 at every prefill point of session 2, e.g. L1
+/// 4096 tokens 3724 vs 4822 us).
 pub fn launch_partial_prefill(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
