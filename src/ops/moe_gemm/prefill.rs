@@ -11,7 +11,9 @@
 //!
 //! [`super::launch_partial`] routes here when [`routes_here`] holds (contiguous layout, mean rows per
 //! expert >= [`MIN_MEAN_ROWS_PER_EXPERT`], one K split); [`launch_partial_prefill`] forces this path with
-//! [`PrefillKernel::default_for`], [`launch_partial_prefill_with`] with a chosen mainloop.
+//! [`PrefillKernel::routed_for`], [`launch_partial_prefill_with`] with a chosen mainloop. Weights prepared with
+//! [`super::DeviceExpertWeights::prepare_prefill_tiling`] (one contiguous block per 256-row tile and 128-K stage,
+//! [`tile_weights_for_rs`]) are read from that copy, by this mainloop and by the decode mainloop alike.
 //!
 //! The CPU mirrors at the bottom ([`sw128_offset`], [`dequant8_like_kernel`], [`sw128_desc`]) restate the
 //! device address, dequant and descriptor logic so unit tests can check them without a GPU.
