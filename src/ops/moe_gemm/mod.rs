@@ -87,10 +87,11 @@ pub struct DeviceExpertWeights {
     pub scales: CudaSlice<u8>,
     /// fp32 global scale per (expert, row), `[E, N]`.
     pub global: CudaSlice<f32>,
-    /// The same codes and block scales re-laid for the prefill mainloop (one contiguous block per 256-row tile and
-    /// 128-K stage, [`prefill::tile_weights_for_rs`]), or None. Prepared on request
-    /// ([`DeviceExpertWeights::prepare_prefill_tiling`]); when present, [`prefill::launch_partial_prefill`] runs
-    /// `PrefillKernel::RsWtmaTiled` on it. It doubles the weight memory: the decode mainloop reads the plain layout.
+    /// The same codes and block scales re-laid once (one contiguous block per 256-row tile and 128-K stage,
+    /// [`prefill::tile_weights_for_rs`]), or None. Prepared on request ([`DeviceExpertWeights::prepare_prefill_tiling`],
+    /// from `codes` / `scales` as they are then: re-prepare after changing them); when present, both routed mainloops
+    /// read it ([`prefill::launch_partial_prefill`]: `PrefillKernel::RsWtmaTiled`; [`launch_partial_mma`]: v3t). The
+    /// plain copy stays for the SS / RsTma fallbacks and the forcing variants, so the weight memory is doubled.
     pub prefill_tiled: Option<CudaSlice<u8>>,
 }
 
