@@ -563,30 +563,6 @@ __device__ __forceinline__ void mma_slice_n(float (&d)[2][64], const WStage& w, 
     fence_acc(d[1]);
 }
 
-// Half of slice S (m64 block mb only): the same fragments and the same wgmma as mma_slice_n's block mb, committed
-// as a group of its own; then waits until at most P such groups are in flight (P = 3: the three halves before the
-// next one, 1.5 slices, instead of mma_slice_n's one slice). The fragment registers of the group P back are free
-// again; P + 1 groups of 4 registers are live at the next dequant (16 at P = 3, as mma_slice_n's two slices). Each
-// accumulator still receives its k16 steps in the same order: bit-identical partials.
-template <int NT, int P>
-__device__ __forceinline__ void mma_half_n(float (&d)[64], const WStage& w, int S, int mb, uint64_t db) {
-    const int j = S >> 1, h = S & 1;
-    const uint32_t sl = scale_bf16x2((w.sc[mb] >> (8 * (j >> 1))) & 0xFF);
-    const uint32_t sh = scale_bf16x2((w.sc[mb] >> (16 + 8 * (j >> 1))) & 0xFF);
-    const uint32_t wl = word_of(w.lo[mb], j), wh = word_of(w.hi[mb], j);
-    const uint32_t a0 = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h), sl);
-    const uint32_t a1 = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h), sh);
-    const uint32_t a2 = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wl, 2 * h + 1), sl);
-    const uint32_t a3 = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h + 1), sh);
-    const uint64_t dbs = db + (uint64_t)((S >> 2) * (kAtomBytes >> 4)) + 2 * (S & 3);
-    fence_acc(d);
-    wgmma_fence();
-    wgmma_rs_n<NT>(d, a0, a1, a2, a3, dbs);
-    wgmma_commit();
-    wgmma_wait<P>();
-    fence_acc(d);
-}
-
 // Epilogue: accumulator (weight row 16 wq + g (+8) of m64 block mb, token 8 jj + 2t (+1)) * restore ->
 // partial[row0 + token][wrow0 + 64 mb (+8)], tokens < ntok only (the rest of the tile belongs to other experts), over
 // the first NT tokens of the tile (columns past NT were never computed).
@@ -1018,7 +994,7 @@ struct WCtx {
 // (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
 // 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
 // groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
-template <int NT, bool kTiled = false, int kHalfPend = 0>
+template <int NT, bool kTiled = false>
 __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
                                           int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
@@ -1047,25 +1023,11 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
         WStage w;
         lds_weights<kTiled>(w, r.base + slot * kSlotW, lrow, t, st);
         const uint64_t db = sw128_desc(r.base_u32 + slot * kSlotW);
-        if constexpr (kHalfPend > 0) {
-            // Half-slice groups (mma_half_n): after the wait of half kHalfPend - 1 only this stage's halves are in
-            // flight, so every wgmma of the previous stage has completed -> release its slot there.
+        mma_slice_n<NT>(d, w, 0, db);
+        // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
+        if (st > 0 && lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
 #pragma unroll
-            for (int S = 0; S < 8; ++S) {
-#pragma unroll
-                for (int mb = 0; mb < 2; ++mb) {
-                    mma_half_n<NT, kHalfPend>(d[mb], w, S, mb, db);
-                    if (2 * S + mb == kHalfPend - 1 && st > 0 && lane == 0)
-                        mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
-                }
-            }
-        } else {
-            mma_slice_n<NT>(d, w, 0, db);
-            // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
-            if (st > 0 && lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
-#pragma unroll
-            for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
-        }
+        for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
         ++r.cons;
         if (tid == 0 && r.ok && st + kRingT - 1 < stages)
             wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
@@ -1113,7 +1075,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
 // took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
 // kTiled: the weights come pre-tiled (`tiled`, moe_gemm_prefill_tile_weights_rs) instead of through the 2D maps.
-template <bool kTiled, int kHalfPend = 0>
+template <bool kTiled>
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map,
                                                const uint8_t* tiled, int N, int K, const TmaDesc* act32,
                                                const TmaDesc* act64, const TmaDesc* act96, const TmaDesc* act128,
@@ -1157,13 +1119,13 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
         if (nt == 32)
-            ok = rs::wtma_item<32, kTiled, kHalfPend>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<32, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 64)
-            ok = rs::wtma_item<64, kTiled, kHalfPend>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<64, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 96)
-            ok = rs::wtma_item<96, kTiled, kHalfPend>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<96, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else
-            ok = rs::wtma_item<128, kTiled, kHalfPend>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<128, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         if (!ok) return;
     }
 }
@@ -1195,6 +1157,11 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 // Session-11 A/B (H200, 3f5fd93, whole calls, us, rs_wtma / this kernel): Flash L1 512 tokens 1153.5 / 1086.1, 1024
 // 1197.6 / 1140.4, 4096 1933.3 / 1861.9; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6; the mainloop alone
 // under ncu at Flash L1 4096 1.62 / 1.55 ms. Routed (PrefillKernel::routed_for) whenever the weights carry the copy.
+// Session 12, removed: one wgmma group per m64 block and k16 slice with 3 / 4 groups in flight (wait_group 3 / 4), so
+// a warp group kept 1.5 / 2 slices queued while it dequantized the next half slice (bit-identical; 246 / 255
+// registers). A/B b734587, us, this kernel / h3 / h4: Flash L1 4096 1808.5 / 1796.4 / 1833.1, L2 4096 1083.7 / 1045.4
+// / 1027.8; the mainloop under ncu 1.54 / 1.52 / 1.54 ms with the tensor pipe at 66.7 / 67.9 / 67.1%: the dequant of
+// the next slice is not what idles the tensor pipe (results/h200/PERF-LOG.md "Session 12").
 extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled(
     const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
@@ -1203,37 +1170,6 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     extern __shared__ uint8_t rs_wtma_smem_raw[];
     rs_wtma_kernel<true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
                          rows_total, partial, rs_wtma_smem_raw);
-}
-
-// =====================================================================================================================
-// rs_wtma_tiled with half-slice wgmma groups (`moe_gemm_prefill_partial_rs_wtma_tiled_h3` / `_h4`, RsWtmaTiledH3 / H4)
-// =====================================================================================================================
-// Why: under ncu (session 11, Flash L1 4096) the tiled mainloop keeps the tensor pipe 65% of its elapsed cycles busy
-// with issue slots only ~38% busy and 2 warps per scheduler. A warp group issues slice S (two wgmmas, one group),
-// then waits until only S is in flight before it dequantizes S + 1: while it dequantizes (~65 SASS per warp, a
-// dependent chain of LDS-fed ALU ops), the tensor pipe holds this warp group's one slice (2 x 48 cycles at n96) plus
-// whatever the other warp group queued. Here every m64 block's wgmma is its own group and a warp group waits until
-// at most 3 are in flight (mma_half_n): 1.5 slices of its own queued while it dequantizes the next HALF slice, with
-// the same 16 fragment registers live. Same fragments, same wgmma order per accumulator: bit-identical partials.
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled_h3(
-    const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
-    const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
-    const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
-    extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel<true, 3>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets,
-                            experts, rows_total, partial, rs_wtma_smem_raw);
-}
-// The same with at most 4 halves (2 slices) in flight at the wait: 20 fragment registers live, 255 in all, no spills
-// (5 in flight spills 76 bytes). `moe_gemm_prefill_partial_rs_wtma_tiled_h4`, PrefillKernel::RsWtmaTiledH4.
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled_h4(
-    const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
-    const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
-    const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
-    extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel<true, 4>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets,
-                            experts, rows_total, partial, rs_wtma_smem_raw);
 }
 
 // The re-layout of moe_gemm_prefill_partial_rs_wtma_tiled (weight preparation, once per weight set): codes [E*N][K/2]

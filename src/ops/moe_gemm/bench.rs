@@ -31,9 +31,6 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
-//! * `nvfp4_wgmma_rswtma_tiled_h3` / `_h4` (contiguous points only, session-12 A/B): the tiled mainloop with one
-//!   wgmma group per m64 block and k16 slice, up to 3 / 4 of them in flight while a warp group dequantizes the next
-//!   (`PrefillKernel::RsWtmaTiledH3` / `H4`; bit-identical partials), on the same tiled weights.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -76,8 +73,6 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
-    "nvfp4_wgmma_rswtma_tiled_h3",
-    "nvfp4_wgmma_rswtma_tiled_h4",
     "nvfp4_decode",
     "nvfp4_plain",
     "cublaslt_bf16",
@@ -103,8 +98,6 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_wgmma_rswtma_tiled_h3"
-            | "nvfp4_wgmma_rswtma_tiled_h4"
             | "nvfp4_decode"
             | "nvfp4_plain"
     )
@@ -183,22 +176,6 @@ fn launch_variant(
             ws,
             prefill::PrefillKernel::RsWtmaTiled,
         ),
-        "nvfp4_wgmma_rswtma_tiled_h3" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::PrefillKernel::RsWtmaTiledH3,
-        ),
-        "nvfp4_wgmma_rswtma_tiled_h4" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::PrefillKernel::RsWtmaTiledH4,
-        ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
@@ -211,12 +188,7 @@ fn launch_variant(
 fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Result<()> {
     if matches!(
         variant,
-        "nvfp4"
-            | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_wgmma_rswtma_tiled_h3"
-            | "nvfp4_wgmma_rswtma_tiled_h4"
-            | "nvfp4_finishrows"
-            | "nvfp4_finishrowsthr"
+        "nvfp4" | "nvfp4_wgmma_rswtma_tiled" | "nvfp4_finishrows" | "nvfp4_finishrowsthr"
     ) {
         w.prepare_prefill_tiling(gpu)?;
         gpu.synchronize()?;
