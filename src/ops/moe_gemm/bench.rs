@@ -31,6 +31,8 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
+//! * `nvfp4_wgmma_rswtma_tiled_w16` (contiguous points only, session-12 A/B): the tiled mainloop with 16 warps (4 warp
+//!   groups of one m64 block each; `PrefillKernel::RsWtmaTiledW16`, bit-identical partials) on the same tiled weights.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -73,6 +75,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
+    "nvfp4_wgmma_rswtma_tiled_w16",
     "nvfp4_decode",
     "nvfp4_plain",
     "cublaslt_bf16",
@@ -98,6 +101,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
+            | "nvfp4_wgmma_rswtma_tiled_w16"
             | "nvfp4_decode"
             | "nvfp4_plain"
     )
@@ -176,6 +180,14 @@ fn launch_variant(
             ws,
             prefill::PrefillKernel::RsWtmaTiled,
         ),
+        "nvfp4_wgmma_rswtma_tiled_w16" => prefill::launch_partial_prefill_with(
+            gpu,
+            w,
+            a,
+            dg,
+            ws,
+            prefill::PrefillKernel::RsWtmaTiledW16,
+        ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
@@ -188,7 +200,11 @@ fn launch_variant(
 fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Result<()> {
     if matches!(
         variant,
-        "nvfp4" | "nvfp4_wgmma_rswtma_tiled" | "nvfp4_finishrows" | "nvfp4_finishrowsthr"
+        "nvfp4"
+            | "nvfp4_wgmma_rswtma_tiled"
+            | "nvfp4_wgmma_rswtma_tiled_w16"
+            | "nvfp4_finishrows"
+            | "nvfp4_finishrowsthr"
     ) {
         w.prepare_prefill_tiling(gpu)?;
         gpu.synchronize()?;

@@ -120,6 +120,10 @@ pub enum PrefillKernel {
     /// 1933.3 / 1861.9, 16384 7470.2 / 7122.6; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6, L2 4096 3157.1
     /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms).
     RsWtmaTiled,
+    /// `moe_gemm_prefill_partial_rs_wtma_tiled_w16`: [`PrefillKernel::RsWtmaTiled`] with 16 warps (4 warp groups of
+    /// one m64 block each, 122 registers) instead of 8 (2 warp groups of two blocks, 242 registers), for twice the
+    /// warps per scheduler. Bit-identical partials. Session-12 A/B candidate (numbers in the .cu header).
+    RsWtmaTiledW16,
 }
 
 impl PrefillKernel {
@@ -152,6 +156,12 @@ impl PrefillKernel {
                 TILE_N_RS,
                 STAGE_K_RS,
             ),
+            PrefillKernel::RsWtmaTiledW16 => (
+                "moe_gemm_prefill_partial_rs_wtma_tiled_w16",
+                SMEM_BYTES_RS_WTMA,
+                TILE_N_RS,
+                STAGE_K_RS,
+            ),
         }
     }
 
@@ -168,6 +178,22 @@ impl PrefillKernel {
         } else {
             PrefillKernel::Ss128
         }
+    }
+
+    /// Threads per CTA: 512 for [`PrefillKernel::RsWtmaTiledW16`], 256 for every other mainloop.
+    fn threads(self) -> u32 {
+        match self {
+            PrefillKernel::RsWtmaTiledW16 => 2 * THREADS,
+            _ => THREADS,
+        }
+    }
+
+    /// Whether the kernel reads [`DeviceExpertWeights::prefill_tiled`] instead of the plain codes and scales.
+    pub fn reads_tiled_weights(self) -> bool {
+        matches!(
+            self,
+            PrefillKernel::RsWtmaTiled | PrefillKernel::RsWtmaTiledW16
+        )
     }
 
     /// [`PrefillKernel::RsWtmaTiled`] when the weights carry their tiled copy and [`PrefillKernel::default_for`]
@@ -205,8 +231,8 @@ pub fn launch_partial_prefill_with(
     kernel: PrefillKernel,
 ) -> Result<()> {
     ensure!(
-        kernel != PrefillKernel::RsWtmaTiled || w.prefill_tiled.is_some(),
-        "moe_gemm prefill: RsWtmaTiled needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
+        !kernel.reads_tiled_weights() || w.prefill_tiled.is_some(),
+        "moe_gemm prefill: {kernel:?} needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
     );
     check_shape(w.n, w.k)?;
     let (name, smem, tile_n, k_multiple) = kernel.entry();
@@ -278,10 +304,7 @@ pub fn launch_partial_prefill_with(
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    if matches!(
-        kernel,
-        PrefillKernel::RsTma | PrefillKernel::RsWtma | PrefillKernel::RsWtmaTiled
-    ) {
+    if !matches!(kernel, PrefillKernel::Ss128 | PrefillKernel::Ss256) {
         // TMA box coordinates are signed 32-bit: the weight row e * N + n and the token row must fit.
         ensure!(
             w.experts * w.n <= i32::MAX as usize,
@@ -295,8 +318,8 @@ pub fn launch_partial_prefill_with(
         // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
         // 32 / 64 / 96 / 128 token rows; RsWtmaTiled: the tiled weights' address, then the same activation maps.
         let weight_maps = match kernel {
-            PrefillKernel::RsTma | PrefillKernel::RsWtmaTiled => None,
-            _ => Some(weight_maps_for_rs(w, wc, wsc)?),
+            PrefillKernel::RsWtma => Some(weight_maps_for_rs(w, wc, wsc)?),
+            _ => None,
         };
         let tiled_p = w.prefill_tiled.as_ref().map(|t| ptr(gpu, t)).unwrap_or(0);
         let box_rows: &[usize] = match kernel {
@@ -310,7 +333,7 @@ pub fn launch_partial_prefill_with(
         let mut b = gpu.stream.launch_builder(&f);
         match (&weight_maps, kernel) {
             (Some((codes_map, scales_map)), _) => b.arg(codes_map).arg(scales_map),
-            (None, PrefillKernel::RsWtmaTiled) => b.arg(&tiled_p),
+            (None, k) if k.reads_tiled_weights() => b.arg(&tiled_p),
             (None, _) => b.arg(&wc).arg(&wsc),
         };
         b.arg(&n).arg(&k);
@@ -319,8 +342,14 @@ pub fn launch_partial_prefill_with(
         }
         b.arg(&restore);
         b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-        unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
-            .map_err(|e| anyhow!("{name}: {e:?}"))?;
+        unsafe {
+            b.launch(launch_cfg(
+                (ctas, 1, 1),
+                (kernel.threads(), 1, 1),
+                smem as u32,
+            ))
+        }
+        .map_err(|e| anyhow!("{name}: {e:?}"))?;
         return Ok(());
     }
     let mut b = gpu.stream.launch_builder(&f);
