@@ -536,13 +536,12 @@ __device__ __forceinline__ void wgmma_rs_n(float (&d)[64], uint32_t a0, uint32_t
 // weights (header), then two RS wgmmas on the activation tile described by `db`, committed as one group; waits until
 // at most this group is in flight, so the previous slice's fragment registers are free again. NT = 128: the full
 // token tile (rs_tma); 32 / 64 / 96: the narrow tiles of rs_wtma (same fragments, same order).
-// kMb: m64 blocks per warp group (2: the 8-warp CTA; 1: the 16-warp CTA of rs_wtma_tiled_w16, one block each).
-template <int NT, int kMb = 2>
-__device__ __forceinline__ void mma_slice_n(float (&d)[kMb][64], const WStage& w, int S, uint64_t db) {
+template <int NT>
+__device__ __forceinline__ void mma_slice_n(float (&d)[2][64], const WStage& w, int S, uint64_t db) {
     const int j = S >> 1, h = S & 1;
-    uint32_t a[kMb][4];
+    uint32_t a[2][4];
 #pragma unroll
-    for (int mb = 0; mb < kMb; ++mb) {
+    for (int mb = 0; mb < 2; ++mb) {
         const uint32_t sl = scale_bf16x2((w.sc[mb] >> (8 * (j >> 1))) & 0xFF);
         const uint32_t sh = scale_bf16x2((w.sc[mb] >> (16 + 8 * (j >> 1))) & 0xFF);
         const uint32_t wl = word_of(w.lo[mb], j), wh = word_of(w.hi[mb], j);
@@ -553,25 +552,25 @@ __device__ __forceinline__ void mma_slice_n(float (&d)[kMb][64], const WStage& w
     }
     // Slice S sits in atom S / 4 at +32 bytes per slice (+2 in the descriptor's 16-byte units).
     const uint64_t dbs = db + (uint64_t)((S >> 2) * (kAtomBytes >> 4)) + 2 * (S & 3);
-#pragma unroll
-    for (int mb = 0; mb < kMb; ++mb) fence_acc(d[mb]);
+    fence_acc(d[0]);
+    fence_acc(d[1]);
     wgmma_fence();
-#pragma unroll
-    for (int mb = 0; mb < kMb; ++mb) wgmma_rs_n<NT>(d[mb], a[mb][0], a[mb][1], a[mb][2], a[mb][3], dbs);
+    wgmma_rs_n<NT>(d[0], a[0][0], a[0][1], a[0][2], a[0][3], dbs);
+    wgmma_rs_n<NT>(d[1], a[1][0], a[1][1], a[1][2], a[1][3], dbs);
     wgmma_commit();
     wgmma_wait<1>();
-#pragma unroll
-    for (int mb = 0; mb < kMb; ++mb) fence_acc(d[mb]);
+    fence_acc(d[0]);
+    fence_acc(d[1]);
 }
 
 // Epilogue: accumulator (weight row 16 wq + g (+8) of m64 block mb, token 8 jj + 2t (+1)) * restore ->
 // partial[row0 + token][wrow0 + 64 mb (+8)], tokens < ntok only (the rest of the tile belongs to other experts), over
 // the first NT tokens of the tile (columns past NT were never computed).
-template <int NT, int kMb = 2>
-__device__ __forceinline__ void store_partials_n(const float (&d)[kMb][64], float* __restrict__ partial, int N,
+template <int NT>
+__device__ __forceinline__ void store_partials_n(const float (&d)[2][64], float* __restrict__ partial, int N,
                                                  int row0, int ntok, int wrow0, int t, float restore) {
 #pragma unroll
-    for (int mb = 0; mb < kMb; ++mb) {
+    for (int mb = 0; mb < 2; ++mb) {
         const int n = wrow0 + 64 * mb;
 #pragma unroll
         for (int jj = 0; jj < NT / 8; ++jj) {
@@ -609,12 +608,11 @@ constexpr int kRingT = 4;
 
 // Thread 0: the ring's full barriers (count 1: the producer's arrive.expect_tx) and empty barriers (count 8: lane 0 of
 // every warp), made visible to the async proxy. The caller's next __syncthreads publishes them to the CTA.
-template <int kWarpsPerCta = kThreads / 32>
 __device__ __forceinline__ void ring_init(uint64_t* full, uint64_t* empty) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < kRingT; ++s) {
             mbar_init(&full[s], 1);
-            mbar_init(&empty[s], kWarpsPerCta);
+            mbar_init(&empty[s], kThreads / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
     }
@@ -930,13 +928,13 @@ static_assert(kBytesW + 1024 == 214016, "keep src/ops/moe_gemm/prefill.rs SMEM_B
 // This thread's weights of the stage in ring slot `slot` (local tile row `lrow` = 128 wg + 16 wq + g): the same
 // registers load_weights fills from global memory.
 // kTiled (weights pre-tiled, rs_wtma_tiled): the slot's scale rows hold this stage's 8 bytes only (pitch 8).
-template <bool kTiled = false, int kMb = 2>
+template <bool kTiled = false>
 __device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int lrow, int t, int st) {
     const uint8_t* codes = slot + kActTile;
     const uint8_t* scales = slot + kActTile + kWCodes;
     constexpr int kScalePitch = kTiled ? 8 : 16;
 #pragma unroll
-    for (int mb = 0; mb < kMb; ++mb) {
+    for (int mb = 0; mb < 2; ++mb) {
         const int r = lrow + 64 * mb;
         w.lo[mb] = *reinterpret_cast<const uint4*>(codes + r * 64 + 16 * t);
         w.hi[mb] = *reinterpret_cast<const uint4*>(codes + (r + 8) * 64 + 16 * t);
@@ -944,6 +942,19 @@ __device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int 
         w.sc[mb] = (uint32_t)*reinterpret_cast<const uint16_t*>(scales + r * kScalePitch + so) |
                    ((uint32_t)*reinterpret_cast<const uint16_t*>(scales + (r + 8) * kScalePitch + so) << 16);
     }
+}
+
+// Non-blocking probe of an mbarrier phase (mbarrier.test_wait: no suspend, no timeout loop).
+__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    return done != 0;
 }
 
 // The TMA ring of the wtma kernels as seen by one CTA (counters run on across its work items).
@@ -996,7 +1007,7 @@ struct WCtx {
 // (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
 // 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
 // groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
-template <int NT, bool kTiled = false, int kMb = 2>
+template <int NT, bool kTiled = false, bool kEarlyFill = false>
 __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
                                           int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
@@ -1008,9 +1019,9 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
             wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st, row0, wtile);
     }
     __syncwarp();
-    float d[kMb][64];
+    float d[2][64];
 #pragma unroll
-    for (int mb = 0; mb < kMb; ++mb)
+    for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
         for (int i = 0; i < 64; ++i) d[mb][i] = 0.f;
     bool timed_out = false;
@@ -1023,26 +1034,48 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
             break;
         }
         WStage w;
-        lds_weights<kTiled, kMb>(w, r.base + slot * kSlotW, lrow, t, st);
+        lds_weights<kTiled>(w, r.base + slot * kSlotW, lrow, t, st);
         const uint64_t db = sw128_desc(r.base_u32 + slot * kSlotW);
-        mma_slice_n<NT, kMb>(d, w, 0, db);
+        mma_slice_n<NT>(d, w, 0, db);
         // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
         if (st > 0 && lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
+        if constexpr (kEarlyFill) {
+            // Thread 0 issues the fill of stage st + 3 as soon as a probe after one of slices 1..7 finds its slot
+            // (the one consumption st - 1 used) released by all warps, instead of after slice 7 (then blocking, as
+            // below). The probe never blocks, so thread 0 does not wait on the slowest warp's slice 0 either; the
+            // slot and the fill order are the same, only the issue time moves up by as much as 3/4 of a stage.
+            bool fill_pending = tid == 0 && r.ok && st + kRingT - 1 < stages;
 #pragma unroll
-        for (int S = 1; S < 8; ++S) mma_slice_n<NT, kMb>(d, w, S, db);
-        ++r.cons;
-        if (tid == 0 && r.ok && st + kRingT - 1 < stages)
-            wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
-                               wtile);
+            for (int S = 1; S < 8; ++S) {
+                mma_slice_n<NT>(d, w, S, db);
+                if (fill_pending && (r.fills < (uint32_t)kRingT ||
+                                     mbar_test(&r.empty[r.fills % kRingT], ((r.fills / kRingT) - 1) & 1u))) {
+                    wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1,
+                                       row0, wtile);
+                    fill_pending = false;
+                }
+            }
+            ++r.cons;
+            if (fill_pending)
+                wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
+                                   wtile);
+        } else {
+#pragma unroll
+            for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
+            ++r.cons;
+            if (tid == 0 && r.ok && st + kRingT - 1 < stages)
+                wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
+                                   wtile);
+        }
         __syncwarp();
     }
     wgmma_wait<0>();
     if (timed_out) return false;
     if (lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);  // the item's last stage
     if (tid == 0 && !r.ok) return false;
-#pragma unroll
-    for (int mb = 0; mb < kMb; ++mb) fence_acc(d[mb]);
-    store_partials_n<NT, kMb>(d, partial, x.N, row0, ntok, wrow0, t, restore);
+    fence_acc(d[0]);
+    fence_acc(d[1]);
+    store_partials_n<NT>(d, partial, x.N, row0, ntok, wrow0, t, restore);
     return true;
 }
 }  // namespace rs
@@ -1077,17 +1110,14 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
 // took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
 // kTiled: the weights come pre-tiled (`tiled`, moe_gemm_prefill_tile_weights_rs) instead of through the 2D maps.
-// kMb: m64 blocks per warp group; the CTA has 512 / kMb threads (8 warps at kMb = 2, 16 at kMb = 1) and the same
-// 256-row tile (warp group wg owns rows 64 kMb wg .. 64 kMb (wg + 1) - 1).
-template <bool kTiled, int kMb = 2>
+template <bool kTiled, bool kEarlyFill = false>
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map,
                                                const uint8_t* tiled, int N, int K, const TmaDesc* act32,
                                                const TmaDesc* act64, const TmaDesc* act96, const TmaDesc* act128,
                                                float restore, const int* __restrict__ offsets, int experts,
                                                int rows_total, float* __restrict__ partial, uint8_t* smem_raw) {
-    constexpr int kCtaThreads = 512 / kMb;
     __shared__ int s_tile_prefix[kMaxExperts + 1];
-    __shared__ int s_warp_sum[kCtaThreads / 32];
+    __shared__ int s_warp_sum[rs::kThreads / 32];
     __shared__ __align__(8) uint64_t bar_full[rs::kRingT], bar_empty[rs::kRingT];
 
     rs::WRing r;
@@ -1099,10 +1129,10 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
     r.cons = 0;
     r.ok = true;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int lrow = 64 * kMb * (warp >> 2) + 16 * (warp & 3) + (lane >> 2);
+    const int lrow = 128 * (warp >> 2) + 16 * (warp & 3) + (lane >> 2);
     const int E = experts;
-    rs::ring_init<kCtaThreads / 32>(bar_full, bar_empty);
-    token_tile_prefix<kCtaThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
+    rs::ring_init(bar_full, bar_empty);
+    token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
 
     rs::WCtx x;
     x.act[0] = act32;
@@ -1124,13 +1154,13 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
         if (nt == 32)
-            ok = rs::wtma_item<32, kTiled, kMb>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<32, kTiled, kEarlyFill>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 64)
-            ok = rs::wtma_item<64, kTiled, kMb>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<64, kTiled, kEarlyFill>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 96)
-            ok = rs::wtma_item<96, kTiled, kMb>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<96, kTiled, kEarlyFill>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else
-            ok = rs::wtma_item<128, kTiled, kMb>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<128, kTiled, kEarlyFill>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         if (!ok) return;
     }
 }
@@ -1167,6 +1197,12 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 // registers). A/B b734587, us, this kernel / h3 / h4: Flash L1 4096 1808.5 / 1796.4 / 1833.1, L2 4096 1083.7 / 1045.4
 // / 1027.8; the mainloop under ncu 1.54 / 1.52 / 1.54 ms with the tensor pipe at 66.7 / 67.9 / 67.1%: the dequant of
 // the next slice is not what idles the tensor pipe (results/h200/PERF-LOG.md "Session 12").
+// Session 12, removed: the same tile on 16 warps (4 warp groups of one m64 block, 122 registers, 4 warps per
+// scheduler; bit-identical). A/B 799a503, us, this kernel / 16 warps: Flash L1 1024 1144.1 / 1149.5, 4096 1824.5 /
+// 1923.7, 16384 7035.6 / 7082.4, L2 4096 1080.8 / 1019.4; mainloop under ncu 1.55 / 1.53 ms, tensor pipe 65.4 / 67.4%,
+// issue 37.5 / 45.1%, +16% instructions. Its per-instruction stall page (profile/ncu-moe_gemm-session12-w16-hot.txt)
+// puts 13.6% (8 warps) / 15.2% (16 warps) of all warp-stall samples on the full-barrier wait of a stage (the branch
+// after SYNCS.PHASECHK.TRYWAIT, long_sb): the stage's TMA bytes are late, whatever the warp count.
 extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled(
     const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
@@ -1178,25 +1214,22 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 }
 
 // =====================================================================================================================
-// rs_wtma_tiled with 16 warps (`moe_gemm_prefill_partial_rs_wtma_tiled_w16`, PrefillKernel::RsWtmaTiledW16)
+// rs_wtma_tiled with the stage fills issued early (`moe_gemm_prefill_partial_rs_wtma_tiled_ef`, RsWtmaTiledEarlyFill)
 // =====================================================================================================================
-// Why: the 8-warp kernel holds 2 warps per scheduler (242 registers each: 2 x 64 accumulators); under ncu at Flash L1
-// 4096 its tensor pipe is busy 67% of the elapsed cycles with issue slots 38% busy, and a deeper wgmma queue per warp
-// group (session 12, h3 / h4: 1.5 / 2 slices in flight) did not move either, so what is missing is warps to hide the
-// dependent chains (LDS -> dequant -> wgmma issue, the ring waits), not queue depth. Here the same 256-row tile is
-// split over 4 warp groups of ONE m64 block each: 64 accumulators per thread, the register cap of 512 threads (128),
-// 4 warps per scheduler. Per stage the dequant work per CTA, the shared-memory reads of the activation tile (each m64
-// block reads it once per slice, as before) and the tensor work are unchanged; each warp dequantizes half as many
-// weights. The ring's empty barriers count 16 warps. Same fragments, same wgmma order per accumulator: bit-identical
-// partials (GPU test).
-extern "C" __global__ void __launch_bounds__(2 * rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled_w16(
+// Why: 13.6% of the tiled kernel's warp-stall samples wait on a stage's full barrier (its bytes late; session-12
+// stall page) although the fill of stage st + 3 is three consumptions ahead: thread 0 issues it only after its own
+// eight slices of stage st, i.e. when the tensor pipe is near the END of stage st, so the bytes have ~2 stages, not
+// 3, to arrive. Here thread 0 probes the slot (released by every warp after slice 0 of stage st) after each of its
+// slices 1..7 and issues the fill at the first probe that finds it free: up to ~3/4 of a stage (~1 us) more lead, no
+// new blocking. Same ring, same slots, same order of fills: bit-identical partials (GPU test).
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled_ef(
     const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
     const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,
     int rows_total, float* __restrict__ partial) {
     extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel<true, 1>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets,
-                            experts, rows_total, partial, rs_wtma_smem_raw);
+    rs_wtma_kernel<true, true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets,
+                               experts, rows_total, partial, rs_wtma_smem_raw);
 }
 
 // The re-layout of moe_gemm_prefill_partial_rs_wtma_tiled (weight preparation, once per weight set): codes [E*N][K/2]

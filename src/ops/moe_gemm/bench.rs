@@ -31,8 +31,9 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
-//! * `nvfp4_wgmma_rswtma_tiled_w16` (contiguous points only, session-12 A/B): the tiled mainloop with 16 warps (4 warp
-//!   groups of one m64 block each; `PrefillKernel::RsWtmaTiledW16`, bit-identical partials) on the same tiled weights.
+//! * `nvfp4_wgmma_rswtma_tiled_ef` (contiguous points only, session-12 A/B): the tiled mainloop with each stage's TMA fill
+//!   issued as soon as its ring slot is free (`PrefillKernel::RsWtmaTiledEarlyFill`, bit-identical partials) on the same
+//!   tiled weights.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -75,7 +76,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
-    "nvfp4_wgmma_rswtma_tiled_w16",
+    "nvfp4_wgmma_rswtma_tiled_ef",
     "nvfp4_decode",
     "nvfp4_plain",
     "cublaslt_bf16",
@@ -101,7 +102,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_wgmma_rswtma_tiled_w16"
+            | "nvfp4_wgmma_rswtma_tiled_ef"
             | "nvfp4_decode"
             | "nvfp4_plain"
     )
@@ -180,13 +181,13 @@ fn launch_variant(
             ws,
             prefill::PrefillKernel::RsWtmaTiled,
         ),
-        "nvfp4_wgmma_rswtma_tiled_w16" => prefill::launch_partial_prefill_with(
+        "nvfp4_wgmma_rswtma_tiled_ef" => prefill::launch_partial_prefill_with(
             gpu,
             w,
             a,
             dg,
             ws,
-            prefill::PrefillKernel::RsWtmaTiledW16,
+            prefill::PrefillKernel::RsWtmaTiledEarlyFill,
         ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
@@ -202,7 +203,7 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
         variant,
         "nvfp4"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_wgmma_rswtma_tiled_w16"
+            | "nvfp4_wgmma_rswtma_tiled_ef"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
     ) {

@@ -120,10 +120,10 @@ pub enum PrefillKernel {
     /// 1933.3 / 1861.9, 16384 7470.2 / 7122.6; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6, L2 4096 3157.1
     /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms).
     RsWtmaTiled,
-    /// `moe_gemm_prefill_partial_rs_wtma_tiled_w16`: [`PrefillKernel::RsWtmaTiled`] with 16 warps (4 warp groups of
-    /// one m64 block each, 122 registers) instead of 8 (2 warp groups of two blocks, 242 registers), for twice the
-    /// warps per scheduler. Bit-identical partials. Session-12 A/B candidate (numbers in the .cu header).
-    RsWtmaTiledW16,
+    /// `moe_gemm_prefill_partial_rs_wtma_tiled_ef`: [`PrefillKernel::RsWtmaTiled`] with each stage's fill issued as
+    /// soon as its slot is free (probed after every slice) instead of after the producer's last slice of the stage:
+    /// up to 3/4 of a stage more lead for the TMA bytes. Bit-identical partials. Session-12 A/B candidate.
+    RsWtmaTiledEarlyFill,
 }
 
 impl PrefillKernel {
@@ -156,8 +156,8 @@ impl PrefillKernel {
                 TILE_N_RS,
                 STAGE_K_RS,
             ),
-            PrefillKernel::RsWtmaTiledW16 => (
-                "moe_gemm_prefill_partial_rs_wtma_tiled_w16",
+            PrefillKernel::RsWtmaTiledEarlyFill => (
+                "moe_gemm_prefill_partial_rs_wtma_tiled_ef",
                 SMEM_BYTES_RS_WTMA,
                 TILE_N_RS,
                 STAGE_K_RS,
@@ -180,19 +180,11 @@ impl PrefillKernel {
         }
     }
 
-    /// Threads per CTA: 512 for [`PrefillKernel::RsWtmaTiledW16`], 256 for every other mainloop.
-    fn threads(self) -> u32 {
-        match self {
-            PrefillKernel::RsWtmaTiledW16 => 2 * THREADS,
-            _ => THREADS,
-        }
-    }
-
     /// Whether the kernel reads [`DeviceExpertWeights::prefill_tiled`] instead of the plain codes and scales.
     pub fn reads_tiled_weights(self) -> bool {
         matches!(
             self,
-            PrefillKernel::RsWtmaTiled | PrefillKernel::RsWtmaTiledW16
+            PrefillKernel::RsWtmaTiled | PrefillKernel::RsWtmaTiledEarlyFill
         )
     }
 
@@ -342,14 +334,8 @@ pub fn launch_partial_prefill_with(
         }
         b.arg(&restore);
         b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-        unsafe {
-            b.launch(launch_cfg(
-                (ctas, 1, 1),
-                (kernel.threads(), 1, 1),
-                smem as u32,
-            ))
-        }
-        .map_err(|e| anyhow!("{name}: {e:?}"))?;
+        unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
+            .map_err(|e| anyhow!("{name}: {e:?}"))?;
         return Ok(());
     }
     let mut b = gpu.stream.launch_builder(&f);
