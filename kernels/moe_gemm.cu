@@ -62,6 +62,11 @@
 //   FinishL1Kernel::for_grouping; bench `nvfp4_finishpad1b` keeps pad1b measurable there), the prefill L1 finish: persistent CTAs over contiguous row ranges, a per-thread cp.async ring of the next
 //   rows' partials, h in registers, one barrier per row; bit-identical to pad1b (shared l1_swiglu_h /
 //   nvfp4_quant_chunk4; pad1b and q4 SASS unchanged by that refactor). Why pad1b is slow at prefill: the rows comment.
+//   Session 12 candidate: moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc* (FinishL1Kernel::RowsThr2, bench
+//   nvfp4_finishrowsthr2): RowsThr with 8 elements of a 16-block per thread, a fused split-0 product and leaner
+//   per-row bookkeeping (SASS fast path, Flash kc2: ~69 instead of ~93 thread-instructions per element);
+//   bit-identical. l1_swiglu_h was split into the products and l1_swiglu_h_tail (SASS of q4 / pad1b / rows /
+//   rows_thr unchanged by that split).
 //
 // History (removed generations; all three computed bit-identical partials, GPU-tested):
 //   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
@@ -585,13 +590,16 @@ __device__ __forceinline__ float block_max_l1_one_barrier(float v, float* s_red)
 // h of one column pair (the L1 epilogue below): gate / up accumulators, the row's gsa, the column pair's gsb, the
 // row's routing weight. One source for every L1 finish (pass 1 and the rows kernel), so their h cannot drift apart.
 // (ptxas contracts the `1.f +` with the last multiply of expf into one FFMA; the same expression in every caller.)
-__device__ __forceinline__ float l1_swiglu_h(float accg, float accu, float sa, float scg, float scu, float rw) {
-    float gte = accg * (sa * scg);
-    float up = accu * (sa * scu);
+// l1_swiglu_h_tail: everything after the two scale products (gte = accg * (sa*scg), up = accu * (sa*scu)); split
+// out so that RowsThr2 can form those products with one FFMA each (its comment) and share the rest, bit for bit.
+__device__ __forceinline__ float l1_swiglu_h_tail(float gte, float up, float rw) {
     gte = fminf(gte, 10.f);
     up = fminf(fmaxf(up, -10.f), 10.f);
     const float silu = __fdiv_rn(gte, 1.f + expf(-gte));
     return __fmul_rn(__fmul_rn(silu, up), rw);
+}
+__device__ __forceinline__ float l1_swiglu_h(float accg, float accu, float sa, float scg, float scu, float rw) {
+    return l1_swiglu_h_tail(accg * (sa * scg), accu * (sa * scu), rw);
 }
 
 // L1 epilogue. The weight matrix is W13 = [w1; w3] stacked along N (N = 2I): gate = column n, up = column I + n.
@@ -1018,6 +1026,306 @@ MOE_FINISH_L1_ROWS(1, 8, 3)
 MOE_FINISH_L1_ROWS(2, 4, 3)
 MOE_FINISH_L1_ROWS(3, 2, 3)
 MOE_FINISH_L1_ROWS(4, 2, 2)
+
+// ---- The prefill L1 finish, fewer instructions per element (FinishL1Kernel::RowsThr2, session-12 candidate) -----
+// RowsThr's SASS (kc2, Flash I = 2048, 8 h elements per thread and row) spends ~94 thread-instructions per element
+// (ncu: 147 M warp-instructions for 50.3 M elements), issue-bound. About a third of that is per-16-block work done
+// by all 4 lanes of a block (block amax shuffles and their variable-mask convergence code, the block-scale
+// division, e4m3 round trip, the 7 thresholds and their range check: ~60 per 4-element chunk). Here:
+// * a thread owns 8 elements of a 16-block instead of 4: pair p = tid + 256 j (j < KP = ceil(KC / 2)) of a row
+//   is block b = p / 2, quarters (chunks) q = p % 2 and q + 2, i.e. units 4b + q and 4b + q + 2 (unit = 4 h
+//   columns = one float4 of gate and one of up). The pair of lanes (p, p ^ 1) holds the whole block: one xor-1
+//   shuffle, and the block scale and thresholds are computed once per 8 elements instead of once per 4.
+//   Quarters q and q + 2 (not 2q, 2q + 1) so that every cp.async instruction of a warp copies whole 32-byte sectors
+//   (units 4b + q for q = 0, 1 are 32 contiguous bytes).
+// * splits == 1 (prefill) is a template branch: split 0's `0 + p` and the scale product are one FFMA (identity at
+//   finish_l1_rows2_swiglu), and the split loop is gone from that path.
+// * the shuffle mask is the full warp (no per-iteration mask / convergence code): a warp whose first pair is in
+//   the row runs the quantization on all lanes (lanes past the row carry h = 0 and store nothing).
+// Bit-identical to RowsThr (and so to pad1b / q4), per output:
+// * h, h_out, row amax, gs: l1_swiglu_h (or its tail, finish_l1_rows2_swiglu) on the same split sums / scales, the
+//   same fmaxf fold (order-free on non-NaN values >= 0; RowsThr's comment) and mm::nvfp4_global_scale.
+// * block amax: max(0, 16 |h|) of one block; fmaxf on non-NaN values is exact and order-free, fmaxf(a, NaN) = a, so
+//   max(0, own 8) then one xor-1 fmaxf is RowsThr's max(0, own 4) then two shuffles. Lanes p and p ^ 1 share b
+//   (p - lane and 256 j are multiples of 32); pairs = I / 8 is even (I % 16 == 0), so both are in the row or both
+//   out, and an out-of-row lane never feeds an in-row one.
+// * block scale byte, scale: the same functions of (bmax, gs) as nvfp4_quant_chunk4.
+// * codes: nvfp4_codes8_thr = nvfp4_codes4_thr on each quarter (its comment); stored at byte 2 * unit like
+//   RowsThr's chunk c = unit; the scale byte of block b by the lane with p even.
+// Ring: own-copy like RowsThr (a thread reads back only what it copied; cp.async.wait_group orders it), unit slot
+// (k = 2 j + hh, g) of thread tid at [((slot * KU + k) * 2 + g) * 256 + tid] (conflict-free). Dynamic smem =
+// kStages * KU * 2 * 256 * 16 bytes (launcher: FinishL1RowsKind::thr2_ring_bytes). Requirements as RowsThr.
+
+template <bool B>
+struct BoolConst {
+    static constexpr bool value = B;
+};
+
+// The codes of two chunks x0, x1 of one 16-block with block scale `scale`: nvfp4_codes4_thr(x0, scale) and
+// nvfp4_codes4_thr(x1, scale), with its range / NaN check and its 7 thresholds (functions of scale alone) done
+// once. When the check passes for all 8 elements both calls would take the fast path with these same thresholds;
+// otherwise each half goes through nvfp4_codes4_thr itself (which re-checks its own 4 elements). Same bits.
+__device__ __forceinline__ void nvfp4_codes8_thr(const float4 x0, const float4 x1, float scale, uint32_t& q0,
+                                                 uint32_t& q1) {
+    const bool any_nan = isnan(x0.x) || isnan(x0.y) || isnan(x0.z) || isnan(x0.w) || isnan(x1.x) || isnan(x1.y) ||
+                         isnan(x1.z) || isnan(x1.w);
+    if (e2m1_thresholds_fma_scale_in_range(scale) && !any_nan) {
+        const E2m1Thresholds thr = e2m1_thresholds_fma_in_range(scale);
+        q0 = e2m1_code_thr(x0.x, thr) | e2m1_code_thr(x0.y, thr) << 4 | e2m1_code_thr(x0.z, thr) << 8 |
+             e2m1_code_thr(x0.w, thr) << 12;
+        q1 = e2m1_code_thr(x1.x, thr) | e2m1_code_thr(x1.y, thr) << 4 | e2m1_code_thr(x1.z, thr) << 8 |
+             e2m1_code_thr(x1.w, thr) << 12;
+        return;
+    }
+    q0 = nvfp4_codes4_thr(x0, scale);
+    q1 = nvfp4_codes4_thr(x1, scale);
+}
+
+// h of one column for splits == 1 with the products fused: returns l1_swiglu_h(0.f + p_g, 0.f + p_u, sa, scg, scu,
+// rw) bit for bit when mg = fl(sa * scg) and mu = fl(sa * scu) are each > 0 or NaN (the caller's check).
+// l1_swiglu_h forms gte = (0.f + p) * m; here gte = fma(p, m, +0) (one rounding of p * m + 0). For m > 0 (incl.
+// +inf, subnormal) and any p:
+// * p = +-0: 0 + p = +0, (+0) * m = +0 (m finite) or NaN (m = inf); fma: p * m = +-0 (or NaN), +-0 + +0 = +0 in
+//   round-to-nearest (or NaN). Same.
+// * p finite != 0: 0 + p = p exactly; the exact p * m is != 0, so adding +0 changes nothing and both round the same
+//   real once: fl(p * m). Same.
+// * p = +-inf or NaN: +-inf or NaN in both.
+// For m NaN both are NaN. NaN bits never reach h: fminf(NaN, 10) = 10 and fmaxf(NaN, -10) = -10 in the tail.
+// The check (caller): sa >= 2^-64 and every scale of the thread's columns >= 2^-64 (fminf ignores NaN scales, which
+// are fine) gives m >= fl(2^-128) > 0 or m = +inf / NaN. Otherwise (or splits > 1) the caller takes l1_swiglu_h.
+__device__ __forceinline__ float l1_swiglu_h_fused1(float pg, float pu, float sa, float scg, float scu, float rw) {
+    return l1_swiglu_h_tail(__fmaf_rn(pg, __fmul_rn(sa, scg), 0.f), __fmaf_rn(pu, __fmul_rn(sa, scu), 0.f), rw);
+}
+
+template <int KC, int kStages, bool kOneSplit>
+__device__ __forceinline__ void finish_l1_rows2_body(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
+    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out,
+    int rows_per_cta, float4* s_meta, float (*s_red)[kFinishL1RowsThreads / 32]) {
+    constexpr int KP = (KC + 1) / 2;  // pairs per thread and row
+    constexpr int KU = 2 * KP;        // units per thread and row (k = 2 j + hh)
+    constexpr int T = kFinishL1RowsThreads;
+    extern __shared__ uint4 s_ring[];  // [kStages][KU][2 (gate, up)][256] 16-byte units
+    // s_meta[i]: row metadata, one 16-byte load per row: (expert as int bits, sa, routing weight, unused).
+    // s_red[2][8]: per-warp amax, by row parity (RowsThr's comment). Both from the entry (declared there once, not
+    // per instantiation of this body: the entry holds two).
+    static_assert(T / 32 == 8, "2 float4 slots per parity");
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int N = 2 * I, pairs = I / 8;
+    const int first = blockIdx.x * rows_per_cta;
+    const int nrows = min(rows_per_cta, rows_total - first);  // >= 1 (launcher grid)
+    const Grouping grp{group, capacity, experts, rows_total};
+    if (tid < nrows) {
+        const int row = first + tid;
+        const int e = grp.expert_of_row(row);
+        s_meta[tid] = make_float4(__int_as_float(e), (gsa != nullptr && e >= 0) ? gsa[row] : 1.f,
+                                  e >= 0 ? routing[row] : 0.f, 0.f);
+    }
+    // Pair j of this thread: p = tid + 256 j, units u0(j) = 4 (p >> 1) + (p & 1) and u0(j) + 2. As 256 j is even,
+    // u0(j) = u0(0) + 512 j: every unit of the thread is at a compile-time offset 4 * (512 j + 2 hh) floats from
+    // column 4 u0(0) (gate; up at + I), which the running row pointers below use.
+    const int u00 = 4 * (tid >> 1) + (tid & 1);
+    auto pair_in = [&](int j) { return tid + j * T < pairs; };
+    // Copies split 0 of one row (src_row = partial + row * N + 4 u00) into ring slot `slot`; one commit group per
+    // call, empty or not (uniform wait counts).
+    auto issue = [&](const float* src_row, int slot, bool take) {
+        if (take) {
+            uint4* dst = s_ring + (size_t)slot * KU * 2 * T + tid;
+#pragma unroll
+            for (int j = 0; j < KP; ++j) {
+                if (pair_in(j)) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int k = 2 * j + hh, off = 4 * (512 * j + 2 * hh);
+                        cp_async_16(dst + (2 * k) * T, src_row + off);
+                        cp_async_16(dst + (2 * k + 1) * T, src_row + I + off);
+                    }
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    const float* src_thr = partial + (size_t)first * N + 4 * u00;
+    // The first kStages - 1 rows are copied before their experts are known (RowsThr's comment).
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) issue(src_thr + (size_t)i * N, i, i < nrows);
+    __syncthreads();  // s_meta
+    int e_cur = -1;
+    float4 sg[KU], su[KU];     // gsb of expert e_cur at the thread's units (gate, up)
+    float gsb_min = INFINITY;  // fminf of those (NaN ignored): the fused-product check
+#pragma unroll
+    for (int k = 0; k < KU; ++k) sg[k] = su[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const size_t split_stride = (size_t)rows_total * N;
+    // Running per-row pointers / ring slots (row i: slot i % kStages; the issued row i + kStages - 1).
+    const float* src_issue = src_thr + (size_t)(kStages - 1) * N;
+    int slot_issue = kStages - 1, slot_read = 0;
+    uint8_t* codes_thr = h_codes + (size_t)first * (I / 2) + 2 * u00;  // code byte of unit u00 of the row
+    uint8_t* scales_thr = h_scales + (size_t)first * (I / 16) + (tid >> 1);  // block scale of pair 0's block
+    for (int i = 0; i < nrows; ++i) {
+        const int ia = i + kStages - 1;
+        issue(src_issue, slot_issue, ia < nrows && __float_as_int(s_meta[min(ia, nrows - 1)].x) >= 0);
+        src_issue += N;
+        slot_issue = slot_issue + 1 == kStages ? 0 : slot_issue + 1;
+        cp_async_wait_group<kStages - 1>();  // this thread's copies of row i have landed
+        const int row = first + i;
+        const float4 meta = s_meta[i];
+        const int e = __float_as_int(meta.x);
+        const float sa = meta.y, rw = meta.z;
+        if (e >= 0 && e != e_cur) {  // CTA-uniform
+            e_cur = e;
+            gsb_min = INFINITY;
+            const float* gsb_thr = gsb + (size_t)e * N + 4 * u00;
+#pragma unroll
+            for (int j = 0; j < KP; ++j) {
+                if (pair_in(j)) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int k = 2 * j + hh, off = 4 * (512 * j + 2 * hh);
+                        sg[k] = *reinterpret_cast<const float4*>(gsb_thr + off);
+                        su[k] = *reinterpret_cast<const float4*>(gsb_thr + I + off);
+                        gsb_min = fminf(gsb_min, fminf(fminf(fminf(sg[k].x, sg[k].y), fminf(sg[k].z, sg[k].w)),
+                                                       fminf(fminf(su[k].x, su[k].y), fminf(su[k].z, su[k].w))));
+                    }
+                }
+            }
+        }
+        const uint4* slot = s_ring + (size_t)slot_read * KU * 2 * T + tid;
+        slot_read = slot_read + 1 == kStages ? 0 : slot_read + 1;
+        float4 h[KU];
+#pragma unroll
+        for (int k = 0; k < KU; ++k) h[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        // h of the thread's units; kFused: the FFMA form (l1_swiglu_h_fused1's identity), else l1_swiglu_h on
+        // 0 + p_0 + p_1 + ... (RowsThr's split order).
+        auto swiglu_units = [&](auto fused_tag) {
+            constexpr bool kFused = decltype(fused_tag)::value;
+#pragma unroll
+            for (int j = 0; j < KP; ++j) {
+                if (pair_in(j)) {
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int k = 2 * j + hh;
+                        const uint4 pg0 = slot[(2 * k) * T];
+                        const uint4 pu0 = slot[(2 * k + 1) * T];
+                        if constexpr (kFused) {
+                            h[k].x = l1_swiglu_h_fused1(__uint_as_float(pg0.x), __uint_as_float(pu0.x), sa, sg[k].x,
+                                                        su[k].x, rw);
+                            h[k].y = l1_swiglu_h_fused1(__uint_as_float(pg0.y), __uint_as_float(pu0.y), sa, sg[k].y,
+                                                        su[k].y, rw);
+                            h[k].z = l1_swiglu_h_fused1(__uint_as_float(pg0.z), __uint_as_float(pu0.z), sa, sg[k].z,
+                                                        su[k].z, rw);
+                            h[k].w = l1_swiglu_h_fused1(__uint_as_float(pg0.w), __uint_as_float(pu0.w), sa, sg[k].w,
+                                                        su[k].w, rw);
+                        } else {
+                            float4 ag = make_float4(0.f, 0.f, 0.f, 0.f), au = ag;
+                            ag.x += __uint_as_float(pg0.x); ag.y += __uint_as_float(pg0.y);
+                            ag.z += __uint_as_float(pg0.z); ag.w += __uint_as_float(pg0.w);
+                            au.x += __uint_as_float(pu0.x); au.y += __uint_as_float(pu0.y);
+                            au.z += __uint_as_float(pu0.z); au.w += __uint_as_float(pu0.w);
+                            if constexpr (!kOneSplit) {
+                                const int off = 4 * (512 * j + 2 * hh);
+                                for (int s = 1; s < splits; ++s) {
+                                    const float* src = partial + s * split_stride + (size_t)row * N + 4 * u00 + off;
+                                    const float4 pg = *reinterpret_cast<const float4*>(src);
+                                    const float4 pu = *reinterpret_cast<const float4*>(src + I);
+                                    ag.x += pg.x; ag.y += pg.y; ag.z += pg.z; ag.w += pg.w;
+                                    au.x += pu.x; au.y += pu.y; au.z += pu.z; au.w += pu.w;
+                                }
+                            }
+                            h[k].x = l1_swiglu_h(ag.x, au.x, sa, sg[k].x, su[k].x, rw);
+                            h[k].y = l1_swiglu_h(ag.y, au.y, sa, sg[k].y, su[k].y, rw);
+                            h[k].z = l1_swiglu_h(ag.z, au.z, sa, sg[k].z, su[k].z, rw);
+                            h[k].w = l1_swiglu_h(ag.w, au.w, sa, sg[k].w, su[k].w, rw);
+                        }
+                    }
+                }
+            }
+        };
+        if (e >= 0) {
+            // Per thread (gsb_min) and row (sa); uniform in practice. The NaN-false compares send NaN sa / an
+            // all-NaN gsb_min to the unfused form (also exact).
+            if (kOneSplit && sa >= 0x1p-64f && gsb_min >= 0x1p-64f) {
+                swiglu_units(BoolConst<true>{});
+            } else {
+                swiglu_units(BoolConst<false>{});
+            }
+        }
+        // own8[j] = max(0, |h| of pair j's 8 elements): both the thread's share of the row amax (RowsThr folds
+        // fmaxf(amax, max4 |h|) from 0 over the same values: the same maximum, order-free) and its share of the
+        // block amax below. Pairs past the row have h = +0, own8 = +0, which changes neither maximum.
+        float own8[KP];
+        float amax = 0.f;
+#pragma unroll
+        for (int j = 0; j < KP; ++j) {
+            const float4 x0 = h[2 * j], x1 = h[2 * j + 1];
+            own8[j] = fmaxf(fmaxf(0.f, fmaxf(fmaxf(fabsf(x0.x), fabsf(x0.y)), fmaxf(fabsf(x0.z), fabsf(x0.w)))),
+                            fmaxf(fmaxf(fabsf(x1.x), fabsf(x1.y)), fmaxf(fabsf(x1.z), fabsf(x1.w))));
+            amax = fmaxf(amax, own8[j]);
+            if (h_out != nullptr && pair_in(j)) {
+                float* hrow = h_out + (size_t)row * I + 4 * u00 + 4 * 512 * j;
+                *reinterpret_cast<float4*>(hrow) = x0;
+                *reinterpret_cast<float4*>(hrow + 8) = x1;
+            }
+        }
+        // Row amax: warp tree, then the 8 warp slots of this row's parity (one barrier; RowsThr's header).
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float* red = s_red[i & 1];
+        if (lane == 0) red[tid >> 5] = amax;
+        __syncthreads();
+        const float4 ra = reinterpret_cast<const float4*>(red)[0], rb = reinterpret_cast<const float4*>(red)[1];
+        amax = fmaxf(0.f, fmaxf(fmaxf(fmaxf(ra.x, ra.y), fmaxf(ra.z, ra.w)), fmaxf(fmaxf(rb.x, rb.y), fmaxf(rb.z, rb.w))));
+        const float gs = mm::nvfp4_global_scale(amax);
+        if (tid == 0) h_gs[row] = gs;
+#pragma unroll
+        for (int j = 0; j < KP; ++j) {
+            const int p = tid + j * T;
+            if (p - lane < pairs) {  // warp-uniform: every lane takes the full-mask shuffle
+                const float bmax = fmaxf(own8[j], __shfl_xor_sync(0xffffffffu, own8[j], 1));
+                const uint8_t sc = mm::nvfp4_block_scale(bmax, gs);
+                const float scale = __fmul_rn(mm::e4m3_decode(sc), gs);
+                uint32_t q0, q1;
+                nvfp4_codes8_thr(h[2 * j], h[2 * j + 1], scale, q0, q1);  // +0 on lanes past the row
+                if (p < pairs) {
+                    // unit u0(j) = u00 + 512 j: code bytes 2 u0(j) and 2 (u0(j) + 2); block (p >> 1) = (tid >> 1) + 128 j.
+                    if ((tid & 1) == 0) scales_thr[128 * j] = sc;
+                    *reinterpret_cast<uint16_t*>(codes_thr + 1024 * j) = (uint16_t)q0;
+                    *reinterpret_cast<uint16_t*>(codes_thr + 1024 * j + 4) = (uint16_t)q1;
+                }
+            }
+        }
+        codes_thr += I / 2;
+        scales_thr += I / 16;
+    }
+}
+
+// RowsThr2 entries: the splits == 1 path is its own instantiation inside the entry (CTA-uniform branch).
+#define MOE_FINISH_L1_ROWS_THR2(KC, STAGES, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(kFinishL1RowsThreads, MINB) moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc##KC( \
+        const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total,   \
+        int I, const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,       \
+        uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs,                      \
+        float* __restrict__ h_out, int rows_per_cta) {                                                                \
+        __shared__ float4 s_meta[kFinishL1RowsMaxRowsPerCta];                                                         \
+        __shared__ __align__(16) float s_red[2][kFinishL1RowsThreads / 32];                                           \
+        if (splits == 1) {                                                                                            \
+            finish_l1_rows2_body<KC, STAGES, true>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, \
+                                                   routing, h_codes, h_scales, h_gs, h_out, rows_per_cta, s_meta,     \
+                                                   s_red);                                                            \
+        } else {                                                                                                      \
+            finish_l1_rows2_body<KC, STAGES, false>(partial, splits, group, capacity, experts, rows_total, I, gsa,    \
+                                                    gsb, routing, h_codes, h_scales, h_gs, h_out, rows_per_cta,       \
+                                                    s_meta, s_red);                                                   \
+        }                                                                                                             \
+    }
+// (KC, ring stages, CTAs per SM): FINISH_L1_ROWS_KINDS' thr2_stages / thr2_ctas_per_sm in src/ops/moe_gemm/mod.rs
+// must match. KC keeps RowsThr's meaning (I / 4 <= KC * 256); ring = stages * ceil(KC / 2) * 16 KB: kc1, kc2
+// 4 x 16 KB, kc3, kc4 2 x 32 KB. kc3 (Pro) at 2 CTAs per SM: 16 h + 32 gsb registers per thread need 128 registers
+// (held to 80 for 3 CTAs, ptxas spilled 80 bytes: 61 LDL/STL in the loop).
+MOE_FINISH_L1_ROWS_THR2(1, 4, 3)
+MOE_FINISH_L1_ROWS_THR2(2, 4, 3)
+MOE_FINISH_L1_ROWS_THR2(3, 2, 2)
+MOE_FINISH_L1_ROWS_THR2(4, 2, 2)
 
 // L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
 // fp32 sum taken in routing order j = 0, 1, ... (deterministic). The routing weight was applied in L1 (DSV4 applies

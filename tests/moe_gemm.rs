@@ -1330,7 +1330,7 @@ impl FinishDevice {
         })
     }
 
-    /// The rows kernel `kernel` (Rows or RowsThr) with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned
+    /// The rows kernel `kernel` (Rows, RowsThr or RowsThr2) with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned
     /// outputs.
     fn run_rows(
         &self,
@@ -1580,6 +1580,39 @@ fn sprinkle_special_partials(rng: &mut impl Rng, inp: &mut FinishInputs, one_in:
     }
 }
 
+/// Replaces about one in `one_in` row scales gsa (if any) and expert column scales gsb with values at and around
+/// RowsThr2's fused-product check (sa, gsb >= 2^-64: one FFMA for `(0 + p) * fl(sa * sb)`, splits == 1): +-0,
+/// negatives, 2^-64 and its neighbours, products that underflow to 0, +inf, NaN. Wherever the check fails the
+/// kernel must take the unfused form; wherever it passes, the FFMA must give the same bits (-0 partials included,
+/// from sprinkle_special_partials).
+fn perturb_scales_around_fused_check(rng: &mut impl Rng, inp: &mut FinishInputs, one_in: u32) {
+    let specials = [
+        0.0f32,
+        -0.0,
+        -0.75,
+        2f32.powi(-64),
+        f32::from_bits(2f32.powi(-64).to_bits() - 1),
+        f32::from_bits(2f32.powi(-64).to_bits() + 1),
+        2f32.powi(-70),
+        1e-40,
+        3e38,
+        f32::INFINITY,
+        f32::NAN,
+    ];
+    if let Some(gsa) = inp.gsa.as_mut() {
+        for v in gsa.iter_mut() {
+            if rng.random_range(0..one_in) == 0 {
+                *v = specials[rng.random_range(0..specials.len())];
+            }
+        }
+    }
+    for v in inp.gsb.iter_mut() {
+        if rng.random_range(0..one_in * 64) == 0 {
+            *v = specials[rng.random_range(0..specials.len())];
+        }
+    }
+}
+
 /// Scales the routing weight of about one in `one_in` owned rows by a tiny or huge factor, so whole rows of h sit
 /// far from 1: row amax below ~2^-100 (block scales under 2^-100, subnormal h) or above ~2^110 (block scales over
 /// 2^100, or inf / NaN scales where h overflows). RowsThr's encoder must take its division fallback exactly there.
@@ -1592,7 +1625,7 @@ fn scale_some_routing_weights(rng: &mut impl Rng, inp: &mut FinishInputs, one_in
     }
 }
 
-/// The rows L1 finishes (Rows and RowsThr) against pad1b (the default) bit for bit (codes, block scales, global
+/// The rows L1 finishes (Rows, RowsThr and RowsThr2) against pad1b (the default) bit for bit (codes, block scales, global
 /// scales, h) into 0xFF-poisoned outputs: through [`mg::launch_finish_l1_with`] (the launcher's rows per CTA: one
 /// wave) and with each forced `rows_per_cta` (the ring wraps, the expert changes inside a CTA, the last CTA owns
 /// fewer rows), with and without the fp32 h output.
@@ -1612,7 +1645,11 @@ fn check_rows_finish_against_pad1b(
     );
     let dev = FinishDevice::upload(gpu, inp);
     let want = dev.run(gpu, mg::FinishL1Kernel::PadOneBarrier, true);
-    for kernel in [mg::FinishL1Kernel::Rows, mg::FinishL1Kernel::RowsThr] {
+    for kernel in [
+        mg::FinishL1Kernel::Rows,
+        mg::FinishL1Kernel::RowsThr,
+        mg::FinishL1Kernel::RowsThr2,
+    ] {
         for keep_h in [true, false] {
             let got = dev.run(gpu, kernel, keep_h);
             assert_l1_outputs_bit_equal(
@@ -1639,7 +1676,7 @@ fn check_rows_finish_against_pad1b(
         h.iter().filter(|v| v.to_bits() == 0x8000_0000).count(),
     );
     eprintln!(
-        "{label}: Rows, RowsThr == pad1b bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has \
+        "{label}: Rows, RowsThr, RowsThr2 == pad1b bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has \
          {nan} NaN, {inf} inf, {neg_zero} -0.0"
     );
 }
@@ -1680,6 +1717,19 @@ fn gpu_l1_finish_rows_bit_identical_prefill_sized() {
         sprinkle_special_partials(&mut rng, &mut inp, 32);
         scale_some_routing_weights(&mut rng, &mut inp, 8);
         check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 5, 13]);
+    }
+    // RowsThr2's fused split-0 product: scales at and around its check, one split (fused where the check passes)
+    // and two (never fused), contiguous and masked, Flash and Pro I.
+    for (inter, splits, padding) in [
+        (2048usize, 1usize, None),
+        (3072, 1, Some(2)),
+        (2048, 2, None),
+        (1136, 1, Some(1)),
+    ] {
+        let mut inp = finish_inputs(&mut rng, inter, 12, 120, splits, padding, true);
+        sprinkle_special_partials(&mut rng, &mut inp, 32);
+        perturb_scales_around_fused_check(&mut rng, &mut inp, 6);
+        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 4, 37]);
     }
 }
 
@@ -1740,6 +1790,30 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
     assert_l1_outputs_bit_equal(&gpu, &format!("{name}: Rows (launcher)"), &got, &want);
     let got = run(Some(mg::FinishL1Kernel::RowsThr), 0);
     assert_l1_outputs_bit_equal(&gpu, &format!("{name}: RowsThr (launcher)"), &got, &want);
+    let got = run(Some(mg::FinishL1Kernel::RowsThr2), 0);
+    assert_l1_outputs_bit_equal(&gpu, &format!("{name}: RowsThr2 (launcher)"), &got, &want);
+    for rpc in [1usize, 5, 256] {
+        let mut out = L1Output::new(&gpu, rows, inter, true).unwrap();
+        mg::launch_finish_l1_rows_with(
+            &gpu,
+            &ws,
+            &dg,
+            &d13,
+            &da.view(),
+            &droute,
+            &mut out,
+            mg::FinishL1Kernel::RowsThr2,
+            rpc,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        assert_l1_outputs_bit_equal(
+            &gpu,
+            &format!("{name}: RowsThr2, {rpc} rows per CTA"),
+            &out,
+            &want,
+        );
+    }
     for rpc in [1usize, 7, 100, 256] {
         let got = run(None, rpc);
         assert_l1_outputs_bit_equal(
@@ -1749,7 +1823,7 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
             &want,
         );
     }
-    eprintln!("{name}: {rows} rows, Rows == pad1b bit for bit after the prefill mainloop");
+    eprintln!("{name}: {rows} rows, Rows, RowsThr, RowsThr2 == pad1b bit for bit after the prefill mainloop");
 }
 
 // ------------------------------------ L2 combine kernels: each against the default bit for bit, and the CPU reference

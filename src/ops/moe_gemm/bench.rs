@@ -17,6 +17,8 @@
 //! * `nvfp4_finishrowsthr` / `nvfp4_finishrows` (`moe_gemm_l1` contiguous points only): `nvfp4` with the L1 finish
 //!   forced to `FinishL1Kernel::RowsThr` (session 11: the rows finish with the division-free e2m1 encoder,
 //!   bit-identical; the routed contiguous finish since session 11) / `FinishL1Kernel::Rows` (the previous one).
+//! * `nvfp4_finishrowsthr2` (`moe_gemm_l1` contiguous points only): `nvfp4` with the L1 finish forced to
+//!   `FinishL1Kernel::RowsThr2` (session-12 candidate: RowsThr with fewer instructions per element, bit-identical).
 //! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` / `nvfp4_l2cols2tok` (`moe_gemm_l2` only): `nvfp4` with
 //!   the L2 combine forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) /
 //!   `RowWarps` / `Cols2` / `Cols2Tok` (session 11: one CTA per token),
@@ -67,6 +69,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_finishq4",
     "nvfp4_finishpad1b",
     "nvfp4_finishrowsthr",
+    "nvfp4_finishrowsthr2",
     "nvfp4_finishrows",
     "nvfp4_l2cols",
     "nvfp4_l2rowwarps",
@@ -93,6 +96,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_finishq4"
             | "nvfp4_finishpad1b"
             | "nvfp4_finishrowsthr"
+            | "nvfp4_finishrowsthr2"
             | "nvfp4_finishrows"
             | "nvfp4_l2cols"
             | "nvfp4_l2rowwarps"
@@ -116,6 +120,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let prefill_only = variant.starts_with("nvfp4_wgmma")
         || variant == "nvfp4_finishpad1b"
         || variant == "nvfp4_finishrowsthr"
+        || variant == "nvfp4_finishrowsthr2"
         || variant == "nvfp4_finishrows"
         || variant == "nvfp4_decode";
     let decode_only = variant == "nvfp4_finishq4";
@@ -129,6 +134,7 @@ fn finish_l1_for(variant: &str, dg: &DeviceGrouping, i_dim: usize) -> FinishL1Ke
         "nvfp4_finishq4" => FinishL1Kernel::Q4,
         "nvfp4_finishpad1b" => FinishL1Kernel::PadOneBarrier,
         "nvfp4_finishrowsthr" => FinishL1Kernel::RowsThr,
+        "nvfp4_finishrowsthr2" => FinishL1Kernel::RowsThr2,
         "nvfp4_finishrows" => FinishL1Kernel::Rows,
         _ => FinishL1Kernel::for_grouping(dg, i_dim),
     }
@@ -206,6 +212,7 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
             | "nvfp4_wgmma_rswtma_tiled_ef"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
+            | "nvfp4_finishrowsthr2"
     ) {
         w.prepare_prefill_tiling(gpu)?;
         gpu.synchronize()?;
@@ -426,7 +433,11 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
 fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result<Vec<Row>> {
     if matches!(
         variant,
-        "nvfp4_finishq4" | "nvfp4_finishpad1b" | "nvfp4_finishrowsthr" | "nvfp4_finishrows"
+        "nvfp4_finishq4"
+            | "nvfp4_finishpad1b"
+            | "nvfp4_finishrowsthr"
+            | "nvfp4_finishrowsthr2"
+            | "nvfp4_finishrows"
     ) {
         return Ok(vec![]); // an L1 finish variant: nothing to measure in L2
     }

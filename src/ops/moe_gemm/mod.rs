@@ -619,6 +619,14 @@ pub enum FinishL1Kernel {
     /// back to the division where the thresholds' identities do not hold (scale 0 / non-finite / outside
     /// [2^-100, 2^100], NaN elements): bit-identical outputs. Same instantiations, launcher and limits as Rows.
     RowsThr,
+    /// `moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc{1,2,3,4}` (session-12 candidate, bench variant
+    /// `nvfp4_finishrowsthr2`): [`FinishL1Kernel::RowsThr`] with fewer instructions per element, bit-identical: a
+    /// thread owns 8 elements of a 16-block (quarters q and q + 2) instead of 4, so the block amax takes one shuffle
+    /// and the block scale / thresholds are computed once per 8 elements; splits == 1 fuses split 0's `0 + p` into
+    /// the scale product (one FFMA, exact when the scale products are > 0: checked per row, else the plain form);
+    /// leaner per-row bookkeeping. SASS fast path at Flash kc2: ~69 thread-instructions per element vs RowsThr's
+    /// ~93. Same instantiation table (its own ring stages and CTAs per SM: [`FinishL1RowsKind::thr2_stages`]).
+    RowsThr2,
 }
 
 impl FinishL1Kernel {
@@ -643,6 +651,7 @@ impl FinishL1Kernel {
         FinishL1Kernel::PadOneBarrier,
         FinishL1Kernel::Rows,
         FinishL1Kernel::RowsThr,
+        FinishL1Kernel::RowsThr2,
     ];
 
     /// The kernel's entry point in kernels/moe_gemm.cu for inner dimension `i_dim` (Rows: the instantiation whose
@@ -653,6 +662,7 @@ impl FinishL1Kernel {
             FinishL1Kernel::PadOneBarrier => Some("moe_gemm_finish_l1_swiglu_nvfp4_pad1b"),
             FinishL1Kernel::Rows => FinishL1RowsKind::for_i_dim(i_dim).map(|k| k.entry),
             FinishL1Kernel::RowsThr => FinishL1RowsKind::for_i_dim(i_dim).map(|k| k.thr_entry),
+            FinishL1Kernel::RowsThr2 => FinishL1RowsKind::for_i_dim(i_dim).map(|k| k.thr2_entry),
         }
     }
 }
@@ -669,6 +679,12 @@ pub struct FinishL1RowsKind {
     pub entry: &'static str,
     /// The same instantiation with the division-free encoder ([`FinishL1Kernel::RowsThr`]).
     pub thr_entry: &'static str,
+    /// [`FinishL1Kernel::RowsThr2`] for the same I range (`MOE_FINISH_L1_ROWS_THR2(KC, STAGES, MINB)`).
+    pub thr2_entry: &'static str,
+    /// RowsThr2's ring stages (its ring slot holds ceil(KC / 2) * 2 units per thread and matrix).
+    pub thr2_stages: usize,
+    /// RowsThr2's CTAs per SM (kc3: 2, its 128 registers; RowsThr's 80-register bound spilled 61 LDL/STL).
+    pub thr2_ctas_per_sm: usize,
     /// Chunks of 4 h columns per thread: takes I / 4 <= chunks_per_thread * 256.
     pub chunks_per_thread: usize,
     /// Rows in the per-thread cp.async ring (stages - 1 rows are prefetched).
@@ -681,6 +697,9 @@ const FINISH_L1_ROWS_KINDS: [FinishL1RowsKind; 4] = [
     FinishL1RowsKind {
         entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc1",
         thr_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc1",
+        thr2_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc1",
+        thr2_stages: 4,
+        thr2_ctas_per_sm: 3,
         chunks_per_thread: 1,
         stages: 8,
         ctas_per_sm: 3,
@@ -688,6 +707,9 @@ const FINISH_L1_ROWS_KINDS: [FinishL1RowsKind; 4] = [
     FinishL1RowsKind {
         entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc2",
         thr_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc2",
+        thr2_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc2",
+        thr2_stages: 4,
+        thr2_ctas_per_sm: 3,
         chunks_per_thread: 2,
         stages: 4,
         ctas_per_sm: 3,
@@ -695,6 +717,9 @@ const FINISH_L1_ROWS_KINDS: [FinishL1RowsKind; 4] = [
     FinishL1RowsKind {
         entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc3",
         thr_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc3",
+        thr2_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc3",
+        thr2_stages: 2,
+        thr2_ctas_per_sm: 2,
         chunks_per_thread: 3,
         stages: 2,
         ctas_per_sm: 3,
@@ -702,6 +727,9 @@ const FINISH_L1_ROWS_KINDS: [FinishL1RowsKind; 4] = [
     FinishL1RowsKind {
         entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_kc4",
         thr_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr_kc4",
+        thr2_entry: "moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc4",
+        thr2_stages: 2,
+        thr2_ctas_per_sm: 2,
         chunks_per_thread: 4,
         stages: 2,
         ctas_per_sm: 2,
@@ -722,6 +750,36 @@ impl FinishL1RowsKind {
     /// Dynamic shared memory: the ring, stages x chunks x (gate, up) x 256 threads x 16 bytes.
     pub fn ring_bytes(&self) -> usize {
         self.stages * self.chunks_per_thread * 2 * FINISH_L1_ROWS_THREADS * 16
+    }
+
+    /// RowsThr2's ring: thr2_stages x 2 ceil(KC / 2) units x (gate, up) x 256 threads x 16 bytes.
+    pub fn thr2_ring_bytes(&self) -> usize {
+        self.thr2_stages * self.chunks_per_thread.div_ceil(2) * 2 * 2 * FINISH_L1_ROWS_THREADS * 16
+    }
+
+    /// The ring bytes of rows kernel `kernel` (RowsThr2 has its own ring; Rows and RowsThr share one).
+    pub fn ring_bytes_for(&self, kernel: FinishL1Kernel) -> usize {
+        if kernel == FinishL1Kernel::RowsThr2 {
+            self.thr2_ring_bytes()
+        } else {
+            self.ring_bytes()
+        }
+    }
+
+    /// [`FinishL1RowsKind::default_rows_per_cta`] for rows kernel `kernel` (RowsThr2 with its own CTAs per SM).
+    pub fn default_rows_per_cta_for(
+        &self,
+        kernel: FinishL1Kernel,
+        rows: usize,
+        sm_count: usize,
+    ) -> usize {
+        if kernel == FinishL1Kernel::RowsThr2 {
+            let resident = (sm_count * self.thr2_ctas_per_sm).max(1);
+            rows.div_ceil(resident)
+                .clamp(1, FINISH_L1_ROWS_MAX_ROWS_PER_CTA)
+        } else {
+            self.default_rows_per_cta(rows, sm_count)
+        }
     }
 
     /// Rows per CTA for `rows` rows on `sm_count` SMs: one wave of resident CTAs (ceil(rows / resident)), at least
@@ -745,11 +803,15 @@ pub fn launch_finish_l1_with(
     out: &mut L1Output,
     kernel: FinishL1Kernel,
 ) -> Result<()> {
-    if matches!(kernel, FinishL1Kernel::Rows | FinishL1Kernel::RowsThr) {
+    if matches!(
+        kernel,
+        FinishL1Kernel::Rows | FinishL1Kernel::RowsThr | FinishL1Kernel::RowsThr2
+    ) {
         let i_dim = w13.n / 2;
         let kind = FinishL1RowsKind::for_i_dim(i_dim)
             .ok_or_else(|| anyhow!("moe_gemm L1: the rows finish takes I <= 4096, I = {i_dim}"))?;
-        let rows_per_cta = kind.default_rows_per_cta(grp.rows_total, gpu.info.sm_count as usize);
+        let rows_per_cta =
+            kind.default_rows_per_cta_for(kernel, grp.rows_total, gpu.info.sm_count as usize);
         return launch_finish_l1_rows_with(
             gpu,
             ws,
@@ -792,8 +854,9 @@ pub fn launch_finish_l1_with(
     Ok(())
 }
 
-/// A rows L1 finish (`kernel` = [`FinishL1Kernel::Rows`] or [`FinishL1Kernel::RowsThr`]: same instantiation table,
-/// ring and arguments, only the entry point differs) with an explicit number of rows per CTA (1 ..=
+/// A rows L1 finish (`kernel` = [`FinishL1Kernel::Rows`], [`FinishL1Kernel::RowsThr`] or
+/// [`FinishL1Kernel::RowsThr2`]: same instantiation table and arguments; the entry point differs, and RowsThr2's
+/// ring size) with an explicit number of rows per CTA (1 ..=
 /// [`FINISH_L1_ROWS_MAX_ROWS_PER_CTA`]; [`launch_finish_l1_with`] takes
 /// [`FinishL1RowsKind::default_rows_per_cta`]). The tests force small and odd values so that the ring wraps, the
 /// expert changes inside a CTA and the last CTA owns fewer rows. Same checks and output contract as
@@ -817,6 +880,7 @@ pub fn launch_finish_l1_rows_with(
     let entry = match kernel {
         FinishL1Kernel::Rows => kind.entry,
         FinishL1Kernel::RowsThr => kind.thr_entry,
+        FinishL1Kernel::RowsThr2 => kind.thr2_entry,
         other => bail!("moe_gemm L1: {other:?} is not a rows finish kernel"),
     };
     ensure!(
@@ -836,7 +900,7 @@ pub fn launch_finish_l1_rows_with(
         grid <= u32::MAX as usize,
         "moe_gemm L1: {grid} CTAs exceed the grid"
     );
-    let smem = kind.ring_bytes();
+    let smem = kind.ring_bytes_for(kernel);
     let f = gpu.function_with_smem(FAMILY, entry, smem)?;
     let mut b = gpu.stream.launch_builder(&f);
     let args = FinishL1Args::new(gpu, ws, grp, w13, a, routing, out);
@@ -1268,5 +1332,36 @@ impl RoutedBatch {
     /// Expert of the row holding pair (t, j).
     pub fn expert(&self, t: usize, j: usize) -> usize {
         self.experts_of[t * self.topk + j]
+    }
+}
+
+#[cfg(test)]
+mod finish_l1_rows_kind_tests {
+    use super::*;
+
+    /// RowsThr2's ring plus its static shared memory (s_meta 4 KB + s_red 64 B) and the 1 KB the driver reserves per
+    /// CTA fit its CTAs per SM into the H200's 228 KB of shared memory per SM, and every ring fits one CTA's opt-in
+    /// limit (227 KB): otherwise the launcher's one-wave rows per CTA would assume CTAs that cannot be resident.
+    #[test]
+    fn rows_thr2_rings_fit_their_ctas_per_sm() {
+        for k in FINISH_L1_ROWS_KINDS {
+            let per_cta = k.thr2_ring_bytes() + 4096 + 64 + 1024;
+            assert!(k.thr2_ring_bytes() <= 227 * 1024, "{k:?}");
+            assert!(k.thr2_ctas_per_sm * per_cta <= 228 * 1024, "{k:?}");
+            assert_eq!(
+                k.ring_bytes_for(FinishL1Kernel::RowsThr2),
+                k.thr2_ring_bytes()
+            );
+            assert_eq!(k.ring_bytes_for(FinishL1Kernel::RowsThr), k.ring_bytes());
+        }
+        assert_eq!(
+            FinishL1Kernel::RowsThr2.entry(2048),
+            Some("moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc2")
+        );
+        assert_eq!(
+            FinishL1Kernel::RowsThr2.entry(3072),
+            Some("moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc3")
+        );
+        assert_eq!(FinishL1Kernel::RowsThr2.entry(4112), None);
     }
 }
