@@ -25,14 +25,15 @@
 // N, K split), enumerated like v3 (split fastest, then row block, then the expert tiles in expert order:
 // common/expert_tiles.cuh), so empty experts cost nothing but the per-CTA scan. Persistent grid, stride gridDim.x. Per item the CTA converts its
 // tokens' activation codes (K split range) once into int8 (2 x e2m1) in shared memory plus sa / 4 per block as
-// fp32; each warp then streams 8 weight rows (2 groups of 4) over the K range: a lane reads 16 contiguous code
-// bytes (32 weights = 2 blocks) and 2 scale bytes of each of 4 rows per 512-K step, i.e. 512 contiguous bytes per
-// warp and row. The next step's loads (also across row groups and items) are issued before the current step's
-// math (register double buffer). Each lane keeps fp32 partials per (row, token); a warp butterfly sums them when
-// a row group's K range is done.
-// Activation smem layout: 512-K pass p, lane l, block half h (k = 512 p + 32 l + 16 h + i): 16-byte unit
-// p * 64 + h * 32 + l, byte i, so each of a warp's two 16-byte shared loads reads 32 consecutive units
-// (conflict-free). Scales sa/4: float [token][block] in natural order (a lane reads 2 adjacent floats).
+// fp32; each warp then streams 8 weight rows over the K range in 512-K steps: lane l reads the 8 code bytes and
+// the scale byte of block l of the step (k = 512 p + 16 l .. + 15) of each of the 8 rows, i.e. 256 contiguous code
+// bytes per warp and row (whole 32-byte sectors), 2 KB per warp and step. The next step's loads (also across
+// items) are issued before the current step's math (register double buffer: 2 x 24 registers). Each lane keeps
+// fp32 partials per (row, token); a warp butterfly sums them when the item's K range is done. (A lane covering 32 K
+// with 16-byte loads would need K / splits % 1024 == 0, which Flash L2 / Pro at the chosen splits do not meet.)
+// Activation smem: int8 [token][k_split] in natural K order: lane l of step p reads 16-byte unit 32 p + l (32
+// consecutive units per warp: conflict-free). Scales sa/4: float [token][block], natural order.
+// Both entries hold 2 CTAs (16 warps) per SM: the 2-token entry spilled 16 B at the 80 registers of 3 CTAs/SM.
 //
 // Rounding points: none before the fp32 accumulation (exact block products), fp32 adds over the blocks in this
 // lane's K order, then a warp butterfly (xor 16, 8, 4, 2, 1) over the lanes; split partials added by the finish.
@@ -47,10 +48,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsPerStep = 4;                                  // weight rows per warp and step
-constexpr int kGroupsPerWarp = 2;                                // row groups per warp and item
+constexpr int kRowsPerStep = 8;                                  // weight rows per warp and step
+constexpr int kGroupsPerWarp = 1;                                // row groups per warp and item
 constexpr int kBlockRows = kWarps * kRowsPerStep * kGroupsPerWarp;  // 64 weight rows per item
-constexpr int kPassK = 512;                                      // K per warp and step (32 per lane)
+constexpr int kPassK = 512;                                      // K per warp and step (one 16-block per lane)
 constexpr int kMaxExperts = 512;
 
 // The 8 magnitudes 2 * |e2m1| = 0, 1, 2, 3, 4, 6, 8, 12 as bytes 0..7 of {kTblLo, kTblHi}.
@@ -72,15 +73,21 @@ __device__ __forceinline__ uint32_t e2m1x4_to_int8x4(uint32_t codes) {
     return pos | ((0x80808080u - neg) ^ 0x80808080u);
 }
 
-// Two e4m3 codes (bytes 0, 1 of `two`) -> fp32, exactly (e4m3 -> f16 is exact, f16 -> f32 too).
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t two) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
-    return __half22float2(__half2(h));
+// 8-byte / 1-byte read-only loads of the weight stream (read once: no L1 allocation for the codes).
+__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ uint32_t ldg_u8(const void* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
 }
 
 struct WStep {
-    uint4 codes[kRowsPerStep];     // 32 codes of each row: k = 32 lane .. 32 lane + 31 of the step's 512
-    uint32_t scales[kRowsPerStep]; // e4m3 scales of the lane's 2 blocks, bytes 0, 1
+    uint2 codes[kRowsPerStep];     // 16 codes of each row: block k = 16 lane .. 16 lane + 15 of the step's 512
+    uint32_t scales[kRowsPerStep]; // e4m3 scale of that block
 };
 
 struct ItemPos {
@@ -105,9 +112,8 @@ __device__ __forceinline__ void load_activations(uint8_t* s_act, float* s_sa4, c
             out.x = e2m1x4_to_int8x4(c);
             out.y = e2m1x4_to_int8x4(c >> 16);
         }
-        const int k = wq * 8;  // within the split
-        const int pass = k / kPassK, lane = (k % kPassK) / 32, half = (k % 32) / 16, i = k % 16;
-        *reinterpret_cast<uint2*>(s_act + (size_t)tk * k_split + (pass * 64 + half * 32 + lane) * 16 + i) = out;
+        // Natural K order: byte k of token tk at tk * k_split + k (lane l of pass p reads block 32 p + l).
+        *reinterpret_cast<uint2*>(s_act + (size_t)tk * k_split + wq * 8) = out;
     }
     const int blocks = k_split / 16;
     for (int q = threadIdx.x; q < tok_fill * blocks; q += kThreads) {
@@ -118,65 +124,62 @@ __device__ __forceinline__ void load_activations(uint8_t* s_act, float* s_sa4, c
     }
 }
 
-__device__ __forceinline__ void load_step(WStep& w, const uint8_t* __restrict__ w_codes,
-                                          const uint8_t* __restrict__ w_scales, int N, int K, int k_split,
-                                          const ItemPos& p, int rg, int pass, int warp, int lane) {
+// The weight addresses of a step: lane's 8 code bytes / 1 scale byte of the step's first row (row r: + r row pitches).
+struct StepPtrs {
+    const uint8_t* codes;
+    const uint8_t* scales;
+};
+__device__ __forceinline__ StepPtrs step_ptrs(const uint8_t* __restrict__ w_codes,
+                                              const uint8_t* __restrict__ w_scales, int N, int K, int k_split,
+                                              const ItemPos& p, int rg, int pass, int warp, int lane) {
     const int n = p.nblk * kBlockRows + warp * (kRowsPerStep * kGroupsPerWarp) + rg * kRowsPerStep;
     const size_t wrow = (size_t)p.expert * N + n;
     const int k0 = p.split * k_split + pass * kPassK;
-    const uint8_t* c = w_codes + wrow * (K / 2) + k0 / 2 + lane * 16;
-    const uint8_t* s = w_scales + wrow * (K / 16) + k0 / 16 + lane * 2;
-#pragma unroll
-    for (int r = 0; r < kRowsPerStep; ++r) {
-        w.codes[r] = ldg_stream(c + (size_t)r * (K / 2));
-        w.scales[r] = ldg_u16(s + (size_t)r * (K / 16));
-    }
+    return StepPtrs{w_codes + wrow * (K / 2) + k0 / 2 + lane * 8, w_scales + wrow * (K / 16) + k0 / 16 + lane};
+}
+__device__ __forceinline__ void load_row(WStep& w, int r, const StepPtrs& q, int K) {
+    w.codes[r] = ldg_stream8(q.codes + (size_t)r * (K / 2));
+    w.scales[r] = ldg_u8(q.scales + (size_t)r * (K / 16));
 }
 
-// One step for T tokens (T = 1, 2 or 4; the item's ntok <= T): acc[r][t] += this lane's 2 blocks of row r.
+// One step for T tokens (T = 1, 2 or 4; the item's ntok <= T): acc[r][t] += this lane's block of row r.
 template <int T, int kMaxTok>
 __device__ __forceinline__ void compute_step(float (&acc)[kRowsPerStep][kMaxTok], const WStep& w,
                                              const uint8_t* s_act, const float* s_sa4, int k_split, int pass,
                                              int lane, uint32_t tbl_lo) {
-    uint4 a[T][2];
-    float2 sa4[T];
+    uint4 a[T];   // the 16 activation int8 of the lane's block (consecutive 16-byte units: conflict-free)
+    float sa4[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-        const uint4* u = reinterpret_cast<const uint4*>(s_act + (size_t)t * k_split) + pass * 64;
-        a[t][0] = u[lane];
-        a[t][1] = u[32 + lane];
-        sa4[t] = reinterpret_cast<const float2*>(s_sa4 + t * (k_split / 16) + pass * 32)[lane];
+        a[t] = reinterpret_cast<const uint4*>(s_act + (size_t)t * k_split)[pass * 32 + lane];
+        sa4[t] = s_sa4[t * (k_split / 16) + pass * 32 + lane];
     }
 #pragma unroll
     for (int r = 0; r < kRowsPerStep; ++r) {
-        const float2 sw = e4m3x2_to_float2(w.scales[r]);
-        const uint32_t cw[4] = {w.codes[r].x, w.codes[r].y, w.codes[r].z, w.codes[r].w};
-        int ipos[T][2], ineg[T][2];
+        const float sw = mm::e4m3_decode((uint8_t)w.scales[r]);
+        const uint32_t cw[2] = {w.codes[r].x, w.codes[r].y};
+        int ipos[T], ineg[T];
 #pragma unroll
-        for (int t = 0; t < T; ++t) ipos[t][0] = ipos[t][1] = ineg[t][0] = ineg[t][1] = 0;
+        for (int t = 0; t < T; ++t) ipos[t] = ineg[t] = 0;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // code word j = elements 8j .. 8j+7; block h = j / 2
-            const int h = j >> 1;
+        for (int j = 0; j < 2; ++j) {  // code word j = elements 8j .. 8j+7 of the block
             const uint32_t x = cw[j] ^ 0x88888888u;
             const int p0 = (int)prmt(tbl_lo, kTblHi, cw[j]), p1 = (int)prmt(tbl_lo, kTblHi, cw[j] >> 16);
             const int m0 = (int)prmt(tbl_lo, kTblHi, x), m1 = (int)prmt(tbl_lo, kTblHi, x >> 16);
 #pragma unroll
             for (int t = 0; t < T; ++t) {
-                // activation words of elements 8j..8j+3 and 8j+4..8j+7 (unit h holds block h's 16 bytes)
-                const int a0 = (int)((j & 1) ? a[t][h].z : a[t][h].x);
-                const int a1 = (int)((j & 1) ? a[t][h].w : a[t][h].y);
-                ipos[t][h] = __dp4a(a0, p0, ipos[t][h]);
-                ipos[t][h] = __dp4a(a1, p1, ipos[t][h]);
-                ineg[t][h] = __dp4a(a0, m0, ineg[t][h]);
-                ineg[t][h] = __dp4a(a1, m1, ineg[t][h]);
+                // activation words of elements 8j..8j+3 and 8j+4..8j+7
+                const int a0 = (int)(j ? a[t].z : a[t].x);
+                const int a1 = (int)(j ? a[t].w : a[t].y);
+                ipos[t] = __dp4a(a0, p0, ipos[t]);
+                ipos[t] = __dp4a(a1, p1, ipos[t]);
+                ineg[t] = __dp4a(a0, m0, ineg[t]);
+                ineg[t] = __dp4a(a1, m1, ineg[t]);
             }
         }
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            // Exact products (header); fmaf == mul + add here because the product is exact.
-            acc[r][t] = fmaf((float)(ipos[t][0] - ineg[t][0]), sw.x * sa4[t].x, acc[r][t]);
-            acc[r][t] = fmaf((float)(ipos[t][1] - ineg[t][1]), sw.y * sa4[t].y, acc[r][t]);
-        }
+        for (int t = 0; t < T; ++t)  // exact product (header); fmaf == mul + add here
+            acc[r][t] = fmaf((float)(ipos[t] - ineg[t]), sw * sa4[t], acc[r][t]);
     }
 }
 
@@ -268,7 +271,11 @@ __device__ __forceinline__ void moe_gemm_gemv_body(const uint8_t* __restrict__ w
     const uint32_t tbl_lo = s_tbl_lo[lane];
     ItemPos cur = locate(item);
     WStep wbuf;
-    load_step(wbuf, w_codes, w_scales, N, K, k_split, cur, 0, 0, warp, lane);
+    {
+        const StepPtrs first = step_ptrs(w_codes, w_scales, N, K, k_split, cur, 0, 0, warp, lane);
+#pragma unroll
+        for (int r = 0; r < kRowsPerStep; ++r) load_row(wbuf, r, first, K);
+    }
     load_activations<kMaxTok>(s_act, s_sa4, act, act_scales, K, k_split, cur);
     __syncthreads();
     float acc[kRowsPerStep][kMaxTok];
@@ -289,11 +296,18 @@ __device__ __forceinline__ void moe_gemm_gemv_body(const uint8_t* __restrict__ w
         const int next_rg = last_step ? 0 : (group_done ? rg + 1 : rg);
         const int next_pass = group_done ? 0 : pass + 1;
         WStep wnext = wbuf;
-        if (has_next) load_step(wnext, w_codes, w_scales, N, K, k_split, nxt, next_rg, next_pass, warp, lane);
+        if (has_next) {
+            const StepPtrs next = step_ptrs(w_codes, w_scales, N, K, k_split, nxt, next_rg, next_pass, warp, lane);
+#pragma unroll
+            for (int r = 0; r < kRowsPerStep; ++r) load_row(wnext, r, next, K);
+        }
 
-        if (cur.ntok == 1) compute_step<1, kMaxTok>(acc, wbuf, s_act, s_sa4, k_split, pass, lane, tbl_lo);
-        else if (kMaxTok == 2 || cur.ntok == 2) compute_step<2, kMaxTok>(acc, wbuf, s_act, s_sa4, k_split, pass, lane, tbl_lo);
-        else compute_step<kMaxTok, kMaxTok>(acc, wbuf, s_act, s_sa4, k_split, pass, lane, tbl_lo);
+        if (cur.ntok == 1)
+            compute_step<1, kMaxTok>(acc, wbuf, s_act, s_sa4, k_split, pass, lane, tbl_lo);
+        else if (kMaxTok == 2 || cur.ntok == 2)
+            compute_step<2, kMaxTok>(acc, wbuf, s_act, s_sa4, k_split, pass, lane, tbl_lo);
+        else
+            compute_step<kMaxTok, kMaxTok>(acc, wbuf, s_act, s_sa4, k_split, pass, lane, tbl_lo);
 
         if (group_done) {
             const int n0 = cur.nblk * kBlockRows + warp * (kRowsPerStep * kGroupsPerWarp) + rg * kRowsPerStep;
@@ -315,7 +329,7 @@ __device__ __forceinline__ void moe_gemm_gemv_body(const uint8_t* __restrict__ w
 }  // namespace
 
 // Entries: _t<kMaxTok> = tokens per item (token tile); an expert with more rows is several items (the weights
-// stream once per item). _t2: <= 80 registers, 3 CTAs per SM; _t4: 2 CTAs per SM. Launcher: src/ops/moe_gemm/gemv.rs.
+// stream once per item). Both 2 CTAs per SM (launcher grid 2 x SMs). Launcher: src/ops/moe_gemm/gemv.rs.
 #define MOE_GEMM_GEMV_ENTRY(TOK, MINB)                                                                            \
     extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_gemv_nvfp4_partial_t##TOK(              \
         const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                   \
@@ -325,5 +339,5 @@ __device__ __forceinline__ void moe_gemm_gemv_body(const uint8_t* __restrict__ w
                                 partial, splits);                                                                 \
     }
 
-MOE_GEMM_GEMV_ENTRY(2, 3)
+MOE_GEMM_GEMV_ENTRY(2, 2)
 MOE_GEMM_GEMV_ENTRY(4, 2)

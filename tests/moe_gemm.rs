@@ -2198,8 +2198,8 @@ fn routing_with_counts(counts: &[usize]) -> (usize, Vec<usize>) {
 }
 
 /// Per-expert counts {0, 1, 2, 3, 7, 8, 16} with empty experts, masked (capacity 16: the 4-token entry, experts
-/// of 7-16 rows split into several items) and contiguous; counts <= 2 with capacity 2 (the 2-token entry, 3 CTAs
-/// per SM); K splits 1, 2, 4.
+/// of 7-16 rows split into several items) and contiguous; counts <= 2 with capacity 2 (the 2-token entry);
+/// K splits 1, 2, 4 (K / splits = 2048, 1024, 512: several, two and one 512-K steps per item).
 #[test]
 fn gpu_gemv_mainloop_token_counts_masked_and_contiguous() {
     let Some(gpu) = gpu_for_test("gpu_gemv_mainloop_token_counts_masked_and_contiguous") else {

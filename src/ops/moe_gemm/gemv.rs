@@ -17,19 +17,19 @@ use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 
 /// Kernel family name (kernels/moe_gemm_gemv.cu).
 pub const FAMILY_GEMV: &str = "moe_gemm_gemv";
-/// Weight rows per work item (8 warps x 2 groups x 4 rows): N must be a multiple of it (N % 128 == 0 is).
+/// Weight rows per work item (8 warps x 8 rows): N must be a multiple of it (N % 128 == 0 is).
 pub const GEMV_BLOCK_ROWS: usize = 64;
-/// K per warp step (32 per lane): K / splits must be a multiple of it (GemmConfig's 512 already is).
+/// K per warp step (one 16-block per lane): K / splits must be a multiple of it (GemmConfig's 512 already is).
 pub const GEMV_PASS_K: usize = 512;
 const THREADS: u32 = 256;
 
-/// The entry for a grouping: `_t2` (items of <= 2 tokens, 3 CTAs per SM) when no expert can own more than 2 rows
-/// (masked capacity <= 2: every decode step at <= ~40 tokens of 6-of-256 routing in practice), else `_t4` (items of
-/// <= 4 tokens, 2 CTAs per SM). Both are correct for any count (an expert with more rows is several items).
+/// The entry for a grouping: `_t2` (items of <= 2 tokens) when no expert can own more than 2 rows (masked capacity
+/// <= 2: the bench's decode points up to ~8 tokens of 6-of-256 routing), else `_t4` (items of <= 4 tokens). Both
+/// hold 2 CTAs per SM and are correct for any count (an expert with more rows is several items).
 /// Returns (entry name, tokens per item, CTAs per SM).
 pub fn gemv_entry(grp: &DeviceGrouping) -> (&'static str, usize, usize) {
     if grp.capacity >= 1 && grp.capacity <= 2 {
-        ("moe_gemm_gemv_nvfp4_partial_t2", 2, 3)
+        ("moe_gemm_gemv_nvfp4_partial_t2", 2, 2)
     } else {
         ("moe_gemm_gemv_nvfp4_partial_t4", 4, 2)
     }
