@@ -2199,3 +2199,229 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
         );
     }
 }
+
+// ------------------------------------------------------------------- IDP4A decode mainloop (moe_gemm_gemv.cu)
+
+/// `launch_partial_gemv` (NVFP4 A only) against the f64 reference on fresh random inputs, with the workspace
+/// poisoned (0xFF = NaN) before each launch: every owned row must be within the accumulator bounds of the file
+/// header (exact block products, fp32 order only), every unowned row (masked padding slots, rows past the groups)
+/// must keep the poison in every split, as the v3 mainloop leaves them.
+#[allow(clippy::too_many_arguments)]
+fn check_gemv(
+    gpu: &Gpu,
+    label: &str,
+    w: &ExpertWeights,
+    dw: &DeviceExpertWeights,
+    rb: &RoutedBatch,
+    splits_list: &[usize],
+    rng: &mut impl Rng,
+) {
+    let a = gathered_activations(rng, rb, w.k, true);
+    let da = DevA::upload(gpu, &a);
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let rows = rb.grouping.rows_total();
+    let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
+    let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+    let (entry, _, _) = mg::gemv::gemv_entry(&dg);
+    for &splits in splits_list {
+        // token_tile / ctas are not read by the gemv launcher; splits sets the workspace shape.
+        let cfg = GemmConfig {
+            token_tile: 8,
+            splits,
+            ctas: 1,
+        };
+        let mut ws = Workspace::new(gpu, splits, rows, w.n).unwrap();
+        gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+        mg::launch_partial_gemv(gpu, dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
+        gpu.synchronize().unwrap();
+        let label = format!("{label} [gemv {entry}, splits {splits}, rows {rows}]");
+        check_accumulator(
+            &label,
+            &gpu_accumulator(gpu, &ws),
+            &exact,
+            &abs,
+            w.k,
+            splits,
+            &owned,
+            w.n,
+        );
+        let partial = gpu.download(&ws.partial).unwrap();
+        if let Some(i) = (0..partial.len())
+            .find(|&i| !owned((i / w.n) % rows) && partial[i].to_bits() != u32::MAX)
+        {
+            panic!(
+                "{label}: wrote unowned row {} (split {}, col {}): {}",
+                (i / w.n) % rows,
+                i / (rows * w.n),
+                i % w.n,
+                partial[i]
+            );
+        }
+    }
+}
+
+/// Top-1 routing that gives expert x exactly counts[x] tokens.
+fn routing_with_counts(counts: &[usize]) -> (usize, Vec<usize>) {
+    let tokens: usize = counts.iter().sum();
+    let choices = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+        .collect();
+    (tokens, choices)
+}
+
+/// Per-expert counts {0, 1, 2, 3, 7, 8, 16} with empty experts, masked (capacity 16: the 4-token entry, experts
+/// of 7-16 rows split into several items) and contiguous; counts <= 2 with capacity 2 (the 2-token entry);
+/// K splits 1, 2, 4 (K / splits = 2048, 1024, 512: several, two and one 512-K steps per item).
+#[test]
+fn gpu_gemv_mainloop_token_counts_masked_and_contiguous() {
+    let Some(gpu) = gpu_for_test("gpu_gemv_mainloop_token_counts_masked_and_contiguous") else {
+        return;
+    };
+    let mut rng = seeded("gpu_gemv_mainloop_token_counts_masked_and_contiguous");
+    let (n, k) = (256, 2048);
+    for (counts, caps) in [
+        (
+            vec![0usize, 1, 2, 3, 7, 8, 16, 0],
+            vec![Some(16), Some(17), None],
+        ),
+        (vec![0usize, 1, 2, 0, 1, 2, 0], vec![Some(2), None]),
+    ] {
+        let e = counts.len();
+        let w = quantized_weights(&mut rng, e, n, k);
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+        let (tokens, choices) = routing_with_counts(&counts);
+        for cap in caps {
+            let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+            check_gemv(
+                &gpu,
+                &format!("counts {counts:?} cap {cap:?}"),
+                &w,
+                &dw,
+                &rb,
+                &[1, 2, 4],
+                &mut rng,
+            );
+        }
+    }
+}
+
+/// 6-of-256 routing at 1 and 8 tokens (250 / ~210 empty experts), masked with capacity = tokens and with the
+/// tightest capacity (the bench's: the most rows of any expert), and contiguous.
+#[test]
+fn gpu_gemv_mainloop_6_of_256_routing() {
+    let Some(gpu) = gpu_for_test("gpu_gemv_mainloop_6_of_256_routing") else {
+        return;
+    };
+    let mut rng = seeded("gpu_gemv_mainloop_6_of_256_routing");
+    let (experts, n, k) = (256usize, 128, 1024);
+    let w = quantized_weights(&mut rng, experts, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    for tokens in [1usize, 8] {
+        let rb0 = RoutedBatch::random(&mut rng, tokens, experts, 6, None).unwrap();
+        let most = (0..experts)
+            .map(|x| rb0.grouping.expert_rows(x).len())
+            .max()
+            .unwrap();
+        for cap in [Some(tokens), Some(most), None] {
+            let rb =
+                RoutedBatch::from_choices(tokens, experts, 6, rb0.experts_of.clone(), cap).unwrap();
+            check_gemv(
+                &gpu,
+                &format!("6 of 256, {tokens} tokens, cap {cap:?}"),
+                &w,
+                &dw,
+                &rb,
+                &[1, 2],
+                &mut rng,
+            );
+        }
+    }
+}
+
+/// The DSV4 decode shapes, 6-of-7 routing (7 physical experts keep the CPU reference small; >= 1 empty): Flash L1
+/// (N 4096, K 4096) and L2 (4096, 2048), Pro L1 (6144, 7168) and L2 (7168, 3072), 1 token (capacity 1: the
+/// 2-token entry) and, for Flash L1, 8 tokens (capacity 8: the 4-token entry); the splits GemmConfig::choose
+/// picks plus a larger one.
+#[test]
+fn gpu_gemv_mainloop_flash_and_pro_shapes() {
+    let Some(gpu) = gpu_for_test("gpu_gemv_mainloop_flash_and_pro_shapes") else {
+        return;
+    };
+    let mut rng = seeded("gpu_gemv_mainloop_flash_and_pro_shapes");
+    let experts = 7;
+    for (name, n, k, token_counts) in [
+        ("Flash L1", 4096usize, 4096usize, &[1usize, 8][..]),
+        ("Flash L2", 4096, 2048, &[1][..]),
+        ("Pro L1", 6144, 7168, &[1][..]),
+        ("Pro L2", 7168, 3072, &[1][..]),
+    ] {
+        let w = quantized_weights(&mut rng, experts, n, k);
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+        for &tokens in token_counts {
+            let rb = RoutedBatch::random(&mut rng, tokens, experts, 6, Some(tokens)).unwrap();
+            let active = (0..experts)
+                .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+                .count();
+            let cfg = GemmConfig::choose(
+                gpu.info.sm_count as usize,
+                (tokens * 6) as f64 / active as f64,
+                active,
+                n,
+                k,
+            );
+            let mut splits = vec![cfg.splits];
+            if let Some(s) = [4usize, 2]
+                .into_iter()
+                .find(|&s| s != cfg.splits && k.is_multiple_of(s * mg::STAGE_K))
+            {
+                splits.push(s);
+            }
+            check_gemv(
+                &gpu,
+                &format!("{name} {n}x{k}, {tokens} tokens"),
+                &w,
+                &dw,
+                &rb,
+                &splits,
+                &mut rng,
+            );
+        }
+    }
+}
+
+/// BF16 A is refused before any launch (the IDP4A identity needs e2m1 activations); the workspace stays as it was.
+#[test]
+fn gpu_gemv_mainloop_refuses_bf16_activations() {
+    let Some(gpu) = gpu_for_test("gpu_gemv_mainloop_refuses_bf16_activations") else {
+        return;
+    };
+    let mut rng = seeded("gpu_gemv_mainloop_refuses_bf16_activations");
+    let (e, n, k) = (4, 128, 512);
+    let w = quantized_weights(&mut rng, e, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let rb = RoutedBatch::random(&mut rng, 2, e, 2, Some(2)).unwrap();
+    let a = gathered_activations(&mut rng, &rb, k, false);
+    let da = DevA::upload(&gpu, &a);
+    let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+    let cfg = GemmConfig {
+        token_tile: 8,
+        splits: 1,
+        ctas: 1,
+    };
+    let mut ws = Workspace::new(&gpu, 1, rb.grouping.rows_total(), n).unwrap();
+    gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+    let err = mg::launch_partial_gemv(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws)
+        .expect_err("BF16 A must be refused");
+    assert!(
+        err.to_string().contains("must be NVFP4"),
+        "unexpected error: {err}"
+    );
+    gpu.synchronize().unwrap();
+    let p = gpu.download(&ws.partial).unwrap();
+    assert!(
+        p.iter().all(|x| x.to_bits() == u32::MAX),
+        "workspace written"
+    );
+}

@@ -42,6 +42,9 @@
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
+//! * `nvfp4_gemv` (masked / decode points only, session-12 A/B): the IDP4A mainloop ([`launch_partial_gemv`],
+//!   kernels/moe_gemm_gemv.cu: NVFP4 A x NVFP4 B as exact int8 dot products, no tensor cores) on the plain weight
+//!   layout, same config (splits), workspace and finish kernels as `nvfp4`.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -82,6 +85,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma_rswtma_tiled_ef",
     "nvfp4_decode",
     "nvfp4_plain",
+    "nvfp4_gemv",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -109,11 +113,12 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma_rswtma_tiled_ef"
             | "nvfp4_decode"
             | "nvfp4_plain"
+            | "nvfp4_gemv"
     )
 }
 
-/// The wgmma variants run only on contiguous (prefill) points, the previous decode finish `nvfp4_finishq4` only on
-/// masked (decode) points; `nvfp4_finishpad1b` (the previous prefill finish) and `nvfp4_decode` (the decode
+/// The wgmma variants run only on contiguous (prefill) points, the previous decode finish `nvfp4_finishq4` and the
+/// IDP4A mainloop `nvfp4_gemv` only on masked (decode) points; `nvfp4_finishpad1b` (the previous prefill finish) and `nvfp4_decode` (the decode
 /// mainloop where `nvfp4` may take the prefill one) only on contiguous points.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
@@ -123,7 +128,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
         || variant == "nvfp4_finishrowsthr2"
         || variant == "nvfp4_finishrows"
         || variant == "nvfp4_decode";
-    let decode_only = variant == "nvfp4_finishq4";
+    let decode_only = variant == "nvfp4_finishq4" || variant == "nvfp4_gemv";
     (prefill_only && masked) || (decode_only && !masked)
 }
 
@@ -196,6 +201,7 @@ fn launch_variant(
             prefill::PrefillKernel::RsWtmaTiledEarlyFill,
         ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
+        "nvfp4_gemv" => launch_partial_gemv(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }

@@ -18,6 +18,7 @@
 
 pub mod bench;
 pub mod exec;
+pub mod gemv;
 pub mod prefill;
 pub mod reference;
 
@@ -29,6 +30,7 @@ use rand::Rng;
 
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 pub use exec::exec_kernels;
+pub use gemv::launch_partial_gemv;
 use reference::{ExpertWeights, Grouping, NVFP4_BLOCK};
 
 /// Kernel family name (kernels/moe_gemm.cu).
