@@ -26,6 +26,14 @@ fn fresh_seed(test: &str) -> u64 {
 
 const ROWS: &[usize] = &[1, 2, 3, 7, 64, 127, 129, 4096];
 const DS: &[usize] = &[4096, 7168];
+/// Token counts of the mHC GPU tests (mhc_pre, mhc_post, hc_head, post+pre), each at every D of `DS`: the
+/// row counts of issue #3 (1 token; partial 32-token mix tiles at 1, 2, 3, 7, 127, 129; full tiles at 64; a
+/// prefill-sized 4096, 128 tiles). The CPU side of the 4096-token cases (inputs, reference, checks) measured
+/// on the 2-core dev box (test profile, opt-level 2): mhc_pre ~14 s at D 4096 and ~25 s at D 7168 (three
+/// output formats), post+pre ~15 s, mhc_post ~9 s, hc_head ~6 s at D 7168 (the last three estimated from
+/// the measured reference pieces) - each under 30 s, so both D
+/// run at 4096 tokens.
+const MHC_TOKENS: &[usize] = ROWS;
 const FORMATS: [OutFormat; 3] = [OutFormat::Nvfp4, OutFormat::Fp8, OutFormat::Bf16];
 
 // ---- CPU: the reference itself --------------------------------------------------------------------------
@@ -959,8 +967,9 @@ fn gpu_mhc_pre_matches_reference() {
     };
     let seed = fresh_seed("gpu_mhc_pre_matches_reference");
     for &d in DS {
-        // 8 and 9: both sides of mhc_pre's automatic path choice (PDL pair <= 8 tokens, two launches above)
-        for &tokens in &[1usize, 2, 3, 7, 8, 9, 64, 127, 129] {
+        // MHC_TOKENS, plus 8 and 9: both sides of mhc_pre's automatic path choice (PDL pair <= 8 tokens, two
+        // launches above)
+        for tokens in MHC_TOKENS.iter().copied().chain([8, 9]) {
             let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 131 + d as u64));
             let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
             let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
@@ -1135,7 +1144,7 @@ fn gpu_mhc_post_matches_reference() {
     };
     let seed = fresh_seed("gpu_mhc_post_matches_reference");
     for &d in DS {
-        for &tokens in &[1usize, 3, 64, 129] {
+        for &tokens in MHC_TOKENS {
             let c = mhc_case(tokens, d, seed ^ tokens as u64);
             let y = nq::random_rows(tokens, d, seed ^ 0x77);
             // real coefficients from the reference (so C is doubly stochastic, post in (0, 2))
@@ -1180,7 +1189,7 @@ fn gpu_hc_head_matches_reference() {
     };
     let seed = fresh_seed("gpu_hc_head_matches_reference");
     for &d in DS {
-        for &tokens in &[1usize, 7, 129] {
+        for &tokens in MHC_TOKENS {
             let x = nq::random_rows(tokens * 4, d, seed ^ tokens as u64);
             let hp = nq::random_mhc_params(d, r::HC_HEAD_MIX, seed ^ 5);
             let (scale, base) = (0.9f32, [0.1f32, -0.3, 0.2, 0.05]);
@@ -1361,7 +1370,10 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
         return;
     };
     let seed = fresh_seed("gpu_fused_post_then_pre_matches_post_and_reference");
-    for &(tokens, d) in &[(1usize, 4096usize), (3, 7168), (64, 4096), (129, 7168)] {
+    for (d, tokens) in DS
+        .iter()
+        .flat_map(|&d| MHC_TOKENS.iter().map(move |&t| (d, t)))
+    {
         let c = mhc_case(tokens, d, seed ^ tokens as u64);
         let y = nq::random_rows(tokens, d, seed ^ 0x99);
         let coefs: Vec<r::MhcPre> = (0..tokens)
