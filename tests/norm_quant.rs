@@ -1362,6 +1362,62 @@ fn exec_entries_run_the_cpu_reference() {
     assert_eq!(&out["comb"].to_f32().unwrap()[16..32], &c1.comb);
     assert_eq!(&out["u"].to_f32().unwrap()[d..2 * d], &u1[..]);
     assert_eq!(out["y"].shape, vec![t, d]);
+
+    // mhc_post_then_pre_nvfp4 (CPU): X_out as the mhc_post entry, then every output of mhc_pre_nvfp4 on that
+    // X_out (the previous boundary's post / comb from p, the next boundary's parameters p2).
+    let y = nq::random_rows(t, d, seed ^ 4);
+    let (post, comb): (Vec<f32>, Vec<f32>) = {
+        let c: Vec<r::MhcPre> = (0..t)
+            .map(|k| r::mhc_pre_token(&xs[k * 4 * d..(k + 1) * 4 * d], &p).0)
+            .collect();
+        (
+            c.iter().flat_map(|k| k.post).collect(),
+            c.iter().flat_map(|k| k.comb).collect(),
+        )
+    };
+    let p2 = nq::random_mhc_params(d, r::HC_MIX, seed ^ 5);
+    inp.insert(
+        "y".into(),
+        HostTensor::from_bf16(vec![t, d], &bf16::to_bf16_vec(&y)),
+    );
+    inp.insert("post".into(), HostTensor::from_f32(vec![t, 4], &post));
+    inp.insert("comb".into(), HostTensor::from_f32(vec![t, 4, 4], &comb));
+    let posted = (find("mhc_post").run)(&inp, None).unwrap();
+    inp.insert(
+        "hc_fn".into(),
+        HostTensor::from_f32(vec![24, 4 * d], &p2.mix_fn),
+    );
+    inp.insert("hc_scale".into(), HostTensor::from_f32(vec![3], &p2.scale));
+    inp.insert("hc_base".into(), HostTensor::from_f32(vec![24], &p2.base));
+    let fused = (find("mhc_post_then_pre_nvfp4").run)(&inp, None).unwrap();
+    assert_eq!(fused["X_out"], posted["X_out"]);
+    let x_out = posted["X_out"].to_f32().unwrap();
+    let (c1, u1) = r::mhc_pre_token(&x_out[4 * d..8 * d], &p2);
+    assert_eq!(&fused["comb"].to_f32().unwrap()[16..32], &c1.comb);
+    assert_eq!(&fused["u"].to_f32().unwrap()[d..2 * d], &u1[..]);
+    let mut pre_in = TensorMap::new();
+    for n in ["hc_fn", "hc_scale", "hc_base", "weight"] {
+        pre_in.insert(n.into(), inp[n].clone());
+    }
+    pre_in.insert("X".into(), posted["X_out"].clone());
+    let pre_out = (find("mhc_pre_nvfp4").run)(&pre_in, None).unwrap();
+    for n in [
+        "pre",
+        "post",
+        "comb",
+        "u",
+        "data",
+        "scales",
+        "global_scale",
+        "rstd",
+    ] {
+        assert_eq!(fused[n], pre_out[n], "mhc_post_then_pre_nvfp4 `{n}`");
+    }
+    assert_eq!(
+        fused.len(),
+        pre_out.len() + 1,
+        "X_out plus mhc_pre's outputs"
+    );
 }
 
 #[test]
