@@ -1568,6 +1568,9 @@ fn check_mhc_token(label: &str, c: &MhcCase, snap: &MhcSnapshot, t: usize, forma
 /// 32-token mix tiles cut by it, random ones); whole outputs are compared bit for bit where two GPU paths
 /// must agree (PDL pair vs two launches; the fused post+pre's X' vs mhc_post). One D only: at D = 7168 the
 /// inputs alone are 3.8 GB of BF16 X (7.5 GB of f32 on the host), and the chunking does not depend on D.
+/// CPU side, estimated from the rates measured for the 4096-token cases on the 2-core dev box: ~35 s to
+/// generate X and y (1.07 G + 0.27 G values), plus a few seconds of conversions and whole-output compares;
+/// peak host memory ~17 GB.
 #[test]
 fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     let Some(gpu) = gpu_for_test("gpu_mhc_launchers_split_batches_above_65535_tokens") else {
