@@ -26,6 +26,14 @@ fn fresh_seed(test: &str) -> u64 {
 
 const ROWS: &[usize] = &[1, 2, 3, 7, 64, 127, 129, 4096];
 const DS: &[usize] = &[4096, 7168];
+/// Token counts of the mHC GPU tests (mhc_pre, mhc_post, hc_head, post+pre), each at every D of `DS`: the
+/// row counts of issue #3 (1 token; partial 32-token mix tiles at 1, 2, 3, 7, 127, 129; full tiles at 64; a
+/// prefill-sized 4096, 128 tiles). The CPU side of the 4096-token cases (inputs, reference, checks) measured
+/// on the 2-core dev box (test profile, opt-level 2): mhc_pre ~14 s at D 4096 and ~25 s at D 7168 (three
+/// output formats), post+pre ~15 s, mhc_post ~9 s, hc_head ~6 s at D 7168 (the last three estimated from
+/// the measured reference pieces): each under 30 s, so both D run at 4096 tokens. Batches above one launch
+/// (65535 tokens) are checked in gpu_mhc_launchers_split_batches_above_65535_tokens.
+const MHC_TOKENS: &[usize] = ROWS;
 const FORMATS: [OutFormat; 3] = [OutFormat::Nvfp4, OutFormat::Fp8, OutFormat::Bf16];
 
 // ---- CPU: the reference itself --------------------------------------------------------------------------
@@ -959,8 +967,9 @@ fn gpu_mhc_pre_matches_reference() {
     };
     let seed = fresh_seed("gpu_mhc_pre_matches_reference");
     for &d in DS {
-        // 8 and 9: both sides of mhc_pre's automatic path choice (PDL pair <= 8 tokens, two launches above)
-        for &tokens in &[1usize, 2, 3, 7, 8, 9, 64, 127, 129] {
+        // MHC_TOKENS, plus 8 and 9: both sides of mhc_pre's automatic path choice (PDL pair <= 8 tokens, two
+        // launches above)
+        for tokens in MHC_TOKENS.iter().copied().chain([8, 9]) {
             let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 131 + d as u64));
             let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
             let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
@@ -1135,7 +1144,7 @@ fn gpu_mhc_post_matches_reference() {
     };
     let seed = fresh_seed("gpu_mhc_post_matches_reference");
     for &d in DS {
-        for &tokens in &[1usize, 3, 64, 129] {
+        for &tokens in MHC_TOKENS {
             let c = mhc_case(tokens, d, seed ^ tokens as u64);
             let y = nq::random_rows(tokens, d, seed ^ 0x77);
             // real coefficients from the reference (so C is doubly stochastic, post in (0, 2))
@@ -1180,7 +1189,7 @@ fn gpu_hc_head_matches_reference() {
     };
     let seed = fresh_seed("gpu_hc_head_matches_reference");
     for &d in DS {
-        for &tokens in &[1usize, 7, 129] {
+        for &tokens in MHC_TOKENS {
             let x = nq::random_rows(tokens * 4, d, seed ^ tokens as u64);
             let hp = nq::random_mhc_params(d, r::HC_HEAD_MIX, seed ^ 5);
             let (scale, base) = (0.9f32, [0.1f32, -0.3, 0.2, 0.05]);
@@ -1353,6 +1362,62 @@ fn exec_entries_run_the_cpu_reference() {
     assert_eq!(&out["comb"].to_f32().unwrap()[16..32], &c1.comb);
     assert_eq!(&out["u"].to_f32().unwrap()[d..2 * d], &u1[..]);
     assert_eq!(out["y"].shape, vec![t, d]);
+
+    // mhc_post_then_pre_nvfp4 (CPU): X_out as the mhc_post entry, then every output of mhc_pre_nvfp4 on that
+    // X_out (the previous boundary's post / comb from p, the next boundary's parameters p2).
+    let y = nq::random_rows(t, d, seed ^ 4);
+    let (post, comb): (Vec<f32>, Vec<f32>) = {
+        let c: Vec<r::MhcPre> = (0..t)
+            .map(|k| r::mhc_pre_token(&xs[k * 4 * d..(k + 1) * 4 * d], &p).0)
+            .collect();
+        (
+            c.iter().flat_map(|k| k.post).collect(),
+            c.iter().flat_map(|k| k.comb).collect(),
+        )
+    };
+    let p2 = nq::random_mhc_params(d, r::HC_MIX, seed ^ 5);
+    inp.insert(
+        "y".into(),
+        HostTensor::from_bf16(vec![t, d], &bf16::to_bf16_vec(&y)),
+    );
+    inp.insert("post".into(), HostTensor::from_f32(vec![t, 4], &post));
+    inp.insert("comb".into(), HostTensor::from_f32(vec![t, 4, 4], &comb));
+    let posted = (find("mhc_post").run)(&inp, None).unwrap();
+    inp.insert(
+        "hc_fn".into(),
+        HostTensor::from_f32(vec![24, 4 * d], &p2.mix_fn),
+    );
+    inp.insert("hc_scale".into(), HostTensor::from_f32(vec![3], &p2.scale));
+    inp.insert("hc_base".into(), HostTensor::from_f32(vec![24], &p2.base));
+    let fused = (find("mhc_post_then_pre_nvfp4").run)(&inp, None).unwrap();
+    assert_eq!(fused["X_out"], posted["X_out"]);
+    let x_out = posted["X_out"].to_f32().unwrap();
+    let (c1, u1) = r::mhc_pre_token(&x_out[4 * d..8 * d], &p2);
+    assert_eq!(&fused["comb"].to_f32().unwrap()[16..32], &c1.comb);
+    assert_eq!(&fused["u"].to_f32().unwrap()[d..2 * d], &u1[..]);
+    let mut pre_in = TensorMap::new();
+    for n in ["hc_fn", "hc_scale", "hc_base", "weight"] {
+        pre_in.insert(n.into(), inp[n].clone());
+    }
+    pre_in.insert("X".into(), posted["X_out"].clone());
+    let pre_out = (find("mhc_pre_nvfp4").run)(&pre_in, None).unwrap();
+    for n in [
+        "pre",
+        "post",
+        "comb",
+        "u",
+        "data",
+        "scales",
+        "global_scale",
+        "rstd",
+    ] {
+        assert_eq!(fused[n], pre_out[n], "mhc_post_then_pre_nvfp4 `{n}`");
+    }
+    assert_eq!(
+        fused.len(),
+        pre_out.len() + 1,
+        "X_out plus mhc_pre's outputs"
+    );
 }
 
 #[test]
@@ -1361,7 +1426,10 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
         return;
     };
     let seed = fresh_seed("gpu_fused_post_then_pre_matches_post_and_reference");
-    for &(tokens, d) in &[(1usize, 4096usize), (3, 7168), (64, 4096), (129, 7168)] {
+    for (d, tokens) in DS
+        .iter()
+        .flat_map(|&d| MHC_TOKENS.iter().map(move |&t| (d, t)))
+    {
         let c = mhc_case(tokens, d, seed ^ tokens as u64);
         let y = nq::random_rows(tokens, d, seed ^ 0x99);
         let coefs: Vec<r::MhcPre> = (0..tokens)
@@ -1423,6 +1491,286 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
             Some(&dots),
         );
     }
+}
+
+// ---- batches above one launch (MHC_LAUNCH_MAX_TOKENS = 65535 tokens, the grid.y cap) -----------------------
+
+/// The launch chunks cover a batch exactly, in order, each at most MHC_LAUNCH_MAX_TOKENS (the grid.y cap of the
+/// post / apply kernels) tokens, one chunk up to the cap.
+#[test]
+fn mhc_token_chunks_cover_the_batch_in_launches_of_at_most_65535() {
+    let cap = nq::MHC_LAUNCH_MAX_TOKENS;
+    assert_eq!(cap, 65535);
+    for tokens in [
+        1usize,
+        7,
+        4096,
+        cap - 1,
+        cap,
+        cap + 1,
+        65536 + 3,
+        2 * cap,
+        2 * cap + 1,
+        300_000,
+    ] {
+        let chunks: Vec<(usize, usize)> = nq::mhc_token_chunks(tokens).collect();
+        assert_eq!(chunks.len(), tokens.div_ceil(cap), "{tokens} tokens");
+        let mut next = 0;
+        for &(t0, n) in &chunks {
+            assert!(
+                t0 == next && (1..=cap).contains(&n),
+                "{tokens} tokens: chunk ({t0}, {n})"
+            );
+            next = t0 + n;
+        }
+        assert_eq!(next, tokens);
+    }
+    assert_eq!(
+        nq::mhc_token_chunks(cap + 1).collect::<Vec<_>>(),
+        vec![(0, cap), (cap, 1)]
+    );
+}
+
+/// Token `t` of a batch as a one-token case (same parameters), for sampled checks of a large batch.
+fn mhc_token_case(x: &[f32], p: &MhcParams, nw: &[f32], d: usize, t: usize) -> MhcCase {
+    MhcCase {
+        tokens: 1,
+        d,
+        x: x[t * 4 * d..(t + 1) * 4 * d].to_vec(),
+        p: p.clone(),
+        nw: nw.to_vec(),
+    }
+}
+
+/// `check_mhc` of token `t` of a downloaded batch (NVFP4 / FP8 outputs), with the kernel's own reduced mixes.
+fn check_mhc_token(label: &str, c: &MhcCase, snap: &MhcSnapshot, t: usize, format: OutFormat) {
+    let d = c.d;
+    let (splits, nwarps) = (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
+    let dots: Vec<f32> = (0..25)
+        .map(|j| reduce_like_gpu(&snap.partials, splits, nwarps, t, j, 24))
+        .collect();
+    check_mhc(
+        &format!("{label} token {t}"),
+        c,
+        &snap.pre[t * 4..t * 4 + 4],
+        &snap.post[t * 4..t * 4 + 4],
+        &snap.comb[t * 16..t * 16 + 16],
+        &snap.u[t * d..(t + 1) * d],
+        &one_row(&snap.normed, t, d),
+        format,
+        Some(&dots),
+    );
+}
+
+/// 65536 + 3 tokens at D = 4096: every mHC launcher splits the batch into launches of at most 65535 tokens
+/// (nq::mhc_token_chunks: [0, 65535) and [65535, 65539)). The full CPU reference of 65539 tokens would take
+/// minutes, so sampled tokens are checked against it (both ends of each chunk, both sides of the boundary,
+/// 32-token mix tiles cut by it, random ones); whole outputs are compared bit for bit where two GPU paths
+/// must agree (PDL pair vs two launches; the fused post+pre's X' vs mhc_post). One D only: at D = 7168 the
+/// inputs alone are 3.8 GB of BF16 X (7.5 GB of f32 on the host), and the chunking does not depend on D.
+/// CPU side, estimated from the rates measured for the 4096-token cases on the 2-core dev box: ~35 s to
+/// generate X and y (1.07 G + 0.27 G values), plus a few seconds of conversions and whole-output compares;
+/// peak host memory ~17 GB.
+#[test]
+fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_launchers_split_batches_above_65535_tokens") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_launchers_split_batches_above_65535_tokens");
+    let (tokens, d) = (65536 + 3, 4096);
+    let cap = nq::MHC_LAUNCH_MAX_TOKENS;
+    assert_eq!(cap, 65535);
+    let chunks: Vec<(usize, usize)> = nq::mhc_token_chunks(tokens).collect();
+    assert_eq!(chunks, vec![(0, cap), (cap, tokens - cap)]);
+    let mut rnd = xorshift64(seed);
+    let mut sample = vec![
+        0,
+        1,
+        31,
+        32,
+        cap - 33,
+        cap - 32,
+        cap - 1,
+        cap,
+        cap + 1,
+        tokens - 1,
+    ];
+    sample.extend((0..6).map(|_| (rnd() % tokens as u64) as usize));
+    sample.sort_unstable();
+    sample.dedup();
+    let c = mhc_case(tokens, d, seed);
+    let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+    let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+
+    // mhc_pre (two launches per chunk above 8 tokens), then the PDL pair forced: same bits everywhere.
+    let label = format!("mhc_pre T={tokens} D={d} seed {seed}");
+    let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+    nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
+    let snap = MhcSnapshot::take(&gpu, &out);
+    for &t in &sample {
+        check_mhc_token(
+            &label,
+            &mhc_token_case(&c.x, &c.p, &c.nw, d, t),
+            &snap,
+            t,
+            OutFormat::Nvfp4,
+        );
+    }
+    out.poison(&gpu).unwrap();
+    out.poison_partials(&gpu).unwrap();
+    nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair).unwrap();
+    MhcSnapshot::take(&gpu, &out).assert_same(&snap, &format!("{label} PDL pair"));
+
+    // The unfused chain (its apply kernel is the one with the token on grid.y), FP8 out.
+    let label = format!("mhc_pre_unfused->fp8 T={tokens} D={d} seed {seed}");
+    let mut uout = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Fp8, tokens, d).unwrap();
+    let mut scratch = nq::MhcUnfusedScratch::alloc(&gpu, tokens).unwrap();
+    let mut staging = NormOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
+    nq::mhc_pre_unfused(
+        &gpu,
+        &dx,
+        &w,
+        r::RMS_EPS,
+        &mut scratch,
+        &mut staging,
+        &mut uout,
+    )
+    .unwrap();
+    let usnap = MhcSnapshot::take(&gpu, &uout);
+    drop((uout, scratch, staging));
+    for &t in &sample {
+        check_mhc(
+            &format!("{label} token {t}"),
+            &mhc_token_case(&c.x, &c.p, &c.nw, d, t),
+            &usnap.pre[t * 4..t * 4 + 4],
+            &usnap.post[t * 4..t * 4 + 4],
+            &usnap.comb[t * 16..t * 16 + 16],
+            &usnap.u[t * d..(t + 1) * d],
+            &one_row(&usnap.normed, t, d),
+            OutFormat::Fp8,
+            None,
+        );
+    }
+    drop(usnap);
+
+    // mhc_post with the boundary's own post / comb (checked above at the samples), bit for bit at the samples.
+    let y = nq::random_rows(tokens, d, seed ^ 0x77);
+    let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
+    let mut xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+    nq::mhc_post(&gpu, &dy, &dx, &out.post, &out.comb, tokens, d, &mut xo_a).unwrap();
+    let xa = gpu.download(&xo_a).unwrap();
+    for &t in &sample {
+        let post: [f32; 4] = snap.post[t * 4..t * 4 + 4].try_into().unwrap();
+        let comb: [f32; 16] = snap.comb[t * 16..t * 16 + 16].try_into().unwrap();
+        let want = r::mhc_post_token(
+            &y[t * d..(t + 1) * d],
+            &c.x[t * 4 * d..(t + 1) * 4 * d],
+            &post,
+            &comb,
+        );
+        let g = &xa[t * 4 * d..(t + 1) * 4 * d];
+        if let Some(i) = (0..4 * d).find(|&i| g[i].to_f32().to_bits() != want[i].to_bits()) {
+            panic!(
+                "mhc_post T={tokens} D={d} seed {seed}: token {t} X'[{i}] GPU {} vs reference {}",
+                g[i], want[i]
+            );
+        }
+    }
+
+    // Fused post + next pre: X' bit for bit against mhc_post (every token), the next boundary at the samples.
+    let next = nq::random_mhc_params(d, r::HC_MIX, seed ^ 0x55);
+    let wn = MhcWeights::upload(&gpu, &next, &c.nw, d).unwrap();
+    let mut xo_b = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+    let mut nout = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+    nq::mhc_post_then_pre(
+        &gpu,
+        &dy,
+        &dx,
+        &out.post,
+        &out.comb,
+        &wn,
+        r::RMS_EPS,
+        &mut xo_b,
+        &mut nout,
+    )
+    .unwrap();
+    let label = format!("post+pre T={tokens} D={d} seed {seed}");
+    let xb = gpu.download(&xo_b).unwrap();
+    if let Some(i) = (0..xa.len()).find(|&i| xa[i].to_bits() != xb[i].to_bits()) {
+        panic!(
+            "{label}: X'[{i}] (token {}) mhc_post {} vs fused {}",
+            i / (4 * d),
+            xa[i],
+            xb[i]
+        );
+    }
+    drop(xa);
+    let xb: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+    let nsnap = MhcSnapshot::take(&gpu, &nout);
+    drop(nout);
+    for &t in &sample {
+        check_mhc_token(
+            &label,
+            &mhc_token_case(&xb, &next, &c.nw, d, t),
+            &nsnap,
+            t,
+            OutFormat::Nvfp4,
+        );
+    }
+    drop((nsnap, xb, xo_a, xo_b, out));
+
+    // hc_head at the samples.
+    let hp = nq::random_mhc_params(d, r::HC_HEAD_MIX, seed ^ 5);
+    let (scale, base) = (0.9f32, [0.1f32, -0.3, 0.2, 0.05]);
+    let wh = MhcWeights::upload_head(&gpu, &hp.mix_fn, scale, &base, &c.nw, d).unwrap();
+    let mut hout = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
+    nq::hc_head(&gpu, &dx, &wh, r::RMS_EPS, &mut hout).unwrap();
+    let pre = download_f32(&gpu, &hout.pre);
+    let u: Vec<f32> = gpu
+        .download(&hout.u)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    let normed = hout.normed.download(&gpu).unwrap();
+    let HostQuant::Bf16(yh) = &normed.q else {
+        panic!("hc_head: BF16 output expected")
+    };
+    let label = format!("hc_head T={tokens} D={d} seed {seed}");
+    for &t in &sample {
+        let xt = &c.x[t * 4 * d..(t + 1) * 4 * d];
+        let (want_pre, _) = r::hc_head_token(xt, &hp.mix_fn, scale, &base);
+        let (e, i) = max_abs_diff(&pre[t * 4..t * 4 + 4], &want_pre);
+        assert!(
+            e <= 2e-5,
+            "{label}: token {t} pre[{i}] GPU {} vs {}",
+            pre[t * 4 + i],
+            want_pre[i]
+        );
+        let gp: [f32; 4] = pre[t * 4..t * 4 + 4].try_into().unwrap();
+        let want_u = r::mhc_apply_pre(xt, &gp);
+        let ut = &u[t * d..(t + 1) * d];
+        if let Some(k) = (0..d).find(|&k| ut[k].to_bits() != want_u[k].to_bits()) {
+            panic!("{label}: token {t} u[{k}] GPU {} vs {}", ut[k], want_u[k]);
+        }
+        let one = nq::HostNormOutputs {
+            rstd: vec![normed.rstd[t]],
+            q: HostQuant::Bf16(yh[t * d..(t + 1) * d].to_vec()),
+        };
+        check_norm_outputs(
+            &format!("{label} token {t}"),
+            ut,
+            &c.nw,
+            1,
+            d,
+            OutFormat::Bf16,
+            &one,
+        );
+    }
+    eprintln!(
+        "{label}: chunks {chunks:?}, {} sampled tokens checked on every launcher",
+        sample.len()
+    );
 }
 
 // ---- A/B (session 3): the PDL pair (mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*) ------------------------

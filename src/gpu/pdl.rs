@@ -25,6 +25,21 @@ impl RawArgs {
         self.slots.push(ptr);
         self
     }
+    /// A pointer to element `first` of `s` (a kernel's view of the buffer from that element on: the mHC
+    /// launchers' token chunks). `first` must not pass the end of `s` (checked).
+    pub fn slice_from<T>(&mut self, gpu: &Gpu, s: &CudaSlice<T>, first: usize) -> &mut Self {
+        use cudarc::driver::DevicePtr;
+        assert!(
+            first <= s.len(),
+            "RawArgs::slice_from: element {first} of a {}-element buffer",
+            s.len()
+        );
+        // Event tracking is off (Gpu::open), so the guard records nothing.
+        let (ptr, _guard) = s.device_ptr(&gpu.stream);
+        self.slots
+            .push(ptr + (first * std::mem::size_of::<T>()) as u64);
+        self
+    }
     pub fn i32(&mut self, v: i32) -> &mut Self {
         self.slots.push(v as u32 as u64);
         self

@@ -7,8 +7,8 @@ use safetensors::Dtype;
 
 use super::reference as r;
 use super::{
-    hc_head, mhc_post, mhc_pre, rmsnorm_quant, upload_checked_bf16, upload_checked_f32, HostQuant,
-    MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
+    hc_head, mhc_post, mhc_post_then_pre, mhc_pre, rmsnorm_quant, upload_checked_bf16,
+    upload_checked_f32, HostQuant, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
 };
 use crate::formats::bf16 as fbf16;
 use crate::gpu::Gpu;
@@ -52,6 +52,11 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
             name: "mhc_post",
             doc: "in: y BF16 [T, D], X BF16 [T, 4, D], post F32 [T, 4], comb F32 [T, 4, 4]. out: X_out BF16 [T, 4, D] = post (x) y + comb^T X",
             run: run_mhc_post,
+        },
+        ExecKernel {
+            name: "mhc_post_then_pre_nvfp4",
+            doc: "mhc_post of one sub-layer fused with mhc_pre_nvfp4 of the next (mhc_post_then_pre). in: y, X, post, comb as mhc_post (the previous boundary's post/comb); hc_fn, hc_scale, hc_base, weight as mhc_pre_nvfp4 (the next boundary's). out: X_out as mhc_post, and the outputs of mhc_pre_nvfp4 on X_out",
+            run: run_mhc_post_then_pre,
         },
         ExecKernel {
             name: "hc_head",
@@ -149,9 +154,8 @@ fn residual(inputs: &TensorMap, k: &str) -> Result<(Vec<f32>, usize, usize)> {
     Ok((x, t, d))
 }
 
-fn run_mhc_pre(inputs: &TensorMap, gpu: Option<&Gpu>, format: OutFormat) -> Result<TensorMap> {
-    let k = "mhc_pre";
-    let (x, t, d) = residual(inputs, k)?;
+/// The sub-layer boundary's `hc_fn` [24, 4D], `hc_scale` [3], `hc_base` [24].
+fn mhc_params(inputs: &TensorMap, k: &str, d: usize) -> Result<r::MhcParams> {
     let mix_fn = input(inputs, k, "hc_fn", &[Dtype::F32], &[Some(24), Some(4 * d)])?.to_f32()?;
     let scale: [f32; 3] = input(inputs, k, "hc_scale", &[Dtype::F32], &[Some(3)])?
         .to_f32()?
@@ -161,65 +165,106 @@ fn run_mhc_pre(inputs: &TensorMap, gpu: Option<&Gpu>, format: OutFormat) -> Resu
         .to_f32()?
         .try_into()
         .unwrap();
-    let w = weight(inputs, k, d)?;
-    let p = r::MhcParams {
+    Ok(r::MhcParams {
         mix_fn,
         scale,
         base,
-    };
-    let mut m = TensorMap::new();
-    let (pre, post, comb, u, q, rstd) = match gpu {
+    })
+}
+
+/// Outputs of one mHC boundary on the host: pre, post, comb, u, the quantized RMSNorm(u) and its rstd.
+struct HostMhcPre {
+    pre: Vec<f32>,
+    post: Vec<f32>,
+    comb: Vec<f32>,
+    u: Vec<f32>,
+    q: HostQuant,
+    rstd: Vec<f32>,
+}
+
+impl HostMhcPre {
+    fn download(g: &Gpu, out: &MhcPreOutputs) -> Result<HostMhcPre> {
+        let h = out.normed.download(g)?;
+        Ok(HostMhcPre {
+            pre: g.download(&out.pre)?,
+            post: g.download(&out.post)?,
+            comb: g.download(&out.comb)?,
+            u: g.download(&out.u)?
+                .iter()
+                .map(|v: &bf16| v.to_f32())
+                .collect(),
+            q: h.q,
+            rstd: h.rstd,
+        })
+    }
+
+    /// The CPU reference of the boundary on X [T, 4, D].
+    fn reference(
+        x: &[f32],
+        p: &r::MhcParams,
+        w: &[f32],
+        t: usize,
+        d: usize,
+        format: OutFormat,
+    ) -> Result<HostMhcPre> {
+        let (mut pre, mut post, mut comb, mut u) = (vec![], vec![], vec![], vec![]);
+        for tok in 0..t {
+            let (c, ut) = r::mhc_pre_token(&x[tok * 4 * d..(tok + 1) * 4 * d], p);
+            pre.extend(c.pre);
+            post.extend(c.post);
+            comb.extend(c.comb);
+            u.extend(ut);
+        }
+        let (y, rstd) = r::rmsnorm_rows(&u, t, d, w, r::RMS_EPS)?;
+        Ok(HostMhcPre {
+            pre,
+            post,
+            comb,
+            u,
+            q: HostQuant::encode(format, &y, t, d)?,
+            rstd,
+        })
+    }
+
+    fn put(&self, m: &mut TensorMap, t: usize, d: usize) {
+        m.insert("pre".into(), HostTensor::from_f32(vec![t, 4], &self.pre));
+        m.insert("post".into(), HostTensor::from_f32(vec![t, 4], &self.post));
+        m.insert(
+            "comb".into(),
+            HostTensor::from_f32(vec![t, 4, 4], &self.comb),
+        );
+        m.insert("u".into(), bf16_tensor(vec![t, d], &self.u));
+        put_quant(m, &self.q, t, d, &self.rstd);
+    }
+}
+
+fn run_mhc_pre(inputs: &TensorMap, gpu: Option<&Gpu>, format: OutFormat) -> Result<TensorMap> {
+    let k = "mhc_pre";
+    let (x, t, d) = residual(inputs, k)?;
+    let p = mhc_params(inputs, k, d)?;
+    let w = weight(inputs, k, d)?;
+    let h = match gpu {
         Some(g) => {
             let dw = MhcWeights::upload(g, &p, &w, d)?;
             let dx = upload_checked_bf16(g, "X", &x)?;
             let mut out = MhcPreOutputs::alloc_poisoned(g, format, t, d)?;
             mhc_pre(g, &dx, &dw, r::RMS_EPS, &mut out)?;
-            let h = out.normed.download(g)?;
-            let u: Vec<f32> = g
-                .download(&out.u)?
-                .iter()
-                .map(|v: &bf16| v.to_f32())
-                .collect();
-            (
-                g.download(&out.pre)?,
-                g.download(&out.post)?,
-                g.download(&out.comb)?,
-                u,
-                h.q,
-                h.rstd,
-            )
+            HostMhcPre::download(g, &out)?
         }
-        None => {
-            let (mut pre, mut post, mut comb, mut u) = (vec![], vec![], vec![], vec![]);
-            for tok in 0..t {
-                let (c, ut) = r::mhc_pre_token(&x[tok * 4 * d..(tok + 1) * 4 * d], &p);
-                pre.extend(c.pre);
-                post.extend(c.post);
-                comb.extend(c.comb);
-                u.extend(ut);
-            }
-            let (y, rstd) = r::rmsnorm_rows(&u, t, d, &w, r::RMS_EPS)?;
-            (
-                pre,
-                post,
-                comb,
-                u,
-                HostQuant::encode(format, &y, t, d)?,
-                rstd,
-            )
-        }
+        None => HostMhcPre::reference(&x, &p, &w, t, d, format)?,
     };
-    m.insert("pre".into(), HostTensor::from_f32(vec![t, 4], &pre));
-    m.insert("post".into(), HostTensor::from_f32(vec![t, 4], &post));
-    m.insert("comb".into(), HostTensor::from_f32(vec![t, 4, 4], &comb));
-    m.insert("u".into(), bf16_tensor(vec![t, d], &u));
-    put_quant(&mut m, &q, t, d, &rstd);
+    let mut m = TensorMap::new();
+    h.put(&mut m, t, d);
     Ok(m)
 }
 
-fn run_mhc_post(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
-    let k = "mhc_post";
-    let (x, t, d) = residual(inputs, k)?;
+/// mhc_post's inputs besides X: y [T, D], post [T, 4], comb [T, 4, 4].
+fn post_inputs(
+    inputs: &TensorMap,
+    k: &str,
+    t: usize,
+    d: usize,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let y = input(inputs, k, "y", &[Dtype::BF16], &[Some(t), Some(d)])?.to_f32()?;
     let post = input(inputs, k, "post", &[Dtype::F32], &[Some(t), Some(4)])?.to_f32()?;
     let comb = input(
@@ -230,6 +275,36 @@ fn run_mhc_post(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
         &[Some(t), Some(4), Some(4)],
     )?
     .to_f32()?;
+    Ok((y, post, comb))
+}
+
+/// The CPU reference of mhc_post: X_out [T, 4, D] (BF16 values).
+fn mhc_post_reference(
+    y: &[f32],
+    x: &[f32],
+    post: &[f32],
+    comb: &[f32],
+    t: usize,
+    d: usize,
+) -> Vec<f32> {
+    (0..t)
+        .flat_map(|tok| {
+            let p: [f32; 4] = post[tok * 4..tok * 4 + 4].try_into().unwrap();
+            let c: [f32; 16] = comb[tok * 16..tok * 16 + 16].try_into().unwrap();
+            r::mhc_post_token(
+                &y[tok * d..(tok + 1) * d],
+                &x[tok * 4 * d..(tok + 1) * 4 * d],
+                &p,
+                &c,
+            )
+        })
+        .collect()
+}
+
+fn run_mhc_post(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
+    let k = "mhc_post";
+    let (x, t, d) = residual(inputs, k)?;
+    let (y, post, comb) = post_inputs(inputs, k, t, d)?;
     let out: Vec<f32> = match gpu {
         Some(g) => {
             let (dy, dx) = (
@@ -244,21 +319,48 @@ fn run_mhc_post(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
             mhc_post(g, &dy, &dx, &dp, &dc, t, d, &mut xo)?;
             g.download(&xo)?.iter().map(|v| v.to_f32()).collect()
         }
-        None => (0..t)
-            .flat_map(|tok| {
-                let p: [f32; 4] = post[tok * 4..tok * 4 + 4].try_into().unwrap();
-                let c: [f32; 16] = comb[tok * 16..tok * 16 + 16].try_into().unwrap();
-                r::mhc_post_token(
-                    &y[tok * d..(tok + 1) * d],
-                    &x[tok * 4 * d..(tok + 1) * 4 * d],
-                    &p,
-                    &c,
-                )
-            })
-            .collect(),
+        None => mhc_post_reference(&y, &x, &post, &comb, t, d),
     };
     let mut m = TensorMap::new();
     m.insert("X_out".into(), bf16_tensor(vec![t, 4, d], &out));
+    Ok(m)
+}
+
+/// mhc_post then the next boundary's mhc_pre (NVFP4) on its X_out: the fused kernel pair on the GPU, the two
+/// references in sequence on the CPU (the fused X_out is bit-identical to mhc_post's).
+fn run_mhc_post_then_pre(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
+    let k = "mhc_post_then_pre";
+    let format = OutFormat::Nvfp4;
+    let (x, t, d) = residual(inputs, k)?;
+    let (y, post, comb) = post_inputs(inputs, k, t, d)?;
+    let p = mhc_params(inputs, k, d)?;
+    let w = weight(inputs, k, d)?;
+    let (x_out, h) = match gpu {
+        Some(g) => {
+            let (dy, dx) = (
+                upload_checked_bf16(g, "y", &y)?,
+                upload_checked_bf16(g, "X", &x)?,
+            );
+            let (dp, dc) = (
+                upload_checked_f32(g, "post", &post)?,
+                upload_checked_f32(g, "comb", &comb)?,
+            );
+            let dw = MhcWeights::upload(g, &p, &w, d)?;
+            let mut xo = g.poisoned::<bf16>(t * 4 * d, 0xFF)?;
+            let mut out = MhcPreOutputs::alloc_poisoned(g, format, t, d)?;
+            mhc_post_then_pre(g, &dy, &dx, &dp, &dc, &dw, r::RMS_EPS, &mut xo, &mut out)?;
+            let x_out: Vec<f32> = g.download(&xo)?.iter().map(|v| v.to_f32()).collect();
+            (x_out, HostMhcPre::download(g, &out)?)
+        }
+        None => {
+            let x_out = mhc_post_reference(&y, &x, &post, &comb, t, d);
+            let h = HostMhcPre::reference(&x_out, &p, &w, t, d, format)?;
+            (x_out, h)
+        }
+    };
+    let mut m = TensorMap::new();
+    m.insert("X_out".into(), bf16_tensor(vec![t, 4, d], &x_out));
+    h.put(&mut m, t, d);
     Ok(m)
 }
 

@@ -14,6 +14,8 @@
 //!   quant: 6 launches); [`mhc_post`] and [`hc_head`]. [`mhc_pre`] launches its two kernels as a
 //!   programmatic-dependent-launch pair up to 8 tokens and as two plain launches above
 //!   ([`mhc_pre_auto_path`]); [`mhc_pre_with`] takes an explicit [`MhcPrePath`] (same bits either way).
+//!   Every mHC launcher takes any token count >= 1: batches above [`MHC_LAUNCH_MAX_TOKENS`] (65535, the
+//!   grid.y cap) run as consecutive launches over token chunks ([`mhc_token_chunks`]), bit-identical to one.
 //!
 //! Layouts: NVFP4 codes `[rows, D/2]` (lower index in the low nibble), e4m3 scales `[rows, D/16]`,
 //! global scale `[rows]` f32; FP8 codes `[rows, D]`, ue8m0 scale codes `[rows, D/128]`; residual streams
@@ -35,7 +37,7 @@ use anyhow::{bail, Result};
 use cudarc::driver::{CudaFunction, CudaSlice};
 use half::bf16;
 
-use crate::gpu::pdl::{launch_pdl, RawArgs};
+use crate::gpu::pdl::{launch_ex, LaunchExOpts, RawArgs};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, launch_cfg, Gpu, PushKernelArg};
 
@@ -895,14 +897,35 @@ pub fn mix_splits(d: usize) -> usize {
 /// Largest hidden size of the mHC kernels: the finish kernel uses up to 128 registers per thread, so its
 /// D/32 threads must stay <= 512.
 pub const MHC_MAX_D: usize = 16384;
-/// Most tokens per mHC launch (the post / apply kernels put tokens on grid.y).
-pub const MHC_MAX_TOKENS: usize = 65535;
+/// Most tokens per mHC kernel launch. `mhc_post` and `mhc_unfused_apply` put the token on grid.y, which the
+/// hardware caps at 65535; the other mHC kernels (token on grid.x, or token tiles of 32 on grid.y) would go
+/// further, but every mHC launcher splits a batch into chunks of at most this many tokens
+/// ([`mhc_token_chunks`]) so that one rule covers them all. Every mHC kernel is token-major (X `[T, 4, D]`,
+/// y/u `[T, D]`, pre/post `[T, 4]`, comb `[T, 16]`, partials `[T, nmix+1, S]`, normed rows `[T, ...]`) and
+/// computes each token independently of the others, so a chunk is the same kernel on pointers advanced by
+/// `t0` tokens with `T = n`: the outputs are bit-identical to one launch over the whole batch (the layout of
+/// the partials included). Only batches above this size launch more than once.
+pub const MHC_LAUNCH_MAX_TOKENS: usize = 65535;
 
-fn check_mhc_tokens(tokens: usize) -> Result<()> {
-    if tokens > MHC_MAX_TOKENS {
-        bail!("mhc: {tokens} tokens in one launch, at most {MHC_MAX_TOKENS} (split the batch)");
-    }
-    Ok(())
+/// `(first token, token count)` of each launch chunk of a `tokens`-token batch ([`MHC_LAUNCH_MAX_TOKENS`]).
+pub fn mhc_token_chunks(tokens: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..tokens)
+        .step_by(MHC_LAUNCH_MAX_TOKENS)
+        .map(move |t0| (t0, MHC_LAUNCH_MAX_TOKENS.min(tokens - t0)))
+}
+
+/// Launch `f` with the parameters in `a` (plain stream-ordered launch, or PDL), no dynamic shared memory.
+fn launch_raw(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    pdl: bool,
+    a: &mut RawArgs,
+    what: &str,
+) -> Result<()> {
+    let opts = LaunchExOpts { smem_bytes: 0, pdl };
+    launch_ex(gpu, f, grid, block, opts, a, what)
 }
 
 fn check_mhc(x: &CudaSlice<bf16>, w: &MhcWeights, out: &MhcPreOutputs) -> Result<()> {
@@ -920,38 +943,31 @@ fn check_mhc(x: &CudaSlice<bf16>, w: &MhcWeights, out: &MhcPreOutputs) -> Result
         );
     }
     check_rows(out.tokens, out.d)?;
-    check_mhc_tokens(out.tokens)?;
     check_len("X", x.len(), out.tokens * 4 * out.d)
 }
 
-fn launch_mix_partial(
+/// One split-K mix kernel (`name`: `mhc_mix_partial4` for the head's 4 mixes, `mhc_mix_partial24_v2` /
+/// `_pdl` for a boundary's 24) over tokens `[t0, t0 + n)`: parameters `(X, F, part, T, 4D)`, grid
+/// `[S, ceil(n/32)]`. `part` is the `[T, nmix+1, S]` workspace of the whole batch.
+fn launch_mix_chunk(
     gpu: &Gpu,
+    name: &str,
     x: &CudaSlice<bf16>,
     w: &MhcWeights,
-    tokens: usize,
-    part: &mut CudaSlice<f32>,
+    part: &CudaSlice<f32>,
+    (t0, n): (usize, usize),
+    pdl: bool,
 ) -> Result<()> {
-    // Only hc_head (4 mixes) uses the broadcast-load mix kernel; the 24-mix boundary uses the cp.async
-    // kernel (launch_mix_partial_v2).
-    if w.nmix != reference::HC_HEAD_MIX {
-        bail!(
-            "mhc_mix_partial4 takes head weights (4 mixes), got {}",
-            w.nmix
-        );
-    }
-    let name = "mhc_mix_partial4";
+    let (d, splits) = (w.d, mix_splits(w.d));
     let f = gpu.function(FAMILY, name)?;
-    let splits = mix_splits(w.d);
-    let cfg = launch_cfg(
-        (splits as u32, tokens.div_ceil(32) as u32, 1),
-        (128, 1, 1),
-        0,
-    );
-    let (t_i, d4_i) = (tokens as i32, (4 * w.d) as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(x).arg(&w.mix_fn).arg(part).arg(&t_i).arg(&d4_i);
-    drv(unsafe { b.launch(cfg) }, name)?;
-    Ok(())
+    let mut a = RawArgs::default();
+    a.slice_from(gpu, x, t0 * 4 * d)
+        .slice(gpu, &w.mix_fn)
+        .slice_from(gpu, part, t0 * (w.nmix + 1) * splits)
+        .i32(n as i32)
+        .i32((4 * d) as i32);
+    let grid = (splits as u32, n.div_ceil(32) as u32, 1);
+    launch_raw(gpu, &f, grid, (128, 1, 1), pdl, &mut a, name)
 }
 
 /// Fused mHC boundary: `(pre, post, C, u) = hc_pre(X)`, then `RMSNorm(u; weight)` in `out.normed.format`.
@@ -997,60 +1013,75 @@ fn check_mhc_pre(x: &CudaSlice<bf16>, w: &MhcWeights, eps: f32, out: &MhcPreOutp
     Ok(())
 }
 
-fn launch_mix_partial_v2(
+/// The per-token finish of [`mhc_pre`] (`prefix` `mhc_pre_finish2` for the two-launch path,
+/// `mhc_pre_finish_pdl` for the PDL pair; `_<format>` is appended) on the partials already in `out`, over
+/// tokens `[t0, t0 + n)`: grid `[n, 2]` (y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn on 16
+/// lanes, concurrently).
+#[allow(clippy::too_many_arguments)]
+fn launch_pre_finish_chunk(
     gpu: &Gpu,
-    x: &CudaSlice<bf16>,
-    w: &MhcWeights,
-    tokens: usize,
-    part: &mut CudaSlice<f32>,
-) -> Result<()> {
-    let name = "mhc_mix_partial24_v2";
-    let f = gpu.function(FAMILY, name)?;
-    let cfg = launch_cfg(
-        (mix_splits(w.d) as u32, tokens.div_ceil(32) as u32, 1),
-        (128, 1, 1),
-        0,
-    );
-    let (t_i, d4_i) = (tokens as i32, (4 * w.d) as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(x).arg(&w.mix_fn).arg(part).arg(&t_i).arg(&d4_i);
-    drv(unsafe { b.launch(cfg) }, name)?;
-    Ok(())
-}
-
-/// The per-token finish of [`mhc_pre`] on partials already in `out` (`mhc_pre_finish2_*`: the Sinkhorn on
-/// 16 lanes).
-fn launch_pre_finish(
-    gpu: &Gpu,
+    prefix: &str,
     x: &CudaSlice<bf16>,
     w: &MhcWeights,
     eps: f32,
-    out: &mut MhcPreOutputs,
+    out: &MhcPreOutputs,
+    (t0, n): (usize, usize),
+    pdl: bool,
 ) -> Result<()> {
-    let (tokens, d) = (out.tokens, out.d);
-    let name = format!("mhc_pre_finish2_{}", out.normed.format.name());
+    let d = out.d;
+    let splits = mix_splits(d);
+    let name = format!("{prefix}_{}", out.normed.format.name());
     let f = gpu.function(FAMILY, &name)?;
-    // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn, concurrently.
-    let cfg = launch_cfg((tokens as u32, 2, 1), (row_block_threads(d), 1, 1), 0);
-    let (s_i, t_i, d_i) = (mix_splits(d) as i32, tokens as i32, d as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(x)
-        .arg(&out.partials)
-        .arg(&s_i)
-        .arg(&t_i)
-        .arg(&d_i)
-        .arg(&w.scale)
-        .arg(&w.base)
-        .arg(&w.norm_weight);
-    b.arg(&eps)
-        .arg(&mut out.pre)
-        .arg(&mut out.post)
-        .arg(&mut out.comb)
-        .arg(&mut out.u);
-    out.normed.q.push_launch_args(&mut b);
-    b.arg(&mut out.normed.rstd);
-    drv(unsafe { b.launch(cfg) }, &name)?;
-    Ok(())
+    let mut a = RawArgs::default();
+    a.slice_from(gpu, x, t0 * 4 * d)
+        .slice_from(gpu, &out.partials, t0 * (reference::HC_MIX + 1) * splits)
+        .i32(splits as i32)
+        .i32(n as i32)
+        .i32(d as i32)
+        .slice(gpu, &w.scale)
+        .slice(gpu, &w.base)
+        .slice(gpu, &w.norm_weight)
+        .f32(eps)
+        .slice_from(gpu, &out.pre, t0 * 4)
+        .slice_from(gpu, &out.post, t0 * 4)
+        .slice_from(gpu, &out.comb, t0 * 16)
+        .slice_from(gpu, &out.u, t0 * d);
+    push_normed_rows(gpu, &mut a, &out.normed, t0);
+    let grid = (n as u32, 2, 1);
+    launch_raw(
+        gpu,
+        &f,
+        grid,
+        (row_block_threads(d), 1, 1),
+        pdl,
+        &mut a,
+        &name,
+    )
+}
+
+/// Push the quantized-row buffers (kernel parameter order: NVFP4 codes, block scales, global scales; FP8
+/// codes, scales; BF16 y) and the rstd, from row `r0` on.
+fn push_normed_rows(gpu: &Gpu, a: &mut RawArgs, normed: &NormOutputs, r0: usize) {
+    let d = normed.d;
+    match &normed.q {
+        QuantBufs::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } => {
+            a.slice_from(gpu, data, r0 * d / 2)
+                .slice_from(gpu, scales, r0 * d / 16)
+                .slice_from(gpu, global_scale, r0);
+        }
+        QuantBufs::Fp8 { data, scales } => {
+            a.slice_from(gpu, data, r0 * d)
+                .slice_from(gpu, scales, r0 * d / 128);
+        }
+        QuantBufs::Bf16 { y } => {
+            a.slice_from(gpu, y, r0 * d);
+        }
+    }
+    a.slice_from(gpu, &normed.rstd, r0);
 }
 
 /// How the two kernels of the fused mHC boundary are launched ([`mhc_pre`] picks one by token count,
@@ -1077,63 +1108,19 @@ pub fn mhc_pre_with(
     path: MhcPrePath,
 ) -> Result<()> {
     check_mhc_pre(x, w, eps, out)?;
-    match path {
-        MhcPrePath::TwoLaunch => {
-            launch_mix_partial_v2(gpu, x, w, out.tokens, &mut out.partials)?;
-            launch_pre_finish(gpu, x, w, eps, out)
-        }
-        MhcPrePath::PdlPair => {
-            let (tokens, d) = (out.tokens, out.d);
-            let name = "mhc_mix_partial24_pdl";
-            let f = gpu.function(FAMILY, name)?;
-            let mut a = RawArgs::default();
-            a.slice(gpu, x)
-                .slice(gpu, &w.mix_fn)
-                .slice(gpu, &out.partials)
-                .i32(tokens as i32)
-                .i32((4 * d) as i32);
-            let grid = (mix_splits(d) as u32, tokens.div_ceil(32) as u32, 1);
-            launch_pdl(gpu, &f, grid, (128, 1, 1), &mut a, name)?;
-
-            let name = format!("mhc_pre_finish_pdl_{}", out.normed.format.name());
-            let f = gpu.function(FAMILY, &name)?;
-            let mut a = RawArgs::default();
-            a.slice(gpu, x)
-                .slice(gpu, &out.partials)
-                .i32(mix_splits(d) as i32)
-                .i32(tokens as i32)
-                .i32(d as i32)
-                .slice(gpu, &w.scale)
-                .slice(gpu, &w.base)
-                .slice(gpu, &w.norm_weight)
-                .f32(eps)
-                .slice(gpu, &out.pre)
-                .slice(gpu, &out.post)
-                .slice(gpu, &out.comb)
-                .slice(gpu, &out.u);
-            match &out.normed.q {
-                QuantBufs::Nvfp4 {
-                    data,
-                    scales,
-                    global_scale,
-                } => {
-                    a.slice(gpu, data)
-                        .slice(gpu, scales)
-                        .slice(gpu, global_scale);
-                }
-                QuantBufs::Fp8 { data, scales } => {
-                    a.slice(gpu, data).slice(gpu, scales);
-                }
-                QuantBufs::Bf16 { y } => {
-                    a.slice(gpu, y);
-                }
-            }
-            a.slice(gpu, &out.normed.rstd);
-            // y = 0: pre, u, RMSNorm + quant; y = 1: post and the Sinkhorn (as mhc_pre_finish2_*).
-            let grid = (tokens as u32, 2, 1);
-            launch_pdl(gpu, &f, grid, (row_block_threads(d), 1, 1), &mut a, &name)
-        }
+    // Per chunk (one chunk up to MHC_LAUNCH_MAX_TOKENS tokens): the mix, then the finish on its partials.
+    // PDL pair: each kernel may start before its predecessor completes and waits on the device
+    // (griddepcontrol.wait) before reading it; a chunk's mix writes only its own tokens' partials, which the
+    // previous chunk's finish does not read.
+    let (mix, finish, pdl) = match path {
+        MhcPrePath::TwoLaunch => ("mhc_mix_partial24_v2", "mhc_pre_finish2", false),
+        MhcPrePath::PdlPair => ("mhc_mix_partial24_pdl", "mhc_pre_finish_pdl", true),
+    };
+    for chunk in mhc_token_chunks(out.tokens) {
+        launch_mix_chunk(gpu, mix, x, w, &out.partials, chunk, pdl)?;
+        launch_pre_finish_chunk(gpu, finish, x, w, eps, out, chunk, pdl)?;
     }
+    Ok(())
 }
 
 /// `hc_post` of one sub-layer fused with `hc_pre` of the next: `x_out = post (x) y + comb^T x` (as
@@ -1165,25 +1152,25 @@ pub fn mhc_post_then_pre(
     check_len("X out", x_out.len(), tokens * 4 * d)?;
     check_len("post", post.len(), tokens * 4)?;
     check_len("comb", comb.len(), tokens * 16)?;
-    let f = gpu.function(FAMILY, "mhc_post_mix_partial24")?;
-    let cfg = launch_cfg(
-        (mix_splits(d) as u32, tokens.div_ceil(32) as u32, 1),
-        (128, 1, 1),
-        0,
-    );
-    let (t_i, d_i) = (tokens as i32, d as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(y)
-        .arg(x)
-        .arg(post)
-        .arg(comb)
-        .arg(&mut *x_out)
-        .arg(&w.mix_fn)
-        .arg(&mut out.partials)
-        .arg(&t_i)
-        .arg(&d_i);
-    drv(unsafe { b.launch(cfg) }, "mhc_post_mix_partial24")?;
-    launch_pre_finish(gpu, x_out, w, eps, out)
+    let splits = mix_splits(d);
+    let name = "mhc_post_mix_partial24";
+    let f = gpu.function(FAMILY, name)?;
+    for (t0, n) in mhc_token_chunks(tokens) {
+        let mut a = RawArgs::default();
+        a.slice_from(gpu, y, t0 * d)
+            .slice_from(gpu, x, t0 * 4 * d)
+            .slice_from(gpu, post, t0 * 4)
+            .slice_from(gpu, comb, t0 * 16)
+            .slice_from(gpu, &*x_out, t0 * 4 * d)
+            .slice(gpu, &w.mix_fn)
+            .slice_from(gpu, &out.partials, t0 * (reference::HC_MIX + 1) * splits)
+            .i32(n as i32)
+            .i32(d as i32);
+        let grid = (splits as u32, n.div_ceil(32) as u32, 1);
+        launch_raw(gpu, &f, grid, (128, 1, 1), false, &mut a, name)?;
+        launch_pre_finish_chunk(gpu, "mhc_pre_finish2", x_out, w, eps, out, (t0, n), false)?;
+    }
+    Ok(())
 }
 
 /// `hc_head`: pre = sigmoid mixes (no Sinkhorn), u = sum pre_i X_i (BF16), then RMSNorm(u; norm.weight)
@@ -1201,28 +1188,43 @@ pub fn hc_head(
         bail!("hc_head needs head weights (4 mixes), got {}", w.nmix);
     }
     let (tokens, d) = (out.tokens, out.d);
-    let QuantBufs::Bf16 { y } = &mut out.normed.q else {
+    let QuantBufs::Bf16 { y } = &out.normed.q else {
         bail!("hc_head writes BF16: allocate the outputs with OutFormat::Bf16")
     };
-    launch_mix_partial(gpu, x, w, tokens, &mut out.partials)?;
-    let f = gpu.function(FAMILY, "mhc_head_finish_bf16")?;
-    let cfg = launch_cfg((tokens as u32, 1, 1), (row_block_threads(d), 1, 1), 0);
-    let (s_i, t_i, d_i) = (mix_splits(d) as i32, tokens as i32, d as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(x)
-        .arg(&out.partials)
-        .arg(&s_i)
-        .arg(&t_i)
-        .arg(&d_i)
-        .arg(&w.scale)
-        .arg(&w.base)
-        .arg(&w.norm_weight);
-    b.arg(&eps)
-        .arg(&mut out.pre)
-        .arg(&mut out.u)
-        .arg(y)
-        .arg(&mut out.normed.rstd);
-    drv(unsafe { b.launch(cfg) }, "mhc_head_finish_bf16")?;
+    let splits = mix_splits(d);
+    let name = "mhc_head_finish_bf16";
+    let f = gpu.function(FAMILY, name)?;
+    for (t0, n) in mhc_token_chunks(tokens) {
+        // The broadcast-load mix kernel, 4 mixes (the 24-mix boundary uses the cp.async kernel).
+        launch_mix_chunk(gpu, "mhc_mix_partial4", x, w, &out.partials, (t0, n), false)?;
+        let mut a = RawArgs::default();
+        a.slice_from(gpu, x, t0 * 4 * d)
+            .slice_from(
+                gpu,
+                &out.partials,
+                t0 * (reference::HC_HEAD_MIX + 1) * splits,
+            )
+            .i32(splits as i32)
+            .i32(n as i32)
+            .i32(d as i32)
+            .slice(gpu, &w.scale)
+            .slice(gpu, &w.base)
+            .slice(gpu, &w.norm_weight)
+            .f32(eps)
+            .slice_from(gpu, &out.pre, t0 * 4)
+            .slice_from(gpu, &out.u, t0 * d)
+            .slice_from(gpu, y, t0 * d)
+            .slice_from(gpu, &out.normed.rstd, t0);
+        launch_raw(
+            gpu,
+            &f,
+            (n as u32, 1, 1),
+            (row_block_threads(d), 1, 1),
+            false,
+            &mut a,
+            name,
+        )?;
+    }
     Ok(())
 }
 
@@ -1240,22 +1242,25 @@ pub fn mhc_post(
     x_out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     check_rows(tokens, d)?;
-    check_mhc_tokens(tokens)?;
     check_len("y", y.len(), tokens * d)?;
     check_len("X", x.len(), tokens * 4 * d)?;
     check_len("X out", x_out.len(), tokens * 4 * d)?;
     check_len("post", post.len(), tokens * 4)?;
     check_len("comb", comb.len(), tokens * 16)?;
-    let f = gpu.function(FAMILY, "mhc_post")?;
-    let cfg = launch_cfg(
-        ((d / 8).div_ceil(64) as u32, tokens as u32, 1),
-        (64, 1, 1),
-        0,
-    );
-    let d_i = d as i32;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(y).arg(x).arg(post).arg(comb).arg(x_out).arg(&d_i);
-    drv(unsafe { b.launch(cfg) }, "mhc_post")?;
+    let name = "mhc_post";
+    let f = gpu.function(FAMILY, name)?;
+    // Grid [D/8/64, n]: the token on grid.y (at most 65535 per launch: mhc_token_chunks).
+    for (t0, n) in mhc_token_chunks(tokens) {
+        let mut a = RawArgs::default();
+        a.slice_from(gpu, y, t0 * d)
+            .slice_from(gpu, x, t0 * 4 * d)
+            .slice_from(gpu, post, t0 * 4)
+            .slice_from(gpu, comb, t0 * 16)
+            .slice_from(gpu, &*x_out, t0 * 4 * d)
+            .i32(d as i32);
+        let grid = ((d / 8).div_ceil(64) as u32, n as u32, 1);
+        launch_raw(gpu, &f, grid, (64, 1, 1), false, &mut a, name)?;
+    }
     Ok(())
 }
 
@@ -1323,19 +1328,19 @@ pub fn mhc_pre_unfused(
         unsafe { b.launch(launch_cfg((t, 1, 1), (32, 1, 1), 0)) },
         "mhc_unfused_sinkhorn",
     )?;
-    let f = gpu.function(FAMILY, "mhc_unfused_apply")?;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(x).arg(&out.pre).arg(&mut out.u).arg(&d_i);
-    drv(
-        unsafe {
-            b.launch(launch_cfg(
-                ((d / 8).div_ceil(64) as u32, t, 1),
-                (64, 1, 1),
-                0,
-            ))
-        },
-        "mhc_unfused_apply",
-    )?;
+    // The apply kernel puts the token on grid.y (at most 65535 per launch): chunked (mhc_token_chunks). The
+    // other unfused kernels put the token on grid.x and run in one launch.
+    let name = "mhc_unfused_apply";
+    let f = gpu.function(FAMILY, name)?;
+    for (t0, n) in mhc_token_chunks(tokens) {
+        let mut a = RawArgs::default();
+        a.slice_from(gpu, x, t0 * 4 * d)
+            .slice_from(gpu, &out.pre, t0 * 4)
+            .slice_from(gpu, &out.u, t0 * d)
+            .i32(d_i);
+        let grid = ((d / 8).div_ceil(64) as u32, n as u32, 1);
+        launch_raw(gpu, &f, grid, (64, 1, 1), false, &mut a, name)?;
+    }
     if out.normed.format == OutFormat::Bf16 {
         return rmsnorm_quant(
             gpu,
