@@ -2733,3 +2733,27 @@ fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         eprintln!("{label}: v6 and v4p bit-identical");
     }
 }
+
+/// The benchmark inputs of the mHC sweeps: the requested number of rows, the first ones equal to `random_rows` of the
+/// same seed, the rest repeating them in order (16384 distinct rows).
+#[test]
+fn timing_rows_repeat_the_drawn_rows() {
+    let d = 128;
+    for rows in [1usize, 7, 16384, 16385, 40000] {
+        let v = nq::timing_rows(rows, d, 9);
+        assert_eq!(v.len(), rows * d, "rows {rows}");
+        let distinct = rows.min(16384);
+        assert_eq!(
+            &v[..distinct * d],
+            &nq::random_rows(distinct, d, 9)[..],
+            "rows {rows}"
+        );
+        for r in distinct..rows {
+            assert_eq!(
+                &v[r * d..(r + 1) * d],
+                &v[(r % distinct) * d..(r % distinct + 1) * d],
+                "rows {rows}, row {r}"
+            );
+        }
+    }
+}
