@@ -96,6 +96,12 @@
 //   filled by one producer thread) and v6t (_v6t_nt*: weights re-laid at load, one 18 KB bulk copy per 256-K stage).
 //   H200 4e1a74e, Flash v3 / v6 / v6t us: L1 1 token 38.7 / 38.8 / 39.1, 8 tokens 188.0 / 185.3 / 182.2, 64 tokens
 //   745.4 / 725.7 / 722.2; L2 1 token 25.6 / 28.0 / 26.7: a tie at decode (1 token), v6t 2-6% ahead at 8-64 tokens.
+//   Session-12 A/B, removed (kernels/moe_gemm_gemv.cu, commit 54c5959): an IDP4A mainloop for NVFP4 A, no tensor
+//   cores (e2m1 codes -> int8 of 2x the value by PRMT from an 8-byte magnitude table, sign by a second PRMT on the
+//   codes xor 0x8..8, 4 dp4a per 16-block: exact integer block sums, scaled in fp32). H200 d171b2a, whole calls, us,
+//   v3t / gemv: Flash L1 1 token 37.1 / 44.3, 8 tokens 176.6 / 161.8, 64 tokens 701.8 / 818.0; L2 1 token 24.5 /
+//   33.2; mainloop under ncu at 1 token 27.2 / 33.9 (DRAM 45 / 36%): its per-item int8 conversion, barriers and
+//   ~32 KB in flight per SM cost more than the cheaper dequant saved.
 //
 // Byte/cycle budget (decode, Flash L1: N = 2*2048, K = 4096): 4.72 MB of codes+scales per expert. At ~4.3 TB/s
 // an H200 streams ~8.6e12 weights/s; the dequant costs ~2.3 issue slots per weight (4 int + 1 HMUL2 per pair

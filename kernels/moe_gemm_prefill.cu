@@ -944,19 +944,6 @@ __device__ __forceinline__ void lds_weights(WStage& w, const uint8_t* slot, int 
     }
 }
 
-// Non-blocking probe of an mbarrier phase (mbarrier.test_wait: no suspend, no timeout loop).
-__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
-    uint32_t done;
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-
 // The TMA ring of the wtma kernels as seen by one CTA (counters run on across its work items).
 struct WRing {
     uint8_t* base;
@@ -1007,7 +994,7 @@ struct WCtx {
 // (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
 // 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
 // groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
-template <int NT, bool kTiled = false, bool kEarlyFill = false>
+template <int NT, bool kTiled = false>
 __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
                                           int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
@@ -1039,34 +1026,12 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
         mma_slice_n<NT>(d, w, 0, db);
         // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
         if (st > 0 && lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
-        if constexpr (kEarlyFill) {
-            // Thread 0 issues the fill of stage st + 3 as soon as a probe after one of slices 1..7 finds its slot
-            // (the one consumption st - 1 used) released by all warps, instead of after slice 7 (then blocking, as
-            // below). The probe never blocks, so thread 0 does not wait on the slowest warp's slice 0 either; the
-            // slot and the fill order are the same, only the issue time moves up by as much as 3/4 of a stage.
-            bool fill_pending = tid == 0 && r.ok && st + kRingT - 1 < stages;
 #pragma unroll
-            for (int S = 1; S < 8; ++S) {
-                mma_slice_n<NT>(d, w, S, db);
-                if (fill_pending && (r.fills < (uint32_t)kRingT ||
-                                     mbar_test(&r.empty[r.fills % kRingT], ((r.fills / kRingT) - 1) & 1u))) {
-                    wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1,
-                                       row0, wtile);
-                    fill_pending = false;
-                }
-            }
-            ++r.cons;
-            if (fill_pending)
-                wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
-                                   wtile);
-        } else {
-#pragma unroll
-            for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
-            ++r.cons;
-            if (tid == 0 && r.ok && st + kRingT - 1 < stages)
-                wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
-                                   wtile);
-        }
+        for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
+        ++r.cons;
+        if (tid == 0 && r.ok && st + kRingT - 1 < stages)
+            wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
+                               wtile);
         __syncwarp();
     }
     wgmma_wait<0>();
@@ -1110,7 +1075,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
 // took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
 // kTiled: the weights come pre-tiled (`tiled`, moe_gemm_prefill_tile_weights_rs) instead of through the 2D maps.
-template <bool kTiled, bool kEarlyFill = false>
+template <bool kTiled>
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map,
                                                const uint8_t* tiled, int N, int K, const TmaDesc* act32,
                                                const TmaDesc* act64, const TmaDesc* act96, const TmaDesc* act128,
@@ -1154,13 +1119,13 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
         if (nt == 32)
-            ok = rs::wtma_item<32, kTiled, kEarlyFill>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<32, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 64)
-            ok = rs::wtma_item<64, kTiled, kEarlyFill>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<64, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 96)
-            ok = rs::wtma_item<96, kTiled, kEarlyFill>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<96, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else
-            ok = rs::wtma_item<128, kTiled, kEarlyFill>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<128, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         if (!ok) return;
     }
 }
@@ -1203,6 +1168,11 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 // issue 37.5 / 45.1%, +16% instructions. Its per-instruction stall page (profile/ncu-moe_gemm-session12-w16-hot.txt)
 // puts 13.6% (8 warps) / 15.2% (16 warps) of all warp-stall samples on the full-barrier wait of a stage (the branch
 // after SYNCS.PHASECHK.TRYWAIT, long_sb): the stage's TMA bytes are late, whatever the warp count.
+// Session 12, removed: thread 0 probing (mbarrier.test_wait) the slot of fill st + 3 after each of its slices 1..7
+// and filling at the first free probe, so the bytes got up to 3/4 of a stage more lead (bit-identical). A/B 2872ff5,
+// us, this kernel / early fills: Flash L1 1024 1136.3 / 1539.7, 4096 1798.1 / 2271.2, L2 4096 1073.8 / 1234.2; under
+// ncu 1.53 / 1.90 ms with 530 M / 748 M instructions: the probes between the wgmma slices cost far more than the
+// lead they bought.
 extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled(
     const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
@@ -1211,25 +1181,6 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     extern __shared__ uint8_t rs_wtma_smem_raw[];
     rs_wtma_kernel<true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
                          rows_total, partial, rs_wtma_smem_raw);
-}
-
-// =====================================================================================================================
-// rs_wtma_tiled with the stage fills issued early (`moe_gemm_prefill_partial_rs_wtma_tiled_ef`, RsWtmaTiledEarlyFill)
-// =====================================================================================================================
-// Why: 13.6% of the tiled kernel's warp-stall samples wait on a stage's full barrier (its bytes late; session-12
-// stall page) although the fill of stage st + 3 is three consumptions ahead: thread 0 issues it only after its own
-// eight slices of stage st, i.e. when the tensor pipe is near the END of stage st, so the bytes have ~2 stages, not
-// 3, to arrive. Here thread 0 probes the slot (released by every warp after slice 0 of stage st) after each of its
-// slices 1..7 and issues the fill at the first probe that finds it free: up to ~3/4 of a stage (~1 us) more lead, no
-// new blocking. Same ring, same slots, same order of fills: bit-identical partials (GPU test).
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled_ef(
-    const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
-    const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
-    const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
-    extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel<true, true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets,
-                               experts, rows_total, partial, rs_wtma_smem_raw);
 }
 
 // The re-layout of moe_gemm_prefill_partial_rs_wtma_tiled (weight preparation, once per weight set): codes [E*N][K/2]

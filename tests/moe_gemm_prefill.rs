@@ -360,9 +360,8 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
 }
 
 /// The RS kernel with the weights in its TMA ring (`RsWtma`) must write the same partials, bit for bit, as the RS
-/// kernel it derives from (`RsTma`), and so must `RsWtmaTiled` on the re-laid weights and its early-fill form
-/// `RsWtmaTiledEarlyFill`: same fragments, same wgmma order per output column; only where the weights wait, when the
-/// producer issues a fill,
+/// kernel it derives from (`RsTma`), and so must `RsWtmaTiled` on the re-laid weights: same fragments, same wgmma
+/// order per output column; only where the weights wait,
 /// how many token columns a wgmma computes and how many activation rows a stage loads differ. Many stages (K 4096:
 /// 32 stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
 /// narrow width (1..32, 33..64, 65..96, 97..128 rows), empty experts, both A formats.
@@ -396,7 +395,6 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
             PrefillKernel::RsTma,
             PrefillKernel::RsWtma,
             PrefillKernel::RsWtmaTiled,
-            PrefillKernel::RsWtmaTiledEarlyFill,
         ] {
             let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
             gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
@@ -410,11 +408,7 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
             got[0].iter().all(|x| x.is_finite()),
             "{label}: RsTma left unwritten (NaN-poisoned) partials"
         );
-        for (i, name) in [
-            (1, "RsWtma"),
-            (2, "RsWtmaTiled"),
-            (3, "RsWtmaTiledEarlyFill"),
-        ] {
+        for (i, name) in [(1, "RsWtma"), (2, "RsWtmaTiled")] {
             let mismatches = got[0]
                 .iter()
                 .zip(&got[i])

@@ -16,9 +16,10 @@
 //!   (bit-identical outputs), kept measurable for one run. `moe_gemm_l2` skips it.
 //! * `nvfp4_finishrowsthr` / `nvfp4_finishrows` (`moe_gemm_l1` contiguous points only): `nvfp4` with the L1 finish
 //!   forced to `FinishL1Kernel::RowsThr` (session 11: the rows finish with the division-free e2m1 encoder,
-//!   bit-identical; the routed contiguous finish since session 11) / `FinishL1Kernel::Rows` (the previous one).
+//!   bit-identical; the routed contiguous finish in session 11) / `FinishL1Kernel::Rows` (the one before).
 //! * `nvfp4_finishrowsthr2` (`moe_gemm_l1` contiguous points only): `nvfp4` with the L1 finish forced to
-//!   `FinishL1Kernel::RowsThr2` (session-12 candidate: RowsThr with fewer instructions per element, bit-identical).
+//!   `FinishL1Kernel::RowsThr2` (RowsThr with fewer instructions per element, bit-identical; the routed contiguous
+//!   finish since session 12, so this equals `nvfp4` there).
 //! * `nvfp4_l2cols` / `nvfp4_l2rowwarps` / `nvfp4_l2cols2` / `nvfp4_l2cols2tok` (`moe_gemm_l2` only): `nvfp4` with
 //!   the L2 combine forced to `FinishL2Kernel::Cols` (the default before session 8 at every token count) /
 //!   `RowWarps` / `Cols2` / `Cols2Tok` (session 11: one CTA per token),
@@ -33,18 +34,12 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
-//! * `nvfp4_wgmma_rswtma_tiled_ef` (contiguous points only, session-12 A/B): the tiled mainloop with each stage's TMA fill
-//!   issued as soon as its ring slot is free (`PrefillKernel::RsWtmaTiledEarlyFill`, bit-identical partials) on the same
-//!   tiled weights.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
 //! * `nvfp4_decode` (contiguous points only): `nvfp4` with the mma.sync decode mainloop forced
 //!   ([`launch_partial_mma`], the chosen config), where `nvfp4` may route the point to the
 //!   prefill mainloop: the other side of the [`prefill::MIN_MEAN_ROWS_PER_EXPERT`] threshold.
-//! * `nvfp4_gemv` (masked / decode points only, session-12 A/B): the IDP4A mainloop ([`launch_partial_gemv`],
-//!   kernels/moe_gemm_gemv.cu: NVFP4 A x NVFP4 B as exact int8 dot products, no tensor cores) on the plain weight
-//!   layout, same config (splits), workspace and finish kernels as `nvfp4`.
 //! * `cublaslt_bf16`: weights pre-dequantized to BF16 (the dequant is not timed: an optimistic baseline that also
 //!   needs 3.6x the weight memory), one cuBLASLt GEMM per active expert. The baseline of the speed-up column.
 //! * `cublaslt_fp8`: FP8 e4m3 per-tensor weights and activations, one cuBLASLt GEMM per active expert with M
@@ -82,10 +77,8 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
-    "nvfp4_wgmma_rswtma_tiled_ef",
     "nvfp4_decode",
     "nvfp4_plain",
-    "nvfp4_gemv",
     "cublaslt_bf16",
     "cublaslt_fp8",
 ];
@@ -110,15 +103,13 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_wgmma_rswtma_tiled_ef"
             | "nvfp4_decode"
             | "nvfp4_plain"
-            | "nvfp4_gemv"
     )
 }
 
-/// The wgmma variants run only on contiguous (prefill) points, the previous decode finish `nvfp4_finishq4` and the
-/// IDP4A mainloop `nvfp4_gemv` only on masked (decode) points; `nvfp4_finishpad1b` (the previous prefill finish) and `nvfp4_decode` (the decode
+/// The wgmma variants run only on contiguous (prefill) points, the previous decode finish `nvfp4_finishq4` only on
+/// masked (decode) points; `nvfp4_finishpad1b` (the previous prefill finish) and `nvfp4_decode` (the decode
 /// mainloop where `nvfp4` may take the prefill one) only on contiguous points.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
@@ -128,7 +119,7 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
         || variant == "nvfp4_finishrowsthr2"
         || variant == "nvfp4_finishrows"
         || variant == "nvfp4_decode";
-    let decode_only = variant == "nvfp4_finishq4" || variant == "nvfp4_gemv";
+    let decode_only = variant == "nvfp4_finishq4";
     (prefill_only && masked) || (decode_only && !masked)
 }
 
@@ -192,16 +183,7 @@ fn launch_variant(
             ws,
             prefill::PrefillKernel::RsWtmaTiled,
         ),
-        "nvfp4_wgmma_rswtma_tiled_ef" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::PrefillKernel::RsWtmaTiledEarlyFill,
-        ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
-        "nvfp4_gemv" => launch_partial_gemv(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
@@ -215,7 +197,6 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
         variant,
         "nvfp4"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_wgmma_rswtma_tiled_ef"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
             | "nvfp4_finishrowsthr2"

@@ -18,7 +18,6 @@
 
 pub mod bench;
 pub mod exec;
-pub mod gemv;
 pub mod prefill;
 pub mod reference;
 
@@ -30,7 +29,6 @@ use rand::Rng;
 
 use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
 pub use exec::exec_kernels;
-pub use gemv::launch_partial_gemv;
 use reference::{ExpertWeights, Grouping, NVFP4_BLOCK};
 
 /// Kernel family name (kernels/moe_gemm.cu).
@@ -632,16 +630,18 @@ pub enum FinishL1Kernel {
 }
 
 impl FinishL1Kernel {
-    /// The routed L1 finish: [`FinishL1Kernel::RowsThr`] for a contiguous grouping (prefill) when an instantiation
+    /// The routed L1 finish: [`FinishL1Kernel::RowsThr2`] for a contiguous grouping (prefill) when an instantiation
     /// takes `i_dim`, else [`FinishL1Kernel::PadOneBarrier`] (the masked / decode layout, whose padding rows it writes
     /// directly). Rows won at every contiguous point of the session-9 A/B; RowsThr (its division-free encoder, same
     /// bits) took the finish alone from 255.7 to 214.9 us at Flash L1 4096 tokens and from 362 to 311 us at Pro
     /// 4096 under ncu (session 11, 975b3f0, profile/ncu-moe_gemm-session11-finish.txt); whole calls on the plain
     /// mainloop, Rows / RowsThr: Flash 4096 1979.8 / 1934.6 us, 1024 1197.2 / 1183.6, Pro 4096 6392.2 / 6452.9 (that
-    /// point's spread is 5-8%).
+    /// point's spread is 5-8%). RowsThr2 (8 elements per thread, the splits-1 FFMA path; same bits) took it further
+    /// (session 12, e1eaab5 / 2872ff5, profile/ncu-moe_gemm-session12-ab3.txt): Flash 4096 213.1 -> 179.3 us (147.2 M ->
+    /// 108.5 M warp-instructions), Pro 4096 309.2 -> 294.5 us; whole Flash L1 4096 call 1798.1 -> 1767.0 us.
     pub fn for_grouping(grp: &DeviceGrouping, i_dim: usize) -> FinishL1Kernel {
-        if grp.capacity == 0 && FinishL1Kernel::RowsThr.entry(i_dim).is_some() {
-            FinishL1Kernel::RowsThr
+        if grp.capacity == 0 && FinishL1Kernel::RowsThr2.entry(i_dim).is_some() {
+            FinishL1Kernel::RowsThr2
         } else {
             FinishL1Kernel::PadOneBarrier
         }

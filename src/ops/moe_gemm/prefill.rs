@@ -120,10 +120,6 @@ pub enum PrefillKernel {
     /// 1933.3 / 1861.9, 16384 7470.2 / 7122.6; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6, L2 4096 3157.1
     /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms).
     RsWtmaTiled,
-    /// `moe_gemm_prefill_partial_rs_wtma_tiled_ef`: [`PrefillKernel::RsWtmaTiled`] with each stage's fill issued as
-    /// soon as its slot is free (probed after every slice) instead of after the producer's last slice of the stage:
-    /// up to 3/4 of a stage more lead for the TMA bytes. Bit-identical partials. Session-12 A/B candidate.
-    RsWtmaTiledEarlyFill,
 }
 
 impl PrefillKernel {
@@ -156,12 +152,6 @@ impl PrefillKernel {
                 TILE_N_RS,
                 STAGE_K_RS,
             ),
-            PrefillKernel::RsWtmaTiledEarlyFill => (
-                "moe_gemm_prefill_partial_rs_wtma_tiled_ef",
-                SMEM_BYTES_RS_WTMA,
-                TILE_N_RS,
-                STAGE_K_RS,
-            ),
         }
     }
 
@@ -178,14 +168,6 @@ impl PrefillKernel {
         } else {
             PrefillKernel::Ss128
         }
-    }
-
-    /// Whether the kernel reads [`DeviceExpertWeights::prefill_tiled`] instead of the plain codes and scales.
-    pub fn reads_tiled_weights(self) -> bool {
-        matches!(
-            self,
-            PrefillKernel::RsWtmaTiled | PrefillKernel::RsWtmaTiledEarlyFill
-        )
     }
 
     /// [`PrefillKernel::RsWtmaTiled`] when the weights carry their tiled copy and [`PrefillKernel::default_for`]
@@ -223,8 +205,8 @@ pub fn launch_partial_prefill_with(
     kernel: PrefillKernel,
 ) -> Result<()> {
     ensure!(
-        !kernel.reads_tiled_weights() || w.prefill_tiled.is_some(),
-        "moe_gemm prefill: {kernel:?} needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
+        kernel != PrefillKernel::RsWtmaTiled || w.prefill_tiled.is_some(),
+        "moe_gemm prefill: RsWtmaTiled needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
     );
     check_shape(w.n, w.k)?;
     let (name, smem, tile_n, k_multiple) = kernel.entry();
@@ -296,7 +278,10 @@ pub fn launch_partial_prefill_with(
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    if !matches!(kernel, PrefillKernel::Ss128 | PrefillKernel::Ss256) {
+    if matches!(
+        kernel,
+        PrefillKernel::RsTma | PrefillKernel::RsWtma | PrefillKernel::RsWtmaTiled
+    ) {
         // TMA box coordinates are signed 32-bit: the weight row e * N + n and the token row must fit.
         ensure!(
             w.experts * w.n <= i32::MAX as usize,
@@ -310,8 +295,8 @@ pub fn launch_partial_prefill_with(
         // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
         // 32 / 64 / 96 / 128 token rows; RsWtmaTiled: the tiled weights' address, then the same activation maps.
         let weight_maps = match kernel {
-            PrefillKernel::RsWtma => Some(weight_maps_for_rs(w, wc, wsc)?),
-            _ => None,
+            PrefillKernel::RsTma | PrefillKernel::RsWtmaTiled => None,
+            _ => Some(weight_maps_for_rs(w, wc, wsc)?),
         };
         let tiled_p = w.prefill_tiled.as_ref().map(|t| ptr(gpu, t)).unwrap_or(0);
         let box_rows: &[usize] = match kernel {
@@ -325,7 +310,7 @@ pub fn launch_partial_prefill_with(
         let mut b = gpu.stream.launch_builder(&f);
         match (&weight_maps, kernel) {
             (Some((codes_map, scales_map)), _) => b.arg(codes_map).arg(scales_map),
-            (None, k) if k.reads_tiled_weights() => b.arg(&tiled_p),
+            (None, PrefillKernel::RsWtmaTiled) => b.arg(&tiled_p),
             (None, _) => b.arg(&wc).arg(&wsc),
         };
         b.arg(&n).arg(&k);
