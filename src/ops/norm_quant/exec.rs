@@ -2,6 +2,7 @@
 //! checkpoint); an F32 weight is rounded to BF16 first, on both paths.
 
 use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use safetensors::Dtype;
 
@@ -301,20 +302,35 @@ fn mhc_post_reference(
         .collect()
 }
 
+/// hc_post's inputs on the device (each checked while uploading): y, X (BF16), post, comb (f32).
+type PostInputsOnDevice = (
+    CudaSlice<bf16>,
+    CudaSlice<bf16>,
+    CudaSlice<f32>,
+    CudaSlice<f32>,
+);
+fn upload_post_inputs(
+    g: &Gpu,
+    y: &[f32],
+    x: &[f32],
+    post: &[f32],
+    comb: &[f32],
+) -> Result<PostInputsOnDevice> {
+    Ok((
+        upload_checked_bf16(g, "y", y)?,
+        upload_checked_bf16(g, "X", x)?,
+        upload_checked_f32(g, "post", post)?,
+        upload_checked_f32(g, "comb", comb)?,
+    ))
+}
+
 fn run_mhc_post(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
     let k = "mhc_post";
     let (x, t, d) = residual(inputs, k)?;
     let (y, post, comb) = post_inputs(inputs, k, t, d)?;
     let out: Vec<f32> = match gpu {
         Some(g) => {
-            let (dy, dx) = (
-                upload_checked_bf16(g, "y", &y)?,
-                upload_checked_bf16(g, "X", &x)?,
-            );
-            let (dp, dc) = (
-                upload_checked_f32(g, "post", &post)?,
-                upload_checked_f32(g, "comb", &comb)?,
-            );
+            let (dy, dx, dp, dc) = upload_post_inputs(g, &y, &x, &post, &comb)?;
             let mut xo = g.poisoned::<bf16>(t * 4 * d, 0xFF)?;
             mhc_post(g, &dy, &dx, &dp, &dc, t, d, &mut xo)?;
             g.download(&xo)?.iter().map(|v| v.to_f32()).collect()
@@ -337,14 +353,7 @@ fn run_mhc_post_then_pre(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<Tensor
     let w = weight(inputs, k, d)?;
     let (x_out, h) = match gpu {
         Some(g) => {
-            let (dy, dx) = (
-                upload_checked_bf16(g, "y", &y)?,
-                upload_checked_bf16(g, "X", &x)?,
-            );
-            let (dp, dc) = (
-                upload_checked_f32(g, "post", &post)?,
-                upload_checked_f32(g, "comb", &comb)?,
-            );
+            let (dy, dx, dp, dc) = upload_post_inputs(g, &y, &x, &post, &comb)?;
             let dw = MhcWeights::upload(g, &p, &w, d)?;
             let mut xo = g.poisoned::<bf16>(t * 4 * d, 0xFF)?;
             let mut out = MhcPreOutputs::alloc_poisoned(g, format, t, d)?;

@@ -1148,20 +1148,13 @@ pub fn mhc_post_then_pre(
         );
     }
     let (tokens, d) = (out.tokens, out.d);
-    check_len("y", y.len(), tokens * d)?;
-    check_len("X out", x_out.len(), tokens * 4 * d)?;
-    check_len("post", post.len(), tokens * 4)?;
-    check_len("comb", comb.len(), tokens * 16)?;
+    check_post_lens(y, x_out, post, comb, tokens, d)?;
     let splits = mix_splits(d);
     let name = "mhc_post_mix_partial24";
     let f = gpu.function(FAMILY, name)?;
     for (t0, n) in mhc_token_chunks(tokens) {
         let mut a = RawArgs::default();
-        a.slice_from(gpu, y, t0 * d)
-            .slice_from(gpu, x, t0 * 4 * d)
-            .slice_from(gpu, post, t0 * 4)
-            .slice_from(gpu, comb, t0 * 16)
-            .slice_from(gpu, &*x_out, t0 * 4 * d)
+        post_args(&mut a, gpu, [y, x, &*x_out], post, comb, t0, d)
             .slice(gpu, &w.mix_fn)
             .slice_from(gpu, &out.partials, t0 * (reference::HC_MIX + 1) * splits)
             .i32(n as i32)
@@ -1228,6 +1221,39 @@ pub fn hc_head(
     Ok(())
 }
 
+/// The lengths of hc_post's inputs besides X: y [T, D], X out [T, 4, D], post [T, 4], comb [T, 16].
+fn check_post_lens(
+    y: &CudaSlice<bf16>,
+    x_out: &CudaSlice<bf16>,
+    post: &CudaSlice<f32>,
+    comb: &CudaSlice<f32>,
+    tokens: usize,
+    d: usize,
+) -> Result<()> {
+    check_len("y", y.len(), tokens * d)?;
+    check_len("X out", x_out.len(), tokens * 4 * d)?;
+    check_len("post", post.len(), tokens * 4)?;
+    check_len("comb", comb.len(), tokens * 16)
+}
+
+/// hc_post's first five kernel arguments from token t0 on (a launch over a token chunk): y, X, post, comb, X out.
+/// `yx` = [y, X, X out].
+fn post_args<'a>(
+    a: &'a mut RawArgs,
+    gpu: &Gpu,
+    yx: [&CudaSlice<bf16>; 3],
+    post: &CudaSlice<f32>,
+    comb: &CudaSlice<f32>,
+    t0: usize,
+    d: usize,
+) -> &'a mut RawArgs {
+    a.slice_from(gpu, yx[0], t0 * d)
+        .slice_from(gpu, yx[1], t0 * 4 * d)
+        .slice_from(gpu, post, t0 * 4)
+        .slice_from(gpu, comb, t0 * 16)
+        .slice_from(gpu, yx[2], t0 * 4 * d)
+}
+
 /// `hc_post`: `x_out[t][k] = post[t][k] y[t] + sum_j comb[t][j][k] x[t][j]` (fp32, BF16 store).
 /// `y` [T, D], `x`/`x_out` [T, 4, D], `post` [T, 4], `comb` [T, 16].
 #[allow(clippy::too_many_arguments)]
@@ -1242,22 +1268,14 @@ pub fn mhc_post(
     x_out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     check_rows(tokens, d)?;
-    check_len("y", y.len(), tokens * d)?;
     check_len("X", x.len(), tokens * 4 * d)?;
-    check_len("X out", x_out.len(), tokens * 4 * d)?;
-    check_len("post", post.len(), tokens * 4)?;
-    check_len("comb", comb.len(), tokens * 16)?;
+    check_post_lens(y, x_out, post, comb, tokens, d)?;
     let name = "mhc_post";
     let f = gpu.function(FAMILY, name)?;
     // Grid [D/8/64, n]: the token on grid.y (at most 65535 per launch: mhc_token_chunks).
     for (t0, n) in mhc_token_chunks(tokens) {
         let mut a = RawArgs::default();
-        a.slice_from(gpu, y, t0 * d)
-            .slice_from(gpu, x, t0 * 4 * d)
-            .slice_from(gpu, post, t0 * 4)
-            .slice_from(gpu, comb, t0 * 16)
-            .slice_from(gpu, &*x_out, t0 * 4 * d)
-            .i32(d as i32);
+        post_args(&mut a, gpu, [y, x, &*x_out], post, comb, t0, d).i32(d as i32);
         let grid = ((d / 8).div_ceil(64) as u32, n as u32, 1);
         launch_raw(gpu, &f, grid, (64, 1, 1), false, &mut a, name)?;
     }
