@@ -1208,28 +1208,42 @@ fn gpu_hc_head_matches_reference() {
             let label = format!("hc_head T={tokens} D={d} seed {seed}");
             for t in 0..tokens {
                 let xt = &x[t * 4 * d..(t + 1) * 4 * d];
-                let (want_pre, _) = r::hc_head_token(xt, &hp.mix_fn, scale, &base);
-                let (e, i) = max_abs_diff(&pre[t * 4..t * 4 + 4], &want_pre);
-                // sigmoid' <= 1/4 and the fp32 dot error is far below 1e-4 for these magnitudes
-                assert!(
-                    e <= 2e-5,
-                    "{label}: token {t} pre[{i}] GPU {} vs {}",
-                    pre[t * 4 + i],
-                    want_pre[i]
-                );
-                let gp: [f32; 4] = pre[t * 4..t * 4 + 4].try_into().unwrap();
-                let want_u = r::mhc_apply_pre(xt, &gp);
-                if let Some(c) = (0..d).find(|&c| u[t * d + c].to_bits() != want_u[c].to_bits()) {
-                    panic!(
-                        "{label}: token {t} u[{c}] GPU {} vs {}",
-                        u[t * d + c],
-                        want_u[c]
-                    );
-                }
+                check_hc_head_token(&label, t, xt, &hp.mix_fn, scale, &base, &pre, &u);
             }
             let normed = out.normed.download(&gpu).unwrap();
             check_norm_outputs(&label, &u, &nw, tokens, d, OutFormat::Bf16, &normed);
         }
+    }
+}
+
+/// hc_head's token t against the CPU reference: pre (4 sigmoids) within 2e-5 (sigmoid' <= 1/4 and the fp32 dot
+/// error is far below 1e-4 for these magnitudes), and u = the pre-mix of the 4 streams with the GPU's pre, bit
+/// for bit. `xt` = the token's 4 x D residual, `pre` / `u` the whole GPU outputs.
+#[allow(clippy::too_many_arguments)]
+fn check_hc_head_token(
+    label: &str,
+    t: usize,
+    xt: &[f32],
+    mix_fn: &[f32],
+    scale: f32,
+    base: &[f32; 4],
+    pre: &[f32],
+    u: &[f32],
+) {
+    let d = xt.len() / 4;
+    let (want_pre, _) = r::hc_head_token(xt, mix_fn, scale, base);
+    let (e, i) = max_abs_diff(&pre[t * 4..t * 4 + 4], &want_pre);
+    assert!(
+        e <= 2e-5,
+        "{label}: token {t} pre[{i}] GPU {} vs {}",
+        pre[t * 4 + i],
+        want_pre[i]
+    );
+    let gp: [f32; 4] = pre[t * 4..t * 4 + 4].try_into().unwrap();
+    let want_u = r::mhc_apply_pre(xt, &gp);
+    let ut = &u[t * d..(t + 1) * d];
+    if let Some(k) = (0..d).find(|&k| ut[k].to_bits() != want_u[k].to_bits()) {
+        panic!("{label}: token {t} u[{k}] GPU {} vs {}", ut[k], want_u[k]);
     }
 }
 
@@ -1739,20 +1753,8 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     let label = format!("hc_head T={tokens} D={d} seed {seed}");
     for &t in &sample {
         let xt = &c.x[t * 4 * d..(t + 1) * 4 * d];
-        let (want_pre, _) = r::hc_head_token(xt, &hp.mix_fn, scale, &base);
-        let (e, i) = max_abs_diff(&pre[t * 4..t * 4 + 4], &want_pre);
-        assert!(
-            e <= 2e-5,
-            "{label}: token {t} pre[{i}] GPU {} vs {}",
-            pre[t * 4 + i],
-            want_pre[i]
-        );
-        let gp: [f32; 4] = pre[t * 4..t * 4 + 4].try_into().unwrap();
-        let want_u = r::mhc_apply_pre(xt, &gp);
+        check_hc_head_token(&label, t, xt, &hp.mix_fn, scale, &base, &pre, &u);
         let ut = &u[t * d..(t + 1) * d];
-        if let Some(k) = (0..d).find(|&k| ut[k].to_bits() != want_u[k].to_bits()) {
-            panic!("{label}: token {t} u[{k}] GPU {} vs {}", ut[k], want_u[k]);
-        }
         let one = nq::HostNormOutputs {
             rstd: vec![normed.rstd[t]],
             q: HostQuant::Bf16(yh[t * d..(t + 1) * d].to_vec()),
