@@ -1763,13 +1763,13 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
     let droute = gpu.upload(&routing).unwrap();
     let mut ws = Workspace::new(&gpu, 1, rows, 2 * inter).unwrap();
     mg::prefill::launch_partial_prefill(&gpu, &d13, &da.view(), &dg, &mut ws).unwrap();
-    let run = |kernel: Option<mg::FinishL1Kernel>, rows_per_cta: usize| -> L1Output {
+    // rows_per_cta 0: through the launcher (its own choice for the rows kernels); else the rows launcher forced.
+    let run = |kernel: mg::FinishL1Kernel, rows_per_cta: usize| -> L1Output {
         let mut out = L1Output::new(&gpu, rows, inter, true).unwrap();
-        match kernel {
-            Some(kn) => {
-                mg::launch_finish_l1_with(&gpu, &ws, &dg, &d13, &da.view(), &droute, &mut out, kn)
-            }
-            None => mg::launch_finish_l1_rows_with(
+        if rows_per_cta == 0 {
+            mg::launch_finish_l1_with(&gpu, &ws, &dg, &d13, &da.view(), &droute, &mut out, kernel)
+        } else {
+            mg::launch_finish_l1_rows_with(
                 &gpu,
                 &ws,
                 &dg,
@@ -1777,51 +1777,40 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
                 &da.view(),
                 &droute,
                 &mut out,
-                mg::FinishL1Kernel::Rows,
+                kernel,
                 rows_per_cta,
-            ),
+            )
         }
         .unwrap();
         gpu.synchronize().unwrap();
         out
     };
-    let want = run(Some(mg::FinishL1Kernel::PadOneBarrier), 0);
-    let got = run(Some(mg::FinishL1Kernel::Rows), 0);
-    assert_l1_outputs_bit_equal(&gpu, &format!("{name}: Rows (launcher)"), &got, &want);
-    let got = run(Some(mg::FinishL1Kernel::RowsThr), 0);
-    assert_l1_outputs_bit_equal(&gpu, &format!("{name}: RowsThr (launcher)"), &got, &want);
-    let got = run(Some(mg::FinishL1Kernel::RowsThr2), 0);
-    assert_l1_outputs_bit_equal(&gpu, &format!("{name}: RowsThr2 (launcher)"), &got, &want);
-    for rpc in [1usize, 5, 256] {
-        let mut out = L1Output::new(&gpu, rows, inter, true).unwrap();
-        mg::launch_finish_l1_rows_with(
-            &gpu,
-            &ws,
-            &dg,
-            &d13,
-            &da.view(),
-            &droute,
-            &mut out,
-            mg::FinishL1Kernel::RowsThr2,
-            rpc,
-        )
-        .unwrap();
-        gpu.synchronize().unwrap();
-        assert_l1_outputs_bit_equal(
-            &gpu,
-            &format!("{name}: RowsThr2, {rpc} rows per CTA"),
-            &out,
-            &want,
-        );
+    let want = run(mg::FinishL1Kernel::PadOneBarrier, 0);
+    for (kernel, label) in [
+        (mg::FinishL1Kernel::Rows, "Rows"),
+        (mg::FinishL1Kernel::RowsThr, "RowsThr"),
+        (mg::FinishL1Kernel::RowsThr2, "RowsThr2"),
+    ] {
+        let got = run(kernel, 0);
+        assert_l1_outputs_bit_equal(&gpu, &format!("{name}: {label} (launcher)"), &got, &want);
     }
-    for rpc in [1usize, 7, 100, 256] {
-        let got = run(None, rpc);
-        assert_l1_outputs_bit_equal(
-            &gpu,
-            &format!("{name}: Rows, {rpc} rows per CTA"),
-            &got,
-            &want,
-        );
+    for (kernel, label, rpcs) in [
+        (
+            mg::FinishL1Kernel::RowsThr2,
+            "RowsThr2",
+            &[1usize, 5, 256][..],
+        ),
+        (mg::FinishL1Kernel::Rows, "Rows", &[1usize, 7, 100, 256][..]),
+    ] {
+        for &rpc in rpcs {
+            let got = run(kernel, rpc);
+            assert_l1_outputs_bit_equal(
+                &gpu,
+                &format!("{name}: {label}, {rpc} rows per CTA"),
+                &got,
+                &want,
+            );
+        }
     }
     eprintln!("{name}: {rows} rows, Rows, RowsThr, RowsThr2 == pad1b bit for bit after the prefill mainloop");
 }
