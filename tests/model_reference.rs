@@ -452,15 +452,38 @@ fn sinkhorn_is_doubly_stochastic_and_topk_ties_go_to_lower_index() {
     let seed = test_seed("inputs");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let logits: Vec<f32> = (0..16).map(|_| rng.random_range(-3.0..3.0)).collect();
-    let c = sinkhorn(&logits, 4, 20, 1e-6);
-    for i in 0..4 {
-        let row: f32 = (0..4).map(|k| c[i * 4 + k]).sum();
-        let col: f32 = (0..4).map(|j| c[j * 4 + i]).sum();
+    let sums = |c: &[f32]| -> (Vec<f32>, Vec<f32>) {
+        let rows = (0..4).map(|i| (0..4).map(|k| c[i * 4 + k]).sum()).collect();
+        let cols = (0..4).map(|i| (0..4).map(|j| c[j * 4 + i]).sum()).collect();
+        (rows, cols)
+    };
+    let l1 = |v: &[f32]| -> f32 { v.iter().map(|s| (s - 1.0).abs()).sum() };
+    // Every call ends on a column normalization, so the columns sum to s / (s + eps) = 1 - eps / s,
+    // with s the column's sum before it; s is near 1 once the rows are near-normalized (checked at
+    // 20 and 200 iterations; after the first softmax a column sum can be ~1e-2).
+    // The rows converge only geometrically. With the model's 20 iterations, about 2% of random 4x4
+    // logits in [-3, 3] still have a row off by more than 1e-3 (up to ~1.2e-2 in 1e5 draws), so no
+    // fixed row tolerance holds at 20. What does hold:
+    // - the L1 row error of Sinkhorn never grows from one iteration to the next;
+    // - at 200 iterations every draw is doubly stochastic to float precision.
+    let mut prev = f32::INFINITY;
+    for iters in 1..=20 {
+        let (rows, cols) = sums(&sinkhorn(&logits, 4, iters, 1e-6));
+        if iters == 20 {
+            assert!(l1(&cols) < 1e-5, "iters {iters}: column sums {cols:?}");
+        }
+        let err = l1(&rows);
         assert!(
-            (row - 1.0).abs() < 1e-3 && (col - 1.0).abs() < 1e-5,
-            "row {row} col {col}"
+            err <= prev + 1e-6,
+            "iters {iters}: row L1 error grew {prev} -> {err}"
         );
+        prev = err;
     }
+    let (rows, cols) = sums(&sinkhorn(&logits, 4, 200, 1e-6));
+    assert!(
+        l1(&rows) < 1e-5 && l1(&cols) < 1e-5,
+        "200 iterations: rows {rows:?} cols {cols:?}"
+    );
     assert_eq!(
         top_k_lower_index_wins(&[0.0, 1.0, 0.0, 1.0, 0.0], 3),
         vec![1, 3, 0]
