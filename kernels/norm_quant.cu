@@ -41,6 +41,8 @@
 //     D = 4096 NVFP4, two-launch / PDL): T = 1 8.3 / 7.3, T = 8 8.9 / 8.8, T = 16 10.3 / 11.0, T = 32 12.4 /
 //     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
 //   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
+//   Session 13 candidate (prefill): kernels/mhc_mix_tc.cu computes the same partials on BF16 tensor cores with
+//   its own S (MhcPrePath::TensorMix); the finish kernels here take S as an argument and are reused unchanged.
 // Removed after the H200 A/B (history):
 //   * Session 7: v5 NVFP4 (rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5; bit-identical to v4p and v6) lost to v6
 //     again in the session-7 run (7666184), median us v6 vs v5: 4096 x 4096 25.41 vs 27.46, 65536 x 4096 275.0

@@ -866,6 +866,7 @@ fn check_mhc(
     normed: &nq::HostNormOutputs,
     format: OutFormat,
     gpu_dots: Option<&[f32]>,
+    dot_bounds: Option<&[f64]>,
 ) {
     let (t_n, d) = (c.tokens, c.d);
     let mut worst = (0f32, String::new());
@@ -875,12 +876,20 @@ fn check_mhc(
         let (coef, tol) = match gpu_dots {
             Some(gd) => {
                 let row = &gd[t * 25..(t + 1) * 25];
-                // The GPU's fp32 dots against the f64 ones: a reduction of depth <= 48 -> 48 eps sum|terms|.
+                // The GPU's fp32 dots against the f64 ones. FFMA mixes (dot_bounds None): a reduction of
+                // depth <= 48 -> 48 eps sum|terms|. Tensor-core mix: the per-dot bounds of tc_dot_bounds.
                 for j in 0..24 {
-                    let abs_sum: f64 = (0..4 * d)
-                        .map(|i| (f64::from(c.p.mix_fn[j * 4 * d + i]) * f64::from(xt[i])).abs())
-                        .sum();
-                    let bound = 48.0 * 2f64.powi(-24) * abs_sum + 1e-30;
+                    let bound = match dot_bounds {
+                        Some(b) => b[t * 24 + j],
+                        None => {
+                            let abs_sum: f64 = (0..4 * d)
+                                .map(|i| {
+                                    (f64::from(c.p.mix_fn[j * 4 * d + i]) * f64::from(xt[i])).abs()
+                                })
+                                .sum();
+                            48.0 * 2f64.powi(-24) * abs_sum + 1e-30
+                        }
+                    };
                     let e = (f64::from(row[j]) - f64::from(dots_cpu[j])).abs();
                     assert!(
                         e <= bound,
@@ -982,7 +991,7 @@ fn gpu_mhc_pre_matches_reference() {
                 let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
                 nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
                 let snap = MhcSnapshot::take(&gpu, &out);
-                let dots = gpu_dots(&snap.partials, tokens, d);
+                let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
                 check_mhc(
                     &label,
                     &c,
@@ -993,16 +1002,274 @@ fn gpu_mhc_pre_matches_reference() {
                     &snap.normed,
                     format,
                     Some(&dots),
+                    None,
                 );
             }
         }
     }
 }
 
+// ---- tensor-core mix (session 13: kernels/mhc_mix_tc.cu, MhcPrePath::TensorMix) ---------------------------------
+
+/// The three BF16 planes of the mix weights sum to F exactly (f64 sum of the three), for the random weights of
+/// the GPU tests and for edge values: ties of the BF16 rounding (F = 1 + 2^-8 + k 2^-23), values rounding up into
+/// the next binade (1.999...), all-ones significands, both signs, 2^126 and 2^-100 with a full significand, and
+/// zero (|F| >= 2^127 (2 - 2^-8) would round f1 to infinity: no mix weight is near that). Why it holds: mix_fn_bf16_planes (src/ops/norm_quant/mod.rs).
+#[test]
+fn mix_fn_bf16_planes_sum_to_f_exactly() {
+    let seed = fresh_seed("mix_fn_bf16_planes_sum_to_f_exactly");
+    let d = 4096;
+    let mut f = nq::random_mhc_params(d, r::HC_MIX, seed).mix_fn;
+    let mut rnd = xorshift64(seed);
+    let mut edge = vec![
+        0.0f32,
+        1.0,
+        -1.0,
+        2f32.powi(126) * 1.999_999_9,
+        -(2f32.powi(-100) * 1.999_999_9),
+    ];
+    for k in 0..64u32 {
+        edge.push(1.0 + 2f32.powi(-8) + k as f32 * 2f32.powi(-23)); // ties and neighbours of bf16 rounding
+        edge.push(f32::from_bits(0x3FFF_FFFF - k)); // rounds up to 2.0
+        edge.push(-f32::from_bits(0x3F7F_FF00 | k)); // long significands below 1
+    }
+    // Random full-significand values over the exponent range the planes must cover exactly.
+    edge.extend((0..100_000).map(|_| {
+        let bits = rnd();
+        let exp = 127 - 100 + (bits % 200) as u32; // 2^-100 .. 2^99
+        f32::from_bits(
+            ((bits >> 32) as u32 & 0x8000_0000) | (exp << 23) | ((bits >> 8) as u32 & 0x7F_FFFF),
+        )
+    }));
+    f.extend_from_slice(&edge);
+    let planes = nq::mix_fn_bf16_planes(&f);
+    assert_eq!(planes.len(), 3 * f.len());
+    let n = f.len();
+    for i in 0..n {
+        let sum = f64::from(planes[i].to_f32())
+            + f64::from(planes[n + i].to_f32())
+            + f64::from(planes[2 * n + i].to_f32());
+        assert!(
+            sum == f64::from(f[i]),
+            "seed {seed}: F[{i}] = {:e} ({:#010x}): f1 + f2 + f3 = {sum:e} ({:?})",
+            f[i],
+            f[i].to_bits(),
+            [planes[i], planes[n + i], planes[2 * n + i]]
+        );
+    }
+}
+
+/// The tensor-core mix's K splits: fill ~2 CTAs per SM (264 CTAs on 132 SMs), divide the 4D/64 k-blocks, stay
+/// within the workspace (4D/128 splits), 1 at large prefill.
+#[test]
+fn tc_mix_splits_fill_the_gpu_and_divide_k() {
+    for d in [128usize, 1024, 4096, 7168, nq::MHC_MAX_D] {
+        for tokens in [
+            1usize, 2, 64, 127, 128, 129, 512, 2048, 4096, 8192, 16384, 33792, 33793, 65535, 65539,
+        ] {
+            let s = nq::tc_mix_splits(tokens, d);
+            let tiles = tokens.div_ceil(128);
+            assert!(s.is_power_of_two() && s <= 64, "T={tokens} D={d}: {s}");
+            assert_eq!((4 * d / 64) % s, 0, "T={tokens} D={d}: {s} splits");
+            assert!(s <= nq::mix_splits(d), "T={tokens} D={d}: {s} splits");
+            assert!(s == 1 || tiles * s <= 264, "T={tokens} D={d}: {s} splits");
+        }
+    }
+    for d in [4096usize, 7168] {
+        assert_eq!(nq::tc_mix_splits(1, d), 64);
+        assert_eq!(nq::tc_mix_splits(4096, d), 8);
+        assert_eq!(nq::tc_mix_splits(16384, d), 2);
+        assert_eq!(nq::tc_mix_splits(65536, d), 1);
+    }
+}
+
+/// Bound on |GPU dot - f64 dot| for the tensor-core mix, per (token, mix) `[T][24]`, for partials over `splits`
+/// K splits. Derivation, from the kernel's structure (kernels/mhc_mix_tc.cu):
+/// * Products f_p[k] x[k] (BF16 x BF16) are exact. Each k16 wgmma step adds 16 of them to the fp32
+///   accumulator as a fused block. Model (Fasi et al. 2021 for V100/A100, Khattak & Mikaitis 2025 for H100):
+///   the addends are aligned to the largest exponent among them, their bits below 2^-23 of it are dropped, the
+///   sum is normalized with truncation. So a block of n addends errs by <= (n + 1) 2^-23 M, M the largest
+///   addend, M <= |exact prefix| + sum |step's products| (to first order). With one 17-addend block per k16
+///   step, or two 9-addend blocks (an 8-product granularity as on the A100), a step errs by <= 20 2^-23
+///   (|P_prev| + sum_step |p|). Summed over every step of every split of the three planes: `acc`.
+/// * dot_s = (a3 + a2) + a1: two fp32 roundings, <= 2 2^-24 sum |terms of split s|.
+/// * The finish (reduce_partials) adds <= 64 partials: depth <= 5 (xor tree) + 1 (block) + 7 (warps) = 13.
+/// * The reference's own f64 -> f32 rounding: 2^-24 |dot| <= 2^-24 sum |terms|.
+///
+/// Bound = 20 2^-23 acc + 16 2^-24 sum |terms| (over the planes), x (1 + 2^-10) for the second-order terms.
+/// Far above the typical error (the truncation errors are ~1 ulp of a prefix ~ sqrt-sized), far below a
+/// wrong result: a dropped k-block or split is ~1/S of the dot, a wrong plane ~2^-8 of it.
+fn tc_dot_bounds(c: &MhcCase, splits: usize) -> Vec<f64> {
+    let (t_n, k) = (c.tokens, 4 * c.d);
+    let planes: Vec<f64> = nq::mix_fn_bf16_planes(&c.p.mix_fn)
+        .iter()
+        .map(|v| f64::from(v.to_f32()))
+        .collect();
+    let kp = k / splits;
+    let one = |t: usize| -> Vec<f64> {
+        let x: Vec<f64> = c.x[t * k..(t + 1) * k]
+            .iter()
+            .map(|&v| f64::from(v))
+            .collect();
+        (0..24)
+            .map(|j| {
+                let (mut acc, mut abs_all) = (0f64, 0f64);
+                for p in 0..3 {
+                    let fp = &planes[(p * 24 + j) * k..(p * 24 + j + 1) * k];
+                    for s in 0..splits {
+                        let mut prefix = 0f64;
+                        for step in (s * kp..(s + 1) * kp).step_by(16) {
+                            let (mut sum, mut abs) = (0f64, 0f64);
+                            for i in step..step + 16 {
+                                let pr = fp[i] * x[i];
+                                sum += pr;
+                                abs += pr.abs();
+                            }
+                            acc += prefix.abs() + abs;
+                            abs_all += abs;
+                            prefix += sum;
+                        }
+                    }
+                }
+                (20.0 * 2f64.powi(-23) * acc + 16.0 * 2f64.powi(-24) * abs_all)
+                    * (1.0 + 2f64.powi(-10))
+                    + 1e-30
+            })
+            .collect()
+    };
+    // Two threads (the dev box's cores): ~3 x the work of one f64 dot per (token, mix).
+    let half = t_n.div_ceil(2);
+    let (a, b) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| (half..t_n).flat_map(one).collect::<Vec<f64>>());
+        let a: Vec<f64> = (0..half).flat_map(one).collect();
+        (a, h.join().unwrap())
+    });
+    a.into_iter().chain(b).collect()
+}
+
+/// Every partial of the last launch (`[T, 25, S]`, the workspace having been poisoned with NaN) was written.
+fn assert_partials_written(label: &str, snap: &MhcSnapshot, tokens: usize) {
+    let n = tokens * 25 * snap.splits;
+    if let Some(i) = (0..n).find(|&i| !snap.partials[i].is_finite()) {
+        let (t, rest) = (i / (25 * snap.splits), i % (25 * snap.splits));
+        panic!(
+            "{label}: partial [{t}][{}][{}] not written ({})",
+            rest / snap.splits,
+            rest % snap.splits,
+            snap.partials[i]
+        );
+    }
+}
+
+/// The tensor-core mix path (MhcPrePath::TensorMix, forced) at the token counts (partial 128-token tiles
+/// at 1, 2, 3, 7, 64, 127; two tiles at 129; 32 tiles x 8 splits at 4096), both D, all three formats: outputs
+/// and the split-K workspace poisoned (NaN) before each launch, every partial checked written, the dots checked
+/// against f64 under tc_dot_bounds, then pre/post/C (from the kernel's own reduced dots), u and RMSNorm(u)
+/// through check_mhc exactly as the FFMA path.
+#[test]
+fn gpu_mhc_pre_tensor_mix_matches_reference() {
+    let Some(gpu) = gpu_for_test("gpu_mhc_pre_tensor_mix_matches_reference") else {
+        return;
+    };
+    let seed = fresh_seed("gpu_mhc_pre_tensor_mix_matches_reference");
+    for &d in DS {
+        for &tokens in MHC_TOKENS {
+            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 977 + d as u64));
+            let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+            let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+            let splits = nq::tc_mix_splits(tokens, d);
+            let bounds = tc_dot_bounds(&c, splits);
+            for format in FORMATS {
+                let label = format!(
+                    "mhc_pre TensorMix->{} T={tokens} D={d} S={splits} seed {seed}",
+                    format.name()
+                );
+                let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                out.poison_partials(&gpu).unwrap();
+                nq::mhc_pre_with(
+                    &gpu,
+                    &dx,
+                    &w,
+                    r::RMS_EPS,
+                    &mut out,
+                    nq::MhcPrePath::TensorMix,
+                )
+                .unwrap();
+                let snap = MhcSnapshot::take(&gpu, &out);
+                assert_eq!(snap.splits, splits, "{label}");
+                assert_partials_written(&label, &snap, tokens);
+                let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
+                check_mhc(
+                    &label,
+                    &c,
+                    &snap.pre,
+                    &snap.post,
+                    &snap.comb,
+                    &snap.u,
+                    &snap.normed,
+                    format,
+                    Some(&dots),
+                    Some(&bounds),
+                );
+                // Deterministic: a second launch on poisoned buffers gives the same bits.
+                out.poison(&gpu).unwrap();
+                out.poison_partials(&gpu).unwrap();
+                nq::mhc_pre_with(
+                    &gpu,
+                    &dx,
+                    &w,
+                    r::RMS_EPS,
+                    &mut out,
+                    nq::MhcPrePath::TensorMix,
+                )
+                .unwrap();
+                MhcSnapshot::take(&gpu, &out).assert_same(&snap, &format!("{label} relaunch"));
+            }
+            // How close the tensor-core dots are to the FFMA path's (information for the A/B, not asserted
+            // beyond the bounds above): max |tc - ffma| / sum|terms| over the batch.
+            let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
+            nq::mhc_pre_with(
+                &gpu,
+                &dx,
+                &w,
+                r::RMS_EPS,
+                &mut out,
+                nq::MhcPrePath::TwoLaunch,
+            )
+            .unwrap();
+            let ffma = MhcSnapshot::take(&gpu, &out);
+            nq::mhc_pre_with(
+                &gpu,
+                &dx,
+                &w,
+                r::RMS_EPS,
+                &mut out,
+                nq::MhcPrePath::TensorMix,
+            )
+            .unwrap();
+            let tc = MhcSnapshot::take(&gpu, &out);
+            let (a, b) = (
+                gpu_dots(&ffma.partials, ffma.splits, tokens, d),
+                gpu_dots(&tc.partials, tc.splits, tokens, d),
+            );
+            let worst = (0..tokens * 25)
+                .filter(|i| i % 25 < 24)
+                .map(|i| ((a[i] - b[i]).abs() / bounds[i / 25 * 24 + i % 25] as f32, i))
+                .fold((0f32, 0), |m, v| if v.0 > m.0 { v } else { m });
+            eprintln!(
+                "T={tokens} D={d}: max |tc dot - ffma dot| = {:.3e} of the tc bound (token {}, mix {})",
+                worst.0,
+                worst.1 / 25,
+                worst.1 % 25
+            );
+        }
+    }
+}
+
 /// The 24 mixes and the sum of squares per token ([T][25]), reduced from the split-K partials in the finish
 /// kernel's order.
-fn gpu_dots(partials: &[f32], tokens: usize, d: usize) -> Vec<f32> {
-    let (splits, nwarps) = (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
+fn gpu_dots(partials: &[f32], splits: usize, tokens: usize, d: usize) -> Vec<f32> {
+    let nwarps = nq::row_block_threads(d) as usize / 32;
     (0..tokens)
         .flat_map(|t| (0..25).map(move |j| (t, j)))
         .map(|(t, j)| reduce_like_gpu(partials, splits, nwarps, t, j, 24))
@@ -1011,6 +1278,9 @@ fn gpu_dots(partials: &[f32], tokens: usize, d: usize) -> Vec<f32> {
 
 /// Every output of one mHC boundary launch, downloaded.
 struct MhcSnapshot {
+    /// S of the partials (`out.partial_splits()`: 4D/128 for the FFMA mixes, nq::tc_mix_splits for the
+    /// tensor-core mix); `partials` is the whole workspace, of which `[T, 25, S]` is this launch's.
+    splits: usize,
     partials: Vec<f32>,
     pre: Vec<f32>,
     post: Vec<f32>,
@@ -1022,6 +1292,7 @@ struct MhcSnapshot {
 impl MhcSnapshot {
     fn take(gpu: &megamoe::gpu::Gpu, out: &MhcPreOutputs) -> MhcSnapshot {
         MhcSnapshot {
+            splits: out.partial_splits(),
             partials: download_f32(gpu, out.partials()),
             pre: download_f32(gpu, &out.pre),
             post: download_f32(gpu, &out.post),
@@ -1038,6 +1309,7 @@ impl MhcSnapshot {
 
     /// Bitwise equality of every output, with the first differing index on failure.
     fn assert_same(&self, want: &MhcSnapshot, label: &str) {
+        assert_eq!(self.splits, want.splits, "{label}: partial splits");
         for (what, a, b) in [
             ("partials", &self.partials, &want.partials),
             ("pre", &self.pre, &want.pre),
@@ -1103,6 +1375,7 @@ fn gpu_mhc_pre_unfused_matches_reference() {
                 &u,
                 &normed,
                 format,
+                None,
                 None,
             );
         }
@@ -1492,7 +1765,7 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
             nw: c.nw.clone(),
         };
         let snap = MhcSnapshot::take(&gpu, &out);
-        let dots = gpu_dots(&snap.partials, tokens, d);
+        let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
         check_mhc(
             &label,
             &next_case,
@@ -1503,6 +1776,7 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
             &snap.normed,
             OutFormat::Nvfp4,
             Some(&dots),
+            None,
         );
     }
 }
@@ -1556,12 +1830,20 @@ fn mhc_token_case(x: &[f32], p: &MhcParams, nw: &[f32], d: usize, t: usize) -> M
     }
 }
 
-/// `check_mhc` of token `t` of a downloaded batch (NVFP4 / FP8 outputs), with the kernel's own reduced mixes.
-fn check_mhc_token(label: &str, c: &MhcCase, snap: &MhcSnapshot, t: usize, format: OutFormat) {
+/// `check_mhc` of token `t` of a downloaded batch (NVFP4 / FP8 outputs), with the kernel's own reduced mixes;
+/// `tensor_mix`: the partials came from the tensor-core mix (dots checked under [`tc_dot_bounds`]).
+fn check_mhc_token(
+    label: &str,
+    c: &MhcCase,
+    snap: &MhcSnapshot,
+    t: usize,
+    format: OutFormat,
+    tensor_mix: bool,
+) {
     let d = c.d;
-    let (splits, nwarps) = (nq::mix_splits(d), nq::row_block_threads(d) as usize / 32);
+    let nwarps = nq::row_block_threads(d) as usize / 32;
     let dots: Vec<f32> = (0..25)
-        .map(|j| reduce_like_gpu(&snap.partials, splits, nwarps, t, j, 24))
+        .map(|j| reduce_like_gpu(&snap.partials, snap.splits, nwarps, t, j, 24))
         .collect();
     check_mhc(
         &format!("{label} token {t}"),
@@ -1573,6 +1855,7 @@ fn check_mhc_token(label: &str, c: &MhcCase, snap: &MhcSnapshot, t: usize, forma
         &one_row(&snap.normed, t, d),
         format,
         Some(&dots),
+        tensor_mix.then(|| tc_dot_bounds(c, snap.splits)).as_deref(),
     );
 }
 
@@ -1628,12 +1911,45 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
             &snap,
             t,
             OutFormat::Nvfp4,
+            false,
         );
     }
     out.poison(&gpu).unwrap();
     out.poison_partials(&gpu).unwrap();
     nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair).unwrap();
     MhcSnapshot::take(&gpu, &out).assert_same(&snap, &format!("{label} PDL pair"));
+
+    // The tensor-core mix forced (session 13): S = 1 at this size (one 16384-column partial per token, 1024
+    // k16 steps: the deepest tensor-core accumulation of any test), two chunks sharing one [T, 25, 1] layout.
+    // Not bit-identical to the FFMA path: sampled tokens against the CPU reference under tc_dot_bounds.
+    out.poison(&gpu).unwrap();
+    out.poison_partials(&gpu).unwrap();
+    nq::mhc_pre_with(
+        &gpu,
+        &dx,
+        &w,
+        r::RMS_EPS,
+        &mut out,
+        nq::MhcPrePath::TensorMix,
+    )
+    .unwrap();
+    let tsnap = MhcSnapshot::take(&gpu, &out);
+    assert_eq!(tsnap.splits, nq::tc_mix_splits(tokens, d));
+    assert_eq!(
+        tsnap.splits, 1,
+        "{label}: tensor-core mix splits at {tokens} tokens"
+    );
+    assert_partials_written(&format!("{label} tensor mix"), &tsnap, tokens);
+    for &t in &sample {
+        check_mhc_token(
+            &format!("{label} tensor mix"),
+            &mhc_token_case(&c.x, &c.p, &c.nw, d, t),
+            &tsnap,
+            t,
+            OutFormat::Nvfp4,
+            true,
+        );
+    }
 
     // The unfused chain (its apply kernel is the one with the token on grid.y), FP8 out.
     let label = format!("mhc_pre_unfused->fp8 T={tokens} D={d} seed {seed}");
@@ -1662,6 +1978,7 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
             &usnap.u[t * d..(t + 1) * d],
             &one_row(&usnap.normed, t, d),
             OutFormat::Fp8,
+            None,
             None,
         );
     }
@@ -1729,6 +2046,7 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
             &nsnap,
             t,
             OutFormat::Nvfp4,
+            false,
         );
     }
     drop((nsnap, xb, xo_a, xo_b, out));
@@ -1815,7 +2133,7 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
             let got = MhcSnapshot::take(&gpu, &out);
             got.assert_same(&want, &label);
             // And against the CPU reference directly (mhc_pre, both paths, is checked the same way above).
-            let dots = gpu_dots(&got.partials, tokens, d);
+            let dots = gpu_dots(&got.partials, got.splits, tokens, d);
             check_mhc(
                 &label,
                 &c,
@@ -1826,6 +2144,7 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
                 &got.normed,
                 format,
                 Some(&dots),
+                None,
             );
         }
     }

@@ -5,7 +5,8 @@
 //! (`rows_path`: from 4096 rows when D is a multiple of 1024, BF16 -> NVFP4 v6 (D <= 8192) and BF16 -> FP8
 //! v5, otherwise the v4p row loop / one CTA per row); `mhc` `fused_*` / `graph_fused_*` / `graph16_fused_*` measure
 //! `mhc_pre`'s automatic launch-path choice (PDL pair up to 8 tokens, two launches above), `*_fused_pdl_*`
-//! and `*_fused_twolaunch_*` one path each (see `MHC_VARIANTS`).
+//! and `*_fused_twolaunch_*` one path each, `fused_tc_*` the tensor-core mix path (`MhcPrePath::TensorMix`,
+//! kernels/mhc_mix_tc.cu; see `MHC_VARIANTS`).
 
 use anyhow::Result;
 

@@ -13,7 +13,8 @@
 //!   finish kernel; [`mhc_pre_unfused`] is the op-by-op chain (rms, GEMV, Sinkhorn, apply, RMSNorm,
 //!   quant: 6 launches); [`mhc_post`] and [`hc_head`]. [`mhc_pre`] launches its two kernels as a
 //!   programmatic-dependent-launch pair up to 8 tokens and as two plain launches above
-//!   ([`mhc_pre_auto_path`]); [`mhc_pre_with`] takes an explicit [`MhcPrePath`] (same bits either way).
+//!   ([`mhc_pre_auto_path`]); [`mhc_pre_with`] takes an explicit [`MhcPrePath`] (same bits either way, except
+//!   [`MhcPrePath::TensorMix`]: the mix on BF16 tensor cores, kernels/mhc_mix_tc.cu, a prefill candidate).
 //!   Every mHC launcher takes any token count >= 1: batches above [`MHC_LAUNCH_MAX_TOKENS`] (65535, the
 //!   grid.y cap) run as consecutive launches over token chunks ([`mhc_token_chunks`]), bit-identical to one.
 //!
@@ -777,6 +778,10 @@ pub struct MhcWeights {
     /// 24 for a sub-layer boundary, 4 for the head.
     pub nmix: usize,
     pub mix_fn: CudaSlice<f32>,
+    /// The mix weights as three BF16 planes `[f1; f2; f3]`, `[3 nmix, 4D]` ([`mix_fn_bf16_planes`]:
+    /// `f1 + f2 + f3 == F` exactly), the B operand of the tensor-core mix ([`MhcPrePath::TensorMix`]); sub-layer
+    /// boundaries only (`None` for the head).
+    pub mix_planes: Option<CudaSlice<bf16>>,
     pub scale: CudaSlice<f32>,
     pub base: CudaSlice<f32>,
     pub norm_weight: CudaSlice<bf16>,
@@ -797,6 +802,7 @@ impl MhcWeights {
             d,
             nmix: reference::HC_MIX,
             mix_fn: upload_checked_f32(gpu, "hc mix fn", &p.mix_fn)?,
+            mix_planes: Some(gpu.upload(&mix_fn_bf16_planes(&p.mix_fn))?),
             scale: upload_checked_f32(gpu, "hc scale", &p.scale)?,
             base: upload_checked_f32(gpu, "hc base", &p.base)?,
             norm_weight: upload_checked_bf16(gpu, "norm weight", norm_weight)?,
@@ -819,6 +825,7 @@ impl MhcWeights {
             d,
             nmix: reference::HC_HEAD_MIX,
             mix_fn: upload_checked_f32(gpu, "hc head fn", head_fn)?,
+            mix_planes: None,
             scale: upload_checked_f32(gpu, "hc head scale", &[scale])?,
             base: upload_checked_f32(gpu, "hc head base", base)?,
             norm_weight: upload_checked_bf16(gpu, "norm weight", norm_weight)?,
@@ -840,8 +847,11 @@ pub struct MhcPreOutputs {
     pub u: CudaSlice<bf16>,
     /// RMSNorm(u; weight) in the requested format, and its rstd.
     pub normed: NormOutputs,
-    /// Split-K workspace [T, nmix+1, S] (sized for 24 mixes).
+    /// Split-K workspace [T, nmix+1, S] (sized for 24 mixes and S = [`mix_splits`], the most any mix uses).
     partials: CudaSlice<f32>,
+    /// S of the last launch's partials ([`mix_splits`] for the FFMA mixes, [`tc_mix_splits`] for the tensor-core
+    /// mix).
+    partial_splits: usize,
 }
 
 impl MhcPreOutputs {
@@ -864,14 +874,22 @@ impl MhcPreOutputs {
             u: gpu.poisoned(tokens * d, 0xFF)?,
             normed: NormOutputs::alloc_poisoned(gpu, format, tokens, d)?,
             partials: gpu.zeros(mix_splits(d) * tokens * (reference::HC_MIX + 1))?,
+            partial_splits: mix_splits(d),
         })
     }
 
-    /// The split-K partials of the last launch, `[T, nmix+1, S]` with `S = mix_splits(d)`: entry
-    /// `[t][j][s]` is the partial `F_j . x` over columns `[128 s, 128 s + 128)` of 4D, `j = nmix` the partial
-    /// sum of squares. Tests reduce them in the kernel's order to check the rest exactly.
+    /// The split-K partials of the last launch, `[T, nmix+1, S]` with `S = `[`MhcPreOutputs::partial_splits`]
+    /// (the first `T (nmix+1) S` elements of the buffer): entry `[t][j][s]` is the partial `F_j . x` over the
+    /// columns of split `s` (`[128 s, 128 s + 128)` of 4D for the FFMA mixes, `[4D s / S, 4D (s+1) / S)` for the
+    /// tensor-core mix), `j = nmix` the partial sum of squares. Tests reduce them in the finish's order to
+    /// check the rest exactly.
     pub fn partials(&self) -> &CudaSlice<f32> {
         &self.partials
+    }
+
+    /// S (splits per token) of the last launch's partials.
+    pub fn partial_splits(&self) -> usize {
+        self.partial_splits
     }
 
     /// Fill the split-K workspace with NaN (0xFF bytes): a finish that read it before the mixes wrote it
@@ -892,6 +910,67 @@ impl MhcPreOutputs {
 /// Split-K CTAs over 4D (`4D / MIX_COLS`).
 pub fn mix_splits(d: usize) -> usize {
     4 * d / MIX_COLS
+}
+
+/// Tokens per CTA tile of the tensor-core mix (`kTileTokens` in kernels/mhc_mix_tc.cu).
+const TC_MIX_TILE_TOKENS: usize = 128;
+/// Columns of 4D per k-block of the tensor-core mix (`kBlockK`).
+const TC_MIX_BLOCK_K: usize = 64;
+/// Most K splits of the tensor-core mix (small batches: 1 tile x 64 splits of 4 k-blocks at D 4096).
+const TC_MIX_MAX_SPLITS: usize = 64;
+/// CTAs the tensor-core mix aims to fill: 2 resident per SM (100 KB of shared memory each) on the H200's 132.
+const TC_MIX_TARGET_CTAS: usize = 2 * 132;
+/// Dynamic shared memory of `mhc_mix_tc_partial24`: 4 stages x (16 KB X + 9 KB planes) + 1 KB alignment slack.
+const TC_MIX_SMEM_BYTES: usize = 4 * (TC_MIX_TILE_TOKENS * 128 + 72 * 128) + 1024;
+/// Kernel family of the tensor-core mix (kernels/mhc_mix_tc.cu).
+const TC_FAMILY: &str = "mhc_mix_tc";
+/// Provisional token count from which [`mhc_pre`] should take [`MhcPrePath::TensorMix`]: NOT used by the
+/// routing yet ([`mhc_pre_auto_path`] is unchanged until the H200 A/B of session 13 measures the crossover).
+pub const MHC_TENSOR_MIX_MIN_TOKENS: usize = 512;
+
+/// K splits of the tensor-core mix for `tokens` tokens: the largest power of two `S <= 64` with
+/// `ceil(tokens / 128) x S <= 264` (two CTAs per SM on 132 SMs; 1 from 33,792 tokens on) that divides the
+/// `4D / 64` k-blocks and does not exceed [`mix_splits`] (the workspace is sized for that many).
+/// 4096 tokens -> 8, 16384 -> 2, 65536 -> 1; 1..128 tokens -> 64.
+pub fn tc_mix_splits(tokens: usize, d: usize) -> usize {
+    let tiles = tokens.div_ceil(TC_MIX_TILE_TOKENS).max(1);
+    let kblocks = 4 * d / TC_MIX_BLOCK_K;
+    let mut s = 1;
+    while s * 2 <= TC_MIX_MAX_SPLITS
+        && tiles * s * 2 <= TC_MIX_TARGET_CTAS
+        && kblocks.is_multiple_of(s * 2)
+        && s * 2 <= mix_splits(d)
+    {
+        s *= 2;
+    }
+    s
+}
+
+/// The three BF16 planes of the mix weights F (`[nmix, 4D]` f32) as one `[3 nmix, 4D]` BF16 matrix
+/// `[f1; f2; f3]`: `f1 = bf16_rn(F)`, `f2 = bf16_rn(F - f1)`, `f3 = bf16_rn(F - f1 - f2)`, with
+/// `f1 + f2 + f3 == F` exactly for every F with 2^-110 <= |F| < 2^127 (2 - 2^-8) (above, f1 rounds to infinity),
+/// and F = 0. Why (F in `[2^e, 2^(e+1))`, a
+/// multiple of `2^(e-23)`): `r1 = F - f1` is a multiple of `2^(e-23)` of magnitude `<= 2^(e-8)` (half an 8-bit
+/// ulp), so it has <= 16 significant bits and the fp32 subtraction is exact; `r2 = r1 - f2` likewise is a
+/// multiple of `2^(e-23)` of magnitude `<= 2^(e-16)`: <= 8 significant bits, exact in fp32 and in BF16, so
+/// `f3 = r2`. (Only F so small that r2 falls below BF16's subnormal grid, 2^-133, loses bits.)
+pub fn mix_fn_bf16_planes(mix_fn: &[f32]) -> Vec<bf16> {
+    let f1: Vec<bf16> = mix_fn.iter().map(|&f| bf16::from_f32(f)).collect();
+    let r1: Vec<f32> = mix_fn
+        .iter()
+        .zip(&f1)
+        .map(|(&f, a)| f - a.to_f32())
+        .collect();
+    let f2: Vec<bf16> = r1.iter().map(|&r| bf16::from_f32(r)).collect();
+    let f3 = r1
+        .iter()
+        .zip(&f2)
+        .map(|(&r, b)| bf16::from_f32(r - b.to_f32()));
+    f1.iter()
+        .copied()
+        .chain(f2.iter().copied())
+        .chain(f3)
+        .collect()
 }
 
 /// Largest hidden size of the mHC kernels: the finish kernel uses up to 128 registers per thread, so its
@@ -970,6 +1049,48 @@ fn launch_mix_chunk(
     launch_raw(gpu, &f, grid, (128, 1, 1), pdl, &mut a, name)
 }
 
+/// The tensor-core mix (`mhc_mix_tc_partial24`) over tokens `[t0, t0 + n)`: parameters `(X, planes, part, T,
+/// 4D)`, grid `[splits, ceil(n/128)]`, 256 threads, [`TC_MIX_SMEM_BYTES`] of dynamic shared memory. `part` is
+/// the `[T, 25, splits]` workspace of the whole batch.
+fn launch_tc_mix_chunk(
+    gpu: &Gpu,
+    x: &CudaSlice<bf16>,
+    w: &MhcWeights,
+    part: &CudaSlice<f32>,
+    splits: usize,
+    (t0, n): (usize, usize),
+) -> Result<()> {
+    let d = w.d;
+    let Some(planes) = &w.mix_planes else {
+        bail!("mhc tensor-core mix: the weights have no BF16 planes (head weights?)");
+    };
+    let kblocks = 4 * d / TC_MIX_BLOCK_K;
+    if splits == 0
+        || !(4 * d).is_multiple_of(TC_MIX_BLOCK_K)
+        || !kblocks.is_multiple_of(splits)
+        || splits > mix_splits(d)
+    {
+        bail!(
+            "mhc tensor-core mix: {splits} splits do not divide the {kblocks} k-blocks of 4D = {}",
+            4 * d
+        );
+    }
+    let name = "mhc_mix_tc_partial24";
+    let f = gpu.function_with_smem(TC_FAMILY, name, TC_MIX_SMEM_BYTES)?;
+    let mut a = RawArgs::default();
+    a.slice_from(gpu, x, t0 * 4 * d)
+        .slice(gpu, planes)
+        .slice_from(gpu, part, t0 * (reference::HC_MIX + 1) * splits)
+        .i32(n as i32)
+        .i32((4 * d) as i32);
+    let grid = (splits as u32, n.div_ceil(TC_MIX_TILE_TOKENS) as u32, 1);
+    let opts = LaunchExOpts {
+        smem_bytes: TC_MIX_SMEM_BYTES as u32,
+        pdl: false,
+    };
+    launch_ex(gpu, &f, grid, (256, 1, 1), opts, &mut a, name)
+}
+
 /// Fused mHC boundary: `(pre, post, C, u) = hc_pre(X)`, then `RMSNorm(u; weight)` in `out.normed.format`.
 /// Two kernels (split-K mixes over 4D/128 x ceil(T/32) CTAs, then two CTAs per token); `x` is `[T, 4, D]`.
 /// The launch path is chosen by token count ([`mhc_pre_auto_path`]); every path gives the same bits.
@@ -1029,7 +1150,7 @@ fn launch_pre_finish_chunk(
     pdl: bool,
 ) -> Result<()> {
     let d = out.d;
-    let splits = mix_splits(d);
+    let splits = out.partial_splits;
     let name = format!("{prefix}_{}", out.normed.format.name());
     let f = gpu.function(FAMILY, &name)?;
     let mut a = RawArgs::default();
@@ -1096,6 +1217,13 @@ pub enum MhcPrePath {
     /// stages its weight tile while the previous finish runs. Needs sm_90 and a driver that captures PDL
     /// launches into graphs (CUDA >= 12.3).
     PdlPair,
+    /// `mhc_mix_tc_partial24` (kernels/mhc_mix_tc.cu: the 24 mixes as a BF16 tensor-core GEMM of X against
+    /// the three BF16 planes of F, [`MhcWeights::mix_planes`]; [`tc_mix_splits`] K splits) then
+    /// `mhc_pre_finish2_*`, plain launches. NOT bit-identical to the other paths: the dots are sums of the
+    /// same exact products in another order (tensor-core block accumulation, see the kernel header), so
+    /// pre/post/C/u may differ in the last bits. For prefill-sized batches; [`mhc_pre`] does not route to
+    /// it yet ([`MHC_TENSOR_MIX_MIN_TOKENS`]).
+    TensorMix,
 }
 
 /// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
@@ -1115,7 +1243,19 @@ pub fn mhc_pre_with(
     let (mix, finish, pdl) = match path {
         MhcPrePath::TwoLaunch => ("mhc_mix_partial24_v2", "mhc_pre_finish2", false),
         MhcPrePath::PdlPair => ("mhc_mix_partial24_pdl", "mhc_pre_finish_pdl", true),
+        MhcPrePath::TensorMix => {
+            // One S for the whole batch (so the partials are one [T, 25, S] array): S only depends on the
+            // tile count below 33,792 tokens, and is 1 above, so every chunk of a split batch fills the GPU.
+            let splits = tc_mix_splits(out.tokens, out.d);
+            out.partial_splits = splits;
+            for chunk in mhc_token_chunks(out.tokens) {
+                launch_tc_mix_chunk(gpu, x, w, &out.partials, splits, chunk)?;
+                launch_pre_finish_chunk(gpu, "mhc_pre_finish2", x, w, eps, out, chunk, false)?;
+            }
+            return Ok(());
+        }
     };
+    out.partial_splits = mix_splits(out.d);
     for chunk in mhc_token_chunks(out.tokens) {
         launch_mix_chunk(gpu, mix, x, w, &out.partials, chunk, pdl)?;
         launch_pre_finish_chunk(gpu, finish, x, w, eps, out, chunk, pdl)?;
@@ -1150,6 +1290,7 @@ pub fn mhc_post_then_pre(
     let (tokens, d) = (out.tokens, out.d);
     check_post_lens(y, x_out, post, comb, tokens, d)?;
     let splits = mix_splits(d);
+    out.partial_splits = splits;
     let name = "mhc_post_mix_partial24";
     let f = gpu.function(FAMILY, name)?;
     for (t0, n) in mhc_token_chunks(tokens) {
@@ -1185,6 +1326,7 @@ pub fn hc_head(
         bail!("hc_head writes BF16: allocate the outputs with OutFormat::Bf16")
     };
     let splits = mix_splits(d);
+    out.partial_splits = splits;
     let name = "mhc_head_finish_bf16";
     let f = gpu.function(FAMILY, name)?;
     for (t0, n) in mhc_token_chunks(tokens) {
@@ -1519,6 +1661,9 @@ pub const MHC_VARIANTS: &[&str] = &[
     "graph_fused_twolaunch_fp8",
     "graph16_fused_twolaunch_nvfp4",
     "graph16_fused_twolaunch_fp8",
+    "fused_tc_nvfp4",
+    "fused_tc_fp8",
+    "fused_tc_bf16",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
@@ -1614,7 +1759,8 @@ pub fn bench_mhc(
         (0, variant)
     };
     let graph = per_graph > 0;
-    // kind_fmt with kind in fused (mhc_pre's automatic path), fused_pdl / fused_twolaunch (one path forced),
+    // kind_fmt with kind in fused (mhc_pre's automatic path), fused_pdl / fused_twolaunch / fused_tc (one path
+    // forced; fused_tc = the tensor-core mix, MhcPrePath::TensorMix),
     // unfused (the op-by-op chain). path: None = unfused, Some(None) = automatic, Some(Some(p)) = forced.
     let (kind, fmt) = rest
         .rsplit_once('_')
@@ -1628,6 +1774,7 @@ pub fn bench_mhc(
         "fused" => Some(None),
         "fused_pdl" => Some(Some(MhcPrePath::PdlPair)),
         "fused_twolaunch" => Some(Some(MhcPrePath::TwoLaunch)),
+        "fused_tc" => Some(Some(MhcPrePath::TensorMix)),
         "unfused" => None,
         _ => bail!(
             "unknown mhc variant `{variant}` (known: {})",
