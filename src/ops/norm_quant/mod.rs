@@ -1226,7 +1226,8 @@ pub enum MhcPrePath {
     TensorMix,
 }
 
-/// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths.
+/// [`mhc_pre`] with an explicit launch path ([`MhcPrePath`]); outputs are bit-identical across paths, except
+/// [`MhcPrePath::TensorMix`] (same exact products summed in another order; see its doc).
 pub fn mhc_pre_with(
     gpu: &Gpu,
     x: &CudaSlice<bf16>,
