@@ -48,6 +48,7 @@
 //   = row 16w + l/4, columns 8j + 2(l%4) + {0,1}, and d[4j+{2,3}] = row + 8. Column n = 24p + m (plane p, mix m)
 //   and n + 24 = 8(j+3) + same offset: a thread holds all three planes of its mixes, so the combination is local.
 #include "common/wgmma.cuh"
+#include "common/cp_async.cuh"
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -64,16 +65,6 @@ constexpr int kFTileBytes = kPlaneRows * 128;         // 9216 = 9 x 1024
 constexpr int kStageBytes = kXTileBytes + kFTileBytes;  // 25600 = 25 x 1024 (keeps every tile 1024-aligned)
 static_assert(kStageBytes % 1024 == 0, "tiles must stay 1024-byte aligned for the 128B swizzle");
 
-__device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t chunk) {
-    return row * 128u + ((chunk ^ (row & 7u)) << 4);
-}
-// 16-byte cp.async, L2 only (.cg); src_bytes 0 zero-fills the 16 bytes (tokens past T).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // D(64 x 72, fp32) += A(64 x 16, bf16, smem desc) * B(72 x 16, bf16, smem desc)^T; both K-major (trans 0),
 // scale-d 1 (accumulate), scales a/b 1.

@@ -78,6 +78,7 @@
 #include "common/formats.cuh"
 #include "common/expert_tiles.cuh"
 #include "common/wgmma.cuh"
+#include "common/cp_async.cuh"
 #include "common/tma.cuh"
 #include "common/nvfp4_dequant.cuh"
 
@@ -113,16 +114,10 @@ static_assert(Layout<128>::kBytes + 1024 == 136192, "keep src/ops/moe_gemm/prefi
 static_assert(Layout<256>::kBytes + 1024 == 187392, "keep src/ops/moe_gemm/prefill.rs SMEM_BYTES_N256 in sync");
 
 
-// 16-byte cp.async with zero fill: src_bytes = 0 writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
+// cp_async16 / cp_async_commit / cp_async_wait<N>: common/cp_async.cuh.
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 
 // D(64 x 128, fp32) += A(64 x 16, bf16, smem desc) * B(128 x 16, bf16, smem desc)^T; both K-major (trans 0).
@@ -151,10 +146,7 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[TN / 2], uint64_t da, uint
     else wgmma_m64n256k16(d, da, db);
 }
 
-// Byte offset of (row, 16-byte chunk) inside a 128B-swizzled K-major tile (mirrored in prefill.rs).
-__device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t chunk) {
-    return row * 128u + ((chunk ^ (row & 7u)) << 4);
-}
+// sw128_offset (byte of (row, 16-byte chunk) in a 128B-swizzled K-major tile): common/wgmma.cuh.
 
 
 // 8 codes (one word, nibble i = element i) times one block scale -> 8 BF16 (e2m1 * s * 2^-9) in natural order.

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) asynchronous-MMA primitives shared by the wgmma kernels (moe_gemm_prefill, sparse_attn).
+// Hopper (sm_90a) asynchronous-MMA primitives shared by the wgmma kernels (moe_gemm_prefill, sparse_attn, mhc_mix_tc).
 // Only the ordering/fence instructions and the one shared-memory descriptor form both kernels use live here;
 // each kernel keeps its own wgmma shape wrappers next to the code that sizes its fragments.
 #pragma once
@@ -19,6 +19,12 @@ template <int R>
 __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Byte offset of (row, 16-byte chunk) inside such a tile: the SWIZZLE_128B image, chunk index XOR (row & 7)
+// (mirrored on the host in src/ops/moe_gemm/prefill.rs).
+__device__ __forceinline__ uint32_t sw128_offset(uint32_t row, uint32_t chunk) {
+    return row * 128u + ((chunk ^ (row & 7u)) << 4);
 }
 
 // Descriptor of a 1024-byte-aligned, 128B-swizzled, K-major tile at shared address `addr`: rows of 128 bytes
