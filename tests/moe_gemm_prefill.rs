@@ -13,7 +13,9 @@ use half::bf16;
 use megamoe::gpu::{gpu_for_test, Gpu};
 use megamoe::ops::moe_gemm::prefill;
 use megamoe::ops::moe_gemm::prefill::PrefillKernel;
-use megamoe::ops::moe_gemm::reference::{apply_global_scales, grouped_gemm_acc_f64, ExpertWeights};
+use megamoe::ops::moe_gemm::reference::{
+    apply_global_scales, grouped_gemm_acc_f64, Activations, ExpertWeights, Nvfp4Rows,
+};
 use megamoe::ops::moe_gemm::{
     self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, RoutedBatch, Workspace,
 };
@@ -501,25 +503,8 @@ fn check_act_rs_prepass(
             .collect();
         prefill::rs_prepass_bf16_like_kernel(&data, rows, k)
     };
-    let dc = nvfp4.then(|| gpu.upload(&codes).unwrap());
-    let ds = nvfp4.then(|| gpu.upload(&scales).unwrap());
-    let global = nvfp4.then(|| gpu.upload(&vec![1f32; a_rows]).unwrap());
-    let dd = (!nvfp4).then(|| gpu.upload(&data).unwrap());
-    let a = if nvfp4 {
-        mg::DeviceActivations::Nvfp4 {
-            rows: a_rows,
-            k,
-            codes: dc.as_ref().unwrap(),
-            scales: ds.as_ref().unwrap(),
-            global: global.as_ref().unwrap(),
-        }
-    } else {
-        mg::DeviceActivations::Bf16 {
-            rows: a_rows,
-            k,
-            data: dd.as_ref().unwrap(),
-        }
-    };
+    let da = raw_activations(gpu, nvfp4, a_rows, k, codes, scales, data);
+    let a = da.view();
     let mut ws = Workspace::new(gpu, 1, rows, 256).unwrap();
     for poison in [0xFFu8, 0x00] {
         ws.act_rs = Some(gpu.poisoned::<bf16>(rows * k + slack, poison).unwrap());
@@ -707,25 +692,8 @@ fn check_act_cact_prepass(gpu: &Gpu, rng: &mut impl Rng, counts: &[usize], k: us
         prefill::rs_prepass_bf16_like_kernel(&data, rows, k)
     };
     let want = prefill::cact_layout_like_kernel(&rs, &offsets, k);
-    let dc = nvfp4.then(|| gpu.upload(&codes).unwrap());
-    let ds = nvfp4.then(|| gpu.upload(&scales).unwrap());
-    let global = nvfp4.then(|| gpu.upload(&vec![1f32; a_rows]).unwrap());
-    let dd = (!nvfp4).then(|| gpu.upload(&data).unwrap());
-    let a = if nvfp4 {
-        mg::DeviceActivations::Nvfp4 {
-            rows: a_rows,
-            k,
-            codes: dc.as_ref().unwrap(),
-            scales: ds.as_ref().unwrap(),
-            global: global.as_ref().unwrap(),
-        }
-    } else {
-        mg::DeviceActivations::Bf16 {
-            rows: a_rows,
-            k,
-            data: dd.as_ref().unwrap(),
-        }
-    };
+    let da = raw_activations(gpu, nvfp4, a_rows, k, codes, scales, data);
+    let a = da.view();
     let len = prefill::cact_rows_bound(rows, counts.len()) * k + 4096;
     let mut ws = Workspace::new(gpu, 1, rows.max(1), 256).unwrap();
     for poison in [0xFFu8, 0x00] {
@@ -791,4 +759,33 @@ fn gpu_prefill_act_cact_prepass_bit_identical_to_cpu_mirror() {
             }
         }
     }
+}
+
+/// Device activations of the A format under test from raw host vectors (the other format's vectors are empty):
+/// NVFP4 codes + block scales with every row's global scale 1, or BF16 data; `a_rows x k`.
+fn raw_activations(
+    gpu: &Gpu,
+    nvfp4: bool,
+    a_rows: usize,
+    k: usize,
+    codes: Vec<u8>,
+    scales: Vec<u8>,
+    data: Vec<bf16>,
+) -> DevA {
+    let host = if nvfp4 {
+        Activations::Nvfp4(Nvfp4Rows {
+            rows: a_rows,
+            cols: k,
+            codes,
+            scales,
+            global: vec![1f32; a_rows],
+        })
+    } else {
+        Activations::Bf16 {
+            rows: a_rows,
+            k,
+            data,
+        }
+    };
+    DevA::upload(gpu, &host)
 }

@@ -374,6 +374,30 @@ const ACT_RS_THREADS: u32 = 256;
 /// occupancy query fails.
 const ACT_RS_CTAS_PER_SM: usize = 8;
 
+/// The BF16 output buffer of the RS pre-passes (`ws.act_rs`, allocated or grown to `len` elements) and its device
+/// address, after checking the alignment the pre-pass kernels' vector accesses need: 4-byte code words (NVFP4) or
+/// 16-byte BF16 chunks of the activations at `act`, 16-byte output chunks.
+fn act_rs_output(
+    gpu: &Gpu,
+    ws: &mut Workspace,
+    len: usize,
+    act: u64,
+    is_nvfp4: i32,
+    kernel: &str,
+) -> Result<u64> {
+    if ws.act_rs.as_ref().is_none_or(|b| b.len() < len) {
+        ws.act_rs = Some(gpu.zeros::<bf16>(len)?);
+    }
+    let out = ptr(gpu, ws.act_rs.as_ref().expect("allocated above"));
+    let act_align = if is_nvfp4 != 0 { 4 } else { 16 };
+    ensure!(
+        act.is_multiple_of(act_align) && out.is_multiple_of(16),
+        "{kernel}: activations at {act:#x} (need {act_align}-byte alignment) or output at {out:#x} (need 16) \
+         misaligned"
+    );
+    Ok(out)
+}
+
 /// The RS pre-pass: the first `rows` activation rows, in the RS permuted BF16 order, into `ws.act_rs` (allocated
 /// or grown here; an existing buffer of at least `rows * k` elements is reused and nothing past its first
 /// `rows * k` elements is written); returns its device address for [`rs_activation_map`]. `k % 128 == 0`.
@@ -402,20 +426,8 @@ pub fn permute_activations_for_rs(
         segments <= i32::MAX as usize,
         "moe_gemm_prefill_act_rs: {rows} rows x K {k} = {segments} segments of 128 K exceed the kernel's i32 index"
     );
-    let len = rows * k;
-    if ws.act_rs.as_ref().is_none_or(|b| b.len() < len) {
-        ws.act_rs = Some(gpu.zeros::<bf16>(len)?);
-    }
-    let buf = ws.act_rs.as_mut().expect("allocated above");
     let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
-    // Vector accesses: 4-byte code words (NVFP4) or 16-byte BF16 chunks, 16-byte output chunks.
-    let out = ptr(gpu, buf);
-    let act_align = if is_nvfp4 != 0 { 4 } else { 16 };
-    ensure!(
-        act.is_multiple_of(act_align) && out.is_multiple_of(16),
-        "moe_gemm_prefill_act_rs: activations at {act:#x} (need {act_align}-byte alignment) or output at {out:#x} \
-         (need 16) misaligned"
-    );
+    let out = act_rs_output(gpu, ws, rows * k, act, is_nvfp4, "moe_gemm_prefill_act_rs")?;
     if segments == 0 {
         return Ok(out);
     }
@@ -492,18 +504,14 @@ pub fn compact_activations_for_rs(
         cact_rows * spr <= i32::MAX as usize && rows * (k / STAGE_K_RS) <= i32::MAX as usize,
         "moe_gemm_prefill_act_cact: {cact_rows} padded rows x K {k} exceed the kernel's i32 indices"
     );
-    let len = cact_rows * k;
-    if ws.act_rs.as_ref().is_none_or(|b| b.len() < len) {
-        ws.act_rs = Some(gpu.zeros::<bf16>(len)?);
-    }
-    let buf = ws.act_rs.as_mut().expect("allocated above");
-    let out = ptr(gpu, buf);
-    let act_align = if is_nvfp4 != 0 { 4 } else { 16 };
-    ensure!(
-        act.is_multiple_of(act_align) && out.is_multiple_of(16),
-        "moe_gemm_prefill_act_cact: activations at {act:#x} (need {act_align}-byte alignment) or output at {out:#x} \
-         (need 16) misaligned"
-    );
+    let out = act_rs_output(
+        gpu,
+        ws,
+        cact_rows * k,
+        act,
+        is_nvfp4,
+        "moe_gemm_prefill_act_cact",
+    )?;
     if rows == 0 {
         return Ok((out, cact_rows));
     }
