@@ -13,17 +13,7 @@ use std::time::Instant;
 
 /// A fresh seed per run (MEGAMOE_SEED overrides), printed so a failure can be replayed.
 fn test_seed(label: &str) -> u64 {
-    let seed = std::env::var("MEGAMOE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    println!("{label}: seed {seed} (set MEGAMOE_SEED to replay)");
-    seed
+    megamoe::ops::inputs::fresh_seed(label, "MEGAMOE_SEED")
 }
 
 fn model(cfg: ModelConfig, seed: u64) -> Model {

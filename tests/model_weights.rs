@@ -8,17 +8,7 @@ use megamoe::model::{CachePolicy, LayerKind, Model, ModelConfig, Weights};
 use std::path::PathBuf;
 
 fn test_seed(label: &str) -> u64 {
-    let seed = std::env::var("MEGAMOE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    println!("{label}: seed {seed} (set MEGAMOE_SEED to replay)");
-    seed
+    megamoe::ops::inputs::fresh_seed(label, "MEGAMOE_SEED")
 }
 
 fn tmpdir(tag: &str) -> PathBuf {
