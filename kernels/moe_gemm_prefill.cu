@@ -1368,8 +1368,9 @@ __device__ __forceinline__ void run(const uint8_t* __restrict__ act, const uint8
 // The compact pre-pass: writes padded rows [0, min(P_E, cact_rows)) of the layout above into `out` (cact_rows x K
 // BF16; nothing past P_E rows is written). spr = ceil(S / 2P) warp steps per padded row; the grid's warps W =
 // gridDim.x * 8 = step_dp * spr + step_ds. grid = min(warp steps / 8, resident CTAs), block = 256; K % 128 == 0,
-// cact_rows * ceil(K / 1024) < 2^31, rows_total * K / 128 < 2^31; NVFP4 codes 4-byte, BF16 A and out 16-byte aligned
-// (checked by the launcher). offsets[E+1]: the contiguous grouping (clamped as everywhere in this file).
+// cact_rows * spr < 2^31 (spr = ceil(K / 1024) NVFP4, ceil(K / 512) BF16), rows_total * K / 128 < 2^31; NVFP4
+// codes 4-byte, BF16 A and out 16-byte aligned (checked by the launcher). offsets[E+1]: the contiguous grouping
+// (clamped as everywhere in this file).
 extern "C" __global__ void __launch_bounds__(act_rs::kThreads, act_rs::kCtasPerSm) moe_gemm_prefill_act_cact(
     const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
     const int* __restrict__ offsets, int experts, int rows_total, int K, int cact_rows, int spr, int step_dp,
