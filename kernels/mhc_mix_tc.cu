@@ -24,8 +24,9 @@
 //   (fp32, smallest first) equals F_j . x up to the accumulation error of the tensor core (below) and two fp32
 //   roundings. The accumulation is NOT IEEE fp32 summation: Hopper's wgmma adds each k16 block of products to
 //   the accumulator as one fused block (products aligned to the largest exponent, low bits dropped). The tests
-//   (tests/norm_quant.rs, tc_dot_bound) bound this per k16 step by 17 units of 2^-23 of the step's largest
-//   addend and check every dot against f64 under it.
+//   (tests/norm_quant.rs, tc_dot_bounds) bound this per k16 step by 20 x 2^-23 x (|accumulator| + sum |step's
+//   products|) (17 for one 17-addend block: 16 alignments + 1 normalization) and check every dot against f64
+//   under it; tc_dot_bounds_hold_for_emulated_tensor_cores checks the bound on a bit-level emulation.
 // The sum of squares (column 24, the RMS of the residual) stays on the CUDA cores: each thread squares 32 of the
 //   64 columns of a staged k-block (4 chains of 8 fma), adds the block's float to an fp64 accumulator (exact for
 //   the ~1024 blocks of a split: no long fp32 chain), and one fp32 rounding at the end: ss relative error

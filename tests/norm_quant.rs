@@ -1086,19 +1086,25 @@ fn tc_mix_splits_fill_the_gpu_and_divide_k() {
 /// Bound on |GPU dot - f64 dot| for the tensor-core mix, per (token, mix) `[T][24]`, for partials over `splits`
 /// K splits. Derivation, from the kernel's structure (kernels/mhc_mix_tc.cu):
 /// * Products f_p[k] x[k] (BF16 x BF16) are exact. Each k16 wgmma step adds 16 of them to the fp32
-///   accumulator as a fused block. Model (Fasi et al. 2021 for V100/A100, Khattak & Mikaitis 2025 for H100):
-///   the addends are aligned to the largest exponent among them, their bits below 2^-23 of it are dropped, the
-///   sum is normalized with truncation. So a block of n addends errs by <= (n + 1) 2^-23 M, M the largest
-///   addend, M <= |exact prefix| + sum |step's products| (to first order). With one 17-addend block per k16
-///   step, or two 9-addend blocks (an 8-product granularity as on the A100), a step errs by <= 20 2^-23
-///   (|P_prev| + sum_step |p|). Summed over every step of every split of the three planes: `acc`.
+///   accumulator c as a fused block. Model (Fasi et al. 2021 for V100/A100, Khattak & Mikaitis 2025 for H100):
+///   the addends (c and the products) are aligned to the largest exponent e among them, their bits below
+///   2^(e-23) dropped (toward zero), the exact sum of what is left normalized to fp32 with truncation. With
+///   `step = |c| + sum |step's products|` (>= every addend, >= |sum|): a block of n addends loses < 2^(e-23) <=
+///   2^-23 step on each of its n - 1 non-largest addends and < 2^-23 step in the normalization, so <= n 2^-23
+///   step. (Not n 2^-23 M with M the largest addend: the normalized sum can be ~n M.) One 17-addend block per
+///   k16 step: 17; two 9-addend blocks (the A100's 8-product granularity): 18; four 5-addend blocks: 20.
+///   The bound takes 20 2^-23 step per step, with step summed from the exact prefix: `acc`.
+/// * Second order: the kernel's c is the exact prefix plus the error so far, so step k's error is <= 20 2^-23
+///   (|P_k-1| + E_k-1 + sum|p|), and after n steps E_n <= (1 + 20 2^-23)^n 20 2^-23 acc: the factor is 1.0024 at
+///   n = 1024 (S = 1, D 4096) and 1.0043 at D 7168, more than the (1 + 2^-10) that covers the other terms.
 /// * dot_s = (a3 + a2) + a1: two fp32 roundings, <= 2 2^-24 sum |terms of split s|.
 /// * The finish (reduce_partials) adds <= 64 partials: depth <= 5 (xor tree) + 1 (block) + 7 (warps) = 13.
 /// * The reference's own f64 -> f32 rounding: 2^-24 |dot| <= 2^-24 sum |terms|.
 ///
-/// Bound = 20 2^-23 acc + 16 2^-24 sum |terms| (over the planes), x (1 + 2^-10) for the second-order terms.
-/// Far above the typical error (the truncation errors are ~1 ulp of a prefix ~ sqrt-sized), far below a
-/// wrong result: a dropped k-block or split is ~1/S of the dot, a wrong plane ~2^-8 of it.
+/// Bound = (20 2^-23 acc (1 + 20 2^-23)^steps + 16 2^-24 sum |terms|) x (1 + 2^-10), steps = 4D / (16 S).
+/// tc_dot_bounds_hold_for_emulated_tensor_cores checks it against bit-level emulations of those models (worst
+/// ~0.005 of it on the tests' random inputs, ~0.31 on all-positive ones) and shows that it rejects a dropped
+/// plane f2 or k-block. Only 24-bit alignment is assumed: with 18 bits kept the random inputs reach ~0.3.
 fn tc_dot_bounds(c: &MhcCase, splits: usize) -> Vec<f64> {
     let (t_n, k) = (c.tokens, 4 * c.d);
     let planes: Vec<f64> = nq::mix_fn_bf16_planes(&c.p.mix_fn)
@@ -1106,6 +1112,9 @@ fn tc_dot_bounds(c: &MhcCase, splits: usize) -> Vec<f64> {
         .map(|v| f64::from(v.to_f32()))
         .collect();
     let kp = k / splits;
+    // (1 + 20 2^-23)^(k16 steps of a split): the errors of earlier steps sit in the accumulator that later
+    // steps align to (second order; see the doc).
+    let chain = (1.0 + 20.0 * 2f64.powi(-23)).powi((kp / 16) as i32);
     let one = |t: usize| -> Vec<f64> {
         let x: Vec<f64> = c.x[t * k..(t + 1) * k]
             .iter()
@@ -1131,7 +1140,7 @@ fn tc_dot_bounds(c: &MhcCase, splits: usize) -> Vec<f64> {
                         }
                     }
                 }
-                (20.0 * 2f64.powi(-23) * acc + 16.0 * 2f64.powi(-24) * abs_all)
+                (20.0 * 2f64.powi(-23) * acc * chain + 16.0 * 2f64.powi(-24) * abs_all)
                     * (1.0 + 2f64.powi(-10))
                     + 1e-30
             })
@@ -1145,6 +1154,147 @@ fn tc_dot_bounds(c: &MhcCase, splits: usize) -> Vec<f64> {
         (a, h.join().unwrap())
     });
     a.into_iter().chain(b).collect()
+}
+
+/// fp32 nearest to `v` toward zero (truncation of the significand to 24 bits).
+fn f32_toward_zero(v: f64) -> f32 {
+    let f = v as f32; // round to nearest even
+    if f64::from(f).abs() > v.abs() {
+        f32::from_bits(f.to_bits() - 1) // one ulp smaller in magnitude (same sign; f != 0 here)
+    } else {
+        f
+    }
+}
+
+/// One fused block of a tensor-core accumulation, as tc_dot_bounds models it: the fp32 accumulator and the
+/// exact products aligned to the largest exponent e among them, bits below 2^(e-23) dropped toward zero, the
+/// exact sum (integers of 2^(e-23) below 2^29: exact in f64) truncated to fp32.
+fn tc_block(acc: f32, prods: &[f64]) -> f32 {
+    let addends = || std::iter::once(f64::from(acc)).chain(prods.iter().copied());
+    let Some(e) = addends()
+        .filter(|v| *v != 0.0)
+        .map(|v| ((v.abs().to_bits() >> 52) as i32) - 1023)
+        .max()
+    else {
+        return 0.0;
+    };
+    let unit = 2f64.powi(e - 23);
+    f32_toward_zero(addends().map(|v| (v / unit).trunc() * unit).sum())
+}
+
+/// The tensor-core mix kernel's dots for one token, emulated: per split and plane an fp32 accumulator over the
+/// k16 steps (`block` products per fused block: 16, or 8 = two blocks per step), dot_s = (a3 + a2) + a1, the
+/// splits reduced in the finish's order. `keep(p, k)`: whether plane p's column k takes part (wrong kernels).
+fn emulated_tc_dots(
+    c: &MhcCase,
+    planes: &[f64],
+    t: usize,
+    splits: usize,
+    block: usize,
+    keep: &dyn Fn(usize, usize) -> bool,
+) -> Vec<f32> {
+    let k = 4 * c.d;
+    let kp = k / splits;
+    let x = &c.x[t * k..(t + 1) * k];
+    let mut part = vec![0f32; 25 * splits];
+    for j in 0..24 {
+        for s in 0..splits {
+            let mut a = [0f32; 3];
+            for (p, ap) in a.iter_mut().enumerate() {
+                let fp = &planes[(p * 24 + j) * k..(p * 24 + j + 1) * k];
+                for b0 in (s * kp..(s + 1) * kp).step_by(block) {
+                    let prods: Vec<f64> = (b0..b0 + block)
+                        .map(|i| {
+                            if keep(p, i) {
+                                fp[i] * f64::from(x[i])
+                            } else {
+                                0.0
+                            }
+                        })
+                        .collect();
+                    *ap = tc_block(*ap, &prods);
+                }
+            }
+            part[j * splits + s] = (a[2] + a[1]) + a[0];
+        }
+    }
+    let nwarps = nq::row_block_threads(c.d) as usize / 32;
+    (0..24)
+        .map(|j| reduce_like_gpu(&part, splits, nwarps, 0, j, 24))
+        .collect()
+}
+
+/// tc_dot_bounds against bit-level emulations of the tensor-core models it is derived from (fused blocks of
+/// 16 and of 8 products; alignment and normalization by truncation): every dot of a correct kernel must lie
+/// within it (on the GPU tests' random inputs, at the splits they use, and on all-positive inputs, where the
+/// truncations all push the same way), and it must reject a kernel that drops plane f2 or one 64-column
+/// k-block of a split (so the GPU test can fail). A dropped f3 (2^-16 of F) is below any tensor-core bound.
+#[test]
+fn tc_dot_bounds_hold_for_emulated_tensor_cores() {
+    let seed = fresh_seed("tc_dot_bounds_hold_for_emulated_tensor_cores");
+    let tokens = 3;
+    for d in [4096usize, 7168] {
+        // S of the GPU tests: 64 (up to 129 tokens), 8 (4096 tokens), 1 (the 65539-token split test).
+        for splits in [64usize, 8, 1] {
+            for positive in [false, true] {
+                let mut c = mhc_case(tokens, d, seed ^ (d as u64 * 31 + splits as u64));
+                if positive {
+                    c.x.iter_mut().for_each(|v| *v = v.abs());
+                    c.p.mix_fn.iter_mut().for_each(|v| *v = v.abs());
+                }
+                let planes: Vec<f64> = nq::mix_fn_bf16_planes(&c.p.mix_fn)
+                    .iter()
+                    .map(|v| f64::from(v.to_f32()))
+                    .collect();
+                let bounds = tc_dot_bounds(&c, splits);
+                let kp = 4 * d / splits;
+                let label = format!("D={d} S={splits} positive={positive} seed {seed}");
+                let worst = |dots: &dyn Fn(usize) -> Vec<f32>| -> f64 {
+                    let mut worst = 0f64;
+                    for t in 0..tokens {
+                        let (_, want) =
+                            r::mhc_dots(&c.x[t * 4 * d..(t + 1) * 4 * d], &c.p.mix_fn, 24);
+                        let got = dots(t);
+                        for j in 0..24 {
+                            let e = (f64::from(got[j]) - f64::from(want[j])).abs();
+                            worst = worst.max(e / bounds[t * 24 + j]);
+                        }
+                    }
+                    worst
+                };
+                for block in [16usize, 8] {
+                    let w =
+                        worst(&|t| emulated_tc_dots(&c, &planes, t, splits, block, &|_, _| true));
+                    eprintln!("{label} block {block}: worst |dot - f64| = {w:.3} of the bound");
+                    assert!(
+                        w <= 1.0,
+                        "{label} block {block}: a correct kernel exceeds the bound ({w})"
+                    );
+                }
+                let no_f2 =
+                    worst(&|t| emulated_tc_dots(&c, &planes, t, splits, 16, &|p, _| p != 1));
+                // The last k-block of split 0 missing (every plane).
+                let no_kblock = worst(&|t| {
+                    emulated_tc_dots(&c, &planes, t, splits, 16, &|_, i| {
+                        !(kp - 64..kp).contains(&i)
+                    })
+                });
+                eprintln!("{label}: without f2 {no_f2:.1} x the bound, without a k-block {no_kblock:.1} x");
+                // The power that matters is on the GPU tests' inputs (random signs); on all-positive ones the
+                // prefixes grow linearly and so does the bound (a dropped f2 can hide there).
+                if !positive {
+                    assert!(
+                        no_f2 > 1.0,
+                        "{label}: a kernel without plane f2 passes ({no_f2})"
+                    );
+                }
+                assert!(
+                    no_kblock > 1.0,
+                    "{label}: a kernel missing a k-block passes ({no_kblock})"
+                );
+            }
+        }
+    }
 }
 
 /// Every partial of the last launch (`[T, 25, S]`, the workspace having been poisoned with NaN) was written.
