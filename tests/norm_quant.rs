@@ -2071,19 +2071,21 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
 
     // The tensor-core mix forced (session 13): S = 1 at this size (one 16384-column partial per token, 1024
     // k16 steps: the deepest tensor-core accumulation of any test), two chunks sharing one [T, 25, 1] layout.
-    // Not bit-identical to the FFMA path: sampled tokens against the CPU reference under tc_dot_bounds.
-    out.poison(&gpu).unwrap();
-    out.poison_partials(&gpu).unwrap();
+    // Not bit-identical to the FFMA path: sampled tokens against the CPU reference under tc_dot_bounds. Its own
+    // outputs, so `out` keeps the default path's post / comb, which mhc_post below is checked against (`snap`).
+    let mut tout = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+    tout.poison_partials(&gpu).unwrap();
     nq::mhc_pre_with(
         &gpu,
         &dx,
         &w,
         r::RMS_EPS,
-        &mut out,
+        &mut tout,
         nq::MhcPrePath::TensorMix,
     )
     .unwrap();
-    let tsnap = MhcSnapshot::take(&gpu, &out);
+    let tsnap = MhcSnapshot::take(&gpu, &tout);
+    drop(tout);
     assert_eq!(tsnap.splits, nq::tc_mix_splits(tokens, d));
     assert_eq!(
         tsnap.splits, 1,
