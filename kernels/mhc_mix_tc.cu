@@ -1,5 +1,8 @@
 // mhc_mix_tc: the mHC boundary's 24-wide mix F.x (and the sum of squares x.x) on BF16 tensor cores, for
-// prefill-sized token counts (issue #3, session 13). Writes the same split-K partials [T][25][S] that the finish
+// prefill-sized token counts (issue #3, session 13; mhc_pre's path from 128 tokens since the session-14 A/B:
+// 8192 x 4096 NVFP4 boundary 963 -> 275 us, 65536 x 4096 7620 -> 2137 us; under ncu at 8192 x 4096 this mix
+// takes 82 us (69% of DRAM peak) where mhc_mix_partial24_v2 took 751 us, and the finish (193 us) is now the
+// larger part). Writes the same split-K partials [T][25][S] that the finish
 // kernels of kernels/norm_quant.cu (mhc_pre_finish2_*) reduce, with S = the K-split count chosen by the launcher
 // (src/ops/norm_quant/mod.rs `tc_mix_splits`), not 4D/128.
 //

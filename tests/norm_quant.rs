@@ -645,21 +645,21 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
 }
 
 #[test]
-fn mhc_pre_takes_the_pdl_pair_up_to_8_tokens() {
+fn mhc_pre_takes_pdl_pair_then_two_launches_then_tensor_mix() {
     assert_eq!(nq::MHC_PDL_MAX_TOKENS, 8);
-    for tokens in [1usize, 2, 7, 8] {
-        assert_eq!(
-            nq::mhc_pre_auto_path(tokens),
-            nq::MhcPrePath::PdlPair,
-            "T={tokens}"
-        );
-    }
-    for tokens in [9usize, 16, 64, 8192] {
-        assert_eq!(
-            nq::mhc_pre_auto_path(tokens),
-            nq::MhcPrePath::TwoLaunch,
-            "T={tokens}"
-        );
+    assert_eq!(nq::MHC_TENSOR_MIX_MIN_TOKENS, 128);
+    let want = [
+        (&[1usize, 2, 7, 8][..], nq::MhcPrePath::PdlPair),
+        (&[9, 16, 64, 127][..], nq::MhcPrePath::TwoLaunch),
+        (
+            &[128, 129, 8192, 65536, 65539][..],
+            nq::MhcPrePath::TensorMix,
+        ),
+    ];
+    for (counts, path) in want {
+        for &tokens in counts {
+            assert_eq!(nq::mhc_pre_auto_path(tokens), path, "T={tokens}");
+        }
     }
 }
 
@@ -976,9 +976,9 @@ fn gpu_mhc_pre_matches_reference() {
     };
     let seed = fresh_seed("gpu_mhc_pre_matches_reference");
     for &d in DS {
-        // MHC_TOKENS, plus 8 and 9: both sides of mhc_pre's automatic path choice (PDL pair <= 8 tokens, two
-        // launches above)
-        for tokens in MHC_TOKENS.iter().copied().chain([8, 9]) {
+        // MHC_TOKENS, plus 8, 9 and 128: both sides of each of mhc_pre's automatic path choices (PDL pair <= 8
+        // tokens, two launches up to 127, the tensor-core mix from 128: its dots checked under tc_dot_bounds)
+        for tokens in MHC_TOKENS.iter().copied().chain([8, 9, 128]) {
             let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 131 + d as u64));
             let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
             let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
@@ -989,9 +989,13 @@ fn gpu_mhc_pre_matches_reference() {
                     nq::mhc_pre_auto_path(tokens)
                 );
                 let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                out.poison_partials(&gpu).unwrap();
                 nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
                 let snap = MhcSnapshot::take(&gpu, &out);
+                assert_partials_written(&label, &snap, tokens);
                 let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
+                let bounds = (nq::mhc_pre_auto_path(tokens) == nq::MhcPrePath::TensorMix)
+                    .then(|| tc_dot_bounds(&c, snap.splits));
                 check_mhc(
                     &label,
                     &c,
@@ -1002,7 +1006,7 @@ fn gpu_mhc_pre_matches_reference() {
                     &snap.normed,
                     format,
                     Some(&dots),
-                    None,
+                    bounds.as_deref(),
                 );
             }
         }
@@ -2049,10 +2053,18 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
     let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
 
-    // mhc_pre (two launches per chunk above 8 tokens), then the PDL pair forced: same bits everywhere.
+    // The FFMA mix, two launches per chunk forced, then the PDL pair forced: same bits everywhere.
     let label = format!("mhc_pre T={tokens} D={d} seed {seed}");
     let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
-    nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut out).unwrap();
+    nq::mhc_pre_with(
+        &gpu,
+        &dx,
+        &w,
+        r::RMS_EPS,
+        &mut out,
+        nq::MhcPrePath::TwoLaunch,
+    )
+    .unwrap();
     let snap = MhcSnapshot::take(&gpu, &out);
     for &t in &sample {
         check_mhc_token(
@@ -2069,21 +2081,14 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     nq::mhc_pre_with(&gpu, &dx, &w, r::RMS_EPS, &mut out, nq::MhcPrePath::PdlPair).unwrap();
     MhcSnapshot::take(&gpu, &out).assert_same(&snap, &format!("{label} PDL pair"));
 
-    // The tensor-core mix forced (session 13): S = 1 at this size (one 16384-column partial per token, 1024
+    // mhc_pre's own path at this size, the tensor-core mix: S = 1 (one 16384-column partial per token, 1024
     // k16 steps: the deepest tensor-core accumulation of any test), two chunks sharing one [T, 25, 1] layout.
     // Not bit-identical to the FFMA path: sampled tokens against the CPU reference under tc_dot_bounds. Its own
     // outputs, so `out` keeps the default path's post / comb, which mhc_post below is checked against (`snap`).
     let mut tout = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
     tout.poison_partials(&gpu).unwrap();
-    nq::mhc_pre_with(
-        &gpu,
-        &dx,
-        &w,
-        r::RMS_EPS,
-        &mut tout,
-        nq::MhcPrePath::TensorMix,
-    )
-    .unwrap();
+    assert_eq!(nq::mhc_pre_auto_path(tokens), nq::MhcPrePath::TensorMix);
+    nq::mhc_pre(&gpu, &dx, &w, r::RMS_EPS, &mut tout).unwrap();
     let tsnap = MhcSnapshot::take(&gpu, &tout);
     drop(tout);
     assert_eq!(tsnap.splits, nq::tc_mix_splits(tokens, d));

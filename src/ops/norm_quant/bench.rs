@@ -4,9 +4,9 @@
 //! `rmsnorm_quant` `fused_<fmt>` measures `rmsnorm_quant` as called, i.e. its kernel choice by shape
 //! (`rows_path`: from 4096 rows when D is a multiple of 1024, BF16 -> NVFP4 v6 (D <= 8192) and BF16 -> FP8
 //! v5, otherwise the v4p row loop / one CTA per row); `mhc` `fused_*` / `graph_fused_*` / `graph16_fused_*` measure
-//! `mhc_pre`'s automatic launch-path choice (PDL pair up to 8 tokens, two launches above), `*_fused_pdl_*`
-//! and `*_fused_twolaunch_*` one path each, `fused_tc_*` the tensor-core mix path (`MhcPrePath::TensorMix`,
-//! kernels/mhc_mix_tc.cu; see `MHC_VARIANTS`).
+//! `mhc_pre`'s automatic launch-path choice (PDL pair up to 8 tokens, two launches up to 127, the tensor-core
+//! mix from 128), `*_fused_pdl_*`, `*_fused_twolaunch_*` (the FFMA mix) and `fused_tc_*` (`MhcPrePath::TensorMix`,
+//! kernels/mhc_mix_tc.cu) one path each (see `MHC_VARIANTS`).
 
 use anyhow::Result;
 

@@ -12,9 +12,9 @@
 //! * [`mhc_pre`]: the mHC boundary `hc_pre` + RMSNorm + quant, as a split-K mix kernel plus a per-token
 //!   finish kernel; [`mhc_pre_unfused`] is the op-by-op chain (rms, GEMV, Sinkhorn, apply, RMSNorm,
 //!   quant: 6 launches); [`mhc_post`] and [`hc_head`]. [`mhc_pre`] launches its two kernels as a
-//!   programmatic-dependent-launch pair up to 8 tokens and as two plain launches above
-//!   ([`mhc_pre_auto_path`]); [`mhc_pre_with`] takes an explicit [`MhcPrePath`] (same bits either way, except
-//!   [`MhcPrePath::TensorMix`]: the mix on BF16 tensor cores, kernels/mhc_mix_tc.cu, a prefill candidate).
+//!   programmatic-dependent-launch pair up to 8 tokens, as two plain launches up to 127, and with the mix on
+//!   BF16 tensor cores (kernels/mhc_mix_tc.cu) from 128 tokens ([`mhc_pre_auto_path`]); [`mhc_pre_with`] takes an
+//!   explicit [`MhcPrePath`] (same bits on the FFMA paths; [`MhcPrePath::TensorMix`] sums in another order).
 //!   Every mHC launcher takes any token count >= 1: batches above [`MHC_LAUNCH_MAX_TOKENS`] (65535, the
 //!   grid.y cap) run as consecutive launches over token chunks ([`mhc_token_chunks`]), bit-identical to one.
 //!
@@ -924,9 +924,10 @@ const TC_MIX_TARGET_CTAS: usize = 2 * 132;
 const TC_MIX_SMEM_BYTES: usize = 4 * (TC_MIX_TILE_TOKENS * 128 + 72 * 128) + 1024;
 /// Kernel family of the tensor-core mix (kernels/mhc_mix_tc.cu).
 const TC_FAMILY: &str = "mhc_mix_tc";
-/// Provisional token count from which [`mhc_pre`] should take [`MhcPrePath::TensorMix`]: NOT used by the
-/// routing yet ([`mhc_pre_auto_path`] is unchanged until the H200 A/B of session 13 measures the crossover).
-pub const MHC_TENSOR_MIX_MIN_TOKENS: usize = 512;
+/// Token count from which [`mhc_pre`] takes [`MhcPrePath::TensorMix`] ([`mhc_pre_auto_path`]): the smallest
+/// token count of the session-14 A/B, where the tensor-core mix already won (numbers at [`mhc_pre_auto_path`]).
+/// Below it the decode-tuned FFMA paths stay (64 .. 127 tokens not measured with the tensor-core mix).
+pub const MHC_TENSOR_MIX_MIN_TOKENS: usize = 128;
 
 /// K splits of the tensor-core mix for `tokens` tokens: the largest power of two `S <= 64` with
 /// `ceil(tokens / 128) x S <= 264` (two CTAs per SM on 132 SMs; 1 from 33,792 tokens on) that divides the
@@ -1092,8 +1093,9 @@ fn launch_tc_mix_chunk(
 }
 
 /// Fused mHC boundary: `(pre, post, C, u) = hc_pre(X)`, then `RMSNorm(u; weight)` in `out.normed.format`.
-/// Two kernels (split-K mixes over 4D/128 x ceil(T/32) CTAs, then two CTAs per token); `x` is `[T, 4, D]`.
-/// The launch path is chosen by token count ([`mhc_pre_auto_path`]); every path gives the same bits.
+/// Two kernels (split-K mixes, then two CTAs per token); `x` is `[T, 4, D]`. The launch path is chosen by token
+/// count ([`mhc_pre_auto_path`]); the FFMA paths give the same bits, the tensor-core mix (from
+/// [`MHC_TENSOR_MIX_MIN_TOKENS`] tokens) sums the same exact products in another order.
 pub fn mhc_pre(
     gpu: &Gpu,
     x: &CudaSlice<bf16>,
@@ -1109,7 +1111,12 @@ pub fn mhc_pre(
 pub const MHC_PDL_MAX_TOKENS: usize = 8;
 
 /// The launch path [`mhc_pre`] takes for `tokens` tokens: [`MhcPrePath::PdlPair`] up to
-/// [`MHC_PDL_MAX_TOKENS`], [`MhcPrePath::TwoLaunch`] above. Measured on the H200 (us per boundary, D = 4096
+/// [`MHC_PDL_MAX_TOKENS`], [`MhcPrePath::TwoLaunch`] above, [`MhcPrePath::TensorMix`] from
+/// [`MHC_TENSOR_MIX_MIN_TOKENS`]. Session-14 A/B (H200, c7c9893, us per boundary, NVFP4 out, plain
+/// launches, medians of 50; FFMA two-launch / tensor-core mix / unfused chain): D = 4096, 128 tokens 27.3 / 20.5 /
+/// 71.0, 512: 72.0 / 39.2 / 95.5, 2048: 257.7 / 93.2 / 250.6, 8192: 963.3 / 275.3 / 809.4, 65536: 7620 / 2137 /
+/// 6100; D = 7168, 128: 38.7 / 23.3 / 99.1, 8192: 1774 / 553 / 1319, 65536: 14073 / 4439 / 10162 (FP8 alike;
+/// results/h200/session14-ab/mhc.csv). PDL pair vs two launches, measured on the H200 (us per boundary, D = 4096
 /// NVFP4, 16 boundaries in one graph, two launches vs PDL pair): 1 token 8.3 vs 7.3, 8 tokens 8.9 vs 8.8,
 /// 16 tokens 10.3 vs 11.0, 32: 12.4 vs 16.8, 64: 15.3 vs 27.7 (D = 7168: 9.7 vs 8.7 at 1 token, 11.0 vs
 /// 11.4 at 8, 12.8 vs 14.9 at 16; FP8 alike). From 16 tokens on, the finish grid (two CTAs per token) is
@@ -1117,8 +1124,10 @@ pub const MHC_PDL_MAX_TOKENS: usize = 8;
 pub fn mhc_pre_auto_path(tokens: usize) -> MhcPrePath {
     if tokens <= MHC_PDL_MAX_TOKENS {
         MhcPrePath::PdlPair
-    } else {
+    } else if tokens < MHC_TENSOR_MIX_MIN_TOKENS {
         MhcPrePath::TwoLaunch
+    } else {
+        MhcPrePath::TensorMix
     }
 }
 
@@ -1209,7 +1218,7 @@ fn push_normed_rows(gpu: &Gpu, a: &mut RawArgs, normed: &NormOutputs, r0: usize)
 /// [`mhc_pre_auto_path`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MhcPrePath {
-    /// `mhc_mix_partial24_v2` then `mhc_pre_finish2_*`, plain stream-ordered launches (above 8 tokens).
+    /// `mhc_mix_partial24_v2` then `mhc_pre_finish2_*`, plain stream-ordered launches (9 .. 127 tokens).
     TwoLaunch,
     /// `mhc_mix_partial24_pdl` then `mhc_pre_finish_pdl_*`: the same arithmetic (bit-identical outputs),
     /// both launched with programmatic dependent launch (PDL): the finish grid is scheduled while the mix
@@ -1221,8 +1230,7 @@ pub enum MhcPrePath {
     /// the three BF16 planes of F, [`MhcWeights::mix_planes`]; [`tc_mix_splits`] K splits) then
     /// `mhc_pre_finish2_*`, plain launches. NOT bit-identical to the other paths: the dots are sums of the
     /// same exact products in another order (tensor-core block accumulation, see the kernel header), so
-    /// pre/post/C/u may differ in the last bits. For prefill-sized batches; [`mhc_pre`] does not route to
-    /// it yet ([`MHC_TENSOR_MIX_MIN_TOKENS`]).
+    /// pre/post/C/u may differ in the last bits. [`mhc_pre`]'s path from [`MHC_TENSOR_MIX_MIN_TOKENS`] tokens.
     TensorMix,
 }
 
@@ -1619,9 +1627,10 @@ pub fn bench_rows(
 
 /// Variants of the mHC boundary, `<kind>_<fmt>` with kind
 /// * `fused`: [`mhc_pre`] as called, i.e. its automatic path choice (the PDL pair up to 8 tokens, two plain
-///   launches above, [`mhc_pre_auto_path`]);
-/// * `fused_pdl` / `fused_twolaunch`: one path forced ([`MhcPrePath::PdlPair`] / [`MhcPrePath::TwoLaunch`]),
-///   so both stay measurable on both sides of the threshold (registered in graph form only);
+///   launches up to 127, the tensor-core mix from 128, [`mhc_pre_auto_path`]);
+/// * `fused_pdl` / `fused_twolaunch` / `fused_tc`: one path forced ([`MhcPrePath::PdlPair`] /
+///   [`MhcPrePath::TwoLaunch`] / [`MhcPrePath::TensorMix`]), so each stays measurable on both sides of the
+///   thresholds (`fused_pdl` in graph form only; `fused_twolaunch` = the FFMA mix the prefill sweeps race);
 /// * `unfused`: the op-by-op chain;
 ///
 /// each timed three ways:
@@ -1665,6 +1674,9 @@ pub const MHC_VARIANTS: &[&str] = &[
     "fused_tc_nvfp4",
     "fused_tc_fp8",
     "fused_tc_bf16",
+    "fused_twolaunch_nvfp4",
+    "fused_twolaunch_fp8",
+    "fused_twolaunch_bf16",
 ];
 
 /// Boundaries captured in one graph by the `graph16_*` mHC variants, and replays of that graph per sample.
