@@ -203,7 +203,6 @@ __device__ __forceinline__ void token_tile_prefix(const int* __restrict__ offset
 
 struct TileItem {
     int e, n_tile, row0, ntok;  // expert, n tile, first row of the token tile, its valid rows (1..128)
-    int tile;                   // the token tile's index inside its expert (row0 = expert start + 128 tile)
 };
 __device__ __forceinline__ TileItem locate_item(long long item, int n_tiles, const int* s_tile_prefix, int E,
                                                 const int* __restrict__ offsets, int rows_total) {
@@ -219,23 +218,9 @@ __device__ __forceinline__ TileItem locate_item(long long item, int n_tiles, con
     int start, count;
     contiguous_expert_rows(offsets, rows_total, lo, start, count);
     const int tile = et - s_tile_prefix[lo];
-    it.tile = tile;
     it.row0 = start + tile * 128;
     it.ntok = min(128, count - tile * 128);
     return it;
-}
-
-// The compact activation layout (rs_wtma_tiled_cact, its section below): s_pad_prefix[e] = rows of the experts
-// before e with each expert's row count rounded up to a multiple of 8, e = 0..E (non-decreasing by construction,
-// whatever the offsets). Same scan as token_tile_prefix; leaves the CTA synchronized.
-template <int THREADS>
-__device__ __forceinline__ void padded_row_prefix(const int* __restrict__ offsets, int E, int rows_total,
-                                                  int* s_warp_sum, int* s_pad_prefix) {
-    const int tid = threadIdx.x;
-    int rows0 = 0, rows1 = 0, s, c;
-    if (2 * tid < E) { contiguous_expert_rows(offsets, rows_total, 2 * tid, s, c); rows0 = (c + 7) & ~7; }
-    if (2 * tid + 1 < E) { contiguous_expert_rows(offsets, rows_total, 2 * tid + 1, s, c); rows1 = (c + 7) & ~7; }
-    expert_tile_prefix<THREADS>(rows0, rows1, E, s_warp_sum, s_pad_prefix);
 }
 }  // namespace
 
@@ -543,12 +528,8 @@ __device__ __forceinline__ void wgmma_rs_n(float (&d)[64], uint32_t a0, uint32_t
 // weights (header), then two RS wgmmas on the activation tile described by `db`, committed as one group; waits until
 // at most this group is in flight, so the previous slice's fragment registers are free again. NT = 128: the full
 // token tile (rs_tma); 32 / 64 / 96: the narrow tiles of rs_wtma (same fragments, same order).
-// atom16: the distance from the first swizzle atom (K 0..63 of the stage) to the second (K 64..127) in 16-byte
-// descriptor units: 16 KiB (a 128-row atom) except for the compact activation layout of rs_wtma_tiled_cact, whose
-// atoms hold rows8 rows each (rows8 * 128 B, a multiple of 1024 as the 128B swizzle needs).
 template <int NT>
-__device__ __forceinline__ void mma_slice_n(float (&d)[2][64], const WStage& w, int S, uint64_t db,
-                                            uint32_t atom16 = kAtomBytes >> 4) {
+__device__ __forceinline__ void mma_slice_n(float (&d)[2][64], const WStage& w, int S, uint64_t db) {
     const int j = S >> 1, h = S & 1;
     uint32_t a[2][4];
 #pragma unroll
@@ -562,7 +543,7 @@ __device__ __forceinline__ void mma_slice_n(float (&d)[2][64], const WStage& w, 
         a[mb][3] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(wh, 2 * h + 1), sh);
     }
     // Slice S sits in atom S / 4 at +32 bytes per slice (+2 in the descriptor's 16-byte units).
-    const uint64_t dbs = db + (uint64_t)((S >> 2) * atom16) + 2 * (S & 3);
+    const uint64_t dbs = db + (uint64_t)((S >> 2) * (kAtomBytes >> 4)) + 2 * (S & 3);
     fence_acc(d[0]);
     fence_acc(d[1]);
     wgmma_fence();
@@ -697,11 +678,9 @@ __device__ __forceinline__ uint4 transpose_to_chunk(const uint32_t (&a)[4], bool
 // One warp step of the NVFP4 branch: P segment pairs, pair p = segments g0 + 2p (this lane's code word at cw + 128p,
 // its scale byte at cs + 16p, its output chunk at co + 512p). kGuard: only pairs 2p < left exist (the grid's last
 // step); otherwise all P do and the loads and stores need no predicate.
-// out_pitch: bytes from one pair's output chunk to the next (512 in the [rows][K] layout of act_rs: two 256-byte
-// segments; 2 x rows8 x 256 in the compact layout of act_cact: two stage blocks of the token tile).
 template <int P, bool kGuard>
 __device__ __forceinline__ void nvfp4_step(const uint8_t* cw, const uint8_t* cs, uint8_t* co, int left, int t,
-                                           bool t0, bool t1, uint32_t out_pitch = 512) {
+                                           bool t0, bool t1) {
     uint32_t word[P], code[P];
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -723,7 +702,7 @@ __device__ __forceinline__ void nvfp4_step(const uint8_t* cw, const uint8_t* cs,
             for (int q = 0; q < 4; ++q)  // slot q = A[t][t ^ q] (header)
                 a[q] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(word[p + pp], t ^ q), sv[pp]);
             const uint4 o = transpose_to_chunk(a, t0, t1);
-            if (!kGuard || 2 * (p + pp) < left) *reinterpret_cast<uint4*>(co + out_pitch * (p + pp)) = o;
+            if (!kGuard || 2 * (p + pp) < left) *reinterpret_cast<uint4*>(co + 512 * (p + pp)) = o;
         }
     }
 }
@@ -733,7 +712,7 @@ __device__ __forceinline__ void nvfp4_step(const uint8_t* cw, const uint8_t* cs,
 // has i = t ^ q, so its registers follow t1 ^ q1 and its selector t0 ^ q0 (sel_a: q0 = 0, sel_b: q0 = 1).
 template <int P, bool kGuard>
 __device__ __forceinline__ void bf16_step(const uint8_t* ci, uint8_t* co, int left, uint32_t sel_a, uint32_t sel_b,
-                                          bool t0, bool t1, uint32_t out_pitch = 512) {
+                                          bool t0, bool t1) {
     uint4 v[P];
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -750,7 +729,7 @@ __device__ __forceinline__ void bf16_step(const uint8_t* ci, uint8_t* co, int le
         a[2] = __byte_perm(y, w, sel_a);  // i = t ^ 2
         a[3] = __byte_perm(y, w, sel_b);  // i = t ^ 3
         const uint4 o = transpose_to_chunk(a, t0, t1);
-        if (!kGuard || 2 * p < left) *reinterpret_cast<uint4*>(co + out_pitch * p) = o;
+        if (!kGuard || 2 * p < left) *reinterpret_cast<uint4*>(co + 512 * p) = o;
     }
 }
 }  // namespace act_rs
@@ -993,25 +972,6 @@ __device__ __forceinline__ void wring_fill(WRing& r, const TmaDesc* act_map, uin
     ++r.fills;
 }
 
-// Producer (thread 0) of rs_wtma_tiled_cact: stage st of the item -> the next ring slot as two 1D bulk copies, the
-// stage's activation block of the compact layout (`act_tile`: the token tile's first block; stage st is the
-// rows8 x 256 bytes at st * rows8 * 256, already the swizzled image of both atoms, atom 1 at rows8 * 128) and the
-// pre-tiled weight block.
-__device__ __forceinline__ void wring_fill_cact(WRing& r, const uint8_t* act_tile, uint32_t rows8,
-                                                const uint8_t* tiled, int stages, int st, int wtile) {
-    const uint32_t slot = r.fills % kRingT;
-    if (r.fills >= (uint32_t)kRingT && !mbar_wait(&r.empty[slot], ((r.fills / kRingT) - 1) & 1u)) {
-        r.ok = false;
-        return;
-    }
-    uint8_t* s = r.base + slot * kSlotW;
-    const uint32_t act_bytes = rows8 * 256u;  // 2 atoms x rows8 rows x 128 B
-    mbar_arrive_expect_tx(&r.full[slot], act_bytes + kTiledBlock);
-    bulk_load_1d(s, act_tile + (size_t)st * act_bytes, act_bytes, &r.full[slot]);
-    bulk_load_1d(s + kActTile, tiled + ((size_t)wtile * stages + st) * kTiledBlock, kTiledBlock, &r.full[slot]);
-    ++r.fills;
-}
-
 // Kernel-wide constants of the wtma kernel. act[i]: the activation tensor map with a box of 32 (i + 1) token rows (an
 // item of NT-token wgmmas loads only the NT rows they read).
 struct WCtx {
@@ -1026,25 +986,16 @@ struct WCtx {
 // (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
 // 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
 // groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
-// kCact (rs_wtma_tiled_cact): the activations come from the compact layout (`act_tile`, `rows8` rows per atom) by
-// one bulk copy per stage instead of the two 2D boxes of NT rows; the second atom then sits rows8 * 128 bytes after
-// the first (atom16 of mma_slice_n). Rows rows8 .. NT - 1 of an atom that an NT-token wgmma reads are bytes of the
-// other atom or stale slot bytes: they feed only the accumulator columns of tokens >= rows8 > ntok, never stored
-// (a wgmma output column depends on its own B row only), as the next expert's rows do in the 2D-box form.
-template <int NT, bool kTiled = false, bool kCact = false>
+template <int NT, bool kTiled = false>
 __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
-                                          int lrow, float* __restrict__ partial, float restore,
-                                          const uint8_t* act_tile = nullptr, uint32_t rows8 = kTileT) {
+                                          int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
     const int stages = x.stages;
     const TmaDesc* act = x.act[NT / 32 - 1];
     constexpr uint32_t kActRows = NT;
-    const uint32_t atom16 = kCact ? rows8 * 8u : (uint32_t)(kAtomBytes >> 4);  // rows8 * 128 B in 16-byte units
     if (tid == 0 && r.ok) {
-        for (int st = 0; st < kRingT - 1 && st < stages && r.ok; ++st) {
-            if constexpr (kCact) wring_fill_cact(r, act_tile, rows8, x.tiled, stages, st, wtile);
-            else wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st, row0, wtile);
-        }
+        for (int st = 0; st < kRingT - 1 && st < stages && r.ok; ++st)
+            wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st, row0, wtile);
     }
     __syncwarp();
     float d[2][64];
@@ -1064,18 +1015,15 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
         WStage w;
         lds_weights<kTiled>(w, r.base + slot * kSlotW, lrow, t, st);
         const uint64_t db = sw128_desc(r.base_u32 + slot * kSlotW);
-        mma_slice_n<NT>(d, w, 0, db, atom16);
+        mma_slice_n<NT>(d, w, 0, db);
         // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
         if (st > 0 && lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
 #pragma unroll
-        for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db, atom16);
+        for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
         ++r.cons;
-        if (tid == 0 && r.ok && st + kRingT - 1 < stages) {
-            if constexpr (kCact) wring_fill_cact(r, act_tile, rows8, x.tiled, stages, st + kRingT - 1, wtile);
-            else
-                wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
-                                   wtile);
-        }
+        if (tid == 0 && r.ok && st + kRingT - 1 < stages)
+            wring_fill<kTiled>(r, act, kActRows, x.codes, x.scales, x.tiled, stages, st + kRingT - 1, row0,
+                               wtile);
         __syncwarp();
     }
     wgmma_wait<0>();
@@ -1119,16 +1067,13 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
 // took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
 // kTiled: the weights come pre-tiled (`tiled`, moe_gemm_prefill_tile_weights_rs) instead of through the 2D maps.
-// kCact: rs_wtma_tiled_cact (activations from the compact layout `cact` of cact_rows rows; act32 .. act128 unused).
-template <bool kTiled, bool kCact = false>
+template <bool kTiled>
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map,
                                                const uint8_t* tiled, int N, int K, const TmaDesc* act32,
                                                const TmaDesc* act64, const TmaDesc* act96, const TmaDesc* act128,
                                                float restore, const int* __restrict__ offsets, int experts,
-                                               int rows_total, float* __restrict__ partial, uint8_t* smem_raw,
-                                               const uint8_t* cact = nullptr, int cact_rows = 0) {
+                                               int rows_total, float* __restrict__ partial, uint8_t* smem_raw) {
     __shared__ int s_tile_prefix[kMaxExperts + 1];
-    __shared__ int s_pad_prefix[kCact ? kMaxExperts + 1 : 1];
     __shared__ int s_warp_sum[rs::kThreads / 32];
     __shared__ __align__(8) uint64_t bar_full[rs::kRingT], bar_empty[rs::kRingT];
 
@@ -1145,7 +1090,6 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
     const int E = experts;
     rs::ring_init(bar_full, bar_empty);
     token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
-    if constexpr (kCact) padded_row_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_pad_prefix);
 
     rs::WCtx x;
     x.act[0] = act32;
@@ -1166,28 +1110,7 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
         const int wrow0 = it.n_tile * rs::kTileRows + lrow;
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
-        if constexpr (kCact) {
-            // The token tile's blocks start at padded row p0 = (padded start of its expert) + 128 tile; rows8 =
-            // ntok rounded up to 8 = the rows the pre-pass wrote per atom. The clamp only acts on a corrupted
-            // grouping (validated on the host; the sum of rounded counts is <= rows_total + 7 E = cact_rows): it
-            // keeps the copy inside the buffer.
-            const int rows8 = (it.ntok + 7) & ~7;
-            const int p0 = max(0, min(s_pad_prefix[it.e] + 128 * it.tile, cact_rows - rows8));
-            const uint8_t* act_tile = cact + (size_t)p0 * K * 2;
-            const int wr = wrow0, lr = lrow;
-            if (nt == 32)
-                ok = rs::wtma_item<32, true, true>(r, x, it.row0, it.ntok, wtile, wr, lr, partial, restore, act_tile,
-                                                   rows8);
-            else if (nt == 64)
-                ok = rs::wtma_item<64, true, true>(r, x, it.row0, it.ntok, wtile, wr, lr, partial, restore, act_tile,
-                                                   rows8);
-            else if (nt == 96)
-                ok = rs::wtma_item<96, true, true>(r, x, it.row0, it.ntok, wtile, wr, lr, partial, restore, act_tile,
-                                                   rows8);
-            else
-                ok = rs::wtma_item<128, true, true>(r, x, it.row0, it.ntok, wtile, wr, lr, partial, restore,
-                                                    act_tile, rows8);
-        } else if (nt == 32)
+        if (nt == 32)
             ok = rs::wtma_item<32, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
         else if (nt == 64)
             ok = rs::wtma_item<64, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
@@ -1242,6 +1165,12 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 // us, this kernel / early fills: Flash L1 1024 1136.3 / 1539.7, 4096 1798.1 / 2271.2, L2 4096 1073.8 / 1234.2; under
 // ncu 1.53 / 1.90 ms with 530 M / 748 M instructions: the probes between the wgmma slices cost far more than the
 // lead they bought.
+// Session 14, removed: activations pre-laid per (token tile, stage) as the swizzled slot image, rows padded to 8 per
+// expert, one bulk copy per stage (RsWtmaTiledCact, 40163e8; bit-identical). A/B, whole calls, us, this / compact:
+// Flash L1 512 1075.5 / 1053.4, 1024 1113.9 / 1094.5, 4096 1745.4 / 1729.9, 16384 6450.3 / 6815.1; L2 512 583.6 /
+// 574.5, 1024 615.0 / 607.1, 4096 1009.1 / 996.8, 16384 3516.8 / 3599.5; Pro L1 1024 3984.8 / 3919.3, 4096 5479.7 /
+// 5665.8. Mainloop under ncu (Flash L1 4096) 1.52 -> 1.49 ms plus a 78.6 us pre-pass: wins of 1-2% inside the run's
+// 5-8% point spread, losses of 3-6% at Flash 16384 and Pro 4096.
 extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled(
     const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
@@ -1250,147 +1179,6 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     extern __shared__ uint8_t rs_wtma_smem_raw[];
     rs_wtma_kernel<true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
                          rows_total, partial, rs_wtma_smem_raw);
-}
-
-// =====================================================================================================================
-// rs_wtma_tiled with the activations in a compact per-stage layout (`moe_gemm_prefill_act_cact` +
-// `moe_gemm_prefill_partial_rs_wtma_tiled_cact`, PrefillKernel::RsWtmaTiledCact, bench `nvfp4_wgmma_cact`)
-// =====================================================================================================================
-// Why: the session-12 stall pages (profile/ncu-moe_gemm-session12-w16-hot.txt, -ab3-hot.txt) put ~14% of all
-// warp-stall samples on the full-barrier wait of a stage (its bytes late with ~2 stages of lead), at 8 and 16 warps.
-// Session 11 made each stage's WEIGHTS one contiguous bulk copy (+4-5%); the activations still arrive as two 2D TMA
-// boxes of NT rows x 128 B each, rows 2K bytes apart in the [rows][K] pre-pass output (2 x NT row segments per stage
-// for the copy engine). Here the pre-pass writes each (token tile, stage) block contiguously and already in the
-// 128B-swizzled shared-memory image, so a stage is two bulk copies (activations, weights) and no tensor copy.
-// * Layout (rows padded per expert): expert e's c_e rows are padded to c8_e = roundup(c_e, 8) rows; its padded rows
-//   start at P_e = sum_{e' < e} c8_e' (padded_row_prefix). Token tile t of e (rows 128 t .. of the expert, ntok valid,
-//   rows8 = roundup(ntok, 8) = min(128, c8_e - 128 t)) starts at padded row p0 = P_e + 128 t and owns the bytes
-//   [p0 * 2K, (p0 + rows8) * 2K): stage st (128 K) at + st * rows8 * 256, its atom a (K 64a .. 64a + 63) at
-//   + a * rows8 * 128, tile row r at + r * 128, logical 16-byte chunk c (0..7 of the atom; the RS order of act_rs) at
-//   + ((c ^ (r & 7)) << 4): the SWIZZLE_128B image of a 1024-aligned atom (sw128_offset), so a bulk copy to the
-//   1024-aligned slot lands what the 2D TMA box landed. Atom 1 sits rows8 * 128 B after atom 0 in the slot, a multiple
-//   of 1024 because rows8 is a multiple of 8 (the swizzle phase repeats every 8 rows of 128 B): that is why the
-//   padding is to 8 rows and not less; the descriptor steps to atom 1 by rows8 * 128 B instead of 16 KiB.
-// * Padding rows (tile rows ntok .. rows8 - 1) are written as zeros by the pre-pass (every byte of [0, P_E * 2K) is
-//   written once). They and the rows rows8 .. NT - 1 that an NT-token wgmma also reads feed only accumulator columns
-//   of tokens >= ntok, never stored. Cost: < 8 rows per non-empty expert, at most 7 E rows; uniform Flash routing at
-//   4096 tokens (24,576 rows, ~96 per expert) ~3.5 x 256 = ~900 rows = +3.6% of the pre-pass bytes written (7 MB of
-//   201 MB at K 4096) and of its time (~2.5 us of ~70), while each narrow tile loads rows8 instead of NT rows (e.g. a
-//   65-row tile 72 rows, not 96). The buffer is sized for the bound: (rows_total + 7 E) x K BF16.
-// * The pre-pass walks the PADDED rows: warp step u = (padded row p, 2P segments from 2P s), u = p * ceil(S / 2P) + s
-//   (S = K / 128 segments per row; P = 4 segment pairs for NVFP4 A as act_rs, 2 for BF16 A; the DSV4 shapes have
-//   S % 8 == 0, other K end each row in a guarded step); the
-//   expert of p is the largest e with P_e <= p (two ballots over the CTA's shared copy of P: E <= 1024); the row is
-//   padding when p - P_e >= c_e, else source row lo_e + p - P_e is converted exactly as act_rs does (same helpers,
-//   same values), only the output addresses differ. (p, s) advance incrementally by (warps / spr, warps % spr): one
-//   division per thread, not per step.
-// * Same fragments, same wgmma order, same operand values in every stored column as rs_wtma_tiled: bit-identical
-//   partials (GPU test gpu_prefill_cact_partials_bit_identical_to_rs_wtma_tiled).
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled_cact(
-    const uint8_t* __restrict__ tiled, int N, int K, const uint8_t* __restrict__ cact, int cact_rows, float restore,
-    const int* __restrict__ offsets, int experts, int rows_total, float* __restrict__ partial) {
-    extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel<true, true>(nullptr, nullptr, tiled, N, K, nullptr, nullptr, nullptr, nullptr, restore, offsets,
-                               experts, rows_total, partial, rs_wtma_smem_raw, cact, cact_rows);
-}
-
-namespace act_cact {
-constexpr int kPairsBf16 = 2;
-static_assert(act_rs::kPairsNvfp4 == 4 && kPairsBf16 == 2,
-              "keep src/ops/moe_gemm/prefill.rs ACT_CACT_SEGMENTS_PER_STEP_{NVFP4,BF16} (= 2 x pairs) in sync");
-// Warp-step loop of the compact pre-pass for one A format (kNvfp4: codes + scales, else BF16 rows). See the section
-// header; lane roles and per-segment values are those of act_rs (its header above moe_gemm_prefill_act_rs).
-template <bool kNvfp4>
-__device__ __forceinline__ void run(const uint8_t* __restrict__ act, const uint8_t* __restrict__ act_scales,
-                                    const int* s_pad, const int* s_lo, const int* s_cnt, int E, int K, int cact_rows,
-                                    int spr, int step_dp, int step_ds, uint8_t* __restrict__ out) {
-    // Segment pairs per warp step: NVFP4 as act_rs (4); BF16 2 instead of act_rs's 4 (16-byte loads: 4 pairs in
-    // flight need 16 registers, which with this loop's row state spill at the 32-register bound of 8 CTAs per SM).
-    constexpr int P = kNvfp4 ? act_rs::kPairsNvfp4 : kPairsBf16;
-    const int lane = threadIdx.x & 31;
-    const int l = lane & 15, t = l >> 2, j = l & 3;
-    const bool t0 = (t & 1) != 0, t1 = (t & 2) != 0;
-    const int half = lane >> 4;
-    // Output chunk c = 4j + t of a segment: atom j >> 1, chunk 4 (j & 1) + t inside the atom.
-    const int atom = j >> 1, cc = 4 * (j & 1) + t;
-    const int S = K / 128;                  // segments (stages) per row
-    const int warp0 = blockIdx.x * act_rs::kWarps + (threadIdx.x >> 5);
-    // Warp step u = p * spr + s (spr = ceil(S / 2P) steps per padded row) advances by the grid's warps = step_dp *
-    // spr + step_ds each lap (host-computed, kernel parameters: no registers). The padded rows end at
-    // min(P_E, cact_rows); P_E is read from shared memory at each step rather than held in a register.
-    int p = warp0 / spr, s = warp0 - p * spr;
-    const uint32_t sel_a = t0 ? 0x7632u : 0x5410u, sel_b = t0 ? 0x5410u : 0x7632u;
-    while (p < cact_rows && p < *(volatile const int*)&s_pad[E]) {
-        // Expert of padded row p: the largest e < E with P_e <= p (P_0 = 0 <= p: lane 0 of round 1 always votes).
-        const int i1 = 32 * lane;
-        const unsigned m1 = __ballot_sync(0xffffffffu, i1 < E && s_pad[i1] <= p);
-        const int base = 32 * (31 - __clz(m1));
-        const int i2 = base + lane;
-        const unsigned m2 = __ballot_sync(0xffffffffu, i2 < E && s_pad[i2] <= p);
-        const int e = base + 31 - __clz(m2);
-        const int q = p - s_pad[e];                               // row inside the expert's padded rows
-        const int r = q & 127;                                    // row inside its token tile
-        const int rows8 = min(128, s_pad[e + 1] - s_pad[e] - (q & ~127));
-        const int tile_row = p - r;                               // the tile's first padded row
-        const int seg0 = 2 * P * s + half;                        // this half-warp's first segment of the step
-        // Warp-uniform. Only a corrupted grouping (validated on the host) fails the bounds: nothing is written then.
-        if (r < rows8 && tile_row + rows8 <= cact_rows) {
-            const uint32_t pitch = (uint32_t)rows8 * 512u;        // two stage blocks: one pair of segments
-            uint8_t* const co = out + (size_t)tile_row * K * 2 + (size_t)seg0 * rows8 * 256 + atom * rows8 * 128 +
-                                r * 128 + ((cc ^ (r & 7)) << 4);
-            const int left = S - seg0;                            // pairs 2p' < left exist
-            const bool full = S - 2 * P * s >= 2 * P;
-            if (q < s_cnt[e]) {
-                const size_t g0 = (size_t)(s_lo[e] + q) * S + seg0;  // source segment of the first pair
-                if constexpr (kNvfp4) {
-                    const uint8_t* cw = act + g0 * 64 + 4 * l;
-                    const uint8_t* cs = act_scales + g0 * 8 + (l >> 1);
-                    if (full) act_rs::nvfp4_step<P, false>(cw, cs, co, 0, t, t0, t1, pitch);
-                    else act_rs::nvfp4_step<P, true>(cw, cs, co, left, t, t0, t1, pitch);
-                } else {
-                    const uint8_t* ci = act + g0 * 256 + 16 * l;
-                    if (full) act_rs::bf16_step<P, false>(ci, co, 0, sel_a, sel_b, t0, t1, pitch);
-                    else act_rs::bf16_step<P, true>(ci, co, left, sel_a, sel_b, t0, t1, pitch);
-                }
-            } else {
-#pragma unroll
-                for (int pp = 0; pp < P; ++pp)
-                    if (2 * pp < left) *reinterpret_cast<uint4*>(co + pitch * pp) = make_uint4(0, 0, 0, 0);
-            }
-        }
-        p += step_dp;
-        s += step_ds;
-        if (s >= spr) { s -= spr; ++p; }
-    }
-}
-}  // namespace act_cact
-
-// The compact pre-pass: writes padded rows [0, min(P_E, cact_rows)) of the layout above into `out` (cact_rows x K
-// BF16; nothing past P_E rows is written). spr = ceil(S / 2P) warp steps per padded row; the grid's warps W =
-// gridDim.x * 8 = step_dp * spr + step_ds. grid = min(warp steps / 8, resident CTAs), block = 256; K % 128 == 0,
-// cact_rows * spr < 2^31 (spr = ceil(K / 1024) NVFP4, ceil(K / 512) BF16), rows_total * K / 128 < 2^31; NVFP4
-// codes 4-byte, BF16 A and out 16-byte aligned (checked by the launcher). offsets[E+1]: the contiguous grouping
-// (clamped as everywhere in this file).
-extern "C" __global__ void __launch_bounds__(act_rs::kThreads, act_rs::kCtasPerSm) moe_gemm_prefill_act_cact(
-    const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4,
-    const int* __restrict__ offsets, int experts, int rows_total, int K, int cact_rows, int spr, int step_dp,
-    int step_ds, __nv_bfloat16* __restrict__ out) {
-    __shared__ int s_pad[kMaxExperts + 1];  // P_e, e = 0..E
-    __shared__ int s_lo[kMaxExperts];       // first source row of expert e (clamped)
-    __shared__ int s_cnt[kMaxExperts];      // its rows
-    __shared__ int s_warp_sum[act_rs::kThreads / 32];
-    const int E = experts;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int lo, c;
-        contiguous_expert_rows(offsets, rows_total, e, lo, c);
-        s_lo[e] = lo;
-        s_cnt[e] = c;
-    }
-    padded_row_prefix<act_rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_pad);  // ends with __syncthreads
-    const uint8_t* a = reinterpret_cast<const uint8_t*>(act);
-    uint8_t* o = reinterpret_cast<uint8_t*>(out);
-    if (act_is_nvfp4) act_cact::run<true>(a, act_scales, s_pad, s_lo, s_cnt, E, K, cact_rows, spr, step_dp, step_ds, o);
-    else act_cact::run<false>(a, act_scales, s_pad, s_lo, s_cnt, E, K, cact_rows, spr, step_dp, step_ds, o);
 }
 
 // The re-layout of moe_gemm_prefill_partial_rs_wtma_tiled (weight preparation, once per weight set): codes [E*N][K/2]

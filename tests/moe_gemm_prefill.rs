@@ -109,9 +109,9 @@ enum Mode {
     /// ... with `PrefillKernel::RsWtma` (the weights in the TMA ring too, narrow wgmmas and activation boxes for
     /// token tiles of <= 96 rows).
     RsWtma,
-    /// ... with `PrefillKernel::RsWtmaTiledCact` (the compact activation pre-pass + the tiled RS mainloop with one
-    /// bulk copy of activations per stage); needs weights with the tiled copy.
-    Cact,
+    /// ... with `PrefillKernel::RsWtmaTiled` (the routed RS mainloop: RsWtma with each stage's weights one bulk copy
+    /// of the pre-tiled block); needs weights with the tiled copy (`prepare_prefill_tiling`).
+    RsWtmaTiled,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -143,7 +143,7 @@ fn check_prefill(
             Mode::Tile256 => "forced, tile 128x256",
             Mode::RsTma => "forced, RS 256x128 via TMA",
             Mode::RsWtma => "forced, RS 256x(32..128), weights via TMA",
-            Mode::Cact => "forced, RS tiled, compact activations",
+            Mode::RsWtmaTiled => "forced, RS 256x(32..128), tiled weights",
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -164,7 +164,7 @@ fn check_prefill(
             Mode::Tile128 => PrefillKernel::Ss128,
             Mode::Tile256 => PrefillKernel::Ss256,
             Mode::RsWtma => PrefillKernel::RsWtma,
-            Mode::Cact => PrefillKernel::RsWtmaTiledCact,
+            Mode::RsWtmaTiled => PrefillKernel::RsWtmaTiled,
             _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
@@ -222,17 +222,17 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let counts = [0usize, 1, 7, 64, 65, 127, 0, 128, 129, 256, 300, 0];
     let (n, k) = (256, 1024);
     let w = quantized_weights(&mut rng, counts.len(), n, k);
-    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    let mut dw = dw;
+    // RsWtmaTiled (the routed kernel) last: the tiled copy it reads is prepared just before it.
     for mode in [
         Mode::Tile128,
         Mode::Tile256,
         Mode::RsTma,
         Mode::RsWtma,
-        Mode::Cact,
+        Mode::RsWtmaTiled,
     ] {
-        if mode == Mode::Cact {
+        if mode == Mode::RsWtmaTiled {
             dw.prepare_prefill_tiling(&gpu).unwrap();
         }
         check_prefill_both_a_formats(
@@ -253,11 +253,11 @@ fn gpu_prefill_token_counts_both_a_formats() {
         (128, Mode::Tile128),
         (256, Mode::RsTma),
         (256, Mode::RsWtma),
-        (256, Mode::Cact),
+        (256, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, 3, n, k);
         let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode == Mode::Cact {
+        if mode == Mode::RsWtmaTiled {
             dw.prepare_prefill_tiling(&gpu).unwrap();
         }
         check_prefill_both_a_formats(&gpu, &format!("short K {k}"), &w, &dw, &rb, mode, &mut rng);
@@ -304,11 +304,11 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         (128, Mode::Routed),
         (256, Mode::RsTma),
         (256, Mode::RsWtma),
-        (256, Mode::Cact),
+        (256, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, 256, n, 512);
         let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode == Mode::Cact {
+        if mode == Mode::RsWtmaTiled {
             dw.prepare_prefill_tiling(&gpu).unwrap();
         }
         check_prefill_both_a_formats(&gpu, "4096 tokens, 6 of 256", &w, &dw, &rb, mode, &mut rng);
@@ -348,13 +348,27 @@ fn gpu_prefill_flash_and_pro_shapes() {
         ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsWtma),
         ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsWtma),
         ("Pro L2", 7168, 3072, vec![130, 70], false, Mode::RsWtma),
-        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::Cact),
-        ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::Cact),
-        ("Pro L2", 7168, 3072, vec![130, 70], true, Mode::Cact),
+        (
+            "Flash L1",
+            4096,
+            4096,
+            vec![3, 129],
+            true,
+            Mode::RsWtmaTiled,
+        ),
+        (
+            "Flash L2",
+            4096,
+            2048,
+            vec![70, 0, 65],
+            false,
+            Mode::RsWtmaTiled,
+        ),
+        ("Pro L2", 7168, 3072, vec![130, 70], true, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
         let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode == Mode::Cact {
+        if mode == Mode::RsWtmaTiled {
             dw.prepare_prefill_tiling(&gpu).unwrap();
         }
         let rb = batch_with_counts(&counts);
@@ -576,189 +590,6 @@ fn gpu_prefill_act_rs_prepass_bit_identical_to_cpu_mirror() {
     }
     check_act_rs_prepass(&gpu, &mut rng, 3, 256, true, true);
     check_act_rs_prepass(&gpu, &mut rng, 129, 4096, true, true);
-}
-
-/// The compact-activation mainloop (`RsWtmaTiledCact`) must write the same partials, bit for bit, as the routed
-/// tiled kernel (`RsWtmaTiled`): same fragments, same wgmma order, the same operand values in every stored column;
-/// only the activation bytes' layout and copy differ. Groupings: (a) the rs_wtma test's counts at K 4096 (32 stages,
-/// 8 ring laps; tiles of every narrow width; rows8 < NT, e.g. 33 -> 40 rows in a 64-token wgmma; last tiles of 2, 72,
-/// 3 rows after full ones; empty experts); (b) 70 experts (three lanes of the pre-pass's first ballot) with counts
-/// 0..=20 and some 1-row experts, K 1536 (12 stages: NVFP4 pre-pass rows end in a guarded half step). Both A formats;
-/// the same workspace serves both kernels in turn (the compact buffer grows past act_rs's), partials NaN-poisoned
-/// before each run.
-#[test]
-fn gpu_prefill_cact_partials_bit_identical_to_rs_wtma_tiled() {
-    let Some(gpu) = gpu_for_test("gpu_prefill_cact_partials_bit_identical_to_rs_wtma_tiled") else {
-        return;
-    };
-    let mut rng = seeded("gpu_prefill_cact_partials_bit_identical_to_rs_wtma_tiled");
-    let mut small: Vec<usize> = (0..70).map(|_| rng.random_range(0..=20usize)).collect();
-    small[0] = 1;
-    small[33] = 0;
-    small[69] = 1;
-    let cases: [(Vec<usize>, usize, usize); 2] = [
-        (
-            vec![
-                130, 0, 97, 256, 1, 0, 300, 64, 129, 7, 0, 200, 128, 90, 3, 511, 32, 33, 65, 96,
-            ],
-            1024,
-            4096,
-        ),
-        (small, 256, 1536),
-    ];
-    for (counts, n, k) in cases {
-        let w = quantized_weights(&mut rng, counts.len(), n, k);
-        let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        dw.prepare_prefill_tiling(&gpu).unwrap();
-        let rb = batch_with_counts(&counts);
-        let rows = rb.grouping.rows_total();
-        let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
-        for nvfp4 in [false, true] {
-            let a = gathered_activations(&mut rng, &rb, k, nvfp4);
-            let da = DevA::upload(&gpu, &a);
-            let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
-            let mut got = Vec::new();
-            for kernel in [PrefillKernel::RsWtmaTiled, PrefillKernel::RsWtmaTiledCact] {
-                gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-                prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
-                    .unwrap();
-                gpu.synchronize().unwrap();
-                got.push(gpu.download(&ws.partial).unwrap());
-            }
-            let label = format!(
-                "{} A, {} experts, N {n}, K {k}",
-                if nvfp4 { "NVFP4" } else { "BF16" },
-                counts.len()
-            );
-            assert!(
-                got[0].iter().all(|x| x.is_finite()),
-                "{label}: RsWtmaTiled left unwritten (NaN-poisoned) partials"
-            );
-            let bad: Vec<usize> = (0..got[0].len())
-                .filter(|&i| got[0][i].to_bits() != got[1][i].to_bits())
-                .collect();
-            assert!(
-                bad.is_empty(),
-                "{label}: RsWtmaTiledCact differs from RsWtmaTiled in {} of {} partials; first at row {} col {} \
-                 (expert {:?}): {:e} vs {:e}",
-                bad.len(),
-                got[0].len(),
-                bad[0] / n,
-                bad[0] % n,
-                rb.grouping.expert_of_row(bad[0] / n),
-                got[0][bad[0]],
-                got[1][bad[0]]
-            );
-            eprintln!("{label}: {} partials bit-identical", got[0].len());
-        }
-    }
-}
-
-/// One check of the compact pre-pass (`moe_gemm_prefill_act_cact` via `prefill::compact_activations_for_rs`) against
-/// its CPU mirror (`cact_layout_like_kernel` of the act_rs mirror): fresh random A (NVFP4: random codes and finite
-/// e4m3 scales; BF16: random 16-bit patterns, NaN and Inf included, copied bit for bit) of `rows + 2` rows, the output
-/// poisoned first with 0xFF (BF16 NaN) and then with 0x00: the first `P_E * k` elements (padded rows, padding zeros
-/// included) must hold the mirror's bits after both runs, everything past them the poison.
-fn check_act_cact_prepass(gpu: &Gpu, rng: &mut impl Rng, counts: &[usize], k: usize, nvfp4: bool) {
-    let rb = batch_with_counts(counts);
-    let rows = rb.grouping.rows_total();
-    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
-    let mut offsets = vec![0usize];
-    for &c in counts {
-        offsets.push(offsets.last().unwrap() + c);
-    }
-    let a_rows = rows + 2;
-    let label = format!(
-        "act_cact pre-pass [{} A, {} experts, rows {rows}, K {k}]",
-        if nvfp4 { "NVFP4" } else { "BF16" },
-        counts.len()
-    );
-    let (mut codes, mut scales, mut data) = (Vec::new(), Vec::new(), Vec::new());
-    let rs = if nvfp4 {
-        codes = vec![0u8; a_rows * k / 2];
-        scales = vec![0u8; a_rows * k / 16];
-        rng.fill_bytes(&mut codes);
-        rng.fill_bytes(&mut scales);
-        for s in scales.iter_mut() {
-            if *s & 0x7F == 0x7F {
-                *s ^= 1;
-            }
-        }
-        prefill::rs_prepass_nvfp4_like_kernel(&codes, &scales, rows, k)
-    } else {
-        data = (0..a_rows * k)
-            .map(|_| bf16::from_bits(rng.random()))
-            .collect();
-        prefill::rs_prepass_bf16_like_kernel(&data, rows, k)
-    };
-    let want = prefill::cact_layout_like_kernel(&rs, &offsets, k);
-    let da = raw_activations(gpu, nvfp4, a_rows, k, codes, scales, data);
-    let a = da.view();
-    let len = prefill::cact_rows_bound(rows, counts.len()) * k + 4096;
-    let mut ws = Workspace::new(gpu, 1, rows.max(1), 256).unwrap();
-    for poison in [0xFFu8, 0x00] {
-        ws.act_rs = Some(gpu.poisoned::<bf16>(len, poison).unwrap());
-        let (_, cact_rows) = prefill::compact_activations_for_rs(gpu, &a, &dg, k, &mut ws).unwrap();
-        assert_eq!(cact_rows, prefill::cact_rows_bound(rows, counts.len()));
-        gpu.synchronize().unwrap();
-        let got = gpu.download(ws.act_rs.as_ref().unwrap()).unwrap();
-        assert_eq!(
-            got.len(),
-            len,
-            "{label}: the poisoned buffer was not reused"
-        );
-        let bad: Vec<usize> = (0..want.len())
-            .filter(|&i| got[i].to_bits() != want[i])
-            .collect();
-        assert!(
-            bad.is_empty(),
-            "{label}, poison {poison:#04x}: {} of {} elements differ; first at {}: gpu {:#06x} want {:#06x}",
-            bad.len(),
-            want.len(),
-            bad[0],
-            got[bad[0]].to_bits(),
-            want[bad[0]]
-        );
-        let poison_bits = u16::from_ne_bytes([poison; 2]);
-        let past = got[want.len()..]
-            .iter()
-            .filter(|g| g.to_bits() != poison_bits)
-            .count();
-        assert_eq!(
-            past, 0,
-            "{label}, poison {poison:#04x}: {past} elements past the padded rows written"
-        );
-    }
-    eprintln!(
-        "{label}: {} elements bit-identical to the CPU mirror",
-        want.len()
-    );
-}
-
-/// The compact pre-pass writes exactly its CPU mirror's bytes (rows in the compact layout, padding rows zero, nothing
-/// past the padded rows), both A formats. Groupings: 1-row and empty experts, counts around 8 and the 128-row tile
-/// edge (7, 8, 9, 127, 128, 129, 130, 136, 257), 300 experts with 0..=40 rows (ten lanes of the first ballot of the
-/// expert search; more than one resident wave at K 4096). K: 256 and 384 (fewer segments than a warp step), 1152 (9
-/// segments: a full step and a guarded one per row), 4096 (Flash L1), 7168 (Pro L1).
-#[test]
-fn gpu_prefill_act_cact_prepass_bit_identical_to_cpu_mirror() {
-    let Some(gpu) = gpu_for_test("gpu_prefill_act_cact_prepass_bit_identical_to_cpu_mirror") else {
-        return;
-    };
-    let mut rng = seeded("gpu_prefill_act_cact_prepass_bit_identical_to_cpu_mirror");
-    let edges = vec![1usize, 0, 7, 8, 9, 127, 128, 129, 0, 130, 136, 257, 1];
-    let many: Vec<usize> = (0..300).map(|_| rng.random_range(0..=40usize)).collect();
-    for (counts, ks) in [
-        (vec![1usize], &[256usize, 4096][..]),
-        (edges, &[256, 384, 1152, 4096, 7168][..]),
-        (many, &[384, 4096][..]),
-    ] {
-        for &k in ks {
-            for nvfp4 in [false, true] {
-                check_act_cact_prepass(&gpu, &mut rng, &counts, k, nvfp4);
-            }
-        }
-    }
 }
 
 /// Device activations of the A format under test from raw host vectors (the other format's vectors are empty):

@@ -34,10 +34,6 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
-//! * `nvfp4_wgmma_cact` (contiguous points only): the tiled RS wtma mainloop with the activations in the compact
-//!   per-stage layout (`PrefillKernel::RsWtmaTiledCact`: its own pre-pass `moe_gemm_prefill_act_cact` pads each
-//!   expert's rows to 8 and writes each (token tile, stage) block as the swizzled slot image; one bulk copy per stage
-//!   instead of two 2D boxes). Same tiled weights as `nvfp4`, same finish: the session-13 A/B against `nvfp4`.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -81,7 +77,6 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
-    "nvfp4_wgmma_cact",
     "nvfp4_decode",
     "nvfp4_plain",
     "cublaslt_bf16",
@@ -108,7 +103,6 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_wgmma_cact"
             | "nvfp4_decode"
             | "nvfp4_plain"
     )
@@ -189,14 +183,6 @@ fn launch_variant(
             ws,
             prefill::PrefillKernel::RsWtmaTiled,
         ),
-        "nvfp4_wgmma_cact" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::PrefillKernel::RsWtmaTiledCact,
-        ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
@@ -211,7 +197,6 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
         variant,
         "nvfp4"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_wgmma_cact"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
             | "nvfp4_finishrowsthr2"

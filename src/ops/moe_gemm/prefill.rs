@@ -118,14 +118,10 @@ pub enum PrefillKernel {
     /// boxes of 256 rows). Bit-identical partials. Routed whenever that copy exists (session-11 A/B, H200, 3f5fd93,
     /// whole calls, us, RsWtma / RsWtmaTiled: Flash L1 512 tokens 1153.5 / 1086.1, 1024 1197.6 / 1140.4, 4096
     /// 1933.3 / 1861.9, 16384 7470.2 / 7122.6; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6, L2 4096 3157.1
-    /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms).
+    /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms). The
+    /// session-13 variant with the activations in a compact per-stage layout (RsWtmaTiledCact) lost to it in session
+    /// 14 and was removed (numbers in the .cu, above `moe_gemm_prefill_partial_rs_wtma_tiled`).
     RsWtmaTiled,
-    /// `moe_gemm_prefill_act_cact` + `moe_gemm_prefill_partial_rs_wtma_tiled_cact`: [`PrefillKernel::RsWtmaTiled`]
-    /// with the activations in the compact layout ([`cact_index`]: each expert's rows padded to a multiple of 8, each
-    /// (token tile, 128-K stage) block contiguous and already in the swizzled shared-memory image), so a stage's
-    /// activations are one bulk copy instead of two 2D TMA boxes. Needs the tiled weights. Bit-identical partials.
-    /// Session-13 A/B candidate (bench `nvfp4_wgmma_cact`); never routed by default.
-    RsWtmaTiledCact,
 }
 
 impl PrefillKernel {
@@ -154,12 +150,6 @@ impl PrefillKernel {
             ),
             PrefillKernel::RsWtmaTiled => (
                 "moe_gemm_prefill_partial_rs_wtma_tiled",
-                SMEM_BYTES_RS_WTMA,
-                TILE_N_RS,
-                STAGE_K_RS,
-            ),
-            PrefillKernel::RsWtmaTiledCact => (
-                "moe_gemm_prefill_partial_rs_wtma_tiled_cact",
                 SMEM_BYTES_RS_WTMA,
                 TILE_N_RS,
                 STAGE_K_RS,
@@ -217,11 +207,8 @@ pub fn launch_partial_prefill_with(
     kernel: PrefillKernel,
 ) -> Result<()> {
     ensure!(
-        !matches!(
-            kernel,
-            PrefillKernel::RsWtmaTiled | PrefillKernel::RsWtmaTiledCact
-        ) || w.prefill_tiled.is_some(),
-        "moe_gemm prefill: {kernel:?} needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
+        kernel != PrefillKernel::RsWtmaTiled || w.prefill_tiled.is_some(),
+        "moe_gemm prefill: RsWtmaTiled needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
     );
     check_shape(w.n, w.k)?;
     let (name, smem, tile_n, k_multiple) = kernel.entry();
@@ -271,7 +258,7 @@ pub fn launch_partial_prefill_with(
         return Ok(());
     }
     // Static + dynamic shared memory checked against the device's opt-in limit (exactly, from the loaded
-    // kernel's attributes) before any launch; the Cact mainloop has 4.2 KB of static shared memory.
+    // kernel's attributes) before any launch.
     let f = gpu.function_with_smem(FAMILY, name, smem)?;
     let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
     let (wc, wsc, grp_p, part) = (
@@ -290,19 +277,6 @@ pub fn launch_partial_prefill_with(
     // 128: sum_e ceil(c_e / 128) <= rows / 128 + experts).
     let max_items = (grp.rows_total / TILE_M + grp.experts) * (w.n / tile_n);
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
-    if kernel == PrefillKernel::RsWtmaTiledCact {
-        let (cact, cact_rows) = compact_activations_for_rs(gpu, a, grp, w.k, ws)?;
-        let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
-        let tiled_p = w.prefill_tiled.as_ref().map(|t| ptr(gpu, t)).unwrap_or(0);
-        let cact_rows = as_i32(cact_rows, "compact activation rows")?;
-        let mut b = gpu.stream.launch_builder(&f);
-        b.arg(&tiled_p).arg(&n).arg(&k).arg(&cact).arg(&cact_rows);
-        b.arg(&restore);
-        b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-        unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
-            .map_err(|e| anyhow!("{name}: {e:?}"))?;
-        return Ok(());
-    }
     if matches!(
         kernel,
         PrefillKernel::RsTma | PrefillKernel::RsWtma | PrefillKernel::RsWtmaTiled
@@ -371,8 +345,8 @@ const ACT_RS_THREADS: u32 = 256;
 /// occupancy query fails.
 const ACT_RS_CTAS_PER_SM: usize = 8;
 
-/// The BF16 output buffer of the RS pre-passes (`ws.act_rs`, allocated or grown to `len` elements) and its device
-/// address, after checking the alignment the pre-pass kernels' vector accesses need: 4-byte code words (NVFP4) or
+/// The BF16 output buffer of the RS pre-pass (`ws.act_rs`, allocated or grown to `len` elements) and its device
+/// address, after checking the alignment the pre-pass kernel's vector accesses need: 4-byte code words (NVFP4) or
 /// 16-byte BF16 chunks of the activations at `act`, 16-byte output chunks.
 fn act_rs_output(
     gpu: &Gpu,
@@ -449,100 +423,6 @@ pub fn permute_activations_for_rs(
     unsafe { b.launch(launch_cfg((ctas as u32, 1, 1), (ACT_RS_THREADS, 1, 1), 0)) }
         .map_err(|e| anyhow!("moe_gemm_prefill_act_rs: {e:?}"))?;
     Ok(out)
-}
-
-/// Segments of 128 K per warp step of `moe_gemm_prefill_act_cact` (2 x `act_rs::kPairsNvfp4` / 2 x
-/// `act_cact::kPairsBf16` in the .cu).
-const ACT_CACT_SEGMENTS_PER_STEP_NVFP4: usize = 8;
-const ACT_CACT_SEGMENTS_PER_STEP_BF16: usize = 4;
-
-/// Rows of the compact activation buffer for a contiguous grouping of `rows_total` rows over `experts` experts: every
-/// expert's rows rounded up to a multiple of 8 fit in `rows_total + 7 * experts`.
-pub fn cact_rows_bound(rows_total: usize, experts: usize) -> usize {
-    rows_total + 7 * experts
-}
-
-/// The compact pre-pass of [`PrefillKernel::RsWtmaTiledCact`] (`moe_gemm_prefill_act_cact`): the grouping's rows, in
-/// the RS permuted BF16 order and the compact layout ([`cact_index`], padding rows zero), into `ws.act_rs` (allocated
-/// or grown to [`cact_rows_bound`] x `k` elements; nothing past the grouping's padded rows is written). Returns the
-/// buffer's device address and its rows. `k % 128 == 0`.
-pub fn compact_activations_for_rs(
-    gpu: &Gpu,
-    a: &DeviceActivations,
-    grp: &DeviceGrouping,
-    k: usize,
-    ws: &mut Workspace,
-) -> Result<(u64, usize)> {
-    ensure!(
-        k > 0 && k.is_multiple_of(STAGE_K_RS),
-        "moe_gemm_prefill_act_cact: K = {k} must be a positive multiple of {STAGE_K_RS}"
-    );
-    ensure!(
-        grp.capacity == 0 && grp.experts >= 1 && grp.experts <= MAX_EXPERTS,
-        "moe_gemm_prefill_act_cact: needs a contiguous grouping of 1..={MAX_EXPERTS} experts"
-    );
-    a.check()?;
-    let rows = grp.rows_total;
-    let (a_rows, a_k) = a.rows_k();
-    ensure!(
-        a_k == k && a_rows >= rows,
-        "moe_gemm_prefill_act_cact: activations are {a_rows} x {a_k}, need at least {rows} x {k}"
-    );
-    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
-    let seg_per_step = if is_nvfp4 != 0 {
-        ACT_CACT_SEGMENTS_PER_STEP_NVFP4
-    } else {
-        ACT_CACT_SEGMENTS_PER_STEP_BF16
-    };
-    let cact_rows = cact_rows_bound(rows, grp.experts);
-    let spr = (k / STAGE_K_RS).div_ceil(seg_per_step);
-    // The kernel indexes padded rows and warp steps (rows x steps per row) with 32-bit ints.
-    ensure!(
-        cact_rows * spr <= i32::MAX as usize && rows * (k / STAGE_K_RS) <= i32::MAX as usize,
-        "moe_gemm_prefill_act_cact: {cact_rows} padded rows x K {k} exceed the kernel's i32 indices"
-    );
-    let out = act_rs_output(
-        gpu,
-        ws,
-        cact_rows * k,
-        act,
-        is_nvfp4,
-        "moe_gemm_prefill_act_cact",
-    )?;
-    if rows == 0 {
-        return Ok((out, cact_rows));
-    }
-    let f = gpu.function(FAMILY, "moe_gemm_prefill_act_cact")?;
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(ACT_RS_THREADS, 0, None)
-        .map(|b| b as usize)
-        .unwrap_or(ACT_RS_CTAS_PER_SM)
-        .max(1);
-    let warps_per_cta = ACT_RS_THREADS as usize / 32;
-    let ctas = (cact_rows * spr)
-        .div_ceil(warps_per_cta)
-        .min(per_sm * gpu.info.sm_count.max(1) as usize)
-        .max(1);
-    // The grid's warps W = step_dp * spr + step_ds: how far (padded row, step) advances per lap.
-    let warps = ctas * warps_per_cta;
-    let (step_dp, step_ds) = (warps / spr, warps % spr);
-    let (grp_p, e, rows_i, k_i, cr, spr_i, dp_i, ds_i) = (
-        ptr(gpu, &grp.group),
-        as_i32(grp.experts, "experts")?,
-        as_i32(rows, "rows")?,
-        as_i32(k, "K")?,
-        as_i32(cact_rows, "padded rows")?,
-        as_i32(spr, "steps per row")?,
-        as_i32(step_dp, "row step")?,
-        as_i32(step_ds, "step")?,
-    );
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&act).arg(&act_scales).arg(&is_nvfp4);
-    b.arg(&grp_p).arg(&e).arg(&rows_i).arg(&k_i).arg(&cr);
-    b.arg(&spr_i).arg(&dp_i).arg(&ds_i).arg(&out);
-    unsafe { b.launch(launch_cfg((ctas as u32, 1, 1), (ACT_RS_THREADS, 1, 1), 0)) }
-        .map_err(|e| anyhow!("moe_gemm_prefill_act_cact: {e:?}"))?;
-    Ok((out, cact_rows))
 }
 
 /// Tensor map over the pre-pass output `[rows][K]` BF16 at `addr` with a box of 64 K x `box_rows` token rows and the
@@ -752,51 +632,6 @@ pub fn rs_prepass_nvfp4_like_kernel(
     out
 }
 
-/// Element index (BF16 units) in the compact activation layout of [`PrefillKernel::RsWtmaTiledCact`] of logical
-/// position `l` (0..k, the RS order of the act_rs output) of row `r` of the token tile whose first padded row is
-/// `tile_row` and which holds `rows8` (a multiple of 8, <= 128) rows per atom: stage `l / 128` at `rows8 * 256` bytes
-/// per stage, atom `l % 128 / 64` at `rows8 * 128` bytes, then the 128B-swizzled row (`sw128_offset`). Mirror of the
-/// .cu's layout comment (section rs_wtma_tiled_cact).
-pub fn cact_index(tile_row: usize, rows8: usize, r: usize, k: usize, l: usize) -> usize {
-    let (st, w) = (l / STAGE_K_RS, l % STAGE_K_RS);
-    let (atom, chunk, elem) = (w / 64, (w % 64) / 8, w % 8);
-    let byte = tile_row * 2 * k
-        + st * rows8 * 256
-        + atom * rows8 * 128
-        + sw128_offset(r as u32, chunk as u32) as usize;
-    byte / 2 + elem
-}
-
-/// Padded expert starts of the compact layout: `P[e]` = rows of experts before `e`, each count rounded up to a
-/// multiple of 8 (`e = 0..=E`; `P[E]` = the padded rows the pre-pass writes). `offsets` as in the contiguous grouping.
-pub fn cact_padded_starts(offsets: &[usize]) -> Vec<usize> {
-    let mut p = vec![0usize];
-    for w in offsets.windows(2) {
-        p.push(p.last().unwrap() + (w[1] - w[0]).next_multiple_of(8));
-    }
-    p
-}
-
-/// CPU mirror of the compact pre-pass: `rs` = the act_rs output of the grouping's rows ([rows][k], RS order, e.g. from
-/// [`rs_prepass_nvfp4_like_kernel`]) re-laid as [`cact_index`] says, padding rows zero; `P[E] * k` elements.
-pub fn cact_layout_like_kernel(rs: &[u16], offsets: &[usize], k: usize) -> Vec<u16> {
-    let pad = cact_padded_starts(offsets);
-    let mut out = vec![0u16; pad[pad.len() - 1] * k];
-    for (e, w) in offsets.windows(2).enumerate() {
-        let (lo, c) = (w[0], w[1] - w[0]);
-        let c8 = c.next_multiple_of(8);
-        for q in 0..c {
-            let (tile, r) = (q / 128, q % 128);
-            let rows8 = (c8 - 128 * tile).min(128);
-            let tile_row = pad[e] + 128 * tile;
-            for l in 0..k {
-                out[cact_index(tile_row, rows8, r, k, l)] = rs[(lo + q) * k + l];
-            }
-        }
-    }
-    out
-}
-
 /// CPU mirror of the RS pre-pass for BF16 activations (`data` [rows][k]): the same permutation of K inside each
 /// 128-K segment, values copied bit for bit.
 pub fn rs_prepass_bf16_like_kernel(data: &[bf16], rows: usize, k: usize) -> Vec<u16> {
@@ -966,58 +801,6 @@ mod tests {
             let p = l / 128 * 128 + rs_activation_physical_k(l % 128);
             assert_eq!(*g as usize, r * k + p);
         }
-    }
-
-    /// The compact layout: every element of the padded rows is used exactly once (padding included), and the bytes a
-    /// stage's bulk copy lands at slot offset `o` are what the 2D TMA box (SWIZZLE_128B, atom 0 at 0 and atom 1 at
-    /// `rows8 * 128`, both 1024-aligned) would land there: logical (row r, chunk c) of atom a at the hardware-swizzled
-    /// address of `a * rows8 * 128 + 128 r + 16 c`. Tiles of every rows8 (expert counts 1..=9, 127..=136, 256, 300).
-    #[test]
-    fn cact_layout_is_a_bijection_and_each_stage_block_is_the_swizzled_slot_image() {
-        let counts = [
-            1usize, 2, 7, 8, 9, 0, 127, 128, 129, 130, 136, 256, 300, 0, 5,
-        ];
-        let mut offsets = vec![0usize];
-        for c in counts {
-            offsets.push(offsets.last().unwrap() + c);
-        }
-        let k = 384;
-        let pad = cact_padded_starts(&offsets);
-        let total = pad[counts.len()];
-        assert!(total <= cact_rows_bound(offsets[counts.len()], counts.len()));
-        let mut seen = vec![false; total * k];
-        for (e, &c) in counts.iter().enumerate() {
-            let c8 = c.next_multiple_of(8);
-            for q in 0..c8 {
-                let (tile, r) = (q / 128, q % 128);
-                let rows8 = (c8 - 128 * tile).min(128);
-                assert!(rows8 % 8 == 0 && rows8 > r);
-                let tile_row = pad[e] + 128 * tile;
-                for l in 0..k {
-                    let i = cact_index(tile_row, rows8, r, k, l);
-                    assert!(!seen[i], "expert {e} row {q} l {l}: element {i} used twice");
-                    seen[i] = true;
-                    // Inside stage st's block of 2 x rows8 x 128 bytes, at the slot offset the descriptor reads.
-                    let (st, w) = (l / 128, l % 128);
-                    let block = tile_row * 2 * k + st * rows8 * 256;
-                    let o = (2 * i - block) as u32;
-                    assert!(o < (rows8 * 256) as u32);
-                    let (atom, chunk, elem) = (w / 64, (w % 64) / 8, w % 8);
-                    let atom_base = (atom * rows8 * 128) as u32;
-                    assert_eq!(atom_base % 1024, 0);
-                    let logical = atom_base + 128 * r as u32 + 16 * chunk as u32 + 2 * elem as u32;
-                    assert_eq!(o, sw128_hw(logical), "expert {e} row {q} l {l}");
-                }
-            }
-        }
-        assert!(seen.iter().all(|&s| s));
-        // The mirror puts row data at those places and zeros in the padding rows.
-        let rows = offsets[counts.len()];
-        let rs: Vec<u16> = (0..rows * k).map(|i| (i % 65521 + 1) as u16).collect();
-        let out = cact_layout_like_kernel(&rs, &offsets, k);
-        assert_eq!(out.len(), total * k);
-        let nonzero = out.iter().filter(|&&v| v != 0).count();
-        assert_eq!(nonzero, rows * k);
     }
 
     #[test]
