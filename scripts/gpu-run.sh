@@ -2,7 +2,9 @@
 # Runs on the GPU machine (no Rust there) from the repository root, with gpu-bundle/ built by gpu-bundle.sh:
 # device info, kernel inventory, every test executable with REQUIRE_GPU=1 (a skipped GPU test fails), the limits
 # probe, the benchmark sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
-#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile] [extra args for `megamoe bench`]
+#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|<several, comma-separated>] [extra args for `megamoe bench`]
+#   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
+#   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
 #            bench-configs/profile/<family>.toml; one text report per family (ncu-<family>.txt).
 #   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, SANITIZE_TESTS (stress: extra sanitizer
@@ -18,6 +20,8 @@ set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || [ -f "$B/megamoe.gz" ] || B="$(pwd)/gpu-bundle"
 what="${1:-all}"; shift || true
+# want STEP: STEP is one of the comma-separated steps asked for (all = tests, stress, bench).
+want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [[ ",$what," == *",all,"* ]]; }; }
 out="${OUT:-$(pwd)/gpu-out}"
 work="$(mktemp -d)/h200"
 mkdir -p "$work/tests"
@@ -33,7 +37,7 @@ step() { echo "=== $*"; }
 { nvidia-smi; nvidia-smi -q -d CLOCK,POWER,PERFORMANCE; } > "$work/nvidia-smi.txt" 2>&1
 step info;    "$B/megamoe" info 2>&1 | tee "$work/info.txt" || status=1
 step kernels; "$B/megamoe" kernels 2>&1 | tee "$work/kernels.txt"
-if [ "$what" = all ] || [ "$what" = tests ]; then
+if want tests; then
   for t in "$B"/tests/*; do
     n="$(basename "$t")"
     if [ -n "${TESTS:-}" ] && ! [[ " $TESTS " == *" $n "* ]]; then continue; fi
@@ -43,7 +47,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     [ $rc -eq 0 ] || { echo "FAILED: $n (rc $rc)"; status=1; grep -E "panicked|FAILED|failed|SKIP" "$work/tests/$n.log" | head -20; }
   done
 fi
-if { [ "$what" = all ] || [ "$what" = stress ]; } && "$B/megamoe" stress --help >/dev/null 2>&1; then
+if want stress && "$B/megamoe" stress --help >/dev/null 2>&1; then
   san="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
   if [ -z "${SKIP_INDEXER_STRESS:-}" ]; then
     step "stress indexer"
@@ -73,7 +77,7 @@ if { [ "$what" = all ] || [ "$what" = stress ]; } && "$B/megamoe" stress --help 
     done
   fi
 fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
+if want bench; then
   # One `megamoe bench` per config, each under its own time limit (CSVs are written after every sweep, so a
   # config stopped by its limit keeps what it measured); every config measures its limits in its own run.
   for c in default "$B"/bench-configs/*.toml; do
@@ -87,7 +91,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   done
   "$B/megamoe" report --dir "$work" 2>&1 | tail -n 1
 fi
-if [ "$what" = model ] && [ -x "$B/tests/model_reference" ]; then
+if want model && [ -x "$B/tests/model_reference" ]; then
   # The CPU reference model's Flash one-token decode, timed on this machine's cores (test executable added
   # to the bundle by hand: it has no GPU tests).
   step "model: Flash one-token CPU decode"
@@ -95,7 +99,7 @@ if [ "$what" = model ] && [ -x "$B/tests/model_reference" ]; then
     > "$work/tests/model_reference_flash_timing.log" 2>&1 || status=1
   tail -n 4 "$work/tests/model_reference_flash_timing.log"
 fi
-if [ "$what" = profile ]; then
+if want profile; then
   ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
   sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats"
   sections="$sections --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats"
