@@ -600,11 +600,15 @@ constexpr int kRingT = 4;
 
 // Thread 0: the ring's full barriers (count 1: the producer's arrive.expect_tx) and empty barriers (count 8: lane 0 of
 // every warp), made visible to the async proxy. The caller's next __syncthreads publishes them to the CTA.
+// kEmptyArrivals: arrivals that complete a phase of an empty barrier: one per consumer warp (lane 0 after a
+// __syncwarp), or one per thread for the all-lane release of rs_wtma_tiled_lanerel (256 << the mbarrier's 2^20 - 1).
+template <int kEmptyArrivals = kThreads / 32>
 __device__ __forceinline__ void ring_init(uint64_t* full, uint64_t* empty) {
+    static_assert(kEmptyArrivals >= 1 && kEmptyArrivals < (1 << 20), "mbarrier expected count is 20 bits");
     if (threadIdx.x == 0) {
         for (int s = 0; s < kRingT; ++s) {
             mbar_init(&full[s], 1);
-            mbar_init(&empty[s], kThreads / 32);
+            mbar_init(&empty[s], kEmptyArrivals);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // inits visible to the async proxy
     }
@@ -986,7 +990,10 @@ struct WCtx {
 // (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
 // 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
 // groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
-template <int NT, bool kTiled = false>
+// kLaneRelease (rs_wtma_tiled_lanerel only; empty barriers initialized with kThreads arrivals): every lane arrives
+// on the empty barrier itself instead of lane 0 for its warp. Same ordering on the hardware (the __syncwarp stays);
+// it exists to tell a racecheck artefact (lanes 1-31's LDS not credited to lane 0's arrive) from a real WAR hazard.
+template <int NT, bool kTiled = false, bool kLaneRelease = false>
 __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
                                           int lrow, float* __restrict__ partial, float restore) {
     const int tid = threadIdx.x, lane = tid & 31, t = lane & 3;
@@ -1017,7 +1024,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
         const uint64_t db = sw128_desc(r.base_u32 + slot * kSlotW);
         mma_slice_n<NT>(d, w, 0, db);
         // wait_group 1 inside slice 0: every wgmma of the previous stage has completed -> release its slot.
-        if (st > 0 && lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
+        if (st > 0 && (kLaneRelease || lane == 0)) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);
 #pragma unroll
         for (int S = 1; S < 8; ++S) mma_slice_n<NT>(d, w, S, db);
         ++r.cons;
@@ -1028,7 +1035,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
     }
     wgmma_wait<0>();
     if (timed_out) return false;
-    if (lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);  // the item's last stage
+    if (kLaneRelease || lane == 0) mbar_arrive(&r.empty[(r.cons - 1) % kRingT]);  // the item's last stage
     if (tid == 0 && !r.ok) return false;
     fence_acc(d[0]);
     fence_acc(d[1]);
@@ -1067,7 +1074,8 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
 // took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
 // kTiled: the weights come pre-tiled (`tiled`, moe_gemm_prefill_tile_weights_rs) instead of through the 2D maps.
-template <bool kTiled>
+// kLaneRelease: every thread arrives on the empty barriers (rs::wtma_item; rs_wtma_tiled_lanerel only).
+template <bool kTiled, bool kLaneRelease = false>
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map,
                                                const uint8_t* tiled, int N, int K, const TmaDesc* act32,
                                                const TmaDesc* act64, const TmaDesc* act96, const TmaDesc* act128,
@@ -1088,7 +1096,7 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int lrow = 128 * (warp >> 2) + 16 * (warp & 3) + (lane >> 2);
     const int E = experts;
-    rs::ring_init(bar_full, bar_empty);
+    rs::ring_init<kLaneRelease ? rs::kThreads : rs::kThreads / 32>(bar_full, bar_empty);
     token_tile_prefix<rs::kThreads>(offsets, E, rows_total, s_warp_sum, s_tile_prefix);  // also publishes inits
 
     rs::WCtx x;
@@ -1111,13 +1119,17 @@ __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const
         const int nt = (it.ntok + 31) & ~31;  // CTA-uniform
         bool ok;
         if (nt == 32)
-            ok = rs::wtma_item<32, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<32, kTiled, kLaneRelease>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial,
+                                                         restore);
         else if (nt == 64)
-            ok = rs::wtma_item<64, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<64, kTiled, kLaneRelease>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial,
+                                                         restore);
         else if (nt == 96)
-            ok = rs::wtma_item<96, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<96, kTiled, kLaneRelease>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial,
+                                                         restore);
         else
-            ok = rs::wtma_item<128, kTiled>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial, restore);
+            ok = rs::wtma_item<128, kTiled, kLaneRelease>(r, x, it.row0, it.ntok, wtile, wrow0, lrow, partial,
+                                                          restore);
         if (!ok) return;
     }
 }
@@ -1179,6 +1191,24 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
     extern __shared__ uint8_t rs_wtma_smem_raw[];
     rs_wtma_kernel<true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
                          rows_total, partial, rs_wtma_smem_raw);
+}
+
+// Session 14, discriminating variant (never routed; bench `nvfp4_lanerel`, PrefillKernel::RsWtmaTiledLaneRelease):
+// moe_gemm_prefill_partial_rs_wtma_tiled with every thread arriving on the empty barrier of a slot (count 256)
+// instead of lane 0 of each warp (count 8). Why: compute-sanitizer racecheck reports, for the tiled kernel only, the
+// producer's bulk_load_1d into a ring slot against the consumers' lds_weights<true> of that slot, although lane 0
+// arrives one stage after its warp's reads with a __syncwarp between them. If lanes 1-31's reads are merely not
+// credited to lane 0's arrive (a tool-model artefact), this kernel shows 0 hazards; if they remain, the hazard is
+// real or elsewhere. Otherwise identical (bit-identical partials; the __syncwarp stays); cost ~1 arrive per warp per
+// stage more issue, 32 arrivals per warp on the slot's barrier instead of 1.
+extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled_lanerel(
+    const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
+    const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
+    const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,
+    int rows_total, float* __restrict__ partial) {
+    extern __shared__ uint8_t rs_wtma_smem_raw[];
+    rs_wtma_kernel<true, true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets,
+                               experts, rows_total, partial, rs_wtma_smem_raw);
 }
 
 // The re-layout of moe_gemm_prefill_partial_rs_wtma_tiled (weight preparation, once per weight set): codes [E*N][K/2]

@@ -34,6 +34,10 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
+//! * `nvfp4_lanerel` (contiguous points only): `nvfp4` (same tiled weights, pre-pass and finish) with the prefill
+//!   mainloop forced to `PrefillKernel::RsWtmaTiledLaneRelease`, the routed tiled kernel with every thread arriving
+//!   on a ring slot's empty barrier instead of lane 0 per warp. A session-14 discriminating variant (the racecheck
+//!   finding on the tiled kernel); timed beside `nvfp4` to show what the all-lane release costs.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -77,6 +81,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
+    "nvfp4_lanerel",
     "nvfp4_decode",
     "nvfp4_plain",
     "cublaslt_bf16",
@@ -103,17 +108,19 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
+            | "nvfp4_lanerel"
             | "nvfp4_decode"
             | "nvfp4_plain"
     )
 }
 
-/// The wgmma variants run only on contiguous (prefill) points, the previous decode finish `nvfp4_finishq4` only on
-/// masked (decode) points; `nvfp4_finishpad1b` (the previous prefill finish) and `nvfp4_decode` (the decode
-/// mainloop where `nvfp4` may take the prefill one) only on contiguous points.
+/// The wgmma variants and `nvfp4_lanerel` (forced prefill mainloops) run only on contiguous (prefill) points, the
+/// previous decode finish `nvfp4_finishq4` only on masked (decode) points; `nvfp4_finishpad1b` (the previous prefill
+/// finish) and `nvfp4_decode` (the decode mainloop where `nvfp4` may take the prefill one) only on contiguous points.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
     let prefill_only = variant.starts_with("nvfp4_wgmma")
+        || variant == "nvfp4_lanerel"
         || variant == "nvfp4_finishpad1b"
         || variant == "nvfp4_finishrowsthr"
         || variant == "nvfp4_finishrowsthr2"
@@ -149,7 +156,7 @@ fn finish_l2_for(variant: &str, tokens: usize, n: usize) -> FinishL2Kernel {
 }
 
 fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
-    if variant.starts_with("nvfp4_wgmma") {
+    if variant.starts_with("nvfp4_wgmma") || variant == "nvfp4_lanerel" {
         GemmConfig { splits: 1, ..cfg }
     } else {
         cfg
@@ -183,6 +190,14 @@ fn launch_variant(
             ws,
             prefill::PrefillKernel::RsWtmaTiled,
         ),
+        "nvfp4_lanerel" => prefill::launch_partial_prefill_with(
+            gpu,
+            w,
+            a,
+            dg,
+            ws,
+            prefill::PrefillKernel::RsWtmaTiledLaneRelease,
+        ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
@@ -197,6 +212,7 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
         variant,
         "nvfp4"
             | "nvfp4_wgmma_rswtma_tiled"
+            | "nvfp4_lanerel"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
             | "nvfp4_finishrowsthr2"

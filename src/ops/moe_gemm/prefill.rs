@@ -122,6 +122,12 @@ pub enum PrefillKernel {
     /// session-13 variant with the activations in a compact per-stage layout (RsWtmaTiledCact) lost to it in session
     /// 14 and was removed (numbers in the .cu, above `moe_gemm_prefill_partial_rs_wtma_tiled`).
     RsWtmaTiled,
+    /// `moe_gemm_prefill_partial_rs_wtma_tiled_lanerel`: [`PrefillKernel::RsWtmaTiled`] with every thread arriving
+    /// on a ring slot's empty barrier (count 256) instead of lane 0 of each warp (count 8). A session-14
+    /// discriminating variant, never routed (bench `nvfp4_lanerel`): compute-sanitizer racecheck flags the tiled
+    /// kernel's weight-slot refill against the consumers' reads of the slot; 0 hazards here would make that a
+    /// tool-model artefact of the per-warp release. Needs the tiled weights. Bit-identical partials.
+    RsWtmaTiledLaneRelease,
 }
 
 impl PrefillKernel {
@@ -154,6 +160,12 @@ impl PrefillKernel {
                 TILE_N_RS,
                 STAGE_K_RS,
             ),
+            PrefillKernel::RsWtmaTiledLaneRelease => (
+                "moe_gemm_prefill_partial_rs_wtma_tiled_lanerel",
+                SMEM_BYTES_RS_WTMA,
+                TILE_N_RS,
+                STAGE_K_RS,
+            ),
         }
     }
 
@@ -180,6 +192,15 @@ impl PrefillKernel {
             k => k,
         }
     }
+
+    /// Whether the kernel reads the weights' tiled copy ([`DeviceExpertWeights::prefill_tiled`]) instead of the
+    /// plain layout.
+    pub fn needs_tiled_weights(self) -> bool {
+        matches!(
+            self,
+            PrefillKernel::RsWtmaTiled | PrefillKernel::RsWtmaTiledLaneRelease
+        )
+    }
 }
 
 /// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
@@ -197,7 +218,8 @@ pub fn launch_partial_prefill(
 }
 
 /// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes the kernel does not take before any launch
-/// ([`PrefillKernel::RsWtmaTiled`] also needs [`DeviceExpertWeights::prefill_tiled`]).
+/// ([`PrefillKernel::RsWtmaTiled`] and [`PrefillKernel::RsWtmaTiledLaneRelease`] also need
+/// [`DeviceExpertWeights::prefill_tiled`]).
 pub fn launch_partial_prefill_with(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -207,8 +229,8 @@ pub fn launch_partial_prefill_with(
     kernel: PrefillKernel,
 ) -> Result<()> {
     ensure!(
-        kernel != PrefillKernel::RsWtmaTiled || w.prefill_tiled.is_some(),
-        "moe_gemm prefill: RsWtmaTiled needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
+        !kernel.needs_tiled_weights() || w.prefill_tiled.is_some(),
+        "moe_gemm prefill: {kernel:?} needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
     );
     check_shape(w.n, w.k)?;
     let (name, smem, tile_n, k_multiple) = kernel.entry();
@@ -279,7 +301,10 @@ pub fn launch_partial_prefill_with(
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
     if matches!(
         kernel,
-        PrefillKernel::RsTma | PrefillKernel::RsWtma | PrefillKernel::RsWtmaTiled
+        PrefillKernel::RsTma
+            | PrefillKernel::RsWtma
+            | PrefillKernel::RsWtmaTiled
+            | PrefillKernel::RsWtmaTiledLaneRelease
     ) {
         // TMA box coordinates are signed 32-bit: the weight row e * N + n and the token row must fit.
         ensure!(
@@ -292,9 +317,10 @@ pub fn launch_partial_prefill_with(
         // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
         // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
-        // 32 / 64 / 96 / 128 token rows; RsWtmaTiled: the tiled weights' address, then the same activation maps.
+        // 32 / 64 / 96 / 128 token rows; RsWtmaTiled(LaneRelease): the tiled weights' address, then the same
+        // activation maps.
         let weight_maps = match kernel {
-            PrefillKernel::RsTma | PrefillKernel::RsWtmaTiled => None,
+            kern if kern == PrefillKernel::RsTma || kern.needs_tiled_weights() => None,
             _ => Some(weight_maps_for_rs(w, wc, wsc)?),
         };
         let tiled_p = w.prefill_tiled.as_ref().map(|t| ptr(gpu, t)).unwrap_or(0);
@@ -309,7 +335,7 @@ pub fn launch_partial_prefill_with(
         let mut b = gpu.stream.launch_builder(&f);
         match (&weight_maps, kernel) {
             (Some((codes_map, scales_map)), _) => b.arg(codes_map).arg(scales_map),
-            (None, PrefillKernel::RsWtmaTiled) => b.arg(&tiled_p),
+            (None, kern) if kern.needs_tiled_weights() => b.arg(&tiled_p),
             (None, _) => b.arg(&wc).arg(&wsc),
         };
         b.arg(&n).arg(&k);
