@@ -1285,17 +1285,19 @@ fn tc_dot_bounds_hold_for_emulated_tensor_cores() {
                 });
                 eprintln!("{label}: without f2 {no_f2:.1} x the bound, without a k-block {no_kblock:.1} x");
                 // The power that matters is on the GPU tests' inputs (random signs); on all-positive ones the
-                // prefixes grow linearly and so does the bound (a dropped f2 can hide there).
+                // prefixes grow linearly and so does the bound, so a dropped f2, or at S = 1 one 64-column
+                // k-block of 4D (0.2-0.4% of the dot against a bound of ~0.4% over 1024-1792 k16 steps), can
+                // hide there (seen in CI: D 7168, S 1, positive, a missing k-block at 0.57 of the bound).
                 if !positive {
                     assert!(
                         no_f2 > 1.0,
                         "{label}: a kernel without plane f2 passes ({no_f2})"
                     );
+                    assert!(
+                        no_kblock > 1.0,
+                        "{label}: a kernel missing a k-block passes ({no_kblock})"
+                    );
                 }
-                assert!(
-                    no_kblock > 1.0,
-                    "{label}: a kernel missing a k-block passes ({no_kblock})"
-                );
             }
         }
     }
