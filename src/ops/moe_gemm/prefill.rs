@@ -127,6 +127,8 @@ pub enum PrefillKernel {
     /// discriminating variant, never routed (bench `nvfp4_lanerel`): compute-sanitizer racecheck flags the tiled
     /// kernel's weight-slot refill against the consumers' reads of the slot; 0 hazards here would make that a
     /// tool-model artefact of the per-warp release. Needs the tiled weights. Bit-identical partials.
+    /// Session-14 H200 (3374a9a): 0 hazards on gpu_prefill_token_counts_both_a_formats where RsWtmaTiled shows 8,
+    /// speed equal within the run's spread (results/h200/PERF-LOG.md): the candidate to route next.
     RsWtmaTiledLaneRelease,
 }
 
