@@ -1116,7 +1116,7 @@ pub const MHC_PDL_MAX_TOKENS: usize = 8;
 /// launches, medians of 50; FFMA two-launch / tensor-core mix / unfused chain): D = 4096, 128 tokens 27.3 / 20.5 /
 /// 71.0, 512: 72.0 / 39.2 / 95.5, 2048: 257.7 / 93.2 / 250.6, 8192: 963.3 / 275.3 / 809.4, 65536: 7620 / 2137 /
 /// 6100; D = 7168, 128: 38.7 / 23.3 / 99.1, 8192: 1774 / 553 / 1319, 65536: 14073 / 4439 / 10162 (FP8 alike;
-/// results/h200/session14-ab/mhc.csv). PDL pair vs two launches, measured on the H200 (us per boundary, D = 4096
+/// results/h200/session14-ab/mhc-c7c9893.csv). PDL pair vs two launches, measured on the H200 (us per boundary, D = 4096
 /// NVFP4, 16 boundaries in one graph, two launches vs PDL pair): 1 token 8.3 vs 7.3, 8 tokens 8.9 vs 8.8,
 /// 16 tokens 10.3 vs 11.0, 32: 12.4 vs 16.8, 64: 15.3 vs 27.7 (D = 7168: 9.7 vs 8.7 at 1 token, 11.0 vs
 /// 11.4 at 8, 12.8 vs 14.9 at 16; FP8 alike). From 16 tokens on, the finish grid (two CTAs per token) is
