@@ -592,16 +592,17 @@ __device__ __forceinline__ void store_partials_n(const float (&d)[2][64], float*
 // (rows of the next expert, or zeros past rows_total): their accumulator columns are never stored.
 // Ring protocol (fills and consumptions counted per CTA across its work items, same order): fill f goes to slot
 // f % 4; its full barrier (count 1: the producer's arrive.expect_tx of 32 KiB) completes phase f / 4; the empty
-// barrier (count 8: lane 0 of every warp after wgmma.wait_group 0 of the stage) must have completed phase
-// f / 4 - 1 before fill f reuses the slot. Thread 0 produces and consumes; its empty-wait is for the consumption
-// one stage back, which it finished itself, so the protocol cannot deadlock.
+// barrier (count 8: lane 0 of every warp after wgmma.wait_group 0 of the stage; 256 in rs_wtma_tiled, where every
+// thread arrives) must have completed phase f / 4 - 1 before fill f reuses the slot. Thread 0 produces and
+// consumes; its empty-wait is for the consumption one stage back, which it finished itself, so the protocol cannot
+// deadlock.
 namespace rs {
 constexpr int kRingT = 4;
 
 // Thread 0: the ring's full barriers (count 1: the producer's arrive.expect_tx) and empty barriers (count 8: lane 0 of
 // every warp), made visible to the async proxy. The caller's next __syncthreads publishes them to the CTA.
 // kEmptyArrivals: arrivals that complete a phase of an empty barrier: one per consumer warp (lane 0 after a
-// __syncwarp), or one per thread for the all-lane release of rs_wtma_tiled_lanerel (256 << the mbarrier's 2^20 - 1).
+// __syncwarp), or one per thread for the all-lane release of rs_wtma_tiled (256 << the mbarrier's 2^20 - 1).
 template <int kEmptyArrivals = kThreads / 32>
 __device__ __forceinline__ void ring_init(uint64_t* full, uint64_t* empty) {
     static_assert(kEmptyArrivals >= 1 && kEmptyArrivals < (1 << 20), "mbarrier expected count is 20 bits");
@@ -990,9 +991,9 @@ struct WCtx {
 // (outputs of the item unwritten). The activation boxes hold NT token rows (2 x NT x 128 bytes per stage instead of
 // 32 KiB), at the same smem offsets (the first NT rows of each 128-row atom: rows 128 B apart, 8-row
 // groups 1024 B apart, the same swizzle pattern), which are the only rows an NT-token wgmma reads.
-// kLaneRelease (rs_wtma_tiled_lanerel only; empty barriers initialized with kThreads arrivals): every lane arrives
-// on the empty barrier itself instead of lane 0 for its warp. Same ordering on the hardware (the __syncwarp stays);
-// it exists to tell a racecheck artefact (lanes 1-31's LDS not credited to lane 0's arrive) from a real WAR hazard.
+// kLaneRelease (rs_wtma_tiled; empty barriers initialized with kThreads arrivals): every lane arrives on the empty
+// barrier itself instead of lane 0 for its warp. Same ordering on the hardware (the __syncwarp stays); it makes
+// racecheck see each lane's reads released (see moe_gemm_prefill_partial_rs_wtma_tiled).
 template <int NT, bool kTiled = false, bool kLaneRelease = false>
 __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int ntok, int wtile, int wrow0,
                                           int lrow, float* __restrict__ partial, float restore) {
@@ -1074,7 +1075,7 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
 // took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
 // kTiled: the weights come pre-tiled (`tiled`, moe_gemm_prefill_tile_weights_rs) instead of through the 2D maps.
-// kLaneRelease: every thread arrives on the empty barriers (rs::wtma_item; rs_wtma_tiled_lanerel only).
+// kLaneRelease: every thread arrives on the empty barriers (rs::wtma_item; rs_wtma_tiled).
 template <bool kTiled, bool kLaneRelease = false>
 __device__ __forceinline__ void rs_wtma_kernel(const TmaDesc* w_codes_map, const TmaDesc* w_scales_map,
                                                const uint8_t* tiled, int N, int K, const TmaDesc* act32,
@@ -1183,26 +1184,15 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 // 574.5, 1024 615.0 / 607.1, 4096 1009.1 / 996.8, 16384 3516.8 / 3599.5; Pro L1 1024 3984.8 / 3919.3, 4096 5479.7 /
 // 5665.8. Mainloop under ncu (Flash L1 4096) 1.52 -> 1.49 ms plus a 78.6 us pre-pass: wins of 1-2% inside the run's
 // 5-8% point spread, losses of 3-6% at Flash 16384 and Pro 4096.
+// Session 15: every thread arrives on a ring slot's empty barrier (count 256), not lane 0 per warp after a
+// __syncwarp (count 8; rs_wtma keeps that). Both orders are correct on the hardware (PTX: __syncwarp orders the
+// warp's shared-memory reads before lane 0's release-arrive), but compute-sanitizer racecheck does not credit lanes
+// 1-31's reads to lane 0's arrive and reported 8 hazard groups (the producer's bulk_load_1d into a slot vs
+// lds_weights<true> of it) on gpu_prefill_token_counts_both_a_formats; with the all-lane release, 0. Session-14
+// A/B on the H200 (3374a9a, session14-final/lanerel/, as the variant moe_gemm_prefill_partial_rs_wtma_tiled_lanerel):
+// bit-identical partials, whole calls within 0.4% at Flash L1 512 / 2048 / 16384 tokens, L2 4096 +0.7%; one more
+// arrive per warp and stage. So a clean racecheck of the routed kernel costs nothing measurable.
 extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled(
-    const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
-    const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
-    const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,
-    int rows_total, float* __restrict__ partial) {
-    extern __shared__ uint8_t rs_wtma_smem_raw[];
-    rs_wtma_kernel<true>(nullptr, nullptr, tiled, N, K, &act32, &act64, &act96, &act128, restore, offsets, experts,
-                         rows_total, partial, rs_wtma_smem_raw);
-}
-
-// Session 14, discriminating variant (never routed; bench `nvfp4_lanerel`, PrefillKernel::RsWtmaTiledLaneRelease):
-// moe_gemm_prefill_partial_rs_wtma_tiled with every thread arriving on the empty barrier of a slot (count 256)
-// instead of lane 0 of each warp (count 8). Why: compute-sanitizer racecheck reports, for the tiled kernel only, the
-// producer's bulk_load_1d into a ring slot against the consumers' lds_weights<true> of that slot, although lane 0
-// arrives one stage after its warp's reads with a __syncwarp between them. If lanes 1-31's reads are merely not
-// credited to lane 0's arrive (a tool-model artefact), this kernel shows 0 hazards; if they remain, the hazard is
-// real or elsewhere. Otherwise identical (bit-identical partials; the __syncwarp stays); cost ~1 arrive per warp per
-// stage more issue, 32 arrivals per warp on the slot's barrier instead of 1. H200 (3374a9a): 0 hazards where the
-// tiled kernel shows 8 on the same test (a tool-model artefact then), same speed within the run's spread.
-extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled_lanerel(
     const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
     const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,

@@ -10,12 +10,14 @@
 #   env: TEST_TIMEOUT, STRESS_TIMEOUT, SANITIZER_TIMEOUT, SANITIZER_MAX, SANITIZE_TESTS (stress: extra sanitizer
 #        runs of test executables, "exe[:filter] ..."), SANITIZE_TOOLS (their tools, default memcheck),
 #        SKIP_INDEXER_STRESS=1 (stress: only the SANITIZE_TESTS runs), BENCH_TIMEOUT (per config), REPS,
-#        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all when unset),
+#        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all top-level configs when
+#        unset; an A/B config bench-configs/ab/X.toml runs only when named as "ab/X"),
 #        TESTS (tests: space-separated test executable names to run; all when unset), PROFILE_TIMEOUT
-#        (per family; CONFIGS also selects profile families), PROFILE_SOURCE=1 (profile: also export the
-#        per-SASS-instruction source page with warp-stall samples, ncu-<family>-hot.txt; scripts/ncu-regions.py
-#        splits a kernel's samples from that page into before / inside / after its main loop), NCU_EXTRA (extra
-#        ncu arguments, e.g. "--warp-sampling-interval 0" for more stall samples from a short kernel)
+#        (per family), PROFILES (profile families to run; CONFIGS when unset, all when both are),
+#        PROFILE_SOURCE=1 (profile: also export the per-SASS-instruction source page with warp-stall samples,
+#        ncu-<family>-hot.txt; scripts/ncu-regions.py splits a kernel's samples from that page into before / inside /
+#        after its main loop), NCU_EXTRA (extra ncu arguments, e.g. "--warp-sampling-interval 0" for more stall
+#        samples from a short kernel)
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || [ -f "$B/megamoe.gz" ] || B="$(pwd)/gpu-bundle"
@@ -80,14 +82,17 @@ fi
 if want bench; then
   # One `megamoe bench` per config, each under its own time limit (CSVs are written after every sweep, so a
   # config stopped by its limit keeps what it measured); every config measures its limits in its own run.
-  for c in default "$B"/bench-configs/*.toml; do
+  # A/B configs (bench-configs/ab/X.toml) run only when CONFIGS names them as ab/X.
+  for c in default "$B"/bench-configs/*.toml "$B"/bench-configs/ab/*.toml; do
     [ "$c" = "$B/bench-configs/default.toml" ] && continue
+    [ -e "$c" ] || [ "$c" = default ] || continue
     if [ "$c" = default ]; then args=(); name=default; else args=(--config "$c"); name="$(basename "$c" .toml)"; fi
-    if [ -n "${CONFIGS:-}" ] && ! [[ " $CONFIGS " == *" $name "* ]]; then continue; fi
+    [[ "$c" == */ab/* ]] && name="ab/$name"
+    if [[ "$name" == ab/* || -n "${CONFIGS:-}" ]] && ! [[ " ${CONFIGS:-} " == *" $name "* ]]; then continue; fi
     step "bench $name"
     timeout "${BENCH_TIMEOUT:-600}" "$B/megamoe" bench "${args[@]}" --reps "${REPS:-15}" --out "$work" "$@" \
-      > "$work/bench-$name.log" 2>&1; rc=$?
-    tail -n 2 "$work/bench-$name.log"; [ $rc -eq 0 ] || { echo "bench $name: rc $rc"; status=1; }
+      > "$work/bench-${name//\//-}.log" 2>&1; rc=$?
+    tail -n 2 "$work/bench-${name//\//-}.log"; [ $rc -eq 0 ] || { echo "bench $name: rc $rc"; status=1; }
   done
   "$B/megamoe" report --dir "$work" 2>&1 | tail -n 1
 fi
@@ -108,7 +113,8 @@ if want profile; then
   details=(); "$ncu" --help 2>/dev/null | grep -q -- "--print-details" && details=(--print-details all)
   for c in "$B"/bench-configs/profile/*.toml; do
     name="$(basename "$c" .toml)"
-    if [ -n "${CONFIGS:-}" ] && ! [[ " $CONFIGS " == *" $name "* ]]; then continue; fi
+    sel="${PROFILES:-${CONFIGS:-}}"
+    if [ -n "$sel" ] && ! [[ " $sel " == *" $name "* ]]; then continue; fi
     re="$(sed -n 's/^# ncu-kernels: //p' "$c")"; launches="$(sed -n 's/^# ncu-launches: //p' "$c")"
     step "ncu $name ($re, ${launches:-8} launches)"
     # PROFILE_SOURCE=1 also keeps the report and exports its per-SASS-instruction page (warp-stall samples per

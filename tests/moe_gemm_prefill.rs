@@ -112,15 +112,12 @@ enum Mode {
     /// ... with `PrefillKernel::RsWtmaTiled` (the routed RS mainloop: RsWtma with each stage's weights one bulk copy
     /// of the pre-tiled block); needs weights with the tiled copy (`prepare_prefill_tiling`).
     RsWtmaTiled,
-    /// ... with `PrefillKernel::RsWtmaTiledLaneRelease` (RsWtmaTiled with every thread arriving on a ring slot's
-    /// empty barrier: the session-14 racecheck discriminator); needs the tiled copy too.
-    RsWtmaTiledLaneRelease,
 }
 
 impl Mode {
     /// Whether the mode's kernel reads the weights' tiled copy (prepare it before the check).
     fn needs_tiling(self) -> bool {
-        matches!(self, Mode::RsWtmaTiled | Mode::RsWtmaTiledLaneRelease)
+        matches!(self, Mode::RsWtmaTiled)
     }
 }
 
@@ -154,9 +151,6 @@ fn check_prefill(
             Mode::RsTma => "forced, RS 256x128 via TMA",
             Mode::RsWtma => "forced, RS 256x(32..128), weights via TMA",
             Mode::RsWtmaTiled => "forced, RS 256x(32..128), tiled weights",
-            Mode::RsWtmaTiledLaneRelease => {
-                "forced, RS 256x(32..128), tiled weights, all-lane slot release"
-            }
         }
     );
     let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
@@ -178,7 +172,6 @@ fn check_prefill(
             Mode::Tile256 => PrefillKernel::Ss256,
             Mode::RsWtma => PrefillKernel::RsWtma,
             Mode::RsWtmaTiled => PrefillKernel::RsWtmaTiled,
-            Mode::RsWtmaTiledLaneRelease => PrefillKernel::RsWtmaTiledLaneRelease,
             _ => PrefillKernel::RsTma,
         };
         prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
@@ -238,15 +231,14 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    // RsWtmaTiled (the routed kernel) and its all-lane-release twin (the session-14 racecheck discriminator: run this
-    // test under compute-sanitizer racecheck) last: the tiled copy they read is prepared before them.
+    // RsWtmaTiled (the routed kernel; run this test under compute-sanitizer racecheck for its ring protocol) last:
+    // the tiled copy it reads is prepared before it.
     for mode in [
         Mode::Tile128,
         Mode::Tile256,
         Mode::RsTma,
         Mode::RsWtma,
         Mode::RsWtmaTiled,
-        Mode::RsWtmaTiledLaneRelease,
     ] {
         if mode.needs_tiling() {
             dw.prepare_prefill_tiling(&gpu).unwrap(); // a no-op once the copy exists
@@ -270,7 +262,6 @@ fn gpu_prefill_token_counts_both_a_formats() {
         (256, Mode::RsTma),
         (256, Mode::RsWtma),
         (256, Mode::RsWtmaTiled),
-        (256, Mode::RsWtmaTiledLaneRelease),
     ] {
         let w = quantized_weights(&mut rng, 3, n, k);
         let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -487,73 +478,6 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
                 got[0].len()
             );
         }
-    }
-}
-
-/// The all-lane-release twin of the routed kernel (`RsWtmaTiledLaneRelease`: every thread arrives on a ring slot's
-/// empty barrier, count 256, instead of lane 0 per warp, count 8) must write the same partials, bit for bit, as
-/// `RsWtmaTiled`: only who arrives on the empty barriers differs, not the fragments, the wgmma order or the bytes a
-/// stage reads. Flash L1 shape (N 4096, K 4096: 32 stages, 8 laps of the 4-slot ring), 7 experts whose 9 token tiles
-/// give 144 work items (more than the H200's 132 SMs, so some CTAs run a second item with the ring counters running
-/// on), token tiles of every narrow width (1 / 33 / 64 / 97 rows, 130 = 128 + 2, 300 = 2 x 128 + 44), an empty
-/// expert; both A formats; the partials NaN-poisoned (0xFF) before each launch, so an unwritten element differs.
-#[test]
-fn gpu_prefill_rs_wtma_tiled_lanerel_partials_bit_identical_to_rs_wtma_tiled() {
-    let name = "gpu_prefill_rs_wtma_tiled_lanerel_partials_bit_identical_to_rs_wtma_tiled";
-    let Some(gpu) = gpu_for_test(name) else {
-        return;
-    };
-    let mut rng = seeded(name);
-    let counts = [130usize, 0, 97, 33, 300, 1, 64];
-    let (n, k) = (4096, 4096);
-    let w = quantized_weights(&mut rng, counts.len(), n, k);
-    let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    dw.prepare_prefill_tiling(&gpu).unwrap();
-    // Never routed: the tiled copy routes to RsWtmaTiled.
-    assert_eq!(PrefillKernel::routed_for(&dw), PrefillKernel::RsWtmaTiled);
-    let rb = batch_with_counts(&counts);
-    let rows = rb.grouping.rows_total();
-    let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
-    for nvfp4 in [false, true] {
-        let a = gathered_activations(&mut rng, &rb, k, nvfp4);
-        let da = DevA::upload(&gpu, &a);
-        let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
-        let mut got = Vec::new();
-        for kernel in [
-            PrefillKernel::RsWtmaTiled,
-            PrefillKernel::RsWtmaTiledLaneRelease,
-        ] {
-            gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-            prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
-                .unwrap();
-            gpu.synchronize().unwrap();
-            got.push(gpu.download(&ws.partial).unwrap());
-        }
-        let label = format!(
-            "{} A, {} experts, rows {rows}, N {n}, K {k}",
-            if nvfp4 { "NVFP4" } else { "BF16" },
-            counts.len()
-        );
-        assert!(
-            got[0][..rows * n].iter().all(|x| x.is_finite()),
-            "{label}: RsWtmaTiled left unwritten (NaN-poisoned) partials"
-        );
-        let bad: Vec<usize> = (0..rows * n)
-            .filter(|&i| got[0][i].to_bits() != got[1][i].to_bits())
-            .collect();
-        assert!(
-            bad.is_empty(),
-            "{label}: RsWtmaTiledLaneRelease differs from RsWtmaTiled in {} of {} partials; first at row {} col {} \
-             (expert {:?}): {:e} vs {:e}",
-            bad.len(),
-            rows * n,
-            bad[0] / n,
-            bad[0] % n,
-            rb.grouping.expert_of_row(bad[0] / n),
-            got[0][bad[0]],
-            got[1][bad[0]]
-        );
-        eprintln!("{label}: {} partials bit-identical", rows * n);
     }
 }
 

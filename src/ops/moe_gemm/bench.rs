@@ -34,10 +34,11 @@
 //!   [`prefill::tile_weights_for_rs`]: weight preparation, not timed; the tiled copy is held next to the plain one).
 //!   Since session 11 `nvfp4` prepares the same copy at contiguous points and routes the prefill mainloop to it;
 //!   `nvfp4_wgmma_rswtma` keeps the plain-layout kernel measurable beside it.
-//! * `nvfp4_lanerel` (contiguous points only): `nvfp4` (same tiled weights, pre-pass and finish) with the prefill
-//!   mainloop forced to `PrefillKernel::RsWtmaTiledLaneRelease`, the routed tiled kernel with every thread arriving
-//!   on a ring slot's empty barrier instead of lane 0 per warp. A session-14 discriminating variant (the racecheck
-//!   finding on the tiled kernel); timed beside `nvfp4` to show what the all-lane release costs.
+//! * `nvfp4_splits1` / `nvfp4_splits2` / `nvfp4_splits4` / `nvfp4_splits8` (masked / decode points only): `nvfp4`
+//!   (tiled weights, v3t mainloop, routed finish) with the K split count forced instead of [`GemmConfig::choose`]'s;
+//!   a point whose K is not a multiple of splits x [`STAGE_K`] is skipped. Session 15: the choice's cost model counts
+//!   2 CTA slots per SM where the grid holds 3 (1 split at 4 Flash tokens: 736 items on 396 CTAs, a second round
+//!   of 340); these rows measure each split count at every decode point.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -81,8 +82,11 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_wgmma256",
     "nvfp4_wgmma_rswtma",
     "nvfp4_wgmma_rswtma_tiled",
-    "nvfp4_lanerel",
     "nvfp4_decode",
+    "nvfp4_splits1",
+    "nvfp4_splits2",
+    "nvfp4_splits4",
+    "nvfp4_splits8",
     "nvfp4_plain",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -108,25 +112,27 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_wgmma256"
             | "nvfp4_wgmma_rswtma"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_lanerel"
             | "nvfp4_decode"
+            | "nvfp4_splits1"
+            | "nvfp4_splits2"
+            | "nvfp4_splits4"
+            | "nvfp4_splits8"
             | "nvfp4_plain"
     )
 }
 
-/// The wgmma variants and `nvfp4_lanerel` (forced prefill mainloops) run only on contiguous (prefill) points, the
+/// The wgmma variants (forced prefill mainloops) run only on contiguous (prefill) points, the
 /// previous decode finish `nvfp4_finishq4` only on masked (decode) points; `nvfp4_finishpad1b` (the previous prefill
 /// finish) and `nvfp4_decode` (the decode mainloop where `nvfp4` may take the prefill one) only on contiguous points.
 fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
     let masked = dg.capacity != 0;
     let prefill_only = variant.starts_with("nvfp4_wgmma")
-        || variant == "nvfp4_lanerel"
         || variant == "nvfp4_finishpad1b"
         || variant == "nvfp4_finishrowsthr"
         || variant == "nvfp4_finishrowsthr2"
         || variant == "nvfp4_finishrows"
         || variant == "nvfp4_decode";
-    let decode_only = variant == "nvfp4_finishq4";
+    let decode_only = variant == "nvfp4_finishq4" || forced_splits(variant).is_some();
     (prefill_only && masked) || (decode_only && !masked)
 }
 
@@ -155,11 +161,27 @@ fn finish_l2_for(variant: &str, tokens: usize, n: usize) -> FinishL2Kernel {
     }
 }
 
-fn config_for(variant: &str, cfg: GemmConfig) -> GemmConfig {
-    if variant.starts_with("nvfp4_wgmma") || variant == "nvfp4_lanerel" {
-        GemmConfig { splits: 1, ..cfg }
+/// The K split count a `nvfp4_splits<s>` variant forces.
+fn forced_splits(variant: &str) -> Option<usize> {
+    match variant {
+        "nvfp4_splits1" => Some(1),
+        "nvfp4_splits2" => Some(2),
+        "nvfp4_splits4" => Some(4),
+        "nvfp4_splits8" => Some(8),
+        _ => None,
+    }
+}
+
+/// The launch configuration of a variant: the wgmma variants run one split, `nvfp4_splits<s>` its s splits (None:
+/// K is not a multiple of s x [`STAGE_K`], the point is skipped), every other variant `cfg` (the chosen one).
+fn config_for(variant: &str, cfg: GemmConfig, k: usize) -> Option<GemmConfig> {
+    if variant.starts_with("nvfp4_wgmma") {
+        Some(GemmConfig { splits: 1, ..cfg })
+    } else if let Some(splits) = forced_splits(variant) {
+        k.is_multiple_of(splits * STAGE_K)
+            .then_some(GemmConfig { splits, ..cfg })
     } else {
-        cfg
+        Some(cfg)
     }
 }
 
@@ -190,14 +212,6 @@ fn launch_variant(
             ws,
             prefill::PrefillKernel::RsWtmaTiled,
         ),
-        "nvfp4_lanerel" => prefill::launch_partial_prefill_with(
-            gpu,
-            w,
-            a,
-            dg,
-            ws,
-            prefill::PrefillKernel::RsWtmaTiledLaneRelease,
-        ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
@@ -212,7 +226,10 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
         variant,
         "nvfp4"
             | "nvfp4_wgmma_rswtma_tiled"
-            | "nvfp4_lanerel"
+            | "nvfp4_splits1"
+            | "nvfp4_splits2"
+            | "nvfp4_splits4"
+            | "nvfp4_splits8"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
             | "nvfp4_finishrowsthr2"
@@ -400,16 +417,16 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 global: &gsa,
             };
             let routing = gpu.upload(&vec![0.25f32; rows])?;
-            let cfg = config_for(
-                variant,
-                GemmConfig::choose(
-                    gpu.info.sm_count as usize,
-                    p.rows_per_active(),
-                    p.active.len(),
-                    p.n,
-                    p.k,
-                ),
+            let chosen = GemmConfig::choose(
+                gpu.info.sm_count as usize,
+                p.rows_per_active(),
+                p.active.len(),
+                p.n,
+                p.k,
             );
+            let Some(cfg) = config_for(variant, chosen, p.k) else {
+                return Ok(vec![]); // a forced split count K does not divide into
+            };
             let mut ws = Workspace::new(gpu, cfg.splits, rows, p.n)?;
             let i = p.n / 2;
             let mut out = L1Output::new(gpu, rows, i, false)?;
@@ -460,16 +477,16 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
             h.global = gpu.upload(&vec![0.01f32; rows.max(1)])?;
             let token_rows = gpu.upload(&p.rb.token_rows)?;
-            let cfg = config_for(
-                variant,
-                GemmConfig::choose(
-                    gpu.info.sm_count as usize,
-                    p.rows_per_active(),
-                    p.active.len(),
-                    p.n,
-                    p.k,
-                ),
+            let chosen = GemmConfig::choose(
+                gpu.info.sm_count as usize,
+                p.rows_per_active(),
+                p.active.len(),
+                p.n,
+                p.k,
             );
+            let Some(cfg) = config_for(variant, chosen, p.k) else {
+                return Ok(vec![]); // a forced split count K does not divide into
+            };
             let mut ws = Workspace::new(gpu, cfg.splits, rows, p.n)?;
             let mut y = gpu.zeros::<bf16>(p.tokens * p.n)?;
             let bytes = w.bytes_per_expert() * p.active.len()

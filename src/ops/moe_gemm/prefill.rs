@@ -120,16 +120,11 @@ pub enum PrefillKernel {
     /// 1933.3 / 1861.9, 16384 7470.2 / 7122.6; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6, L2 4096 3157.1
     /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms). The
     /// session-13 variant with the activations in a compact per-stage layout (RsWtmaTiledCact) lost to it in session
-    /// 14 and was removed (numbers in the .cu, above `moe_gemm_prefill_partial_rs_wtma_tiled`).
+    /// 14 and was removed (numbers in the .cu, above `moe_gemm_prefill_partial_rs_wtma_tiled`). Since session 15
+    /// every thread releases a ring slot itself (empty barrier count 256, not lane 0 per warp): the session-14
+    /// variant with that release was bit-identical and as fast, and compute-sanitizer racecheck reports 0 hazards
+    /// for it where the per-warp release showed 8 (a tool-model artefact of `__syncwarp`; PERF-LOG "Session 14").
     RsWtmaTiled,
-    /// `moe_gemm_prefill_partial_rs_wtma_tiled_lanerel`: [`PrefillKernel::RsWtmaTiled`] with every thread arriving
-    /// on a ring slot's empty barrier (count 256) instead of lane 0 of each warp (count 8). A session-14
-    /// discriminating variant, never routed (bench `nvfp4_lanerel`): compute-sanitizer racecheck flags the tiled
-    /// kernel's weight-slot refill against the consumers' reads of the slot; 0 hazards here would make that a
-    /// tool-model artefact of the per-warp release. Needs the tiled weights. Bit-identical partials.
-    /// Session-14 H200 (3374a9a): 0 hazards on gpu_prefill_token_counts_both_a_formats where RsWtmaTiled shows 8,
-    /// speed equal within the run's spread (results/h200/PERF-LOG.md): the candidate to route next.
-    RsWtmaTiledLaneRelease,
 }
 
 impl PrefillKernel {
@@ -158,12 +153,6 @@ impl PrefillKernel {
             ),
             PrefillKernel::RsWtmaTiled => (
                 "moe_gemm_prefill_partial_rs_wtma_tiled",
-                SMEM_BYTES_RS_WTMA,
-                TILE_N_RS,
-                STAGE_K_RS,
-            ),
-            PrefillKernel::RsWtmaTiledLaneRelease => (
-                "moe_gemm_prefill_partial_rs_wtma_tiled_lanerel",
                 SMEM_BYTES_RS_WTMA,
                 TILE_N_RS,
                 STAGE_K_RS,
@@ -198,10 +187,7 @@ impl PrefillKernel {
     /// Whether the kernel reads the weights' tiled copy ([`DeviceExpertWeights::prefill_tiled`]) instead of the
     /// plain layout.
     pub fn needs_tiled_weights(self) -> bool {
-        matches!(
-            self,
-            PrefillKernel::RsWtmaTiled | PrefillKernel::RsWtmaTiledLaneRelease
-        )
+        matches!(self, PrefillKernel::RsWtmaTiled)
     }
 }
 
@@ -220,8 +206,7 @@ pub fn launch_partial_prefill(
 }
 
 /// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes the kernel does not take before any launch
-/// ([`PrefillKernel::RsWtmaTiled`] and [`PrefillKernel::RsWtmaTiledLaneRelease`] also need
-/// [`DeviceExpertWeights::prefill_tiled`]).
+/// ([`PrefillKernel::RsWtmaTiled`] also needs [`DeviceExpertWeights::prefill_tiled`]).
 pub fn launch_partial_prefill_with(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -303,10 +288,7 @@ pub fn launch_partial_prefill_with(
     let ctas = (gpu.info.sm_count as usize).clamp(1, max_items.max(1)) as u32;
     if matches!(
         kernel,
-        PrefillKernel::RsTma
-            | PrefillKernel::RsWtma
-            | PrefillKernel::RsWtmaTiled
-            | PrefillKernel::RsWtmaTiledLaneRelease
+        PrefillKernel::RsTma | PrefillKernel::RsWtma | PrefillKernel::RsWtmaTiled
     ) {
         // TMA box coordinates are signed 32-bit: the weight row e * N + n and the token row must fit.
         ensure!(
@@ -319,7 +301,7 @@ pub fn launch_partial_prefill_with(
         // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
         let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
         // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
-        // 32 / 64 / 96 / 128 token rows; RsWtmaTiled(LaneRelease): the tiled weights' address, then the same
+        // 32 / 64 / 96 / 128 token rows; RsWtmaTiled: the tiled weights' address, then the same
         // activation maps.
         let weight_maps = match kernel {
             kern if kern == PrefillKernel::RsTma || kern.needs_tiled_weights() => None,
