@@ -150,6 +150,28 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// kHalf: f16 instead of bf16 (v3th: e2m1 * e4m3 values lie in [2^-10, 2688] with <= 5 significant bits, exact in
+// f16 too).
+template <bool kHalf = false>
+__device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
+    if constexpr (kHalf) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    } else {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     // Values here are exact in bf16 (e2m1 * e4m3), so RNE is exact.
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -231,14 +253,15 @@ __device__ __forceinline__ void copy_raw_activations(uint8_t* raw, const void* a
 }
 
 // Raw tile -> permuted, swizzled BF16 in s_act: the permuted, swizzled layout of the header (zeros for tokens >= ntok).
-template <int TN>
+// kHalf (v3th, NVFP4 A only: the launcher refuses BF16 A): the same values as f16.
+template <int TN, bool kHalf = false>
 __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint8_t* raw, int act_is_nvfp4, int ntok) {
     for (int q = threadIdx.x; q < TN * 64; q += kThreads) {
         const int token = q >> 6, grp = q & 63;
         const int c = grp >> 4, t = (grp >> 2) & 3, j = grp & 3;
         uint4 out = make_uint4(0, 0, 0, 0);
         if (token < ntok) {
-            if (!act_is_nvfp4) {
+            if (!kHalf && !act_is_nvfp4) {
                 const uint4 r = reinterpret_cast<const uint4*>(raw)[token * 64 + grp];
                 out.x = __byte_perm(r.x, r.z, 0x5410);  // (x0, x4)
                 out.y = __byte_perm(r.x, r.z, 0x7632);  // (x1, x5)
@@ -250,10 +273,10 @@ __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint
                 float x[8];
 #pragma unroll
                 for (int i = 0; i < 8; ++i) x[i] = e2m1_value(codes >> (4 * i)) * s;  // exact
-                out.x = pack_bf16x2(x[0], x[4]);
-                out.y = pack_bf16x2(x[1], x[5]);
-                out.z = pack_bf16x2(x[2], x[6]);
-                out.w = pack_bf16x2(x[3], x[7]);
+                out.x = pack_x2<kHalf>(x[0], x[4]);
+                out.y = pack_x2<kHalf>(x[1], x[5]);
+                out.z = pack_x2<kHalf>(x[2], x[6]);
+                out.w = pack_x2<kHalf>(x[3], x[7]);
             }
         }
         s_act[token * 64 + c * 16 + t * 4 + (j ^ ((t & 2) | (token & 1)))] = out;
@@ -272,32 +295,55 @@ __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint
 // buffer costs 36 registers instead of 72, which lets the 1- and 2-token-tile entries run 3 CTAs (24 warps) per
 // SM instead of 2 (ncu round 1: nt1 v2 = 118 registers, occupancy limited to 25% by registers).
 namespace {
-template <int NT, bool kTiled = false>
+// kHalf (v3th): weights dequantized to f16 with e2m1_word_to_f16x2_tiny and scale_f16x2 (e2m1 * s * 2^-7) and f16
+// MMAs; the activations in s_act are f16 then. Same fragments, pairing and mma order.
+template <int NT, bool kTiled = false, bool kHalf = false>
 __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChunk (&w)[kChunksPerStage],
                                                       const uint4* s_act, int g, int t, bool load_next,
                                                       const uint8_t* next_codes, const uint8_t* next_scales,
                                                       size_t codes_8rows, size_t scales_8rows) {
 #pragma unroll
     for (int c = 0; c < kChunksPerStage; ++c) {
-        const uint32_t s_lo0 = scale_bf16x2(w[c].scales & 0xFF), s_lo1 = scale_bf16x2((w[c].scales >> 8) & 0xFF);
-        const uint32_t s_hi0 = scale_bf16x2((w[c].scales >> 16) & 0xFF), s_hi1 = scale_bf16x2(w[c].scales >> 24);
+        uint32_t s_lo0, s_lo1, s_hi0, s_hi1;
+        if constexpr (kHalf) {
+            s_lo0 = scale_f16x2(w[c].scales & 0xFF), s_lo1 = scale_f16x2((w[c].scales >> 8) & 0xFF);
+            s_hi0 = scale_f16x2((w[c].scales >> 16) & 0xFF), s_hi1 = scale_f16x2(w[c].scales >> 24);
+        } else {
+            s_lo0 = scale_bf16x2(w[c].scales & 0xFF), s_lo1 = scale_bf16x2((w[c].scales >> 8) & 0xFF);
+            s_hi0 = scale_bf16x2((w[c].scales >> 16) & 0xFF), s_hi1 = scale_bf16x2(w[c].scales >> 24);
+        }
         const uint32_t lo[4] = {w[c].row_lo.x, w[c].row_lo.y, w[c].row_lo.z, w[c].row_lo.w};
         const uint32_t hi[4] = {w[c].row_hi.x, w[c].row_hi.y, w[c].row_hi.z, w[c].row_hi.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const uint32_t sl = j < 2 ? s_lo0 : s_lo1, sh = j < 2 ? s_hi0 : s_hi1;
             uint32_t pl[4], ph[4];
+            if constexpr (kHalf) {
+                e2m1_word_to_f16x2_tiny(lo[j], pl);
+                e2m1_word_to_f16x2_tiny(hi[j], ph);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                pl[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(lo[j], i), sl);
-                ph[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(hi[j], i), sh);
+                for (int i = 0; i < 4; ++i) {
+                    pl[i] = f16x2_mul(pl[i], sl);
+                    ph[i] = f16x2_mul(ph[i], sh);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    pl[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(lo[j], i), sl);
+                    ph[i] = bf16x2_mul(e2m1_pair_to_bf16x2_tiny(hi[j], i), sh);
+                }
             }
             const int unit = c * 16 + t * 4 + (j ^ ((t & 2) | (g & 1)));
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const uint4 b = s_act[(nt * 8 + g) * 64 + unit];
-                mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
-                mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+                if constexpr (kHalf) {
+                    mma_f16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                    mma_f16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+                } else {
+                    mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                    mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
+                }
             }
         }
         // Chunk c has been consumed: refill its slot with chunk c of the next stage (the addresses load_stage
@@ -312,7 +358,8 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
 }
 
 // kTiled (v3t): w_codes points at the prefill-tiled weights (w_scales unused); only the weight addresses change.
-template <int NT, bool kTiled = false>
+// kHalf (v3th): f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-7 instead of sum * 2^-9.
+template <int NT, bool kTiled = false, bool kHalf = false>
 __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_codes,
                                                  const uint8_t* __restrict__ w_scales, int N, int K,
                                                  const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
@@ -404,26 +451,27 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         const int next_st = last_stage ? 0 : st + 1;
         cp_async_wait_all();  // this thread's copies of this step's raw tile have landed
         __syncthreads();      // ... everyone's; and the previous step's reads of s_act are done
-        convert_raw_activations<TN>(s_act, s_raw, act_is_nvfp4, cur.ntok);
+        convert_raw_activations<TN, kHalf>(s_act, s_raw, act_is_nvfp4, cur.ntok);
         __syncthreads();      // s_act complete; s_raw free
         if (has_next)         // the next step's raw tile streams in while this step computes
             copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
                                      nxt.split * k_split + next_st * kStageK);
-        compute_stage_rolling<NT, kTiled>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
+        compute_stage_rolling<NT, kTiled, kHalf>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
                                           nxt.scales + next_st * kStageScales, codes_8rows, scales_8rows);
 
         if (last_stage) {
+            constexpr float kRestore = kHalf ? 128.f : 512.f;  // exact: the accumulators hold sum * 2^-7 / 2^-9
             float* out = partial + (size_t)cur.split * grp.rows_total * N;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int tk = nt * 8 + 2 * t;
                 if (tk < cur.ntok) {
-                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 512.f;
-                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 512.f;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * kRestore;
+                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * kRestore;
                 }
                 if (tk + 1 < cur.ntok) {
-                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 512.f;
-                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 512.f;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * kRestore;
+                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * kRestore;
                 }
                 acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
             }
@@ -442,23 +490,35 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
 // same registers, fragments and mma order: bit-identical partials (GPU test); a warp's 8 rows of a chunk are 512
 // contiguous bytes instead of 64 B per row, K / 2 bytes apart. 1- and 2-token tiles: 3 CTAs per SM (<= 80 registers);
 // the launcher's grid for them is 3 x SMs.
-#define MOE_GEMM_ENTRY_V3(GEN, TILED, NT, MINB)                                                                       \
+#define MOE_GEMM_ENTRY_V3(GEN, TILED, HALF, NT, MINB)                                                                 \
     extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_##GEN##_nt##NT(            \
         const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3<NT, TILED>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits); \
+        moe_gemm_body_v3<NT, TILED, HALF>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial,     \
+                                          splits);                                                                   \
     }
 
-MOE_GEMM_ENTRY_V3(v3, false, 1, 3)
-MOE_GEMM_ENTRY_V3(v3, false, 2, 3)
-MOE_GEMM_ENTRY_V3(v3, false, 4, 1)
-MOE_GEMM_ENTRY_V3(v3, false, 8, 1)
-MOE_GEMM_ENTRY_V3(v3t, true, 1, 3)
-MOE_GEMM_ENTRY_V3(v3t, true, 2, 3)
-MOE_GEMM_ENTRY_V3(v3t, true, 4, 1)
-MOE_GEMM_ENTRY_V3(v3t, true, 8, 1)
+MOE_GEMM_ENTRY_V3(v3, false, false, 1, 3)
+MOE_GEMM_ENTRY_V3(v3, false, false, 2, 3)
+MOE_GEMM_ENTRY_V3(v3, false, false, 4, 1)
+MOE_GEMM_ENTRY_V3(v3, false, false, 8, 1)
+MOE_GEMM_ENTRY_V3(v3t, true, false, 1, 3)
+MOE_GEMM_ENTRY_V3(v3t, true, false, 2, 3)
+MOE_GEMM_ENTRY_V3(v3t, true, false, 4, 1)
+MOE_GEMM_ENTRY_V3(v3t, true, false, 8, 1)
+// Session 15 candidate (bench `nvfp4_half`, never routed yet): v3th = v3t with f16 weight fragments built by
+// e2m1_word_to_f16x2_tiny (~11 integer ops per 8 codes instead of 15) and f16 MMAs, for NVFP4 activations only.
+// Why: Nsight Compute of v3t at Flash L1 64 tokens (every CTA busy; results/h200/profile/ncu-moe_gemm-session15*):
+// issue slots 64% busy, the ALU pipe the most used at 63.7% of elapsed cycles, DRAM 56.7% at a 1.79 GHz SM clock
+// (the bench's 64.8% of copy bandwidth at ~1.98 GHz: the rate follows the SM clock, not HBM). The products are the
+// same exact values scaled by 2^-7 instead of 2^-9 and the mma order is the same, so the partials are meant to be
+// bit-identical to v3t's (GPU test).
+MOE_GEMM_ENTRY_V3(v3th, true, true, 1, 3)
+MOE_GEMM_ENTRY_V3(v3th, true, true, 2, 3)
+MOE_GEMM_ENTRY_V3(v3th, true, true, 4, 1)
+MOE_GEMM_ENTRY_V3(v3th, true, true, 8, 1)
 
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {

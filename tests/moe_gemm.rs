@@ -13,8 +13,9 @@ use half::bf16;
 use megamoe::formats::{e2m1, e4m3};
 use megamoe::gpu::{gpu_for_test, Gpu};
 use megamoe::ops::moe_gemm::reference::{
-    apply_global_scales, combine_l2_f64, dequant_pair_like_kernel, grouped_gemm_acc_f64,
-    quantize_rows_nvfp4, swiglu_l1_f64, Activations, ExpertWeights, Grouping, Nvfp4Rows,
+    apply_global_scales, combine_l2_f64, dequant_pair_like_kernel, dequant_word_like_kernel_f16,
+    grouped_gemm_acc_f64, quantize_rows_nvfp4, swiglu_l1_f64, Activations, ExpertWeights, Grouping,
+    Nvfp4Rows,
 };
 use megamoe::ops::moe_gemm::{
     self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output, RoutedBatch, Workspace,
@@ -65,6 +66,30 @@ fn kernel_register_dequant_is_exact_for_every_code_and_scale() {
                         e2m1::decode(hi as u8) * sv,
                         "hi code {hi} nibble {} scale {s:#x}",
                         i + 4
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kernel_register_dequant_f16_is_exact_for_every_code_and_scale() {
+    // The f16 form of the v3th decode mainloop (e2m1_word_to_f16x2_tiny + scale_f16x2), on every code at every
+    // nibble position (the other nibbles a fixed pattern, so a mask that lets a neighbour leak in shows) and every
+    // finite positive scale.
+    for c in 0u32..16 {
+        for pos in 0..8u32 {
+            let word = (0x9E3A_7B51u32 & !(0xF << (4 * pos))) | (c << (4 * pos));
+            for s in (0u8..=255).filter(|s| s & 0x7F != 0x7F && s & 0x80 == 0) {
+                let got = dequant_word_like_kernel_f16(word, s);
+                let sv = e4m3::decode(s);
+                for (q, &g) in got.iter().enumerate() {
+                    let code = (word >> (4 * q)) & 0xF;
+                    assert_eq!(
+                        g,
+                        e2m1::decode(code as u8) * sv,
+                        "code {code} at nibble {q} (word {word:#010x}) scale {s:#x}"
                     );
                 }
             }
@@ -473,6 +498,124 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
                 );
             }
         }
+    }
+}
+
+/// The F16-operand decode mainloop (v3th, `DecodeOperands::F16`) on NVFP4 activations: checked against the f64
+/// reference under the accumulator bounds (its products are the same exact values, scaled by 2^-7 instead of 2^-9),
+/// and compared bit for bit with v3t (BF16 operands) on the same tiled weights: the order of the MMAs is the same,
+/// so the partials are expected to be identical; the test reports and asserts that. Masked and contiguous groupings,
+/// every token tile, split counts 1 / 2 / 4, empty experts, experts of 1..65 rows; the partials NaN-poisoned before
+/// each launch. Also: BF16 activations and weights without the tiled copy are refused before any launch.
+#[test]
+fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
+    let name = "gpu_decode_f16_operands_match_the_reference_and_bf16_operands";
+    let Some(gpu) = gpu_for_test(name) else {
+        return;
+    };
+    let mut rng = seeded(name);
+    let counts = [0usize, 1, 2, 3, 7, 8, 16, 33, 64, 65, 0];
+    let (e, n, k) = (counts.len(), 512, 2048);
+    let w = quantized_weights(&mut rng, e, n, k);
+    let dw_plain = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    dw.prepare_prefill_tiling(&gpu).unwrap();
+    let tokens: usize = counts.iter().sum();
+    let choices: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+        .collect();
+    let sms = gpu.info.sm_count as u32;
+    for cap in [Some(65), None] {
+        let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+        let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
+        let rows = rb.grouping.rows_total();
+        let a = gathered_activations(&mut rng, &rb, k, true);
+        let da = DevA::upload(&gpu, &a);
+        let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
+        let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
+        for (token_tile, splits, ctas) in [
+            (8, 1, 3 * sms),
+            (8, 4, 3 * sms),
+            (16, 2, 3 * sms),
+            (32, 4, 2 * sms),
+            (64, 1, 5),
+        ] {
+            let cfg = GemmConfig {
+                token_tile,
+                splits,
+                ctas,
+            };
+            let label = format!("cap {cap:?}, NVFP4 A, {cfg:?}");
+            let mut got = Vec::new();
+            let mut acc = Vec::new();
+            for operands in [mg::DecodeOperands::Bf16, mg::DecodeOperands::F16] {
+                let mut ws = Workspace::new(&gpu, splits, rows, n).unwrap();
+                gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+                mg::launch_partial_mma_with(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, operands)
+                    .unwrap();
+                gpu.synchronize().unwrap();
+                got.push(gpu.download(&ws.partial).unwrap());
+                acc.push(gpu_accumulator(&gpu, &ws));
+            }
+            check_accumulator(
+                &format!("{label} F16 operands"),
+                &acc[1],
+                &exact,
+                &abs,
+                k,
+                splits,
+                &owned,
+                n,
+            );
+            let diff = got[0]
+                .iter()
+                .zip(&got[1])
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            eprintln!(
+                "{label}: F16 vs BF16 operands: {diff} of {} partials differ",
+                got[0].len()
+            );
+            assert_eq!(
+                diff,
+                0,
+                "{label}: F16 operands differ from BF16 operands in {diff} of {} partials",
+                got[0].len()
+            );
+        }
+        // Refused before any launch: BF16 activations, and weights without the tiled copy.
+        let cfg = GemmConfig {
+            token_tile: 8,
+            splits: 1,
+            ctas: sms,
+        };
+        let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
+        let a16 = gathered_activations(&mut rng, &rb, k, false);
+        let da16 = DevA::upload(&gpu, &a16);
+        let err = mg::launch_partial_mma_with(
+            &gpu,
+            &dw,
+            &da16.view(),
+            &dg,
+            &cfg,
+            &mut ws,
+            mg::DecodeOperands::F16,
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("NVFP4"), "{err:#}");
+        let err = mg::launch_partial_mma_with(
+            &gpu,
+            &dw_plain,
+            &da.view(),
+            &dg,
+            &cfg,
+            &mut ws,
+            mg::DecodeOperands::F16,
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("tiled"), "{err:#}");
     }
 }
 

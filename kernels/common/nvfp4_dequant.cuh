@@ -43,3 +43,39 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t code) {
     const uint32_t b = __float_as_uint(f) >> 16;  // exact: the low 16 bits are zero
     return b | (b << 16);
 }
+
+// ---- F16 weight fragments (decode mainloop v3th; NVFP4 activations only) ---------------------------------------
+// An e2m1 code s|e1 e0 m placed in the HIGH byte of an f16 as s at bit 7 and e1 e0 m at bits 3..1 is an f16 with
+// exponent field e1 e0 and top mantissa bit m: 2^(e-15) * (1 + m/2) for e >= 1, and the subnormal m * 2^-15 for
+// e = 0, i.e. exactly e2m1 * 2^-14 in both cases (e2m1: 2^(e-1) * (1 + m/2), and m * 0.5 for e = 0), with the low
+// byte zero. So a whole f16 is one byte, and 4 codes become 4 such bytes with a few word-wide ops:
+//   even nibbles 0, 2, 4, 6 (bits 8b..8b+3 of byte b): E = ((w & 0x07070707) << 1) | ((w & 0x08080808) << 4),
+//   odd nibbles 1, 3, 5, 7 (bits 8b+4..8b+7): O = (w & 0x80808080) | ((w >> 3) & 0x0E0E0E0E),
+// and an f16x2 wants its two bytes at byte positions 1 and 3: pair (2, 6) = E & 0xFF00FF00, pair (0, 4) = E's bytes 0
+// and 2 moved up (byte_perm selector 0x2404: byte 1 <- E.b0, byte 3 <- E.b2, bytes 0 and 2 <- 0), likewise O for
+// (1, 3) / (5, 7). Same pairing (i, i + 4) as e2m1_pair_to_bf16x2_tiny, so the fragment layout does not change.
+// ~11 integer ops per 8 codes against 15 for the bf16 form (2 shifts + 2 masks per pair).
+__device__ __forceinline__ void e2m1_word_to_f16x2_tiny(uint32_t w, uint32_t (&p)[4]) {
+    const uint32_t e = ((w & 0x07070707u) << 1) | ((w & 0x08080808u) << 4);
+    const uint32_t o = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+    p[0] = __byte_perm(e, 0u, 0x2404);
+    p[1] = __byte_perm(o, 0u, 0x2404);
+    p[2] = e & 0xFF00FF00u;
+    p[3] = o & 0xFF00FF00u;
+}
+
+__device__ __forceinline__ uint32_t f16x2_mul(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// f16(s_e4m3 * 2^7) broadcast to both halves: e4m3 -> f16 is exact, and s * 2^7 lies in [2^-2, 448 * 2^7 = 57344],
+// inside the normal f16 range. Times a tiny pair (e2m1 * 2^-14): e2m1 * s * 2^-7 exactly, a multiple of 2^-17 of at
+// most 5 significant bits and at most 2688 * 2^-7 = 21, so exact in f16 (subnormal below 2^-14: f16 arithmetic keeps
+// subnormals; the PTX ftz modifier exists only for f32).
+__device__ __forceinline__ uint32_t scale_f16x2(uint32_t code) {
+    const __half h = __float2half_rn(mm::e4m3_decode((uint8_t)code) * 128.f);  // exact
+    const uint32_t b = __half_as_ushort(h);
+    return b | (b << 16);
+}

@@ -39,6 +39,9 @@
 //!   a point whose K is not a multiple of splits x [`STAGE_K`] is skipped. Session 15: the choice's cost model counts
 //!   2 CTA slots per SM where the grid holds 3 (1 split at 4 Flash tokens: 736 items on 396 CTAs, a second round
 //!   of 340); these rows measure each split count at every decode point.
+//! * `nvfp4_half` (masked / decode points only): `nvfp4` with the decode mainloop forced to F16 operands
+//!   ([`DecodeOperands::F16`], `moe_gemm_nvfp4_partial_v3th_nt*`: fewer integer ops per weight code), same config
+//!   and finish. The session-15 candidate.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -87,6 +90,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_splits2",
     "nvfp4_splits4",
     "nvfp4_splits8",
+    "nvfp4_half",
     "nvfp4_plain",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -117,6 +121,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_splits2"
             | "nvfp4_splits4"
             | "nvfp4_splits8"
+            | "nvfp4_half"
             | "nvfp4_plain"
     )
 }
@@ -132,7 +137,8 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
         || variant == "nvfp4_finishrowsthr2"
         || variant == "nvfp4_finishrows"
         || variant == "nvfp4_decode";
-    let decode_only = variant == "nvfp4_finishq4" || forced_splits(variant).is_some();
+    let decode_only =
+        variant == "nvfp4_finishq4" || variant == "nvfp4_half" || forced_splits(variant).is_some();
     (prefill_only && masked) || (decode_only && !masked)
 }
 
@@ -213,6 +219,7 @@ fn launch_variant(
             prefill::PrefillKernel::RsWtmaTiled,
         ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
+        "nvfp4_half" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeOperands::F16),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
@@ -230,6 +237,7 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
             | "nvfp4_splits2"
             | "nvfp4_splits4"
             | "nvfp4_splits8"
+            | "nvfp4_half"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
             | "nvfp4_finishrowsthr2"

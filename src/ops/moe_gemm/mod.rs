@@ -404,11 +404,51 @@ pub fn launch_partial_mma(
     cfg: &GemmConfig,
     ws: &mut Workspace,
 ) -> Result<()> {
+    launch_partial_mma_with(gpu, w, a, grp, cfg, ws, DecodeOperands::Bf16)
+}
+
+/// The operand type of the mma.sync decode mainloop's MMAs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeOperands {
+    /// BF16 weight fragments and activations (v3 / v3t): either A format.
+    Bf16,
+    /// F16 (`moe_gemm_nvfp4_partial_v3th_nt*`, session-15 candidate, bench `nvfp4_half`): the weight fragments
+    /// built with fewer integer ops per code (kernels/common/nvfp4_dequant.cuh, `e2m1_word_to_f16x2_tiny`); NVFP4
+    /// activations and the tiled weights only (BF16 activations are not exact in f16). Same exact products and
+    /// mma order as v3t.
+    F16,
+}
+
+/// [`launch_partial_mma`] with a chosen operand type; refuses what the F16 mainloop does not take (BF16
+/// activations, weights without their tiled copy) before any launch.
+pub fn launch_partial_mma_with(
+    gpu: &Gpu,
+    w: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    grp: &DeviceGrouping,
+    cfg: &GemmConfig,
+    ws: &mut Workspace,
+    operands: DecodeOperands,
+) -> Result<()> {
     let tiled = w.prefill_tiled.is_some();
     check_partial_launch(w, a, grp, cfg, ws)?;
+    if operands == DecodeOperands::F16 {
+        ensure!(
+            matches!(a, DeviceActivations::Nvfp4 { .. }),
+            "moe_gemm decode (F16 operands): needs NVFP4 activations (BF16 values are not exact in f16)"
+        );
+        ensure!(
+            tiled,
+            "moe_gemm decode (F16 operands): needs the weights' tiled copy (prepare_prefill_tiling)"
+        );
+    }
     let name = format!(
         "moe_gemm_nvfp4_partial_{}_nt{}",
-        if tiled { "v3t" } else { "v3" },
+        match (tiled, operands) {
+            (_, DecodeOperands::F16) => "v3th",
+            (true, DecodeOperands::Bf16) => "v3t",
+            (false, DecodeOperands::Bf16) => "v3",
+        },
         cfg.token_tile / 8
     );
     // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).

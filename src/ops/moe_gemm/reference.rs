@@ -466,3 +466,35 @@ pub fn dequant_pair_like_kernel(word: u32, i: u32, scale_code: u8) -> (f32, f32)
     let mul = |x: f32| bf16::from_f32(x * s).to_f32() * 512.0;
     (mul(lo), mul(hi))
 }
+
+/// CPU model of the f16 register dequant of the v3th decode mainloop (kernels/common/nvfp4_dequant.cuh,
+/// `e2m1_word_to_f16x2_tiny` + `scale_f16x2`): the 8 nibbles of `word` become four f16x2 whose halves are the f16
+/// whose high byte is `s << 7 | e1 e0 m << 1` (= `e2m1 * 2^-14`), pair `i` = (nibble `i`, nibble `i + 4`); one f16
+/// multiply by `f16(s_e4m3 * 2^7)` gives `e2m1 * s * 2^-7`. Returns the 8 products in nibble order as f32 times 2^7,
+/// i.e. what the accumulator sees after the kernel's exact `* 128`. The f16 multiply is modelled as an exact f32
+/// product rounded to f16 (`mul.rn.f16x2`, subnormals kept); tests check it equals `e2m1 * s` for every code and
+/// scale.
+pub fn dequant_word_like_kernel_f16(word: u32, scale_code: u8) -> [f32; 8] {
+    let e = ((word & 0x0707_0707) << 1) | ((word & 0x0808_0808) << 4);
+    let o = (word & 0x8080_8080) | ((word >> 3) & 0x0E0E_0E0E);
+    let byte = |x: u32, b: u32| (x >> (8 * b)) & 0xFF;
+    // __byte_perm(x, 0, 0x2404): byte 1 <- x.b0, byte 3 <- x.b2; x & 0xFF00FF00 keeps bytes 1 and 3.
+    let pairs = [
+        (byte(e, 0) << 8) | (byte(e, 2) << 24),
+        (byte(o, 0) << 8) | (byte(o, 2) << 24),
+        e & 0xFF00_FF00,
+        o & 0xFF00_FF00,
+    ];
+    let s = e4m3::decode(scale_code) * 128.0;
+    let s_f16 = half::f16::from_f32(s);
+    assert_eq!(s_f16.to_f32(), s, "s * 2^7 must be exact in f16");
+    let mul = |bits: u32| {
+        (half::f16::from_f32(half::f16::from_bits(bits as u16).to_f32() * s).to_f32()) * 128.0
+    };
+    let mut out = [0f32; 8];
+    for (i, p) in pairs.iter().enumerate() {
+        out[i] = mul(p & 0xFFFF);
+        out[i + 4] = mul(p >> 16);
+    }
+    out
+}
