@@ -295,7 +295,7 @@ __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint
 // buffer costs 36 registers instead of 72, which lets the 1- and 2-token-tile entries run 3 CTAs (24 warps) per
 // SM instead of 2 (ncu round 1: nt1 v2 = 118 registers, occupancy limited to 25% by registers).
 namespace {
-// kHalf (v3th): weights dequantized to f16 with e2m1_word_to_f16x2_tiny and scale_f16x2 (e2m1 * s * 2^-7) and f16
+// kHalf (v3th): weights dequantized to f16 with e2m1_word_to_f16x2_tiny and scales_f16x2 (e2m1 * s * 2^-14) and f16
 // MMAs; the activations in s_act are f16 then. Same fragments, pairing and mma order.
 template <int NT, bool kTiled = false, bool kHalf = false>
 __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChunk (&w)[kChunksPerStage],
@@ -304,10 +304,13 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
                                                       size_t codes_8rows, size_t scales_8rows) {
 #pragma unroll
     for (int c = 0; c < kChunksPerStage; ++c) {
-        uint32_t s_lo0, s_lo1, s_hi0, s_hi1;
+        // bf16: each scale converted and broadcast; f16: the two scales of a row as one f16x2 (h_lo: row g, blocks
+        // 2t / 2t + 1; h_hi: row g + 8), broadcast by the multiply's operand selector.
+        uint32_t s_lo0 = 0, s_lo1 = 0, s_hi0 = 0, s_hi1 = 0;
+        __half2 h_lo, h_hi;
         if constexpr (kHalf) {
-            s_lo0 = scale_f16x2(w[c].scales & 0xFF), s_lo1 = scale_f16x2((w[c].scales >> 8) & 0xFF);
-            s_hi0 = scale_f16x2((w[c].scales >> 16) & 0xFF), s_hi1 = scale_f16x2(w[c].scales >> 24);
+            h_lo = scales_f16x2(w[c].scales);
+            h_hi = scales_f16x2(w[c].scales >> 16);
         } else {
             s_lo0 = scale_bf16x2(w[c].scales & 0xFF), s_lo1 = scale_bf16x2((w[c].scales >> 8) & 0xFF);
             s_hi0 = scale_bf16x2((w[c].scales >> 16) & 0xFF), s_hi1 = scale_bf16x2(w[c].scales >> 24);
@@ -323,8 +326,8 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
                 e2m1_word_to_f16x2_tiny(hi[j], ph);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    pl[i] = f16x2_mul(pl[i], sl);
-                    ph[i] = f16x2_mul(ph[i], sh);
+                    pl[i] = j < 2 ? f16x2_mul_lo(pl[i], h_lo) : f16x2_mul_hi(pl[i], h_lo);
+                    ph[i] = j < 2 ? f16x2_mul_lo(ph[i], h_hi) : f16x2_mul_hi(ph[i], h_hi);
                 }
             } else {
 #pragma unroll
@@ -358,7 +361,7 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
 }
 
 // kTiled (v3t): w_codes points at the prefill-tiled weights (w_scales unused); only the weight addresses change.
-// kHalf (v3th): f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-7 instead of sum * 2^-9.
+// kHalf (v3th): f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-14 instead of sum * 2^-9.
 template <int NT, bool kTiled = false, bool kHalf = false>
 __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_codes,
                                                  const uint8_t* __restrict__ w_scales, int N, int K,
@@ -460,7 +463,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
                                           nxt.scales + next_st * kStageScales, codes_8rows, scales_8rows);
 
         if (last_stage) {
-            constexpr float kRestore = kHalf ? 128.f : 512.f;  // exact: the accumulators hold sum * 2^-7 / 2^-9
+            constexpr float kRestore = kHalf ? 16384.f : 512.f;  // exact: the accumulators hold sum * 2^-14 / 2^-9
             float* out = partial + (size_t)cur.split * grp.rows_total * N;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
@@ -513,7 +516,7 @@ MOE_GEMM_ENTRY_V3(v3t, true, false, 8, 1)
 // Why: Nsight Compute of v3t at Flash L1 64 tokens (every CTA busy; results/h200/profile/ncu-moe_gemm-session15*):
 // issue slots 64% busy, the ALU pipe the most used at 63.7% of elapsed cycles, DRAM 56.7% at a 1.79 GHz SM clock
 // (the bench's 64.8% of copy bandwidth at ~1.98 GHz: the rate follows the SM clock, not HBM). The products are the
-// same exact values scaled by 2^-7 instead of 2^-9 and the mma order is the same, so the partials are meant to be
+// same exact values scaled by 2^-14 instead of 2^-9 and the mma order is the same, so the partials are meant to be
 // bit-identical to v3t's (GPU test).
 MOE_GEMM_ENTRY_V3(v3th, true, true, 1, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 2, 3)

@@ -502,7 +502,7 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
 }
 
 /// The F16-operand decode mainloop (v3th, `DecodeOperands::F16`) on NVFP4 activations: checked against the f64
-/// reference under the accumulator bounds (its products are the same exact values, scaled by 2^-7 instead of 2^-9),
+/// reference under the accumulator bounds (its products are the same exact values, scaled by 2^-14 instead of 2^-9),
 /// and compared bit for bit with v3t (BF16 operands) on the same tiled weights: the order of the MMAs is the same,
 /// so the partials are expected to be identical; the test reports and asserts that. Masked and contiguous groupings,
 /// every token tile, split counts 1 / 2 / 4, empty experts, experts of 1..65 rows; the partials NaN-poisoned before

@@ -54,7 +54,8 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t code) {
 // and an f16x2 wants its two bytes at byte positions 1 and 3: pair (2, 6) = E & 0xFF00FF00, pair (0, 4) = E's bytes 0
 // and 2 moved up (byte_perm selector 0x2404: byte 1 <- E.b0, byte 3 <- E.b2, bytes 0 and 2 <- 0), likewise O for
 // (1, 3) / (5, 7). Same pairing (i, i + 4) as e2m1_pair_to_bf16x2_tiny, so the fragment layout does not change.
-// ~11 integer ops per 8 codes against 15 for the bf16 form (2 shifts + 2 masks per pair).
+// ~11 integer ops per 8 codes against 15 for the bf16 form (2 shifts + 2 masks per pair). The block scale then
+// multiplies in f16 (scales_f16x2 below): e2m1 * s * 2^-14 exactly.
 __device__ __forceinline__ void e2m1_word_to_f16x2_tiny(uint32_t w, uint32_t (&p)[4]) {
     const uint32_t e = ((w & 0x07070707u) << 1) | ((w & 0x08080808u) << 4);
     const uint32_t o = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
@@ -64,18 +65,23 @@ __device__ __forceinline__ void e2m1_word_to_f16x2_tiny(uint32_t w, uint32_t (&p
     p[3] = o & 0xFF00FF00u;
 }
 
-__device__ __forceinline__ uint32_t f16x2_mul(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
+// Two e4m3 block scales (the low two bytes of `codes`) as f16x2, low byte -> low half: exact (e4m3 is a subset of
+// f16). A tiny pair (e2m1 * 2^-14) times one of them, broadcast (f16x2_mul_lo / _hi: the h0/h1 operand selectors
+// of HMUL2, no extra instruction), is e2m1 * s * 2^-14 exactly: a multiple of 2^-24 (e2m1 is a multiple of 0.5, e4m3
+// of 2^-9) of at most 5 significant bits and at most 2688 * 2^-14 < 0.17, so exact in f16 down to its smallest
+// subnormal 2^-24 (f16 arithmetic keeps subnormals; the PTX ftz modifier exists only for f32). The accumulators
+// then hold sum * 2^-14, restored exactly in fp32.
+__device__ __forceinline__ __half2 scales_f16x2(uint32_t codes) {
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(codes & 0xFFFFu), __NV_E4M3);
+    return __half2(r);
 }
 
-// f16(s_e4m3 * 2^7) broadcast to both halves: e4m3 -> f16 is exact, and s * 2^7 lies in [2^-2, 448 * 2^7 = 57344],
-// inside the normal f16 range. Times a tiny pair (e2m1 * 2^-14): e2m1 * s * 2^-7 exactly, a multiple of 2^-17 of at
-// most 5 significant bits and at most 2688 * 2^-7 = 21, so exact in f16 (subnormal below 2^-14: f16 arithmetic keeps
-// subnormals; the PTX ftz modifier exists only for f32).
-__device__ __forceinline__ uint32_t scale_f16x2(uint32_t code) {
-    const __half h = __float2half_rn(mm::e4m3_decode((uint8_t)code) * 128.f);  // exact
-    const uint32_t b = __half_as_ushort(h);
-    return b | (b << 16);
+__device__ __forceinline__ uint32_t f16x2_mul_lo(uint32_t a, __half2 s) {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), __low2half2(s));
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+__device__ __forceinline__ uint32_t f16x2_mul_hi(uint32_t a, __half2 s) {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), __high2half2(s));
+    return *reinterpret_cast<const uint32_t*>(&r);
 }

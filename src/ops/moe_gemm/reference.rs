@@ -468,12 +468,12 @@ pub fn dequant_pair_like_kernel(word: u32, i: u32, scale_code: u8) -> (f32, f32)
 }
 
 /// CPU model of the f16 register dequant of the v3th decode mainloop (kernels/common/nvfp4_dequant.cuh,
-/// `e2m1_word_to_f16x2_tiny` + `scale_f16x2`): the 8 nibbles of `word` become four f16x2 whose halves are the f16
+/// `e2m1_word_to_f16x2_tiny` + `scales_f16x2`): the 8 nibbles of `word` become four f16x2 whose halves are the f16
 /// whose high byte is `s << 7 | e1 e0 m << 1` (= `e2m1 * 2^-14`), pair `i` = (nibble `i`, nibble `i + 4`); one f16
-/// multiply by `f16(s_e4m3 * 2^7)` gives `e2m1 * s * 2^-7`. Returns the 8 products in nibble order as f32 times 2^7,
-/// i.e. what the accumulator sees after the kernel's exact `* 128`. The f16 multiply is modelled as an exact f32
-/// product rounded to f16 (`mul.rn.f16x2`, subnormals kept); tests check it equals `e2m1 * s` for every code and
-/// scale.
+/// multiply by the block scale as f16 (e4m3 -> f16 is exact) gives `e2m1 * s * 2^-14`. Returns the 8 products in
+/// nibble order as f32 times 2^14, i.e. what the accumulator sees after the kernel's exact `* 16384`. The f16
+/// multiply is modelled as an exact f32 product rounded to f16 (`mul.rn.f16x2`, subnormals kept); tests check it
+/// equals `e2m1 * s` for every code and scale.
 pub fn dequant_word_like_kernel_f16(word: u32, scale_code: u8) -> [f32; 8] {
     let e = ((word & 0x0707_0707) << 1) | ((word & 0x0808_0808) << 4);
     let o = (word & 0x8080_8080) | ((word >> 3) & 0x0E0E_0E0E);
@@ -485,11 +485,11 @@ pub fn dequant_word_like_kernel_f16(word: u32, scale_code: u8) -> [f32; 8] {
         e & 0xFF00_FF00,
         o & 0xFF00_FF00,
     ];
-    let s = e4m3::decode(scale_code) * 128.0;
+    let s = e4m3::decode(scale_code);
     let s_f16 = half::f16::from_f32(s);
-    assert_eq!(s_f16.to_f32(), s, "s * 2^7 must be exact in f16");
+    assert_eq!(s_f16.to_f32(), s, "an e4m3 scale must be exact in f16");
     let mul = |bits: u32| {
-        (half::f16::from_f32(half::f16::from_bits(bits as u16).to_f32() * s).to_f32()) * 128.0
+        half::f16::from_f32(half::f16::from_bits(bits as u16).to_f32() * s).to_f32() * 16384.0
     };
     let mut out = [0f32; 8];
     for (i, p) in pairs.iter().enumerate() {
