@@ -37,8 +37,9 @@
 //   atomics) and apply the epilogue: plain BF16, L1 SwiGLU + routing weight + NVFP4 quant, or L2 per-token
 //   combine over the top-k experts in routing order.
 //
-// * Mainloop (moe_gemm_nvfp4_partial_v3_nt*, the only decode mainloop; prefill shapes go to the wgmma kernel of
-//   moe_gemm_prefill.cu): the activation tile of the NEXT 512-K step is copied raw with cp.async into shared
+// * Mainloop (moe_gemm_nvfp4_partial_v3_nt*, the decode mainloop, with the v3t (tiled weights) and v3th (tiled
+//   weights, NVFP4 activations, f16 operands: the routed decode form since session 15) entries at the bottom of
+//   this file; prefill shapes go to the wgmma kernel of moe_gemm_prefill.cu): the activation tile of the NEXT 512-K step is copied raw with cp.async into shared
 //   memory while the current step computes, then converted smem -> smem; the weights wait in ONE register stage
 //   that is refilled chunk by chunk as the compute consumes it, so the 1- and 2-token-tile entries fit 80
 //   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
@@ -511,13 +512,17 @@ MOE_GEMM_ENTRY_V3(v3t, true, false, 1, 3)
 MOE_GEMM_ENTRY_V3(v3t, true, false, 2, 3)
 MOE_GEMM_ENTRY_V3(v3t, true, false, 4, 1)
 MOE_GEMM_ENTRY_V3(v3t, true, false, 8, 1)
-// Session 15 candidate (bench `nvfp4_half`, never routed yet): v3th = v3t with f16 weight fragments built by
-// e2m1_word_to_f16x2_tiny (~11 integer ops per 8 codes instead of 15) and f16 MMAs, for NVFP4 activations only.
+// Session 15, ROUTED for NVFP4 activations on the tiled weights (DecodeOperands::routed_for): v3th = v3t with f16
+// weight fragments built by e2m1_word_to_f16x2_tiny (~11 integer ops per 8 codes instead of 15), the two block
+// scales of a row as one exact e4m3x2 -> f16x2 (broadcast by HMUL2's operand selector) and f16 MMAs.
 // Why: Nsight Compute of v3t at Flash L1 64 tokens (every CTA busy; results/h200/profile/ncu-moe_gemm-session15*):
 // issue slots 64% busy, the ALU pipe the most used at 63.7% of elapsed cycles, DRAM 56.7% at a 1.79 GHz SM clock
-// (the bench's 64.8% of copy bandwidth at ~1.98 GHz: the rate follows the SM clock, not HBM). The products are the
-// same exact values scaled by 2^-14 instead of 2^-9 and the mma order is the same, so the partials are meant to be
-// bit-identical to v3t's (GPU test).
+// (the bench's 64.8% of copy bandwidth at ~1.98 GHz: the rate follows the SM clock, not HBM). SASS of a 512-K stage
+// (nt1) 770 -> 563 instructions. The products are the same exact values scaled by 2^-14 instead of 2^-9 and the mma
+// order is the same: bit-identical partials to v3t's (GPU test). H200 A/B (580c580), whole calls, us, v3t / v3th:
+// Flash L1 1 token 35.6 / 33.6, 8 176.1 / 153.2, 64 696.4 / 599.2 (64.5% -> 75.0% of copy bandwidth), 256 1114.6 /
+// 980.5; L2 64 370.2 / 322.9; Pro L1 16 722.1 / 617.4 (77.1%), 64 2117.5 / 1835.4 (77.8%); every decode point
+// -5% to -14.5%. The first form (per-scale f32 round trip, 611 SASS per stage) measured 632.4 us at Flash L1 64.
 MOE_GEMM_ENTRY_V3(v3th, true, true, 1, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 2, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 4, 1)

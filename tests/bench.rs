@@ -536,15 +536,15 @@ fn config_errors_are_clear() {
     );
 }
 
-/// Every committed sweep config (bench-configs/*.toml and the ncu points in bench-configs/profile/) parses and
-/// names only registered kernels and variants, so a renamed variant fails here and not halfway through an H200
-/// run. Profile configs also name the kernels Nsight Compute collects (`# ncu-kernels:`), used by gpu-run.sh.
+/// Every committed sweep config (bench-configs/*.toml, the A/B configs in bench-configs/ab/ and the ncu points in
+/// bench-configs/profile/) parses and names only registered kernels and variants, so a renamed variant fails here and
+/// not halfway through an H200 run. Profile configs also name the kernels Nsight Compute collects (`# ncu-kernels:`).
 #[test]
 fn every_committed_config_names_registered_kernels_and_variants() {
     let registry = megamoe::ops::bench_kernels();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs");
     let mut checked = 0;
-    for dir in [root.clone(), root.join("profile")] {
+    for dir in [root.clone(), root.join("profile"), root.join("ab")] {
         let mut files: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().path())

@@ -427,8 +427,10 @@ fn check_plain(
     }
 }
 
-/// The decode mainloop on the prefill tiling of the weights (v3t: `launch_partial_mma` when the weights carry the
-/// tiled copy) writes the same partials, bit for bit, as on the plain layout (v3): only the weight addresses differ. Masked and contiguous groupings, every
+/// The decode mainloop on the prefill tiling of the weights (`launch_partial_mma` when the weights carry the tiled
+/// copy: v3t for BF16 activations, the F16-operand v3th for NVFP4 activations) writes the same partials, bit for
+/// bit, as on the plain layout (v3): v3t differs in the weight addresses only, v3th also in the operand type (same
+/// exact products, scaled by a power of two, same mma order). Masked and contiguous groupings, every
 /// token tile (1, 2, 4, 8 mma columns), K splits 1-4, few CTAs walking many items, empty experts, both A formats;
 /// N = 512 (two 256-row tiles, so a CTA's 128 rows sit in either half of a tile block), K = 2048.
 #[test]
@@ -473,7 +475,7 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
                 for tiled in [false, true] {
                     let mut ws = Workspace::new(&gpu, splits, rows, n).unwrap();
                     gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-                    // The same entry on each copy: v3 on the plain one, v3t on the tiled one.
+                    // The same entry on each copy: v3 on the plain one, v3t / v3th on the tiled one.
                     let d = if tiled { &dwt } else { &dw };
                     mg::launch_partial_mma(&gpu, d, &da.view(), &dg, &cfg, &mut ws).unwrap();
                     gpu.synchronize().unwrap();
@@ -493,7 +495,7 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
                 assert_eq!(
                     diff,
                     0,
-                    "{label}: v3t differs from v3 in {diff} of {} partials",
+                    "{label}: the tiled copy (v3t / v3th) differs from v3 in {diff} of {} partials",
                     got[0].len()
                 );
             }

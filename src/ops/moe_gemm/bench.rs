@@ -5,7 +5,8 @@
 //! Variants, raced on the same routing in the same run:
 //! * `nvfp4`: our mainloop + finish kernel (masked layout up to 256 tokens, contiguous above; contiguous points
 //!   with >= 64 rows per expert on average use the wgmma prefill mainloop, 128 x 256 tile when N % 256 == 0, see
-//!   `prefill.rs`; the other points run the v3 mma.sync mainloop, 3 CTAs per SM for token tiles <= 16).
+//!   `prefill.rs`; the other points run the v3 mma.sync mainloop, 3 CTAs per SM for token tiles <= 16, in its
+//!   F16-operand form v3th on the tiled weights since session 15).
 //!   The A/B variants `nvfp4_v1` / `nvfp4_v3` were removed: v3 (now `nvfp4`) beat v1 and v2 (the old `nvfp4`)
 //!   at every point; the H200 numbers are in the kernels/moe_gemm.cu header.
 //! * `nvfp4_finishq4` (`moe_gemm_l1` masked / decode points only): `nvfp4` (same mainloop and config) with the
@@ -39,9 +40,10 @@
 //!   a point whose K is not a multiple of splits x [`STAGE_K`] is skipped. Session 15: the choice's cost model counts
 //!   2 CTA slots per SM where the grid holds 3 (1 split at 4 Flash tokens: 736 items on 396 CTAs, a second round
 //!   of 340); these rows measure each split count at every decode point.
-//! * `nvfp4_half` (masked / decode points only): `nvfp4` with the decode mainloop forced to F16 operands
-//!   ([`DecodeOperands::F16`], `moe_gemm_nvfp4_partial_v3th_nt*`: fewer integer ops per weight code), same config
-//!   and finish. The session-15 candidate.
+//! * `nvfp4_bf16ops` (masked / decode points only): `nvfp4` with the decode mainloop forced to BF16 operands
+//!   ([`DecodeOperands::Bf16`], v3t), where `nvfp4` runs the F16-operand form v3th since session 15 (NVFP4
+//!   activations on the tiled weights); same config and finish. The session-15 bench candidate `nvfp4_half` (v3th
+//!   forced) became `nvfp4`; its rows are in results/h200/session15-ab/.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -90,7 +92,7 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_splits2",
     "nvfp4_splits4",
     "nvfp4_splits8",
-    "nvfp4_half",
+    "nvfp4_bf16ops",
     "nvfp4_plain",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -121,7 +123,7 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_splits2"
             | "nvfp4_splits4"
             | "nvfp4_splits8"
-            | "nvfp4_half"
+            | "nvfp4_bf16ops"
             | "nvfp4_plain"
     )
 }
@@ -137,8 +139,9 @@ fn forced_variant_skips(variant: &str, dg: &DeviceGrouping) -> bool {
         || variant == "nvfp4_finishrowsthr2"
         || variant == "nvfp4_finishrows"
         || variant == "nvfp4_decode";
-    let decode_only =
-        variant == "nvfp4_finishq4" || variant == "nvfp4_half" || forced_splits(variant).is_some();
+    let decode_only = variant == "nvfp4_finishq4"
+        || variant == "nvfp4_bf16ops"
+        || forced_splits(variant).is_some();
     (prefill_only && masked) || (decode_only && !masked)
 }
 
@@ -219,7 +222,7 @@ fn launch_variant(
             prefill::PrefillKernel::RsWtmaTiled,
         ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
-        "nvfp4_half" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeOperands::F16),
+        "nvfp4_bf16ops" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeOperands::Bf16),
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
@@ -237,7 +240,7 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
             | "nvfp4_splits2"
             | "nvfp4_splits4"
             | "nvfp4_splits8"
-            | "nvfp4_half"
+            | "nvfp4_bf16ops"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
             | "nvfp4_finishrowsthr2"

@@ -395,7 +395,8 @@ fn check_partial_launch(
 /// When the weights carry their tiling ([`DeviceExpertWeights::prefill_tiled`]) it runs `moe_gemm_nvfp4_partial_v3t_nt*`
 /// on it: bit-identical partials, faster at every decode point of the session-11 A/B (H200, 1bb6168, whole calls,
 /// us, v3 / v3t): Flash L1 1 token 39.1 / 36.3, 8 189.7 / 175.8, 64 738.5 / 702.4, 256 1180.8 / 1120.9; L2 1 26.1 /
-/// 25.0, 8 98.1 / 90.4, 64 396.6 / 373.1; Pro L1 1 80.8 / 74.1, 16 764.9 / 720.6.
+/// 25.0, 8 98.1 / 90.4, 64 396.6 / 373.1; Pro L1 1 80.8 / 74.1, 16 764.9 / 720.6. With NVFP4 activations on the
+/// tiling, the F16-operand form `moe_gemm_nvfp4_partial_v3th_nt*` ([`DecodeOperands::routed_for`], since session 15).
 pub fn launch_partial_mma(
     gpu: &Gpu,
     w: &DeviceExpertWeights,
@@ -404,7 +405,7 @@ pub fn launch_partial_mma(
     cfg: &GemmConfig,
     ws: &mut Workspace,
 ) -> Result<()> {
-    launch_partial_mma_with(gpu, w, a, grp, cfg, ws, DecodeOperands::Bf16)
+    launch_partial_mma_with(gpu, w, a, grp, cfg, ws, DecodeOperands::routed_for(w, a))
 }
 
 /// The operand type of the mma.sync decode mainloop's MMAs.
@@ -412,11 +413,25 @@ pub fn launch_partial_mma(
 pub enum DecodeOperands {
     /// BF16 weight fragments and activations (v3 / v3t): either A format.
     Bf16,
-    /// F16 (`moe_gemm_nvfp4_partial_v3th_nt*`, session-15 candidate, bench `nvfp4_half`): the weight fragments
-    /// built with fewer integer ops per code (kernels/common/nvfp4_dequant.cuh, `e2m1_word_to_f16x2_tiny`); NVFP4
-    /// activations and the tiled weights only (BF16 activations are not exact in f16). Same exact products and
-    /// mma order as v3t.
+    /// F16 (`moe_gemm_nvfp4_partial_v3th_nt*`): the weight fragments built with fewer integer ops per code
+    /// (kernels/common/nvfp4_dequant.cuh, `e2m1_word_to_f16x2_tiny`, `scales_f16x2`); NVFP4 activations and the
+    /// tiled weights only (BF16 activations are not exact in f16). Same exact products and mma order as v3t:
+    /// bit-identical partials (GPU test). Routed since session 15 (H200, 580c580, whole calls, us, v3t / v3th: Flash
+    /// L1 1 token 35.6 / 33.6, 8 176.1 / 153.2, 64 696.4 / 599.2 (64.5% -> 75.0% of copy bandwidth); L2 64 370.2 /
+    /// 322.9; Pro L1 64 2117.5 / 1835.4; faster at every decode point, -5% to -14.5%).
     F16,
+}
+
+impl DecodeOperands {
+    /// [`DecodeOperands::F16`] for NVFP4 activations on weights with the tiled copy, else
+    /// [`DecodeOperands::Bf16`].
+    pub fn routed_for(w: &DeviceExpertWeights, a: &DeviceActivations) -> DecodeOperands {
+        if w.prefill_tiled.is_some() && matches!(a, DeviceActivations::Nvfp4 { .. }) {
+            DecodeOperands::F16
+        } else {
+            DecodeOperands::Bf16
+        }
+    }
 }
 
 /// [`launch_partial_mma`] with a chosen operand type; refuses what the F16 mainloop does not take (BF16
