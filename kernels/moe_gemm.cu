@@ -488,159 +488,6 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
 }
 }  // namespace
 
-// ---------------------------------------------------------------------- v3th with the activations one stage ahead
-// Session 15 candidate (moe_gemm_nvfp4_partial_v3tha_nt*, bench `nvfp4_actahead`): v3th (tiled weights, NVFP4
-// activations, f16 operands) with ONE CTA barrier per 512-K stage instead of two. Why: in v3th's stall page at Flash
-// L1 64 tokens 13.6% of the warp-stall samples sit on the two per-stage barriers (convert the raw activation tile,
-// then compute), where each warp waits for the slowest warp's weight loads. Here the activation tile of step i + 1
-// is converted during step i into the other of two f16 buffers, and the raw tile of step i + 2 is copied with
-// cp.async into the other of two raw buffers (NVFP4 raw tile: TN x 288 B), so one barrier at the top of a step
-// publishes the converted tile of this step and frees both buffers of the step before:
-//   step i (b = i & 1): wait own cp.async (raw of step i + 1); __syncthreads;
-//           convert raw[(i + 1) & 1] -> act[(i + 1) & 1] (its readers, step i - 1's MMAs, are past the barrier);
-//           cp.async raw of step i + 2 -> raw[i & 1] (its last reader, step i - 1's conversion, is past it too);
-//           MMAs on act[i & 1] (converted in step i - 1, published by this barrier).
-// A "step" is one 512-K stage of one work item; steps run over the CTA's items in order (the look-ahead cursor
-// crosses item boundaries like the weights' refill does). Same items, fragments, weights prefetch and MMA order as
-// v3th: bit-identical partials (GPU test). Shared memory: 2 x TN x 1 KB of f16 tiles + 2 x TN x 288 B raw.
-namespace {
-constexpr int kRawNvfp4PerToken = 288;  // 256 code bytes + 32 scale bytes of one token's 512-K stage
-
-template <int NT>
-__device__ __forceinline__ void moe_gemm_body_v3_act_ahead(const uint8_t* __restrict__ w_tiled, int N, int K,
-                                                           const uint8_t* __restrict__ act,
-                                                           const uint8_t* __restrict__ act_scales, Grouping grp,
-                                                           float* __restrict__ partial, int splits) {
-    constexpr int TN = NT * 8;
-    extern __shared__ uint4 s_dyn[];  // act[0], act[1] (TN * 64 units of 16 B each), then raw[0], raw[1]
-    // Buffer addresses computed where used (two arrays of generic pointers would hold 8 registers).
-    auto s_act = [&](int b) { return s_dyn + b * (TN * 64); };
-    auto s_raw = [&](int b) { return reinterpret_cast<uint8_t*>(s_dyn + 2 * TN * 64) + b * (TN * kRawNvfp4PerToken); };
-    __shared__ int s_tile_prefix[kMaxExperts + 1];
-    __shared__ int s_warp_sum[kWarps];
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int E = grp.experts;
-    int tiles0 = 0, tiles1 = 0;
-    {
-        int s, c;
-        if (2 * tid < E) { grp.expert_rows(2 * tid, s, c); tiles0 = (c + TN - 1) / TN; }
-        if (2 * tid + 1 < E) { grp.expert_rows(2 * tid + 1, s, c); tiles1 = (c + TN - 1) / TN; }
-    }
-    expert_tile_prefix<kThreads>(tiles0, tiles1, E, s_warp_sum, s_tile_prefix);
-
-    const int n_tiles = N / kBlockN;
-    const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
-    const int k_split = K / splits;
-    const int stages = k_split / kStageK;
-
-    // One step: (item, stage st). valid == false past the CTA's last item.
-    struct Step {
-        long long item;
-        int st, row0, ntok, split, n;
-        bool valid;
-        const uint8_t* codes;  // this step's first chunk (lane's 16 B of row g)
-    };
-    // The lane's 2 scale bytes of row g in the same block: row r = n % 256 of the block (N % 256 == 0) has its codes
-    // at 64 r + 16 t and its scales at 16384 + 8 r + 2 t.
-    auto scales_of = [&](const Step& p) { return p.codes + 16384 - 56 * (p.n & 255) - 14 * t; };
-    auto locate = [&](long long item) {
-        Step p;
-        p.item = item;
-        p.st = 0;
-        p.valid = item < items;
-        if (!p.valid) return p;
-        p.split = (int)(item % splits);
-        const long long rest = item / splits;
-        const int n_tile = (int)(rest % n_tiles);
-        const int et = (int)(rest / n_tiles);
-        int lo = 0, hi = E - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_tile_prefix[mid] <= et) lo = mid; else hi = mid - 1;
-        }
-        int start, count;
-        grp.expert_rows(lo, start, count);
-        const int tile = et - s_tile_prefix[lo];
-        p.row0 = start + tile * TN;
-        p.ntok = min(TN, count - tile * TN);
-        const int kbase = p.split * k_split;
-        p.n = n_tile * kBlockN + warp * 16 + g;
-        const size_t wrow = (size_t)lo * N + p.n;
-        const uint8_t* blk = w_tiled + ((wrow / 256) * (size_t)(K / kChunkK) + kbase / kChunkK) * kTiledBlock;
-        p.codes = blk + (wrow % 256) * 64 + 16 * t;
-        return p;
-    };
-    // A 512-K stage: 4 tiled blocks further.
-    constexpr int kStageBytes = kChunksPerStage * kTiledBlock;
-    auto advance = [&](const Step& p) {
-        if (!p.valid) return p;
-        if (p.st + 1 < stages) {
-            Step q = p;
-            q.st = p.st + 1;
-            q.codes = p.codes + kStageBytes;
-            return q;
-        }
-        return locate(p.item + gridDim.x);
-    };
-    auto copy_raw = [&](uint8_t* raw, const Step& p) {
-        copy_raw_activations<TN>(raw, act, act_scales, 1, K, p.row0, p.ntok, p.split * k_split + p.st * kStageK);
-    };
-
-    Step cur = locate(blockIdx.x);
-    if (!cur.valid) return;
-    Step nxt = advance(cur);
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    constexpr size_t codes_8rows = 8 * 64, scales_8rows = 8 * 8;
-    WChunk wbuf[kChunksPerStage];
-    load_stage<true>(wbuf, cur.codes, scales_of(cur), codes_8rows, scales_8rows);
-    // Prologue: raw tiles of steps 0 and 1 in flight, step 0's converted (published by the loop's first barrier).
-    copy_raw(s_raw(0), cur);
-    if (nxt.valid) {
-        copy_raw(s_raw(1), nxt);
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
-    } else {
-        cp_async_wait_all();
-    }
-    __syncthreads();
-    convert_raw_activations<TN, true>(s_act(0), s_raw(0), 1, cur.ntok);
-    for (int b = 0;; b ^= 1) {
-        cp_async_wait_all();  // this thread's copies of the next step's raw tile have landed
-        __syncthreads();      // act[b] complete; act[b ^ 1] and raw[b] no longer read
-        if (nxt.valid) convert_raw_activations<TN, true>(s_act(b ^ 1), s_raw(b ^ 1), 1, nxt.ntok);
-        {
-            // The step after next (recomputed below rather than held across the MMAs: registers).
-            const Step after = advance(nxt);
-            if (after.valid) copy_raw(s_raw(b), after);
-        }
-        compute_stage_rolling<NT, true, true>(acc, wbuf, s_act(b), g, t, nxt.valid, nxt.codes, scales_of(nxt),
-                                              codes_8rows, scales_8rows);
-        if (cur.st + 1 == stages) {
-            float* out = partial + (size_t)cur.split * grp.rows_total * N;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int tk = nt * 8 + 2 * t;
-                if (tk < cur.ntok) {
-                    out[(size_t)(cur.row0 + tk) * N + cur.n] = acc[nt][0] * 16384.f;
-                    out[(size_t)(cur.row0 + tk) * N + cur.n + 8] = acc[nt][2] * 16384.f;
-                }
-                if (tk + 1 < cur.ntok) {
-                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n] = acc[nt][1] * 16384.f;
-                    out[(size_t)(cur.row0 + tk + 1) * N + cur.n + 8] = acc[nt][3] * 16384.f;
-                }
-                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-            }
-        }
-        if (!nxt.valid) break;
-        cur = nxt;
-        nxt = advance(nxt);
-    }
-}
-}  // namespace
-
 // Entry points: moe_gemm_nvfp4_partial_<GEN>_nt<NT> with GEN = v3 (plain weight layout) or v3t (TILED: the prefill
 // tiling of the weights, DeviceExpertWeights::prefill_tiled; w_codes = the tiled blocks, w_scales ignored; N % 256
 // == 0). v3t (session 11) does the same loads (16 B of codes and 2 x 2 scale bytes per lane and 128-K chunk) with the
@@ -681,21 +528,12 @@ MOE_GEMM_ENTRY_V3(v3th, true, true, 2, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 4, 1)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 8, 1)
 
-// v3tha (above): tiled weights only (w_scales unused), NVFP4 activations only (act_is_nvfp4 ignored).
-#define MOE_GEMM_ENTRY_V3THA(NT, MINB)                                                                                \
-    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_v3tha_nt##NT(               \
-        const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
-        const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
-        int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
-        Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3_act_ahead<NT>(w_codes, N, K, reinterpret_cast<const uint8_t*>(act), act_scales, grp,       \
-                                       partial, splits);                                                             \
-    }
-
-MOE_GEMM_ENTRY_V3THA(1, 3)
-MOE_GEMM_ENTRY_V3THA(2, 3)
-MOE_GEMM_ENTRY_V3THA(4, 1)
-MOE_GEMM_ENTRY_V3THA(8, 1)
+// Session 15, removed: v3tha = v3th with the activation tile converted one stage ahead into a second buffer (and the
+// raw tile two stages ahead), one CTA barrier per 512-K stage instead of two (bit-identical; racecheck / memcheck /
+// synccheck clean; commit 5ea1087). It LOST 2-5% at almost every decode point (H200, whole calls, us, v3th / v3tha:
+// Flash L1 64 tokens 606.9 / 622.5, 8 154.5 / 157.8; L2 64 326.2 / 339.8; Pro L1 64 1862.6 / 1907.2): ptxas issues
+// the next stage's weight loads after the last HMMA there (in v3th within the last chunk), so the stage loads
+// start later, which costs more than the barrier saves.
 
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {

@@ -420,10 +420,6 @@ pub enum DecodeOperands {
     /// L1 1 token 35.6 / 33.6, 8 176.1 / 153.2, 64 696.4 / 599.2 (64.5% -> 75.0% of copy bandwidth); L2 64 370.2 /
     /// 322.9; Pro L1 64 2117.5 / 1835.4; faster at every decode point, -5% to -14.5%).
     F16,
-    /// [`DecodeOperands::F16`] with the activation tile converted one stage ahead into a second buffer, so one CTA
-    /// barrier per 512-K stage instead of two (`moe_gemm_nvfp4_partial_v3tha_nt*`, session-15 candidate, bench
-    /// `nvfp4_actahead`). Same requirements; bit-identical partials.
-    F16ActAhead,
 }
 
 impl DecodeOperands {
@@ -451,7 +447,7 @@ pub fn launch_partial_mma_with(
 ) -> Result<()> {
     let tiled = w.prefill_tiled.is_some();
     check_partial_launch(w, a, grp, cfg, ws)?;
-    if operands != DecodeOperands::Bf16 {
+    if operands == DecodeOperands::F16 {
         ensure!(
             matches!(a, DeviceActivations::Nvfp4 { .. }),
             "moe_gemm decode (F16 operands): needs NVFP4 activations (BF16 values are not exact in f16)"
@@ -465,18 +461,13 @@ pub fn launch_partial_mma_with(
         "moe_gemm_nvfp4_partial_{}_nt{}",
         match (tiled, operands) {
             (_, DecodeOperands::F16) => "v3th",
-            (_, DecodeOperands::F16ActAhead) => "v3tha",
             (true, DecodeOperands::Bf16) => "v3t",
             (false, DecodeOperands::Bf16) => "v3",
         },
         cfg.token_tile / 8
     );
-    // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each); F16ActAhead: two
-    // f16 tiles and two NVFP4 raw tiles (token_tile x 288 B each: 256 code + 32 scale bytes).
-    let smem = match operands {
-        DecodeOperands::F16ActAhead => 2 * cfg.token_tile * (STAGE_K * 2 + 288),
-        _ => 2 * cfg.token_tile * STAGE_K * 2,
-    };
+    // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
+    let smem = 2 * cfg.token_tile * STAGE_K * 2;
     let f = gpu.function_with_smem(FAMILY, &name, smem)?;
     let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
     let (wc, wsc, grp_p, part) = (
