@@ -361,9 +361,17 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
     }
 }
 
+// L2 prefetch of `bytes` (a multiple of 16) at a 16-byte-aligned global address; no register destination.
+__device__ __forceinline__ void l2_prefetch_bulk(const void* p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // kTiled (v3t): w_codes points at the prefill-tiled weights (w_scales unused); only the weight addresses change.
 // kHalf (v3th): f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-14 instead of sum * 2^-9.
-template <int NT, bool kTiled = false, bool kHalf = false>
+// kL2Prefetch (v3thp, tiled only): at the top of every step lane 0 of each warp asks L2 for the warp's weights of the
+// NEXT step (cp.async.bulk.prefetch.L2: per 128-K chunk the warp's 16 rows are 1 KiB of contiguous codes and 128 B of
+// scales in the tiled block), so the register refill, which ptxas issues near the end of the step, reads L2.
+template <int NT, bool kTiled = false, bool kHalf = false, bool kL2Prefetch = false>
 __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_codes,
                                                  const uint8_t* __restrict__ w_scales, int N, int K,
                                                  const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
@@ -460,6 +468,18 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         if (has_next)         // the next step's raw tile streams in while this step computes
             copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
                                      nxt.split * k_split + next_st * kStageK);
+        if constexpr (kL2Prefetch) {
+            // Lane 0 holds row g = 0 of the warp's 16 rows (t = 0): its code and scale addresses start the spans.
+            if (has_next && lane == 0) {
+                const uint8_t* c0 = nxt.codes + next_st * kStageCodes;
+                const uint8_t* s0 = nxt.scales + next_st * kStageScales;
+#pragma unroll
+                for (int c = 0; c < kChunksPerStage; ++c) {
+                    l2_prefetch_bulk(c0 + c * kTiledBlock, 1024);
+                    l2_prefetch_bulk(s0 + c * kTiledBlock, 128);
+                }
+            }
+        }
         compute_stage_rolling<NT, kTiled, kHalf>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
                                           nxt.scales + next_st * kStageScales, codes_8rows, scales_8rows);
 
@@ -494,14 +514,14 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
 // same registers, fragments and mma order: bit-identical partials (GPU test); a warp's 8 rows of a chunk are 512
 // contiguous bytes instead of 64 B per row, K / 2 bytes apart. 1- and 2-token tiles: 3 CTAs per SM (<= 80 registers);
 // the launcher's grid for them is 3 x SMs.
-#define MOE_GEMM_ENTRY_V3(GEN, TILED, HALF, NT, MINB)                                                                 \
+#define MOE_GEMM_ENTRY_V3(GEN, TILED, HALF, NT, MINB, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_##GEN##_nt##NT(            \
         const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3<NT, TILED, HALF>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial,     \
-                                          splits);                                                                   \
+        moe_gemm_body_v3<NT, TILED, HALF __VA_OPT__(, ) __VA_ARGS__>(w_codes, w_scales, N, K, act, act_scales,      \
+                                                                     act_is_nvfp4, grp, partial, splits);             \
     }
 
 MOE_GEMM_ENTRY_V3(v3, false, false, 1, 3)
@@ -527,6 +547,11 @@ MOE_GEMM_ENTRY_V3(v3th, true, true, 1, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 2, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 4, 1)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 8, 1)
+// Session 15 candidate (bench `nvfp4_l2pf`): v3thp = v3th with the next step's weights prefetched into L2 (kL2Prefetch).
+MOE_GEMM_ENTRY_V3(v3thp, true, true, 1, 3, true)
+MOE_GEMM_ENTRY_V3(v3thp, true, true, 2, 3, true)
+MOE_GEMM_ENTRY_V3(v3thp, true, true, 4, 1, true)
+MOE_GEMM_ENTRY_V3(v3thp, true, true, 8, 1, true)
 
 // Session 15, removed: v3tha = v3th with the activation tile converted one stage ahead into a second buffer (and the
 // raw tile two stages ahead), one CTA barrier per 512-K stage instead of two (bit-identical; racecheck / memcheck /
