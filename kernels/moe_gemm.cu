@@ -547,7 +547,7 @@ MOE_GEMM_ENTRY_V3(v3th, true, true, 1, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 2, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 4, 1)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 8, 1)
-// Session 15 candidate (bench `nvfp4_l2pf`): v3thp = v3th with the next step's weights prefetched into L2 (kL2Prefetch).
+// Session 15 candidate (bench `nvfp4_wpf`): v3thp = v3th with the next step's weights prefetched into L2 (kL2Prefetch).
 MOE_GEMM_ENTRY_V3(v3thp, true, true, 1, 3, true)
 MOE_GEMM_ENTRY_V3(v3thp, true, true, 2, 3, true)
 MOE_GEMM_ENTRY_V3(v3thp, true, true, 4, 1, true)

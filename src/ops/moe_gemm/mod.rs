@@ -421,7 +421,7 @@ pub enum DecodeOperands {
     /// 322.9; Pro L1 64 2117.5 / 1835.4; faster at every decode point, -5% to -14.5%).
     F16,
     /// [`DecodeOperands::F16`] with the next 512-K step's weights of each warp prefetched into L2 at the top of a
-    /// step (`moe_gemm_nvfp4_partial_v3thp_nt*`, session-15 candidate, bench `nvfp4_l2pf`). Same requirements;
+    /// step (`moe_gemm_nvfp4_partial_v3thp_nt*`, session-15 candidate, bench `nvfp4_wpf`). Same requirements;
     /// bit-identical partials.
     F16L2Prefetch,
 }
