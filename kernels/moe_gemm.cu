@@ -361,17 +361,9 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
     }
 }
 
-// L2 prefetch of `bytes` (a multiple of 16) at a 16-byte-aligned global address; no register destination.
-__device__ __forceinline__ void l2_prefetch_bulk(const void* p, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // kTiled (v3t): w_codes points at the prefill-tiled weights (w_scales unused); only the weight addresses change.
 // kHalf (v3th): f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-14 instead of sum * 2^-9.
-// kL2Prefetch (v3thp, tiled only): at the top of every step lane 0 of each warp asks L2 for the warp's weights of the
-// NEXT step (cp.async.bulk.prefetch.L2: per 128-K chunk the warp's 16 rows are 1 KiB of contiguous codes and 128 B of
-// scales in the tiled block), so the register refill, which ptxas issues near the end of the step, reads L2.
-template <int NT, bool kTiled = false, bool kHalf = false, bool kL2Prefetch = false>
+template <int NT, bool kTiled = false, bool kHalf = false>
 __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_codes,
                                                  const uint8_t* __restrict__ w_scales, int N, int K,
                                                  const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
@@ -468,18 +460,6 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         if (has_next)         // the next step's raw tile streams in while this step computes
             copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
                                      nxt.split * k_split + next_st * kStageK);
-        if constexpr (kL2Prefetch) {
-            // Lane 0 holds row g = 0 of the warp's 16 rows (t = 0): its code and scale addresses start the spans.
-            if (has_next && lane == 0) {
-                const uint8_t* c0 = nxt.codes + next_st * kStageCodes;
-                const uint8_t* s0 = nxt.scales + next_st * kStageScales;
-#pragma unroll
-                for (int c = 0; c < kChunksPerStage; ++c) {
-                    l2_prefetch_bulk(c0 + c * kTiledBlock, 1024);
-                    l2_prefetch_bulk(s0 + c * kTiledBlock, 128);
-                }
-            }
-        }
         compute_stage_rolling<NT, kTiled, kHalf>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
                                           nxt.scales + next_st * kStageScales, codes_8rows, scales_8rows);
 
@@ -514,14 +494,14 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
 // same registers, fragments and mma order: bit-identical partials (GPU test); a warp's 8 rows of a chunk are 512
 // contiguous bytes instead of 64 B per row, K / 2 bytes apart. 1- and 2-token tiles: 3 CTAs per SM (<= 80 registers);
 // the launcher's grid for them is 3 x SMs.
-#define MOE_GEMM_ENTRY_V3(GEN, TILED, HALF, NT, MINB, ...)                                                                 \
+#define MOE_GEMM_ENTRY_V3(GEN, TILED, HALF, NT, MINB)                                                                 \
     extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_##GEN##_nt##NT(            \
         const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3<NT, TILED, HALF __VA_OPT__(, ) __VA_ARGS__>(w_codes, w_scales, N, K, act, act_scales,      \
-                                                                     act_is_nvfp4, grp, partial, splits);             \
+        moe_gemm_body_v3<NT, TILED, HALF>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial,     \
+                                          splits);                                                                   \
     }
 
 MOE_GEMM_ENTRY_V3(v3, false, false, 1, 3)
@@ -547,11 +527,6 @@ MOE_GEMM_ENTRY_V3(v3th, true, true, 1, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 2, 3)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 4, 1)
 MOE_GEMM_ENTRY_V3(v3th, true, true, 8, 1)
-// Session 15 candidate (bench `nvfp4_wpf`): v3thp = v3th with the next step's weights prefetched into L2 (kL2Prefetch).
-MOE_GEMM_ENTRY_V3(v3thp, true, true, 1, 3, true)
-MOE_GEMM_ENTRY_V3(v3thp, true, true, 2, 3, true)
-MOE_GEMM_ENTRY_V3(v3thp, true, true, 4, 1, true)
-MOE_GEMM_ENTRY_V3(v3thp, true, true, 8, 1, true)
 
 // Session 15, removed: v3tha = v3th with the activation tile converted one stage ahead into a second buffer (and the
 // raw tile two stages ahead), one CTA barrier per 512-K stage instead of two (bit-identical; racecheck / memcheck /
@@ -559,6 +534,12 @@ MOE_GEMM_ENTRY_V3(v3thp, true, true, 8, 1, true)
 // Flash L1 64 tokens 606.9 / 622.5, 8 154.5 / 157.8; L2 64 326.2 / 339.8; Pro L1 64 1862.6 / 1907.2): ptxas issues
 // the next stage's weight loads after the last HMMA there (in v3th within the last chunk), so the stage loads
 // start later, which costs more than the barrier saves.
+// Session 15, removed: v3thp = v3th plus, at the top of every step, 8 cp.async.bulk.prefetch.L2 by lane 0 of each
+// warp for the warp's next-step weights (1 KiB of codes + 128 B of scales per 128-K chunk), so that the late
+// register refill would read L2 (bit-identical; commit 2f5b3a1). It LOST 7-11% at every decode point from 4 tokens
+// (H200, us, v3th / v3thp: Flash L1 8 tokens 154.1 / 166.1, 64 603.8 / 658.4; L2 64 327.5 / 352.7; Pro L1 64 1830.2 /
+// 2029.1). Not analysed further (no ncu of it): the bulk prefetches go through the uniform datapath of lane 0
+// (R2UR + UBLKPF per span) and add L2 requests beside the demand loads.
 
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {

@@ -503,7 +503,7 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
     }
 }
 
-/// The F16-operand decode mainloop (v3th, `DecodeOperands::F16`, and F16L2Prefetch) on NVFP4 activations: checked against the f64 reference under the accumulator bounds (its products are the same exact
+/// The F16-operand decode mainloop (v3th, `DecodeOperands::F16`) on NVFP4 activations: checked against the f64 reference under the accumulator bounds (its products are the same exact
 /// values, scaled by 2^-14 instead of 2^-9), and compared bit for bit with v3t (BF16 operands) on the same tiled
 /// weights: the order of the MMAs is the same, so the partials are expected to be identical; the test asserts that. Masked and contiguous groupings,
 /// every token tile, split counts 1 / 2 / 4, empty experts, experts of 1..65 rows; the partials NaN-poisoned before
@@ -551,11 +551,7 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
             let label = format!("cap {cap:?}, NVFP4 A, {cfg:?}");
             let mut got = Vec::new();
             let mut acc = Vec::new();
-            for operands in [
-                mg::DecodeOperands::Bf16,
-                mg::DecodeOperands::F16,
-                mg::DecodeOperands::F16L2Prefetch,
-            ] {
+            for operands in [mg::DecodeOperands::Bf16, mg::DecodeOperands::F16] {
                 let mut ws = Workspace::new(&gpu, splits, rows, n).unwrap();
                 gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
                 mg::launch_partial_mma_with(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, operands)
@@ -574,19 +570,17 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
                 &owned,
                 n,
             );
-            for (i, name) in [(1, "F16"), (2, "F16L2Prefetch")] {
-                let diff = got[0]
-                    .iter()
-                    .zip(&got[i])
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
-                assert_eq!(
-                    diff,
-                    0,
-                    "{label}: {name} operands differ from BF16 operands in {diff} of {} partials",
-                    got[0].len()
-                );
-            }
+            let diff = got[0]
+                .iter()
+                .zip(&got[1])
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(
+                diff,
+                0,
+                "{label}: F16 operands differ from BF16 operands in {diff} of {} partials",
+                got[0].len()
+            );
         }
         // Refused before any launch: BF16 activations, and weights without the tiled copy.
         let cfg = GemmConfig {

@@ -44,9 +44,6 @@
 //!   ([`DecodeOperands::Bf16`], v3t), where `nvfp4` runs the F16-operand form v3th since session 15 (NVFP4
 //!   activations on the tiled weights); same config and finish. The session-15 bench candidate `nvfp4_half` (v3th
 //!   forced) became `nvfp4`; its rows are in results/h200/session15-ab/.
-//! * `nvfp4_wpf` (masked / decode points only): `nvfp4` with the decode mainloop forced to
-//!   [`DecodeOperands::F16L2Prefetch`] (v3th plus an L2 prefetch of each warp's next-step weights), same config
-//!   and finish.
 //! * `nvfp4_plain`: `nvfp4` without the tiling (the plain-layout mainloops v3 / rs_wtma, `nvfp4` before session 11),
 //!   the comparison for the tiled routes at every point (since session 11 `nvfp4` prepares the tiling of the
 //!   weights before timing, and both its mainloops read it).
@@ -96,7 +93,6 @@ pub const VARIANTS: &[&str] = &[
     "nvfp4_splits4",
     "nvfp4_splits8",
     "nvfp4_bf16ops",
-    "nvfp4_wpf",
     "nvfp4_plain",
     "cublaslt_bf16",
     "cublaslt_fp8",
@@ -128,7 +124,6 @@ fn is_ours(variant: &str) -> bool {
             | "nvfp4_splits4"
             | "nvfp4_splits8"
             | "nvfp4_bf16ops"
-            | "nvfp4_wpf"
             | "nvfp4_plain"
     )
 }
@@ -228,9 +223,6 @@ fn launch_variant(
         ),
         "nvfp4_decode" => launch_partial_mma(gpu, w, a, dg, cfg, ws),
         "nvfp4_bf16ops" => launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeOperands::Bf16),
-        "nvfp4_wpf" => {
-            launch_partial_mma_with(gpu, w, a, dg, cfg, ws, DecodeOperands::F16L2Prefetch)
-        }
         _ => launch_partial(gpu, w, a, dg, cfg, ws),
     }
 }
@@ -249,7 +241,6 @@ fn prepare_weights(gpu: &Gpu, variant: &str, w: &mut DeviceExpertWeights) -> Res
             | "nvfp4_splits4"
             | "nvfp4_splits8"
             | "nvfp4_bf16ops"
-            | "nvfp4_wpf"
             | "nvfp4_finishrows"
             | "nvfp4_finishrowsthr"
             | "nvfp4_finishrowsthr2"

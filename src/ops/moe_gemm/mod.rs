@@ -420,10 +420,6 @@ pub enum DecodeOperands {
     /// L1 1 token 35.6 / 33.6, 8 176.1 / 153.2, 64 696.4 / 599.2 (64.5% -> 75.0% of copy bandwidth); L2 64 370.2 /
     /// 322.9; Pro L1 64 2117.5 / 1835.4; faster at every decode point, -5% to -14.5%).
     F16,
-    /// [`DecodeOperands::F16`] with the next 512-K step's weights of each warp prefetched into L2 at the top of a
-    /// step (`moe_gemm_nvfp4_partial_v3thp_nt*`, session-15 candidate, bench `nvfp4_wpf`). Same requirements;
-    /// bit-identical partials.
-    F16L2Prefetch,
 }
 
 impl DecodeOperands {
@@ -451,7 +447,7 @@ pub fn launch_partial_mma_with(
 ) -> Result<()> {
     let tiled = w.prefill_tiled.is_some();
     check_partial_launch(w, a, grp, cfg, ws)?;
-    if operands != DecodeOperands::Bf16 {
+    if operands == DecodeOperands::F16 {
         ensure!(
             matches!(a, DeviceActivations::Nvfp4 { .. }),
             "moe_gemm decode (F16 operands): needs NVFP4 activations (BF16 values are not exact in f16)"
@@ -465,7 +461,6 @@ pub fn launch_partial_mma_with(
         "moe_gemm_nvfp4_partial_{}_nt{}",
         match (tiled, operands) {
             (_, DecodeOperands::F16) => "v3th",
-            (_, DecodeOperands::F16L2Prefetch) => "v3thp",
             (true, DecodeOperands::Bf16) => "v3t",
             (false, DecodeOperands::Bf16) => "v3",
         },
