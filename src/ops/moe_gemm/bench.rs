@@ -585,3 +585,23 @@ fn cublaslt_point(
     }
     Ok(vec![r])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `l1_point` skips every variant named `nvfp4_l2*` as an L2-combine variant (nothing to measure in L1): a new
+    /// variant with that prefix would silently measure nothing at L1 points (session 15 lost an A/B run to that).
+    #[test]
+    fn only_l2_combine_variants_carry_the_l2_prefix() {
+        for v in VARIANTS.iter().filter(|v| v.starts_with("nvfp4_l2")) {
+            assert!(
+                matches!(
+                    *v,
+                    "nvfp4_l2cols" | "nvfp4_l2rowwarps" | "nvfp4_l2cols2" | "nvfp4_l2cols2tok"
+                ),
+                "{v}: the nvfp4_l2 prefix marks L2-combine variants (skipped at L1 points)"
+            );
+        }
+    }
+}
