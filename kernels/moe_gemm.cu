@@ -142,23 +142,22 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
     return (code & 8) ? -mag : mag;
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+// D += A . B on m16n8k16 fragments, fp32 accumulation; A and B bf16, or f16 with kHalf (v3th).
+#define MOE_MMA_16816(T)                                                                                            \
+    "mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+template <bool kHalf = false>
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+    if constexpr (kHalf)
+        asm volatile(MOE_MMA_16816("f16")
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile(MOE_MMA_16816("bf16")
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#undef MOE_MMA_16816
 
 // kHalf: f16 instead of bf16 (v3th: e2m1 * e4m3 values lie in [2^-10, 2688] with <= 5 significant bits, exact in
 // f16 too).
@@ -341,13 +340,8 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const uint4 b = s_act[(nt * 8 + g) * 64 + unit];
-                if constexpr (kHalf) {
-                    mma_f16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
-                    mma_f16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
-                } else {
-                    mma_bf16_16816(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
-                    mma_bf16_16816(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
-                }
+                mma_16816<kHalf>(acc[nt], pl[0], ph[0], pl[1], ph[1], b.x, b.y);
+                mma_16816<kHalf>(acc[nt], pl[2], ph[2], pl[3], ph[3], b.z, b.w);
             }
         }
         // Chunk c has been consumed: refill its slot with chunk c of the next stage (the addresses load_stage

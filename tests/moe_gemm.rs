@@ -24,7 +24,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod moe_common;
-use moe_common::{gathered_activations, quantized_weights, random_rows, seeded, DevA, U};
+use moe_common::{
+    assert_bit_identical, gathered_activations, quantized_weights, random_rows, seeded, DevA, U,
+};
 
 // ------------------------------------------------------------------------------------------------- CPU checks
 
@@ -427,56 +429,93 @@ fn check_plain(
     }
 }
 
+/// The decode-mainloop comparisons' inputs: experts of 0..65 rows (two empty), N = 512 (two 256-row tiles, so a
+/// CTA's 128 rows sit in either half of a tile block), K = 2048; the weights uploaded twice, plain only and with the
+/// tiled copy; the routing as a masked (capacity 65) and as a contiguous grouping.
+struct DecodeFixture {
+    w: ExpertWeights,
+    plain: DeviceExpertWeights,
+    tiled: DeviceExpertWeights,
+    batches: Vec<(Option<usize>, RoutedBatch)>,
+}
+
+impl DecodeFixture {
+    fn new(gpu: &Gpu, rng: &mut impl Rng) -> DecodeFixture {
+        let counts = [0usize, 1, 2, 3, 7, 8, 16, 33, 64, 65, 0];
+        let e = counts.len();
+        let w = quantized_weights(rng, e, 512, 2048);
+        let plain = DeviceExpertWeights::upload(gpu, &w).unwrap();
+        let mut tiled = DeviceExpertWeights::upload(gpu, &w).unwrap();
+        tiled.prepare_prefill_tiling(gpu).unwrap();
+        let tokens: usize = counts.iter().sum();
+        let choices: Vec<usize> = counts
+            .iter()
+            .enumerate()
+            .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
+            .collect();
+        let batches = [Some(65), None]
+            .into_iter()
+            .map(|cap| {
+                let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+                (cap, rb)
+            })
+            .collect();
+        DecodeFixture {
+            w,
+            plain,
+            tiled,
+            batches,
+        }
+    }
+
+    /// Every token tile (1, 2, 4, 8 mma columns), K splits 1 / 2 / 4, the persistent grid of the launcher and
+    /// few CTAs walking many items.
+    fn configs(gpu: &Gpu) -> Vec<GemmConfig> {
+        let sms = gpu.info.sm_count as u32;
+        [
+            (8, 1, 3 * sms),
+            (8, 4, 3 * sms),
+            (16, 2, 3 * sms),
+            (32, 4, 2 * sms),
+            (64, 1, 5),
+        ]
+        .into_iter()
+        .map(|(token_tile, splits, ctas)| GemmConfig {
+            token_tile,
+            splits,
+            ctas,
+        })
+        .collect()
+    }
+}
+
 /// The decode mainloop on the prefill tiling of the weights (`launch_partial_mma` when the weights carry the tiled
 /// copy: v3t for BF16 activations, the F16-operand v3th for NVFP4 activations) writes the same partials, bit for
 /// bit, as on the plain layout (v3): v3t differs in the weight addresses only, v3th also in the operand type (same
-/// exact products, scaled by a power of two, same mma order). Masked and contiguous groupings, every
-/// token tile (1, 2, 4, 8 mma columns), K splits 1-4, few CTAs walking many items, empty experts, both A formats;
-/// N = 512 (two 256-row tiles, so a CTA's 128 rows sit in either half of a tile block), K = 2048.
+/// exact products, scaled by a power of two, same mma order). The [`DecodeFixture`] groupings, every token tile
+/// (1, 2, 4, 8 mma columns), K splits 1-4, few CTAs walking many items, both A formats.
 #[test]
 fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
     let Some(gpu) = gpu_for_test("gpu_decode_mainloop_on_tiled_weights_bit_identical") else {
         return;
     };
     let mut rng = seeded("gpu_decode_mainloop_on_tiled_weights_bit_identical");
-    let counts = [0usize, 1, 2, 3, 7, 8, 16, 33, 64, 65, 0];
-    let (e, n, k) = (counts.len(), 512, 2048);
-    let w = quantized_weights(&mut rng, e, n, k);
-    // Two device copies: plain only (launch_partial_mma runs v3 on it) and with the tiling (it runs v3t there).
-    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    let mut dwt = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    dwt.prepare_prefill_tiling(&gpu).unwrap();
-    let tokens: usize = counts.iter().sum();
-    let choices: Vec<usize> = counts
-        .iter()
-        .enumerate()
-        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
-        .collect();
-    let sms = gpu.info.sm_count as u32;
-    for cap in [Some(65), None] {
-        let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+    let fx = DecodeFixture::new(&gpu, &mut rng);
+    let (n, k) = (fx.w.n, fx.w.k);
+    for (cap, rb) in &fx.batches {
         let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
         let rows = rb.grouping.rows_total();
         for nvfp4 in [false, true] {
-            let a = gathered_activations(&mut rng, &rb, k, nvfp4);
+            let a = gathered_activations(&mut rng, rb, k, nvfp4);
             let da = DevA::upload(&gpu, &a);
-            for (token_tile, splits, ctas) in [
-                (8, 1, 3 * sms),
-                (16, 2, 3 * sms),
-                (32, 4, 2 * sms),
-                (64, 1, 5),
-            ] {
-                let cfg = GemmConfig {
-                    token_tile,
-                    splits,
-                    ctas,
-                };
+            for cfg in DecodeFixture::configs(&gpu) {
+                let splits = cfg.splits;
                 let mut got = Vec::new();
                 for tiled in [false, true] {
                     let mut ws = Workspace::new(&gpu, splits, rows, n).unwrap();
                     gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
                     // The same entry on each copy: v3 on the plain one, v3t / v3th on the tiled one.
-                    let d = if tiled { &dwt } else { &dw };
+                    let d = if tiled { &fx.tiled } else { &fx.plain };
                     mg::launch_partial_mma(&gpu, d, &da.view(), &dg, &cfg, &mut ws).unwrap();
                     gpu.synchronize().unwrap();
                     got.push(gpu.download(&ws.partial).unwrap());
@@ -487,27 +526,24 @@ fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
                 );
                 let written = got[0].iter().filter(|x| !x.is_nan()).count();
                 assert!(written > 0, "{label}: v3 wrote nothing");
-                let diff = got[0]
-                    .iter()
-                    .zip(&got[1])
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
-                assert_eq!(
-                    diff,
-                    0,
-                    "{label}: the tiled copy (v3t / v3th) differs from v3 in {diff} of {} partials",
-                    got[0].len()
+                assert_bit_identical(
+                    &label,
+                    "the tiled copy (v3t / v3th) differs from v3",
+                    &got[0],
+                    &got[1],
                 );
             }
         }
     }
 }
 
-/// The F16-operand decode mainloop (v3th, `DecodeOperands::F16`) on NVFP4 activations: checked against the f64 reference under the accumulator bounds (its products are the same exact
-/// values, scaled by 2^-14 instead of 2^-9), and compared bit for bit with v3t (BF16 operands) on the same tiled
-/// weights: the order of the MMAs is the same, so the partials are expected to be identical; the test asserts that. Masked and contiguous groupings,
-/// every token tile, split counts 1 / 2 / 4, empty experts, experts of 1..65 rows; the partials NaN-poisoned before
-/// each launch. Also: BF16 activations and weights without the tiled copy are refused before any launch.
+/// The F16-operand decode mainloop (v3th, `DecodeOperands::F16`) on NVFP4 activations: checked against the f64
+/// reference under the accumulator bounds (its products are the same exact values, scaled by 2^-14 instead of 2^-9),
+/// and compared bit for bit with v3t (BF16 operands) on the same tiled weights: the order of the MMAs is the same,
+/// so the partials are expected to be identical; the test asserts that. Masked and contiguous groupings
+/// ([`DecodeFixture`]), every token tile, split counts 1 / 2 / 4, empty experts, experts of 1..65 rows; the partials
+/// NaN-poisoned before each launch. Also: BF16 activations and weights without the tiled copy are refused before
+/// any launch.
 #[test]
 fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
     let name = "gpu_decode_f16_operands_match_the_reference_and_bf16_operands";
@@ -515,46 +551,26 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
         return;
     };
     let mut rng = seeded(name);
-    let counts = [0usize, 1, 2, 3, 7, 8, 16, 33, 64, 65, 0];
-    let (e, n, k) = (counts.len(), 512, 2048);
-    let w = quantized_weights(&mut rng, e, n, k);
-    let dw_plain = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    dw.prepare_prefill_tiling(&gpu).unwrap();
-    let tokens: usize = counts.iter().sum();
-    let choices: Vec<usize> = counts
-        .iter()
-        .enumerate()
-        .flat_map(|(ex, &c)| std::iter::repeat_n(ex, c))
-        .collect();
+    let fx = DecodeFixture::new(&gpu, &mut rng);
+    let (w, dw, dw_plain) = (&fx.w, &fx.tiled, &fx.plain);
+    let (n, k) = (w.n, w.k);
     let sms = gpu.info.sm_count as u32;
-    for cap in [Some(65), None] {
-        let rb = RoutedBatch::from_choices(tokens, e, 1, choices.clone(), cap).unwrap();
+    for (cap, rb) in &fx.batches {
         let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
         let rows = rb.grouping.rows_total();
-        let a = gathered_activations(&mut rng, &rb, k, true);
+        let a = gathered_activations(&mut rng, rb, k, true);
         let da = DevA::upload(&gpu, &a);
-        let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
+        let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
         let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
-        for (token_tile, splits, ctas) in [
-            (8, 1, 3 * sms),
-            (8, 4, 3 * sms),
-            (16, 2, 3 * sms),
-            (32, 4, 2 * sms),
-            (64, 1, 5),
-        ] {
-            let cfg = GemmConfig {
-                token_tile,
-                splits,
-                ctas,
-            };
+        for cfg in DecodeFixture::configs(&gpu) {
+            let splits = cfg.splits;
             let label = format!("cap {cap:?}, NVFP4 A, {cfg:?}");
             let mut got = Vec::new();
             let mut acc = Vec::new();
             for operands in [mg::DecodeOperands::Bf16, mg::DecodeOperands::F16] {
                 let mut ws = Workspace::new(&gpu, splits, rows, n).unwrap();
                 gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-                mg::launch_partial_mma_with(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, operands)
+                mg::launch_partial_mma_with(&gpu, dw, &da.view(), &dg, &cfg, &mut ws, operands)
                     .unwrap();
                 gpu.synchronize().unwrap();
                 got.push(gpu.download(&ws.partial).unwrap());
@@ -570,16 +586,11 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
                 &owned,
                 n,
             );
-            let diff = got[0]
-                .iter()
-                .zip(&got[1])
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
-            assert_eq!(
-                diff,
-                0,
-                "{label}: F16 operands differ from BF16 operands in {diff} of {} partials",
-                got[0].len()
+            assert_bit_identical(
+                &label,
+                "F16 operands differ from BF16 operands",
+                &got[0],
+                &got[1],
             );
         }
         // Refused before any launch: BF16 activations, and weights without the tiled copy.
@@ -589,11 +600,11 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
             ctas: sms,
         };
         let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
-        let a16 = gathered_activations(&mut rng, &rb, k, false);
+        let a16 = gathered_activations(&mut rng, rb, k, false);
         let da16 = DevA::upload(&gpu, &a16);
         let err = mg::launch_partial_mma_with(
             &gpu,
-            &dw,
+            dw,
             &da16.view(),
             &dg,
             &cfg,
@@ -604,7 +615,7 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
         assert!(format!("{err:#}").contains("NVFP4"), "{err:#}");
         let err = mg::launch_partial_mma_with(
             &gpu,
-            &dw_plain,
+            dw_plain,
             &da.view(),
             &dg,
             &cfg,

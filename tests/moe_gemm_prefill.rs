@@ -22,7 +22,7 @@ use megamoe::ops::moe_gemm::{
 use rand::Rng;
 
 mod moe_common;
-use moe_common::{gathered_activations, quantized_weights, seeded, DevA, U};
+use moe_common::{assert_bit_identical, gathered_activations, quantized_weights, seeded, DevA, U};
 
 /// Top-1 routing giving expert i exactly `counts[i]` rows (contiguous layout).
 fn batch_with_counts(counts: &[usize]) -> RoutedBatch {
@@ -466,16 +466,11 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
             "{label}: RsTma left unwritten (NaN-poisoned) partials"
         );
         for (i, name) in [(1, "RsWtma"), (2, "RsWtmaTiled")] {
-            let mismatches = got[0]
-                .iter()
-                .zip(&got[i])
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
-            assert_eq!(
-                mismatches,
-                0,
-                "{label}: {name} differs from RsTma in {mismatches} of {} partials",
-                got[0].len()
+            assert_bit_identical(
+                label,
+                &format!("{name} differs from RsTma"),
+                &got[0],
+                &got[i],
             );
         }
     }

@@ -112,3 +112,20 @@ impl DevA {
 pub fn quantized_weights(rng: &mut impl Rng, e: usize, n: usize, k: usize) -> ExpertWeights {
     ExpertWeights::quantize_per_row(&random_rows(rng, e * n, k, 0.05), e, n, k).unwrap()
 }
+
+/// Assert that two partial-sum buffers are identical bit for bit (`what` names the pair in the message): the
+/// kernels compared this way compute the same exact products in the same MMA order.
+pub fn assert_bit_identical(label: &str, what: &str, want: &[f32], got: &[f32]) {
+    assert_eq!(want.len(), got.len(), "{label}: {what}: lengths differ");
+    let diff = want
+        .iter()
+        .zip(got)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
+    assert_eq!(
+        diff,
+        0,
+        "{label}: {what} in {diff} of {} partials",
+        want.len()
+    );
+}

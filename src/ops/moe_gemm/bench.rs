@@ -375,6 +375,17 @@ impl Point {
     fn pairs(&self) -> usize {
         self.tokens * self.topk
     }
+    /// [`GemmConfig::choose`] for this point on `gpu`.
+    fn chosen_config(&self, gpu: &Gpu) -> GemmConfig {
+        GemmConfig::choose(
+            gpu.info.sm_count as usize,
+            self.rows_per_active(),
+            self.active.len(),
+            self.n,
+            self.k,
+        )
+    }
+
     fn rows_per_active(&self) -> f64 {
         self.pairs() as f64 / self.active.len().max(1) as f64
     }
@@ -428,14 +439,7 @@ fn l1_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
                 global: &gsa,
             };
             let routing = gpu.upload(&vec![0.25f32; rows])?;
-            let chosen = GemmConfig::choose(
-                gpu.info.sm_count as usize,
-                p.rows_per_active(),
-                p.active.len(),
-                p.n,
-                p.k,
-            );
-            let Some(cfg) = config_for(variant, chosen, p.k) else {
+            let Some(cfg) = config_for(variant, p.chosen_config(gpu), p.k) else {
                 return Ok(vec![]); // a forced split count K does not divide into
             };
             let mut ws = Workspace::new(gpu, cfg.splits, rows, p.n)?;
@@ -488,14 +492,7 @@ fn l2_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, tokens: u64) -> Result
             fill_weights(gpu, &mut h.codes, &mut h.scales, 19)?;
             h.global = gpu.upload(&vec![0.01f32; rows.max(1)])?;
             let token_rows = gpu.upload(&p.rb.token_rows)?;
-            let chosen = GemmConfig::choose(
-                gpu.info.sm_count as usize,
-                p.rows_per_active(),
-                p.active.len(),
-                p.n,
-                p.k,
-            );
-            let Some(cfg) = config_for(variant, chosen, p.k) else {
+            let Some(cfg) = config_for(variant, p.chosen_config(gpu), p.k) else {
                 return Ok(vec![]); // a forced split count K does not divide into
             };
             let mut ws = Workspace::new(gpu, cfg.splits, rows, p.n)?;
