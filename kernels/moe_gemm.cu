@@ -104,10 +104,14 @@
 //   33.2; mainloop under ncu at 1 token 27.2 / 33.9 (DRAM 45 / 36%): its per-item int8 conversion, barriers and
 //   ~32 KB in flight per SM cost more than the cheaper dequant saved.
 //
-// Byte/cycle budget (decode, Flash L1: N = 2*2048, K = 4096): 4.72 MB of codes+scales per expert. At ~4.3 TB/s
-// an H200 streams ~8.6e12 weights/s; the dequant costs ~2.3 issue slots per weight (4 int + 1 HMUL2 per pair
-// + scale prep), ~2e13 slots/s, against ~3.3e13 lane-ops/s of issue for 132 SMs at 1.98 GHz: about 60% of
-// issue at full bandwidth, so the kernel should stay memory-bound with headroom shrinking as tokens grow.
+// Byte/cycle budget (decode, Flash L1: N = 2 * 2048, K = 4096): 16.8 M weights = 9.44 MB of codes + scales per
+// expert. At the issue's 80% of the 4.25 TB/s copy bandwidth an H200 must retire ~6.0e12 weights/s, i.e. ~23 weights
+// per SM and cycle at 1.98 GHz, against 4 warp-instructions of issue per SM and cycle. Measured (Nsight Compute,
+// session 15, Flash L1 64 tokens, every CTA busy): v3t issued 0.127 warp-instructions per weight (issue slots 64%,
+// the ALU pipe 63.7% and the most used, DRAM 56.7% at the 1.79 GHz ncu clock: bound in the SM, not by HBM); v3th
+// (f16 operands, the routed form) 0.100 per weight at DRAM 66.6% (75% of copy bandwidth in the bench at 1.98 GHz),
+// issue 59%, ALU 61%. What is left is mostly latency: ptxas issues the next stage's weight loads at the end of a
+// stage, so their lead is short (the v3th notes at the entry points).
 //
 // Rounding points: products exact (bf16 x bf16 of exact values), fp32 accumulation (tensor-core order),
 // split partials added in split order in fp32, scale = gsa * gsb (fp32), out = acc * scale (fp32), then the
