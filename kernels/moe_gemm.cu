@@ -163,23 +163,22 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 }
 #undef MOE_MMA_16816
 
-// kHalf: f16 instead of bf16 (v3th: e2m1 * e4m3 values lie in [2^-10, 2688] with <= 5 significant bits, exact in
-// f16 too).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    // Values here are exact in bf16 (e2m1 * e4m3), so RNE is exact.
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// pack_bf16x2, or with kHalf f16 (v3th: e2m1 * e4m3 values lie in [2^-10, 2688] with <= 5 significant bits, exact
+// in f16 too).
 template <bool kHalf = false>
 __device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
     if constexpr (kHalf) {
         __half2 v = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&v);
     } else {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
+        return pack_bf16x2(lo, hi);
     }
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    // Values here are exact in bf16 (e2m1 * e4m3), so RNE is exact.
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // Byte distance between the 128-K chunks of one weight row: 64 code and 8 scale bytes in the plain [E*N][K/2],
