@@ -81,6 +81,7 @@ fn main() {
         "PATH",
         "REQUIRE_CUBIN",
         "MEGAMOE_NVCC_FLAGS",
+        "MEGAMOE_CUBIN_CACHE",
     ] {
         println!("cargo::rerun-if-env-changed={v}");
     }
@@ -140,6 +141,15 @@ fn main() {
             let key = cache_key(&inlined, &cmd);
             let key_path = out_dir.join(format!("{stem}.key"));
             let rep_path = out_dir.join(format!("{stem}.ptxas.txt"));
+            // A shared cache (MEGAMOE_CUBIN_CACHE, a directory) lets several checkouts of the project reuse
+            // each other's cubins: an entry is named by the same key, so it is used only for identical input.
+            let shared = env::var_os("MEGAMOE_CUBIN_CACHE").map(PathBuf::from);
+            if let Some(dir) = &shared {
+                let (c, r) = (dir.join(format!("{key}.cubin")), dir.join(format!("{key}.ptxas.txt")));
+                if c.exists() && r.exists() && fs::copy(&c, &cubin).is_ok() && fs::copy(&r, &rep_path).is_ok() {
+                    fs::write(&key_path, &key).unwrap();
+                }
+            }
             let cached = fs::read_to_string(&key_path).is_ok_and(|k| k == key) && cubin.exists();
             let cached_report = cached.then(|| fs::read_to_string(&rep_path).ok()).flatten();
             if cached_report.is_none() {
@@ -156,6 +166,11 @@ fn main() {
             }) {
                 Ok(Ok(ptxas)) => {
                     fs::write(&key_path, &key).unwrap();
+                    if let Some(dir) = &shared {
+                        let _ = fs::create_dir_all(dir);
+                        let _ = fs::copy(&cubin, dir.join(format!("{key}.cubin")));
+                        let _ = fs::write(dir.join(format!("{key}.ptxas.txt")), &ptxas);
+                    }
                     report = ptxas;
                     cubin_expr = format!("Some(include_bytes!({:?}))", cubin.display().to_string());
                 }

@@ -541,7 +541,7 @@ fn config_errors_are_clear() {
 /// not halfway through an H200 run. Profile configs also name the kernels Nsight Compute collects (`# ncu-kernels:`).
 #[test]
 fn every_committed_config_names_registered_kernels_and_variants() {
-    let registry = megamoe::ops::bench_kernels();
+    let registry = megamoe::bench::kernels::all();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs");
     let mut checked = 0;
     for dir in [root.clone(), root.join("profile"), root.join("ab")] {

@@ -1646,7 +1646,7 @@ fn exec_indexer_cpu_matches_reference_and_rejects_bad_arguments() {
     use megamoe::ops::exec::HostTensor;
     use safetensors::Dtype;
     let (seed, mut rng) = seeded("exec_indexer");
-    let entry = megamoe::ops::exec::kernels()
+    let entry = megamoe::ops::registry::exec_kernels()
         .into_iter()
         .find(|e| e.name == "indexer")
         .expect("exec registry has `indexer`");

@@ -1067,7 +1067,7 @@ fn bench_config_parses_and_names_known_kernels_and_params() {
     ))
     .unwrap();
     let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
-    let registry = megamoe::ops::bench_kernels();
+    let registry = megamoe::bench::kernels::all();
     assert!(!cfg.sweeps.is_empty());
     for s in &cfg.sweeps {
         let k = registry
@@ -1186,7 +1186,7 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     std::fs::create_dir_all(&dir).unwrap();
     let (inp, outp) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
     exec::write_safetensors(&inp, &m).unwrap();
-    exec::run("moe_gemm_grouped", &inp, &outp, None).unwrap();
+    megamoe::ops::registry::run_exec("moe_gemm_grouped", &inp, &outp, None).unwrap();
     let out = exec::read_safetensors(&outp).unwrap();
     let d = out["d"].to_f32().unwrap();
     let (acc, _) = grouped_gemm_acc_f64(&w, &a, &rb.grouping).unwrap();
@@ -1198,7 +1198,7 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     // A missing tensor is a clear error.
     m.remove("offsets");
     exec::write_safetensors(&inp, &m).unwrap();
-    let err = exec::run("moe_gemm_grouped", &inp, &outp, None).unwrap_err();
+    let err = megamoe::ops::registry::run_exec("moe_gemm_grouped", &inp, &outp, None).unwrap_err();
     assert!(format!("{err:#}").contains("offsets"), "{err:#}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -1753,7 +1753,7 @@ fn division_free_e2m1_equals_the_reference_encoder() {
 fn exec_entries_run_the_cpu_reference() {
     use megamoe::ops::exec::{HostTensor, TensorMap};
     let seed = fresh_seed("exec_entries_run_the_cpu_reference");
-    let kernels = megamoe::ops::exec::kernels();
+    let kernels = megamoe::ops::registry::exec_kernels();
     let find = |n: &str| {
         kernels
             .iter()
@@ -2382,7 +2382,7 @@ fn bench_config_names_known_kernels_and_variants() {
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs/norm_quant.toml");
     let cfg = megamoe::bench::config::SweepConfig::from_path(&path).unwrap();
-    let kernels = megamoe::ops::bench_kernels();
+    let kernels = megamoe::bench::kernels::all();
     assert!(!cfg.sweeps.is_empty());
     for s in &cfg.sweeps {
         let k = kernels

@@ -1714,7 +1714,8 @@ fn exec_inputs(p: &HostProblem) -> megamoe::ops::exec::TensorMap {
 
 #[test]
 fn exec_entry_validates_arguments_and_matches_reference() {
-    use megamoe::ops::exec::{kernels, HostTensor, TensorMap};
+    use megamoe::ops::exec::{HostTensor, TensorMap};
+    use megamoe::ops::registry::exec_kernels as kernels;
     use safetensors::Dtype;
     let mut rng = seeded(
         "exec_entry_validates_arguments_and_matches_reference",

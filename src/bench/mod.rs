@@ -19,6 +19,7 @@
 pub mod config;
 pub mod csv_out;
 pub mod env;
+pub mod kernels;
 pub mod limits;
 pub mod plot;
 pub mod probe;

@@ -61,7 +61,7 @@ pub fn run(
     limits: &Limits,
     opts: &RunOptions,
 ) -> Result<Vec<PathBuf>> {
-    let registry = crate::ops::bench_kernels();
+    let registry = crate::bench::kernels::all();
     let nvml = Nvml::new(gpu.info.ordinal as u32);
     let commit = env::git_commit();
     let sweeps: Vec<&Sweep> = config

@@ -389,7 +389,7 @@ fn exec(
     cpu: bool,
     list: bool,
 ) -> Result<()> {
-    let all = crate::ops::exec::kernels();
+    let all = crate::ops::registry::exec_kernels();
     if list || kernel.is_none() {
         println!("kernels for `megamoe exec <kernel> --in IN.safetensors --out OUT.safetensors [--cpu]`:\n");
         for k in &all {
@@ -407,7 +407,7 @@ fn exec(
         bail!("input file {} does not exist", input.display());
     }
     let gpu = if cpu { None } else { Some(open_gpu(ordinal)?) };
-    crate::ops::exec::run(&kernel, &input, &output, gpu.as_ref())?;
+    crate::ops::registry::run_exec(&kernel, &input, &output, gpu.as_ref())?;
     println!(
         "wrote {} ({})",
         output.display(),

@@ -5,7 +5,9 @@
 //! Everything runs on a single non-default stream with cudarc's event tracking disabled (it is disabled
 //! before the first allocation), so launches carry no hidden waits and graph capture sees only our work.
 
+pub mod arena;
 pub mod blas;
+pub mod launch;
 pub mod module;
 pub mod pdl;
 pub mod telemetry;
@@ -15,7 +17,7 @@ pub mod tma;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
@@ -23,6 +25,8 @@ use cudarc::driver::{
 };
 
 pub use cudarc::driver::PushKernelArg;
+pub use arena::{Arena, WorkspaceLayout};
+pub use launch::{DevBuf, DeviceBuf, Kernel, KernelArgs, Launch, Stream};
 pub use module::{KernelSource, KERNEL_SOURCES};
 
 /// What a `Gpu` knows about its device.
@@ -44,6 +48,8 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub info: DeviceInfo,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Resolved entry points by (family, name), with the largest dynamic shared memory allowed so far.
+    kernels: Mutex<HashMap<(String, String), Arc<Kernel>>>,
 }
 
 /// Why no GPU could be opened, in words a user can act on.
@@ -107,6 +113,7 @@ impl Gpu {
             stream,
             info,
             modules: Mutex::new(HashMap::new()),
+            kernels: Mutex::new(HashMap::new()),
         })
     }
 
@@ -170,6 +177,92 @@ impl Gpu {
         Ok(f)
     }
 
+    /// A kernel entry point, resolved once and cached (no dynamic shared memory beyond the default 48 KB).
+    pub fn kernel(&self, family: &str, name: &str) -> Result<Arc<Kernel>> {
+        self.kernel_with_smem(family, name, 0)
+    }
+
+    /// A kernel entry point allowed `smem_bytes` of dynamic shared memory: a clear error, before any launch, when
+    /// the device cannot give that much on top of the kernel's static shared memory; the opt-in attribute is set
+    /// when static + dynamic passes the 48 KB every kernel gets without asking (the limit applies to the sum).
+    /// Resolved once per (family, name); the attribute is raised only when a larger request comes.
+    pub fn kernel_with_smem(
+        &self,
+        family: &str,
+        name: &str,
+        smem_bytes: usize,
+    ) -> Result<Arc<Kernel>> {
+        self.resolve(family, name, smem_bytes, false)
+    }
+
+    /// [`Gpu::kernel_with_smem`] for a persistent kernel whose grid assumes several resident CTAs per SM: also asks
+    /// for the largest shared-memory carveout (the default is a driver heuristic that may hold fewer CTAs).
+    pub fn kernel_with_max_carveout(
+        &self,
+        family: &str,
+        name: &str,
+        smem_bytes: usize,
+    ) -> Result<Arc<Kernel>> {
+        self.resolve(family, name, smem_bytes, true)
+    }
+
+    fn resolve(
+        &self,
+        family: &str,
+        name: &str,
+        smem_bytes: usize,
+        max_carveout: bool,
+    ) -> Result<Arc<Kernel>> {
+        use cudarc::driver::sys::CUfunction_attribute as A;
+        let key = (family.to_string(), name.to_string());
+        let mut map = self.kernels.lock().unwrap();
+        if let Some(k) = map.get(&key) {
+            if k.smem_allowed >= smem_bytes && !max_carveout {
+                return Ok(k.clone());
+            }
+        }
+        let f = match map.get(&key) {
+            Some(k) => k.f.clone(),
+            None => self.function(family, name)?,
+        };
+        let static_bytes = f
+            .shared_size_bytes()
+            .map_err(|e| anyhow!("{name}: reading its static shared memory: {e:?}"))?
+            as usize;
+        let total = static_bytes + smem_bytes;
+        if total > self.info.max_smem_per_block_optin {
+            bail!(
+                "kernel `{name}` needs {smem_bytes} B of dynamic + {static_bytes} B of static shared memory, \
+                 the device allows {} in all",
+                self.info.max_smem_per_block_optin
+            );
+        }
+        let allowed = map.get(&key).map_or(0, |k| k.smem_allowed).max(smem_bytes);
+        if static_bytes + allowed > 48 * 1024 {
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, allowed as i32)
+                .map_err(|e| anyhow!("{name}: allowing {allowed} B of dynamic shared memory: {e:?}"))?;
+        }
+        if max_carveout {
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                .map_err(|e| anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
+        }
+        // The name lives as long as the cache entry: leak one copy per distinct entry point (a bounded set).
+        let k = Arc::new(Kernel {
+            f,
+            name: Box::leak(name.to_string().into_boxed_str()),
+            smem_allowed: allowed.max(48 * 1024 - static_bytes.min(48 * 1024)),
+        });
+        map.insert(key, k.clone());
+        Ok(k)
+    }
+
+    /// A new non-blocking stream on this GPU's context (a second stream for independent work).
+    pub fn new_stream(&self) -> Result<Stream> {
+        self.ctx
+            .new_stream()
+            .map_err(|e| anyhow!("creating a stream: {e:?}"))
+    }
+
     fn module(&self, family: &str) -> Result<Arc<CudaModule>> {
         let src = module::find(family)?;
         let mut map = self.modules.lock().unwrap();
@@ -213,13 +306,27 @@ impl Gpu {
 
     /// Fill a buffer's bytes with `pattern` (cuMemsetD8Async on our stream).
     pub fn fill_bytes<T: DeviceRepr>(&self, s: &mut CudaSlice<T>, pattern: u8) -> Result<()> {
-        use cudarc::driver::DevicePtrMut;
-        let bytes = s.num_bytes();
-        let (ptr, _guard) = s.device_ptr_mut(&self.stream);
-        unsafe {
-            cudarc::driver::result::memset_d8_async(ptr, pattern, bytes, self.stream.cu_stream())
-        }
-        .map_err(|e| anyhow!("memset: {e:?}"))
+        fill_bytes_on(&self.stream, s, pattern)
+    }
+
+    /// Copy `host` into the start of an existing device buffer on `stream` (no allocation: what a test or the
+    /// engine uses to change the device-side counts a captured graph reads between replays).
+    pub fn write<T: DeviceRepr>(
+        &self,
+        stream: &Stream,
+        dst: &mut CudaSlice<T>,
+        host: &[T],
+    ) -> Result<()> {
+        ensure!(
+            host.len() <= dst.len(),
+            "writing {} elements into a {}-element buffer",
+            host.len(),
+            dst.len()
+        );
+        let mut view = dst.slice_mut(0..host.len());
+        stream
+            .memcpy_htod(host, &mut view)
+            .map_err(|e| anyhow!("host->device copy of {} elements: {e:?}", host.len()))
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -227,6 +334,19 @@ impl Gpu {
             .synchronize()
             .map_err(|e| anyhow!("stream synchronize (a kernel failed?): {e:?}"))
     }
+}
+
+/// Fill a buffer's bytes with `pattern` on `stream`.
+pub fn fill_bytes_on<T: DeviceRepr>(
+    stream: &Stream,
+    s: &mut CudaSlice<T>,
+    pattern: u8,
+) -> Result<()> {
+    use cudarc::driver::DevicePtrMut;
+    let bytes = s.num_bytes();
+    let (ptr, _guard) = s.device_ptr_mut(stream);
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, pattern, bytes, stream.cu_stream()) }
+        .map_err(|e| anyhow!("memset: {e:?}"))
 }
 
 fn driver_version() -> Option<i32> {

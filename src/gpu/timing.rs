@@ -3,7 +3,9 @@
 
 use anyhow::{anyhow, Result};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 
 use super::Gpu;
 
@@ -89,12 +91,23 @@ impl Gpu {
 
     /// Capture `work` into a CUDA graph (thread-local capture mode on our stream).
     pub fn capture(&self, work: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
-        self.stream
+        capture_on(&self.stream, work)
+    }
+}
+
+/// Capture the work that `work` enqueues on `stream` (and on streams that join it) into a CUDA graph, uploaded
+/// and ready to launch. Any launch that allocates, synchronizes or copies to the host fails the capture: a
+/// graph-safe launcher does none of these.
+pub fn capture_on(
+    stream: &Arc<CudaStream>,
+    work: impl FnOnce() -> Result<()>,
+) -> Result<CudaGraph> {
+    {
+        stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| anyhow!("begin capture: {e:?}"))?;
         let r = work();
-        let g = self
-            .stream
+        let g = stream
             .end_capture(CUgraphInstantiate_flags(0))
             .map_err(|e| anyhow!("end capture: {e:?}"))?;
         r?;
@@ -102,6 +115,9 @@ impl Gpu {
         g.upload().map_err(|e| anyhow!("graph upload: {e:?}"))?;
         Ok(g)
     }
+}
+
+impl Gpu {
 
     /// Time replays of a captured graph: `inner` replays between each event pair, sample = time / inner.
     pub fn time_graph_us(

@@ -147,29 +147,3 @@ pub struct ExecKernel {
     /// `gpu` is `None` for `--cpu` (the CPU reference).
     pub run: fn(&TensorMap, Option<&Gpu>) -> Result<TensorMap>,
 }
-
-/// Every kernel `exec` knows. A kernel family adds its entries here.
-pub fn kernels() -> Vec<ExecKernel> {
-    let mut v = Vec::new();
-    v.extend(crate::ops::nvfp4::exec_kernels());
-    v.extend(crate::ops::norm_quant::exec_kernels());
-    v.extend(crate::ops::moe_gemm::exec_kernels());
-    v.extend(crate::ops::sparse_attn::exec::exec_kernels());
-    v.extend(crate::ops::indexer::exec_kernels());
-    v
-}
-
-/// Run `kernel` on the tensors of `in_path`, writing `out_path`. `gpu` is `None` for the CPU reference.
-pub fn run(kernel: &str, in_path: &Path, out_path: &Path, gpu: Option<&Gpu>) -> Result<()> {
-    let all = kernels();
-    let Some(k) = all.iter().find(|k| k.name == kernel) else {
-        let names: Vec<_> = all.iter().map(|k| k.name).collect();
-        bail!(
-            "unknown kernel `{kernel}` for exec (known: {})",
-            names.join(", ")
-        );
-    };
-    let inputs = read_safetensors(in_path)?;
-    let outputs = (k.run)(&inputs, gpu).with_context(|| format!("exec {kernel}"))?;
-    write_safetensors(out_path, &outputs)
-}

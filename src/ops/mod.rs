@@ -8,17 +8,5 @@ pub mod inputs;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
+pub mod registry;
 pub mod sparse_attn;
-
-use crate::bench::runner::BenchKernel;
-
-/// Every kernel the sweep runner knows. A kernel family adds its entries here.
-pub fn bench_kernels() -> Vec<BenchKernel> {
-    let mut v = Vec::new();
-    v.extend(nvfp4::bench::kernels());
-    v.extend(norm_quant::bench::kernels());
-    v.extend(moe_gemm::bench::kernels());
-    v.extend(sparse_attn::bench_kernels());
-    v.extend(indexer::bench::kernels());
-    v
-}
