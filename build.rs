@@ -145,8 +145,15 @@ fn main() {
             // each other's cubins: an entry is named by the same key, so it is used only for identical input.
             let shared = env::var_os("MEGAMOE_CUBIN_CACHE").map(PathBuf::from);
             if let Some(dir) = &shared {
-                let (c, r) = (dir.join(format!("{key}.cubin")), dir.join(format!("{key}.ptxas.txt")));
-                if c.exists() && r.exists() && fs::copy(&c, &cubin).is_ok() && fs::copy(&r, &rep_path).is_ok() {
+                let (c, r) = (
+                    dir.join(format!("{key}.cubin")),
+                    dir.join(format!("{key}.ptxas.txt")),
+                );
+                if c.exists()
+                    && r.exists()
+                    && fs::copy(&c, &cubin).is_ok()
+                    && fs::copy(&r, &rep_path).is_ok()
+                {
                     fs::write(&key_path, &key).unwrap();
                 }
             }

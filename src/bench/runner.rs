@@ -43,6 +43,21 @@ pub struct BenchKernel {
     /// Returns the rows of one point (timing, work, errors, shape columns); the runner adds limits,
     /// telemetry, commit and timestamp.
     pub run_point: fn(&BenchCtx<'_>, &Sweep, &str, u64) -> Result<Vec<Row>>,
+    /// Variants the default plots draw: the routed kernel and the baselines its targets are measured against
+    /// (every variant stays in the CSV and can be plotted on request). Empty: every variant.
+    pub headline: &'static [&'static str],
+    /// Target lines the default plots draw.
+    pub targets: &'static [PlotTarget],
+}
+
+/// A target drawn as a horizontal line on a kernel's default plots.
+#[derive(Debug, Clone, Copy)]
+pub struct PlotTarget {
+    /// The CSV column the target is stated in (e.g. `pct_copy_bw`).
+    pub metric: &'static str,
+    pub value: f64,
+    /// Legend text, e.g. "target: decode >= 80% of copy BW".
+    pub label: &'static str,
 }
 
 /// Options of one run.

@@ -253,12 +253,7 @@ impl Launch {
 /// # Safety
 /// `args` must match the kernel's parameter list, and every buffer must be large enough for the launch
 /// geometry and outlive the kernel's execution: launchers check shapes before calling this.
-pub unsafe fn launch(
-    stream: &Stream,
-    k: &Kernel,
-    l: Launch,
-    args: &mut KernelArgs,
-) -> Result<()> {
+pub unsafe fn launch(stream: &Stream, k: &Kernel, l: Launch, args: &mut KernelArgs) -> Result<()> {
     use cudarc::driver::sys;
     anyhow::ensure!(
         l.grid.0 >= 1 && l.grid.1 >= 1 && l.grid.2 >= 1,

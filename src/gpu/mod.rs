@@ -24,8 +24,8 @@ use cudarc::driver::{
     ValidAsZeroBits,
 };
 
-pub use cudarc::driver::PushKernelArg;
 pub use arena::{Arena, WorkspaceLayout};
+pub use cudarc::driver::PushKernelArg;
 pub use launch::{DevBuf, DeviceBuf, Kernel, KernelArgs, Launch, Stream};
 pub use module::{KernelSource, KERNEL_SOURCES};
 
@@ -239,8 +239,11 @@ impl Gpu {
         }
         let allowed = map.get(&key).map_or(0, |k| k.smem_allowed).max(smem_bytes);
         if static_bytes + allowed > 48 * 1024 {
-            f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, allowed as i32)
-                .map_err(|e| anyhow!("{name}: allowing {allowed} B of dynamic shared memory: {e:?}"))?;
+            f.set_attribute(
+                A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                allowed as i32,
+            )
+            .map_err(|e| anyhow!("{name}: allowing {allowed} B of dynamic shared memory: {e:?}"))?;
         }
         if max_carveout {
             f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)

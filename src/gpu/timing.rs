@@ -118,7 +118,6 @@ pub fn capture_on(
 }
 
 impl Gpu {
-
     /// Time replays of a captured graph: `inner` replays between each event pair, sample = time / inner.
     pub fn time_graph_us(
         &self,

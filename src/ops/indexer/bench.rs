@@ -18,6 +18,8 @@ pub fn kernels() -> Vec<BenchKernel> {
         variants: super::VARIANTS,
         matmul: MatmulKind::NotMatmul,
         run_point: indexer_point,
+        headline: &[],
+        targets: &[],
     }]
 }
 

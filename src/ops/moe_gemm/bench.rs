@@ -258,12 +258,16 @@ pub fn kernels() -> Vec<BenchKernel> {
             variants: VARIANTS,
             matmul: MatmulKind::Bf16,
             run_point: l1_point,
+            headline: &[],
+            targets: &[],
         },
         BenchKernel {
             name: "moe_gemm_l2",
             variants: VARIANTS,
             matmul: MatmulKind::Bf16,
             run_point: l2_point,
+            headline: &[],
+            targets: &[],
         },
     ]
 }

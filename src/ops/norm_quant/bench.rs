@@ -28,12 +28,16 @@ pub fn kernels() -> Vec<BenchKernel> {
             ],
             matmul: MatmulKind::NotMatmul,
             run_point: rows_point,
+            headline: &[],
+            targets: &[],
         },
         BenchKernel {
             name: "mhc",
             variants: super::MHC_VARIANTS,
             matmul: MatmulKind::NotMatmul,
             run_point: mhc_point,
+            headline: &[],
+            targets: &[],
         },
     ]
 }

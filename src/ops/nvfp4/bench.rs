@@ -18,18 +18,24 @@ pub fn kernels() -> Vec<BenchKernel> {
             variants: &["memcpy", "kernel"],
             matmul: MatmulKind::NotMatmul,
             run_point: copy_point,
+            headline: &[],
+            targets: &[],
         },
         BenchKernel {
             name: "nvfp4_quantize_rows",
             variants: &["bf16_in"],
             matmul: MatmulKind::NotMatmul,
             run_point: quantize_point,
+            headline: &[],
+            targets: &[],
         },
         BenchKernel {
             name: "nvfp4_dequantize_rows",
             variants: &["bf16_out"],
             matmul: MatmulKind::NotMatmul,
             run_point: dequantize_point,
+            headline: &[],
+            targets: &[],
         },
     ]
 }

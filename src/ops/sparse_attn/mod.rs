@@ -853,6 +853,8 @@ pub fn bench_kernels() -> Vec<BenchKernel> {
         variants: &BENCH_VARIANTS,
         matmul: MatmulKind::Bf16,
         run_point: run_bench_point,
+        headline: &[],
+        targets: &[],
     }]
 }
 
