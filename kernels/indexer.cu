@@ -2,13 +2,13 @@
 // deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort).
 //
 // Default path (src/ops/indexer/mod.rs `logits` / `topk` / `run`):
-//   Logits, FP8 keys: indexer_logits_fp8tma_n1 / _n2 = native wgmma e4m3 fed by a TMA + mbarrier ring ("FP8 logits
+//   Logits, FP8 keys: indexer_logits_fp8_n1 / _n2 = native wgmma e4m3 fed by a TMA + mbarrier ring ("FP8 logits
 //     v6" below; default since session 6). The session-5 default indexer_logits_fp8w3_n1 / _n2 (double-buffered
 //     cp.async rounds of 3 key tiles, "FP8 logits v5") stays as the bit-identical `Fp8LogitsKernel::CpAsyncRounds`.
 //     MXFP4 keys: the e4m3 mma.sync kernels indexer_logits_mxfp4_n1 / _n2 ("Logits" below).
-//   Top-k, three launches: indexer_topk2_hist (4096-bin histogram of the top 12 key bits) ->
-//     indexer_topk5_select_agg (threshold select, many CTAs per row, one slot atomic per counter per CTA) ->
-//     indexer_topk4_final_mcta (exact final pass, 8..32 CTAs per row ranking by counting, one-CTA radix select +
+//   Top-k, three launches: indexer_topk_hist (4096-bin histogram of the top 12 key bits) ->
+//     indexer_topk_select (threshold select, many CTAs per row, one slot atomic per counter per CTA) ->
+//     indexer_topk_final (exact final pass, 8..32 CTAs per row ranking by counting, one-CTA radix select +
 //     bitonic sort fallback for threshold buckets above 4096 entries). For k <= 512 the same bodies through their
 //     PDL entry points (*_pdl, "Top-k PDL entry points"; default for k <= 512 since session 6). See "Top-k v2"
 //     (pass 1 and the threshold rule), "Top-k v4", "Top-k pass 2 with CTA-aggregated slot allocation"; the shared
@@ -89,7 +89,7 @@
 // ---- Top-k (k <= 2048) ----------------------------------------------------------------------------------
 // Total order: composite = (order_key(score) << 32) | ~index (u64; NaN -> -inf, -0 -> +0). The composite
 // is unique per entry, so "the k largest composites" is exactly "score desc, lower index wins".
-// Shared helpers (used by the fallback of indexer_topk4_final_mcta): block_select = one CTA's
+// Shared helpers (used by the fallback of indexer_topk_final): block_select = one CTA's
 // MSB-first radix select over 64-bit composites (8-bit digits, at most 8 passes, early exit when the
 // chosen bucket holds exactly the remaining count), block_collect = a ballot-compacted collection of the
 // selected elements, sort_and_write = a bitonic sort of the chosen k and the final row write.
@@ -411,17 +411,6 @@ constexpr int LW_TILE_BYTES = LW_KEYS * DIM;  // 8192
 __device__ __forceinline__ uint32_t lw_smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void lw_cp_async16(uint32_t dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void lw_cp_async4(uint32_t dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void lw_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void lw_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // D[64 x 64] (+)= A[64 keys x 32] . B[64 heads x 32]^T, e4m3 x e4m3 -> f32; scale_d = 0 starts from zero.
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
@@ -465,173 +454,7 @@ __device__ __forceinline__ int lw_seq_len(const int* __restrict__ num_valid, int
     return n_seq;
 }
 
-// Dynamic shared memory (base rounded up to 1024 B in the kernel; the launcher adds 1 KB of slack):
-//   keys [2 * round][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [2 * round][64] f32.
-template <int NEXT_N, int ROUND>
-__host__ __device__ constexpr int lw_smem_bytes() {
-    return 1024 + 2 * ROUND * (LW_TILE_BYTES + LW_KEYS * 4) + NEXT_N * HEADS * DIM;
-}
-
-template <int NEXT_N, int ROUND>
-__device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
-                                                  const uint8_t* __restrict__ codes, const float* __restrict__ scales,
-                                                  const int* __restrict__ num_valid, int capacity,
-                                                  float* __restrict__ scores, int score_stride, int tiles_per_seq,
-                                                  int total_tiles) {
-    constexpr int NACC = NEXT_N * 32;  // f32 accumulators per thread: 64 x (64 * NEXT_N) / 128
-    constexpr int STAGES = 2 * ROUND;
-    extern __shared__ uint8_t lw_smem_raw[];
-    const uint32_t raw_addr = lw_smem_addr(lw_smem_raw);
-    const uint32_t base = (raw_addr + 1023u) & ~1023u;
-    const uint32_t keys_s = base;
-    const uint32_t q_s = keys_s + STAGES * LW_TILE_BYTES;
-    const uint32_t scale_s = q_s + NEXT_N * HEADS * DIM;
-    const float* scale_gen = reinterpret_cast<const float*>(lw_smem_raw + (scale_s - raw_addr));
-    uint8_t* q_gen = lw_smem_raw + (q_s - raw_addr);
-
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-    // This CTA's contiguous range of the flattened (sequence, tile) items.
-    const int per_cta = (total_tiles + (int)gridDim.x - 1) / (int)gridDim.x;
-    const int item0 = (int)blockIdx.x * per_cta;
-    const int n_items = max(0, min(per_cta, total_tiles - item0));  // block-uniform
-
-    // Issue the copies of local item i (if it exists) into stage `stage`; no commit (one group per round).
-    auto issue = [&](int i, int stage) {
-        if (i < n_items) {
-            const int item = item0 + i;
-            const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
-            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
-            const uint32_t dst_tile = keys_s + stage * LW_TILE_BYTES;
-            const uint8_t* src_tile = codes + ((size_t)b * capacity + key0) * DIM;
-#pragma unroll
-            for (int k = 0; k < LW_TILE_BYTES / 16 / LW_THREADS; ++k) {
-                const int c = tid + k * LW_THREADS;
-                const int r = c >> 3, ch = c & 7;
-                if (key0 + r < n_seq) lw_cp_async16(dst_tile + r * DIM + ((ch ^ (r & 7)) << 4), src_tile + r * DIM + ch * 16);
-            }
-            if (tid < LW_KEYS && key0 + tid < n_seq)
-                lw_cp_async4(scale_s + (stage * LW_KEYS + tid) * 4, scales + (size_t)b * capacity + key0 + tid);
-        }
-    };
-
-    // Round 0 -> stages 0 .. ROUND - 1.
-#pragma unroll 1
-    for (int k = 0; k < ROUND; ++k) issue(k, k);
-    lw_cp_async_commit();
-
-    float wreg[NEXT_N][8][2];  // w of this thread's columns: head j * 8 + 2 * tq + e, per token
-    int cur_b = -1;
-    const uint64_t q_desc = sw128_desc(q_s);
-    const int n_rounds = (n_items + ROUND - 1) / ROUND;  // block-uniform
-
-#pragma unroll 1
-    for (int rd = 0; rd < n_rounds; ++rd) {
-        lw_cp_async_wait<0>();  // this thread's copies of round rd (the only ones in flight) have landed
-        fence_proxy_async();    // ... and are visible to the async proxy
-        __syncthreads();        // ... for every thread; round rd - 1's stages are no longer read
-        const int half = rd & 1, next_half = half ^ 1;
-#pragma unroll 1
-        for (int k = 0; k < ROUND; ++k) issue((rd + 1) * ROUND + k, next_half * ROUND + k);
-        lw_cp_async_commit();
-
-#pragma unroll 1
-        for (int k = 0; k < ROUND; ++k) {
-            const int i = rd * ROUND + k;
-            if (i >= n_items) break;  // block-uniform
-            const int item = item0 + i;
-            const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
-            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
-            if (key0 >= n_seq) continue;  // block-uniform: nothing visible in this tile
-
-            if (b != cur_b) {  // block-uniform: (re)load q and w of sequence b
-                cur_b = b;
-                // Every warp's part of the previous tile's wgmma (which read q) must be complete before q is
-                // overwritten: each warp only waited for its own wgmma groups.
-                __syncthreads();
-                for (int c = tid; c < NEXT_N * HEADS * 8; c += LW_THREADS) {
-                    const int r = c >> 3, ch = c & 7;  // r = t * 64 + head
-                    const uint4 v = *reinterpret_cast<const uint4*>(q + ((size_t)b * NEXT_N * HEADS + r) * DIM + ch * 16);
-                    *reinterpret_cast<uint4*>(q_gen + r * DIM + ((ch ^ (r & 7)) << 4)) = v;
-                }
-#pragma unroll
-                for (int t = 0; t < NEXT_N; ++t) {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const float2 wv = *reinterpret_cast<const float2*>(w + ((size_t)b * NEXT_N + t) * HEADS + j * 8 + 2 * tq);
-                        wreg[t][j][0] = wv.x;
-                        wreg[t][j][1] = wv.y;
-                    }
-                }
-                // q's generic stores -> the wgmma's async-proxy reads. (Once per sequence change: even if the
-                // MEMBAR waited for the next round's copies, that happens at most batch times per CTA.)
-                fence_proxy_async();
-                __syncthreads();
-            }
-
-            const int stage = half * ROUND + k;
-            const uint64_t a_desc = sw128_desc(keys_s + stage * LW_TILE_BYTES);
-            float acc[NACC];
-#pragma unroll
-            for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
-            wgmma_fence();
-#pragma unroll
-            for (int s = 0; s < DIM / 32; ++s) {
-                // +32 B per k-step = +2 in the descriptor's (address >> 4) field.
-                if constexpr (NEXT_N == 1) {
-                    wgmma_m64n64k32_e4m3(*reinterpret_cast<float(*)[32]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
-                } else {
-                    wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
-                }
-            }
-            wgmma_commit();
-            wgmma_wait_all();
-            fence_acc(acc);
-
-            const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
-#pragma unroll
-            for (int t = 0; t < NEXT_N; ++t) {
-                // Two independent fma chains per row (columns e = 0 / 1) halve the dependent-latency chain.
-                float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const float* d = acc + (t * 8 + j) * 4;
-                    part[0][0] = fmaf(wreg[t][j][0], fmaxf(d[0], 0.f), part[0][0]);
-                    part[0][1] = fmaf(wreg[t][j][1], fmaxf(d[1], 0.f), part[0][1]);
-                    part[1][0] = fmaf(wreg[t][j][0], fmaxf(d[2], 0.f), part[1][0]);
-                    part[1][1] = fmaf(wreg[t][j][1], fmaxf(d[3], 0.f), part[1][1]);
-                }
-                float* out = scores + ((size_t)b * NEXT_N + t) * score_stride;
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    float v = part[hh][0] + part[hh][1];
-                    v += __shfl_xor_sync(FULL, v, 1);
-                    v += __shfl_xor_sync(FULL, v, 2);
-                    const int r = r0 + hh * 8;
-                    if (tq == hh && key0 + r < n_seq) out[key0 + r] = v * scale_gen[stage * LW_KEYS + r];
-                }
-            }
-        }
-    }
-    lw_cp_async_wait<0>();  // no copy outstanding at exit (the last round's group is empty)
-}
-
 }  // namespace
-
-// FP8 logits v5 (see logits_wgmma_body). grid = persistent CTAs (<= CTAS per SM), block 128,
-// dynamic smem lw_smem_bytes<NEXT_N, ROUND>(). tiles_per_seq = ceil(max num_valid / 64), total_tiles = batch *
-// tiles_per_seq.
-#define INDEXER_LOGITS_WGMMA_ENTRY(NAME, NEXT_N, ROUND, CTAS)                                                   \
-    extern "C" __global__ void __launch_bounds__(LW_THREADS, CTAS)                                              \
-        NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
-             const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
-             float* __restrict__ scores, int score_stride, int tiles_per_seq, int total_tiles) {                 \
-        logits_wgmma_body<NEXT_N, ROUND>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid,         \
-                                         capacity, scores, score_stride, tiles_per_seq, total_tiles);             \
-    }
-
-INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n1, 1, 3, 3)
-INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n2, 2, 3, 3)
 
 // ------------------------------------------------------------------------------------------------------------
 // Top-k
@@ -790,14 +613,14 @@ __device__ __forceinline__ int row_valid(const int* num_valid, int row, int scor
 
 // ------------------------------------------------------------------------------------------------------------
 // Top-k v2: histogram -> threshold select with many CTAs per row -> a small exact pass per row. Pass 1 below
-// is the default path's; pass 2 is now indexer_topk5_select_agg (same threshold rule and outputs as the
+// is the default path's; pass 2 is now indexer_topk_select (same threshold rule and outputs as the
 // removed indexer_topk2_select described here, CTA-aggregated slots) and the exact pass is
-// indexer_topk4_final_mcta ("Top-k v4"), whose fallback is the "pass 3" described here.
+// indexer_topk_final ("Top-k v4"), whose fallback is the "pass 3" described here.
 //
-// Pass 1, indexer_topk2_hist, grid (ceil(max_n / TK2_SLICE), rows) x 512 threads: a shared-memory
+// Pass 1, indexer_topk_hist, grid (ceil(max_n / TK2_SLICE), rows) x 512 threads: a shared-memory
 //   histogram of bin = order_key(score) >> 20 (the top 12 bits: sign, 8 exponent bits, 3 mantissa bits)
 //   over the CTA's slice, flushed with one global atomicAdd per non-empty bin into hist[row][4096].
-// Pass 2 (removed indexer_topk2_select; now indexer_topk5_select_agg), same grid: every CTA reads hist[row]
+// Pass 2 (removed indexer_topk2_select; now indexer_topk_select), same grid: every CTA reads hist[row]
 //   (16 KB, from L2) and recomputes the
 //   threshold bin B (scan from the top bin down: the unique bin with excl(B) < kk <= incl(B), kk =
 //   min(k, n)). Entries with bin > B are selected for sure (there are excl(B) < kk of them): their
@@ -873,7 +696,7 @@ __device__ __forceinline__ void topk_pdl_trigger() { asm volatile("griddepcontro
 }  // namespace
 
 // hist [rows][4096] u32 (zero on entry). grid (ceil(max_n / 4096), rows), block 512.
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist(const float* __restrict__ scores,
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_hist(const float* __restrict__ scores,
                                                                            int score_stride,
                                                                            const int* __restrict__ num_valid,
                                                                            uint32_t* __restrict__ hist) {
@@ -904,10 +727,10 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist(con
     }
 }
 
-// indexer_topk2_hist for a PDL launch (see "Top-k PDL entry points"): the same code with the shared histogram
+// indexer_topk_hist for a PDL launch (see "Top-k PDL entry points"): the same code with the shared histogram
 // zeroed before the wait (a separate copy rather than a template instance: the templated default compiled to a
 // register-renamed SASS, and the default must stay byte-identical).
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist_pdl(const float* __restrict__ scores,
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_hist_pdl(const float* __restrict__ scores,
                                                                                int score_stride,
                                                                                const int* __restrict__ num_valid,
                                                                                uint32_t* __restrict__ hist) {
@@ -940,8 +763,8 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist_pdl
     }
 }
 // ------------------------------------------------------------------------------------------------------------
-// Top-k v4 final pass, several CTAs per row (the default final pass since the session-4 A/B): indexer_topk2_hist
-// -> indexer_topk5_select_agg -> indexer_topk4_final_mcta. "v3" below is the removed one-CTA final pass
+// Top-k v4 final pass, several CTAs per row (the default final pass since the session-4 A/B): indexer_topk_hist
+// -> indexer_topk_select -> indexer_topk_final. "v3" below is the removed one-CTA final pass
 // indexer_topk3_final (rank by counting in one 1024-thread CTA, radix-select / bitonic fallbacks).
 // Why: ncu of indexer_topk3_final at 1M / batch 1 / k 512: 14.9 us, one CTA, 81K warp instructions at IPC 3.08
 // on ONE SM: instruction-bound on rank_count's m^2 compares. The ranks do not need one CTA:
@@ -1127,7 +950,7 @@ __device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__
 // Thread 0 reads the counters, arrives after the first barrier (see tk4_row_part) and, if its CTA arrived last,
 // zeroes them at the very end.
 namespace {
-// Body of indexer_topk4_final_mcta (PDL = false) and indexer_topk4_final_mcta_pdl.
+// Body of indexer_topk_final (PDL = false) and indexer_topk_final_pdl.
 template <bool PDL>
 __device__ __forceinline__ void topk4_final_body(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
@@ -1165,7 +988,7 @@ __device__ __forceinline__ void topk4_final_body(
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta(
+extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk_final(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
@@ -1173,8 +996,8 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
     topk4_final_body<false>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
                             out_idx, out_score);
 }
-// indexer_topk4_final_mcta for a PDL launch (see "Top-k PDL entry points"). Same launch shape and smem.
-extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta_pdl(
+// indexer_topk_final for a PDL launch (see "Top-k PDL entry points"). Same launch shape and smem.
+extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk_final_pdl(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
@@ -1185,7 +1008,7 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
 
 // ------------------------------------------------------------------------------------------------------------
 // Top-k pass 2 with CTA-aggregated slot allocation (the default pass 2 since the session-4 A/B; pairs with
-// indexer_topk4_final_mcta). Same contract and threshold as the removed indexer_topk2_select ("Top-k v2"
+// indexer_topk_final). Same contract and threshold as the removed indexer_topk2_select ("Top-k v2"
 // pass 2: one warp-aggregated atomic per (warp, step)); only the slot allocation differs.
 // Why: ncu at batch 16 / 64K context (16,384 entries per row, k 512): indexer_topk2_select takes 10.3 us with
 // IPC 0.65 and 0.23 eligible warps per scheduler. There ~3% of the entries are above the threshold bin and a
@@ -1201,7 +1024,7 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mc
 // Deadlock freedom: the two extra barriers are in straight-line code after the block-uniform early return;
 // the per-value loops have compile-time trip counts (ballots warp-uniform), no barrier inside.
 namespace {
-// Body of indexer_topk5_select_agg (PDL = false) and indexer_topk5_select_agg_pdl.
+// Body of indexer_topk_select (PDL = false) and indexer_topk_select_pdl.
 template <bool PDL>
 __device__ __forceinline__ void topk5_select_body(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
@@ -1316,14 +1139,14 @@ __device__ __forceinline__ void topk5_select_body(
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg(
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_select(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
     topk5_select_body<false>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
 }
-// indexer_topk5_select_agg for a PDL launch (see "Top-k PDL entry points").
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg_pdl(
+// indexer_topk_select for a PDL launch (see "Top-k PDL entry points").
+extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_select_pdl(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
@@ -1741,5 +1564,5 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
 
 // Stages: 3 CTAs x lt_smem_bytes must fit 228 KB per SM with 1 KB reserved per CTA: next_n 1 with 7 stages =
 // 69,360 B, next_n 2 with 6 stages = 68,960 B (8 stages / 7 stages would not fit).
-INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n1, 1, 7)
-INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n2, 2, 6)
+INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8_n1, 1, 7)
+INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8_n2, 2, 6)

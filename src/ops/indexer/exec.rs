@@ -5,7 +5,8 @@ use anyhow::{ensure, Result};
 use safetensors::Dtype;
 
 use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
-use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TOPK_MAX_K};
+use super::{IndexerWorkspace, KeyCacheGpu, QueryBatch, TopkOutput, TOPK_MAX_K};
+use crate::gpu::arena::Arena;
 use crate::gpu::Gpu;
 use crate::ops::exec::{input, ExecKernel, HostTensor, TensorMap};
 
@@ -147,18 +148,17 @@ fn run_exec(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                 &a.w,
                 &a.shape.num_valid,
             )?;
-            let mut bufs = IndexerBuffers::new(g, rows, cap, k)?;
-            super::run(g, &qb, &cache, &mut bufs)?;
-            let s = g.download(&bufs.scores)?;
+            let stream = &g.stream;
+            let mut arena = Arena::new(g, IndexerWorkspace::workspace_bytes(rows, cap, k))?;
+            let ws = IndexerWorkspace::carve(&mut arena, stream, rows, cap, k)?;
+            let out = TopkOutput::new(g, rows, k)?;
+            super::run(g, stream, &qb, &cache, &ws, &out.idx, &out.score)?;
+            let s = crate::gpu::arena::download(stream, &ws.scores)?;
             for r in 0..rows {
                 let n = a.shape.num_valid[r] as usize;
-                scores[r * cap..r * cap + n]
-                    .copy_from_slice(&s[r * bufs.score_stride..r * bufs.score_stride + n]);
+                scores[r * cap..r * cap + n].copy_from_slice(&s[r * cap..r * cap + n]);
             }
-            (
-                g.download(&bufs.topk.out_idx)?,
-                g.download(&bufs.topk.out_score)?,
-            )
+            out.download(g)?
         }
         None => {
             let want = reference::logits(&a.shape, &a.q, &a.w, &a.cache);
