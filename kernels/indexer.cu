@@ -1,6 +1,8 @@
 // Lightning indexer (DSV4 §3.8): index-key writer, weighted-ReLU MQA logits on FP8 tensor cores, and a
 // deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort), the
-// reference the targets are measured against.
+// reference the targets are measured against. One file (one module, one cubin): the writer, logits, top-k and
+// baseline share the key-cache layout, the order key and the wgmma / TMA helpers, and the launcher resolves every
+// entry point from the family's module.
 //
 // Routed path (src/ops/indexer/mod.rs `logits` / `topk` / `run`):
 //   Logits, FP8 keys: indexer_logits_fp8_n1 / _n2 = native wgmma e4m3 fed by a TMA + mbarrier ring ("FP8 logits"

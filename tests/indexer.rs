@@ -1,5 +1,8 @@
 //! Lightning indexer: CPU reference checks and models of the kernels' algorithms (always run), and GPU checks
 //! (`#[ignore = "needs an H100/H200"]`: run with `--include-ignored` on a GPU machine).
+//! One file for the family: the CPU models of the top-k (radix, threshold, rank-by-counting, multi-CTA, slot
+//! allocation) are what the GPU tests' row classes and tolerances refer to; shared fixtures live in
+//! tests/common/indexer.rs.
 
 mod common;
 
@@ -309,7 +312,7 @@ fn radix_select_model_matches_reference_topk() {
     }
 }
 
-/// A sequential model of top-k v2 (kernels/indexer.cu "Top-k v2"): 4096-bin histogram of order_key >> 20,
+/// A sequential model of the top-k (kernels/indexer.cu "Top-k"): 4096-bin histogram of order_key >> 20,
 /// the threshold bin from the top-down scan (excl < kk <= incl), entries above it taken whole, the rem
 /// largest composites of the threshold bin taken by the radix model, then sorted. Checks the identity the
 /// kernels rely on (bin is monotone in the composite, so this is exactly the kk largest composites).
@@ -408,11 +411,11 @@ fn threshold_bucket(scores: &[f32], k: usize) -> Option<(usize, usize)> {
     unreachable!("the histogram holds n >= kk entries")
 }
 
-/// Which exact-pass branches of the removed one-CTA final pass (indexer_topk3_final, "v3") a row takes:
-/// (rank select, rank sort), with a consistent state. Kept as a classifier of row shapes (small / large
-/// buckets, k above / below 512) for the tests of the default final pass and of the CPU rank model.
+/// A classifier of row shapes for the final-pass tests: (the threshold bucket holds more than rem and at most
+/// 512 entries, kk <= 512), i.e. small / large buckets and k above / below 512, which a one-CTA rank-by-counting
+/// pass with a 512-entry shared-memory cap would split into select / sort branches.
 fn one_cta_paths(scores: &[f32], k: usize) -> (bool, bool) {
-    const RANK_CAP: usize = 512; // v3's TK3_RANK_CAP
+    const RANK_CAP: usize = 512;
     let kk = k.min(scores.len());
     match threshold_bucket(scores, k) {
         None => (false, false),
@@ -420,14 +423,14 @@ fn one_cta_paths(scores: &[f32], k: usize) -> (bool, bool) {
     }
 }
 
-/// Whether the multi-CTA final pass (indexer_topk4_final_mcta) takes its one-CTA fallback on this row: a
+/// Whether the multi-CTA final pass (indexer_topk_final) takes its one-CTA fallback on this row: a
 /// threshold bucket of more than TOPK_BUCKET_CAP entries with entries still to pick from it.
 fn mcta_fallback(scores: &[f32], k: usize) -> bool {
     threshold_bucket(scores, k).is_some_and(|(nb, rem)| rem > 0 && nb > indexer::TOPK_BUCKET_CAP)
 }
 
-/// A sequential model of the removed one-CTA final pass indexer_topk3_final (the rank identity it checks is
-/// the one the multi-CTA pass relies on, see model_mcta_topk): the above-threshold and
+/// A sequential model of a one-CTA rank-by-counting final pass (the rank identity it checks is the one the
+/// multi-CTA pass relies on, see model_mcta_topk): the above-threshold and
 /// bucket composites arrive in an arbitrary order (atomics), here a random shuffle; the bucket's rem
 /// largest are placed at above_count + rank, rank = #{larger composites in the bucket}; the kk chosen
 /// composites are then written to output position #{larger chosen composites}. Checks the identity that
@@ -529,12 +532,12 @@ fn rank_counting_model_matches_reference_topk() {
     );
 }
 
-/// A sequential model of indexer_topk4_final_mcta (kernels/indexer.cu "Top-k v4") with `ctas` CTAs: the
+/// A sequential model of indexer_topk_final (kernels/indexer.cu "Top-k final pass") with `ctas` CTAs: the
 /// above / bucket composites in an arbitrary (shuffled) order as pass 2's atomics leave them; CTA s ranks its
 /// slices [s*ceil(a/S), ..) of the above entries (among the above entries) and [s*ceil(nb/S), ..) of the
 /// bucket entries (among the bucket; written at a + rank when rank < rem); CTA s writes the -1 tail at
 /// a + rem + s*T + t, step S*T. Every position of the row must be written exactly once, by the rule the kernel
-/// uses. Rows whose bucket exceeds the kernel's cap take the one-CTA fallback (v3's code): returned as None.
+/// uses. Rows whose bucket exceeds the kernel's cap take the one-CTA fallback: returned as None.
 fn model_mcta_topk(
     scores: &[f32],
     k: usize,
@@ -643,7 +646,7 @@ fn multi_cta_model_matches_reference_topk() {
     assert!(fallbacks > 0, "seed {seed:#x}: no row took the fallback");
 }
 
-/// The slot allocation of indexer_topk5_select_agg (CTA-aggregated pass 2), mirrored: 16 warps x 8 steps of
+/// The slot allocation of indexer_topk_select (CTA-aggregated pass 2), mirrored: 16 warps x 8 steps of
 /// random ballots (densities from none to all lanes); warp totals are popcount sums, thread 0's exclusive scan
 /// gives each warp's offset, one atomic per CTA gives the base, and lane l of warp w at step r writes slot
 /// base + offset[w] + (hits of warp w in steps < r) + popc(ballot_r & lanes below l). The slots of every CTA must
@@ -698,7 +701,6 @@ fn cta_aggregated_slot_allocation_is_a_dense_permutation() {
     }
 }
 
-
 // ---------------------------------------------------------------------------------------------------------
 // Key writer
 // ---------------------------------------------------------------------------------------------------------
@@ -741,7 +743,11 @@ fn gpu_key_writer_is_bit_exact_and_skips_out_of_range_device_slots() {
         let got = dev.download(&gpu).unwrap();
         for (i, &s) in slots.iter().enumerate() {
             let s = s as usize;
-            assert_eq!(entry(&got, s), entry(&host, s), "{format:?} key {i} slot {s}");
+            assert_eq!(
+                entry(&got, s),
+                entry(&host, s),
+                "{format:?} key {i} slot {s}"
+            );
         }
         // Host-made slots outside the cache are refused before any launch.
         assert!(dev.upload_slots(&gpu, &[(batch * cap) as i32]).is_err());
@@ -804,7 +810,17 @@ fn gpu_logits_and_topk_match_the_reference() {
                 check_logits_rows(&label, &scores, cap, &host, &q, &w, next_n, &nv, 1);
                 check_topk_of_scores(&label, &scores, cap, &nv, k, &topk);
                 if format == KeyFormat::Fp8 && next_n == 1 {
-                    check_baseline(&gpu, &label, &rig, &qb, &cache, &host, (&q, &w, &nv), k, &topk.0);
+                    check_baseline(
+                        &gpu,
+                        &label,
+                        &rig,
+                        &qb,
+                        &cache,
+                        &host,
+                        (&q, &w, &nv),
+                        k,
+                        &topk.0,
+                    );
                 }
             }
         }
@@ -827,15 +843,29 @@ fn check_baseline(
 ) {
     use indexer::bench::{baseline_logits, baseline_topk, BaselineWorkspace};
     let (rows, cap, stream) = (qb.rows(), cache.capacity, &gpu.stream);
-    let mut arena = Arena::new(gpu, BaselineWorkspace::workspace_bytes(qb.batch, rows, cap)).unwrap();
+    let mut arena =
+        Arena::new(gpu, BaselineWorkspace::workspace_bytes(qb.batch, rows, cap)).unwrap();
     let base = BaselineWorkspace::carve(&mut arena, qb.batch, rows, cap).unwrap();
     let out = TopkOutput::new(gpu, rows, k).unwrap();
     baseline_topk(
-        gpu, stream, &rig.ws.scores, cap, &qb.num_valid, rows, k, &base, &out.idx, &out.score,
+        gpu,
+        stream,
+        &rig.ws.scores,
+        cap,
+        &qb.num_valid,
+        rows,
+        k,
+        &base,
+        &out.idx,
+        &out.score,
     )
     .unwrap();
     wait(gpu, &format!("{label}: baseline top-k"));
-    assert_eq!(out.download(gpu).unwrap().0, want_idx, "{label}: baseline sort top-k differs");
+    assert_eq!(
+        out.download(gpu).unwrap().0,
+        want_idx,
+        "{label}: baseline sort top-k differs"
+    );
     let bs = gpu.poisoned::<f32>(rows * cap, POISON).unwrap();
     baseline_logits(gpu, stream, qb, cache, &base, &bs, cap).unwrap();
     wait(gpu, &format!("{label}: baseline logits"));
@@ -891,12 +921,24 @@ fn gpu_indexer_run_along_every_topk_path_matches_the_default_run() {
                 let mut rig = IndexerRig::new(&gpu, rows, cap, k);
                 for call in 0..2 {
                     let (_, got) = rig.run(&gpu, &label, path, &qb, &cache);
-                    assert_same_topk(&format!("{label} {path:?} call {call} vs default"), k, &got, &want);
+                    assert_same_topk(
+                        &format!("{label} {path:?} call {call} vs default"),
+                        k,
+                        &got,
+                        &want,
+                    );
                 }
                 let graph = gpu
                     .capture(|| {
                         indexer::run_with(
-                            &gpu, &gpu.stream, path, &qb, &cache, &rig.ws, &rig.out.idx, &rig.out.score,
+                            &gpu,
+                            &gpu.stream,
+                            path,
+                            &qb,
+                            &cache,
+                            &rig.ws,
+                            &rig.out.idx,
+                            &rig.out.score,
                         )
                     })
                     .unwrap();
@@ -937,7 +979,15 @@ fn gpu_decode_graph_replays_follow_device_num_valid() {
                 rig.run(&gpu, "warm-up", TopkPath::Default, &qb, &cache);
                 let graph = gpu
                     .capture(|| {
-                        indexer::run(&gpu, &gpu.stream, &qb, &cache, &rig.ws, &rig.out.idx, &rig.out.score)
+                        indexer::run(
+                            &gpu,
+                            &gpu.stream,
+                            &qb,
+                            &cache,
+                            &rig.ws,
+                            &rig.out.idx,
+                            &rig.out.score,
+                        )
                     })
                     .unwrap();
                 let cases: [[usize; 4]; 6] = [
@@ -949,7 +999,8 @@ fn gpu_decode_graph_replays_follow_device_num_valid() {
                     [cap + 77, 3, 0, 640],
                 ];
                 for lens in cases {
-                    let label = format!("seed {seed} {format:?} next_n {next_n} k {k} lens {lens:?}");
+                    let label =
+                        format!("seed {seed} {format:?} next_n {next_n} k {k} lens {lens:?}");
                     let nv = model_num_valid(&lens, next_n);
                     gpu.write(&gpu.stream, &mut qb.num_valid, &nv).unwrap();
                     rig.poison(&gpu);
@@ -1160,7 +1211,6 @@ fn mcta_rows(rng: &mut ChaCha8Rng, k: usize) -> Vec<(Vec<f32>, String)> {
     rows
 }
 
-
 /// The top-k along `path` on `rows` (`calls` back-to-back calls on the same workspace), each call exact against
 /// the reference (indices and score bits): a call that left the histogram, counters or arrival counters dirty
 /// makes the next call's threshold (and answer) wrong. A path other than [`TopkPath::Default`] is also compared
@@ -1183,7 +1233,12 @@ fn check_topk_path(
     for call in 0..calls {
         let got = rig.run(gpu, &label, path, &s);
         if let Some(def) = &default_out {
-            assert_same_topk(&format!("{label} call {call}: {path:?} vs default"), k, &got, def);
+            assert_same_topk(
+                &format!("{label} call {call}: {path:?} vs default"),
+                k,
+                &got,
+                def,
+            );
         }
         for (r, (v, what)) in rows.iter().enumerate() {
             assert_topk_row(
@@ -1233,7 +1288,12 @@ fn gpu_topk_pdl_matches_default_and_reference() {
 /// Graph replays of the top-k along `path` with new scores written into the captured input before each, then an
 /// eager call on the same workspace: all exact (a replay that left the protocol buffers dirty shows up in the
 /// next replay).
-fn check_topk_graph_replays(gpu: &megamoe::gpu::Gpu, seed: u64, rng: &mut ChaCha8Rng, path: TopkPath) {
+fn check_topk_graph_replays(
+    gpu: &megamoe::gpu::Gpu,
+    seed: u64,
+    rng: &mut ChaCha8Rng,
+    path: TopkPath,
+) {
     let k = 512usize;
     let lens = [262_144usize, 0, 70_001, 513, 4097];
     let make = |rng: &mut ChaCha8Rng| -> Vec<Vec<f32>> {
@@ -1257,7 +1317,14 @@ fn check_topk_graph_replays(gpu: &megamoe::gpu::Gpu, seed: u64, rng: &mut ChaCha
     let graph = gpu
         .capture(|| {
             indexer::topk_with(
-                gpu, &gpu.stream, path, &s.dev, &s.nv_dev, &rig.ws, &rig.out.idx, &rig.out.score,
+                gpu,
+                &gpu.stream,
+                path,
+                &s.dev,
+                &s.nv_dev,
+                &rig.ws,
+                &rig.out.idx,
+                &rig.out.score,
             )
         })
         .unwrap();
@@ -1270,7 +1337,14 @@ fn check_topk_graph_replays(gpu: &megamoe::gpu::Gpu, seed: u64, rng: &mut ChaCha
         graph.launch().unwrap();
         let what = format!("{label} graph replay {replay}");
         wait(gpu, &what);
-        check_topk_of_scores(&what, &s.flat, s.stride, &s.nv, k, &rig.out.download(gpu).unwrap());
+        check_topk_of_scores(
+            &what,
+            &s.flat,
+            s.stride,
+            &s.nv,
+            k,
+            &rig.out.download(gpu).unwrap(),
+        );
     }
     let what = format!("{label}: eager call after the graph replays");
     let got = rig.run(gpu, &what, path, &s);
@@ -1311,7 +1385,10 @@ fn check_fp8_logits(
     let (q, w) = random_queries(rng, host.batch * next_n);
     let cache = KeyCacheGpu::upload(gpu, host).unwrap();
     let qb = QueryBatch::upload(gpu, host.batch, next_n, &q, &w, nv).unwrap();
-    let label = format!("{label} next_n {next_n} (batch {}, capacity {})", host.batch, host.capacity);
+    let label = format!(
+        "{label} next_n {next_n} (batch {}, capacity {})",
+        host.batch, host.capacity
+    );
     let (got, stride) = logits_poisoned(gpu, &label, &qb, &cache);
     check_logits_rows(&label, &got, stride, host, &q, &w, next_n, nv, ref_step);
 }
@@ -1331,7 +1408,15 @@ fn gpu_fp8_logits_match_the_reference() {
         let mut host = written_cache(&mut rng, KeyFormat::Fp8, &lens, cap);
         poison_cache_tails(&mut host, &lens);
         let nv = model_num_valid(&lens, next_n);
-        check_fp8_logits(&gpu, &format!("seed {seed} tile edges"), &host, next_n, &nv, 1, &mut rng);
+        check_fp8_logits(
+            &gpu,
+            &format!("seed {seed} tile edges"),
+            &host,
+            next_n,
+            &nv,
+            1,
+            &mut rng,
+        );
 
         // Long mixed rows: each persistent CTA owns several tiles (the 6-7 stage ring wraps many times),
         // sequence changes inside a CTA's range, empty tiles (sequence 1 has 33 keys of 1094 tiles), the full
@@ -1343,7 +1428,15 @@ fn gpu_fp8_logits_match_the_reference() {
         let nv: Vec<i32> = (0..3 * next_n)
             .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32)
             .collect();
-        check_fp8_logits(&gpu, &format!("seed {seed} long rows"), &host, next_n, &nv, 61, &mut rng);
+        check_fp8_logits(
+            &gpu,
+            &format!("seed {seed} long rows"),
+            &host,
+            next_n,
+            &nv,
+            61,
+            &mut rng,
+        );
 
         // Many short sequences of different lengths (batch 40: q reloaded often, one CTA sees several
         // sequences), capacity a multiple of 64 (tails read the next sequence's slots, the last one ends
@@ -1355,7 +1448,15 @@ fn gpu_fp8_logits_match_the_reference() {
         let nv: Vec<i32> = (0..lens.len() * next_n)
             .map(|r| lens[r / next_n] as i32)
             .collect();
-        check_fp8_logits(&gpu, &format!("seed {seed} batch 40"), &host, next_n, &nv, 7, &mut rng);
+        check_fp8_logits(
+            &gpu,
+            &format!("seed {seed} batch 40"),
+            &host,
+            next_n,
+            &nv,
+            7,
+            &mut rng,
+        );
     }
 }
 
@@ -1505,7 +1606,6 @@ fn gpu_fp8_indexer_selects_the_reference_topk() {
     }
 }
 
-
 // ---------------------------------------------------------------------------------------------------------
 // Stress subset and bench hooks
 // ---------------------------------------------------------------------------------------------------------
@@ -1603,7 +1703,6 @@ fn bench_config_races_both_top_k_launch_modes() {
     );
 }
 
-
 #[test]
 fn bench_config_parses() {
     let text = std::fs::read_to_string(concat!(
@@ -1617,7 +1716,6 @@ fn bench_config_parses() {
         .iter()
         .any(|s| s.kernel == "indexer" && s.values.contains(&1_048_576)));
 }
-
 
 // ---------------------------------------------------------------------------------------------------------
 // `megamoe exec indexer` (CPU path and argument validation; the GPU path is the tested `indexer::run`).
@@ -1802,12 +1900,11 @@ fn exec_indexer_cpu_matches_reference_and_rejects_bad_arguments() {
     );
 }
 
-
 // ---------------------------------------------------------------------------------------------------------
 // FP8 logits layout identities (CPU)
 // ---------------------------------------------------------------------------------------------------------
 
-/// Mirror of the wgmma logits' shared-memory store (kernels/indexer.cu, logits_wgmma_body): 16-byte chunk `ch`
+/// Mirror of the FP8 logits' shared-memory tile layout (kernels/indexer.cu, "FP8 logits, the wgmma pieces"): 16-byte chunk `ch`
 /// of tile row `r` goes to byte `r * 128 + ((ch ^ (r & 7)) << 4)` of a 1024-aligned tile.
 fn wgmma_tile_offset(r: usize, ch: usize) -> usize {
     r * 128 + ((ch ^ (r & 7)) << 4)
@@ -1835,7 +1932,6 @@ fn wgmma_tile_store_is_the_128b_swizzle_and_a_bijection() {
     }
 }
 
-
 /// The TMA logits' scale box (Rust mirror of the kernel's `slot0 & ~3` / `slot0 & 3`): the TMA faults
 /// (CUDA_ERROR_ILLEGAL_INSTRUCTION, seen on the H200 with capacity 4097) unless a box's first element is 16-byte
 /// aligned in global memory. Exhaustive over every tile start slot of planes up to 2^20 entries: the box starts
@@ -1857,4 +1953,3 @@ fn tma_scale_boxes_start_16_byte_aligned_and_hold_the_tile() {
     assert_ne!((4097 * 4) % 16, 0);
     assert_eq!(indexer::tma_scale_box_start(4097), (4096, 1));
 }
-

@@ -248,7 +248,12 @@ pub fn assert_topk_row(label: &str, scores: &[f32], k: usize, idx: &[i32], sc: &
 }
 
 /// Assert two top-k results are the same indices and the same score bits.
-pub fn assert_same_topk(label: &str, k: usize, got: &(Vec<i32>, Vec<f32>), want: &(Vec<i32>, Vec<f32>)) {
+pub fn assert_same_topk(
+    label: &str,
+    k: usize,
+    got: &(Vec<i32>, Vec<f32>),
+    want: &(Vec<i32>, Vec<f32>),
+) {
     if let Some(p) = (0..got.0.len())
         .find(|&p| got.0[p] != want.0[p] || got.1[p].to_bits() != want.1[p].to_bits())
     {

@@ -291,7 +291,14 @@ pub fn time_variant(
     if let Some(path) = variant_path(variant) {
         let topk_call = || {
             topk_with(
-                gpu, stream, path, &scores, &q.num_valid, &ws.topk, &out.idx, &out.score,
+                gpu,
+                stream,
+                path,
+                &scores,
+                &q.num_valid,
+                &ws.topk,
+                &out.idx,
+                &out.score,
             )
         };
         let run_call = || run_with(gpu, stream, path, q, cache, &ws, &out.idx, &out.score);
@@ -304,7 +311,14 @@ pub fn time_variant(
     if let Some(path) = variant.strip_prefix("graph_").and_then(variant_path) {
         let topk_call = || {
             topk_with(
-                gpu, stream, path, &scores, &q.num_valid, &ws.topk, &out.idx, &out.score,
+                gpu,
+                stream,
+                path,
+                &scores,
+                &q.num_valid,
+                &ws.topk,
+                &out.idx,
+                &out.score,
             )
         };
         let run_call = || run_with(gpu, stream, path, q, cache, &ws, &out.idx, &out.score);

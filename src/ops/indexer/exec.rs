@@ -1,4 +1,4 @@
-//! `megamoe exec indexer`: logits + top-k on user tensors (GPU: the default kernels, [`super::run`]; `--cpu`: the f64 reference
+//! `megamoe exec indexer`: logits + top-k on user tensors (GPU: the routed kernels, [`super::run`]; `--cpu`: the f64 reference
 //! logits rounded to f32, then the reference top-k of those scores).
 
 use anyhow::{ensure, Result};
@@ -16,11 +16,16 @@ const NAME: &str = "indexer";
 pub fn exec_kernels() -> Vec<ExecKernel> {
     vec![ExecKernel {
         name: NAME,
-        doc: "in: q U8|F8_E4M3 [rows, 64, 128] (e4m3, Hadamard-rotated, no NaN code), w F32 [rows, 64] (q scale folded in, finite), \
-              num_valid I32 [rows] (0..=capacity), key_codes U8|F8_E4M3 [batch, capacity, 128] (FP8 keys) or U8 [batch, capacity, 64] (MXFP4, \
-              dim 2i in the low nibble), key_scales F32 [batch, capacity] (FP8) or U8 [batch, capacity, 4] (MXFP4 ue8m0), k I32 [1] (1..=2048); \
-              rows = batch * next_n, next_n in {1, 2}. out: scores F32 [rows, capacity] (-inf past num_valid), \
-              indices I32 [rows, k] (score desc, lower index first on ties, then -1), top_scores F32 [rows, k] (-inf on padding)",
+        doc: "in: q U8|F8_E4M3 [rows, 64, 128] (e4m3 codes, Hadamard-rotated like the keys, no NaN code 0x7F/0xFF), \
+              w F32 [rows, 64] (per-head weights with the q scale folded in, all finite), \
+              num_valid I32 [rows] (visible entries per row, each 0..=capacity), \
+              key_codes U8|F8_E4M3 [batch, capacity, 128] (FP8 keys, e4m3) or U8 [batch, capacity, 64] (MXFP4 keys, \
+              e2m1 with dim 2i in the low nibble; the last axis picks the format), \
+              key_scales F32 [batch, capacity] (FP8) or U8 [batch, capacity, 4] (MXFP4 ue8m0, one per 32 dims), \
+              k I32 [1] (1..=2048). Shapes: batch >= 1, capacity >= 1, rows = batch * next_n with next_n in {1, 2} \
+              (row b * next_n + t is token t of sequence b). \
+              out: scores F32 [rows, capacity] (-inf past num_valid), indices I32 [rows, k] (score desc, lower index \
+              first on ties, then -1), top_scores F32 [rows, k] (-inf on padding)",
         run: run_exec,
     }]
 }

@@ -273,20 +273,6 @@ pub fn validate_queries(
     Ok(())
 }
 
-/// Host-made `num_valid` against a cache capacity (the kernels clamp; a host caller is told instead).
-pub fn check_num_valid(num_valid: &[i32], capacity: usize) -> Result<()> {
-    if let Some(i) = num_valid
-        .iter()
-        .position(|&n| n < 0 || n as usize > capacity)
-    {
-        bail!(
-            "num_valid[{i}] = {} is outside 0..={capacity} (the cache capacity)",
-            num_valid[i]
-        );
-    }
-    Ok(())
-}
-
 /// Keys per tile of the FP8 logits (kernel constant LW_KEYS: the wgmma M).
 const FP8_TILE_KEYS: usize = 64;
 /// The FP8 logits kernels: entry points, ring stages per next_n, CTAs per SM and block size (kernel constants of
@@ -374,7 +360,11 @@ pub fn logits(
     match cache.format {
         KeyFormat::Fp8 => logits_fp8(gpu, stream, q, cache, scores, score_stride),
         KeyFormat::Mxfp4 => {
-            ensure!(q.batch <= 65_535, "logits: batch {} exceeds the grid's y limit", q.batch);
+            ensure!(
+                q.batch <= 65_535,
+                "logits: batch {} exceeds the grid's y limit",
+                q.batch
+            );
             let name = match q.next_n {
                 1 => "indexer_logits_mxfp4_n1",
                 _ => "indexer_logits_mxfp4_n2",
@@ -685,15 +675,20 @@ pub fn topk_with(
         (TOPK_FINAL_MIN_CTAS_PER_ROW..=TOPK_FINAL_MAX_CTAS_PER_ROW).contains(&ctas_per_row)
     );
     let slices = stride.div_ceil(TOPK_SLICE) as u32;
-    let slice_launch =
-        Launch::new((slices, rows as u32, 1), (TOPK_SLICE_THREADS, 1, 1)).pdl(pdl);
+    let slice_launch = Launch::new((slices, rows as u32, 1), (TOPK_SLICE_THREADS, 1, 1)).pdl(pdl);
 
     let hist = gpu.kernel(FAMILY, sfx("indexer_topk_hist", "indexer_topk_hist_pdl"))?;
     let mut a = KernelArgs::new();
-    a.buf(scores).i32(stride as i32).buf(num_valid).buf(&ws.hist);
+    a.buf(scores)
+        .i32(stride as i32)
+        .buf(num_valid)
+        .buf(&ws.hist);
     unsafe { launch(stream, &hist, slice_launch, &mut a)? };
 
-    let select = gpu.kernel(FAMILY, sfx("indexer_topk_select", "indexer_topk_select_pdl"))?;
+    let select = gpu.kernel(
+        FAMILY,
+        sfx("indexer_topk_select", "indexer_topk_select_pdl"),
+    )?;
     let mut a = KernelArgs::new();
     a.buf(scores)
         .i32(stride as i32)
@@ -780,7 +775,16 @@ pub fn run(
     out_idx: &impl DeviceBuf<i32>,
     out_score: &impl DeviceBuf<f32>,
 ) -> Result<()> {
-    run_with(gpu, stream, TopkPath::Default, q, cache, ws, out_idx, out_score)
+    run_with(
+        gpu,
+        stream,
+        TopkPath::Default,
+        q,
+        cache,
+        ws,
+        out_idx,
+        out_score,
+    )
 }
 
 /// [`run`] with the top-k along `path`.

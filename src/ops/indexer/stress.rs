@@ -271,9 +271,9 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
     for path in cx.opts.topk_paths.clone() {
         // Poisoned outputs: a position a path fails to write cannot pass on the previous path's answer.
         out.fill(stream, 0xFF)?;
-        if let Err(e) =
-            super::topk_with(gpu, stream, path, &scores, &nv_dev, &ws, &out.idx, &out.score)
-        {
+        if let Err(e) = super::topk_with(
+            gpu, stream, path, &scores, &nv_dev, &ws, &out.idx, &out.score,
+        ) {
             // A launch a path refuses is a failure of that path; the other paths are still tested.
             cx.fail(&format!("{label} {path:?} k={k} launch"), format!("{e:#}"));
             continue;
@@ -302,15 +302,15 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
 }
 
 fn special_lengths(k: usize, max: usize) -> Vec<usize> {
-    // 32,768 = the chunk size of the removed chunked top-k (v1): its edges stay in the length set.
+    // Powers of two and their neighbours (32,768 = 2^15 and multiples): block and chunk boundaries of any top-k.
     let c = 32_768;
     let mut v = vec![
         k - 1,
         k,
         k + 1,
         2 * k + 1,
-        // Top-k v2: slice edges of the histogram / select CTAs (4096 entries) and the final pass's shared-memory
-        // capacity for the threshold bucket (16384 composites; the all-equal pattern puts a whole row there).
+        // Slice edges of the histogram / select CTAs (4096 entries), and 16,384 composites (the all-equal
+        // pattern puts a whole row in the threshold bucket: far past the final pass's shared-memory bucket).
         4095,
         4097,
         8191,
