@@ -1704,6 +1704,18 @@ fn bench_config_races_both_top_k_launch_modes() {
 }
 
 #[test]
+fn bench_kernel_headline_is_the_routed_call_and_its_baseline() {
+    let all = megamoe::bench::kernels::all();
+    let k = all.iter().find(|k| k.name == "indexer").unwrap();
+    assert_eq!(k.variants, indexer::bench::VARIANTS);
+    for v in ["fused", "graph_fused", "baseline"] {
+        assert!(k.headline.contains(&v) && k.variants.contains(&v), "{v}");
+    }
+    let metrics: Vec<&str> = k.targets.iter().map(|t| t.metric).collect();
+    assert_eq!(metrics, ["us_median", "pct_copy_bw", "speedup_vs_baseline"]);
+}
+
+#[test]
 fn bench_config_parses() {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),

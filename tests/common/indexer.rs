@@ -269,6 +269,21 @@ pub fn assert_same_topk(
     }
 }
 
+/// An arena of `bytes` filled with [`POISON`] (carves that a kernel reads before writing show up).
+fn poisoned_arena(gpu: &Gpu, bytes: usize) -> Arena {
+    let mut arena = Arena::new(gpu, bytes).unwrap();
+    arena.poison(&gpu.stream, POISON).unwrap();
+    arena
+}
+
+/// Panic naming `what` if enqueueing failed, else wait for it under the watchdog.
+fn launched(gpu: &Gpu, what: &str, enqueued: anyhow::Result<()>) {
+    if let Err(e) = enqueued {
+        panic!("{what}: launch: {e:#}");
+    }
+    wait(gpu, what);
+}
+
 /// Host score rows packed `stride` apart (NaN between rows: never read), uploaded with their num_valid.
 pub struct ScoreRows {
     pub stride: usize,
@@ -318,8 +333,7 @@ pub struct TopkRig {
 
 impl TopkRig {
     pub fn new(gpu: &Gpu, rows: usize, k: usize, stride: usize) -> TopkRig {
-        let mut arena = Arena::new(gpu, TopkWorkspace::workspace_bytes(rows, k, stride)).unwrap();
-        arena.poison(&gpu.stream, POISON).unwrap();
+        let mut arena = poisoned_arena(gpu, TopkWorkspace::workspace_bytes(rows, k, stride));
         let ws = TopkWorkspace::carve(&mut arena, &gpu.stream, rows, k, stride).unwrap();
         TopkRig {
             _arena: arena,
@@ -337,7 +351,7 @@ impl TopkRig {
     ) -> (Vec<i32>, Vec<f32>) {
         self.out.fill(&gpu.stream, POISON).unwrap();
         let ws = self.ws;
-        indexer::topk_with(
+        let r = indexer::topk_with(
             gpu,
             &gpu.stream,
             path,
@@ -346,9 +360,8 @@ impl TopkRig {
             &ws,
             &self.out.idx,
             &self.out.score,
-        )
-        .unwrap_or_else(|e| panic!("{label}: top-k ({path:?}) launch: {e:#}"));
-        wait(gpu, &format!("{label}: top-k ({path:?})"));
+        );
+        launched(gpu, &format!("{label}: top-k ({path:?})"), r);
         self.out.download(gpu).unwrap()
     }
 }
@@ -362,9 +375,7 @@ pub struct IndexerRig {
 
 impl IndexerRig {
     pub fn new(gpu: &Gpu, rows: usize, capacity: usize, k: usize) -> IndexerRig {
-        let mut arena =
-            Arena::new(gpu, IndexerWorkspace::workspace_bytes(rows, capacity, k)).unwrap();
-        arena.poison(&gpu.stream, POISON).unwrap();
+        let mut arena = poisoned_arena(gpu, IndexerWorkspace::workspace_bytes(rows, capacity, k));
         let ws = IndexerWorkspace::carve(&mut arena, &gpu.stream, rows, capacity, k).unwrap();
         IndexerRig {
             arena,
@@ -382,7 +393,7 @@ impl IndexerRig {
         cache: &KeyCacheGpu,
     ) -> (Vec<f32>, (Vec<i32>, Vec<f32>)) {
         self.poison(gpu);
-        indexer::run_with(
+        let r = indexer::run_with(
             gpu,
             &gpu.stream,
             path,
@@ -391,9 +402,8 @@ impl IndexerRig {
             &self.ws,
             &self.out.idx,
             &self.out.score,
-        )
-        .unwrap_or_else(|e| panic!("{label}: indexer run ({path:?}): {e:#}"));
-        wait(gpu, &format!("{label}: indexer run ({path:?})"));
+        );
+        launched(gpu, &format!("{label}: indexer run ({path:?})"), r);
         self.download(gpu)
     }
     pub fn poison(&mut self, gpu: &Gpu) {
