@@ -519,7 +519,7 @@ __device__ __forceinline__ int row_valid(const int* num_valid, int row, int scor
 // ------------------------------------------------------------------------------------------------------------
 // Top-k: histogram -> threshold select with many CTAs per row -> an exact final pass per row.
 //
-// Pass 1, indexer_topk_hist, grid (ceil(score_stride / TK2_SLICE), rows) x 512 threads: a shared-memory
+// Pass 1, indexer_topk_hist, grid (ceil(score_stride / TKS_SLICE), rows) x 512 threads: a shared-memory
 //   histogram of bin = order_key(score) >> 20 (the top 12 bits: sign, 8 exponent bits, 3 mantissa bits)
 //   over the CTA's slice, flushed with one global atomicAdd per non-empty bin into hist[row][4096].
 // Pass 2, indexer_topk_select, same grid: every CTA reads hist[row] (16 KB, from L2) and recomputes the
@@ -542,20 +542,21 @@ __device__ __forceinline__ int row_valid(const int* num_valid, int row, int scor
 //   (all-equal rows) put the whole row in B: still exact, through the fallback.
 // Deadlock freedom: pass 1 and 2 have barriers only in straight-line code after a block-uniform early
 //   return (a slice at or past the row's num_valid); their per-element loops have compile-time trip counts
-//   (TK2_PER_THREAD) and warp-uniform ballots; no CTA of pass 1 or 2 waits for another. The final pass calls
+//   (TKS_PER_THREAD) and warp-uniform ballots; no CTA of pass 1 or 2 waits for another. The final pass calls
 //   block_select / block_collect / sort_and_write (argument above) with block-uniform (m, kk) read from global
 //   memory before its first barrier.
 // ------------------------------------------------------------------------------------------------------------
 namespace {
 
-constexpr int TK2_BITS = 12;
-constexpr int TK2_BINS = 1 << TK2_BITS;  // 4096
-constexpr int TK2_SHIFT = 32 - TK2_BITS;
-constexpr int TK2_THREADS = 512;
-constexpr int TK2_PER_THREAD = 8;
-constexpr int TK2_SLICE = TK2_THREADS * TK2_PER_THREAD;  // 4096 entries per pass-1/pass-2 CTA
-constexpr int TK2_BINS_PER_THREAD = TK2_BINS / TK2_THREADS;  // 8
-static_assert(TK2_BINS_PER_THREAD == 8, "the threshold scan loads 8 bins per thread as two uint4");
+// TKS_*: the slice passes (histogram, select); TKF_*: the final pass.
+constexpr int TKS_BITS = 12;
+constexpr int TKS_BINS = 1 << TKS_BITS;  // 4096
+constexpr int TKS_SHIFT = 32 - TKS_BITS;
+constexpr int TKS_THREADS = 512;
+constexpr int TKS_PER_THREAD = 8;
+constexpr int TKS_SLICE = TKS_THREADS * TKS_PER_THREAD;  // 4096 entries per pass-1/pass-2 CTA
+constexpr int TKS_BINS_PER_THREAD = TKS_BINS / TKS_THREADS;  // 8
+static_assert(TKS_BINS_PER_THREAD == 8, "the threshold scan loads 8 bins per thread as two uint4");
 
 struct GlobalCompSrc {
     const uint64_t* comps;
@@ -596,32 +597,32 @@ __device__ __forceinline__ void topk_pdl_trigger() { asm volatile("griddepcontro
 }  // namespace
 
 // hist [rows][4096] u32 (zero on entry). grid (ceil(max_n / 4096), rows), block 512.
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_hist(const float* __restrict__ scores,
+extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_hist(const float* __restrict__ scores,
                                                                            int score_stride,
                                                                            const int* __restrict__ num_valid,
                                                                            uint32_t* __restrict__ hist) {
-    __shared__ uint32_t h[TK2_BINS];
+    __shared__ uint32_t h[TKS_BINS];
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
-    const int base = blockIdx.x * TK2_SLICE;
+    const int base = blockIdx.x * TKS_SLICE;
     if (base >= n) return;  // block-uniform, before any barrier
-    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) h[i] = 0;
+    for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) h[i] = 0;
     const float* src = scores + (size_t)row * score_stride;
-    float v[TK2_PER_THREAD];
+    float v[TKS_PER_THREAD];
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // all loads first: 8 in flight per thread
-        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {  // all loads first: 8 in flight per thread
+        const int i = base + r * TKS_THREADS + (int)threadIdx.x;
         v[r] = i < n ? src[i] : 0.f;
     }
     __syncthreads();  // h zeroed
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
-        if (i < n) atomicAdd(&h[order_key(v[r]) >> TK2_SHIFT], 1u);
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + (int)threadIdx.x;
+        if (i < n) atomicAdd(&h[order_key(v[r]) >> TKS_SHIFT], 1u);
     }
     __syncthreads();
-    uint32_t* g = hist + (size_t)row * TK2_BINS;
-    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) {
+    uint32_t* g = hist + (size_t)row * TKS_BINS;
+    for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) {
         const uint32_t c = h[i];
         if (c) atomicAdd(&g[i], c);
     }
@@ -630,34 +631,34 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_hist(cons
 // indexer_topk_hist for a PDL launch (see "Top-k PDL entry points"): the same code with the shared histogram
 // zeroed before the wait (a separate copy rather than a template instance, which compiled the plain kernel to a
 // register-renamed SASS).
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_hist_pdl(const float* __restrict__ scores,
+extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_hist_pdl(const float* __restrict__ scores,
                                                                                int score_stride,
                                                                                const int* __restrict__ num_valid,
                                                                                uint32_t* __restrict__ hist) {
-    __shared__ uint32_t h[TK2_BINS];
+    __shared__ uint32_t h[TKS_BINS];
     topk_pdl_trigger();
-    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) h[i] = 0;  // shared memory only before the wait
+    for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) h[i] = 0;  // shared memory only before the wait
     topk_pdl_wait();  // before reading num_valid or scores, and before any return
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
-    const int base = blockIdx.x * TK2_SLICE;
+    const int base = blockIdx.x * TKS_SLICE;
     if (base >= n) return;  // block-uniform, before any barrier
     const float* src = scores + (size_t)row * score_stride;
-    float v[TK2_PER_THREAD];
+    float v[TKS_PER_THREAD];
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + (int)threadIdx.x;
         v[r] = i < n ? src[i] : 0.f;
     }
     __syncthreads();  // h zeroed
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
-        if (i < n) atomicAdd(&h[order_key(v[r]) >> TK2_SHIFT], 1u);
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + (int)threadIdx.x;
+        if (i < n) atomicAdd(&h[order_key(v[r]) >> TKS_SHIFT], 1u);
     }
     __syncthreads();
-    uint32_t* g = hist + (size_t)row * TK2_BINS;
-    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) {
+    uint32_t* g = hist + (size_t)row * TKS_BINS;
+    for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) {
         const uint32_t c = h[i];
         if (c) atomicAdd(&g[i], c);
     }
@@ -672,13 +673,13 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_hist_pdl(
 //   All composites are unique (low word ~index), so each rank set is a permutation: every position
 //   0..a+rem-1 is written exactly once (the identity model_rank_topk / model_mcta_topk in tests/indexer.rs
 //   check on the CPU). This is exactly the contract's order.
-// Grid (S, rows), S = gridDim.x >= TK4_MIN_SPLIT CTAs per row, TK4_THREADS threads. CTA s loads all of A and
-//   Bk into shared memory (a <= k, nb <= TK4_BUCKET_CAP: a few KB from L2, written by pass 2 just before) and
+// Grid (S, rows), S = gridDim.x >= TKF_MIN_SPLIT CTAs per row, TKF_THREADS threads. CTA s loads all of A and
+//   Bk into shared memory (a <= k, nb <= TKF_BUCKET_CAP: a few KB from L2, written by pass 2 just before) and
 //   ranks only its slice of each: above entries [s*ceil(a/S), ..), bucket entries [s*ceil(nb/S), ..). Work per
 //   CTA ~ (a^2 + nb^2) / S compares. The j range is split so all threads work (rank_slice), partial counts
 //   merged with shared-memory atomics. The -1 / -inf tail [a + rem, k) and the zeroing of hist[row] are split
 //   over the S CTAs (grid-strided).
-// Fallback: nb > TK4_BUCKET_CAP with rem > 0 (heavy ties, e.g. all-equal rows: the whole row is the bucket).
+// Fallback: nb > TKF_BUCKET_CAP with rem > 0 (heavy ties, e.g. all-equal rows: the whole row is the bucket).
 //   Block-uniform and identical in every CTA of the row (they read the same counters); CTA 0 runs the exact
 //   radix select over the bucket straight from global memory (block_select / block_collect) and the bitonic
 //   sort_and_write (which also writes the -1 / -inf tail); the other CTAs only zero their part of hist[row].
@@ -706,12 +707,12 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_hist_pdl(
 //   collective. The arrival counter is never waited on: no CTA waits for another.
 namespace {
 
-constexpr int TK4_THREADS = 512;
-constexpr int TK4_MIN_SPLIT = 8;         // the launcher's lower bound on S; sizes the static rank arrays
-constexpr int TK4_BUCKET_CAP = 4096;     // bucket composites ranked in shared memory (32 KB)
-constexpr int TK4_RANK_A = TOPK_MAX_K / TK4_MIN_SPLIT;        // >= ceil(a / S)
-constexpr int TK4_RANK_B = TK4_BUCKET_CAP / TK4_MIN_SPLIT;    // >= ceil(nb / S) on the rank path
-static_assert(TK4_THREADS >= 256, "block_select scans 256 radix buckets with one thread each");
+constexpr int TKF_THREADS = 512;
+constexpr int TKF_MIN_SPLIT = 8;         // the launcher's lower bound on S; sizes the static rank arrays
+constexpr int TKF_BUCKET_CAP = 4096;     // bucket composites ranked in shared memory (32 KB)
+constexpr int TKF_RANK_A = TOPK_MAX_K / TKF_MIN_SPLIT;        // >= ceil(a / S)
+constexpr int TKF_RANK_B = TKF_BUCKET_CAP / TKF_MIN_SPLIT;    // >= ceil(nb / S) on the rank path
+static_assert(TKF_THREADS >= 256, "block_select scans 256 radix buckets with one thread each");
 
 // rank[i] += #{ j < m : v[j] > v[e0 + i] } for i < cnt. Preconditions (the caller, before a barrier): rank[0..cnt)
 // zero, v[0..m) written, v[m] == 0 when m is odd (0 is below every composite: order_key >= 0x007FFFFF, so the
@@ -742,7 +743,7 @@ __device__ void rank_slice(const uint64_t* v, int m, int e0, int cnt, uint32_t* 
 // Slots of the above / sort buffer in dynamic shared memory: next power of two >= k (the fallback's bitonic
 // sort pads to it) + 2 (the odd-m pad at index a <= k; keeps the bucket buffer after it 16-byte aligned).
 // The launcher computes the same (topk_final_smem_bytes in src/ops/indexer/mod.rs).
-__device__ __forceinline__ int tk4_above_slots(int k) {
+__device__ __forceinline__ int tkf_above_slots(int k) {
     int kpad = 2;  // at least 2: kpad + 2 must be even so the bucket buffer stays 16-byte aligned (k = 1)
     while (kpad < k) kpad <<= 1;
     return kpad + 2;
@@ -755,7 +756,7 @@ namespace {
 // Arrival on the row's counter with release semantics (PTX atom.release.gpu: this thread's earlier memory
 // operations, the counter reads, are ordered before it). Compiles to MEMBAR.ALL.GPU + ATOMG, lighter than
 // __threadfence()'s MEMBAR.SC.GPU.
-__device__ __forceinline__ uint32_t tk4_arrive_release(uint32_t* p) {
+__device__ __forceinline__ uint32_t tkf_arrive_release(uint32_t* p) {
     uint32_t old;
     asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
     return old;
@@ -763,7 +764,7 @@ __device__ __forceinline__ uint32_t tk4_arrive_release(uint32_t* p) {
 // Acquire side (PTX: a strong read, here the arrival atomic that returned S - 1, followed by fence.acq_rel is
 // an acquire pattern): it synchronizes with every other CTA's release arrival (the atomics form one release
 // sequence), so their counter reads happen before the zeroing stores that follow.
-__device__ __forceinline__ void tk4_fence_acquire() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void tkf_fence_acquire() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 // One CTA's share of a row (everything but the counter reset): called by every thread of the CTA, returns
 // early only under block-uniform conditions. cnt_s holds the row's counters (read by thread 0 before).
@@ -771,23 +772,23 @@ __device__ __forceinline__ void tk4_fence_acquire() { asm volatile("fence.acq_re
 // returns the atomic's result in prior; warp 0 then takes no part in the global loads of the composites, so the
 // atomic's round trip (ptxas aggregates it per warp and waits for it at once) overlaps the other warps' loads
 // instead of adding to the time before the second barrier.
-__device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__ hist_row, const uint32_t* cnt_s,
+__device__ void tkf_row_part(int S, int s, int k, int kk, uint32_t* __restrict__ hist_row, const uint32_t* cnt_s,
                              uint32_t* arrival, uint32_t& prior, const unsigned long long* __restrict__ above_row,
                              const unsigned long long* __restrict__ bucket_row, int bucket_stride,
                              int* __restrict__ oi, float* __restrict__ os, uint64_t* A, uint64_t* Bk,
                              SelectShared& sh, uint32_t* rank_a, uint32_t* rank_b) {
     const int tid = threadIdx.x;
-    for (int i = s * TK4_THREADS + tid; i < TK2_BINS; i += S * TK4_THREADS) hist_row[i] = 0;
+    for (int i = s * TKF_THREADS + tid; i < TKS_BINS; i += S * TKF_THREADS) hist_row[i] = 0;
     __syncthreads();  // cnt_s visible
-    if (tid == 0) prior = tk4_arrive_release(arrival);  // thread 0's counter reads are ordered before it
+    if (tid == 0) prior = tkf_arrive_release(arrival);  // thread 0's counter reads are ordered before it
     const int a = (int)min(cnt_s[0], (uint32_t)kk);
     const int nb = (int)min(cnt_s[1], (uint32_t)bucket_stride);
     const int rem = max(0, min(kk - a, nb));  // block-uniform; 0 when kk == 0
     const int total = a + rem;                // == kk with a consistent state
 
-    if (rem > 0 && nb > TK4_BUCKET_CAP) {  // block-uniform fallback: CTA 0 alone, radix select + bitonic
+    if (rem > 0 && nb > TKF_BUCKET_CAP) {  // block-uniform fallback: CTA 0 alone, radix select + bitonic
         if (s != 0) return;
-        for (int i = tid; i < a; i += TK4_THREADS) A[i] = above_row[i];
+        for (int i = tid; i < a; i += TKF_THREADS) A[i] = above_row[i];
         const bool all = rem >= nb;
         uint64_t prefix = 0;
         int shift = 64;
@@ -800,36 +801,36 @@ __device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__
         sort_and_write(A, total, k, oi, os);  // starts with a barrier-protected fill; writes [0, k)
         return;
     }
-    for (int j = total + s * TK4_THREADS + tid; j < k; j += S * TK4_THREADS) {
+    for (int j = total + s * TKF_THREADS + tid; j < k; j += S * TKF_THREADS) {
         oi[j] = -1;
         os[j] = -INFINITY;
     }
     if (total == 0) return;  // block-uniform: nothing to rank
 
-    const int mb = rem > 0 ? nb : 0;  // bucket entries to rank (block-uniform; <= TK4_BUCKET_CAP here)
+    const int mb = rem > 0 ? nb : 0;  // bucket entries to rank (block-uniform; <= TKF_BUCKET_CAP here)
     if (tid >= 32) {  // warp-uniform: warp 0 waits on the arrival atomic meanwhile
-        for (int i = tid - 32; i < a; i += TK4_THREADS - 32) A[i] = above_row[i];
-        for (int i = tid - 32; i < mb; i += TK4_THREADS - 32) Bk[i] = bucket_row[i];
+        for (int i = tid - 32; i < a; i += TKF_THREADS - 32) A[i] = above_row[i];
+        for (int i = tid - 32; i < mb; i += TKF_THREADS - 32) Bk[i] = bucket_row[i];
     }
     if (tid == 0) {
-        A[a] = 0;  // pads for odd a / mb (a <= k < tk4_above_slots(k); mb <= TK4_BUCKET_CAP)
+        A[a] = 0;  // pads for odd a / mb (a <= k < tkf_above_slots(k); mb <= TKF_BUCKET_CAP)
         Bk[mb] = 0;
     }
-    const int per_a = (a + S - 1) / S, a0 = min(a, s * per_a), na = min(a, a0 + per_a) - a0;    // na <= TK4_RANK_A
-    const int per_b = (mb + S - 1) / S, b0 = min(mb, s * per_b), nbs = min(mb, b0 + per_b) - b0;  // <= TK4_RANK_B
-    for (int i = tid; i < na; i += TK4_THREADS) rank_a[i] = 0;
-    for (int i = tid; i < nbs; i += TK4_THREADS) rank_b[i] = 0;
+    const int per_a = (a + S - 1) / S, a0 = min(a, s * per_a), na = min(a, a0 + per_a) - a0;    // na <= TKF_RANK_A
+    const int per_b = (mb + S - 1) / S, b0 = min(mb, s * per_b), nbs = min(mb, b0 + per_b) - b0;  // <= TKF_RANK_B
+    for (int i = tid; i < na; i += TKF_THREADS) rank_a[i] = 0;
+    for (int i = tid; i < nbs; i += TKF_THREADS) rank_b[i] = 0;
     __syncthreads();  // A, Bk, pads and zeroed ranks visible
     rank_slice(A, a, a0, na, rank_a);
     rank_slice(Bk, mb, b0, nbs, rank_b);
     __syncthreads();
-    for (int i = tid; i < na; i += TK4_THREADS) {
+    for (int i = tid; i < na; i += TKF_THREADS) {
         const uint64_t c = A[a0 + i];
         const uint32_t r = min(rank_a[i], (uint32_t)(a - 1));  // < a: unique composites
         oi[r] = (int)~(uint32_t)c;
         os[r] = key_to_score((uint32_t)(c >> 32));
     }
-    for (int i = tid; i < nbs; i += TK4_THREADS) {
+    for (int i = tid; i < nbs; i += TKF_THREADS) {
         const uint32_t r = rank_b[i];
         if (r < (uint32_t)rem) {
             const uint64_t c = Bk[b0 + i];
@@ -841,9 +842,9 @@ __device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__
 
 }  // namespace
 
-// grid (S, rows) with S >= TK4_MIN_SPLIT, block TK4_THREADS, dynamic smem = 8 * (tk4_above_slots(k) +
-// TK4_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
-// Thread 0 reads the counters, arrives after the first barrier (see tk4_row_part) and, if its CTA arrived last,
+// grid (S, rows) with S >= TKF_MIN_SPLIT, block TKF_THREADS, dynamic smem = 8 * (tkf_above_slots(k) +
+// TKF_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
+// Thread 0 reads the counters, arrives after the first barrier (see tkf_row_part) and, if its CTA arrived last,
 // zeroes them at the very end.
 namespace {
 // Body of indexer_topk_final (PDL = false) and indexer_topk_final_pdl.
@@ -855,16 +856,16 @@ __device__ __forceinline__ void topk_final_body(
     float* __restrict__ out_score) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     __shared__ SelectShared sh;
-    __shared__ uint32_t rank_a[TK4_RANK_A];
-    __shared__ uint32_t rank_b[TK4_RANK_B];
+    __shared__ uint32_t rank_a[TKF_RANK_A];
+    __shared__ uint32_t rank_b[TKF_RANK_B];
     __shared__ uint32_t cnt_s[2];
     // PDL: wait before the first global access (num_valid, counters, hist, above / bucket) and before any
     // return, so that every CTA waits (see "Top-k PDL entry points").
     if (PDL) topk_pdl_wait();
     const int S = gridDim.x, s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
-    if (S < TK4_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
+    if (S < TKF_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
     uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // above composites; the fallback's sort buffer
-    uint64_t* const Bk = A + tk4_above_slots(k);                 // bucket composites (rank path)
+    uint64_t* const Bk = A + tkf_above_slots(k);                 // bucket composites (rank path)
     const int n = row_valid(num_valid, row, score_stride);
     uint32_t* cnt = counters + 2 * (size_t)row;
     uint32_t prior = 0;
@@ -872,11 +873,11 @@ __device__ __forceinline__ void topk_final_body(
         cnt_s[0] = cnt[0];
         cnt_s[1] = cnt[1];
     }
-    tk4_row_part(S, s, k, min(k, n), hist + (size_t)row * TK2_BINS, cnt_s, &arrivals[row], prior,
+    tkf_row_part(S, s, k, min(k, n), hist + (size_t)row * TKS_BINS, cnt_s, &arrivals[row], prior,
                  above + (size_t)row * k, bucket + (size_t)row * bucket_stride, bucket_stride,
                  out_idx + (size_t)row * k, out_score + (size_t)row * k, A, Bk, sh, rank_a, rank_b);
     if (tid == 0 && prior == (uint32_t)S - 1) {  // the row's last CTA to arrive
-        tk4_fence_acquire();  // every other CTA's counter reads happened before: zero for the next call
+        tkf_fence_acquire();  // every other CTA's counter reads happened before: zero for the next call
         cnt[0] = 0;
         cnt[1] = 0;
         arrivals[row] = 0;
@@ -884,7 +885,7 @@ __device__ __forceinline__ void topk_final_body(
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk_final(
+extern "C" __global__ void __launch_bounds__(TKF_THREADS) indexer_topk_final(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
@@ -893,7 +894,7 @@ extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk_final(
                             out_idx, out_score);
 }
 // indexer_topk_final for a PDL launch (see "Top-k PDL entry points"). Same launch shape and smem.
-extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk_final_pdl(
+extern "C" __global__ void __launch_bounds__(TKF_THREADS) indexer_topk_final_pdl(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
@@ -922,8 +923,8 @@ __device__ __forceinline__ void topk_select_body(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
-    __shared__ uint32_t warp_sums[TK2_THREADS / 32];
-    __shared__ uint32_t warp_up[TK2_THREADS / 32], warp_eq[TK2_THREADS / 32];
+    __shared__ uint32_t warp_sums[TKS_THREADS / 32];
+    __shared__ uint32_t warp_up[TKS_THREADS / 32], warp_eq[TKS_THREADS / 32];
     __shared__ uint32_t thr_bin, base_up, base_eq;
     if (PDL) {  // no global access before the wait (see "Top-k PDL entry points")
         topk_pdl_trigger();
@@ -931,21 +932,21 @@ __device__ __forceinline__ void topk_select_body(
     }
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
-    const int base = blockIdx.x * TK2_SLICE;
+    const int base = blockIdx.x * TKS_SLICE;
     if (base >= n) return;  // block-uniform, before any barrier
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t kk = (uint32_t)min(k, n);  // >= 1 here
 
     const float* src = scores + (size_t)row * score_stride;
-    float v[TK2_PER_THREAD];
+    float v[TKS_PER_THREAD];
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + tid;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + tid;
         v[r] = i < n ? src[i] : 0.f;
     }
 
     // Threshold bin (see "Top-k", pass 2).
-    const uint4* g4 = reinterpret_cast<const uint4*>(hist + (size_t)row * TK2_BINS + (TK2_BINS - 8 - 8 * tid));
+    const uint4* g4 = reinterpret_cast<const uint4*>(hist + (size_t)row * TKS_BINS + (TKS_BINS - 8 - 8 * tid));
     const uint4 lo = g4[0], hi = g4[1];
     const uint32_t c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
     uint32_t own = 0;
@@ -958,7 +959,7 @@ __device__ __forceinline__ void topk_select_body(
         if (lane >= o) incl += y;
     }
     if (lane == 31) warp_sums[warp] = incl;
-    if (tid == 0) thr_bin = TK2_BINS;
+    if (tid == 0) thr_bin = TKS_BINS;
     __syncthreads();
     for (int w2 = 0; w2 < warp; ++w2) incl += warp_sums[w2];  // no barrier inside
     const uint32_t excl = incl - own;
@@ -968,7 +969,7 @@ __device__ __forceinline__ void topk_select_body(
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             if (!found && run + c[j] >= kk) {
-                thr_bin = (uint32_t)(TK2_BINS - 1 - (8 * tid + j));
+                thr_bin = (uint32_t)(TKS_BINS - 1 - (8 * tid + j));
                 found = 1;
             }
             run += c[j];
@@ -978,15 +979,15 @@ __device__ __forceinline__ void topk_select_body(
     const uint32_t B = thr_bin;
 
     // Ballots of every step (registers), per-warp totals.
-    unsigned bu[TK2_PER_THREAD], be[TK2_PER_THREAD];
-    uint32_t keys[TK2_PER_THREAD];
+    unsigned bu[TKS_PER_THREAD], be[TKS_PER_THREAD];
+    uint32_t keys[TKS_PER_THREAD];
     uint32_t wu = 0, we = 0;
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
-        const int i = base + r * TK2_THREADS + tid;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
+        const int i = base + r * TKS_THREADS + tid;
         keys[r] = order_key(v[r]);
-        const uint32_t bin = keys[r] >> TK2_SHIFT;
-        bu[r] = __ballot_sync(FULL, i < n && bin > B && B < TK2_BINS);
+        const uint32_t bin = keys[r] >> TKS_SHIFT;
+        bu[r] = __ballot_sync(FULL, i < n && bin > B && B < TKS_BINS);
         be[r] = __ballot_sync(FULL, i < n && bin == B);
         wu += (uint32_t)__popc(bu[r]);
         we += (uint32_t)__popc(be[r]);
@@ -998,7 +999,7 @@ __device__ __forceinline__ void topk_select_body(
     __syncthreads();
     if (tid == 0) {  // exclusive scan of the 16 warp totals, then one atomic per counter for the CTA
         uint32_t tu = 0, te = 0;
-        for (int w2 = 0; w2 < TK2_THREADS / 32; ++w2) {
+        for (int w2 = 0; w2 < TKS_THREADS / 32; ++w2) {
             const uint32_t u = warp_up[w2], e = warp_eq[w2];
             warp_up[w2] = tu;
             warp_eq[w2] = te;
@@ -1015,8 +1016,8 @@ __device__ __forceinline__ void topk_select_body(
     unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
     const unsigned lanes_below = (1u << lane) - 1u;
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + tid;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + tid;
         if ((bu[r] >> lane) & 1u) {
             const uint32_t slot = su + __popc(bu[r] & lanes_below);
             if (slot < (uint32_t)k) above_row[slot] = composite(keys[r], (uint32_t)i);
@@ -1031,14 +1032,14 @@ __device__ __forceinline__ void topk_select_body(
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_select(
+extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_select(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
     topk_select_body<false>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
 }
 // indexer_topk_select for a PDL launch (see "Top-k PDL entry points").
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk_select_pdl(
+extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_select_pdl(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {

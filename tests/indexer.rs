@@ -545,7 +545,7 @@ fn model_mcta_topk(
     rng: &mut ChaCha8Rng,
 ) -> Option<Vec<i32>> {
     use rand::seq::SliceRandom;
-    const THREADS: usize = 512; // TK4_THREADS
+    const THREADS: usize = 512; // TKF_THREADS
     let n = scores.len();
     let kk = k.min(n);
     let comp = |i: usize| ((reference::order_key(scores[i]) as u64) << 32) | (!(i as u32)) as u64;
@@ -654,8 +654,8 @@ fn multi_cta_model_matches_reference_topk() {
 #[test]
 fn cta_aggregated_slot_allocation_is_a_dense_permutation() {
     let (seed, mut rng) = seeded("select_agg_slots");
-    const WARPS: usize = 16; // TK2_THREADS / 32
-    const STEPS: usize = 8; // TK2_PER_THREAD
+    const WARPS: usize = 16; // TKS_THREADS / 32
+    const STEPS: usize = 8; // TKS_PER_THREAD
     for case in 0..300 {
         let density = [0.0f64, 0.001, 0.03, 0.5, 1.0][case % 5];
         let mut counter = 0u32; // the row's global counter

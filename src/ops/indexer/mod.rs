@@ -45,17 +45,17 @@ pub use reference::{KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
 pub const FAMILY: &str = "indexer";
 /// Largest supported k (kernel constant TOPK_MAX_K).
 pub const TOPK_MAX_K: usize = 2048;
-/// Histogram bins of the top-k (kernel constant TK2_BINS: the top 12 bits of the order key).
+/// Histogram bins of the top-k (kernel constant TKS_BINS: the top 12 bits of the order key).
 pub const TOPK_BINS: usize = 4096;
-/// Entries per histogram / select CTA (kernel constant TK2_SLICE) and their block size.
+/// Entries per histogram / select CTA (kernel constant TKS_SLICE) and their block size.
 const TOPK_SLICE: usize = 4096;
 const TOPK_SLICE_THREADS: u32 = 512;
-/// Block size of the multi-CTA final pass (kernel constant TK4_THREADS).
+/// Block size of the multi-CTA final pass (kernel constant TKF_THREADS).
 const TOPK_FINAL_THREADS: u32 = 512;
 /// Fewest / most CTAs per row of `indexer_topk_final` (the kernel's static rank arrays assume >= 8).
 pub const TOPK_FINAL_MIN_CTAS_PER_ROW: u32 = 8;
 pub const TOPK_FINAL_MAX_CTAS_PER_ROW: u32 = 64;
-/// Threshold-bucket composites the final pass ranks in shared memory (kernel TK4_BUCKET_CAP); larger buckets
+/// Threshold-bucket composites the final pass ranks in shared memory (kernel TKF_BUCKET_CAP); larger buckets
 /// (heavy ties) take its one-CTA radix-select fallback.
 pub const TOPK_BUCKET_CAP: usize = 4096;
 /// Largest k for which [`topk`] launches the chain through its PDL entry points ([`TopkPath::Pdl`]). Decided by
@@ -584,7 +584,7 @@ fn topk_final_ctas_per_row(gpu: &Gpu, rows: usize) -> u32 {
 }
 
 /// Dynamic shared memory of `indexer_topk_final` for `k`: the above / sort buffer (next power of two >= k, + 2
-/// pad slots) and the bucket buffer (TK4_BUCKET_CAP + 2), 8 bytes each (kernel: tk4_above_slots).
+/// pad slots) and the bucket buffer (TKF_BUCKET_CAP + 2), 8 bytes each (kernel: tkf_above_slots).
 pub fn topk_final_smem_bytes(k: usize) -> usize {
     8 * (k.next_power_of_two().max(2) + 2 + TOPK_BUCKET_CAP + 2)
 }
