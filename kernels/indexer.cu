@@ -1,53 +1,23 @@
 // Lightning indexer (DSV4 §3.8): index-key writer, weighted-ReLU MQA logits on FP8 tensor cores, and a
-// deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort).
+// deadlock-free exact top-k. Plus the seeds' baseline (dequantize -> fp32 "einsum" -> full bitonic sort), the
+// reference the targets are measured against. One file (one module, one cubin): the writer, logits, top-k and
+// baseline share the key-cache layout, the order key and the wgmma / TMA helpers, and the launcher resolves every
+// entry point from the family's module.
 //
-// Default path (src/ops/indexer/mod.rs `logits` / `topk` / `run`):
-//   Logits, FP8 keys: indexer_logits_fp8tma_n1 / _n2 = native wgmma e4m3 fed by a TMA + mbarrier ring ("FP8 logits
-//     v6" below; default since session 6). The session-5 default indexer_logits_fp8w3_n1 / _n2 (double-buffered
-//     cp.async rounds of 3 key tiles, "FP8 logits v5") stays as the bit-identical `Fp8LogitsKernel::CpAsyncRounds`.
-//     MXFP4 keys: the e4m3 mma.sync kernels indexer_logits_mxfp4_n1 / _n2 ("Logits" below).
-//   Top-k, three launches: indexer_topk2_hist (4096-bin histogram of the top 12 key bits) ->
-//     indexer_topk5_select_agg (threshold select, many CTAs per row, one slot atomic per counter per CTA) ->
-//     indexer_topk4_final_mcta (exact final pass, 8..32 CTAs per row ranking by counting, one-CTA radix select +
-//     bitonic sort fallback for threshold buckets above 4096 entries). For k <= 512 the same bodies through their
-//     PDL entry points (*_pdl, "Top-k PDL entry points"; default for k <= 512 since session 6). See "Top-k v2"
-//     (pass 1 and the threshold rule), "Top-k v4", "Top-k pass 2 with CTA-aggregated slot allocation"; the shared
-//     radix select / bitonic helpers are under "Top-k".
-// History (H200, median us, FP8, k 512 unless said):
-// Session 4 A/B (results/h200/session4-ab/indexer.csv): removed FP8 logits v2 (indexer_logits_fp8h_n1/_n2, f16
-//   HMMA) and the 2-CTA wgmma config (indexer_logits_fp8w_n1/_n2): logits 1M b1 v2 23.6 / 2-CTA 22.7 / 3-CTA 20.3;
-//   b16 @1M k1024 totals 282.5 / 266.6 / 237.8; next_n 2 b16 @1M 450.8 / 323.7 / 292.9. Removed indexer_topk2_select
-//   and the one-CTA final pass indexer_topk3_final: top-k 1M b1 20.0 vs 16.8 now; totals b16 @64K 51.2 vs 40.4,
-//   k 2048 b3 @1M 99.5 vs 73.2. Best 1M b1 total (2-CTA + mcta) 37.4 us: 30 us target missed; 4K b1 34.9 -> 20.0.
-// Session 5 A/B (commit 48a7d82, results/h200/session5-ab/indexer.csv; removed): top-k v6 = ONE launch, one 8- or
-//   16-CTA thread-block cluster per row (indexer_topk6_cluster: scores staged in shared memory, histograms summed
-//   over distributed shared memory between cluster barriers; bit-identical, all GPU tests passed) lost at every
-//   point: top-k 1M b1 17.4 (default) vs 23.3 / 21.5 (8 / 16 CTAs), 4K b1 16.9 vs 18.7 / 19.9, b64 @ 64K 26.5 vs
-//   81.7, k 2048 b3 @ 1M 23.0 vs 45.1 / 33.6. The default's ~16-17 us is nearly the same from 4K to 1M context:
-//   fixed cost per launch chain, which one big cluster launch did not remove.
-// Session 6 A/B (commit 79c9c8c, results/h200/session6-ab/indexer.csv; removed): top-k in ONE launch, one
-//   1024-thread CTA per row (indexer_topk_one_cta[_pdl]: shared-memory 12-bit histogram, threshold scan, ballot
-//   collect, block_select inside the threshold bucket, bitonic sort_and_write; no global scratch; bit-identical,
-//   all GPU tests and 51,530 stress cases passed) lost at every point but one: top-k b1 4K 18.5 vs chain 15.3,
-//   64K 22.5 vs 16.8, 256K 36.5 vs 16.6, 1M (forced) 88.5 vs 17.2; graph 4K 18.5 vs 14.0; k 2048 b3 @ 8K 33.9 vs
-//   19.8; whole call 64K b16 40.3 vs 36.0, b64 69.9 vs 74.0 (its one win). ~12 us of device time even at 1,024
-//   scores: ~100 dependent barrier / shared-memory steps (8 radix passes of block_select, 46 bitonic stages) on one
-//   SM, against the chain's three launches of which the rank-by-counting pass spreads over 8-32 CTAs. Same lesson
-//   as the session-5 cluster top-k: the fixed cost is serial latency inside one SM, not the launch count.
-//   The same run raced the chain through PDL (`fused_pdl`): it won at every k = 512 point (b1 4K 20.1 -> 16.6,
-//   1M 32.5 -> 28.6; b16 @ 64K 36.0 -> 34.0; b64 74.0 -> 68.5; next_n 2 b16 @ 1M 245.6 -> 241.9) and lost at k 1024
-//   from batch 16 at 1M (top-k 42.9 -> 52.9): the PDL chain is the default for k <= 512.
-// Removed after the final H200 A/B (1M context, batch 1, k 512): top-k v1 (indexer_topk_chunk +
-// indexer_topk_merge, chunked radix select + merge) 73.0 us vs v3 19.6 us (4K context: 16.8 vs 21.4 us);
-// top-k v2 (passes 1-2 + its exact pass indexer_topk2_final) 27.2 us vs v3 19.6 us; FP8 logits v1
-// (indexer_logits_fp8_n1/_n2, logits_body<_, false>: emulated e4m3 mma.sync) 28.2 us vs v2 23.8 us (batch 16 @
-// 64K: 27.8 vs 23.5 us). Totals: v1 93.6, v2 47.9, v3 40.8 us.
-// Removed after the session-3 H200 A/B (commit 4199846; 1M context, batch 1, FP8, k 512; default total 40.5 us =
-// logits 23.3 + top-k 19.9): FP8 logits v4 (indexer_logits_fp8v4_*: L2 bulk prefetch + early scale load,
-// bit-identical to v2) 43.0 total, logits 24.9 (batch 16 @ 64K, next_n 2: 37.3 vs 34.8); its per-sector
-// prefetch hedge (*_lpf_*) 42.5, logits 24.9; v4 building the top-k histogram in the logits pass (*_hist_*)
-// 41.2 (logits + histogram 27.1, select + final 14.2). The prefetched logits kernel ran slower than v2, and
-// the in-logits histogram saved 5.7 us of top-k but cost 3.8 us of logits.
+// Routed path (src/ops/indexer/mod.rs `logits` / `topk` / `run`):
+//   Logits, FP8 keys: indexer_logits_fp8_n1 / _n2 = native wgmma e4m3 fed by a TMA + mbarrier ring ("FP8 logits"
+//     below). MXFP4 keys: the e4m3 mma.sync kernels indexer_logits_mxfp4_n1 / _n2 ("MXFP4 logits").
+//   Top-k, three launches: indexer_topk_hist (4096-bin histogram of the top 12 key bits) -> indexer_topk_select
+//     (threshold select, many CTAs per row, one slot atomic per counter per CTA) -> indexer_topk_final (exact
+//     final pass, 8..32 CTAs per row ranking by counting, one-CTA radix select + bitonic sort fallback for
+//     threshold buckets above 4096 entries). For k <= 512 the same bodies through their PDL entry points (*_pdl,
+//     "Top-k PDL entry points").
+// Graph safety: no grid depends on num_valid. Grids are sized from capacities (the cache capacity, the score
+// row length) and every kernel reads num_valid on the device, clamps it to 0..capacity (logits) or
+// 0..score_stride (top-k), and skips the work past it: a CTA with no visible entry returns before its first
+// barrier (histogram, select, MXFP4 logits, baselines), a persistent FP8-logits CTA skips empty tiles on both
+// sides of its mbarrier ring, and the final pass's CTAs always take part in their row's arrival protocol.
+// The writer reads its slots on the device and skips a slot outside the cache.
 // Budget at 1M context, batch 1 (262,144 keys, 34.6 MB): HBM floor 8.1 us at 4.25 TB/s; the top-k reads the
 // 1 MB of scores twice (histogram, select) plus a few KB per row in the final pass.
 //
@@ -60,36 +30,25 @@
 // quantizer uses __fdiv_rn, so the codes are bit-identical to src/ops/indexer/reference.rs.
 //
 // ---- Logits: score[row, j] = sum_h w[row,h] * relu(q[row,h] . k_j) ----------------------------------------
-// (logits_body: entry points only for MXFP4 now; its FP8 branch lost its entry points with logits v1 and is
-// left as measured. FP8 keys use the wgmma kernels, "FP8 logits v5".)
-// mma.sync m16n8k32 e4m3 x e4m3 -> f32 with keys on M (16 per m-tile) and heads on N (8 per n-tile, 8 tiles).
-// The dot product is a sum over the 128 dims, so any permutation of K applied to both A and B leaves it
-// unchanged; we pick the permutation that makes each lane's key bytes contiguous:
-//   FP8 : lane (g = lane/4, t = lane%4) loads 16 B at dims t*16 and 16 B at 64 + t*16 of rows g and g+8
-//         (two 16-byte loads per row; the 4 lanes of a group cover 64 contiguous bytes per load: full
-//         32-byte sectors). k-step s uses the 8 bytes at (s>>1)*64 + t*16 + (s&1)*8: first 4 -> a0/a1,
-//         next 4 -> a2/a3. The q fragment (b0, b1) of head n = nt*8 + g is the 8 bytes at the same offset.
-//   MXFP4: k-step s must be exactly scale block s (dims 32s..32s+31) so its ue8m0 scale can be applied to
-//         the k-step's partial product: lane t takes dims 32s + 8t .. +7 = one u32 of packed codes.
-//         e2m1 -> e4m3 is exact (a 16-entry byte LUT via __byte_perm + the sign bit), the block scale is
-//         applied in fp32 after each k-step's MMA (x = e2m1 * 2^e exactly; no range condition needed).
-// q fragments live in shared memory in fragment order (one conflict-free 8-byte load per lane per
-// (n-tile, k-step)); q's per-token scale is folded into w by the caller (relu(s x) = s relu(x), s > 0).
-// Epilogue per n-tile: relu (fmaxf: NaN -> 0, same in the reference) and * w, accumulated per key in fp32;
-// then the 4 lanes of a group are summed and the FP8 entry scale is applied (scale > 0 commutes with relu).
-// Work split: a warp tile is 2 m-tiles = 32 keys (A fragments stay in 32 registers), a CTA of 8 warps
-// covers 1024 keys; the q fragments are re-read from shared memory per (n-tile, k-step): 8 KB of lds per
-// 4 KB of keys, well under the shared-memory bandwidth. 0 spills (ptxas), 120-128 registers, 2 CTAs/SM
-// (mxfp4 with next_n = 2: 168 registers, 1 CTA/SM).
-// Byte/cycle budget: a key costs 128 B (+4 B scale) of HBM and, per query token, 16 KFLOP = 32 mma.sync
-// m16n8k32 per 16 keys. At 4.8 TB/s and 132 B/key, next_n = 1 needs ~590 TFLOPS of FP8 mma.sync across the
-// GPU, close to what mma.sync (not wgmma) can issue on Hopper, so next_n = 1 sits at the edge of HBM-bound
-// and next_n = 2 is tensor-issue-bound; wgmma is the next step if the sweep shows it.
+// q's per-token scale is folded into w by the caller (relu(s x) = s relu(x), s > 0). relu is fmaxf(x, 0)
+// (NaN -> 0, same in the reference).
+// MXFP4 logits (logits_mxfp4_body): mma.sync m16n8k32 e4m3 x e4m3 -> f32 with keys on M (16 per m-tile) and
+// heads on N (8 per n-tile, 8 tiles). The dot product is a sum over the 128 dims, so any permutation of K applied
+// to both A and B leaves it unchanged; k-step s must be exactly scale block s (dims 32s..32s+31) so its ue8m0
+// scale can be applied to the k-step's partial product: lane t takes dims 32s + 8t .. +7 = one u32 of packed
+// codes. e2m1 -> e4m3 is exact (a 16-entry byte LUT via __byte_perm + the sign bit), the block scale is applied
+// in fp32 after each k-step's MMA (x = e2m1 * 2^e exactly; no range condition needed).
+// q fragments live in shared memory in fragment order (one conflict-free 8-byte load per lane per (n-tile,
+// k-step)). Epilogue per n-tile: relu and * w, accumulated per key in fp32; then the 4 lanes of a group are
+// summed. Work split: a warp tile is 2 m-tiles = 32 keys (A fragments stay in 32 registers), a CTA of 8 warps
+// covers 1024 keys; the q fragments are re-read from shared memory per (n-tile, k-step): 8 KB of lds per 4 KB
+// of keys, well under the shared-memory bandwidth. 0 spills (ptxas), 2 CTAs/SM (next_n = 2: 168 registers,
+// 1 CTA/SM).
 //
 // ---- Top-k (k <= 2048) ----------------------------------------------------------------------------------
 // Total order: composite = (order_key(score) << 32) | ~index (u64; NaN -> -inf, -0 -> +0). The composite
 // is unique per entry, so "the k largest composites" is exactly "score desc, lower index wins".
-// Shared helpers (used by the fallback of indexer_topk4_final_mcta): block_select = one CTA's
+// Shared helpers (used by the fallback of indexer_topk_final): block_select = one CTA's
 // MSB-first radix select over 64-bit composites (8-bit digits, at most 8 passes, early exit when the
 // chosen bucket holds exactly the remaining count), block_collect = a ballot-compacted collection of the
 // selected elements, sort_and_write = a bitonic sort of the chosen k and the final row write.
@@ -220,11 +179,11 @@ __device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t p) {
     return mag | sgn;
 }
 
-template <int NEXT_N, bool FP4>
-__device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
-                                            const uint8_t* __restrict__ codes, const void* __restrict__ scales_v,
-                                            const int* __restrict__ num_valid, int capacity,
-                                            float* __restrict__ scores, int score_stride) {
+template <int NEXT_N>
+__device__ __forceinline__ void logits_mxfp4_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
+                                                  const uint8_t* __restrict__ codes, const void* __restrict__ scales_v,
+                                                  const int* __restrict__ num_valid, int capacity,
+                                                  float* __restrict__ scores, int score_stride) {
     __shared__ __align__(16) uint2 q_frag[NEXT_N][8][4][32];
     __shared__ __align__(16) float w_s[NEXT_N][HEADS];
     const int b = blockIdx.y;
@@ -238,7 +197,7 @@ __device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const
     for (int e = threadIdx.x; e < NEXT_N * 8 * 4 * 32; e += blockDim.x) {
         const int ln = e & 31, s = (e >> 5) & 3, nt = (e >> 7) & 7, t = e >> 10;
         const int head = nt * 8 + (ln >> 2), tq = ln & 3;
-        const int off = FP4 ? s * 32 + tq * 8 : (s >> 1) * 64 + tq * 16 + (s & 1) * 8;
+        const int off = s * 32 + tq * 8;
         q_frag[t][nt][s][ln] =
             *reinterpret_cast<const uint2*>(q + ((size_t)(b * NEXT_N + t) * HEADS + head) * DIM + off);
     }
@@ -251,44 +210,30 @@ __device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const
 
     for (int tile = cta_begin + warp * LG_WARP_KEYS; tile < cta_end; tile += LG_WARPS * LG_WARP_KEYS) {
         uint32_t a[LG_MT][4][4];
-        uint32_t sc4[LG_MT][2];  // MXFP4: the 4 ue8m0 codes of rows g and g+8
+        uint32_t sc4[LG_MT][2];  // the 4 ue8m0 codes of rows g and g+8
 #pragma unroll
         for (int mt = 0; mt < LG_MT; ++mt) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = tile + mt * 16 + g + half * 8;
                 const bool ok = row < n_seq;
-                if constexpr (!FP4) {
-                    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-                    if (ok) {
-                        const uint8_t* p = codes + (seq_slot0 + row) * DIM;
-                        lo = __ldg(reinterpret_cast<const uint4*>(p + tq * 16));
-                        hi = __ldg(reinterpret_cast<const uint4*>(p + 64 + tq * 16));
-                    }
-                    a[mt][0][half] = lo.x; a[mt][0][2 + half] = lo.y;
-                    a[mt][1][half] = lo.z; a[mt][1][2 + half] = lo.w;
-                    a[mt][2][half] = hi.x; a[mt][2][2 + half] = hi.y;
-                    a[mt][3][half] = hi.z; a[mt][3][2 + half] = hi.w;
-                    sc4[mt][half] = 0;
-                } else {
-                    const uint32_t* p = reinterpret_cast<const uint32_t*>(codes + (seq_slot0 + row) * (DIM / 2));
+                const uint32_t* p = reinterpret_cast<const uint32_t*>(codes + (seq_slot0 + row) * (DIM / 2));
 #pragma unroll
-                    for (int s = 0; s < 4; ++s) {
-                        const uint32_t packed = ok ? __ldg(p + s * 4 + tq) : 0u;
-                        a[mt][s][half] = e2m1x4_to_e4m3x4(packed & 0xFFFFu);
-                        a[mt][s][2 + half] = e2m1x4_to_e4m3x4(packed >> 16);
-                    }
-                    sc4[mt][half] = ok ? __ldg(reinterpret_cast<const uint32_t*>(scales_v) + seq_slot0 + row) : 0u;
+                for (int s = 0; s < 4; ++s) {
+                    const uint32_t packed = ok ? __ldg(p + s * 4 + tq) : 0u;
+                    a[mt][s][half] = e2m1x4_to_e4m3x4(packed & 0xFFFFu);
+                    a[mt][s][2 + half] = e2m1x4_to_e4m3x4(packed >> 16);
                 }
+                sc4[mt][half] = ok ? __ldg(reinterpret_cast<const uint32_t*>(scales_v) + seq_slot0 + row) : 0u;
             }
         }
 
-#pragma unroll(FP4 ? 1 : NEXT_N)
+#pragma unroll 1
         for (int t = 0; t < NEXT_N; ++t) {
             float part[LG_MT][2];
 #pragma unroll
             for (int mt = 0; mt < LG_MT; ++mt) part[mt][0] = part[mt][1] = 0.f;
-#pragma unroll(FP4 ? 1 : 2)
+#pragma unroll 1
             for (int nt = 0; nt < 8; ++nt) {
                 uint2 bq[4];
 #pragma unroll
@@ -297,21 +242,16 @@ __device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const
 #pragma unroll
                 for (int mt = 0; mt < LG_MT; ++mt) {
                     float c[4] = {0.f, 0.f, 0.f, 0.f};
-                    if constexpr (!FP4) {
 #pragma unroll
-                        for (int s = 0; s < 4; ++s) mma_e4m3(c, a[mt][s], bq[s].x, bq[s].y);
-                    } else {
-#pragma unroll
-                        for (int s = 0; s < 4; ++s) {
-                            float d[4] = {0.f, 0.f, 0.f, 0.f};
-                            mma_e4m3(d, a[mt][s], bq[s].x, bq[s].y);
-                            const float s0 = mm::ue8m0_decode((uint8_t)(sc4[mt][0] >> (8 * s)));
-                            const float s1 = mm::ue8m0_decode((uint8_t)(sc4[mt][1] >> (8 * s)));
-                            c[0] = fmaf(d[0], s0, c[0]);
-                            c[1] = fmaf(d[1], s0, c[1]);
-                            c[2] = fmaf(d[2], s1, c[2]);
-                            c[3] = fmaf(d[3], s1, c[3]);
-                        }
+                    for (int s = 0; s < 4; ++s) {
+                        float d[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma_e4m3(d, a[mt][s], bq[s].x, bq[s].y);
+                        const float s0 = mm::ue8m0_decode((uint8_t)(sc4[mt][0] >> (8 * s)));
+                        const float s1 = mm::ue8m0_decode((uint8_t)(sc4[mt][1] >> (8 * s)));
+                        c[0] = fmaf(d[0], s0, c[0]);
+                        c[1] = fmaf(d[1], s0, c[1]);
+                        c[2] = fmaf(d[2], s1, c[2]);
+                        c[3] = fmaf(d[3], s1, c[3]);
                     }
                     part[mt][0] = fmaf(wv.x, fmaxf(c[0], 0.f), part[mt][0]);
                     part[mt][0] = fmaf(wv.y, fmaxf(c[1], 0.f), part[mt][0]);
@@ -328,10 +268,7 @@ __device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const
                     v += __shfl_xor_sync(FULL, v, 1);
                     v += __shfl_xor_sync(FULL, v, 2);
                     const int row = tile + mt * 16 + g + half * 8;
-                    if (tq == half && row < n_seq) {
-                        if constexpr (!FP4) v *= __ldg(reinterpret_cast<const float*>(scales_v) + seq_slot0 + row);
-                        out[row] = v;
-                    }
+                    if (tq == half && row < n_seq) out[row] = v;
                 }
             }
         }
@@ -340,87 +277,44 @@ __device__ __forceinline__ void logits_body(const uint8_t* __restrict__ q, const
 
 }  // namespace
 
-#define INDEXER_LOGITS_ENTRY(NAME, NEXT_N, FP4, MIN_BLOCKS)                                                                   \
-    extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, MIN_BLOCKS)                                             \
+// grid (ceil(capacity / 1024), batch), block 256; a CTA past its sequence's num_valid returns at once.
+#define INDEXER_LOGITS_MXFP4_ENTRY(NAME, NEXT_N, MIN_BLOCKS)                                                    \
+    extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, MIN_BLOCKS)                                     \
         NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
              const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
              float* __restrict__ scores, int score_stride) {                                                     \
-        logits_body<NEXT_N, FP4>(q, w, codes, scales, num_valid, capacity, scores, score_stride);               \
+        logits_mxfp4_body<NEXT_N>(q, w, codes, scales, num_valid, capacity, scores, score_stride);              \
     }
 
-INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n1, 1, true, 2)
+INDEXER_LOGITS_MXFP4_ENTRY(indexer_logits_mxfp4_n1, 1, 2)
 // 2 query tokens x the e2m1 expansion need more than 128 registers: one CTA per SM, no spills.
-INDEXER_LOGITS_ENTRY(indexer_logits_mxfp4_n2, 2, true, 1)
+INDEXER_LOGITS_MXFP4_ENTRY(indexer_logits_mxfp4_n2, 2, 1)
 
 // ------------------------------------------------------------------------------------------------------------
-// FP8 logits v5 (the FP8 path; 3 CTAs per SM since the session-4 A/B, see the header): native Hopper FP8
-// wgmma with double-buffered cp.async rounds of key tiles in shared memory and persistent CTAs.
-// Why: ncu of v2 (f16 HMMA, removed) at 1M/batch 1: 1.80 TB/s, top stall L1TEX scoreboard: each warp loads its 2 tiles, then
-// converts and multiplies, with nothing in flight meanwhile; plus the e4m3 -> f16 conversion work. Here:
-//   * Tile = 64 keys x 128 B (8 KB) = the wgmma M. A CTA is one warpgroup (128 threads); a persistent grid of
-//     2 CTAs per SM walks a CONTIGUOUS range of the flattened (sequence, tile) list (so q changes rarely).
-//   * Two halves of ROUND tiles each in shared memory (double-buffered rounds), filled with 16-byte
-//     cp.async.cg (thread i copies chunk i % 8 of row i / 8: coalesced 128-byte rows) into the 128B-swizzled
-//     K-major wgmma layout: row r's 16-byte chunk c lands at r * 128 + ((c ^ (r & 7)) << 4) (a tile is
-//     1024-aligned; 8-row groups 1024 B apart = SBO). The tile's 64 fp32 key scales ride along (4-byte cp.async
-//     into a per-stage array). Round r + 1's copies (5 tiles = 40 KB for next_n = 1, 4 for next_n = 2) are issued
-//     before round r is multiplied, so they overlap its wgmma and epilogue; 2 CTAs per SM keep ~64-80 KB in
-//     flight per SM (Little: 4.3 TB/s x ~1.2 us / 132 SMs = ~39 KB needed).
-//   * Why rounds and not a rolling ring: cp.async writes are generic-proxy writes, so each wgmma read needs a
-//     fence.proxy.async after them, and ptxas emits it as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S. If that MEMBAR
-//     waited for the thread's outstanding cp.async copies (not documented either way), a per-tile fence in a
-//     rolling ring would drain the ring every tile. One fence per round, placed when the only copies in
-//     flight are the round's own (which the round needs anyway), is safe under either behaviour.
+// FP8 logits, the wgmma pieces (used by logits_tma_body, "FP8 logits" below): native Hopper FP8 wgmma on key
+// tiles in shared memory.
+//   * Tile = 64 keys x 128 B (8 KB) = the wgmma M. A CTA's consumers are one warpgroup (128 threads).
+//   * Layout: the 128B-swizzled K-major wgmma layout: row r's 16-byte chunk c lands at r * 128 + ((c ^ (r & 7))
+//     << 4) of a 1024-aligned tile (8-row groups 1024 B apart = SBO).
 //   * q (e4m3 [NEXT_N * 64 heads][128], B operand, N = 64 heads per token) is stored once per sequence change
 //     in the same swizzled layout; NEXT_N = 2 puts both tokens' heads on N = 128 (one m64n128k32 per k-step).
 //   * wgmma.m64nNk32.f32.e4m3.e4m3, both operands from shared memory, K-major: k-step s (dims 32s..32s+31)
 //     advances both descriptors' start address by 32 B (the swizzle is applied to the computed address, so
 //     the XOR pattern above stays consistent). 4 k-steps per tile; products of two e4m3 values are exact,
 //     the tensor core's FP8 accumulation keeps fewer than 24 bits (DeepSeek-V3 measured ~14 on H800), so
-//     scores are NOT bit-identical to v2; the test bounds the difference against the f64 reference.
+//     scores are NOT bit-identical to an fp32-accumulated dot product; the tests bound the difference against
+//     the f64 reference.
 //   * Epilogue: the accumulator fragment d[j * 4 + e] of thread (warp w, g = lane / 4, tq = lane % 4) is row
 //     16w + g + 8 * (e >= 2), column j * 8 + 2 * tq + (e & 1) (column = t * 64 + head). Per row: sum over the
-//     thread's 16 (per token) columns of w * relu (fmaxf: NaN -> 0, as v2), then 2 xor-shuffles over the quad,
-//     * key scale (scale > 0 commutes with relu; a NaN scale gives NaN, as v2), stored for row < n_seq only.
-// Ordering: cp.async writes are generic-proxy writes; each thread waits for its own groups, executes
-// fence.proxy.async, then the CTA barrier makes every thread's tile visible to the async proxy (wgmma).
-// A stage is refilled only after the barrier that follows the wgmma.wait_group 0 of its last reader (round
-// rd + 1 reuses round rd - 1's half, refilled after round rd's top barrier); wait_group only covers the
-// executing warp's part of a wgmma, so q is likewise rewritten only after a barrier.
-// Rows >= n_seq are neither read from global memory nor written: their shared-memory rows hold stale bytes,
-// which only reach accumulator rows that are discarded.
-// Deadlock freedom: every barrier is executed by all threads: the loop trip counts and the "item exists" /
-// "tile has keys" / "sequence changed" branches are functions of blockIdx and kernel arguments only.
-// Byte budget: 8 KB + 256 B of keys per tile vs 4 wgmma (N = 64: ~128 tensor cycles; N = 128: ~256) and an
-// epilogue of ~100 instructions per thread; at 2 CTAs per SM and 4.3 TB/s a tile arrives every ~480 cycles per
-// CTA, so next_n = 1 and 2 both stay below the tensor and issue limits.
+//     thread's 16 (per token) columns of w * relu (fmaxf: NaN -> 0), then 2 xor-shuffles over the quad,
+//     * key scale (scale > 0 commutes with relu; a NaN scale gives NaN), stored for row < n_seq only.
 namespace {
 
-constexpr int LW_THREADS = 128;
 constexpr int LW_KEYS = 64;
-// Tiles per round (half the stages) and CTAs per SM; two configurations were raced in the session-4 A/B:
-//   "fused_wgmma"      2 CTAs/SM; next_n = 1: 5 tiles per round (2 x 5 x 8.25 KB keys + scales + 8 KB q = 92 KB
-//                      per CTA), next_n = 2: 4 (2 x 4 x 8.25 KB + 16 KB q = 83 KB); ~80 / 64 KB in flight per SM.
-//   "fused_wgmma_3cta" 3 CTAs/SM, 3 tiles per round (59 KB / 67 KB per CTA): 12 warps per SM to overlap one
-//                      CTA's wgmma -> epilogue chain with the others, ~72 KB in flight per SM, shorter rounds.
-// Both fit 228 KB of shared memory per SM (with 1 KB reserved per CTA). Only the 3-CTA one is instantiated now
-// (it won or tied everywhere; see the header).
-// (The "2 CTAs per SM" figures in the notes above are the 2-CTA configuration's.)
 constexpr int LW_TILE_BYTES = LW_KEYS * DIM;  // 8192
 
 __device__ __forceinline__ uint32_t lw_smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void lw_cp_async16(uint32_t dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void lw_cp_async4(uint32_t dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void lw_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void lw_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // D[64 x 64] (+)= A[64 keys x 32] . B[64 heads x 32]^T, e4m3 x e4m3 -> f32; scale_d = 0 starts from zero.
@@ -465,173 +359,7 @@ __device__ __forceinline__ int lw_seq_len(const int* __restrict__ num_valid, int
     return n_seq;
 }
 
-// Dynamic shared memory (base rounded up to 1024 B in the kernel; the launcher adds 1 KB of slack):
-//   keys [2 * round][64][128] swizzled | q [NEXT_N * 64][128] swizzled | key scales [2 * round][64] f32.
-template <int NEXT_N, int ROUND>
-__host__ __device__ constexpr int lw_smem_bytes() {
-    return 1024 + 2 * ROUND * (LW_TILE_BYTES + LW_KEYS * 4) + NEXT_N * HEADS * DIM;
-}
-
-template <int NEXT_N, int ROUND>
-__device__ __forceinline__ void logits_wgmma_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
-                                                  const uint8_t* __restrict__ codes, const float* __restrict__ scales,
-                                                  const int* __restrict__ num_valid, int capacity,
-                                                  float* __restrict__ scores, int score_stride, int tiles_per_seq,
-                                                  int total_tiles) {
-    constexpr int NACC = NEXT_N * 32;  // f32 accumulators per thread: 64 x (64 * NEXT_N) / 128
-    constexpr int STAGES = 2 * ROUND;
-    extern __shared__ uint8_t lw_smem_raw[];
-    const uint32_t raw_addr = lw_smem_addr(lw_smem_raw);
-    const uint32_t base = (raw_addr + 1023u) & ~1023u;
-    const uint32_t keys_s = base;
-    const uint32_t q_s = keys_s + STAGES * LW_TILE_BYTES;
-    const uint32_t scale_s = q_s + NEXT_N * HEADS * DIM;
-    const float* scale_gen = reinterpret_cast<const float*>(lw_smem_raw + (scale_s - raw_addr));
-    uint8_t* q_gen = lw_smem_raw + (q_s - raw_addr);
-
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-    // This CTA's contiguous range of the flattened (sequence, tile) items.
-    const int per_cta = (total_tiles + (int)gridDim.x - 1) / (int)gridDim.x;
-    const int item0 = (int)blockIdx.x * per_cta;
-    const int n_items = max(0, min(per_cta, total_tiles - item0));  // block-uniform
-
-    // Issue the copies of local item i (if it exists) into stage `stage`; no commit (one group per round).
-    auto issue = [&](int i, int stage) {
-        if (i < n_items) {
-            const int item = item0 + i;
-            const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
-            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
-            const uint32_t dst_tile = keys_s + stage * LW_TILE_BYTES;
-            const uint8_t* src_tile = codes + ((size_t)b * capacity + key0) * DIM;
-#pragma unroll
-            for (int k = 0; k < LW_TILE_BYTES / 16 / LW_THREADS; ++k) {
-                const int c = tid + k * LW_THREADS;
-                const int r = c >> 3, ch = c & 7;
-                if (key0 + r < n_seq) lw_cp_async16(dst_tile + r * DIM + ((ch ^ (r & 7)) << 4), src_tile + r * DIM + ch * 16);
-            }
-            if (tid < LW_KEYS && key0 + tid < n_seq)
-                lw_cp_async4(scale_s + (stage * LW_KEYS + tid) * 4, scales + (size_t)b * capacity + key0 + tid);
-        }
-    };
-
-    // Round 0 -> stages 0 .. ROUND - 1.
-#pragma unroll 1
-    for (int k = 0; k < ROUND; ++k) issue(k, k);
-    lw_cp_async_commit();
-
-    float wreg[NEXT_N][8][2];  // w of this thread's columns: head j * 8 + 2 * tq + e, per token
-    int cur_b = -1;
-    const uint64_t q_desc = sw128_desc(q_s);
-    const int n_rounds = (n_items + ROUND - 1) / ROUND;  // block-uniform
-
-#pragma unroll 1
-    for (int rd = 0; rd < n_rounds; ++rd) {
-        lw_cp_async_wait<0>();  // this thread's copies of round rd (the only ones in flight) have landed
-        fence_proxy_async();    // ... and are visible to the async proxy
-        __syncthreads();        // ... for every thread; round rd - 1's stages are no longer read
-        const int half = rd & 1, next_half = half ^ 1;
-#pragma unroll 1
-        for (int k = 0; k < ROUND; ++k) issue((rd + 1) * ROUND + k, next_half * ROUND + k);
-        lw_cp_async_commit();
-
-#pragma unroll 1
-        for (int k = 0; k < ROUND; ++k) {
-            const int i = rd * ROUND + k;
-            if (i >= n_items) break;  // block-uniform
-            const int item = item0 + i;
-            const int b = item / tiles_per_seq, key0 = (item - b * tiles_per_seq) * LW_KEYS;
-            const int n_seq = lw_seq_len<NEXT_N>(num_valid, b, capacity);
-            if (key0 >= n_seq) continue;  // block-uniform: nothing visible in this tile
-
-            if (b != cur_b) {  // block-uniform: (re)load q and w of sequence b
-                cur_b = b;
-                // Every warp's part of the previous tile's wgmma (which read q) must be complete before q is
-                // overwritten: each warp only waited for its own wgmma groups.
-                __syncthreads();
-                for (int c = tid; c < NEXT_N * HEADS * 8; c += LW_THREADS) {
-                    const int r = c >> 3, ch = c & 7;  // r = t * 64 + head
-                    const uint4 v = *reinterpret_cast<const uint4*>(q + ((size_t)b * NEXT_N * HEADS + r) * DIM + ch * 16);
-                    *reinterpret_cast<uint4*>(q_gen + r * DIM + ((ch ^ (r & 7)) << 4)) = v;
-                }
-#pragma unroll
-                for (int t = 0; t < NEXT_N; ++t) {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const float2 wv = *reinterpret_cast<const float2*>(w + ((size_t)b * NEXT_N + t) * HEADS + j * 8 + 2 * tq);
-                        wreg[t][j][0] = wv.x;
-                        wreg[t][j][1] = wv.y;
-                    }
-                }
-                // q's generic stores -> the wgmma's async-proxy reads. (Once per sequence change: even if the
-                // MEMBAR waited for the next round's copies, that happens at most batch times per CTA.)
-                fence_proxy_async();
-                __syncthreads();
-            }
-
-            const int stage = half * ROUND + k;
-            const uint64_t a_desc = sw128_desc(keys_s + stage * LW_TILE_BYTES);
-            float acc[NACC];
-#pragma unroll
-            for (int e = 0; e < NACC; ++e) acc[e] = 0.f;
-            wgmma_fence();
-#pragma unroll
-            for (int s = 0; s < DIM / 32; ++s) {
-                // +32 B per k-step = +2 in the descriptor's (address >> 4) field.
-                if constexpr (NEXT_N == 1) {
-                    wgmma_m64n64k32_e4m3(*reinterpret_cast<float(*)[32]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
-                } else {
-                    wgmma_m64n128k32_e4m3(*reinterpret_cast<float(*)[64]>(acc), a_desc + 2 * s, q_desc + 2 * s, s);
-                }
-            }
-            wgmma_commit();
-            wgmma_wait_all();
-            fence_acc(acc);
-
-            const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
-#pragma unroll
-            for (int t = 0; t < NEXT_N; ++t) {
-                // Two independent fma chains per row (columns e = 0 / 1) halve the dependent-latency chain.
-                float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const float* d = acc + (t * 8 + j) * 4;
-                    part[0][0] = fmaf(wreg[t][j][0], fmaxf(d[0], 0.f), part[0][0]);
-                    part[0][1] = fmaf(wreg[t][j][1], fmaxf(d[1], 0.f), part[0][1]);
-                    part[1][0] = fmaf(wreg[t][j][0], fmaxf(d[2], 0.f), part[1][0]);
-                    part[1][1] = fmaf(wreg[t][j][1], fmaxf(d[3], 0.f), part[1][1]);
-                }
-                float* out = scores + ((size_t)b * NEXT_N + t) * score_stride;
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    float v = part[hh][0] + part[hh][1];
-                    v += __shfl_xor_sync(FULL, v, 1);
-                    v += __shfl_xor_sync(FULL, v, 2);
-                    const int r = r0 + hh * 8;
-                    if (tq == hh && key0 + r < n_seq) out[key0 + r] = v * scale_gen[stage * LW_KEYS + r];
-                }
-            }
-        }
-    }
-    lw_cp_async_wait<0>();  // no copy outstanding at exit (the last round's group is empty)
-}
-
 }  // namespace
-
-// FP8 logits v5 (see logits_wgmma_body). grid = persistent CTAs (<= CTAS per SM), block 128,
-// dynamic smem lw_smem_bytes<NEXT_N, ROUND>(). tiles_per_seq = ceil(max num_valid / 64), total_tiles = batch *
-// tiles_per_seq.
-#define INDEXER_LOGITS_WGMMA_ENTRY(NAME, NEXT_N, ROUND, CTAS)                                                   \
-    extern "C" __global__ void __launch_bounds__(LW_THREADS, CTAS)                                              \
-        NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
-             const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
-             float* __restrict__ scores, int score_stride, int tiles_per_seq, int total_tiles) {                 \
-        logits_wgmma_body<NEXT_N, ROUND>(q, w, codes, reinterpret_cast<const float*>(scales), num_valid,         \
-                                         capacity, scores, score_stride, tiles_per_seq, total_tiles);             \
-    }
-
-INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n1, 1, 3, 3)
-INDEXER_LOGITS_WGMMA_ENTRY(indexer_logits_fp8w3_n2, 2, 3, 3)
 
 // ------------------------------------------------------------------------------------------------------------
 // Top-k
@@ -789,50 +517,46 @@ __device__ __forceinline__ int row_valid(const int* num_valid, int row, int scor
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------------------
-// Top-k v2: histogram -> threshold select with many CTAs per row -> a small exact pass per row. Pass 1 below
-// is the default path's; pass 2 is now indexer_topk5_select_agg (same threshold rule and outputs as the
-// removed indexer_topk2_select described here, CTA-aggregated slots) and the exact pass is
-// indexer_topk4_final_mcta ("Top-k v4"), whose fallback is the "pass 3" described here.
+// Top-k: histogram -> threshold select with many CTAs per row -> an exact final pass per row.
 //
-// Pass 1, indexer_topk2_hist, grid (ceil(max_n / TK2_SLICE), rows) x 512 threads: a shared-memory
+// Pass 1, indexer_topk_hist, grid (ceil(score_stride / TKS_SLICE), rows) x 512 threads: a shared-memory
 //   histogram of bin = order_key(score) >> 20 (the top 12 bits: sign, 8 exponent bits, 3 mantissa bits)
 //   over the CTA's slice, flushed with one global atomicAdd per non-empty bin into hist[row][4096].
-// Pass 2 (removed indexer_topk2_select; now indexer_topk5_select_agg), same grid: every CTA reads hist[row]
-//   (16 KB, from L2) and recomputes the
-//   threshold bin B (scan from the top bin down: the unique bin with excl(B) < kk <= incl(B), kk =
-//   min(k, n)). Entries with bin > B are selected for sure (there are excl(B) < kk of them): their
-//   composites go to above[row][slot < k]; entries with bin == B go to bucket[row][slot < bucket_stride]
-//   (there are hist[B] <= n of them). Slots come from warp-aggregated atomics on two per-row counters.
-// Pass 3 (v2 form; the multi-CTA pass's fallback runs it in CTA 0 from global memory): rem = kk - above_count entries are still to pick
-//   from the threshold bucket: block_select over its composites (in shared memory when it holds
-//   <= 16384 entries in v2/v3, else straight from global memory), then the kk composites are sorted
-//   (bitonic) and written in the contract's order. Selecting the rem largest composites of bucket B plus
-//   every entry of a higher bin is exactly the kk largest composites of the row, because bin is a
-//   monotone function of the composite's top 12 bits.
-// Reset: pass 3 zeroes hist[row] and both counters of its row once every thread has read the counters (after
-//   a barrier), and pass 2 (their only other reader) finished before pass 3 started (stream order), so the
-//   buffers are zero again at the end of every call: graph replays and back-to-back calls need no memset.
-//   The launcher allocates them zeroed and re-zeroes them if a previous call was interrupted mid-pipeline.
+// Pass 2, indexer_topk_select, same grid: every CTA reads hist[row] (16 KB, from L2) and recomputes the
+//   threshold bin B (scan from the top bin down: the unique bin with excl(B) < kk <= incl(B), kk = min(k, n)).
+//   Entries with bin > B are selected for sure (there are excl(B) < kk of them): their composites go to
+//   above[row][slot < k]; entries with bin == B go to bucket[row][slot < bucket_stride] (there are hist[B] <= n
+//   of them). Slots come from one atomic per counter per CTA ("Top-k pass 2" below).
+// Pass 3, indexer_topk_final ("Top-k final pass" below): rem = kk - above_count entries are still to pick from
+//   the threshold bucket. Selecting the rem largest composites of bucket B plus every entry of a higher bin is
+//   exactly the kk largest composites of the row, because bin is a monotone function of the composite's top
+//   12 bits. Its fallback for large buckets runs block_select over the bucket's composites straight from global
+//   memory, then sorts the kk composites (bitonic) and writes them in the contract's order.
+// Reset: the final pass zeroes hist, the counters and its arrival counters (its reset protocol), so the
+//   buffers are zero again at the end of every call: graph replays and back-to-back calls need no memset. The
+//   caller zeroes them once when it carves them, and again after a call interrupted between launches.
 // Memory safety does not depend on the histogram being right: every slot is bounds-checked.
 // Size of the threshold bucket: for scores with a smooth density f near the k-th largest value s_k, B holds
 //   about n * f(s_k) * s_k / 8 entries (3 mantissa bits = bins 1/8 of an octave wide); for Gaussian-like
 //   logits and k / n = 512 / 262144 that is a few hundred, far below the shared-memory capacity. Heavy ties
-//   (all-equal rows) put the whole row in B: still exact, through the global-memory path.
+//   (all-equal rows) put the whole row in B: still exact, through the fallback.
 // Deadlock freedom: pass 1 and 2 have barriers only in straight-line code after a block-uniform early
-//   return; their per-element loops have compile-time trip counts (TK2_PER_THREAD) and warp-uniform
-//   ballots. Pass 3 calls block_select / block_collect / sort_and_write (argument above) with block-uniform
-//   (m, kk) read from global memory before its first barrier.
+//   return (a slice at or past the row's num_valid); their per-element loops have compile-time trip counts
+//   (TKS_PER_THREAD) and warp-uniform ballots; no CTA of pass 1 or 2 waits for another. The final pass calls
+//   block_select / block_collect / sort_and_write (argument above) with block-uniform (m, kk) read from global
+//   memory before its first barrier.
 // ------------------------------------------------------------------------------------------------------------
 namespace {
 
-constexpr int TK2_BITS = 12;
-constexpr int TK2_BINS = 1 << TK2_BITS;  // 4096
-constexpr int TK2_SHIFT = 32 - TK2_BITS;
-constexpr int TK2_THREADS = 512;
-constexpr int TK2_PER_THREAD = 8;
-constexpr int TK2_SLICE = TK2_THREADS * TK2_PER_THREAD;  // 4096 entries per pass-1/pass-2 CTA
-constexpr int TK2_BINS_PER_THREAD = TK2_BINS / TK2_THREADS;  // 8
-static_assert(TK2_BINS_PER_THREAD == 8, "the threshold scan loads 8 bins per thread as two uint4");
+// TKS_*: the slice passes (histogram, select); TKF_*: the final pass.
+constexpr int TKS_BITS = 12;
+constexpr int TKS_BINS = 1 << TKS_BITS;  // 4096
+constexpr int TKS_SHIFT = 32 - TKS_BITS;
+constexpr int TKS_THREADS = 512;
+constexpr int TKS_PER_THREAD = 8;
+constexpr int TKS_SLICE = TKS_THREADS * TKS_PER_THREAD;  // 4096 entries per pass-1/pass-2 CTA
+constexpr int TKS_BINS_PER_THREAD = TKS_BINS / TKS_THREADS;  // 8
+static_assert(TKS_BINS_PER_THREAD == 8, "the threshold scan loads 8 bins per thread as two uint4");
 
 struct GlobalCompSrc {
     const uint64_t* comps;
@@ -842,13 +566,13 @@ struct GlobalCompSrc {
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------------------
-// Top-k PDL entry points (session-5 A/B, `TopkPath::Pdl`; select and final: the default kernels are the
-// PDL = false instances of the same bodies, checked to compile to the same SASS as before; hist: a copy). Launched with the programmatic-stream-serialization attribute,
-// a kernel may be scheduled while the previous kernel of the stream still runs; `griddepcontrol.wait` blocks
+// Top-k PDL entry points (`TopkPath::Pdl`, routed for k <= 512; select and final: the plain kernels are the
+// PDL = false instances of the same bodies; hist: a copy). Launched with the programmatic-stream-serialization
+// attribute, a kernel may be scheduled while the previous kernel of the stream still runs; `griddepcontrol.wait` blocks
 // until that kernel has COMPLETED and its memory operations are visible; `griddepcontrol.launch_dependents`
 // lets the next PDL kernel be scheduled once every CTA of this grid issued it or exited. Without the attribute
-// both are no-ops. Why: the default top-k costs ~14-17 us at every context (ncu kernel time at 1M: 3.9 + 5.2 +
-// 5.6 us); the rest is kernel boundaries, which PDL overlaps with the previous kernel's tail.
+// both are no-ops. Why: the plain chain costs ~14-17 us at every context, of which the three kernels take ~15 us
+// at 1M (ncu); the rest is kernel boundaries, which PDL overlaps with the previous kernel's tail.
 // Protocol (the whole correctness argument):
 //   * Before its griddepcontrol.wait, a PDL kernel touches NO global memory (not even num_valid): only kernel
 //     parameters, index math and its own shared memory. So whatever the previous kernel(s) write or read
@@ -873,97 +597,93 @@ __device__ __forceinline__ void topk_pdl_trigger() { asm volatile("griddepcontro
 }  // namespace
 
 // hist [rows][4096] u32 (zero on entry). grid (ceil(max_n / 4096), rows), block 512.
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist(const float* __restrict__ scores,
+extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_hist(const float* __restrict__ scores,
                                                                            int score_stride,
                                                                            const int* __restrict__ num_valid,
                                                                            uint32_t* __restrict__ hist) {
-    __shared__ uint32_t h[TK2_BINS];
+    __shared__ uint32_t h[TKS_BINS];
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
-    const int base = blockIdx.x * TK2_SLICE;
+    const int base = blockIdx.x * TKS_SLICE;
     if (base >= n) return;  // block-uniform, before any barrier
-    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) h[i] = 0;
+    for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) h[i] = 0;
     const float* src = scores + (size_t)row * score_stride;
-    float v[TK2_PER_THREAD];
+    float v[TKS_PER_THREAD];
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // all loads first: 8 in flight per thread
-        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {  // all loads first: 8 in flight per thread
+        const int i = base + r * TKS_THREADS + (int)threadIdx.x;
         v[r] = i < n ? src[i] : 0.f;
     }
     __syncthreads();  // h zeroed
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
-        if (i < n) atomicAdd(&h[order_key(v[r]) >> TK2_SHIFT], 1u);
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + (int)threadIdx.x;
+        if (i < n) atomicAdd(&h[order_key(v[r]) >> TKS_SHIFT], 1u);
     }
     __syncthreads();
-    uint32_t* g = hist + (size_t)row * TK2_BINS;
-    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) {
+    uint32_t* g = hist + (size_t)row * TKS_BINS;
+    for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) {
         const uint32_t c = h[i];
         if (c) atomicAdd(&g[i], c);
     }
 }
 
-// indexer_topk2_hist for a PDL launch (see "Top-k PDL entry points"): the same code with the shared histogram
-// zeroed before the wait (a separate copy rather than a template instance: the templated default compiled to a
-// register-renamed SASS, and the default must stay byte-identical).
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist_pdl(const float* __restrict__ scores,
+// indexer_topk_hist for a PDL launch (see "Top-k PDL entry points"): the same code with the shared histogram
+// zeroed before the wait (a separate copy rather than a template instance, which compiled the plain kernel to a
+// register-renamed SASS).
+extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_hist_pdl(const float* __restrict__ scores,
                                                                                int score_stride,
                                                                                const int* __restrict__ num_valid,
                                                                                uint32_t* __restrict__ hist) {
-    __shared__ uint32_t h[TK2_BINS];
+    __shared__ uint32_t h[TKS_BINS];
     topk_pdl_trigger();
-    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) h[i] = 0;  // shared memory only before the wait
+    for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) h[i] = 0;  // shared memory only before the wait
     topk_pdl_wait();  // before reading num_valid or scores, and before any return
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
-    const int base = blockIdx.x * TK2_SLICE;
+    const int base = blockIdx.x * TKS_SLICE;
     if (base >= n) return;  // block-uniform, before any barrier
     const float* src = scores + (size_t)row * score_stride;
-    float v[TK2_PER_THREAD];
+    float v[TKS_PER_THREAD];
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + (int)threadIdx.x;
         v[r] = i < n ? src[i] : 0.f;
     }
     __syncthreads();  // h zeroed
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + (int)threadIdx.x;
-        if (i < n) atomicAdd(&h[order_key(v[r]) >> TK2_SHIFT], 1u);
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + (int)threadIdx.x;
+        if (i < n) atomicAdd(&h[order_key(v[r]) >> TKS_SHIFT], 1u);
     }
     __syncthreads();
-    uint32_t* g = hist + (size_t)row * TK2_BINS;
-    for (int i = threadIdx.x; i < TK2_BINS; i += TK2_THREADS) {
+    uint32_t* g = hist + (size_t)row * TKS_BINS;
+    for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) {
         const uint32_t c = h[i];
         if (c) atomicAdd(&g[i], c);
     }
 }
 // ------------------------------------------------------------------------------------------------------------
-// Top-k v4 final pass, several CTAs per row (the default final pass since the session-4 A/B): indexer_topk2_hist
-// -> indexer_topk5_select_agg -> indexer_topk4_final_mcta. "v3" below is the removed one-CTA final pass
-// indexer_topk3_final (rank by counting in one 1024-thread CTA, radix-select / bitonic fallbacks).
-// Why: ncu of indexer_topk3_final at 1M / batch 1 / k 512: 14.9 us, one CTA, 81K warp instructions at IPC 3.08
-// on ONE SM: instruction-bound on rank_count's m^2 compares. The ranks do not need one CTA:
-//   every chosen entry's output position is computable on its own. With a = #above-threshold entries
-//   (composites A[0..a), bin > B) and the threshold bucket's composites Bk[0..nb) (bin == B), rem = kk - a:
+// Top-k final pass, several CTAs per row (indexer_topk_final). Why several: one CTA ranking all chosen entries
+// by counting is instruction-bound on the m^2 compares on ONE SM (~15 us at 1M / batch 1 / k 512). The ranks do
+// not need one CTA: every chosen entry's output position is computable on its own. With a = #above-threshold
+// entries (composites A[0..a), bin > B) and the threshold bucket's composites Bk[0..nb) (bin == B), rem = kk - a:
 //     above entry c  -> position #{ A[j] > c }            (< a; every bucket entry is below every above entry)
 //     bucket entry c -> position a + #{ Bk[j] > c }       if that rank is < rem (else not chosen)
 //   All composites are unique (low word ~index), so each rank set is a permutation: every position
 //   0..a+rem-1 is written exactly once (the identity model_rank_topk / model_mcta_topk in tests/indexer.rs
-//   check on the CPU). This is exactly the contract's order, so the output is bit-identical to v3's.
-// Grid (S, rows), S = gridDim.x >= TK4_MIN_SPLIT CTAs per row, TK4_THREADS threads. CTA s loads all of A and
-//   Bk into shared memory (a <= k, nb <= TK4_BUCKET_CAP: a few KB from L2, written by pass 2 just before) and
+//   check on the CPU). This is exactly the contract's order.
+// Grid (S, rows), S = gridDim.x >= TKF_MIN_SPLIT CTAs per row, TKF_THREADS threads. CTA s loads all of A and
+//   Bk into shared memory (a <= k, nb <= TKF_BUCKET_CAP: a few KB from L2, written by pass 2 just before) and
 //   ranks only its slice of each: above entries [s*ceil(a/S), ..), bucket entries [s*ceil(nb/S), ..). Work per
-//   CTA ~ (a^2 + nb^2) / S compares (v3: a^2 + nb^2 or a radix select + total^2 on one SM). The j range is
-//   split so all threads work (rank_slice), partial counts merged with shared-memory atomics. The -1 / -inf
-//   tail [a + rem, k) and the zeroing of hist[row] are split over the S CTAs (grid-strided).
-// Fallback: nb > TK4_BUCKET_CAP with rem > 0 (heavy ties, e.g. all-equal rows: the whole row is the bucket).
-//   Block-uniform and identical in every CTA of the row (they read the same counters); CTA 0 runs v3's exact
+//   CTA ~ (a^2 + nb^2) / S compares. The j range is split so all threads work (rank_slice), partial counts
+//   merged with shared-memory atomics. The -1 / -inf tail [a + rem, k) and the zeroing of hist[row] are split
+//   over the S CTAs (grid-strided).
+// Fallback: nb > TKF_BUCKET_CAP with rem > 0 (heavy ties, e.g. all-equal rows: the whole row is the bucket).
+//   Block-uniform and identical in every CTA of the row (they read the same counters); CTA 0 runs the exact
 //   radix select over the bucket straight from global memory (block_select / block_collect) and the bitonic
 //   sort_and_write (which also writes the -1 / -inf tail); the other CTAs only zero their part of hist[row].
-// Reset protocol (v3 zeroes the counters after a barrier once its single CTA has read them; with S CTAs no
-//   CTA can know that the others have read them, so):
+// Reset protocol (with S CTAs no CTA can know that the others have read the counters, so):
 //   * hist[row]: read only by pass 2, which finished before this pass started (stream order), so any CTA
 //     of this pass may zero any part of it: CTA s zeroes bins s*T + tid, step S*T.
 //   * counters[row] (above, bucket): read by thread 0 of every CTA of the row, then an arrival
@@ -973,11 +693,11 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist_pdl
 //     so every other CTA's counter reads happen before its zeroing of counters[row] and arrivals[row], done
 //     at the end of its work (the atomic's result is only consumed there). No reader of either is left in
 //     this pass; the next writer is pass 2 (counters) / this pass (arrivals) of the next call, which start
-//     after this grid completed (stream order, also inside a CUDA graph). So, as with v3, hist, counters
-//     and arrivals are zero at the end of every call: back-to-back calls, graph replays and mixing v3 and
-//     v4 calls on the same buffers need no memset. Rows with n == 0 (passes 1-2 never ran for them: hist
-//     and counters stay zero) take part in the protocol like every row: the grid always covers every row.
-//     The launcher re-zeroes hist, counters and arrivals after a call interrupted between launches.
+//     after this grid completed (stream order, also inside a CUDA graph). So hist, counters and arrivals are
+//     zero at the end of every call: back-to-back calls and graph replays need no memset. Rows with n == 0
+//     (passes 1-2 returned at once for them: hist and counters stay zero) take part in the protocol like every
+//     row: the grid always covers every row, whatever the device num_valid.
+//     The caller re-zeroes hist, counters and arrivals after a call interrupted between launches.
 // Memory safety never depends on the counters being right: a, nb are clamped to kk and bucket_stride, every
 //   position written is < a + rem <= kk <= k (above ranks are clamped to a - 1).
 // Deadlock freedom: the only barriers are (1) one in straight-line code before any return, (2) the two of
@@ -987,12 +707,12 @@ extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk2_hist_pdl
 //   collective. The arrival counter is never waited on: no CTA waits for another.
 namespace {
 
-constexpr int TK4_THREADS = 512;
-constexpr int TK4_MIN_SPLIT = 8;         // the launcher's lower bound on S; sizes the static rank arrays
-constexpr int TK4_BUCKET_CAP = 4096;     // bucket composites ranked in shared memory (32 KB)
-constexpr int TK4_RANK_A = TOPK_MAX_K / TK4_MIN_SPLIT;        // >= ceil(a / S)
-constexpr int TK4_RANK_B = TK4_BUCKET_CAP / TK4_MIN_SPLIT;    // >= ceil(nb / S) on the rank path
-static_assert(TK4_THREADS >= 256, "block_select scans 256 radix buckets with one thread each");
+constexpr int TKF_THREADS = 512;
+constexpr int TKF_MIN_SPLIT = 8;         // the launcher's lower bound on S; sizes the static rank arrays
+constexpr int TKF_BUCKET_CAP = 4096;     // bucket composites ranked in shared memory (32 KB)
+constexpr int TKF_RANK_A = TOPK_MAX_K / TKF_MIN_SPLIT;        // >= ceil(a / S)
+constexpr int TKF_RANK_B = TKF_BUCKET_CAP / TKF_MIN_SPLIT;    // >= ceil(nb / S) on the rank path
+static_assert(TKF_THREADS >= 256, "block_select scans 256 radix buckets with one thread each");
 
 // rank[i] += #{ j < m : v[j] > v[e0 + i] } for i < cnt. Preconditions (the caller, before a barrier): rank[0..cnt)
 // zero, v[0..m) written, v[m] == 0 when m is odd (0 is below every composite: order_key >= 0x007FFFFF, so the
@@ -1022,8 +742,8 @@ __device__ void rank_slice(const uint64_t* v, int m, int e0, int cnt, uint32_t* 
 
 // Slots of the above / sort buffer in dynamic shared memory: next power of two >= k (the fallback's bitonic
 // sort pads to it) + 2 (the odd-m pad at index a <= k; keeps the bucket buffer after it 16-byte aligned).
-// The launcher computes the same (topk4_smem_bytes in src/ops/indexer/mod.rs).
-__device__ __forceinline__ int tk4_above_slots(int k) {
+// The launcher computes the same (topk_final_smem_bytes in src/ops/indexer/mod.rs).
+__device__ __forceinline__ int tkf_above_slots(int k) {
     int kpad = 2;  // at least 2: kpad + 2 must be even so the bucket buffer stays 16-byte aligned (k = 1)
     while (kpad < k) kpad <<= 1;
     return kpad + 2;
@@ -1036,7 +756,7 @@ namespace {
 // Arrival on the row's counter with release semantics (PTX atom.release.gpu: this thread's earlier memory
 // operations, the counter reads, are ordered before it). Compiles to MEMBAR.ALL.GPU + ATOMG, lighter than
 // __threadfence()'s MEMBAR.SC.GPU.
-__device__ __forceinline__ uint32_t tk4_arrive_release(uint32_t* p) {
+__device__ __forceinline__ uint32_t tkf_arrive_release(uint32_t* p) {
     uint32_t old;
     asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
     return old;
@@ -1044,7 +764,7 @@ __device__ __forceinline__ uint32_t tk4_arrive_release(uint32_t* p) {
 // Acquire side (PTX: a strong read, here the arrival atomic that returned S - 1, followed by fence.acq_rel is
 // an acquire pattern): it synchronizes with every other CTA's release arrival (the atomics form one release
 // sequence), so their counter reads happen before the zeroing stores that follow.
-__device__ __forceinline__ void tk4_fence_acquire() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void tkf_fence_acquire() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 // One CTA's share of a row (everything but the counter reset): called by every thread of the CTA, returns
 // early only under block-uniform conditions. cnt_s holds the row's counters (read by thread 0 before).
@@ -1052,23 +772,23 @@ __device__ __forceinline__ void tk4_fence_acquire() { asm volatile("fence.acq_re
 // returns the atomic's result in prior; warp 0 then takes no part in the global loads of the composites, so the
 // atomic's round trip (ptxas aggregates it per warp and waits for it at once) overlaps the other warps' loads
 // instead of adding to the time before the second barrier.
-__device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__ hist_row, const uint32_t* cnt_s,
+__device__ void tkf_row_part(int S, int s, int k, int kk, uint32_t* __restrict__ hist_row, const uint32_t* cnt_s,
                              uint32_t* arrival, uint32_t& prior, const unsigned long long* __restrict__ above_row,
                              const unsigned long long* __restrict__ bucket_row, int bucket_stride,
                              int* __restrict__ oi, float* __restrict__ os, uint64_t* A, uint64_t* Bk,
                              SelectShared& sh, uint32_t* rank_a, uint32_t* rank_b) {
     const int tid = threadIdx.x;
-    for (int i = s * TK4_THREADS + tid; i < TK2_BINS; i += S * TK4_THREADS) hist_row[i] = 0;
+    for (int i = s * TKF_THREADS + tid; i < TKS_BINS; i += S * TKF_THREADS) hist_row[i] = 0;
     __syncthreads();  // cnt_s visible
-    if (tid == 0) prior = tk4_arrive_release(arrival);  // thread 0's counter reads are ordered before it
+    if (tid == 0) prior = tkf_arrive_release(arrival);  // thread 0's counter reads are ordered before it
     const int a = (int)min(cnt_s[0], (uint32_t)kk);
     const int nb = (int)min(cnt_s[1], (uint32_t)bucket_stride);
     const int rem = max(0, min(kk - a, nb));  // block-uniform; 0 when kk == 0
     const int total = a + rem;                // == kk with a consistent state
 
-    if (rem > 0 && nb > TK4_BUCKET_CAP) {  // block-uniform fallback: CTA 0 alone, v3's radix select + bitonic
+    if (rem > 0 && nb > TKF_BUCKET_CAP) {  // block-uniform fallback: CTA 0 alone, radix select + bitonic
         if (s != 0) return;
-        for (int i = tid; i < a; i += TK4_THREADS) A[i] = above_row[i];
+        for (int i = tid; i < a; i += TKF_THREADS) A[i] = above_row[i];
         const bool all = rem >= nb;
         uint64_t prefix = 0;
         int shift = 64;
@@ -1081,36 +801,36 @@ __device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__
         sort_and_write(A, total, k, oi, os);  // starts with a barrier-protected fill; writes [0, k)
         return;
     }
-    for (int j = total + s * TK4_THREADS + tid; j < k; j += S * TK4_THREADS) {
+    for (int j = total + s * TKF_THREADS + tid; j < k; j += S * TKF_THREADS) {
         oi[j] = -1;
         os[j] = -INFINITY;
     }
     if (total == 0) return;  // block-uniform: nothing to rank
 
-    const int mb = rem > 0 ? nb : 0;  // bucket entries to rank (block-uniform; <= TK4_BUCKET_CAP here)
+    const int mb = rem > 0 ? nb : 0;  // bucket entries to rank (block-uniform; <= TKF_BUCKET_CAP here)
     if (tid >= 32) {  // warp-uniform: warp 0 waits on the arrival atomic meanwhile
-        for (int i = tid - 32; i < a; i += TK4_THREADS - 32) A[i] = above_row[i];
-        for (int i = tid - 32; i < mb; i += TK4_THREADS - 32) Bk[i] = bucket_row[i];
+        for (int i = tid - 32; i < a; i += TKF_THREADS - 32) A[i] = above_row[i];
+        for (int i = tid - 32; i < mb; i += TKF_THREADS - 32) Bk[i] = bucket_row[i];
     }
     if (tid == 0) {
-        A[a] = 0;  // pads for odd a / mb (a <= k < tk4_above_slots(k); mb <= TK4_BUCKET_CAP)
+        A[a] = 0;  // pads for odd a / mb (a <= k < tkf_above_slots(k); mb <= TKF_BUCKET_CAP)
         Bk[mb] = 0;
     }
-    const int per_a = (a + S - 1) / S, a0 = min(a, s * per_a), na = min(a, a0 + per_a) - a0;    // na <= TK4_RANK_A
-    const int per_b = (mb + S - 1) / S, b0 = min(mb, s * per_b), nbs = min(mb, b0 + per_b) - b0;  // <= TK4_RANK_B
-    for (int i = tid; i < na; i += TK4_THREADS) rank_a[i] = 0;
-    for (int i = tid; i < nbs; i += TK4_THREADS) rank_b[i] = 0;
+    const int per_a = (a + S - 1) / S, a0 = min(a, s * per_a), na = min(a, a0 + per_a) - a0;    // na <= TKF_RANK_A
+    const int per_b = (mb + S - 1) / S, b0 = min(mb, s * per_b), nbs = min(mb, b0 + per_b) - b0;  // <= TKF_RANK_B
+    for (int i = tid; i < na; i += TKF_THREADS) rank_a[i] = 0;
+    for (int i = tid; i < nbs; i += TKF_THREADS) rank_b[i] = 0;
     __syncthreads();  // A, Bk, pads and zeroed ranks visible
     rank_slice(A, a, a0, na, rank_a);
     rank_slice(Bk, mb, b0, nbs, rank_b);
     __syncthreads();
-    for (int i = tid; i < na; i += TK4_THREADS) {
+    for (int i = tid; i < na; i += TKF_THREADS) {
         const uint64_t c = A[a0 + i];
         const uint32_t r = min(rank_a[i], (uint32_t)(a - 1));  // < a: unique composites
         oi[r] = (int)~(uint32_t)c;
         os[r] = key_to_score((uint32_t)(c >> 32));
     }
-    for (int i = tid; i < nbs; i += TK4_THREADS) {
+    for (int i = tid; i < nbs; i += TKF_THREADS) {
         const uint32_t r = rank_b[i];
         if (r < (uint32_t)rem) {
             const uint64_t c = Bk[b0 + i];
@@ -1122,30 +842,30 @@ __device__ void tk4_row_part(int S, int s, int k, int kk, uint32_t* __restrict__
 
 }  // namespace
 
-// grid (S, rows) with S >= TK4_MIN_SPLIT, block TK4_THREADS, dynamic smem = 8 * (tk4_above_slots(k) +
-// TK4_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
-// Thread 0 reads the counters, arrives after the first barrier (see tk4_row_part) and, if its CTA arrived last,
+// grid (S, rows) with S >= TKF_MIN_SPLIT, block TKF_THREADS, dynamic smem = 8 * (tkf_above_slots(k) +
+// TKF_BUCKET_CAP + 2). arrivals [rows] u32 (zero on entry and on exit, see the reset protocol).
+// Thread 0 reads the counters, arrives after the first barrier (see tkf_row_part) and, if its CTA arrived last,
 // zeroes them at the very end.
 namespace {
-// Body of indexer_topk4_final_mcta (PDL = false) and indexer_topk4_final_mcta_pdl.
+// Body of indexer_topk_final (PDL = false) and indexer_topk_final_pdl.
 template <bool PDL>
-__device__ __forceinline__ void topk4_final_body(
+__device__ __forceinline__ void topk_final_body(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
     float* __restrict__ out_score) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     __shared__ SelectShared sh;
-    __shared__ uint32_t rank_a[TK4_RANK_A];
-    __shared__ uint32_t rank_b[TK4_RANK_B];
+    __shared__ uint32_t rank_a[TKF_RANK_A];
+    __shared__ uint32_t rank_b[TKF_RANK_B];
     __shared__ uint32_t cnt_s[2];
     // PDL: wait before the first global access (num_valid, counters, hist, above / bucket) and before any
     // return, so that every CTA waits (see "Top-k PDL entry points").
     if (PDL) topk_pdl_wait();
     const int S = gridDim.x, s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
-    if (S < TK4_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
+    if (S < TKF_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
     uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // above composites; the fallback's sort buffer
-    uint64_t* const Bk = A + tk4_above_slots(k);                 // bucket composites (rank path)
+    uint64_t* const Bk = A + tkf_above_slots(k);                 // bucket composites (rank path)
     const int n = row_valid(num_valid, row, score_stride);
     uint32_t* cnt = counters + 2 * (size_t)row;
     uint32_t prior = 0;
@@ -1153,11 +873,11 @@ __device__ __forceinline__ void topk4_final_body(
         cnt_s[0] = cnt[0];
         cnt_s[1] = cnt[1];
     }
-    tk4_row_part(S, s, k, min(k, n), hist + (size_t)row * TK2_BINS, cnt_s, &arrivals[row], prior,
+    tkf_row_part(S, s, k, min(k, n), hist + (size_t)row * TKS_BINS, cnt_s, &arrivals[row], prior,
                  above + (size_t)row * k, bucket + (size_t)row * bucket_stride, bucket_stride,
                  out_idx + (size_t)row * k, out_score + (size_t)row * k, A, Bk, sh, rank_a, rank_b);
     if (tid == 0 && prior == (uint32_t)S - 1) {  // the row's last CTA to arrive
-        tk4_fence_acquire();  // every other CTA's counter reads happened before: zero for the next call
+        tkf_fence_acquire();  // every other CTA's counter reads happened before: zero for the next call
         cnt[0] = 0;
         cnt[1] = 0;
         arrivals[row] = 0;
@@ -1165,50 +885,46 @@ __device__ __forceinline__ void topk4_final_body(
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta(
+extern "C" __global__ void __launch_bounds__(TKF_THREADS) indexer_topk_final(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
     float* __restrict__ out_score) {
-    topk4_final_body<false>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
+    topk_final_body<false>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
                             out_idx, out_score);
 }
-// indexer_topk4_final_mcta for a PDL launch (see "Top-k PDL entry points"). Same launch shape and smem.
-extern "C" __global__ void __launch_bounds__(TK4_THREADS) indexer_topk4_final_mcta_pdl(
+// indexer_topk_final for a PDL launch (see "Top-k PDL entry points"). Same launch shape and smem.
+extern "C" __global__ void __launch_bounds__(TKF_THREADS) indexer_topk_final_pdl(
     int score_stride, const int* __restrict__ num_valid, int k, uint32_t* __restrict__ hist,
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
     float* __restrict__ out_score) {
-    topk4_final_body<true>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
+    topk_final_body<true>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
                            out_idx, out_score);
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Top-k pass 2 with CTA-aggregated slot allocation (the default pass 2 since the session-4 A/B; pairs with
-// indexer_topk4_final_mcta). Same contract and threshold as the removed indexer_topk2_select ("Top-k v2"
-// pass 2: one warp-aggregated atomic per (warp, step)); only the slot allocation differs.
-// Why: ncu at batch 16 / 64K context (16,384 entries per row, k 512): indexer_topk2_select takes 10.3 us with
-// IPC 0.65 and 0.23 eligible warps per scheduler. There ~3% of the entries are above the threshold bin and a
-// few % in it, so nearly every (warp, r) step of the unrolled loop does a global atomicAdd on the row's
-// counters and waits for its result before the stores: up to 8 dependent L2 round trips per warp, all warps
-// of the row's CTAs contending on two addresses. (At 1M / batch 1, 0.2% above, most steps skip.)
+// Top-k pass 2 with CTA-aggregated slot allocation (indexer_topk_select). Why aggregated: with one
+// warp-aggregated atomic per (warp, step), at batch 16 / 64K context (16,384 entries per row, k 512) ~3% of the
+// entries are above the threshold bin and a few % in it, so nearly every (warp, r) step does a global atomicAdd
+// on the row's counters and waits for its result before the stores: up to 8 dependent L2 round trips per warp,
+// all warps of the row's CTAs contending on two addresses (ncu: IPC 0.65, 0.23 eligible warps per scheduler).
 // Here each CTA first counts its above / bucket entries per warp (ballot popcounts, registers only), thread 0
 // scans the 16 warp totals and does ONE atomicAdd per counter for the whole CTA, and every warp then writes
-// its entries at CTA base + warp offset + running in-warp prefix: one round trip per CTA instead of one per
-// (warp, step). The set of entries written to above[] / bucket[] and the final counter values are the same as
-// pass 2's; only the slot order differs, and every final pass is order-independent (ranks by counting, radix
-// select, bitonic sort), so the top-k output is bit-identical.
+// its entries at CTA base + warp offset + running in-warp prefix: one round trip per CTA. The slot order of
+// above[] / bucket[] depends on the CTAs' atomic order; the final pass is order-independent (ranks by counting,
+// radix select, bitonic sort), so the top-k output is deterministic.
 // Deadlock freedom: the two extra barriers are in straight-line code after the block-uniform early return;
 // the per-value loops have compile-time trip counts (ballots warp-uniform), no barrier inside.
 namespace {
-// Body of indexer_topk5_select_agg (PDL = false) and indexer_topk5_select_agg_pdl.
+// Body of indexer_topk_select (PDL = false) and indexer_topk_select_pdl.
 template <bool PDL>
-__device__ __forceinline__ void topk5_select_body(
+__device__ __forceinline__ void topk_select_body(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
-    __shared__ uint32_t warp_sums[TK2_THREADS / 32];
-    __shared__ uint32_t warp_up[TK2_THREADS / 32], warp_eq[TK2_THREADS / 32];
+    __shared__ uint32_t warp_sums[TKS_THREADS / 32];
+    __shared__ uint32_t warp_up[TKS_THREADS / 32], warp_eq[TKS_THREADS / 32];
     __shared__ uint32_t thr_bin, base_up, base_eq;
     if (PDL) {  // no global access before the wait (see "Top-k PDL entry points")
         topk_pdl_trigger();
@@ -1216,21 +932,21 @@ __device__ __forceinline__ void topk5_select_body(
     }
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
-    const int base = blockIdx.x * TK2_SLICE;
+    const int base = blockIdx.x * TKS_SLICE;
     if (base >= n) return;  // block-uniform, before any barrier
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t kk = (uint32_t)min(k, n);  // >= 1 here
 
     const float* src = scores + (size_t)row * score_stride;
-    float v[TK2_PER_THREAD];
+    float v[TKS_PER_THREAD];
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + tid;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + tid;
         v[r] = i < n ? src[i] : 0.f;
     }
 
-    // Threshold bin: as indexer_topk2_select.
-    const uint4* g4 = reinterpret_cast<const uint4*>(hist + (size_t)row * TK2_BINS + (TK2_BINS - 8 - 8 * tid));
+    // Threshold bin (see "Top-k", pass 2).
+    const uint4* g4 = reinterpret_cast<const uint4*>(hist + (size_t)row * TKS_BINS + (TKS_BINS - 8 - 8 * tid));
     const uint4 lo = g4[0], hi = g4[1];
     const uint32_t c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
     uint32_t own = 0;
@@ -1243,7 +959,7 @@ __device__ __forceinline__ void topk5_select_body(
         if (lane >= o) incl += y;
     }
     if (lane == 31) warp_sums[warp] = incl;
-    if (tid == 0) thr_bin = TK2_BINS;
+    if (tid == 0) thr_bin = TKS_BINS;
     __syncthreads();
     for (int w2 = 0; w2 < warp; ++w2) incl += warp_sums[w2];  // no barrier inside
     const uint32_t excl = incl - own;
@@ -1253,7 +969,7 @@ __device__ __forceinline__ void topk5_select_body(
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             if (!found && run + c[j] >= kk) {
-                thr_bin = (uint32_t)(TK2_BINS - 1 - (8 * tid + j));
+                thr_bin = (uint32_t)(TKS_BINS - 1 - (8 * tid + j));
                 found = 1;
             }
             run += c[j];
@@ -1263,15 +979,15 @@ __device__ __forceinline__ void topk5_select_body(
     const uint32_t B = thr_bin;
 
     // Ballots of every step (registers), per-warp totals.
-    unsigned bu[TK2_PER_THREAD], be[TK2_PER_THREAD];
-    uint32_t keys[TK2_PER_THREAD];
+    unsigned bu[TKS_PER_THREAD], be[TKS_PER_THREAD];
+    uint32_t keys[TKS_PER_THREAD];
     uint32_t wu = 0, we = 0;
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
-        const int i = base + r * TK2_THREADS + tid;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {  // compile-time trip count: the ballots are warp-uniform
+        const int i = base + r * TKS_THREADS + tid;
         keys[r] = order_key(v[r]);
-        const uint32_t bin = keys[r] >> TK2_SHIFT;
-        bu[r] = __ballot_sync(FULL, i < n && bin > B && B < TK2_BINS);
+        const uint32_t bin = keys[r] >> TKS_SHIFT;
+        bu[r] = __ballot_sync(FULL, i < n && bin > B && B < TKS_BINS);
         be[r] = __ballot_sync(FULL, i < n && bin == B);
         wu += (uint32_t)__popc(bu[r]);
         we += (uint32_t)__popc(be[r]);
@@ -1283,7 +999,7 @@ __device__ __forceinline__ void topk5_select_body(
     __syncthreads();
     if (tid == 0) {  // exclusive scan of the 16 warp totals, then one atomic per counter for the CTA
         uint32_t tu = 0, te = 0;
-        for (int w2 = 0; w2 < TK2_THREADS / 32; ++w2) {
+        for (int w2 = 0; w2 < TKS_THREADS / 32; ++w2) {
             const uint32_t u = warp_up[w2], e = warp_eq[w2];
             warp_up[w2] = tu;
             warp_eq[w2] = te;
@@ -1300,8 +1016,8 @@ __device__ __forceinline__ void topk5_select_body(
     unsigned long long* bucket_row = bucket + (size_t)row * bucket_stride;
     const unsigned lanes_below = (1u << lane) - 1u;
 #pragma unroll
-    for (int r = 0; r < TK2_PER_THREAD; ++r) {
-        const int i = base + r * TK2_THREADS + tid;
+    for (int r = 0; r < TKS_PER_THREAD; ++r) {
+        const int i = base + r * TKS_THREADS + tid;
         if ((bu[r] >> lane) & 1u) {
             const uint32_t slot = su + __popc(bu[r] & lanes_below);
             if (slot < (uint32_t)k) above_row[slot] = composite(keys[r], (uint32_t)i);
@@ -1316,18 +1032,18 @@ __device__ __forceinline__ void topk5_select_body(
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg(
+extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_select(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
-    topk5_select_body<false>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
+    topk_select_body<false>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
 }
-// indexer_topk5_select_agg for a PDL launch (see "Top-k PDL entry points").
-extern "C" __global__ void __launch_bounds__(TK2_THREADS) indexer_topk5_select_agg_pdl(
+// indexer_topk_select for a PDL launch (see "Top-k PDL entry points").
+extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_select_pdl(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
-    topk5_select_body<true>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
+    topk_select_body<true>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -1451,19 +1167,21 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// FP8 logits v6 (A/B candidate, session 5; bench variant "fused_tma"): the v5 math fed by the Tensor Memory
-// Accelerator through a ring of full/empty mbarriers instead of cp.async rounds.
-// Why: ncu of v5 at 1M / batch 1 shows the cp.async wait, the round barrier and the wgmma wait as the top
-// stalls: each round ends in wait_group 0 + proxy fence + __syncthreads, so a CTA's copy stream stops at every
-// round boundary. Here a producer thread runs up to STAGES tiles ahead and nothing block-wide sits in the loop.
-//   * Block = 4 consumer warps (one warpgroup, the v5 wgmma + epilogue) + 1 producer warp (lane 0 issues copies,
-//     lanes 1..31 exit at once). 3 CTAs per SM, same persistent contiguous item ranges as v5.
+// FP8 logits (indexer_logits_fp8_n1 / _n2): the wgmma pieces above fed by the Tensor Memory Accelerator through
+// a ring of full/empty mbarriers. Why a ring: with copies issued by every thread in rounds (cp.async), each
+// round ends in wait_group 0 + proxy fence + __syncthreads and a CTA's copy stream stops at every round
+// boundary (ncu: the cp.async wait, the round barrier and the wgmma wait are the top stalls). Here a producer
+// thread runs up to STAGES tiles ahead and nothing block-wide sits in the loop.
+//   * Block = 4 consumer warps (one warpgroup: wgmma + epilogue) + 1 producer warp (lane 0 issues copies,
+//     lanes 1..31 exit at once). 3 CTAs per SM; a persistent grid in which each CTA walks a CONTIGUOUS range of
+//     the flattened (sequence, tile) list of the whole capacity (so q changes rarely). Tiles past a sequence's
+//     num_valid are skipped (see "Tail"); their share of a CTA's range costs one num_valid load each.
 //   * Key tile = one 2D tensor-map copy (cp.async.bulk.tensor, box 128 B x 64 rows of the [batch * capacity][128]
 //     u8 code plane, CU_TENSOR_MAP_SWIZZLE_128B): the TMA writes row r's 16-byte chunk c at r * 128 +
-//     ((c ^ (r & 7)) << 4) of the 1024-aligned stage, exactly v5's layout, so the wgmma descriptors are v5's.
+//     ((c ^ (r & 7)) << 4) of the 1024-aligned stage, exactly the wgmma layout above.
 //     The 64 fp32 key scales = one 1D tensor-map copy (box 68 of the [batch * capacity] f32 plane) that starts
 //     at slot0 & ~3, not at slot0: the TMA faults with an illegal-instruction error unless the global address of
-//     a box's first element is 16-byte aligned (found on the H200: capacity 4097 made slot0 = b * 4097 + key0
+//     a box's first element is 16-byte aligned (capacity 4097 makes slot0 = b * 4097 + key0
 //     odd). With the 16-aligned plane base, 4 * (slot0 & ~3) keeps the box start 16-byte aligned; the stage's
 //     scale of row r is element (slot0 & 3) + r of the box, and (slot0 & 3) + 63 <= 66 < 68 keeps every row
 //     inside it. The box is 272 bytes (a multiple of 16, as the TMA requires); stages are 384 bytes apart (the
@@ -1473,10 +1191,11 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
 //     fills zeros. Either way they only reach accumulator rows that are never stored (row m of D depends on row m
 //     of A only). The TMA never reads outside the tensor map's extent, so no over-read of the allocation.
 //     Every copy credits its full box (8192 + 272 bytes) to the barrier's transaction count, filled or not.
-//   * Tiles with key0 >= n_seq (a row shorter than the longest) are skipped by producer and consumers alike,
-//     except a CTA's first item (i = 0), which is always copied and consumed: that lets the producer issue the
-//     first copy before its num_valid load returns (one DRAM latency less at the start of every CTA). The
-//     copy is in bounds (key0 < max num_valid <= capacity, so the box starts inside the plane), and the
+//   * Tiles with key0 >= n_seq (past the sequence's device num_valid) are skipped by producer and consumers
+//     alike, except a CTA's first item (i = 0), which is always copied and consumed: that lets the producer
+//     issue the first copy before its num_valid load returns (one DRAM latency less at the start of every CTA).
+//     The copy is in bounds (the item list covers the capacity: key0 < capacity, so the box starts inside the
+//     plane), and the
 //     consumers' store predicate (key0 + r < n_seq) writes nothing for it. Both sides walk the same item list
 //     and evaluate the same predicate (i > 0 && key0 >= n_seq) on the same num_valid values, so their sequence
 //     of used stages (the "fill" counter below) is identical.
@@ -1493,12 +1212,10 @@ extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long
 //   parity test is unambiguous. Every fill is consumed (consumers walk all fills), so no copy is in flight when
 //   the CTA exits. Barriers are initialised by thread 0, made visible with fence.mbarrier_init + __syncthreads
 //   (the only block-wide barrier; all 160 threads execute it before the roles split).
-// q / w: loaded by the consumers as in v5 on each sequence change, between two named barriers over the 128
+// q / w: loaded by the consumers on each sequence change, between two named barriers over the 128
 // consumer threads (bar 1): the first makes sure every warp's previous wgmma (which read q) has completed, the
 // second publishes the generic stores (after fence.proxy.async) to the wgmma. The branch is uniform over the
 // consumers (a function of the item), and the producer never takes part in bar 1.
-// Math: the same 4 wgmma per tile on the same shared-memory layout, the same epilogue in the same order, the
-// same key scale value -> scores bit-identical to v5 (tested).
 // ------------------------------------------------------------------------------------------------------------
 namespace {
 
@@ -1726,10 +1443,10 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
 
 }  // namespace
 
-// FP8 logits v6 (see logits_tma_body). grid = persistent CTAs (<= 3 per SM), block LT_THREADS = 160, dynamic smem
+// FP8 logits (see logits_tma_body). grid = persistent CTAs (<= 3 per SM), block LT_THREADS = 160, dynamic smem
 // lt_smem_bytes<NEXT_N, STAGES>(). codes_map: 2D u8 tensor map {128, batch * capacity}, row stride 128 B, box
-// {128, 64}, 128B swizzle; scales_map: 1D f32 tensor map {batch * capacity}, box {68} (16-byte aligned bases). tiles_per_seq / total_tiles
-// as v5.
+// {128, 64}, 128B swizzle; scales_map: 1D f32 tensor map {batch * capacity}, box {68} (16-byte aligned bases).
+// tiles_per_seq = ceil(capacity / 64), total_tiles = batch * tiles_per_seq (the item list of the whole capacity).
 #define INDEXER_LOGITS_TMA_ENTRY(NAME, NEXT_N, STAGES)                                                          \
     extern "C" __global__ void __launch_bounds__(LT_THREADS, 3)                                                 \
         NAME(const __grid_constant__ LtTensorMap codes_map, const __grid_constant__ LtTensorMap scales_map,      \
@@ -1741,5 +1458,5 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
 
 // Stages: 3 CTAs x lt_smem_bytes must fit 228 KB per SM with 1 KB reserved per CTA: next_n 1 with 7 stages =
 // 69,360 B, next_n 2 with 6 stages = 68,960 B (8 stages / 7 stages would not fit).
-INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n1, 1, 7)
-INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8tma_n2, 2, 6)
+INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8_n1, 1, 7)
+INDEXER_LOGITS_TMA_ENTRY(indexer_logits_fp8_n2, 2, 6)

@@ -1,22 +1,22 @@
-//! Lightning indexer: CPU reference checks (always run) and GPU checks (skip loudly without a GPU).
+//! Lightning indexer: CPU reference checks and models of the kernels' algorithms (always run), and GPU checks
+//! (`#[ignore = "needs an H100/H200"]`: run with `--include-ignored` on a GPU machine).
+//! One file for the family: the CPU models of the top-k (radix, threshold, rank-by-counting, multi-CTA, slot
+//! allocation) are what the GPU tests' row classes and tolerances refer to; shared fixtures live in
+//! tests/common/indexer.rs.
 
+mod common;
+
+use common::indexer::*;
+use common::POISON;
 use megamoe::formats::{e2m1, e4m3, ue8m0};
-use megamoe::gpu::{gpu_for_test, timing::TimingPlan};
+use megamoe::gpu::arena::Arena;
+use megamoe::gpu::timing::TimingPlan;
 use megamoe::ops::indexer::reference::{
     self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS,
 };
-use megamoe::ops::indexer::{self, stress, IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers};
-use rand::{Rng, SeedableRng};
+use megamoe::ops::indexer::{self, stress, KeyCacheGpu, QueryBatch, TopkOutput, TopkPath};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-
-fn seeded(test: &str) -> (u64, ChaCha8Rng) {
-    let seed = megamoe::ops::inputs::fresh_seed(test, "SEED");
-    (seed, ChaCha8Rng::seed_from_u64(seed))
-}
-
-fn random_key(rng: &mut ChaCha8Rng, amp: f32) -> [f32; HEAD_DIM] {
-    std::array::from_fn(|_| rng.random_range(-amp..amp))
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // CPU
@@ -312,7 +312,7 @@ fn radix_select_model_matches_reference_topk() {
     }
 }
 
-/// A sequential model of top-k v2 (kernels/indexer.cu "Top-k v2"): 4096-bin histogram of order_key >> 20,
+/// A sequential model of the top-k (kernels/indexer.cu "Top-k"): 4096-bin histogram of order_key >> 20,
 /// the threshold bin from the top-down scan (excl < kk <= incl), entries above it taken whole, the rem
 /// largest composites of the threshold bin taken by the radix model, then sorted. Checks the identity the
 /// kernels rely on (bin is monotone in the composite, so this is exactly the kk largest composites).
@@ -411,11 +411,11 @@ fn threshold_bucket(scores: &[f32], k: usize) -> Option<(usize, usize)> {
     unreachable!("the histogram holds n >= kk entries")
 }
 
-/// Which exact-pass branches of the removed one-CTA final pass (indexer_topk3_final, "v3") a row takes:
-/// (rank select, rank sort), with a consistent state. Kept as a classifier of row shapes (small / large
-/// buckets, k above / below 512) for the tests of the default final pass and of the CPU rank model.
-fn v3_paths(scores: &[f32], k: usize) -> (bool, bool) {
-    const RANK_CAP: usize = 512; // v3's TK3_RANK_CAP
+/// A classifier of row shapes for the final-pass tests: (the threshold bucket holds more than rem and at most
+/// 512 entries, kk <= 512), i.e. small / large buckets and k above / below 512, which a one-CTA rank-by-counting
+/// pass with a 512-entry shared-memory cap would split into select / sort branches.
+fn one_cta_paths(scores: &[f32], k: usize) -> (bool, bool) {
+    const RANK_CAP: usize = 512;
     let kk = k.min(scores.len());
     match threshold_bucket(scores, k) {
         None => (false, false),
@@ -423,14 +423,14 @@ fn v3_paths(scores: &[f32], k: usize) -> (bool, bool) {
     }
 }
 
-/// Whether the multi-CTA final pass (indexer_topk4_final_mcta) takes its one-CTA fallback on this row: a
-/// threshold bucket of more than TOPK4_BUCKET_CAP entries with entries still to pick from it.
+/// Whether the multi-CTA final pass (indexer_topk_final) takes its one-CTA fallback on this row: a
+/// threshold bucket of more than TOPK_BUCKET_CAP entries with entries still to pick from it.
 fn mcta_fallback(scores: &[f32], k: usize) -> bool {
-    threshold_bucket(scores, k).is_some_and(|(nb, rem)| rem > 0 && nb > indexer::TOPK4_BUCKET_CAP)
+    threshold_bucket(scores, k).is_some_and(|(nb, rem)| rem > 0 && nb > indexer::TOPK_BUCKET_CAP)
 }
 
-/// A sequential model of the removed one-CTA final pass indexer_topk3_final (the rank identity it checks is
-/// the one the multi-CTA pass relies on, see model_mcta_topk): the above-threshold and
+/// A sequential model of a one-CTA rank-by-counting final pass (the rank identity it checks is the one the
+/// multi-CTA pass relies on, see model_mcta_topk): the above-threshold and
 /// bucket composites arrive in an arbitrary order (atomics), here a random shuffle; the bucket's rem
 /// largest are placed at above_count + rank, rank = #{larger composites in the bucket}; the kk chosen
 /// composites are then written to output position #{larger chosen composites}. Checks the identity that
@@ -517,7 +517,7 @@ fn rank_counting_model_matches_reference_topk() {
                 _ => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
             })
             .collect();
-        let (sel, sort) = v3_paths(&scores, k);
+        let (sel, sort) = one_cta_paths(&scores, k);
         covered.0 += sel as usize;
         covered.1 += sort as usize;
         assert_eq!(
@@ -532,12 +532,12 @@ fn rank_counting_model_matches_reference_topk() {
     );
 }
 
-/// A sequential model of indexer_topk4_final_mcta (kernels/indexer.cu "Top-k v4") with `ctas` CTAs: the
+/// A sequential model of indexer_topk_final (kernels/indexer.cu "Top-k final pass") with `ctas` CTAs: the
 /// above / bucket composites in an arbitrary (shuffled) order as pass 2's atomics leave them; CTA s ranks its
 /// slices [s*ceil(a/S), ..) of the above entries (among the above entries) and [s*ceil(nb/S), ..) of the
 /// bucket entries (among the bucket; written at a + rank when rank < rem); CTA s writes the -1 tail at
 /// a + rem + s*T + t, step S*T. Every position of the row must be written exactly once, by the rule the kernel
-/// uses. Rows whose bucket exceeds the kernel's cap take the one-CTA fallback (v3's code): returned as None.
+/// uses. Rows whose bucket exceeds the kernel's cap take the one-CTA fallback: returned as None.
 fn model_mcta_topk(
     scores: &[f32],
     k: usize,
@@ -545,7 +545,7 @@ fn model_mcta_topk(
     rng: &mut ChaCha8Rng,
 ) -> Option<Vec<i32>> {
     use rand::seq::SliceRandom;
-    const THREADS: usize = 512; // TK4_THREADS
+    const THREADS: usize = 512; // TKF_THREADS
     let n = scores.len();
     let kk = k.min(n);
     let comp = |i: usize| ((reference::order_key(scores[i]) as u64) << 32) | (!(i as u32)) as u64;
@@ -570,7 +570,7 @@ fn model_mcta_topk(
     bucket.shuffle(rng);
     let (a, nb) = (above.len(), bucket.len());
     let rem = kk.saturating_sub(a).min(nb);
-    if rem > 0 && nb > indexer::TOPK4_BUCKET_CAP {
+    if rem > 0 && nb > indexer::TOPK_BUCKET_CAP {
         return None;
     }
     let total = a + rem;
@@ -646,7 +646,7 @@ fn multi_cta_model_matches_reference_topk() {
     assert!(fallbacks > 0, "seed {seed:#x}: no row took the fallback");
 }
 
-/// The slot allocation of indexer_topk5_select_agg (CTA-aggregated pass 2), mirrored: 16 warps x 8 steps of
+/// The slot allocation of indexer_topk_select (CTA-aggregated pass 2), mirrored: 16 warps x 8 steps of
 /// random ballots (densities from none to all lanes); warp totals are popcount sums, thread 0's exclusive scan
 /// gives each warp's offset, one atomic per CTA gives the base, and lane l of warp w at step r writes slot
 /// base + offset[w] + (hits of warp w in steps < r) + popc(ballot_r & lanes below l). The slots of every CTA must
@@ -654,8 +654,8 @@ fn multi_cta_model_matches_reference_topk() {
 #[test]
 fn cta_aggregated_slot_allocation_is_a_dense_permutation() {
     let (seed, mut rng) = seeded("select_agg_slots");
-    const WARPS: usize = 16; // TK2_THREADS / 32
-    const STEPS: usize = 8; // TK2_PER_THREAD
+    const WARPS: usize = 16; // TKS_THREADS / 32
+    const STEPS: usize = 8; // TKS_PER_THREAD
     for case in 0..300 {
         let density = [0.0f64, 0.001, 0.03, 0.5, 1.0][case % 5];
         let mut counter = 0u32; // the row's global counter
@@ -702,14 +702,13 @@ fn cta_aggregated_slot_allocation_is_a_dense_permutation() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// GPU
+// Key writer
 // ---------------------------------------------------------------------------------------------------------
 
 #[test]
-fn gpu_key_writer_is_bit_exact() {
-    let Some(gpu) = gpu_for_test("gpu_key_writer_is_bit_exact") else {
-        return;
-    };
+#[ignore = "needs an H100/H200"]
+fn gpu_key_writer_is_bit_exact_and_skips_out_of_range_device_slots() {
+    let gpu = common::gpu("gpu_key_writer_is_bit_exact_and_skips_out_of_range_device_slots");
     let (_, mut rng) = seeded("gpu_key_writer");
     for format in [KeyFormat::Fp8, KeyFormat::Mxfp4] {
         let (batch, cap, n) = (3usize, 700usize, 1500usize);
@@ -728,192 +727,227 @@ fn gpu_key_writer_is_bit_exact() {
             host.write_key(s as usize, &key).unwrap();
             raw.extend_from_slice(&key);
         }
-        let mut dev = KeyCacheGpu::filled(&gpu, format, batch, cap, 0).unwrap();
         let raw_dev = gpu.upload(&raw).unwrap();
-        indexer::write_keys(&gpu, &mut dev, &raw_dev, &slots).unwrap();
-        let got = dev.download(&gpu).unwrap();
         let cb = format.code_bytes();
+        let entry = |c: &KeyCacheHost, s: usize| {
+            (
+                c.codes[s * cb..(s + 1) * cb].to_vec(),
+                c.scales[s * 4..s * 4 + 4].to_vec(),
+            )
+        };
+
+        let mut dev = KeyCacheGpu::filled(&gpu, format, batch, cap, 0).unwrap();
+        let slots_dev = dev.upload_slots(&gpu, &slots).unwrap();
+        indexer::write_keys(&gpu, &gpu.stream, &mut dev, &raw_dev, &slots_dev).unwrap();
+        wait(&gpu, "key writer");
+        let got = dev.download(&gpu).unwrap();
         for (i, &s) in slots.iter().enumerate() {
             let s = s as usize;
-            for d in 0..cb {
-                assert_eq!(
-                    got.codes[s * cb + d],
-                    host.codes[s * cb + d],
-                    "{format:?} key {i} slot {s} code byte {d}"
-                );
-            }
             assert_eq!(
-                got.scales[s * 4..s * 4 + 4],
-                host.scales[s * 4..s * 4 + 4],
-                "{format:?} key {i} slot {s} scales"
+                entry(&got, s),
+                entry(&host, s),
+                "{format:?} key {i} slot {s}"
             );
         }
-        assert!(
-            indexer::write_keys(&gpu, &mut dev, &raw_dev, &vec![(batch * cap) as i32; n]).is_err(),
-            "out-of-range slot must be rejected"
-        );
+        // Host-made slots outside the cache are refused before any launch.
+        assert!(dev.upload_slots(&gpu, &[(batch * cap) as i32]).is_err());
+        assert!(dev.upload_slots(&gpu, &[-1]).is_err());
+
+        // Device slots (what a graph's slot buffer holds) outside the cache are skipped: every third key has a
+        // valid slot, the others -1 - i or batch * capacity + i. Only the valid ones may change the poisoned
+        // cache.
+        let mut fresh = KeyCacheGpu::filled(&gpu, format, batch, cap, POISON).unwrap();
+        let mixed: Vec<i32> = (0..n)
+            .map(|i| match i % 3 {
+                0 => slots[i],
+                1 => -1 - i as i32,
+                _ => (batch * cap + i) as i32,
+            })
+            .collect();
+        let mixed_dev = gpu.upload(&mixed).unwrap();
+        indexer::write_keys(&gpu, &gpu.stream, &mut fresh, &raw_dev, &mixed_dev).unwrap();
+        wait(&gpu, "key writer, out-of-range device slots");
+        let got = fresh.download(&gpu).unwrap();
+        let written: std::collections::HashSet<usize> =
+            (0..n).step_by(3).map(|i| slots[i] as usize).collect();
+        for s in 0..batch * cap {
+            let (codes, scales) = entry(&got, s);
+            if written.contains(&s) {
+                assert_eq!((codes, scales), entry(&host, s), "{format:?} slot {s}");
+            } else {
+                assert!(
+                    codes.iter().chain(&scales).all(|&x| x == POISON),
+                    "{format:?} slot {s}: written although no valid device slot names it"
+                );
+            }
+        }
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Whole calls against the reference
+// ---------------------------------------------------------------------------------------------------------
+
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_logits_and_topk_match_the_reference() {
-    let Some(gpu) = gpu_for_test("gpu_logits_and_topk_match_the_reference") else {
-        return;
-    };
-    let (_, mut rng) = seeded("gpu_logits_topk");
+    let gpu = common::gpu("gpu_logits_and_topk_match_the_reference");
+    let (seed, mut rng) = seeded("gpu_logits_topk");
     for format in [KeyFormat::Fp8, KeyFormat::Mxfp4] {
         for next_n in [1usize, 2] {
             let lens = [0usize, 1, 33, 128, 129, 511, 512, 513, 1000, 2047];
             let (batch, cap) = (lens.len(), 2047usize);
-            let mut host = KeyCacheHost::new(format, batch, cap);
-            for (b, &n) in lens.iter().enumerate() {
-                for j in 0..n {
-                    let amp = [0.05f32, 1.0, 20.0][rng.random_range(0..3)];
-                    host.write_key(host.slot(b, j), &random_key(&mut rng, amp))
-                        .unwrap();
-                }
-            }
+            let host = written_cache(&mut rng, format, &lens, cap);
             let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
             let rows = batch * next_n;
-            let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
-                .map(|_| reference::random_e4m3(&mut rng))
-                .collect();
-            let w: Vec<f32> = (0..rows * NUM_HEADS)
-                .map(|_| rng.random_range(-1.0f32..1.0))
-                .collect();
-            let nv: Vec<i32> = (0..rows)
-                .map(|r| (lens[r / next_n] as i32 - (next_n - 1 - r % next_n) as i32).max(0))
-                .collect();
+            let (q, w) = random_queries(&mut rng, rows);
+            let nv = model_num_valid(&lens, next_n);
             let qb = QueryBatch::upload(&gpu, batch, next_n, &q, &w, &nv).unwrap();
             for k in [512usize, 1024, 2048] {
-                let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-                indexer::run(&gpu, &qb, &cache, &mut bufs).unwrap();
-                let scores = gpu.download(&bufs.scores).unwrap();
-                let idx = gpu.download(&bufs.topk.out_idx).unwrap();
-                let shape = IndexerShape {
-                    batch,
-                    next_n,
-                    num_valid: nv.clone(),
-                };
-                let want = reference::logits(&shape, &q, &w, &host);
-                let stride = bufs.score_stride;
-                for r in 0..rows {
-                    let n = nv[r] as usize;
-                    let got = &scores[r * stride..r * stride + n];
-                    for j in 0..n {
-                        let mag = reference::logit_magnitude(&shape, &q, &w, &host, r, j);
-                        let err = (got[j] as f64 - want[r][j] as f64).abs();
-                        assert!(
-                            err <= f64::powi(2.0, -9) * mag + 1e-30,
-                            "{format:?} next_n {next_n} row {r} j {j}: gpu {:e} ref {:e} err {err:e} (magnitude {mag:e})",
-                            got[j],
-                            want[r][j]
-                        );
-                    }
-                    if let Err(e) = reference::check_topk_exact(got, k, &idx[r * k..(r + 1) * k]) {
-                        panic!("{format:?} next_n {next_n} k {k} row {r}: {e}");
-                    }
-                }
-                // The scores alongside the indices: the canonical score of each selected entry, -inf on
-                // padding, bit for bit.
-                let out_sc = gpu.download(&bufs.topk.out_score).unwrap();
-                for r in 0..rows {
-                    let got = &scores[r * stride..r * stride + nv[r] as usize];
-                    for p in 0..k {
-                        let i = idx[r * k + p];
-                        let want = if i >= 0 {
-                            reference::canonical_score(got[i as usize])
-                        } else {
-                            f32::NEG_INFINITY
-                        };
-                        assert_eq!(
-                            out_sc[r * k + p].to_bits(),
-                            want.to_bits(),
-                            "{format:?} next_n {next_n} k {k} row {r} position {p}: score {:e} want {want:e}",
-                            out_sc[r * k + p]
-                        );
-                    }
-                }
+                let label = format!("seed {seed} {format:?} next_n {next_n} k {k}");
+                let mut rig = IndexerRig::new(&gpu, rows, cap, k);
+                let (scores, topk) = rig.run(&gpu, &label, TopkPath::Default, &qb, &cache);
+                check_logits_rows(&label, &scores, cap, &host, &q, &w, next_n, &nv, 1);
+                check_topk_of_scores(&label, &scores, cap, &nv, k, &topk);
                 if format == KeyFormat::Fp8 && next_n == 1 {
-                    // The seeds' baseline on the same inputs: its top-k of our scores must be identical.
-                    let mut base = indexer::BaselineBuffers::new(&gpu, batch, rows, cap).unwrap();
-                    let mut bt = TopkBuffers::new(&gpu, rows, k, cap).unwrap();
-                    indexer::baseline_topk(&gpu, &bufs.scores, stride, &qb, &mut base, &mut bt)
-                        .unwrap();
-                    assert_eq!(
-                        gpu.download(&bt.out_idx).unwrap(),
-                        idx,
-                        "baseline sort top-k differs (k {k})"
-                    );
-                    let mut bs = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
-                    indexer::baseline_logits(&gpu, &qb, &cache, &mut base, &mut bs, stride)
-                        .unwrap();
-                    let bscores = gpu.download(&bs).unwrap();
-                    for r in 0..rows {
-                        for j in 0..nv[r] as usize {
-                            let mag = reference::logit_magnitude(&shape, &q, &w, &host, r, j);
-                            let err = (bscores[r * stride + j] as f64 - want[r][j] as f64).abs();
-                            assert!(
-                                // fp32 dequant (1 rounding) + 128-term FMA dot + 64-term head sum, each
-                                // rounding <= 2^-24 of a running |sum| <= mag: (1+128+64) * 2^-24 < 1.2e-5.
-                                err <= 1.2e-5 * mag + 1e-30,
-                                "baseline logit row {r} j {j}: {} vs {}",
-                                bscores[r * stride + j],
-                                want[r][j]
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn gpu_topk_long_rows_and_specials() {
-    let Some(gpu) = gpu_for_test("gpu_topk_long_rows_and_specials") else {
-        return;
-    };
-    let (_, mut rng) = seeded("gpu_topk_long");
-    let lens = [262_144usize, 32_768, 32_769, 65_535, 100_000, 2049];
-    let stride = 262_144usize;
-    for k in [512usize, 2048] {
-        let mut flat = vec![0f32; lens.len() * stride];
-        for (r, &n) in lens.iter().enumerate() {
-            for j in 0..n {
-                flat[r * stride + j] = match (r, rng.random_range(0..20)) {
-                    (1, _) => 7.0, // all equal
-                    (_, 0) => f32::NAN,
-                    (_, 1) => f32::NEG_INFINITY,
-                    (_, 2) => -0.0,
-                    (_, v) if v < 8 => (v % 3) as f32, // heavy ties
-                    _ => rng.random_range(-100.0f32..100.0),
-                };
-            }
-        }
-        let nv: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
-        let sd = gpu.upload(&flat).unwrap();
-        let nvd = gpu.upload(&nv).unwrap();
-        let mut bufs = TopkBuffers::new(&gpu, lens.len(), k, stride).unwrap();
-        // Three calls of each path on the same buffers (the chain's histogram and counters must be back to
-        // zero after every call: a missing reset shows up as a wrong second answer).
-        for path in [indexer::TopkPath::Chain, indexer::TopkPath::Pdl] {
-            for pass in 0..3 {
-                gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
-                indexer::topk_with(&gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-                assert!(
-                    stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-                    "top-k ({path:?}) did not finish within 5 s (k {k}, call {pass})"
-                );
-                let idx = gpu.download(&bufs.out_idx).unwrap();
-                for (r, &n) in lens.iter().enumerate() {
-                    if let Err(e) = reference::check_topk_exact(
-                        &flat[r * stride..r * stride + n],
+                    check_baseline(
+                        &gpu,
+                        &label,
+                        &rig,
+                        &qb,
+                        &cache,
+                        &host,
+                        (&q, &w, &nv),
                         k,
-                        &idx[r * k..(r + 1) * k],
-                    ) {
-                        panic!("k {k} {path:?} call {pass} row {r} (num_valid {n}): {e}");
-                    }
+                        &topk.0,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The seeds' baseline on the same inputs: its top-k of the routed call's scores must give the same indices,
+/// and its fp32 logits agree with the reference within fp32 rounding.
+#[allow(clippy::too_many_arguments)]
+fn check_baseline(
+    gpu: &megamoe::gpu::Gpu,
+    label: &str,
+    rig: &IndexerRig,
+    qb: &QueryBatch,
+    cache: &KeyCacheGpu,
+    host: &KeyCacheHost,
+    (q, w, nv): (&[u8], &[f32], &[i32]),
+    k: usize,
+    want_idx: &[i32],
+) {
+    use indexer::bench::{baseline_logits, baseline_topk, BaselineWorkspace};
+    let (rows, cap, stream) = (qb.rows(), cache.capacity, &gpu.stream);
+    let mut arena =
+        Arena::new(gpu, BaselineWorkspace::workspace_bytes(qb.batch, rows, cap)).unwrap();
+    let base = BaselineWorkspace::carve(&mut arena, qb.batch, rows, cap).unwrap();
+    let out = TopkOutput::new(gpu, rows, k).unwrap();
+    baseline_topk(
+        gpu,
+        stream,
+        &rig.ws.scores,
+        cap,
+        &qb.num_valid,
+        rows,
+        k,
+        &base,
+        &out.idx,
+        &out.score,
+    )
+    .unwrap();
+    wait(gpu, &format!("{label}: baseline top-k"));
+    assert_eq!(
+        out.download(gpu).unwrap().0,
+        want_idx,
+        "{label}: baseline sort top-k differs"
+    );
+    let bs = gpu.poisoned::<f32>(rows * cap, POISON).unwrap();
+    baseline_logits(gpu, stream, qb, cache, &base, &bs, cap).unwrap();
+    wait(gpu, &format!("{label}: baseline logits"));
+    let bscores = gpu.download(&bs).unwrap();
+    let shape = IndexerShape {
+        batch: qb.batch,
+        next_n: qb.next_n,
+        num_valid: nv.to_vec(),
+    };
+    let want = reference::logits(&shape, q, w, host);
+    for r in 0..rows {
+        for j in 0..nv[r] as usize {
+            let mag = reference::logit_magnitude(&shape, q, w, host, r, j);
+            let err = (bscores[r * cap + j] as f64 - want[r][j] as f64).abs();
+            assert!(
+                // fp32 dequant (1 rounding) + 128-term FMA dot + 64-term head sum, each rounding <= 2^-24 of a
+                // running |sum| <= mag: (1+128+64) * 2^-24 < 1.2e-5.
+                err <= 1.2e-5 * mag + 1e-30,
+                "{label}: baseline logit row {r} j {j}: {} vs {}",
+                bscores[r * cap + j],
+                want[r][j]
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_indexer_run_along_every_topk_path_matches_the_default_run() {
+    let gpu = common::gpu("gpu_indexer_run_along_every_topk_path_matches_the_default_run");
+    let (seed, mut rng) = seeded("gpu_run_paths");
+    // Whole call (logits, then the top-k; through PDL the histogram launch overlaps the logits' tail): every
+    // top-k path gives the default run's indices and scores exactly, eagerly (two calls back to back on the same
+    // workspace) and as a replayed CUDA graph. The default run is checked exact against the reference top-k of
+    // its own scores, so "equal to the default" is not "equal to a wrong answer".
+    let lens = [20_000usize, 513, 7_777, 1, 0];
+    let cap = 20_000usize;
+    let host = random_fp8_cache(&mut rng, lens.len(), cap);
+    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+    for next_n in [1usize, 2] {
+        let rows = lens.len() * next_n;
+        let (q, w) = random_queries(&mut rng, rows);
+        let nv: Vec<i32> = (0..rows)
+            .map(|r| (lens[r / next_n] as i32 - (r % next_n) as i32 * 3).max(0))
+            .collect();
+        let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
+        for k in [512usize, 2048] {
+            let label = format!("seed {seed} next_n {next_n} k {k}");
+            let mut def = IndexerRig::new(&gpu, rows, cap, k);
+            let (scores, want) = def.run(&gpu, &label, TopkPath::Default, &qb, &cache);
+            check_topk_of_scores(&label, &scores, cap, &nv, k, &want);
+            for path in [TopkPath::Chain, TopkPath::Pdl] {
+                let mut rig = IndexerRig::new(&gpu, rows, cap, k);
+                for call in 0..2 {
+                    let (_, got) = rig.run(&gpu, &label, path, &qb, &cache);
+                    assert_same_topk(
+                        &format!("{label} {path:?} call {call} vs default"),
+                        k,
+                        &got,
+                        &want,
+                    );
+                }
+                let graph = gpu
+                    .capture(|| {
+                        indexer::run_with(
+                            &gpu,
+                            &gpu.stream,
+                            path,
+                            &qb,
+                            &cache,
+                            &rig.ws,
+                            &rig.out.idx,
+                            &rig.out.score,
+                        )
+                    })
+                    .unwrap();
+                for replay in 0..3 {
+                    rig.poison(&gpu);
+                    graph.launch().unwrap();
+                    let what = format!("{label} {path:?} graph replay {replay}");
+                    wait(&gpu, &what);
+                    assert_same_topk(&what, k, &rig.download(&gpu).1, &want);
                 }
             }
         }
@@ -921,120 +955,188 @@ fn gpu_topk_long_rows_and_specials() {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_decode_graph_replays_follow_device_num_valid() {
+    let gpu = common::gpu("gpu_decode_graph_replays_follow_device_num_valid");
+    let (seed, mut rng) = seeded("gpu_decode_graph");
+    // The decode-sized call (a few sequences, every key written by the writer) captured ONCE per (format, next_n,
+    // k); between replays only the device-side num_valid changes (Gpu::write): 0, lengths below k, lengths not
+    // divisible by 128, the capacity, and one above it (clamped to the capacity, the stated contract). Scores
+    // and outputs are poisoned before every replay, so each replay must write exactly the visible range and the
+    // top-k of it: logits against the f64 reference, top-k exact against the reference top-k of those scores.
+    let (batch, cap) = (4usize, 8192usize);
+    for format in [KeyFormat::Fp8, KeyFormat::Mxfp4] {
+        let host = written_cache(&mut rng, format, &vec![cap; batch], cap);
+        let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+        for next_n in [1usize, 2] {
+            let rows = batch * next_n;
+            let (q, w) = random_queries(&mut rng, rows);
+            let mut qb =
+                QueryBatch::upload(&gpu, batch, next_n, &q, &w, &vec![cap as i32; rows]).unwrap();
+            for k in [512usize, 1024] {
+                let mut rig = IndexerRig::new(&gpu, rows, cap, k);
+                // One eager call first: loads the module and sets the kernels' attributes outside the capture.
+                rig.run(&gpu, "warm-up", TopkPath::Default, &qb, &cache);
+                let graph = gpu
+                    .capture(|| {
+                        indexer::run(
+                            &gpu,
+                            &gpu.stream,
+                            &qb,
+                            &cache,
+                            &rig.ws,
+                            &rig.out.idx,
+                            &rig.out.score,
+                        )
+                    })
+                    .unwrap();
+                let cases: [[usize; 4]; 6] = [
+                    [0, 0, 0, 0],
+                    [1, k - 1, 129, 1000],
+                    [cap, 0, 4097, 300],
+                    [8191, 5, k, 2 * k + 3],
+                    [cap, cap, cap, cap],
+                    [cap + 77, 3, 0, 640],
+                ];
+                for lens in cases {
+                    let label =
+                        format!("seed {seed} {format:?} next_n {next_n} k {k} lens {lens:?}");
+                    let nv = model_num_valid(&lens, next_n);
+                    gpu.write(&gpu.stream, &mut qb.num_valid, &nv).unwrap();
+                    rig.poison(&gpu);
+                    graph.launch().unwrap();
+                    wait(&gpu, &label);
+                    let (scores, topk) = rig.download(&gpu);
+                    let visible: Vec<i32> = nv.iter().map(|&n| n.min(cap as i32)).collect();
+                    check_logits_rows(&label, &scores, cap, &host, &q, &w, next_n, &visible, 61);
+                    check_topk_of_scores(&label, &scores, cap, &visible, k, &topk);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Top-k
+// ---------------------------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_topk_long_rows_and_specials() {
+    let gpu = common::gpu("gpu_topk_long_rows_and_specials");
+    let (seed, mut rng) = seeded("gpu_topk_long");
+    let lens = [262_144usize, 32_768, 32_769, 65_535, 100_000, 2049];
+    for k in [512usize, 2048] {
+        let rows: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| {
+                (0..n)
+                    .map(|_| match (r, rng.random_range(0..20)) {
+                        (1, _) => 7.0, // all equal
+                        (_, 0) => f32::NAN,
+                        (_, 1) => f32::NEG_INFINITY,
+                        (_, 2) => -0.0,
+                        (_, v) if v < 8 => (v % 3) as f32, // heavy ties
+                        _ => rng.random_range(-100.0f32..100.0),
+                    })
+                    .collect()
+            })
+            .collect();
+        let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        let s = ScoreRows::upload(&gpu, &refs, 0);
+        let mut rig = TopkRig::new(&gpu, lens.len(), k, s.stride);
+        // Three calls of each path on the same workspace (the histogram and counters must be back to zero after
+        // every call: a missing reset shows up as a wrong second answer).
+        for path in [TopkPath::Chain, TopkPath::Pdl] {
+            for call in 0..3 {
+                let label = format!("seed {seed} k {k} {path:?} call {call}");
+                let got = rig.run(&gpu, &label, path, &s);
+                check_topk_of_scores(&label, &s.flat, s.stride, &s.nv, k, &got);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_topk_final_branches_match_reference() {
-    let Some(gpu) = gpu_for_test("gpu_topk_final_branches_match_reference") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_topk_final_branches_match_reference");
     let (seed, mut rng) = seeded("gpu_topk_final_branches");
     let lens = [
         1usize, 3, 100, 511, 512, 513, 1000, 4097, 20_000, 65_536, 262_144,
     ];
-    let stride = 262_144usize;
-    let rows = lens.len() * 5;
-    // Row classes seen: v3's (rank select, rank sort, select fallback, sort fallback) shapes, and the default
-    // multi-CTA pass's rank path / one-CTA fallback: every class must be exercised.
+    // Row classes seen: the one-CTA select/sort shapes (rank select, rank sort, select fallback, sort fallback)
+    // and the multi-CTA pass's rank path / one-CTA fallback: every class must be exercised.
     let mut cover = [0usize; 6];
     for k in [1usize, 7, 300, 511, 512, 513, 2048] {
-        let mut flat = vec![f32::NAN; rows * stride];
-        let mut nv = vec![0i32; rows];
-        for r in 0..rows {
-            let (n, pattern) = (lens[r % lens.len()], r / lens.len());
-            nv[r] = n as i32;
-            for x in &mut flat[r * stride..r * stride + n] {
-                *x = match pattern {
-                    // Logit-like (sum of uniforms): threshold buckets of a few hundred entries.
-                    0 => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
-                    // Log-uniform magnitudes: small buckets at every length.
-                    1 => {
-                        let m = f32::powf(2.0, rng.random_range(-60.0f32..60.0));
-                        if rng.random_range(0..2) == 0 {
-                            m
-                        } else {
-                            -m
+        let rows: Vec<Vec<f32>> = (0..lens.len() * 5)
+            .map(|r| {
+                let (n, pattern) = (lens[r % lens.len()], r / lens.len());
+                (0..n)
+                    .map(|_| match pattern {
+                        // Logit-like (sum of uniforms): threshold buckets of a few hundred entries.
+                        0 => (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0,
+                        // Log-uniform magnitudes: small buckets at every length.
+                        1 => {
+                            let m = f32::powf(2.0, rng.random_range(-60.0f32..60.0));
+                            if rng.random_range(0..2) == 0 {
+                                m
+                            } else {
+                                -m
+                            }
                         }
-                    }
-                    2 => rng.random_range(-10.0f32..10.0),
-                    3 => rng.random_range(0..3) as f32, // heavy ties: large buckets (fallback)
-                    _ => match rng.random_range(0..10) {
-                        0 => f32::NAN,
-                        1 => f32::NEG_INFINITY,
-                        2 => f32::INFINITY,
-                        3 => -0.0,
-                        _ => rng.random_range(-1.0f32..1.0),
-                    },
-                };
-            }
-            let (sel, sort) = v3_paths(&flat[r * stride..r * stride + n], k);
+                        2 => rng.random_range(-10.0f32..10.0),
+                        3 => rng.random_range(0..3) as f32, // heavy ties: large buckets (fallback)
+                        _ => match rng.random_range(0..10) {
+                            0 => f32::NAN,
+                            1 => f32::NEG_INFINITY,
+                            2 => f32::INFINITY,
+                            3 => -0.0,
+                            _ => rng.random_range(-1.0f32..1.0),
+                        },
+                    })
+                    .collect()
+            })
+            .collect();
+        for row in &rows {
+            let (sel, sort) = one_cta_paths(row, k);
             cover[0] += sel as usize;
             cover[1] += sort as usize;
             cover[2] += (!sel) as usize;
             cover[3] += (!sort) as usize;
-            let fallback = mcta_fallback(&flat[r * stride..r * stride + n], k);
+            let fallback = mcta_fallback(row, k);
             cover[4] += (!fallback) as usize;
             cover[5] += fallback as usize;
         }
-        let sd = gpu.upload(&flat).unwrap();
-        let nvd = gpu.upload(&nv).unwrap();
-        let mut bufs = TopkBuffers::new(&gpu, rows, k, stride).unwrap();
-        // Three chain calls on the same buffers: each final pass must leave the histogram and counters zeroed,
-        // so every call gives the reference answer (indices exactly, scores bit for bit). Then two calls through
-        // the PDL entry points on the same buffers.
-        let wants: Vec<Vec<i32>> = (0..rows)
-            .map(|r| reference::topk(&flat[r * stride..r * stride + nv[r] as usize], k))
-            .collect();
+        let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        let s = ScoreRows::upload(&gpu, &refs, 262_144);
+        let mut rig = TopkRig::new(&gpu, rows.len(), k, s.stride);
+        // Three plain-chain calls on the same workspace (each final pass must leave the histogram and counters
+        // zeroed, so every call gives the reference answer), then two through the PDL entry points.
         let calls = [
-            indexer::TopkPath::Chain,
-            indexer::TopkPath::Chain,
-            indexer::TopkPath::Chain,
-            indexer::TopkPath::Pdl,
-            indexer::TopkPath::Pdl,
+            TopkPath::Chain,
+            TopkPath::Chain,
+            TopkPath::Chain,
+            TopkPath::Pdl,
+            TopkPath::Pdl,
         ];
         for (call, &path) in calls.iter().enumerate() {
-            gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
-            gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
-            indexer::topk_with(&gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-            assert!(
-                stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-                "seed {seed:#x}: top-k ({path:?}) did not finish within 5 s (k {k}, call {call})"
-            );
-            let idx = gpu.download(&bufs.out_idx).unwrap();
-            let sc = gpu.download(&bufs.out_score).unwrap();
-            for r in 0..rows {
-                let n = nv[r] as usize;
-                let row = &flat[r * stride..r * stride + n];
-                let want = &wants[r];
-                // want is padded with -1 up to k (reference::topk).
-                for (j, &wi) in want.iter().enumerate() {
-                    let ws = if wi >= 0 {
-                        reference::canonical_score(row[wi as usize])
-                    } else {
-                        f32::NEG_INFINITY
-                    };
-                    let p = r * k + j;
-                    assert!(
-                        idx[p] == wi && sc[p].to_bits() == ws.to_bits(),
-                        "seed {seed:#x} k {k} call {call} ({path:?}) row {r} (num_valid {n}, v3 row class (rank \
-                         select, rank sort) {:?}) position {j}: got ({}, {:e}) want ({wi}, {ws:e})",
-                        v3_paths(row, k),
-                        idx[p],
-                        sc[p]
-                    );
-                }
-            }
+            let label = format!("seed {seed} k {k} call {call} ({path:?})");
+            let got = rig.run(&gpu, &label, path, &s);
+            check_topk_of_scores(&label, &s.flat, s.stride, &s.nv, k, &got);
         }
     }
     assert!(
         cover.iter().all(|&c| c > 0),
-        "seed {seed:#x}: rows per class (v3 rank select, rank sort, select fallback, sort fallback; mcta rank, \
-         mcta fallback) = {cover:?}"
+        "seed {seed:#x}: rows per class (one-CTA rank select, rank sort, select fallback, sort fallback; \
+         multi-CTA rank, multi-CTA fallback) = {cover:?}"
     );
-    println!("seed {seed:#x}: rows per class (v3 rank select, rank sort, select fallback, sort fallback; mcta rank, \
-         mcta fallback) = {cover:?}");
 }
 
 /// Rows for the multi-CTA final pass: (scores, label). Lengths around k, multiples of 128 +- 1, the pass-1/2 slice
 /// (4096 +- 1), random up to 262,144; patterns: logit-like, all equal, all zero (+-0), NaN / +-inf mixes, three
-/// values; and directed rows whose threshold bucket holds exactly TOPK4_BUCKET_CAP - 1, CAP, CAP + 1 entries
+/// values; and directed rows whose threshold bucket holds exactly TOPK_BUCKET_CAP - 1, CAP, CAP + 1 entries
 /// (the edge between the multi-CTA rank path and its one-CTA fallback).
 fn mcta_rows(rng: &mut ChaCha8Rng, k: usize) -> Vec<(Vec<f32>, String)> {
     let mut lens = vec![
@@ -1088,7 +1190,7 @@ fn mcta_rows(rng: &mut ChaCha8Rng, k: usize) -> Vec<(Vec<f32>, String)> {
     }
     // Directed buckets: 100 entries far above (distinct), nb entries in the bin of [1, 1.125) (distinct), the
     // rest at -5; shuffled. Threshold bin = that of 1.0, a = 100, rem = k - 100 < nb.
-    let cap = indexer::TOPK4_BUCKET_CAP;
+    let cap = indexer::TOPK_BUCKET_CAP;
     for nb in [cap - 1, cap, cap + 1] {
         let n = 12_000usize;
         let mut v: Vec<f32> = (0..n)
@@ -1109,361 +1211,443 @@ fn mcta_rows(rng: &mut ChaCha8Rng, k: usize) -> Vec<(Vec<f32>, String)> {
     rows
 }
 
-/// Download a top-k result.
-fn topk_result(gpu: &megamoe::gpu::Gpu, bufs: &TopkBuffers) -> (Vec<i32>, Vec<f32>) {
-    (
-        gpu.download(&bufs.out_idx).unwrap(),
-        gpu.download(&bufs.out_score).unwrap(),
-    )
-}
-
-/// The top-k along `path` on `rows` (one launch group, `calls` back-to-back calls on the same buffers), each
-/// call against the reference: indices exactly, scores bit for bit. The chain's calls must each leave the
-/// histogram, counters and arrival counters zeroed, or the next call's threshold (and answer) is wrong. A path
-/// other than [`indexer::TopkPath::Default`] is also compared with one default call (on its own buffers) bit
-/// for bit, indices and scores.
+/// The top-k along `path` on `rows` (`calls` back-to-back calls on the same workspace), each call exact against
+/// the reference (indices and score bits): a call that left the histogram, counters or arrival counters dirty
+/// makes the next call's threshold (and answer) wrong. A path other than [`TopkPath::Default`] is also compared
+/// with one default call bit for bit.
 fn check_topk_path(
     gpu: &megamoe::gpu::Gpu,
     seed: u64,
     k: usize,
     rows: &[(Vec<f32>, String)],
     calls: usize,
-    path: indexer::TopkPath,
+    path: TopkPath,
 ) {
-    let stride = rows
-        .iter()
-        .map(|r| r.0.len())
-        .max()
-        .unwrap()
-        .next_multiple_of(4)
-        .max(4);
-    let mut flat = vec![f32::NAN; rows.len() * stride];
-    for (r, (v, _)) in rows.iter().enumerate() {
-        flat[r * stride..r * stride + v.len()].copy_from_slice(v);
-    }
-    let nv: Vec<i32> = rows.iter().map(|r| r.0.len() as i32).collect();
-    let sd = gpu.upload(&flat).unwrap();
-    let nvd = gpu.upload(&nv).unwrap();
-    let mut bufs = TopkBuffers::new(gpu, rows.len(), k, stride).unwrap();
-    let wants: Vec<Vec<i32>> = rows.iter().map(|(v, _)| reference::topk(v, k)).collect();
-    let default_out = (path != indexer::TopkPath::Default).then(|| {
-        let mut def = TopkBuffers::new(gpu, rows.len(), k, stride).unwrap();
-        indexer::topk(gpu, &sd, stride, &nvd, &nv, &mut def).unwrap();
-        assert!(stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap());
-        topk_result(gpu, &def)
+    let refs: Vec<&[f32]> = rows.iter().map(|r| r.0.as_slice()).collect();
+    let s = ScoreRows::upload(gpu, &refs, 0);
+    let label = format!("seed {seed:#x} k {k} ({} rows)", rows.len());
+    let default_out = (path != TopkPath::Default).then(|| {
+        TopkRig::new(gpu, rows.len(), k, s.stride).run(gpu, &label, TopkPath::Default, &s)
     });
+    let mut rig = TopkRig::new(gpu, rows.len(), k, s.stride);
     for call in 0..calls {
-        gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
-        gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
-        indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-        assert!(
-            stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap(),
-            "seed {seed:#x}: top-k ({path:?}) did not finish within 5 s (k {k}, {} rows, call {call})",
-            rows.len()
-        );
-        let got = topk_result(gpu, &bufs);
-        if let Some((di, ds)) = &default_out {
-            for p in 0..got.0.len() {
-                assert!(
-                    got.0[p] == di[p] && got.1[p].to_bits() == ds[p].to_bits(),
-                    "seed {seed:#x} k {k} ({} rows) call {call} row {} ({}) position {}: {path:?} ({}, {:#010x}) \
-                     vs default ({}, {:#010x})",
-                    rows.len(),
-                    p / k,
-                    rows[p / k].1,
-                    p % k,
-                    got.0[p],
-                    got.1[p].to_bits(),
-                    di[p],
-                    ds[p].to_bits()
-                );
-            }
+        let got = rig.run(gpu, &label, path, &s);
+        if let Some(def) = &default_out {
+            assert_same_topk(
+                &format!("{label} call {call}: {path:?} vs default"),
+                k,
+                &got,
+                def,
+            );
         }
-        for (r, (v, label)) in rows.iter().enumerate() {
-            for (j, &wi) in wants[r].iter().enumerate() {
-                let ws = if wi >= 0 {
-                    reference::canonical_score(v[wi as usize])
-                } else {
-                    f32::NEG_INFINITY
-                };
-                let p = r * k + j;
-                assert!(
-                    got.0[p] == wi && got.1[p].to_bits() == ws.to_bits(),
-                    "seed {seed:#x} k {k} ({} rows, {path:?}) call {call} row {r} ({label}) position {j}: got ({}, \
-                     {:e} = {:#010x}) want ({wi}, {ws:e} = {:#010x})",
-                    rows.len(),
-                    got.0[p],
-                    got.1[p],
-                    got.1[p].to_bits(),
-                    ws.to_bits()
-                );
-            }
+        for (r, (v, what)) in rows.iter().enumerate() {
+            assert_topk_row(
+                &format!("{label} {path:?} call {call} row {r} ({what})"),
+                v,
+                k,
+                &got.0[r * k..(r + 1) * k],
+                &got.1[r * k..(r + 1) * k],
+            );
         }
     }
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_topk_multi_cta_matches_reference() {
-    let Some(gpu) = gpu_for_test("gpu_topk_multi_cta_matches_reference") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_topk_multi_cta_matches_reference");
     let (seed, mut rng) = seeded("gpu_topk_mcta");
     for k in [512usize, 1024, 2048] {
         let rows = mcta_rows(&mut rng, k);
         // The final pass's CTAs per row depend on the row count (2 * SMs / rows, clamped to 8..=32): all rows
         // in one launch (8 per row), then the last 9 rows alone (the longest rows and the directed buckets;
         // 29 per row on 132 SMs).
-        let chain = indexer::TopkPath::Chain;
-        check_topk_path(&gpu, seed, k, &rows, 3, chain);
-        check_topk_path(&gpu, seed, k, &rows[rows.len() - 9..], 2, chain);
+        check_topk_path(&gpu, seed, k, &rows, 3, TopkPath::Chain);
+        check_topk_path(&gpu, seed, k, &rows[rows.len() - 9..], 2, TopkPath::Chain);
     }
 }
 
 #[test]
-fn gpu_topk_multi_cta_graph_replay_leaves_buffers_clean() {
-    let Some(gpu) = gpu_for_test("gpu_topk_multi_cta_graph_replay_leaves_buffers_clean") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_topk_mcta_graph");
-    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::Chain);
+#[ignore = "needs an H100/H200"]
+fn gpu_topk_pdl_matches_default_and_reference() {
+    let gpu = common::gpu("gpu_topk_pdl_matches_default_and_reference");
+    let (seed, mut rng) = seeded("gpu_topk_pdl");
+    for k in [1usize, 512, 2048] {
+        // num_valid 0, 1, 2, k +- 1, 4095 / 4097, 262,144 and more, mixed in one launch; ties, specials,
+        // threshold buckets at the multi-CTA cap. Back-to-back calls on the same workspace: a PDL launch that
+        // let a kernel touch the histogram / counters before its predecessor finished shows up as a wrong
+        // threshold in a later call.
+        let rows = mcta_rows(&mut rng, k.max(2));
+        let calls = if k == 512 { 3 } else { 2 };
+        check_topk_path(&gpu, seed, k, &rows, calls, TopkPath::Pdl);
+        // The longest rows and the directed buckets alone (more final-pass CTAs per row).
+        check_topk_path(&gpu, seed, k, &rows[rows.len() - 9..], 2, TopkPath::Pdl);
+    }
 }
 
-/// Graph replays of `path` with new scores each time, then an eager call on the same buffers: all exact.
+/// Graph replays of the top-k along `path` with new scores written into the captured input before each, then an
+/// eager call on the same workspace: all exact (a replay that left the protocol buffers dirty shows up in the
+/// next replay).
 fn check_topk_graph_replays(
     gpu: &megamoe::gpu::Gpu,
     seed: u64,
     rng: &mut ChaCha8Rng,
-    path: indexer::TopkPath,
+    path: TopkPath,
 ) {
     let k = 512usize;
     let lens = [262_144usize, 0, 70_001, 513, 4097];
-    let stride = 262_144usize;
-    let make = |rng: &mut ChaCha8Rng| -> Vec<f32> {
-        let mut flat = vec![f32::NAN; lens.len() * stride];
-        for (r, &n) in lens.iter().enumerate() {
-            for x in &mut flat[r * stride..r * stride + n] {
-                *x = (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0;
-            }
-        }
-        flat
+    let make = |rng: &mut ChaCha8Rng| -> Vec<Vec<f32>> {
+        lens.iter()
+            .map(|&n| {
+                (0..n)
+                    .map(|_| (0..8).map(|_| rng.random_range(-1.0f32..1.0)).sum::<f32>() * 3.0)
+                    .collect()
+            })
+            .collect()
     };
-    let nv: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
-    let mut flat = make(rng);
-    let mut sd = gpu.upload(&flat).unwrap();
-    let nvd = gpu.upload(&nv).unwrap();
-    let mut bufs = TopkBuffers::new(gpu, lens.len(), k, stride).unwrap();
-    // One eager call first: loads the module and sets the shared-memory attribute outside the capture (and
-    // must itself leave the buffers clean for the first replay).
-    indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-    assert!(stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap());
+    let rows = make(rng);
+    let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+    let mut s = ScoreRows::upload(gpu, &refs, 0);
+    let mut rig = TopkRig::new(gpu, lens.len(), k, s.stride);
+    // One eager call first: loads the module and sets the shared-memory attribute outside the capture (and must
+    // itself leave the workspace clean for the first replay).
+    let label = format!("seed {seed} {path:?}");
+    let got = rig.run(gpu, &label, path, &s);
+    check_topk_of_scores(&label, &s.flat, s.stride, &s.nv, k, &got);
     let graph = gpu
-        .capture(|| indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs))
+        .capture(|| {
+            indexer::topk_with(
+                gpu,
+                &gpu.stream,
+                path,
+                &s.dev,
+                &s.nv_dev,
+                &rig.ws,
+                &rig.out.idx,
+                &rig.out.score,
+            )
+        })
         .unwrap();
-    // Replays with new scores written into the captured input buffer: a replay that left the histogram,
-    // counters or arrival counters dirty makes the next replay's answer wrong.
     for replay in 0..4 {
-        if replay > 0 {
-            flat = make(rng);
-            gpu.stream.memcpy_htod(&flat, &mut sd).unwrap();
+        for (r, row) in make(rng).iter().enumerate() {
+            s.flat[r * s.stride..r * s.stride + row.len()].copy_from_slice(row);
         }
-        gpu.fill_bytes(&mut bufs.out_idx, 0xFF).unwrap();
-        gpu.fill_bytes(&mut bufs.out_score, 0xFF).unwrap();
+        gpu.write(&gpu.stream, &mut s.dev, &s.flat).unwrap();
+        rig.out.fill(&gpu.stream, POISON).unwrap();
         graph.launch().unwrap();
-        assert!(
-            stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap(),
-            "seed {seed:#x}: graph replay {replay} ({path:?}) did not finish within 5 s"
-        );
-        let (idx, sc) = topk_result(gpu, &bufs);
-        for (r, &n) in lens.iter().enumerate() {
-            let row = &flat[r * stride..r * stride + n];
-            if let Err(e) = reference::check_topk_exact(row, k, &idx[r * k..(r + 1) * k]) {
-                panic!("seed {seed:#x} ({path:?}) replay {replay} row {r} (num_valid {n}): {e}");
-            }
-            for j in 0..k {
-                let i = idx[r * k + j];
-                let want = if i >= 0 {
-                    reference::canonical_score(row[i as usize])
-                } else {
-                    f32::NEG_INFINITY
-                };
-                assert_eq!(
-                    sc[r * k + j].to_bits(),
-                    want.to_bits(),
-                    "seed {seed:#x} ({path:?}) replay {replay} row {r} position {j}: score {:e} want {want:e}",
-                    sc[r * k + j]
-                );
-            }
-        }
-    }
-    // After the replays an eager call on the same buffers must still be exact (clean buffers).
-    indexer::topk_with(gpu, path, &sd, stride, &nvd, &nv, &mut bufs).unwrap();
-    assert!(stress::wait_watched(gpu, std::time::Duration::from_secs(5)).unwrap());
-    let (idx, _) = topk_result(gpu, &bufs);
-    for (r, &n) in lens.iter().enumerate() {
-        if let Err(e) = reference::check_topk_exact(
-            &flat[r * stride..r * stride + n],
+        let what = format!("{label} graph replay {replay}");
+        wait(gpu, &what);
+        check_topk_of_scores(
+            &what,
+            &s.flat,
+            s.stride,
+            &s.nv,
             k,
-            &idx[r * k..(r + 1) * k],
-        ) {
-            panic!("seed {seed:#x} ({path:?}): eager call after the graph replays, row {r}: {e}");
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// PDL top-k (`TopkPath::Pdl`: the default kernels through their PDL entry points; kernels/indexer.cu "Top-k
-// PDL entry points"). Same kernel bodies, so the outputs must be bit-identical to the default path's.
-// ---------------------------------------------------------------------------------------------------------
-
-#[test]
-fn gpu_topk_pdl_matches_default_and_reference() {
-    let Some(gpu) = gpu_for_test("gpu_topk_pdl_matches_default_and_reference") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_topk_pdl");
-    println!("seed {seed:#x}");
-    for k in [1usize, 512, 2048] {
-        // num_valid 0, 1, 2, k +- 1, 4095 / 4097, 262,144 and more, mixed in one launch; ties, specials,
-        // threshold buckets at the multi-CTA cap. Back-to-back calls on the same buffers: a PDL launch that
-        // let a kernel touch the histogram / counters before its predecessor finished shows up as a wrong
-        // threshold in a later call.
-        let rows = mcta_rows(&mut rng, k.max(2));
-        check_topk_path(
-            &gpu,
-            seed,
-            k,
-            &rows,
-            if k == 512 { 3 } else { 2 },
-            indexer::TopkPath::Pdl,
-        );
-        // The longest rows and the directed buckets alone (more final-pass CTAs per row).
-        check_topk_path(
-            &gpu,
-            seed,
-            k,
-            &rows[rows.len() - 9..],
-            2,
-            indexer::TopkPath::Pdl,
+            &rig.out.download(gpu).unwrap(),
         );
     }
+    let what = format!("{label}: eager call after the graph replays");
+    let got = rig.run(gpu, &what, path, &s);
+    check_topk_of_scores(&what, &s.flat, s.stride, &s.nv, k, &got);
 }
 
 #[test]
-fn gpu_topk_pdl_graph_replay_is_exact() {
-    let Some(gpu) = gpu_for_test("gpu_topk_pdl_graph_replay_is_exact") else {
-        return;
-    };
+#[ignore = "needs an H100/H200"]
+fn gpu_topk_chain_graph_replays_leave_the_workspace_clean() {
+    let gpu = common::gpu("gpu_topk_chain_graph_replays_leave_the_workspace_clean");
+    let (seed, mut rng) = seeded("gpu_topk_chain_graph");
+    check_topk_graph_replays(&gpu, seed, &mut rng, TopkPath::Chain);
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_topk_pdl_graph_replays_leave_the_workspace_clean() {
+    let gpu = common::gpu("gpu_topk_pdl_graph_replays_leave_the_workspace_clean");
     let (seed, mut rng) = seeded("gpu_topk_pdl_graph");
-    println!("seed {seed:#x}");
-    check_topk_graph_replays(&gpu, seed, &mut rng, indexer::TopkPath::Pdl);
+    check_topk_graph_replays(&gpu, seed, &mut rng, TopkPath::Pdl);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// FP8 logits (TMA ring + wgmma)
+// ---------------------------------------------------------------------------------------------------------
+
+/// Random queries over `host` with num_valid `nv`, the FP8 logits into a poisoned buffer, checked against the
+/// f64 reference at every `ref_step`-th visible entry and every tile edge; nothing past n_seq(b) written.
+fn check_fp8_logits(
+    gpu: &megamoe::gpu::Gpu,
+    label: &str,
+    host: &KeyCacheHost,
+    next_n: usize,
+    nv: &[i32],
+    ref_step: usize,
+    rng: &mut ChaCha8Rng,
+) {
+    let (q, w) = random_queries(rng, host.batch * next_n);
+    let cache = KeyCacheGpu::upload(gpu, host).unwrap();
+    let qb = QueryBatch::upload(gpu, host.batch, next_n, &q, &w, nv).unwrap();
+    let label = format!(
+        "{label} next_n {next_n} (batch {}, capacity {})",
+        host.batch, host.capacity
+    );
+    let (got, stride) = logits_poisoned(gpu, &label, &qb, &cache);
+    check_logits_rows(&label, &got, stride, host, &q, &w, next_n, nv, ref_step);
 }
 
 #[test]
-fn gpu_pdl_indexer_run_matches_the_default_run() {
-    let Some(gpu) = gpu_for_test("gpu_pdl_indexer_run_matches_the_default_run") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_pdl_run");
-    println!("seed {seed:#x}");
-    // Whole call (logits, then the PDL top-k whose histogram launch overlaps the logits' tail): the same
-    // indices and scores as the default run, eagerly (two calls back to back on the same buffers) and as a
-    // replayed CUDA graph (bench variant graph_fused_pdl).
-    let lens = [20_000usize, 513, 7_777, 1, 0];
+#[ignore = "needs an H100/H200"]
+fn gpu_fp8_logits_match_the_reference() {
+    let gpu = common::gpu("gpu_fp8_logits_match_the_reference");
+    let (seed, mut rng) = seeded("gpu_fp8_logits");
+    for next_n in [1usize, 2] {
+        // Tile edges; odd capacity 4097 (the per-sequence scale plane is not 16-byte aligned, and the last
+        // sequence's last tile runs past the end of both planes: the TMA zero-fills those rows; earlier
+        // sequences' tails read the next sequence's poisoned slots). Sequence 0 is empty: the CTAs whose first
+        // item lies in it copy and consume that tile but must store nothing.
+        let lens = [0usize, 1, 63, 64, 65, 127, 129, 1000, 4033, 4097];
+        let cap = 4097usize;
+        let mut host = written_cache(&mut rng, KeyFormat::Fp8, &lens, cap);
+        poison_cache_tails(&mut host, &lens);
+        let nv = model_num_valid(&lens, next_n);
+        check_fp8_logits(
+            &gpu,
+            &format!("seed {seed} tile edges"),
+            &host,
+            next_n,
+            &nv,
+            1,
+            &mut rng,
+        );
+
+        // Long mixed rows: each persistent CTA owns several tiles (the 6-7 stage ring wraps many times),
+        // sequence changes inside a CTA's range, empty tiles (sequence 1 has 33 keys of 1094 tiles), the full
+        // e4m3 code range, scales over 2^-12 .. 2^4.
+        let cap = 70_001usize;
+        let lens = [70_001usize, 33, 20_001];
+        let mut host = random_fp8_cache(&mut rng, 3, cap);
+        poison_cache_tails(&mut host, &lens);
+        let nv: Vec<i32> = (0..3 * next_n)
+            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32)
+            .collect();
+        check_fp8_logits(
+            &gpu,
+            &format!("seed {seed} long rows"),
+            &host,
+            next_n,
+            &nv,
+            61,
+            &mut rng,
+        );
+
+        // Many short sequences of different lengths (batch 40: q reloaded often, one CTA sees several
+        // sequences), capacity a multiple of 64 (tails read the next sequence's slots, the last one ends
+        // exactly at the plane's end).
+        let cap = 1_536usize;
+        let lens: Vec<usize> = (0..40).map(|b| [cap, 1, 64, 700, 1_535][b % 5]).collect();
+        let mut host = random_fp8_cache(&mut rng, lens.len(), cap);
+        poison_cache_tails(&mut host, &lens);
+        let nv: Vec<i32> = (0..lens.len() * next_n)
+            .map(|r| lens[r / next_n] as i32)
+            .collect();
+        check_fp8_logits(
+            &gpu,
+            &format!("seed {seed} batch 40"),
+            &host,
+            next_n,
+            &nv,
+            7,
+            &mut rng,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_fp8_logits_nan_policy_and_empty_calls_match_the_reference() {
+    let gpu = common::gpu("gpu_fp8_logits_nan_policy_and_empty_calls_match_the_reference");
+    let (seed, mut rng) = seeded("gpu_fp8_logits_nan");
+    // NaN key codes (0x7F / 0xFF) make every head's dot product NaN -> relu gives 0 -> score 0, as in the
+    // reference (compared as values: the top-k ranks -0 as +0). A NaN fp32 key scale gives a NaN score: the kernel applies the scale after
+    // relu (NaN x 0 = NaN), which the top-k ranks as -inf (module docs); the reference, which folds the scale
+    // into the key values, gives 0 there, so those entries are checked for NaN only. Every other entry is
+    // checked against the f64 reference within LOGITS_TOL. A call with every num_valid 0 writes nothing.
+    let (cap, n) = (300usize, 300usize);
+    let mut host = random_fp8_cache(&mut rng, 2, cap);
+    let mut nan_code = vec![];
+    let mut nan_scale = vec![];
+    for b in 0..2 {
+        for j in (0..n).step_by(7) {
+            let s = host.slot(b, j);
+            host.codes[s * HEAD_DIM + rng.random_range(0..HEAD_DIM)] = [0x7F, 0xFF][j % 2];
+            nan_code.push((b, j));
+        }
+        for j in (3..n).step_by(11) {
+            let s = host.slot(b, j);
+            host.scales[s * 4..s * 4 + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+            nan_scale.push((b, j));
+        }
+    }
+    for next_n in [1usize, 2] {
+        let rows = 2 * next_n;
+        let (q, w) = random_queries(&mut rng, rows);
+        let q_f64 = decode_q(&q);
+        let nv = vec![n as i32; rows];
+        let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+        let qb = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv).unwrap();
+        let label = format!("seed {seed} NaN entries next_n {next_n}");
+        let (sw, stride) = logits_poisoned(&gpu, &label, &qb, &cache);
+        let shape = IndexerShape {
+            batch: 2,
+            next_n,
+            num_valid: nv.clone(),
+        };
+        let want = reference::logits(&shape, &q, &w, &host);
+        for row in 0..rows {
+            let b = row / next_n;
+            for j in 0..n {
+                let got = sw[row * stride + j];
+                if nan_scale.contains(&(b, j)) {
+                    assert!(
+                        got.is_nan(),
+                        "seed {seed} next_n {next_n} row {row} j {j} (NaN scale): got {got:e}, want NaN"
+                    );
+                } else if nan_code.contains(&(b, j)) {
+                    assert!(
+                        got == 0.0 && want[row][j] == 0.0,
+                        "seed {seed} next_n {next_n} row {row} j {j} (NaN code): got {got:e} ({:#010x}), reference \
+                         {:e} ({:#010x}), want 0",
+                        got.to_bits(),
+                        want[row][j],
+                        want[row][j].to_bits()
+                    );
+                } else {
+                    let (r, mag) = ref_score(&q_f64, &w, &host, row, host.slot(b, j));
+                    let err = (got as f64 - r).abs();
+                    assert!(
+                        got.is_finite() && err <= LOGITS_TOL * mag + 1e-30,
+                        "seed {seed} next_n {next_n} row {row} j {j}: got {got:e} ref {r:e} err {err:e} (mag {mag:e})"
+                    );
+                }
+            }
+        }
+        // Every num_valid 0: nothing written.
+        let qb0 = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &vec![0; rows]).unwrap();
+        let (got0, _) = logits_poisoned(&gpu, &format!("{label}, num_valid all 0"), &qb0, &cache);
+        assert!(
+            got0.iter().all(|v| v.to_bits() == u32::MAX),
+            "seed {seed} next_n {next_n}: num_valid all 0 but the logits wrote scores"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_fp8_indexer_selects_the_reference_topk() {
+    let gpu = common::gpu("gpu_fp8_indexer_selects_the_reference_topk");
+    let (seed, mut rng) = seeded("gpu_fp8_topk");
+    let lens = [20_000usize, 513, 7_777];
     let cap = 20_000usize;
     let host = random_fp8_cache(&mut rng, lens.len(), cap);
     let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
-    let pdl_paths = indexer::IndexerPaths {
-        topk: indexer::TopkPath::Pdl,
-        ..Default::default()
-    };
-    let bits =
-        |(i, s): (Vec<i32>, Vec<f32>)| (i, s.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
     for next_n in [1usize, 2] {
         let rows = lens.len() * next_n;
-        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
-            .map(|_| reference::random_e4m3(&mut rng))
-            .collect();
-        let w: Vec<f32> = (0..rows * NUM_HEADS)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let nv: Vec<i32> = (0..rows)
-            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32 * 3)
-            .map(|n| n.max(0))
-            .collect();
+        let (q, w) = random_queries(&mut rng, rows);
+        let q_f64 = decode_q(&q);
+        let nv: Vec<i32> = (0..rows).map(|r| lens[r / next_n] as i32).collect();
         let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
+        // Reference scores and error scales per row (the key_f64 values already include the key scale).
+        let refs_all: Vec<Vec<(f64, f64)>> = (0..rows)
+            .map(|r| {
+                (0..nv[r] as usize)
+                    .map(|j| ref_score(&q_f64, &w, &host, r, host.slot(r / next_n, j)))
+                    .collect()
+            })
+            .collect();
         for k in [512usize, 2048] {
-            let mut def = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            indexer::run(&gpu, &qb, &cache, &mut def).unwrap();
-            assert!(stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap());
-            let want = bits(topk_result(&gpu, &def.topk));
-            // The default run's top-k against the reference on its own scores (so "equal to the default" is
-            // not "equal to a wrong answer").
-            let def_scores = gpu.download(&def.scores).unwrap();
-            let stride = def.score_stride;
+            let label = format!("seed {seed} next_n {next_n} k {k}");
+            let mut rig = IndexerRig::new(&gpu, rows, cap, k);
+            let (scores, (idx, _)) = rig.run(&gpu, &label, TopkPath::Default, &qb, &cache);
+            let stride = cap;
             for r in 0..rows {
                 let n = nv[r] as usize;
-                if let Err(e) = reference::check_topk_exact(
-                    &def_scores[r * stride..r * stride + n],
-                    k,
-                    &want.0[r * k..(r + 1) * k],
-                ) {
-                    panic!("seed {seed:#x} next_n {next_n} k {k} row {r}: default run top-k: {e}");
+                let got = &scores[r * stride..r * stride + n];
+                // Exact on the GPU's own scores (the top-k contract).
+                if let Err(e) = reference::check_topk_exact(got, k, &idx[r * k..(r + 1) * k]) {
+                    panic!("seed {seed} next_n {next_n} k {k} row {r}: {e}");
                 }
-            }
-            let mut pdl = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            for call in 0..2 {
-                gpu.fill_bytes(&mut pdl.topk.out_idx, 0xFF).unwrap();
-                gpu.fill_bytes(&mut pdl.topk.out_score, 0xFF).unwrap();
-                indexer::run_with(&gpu, pdl_paths, &qb, &cache, &mut pdl).unwrap();
-                assert!(
-                    stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-                    "seed {seed:#x} next_n {next_n} k {k} call {call}: PDL run did not finish within 5 s"
-                );
-                let got = bits(topk_result(&gpu, &pdl.topk));
-                if let Some(p) =
-                    (0..got.0.len()).find(|&p| got.0[p] != want.0[p] || got.1[p] != want.1[p])
-                {
-                    panic!(
-                        "seed {seed:#x} next_n {next_n} k {k} call {call}: row {} rank {}: PDL run ({}, {:#010x}) \
-                         vs default run ({}, {:#010x})",
-                        p / k,
-                        p % k,
-                        got.0[p],
-                        got.1[p],
-                        want.0[p],
-                        want.1[p]
+                // Against the f64 reference: every entry clearly above the reference k-th score (by more than
+                // both error bounds) is selected, and nothing clearly below it is.
+                let refs = &refs_all[r];
+                let kk = k.min(n);
+                let mut order: Vec<usize> = (0..n).collect();
+                order.sort_by(|&a, &c| refs[c].0.total_cmp(&refs[a].0).then(a.cmp(&c)));
+                let kth = refs[order[kk - 1]];
+                let max_tol = refs.iter().map(|x| x.1).fold(0.0, f64::max) * LOGITS_TOL;
+                let selected: std::collections::HashSet<i32> =
+                    idx[r * k..r * k + kk].iter().copied().collect();
+                for (j, &(s, _)) in refs.iter().enumerate() {
+                    let sel = selected.contains(&(j as i32));
+                    assert!(
+                        s <= kth.0 + 2.0 * max_tol || sel,
+                        "seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is above the reference k-th \
+                         ({:e}) by more than 2 x {max_tol:e} but not selected",
+                        got[j],
+                        kth.0
                     );
-                }
-            }
-            let graph = gpu
-                .capture(|| indexer::run_with(&gpu, pdl_paths, &qb, &cache, &mut pdl))
-                .unwrap();
-            for replay in 0..3 {
-                gpu.fill_bytes(&mut pdl.topk.out_idx, 0xFF).unwrap();
-                gpu.fill_bytes(&mut pdl.topk.out_score, 0xFF).unwrap();
-                graph.launch().unwrap();
-                assert!(
-                    stress::wait_watched(&gpu, std::time::Duration::from_secs(5)).unwrap(),
-                    "seed {seed:#x} next_n {next_n} k {k}: PDL graph replay {replay} did not finish within 5 s"
-                );
-                let got = bits(topk_result(&gpu, &pdl.topk));
-                if let Some(p) =
-                    (0..got.0.len()).find(|&p| got.0[p] != want.0[p] || got.1[p] != want.1[p])
-                {
-                    panic!(
-                        "seed {seed:#x} next_n {next_n} k {k} graph replay {replay}: row {} rank {}: PDL ({}, \
-                         {:#010x}) vs default run ({}, {:#010x})",
-                        p / k,
-                        p % k,
-                        got.0[p],
-                        got.1[p],
-                        want.0[p],
-                        want.1[p]
+                    assert!(
+                        s >= kth.0 - 2.0 * max_tol || !sel,
+                        "seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is below the reference k-th \
+                         ({:e}) by more than 2 x {max_tol:e} but selected",
+                        got[j],
+                        kth.0
                     );
                 }
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Stress subset and bench hooks
+// ---------------------------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_stress_quick() {
+    let gpu = common::gpu("gpu_stress_quick");
+    let (seed, _) = seeded("gpu_stress_quick");
+    let rep = stress::run_stress(&gpu, &stress::StressOptions::quick(seed)).unwrap();
+    eprintln!("{}", rep.summary());
+    if rep.hung.is_some() {
+        // A hung kernel cannot be cancelled: report and leave without tearing the context down.
+        eprintln!("HANG detected; exiting the test process");
+        std::process::exit(3);
+    }
+    assert!(rep.passed(), "{}", rep.summary());
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_bench_timing_smoke() {
+    use indexer::bench::{bench_inputs, time_variant, traffic_bytes, VARIANTS};
+    let gpu = common::gpu("gpu_bench_timing_smoke");
+    let plan = TimingPlan {
+        warmup: 1,
+        reps: 3,
+        flush_l2: false,
+    };
+    let inp = bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
+    for &v in VARIANTS {
+        let s = time_variant(&gpu, v, &inp, 512, plan).unwrap();
+        assert!(
+            s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
+            "{v}: {:?}",
+            s.total
+        );
+    }
+    assert_eq!(
+        traffic_bytes(&inp, 512).0 as usize,
+        2 * 4096 * 132 + 2 * 64 * 132 + 2 * 4096 * 4
+    );
 }
 
 #[test]
@@ -1483,7 +1667,7 @@ fn bench_config_races_both_top_k_launch_modes() {
             .iter()
             .filter(|s| s.kernel == "indexer")
             .any(|s| {
-                let vars = s.variants_from(indexer::VARIANTS).unwrap();
+                let vars = s.variants_from(indexer::bench::VARIANTS).unwrap();
                 s.axis == axis
                     && s.values.contains(&value)
                     && s.param_u64(fixed.0).unwrap_or(1) == fixed.1
@@ -1520,44 +1704,15 @@ fn bench_config_races_both_top_k_launch_modes() {
 }
 
 #[test]
-fn gpu_stress_quick() {
-    let Some(gpu) = gpu_for_test("gpu_stress_quick") else {
-        return;
-    };
-    let (seed, _) = seeded("gpu_stress_quick");
-    let rep = stress::run_stress(&gpu, &stress::StressOptions::quick(seed)).unwrap();
-    eprintln!("{}", rep.summary());
-    if rep.hung.is_some() {
-        // A hung kernel cannot be cancelled: report and leave without tearing the context down.
-        eprintln!("HANG detected; exiting the test process");
-        std::process::exit(3);
+fn bench_kernel_headline_is_the_routed_call_and_its_baseline() {
+    let all = megamoe::bench::kernels::all();
+    let k = all.iter().find(|k| k.name == "indexer").unwrap();
+    assert_eq!(k.variants, indexer::bench::VARIANTS);
+    for v in ["fused", "graph_fused", "baseline"] {
+        assert!(k.headline.contains(&v) && k.variants.contains(&v), "{v}");
     }
-    assert!(rep.passed(), "{}", rep.summary());
-}
-
-#[test]
-fn gpu_bench_timing_smoke() {
-    let Some(gpu) = gpu_for_test("gpu_bench_timing_smoke") else {
-        return;
-    };
-    let plan = TimingPlan {
-        warmup: 1,
-        reps: 3,
-        flush_l2: false,
-    };
-    let inp = indexer::bench_inputs(&gpu, KeyFormat::Fp8, 2, 1, 4096, 7).unwrap();
-    for &v in indexer::VARIANTS {
-        let s = indexer::time_variant(&gpu, v, &inp, 512, plan).unwrap();
-        assert!(
-            s.total.len() == 3 && s.total.iter().all(|&t| t > 0.0),
-            "{v}: {:?}",
-            s.total
-        );
-    }
-    assert_eq!(
-        indexer::traffic_bytes(&inp, 512).0 as usize,
-        2 * 4096 * 132 + 2 * 64 * 132 + 2 * 4096 * 4
-    );
+    let metrics: Vec<&str> = k.targets.iter().map(|t| t.metric).collect();
+    assert_eq!(metrics, ["us_median", "pct_copy_bw", "speedup_vs_baseline"]);
 }
 
 #[test]
@@ -1758,11 +1913,10 @@ fn exec_indexer_cpu_matches_reference_and_rejects_bad_arguments() {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// FP8 logits on native wgmma through `indexer::logits` (the default FP8 kernel: indexer_logits_fp8tma_n1 / _n2
-// since session 6; the cp.async-rounds kernel indexer_logits_fp8w3_n1 / _n2 has the same tile layout and math).
+// FP8 logits layout identities (CPU)
 // ---------------------------------------------------------------------------------------------------------
 
-/// Mirror of the wgmma logits' shared-memory store (kernels/indexer.cu, logits_wgmma_body): 16-byte chunk `ch`
+/// Mirror of the FP8 logits' shared-memory tile layout (kernels/indexer.cu, "FP8 logits, the wgmma pieces"): 16-byte chunk `ch`
 /// of tile row `r` goes to byte `r * 128 + ((ch ^ (r & 7)) << 4)` of a 1024-aligned tile.
 fn wgmma_tile_offset(r: usize, ch: usize) -> usize {
     r * 128 + ((ch ^ (r & 7)) << 4)
@@ -1790,668 +1944,6 @@ fn wgmma_tile_store_is_the_128b_swizzle_and_a_bijection() {
     }
 }
 
-/// Tolerance of the wgmma logits against the f64 reference, as a fraction of
-/// `mag = scale_j * sum_h |w_h| sum_d |q_hd c_jd|` (c = the key's e4m3 code values).
-/// Products of two e4m3 values are exact. The FP8 tensor core's accumulation is not documented; the measured
-/// behaviour (DeepSeek-V3 on H800: ~14 significant bits) is modelled as: per k32 step, the 32 products and the
-/// accumulator are aligned to the largest exponent and everything below ~2^-13 of the largest term is dropped.
-/// Worst case that is 33 x 2^-13 of the largest term per step (products of one sign whose dropped tails all
-/// add up); with independent signs (all test data) the dropped tails partly cancel, ~sqrt(33) x 2^-13 of the
-/// largest term, so over 4 steps ~2^-9.5 of max |term| <= 2^-9.5 of sum_d |q_hd c_jd|, and in practice far less
-/// (the largest term is a small part of the sum). relu is 1-Lipschitz; the fp32 epilogue (per row: 4 lanes x
-/// 2 chains of 8 fma, 3 adds, the scale multiply) adds < 20 x 2^-24 of mag. The test allows 2^-9 x mag (the
-/// bound gpu_logits_and_topk_match_the_reference uses too) and prints the largest observed err / mag so the
-/// margin is visible.
-const WGMMA_TOL: f64 = 1.0 / 512.0;
-
-/// The f64 score of key `slot` for query row `row` and its error scale `mag` (see WGMMA_TOL).
-fn wgmma_ref_score(
-    q_f64: &[f64],
-    w: &[f32],
-    host: &KeyCacheHost,
-    row: usize,
-    slot: usize,
-) -> (f64, f64) {
-    let k = host.key_f64(slot);
-    let (mut s, mut mag) = (0.0f64, 0.0f64);
-    for h in 0..NUM_HEADS {
-        let qh = &q_f64[(row * NUM_HEADS + h) * HEAD_DIM..(row * NUM_HEADS + h + 1) * HEAD_DIM];
-        let (mut dot, mut abs) = (0.0f64, 0.0f64);
-        for d in 0..HEAD_DIM {
-            dot += qh[d] * k[d];
-            abs += (qh[d] * k[d]).abs();
-        }
-        let wh = w[row * NUM_HEADS + h] as f64;
-        s += wh * reference::relu(dot);
-        mag += wh.abs() * abs;
-    }
-    (s, mag)
-}
-
-/// A key cache with arbitrary non-NaN e4m3 codes (the whole code range, subnormals included) and positive
-/// fp32 scales spread over 2^-12 .. 2^4.
-fn random_fp8_cache(rng: &mut ChaCha8Rng, batch: usize, cap: usize) -> KeyCacheHost {
-    let mut host = KeyCacheHost::new(KeyFormat::Fp8, batch, cap);
-    for c in host.codes.iter_mut() {
-        *c = loop {
-            let v: u8 = rng.random();
-            if v & 0x7F != 0x7F {
-                break v;
-            }
-        };
-    }
-    for s in host.scales.chunks_exact_mut(4) {
-        let v = f32::powf(2.0, rng.random_range(-12.0f32..4.0));
-        s.copy_from_slice(&v.to_le_bytes());
-    }
-    host
-}
-
-/// Runs the default logits (FP8 keys: the wgmma kernel) on a poisoned buffer and checks every j < n_seq(b) (the
-/// longest row of sequence b: the kernel writes the whole sequence range for each of its rows) against the f64
-/// reference within WGMMA_TOL, and everything past n_seq(b) still poisoned. Prints the max err / mag.
-fn check_wgmma_logits(
-    gpu: &megamoe::gpu::Gpu,
-    label: &str,
-    host: &KeyCacheHost,
-    next_n: usize,
-    nv: &[i32],
-    rng: &mut ChaCha8Rng,
-) {
-    let batch = host.batch;
-    let rows = batch * next_n;
-    let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
-        .map(|_| reference::random_e4m3(rng))
-        .collect();
-    let w: Vec<f32> = (0..rows * NUM_HEADS)
-        .map(|_| rng.random_range(-1.0f32..1.0))
-        .collect();
-    let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
-    let cache = KeyCacheGpu::upload(gpu, host).unwrap();
-    let qb = QueryBatch::upload(gpu, batch, next_n, &q, &w, nv).unwrap();
-    let stride = host.capacity.next_multiple_of(4) + 4; // room past the capacity: must stay poisoned
-    let mut out = gpu.poisoned::<f32>(rows * stride, 0xFF).unwrap();
-    indexer::logits(gpu, &qb, &cache, &mut out, stride).unwrap();
-    let got = gpu.download(&out).unwrap();
-    let mut worst_ref = 0.0f64;
-    for b in 0..batch {
-        let n_seq = (0..next_n)
-            .map(|t| nv[b * next_n + t].max(0) as usize)
-            .max()
-            .unwrap()
-            .min(host.capacity);
-        for t in 0..next_n {
-            let row = b * next_n + t;
-            for j in 0..stride {
-                let gw = got[row * stride + j];
-                if j >= n_seq {
-                    assert_eq!(
-                        gw.to_bits(),
-                        u32::MAX,
-                        "{label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wrote {gw:e} past the visible entries"
-                    );
-                    continue;
-                }
-                let (want, mag) = wgmma_ref_score(&q_f64, &w, host, row, host.slot(b, j));
-                let err = (gw as f64 - want).abs();
-                assert!(
-                    gw.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
-                    "{label} next_n {next_n} row {row} (n_seq {n_seq}) j {j}: wgmma {gw:e} ref {want:e} \
-                     err {err:e} = {:.3e} x mag (mag {mag:e}, tol {WGMMA_TOL:e} x mag)",
-                    err / mag.max(1e-300)
-                );
-                if mag > 0.0 {
-                    worst_ref = worst_ref.max(err / mag);
-                }
-            }
-        }
-    }
-    println!(
-        "{label} next_n {next_n}: max |wgmma - ref| / mag = {worst_ref:.3e} (2^{:.2})",
-        worst_ref.max(1e-300).log2()
-    );
-}
-
-#[test]
-fn gpu_wgmma_logits_match_the_reference() {
-    let Some(gpu) = gpu_for_test("gpu_wgmma_logits_match_the_reference") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_wgmma_logits");
-    println!("seed {seed}");
-    for next_n in [1usize, 2] {
-        // Writer-made keys (amplitudes 0.05 .. 20), lengths around the 64-key tile; capacity 4097 (odd: the
-        // per-sequence scale plane is not 16-byte aligned).
-        let lens = [0usize, 1, 63, 65, 127, 129, 1000, 4097];
-        let cap = 4097usize;
-        let mut host = KeyCacheHost::new(KeyFormat::Fp8, lens.len(), cap);
-        for (b, &n) in lens.iter().enumerate() {
-            for j in 0..n {
-                let amp = [0.05f32, 1.0, 20.0][rng.random_range(0..3)];
-                host.write_key(host.slot(b, j), &random_key(&mut rng, amp))
-                    .unwrap();
-            }
-        }
-        // next_n = 2: the first token sees one entry fewer (as in the model), so n_seq(b) = lens[b].
-        let nv: Vec<i32> = (0..lens.len() * next_n)
-            .map(|r| (lens[r / next_n] as i32 - (next_n - 1 - r % next_n) as i32).max(0))
-            .collect();
-        check_wgmma_logits(&gpu, "tile edges", &host, next_n, &nv, &mut rng);
-
-        // Long mixed rows: many tiles per persistent CTA (the ring wraps), sequence changes inside a CTA's
-        // range, empty tiles (sequence 1 has 33 keys of 1094 tiles), the full e4m3 code range.
-        let cap = 70_001usize;
-        let host = random_fp8_cache(&mut rng, 3, cap);
-        let lens = [70_001usize, 33, 20_001];
-        let nv: Vec<i32> = (0..3 * next_n)
-            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32)
-            .collect();
-        check_wgmma_logits(&gpu, "long rows", &host, next_n, &nv, &mut rng);
-    }
-}
-
-#[test]
-fn gpu_wgmma_logits_nan_policy_matches_the_reference() {
-    let Some(gpu) = gpu_for_test("gpu_wgmma_logits_nan_policy_matches_the_reference") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_wgmma_nan");
-    println!("seed {seed}");
-    // NaN key codes (0x7F / 0xFF) make every head's dot product NaN -> relu gives 0 -> score 0, as in the
-    // reference (compared as values: the top-k ranks -0 as +0). A NaN fp32 key scale gives a NaN score: the kernel applies the scale after
-    // relu (NaN x 0 = NaN), which the top-k ranks as -inf (module docs); the reference, which folds the scale
-    // into the key values, gives 0 there, so those entries are checked for NaN only. Every other entry is
-    // checked against the f64 reference within WGMMA_TOL.
-    let (cap, n) = (300usize, 300usize);
-    let mut host = random_fp8_cache(&mut rng, 2, cap);
-    let mut nan_code = vec![];
-    let mut nan_scale = vec![];
-    for b in 0..2 {
-        for j in (0..n).step_by(7) {
-            let s = host.slot(b, j);
-            host.codes[s * HEAD_DIM + rng.random_range(0..HEAD_DIM)] = [0x7F, 0xFF][j % 2];
-            nan_code.push((b, j));
-        }
-        for j in (3..n).step_by(11) {
-            let s = host.slot(b, j);
-            host.scales[s * 4..s * 4 + 4].copy_from_slice(&f32::NAN.to_le_bytes());
-            nan_scale.push((b, j));
-        }
-    }
-    for next_n in [1usize, 2] {
-        let rows = 2 * next_n;
-        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
-            .map(|_| reference::random_e4m3(&mut rng))
-            .collect();
-        let w: Vec<f32> = (0..rows * NUM_HEADS)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
-        let nv = vec![n as i32; rows];
-        let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
-        let qb = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv).unwrap();
-        let mut out = gpu.poisoned::<f32>(rows * cap, 0xFF).unwrap();
-        indexer::logits(&gpu, &qb, &cache, &mut out, cap).unwrap();
-        let sw = gpu.download(&out).unwrap();
-        let shape = IndexerShape {
-            batch: 2,
-            next_n,
-            num_valid: nv.clone(),
-        };
-        let want = reference::logits(&shape, &q, &w, &host);
-        for row in 0..rows {
-            let b = row / next_n;
-            for j in 0..n {
-                let got = sw[row * cap + j];
-                if nan_scale.contains(&(b, j)) {
-                    assert!(
-                        got.is_nan(),
-                        "seed {seed} next_n {next_n} row {row} j {j} (NaN scale): got {got:e}, want NaN"
-                    );
-                } else if nan_code.contains(&(b, j)) {
-                    assert!(
-                        got == 0.0 && want[row][j] == 0.0,
-                        "seed {seed} next_n {next_n} row {row} j {j} (NaN code): got {got:e} ({:#010x}), reference \
-                         {:e} ({:#010x}), want 0",
-                        got.to_bits(),
-                        want[row][j],
-                        want[row][j].to_bits()
-                    );
-                } else {
-                    let (r, mag) = wgmma_ref_score(&q_f64, &w, &host, row, host.slot(b, j));
-                    let err = (got as f64 - r).abs();
-                    assert!(
-                        got.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
-                        "seed {seed} next_n {next_n} row {row} j {j}: got {got:e} ref {r:e} err {err:e} (mag {mag:e})"
-                    );
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn gpu_wgmma_indexer_selects_the_reference_topk() {
-    let Some(gpu) = gpu_for_test("gpu_wgmma_indexer_selects_the_reference_topk") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_wgmma_topk");
-    println!("seed {seed}");
-    let lens = [20_000usize, 513, 7_777];
-    let cap = 20_000usize;
-    let host = random_fp8_cache(&mut rng, lens.len(), cap);
-    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
-    for next_n in [1usize, 2] {
-        let rows = lens.len() * next_n;
-        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
-            .map(|_| reference::random_e4m3(&mut rng))
-            .collect();
-        let w: Vec<f32> = (0..rows * NUM_HEADS)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
-        let nv: Vec<i32> = (0..rows).map(|r| lens[r / next_n] as i32).collect();
-        let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
-        // Reference scores and error scales per row (the key_f64 values already include the key scale).
-        let refs_all: Vec<Vec<(f64, f64)>> = (0..rows)
-            .map(|r| {
-                (0..nv[r] as usize)
-                    .map(|j| wgmma_ref_score(&q_f64, &w, &host, r, host.slot(r / next_n, j)))
-                    .collect()
-            })
-            .collect();
-        for k in [512usize, 2048] {
-            let mut bufs = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            indexer::run(&gpu, &qb, &cache, &mut bufs).unwrap();
-            let scores = gpu.download(&bufs.scores).unwrap();
-            let idx = gpu.download(&bufs.topk.out_idx).unwrap();
-            let stride = bufs.score_stride;
-            for r in 0..rows {
-                let n = nv[r] as usize;
-                let got = &scores[r * stride..r * stride + n];
-                // Exact on the GPU's own scores (the top-k contract).
-                if let Err(e) = reference::check_topk_exact(got, k, &idx[r * k..(r + 1) * k]) {
-                    panic!("seed {seed} next_n {next_n} k {k} row {r}: {e}");
-                }
-                // Against the f64 reference: every entry clearly above the reference k-th score (by more than
-                // both error bounds) is selected, and nothing clearly below it is.
-                let refs = &refs_all[r];
-                let kk = k.min(n);
-                let mut order: Vec<usize> = (0..n).collect();
-                order.sort_by(|&a, &c| refs[c].0.total_cmp(&refs[a].0).then(a.cmp(&c)));
-                let kth = refs[order[kk - 1]];
-                let max_tol = refs.iter().map(|x| x.1).fold(0.0, f64::max) * WGMMA_TOL;
-                let selected: std::collections::HashSet<i32> =
-                    idx[r * k..r * k + kk].iter().copied().collect();
-                for (j, &(s, _)) in refs.iter().enumerate() {
-                    let sel = selected.contains(&(j as i32));
-                    assert!(
-                        s <= kth.0 + 2.0 * max_tol || sel,
-                        "seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is above the reference k-th \
-                         ({:e}) by more than 2 x {max_tol:e} but not selected",
-                        got[j],
-                        kth.0
-                    );
-                    assert!(
-                        s >= kth.0 - 2.0 * max_tol || !sel,
-                        "seed {seed} next_n {next_n} k {k} row {r}: j {j} (ref {s:e}, gpu {:e}) is below the reference k-th \
-                         ({:e}) by more than 2 x {max_tol:e} but selected",
-                        got[j],
-                        kth.0
-                    );
-                }
-            }
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// FP8 logits v6 (TMA ring, `Fp8LogitsKernel::TmaRing`, the default since session 6): same wgmma sequence and
-// epilogue as the cp.async-rounds kernel (bench `*_rounds*`), so their scores must be bit-identical; also
-// checked against the f64 reference (WGMMA_TOL) so the two cannot be wrong together unnoticed.
-// ---------------------------------------------------------------------------------------------------------
-
-/// Logits of `kernel` on a buffer poisoned with 0xFF (stride = capacity rounded up + 4, so the columns past the
-/// capacity must stay poisoned too). Prints `label` and the kernel before the launch and synchronizes right
-/// after it, so a device fault (which kills the context for every later test) names its case.
-fn logits_of(
-    gpu: &megamoe::gpu::Gpu,
-    label: &str,
-    qb: &QueryBatch,
-    cache: &KeyCacheGpu,
-    kernel: indexer::Fp8LogitsKernel,
-) -> (Vec<f32>, usize) {
-    let stride = cache.capacity.next_multiple_of(4) + 4;
-    let mut out = gpu.poisoned::<f32>(qb.rows() * stride, 0xFF).unwrap();
-    println!("launch {kernel:?}: {label}");
-    indexer::logits_with(gpu, qb, cache, &mut out, stride, kernel)
-        .unwrap_or_else(|e| panic!("{label}: {kernel:?} launch: {e:#}"));
-    gpu.synchronize()
-        .unwrap_or_else(|e| panic!("{label}: {kernel:?} kernel failed on the device: {e:#}"));
-    (gpu.download(&out).unwrap(), stride)
-}
-
-/// Runs both FP8 logits kernels and requires the whole output buffers (poisoned columns included) to be
-/// bit-identical (two NaNs count as equal: the top-k ranks every NaN as -inf), then checks the TMA kernel's
-/// scores against the f64 reference at every `ref_step`-th visible entry and at every tile edge, and that
-/// nothing past n_seq(b) was written. Prints the largest err / mag seen.
-#[allow(clippy::too_many_arguments)]
-fn check_tma_logits(
-    gpu: &megamoe::gpu::Gpu,
-    seed: u64,
-    label: &str,
-    host: &KeyCacheHost,
-    next_n: usize,
-    nv: &[i32],
-    ref_step: usize,
-    rng: &mut ChaCha8Rng,
-) {
-    let batch = host.batch;
-    let rows = batch * next_n;
-    let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
-        .map(|_| reference::random_e4m3(rng))
-        .collect();
-    let w: Vec<f32> = (0..rows * NUM_HEADS)
-        .map(|_| rng.random_range(-1.0f32..1.0))
-        .collect();
-    let q_f64: Vec<f64> = q.iter().map(|&c| e4m3::decode(c) as f64).collect();
-    let cache = KeyCacheGpu::upload(gpu, host).unwrap();
-    let qb = QueryBatch::upload(gpu, batch, next_n, &q, &w, nv).unwrap();
-    let ctx = format!(
-        "seed {seed} {label} next_n {next_n} (batch {batch}, capacity {})",
-        host.capacity
-    );
-    let (want, stride) = logits_of(
-        gpu,
-        &ctx,
-        &qb,
-        &cache,
-        indexer::Fp8LogitsKernel::CpAsyncRounds,
-    );
-    let (got, _) = logits_of(gpu, &ctx, &qb, &cache, indexer::Fp8LogitsKernel::TmaRing);
-    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
-    if let Some(i) = (0..got.len()).find(|&i| !same(got[i], want[i])) {
-        let mismatches = (0..got.len()).filter(|&i| !same(got[i], want[i])).count();
-        panic!(
-            "{ctx}: TMA logits differ from the cp.async kernel at row {} j {}: tma {:e} ({:#010x}) vs {:e} \
-             ({:#010x}); {mismatches} mismatching floats of {}",
-            i / stride,
-            i % stride,
-            got[i],
-            got[i].to_bits(),
-            want[i],
-            want[i].to_bits(),
-            got.len()
-        );
-    }
-    let mut worst = 0.0f64;
-    let mut checked = 0usize;
-    for b in 0..batch {
-        let n_seq = (0..next_n)
-            .map(|t| nv[b * next_n + t].max(0) as usize)
-            .max()
-            .unwrap()
-            .min(host.capacity);
-        for t in 0..next_n {
-            let row = b * next_n + t;
-            for j in 0..stride {
-                let g = got[row * stride + j];
-                if j >= n_seq {
-                    assert_eq!(
-                        g.to_bits(),
-                        u32::MAX,
-                        "{ctx} row {row} (n_seq {n_seq}) j {j}: wrote {g:e} past the visible entries"
-                    );
-                    continue;
-                }
-                let edge = j % 64 == 0 || j % 64 == 63 || j + 1 == n_seq;
-                if !(edge || j % ref_step == 0) {
-                    continue;
-                }
-                let (r, mag) = wgmma_ref_score(&q_f64, &w, host, row, host.slot(b, j));
-                let err = (g as f64 - r).abs();
-                assert!(
-                    g.is_finite() && err <= WGMMA_TOL * mag + 1e-30,
-                    "{ctx} row {row} (n_seq {n_seq}) j {j}: tma {g:e} ref {r:e} err {err:e} = {:.3e} x mag \
-                     (mag {mag:e}, tol {WGMMA_TOL:e} x mag)",
-                    err / mag.max(1e-300)
-                );
-                if mag > 0.0 {
-                    worst = worst.max(err / mag);
-                }
-                checked += 1;
-            }
-        }
-    }
-    println!(
-        "{ctx}: bit-identical to the cp.async kernel; {checked} entries vs the reference, max err / mag = {worst:.3e}"
-    );
-}
-
-/// Fill every cache slot at or past `lens[b]` of sequence b with NaN codes and NaN scales (0xFF bytes): the TMA
-/// kernel copies whole 64-row tiles, so the rows past num_valid it loads must never reach a stored score.
-fn poison_cache_tails(host: &mut KeyCacheHost, lens: &[usize]) {
-    for (b, &n) in lens.iter().enumerate() {
-        for j in n..host.capacity {
-            let s = host.slot(b, j);
-            host.codes[s * HEAD_DIM..(s + 1) * HEAD_DIM].fill(0xFF);
-            host.scales[s * 4..s * 4 + 4].fill(0xFF);
-        }
-    }
-}
-
-#[test]
-fn gpu_tma_logits_are_bit_identical_to_the_default_and_match_the_reference() {
-    let Some(gpu) =
-        gpu_for_test("gpu_tma_logits_are_bit_identical_to_the_default_and_match_the_reference")
-    else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_tma_logits");
-    println!("seed {seed}");
-    for next_n in [1usize, 2] {
-        // Tile edges; odd capacity 4097 (the last sequence's last tile runs past the end of both planes: the
-        // TMA zero-fills those rows; earlier sequences' tails read the next sequence's poisoned slots). Sequence
-        // 0 is empty: the CTAs whose first item lies in it copy and consume that tile but must store nothing.
-        let lens = [0usize, 1, 63, 64, 65, 127, 129, 1000, 4033, 4097];
-        let cap = 4097usize;
-        let mut host = KeyCacheHost::new(KeyFormat::Fp8, lens.len(), cap);
-        for (b, &n) in lens.iter().enumerate() {
-            for j in 0..n {
-                let amp = [0.05f32, 1.0, 20.0][rng.random_range(0..3)];
-                host.write_key(host.slot(b, j), &random_key(&mut rng, amp))
-                    .unwrap();
-            }
-        }
-        poison_cache_tails(&mut host, &lens);
-        // next_n = 2: the first token sees one entry fewer, so n_seq(b) = lens[b].
-        let nv: Vec<i32> = (0..lens.len() * next_n)
-            .map(|r| (lens[r / next_n] as i32 - (next_n - 1 - r % next_n) as i32).max(0))
-            .collect();
-        check_tma_logits(&gpu, seed, "tile edges", &host, next_n, &nv, 1, &mut rng);
-
-        // Long mixed rows: each persistent CTA owns several tiles (the 6-7 stage ring wraps many times),
-        // sequence changes inside a CTA's range, empty tiles (sequence 1 has 33 keys of 1094 tiles), the full
-        // e4m3 code range, scales over 2^-12 .. 2^4.
-        let cap = 70_001usize;
-        let lens = [70_001usize, 33, 20_001];
-        let mut host = random_fp8_cache(&mut rng, 3, cap);
-        poison_cache_tails(&mut host, &lens);
-        let nv: Vec<i32> = (0..3 * next_n)
-            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32)
-            .collect();
-        check_tma_logits(&gpu, seed, "long rows", &host, next_n, &nv, 61, &mut rng);
-
-        // Many short sequences of different lengths (batch 40: q reloaded often, one CTA sees several
-        // sequences), capacity a multiple of 64 (tails read the next sequence's slots, the last one ends
-        // exactly at the plane's end).
-        let cap = 1_536usize;
-        let lens: Vec<usize> = (0..40).map(|b| [cap, 1, 64, 700, 1_535][b % 5]).collect();
-        let mut host = random_fp8_cache(&mut rng, lens.len(), cap);
-        poison_cache_tails(&mut host, &lens);
-        let nv: Vec<i32> = (0..lens.len() * next_n)
-            .map(|r| lens[r / next_n] as i32)
-            .collect();
-        check_tma_logits(&gpu, seed, "batch 40", &host, next_n, &nv, 7, &mut rng);
-    }
-}
-
-#[test]
-fn gpu_tma_logits_nan_entries_and_empty_calls_match_the_default() {
-    let Some(gpu) = gpu_for_test("gpu_tma_logits_nan_entries_and_empty_calls_match_the_default")
-    else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_tma_logits_nan");
-    println!("seed {seed}");
-    // NaN key codes (score 0) and NaN key scales (NaN score) inside the visible range: both kernels apply the
-    // same operations to them, so the outputs agree bit for bit (NaN counted equal to NaN).
-    let (cap, n) = (300usize, 300usize);
-    let mut host = random_fp8_cache(&mut rng, 2, cap);
-    for b in 0..2 {
-        for j in (0..n).step_by(7) {
-            let s = host.slot(b, j);
-            host.codes[s * HEAD_DIM + rng.random_range(0..HEAD_DIM)] = [0x7F, 0xFF][j % 2];
-        }
-        for j in (3..n).step_by(11) {
-            let s = host.slot(b, j);
-            host.scales[s * 4..s * 4 + 4].copy_from_slice(&f32::NAN.to_le_bytes());
-        }
-    }
-    for next_n in [1usize, 2] {
-        let nv = vec![n as i32; 2 * next_n];
-        let rows = 2 * next_n;
-        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
-            .map(|_| reference::random_e4m3(&mut rng))
-            .collect();
-        let w: Vec<f32> = (0..rows * NUM_HEADS)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
-        let qb = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv).unwrap();
-        let ctx = format!("seed {seed} NaN entries next_n {next_n} (batch 2, capacity {cap})");
-        let (want, stride) = logits_of(
-            &gpu,
-            &ctx,
-            &qb,
-            &cache,
-            indexer::Fp8LogitsKernel::CpAsyncRounds,
-        );
-        let (got, _) = logits_of(&gpu, &ctx, &qb, &cache, indexer::Fp8LogitsKernel::TmaRing);
-        let mut nans = 0;
-        for i in 0..got.len() {
-            let (a, b) = (got[i], want[i]);
-            nans += usize::from(a.is_nan() && (i % stride) < n);
-            assert!(
-                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                "seed {seed} next_n {next_n} row {} j {}: tma {a:e} ({:#010x}) vs default {b:e} ({:#010x})",
-                i / stride,
-                i % stride,
-                a.to_bits(),
-                b.to_bits()
-            );
-        }
-        assert!(
-            nans > 0,
-            "seed {seed} next_n {next_n}: the NaN-scale entries produced no NaN score"
-        );
-
-        // Every num_valid 0: nothing launched, nothing written.
-        let nv0 = vec![0i32; 2 * next_n];
-        let qb0 = QueryBatch::upload(&gpu, 2, next_n, &q, &w, &nv0).unwrap();
-        let ctx0 = format!("seed {seed} num_valid all 0 next_n {next_n}");
-        let (got0, _) = logits_of(&gpu, &ctx0, &qb0, &cache, indexer::Fp8LogitsKernel::TmaRing);
-        assert!(
-            got0.iter().all(|v| v.to_bits() == u32::MAX),
-            "seed {seed} next_n {next_n}: num_valid all 0 but the TMA logits wrote scores"
-        );
-    }
-}
-
-#[test]
-fn gpu_indexer_run_along_every_path_matches_the_default_run() {
-    let Some(gpu) = gpu_for_test("gpu_indexer_run_along_every_path_matches_the_default_run") else {
-        return;
-    };
-    let (seed, mut rng) = seeded("gpu_tma_run");
-    println!("seed {seed}");
-    // Whole call (logits + top-k) along every kernel path: the FP8 logits kernels are bit-identical and the
-    // top-k paths deterministic, so the index and score outputs must agree exactly with the default run; the
-    // default run's top-k is checked exact against the reference on its own scores.
-    let lens = [20_000usize, 513, 7_777, 1];
-    let cap = 20_000usize;
-    let host = random_fp8_cache(&mut rng, lens.len(), cap);
-    let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
-    for next_n in [1usize, 2] {
-        let rows = lens.len() * next_n;
-        let q: Vec<u8> = (0..rows * NUM_HEADS * HEAD_DIM)
-            .map(|_| reference::random_e4m3(&mut rng))
-            .collect();
-        let w: Vec<f32> = (0..rows * NUM_HEADS)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let nv: Vec<i32> = (0..rows)
-            .map(|r| lens[r / next_n] as i32 - (r % next_n) as i32 * 3)
-            .map(|n| n.max(0))
-            .collect();
-        let qb = QueryBatch::upload(&gpu, lens.len(), next_n, &q, &w, &nv).unwrap();
-        for k in [512usize, 2048] {
-            // Each call is labelled before it is enqueued and synchronized after it, so a device fault names
-            // its case.
-            let ctx = format!("seed {seed} next_n {next_n} k {k} (capacity {cap})");
-            let synced = |what: &str| {
-                gpu.synchronize()
-                    .unwrap_or_else(|e| panic!("{ctx}: {what} failed on the device: {e:#}"))
-            };
-            let mut def = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-            println!("launch default run: {ctx}");
-            indexer::run(&gpu, &qb, &cache, &mut def).unwrap();
-            synced("default run");
-            let (di, ds) = topk_result(&gpu, &def.topk);
-            let def_scores = gpu.download(&def.scores).unwrap();
-            let stride = def.score_stride;
-            for r in 0..rows {
-                let n = nv[r] as usize;
-                if let Err(e) = reference::check_topk_exact(
-                    &def_scores[r * stride..r * stride + n],
-                    k,
-                    &di[r * k..(r + 1) * k],
-                ) {
-                    panic!("seed {seed} next_n {next_n} k {k} row {r}: default run top-k: {e}");
-                }
-            }
-            use indexer::{Fp8LogitsKernel as L, TopkPath as T};
-            for (logits, topk) in [
-                (L::CpAsyncRounds, T::Chain), // the session-5 default
-                (L::CpAsyncRounds, T::Default),
-                (L::TmaRing, T::Chain),
-                (L::TmaRing, T::Pdl),
-            ] {
-                let paths = indexer::IndexerPaths { logits, topk };
-                let mut alt = IndexerBuffers::new(&gpu, rows, cap, k).unwrap();
-                println!("launch {paths:?} run: {ctx}");
-                indexer::run_with(&gpu, paths, &qb, &cache, &mut alt).unwrap();
-                synced(&format!("{paths:?} run"));
-                let (ti, ts) = topk_result(&gpu, &alt.topk);
-                for (r, &n) in nv.iter().enumerate() {
-                    for i in r * k..(r + 1) * k {
-                        assert!(
-                            ti[i] == di[i] && ts[i].to_bits() == ds[i].to_bits(),
-                            "seed {seed} next_n {next_n} k {k} row {r} (n {n}) rank {}: {paths:?} run ({}, {:e}) \
-                             vs default run ({}, {:e})",
-                            i - r * k,
-                            ti[i],
-                            ts[i],
-                            di[i],
-                            ds[i]
-                        );
-                    }
-                }
-            }
-        }
-    }
-}
-
 /// The TMA logits' scale box (Rust mirror of the kernel's `slot0 & ~3` / `slot0 & 3`): the TMA faults
 /// (CUDA_ERROR_ILLEGAL_INSTRUCTION, seen on the H200 with capacity 4097) unless a box's first element is 16-byte
 /// aligned in global memory. Exhaustive over every tile start slot of planes up to 2^20 entries: the box starts
@@ -2472,46 +1964,4 @@ fn tma_scale_boxes_start_16_byte_aligned_and_hold_the_tile() {
     // boundary, so a box starting at slot0 itself is misaligned.
     assert_ne!((4097 * 4) % 16, 0);
     assert_eq!(indexer::tma_scale_box_start(4097), (4096, 1));
-}
-
-#[test]
-fn bench_config_races_the_session5_default_next_to_fused_at_the_issue_points() {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/bench-configs/indexer.toml"
-    ))
-    .unwrap();
-    let cfg = megamoe::bench::config::SweepConfig::from_toml_str(&text).unwrap();
-    // The TMA ring is the default FP8 logits kernel since session 6; the previous default (cp.async rounds +
-    // the three-launch top-k, "fused_rounds_chain") and the forced chain ("fused_chain") stay raced beside it.
-    assert_eq!(
-        indexer::Fp8LogitsKernel::default(),
-        indexer::Fp8LogitsKernel::TmaRing
-    );
-    for v in ["fused", "fused_chain", "fused_pdl", "fused_rounds_chain"] {
-        assert!(indexer::VARIANTS.contains(&v), "{v}");
-    }
-    let races = |axis: &str, value: u64, ctx_or_batch: (&str, u64), next_n: u64| {
-        cfg.sweeps
-            .iter()
-            .filter(|s| s.kernel == "indexer")
-            .any(|s| {
-                let vars = s.variants_from(indexer::VARIANTS).unwrap();
-                s.axis == axis
-                    && s.values.contains(&value)
-                    && s.param_u64(ctx_or_batch.0).unwrap_or(1) == ctx_or_batch.1
-                    && s.param_u64("next_n").unwrap_or(1) == next_n
-                    && (!s.has_param("format") || s.param_str("format").unwrap() == "fp8")
-                    && vars.iter().any(|v| v == "fused")
-                    && vars.iter().any(|v| v == "fused_rounds_chain")
-            })
-    };
-    assert!(races("ctx", 1_048_576, ("batch", 1), 1), "1M ctx, batch 1");
-    assert!(races("batch", 16, ("ctx", 1_048_576), 1), "batch 16 @ 1M");
-    assert!(races("batch", 32, ("ctx", 1_048_576), 1), "batch 32 @ 1M");
-    assert!(races("batch", 16, ("ctx", 65_536), 1), "batch 16 @ 64K");
-    assert!(
-        races("ctx", 1_048_576, ("batch", 16), 2),
-        "next_n 2, batch 16 @ 1M"
-    );
 }

@@ -112,3 +112,20 @@ pub fn fill<T>(stream: &Stream, b: &DevBuf<T>, pattern: u8) -> Result<()> {
     };
     super::drv(r, "memset of a workspace buffer")
 }
+
+/// Copy a carved buffer back to the host (waits for `stream`): what a test or a tool reads a workspace with.
+pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    stream: &Stream,
+    b: &DevBuf<T>,
+) -> Result<Vec<T>> {
+    let mut host = vec![T::default(); b.len()];
+    if host.is_empty() {
+        return Ok(host);
+    }
+    let r = unsafe {
+        cudarc::driver::result::memcpy_dtoh_async(&mut host, b.device_addr(), stream.cu_stream())
+    };
+    super::drv(r, "device->host copy of a workspace buffer")?;
+    super::drv(stream.synchronize(), "stream synchronize")?;
+    Ok(host)
+}

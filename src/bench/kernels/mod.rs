@@ -2,6 +2,8 @@
 //! measures one point. Each family's adapter (sweep parameters -> the family's measurement hook in
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
+pub mod indexer;
+
 use super::runner::BenchKernel;
 
 /// Every kernel the sweep runner knows. A kernel family adds its entries here.
@@ -11,6 +13,6 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(crate::ops::norm_quant::bench::kernels());
     v.extend(crate::ops::moe_gemm::bench::kernels());
     v.extend(crate::ops::sparse_attn::bench_kernels());
-    v.extend(crate::ops::indexer::bench::kernels());
+    v.extend(indexer::kernels());
     v
 }

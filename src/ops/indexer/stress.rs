@@ -8,8 +8,8 @@
 //! except after the event reported completion.
 //!
 //! Paths under test (`StressOptions::topk_paths`): the three-launch top-k chain (histogram -> CTA-aggregated
-//! threshold select -> indexer_topk4_final_mcta: multi-CTA rank by counting, with a one-CTA radix-select /
-//! bitonic fallback for threshold buckets above TOPK4_BUCKET_CAP) with plain launches and through its PDL entry
+//! threshold select -> indexer_topk_final: multi-CTA rank by counting, with a one-CTA radix-select /
+//! bitonic fallback for threshold buckets above TOPK_BUCKET_CAP) with plain launches and through its PDL entry
 //! points, and (quick subset) the routed default [`super::topk`]: every case of (A) runs each listed path against
 //! the CPU reference. (B) runs the default [`super::run`] (FP8: TMA-ring wgmma logits; MXFP4: the e4m3 mma.sync
 //! kernels) end to end against the reference, then every other listed top-k path on the GPU's own scores, which
@@ -37,7 +37,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
-use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TopkBuffers, TopkPath};
+use super::{IndexerWorkspace, KeyCacheGpu, QueryBatch, TopkOutput, TopkPath, TopkWorkspace};
+use crate::gpu::arena::{self, Arena};
 use crate::gpu::Gpu;
 
 /// What to run.
@@ -263,12 +264,16 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
     let nv: Vec<i32> = rows.iter().map(|r| r.len() as i32).collect();
     let scores = gpu.upload(&flat)?;
     let nv_dev = gpu.upload(&nv)?;
-    let mut bufs = TopkBuffers::new(gpu, rows.len(), k, max_n)?;
+    let stream = &gpu.stream;
+    let mut arena = Arena::new(gpu, TopkWorkspace::workspace_bytes(rows.len(), k, stride))?;
+    let ws = TopkWorkspace::carve(&mut arena, stream, rows.len(), k, stride)?;
+    let mut out = TopkOutput::new(gpu, rows.len(), k)?;
     for path in cx.opts.topk_paths.clone() {
         // Poisoned outputs: a position a path fails to write cannot pass on the previous path's answer.
-        gpu.fill_bytes(&mut bufs.out_idx, 0xFF)?;
-        gpu.fill_bytes(&mut bufs.out_score, 0xFF)?;
-        if let Err(e) = super::topk_with(gpu, path, &scores, stride, &nv_dev, &nv, &mut bufs) {
+        out.fill(stream, 0xFF)?;
+        if let Err(e) = super::topk_with(
+            gpu, stream, path, &scores, &nv_dev, &ws, &out.idx, &out.score,
+        ) {
             // A launch a path refuses is a failure of that path; the other paths are still tested.
             cx.fail(&format!("{label} {path:?} k={k} launch"), format!("{e:#}"));
             continue;
@@ -282,8 +287,7 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
         if !cx.watch(&what)? {
             return Ok(false);
         }
-        let idx = gpu.download(&bufs.out_idx)?;
-        let sc = gpu.download(&bufs.out_score)?;
+        let (idx, sc) = out.download(gpu)?;
         for (r, row) in rows.iter().enumerate() {
             cx.rep.cases += 1;
             if let Err(e) = check_row(row, k, &idx[r * k..(r + 1) * k], &sc[r * k..(r + 1) * k]) {
@@ -298,15 +302,15 @@ fn topk_group(cx: &mut Ctx, label: &str, rows: &[Vec<f32>], k: usize) -> Result<
 }
 
 fn special_lengths(k: usize, max: usize) -> Vec<usize> {
-    // 32,768 = the chunk size of the removed chunked top-k (v1): its edges stay in the length set.
+    // Powers of two and their neighbours (32,768 = 2^15 and multiples): block and chunk boundaries of any top-k.
     let c = 32_768;
     let mut v = vec![
         k - 1,
         k,
         k + 1,
         2 * k + 1,
-        // Top-k v2: slice edges of the histogram / select CTAs (4096 entries) and the final pass's shared-memory
-        // capacity for the threshold bucket (16384 composites; the all-equal pattern puts a whole row there).
+        // Slice edges of the histogram / select CTAs (4096 entries), and 16,384 composites (the all-equal
+        // pattern puts a whole row in the threshold bucket: far past the final pass's shared-memory bucket).
         4095,
         4097,
         8191,
@@ -413,7 +417,8 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
     }
     let mut cache = KeyCacheGpu::filled(gpu, format, batch, capacity, 0xFF)?;
     let raw_dev = gpu.upload(&raw)?;
-    super::write_keys(gpu, &mut cache, &raw_dev, &slots)?;
+    let slots_dev = cache.upload_slots(gpu, &slots)?;
+    super::write_keys(gpu, &gpu.stream, &mut cache, &raw_dev, &slots_dev)?;
     if !cx.watch(&format!("{label}: key writer, {} keys", slots.len()))? {
         return Ok(false);
     }
@@ -447,15 +452,17 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
         .map(|r| (lens[r / next_n] as i64 - (next_n - 1 - r % next_n) as i64).max(0) as i32)
         .collect();
     let q = QueryBatch::upload(gpu, batch, next_n, &q_codes, &w, &nv)?;
-    let mut bufs = IndexerBuffers::new(gpu, rows, capacity, k)?;
-    super::run(gpu, &q, &cache, &mut bufs)?;
+    let stream = &gpu.stream;
+    let mut arena = Arena::new(gpu, IndexerWorkspace::workspace_bytes(rows, capacity, k))?;
+    let ws = IndexerWorkspace::carve(&mut arena, stream, rows, capacity, k)?;
+    let mut out = TopkOutput::new(gpu, rows, k)?;
+    super::run(gpu, stream, &q, &cache, &ws, &out.idx, &out.score)?;
     if !cx.watch(&format!("{label}: logits + top-k, num_valid {nv:?}"))? {
         return Ok(false);
     }
-    let scores = gpu.download(&bufs.scores)?;
-    let idx = gpu.download(&bufs.topk.out_idx)?;
-    let tsc = gpu.download(&bufs.topk.out_score)?;
-    let stride = bufs.score_stride;
+    let scores = arena::download(stream, &ws.scores)?;
+    let (idx, tsc) = out.download(gpu)?;
+    let stride = ws.score_stride;
     let shape = IndexerShape {
         batch,
         next_n,
@@ -516,16 +523,16 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
         if path == TopkPath::Default {
             continue;
         }
-        gpu.fill_bytes(&mut bufs.topk.out_idx, 0xFF)?;
-        gpu.fill_bytes(&mut bufs.topk.out_score, 0xFF)?;
+        out.fill(stream, 0xFF)?;
         if let Err(e) = super::topk_with(
             gpu,
+            stream,
             path,
-            &bufs.scores,
-            stride,
+            &ws.scores,
             &q.num_valid,
-            &q.num_valid_host,
-            &mut bufs.topk,
+            &ws.topk,
+            &out.idx,
+            &out.score,
         ) {
             cx.fail(&format!("{label} {path:?} top-k launch"), format!("{e:#}"));
             continue;
@@ -533,8 +540,7 @@ fn stress_e2e(cx: &mut Ctx, format: KeyFormat, next_n: usize, k: usize) -> Resul
         if !cx.watch(&format!("{label}: {path:?} top-k on the GPU scores"))? {
             return Ok(false);
         }
-        let idx = gpu.download(&bufs.topk.out_idx)?;
-        let tsc = gpu.download(&bufs.topk.out_score)?;
+        let (idx, tsc) = out.download(gpu)?;
         cx.rep.cases += 1;
         if let Some(p) = (0..rows * k)
             .find(|&p| idx[p] != default_idx[p] || tsc[p].to_bits() != default_sc[p].to_bits())

@@ -1,11 +1,12 @@
-//! `megamoe exec indexer`: logits + top-k on user tensors (GPU: the default kernels, [`super::run`]; `--cpu`: the f64 reference
+//! `megamoe exec indexer`: logits + top-k on user tensors (GPU: the routed kernels, [`super::run`]; `--cpu`: the f64 reference
 //! logits rounded to f32, then the reference top-k of those scores).
 
 use anyhow::{ensure, Result};
 use safetensors::Dtype;
 
 use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NUM_HEADS};
-use super::{IndexerBuffers, KeyCacheGpu, QueryBatch, TOPK_MAX_K};
+use super::{IndexerWorkspace, KeyCacheGpu, QueryBatch, TopkOutput, TOPK_MAX_K};
+use crate::gpu::arena::Arena;
 use crate::gpu::Gpu;
 use crate::ops::exec::{input, ExecKernel, HostTensor, TensorMap};
 
@@ -15,11 +16,16 @@ const NAME: &str = "indexer";
 pub fn exec_kernels() -> Vec<ExecKernel> {
     vec![ExecKernel {
         name: NAME,
-        doc: "in: q U8|F8_E4M3 [rows, 64, 128] (e4m3, Hadamard-rotated, no NaN code), w F32 [rows, 64] (q scale folded in, finite), \
-              num_valid I32 [rows] (0..=capacity), key_codes U8|F8_E4M3 [batch, capacity, 128] (FP8 keys) or U8 [batch, capacity, 64] (MXFP4, \
-              dim 2i in the low nibble), key_scales F32 [batch, capacity] (FP8) or U8 [batch, capacity, 4] (MXFP4 ue8m0), k I32 [1] (1..=2048); \
-              rows = batch * next_n, next_n in {1, 2}. out: scores F32 [rows, capacity] (-inf past num_valid), \
-              indices I32 [rows, k] (score desc, lower index first on ties, then -1), top_scores F32 [rows, k] (-inf on padding)",
+        doc: "in: q U8|F8_E4M3 [rows, 64, 128] (e4m3 codes, Hadamard-rotated like the keys, no NaN code 0x7F/0xFF), \
+              w F32 [rows, 64] (per-head weights with the q scale folded in, all finite), \
+              num_valid I32 [rows] (visible entries per row, each 0..=capacity), \
+              key_codes U8|F8_E4M3 [batch, capacity, 128] (FP8 keys, e4m3) or U8 [batch, capacity, 64] (MXFP4 keys, \
+              e2m1 with dim 2i in the low nibble; the last axis picks the format), \
+              key_scales F32 [batch, capacity] (FP8) or U8 [batch, capacity, 4] (MXFP4 ue8m0, one per 32 dims), \
+              k I32 [1] (1..=2048). Shapes: batch >= 1, capacity >= 1, rows = batch * next_n with next_n in {1, 2} \
+              (row b * next_n + t is token t of sequence b). \
+              out: scores F32 [rows, capacity] (-inf past num_valid), indices I32 [rows, k] (score desc, lower index \
+              first on ties, then -1), top_scores F32 [rows, k] (-inf on padding)",
         run: run_exec,
     }]
 }
@@ -147,18 +153,17 @@ fn run_exec(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                 &a.w,
                 &a.shape.num_valid,
             )?;
-            let mut bufs = IndexerBuffers::new(g, rows, cap, k)?;
-            super::run(g, &qb, &cache, &mut bufs)?;
-            let s = g.download(&bufs.scores)?;
+            let stream = &g.stream;
+            let mut arena = Arena::new(g, IndexerWorkspace::workspace_bytes(rows, cap, k))?;
+            let ws = IndexerWorkspace::carve(&mut arena, stream, rows, cap, k)?;
+            let out = TopkOutput::new(g, rows, k)?;
+            super::run(g, stream, &qb, &cache, &ws, &out.idx, &out.score)?;
+            let s = crate::gpu::arena::download(stream, &ws.scores)?;
             for r in 0..rows {
                 let n = a.shape.num_valid[r] as usize;
-                scores[r * cap..r * cap + n]
-                    .copy_from_slice(&s[r * bufs.score_stride..r * bufs.score_stride + n]);
+                scores[r * cap..r * cap + n].copy_from_slice(&s[r * cap..r * cap + n]);
             }
-            (
-                g.download(&bufs.topk.out_idx)?,
-                g.download(&bufs.topk.out_score)?,
-            )
+            out.download(g)?
         }
         None => {
             let want = reference::logits(&a.shape, &a.q, &a.w, &a.cache);
