@@ -2,6 +2,8 @@
 //! measures one point. Each family's adapter (sweep parameters -> the family's measurement hook in
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
+pub mod sparse_attn;
+
 use super::runner::BenchKernel;
 
 /// Every kernel the sweep runner knows. A kernel family adds its entries here.
@@ -10,7 +12,7 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(crate::ops::nvfp4::bench::kernels());
     v.extend(crate::ops::norm_quant::bench::kernels());
     v.extend(crate::ops::moe_gemm::bench::kernels());
-    v.extend(crate::ops::sparse_attn::bench_kernels());
+    v.extend(sparse_attn::kernels());
     v.extend(crate::ops::indexer::bench::kernels());
     v
 }
