@@ -162,8 +162,7 @@ pub fn time_point(
     let path = path_of(variant)?;
     let split = SplitPlan::for_path(gpu.info.sm_count as usize, &shape, path);
     let mut out = gpu.zeros::<bf16>(batch * heads * HEAD_DIM)?;
-    let (_arena, ws) =
-        DecodeWorkspace::with_arena(gpu, &shape, split, path == Path::Bf16Staging)?;
+    let (_arena, ws) = DecodeWorkspace::with_arena(gpu, &shape, split, path == Path::Bf16Staging)?;
     let stream = gpu.stream.clone();
     let samples_us = gpu.time_us(plan, || {
         decode(gpu, &stream, path, &shape, &inp, &ws, &mut out)

@@ -512,7 +512,10 @@ pub fn decode(
         Some(match combine_for(path, plan.n_splits) {
             Combine::WarpPerHead => (
                 gpu.kernel(FAMILY, COMBINE_WARP_PER_HEAD)?,
-                Launch::new(((shape.heads / 8) as u32, shape.batch as u32, 1), (256, 1, 1)),
+                Launch::new(
+                    ((shape.heads / 8) as u32, shape.batch as u32, 1),
+                    (256, 1, 1),
+                ),
             ),
             Combine::HeadsPerThread => {
                 let (k, hpt) = heads_per_thread(plan.n_splits);
