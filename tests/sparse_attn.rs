@@ -779,16 +779,15 @@ fn gpu_combines_bit_identical_and_match_reference() {
     }
 }
 
-/// One `path` call captured in a CUDA graph on a second stream at the capacity shape (`stride` = window 128 +
-/// the most compressed candidates), replayed `lengths_per_replay.len()` times. Before each replay the device
+/// One `path` call captured in a CUDA graph on a second stream at the capacity shape (`heads`, `stride` = window
+/// 128 + the most compressed candidates), replayed `lengths_per_replay.len()` times. Before each replay the device
 /// lengths, candidate lists, positions and q are rewritten in place with `Gpu::write`, the output and split
 /// partials poisoned; every replay's output is checked against the CPU reference of that replay's inputs.
 fn check_graph_replays(
     test: &str,
     gpu: &Gpu,
     rng: &mut rand_chacha::ChaCha8Rng,
-    heads: usize,
-    stride: usize,
+    (heads, stride): (usize, usize),
     path: Path,
     tiles_per_split: Option<usize>,
     lengths_per_replay: &[Vec<usize>],
@@ -810,6 +809,7 @@ fn check_graph_replays(
         let inp = dp.inputs();
         // One plain call first: it resolves the kernels (module lookups stay out of the capture) and is checked
         // like a replay below (replay 0 reruns the same inputs).
+        ws.poison_partials(&stream).unwrap();
         decode(gpu, &stream, path, &shape, &inp, &ws, &mut out).unwrap();
         stream.synchronize().unwrap();
         let got = gpu.download(&out).unwrap();
@@ -875,7 +875,7 @@ fn gpu_decode_graph_replays_with_changed_device_inputs() {
             (Path::Bf16Staging, None),
         ];
         for (path, t) in runs {
-            check_graph_replays(test, &gpu, &mut rng, heads, stride, path, t, &replays);
+            check_graph_replays(test, &gpu, &mut rng, (heads, stride), path, t, &replays);
         }
     }
 }
