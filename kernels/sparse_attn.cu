@@ -6,6 +6,10 @@
 // list row holds pool indices (-1 = invalid). Entries are only 8-byte aligned (584 = 8 * 73), so every
 // global access to an entry is 8 bytes wide.
 //
+// One translation unit of ~1250 lines: the FP8 kernel, the BF16 baseline and the merges share the entry
+// constants, the online softmax, the finish / inverse RoPE pieces and the split-partial layout, and the bit-identity
+// of the two merges and of the two finish paths rests on them being the same code.
+//
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec);
 //                                  the slots are read on the device, an out-of-pool slot (-1) skips its vector.
@@ -834,10 +838,10 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_gather_bf16(__nv_b
 // Split-KV merge: o = (sum_s 2^(lse_s - M) o_s) / (sum_s 2^(lse_s - M) + 2^(sink*log2e - M)), then inverse RoPE
 // at the query position, BF16. A (sequence, head) with no valid candidate in any split gets o = 0.
 // grid (heads/8, batch), block 256: one warp per head, lane l owns dims [16l, 16l+16).
-extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine_warp_per_head(__nv_bfloat16* out, const float* part_o,
-                                                                      const float* part_lse, const float* sinks,
-                                                                      const int* positions, const float* freqs,
-                                                                      int heads, int n_splits) {
+extern "C" __global__ void __launch_bounds__(256)
+    sparse_attn_combine_warp_per_head(__nv_bfloat16* out, const float* part_o, const float* part_lse,
+                                      const float* sinks, const int* positions, const float* freqs, int heads,
+                                      int n_splits) {
     const int b = blockIdx.y;
     const int h = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;

@@ -1,6 +1,9 @@
 //! sparse_attn: CPU tests of the reference (entry codec, candidate sets, RoPE, attention with sink, FP8 vs
 //! BF16 precision), of the split plans, routing and bench config, of `megamoe exec`; GPU tests of every kernel
 //! against the reference (`#[ignore]`d: run with `--include-ignored` on an H100/H200).
+//!
+//! One file over 800 lines because it is one test crate: the CPU mirrors of the kernels' identities, the
+//! routing pins and the GPU checks share the fixtures of `tests/common/sparse_attn.rs` and one build.
 
 mod common;
 
@@ -602,7 +605,7 @@ fn gpu_decode_fp8_pipeline_edges() {
 // the two merges bit for bit equal.
 // ---------------------------------------------------------------------------------------------------------
 
-/// Path::Fp8 `calls` times on one workspace (outputs and split partials poisoned before every call, so a call
+/// Path::Fp8 `calls` times on one workspace (output and workspace poisoned before every call, so a call
 /// can only pass with what it wrote itself): every call's output within tolerance of the CPU reference `r` at
 /// every element, and every call after the first bit-identical to the first. Returns the first call's output.
 fn check_fp8_calls(
@@ -622,7 +625,7 @@ fn check_fp8_calls(
     let stream = gpu.stream.clone();
     let mut first: Option<Vec<bf16>> = None;
     for call in 0..calls {
-        ws.poison_partials(&stream).unwrap();
+        ws.poison(&stream).unwrap();
         let mut out = gpu.poisoned::<bf16>(n, common::POISON).unwrap();
         decode(gpu, &stream, Path::Fp8, &shape, &inp, &ws, &mut out).unwrap();
         let got = gpu.download(&out).unwrap();
@@ -781,8 +784,8 @@ fn gpu_combines_bit_identical_and_match_reference() {
 
 /// One `path` call captured in a CUDA graph on a second stream at the capacity shape (`heads`, `stride` = window
 /// 128 + the most compressed candidates), replayed `lengths_per_replay.len()` times. Before each replay the device
-/// lengths, candidate lists, positions and q are rewritten in place with `Gpu::write`, the output and split
-/// partials poisoned; every replay's output is checked against the CPU reference of that replay's inputs.
+/// lengths, candidate lists, positions and q are rewritten in place with `Gpu::write`, the output and
+/// workspace poisoned; every replay's output is checked against the CPU reference of that replay's inputs.
 fn check_graph_replays(
     test: &str,
     gpu: &Gpu,
@@ -809,7 +812,7 @@ fn check_graph_replays(
         let inp = dp.inputs();
         // One plain call first: it resolves the kernels (module lookups stay out of the capture) and is checked
         // like a replay below (replay 0 reruns the same inputs).
-        ws.poison_partials(&stream).unwrap();
+        ws.poison(&stream).unwrap();
         decode(gpu, &stream, path, &shape, &inp, &ws, &mut out).unwrap();
         stream.synchronize().unwrap();
         let got = gpu.download(&out).unwrap();
@@ -830,7 +833,7 @@ fn check_graph_replays(
             dp.write_step(gpu, &stream, &hp);
         }
         fill_bytes_on(&stream, &mut out, common::POISON).unwrap();
-        ws.poison_partials(&stream).unwrap();
+        ws.poison(&stream).unwrap();
         graph.launch().unwrap();
         stream.synchronize().unwrap();
         let got = gpu.download(&out).unwrap();

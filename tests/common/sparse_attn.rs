@@ -264,7 +264,7 @@ impl DeviceProblem {
     }
 }
 
-/// One call of `path` on a fresh workspace for `plan` on the GPU's stream, output and split partials poisoned
+/// One call of `path` on a fresh workspace for `plan` on the GPU's stream, output and workspace poisoned
 /// (0xFF = NaN) first, so the result holds only what this call wrote.
 pub fn run_poisoned(
     gpu: &Gpu,
@@ -276,7 +276,7 @@ pub fn run_poisoned(
     let (_arena, ws) =
         DecodeWorkspace::with_arena(gpu, shape, plan, path == Path::Bf16Staging).unwrap();
     let stream = gpu.stream.clone();
-    ws.poison_partials(&stream).unwrap();
+    ws.poison(&stream).unwrap();
     let mut out = gpu
         .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, POISON)
         .unwrap();

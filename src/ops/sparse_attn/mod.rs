@@ -379,14 +379,18 @@ impl DecodeWorkspace {
     pub fn shape(&self) -> DecodeShape {
         self.shape
     }
-    /// Fill the split partials with the byte 0xFF (NaN) on `stream`: tests use it to show that a call reads only
-    /// partials it wrote itself. No-op without splits.
-    pub fn poison_partials(&self, stream: &Stream) -> Result<()> {
+    /// Fill every buffer of the workspace (split partials, staging) with the byte 0xFF (NaN) on `stream`: tests use
+    /// it to show that a call reads only what it wrote itself (the baseline's attention kernel reads exactly the
+    /// staging rows its gather wrote: valid candidates below the length).
+    pub fn poison(&self, stream: &Stream) -> Result<()> {
         if let Some(o) = &self.part_o {
             arena::fill(stream, o, 0xFF)?;
         }
         if let Some(l) = &self.part_lse {
             arena::fill(stream, l, 0xFF)?;
+        }
+        if let Some(st) = &self.staging {
+            arena::fill(stream, st, 0xFF)?;
         }
         Ok(())
     }
