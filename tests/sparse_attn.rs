@@ -1177,12 +1177,8 @@ fn workspace_bytes_for_a_shape() {
     use megamoe::gpu::arena::ALIGN;
     use megamoe::ops::sparse_attn::workspace_bytes;
     let round = |b: usize| b.div_ceil(ALIGN) * ALIGN;
-    let s = DecodeShape {
-        batch: 3,
-        heads: 128,
-        stride: 1152,
-        n_entries: 10,
-    };
+    let s = DecodeShape::for_capacity(3, 128, 1024, 10);
+    assert_eq!(s.stride, 1152, "Pro CSA: 128 window + top-1024");
     let one = SplitPlan::with_tiles_per_split(&s, 1000).unwrap();
     assert_eq!(one.n_splits, 1);
     assert_eq!(workspace_bytes(&s, one, false), 0);

@@ -78,6 +78,22 @@ pub struct DecodeShape {
 }
 
 impl DecodeShape {
+    /// The capacity shape of a decode step: candidate rows of [`WINDOW`] + `max_compressed` entries (the sliding
+    /// window and the most compressed entries a query may select: top-k for CSA, ctx / 128 at the longest context
+    /// for HCA). A graph captured at this shape replays with any per-query lengths up to the stride.
+    pub fn for_capacity(
+        batch: usize,
+        heads: usize,
+        max_compressed: usize,
+        n_entries: usize,
+    ) -> DecodeShape {
+        DecodeShape {
+            batch,
+            heads,
+            stride: WINDOW + max_compressed,
+            n_entries,
+        }
+    }
     pub fn validate(&self) -> Result<()> {
         ensure!(self.batch >= 1, "batch must be at least 1");
         ensure!(
