@@ -21,10 +21,10 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
         name: EXEC_NAME,
         doc: "DSV4 decode attention over FP8 KV entries with sink and inverse RoPE (the routed path: \
               sparse_attn_decode_fp8, plus a split combine when the plan splits). Inputs: `q` BF16 [B, H, 512] \
-              (finite; RoPE at the query position already on dims 448..512; 1 <= B <= 65535; H a positive multiple \
-              of 64), `pool` U8 [N, 584] (formats::kv entries; N >= 1 on the GPU), `candidates` I32 [B, S] (S >= 1; pool indices in 0..N, -1 = \
-              invalid), `lengths` I32 [B] (0..=S: the first lengths[b] candidates of row b are used), \
-              `positions` I32 [B] (query position, >= 0), `sinks` F32 [H] (not NaN), `freqs` F32 [32] (the \
+              (finite; RoPE at the query position already on dims 448..512; 1 <= B <= 65535; H a positive multiple of \
+              64), `pool` U8 [N, 584] (formats::kv entries; N >= 1 on the GPU), `candidates` I32 [B, S] (S >= 1; pool \
+              indices in 0..N, -1 = invalid), `lengths` I32 [B] (0..=S: the first lengths[b] candidates of row b are \
+              used), `positions` I32 [B] (query position, >= 0), `sinks` F32 [H] (not NaN), `freqs` F32 [32] (the \
               layer's RoPE frequencies, finite). Output: `out` BF16 [B, H, 512] (inverse RoPE applied to dims \
               448..512; a query with no valid candidate gives 0).",
         run,
