@@ -15,6 +15,7 @@ use half::bf16;
 use megamoe::formats::{e4m3, ue8m0};
 use megamoe::gpu::timing::capture_on;
 use megamoe::gpu::{fill_bytes_on, Gpu};
+use megamoe::ops::sparse_attn::bench::{baseline_plan, Variant};
 use megamoe::ops::sparse_attn::reference::{
     self, build_candidates, decode_attention, decode_entry, encode_entry, precision_per_head,
     rope_freqs, rope_rotate, visible_compressed, window_positions, CompressedSelection,
@@ -25,6 +26,9 @@ use megamoe::ops::sparse_attn::{
     PlanCosts, SplitPlan, ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW,
 };
 use rand::Rng;
+
+/// The routed path as a bench variant (what the fixtures run).
+const FP8: Variant = Variant::Path(Path::Fp8);
 
 // =========================================================================================================
 // CPU tests
@@ -473,9 +477,9 @@ fn gpu_kv_writer_matches_codec_and_skips_unused_slots() {
     }
 }
 
-/// Tiles per split of [`SplitPlan::auto`] (the baseline's plan) for a host problem on this GPU.
+/// Tiles per split of [`baseline_plan`] for a host problem on this GPU.
 fn auto_tiles_per_split(gpu: &Gpu, hp: &HostProblem) -> usize {
-    SplitPlan::auto(gpu.info.sm_count as usize, &hp.shape()).tiles_per_split
+    baseline_plan(gpu.info.sm_count as usize, &hp.shape()).tiles_per_split
 }
 
 /// The routed FP8 path against the reference: lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro
@@ -487,17 +491,17 @@ fn gpu_decode_fp8_matches_reference() {
     let gpu = common::gpu(test);
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152], true);
-    check_path("fp8 h64 single-split", &gpu, &hp, Path::Fp8, Some(1000));
-    check_path("fp8 h64 split by 2 tiles", &gpu, &hp, Path::Fp8, Some(2));
-    check_path("fp8 h64 own plan", &gpu, &hp, Path::Fp8, None);
-    check_path("fp8 h64 one tile per split", &gpu, &hp, Path::Fp8, Some(1));
+    check_path("fp8 h64 single-split", &gpu, &hp, FP8, Some(1000));
+    check_path("fp8 h64 split by 2 tiles", &gpu, &hp, FP8, Some(2));
+    check_path("fp8 h64 own plan", &gpu, &hp, FP8, None);
+    check_path("fp8 h64 one tile per split", &gpu, &hp, FP8, Some(1));
     let t = auto_tiles_per_split(&gpu, &hp);
-    check_path("fp8 h64 baseline plan", &gpu, &hp, Path::Fp8, Some(t));
+    check_path("fp8 h64 baseline plan", &gpu, &hp, FP8, Some(t));
     let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0], true);
-    check_path("fp8 h128 single-split", &gpu, &hp, Path::Fp8, Some(1000));
-    check_path("fp8 h128 own plan", &gpu, &hp, Path::Fp8, None);
+    check_path("fp8 h128 single-split", &gpu, &hp, FP8, Some(1000));
+    check_path("fp8 h128 own plan", &gpu, &hp, FP8, None);
     let t = auto_tiles_per_split(&gpu, &hp);
-    check_path("fp8 h128 baseline plan", &gpu, &hp, Path::Fp8, Some(t));
+    check_path("fp8 h128 baseline plan", &gpu, &hp, FP8, Some(t));
 }
 
 /// 128 heads with lengths off the tile grid (65, 300) next to the Flash and Pro CSA lengths, under both the
@@ -509,15 +513,9 @@ fn gpu_decode_fp8_h128_mixed_lengths() {
     let gpu = common::gpu(test);
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 65, 300], true);
-    check_path("fp8 h128 mixed own plan", &gpu, &hp, Path::Fp8, None);
+    check_path("fp8 h128 mixed own plan", &gpu, &hp, FP8, None);
     let t = auto_tiles_per_split(&gpu, &hp);
-    check_path(
-        "fp8 h128 mixed baseline plan",
-        &gpu,
-        &hp,
-        Path::Fp8,
-        Some(t),
-    );
+    check_path("fp8 h128 mixed baseline plan", &gpu, &hp, FP8, Some(t));
 }
 
 /// HCA at 1M context (128 window + 8192 compressed = 8320 candidates) under split-KV.
@@ -528,16 +526,10 @@ fn gpu_decode_fp8_long_hca_split_kv() {
     let gpu = common::gpu(test);
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
-    check_path("fp8 hca 8320 own plan", &gpu, &hp, Path::Fp8, None);
+    check_path("fp8 hca 8320 own plan", &gpu, &hp, FP8, None);
     let t = auto_tiles_per_split(&gpu, &hp);
-    check_path("fp8 hca 8320 baseline plan", &gpu, &hp, Path::Fp8, Some(t));
-    check_path(
-        "fp8 hca 8320 split 16 tiles",
-        &gpu,
-        &hp,
-        Path::Fp8,
-        Some(16),
-    );
+    check_path("fp8 hca 8320 baseline plan", &gpu, &hp, FP8, Some(t));
+    check_path("fp8 hca 8320 split 16 tiles", &gpu, &hp, FP8, Some(16));
 }
 
 /// The BF16-staging baseline against its reference (BF16 q), and the FP8 path's output within cosine 0.999 of
@@ -549,15 +541,15 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
     let gpu = common::gpu(test);
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[640, 0, 129, 1], true);
-    let (b16, _) = check_path("bf16 staging h64", &gpu, &hp, Path::Bf16Staging, None);
+    let (b16, _) = check_path("bf16 staging h64", &gpu, &hp, Variant::Bf16Staging, None);
     check_path(
         "bf16 staging h64 split 2",
         &gpu,
         &hp,
-        Path::Bf16Staging,
+        Variant::Bf16Staging,
         Some(2),
     );
-    let (fp8, _) = check_path("fp8 h64 (precision)", &gpu, &hp, Path::Fp8, None);
+    let (fp8, _) = check_path("fp8 h64 (precision)", &gpu, &hp, FP8, None);
     let r = precision_per_head(&fp8, &b16);
     println!(
         "GPU FP8 vs GPU BF16 staging per head: min cosine {:.6}, max rel err {:.4e} (row {})",
@@ -570,7 +562,7 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
         r.worst_row
     );
     let hp = HostProblem::random(&mut rng, 128, &[1152, 300], true);
-    check_path("bf16 staging h128", &gpu, &hp, Path::Bf16Staging, None);
+    check_path("bf16 staging h128", &gpu, &hp, Variant::Bf16Staging, None);
 }
 
 /// The FP8 path at the edges of its pipeline: tile edges (0, 1, 127, 129), lists of 4, 10 and 18 tiles, so that
@@ -590,13 +582,13 @@ fn gpu_decode_fp8_pipeline_edges() {
         ("own plan", None),
         ("one tile per split", Some(1)),
     ] {
-        check_path(&format!("fp8 h64 {label}"), &gpu, &hp, Path::Fp8, t);
+        check_path(&format!("fp8 h64 {label}"), &gpu, &hp, FP8, t);
     }
     let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
-    check_path("fp8 h128 single-split", &gpu, &hp, Path::Fp8, Some(1000));
-    check_path("fp8 h128 own plan", &gpu, &hp, Path::Fp8, None);
+    check_path("fp8 h128 single-split", &gpu, &hp, FP8, Some(1000));
+    check_path("fp8 h128 own plan", &gpu, &hp, FP8, None);
     let t = auto_tiles_per_split(&gpu, &hp);
-    check_path("fp8 h128 baseline plan", &gpu, &hp, Path::Fp8, Some(t));
+    check_path("fp8 h128 baseline plan", &gpu, &hp, FP8, Some(t));
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -665,7 +657,7 @@ fn all_plans(gpu: &Gpu, hp: &HostProblem) -> Vec<(String, SplitPlan)> {
             "fitted costs".to_string(),
             SplitPlan::by_cost(sms, &shape, &PlanCosts::FITTED),
         ),
-        ("auto (baseline)".to_string(), SplitPlan::auto(sms, &shape)),
+        ("baseline".to_string(), baseline_plan(sms, &shape)),
     ];
     for t in [1, 2, 3] {
         plans.push((
@@ -686,7 +678,7 @@ fn gpu_decode_fp8_every_split_plan() {
     let hp64 = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true);
     let hp128 = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
     for hp in [&hp64, &hp128] {
-        let r = hp.reference(Path::Fp8);
+        let r = hp.reference(FP8);
         for (name, plan) in all_plans(&gpu, hp) {
             let label = format!("h{} {name}", hp.heads);
             check_fp8_calls(&label, &gpu, hp, &r, plan, 2);
@@ -706,7 +698,7 @@ fn gpu_decode_fp8_long_hca_many_splits() {
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
     let shape = hp.shape();
-    let r = hp.reference(Path::Fp8);
+    let r = hp.reference(FP8);
     for t in [1usize, 16, 33] {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
         check_fp8_calls(&format!("hca 8320 split {t} tiles"), &gpu, &hp, &r, plan, 2);
@@ -735,7 +727,7 @@ fn gpu_combines_bit_identical_and_match_reference() {
     for heads in [64usize, 128] {
         let hp = HostProblem::random(&mut rng, heads, &lengths, true);
         let shape = hp.shape();
-        let r = hp.reference(Path::Fp8);
+        let r = hp.reference(FP8);
         let dp = DeviceProblem::upload(&gpu, &hp);
         let mut plans = vec![
             (
@@ -747,7 +739,7 @@ fn gpu_combines_bit_identical_and_match_reference() {
                 SplitPlan::by_cost(sms, &shape, &PlanCosts::FITTED),
             ),
             ("routed".to_string(), SplitPlan::fp8(sms, &shape)),
-            ("auto".to_string(), SplitPlan::auto(sms, &shape)),
+            ("baseline".to_string(), baseline_plan(sms, &shape)),
         ];
         for t in [1usize, 2, 3, 16, 17, 26, 33, 44, 65, 1000] {
             plans.push((
@@ -757,9 +749,21 @@ fn gpu_combines_bit_identical_and_match_reference() {
         }
         for (name, plan) in plans {
             let label = format!("h{heads} {name} {plan:?}");
-            let warp = run_poisoned(&gpu, &dp, &shape, plan, Path::Fp8WarpPerHeadCombine);
-            let hpt = run_poisoned(&gpu, &dp, &shape, plan, Path::Fp8HeadsPerThreadCombine);
-            let routed = run_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
+            let warp = run_poisoned(
+                &gpu,
+                &dp,
+                &shape,
+                plan,
+                Variant::Path(Path::Fp8WarpPerHeadCombine),
+            );
+            let hpt = run_poisoned(
+                &gpu,
+                &dp,
+                &shape,
+                plan,
+                Variant::Path(Path::Fp8HeadsPerThreadCombine),
+            );
+            let routed = run_poisoned(&gpu, &dp, &shape, plan, FP8);
             assert_bf16_within_reference(
                 &format!("{label}: heads-per-thread merge vs reference"),
                 &shape,
@@ -791,7 +795,7 @@ fn check_graph_replays(
     gpu: &Gpu,
     rng: &mut rand_chacha::ChaCha8Rng,
     (heads, stride): (usize, usize),
-    path: Path,
+    v: Variant,
     tiles_per_split: Option<usize>,
     lengths_per_replay: &[Vec<usize>],
 ) {
@@ -799,11 +803,10 @@ fn check_graph_replays(
     let shape = hp.shape();
     let plan = match tiles_per_split {
         Some(t) => SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
-        None => SplitPlan::for_path(gpu.info.sm_count as usize, &shape, path),
+        None => v.plan(gpu.info.sm_count as usize, &shape),
     };
     let mut dp = DeviceProblem::upload(gpu, &hp);
-    let (_arena, ws) =
-        DecodeWorkspace::with_arena(gpu, &shape, plan, path == Path::Bf16Staging).unwrap();
+    let (_arena, ws) = DecodeWorkspace::with_arena(gpu, &shape, plan, v.staging()).unwrap();
     let n = shape.batch * shape.heads * HEAD_DIM;
     let mut out = gpu.poisoned::<bf16>(n, common::POISON).unwrap();
     gpu.synchronize().unwrap();
@@ -813,19 +816,16 @@ fn check_graph_replays(
         // One plain call first: it resolves the kernels (module lookups stay out of the capture) and is checked
         // like a replay below (replay 0 reruns the same inputs).
         ws.poison(&stream).unwrap();
-        decode(gpu, &stream, path, &shape, &inp, &ws, &mut out).unwrap();
+        v.run(gpu, &stream, &shape, &inp, &ws, &mut out).unwrap();
         stream.synchronize().unwrap();
         let got = gpu.download(&out).unwrap();
         assert_bf16_within_reference(
-            &format!("{test}: {path:?} plain call before capture, plan {plan:?}"),
+            &format!("{test}: {v:?} plain call before capture, plan {plan:?}"),
             &shape,
             &got,
-            &hp.reference(path),
+            &hp.reference(v),
         );
-        capture_on(&stream, || {
-            decode(gpu, &stream, path, &shape, &inp, &ws, &mut out)
-        })
-        .unwrap()
+        capture_on(&stream, || v.run(gpu, &stream, &shape, &inp, &ws, &mut out)).unwrap()
     };
     for (rep, lengths) in lengths_per_replay.iter().enumerate() {
         if rep > 0 {
@@ -838,12 +838,12 @@ fn check_graph_replays(
         stream.synchronize().unwrap();
         let got = gpu.download(&out).unwrap();
         let label = format!(
-            "{test}: {path:?} graph replay {rep}, heads {heads} stride {stride} lengths {lengths:?} plan {plan:?}"
+            "{test}: {v:?} graph replay {rep}, heads {heads} stride {stride} lengths {lengths:?} plan {plan:?}"
         );
-        assert_bf16_within_reference(&label, &shape, &got, &hp.reference(path));
+        assert_bf16_within_reference(&label, &shape, &got, &hp.reference(v));
     }
     println!(
-        "{test}: {path:?} plan {plan:?}: {} graph replays with changed device inputs match the reference",
+        "{test}: {v:?} plan {plan:?}: {} graph replays with changed device inputs match the reference",
         lengths_per_replay.len()
     );
 }
@@ -868,17 +868,20 @@ fn gpu_decode_graph_replays_with_changed_device_inputs() {
             vec![0, 0, 0, 0],
             vec![WINDOW + 1, stride - 63, 64, 129],
         ];
-        let runs: [(Path, Option<usize>); 7] = [
-            (Path::Fp8, None),
-            (Path::Fp8, Some(1000)),
-            (Path::Fp8, Some(1)),
-            (Path::Fp8, Some(3)),
-            (Path::Fp8, Some(5)),
-            (Path::Fp8HeadsPerThreadCombine, Some(stride.div_ceil(128))),
-            (Path::Bf16Staging, None),
+        let runs: [(Variant, Option<usize>); 7] = [
+            (FP8, None),
+            (FP8, Some(1000)),
+            (FP8, Some(1)),
+            (FP8, Some(3)),
+            (FP8, Some(5)),
+            (
+                Variant::Path(Path::Fp8HeadsPerThreadCombine),
+                Some(stride.div_ceil(128)),
+            ),
+            (Variant::Bf16Staging, None),
         ];
-        for (path, t) in runs {
-            check_graph_replays(test, &gpu, &mut rng, (heads, stride), path, t, &replays);
+        for (v, t) in runs {
+            check_graph_replays(test, &gpu, &mut rng, (heads, stride), v, t, &replays);
         }
     }
 }
@@ -1099,7 +1102,7 @@ fn fp8_routing_at_measured_points() {
     ];
     for (label, batch, heads, stride, n_splits, tps, hpt) in points {
         let s = shape(batch, heads, stride);
-        let plan = SplitPlan::for_path(132, &s, Path::Fp8);
+        let plan = SplitPlan::fp8(132, &s);
         let estimated = SplitPlan::by_cost(132, &s, &PlanCosts::ESTIMATED);
         let ctas = batch * (heads / 64) * plan.n_splits;
         let merge = combine_for(Path::Fp8, plan.n_splits);
@@ -1124,7 +1127,7 @@ fn fp8_routing_at_measured_points() {
             "{label}"
         );
         for forcing in [Path::Fp8WarpPerHeadCombine, Path::Fp8HeadsPerThreadCombine] {
-            assert_eq!(SplitPlan::for_path(132, &s, forcing), plan, "{label}");
+            assert_eq!(Variant::Path(forcing).plan(132, &s), plan, "{label}");
         }
     }
     // The rule itself, and the forcing paths at every split count.
@@ -1143,7 +1146,6 @@ fn fp8_routing_at_measured_points() {
             combine_for(Path::Fp8WarpPerHeadCombine, n),
             Combine::WarpPerHead
         );
-        assert_eq!(combine_for(Path::Bf16Staging, n), Combine::WarpPerHead);
     }
     assert_eq!(HEADS_PER_THREAD_MIN_SPLITS, 3);
     // The routed plan never trades a 1- or 2-split plan for the fitted one (the 2-split merge is not what FITTED
@@ -1202,22 +1204,22 @@ fn workspace_bytes_for_a_shape() {
 fn bench_config_and_split_plans() {
     use megamoe::bench::config::SweepConfig;
     use megamoe::ops::sparse_attn::bench::{
-        candidates_per_query, path_of, LayerKind, BASELINE, KERNEL, VARIANTS,
+        candidates_per_query, variant_of, LayerKind, BASELINE, KERNEL, VARIANTS,
     };
     for v in VARIANTS {
-        path_of(v).unwrap();
+        variant_of(v).unwrap();
     }
-    assert_eq!(path_of("fp8").unwrap(), Path::Fp8);
+    assert_eq!(variant_of("fp8").unwrap(), FP8);
     assert_eq!(
-        path_of("fp8_combine_warp_per_head").unwrap(),
-        Path::Fp8WarpPerHeadCombine
+        variant_of("fp8_combine_warp_per_head").unwrap(),
+        Variant::Path(Path::Fp8WarpPerHeadCombine)
     );
     assert_eq!(
-        path_of("fp8_combine_heads_per_thread").unwrap(),
-        Path::Fp8HeadsPerThreadCombine
+        variant_of("fp8_combine_heads_per_thread").unwrap(),
+        Variant::Path(Path::Fp8HeadsPerThreadCombine)
     );
-    assert_eq!(path_of(BASELINE).unwrap(), Path::Bf16Staging);
-    assert!(path_of("fp8_unknown").is_err());
+    assert_eq!(variant_of(BASELINE).unwrap(), Variant::Bf16Staging);
+    assert!(variant_of("fp8_unknown").is_err());
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/bench-configs/sparse_attn.toml"
@@ -1278,7 +1280,7 @@ fn bench_config_and_split_plans() {
             stride,
             n_entries: 10,
         };
-        let p = SplitPlan::auto(132, &shape);
+        let p = baseline_plan(132, &shape);
         let tiles = stride.div_ceil(64);
         assert!(
             p.n_splits * p.tiles_per_split >= tiles && (p.n_splits - 1) * p.tiles_per_split < tiles,

@@ -3,12 +3,12 @@
 
 use half::bf16;
 use megamoe::gpu::Gpu;
+use megamoe::ops::sparse_attn::bench::Variant;
 use megamoe::ops::sparse_attn::reference::{
     self, decode_attention, encode_entry, rope_freqs, rope_rotate, DecodeProblem, QueryPrecision,
 };
 use megamoe::ops::sparse_attn::{
-    decode, DecodeInputs, DecodeShape, DecodeWorkspace, Path, SplitPlan, ENTRY_BYTES, HEAD_DIM,
-    NOPE_DIM,
+    DecodeInputs, DecodeShape, DecodeWorkspace, SplitPlan, ENTRY_BYTES, HEAD_DIM, NOPE_DIM,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -202,9 +202,10 @@ impl HostProblem {
             n_entries: self.pool.len() / ENTRY_BYTES,
         }
     }
-    /// The CPU reference of `path` (the FP8 paths quantize q per (head, 64-tile) like a KV entry).
-    pub fn reference(&self, path: Path) -> reference::DecodeReference {
-        let prec = if path == Path::Bf16Staging {
+    /// The CPU reference of variant `v` (the FP8 paths quantize q per (head, 64-tile) like a KV entry, the
+    /// baseline keeps q in BF16).
+    pub fn reference(&self, v: Variant) -> reference::DecodeReference {
+        let prec = if v == Variant::Bf16Staging {
             QueryPrecision::Bf16
         } else {
             QueryPrecision::Fp8Tiles
@@ -264,48 +265,48 @@ impl DeviceProblem {
     }
 }
 
-/// One call of `path` on a fresh workspace for `plan` on the GPU's stream, output and workspace poisoned
+/// One call of variant `v` on a fresh workspace for `plan` on the GPU's stream, output and workspace poisoned
 /// (0xFF = NaN) first, so the result holds only what this call wrote.
 pub fn run_poisoned(
     gpu: &Gpu,
     dp: &DeviceProblem,
     shape: &DecodeShape,
     plan: SplitPlan,
-    path: Path,
+    v: Variant,
 ) -> Vec<bf16> {
-    let (_arena, ws) =
-        DecodeWorkspace::with_arena(gpu, shape, plan, path == Path::Bf16Staging).unwrap();
+    let (_arena, ws) = DecodeWorkspace::with_arena(gpu, shape, plan, v.staging()).unwrap();
     let stream = gpu.stream.clone();
     ws.poison(&stream).unwrap();
     let mut out = gpu
         .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, POISON)
         .unwrap();
-    decode(gpu, &stream, path, shape, &dp.inputs(), &ws, &mut out).unwrap();
+    v.run(gpu, &stream, shape, &dp.inputs(), &ws, &mut out)
+        .unwrap();
     gpu.download(&out).unwrap()
 }
 
-/// Run `path` on a host problem (plan: `tiles_per_split`, else the path's own) and assert every output element
-/// within tolerance of the CPU reference. Returns the output (f64) and the reference.
+/// Run variant `v` on a host problem (plan: `tiles_per_split`, else the variant's own) and assert every output
+/// element within tolerance of the CPU reference. Returns the output (f64) and the reference.
 pub fn check_path(
     test: &str,
     gpu: &Gpu,
     hp: &HostProblem,
-    path: Path,
+    v: Variant,
     tiles_per_split: Option<usize>,
 ) -> (Vec<f64>, reference::DecodeReference) {
     let shape = hp.shape();
     let plan = match tiles_per_split {
         Some(t) => SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
-        None => SplitPlan::for_path(gpu.info.sm_count as usize, &shape, path),
+        None => v.plan(gpu.info.sm_count as usize, &shape),
     };
     let dp = DeviceProblem::upload(gpu, hp);
-    let got: Vec<f64> = run_poisoned(gpu, &dp, &shape, plan, path)
+    let got: Vec<f64> = run_poisoned(gpu, &dp, &shape, plan, v)
         .iter()
-        .map(|v| v.to_f64())
+        .map(|x| x.to_f64())
         .collect();
-    let r = hp.reference(path);
+    let r = hp.reference(v);
     let label = format!(
-        "{test}: {path:?} shape {shape:?} lengths {:?} plan {plan:?}",
+        "{test}: {v:?} shape {shape:?} lengths {:?} plan {plan:?}",
         hp.lengths
     );
     assert_within_reference(&label, &shape, &got, &r);

@@ -8,7 +8,7 @@ use crate::bench::config::Sweep;
 use crate::bench::runner::{BenchCtx, BenchKernel, PlotTarget};
 use crate::bench::{MatmulKind, Row, Summary};
 use crate::ops::sparse_attn::bench::{
-    path_of, time_point, work, BenchShape, LayerKind, BASELINE, KERNEL, VARIANTS,
+    time_point, variant_of, work, BenchShape, LayerKind, BASELINE, KERNEL, VARIANTS,
 };
 
 /// Drawn by default: the routed path and the baseline its target is stated against.
@@ -48,14 +48,14 @@ fn run_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, value: u64) -> Result
         "batch" => (s.param_u64("ctx")? as usize, value as usize),
         other => bail!("{}: axis `{other}` is neither `ctx` nor `batch`", s.name()),
     };
-    let path = path_of(variant)?;
+    let v = variant_of(variant)?;
     let point = BenchShape {
         kind,
         ctx: context,
         batch,
         heads,
     };
-    let (bytes, _) = work(batch, heads, point.candidates(), path);
+    let (bytes, _) = work(batch, heads, point.candidates(), v);
     let t = time_point(ctx.gpu, variant, point, ctx.plan(bytes), ctx.seed)?;
     // The runner pairs variants through identical shape labels (the sweep's, not the plan's split count).
     let mut row = Row::new(KERNEL, variant, &s.shape_label(value))

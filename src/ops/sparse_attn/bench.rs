@@ -1,16 +1,131 @@
-//! Measurement hooks of the sparse_attn family: sweep-point shapes (DSV4 layer kinds), the bytes and FLOPs of a
-//! call, the bench variants and the paths they run, and the timing of one point on random data. Plain structs
-//! only; the bench layer (`bench::kernels::sparse_attn`) turns them into CSV rows.
+//! Measurement hooks of the sparse_attn family: the BF16-staging baseline (its launcher and split plan), the
+//! bench variants and what they run, sweep-point shapes (DSV4 layer kinds), the bytes and FLOPs of a call, and the
+//! timing of one point on random data. Plain structs only; the bench layer (`bench::kernels::sparse_attn`) turns
+//! them into CSV rows.
 
 use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::{
-    decode, reference, DecodeInputs, DecodeShape, DecodeWorkspace, Path, SplitPlan, ENTRY_BYTES,
-    HEAD_DIM, WINDOW,
+    check_call, combine_kernel, decode, launch_attention, launch_combine, reference, Combine,
+    DecodeInputs, DecodeShape, DecodeWorkspace, Path, SplitPlan, ENTRY_BYTES, FAMILY,
+    HEADS_PER_CTA, HEAD_DIM, WINDOW,
 };
+use crate::gpu::launch::{launch, KernelArgs, Launch, Stream};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::Gpu;
+
+/// The baseline's attention kernel over the BF16 staging buffer (mma.sync).
+const BF16_KERNEL: &str = "sparse_attn_decode_bf16";
+/// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
+const BF16_SMEM_BYTES: usize = 210_688;
+/// The baseline's gather + dequantize step.
+const GATHER_KERNEL: &str = "sparse_attn_gather_bf16";
+
+/// The baseline's split plan (what its numbers were measured with): about one CTA per SM, but at least
+/// `min(4, tiles)` tiles per split so that the f32 partials (H x 2 KiB per split) stay small next to the KV bytes
+/// a split reads (37 KB per tile).
+pub fn baseline_plan(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
+    let tiles = shape.tiles();
+    let ctas_per_split = shape.batch * (shape.heads / HEADS_PER_CTA);
+    let want_splits = sm_count.div_ceil(ctas_per_split).max(1);
+    let tps = tiles.div_ceil(want_splits).max(tiles.min(4));
+    SplitPlan {
+        n_splits: tiles.div_ceil(tps),
+        tiles_per_split: tps,
+    }
+}
+
+/// The baseline the targets are measured against: `sparse_attn_gather_bf16` dequantizes every valid candidate
+/// into the workspace's BF16 staging buffer (carved with `staging = true`), then `sparse_attn_decode_bf16`
+/// (mma.sync) attends over it, and the warp-per-head merge combines split partials. Same contract and inputs as
+/// [`decode`]; graph-capturable like it (the gather's grid is the stride, lengths are read on the device).
+pub fn decode_bf16_staging(
+    gpu: &Gpu,
+    stream: &Stream,
+    shape: &DecodeShape,
+    inp: &DecodeInputs,
+    ws: &DecodeWorkspace,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check_call(shape, inp, ws, out)?;
+    let Some(staging) = ws.staging() else {
+        bail!("the BF16 staging baseline needs a workspace carved with staging = true");
+    };
+    let gather = gpu.kernel(FAMILY, GATHER_KERNEL)?;
+    let attn = gpu.kernel_with_smem(FAMILY, BF16_KERNEL, BF16_SMEM_BYTES)?;
+    let merge = match ws.plan().n_splits {
+        1 => None,
+        n => Some(combine_kernel(gpu, Combine::WarpPerHead, shape, n)?),
+    };
+    // One warp per candidate, 8 per CTA: grid (ceil(stride / 8), batch).
+    let mut a = KernelArgs::new();
+    a.buf(staging)
+        .buf(inp.pool)
+        .i32(shape.n_entries as i32)
+        .buf(inp.candidates)
+        .i32(shape.stride as i32)
+        .buf(inp.lengths);
+    let l = Launch::new(
+        (shape.stride.div_ceil(8) as u32, shape.batch as u32, 1),
+        (256, 1, 1),
+    );
+    // SAFETY: argument list of sparse_attn_gather_bf16; staging holds batch * stride * 512 BF16 (carved for this
+    // shape), the inputs were checked against the shape.
+    unsafe { launch(stream, &gather, l, &mut a)? };
+    launch_attention(
+        stream,
+        &attn,
+        BF16_SMEM_BYTES,
+        shape,
+        inp,
+        Some(staging),
+        ws,
+        out,
+    )?;
+    if let Some((k, l)) = merge {
+        launch_combine(stream, &k, l, shape, inp, ws, out)?;
+    }
+    Ok(())
+}
+
+/// What a bench variant runs: a path of the routed entry point, or the baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    Path(Path),
+    Bf16Staging,
+}
+
+impl Variant {
+    /// The split plan the variant runs with: [`SplitPlan::fp8`] for every FP8 path, [`baseline_plan`] for the
+    /// baseline.
+    pub fn plan(self, sm_count: usize, shape: &DecodeShape) -> SplitPlan {
+        match self {
+            Variant::Path(_) => SplitPlan::fp8(sm_count, shape),
+            Variant::Bf16Staging => baseline_plan(sm_count, shape),
+        }
+    }
+    /// Whether its workspace needs the staging buffer.
+    pub fn staging(self) -> bool {
+        self == Variant::Bf16Staging
+    }
+    /// Run it (see [`decode`] and [`decode_bf16_staging`]).
+    pub fn run(
+        self,
+        gpu: &Gpu,
+        stream: &Stream,
+        shape: &DecodeShape,
+        inp: &DecodeInputs,
+        ws: &DecodeWorkspace,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        match self {
+            Variant::Path(p) => decode(gpu, stream, p, shape, inp, ws, out),
+            Variant::Bf16Staging => decode_bf16_staging(gpu, stream, shape, inp, ws, out),
+        }
+    }
+}
 
 /// Kernel name of the bench rows.
 pub const KERNEL: &str = "sparse_attn_decode";
@@ -25,13 +140,13 @@ pub const VARIANTS: [&str; 4] = [
 /// The baseline the FP8 variants are measured against.
 pub const BASELINE: &str = "bf16_staging";
 
-/// The path a bench variant name runs.
-pub fn path_of(variant: &str) -> Result<Path> {
-    Ok(match variant {
-        "fp8" => Path::Fp8,
-        "fp8_combine_warp_per_head" => Path::Fp8WarpPerHeadCombine,
-        "fp8_combine_heads_per_thread" => Path::Fp8HeadsPerThreadCombine,
-        "bf16_staging" => Path::Bf16Staging,
+/// What a bench variant name runs.
+pub fn variant_of(name: &str) -> Result<Variant> {
+    Ok(match name {
+        "fp8" => Variant::Path(Path::Fp8),
+        "fp8_combine_warp_per_head" => Variant::Path(Path::Fp8WarpPerHeadCombine),
+        "fp8_combine_heads_per_thread" => Variant::Path(Path::Fp8HeadsPerThreadCombine),
+        "bf16_staging" => Variant::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
             VARIANTS.join(", ")
@@ -59,15 +174,13 @@ pub fn candidates_per_query(kind: LayerKind, ctx: usize) -> usize {
 
 /// Work of one call: bytes (KV entries read once per sequence, q read, output written; the baseline also
 /// writes and re-reads its BF16 staging buffer) and FLOPs (2*H*L*512 for QK^T + 2*H*L*512 for P.V).
-pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) {
+pub fn work(batch: usize, heads: usize, cands: usize, variant: Variant) -> (u64, u64) {
     let (b, h, l) = (batch as u64, heads as u64, cands as u64);
     let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
-    let kv = match path {
-        Path::Fp8 | Path::Fp8WarpPerHeadCombine | Path::Fp8HeadsPerThreadCombine => {
-            b * l * ENTRY_BYTES as u64
-        }
+    let kv = match variant {
+        Variant::Path(_) => b * l * ENTRY_BYTES as u64,
         // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
-        Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
+        Variant::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
     };
     (io + kv, 4 * b * h * l * HEAD_DIM as u64)
 }
@@ -159,15 +272,13 @@ pub fn time_point(
         sinks: &d_sinks,
         freqs: &d_freqs,
     };
-    let path = path_of(variant)?;
-    let split = SplitPlan::for_path(gpu.info.sm_count as usize, &shape, path);
+    let v = variant_of(variant)?;
+    let split = v.plan(gpu.info.sm_count as usize, &shape);
     let mut out = gpu.zeros::<bf16>(batch * heads * HEAD_DIM)?;
-    let (_arena, ws) = DecodeWorkspace::with_arena(gpu, &shape, split, path == Path::Bf16Staging)?;
+    let (_arena, ws) = DecodeWorkspace::with_arena(gpu, &shape, split, v.staging())?;
     let stream = gpu.stream.clone();
-    let samples_us = gpu.time_us(plan, || {
-        decode(gpu, &stream, path, &shape, &inp, &ws, &mut out)
-    })?;
-    let (bytes, flops) = work(batch, heads, cands, path);
+    let samples_us = gpu.time_us(plan, || v.run(gpu, &stream, &shape, &inp, &ws, &mut out))?;
+    let (bytes, flops) = work(batch, heads, cands, v);
     Ok(PointTiming {
         samples_us,
         bytes,

@@ -151,7 +151,7 @@ fn run(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                 sinks: &d_sinks,
                 freqs: &d_freqs,
             };
-            let plan = SplitPlan::for_path(g.info.sm_count as usize, &s, Path::Fp8);
+            let plan = SplitPlan::fp8(g.info.sm_count as usize, &s);
             let (_arena, ws) = DecodeWorkspace::with_arena(g, &s, plan, false)?;
             let mut d_out = g.poisoned::<bf16>(s.batch * s.heads * HEAD_DIM, 0xFF)?;
             let stream = g.stream.clone();

@@ -1,8 +1,8 @@
 //! Sparse FP8 decode attention for DeepSeek-V4 (DSV4 §3.6, §4): each query (H = 64 or 128 heads x 512 dims)
 //! attends to its own candidate list of 584-byte FP8 KV entries (sliding window ++ selected compressed
 //! entries), with a per-head attention sink and the inverse RoPE on the output. Kernels: `kernels/sparse_attn.cu`
-//! (design notes at its top); CPU reference: [`reference`]; measurement hooks: [`bench`]; `megamoe exec`:
-//! [`exec`].
+//! (design notes at its top); CPU reference: [`reference`]; measurement hooks and the BF16-staging baseline the
+//! targets are measured against: [`bench`]; `megamoe exec`: [`exec`].
 //!
 //! Data layout
 //! * KV pool: `n_entries x 584` bytes, entry layout of `formats::kv` (see [`reference::encode_entry`]).
@@ -34,7 +34,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
-use crate::gpu::launch::{launch, DevBuf, KernelArgs, Launch, Stream};
+use crate::gpu::launch::{launch, DevBuf, Kernel, KernelArgs, Launch, Stream};
 use crate::gpu::Gpu;
 pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
 
@@ -48,12 +48,6 @@ const FP8_KERNEL: &str = "sparse_attn_decode_fp8";
 /// the candidate ring (206848 B), the 256-byte rope cos / sin table of its epilogue, and 1024 B of slack the
 /// kernel uses to align its wgmma tiles to 1024 bytes).
 const FP8_SMEM_BYTES: usize = 208_128;
-/// The baseline's attention kernel over the BF16 staging buffer.
-const BF16_KERNEL: &str = "sparse_attn_decode_bf16";
-/// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
-const BF16_SMEM_BYTES: usize = 210_688;
-/// The baseline's gather + dequantize step.
-const GATHER_KERNEL: &str = "sparse_attn_gather_bf16";
 /// The split merge with one warp per head.
 const COMBINE_WARP_PER_HEAD: &str = "sparse_attn_combine_warp_per_head";
 /// The latency-parallel split merge, by heads per thread (1, 2, 4); see [`heads_per_thread`].
@@ -62,7 +56,7 @@ const COMBINE_HEADS_PER_THREAD: [&str; 3] = [
     "sparse_attn_combine_heads_per_thread_2",
     "sparse_attn_combine_heads_per_thread_4",
 ];
-const FAMILY: &str = "sparse_attn";
+pub(crate) const FAMILY: &str = "sparse_attn";
 
 /// Shape of one decode-attention call. Every field is a capacity: the grid and the split plan come from it,
 /// never from the per-query lengths.
@@ -123,7 +117,7 @@ impl DecodeShape {
     pub fn tiles(&self) -> usize {
         self.stride.div_ceil(BLOCK_N).max(1)
     }
-    fn out_elems(&self) -> usize {
+    pub(crate) fn out_elems(&self) -> usize {
         self.batch * self.heads * HEAD_DIM
     }
 }
@@ -141,7 +135,7 @@ pub struct DecodeInputs<'a> {
 }
 
 impl DecodeInputs<'_> {
-    fn check(&self, s: &DecodeShape) -> Result<()> {
+    pub(crate) fn check(&self, s: &DecodeShape) -> Result<()> {
         let want = |got: usize, exp: usize, what: &str| -> Result<()> {
             ensure!(
                 got == exp,
@@ -169,30 +163,6 @@ pub struct SplitPlan {
 }
 
 impl SplitPlan {
-    /// The baseline's plan (what its numbers were measured with): about one CTA per SM, but at least
-    /// `min(4, tiles)` tiles per split so that the f32 partials (H x 2 KiB per split) stay small next to the KV
-    /// bytes a split reads (37 KB per tile).
-    pub fn auto(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
-        let tiles = shape.tiles();
-        let ctas_per_split = shape.batch * (shape.heads / HEADS_PER_CTA);
-        let want_splits = sm_count.div_ceil(ctas_per_split).max(1);
-        let tps = tiles.div_ceil(want_splits).max(tiles.min(4));
-        SplitPlan {
-            n_splits: tiles.div_ceil(tps),
-            tiles_per_split: tps,
-        }
-    }
-
-    /// The plan each path runs with: every FP8 path [`SplitPlan::fp8`], the baseline [`SplitPlan::auto`].
-    pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
-        match path {
-            Path::Fp8 | Path::Fp8WarpPerHeadCombine | Path::Fp8HeadsPerThreadCombine => {
-                SplitPlan::fp8(sm_count, shape)
-            }
-            Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
-        }
-    }
-
     /// The FP8 kernel's plan: the wave-aware cost model ([`SplitPlan::by_cost`]) with the constants fitted to the
     /// measured kernel and the heads-per-thread combine ([`PlanCosts::FITTED`]) where both it and the model with
     /// the prior estimates ([`PlanCosts::ESTIMATED`]) cut [`HEADS_PER_THREAD_MIN_SPLITS`] or more splits (so both
@@ -258,7 +228,7 @@ impl SplitPlan {
         })
     }
 
-    fn check(&self, shape: &DecodeShape) -> Result<()> {
+    pub(crate) fn check(&self, shape: &DecodeShape) -> Result<()> {
         ensure!(
             self.n_splits >= 1 && self.n_splits <= 65_535,
             "n_splits {} outside 1..=65535",
@@ -392,6 +362,10 @@ impl DecodeWorkspace {
     pub fn plan(&self) -> SplitPlan {
         self.plan
     }
+    /// The baseline's BF16 staging buffer (carved with `staging = true`).
+    pub(crate) fn staging(&self) -> Option<&DevBuf<bf16>> {
+        self.staging.as_ref()
+    }
     pub fn shape(&self) -> DecodeShape {
         self.shape
     }
@@ -450,11 +424,11 @@ pub fn combine_for(path: Path, n_splits: usize) -> Combine {
     match path {
         Path::Fp8 if n_splits >= HEADS_PER_THREAD_MIN_SPLITS => Combine::HeadsPerThread,
         Path::Fp8HeadsPerThreadCombine => Combine::HeadsPerThread,
-        Path::Fp8 | Path::Fp8WarpPerHeadCombine | Path::Bf16Staging => Combine::WarpPerHead,
+        Path::Fp8 | Path::Fp8WarpPerHeadCombine => Combine::WarpPerHead,
     }
 }
 
-/// Which kernels a call runs.
+/// Which kernels a call runs (the BF16-staging baseline is [`bench::decode_bf16_staging`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
     /// The routed path: `sparse_attn_decode_fp8` reads the FP8 pool directly, quantizes q per (head, 64-tile)
@@ -468,15 +442,11 @@ pub enum Path {
     /// Forcing variant of the combine rule: [`Path::Fp8`] with every split merged by [`Combine::HeadsPerThread`].
     /// Bench variant `fp8_combine_heads_per_thread`.
     Fp8HeadsPerThreadCombine,
-    /// The baseline the targets are measured against: `sparse_attn_gather_bf16` dequantizes the candidates into
-    /// the BF16 staging buffer, then `sparse_attn_decode_bf16` (mma.sync) attends over it; plan
-    /// [`SplitPlan::auto`], warp-per-head merge. Bench variant `bf16_staging`.
-    Bf16Staging,
 }
 
 /// Run decode attention (plus the combine kernel when the plan splits) on `stream` into `out` [batch, heads, 512]
-/// BF16. `ws` must have been carved for this shape (with staging for [`Path::Bf16Staging`]); its plan cuts the
-/// lists. Allocates nothing and reads no device data on the host: graph-capturable.
+/// BF16. `ws` must have been carved for this shape; its plan cuts the lists ([`SplitPlan::fp8`] is the routed
+/// one). Allocates nothing and reads no device data on the host: graph-capturable.
 pub fn decode(
     gpu: &Gpu,
     stream: &Stream,
@@ -486,6 +456,27 @@ pub fn decode(
     ws: &DecodeWorkspace,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
+    check_call(shape, inp, ws, out)?;
+    let attn = gpu.kernel_with_smem(FAMILY, FP8_KERNEL, FP8_SMEM_BYTES)?;
+    let merge = match ws.plan.n_splits {
+        1 => None,
+        n => Some(combine_kernel(gpu, combine_for(path, n), shape, n)?),
+    };
+    launch_attention(stream, &attn, FP8_SMEM_BYTES, shape, inp, None, ws, out)?;
+    if let Some((k, l)) = merge {
+        launch_combine(stream, &k, l, shape, inp, ws, out)?;
+    }
+    Ok(())
+}
+
+/// The checks of a decode call, before any launch: shape, inputs against it, the workspace carved for it
+/// (partials present when the plan splits), the output's length.
+pub(crate) fn check_call(
+    shape: &DecodeShape,
+    inp: &DecodeInputs,
+    ws: &DecodeWorkspace,
+    out: &CudaSlice<bf16>,
+) -> Result<()> {
     shape.validate()?;
     inp.check(shape)?;
     ensure!(
@@ -494,102 +485,78 @@ pub fn decode(
         ws.shape
     );
     ensure!(
+        ws.plan.n_splits == 1 || (ws.part_o.is_some() && ws.part_lse.is_some()),
+        "workspace for {:?} has no split partials",
+        ws.plan
+    );
+    ensure!(
         out.len() == shape.out_elems(),
         "out has {} elements, expected {}",
         out.len(),
         shape.out_elems()
     );
-    let plan = ws.plan;
-    let split = plan.n_splits > 1;
-    let (n_entries, stride, heads) = (
-        shape.n_entries as i32,
-        shape.stride as i32,
-        shape.heads as i32,
-    );
-    let staging = match (path, ws.staging) {
-        (Path::Bf16Staging, None) => {
-            bail!("the BF16 staging path needs a workspace carved with staging = true")
+    Ok(())
+}
+
+/// The merge kernel `c` for `n_splits` splits and its launch geometry.
+pub(crate) fn combine_kernel(
+    gpu: &Gpu,
+    c: Combine,
+    shape: &DecodeShape,
+    n_splits: usize,
+) -> Result<(std::sync::Arc<Kernel>, Launch)> {
+    let batch = shape.batch as u32;
+    Ok(match c {
+        // One warp per head, 8 heads per CTA.
+        Combine::WarpPerHead => (
+            gpu.kernel(FAMILY, COMBINE_WARP_PER_HEAD)?,
+            Launch::new(((shape.heads / 8) as u32, batch, 1), (256, 1, 1)),
+        ),
+        Combine::HeadsPerThread => {
+            let (k, hpt) = heads_per_thread(n_splits);
+            (
+                gpu.kernel(FAMILY, COMBINE_HEADS_PER_THREAD[k])?,
+                Launch::new(((shape.heads / hpt) as u32, batch, 1), (128, 1, 1)),
+            )
         }
-        (Path::Bf16Staging, Some(s)) => Some(s),
-        _ => None,
-    };
-    let (part_o, part_lse) = match (split, ws.part_o, ws.part_lse) {
-        (false, _, _) => (None, None),
-        (true, Some(o), Some(l)) => (Some(o), Some(l)),
-        (true, _, _) => bail!("workspace for {plan:?} has no split partials"),
-    };
-    // Resolve every kernel before the first launch, so a missing entry point fails the call cleanly.
-    let (attn, attn_smem) = match path {
-        Path::Bf16Staging => (BF16_KERNEL, BF16_SMEM_BYTES),
-        _ => (FP8_KERNEL, FP8_SMEM_BYTES),
-    };
-    let attn = gpu.kernel_with_smem(FAMILY, attn, attn_smem)?;
-    let gather = match staging {
-        Some(_) => Some(gpu.kernel(FAMILY, GATHER_KERNEL)?),
-        None => None,
-    };
-    let combine = if split {
-        Some(match combine_for(path, plan.n_splits) {
-            Combine::WarpPerHead => (
-                gpu.kernel(FAMILY, COMBINE_WARP_PER_HEAD)?,
-                Launch::new(
-                    ((shape.heads / 8) as u32, shape.batch as u32, 1),
-                    (256, 1, 1),
-                ),
-            ),
-            Combine::HeadsPerThread => {
-                let (k, hpt) = heads_per_thread(plan.n_splits);
-                (
-                    gpu.kernel(FAMILY, COMBINE_HEADS_PER_THREAD[k])?,
-                    Launch::new(
-                        ((shape.heads / hpt) as u32, shape.batch as u32, 1),
-                        (128, 1, 1),
-                    ),
-                )
-            }
-        })
-    } else {
-        None
-    };
+    })
+}
 
-    if let (Some(k), Some(st)) = (&gather, &staging) {
-        // One warp per candidate, 8 per CTA: grid (ceil(stride / 8), batch).
-        let mut a = KernelArgs::new();
-        a.buf(st)
-            .buf(inp.pool)
-            .i32(n_entries)
-            .buf(inp.candidates)
-            .i32(stride)
-            .buf(inp.lengths);
-        let l = Launch::new(
-            (shape.stride.div_ceil(8) as u32, shape.batch as u32, 1),
-            (256, 1, 1),
-        );
-        // SAFETY: argument list of sparse_attn_gather_bf16; staging holds batch * stride * 512 BF16, the inputs
-        // were checked against the shape above.
-        unsafe { launch(stream, k, l, &mut a)? };
-    }
-
-    // Attention: grid (head groups, splits, batch), 256 threads (two warp groups).
+/// Launch an attention kernel of the `SA_DECODE_PARAMS` signature (grid: head groups x splits x batch, 256
+/// threads): it reads the FP8 pool, or with `staging` the BF16 staging buffer. One split writes `out`, more write
+/// the workspace's partials. The call was checked by [`check_call`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_attention(
+    stream: &Stream,
+    k: &Kernel,
+    smem: usize,
+    shape: &DecodeShape,
+    inp: &DecodeInputs,
+    staging: Option<&DevBuf<bf16>>,
+    ws: &DecodeWorkspace,
+    out: &CudaSlice<bf16>,
+) -> Result<()> {
+    let plan = ws.plan;
     let mut a = KernelArgs::new();
     a.buf(inp.q);
-    match &staging {
+    match staging {
         None => a.buf(inp.pool).null(),
         Some(st) => a.null().buf(st),
     };
-    a.i32(n_entries)
+    a.i32(shape.n_entries as i32)
         .buf(inp.candidates)
-        .i32(stride)
+        .i32(shape.stride as i32)
         .buf(inp.lengths)
         .buf(inp.positions)
         .buf(inp.sinks)
         .buf(inp.freqs)
-        .i32(heads)
+        .i32(shape.heads as i32)
         .i32(plan.tiles_per_split as i32)
         .i32(plan.n_splits as i32);
-    match (&part_o, &part_lse) {
-        (Some(o), Some(l)) => a.null().buf(o).buf(l),
-        _ => a.buf(out).null().null(),
+    match (plan.n_splits, &ws.part_o, &ws.part_lse) {
+        (1, _, _) => a.buf(out).null().null(),
+        (_, Some(o), Some(l)) => a.null().buf(o).buf(l),
+        _ => bail!("workspace for {plan:?} has no split partials"),
     };
     let l = Launch::new(
         (
@@ -599,25 +566,37 @@ pub fn decode(
         ),
         (256, 1, 1),
     )
-    .smem(attn_smem);
-    // SAFETY: SA_DECODE_PARAMS of kernels/sparse_attn.cu; every buffer checked against the shape and plan above
-    // (partials hold batch * n_splits * heads rows).
-    unsafe { launch(stream, &attn, l, &mut a)? };
+    .smem(smem);
+    // SAFETY: SA_DECODE_PARAMS of kernels/sparse_attn.cu; every buffer checked against the shape and plan by
+    // check_call (partials hold batch * n_splits * heads rows, staging batch * stride rows).
+    unsafe { launch(stream, k, l, &mut a) }
+}
 
-    if let (Some((k, l)), Some(o), Some(lse)) = (combine, part_o, part_lse) {
-        let mut a = KernelArgs::new();
-        a.buf(out)
-            .buf(&o)
-            .buf(&lse)
-            .buf(inp.sinks)
-            .buf(inp.positions)
-            .buf(inp.freqs)
-            .i32(heads)
-            .i32(plan.n_splits as i32);
-        // SAFETY: SA_COMBINE_PARAMS (both merges take the same arguments); buffers checked above.
-        unsafe { launch(stream, &k, l, &mut a)? };
-    }
-    Ok(())
+/// Launch a merge (`SA_COMBINE_PARAMS`, both merges take the same arguments) of the workspace's partials into
+/// `out`. The call was checked by [`check_call`] and the plan splits.
+pub(crate) fn launch_combine(
+    stream: &Stream,
+    k: &Kernel,
+    l: Launch,
+    shape: &DecodeShape,
+    inp: &DecodeInputs,
+    ws: &DecodeWorkspace,
+    out: &CudaSlice<bf16>,
+) -> Result<()> {
+    let (Some(o), Some(lse)) = (&ws.part_o, &ws.part_lse) else {
+        bail!("workspace for {:?} has no split partials", ws.plan);
+    };
+    let mut a = KernelArgs::new();
+    a.buf(out)
+        .buf(o)
+        .buf(lse)
+        .buf(inp.sinks)
+        .buf(inp.positions)
+        .buf(inp.freqs)
+        .i32(shape.heads as i32)
+        .i32(ws.plan.n_splits as i32);
+    // SAFETY: SA_COMBINE_PARAMS; buffers checked by check_call.
+    unsafe { launch(stream, k, l, &mut a) }
 }
 
 /// Source vectors for the KV writer.
