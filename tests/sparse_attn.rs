@@ -851,8 +851,9 @@ fn check_graph_replays(
 /// Every path as one captured graph per plan, replayed with the device-side lengths, candidates, positions and q
 /// changed between replays: full lists, lists of the window only (0 compressed candidates: 128, and shorter for
 /// an early position), empty lists, and lengths off the 64-entry tile grid. Plans: the routed one, one split,
-/// and splits merged by each combine entry (1 tile per split: heads-per-thread 1; 3: 2 heads per thread at 640;
-/// 5: the warp-per-head merge at 2 splits, and 4 heads per thread through the forcing path).
+/// and splits merged by each combine entry (1 tile per split: one head per thread; at stride 640, 3 tiles = 4
+/// splits, two heads per thread, and 5 tiles = 2 splits, the warp-per-head merge; half the list per split through
+/// the forcing path: four heads per thread), and the baseline under its own plan.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_decode_graph_replays_with_changed_device_inputs() {
