@@ -6,21 +6,30 @@
 // list row holds pool indices (-1 = invalid). Entries are only 8-byte aligned (584 = 8 * 73), so every
 // global access to an entry is 8 bytes wide.
 //
+// One translation unit of ~1250 lines: the FP8 kernel, the BF16 baseline and the merges share the entry
+// constants, the online softmax, the finish / inverse RoPE pieces and the split-partial layout, and the bit-identity
+// of the two merges and of the two finish paths rests on them being the same code.
+//
 // Entry points
-//   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec).
-//   sparse_attn_decode_fp8_v11     the FP8 path (bench variant "fp8", Path::Fp8) since session 7: v6's prologue and
-//                                  main loop, with a small epilogue (finish_staged: rope cos / sin once per CTA,
-//                                  the finished output stored through shared memory in whole 16-byte chunks);
-//                                  bit-identical to v6 (the removed previous kernel: QK^T and P.V on wgmma, the next
-//                                  tile's dequant overlapped with QK^T (the v5 main loop, design notes above
-//                                  load_raw_regs), behind a cheaper q prologue than v5's (q codes by x * 2^-k instead
-//                                  of x / 2^k, the same value; tile 0's loads issued before the q quantization);
-//                                  notes above decode_fp8_body).
+//   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec);
+//                                  the slots are read on the device, an out-of-pool slot (-1) skips its vector.
+//   sparse_attn_decode_fp8         the routed path (Path::Fp8): QK^T and P.V on wgmma over exact BF16 images of
+//                                  the FP8 values, the next tile's dequant overlapped with QK^T (design notes
+//                                  above load_raw_regs), a q prologue that quantizes by exact power-of-two
+//                                  products, and an epilogue that stores the finished output in whole 16-byte
+//                                  chunks (notes above finish_staged and decode_fp8_body).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
-//   sparse_attn_combine            split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output.
-//   sparse_attn_combine_v2[_h2|_h4] the same merge, bit for bit, latency-parallel: one CTA per (sequence, 1 / 2 /
-//                                  4 heads), 8 partials' loads in flight per thread (A/B candidate, "fp8_pcombine").
+//   sparse_attn_combine_warp_per_head
+//                                  split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output; one
+//                                  warp per head.
+//   sparse_attn_combine_heads_per_thread_{1,2,4}
+//                                  the same merge, bit for bit, latency-parallel: one CTA per (sequence, 1 / 2 /
+//                                  4 heads), 8 partials' loads in flight per thread. The host routes by split
+//                                  count (HEADS_PER_THREAD_MIN_SPLITS in src/ops/sparse_attn/mod.rs).
+//
+// Every launch is shaped by capacities only (batch, heads, the candidate stride, the split plan): the per-query
+// lengths are read here, clamped to [0, stride], so a captured decode replays with any lengths.
 //
 // Decode kernel design (FP8 path; the BF16 baseline shares the warp layout, online softmax and finish). One
 // CTA = 64 heads of one sequence x one split of its candidate list, 256 threads (two warp groups):
@@ -42,54 +51,9 @@
 //     P.V: BF16 wgmma.m64n256k16 (warp group wh: 64 heads x dims 256wh..+255); O lives in registers, 128 f32
 //     per thread, in the mma.sync m16n8 fragment layout (heads 16*(w%4) + l/4 (+8) of warp w).
 //   * The two warps sharing a head block exchange their row maxima through shared memory (named barrier).
-//   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); sparse_attn_combine (a
-//     second launch) merges them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
+//   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); a combine kernel (a second
+//     launch) merges them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
 //
-// History (H200, commit 4199846, median us; fp8 = v2 / v3 / v4 / v5, all four verified on the GPU, v5 bit-identical
-// to v4): the first FP8 design (QK^T on emulated mma.sync m16n8k32 e4m3) measured 0.66-1.05x of the BF16 staging
-// baseline. Removed after the A/B run: v2 (mma.sync BF16 for QK^T and P.V, raw FP8 cp.async stage), v3 (v2 with
-// QK^T on wgmma), v4 (v3 with P.V on wgmma). Flash CSA batch 64 @64K: 60.3 / 57.0 / 54.8 / 52.3 (baseline 91.0);
-// Flash batch 128: 103.8 / 97.1 / 90.8 / 80.9; Pro CSA (128 heads) batch 128: 316.8 / 287.6 / 262.1 / 220.7
-// (baseline 280.7); Pro batch 64: 151.4 / 137.3 / 124.8 / 103.9; HCA 1M batch 64: 429.3 / 370.4 / 329.2 / 250.6;
-// batch 1 Flash 30.4 / 30.0 / 29.7 / 29.3; batch 1 HCA 1M 57.9 / 55.7 / 53.4 / 49.7 (baseline 54.5).
-// Session-4 A/B (results/h200/session4-ab/sparse_attn_decode.csv, median us, fp8 = v5 + separate combine): the
-// v6 prologue won where the plan does not split: Flash batch 128 70.4 vs 82.9, Pro batch 64 94.8 vs 106.2, Pro
-// batch 128 201.4 vs 224.6 (~10 us of every CTA). Removed: the last-arriver in-kernel merge (one CTA reads every
-// split's partials, serially), v5 / v6 bodies: Flash b1 84.8 / 74.2 vs 28.1, Pro b8 79.5 / 70.4 vs 38.3, HCA 1M b1
-// 177.0 / 164.9 vs 50.3; the combine launched by PDL: Flash b1 27.6 vs 28.1 but b8 32.4 vs 30.3, HCA 1M b4 93.3 vs 55.6.
-// Session-4 final run (b4862dd, v6 vs v5, bit-identical in every GPU test): Flash b1 22.3 vs 28.6, b128 70.5 vs 81.5;
-// Pro b1 24.4 vs 31.1, b128 199.0 vs 221.4; HCA 1M b1 44.3 vs 49.9. The v5 entry point was removed after that run.
-//
-// Session-6 A/B (commit 79c9c8c, results/h200/session6-ab/sparse_attn_decode.csv; removed): sparse_attn_decode_fp8_c2
-// ("fp8_cluster2"): the two head-group CTAs of a 128-head sequence as one 2-CTA thread-block cluster, each loading
-// and dequantizing half of every tile and storing the BF16 chunks into both CTAs' shared memory (st.shared::cluster,
-// a cluster barrier at the top of the loop); per-thread dequant work ~600 -> ~311 instructions per tile, half the
-// raw loads. Bit-identical to fp8 (GPU test, memcheck clean). Pro b128 201.3 -> 196.9 us (1.41x -> 1.44x; target
-// 1.5x), b64 96.0 -> 94.6, but b8 30.4 -> 31.0, b32 56.1 -> 57.1; b1-b16 ties. Halving the dequant bought ~2%: the
-// per-tile time is not set by the dequant block, so QK^T / P.V issue or the softmax chain is the next suspect.
-// Removed (a tie within run-to-run noise, ~2 us at b128; ties go to less code).
-//
-// Session 7 (results/h200/session7-ab, PERF-LOG "Session 7"; all candidates bit-identical to v6 in the GPU test, then
-// removed except the winner v11). Nsight at Pro b128 (v6, 189.5 us): the warp-stall samples split prologue 12% / main
-// loop 62% / epilogue 26%; finish() was ~7,900 straight-line SASS instructions (an inlined sincosf and a branch per
-// rope pair, unrolled over 2 rows x 32 n-tiles) executed once per warp, 22 of its 26 points instruction-fetch stalls.
-// Candidates, median us, Pro b128 / Pro b64 / Flash b128 (v6 in the same run):
-//   v7 (rope table + one warp-uniform rope branch, q quantized in a rolled loop; 3,696 SASS): 155.9 / 83.9 / 57.9
-//     (203.4 / 96.6 / 71.2); its epilogue stalls moved to `lg` (64 scattered 4-byte stores per thread).
-//   v8 (v7 + the next tile's dequant split between the QK^T and P.V windows): 157.2 / 82.7 / 57.7, HCA 1M b64 255.7
-//     vs v7 249.6: the half-tile loads issued during P.V landed late (long_sb 5.5% -> 13.3% of loop samples).
-//   v9 (v6's unrolled prologue + v7's epilogue staged through shared memory for BF16 output and split partials):
-//     145.6 / 77.5 / 52.3 (199.0 / 94.8 / 70.1); but +0.5-1.4 us at batch 1-4, where staging the f32 partials adds
-//     two barriers to CTAs of one or two tiles.
-//   v10 (v9 with v7's rolled prologue): 147.1 / 78.8 / 52.8.
-// v11 = v9 for one split, v6's direct partial stores for split plans.
-// Session 8: the v6 entry point (sparse_attn_decode_fp8_v6, bench "fp8_v6") was removed after v11 won in two runs
-// (results/h200/session7-ab; PERF-LOG "Session 7"); finish() stays as the BF16 baseline's epilogue.
-// Session-8 A/B (commit 727e353, results/h200/session8-ab; removed): v12 stored the split partials as 16-byte
-// chunks through a lane-pair shuffle (32 STG.128 + 64 SHFL + 64 SEL instead of 64 STG.64) and lost at every split
-// point (Pro b8 30.5 -> 31.6 us, Pro b1 20.9 -> 21.9; under ncu at Pro b8 the decode kernel 22.2 -> 24.7-25.1): the
-// shuffles cost more than the store requests they saved. combine_v3 (merge statistics from registers, lse loads
-// first) tied combine_v2 (6.1-7.1 vs 6.6-6.8 us at Pro b8).
 // Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
 // 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
 // tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate.
@@ -236,7 +200,7 @@ __device__ __forceinline__ void kv_write_body(uint8_t* __restrict__ pool, int n_
     const int lane = threadIdx.x & 31;
     if (warp >= n) return;
     const int idx = dst_index[warp];
-    if (idx < 0 || idx >= n_entries) return;  // the launcher rejects these when it can see them
+    if (idx < 0 || idx >= n_entries) return;  // an unused slot (-1) or one outside the pool: nothing to write
     float x[16];
     const T* row = src + (size_t)warp * kDim + 16 * lane;
 #pragma unroll
@@ -289,7 +253,7 @@ __device__ __forceinline__ int resolve_candidate(const DecodeArgs& a, int b, int
 
 // Inverse RoPE of one interleaved pair at query position `pos`: (x + iy) * e^{-i pos f}.
 // (c, s) = (cos, sin) of the pair's angle pos * freq; inverse_rope_pair computes them, the epilogue of
-// sparse_attn_decode_fp8_v11 (finish_staged) reads them from a per-CTA table (the same sincosf of the same product,
+// sparse_attn_decode_fp8 (finish_staged) reads them from a per-CTA table (the same sincosf of the same product,
 // so the same values), and both rotate through this one expression.
 __device__ __forceinline__ void inverse_rope_rotate(float& x, float& y, float c, float s) {
     const float nx = x * c + y * s;
@@ -433,7 +397,7 @@ __device__ __forceinline__ void row_sums(const WarpState& st, float* red_sum, in
     l[1] += red_sum[(1 - wh) * kHeadsPerCta + row0 + 8];
 }
 
-// Split partial of rows row0 (+8): O / l and lse = m + log2 l (f32), for sparse_attn_combine*.
+// Split partial of rows row0 (+8): O / l and lse = m + log2 l (f32), for the sparse_attn_combine_* kernels.
 __device__ __forceinline__ void store_split_partial(const WarpState& st, const DecodeArgs& a, const float (&l)[2],
                                                     int b, int hg, int split, int row0, int wh, int tq) {
 #pragma unroll
@@ -451,8 +415,8 @@ __device__ __forceinline__ void store_split_partial(const WarpState& st, const D
     }
 }
 
-// Final step of a BF16 baseline CTA (sparse_attn_decode_bf16; also the epilogue of the removed FP8 v6 kernel; its
-// split branch is store_split_partial's code, inline): full row sums, then either the finished output (sink, 1/Z,
+// Final step of a BF16 baseline CTA (sparse_attn_decode_bf16; its split branch is store_split_partial's code,
+// inline): full row sums, then either the finished output (sink, 1/Z,
 // inverse RoPE, BF16) or the split partial (O/l, lse = m + log2 l).
 __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float* red_sum, int b, int hg, int split,
                                        int wm, int wh, int g, int tq) {
@@ -489,11 +453,11 @@ __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float
     }
 }
 
-// The epilogue of sparse_attn_decode_fp8_v11: finish()'s values, bit for bit (the same operations on the same
-// registers), in code that is small and stores whole 16-byte chunks. finish() is executed once per warp, and its
-// unrolled form (an inlined sincosf and a branch per rope pair, 2 rows x 32 n-tiles) compiled to ~7,900 straight-line
-// SASS instructions: at Pro batch 128, v6 spent 26% of its warp-stall samples there, 22 points of them instruction-
-// fetch stalls (results/h200/profile/ncu-sparse_attn-session7-start-hot.txt). Here:
+// The epilogue of sparse_attn_decode_fp8: finish()'s values, bit for bit (the same operations on the same
+// registers), in code that is small and stores whole 16-byte chunks. The epilogue runs once per warp; finish()'s
+// unrolled form (an inlined sincosf and a branch per rope pair, 2 rows x 32 n-tiles) is ~7,900 straight-line SASS
+// instructions, which at Pro batch 128 stall mostly on instruction fetch
+// (results/h200/profile/ncu-sparse_attn-session7-start-hot.txt). Here:
 //   * cos / sin of the 32 rope pairs come from rope_cs, filled once per CTA in the prologue with the same
 //     sincosf(__fmul_rn(pos, freq)) finish() evaluates per pair (every head shares the query position);
 //   * the rope is one warp-uniform branch: rope dims 448..511 are n-tiles 24..31 of warp group 1 only
@@ -502,12 +466,12 @@ __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float
 //   * one split (the finished BF16 output): the fragments go to a staging image of the CTA's 64 output rows in shared
 //     memory, then out as 16 whole, coalesced 16-byte chunks per thread (stored directly, the 64 scattered 4-byte
 //     stores per thread held 7.2% of the Pro b128 samples in `lg`, the memory pipe's queue). Staging = the two
-//     K = V tiles (vt, 2 x 64 KiB from kV5Vt), free once every warp group has waited its last P.V, which the first
+//     K = V tiles (vt, 2 x 64 KiB from kFp8Vt), free once every warp group has waited its last P.V, which the first
 //     __syncthreads guarantees; row h's chunk c sits at chunk slot c ^ (h & 7) of its 1 KiB row, so the 8 rows a
 //     warp instruction writes (g = h & 7) land in 8 different bank groups. a.n_splits is uniform over the CTA, so
 //     every thread reaches both barriers;
-//   * split partials are stored directly (store_split_partial): staging them through shared memory lost 0.5-1.4 us
-//     at batch 1-4 (session-7 A/B run 2), where a CTA has one or two tiles and two more barriers show.
+//   * split partials are stored directly (store_split_partial): staging them through shared memory costs two more
+//     barriers, which show at batch 1-4 where a CTA has one or two tiles (results/h200/session7-ab).
 __device__ __forceinline__ void finish_staged(WarpState& st, const DecodeArgs& a, float* red_sum, const float2* rope_cs,
                                               uint8_t* stage, int b, int hg, int split, int wm, int wh, int g, int tq,
                                               int tid) {
@@ -601,7 +565,7 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uin
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// P.V on wgmma (introduced by the removed v4 kernel, kept in v5):
+// P.V on wgmma:
 //   * P (64 heads x 64 entries, BF16) is written in the 128B-swizzled K-major layout (one 8 KiB block,
 //     1024-aligned): byte offset of (head r, entry c) = r * 128 + (((c >> 3) ^ (r & 7)) << 4) + 2 (c & 7).
 //   * Warp group wh computes O[64 heads, dims 256wh..256wh+255] += P . V with 4 x wgmma.m64n256k16
@@ -615,7 +579,7 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t da, uin
 //   * Every warp group reads all 64 P rows (written by all 8 warps), so P.V waits on a CTA barrier, preceded by
 //     fence.proxy.async (P's generic stores -> wgmma's async-proxy reads).
 // ---------------------------------------------------------------------------------------------------------
-constexpr int kV4PswBytes = 64 * 128;  // the swizzled P block: 64 heads x 64 entries BF16 (name from v4)
+constexpr int kPswBytes = 64 * 128;  // the swizzled P block: 64 heads x 64 entries BF16
 
 // Descriptor of an N-major (MN-major) 128B-swizzled operand: start >> 4, LBO = 8192 B between 64-element atoms
 // along N, SBO = 1024 B between 8-row groups along K, 128B swizzle.
@@ -641,8 +605,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[32][4], uint64_t 
         : "l"(da), "l"(db), "r"(1));
 }
 // ---------------------------------------------------------------------------------------------------------
-// FP8 main loop (introduced by v5, whose entry point was removed after the session-4 final run; decode_fp8_body
-// runs it, with the same epilogue):
+// FP8 main loop (decode_fp8_body runs it):
 // QK^T and P.V on wgmma, with the next tile's dequant overlapped with the current tile's QK^T wgmma, and no raw shared-memory stage.
 //   * Two swizzled K = V tiles (vt[0], vt[1]). The raw entries go global -> registers -> BF16 tile: thread
 //     (e = tid / 4, q = tid % 4) loads exactly the 8-byte chunks its dequant converts (14 nope chunks, the scale
@@ -653,23 +616,22 @@ __device__ __forceinline__ void wgmma_m64n256k16_tb(float (&d)[32][4], uint64_t 
 //     The top barrier keeps the dequant of iteration it+1 (into vt[it & 1]) behind every warp group's P.V(it).
 //   * Candidate indices: a ring of 4 slots; tile it+3 is resolved in iteration it (its slot was last read by the
 //     masking of tile it-1, before this iteration's top barrier).
-//   Measured bit-identical to the removed v4 (same dequant values, same wgmma order).
 // ---------------------------------------------------------------------------------------------------------
-constexpr int kV5Q = 0;
-constexpr int kV5Vt = kV5Q + kSwTileBytes;              // two tiles
-constexpr int kV5P = kV5Vt + 2 * kSwTileBytes;          // 8 KiB swizzled P block
-constexpr int kV5RedMax = kV5P + kV4PswBytes;
-constexpr int kV5RedSum = kV5RedMax + kRedBytes;
-constexpr int kV5Idx = kV5RedSum + kRedBytes;           // 4 slots of 64 indices
-constexpr int kV5Bytes = kV5Idx + 4 * kBlockN * 4;      // 206848
-// v11 (decode_fp8_body): the v6 map plus the rope cos / sin table (32 float2) of finish_staged.
-constexpr int kV11RopeCs = kV5Bytes;
-constexpr int kV11SmemBytes = kV11RopeCs + 32 * 8 + 1024;
-static_assert(kV11SmemBytes == 208128, "mirror FP8_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
-static_assert(kV5P % 1024 == 0 && kV5Vt % 1024 == 0, "wgmma tiles 1024-aligned");
+constexpr int kFp8Q = 0;
+constexpr int kFp8Vt = kFp8Q + kSwTileBytes;              // two tiles
+constexpr int kFp8P = kFp8Vt + 2 * kSwTileBytes;          // 8 KiB swizzled P block
+constexpr int kFp8RedMax = kFp8P + kPswBytes;
+constexpr int kFp8RedSum = kFp8RedMax + kRedBytes;
+constexpr int kFp8Idx = kFp8RedSum + kRedBytes;           // 4 slots of 64 indices
+constexpr int kFp8MapBytes = kFp8Idx + 4 * kBlockN * 4;      // 206848
+// decode_fp8_body's map: the main loop's pieces plus the rope cos / sin table (32 float2) of finish_staged.
+constexpr int kFp8RopeCs = kFp8MapBytes;
+constexpr int kFp8SmemBytes = kFp8RopeCs + 32 * 8 + 1024;
+static_assert(kFp8SmemBytes == 208128, "mirror FP8_SMEM_BYTES in src/ops/sparse_attn/mod.rs");
+static_assert(kFp8P % 1024 == 0 && kFp8Vt % 1024 == 0, "wgmma tiles 1024-aligned");
 
 struct RawRegs {
-    uint2 nope[14];  // chunk 8 (i >> 1) + q + 4 ((i & 1) ^ (e & 1)) of the entry (the order dequant_regs_v5 writes)
+    uint2 nope[14];  // chunk 8 (i >> 1) + q + 4 ((i & 1) ^ (e & 1)) of the entry (the order dequant_regs writes)
     uint2 sc;        // bytes 576..583: the 7 UE8M0 scales + pad
     uint2 rope[4];   // rope 16-byte chunks q (words 0, 1) and q + 4 (words 2, 3)
 };
@@ -693,7 +655,7 @@ __device__ __forceinline__ void load_raw_regs(RawRegs& r, const uint8_t* __restr
     }
 }
 
-__device__ __forceinline__ void dequant_regs_v5(const RawRegs& r, uint8_t* vt, int e, int q, int odd) {
+__device__ __forceinline__ void dequant_regs(const RawRegs& r, uint8_t* vt, int e, int q, int odd) {
     float scale[kTiles];
 #pragma unroll
     for (int t = 0; t < kTiles; ++t)
@@ -876,10 +838,10 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_gather_bf16(__nv_b
 // Split-KV merge: o = (sum_s 2^(lse_s - M) o_s) / (sum_s 2^(lse_s - M) + 2^(sink*log2e - M)), then inverse RoPE
 // at the query position, BF16. A (sequence, head) with no valid candidate in any split gets o = 0.
 // grid (heads/8, batch), block 256: one warp per head, lane l owns dims [16l, 16l+16).
-extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloat16* out, const float* part_o,
-                                                                      const float* part_lse, const float* sinks,
-                                                                      const int* positions, const float* freqs,
-                                                                      int heads, int n_splits) {
+extern "C" __global__ void __launch_bounds__(256)
+    sparse_attn_combine_warp_per_head(__nv_bfloat16* out, const float* part_o, const float* part_lse,
+                                      const float* sinks, const int* positions, const float* freqs, int heads,
+                                      int n_splits) {
     const int b = blockIdx.y;
     const int h = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -936,33 +898,33 @@ extern "C" __global__ void __launch_bounds__(256) sparse_attn_combine(__nv_bfloa
 }
 
 namespace sa {
-// (split, head) partials a thread of sparse_attn_combine_v2 holds in registers at once (8 float4 + 8 lse): small
+// (split, head) partials a thread of the heads-per-thread combine holds in registers at once (8 float4 + 8 lse): small
 // enough for 64 registers, i.e. 8 CTAs (1024 threads) per SM.
 constexpr int kCombineLoads = 8;
 
-// Split-KV merge, latency-parallel (Path::Fp8ParallelCombine, bench "fp8_pcombine"): the same values as
-// sparse_attn_combine, bit for bit, with far more CTAs and the loads in flight together. The old kernel has one
-// warp per head (grid heads/8 x batch: 8 CTAs at Flash batch 1) and walks the splits 4 at a time after two
-// serial lse passes; ncu measured it at 9-15 us whatever the size, 64% of its stalls on loads.
+// Split-KV merge, latency-parallel (Combine::HeadsPerThread, routed from 3 splits): the same values as
+// sparse_attn_combine_warp_per_head, bit for bit, with far more CTAs and the loads in flight together. The
+// warp-per-head kernel has one warp per head (grid heads/8 x batch: 8 CTAs at Flash batch 1) and walks the splits
+// 4 at a time after two serial lse passes; ncu measured it at 9-15 us whatever the size, 64% of its stalls on loads.
 // grid (heads / kHeads, batch), block 128: thread t owns dims [4t, 4t+4) of heads kHeads*blockIdx.x + j
-// (j < kHeads) of sequence blockIdx.y. kHeads (1, 2, 4: entry points sparse_attn_combine_v2, _h2, _h4; the host
+// (j < kHeads) of sequence blockIdx.y. kHeads (1, 2, 4: entry points sparse_attn_combine_heads_per_thread_1/2/4; the host
 // takes the largest with kHeads * n_splits <= 8) gives a thread of a plan with few splits (Flash batch 64: 2)
 // as many loads in flight as one with 8 splits, and 4x fewer CTAs, instead of 4x more CTA rounds per SM.
 //   * Every thread first issues the loads of splits 0..kChunk-1 (kChunk = 8 / kHeads; its float4 of O and the
 //     split's lse, for each of its heads); they do not depend on the merge statistics, so they overlap the lse
 //     pass; later chunks cost one L2 round trip each (33 splits at HCA 1M batch 1: 4 more).
-//   * Bit-identity with sparse_attn_combine, per head: each warp computes the merge statistics with the old
-//     kernel's code (lane-strided max, which is exact in any order; the lane-strided sum s = lane, lane+32, ...
+//   * Bit-identity with sparse_attn_combine_warp_per_head, per head: each warp computes the merge statistics with
+//     that kernel's code (lane-strided max, which is exact in any order; the lane-strided sum s = lane, lane+32, ...
 //     from 0.f, then the xor butterfly 16, 8, 4, 2, 1, whose result is the same in every lane because each step
 //     adds the same two values, a + b == b + a); w_s = exp2f(lse_s - m_all) of the same lse values;
-//     acc = fma(w_s, o_s, acc) in split order 0, 1, ... from 0.f (the old loop's `acc += w * v` contracts to that
+//     acc = fma(w_s, o_s, acc) in split order 0, 1, ... from 0.f (the warp-per-head loop's `acc += w * v` contracts to that
 //     FFMA); acc * (1/z) with the IEEE reciprocal; the same inverse_rope_pair on the same (dim pair, frequency)
 //     pairs (dims 448..511: threads 112..127, pairs (4t, 4t+1) and (4t+2, 4t+3) with frequencies 2(t-112) and
 //     2(t-112)+1); the same BF16 rounding; a head with no valid candidate (every lse = -inf) gets 0. The lse
 //     pass is repeated by the 4 warps of a CTA (n_splits L1-resident loads each): cheaper than a barrier on the
 //     chain. m_parts is warp-uniform after the butterfly, so the per-head branches keep the shuffles converged.
 template <int kHeads>
-__device__ __forceinline__ void combine_v2_body(__nv_bfloat16* out, const float* part_o, const float* part_lse,
+__device__ __forceinline__ void combine_heads_per_thread_body(__nv_bfloat16* out, const float* part_o, const float* part_lse,
                                                 const float* sinks, const int* positions, const float* freqs,
                                                 int heads, int n_splits) {
     constexpr int kChunk = kCombineLoads / kHeads;  // splits per chunk
@@ -1002,7 +964,7 @@ __device__ __forceinline__ void combine_v2_body(__nv_bfloat16* out, const float*
 #pragma unroll
     for (int j = 0; j < kHeads; ++j) sink[j] = sinks[h0 + j];
 
-    // Merge statistics per head: the code of sparse_attn_combine (see the identities above).
+    // Merge statistics per head: the code of sparse_attn_combine_warp_per_head (see the identities above).
     float m_parts[kHeads], m_all[kHeads], z[kHeads];
 #pragma unroll
     for (int j = 0; j < kHeads; ++j) m_parts[j] = -INFINITY;
@@ -1087,24 +1049,23 @@ __device__ __forceinline__ void combine_v2_body(__nv_bfloat16* out, const float*
         const float *freqs, int heads, int n_splits
 #define SA_COMBINE_ARGS out, part_o, part_lse, sinks, positions, freqs, heads, n_splits
 // One head per thread (n_splits >= 5), grid (heads, batch), block 128.
-extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_v2(SA_COMBINE_PARAMS) {
-    sa::combine_v2_body<1>(SA_COMBINE_ARGS);
+extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_heads_per_thread_1(SA_COMBINE_PARAMS) {
+    sa::combine_heads_per_thread_body<1>(SA_COMBINE_ARGS);
 }
 // Two heads per thread (n_splits 3..4), grid (heads / 2, batch), block 128.
-extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_v2_h2(SA_COMBINE_PARAMS) {
-    sa::combine_v2_body<2>(SA_COMBINE_ARGS);
+extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_heads_per_thread_2(SA_COMBINE_PARAMS) {
+    sa::combine_heads_per_thread_body<2>(SA_COMBINE_ARGS);
 }
 // Four heads per thread (n_splits 2), grid (heads / 4, batch), block 128. 6 CTAs per SM (up to 80 registers):
 // at 64 the four heads' statistics and accumulators spilled.
-extern "C" __global__ void __launch_bounds__(128, 6) sparse_attn_combine_v2_h4(SA_COMBINE_PARAMS) {
-    sa::combine_v2_body<4>(SA_COMBINE_ARGS);
+extern "C" __global__ void __launch_bounds__(128, 6) sparse_attn_combine_heads_per_thread_4(SA_COMBINE_PARAMS) {
+    sa::combine_heads_per_thread_body<4>(SA_COMBINE_ARGS);
 }
 
 namespace sa {
 
 // =============================================================================================================
-// v6 body (the removed sparse_attn_decode_fp8_v6; its prologue and main loop are v11's): the removed v5 body with a
-// cheaper prologue, same values bit for bit (same main loop and epilogue: finish() writes `out` or the split partials):
+// The FP8 q prologue: the same values bit for bit as quantizing like a KV entry (quantize_lane), cheaper:
 //   * q codes by multiplication: e4m3(x / s) with s = 2^(c-127) the UE8M0 scale (code c in 1..254, from
 //     ue8m0_pow2_scale_for) equals e4m3(x * 2^(127-c)): x / 2^k and x * 2^-k are the same real number, and both
 //     IEEE operations round it once to nearest-even (no FTZ in this build), so the f32 inputs of the e4m3
@@ -1134,17 +1095,17 @@ __device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]
     return r;
 }
 
-// The FP8 decode body of v11 (sparse_attn_decode_fp8_v11, the default): v6's prologue and main loop, the same values
-// bit for bit as v6 with the code executed once per warp small: the rope cos / sin table of the query position
-// (32 pairs) is computed once per CTA into rope_cs (kV11RopeCs) for finish_staged (see there).
+// The FP8 decode body (sparse_attn_decode_fp8): the q prologue above, the FP8 main loop, and finish_staged as the
+// epilogue, which keeps the code executed once per warp small: the rope cos / sin table of the query position
+// (32 pairs) is computed once per CTA into rope_cs (kFp8RopeCs) for finish_staged (see there).
 __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     extern __shared__ __align__(16) uint8_t smem_unaligned[];
     uint8_t* smem = smem_unaligned + ((1024u - (smem_addr(smem_unaligned) & 1023u)) & 1023u);
-    uint8_t* qsw = smem + kV5Q;
-    uint8_t* psw = smem + kV5P;
-    float* red_max = reinterpret_cast<float*>(smem + kV5RedMax);
-    float* red_sum = reinterpret_cast<float*>(smem + kV5RedSum);
-    int* idxs = reinterpret_cast<int*>(smem + kV5Idx);
+    uint8_t* qsw = smem + kFp8Q;
+    uint8_t* psw = smem + kFp8P;
+    float* red_max = reinterpret_cast<float*>(smem + kFp8RedMax);
+    float* red_sum = reinterpret_cast<float*>(smem + kFp8RedSum);
+    int* idxs = reinterpret_cast<int*>(smem + kFp8Idx);
 
     const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1154,9 +1115,9 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     tile_range(a, b, split, len, t_begin, n_it);
 
     // q: quantized per (head, 64-tile) like a KV entry (warp w: heads 8w..8w+7), stored in the swizzled layout.
-    // v6 order: q's loads first (they depend on nothing), then the candidate indices, then tile 0's raw
-    // entries (thread (de, dq) resolves its own entry's index: the same resolve_candidate value idx slot 0 gets,
-    // so the same bytes as v5's load after the barrier), then the q quantization while both are in flight.
+    // Order: q's loads first (they depend on nothing), then the candidate indices, then tile 0's raw entries
+    // (thread (de, dq) resolves its own entry's index: the same resolve_candidate value idx slot 0 gets, so the
+    // same bytes as a load after the barrier would read), then the q quantization while both are in flight.
     uint4 raw[8][2];
 #pragma unroll
     for (int hh = 0; hh < 8; ++hh) {
@@ -1173,7 +1134,7 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     if (a.n_splits == 1 && tid < 32) {
         float sn, cs;
         sincosf(__fmul_rn(static_cast<float>(a.positions[b]), __ldg(a.freqs + tid)), &sn, &cs);
-        reinterpret_cast<float2*>(smem + kV11RopeCs)[tid] = make_float2(cs, sn);
+        reinterpret_cast<float2*>(smem + kFp8RopeCs)[tid] = make_float2(cs, sn);
     }
     {
 #pragma unroll
@@ -1213,12 +1174,12 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     st.l[0] = st.l[1] = 0.f;
 
     __syncthreads();  // idx slots 0..2 visible
-    if (n_it > 0) dequant_regs_v5(rr, smem + kV5Vt, de, dq, dodd);
+    if (n_it > 0) dequant_regs(rr, smem + kFp8Vt, de, dq, dodd);
     if (n_it > 1) load_raw_regs(rr, a.pool, idxs[kBlockN + de], dq, dodd);
     fence_proxy_async();  // q and vt[0] generic stores -> async proxy (after the loop-top barrier)
 
     const uint32_t q_base = smem_addr(qsw);
-    const uint32_t vt_base0 = smem_addr(smem + kV5Vt);
+    const uint32_t vt_base0 = smem_addr(smem + kFp8Vt);
     const uint64_t p_desc = sw128_desc(smem_addr(psw));
 
     for (int it = 0; it < n_it; ++it) {
@@ -1248,7 +1209,7 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 
         // ---- while the tensor cores run: tile it+1 registers -> vt[(it+1) & 1]; load tile it+2 ----
         if (it + 1 < n_it) {
-            dequant_regs_v5(rr, smem + kV5Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
+            dequant_regs(rr, smem + kFp8Vt + ((it + 1) & 1) * kSwTileBytes, de, dq, dodd);
             if (it + 2 < n_it) load_raw_regs(rr, a.pool, idxs[((it + 2) % 4) * kBlockN + de], dq, dodd);
         }
 
@@ -1280,16 +1241,14 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
         wgmma_wait_all();
         fence_acc_o(st.o);
     }
-    finish_staged(st, a, red_sum, reinterpret_cast<const float2*>(smem + kV11RopeCs), smem + kV5Vt, b, hg, split, wm,
+    finish_staged(st, a, red_sum, reinterpret_cast<const float2*>(smem + kFp8RopeCs), smem + kFp8Vt, b, hg, split, wm,
                   wh, g, tq, tid);
 }
 
 }  // namespace sa
 
-// The FP8 path (Path::Fp8, bench "fp8") since the session-7 A/B. grid (heads/64, n_splits, batch), block 256, dynamic
-// smem sa::kV11SmemBytes; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for the combine. Same
-// outputs as the removed sparse_attn_decode_fp8_v6 (bit-identical in the session-7 GPU tests); decode_fp8_body (v6's
-// prologue and main loop, finish_staged).
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8_v11(SA_DECODE_PARAMS) {
+// The FP8 path (Path::Fp8, bench "fp8"). grid (heads/64, n_splits, batch), block 256, dynamic smem
+// sa::kFp8SmemBytes; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for the combine.
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8(SA_DECODE_PARAMS) {
     sa::decode_fp8_body(SA_DECODE_ARGS);
 }

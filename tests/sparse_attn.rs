@@ -1,158 +1,34 @@
 //! sparse_attn: CPU tests of the reference (entry codec, candidate sets, RoPE, attention with sink, FP8 vs
-//! BF16 precision) and GPU tests of the kernels against it (skipped without a GPU; REQUIRE_GPU=1 fails instead).
+//! BF16 precision), of the split plans, routing and bench config, of `megamoe exec`; GPU tests of every kernel
+//! against the reference (`#[ignore]`d: run with `--include-ignored` on an H100/H200).
+//!
+//! One file over 800 lines because it is one test crate: the CPU mirrors of the kernels' identities, the
+//! routing pins and the GPU checks share the fixtures of `tests/common/sparse_attn.rs` and one build.
 
+mod common;
+
+use common::sparse_attn::{
+    assert_bf16_within_reference, assert_same_bits, check_path, fixed_rng as seeded, normal,
+    run_poisoned, DataGen, DeviceProblem, HostProblem, REPLAY_VAR,
+};
 use half::bf16;
 use megamoe::formats::{e4m3, ue8m0};
-use megamoe::gpu::gpu_for_test;
+use megamoe::gpu::timing::capture_on;
+use megamoe::gpu::{fill_bytes_on, Gpu};
+use megamoe::ops::sparse_attn::bench::{baseline_plan, Variant};
 use megamoe::ops::sparse_attn::reference::{
     self, build_candidates, decode_attention, decode_entry, encode_entry, precision_per_head,
     rope_freqs, rope_rotate, visible_compressed, window_positions, CompressedSelection,
     DecodeProblem, QueryPrecision, SequenceLayout,
 };
 use megamoe::ops::sparse_attn::{
-    decode, write_entries, DecodeInputs, DecodeShape, KvSource, Path, SplitPlan, Workspace,
-    ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM,
+    check_write_indices, decode, write_entries, DecodeShape, DecodeWorkspace, KvSource, Path,
+    PlanCosts, SplitPlan, ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW,
 };
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use rand::Rng;
 
-fn seeded(test: &str, seed: u64) -> ChaCha8Rng {
-    println!("{test}: seed {seed:#x}");
-    ChaCha8Rng::seed_from_u64(seed)
-}
-
-/// Standard normal by Box-Muller (rand 0.9 without rand_distr).
-fn normal(rng: &mut ChaCha8Rng) -> f32 {
-    let u1: f64 = rng.random_range(f64::MIN_POSITIVE..1.0);
-    let u2: f64 = rng.random();
-    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-}
-
-/// Realistic KV vectors and queries: a shared direction `u` makes scores spread (some entries align with
-/// some heads), per-channel gains give tiles different amax (so the 7 scales differ), q is RMS-normalized per
-/// head (DSV4 §3.6), rope dims rotated by the entry's / query's position.
-struct DataGen {
-    u: Vec<f32>,
-    gain: Vec<f32>,
-    freqs: [f32; 32],
-}
-
-impl DataGen {
-    fn new(rng: &mut ChaCha8Rng) -> DataGen {
-        let u = (0..HEAD_DIM).map(|_| normal(rng)).collect();
-        let gain = (0..HEAD_DIM)
-            .map(|d| {
-                if d % 37 == 5 {
-                    6.0
-                } else {
-                    0.5 + rng.random::<f32>()
-                }
-            })
-            .collect();
-        DataGen {
-            u,
-            gain,
-            freqs: rope_freqs(160_000.0, true),
-        }
-    }
-    fn kv(&self, rng: &mut ChaCha8Rng, pos: i32) -> Vec<f32> {
-        let a: f32 = rng.random_range(0.0..1.5);
-        let mut x: Vec<f64> = (0..HEAD_DIM)
-            .map(|d| ((normal(rng) + a * self.u[d]) * self.gain[d]) as f64)
-            .collect();
-        rope_rotate(&mut x[NOPE_DIM..], pos, &self.freqs, false);
-        x.iter().map(|&v| v as f32).collect()
-    }
-    fn q_head(&self, rng: &mut ChaCha8Rng, pos: i32) -> Vec<bf16> {
-        let b: f32 = rng.random_range(0.0..2.0);
-        let x: Vec<f32> = (0..HEAD_DIM).map(|d| normal(rng) + b * self.u[d]).collect();
-        let rms = (x.iter().map(|v| (v * v) as f64).sum::<f64>() / HEAD_DIM as f64 + 1e-6).sqrt();
-        let mut y: Vec<f64> = x.iter().map(|&v| v as f64 / rms).collect();
-        rope_rotate(&mut y[NOPE_DIM..], pos, &self.freqs, false);
-        y.iter().map(|&v| bf16::from_f64(v)).collect()
-    }
-}
-
-/// A host-side problem: pool, per-sequence candidate lists (with some -1 holes), q, sinks.
-struct HostProblem {
-    batch: usize,
-    heads: usize,
-    stride: usize,
-    q: Vec<bf16>,
-    pool: Vec<u8>,
-    candidates: Vec<i32>,
-    lengths: Vec<i32>,
-    positions: Vec<i32>,
-    sinks: Vec<f32>,
-    freqs: [f32; 32],
-}
-
-impl HostProblem {
-    fn random(rng: &mut ChaCha8Rng, heads: usize, lengths: &[usize], holes: bool) -> HostProblem {
-        let gen = DataGen::new(rng);
-        let batch = lengths.len();
-        let stride = lengths.iter().cloned().max().unwrap_or(0).max(1);
-        let n_entries = (lengths.iter().sum::<usize>() / 2).max(8);
-        let mut pool = Vec::with_capacity(n_entries * ENTRY_BYTES);
-        for i in 0..n_entries {
-            pool.extend_from_slice(&encode_entry(&gen.kv(rng, i as i32)).unwrap());
-        }
-        let mut candidates = vec![-1i32; batch * stride];
-        for (s, &len) in lengths.iter().enumerate() {
-            for j in 0..len {
-                // entries may repeat across and within sequences (window and compressed overlap in DSV4)
-                let hole = holes && (j % 53 == 17 || (len > 2 && j == len / 2));
-                candidates[s * stride + j] = if hole {
-                    -1
-                } else {
-                    rng.random_range(0..n_entries as i32)
-                };
-            }
-        }
-        let positions: Vec<i32> = (0..batch).map(|_| rng.random_range(0..1_000_000)).collect();
-        let mut q = Vec::with_capacity(batch * heads * HEAD_DIM);
-        for &p in positions.iter() {
-            for _ in 0..heads {
-                q.extend(gen.q_head(rng, p));
-            }
-        }
-        let sinks = (0..heads).map(|_| rng.random_range(-2.0f32..3.0)).collect();
-        HostProblem {
-            batch,
-            heads,
-            stride,
-            q,
-            pool,
-            candidates,
-            lengths: lengths.iter().map(|&l| l as i32).collect(),
-            positions,
-            sinks,
-            freqs: gen.freqs,
-        }
-    }
-    fn problem(&self) -> DecodeProblem<'_> {
-        DecodeProblem {
-            batch: self.batch,
-            heads: self.heads,
-            q: &self.q,
-            pool: &self.pool,
-            candidates: &self.candidates,
-            stride: self.stride,
-            lengths: &self.lengths,
-            positions: &self.positions,
-            sinks: &self.sinks,
-            freqs: &self.freqs,
-        }
-    }
-    fn shape(&self) -> DecodeShape {
-        DecodeShape {
-            batch: self.batch,
-            heads: self.heads,
-            stride: self.stride,
-            n_entries: self.pool.len() / ENTRY_BYTES,
-        }
-    }
-}
+/// The routed path as a bench variant (what the fixtures run).
+const FP8: Variant = Variant::Path(Path::Fp8);
 
 // =========================================================================================================
 // CPU tests
@@ -519,15 +395,17 @@ fn fp8_query_precision_against_bf16() {
 }
 
 // =========================================================================================================
-// GPU tests
+// GPU tests: every kernel against the CPU reference with poisoned outputs (run with --include-ignored)
 // =========================================================================================================
 
+/// The KV writer quantizes each vector into its device-given slot bit-exactly like the CPU codec; slots of -1
+/// (unused) skip their vector, and entries that are no destination keep their poison.
 #[test]
-fn gpu_kv_writer_bit_exact() {
-    let Some(gpu) = gpu_for_test("gpu_kv_writer_bit_exact") else {
-        return;
-    };
-    let mut rng = seeded("gpu_kv_writer_bit_exact", 0x3717E);
+#[ignore = "needs an H100/H200"]
+fn gpu_kv_writer_matches_codec_and_skips_unused_slots() {
+    let test = "gpu_kv_writer_matches_codec_and_skips_unused_slots";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     let gen = DataGen::new(&mut rng);
     let (n_entries, n) = (300usize, 257usize);
     let mut x: Vec<f32> = Vec::with_capacity(n * HEAD_DIM);
@@ -537,26 +415,39 @@ fn gpu_kv_writer_bit_exact() {
         x.extend(gen.kv(&mut rng, i as i32).iter().map(|v| v * mag));
     }
     let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-    // destinations: a shuffled subset of the pool; the rest must stay untouched (poison 0xFF)
+    // destinations: a shuffled subset of the pool, every 10th slot unused (-1)
     let mut dst: Vec<i32> = (0..n_entries as i32).collect();
     for i in (1..dst.len()).rev() {
         dst.swap(i, rng.random_range(0..=i));
     }
     dst.truncate(n);
-    megamoe::ops::sparse_attn::check_write_indices(&dst, n_entries).unwrap();
+    for (i, d) in dst.iter_mut().enumerate() {
+        if i % 10 == 3 {
+            *d = -1;
+        }
+    }
+    let used: Vec<i32> = dst.iter().copied().filter(|&d| d >= 0).collect();
+    check_write_indices(&used, n_entries).unwrap();
+    assert!(check_write_indices(&dst, n_entries).is_err());
     let d_dst = gpu.upload(&dst).unwrap();
+    let stream = gpu.stream.clone();
     for use_bf16 in [false, true] {
-        let mut pool = gpu.poisoned::<u8>(n_entries * ENTRY_BYTES, 0xFF).unwrap();
+        let mut pool = gpu
+            .poisoned::<u8>(n_entries * ENTRY_BYTES, common::POISON)
+            .unwrap();
         let (d_x, d_xb) = (gpu.upload(&x).unwrap(), gpu.upload(&xb).unwrap());
         let src = if use_bf16 {
             KvSource::Bf16(&d_xb)
         } else {
             KvSource::F32(&d_x)
         };
-        write_entries(&gpu, &mut pool, src, &d_dst, n).unwrap();
+        write_entries(&gpu, &stream, &mut pool, src, &d_dst, n).unwrap();
         let got = gpu.download(&pool).unwrap();
         let mut written = vec![false; n_entries];
-        for i in 0..n {
+        for (i, &d) in dst.iter().enumerate() {
+            if d < 0 {
+                continue;
+            }
             let v: Vec<f32> = if use_bf16 {
                 xb[i * 512..(i + 1) * 512]
                     .iter()
@@ -566,7 +457,7 @@ fn gpu_kv_writer_bit_exact() {
                 x[i * 512..(i + 1) * 512].to_vec()
             };
             let want = encode_entry(&v).unwrap();
-            let e = dst[i] as usize;
+            let e = d as usize;
             written[e] = true;
             let g = &got[e * ENTRY_BYTES..(e + 1) * ENTRY_BYTES];
             if let Some(k) = (0..ENTRY_BYTES).find(|&k| g[k] != want[k]) {
@@ -578,7 +469,7 @@ fn gpu_kv_writer_bit_exact() {
                 assert!(
                     got[e * ENTRY_BYTES..(e + 1) * ENTRY_BYTES]
                         .iter()
-                        .all(|&b| b == 0xFF),
+                        .all(|&b| b == common::POISON),
                     "entry {e} was not a destination but changed"
                 );
             }
@@ -586,223 +477,79 @@ fn gpu_kv_writer_bit_exact() {
     }
 }
 
-/// Run one path on a host problem and compare with the reference element by element.
-fn check_gpu_path(
-    test: &str,
-    gpu: &megamoe::gpu::Gpu,
-    hp: &HostProblem,
-    path: Path,
-    tiles_per_split: Option<usize>,
-) -> Vec<f64> {
-    check_gpu_path_with_reference(test, gpu, hp, path, tiles_per_split).0
+/// Tiles per split of [`baseline_plan`] for a host problem on this GPU.
+fn auto_tiles_per_split(gpu: &Gpu, hp: &HostProblem) -> usize {
+    baseline_plan(gpu.info.sm_count as usize, &hp.shape()).tiles_per_split
 }
 
-/// [`check_gpu_path`], also returning the CPU reference it checked against.
-fn check_gpu_path_with_reference(
-    test: &str,
-    gpu: &megamoe::gpu::Gpu,
-    hp: &HostProblem,
-    path: Path,
-    tiles_per_split: Option<usize>,
-) -> (Vec<f64>, reference::DecodeReference) {
-    let shape = hp.shape();
-    let plan = match tiles_per_split {
-        Some(t) => SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
-        None => SplitPlan::for_path(gpu.info.sm_count as usize, &shape, path),
-    };
-    let d_q = gpu.upload(&hp.q).unwrap();
-    let d_pool = gpu.upload(&hp.pool).unwrap();
-    let d_cand = gpu.upload(&hp.candidates).unwrap();
-    let d_len = gpu.upload(&hp.lengths).unwrap();
-    let d_pos = gpu.upload(&hp.positions).unwrap();
-    let d_sinks = gpu.upload(&hp.sinks).unwrap();
-    let d_freqs = gpu.upload(&hp.freqs).unwrap();
-    let inp = DecodeInputs {
-        q: &d_q,
-        pool: &d_pool,
-        candidates: &d_cand,
-        lengths: &d_len,
-        positions: &d_pos,
-        sinks: &d_sinks,
-        freqs: &d_freqs,
-    };
-    let mut ws = Workspace::new(gpu, &shape, plan, path == Path::Bf16Staging).unwrap();
-    let mut out = gpu
-        .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
-        .unwrap();
-    decode(gpu, path, &shape, &inp, &mut ws, &mut out).unwrap();
-    let got: Vec<f64> = gpu
-        .download(&out)
-        .unwrap()
-        .iter()
-        .map(|v| v.to_f64())
-        .collect();
-    let prec = if path != Path::Bf16Staging {
-        QueryPrecision::Fp8Tiles
-    } else {
-        QueryPrecision::Bf16
-    };
-    let r = decode_attention(&hp.problem(), prec).unwrap();
-    let label = format!(
-        "{test}: {path:?} shape {shape:?} lengths {:?} plan {plan:?}",
-        hp.lengths
-    );
-    assert_within_reference(&label, &shape, &got, &r);
-    (got, r)
-}
-
-/// Assert every output element is within `reference::tolerance` of the CPU reference (NaN, i.e. poison left in
-/// place, counts as a mismatch); print the worst error / tolerance ratio, and on failure name the first mismatch.
-fn assert_within_reference(
-    label: &str,
-    shape: &DecodeShape,
-    got: &[f64],
-    r: &reference::DecodeReference,
-) {
-    assert_eq!(got.len(), r.out.len(), "{label}: output length");
-    let (mut worst_ratio, mut worst_i, mut max_abs) = (0f64, 0usize, 0f64);
-    for (i, &g) in got.iter().enumerate() {
-        let err = (g - r.out[i]).abs();
-        let ratio = if g.is_finite() {
-            err / reference::tolerance(r.mass[i], r.out[i])
-        } else {
-            f64::INFINITY
-        };
-        max_abs = max_abs.max(err);
-        if ratio > worst_ratio || ratio.is_nan() {
-            worst_ratio = if ratio.is_nan() { f64::INFINITY } else { ratio };
-            worst_i = i;
-        }
-    }
-    let (b, h, d) = (
-        worst_i / (shape.heads * HEAD_DIM),
-        (worst_i / HEAD_DIM) % shape.heads,
-        worst_i % HEAD_DIM,
-    );
-    let first_bad = (0..got.len())
-        // NaN (poison left in place) must count as a mismatch, hence "not within" rather than "above".
-        .find(|&i| {
-            let err = (got[i] - r.out[i]).abs();
-            err.is_nan() || err > reference::tolerance(r.mass[i], r.out[i])
-        });
-    println!(
-        "{label}: max abs err {max_abs:.3e}, worst err/tol {worst_ratio:.3} at (b {b}, h {h}, d {d}) gpu {} ref {}",
-        got[worst_i], r.out[worst_i]
-    );
-    if let Some(i) = first_bad {
-        panic!(
-            "{label}: first mismatch at flat {i} (b {}, h {}, d {}): gpu {} ref {} tol {:.3e} (mass {:.3e})",
-            i / (shape.heads * HEAD_DIM),
-            (i / HEAD_DIM) % shape.heads,
-            i % HEAD_DIM,
-            got[i],
-            r.out[i],
-            reference::tolerance(r.mass[i], r.out[i]),
-            r.mass[i]
-        );
-    }
-}
-
+/// The routed FP8 path against the reference: lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro
+/// CSA) with -1 holes, 64 and 128 heads, under one split, 1 / 2 tiles per split, its own plan and the baseline's.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_decode_fp8_matches_reference() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_matches_reference") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_matches_reference", 0xDEC0DE);
-    // lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro CSA); -1 holes in the middle.
+    let test = "gpu_decode_fp8_matches_reference";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152], true);
-    check_gpu_path("fp8 h64 single-split", &gpu, &hp, Path::Fp8, Some(1000));
-    check_gpu_path("fp8 h64 split by 2 tiles", &gpu, &hp, Path::Fp8, Some(2));
-    check_gpu_path("fp8 h64 auto plan", &gpu, &hp, Path::Fp8, None);
-    check_gpu_path("fp8 h64 one tile per split", &gpu, &hp, Path::Fp8, Some(1));
-    // The baseline's plan (SplitPlan::auto, >= 4 tiles per split) cuts the lists differently from by_cost.
-    check_gpu_path(
-        "fp8 h64 baseline plan",
-        &gpu,
-        &hp,
-        Path::Fp8,
-        Some(auto_tiles_per_split(&gpu, &hp)),
-    );
+    check_path("fp8 h64 single-split", &gpu, &hp, FP8, Some(1000));
+    check_path("fp8 h64 split by 2 tiles", &gpu, &hp, FP8, Some(2));
+    check_path("fp8 h64 own plan", &gpu, &hp, FP8, None);
+    check_path("fp8 h64 one tile per split", &gpu, &hp, FP8, Some(1));
+    let t = auto_tiles_per_split(&gpu, &hp);
+    check_path("fp8 h64 baseline plan", &gpu, &hp, FP8, Some(t));
     let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0], true);
-    check_gpu_path("fp8 h128 single-split", &gpu, &hp, Path::Fp8, Some(1000));
-    check_gpu_path("fp8 h128 auto plan", &gpu, &hp, Path::Fp8, None);
-    check_gpu_path(
-        "fp8 h128 baseline plan",
-        &gpu,
-        &hp,
-        Path::Fp8,
-        Some(auto_tiles_per_split(&gpu, &hp)),
-    );
-}
-
-/// Tiles per split of [`SplitPlan::auto`] (the baseline's plan) for a host problem on this GPU.
-fn auto_tiles_per_split(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> usize {
-    SplitPlan::auto(gpu.info.sm_count as usize, &hp.shape()).tiles_per_split
+    check_path("fp8 h128 single-split", &gpu, &hp, FP8, Some(1000));
+    check_path("fp8 h128 own plan", &gpu, &hp, FP8, None);
+    let t = auto_tiles_per_split(&gpu, &hp);
+    check_path("fp8 h128 baseline plan", &gpu, &hp, FP8, Some(t));
 }
 
 /// 128 heads with lengths off the tile grid (65, 300) next to the Flash and Pro CSA lengths, under both the
 /// kernel's own plan and the baseline's plan.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_decode_fp8_h128_mixed_lengths() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_h128_mixed_lengths") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_h128_mixed_lengths", 0x2F8);
+    let test = "gpu_decode_fp8_h128_mixed_lengths";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 65, 300], true);
-    check_gpu_path("fp8 h128 mixed auto plan", &gpu, &hp, Path::Fp8, None);
-    check_gpu_path(
-        "fp8 h128 mixed baseline plan",
-        &gpu,
-        &hp,
-        Path::Fp8,
-        Some(auto_tiles_per_split(&gpu, &hp)),
-    );
+    check_path("fp8 h128 mixed own plan", &gpu, &hp, FP8, None);
+    let t = auto_tiles_per_split(&gpu, &hp);
+    check_path("fp8 h128 mixed baseline plan", &gpu, &hp, FP8, Some(t));
 }
 
+/// HCA at 1M context (128 window + 8192 compressed = 8320 candidates) under split-KV.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_decode_fp8_long_hca_split_kv() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_split_kv") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_long_hca_split_kv", 0x8320);
-    // HCA at 1M context: 128 window + 8192 compressed = 8320 candidates.
+    let test = "gpu_decode_fp8_long_hca_split_kv";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
-    check_gpu_path("fp8 hca 8320 auto", &gpu, &hp, Path::Fp8, None);
-    check_gpu_path(
-        "fp8 hca 8320 baseline plan",
-        &gpu,
-        &hp,
-        Path::Fp8,
-        Some(auto_tiles_per_split(&gpu, &hp)),
-    );
-    check_gpu_path(
-        "fp8 hca 8320 split 16 tiles",
-        &gpu,
-        &hp,
-        Path::Fp8,
-        Some(16),
-    );
+    check_path("fp8 hca 8320 own plan", &gpu, &hp, FP8, None);
+    let t = auto_tiles_per_split(&gpu, &hp);
+    check_path("fp8 hca 8320 baseline plan", &gpu, &hp, FP8, Some(t));
+    check_path("fp8 hca 8320 split 16 tiles", &gpu, &hp, FP8, Some(16));
 }
 
+/// The BF16-staging baseline against its reference (BF16 q), and the FP8 path's output within cosine 0.999 of
+/// it per head.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_decode_bf16_staging_matches_reference_and_precision() {
-    let Some(gpu) = gpu_for_test("gpu_decode_bf16_staging_matches_reference_and_precision") else {
-        return;
-    };
-    let mut rng = seeded(
-        "gpu_decode_bf16_staging_matches_reference_and_precision",
-        0xBF16,
-    );
+    let test = "gpu_decode_bf16_staging_matches_reference_and_precision";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[640, 0, 129, 1], true);
-    let b16 = check_gpu_path("bf16 staging h64", &gpu, &hp, Path::Bf16Staging, None);
-    check_gpu_path(
+    let (b16, _) = check_path("bf16 staging h64", &gpu, &hp, Variant::Bf16Staging, None);
+    check_path(
         "bf16 staging h64 split 2",
         &gpu,
         &hp,
-        Path::Bf16Staging,
+        Variant::Bf16Staging,
         Some(2),
     );
-    let fp8 = check_gpu_path("fp8 h64 (precision)", &gpu, &hp, Path::Fp8, None);
+    let (fp8, _) = check_path("fp8 h64 (precision)", &gpu, &hp, FP8, None);
     let r = precision_per_head(&fp8, &b16);
     println!(
         "GPU FP8 vs GPU BF16 staging per head: min cosine {:.6}, max rel err {:.4e} (row {})",
@@ -815,116 +562,47 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
         r.worst_row
     );
     let hp = HostProblem::random(&mut rng, 128, &[1152, 300], true);
-    check_gpu_path("bf16 staging h128", &gpu, &hp, Path::Bf16Staging, None);
+    check_path("bf16 staging h128", &gpu, &hp, Variant::Bf16Staging, None);
 }
 
-/// The FP8 path (`sparse_attn_decode_fp8_v11`) at the edges of its pipeline, against the CPU reference: tile
-/// edges (0, 1, 127, 129), lists of 4, 10 and 18 tiles, so that the 4-slot candidate-index ring and the two
-/// BF16 tiles wrap several times, the register prefetch two tiles ahead runs off the end of a split at every
-/// phase (splits of 1, 2 and 3 tiles), and -1 holes; 64 and 128 heads. (These cases checked the former A/B
-/// candidates v3 / v4 / v5 against the old `Fp8` kernel; `Fp8` is now v11 and is held to the reference.)
+/// The FP8 path at the edges of its pipeline: tile edges (0, 1, 127, 129), lists of 4, 10 and 18 tiles, so that
+/// the 4-slot candidate-index ring and the two BF16 tiles wrap several times, the register prefetch two tiles
+/// ahead runs off the end of a split at every phase (splits of 1, 2 and 3 tiles), and -1 holes; 64 and 128 heads.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_decode_fp8_pipeline_edges() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_pipeline_edges") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_pipeline_edges", 0x5A5);
+    let test = "gpu_decode_fp8_pipeline_edges";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152, 200], true);
-    check_gpu_path("fp8 h64 single-split", &gpu, &hp, Path::Fp8, Some(1000));
-    check_gpu_path("fp8 h64 split by 2 tiles", &gpu, &hp, Path::Fp8, Some(2));
-    check_gpu_path("fp8 h64 split by 3 tiles", &gpu, &hp, Path::Fp8, Some(3));
-    check_gpu_path("fp8 h64 auto plan", &gpu, &hp, Path::Fp8, None);
-    check_gpu_path("fp8 h64 one tile per split", &gpu, &hp, Path::Fp8, Some(1));
+    for (label, t) in [
+        ("single-split", Some(1000)),
+        ("split by 2 tiles", Some(2)),
+        ("split by 3 tiles", Some(3)),
+        ("own plan", None),
+        ("one tile per split", Some(1)),
+    ] {
+        check_path(&format!("fp8 h64 {label}"), &gpu, &hp, FP8, t);
+    }
     let hp = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
-    check_gpu_path("fp8 h128 single-split", &gpu, &hp, Path::Fp8, Some(1000));
-    check_gpu_path("fp8 h128 auto plan", &gpu, &hp, Path::Fp8, None);
-    check_gpu_path(
-        "fp8 h128 baseline plan",
-        &gpu,
-        &hp,
-        Path::Fp8,
-        Some(auto_tiles_per_split(&gpu, &hp)),
-    );
+    check_path("fp8 h128 single-split", &gpu, &hp, FP8, Some(1000));
+    check_path("fp8 h128 own plan", &gpu, &hp, FP8, None);
+    let t = auto_tiles_per_split(&gpu, &hp);
+    check_path("fp8 h128 baseline plan", &gpu, &hp, FP8, Some(t));
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The FP8 path (Path::Fp8, `sparse_attn_decode_fp8_v11`) under every split plan, repeated calls on one workspace
-// and CUDA-graph replay: every output within tolerance of the CPU reference, repeats bit for bit equal to the
-// first call. (These tests compared v6 against the previous path, v5, bit for bit until v5 was removed after the
-// session-4 final run, where the two were bit-identical in every GPU test.)
+// The FP8 path under every split plan, repeated calls on one workspace, both split merges, and CUDA-graph replay
+// with device inputs changed between replays: every output within tolerance of the CPU reference, repeats and
+// the two merges bit for bit equal.
 // ---------------------------------------------------------------------------------------------------------
 
-/// Device copies of a host problem's inputs.
-struct DeviceProblem {
-    q: cudarc::driver::CudaSlice<bf16>,
-    pool: cudarc::driver::CudaSlice<u8>,
-    candidates: cudarc::driver::CudaSlice<i32>,
-    lengths: cudarc::driver::CudaSlice<i32>,
-    positions: cudarc::driver::CudaSlice<i32>,
-    sinks: cudarc::driver::CudaSlice<f32>,
-    freqs: cudarc::driver::CudaSlice<f32>,
-}
-
-impl DeviceProblem {
-    fn upload(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> DeviceProblem {
-        DeviceProblem {
-            q: gpu.upload(&hp.q).unwrap(),
-            pool: gpu.upload(&hp.pool).unwrap(),
-            candidates: gpu.upload(&hp.candidates).unwrap(),
-            lengths: gpu.upload(&hp.lengths).unwrap(),
-            positions: gpu.upload(&hp.positions).unwrap(),
-            sinks: gpu.upload(&hp.sinks).unwrap(),
-            freqs: gpu.upload(&hp.freqs).unwrap(),
-        }
-    }
-    fn inputs(&self) -> DecodeInputs<'_> {
-        DecodeInputs {
-            q: &self.q,
-            pool: &self.pool,
-            candidates: &self.candidates,
-            lengths: &self.lengths,
-            positions: &self.positions,
-            sinks: &self.sinks,
-            freqs: &self.freqs,
-        }
-    }
-}
-
-/// Assert two BF16 outputs are equal bit for bit; on failure name the first mismatch (b, h, d) with both values
-/// and the mismatch count.
-fn assert_same_bits(label: &str, shape: &DecodeShape, want: &[bf16], got: &[bf16]) {
-    assert_eq!(want.len(), got.len(), "{label}: output lengths differ");
-    let bad: Vec<usize> = (0..want.len())
-        .filter(|&i| want[i].to_bits() != got[i].to_bits())
-        .collect();
-    if let Some(&i) = bad.first() {
-        panic!(
-            "{label}: {} of {} outputs differ from the first call's; first at flat {i} (b {}, h {}, d {}): first call {} ({:#06x}) now {} ({:#06x})",
-            bad.len(),
-            want.len(),
-            i / (shape.heads * HEAD_DIM),
-            (i / HEAD_DIM) % shape.heads,
-            i % HEAD_DIM,
-            want[i],
-            want[i].to_bits(),
-            got[i],
-            got[i].to_bits()
-        );
-    }
-}
-
-/// The CPU reference the FP8 path is held to (q quantized per (head, 64-tile) like a KV entry); independent of
-/// the split plan.
-fn fp8_reference(hp: &HostProblem) -> reference::DecodeReference {
-    decode_attention(&hp.problem(), QueryPrecision::Fp8Tiles).unwrap()
-}
-
-/// Path::Fp8 `calls` times on one workspace (outputs and split partials poisoned before every call, so a call
+/// Path::Fp8 `calls` times on one workspace (output and workspace poisoned before every call, so a call
 /// can only pass with what it wrote itself): every call's output within tolerance of the CPU reference `r` at
 /// every element, and every call after the first bit-identical to the first. Returns the first call's output.
 fn check_fp8_calls(
     test: &str,
-    gpu: &megamoe::gpu::Gpu,
+    gpu: &Gpu,
     hp: &HostProblem,
     r: &reference::DecodeReference,
     plan: SplitPlan,
@@ -935,19 +613,19 @@ fn check_fp8_calls(
     let dp = DeviceProblem::upload(gpu, hp);
     let inp = dp.inputs();
     let n = shape.batch * shape.heads * HEAD_DIM;
-    let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
+    let (_arena, ws) = DecodeWorkspace::with_arena(gpu, &shape, plan, false).unwrap();
+    let stream = gpu.stream.clone();
     let mut first: Option<Vec<bf16>> = None;
     for call in 0..calls {
-        ws.poison_partials(gpu).unwrap();
-        let mut out = gpu.poisoned::<bf16>(n, 0xFF).unwrap();
-        decode(gpu, Path::Fp8, &shape, &inp, &mut ws, &mut out).unwrap();
+        ws.poison(&stream).unwrap();
+        let mut out = gpu.poisoned::<bf16>(n, common::POISON).unwrap();
+        decode(gpu, &stream, Path::Fp8, &shape, &inp, &ws, &mut out).unwrap();
         let got = gpu.download(&out).unwrap();
         let label = format!(
             "{test}: Fp8 call {call}, shape {shape:?} lengths {:?} plan {plan:?}",
             hp.lengths
         );
-        let got_f64: Vec<f64> = got.iter().map(|v| v.to_f64()).collect();
-        assert_within_reference(&label, &shape, &got_f64, r);
+        assert_bf16_within_reference(&label, &shape, &got, r);
         match &first {
             None => first = Some(got),
             Some(want) => assert_same_bits(&label, &shape, want, &got),
@@ -960,9 +638,9 @@ fn check_fp8_calls(
     first.expect("calls >= 1")
 }
 
-/// Every split plan a problem can meet: one split, 1 / 2 / 3 tiles per split, and the FP8 and baseline plans on
-/// this GPU.
-fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPlan)> {
+/// Every split plan a problem can meet: one split, 1 / 2 / 3 tiles per split, the routed FP8 plan, both cost
+/// models' plans and the baseline's plan on this GPU.
+fn all_plans(gpu: &Gpu, hp: &HostProblem) -> Vec<(String, SplitPlan)> {
     let shape = hp.shape();
     let sms = gpu.info.sm_count as usize;
     let mut plans = vec![
@@ -970,15 +648,16 @@ fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPla
             "single split".to_string(),
             SplitPlan::with_tiles_per_split(&shape, 1000).unwrap(),
         ),
+        ("routed fp8".to_string(), SplitPlan::fp8(sms, &shape)),
         (
-            "fp8_default (fp8)".to_string(),
-            SplitPlan::for_path(sms, &shape, Path::Fp8),
+            "estimated costs".to_string(),
+            SplitPlan::by_cost(sms, &shape, &PlanCosts::ESTIMATED),
         ),
         (
-            "by_cost (fp8_oldcombine)".to_string(),
-            SplitPlan::by_cost(sms, &shape),
+            "fitted costs".to_string(),
+            SplitPlan::by_cost(sms, &shape, &PlanCosts::FITTED),
         ),
-        ("auto (baseline)".to_string(), SplitPlan::auto(sms, &shape)),
+        ("baseline".to_string(), baseline_plan(sms, &shape)),
     ];
     for t in [1, 2, 3] {
         plans.push((
@@ -990,16 +669,16 @@ fn all_plans(gpu: &megamoe::gpu::Gpu, hp: &HostProblem) -> Vec<(String, SplitPla
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_decode_fp8_every_split_plan() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_every_split_plan") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_every_split_plan", 0xF05ED);
+    let test = "gpu_decode_fp8_every_split_plan";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     // Tile edges (0, 1, 127, 129), 200, Flash (640) and Pro (1152) lists, -1 holes; 64 and 128 heads.
     let hp64 = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 200, 640, 1152], true);
     let hp128 = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
     for hp in [&hp64, &hp128] {
-        let r = fp8_reference(hp);
+        let r = hp.reference(FP8);
         for (name, plan) in all_plans(&gpu, hp) {
             let label = format!("h{} {name}", hp.heads);
             check_fp8_calls(&label, &gpu, hp, &r, plan, 2);
@@ -1008,76 +687,60 @@ fn gpu_decode_fp8_every_split_plan() {
 }
 
 /// HCA at 1M context (8320 candidates = 130 tiles): 130 splits of one tile (more than 32, so every lane of the
-/// combine's statistics loop takes several splits, the last round partial), 16 and 33 tiles per split, the FP8
-/// default plan and by_cost's; every output of every call within tolerance of the reference, the second call bit-identical to the first.
+/// combine's statistics loop takes several splits, the last round partial), 16 and 33 tiles per split, the
+/// routed plan and the estimated-cost plan; every output of every call within tolerance of the reference, the
+/// second call bit-identical to the first.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_decode_fp8_long_hca_many_splits() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_long_hca_many_splits") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_long_hca_many_splits", 0x8321);
+    let test = "gpu_decode_fp8_long_hca_many_splits";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
     let shape = hp.shape();
-    let r = fp8_reference(&hp);
+    let r = hp.reference(FP8);
     for t in [1usize, 16, 33] {
         let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
         check_fp8_calls(&format!("hca 8320 split {t} tiles"), &gpu, &hp, &r, plan, 2);
     }
-    // The default plan (fp8_default: by_cost_v6's 65 x 2 at batch 1) and by_cost's 33 x 4.
     let sms = gpu.info.sm_count as usize;
-    let own = SplitPlan::for_path(sms, &shape, Path::Fp8);
-    check_fp8_calls("hca 8320 fp8 plan", &gpu, &hp, &r, own, 2);
-    let old = SplitPlan::by_cost(sms, &shape);
-    check_fp8_calls("hca 8320 by_cost plan", &gpu, &hp, &r, old, 2);
+    let routed = SplitPlan::fp8(sms, &shape);
+    check_fp8_calls("hca 8320 routed plan", &gpu, &hp, &r, routed, 2);
+    let estimated = SplitPlan::by_cost(sms, &shape, &PlanCosts::ESTIMATED);
+    check_fp8_calls("hca 8320 estimated-cost plan", &gpu, &hp, &r, estimated, 2);
 }
 
-/// One call of `path` on a fresh workspace for `plan`, outputs and split partials poisoned (0xFF = NaN) first, so
-/// the result holds only what this call wrote.
-fn run_path_poisoned(
-    gpu: &megamoe::gpu::Gpu,
-    dp: &DeviceProblem,
-    shape: &DecodeShape,
-    plan: SplitPlan,
-    path: Path,
-) -> Vec<bf16> {
-    let mut ws = Workspace::new(gpu, shape, plan, false).unwrap();
-    ws.poison_partials(gpu).unwrap();
-    let mut out = gpu
-        .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
-        .unwrap();
-    decode(gpu, path, shape, &dp.inputs(), &mut ws, &mut out).unwrap();
-    gpu.download(&out).unwrap()
-}
-
-/// The latency-parallel combine (`sparse_attn_combine_v2`, Path::Fp8ParallelCombine) against the old one
-/// (`sparse_attn_combine`, Path::Fp8OldCombine) and the default's routing between them (Path::Fp8: v2 from 3
-/// splits): same decode kernel and plan, outputs equal bit for bit, and within tolerance
-/// of the CPU reference, for list lengths 0 / 1 / 127 / 129 / 640 / 1152 / 8320 with -1 holes, 64 and 128 heads,
-/// and every plan: one split, 1 / 2 / 3 / 16 / 17 / 26 / 33 / 44 / 65 tiles per split (8320 candidates at one
-/// tile per split = 130 splits: 16 full chunks of 8 plus a partial one, and more than 32 splits per lane of the
-/// lse pass; 65 / 44 / 33 tiles = 2 / 3 / 4 splits, merged by the 4- and 2-heads-per-thread entries), by_cost,
-/// by_cost_v6 and the baseline's auto plan. Path::Fp8ParallelCombineRefit (by_cost_v6) is checked against the
-/// reference through the same plans.
+/// The two split merges (Combine::WarpPerHead, Combine::HeadsPerThread with 1 / 2 / 4 heads per thread) are
+/// bit-identical, and the routed path equals both, for list lengths 0 / 1 / 127 / 129 / 640 / 1152 / 8320 with
+/// -1 holes, 64 and 128 heads, and every plan: one split, 1 / 2 / 3 / 16 / 17 / 26 / 33 / 44 / 65 tiles per split
+/// (8320 candidates at one tile per split = 130 splits: 16 full chunks of 8 plus a partial one, and more than 32
+/// splits per lane of the lse pass; 65 / 44 / 33 tiles = 2 / 3 / 4 splits, merged by the 4- and 2-heads-per-thread
+/// entries), both cost models' plans and the baseline's auto plan; every output within tolerance of the reference.
 #[test]
-fn gpu_combine_v2_bit_identical_to_combine() {
-    let Some(gpu) = gpu_for_test("gpu_combine_v2_bit_identical_to_combine") else {
-        return;
-    };
-    let mut rng = seeded("gpu_combine_v2_bit_identical_to_combine", 0xC0B2);
+#[ignore = "needs an H100/H200"]
+fn gpu_combines_bit_identical_and_match_reference() {
+    let test = "gpu_combines_bit_identical_and_match_reference";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
     let lengths = [0usize, 1, 127, 129, 640, 1152, 8320];
     let sms = gpu.info.sm_count as usize;
     for heads in [64usize, 128] {
         let hp = HostProblem::random(&mut rng, heads, &lengths, true);
         let shape = hp.shape();
-        let r = fp8_reference(&hp);
+        let r = hp.reference(FP8);
         let dp = DeviceProblem::upload(&gpu, &hp);
         let mut plans = vec![
-            ("by_cost".to_string(), SplitPlan::by_cost(sms, &shape)),
-            ("by_cost_v6".to_string(), SplitPlan::by_cost_v6(sms, &shape)),
-            ("auto".to_string(), SplitPlan::auto(sms, &shape)),
+            (
+                "estimated costs".to_string(),
+                SplitPlan::by_cost(sms, &shape, &PlanCosts::ESTIMATED),
+            ),
+            (
+                "fitted costs".to_string(),
+                SplitPlan::by_cost(sms, &shape, &PlanCosts::FITTED),
+            ),
+            ("routed".to_string(), SplitPlan::fp8(sms, &shape)),
+            ("baseline".to_string(), baseline_plan(sms, &shape)),
         ];
-        // 130 tiles: 1 / 2 / 3 tiles per split = 130 / 65 / 44 splits; 16 / 17 = 9 / 8; 26 = 5; 33 / 44 / 65 = 4 /
-        // 3 / 2 splits (the two- and four-heads-per-thread entries); 1000 = one split (no combine).
         for t in [1usize, 2, 3, 16, 17, 26, 33, 44, 65, 1000] {
             plans.push((
                 format!("{t} tiles per split"),
@@ -1086,153 +749,145 @@ fn gpu_combine_v2_bit_identical_to_combine() {
         }
         for (name, plan) in plans {
             let label = format!("h{heads} {name} {plan:?}");
-            let old = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8OldCombine);
-            let new = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8ParallelCombine);
-            let routed = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
-            let new_f64: Vec<f64> = new.iter().map(|v| v.to_f64()).collect();
-            assert_within_reference(
-                &format!("{label}: Fp8ParallelCombine vs reference"),
+            let warp = run_poisoned(
+                &gpu,
+                &dp,
                 &shape,
-                &new_f64,
+                plan,
+                Variant::Path(Path::Fp8WarpPerHeadCombine),
+            );
+            let hpt = run_poisoned(
+                &gpu,
+                &dp,
+                &shape,
+                plan,
+                Variant::Path(Path::Fp8HeadsPerThreadCombine),
+            );
+            let routed = run_poisoned(&gpu, &dp, &shape, plan, FP8);
+            assert_bf16_within_reference(
+                &format!("{label}: heads-per-thread merge vs reference"),
+                &shape,
+                &hpt,
                 &r,
             );
             assert_same_bits(
-                &format!("{label}: Fp8ParallelCombine vs Fp8OldCombine (\"first call\" = old)"),
+                &format!("{label}: heads-per-thread vs warp-per-head merge"),
                 &shape,
-                &old,
-                &new,
+                &warp,
+                &hpt,
             );
             assert_same_bits(
-                &format!("{label}: Fp8 (routed) vs Fp8OldCombine (\"first call\" = old)"),
+                &format!("{label}: routed vs warp-per-head merge"),
                 &shape,
-                &old,
+                &warp,
                 &routed,
             );
-            println!("{label}: combine_v2 bit-identical to combine, lengths {lengths:?}");
         }
-        // The default through its own plan (fp8_default: by_cost_v6 on the 8320-stride lists).
-        let plan = SplitPlan::for_path(sms, &shape, Path::Fp8);
-        let default = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8);
-        let default_f64: Vec<f64> = default.iter().map(|v| v.to_f64()).collect();
-        assert_within_reference(
-            &format!("h{heads} Fp8 (default plan) {plan:?} vs reference"),
-            &shape,
-            &default_f64,
-            &r,
-        );
-        // The refit path through its own plan (by_cost_v6; the same plan also ran above through Fp8ParallelCombine).
-        let plan = SplitPlan::for_path(sms, &shape, Path::Fp8ParallelCombineRefit);
-        let refit = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8ParallelCombineRefit);
-        let refit_f64: Vec<f64> = refit.iter().map(|v| v.to_f64()).collect();
-        assert_within_reference(
-            &format!("h{heads} Fp8ParallelCombineRefit {plan:?} vs reference"),
-            &shape,
-            &refit_f64,
-            &r,
-        );
     }
 }
 
-/// Path::Fp8 as a replayed CUDA graph (decode + combine when split): outputs and partials poisoned before each of
-/// 4 replays, each bit-identical to a plain (not captured) Path::Fp8 call on the same plan, which is itself held
-/// to the CPU reference.
-fn check_graph_replay(test: &str, gpu: &megamoe::gpu::Gpu, hp: &HostProblem) {
+/// One `path` call captured in a CUDA graph on a second stream at the capacity shape (`heads`, `stride` = window
+/// 128 + the most compressed candidates), replayed `lengths_per_replay.len()` times. Before each replay the device
+/// lengths, candidate lists, positions and q are rewritten in place with `Gpu::write`, the output and
+/// workspace poisoned; every replay's output is checked against the CPU reference of that replay's inputs.
+fn check_graph_replays(
+    test: &str,
+    gpu: &Gpu,
+    rng: &mut rand_chacha::ChaCha8Rng,
+    (heads, stride): (usize, usize),
+    v: Variant,
+    tiles_per_split: Option<usize>,
+    lengths_per_replay: &[Vec<usize>],
+) {
+    let mut hp = HostProblem::with_stride(rng, heads, stride, &lengths_per_replay[0], true);
     let shape = hp.shape();
-    let r = fp8_reference(hp);
-    for t in [1usize, 3, 1000] {
-        let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        let want = check_fp8_calls(&format!("{test} setup split {t}"), gpu, hp, &r, plan, 1);
-        let dp = DeviceProblem::upload(gpu, hp);
+    let plan = match tiles_per_split {
+        Some(t) => SplitPlan::with_tiles_per_split(&shape, t).unwrap(),
+        None => v.plan(gpu.info.sm_count as usize, &shape),
+    };
+    let mut dp = DeviceProblem::upload(gpu, &hp);
+    let (_arena, ws) = DecodeWorkspace::with_arena(gpu, &shape, plan, v.staging()).unwrap();
+    let n = shape.batch * shape.heads * HEAD_DIM;
+    let mut out = gpu.poisoned::<bf16>(n, common::POISON).unwrap();
+    gpu.synchronize().unwrap();
+    let stream = gpu.new_stream().unwrap();
+    let graph = {
         let inp = dp.inputs();
-        let mut ws = Workspace::new(gpu, &shape, plan, false).unwrap();
-        let mut out = gpu
-            .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
-            .unwrap();
-        let graph = gpu
-            .capture(|| decode(gpu, Path::Fp8, &shape, &inp, &mut ws, &mut out))
-            .unwrap();
-        for rep in 0..4 {
-            gpu.fill_bytes(&mut out, 0xFF).unwrap();
-            ws.poison_partials(gpu).unwrap();
-            graph.launch().unwrap();
-            gpu.synchronize().unwrap();
-            let got = gpu.download(&out).unwrap();
-            assert_same_bits(
-                &format!("{test}: graph replay {rep}, split {t} tiles, plan {plan:?}"),
-                &shape,
-                &want,
-                &got,
-            );
+        // One plain call first: it resolves the kernels (module lookups stay out of the capture) and is checked
+        // like a replay below (replay 0 reruns the same inputs).
+        ws.poison(&stream).unwrap();
+        v.run(gpu, &stream, &shape, &inp, &ws, &mut out).unwrap();
+        stream.synchronize().unwrap();
+        let got = gpu.download(&out).unwrap();
+        assert_bf16_within_reference(
+            &format!("{test}: {v:?} plain call before capture, plan {plan:?}"),
+            &shape,
+            &got,
+            &hp.reference(v),
+        );
+        capture_on(&stream, || v.run(gpu, &stream, &shape, &inp, &ws, &mut out)).unwrap()
+    };
+    for (rep, lengths) in lengths_per_replay.iter().enumerate() {
+        if rep > 0 {
+            hp.redraw(rng, lengths);
+            dp.write_step(gpu, &stream, &hp);
         }
-        println!("{test}: split {t}: 4 graph replays bit-identical to the plain call");
+        fill_bytes_on(&stream, &mut out, common::POISON).unwrap();
+        ws.poison(&stream).unwrap();
+        graph.launch().unwrap();
+        stream.synchronize().unwrap();
+        let got = gpu.download(&out).unwrap();
+        let label = format!(
+            "{test}: {v:?} graph replay {rep}, heads {heads} stride {stride} lengths {lengths:?} plan {plan:?}"
+        );
+        assert_bf16_within_reference(&label, &shape, &got, &hp.reference(v));
+    }
+    println!(
+        "{test}: {v:?} plan {plan:?}: {} graph replays with changed device inputs match the reference",
+        lengths_per_replay.len()
+    );
+}
+
+/// Every path as one captured graph per plan, replayed with the device-side lengths, candidates, positions and q
+/// changed between replays: full lists, lists of the window only (0 compressed candidates: 128, and shorter for
+/// an early position), empty lists, and lengths off the 64-entry tile grid. Plans: the routed one, one split,
+/// and splits merged by each combine entry (1 tile per split: one head per thread; at stride 640, 3 tiles = 4
+/// splits, two heads per thread, and 5 tiles = 2 splits, the warp-per-head merge; half the list per split through
+/// the forcing path: four heads per thread), and the baseline under its own plan.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_decode_graph_replays_with_changed_device_inputs() {
+    let test = "gpu_decode_graph_replays_with_changed_device_inputs";
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, REPLAY_VAR);
+    // Flash: 128 window + 512 compressed = 640 = 10 tiles; Pro: 128 + 1024 = 1152 = 18 tiles.
+    for (heads, stride) in [(64usize, 640usize), (128, 1152)] {
+        let replays: Vec<Vec<usize>> = vec![
+            vec![stride, WINDOW, 77, 0],
+            vec![333, 0, stride - 1, WINDOW],
+            vec![1, 65, 200, stride],
+            vec![0, 0, 0, 0],
+            vec![WINDOW + 1, stride - 63, 64, 129],
+        ];
+        let runs: [(Variant, Option<usize>); 7] = [
+            (FP8, None),
+            (FP8, Some(1000)),
+            (FP8, Some(1)),
+            (FP8, Some(3)),
+            (FP8, Some(5)),
+            (
+                Variant::Path(Path::Fp8HeadsPerThreadCombine),
+                Some(stride.div_ceil(128)),
+            ),
+            (Variant::Bf16Staging, None),
+        ];
+        for (v, t) in runs {
+            check_graph_replays(test, &gpu, &mut rng, (heads, stride), v, t, &replays);
+        }
     }
 }
 
-#[test]
-fn gpu_decode_fp8_graph_replay() {
-    let Some(gpu) = gpu_for_test("gpu_decode_fp8_graph_replay") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_fp8_graph_replay", 0x62A9);
-    let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 1, 0], true);
-    check_graph_replay("fp8 graph h128", &gpu, &hp);
-    let hp = HostProblem::random(&mut rng, 64, &[640, 1152, 129, 0], true);
-    check_graph_replay("fp8 graph h64", &gpu, &hp);
-}
-
-/// Path::Fp8ParallelCombine as a replayed CUDA graph (the bench's graph variants capture it): plans with 18, 4, 2
-/// and 1 splits of a 1152-stride problem (one-, two- and four-heads-per-thread combine entries, and none), outputs
-/// and partials poisoned before each of 3 replays, each bit-identical to a plain Path::Fp8OldCombine call on the
-/// same plan.
-#[test]
-fn gpu_combine_v2_graph_replay() {
-    let Some(gpu) = gpu_for_test("gpu_combine_v2_graph_replay") else {
-        return;
-    };
-    let mut rng = seeded("gpu_combine_v2_graph_replay", 0x6C2B);
-    let hp = HostProblem::random(&mut rng, 128, &[1152, 640, 1, 0], true);
-    let shape = hp.shape();
-    let dp = DeviceProblem::upload(&gpu, &hp);
-    let inp = dp.inputs();
-    for t in [1usize, 5, 9, 1000] {
-        let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
-        let want = run_path_poisoned(&gpu, &dp, &shape, plan, Path::Fp8OldCombine);
-        let mut ws = Workspace::new(&gpu, &shape, plan, false).unwrap();
-        let mut out = gpu
-            .poisoned::<bf16>(shape.batch * shape.heads * HEAD_DIM, 0xFF)
-            .unwrap();
-        let graph = gpu
-            .capture(|| {
-                decode(
-                    &gpu,
-                    Path::Fp8ParallelCombine,
-                    &shape,
-                    &inp,
-                    &mut ws,
-                    &mut out,
-                )
-            })
-            .unwrap();
-        for rep in 0..3 {
-            gpu.fill_bytes(&mut out, 0xFF).unwrap();
-            ws.poison_partials(&gpu).unwrap();
-            graph.launch().unwrap();
-            gpu.synchronize().unwrap();
-            let got = gpu.download(&out).unwrap();
-            assert_same_bits(
-                &format!(
-                    "combine_v2 graph replay {rep}, plan {plan:?} (\"first call\" = plain Fp8OldCombine)"
-                ),
-                &shape,
-                &want,
-                &got,
-            );
-        }
-        println!("combine_v2 graph: plan {plan:?}: 3 replays bit-identical to plain Fp8OldCombine");
-    }
-}
-
-/// Mirror of the v6 q prologue's identity (kernels/sparse_attn.cu, `quantize_lane_pow2_mul`): for every BF16 value
+/// Mirror of the FP8 q prologue's identity (kernels/sparse_attn.cu, `quantize_lane_pow2_mul`): for every BF16 value
 /// x (all 65536 bit patterns, q is BF16) and every UE8M0 scale code c the scale rule can produce (1..=254),
 /// the IEEE quotient x / 2^(c-127) equals the IEEE product x * 2^(127-c) bit for bit (NaN: both NaN), and the
 /// reciprocal is the kernel's `ue8m0_decode(254 - c)`; so the e4m3 codes (and q's BF16 values) are unchanged.
@@ -1270,7 +925,7 @@ fn pow2_division_equals_reciprocal_product() {
 }
 
 /// CPU mirror of the FP8 kernel's shared-memory addressing (kernels/sparse_attn.cu, `sw_off`,
-/// `load_raw_regs` / `dequant_regs_v5`, `softmax_step` with `PSwizzled`): the 128B-swizzled layout is a bijection from
+/// `load_raw_regs` / `dequant_regs`, `softmax_step` with `PSwizzled`): the 128B-swizzled layout is a bijection from
 /// (row 0..64, 16-byte chunk 0..64) onto the 64 KiB tile; the dequant's (thread, i) -> chunk map writes every
 /// nope chunk of every entry exactly once, with the scale of its own 64-tile; the register staging reads every
 /// rope byte once; and the softmax's P stores equal the canonical swizzled P layout, each word once.
@@ -1339,17 +994,13 @@ fn swizzle_layout_mirror() {
     assert!(p_words.iter().all(|&n| n == 1));
 }
 
-/// The refitted plan (`SplitPlan::by_cost_v6`, used by `fp8_pcombine_refit`) picks the same plans as `by_cost` at
-/// every Flash / Pro target point on the H200 (132 SMs), so `fp8_pcombine_refit` differs from `fp8_pcombine` only
-/// on long lists; at HCA 1M batch 1 it cuts 65 splits of two tiles (one wave, 65 CTAs) instead of 33 of four;
-/// every plan covers every tile with no empty split.
-/// `combine_v2_variant`: the most heads per thread (1, 2, 4) with heads * n_splits <= 8 (8 loads in flight per
+/// `heads_per_thread`: the most heads per thread (1, 2, 4) with heads * n_splits <= 8 (8 loads in flight per
 /// thread), one head from 5 splits on; every choice divides 64.
 #[test]
-fn combine_v2_heads_per_thread() {
-    use megamoe::ops::sparse_attn::combine_v2_variant;
+fn combine_heads_per_thread_choice() {
+    use megamoe::ops::sparse_attn::heads_per_thread;
     for n_splits in 2usize..=200 {
-        let (k, hpt) = combine_v2_variant(n_splits);
+        let (k, hpt) = heads_per_thread(n_splits);
         assert_eq!(
             1 << k,
             hpt,
@@ -1364,30 +1015,29 @@ fn combine_v2_heads_per_thread() {
     }
 }
 
+/// The two cost models pick the same plans at every Flash / Pro target point on the H200 (132 SMs); at HCA 1M
+/// batch 1 the fitted model cuts 65 splits of two tiles (one wave, 65 CTAs) instead of 33 of four; every plan
+/// covers every tile with no empty split.
 #[test]
-fn refit_plan_matches_by_cost_at_target_shapes() {
+fn cost_models_agree_at_target_shapes_and_cover_every_tile() {
     let shape = |batch, heads, stride| DecodeShape {
         batch,
         heads,
         stride,
         n_entries: 10,
     };
+    let est = |s: &DecodeShape| SplitPlan::by_cost(132, s, &PlanCosts::ESTIMATED);
+    let fit = |s: &DecodeShape| SplitPlan::by_cost(132, s, &PlanCosts::FITTED);
     for batch in [1usize, 2, 4, 8, 16, 32, 64, 128] {
         for (heads, stride) in [(64usize, 640usize), (128, 1152)] {
             let s = shape(batch, heads, stride);
-            let (old, new) = (SplitPlan::by_cost(132, &s), SplitPlan::by_cost_v6(132, &s));
-            assert_eq!(old, new, "{s:?}: by_cost {old:?} vs by_cost_v6 {new:?}");
-            assert_eq!(
-                SplitPlan::for_path(132, &s, Path::Fp8ParallelCombineRefit),
-                new
-            );
-            assert_eq!(SplitPlan::for_path(132, &s, Path::Fp8ParallelCombine), old);
+            assert_eq!(est(&s), fit(&s), "{s:?}");
         }
     }
     let hca1 = shape(1, 64, 8320);
-    assert_eq!(SplitPlan::by_cost(132, &hca1).n_splits, 33);
+    assert_eq!(est(&hca1).n_splits, 33);
     assert_eq!(
-        SplitPlan::by_cost_v6(132, &hca1),
+        fit(&hca1),
         SplitPlan {
             n_splits: 65,
             tiles_per_split: 2
@@ -1396,32 +1046,33 @@ fn refit_plan_matches_by_cost_at_target_shapes() {
     for batch in [1usize, 3, 4, 16, 64, 200] {
         for (heads, stride) in [(64usize, 8320usize), (128, 640), (64, 1), (128, 4000)] {
             let s = shape(batch, heads, stride);
-            let p = SplitPlan::by_cost_v6(132, &s);
             let tiles = stride.div_ceil(64);
-            assert!(
-                p.n_splits * p.tiles_per_split >= tiles
-                    && (p.n_splits - 1) * p.tiles_per_split < tiles,
-                "{s:?} {p:?}"
-            );
+            for p in [est(&s), fit(&s)] {
+                assert!(
+                    p.n_splits * p.tiles_per_split >= tiles
+                        && (p.n_splits - 1) * p.tiles_per_split < tiles,
+                    "{s:?} {p:?}"
+                );
+            }
         }
     }
 }
 
-/// The default path's routing at every point of the session-5 A/B run (H200, 132 SMs, commit 48a7d82): the plan
-/// (`SplitPlan::fp8_default`) and the combine (`fp8_combine`) at each measured point, printed and pinned, with the
-/// winner the data names (see `PARALLEL_COMBINE_MIN_SPLITS` and `SplitPlan::fp8_default`). The v2 combine won at
-/// 3+ splits and lost at 2; the refit plan differs from by_cost only at HCA 1M batch 1, where it won. The forcing
-/// paths keep their own plan and combine.
+/// The routed path at every point of results/h200/session5-ab/sparse_attn_decode.csv (H200, 132 SMs): the plan
+/// (`SplitPlan::fp8`) and the merge (`combine_for`) at each measured point, printed and pinned, with the winner
+/// the data names (see `HEADS_PER_THREAD_MIN_SPLITS` and `SplitPlan::fp8`): the heads-per-thread merge won at
+/// 3+ splits and lost at 2; the fitted plan differs from the estimated one only at HCA 1M batch 1, where it won.
+/// The forcing paths run the routed plan with the merge they name.
 #[test]
-fn fp8_default_routing_at_measured_points() {
-    use megamoe::ops::sparse_attn::{fp8_combine, PARALLEL_COMBINE_MIN_SPLITS};
+fn fp8_routing_at_measured_points() {
+    use megamoe::ops::sparse_attn::{combine_for, Combine, HEADS_PER_THREAD_MIN_SPLITS};
     let shape = |batch, heads, stride| DecodeShape {
         batch,
         heads,
         stride,
         n_entries: 10,
     };
-    // (label, batch, heads, candidates, default splits, tiles per split, v2 combine): candidates = CSA 128 +
+    // (label, batch, heads, candidates, splits, tiles per split, heads-per-thread merge): candidates = CSA 128 +
     // min(topk, ctx/4) (Flash 640, Pro 1152 from 4K context on), HCA 128 + ctx/128.
     let points: Vec<(&str, usize, usize, usize, usize, usize, bool)> = vec![
         ("flash b1", 1, 64, 640, 10, 1, true),
@@ -1445,26 +1096,19 @@ fn fp8_default_routing_at_measured_points() {
         ("hca b8 64K", 8, 64, 640, 10, 1, true),
         ("hca b8 256K", 8, 64, 2176, 12, 3, true),
         ("hca b8 1M", 8, 64, 8320, 15, 9, true),
-        ("hca 1M b1 (refit plan)", 1, 64, 8320, 65, 2, true),
+        ("hca 1M b1 (fitted plan)", 1, 64, 8320, 65, 2, true),
         ("hca 1M b4", 4, 64, 8320, 33, 4, true),
         ("hca 1M b16", 16, 64, 8320, 8, 17, true),
         ("hca 1M b64", 64, 64, 8320, 2, 65, false),
     ];
-    for (label, batch, heads, stride, n_splits, tps, v2) in points {
+    for (label, batch, heads, stride, n_splits, tps, hpt) in points {
         let s = shape(batch, heads, stride);
-        let plan = SplitPlan::for_path(132, &s, Path::Fp8);
-        let (old, refit) = (SplitPlan::by_cost(132, &s), SplitPlan::by_cost_v6(132, &s));
+        let plan = SplitPlan::fp8(132, &s);
+        let estimated = SplitPlan::by_cost(132, &s, &PlanCosts::ESTIMATED);
         let ctas = batch * (heads / 64) * plan.n_splits;
-        let parallel = fp8_combine(Path::Fp8, plan.n_splits);
+        let merge = combine_for(Path::Fp8, plan.n_splits);
         println!(
-            "{label}: default {plan:?} ({ctas} CTAs), by_cost {old:?}, by_cost_v6 {refit:?}, combine {}",
-            if plan.n_splits == 1 {
-                "none"
-            } else if parallel {
-                "v2"
-            } else {
-                "old"
-            }
+            "{label}: routed {plan:?} ({ctas} CTAs), estimated {estimated:?}, merge {merge:?}"
         );
         assert_eq!(
             plan,
@@ -1474,44 +1118,85 @@ fn fp8_default_routing_at_measured_points() {
             },
             "{label}"
         );
-        assert_eq!(plan, SplitPlan::fp8_default(132, &s), "{label}");
         if plan.n_splits > 1 {
-            assert_eq!(parallel, v2, "{label}");
+            assert_eq!(merge == Combine::HeadsPerThread, hpt, "{label}");
         }
-        // Only HCA 1M batch 1 takes the refit plan; everywhere else the default plan is by_cost's.
-        assert_eq!(plan == old, label != "hca 1M b1 (refit plan)", "{label}");
-        assert_eq!(SplitPlan::for_path(132, &s, Path::Fp8OldCombine), old);
-        assert_eq!(SplitPlan::for_path(132, &s, Path::Fp8ParallelCombine), old);
+        // Only HCA 1M batch 1 takes the fitted plan; everywhere else the routed plan is the estimated one.
+        assert_eq!(
+            plan == estimated,
+            label != "hca 1M b1 (fitted plan)",
+            "{label}"
+        );
+        for forcing in [Path::Fp8WarpPerHeadCombine, Path::Fp8HeadsPerThreadCombine] {
+            assert_eq!(Variant::Path(forcing).plan(132, &s), plan, "{label}");
+        }
     }
     // The rule itself, and the forcing paths at every split count.
     for n in 2usize..=200 {
-        assert_eq!(fp8_combine(Path::Fp8, n), n >= PARALLEL_COMBINE_MIN_SPLITS);
-        assert!(fp8_combine(Path::Fp8ParallelCombine, n));
-        assert!(fp8_combine(Path::Fp8ParallelCombineRefit, n));
-        assert!(!fp8_combine(Path::Fp8OldCombine, n));
+        let want = if n >= HEADS_PER_THREAD_MIN_SPLITS {
+            Combine::HeadsPerThread
+        } else {
+            Combine::WarpPerHead
+        };
+        assert_eq!(combine_for(Path::Fp8, n), want);
+        assert_eq!(
+            combine_for(Path::Fp8HeadsPerThreadCombine, n),
+            Combine::HeadsPerThread
+        );
+        assert_eq!(
+            combine_for(Path::Fp8WarpPerHeadCombine, n),
+            Combine::WarpPerHead
+        );
     }
-    assert_eq!(PARALLEL_COMBINE_MIN_SPLITS, 3);
-    // The default never trades a 1- or 2-split plan for the refit (the 2-split merge is not what V6_FITTED models)
-    // and every default plan covers every tile with no empty split.
+    assert_eq!(HEADS_PER_THREAD_MIN_SPLITS, 3);
+    // The routed plan never trades a 1- or 2-split plan for the fitted one (the 2-split merge is not what FITTED
+    // models), and every routed plan covers every tile with no empty split.
     for batch in [1usize, 2, 3, 4, 6, 8, 16, 32, 48, 64, 96, 128] {
         for heads in [64usize, 128] {
             for tiles in (1usize..=40).chain([50, 65, 100, 130, 200, 258, 513]) {
                 let s = shape(batch, heads, tiles * 64);
-                let p = SplitPlan::fp8_default(132, &s);
-                let old = SplitPlan::by_cost(132, &s);
+                let p = SplitPlan::fp8(132, &s);
+                let estimated = SplitPlan::by_cost(132, &s, &PlanCosts::ESTIMATED);
                 assert!(
                     p.n_splits * p.tiles_per_split >= tiles
                         && (p.n_splits - 1) * p.tiles_per_split < tiles,
                     "{s:?} {p:?}"
                 );
-                if old.n_splits < 3 || p.n_splits < 3 {
-                    assert_eq!(p, old, "{s:?}");
-                } else if p != old {
-                    assert_eq!(p, SplitPlan::by_cost_v6(132, &s), "{s:?}");
+                if estimated.n_splits < 3 || p.n_splits < 3 {
+                    assert_eq!(p, estimated, "{s:?}");
+                } else if p != estimated {
+                    assert_eq!(p, SplitPlan::by_cost(132, &s, &PlanCosts::FITTED), "{s:?}");
                 }
             }
         }
     }
+}
+
+/// Workspace bytes: the split partials only when the plan splits (O: batch x splits x heads x 512 f32, lse:
+/// batch x splits x heads f32), the staging buffer (batch x stride x 512 BF16) only for the baseline, each
+/// rounded to the arena's alignment.
+#[test]
+fn workspace_bytes_for_a_shape() {
+    use megamoe::gpu::arena::ALIGN;
+    use megamoe::ops::sparse_attn::workspace_bytes;
+    let round = |b: usize| b.div_ceil(ALIGN) * ALIGN;
+    let s = DecodeShape::for_capacity(3, 128, 1024, 10);
+    assert_eq!(s.stride, 1152, "Pro CSA: 128 window + top-1024");
+    let one = SplitPlan::with_tiles_per_split(&s, 1000).unwrap();
+    assert_eq!(one.n_splits, 1);
+    assert_eq!(workspace_bytes(&s, one, false), 0);
+    assert_eq!(workspace_bytes(&s, one, true), round(3 * 1152 * 512 * 2));
+    let six = SplitPlan::with_tiles_per_split(&s, 3).unwrap();
+    assert_eq!(six.n_splits, 6);
+    let rows = 3 * 6 * 128;
+    assert_eq!(
+        workspace_bytes(&s, six, false),
+        round(rows * 512 * 4) + round(rows * 4)
+    );
+    assert_eq!(
+        workspace_bytes(&s, six, true),
+        round(rows * 512 * 4) + round(rows * 4) + round(3 * 1152 * 512 * 2)
+    );
 }
 
 /// The sweep config parses with the bench schema, names only this family's variants, and every point
@@ -1519,45 +1204,23 @@ fn fp8_default_routing_at_measured_points() {
 #[test]
 fn bench_config_and_split_plans() {
     use megamoe::bench::config::SweepConfig;
-    use megamoe::ops::sparse_attn::{
-        bench_path, candidates_per_query, LayerKind, BENCH_KERNEL, BENCH_VARIANTS,
+    use megamoe::ops::sparse_attn::bench::{
+        candidates_per_query, variant_of, LayerKind, BASELINE, KERNEL, VARIANTS,
     };
-    for v in BENCH_VARIANTS {
-        bench_path(v).unwrap();
+    for v in VARIANTS {
+        variant_of(v).unwrap();
     }
-    assert_eq!(bench_path("fp8").unwrap(), Path::Fp8);
-    assert_eq!(bench_path("fp8_oldcombine").unwrap(), Path::Fp8OldCombine);
-    assert_eq!(bench_path("bf16_staging").unwrap(), Path::Bf16Staging);
+    assert_eq!(variant_of("fp8").unwrap(), FP8);
     assert_eq!(
-        bench_path("fp8_pcombine").unwrap(),
-        Path::Fp8ParallelCombine
+        variant_of("fp8_combine_warp_per_head").unwrap(),
+        Variant::Path(Path::Fp8WarpPerHeadCombine)
     );
     assert_eq!(
-        bench_path("fp8_pcombine_refit").unwrap(),
-        Path::Fp8ParallelCombineRefit
+        variant_of("fp8_combine_heads_per_thread").unwrap(),
+        Variant::Path(Path::Fp8HeadsPerThreadCombine)
     );
-    for retired in [
-        "fp8_v3",
-        "fp8_v4",
-        "fp8_fused",
-        "fp8_fused_v6",
-        "fp8_pdl",
-        "fp8_v5",
-        "fp8_compact",
-        "fp8_compact_split",
-        "fp8_staged",
-        "fp8_compact_staged",
-        "fp8_v6",
-    ] {
-        assert!(
-            bench_path(retired).is_err(),
-            "A/B variant {retired} was retired"
-        );
-    }
-    assert!(
-        bench_path("fp8_v1").is_err(),
-        "the first FP8 kernel was removed"
-    );
+    assert_eq!(variant_of(BASELINE).unwrap(), Variant::Bf16Staging);
+    assert!(variant_of("fp8_unknown").is_err());
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/bench-configs/sparse_attn.toml"
@@ -1571,13 +1234,13 @@ fn bench_config_and_split_plans() {
     );
     let prof = SweepConfig::from_path(std::path::Path::new(profile)).unwrap();
     for s in &prof.sweeps {
-        assert_eq!(s.kernel, BENCH_KERNEL);
-        let v = s.variants_from(&BENCH_VARIANTS).unwrap();
+        assert_eq!(s.kernel, KERNEL);
+        let v = s.variants_from(&VARIANTS).unwrap();
         assert!(v.iter().any(|x| x.as_str() == "fp8"), "{}: fp8", s.name());
     }
     for s in &cfg.sweeps {
-        assert_eq!(s.kernel, BENCH_KERNEL);
-        s.variants_from(&BENCH_VARIANTS).unwrap();
+        assert_eq!(s.kernel, KERNEL);
+        s.variants_from(&VARIANTS).unwrap();
         let kind = match s.param_str("kind").unwrap() {
             "csa" => LayerKind::Csa {
                 topk: s.param_u64("topk").unwrap() as usize,
@@ -1618,7 +1281,7 @@ fn bench_config_and_split_plans() {
             stride,
             n_entries: 10,
         };
-        let p = SplitPlan::auto(132, &shape);
+        let p = baseline_plan(132, &shape);
         let tiles = stride.div_ceil(64);
         assert!(
             p.n_splits * p.tiles_per_split >= tiles && (p.n_splits - 1) * p.tiles_per_split < tiles,
@@ -1626,7 +1289,7 @@ fn bench_config_and_split_plans() {
         );
         assert!(p.tiles_per_split >= tiles.min(4), "{shape:?} {p:?}");
         // the FP8 plan also covers every tile with no empty split
-        let c = SplitPlan::by_cost(132, &shape);
+        let c = SplitPlan::fp8(132, &shape);
         assert!(
             c.n_splits * c.tiles_per_split >= tiles && (c.n_splits - 1) * c.tiles_per_split < tiles,
             "{shape:?} {c:?}"
@@ -1640,16 +1303,16 @@ fn bench_config_and_split_plans() {
         stride: 640,
         n_entries: 10,
     };
-    assert_eq!(SplitPlan::by_cost(132, &flash(1)).n_splits, 10);
-    assert_eq!(SplitPlan::by_cost(132, &flash(32)).tiles_per_split, 3);
-    assert_eq!(SplitPlan::by_cost(132, &flash(128)).n_splits, 1);
+    assert_eq!(SplitPlan::fp8(132, &flash(1)).n_splits, 10);
+    assert_eq!(SplitPlan::fp8(132, &flash(32)).tiles_per_split, 3);
+    assert_eq!(SplitPlan::fp8(132, &flash(128)).n_splits, 1);
     let pro = |batch| DecodeShape {
         batch,
         heads: 128,
         stride: 1152,
         n_entries: 10,
     };
-    assert_eq!(SplitPlan::by_cost(132, &pro(1)).n_splits, 18);
+    assert_eq!(SplitPlan::fp8(132, &pro(1)).n_splits, 18);
     assert!(DecodeShape {
         batch: 1,
         heads: 96,

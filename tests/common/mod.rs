@@ -9,6 +9,8 @@ use megamoe::gpu::Gpu;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+pub mod sparse_attn;
+
 /// The byte that poisons outputs before a launch: NaN in f32, bf16 and e4m3, an impossible index in i32.
 pub const POISON: u8 = 0xFF;
 

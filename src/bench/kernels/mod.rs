@@ -3,6 +3,7 @@
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
 pub mod indexer;
+pub mod sparse_attn;
 
 use super::runner::BenchKernel;
 
@@ -12,7 +13,7 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(crate::ops::nvfp4::bench::kernels());
     v.extend(crate::ops::norm_quant::bench::kernels());
     v.extend(crate::ops::moe_gemm::bench::kernels());
-    v.extend(crate::ops::sparse_attn::bench_kernels());
+    v.extend(sparse_attn::kernels());
     v.extend(indexer::kernels());
     v
 }

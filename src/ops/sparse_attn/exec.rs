@@ -8,7 +8,8 @@ use safetensors::Dtype;
 
 use super::reference::{self, DecodeProblem, QueryPrecision};
 use super::{
-    decode, DecodeInputs, DecodeShape, Path, SplitPlan, Workspace, ENTRY_BYTES, HEAD_DIM, ROPE_DIM,
+    decode, DecodeInputs, DecodeShape, DecodeWorkspace, Path, SplitPlan, ENTRY_BYTES, HEAD_DIM,
+    ROPE_DIM,
 };
 use crate::gpu::Gpu;
 use crate::ops::exec::{input, ExecKernel, HostTensor, TensorMap};
@@ -18,11 +19,14 @@ pub const EXEC_NAME: &str = "sparse_attn_decode";
 pub fn exec_kernels() -> Vec<ExecKernel> {
     vec![ExecKernel {
         name: EXEC_NAME,
-        doc: "DSV4 decode attention over FP8 KV entries with sink and inverse RoPE. Inputs: q BF16 [B, H, 512] \
-              (RoPE at the query position already on dims 448..512; H a multiple of 64), pool U8 [N, 584] \
-              (formats::kv entries), candidates I32 [B, S] (pool indices, -1 = invalid), lengths I32 [B] \
-              (0..=S), positions I32 [B] (query position, >= 0), sinks F32 [H], freqs F32 [32] (the layer's \
-              RoPE frequencies). Output: out BF16 [B, H, 512] (inverse RoPE applied to dims 448..512).",
+        doc: "DSV4 decode attention over FP8 KV entries with sink and inverse RoPE (the routed path: \
+              sparse_attn_decode_fp8, plus a split combine when the plan splits). Inputs: `q` BF16 [B, H, 512] \
+              (finite; RoPE at the query position already on dims 448..512; 1 <= B <= 65535; H a positive multiple of \
+              64), `pool` U8 [N, 584] (formats::kv entries; N >= 1 on the GPU), `candidates` I32 [B, S] (S >= 1; pool \
+              indices in 0..N, -1 = invalid), `lengths` I32 [B] (0..=S: the first lengths[b] candidates of row b are \
+              used), `positions` I32 [B] (query position, >= 0), `sinks` F32 [H] (not NaN), `freqs` F32 [32] (the \
+              layer's RoPE frequencies, finite). Output: `out` BF16 [B, H, 512] (inverse RoPE applied to dims \
+              448..512; a query with no valid candidate gives 0).",
         run,
     }]
 }
@@ -147,10 +151,11 @@ fn run(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                 sinks: &d_sinks,
                 freqs: &d_freqs,
             };
-            let plan = SplitPlan::for_path(g.info.sm_count as usize, &s, Path::Fp8);
-            let mut ws = Workspace::new(g, &s, plan, false)?;
+            let plan = SplitPlan::fp8(g.info.sm_count as usize, &s);
+            let (_arena, ws) = DecodeWorkspace::with_arena(g, &s, plan, false)?;
             let mut d_out = g.poisoned::<bf16>(s.batch * s.heads * HEAD_DIM, 0xFF)?;
-            decode(g, Path::Fp8, &s, &inp, &mut ws, &mut d_out)?;
+            let stream = g.stream.clone();
+            decode(g, &stream, Path::Fp8, &s, &inp, &ws, &mut d_out)?;
             g.download(&d_out)?
         }
         None => reference::decode_attention(&call.problem(), QueryPrecision::Fp8Tiles)?

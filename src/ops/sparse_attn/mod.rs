@@ -1,87 +1,93 @@
 //! Sparse FP8 decode attention for DeepSeek-V4 (DSV4 §3.6, §4): each query (H = 64 or 128 heads x 512 dims)
 //! attends to its own candidate list of 584-byte FP8 KV entries (sliding window ++ selected compressed
 //! entries), with a per-head attention sink and the inverse RoPE on the output. Kernels: `kernels/sparse_attn.cu`
-//! (design notes at its top); CPU reference: [`reference`].
+//! (design notes at its top); CPU reference: [`reference`]; measurement hooks and the BF16-staging baseline the
+//! targets are measured against: [`bench`]; `megamoe exec`: [`exec`].
 //!
 //! Data layout
 //! * KV pool: `n_entries x 584` bytes, entry layout of `formats::kv` (see [`reference::encode_entry`]).
 //!   A sequence's window ring slot `p mod 128` and its compressed entries are pool entries; pages are runs of
 //!   entries and need no table of their own, because candidate lists hold pool indices.
-//! * Candidate lists: `[batch, stride]` i32 pool indices (-1 = invalid), `lengths[batch]` of them used.
+//! * Candidate lists: `[batch, stride]` i32 pool indices (-1 = invalid), `lengths[batch]` of them used. `stride`
+//!   is a capacity (the longest list the call may see: window + the most compressed candidates per query); the
+//!   lengths are read on the device, so a captured call replays with any lengths in `0..=stride`.
 //! * q: `[batch, heads, 512]` BF16 with RoPE at the query position already applied to dims 448..512.
 //! * Output: `[batch, heads, 512]` BF16, inverse RoPE at the query position applied to dims 448..512.
 //!
 //! Precision of the FP8 path: q's 448 nope dims are quantized per (head, 64-tile) with a UE8M0 power-of-two
 //! scale (the KV entry rule), K nope dims are the cache's FP8 codes times their pow2 tile scale, rope dims
 //! BF16; every product is exact and the scores accumulate in f32. The kernel holds q and each KV tile as
-//! exact BF16 values and runs both products on BF16 `wgmma` (kernel `sparse_attn_decode_fp8_v11`); softmax in
+//! exact BF16 values and runs both products on BF16 `wgmma` (kernel `sparse_attn_decode_fp8`); softmax in
 //! f32, P rounded to BF16 for P.V (denominator unrounded), V = K dequantized exactly to BF16.
 //!
-//! History: the A/B run on the H200 (commit 4199846) measured four FP8 kernels; v5 won at every point (e.g.
-//! Flash CSA batch 64 @64K 52.3 us vs v4 54.8 / v3 57.0 / v2 60.3, HCA 1M batch 64 250.6 vs 329.2 / 370.4 /
-//! 429.3) and is the only one kept; the numbers are in the header of `kernels/sparse_attn.cu`.
-//!
-//! Session-4 A/B (results/h200/session4-ab): the default [`Path::Fp8`] became `sparse_attn_decode_fp8_v6` (v5
-//! with a cheaper q prologue, bit-identical; e.g. Flash batch 128 70.4 us vs 82.9). The in-kernel split merge
-//! (last-arriving CTA) and the combine launched by PDL lost and were removed (numbers in the `.cu` header).
-//! The session-4 final run (b4862dd) timed v6 against v5 once more: v6 faster at every point and bit-identical
-//! in every GPU test, so the v5 path (`Fp8V5`, bench variant `fp8_v5`) was removed.
-//!
-//! Session-5 A/B (H200, commit 48a7d82): the latency-parallel, bit-identical combine `sparse_attn_combine_v2`
-//! won wherever the plan cuts 3 or more splits and lost at 2 splits; the refitted plan [`SplitPlan::by_cost_v6`]
-//! won at HCA 1M batch 1. The default [`Path::Fp8`] now routes by those measurements ([`fp8_combine`],
-//! [`SplitPlan::fp8_default`]); the previous default stays measurable as [`Path::Fp8OldCombine`] (bench
-//! `fp8_oldcombine`), the forced new combine as [`Path::Fp8ParallelCombine`] (`fp8_pcombine`) and
-//! [`Path::Fp8ParallelCombineRefit`] (`fp8_pcombine_refit`).
-//!
-//! Session 7 (results/h200/session7-ab, PERF-LOG "Session 7"): the default kernel became
-//! `sparse_attn_decode_fp8_v11`, v6's prologue and main loop with a small epilogue (rope cos / sin once per CTA,
-//! one warp-uniform rope branch, the finished output stored through shared memory in whole 16-byte chunks);
-//! bit-identical to v6. v6's epilogue was ~7,900 straight-line SASS instructions executed once per warp, 26% of the
-//! Pro batch-128 stall samples, mostly instruction fetch. A/B run 2: Pro b128 199.0 -> 145.6 us (the v11 epilogue's
-//! one-split path), Pro b64 94.8 -> 77.5, Flash b128 70.1 -> 52.3. The v6 path (`Fp8V6`, bench variant `fp8_v6`)
-//! was removed in session 8 after v11 won in two runs.
+//! Graph safety: every launch's grid and arguments come from the [`DecodeShape`] (capacities) and the
+//! [`SplitPlan`] cut from it; per-query lengths, positions and candidate indices are read on the device; the
+//! split partials and the baseline's staging buffer are a caller-owned [`DecodeWorkspace`] carved from an
+//! [`Arena`]. A call captured once in a CUDA graph replays correctly after the device inputs change.
 
+pub mod bench;
 pub mod exec;
 pub mod reference;
 
-use anyhow::{anyhow, bail, ensure, Result};
-use cudarc::driver::{CudaFunction, CudaSlice};
+use anyhow::{bail, ensure, Result};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use crate::bench::config::Sweep;
-use crate::bench::runner::{BenchCtx, BenchKernel};
-use crate::bench::{MatmulKind, Row, Summary};
-use crate::gpu::timing::TimingPlan;
-use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
+use crate::gpu::arena::{self, Arena, WorkspaceLayout};
+use crate::gpu::launch::{launch, DevBuf, Kernel, KernelArgs, Launch, Stream};
+use crate::gpu::Gpu;
 pub use reference::{ENTRY_BYTES, HEAD_DIM, NOPE_DIM, ROPE_DIM, WINDOW};
 
 /// Heads per CTA: a 128-head model runs two head-group CTAs per (sequence, split).
 pub const HEADS_PER_CTA: usize = 64;
 /// Candidates per KV tile (the kernel's inner-loop step).
 pub const BLOCK_N: usize = 64;
-/// Dynamic shared memory of `sparse_attn_decode_fp8_v11` (mirrors `sa::kV11SmemBytes`: v6's 206848 B, the 256-byte
-/// rope cos / sin table of its epilogue, and 1024 B of slack the kernel uses to align its wgmma tiles to 1024 bytes).
-const FP8_SMEM_BYTES: u32 = 208_128;
-/// Entry point of the FP8 path since the session-7 A/B (v11: v6's prologue and main loop, an epilogue that is small
-/// and stores the finished output in whole 16-byte chunks; bit-identical to v6).
-const FP8_KERNEL: &str = "sparse_attn_decode_fp8_v11";
-/// Dynamic shared memory of `sparse_attn_decode_bf16` (mirrors `sa::kB16SmemBytes`).
-const BF16_SMEM_BYTES: u32 = 210_688;
-const FAMILY: &str = "sparse_attn";
+/// The FP8 decode kernel (reads the FP8 pool directly; QK^T and P.V on wgmma).
+const FP8_KERNEL: &str = "sparse_attn_decode_fp8";
+/// Dynamic shared memory of `sparse_attn_decode_fp8` (mirrors `sa::kFp8SmemBytes`: the q / K = V / P tiles and
+/// the candidate ring (206848 B), the 256-byte rope cos / sin table of its epilogue, and 1024 B of slack the
+/// kernel uses to align its wgmma tiles to 1024 bytes).
+const FP8_SMEM_BYTES: usize = 208_128;
+/// The split merge with one warp per head.
+const COMBINE_WARP_PER_HEAD: &str = "sparse_attn_combine_warp_per_head";
+/// The latency-parallel split merge, by heads per thread (1, 2, 4); see [`heads_per_thread`].
+const COMBINE_HEADS_PER_THREAD: [&str; 3] = [
+    "sparse_attn_combine_heads_per_thread_1",
+    "sparse_attn_combine_heads_per_thread_2",
+    "sparse_attn_combine_heads_per_thread_4",
+];
+pub(crate) const FAMILY: &str = "sparse_attn";
 
-/// Shape of one decode-attention call.
+/// Shape of one decode-attention call. Every field is a capacity: the grid and the split plan come from it,
+/// never from the per-query lengths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeShape {
     pub batch: usize,
     pub heads: usize,
-    /// Row stride of the candidate array = the longest candidate list the call may see.
+    /// Row stride of the candidate array = the longest candidate list the call may see (window size + the most
+    /// compressed candidates per query).
     pub stride: usize,
     /// Entries in the KV pool.
     pub n_entries: usize,
 }
 
 impl DecodeShape {
+    /// The capacity shape of a decode step: candidate rows of [`WINDOW`] + `max_compressed` entries (the sliding
+    /// window and the most compressed entries a query may select: top-k for CSA, ctx / 128 at the longest context
+    /// for HCA). A graph captured at this shape replays with any per-query lengths up to the stride.
+    pub fn for_capacity(
+        batch: usize,
+        heads: usize,
+        max_compressed: usize,
+        n_entries: usize,
+    ) -> DecodeShape {
+        DecodeShape {
+            batch,
+            heads,
+            stride: WINDOW + max_compressed,
+            n_entries,
+        }
+    }
     pub fn validate(&self) -> Result<()> {
         ensure!(self.batch >= 1, "batch must be at least 1");
         ensure!(
@@ -107,12 +113,17 @@ impl DecodeShape {
         fits(self.heads, "heads")?;
         Ok(())
     }
-    fn tiles(&self) -> usize {
-        self.stride.div_ceil(BLOCK_N)
+    /// KV tiles of the longest list (at least one).
+    pub fn tiles(&self) -> usize {
+        self.stride.div_ceil(BLOCK_N).max(1)
+    }
+    pub(crate) fn out_elems(&self) -> usize {
+        self.batch * self.heads * HEAD_DIM
     }
 }
 
-/// Device inputs of a decode-attention call (shapes in the module doc).
+/// Device inputs of a decode-attention call (shapes in the module doc). `lengths[b]` in `0..=stride` (larger
+/// values are clamped to `stride` on the device, negative ones read as 0), `positions[b] >= 0`.
 pub struct DecodeInputs<'a> {
     pub q: &'a CudaSlice<bf16>,
     pub pool: &'a CudaSlice<u8>,
@@ -124,7 +135,7 @@ pub struct DecodeInputs<'a> {
 }
 
 impl DecodeInputs<'_> {
-    fn check(&self, s: &DecodeShape) -> Result<()> {
+    pub(crate) fn check(&self, s: &DecodeShape) -> Result<()> {
         let want = |got: usize, exp: usize, what: &str| -> Result<()> {
             ensure!(
                 got == exp,
@@ -132,7 +143,7 @@ impl DecodeInputs<'_> {
             );
             Ok(())
         };
-        want(self.q.len(), s.batch * s.heads * HEAD_DIM, "q")?;
+        want(self.q.len(), s.out_elems(), "q")?;
         want(self.pool.len(), s.n_entries * ENTRY_BYTES, "pool (bytes)")?;
         want(self.candidates.len(), s.batch * s.stride, "candidates")?;
         want(self.lengths.len(), s.batch, "lengths")?;
@@ -143,7 +154,8 @@ impl DecodeInputs<'_> {
     }
 }
 
-/// How a candidate list is cut for split-KV: split `s` takes KV tiles `[s*tps, (s+1)*tps)`.
+/// How a candidate list is cut for split-KV: split `s` takes KV tiles `[s*tps, (s+1)*tps)` of every list
+/// (a split past a list's length writes an empty partial that the combine weighs by zero).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SplitPlan {
     pub n_splits: usize,
@@ -151,79 +163,35 @@ pub struct SplitPlan {
 }
 
 impl SplitPlan {
-    /// Fill the GPU: about one CTA per SM, but at least `min(4, tiles)` tiles per split so that the f32
-    /// partials (H x 2 KiB per split) stay small next to the KV bytes a split reads (37 KB per tile).
-    pub fn auto(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
-        let tiles = shape.tiles().max(1);
-        let ctas_per_split = shape.batch * (shape.heads / HEADS_PER_CTA);
-        let want_splits = sm_count.div_ceil(ctas_per_split).max(1);
-        let tps = tiles.div_ceil(want_splits).max(tiles.min(4));
-        SplitPlan {
-            n_splits: tiles.div_ceil(tps),
-            tiles_per_split: tps,
-        }
-    }
-
-    /// The plan each path runs with: `Fp8` uses [`SplitPlan::fp8_default`], the forcing variants
-    /// `Fp8OldCombine` / `Fp8ParallelCombine` [`SplitPlan::by_cost`] and `Fp8ParallelCombineRefit`
-    /// [`SplitPlan::by_cost_v6`]; the baseline keeps [`SplitPlan::auto`] (what it was measured with).
-    pub fn for_path(sm_count: usize, shape: &DecodeShape, path: Path) -> SplitPlan {
-        match path {
-            Path::Fp8 => SplitPlan::fp8_default(sm_count, shape),
-            Path::Fp8OldCombine | Path::Fp8ParallelCombine => SplitPlan::by_cost(sm_count, shape),
-            Path::Fp8ParallelCombineRefit => SplitPlan::by_cost_v6(sm_count, shape),
-            Path::Bf16Staging => SplitPlan::auto(sm_count, shape),
-        }
-    }
-
-    /// Wave-aware choice for the FP8 kernel (one CTA per SM): minimize the estimated time
-    /// `waves * (PROLOGUE + tps * TILE) + [n_splits > 1] * (COMBINE + n_splits * COMBINE_PER_SPLIT)` over
-    /// tiles-per-split `tps`, where `waves = ceil(CTAs / sm_count)`. `auto`'s floor of 4 tiles per split left
-    /// most SMs idle at batch 1..32 (3 CTAs for batch 1, 640 candidates); a partial second wave costs a whole
-    /// CTA time. The constants ([`PlanCosts::V5_ESTIMATE`]) are estimates in microseconds for the H200 (FP8 tile
-    /// ~3 us at 64 heads, q prologue ~4 us, combine launch ~4 us); only their ratios matter. Ties go to fewer
-    /// splits. Refitted to measurements in [`PlanCosts::V6_FITTED`] ([`SplitPlan::by_cost_v6`]); the default
-    /// [`SplitPlan::fp8_default`] takes the refit only where the session-5 data supports it.
-    pub fn by_cost(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
-        SplitPlan::by_cost_model(sm_count, shape, &PlanCosts::V5_ESTIMATE)
-    }
-
-    /// [`SplitPlan::by_cost`]'s model with constants fitted to the measured v6 kernel and the latency-parallel
-    /// combine ([`PlanCosts::V6_FITTED`]); the plan of [`Path::Fp8ParallelCombineRefit`]. At the Flash and Pro
-    /// target shapes it picks the same plans as `by_cost` (one CTA per SM: both fill exactly one wave); it
-    /// differs on long lists (HCA at 1M, batch 1: 65 splits of two tiles instead of 33 of four).
-    pub fn by_cost_v6(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
-        SplitPlan::by_cost_model(sm_count, shape, &PlanCosts::V6_FITTED)
-    }
-
-    /// The default FP8 plan: [`SplitPlan::by_cost_v6`] where both it and [`SplitPlan::by_cost`] cut 3 or more
-    /// splits (so both merge with `sparse_attn_combine_v2`, the combine whose cost `V6_FITTED` models), else
-    /// [`SplitPlan::by_cost`].
+    /// The FP8 kernel's plan: the wave-aware cost model ([`SplitPlan::by_cost`]) with the constants fitted to the
+    /// measured kernel and the heads-per-thread combine ([`PlanCosts::FITTED`]) where both it and the model with
+    /// the prior estimates ([`PlanCosts::ESTIMATED`]) cut [`HEADS_PER_THREAD_MIN_SPLITS`] or more splits (so both
+    /// merge with the heads-per-thread combine, whose cost `FITTED` models); else the estimates' plan.
     ///
-    /// Data (H200, commit 48a7d82, us, `fp8_pcombine` vs `fp8_pcombine_refit`): the plans differ at one measured
-    /// point, HCA 1M batch 1 (130 tiles): by_cost 33 splits x 4 tiles 35.6, by_cost_v6 65 x 2 = 31.8 (the model
-    /// predicted 33.6 -> 28.2: right direction, 70% of the size). At HCA 1M batch 4 / 16 / 64 and every Flash /
-    /// Pro batch point the two plans are equal (40.6 / 40.6, 81.0 / 81.8, 245.6 / 244.1: noise). Where by_cost_v6
-    /// would add a split to a plan with 1 or 2 (e.g. 2 tiles: 1 x 2 -> 2 x 1) or cut to 2 splits (Pro batch 96 at
-    /// 513 tiles) nothing was measured and the 2-split merge is the old combine, which the model does not describe,
-    /// so those points keep by_cost. Unmeasured points that do change: 20..39 tiles at batch <= 6 and long HCA lists
-    /// at batch <= 4 (one tile per split instead of two, or about half the tiles per split), all still one wave.
-    pub fn fp8_default(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
-        let old = SplitPlan::by_cost(sm_count, shape);
-        let refit = SplitPlan::by_cost_v6(sm_count, shape);
-        if old.n_splits >= PARALLEL_COMBINE_MIN_SPLITS
-            && refit.n_splits >= PARALLEL_COMBINE_MIN_SPLITS
+    /// Decided by results/h200/session5-ab/sparse_attn_decode.csv (the same decode kernel and combine under both
+    /// plans): the plans differ at one measured point, HCA 1M batch 1 (130 tiles): estimates 33 splits x 4 tiles
+    /// 35.6 us, fitted 65 x 2 31.8 us; at HCA 1M batch 4 / 16 / 64 and every Flash / Pro batch point the two
+    /// plans are equal. Where the fitted model would add a split to a plan of 1 or 2 splits, or cut to 2 splits,
+    /// nothing was measured and the 2-split merge is the warp-per-head combine, which `FITTED` does not describe,
+    /// so those points keep the estimates' plan.
+    pub fn fp8(sm_count: usize, shape: &DecodeShape) -> SplitPlan {
+        let estimated = SplitPlan::by_cost(sm_count, shape, &PlanCosts::ESTIMATED);
+        let fitted = SplitPlan::by_cost(sm_count, shape, &PlanCosts::FITTED);
+        if estimated.n_splits >= HEADS_PER_THREAD_MIN_SPLITS
+            && fitted.n_splits >= HEADS_PER_THREAD_MIN_SPLITS
         {
-            refit
+            fitted
         } else {
-            old
+            estimated
         }
     }
 
-    /// The shared cost model: `waves * (prologue + tps * tile) + [n_splits > 1] * (combine + n_splits *
-    /// combine_per_split)`, minimized over tiles per split; ties go to fewer splits.
-    fn by_cost_model(sm_count: usize, shape: &DecodeShape, c: &PlanCosts) -> SplitPlan {
-        let tiles = shape.tiles().max(1);
+    /// Wave-aware plan for the FP8 kernel (one CTA per SM): minimizes the estimated time
+    /// `waves * (prologue + tps * tile) + [n_splits > 1] * (combine + n_splits * combine_per_split)` over tiles per
+    /// split `tps`, where `waves = ceil(CTAs / sm_count)`; a partial second wave costs a whole CTA time, and a floor
+    /// of tiles per split would leave most SMs idle at small batch. Ties go to fewer splits.
+    pub fn by_cost(sm_count: usize, shape: &DecodeShape, c: &PlanCosts) -> SplitPlan {
+        let tiles = shape.tiles();
         let ctas_per_split = shape.batch * (shape.heads / HEADS_PER_CTA);
         let sms = sm_count.max(1);
         let mut best: Option<(f64, SplitPlan)> = None;
@@ -253,11 +221,30 @@ impl SplitPlan {
     /// A fixed number of tiles per split (tests use it to force the combine path on short lists).
     pub fn with_tiles_per_split(shape: &DecodeShape, tiles_per_split: usize) -> Result<SplitPlan> {
         ensure!(tiles_per_split >= 1, "tiles_per_split must be at least 1");
-        let tiles = shape.tiles().max(1);
+        let tiles = shape.tiles();
         Ok(SplitPlan {
             n_splits: tiles.div_ceil(tiles_per_split),
             tiles_per_split,
         })
+    }
+
+    pub(crate) fn check(&self, shape: &DecodeShape) -> Result<()> {
+        ensure!(
+            self.n_splits >= 1 && self.n_splits <= 65_535,
+            "n_splits {} outside 1..=65535",
+            self.n_splits
+        );
+        ensure!(
+            self.tiles_per_split >= 1 && self.tiles_per_split <= i32::MAX as usize,
+            "tiles_per_split {} outside 1..=i32::MAX",
+            self.tiles_per_split
+        );
+        ensure!(
+            self.n_splits * self.tiles_per_split >= shape.tiles(),
+            "split plan {self:?} does not cover {} tiles",
+            shape.tiles()
+        );
+        Ok(())
     }
 }
 
@@ -275,23 +262,19 @@ pub struct PlanCosts {
 }
 
 impl PlanCosts {
-    /// The estimates `by_cost` was built with (v5 era, before any measurement of the plans): FP8 tile ~3 us,
-    /// q prologue ~4 us, combine launch ~4 us. The plan of `Fp8OldCombine` / `Fp8ParallelCombine` and the
-    /// default's fallback.
-    pub const V5_ESTIMATE: PlanCosts = PlanCosts {
+    /// Prior estimates: FP8 tile ~3 us at 64 heads, q prologue ~4 us, combine launch ~4 us.
+    pub const ESTIMATED: PlanCosts = PlanCosts {
         prologue: 4.0,
         tile: 3.0,
         combine: 4.0,
         combine_per_split: 0.3,
     };
-    /// Fitted to the session-5 start ncu durations of `sparse_attn_decode_fp8_v6` (one wave each): tiles per
-    /// split 1 -> 12.8 us (Flash / Pro batch 1), 3 -> 21.5 (Pro batch 8), 5 -> 31.1 (Flash batch 64),
-    /// 18 -> 91.2 (Pro batch 64): slope (91.2 - 12.8) / 17 = 4.6 us per tile, intercept 12.8 - 4.6 = 8.2 us
-    /// (residuals <= 0.5 us). The combine is the latency-parallel `sparse_attn_combine_v2`: an estimate (not
-    /// measured yet) of ~3 us (launch + one L2 round trip + the merge math) plus ~1 us (one more L2 round trip)
-    /// per further chunk of 8 splits, i.e. ~0.12 us per split. At HCA 1M batch 1 this cuts 65 splits of two
-    /// tiles (17.4 + 3 + 7.8 us) where `by_cost` cuts 33 of four (26.6 + 3 + 4.0): the A/B run decides.
-    pub const V6_FITTED: PlanCosts = PlanCosts {
+    /// Fitted to ncu durations of the FP8 decode kernel, one wave each (results/h200/session5-start/sparse_attn.log): tiles per
+    /// split 1 -> 12.8 us (Flash / Pro batch 1), 3 -> 21.5 (Pro batch 8), 5 -> 31.1 (Flash batch 64), 18 -> 91.2
+    /// (Pro batch 64): slope 4.6 us per tile, intercept 8.2 us (residuals <= 0.5 us). The combine is the
+    /// heads-per-thread merge: ~3 us (launch + one L2 round trip + the merge math) plus ~1 us (one more L2 round
+    /// trip) per further chunk of 8 splits, i.e. ~0.12 us per split.
+    pub const FITTED: PlanCosts = PlanCosts {
         prologue: 8.2,
         tile: 4.6,
         combine: 3.0,
@@ -299,114 +282,126 @@ impl PlanCosts {
     };
 }
 
-/// Scratch buffers of a call: split partials and (for the baseline) the BF16 staging buffer.
-pub struct Workspace {
+/// Caller-owned scratch of a decode call, carved from an [`Arena`]: the f32 split partials (O/l and lse per
+/// (sequence, split, head); only when the plan splits) and, for the baseline, the BF16 staging buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeWorkspace {
     shape: DecodeShape,
     plan: SplitPlan,
-    part_o: Option<CudaSlice<f32>>,
-    part_lse: Option<CudaSlice<f32>>,
-    staging: Option<CudaSlice<bf16>>,
-    kernels: Kernels,
+    part_o: Option<DevBuf<f32>>,
+    part_lse: Option<DevBuf<f32>>,
+    staging: Option<DevBuf<bf16>>,
 }
 
-/// The family's entry points, looked up (and given their shared-memory attribute) once per workspace, so a
-/// timed call does no module lookups between launches.
-struct Kernels {
-    gather: CudaFunction,
-    decode_fp8: CudaFunction,
-    decode_bf16: CudaFunction,
-    combine: CudaFunction,
-    /// `sparse_attn_combine_v2`, `_h2`, `_h4` (1, 2, 4 heads per thread), indexed by [`combine_v2_variant`].
-    combine_v2: [CudaFunction; 3],
+/// Bytes of a [`DecodeWorkspace`] for a shape and plan (what [`DecodeWorkspace::carve`] takes from an arena):
+/// `batch * n_splits * heads * (512 + 1)` f32 when the plan splits, plus `batch * stride * 512` BF16 with
+/// `staging` (the baseline).
+pub fn workspace_bytes(shape: &DecodeShape, plan: SplitPlan, staging: bool) -> usize {
+    workspace_layout(shape, plan, staging).bytes()
 }
 
-impl Kernels {
-    fn load(gpu: &Gpu) -> Result<Kernels> {
-        let with_smem = |name: &str, smem: u32| gpu.function_with_smem(FAMILY, name, smem as usize);
-        Ok(Kernels {
-            gather: gpu.function(FAMILY, "sparse_attn_gather_bf16")?,
-            decode_fp8: with_smem(FP8_KERNEL, FP8_SMEM_BYTES)?,
-            decode_bf16: with_smem("sparse_attn_decode_bf16", BF16_SMEM_BYTES)?,
-            combine: gpu.function(FAMILY, "sparse_attn_combine")?,
-            combine_v2: [
-                gpu.function(FAMILY, COMBINE_V2_KERNELS[0])?,
-                gpu.function(FAMILY, COMBINE_V2_KERNELS[1])?,
-                gpu.function(FAMILY, COMBINE_V2_KERNELS[2])?,
-            ],
-        })
+fn workspace_layout(shape: &DecodeShape, plan: SplitPlan, staging: bool) -> WorkspaceLayout {
+    let mut l = WorkspaceLayout::new();
+    if plan.n_splits > 1 {
+        let rows = shape.batch * plan.n_splits * shape.heads;
+        l.add::<f32>(rows * HEAD_DIM).add::<f32>(rows);
     }
+    if staging {
+        l.add::<bf16>(shape.batch * shape.stride * HEAD_DIM);
+    }
+    l
 }
 
-impl Workspace {
-    pub fn new(
-        gpu: &Gpu,
+impl DecodeWorkspace {
+    /// Carve the workspace of (`shape`, `plan`) from `arena` (`staging` for the baseline path), in the order
+    /// [`workspace_bytes`] counts.
+    pub fn carve(
+        arena: &mut Arena,
         shape: &DecodeShape,
         plan: SplitPlan,
-        with_staging: bool,
-    ) -> Result<Workspace> {
+        staging: bool,
+    ) -> Result<DecodeWorkspace> {
         shape.validate()?;
-        ensure!(
-            plan.n_splits >= 1 && plan.n_splits <= 65_535,
-            "n_splits {} outside 1..=65535",
-            plan.n_splits
-        );
-        ensure!(
-            plan.n_splits * plan.tiles_per_split >= shape.tiles(),
-            "split plan {plan:?} does not cover {} tiles",
-            shape.tiles()
-        );
+        plan.check(shape)?;
         let (part_o, part_lse) = if plan.n_splits > 1 {
             let rows = shape.batch * plan.n_splits * shape.heads;
             (
-                Some(gpu.zeros::<f32>(rows * HEAD_DIM)?),
-                Some(gpu.zeros::<f32>(rows)?),
+                Some(arena.carve::<f32>(rows * HEAD_DIM, "sparse_attn split partials O")?),
+                Some(arena.carve::<f32>(rows, "sparse_attn split partials lse")?),
             )
         } else {
             (None, None)
         };
-        let staging = if with_staging {
-            Some(gpu.zeros::<bf16>(shape.batch * shape.stride * HEAD_DIM)?)
+        let staging = if staging {
+            Some(arena.carve::<bf16>(
+                shape.batch * shape.stride * HEAD_DIM,
+                "sparse_attn BF16 staging",
+            )?)
         } else {
             None
         };
-        Ok(Workspace {
+        Ok(DecodeWorkspace {
             shape: *shape,
             plan,
             part_o,
             part_lse,
             staging,
-            kernels: Kernels::load(gpu)?,
         })
+    }
+    /// A workspace in an arena of its own (tests, bench and `exec`; the engine carves from its shared arena).
+    pub fn with_arena(
+        gpu: &Gpu,
+        shape: &DecodeShape,
+        plan: SplitPlan,
+        staging: bool,
+    ) -> Result<(Arena, DecodeWorkspace)> {
+        let mut arena = Arena::new(gpu, workspace_bytes(shape, plan, staging))?;
+        let ws = DecodeWorkspace::carve(&mut arena, shape, plan, staging)?;
+        Ok((arena, ws))
     }
     pub fn plan(&self) -> SplitPlan {
         self.plan
     }
-
-    /// Fill the split partials (part_o, part_lse) with the byte 0xFF (NaN): tests use it to show that a call
-    /// reads only partials it wrote itself. No-op without splits.
-    pub fn poison_partials(&mut self, gpu: &Gpu) -> Result<()> {
-        if let Some(o) = self.part_o.as_mut() {
-            gpu.fill_bytes(o, 0xFF)?;
+    /// The baseline's BF16 staging buffer (carved with `staging = true`).
+    pub(crate) fn staging(&self) -> Option<&DevBuf<bf16>> {
+        self.staging.as_ref()
+    }
+    pub fn shape(&self) -> DecodeShape {
+        self.shape
+    }
+    /// Fill every buffer of the workspace (split partials, staging) with the byte 0xFF (NaN) on `stream`: tests use
+    /// it to show that a call reads only what it wrote itself (the baseline's attention kernel reads exactly the
+    /// staging rows its gather wrote: valid candidates below the length).
+    pub fn poison(&self, stream: &Stream) -> Result<()> {
+        if let Some(o) = &self.part_o {
+            arena::fill(stream, o, 0xFF)?;
         }
-        if let Some(l) = self.part_lse.as_mut() {
-            gpu.fill_bytes(l, 0xFF)?;
+        if let Some(l) = &self.part_lse {
+            arena::fill(stream, l, 0xFF)?;
+        }
+        if let Some(st) = &self.staging {
+            arena::fill(stream, st, 0xFF)?;
         }
         Ok(())
     }
 }
 
-/// Entry points of the latency-parallel combine, by heads per thread (1, 2, 4).
-const COMBINE_V2_KERNELS: [&str; 3] = [
-    "sparse_attn_combine_v2",
-    "sparse_attn_combine_v2_h2",
-    "sparse_attn_combine_v2_h4",
-];
+/// How split partials are merged (both merges are bit-identical: the same operations in the same order per
+/// output element; only the time differs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Combine {
+    /// `sparse_attn_combine_warp_per_head`: one warp per (sequence, head), 8 heads per CTA of 256 threads.
+    WarpPerHead,
+    /// `sparse_attn_combine_heads_per_thread_{1,2,4}`: one CTA of 128 threads per (sequence, 1 / 2 / 4 heads),
+    /// 4 dims per thread, up to 8 partials' loads in flight per thread ([`heads_per_thread`]).
+    HeadsPerThread,
+}
 
-/// Which `sparse_attn_combine_v2` entry merges `n_splits` splits, as (index into `COMBINE_V2_KERNELS`, heads per
-/// thread): the most heads per thread with heads * n_splits <= 8 (a thread holds 8 partials' loads at once), so
-/// a plan with few splits still keeps 8 loads in flight per thread. Heads are multiples of 64, so every choice
-/// divides them.
-pub fn combine_v2_variant(n_splits: usize) -> (usize, usize) {
+/// Heads per thread of the heads-per-thread combine for `n_splits` splits, as (index into its entry points,
+/// heads per thread): the most heads per thread with heads * n_splits <= 8 (a thread holds 8 partials' loads at
+/// once), so a plan with few splits still keeps 8 loads in flight per thread. Heads are multiples of 64, so
+/// every choice divides them.
+pub fn heads_per_thread(n_splits: usize) -> (usize, usize) {
     match n_splits {
         0..=2 => (2, 4),
         3..=4 => (1, 2),
@@ -414,194 +409,194 @@ pub fn combine_v2_variant(n_splits: usize) -> (usize, usize) {
     }
 }
 
-/// Fewest splits the default path merges with `sparse_attn_combine_v2` (fewer: `sparse_attn_combine`).
+/// Fewest splits the routed path merges with [`Combine::HeadsPerThread`] (fewer: [`Combine::WarpPerHead`]).
 ///
-/// Data (H200, commit 48a7d82, median us, old combine `fp8` vs v2 `fp8_pcombine`, same plan; splits from
-/// [`SplitPlan::by_cost`] at 132 SMs). 3+ splits, v2 faster at all 24 points: Flash CSA 64K batch 1 / 2 / 4 / 8
-/// (10 splits) 22.9 / 19.7, 22.8 / 19.8, 23.2 / 20.4, 25.1 / 23.0; batch 16 (5) 28.0 / 26.7; batch 32 (4) 33.6 /
-/// 33.1 and its ctx sweep 4K..1M (4) -0.5..-3.9; Pro batch 1 / 2 (18) 25.0 / 20.9, 25.7 / 22.2; batch 4 (9)
-/// 27.6 / 26.2; batch 8 (6) 32.4 / 30.7; batch 16 (4) 40.0 / 39.4; HCA batch 8 ctx sweep (3, 4, 10, 12, 15
-/// splits) -0.8..-5.0; HCA 1M batch 1 / 4 / 16 (33, 33, 8) 44.3 / 35.6, 48.8 / 40.6, 85.3 / 81.0.
-/// 2 splits (v2's four-heads-per-thread entry), v2 slower at 6 of 8 points: Pro batch 32 at 64K 56.1 / 58.2 and
-/// its ctx sweep 4K / 16K / 64K / 256K 55.8 / 58.3, 56.2 / 57.4, 55.8 / 57.8, 60.2 / 63.5; Flash batch 64 43.8 /
-/// 45.9. Exceptions: Pro batch 32 at 1M 66.0 / 63.5 (the same plan and bytes as at 4K, where `fp8` took 55.8: an
-/// outlier of the `fp8` sample) and HCA 1M batch 64 (65 tiles per split) 247.1 / 245.6 (0.6%, noise at that
-/// size). 1 split: no combine, both paths launch the same kernel. Heads and batch do not separate the winners
-/// from the losers (Pro batch 32 loses, Pro batch 16 and Flash batch 32 win; Flash batch 64 loses), the split
-/// count does.
-pub const PARALLEL_COMBINE_MIN_SPLITS: usize = 3;
+/// Decided by results/h200/session5-ab/sparse_attn_decode.csv (the same decode kernel and plan, warp-per-head vs
+/// heads-per-thread merge): with 3+ splits heads-per-thread was faster at all 24 points (e.g. Flash CSA 64K
+/// batch 1, 10 splits, 22.9 vs 19.7 us; HCA 1M batch 1, 33 splits, 44.3 vs 35.6); with 2 splits (its
+/// four-heads-per-thread entry) slower at 6 of 8 points (Pro batch 32 at 64K 56.1 vs 58.2, Flash batch 64
+/// 43.8 vs 45.9). Heads and batch do not separate winners from losers; the split count does. Re-measured by the
+/// forcing variants `fp8_combine_warp_per_head` and `fp8_combine_heads_per_thread`.
+pub const HEADS_PER_THREAD_MIN_SPLITS: usize = 3;
 
-/// Which combine kernel merges `n_splits` split partials on `path`: true = `sparse_attn_combine_v2`, false =
-/// `sparse_attn_combine` (both bit-identical; only the time differs). `Fp8` routes by
-/// [`PARALLEL_COMBINE_MIN_SPLITS`]; the forcing variants always take the one they name. Meaningless for 1 split
-/// (no combine runs) and for the baseline (it keeps the old combine).
-pub fn fp8_combine(path: Path, n_splits: usize) -> bool {
+/// Which merge `path` uses for `n_splits` split partials (meaningless for 1 split: no combine runs).
+pub fn combine_for(path: Path, n_splits: usize) -> Combine {
     match path {
-        Path::Fp8 => n_splits >= PARALLEL_COMBINE_MIN_SPLITS,
-        Path::Fp8ParallelCombine | Path::Fp8ParallelCombineRefit => true,
-        Path::Fp8OldCombine | Path::Bf16Staging => false,
+        Path::Fp8 if n_splits >= HEADS_PER_THREAD_MIN_SPLITS => Combine::HeadsPerThread,
+        Path::Fp8HeadsPerThreadCombine => Combine::HeadsPerThread,
+        Path::Fp8 | Path::Fp8WarpPerHeadCombine => Combine::WarpPerHead,
     }
 }
 
-/// Which attention kernel reads the KV.
+/// Which kernels a call runs (the BF16-staging baseline is [`bench::decode_bf16_staging`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
-    /// `sparse_attn_decode_fp8_v11`: reads the FP8 pool directly, quantizes q per (head, 64-tile) like a KV entry
-    /// (codes from `x * 2^-k`, the same values as `x / 2^k`), dequantizes each tile once to a 128B-swizzled BF16
-    /// tile (K = V), QK^T and P.V on `wgmma`, the next tile's dequant overlapped with QK^T. Plan
-    /// [`SplitPlan::fp8_default`]; when it splits, [`fp8_combine`] picks the merge (`sparse_attn_combine_v2` from
-    /// 3 splits, `sparse_attn_combine` at 2). Its epilogue computes the rope once per CTA and stores the finished
-    /// output through shared memory (see the module notes). Bench variant `fp8`.
+    /// The routed path: `sparse_attn_decode_fp8` reads the FP8 pool directly, quantizes q per (head, 64-tile)
+    /// like a KV entry, dequantizes each tile once to a 128B-swizzled BF16 tile (K = V), QK^T and P.V on `wgmma`,
+    /// the next tile's dequant overlapped with QK^T. Plan [`SplitPlan::fp8`]; when it splits, [`combine_for`]
+    /// picks the merge by [`HEADS_PER_THREAD_MIN_SPLITS`]. Bench variant `fp8`.
     Fp8,
-    /// The default before the session-5 A/B: the same decode kernel, plan [`SplitPlan::by_cost`], every split
-    /// merged by `sparse_attn_combine` (one warp per head). Bench variant `fp8_oldcombine`.
-    Fp8OldCombine,
-    /// [`Path::Fp8OldCombine`]'s decode kernel and plan, with every split merge by `sparse_attn_combine_v2` (one CTA
-    /// per (sequence, 1 / 2 / 4 heads), every thread's split loads in flight together; bit-identical to
-    /// `sparse_attn_combine`). Bench variant `fp8_pcombine`.
-    Fp8ParallelCombine,
-    /// [`Path::Fp8ParallelCombine`] with the refitted plan [`SplitPlan::by_cost_v6`]. Bench variant
-    /// `fp8_pcombine_refit`.
-    Fp8ParallelCombineRefit,
-    /// The seeds' path: `sparse_attn_gather_bf16` into the staging buffer, then `sparse_attn_decode_bf16`.
-    Bf16Staging,
+    /// Forcing variant of the combine rule: [`Path::Fp8`] with every split merged by [`Combine::WarpPerHead`].
+    /// Bench variant `fp8_combine_warp_per_head`.
+    Fp8WarpPerHeadCombine,
+    /// Forcing variant of the combine rule: [`Path::Fp8`] with every split merged by [`Combine::HeadsPerThread`].
+    /// Bench variant `fp8_combine_heads_per_thread`.
+    Fp8HeadsPerThreadCombine,
 }
 
-/// Run decode attention (plus the combine kernel when the plan splits) into `out` [batch, heads, 512] BF16.
+/// Run decode attention (plus the combine kernel when the plan splits) on `stream` into `out` [batch, heads, 512]
+/// BF16. `ws` must have been carved for this shape; its plan cuts the lists ([`SplitPlan::fp8`] is the routed
+/// one). Allocates nothing and reads no device data on the host: graph-capturable.
 pub fn decode(
     gpu: &Gpu,
+    stream: &Stream,
     path: Path,
     shape: &DecodeShape,
     inp: &DecodeInputs,
-    ws: &mut Workspace,
+    ws: &DecodeWorkspace,
     out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check_call(shape, inp, ws, out)?;
+    let attn = gpu.kernel_with_smem(FAMILY, FP8_KERNEL, FP8_SMEM_BYTES)?;
+    let merge = match ws.plan.n_splits {
+        1 => None,
+        n => Some(combine_kernel(gpu, combine_for(path, n), shape, n)?),
+    };
+    launch_attention(stream, &attn, FP8_SMEM_BYTES, shape, inp, None, ws, out)?;
+    if let Some((k, l)) = merge {
+        launch_combine(stream, &k, l, shape, inp, ws, out)?;
+    }
+    Ok(())
+}
+
+/// The checks of a decode call, before any launch: shape, inputs against it, the workspace carved for it
+/// (partials present when the plan splits), the output's length.
+pub(crate) fn check_call(
+    shape: &DecodeShape,
+    inp: &DecodeInputs,
+    ws: &DecodeWorkspace,
+    out: &CudaSlice<bf16>,
 ) -> Result<()> {
     shape.validate()?;
     inp.check(shape)?;
     ensure!(
         ws.shape == *shape,
-        "workspace was made for {:?}, call is {shape:?}",
+        "workspace was carved for {:?}, call is {shape:?}",
         ws.shape
     );
     ensure!(
-        out.len() == shape.batch * shape.heads * HEAD_DIM,
+        ws.plan.n_splits == 1 || (ws.part_o.is_some() && ws.part_lse.is_some()),
+        "workspace for {:?} has no split partials",
+        ws.plan
+    );
+    ensure!(
+        out.len() == shape.out_elems(),
         "out has {} elements, expected {}",
         out.len(),
-        shape.batch * shape.heads * HEAD_DIM
+        shape.out_elems()
     );
-    if path == Path::Bf16Staging && ws.staging.is_none() {
-        bail!("the BF16 staging path needs a workspace made with with_staging = true");
-    }
-    let plan = ws.plan;
-    let (n_entries, stride, heads) = (
-        shape.n_entries as i32,
-        shape.stride as i32,
-        shape.heads as i32,
-    );
-    let (tps, n_splits) = (plan.tiles_per_split as i32, plan.n_splits as i32);
-    let null: u64 = 0;
-
-    if path == Path::Bf16Staging {
-        let f = ws.kernels.gather.clone();
-        let staging = ws.staging.as_mut().expect("checked above");
-        let mut b = gpu.stream.launch_builder(&f);
-        b.arg(staging)
-            .arg(inp.pool)
-            .arg(&n_entries)
-            .arg(inp.candidates)
-            .arg(&stride)
-            .arg(inp.lengths);
-        let grid = (shape.stride.div_ceil(8) as u32, shape.batch as u32, 1);
-        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }
-            .map_err(|e| anyhow!("sparse_attn_gather_bf16: {e:?}"))?;
-    }
-
-    let (name, smem, f) = match path {
-        Path::Fp8
-        | Path::Fp8OldCombine
-        | Path::Fp8ParallelCombine
-        | Path::Fp8ParallelCombineRefit => {
-            (FP8_KERNEL, FP8_SMEM_BYTES, ws.kernels.decode_fp8.clone())
-        }
-        Path::Bf16Staging => (
-            "sparse_attn_decode_bf16",
-            BF16_SMEM_BYTES,
-            ws.kernels.decode_bf16.clone(),
-        ),
-    };
-    let grid = (
-        (shape.heads / HEADS_PER_CTA) as u32,
-        plan.n_splits as u32,
-        shape.batch as u32,
-    );
-    {
-        let mut b = gpu.stream.launch_builder(&f);
-        b.arg(inp.q);
-        match path {
-            Path::Fp8
-            | Path::Fp8OldCombine
-            | Path::Fp8ParallelCombine
-            | Path::Fp8ParallelCombineRefit => b.arg(inp.pool).arg(&null),
-            Path::Bf16Staging => b
-                .arg(&null)
-                .arg(ws.staging.as_ref().expect("checked above")),
-        };
-        b.arg(&n_entries)
-            .arg(inp.candidates)
-            .arg(&stride)
-            .arg(inp.lengths)
-            .arg(inp.positions);
-        b.arg(inp.sinks)
-            .arg(inp.freqs)
-            .arg(&heads)
-            .arg(&tps)
-            .arg(&n_splits);
-        if plan.n_splits == 1 {
-            b.arg(&mut *out).arg(&null).arg(&null);
-        } else {
-            b.arg(&null)
-                .arg(ws.part_o.as_mut().expect("allocated for n_splits > 1"));
-            b.arg(ws.part_lse.as_mut().expect("allocated for n_splits > 1"));
-        }
-        unsafe { b.launch(launch_cfg(grid, (256, 1, 1), smem)) }
-            .map_err(|e| anyhow!("{name}: {e:?}"))?;
-    }
-    if plan.n_splits > 1 {
-        // The old combine: one warp per head (grid heads/8 x batch, 256 threads); v2: one CTA per (sequence,
-        // 1 / 2 / 4 heads), 128 threads of 4 dims each. Same arguments.
-        let parallel = fp8_combine(path, plan.n_splits);
-        let (cname, f, grid, block) = if parallel {
-            let (k, heads_per_thread) = combine_v2_variant(plan.n_splits);
-            (
-                COMBINE_V2_KERNELS[k],
-                ws.kernels.combine_v2[k].clone(),
-                (
-                    (shape.heads / heads_per_thread) as u32,
-                    shape.batch as u32,
-                    1,
-                ),
-                (128, 1, 1),
-            )
-        } else {
-            (
-                "sparse_attn_combine",
-                ws.kernels.combine.clone(),
-                ((shape.heads / 8) as u32, shape.batch as u32, 1),
-                (256, 1, 1),
-            )
-        };
-        let mut b = gpu.stream.launch_builder(&f);
-        b.arg(&mut *out)
-            .arg(ws.part_o.as_ref().expect("allocated"))
-            .arg(ws.part_lse.as_ref().expect("allocated"));
-        b.arg(inp.sinks)
-            .arg(inp.positions)
-            .arg(inp.freqs)
-            .arg(&heads)
-            .arg(&n_splits);
-        unsafe { b.launch(launch_cfg(grid, block, 0)) }.map_err(|e| anyhow!("{cname}: {e:?}"))?;
-    }
     Ok(())
+}
+
+/// The merge kernel `c` for `n_splits` splits and its launch geometry.
+pub(crate) fn combine_kernel(
+    gpu: &Gpu,
+    c: Combine,
+    shape: &DecodeShape,
+    n_splits: usize,
+) -> Result<(std::sync::Arc<Kernel>, Launch)> {
+    let batch = shape.batch as u32;
+    Ok(match c {
+        // One warp per head, 8 heads per CTA.
+        Combine::WarpPerHead => (
+            gpu.kernel(FAMILY, COMBINE_WARP_PER_HEAD)?,
+            Launch::new(((shape.heads / 8) as u32, batch, 1), (256, 1, 1)),
+        ),
+        Combine::HeadsPerThread => {
+            let (k, hpt) = heads_per_thread(n_splits);
+            (
+                gpu.kernel(FAMILY, COMBINE_HEADS_PER_THREAD[k])?,
+                Launch::new(((shape.heads / hpt) as u32, batch, 1), (128, 1, 1)),
+            )
+        }
+    })
+}
+
+/// Launch an attention kernel of the `SA_DECODE_PARAMS` signature (grid: head groups x splits x batch, 256
+/// threads): it reads the FP8 pool, or with `staging` the BF16 staging buffer. One split writes `out`, more write
+/// the workspace's partials. The call was checked by [`check_call`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_attention(
+    stream: &Stream,
+    k: &Kernel,
+    smem: usize,
+    shape: &DecodeShape,
+    inp: &DecodeInputs,
+    staging: Option<&DevBuf<bf16>>,
+    ws: &DecodeWorkspace,
+    out: &CudaSlice<bf16>,
+) -> Result<()> {
+    let plan = ws.plan;
+    let mut a = KernelArgs::new();
+    a.buf(inp.q);
+    match staging {
+        None => a.buf(inp.pool).null(),
+        Some(st) => a.null().buf(st),
+    };
+    a.i32(shape.n_entries as i32)
+        .buf(inp.candidates)
+        .i32(shape.stride as i32)
+        .buf(inp.lengths)
+        .buf(inp.positions)
+        .buf(inp.sinks)
+        .buf(inp.freqs)
+        .i32(shape.heads as i32)
+        .i32(plan.tiles_per_split as i32)
+        .i32(plan.n_splits as i32);
+    match (plan.n_splits, &ws.part_o, &ws.part_lse) {
+        (1, _, _) => a.buf(out).null().null(),
+        (_, Some(o), Some(l)) => a.null().buf(o).buf(l),
+        _ => bail!("workspace for {plan:?} has no split partials"),
+    };
+    let l = Launch::new(
+        (
+            (shape.heads / HEADS_PER_CTA) as u32,
+            plan.n_splits as u32,
+            shape.batch as u32,
+        ),
+        (256, 1, 1),
+    )
+    .smem(smem);
+    // SAFETY: SA_DECODE_PARAMS of kernels/sparse_attn.cu; every buffer checked against the shape and plan by
+    // check_call (partials hold batch * n_splits * heads rows, staging batch * stride rows).
+    unsafe { launch(stream, k, l, &mut a) }
+}
+
+/// Launch a merge (`SA_COMBINE_PARAMS`, both merges take the same arguments) of the workspace's partials into
+/// `out`. The call was checked by [`check_call`] and the plan splits.
+pub(crate) fn launch_combine(
+    stream: &Stream,
+    k: &Kernel,
+    l: Launch,
+    shape: &DecodeShape,
+    inp: &DecodeInputs,
+    ws: &DecodeWorkspace,
+    out: &CudaSlice<bf16>,
+) -> Result<()> {
+    let (Some(o), Some(lse)) = (&ws.part_o, &ws.part_lse) else {
+        bail!("workspace for {:?} has no split partials", ws.plan);
+    };
+    let mut a = KernelArgs::new();
+    a.buf(out)
+        .buf(o)
+        .buf(lse)
+        .buf(inp.sinks)
+        .buf(inp.positions)
+        .buf(inp.freqs)
+        .i32(shape.heads as i32)
+        .i32(ws.plan.n_splits as i32);
+    // SAFETY: SA_COMBINE_PARAMS; buffers checked by check_call.
+    unsafe { launch(stream, k, l, &mut a) }
 }
 
 /// Source vectors for the KV writer.
@@ -610,15 +605,18 @@ pub enum KvSource<'a> {
     Bf16(&'a CudaSlice<bf16>),
 }
 
-/// Quantize `n` new 512-dim vectors into pool entries `dst_index[i]` (bit-exact with
-/// [`reference::encode_entry`] for finite inputs). Indices outside the pool are skipped by the kernel; use
-/// [`check_write_indices`] on host copies to turn them into errors.
+/// Quantize up to `slots` new 512-dim vectors on `stream`: vector `i` goes to pool entry `dst_index[i]` (bit-exact
+/// with [`reference::encode_entry`] for finite inputs). `slots` is a capacity (the grid); the destinations are
+/// read on the device, and a destination outside `0..n_entries` (e.g. -1 for an unused slot) skips its vector,
+/// so a captured writer replays with any set of slots. Use [`check_write_indices`] on host copies to turn bad
+/// destinations into errors.
 pub fn write_entries(
     gpu: &Gpu,
+    stream: &Stream,
     pool: &mut CudaSlice<u8>,
     src: KvSource,
     dst_index: &CudaSlice<i32>,
-    n: usize,
+    slots: usize,
 ) -> Result<()> {
     ensure!(
         pool.len().is_multiple_of(ENTRY_BYTES),
@@ -627,12 +625,12 @@ pub fn write_entries(
     );
     let n_entries = pool.len() / ENTRY_BYTES;
     ensure!(
-        n_entries <= i32::MAX as usize && n <= i32::MAX as usize,
-        "pool or batch too large for i32 indices"
+        n_entries <= i32::MAX as usize && slots <= i32::MAX as usize,
+        "pool or slot count too large for i32 indices"
     );
     ensure!(
-        dst_index.len() >= n,
-        "dst_index has {} elements, need {n}",
+        dst_index.len() >= slots,
+        "dst_index has {} elements, need {slots}",
         dst_index.len()
     );
     let src_len = match &src {
@@ -640,28 +638,29 @@ pub fn write_entries(
         KvSource::Bf16(s) => s.len(),
     };
     ensure!(
-        src_len >= n * HEAD_DIM,
-        "source has {src_len} elements, need {n} x 512"
+        src_len >= slots * HEAD_DIM,
+        "source has {src_len} elements, need {slots} x 512"
     );
-    if n == 0 {
+    if slots == 0 {
         return Ok(());
     }
-    let (n_entries, n_i) = (n_entries as i32, n as i32);
     let name = match src {
         KvSource::F32(_) => "kv_write_entries_f32",
         KvSource::Bf16(_) => "kv_write_entries_bf16",
     };
-    let f = gpu.function(FAMILY, name)?;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(pool).arg(&n_entries);
+    let k = gpu.kernel(FAMILY, name)?;
+    let mut a = KernelArgs::new();
+    a.buf(pool).i32(n_entries as i32);
     match src {
-        KvSource::F32(s) => b.arg(s),
-        KvSource::Bf16(s) => b.arg(s),
+        KvSource::F32(s) => a.buf(s),
+        KvSource::Bf16(s) => a.buf(s),
     };
-    b.arg(dst_index).arg(&n_i);
-    let grid = (n.div_ceil(8) as u32, 1, 1); // 8 warps per block, one vector per warp
-    unsafe { b.launch(launch_cfg(grid, (256, 1, 1), 0)) }.map_err(|e| anyhow!("{name}: {e:?}"))?;
-    Ok(())
+    a.buf(dst_index).i32(slots as i32);
+    // 8 warps per CTA, one vector per warp.
+    let l = Launch::new((slots.div_ceil(8) as u32, 1, 1), (256, 1, 1));
+    // SAFETY: argument list of kv_write_entries_*; src holds slots x 512 values, dst_index slots indices, and the
+    // kernel bounds-checks every destination against n_entries.
+    unsafe { launch(stream, &k, l, &mut a) }
 }
 
 /// Host-side check of writer destinations: every index in `0..n_entries`, no duplicates.
@@ -675,215 +674,4 @@ pub fn check_write_indices(dst_index: &[i32], n_entries: usize) -> Result<()> {
         ensure!(seen.insert(d), "write {i}: destination {d} written twice");
     }
     Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Benchmark hook (wired into `megamoe::bench` by the integrator; Row construction lives there)
-// ---------------------------------------------------------------------------------------------------------
-
-/// Which DSV4 layer kind a sweep point models.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LayerKind {
-    /// CSA (m = 4): 128 window + min(topk, ctx/4) indexer-selected entries.
-    Csa { topk: usize },
-    /// HCA (m = 128): 128 window + ctx/128 entries.
-    Hca,
-}
-
-/// Candidates per query at context `ctx`.
-pub fn candidates_per_query(kind: LayerKind, ctx: usize) -> usize {
-    WINDOW
-        + match kind {
-            LayerKind::Csa { topk } => topk.min(ctx / 4),
-            LayerKind::Hca => ctx / 128,
-        }
-}
-
-/// Work of one call: bytes (KV entries read once per sequence, q read, output written) and FLOPs
-/// (2*H*L*512 for QK^T + 2*H*L*512 for P.V).
-pub fn work(batch: usize, heads: usize, cands: usize, path: Path) -> (u64, u64) {
-    let (b, h, l) = (batch as u64, heads as u64, cands as u64);
-    let io = b * h * HEAD_DIM as u64 * 2 * 2; // q in + out, BF16
-    let kv = match path {
-        Path::Fp8
-        | Path::Fp8OldCombine
-        | Path::Fp8ParallelCombine
-        | Path::Fp8ParallelCombineRefit => b * l * ENTRY_BYTES as u64,
-        // gather reads 584 B, writes 1024 B, the attention kernel reads 1024 B back.
-        Path::Bf16Staging => b * l * (ENTRY_BYTES as u64 + 2 * 2 * HEAD_DIM as u64),
-    };
-    (io + kv, 4 * b * h * l * HEAD_DIM as u64)
-}
-
-/// Kernel name of the bench rows; variants `fp8` (this family's kernel `sparse_attn_decode_fp8_v11`, with its own
-/// split plan and combine routing) and `bf16_staging` (the baseline). Retired after the H200 A/B runs: `fp8_v3` / `fp8_v4` (v5 became
-/// `fp8`), then `fp8_fused` / `fp8_fused_v6` (in-kernel split merge) and `fp8_pdl` (combine launched by PDL), and
-/// after the session-4 final run `fp8_v5` (v6 became `fp8`); after the session-7 A/B runs `fp8_compact` (v7),
-/// `fp8_compact_split` (v8), `fp8_staged` (v9) and `fp8_compact_staged` (v10) (v11 became `fp8`); in session 8
-/// `fp8_v6` (v11 won in two runs).
-pub const BENCH_KERNEL: &str = "sparse_attn_decode";
-/// Variants in the order they are timed; `bf16_staging` is the baseline of the others. Forcing variants that keep
-/// the session-5 A/B measurable: `fp8_oldcombine` ([`Path::Fp8OldCombine`], the previous default),
-/// `fp8_pcombine` ([`Path::Fp8ParallelCombine`]) and `fp8_pcombine_refit` ([`Path::Fp8ParallelCombineRefit`]).
-pub const BENCH_VARIANTS: [&str; 5] = [
-    "fp8",
-    "fp8_oldcombine",
-    "fp8_pcombine",
-    "fp8_pcombine_refit",
-    "bf16_staging",
-];
-
-/// The path a bench variant name runs.
-pub fn bench_path(variant: &str) -> Result<Path> {
-    Ok(match variant {
-        "fp8" => Path::Fp8,
-        "fp8_oldcombine" => Path::Fp8OldCombine,
-        "fp8_pcombine" => Path::Fp8ParallelCombine,
-        "fp8_pcombine_refit" => Path::Fp8ParallelCombineRefit,
-        "bf16_staging" => Path::Bf16Staging,
-        other => bail!(
-            "sparse_attn: unknown bench variant `{other}` (have: {})",
-            BENCH_VARIANTS.join(", ")
-        ),
-    })
-}
-
-/// One sweep point's shape.
-#[derive(Debug, Clone, Copy)]
-pub struct BenchShape {
-    pub kind: LayerKind,
-    pub ctx: usize,
-    pub batch: usize,
-    pub heads: usize,
-}
-
-/// Time one variant at one (kind, ctx, batch, heads) point on random data from `seed`: every sequence gets
-/// `candidates_per_query` distinct valid entries of a shared pool. Returns one [`Row`] with timing, bytes,
-/// flops, batch, ctx and (for the FP8 variants) the baseline name; the runner adds limits and telemetry.
-pub fn bench_point(
-    gpu: &Gpu,
-    variant: &str,
-    point: BenchShape,
-    plan: TimingPlan,
-    seed: u64,
-) -> Result<Row> {
-    use rand::{Rng, SeedableRng};
-    let BenchShape {
-        kind,
-        ctx,
-        batch,
-        heads,
-    } = point;
-    let cands = candidates_per_query(kind, ctx);
-    // Pool: enough distinct entries for every sequence (each sequence reads its own).
-    let n_entries = batch * cands;
-    let shape = DecodeShape {
-        batch,
-        heads,
-        stride: cands,
-        n_entries,
-    };
-    shape.validate()?;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let mut pool = vec![0u8; n_entries * ENTRY_BYTES];
-    // Encode a few hundred random entries and tile them over the pool: the bytes are realistic, the encode
-    // cost stays small for 1M-context points.
-    let distinct: Vec<[u8; ENTRY_BYTES]> = (0..256)
-        .map(|_| {
-            let x: Vec<f32> = (0..HEAD_DIM)
-                .map(|_| rng.random_range(-2.0f32..2.0))
-                .collect();
-            reference::encode_entry(&x)
-        })
-        .collect::<Result<_>>()?;
-    for (i, e) in pool.chunks_mut(ENTRY_BYTES).enumerate() {
-        e.copy_from_slice(&distinct[i % distinct.len()]);
-    }
-    let candidates: Vec<i32> = (0..n_entries as i32).collect();
-    let q: Vec<bf16> = (0..batch * heads * HEAD_DIM)
-        .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
-        .collect();
-    let freqs = reference::rope_freqs(160_000.0, true);
-    let d_q = gpu.upload(&q)?;
-    let d_pool = gpu.upload(&pool)?;
-    let d_cand = gpu.upload(&candidates)?;
-    let d_len = gpu.upload(&vec![cands as i32; batch])?;
-    let d_pos = gpu.upload(&vec![ctx.saturating_sub(1) as i32; batch])?;
-    let d_sinks = gpu.upload(&vec![0.5f32; heads])?;
-    let d_freqs = gpu.upload(&freqs)?;
-    let inp = DecodeInputs {
-        q: &d_q,
-        pool: &d_pool,
-        candidates: &d_cand,
-        lengths: &d_len,
-        positions: &d_pos,
-        sinks: &d_sinks,
-        freqs: &d_freqs,
-    };
-    let path = bench_path(variant)?;
-    let split = SplitPlan::for_path(gpu.info.sm_count as usize, &shape, path);
-    let mut out = gpu.zeros::<bf16>(batch * heads * HEAD_DIM)?;
-    let mut ws = Workspace::new(gpu, &shape, split, path == Path::Bf16Staging)?;
-    let samples = gpu.time_us(plan, || decode(gpu, path, &shape, &inp, &mut ws, &mut out))?;
-    let (bytes, flops) = work(batch, heads, cands, path);
-    let kind_label = match kind {
-        LayerKind::Csa { topk } => format!("csa,topk={topk}"),
-        LayerKind::Hca => "hca".to_string(),
-    };
-    let shape_label = format!(
-        "kind={kind_label},heads={heads},batch={batch},ctx={ctx},candidates={cands},splits={}",
-        split.n_splits
-    );
-    let mut row = Row::new(BENCH_KERNEL, variant, &shape_label)
-        .with_batch(batch as u64)
-        .with_ctx(ctx as u64)
-        .with_timing(&Summary::of(&samples)?, samples.len() as u64)
-        .with_work(Some(bytes), Some(flops));
-    if path != Path::Bf16Staging {
-        row = row.with_baseline("bf16_staging");
-    }
-    Ok(row)
-}
-
-/// The runner's entry for this family. `pct_matmul` is taken against the BF16 rate: P.V and the rope part of
-/// QK^T (4.5 of every 8 FLOPs) run on BF16 tensor cores, only the nope part of QK^T on FP8.
-pub fn bench_kernels() -> Vec<BenchKernel> {
-    vec![BenchKernel {
-        name: BENCH_KERNEL,
-        variants: &BENCH_VARIANTS,
-        matmul: MatmulKind::Bf16,
-        run_point: run_bench_point,
-        headline: &[],
-        targets: &[],
-    }]
-}
-
-/// One sweep point: axis `ctx` (params `batch`) or `batch` (params `ctx`); params `kind` ("csa" with `topk`,
-/// or "hca") and `heads`.
-fn run_bench_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, value: u64) -> Result<Vec<Row>> {
-    let kind = match s.param_str("kind")? {
-        "csa" => LayerKind::Csa {
-            topk: s.param_u64("topk")? as usize,
-        },
-        "hca" => LayerKind::Hca,
-        other => bail!("{}: kind `{other}` is neither `csa` nor `hca`", s.name()),
-    };
-    let heads = s.param_u64("heads")? as usize;
-    let (context, batch) = match s.axis.as_str() {
-        "ctx" => (value as usize, s.param_u64("batch")? as usize),
-        "batch" => (s.param_u64("ctx")? as usize, value as usize),
-        other => bail!("{}: axis `{other}` is neither `ctx` nor `batch`", s.name()),
-    };
-    let path = bench_path(variant)?;
-    let (bytes, _) = work(batch, heads, candidates_per_query(kind, context), path);
-    let point = BenchShape {
-        kind,
-        ctx: context,
-        batch,
-        heads,
-    };
-    let mut row = bench_point(ctx.gpu, variant, point, ctx.plan(bytes), ctx.seed)?;
-    // The runner pairs variants through identical shape labels.
-    row.shape = s.shape_label(value);
-    Ok(vec![row])
 }

@@ -1,0 +1,70 @@
+//! Bench adapter of the sparse_attn family: sweep parameters -> `ops::sparse_attn::bench::time_point` -> one CSV
+//! row per point. `pct_matmul` is taken against the BF16 rate: P.V and the rope part of QK^T (4.5 of every 8
+//! FLOPs) run on BF16 tensor cores, only the nope part of QK^T on FP8 values (held as exact BF16).
+
+use anyhow::{bail, Result};
+
+use crate::bench::config::Sweep;
+use crate::bench::runner::{BenchCtx, BenchKernel, PlotTarget};
+use crate::bench::{MatmulKind, Row, Summary};
+use crate::ops::sparse_attn::bench::{
+    time_point, variant_of, work, BenchShape, LayerKind, BASELINE, KERNEL, VARIANTS,
+};
+
+/// Drawn by default: the routed path and the baseline its target is stated against.
+const HEADLINE: [&str; 2] = ["fp8", BASELINE];
+/// The target for sparse decode attention (results/h200/NOTES.md, "sparse FMHA Flash / Pro"): at least
+/// 1.5x the BF16-staging baseline at every batch.
+const TARGETS: [PlotTarget; 1] = [PlotTarget {
+    metric: "speedup_vs_baseline",
+    value: 1.5,
+    label: "target: >= 1.5x the BF16-staging baseline",
+}];
+
+pub fn kernels() -> Vec<BenchKernel> {
+    vec![BenchKernel {
+        name: KERNEL,
+        variants: &VARIANTS,
+        matmul: MatmulKind::Bf16,
+        run_point,
+        headline: &HEADLINE,
+        targets: &TARGETS,
+    }]
+}
+
+/// One sweep point: axis `ctx` (params `batch`) or `batch` (params `ctx`); params `kind` ("csa" with `topk`,
+/// or "hca") and `heads`.
+fn run_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, value: u64) -> Result<Vec<Row>> {
+    let kind = match s.param_str("kind")? {
+        "csa" => LayerKind::Csa {
+            topk: s.param_u64("topk")? as usize,
+        },
+        "hca" => LayerKind::Hca,
+        other => bail!("{}: kind `{other}` is neither `csa` nor `hca`", s.name()),
+    };
+    let heads = s.param_u64("heads")? as usize;
+    let (context, batch) = match s.axis.as_str() {
+        "ctx" => (value as usize, s.param_u64("batch")? as usize),
+        "batch" => (s.param_u64("ctx")? as usize, value as usize),
+        other => bail!("{}: axis `{other}` is neither `ctx` nor `batch`", s.name()),
+    };
+    let v = variant_of(variant)?;
+    let point = BenchShape {
+        kind,
+        ctx: context,
+        batch,
+        heads,
+    };
+    let (bytes, _) = work(batch, heads, point.candidates(), v);
+    let t = time_point(ctx.gpu, variant, point, ctx.plan(bytes), ctx.seed)?;
+    // The runner pairs variants through identical shape labels (the sweep's, not the plan's split count).
+    let mut row = Row::new(KERNEL, variant, &s.shape_label(value))
+        .with_batch(batch as u64)
+        .with_ctx(context as u64)
+        .with_timing(&Summary::of(&t.samples_us)?, t.samples_us.len() as u64)
+        .with_work(Some(t.bytes), Some(t.flops));
+    if variant != BASELINE {
+        row = row.with_baseline(BASELINE);
+    }
+    Ok(vec![row])
+}
