@@ -1,12 +1,12 @@
 // mhc_mix_tc: the mHC boundary's 24-wide mix F.x (and the sum of squares x.x) on BF16 tensor cores, for
 // prefill-sized token counts (issue #3, session 13; mhc_pre's path from 128 tokens since the session-14 A/B:
 // 8192 x 4096 NVFP4 boundary 963 -> 275 us, 65536 x 4096 7620 -> 2137 us; under ncu at 8192 x 4096 this mix
-// takes 82 us (69% of DRAM peak) where mhc_mix_partial24_v2 took 751 us, and the finish (193 us) is now the
+// takes 82 us (69% of DRAM peak) where mhc_mix_partial24_staged took 751 us, and the finish (193 us) is now the
 // larger part). Writes the same split-K partials [T][25][S] that the finish
-// kernels of kernels/norm_quant.cu (mhc_pre_finish2_*) reduce, with S = the K-split count chosen by the launcher
+// kernels of kernels/norm_quant.cu (mhc_pre_finish_*) reduce, with S = the K-split count chosen by the launcher
 // (src/ops/norm_quant/mod.rs `tc_mix_splits`), not 4D/128.
 //
-// Why: the FFMA mixes (mhc_mix_partial24_v2, mhc_unfused_gemv) do 24 FMAs per BF16 element of X plus F loads:
+// Why: the FFMA mixes (mhc_mix_partial24_staged, mhc_unfused_gemv) do 24 FMAs per BF16 element of X plus F loads:
 // at 65536 tokens x D 4096 that is 25.8 G FMA, >= 0.77 ms at the fp32 FMA peak before any load, and measured
 // 7.6 ms for the whole fused boundary (H200, a0eee66). Here the mix is a GEMM X [T x 4D] (BF16) x [f1; f2; f3]^T
 // [4D x 72] (BF16) with fp32 accumulation: 155 GFLOP on tensor cores (~0.2 ms at the measured ~800 TFLOPS),

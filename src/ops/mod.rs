@@ -6,6 +6,7 @@ pub mod exec;
 pub mod indexer;
 pub mod inputs;
 pub mod moe_gemm;
+pub mod mhc;
 pub mod norm_quant;
 pub mod nvfp4;
 pub mod registry;

@@ -2,13 +2,17 @@
 //! measures one point. Each family's adapter (sweep parameters -> the family's measurement hook in
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
+pub mod mhc;
+pub mod norm_quant;
+
 use super::runner::BenchKernel;
 
 /// Every kernel the sweep runner knows. A kernel family adds its entries here.
 pub fn all() -> Vec<BenchKernel> {
     let mut v = Vec::new();
     v.extend(crate::ops::nvfp4::bench::kernels());
-    v.extend(crate::ops::norm_quant::bench::kernels());
+    v.extend(norm_quant::kernels());
+    v.extend(mhc::kernels());
     v.extend(crate::ops::moe_gemm::bench::kernels());
     v.extend(crate::ops::sparse_attn::bench_kernels());
     v.extend(crate::ops::indexer::bench::kernels());
