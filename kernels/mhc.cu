@@ -78,16 +78,16 @@ __device__ void mhc_mix_partial(const __nv_bfloat16* __restrict__ X, const float
     }
 }
 
-// ---- split-K mixes, v2: stage the tile in shared memory with cp.async, then compute from shared ----------------
-// v1 (mhc_mix_partial above) read F with warp-uniform (broadcast) 16-B loads: 32 B in flight per warp-load and,
-// with 118 registers, only a few loads in flight per warp, so the 4 x 24 F loads per thread ran as ~12
+// ---- staged split-K mixes: stage the tile in shared memory with cp.async, then compute from shared -------------
+// The broadcast-load mix (mhc_mix_partial above, kept for the head's 4 mixes) reads F with warp-uniform 16-B loads: 32 B in flight per warp-load and,
+// with 118 registers, only a few loads in flight per warp, so the 4 x 24 F loads per thread run as ~12
 // serialized memory round trips (Nsight Compute, T = 1, D = 4096: 10.6 us, 0.09 eligible warps/scheduler,
 // L1TEX scoreboard stalls). Here a CTA issues its whole tile at once as 16-B cp.async copies (no registers
 // held: F slice 24 x 128 fp32 = 12 KB, X slice <= 32 tokens x 128 BF16 = 8 KB): one round trip.
 // Compute: item (token t, lane q of 16) covers columns {4q..4q+3} and {64+4q..64+4q+3} of the 128 (float4
 // reads of F at consecutive 16 B per lane: no bank conflicts), 25 fp32 dots of 8 terms (fma chain), then an
 // xor tree over the 16 lanes of the half warp that holds token t. The partials layout [T][NMIX+1][S] and the
-// finish's reduction are those of v1; only the order inside one split's 128-column partial differs.
+// finish's reduction are those of mhc_mix_partial; only the order inside one split's 128-column partial differs.
 constexpr int MIX_TT = 32;  // tokens per mix tile
 
 struct MixSmem {
@@ -267,7 +267,7 @@ __device__ __forceinline__ float mix_logit(float rho, float dot, float s, float 
 // warp w takes the 32-wide blocks of splits w, w + nw, ...; in each block lane l loads split 32b + l (0 past
 // S) for all NMIX+1 mixes at once (all loads in flight: this is the decode critical path), an xor tree sums
 // the 32 lanes, blocks add up in order; then the warps' sums add up in warp order.
-// tests/norm_quant.rs (reduce_like_gpu) replays exactly this order on the CPU.
+// tests/mhc.rs (reduce_like_gpu) replays exactly this order on the CPU.
 template <int NMIX>
 __device__ void reduce_partials(const float* __restrict__ part, int S, int token, float* mix, float* wsum) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -391,8 +391,8 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
 // concurrently with blockIdx.y == 0: pre, u = sum pre_i X_i, RMSNorm(u) + quant (u does not need C).
 // HEAD: NMIX = 4, no post / Sinkhorn (hc_head).
 // One token's finish on the calling CTA: coef_task -> post + Sinkhorn (comb); else pre, u, RMSNorm + quant.
-// LANES: the Sinkhorn on 16 lanes (sinkhorn_lanes), else on one thread (sinkhorn_thread; only the removed v1
-// finish used false, every entry point now passes true).
+// LANES: the Sinkhorn on 16 lanes (sinkhorn_lanes), else on one thread (sinkhorn_thread, the op-by-op chain's
+// form; every finish entry point passes true).
 // All threads of the CTA must call this with the same (t, coef_task); it ends without a trailing barrier.
 // PDL (only the mhc_pre_finish_pdl_* entry points): let the next PDL kernel be scheduled, then wait for the
 // mix kernel (griddep_wait) before the first read of the partials. PDL = false: unchanged.
@@ -487,7 +487,7 @@ extern "C" __global__ void __launch_bounds__(128) mhc_post_mix_partial24(const _
     mhc_post_mix_partial<24>(y, X, post, comb, Xout, F, part, T, D);
 }
 
-// v2 split-K mixes (cp.async staging): grid (S = 4D/128, ceil(T/32)), any block multiple of 32 (128 used).
+// Staged split-K mixes (cp.async staging): grid (S = 4D/128, ceil(T/32)), any block multiple of 32 (128 used).
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_staged(const __nv_bfloat16* X, const float* F,
                                                                       float* part, int T, int D4) {
     __shared__ MixSmem sm;
@@ -514,14 +514,14 @@ extern "C" __global__ void mhc_pre_finish_bf16(MHC_PRE_COMMON, __nv_bfloat16* y,
                                            nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
 }
 
-// ---- A/B (session 3): the same two kernels, launched as a programmatic dependent pair -------------------------
+// ---- the same two kernels, launched as a programmatic dependent pair (the decode path) --------------------------
 // Same arithmetic, same partials layout and reduction order as mhc_mix_partial24_staged + mhc_pre_finish_*: every
-// output is bit-identical (tests/norm_quant.rs checks it). Only the launch overlap differs: the finish grid
+// output is bit-identical (tests/mhc.rs checks it). Only the launch overlap differs: the finish grid
 // is scheduled as soon as every mix CTA has started (launch_dependents first thing), so its launch latency
 // hides behind the mix; and, in a graph of consecutive boundaries, the next mix CTAs stage their F tile
 // (12 KB of weights, the mix's one HBM round trip) while the previous finish still runs.
-// Budget, T = 1 in a graph: the ~1-1.5 us launch gap between the two nodes and the F round trip (~1 us,
-// after the first boundary of a graph) leave the chain: 9.4 us -> ~7.5 us per boundary predicted.
+// Budget, T = 1 in a graph: the ~1-1.5 us launch gap between the two nodes and the F round trip (~1 us, after the
+// first boundary of a graph) leave the critical chain.
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_pdl(const __nv_bfloat16* X, const float* F,
                                                                        float* part, int T, int D4) {
     __shared__ MixSmem sm;

@@ -1,85 +1,34 @@
-// norm_quant: fused RMSNorm -> {NVFP4, FP8 1x128, BF16} and the fused DSV4 mHC boundary (pre, post, head).
+// norm_quant: fused RMSNorm -> {NVFP4, FP8 1x128, BF16} over rows [rows, D] (BF16 or f32 in). Launchers:
+// src/ops/norm_quant/mod.rs; the routing rule (rows_path) and the measurements that decided it are documented there.
 //
-// Design
-// ------
-// RMSNorm rows. From 4096 rows with D % 1024 == 0 (launcher rule rows_path in src/ops/norm_quant/mod.rs):
-// BF16 -> FP8 runs the v5 FP8 kernel (own section below), BF16 -> NVFP4 with D <= 8192 the v6 kernels (own
-// section; they replaced the v5 NVFP4 kernel, see the history below). Otherwise (rmsnorm_*; BF16 -> NVFP4 at
-// any other shape, D > 8192 included, is
-// rmsnorm_nvfp4_bf16in_row_loop, the same per-row work with rows looped by one resident wave and a packed-pair
-// encoder, see its section): one CTA per row, blockDim =
-// roundup32(D/8/CH) threads (CH = 4 chunks of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224).
-// Each thread loads its chunks with 16-byte loads (two for fp32 input) into registers; the row is never re-read from HBM. Pass 1: sum of squares -> block reduce ->
-// rstd. Pass 2: y = bf16(w * (x * rstd)) in registers; then the quantizer:
-//   * NVFP4: row amax (second block reduce) -> gs = amax/2688; 16-block amax = own 8 values + lane^1;
-//            e4m3 block scale, e2m1 codes (exact formats.cuh rule), 4 bytes of codes per thread.
-//   * FP8:   128-block amax over 16 lanes (xor 1..8), ue8m0 scale, e4m3 codes, 8 bytes per thread.
-//   * BF16:  16 bytes per thread.
-// Chunk c of a row belongs to thread c % blockDim; blockDim % 32 == 0, so a 16-block is lanes (2i, 2i+1) and
-// a 128-block is a 16-lane half-warp. Every reduction is a fixed tree: identical result in every thread.
+// Kernels
+// -------
+// * One CTA per row (rmsnorm_<fmt>_<in>, quant_<fmt>_bf16in): blockDim = roundup32(D/8/CH) threads (CH = 4 chunks
+//   of 8 values per thread; D = 4096 -> 128 threads, 7168 -> 224). Each thread loads its chunks with 16-byte loads
+//   (two for f32 input) into registers; the row is never re-read from HBM. The per-row work is norm_quant_row
+//   (common/norm_row.cuh): sum of squares -> block reduce -> rstd; y = bf16(w * (x * rstd)) in registers; then
+//   the quantizer (NVFP4: row amax -> gs = amax/2688, 16-block amax = own 8 values + lane^1, e4m3 block scale,
+//   e2m1 codes; FP8: 128-block amax over 16 lanes, ue8m0 scale, e4m3 codes; BF16: 16 bytes per thread).
+//   Chunk c of a row belongs to thread c % blockDim; blockDim % 32 == 0, so a 16-block is lanes (2i, 2i+1) and a
+//   128-block is a 16-lane half-warp. Every reduction is a fixed tree: identical result in every thread.
+// * Row loop, BF16 -> NVFP4 (rmsnorm_nvfp4_bf16in_row_loop, quant_nvfp4_bf16in_row_loop): the same per-row work
+//   with rows looped by one resident wave of CTAs, the next row's loads in flight, and a packed BF16-pair e2m1
+//   encoder (own section).
+// * Resident FP8 (rmsnorm_fp8_bf16in_resident) and resident NVFP4 (rmsnorm_nvfp4_bf16in_resident_nw<NW>,
+//   quant_nvfp4_bf16in_resident_nw<NW>, D = 1024 NW compiled in): one resident wave looping over rows with the
+//   weight staged once per CTA in shared memory, one barrier per reduction, one thread per 16-block (own sections).
+// Every kernel of a format gives the same bits (the tests compare them with each other and with the CPU reference).
 //
 // Byte budget (D = 4096, BF16 in): 8192 B read per row; writes NVFP4 2048 + 256 + 4 B, FP8 4096 + 32 B,
 // BF16 8192 B. At ~4.3 TB/s a 4096x4096 NVFP4 pass moves 43 MB ~ 10 us. Instruction budget: an H200 issues
 // ~1e12 warp-instructions/s, i.e. ~60 per element of that pass before issue becomes the limit next to HBM;
 // the exact e2m1 rule would cost an IEEE division (~10 SASS instructions) plus a 7-step ladder per element,
-// so the NVFP4 path uses a division-free exact encoder (per-block thresholds, 3 compares per element, see
-// e2m1_thresholds) and paired BF16 / e4m3 conversions. ~55 PTX instructions per element remain for NVFP4
-// (FP8 ~28, BF16 ~18): the NVFP4 kernel is the one to profile first if it misses 85% of copy bandwidth.
-//
-// mHC boundary, two launches (same partials layout [T][25][S], S = 4D/128): mhc_mix_partial24_staged + mhc_pre_finish_*.
-//   Every mix CTA stages its whole tile (F 24 x 128 fp32 = 12 KB, X <= 32 x 128 BF16 = 8 KB) with cp.async in
-//     ONE round trip, computes from shared memory (lane pairs of 8 columns, xor tree over 16 lanes); the finish
-//     runs the Sinkhorn on 16 lanes (sinkhorn_lanes: same bits as the one-thread sinkhorn_thread, proven on the
-//     CPU by a Rust mirror and on the GPU by the post+pre test). Budget T = 1: 2 launches (~1.5 us each in a
-//     graph) + one L2/HBM round trip (~1 us) + partials reduce (~0.5 us) + 40 x ~90-cycle Sinkhorn steps
-//     (~1.8 us) ~ 6 us. Measured (H200, CUDA graph): D = 4096 T = 1 9.4 us, T = 64 16.7 us; D = 7168 T = 1
-//     11.0 us; the unfused op-by-op chain 34-47 us.
-//   PDL pair: mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*: the same two kernels (bit-identical outputs) as a
-//     programmatic-dependent-launch pair (see griddep_wait): the finish's launch latency hides behind the mix,
-//     and in a graph of consecutive boundaries the next mix stages F during the previous finish. mhc_pre takes
-//     it up to 8 tokens, two plain launches above. Measured (H200, 16 boundaries in one graph, us per boundary,
-//     D = 4096 NVFP4, two-launch / PDL): T = 1 8.3 / 7.3, T = 8 8.9 / 8.8, T = 16 10.3 / 11.0, T = 32 12.4 /
-//     16.8, T = 64 15.3 / 27.7: from 16 tokens the waiting finish grid holds SM resources the mix needs.
-//   hc_head keeps the first mix kernel (mhc_mix_partial4: lane = token, warp-uniform broadcast loads of F).
-//   Session 13 candidate (prefill): kernels/mhc_mix_tc.cu computes the same partials on BF16 tensor cores with
-//   its own S (MhcPrePath::TensorMix); the finish kernels here take S as an argument and are reused unchanged.
-// Removed after the H200 A/B (history):
-//   * Session 7: v5 NVFP4 (rmsnorm_nvfp4_bf16in_v5, quant_nvfp4_bf16in_v5; bit-identical to v4p and v6) lost to v6
-//     again in the session-7 run (7666184), median us v6 vs v5: 4096 x 4096 25.41 vs 27.46, 65536 x 4096 275.0
-//     vs 307.1 (session 6: 25.4 vs 27.8, 275.0 vs 306.9). NVFP4 shapes v6 lacks (D > 8192) fall back to v4p.
-//   * Session 5 (A/B run 48a7d82, branch s5-mhc): the whole boundary in ONE launch on a 16-CTA thread-block cluster
-//     per <= 8 tokens (mhc_pre_cluster_*: each CTA stages its F slice before griddepcontrol.wait, partials summed
-//     over distributed shared memory, Sinkhorn on __frcp_rn's fast path; bit-identical, all GPU tests passed)
-//     tied or lost, us per boundary, cluster vs PDL pair: 16-boundary graph D = 4096 FP8 T = 1 6.42 vs 6.61,
-//     NVFP4 7.23 vs 7.29, T = 8 8.00 vs 8.02, T = 64 30.8 vs 26.6; one boundary per graph T = 1 9.88 vs 8.56.
-//     Only 16 SMs read the 1.5 MB of F (fp32 [24, 4D]) where the mix grid spreads it over 128 CTAs.
-//   * Session 4 mHC wide finish (kernels/mhc_boundary.cu, mhc_pre_finish_wide_*: the same mixes, 4x the finish
-//     threads, one 8-value chunk per thread; bit-identical) lost or tied, 16-boundary graph, us per boundary,
-//     wide vs kept: D = 4096 NVFP4 T = 1 7.6 vs 7.3, T = 8 8.6 vs 8.8, T = 64 15.7 vs 15.4; FP8 T = 1 6.8 vs 6.6.
-//   * Session 4 v5 FP8 with one CTA per row (rmsnorm_fp8_bf16in_resident launched with grid = rows, "v5r") lost to the
-//     resident-wave v5 launch everywhere: 23.2 vs 21.2 us (4096 x 4096), 227.9 vs 220.4 us (65536 x 4096).
-//   * v1 pre path (mhc_mix_partial24 + mhc_pre_finish_*: broadcast-load mixes, one-thread Sinkhorn): 18.2 us
-//     (T = 1), 21.8 us (T = 64), 19.0 us (D = 7168, T = 1). Nsight: mix 10.6 us (~12 serialized round trips),
-//     finish 11.5 us (the single-thread 40-step Sinkhorn chain).
-//   * one launch (mhc_pre_one_*: the same mix tiles, a grid barrier, then the finish tasks; bit-identical):
-//     10.6 / 17.9 / 12.1 us at the same points, ~1.1 us slower than two launches (the barrier costs more than
-//     the second graph node).
-//   * Session 3 (H200, BF16 in, median us): the row-looping v4p NVFP4 kernel replaced the one-CTA-per-row
-//     rmsnorm_nvfp4_bf16in / quant_nvfp4_bf16in (D = 4096: 4096 rows 34.1 -> 30.5, 16384 113.9 -> 100.1,
-//     65536 436.6 -> 378.7, 1 and 64 rows a tie at 6.2-6.7; D = 7168: 4096 rows 58.9 -> 53.7, 65536 813.9 ->
-//     754.2). Removed: v4 NVFP4 (same loop, shift placement, FP64 thresholds; rmsnorm_nvfp4_{bf16,f32}in_v4,
-//     quant_nvfp4_bf16in_v4): 33.0 / 110.5 / 418.9 us at D = 4096, 838.7 at 65536 x 7168; v4 FP8
-//     (rmsnorm_fp8_{bf16,f32}in_v4) lost everywhere: 23.4 vs 21.6 us (4096 x 4096), 277.5 vs 232.4 (65536).
-//   * RMSNorm rows: *_v1 (weight loaded after the sum-of-squares reduction) and the NVFP4 v3 encoder (f32 FMA
-//     thresholds, one block-amax pass, packed codes) tied with the kept kernels within 1-2% (NVFP4 4096x4096:
-//     34.10 kept / 34.45 v1 / 33.97 v3 us; 65536x4096: 436.7 / 431.8 / 429.8 us; FP8 4096x4096: 21.55 / 22.64
-//     us): HBM-bound, ties resolved toward less code.
-//   mhc_post: X'[k] = post_k y + sum_j C[j][k] X[j], fp32 (explicit rn ops, no FMA), BF16 store.
-// Bytes per decode token (D = 4096): F 1.5 MB (shared by all tokens of a launch), X 32 KB, out ~ 2-8 KB.
+// so the NVFP4 paths use a division-free exact encoder (per-block thresholds, 3 compares per element, see
+// e2m1_thresholds) and paired BF16 / e4m3 conversions.
 //
 // Rounding points (the CPU reference in src/ops/norm_quant/reference.rs has the same): rstd = 1/sqrt(ss/D+eps)
 // with IEEE ops; t = x*rstd, y = w*t (fp32, no FMA), y -> BF16; quantizers see the BF16 y. Only the fp32
-// sums (sum of squares, F.x) have a reduction order different from the reference.
+// sum of squares has a reduction order different from the reference.
 #include "common/norm_row.cuh"
 
 namespace {
@@ -110,20 +59,19 @@ __device__ void rmsnorm_rows(const Tin* __restrict__ x, const __nv_bfloat16* __r
     norm_quant_row<KIND, NORM, WEARLY>(v, nchunks, D, w, eps, o, red);
 }
 
-// ---- row-looping NVFP4 kernels (v4p: the BF16 -> NVFP4 path since the session-3 A/B) ---------------------------
-// The only instantiations left are rmsnorm_nvfp4_bf16in_row_loop / quant_nvfp4_bf16in_row_loop (PRMT_PLACE = true, BF16
-// in). The PRMT_PLACE = false placement and the FP8 branch of rmsnorm_rows_loop belong to the removed v4 kernels;
-// they are left in the templates so the measured v4p code is untouched (the CPU mirror test still compares
-// both placements). Two changes against the one-CTA-per-row kernels:
+// ---- row-loop NVFP4 kernels (the BF16 -> NVFP4 path below the resident threshold) -----------------------------
+// Instantiated as rmsnorm_nvfp4_bf16in_row_loop / quant_nvfp4_bf16in_row_loop (PRMT_PLACE = true, BF16 in). The
+// shift placement (PRMT_PLACE = false) and the FP8 branch of rmsnorm_rows_loop are not instantiated; the CPU mirror
+// test checks the prmt placement against the shift placement. Two changes against the one-CTA-per-row kernels:
 //  (1) Rows in flight: a CTA walks rows blockIdx.x, blockIdx.x + gridDim.x, ... (the launcher sizes the grid to
-//      one full resident wave) and issues the NEXT row's 16-byte loads before it reduces and
-//      quantizes the current one, so a row's HBM latency overlaps the previous row's barriers and ALU work
-//      (ncu of the v1-v3 kernels at 4096 rows: latency-bound with few rows per SM, or ALU-bound for NVFP4).
-//  (2) NVFP4 only: the e2m1 codes are found with 16-bit integer compares on packed BF16 pairs instead of a
-//      per-element f32 binary search (~16 -> ~10 instructions per element), and the 16-block amax with
-//      max.u16x2 on the same pairs. FP8 v4 runs the unchanged FP8 quantizer (norm_quant_row).
-// Identities the packed encoder relies on (all for finite y; NaN y may get other codes than the v1 kernel):
-//  * The v1 encoder's code magnitude is #{i : a >= B_i}, a = |y|, B_i = e2m1_thresholds(scale) non-decreasing
+//      one full resident wave) and issues the NEXT row's 16-byte loads before it reduces and quantizes the
+//      current one, so a row's HBM latency overlaps the previous row's barriers and ALU work (one CTA per row is
+//      latency-bound with few rows per SM, or ALU-bound for NVFP4).
+//  (2) The e2m1 codes are found with 16-bit integer compares on packed BF16 pairs instead of a per-element f32
+//      binary search (~16 -> ~10 instructions per element), and the 16-block amax with max.u16x2 on the same
+//      pairs.
+// Identities the packed encoder relies on (all for finite y; NaN y may get other codes than norm_quant_row):
+//  * norm_quant_row's code magnitude is #{i : a >= B_i}, a = |y|, B_i = e2m1_thresholds(scale) non-decreasing
 //    (directed roundings are monotone). y is a BF16 value, so a >= B_i <=> a >= RU_bf16(B_i) (the smallest BF16
 //    >= B_i), and for non-negative BF16 values (subnormals and +inf included) a >= b <=> bits(a) >= bits(b) as
 //    16-bit integers. For 0 < B_i <= +inf, RU_bf16(B_i) = (bits(B_i) + 0xFFFF) >> 16 (a carry out of the
@@ -199,7 +147,7 @@ __device__ __forceinline__ uint32_t e2m1_codes8_keys(const uint32_t (&pk)[4], co
     return out;
 }
 
-// NVFP4 row, v4: RMSNorm as in norm_quant_row (same rounding points), then the packed-pair quantizer.
+// NVFP4 row of the row loop: RMSNorm as in norm_quant_row (same rounding points), then the packed-pair quantizer.
 // x[k][e] = chunk tid + k*bd (zeros when invalid). All threads of the block call it.
 // NORM = false: quantize x itself (BF16 values: the packing is exact), for the boundary test of the encoder.
 template <bool NORM, bool PRMT_PLACE = false>
@@ -241,7 +189,7 @@ __device__ void nvfp4_row_packed(const float (&x)[CH][8], int nchunks, int D, co
         key[k] = max(m & 0xFFFFu, m >> 16);
         row_key = max(row_key, key[k]);
     }
-    // max over non-negative BF16 values = max of their bit patterns (no NaN): the v1 fmaxf result.
+    // max over non-negative BF16 values = max of their bit patterns (no NaN): norm_quant_row's fmaxf result.
     const float amax_row = block_max(__uint_as_float((row_key & 0x7FFFu) << 16), red);
     const float gs = mm::nvfp4_global_scale(amax_row);
     if (tid == 0) *o.gsa = gs;
@@ -255,14 +203,14 @@ __device__ void nvfp4_row_packed(const float (&x)[CH][8], int nchunks, int D, co
             const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
             uint32_t packed = 0;
             if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
-                // v4p: FMA thresholds (same bits, see e2m1_thresholds_fma); v4: the FP64 form of the v1 kernel.
+                // FMA thresholds (same bits, see e2m1_thresholds_fma) or the FP64 form of norm_quant_row.
                 const E2m1Thresholds thr = PRMT_PLACE ? e2m1_thresholds_fma(scale) : e2m1_thresholds(scale);
                 if (scale < INFINITY) {  // finite positive scale: thresholds in (0, +inf], the identities hold
                     uint32_t keys[7];
 #pragma unroll
                     for (int i = 0; i < 7; ++i) keys[i] = bf16_key_ru_x2(thr.b[i]);
                     packed = e2m1_codes8_keys<PRMT_PLACE>(pk[k], keys);
-                } else {  // non-finite scale (non-finite input): the v1 per-element search, same bits as v1
+                } else {  // non-finite scale (non-finite input): norm_quant_row's per-element search, same bits
 #pragma unroll
                     for (int p = 0; p < 4; ++p) {
                         packed |= e2m1_code_thr(bf16_lo(pk[k][p]), thr) << (4 * p);
@@ -333,48 +281,34 @@ __device__ void rmsnorm_rows_loop(const Tin* __restrict__ x, const __nv_bfloat16
     }
 }
 
-// ==== RMSNorm rows v5 (persistent CTAs, fixed channels, weight staged once per CTA): BF16 in, >= 4096 rows ====
-// The FP8 default from 4096 rows (session-4 A/B, BF16 in, median us, v5 vs v4p / one CTA per row: NVFP4 4096 x
-// 4096 27.8 vs 30.6, 65536 x 4096 306.8 vs 380.6 (52.8% of copy bandwidth), 65536 x 7168 598.8 vs 756.0; FP8
-// 4096 x 4096 21.2 vs 21.6, 65536 x 4096 220.4 vs 233.9 (86.3%); at 1-64 rows v5 loses, 6.8 vs 6.3 NVFP4 at 1
-// row). Only rmsnorm_fp8_bf16in_resident is left: the NVFP4 v5 kernels (rmsnorm_nvfp4_bf16in_v5,
-// quant_nvfp4_bf16in_v5) were removed in session 7 for v6 (next section), which keeps their NVFP4 design below
-// (lane pairs, one thread per 16-block) and the helpers here (resident_stage_weight, resident_load_row, resident_norm_pairs'
-// order). The v5 kernels gave the same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_row_loop / quant_nvfp4_bf16in_row_loop /
-// rmsnorm_fp8_bf16in, rebuilt around the instruction count (Nsight Compute, 4096 x 4096: v4p issues ~34
-// thread-instructions per element at 62% issue, FP8 ~24; 85% of copy bandwidth needs <= ~15 / ~12).
-// Where v4p's instructions went (SASS, per thread and 8-value chunk, ~37 per element in all): ~59 for the
-// block scale (an IEEE division, e4m3 encode/decode) and the 7 thresholds/keys, computed by BOTH lanes of a
-// 16-block; ~62 for the packed encoder; 4 LDG + 8 unpacks of the weight per row; 4 barriers per row.
-// What v5 changes (same per-thread channel ownership, so the same fp32 sum-of-squares order and rstd):
+// ==== Resident rows (persistent CTAs, fixed channels, weight staged once per CTA): BF16 in, D % 1024 == 0 ==========
+// rmsnorm_fp8_bf16in_resident here; the resident NVFP4 kernels (next section) share these helpers (resident_stage_weight,
+// resident_load_row, resident_norm_pairs' order). Built around the instruction count: the row-loop NVFP4 kernel issues
+// ~34 thread-instructions per element and the one-CTA-per-row FP8 kernel ~24 (Nsight Compute, 4096 x 4096), where
+// 85% of copy bandwidth needs <= ~15 / ~12. Same per-thread channel ownership as the other row kernels, so the same
+// fp32 sum-of-squares order and rstd:
 //  * D % 1024 == 0 only (launcher error otherwise): blockDim = D/32, every thread owns exactly CH = 4 chunks
 //    (c = tid + k * blockDim): no validity predicates anywhere.
 //  * Persistent CTAs (one resident wave, rows looped, the next row's 16-byte loads in flight while the current
-//    row is reduced and quantized, as v4p). The weight is converted to f32 ONCE per CTA into shared memory
-//    (D * 4 bytes, split layout: elements 0..3 of every chunk, then 4..7, so a lane's float4 reads are 16 B
-//    apart: conflict-free) and read back with 2 LDS.128 per chunk (no L2 re-read per row, no unpacks).
+//    row is reduced and quantized). The weight is converted to f32 ONCE per CTA into shared memory (D * 4 bytes,
+//    split layout: elements 0..3 of every chunk, then 4..7, so a lane's float4 reads are 16 B apart:
+//    conflict-free) and read back with 2 LDS.128 per chunk (no L2 re-read per row, no unpacks).
 //  * Reductions: the same warp trees and warp-order sums as block_sum / block_max (identical values), but with
 //    one barrier each: the sum uses buffer red_ss[row parity], the max red_mx[row parity]. Why one barrier is
 //    enough: a buffer is rewritten two rows later at the earliest, and a thread gets there only after passing
 //    the next row's barrier(s), which every thread reaches after its reads of the buffer. (One buffer per
 //    reduction without the parity would race when a row has only one barrier: FP8, or NVFP4 without NORM.)
-//  * NVFP4 (the removed v5 NVFP4 kernel; v6 keeps this scheme): lane pairs (2i, 2i+1) hold the two halves of each 16-block (chunks 2i, 2i+1 of the same k). After
-//    the row max, they swap half their y words (one shuffle per word) so that the even lane owns the blocks of
-//    k = 0, 2 and the odd lane those of k = 1, 3: the block scale and the 7 threshold keys are computed ONCE per
-//    block (v4p: twice), the block amax needs no extra shuffle (the chunk keys travel with the halves), and a
-//    block's 8 code bytes go out as one 8-byte store. Encoder and fallbacks are v4p's own functions
+//  * NVFP4 (the resident NVFP4 kernels): lane pairs (2i, 2i+1) hold the two halves of each 16-block (chunks 2i,
+//    2i+1 of the same k). After the row max, they swap half their y words (one shuffle per word) so that the even
+//    lane owns the blocks of k = 0, 2 and the odd lane those of k = 1, 3: the block scale and the 7 threshold keys
+//    are computed ONCE per block, the block amax needs no extra shuffle (the chunk keys travel with the halves),
+//    and a block's 8 code bytes go out as one 8-byte store. Encoder and fallbacks are the row loop's functions
 //    (e2m1_codes8_keys<true>, e2m1_thresholds_fma, e2m1_code_thr): same bits.
-//  * FP8: the chunk amax is an fmaxf over |y| as before (NaN ignored: same bits for every input); two chunks'
-//    amax values (non-negative BF16 values, so their high halves order like the floats) share one 32-bit
-//    shuffle in the 16-lane max tree (max.u16x2); the ue8m0 scale is found without the division, see
-//    ue8m0_scale_448_divfree (CPU mirror tested against formats::ue8m0 for every BF16 amax).
-// Rounding points unchanged: rstd, t = x*rstd, y = w*t (no FMA), y -> BF16, then the v4p / FP8 quantizers.
-// SASS (cuobjdump, D = 4096, fast path, the reduction loops at their 4-warp trip counts), thread-instructions
-// per element: v4p ~34 (Nsight Compute: 34), the removed v5 NVFP4 ~30 (per thread and row: ~110 unpack + sum of squares,
-// ~55 sum reduction, ~40 rstd, ~190 y + keys, ~95 max reduction + gs, 2 x ~205 per 16-block of which ~140 is
-// the packed encoder); FP8 one-CTA-per-row ~24 (Nsight), v5 FP8 ~19. What is left per row (~230 of ~950 for
-// NVFP4: reductions, rstd, gs, addressing) is spread over only 32 values per thread: the next step would be
-// 64 values per thread emulating these reduction trees (two old lanes per thread), not done here.
+//  * FP8: the chunk amax is an fmaxf over |y| (NaN ignored: same bits for every input); two chunks' amax values
+//    (non-negative BF16 values, so their high halves order like the floats) share one 32-bit shuffle in the
+//    16-lane max tree (max.u16x2); the ue8m0 scale is found without the division, see ue8m0_scale_448_divfree
+//    (CPU mirror tested against formats::ue8m0 for every BF16 amax).
+// Rounding points unchanged: rstd, t = x*rstd, y = w*t (no FMA), y -> BF16, then the NVFP4 / FP8 quantizers.
 constexpr int RESIDENT_CH = 4;
 
 __device__ __forceinline__ float resident_block_sum(float v, float* red) {
@@ -523,7 +457,7 @@ __device__ void rmsnorm_fp8_rows_resident(const __nv_bfloat16* __restrict__ x, c
 
 }  // namespace
 
-// v5 entry point (launchers: rmsnorm_quant / rmsnorm_quant_with(.., RowsPath::V5)).
+// Resident FP8 entry point (launcher: RowsPath::ResidentFp8).
 // x [rows, D] BF16, D % 1024 == 0; block D/32; dynamic shared memory D * 4 bytes.
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_resident(const __nv_bfloat16* x, const __nv_bfloat16* w,
         uint8_t* q, uint8_t* scales, float* rstd, int rows, int D, float eps) {
@@ -531,35 +465,19 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_resident(c
 }
 
 namespace {
-// ==== end of the v5 section ===================================================================================
-// ==== RMSNorm rows v6 NVFP4 (default from 4096 rows since session 6): the removed v5 NVFP4 kernel with fewer SASS
-// instructions per element.
-// rmsnorm_nvfp4_bf16in_resident_nw<NW> / quant_nvfp4_bf16in_resident_nw<NW> (NW = D / 1024 = warps per CTA, 1..8; launcher
-// RowsPath::V6): the same outputs, bit for bit, as the removed rmsnorm_nvfp4_bf16in_v5 / quant_nvfp4_bf16in_v5
-// and so as rmsnorm_nvfp4_bf16in_row_loop / quant_nvfp4_bf16in_row_loop (same channel ownership, same fp32 operations in
-// the same order, same encoder decisions; the GPU tests compare v6 with v4p). What changed against v5:
-//  * D is a compile-time constant (NW warps, D = 1024 NW, block 32 NW): the reads of the per-warp partials
-//    after each barrier become NW/4 LDS.128 and NW straight-line FADD / FMNMX in warp order (v5: a runtime loop
-//    over blockDim / 32 with an unroll-by-4 body and remainder branches, ~40 executed instructions per
-//    reduction); chunk addressing folds into immediates.
+// ==== Resident NVFP4 rows: rmsnorm_nvfp4_bf16in_resident_nw<NW> / quant_nvfp4_bf16in_resident_nw<NW> ===========
+// NW = D / 1024 = warps per CTA, 1..8 (launcher: RowsPath::ResidentNvfp4). The scheme of the resident FP8 section
+// (row loop, prefetch, weight staging, one barrier per reduction) with the NVFP4 lane-pair block ownership, and:
+//  * D is a compile-time constant (NW warps, D = 1024 NW, block 32 NW): the reads of the per-warp partials after
+//    each barrier are NW/4 LDS.128 and NW straight-line FADD / FMNMX in warp order (no runtime loop over the
+//    warps); chunk addressing folds into immediates.
 //  * ss / D for D = 2^k (NW = 1, 2, 4, 8) is ss * 2^-k: both are the correctly rounded value of the same real
 //    ss / 2^k (2^-k is exact in f32, and subnormal results round the same way), so one FMUL replaces the IEEE
 //    division. Other D keep __fdiv_rn.
-//  * e2m1 codes by a 3-step binary search over the 7 sorted keys (codes8_bsearch) instead of 7 compares +
-//    XOR parity: 10 instead of 12 integer operations per BF16 pair; same code bits (proof beside it).
-// Everything else (row loop, prefetch, weight staging, odd/even block ownership, block scale, threshold keys,
-// the non-finite fallback) was v5's code (the v5 section header describes it).
-// Session-10 A/B (removed, bit-identical to v6, GPU-tested, memcheck / racecheck clean): v7 (two v6 lanes per thread,
-// two rows per CTA iteration, whole 16-blocks per thread with no partner shuffles, the row held as f32, cp.async
-// staging of the next rows, keys 4..6 derived from keys 2 / 3) cut the hot loop from ~25.0 to ~17.7 SASS instructions
-// per element but took 128 registers (4 CTAs per SM at D 4096 instead of 8); v7r held it to 80 registers (6 CTAs,
-// ~19.9 per element with a re-read of the staged row and a few spills). H200, us, v6 / v7 / v7r (final run 4e1a74e):
-// D 4096 rows 4096 25.4 / 30.2 / 33.3, 16384 74.9 / 87.7 / 90.1, 65536 274.5 / 316.3 / 324.8; D 7168 rows 4096 43.6 /
-// 47.5 / 51.1, 65536 558.3 / 546.8 / 595.6. Nsight Compute at 65536 x 4096 (24d9920): v6 280 us, 210 M warp
-// instructions, issue slots 73% busy, achieved occupancy 35%; v7 315 us, 149 M instructions, 46% busy, occupancy
-// 22%, stalls short_sb 25% (the staging loads), long_sb 11%. Fewer instructions at fewer warps did not pay: the
-// v6 loop is latency-hidden by its 8 CTAs, and what v7 saved in issue it lost in exposed shared / global latency.
-
+//  * e2m1 codes by a 3-step binary search over the 7 sorted keys (codes8_bsearch) instead of 7 compares + XOR
+//    parity: 10 instead of 12 integer operations per BF16 pair; same code bits (proof beside it).
+// The same outputs, bit for bit, as rmsnorm_nvfp4_bf16in_row_loop / quant_nvfp4_bf16in_row_loop (same channel
+// ownership, same fp32 operations in the same order, same encoder decisions; the GPU tests compare them).
 // Codes of 8 values pk[p] = (y[p] lo, y[p + 4] hi), keys[i] = bf16_key_ru_x2(B_i) non-decreasing in i: the same
 // 32-bit word as e2m1_codes8_keys<true>(pk, keys). Identities:
 //  * Per 16-bit half, with A = pk | 0x80008000 and a key K <= 0x7F80 (0 < B <= +inf): bit 15 of (A - K) is
@@ -601,7 +519,7 @@ __device__ __forceinline__ uint32_t codes8_bsearch(const uint32_t (&pk)[4], cons
     return out;
 }
 
-// resident_block_sum / v5's block max (a runtime loop over the warps) with the warp count NW known: the same tree, the same warp-order sum from 0.f.
+// resident_block_sum / the FP8 kernel's block max (a runtime loop over the warps) with the warp count NW known: the same tree, the same warp-order sum from 0.f.
 // red must be 16-byte aligned with at least 4 * ceil(NW / 4) floats (the buffers hold MAX_WARPS).
 template <int NW>
 __device__ __forceinline__ void read_warp_partials(const float* red, float (&r)[(NW + 3) / 4 * 4]) {
@@ -613,7 +531,7 @@ __device__ __forceinline__ void read_warp_partials(const float* red, float (&r)[
 }
 
 // The block sum (kMax = false: the warp partials added in warp order from 0.f) and the block max (kMax = true: their
-// fmaxf from 0.f) of the v6 kernels: one barrier, one read of the partials.
+// fmaxf from 0.f) of the resident NVFP4 kernels: one barrier, one read of the partials.
 template <int NW, bool kMax>
 __device__ __forceinline__ float static_block_reduce(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -641,7 +559,7 @@ __device__ __forceinline__ void static_norm_pairs(const float (&x)[RESIDENT_CH][
             for (int p = 0; p < 4; ++p) pk[k][p] = pack_bf16x2(x[k][p], x[k][p + 4]);
         return;
     }
-    float ss = 0.f;  // v5's order: chunks k = 0..3, elements 0..7
+    float ss = 0.f;  // the resident FP8 kernel's order: chunks k = 0..3, elements 0..7
 #pragma unroll
     for (int k = 0; k < RESIDENT_CH; ++k)
 #pragma unroll
@@ -664,7 +582,7 @@ __device__ __forceinline__ void static_norm_pairs(const float (&x)[RESIDENT_CH][
     }
 }
 
-// Non-finite scale (non-finite input): v4p's per-element search (v5's NVFP4 fallback too). Not inlined: inline,
+// Non-finite scale (non-finite input): the row loop's per-element search. Not inlined: inline,
 // ptxas if-converted it into ~130 predicated FSETP / SEL per block that every block then issued.
 __device__ __noinline__ uint2 codes16_nonfinite(uint32_t l0, uint32_t l1, uint32_t l2, uint32_t l3, uint32_t h0,
                                                    uint32_t h1, uint32_t h2, uint32_t h3, float b0, float b1, float b2,
@@ -684,7 +602,7 @@ __device__ __noinline__ uint2 codes16_nonfinite(uint32_t l0, uint32_t l1, uint32
     return cw;
 }
 
-// The removed v5 NVFP4 block step with the binary-search encoder.
+// One NVFP4 16-block of the resident kernels with the binary-search encoder.
 __device__ __forceinline__ uint8_t nvfp4_block_bsearch(const uint32_t (&lo)[4], const uint32_t (&hi)[4], uint32_t kb,
                                                   float gs, uint2& cw) {
     const float ab = __uint_as_float((kb & 0x7FFFu) << 16);
@@ -707,7 +625,7 @@ __device__ __forceinline__ uint8_t nvfp4_block_bsearch(const uint32_t (&lo)[4], 
     return s;
 }
 
-// One row of rmsnorm_nvfp4_rows_resident (the removed v5 NVFP4 loop body): unpacks row `row` from `raw` to f32, issues the loads of
+// One row of rmsnorm_nvfp4_rows_resident (the loop body): unpacks row `row` from `raw` to f32, issues the loads of
 // row + gridDim.x into `raw` (in flight during this row), then normalizes and quantizes the row with the
 // reduction buffers of its parity.
 template <int NW, bool NORM>
@@ -725,7 +643,7 @@ __device__ __forceinline__ void nvfp4_row_bsearch(const __nv_bfloat16* __restric
         xf[k][0] = bf16_lo(raw[k].x); xf[k][1] = bf16_hi(raw[k].x); xf[k][2] = bf16_lo(raw[k].y); xf[k][3] = bf16_hi(raw[k].y);
         xf[k][4] = bf16_lo(raw[k].z); xf[k][5] = bf16_hi(raw[k].z); xf[k][6] = bf16_lo(raw[k].w); xf[k][7] = bf16_hi(raw[k].w);
     }
-    // issued after the unpack, into the same registers: no copy (the v5 NVFP4 kernel moved 16 registers per row)
+    // issued after the unpack, into the same registers: no copy of 16 registers per row
     if (row + gridDim.x < rows) resident_load_row(x, row + gridDim.x, D, raw);
     uint32_t pk[RESIDENT_CH][4];
     static_norm_pairs<NW, NORM>(xf, wsm, eps, red_ss, rstd ? rstd + row : nullptr, pk);
@@ -745,7 +663,7 @@ __device__ __forceinline__ void nvfp4_row_bsearch(const __nv_bfloat16* __restric
     uint8_t* srow = scales + row * (D / 16);
 #pragma unroll
     for (int kp = 0; kp < RESIDENT_CH; kp += 2) {
-        // as v5 NVFP4: even lane = block of chunk k = kp, odd lane = block of k = kp + 1 (halves swapped over xor 1)
+        // even lane = block of chunk k = kp, odd lane = block of k = kp + 1 (halves swapped over xor 1)
         uint32_t other[4];
 #pragma unroll
         for (int p = 0; p < 4; ++p) other[p] = __shfl_xor_sync(0xffffffffu, odd ? pk[kp][p] : pk[kp + 1][p], 1);
@@ -766,10 +684,9 @@ __device__ __forceinline__ void nvfp4_row_bsearch(const __nv_bfloat16* __restric
     }
 }
 
-// The removed rmsnorm_nvfp4_rows_v5 with D = 1024 NW. Grid: one resident wave (or rows if fewer); block 32 NW; dynamic smem
-// D * 4 bytes (NORM). The row is unpacked to f32 before the next row's loads reuse its registers: v5 copied the
-// prefetch registers (16 moves per thread and row); unrolling the loop by two over two buffers spilled ~110 bytes
-// under the 64-register cap.
+// The resident NVFP4 row loop with D = 1024 NW. Grid: one resident wave (or rows if fewer); block 32 NW; dynamic smem
+// D * 4 bytes (NORM). The row is unpacked to f32 before the next row's loads reuse its registers (no copy of the
+// prefetch registers); unrolling the loop by two over two buffers would spill under the 64-register cap.
 template <int NW, bool NORM>
 __device__ __forceinline__ void rmsnorm_nvfp4_rows_resident(const __nv_bfloat16* __restrict__ x,
                                                       const __nv_bfloat16* __restrict__ w, uint8_t* __restrict__ q,
@@ -778,7 +695,7 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_resident(const __nv_bfloat16*
     constexpr int D = 1024 * NW, NCHUNKS = D / 8;
     extern __shared__ float4 resident_wsm[];
     __shared__ __align__(16) float red_ss[2][MAX_WARPS];
-    __shared__ __align__(16) float red_mx[2][MAX_WARPS];  // by row parity, as v5 NVFP4
+    __shared__ __align__(16) float red_mx[2][MAX_WARPS];  // by row parity
     uint4 raw[RESIDENT_CH];
     long row = blockIdx.x;
     if (row < rows) resident_load_row(x, row, D, raw);
@@ -793,8 +710,8 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_resident(const __nv_bfloat16*
 
 }  // namespace
 
-// v6 entry points (launcher: rmsnorm_quant_with(.., RowsPath::V6), quantize_bf16_rows_v6): x [rows, 1024 NW]
-// BF16; block 32 NW; dynamic shared memory D * 4 bytes (quantize-only: 0). 64 registers: v5's cap (its
+// Resident NVFP4 entry points (launchers: RowsPath::ResidentNvfp4, quantize_bf16_rows_resident_nvfp4): x [rows, 1024 NW]
+// BF16; block 32 NW; dynamic shared memory D * 4 bytes (quantize-only: 0). 64 registers: the resident FP8 kernel's cap (its
 // __launch_bounds__(1024)), so the same CTAs per SM (uncapped, ptxas took 72 at NW = 4: 7 instead of 8 CTAs).
 #define NQ_RESIDENT_NVFP4_ENTRIES(NW)                                                                                          \
     extern "C" __global__ void __maxnreg__(64) rmsnorm_nvfp4_bf16in_resident_nw##NW(                          \
@@ -820,12 +737,12 @@ NQ_RESIDENT_NVFP4_ENTRIES(8)
 // One-CTA-per-row kernels run roundup32(D / 32) threads, 1024 at the largest D (32,768), so they must fit in 64
 // registers. ptxas takes <= 64 for most of them unasked; rmsnorm_{nvfp4,bf16}_f32in and rmsnorm_nvfp4_bf16in took
 // 66-68 (a 1024-thread launch then fails with too many resources above D 28,672), so those three carry
-// __launch_bounds__(kRowMaxThreads) (62-63 registers, no spills). The others keep their measured code unchanged.
+// __launch_bounds__(kRowMaxThreads) (62-63 registers, no spills). The others need no cap.
 constexpr int kRowMaxThreads = 1024;
 // RMSNorm rows, one CTA per row: grid (rows), block roundup32(ceil(D/8/4)); x [rows, D], w [D] BF16, rstd [rows]
-// (may be null). BF16 -> NVFP4 runs rmsnorm_nvfp4_bf16in_row_loop / _v6 below where they fit; rmsnorm_nvfp4_bf16in
-// covers the D above the v4p limit (25,600 < D <= 32,768: a v4p CTA of D/32 threads at 80 registers does not fit
-// on one SM), the same template as the f32-input kernel and the same bits as v4p (both follow the CPU quantizer).
+// (may be null). BF16 -> NVFP4 runs rmsnorm_nvfp4_bf16in_row_loop / _resident_nw* where they fit; rmsnorm_nvfp4_bf16in
+// covers the D above the row-loop limit (25,600 < D <= 32,768: a row-loop CTA of D/32 threads at 80 registers does not fit
+// on one SM), the same template as the f32-input kernel and the same bits as the row loop (both follow the CPU quantizer).
 
 extern "C" __global__ void rmsnorm_fp8_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                         float* rstd, int D, float eps) {
@@ -853,18 +770,18 @@ extern "C" __global__ void __launch_bounds__(kRowMaxThreads) rmsnorm_bf16_f32in(
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
-// Row-looping kernels (v4p): grid = one full resident wave (launcher: occupancy x SMs, or rows if fewer), rows
+// Row-loop kernels: grid = one full resident wave (launcher: occupancy x SMs, or rows if fewer), rows
 // looped. The BF16 -> NVFP4 path of rmsnorm_quant / quantize_bf16_rows. Capped registers (ptxas alone takes
 // ~96-123, mostly to hold the prefetched row next to the current one): the fused kernel at 80 (24 warps per SM;
 // at 72 it spills 8 bytes), the quantize-only kernel at 72 (28 warps). 0 spill bytes at these caps.
 #define ROW_LOOP_QUANT_MAX_REGS 72
 #define ROW_LOOP_NVFP4_MAX_REGS 80
-// v4p: the v4 row loop with the packed-pair NVFP4 encoder, prmt code placement and FMA thresholds.
+// The row loop with the packed-pair NVFP4 encoder, prmt code placement and FMA thresholds.
 extern "C" __global__ void __maxnreg__(ROW_LOOP_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_row_loop(const __nv_bfloat16* x,
         const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
     rmsnorm_rows_loop<__nv_bfloat16, KIND_NVFP4, true, true>(x, w, q, scales, gsa, rstd, rows, D, eps);
 }
-// Quantize-only v4p NVFP4 (BF16 rows in): the unfused chain's NVFP4 quantizer and the encoder's exact-boundary
+// Quantize-only row-loop NVFP4 (BF16 rows in): the unfused chain's NVFP4 quantizer and the encoder's exact-boundary
 // GPU test; same grid rule.
 extern "C" __global__ void __maxnreg__(ROW_LOOP_QUANT_MAX_REGS) quant_nvfp4_bf16in_row_loop(const __nv_bfloat16* x, uint8_t* q,
                                                                          uint8_t* scales, float* gsa, int rows, int D) {
@@ -876,7 +793,7 @@ extern "C" __global__ void __maxnreg__(ROW_LOOP_QUANT_MAX_REGS) quant_nvfp4_bf16
 extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
 }
-// Stand-alone NVFP4 quantizer of BF16 rows, one CTA per row: the unfused chain's quantizer above the v4p D limit.
+// Stand-alone NVFP4 quantizer of BF16 rows, one CTA per row: the unfused chain's quantizer above the row-loop D limit.
 extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa, int D) {
     rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
 }

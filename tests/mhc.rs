@@ -184,7 +184,6 @@ fn mhc_reference_matches_f64_formulas() {
     assert_eq!(hu, hr::mhc_apply_pre(&x, &pre));
 }
 
-
 #[test]
 fn mhc_pre_takes_pdl_pair_then_two_launches_then_tensor_mix() {
     assert_eq!(hc::MHC_PDL_MAX_TOKENS, 8);
@@ -204,7 +203,9 @@ fn mhc_pre_takes_pdl_pair_then_two_launches_then_tensor_mix() {
     }
 }
 
-
+/// Reduce the split-K partials (`[T][nmix+1][S]`) exactly as `reduce_partials` in the .cu does: warp w
+/// takes 32-wide split blocks w, w+nw, ...; in a block, lane l holds split 32b+l (0 past S), an xor
+/// butterfly sums the lanes, blocks accumulate in order from 0; then warps add up in order from 0.
 fn reduce_like_gpu(
     part: &[f32],
     splits: usize,
@@ -242,8 +243,6 @@ fn reduce_like_gpu(
     }
     total
 }
-
-
 
 struct MhcCase {
     tokens: usize,
@@ -377,8 +376,6 @@ fn check_mhc(
     );
 }
 
-
-
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_mhc_pre_matches_reference() {
@@ -400,7 +397,7 @@ fn gpu_mhc_pre_matches_reference() {
                 );
                 let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
                 norm::poison_partials(&gpu, &ws);
-                hc::mhc_pre(&gpu,&gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out).unwrap();
+                hc::mhc_pre(&gpu, &gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out).unwrap();
                 let snap = MhcSnapshot::take(&gpu, &out, &ws, hc::mhc_pre_auto_path(tokens));
                 assert_partials_written(&label, &snap, tokens);
                 let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
@@ -793,7 +790,8 @@ fn gpu_mhc_pre_tensor_mix_matches_reference() {
                     hc::MhcPrePath::TensorMix,
                 )
                 .unwrap();
-                MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TensorMix).assert_same(&snap, &format!("{label} relaunch"));
+                MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TensorMix)
+                    .assert_same(&snap, &format!("{label} relaunch"));
             }
             // How close the tensor-core dots are to the FFMA path's (information for the A/B, not asserted
             // beyond the bounds above): max |tc - ffma| / sum|terms| over the batch.
@@ -940,7 +938,7 @@ fn gpu_mhc_pre_unfused_matches_reference() {
             let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
             let (_scratch_arena, scratch) = unfused_scratch(&gpu, tokens, d);
             hc::bench::mhc_pre_unfused(&gpu, &gpu.stream, &dx, &w, r::RMS_EPS, &scratch, &mut out)
-            .unwrap();
+                .unwrap();
             let u: Vec<f32> = gpu
                 .download(&out.u)
                 .unwrap()
@@ -978,16 +976,17 @@ fn gpu_mhc_pre_graph_replay_is_deterministic() {
         let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
         let label = format!("graph replay T={tokens} D={d} seed {seed}");
         let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, c.tokens, c.d).unwrap();
-        hc::mhc_pre(&gpu,&gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out).unwrap();
+        hc::mhc_pre(&gpu, &gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out).unwrap();
         let first = MhcSnapshot::take(&gpu, &out, &ws, hc::mhc_pre_auto_path(tokens));
         let g = gpu
-            .capture(|| hc::mhc_pre(&gpu,&gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out))
+            .capture(|| hc::mhc_pre(&gpu, &gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out))
             .unwrap();
         for rep in 0..5 {
             out.poison(&gpu).unwrap();
             g.launch().unwrap();
             gpu.synchronize().unwrap();
-            MhcSnapshot::take(&gpu, &out, &ws, hc::mhc_pre_auto_path(tokens)).assert_same(&first, &format!("{label} replay {rep}"));
+            MhcSnapshot::take(&gpu, &out, &ws, hc::mhc_pre_auto_path(tokens))
+                .assert_same(&first, &format!("{label} replay {rep}"));
         }
     }
 }
@@ -1013,7 +1012,7 @@ fn gpu_mhc_post_matches_reference() {
             );
             let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
             let xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
-            hc::mhc_post(&gpu,&gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xo).unwrap();
+            hc::mhc_post(&gpu, &gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xo).unwrap();
             let got: Vec<f32> = gpu
                 .download(&xo)
                 .unwrap()
@@ -1051,7 +1050,7 @@ fn gpu_hc_head_matches_reference() {
             let (_arena, ws) = norm::mhc_ws(&gpu, tokens, d);
             let dx = nq::upload_checked_bf16(&gpu, "X", &x).unwrap();
             let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
-            hc::hc_head(&gpu,&gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out).unwrap();
+            hc::hc_head(&gpu, &gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out).unwrap();
             let pre = download_f32(&gpu, &out.pre);
             let u: Vec<f32> = gpu
                 .download(&out.u)
@@ -1100,7 +1099,6 @@ fn check_hc_head_token(
         panic!("{label}: token {t} u[{k}] GPU {} vs {}", ut[k], want_u[k]);
     }
 }
-
 
 #[test]
 fn exec_entries_run_the_mhc_cpu_reference() {
@@ -1193,7 +1191,6 @@ fn exec_entries_run_the_mhc_cpu_reference() {
     );
 }
 
-
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_fused_post_then_pre_matches_post_and_reference() {
@@ -1220,7 +1217,7 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
         let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
         // X' of the stand-alone mhc_post kernel (itself checked against the reference above).
         let xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
-        hc::mhc_post(&gpu,&gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xo_a).unwrap();
+        hc::mhc_post(&gpu, &gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xo_a).unwrap();
         // fused
         let xo_b = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
@@ -1415,8 +1412,19 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     }
     out.poison(&gpu).unwrap();
     norm::poison_partials(&gpu, &ws);
-    hc::mhc_pre_with(&gpu,&gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out, hc::MhcPrePath::PdlPair).unwrap();
-    MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::PdlPair).assert_same(&snap, &format!("{label} PDL pair"));
+    hc::mhc_pre_with(
+        &gpu,
+        &gpu.stream,
+        &dx,
+        &w,
+        r::RMS_EPS,
+        &ws,
+        &mut out,
+        hc::MhcPrePath::PdlPair,
+    )
+    .unwrap();
+    MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::PdlPair)
+        .assert_same(&snap, &format!("{label} PDL pair"));
 
     // mhc_pre's own path at this size, the tensor-core mix: S = 1 (one 16384-column partial per token, 1024
     // k16 steps: the deepest tensor-core accumulation of any test), two chunks sharing one [T, 25, 1] layout.
@@ -1425,7 +1433,7 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     let mut tout = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
     norm::poison_partials(&gpu, &ws);
     assert_eq!(hc::mhc_pre_auto_path(tokens), hc::MhcPrePath::TensorMix);
-    hc::mhc_pre(&gpu,&gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut tout).unwrap();
+    hc::mhc_pre(&gpu, &gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut tout).unwrap();
     let tsnap = MhcSnapshot::take(&gpu, &tout, &ws, hc::mhc_pre_auto_path(tokens));
     drop(tout);
     assert_eq!(tsnap.splits, hc::tc_mix_splits(tokens, d));
@@ -1473,7 +1481,18 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     let y = nq::bench::random_rows(tokens, d, seed ^ 0x77);
     let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
     let xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
-    hc::mhc_post(&gpu,&gpu.stream, &dy, &dx, &out.post, &out.comb, tokens, d, &xo_a).unwrap();
+    hc::mhc_post(
+        &gpu,
+        &gpu.stream,
+        &dy,
+        &dx,
+        &out.post,
+        &out.comb,
+        tokens,
+        d,
+        &xo_a,
+    )
+    .unwrap();
     let xa = gpu.download(&xo_a).unwrap();
     for &t in &sample {
         let post: [f32; 4] = snap.post[t * 4..t * 4 + 4].try_into().unwrap();
@@ -1543,7 +1562,7 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     let (scale, base) = (0.9f32, [0.1f32, -0.3, 0.2, 0.05]);
     let wh = MhcWeights::upload_head(&gpu, &hp.mix_fn, scale, &base, &c.nw, d).unwrap();
     let mut hout = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
-    hc::hc_head(&gpu,&gpu.stream, &dx, &wh, r::RMS_EPS, &ws, &mut hout).unwrap();
+    hc::hc_head(&gpu, &gpu.stream, &dx, &wh, r::RMS_EPS, &ws, &mut hout).unwrap();
     let pre = download_f32(&gpu, &hout.pre);
     let u: Vec<f32> = gpu
         .download(&hout.u)
@@ -1618,7 +1637,17 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
             let want = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TwoLaunch);
             out.poison(&gpu).unwrap();
             norm::poison_partials(&gpu, &ws);
-            hc::mhc_pre_with(&gpu,&gpu.stream, &dx, &w, r::RMS_EPS, &ws, &mut out, hc::MhcPrePath::PdlPair).unwrap();
+            hc::mhc_pre_with(
+                &gpu,
+                &gpu.stream,
+                &dx,
+                &w,
+                r::RMS_EPS,
+                &ws,
+                &mut out,
+                hc::MhcPrePath::PdlPair,
+            )
+            .unwrap();
             let got = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::PdlPair);
             got.assert_same(&want, &label);
             // And against the CPU reference directly (mhc_pre, both paths, is checked the same way above).
@@ -1662,7 +1691,7 @@ fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
         // Reference bits: mhc_post -> X', then the two-launch boundary on X'.
         let mut xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
-        hc::mhc_post(&gpu,&gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xo).unwrap();
+        hc::mhc_post(&gpu, &gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xo).unwrap();
         hc::mhc_pre_with(
             &gpu,
             &gpu.stream,
@@ -1678,14 +1707,24 @@ fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
         // The PDL mix reads X' right after the (plain) mhc_post launch that writes it: with X' poisoned
         // first, a mix that read X' before its griddepcontrol.wait would see NaN.
         let run = |xo: &mut cudarc::driver::CudaSlice<half::bf16>, out: &mut MhcPreOutputs| {
-            hc::mhc_post(&gpu,&gpu.stream, &dy, &dx, &dp, &dc, tokens, d, xo)?;
-            hc::mhc_pre_with(&gpu, &gpu.stream, xo, &w, r::RMS_EPS, &ws, out, hc::MhcPrePath::PdlPair)
+            hc::mhc_post(&gpu, &gpu.stream, &dy, &dx, &dp, &dc, tokens, d, xo)?;
+            hc::mhc_pre_with(
+                &gpu,
+                &gpu.stream,
+                xo,
+                &w,
+                r::RMS_EPS,
+                &ws,
+                out,
+                hc::MhcPrePath::PdlPair,
+            )
         };
         gpu.fill_bytes(&mut xo, 0xFF).unwrap();
         out.poison(&gpu).unwrap();
         norm::poison_partials(&gpu, &ws);
         run(&mut xo, &mut out).unwrap();
-        MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::PdlPair).assert_same(&want, &format!("{label} direct"));
+        MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::PdlPair)
+            .assert_same(&want, &format!("{label} direct"));
         // Captured: 4 consecutive (post, PDL boundary) pairs in one graph, as in a decode-step graph.
         let g = gpu
             .capture(|| {
@@ -1707,11 +1746,9 @@ fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
     }
 }
 
-
 #[test]
 fn bench_config_names_known_kernels_and_variants() {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs/mhc.toml");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs/mhc.toml");
     let cfg = megamoe::bench::config::SweepConfig::from_path(&path).unwrap();
     let kernels = megamoe::bench::kernels::all();
     assert!(!cfg.sweeps.is_empty());
@@ -1722,6 +1759,195 @@ fn bench_config_names_known_kernels_and_variants() {
             .unwrap_or_else(|| panic!("unknown kernel {}", s.kernel));
         s.variants_from(k.variants).unwrap();
         let d = s.param_u64("d").unwrap() as usize;
-        assert!(d % 128 == 0 && d <= hc::MHC_MAX_D, "D = {d}");
+        assert!(d.is_multiple_of(128) && d <= hc::MHC_MAX_D, "D = {d}");
+    }
+}
+
+// ---- the decode boundary captured in a CUDA graph ----------------------------------------------------------
+
+/// The mHC launchers at decode token counts (1-64: both sides of the PDL-pair threshold), each captured once in a
+/// CUDA graph and replayed: before each replay new residual streams X (and, for hc_post, a new sub-layer output
+/// y) are written into the same device buffers with `Gpu::write`, and every output and the split-K workspace are
+/// poisoned; every replay is checked against the CPU reference. Covers `mhc_pre` (its automatic path: the PDL pair
+/// up to 8 tokens, two launches above), `mhc_post`, `mhc_post_then_pre` and `hc_head`.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_mhc_graph_replays_follow_new_inputs() {
+    let gpu = common::gpu("gpu_mhc_graph_replays_follow_new_inputs");
+    let seed = fresh_seed("gpu_mhc_graph_replays_follow_new_inputs");
+    const REPLAYS: u64 = 3;
+    for &d in DS {
+        for tokens in [1usize, 2, 8, 9, 64] {
+            let c0 = mhc_case(tokens, d, seed ^ (tokens as u64 * 313 + d as u64));
+            let w = MhcWeights::upload(&gpu, &c0.p, &c0.nw, d).unwrap();
+            let (_arena, ws) = norm::mhc_ws(&gpu, tokens, d);
+            let mut dx = nq::upload_checked_bf16(&gpu, "X", &c0.x).unwrap();
+            let y0 = nq::bench::random_rows(tokens, d, seed ^ 0x77);
+            let mut dy = nq::upload_checked_bf16(&gpu, "y", &y0).unwrap();
+            // The previous boundary's post / comb for hc_post: real coefficients (C doubly stochastic).
+            let coefs: Vec<hr::MhcPre> = (0..tokens)
+                .map(|t| hr::mhc_pre_token(&c0.x[t * 4 * d..(t + 1) * 4 * d], &c0.p).0)
+                .collect();
+            let post: Vec<f32> = coefs.iter().flat_map(|k| k.post).collect();
+            let comb: Vec<f32> = coefs.iter().flat_map(|k| k.comb).collect();
+            let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
+            let mut xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+            let hp = hc::bench::random_mhc_params(d, hr::HC_HEAD_MIX, seed ^ 5);
+            let (hscale, hbase) = (0.9f32, [0.1f32, -0.3, 0.2, 0.05]);
+            let wh = MhcWeights::upload_head(&gpu, &hp.mix_fn, hscale, &hbase, &c0.nw, d).unwrap();
+            let mut pre_out =
+                MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+            let mut pp_out =
+                MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Fp8, tokens, d).unwrap();
+            let mut head_out =
+                MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
+            let s = &gpu.stream;
+            let eps = r::RMS_EPS;
+            // One graph per launcher (each writes the shared workspace; checked after its own replay).
+            let pre = |out: &mut MhcPreOutputs| hc::mhc_pre(&gpu, s, &dx, &w, eps, &ws, out);
+            let post_k = || hc::mhc_post(&gpu, s, &dy, &dx, &dp, &dc, tokens, d, &xo);
+            let postpre = |out: &mut MhcPreOutputs| {
+                hc::mhc_post_then_pre(&gpu, s, &dy, &dx, &dp, &dc, &w, eps, &ws, &xo, out)
+            };
+            let head = |out: &mut MhcPreOutputs| hc::hc_head(&gpu, s, &dx, &wh, eps, &ws, out);
+            // Direct calls first: resolve every kernel outside the captures.
+            pre(&mut pre_out).unwrap();
+            post_k().unwrap();
+            postpre(&mut pp_out).unwrap();
+            head(&mut head_out).unwrap();
+            let g_pre = gpu.capture(|| pre(&mut pre_out)).unwrap();
+            let g_post = gpu.capture(post_k).unwrap();
+            let g_postpre = gpu.capture(|| postpre(&mut pp_out)).unwrap();
+            let g_head = gpu.capture(|| head(&mut head_out)).unwrap();
+            let path = hc::mhc_pre_auto_path(tokens);
+            for rep in 0..REPLAYS {
+                let label = format!("graph replay {rep} T={tokens} D={d} ({path:?}) seed {seed}");
+                let c = MhcCase {
+                    tokens,
+                    d,
+                    x: nq::bench::random_rows(
+                        tokens * 4,
+                        d,
+                        seed ^ ((rep + 1) * 0x51ed) ^ d as u64,
+                    ),
+                    p: c0.p.clone(),
+                    nw: c0.nw.clone(),
+                };
+                let y = nq::bench::random_rows(tokens, d, seed ^ ((rep + 1) * 0x3c6e));
+                gpu.write(s, &mut dx, &bf16::to_bf16_vec(&c.x)).unwrap();
+                gpu.write(s, &mut dy, &bf16::to_bf16_vec(&y)).unwrap();
+
+                // hc_pre + RMSNorm -> NVFP4
+                pre_out.poison(&gpu).unwrap();
+                norm::poison_partials(&gpu, &ws);
+                g_pre.launch().unwrap();
+                gpu.synchronize().unwrap();
+                let snap = MhcSnapshot::take(&gpu, &pre_out, &ws, path);
+                assert_partials_written(&format!("{label} mhc_pre"), &snap, tokens);
+                let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
+                check_mhc(
+                    &format!("{label} mhc_pre"),
+                    &c,
+                    &snap.pre,
+                    &snap.post,
+                    &snap.comb,
+                    &snap.u,
+                    &snap.normed,
+                    OutFormat::Nvfp4,
+                    Some(&dots),
+                    None,
+                );
+
+                // hc_post, bit for bit
+                gpu.fill_bytes(&mut xo, common::POISON).unwrap();
+                g_post.launch().unwrap();
+                gpu.synchronize().unwrap();
+                let xs = norm::download_bf16(&gpu, &xo);
+                let mut want_xo = Vec::with_capacity(tokens * 4 * d);
+                for t in 0..tokens {
+                    want_xo.extend(hr::mhc_post_token(
+                        &y[t * d..(t + 1) * d],
+                        &c.x[t * 4 * d..(t + 1) * 4 * d],
+                        &coefs[t].post,
+                        &coefs[t].comb,
+                    ));
+                }
+                if let Some(i) = (0..xs.len()).find(|&i| xs[i].to_bits() != want_xo[i].to_bits()) {
+                    panic!(
+                        "{label} mhc_post: X'[{i}] (token {}) GPU {} vs reference {}",
+                        i / (4 * d),
+                        xs[i],
+                        want_xo[i]
+                    );
+                }
+
+                // hc_post fused with the next hc_pre (FP8): X' bit for bit, the next boundary on X'
+                gpu.fill_bytes(&mut xo, common::POISON).unwrap();
+                pp_out.poison(&gpu).unwrap();
+                norm::poison_partials(&gpu, &ws);
+                g_postpre.launch().unwrap();
+                gpu.synchronize().unwrap();
+                let xs = norm::download_bf16(&gpu, &xo);
+                if let Some(i) = (0..xs.len()).find(|&i| xs[i].to_bits() != want_xo[i].to_bits()) {
+                    panic!(
+                        "{label} post+pre: X'[{i}] GPU {} vs reference {}",
+                        xs[i], want_xo[i]
+                    );
+                }
+                let next = MhcCase {
+                    tokens,
+                    d,
+                    x: xs,
+                    p: c0.p.clone(),
+                    nw: c0.nw.clone(),
+                };
+                let snap = MhcSnapshot::take(&gpu, &pp_out, &ws, hc::MhcPrePath::TwoLaunch);
+                assert_partials_written(&format!("{label} post+pre"), &snap, tokens);
+                let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
+                check_mhc(
+                    &format!("{label} post+pre"),
+                    &next,
+                    &snap.pre,
+                    &snap.post,
+                    &snap.comb,
+                    &snap.u,
+                    &snap.normed,
+                    OutFormat::Fp8,
+                    Some(&dots),
+                    None,
+                );
+
+                // hc_head
+                head_out.poison(&gpu).unwrap();
+                norm::poison_partials(&gpu, &ws);
+                g_head.launch().unwrap();
+                gpu.synchronize().unwrap();
+                let hpre = download_f32(&gpu, &head_out.pre);
+                let hu = norm::download_bf16(&gpu, &head_out.u);
+                for t in 0..tokens {
+                    let xt = &c.x[t * 4 * d..(t + 1) * 4 * d];
+                    check_hc_head_token(
+                        &format!("{label} hc_head"),
+                        t,
+                        xt,
+                        &hp.mix_fn,
+                        hscale,
+                        &hbase,
+                        &hpre,
+                        &hu,
+                    );
+                }
+                let normed = head_out.normed.download(&gpu).unwrap();
+                check_norm_outputs(
+                    &format!("{label} hc_head"),
+                    &hu,
+                    &c.nw,
+                    tokens,
+                    d,
+                    OutFormat::Bf16,
+                    &normed,
+                );
+            }
+        }
     }
 }

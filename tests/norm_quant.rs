@@ -150,7 +150,6 @@ fn launcher_rejects_bad_shapes() {
     assert!(OutFormat::parse("int4").is_err());
 }
 
-
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_rmsnorm_quant_matches_reference() {
@@ -186,7 +185,7 @@ fn gpu_rmsnorm_quant_matches_reference() {
                     } else {
                         RowsIn::Bf16(&dx16)
                     };
-                    nq::rmsnorm_quant(&gpu,&gpu.stream, input, &dw, r::RMS_EPS, &mut out).unwrap();
+                    nq::rmsnorm_quant(&gpu, &gpu.stream, input, &dw, r::RMS_EPS, &mut out).unwrap();
                     let got = out.download(&gpu).unwrap();
                     check_norm_outputs(&label, &x, &w, rows, d, format, &got);
                 }
@@ -214,7 +213,15 @@ fn fused_and_unfused(
     let mut arena = Arena::for_layout(gpu, &nq::bench::unfused_workspace_layout(rows, d)).unwrap();
     arena.poison(&gpu.stream, common::POISON).unwrap();
     let staging = nq::RowsOut::carve(&mut arena, OutFormat::Bf16, rows, d).unwrap();
-    nq::rmsnorm_quant(gpu, &gpu.stream, RowsIn::Bf16(dx), dw, r::RMS_EPS, &mut fused).unwrap();
+    nq::rmsnorm_quant(
+        gpu,
+        &gpu.stream,
+        RowsIn::Bf16(dx),
+        dw,
+        r::RMS_EPS,
+        &mut fused,
+    )
+    .unwrap();
     nq::bench::rmsnorm_then_quant(
         gpu,
         &gpu.stream,
@@ -229,7 +236,12 @@ fn fused_and_unfused(
         unreachable!("carved as BF16")
     };
     let staged = nq::HostNormOutputs {
-        q: HostQuant::Bf16(norm::download_dev(gpu, &y).iter().map(|v| v.to_f32()).collect()),
+        q: HostQuant::Bf16(
+            norm::download_dev(gpu, &y)
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+        ),
         rstd: norm::download_dev(gpu, &staging.rstd),
     };
     (
@@ -357,7 +369,6 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
     );
 }
 
-
 #[test]
 fn v4_grid_is_one_full_wave_or_one_cta_per_row() {
     for (rows, resident) in [
@@ -404,7 +415,15 @@ fn gpu_rmsnorm_nvfp4_v4p_matches_reference() {
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
             let label = format!("v4p rmsnorm->nvfp4 {rows}x{d}, seed {seed}");
             let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-            nq::rmsnorm_quant(&gpu,&gpu.stream, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out).unwrap();
+            nq::rmsnorm_quant(
+                &gpu,
+                &gpu.stream,
+                RowsIn::Bf16(&dx),
+                &dw,
+                r::RMS_EPS,
+                &mut out,
+            )
+            .unwrap();
             let got = out.download(&gpu).unwrap();
             // every row's rstd and global scale written (poisoned before: NaN), then a row subset vs the CPU
             if let Some(i) = (0..rows).find(|&i| !got.rstd[i].is_finite()) {
@@ -466,15 +485,11 @@ fn gpu_rmsnorm_nvfp4_v4p_matches_reference() {
         let label = format!("v4p quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
         let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
         let out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::quantize_bf16_rows(&gpu,&gpu.stream, &dy, &out.view()).unwrap();
+        nq::quantize_bf16_rows(&gpu, &gpu.stream, &dy, &out.view()).unwrap();
         assert_same_nvfp4(&label, &out.download(&gpu).unwrap().q, &want, d);
         eprintln!("{label}: kernel and CPU reference bit-identical");
     }
 }
-
-/// Reduce the split-K partials (`[T][nmix+1][S]`) exactly as `reduce_partials` in the .cu does: warp w
-/// takes 32-wide split blocks w, w+nw, ...; in a block, lane l holds split 32b+l (0 past S), an xor
-/// butterfly sums the lanes, blocks accumulate in order from 0; then warps add up in order from 0.
 
 // ---- the kernel's division-free e2m1 encoder, emulated on the CPU --------------------------------------
 //
@@ -584,7 +599,6 @@ fn exec_entries_run_the_cpu_reference() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("weight"), "{err}");
-
 }
 
 #[test]
@@ -699,7 +713,7 @@ fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         let label = format!("quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
         let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
         let out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::quantize_bf16_rows(&gpu,&gpu.stream, &dy, &out.view()).unwrap();
+        nq::quantize_bf16_rows(&gpu, &gpu.stream, &dy, &out.view()).unwrap();
         let got = out.download(&gpu).unwrap();
         assert_same_nvfp4(&label, &got.q, &want, d);
         eprintln!("{label}: kernel and CPU reference bit-identical");
@@ -774,7 +788,9 @@ fn v5_launcher_rules_and_channel_ownership() {
         );
     }
     for d in [128usize, 1152, 4096 + 128, 7168 - 512] {
-        let e = nq::check_resident(3, d, OutFormat::Fp8, false).unwrap_err().to_string();
+        let e = nq::check_resident(3, d, OutFormat::Fp8, false)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("multiple of 1024"),
             "D = {d}: unexpected error `{e}`"
@@ -847,7 +863,9 @@ fn rows_path_switches_at_4096_rows_for_d_multiple_of_1024() {
             ] {
                 // NVFP4: v6 up to V6_MAX_D wherever the resident wave runs; above it v4p (PerRow) everywhere
                 let want = match (format, want) {
-                    (OutFormat::Nvfp4, ResidentFp8) if d <= nq::RESIDENT_NVFP4_MAX_D => ResidentNvfp4,
+                    (OutFormat::Nvfp4, ResidentFp8) if d <= nq::RESIDENT_NVFP4_MAX_D => {
+                        ResidentNvfp4
+                    }
                     (OutFormat::Nvfp4, _) => PerRow,
                     _ => want,
                 };
@@ -910,8 +928,6 @@ fn assert_same_rows(label: &str, got: &nq::HostNormOutputs, want: &nq::HostNormO
     }
 }
 
-
-
 /// Which quantize-only NVFP4 kernel [`quantized_nvfp4`] runs.
 #[derive(Clone, Copy)]
 enum QuantOnly {
@@ -954,8 +970,16 @@ fn run_rows_path(
 ) -> nq::HostNormOutputs {
     let mut out = NormOutputs::alloc_poisoned(gpu, format, rows, d).unwrap();
     match path {
-        Some(p) => nq::rmsnorm_quant_with(gpu,&gpu.stream, RowsIn::Bf16(dx), dw, r::RMS_EPS, &mut out, p),
-        None => nq::rmsnorm_quant(gpu,&gpu.stream, RowsIn::Bf16(dx), dw, r::RMS_EPS, &mut out),
+        Some(p) => nq::rmsnorm_quant_with(
+            gpu,
+            &gpu.stream,
+            RowsIn::Bf16(dx),
+            dw,
+            r::RMS_EPS,
+            &mut out,
+            p,
+        ),
+        None => nq::rmsnorm_quant(gpu, &gpu.stream, RowsIn::Bf16(dx), dw, r::RMS_EPS, &mut out),
     }
     .unwrap();
     out.download(gpu).unwrap()
@@ -1089,7 +1113,8 @@ fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
                         &before,
                         d,
                     );
-                    let v4 = run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(nq::RowsPath::PerRow));
+                    let v4 =
+                        run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(nq::RowsPath::PerRow));
                     let default = run_rows_path(&gpu, &dx, &dw, format, rows, d, None);
                     assert_same_rows(&format!("rmsnorm_quant vs V4 {label}"), &default, &v4, d);
                     let checked = check_sampled_rows_vs_cpu(
@@ -1148,7 +1173,7 @@ fn gpu_rows_at_the_largest_d_every_input_and_format() {
                         (RowsIn::Bf16(&dx16), &x)
                     };
                     let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
-                    nq::rmsnorm_quant(&gpu,&gpu.stream, input, &dw, r::RMS_EPS, &mut out)
+                    nq::rmsnorm_quant(&gpu, &gpu.stream, input, &dw, r::RMS_EPS, &mut out)
                         .unwrap_or_else(|e| panic!("{label}: {e:#}"));
                     check_norm_outputs(
                         &label,
@@ -1192,7 +1217,11 @@ fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
         );
         for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
             let label = format!("{} {rows}x{d}, seed {seed}", format.name());
-            assert_eq!(nq::rows_path(rows, d, format), nq::RowsPath::PerRow, "{label}");
+            assert_eq!(
+                nq::rows_path(rows, d, format),
+                nq::RowsPath::PerRow,
+                "{label}"
+            );
             let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
             let resident = match format {
                 OutFormat::Nvfp4 => nq::RowsPath::ResidentNvfp4,
@@ -1212,7 +1241,15 @@ fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
                 format!("{err:#}").contains("multiple of 1024"),
                 "{label}: unexpected error `{err:#}`"
             );
-            nq::rmsnorm_quant(&gpu,&gpu.stream, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out).unwrap();
+            nq::rmsnorm_quant(
+                &gpu,
+                &gpu.stream,
+                RowsIn::Bf16(&dx),
+                &dw,
+                r::RMS_EPS,
+                &mut out,
+            )
+            .unwrap();
             check_norm_outputs(
                 &label,
                 &x,
@@ -1320,7 +1357,11 @@ fn v6_launcher_rules() {
     for d in (1024..=nq::RESIDENT_NVFP4_MAX_D).step_by(1024) {
         nq::check_resident(5, d, OutFormat::Nvfp4, true).unwrap();
     }
-    let err = |rows, d, f| nq::check_resident(rows, d, f, true).unwrap_err().to_string();
+    let err = |rows, d, f| {
+        nq::check_resident(rows, d, f, true)
+            .unwrap_err()
+            .to_string()
+    };
     assert!(err(5, 4096, OutFormat::Fp8).contains("nvfp4"));
     assert!(err(5, 4096 + 128, OutFormat::Nvfp4).contains("multiple of 1024"));
     assert!(err(5, 9216, OutFormat::Nvfp4).contains("above 8192"));
@@ -1430,6 +1471,73 @@ fn timing_rows_repeat_the_drawn_rows() {
                 &v[(r % distinct) * d..(r % distinct + 1) * d],
                 "rows {rows}, row {r}"
             );
+        }
+    }
+}
+
+// ---- decode-sized calls captured in a CUDA graph -----------------------------------------------------------
+
+/// RMSNorm -> NVFP4 and -> FP8 at decode batch sizes, captured once in a CUDA graph per shape and replayed: before
+/// each replay new rows are written into the same input buffer on the device (`Gpu::write`) and the outputs are
+/// poisoned; every replay is checked against the CPU reference (exact given the GPU's rstd). The launch geometry
+/// depends only on the shape, so one capture serves every replay.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_rmsnorm_quant_graph_replays_follow_new_inputs() {
+    let gpu = common::gpu("gpu_rmsnorm_quant_graph_replays_follow_new_inputs");
+    let seed = fresh_seed("gpu_rmsnorm_quant_graph_replays_follow_new_inputs");
+    for &d in DS {
+        let w = nq::bench::random_weight(d, seed ^ d as u64);
+        let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
+        for rows in [1usize, 2, 8, 64] {
+            for format in [OutFormat::Nvfp4, OutFormat::Fp8] {
+                let x0 = nq::bench::random_rows(rows, d, seed ^ (rows as u64 * 7 + d as u64));
+                let mut dx = nq::upload_checked_bf16(&gpu, "x", &x0).unwrap();
+                let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
+                // A direct call first: resolves the kernel outside the capture.
+                nq::rmsnorm_quant(
+                    &gpu,
+                    &gpu.stream,
+                    RowsIn::Bf16(&dx),
+                    &dw,
+                    r::RMS_EPS,
+                    &mut out,
+                )
+                .unwrap();
+                let g = gpu
+                    .capture(|| {
+                        nq::rmsnorm_quant(
+                            &gpu,
+                            &gpu.stream,
+                            RowsIn::Bf16(&dx),
+                            &dw,
+                            r::RMS_EPS,
+                            &mut out,
+                        )
+                    })
+                    .unwrap();
+                for rep in 0..3u64 {
+                    let x = nq::bench::random_rows(rows, d, seed ^ ((rep + 1) * 0x9e37) ^ d as u64);
+                    gpu.write(&gpu.stream, &mut dx, &bf16::to_bf16_vec(&x))
+                        .unwrap();
+                    out.poison(&gpu).unwrap();
+                    g.launch().unwrap();
+                    gpu.synchronize().unwrap();
+                    let label = format!(
+                        "graph replay {rep}: rmsnorm->{} {rows}x{d}, seed {seed}",
+                        format.name()
+                    );
+                    check_norm_outputs(
+                        &label,
+                        &x,
+                        &w,
+                        rows,
+                        d,
+                        format,
+                        &out.download(&gpu).unwrap(),
+                    );
+                }
+            }
         }
     }
 }

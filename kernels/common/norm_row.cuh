@@ -94,8 +94,8 @@ struct RowOut {
 
 // RMSNorm (NORM) and quantization of one row held in registers: v[k] is chunk tid + k*blockDim (valid
 // when < nchunks; invalid chunks hold zeros). All threads of the block must call this.
-// WEARLY: load the weight before the sum-of-squares reduction; false = after it (only the removed v1 kernels used
-// false; the flag is left in place so the measured kernels' code is unchanged).
+// WEARLY: load the weight before the sum-of-squares reduction (every caller passes true: its L2 latency then
+// overlaps the reduction's barriers); false loads it after.
 template <int KIND, bool NORM, bool WEARLY = true>
 __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv_bfloat16* __restrict__ w,
                                float eps, const RowOut& o, float* red) {

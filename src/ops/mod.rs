@@ -5,8 +5,8 @@
 pub mod exec;
 pub mod indexer;
 pub mod inputs;
-pub mod moe_gemm;
 pub mod mhc;
+pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
 pub mod registry;

@@ -144,7 +144,6 @@ pub fn check_norm_outputs(
     );
 }
 
-
 /// Row `row` of a downloaded output as a one-row output (for the CPU reference check).
 pub fn one_row(got: &nq::HostNormOutputs, row: usize, d: usize) -> nq::HostNormOutputs {
     nq::HostNormOutputs {
@@ -182,7 +181,6 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> (f32, usize) {
         })
 }
 
-
 /// A workspace arena and the mHC workspace carved from it for up to `tokens` tokens of `d` (keep the arena alive
 /// while the workspace is used).
 pub fn mhc_ws(gpu: &Gpu, tokens: usize, d: usize) -> (Arena, MhcWorkspace) {
@@ -215,5 +213,9 @@ pub fn download_f32(gpu: &Gpu, s: &cudarc::driver::CudaSlice<f32>) -> Vec<f32> {
 
 /// A device BF16 buffer downloaded and widened to f32.
 pub fn download_bf16(gpu: &Gpu, s: &cudarc::driver::CudaSlice<half::bf16>) -> Vec<f32> {
-    gpu.download(s).unwrap().iter().map(|v| v.to_f32()).collect()
+    gpu.download(s)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_f32())
+        .collect()
 }

@@ -107,7 +107,14 @@ pub fn mhc_pre_unfused(
     }
     let normed = out.normed.view();
     if normed.format == OutFormat::Bf16 {
-        return rmsnorm_quant_into(gpu, stream, RowsIn::Bf16(&out.u), &w.norm_weight, eps, &normed);
+        return rmsnorm_quant_into(
+            gpu,
+            stream,
+            RowsIn::Bf16(&out.u),
+            &w.norm_weight,
+            eps,
+            &normed,
+        );
     }
     // The RMSNorm writes BF16 rows to the staging and its rstd straight into the outputs' rstd.
     let staging_y = scratch.staging.sub(0, tokens * d);
@@ -118,7 +125,14 @@ pub fn mhc_pre_unfused(
         q: QuantView::Bf16 { y: staging_y },
         rstd: normed.rstd,
     };
-    rmsnorm_quant_into(gpu, stream, RowsIn::Bf16(&out.u), &w.norm_weight, eps, &staging)?;
+    rmsnorm_quant_into(
+        gpu,
+        stream,
+        RowsIn::Bf16(&out.u),
+        &w.norm_weight,
+        eps,
+        &staging,
+    )?;
     quantize_bf16_rows(gpu, stream, &staging_y, &normed)
 }
 

@@ -272,7 +272,17 @@ fn run_mhc_post_then_pre(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<Tensor
             let mut arena = Arena::for_layout(g, &MhcWorkspace::layout(t, d))?;
             let ws = MhcWorkspace::carve(&mut arena, t, d)?;
             mhc_post_then_pre(
-                g, &g.stream, &dy, &dx, &dp, &dc, &dw, nr::RMS_EPS, &ws, &xo, &mut out,
+                g,
+                &g.stream,
+                &dy,
+                &dx,
+                &dp,
+                &dc,
+                &dw,
+                nr::RMS_EPS,
+                &ws,
+                &xo,
+                &mut out,
             )?;
             let x_out: Vec<f32> = g.download(&xo)?.iter().map(|v| v.to_f32()).collect();
             (x_out, HostMhcPre::download(g, &out)?)

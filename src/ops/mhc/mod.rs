@@ -428,9 +428,16 @@ pub fn mhc_pre_with(
     for chunk in mhc_token_chunks(tokens) {
         match path {
             MhcPrePath::TensorMix => launch_tc_mix(gpu, stream, x, w, ws, splits, chunk)?,
-            MhcPrePath::TwoLaunch => {
-                launch_mix(gpu, stream, "mhc_mix_partial24_staged", x, w, ws, chunk, false)?
-            }
+            MhcPrePath::TwoLaunch => launch_mix(
+                gpu,
+                stream,
+                "mhc_mix_partial24_staged",
+                x,
+                w,
+                ws,
+                chunk,
+                false,
+            )?,
             MhcPrePath::PdlPair => {
                 launch_mix(gpu, stream, "mhc_mix_partial24_pdl", x, w, ws, chunk, true)?
             }
@@ -563,7 +570,10 @@ pub fn mhc_post_then_pre(
     check_post_lens(y, x_out, post, comb, tokens, d)?;
     let splits = mix_splits(d);
     let mix = gpu.kernel(FAMILY, "mhc_post_mix_partial24")?;
-    let finish = gpu.kernel(FAMILY, &format!("mhc_pre_finish_{}", out.normed.format.name()))?;
+    let finish = gpu.kernel(
+        FAMILY,
+        &format!("mhc_pre_finish_{}", out.normed.format.name()),
+    )?;
     let normed = out.normed.view();
     for (t0, n) in mhc_token_chunks(tokens) {
         // (y, X, post, comb, Xout, F, part, T, D)

@@ -7,8 +7,8 @@ use anyhow::{bail, Result};
 use half::bf16;
 
 use super::{
-    check_rows, quantize_bf16_rows, reference, rmsnorm_quant, rmsnorm_quant_into, upload_checked_bf16,
-    NormOutputs, OutFormat, QuantView, RowsIn, RowsOut,
+    check_rows, quantize_bf16_rows, reference, rmsnorm_quant, rmsnorm_quant_into,
+    upload_checked_bf16, NormOutputs, OutFormat, QuantView, RowsIn, RowsOut,
 };
 use crate::gpu::arena::{Arena, WorkspaceLayout};
 use crate::gpu::launch::{DeviceBuf, Stream};

@@ -6,7 +6,8 @@ use safetensors::Dtype;
 
 use super::reference as r;
 use super::{
-    rmsnorm_quant, upload_checked_bf16, upload_checked_f32, HostQuant, NormOutputs, OutFormat, RowsIn,
+    rmsnorm_quant, upload_checked_bf16, upload_checked_f32, HostQuant, NormOutputs, OutFormat,
+    RowsIn,
 };
 use crate::formats::bf16 as fbf16;
 use crate::gpu::Gpu;
@@ -109,4 +110,3 @@ fn run_rmsnorm(inputs: &TensorMap, gpu: Option<&Gpu>, format: OutFormat) -> Resu
     put_quant(&mut m, &q, rows, d, &rstd);
     Ok(m)
 }
-

@@ -171,7 +171,10 @@ impl RowsOut {
     pub fn layout(format: OutFormat, rows: usize, d: usize) -> WorkspaceLayout {
         let mut l = WorkspaceLayout::new();
         match format {
-            OutFormat::Nvfp4 => l.add::<u8>(rows * d / 2).add::<u8>(rows * d / 16).add::<f32>(rows),
+            OutFormat::Nvfp4 => l
+                .add::<u8>(rows * d / 2)
+                .add::<u8>(rows * d / 16)
+                .add::<f32>(rows),
             OutFormat::Fp8 => l.add::<u8>(rows * d).add::<u8>(rows * d / 128),
             OutFormat::Bf16 => l.add::<bf16>(rows * d),
         };
@@ -557,7 +560,14 @@ fn launch_rows(
             let grid = resident_grid(gpu, &k, threads, 0, rows)?;
             out.push(&mut a, 0, true);
             a.i32(rows_i).i32(d_i).f32(eps);
-            unsafe { launch(stream, &k, Launch::new((grid, 1, 1), (threads, 1, 1)), &mut a) }
+            unsafe {
+                launch(
+                    stream,
+                    &k,
+                    Launch::new((grid, 1, 1), (threads, 1, 1)),
+                    &mut a,
+                )
+            }
         }
         RowsPath::PerRow => {
             // (x, w, [q...], rstd, D, eps), one CTA per row
@@ -627,19 +637,24 @@ pub fn resident_wave_ctas(rows: usize, max_resident: usize) -> usize {
 /// the FP8 kernel; NVFP4 output and `d <= RESIDENT_NVFP4_MAX_D` for the NVFP4 kernels.
 pub fn check_resident(rows: usize, d: usize, format: OutFormat, nvfp4: bool) -> Result<()> {
     check_rows(rows, d)?;
-    let kernel = if nvfp4 { "resident NVFP4" } else { "resident FP8" };
+    let kernel = if nvfp4 {
+        "resident NVFP4"
+    } else {
+        "resident FP8"
+    };
     if !d.is_multiple_of(RESIDENT_D_MULTIPLE) {
         bail!(
             "norm_quant {kernel}: hidden size {d} must be a multiple of {RESIDENT_D_MULTIPLE} (one warp per 1024 \
              values)"
         );
     }
-    let want = if nvfp4 { OutFormat::Nvfp4 } else { OutFormat::Fp8 };
+    let want = if nvfp4 {
+        OutFormat::Nvfp4
+    } else {
+        OutFormat::Fp8
+    };
     if format != want {
-        bail!(
-            "norm_quant {kernel}: output format must be {}",
-            want.name()
-        );
+        bail!("norm_quant {kernel}: output format must be {}", want.name());
     }
     if nvfp4 && d > RESIDENT_NVFP4_MAX_D {
         bail!(
@@ -683,7 +698,14 @@ pub fn quantize_bf16_rows(
             let grid = resident_grid(gpu, &k, threads, 0, rows)?;
             out.push(&mut a, 0, false);
             a.i32(rows as i32).i32(d as i32);
-            unsafe { launch(stream, &k, Launch::new((grid, 1, 1), (threads, 1, 1)), &mut a) }
+            unsafe {
+                launch(
+                    stream,
+                    &k,
+                    Launch::new((grid, 1, 1), (threads, 1, 1)),
+                    &mut a,
+                )
+            }
         }
         OutFormat::Nvfp4 | OutFormat::Fp8 => {
             // (y, [q...], D), one CTA per row
@@ -718,5 +740,12 @@ pub fn quantize_bf16_rows_resident_nvfp4(
     a.buf(y);
     out.push(&mut a, 0, false);
     a.i32(rows as i32);
-    unsafe { launch(stream, &k, Launch::new((grid, 1, 1), (threads, 1, 1)), &mut a) }
+    unsafe {
+        launch(
+            stream,
+            &k,
+            Launch::new((grid, 1, 1), (threads, 1, 1)),
+            &mut a,
+        )
+    }
 }
