@@ -81,7 +81,7 @@ fn sinkhorn_is_doubly_stochastic() {
                                                                         // set by the logit spread: 20 iterations give 1e-5 for logits within +-1.5 (the mixes of the test
                                                                         // parameters). For +-3 no useful rate is guaranteed (entry ratios up to e^12 within a cross ratio:
                                                                         // Birkhoff's contraction tanh(12/4) = 0.995 per normalization), and DSV4's fixed 20 iterations leave row
-                                                                        // sums off by up to 1.2e-2 over random seeds (seen on the H200 run of session 3, seed 1796349619050610169,
+                                                                        // sums off by up to 1.2e-2 over random seeds (seen on the H200: seed 1796349619050610169,
                                                                         // case 141): the 5e-2 bound there only catches a broken row normalization.
     for (spread, row_tol) in [(1.5f32, 1e-5f32), (3.0, 5e-2)] {
         for case in 0..200 {
@@ -420,7 +420,7 @@ fn gpu_mhc_pre_matches_reference() {
     }
 }
 
-// ---- tensor-core mix (session 13: kernels/mhc_mix_tc.cu, MhcPrePath::TensorMix) ---------------------------------
+// ---- the tensor-core mix (kernels/mhc_mix_tc.cu, MhcPrePath::TensorMix) -----------------------------------------
 
 /// The three BF16 planes of the mix weights sum to F exactly (f64 sum of the three), for the random weights of
 /// the GPU tests and for edge values: ties of the BF16 rounding (F = 1 + 2^-8 + k 2^-23), values rounding up into
@@ -748,19 +748,7 @@ fn gpu_mhc_pre_tensor_mix_matches_reference() {
                     format.name()
                 );
                 let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
-                norm::poison_partials(&gpu, &ws);
-                hc::mhc_pre_with(
-                    &gpu,
-                    &gpu.stream,
-                    &dx,
-                    &w,
-                    r::RMS_EPS,
-                    &ws,
-                    &mut out,
-                    hc::MhcPrePath::TensorMix,
-                )
-                .unwrap();
-                let snap = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TensorMix);
+                let snap = run_pre_path(&gpu, &dx, &w, &ws, &mut out, hc::MhcPrePath::TensorMix);
                 assert_eq!(snap.splits, splits, "{label}");
                 assert_partials_written(&label, &snap, tokens);
                 let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
@@ -777,49 +765,14 @@ fn gpu_mhc_pre_tensor_mix_matches_reference() {
                     Some(&bounds),
                 );
                 // Deterministic: a second launch on poisoned buffers gives the same bits.
-                out.poison(&gpu).unwrap();
-                norm::poison_partials(&gpu, &ws);
-                hc::mhc_pre_with(
-                    &gpu,
-                    &gpu.stream,
-                    &dx,
-                    &w,
-                    r::RMS_EPS,
-                    &ws,
-                    &mut out,
-                    hc::MhcPrePath::TensorMix,
-                )
-                .unwrap();
-                MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TensorMix)
+                run_pre_path(&gpu, &dx, &w, &ws, &mut out, hc::MhcPrePath::TensorMix)
                     .assert_same(&snap, &format!("{label} relaunch"));
             }
             // How close the tensor-core dots are to the FFMA path's (information for the A/B, not asserted
             // beyond the bounds above): max |tc - ffma| / sum|terms| over the batch.
             let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
-            hc::mhc_pre_with(
-                &gpu,
-                &gpu.stream,
-                &dx,
-                &w,
-                r::RMS_EPS,
-                &ws,
-                &mut out,
-                hc::MhcPrePath::TwoLaunch,
-            )
-            .unwrap();
-            let ffma = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TwoLaunch);
-            hc::mhc_pre_with(
-                &gpu,
-                &gpu.stream,
-                &dx,
-                &w,
-                r::RMS_EPS,
-                &ws,
-                &mut out,
-                hc::MhcPrePath::TensorMix,
-            )
-            .unwrap();
-            let tc = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TensorMix);
+            let ffma = run_pre_path(&gpu, &dx, &w, &ws, &mut out, hc::MhcPrePath::TwoLaunch);
+            let tc = run_pre_path(&gpu, &dx, &w, &ws, &mut out, hc::MhcPrePath::TensorMix);
             let (a, b) = (
                 gpu_dots(&ffma.partials, ffma.splits, tokens, d),
                 gpu_dots(&tc.partials, tc.splits, tokens, d),
@@ -846,6 +799,21 @@ fn gpu_dots(partials: &[f32], splits: usize, tokens: usize, d: usize) -> Vec<f32
         .flat_map(|t| (0..25).map(move |j| (t, j)))
         .map(|(t, j)| reduce_like_gpu(partials, splits, nwarps, t, j, 24))
         .collect()
+}
+
+/// Poison `out` and the workspace's partials, run `mhc_pre_with(path)` on `x`, and download everything.
+fn run_pre_path(
+    gpu: &megamoe::gpu::Gpu,
+    x: &cudarc::driver::CudaSlice<half::bf16>,
+    w: &MhcWeights,
+    ws: &hc::MhcWorkspace,
+    out: &mut MhcPreOutputs,
+    path: hc::MhcPrePath,
+) -> MhcSnapshot {
+    out.poison(gpu).unwrap();
+    norm::poison_partials(gpu, ws);
+    hc::mhc_pre_with(gpu, &gpu.stream, x, w, r::RMS_EPS, ws, out, path).unwrap();
+    MhcSnapshot::take(gpu, out, ws, path)
 }
 
 /// The op-by-op chain's scratch for `tokens` tokens of `d`, poisoned, in its own arena (kept alive by the caller).
@@ -1388,18 +1356,7 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     // The FFMA mix, two launches per chunk forced, then the PDL pair forced: same bits everywhere.
     let label = format!("mhc_pre T={tokens} D={d} seed {seed}");
     let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
-    hc::mhc_pre_with(
-        &gpu,
-        &gpu.stream,
-        &dx,
-        &w,
-        r::RMS_EPS,
-        &ws,
-        &mut out,
-        hc::MhcPrePath::TwoLaunch,
-    )
-    .unwrap();
-    let snap = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TwoLaunch);
+    let snap = run_pre_path(&gpu, &dx, &w, &ws, &mut out, hc::MhcPrePath::TwoLaunch);
     for &t in &sample {
         check_mhc_token(
             &label,
@@ -1410,20 +1367,7 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
             false,
         );
     }
-    out.poison(&gpu).unwrap();
-    norm::poison_partials(&gpu, &ws);
-    hc::mhc_pre_with(
-        &gpu,
-        &gpu.stream,
-        &dx,
-        &w,
-        r::RMS_EPS,
-        &ws,
-        &mut out,
-        hc::MhcPrePath::PdlPair,
-    )
-    .unwrap();
-    MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::PdlPair)
+    run_pre_path(&gpu, &dx, &w, &ws, &mut out, hc::MhcPrePath::PdlPair)
         .assert_same(&snap, &format!("{label} PDL pair"));
 
     // mhc_pre's own path at this size, the tensor-core mix: S = 1 (one 16384-column partial per token, 1024
@@ -1599,7 +1543,7 @@ fn gpu_mhc_launchers_split_batches_above_65535_tokens() {
     );
 }
 
-// ---- A/B (session 3): the PDL pair (mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*) ------------------------
+// ---- the PDL pair (mhc_mix_partial24_pdl + mhc_pre_finish_pdl_*) --------------------------------------------
 // Same arithmetic as the default two launches, so every output (partials included) must be bit-identical.
 // The partials are poisoned (NaN) before each PDL run: a finish that read them before the mixes had
 // written them (a broken griddepcontrol.wait) would produce NaN, not the default path's bits.
@@ -1623,32 +1567,8 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
         for format in FORMATS {
             let label = format!("pdl pair->{} T={tokens} D={d} seed {seed}", format.name());
             let mut out = MhcPreOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
-            hc::mhc_pre_with(
-                &gpu,
-                &gpu.stream,
-                &dx,
-                &w,
-                r::RMS_EPS,
-                &ws,
-                &mut out,
-                hc::MhcPrePath::TwoLaunch,
-            )
-            .unwrap();
-            let want = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TwoLaunch);
-            out.poison(&gpu).unwrap();
-            norm::poison_partials(&gpu, &ws);
-            hc::mhc_pre_with(
-                &gpu,
-                &gpu.stream,
-                &dx,
-                &w,
-                r::RMS_EPS,
-                &ws,
-                &mut out,
-                hc::MhcPrePath::PdlPair,
-            )
-            .unwrap();
-            let got = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::PdlPair);
+            let want = run_pre_path(&gpu, &dx, &w, &ws, &mut out, hc::MhcPrePath::TwoLaunch);
+            let got = run_pre_path(&gpu, &dx, &w, &ws, &mut out, hc::MhcPrePath::PdlPair);
             got.assert_same(&want, &label);
             // And against the CPU reference directly (mhc_pre, both paths, is checked the same way above).
             let dots = gpu_dots(&got.partials, got.splits, tokens, d);
@@ -1692,18 +1612,7 @@ fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {
         let mut xo = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
         hc::mhc_post(&gpu, &gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xo).unwrap();
-        hc::mhc_pre_with(
-            &gpu,
-            &gpu.stream,
-            &xo,
-            &w,
-            r::RMS_EPS,
-            &ws,
-            &mut out,
-            hc::MhcPrePath::TwoLaunch,
-        )
-        .unwrap();
-        let want = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TwoLaunch);
+        let want = run_pre_path(&gpu, &xo, &w, &ws, &mut out, hc::MhcPrePath::TwoLaunch);
         // The PDL mix reads X' right after the (plain) mhc_post launch that writes it: with X' poisoned
         // first, a mix that read X' before its griddepcontrol.wait would see NaN.
         let run = |xo: &mut cudarc::driver::CudaSlice<half::bf16>, out: &mut MhcPreOutputs| {

@@ -293,16 +293,16 @@ fn gpu_unfused_chain_equals_fused() {
     }
 }
 
-// ---- row-looping v4p NVFP4 kernels (the BF16 -> NVFP4 path) ----------------------------------------------
+// ---- the row-loop NVFP4 kernels (BF16 -> NVFP4 below the resident threshold) -----------------------------
 
-/// The packed NVFP4 encoder of the v4p kernels (packed BF16 pairs, 16-bit integer compares, thermometer
+/// The packed NVFP4 encoder of the row-loop kernels (packed BF16 pairs, 16-bit integer compares, thermometer
 /// logic, FMA thresholds; Rust mirror of the device code, both code placements) equals `formats::e2m1` of the IEEE quotient for EVERY finite BF16 value (and +-inf), at
 /// scales made as the kernel makes them (e4m3 code x global scale, global scales from subnormal to huge)
 /// plus every e4m3 code at power-of-two global scales; random per-element signs. Also the chunk amax.
 #[test]
-fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
+fn packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
     use megamoe::ops::norm_quant::reference::packed_e2m1_mirror as pm;
-    let seed = fresh_seed("v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16");
+    let seed = fresh_seed("packed_e2m1_encoder_equals_the_reference_for_every_bf16");
     let mut next = xorshift64(seed);
     let mut scales = Vec::new();
     for code in 1u8..0x7F {
@@ -325,7 +325,7 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
         assert_eq!(
             pm::thresholds_fma(scale).map(f32::to_bits),
             pm::thresholds(scale).map(f32::to_bits),
-            "v4p FMA thresholds vs the FP64 form at scale {scale:e} ({:#010x}), seed {seed}",
+            "row-loop FMA thresholds vs the FP64 form at scale {scale:e} ({:#010x}), seed {seed}",
             scale.to_bits()
         );
         for chunk in mags.chunks(8) {
@@ -340,7 +340,7 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
             let got_prmt = pm::codes8_prmt(&pk, &keys);
             assert_eq!(
                 got_prmt, got,
-                "v4p (prmt placement) vs v4 codes of {bits:04x?} at scale {scale:e} (seed {seed})"
+                "row-loop (prmt placement) vs packed codes of {bits:04x?} at scale {scale:e} (seed {seed})"
             );
             let ys = bits.map(|b| f32::from_bits(u32::from(b) << 16));
             for (e, &y) in ys.iter().enumerate() {
@@ -348,7 +348,7 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
                 let have = ((got >> (4 * e)) & 0xF) as u8;
                 assert_eq!(
                     have, want,
-                    "v4 encoder: y {y:e} (bf16 {:#06x}) scale {scale:e} ({:#010x}): code {have:#x} vs reference {want:#x} \
+                    "packed encoder: y {y:e} (bf16 {:#06x}) scale {scale:e} ({:#010x}): code {have:#x} vs reference {want:#x} \
                      (element {e} of chunk {bits:04x?}, seed {seed})",
                     bits[e],
                     scale.to_bits()
@@ -359,18 +359,18 @@ fn v4_packed_e2m1_encoder_equals_the_reference_for_every_bf16() {
             assert_eq!(
                 pm::chunk_amax(&pk).to_bits(),
                 amax.to_bits(),
-                "v4 chunk amax of {bits:04x?} (seed {seed})"
+                "packed chunk amax of {bits:04x?} (seed {seed})"
             );
         }
     }
     eprintln!(
-        "v4 packed e2m1 encoder: {checked} codes agree ({} scales x all BF16 magnitudes)",
+        "packed packed e2m1 encoder: {checked} codes agree ({} scales x all BF16 magnitudes)",
         scales.len()
     );
 }
 
 #[test]
-fn v4_grid_is_one_full_wave_or_one_cta_per_row() {
+fn resident_wave_is_one_full_wave_or_one_cta_per_row() {
     for (rows, resident) in [
         (1, 528),
         (527, 528),
@@ -396,24 +396,23 @@ fn v4_grid_is_one_full_wave_or_one_cta_per_row() {
     }
 }
 
-/// The BF16 -> NVFP4 path of `rmsnorm_quant` (the row-looping v4p kernel) against the CPU reference, exact
-/// given the GPU rstd (this replaced the session-3 bit-for-bit comparison with the removed one-CTA-per-row
-/// kernel, which matched the same reference). Row counts include ones above one resident wave (at D = 4096
+/// The BF16 -> NVFP4 path of `rmsnorm_quant` below the resident threshold (the row-loop kernel) against the CPU
+/// reference, exact given the GPU rstd. Row counts include ones above one resident wave (at D = 4096
 /// ~800-900 CTAs): 4096 and 9000 rows are ~5 and ~10 rows per CTA, with the next row's loads in flight.
-/// Then the quantize-only v4p kernel (`quantize_bf16_rows`) at exact e2m1 decision points (ties included),
+/// Then the quantize-only row-loop kernel (`quantize_bf16_rows`) at exact e2m1 decision points (ties included),
 /// 2000 rows so CTAs loop, bit for bit against the CPU encoder.
 #[test]
 #[ignore = "needs an H100/H200"]
-fn gpu_rmsnorm_nvfp4_v4p_matches_reference() {
-    let gpu = common::gpu("gpu_rmsnorm_nvfp4_v4p_matches_reference");
-    let seed = fresh_seed("gpu_rmsnorm_nvfp4_v4p_matches_reference");
+fn gpu_rmsnorm_nvfp4_row_loop_matches_reference() {
+    let gpu = common::gpu("gpu_rmsnorm_nvfp4_row_loop_matches_reference");
+    let seed = fresh_seed("gpu_rmsnorm_nvfp4_row_loop_matches_reference");
     for &d in DS {
         let w = nq::bench::random_weight(d, seed ^ d as u64);
         let dw = nq::upload_checked_bf16(&gpu, "w", &w).unwrap();
         for rows in [1usize, 7, 129, 4096, 9000] {
             let x = nq::bench::random_rows(rows, d, seed ^ (rows as u64 * 41 + d as u64));
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
-            let label = format!("v4p rmsnorm->nvfp4 {rows}x{d}, seed {seed}");
+            let label = format!("row-loop rmsnorm->nvfp4 {rows}x{d}, seed {seed}");
             let mut out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
             nq::rmsnorm_quant(
                 &gpu,
@@ -477,12 +476,12 @@ fn gpu_rmsnorm_nvfp4_v4p_matches_reference() {
                 &sub,
             );
         }
-        // exact e2m1 decision points (ties included), quantize-only v4p kernel vs the CPU reference
+        // exact e2m1 decision points (ties included), quantize-only row-loop kernel vs the CPU reference
         let rows = 2000;
         let y = boundary_rows(rows, d, seed ^ 0xb0 ^ d as u64);
         assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
         let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
-        let label = format!("v4p quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+        let label = format!("row-loop quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
         let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
         let out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
         nq::quantize_bf16_rows(&gpu, &gpu.stream, &dy, &out.view()).unwrap();
@@ -698,8 +697,8 @@ fn boundary_rows(rows: usize, d: usize, seed: u64) -> Vec<f32> {
     out
 }
 
-/// `quantize_bf16_rows` NVFP4 (the quantize-only v4p kernel) at exact e2m1 decision points, 64 rows (fewer
-/// than one resident wave: one row per CTA); the looping case is in gpu_rmsnorm_nvfp4_v4p_matches_reference.
+/// `quantize_bf16_rows` NVFP4 (the quantize-only row-loop kernel) at exact e2m1 decision points, 64 rows (fewer
+/// than one resident wave: one row per CTA); the looping case is in gpu_rmsnorm_nvfp4_row_loop_matches_reference.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
@@ -720,16 +719,16 @@ fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
     }
 }
 
-// ---- the resident-wave row kernels (RowsPath::ResidentFp8 FP8 / V6 NVFP4 from 4096 rows) and the path rule ------------
+// ---- the resident row kernels (RowsPath::ResidentFp8 / ResidentNvfp4 from 4096 rows) and the path rule -----------
 
-/// The v5 FP8 kernel's division-free ue8m0 scale (reference::ue8m0_scale_448_divfree, the mirror of the
+/// The resident FP8 FP8 kernel's division-free ue8m0 scale (reference::ue8m0_scale_448_divfree, the mirror of the
 /// .cu's ue8m0_scale_448_divfree) against formats::ue8m0::pow2_scale_for(max(amax, 1e-4), 448): every
 /// non-negative non-NaN BF16 amax (the kernel's amax is always one, or 0), +inf, the 1e-4 floor, every f32
 /// within 64 ulps of each binade's mantissa decision point (1.75 * 2^e) and of each power of two, and a
 /// seeded stride through all f32 values from 1e-4 to the largest finite.
 #[test]
-fn v5_divfree_ue8m0_scale_equals_formats_rule() {
-    let seed = fresh_seed("v5_divfree_ue8m0_scale_equals_formats_rule");
+fn divfree_ue8m0_scale_equals_formats_rule() {
+    let seed = fresh_seed("divfree_ue8m0_scale_equals_formats_rule");
     let check = |amax: f32| {
         let a = amax.max(1e-4);
         let want = ue8m0::pow2_scale_for(a, 448.0);
@@ -767,16 +766,15 @@ fn v5_divfree_ue8m0_scale_equals_formats_rule() {
     eprintln!("division-free ue8m0 scale equals formats::ue8m0 on all BF16 amax values and {n} strided f32 (seed {seed})");
 }
 
-/// v5 shape rules: D a multiple of 1024 (else a clear error before any launch), FP8 only (its NVFP4 kernel was
-/// removed in session 7); and the v5 / v6 block size equals the default kernels' (the same channel ownership,
+/// resident FP8 shape rules: D a multiple of 1024 (else a clear error before any launch), FP8 only; and the resident FP8 / resident NVFP4 block size equals the default kernels' (the same channel ownership,
 /// hence the same sum-of-squares order).
 #[test]
-fn v5_launcher_rules_and_channel_ownership() {
+fn resident_fp8_launcher_rules_and_channel_ownership() {
     for d in (1024..=nq::MAX_D).step_by(nq::RESIDENT_D_MULTIPLE) {
         assert_eq!(
             nq::resident_block_threads(d),
             nq::row_block_threads(d),
-            "v5 block size differs from the default at D = {d}"
+            "resident FP8 block size differs from the default at D = {d}"
         );
         nq::check_resident(3, d, OutFormat::Fp8, false).unwrap();
         let e = nq::check_resident(3, d, OutFormat::Nvfp4, false)
@@ -803,7 +801,7 @@ fn v5_launcher_rules_and_channel_ownership() {
     assert!(nq::check_resident(0, 4096, OutFormat::Fp8, false).is_err());
 }
 
-/// Rows for the resident-wave (v5 / v6) bit-identity tests: the bench generator's rows, with an all-zero row (1), rows scaled by
+/// Rows for the resident-wave (resident FP8 / resident NVFP4) bit-identity tests: the bench generator's rows, with an all-zero row (1), rows scaled by
 /// 2^40 (2) and 2^-40 (3) and one whose sum of squares overflows f32 (4: scaled by 2^100, rstd 0) spliced in, and every 5th row replaced by a row of
 /// the encoder's exact-decision-point generator (boundary_rows; scales 2^-112..2^110, so some of these rows'
 /// sums of squares overflow or underflow f32: both kernels must still agree bit for bit).
@@ -842,9 +840,9 @@ fn assert_same_bytes(label: &str, what: &str, got: &[u8], want: &[u8], row_bytes
 }
 
 /// `rows_path` (the kernel rmsnorm_quant takes for BF16 rows): exactly from 4096 rows when D is a multiple of
-/// 1024, v5 for FP8 and v6 for NVFP4 up to V6_MAX_D (NVFP4 above it: V4, the v4p row loop, at every row count
-/// since the v5 NVFP4 kernel's removal); V4 below 4096 rows, for BF16 output and for every other D; and every
-/// shape it sends to v5 / v6 passes that kernel's own shape check.
+/// 1024, resident FP8 for FP8 and resident NVFP4 for NVFP4 up to RESIDENT_NVFP4_MAX_D (NVFP4 above it: PerRow, the row loop, at every row count);
+/// PerRow below 4096 rows, for BF16 output and for every other D; and every
+/// shape it sends to resident FP8 / resident NVFP4 passes that kernel's own shape check.
 #[test]
 fn rows_path_switches_at_4096_rows_for_d_multiple_of_1024() {
     use nq::RowsPath::{PerRow, ResidentFp8, ResidentNvfp4};
@@ -861,7 +859,7 @@ fn rows_path_switches_at_4096_rows_for_d_multiple_of_1024() {
                 (9000, ResidentFp8),
                 (65536, ResidentFp8),
             ] {
-                // NVFP4: v6 up to V6_MAX_D wherever the resident wave runs; above it v4p (PerRow) everywhere
+                // NVFP4: resident NVFP4 up to RESIDENT_NVFP4_MAX_D wherever the resident wave runs; above it row-loop (PerRow) everywhere
                 let want = match (format, want) {
                     (OutFormat::Nvfp4, ResidentFp8) if d <= nq::RESIDENT_NVFP4_MAX_D => {
                         ResidentNvfp4
@@ -985,8 +983,8 @@ fn run_rows_path(
     out.download(gpu).unwrap()
 }
 
-/// A resident-wave row path (`resident`: V6 for NVFP4, V5 for FP8) on `resident_rows` data: bit-identical to the
-/// V4 kernels and to `rmsnorm_quant`'s own pick, and exact against the CPU reference on the sampled rows
+/// A resident-wave row path (`resident`: ResidentNvfp4 for NVFP4, ResidentFp8 for FP8) on `resident_rows` data: bit-identical to the
+/// PerRow kernels and to `rmsnorm_quant`'s own pick, and exact against the CPU reference on the sampled rows
 /// ([`check_sampled_rows_vs_cpu`]). Prints what was checked.
 #[allow(clippy::too_many_arguments)]
 fn check_resident_path(
@@ -1004,12 +1002,17 @@ fn check_resident_path(
     let run = |path| run_rows_path(gpu, dx, dw, format, rows, d, path);
     let got = run(Some(resident));
     let default_path = nq::rows_path(rows, d, format);
-    let v4 = run(Some(nq::RowsPath::PerRow));
-    assert_same_rows(&format!("{resident:?} vs V4 {label}"), &got, &v4, d);
+    let per_row = run(Some(nq::RowsPath::PerRow));
     assert_same_rows(
-        &format!("rmsnorm_quant ({default_path:?}) vs V4 {label}"),
+        &format!("{resident:?} vs PerRow {label}"),
+        &got,
+        &per_row,
+        d,
+    );
+    assert_same_rows(
+        &format!("rmsnorm_quant ({default_path:?}) vs PerRow {label}"),
         &run(None),
-        &v4,
+        &per_row,
         d,
     );
     let checked = check_sampled_rows_vs_cpu(
@@ -1021,7 +1024,7 @@ fn check_resident_path(
         format,
         &got,
     );
-    eprintln!("{label}: {resident:?}, V4 and rmsnorm_quant ({default_path:?}) bit-identical; {checked} rows exact vs the CPU reference");
+    eprintln!("{label}: {resident:?}, PerRow and rmsnorm_quant ({default_path:?}) bit-identical; {checked} rows exact vs the CPU reference");
 }
 
 /// The CPU reference on the random rows of `resident_rows` data (not the boundary / extreme ones, rows 1..=4 and every
@@ -1054,20 +1057,20 @@ fn check_sampled_rows_vs_cpu(
     checked
 }
 
-/// The BF16 row kernels, each forced: RowsPath::PerRow (v4p NVFP4 / one-CTA-per-row FP8) against the resident-wave
+/// The BF16 row kernels, each forced: RowsPath::PerRow (row-loop NVFP4 / one-CTA-per-row FP8) against the resident-wave
 /// kernel of the format (RowsPath::ResidentFp8 for FP8, RowsPath::ResidentNvfp4 for NVFP4), bit for bit on every row (codes, block
 /// scales, global scales, FP8 scales, rstd; outputs poisoned before each run), and the resident-wave output
 /// against the CPU reference (exact given the GPU rstd) on the random rows among the first 300 and the last 64.
 /// The public rmsnorm_quant must give the same bits too, on both sides of its 4096-row switch (4095, 4096, 9000
 /// rows). D = 4096, 7168 and 2048, rows from 1 to 9000 (several rows per CTA of the resident wave, and a partial
 /// last round of the loop); D = 32768 (the largest: 1024 threads, 128 KB of staged weight) at a few rows: FP8
-/// as above; NVFP4 refused with a clear error by V6 (above V6_MAX_D), while V4 (one CTA per row above
-/// V4P_NVFP4_MAX_D) and rmsnorm_quant agree bit for bit and with the CPU reference.
+/// as above; NVFP4 refused with a clear error by ResidentNvfp4 (above RESIDENT_NVFP4_MAX_D), while PerRow (one CTA per row above
+/// ROW_LOOP_NVFP4_MAX_D) and rmsnorm_quant agree bit for bit and with the CPU reference.
 #[test]
 #[ignore = "needs an H100/H200"]
-fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
-    let gpu = common::gpu("gpu_resident_wave_rows_equal_v4_and_default_bitwise");
-    let seed = fresh_seed("gpu_resident_wave_rows_equal_v4_and_default_bitwise");
+fn gpu_resident_rows_equal_per_row_path_and_default_bitwise() {
+    let gpu = common::gpu("gpu_resident_rows_equal_per_row_path_and_default_bitwise");
+    let seed = fresh_seed("gpu_resident_rows_equal_per_row_path_and_default_bitwise");
     let rows_list = [1usize, 2, 3, 7, 64, 127, 129, 4095, 4096, 9000];
     for (d, rows_list) in [
         (4096usize, &rows_list[..]),
@@ -1088,8 +1091,8 @@ fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
                 };
                 let default_path = nq::rows_path(rows, d, format);
                 if format == OutFormat::Nvfp4 && d > nq::RESIDENT_NVFP4_MAX_D {
-                    // V6 refuses this D before any launch (outputs untouched); V4 (above
-                    // V4P_NVFP4_MAX_D: one CTA per row) and rmsnorm_quant agree bit for bit and with the CPU.
+                    // ResidentNvfp4 refuses this D before any launch (outputs untouched); PerRow (above
+                    // ROW_LOOP_NVFP4_MAX_D: one CTA per row) and rmsnorm_quant agree bit for bit and with the CPU.
                     assert_eq!(default_path, nq::RowsPath::PerRow, "{label}");
                     let mut out = NormOutputs::alloc_poisoned(&gpu, format, rows, d).unwrap();
                     let before = out.download(&gpu).unwrap();
@@ -1102,32 +1105,37 @@ fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
                         &mut out,
                         nq::RowsPath::ResidentNvfp4,
                     )
-                    .expect_err("V6 must refuse D above V6_MAX_D");
+                    .expect_err("ResidentNvfp4 must refuse D above RESIDENT_NVFP4_MAX_D");
                     assert!(
                         format!("{err:#}").contains("above 8192"),
                         "{label}: `{err:#}`"
                     );
                     assert_same_rows(
-                        &format!("{label} V6: outputs untouched"),
+                        &format!("{label} ResidentNvfp4: outputs untouched"),
                         &out.download(&gpu).unwrap(),
                         &before,
                         d,
                     );
-                    let v4 =
+                    let per_row =
                         run_rows_path(&gpu, &dx, &dw, format, rows, d, Some(nq::RowsPath::PerRow));
                     let default = run_rows_path(&gpu, &dx, &dw, format, rows, d, None);
-                    assert_same_rows(&format!("rmsnorm_quant vs V4 {label}"), &default, &v4, d);
+                    assert_same_rows(
+                        &format!("rmsnorm_quant vs PerRow {label}"),
+                        &default,
+                        &per_row,
+                        d,
+                    );
                     let checked = check_sampled_rows_vs_cpu(
-                        &format!("V4 {label}"),
+                        &format!("PerRow {label}"),
                         &x,
                         &w,
                         rows,
                         d,
                         format,
-                        &v4,
+                        &per_row,
                     );
                     eprintln!(
-                        "{label}: V6 refused; V4 = rmsnorm_quant, {checked} rows exact vs the CPU"
+                        "{label}: ResidentNvfp4 refused; PerRow = rmsnorm_quant, {checked} rows exact vs the CPU"
                     );
                     continue;
                 }
@@ -1137,11 +1145,11 @@ fn gpu_resident_wave_rows_equal_v4_and_default_bitwise() {
     }
 }
 
-/// The largest hidden sizes, where the one-CTA-per-row kernels run 800-1024 threads: D just above the v4p
-/// NVFP4 limit (V4P_NVFP4_MAX_D + 128, not a multiple of 1024) and MAX_D, BF16 and f32 input, every output
+/// The largest hidden sizes, where the one-CTA-per-row kernels run 800-1024 threads: D just above the row-loop
+/// NVFP4 limit (ROW_LOOP_NVFP4_MAX_D + 128, not a multiple of 1024) and MAX_D, BF16 and f32 input, every output
 /// format, against the CPU reference (rmsnorm_quant), and the unfused chain (its NVFP4 quantizer is one CTA per
-/// row above the v4p limit too) bit-identical to the fused kernel. Before session 8 BF16 -> NVFP4 was refused at
-/// these D, and f32 -> NVFP4 / BF16 failed to launch above D 28,672 (66-68 registers x 1024 threads).
+/// row above the row-loop limit too) bit-identical to the fused kernel. The f32 -> NVFP4 / BF16 kernels must fit 1024
+/// threads in registers here (their __launch_bounds__: 66-68 registers would not launch above D 28,672).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_rows_at_the_largest_d_every_input_and_format() {
@@ -1201,7 +1209,7 @@ fn gpu_rows_at_the_largest_d_every_input_and_format() {
 }
 
 /// Above the 4096-row switch with a D that is not a multiple of 1024 (4096 + 128, 1152), rmsnorm_quant must
-/// stay on the V4 kernels (V5 / V6 refuse the shape with a clear error before any launch) and match the CPU
+/// stay on the PerRow kernels (ResidentFp8 / ResidentNvfp4 refuse the shape with a clear error before any launch) and match the CPU
 /// reference on every row.
 #[test]
 #[ignore = "needs an H100/H200"]
@@ -1236,7 +1244,7 @@ fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
                 &mut out,
                 resident,
             )
-            .expect_err("V5 / V6 must refuse D not a multiple of 1024");
+            .expect_err("ResidentFp8 / ResidentNvfp4 must refuse D not a multiple of 1024");
             assert!(
                 format!("{err:#}").contains("multiple of 1024"),
                 "{label}: unexpected error `{err:#}`"
@@ -1259,22 +1267,22 @@ fn gpu_rmsnorm_quant_many_rows_with_d_not_multiple_of_1024() {
                 format,
                 &out.download(&gpu).unwrap(),
             );
-            eprintln!("{label}: rmsnorm_quant (V4) matches the CPU reference");
+            eprintln!("{label}: rmsnorm_quant (PerRow) matches the CPU reference");
         }
     }
 }
 
-// ---- the v6 NVFP4 row kernels (RowsPath::ResidentNvfp4, the NVFP4 default from 4096 rows since session 6) --------------------
+// ---- the resident NVFP4 row kernels (RowsPath::ResidentNvfp4) ---------------------------------------------------------
 
-/// The v6 binary-search encoder (Rust mirror of v6_codes8_bsearch) gives the same code word as the v4p encoder
+/// The resident NVFP4 binary-search encoder (Rust mirror of codes8_bsearch) gives the same code word as the row-loop encoder
 /// (codes8 and its prmt placement) for EVERY 16-bit pattern in each half of a pair (both signs, subnormals, +-inf
 /// and NaN patterns), against (a) the sorted keys of a sweep of scales made as the kernel makes them, also
 /// checked against formats::e2m1 of the IEEE quotient for every non-NaN value, and (b) random non-decreasing key
 /// sets anywhere in the key domain [1, 0x7F80], with repeated keys and both ends.
 #[test]
-fn v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair() {
+fn bsearch_e2m1_encoder_equals_the_packed_encoder_for_every_bf16_pair() {
     use megamoe::ops::norm_quant::reference::packed_e2m1_mirror as pm;
-    let seed = fresh_seed("v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair");
+    let seed = fresh_seed("bsearch_e2m1_encoder_equals_the_packed_encoder_for_every_bf16_pair");
     let mut next = xorshift64(seed);
     let mut key_sets: Vec<([u32; 7], Option<f32>)> = Vec::new();
     for code in (1u8..0x7F).step_by(3) {
@@ -1319,13 +1327,13 @@ fn v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair() {
             assert_eq!(
                 got,
                 want,
-                "v6 bsearch vs v4p codes: pairs {pk:08x?}, keys {:04x?}, scale {scale:?} (seed {seed})",
+                "resident NVFP4 bsearch vs row-loop codes: pairs {pk:08x?}, keys {:04x?}, scale {scale:?} (seed {seed})",
                 keys.map(|k| k & 0xFFFF)
             );
             assert_eq!(
                 pm::codes8_prmt(&pk, keys),
                 want,
-                "v4p placements disagree (seed {seed})"
+                "row-loop placements disagree (seed {seed})"
             );
             if let Some(s) = scale {
                 for (e, half) in (0..8).map(|e| (e, (pk[e & 3] >> (16 * (e >> 2))) & 0xFFFF)) {
@@ -1337,7 +1345,7 @@ fn v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair() {
                     assert_eq!(
                         have,
                         e2m1::encode_rne(y / s),
-                        "v6 code of y {y:e} at scale {s:e} (seed {seed})"
+                        "resident NVFP4 code of y {y:e} at scale {s:e} (seed {seed})"
                     );
                 }
             }
@@ -1345,14 +1353,14 @@ fn v6_bsearch_e2m1_encoder_equals_the_v4p_encoder_for_every_bf16_pair() {
         }
     }
     eprintln!(
-        "v6 bsearch encoder: {checked} codes equal to the v4p encoder ({} key sets)",
+        "resident NVFP4 bsearch encoder: {checked} codes equal to the row-loop encoder ({} key sets)",
         key_sets.len()
     );
 }
 
-/// check_v6: NVFP4 only, D a multiple of 1024 up to V6_MAX_D; clear errors otherwise.
+/// check_v6: NVFP4 only, D a multiple of 1024 up to RESIDENT_NVFP4_MAX_D; clear errors otherwise.
 #[test]
-fn v6_launcher_rules() {
+fn resident_nvfp4_launcher_rules() {
     assert_eq!(nq::RESIDENT_NVFP4_MAX_D, 8192);
     for d in (1024..=nq::RESIDENT_NVFP4_MAX_D).step_by(1024) {
         nq::check_resident(5, d, OutFormat::Nvfp4, true).unwrap();
@@ -1368,17 +1376,17 @@ fn v6_launcher_rules() {
     assert!(nq::check_resident(0, 4096, OutFormat::Nvfp4, true).is_err());
 }
 
-/// RowsPath::ResidentNvfp4 (rmsnorm_nvfp4_bf16in_v6_w<D/1024>, the NVFP4 default from 4096 rows) bit for bit against
-/// RowsPath::PerRow (the v4p row loop; until session 7 the removed v5 NVFP4 kernel) and rmsnorm_quant as called,
+/// RowsPath::ResidentNvfp4 (rmsnorm_nvfp4_bf16in_resident_nw<D/1024>, the NVFP4 default from 4096 rows) bit for bit against
+/// RowsPath::PerRow (the row loop) and rmsnorm_quant as called,
 /// every row (codes, block scales, global scales, rstd; outputs poisoned before each run), on resident_rows (random rows with all-zero, 2^40-, 2^-40- and 2^100-scaled rows and every 5th row
 /// at exact e2m1 decision points), D = 4096 and 7168 (NW = 4: ss / D as a multiply; NW = 7: the division),
 /// rows 4096, 4097 (one CTA gets one extra row), 8191, and 2048 at D = 1024 / 3072 / 8192 (NW = 1, 3, 8), plus
 /// the CPU reference on random rows among the first 300 and the last 64.
 #[test]
 #[ignore = "needs an H100/H200"]
-fn gpu_v6_nvfp4_rows_equal_v4p_bitwise() {
-    let gpu = common::gpu("gpu_v6_nvfp4_rows_equal_v4p_bitwise");
-    let seed = fresh_seed("gpu_v6_nvfp4_rows_equal_v4p_bitwise");
+fn gpu_resident_nvfp4_rows_equal_row_loop_bitwise() {
+    let gpu = common::gpu("gpu_resident_nvfp4_rows_equal_row_loop_bitwise");
+    let seed = fresh_seed("gpu_resident_nvfp4_rows_equal_row_loop_bitwise");
     let cases: &[(usize, &[usize])] = &[
         (4096, &[4096, 4097, 8191]),
         (7168, &[4096, 4097, 8191]),
@@ -1393,7 +1401,7 @@ fn gpu_v6_nvfp4_rows_equal_v4p_bitwise() {
         for &rows in rows_list {
             let x = resident_rows(rows, d, seed ^ (rows as u64 * 977 + d as u64));
             let dx = nq::upload_checked_bf16(&gpu, "x", &x).unwrap();
-            let label = format!("nvfp4 v6 {rows}x{d}, seed {seed}");
+            let label = format!("nvfp4 resident NVFP4 {rows}x{d}, seed {seed}");
             check_resident_path(
                 &gpu,
                 &dx,
@@ -1410,28 +1418,29 @@ fn gpu_v6_nvfp4_rows_equal_v4p_bitwise() {
     }
 }
 
-/// The v6 encoder on the GPU (quant_nvfp4_bf16in_v6_w<D/1024>) at exact e2m1 decision points (ties included,
-/// boundary_rows), bit for bit against the CPU reference and the v4p quantize-only kernel (quant_nvfp4_bf16in_v4p);
+/// The resident NVFP4 encoder on the GPU (quant_nvfp4_bf16in_resident_nw<D/1024>) at exact e2m1 decision points (ties included,
+/// boundary_rows), bit for bit against the CPU reference and the row-loop quantize-only kernel (quant_nvfp4_bf16in_row_loop);
 /// rows 64 and 2000 (one row per CTA, CTAs loop).
 #[test]
 #[ignore = "needs an H100/H200"]
-fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
-    let gpu = common::gpu("gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries");
-    let seed = fresh_seed("gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries");
+fn gpu_resident_quant_nvfp4_matches_cpu_at_exact_boundaries() {
+    let gpu = common::gpu("gpu_resident_quant_nvfp4_matches_cpu_at_exact_boundaries");
+    let seed = fresh_seed("gpu_resident_quant_nvfp4_matches_cpu_at_exact_boundaries");
     for d in [4096usize, 7168] {
         for rows in [64usize, 2000] {
             let y = boundary_rows(rows, d, seed ^ (d as u64 * 3 + rows as u64));
             assert!(y.iter().all(|v| v.is_finite() && bf16::round(*v) == *v));
             let dy = nq::upload_checked_bf16(&gpu, "y", &y).unwrap();
-            let label = format!("v6 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
+            let label =
+                format!("resident NVFP4 quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
             let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
             let got = quantized_nvfp4(&gpu, &dy, rows, d, QuantOnly::ResidentNvfp4);
             assert_same_nvfp4(&label, &got.q, &want, d);
-            let v4p = quantized_nvfp4(&gpu, &dy, rows, d, QuantOnly::RowLoop);
-            assert_same_nvfp4(&format!("{label} (vs v4p)"), &got.q, &v4p.q, d);
-            eprintln!("{label}: v6, v4p and the CPU reference bit-identical");
+            let row_loop = quantized_nvfp4(&gpu, &dy, rows, d, QuantOnly::RowLoop);
+            assert_same_nvfp4(&format!("{label} (vs row-loop)"), &got.q, &row_loop.q, d);
+            eprintln!("{label}: resident NVFP4, row-loop and the CPU reference bit-identical");
         }
-        // non-finite input (the noinline per-element fallback of a non-finite block scale): v6 vs v4p only
+        // non-finite input (the noinline per-element fallback of a non-finite block scale): resident NVFP4 vs row-loop only
         // (NaN codes are not defined by the reference); +-inf and NaN spliced into random rows
         let rows = 64;
         let mut y = nq::bench::random_rows(rows, d, seed ^ 0x1f ^ d as u64);
@@ -1443,11 +1452,11 @@ fn gpu_v6_quant_nvfp4_matches_cpu_at_exact_boundaries() {
             y[row * d + (row * 37) % d] = v;
         }
         let dy = gpu.upload(&bf16::to_bf16_vec(&y)).unwrap(); // upload_checked_bf16 refuses non-finite values
-        let label = format!("v6 quant->nvfp4 non-finite rows {rows}x{d}, seed {seed}");
+        let label = format!("resident NVFP4 quant->nvfp4 non-finite rows {rows}x{d}, seed {seed}");
         let got = quantized_nvfp4(&gpu, &dy, rows, d, QuantOnly::ResidentNvfp4);
-        let v4p = quantized_nvfp4(&gpu, &dy, rows, d, QuantOnly::RowLoop);
-        assert_same_nvfp4(&label, &got.q, &v4p.q, d);
-        eprintln!("{label}: v6 and v4p bit-identical");
+        let row_loop = quantized_nvfp4(&gpu, &dy, rows, d, QuantOnly::RowLoop);
+        assert_same_nvfp4(&label, &got.q, &row_loop.q, d);
+        eprintln!("{label}: resident NVFP4 and row-loop bit-identical");
     }
 }
 

@@ -22,32 +22,32 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
     vec![
         ExecKernel {
             name: "mhc_pre_nvfp4",
-            doc: "in: X BF16 [T, 4, D], hc_fn F32 [24, 4D], hc_scale F32 [3], hc_base F32 [24], weight F32|BF16 [D]. out: pre/post F32 [T, 4], comb F32 [T, 4, 4], u BF16 [T, D], data/scales/global_scale (as rmsnorm_nvfp4), rstd",
+            doc: "hc_pre + RMSNorm(u; weight) -> NVFP4. in: X BF16 [T, 4, D] (4 residual streams per token), hc_fn F32 [24, 4D], hc_scale F32 [3], hc_base F32 [24], weight F32|BF16 [D] (rounded to BF16); T >= 1, D % 128 == 0, D <= 16384, finite values. out: pre F32 [T, 4], post F32 [T, 4], comb F32 [T, 4, 4], u BF16 [T, D], data U8 [T, D/2], scales F8_E4M3 [T, D/16], global_scale F32 [T], rstd F32 [T]",
             run: |i, g| run_mhc_pre(i, g, OutFormat::Nvfp4),
         },
         ExecKernel {
             name: "mhc_pre_fp8",
-            doc: "as mhc_pre_nvfp4, the normalized u as rmsnorm_fp8",
+            doc: "hc_pre + RMSNorm(u; weight) -> FP8. in: as mhc_pre_nvfp4 (X, hc_fn, hc_scale, hc_base, weight; same constraints). out: pre, post, comb, u as mhc_pre_nvfp4; data F8_E4M3 [T, D], scales U8 (ue8m0) [T, D/128], rstd F32 [T]",
             run: |i, g| run_mhc_pre(i, g, OutFormat::Fp8),
         },
         ExecKernel {
             name: "mhc_pre_bf16",
-            doc: "as mhc_pre_nvfp4, the normalized u as rmsnorm_bf16 (y)",
+            doc: "hc_pre + RMSNorm(u; weight) -> BF16. in: as mhc_pre_nvfp4 (X, hc_fn, hc_scale, hc_base, weight; same constraints). out: pre, post, comb, u as mhc_pre_nvfp4; y BF16 [T, D], rstd F32 [T]",
             run: |i, g| run_mhc_pre(i, g, OutFormat::Bf16),
         },
         ExecKernel {
             name: "mhc_post",
-            doc: "in: y BF16 [T, D], X BF16 [T, 4, D], post F32 [T, 4], comb F32 [T, 4, 4]. out: X_out BF16 [T, 4, D] = post (x) y + comb^T X",
+            doc: "hc_post. in: y BF16 [T, D], X BF16 [T, 4, D], post F32 [T, 4], comb F32 [T, 4, 4] (row-major C[j][k]); T >= 1, D % 128 == 0, D <= 16384, finite values. out: X_out BF16 [T, 4, D], X_out[t][k] = post[t][k] y[t] + sum_j comb[t][j][k] X[t][j]",
             run: run_mhc_post,
         },
         ExecKernel {
             name: "mhc_post_then_pre_nvfp4",
-            doc: "mhc_post of one sub-layer fused with mhc_pre_nvfp4 of the next (mhc_post_then_pre). in: y, X, post, comb as mhc_post (the previous boundary's post/comb); hc_fn, hc_scale, hc_base, weight as mhc_pre_nvfp4 (the next boundary's). out: X_out as mhc_post, and the outputs of mhc_pre_nvfp4 on X_out",
+            doc: "hc_post of one sub-layer fused with hc_pre + RMSNorm -> NVFP4 of the next. in: y BF16 [T, D], X BF16 [T, 4, D], post F32 [T, 4], comb F32 [T, 4, 4] (the previous boundary's), hc_fn F32 [24, 4D], hc_scale F32 [3], hc_base F32 [24], weight F32|BF16 [D] (the next boundary's); T >= 1, D % 128 == 0, D <= 16384, finite values. out: X_out BF16 [T, 4, D] (as mhc_post), and pre, post, comb, u, data, scales, global_scale, rstd of mhc_pre_nvfp4 on X_out",
             run: run_mhc_post_then_pre,
         },
         ExecKernel {
             name: "hc_head",
-            doc: "in: X BF16 [T, 4, D], hc_head_fn F32 [4, 4D], hc_head_scale F32 [1], hc_head_base F32 [4], weight F32|BF16 [D]. out: pre F32 [T, 4], u BF16 [T, D], y BF16 [T, D] = RMSNorm(u), rstd F32 [T]",
+            doc: "hc_head + RMSNorm(u; weight) -> BF16. in: X BF16 [T, 4, D], hc_head_fn F32 [4, 4D], hc_head_scale F32 [1], hc_head_base F32 [4], weight F32|BF16 [D] (rounded to BF16); T >= 1, D % 128 == 0, D <= 16384, finite values. out: pre F32 [T, 4], u BF16 [T, D], y BF16 [T, D] = RMSNorm(u), rstd F32 [T]",
             run: run_hc_head,
         },
     ]
@@ -58,6 +58,12 @@ fn residual(inputs: &TensorMap, k: &str) -> Result<(Vec<f32>, usize, usize)> {
     let xt = input(inputs, k, "X", &[Dtype::BF16], &[None, Some(4), None])?;
     let (t, d) = (xt.shape[0], xt.shape[2]);
     crate::ops::norm_quant::check_rows(t, d)?;
+    if d > super::MHC_MAX_D {
+        bail!(
+            "{k}: hidden size {d} is above the supported {}",
+            super::MHC_MAX_D
+        );
+    }
     let x = xt.to_f32()?;
     if let Some(i) = x.iter().position(|v| !v.is_finite()) {
         bail!("{k}: X has a non-finite value at index {i}");

@@ -19,17 +19,17 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
     vec![
         ExecKernel {
             name: "rmsnorm_nvfp4",
-            doc: "in: x F32|BF16 [rows, D] (D % 128 == 0), weight F32|BF16 [D]. out: data U8 [rows, D/2], scales F8_E4M3 [rows, D/16], global_scale F32 [rows], rstd F32 [rows]",
+            doc: "RMSNorm(x; weight) -> NVFP4. in: x F32|BF16 [rows, D], weight F32|BF16 [D] (rounded to BF16); rows >= 1, D % 128 == 0, D <= 32768, finite values. out: data U8 [rows, D/2] (e2m1 codes, lower index in the low nibble), scales F8_E4M3 [rows, D/16], global_scale F32 [rows], rstd F32 [rows]",
             run: |i, g| run_rmsnorm(i, g, OutFormat::Nvfp4),
         },
         ExecKernel {
             name: "rmsnorm_fp8",
-            doc: "in: x F32|BF16 [rows, D], weight F32|BF16 [D]. out: data F8_E4M3 [rows, D], scales U8 (ue8m0) [rows, D/128], rstd F32 [rows]",
+            doc: "RMSNorm(x; weight) -> FP8 e4m3 1x128. in: x F32|BF16 [rows, D], weight F32|BF16 [D] (rounded to BF16); rows >= 1, D % 128 == 0, D <= 32768, finite values. out: data F8_E4M3 [rows, D], scales U8 (ue8m0) [rows, D/128], rstd F32 [rows]",
             run: |i, g| run_rmsnorm(i, g, OutFormat::Fp8),
         },
         ExecKernel {
             name: "rmsnorm_bf16",
-            doc: "in: x F32|BF16 [rows, D], weight F32|BF16 [D]. out: y BF16 [rows, D], rstd F32 [rows]",
+            doc: "RMSNorm(x; weight) -> BF16. in: x F32|BF16 [rows, D], weight F32|BF16 [D] (rounded to BF16); rows >= 1, D % 128 == 0, D <= 32768, finite values. out: y BF16 [rows, D], rstd F32 [rows]",
             run: |i, g| run_rmsnorm(i, g, OutFormat::Bf16),
         },
     ]
