@@ -1,5 +1,6 @@
 //! Measurement hooks of the norm_quant family and the baseline its targets are measured against: the unfused
-//! chain [`rmsnorm_then_quant`] (RMSNorm kernel -> BF16 rows in HBM -> quantize kernel) and a device-to-device
+//! chain [`rmsnorm_then_quant`] (RMSNorm kernel -> BF16 rows in HBM -> quantize kernel [`quantize_bf16_rows`]),
+//! the quantize-only hook of the resident NVFP4 encoder the tests use, and a device-to-device
 //! copy of the same bytes (the bandwidth reference). The bench layer (src/bench/kernels/norm_quant.rs) turns
 //! sweep points into calls of [`bench_rows`]; the seeded inputs here are shared with the tests and the mHC hooks.
 
@@ -7,11 +8,13 @@ use anyhow::{bail, Result};
 use half::bf16;
 
 use super::{
-    check_rows, quantize_bf16_rows, reference, rmsnorm_quant, rmsnorm_quant_into,
-    upload_checked_bf16, NormOutputs, OutFormat, QuantView, RowsIn, RowsOut,
+    check_len, check_resident, check_rows, reference, resident_block_threads, resident_grid,
+    resident_nvfp4_entry, rmsnorm_quant, rmsnorm_quant_into, row_block_threads,
+    upload_checked_bf16, NormOutputs, OutFormat, QuantView, RowsIn, RowsOut, FAMILY,
+    ROW_LOOP_NVFP4_MAX_D,
 };
 use crate::gpu::arena::{Arena, WorkspaceLayout};
-use crate::gpu::launch::{DeviceBuf, Stream};
+use crate::gpu::launch::{launch, DeviceBuf, KernelArgs, Launch, Stream};
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::{drv, Gpu};
 
@@ -44,6 +47,81 @@ pub fn rmsnorm_then_quant(
     }
     rmsnorm_quant_into(gpu, stream, x, w, eps, staging)?;
     quantize_bf16_rows(gpu, stream, &y, out)
+}
+
+/// Quantize BF16 rows `y` `[rows, d]` to NVFP4 or FP8 (no norm) into `out` (its rstd untouched): the second
+/// kernel of the unfused chain. NVFP4 runs `quant_nvfp4_bf16in_row_loop` (the encoder of the fused row-loop
+/// kernel) up to [`ROW_LOOP_NVFP4_MAX_D`], `quant_nvfp4_bf16in` (one CTA per row) above; FP8 runs
+/// `quant_fp8_bf16in` (one CTA per row). The CPU quantizer's bits in every case.
+pub fn quantize_bf16_rows(
+    gpu: &Gpu,
+    stream: &Stream,
+    y: &impl DeviceBuf<bf16>,
+    out: &RowsOut,
+) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_rows(rows, d)?;
+    check_len("y", y.elems(), rows * d)?;
+    let threads = row_block_threads(d);
+    let mut a = KernelArgs::new();
+    a.buf(y);
+    match out.format {
+        OutFormat::Nvfp4 if d <= ROW_LOOP_NVFP4_MAX_D => {
+            // (y, q, scales, gsa, rows, D)
+            let k = gpu.kernel(FAMILY, "quant_nvfp4_bf16in_row_loop")?;
+            let grid = resident_grid(gpu, &k, threads, 0, rows)?;
+            out.push(&mut a, 0, false);
+            a.i32(rows as i32).i32(d as i32);
+            unsafe {
+                launch(
+                    stream,
+                    &k,
+                    Launch::new((grid, 1, 1), (threads, 1, 1)),
+                    &mut a,
+                )
+            }
+        }
+        OutFormat::Nvfp4 | OutFormat::Fp8 => {
+            // (y, [q...], D), one CTA per row
+            let name = format!("quant_{}_bf16in", out.format.name());
+            let k = gpu.kernel(FAMILY, &name)?;
+            out.push(&mut a, 0, false);
+            a.i32(d as i32);
+            let l = Launch::new((rows as u32, 1, 1), (threads, 1, 1));
+            unsafe { launch(stream, &k, l, &mut a) }
+        }
+        OutFormat::Bf16 => bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8"),
+    }
+}
+
+/// Quantize-only resident NVFP4 (`quant_nvfp4_bf16in_resident_nw<d / 1024>`): BF16 rows `y` -> NVFP4, the same
+/// bits as [`quantize_bf16_rows`]; the test hook of the [`RowsPath::ResidentNvfp4`] encoder at exact e2m1
+/// decision points. `out.rstd` untouched.
+pub fn quantize_bf16_rows_resident_nvfp4(
+    gpu: &Gpu,
+    stream: &Stream,
+    y: &impl DeviceBuf<bf16>,
+    out: &RowsOut,
+) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_resident(rows, d, out.format, true)?;
+    check_len("y", y.elems(), rows * d)?;
+    // (y, q, scales, gsa, rows)
+    let k = gpu.kernel(FAMILY, &resident_nvfp4_entry("quant_nvfp4_bf16in", d))?;
+    let threads = resident_block_threads(d);
+    let grid = resident_grid(gpu, &k, threads, 0, rows)?;
+    let mut a = KernelArgs::new();
+    a.buf(y);
+    out.push(&mut a, 0, false);
+    a.i32(rows as i32);
+    unsafe {
+        launch(
+            stream,
+            &k,
+            Launch::new((grid, 1, 1), (threads, 1, 1)),
+            &mut a,
+        )
+    }
 }
 
 /// One timed point: samples in microseconds and the bytes a perfect kernel moves (inputs read once, outputs

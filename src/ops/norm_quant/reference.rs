@@ -90,7 +90,7 @@ pub fn quantize_nvfp4_rows(y: &[f32], rows: usize, cols: usize) -> Result<Nvfp4R
     nvfp4::quantize_rows(y, rows, cols)
 }
 
-/// Mirror of the v4 kernel's packed-pair NVFP4 encoder (kernels/norm_quant.cu, `e2m1_codes8_keys` and its
+/// Mirror of the row-loop kernels' packed-pair NVFP4 encoder (kernels/norm_quant.cu, `e2m1_codes8_keys` and its
 /// helpers), operation for operation on u32 words, so a CPU test can check it against `formats::e2m1` for
 /// every BF16 value. Not used by the reference itself.
 pub mod packed_e2m1_mirror {
@@ -129,7 +129,7 @@ pub mod packed_e2m1_mirror {
         ]
     }
 
-    /// `e2m1_thresholds_fma(scale)` of the .cu (v4p). `fma_rd/ru(s, t, h)` rounds the exact s*t + h once;
+    /// `e2m1_thresholds_fma(scale)` of the .cu (the row loop). `fma_rd/ru(s, t, h)` rounds the exact s*t + h once;
     /// s*t + h = s*(t + 2^-k) has at most 24 + 25 significant bits, so it is exact in f64 and one directed f64
     /// -> f32 rounding of it is the FMA's result. `h` is the f32 product s * 2^-k as the device computes it
     /// (rounded when it is subnormal: the reason for the range guard).
@@ -213,7 +213,7 @@ pub mod packed_e2m1_mirror {
         })
     }
 
-    /// `v6_codes8_bsearch` of the .cu (the v6 kernels' encoder): per pair, a 3-step binary search over the
+    /// `codes8_bsearch` of the .cu (the resident NVFP4 kernels' encoder): per pair, a 3-step binary search over the
     /// sorted keys with per-half LOP3 selects under prmt masks; the difference words carry the code bits in
     /// bits 15 / 31 like the planes of [`codes8_prmt`], whose placement follows. Same word as [`codes8`] when
     /// `keys` is non-decreasing in each half and every key is at most 0x7F80 (tests/norm_quant.rs).
@@ -245,7 +245,7 @@ pub mod packed_e2m1_mirror {
         (a & 0xFFFF).max(b & 0xFFFF) | (a >> 16).max(b >> 16) << 16
     }
 
-    /// The chunk amax of the v4 kernel: max of the guarded keys, as an f32.
+    /// The chunk amax of the row-loop kernel: max of the guarded keys, as an f32.
     pub fn chunk_amax(pk: &[u32; 4]) -> f32 {
         let g = 0x8000_8000;
         let m = max_u16x2(
@@ -262,7 +262,7 @@ pub mod packed_e2m1_mirror {
     }
 }
 
-/// Mirror of the v5 FP8 kernel's division-free ue8m0 scale (kernels/norm_quant.cu,
+/// Mirror of the resident FP8 kernel's division-free ue8m0 scale (kernels/norm_quant.cu,
 /// `ue8m0_scale_448_divfree`): for `a = max(block amax, 1e-4)` (never NaN), the code of
 /// `formats::ue8m0::pow2_scale_for(a, 448)` is `((bits(a) + 0x1FFFFF) >> 23) - 8` for finite `a` (the exponent
 /// field less 8, plus 1 when the mantissa is above 0.75), 254 for `+inf`. The proof is beside the device code;
