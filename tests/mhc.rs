@@ -425,7 +425,7 @@ fn gpu_mhc_pre_matches_reference() {
 /// The three BF16 planes of the mix weights sum to F exactly (f64 sum of the three), for the random weights of
 /// the GPU tests and for edge values: ties of the BF16 rounding (F = 1 + 2^-8 + k 2^-23), values rounding up into
 /// the next binade (1.999...), all-ones significands, both signs, 2^126 and 2^-100 with a full significand, and
-/// zero (|F| >= 2^127 (2 - 2^-8) would round f1 to infinity: no mix weight is near that). Why it holds: mix_fn_bf16_planes (src/ops/norm_quant/mod.rs).
+/// zero (|F| >= 2^127 (2 - 2^-8) would round f1 to infinity: no mix weight is near that). Why it holds: mix_fn_bf16_planes (src/ops/mhc/mod.rs).
 #[test]
 fn mix_fn_bf16_planes_sum_to_f_exactly() {
     let seed = fresh_seed("mix_fn_bf16_planes_sum_to_f_exactly");
@@ -1209,7 +1209,7 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
             panic!("{label}: X'[{i}] mhc_post {} vs fused {}", xa[i], xb[i]);
         }
         // The next boundary on X' (the fused mixes sum in mhc_mix_partial's order, the finish is
-        // mhc_pre_finish2_*): checked against the CPU reference from the kernel's own reduced mixes, so
+        // mhc_pre_finish_*): checked against the CPU reference from the kernel's own reduced mixes, so
         // pre/post/C (the 16-lane Sinkhorn) must match to a few f32 ulp and u/RMSNorm(u) exactly.
         let next_case = MhcCase {
             tokens,
