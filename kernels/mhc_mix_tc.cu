@@ -1,14 +1,14 @@
 // mhc_mix_tc: the mHC boundary's 24-wide mix F.x (and the sum of squares x.x) on BF16 tensor cores, for
-// prefill-sized token counts (issue #3, session 13; mhc_pre's path from 128 tokens since the session-14 A/B:
-// 8192 x 4096 NVFP4 boundary 963 -> 275 us, 65536 x 4096 7620 -> 2137 us; under ncu at 8192 x 4096 this mix
-// takes 82 us (69% of DRAM peak) where mhc_mix_partial24_v2 took 751 us, and the finish (193 us) is now the
-// larger part). Writes the same split-K partials [T][25][S] that the finish
-// kernels of kernels/norm_quant.cu (mhc_pre_finish2_*) reduce, with S = the K-split count chosen by the launcher
-// (src/ops/norm_quant/mod.rs `tc_mix_splits`), not 4D/128.
+// prefill-sized token counts (mhc_pre's path from 128 tokens: mhc_pre_auto_path in src/ops/mhc/mod.rs). Under ncu at
+// 8192 x 4096 this mix takes 82 us (69% of DRAM peak) where the FFMA mix mhc_mix_partial24_staged takes 751 us.
+// Writes the same split-K partials [T][25][S] that the finish kernels of kernels/mhc.cu (mhc_pre_finish_*)
+// reduce, with S = the K-split count chosen by the launcher (src/ops/mhc/mod.rs `tc_mix_splits`), not 4D/128.
+// Its own translation unit: it shares no device code with kernels/mhc.cu (its wgmma / cp.async ring helpers come
+// from common/), only the partials layout.
 //
-// Why: the FFMA mixes (mhc_mix_partial24_v2, mhc_unfused_gemv) do 24 FMAs per BF16 element of X plus F loads:
-// at 65536 tokens x D 4096 that is 25.8 G FMA, >= 0.77 ms at the fp32 FMA peak before any load, and measured
-// 7.6 ms for the whole fused boundary (H200, a0eee66). Here the mix is a GEMM X [T x 4D] (BF16) x [f1; f2; f3]^T
+// Why: the FFMA mixes (mhc_mix_partial24_staged, mhc_unfused_gemv) do 24 FMAs per BF16 element of X plus F loads:
+// at 65536 tokens x D 4096 that is 25.8 G FMA, >= 0.77 ms at the fp32 FMA peak before any load (7.6 ms for
+// the whole fused boundary on the H200). Here the mix is a GEMM X [T x 4D] (BF16) x [f1; f2; f3]^T
 // [4D x 72] (BF16) with fp32 accumulation: 155 GFLOP on tensor cores (~0.2 ms at the measured ~800 TFLOPS),
 // so the kernel should be bound by reading X once (2.15 GB at 65536 x 4096, ~0.55 ms at 4 TB/s).
 //
@@ -27,7 +27,7 @@
 //   (fp32, smallest first) equals F_j . x up to the accumulation error of the tensor core (below) and two fp32
 //   roundings. The accumulation is NOT IEEE fp32 summation: Hopper's wgmma adds each k16 block of products to
 //   the accumulator as one fused block (products aligned to the largest exponent, low bits dropped). The tests
-//   (tests/norm_quant.rs, tc_dot_bounds) bound this per k16 step by 20 x 2^-23 x (|accumulator| + sum |step's
+//   (tests/mhc.rs, tc_dot_bounds) bound this per k16 step by 20 x 2^-23 x (|accumulator| + sum |step's
 //   products|) (17 for one 17-addend block: 16 alignments + 1 normalization) and check every dot against f64
 //   under it; tc_dot_bounds_hold_for_emulated_tensor_cores checks the bound on a bit-level emulation.
 // The sum of squares (column 24, the RMS of the residual) stays on the CUDA cores: each thread squares 32 of the

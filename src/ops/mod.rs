@@ -5,6 +5,7 @@
 pub mod exec;
 pub mod indexer;
 pub mod inputs;
+pub mod mhc;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;

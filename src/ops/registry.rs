@@ -14,6 +14,7 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
     let mut v = Vec::new();
     v.extend(crate::ops::nvfp4::exec_kernels());
     v.extend(crate::ops::norm_quant::exec_kernels());
+    v.extend(crate::ops::mhc::exec_kernels());
     v.extend(crate::ops::moe_gemm::exec_kernels());
     v.extend(crate::ops::sparse_attn::exec::exec_kernels());
     v.extend(crate::ops::indexer::exec_kernels());

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod indexer;
+pub mod norm;
 
 use megamoe::gpu::Gpu;
 use rand::SeedableRng;

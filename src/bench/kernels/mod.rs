@@ -4,6 +4,8 @@
 
 pub mod indexer;
 pub mod sparse_attn;
+pub mod mhc;
+pub mod norm_quant;
 
 use super::runner::BenchKernel;
 
@@ -11,7 +13,8 @@ use super::runner::BenchKernel;
 pub fn all() -> Vec<BenchKernel> {
     let mut v = Vec::new();
     v.extend(crate::ops::nvfp4::bench::kernels());
-    v.extend(crate::ops::norm_quant::bench::kernels());
+    v.extend(norm_quant::kernels());
+    v.extend(mhc::kernels());
     v.extend(crate::ops::moe_gemm::bench::kernels());
     v.extend(sparse_attn::kernels());
     v.extend(indexer::kernels());

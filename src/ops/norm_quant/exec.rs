@@ -2,81 +2,49 @@
 //! checkpoint); an F32 weight is rounded to BF16 first, on both paths.
 
 use anyhow::{bail, Result};
-use cudarc::driver::CudaSlice;
-use half::bf16;
 use safetensors::Dtype;
 
 use super::reference as r;
 use super::{
-    hc_head, mhc_post, mhc_post_then_pre, mhc_pre, rmsnorm_quant, upload_checked_bf16,
-    upload_checked_f32, HostQuant, MhcPreOutputs, MhcWeights, NormOutputs, OutFormat, RowsIn,
+    rmsnorm_quant, upload_checked_bf16, upload_checked_f32, HostQuant, NormOutputs, OutFormat,
+    RowsIn,
 };
 use crate::formats::bf16 as fbf16;
 use crate::gpu::Gpu;
 use crate::ops::exec::{input, ExecKernel, HostTensor, TensorMap};
 
-const FLOATS: &[Dtype] = &[Dtype::F32, Dtype::BF16];
+pub(crate) const FLOATS: &[Dtype] = &[Dtype::F32, Dtype::BF16];
 
 pub fn exec_kernels() -> Vec<ExecKernel> {
     vec![
         ExecKernel {
             name: "rmsnorm_nvfp4",
-            doc: "in: x F32|BF16 [rows, D] (D % 128 == 0), weight F32|BF16 [D]. out: data U8 [rows, D/2], scales F8_E4M3 [rows, D/16], global_scale F32 [rows], rstd F32 [rows]",
+            doc: "RMSNorm(x; weight) -> NVFP4. in: x F32|BF16 [rows, D], weight F32|BF16 [D] (rounded to BF16); rows >= 1, D % 128 == 0, D <= 32768, finite values. out: data U8 [rows, D/2] (e2m1 codes, lower index in the low nibble), scales F8_E4M3 [rows, D/16], global_scale F32 [rows], rstd F32 [rows]",
             run: |i, g| run_rmsnorm(i, g, OutFormat::Nvfp4),
         },
         ExecKernel {
             name: "rmsnorm_fp8",
-            doc: "in: x F32|BF16 [rows, D], weight F32|BF16 [D]. out: data F8_E4M3 [rows, D], scales U8 (ue8m0) [rows, D/128], rstd F32 [rows]",
+            doc: "RMSNorm(x; weight) -> FP8 e4m3 1x128. in: x F32|BF16 [rows, D], weight F32|BF16 [D] (rounded to BF16); rows >= 1, D % 128 == 0, D <= 32768, finite values. out: data F8_E4M3 [rows, D], scales U8 (ue8m0) [rows, D/128], rstd F32 [rows]",
             run: |i, g| run_rmsnorm(i, g, OutFormat::Fp8),
         },
         ExecKernel {
             name: "rmsnorm_bf16",
-            doc: "in: x F32|BF16 [rows, D], weight F32|BF16 [D]. out: y BF16 [rows, D], rstd F32 [rows]",
+            doc: "RMSNorm(x; weight) -> BF16. in: x F32|BF16 [rows, D], weight F32|BF16 [D] (rounded to BF16); rows >= 1, D % 128 == 0, D <= 32768, finite values. out: y BF16 [rows, D], rstd F32 [rows]",
             run: |i, g| run_rmsnorm(i, g, OutFormat::Bf16),
-        },
-        ExecKernel {
-            name: "mhc_pre_nvfp4",
-            doc: "in: X BF16 [T, 4, D], hc_fn F32 [24, 4D], hc_scale F32 [3], hc_base F32 [24], weight F32|BF16 [D]. out: pre/post F32 [T, 4], comb F32 [T, 4, 4], u BF16 [T, D], data/scales/global_scale (as rmsnorm_nvfp4), rstd",
-            run: |i, g| run_mhc_pre(i, g, OutFormat::Nvfp4),
-        },
-        ExecKernel {
-            name: "mhc_pre_fp8",
-            doc: "as mhc_pre_nvfp4, the normalized u as rmsnorm_fp8",
-            run: |i, g| run_mhc_pre(i, g, OutFormat::Fp8),
-        },
-        ExecKernel {
-            name: "mhc_pre_bf16",
-            doc: "as mhc_pre_nvfp4, the normalized u as rmsnorm_bf16 (y)",
-            run: |i, g| run_mhc_pre(i, g, OutFormat::Bf16),
-        },
-        ExecKernel {
-            name: "mhc_post",
-            doc: "in: y BF16 [T, D], X BF16 [T, 4, D], post F32 [T, 4], comb F32 [T, 4, 4]. out: X_out BF16 [T, 4, D] = post (x) y + comb^T X",
-            run: run_mhc_post,
-        },
-        ExecKernel {
-            name: "mhc_post_then_pre_nvfp4",
-            doc: "mhc_post of one sub-layer fused with mhc_pre_nvfp4 of the next (mhc_post_then_pre). in: y, X, post, comb as mhc_post (the previous boundary's post/comb); hc_fn, hc_scale, hc_base, weight as mhc_pre_nvfp4 (the next boundary's). out: X_out as mhc_post, and the outputs of mhc_pre_nvfp4 on X_out",
-            run: run_mhc_post_then_pre,
-        },
-        ExecKernel {
-            name: "hc_head",
-            doc: "in: X BF16 [T, 4, D], hc_head_fn F32 [4, 4D], hc_head_scale F32 [1], hc_head_base F32 [4], weight F32|BF16 [D]. out: pre F32 [T, 4], u BF16 [T, D], y BF16 [T, D] = RMSNorm(u), rstd F32 [T]",
-            run: run_hc_head,
         },
     ]
 }
 
-fn weight(inputs: &TensorMap, kernel: &str, d: usize) -> Result<Vec<f32>> {
+pub(crate) fn weight(inputs: &TensorMap, kernel: &str, d: usize) -> Result<Vec<f32>> {
     let w = input(inputs, kernel, "weight", FLOATS, &[Some(d)])?.to_f32()?;
     Ok(w.iter().map(|&v| fbf16::round(v)).collect())
 }
 
-fn bf16_tensor(shape: Vec<usize>, v: &[f32]) -> HostTensor {
+pub(crate) fn bf16_tensor(shape: Vec<usize>, v: &[f32]) -> HostTensor {
     HostTensor::from_bf16(shape, &fbf16::to_bf16_vec(v))
 }
 
-fn put_quant(m: &mut TensorMap, q: &HostQuant, rows: usize, d: usize, rstd: &[f32]) {
+pub(crate) fn put_quant(m: &mut TensorMap, q: &HostQuant, rows: usize, d: usize, rstd: &[f32]) {
     match q {
         HostQuant::Nvfp4(n) => {
             m.insert(
@@ -125,10 +93,10 @@ fn run_rmsnorm(inputs: &TensorMap, gpu: Option<&Gpu>, format: OutFormat) -> Resu
             let mut out = NormOutputs::alloc_poisoned(g, format, rows, d)?;
             if xt.dtype == Dtype::BF16 {
                 let dx = upload_checked_bf16(g, "x", &x)?;
-                rmsnorm_quant(g, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out)?;
+                rmsnorm_quant(g, &g.stream, RowsIn::Bf16(&dx), &dw, r::RMS_EPS, &mut out)?;
             } else {
                 let dx = upload_checked_f32(g, "x", &x)?;
-                rmsnorm_quant(g, RowsIn::F32(&dx), &dw, r::RMS_EPS, &mut out)?;
+                rmsnorm_quant(g, &g.stream, RowsIn::F32(&dx), &dw, r::RMS_EPS, &mut out)?;
             }
             let h = out.download(g)?;
             (h.q, h.rstd)
@@ -140,285 +108,5 @@ fn run_rmsnorm(inputs: &TensorMap, gpu: Option<&Gpu>, format: OutFormat) -> Resu
     };
     let mut m = TensorMap::new();
     put_quant(&mut m, &q, rows, d, &rstd);
-    Ok(m)
-}
-
-/// X [T, 4, D] as f32 values, with T and D.
-fn residual(inputs: &TensorMap, k: &str) -> Result<(Vec<f32>, usize, usize)> {
-    let xt = input(inputs, k, "X", &[Dtype::BF16], &[None, Some(4), None])?;
-    let (t, d) = (xt.shape[0], xt.shape[2]);
-    super::check_rows(t, d)?;
-    let x = xt.to_f32()?;
-    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        bail!("{k}: X has a non-finite value at index {i}");
-    }
-    Ok((x, t, d))
-}
-
-/// The sub-layer boundary's `hc_fn` [24, 4D], `hc_scale` [3], `hc_base` [24].
-fn mhc_params(inputs: &TensorMap, k: &str, d: usize) -> Result<r::MhcParams> {
-    let mix_fn = input(inputs, k, "hc_fn", &[Dtype::F32], &[Some(24), Some(4 * d)])?.to_f32()?;
-    let scale: [f32; 3] = input(inputs, k, "hc_scale", &[Dtype::F32], &[Some(3)])?
-        .to_f32()?
-        .try_into()
-        .unwrap();
-    let base: [f32; 24] = input(inputs, k, "hc_base", &[Dtype::F32], &[Some(24)])?
-        .to_f32()?
-        .try_into()
-        .unwrap();
-    Ok(r::MhcParams {
-        mix_fn,
-        scale,
-        base,
-    })
-}
-
-/// Outputs of one mHC boundary on the host: pre, post, comb, u, the quantized RMSNorm(u) and its rstd.
-struct HostMhcPre {
-    pre: Vec<f32>,
-    post: Vec<f32>,
-    comb: Vec<f32>,
-    u: Vec<f32>,
-    q: HostQuant,
-    rstd: Vec<f32>,
-}
-
-impl HostMhcPre {
-    fn download(g: &Gpu, out: &MhcPreOutputs) -> Result<HostMhcPre> {
-        let h = out.normed.download(g)?;
-        Ok(HostMhcPre {
-            pre: g.download(&out.pre)?,
-            post: g.download(&out.post)?,
-            comb: g.download(&out.comb)?,
-            u: g.download(&out.u)?
-                .iter()
-                .map(|v: &bf16| v.to_f32())
-                .collect(),
-            q: h.q,
-            rstd: h.rstd,
-        })
-    }
-
-    /// The CPU reference of the boundary on X [T, 4, D].
-    fn reference(
-        x: &[f32],
-        p: &r::MhcParams,
-        w: &[f32],
-        t: usize,
-        d: usize,
-        format: OutFormat,
-    ) -> Result<HostMhcPre> {
-        let (mut pre, mut post, mut comb, mut u) = (vec![], vec![], vec![], vec![]);
-        for tok in 0..t {
-            let (c, ut) = r::mhc_pre_token(&x[tok * 4 * d..(tok + 1) * 4 * d], p);
-            pre.extend(c.pre);
-            post.extend(c.post);
-            comb.extend(c.comb);
-            u.extend(ut);
-        }
-        let (y, rstd) = r::rmsnorm_rows(&u, t, d, w, r::RMS_EPS)?;
-        Ok(HostMhcPre {
-            pre,
-            post,
-            comb,
-            u,
-            q: HostQuant::encode(format, &y, t, d)?,
-            rstd,
-        })
-    }
-
-    fn put(&self, m: &mut TensorMap, t: usize, d: usize) {
-        m.insert("pre".into(), HostTensor::from_f32(vec![t, 4], &self.pre));
-        m.insert("post".into(), HostTensor::from_f32(vec![t, 4], &self.post));
-        m.insert(
-            "comb".into(),
-            HostTensor::from_f32(vec![t, 4, 4], &self.comb),
-        );
-        m.insert("u".into(), bf16_tensor(vec![t, d], &self.u));
-        put_quant(m, &self.q, t, d, &self.rstd);
-    }
-}
-
-fn run_mhc_pre(inputs: &TensorMap, gpu: Option<&Gpu>, format: OutFormat) -> Result<TensorMap> {
-    let k = "mhc_pre";
-    let (x, t, d) = residual(inputs, k)?;
-    let p = mhc_params(inputs, k, d)?;
-    let w = weight(inputs, k, d)?;
-    let h = match gpu {
-        Some(g) => {
-            let dw = MhcWeights::upload(g, &p, &w, d)?;
-            let dx = upload_checked_bf16(g, "X", &x)?;
-            let mut out = MhcPreOutputs::alloc_poisoned(g, format, t, d)?;
-            mhc_pre(g, &dx, &dw, r::RMS_EPS, &mut out)?;
-            HostMhcPre::download(g, &out)?
-        }
-        None => HostMhcPre::reference(&x, &p, &w, t, d, format)?,
-    };
-    let mut m = TensorMap::new();
-    h.put(&mut m, t, d);
-    Ok(m)
-}
-
-/// mhc_post's inputs besides X: y [T, D], post [T, 4], comb [T, 4, 4].
-fn post_inputs(
-    inputs: &TensorMap,
-    k: &str,
-    t: usize,
-    d: usize,
-) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    let y = input(inputs, k, "y", &[Dtype::BF16], &[Some(t), Some(d)])?.to_f32()?;
-    let post = input(inputs, k, "post", &[Dtype::F32], &[Some(t), Some(4)])?.to_f32()?;
-    let comb = input(
-        inputs,
-        k,
-        "comb",
-        &[Dtype::F32],
-        &[Some(t), Some(4), Some(4)],
-    )?
-    .to_f32()?;
-    Ok((y, post, comb))
-}
-
-/// The CPU reference of mhc_post: X_out [T, 4, D] (BF16 values).
-fn mhc_post_reference(
-    y: &[f32],
-    x: &[f32],
-    post: &[f32],
-    comb: &[f32],
-    t: usize,
-    d: usize,
-) -> Vec<f32> {
-    (0..t)
-        .flat_map(|tok| {
-            let p: [f32; 4] = post[tok * 4..tok * 4 + 4].try_into().unwrap();
-            let c: [f32; 16] = comb[tok * 16..tok * 16 + 16].try_into().unwrap();
-            r::mhc_post_token(
-                &y[tok * d..(tok + 1) * d],
-                &x[tok * 4 * d..(tok + 1) * 4 * d],
-                &p,
-                &c,
-            )
-        })
-        .collect()
-}
-
-/// hc_post's inputs on the device (each checked while uploading): y, X (BF16), post, comb (f32).
-type PostInputsOnDevice = (
-    CudaSlice<bf16>,
-    CudaSlice<bf16>,
-    CudaSlice<f32>,
-    CudaSlice<f32>,
-);
-fn upload_post_inputs(
-    g: &Gpu,
-    y: &[f32],
-    x: &[f32],
-    post: &[f32],
-    comb: &[f32],
-) -> Result<PostInputsOnDevice> {
-    Ok((
-        upload_checked_bf16(g, "y", y)?,
-        upload_checked_bf16(g, "X", x)?,
-        upload_checked_f32(g, "post", post)?,
-        upload_checked_f32(g, "comb", comb)?,
-    ))
-}
-
-fn run_mhc_post(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
-    let k = "mhc_post";
-    let (x, t, d) = residual(inputs, k)?;
-    let (y, post, comb) = post_inputs(inputs, k, t, d)?;
-    let out: Vec<f32> = match gpu {
-        Some(g) => {
-            let (dy, dx, dp, dc) = upload_post_inputs(g, &y, &x, &post, &comb)?;
-            let mut xo = g.poisoned::<bf16>(t * 4 * d, 0xFF)?;
-            mhc_post(g, &dy, &dx, &dp, &dc, t, d, &mut xo)?;
-            g.download(&xo)?.iter().map(|v| v.to_f32()).collect()
-        }
-        None => mhc_post_reference(&y, &x, &post, &comb, t, d),
-    };
-    let mut m = TensorMap::new();
-    m.insert("X_out".into(), bf16_tensor(vec![t, 4, d], &out));
-    Ok(m)
-}
-
-/// mhc_post then the next boundary's mhc_pre (NVFP4) on its X_out: the fused kernel pair on the GPU, the two
-/// references in sequence on the CPU (the fused X_out is bit-identical to mhc_post's).
-fn run_mhc_post_then_pre(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
-    let k = "mhc_post_then_pre";
-    let format = OutFormat::Nvfp4;
-    let (x, t, d) = residual(inputs, k)?;
-    let (y, post, comb) = post_inputs(inputs, k, t, d)?;
-    let p = mhc_params(inputs, k, d)?;
-    let w = weight(inputs, k, d)?;
-    let (x_out, h) = match gpu {
-        Some(g) => {
-            let (dy, dx, dp, dc) = upload_post_inputs(g, &y, &x, &post, &comb)?;
-            let dw = MhcWeights::upload(g, &p, &w, d)?;
-            let mut xo = g.poisoned::<bf16>(t * 4 * d, 0xFF)?;
-            let mut out = MhcPreOutputs::alloc_poisoned(g, format, t, d)?;
-            mhc_post_then_pre(g, &dy, &dx, &dp, &dc, &dw, r::RMS_EPS, &mut xo, &mut out)?;
-            let x_out: Vec<f32> = g.download(&xo)?.iter().map(|v| v.to_f32()).collect();
-            (x_out, HostMhcPre::download(g, &out)?)
-        }
-        None => {
-            let x_out = mhc_post_reference(&y, &x, &post, &comb, t, d);
-            let h = HostMhcPre::reference(&x_out, &p, &w, t, d, format)?;
-            (x_out, h)
-        }
-    };
-    let mut m = TensorMap::new();
-    m.insert("X_out".into(), bf16_tensor(vec![t, 4, d], &x_out));
-    h.put(&mut m, t, d);
-    Ok(m)
-}
-
-fn run_hc_head(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
-    let k = "hc_head";
-    let (x, t, d) = residual(inputs, k)?;
-    let head_fn = input(
-        inputs,
-        k,
-        "hc_head_fn",
-        &[Dtype::F32],
-        &[Some(4), Some(4 * d)],
-    )?
-    .to_f32()?;
-    let scale = input(inputs, k, "hc_head_scale", &[Dtype::F32], &[Some(1)])?.to_f32()?[0];
-    let base: [f32; 4] = input(inputs, k, "hc_head_base", &[Dtype::F32], &[Some(4)])?
-        .to_f32()?
-        .try_into()
-        .unwrap();
-    let w = weight(inputs, k, d)?;
-    let (pre, u, q, rstd) = match gpu {
-        Some(g) => {
-            let dw = MhcWeights::upload_head(g, &head_fn, scale, &base, &w, d)?;
-            let dx = upload_checked_bf16(g, "X", &x)?;
-            let mut out = MhcPreOutputs::alloc_poisoned(g, OutFormat::Bf16, t, d)?;
-            hc_head(g, &dx, &dw, r::RMS_EPS, &mut out)?;
-            let h = out.normed.download(g)?;
-            let u: Vec<f32> = g
-                .download(&out.u)?
-                .iter()
-                .map(|v: &bf16| v.to_f32())
-                .collect();
-            (g.download(&out.pre)?, u, h.q, h.rstd)
-        }
-        None => {
-            let (mut pre, mut u) = (vec![], vec![]);
-            for tok in 0..t {
-                let (p, ut) =
-                    r::hc_head_token(&x[tok * 4 * d..(tok + 1) * 4 * d], &head_fn, scale, &base);
-                pre.extend(p);
-                u.extend(ut);
-            }
-            let (y, rstd) = r::rmsnorm_rows(&u, t, d, &w, r::RMS_EPS)?;
-            (pre, u, HostQuant::Bf16(y), rstd)
-        }
-    };
-    let mut m = TensorMap::new();
-    m.insert("pre".into(), HostTensor::from_f32(vec![t, 4], &pre));
-    m.insert("u".into(), bf16_tensor(vec![t, d], &u));
-    put_quant(&mut m, &q, t, d, &rstd);
     Ok(m)
 }
