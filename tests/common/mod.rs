@@ -3,6 +3,8 @@
 //! Family fixtures live beside this file (`tests/common/<family>.rs`), declared below.
 #![allow(dead_code)]
 
+pub mod moe;
+
 use megamoe::gpu::Gpu;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;

@@ -4,12 +4,14 @@
 
 use super::runner::BenchKernel;
 
+pub mod moe_gemm;
+
 /// Every kernel the sweep runner knows. A kernel family adds its entries here.
 pub fn all() -> Vec<BenchKernel> {
     let mut v = Vec::new();
     v.extend(crate::ops::nvfp4::bench::kernels());
     v.extend(crate::ops::norm_quant::bench::kernels());
-    v.extend(crate::ops::moe_gemm::bench::kernels());
+    v.extend(moe_gemm::kernels());
     v.extend(crate::ops::sparse_attn::bench_kernels());
     v.extend(crate::ops::indexer::bench::kernels());
     v

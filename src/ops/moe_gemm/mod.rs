@@ -22,12 +22,14 @@ pub mod prefill;
 pub mod reference;
 
 use anyhow::{anyhow, bail, ensure, Result};
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::seq::index::sample;
 use rand::Rng;
 
-use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
+use crate::gpu::arena::{Arena, WorkspaceLayout};
+use crate::gpu::launch::{launch, DevBuf, KernelArgs, Launch, Stream};
+use crate::gpu::Gpu;
 pub use exec::exec_kernels;
 use reference::{ExpertWeights, Grouping, NVFP4_BLOCK};
 
@@ -62,16 +64,13 @@ pub fn check_gemm_shape(n: usize, k: usize) -> Result<()> {
     Ok(())
 }
 
-fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
-    s.device_ptr(&gpu.stream).0
-}
-
-/// The activation arguments every mainloop takes: (codes or BF16 data, block scales or 0, is_nvfp4).
-fn activation_ptrs(gpu: &Gpu, a: &DeviceActivations) -> (u64, u64, i32) {
+/// Push the activation arguments every mainloop and the pre-pass take: codes or BF16 data, block scales (null
+/// for BF16), is_nvfp4.
+fn push_activations(args: &mut KernelArgs, a: &DeviceActivations) {
     match a {
-        DeviceActivations::Bf16 { data, .. } => (ptr(gpu, *data), 0, 0),
-        DeviceActivations::Nvfp4 { codes, scales, .. } => (ptr(gpu, *codes), ptr(gpu, *scales), 1),
-    }
+        DeviceActivations::Bf16 { data, .. } => args.buf(*data).null().i32(0),
+        DeviceActivations::Nvfp4 { codes, scales, .. } => args.buf(*codes).buf(*scales).i32(1),
+    };
 }
 
 fn as_i32(v: usize, what: &str) -> Result<i32> {
@@ -192,11 +191,15 @@ impl DeviceActivations<'_> {
         }
         Ok(())
     }
-    fn gsa_ptr(&self, gpu: &Gpu) -> u64 {
+    fn is_nvfp4(&self) -> bool {
+        matches!(self, DeviceActivations::Nvfp4 { .. })
+    }
+    /// Push the per-row global scale (null for BF16 activations: gsa = 1).
+    fn push_gsa(&self, args: &mut KernelArgs) {
         match self {
-            DeviceActivations::Bf16 { .. } => 0,
-            DeviceActivations::Nvfp4 { global, .. } => ptr(gpu, global),
-        }
+            DeviceActivations::Bf16 { .. } => args.null(),
+            DeviceActivations::Nvfp4 { global, .. } => args.buf(*global),
+        };
     }
 }
 
@@ -312,26 +315,90 @@ pub const MAINLOOP_CTAS_PER_SM_SMALL_TILE: usize = 3;
 /// Most top-k rows per token the L2 combine resolves per CTA (`kFinishMaxTopk` in the kernel).
 pub const FINISH_MAX_TOPK: usize = 32;
 
-/// fp32 partial sums `[splits, rows_total, N]` written by the mainloop and read by a finish kernel.
+/// The caller-owned scratch of one grouped GEMM, carved from an [`Arena`] ([`Workspace::carve`]) and sized by
+/// [`Workspace::layout`] / [`workspace_bytes`]: the fp32 partial sums `[splits, rows_total, N]` the mainloop
+/// writes and a finish kernel reads, and, for a launch that may take the prefill mainloop (contiguous grouping,
+/// one K split), the RS pre-pass output `[rows_total, K]` BF16 (the activations in the mainloop's permuted
+/// order). Launchers never allocate: every address a launch uses is fixed when the workspace is carved, so a
+/// sequence of launches can be captured in a CUDA graph and replayed.
+#[derive(Debug, Clone, Copy)]
 pub struct Workspace {
     pub splits: usize,
     pub rows_total: usize,
     pub n: usize,
-    pub partial: CudaSlice<f32>,
-    /// Scratch of the TMA-fed RS prefill mainloop ([`prefill::PrefillKernel::RsTma`]): the activations in its
-    /// permuted BF16 order, `rows_total * K` elements; allocated by that launcher on first use (None until then).
-    pub act_rs: Option<CudaSlice<bf16>>,
+    pub partial: DevBuf<f32>,
+    /// The RS pre-pass output; empty when the workspace was carved without it (`prepass_k == 0`).
+    pub act_rs: DevBuf<bf16>,
+}
+
+/// What a [`Workspace`] holds: `splits` K splits of `rows_total` rows of N partials, and the pre-pass scratch
+/// for `prepass_k` columns (0: none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkspaceShape {
+    pub splits: usize,
+    pub rows_total: usize,
+    pub n: usize,
+    pub prepass_k: usize,
+}
+
+impl WorkspaceShape {
+    /// The workspace a launch of `w` over `grp` with `cfg` needs: the pre-pass scratch whenever the grouping is
+    /// contiguous with one K split (a launch that [`launch_partial`] may route, or a caller may force, to the
+    /// prefill mainloop).
+    pub fn for_launch(
+        w: &DeviceExpertWeights,
+        grp: &DeviceGrouping,
+        cfg: &GemmConfig,
+    ) -> WorkspaceShape {
+        let prefill = grp.capacity == 0 && cfg.splits == 1;
+        WorkspaceShape {
+            splits: cfg.splits,
+            rows_total: grp.rows_total,
+            n: w.n,
+            prepass_k: if prefill { w.k } else { 0 },
+        }
+    }
+}
+
+/// Device bytes of the [`Workspace`] of `shape` (what the caller's [`Arena`] must hold for it).
+pub fn workspace_bytes(shape: &WorkspaceShape) -> usize {
+    Workspace::layout(shape).bytes()
 }
 
 impl Workspace {
-    pub fn new(gpu: &Gpu, splits: usize, rows_total: usize, n: usize) -> Result<Workspace> {
-        let len = splits.max(1) * rows_total.max(1) * n;
+    /// The carves of [`Workspace::carve`], in order (at least one element each: a zero-row grouping still gets
+    /// distinct, valid addresses).
+    pub fn layout(shape: &WorkspaceShape) -> WorkspaceLayout {
+        let mut l = WorkspaceLayout::new();
+        l.add::<f32>(Self::partial_len(shape));
+        if shape.prepass_k > 0 {
+            l.add::<bf16>(shape.rows_total.max(1) * shape.prepass_k);
+        }
+        l
+    }
+
+    fn partial_len(shape: &WorkspaceShape) -> usize {
+        shape.splits.max(1) * shape.rows_total.max(1) * shape.n
+    }
+
+    /// Carve the workspace of `shape` from `arena` (nothing is written: every launch writes what it reads).
+    pub fn carve(arena: &mut Arena, shape: &WorkspaceShape) -> Result<Workspace> {
+        let partial = arena.carve::<f32>(Self::partial_len(shape), "moe_gemm fp32 partials")?;
+        let act_rs = if shape.prepass_k > 0 {
+            arena.carve::<bf16>(
+                shape.rows_total.max(1) * shape.prepass_k,
+                "moe_gemm prefill pre-pass activations",
+            )?
+        } else {
+            // SAFETY: an empty buffer is never dereferenced (the prefill launcher checks its length first).
+            unsafe { DevBuf::from_raw(0, 0) }
+        };
         Ok(Workspace {
-            splits,
-            rows_total,
-            n,
-            partial: gpu.zeros::<f32>(len)?,
-            act_rs: None,
+            splits: shape.splits,
+            rows_total: shape.rows_total,
+            n: shape.n,
+            partial,
+            act_rs,
         })
     }
 }
@@ -341,16 +408,17 @@ impl Workspace {
 /// the mma.sync kernel ([`launch_partial_mma`]).
 pub fn launch_partial(
     gpu: &Gpu,
+    stream: &Stream,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
     cfg: &GemmConfig,
-    ws: &mut Workspace,
+    ws: &Workspace,
 ) -> Result<()> {
     if prefill::routes_here(w, grp, cfg) {
-        return prefill::launch_partial_prefill(gpu, w, a, grp, ws);
+        return prefill::launch_partial_prefill(gpu, stream, w, a, grp, ws);
     }
-    launch_partial_mma(gpu, w, a, grp, cfg, ws)
+    launch_partial_mma(gpu, stream, w, a, grp, cfg, ws)
 }
 
 /// The launch checks of the mma.sync decode mainloop (config, A, grouping, workspace against the weights).
@@ -386,6 +454,19 @@ fn check_partial_launch(
         grp.rows_total,
         w.n
     );
+    check_partial_len(ws)
+}
+
+/// The partials buffer holds the `[splits, rows_total, N]` the workspace's fields claim.
+fn check_partial_len(ws: &Workspace) -> Result<()> {
+    ensure!(
+        ws.partial.len() >= ws.splits.max(1) * ws.rows_total * ws.n,
+        "moe_gemm: workspace partials hold {} floats, [{}, {}, {}] needs more",
+        ws.partial.len(),
+        ws.splits,
+        ws.rows_total,
+        ws.n
+    );
     Ok(())
 }
 
@@ -399,13 +480,23 @@ fn check_partial_launch(
 /// tiling, the F16-operand form `moe_gemm_nvfp4_partial_v3th_nt*` ([`DecodeOperands::routed_for`], since session 15).
 pub fn launch_partial_mma(
     gpu: &Gpu,
+    stream: &Stream,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
     cfg: &GemmConfig,
-    ws: &mut Workspace,
+    ws: &Workspace,
 ) -> Result<()> {
-    launch_partial_mma_with(gpu, w, a, grp, cfg, ws, DecodeOperands::routed_for(w, a))
+    launch_partial_mma_with(
+        gpu,
+        stream,
+        w,
+        a,
+        grp,
+        cfg,
+        ws,
+        DecodeOperands::routed_for(w, a),
+    )
 }
 
 /// The operand type of the mma.sync decode mainloop's MMAs.
@@ -436,20 +527,22 @@ impl DecodeOperands {
 
 /// [`launch_partial_mma`] with a chosen operand type; refuses what the F16 mainloop does not take (BF16
 /// activations, weights without their tiled copy) before any launch.
+#[allow(clippy::too_many_arguments)]
 pub fn launch_partial_mma_with(
     gpu: &Gpu,
+    stream: &Stream,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
     cfg: &GemmConfig,
-    ws: &mut Workspace,
+    ws: &Workspace,
     operands: DecodeOperands,
 ) -> Result<()> {
     let tiled = w.prefill_tiled.is_some();
     check_partial_launch(w, a, grp, cfg, ws)?;
     if operands == DecodeOperands::F16 {
         ensure!(
-            matches!(a, DeviceActivations::Nvfp4 { .. }),
+            a.is_nvfp4(),
             "moe_gemm decode (F16 operands): needs NVFP4 activations (BF16 values are not exact in f16)"
         );
         ensure!(
@@ -468,41 +561,36 @@ pub fn launch_partial_mma_with(
     );
     // The permuted BF16 tile plus the raw tile, sized for BF16 A (token_tile x 512 x 2 B each).
     let smem = 2 * cfg.token_tile * STAGE_K * 2;
-    let f = gpu.function_with_smem(FAMILY, &name, smem)?;
-    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
-    let (wc, wsc, grp_p, part) = (
-        match (&w.prefill_tiled, tiled) {
-            (Some(t), true) => ptr(gpu, t),
-            _ => ptr(gpu, &w.codes),
-        },
-        ptr(gpu, &w.scales),
-        ptr(gpu, &grp.group),
-        ptr(gpu, &ws.partial),
-    );
+    let kern = gpu.kernel_with_smem(FAMILY, &name, smem)?;
     let (n, k) = (as_i32(w.n, "N")?, as_i32(w.k, "K")?);
-    let (cap, e, rows, splits) = (
+    let (cap, e, rows) = (
         as_i32(grp.capacity, "capacity")?,
         as_i32(grp.experts, "experts")?,
         as_i32(grp.rows_total, "rows")?,
-        cfg.splits as i32,
     );
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&wc)
-        .arg(&wsc)
-        .arg(&n)
-        .arg(&k)
-        .arg(&act)
-        .arg(&act_scales)
-        .arg(&is_nvfp4);
-    b.arg(&grp_p)
-        .arg(&cap)
-        .arg(&e)
-        .arg(&rows)
-        .arg(&part)
-        .arg(&splits);
-    unsafe { b.launch(launch_cfg((cfg.ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
-        .map_err(|e| anyhow!("{name}: {e:?}"))?;
-    Ok(())
+    let mut args = KernelArgs::new();
+    match &w.prefill_tiled {
+        Some(t) => args.buf(t),
+        None => args.buf(&w.codes),
+    };
+    args.buf(&w.scales).i32(n).i32(k);
+    push_activations(&mut args, a);
+    args.buf(&grp.group)
+        .i32(cap)
+        .i32(e)
+        .i32(rows)
+        .buf(&ws.partial)
+        .i32(cfg.splits as i32);
+    // SAFETY: the arguments follow the kernel's signature; check_partial_launch checked every buffer's extent
+    // against the shape (A rows, the grouping's rows, the workspace's [splits, rows, N]).
+    unsafe {
+        launch(
+            stream,
+            &kern,
+            Launch::new((cfg.ctas, 1, 1), (THREADS, 1, 1)).smem(smem),
+            &mut args,
+        )
+    }
 }
 
 fn check_finish(ws: &Workspace, grp: &DeviceGrouping, w: &DeviceExpertWeights) -> Result<()> {
@@ -516,12 +604,17 @@ fn check_finish(ws: &Workspace, grp: &DeviceGrouping, w: &DeviceExpertWeights) -
         grp.experts,
         w.experts
     );
-    Ok(())
+    ensure!(
+        ws.splits >= 1,
+        "moe_gemm finish: the workspace has no K split"
+    );
+    check_partial_len(ws)
 }
 
 /// Plain epilogue: `out[row, n] = bf16(acc * (gsa[row] * gsb[e, n]))`, zeros for rows owned by no expert.
 pub fn launch_finish_bf16(
     gpu: &Gpu,
+    stream: &Stream,
     ws: &Workspace,
     grp: &DeviceGrouping,
     w: &DeviceExpertWeights,
@@ -539,41 +632,26 @@ pub fn launch_finish_bf16(
     if grp.rows_total == 0 {
         return Ok(());
     }
-    let f = gpu.function(FAMILY, "moe_gemm_finish_bf16")?;
-    let (part, grp_p, gsa, gsb, o) = (
-        ptr(gpu, &ws.partial),
-        ptr(gpu, &grp.group),
-        a.gsa_ptr(gpu),
-        ptr(gpu, &w.global),
-        ptr(gpu, out),
-    );
-    let (splits, cap, e, rows, n) = (
-        ws.splits as i32,
-        grp.capacity as i32,
-        grp.experts as i32,
-        grp.rows_total as i32,
-        w.n as i32,
-    );
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&part)
-        .arg(&splits)
-        .arg(&grp_p)
-        .arg(&cap)
-        .arg(&e)
-        .arg(&rows)
-        .arg(&n)
-        .arg(&gsa)
-        .arg(&gsb)
-        .arg(&o);
+    let kern = gpu.kernel(FAMILY, "moe_gemm_finish_bf16")?;
+    let mut args = KernelArgs::new();
+    args.buf(&ws.partial)
+        .i32(ws.splits as i32)
+        .buf(&grp.group)
+        .i32(grp.capacity as i32)
+        .i32(grp.experts as i32)
+        .i32(grp.rows_total as i32)
+        .i32(w.n as i32);
+    a.push_gsa(&mut args);
+    args.buf(&w.global).buf(out);
+    // SAFETY: arguments in the kernel's order; the partials, grouping and output were checked against the shape.
     unsafe {
-        b.launch(launch_cfg(
-            (grp.rows_total as u32, 1, 1),
-            (THREADS, 1, 1),
-            0,
-        ))
+        launch(
+            stream,
+            &kern,
+            Launch::new((grp.rows_total as u32, 1, 1), (THREADS, 1, 1)),
+            &mut args,
+        )
     }
-    .map_err(|e| anyhow!("moe_gemm_finish_bf16: {e:?}"))?;
-    Ok(())
 }
 
 /// The L1 output: h quantized to NVFP4 with a per-row global scale (the L2 GEMM's A), and optionally h in fp32.
@@ -617,8 +695,10 @@ impl L1Output {
 
 /// L1 epilogue on a W13 = [w1; w3] GEMM (N = 2I): DSV4 SwiGLU with clamp, times `routing[row]`, quantized to
 /// NVFP4 with a per-row global scale. Kernel: [`FinishL1Kernel::for_grouping`].
+#[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l1(
     gpu: &Gpu,
+    stream: &Stream,
     ws: &Workspace,
     grp: &DeviceGrouping,
     w13: &DeviceExpertWeights,
@@ -628,6 +708,7 @@ pub fn launch_finish_l1(
 ) -> Result<()> {
     launch_finish_l1_with(
         gpu,
+        stream,
         ws,
         grp,
         w13,
@@ -852,6 +933,7 @@ impl FinishL1RowsKind {
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l1_with(
     gpu: &Gpu,
+    stream: &Stream,
     ws: &Workspace,
     grp: &DeviceGrouping,
     w13: &DeviceExpertWeights,
@@ -871,6 +953,7 @@ pub fn launch_finish_l1_with(
             kind.default_rows_per_cta_for(kernel, grp.rows_total, gpu.info.sm_count as usize);
         return launch_finish_l1_rows_with(
             gpu,
+            stream,
             ws,
             grp,
             w13,
@@ -896,19 +979,18 @@ pub fn launch_finish_l1_with(
     let name = kernel
         .entry(i_dim)
         .ok_or_else(|| anyhow!("moe_gemm L1: no {kernel:?} kernel for I = {i_dim}"))?;
-    let f = gpu.function_with_smem(FAMILY, name, smem as usize)?;
-    let mut b = gpu.stream.launch_builder(&f);
-    let args = FinishL1Args::new(gpu, ws, grp, w13, a, routing, out);
-    args.push(&mut b);
+    let kern = gpu.kernel_with_smem(FAMILY, name, smem as usize)?;
+    let mut args = finish_l1_args(ws, grp, w13, a, routing, out);
+    // SAFETY: arguments in the kernel's order; check_finish_l1 checked every buffer against the shape.
     unsafe {
-        b.launch(launch_cfg(
-            (grp.rows_total as u32, 1, 1),
-            (FINISH_L1_THREADS, 1, 1),
-            smem,
-        ))
+        launch(
+            stream,
+            &kern,
+            Launch::new((grp.rows_total as u32, 1, 1), (FINISH_L1_THREADS, 1, 1))
+                .smem(smem as usize),
+            &mut args,
+        )
     }
-    .map_err(|e| anyhow!("{name}: {e:?}"))?;
-    Ok(())
 }
 
 /// A rows L1 finish (`kernel` = [`FinishL1Kernel::Rows`], [`FinishL1Kernel::RowsThr`] or
@@ -921,6 +1003,7 @@ pub fn launch_finish_l1_with(
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l1_rows_with(
     gpu: &Gpu,
+    stream: &Stream,
     ws: &Workspace,
     grp: &DeviceGrouping,
     w13: &DeviceExpertWeights,
@@ -958,85 +1041,48 @@ pub fn launch_finish_l1_rows_with(
         "moe_gemm L1: {grid} CTAs exceed the grid"
     );
     let smem = kind.ring_bytes_for(kernel);
-    let f = gpu.function_with_smem(FAMILY, entry, smem)?;
-    let mut b = gpu.stream.launch_builder(&f);
-    let args = FinishL1Args::new(gpu, ws, grp, w13, a, routing, out);
-    args.push(&mut b);
-    let rpc = rows_per_cta as i32;
-    b.arg(&rpc);
+    let kern = gpu.kernel_with_smem(FAMILY, entry, smem)?;
+    let mut args = finish_l1_args(ws, grp, w13, a, routing, out);
+    args.i32(rows_per_cta as i32);
+    // SAFETY: arguments in the kernel's order; check_finish_l1 checked every buffer against the shape.
     unsafe {
-        b.launch(launch_cfg(
-            (grid as u32, 1, 1),
-            (FINISH_L1_ROWS_THREADS as u32, 1, 1),
-            smem as u32,
-        ))
+        launch(
+            stream,
+            &kern,
+            Launch::new((grid as u32, 1, 1), (FINISH_L1_ROWS_THREADS as u32, 1, 1)).smem(smem),
+            &mut args,
+        )
     }
-    .map_err(|e| anyhow!("{entry}: {e:?}"))?;
-    Ok(())
 }
 
-/// The arguments every L1 finish kernel takes, in order (partial .. h_out).
-struct FinishL1Args {
-    part: u64,
-    splits: i32,
-    group: u64,
-    capacity: i32,
-    experts: i32,
-    rows: i32,
-    i_dim: i32,
-    gsa: u64,
-    gsb: u64,
-    routing: u64,
-    codes: u64,
-    scales: u64,
-    global: u64,
-    h_f32: u64,
-}
-
-impl FinishL1Args {
-    fn new(
-        gpu: &Gpu,
-        ws: &Workspace,
-        grp: &DeviceGrouping,
-        w13: &DeviceExpertWeights,
-        a: &DeviceActivations,
-        routing: &CudaSlice<f32>,
-        out: &L1Output,
-    ) -> FinishL1Args {
-        FinishL1Args {
-            part: ptr(gpu, &ws.partial),
-            splits: ws.splits as i32,
-            group: ptr(gpu, &grp.group),
-            capacity: grp.capacity as i32,
-            experts: grp.experts as i32,
-            rows: grp.rows_total as i32,
-            i_dim: (w13.n / 2) as i32,
-            gsa: a.gsa_ptr(gpu),
-            gsb: ptr(gpu, &w13.global),
-            routing: ptr(gpu, routing),
-            codes: ptr(gpu, &out.codes),
-            scales: ptr(gpu, &out.scales),
-            global: ptr(gpu, &out.global),
-            h_f32: out.h_f32.as_ref().map(|h| ptr(gpu, h)).unwrap_or(0),
-        }
-    }
-
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(&self.part)
-            .arg(&self.splits)
-            .arg(&self.group)
-            .arg(&self.capacity)
-            .arg(&self.experts)
-            .arg(&self.rows)
-            .arg(&self.i_dim)
-            .arg(&self.gsa)
-            .arg(&self.gsb)
-            .arg(&self.routing);
-        b.arg(&self.codes)
-            .arg(&self.scales)
-            .arg(&self.global)
-            .arg(&self.h_f32);
-    }
+/// The arguments every L1 finish kernel takes, in order (partial .. h_out; null h_out when h is not kept).
+fn finish_l1_args(
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w13: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    routing: &CudaSlice<f32>,
+    out: &L1Output,
+) -> KernelArgs {
+    let mut args = KernelArgs::new();
+    args.buf(&ws.partial)
+        .i32(ws.splits as i32)
+        .buf(&grp.group)
+        .i32(grp.capacity as i32)
+        .i32(grp.experts as i32)
+        .i32(grp.rows_total as i32)
+        .i32((w13.n / 2) as i32);
+    a.push_gsa(&mut args);
+    args.buf(&w13.global)
+        .buf(routing)
+        .buf(&out.codes)
+        .buf(&out.scales)
+        .buf(&out.global);
+    match &out.h_f32 {
+        Some(h) => args.buf(h),
+        None => args.null(),
+    };
+    args
 }
 
 /// The checks every L1 finish launch makes before anything runs (shapes, the output, the routing weights).
@@ -1086,6 +1132,7 @@ fn check_finish_l1(
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2(
     gpu: &Gpu,
+    stream: &Stream,
     ws: &Workspace,
     grp: &DeviceGrouping,
     w2: &DeviceExpertWeights,
@@ -1096,6 +1143,7 @@ pub fn launch_finish_l2(
 ) -> Result<()> {
     launch_finish_l2_with(
         gpu,
+        stream,
         ws,
         grp,
         w2,
@@ -1187,6 +1235,7 @@ impl FinishL2Kernel {
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2_with(
     gpu: &Gpu,
+    stream: &Stream,
     ws: &Workspace,
     grp: &DeviceGrouping,
     w2: &DeviceExpertWeights,
@@ -1238,53 +1287,38 @@ pub fn launch_finish_l2_with(
         FinishL2Kernel::Cols2Tok => (w2.n.max(1), THREADS),
     };
     let grid = (tokens as u32, w2.n.div_ceil(cols_per_cta) as u32, 1);
-    let f = gpu.function(FAMILY, name)?;
-    let (part, grp_p, gsa, gsb, tr, o) = (
-        ptr(gpu, &ws.partial),
-        ptr(gpu, &grp.group),
-        a.gsa_ptr(gpu),
-        ptr(gpu, &w2.global),
-        ptr(gpu, token_rows),
-        ptr(gpu, out),
-    );
-    let (splits, cap, e, rows, n, k) = (
-        ws.splits as i32,
-        grp.capacity as i32,
-        grp.experts as i32,
-        grp.rows_total as i32,
-        w2.n as i32,
-        topk as i32,
-    );
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&part)
-        .arg(&splits)
-        .arg(&grp_p)
-        .arg(&cap)
-        .arg(&e)
-        .arg(&rows)
-        .arg(&n)
-        .arg(&gsa)
-        .arg(&gsb)
-        .arg(&tr)
-        .arg(&k)
-        .arg(&o);
-    unsafe { b.launch(launch_cfg(grid, (block, 1, 1), 0)) }
-        .map_err(|e| anyhow!("{name}: {e:?}"))?;
-    Ok(())
+    let kern = gpu.kernel(FAMILY, name)?;
+    let mut args = KernelArgs::new();
+    args.buf(&ws.partial)
+        .i32(ws.splits as i32)
+        .buf(&grp.group)
+        .i32(grp.capacity as i32)
+        .i32(grp.experts as i32)
+        .i32(grp.rows_total as i32)
+        .i32(w2.n as i32);
+    a.push_gsa(&mut args);
+    args.buf(&w2.global)
+        .buf(token_rows)
+        .i32(topk as i32)
+        .buf(out);
+    // SAFETY: arguments in the kernel's order; the partials, token_rows and output were checked against the shape.
+    unsafe { launch(stream, &kern, Launch::new(grid, (block, 1, 1)), &mut args) }
 }
 
 /// Mainloop + plain BF16 epilogue.
+#[allow(clippy::too_many_arguments)]
 pub fn grouped_gemm_bf16(
     gpu: &Gpu,
+    stream: &Stream,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
     cfg: &GemmConfig,
-    ws: &mut Workspace,
+    ws: &Workspace,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    launch_partial(gpu, w, a, grp, cfg, ws)?;
-    launch_finish_bf16(gpu, ws, grp, w, a, out)
+    launch_partial(gpu, stream, w, a, grp, cfg, ws)?;
+    launch_finish_bf16(gpu, stream, ws, grp, w, a, out)
 }
 
 /// A routed batch: each token picks `topk` distinct experts; rows are grouped by expert.
