@@ -293,7 +293,7 @@ fn config_heuristic_splits_k_only_when_the_grid_would_be_underfilled() {
 
 /// Sum the workspace splits in the finish kernels' order (fixed, fp32).
 fn gpu_accumulator(gpu: &Gpu, ws: &Ws) -> Vec<f64> {
-    let p = ws.partial_host(&gpu);
+    let p = ws.partial_host(gpu);
     let len = ws.rows_total * ws.n;
     (0..len)
         .map(|i| (0..ws.splits).fold(0f32, |a, s| a + p[s * len + i]) as f64)
@@ -373,7 +373,7 @@ fn check_plain(
         // so this keeps the mma.sync kernel checked at every grouping and config, including the few-CTA grids
         // where each persistent CTA walks many items (prefetch across items).
         let ws_mma = Ws::new(gpu, cfg.splits, rows, w.n);
-        ws_mma.poison(&gpu);
+        ws_mma.poison(gpu);
         mg::launch_partial_mma(gpu, &gpu.stream, dw, &da.view(), &dg, &cfg, &ws_mma).unwrap();
         gpu.synchronize().unwrap();
         let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
@@ -389,7 +389,7 @@ fn check_plain(
         );
         // Rows owned by no expert are never written by the mainloop (stores are guarded by the tile's token
         // count), so they keep the 0xFF fill in every split.
-        let partial_mma = ws_mma.partial_host(&gpu);
+        let partial_mma = ws_mma.partial_host(gpu);
         if let Some(i) = (0..partial_mma.len())
             .find(|&i| !owned((i / w.n) % rows) && partial_mma[i].to_bits() != u32::MAX)
         {
@@ -428,8 +428,9 @@ fn check_plain(
 }
 
 /// The decode-mainloop comparisons' inputs: experts of 0..65 rows (two empty), N = 512 (two 256-row tiles, so a
-/// CTA's 128 rows sit in either half of a tile block), K = 2048; the weights uploaded twice, plain only and with the
-/// tiled copy; the routing as a masked (capacity 65) and as a contiguous grouping.
+/// CTA's 128 rows sit in either half of a tile block), K = 2048; the weights uploaded (tiled at upload) and a copy
+/// whose tiling was dropped (the decode mainloop must refuse it); the routing as a masked (capacity 65) and as a
+/// contiguous grouping.
 struct DecodeFixture {
     w: ExpertWeights,
     plain: DeviceExpertWeights,
@@ -442,9 +443,9 @@ impl DecodeFixture {
         let counts = [0usize, 1, 2, 3, 7, 8, 16, 33, 64, 65, 0];
         let e = counts.len();
         let w = quantized_weights(rng, e, 512, 2048);
-        let plain = DeviceExpertWeights::upload(gpu, &w).unwrap();
-        let mut tiled = DeviceExpertWeights::upload(gpu, &w).unwrap();
-        tiled.prepare_prefill_tiling(gpu).unwrap();
+        let tiled = DeviceExpertWeights::upload(gpu, &w).unwrap();
+        let mut plain = DeviceExpertWeights::upload(gpu, &w).unwrap();
+        plain.tiled = None;
         let tokens: usize = counts.iter().sum();
         let choices: Vec<usize> = counts
             .iter()
@@ -487,57 +488,9 @@ impl DecodeFixture {
     }
 }
 
-/// The decode mainloop on the prefill tiling of the weights (`launch_partial_mma` when the weights carry the tiled
-/// copy: v3t for BF16 activations, the F16-operand v3th for NVFP4 activations) writes the same partials, bit for
-/// bit, as on the plain layout (v3): v3t differs in the weight addresses only, v3th also in the operand type (same
-/// exact products, scaled by a power of two, same mma order). The [`DecodeFixture`] groupings, every token tile
-/// (1, 2, 4, 8 mma columns), K splits 1-4, few CTAs walking many items, both A formats.
-#[test]
-#[ignore = "needs an H100/H200"]
-fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
-    let gpu = common::gpu("gpu_decode_mainloop_on_tiled_weights_bit_identical");
-    let mut rng = seeded("gpu_decode_mainloop_on_tiled_weights_bit_identical");
-    let fx = DecodeFixture::new(&gpu, &mut rng);
-    let (n, k) = (fx.w.n, fx.w.k);
-    for (cap, rb) in &fx.batches {
-        let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
-        let rows = rb.grouping.rows_total();
-        for nvfp4 in [false, true] {
-            let a = gathered_activations(&mut rng, rb, k, nvfp4);
-            let da = DevA::upload(&gpu, &a);
-            for cfg in DecodeFixture::configs(&gpu) {
-                let splits = cfg.splits;
-                let mut got = Vec::new();
-                for tiled in [false, true] {
-                    let ws = Ws::new(&gpu, splits, rows, n);
-                    ws.poison(&gpu);
-                    // The same entry on each copy: v3 on the plain one, v3t / v3th on the tiled one.
-                    let d = if tiled { &fx.tiled } else { &fx.plain };
-                    mg::launch_partial_mma(&gpu, &gpu.stream, d, &da.view(), &dg, &cfg, &ws)
-                        .unwrap();
-                    gpu.synchronize().unwrap();
-                    got.push(ws.partial_host(&gpu));
-                }
-                let label = format!(
-                    "cap {cap:?}, {} A, {cfg:?}",
-                    if nvfp4 { "NVFP4" } else { "BF16" }
-                );
-                let written = got[0].iter().filter(|x| !x.is_nan()).count();
-                assert!(written > 0, "{label}: v3 wrote nothing");
-                assert_bit_identical(
-                    &label,
-                    "the tiled copy (v3t / v3th) differs from v3",
-                    &got[0],
-                    &got[1],
-                );
-            }
-        }
-    }
-}
-
-/// The F16-operand decode mainloop (v3th, `DecodeOperands::F16`) on NVFP4 activations: checked against the f64
+/// The F16-operand decode mainloop (`DecodeOperands::F16`) on NVFP4 activations: checked against the f64
 /// reference under the accumulator bounds (its products are the same exact values, scaled by 2^-14 instead of 2^-9),
-/// and compared bit for bit with v3t (BF16 operands) on the same tiled weights: the order of the MMAs is the same,
+/// and compared bit for bit with the BF16-operand mainloop on the same tiled weights: the order of the MMAs is the same,
 /// so the partials are expected to be identical; the test asserts that. Masked and contiguous groupings
 /// ([`DecodeFixture`]), every token tile, split counts 1 / 2 / 4, empty experts, experts of 1..65 rows; the partials
 /// NaN-poisoned before each launch. Also: BF16 activations and weights without the tiled copy are refused before
@@ -695,7 +648,7 @@ fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
         }
     }
     // 4096 rows for one expert (contiguous, prefill tile), small N and K to keep the CPU reference fast.
-    let (e, n, k) = (3, 128, 512);
+    let (e, n, k) = (3, 256, 512);
     let w = quantized_weights(&mut rng, e, n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let (tokens, choices) = choices_for(&[4096, 0, 5]);
@@ -710,7 +663,7 @@ fn gpu_routings_6_of_256_and_6_of_384_with_the_default_config() {
     let gpu = common::gpu("gpu_routings_6_of_256_and_6_of_384_with_the_default_config");
     let mut rng = seeded("gpu_routings_6_of_256_and_6_of_384_with_the_default_config");
     for (experts, tokens) in [(256usize, 1usize), (256, 37), (384, 64)] {
-        let (n, k) = (128, 512);
+        let (n, k) = (256, 512);
         let w = quantized_weights(&mut rng, experts, n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         for cap in [Some(tokens), None] {
@@ -912,10 +865,8 @@ fn check_l1_l2(
     let topk = 6.min(experts);
     let w13 = quantized_weights(rng, experts, 2 * inter, hidden);
     let w2 = quantized_weights(rng, experts, hidden, inter);
-    let mut d13 = DeviceExpertWeights::upload(gpu, &w13).unwrap();
-    let mut d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
-    d13.prepare_prefill_tiling(gpu).unwrap();
-    d2.prepare_prefill_tiling(gpu).unwrap();
+    let d13 = DeviceExpertWeights::upload(gpu, &w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
     let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
     let rows = rb.grouping.rows_total();
     let active = (0..experts)
@@ -1114,10 +1065,8 @@ fn gpu_decode_step_replays_as_a_graph_with_new_device_counts() {
     let rows = experts * cap;
     let w13 = quantized_weights(&mut rng, experts, 2 * inter, hidden);
     let w2 = quantized_weights(&mut rng, experts, hidden, inter);
-    let mut d13 = DeviceExpertWeights::upload(&gpu, &w13).unwrap();
-    let mut d2 = DeviceExpertWeights::upload(&gpu, &w2).unwrap();
-    d13.prepare_prefill_tiling(&gpu).unwrap();
-    d2.prepare_prefill_tiling(&gpu).unwrap();
+    let d13 = DeviceExpertWeights::upload(&gpu, &w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(&gpu, &w2).unwrap();
     // Replay 0 is the eager run (and the capture's inputs); 1.. replay the graph.
     let count_sets: [[usize; 4]; 4] = [[4, 4, 4, 4], [0, 8, 3, 5], [7, 0, 8, 1], [2, 6, 0, 8]];
     let batch = |counts: &[usize; 4]| {
@@ -1603,7 +1552,7 @@ impl FinishDevice {
                 codes: gpu.zeros::<u8>(inp.experts * n * k / 2).unwrap(),
                 scales: gpu.zeros::<u8>(inp.experts * n * k / 16).unwrap(),
                 global: gpu.upload(&inp.gsb).unwrap(),
-                prefill_tiled: None,
+                tiled: None,
             },
             ws: {
                 let ws = Ws::new(gpu, splits, rows, n);
@@ -1672,15 +1621,8 @@ impl FinishDevice {
         })
     }
 
-    /// The rows kernel `kernel` (Rows, RowsThr or RowsThr2) with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned
-    /// outputs.
-    fn run_rows(
-        &self,
-        gpu: &Gpu,
-        kernel: mg::FinishL1Kernel,
-        rows_per_cta: usize,
-        keep_h: bool,
-    ) -> L1Output {
+    /// The rows kernel with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned outputs.
+    fn run_rows(&self, gpu: &Gpu, rows_per_cta: usize, keep_h: bool) -> L1Output {
         self.run_launch(gpu, keep_h, |a, out| {
             mg::launch_finish_l1_rows_with(
                 gpu,
@@ -1691,7 +1633,6 @@ impl FinishDevice {
                 a,
                 &self.droute,
                 out,
-                kernel,
                 rows_per_cta,
             )
         })
@@ -1699,7 +1640,7 @@ impl FinishDevice {
 }
 
 /// Every L1 finish kernel on the same synthetic partials into 0xFF-poisoned outputs, with and without the fp32 h
-/// output, against the default q4 with h bit for bit (codes, block scales, global scales, h); and q4 against the
+/// output, against PerRow with h bit for bit (codes, block scales, global scales, h); and PerRow against the
 /// CPU reference (h against the f64 SwiGLU of the
 /// partials' fp32 split sums; codes, block scales and global scales bit-exact against the CPU quantizer applied to
 /// the GPU's h, as `check_l1_l2` does).
@@ -1713,9 +1654,9 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     );
     let dev = FinishDevice::upload(gpu, inp);
     let run = |kernel: mg::FinishL1Kernel, keep_h: bool| dev.run(gpu, kernel, keep_h);
-    let q4_h = run(mg::FinishL1Kernel::Q4, true);
-    let q4 = run(mg::FinishL1Kernel::Q4, false);
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} Q4 (no h output)"), &q4, &q4_h);
+    let q4_h = run(mg::FinishL1Kernel::PerRow, true);
+    let q4 = run(mg::FinishL1Kernel::PerRow, false);
+    assert_l1_outputs_bit_equal(gpu, &format!("{label} PerRow (no h output)"), &q4, &q4_h);
     for &kernel in &mg::FinishL1Kernel::ALL[1..] {
         for keep_h in [true, false] {
             let got = run(kernel, keep_h);
@@ -1984,12 +1925,9 @@ fn check_rows_finish_against_pad1b(
         if inp.gsa.is_some() { "NVFP4" } else { "BF16" }
     );
     let dev = FinishDevice::upload(gpu, inp);
-    let want = dev.run(gpu, mg::FinishL1Kernel::PadOneBarrier, true);
-    for kernel in [
-        mg::FinishL1Kernel::Rows,
-        mg::FinishL1Kernel::RowsThr,
-        mg::FinishL1Kernel::RowsThr2,
-    ] {
+    let want = dev.run(gpu, mg::FinishL1Kernel::PerRow, true);
+    {
+        let kernel = mg::FinishL1Kernel::Rows;
         for keep_h in [true, false] {
             let got = dev.run(gpu, kernel, keep_h);
             assert_l1_outputs_bit_equal(
@@ -1999,7 +1937,7 @@ fn check_rows_finish_against_pad1b(
                 &want,
             );
             for &rpc in rows_per_cta {
-                let got = dev.run_rows(gpu, kernel, rpc, keep_h);
+                let got = dev.run_rows(gpu, rpc, keep_h);
                 assert_l1_outputs_bit_equal(
                     gpu,
                     &format!("{label} {kernel:?}, {rpc} rows per CTA (h kept: {keep_h})"),
@@ -2126,7 +2064,6 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
                 &da.view(),
                 &droute,
                 &mut out,
-                kernel,
                 rows_per_cta,
             )
         }
@@ -2134,34 +2071,19 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
         gpu.synchronize().unwrap();
         out
     };
-    let want = run(mg::FinishL1Kernel::PadOneBarrier, 0);
-    for (kernel, label) in [
-        (mg::FinishL1Kernel::Rows, "Rows"),
-        (mg::FinishL1Kernel::RowsThr, "RowsThr"),
-        (mg::FinishL1Kernel::RowsThr2, "RowsThr2"),
-    ] {
-        let got = run(kernel, 0);
-        assert_l1_outputs_bit_equal(&gpu, &format!("{name}: {label} (launcher)"), &got, &want);
+    let want = run(mg::FinishL1Kernel::PerRow, 0);
+    let got = run(mg::FinishL1Kernel::Rows, 0);
+    assert_l1_outputs_bit_equal(&gpu, &format!("{name}: Rows (launcher)"), &got, &want);
+    for rpc in [1usize, 5, 7, 100, 256] {
+        let got = run(mg::FinishL1Kernel::Rows, rpc);
+        assert_l1_outputs_bit_equal(
+            &gpu,
+            &format!("{name}: Rows, {rpc} rows per CTA"),
+            &got,
+            &want,
+        );
     }
-    for (kernel, label, rpcs) in [
-        (
-            mg::FinishL1Kernel::RowsThr2,
-            "RowsThr2",
-            &[1usize, 5, 256][..],
-        ),
-        (mg::FinishL1Kernel::Rows, "Rows", &[1usize, 7, 100, 256][..]),
-    ] {
-        for &rpc in rpcs {
-            let got = run(kernel, rpc);
-            assert_l1_outputs_bit_equal(
-                &gpu,
-                &format!("{name}: {label}, {rpc} rows per CTA"),
-                &got,
-                &want,
-            );
-        }
-    }
-    eprintln!("{name}: {rows} rows, Rows, RowsThr, RowsThr2 == pad1b bit for bit after the prefill mainloop");
+    eprintln!("{name}: {rows} rows, Rows == PerRow bit for bit after the prefill mainloop");
 }
 
 // ------------------------------------ L2 combine kernels: each against the default bit for bit, and the CPU reference
@@ -2235,7 +2157,7 @@ fn check_l2_combine_kernels(
         codes: gpu.zeros::<u8>(experts * n * k / 2).unwrap(),
         scales: gpu.zeros::<u8>(experts * n * k / 16).unwrap(),
         global: gpu.upload(&gsb).unwrap(),
-        prefill_tiled: None,
+        tiled: None,
     };
     let ws = Ws::new(gpu, splits, rows, n);
     ws.write_partial(gpu, &partial);
@@ -2464,7 +2386,7 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
             codes: gpu.upload(&[0u8; 1]).unwrap(),
             scales: gpu.upload(&[0u8; 1]).unwrap(),
             global: gpu.upload(&gsb).unwrap(),
-            prefill_tiled: None,
+            tiled: None,
         };
         let gsa: Vec<f32> = (0..rows_total.max(1))
             .map(|_| rng.random_range(0.001f32..2.0))

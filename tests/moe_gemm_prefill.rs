@@ -111,15 +111,8 @@ enum Mode {
     /// token tiles of <= 96 rows).
     RsWtma,
     /// ... with `PrefillKernel::RsWtmaTiled` (the routed RS mainloop: RsWtma with each stage's weights one bulk copy
-    /// of the pre-tiled block); needs weights with the tiled copy (`prepare_prefill_tiling`).
+    /// of the pre-tiled block, made at upload).
     RsWtmaTiled,
-}
-
-impl Mode {
-    /// Whether the mode's kernel reads the weights' tiled copy (prepare it before the check).
-    fn needs_tiling(self) -> bool {
-        matches!(self, Mode::RsWtmaTiled)
-    }
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -181,7 +174,7 @@ fn check_prefill(
     mg::launch_finish_bf16(gpu, &gpu.stream, &ws, &dg, dw, &da.view(), &mut out).unwrap();
     gpu.synchronize().unwrap();
     let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
-    let got = ws.partial_host(&gpu);
+    let got = ws.partial_host(gpu);
     check_accumulator(&label, rb, &got[..rows * w.n], &exact, &abs, w.n, w.k);
     // BF16 output: the scaled reference, one bf16 rounding (2^-9 relative) plus the scaled accumulator bound.
     let d = apply_global_scales(&exact, w, &a, &rb.grouping);
@@ -229,10 +222,9 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let counts = [0usize, 1, 7, 64, 65, 127, 0, 128, 129, 256, 300, 0];
     let (n, k) = (256, 1024);
     let w = quantized_weights(&mut rng, counts.len(), n, k);
-    let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    // RsWtmaTiled (the routed kernel; run this test under compute-sanitizer racecheck for its ring protocol) last:
-    // the tiled copy it reads is prepared before it.
+    // RsWtmaTiled is the routed kernel (run this test under compute-sanitizer racecheck for its ring protocol).
     for mode in [
         Mode::Tile128,
         Mode::Tile256,
@@ -240,9 +232,6 @@ fn gpu_prefill_token_counts_both_a_formats() {
         Mode::RsWtma,
         Mode::RsWtmaTiled,
     ] {
-        if mode.needs_tiling() {
-            dw.prepare_prefill_tiling(&gpu).unwrap(); // a no-op once the copy exists
-        }
         check_prefill_both_a_formats(
             &gpu,
             &format!("counts {counts:?}"),
@@ -264,10 +253,7 @@ fn gpu_prefill_token_counts_both_a_formats() {
         (256, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, 3, n, k);
-        let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode.needs_tiling() {
-            dw.prepare_prefill_tiling(&gpu).unwrap();
-        }
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         check_prefill_both_a_formats(&gpu, &format!("short K {k}"), &w, &dw, &rb, mode, &mut rng);
     }
 }
@@ -312,10 +298,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         (256, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, 256, n, 512);
-        let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode.needs_tiling() {
-            dw.prepare_prefill_tiling(&gpu).unwrap();
-        }
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         check_prefill_both_a_formats(&gpu, "4096 tokens, 6 of 256", &w, &dw, &rb, mode, &mut rng);
     }
 }
@@ -371,10 +354,7 @@ fn gpu_prefill_flash_and_pro_shapes() {
         ("Pro L2", 7168, 3072, vec![130, 70], true, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
-        let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode.needs_tiling() {
-            dw.prepare_prefill_tiling(&gpu).unwrap();
-        }
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         let rb = batch_with_counts(&counts);
         check_prefill(&gpu, label, &w, &dw, &rb, nvfp4, mode, &mut rng);
     }
@@ -440,13 +420,13 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
     let rb = batch_with_counts(&counts);
     let rows = rb.grouping.rows_total();
     let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
-    // The tiled copy (weight preparation) for RsWtmaTiled. A block or byte the tiling missed stays 0 (code 0, scale 0)
-    // and changes the partials of its rows against RsTma's (random weights): the comparison below catches it. With it
-    // prepared, the routed prefill kernel is the tiled one.
-    let mut dw = dw;
-    assert_eq!(PrefillKernel::routed_for(&dw), PrefillKernel::RsWtma);
-    dw.prepare_prefill_tiling(&gpu).unwrap();
+    // The tiling made at upload is what RsWtmaTiled reads. A block or byte the tiling missed would stay 0 (code 0,
+    // scale 0) and change the partials of its rows against RsTma's (random weights): the comparison below catches it.
+    // With it present, the routed prefill kernel is the tiled one; without it, RsWtma.
     assert_eq!(PrefillKernel::routed_for(&dw), PrefillKernel::RsWtmaTiled);
+    let mut untiled = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    untiled.tiled = None;
+    assert_eq!(PrefillKernel::routed_for(&untiled), PrefillKernel::RsWtma);
     for nvfp4 in [false, true] {
         let a = gathered_activations(&mut rng, &rb, k, nvfp4);
         let da = DevA::upload(&gpu, &a);

@@ -11,7 +11,7 @@
 //! * `nvfp4_decode_mainloop` (contiguous points only): the mma.sync decode mainloop forced ([`launch_partial_mma`])
 //!   where `nvfp4` may take the prefill mainloop: the other side of [`prefill::MIN_MEAN_ROWS_PER_EXPERT`].
 //! * `nvfp4_finish_per_row` (`moe_gemm_l1` contiguous points only): the L1 finish forced to
-//!   [`FinishL1Kernel::PadOneBarrier`]: the other side of [`FinishL1Kernel::for_grouping`].
+//!   [`FinishL1Kernel::PerRow`]: the other side of [`FinishL1Kernel::for_grouping`].
 //! * `nvfp4_l2rowwarps` / `nvfp4_l2cols2` / `nvfp4_l2cols2tok` (`moe_gemm_l2` only): the L2 combine forced; the
 //!   sides of [`FinishL2Kernel::for_tokens`]'s thresholds.
 //! * `nvfp4_splits1` / `2` / `4` / `8` (masked points only): the K split count forced instead of
@@ -108,7 +108,7 @@ fn skips(variant: &str, layer: Layer, masked: bool) -> bool {
 /// routed one ([`FinishL1Kernel::for_grouping`]).
 fn finish_l1_for(variant: &str, dg: &DeviceGrouping, i_dim: usize) -> FinishL1Kernel {
     match variant {
-        "nvfp4_finish_per_row" => FinishL1Kernel::PadOneBarrier,
+        "nvfp4_finish_per_row" => FinishL1Kernel::PerRow,
         _ => FinishL1Kernel::for_grouping(dg, i_dim),
     }
 }
@@ -201,15 +201,17 @@ pub fn synthetic_weights(
     let mut scales = gpu.zeros::<u8>(experts * n * k / 16)?;
     fill_weights(gpu, &mut codes, &mut scales, seed)?;
     let global = gpu.upload(&vec![1.0f32 / 64.0; experts * n])?;
-    Ok(DeviceExpertWeights {
+    let mut w = DeviceExpertWeights {
         experts,
         n,
         k,
         codes,
         scales,
         global,
-        prefill_tiled: None,
-    })
+        tiled: None,
+    };
+    w.retile(gpu)?;
+    Ok(w)
 }
 
 struct Point {
@@ -316,8 +318,7 @@ pub fn measure(
     };
     let stream = gpu.stream.clone();
     let seed_w = if layer == Layer::L1 { 11 } else { 13 };
-    let mut w = synthetic_weights(gpu, shape.experts, p.n, p.k, seed_w)?;
-    w.prepare_prefill_tiling(gpu)?;
+    let w = synthetic_weights(gpu, shape.experts, p.n, p.k, seed_w)?;
     let rows = p.rb.grouping.rows_total();
     let dg = DeviceGrouping::upload(gpu, &p.rb.grouping)?;
     let ws_shape = WorkspaceShape::for_launch(&w, &dg, &cfg);

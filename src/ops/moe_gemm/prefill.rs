@@ -11,12 +11,13 @@
 //!
 //! [`super::launch_partial`] routes here when [`routes_here`] holds (contiguous layout, mean rows per
 //! expert >= [`MIN_MEAN_ROWS_PER_EXPERT`], one K split); [`launch_partial_prefill`] forces this path with
-//! [`PrefillKernel::routed_for`], [`launch_partial_prefill_with`] with a chosen mainloop. Weights prepared with
-//! [`super::DeviceExpertWeights::prepare_prefill_tiling`] (one contiguous block per 256-row tile and 128-K stage,
-//! [`tile_weights_for_rs`]) are read from that copy, by this mainloop and by the decode mainloop alike.
+//! [`PrefillKernel::routed_for`], [`launch_partial_prefill_with`] with a chosen mainloop. The weights' tiling
+//! ([`super::DeviceExpertWeights::tiled`], made at upload: one contiguous block per 256-row tile and 128-K stage,
+//! [`tile_weights_for_rs`]) is what the routed mainloop reads, as does the decode mainloop.
 //!
 //! The CPU mirrors at the bottom ([`sw128_offset`], [`dequant8_like_kernel`], [`sw128_desc`]) restate the
-//! device address, dequant and descriptor logic so unit tests can check them without a GPU.
+//! device address, dequant and descriptor logic so unit tests can check them without a GPU. (Why this file passes
+//! ~800 lines: those mirrors and their unit tests, about half of it, sit beside the launcher they describe.)
 
 use anyhow::{ensure, Result};
 use half::bf16;
@@ -65,12 +66,11 @@ pub const K_MULTIPLE_RS_WTMA: usize = 256;
 /// codes 16 KiB, scales of the stage pair 4 KiB) (`rs::kBytesW + 1024` in the .cu).
 pub const SMEM_BYTES_RS_WTMA: usize = 4 * (32768 + 16384 + 4096) + 1024;
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
-/// (`rows_total / experts`; Flash top-6 of 256 crosses it at 256 tokens, Pro top-6 of 384 at 384). Session-10 A/B
-/// (H200, whole L1 / L2 calls, us, mma.sync decode kernel vs the RS kernel with narrow token tiles, run 2ac9f33):
-/// Flash 288 tokens (6.75 rows per expert) L1 1299.3 vs 1129.5, L2 675.4 vs 628.6; 320 tokens L1 1422.2 vs 1174.8;
-/// 512 tokens L1 1482.3 vs 1186.4, L2 777.4 vs 641.7; Pro 512 tokens (8 rows per expert) L1 5650.9 vs 4634.2, L2
-/// 2896.2 vs 2300.8. Below 6 rows per expert nothing was measured on a contiguous grouping (the bench runs the masked
-/// layout up to 256 tokens). Until session 9 it was 64 (the 128-token tiles were mostly padding below that).
+/// (`rows_total / experts`; Flash top-6 of 256 crosses it at 256 tokens, Pro top-6 of 384 at 384). The RS kernel
+/// beat the mma.sync decode kernel at every contiguous point measured, from 6.75 rows per expert (Flash 288 tokens)
+/// up, L1 and L2, Flash and Pro (results/h200/session10-ab2/, variant `nvfp4_decode`, now
+/// `nvfp4_decode_mainloop`); below 6 rows per expert nothing was measured on a contiguous grouping (the bench runs
+/// the masked layout up to 256 tokens).
 pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 6;
 
 /// `N % 128 == 0`, `K % 64 == 0` (all DSV4 expert shapes qualify).
@@ -106,25 +106,20 @@ pub enum PrefillKernel {
     /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_tma`: 256 weight rows x 128 tokens, the weights
     /// dequantized in registers as the wgmma A operand (RS form); a pre-pass writes the activations once in the RS
     /// permuted BF16 order (into [`Workspace::act_rs`]), which the mainloop streams with TMA. `N % 256 == 0`,
-    /// `K % 128 == 0`, either A format. The routed prefill mainloop since session 9 (A/B in the .cu header).
+    /// `K % 128 == 0`, either A format. The fallback for `K % 256 != 0`.
     RsTma,
     /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_wtma`: [`PrefillKernel::RsTma`] with each stage's
     /// weight codes and block scales in the same TMA ring as the activations (three stages ahead), the ring slot
     /// released one stage later, and a token tile with `ntok <= 96` valid rows run with N = 32 * ceil(ntok / 32)
     /// wgmmas (and activation boxes of as many rows) instead of 128. Bit-identical partials. `N % 256 == 0`,
-    /// `K % 256 == 0`. The routed prefill mainloop since the session-10 A/B (numbers in the .cu).
+    /// `K % 256 == 0`. Routed for weights without their tiling.
     RsWtma,
     /// `moe_gemm_prefill_partial_rs_wtma_tiled`: [`PrefillKernel::RsWtma`] on the weights' re-laid copy
-    /// ([`DeviceExpertWeights::prefill_tiled`], one contiguous 18 KiB block per stage, one bulk copy instead of two 2D
-    /// boxes of 256 rows). Bit-identical partials. Routed whenever that copy exists (session-11 A/B, H200, 3f5fd93,
-    /// whole calls, us, RsWtma / RsWtmaTiled: Flash L1 512 tokens 1153.5 / 1086.1, 1024 1197.6 / 1140.4, 4096
-    /// 1933.3 / 1861.9, 16384 7470.2 / 7122.6; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6, L2 4096 3157.1
-    /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms). The
-    /// session-13 variant with the activations in a compact per-stage layout (RsWtmaTiledCact) lost to it in session
-    /// 14 and was removed (numbers in the .cu, above `moe_gemm_prefill_partial_rs_wtma_tiled`). Since session 15
-    /// every thread releases a ring slot itself (empty barrier count 256, not lane 0 per warp): the session-14
-    /// variant with that release was bit-identical and as fast, and compute-sanitizer racecheck reports 0 hazards
-    /// for it where the per-warp release showed 8 (a tool-model artefact of `__syncwarp`; PERF-LOG "Session 14").
+    /// ([`DeviceExpertWeights::tiled`], one contiguous 18 KiB block per stage, one bulk copy instead of two 2D
+    /// boxes of 256 rows). Bit-identical partials. Routed whenever that copy exists (faster than RsWtma at every
+    /// prefill point measured, Flash and Pro, L1 and L2: results/h200/session11-ab2/). Every thread releases a ring
+    /// slot itself (empty barrier count 256, not lane 0 per warp after a `__syncwarp`): the same ordering under the
+    /// PTX memory model, and one that compute-sanitizer racecheck can follow (0 hazards).
     RsWtmaTiled,
 }
 
@@ -180,12 +175,12 @@ impl PrefillKernel {
     /// picks [`PrefillKernel::RsWtma`], else [`PrefillKernel::default_for`].
     pub fn routed_for(w: &DeviceExpertWeights) -> PrefillKernel {
         match PrefillKernel::default_for(w.n, w.k) {
-            PrefillKernel::RsWtma if w.prefill_tiled.is_some() => PrefillKernel::RsWtmaTiled,
+            PrefillKernel::RsWtma if w.tiled.is_some() => PrefillKernel::RsWtmaTiled,
             k => k,
         }
     }
 
-    /// Whether the kernel reads the weights' tiled copy ([`DeviceExpertWeights::prefill_tiled`]) instead of the
+    /// Whether the kernel reads the weights' tiled copy ([`DeviceExpertWeights::tiled`]) instead of the
     /// plain layout.
     pub fn needs_tiled_weights(self) -> bool {
         matches!(self, PrefillKernel::RsWtmaTiled)
@@ -193,9 +188,8 @@ impl PrefillKernel {
 }
 
 /// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
-/// The mainloop is [`PrefillKernel::routed_for`] (the RS kernel for every DSV4 shape, on the tiled weights when
-/// they are prepared; among the SS tiles, 128 x 256 beat 128 x 128 at every prefill point of session 2, e.g. L1
-/// 4096 tokens 3724 vs 4822 us).
+/// The mainloop is [`PrefillKernel::routed_for`] (the RS kernel on the tiled weights for every DSV4 shape; the SS
+/// tiles for shapes the RS kernels do not take, 128 x 256 where N allows: it beat 128 x 128 at every prefill point).
 pub fn launch_partial_prefill(
     gpu: &Gpu,
     stream: &Stream,
@@ -208,7 +202,7 @@ pub fn launch_partial_prefill(
 }
 
 /// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes the kernel does not take before any launch
-/// ([`PrefillKernel::RsWtmaTiled`] also needs [`DeviceExpertWeights::prefill_tiled`]).
+/// ([`PrefillKernel::RsWtmaTiled`] also needs [`DeviceExpertWeights::tiled`]).
 pub fn launch_partial_prefill_with(
     gpu: &Gpu,
     stream: &Stream,
@@ -219,8 +213,8 @@ pub fn launch_partial_prefill_with(
     kernel: PrefillKernel,
 ) -> Result<()> {
     ensure!(
-        !kernel.needs_tiled_weights() || w.prefill_tiled.is_some(),
-        "moe_gemm prefill: {kernel:?} needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
+        !kernel.needs_tiled_weights() || w.tiled.is_some(),
+        "moe_gemm prefill: {kernel:?} needs the weights' tiling (DeviceExpertWeights::tiled: N % 256 == 0)"
     );
     check_shape(w.n, w.k)?;
     let (name, smem, tile_n, k_multiple) = kernel.entry();
@@ -314,7 +308,7 @@ pub fn launch_partial_prefill_with(
                 args.buf(&w.codes).buf(&w.scales);
             }
             PrefillKernel::RsWtmaTiled => {
-                args.buf(w.prefill_tiled.as_ref().expect("checked above"));
+                args.buf(w.tiled.as_ref().expect("checked above"));
             }
             _ => {
                 let (codes_map, scales_map) = weight_maps_for_rs(w)?;
