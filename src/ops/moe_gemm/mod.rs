@@ -2,15 +2,21 @@
 //!
 //! * B: NVFP4 expert weights `[E, N, K]` (e2m1 codes, e4m3 scale per 16 along K, fp32 global scale per
 //!   (expert, row)); uploaded once with [`DeviceExpertWeights::upload`], which validates them (no NaN scale,
-//!   finite positive global scales). The kernel reads the natural row-major layout: no offline swizzle is
-//!   needed because each lane-quad reads whole 64-byte row segments (see the .cu header).
+//!   finite positive global scales) and re-lays once into the tiling both routed mainloops read
+//!   ([`DeviceExpertWeights::tiled`]: one contiguous block per 256-row tile and 128-K stage; `N % 256 == 0`).
 //! * A: BF16 rows (gsa = 1) or NVFP4 rows with a per-row fp32 `gsa[m]` (the fused norm + quant output).
 //! * Grouping: masked (decode; per-expert slots of fixed capacity, device-side counts, graph-capturable) or
 //!   contiguous (prefill; tokens sorted by expert, offsets).
 //! * Work is split in two launches: [`launch_partial`] (tensor-core mainloop, fp32 partial sums per K split into
-//!   a [`Workspace`]) and one finish kernel: [`launch_finish_bf16`] (plain BF16 output),
+//!   a caller-owned [`Workspace`] carved from an arena, sized by [`workspace_bytes`]; the decode mma.sync mainloop
+//!   here, the prefill wgmma mainloop in [`prefill`]) and one finish kernel ([`finish`]): [`launch_finish_bf16`]
+//!   (plain BF16 output),
 //!   [`launch_finish_l1`] (DSV4 SwiGLU with clamp, routing weight, NVFP4 quant with per-row global scale: the L2
 //!   input) or [`launch_finish_l2`] (BF16 output combined per token over its top-k rows, fixed order).
+//!
+//! Every launcher takes the stream it enqueues on and allocates nothing; the masked (decode) path reads every
+//! per-expert count on the device and sizes its grids from capacities, so a decode step can be captured once in a
+//! CUDA graph and replayed with new counts (GPU test `gpu_decode_step_replays_as_a_graph_with_new_device_counts`).
 //!
 //! Non-finite activations: device-resident inputs are produced by our own kernels (which never emit NaN); host
 //! inputs go through the CPU quantizer, which rejects them. Device-side counts/offsets are clamped by the
@@ -260,7 +266,9 @@ impl GemmConfig {
     /// K split count with the least estimated time `ceil(items * s / slots) / s` (wave quantization over 2 CTA
     /// slots per SM for tiles <= 16 tokens, 1 above), times 5% per extra split for the fp32 partials. The grid is
     /// then [`MAINLOOP_CTAS_PER_SM_SMALL_TILE`] x SMs for tiles <= 16 (the mainloop holds 3 CTAs per SM there; the
-    /// splits stay those chosen for 2 slots per SM, the configuration measured on the H200), SMs above.
+    /// splits stay those chosen for 2 slots per SM, the configuration measured on the H200), SMs above. Forcing 1 / 2
+    /// / 4 / 8 splits at every decode point (variants `nvfp4_splits<s>`) beat this choice by more than 2% only at 1
+    /// token of L2: results/h200/session15-ab/moe_gemm_l1-splits-daad962.csv and moe_gemm_l2-splits-daad962.csv.
     pub fn choose(
         sm_count: usize,
         rows_per_active_expert: f64,
