@@ -76,7 +76,7 @@ fn kernel_register_dequant_is_exact_for_every_code_and_scale() {
 
 #[test]
 fn kernel_register_dequant_f16_is_exact_for_every_code_and_scale() {
-    // The f16 form of the v3th decode mainloop (e2m1_word_to_f16x2_tiny + scale_f16x2), on every code at every
+    // The f16 form of the F16-operand decode mainloop (e2m1_word_to_f16x2_tiny + scale_f16x2), on every code at every
     // nibble position (the other nibbles a fixed pattern, so a mask that lets a neighbour leak in shows) and every
     // finite positive scale.
     for c in 0u32..16 {
@@ -1344,7 +1344,7 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-// ------------------------------ L1 finish kernels: each against the default q4 bit for bit, q4 against the CPU reference
+// ------------------------ L1 finish kernels: Rows against PerRow bit for bit, PerRow against the CPU reference
 
 /// First difference between two L1 outputs of the same rows, bit for bit: codes, block scales, global scales and
 /// (when both kept it) the fp32 h.
@@ -1654,9 +1654,14 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     );
     let dev = FinishDevice::upload(gpu, inp);
     let run = |kernel: mg::FinishL1Kernel, keep_h: bool| dev.run(gpu, kernel, keep_h);
-    let q4_h = run(mg::FinishL1Kernel::PerRow, true);
-    let q4 = run(mg::FinishL1Kernel::PerRow, false);
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} PerRow (no h output)"), &q4, &q4_h);
+    let per_row_h = run(mg::FinishL1Kernel::PerRow, true);
+    let per_row = run(mg::FinishL1Kernel::PerRow, false);
+    assert_l1_outputs_bit_equal(
+        gpu,
+        &format!("{label} PerRow (no h output)"),
+        &per_row,
+        &per_row_h,
+    );
     for &kernel in &mg::FinishL1Kernel::ALL[1..] {
         for keep_h in [true, false] {
             let got = run(kernel, keep_h);
@@ -1664,7 +1669,7 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
                 gpu,
                 &format!("{label} {kernel:?} (h kept: {keep_h})"),
                 &got,
-                &q4_h,
+                &per_row_h,
             );
         }
     }
@@ -1672,23 +1677,23 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
         return;
     }
 
-    let h_gpu = gpu.download(q4_h.h_f32.as_ref().unwrap()).unwrap();
+    let h_gpu = gpu.download(per_row_h.h_f32.as_ref().unwrap()).unwrap();
     let max_rel = check_h_against_f64_reference(&label, inp, &h_gpu);
     let q_cpu = quantize_rows_nvfp4(&h_gpu, rows, inter).unwrap();
     let (codes, scales, global) = (
-        gpu.download(&q4.codes).unwrap(),
-        gpu.download(&q4.scales).unwrap(),
-        gpu.download(&q4.global).unwrap(),
+        gpu.download(&per_row.codes).unwrap(),
+        gpu.download(&per_row.scales).unwrap(),
+        gpu.download(&per_row.global).unwrap(),
     );
     if let Some(r) = (0..rows).find(|&r| global[r].to_bits() != q_cpu.global[r].to_bits()) {
         panic!(
-            "{label}: q4 global scale row {r}: gpu {} cpu {}",
+            "{label}: PerRow global scale row {r}: gpu {} cpu {}",
             global[r], q_cpu.global[r]
         );
     }
     if let Some(i) = (0..q_cpu.scales.len()).find(|&i| scales[i] != q_cpu.scales[i]) {
         panic!(
-            "{label}: q4 block scale {i} (row {}): gpu {:#04x} cpu {:#04x}",
+            "{label}: PerRow block scale {i} (row {}): gpu {:#04x} cpu {:#04x}",
             i / (inter / 16),
             scales[i],
             q_cpu.scales[i]
@@ -1696,23 +1701,23 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     }
     if let Some(i) = (0..q_cpu.codes.len()).find(|&i| codes[i] != q_cpu.codes[i]) {
         panic!(
-            "{label}: q4 code byte {i} (row {}): gpu {:#04x} cpu {:#04x}",
+            "{label}: PerRow code byte {i} (row {}): gpu {:#04x} cpu {:#04x}",
             i / (inter / 2),
             codes[i],
             q_cpu.codes[i]
         );
     }
     let zero_scales = scales.iter().filter(|&&s| s == 0).count();
-    // pad1b's fast path runs only on padding rows: every masked batch here has some.
+    // PerRow's padding-row path runs only on padding rows: every masked batch here has some.
     let padding_rows = (0..rows)
         .filter(|&r| inp.rb.grouping.expert_of_row(r).is_none())
         .count();
     assert!(
         !matches!(inp.rb.grouping, Grouping::Masked { .. }) || padding_rows > 0,
-        "{label}: masked batch without padding rows (the pad1b fast path would go untested)"
+        "{label}: masked batch without padding rows (the PerRow padding-row path would go untested)"
     );
     eprintln!(
-        "{label}: {:?} == Q4 bit for bit; {padding_rows} padding rows; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
+        "{label}: {:?} == PerRow bit for bit; {padding_rows} padding rows; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
         &mg::FinishL1Kernel::ALL[1..],
         scales.len()
     );
@@ -1808,7 +1813,7 @@ fn gpu_l1_finish_kernels_bit_identical_pro_inter() {
     check_finish_l1_over_token_counts(&gpu, name, 3072);
 }
 
-/// Off the DSV4 shapes: I = 16 * odd, so I / 4 is not a multiple of 32 and the last warp of the q4 pass 2 is only
+/// Off the DSV4 shapes: I = 16 * odd, so I / 4 is not a multiple of 32 and the last warp of the per-row quantization pass is only
 /// partly inside the loop (its shuffle mask names a prefix of the warp); I = 2064 also takes a second pass-1 and
 /// pass-2 iteration with a single partly filled warp (I / 4 = 516 chunks for 512 threads).
 #[test]
@@ -1832,7 +1837,7 @@ fn gpu_l1_finish_kernels_bit_identical_partial_warps() {
 
 /// Overwrites about one in `one_in` partials of owned rows with -0.0, +0.0, subnormals, +-inf, NaN or +-3e38 (inf
 /// once scaled): h then holds NaN (silu of -inf), +-inf and signed zeros, which the row amax, the block maxima and
-/// the quantizer must treat exactly as pad1b does.
+/// the quantizer must treat exactly as PerRow does.
 fn sprinkle_special_partials(rng: &mut impl Rng, inp: &mut FinishInputs, one_in: u32) {
     let specials = [
         -0.0f32,
@@ -1862,7 +1867,7 @@ fn sprinkle_special_partials(rng: &mut impl Rng, inp: &mut FinishInputs, one_in:
 }
 
 /// Replaces about one in `one_in` row scales gsa (if any) and expert column scales gsb with values at and around
-/// RowsThr2's fused-product check (sa, gsb >= 2^-64: one FFMA for `(0 + p) * fl(sa * sb)`, splits == 1): +-0,
+/// Rows' fused-product check (sa, gsb >= 2^-64: one FFMA for `(0 + p) * fl(sa * sb)`, splits == 1): +-0,
 /// negatives, 2^-64 and its neighbours, products that underflow to 0, +inf, NaN. Wherever the check fails the
 /// kernel must take the unfused form; wherever it passes, the FFMA must give the same bits (-0 partials included,
 /// from sprinkle_special_partials).
@@ -1896,7 +1901,7 @@ fn perturb_scales_around_fused_check(rng: &mut impl Rng, inp: &mut FinishInputs,
 
 /// Scales the routing weight of about one in `one_in` owned rows by a tiny or huge factor, so whole rows of h sit
 /// far from 1: row amax below ~2^-100 (block scales under 2^-100, subnormal h) or above ~2^110 (block scales over
-/// 2^100, or inf / NaN scales where h overflows). RowsThr's encoder must take its division fallback exactly there.
+/// 2^100, or inf / NaN scales where h overflows). The rows encoder must take its division fallback exactly there.
 fn scale_some_routing_weights(rng: &mut impl Rng, inp: &mut FinishInputs, one_in: u32) {
     let factors = [1e-33f32, 1e-38, 1e-44, 1e33, 1e36, 1e38];
     for r in 0..inp.rb.grouping.rows_total() {
@@ -1906,11 +1911,11 @@ fn scale_some_routing_weights(rng: &mut impl Rng, inp: &mut FinishInputs, one_in
     }
 }
 
-/// The rows L1 finishes (Rows, RowsThr and RowsThr2) against pad1b (the default) bit for bit (codes, block scales, global
+/// The rows L1 finish against PerRow bit for bit (codes, block scales, global
 /// scales, h) into 0xFF-poisoned outputs: through [`mg::launch_finish_l1_with`] (the launcher's rows per CTA: one
 /// wave) and with each forced `rows_per_cta` (the ring wraps, the expert changes inside a CTA, the last CTA owns
 /// fewer rows), with and without the fp32 h output.
-fn check_rows_finish_against_pad1b(
+fn check_rows_finish_against_per_row(
     gpu: &Gpu,
     label: &str,
     inp: &FinishInputs,
@@ -1954,7 +1959,7 @@ fn check_rows_finish_against_pad1b(
         h.iter().filter(|v| v.to_bits() == 0x8000_0000).count(),
     );
     eprintln!(
-        "{label}: Rows, RowsThr, RowsThr2 == pad1b bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has \
+        "{label}: Rows == PerRow bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has \
          {nan} NaN, {inf} inf, {neg_zero} -0.0"
     );
 }
@@ -1972,30 +1977,30 @@ fn gpu_l1_finish_rows_bit_identical_prefill_sized() {
     let forced = [1usize, 3, 7, 64, 256];
     let mut inp = finish_inputs(&mut rng, 2048, 40, 700, 1, None, true);
     sprinkle_special_partials(&mut rng, &mut inp, 64);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &forced);
-    // Rows of tiny / huge h (RowsThr's out-of-range block scales), with and without special partials.
+    check_rows_finish_against_per_row(&gpu, name, &inp, &forced);
+    // Rows of tiny / huge h (the rows encoder's out-of-range block scales), with and without special partials.
     let mut inp = finish_inputs(&mut rng, 2048, 20, 300, 1, None, true);
     scale_some_routing_weights(&mut rng, &mut inp, 4);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &[3, 256]);
+    check_rows_finish_against_per_row(&gpu, name, &inp, &[3, 256]);
     sprinkle_special_partials(&mut rng, &mut inp, 64);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &[7]);
+    check_rows_finish_against_per_row(&gpu, name, &inp, &[7]);
     let mut inp = finish_inputs(&mut rng, 3072, 24, 300, 1, None, false);
     sprinkle_special_partials(&mut rng, &mut inp, 64);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &[5, 256]);
+    check_rows_finish_against_per_row(&gpu, name, &inp, &[5, 256]);
     let inp = finish_inputs(&mut rng, 4096, 12, 100, 1, None, true);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &[2, 9]);
+    check_rows_finish_against_per_row(&gpu, name, &inp, &[2, 9]);
     for (splits, padding) in [(3usize, None), (2, Some(3)), (5, Some(1))] {
         let mut inp = finish_inputs(&mut rng, 2048, 16, 150, splits, padding, true);
         sprinkle_special_partials(&mut rng, &mut inp, 128);
-        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 6, 31]);
+        check_rows_finish_against_per_row(&gpu, name, &inp, &[1, 6, 31]);
     }
     for (inter, splits) in [(16usize, 1usize), (48, 2), (1136, 1), (2064, 3)] {
         let mut inp = finish_inputs(&mut rng, inter, 10, 90, splits, Some(2), true);
         sprinkle_special_partials(&mut rng, &mut inp, 32);
         scale_some_routing_weights(&mut rng, &mut inp, 8);
-        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 5, 13]);
+        check_rows_finish_against_per_row(&gpu, name, &inp, &[1, 5, 13]);
     }
-    // RowsThr2's fused split-0 product: scales at and around its check, one split (fused where the check passes)
+    // Rows' fused split-0 product: scales at and around its check, one split (fused where the check passes)
     // and two (never fused), contiguous and masked, Flash and Pro I.
     for (inter, splits, padding) in [
         (2048usize, 1usize, None),
@@ -2006,12 +2011,12 @@ fn gpu_l1_finish_rows_bit_identical_prefill_sized() {
         let mut inp = finish_inputs(&mut rng, inter, 12, 120, splits, padding, true);
         sprinkle_special_partials(&mut rng, &mut inp, 32);
         perturb_scales_around_fused_check(&mut rng, &mut inp, 6);
-        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 4, 37]);
+        check_rows_finish_against_per_row(&gpu, name, &inp, &[1, 4, 37]);
     }
 }
 
 /// The rows L1 finish after the real prefill mainloop (wgmma, one K split) on a Flash L1 shape (N = 2 * 2048, short
-/// K), contiguous rows crossing tile edges with an empty expert: bit-identical to pad1b, and pad1b's h against
+/// K), contiguous rows crossing tile edges with an empty expert: bit-identical to PerRow, and PerRow's h against
 /// the f64 reference of the same path is what check_l1_l2 establishes for the default.
 #[test]
 #[ignore = "needs an H100/H200"]

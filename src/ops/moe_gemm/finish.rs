@@ -301,8 +301,9 @@ pub fn launch_finish_l1_with(
     if grp.rows_total == 0 {
         return Ok(());
     }
-    // Every L1 finish kernel is `__launch_bounds__(512)`; the q4 pass 2 also needs the block to be whole warps (lane ==
-    // chunk % 32), which 512 is, and PadOneBarrier exactly 16 warps (kFinishL1Threads in kernels/moe_gemm.cu).
+    // The per-row finish is `__launch_bounds__(512)`: its quantization pass needs the block to be whole warps
+    // (lane == chunk % 32), which 512 is, and its one-barrier row amax exactly 16 warps (kFinishL1Threads in
+    // kernels/moe_gemm.cu).
     let name = kernel
         .entry(i_dim)
         .ok_or_else(|| anyhow!("moe_gemm L1: no {kernel:?} kernel for I = {i_dim}"))?;
