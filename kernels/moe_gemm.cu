@@ -37,81 +37,23 @@
 //   atomics) and apply the epilogue: plain BF16, L1 SwiGLU + routing weight + NVFP4 quant, or L2 per-token
 //   combine over the top-k experts in routing order.
 //
-// * Mainloop (moe_gemm_nvfp4_partial_v3_nt*, the decode mainloop, with the v3t (tiled weights) and v3th (tiled
-//   weights, NVFP4 activations, f16 operands: the routed decode form since session 15) entries at the bottom of
-//   this file; prefill shapes go to the wgmma kernel of moe_gemm_prefill.cu): the activation tile of the NEXT 512-K step is copied raw with cp.async into shared
+// * Decode mainloop (moe_gemm_decode_{bf16,f16}_operands_nt*, entry points below; prefill shapes go to the wgmma
+//   kernel of moe_gemm_prefill.cu): reads the weights' tiling (one contiguous block per 256-row tile and 128-K
+//   stage, made at upload). The activation tile of the NEXT 512-K step is copied raw with cp.async into shared
 //   memory while the current step computes, then converted smem -> smem; the weights wait in ONE register stage
 //   that is refilled chunk by chunk as the compute consumes it, so the 1- and 2-token-tile entries fit 80
-//   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them).
-// * Finish kernels: one CTA per row (L1) / columns spread over many CTAs (L2), the split loads meant to be in flight
-//   together. For moe_gemm_finish_l2_combine_cols that did not hold: ptxas serialized its predicated loads (session-8
-//   ncu), which the L2 defaults _rowwarps / _cols2 fix (below).
-//   The L1 default since the session-7 final run (f24d816) is moe_gemm_finish_l1_swiglu_nvfp4_q4 (FinishL1Kernel::Q4):
-//   pass 1 (split sums, SwiGLU, row amax) + an NVFP4 pass with 4 elements per thread. It replaced
-//   moe_gemm_finish_l1_swiglu_nvfp4_vec (same pass 1, one thread per 16-element block in pass 2, bit-identical
-//   outputs; removed in session 8 after two H200 runs). Flash L1, us, _vec / _q4: 1 token 41.86 / 39.14, 8 tokens
-//   180.1 / 177.5, 64 tokens 775.4 / 770.1; Pro 1 token 84.45 / 82.24; the finish alone (ncu, 1 token) 7.7-7.9 /
-//   6.1-6.2.
-//   Session-8 A/B (727e353; results/h200/session8-ab): the L1 default is now moe_gemm_finish_l1_swiglu_nvfp4_pad1b
-//   (padding rows of the masked layout written directly, one-barrier row amax; q4 kept one run as the bench
-//   variant nvfp4_finishq4); the L2 combine is moe_gemm_finish_l2_combine_rowwarps (one warp per routed row) up to
-//   8 tokens and moe_gemm_finish_l2_combine_cols2 (2 columns per thread, compacted slots) above, _cols only for an
-//   odd N (host routing: FinishL2Kernel::for_tokens). Removed candidates: L1 _pad (pad1b without the one-barrier amax; between q4 and
-//   pad1b at every point) and L2 _cols_spec (row metadata in two dependent round trips, no barrier: Flash 1 token
-//   27.17 us vs rowwarps 25.31 and cols 29.60, a tie at 8-64 tokens). Comments at the definitions.
-//   Session 9: moe_gemm_finish_l1_swiglu_nvfp4_rows_kc* (FinishL1Kernel::Rows, routed for contiguous groupings by
-//   FinishL1Kernel::for_grouping; bench `nvfp4_finishpad1b` keeps pad1b measurable there), the prefill L1 finish: persistent CTAs over contiguous row ranges, a per-thread cp.async ring of the next
-//   rows' partials, h in registers, one barrier per row; bit-identical to pad1b (shared l1_swiglu_h /
-//   nvfp4_quant_chunk4; pad1b and q4 SASS unchanged by that refactor). Why pad1b is slow at prefill: the rows comment.
-//   Session 12 candidate: moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc* (FinishL1Kernel::RowsThr2, bench
-//   nvfp4_finishrowsthr2): RowsThr with 8 elements of a 16-block per thread, a fused split-0 product and leaner
-//   per-row bookkeeping (SASS fast path, Flash kc2: ~69 instead of ~93 thread-instructions per element);
-//   bit-identical. l1_swiglu_h was split into the products and l1_swiglu_h_tail (SASS of q4 / pad1b / rows /
-//   rows_thr unchanged by that split).
-//
-// History (removed generations; all three computed bit-identical partials, GPU-tested):
-//   v1 (moe_gemm_nvfp4_partial_nt*, finish moe_gemm_finish_l1_swiglu_nvfp4 / moe_gemm_finish_l2_combine: one CTA
-//   per row / per token, activations loaded between two barriers) and v2 (moe_gemm_nvfp4_partial_v2_nt*: cp.async
-//   activations, two register weight stages, 118-127 registers, 2 CTAs/SM for tiles <= 16). H200, Flash, v1 / v2 /
-//   v3 us: L1 1 token 53.3 / 43.7 / 40.5, L1 64 tokens 829 / 811 / 769, L2 1 token 126.3 / 32.5 / 29.3, L2 64
-//   tokens 515 / 433 / 391; Pro L1 1 token 109.7 / 91.4 / 81.6 (v2 and v3 with the current finish kernels).
-//   Nsight Compute before v2 (Flash L1, 1 token): partial 33 us at 37% DRAM throughput, 42% issue-slot use,
-//   3.7 warps/scheduler, ~1050 warp-instructions per warp and 512-K step (~3 per weight pair), i.e. the dequant
-//   alone needs ~90% of issue at full HBM bandwidth. Finish L1 v1: 21 us (latency chain over one row per CTA).
-//   Session-3 A/B (commit 4199846, removed; both bit-identical to v3): the v3 SASS shows that ptxas, held to 80
-//   registers by __launch_bounds__(256, 3), sinks the next stage's weight loads below the current stage's last
-//   MMA, so v3's register "prefetch" is not one. v4 (moe_gemm_nvfp4_partial_v4_nt1/2: weights through a cp.async
-//   shared-memory double buffer a full stage ahead) fixed the order but cost occupancy (2 CTAs/SM instead of 3)
-//   and lost 10-24%; v4h (per-warp half-stage slots, 4 / 3 CTAs/SM at 1- / 2-token tiles) still lost 4-13%.
-//   H200, Flash, v3 / v4 / v4h us: L1 1 token 42.4 / 48.2 / 47.7, L1 64 tokens 772.3 / 936.1 / 800.3,
-//   L2 1 token 29.8 / 32.8 / 32.4, L2 64 tokens 389.7 / 482.5 / 409.6.
-//   Session-4 A/B (commit 07de573, removed; bit-identical to v3): v5 / v5p (moe_gemm_nvfp4_partial_v5*/v5p*: dequant
-//   by multiply, e4m3x2 -> f16x2 scale pairs, L2 prefetch of the next stage; v5p = refill pointers pinned) cut the
-//   SASS per 512-K stage and lane from 852 (v3 nt1, dequant 608 of them) to 766 / 712, yet ran 3-30% slower: Flash
-//   v3 / v5 / v5p us: L1 1 token 40.8 / 45.2 / 43.9, 8 tokens 181.6 / 228.9 / 225.5, 64 tokens 771.8 / 1004.2 / 984.7,
-//   L2 1 token 29.8 / 31.1 / 30.8, 64 tokens 391.6 / 509.4 / 499.8; Pro L1 1 token 82.3 / 99.6 / 99.2 (fewer issue
-//   slots did not buy time). In-kernel split-K fixup (moe_gemm_nvfp4_l{1,2}_fixup_v3_nt*: the last CTA to arrive on
-//   a tile runs the epilogue) vs v3 + finish kernels: L1 1 token 49.0 vs 40.8, 64 tokens 979.7 vs 771.8; L2 1 token
-//   36.4 vs 29.8, 64 tokens 1142.8 vs 391.6, 256 tokens 3744.4 vs 632.2: the epilogue serializes on a few CTAs.
-//   Session-5 A/B, removed in session 11 (bit-identical to v3): v6 (_v6_nt*: weights + activations through a TMA ring
-//   filled by one producer thread) and v6t (_v6t_nt*: weights re-laid at load, one 18 KB bulk copy per 256-K stage).
-//   H200 4e1a74e, Flash v3 / v6 / v6t us: L1 1 token 38.7 / 38.8 / 39.1, 8 tokens 188.0 / 185.3 / 182.2, 64 tokens
-//   745.4 / 725.7 / 722.2; L2 1 token 25.6 / 28.0 / 26.7: a tie at decode (1 token), v6t 2-6% ahead at 8-64 tokens.
-//   Session-12 A/B, removed (kernels/moe_gemm_gemv.cu, commit 54c5959): an IDP4A mainloop for NVFP4 A, no tensor
-//   cores (e2m1 codes -> int8 of 2x the value by PRMT from an 8-byte magnitude table, sign by a second PRMT on the
-//   codes xor 0x8..8, 4 dp4a per 16-block: exact integer block sums, scaled in fp32). H200 d171b2a, whole calls, us,
-//   v3t / gemv: Flash L1 1 token 37.1 / 44.3, 8 tokens 176.6 / 161.8, 64 tokens 701.8 / 818.0; L2 1 token 24.5 /
-//   33.2; mainloop under ncu at 1 token 27.2 / 33.9 (DRAM 45 / 36%): its per-item int8 conversion, barriers and
-//   ~32 KB in flight per SM cost more than the cheaper dequant saved.
-//
-// Byte/cycle budget (decode, Flash L1: N = 2 * 2048, K = 4096): 16.8 M weights = 9.44 MB of codes + scales per
-// expert. At the issue's 80% of the 4.25 TB/s copy bandwidth an H200 must retire ~6.0e12 weights/s, i.e. ~23 weights
-// per SM and cycle at 1.98 GHz, against 4 warp-instructions of issue per SM and cycle. Measured (Nsight Compute,
-// session 15, Flash L1 64 tokens, every CTA busy): v3t issued 0.127 warp-instructions per weight (issue slots 64%,
-// the ALU pipe 63.7% and the most used, DRAM 56.7% at the 1.79 GHz ncu clock: bound in the SM, not by HBM); v3th
-// (f16 operands, the routed form) 0.100 per weight at DRAM 66.6% (75% of copy bandwidth in the bench at 1.98 GHz),
-// issue 59%, ALU 61%. What is left is mostly latency: ptxas issues the next stage's weight loads at the end of a
-// stage, so their lead is short (the v3th notes at the entry points).
+//   registers and run 3 CTAs per SM (the launcher's grid is 3 x SMs for them). ptxas issues the next stage's
+//   weight loads at the end of a stage, so their lead is short: what limits the loop at decode sizes is latency
+//   and issue (Nsight Compute at Flash L1 64 tokens: DRAM ~67%, issue ~59%), not HBM bandwidth.
+// * Finish kernels: the split sums in fixed split order, then the epilogue.
+//   - moe_gemm_finish_bf16: one CTA per row, plain BF16 output.
+//   - moe_gemm_finish_l1_per_row (decode): one CTA per row; pass 1 (split sums, SwiGLU, row amax), then an NVFP4
+//     pass with 4 elements per thread; padding rows of the masked layout are written directly (no barrier).
+//   - moe_gemm_finish_l1_rows_kc* (prefill): persistent CTAs over contiguous row ranges, a per-thread cp.async
+//     ring of the next rows' partials, h in registers, 8 elements of a 16-block per thread and the division-free
+//     e2m1 encoder. Bit-identical to the per-row finish (shared l1_swiglu_h and quantization rules).
+//   - moe_gemm_finish_l2_combine_{rowwarps,cols2,cols2_tok,cols}: the per-token combine in routing order; which
+//     one runs is FinishL2Kernel::for_tokens (all bit-identical; cols only for an odd N).
 //
 // Rounding points: products exact (bf16 x bf16 of exact values), fp32 accumulation (tensor-core order),
 // split partials added in split order in fp32, scale = gsa * gsb (fp32), out = acc * scale (fp32), then the
@@ -208,8 +150,8 @@ __device__ __forceinline__ void load_stage(WChunk (&w)[kChunksPerStage], const u
 }  // namespace
 
 // ---- Activations through cp.async ----------------------------------------------------------------------------
-// Loading each step's activation tile from global memory between two barriers (v1, removed) paid a full memory
-// latency per 512-K step with no math in flight. Instead the raw activation tile of the NEXT step is copied into a
+// Loading each step's activation tile from global memory between two barriers would pay a full memory latency per
+// 512-K step with no math in flight. Instead the raw activation tile of the NEXT step is copied into a
 // shared "raw" buffer with cp.async (no registers held) right before the current step computes, so that copy
 // overlaps the math like the weight prefetch does. At the start of a step the raw tile is converted smem -> smem
 // into the permuted, swizzled BF16 layout described in the header.
@@ -289,10 +231,9 @@ __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint
 
 }  // namespace
 
-// ---------------------------------------------------------------------------------------------------- v3 mainloop
-// Generation v3 (the decode mainloop; v1 and v2 were removed after the H200 A/B, numbers in the header). Same items,
-// products and mma order as v2 (bit-identical partials). What changed is where the next stage's weights wait: v2
-// kept two register stages (wbuf[2][4], 72 registers) and issued the whole next stage at the top of a step; v3 keeps ONE
+// ------------------------------------------------------------------------------------------------ decode mainloop
+// Where the next stage's weights wait: two register stages (wbuf[2][4], 72 registers, the whole next stage issued at
+// the top of a step) would hold the 1- and 2-token tiles to 2 CTAs per SM; this loop keeps ONE
 // register stage and, inside the compute, re-issues chunk c's load for the next stage as soon as chunk c has been
 // dequantized (its registers are dead then). The next stage still has a full step of latency to land, but the
 // buffer costs 36 registers instead of 72, which lets the 1- and 2-token-tile entries run 3 CTAs (24 warps) per
@@ -485,58 +426,34 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
 }
 }  // namespace
 
-// Entry points: moe_gemm_nvfp4_partial_<GEN>_nt<NT> with GEN = v3 (plain weight layout) or v3t (TILED: the prefill
-// tiling of the weights, DeviceExpertWeights::prefill_tiled; w_codes = the tiled blocks, w_scales ignored; N % 256
-// == 0). v3t (session 11) does the same loads (16 B of codes and 2 x 2 scale bytes per lane and 128-K chunk) with the
-// same registers, fragments and mma order: bit-identical partials (GPU test); a warp's 8 rows of a chunk are 512
-// contiguous bytes instead of 64 B per row, K / 2 bytes apart. 1- and 2-token tiles: 3 CTAs per SM (<= 80 registers);
-// the launcher's grid for them is 3 x SMs.
-#define MOE_GEMM_ENTRY_V3(GEN, TILED, HALF, NT, MINB)                                                                 \
-    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_nvfp4_partial_##GEN##_nt##NT(            \
+// Entry points: moe_gemm_decode_<OPERANDS>_nt<NT> on the weights' tiling (DeviceExpertWeights::tiled; w_codes = the
+// tiled blocks, w_scales ignored; N % 256 == 0): a warp's 8 rows of a 128-K chunk are 512 contiguous bytes.
+// * bf16_operands: BF16 weight fragments and activations; either activation format.
+// * f16_operands: f16 weight fragments built by e2m1_word_to_f16x2_tiny (~11 integer ops per 8 codes instead of
+//   15), the two block scales of a row as one exact e4m3x2 -> f16x2 (broadcast by HMUL2's operand selector), f16
+//   MMAs; NVFP4 activations only (their values are exact in f16; BF16 activations are not). The products are the
+//   same exact values scaled by 2^-14 instead of 2^-9 and the mma order is the same: bit-identical partials to
+//   bf16_operands (GPU test). Why: the BF16-operand loop is bound in the SM (issue slots and the ALU pipe), not by
+//   HBM, at every decode size; f16 operands take a 512-K stage (nt1) from 770 to 563 SASS instructions.
+// 1- and 2-token tiles: 3 CTAs per SM (<= 80 registers); the launcher's grid for them is 3 x SMs.
+#define MOE_GEMM_DECODE_ENTRY(OPERANDS, HALF, NT, MINB)                                                               \
+    extern "C" __global__ void __launch_bounds__(kThreads, MINB) moe_gemm_decode_##OPERANDS##_nt##NT(                 \
         const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3<NT, TILED, HALF>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial,     \
-                                          splits);                                                                   \
+        moe_gemm_body_v3<NT, true, HALF>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial,      \
+                                         splits);                                                                    \
     }
 
-MOE_GEMM_ENTRY_V3(v3, false, false, 1, 3)
-MOE_GEMM_ENTRY_V3(v3, false, false, 2, 3)
-MOE_GEMM_ENTRY_V3(v3, false, false, 4, 1)
-MOE_GEMM_ENTRY_V3(v3, false, false, 8, 1)
-MOE_GEMM_ENTRY_V3(v3t, true, false, 1, 3)
-MOE_GEMM_ENTRY_V3(v3t, true, false, 2, 3)
-MOE_GEMM_ENTRY_V3(v3t, true, false, 4, 1)
-MOE_GEMM_ENTRY_V3(v3t, true, false, 8, 1)
-// Session 15, ROUTED for NVFP4 activations on the tiled weights (DecodeOperands::routed_for): v3th = v3t with f16
-// weight fragments built by e2m1_word_to_f16x2_tiny (~11 integer ops per 8 codes instead of 15), the two block
-// scales of a row as one exact e4m3x2 -> f16x2 (broadcast by HMUL2's operand selector) and f16 MMAs.
-// Why: Nsight Compute of v3t at Flash L1 64 tokens (every CTA busy; results/h200/profile/ncu-moe_gemm-session15*):
-// issue slots 64% busy, the ALU pipe the most used at 63.7% of elapsed cycles, DRAM 56.7% at a 1.79 GHz SM clock
-// (the bench's 64.8% of copy bandwidth at ~1.98 GHz: the rate follows the SM clock, not HBM). SASS of a 512-K stage
-// (nt1) 770 -> 563 instructions. The products are the same exact values scaled by 2^-14 instead of 2^-9 and the mma
-// order is the same: bit-identical partials to v3t's (GPU test). H200 A/B (580c580), whole calls, us, v3t / v3th:
-// Flash L1 1 token 35.6 / 33.6, 8 176.1 / 153.2, 64 696.4 / 599.2 (64.5% -> 75.0% of copy bandwidth), 256 1114.6 /
-// 980.5; L2 64 370.2 / 322.9; Pro L1 16 722.1 / 617.4 (77.1%), 64 2117.5 / 1835.4 (77.8%); every decode point
-// -5% to -14.5%. The first form (per-scale f32 round trip, 611 SASS per stage) measured 632.4 us at Flash L1 64.
-MOE_GEMM_ENTRY_V3(v3th, true, true, 1, 3)
-MOE_GEMM_ENTRY_V3(v3th, true, true, 2, 3)
-MOE_GEMM_ENTRY_V3(v3th, true, true, 4, 1)
-MOE_GEMM_ENTRY_V3(v3th, true, true, 8, 1)
-
-// Session 15, removed: v3tha = v3th with the activation tile converted one stage ahead into a second buffer (and the
-// raw tile two stages ahead), one CTA barrier per 512-K stage instead of two (bit-identical; racecheck / memcheck /
-// synccheck clean; commit 5ea1087). It LOST 2-5% at almost every decode point (H200, whole calls, us, v3th / v3tha:
-// Flash L1 64 tokens 606.9 / 622.5, 8 154.5 / 157.8; L2 64 326.2 / 339.8; Pro L1 64 1862.6 / 1907.2): ptxas issues
-// the next stage's weight loads after the last HMMA there (in v3th within the last chunk), so the stage loads
-// start later, which costs more than the barrier saves.
-// Session 15, removed: v3thp = v3th plus, at the top of every step, 8 cp.async.bulk.prefetch.L2 by lane 0 of each
-// warp for the warp's next-step weights (1 KiB of codes + 128 B of scales per 128-K chunk), so that the late
-// register refill would read L2 (bit-identical; commit 2f5b3a1). It LOST 7-11% at every decode point from 4 tokens
-// (H200, us, v3th / v3thp: Flash L1 8 tokens 154.1 / 166.1, 64 603.8 / 658.4; L2 64 327.5 / 352.7; Pro L1 64 1830.2 /
-// 2029.1). Not analysed further (no ncu of it): the bulk prefetches go through the uniform datapath of lane 0
-// (R2UR + UBLKPF per span) and add L2 requests beside the demand loads.
+MOE_GEMM_DECODE_ENTRY(bf16_operands, false, 1, 3)
+MOE_GEMM_DECODE_ENTRY(bf16_operands, false, 2, 3)
+MOE_GEMM_DECODE_ENTRY(bf16_operands, false, 4, 1)
+MOE_GEMM_DECODE_ENTRY(bf16_operands, false, 8, 1)
+MOE_GEMM_DECODE_ENTRY(f16_operands, true, 1, 3)
+MOE_GEMM_DECODE_ENTRY(f16_operands, true, 2, 3)
+MOE_GEMM_DECODE_ENTRY(f16_operands, true, 4, 1)
+MOE_GEMM_DECODE_ENTRY(f16_operands, true, 8, 1)
 
 namespace {
 __device__ __forceinline__ float reduce_splits(const float* partial, int splits, int rows_total, int N, int row, int n) {
@@ -574,9 +491,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_bf16(
 }
 
 // ---- Finish kernels (column-parallel) ---------------------------------------------------------------------------
-// The removed v1 finish kernels had the same arithmetic in the same order (bit-identical outputs) but gave the L2
-// combine one CTA per token: at 1-2 decode tokens that was 1-2 CTAs walking 4096 columns x 6 rows x splits with a
-// dependent chain of global loads per column (~120 us measured). Here the split loads of all rows are independent
+// Why column-parallel: one CTA per token for the L2 combine would be 1-2 CTAs at 1-2 decode tokens walking 4096
+// columns x 6 rows x splits with a dependent chain of global loads per column. Here the split loads of all rows are independent
 // and issued together, and the columns are spread over many CTAs.
 
 // Split sums of 4 consecutive gate columns [n, n+4) and the matching up columns [I+n, I+n+4) (float4 loads;
@@ -730,7 +646,7 @@ __device__ __forceinline__ uint32_t nvfp4_codes4_thr(const float4 x, float scale
 // NVFP4 quantization of chunk c = h elements 4c..4c+3 (x) of a row with global scale gs: the 4 lanes of the chunk's
 // 16-block (lanes 4*(lane/4) + 0..3, all named in `mask`) share the block amax by two xor-shuffles; the lane with
 // c % 4 == 0 stores the block scale byte, every lane its 2 code bytes (the rules are in the comment of
-// moe_gemm_finish_l1_swiglu_nvfp4_q4 below). One source for the q4 pass and the rows kernels. kThresholdEncoder:
+// the comment below finish_l1_nvfp4_q4_pass). One source for the q4 pass and the rows kernels. kThresholdEncoder:
 // the codes by nvfp4_codes4_thr (RowsThr; the same bits) instead of 4 x mm::nvfp4_element.
 template <bool kThresholdEncoder = false>
 __device__ __forceinline__ void nvfp4_quant_chunk4(const float4 x, float gs, unsigned mask, int c,
@@ -752,7 +668,7 @@ __device__ __forceinline__ void nvfp4_quant_chunk4(const float4 x, float gs, uns
 }
 
 // Pass 2 of the q4 finish (and of the candidates built on it): NVFP4 quantization of the h row in s_h with global
-// scale gs, 4 elements per thread (the rules are in the comment of moe_gemm_finish_l1_swiglu_nvfp4_q4 below).
+// scale gs, 4 elements per thread (the rules are in the comment below it).
 __device__ __forceinline__ void finish_l1_nvfp4_q4_pass(const float* s_h, int I, float gs, int row,
                                                         uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales) {
     const int chunks = I / 4;
@@ -766,13 +682,9 @@ __device__ __forceinline__ void finish_l1_nvfp4_q4_pass(const float* s_h, int I,
     }
 }
 
-// The L1 finish (FinishL1Kernel::Q4, the default since the session-7 final run): the same pass 1, then a parallel
-// pass 2. In the pass 2 of the removed _vec finish only I / 16 threads (128 of 512 at I = 2048) worked, each a
-// serial chain of 16 shared loads (16 floats apart across lanes: a 16-way bank conflict), the block scale and 16
-// IEEE divisions. Here every thread quantizes 4 consecutive elements (chunk c = elements 4c..4c+3, one
-// conflict-free float4 load) and the 4 lanes of one 16-block cooperate.
-// Outputs were bit-identical to _vec, and the rules below are why q4 equals the one-block-per-thread CPU quantizer
-// (h, h_out and gs come from the shared pass 1; for pass 2):
+// Why finish_l1_nvfp4_q4_pass (pass 2 of the per-row finish) equals the one-block-per-thread CPU quantizer (h, h_out
+// and gs come from pass 1): every thread quantizes 4 consecutive elements (chunk c = elements 4c..4c+3, one
+// conflict-free float4 load) and the 4 lanes of one 16-block cooperate:
 // * lane <-> chunk: c = threadIdx.x + k * blockDim.x with blockDim.x % 32 == 0 (launcher: 512), so c % 32 == lane
 //   and the 4 chunks of 16-block b = c / 4 (c % 4 = 0..3) sit on the 4 consecutive lanes 4*(lane/4) + 0..3 of one
 //   warp; xor 1 and xor 2 stay inside that group.
@@ -789,21 +701,7 @@ __device__ __forceinline__ void finish_l1_nvfp4_q4_pass(const float* s_h, int I,
 //   min(32, I/4 - (c - lane)) lanes. I % 16 == 0 makes I/4 a multiple of 4 and c - lane is a multiple of 32, so the
 //   prefix length is a multiple of 4: the 4 lanes of a 16-block are all in the loop or all out (I > 4 * blockDim.x,
 //   e.g. Pro I = 3072, takes a second, partly filled iteration), and the mask names exactly the lanes present.
-extern "C" __global__ void __launch_bounds__(512) moe_gemm_finish_l1_swiglu_nvfp4_q4(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
-    extern __shared__ float s_h[];
-    __shared__ float s_red[32];  // block_max: one slot per warp (<= 32 warps)
-    Grouping grp{group, capacity, experts, rows_total};
-    const int row = blockIdx.x;
-    const float gs =
-        finish_l1_swiglu_to_smem(partial, splits, grp, rows_total, I, gsa, gsb, routing, h_gs, h_out, s_h, s_red,
-                                 grp.expert_of_row(row));
-    finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
-}
-
-// ---- The decode L1 finish with direct padding rows (FinishL1Kernel::PadOneBarrier, the default since session 8) --
+// ---- The decode L1 finish with direct padding rows (FinishL1Kernel::PerRow) --------------------------------------
 // In the masked layout almost every finish CTA runs on a padding row (expert_of_row(row) < 0): at 1 token 250 of
 // Flash's 256 rows (378 of Pro's 384), at 8 / 64 tokens ~94% / ~75% of rows_total = experts * max count. The q4
 // finish still runs both passes on them: h = 0 into s_h (and h_out), the block_max barriers, then pass 2 on zeros.
@@ -869,7 +767,7 @@ __device__ __forceinline__ void finish_l1_pad_body(
     finish_l1_nvfp4_q4_pass(s_h, I, gs, row, h_codes, h_scales);
 }
 
-extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l1_swiglu_nvfp4_pad1b(
+extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l1_per_row(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
     uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
@@ -879,7 +777,7 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
                              h_scales, h_gs, h_out, s_h, s_red);
 }
 
-// ---- The prefill L1 finish (FinishL1Kernel::Rows, session 9; routed for contiguous groupings) --------------------
+// ---- The prefill L1 finish: the rows design (FinishL1Kernel::Rows builds on it, below) ---------------------------
 // Why (pad1b's SASS at Flash 4096 tokens, 24,576 rows, 0.40 ms = ~1.1 TB/s of partials): pad1b runs one CTA per
 // row; every CTA walks a chain of dependent memory steps before its math (the contiguous expert lookup, a binary
 // search of ~8 dependent loads; gsa / routing; the row's 16 KB of partials; then gsb, which ptxas loads after the
@@ -922,157 +820,7 @@ __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// kThresholdEncoder: RowsThr (the codes by nvfp4_codes4_thr, bit-identical; everything else the same code).
-template <int KC, int kStages, bool kThresholdEncoder>
-__device__ __forceinline__ void finish_l1_rows_body(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
-    uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out,
-    int rows_per_cta) {
-    extern __shared__ uint4 s_ring[];  // [kStages][KC][2 (gate, up)][256] 16-byte units
-    __shared__ int s_exp[kFinishL1RowsMaxRowsPerCta];
-    __shared__ float s_sa[kFinishL1RowsMaxRowsPerCta];
-    __shared__ float s_rw[kFinishL1RowsMaxRowsPerCta];
-    __shared__ __align__(16) float s_red[2][kFinishL1RowsThreads / 32];  // per-warp amax, by row parity
-    constexpr int kWarps = kFinishL1RowsThreads / 32;
-    static_assert(kWarps == 8, "2 float4 slots per parity");
-    const int tid = threadIdx.x, lane = tid & 31;
-    const int N = 2 * I, chunks = I / 4;
-    const int first = blockIdx.x * rows_per_cta;
-    const int nrows = min(rows_per_cta, rows_total - first);  // >= 1 (launcher grid)
-    const Grouping grp{group, capacity, experts, rows_total};
-    if (tid < nrows) {
-        const int row = first + tid;
-        const int e = grp.expert_of_row(row);
-        s_exp[tid] = e;
-        s_sa[tid] = (gsa != nullptr && e >= 0) ? gsa[row] : 1.f;
-        s_rw[tid] = e >= 0 ? routing[row] : 0.f;
-    }
-    // Ring: slot of local row i = i % kStages; thread tid's unit (k, g) of a slot at [((slot*KC + k)*2 + g)*256 + tid]
-    // (consecutive threads, consecutive 16 bytes: conflict-free).
-    // Copies split 0 of local row i (if i < nrows and `take`) and commits one group per call, empty or not, so the
-    // wait counts stay uniform.
-    auto issue_row = [&](int i, bool take) {
-        if (i < nrows && take) {
-            const float* src = partial + (size_t)(first + i) * N;  // split 0
-            uint4* dst = s_ring + (size_t)(i % kStages) * KC * 2 * kFinishL1RowsThreads + tid;
-#pragma unroll
-            for (int k = 0; k < KC; ++k) {
-                const int c = tid + k * kFinishL1RowsThreads;
-                if (c < chunks) {
-                    cp_async_16(dst + (2 * k) * kFinishL1RowsThreads, src + 4 * c);
-                    cp_async_16(dst + (2 * k + 1) * kFinishL1RowsThreads, src + I + 4 * c);
-                }
-            }
-        }
-        cp_async_commit();
-    };
-    // The first kStages - 1 rows are copied before their experts are known (overlapping the lookups above); later
-    // rows only when an expert owns them (a padding row's partials are never read: in the masked decode layout
-    // most rows are padding).
-#pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) issue_row(i, true);
-    __syncthreads();  // s_exp / s_sa / s_rw
-    int e_cur = -1;
-    float4 sg[KC], su[KC];  // gsb of expert e_cur at the thread's chunks (gate, up)
-#pragma unroll
-    for (int k = 0; k < KC; ++k) sg[k] = su[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-    const size_t split_stride = (size_t)rows_total * N;
-    for (int i = 0; i < nrows; ++i) {
-        issue_row(i + kStages - 1, i + kStages - 1 < nrows && s_exp[min(i + kStages - 1, nrows - 1)] >= 0);
-        cp_async_wait_group<kStages - 1>();  // this thread's copies of row i have landed
-        const int row = first + i;
-        const int e = s_exp[i];
-        if (e >= 0 && e != e_cur) {  // CTA-uniform
-            e_cur = e;
-#pragma unroll
-            for (int k = 0; k < KC; ++k) {
-                const int c = tid + k * kFinishL1RowsThreads;
-                if (c < chunks) {
-                    sg[k] = *reinterpret_cast<const float4*>(gsb + (size_t)e * N + 4 * c);
-                    su[k] = *reinterpret_cast<const float4*>(gsb + (size_t)e * N + I + 4 * c);
-                }
-            }
-        }
-        const float sa = s_sa[i], rw = s_rw[i];
-        const uint4* slot = s_ring + (size_t)(i % kStages) * KC * 2 * kFinishL1RowsThreads + tid;
-        float4 h[KC];
-        float amax = 0.f;
-#pragma unroll
-        for (int k = 0; k < KC; ++k) {
-            const int c = tid + k * kFinishL1RowsThreads;
-            h[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (c < chunks) {
-                if (e >= 0) {
-                    const uint4 pg0 = slot[(2 * k) * kFinishL1RowsThreads];
-                    const uint4 pu0 = slot[(2 * k + 1) * kFinishL1RowsThreads];
-                    float4 ag = make_float4(0.f, 0.f, 0.f, 0.f), au = ag;
-                    ag.x += __uint_as_float(pg0.x); ag.y += __uint_as_float(pg0.y);
-                    ag.z += __uint_as_float(pg0.z); ag.w += __uint_as_float(pg0.w);
-                    au.x += __uint_as_float(pu0.x); au.y += __uint_as_float(pu0.y);
-                    au.z += __uint_as_float(pu0.z); au.w += __uint_as_float(pu0.w);
-                    for (int s = 1; s < splits; ++s) {
-                        const float* src = partial + s * split_stride + (size_t)row * N + 4 * c;
-                        const float4 pg = *reinterpret_cast<const float4*>(src);
-                        const float4 pu = *reinterpret_cast<const float4*>(src + I);
-                        ag.x += pg.x; ag.y += pg.y; ag.z += pg.z; ag.w += pg.w;
-                        au.x += pu.x; au.y += pu.y; au.z += pu.z; au.w += pu.w;
-                    }
-                    h[k].x = l1_swiglu_h(ag.x, au.x, sa, sg[k].x, su[k].x, rw);
-                    h[k].y = l1_swiglu_h(ag.y, au.y, sa, sg[k].y, su[k].y, rw);
-                    h[k].z = l1_swiglu_h(ag.z, au.z, sa, sg[k].z, su[k].z, rw);
-                    h[k].w = l1_swiglu_h(ag.w, au.w, sa, sg[k].w, su[k].w, rw);
-                }
-                if (h_out != nullptr) *reinterpret_cast<float4*>(h_out + (size_t)row * I + 4 * c) = h[k];
-                amax = fmaxf(amax, fmaxf(fmaxf(fabsf(h[k].x), fabsf(h[k].y)), fmaxf(fabsf(h[k].z), fabsf(h[k].w))));
-            }
-        }
-        // Row amax: warp tree, then the 8 warp slots of this row's parity (one barrier; see the header).
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        float* red = s_red[i & 1];
-        if (lane == 0) red[tid >> 5] = amax;
-        __syncthreads();
-        const float4 ra = reinterpret_cast<const float4*>(red)[0], rb = reinterpret_cast<const float4*>(red)[1];
-        amax = fmaxf(0.f, fmaxf(fmaxf(fmaxf(ra.x, ra.y), fmaxf(ra.z, ra.w)), fmaxf(fmaxf(rb.x, rb.y), fmaxf(rb.z, rb.w))));
-        const float gs = mm::nvfp4_global_scale(amax);
-        if (tid == 0) h_gs[row] = gs;
-        uint8_t* codes_row = h_codes + (size_t)row * (I / 2);
-        uint8_t* scales_row = h_scales + (size_t)row * (I / 16);
-#pragma unroll
-        for (int k = 0; k < KC; ++k) {
-            const int c = tid + k * kFinishL1RowsThreads;
-            if (c < chunks) {
-                const int lanes_in = min(32, chunks - (c - lane));  // >= lane + 1, a multiple of 4 (q4's comment)
-                const unsigned mask = lanes_in == 32 ? 0xffffffffu : (1u << lanes_in) - 1u;
-                nvfp4_quant_chunk4<kThresholdEncoder>(h[k], gs, mask, c, codes_row, scales_row);
-            }
-        }
-    }
-}
-
-#define MOE_FINISH_L1_ROWS_ENC(NAME, THR, KC, STAGES, MINB)                                                          \
-    extern "C" __global__ void __launch_bounds__(kFinishL1RowsThreads, MINB) moe_gemm_finish_l1_swiglu_nvfp4_##NAME##_kc##KC( \
-        const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total,   \
-        int I, const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,       \
-        uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs,                      \
-        float* __restrict__ h_out, int rows_per_cta) {                                                                \
-        finish_l1_rows_body<KC, STAGES, THR>(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb,     \
-                                             routing, h_codes, h_scales, h_gs, h_out, rows_per_cta);                   \
-    }
-// Both encoders per (KC, ring stages, CTAs per SM): _rows_kcK (FinishL1Kernel::Rows) and _rows_thr_kcK (RowsThr).
-#define MOE_FINISH_L1_ROWS(KC, STAGES, MINB)              \
-    MOE_FINISH_L1_ROWS_ENC(rows, false, KC, STAGES, MINB) \
-    MOE_FINISH_L1_ROWS_ENC(rows_thr, true, KC, STAGES, MINB)
-// (KC, ring stages, CTAs per SM): the launcher's table FINISH_L1_ROWS_KINDS in src/ops/moe_gemm/mod.rs must match.
-// Ring bytes = stages * KC * 8 KB: kc1 64 KB, kc2 64 KB (Flash I = 2048: 3 CTAs x 3 rows x 16 KB ahead per SM),
-// kc3 48 KB (Pro I = 3072), kc4 64 KB.
-MOE_FINISH_L1_ROWS(1, 8, 3)
-MOE_FINISH_L1_ROWS(2, 4, 3)
-MOE_FINISH_L1_ROWS(3, 2, 3)
-MOE_FINISH_L1_ROWS(4, 2, 2)
-
-// ---- The prefill L1 finish, fewer instructions per element (FinishL1Kernel::RowsThr2, session-12 candidate) -----
+// ---- The prefill L1 finish, 8 elements per thread (FinishL1Kernel::Rows: moe_gemm_finish_l1_rows_kc*) -----------
 // RowsThr's SASS (kc2, Flash I = 2048, 8 h elements per thread and row) spends ~94 thread-instructions per element
 // (ncu: 147 M warp-instructions for 50.3 M elements), issue-bound. About a third of that is per-16-block work done
 // by all 4 lanes of a block (block amax shuffles and their variable-mask convergence code, the block-scale
@@ -1346,7 +1094,7 @@ __device__ __forceinline__ void finish_l1_rows2_body(
 
 // RowsThr2 entries: the splits == 1 path is its own instantiation inside the entry (CTA-uniform branch).
 #define MOE_FINISH_L1_ROWS_THR2(KC, STAGES, MINB)                                                                    \
-    extern "C" __global__ void __launch_bounds__(kFinishL1RowsThreads, MINB) moe_gemm_finish_l1_swiglu_nvfp4_rows_thr2_kc##KC( \
+    extern "C" __global__ void __launch_bounds__(kFinishL1RowsThreads, MINB) moe_gemm_finish_l1_rows_kc##KC( \
         const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total,   \
         int I, const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,       \
         uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs,                      \
@@ -1377,8 +1125,8 @@ MOE_FINISH_L1_ROWS_THR2(4, 2, 2)
 // it to h before w2). grid = (tokens, ceil(N / 256)), block = 256, one column per thread. The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
 // kFinishMaxTopk, launcher check). The loads of up to 8 rows x 4 splits are predicated and independent, meant to be
 // in flight together; ptxas interleaves them with their predicated adds instead (~12 dependent round trips at 1
-// token, session-8 ncu), so since session 8 this kernel runs only for an odd N (_rowwarps / _cols2 below are the
-// defaults). Order: per row j the splits
+// token under ncu), so this kernel runs only for an odd N (_rowwarps / _cols2 / _cols2_tok below are routed
+// otherwise). Order: per row j the splits
 // in split order starting from 0 (as reduce_splits), then y over j = 0, 1, ... (routing order) (the order of
 // the CPU reference).
 constexpr int kFinishMaxTopk = 32;
@@ -1442,10 +1190,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combin
     out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
 }
 
-// The L2 finish with one warp per routed row (FinishL2Kernel::RowWarps, bench `nvfp4_l2rowwarps`, session-8 A/B).
+// The L2 finish with one warp per routed row (FinishL2Kernel::RowWarps, bench `nvfp4_l2rowwarps` forces it).
 // Why: in moe_gemm_finish_l2_combine_cols one thread holds a column's 8 rows x 4 splits, each load and add under
 // its own validity predicate; with 7 predicate registers ptxas interleaves them (load, add, recompute, load, ...),
-// so at 1 token (ncu, session-8 start run) the kernel took 9.6-10.0 us: ~12 dependent L2 round trips (long_sb on
+// so at 1 token (ncu) the kernel took 9.6-10.0 us: ~12 dependent L2 round trips (long_sb on
 // 12 predicated FADDs), for 16 CTAs. Here grid = (tokens, ceil(N / 32)), block 256 = 8 warps: in pass j0 warp u
 // owns routed slot j = j0 + u and lane l column n = 32 * blockIdx.y + l (coalesced 128-byte loads). A warp's
 // validity is warp-uniform (a branch, not a predicate per load); its split loads use clamped addresses (always
@@ -1502,9 +1250,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
     if (u == 0 && col_ok) out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
 }
 
-// The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2, the
-// default above 8 tokens since session 8; bench `nvfp4_l2cols2` forces it). The session-8 A/B (727e353) found both earlier kernels short of the
-// bytes: _cols serializes its predicated loads (9.8-10.1 us at 1 token; 667 us at 4096 tokens = 403 MB of
+// The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2; bench
+// `nvfp4_l2cols2` forces it). Why: both other column kernels are short of the bytes: _cols serializes its predicated loads (9.8-10.1 us at 1 token; 667 us at 4096 tokens = 403 MB of
 // partials at 0.6 TB/s) and _rowwarps fixes the decode chain (4.5 us) but spends two barriers and a serial
 // combine per 32 columns (1,440 us at 4096 tokens). Here grid = (tokens, ceil(N / 512)), block 256, thread ->
 // columns n0, n0 + 1 (float2 loads of partials and gsb, one 4-byte BF16 store). Warp 0 compacts the token's
@@ -1610,11 +1357,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
     l2_cols2_columns(partial, splits, rows_total, N, gsb, s_row, s_exp, s_sa, valid, tok, n0, out);
 }
 
-// Cols2 with one CTA per token over all N columns (FinishL2Kernel::Cols2Tok, session 11; bench `nvfp4_l2cols2tok`):
+// Cols2 with one CTA per token over all N columns (FinishL2Kernel::Cols2Tok; bench `nvfp4_l2cols2tok` forces it):
 // grid = tokens. Why: in Cols2 each of the ceil(N / 512) CTAs of a token first walks the same dependent chain
 // (token_rows -> the expert search over the offsets -> gsa -> barrier) before its first partial load; at prefill
 // (4096 tokens x 8 slices = 32,768 CTAs of 12 KB each) that chain, not the bytes, sets the pace (the combine alone
-// ran at ~2.1 TB/s under ncu, session 10). Here the table is built once per token and a thread walks the token's
+// ran at ~2.1 TB/s under ncu). Here the table is built once per token and a thread walks the token's
 // 512-column slices in order. Each column is computed by l2_cols2_columns as in Cols2: bit-identical outputs.
 extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_cols2_tok(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,

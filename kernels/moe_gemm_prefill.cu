@@ -4,9 +4,9 @@
 // so the existing finish kernels (plain BF16, L1 SwiGLU + NVFP4 quant, L2 combine) run unchanged after it.
 // Contiguous grouping only (tokens sorted by expert, offsets[E+1]); the decode kernel keeps the masked layout.
 //
-// Two mainloop designs live here: the SS kernels (this header; both wgmma operands from shared memory, the
-// routed prefill path until session 8, now the fallback for shapes the RS kernel does not take) and the RS kernel
-// (own header further down; weights dequantized in registers, the routed path since session 9).
+// Two mainloop designs live here: the SS kernels (this header; both wgmma operands from shared memory, the fallback
+// for shapes the RS kernel does not take) and the RS kernels (own header further down; weights dequantized in
+// registers; the routed one reads the weights' tiling, moe_gemm_prefill_partial_rs_wtma_tiled).
 //
 // Design (SS)
 // -----------
@@ -16,21 +16,11 @@
 //   shared memory through matrix descriptors, fp32 accumulators in registers (64 per thread).
 //   Second entry `moe_gemm_prefill_partial_n256`: 128 x 256 tile, m64n256k16, 128 accumulators per thread
 //   (half the A-operand shared-memory reads and barriers per FLOP; 187 KB of shared memory). Bench variant
-//   `nvfp4_wgmma256` (faster than 128 x 128 at every H200 prefill point, e.g. L1 4096 tokens 3724 vs 4822 us).
-//   Since session 9 both SS entries are the fallback: the launcher routes every shape with N % 256 == 0 and
-//   K % 128 == 0 to the RS mainloop at the end of this file (PrefillKernel::default_for in prefill.rs).
-//   Session-3 A/B (commit 4199846, removed; bit-identical to n256): moe_gemm_prefill_partial_n256_v4 (128 x 256,
-//   one wgmma group kept in flight across stages with 3 B tiles, one barrier per stage via thread-private raw
-//   bytes) lost. H200, Flash, n256 / v4 us: L1 4096 tokens 3693.6 / 4135.0, L1 16384 tokens 13096.7 / 14024.9,
-//   L2 4096 tokens 2309.1 / 2532.1.
-//   Session-5 A/B (commit 48a7d82, branch s5-pre, removed; bit-identical to n256, GPU-tested): warp-specialized
-//   n256 (384 threads: a producer warp group cp.asyncs raw stages and dequantizes B into 2 or 3 BF16 tiles, two
-//   wgmma warp groups keep one group in flight, mbarrier handoffs, no CTA barrier in the loop: _ws / _ws3b; _wsb
-//   shares the B dequant with the wgmma warp groups). H200, Flash, n256 / ws / ws3b / wsb us: L1 4096 tokens
-//   3699.8 / 4588.9 / 4328.4 / 3749.8, L1 16384 13121.4 / 15102.4 / 14212.3 / 12611.8, L2 4096 2304.4 / 2740.1 /
-//   2617.1 / 2353.9, L2 16384 8346.2 / 9248.2 / 8832.2 / 8143.8 (cuBLASLt BF16 on pre-dequantized weights: L1
-//   16384 5873.2). Moving the dequant off the wgmma warps did not help: the shared-memory traffic of the BF16 B
-//   tile (~155 KB per 64-K stage written then read) bounds this design, not the barriers.
+//   (faster than 128 x 128 at every H200 prefill point). Both SS entries are the fallback: the launcher routes every
+//   shape with N % 256 == 0 and K % 128 == 0 to an RS mainloop (PrefillKernel::default_for in prefill.rs).
+//   Why this design is not the routed one: the shared-memory traffic of the BF16 B tile (~155 KB per 64-K stage
+//   written then read) bounds it, not the barriers (a warp-specialized form moving the dequant off the wgmma
+//   warps did not help).
 // * Producer = all 256 threads, through cp.async into a 4-slot ring of RAW stages (prefetch distance 3 stages):
 //   weight codes (128 rows x 32 B) + e4m3 block scales (128 rows x 4 B) -- 4x fewer bytes than BF16 -- and A:
 //   BF16 A goes straight into its swizzled BF16 tile (ring of 4 tiles); NVFP4 A goes to the raw ring as well.
@@ -386,13 +376,13 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial, 128)
 MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 
 // =====================================================================================================================
-// RS mainloop (`moe_gemm_prefill_partial_rs_tma`, the routed prefill mainloop since session 9): weights dequantized
+// RS mainloop (`moe_gemm_prefill_partial_rs_tma`, the fallback for K % 256 != 0): weights dequantized
 // IN REGISTERS as the wgmma A operand; activations pre-permuted once (`moe_gemm_prefill_act_rs`) and fed by TMA.
 // =====================================================================================================================
 // Why: the SS mainloop above writes every dequantized BF16 weight tile to shared memory and reads it back through
 // wgmma; with the A tile, the raw stages and the cp.async traffic that is ~150 KB of shared-memory traffic per
 // 1024 tensor cycles (~146 B/clk against the 128 B/clk an SM's shared memory delivers), so the tensor cores wait
-// (Nsight, session 8: HGMMA 1.7% of the stall samples; short_sb, dequant issue and weight loads dominate).
+// (Nsight: HGMMA 1.7% of the stall samples; short_sb, dequant issue and weight loads dominate).
 // Here the roles swap (as in the decode kernel): weight rows are the wgmma M dimension and come from REGISTERS
 // (`wgmma ... {a0..a3}, b-desc`: the RS form), tokens are the wgmma N dimension and come from shared memory. The
 // weights never touch shared memory (16-byte ld.global.nc straight into registers, one 128-K stage ahead, exactly
@@ -421,12 +411,8 @@ MOE_GEMM_PREFILL_ENTRY(moe_gemm_prefill_partial_n256, 256)
 //   tensor cycles. SASS per warp and stage: ~520 (64 HMUL2 + ~190 integer ops of the e2m1 trick for 64 weight
 //   pairs, 8 scale decodes, 16 HGMMA with their fences / waits, loads, ring protocol): ~1040 issue cycles per
 //   scheduler (2 warps) per 2048 tensor cycles. HBM: 16 KB of weight codes + 1 KB scales per CTA stage.
-// * History (session-9 A/B, H200, 5b417ca; whole L1 / L2 call in us, SS n256 / RS / RS-TMA): the first RS kernel
-//   (`moe_gemm_prefill_partial_rs`, removed) dequantized each stage's NVFP4 activation tile inside every CTA
-//   (~850 SASS per warp and stage, a mid-stage barrier, 16 CTAs repeating the same tile): Flash L1 4096 tokens
-//   3628.4 / 2976.2 / 2854.8, 16384 12508.9 / 10238.2 / 9776.6, L2 4096 1876.2 / 1558.5 / 1504.2, 16384 6581.7 /
-//   5368.4 / 5055.6; Pro L1 4096 12201.3 / 10006.5 / 9838.3. Mainloop alone under ncu at Flash L1 4096: 3.19 /
-//   2.55 / 2.32 ms (+ 0.124 ms pre-pass).
+// * The activations are converted once by the pre-pass, not per CTA: dequantizing each stage's NVFP4 activation
+//   tile inside every CTA costs ~850 SASS per warp and stage, a mid-stage barrier, and 16 CTAs repeating the tile.
 namespace rs {
 constexpr int kThreads = 256;
 constexpr int kTileT = 128;                       // tokens per CTA tile (wgmma N)
@@ -635,7 +621,7 @@ static_assert(kBytesT + 1024 == 132096, "keep src/ops/moe_gemm/prefill.rs SMEM_B
 // * store: lane 4t + j writes chunk 4j + t: each STG.128 of the warp writes 512 contiguous bytes (two segments).
 // Values are produced by the same helpers on the same inputs as before (e2m1_pair_to_bf16x2_tiny, bf16x2_mul,
 // the scale decode of scale_bf16x2; BF16: the same byte_perm selectors), so the output bytes are unchanged.
-// Session-10 version (one task = (row, chunk, j) per thread, the four 16-byte chunks 4j .. 4j + 3 from one thread):
+// Why the transpose: one task = (row, chunk, j) per thread, the four 16-byte chunks 4j .. 4j + 3 from one thread):
 // 124 us under ncu at 24,576 rows x K 4096 NVFP4 (~2.1 TB/s); each of its STG.128 wrote 16 B at a 64-byte lane
 // stride (half of every 32-byte sector per instruction), one dependent load -> store chain per thread, and a 64-bit
 // division per thread (its 32-bit path, ~20 instructions). SASS per lane and 64 output bytes (NVFP4 / BF16): 196 / 96
@@ -713,7 +699,7 @@ __device__ __forceinline__ void nvfp4_step(const uint8_t* cw, const uint8_t* cs,
 }
 
 // One warp step of the BF16 branch: this lane's input chunk at ci + 512p, output chunk at co + 512p. P_i = (e_i,
-// e_{i+4}) = byte_perm(i >> 1 ? y : x, i >> 1 ? w : z, i & 1 ? 0x7632 : 0x5410) (the session-10 selectors); slot q
+// e_{i+4}) = byte_perm(i >> 1 ? y : x, i >> 1 ? w : z, i & 1 ? 0x7632 : 0x5410) (the pair selectors); slot q
 // has i = t ^ q, so its registers follow t1 ^ q1 and its selector t0 ^ q0 (sel_a: q0 = 0, sel_b: q0 = 1).
 template <int P, bool kGuard>
 __device__ __forceinline__ void bf16_step(const uint8_t* ci, uint8_t* co, int left, uint32_t sel_a, uint32_t sel_b,
@@ -786,11 +772,9 @@ extern "C" __global__ void __launch_bounds__(act_rs::kThreads, act_rs::kCtasPerS
 // output [rows_total][K] BF16 (inner dim K), box 64 x 128 rows, SWIZZLE_128B. restore = 2^18 (NVFP4 A) or 2^9
 // (BF16 A): the accumulators hold sum * 2^-9 per dequantized operand. N % 256 == 0, K % 128 == 0.
 // Weight loads: registers one stage ahead, and an L2 prefetch (prefetch.global.L2, no registers held) kL2Ahead
-// stages ahead, so that the register load finds them in L2. Why: the session-9 A/B profile put 31% of the
-// warp-stall samples on the first use of each stage's weight registers (long_sb): one 128-K stage (~1 us) does not
-// hide an HBM load under this load. Session-9 check (H200, ed96fa8, us, without / with the prefetch): Flash L1
-// 1024 tokens 2444.7 / 2181.4, 4096 2733.2 / 2519.2, 16384 9403.7 / 9120.5; L2 4096 1506.9 / 1373.4, 16384
-// 5114.8 / 4963.5; Pro L1 4096 9776.6 / 9548.4; the mainloop alone under ncu at Flash L1 4096 2.32 / 2.12 ms.
+// stages ahead, so that the register load finds them in L2. Why: without it 31% of the warp-stall samples sit on
+// the first use of each stage's weight registers (long_sb): one 128-K stage (~1 us) does not hide an HBM load under
+// this load (with the prefetch the mainloop at Flash L1 4096 went 2.32 -> 2.12 ms under ncu).
 extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_tma(
     const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,
     const __grid_constant__ TmaDesc act_map, float restore, const int* __restrict__ offsets, int experts,
@@ -876,9 +860,9 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 
 // =====================================================================================================================
 // RS mainloop with the weights in the TMA ring too and narrow token tiles (`moe_gemm_prefill_partial_rs_wtma`,
-// PrefillKernel::RsWtma: the routed prefill mainloop since the session-10 A/B).
+// PrefillKernel::RsWtma: routed for weights without their tiling).
 // =====================================================================================================================
-// Why: the session-9 profile of the RS kernel put 31% of its warp-stall samples on the first use of each stage's
+// Why: the profile of the RS kernel put 31% of its warp-stall samples on the first use of each stage's
 // weight registers (long_sb) and 5.5% on the end-of-stage wgmma.wait_group 0. The register double buffer holds one
 // stage (~1-2 us) of weights in flight, which does not cover an HBM load under this load; the L2 prefetch two
 // stages ahead removed only part of it (2.32 -> 2.12 ms). Here each ring slot carries, beside the stage's two
@@ -908,7 +892,7 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 //   fences / waits, 8 LDS, the ring protocol), 8 warps on 4 schedulers = ~1040 issue cycles; 20 KiB of weights from
 //   HBM and 2 x NT x 128 B of activations (mostly L2 hits: the 16 n tiles of a token tile run close together). An
 //   n32 item has a quarter of the tensor cycles and the same weight bytes and dequant issue, so below ~1000 tokens
-//   the issue and the weight stream, not the tensor pipe, set the pace. Measured (ncu, Flash L1 4096, session 10):
+//   the issue and the weight stream, not the tensor pipe, set the pace. Measured (ncu, Flash L1 4096):
 //   ~1.5 us per stage (~2900 cycles at ~1.9 GHz) against the 2048 of a full tile: tensor pipe 70% of elapsed cycles,
 //   issue slots ~35% busy, and ~15% of the warp-stall samples on the full-barrier wait of a stage (its TMA bytes
 //   not there yet), which neither a producer running ahead across items nor smaller activation boxes removed.
@@ -1052,28 +1036,8 @@ __device__ __forceinline__ bool wtma_item(WRing& r, const WCtx& x, int row0, int
 // instead of 128. Why: at 4096 Flash tokens an expert has ~96 rows, so the 128-token tile spends ~25% of the MMA
 // work on padding rows whose columns are never stored. Each output column's dot product is the same k16 sequence of
 // the same operands at any N: bit-identical partials (GPU test against rs_tma).
-// Session-10 A/B (H200, 909f15d, whole L1 / L2 call in us; rs_tma / weights in the ring, n128 only (removed) /
-// + narrow tiles): Flash L1 1024 tokens 2200.9 / 1735.4 / 1301.4, 4096 2506.5 / 2103.9 / 2060.3, 16384 8923.0 /
-// 7480.3 / 7855.0 (p10 7202.7 / 7160.6: the 16384 gap is inside that point's spread, clocks 1770-1815 MHz near the
-// power limit), L2 4096 1382.8 / 1158.8 / 1133.2; Pro L1 4096 9765.0 / 8834.6 / 6660.0, Pro L2 4096 4728.3 / 4075.0 /
-// 3481.4. Mainloop alone under ncu at Flash L1 4096: 2.12 / 1.68 / 1.60 ms (tensor pipe 53.6% / 70.2% of elapsed
-// cycles). Then (removed candidates, same partials): a producer running three stages ahead across work items LOST
-// (2ac9f33: Flash L1 4096 1987.6 -> 2094.3 us, 512 tokens 1186.4 -> 1288.4; its full-barrier wait stayed at 13.6% of
-// the stall samples, so the item start is not what that wait is). Narrow activation boxes (an NT-token item loads NT
-// rows of the activation atoms per stage through the act32 .. act128 maps: 28 / 36 / 44 / 52 KiB per stage instead
-// of 52) WON BY A LITTLE (24d9920, medians of the 128-row-box kernel / this one, us: Flash L1 512 tokens 1165.0 /
-// 1157.8, 4096 2102.8 / 2028.1, 16384 7748.2 / 7618.0; Pro L1 512 4695.4 / 4398.4, 1024 5054.0 / 4627.1, 4096
-// 6922.4 / 6740.0; L2 16384 4416.7 / 4294.1; 15 of 18 points lower, 3 higher by <= 46 us; the point-to-point
-// spread of this run was 5-8%), not by the >= 100 us predicted at 512 tokens: the L2 -> SM bytes are not what
-// holds the low-token points, and it is the only form kept.
-// Session 11, removed: the L1 with its SwiGLU in this kernel's epilogue (3D weight maps viewing W13 as [2E][I][K],
-// one box of 128 gate rows + the 128 up rows of the same h columns, so a thread's two m64 blocks held gate and up of
-// one (token, column); fp32 h stored, then a one-row-per-CTA NVFP4 pass; bit-identical outputs) LOST (8b622ad, whole
-// L1 call, us, unfused / fused: Flash 4096 tokens 1893.1 / 2135.6, 16384 7295.2 / 7576.6, Pro 4096 6333.9 /
-// 6499.6). Under ncu the mainloop grew 1.57 -> 1.88 ms (~10 us per n128 item of epilogue: per-token gsa / routing
-// loads in dependent rounds and ~40 SASS of SwiGLU per h element, overlapped with nothing) while the finish it
-// replaced (254 us) is issue-bound on the NVFP4 encode, not on the 403 MB of partials it reads (the quant pass alone
-// took 137 us). Numbers: results/h200/PERF-LOG.md "Session-11 A/B run".
+// Narrow activation boxes: an NT-token item loads NT rows of the activation atoms per stage through the act32 ..
+// act128 maps (28 / 36 / 44 / 52 KiB per stage instead of 52).
 // kTiled: the weights come pre-tiled (`tiled`, moe_gemm_prefill_tile_weights_rs) instead of through the 2D maps.
 // kLaneRelease: every thread arrives on the empty barriers (rs::wtma_item; rs_wtma_tiled).
 template <bool kTiled, bool kLaneRelease = false>
@@ -1147,11 +1111,11 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 }
 
 // =====================================================================================================================
-// rs_wtma on pre-tiled weights (`moe_gemm_prefill_partial_rs_wtma_tiled`, bench `nvfp4_wgmma_rswtma_tiled`)
+// rs_wtma on pre-tiled weights (`moe_gemm_prefill_partial_rs_wtma_tiled`: the routed prefill mainloop)
 // =====================================================================================================================
 // Why: rs_wtma loads each stage's weights with two 2D TMA boxes of 256 rows x 64 B (codes) and 256 rows x 16 B (the
 // scale bytes of the stage pair): 512 row segments of 16-64 bytes, 2 KB apart in HBM, per stage and CTA. The
-// session-10 profile kept ~15% of the warp-stall samples on the full-barrier wait of a stage (its TMA bytes late)
+// profile of rs_wtma kept ~15% of the warp-stall samples on the full-barrier wait of a stage (its TMA bytes late)
 // with DRAM at ~42% and L2 at ~55% of peak, so the suspect is the copy engine's per-row work and the scattered DRAM
 // pages, not bytes. Here the weights are re-laid ONCE, at load (moe_gemm_prefill_tile_weights_rs, not timed), so that
 // stage st of tile (e, n tile) is one contiguous 18 KiB block holding exactly the slot image the consumers read: the
@@ -1159,39 +1123,11 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_p
 // with pitch 16, a TMA row must be 16-byte multiple). One cp.async.bulk per stage. Same registers, same fragments,
 // same wgmma order: bit-identical partials (GPU test). Layout: block ((e * N / 256 + n_tile) * K / 128 + st) at
 // byte 18432 * block; inside, code byte c of row r at 64 r + c, scale byte j of row r at 16384 + 8 r + j.
-// Session-11 A/B (H200, 3f5fd93, whole calls, us, rs_wtma / this kernel): Flash L1 512 tokens 1153.5 / 1086.1, 1024
-// 1197.6 / 1140.4, 4096 1933.3 / 1861.9; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6; the mainloop alone
-// under ncu at Flash L1 4096 1.62 / 1.55 ms. Routed (PrefillKernel::routed_for) whenever the weights carry the copy.
-// Session 12, removed: one wgmma group per m64 block and k16 slice with 3 / 4 groups in flight (wait_group 3 / 4), so
-// a warp group kept 1.5 / 2 slices queued while it dequantized the next half slice (bit-identical; 246 / 255
-// registers). A/B b734587, us, this kernel / h3 / h4: Flash L1 4096 1808.5 / 1796.4 / 1833.1, L2 4096 1083.7 / 1045.4
-// / 1027.8; the mainloop under ncu 1.54 / 1.52 / 1.54 ms with the tensor pipe at 66.7 / 67.9 / 67.1%: the dequant of
-// the next slice is not what idles the tensor pipe (results/h200/PERF-LOG.md "Session 12").
-// Session 12, removed: the same tile on 16 warps (4 warp groups of one m64 block, 122 registers, 4 warps per
-// scheduler; bit-identical). A/B 799a503, us, this kernel / 16 warps: Flash L1 1024 1144.1 / 1149.5, 4096 1824.5 /
-// 1923.7, 16384 7035.6 / 7082.4, L2 4096 1080.8 / 1019.4; mainloop under ncu 1.55 / 1.53 ms, tensor pipe 65.4 / 67.4%,
-// issue 37.5 / 45.1%, +16% instructions. Its per-instruction stall page (profile/ncu-moe_gemm-session12-w16-hot.txt)
-// puts 13.6% (8 warps) / 15.2% (16 warps) of all warp-stall samples on the full-barrier wait of a stage (the branch
-// after SYNCS.PHASECHK.TRYWAIT, long_sb): the stage's TMA bytes are late, whatever the warp count.
-// Session 12, removed: thread 0 probing (mbarrier.test_wait) the slot of fill st + 3 after each of its slices 1..7
-// and filling at the first free probe, so the bytes got up to 3/4 of a stage more lead (bit-identical). A/B 2872ff5,
-// us, this kernel / early fills: Flash L1 1024 1136.3 / 1539.7, 4096 1798.1 / 2271.2, L2 4096 1073.8 / 1234.2; under
-// ncu 1.53 / 1.90 ms with 530 M / 748 M instructions: the probes between the wgmma slices cost far more than the
-// lead they bought.
-// Session 14, removed: activations pre-laid per (token tile, stage) as the swizzled slot image, rows padded to 8 per
-// expert, one bulk copy per stage (RsWtmaTiledCact, 40163e8; bit-identical). A/B, whole calls, us, this / compact:
-// Flash L1 512 1075.5 / 1053.4, 1024 1113.9 / 1094.5, 4096 1745.4 / 1729.9, 16384 6450.3 / 6815.1; L2 512 583.6 /
-// 574.5, 1024 615.0 / 607.1, 4096 1009.1 / 996.8, 16384 3516.8 / 3599.5; Pro L1 1024 3984.8 / 3919.3, 4096 5479.7 /
-// 5665.8. Mainloop under ncu (Flash L1 4096) 1.52 -> 1.49 ms plus a 78.6 us pre-pass: wins of 1-2% inside the run's
-// 5-8% point spread, losses of 3-6% at Flash 16384 and Pro 4096.
-// Session 15: every thread arrives on a ring slot's empty barrier (count 256), not lane 0 per warp after a
-// __syncwarp (count 8; rs_wtma keeps that). Both orders are correct on the hardware (PTX: __syncwarp orders the
-// warp's shared-memory reads before lane 0's release-arrive), but compute-sanitizer racecheck does not credit lanes
-// 1-31's reads to lane 0's arrive and reported 8 hazard groups (the producer's bulk_load_1d into a slot vs
-// lds_weights<true> of it) on gpu_prefill_token_counts_both_a_formats; with the all-lane release, 0. Session-14
-// A/B on the H200 (3374a9a, session14-final/lanerel/, as the variant moe_gemm_prefill_partial_rs_wtma_tiled_lanerel):
-// bit-identical partials, whole calls within 0.4% at Flash L1 512 / 2048 / 16384 tokens, L2 4096 +0.7%; one more
-// arrive per warp and stage. So a clean racecheck of the routed kernel costs nothing measurable.
+// Routed (PrefillKernel::routed_for) whenever the weights carry the tiling. Every thread arrives on a ring slot's
+// empty barrier (count 256), not lane 0 per warp after a __syncwarp (count 8; rs_wtma keeps that). Both orders are
+// correct on the hardware (PTX: __syncwarp orders the warp's shared-memory reads before lane 0's release-arrive),
+// but compute-sanitizer racecheck does not credit lanes 1-31's reads to lane 0's arrive; with the all-lane release
+// it reports 0 hazards, for one more arrive per warp and stage.
 extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_partial_rs_wtma_tiled(
     const uint8_t* __restrict__ tiled, int N, int K, const __grid_constant__ TmaDesc act32,
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,

@@ -11,22 +11,21 @@
 
 use half::bf16;
 use megamoe::formats::{e2m1, e4m3};
-use megamoe::gpu::{gpu_for_test, Gpu};
+use megamoe::gpu::Gpu;
 use megamoe::ops::moe_gemm::reference::{
     apply_global_scales, combine_l2_f64, dequant_pair_like_kernel, dequant_word_like_kernel_f16,
     grouped_gemm_acc_f64, quantize_rows_nvfp4, swiglu_l1_f64, Activations, ExpertWeights, Grouping,
     Nvfp4Rows,
 };
 use megamoe::ops::moe_gemm::{
-    self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output, RoutedBatch, Workspace,
+    self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output, RoutedBatch,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-mod moe_common;
-use moe_common::{
-    assert_bit_identical, gathered_activations, quantized_weights, random_rows, seeded, DevA, U,
-};
+mod common;
+use common::assert_bit_identical;
+use common::moe::{gathered_activations, quantized_weights, random_rows, seeded, DevA, Ws, U};
 
 // ------------------------------------------------------------------------------------------------- CPU checks
 
@@ -77,7 +76,7 @@ fn kernel_register_dequant_is_exact_for_every_code_and_scale() {
 
 #[test]
 fn kernel_register_dequant_f16_is_exact_for_every_code_and_scale() {
-    // The f16 form of the v3th decode mainloop (e2m1_word_to_f16x2_tiny + scale_f16x2), on every code at every
+    // The f16 form of the F16-operand decode mainloop (e2m1_word_to_f16x2_tiny + scale_f16x2), on every code at every
     // nibble position (the other nibbles a fixed pattern, so a mask that lets a neighbour leak in shows) and every
     // finite positive scale.
     for c in 0u32..16 {
@@ -293,8 +292,8 @@ fn config_heuristic_splits_k_only_when_the_grid_would_be_underfilled() {
 // ------------------------------------------------------------------------------------------------- GPU checks
 
 /// Sum the workspace splits in the finish kernels' order (fixed, fp32).
-fn gpu_accumulator(gpu: &Gpu, ws: &Workspace) -> Vec<f64> {
-    let p = gpu.download(&ws.partial).unwrap();
+fn gpu_accumulator(gpu: &Gpu, ws: &Ws) -> Vec<f64> {
+    let p = ws.partial_host(gpu);
     let len = ws.rows_total * ws.n;
     (0..len)
         .map(|i| (0..ws.splits).fold(0f32, |a, s| a + p[s * len + i]) as f64)
@@ -361,10 +360,9 @@ fn check_plain(
     let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
     let d = apply_global_scales(&exact, w, &a, &rb.grouping);
     for &cfg in cfgs {
-        let mut ws = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
-        gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
+        let ws = Ws::for_launch(gpu, dw, &dg, &cfg);
         let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
-        mg::grouped_gemm_bf16(gpu, dw, &da.view(), &dg, &cfg, &mut ws, &mut out).unwrap();
+        mg::grouped_gemm_bf16(gpu, &gpu.stream, dw, &da.view(), &dg, &cfg, &ws, &mut out).unwrap();
         gpu.synchronize().unwrap();
         let label = format!(
             "{label} [{} A, {cfg:?}, rows {rows}]",
@@ -374,9 +372,9 @@ fn check_plain(
         // groupings to the wgmma prefill kernel (checked against the reference below and in moe_gemm_prefill.rs),
         // so this keeps the mma.sync kernel checked at every grouping and config, including the few-CTA grids
         // where each persistent CTA walks many items (prefetch across items).
-        let mut ws_mma = Workspace::new(gpu, cfg.splits, rows, w.n).unwrap();
-        gpu.fill_bytes(&mut ws_mma.partial, 0xFF).unwrap();
-        mg::launch_partial_mma(gpu, dw, &da.view(), &dg, &cfg, &mut ws_mma).unwrap();
+        let ws_mma = Ws::new(gpu, cfg.splits, rows, w.n);
+        ws_mma.poison(gpu);
+        mg::launch_partial_mma(gpu, &gpu.stream, dw, &da.view(), &dg, &cfg, &ws_mma).unwrap();
         gpu.synchronize().unwrap();
         let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
         check_accumulator(
@@ -391,7 +389,7 @@ fn check_plain(
         );
         // Rows owned by no expert are never written by the mainloop (stores are guarded by the tile's token
         // count), so they keep the 0xFF fill in every split.
-        let partial_mma = gpu.download(&ws_mma.partial).unwrap();
+        let partial_mma = ws_mma.partial_host(gpu);
         if let Some(i) = (0..partial_mma.len())
             .find(|&i| !owned((i / w.n) % rows) && partial_mma[i].to_bits() != u32::MAX)
         {
@@ -430,8 +428,9 @@ fn check_plain(
 }
 
 /// The decode-mainloop comparisons' inputs: experts of 0..65 rows (two empty), N = 512 (two 256-row tiles, so a
-/// CTA's 128 rows sit in either half of a tile block), K = 2048; the weights uploaded twice, plain only and with the
-/// tiled copy; the routing as a masked (capacity 65) and as a contiguous grouping.
+/// CTA's 128 rows sit in either half of a tile block), K = 2048; the weights uploaded (tiled at upload) and a copy
+/// whose tiling was dropped (the decode mainloop must refuse it); the routing as a masked (capacity 65) and as a
+/// contiguous grouping.
 struct DecodeFixture {
     w: ExpertWeights,
     plain: DeviceExpertWeights,
@@ -444,9 +443,9 @@ impl DecodeFixture {
         let counts = [0usize, 1, 2, 3, 7, 8, 16, 33, 64, 65, 0];
         let e = counts.len();
         let w = quantized_weights(rng, e, 512, 2048);
-        let plain = DeviceExpertWeights::upload(gpu, &w).unwrap();
-        let mut tiled = DeviceExpertWeights::upload(gpu, &w).unwrap();
-        tiled.prepare_prefill_tiling(gpu).unwrap();
+        let tiled = DeviceExpertWeights::upload(gpu, &w).unwrap();
+        let mut plain = DeviceExpertWeights::upload(gpu, &w).unwrap();
+        plain.tiled = None;
         let tokens: usize = counts.iter().sum();
         let choices: Vec<usize> = counts
             .iter()
@@ -489,67 +488,18 @@ impl DecodeFixture {
     }
 }
 
-/// The decode mainloop on the prefill tiling of the weights (`launch_partial_mma` when the weights carry the tiled
-/// copy: v3t for BF16 activations, the F16-operand v3th for NVFP4 activations) writes the same partials, bit for
-/// bit, as on the plain layout (v3): v3t differs in the weight addresses only, v3th also in the operand type (same
-/// exact products, scaled by a power of two, same mma order). The [`DecodeFixture`] groupings, every token tile
-/// (1, 2, 4, 8 mma columns), K splits 1-4, few CTAs walking many items, both A formats.
-#[test]
-fn gpu_decode_mainloop_on_tiled_weights_bit_identical() {
-    let Some(gpu) = gpu_for_test("gpu_decode_mainloop_on_tiled_weights_bit_identical") else {
-        return;
-    };
-    let mut rng = seeded("gpu_decode_mainloop_on_tiled_weights_bit_identical");
-    let fx = DecodeFixture::new(&gpu, &mut rng);
-    let (n, k) = (fx.w.n, fx.w.k);
-    for (cap, rb) in &fx.batches {
-        let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
-        let rows = rb.grouping.rows_total();
-        for nvfp4 in [false, true] {
-            let a = gathered_activations(&mut rng, rb, k, nvfp4);
-            let da = DevA::upload(&gpu, &a);
-            for cfg in DecodeFixture::configs(&gpu) {
-                let splits = cfg.splits;
-                let mut got = Vec::new();
-                for tiled in [false, true] {
-                    let mut ws = Workspace::new(&gpu, splits, rows, n).unwrap();
-                    gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-                    // The same entry on each copy: v3 on the plain one, v3t / v3th on the tiled one.
-                    let d = if tiled { &fx.tiled } else { &fx.plain };
-                    mg::launch_partial_mma(&gpu, d, &da.view(), &dg, &cfg, &mut ws).unwrap();
-                    gpu.synchronize().unwrap();
-                    got.push(gpu.download(&ws.partial).unwrap());
-                }
-                let label = format!(
-                    "cap {cap:?}, {} A, {cfg:?}",
-                    if nvfp4 { "NVFP4" } else { "BF16" }
-                );
-                let written = got[0].iter().filter(|x| !x.is_nan()).count();
-                assert!(written > 0, "{label}: v3 wrote nothing");
-                assert_bit_identical(
-                    &label,
-                    "the tiled copy (v3t / v3th) differs from v3",
-                    &got[0],
-                    &got[1],
-                );
-            }
-        }
-    }
-}
-
-/// The F16-operand decode mainloop (v3th, `DecodeOperands::F16`) on NVFP4 activations: checked against the f64
+/// The F16-operand decode mainloop (`DecodeOperands::F16`) on NVFP4 activations: checked against the f64
 /// reference under the accumulator bounds (its products are the same exact values, scaled by 2^-14 instead of 2^-9),
-/// and compared bit for bit with v3t (BF16 operands) on the same tiled weights: the order of the MMAs is the same,
+/// and compared bit for bit with the BF16-operand mainloop on the same tiled weights: the order of the MMAs is the same,
 /// so the partials are expected to be identical; the test asserts that. Masked and contiguous groupings
 /// ([`DecodeFixture`]), every token tile, split counts 1 / 2 / 4, empty experts, experts of 1..65 rows; the partials
 /// NaN-poisoned before each launch. Also: BF16 activations and weights without the tiled copy are refused before
 /// any launch.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
     let name = "gpu_decode_f16_operands_match_the_reference_and_bf16_operands";
-    let Some(gpu) = gpu_for_test(name) else {
-        return;
-    };
+    let gpu = common::gpu(name);
     let mut rng = seeded(name);
     let fx = DecodeFixture::new(&gpu, &mut rng);
     let (w, dw, dw_plain) = (&fx.w, &fx.tiled, &fx.plain);
@@ -568,12 +518,21 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
             let mut got = Vec::new();
             let mut acc = Vec::new();
             for operands in [mg::DecodeOperands::Bf16, mg::DecodeOperands::F16] {
-                let mut ws = Workspace::new(&gpu, splits, rows, n).unwrap();
-                gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-                mg::launch_partial_mma_with(&gpu, dw, &da.view(), &dg, &cfg, &mut ws, operands)
-                    .unwrap();
+                let ws = Ws::new(&gpu, splits, rows, n);
+                ws.poison(&gpu);
+                mg::launch_partial_mma_with(
+                    &gpu,
+                    &gpu.stream,
+                    dw,
+                    &da.view(),
+                    &dg,
+                    &cfg,
+                    &ws,
+                    operands,
+                )
+                .unwrap();
                 gpu.synchronize().unwrap();
-                got.push(gpu.download(&ws.partial).unwrap());
+                got.push(ws.partial_host(&gpu));
                 acc.push(gpu_accumulator(&gpu, &ws));
             }
             check_accumulator(
@@ -599,27 +558,29 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
             splits: 1,
             ctas: sms,
         };
-        let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
+        let ws = Ws::new(&gpu, 1, rows, n);
         let a16 = gathered_activations(&mut rng, rb, k, false);
         let da16 = DevA::upload(&gpu, &a16);
         let err = mg::launch_partial_mma_with(
             &gpu,
+            &gpu.stream,
             dw,
             &da16.view(),
             &dg,
             &cfg,
-            &mut ws,
+            &ws,
             mg::DecodeOperands::F16,
         )
         .unwrap_err();
         assert!(format!("{err:#}").contains("NVFP4"), "{err:#}");
         let err = mg::launch_partial_mma_with(
             &gpu,
+            &gpu.stream,
             dw_plain,
             &da.view(),
             &dg,
             &cfg,
-            &mut ws,
+            &ws,
             mg::DecodeOperands::F16,
         )
         .unwrap_err();
@@ -628,10 +589,9 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
-    let Some(gpu) = gpu_for_test("gpu_masked_and_contiguous_token_counts_both_a_formats") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_masked_and_contiguous_token_counts_both_a_formats");
     let mut rng = seeded("gpu_masked_and_contiguous_token_counts_both_a_formats");
     // One expert per count in the issue's list (4096 gets its own smaller-K check below); two empty experts.
     let counts = [0usize, 1, 2, 3, 7, 8, 16, 63, 64, 65, 127, 256, 0];
@@ -688,7 +648,7 @@ fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
         }
     }
     // 4096 rows for one expert (contiguous, prefill tile), small N and K to keep the CPU reference fast.
-    let (e, n, k) = (3, 128, 512);
+    let (e, n, k) = (3, 256, 512);
     let w = quantized_weights(&mut rng, e, n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let (tokens, choices) = choices_for(&[4096, 0, 5]);
@@ -698,14 +658,12 @@ fn gpu_masked_and_contiguous_token_counts_both_a_formats() {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_routings_6_of_256_and_6_of_384_with_the_default_config() {
-    let Some(gpu) = gpu_for_test("gpu_routings_6_of_256_and_6_of_384_with_the_default_config")
-    else {
-        return;
-    };
+    let gpu = common::gpu("gpu_routings_6_of_256_and_6_of_384_with_the_default_config");
     let mut rng = seeded("gpu_routings_6_of_256_and_6_of_384_with_the_default_config");
     for (experts, tokens) in [(256usize, 1usize), (256, 37), (384, 64)] {
-        let (n, k) = (128, 512);
+        let (n, k) = (256, 512);
         let w = quantized_weights(&mut rng, experts, n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         for cap in [Some(tokens), None] {
@@ -736,70 +694,41 @@ fn gpu_routings_6_of_256_and_6_of_384_with_the_default_config() {
     }
 }
 
-/// L1 (W13, SwiGLU + NVFP4) then L2 (W2, combine) on DSV4 shapes with a few physical experts.
-fn check_l1_l2(
+/// The L1 results of one call against the f64 reference: the accumulator in `ws1`, h (fp32, `l1.h_f32`) under the
+/// bound of the SwiGLU of the bounded accumulator, and the NVFP4 quantization of h bit for bit against the CPU
+/// quantizer applied to the GPU's own h. Returns the GPU's quantized h (the L2 input).
+#[allow(clippy::too_many_arguments)]
+fn check_l1_against_reference(
     gpu: &Gpu,
     label: &str,
-    hidden: usize,
-    inter: usize,
-    experts: usize,
-    tokens: usize,
-    rng: &mut impl Rng,
-) {
-    let topk = 6.min(experts);
-    let w13 = quantized_weights(rng, experts, 2 * inter, hidden);
-    let w2 = quantized_weights(rng, experts, hidden, inter);
-    let d13 = DeviceExpertWeights::upload(gpu, &w13).unwrap();
-    let d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
-    let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
-    let rows = rb.grouping.rows_total();
-    let active = (0..experts)
-        .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
-        .count();
-    let rpe = (tokens * topk) as f64 / active as f64;
-    let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
-    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
-    let droute = gpu.upload(&routing).unwrap();
-
-    // L1
-    let a = gathered_activations(rng, &rb, hidden, true);
-    let da = DevA::upload(gpu, &a);
-    let cfg1 = GemmConfig::choose(gpu.info.sm_count as usize, rpe, active, 2 * inter, hidden);
-    let mut ws1 = Workspace::new(gpu, cfg1.splits, rows, 2 * inter).unwrap();
-    let mut l1 = L1Output::new(gpu, rows, inter, true).unwrap();
-    mg::launch_partial(gpu, &d13, &da.view(), &dg, &cfg1, &mut ws1).unwrap();
-    mg::launch_finish_l1(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1).unwrap();
-    // Every other L1 finish kernel on the same partials: bit-identical outputs to the default (the CPU checks below
-    // then cover all of them).
-    for &kernel in mg::FinishL1Kernel::ALL
-        .iter()
-        .filter(|&&k| k != mg::FinishL1Kernel::default())
-    {
-        let mut l1_k = L1Output::new(gpu, rows, inter, true).unwrap();
-        mg::launch_finish_l1_with(gpu, &ws1, &dg, &d13, &da.view(), &droute, &mut l1_k, kernel)
-            .unwrap();
-        gpu.synchronize().unwrap();
-        assert_l1_outputs_bit_equal(gpu, &format!("{label} L1 finish {kernel:?}"), &l1_k, &l1);
-    }
-    let (exact, abs) = grouped_gemm_acc_f64(&w13, &a, &rb.grouping).unwrap();
-    let owned = |r: usize| rb.grouping.expert_of_row(r).is_some();
-    let got = gpu_accumulator(gpu, &ws1);
+    w13: &ExpertWeights,
+    a: &Activations,
+    g: &Grouping,
+    routing: &[f32],
+    ws1: &Ws,
+    l1: &L1Output,
+) -> Nvfp4Rows {
+    let (hidden, inter, splits) = (w13.k, w13.n / 2, ws1.splits);
+    let rows = g.rows_total();
+    let (exact, abs) = grouped_gemm_acc_f64(w13, a, g).unwrap();
+    let owned = |r: usize| g.expert_of_row(r).is_some();
+    let got = gpu_accumulator(gpu, ws1);
     check_accumulator(
-        &format!("{label} L1 {cfg1:?}"),
+        &format!("{label} L1 (splits {splits})"),
         &got,
         &exact,
         &abs,
         hidden,
-        cfg1.splits,
+        splits,
         &owned,
         2 * inter,
     );
-    let d = apply_global_scales(&exact, &w13, &a, &rb.grouping);
-    let h_ref = swiglu_l1_f64(&d, inter, &routing, &rb.grouping);
+    let d = apply_global_scales(&exact, w13, a, g);
+    let h_ref = swiglu_l1_f64(&d, inter, routing, g);
     let h_gpu = gpu.download(l1.h_f32.as_ref().unwrap()).unwrap();
-    let per_elem = (hidden + cfg1.splits + 16) as f64 * 2.0 * U;
+    let per_elem = (hidden + splits + 16) as f64 * 2.0 * U;
     for r in 0..rows {
-        let Some(e) = rb.grouping.expert_of_row(r) else {
+        let Some(e) = g.expert_of_row(r) else {
             assert!(
                 h_gpu[r * inter..(r + 1) * inter].iter().all(|v| *v == 0.0),
                 "{label}: padding row {r} h not 0"
@@ -857,76 +786,53 @@ fn check_l1_l2(
             q_cpu.codes[i]
         );
     }
+    q_gpu
+}
 
-    // L2 on the GPU's NVFP4 h (so L1 rounding does not enter the L2 check).
-    let a2 = Activations::Nvfp4(q_gpu);
-    let cfg2 = GemmConfig::choose(gpu.info.sm_count as usize, rpe, active, hidden, inter);
-    let mut ws2 = Workspace::new(gpu, cfg2.splits, rows, hidden).unwrap();
-    let dtr = gpu.upload(&rb.token_rows).unwrap();
-    let mut y = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
-    mg::launch_partial(gpu, &d2, &l1.as_activations(), &dg, &cfg2, &mut ws2).unwrap();
-    mg::launch_finish_l2(
-        gpu,
-        &ws2,
-        &dg,
-        &d2,
-        &l1.as_activations(),
-        &dtr,
-        topk,
-        &mut y,
-    )
-    .unwrap();
-    // Every L2 combine kernel on the same partials, into its own poisoned output: bit-identical to the default
-    // launch_finish_l2 (which picks one of them by the token count).
-    for &kernel in mg::FinishL2Kernel::ALL {
-        let mut y_k = gpu.poisoned::<bf16>(tokens * hidden, 0xA5).unwrap();
-        mg::launch_finish_l2_with(
-            gpu,
-            &ws2,
-            &dg,
-            &d2,
-            &l1.as_activations(),
-            &dtr,
-            topk,
-            &mut y_k,
-            kernel,
-        )
-        .unwrap();
-        gpu.synchronize().unwrap();
-        let (gk, gd) = (gpu.download(&y_k).unwrap(), gpu.download(&y).unwrap());
-        if let Some(i) = (0..gd.len()).find(|&i| gk[i].to_bits() != gd[i].to_bits()) {
-            panic!(
-                "{label}: L2 {kernel:?} token {} col {}: {:#06x}, default {:#06x}",
-                i / hidden,
-                i % hidden,
-                gk[i].to_bits(),
-                gd[i].to_bits()
-            );
-        }
-    }
-    gpu.synchronize().unwrap();
-    let (exact2, abs2) = grouped_gemm_acc_f64(&w2, &a2, &rb.grouping).unwrap();
-    let got2 = gpu_accumulator(gpu, &ws2);
+/// The L2 results of one call against the f64 reference on the GPU's own L1 output `a2` (so L1 rounding does not
+/// enter): the accumulator in `ws2`, then the combined BF16 output `y` `[tokens, N]` (one bf16 rounding plus the
+/// scaled accumulator bound of every routed row; -1 entries of `token_rows` add nothing).
+#[allow(clippy::too_many_arguments)]
+fn check_l2_against_reference(
+    gpu: &Gpu,
+    label: &str,
+    w2: &ExpertWeights,
+    a2: &Activations,
+    g: &Grouping,
+    ws2: &Ws,
+    token_rows: &[i32],
+    topk: usize,
+    y: &cudarc::driver::CudaSlice<bf16>,
+) {
+    let (hidden, inter, splits) = (w2.n, w2.k, ws2.splits);
+    let tokens = token_rows.len() / topk;
+    let (exact2, abs2) = grouped_gemm_acc_f64(w2, a2, g).unwrap();
+    let owned = |r: usize| g.expert_of_row(r).is_some();
+    let got2 = gpu_accumulator(gpu, ws2);
     check_accumulator(
-        &format!("{label} L2 {cfg2:?}"),
+        &format!("{label} L2 (splits {splits})"),
         &got2,
         &exact2,
         &abs2,
         inter,
-        cfg2.splits,
+        splits,
         &owned,
         hidden,
     );
-    let d2v = apply_global_scales(&exact2, &w2, &a2, &rb.grouping);
-    let y_ref = combine_l2_f64(&d2v, hidden, &rb.token_rows, topk, &rb.grouping);
-    let y = gpu.download(&y).unwrap();
-    let per2 = (inter + cfg2.splits + 16) as f64 * 2.0 * U;
+    let d2v = apply_global_scales(&exact2, w2, a2, g);
+    let y_ref = combine_l2_f64(&d2v, hidden, token_rows, topk, g);
+    let y = gpu.download(y).unwrap();
+    let per2 = (inter + splits + 16) as f64 * 2.0 * U;
     for t in 0..tokens {
         for nn in 0..hidden {
             let mut tol = 1e-30;
             for j in 0..topk {
-                let r = rb.token_rows[t * topk + j] as usize;
-                let e = rb.expert(t, j);
+                let Ok(r) = usize::try_from(token_rows[t * topk + j]) else {
+                    continue;
+                };
+                let e = g
+                    .expert_of_row(r)
+                    .expect("a routed row belongs to an expert");
                 tol += 2.0
                     * a2.global(r) as f64
                     * w2.global(e, nn) as f64
@@ -944,11 +850,129 @@ fn check_l1_l2(
     }
 }
 
+/// L1 (W13, SwiGLU + NVFP4) then L2 (W2, combine) on DSV4 shapes with a few physical experts, masked layout, the
+/// routed path on the tiled weights; every L1 finish and L2 combine kernel on the same partials bit for bit
+/// against the routed one.
+fn check_l1_l2(
+    gpu: &Gpu,
+    label: &str,
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    tokens: usize,
+    rng: &mut impl Rng,
+) {
+    let topk = 6.min(experts);
+    let w13 = quantized_weights(rng, experts, 2 * inter, hidden);
+    let w2 = quantized_weights(rng, experts, hidden, inter);
+    let d13 = DeviceExpertWeights::upload(gpu, &w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(gpu, &w2).unwrap();
+    let rb = RoutedBatch::random(rng, tokens, experts, topk, Some(tokens)).unwrap();
+    let rows = rb.grouping.rows_total();
+    let active = (0..experts)
+        .filter(|&x| !rb.grouping.expert_rows(x).is_empty())
+        .count();
+    let rpe = (tokens * topk) as f64 / active as f64;
+    let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
+    let dg = DeviceGrouping::upload(gpu, &rb.grouping).unwrap();
+    let droute = gpu.upload(&routing).unwrap();
+
+    // L1
+    let a = gathered_activations(rng, &rb, hidden, true);
+    let da = DevA::upload(gpu, &a);
+    let cfg1 = GemmConfig::choose(gpu.info.sm_count as usize, rpe, active, 2 * inter, hidden);
+    let ws1 = Ws::for_launch(gpu, &d13, &dg, &cfg1);
+    let mut l1 = L1Output::new(gpu, rows, inter, true).unwrap();
+    mg::launch_partial(gpu, &gpu.stream, &d13, &da.view(), &dg, &cfg1, &ws1).unwrap();
+    mg::launch_finish_l1(
+        gpu,
+        &gpu.stream,
+        &ws1,
+        &dg,
+        &d13,
+        &da.view(),
+        &droute,
+        &mut l1,
+    )
+    .unwrap();
+    // Every other L1 finish kernel on the same partials: bit-identical outputs to the routed one (the CPU checks
+    // below then cover all of them).
+    let routed = mg::FinishL1Kernel::for_grouping(&dg, inter);
+    for &kernel in mg::FinishL1Kernel::ALL.iter().filter(|&&k| k != routed) {
+        let mut l1_k = L1Output::new(gpu, rows, inter, true).unwrap();
+        mg::launch_finish_l1_with(
+            gpu,
+            &gpu.stream,
+            &ws1,
+            &dg,
+            &d13,
+            &da.view(),
+            &droute,
+            &mut l1_k,
+            kernel,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        assert_l1_outputs_bit_equal(gpu, &format!("{label} L1 finish {kernel:?}"), &l1_k, &l1);
+    }
+    let q_gpu = check_l1_against_reference(gpu, label, &w13, &a, &rb.grouping, &routing, &ws1, &l1);
+
+    // L2 on the GPU's NVFP4 h.
+    let a2 = Activations::Nvfp4(q_gpu);
+    let cfg2 = GemmConfig::choose(gpu.info.sm_count as usize, rpe, active, hidden, inter);
+    let ws2 = Ws::for_launch(gpu, &d2, &dg, &cfg2);
+    let dtr = gpu.upload(&rb.token_rows).unwrap();
+    let mut y = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+    let l1a = l1.as_activations();
+    mg::launch_partial(gpu, &gpu.stream, &d2, &l1a, &dg, &cfg2, &ws2).unwrap();
+    mg::launch_finish_l2(gpu, &gpu.stream, &ws2, &dg, &d2, &l1a, &dtr, topk, &mut y).unwrap();
+    // Every L2 combine kernel on the same partials, into its own poisoned output: bit-identical to the routed
+    // launch_finish_l2 (which picks one of them by the token count).
+    for &kernel in mg::FinishL2Kernel::ALL {
+        let mut y_k = gpu.poisoned::<bf16>(tokens * hidden, 0xA5).unwrap();
+        mg::launch_finish_l2_with(
+            gpu,
+            &gpu.stream,
+            &ws2,
+            &dg,
+            &d2,
+            &l1a,
+            &dtr,
+            topk,
+            &mut y_k,
+            kernel,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let (gk, gd) = (gpu.download(&y_k).unwrap(), gpu.download(&y).unwrap());
+        if let Some(i) = (0..gd.len()).find(|&i| gk[i].to_bits() != gd[i].to_bits()) {
+            panic!(
+                "{label}: L2 {kernel:?} token {} col {}: {:#06x}, routed {:#06x}",
+                i / hidden,
+                i % hidden,
+                gk[i].to_bits(),
+                gd[i].to_bits()
+            );
+        }
+    }
+    gpu.synchronize().unwrap();
+    check_l2_against_reference(
+        gpu,
+        label,
+        &w2,
+        &a2,
+        &rb.grouping,
+        &ws2,
+        &rb.token_rows,
+        topk,
+        &y,
+    );
+}
+
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes() {
-    let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes");
     let mut rng = seeded("gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes");
     check_l1_l2(
         &gpu,
@@ -962,10 +986,9 @@ fn gpu_l1_swiglu_nvfp4_and_l2_combine_flash_shapes() {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes() {
-    let Some(gpu) = gpu_for_test("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes");
     let mut rng = seeded("gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes");
     check_l1_l2(
         &gpu,
@@ -978,58 +1001,177 @@ fn gpu_l1_swiglu_nvfp4_and_l2_combine_pro_shapes() {
     );
 }
 
+/// The inputs of one decode step that stay at fixed addresses: W13 and W2 weights, the grouping, the routing
+/// weights and the token -> slot table.
+type StepBuffers<'a> = (
+    &'a DeviceExpertWeights,
+    &'a DeviceExpertWeights,
+    &'a DeviceGrouping,
+    &'a cudarc::driver::CudaSlice<f32>,
+    &'a cudarc::driver::CudaSlice<i32>,
+);
+
+/// One MoE decode step on `stream`: L1 mainloop + finish into `l1`, L2 mainloop + combine into `y`.
+#[allow(clippy::too_many_arguments)]
+fn decode_step(
+    gpu: &Gpu,
+    stream: &megamoe::gpu::launch::Stream,
+    (d13, d2, dg, droute, dtr): StepBuffers,
+    a: &mg::DeviceActivations,
+    (cfg1, cfg2): (&GemmConfig, &GemmConfig),
+    (ws1, ws2): (&mg::Workspace, &mg::Workspace),
+    topk: usize,
+    l1: &mut L1Output,
+    y: &mut cudarc::driver::CudaSlice<bf16>,
+) -> anyhow::Result<()> {
+    mg::launch_partial(gpu, stream, d13, a, dg, cfg1, ws1)?;
+    mg::launch_finish_l1(gpu, stream, ws1, dg, d13, a, droute, l1)?;
+    let h = l1.as_activations();
+    mg::launch_partial(gpu, stream, d2, &h, dg, cfg2, ws2)?;
+    mg::launch_finish_l2(gpu, stream, ws2, dg, d2, &h, dtr, topk, y)
+}
+
+/// Top-`topk` choices giving expert e exactly `counts[e]` of `tokens * topk` pairs, each token `topk` distinct
+/// experts: pairs listed expert by expert go to tokens round-robin (an expert's <= tokens consecutive pairs land
+/// on distinct tokens).
+fn choices_with_counts(counts: &[usize], tokens: usize, topk: usize) -> Vec<usize> {
+    assert_eq!(counts.iter().sum::<usize>(), tokens * topk);
+    assert!(counts.iter().all(|&c| c <= tokens));
+    let mut per_token: Vec<Vec<usize>> = vec![Vec::new(); tokens];
+    let pairs = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(e, &c)| std::iter::repeat_n(e, c));
+    for (i, e) in pairs.enumerate() {
+        per_token[i % tokens].push(e);
+    }
+    per_token.concat()
+}
+
+/// One decode step of the MoE layer (L1 mainloop + SwiGLU/NVFP4 finish, L2 mainloop + combine; masked layout, the
+/// routed F16-operand decode mainloop on tiled weights) captured once in a CUDA graph on its own stream, then
+/// replayed with new device-side inputs written between replays: per-expert counts (an expert with 0 rows, counts
+/// of 1..8 that are not multiples of the 8-token tile, a full expert), the slots' activations, routing weights and
+/// the token -> slot table. The grid and config come from the capacity only, so every replay must follow the new
+/// counts. Every replay's outputs and workspaces are NaN-poisoned before it and checked against the f64 reference
+/// (accumulators, h, its NVFP4 bits, the combined output). Flash-like with reduced dims: hidden 1024, inter 512.
 #[test]
-fn gpu_masked_decode_step_replays_as_a_graph_with_new_counts() {
-    let Some(gpu) = gpu_for_test("gpu_masked_decode_step_replays_as_a_graph_with_new_counts")
-    else {
-        return;
+#[ignore = "needs an H100/H200"]
+fn gpu_decode_step_replays_as_a_graph_with_new_device_counts() {
+    let name = "gpu_decode_step_replays_as_a_graph_with_new_device_counts";
+    let gpu = common::gpu(name);
+    let mut rng = seeded(name);
+    let (experts, hidden, inter, cap, tokens, topk) = (4usize, 1024, 512, 8, 8, 2);
+    let rows = experts * cap;
+    let w13 = quantized_weights(&mut rng, experts, 2 * inter, hidden);
+    let w2 = quantized_weights(&mut rng, experts, hidden, inter);
+    let d13 = DeviceExpertWeights::upload(&gpu, &w13).unwrap();
+    let d2 = DeviceExpertWeights::upload(&gpu, &w2).unwrap();
+    // Replay 0 is the eager run (and the capture's inputs); 1.. replay the graph.
+    let count_sets: [[usize; 4]; 4] = [[4, 4, 4, 4], [0, 8, 3, 5], [7, 0, 8, 1], [2, 6, 0, 8]];
+    let batch = |counts: &[usize; 4]| {
+        let choices = choices_with_counts(counts, tokens, topk);
+        RoutedBatch::from_choices(tokens, experts, topk, choices, Some(cap)).unwrap()
     };
-    let mut rng = seeded("gpu_masked_decode_step_replays_as_a_graph_with_new_counts");
-    let (experts, n, k, cap) = (16, 256, 1024, 8);
-    let w = quantized_weights(&mut rng, experts, n, k);
-    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    let rb1 = RoutedBatch::random(&mut rng, 4, experts, 2, Some(cap)).unwrap();
-    let a = gathered_activations(&mut rng, &rb1, k, true);
-    let da = DevA::upload(&gpu, &a);
-    let mut dg = DeviceGrouping::upload(&gpu, &rb1.grouping).unwrap();
-    let cfg = GemmConfig::choose(gpu.info.sm_count as usize, 1.0, 8, n, k);
-    let mut ws = Workspace::new(&gpu, cfg.splits, experts * cap, n).unwrap();
-    let mut out = gpu.poisoned::<bf16>(experts * cap * n, 0xFF).unwrap();
-    // One eager run first: loads the module and sets attributes outside the capture.
-    mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out).unwrap();
-    gpu.synchronize().unwrap();
-    let graph = gpu
-        .capture(|| mg::grouped_gemm_bf16(&gpu, &dw, &da.view(), &dg, &cfg, &mut ws, &mut out))
-        .unwrap();
-    // New counts written into the same device buffer: the captured launch must follow them.
-    let counts2: Vec<i32> = (0..experts)
-        .map(|_| rng.random_range(0..=cap as i32))
-        .collect();
-    gpu.stream.memcpy_htod(&counts2, &mut dg.group).unwrap();
-    graph.launch().unwrap();
-    gpu.synchronize().unwrap();
-    let g2 = Grouping::Masked {
-        capacity: cap,
-        counts: counts2.clone(),
+    // Device inputs, fixed addresses for the whole test.
+    let rb0 = batch(&count_sets[0]);
+    let mut dg = DeviceGrouping::upload(&gpu, &rb0.grouping).unwrap();
+    let Activations::Nvfp4(q0) = gathered_activations(&mut rng, &rb0, hidden, true) else {
+        unreachable!()
     };
-    let (exact, abs) = grouped_gemm_acc_f64(&w, &a, &g2).unwrap();
-    let got = gpu_accumulator(&gpu, &ws);
-    let owned = |r: usize| g2.expert_of_row(r).is_some();
-    check_accumulator(
-        &format!("graph replay counts {counts2:?}"),
-        &got,
-        &exact,
-        &abs,
-        k,
-        cfg.splits,
-        &owned,
-        n,
+    let (mut a_codes, mut a_scales, mut a_global) = (
+        gpu.upload(&q0.codes).unwrap(),
+        gpu.upload(&q0.scales).unwrap(),
+        gpu.upload(&q0.global).unwrap(),
     );
-    let out = gpu.download(&out).unwrap();
-    for r in (0..experts * cap).filter(|&r| !owned(r)) {
-        assert!(
-            out[r * n..(r + 1) * n].iter().all(|v| v.to_bits() == 0),
-            "graph replay: padding row {r} not zeroed"
+    let mut droute = gpu.zeros::<f32>(rows).unwrap();
+    let mut dtr = gpu.upload(&rb0.token_rows).unwrap();
+    // Config and workspaces from the capacity: what the host knows when it captures a decode step.
+    let cfg1 = GemmConfig::choose(
+        gpu.info.sm_count as usize,
+        cap as f64,
+        experts,
+        2 * inter,
+        hidden,
+    );
+    let cfg2 = GemmConfig::choose(
+        gpu.info.sm_count as usize,
+        cap as f64,
+        experts,
+        hidden,
+        inter,
+    );
+    let ws1 = Ws::for_launch(&gpu, &d13, &dg, &cfg1);
+    let ws2 = Ws::for_launch(&gpu, &d2, &dg, &cfg2);
+    let mut l1 = L1Output::new(&gpu, rows, inter, true).unwrap();
+    let mut y = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
+    let stream = gpu.new_stream().unwrap();
+    gpu.synchronize().unwrap();
+    let mut graph = None;
+    for (replay, counts) in count_sets.iter().enumerate() {
+        let rb = batch(counts);
+        let a = gathered_activations(&mut rng, &rb, hidden, true);
+        let Activations::Nvfp4(q) = &a else {
+            unreachable!()
+        };
+        let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
+        // Poison every output and workspace, then write the new inputs into the captured buffers.
+        ws1.poison(&gpu);
+        ws2.poison(&gpu);
+        for b in [&mut l1.codes, &mut l1.scales] {
+            gpu.fill_bytes(b, common::POISON).unwrap();
+        }
+        gpu.fill_bytes(&mut l1.global, common::POISON).unwrap();
+        gpu.fill_bytes(l1.h_f32.as_mut().unwrap(), common::POISON)
+            .unwrap();
+        gpu.fill_bytes(&mut y, common::POISON).unwrap();
+        gpu.synchronize().unwrap();
+        let Grouping::Masked { counts: c, .. } = &rb.grouping else {
+            unreachable!()
+        };
+        gpu.write(&stream, &mut dg.group, c).unwrap();
+        gpu.write(&stream, &mut a_codes, &q.codes).unwrap();
+        gpu.write(&stream, &mut a_scales, &q.scales).unwrap();
+        gpu.write(&stream, &mut a_global, &q.global).unwrap();
+        gpu.write(&stream, &mut droute, &routing).unwrap();
+        gpu.write(&stream, &mut dtr, &rb.token_rows).unwrap();
+        if replay == 0 {
+            let a = mg::DeviceActivations::Nvfp4 {
+                rows,
+                k: hidden,
+                codes: &a_codes,
+                scales: &a_scales,
+                global: &a_global,
+            };
+            let w = (&d13, &d2, &dg, &droute, &dtr);
+            let (c, ws) = ((&cfg1, &cfg2), (&*ws1, &*ws2));
+            // The eager run resolves the kernels (module load, attributes) outside the capture; the capture
+            // enqueues the same work without running it, so the eager run's outputs are what is checked below.
+            decode_step(&gpu, &stream, w, &a, c, ws, topk, &mut l1, &mut y).unwrap();
+            stream.synchronize().unwrap();
+            graph = Some(
+                megamoe::gpu::timing::capture_on(&stream, || {
+                    decode_step(&gpu, &stream, w, &a, c, ws, topk, &mut l1, &mut y)
+                })
+                .unwrap(),
+            );
+        } else {
+            graph.as_ref().unwrap().launch().unwrap();
+        }
+        stream.synchronize().unwrap();
+        let label = format!("replay {replay}, counts {counts:?}");
+        let q_gpu =
+            check_l1_against_reference(&gpu, &label, &w13, &a, &rb.grouping, &routing, &ws1, &l1);
+        check_l2_against_reference(
+            &gpu,
+            &label,
+            &w2,
+            &Activations::Nvfp4(q_gpu),
+            &rb.grouping,
+            &ws2,
+            &rb.token_rows,
+            topk,
+            &y,
         );
     }
 }
@@ -1109,10 +1251,9 @@ fn bench_config_parses_and_names_known_kernels_and_params() {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_weights_prepared_from_mxfp4() {
-    let Some(gpu) = gpu_for_test("gpu_weights_prepared_from_mxfp4") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_weights_prepared_from_mxfp4");
     let mut rng = seeded("gpu_weights_prepared_from_mxfp4");
     let (experts, n, k, tokens) = (8, 256, 1024, 5);
     let wf = random_rows(&mut rng, experts * n, k, 0.05);
@@ -1203,7 +1344,7 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-// ------------------------------ L1 finish kernels: each against the default q4 bit for bit, q4 against the CPU reference
+// ------------------------ L1 finish kernels: Rows against PerRow bit for bit, PerRow against the CPU reference
 
 /// First difference between two L1 outputs of the same rows, bit for bit: codes, block scales, global scales and
 /// (when both kept it) the fp32 h.
@@ -1378,7 +1519,7 @@ struct FinishDevice {
     inter: usize,
     dg: DeviceGrouping,
     d13: DeviceExpertWeights,
-    ws: Workspace,
+    ws: Ws,
     a_codes: cudarc::driver::CudaSlice<u8>,
     a_scales: cudarc::driver::CudaSlice<u8>,
     a_bf16: cudarc::driver::CudaSlice<bf16>,
@@ -1392,7 +1533,7 @@ impl FinishDevice {
         let (inter, splits) = (inp.inter, inp.splits);
         let (n, rows) = (2 * inter, inp.rb.grouping.rows_total());
         let k = mg::STAGE_K;
-        // Device buffers hold at least one element (a zero-byte allocation is an error), as Workspace::new does.
+        // Device buffers hold at least one element (a zero-byte allocation is an error).
         let at_least_one = |v: &[f32]| -> Vec<f32> {
             if v.is_empty() {
                 vec![0.0]
@@ -1411,14 +1552,12 @@ impl FinishDevice {
                 codes: gpu.zeros::<u8>(inp.experts * n * k / 2).unwrap(),
                 scales: gpu.zeros::<u8>(inp.experts * n * k / 16).unwrap(),
                 global: gpu.upload(&inp.gsb).unwrap(),
-                prefill_tiled: None,
+                tiled: None,
             },
-            ws: Workspace {
-                splits,
-                rows_total: rows,
-                n,
-                partial: gpu.upload(&at_least_one(&inp.partial)).unwrap(),
-                act_rs: None,
+            ws: {
+                let ws = Ws::new(gpu, splits, rows, n);
+                ws.write_partial(gpu, &inp.partial);
+                ws
             },
             a_codes: gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap(),
             a_scales: gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap(),
@@ -1470,6 +1609,7 @@ impl FinishDevice {
         self.run_launch(gpu, keep_h, |a, out| {
             mg::launch_finish_l1_with(
                 gpu,
+                &gpu.stream,
                 &self.ws,
                 &self.dg,
                 &self.d13,
@@ -1481,25 +1621,18 @@ impl FinishDevice {
         })
     }
 
-    /// The rows kernel `kernel` (Rows, RowsThr or RowsThr2) with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned
-    /// outputs.
-    fn run_rows(
-        &self,
-        gpu: &Gpu,
-        kernel: mg::FinishL1Kernel,
-        rows_per_cta: usize,
-        keep_h: bool,
-    ) -> L1Output {
+    /// The rows kernel with `rows_per_cta` rows per CTA, into fresh 0xFF-poisoned outputs.
+    fn run_rows(&self, gpu: &Gpu, rows_per_cta: usize, keep_h: bool) -> L1Output {
         self.run_launch(gpu, keep_h, |a, out| {
             mg::launch_finish_l1_rows_with(
                 gpu,
+                &gpu.stream,
                 &self.ws,
                 &self.dg,
                 &self.d13,
                 a,
                 &self.droute,
                 out,
-                kernel,
                 rows_per_cta,
             )
         })
@@ -1507,7 +1640,7 @@ impl FinishDevice {
 }
 
 /// Every L1 finish kernel on the same synthetic partials into 0xFF-poisoned outputs, with and without the fp32 h
-/// output, against the default q4 with h bit for bit (codes, block scales, global scales, h); and q4 against the
+/// output, against PerRow with h bit for bit (codes, block scales, global scales, h); and PerRow against the
 /// CPU reference (h against the f64 SwiGLU of the
 /// partials' fp32 split sums; codes, block scales and global scales bit-exact against the CPU quantizer applied to
 /// the GPU's h, as `check_l1_l2` does).
@@ -1521,9 +1654,14 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     );
     let dev = FinishDevice::upload(gpu, inp);
     let run = |kernel: mg::FinishL1Kernel, keep_h: bool| dev.run(gpu, kernel, keep_h);
-    let q4_h = run(mg::FinishL1Kernel::Q4, true);
-    let q4 = run(mg::FinishL1Kernel::Q4, false);
-    assert_l1_outputs_bit_equal(gpu, &format!("{label} Q4 (no h output)"), &q4, &q4_h);
+    let per_row_h = run(mg::FinishL1Kernel::PerRow, true);
+    let per_row = run(mg::FinishL1Kernel::PerRow, false);
+    assert_l1_outputs_bit_equal(
+        gpu,
+        &format!("{label} PerRow (no h output)"),
+        &per_row,
+        &per_row_h,
+    );
     for &kernel in &mg::FinishL1Kernel::ALL[1..] {
         for keep_h in [true, false] {
             let got = run(kernel, keep_h);
@@ -1531,7 +1669,7 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
                 gpu,
                 &format!("{label} {kernel:?} (h kept: {keep_h})"),
                 &got,
-                &q4_h,
+                &per_row_h,
             );
         }
     }
@@ -1539,23 +1677,23 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
         return;
     }
 
-    let h_gpu = gpu.download(q4_h.h_f32.as_ref().unwrap()).unwrap();
+    let h_gpu = gpu.download(per_row_h.h_f32.as_ref().unwrap()).unwrap();
     let max_rel = check_h_against_f64_reference(&label, inp, &h_gpu);
     let q_cpu = quantize_rows_nvfp4(&h_gpu, rows, inter).unwrap();
     let (codes, scales, global) = (
-        gpu.download(&q4.codes).unwrap(),
-        gpu.download(&q4.scales).unwrap(),
-        gpu.download(&q4.global).unwrap(),
+        gpu.download(&per_row.codes).unwrap(),
+        gpu.download(&per_row.scales).unwrap(),
+        gpu.download(&per_row.global).unwrap(),
     );
     if let Some(r) = (0..rows).find(|&r| global[r].to_bits() != q_cpu.global[r].to_bits()) {
         panic!(
-            "{label}: q4 global scale row {r}: gpu {} cpu {}",
+            "{label}: PerRow global scale row {r}: gpu {} cpu {}",
             global[r], q_cpu.global[r]
         );
     }
     if let Some(i) = (0..q_cpu.scales.len()).find(|&i| scales[i] != q_cpu.scales[i]) {
         panic!(
-            "{label}: q4 block scale {i} (row {}): gpu {:#04x} cpu {:#04x}",
+            "{label}: PerRow block scale {i} (row {}): gpu {:#04x} cpu {:#04x}",
             i / (inter / 16),
             scales[i],
             q_cpu.scales[i]
@@ -1563,23 +1701,23 @@ fn check_finish_l1_kernels(gpu: &Gpu, label: &str, inp: &FinishInputs) {
     }
     if let Some(i) = (0..q_cpu.codes.len()).find(|&i| codes[i] != q_cpu.codes[i]) {
         panic!(
-            "{label}: q4 code byte {i} (row {}): gpu {:#04x} cpu {:#04x}",
+            "{label}: PerRow code byte {i} (row {}): gpu {:#04x} cpu {:#04x}",
             i / (inter / 2),
             codes[i],
             q_cpu.codes[i]
         );
     }
     let zero_scales = scales.iter().filter(|&&s| s == 0).count();
-    // pad1b's fast path runs only on padding rows: every masked batch here has some.
+    // PerRow's padding-row path runs only on padding rows: every masked batch here has some.
     let padding_rows = (0..rows)
         .filter(|&r| inp.rb.grouping.expert_of_row(r).is_none())
         .count();
     assert!(
         !matches!(inp.rb.grouping, Grouping::Masked { .. }) || padding_rows > 0,
-        "{label}: masked batch without padding rows (the pad1b fast path would go untested)"
+        "{label}: masked batch without padding rows (the PerRow padding-row path would go untested)"
     );
     eprintln!(
-        "{label}: {:?} == Q4 bit for bit; {padding_rows} padding rows; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
+        "{label}: {:?} == PerRow bit for bit; {padding_rows} padding rows; h max rel err vs f64 {max_rel:e}; {zero_scales} zero block scales of {}",
         &mg::FinishL1Kernel::ALL[1..],
         scales.len()
     );
@@ -1660,32 +1798,29 @@ fn check_finish_l1_over_token_counts(gpu: &Gpu, name: &str, inter: usize) {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l1_finish_kernels_bit_identical_flash_inter() {
     let name = "gpu_l1_finish_kernels_bit_identical_flash_inter";
-    let Some(gpu) = gpu_for_test(name) else {
-        return;
-    };
+    let gpu = common::gpu(name);
     check_finish_l1_over_token_counts(&gpu, name, 2048);
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l1_finish_kernels_bit_identical_pro_inter() {
     let name = "gpu_l1_finish_kernels_bit_identical_pro_inter";
-    let Some(gpu) = gpu_for_test(name) else {
-        return;
-    };
+    let gpu = common::gpu(name);
     check_finish_l1_over_token_counts(&gpu, name, 3072);
 }
 
-/// Off the DSV4 shapes: I = 16 * odd, so I / 4 is not a multiple of 32 and the last warp of the q4 pass 2 is only
+/// Off the DSV4 shapes: I = 16 * odd, so I / 4 is not a multiple of 32 and the last warp of the per-row quantization pass is only
 /// partly inside the loop (its shuffle mask names a prefix of the warp); I = 2064 also takes a second pass-1 and
 /// pass-2 iteration with a single partly filled warp (I / 4 = 516 chunks for 512 threads).
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l1_finish_kernels_bit_identical_partial_warps() {
     let name = "gpu_l1_finish_kernels_bit_identical_partial_warps";
-    let Some(gpu) = gpu_for_test(name) else {
-        return;
-    };
+    let gpu = common::gpu(name);
     let mut rng = seeded(name);
     for (inter, tokens, splits) in [
         (16usize, 3usize, 2usize),
@@ -1702,7 +1837,7 @@ fn gpu_l1_finish_kernels_bit_identical_partial_warps() {
 
 /// Overwrites about one in `one_in` partials of owned rows with -0.0, +0.0, subnormals, +-inf, NaN or +-3e38 (inf
 /// once scaled): h then holds NaN (silu of -inf), +-inf and signed zeros, which the row amax, the block maxima and
-/// the quantizer must treat exactly as pad1b does.
+/// the quantizer must treat exactly as PerRow does.
 fn sprinkle_special_partials(rng: &mut impl Rng, inp: &mut FinishInputs, one_in: u32) {
     let specials = [
         -0.0f32,
@@ -1732,7 +1867,7 @@ fn sprinkle_special_partials(rng: &mut impl Rng, inp: &mut FinishInputs, one_in:
 }
 
 /// Replaces about one in `one_in` row scales gsa (if any) and expert column scales gsb with values at and around
-/// RowsThr2's fused-product check (sa, gsb >= 2^-64: one FFMA for `(0 + p) * fl(sa * sb)`, splits == 1): +-0,
+/// Rows' fused-product check (sa, gsb >= 2^-64: one FFMA for `(0 + p) * fl(sa * sb)`, splits == 1): +-0,
 /// negatives, 2^-64 and its neighbours, products that underflow to 0, +inf, NaN. Wherever the check fails the
 /// kernel must take the unfused form; wherever it passes, the FFMA must give the same bits (-0 partials included,
 /// from sprinkle_special_partials).
@@ -1766,7 +1901,7 @@ fn perturb_scales_around_fused_check(rng: &mut impl Rng, inp: &mut FinishInputs,
 
 /// Scales the routing weight of about one in `one_in` owned rows by a tiny or huge factor, so whole rows of h sit
 /// far from 1: row amax below ~2^-100 (block scales under 2^-100, subnormal h) or above ~2^110 (block scales over
-/// 2^100, or inf / NaN scales where h overflows). RowsThr's encoder must take its division fallback exactly there.
+/// 2^100, or inf / NaN scales where h overflows). The rows encoder must take its division fallback exactly there.
 fn scale_some_routing_weights(rng: &mut impl Rng, inp: &mut FinishInputs, one_in: u32) {
     let factors = [1e-33f32, 1e-38, 1e-44, 1e33, 1e36, 1e38];
     for r in 0..inp.rb.grouping.rows_total() {
@@ -1776,11 +1911,11 @@ fn scale_some_routing_weights(rng: &mut impl Rng, inp: &mut FinishInputs, one_in
     }
 }
 
-/// The rows L1 finishes (Rows, RowsThr and RowsThr2) against pad1b (the default) bit for bit (codes, block scales, global
+/// The rows L1 finish against PerRow bit for bit (codes, block scales, global
 /// scales, h) into 0xFF-poisoned outputs: through [`mg::launch_finish_l1_with`] (the launcher's rows per CTA: one
 /// wave) and with each forced `rows_per_cta` (the ring wraps, the expert changes inside a CTA, the last CTA owns
 /// fewer rows), with and without the fp32 h output.
-fn check_rows_finish_against_pad1b(
+fn check_rows_finish_against_per_row(
     gpu: &Gpu,
     label: &str,
     inp: &FinishInputs,
@@ -1795,12 +1930,9 @@ fn check_rows_finish_against_pad1b(
         if inp.gsa.is_some() { "NVFP4" } else { "BF16" }
     );
     let dev = FinishDevice::upload(gpu, inp);
-    let want = dev.run(gpu, mg::FinishL1Kernel::PadOneBarrier, true);
-    for kernel in [
-        mg::FinishL1Kernel::Rows,
-        mg::FinishL1Kernel::RowsThr,
-        mg::FinishL1Kernel::RowsThr2,
-    ] {
+    let want = dev.run(gpu, mg::FinishL1Kernel::PerRow, true);
+    {
+        let kernel = mg::FinishL1Kernel::Rows;
         for keep_h in [true, false] {
             let got = dev.run(gpu, kernel, keep_h);
             assert_l1_outputs_bit_equal(
@@ -1810,7 +1942,7 @@ fn check_rows_finish_against_pad1b(
                 &want,
             );
             for &rpc in rows_per_cta {
-                let got = dev.run_rows(gpu, kernel, rpc, keep_h);
+                let got = dev.run_rows(gpu, rpc, keep_h);
                 assert_l1_outputs_bit_equal(
                     gpu,
                     &format!("{label} {kernel:?}, {rpc} rows per CTA (h kept: {keep_h})"),
@@ -1827,7 +1959,7 @@ fn check_rows_finish_against_pad1b(
         h.iter().filter(|v| v.to_bits() == 0x8000_0000).count(),
     );
     eprintln!(
-        "{label}: Rows, RowsThr, RowsThr2 == pad1b bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has \
+        "{label}: Rows == PerRow bit for bit at rows per CTA {rows_per_cta:?} and the launcher's; h has \
          {nan} NaN, {inf} inf, {neg_zero} -0.0"
     );
 }
@@ -1837,39 +1969,38 @@ fn check_rows_finish_against_pad1b(
 /// 3072 (kc3, BF16 A), I = 4096 (kc4); split-K batches with many rows per CTA, contiguous and masked (padding rows
 /// inside a CTA's range); I off the DSV4 shapes (partial warps: I / 4 not a multiple of 32, kc1 and kc3).
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l1_finish_rows_bit_identical_prefill_sized() {
     let name = "gpu_l1_finish_rows_bit_identical_prefill_sized";
-    let Some(gpu) = gpu_for_test(name) else {
-        return;
-    };
+    let gpu = common::gpu(name);
     let mut rng = seeded(name);
     let forced = [1usize, 3, 7, 64, 256];
     let mut inp = finish_inputs(&mut rng, 2048, 40, 700, 1, None, true);
     sprinkle_special_partials(&mut rng, &mut inp, 64);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &forced);
-    // Rows of tiny / huge h (RowsThr's out-of-range block scales), with and without special partials.
+    check_rows_finish_against_per_row(&gpu, name, &inp, &forced);
+    // Rows of tiny / huge h (the rows encoder's out-of-range block scales), with and without special partials.
     let mut inp = finish_inputs(&mut rng, 2048, 20, 300, 1, None, true);
     scale_some_routing_weights(&mut rng, &mut inp, 4);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &[3, 256]);
+    check_rows_finish_against_per_row(&gpu, name, &inp, &[3, 256]);
     sprinkle_special_partials(&mut rng, &mut inp, 64);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &[7]);
+    check_rows_finish_against_per_row(&gpu, name, &inp, &[7]);
     let mut inp = finish_inputs(&mut rng, 3072, 24, 300, 1, None, false);
     sprinkle_special_partials(&mut rng, &mut inp, 64);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &[5, 256]);
+    check_rows_finish_against_per_row(&gpu, name, &inp, &[5, 256]);
     let inp = finish_inputs(&mut rng, 4096, 12, 100, 1, None, true);
-    check_rows_finish_against_pad1b(&gpu, name, &inp, &[2, 9]);
+    check_rows_finish_against_per_row(&gpu, name, &inp, &[2, 9]);
     for (splits, padding) in [(3usize, None), (2, Some(3)), (5, Some(1))] {
         let mut inp = finish_inputs(&mut rng, 2048, 16, 150, splits, padding, true);
         sprinkle_special_partials(&mut rng, &mut inp, 128);
-        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 6, 31]);
+        check_rows_finish_against_per_row(&gpu, name, &inp, &[1, 6, 31]);
     }
     for (inter, splits) in [(16usize, 1usize), (48, 2), (1136, 1), (2064, 3)] {
         let mut inp = finish_inputs(&mut rng, inter, 10, 90, splits, Some(2), true);
         sprinkle_special_partials(&mut rng, &mut inp, 32);
         scale_some_routing_weights(&mut rng, &mut inp, 8);
-        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 5, 13]);
+        check_rows_finish_against_per_row(&gpu, name, &inp, &[1, 5, 13]);
     }
-    // RowsThr2's fused split-0 product: scales at and around its check, one split (fused where the check passes)
+    // Rows' fused split-0 product: scales at and around its check, one split (fused where the check passes)
     // and two (never fused), contiguous and masked, Flash and Pro I.
     for (inter, splits, padding) in [
         (2048usize, 1usize, None),
@@ -1880,19 +2011,18 @@ fn gpu_l1_finish_rows_bit_identical_prefill_sized() {
         let mut inp = finish_inputs(&mut rng, inter, 12, 120, splits, padding, true);
         sprinkle_special_partials(&mut rng, &mut inp, 32);
         perturb_scales_around_fused_check(&mut rng, &mut inp, 6);
-        check_rows_finish_against_pad1b(&gpu, name, &inp, &[1, 4, 37]);
+        check_rows_finish_against_per_row(&gpu, name, &inp, &[1, 4, 37]);
     }
 }
 
 /// The rows L1 finish after the real prefill mainloop (wgmma, one K split) on a Flash L1 shape (N = 2 * 2048, short
-/// K), contiguous rows crossing tile edges with an empty expert: bit-identical to pad1b, and pad1b's h against
+/// K), contiguous rows crossing tile edges with an empty expert: bit-identical to PerRow, and PerRow's h against
 /// the f64 reference of the same path is what check_l1_l2 establishes for the default.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
     let name = "gpu_l1_finish_rows_after_the_prefill_mainloop";
-    let Some(gpu) = gpu_for_test(name) else {
-        return;
-    };
+    let gpu = common::gpu(name);
     let mut rng = seeded(name);
     let (inter, k) = (2048usize, 512usize);
     let counts = [700usize, 129, 0, 301, 64, 3];
@@ -1912,16 +2042,15 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
     let da = DevA::upload(&gpu, &a);
     let routing: Vec<f32> = (0..rows).map(|_| rng.random_range(0.05f32..1.5)).collect();
     let droute = gpu.upload(&routing).unwrap();
-    let mut ws = Workspace::new(&gpu, 1, rows, 2 * inter).unwrap();
-    mg::prefill::launch_partial_prefill(&gpu, &d13, &da.view(), &dg, &mut ws).unwrap();
+    let ws = Ws::prefill(&gpu, rows, 2 * inter, k);
+    mg::prefill::launch_partial_prefill(&gpu, &gpu.stream, &d13, &da.view(), &dg, &ws).unwrap();
     // rows_per_cta 0: through the launcher (its own choice for the rows kernels); else the rows launcher forced.
     let run = |kernel: mg::FinishL1Kernel, rows_per_cta: usize| -> L1Output {
         let mut out = L1Output::new(&gpu, rows, inter, true).unwrap();
         if rows_per_cta == 0 {
-            mg::launch_finish_l1_with(&gpu, &ws, &dg, &d13, &da.view(), &droute, &mut out, kernel)
-        } else {
-            mg::launch_finish_l1_rows_with(
+            mg::launch_finish_l1_with(
                 &gpu,
+                &gpu.stream,
                 &ws,
                 &dg,
                 &d13,
@@ -1929,6 +2058,17 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
                 &droute,
                 &mut out,
                 kernel,
+            )
+        } else {
+            mg::launch_finish_l1_rows_with(
+                &gpu,
+                &gpu.stream,
+                &ws,
+                &dg,
+                &d13,
+                &da.view(),
+                &droute,
+                &mut out,
                 rows_per_cta,
             )
         }
@@ -1936,34 +2076,19 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
         gpu.synchronize().unwrap();
         out
     };
-    let want = run(mg::FinishL1Kernel::PadOneBarrier, 0);
-    for (kernel, label) in [
-        (mg::FinishL1Kernel::Rows, "Rows"),
-        (mg::FinishL1Kernel::RowsThr, "RowsThr"),
-        (mg::FinishL1Kernel::RowsThr2, "RowsThr2"),
-    ] {
-        let got = run(kernel, 0);
-        assert_l1_outputs_bit_equal(&gpu, &format!("{name}: {label} (launcher)"), &got, &want);
+    let want = run(mg::FinishL1Kernel::PerRow, 0);
+    let got = run(mg::FinishL1Kernel::Rows, 0);
+    assert_l1_outputs_bit_equal(&gpu, &format!("{name}: Rows (launcher)"), &got, &want);
+    for rpc in [1usize, 5, 7, 100, 256] {
+        let got = run(mg::FinishL1Kernel::Rows, rpc);
+        assert_l1_outputs_bit_equal(
+            &gpu,
+            &format!("{name}: Rows, {rpc} rows per CTA"),
+            &got,
+            &want,
+        );
     }
-    for (kernel, label, rpcs) in [
-        (
-            mg::FinishL1Kernel::RowsThr2,
-            "RowsThr2",
-            &[1usize, 5, 256][..],
-        ),
-        (mg::FinishL1Kernel::Rows, "Rows", &[1usize, 7, 100, 256][..]),
-    ] {
-        for &rpc in rpcs {
-            let got = run(kernel, rpc);
-            assert_l1_outputs_bit_equal(
-                &gpu,
-                &format!("{name}: {label}, {rpc} rows per CTA"),
-                &got,
-                &want,
-            );
-        }
-    }
-    eprintln!("{name}: {rows} rows, Rows, RowsThr, RowsThr2 == pad1b bit for bit after the prefill mainloop");
+    eprintln!("{name}: {rows} rows, Rows == PerRow bit for bit after the prefill mainloop");
 }
 
 // ------------------------------------ L2 combine kernels: each against the default bit for bit, and the CPU reference
@@ -2037,15 +2162,10 @@ fn check_l2_combine_kernels(
         codes: gpu.zeros::<u8>(experts * n * k / 2).unwrap(),
         scales: gpu.zeros::<u8>(experts * n * k / 16).unwrap(),
         global: gpu.upload(&gsb).unwrap(),
-        prefill_tiled: None,
+        tiled: None,
     };
-    let ws = Workspace {
-        splits,
-        rows_total: rows,
-        n,
-        partial: gpu.upload(&partial).unwrap(),
-        act_rs: None,
-    };
+    let ws = Ws::new(gpu, splits, rows, n);
+    ws.write_partial(gpu, &partial);
     let a_codes = gpu.zeros::<u8>((rows * k / 2).max(1)).unwrap();
     let a_scales = gpu.zeros::<u8>((rows * k / 16).max(1)).unwrap();
     let a_bf16 = gpu.zeros::<bf16>((rows * k).max(1)).unwrap();
@@ -2072,7 +2192,19 @@ fn check_l2_combine_kernels(
     let dtr = gpu.upload(&token_rows).unwrap();
     let run = |kernel: mg::FinishL2Kernel| -> Vec<bf16> {
         let mut y = gpu.poisoned::<bf16>(tokens * n, 0xFF).unwrap();
-        mg::launch_finish_l2_with(gpu, &ws, &dg, &d2, &a, &dtr, topk, &mut y, kernel).unwrap();
+        mg::launch_finish_l2_with(
+            gpu,
+            &gpu.stream,
+            &ws,
+            &dg,
+            &d2,
+            &a,
+            &dtr,
+            topk,
+            &mut y,
+            kernel,
+        )
+        .unwrap();
         gpu.synchronize().unwrap();
         gpu.download(&y).unwrap()
     };
@@ -2128,11 +2260,10 @@ fn check_l2_combine_kernels(
 /// Flash (N 4096) and Pro (N 7168) hidden sizes, 1 / 2 / 7 / 64 tokens with 1-5 splits (5: a second 4-split pass),
 /// masked with padding (the layout the candidate speeds up) and contiguous (its fallback), NVFP4 and BF16 A.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l2_combine_kernels_bit_identical() {
     let name = "gpu_l2_combine_kernels_bit_identical";
-    let Some(gpu) = gpu_for_test(name) else {
-        return;
-    };
+    let gpu = common::gpu(name);
     let mut rng = seeded(name);
     for n in [4096usize, 7168] {
         for (tokens, splits) in [(1usize, 4usize), (2, 3), (7, 5), (64, 1)] {
@@ -2151,10 +2282,9 @@ fn gpu_l2_combine_kernels_bit_identical() {
 /// +-inf and NaN mixed in. Outputs poisoned (different patterns per kernel), with a poisoned tail past
 /// tokens x N that neither kernel may touch.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
-    let Some(gpu) = gpu_for_test("gpu_l2_finish_kernels_bit_identical_on_edge_partials") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_l2_finish_kernels_bit_identical_on_edge_partials");
     let seed = megamoe::ops::inputs::fresh_seed(
         "gpu_l2_finish_kernels_bit_identical_on_edge_partials",
         "MOE_GEMM_SEED",
@@ -2249,8 +2379,8 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
                 }
             })
             .collect();
-        let mut ws = Workspace::new(&gpu, splits, rows_total, n).unwrap();
-        ws.partial = gpu.upload(&partial).unwrap();
+        let ws = Ws::new(&gpu, splits, rows_total, n);
+        ws.write_partial(&gpu, &partial);
         let gsb: Vec<f32> = (0..experts * n)
             .map(|_| rng.random_range(0.01f32..3.0))
             .collect();
@@ -2261,7 +2391,7 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
             codes: gpu.upload(&[0u8; 1]).unwrap(),
             scales: gpu.upload(&[0u8; 1]).unwrap(),
             global: gpu.upload(&gsb).unwrap(),
-            prefill_tiled: None,
+            tiled: None,
         };
         let gsa: Vec<f32> = (0..rows_total.max(1))
             .map(|_| rng.random_range(0.001f32..2.0))
@@ -2292,8 +2422,18 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
         for (i, &kernel) in mg::FinishL2Kernel::ALL.iter().enumerate() {
             let pattern = [0xFFu8, 0x5A, 0xC3, 0x81][i % 4];
             let mut y = gpu.poisoned::<bf16>(tokens * n + tail, pattern).unwrap();
-            let res =
-                mg::launch_finish_l2_with(&gpu, &ws, &dg, &w2, &a, &dtr, topk, &mut y, kernel);
+            let res = mg::launch_finish_l2_with(
+                &gpu,
+                &gpu.stream,
+                &ws,
+                &dg,
+                &w2,
+                &a,
+                &dtr,
+                topk,
+                &mut y,
+                kernel,
+            );
             let float2_rows = matches!(
                 kernel,
                 mg::FinishL2Kernel::Cols2 | mg::FinishL2Kernel::Cols2Tok

@@ -10,19 +10,20 @@
 //! fragment index, lost block scale or K-order mistake gives O(1) errors, orders of magnitude above both.
 
 use half::bf16;
-use megamoe::gpu::{gpu_for_test, Gpu};
+use megamoe::gpu::Gpu;
 use megamoe::ops::moe_gemm::prefill;
 use megamoe::ops::moe_gemm::prefill::PrefillKernel;
 use megamoe::ops::moe_gemm::reference::{
     apply_global_scales, grouped_gemm_acc_f64, Activations, ExpertWeights, Nvfp4Rows,
 };
 use megamoe::ops::moe_gemm::{
-    self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, RoutedBatch, Workspace,
+    self as mg, DeviceExpertWeights, DeviceGrouping, GemmConfig, RoutedBatch,
 };
 use rand::Rng;
 
-mod moe_common;
-use moe_common::{assert_bit_identical, gathered_activations, quantized_weights, seeded, DevA, U};
+mod common;
+use common::assert_bit_identical;
+use common::moe::{gathered_activations, quantized_weights, seeded, DevA, Ws, U};
 
 /// Top-1 routing giving expert i exactly `counts[i]` rows (contiguous layout).
 fn batch_with_counts(counts: &[usize]) -> RoutedBatch {
@@ -110,15 +111,8 @@ enum Mode {
     /// token tiles of <= 96 rows).
     RsWtma,
     /// ... with `PrefillKernel::RsWtmaTiled` (the routed RS mainloop: RsWtma with each stage's weights one bulk copy
-    /// of the pre-tiled block); needs weights with the tiled copy (`prepare_prefill_tiling`).
+    /// of the pre-tiled block, made at upload).
     RsWtmaTiled,
-}
-
-impl Mode {
-    /// Whether the mode's kernel reads the weights' tiled copy (prepare it before the check).
-    fn needs_tiling(self) -> bool {
-        matches!(self, Mode::RsWtmaTiled)
-    }
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -153,8 +147,7 @@ fn check_prefill(
             Mode::RsWtmaTiled => "forced, RS 256x(32..128), tiled weights",
         }
     );
-    let mut ws = Workspace::new(gpu, 1, rows, w.n).unwrap();
-    gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap(); // NaN: an unwritten element cannot pass
+    let ws = Ws::prefill(gpu, rows, w.n, w.k); // poisoned: an unwritten element cannot pass
     if mode == Mode::Routed {
         let cfg = GemmConfig {
             token_tile: 64,
@@ -165,7 +158,7 @@ fn check_prefill(
             prefill::routes_here(dw, &dg, &cfg),
             "{label}: launch_partial would not route to the prefill kernel"
         );
-        mg::launch_partial(gpu, dw, &da.view(), &dg, &cfg, &mut ws).unwrap();
+        mg::launch_partial(gpu, &gpu.stream, dw, &da.view(), &dg, &cfg, &ws).unwrap();
     } else {
         let kernel = match mode {
             Mode::Tile128 => PrefillKernel::Ss128,
@@ -174,13 +167,14 @@ fn check_prefill(
             Mode::RsWtmaTiled => PrefillKernel::RsWtmaTiled,
             _ => PrefillKernel::RsTma,
         };
-        prefill::launch_partial_prefill_with(gpu, dw, &da.view(), &dg, &mut ws, kernel).unwrap();
+        prefill::launch_partial_prefill_with(gpu, &gpu.stream, dw, &da.view(), &dg, &ws, kernel)
+            .unwrap();
     }
     let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
-    mg::launch_finish_bf16(gpu, &ws, &dg, dw, &da.view(), &mut out).unwrap();
+    mg::launch_finish_bf16(gpu, &gpu.stream, &ws, &dg, dw, &da.view(), &mut out).unwrap();
     gpu.synchronize().unwrap();
     let (exact, abs) = grouped_gemm_acc_f64(w, &a, &rb.grouping).unwrap();
-    let got = gpu.download(&ws.partial).unwrap();
+    let got = ws.partial_host(gpu);
     check_accumulator(&label, rb, &got[..rows * w.n], &exact, &abs, w.n, w.k);
     // BF16 output: the scaled reference, one bf16 rounding (2^-9 relative) plus the scaled accumulator bound.
     let d = apply_global_scales(&exact, w, &a, &rb.grouping);
@@ -219,20 +213,18 @@ fn check_prefill_both_a_formats(
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_prefill_token_counts_both_a_formats() {
-    let Some(gpu) = gpu_for_test("gpu_prefill_token_counts_both_a_formats") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_prefill_token_counts_both_a_formats");
     let mut rng = seeded("gpu_prefill_token_counts_both_a_formats");
     // Tile edges of the 128-row token tile (0, 1, 7, 64, 65, 127, 128, 129, 256, 300) and empty experts
     // first, in the middle and last. K = 1024: 16 stages, several laps of the 4-slot ring.
     let counts = [0usize, 1, 7, 64, 65, 127, 0, 128, 129, 256, 300, 0];
     let (n, k) = (256, 1024);
     let w = quantized_weights(&mut rng, counts.len(), n, k);
-    let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    // RsWtmaTiled (the routed kernel; run this test under compute-sanitizer racecheck for its ring protocol) last:
-    // the tiled copy it reads is prepared before it.
+    // RsWtmaTiled is the routed kernel (run this test under compute-sanitizer racecheck for its ring protocol).
     for mode in [
         Mode::Tile128,
         Mode::Tile256,
@@ -240,9 +232,6 @@ fn gpu_prefill_token_counts_both_a_formats() {
         Mode::RsWtma,
         Mode::RsWtmaTiled,
     ] {
-        if mode.needs_tiling() {
-            dw.prepare_prefill_tiling(&gpu).unwrap(); // a no-op once the copy exists
-        }
         check_prefill_both_a_formats(
             &gpu,
             &format!("counts {counts:?}"),
@@ -264,21 +253,15 @@ fn gpu_prefill_token_counts_both_a_formats() {
         (256, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, 3, n, k);
-        let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode.needs_tiling() {
-            dw.prepare_prefill_tiling(&gpu).unwrap();
-        }
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         check_prefill_both_a_formats(&gpu, &format!("short K {k}"), &w, &dw, &rb, mode, &mut rng);
     }
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
-    let Some(gpu) =
-        gpu_for_test("gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial")
-    else {
-        return;
-    };
+    let gpu = common::gpu("gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial");
     let mut rng = seeded("gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial");
     // One expert with 4096 rows (32 token tiles), one tiny, one empty.
     let w = quantized_weights(&mut rng, 3, 128, 512);
@@ -315,19 +298,15 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         (256, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, 256, n, 512);
-        let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode.needs_tiling() {
-            dw.prepare_prefill_tiling(&gpu).unwrap();
-        }
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         check_prefill_both_a_formats(&gpu, "4096 tokens, 6 of 256", &w, &dw, &rb, mode, &mut rng);
     }
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_prefill_flash_and_pro_shapes() {
-    let Some(gpu) = gpu_for_test("gpu_prefill_flash_and_pro_shapes") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_prefill_flash_and_pro_shapes");
     let mut rng = seeded("gpu_prefill_flash_and_pro_shapes");
     // Flash L1 (N = 2 * 2048, K = 4096), Flash L2 (N = 4096, K = 2048), Pro L2 (N = 7168, K = 3072); few rows so
     // the f64 reference stays a few seconds. Row counts cross a tile edge. The routed 128-wide tile and the
@@ -375,20 +354,16 @@ fn gpu_prefill_flash_and_pro_shapes() {
         ("Pro L2", 7168, 3072, vec![130, 70], true, Mode::RsWtmaTiled),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
-        let mut dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        if mode.needs_tiling() {
-            dw.prepare_prefill_tiling(&gpu).unwrap();
-        }
+        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         let rb = batch_with_counts(&counts);
         check_prefill(&gpu, label, &w, &dw, &rb, nvfp4, mode, &mut rng);
     }
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
-    let Some(gpu) = gpu_for_test("gpu_prefill_rejects_masked_groupings_and_bad_shapes") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_prefill_rejects_masked_groupings_and_bad_shapes");
     let mut rng = seeded("gpu_prefill_rejects_masked_groupings_and_bad_shapes");
     let w = quantized_weights(&mut rng, 2, 128, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -396,22 +371,31 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     let a = gathered_activations(&mut rng, &masked, 512, false);
     let da = DevA::upload(&gpu, &a);
     let dg = DeviceGrouping::upload(&gpu, &masked.grouping).unwrap();
-    let mut ws = Workspace::new(&gpu, 1, masked.grouping.rows_total(), 128).unwrap();
-    let err = prefill::launch_partial_prefill(&gpu, &dw, &da.view(), &dg, &mut ws).unwrap_err();
+    let ws = Ws::new(&gpu, 1, masked.grouping.rows_total(), 128);
+    let err =
+        prefill::launch_partial_prefill(&gpu, &gpu.stream, &dw, &da.view(), &dg, &ws).unwrap_err();
     assert!(err.to_string().contains("contiguous"), "{err}");
     let contiguous = batch_with_counts(&[2, 1]);
     let dg = DeviceGrouping::upload(&gpu, &contiguous.grouping).unwrap();
-    let mut ws2 = Workspace::new(&gpu, 2, 3, 128).unwrap();
-    let err = prefill::launch_partial_prefill(&gpu, &dw, &da.view(), &dg, &mut ws2).unwrap_err();
+    let ws2 = Ws::new(&gpu, 2, 3, 128);
+    let err =
+        prefill::launch_partial_prefill(&gpu, &gpu.stream, &dw, &da.view(), &dg, &ws2).unwrap_err();
     assert!(err.to_string().contains("workspace"), "{err}");
     assert!(prefill::check_shape(192, 512).is_err());
     assert!(prefill::check_shape(128, 96).is_err());
     // The 256-wide tile needs N % 256 == 0 (N = 128 here).
-    let mut ws3 = Workspace::new(&gpu, 1, 3, 128).unwrap();
+    let ws3 = Ws::new(&gpu, 1, 3, 128);
     for kernel in [PrefillKernel::Ss256, PrefillKernel::RsTma] {
-        let err =
-            prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws3, kernel)
-                .unwrap_err();
+        let err = prefill::launch_partial_prefill_with(
+            &gpu,
+            &gpu.stream,
+            &dw,
+            &da.view(),
+            &dg,
+            &ws3,
+            kernel,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("tile width"), "{kernel:?}: {err}");
     }
 }
@@ -423,10 +407,9 @@ fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
 /// 32 stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
 /// narrow width (1..32, 33..64, 65..96, 97..128 rows), empty experts, both A formats.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
-    let Some(gpu) = gpu_for_test("gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma");
     let mut rng = seeded("gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma");
     let counts = [
         130usize, 0, 97, 256, 1, 0, 300, 64, 129, 7, 0, 200, 128, 90, 3, 511, 32, 33, 65, 96,
@@ -437,13 +420,13 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
     let rb = batch_with_counts(&counts);
     let rows = rb.grouping.rows_total();
     let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
-    // The tiled copy (weight preparation) for RsWtmaTiled. A block or byte the tiling missed stays 0 (code 0, scale 0)
-    // and changes the partials of its rows against RsTma's (random weights): the comparison below catches it. With it
-    // prepared, the routed prefill kernel is the tiled one.
-    let mut dw = dw;
-    assert_eq!(PrefillKernel::routed_for(&dw), PrefillKernel::RsWtma);
-    dw.prepare_prefill_tiling(&gpu).unwrap();
+    // The tiling made at upload is what RsWtmaTiled reads. A block or byte the tiling missed would stay 0 (code 0,
+    // scale 0) and change the partials of its rows against RsTma's (random weights): the comparison below catches it.
+    // With it present, the routed prefill kernel is the tiled one; without it, RsWtma.
     assert_eq!(PrefillKernel::routed_for(&dw), PrefillKernel::RsWtmaTiled);
+    let mut untiled = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    untiled.tiled = None;
+    assert_eq!(PrefillKernel::routed_for(&untiled), PrefillKernel::RsWtma);
     for nvfp4 in [false, true] {
         let a = gathered_activations(&mut rng, &rb, k, nvfp4);
         let da = DevA::upload(&gpu, &a);
@@ -453,12 +436,19 @@ fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
             PrefillKernel::RsWtma,
             PrefillKernel::RsWtmaTiled,
         ] {
-            let mut ws = Workspace::new(&gpu, 1, rows, n).unwrap();
-            gpu.fill_bytes(&mut ws.partial, 0xFF).unwrap();
-            prefill::launch_partial_prefill_with(&gpu, &dw, &da.view(), &dg, &mut ws, kernel)
-                .unwrap();
+            let ws = Ws::prefill(&gpu, rows, n, k);
+            prefill::launch_partial_prefill_with(
+                &gpu,
+                &gpu.stream,
+                &dw,
+                &da.view(),
+                &dg,
+                &ws,
+                kernel,
+            )
+            .unwrap();
             gpu.synchronize().unwrap();
-            got.push(gpu.download(&ws.partial).unwrap());
+            got.push(ws.partial_host(&gpu));
         }
         let label = if nvfp4 { "NVFP4 A" } else { "BF16 A" };
         assert!(
@@ -493,7 +483,7 @@ fn check_act_rs_prepass(
     nan_scales: bool,
 ) {
     let a_rows = rows + 2;
-    let slack = 4096;
+    let slack = 4096usize;
     let label = format!(
         "act_rs pre-pass [{} A, rows {rows}, K {k}{}]",
         if nvfp4 { "NVFP4" } else { "BF16" },
@@ -522,12 +512,12 @@ fn check_act_rs_prepass(
     };
     let da = raw_activations(gpu, nvfp4, a_rows, k, codes, scales, data);
     let a = da.view();
-    let mut ws = Workspace::new(gpu, 1, rows, 256).unwrap();
+    // The pre-pass scratch of rows + ceil(slack / k) rows: at least `slack` elements past rows x K.
+    let ws = Ws::prefill(gpu, rows + slack.div_ceil(k), 256, k);
     for poison in [0xFFu8, 0x00] {
-        ws.act_rs = Some(gpu.poisoned::<bf16>(rows * k + slack, poison).unwrap());
-        prefill::permute_activations_for_rs(gpu, &a, rows, k, &mut ws).unwrap();
-        gpu.synchronize().unwrap();
-        let got = gpu.download(ws.act_rs.as_ref().unwrap()).unwrap();
+        megamoe::gpu::arena::fill(&gpu.stream, &ws.act_rs, poison).unwrap();
+        prefill::permute_activations_for_rs(gpu, &gpu.stream, &a, rows, k, &ws).unwrap();
+        let got = common::moe::download(gpu, &ws.act_rs);
         let poison_bits = u16::from_ne_bytes([poison; 2]);
         let mut bad = 0usize;
         let mut first_bad = None;
@@ -574,10 +564,9 @@ fn check_act_rs_prepass(
 /// loop runs several laps and ends in a partial step). K: 256 (2 segments per row), 384 (3: odd segment counts, the
 /// upper half-warp idle in the last pair), 4096 (Flash L1), 7168 (Pro). Then NaN block scales.
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_prefill_act_rs_prepass_bit_identical_to_cpu_mirror() {
-    let Some(gpu) = gpu_for_test("gpu_prefill_act_rs_prepass_bit_identical_to_cpu_mirror") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_prefill_act_rs_prepass_bit_identical_to_cpu_mirror");
     let mut rng = seeded("gpu_prefill_act_rs_prepass_bit_identical_to_cpu_mirror");
     for (k, row_counts) in [
         (256usize, &[1usize, 3, 127, 129, 4099][..]),

@@ -5,6 +5,7 @@
 
 pub mod indexer;
 pub mod norm;
+pub mod moe;
 
 use megamoe::gpu::Gpu;
 use rand::SeedableRng;

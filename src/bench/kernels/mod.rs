@@ -3,9 +3,10 @@
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
 pub mod indexer;
-pub mod sparse_attn;
 pub mod mhc;
+pub mod moe_gemm;
 pub mod norm_quant;
+pub mod sparse_attn;
 
 use super::runner::BenchKernel;
 
@@ -15,7 +16,7 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(crate::ops::nvfp4::bench::kernels());
     v.extend(norm_quant::kernels());
     v.extend(mhc::kernels());
-    v.extend(crate::ops::moe_gemm::bench::kernels());
+    v.extend(moe_gemm::kernels());
     v.extend(sparse_attn::kernels());
     v.extend(indexer::kernels());
     v

@@ -1,4 +1,8 @@
-//! `megamoe exec moe_gemm_grouped`: the grouped GEMM on user tensors (contiguous layout, plain output).
+//! `megamoe exec moe_gemm_grouped`: the grouped GEMM on user tensors (contiguous layout, plain BF16 output), through
+//! the same routed path as the benchmarks: the weights are tiled at upload
+//! ([`DeviceExpertWeights::tiled`]), [`launch_partial`] takes the prefill mainloop on the tiled
+//! weights or the decode mainloop (F16 operands for NVFP4 activations, BF16 operands for BF16 activations), then
+//! the BF16 finish.
 
 use anyhow::{ensure, Result};
 use safetensors::Dtype;
@@ -12,11 +16,14 @@ const NAME: &str = "moe_gemm_grouped";
 pub fn exec_kernels() -> Vec<ExecKernel> {
     vec![ExecKernel {
         name: NAME,
-        doc: "D[m, n] = gsa[m] * gsb[e, n] * sum_k A[m, k] * B[e, n, k], rows of A sorted by expert. Inputs: \
-              w_codes U8 [E, N, K/2] (e2m1, low nibble first), w_scales U8 [E, N, K/16] (e4m3), w_global F32 [E, N], \
-              offsets I32 [E+1]; A as either a BF16 [R, K] or a_codes U8 [R, K/2] + a_scales U8 [R, K/16] + \
-              a_global F32 [R]. N % 128 == 0, K % 512 == 0. Output: d BF16 [R, N] (GPU) or F32 [R, N] (--cpu, \
-              the f64 reference rounded to f32).",
+        doc: "D[m, n] = gsa[m] * gsb[e, n] * sum_k A[m, k] * B[e, n, k], rows of A sorted by expert (row m of \
+              A belongs to expert e when offsets[e] <= m < offsets[e+1]). Inputs: w_codes U8 [E, N, K/2] (e2m1, \
+              low nibble first), w_scales U8 or F8_E4M3 [E, N, K/16] (e4m3 block scales, no NaN code), w_global \
+              F32 [E, N] (finite, > 0), offsets I32 [E+1] (offsets[0] = 0, non-decreasing; R = offsets[E]); and \
+              A as either `a` BF16 [R', K] (finite; gsa = 1) or `a_codes` U8 [R', K/2] + `a_scales` U8 or \
+              F8_E4M3 [R', K/16] + `a_global` F32 [R'] (finite, > 0), with R' >= R. 1 <= E <= 512, \
+              N % 128 == 0 (N % 256 == 0 on the GPU: the weights' tiling), K % 512 == 0. The GPU runs the \
+              routed mainloops on the tiled weights as the benchmarks do. Output: d BF16 [R, N] (GPU) or F32 [R, N] (--cpu, the f64 reference rounded to f32).",
         run,
     }]
 }
@@ -129,6 +136,10 @@ fn run(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
             out.insert("d".into(), HostTensor::from_f32(vec![rows, n], &d));
         }
         Some(gpu) => {
+            ensure!(
+                prefill::tiling_fits(n, k),
+                "{NAME}: the GPU path needs N % 256 == 0 (the weights' tiling), N = {n}"
+            );
             let dw = DeviceExpertWeights::upload(gpu, &w)?;
             let dg = DeviceGrouping::upload(gpu, &grouping)?;
             let active = (0..e)
@@ -142,7 +153,10 @@ fn run(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                 n,
                 k,
             );
-            let mut ws = Workspace::new(gpu, cfg.splits, rows, n)?;
+            let ws_shape = WorkspaceShape::for_launch(&dw, &dg, &cfg);
+            let mut arena = Arena::new(gpu, workspace_bytes(&ws_shape))?;
+            let ws = Workspace::carve(&mut arena, &ws_shape)?;
+            let stream = gpu.stream.clone();
             let mut d = gpu.poisoned::<half::bf16>((rows * n).max(1), 0xFF)?;
             match &a {
                 Activations::Bf16 { rows: r, data, .. } => {
@@ -152,7 +166,7 @@ fn run(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                         k,
                         data: &buf,
                     };
-                    grouped_gemm_bf16(gpu, &dw, &da, &dg, &cfg, &mut ws, &mut d)?;
+                    grouped_gemm_bf16(gpu, &stream, &dw, &da, &dg, &cfg, &ws, &mut d)?;
                 }
                 Activations::Nvfp4(q) => {
                     let (c, s, g) = (
@@ -167,7 +181,7 @@ fn run(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                         scales: &s,
                         global: &g,
                     };
-                    grouped_gemm_bf16(gpu, &dw, &da, &dg, &cfg, &mut ws, &mut d)?;
+                    grouped_gemm_bf16(gpu, &stream, &dw, &da, &dg, &cfg, &ws, &mut d)?;
                 }
             }
             let host = gpu.download(&d)?;

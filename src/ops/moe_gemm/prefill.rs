@@ -11,23 +11,25 @@
 //!
 //! [`super::launch_partial`] routes here when [`routes_here`] holds (contiguous layout, mean rows per
 //! expert >= [`MIN_MEAN_ROWS_PER_EXPERT`], one K split); [`launch_partial_prefill`] forces this path with
-//! [`PrefillKernel::routed_for`], [`launch_partial_prefill_with`] with a chosen mainloop. Weights prepared with
-//! [`super::DeviceExpertWeights::prepare_prefill_tiling`] (one contiguous block per 256-row tile and 128-K stage,
-//! [`tile_weights_for_rs`]) are read from that copy, by this mainloop and by the decode mainloop alike.
+//! [`PrefillKernel::routed_for`], [`launch_partial_prefill_with`] with a chosen mainloop. The weights' tiling
+//! ([`super::DeviceExpertWeights::tiled`], made at upload: one contiguous block per 256-row tile and 128-K stage,
+//! [`tile_weights_for_rs`]) is what the routed mainloop reads, as does the decode mainloop.
 //!
 //! The CPU mirrors at the bottom ([`sw128_offset`], [`dequant8_like_kernel`], [`sw128_desc`]) restate the
-//! device address, dequant and descriptor logic so unit tests can check them without a GPU.
+//! device address, dequant and descriptor logic so unit tests can check them without a GPU. (Why this file passes
+//! ~800 lines: those mirrors and their unit tests, about half of it, sit beside the launcher they describe.)
 
-use anyhow::{anyhow, ensure, Result};
+use anyhow::{ensure, Result};
 use half::bf16;
 
 use super::{
-    activation_ptrs, as_i32, ptr, DeviceActivations, DeviceExpertWeights, DeviceGrouping,
-    GemmConfig, Workspace, MAX_EXPERTS,
+    as_i32, push_activations, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig,
+    Workspace, MAX_EXPERTS,
 };
 use crate::formats::e4m3;
+use crate::gpu::launch::{launch, DeviceBuf, KernelArgs, Launch, Stream};
 use crate::gpu::tma::{encode_tiled, TensorMap};
-use crate::gpu::{launch_cfg, Gpu, PushKernelArg};
+use crate::gpu::Gpu;
 use cudarc::driver::sys;
 use cudarc::driver::CudaSlice;
 
@@ -64,12 +66,11 @@ pub const K_MULTIPLE_RS_WTMA: usize = 256;
 /// codes 16 KiB, scales of the stage pair 4 KiB) (`rs::kBytesW + 1024` in the .cu).
 pub const SMEM_BYTES_RS_WTMA: usize = 4 * (32768 + 16384 + 4096) + 1024;
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
-/// (`rows_total / experts`; Flash top-6 of 256 crosses it at 256 tokens, Pro top-6 of 384 at 384). Session-10 A/B
-/// (H200, whole L1 / L2 calls, us, mma.sync decode kernel vs the RS kernel with narrow token tiles, run 2ac9f33):
-/// Flash 288 tokens (6.75 rows per expert) L1 1299.3 vs 1129.5, L2 675.4 vs 628.6; 320 tokens L1 1422.2 vs 1174.8;
-/// 512 tokens L1 1482.3 vs 1186.4, L2 777.4 vs 641.7; Pro 512 tokens (8 rows per expert) L1 5650.9 vs 4634.2, L2
-/// 2896.2 vs 2300.8. Below 6 rows per expert nothing was measured on a contiguous grouping (the bench runs the masked
-/// layout up to 256 tokens). Until session 9 it was 64 (the 128-token tiles were mostly padding below that).
+/// (`rows_total / experts`; Flash top-6 of 256 crosses it at 256 tokens, Pro top-6 of 384 at 384). The RS kernel
+/// beat the mma.sync decode kernel at every contiguous point measured, from 6.75 rows per expert (Flash 288 tokens)
+/// up, L1 and L2, Flash and Pro (results/h200/session10-ab2/, variant `nvfp4_decode`, now
+/// `nvfp4_decode_mainloop`); below 6 rows per expert nothing was measured on a contiguous grouping (the bench runs
+/// the masked layout up to 256 tokens).
 pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 6;
 
 /// `N % 128 == 0`, `K % 64 == 0` (all DSV4 expert shapes qualify).
@@ -105,25 +106,20 @@ pub enum PrefillKernel {
     /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_tma`: 256 weight rows x 128 tokens, the weights
     /// dequantized in registers as the wgmma A operand (RS form); a pre-pass writes the activations once in the RS
     /// permuted BF16 order (into [`Workspace::act_rs`]), which the mainloop streams with TMA. `N % 256 == 0`,
-    /// `K % 128 == 0`, either A format. The routed prefill mainloop since session 9 (A/B in the .cu header).
+    /// `K % 128 == 0`, either A format. The fallback for `K % 256 != 0`.
     RsTma,
     /// `moe_gemm_prefill_act_rs` + `moe_gemm_prefill_partial_rs_wtma`: [`PrefillKernel::RsTma`] with each stage's
     /// weight codes and block scales in the same TMA ring as the activations (three stages ahead), the ring slot
     /// released one stage later, and a token tile with `ntok <= 96` valid rows run with N = 32 * ceil(ntok / 32)
     /// wgmmas (and activation boxes of as many rows) instead of 128. Bit-identical partials. `N % 256 == 0`,
-    /// `K % 256 == 0`. The routed prefill mainloop since the session-10 A/B (numbers in the .cu).
+    /// `K % 256 == 0`. Routed for weights without their tiling.
     RsWtma,
     /// `moe_gemm_prefill_partial_rs_wtma_tiled`: [`PrefillKernel::RsWtma`] on the weights' re-laid copy
-    /// ([`DeviceExpertWeights::prefill_tiled`], one contiguous 18 KiB block per stage, one bulk copy instead of two 2D
-    /// boxes of 256 rows). Bit-identical partials. Routed whenever that copy exists (session-11 A/B, H200, 3f5fd93,
-    /// whole calls, us, RsWtma / RsWtmaTiled: Flash L1 512 tokens 1153.5 / 1086.1, 1024 1197.6 / 1140.4, 4096
-    /// 1933.3 / 1861.9, 16384 7470.2 / 7122.6; L2 4096 1061.6 / 1022.7; Pro L1 4096 6404.7 / 5999.6, L2 4096 3157.1
-    /// / 3094.3; the mainloop alone under ncu at Flash L1 4096 1.62 / 1.55 ms, at 1024 1.11 / 1.05 ms). The
-    /// session-13 variant with the activations in a compact per-stage layout (RsWtmaTiledCact) lost to it in session
-    /// 14 and was removed (numbers in the .cu, above `moe_gemm_prefill_partial_rs_wtma_tiled`). Since session 15
-    /// every thread releases a ring slot itself (empty barrier count 256, not lane 0 per warp): the session-14
-    /// variant with that release was bit-identical and as fast, and compute-sanitizer racecheck reports 0 hazards
-    /// for it where the per-warp release showed 8 (a tool-model artefact of `__syncwarp`; PERF-LOG "Session 14").
+    /// ([`DeviceExpertWeights::tiled`], one contiguous 18 KiB block per stage, one bulk copy instead of two 2D
+    /// boxes of 256 rows). Bit-identical partials. Routed whenever that copy exists (faster than RsWtma at every
+    /// prefill point measured, Flash and Pro, L1 and L2: results/h200/session11-ab2/). Every thread releases a ring
+    /// slot itself (empty barrier count 256, not lane 0 per warp after a `__syncwarp`): the same ordering under the
+    /// PTX memory model, and one that compute-sanitizer racecheck can follow (0 hazards).
     RsWtmaTiled,
 }
 
@@ -179,12 +175,12 @@ impl PrefillKernel {
     /// picks [`PrefillKernel::RsWtma`], else [`PrefillKernel::default_for`].
     pub fn routed_for(w: &DeviceExpertWeights) -> PrefillKernel {
         match PrefillKernel::default_for(w.n, w.k) {
-            PrefillKernel::RsWtma if w.prefill_tiled.is_some() => PrefillKernel::RsWtmaTiled,
+            PrefillKernel::RsWtma if w.tiled.is_some() => PrefillKernel::RsWtmaTiled,
             k => k,
         }
     }
 
-    /// Whether the kernel reads the weights' tiled copy ([`DeviceExpertWeights::prefill_tiled`]) instead of the
+    /// Whether the kernel reads the weights' tiled copy ([`DeviceExpertWeights::tiled`]) instead of the
     /// plain layout.
     pub fn needs_tiled_weights(self) -> bool {
         matches!(self, PrefillKernel::RsWtmaTiled)
@@ -192,32 +188,33 @@ impl PrefillKernel {
 }
 
 /// Prefill mainloop: fp32 `A . B^T` per owned row into `ws` (`ws.splits` must be 1). Contiguous grouping only.
-/// The mainloop is [`PrefillKernel::routed_for`] (the RS kernel for every DSV4 shape, on the tiled weights when
-/// they are prepared; among the SS tiles, 128 x 256 beat 128 x 128 at every prefill point of session 2, e.g. L1
-/// 4096 tokens 3724 vs 4822 us).
+/// The mainloop is [`PrefillKernel::routed_for`] (the RS kernel on the tiled weights for every DSV4 shape; the SS
+/// tiles for shapes the RS kernels do not take, 128 x 256 where N allows: it beat 128 x 128 at every prefill point).
 pub fn launch_partial_prefill(
     gpu: &Gpu,
+    stream: &Stream,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
-    ws: &mut Workspace,
+    ws: &Workspace,
 ) -> Result<()> {
-    launch_partial_prefill_with(gpu, w, a, grp, ws, PrefillKernel::routed_for(w))
+    launch_partial_prefill_with(gpu, stream, w, a, grp, ws, PrefillKernel::routed_for(w))
 }
 
 /// [`launch_partial_prefill`] with a chosen mainloop; refuses shapes the kernel does not take before any launch
-/// ([`PrefillKernel::RsWtmaTiled`] also needs [`DeviceExpertWeights::prefill_tiled`]).
+/// ([`PrefillKernel::RsWtmaTiled`] also needs [`DeviceExpertWeights::tiled`]).
 pub fn launch_partial_prefill_with(
     gpu: &Gpu,
+    stream: &Stream,
     w: &DeviceExpertWeights,
     a: &DeviceActivations,
     grp: &DeviceGrouping,
-    ws: &mut Workspace,
+    ws: &Workspace,
     kernel: PrefillKernel,
 ) -> Result<()> {
     ensure!(
-        !kernel.needs_tiled_weights() || w.prefill_tiled.is_some(),
-        "moe_gemm prefill: {kernel:?} needs the tiled weights (DeviceExpertWeights::prepare_prefill_tiling)"
+        !kernel.needs_tiled_weights() || w.tiled.is_some(),
+        "moe_gemm prefill: {kernel:?} needs the weights' tiling (DeviceExpertWeights::tiled: N % 256 == 0)"
     );
     check_shape(w.n, w.k)?;
     let (name, smem, tile_n, k_multiple) = kernel.entry();
@@ -263,19 +260,13 @@ pub fn launch_partial_prefill_with(
         grp.rows_total,
         w.n
     );
+    super::check_partial_len(ws)?;
     if grp.rows_total == 0 {
         return Ok(());
     }
     // Static + dynamic shared memory checked against the device's opt-in limit (exactly, from the loaded
     // kernel's attributes) before any launch.
-    let f = gpu.function_with_smem(FAMILY, name, smem)?;
-    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
-    let (wc, wsc, grp_p, part) = (
-        ptr(gpu, &w.codes),
-        ptr(gpu, &w.scales),
-        ptr(gpu, &grp.group),
-        ptr(gpu, &ws.partial),
-    );
+    let kern = gpu.kernel_with_smem(FAMILY, name, smem)?;
     let (n, k) = (as_i32(w.n, "N")?, as_i32(w.k, "K")?);
     let (e, rows) = (
         as_i32(grp.experts, "experts")?,
@@ -297,17 +288,12 @@ pub fn launch_partial_prefill_with(
             w.experts,
             w.n
         );
-        let act_rs = permute_activations_for_rs(gpu, a, grp.rows_total, w.k, ws)?;
+        let act_rs = permute_activations_for_rs(gpu, stream, a, grp.rows_total, w.k, ws)?;
         // The accumulators hold sum * 2^-18 (NVFP4 A) or sum * 2^-9 (BF16 A), see the .cu.
-        let restore: f32 = if is_nvfp4 != 0 { 262144.0 } else { 512.0 };
-        // RsTma: one activation map (128-row boxes); RsWtma: the weight maps, then activation maps with boxes of
-        // 32 / 64 / 96 / 128 token rows; RsWtmaTiled: the tiled weights' address, then the same
-        // activation maps.
-        let weight_maps = match kernel {
-            kern if kern == PrefillKernel::RsTma || kern.needs_tiled_weights() => None,
-            _ => Some(weight_maps_for_rs(w, wc, wsc)?),
-        };
-        let tiled_p = w.prefill_tiled.as_ref().map(|t| ptr(gpu, t)).unwrap_or(0);
+        let restore: f32 = if a.is_nvfp4() { 262144.0 } else { 512.0 };
+        // RsTma: the plain weights' addresses, one activation map (128-row boxes); RsWtma: the weight maps, then
+        // activation maps with boxes of 32 / 64 / 96 / 128 token rows; RsWtmaTiled: the tiled weights' address,
+        // then the same activation maps.
         let box_rows: &[usize] = match kernel {
             PrefillKernel::RsTma => &[TILE_M],
             _ => &[32, 64, 96, 128],
@@ -316,34 +302,52 @@ pub fn launch_partial_prefill_with(
             .iter()
             .map(|&r| rs_activation_map(act_rs, grp.rows_total, w.k, r))
             .collect::<Result<Vec<_>>>()?;
-        let mut b = gpu.stream.launch_builder(&f);
-        match (&weight_maps, kernel) {
-            (Some((codes_map, scales_map)), _) => b.arg(codes_map).arg(scales_map),
-            (None, kern) if kern.needs_tiled_weights() => b.arg(&tiled_p),
-            (None, _) => b.arg(&wc).arg(&wsc),
-        };
-        b.arg(&n).arg(&k);
-        for m in &act_maps {
-            b.arg(m);
+        let mut args = KernelArgs::new();
+        match kernel {
+            PrefillKernel::RsTma => {
+                args.buf(&w.codes).buf(&w.scales);
+            }
+            PrefillKernel::RsWtmaTiled => {
+                args.buf(w.tiled.as_ref().expect("checked above"));
+            }
+            _ => {
+                let (codes_map, scales_map) = weight_maps_for_rs(w)?;
+                args.pod(&codes_map).pod(&scales_map);
+            }
         }
-        b.arg(&restore);
-        b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-        unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
-            .map_err(|e| anyhow!("{name}: {e:?}"))?;
-        return Ok(());
+        args.i32(n).i32(k);
+        for m in &act_maps {
+            args.pod(m);
+        }
+        args.f32(restore)
+            .buf(&grp.group)
+            .i32(e)
+            .i32(rows)
+            .buf(&ws.partial);
+        // SAFETY: arguments in the kernel's order; weights, activations, grouping and partials were checked
+        // against the shape above, the pre-pass output against rows x K.
+        return unsafe {
+            launch(
+                stream,
+                &kern,
+                Launch::new((ctas, 1, 1), (THREADS, 1, 1)).smem(smem),
+                &mut args,
+            )
+        };
     }
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&wc)
-        .arg(&wsc)
-        .arg(&n)
-        .arg(&k)
-        .arg(&act)
-        .arg(&act_scales)
-        .arg(&is_nvfp4);
-    b.arg(&grp_p).arg(&e).arg(&rows).arg(&part);
-    unsafe { b.launch(launch_cfg((ctas, 1, 1), (THREADS, 1, 1), smem as u32)) }
-        .map_err(|e| anyhow!("{name}: {e:?}"))?;
-    Ok(())
+    let mut args = KernelArgs::new();
+    args.buf(&w.codes).buf(&w.scales).i32(n).i32(k);
+    push_activations(&mut args, a);
+    args.buf(&grp.group).i32(e).i32(rows).buf(&ws.partial);
+    // SAFETY: as above.
+    unsafe {
+        launch(
+            stream,
+            &kern,
+            Launch::new((ctas, 1, 1), (THREADS, 1, 1)).smem(smem),
+            &mut args,
+        )
+    }
 }
 
 /// Segment pairs per warp step of `moe_gemm_prefill_act_rs` (`act_rs::kPairsNvfp4` = `kPairsBf16` in the .cu): a warp
@@ -355,41 +359,18 @@ const ACT_RS_THREADS: u32 = 256;
 /// occupancy query fails.
 const ACT_RS_CTAS_PER_SM: usize = 8;
 
-/// The BF16 output buffer of the RS pre-pass (`ws.act_rs`, allocated or grown to `len` elements) and its device
-/// address, after checking the alignment the pre-pass kernel's vector accesses need: 4-byte code words (NVFP4) or
-/// 16-byte BF16 chunks of the activations at `act`, 16-byte output chunks.
-fn act_rs_output(
-    gpu: &Gpu,
-    ws: &mut Workspace,
-    len: usize,
-    act: u64,
-    is_nvfp4: i32,
-    kernel: &str,
-) -> Result<u64> {
-    if ws.act_rs.as_ref().is_none_or(|b| b.len() < len) {
-        ws.act_rs = Some(gpu.zeros::<bf16>(len)?);
-    }
-    let out = ptr(gpu, ws.act_rs.as_ref().expect("allocated above"));
-    let act_align = if is_nvfp4 != 0 { 4 } else { 16 };
-    ensure!(
-        act.is_multiple_of(act_align) && out.is_multiple_of(16),
-        "{kernel}: activations at {act:#x} (need {act_align}-byte alignment) or output at {out:#x} (need 16) \
-         misaligned"
-    );
-    Ok(out)
-}
-
-/// The RS pre-pass: the first `rows` activation rows, in the RS permuted BF16 order, into `ws.act_rs` (allocated
-/// or grown here; an existing buffer of at least `rows * k` elements is reused and nothing past its first
-/// `rows * k` elements is written); returns its device address for [`rs_activation_map`]. `k % 128 == 0`.
-/// Grid: one resident wave (occupancy x SMs) of 256-thread CTAs, or fewer when there are fewer warp steps; the
-/// kernel loops over its warp steps (8 segments of 128 K each).
+/// The RS pre-pass: the first `rows` activation rows, in the RS permuted BF16 order, into the workspace's
+/// `act_rs` (carved with `prepass_k == k`; nothing past its first `rows * k` elements is written); returns its
+/// device address for [`rs_activation_map`]. `k % 128 == 0`. Grid: one resident wave (occupancy x SMs) of
+/// 256-thread CTAs, or fewer when there are fewer warp steps; the kernel loops over its warp steps (8 segments of
+/// 128 K each).
 pub fn permute_activations_for_rs(
     gpu: &Gpu,
+    stream: &Stream,
     a: &DeviceActivations,
     rows: usize,
     k: usize,
-    ws: &mut Workspace,
+    ws: &Workspace,
 ) -> Result<u64> {
     ensure!(
         k > 0 && k.is_multiple_of(STAGE_K_RS),
@@ -407,14 +388,29 @@ pub fn permute_activations_for_rs(
         segments <= i32::MAX as usize,
         "moe_gemm_prefill_act_rs: {rows} rows x K {k} = {segments} segments of 128 K exceed the kernel's i32 index"
     );
-    let (act, act_scales, is_nvfp4) = activation_ptrs(gpu, a);
-    let out = act_rs_output(gpu, ws, rows * k, act, is_nvfp4, "moe_gemm_prefill_act_rs")?;
+    ensure!(
+        ws.act_rs.len() >= rows * k,
+        "moe_gemm_prefill_act_rs: the workspace's pre-pass buffer holds {} elements, {rows} x {k} needed (carve the \
+         workspace with WorkspaceShape::for_launch)",
+        ws.act_rs.len()
+    );
+    // The kernel's vector accesses: 4-byte code words (NVFP4) or 16-byte BF16 chunks in, 16-byte chunks out.
+    let out = ws.act_rs.device_addr();
+    let (act, act_align) = match a {
+        DeviceActivations::Bf16 { data, .. } => (data.device_addr(), 16),
+        DeviceActivations::Nvfp4 { codes, .. } => (codes.device_addr(), 4),
+    };
+    ensure!(
+        act.is_multiple_of(act_align) && out.is_multiple_of(16),
+        "moe_gemm_prefill_act_rs: activations at {act:#x} (need {act_align}-byte alignment) or output at {out:#x} \
+         (need 16) misaligned"
+    );
     if segments == 0 {
         return Ok(out);
     }
-    let f = gpu.function(FAMILY, "moe_gemm_prefill_act_rs")?;
-    let (rows_i, k_i) = (as_i32(rows, "rows")?, as_i32(k, "K")?);
-    let per_sm = f
+    let kern = gpu.kernel(FAMILY, "moe_gemm_prefill_act_rs")?;
+    let per_sm = kern
+        .function()
         .occupancy_max_active_blocks_per_multiprocessor(ACT_RS_THREADS, 0, None)
         .map(|b| b as usize)
         .unwrap_or(ACT_RS_CTAS_PER_SM)
@@ -423,15 +419,20 @@ pub fn permute_activations_for_rs(
     let ctas = warp_steps
         .div_ceil(ACT_RS_THREADS as usize / 32)
         .min(per_sm * gpu.info.sm_count.max(1) as usize);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&act)
-        .arg(&act_scales)
-        .arg(&is_nvfp4)
-        .arg(&rows_i)
-        .arg(&k_i)
-        .arg(&out);
-    unsafe { b.launch(launch_cfg((ctas as u32, 1, 1), (ACT_RS_THREADS, 1, 1), 0)) }
-        .map_err(|e| anyhow!("moe_gemm_prefill_act_rs: {e:?}"))?;
+    let mut args = KernelArgs::new();
+    push_activations(&mut args, a);
+    args.i32(as_i32(rows, "rows")?)
+        .i32(as_i32(k, "K")?)
+        .buf(&ws.act_rs);
+    // SAFETY: arguments in the kernel's order; activations hold >= rows x K, the output rows x K elements.
+    unsafe {
+        launch(
+            stream,
+            &kern,
+            Launch::new((ctas as u32, 1, 1), (ACT_RS_THREADS, 1, 1)),
+            &mut args,
+        )?;
+    }
     Ok(out)
 }
 
@@ -474,35 +475,32 @@ pub fn tile_weights_for_rs(gpu: &Gpu, w: &DeviceExpertWeights) -> Result<CudaSli
     );
     let blocks = w.experts * (w.n / TILE_N_RS) * (w.k / STAGE_K_RS);
     let out = gpu.zeros::<u8>(blocks * TILED_BLOCK_BYTES)?;
-    let f = gpu.function(FAMILY, "moe_gemm_prefill_tile_weights_rs")?;
-    let (codes, scales, o) = (ptr(gpu, &w.codes), ptr(gpu, &w.scales), ptr(gpu, &out));
-    let (e, n, k) = (
-        as_i32(w.experts, "experts")?,
-        as_i32(w.n, "N")?,
-        as_i32(w.k, "K")?,
-    );
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&codes).arg(&scales).arg(&e).arg(&n).arg(&k).arg(&o);
+    let kern = gpu.kernel(FAMILY, "moe_gemm_prefill_tile_weights_rs")?;
+    let mut args = KernelArgs::new();
+    args.buf(&w.codes)
+        .buf(&w.scales)
+        .i32(as_i32(w.experts, "experts")?)
+        .i32(as_i32(w.n, "N")?)
+        .i32(as_i32(w.k, "K")?)
+        .buf(&out);
     let units = blocks * (TILED_BLOCK_BYTES / 16);
+    // SAFETY: arguments in the kernel's order; `out` holds every block, the plain weights E x N x K.
     unsafe {
-        b.launch(launch_cfg(
-            (units.div_ceil(256).min(1 << 20) as u32, 1, 1),
-            (256, 1, 1),
-            0,
-        ))
+        launch(
+            &gpu.stream,
+            &kern,
+            Launch::new((units.div_ceil(256).min(1 << 20) as u32, 1, 1), (256, 1, 1)),
+            &mut args,
+        )?;
     }
-    .map_err(|e| anyhow!("moe_gemm_prefill_tile_weights_rs: {e:?}"))?;
     Ok(out)
 }
 
 /// Tensor maps of the weights for [`PrefillKernel::RsWtma`]: codes as a [E*N][K/2] byte tensor (box 64 B = one
 /// 128-K stage x 256 rows) and block scales as a [E*N][K/16] byte tensor (box 16 B = a stage pair x 256 rows); no
 /// swizzle (the kernel reads rows at 64 / 16-byte pitch, conflict-free, see the .cu).
-fn weight_maps_for_rs(
-    w: &DeviceExpertWeights,
-    codes: u64,
-    scales: u64,
-) -> Result<(TensorMap, TensorMap)> {
+fn weight_maps_for_rs(w: &DeviceExpertWeights) -> Result<(TensorMap, TensorMap)> {
+    let (codes, scales) = (w.codes.device_addr(), w.scales.device_addr());
     let rows = (w.experts * w.n) as u64;
     // A [rows][row_bytes] byte tensor read in boxes of box_bytes x 256 rows, no swizzle.
     let byte_rows = |what: &str, addr: u64, row_bytes: usize, box_bytes: u32| {

@@ -467,7 +467,7 @@ pub fn dequant_pair_like_kernel(word: u32, i: u32, scale_code: u8) -> (f32, f32)
     (mul(lo), mul(hi))
 }
 
-/// CPU model of the f16 register dequant of the v3th decode mainloop (kernels/common/nvfp4_dequant.cuh,
+/// CPU model of the f16 register dequant of the F16-operand decode mainloop (`moe_gemm_decode_f16_operands_nt*`) (kernels/common/nvfp4_dequant.cuh,
 /// `e2m1_word_to_f16x2_tiny` + `scales_f16x2`): the 8 nibbles of `word` become four f16x2 whose halves are the f16
 /// whose high byte is `s << 7 | e1 e0 m << 1` (= `e2m1 * 2^-14`), pair `i` = (nibble `i`, nibble `i + 4`); one f16
 /// multiply by the block scale as f16 (e4m3 -> f16 is exact) gives `e2m1 * s * 2^-14`. Returns the 8 products in
