@@ -358,16 +358,18 @@ fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
             }
         }
     }
-    // Config errors are reported above, before the GPU is touched.
-    let gpu = open_gpu(ordinal)?;
-    let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
-    let limits = measure_limits(&gpu, &out, false)?;
-    let opts = RunOptions {
-        out_dir: out.clone(),
+    let mut opts = RunOptions {
+        out_dir: args.out.clone().unwrap_or_default(),
         kernels: args.kernel.clone(),
         reps: args.reps,
         seed: args.seed,
     };
+    // Every config error (file, schema, kernel, variant, parameter, size, options) before the GPU is touched.
+    runner::check(&configs, &opts)?;
+    let gpu = open_gpu(ordinal)?;
+    let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
+    opts.out_dir = out.clone();
+    let limits = measure_limits(&gpu, &out, false)?;
     eprintln!("seed {:#x}; results -> {}", args.seed, out.display());
     let mut result = Ok(());
     for c in &configs {

@@ -12,7 +12,7 @@ use crate::gpu::Gpu;
 /// Every kernel `exec` knows. A kernel family adds its entries here.
 pub fn exec_kernels() -> Vec<ExecKernel> {
     let mut v = Vec::new();
-    v.extend(crate::ops::nvfp4::exec_kernels());
+    v.extend(crate::ops::nvfp4::exec::exec_kernels());
     v.extend(crate::ops::norm_quant::exec_kernels());
     v.extend(crate::ops::moe_gemm::exec_kernels());
     v.extend(crate::ops::sparse_attn::exec::exec_kernels());

@@ -4,10 +4,12 @@
 
 use super::runner::BenchKernel;
 
+pub mod nvfp4;
+
 /// Every kernel the sweep runner knows. A kernel family adds its entries here.
 pub fn all() -> Vec<BenchKernel> {
     let mut v = Vec::new();
-    v.extend(crate::ops::nvfp4::bench::kernels());
+    v.extend(nvfp4::kernels());
     v.extend(crate::ops::norm_quant::bench::kernels());
     v.extend(crate::ops::moe_gemm::bench::kernels());
     v.extend(crate::ops::sparse_attn::bench_kernels());

@@ -20,6 +20,8 @@ pub fn kernels() -> Vec<BenchKernel> {
         run_point: indexer_point,
         headline: &[],
         targets: &[],
+        params: &[],
+        check_point: None,
     }]
 }
 

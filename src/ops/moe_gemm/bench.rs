@@ -260,6 +260,8 @@ pub fn kernels() -> Vec<BenchKernel> {
             run_point: l1_point,
             headline: &[],
             targets: &[],
+            params: &[],
+            check_point: None,
         },
         BenchKernel {
             name: "moe_gemm_l2",
@@ -268,6 +270,8 @@ pub fn kernels() -> Vec<BenchKernel> {
             run_point: l2_point,
             headline: &[],
             targets: &[],
+            params: &[],
+            check_point: None,
         },
     ]
 }

@@ -30,6 +30,8 @@ pub fn kernels() -> Vec<BenchKernel> {
             run_point: rows_point,
             headline: &[],
             targets: &[],
+            params: &[],
+            check_point: None,
         },
         BenchKernel {
             name: "mhc",
@@ -38,6 +40,8 @@ pub fn kernels() -> Vec<BenchKernel> {
             run_point: mhc_point,
             headline: &[],
             targets: &[],
+            params: &[],
+            check_point: None,
         },
     ]
 }

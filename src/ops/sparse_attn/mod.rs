@@ -855,6 +855,8 @@ pub fn bench_kernels() -> Vec<BenchKernel> {
         run_point: run_bench_point,
         headline: &[],
         targets: &[],
+        params: &[],
+        check_point: None,
     }]
 }
 
