@@ -85,7 +85,9 @@ pub fn measure(gpu: &Gpu, cfg: ProbeConfig, seed: u64) -> Result<(Limits, Vec<Pr
         us: s,
         unit: "GB/s",
     });
-    let s = Summary::of(&gpu.time_us(plan, || crate::ops::nvfp4::copy_u128(gpu, &gpu.stream, &src, &mut dst))?)?;
+    let s = Summary::of(&gpu.time_us(plan, || {
+        crate::ops::nvfp4::copy_u128(gpu, &gpu.stream, &src, &mut dst)
+    })?)?;
     results.push(ProbeResult {
         name: "copy_kernel",
         method: format!("copy_u128 kernel, 16-byte accesses, {} MiB", n >> 20),

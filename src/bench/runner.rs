@@ -224,13 +224,16 @@ pub fn check(configs: &[SweepConfig], opts: &RunOptions) -> Result<()> {
     }
     let registry = crate::bench::kernels::all();
     for k in &opts.kernels {
-        if !registry.iter().any(|r| &r.name == k) {
+        if !registry.iter().any(|r| r.name == k) {
             bail!(
                 "--kernel `{k}`: no such kernel; the kernels are: {}",
                 kernel_names(&registry)
             );
         }
-        if !configs.iter().any(|c| c.sweeps.iter().any(|s| &s.kernel == k)) {
+        if !configs
+            .iter()
+            .any(|c| c.sweeps.iter().any(|s| &s.kernel == k))
+        {
             let mut swept: Vec<&str> = configs
                 .iter()
                 .flat_map(|c| c.sweeps.iter().map(|s| s.kernel.as_str()))
@@ -250,7 +253,11 @@ pub fn check(configs: &[SweepConfig], opts: &RunOptions) -> Result<()> {
 }
 
 fn kernel_names(registry: &[BenchKernel]) -> String {
-    registry.iter().map(|k| k.name).collect::<Vec<_>>().join(", ")
+    registry
+        .iter()
+        .map(|k| k.name)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The axis and every parameter name must be one the kernel reads (when it lists them).

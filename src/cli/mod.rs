@@ -405,11 +405,23 @@ fn exec(
     let kernel = kernel.unwrap();
     let input = input.context("--in IN.safetensors is required")?;
     let output = output.context("--out OUT.safetensors is required")?;
-    if !input.is_file() {
-        bail!("input file {} does not exist", input.display());
-    }
+    // Name and path errors before the GPU is opened.
+    crate::ops::registry::find(&kernel)?;
+    crate::ops::registry::check_paths(&input, &output)?;
     let gpu = if cpu { None } else { Some(open_gpu(ordinal)?) };
-    crate::ops::registry::run_exec(&kernel, &input, &output, gpu.as_ref())?;
+    let unread = crate::ops::registry::run_exec(&kernel, &input, &output, gpu.as_ref())?;
+    if !unread.is_empty() {
+        eprintln!(
+            "warning: `{kernel}` did not read {} tensor(s) of {}: {} (misnamed? `megamoe exec --list` shows what it reads)",
+            unread.len(),
+            input.display(),
+            unread
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     println!(
         "wrote {} ({})",
         output.display(),

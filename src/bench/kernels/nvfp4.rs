@@ -63,7 +63,10 @@ fn check_copy(_s: &Sweep, bytes: u64) -> Result<()> {
 /// (BF16 rows + NVFP4 rows) no more than [`MAX_SIZE`].
 fn check_rows(s: &Sweep, rows: u64) -> Result<()> {
     if s.axis != "rows" {
-        bail!("the axis must be `rows` (with `cols` in [sweep.params]), not `{}`", s.axis);
+        bail!(
+            "the axis must be `rows` (with `cols` in [sweep.params]), not `{}`",
+            s.axis
+        );
     }
     let cols = s.param_u64("cols")?;
     if rows > i32::MAX as u64 || cols > i32::MAX as u64 {
