@@ -201,157 +201,154 @@ fn bench_error(name: &str, toml: &str, args: &[&str]) -> String {
     err
 }
 
-/// A one-sweep config of `nvfp4_quantize_rows` with `extra` lines in the sweep and `params` in [sweep.params].
-fn quantize_sweep(kernel: &str, extra: &str, axis: &str, values: &str, params: &str) -> String {
+/// A one-sweep config: `kernel` over `axis` = `values`, `extra` lines in the sweep, `params` in [sweep.params].
+fn sweep_toml(kernel: &str, extra: &str, axis: &str, values: &str, params: &str) -> String {
     format!(
         "[[sweep]]\nkernel = \"{kernel}\"\n{extra}axis = \"{axis}\"\nvalues = {values}\n[sweep.params]\n{params}\n"
     )
 }
 
+/// One bad `megamoe bench` call: its name, the config text ("" for the embedded default suite), extra
+/// arguments, and what the error must say (the bad thing and the valid choices).
+struct BenchCase {
+    name: &'static str,
+    toml: String,
+    args: &'static [&'static str],
+    says: &'static [&'static str],
+}
+
+fn assert_bench_errors(cases: &[BenchCase]) {
+    for c in cases {
+        let err = bench_error(c.name, &c.toml, c.args);
+        for s in c.says {
+            assert!(
+                err.contains(s),
+                "{}: the error should say {s:?}: {err}",
+                c.name
+            );
+        }
+    }
+}
+
 #[test]
 fn bench_names_a_bad_kernel_variant_axis_or_parameter_and_the_valid_ones_before_any_gpu_work() {
-    let err = bench_error(
-        "kernel",
-        &quantize_sweep("nvfp4_quantise_rows", "", "rows", "[1]", "cols = 64"),
-        &[],
-    );
-    assert!(
-        err.contains("unknown kernel `nvfp4_quantise_rows`"),
-        "{err}"
-    );
-    assert!(
-        err.contains("nvfp4_quantize_rows") && err.contains("copy"),
-        "{err}"
-    );
-
-    let err = bench_error(
-        "variant",
-        &quantize_sweep(
-            "nvfp4_quantize_rows",
-            "variants = [\"bf16_inn\"]\n",
-            "rows",
-            "[1]",
-            "cols = 64",
+    let q = "nvfp4_quantize_rows";
+    let case = |name, toml, says| BenchCase {
+        name,
+        toml,
+        args: &[],
+        says,
+    };
+    assert_bench_errors(&[
+        case(
+            "kernel",
+            sweep_toml("nvfp4_quantise_rows", "", "rows", "[1]", "cols = 64"),
+            &[
+                "unknown kernel `nvfp4_quantise_rows`",
+                "nvfp4_quantize_rows, nvfp4_dequantize_rows",
+            ],
         ),
-        &[],
-    );
-    assert!(
-        err.contains("unknown variant `bf16_inn`") && err.contains("bf16_in"),
-        "{err}"
-    );
-
-    let err = bench_error(
-        "baseline",
-        &quantize_sweep("copy", "baseline = \"memcpyy\"\n", "bytes", "[1024]", ""),
-        &[],
-    );
-    assert!(
-        err.contains("baseline `memcpyy`") && err.contains("memcpy, kernel"),
-        "{err}"
-    );
-
-    let err = bench_error(
-        "param",
-        &quantize_sweep(
-            "nvfp4_quantize_rows",
-            "",
-            "rows",
-            "[1]",
-            "cols = 64\ncolz = 64",
+        case(
+            "variant",
+            sweep_toml(q, "variants = [\"bf16_inn\"]\n", "rows", "[1]", "cols = 64"),
+            &["unknown variant `bf16_inn`", "the kernel has: bf16_in"],
         ),
-        &[],
-    );
-    assert!(err.contains("unknown parameter `colz`"), "{err}");
-    assert!(err.contains("rows, cols"), "the valid names: {err}");
-
-    let err = bench_error(
-        "axis",
-        &quantize_sweep("nvfp4_dequantize_rows", "", "row", "[1]", "cols = 64"),
-        &[],
-    );
-    assert!(
-        err.contains("unknown axis `row`") && err.contains("rows, cols"),
-        "{err}"
-    );
-
-    let err = bench_error(
-        "missing_param",
-        &quantize_sweep("nvfp4_quantize_rows", "", "rows", "[1]", ""),
-        &[],
-    );
-    assert!(err.contains("missing parameter `cols`"), "{err}");
-
-    let err = bench_error(
-        "bad_shape",
-        &quantize_sweep("nvfp4_quantize_rows", "", "rows", "[1]", "cols = 24"),
-        &[],
-    );
-    assert!(err.contains("multiple of 16"), "{err}");
+        case(
+            "baseline",
+            sweep_toml("copy", "baseline = \"memcpyy\"\n", "bytes", "[1024]", ""),
+            &["baseline `memcpyy`", "memcpy, kernel"],
+        ),
+        case(
+            "param",
+            sweep_toml(q, "", "rows", "[1]", "cols = 64\ncolz = 64"),
+            &["unknown parameter `colz`", "the kernel reads: rows, cols"],
+        ),
+        case(
+            "axis",
+            sweep_toml("nvfp4_dequantize_rows", "", "row", "[1]", "cols = 64"),
+            &["unknown axis `row`", "the kernel reads: rows, cols"],
+        ),
+        case(
+            "missing_param",
+            sweep_toml(q, "", "rows", "[1]", ""),
+            &["missing parameter `cols`"],
+        ),
+        case(
+            "bad_shape",
+            sweep_toml(q, "", "rows", "[1]", "cols = 24"),
+            &["cols = 24 is not a multiple of 16"],
+        ),
+    ]);
 }
 
 #[test]
 fn bench_rejects_sizes_no_gpu_can_hold_before_any_gpu_work() {
-    // 2^41 bytes to copy: over the generic 1 TiB size rule.
-    let err = bench_error(
-        "huge_copy",
-        &quantize_sweep("copy", "", "bytes", "[1024, 2_199_023_255_552]", ""),
-        &[],
-    );
-    assert!(
-        err.contains("2199023255552") && err.contains("larger than any GPU"),
-        "{err}"
-    );
-    // 2^20 x 2^20 rows: each dimension fits, the 2.5 TB of BF16 + NVFP4 rows do not.
-    let err = bench_error(
-        "huge_rows",
-        &quantize_sweep(
-            "nvfp4_quantize_rows",
-            "",
-            "rows",
-            "[1_048_576]",
-            "cols = 1_048_576",
+    let case = |name, toml, says| BenchCase {
+        name,
+        toml,
+        args: &[],
+        says,
+    };
+    assert_bench_errors(&[
+        // 2^41 bytes to copy: over the generic 1 TiB size rule.
+        case(
+            "huge_copy",
+            sweep_toml("copy", "", "bytes", "[1024, 2_199_023_255_552]", ""),
+            &["`bytes` (the axis) = 2199023255552", "larger than any GPU"],
         ),
-        &[],
-    );
-    assert!(err.contains("more than any GPU holds"), "{err}");
-    // rows past i32 (the kernels' index type).
-    let err = bench_error(
-        "i32_rows",
-        &quantize_sweep(
-            "nvfp4_dequantize_rows",
-            "",
-            "rows",
-            "[3_000_000_000]",
-            "cols = 16",
+        // 2^20 x 2^20 rows: each dimension fits, the 2.5 TB of BF16 + NVFP4 rows do not.
+        case(
+            "huge_rows",
+            sweep_toml(
+                "nvfp4_quantize_rows",
+                "",
+                "rows",
+                "[1_048_576]",
+                "cols = 1_048_576",
+            ),
+            &["1048576 x 1048576 rows need", "more than any GPU holds"],
         ),
-        &[],
-    );
-    assert!(err.contains("3000000000") && err.contains("i32"), "{err}");
+        // Rows past i32, the kernels' index type.
+        case(
+            "i32_rows",
+            sweep_toml(
+                "nvfp4_dequantize_rows",
+                "",
+                "rows",
+                "[3_000_000_000]",
+                "cols = 16",
+            ),
+            &["rows = 3000000000", "must fit in i32"],
+        ),
+    ]);
 }
 
 #[test]
 fn bench_rejects_an_unknown_kernel_filter_and_zero_reps_before_any_gpu_work() {
-    let err = bench_error("filter", "", &["--kernel", "nosuchkernel"]);
-    assert!(
-        err.contains("--kernel `nosuchkernel`: no such kernel"),
-        "{err}"
-    );
-    assert!(
-        err.contains("nvfp4_quantize_rows") && err.contains("copy"),
-        "{err}"
-    );
-    // A registered kernel that no sweep of the config runs.
-    let err = bench_error(
-        "filter_not_swept",
-        &quantize_sweep("copy", "", "bytes", "[1024]", ""),
-        &["--kernel", "nvfp4_quantize_rows"],
-    );
-    assert!(
-        err.contains("no sweep of the config(s) runs it") && err.contains("copy"),
-        "{err}"
-    );
-    let err = bench_error("reps", "", &["--reps", "0"]);
-    assert!(err.contains("--reps must be at least 1"), "{err}");
+    assert_bench_errors(&[
+        BenchCase {
+            name: "filter",
+            toml: String::new(),
+            args: &["--kernel", "nosuchkernel"],
+            says: &[
+                "--kernel `nosuchkernel`: no such kernel",
+                "copy, nvfp4_quantize_rows",
+            ],
+        },
+        // A registered kernel that no sweep of the config runs.
+        BenchCase {
+            name: "filter_not_swept",
+            toml: sweep_toml("copy", "", "bytes", "[1024]", ""),
+            args: &["--kernel", "nvfp4_quantize_rows"],
+            says: &["no sweep of the config(s) runs it; they sweep: copy"],
+        },
+        BenchCase {
+            name: "reps",
+            toml: String::new(),
+            args: &["--reps", "0"],
+            says: &["--reps must be at least 1"],
+        },
+    ]);
 }
 
 /// `exec nvfp4_quantize_rows --cpu --in <input> --out <output>`: (exit code, stderr).

@@ -215,10 +215,10 @@ pub fn plan<'a>(
     Ok(plan)
 }
 
-/// Check the options of a run and every config against the registry, before any GPU work: `reps` at least
-/// 1, every kernel of `opts.kernels` registered and swept by one of `configs`, and every selected sweep
-/// (see [`plan`]).
-pub fn check(configs: &[SweepConfig], opts: &RunOptions) -> Result<()> {
+/// Check the options of a run and every config (each with the name errors give it, e.g. its path) against the
+/// registry, before any GPU work: `reps` at least 1, every kernel of `opts.kernels` registered and swept by one
+/// of `configs`, and every selected sweep (see [`plan`]).
+pub fn check(configs: &[(String, SweepConfig)], opts: &RunOptions) -> Result<()> {
     if opts.reps == Some(0) {
         bail!("--reps must be at least 1");
     }
@@ -232,11 +232,11 @@ pub fn check(configs: &[SweepConfig], opts: &RunOptions) -> Result<()> {
         }
         if !configs
             .iter()
-            .any(|c| c.sweeps.iter().any(|s| &s.kernel == k))
+            .any(|(_, c)| c.sweeps.iter().any(|s| &s.kernel == k))
         {
             let mut swept: Vec<&str> = configs
                 .iter()
-                .flat_map(|c| c.sweeps.iter().map(|s| s.kernel.as_str()))
+                .flat_map(|(_, c)| c.sweeps.iter().map(|s| s.kernel.as_str()))
                 .collect();
             swept.sort();
             swept.dedup();
@@ -246,8 +246,9 @@ pub fn check(configs: &[SweepConfig], opts: &RunOptions) -> Result<()> {
             );
         }
     }
-    for c in configs {
-        plan(c, &registry, &opts.kernels)?;
+    for (name, c) in configs {
+        plan(c, &registry, &opts.kernels)
+            .with_context(|| format!("invalid sweep config {name}"))?;
     }
     Ok(())
 }

@@ -230,7 +230,7 @@ fn info(ordinal: usize) -> Result<()> {
             "source (NVRTC at run time)"
         };
         // Loading proves the embedded module matches this device and driver.
-        let status = match gpu.function(k.name, k.functions.first().copied().unwrap_or("")) {
+        let status = match gpu.kernel(k.name, k.functions.first().copied().unwrap_or("")) {
             Ok(_) => "loads".to_string(),
             Err(e) => format!("FAILED to load: {e:#}"),
         };
@@ -330,12 +330,16 @@ pub fn measure_limits(gpu: &Gpu, out: &Path, quick: bool) -> Result<Limits> {
 }
 
 fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
-    let mut configs: Vec<SweepConfig> = Vec::new();
+    // Each config with the name its errors give it.
+    let mut configs: Vec<(String, SweepConfig)> = Vec::new();
     if args.config.is_empty() || args.all_configs {
-        configs.push(crate::bench::config::default_config()?);
+        configs.push((
+            "the embedded bench-configs/default.toml".into(),
+            crate::bench::config::default_config()?,
+        ));
     }
     for p in &args.config {
-        configs.push(SweepConfig::from_path(p)?);
+        configs.push((p.display().to_string(), SweepConfig::from_path(p)?));
     }
     if args.all_configs {
         for dir in [
@@ -352,7 +356,7 @@ fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
                     .collect();
                 files.sort();
                 for f in files {
-                    configs.push(SweepConfig::from_path(&f)?);
+                    configs.push((f.display().to_string(), SweepConfig::from_path(&f)?));
                 }
                 break;
             }
@@ -372,7 +376,7 @@ fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
     let limits = measure_limits(&gpu, &out, false)?;
     eprintln!("seed {:#x}; results -> {}", args.seed, out.display());
     let mut result = Ok(());
-    for c in &configs {
+    for (_, c) in &configs {
         if let Err(e) = runner::run(&gpu, c, &limits, &opts) {
             eprintln!("error: {e:#}");
             result = Err(e);
