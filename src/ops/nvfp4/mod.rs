@@ -22,6 +22,7 @@ pub mod exec;
 const FAMILY: &str = "nvfp4";
 /// Threads per CTA of every kernel of the family (`kThreads` in kernels/nvfp4.cu, its `__launch_bounds__`).
 const THREADS: u32 = 256;
+
 /// NVFP4 rows resident on the GPU (same layout as [`Nvfp4Rows`]).
 pub struct Nvfp4Device {
     pub rows: usize,
@@ -43,6 +44,7 @@ impl Nvfp4Device {
             global_scale: gpu.poisoned(rows, 0xFF)?,
         })
     }
+    /// `q` copied to the device.
     pub fn upload(gpu: &Gpu, q: &Nvfp4Rows) -> Result<Nvfp4Device> {
         check_shape(q.rows, q.cols)?;
         Ok(Nvfp4Device {
@@ -53,6 +55,7 @@ impl Nvfp4Device {
             global_scale: gpu.upload(&q.global_scale)?,
         })
     }
+    /// The rows copied back to the host (waits for the GPU's stream).
     pub fn download(&self, gpu: &Gpu) -> Result<Nvfp4Rows> {
         Ok(Nvfp4Rows {
             rows: self.rows,
@@ -226,8 +229,10 @@ pub fn copy_u128(
     dst: &mut CudaSlice<u8>,
 ) -> Result<()> {
     let n16 = src.len().min(dst.len()) / 16;
-    let mut l = Launch::over(n16, THREADS);
-    l.grid.0 = l.grid.0.min(gpu.info.sm_count as u32 * 8);
+    let blocks = n16
+        .div_ceil(THREADS as usize)
+        .clamp(1, gpu.info.sm_count as usize * 8);
+    let l = Launch::new((blocks as u32, 1, 1), (THREADS, 1, 1));
     let mut args = KernelArgs::new();
     args.buf(src).buf(dst).u64(n16 as u64);
     let k = gpu.kernel(FAMILY, "copy_u128")?;
