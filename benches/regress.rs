@@ -42,7 +42,7 @@ fn nvfp4(c: &mut Criterion) {
             let us = gpu
                 .time_us(plan, || {
                     for _ in 0..iters {
-                        quantize_rows_into(&gpu, RowsInput::Bf16(&dx), &mut q)?;
+                        quantize_rows_into(&gpu, &gpu.stream, RowsInput::Bf16(&dx), &mut q)?;
                     }
                     Ok(())
                 })
@@ -60,7 +60,7 @@ fn nvfp4(c: &mut Criterion) {
             let us = gpu
                 .time_us(plan, || {
                     for _ in 0..iters {
-                        dequantize_rows_into(&gpu, &q, &mut y)?;
+                        dequantize_rows_into(&gpu, &gpu.stream, &q, &mut y)?;
                     }
                     Ok(())
                 })

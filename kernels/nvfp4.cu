@@ -1,6 +1,7 @@
 // NVFP4 rows: quantize (per-row fp32 global scale, e4m3 scale per 16, software e2m1 rounding) and dequantize
-// to BF16. These are the foundation's smoke kernels: bit-exact twins of formats::nvfp4 on the CPU, so every
-// code path of the device codecs in common/formats.cuh is checked against the Rust codecs on a real GPU.
+// to BF16, plus the 16-byte copy kernel of the limits probe. The codec kernels are bit-exact twins of
+// formats::nvfp4 on the CPU, so every code path of the device codecs in common/formats.cuh is checked against
+// the Rust codecs on a real GPU (tests/nvfp4.rs). Launchers: src/ops/nvfp4/mod.rs.
 //
 // Layout (row-major): data [rows, cols/2] (low nibble = lower column), scales [rows, cols/16] e4m3,
 // global_scale [rows] f32. cols % 16 == 0 (checked by the launcher).

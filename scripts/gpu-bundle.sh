@@ -23,10 +23,12 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
         kind = m["target"]["kind"][0]
         name = m["target"]["name"] + ("-lib" if kind == "lib" else "")
-        # Only test executables with GPU tests (CPU-only ones run in CI; model_reference for its on-demand Flash
-        # timing on the GPU host cores); a device call carries at most 64 MiB.
-        src = m["target"]["src_path"]
-        if kind != "test" or not (name in ("cli", "model_reference") or "gpu_for_test" in open(src).read()):
+        # Only test executables with GPU tests (#[ignore = "needs an H100/H200"], or the older gpu_for_test;
+        # CPU-only ones run in CI; model_reference for its on-demand Flash timing on the GPU host cores); a device
+        # call carries at most 64 MiB.
+        src = open(m["target"]["src_path"]).read()
+        has_gpu_tests = "needs an H100/H200" in src or "gpu_for_test" in src
+        if kind != "test" or not (name in ("cli", "model_reference") or has_gpu_tests):
             continue
         shutil.copy(m["executable"], os.path.join(out, "tests", name))
         print("test executable:", name)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there) from the repository root, with gpu-bundle/ built by gpu-bundle.sh:
-# device info, kernel inventory, every test executable with REQUIRE_GPU=1 (a skipped GPU test fails), the limits
-# probe, the benchmark sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
+# device info, kernel inventory, every test executable with its GPU tests (ignored on CPU machines, so run with
+# --include-ignored; a GPU test without a GPU fails, and REQUIRE_GPU=1 makes the older SKIP path fail too) except
+# the slow CPU-only runs named `slow_*` (the `model` step runs the one it needs), the limits probe, the benchmark
+# sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|<several, comma-separated>] [extra args for `megamoe bench`]
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
@@ -35,6 +37,9 @@ py_cublas="$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path_
 for d in $(ls -d "$py_cublas"/nvidia/*/lib 2>/dev/null); do export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"; done
 for f in "$B"/megamoe.gz "$B"/tests/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done  # gpu-bundle.sh ships them compressed
 status=0
+# libtest arguments of every test run: the GPU tests (#[ignore = "needs an H100/H200"]) included, the slow CPU
+# runs (tests named slow_*, ignored by design) left out.
+test_args=(--test-threads=1 --include-ignored --skip slow_)
 step() { echo "=== $*"; }
 { nvidia-smi; nvidia-smi -q -d CLOCK,POWER,PERFORMANCE; } > "$work/nvidia-smi.txt" 2>&1
 step info;    "$B/megamoe" info 2>&1 | tee "$work/info.txt" || status=1
@@ -44,7 +49,7 @@ if want tests; then
     n="$(basename "$t")"
     if [ -n "${TESTS:-}" ] && ! [[ " $TESTS " == *" $n "* ]]; then continue; fi
     step "test $n"
-    timeout "${TEST_TIMEOUT:-600}" "$t" --test-threads=1 > "$work/tests/$n.log" 2>&1; rc=$?
+    timeout "${TEST_TIMEOUT:-600}" "$t" "${test_args[@]}" > "$work/tests/$n.log" 2>&1; rc=$?
     tail -n 3 "$work/tests/$n.log"
     [ $rc -eq 0 ] || { echo "FAILED: $n (rc $rc)"; status=1; grep -E "panicked|FAILED|failed|SKIP" "$work/tests/$n.log" | head -20; }
   done
@@ -66,13 +71,13 @@ if want stress && "$B/megamoe" stress --help >/dev/null 2>&1; then
     done
     # Kernels outside the indexer (e.g. ones with cross-CTA counters or shared-memory staging) under the sanitizer
     # tools SANITIZE_TOOLS (default memcheck) through their own GPU tests: SANITIZE_TESTS="exe[:filter] ..."
-    # (filter = a libtest name filter; the whole executable when omitted).
+    # (filter = a libtest name filter; the whole executable when omitted; GPU tests included, slow_* left out).
     for spec in ${SANITIZE_TESTS:-}; do
       exe="${spec%%:*}"; filter=""; [[ "$spec" == *:* ]] && filter="${spec#*:}"
       for tool in ${SANITIZE_TOOLS:-memcheck}; do
         step "compute-sanitizer --tool $tool tests/$exe ${filter}"
         # shellcheck disable=SC2086
-        timeout "${SANITIZER_TIMEOUT:-420}" "$san" --tool "$tool" --error-exitcode 9 "$B/tests/$exe" --test-threads=1 $filter \
+        timeout "${SANITIZER_TIMEOUT:-420}" "$san" --tool "$tool" --error-exitcode 9 "$B/tests/$exe" "${test_args[@]}" $filter \
           > "$work/sanitizer-$tool-$exe.txt" 2>&1; rc=$?
         tail -n 4 "$work/sanitizer-$tool-$exe.txt"; [ $rc -eq 0 ] || { echo "sanitizer $tool $exe: rc $rc"; status=1; }
       done
@@ -100,7 +105,7 @@ if want model && [ -x "$B/tests/model_reference" ]; then
   # The CPU reference model's Flash one-token decode, timed on this machine's cores (test executable added
   # to the bundle by hand: it has no GPU tests).
   step "model: Flash one-token CPU decode"
-  timeout 300 "$B/tests/model_reference" --ignored --exact flash_one_token_decode_timing --nocapture \
+  timeout 300 "$B/tests/model_reference" --ignored --exact slow_flash_one_token_decode_timing --nocapture \
     > "$work/tests/model_reference_flash_timing.log" 2>&1 || status=1
   tail -n 4 "$work/tests/model_reference_flash_timing.log"
 fi

@@ -537,8 +537,8 @@ fn config_errors_are_clear() {
 }
 
 /// Every committed sweep config (bench-configs/*.toml, the A/B configs in bench-configs/ab/ and the ncu points in
-/// bench-configs/profile/) parses and names only registered kernels and variants, so a renamed variant fails here and
-/// not halfway through an H200 run. Profile configs also name the kernels Nsight Compute collects (`# ncu-kernels:`).
+/// bench-configs/profile/) parses and passes the registry check of `megamoe bench` (registered kernels and
+/// variants, known axis and parameter names, sizes), so a renamed variant fails here and not on the GPU machine. Profile configs also name the kernels Nsight Compute collects (`# ncu-kernels:`).
 #[test]
 fn every_committed_config_names_registered_kernels_and_variants() {
     let registry = megamoe::bench::kernels::all();
@@ -553,14 +553,10 @@ fn every_committed_config_names_registered_kernels_and_variants() {
         files.sort();
         for path in files {
             let config = SweepConfig::from_path(&path).unwrap();
-            for s in &config.sweeps {
-                let k = registry
-                    .iter()
-                    .find(|k| k.name == s.kernel)
-                    .unwrap_or_else(|| panic!("{}: unknown kernel {}", path.display(), s.kernel));
-                s.variants_from(k.variants)
-                    .unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
-            }
+            // The same check `megamoe bench` makes before it opens the GPU: kernels, variants, baselines, the
+            // axis and parameter names a kernel lists, and every point's sizes.
+            megamoe::bench::runner::plan(&config, &registry, &[])
+                .unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
             if dir.ends_with("profile") {
                 let text = std::fs::read_to_string(&path).unwrap();
                 assert!(

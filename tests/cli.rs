@@ -6,6 +6,8 @@ use std::process::Command;
 
 use megamoe::ops::exec::{read_safetensors, write_safetensors, HostTensor, TensorMap};
 
+mod common;
+
 /// The binary: cargo's build of it, or `$MEGAMOE_BIN` (test executables copied to the GPU machine).
 fn bin() -> PathBuf {
     if let Ok(p) = std::env::var("MEGAMOE_BIN") {
@@ -33,9 +35,11 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 #[test]
-fn without_gpu_main_job_and_info_fail_clearly() {
+fn info_works_with_a_gpu_and_every_gpu_command_fails_clearly_without_one() {
     if megamoe::gpu::probe_error().is_none() {
-        eprintln!("SKIP without_gpu_main_job_and_info_fail_clearly: a GPU is present (this test is for GPU-less machines)");
+        let (code, out, err) = run(&["info"]);
+        assert_eq!(code, 0, "megamoe info with a GPU: {err}");
+        assert!(out.contains("compute cap"), "{out}");
         return;
     }
     for args in [&[][..], &["info"][..], &["limits"][..]] {
@@ -173,4 +177,271 @@ fn quantize_error(input: &Path, out: &str) -> String {
     assert!(!o.exists(), "no output may be written on error: {err}");
     eprintln!("{err}");
     err
+}
+
+/// Runs `megamoe bench` with `args` (plus `--config <file>` holding `toml` when it is non-empty) and asserts it
+/// fails before any GPU work: a non-zero exit, no panic, no limits measured and no GPU asked for. Returns stderr.
+fn bench_error(name: &str, toml: &str, args: &[&str]) -> String {
+    let mut all = vec!["bench".to_string()];
+    if !toml.is_empty() {
+        let p = tmp(&format!("{name}.toml"));
+        std::fs::write(&p, toml).unwrap();
+        all.extend(["--config".to_string(), p.to_str().unwrap().to_string()]);
+    }
+    all.extend(args.iter().map(|a| a.to_string()));
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
+    let (code, _o, err) = run(&all);
+    assert_ne!(code, 0, "{name}: megamoe {all:?} must fail: {err}");
+    assert!(!err.contains("panicked"), "{name}: {err}");
+    assert!(
+        !err.contains("measuring limits") && !err.contains("needs an NVIDIA Hopper GPU"),
+        "{name}: the error must come before any GPU work: {err}"
+    );
+    eprintln!("{name}: {err}");
+    err
+}
+
+/// A one-sweep config: `kernel` over `axis` = `values`, `extra` lines in the sweep, `params` in [sweep.params].
+fn sweep_toml(kernel: &str, extra: &str, axis: &str, values: &str, params: &str) -> String {
+    format!(
+        "[[sweep]]\nkernel = \"{kernel}\"\n{extra}axis = \"{axis}\"\nvalues = {values}\n[sweep.params]\n{params}\n"
+    )
+}
+
+/// One bad `megamoe bench` call: its name, the config text ("" for the embedded default suite), extra
+/// arguments, and what the error must say (the bad thing and the valid choices).
+struct BenchCase {
+    name: &'static str,
+    toml: String,
+    args: &'static [&'static str],
+    says: &'static [&'static str],
+}
+
+fn assert_bench_errors(cases: &[BenchCase]) {
+    for c in cases {
+        let err = bench_error(c.name, &c.toml, c.args);
+        for s in c.says {
+            assert!(
+                err.contains(s),
+                "{}: the error should say {s:?}: {err}",
+                c.name
+            );
+        }
+    }
+}
+
+#[test]
+fn bench_names_a_bad_kernel_variant_axis_or_parameter_and_the_valid_ones_before_any_gpu_work() {
+    let q = "nvfp4_quantize_rows";
+    let case = |name, toml, says| BenchCase {
+        name,
+        toml,
+        args: &[],
+        says,
+    };
+    assert_bench_errors(&[
+        case(
+            "kernel",
+            sweep_toml("nvfp4_quantise_rows", "", "rows", "[1]", "cols = 64"),
+            &[
+                "unknown kernel `nvfp4_quantise_rows`",
+                "nvfp4_quantize_rows, nvfp4_dequantize_rows",
+            ],
+        ),
+        case(
+            "variant",
+            sweep_toml(q, "variants = [\"bf16_inn\"]\n", "rows", "[1]", "cols = 64"),
+            &["unknown variant `bf16_inn`", "the kernel has: bf16_in"],
+        ),
+        case(
+            "baseline",
+            sweep_toml("copy", "baseline = \"memcpyy\"\n", "bytes", "[1024]", ""),
+            &["baseline `memcpyy`", "memcpy, kernel"],
+        ),
+        case(
+            "param",
+            sweep_toml(q, "", "rows", "[1]", "cols = 64\ncolz = 64"),
+            &["unknown parameter `colz`", "the kernel reads: rows, cols"],
+        ),
+        case(
+            "axis",
+            sweep_toml("nvfp4_dequantize_rows", "", "row", "[1]", "cols = 64"),
+            &["unknown axis `row`", "the kernel reads: rows, cols"],
+        ),
+        case(
+            "missing_param",
+            sweep_toml(q, "", "rows", "[1]", ""),
+            &["missing parameter `cols`"],
+        ),
+        case(
+            "bad_shape",
+            sweep_toml(q, "", "rows", "[1]", "cols = 24"),
+            &["cols = 24 is not a multiple of 16"],
+        ),
+    ]);
+}
+
+#[test]
+fn bench_rejects_sizes_no_gpu_can_hold_before_any_gpu_work() {
+    let case = |name, toml, says| BenchCase {
+        name,
+        toml,
+        args: &[],
+        says,
+    };
+    assert_bench_errors(&[
+        // 2^41 bytes to copy: over the generic 1 TiB size rule.
+        case(
+            "huge_copy",
+            sweep_toml("copy", "", "bytes", "[1024, 2_199_023_255_552]", ""),
+            &["`bytes` (the axis) = 2199023255552", "larger than any GPU"],
+        ),
+        // 2^20 x 2^20 rows: each dimension fits, the 2.5 TB of BF16 + NVFP4 rows do not.
+        case(
+            "huge_rows",
+            sweep_toml(
+                "nvfp4_quantize_rows",
+                "",
+                "rows",
+                "[1_048_576]",
+                "cols = 1_048_576",
+            ),
+            &["1048576 x 1048576 rows need", "more than any GPU holds"],
+        ),
+        // Rows past i32, the kernels' index type.
+        case(
+            "i32_rows",
+            sweep_toml(
+                "nvfp4_dequantize_rows",
+                "",
+                "rows",
+                "[3_000_000_000]",
+                "cols = 16",
+            ),
+            &["rows = 3000000000", "must fit in i32"],
+        ),
+    ]);
+}
+
+#[test]
+fn bench_rejects_an_unknown_kernel_filter_and_zero_reps_before_any_gpu_work() {
+    assert_bench_errors(&[
+        BenchCase {
+            name: "filter",
+            toml: String::new(),
+            args: &["--kernel", "nosuchkernel"],
+            says: &[
+                "--kernel `nosuchkernel`: no such kernel",
+                "copy, nvfp4_quantize_rows",
+            ],
+        },
+        // A registered kernel that no sweep of the config runs.
+        BenchCase {
+            name: "filter_not_swept",
+            toml: sweep_toml("copy", "", "bytes", "[1024]", ""),
+            args: &["--kernel", "nvfp4_quantize_rows"],
+            says: &["no sweep of the config(s) runs it; they sweep: copy"],
+        },
+        BenchCase {
+            name: "reps",
+            toml: String::new(),
+            args: &["--reps", "0"],
+            says: &["--reps must be at least 1"],
+        },
+    ]);
+}
+
+/// `exec nvfp4_quantize_rows --cpu --in <input> --out <output>`: (exit code, stderr).
+fn exec_quantize(input: &Path, output: &Path) -> (i32, String) {
+    let (code, _o, err) = run(&[
+        "exec",
+        "nvfp4_quantize_rows",
+        "--in",
+        input.to_str().unwrap(),
+        "--out",
+        output.to_str().unwrap(),
+        "--cpu",
+    ]);
+    assert!(!err.contains("panicked"), "{err}");
+    (code, err)
+}
+
+fn quantize_input(name: &str, extra: &[&str]) -> PathBuf {
+    let x = megamoe::ops::inputs::activation_rows(2, 32, 11);
+    let mut m = TensorMap::new();
+    m.insert("x".into(), HostTensor::from_f32(vec![2, 32], &x));
+    for e in extra {
+        m.insert(e.to_string(), HostTensor::from_f32(vec![2], &x[..2]));
+    }
+    let p = tmp(name);
+    write_safetensors(&p, &m).unwrap();
+    p
+}
+
+#[test]
+fn exec_refuses_a_directory_input_and_an_output_that_is_the_input() {
+    let dir = tmp("a_dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (code, err) = exec_quantize(&dir, &tmp("from_dir.safetensors"));
+    assert_ne!(code, 0);
+    assert!(err.contains("is a directory"), "{err}");
+    assert!(!err.contains("does not exist"), "{err}");
+
+    let inp = quantize_input("same.safetensors", &[]);
+    let before = std::fs::read(&inp).unwrap();
+    // The same file spelled another way (through `a_dir/..`).
+    let same = dir.join("..").join("same.safetensors");
+    for out in [inp.clone(), same] {
+        let (code, err) = exec_quantize(&inp, &out);
+        assert_ne!(code, 0, "--out {} must be refused", out.display());
+        assert!(err.contains("would overwrite the input"), "{err}");
+        assert_eq!(
+            std::fs::read(&inp).unwrap(),
+            before,
+            "the input was modified"
+        );
+    }
+    let (code, err) = exec_quantize(&inp, &dir);
+    assert_ne!(code, 0);
+    assert!(err.contains("is a directory"), "{err}");
+}
+
+#[test]
+fn exec_warns_about_input_tensors_the_kernel_never_reads() {
+    let inp = quantize_input("extra.safetensors", &["bias", "x_scale"]);
+    let out = tmp("extra_out.safetensors");
+    let (code, err) = exec_quantize(&inp, &out);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("warning"), "{err}");
+    assert!(err.contains("`bias`, `x_scale`"), "{err}");
+    assert!(!err.contains("`x`"), "x is read: {err}");
+    // Every tensor read: no warning.
+    let inp = quantize_input("exact.safetensors", &[]);
+    let (code, err) = exec_quantize(&inp, &out);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("warning"), "{err}");
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn exec_on_the_gpu_writes_what_the_cpu_reference_writes() {
+    let _gpu = common::gpu("exec_on_the_gpu_writes_what_the_cpu_reference_writes");
+    let inp = quantize_input("gpu_in.safetensors", &[]);
+    let (g, c) = (tmp("gpu_q.safetensors"), tmp("cpu_q.safetensors"));
+    for (out, cpu) in [(&g, false), (&c, true)] {
+        let mut args = vec![
+            "exec",
+            "nvfp4_quantize_rows",
+            "--in",
+            inp.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if cpu {
+            args.push("--cpu");
+        }
+        let (code, _o, err) = run(&args);
+        assert_eq!(code, 0, "{err}");
+    }
+    assert_eq!(read_safetensors(&g).unwrap(), read_safetensors(&c).unwrap());
 }

@@ -482,7 +482,7 @@ fn sinkhorn_is_doubly_stochastic_and_topk_ties_go_to_lower_index() {
 
 #[test]
 #[ignore = "slow: 256 decode steps of the small config (run with --ignored)"]
-fn residual_rms_stays_bounded_over_256_steps() {
+fn slow_residual_rms_stays_bounded_over_256_steps() {
     let seed = test_seed("weights+tokens");
     let cfg = ModelConfig::small();
     let m = model(cfg.clone(), seed);
@@ -521,10 +521,9 @@ fn residual_rms_stays_bounded_over_256_steps() {
 
 #[test]
 #[ignore = "Flash geometry: minutes of weight generation on a small host (run on demand with --ignored)"]
-/// Recorded 2026-12-02 on the 2-core dev box (shared, load average ~9): 267.9 s for the first token
-/// (every weight regenerated: ~13.3 G elements). The streaming probe below measured ~50-100 M
-/// elements/s on 2 threads, i.e. an estimated ~15 s on a quiet 16-core host; not yet run on one.
-fn flash_one_token_decode_timing() {
+/// The time of one Flash decode token with every weight regenerated (~13.3 G elements), on this host's cores
+/// (`scripts/gpu-run.sh model` runs it on the GPU host).
+fn slow_flash_one_token_decode_timing() {
     let m = Model::new(Weights::synthetic(ModelConfig::flash(), 1, CachePolicy::Nothing).unwrap())
         .unwrap();
     let mut st = m.new_state();
@@ -541,7 +540,7 @@ fn flash_one_token_decode_timing() {
 
 #[test]
 #[ignore = "Flash geometry weight-streaming throughput (run on demand with --ignored)"]
-fn flash_weight_streaming_throughput() {
+fn slow_flash_weight_streaming_throughput() {
     // Times the regenerate-dequantize-dot path on two Flash matrices and extrapolates to the elements one
     // decode token touches (attention + compressors + indexer + 6 routed + 1 shared expert per layer,
     // mHC mixes, LM head).

@@ -1,12 +1,16 @@
-//! The foundation's GPU smoke kernels against the CPU codecs, bit for bit: NVFP4 quantize-rows (per-row global
-//! scale, software e2m1 rounding) and NVFP4 -> BF16 dequantize, over every code and over random rows of odd
-//! sizes. Without a GPU these print SKIP (REQUIRE_GPU=1 makes that a failure).
+//! The nvfp4 family's kernels against the CPU codecs, bit for bit: NVFP4 quantize-rows (per-row global scale,
+//! software e2m1 rounding) and NVFP4 -> BF16 dequantize, over every code and over random rows of odd sizes, on
+//! the GPU's stream and on a second one; and the 16-byte copy kernel of the limits probe. Every test needs a
+//! GPU (ignored on a CPU machine; run with `--include-ignored`).
+
+mod common;
 
 use half::bf16;
 use megamoe::formats::nvfp4::{self, Nvfp4Rows};
 use megamoe::formats::{e2m1, e4m3};
-use megamoe::gpu::gpu_for_test;
-use megamoe::ops::{inputs, nvfp4 as gpu_nvfp4};
+use megamoe::ops::inputs;
+use megamoe::ops::nvfp4::{self as gpu_nvfp4, Nvfp4Device, RowsInput};
+use rand::Rng;
 
 /// First index where two byte/word slices differ, with both values, for the failure message.
 fn first_diff<T: PartialEq + std::fmt::Debug>(a: &[T], b: &[T]) -> Option<(usize, String)> {
@@ -17,10 +21,9 @@ fn first_diff<T: PartialEq + std::fmt::Debug>(a: &[T], b: &[T]) -> Option<(usize
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_dequantize_every_code_bit_exact() {
-    let Some(gpu) = gpu_for_test("gpu_dequantize_every_code_bit_exact") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_dequantize_every_code_bit_exact");
     // One row per e4m3 scale code (all 256, NaN codes included: the GPU must reproduce the CPU's NaN too),
     // each row holding all 16 e2m1 codes twice (32 columns = 2 blocks with the same scale).
     let rows = 256;
@@ -72,10 +75,9 @@ fn gpu_dequantize_every_code_bit_exact() {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_quantize_every_e2m1_code_and_scale_bit_exact() {
-    let Some(gpu) = gpu_for_test("gpu_quantize_every_e2m1_code_and_scale_bit_exact") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_quantize_every_e2m1_code_and_scale_bit_exact");
     // Rows built from exact NVFP4 values: every e2m1 code times a range of block magnitudes, plus midpoints
     // between neighbouring codes (ties) to exercise round-to-nearest-even.
     let cols = 64;
@@ -118,12 +120,10 @@ fn gpu_quantize_every_e2m1_code_and_scale_bit_exact() {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_quantize_random_rows_odd_sizes_bit_exact() {
-    let Some(gpu) = gpu_for_test("gpu_quantize_random_rows_odd_sizes_bit_exact") else {
-        return;
-    };
-    let seed = 0xC0DE_0001u64 ^ std::process::id() as u64;
-    eprintln!("seed {seed:#x}");
+    let gpu = common::gpu("gpu_quantize_random_rows_odd_sizes_bit_exact");
+    let seed = inputs::fresh_seed("gpu_quantize_random_rows_odd_sizes_bit_exact", "NVFP4_SEED");
     for (i, &(rows, cols)) in [
         (1, 16),
         (3, 48),
@@ -169,14 +169,87 @@ fn gpu_quantize_random_rows_odd_sizes_bit_exact() {
 }
 
 #[test]
+#[ignore = "needs an H100/H200"]
 fn gpu_quantize_rejects_bad_input_before_launch() {
-    let Some(gpu) = gpu_for_test("gpu_quantize_rejects_bad_input_before_launch") else {
-        return;
-    };
+    let gpu = common::gpu("gpu_quantize_rejects_bad_input_before_launch");
     let e = gpu_nvfp4::quantize_rows(&gpu, &[1.0; 24], 1, 24).unwrap_err();
     assert!(format!("{e:#}").contains("multiple of 16"), "{e:#}");
     let mut x = vec![1.0; 32];
     x[5] = f32::NAN;
     let e = gpu_nvfp4::quantize_rows(&gpu, &x, 1, 32).unwrap_err();
     assert!(format!("{e:#}").contains("non-finite"), "{e:#}");
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_launchers_run_on_a_second_stream() {
+    let gpu = common::gpu("gpu_launchers_run_on_a_second_stream");
+    let stream = gpu.new_stream().unwrap();
+    let (rows, cols) = (33, 160);
+    let seed = inputs::fresh_seed("gpu_launchers_run_on_a_second_stream", "NVFP4_SEED");
+    let x: Vec<bf16> = inputs::activation_rows(rows, cols, seed)
+        .iter()
+        .map(|&v| bf16::from_f32(v))
+        .collect();
+    let dx = gpu.upload(&x).unwrap();
+    let mut q = Nvfp4Device::alloc(&gpu, rows, cols).unwrap();
+    let mut y = gpu.poisoned::<bf16>(rows * cols, common::POISON).unwrap();
+    // Uploads and poisoning ran on the GPU's own stream: finish them before the second stream reads them.
+    gpu.synchronize().unwrap();
+    gpu_nvfp4::quantize_rows_into(&gpu, &stream, RowsInput::Bf16(&dx), &mut q).unwrap();
+    gpu_nvfp4::dequantize_rows_into(&gpu, &stream, &q, &mut y).unwrap();
+    stream.synchronize().unwrap();
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let c = nvfp4::quantize_rows(&xf, rows, cols).unwrap();
+    let g = q.download(&gpu).unwrap();
+    common::assert_bit_identical("second stream", "block scales", &c.scales, &g.scales);
+    common::assert_bit_identical("second stream", "packed codes", &c.data, &g.data);
+    common::assert_bit_identical(
+        "second stream",
+        "global scales",
+        &c.global_scale,
+        &g.global_scale,
+    );
+    let cd: Vec<bf16> = nvfp4::dequantize_rows(&c)
+        .iter()
+        .map(|&v| bf16::from_f32(v))
+        .collect();
+    common::assert_bit_identical(
+        "second stream",
+        "dequantized",
+        &cd,
+        &gpu.download(&y).unwrap(),
+    );
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_copy_kernel_copies_whole_16_byte_words_only() {
+    let gpu = common::gpu("gpu_copy_kernel_copies_whole_16_byte_words_only");
+    let mut rng = common::seeded(
+        "gpu_copy_kernel_copies_whole_16_byte_words_only",
+        "NVFP4_SEED",
+    );
+    // Empty, one partial word, a few words plus a tail, and more words than the grid's threads (grid-stride).
+    let grid_words = gpu.info.sm_count as usize * 8 * 256;
+    for n in [0usize, 15, 16, 16 * 5 + 7, 16 * (grid_words + 3) + 9] {
+        // At least one byte per buffer (an empty device allocation is not a buffer); the byte of the empty
+        // case is not a whole word and must not be copied.
+        let src: Vec<u8> = (0..n.max(1)).map(|_| rng.random::<u8>()).collect();
+        let dsrc = gpu.upload(&src).unwrap();
+        let mut dst = gpu.poisoned::<u8>(n.max(1), common::POISON).unwrap();
+        gpu_nvfp4::copy_u128(&gpu, &gpu.stream, &dsrc, &mut dst).unwrap();
+        let got = gpu.download(&dst).unwrap();
+        let whole = n / 16 * 16;
+        common::assert_bit_identical(
+            &format!("{n} bytes"),
+            "whole words",
+            &src[..whole],
+            &got[..whole],
+        );
+        assert!(
+            got[whole..].iter().all(|&b| b == common::POISON),
+            "{n} bytes: the tail past the last whole word must stay untouched"
+        );
+    }
 }

@@ -8,18 +8,20 @@
 //! min_bytes_for_no_flush = 200_000_000   # ... unless the working set is at least this large
 //!
 //! [[sweep]]
-//! kernel = "nvfp4_quantize_rows"     # required
-//! variants = ["fused", "unfused"]    # optional; default: all of the kernel's variants
-//! baseline = "unfused"               # optional; the variant the others are raced against
-//! axis = "rows"                      # required: the swept parameter
-//! values = [1, 64, 4096, 65536]      # required, non-empty, non-negative integers
+//! kernel = "copy"                    # required
+//! variants = ["memcpy", "kernel"]    # optional; default: all of the kernel's variants
+//! baseline = "memcpy"                # optional; the variant the others are raced against
+//! axis = "bytes"                     # required: the swept parameter
+//! values = [1_048_576, 67_108_864]   # required, non-empty, non-negative integers
 //! reps = 100                         # optional per-sweep override of reps / warmup / flush_l2
-//! [sweep.params]                     # free-form fixed parameters: integers, floats, strings
-//! cols = 4096
+//! [sweep.params]                     # fixed parameters: integers, floats, strings
+//! # (e.g. `cols = 4096` for nvfp4_quantize_rows, whose axis is `rows`)
 //! ```
 //!
 //! Unknown keys are errors (a typo must not silently fall back to a default). Errors from the TOML
 //! parser carry the line and column; checks after parsing name the sweep (`sweep #2 (kernel `copy`)`).
+//! What a config means for the registered kernels (kernel, variant, axis and parameter names, sizes) is
+//! checked by `bench::runner::plan` / `check`, still before any GPU work.
 
 use std::collections::BTreeSet;
 use std::path::Path;

@@ -85,7 +85,9 @@ pub fn measure(gpu: &Gpu, cfg: ProbeConfig, seed: u64) -> Result<(Limits, Vec<Pr
         us: s,
         unit: "GB/s",
     });
-    let s = Summary::of(&gpu.time_us(plan, || crate::ops::nvfp4::copy_u128(gpu, &src, &mut dst))?)?;
+    let s = Summary::of(&gpu.time_us(plan, || {
+        crate::ops::nvfp4::copy_u128(gpu, &gpu.stream, &src, &mut dst)
+    })?)?;
     results.push(ProbeResult {
         name: "copy_kernel",
         method: format!("copy_u128 kernel, 16-byte accesses, {} MiB", n >> 20),
@@ -120,7 +122,7 @@ pub fn measure(gpu: &Gpu, cfg: ProbeConfig, seed: u64) -> Result<(Limits, Vec<Pr
                 };
                 let (a, b) = (gpu.upload(&a)?, gpu.upload(&b)?);
                 let s = Summary::of(&gpu.time_us(plan, || {
-                    blas.gemm_tn(gpu, kind, d, d, d, &a, &b, &mut out, 1.0)
+                    blas.gemm_tn_on(&gpu.stream, kind, d, d, d, &a, &b, &mut out, 1.0)
                 })?)?;
                 let tflops = flops / (s.median * 1e-6) / 1e12;
                 rates[i] = Some(tflops);

@@ -48,6 +48,13 @@ pub struct BenchKernel {
     pub headline: &'static [&'static str],
     /// Target lines the default plots draw.
     pub targets: &'static [PlotTarget],
+    /// Every name `run_point` reads from a sweep, as its axis or from `[sweep.params]`. Checked before any GPU
+    /// work: a sweep whose axis or a parameter is not listed is an error naming the valid ones. Empty: not
+    /// checked.
+    pub params: &'static [&'static str],
+    /// A GPU-free check of one point (parameter types, shape rules, sizes no GPU can hold), run on every point
+    /// of every sweep before any GPU work. `None`: only the generic size check.
+    pub check_point: Option<fn(&Sweep, u64) -> Result<()>>,
 }
 
 /// A target drawn as a horizontal line on a kernel's default plots.
@@ -68,8 +75,10 @@ pub struct RunOptions {
     pub seed: u64,
 }
 
-/// Run every sweep of `config` (restricted to `opts.kernels` when non-empty). Returns the CSV paths written.
-/// A failing point is reported and the run goes on; the error count makes the result an `Err` at the end.
+/// Run every sweep of `config` (restricted to `opts.kernels` when non-empty; nothing when it sweeps none of
+/// them). Returns the CSV paths written. A failing point is reported and the run goes on; the error count makes
+/// the result an `Err` at the end. [`check`] the options and configs first: this checks `config` again, but
+/// only after the caller has opened the GPU.
 pub fn run(
     gpu: &Gpu,
     config: &SweepConfig,
@@ -79,31 +88,9 @@ pub fn run(
     let registry = crate::bench::kernels::all();
     let nvml = Nvml::new(gpu.info.ordinal as u32);
     let commit = env::git_commit();
-    let sweeps: Vec<&Sweep> = config
-        .sweeps
-        .iter()
-        .filter(|s| opts.kernels.is_empty() || opts.kernels.iter().any(|k| k == &s.kernel))
-        .collect();
-    if sweeps.is_empty() {
-        bail!("no sweep selected (kernels asked for: {:?})", opts.kernels);
-    }
-    // Check every sweep names a known kernel and variant before measuring anything.
-    let mut plan = Vec::new();
-    for s in &sweeps {
-        let k = registry
-            .iter()
-            .find(|k| k.name == s.kernel)
-            .with_context(|| {
-                let names: Vec<_> = registry.iter().map(|k| k.name).collect();
-                format!(
-                    "{}: unknown kernel `{}` (known: {})",
-                    s.name(),
-                    s.kernel,
-                    names.join(", ")
-                )
-            })?;
-        let variants = s.variants_from(k.variants)?;
-        plan.push((*s, k, variants));
+    let plan = plan(config, &registry, &opts.kernels)?;
+    if plan.is_empty() {
+        return Ok(Vec::new());
     }
     let total: usize = plan.iter().map(|(s, _, v)| s.values.len() * v.len()).sum();
     let mut progress = Progress::new("bench", total);
@@ -120,7 +107,7 @@ pub fn run(
                 // The point's data seed depends on the kernel and the point's shape only, not on which sweep
                 // lists it: a variant measured in its own sweep sees the same inputs (e.g. the same MoE routing,
                 // hence the same expert loads) as the variants of another sweep at that point, so rows of
-                // different sweeps compare like for like. (Until session 8 the sweep index was mixed in.)
+                // different sweeps compare like for like.
                 let seed = opts.seed
                     ^ crate::model::weights::fnv1a64(&format!(
                         "{} {}",
@@ -174,6 +161,149 @@ pub fn run(
         );
     }
     Ok(written)
+}
+
+/// The largest size any axis value or integer parameter may have: 2^40 (1 TiB). A point with a count of
+/// elements or bytes above it cannot fit on any GPU, whatever the element type.
+pub const MAX_SIZE: u64 = 1 << 40;
+
+/// The sweeps of `config` to run (those of `kernels` when non-empty), each with its kernel and variants, every
+/// one checked against the registry without a GPU: kernel and variant names, the baseline, the axis and
+/// parameter names the kernel reads, and each point's sizes.
+pub fn plan<'a>(
+    config: &'a SweepConfig,
+    registry: &'a [BenchKernel],
+    kernels: &[String],
+) -> Result<Vec<(&'a Sweep, &'a BenchKernel, Vec<String>)>> {
+    let mut plan = Vec::new();
+    for s in config
+        .sweeps
+        .iter()
+        .filter(|s| kernels.is_empty() || kernels.iter().any(|k| k == &s.kernel))
+    {
+        let k = registry
+            .iter()
+            .find(|k| k.name == s.kernel)
+            .with_context(|| {
+                format!(
+                    "{}: unknown kernel `{}`; the kernels are: {}",
+                    s.name(),
+                    s.kernel,
+                    kernel_names(registry)
+                )
+            })?;
+        let variants = s.variants_from(k.variants)?;
+        if let Some(b) = &s.baseline {
+            if !variants.contains(b) {
+                bail!(
+                    "{}: baseline `{b}` is not among the variants run ({})",
+                    s.name(),
+                    variants.join(", ")
+                );
+            }
+        }
+        check_names(s, k)?;
+        for &value in &s.values {
+            check_sizes(s, value)?;
+            if let Some(check) = k.check_point {
+                check(s, value)
+                    .with_context(|| format!("{}: point {}", s.name(), s.shape_label(value)))?;
+            }
+        }
+        plan.push((s, k, variants));
+    }
+    Ok(plan)
+}
+
+/// Check the options of a run and every config (each with the name errors give it, e.g. its path) against the
+/// registry, before any GPU work: `reps` at least 1, every kernel of `opts.kernels` registered and swept by one
+/// of `configs`, and every selected sweep (see [`plan`]).
+pub fn check(configs: &[(String, SweepConfig)], opts: &RunOptions) -> Result<()> {
+    if opts.reps == Some(0) {
+        bail!("--reps must be at least 1");
+    }
+    let registry = crate::bench::kernels::all();
+    for k in &opts.kernels {
+        if !registry.iter().any(|r| r.name == k) {
+            bail!(
+                "--kernel `{k}`: no such kernel; the kernels are: {}",
+                kernel_names(&registry)
+            );
+        }
+        if !configs
+            .iter()
+            .any(|(_, c)| c.sweeps.iter().any(|s| &s.kernel == k))
+        {
+            let mut swept: Vec<&str> = configs
+                .iter()
+                .flat_map(|(_, c)| c.sweeps.iter().map(|s| s.kernel.as_str()))
+                .collect();
+            swept.sort();
+            swept.dedup();
+            bail!(
+                "--kernel `{k}`: no sweep of the config(s) runs it; they sweep: {}",
+                swept.join(", ")
+            );
+        }
+    }
+    for (name, c) in configs {
+        plan(c, &registry, &opts.kernels)
+            .with_context(|| format!("invalid sweep config {name}"))?;
+    }
+    Ok(())
+}
+
+fn kernel_names(registry: &[BenchKernel]) -> String {
+    registry
+        .iter()
+        .map(|k| k.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The axis and every parameter name must be one the kernel reads (when it lists them).
+fn check_names(s: &Sweep, k: &BenchKernel) -> Result<()> {
+    if k.params.is_empty() {
+        return Ok(());
+    }
+    let known = k.params.join(", ");
+    if !k.params.contains(&s.axis.as_str()) {
+        bail!(
+            "{}: unknown axis `{}`; the kernel reads: {known}",
+            s.name(),
+            s.axis
+        );
+    }
+    for p in s.params.keys() {
+        if !k.params.contains(&p.as_str()) {
+            bail!(
+                "{}: unknown parameter `{p}` in [sweep.params]; the kernel reads: {known}",
+                s.name()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The generic size rule: no axis value or integer parameter above [`MAX_SIZE`].
+fn check_sizes(s: &Sweep, value: u64) -> Result<()> {
+    let too_big = |what: String, v: u64| {
+        anyhow::anyhow!(
+            "{}: {what} = {v} is larger than any GPU can hold (the limit for a size is {MAX_SIZE} = 1 TiB)",
+            s.name()
+        )
+    };
+    if value > MAX_SIZE {
+        return Err(too_big(format!("`{}` (the axis)", s.axis), value));
+    }
+    for (p, v) in &s.params {
+        if let toml::Value::Integer(i) = v {
+            if *i as u64 > MAX_SIZE && *i > 0 {
+                return Err(too_big(format!("parameter `{p}`"), *i as u64));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Move the measured rows into `<out_dir>/<kernel>.csv`. Several configs may sweep the same kernel (e.g.

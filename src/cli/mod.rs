@@ -230,7 +230,7 @@ fn info(ordinal: usize) -> Result<()> {
             "source (NVRTC at run time)"
         };
         // Loading proves the embedded module matches this device and driver.
-        let status = match gpu.function(k.name, k.functions.first().copied().unwrap_or("")) {
+        let status = match gpu.kernel(k.name, k.functions.first().copied().unwrap_or("")) {
             Ok(_) => "loads".to_string(),
             Err(e) => format!("FAILED to load: {e:#}"),
         };
@@ -330,12 +330,16 @@ pub fn measure_limits(gpu: &Gpu, out: &Path, quick: bool) -> Result<Limits> {
 }
 
 fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
-    let mut configs: Vec<SweepConfig> = Vec::new();
+    // Each config with the name its errors give it.
+    let mut configs: Vec<(String, SweepConfig)> = Vec::new();
     if args.config.is_empty() || args.all_configs {
-        configs.push(crate::bench::config::default_config()?);
+        configs.push((
+            "the embedded bench-configs/default.toml".into(),
+            crate::bench::config::default_config()?,
+        ));
     }
     for p in &args.config {
-        configs.push(SweepConfig::from_path(p)?);
+        configs.push((p.display().to_string(), SweepConfig::from_path(p)?));
     }
     if args.all_configs {
         for dir in [
@@ -352,25 +356,27 @@ fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
                     .collect();
                 files.sort();
                 for f in files {
-                    configs.push(SweepConfig::from_path(&f)?);
+                    configs.push((f.display().to_string(), SweepConfig::from_path(&f)?));
                 }
                 break;
             }
         }
     }
-    // Config errors are reported above, before the GPU is touched.
-    let gpu = open_gpu(ordinal)?;
-    let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
-    let limits = measure_limits(&gpu, &out, false)?;
-    let opts = RunOptions {
-        out_dir: out.clone(),
+    let mut opts = RunOptions {
+        out_dir: args.out.clone().unwrap_or_default(),
         kernels: args.kernel.clone(),
         reps: args.reps,
         seed: args.seed,
     };
+    // Every config error (file, schema, kernel, variant, parameter, size, options) before the GPU is touched.
+    runner::check(&configs, &opts)?;
+    let gpu = open_gpu(ordinal)?;
+    let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
+    opts.out_dir = out.clone();
+    let limits = measure_limits(&gpu, &out, false)?;
     eprintln!("seed {:#x}; results -> {}", args.seed, out.display());
     let mut result = Ok(());
-    for c in &configs {
+    for (_, c) in &configs {
         if let Err(e) = runner::run(&gpu, c, &limits, &opts) {
             eprintln!("error: {e:#}");
             result = Err(e);
@@ -403,11 +409,23 @@ fn exec(
     let kernel = kernel.unwrap();
     let input = input.context("--in IN.safetensors is required")?;
     let output = output.context("--out OUT.safetensors is required")?;
-    if !input.is_file() {
-        bail!("input file {} does not exist", input.display());
-    }
+    // Name and path errors before the GPU is opened.
+    crate::ops::registry::find(&kernel)?;
+    crate::ops::registry::check_paths(&input, &output)?;
     let gpu = if cpu { None } else { Some(open_gpu(ordinal)?) };
-    crate::ops::registry::run_exec(&kernel, &input, &output, gpu.as_ref())?;
+    let unread = crate::ops::registry::run_exec(&kernel, &input, &output, gpu.as_ref())?;
+    if !unread.is_empty() {
+        eprintln!(
+            "warning: `{kernel}` did not read {} tensor(s) of {}: {} (misnamed? `megamoe exec --list` shows what it reads)",
+            unread.len(),
+            input.display(),
+            unread
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     println!(
         "wrote {} ({})",
         output.display(),

@@ -10,7 +10,7 @@ use cudarc::cublaslt::{result, sys};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::Gpu;
+use super::{Gpu, Stream};
 
 /// Element type of the GEMM operands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,12 +63,30 @@ impl Blas {
         Ok(Blas { handle, workspace })
     }
 
-    /// `d[M,N] = alpha * a[M,K] . b[N,K]^T` with `alpha = scale_a * scale_b` applied through cuBLASLt's
-    /// per-tensor scale pointers for FP8 (and as alpha for BF16). `a`, `b` hold raw bytes of `kind`.
+    /// [`Blas::gemm_tn_on`] on the GPU's own stream.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_tn(
         &self,
         gpu: &Gpu,
+        kind: GemmInput,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        d: &mut CudaSlice<bf16>,
+        alpha: f32,
+    ) -> Result<()> {
+        self.gemm_tn_on(&gpu.stream, kind, m, n, k, a, b, d, alpha)
+    }
+
+    /// `d[M,N] = alpha * a[M,K] . b[N,K]^T` on `stream`, with `alpha = scale_a * scale_b` applied through
+    /// cuBLASLt's per-tensor scale pointers for FP8 (and as alpha for BF16). `a`, `b` hold raw bytes of `kind`.
+    /// The handle's workspace is shared by every call: one `Blas` serves one stream at a time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_tn_on(
+        &self,
+        stream: &Stream,
         kind: GemmInput,
         m: usize,
         n: usize,
@@ -84,7 +102,6 @@ impl Blas {
         if kind == GemmInput::Fp8E4m3 && !k.is_multiple_of(16) {
             bail!("FP8 cuBLASLt GEMM needs K % 16 == 0 (K={k})");
         }
-        let stream = &gpu.stream;
         unsafe {
             let desc = cb(
                 result::create_matmul_desc(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 
-use super::Gpu;
+use super::{Gpu, Stream};
 
 /// How to time a piece of GPU work.
 #[derive(Debug, Clone, Copy)]
@@ -40,28 +40,44 @@ impl L2Flush {
             buf: gpu.zeros::<u8>(bytes)?,
         })
     }
-    pub fn flush(&mut self, gpu: &Gpu) -> Result<()> {
-        gpu.fill_bytes(&mut self.buf, 0x5A)
+    /// Overwrite the buffer on `stream` (a memset: no kernel launch).
+    pub fn flush(&mut self, stream: &Stream) -> Result<()> {
+        super::fill_bytes_on(stream, &mut self.buf, 0x5A)
     }
 }
 
 impl Gpu {
-    /// Time `work` (which enqueues launches on `self.stream`) with one event pair per repetition.
-    /// Returns one sample per repetition, in microseconds.
-    pub fn time_us(
+    /// [`Gpu::time_us_on`] the GPU's own stream.
+    pub fn time_us(&self, plan: TimingPlan, work: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+        self.time_us_on(&self.stream, plan, work)
+    }
+
+    /// Time `work` (which enqueues its launches on `stream`) with one event pair per repetition, the L2 flush
+    /// (when the plan asks for it) on the same stream before each pair. Returns one sample per repetition, in
+    /// microseconds.
+    pub fn time_us_on(
         &self,
+        stream: &Stream,
         plan: TimingPlan,
         mut work: impl FnMut() -> Result<()>,
     ) -> Result<Vec<f64>> {
         let mut flush = if plan.flush_l2 {
-            Some(L2Flush::new(self)?)
+            // Allocated on the GPU's own stream: wait for it before `stream` writes it.
+            let f = L2Flush::new(self)?;
+            self.synchronize()?;
+            Some(f)
         } else {
             None
+        };
+        let sync = || {
+            stream
+                .synchronize()
+                .map_err(|e| anyhow!("stream synchronize (a kernel failed?): {e:?}"))
         };
         for _ in 0..plan.warmup {
             work()?;
         }
-        self.synchronize()?;
+        sync()?;
         let ev = || {
             self.ctx
                 .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
@@ -70,15 +86,15 @@ impl Gpu {
         let mut pairs = Vec::with_capacity(plan.reps);
         for _ in 0..plan.reps {
             if let Some(f) = flush.as_mut() {
-                f.flush(self)?;
+                f.flush(stream)?;
             }
             let (a, b) = (ev()?, ev()?);
-            a.record(&self.stream).map_err(|e| anyhow!("{e:?}"))?;
+            a.record(stream).map_err(|e| anyhow!("{e:?}"))?;
             work()?;
-            b.record(&self.stream).map_err(|e| anyhow!("{e:?}"))?;
+            b.record(stream).map_err(|e| anyhow!("{e:?}"))?;
             pairs.push((a, b));
         }
-        self.synchronize()?;
+        sync()?;
         pairs
             .iter()
             .map(|(a, b)| {

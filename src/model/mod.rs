@@ -28,7 +28,7 @@
 //!
 //! The amplitudes (manifest, [`weights::tensor_manifest`]) give unit-RMS linear outputs for unit-RMS
 //! inputs, so the residual stays bounded over layers and steps (test
-//! `residual_rms_stays_bounded_over_256_steps`).
+//! `slow_residual_rms_stays_bounded_over_256_steps`).
 //!
 //! Not implemented: the MTP layer (optional for decode; its tensors are ignored when a checkpoint has
 //! them), tool-call/DSML prompt parts, and the exact DeepSeek pre-tokenizer regex (see [`tokenizer`]).

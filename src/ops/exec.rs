@@ -1,8 +1,9 @@
 //! `megamoe exec`: run one kernel (or its CPU reference) on tensors the user provides in a safetensors
 //! file, and write its outputs to another. Each kernel documents the tensor names, dtypes and shapes it
-//! expects ([`EXEC_KERNELS`]); a missing, mis-typed or mis-shaped tensor is a clear error before any launch.
+//! expects (`ops::registry::exec_kernels`); a missing, mis-typed or mis-shaped tensor is a clear error before any launch.
 
-use std::collections::BTreeMap;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -100,6 +101,21 @@ pub fn write_safetensors(path: &Path, tensors: &TensorMap) -> Result<()> {
     Ok(())
 }
 
+thread_local! {
+    /// The input names fetched through [`input`] on this thread while [`recording_reads`] runs.
+    static READS: RefCell<Option<BTreeSet<String>>> = const { RefCell::new(None) };
+}
+
+/// Run `f` and return, beside its result, the names of the input tensors it fetched through [`input`] on this
+/// thread: what lets the registry warn about tensors of a file that an entry never read, with no help from
+/// the entry.
+pub fn recording_reads<R>(f: impl FnOnce() -> R) -> (R, BTreeSet<String>) {
+    let outer = READS.with(|r| r.replace(Some(BTreeSet::new())));
+    let result = f();
+    let read = READS.with(|r| r.replace(outer)).unwrap_or_default();
+    (result, read)
+}
+
 /// Fetch an input by name with a dtype check and a shape check (`None` in `shape` = any size on that axis).
 pub fn input<'a>(
     inputs: &'a TensorMap,
@@ -108,6 +124,11 @@ pub fn input<'a>(
     dtypes: &[Dtype],
     shape: &[Option<usize>],
 ) -> Result<&'a HostTensor> {
+    READS.with(|r| {
+        if let Some(set) = r.borrow_mut().as_mut() {
+            set.insert(name.to_string());
+        }
+    });
     let t = inputs.get(name).with_context(|| {
         format!(
             "`{kernel}` needs an input tensor `{name}`; the file has: {}",

@@ -39,6 +39,8 @@ pub fn kernels() -> Vec<BenchKernel> {
         variants: VARIANTS,
         matmul: MatmulKind::NotMatmul,
         run_point: indexer_point,
+        params: &["ctx", "batch", "next_n", "k", "format"],
+        check_point: None,
         headline: &["fused", "graph_fused", "baseline"],
         targets: TARGETS,
     }]

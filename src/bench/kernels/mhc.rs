@@ -17,6 +17,8 @@ pub fn kernels() -> Vec<BenchKernel> {
         variants: MHC_VARIANTS,
         matmul: MatmulKind::NotMatmul,
         run_point: mhc_point,
+        params: &["tokens", "d"],
+        check_point: None,
         // The decode boundary inside a captured graph (per boundary) and the op-by-op chain it is raced against.
         headline: &[
             "graph16_fused_nvfp4",

@@ -6,6 +6,7 @@ pub mod indexer;
 pub mod mhc;
 pub mod moe_gemm;
 pub mod norm_quant;
+pub mod nvfp4;
 pub mod sparse_attn;
 
 use super::runner::BenchKernel;
@@ -13,7 +14,7 @@ use super::runner::BenchKernel;
 /// Every kernel the sweep runner knows. A kernel family adds its entries here.
 pub fn all() -> Vec<BenchKernel> {
     let mut v = Vec::new();
-    v.extend(crate::ops::nvfp4::bench::kernels());
+    v.extend(nvfp4::kernels());
     v.extend(norm_quant::kernels());
     v.extend(mhc::kernels());
     v.extend(moe_gemm::kernels());

@@ -22,6 +22,8 @@ pub fn kernels() -> Vec<BenchKernel> {
         ],
         matmul: MatmulKind::NotMatmul,
         run_point: rows_point,
+        params: &["rows", "d"],
+        check_point: None,
         headline: &["fused_nvfp4", "unfused_nvfp4", "fused_fp8", "unfused_fp8"],
         targets: &[PlotTarget {
             metric: "pct_copy_bw",

@@ -27,6 +27,8 @@ pub fn kernels() -> Vec<BenchKernel> {
         variants: &VARIANTS,
         matmul: MatmulKind::Bf16,
         run_point,
+        params: &["ctx", "batch", "kind", "topk", "heads"],
+        check_point: None,
         headline: &HEADLINE,
         targets: &TARGETS,
     }]

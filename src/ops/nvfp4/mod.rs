@@ -1,18 +1,26 @@
 //! NVFP4 rows on the GPU (kernels/nvfp4.cu): quantize with a per-row fp32 global scale and dequantize to
-//! BF16. The CPU reference is the codec itself, `formats::nvfp4`; the GPU results must match it bit for bit.
+//! BF16, plus the 16-byte copy kernel the limits probe measures beside `cuMemcpyDtoD`.
+//!
+//! Contract: the GPU results equal the CPU codec bit for bit. The reference is the codec itself,
+//! [`formats::nvfp4`](crate::formats::nvfp4) (its module doc states the layout and the exact operation order the
+//! kernels mirror). Launchers check shapes and buffer sizes before any launch and run on the caller's stream;
+//! none allocates (the host entries [`quantize_rows`] / [`dequantize_rows`] do, for `exec` and the tests).
+//!
+//! Rooms: `bench.rs` (measurement hooks), `exec.rs` (`megamoe exec` entries).
 
 use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use safetensors::Dtype;
 
-use crate::formats::nvfp4::{self, Nvfp4Rows};
-use crate::gpu::{grid_1d, launch, launch_cfg, Gpu, PushKernelArg};
-use crate::ops::exec::{input, ExecKernel, HostTensor, TensorMap};
+use crate::formats::nvfp4::Nvfp4Rows;
+use crate::gpu::launch::{launch, KernelArgs, Launch, Stream};
+use crate::gpu::Gpu;
 
 pub mod bench;
+pub mod exec;
 
 const FAMILY: &str = "nvfp4";
+/// Threads per CTA of every kernel of the family (`kThreads` in kernels/nvfp4.cu, its `__launch_bounds__`).
 const THREADS: u32 = 256;
 
 /// NVFP4 rows resident on the GPU (same layout as [`Nvfp4Rows`]).
@@ -36,6 +44,7 @@ impl Nvfp4Device {
             global_scale: gpu.poisoned(rows, 0xFF)?,
         })
     }
+    /// `q` copied to the device.
     pub fn upload(gpu: &Gpu, q: &Nvfp4Rows) -> Result<Nvfp4Device> {
         check_shape(q.rows, q.cols)?;
         Ok(Nvfp4Device {
@@ -46,6 +55,7 @@ impl Nvfp4Device {
             global_scale: gpu.upload(&q.global_scale)?,
         })
     }
+    /// The rows copied back to the host (waits for the GPU's stream).
     pub fn download(&self, gpu: &Gpu) -> Result<Nvfp4Rows> {
         Ok(Nvfp4Rows {
             rows: self.rows,
@@ -61,7 +71,9 @@ impl Nvfp4Device {
     }
 }
 
-fn check_shape(rows: usize, cols: usize) -> Result<()> {
+/// The shape rules of NVFP4 rows: non-empty, `cols % 16 == 0` (the block size), both dimensions within `i32`
+/// (the kernels' index type).
+pub fn check_shape(rows: usize, cols: usize) -> Result<()> {
     if rows == 0 || cols == 0 {
         bail!("NVFP4 rows: empty shape {rows} x {cols}");
     }
@@ -81,9 +93,14 @@ pub enum RowsInput<'a> {
     Bf16(&'a CudaSlice<bf16>),
 }
 
-/// Quantize `rows x cols` values into `out` (one CTA per row). The caller guarantees finite inputs (the host
-/// entry points check); non-finite values follow the codec's saturation policy.
-pub fn quantize_rows_into(gpu: &Gpu, x: RowsInput<'_>, out: &mut Nvfp4Device) -> Result<()> {
+/// Quantize `out.rows x out.cols` values of `x` into `out` on `stream`: one CTA per row. The caller guarantees
+/// finite inputs (the host entry checks); non-finite values follow the codec's saturation policy.
+pub fn quantize_rows_into(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: RowsInput<'_>,
+    out: &mut Nvfp4Device,
+) -> Result<()> {
     let (rows, cols) = (out.rows, out.cols);
     check_shape(rows, cols)?;
     let n = match &x {
@@ -93,38 +110,40 @@ pub fn quantize_rows_into(gpu: &Gpu, x: RowsInput<'_>, out: &mut Nvfp4Device) ->
     if n < rows * cols {
         bail!("NVFP4 quantize: input has {n} elements, need {rows} x {cols}");
     }
-    let (r, c) = (rows as i32, cols as i32);
-    let cfg = launch_cfg((rows as u32, 1, 1), (THREADS, 1, 1), 0);
-    match x {
+    check_output(out)?;
+    let mut args = KernelArgs::new();
+    let name = match x {
         RowsInput::F32(s) => {
-            let f = gpu.function(FAMILY, "nvfp4_quantize_rows_f32")?;
-            let mut b = gpu.stream.launch_builder(&f);
-            b.arg(s)
-                .arg(&r)
-                .arg(&c)
-                .arg(&mut out.data)
-                .arg(&mut out.scales)
-                .arg(&mut out.global_scale);
-            unsafe { launch(b, cfg, "nvfp4_quantize_rows_f32") }?;
+            args.buf(s);
+            "nvfp4_quantize_rows_f32"
         }
         RowsInput::Bf16(s) => {
-            let f = gpu.function(FAMILY, "nvfp4_quantize_rows_bf16")?;
-            let mut b = gpu.stream.launch_builder(&f);
-            b.arg(s)
-                .arg(&r)
-                .arg(&c)
-                .arg(&mut out.data)
-                .arg(&mut out.scales)
-                .arg(&mut out.global_scale);
-            unsafe { launch(b, cfg, "nvfp4_quantize_rows_bf16") }?;
+            args.buf(s);
+            "nvfp4_quantize_rows_bf16"
         }
-    }
-    Ok(())
+    };
+    args.i32(rows as i32)
+        .i32(cols as i32)
+        .buf(&out.data)
+        .buf(&out.scales)
+        .buf(&out.global_scale);
+    let k = gpu.kernel(FAMILY, name)?;
+    let l = Launch::new((rows as u32, 1, 1), (THREADS, 1, 1));
+    // SAFETY: arguments match the kernel's (x, rows, cols, data, scales, global_scale); the shape and every
+    // buffer size were checked above.
+    unsafe { launch(stream, &k, l, &mut args) }
 }
 
-/// Dequantize to BF16 into `out` (`rows * cols` elements).
-pub fn dequantize_rows_into(gpu: &Gpu, q: &Nvfp4Device, out: &mut CudaSlice<bf16>) -> Result<()> {
+/// Dequantize `q` to BF16 into `out` (`q.rows * q.cols` elements) on `stream`: a grid-stride loop over packed
+/// byte pairs, at most 16 CTAs per SM.
+pub fn dequantize_rows_into(
+    gpu: &Gpu,
+    stream: &Stream,
+    q: &Nvfp4Device,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
     check_shape(q.rows, q.cols)?;
+    check_output(q)?;
     if out.len() < q.rows * q.cols {
         bail!(
             "NVFP4 dequantize: output has {} elements, need {}",
@@ -132,21 +151,41 @@ pub fn dequantize_rows_into(gpu: &Gpu, q: &Nvfp4Device, out: &mut CudaSlice<bf16
             q.rows * q.cols
         );
     }
-    let f = gpu.function(FAMILY, "nvfp4_dequantize_rows_bf16")?;
     let quads = q.rows * q.cols / 4;
     let blocks = quads
         .div_ceil(THREADS as usize)
-        .min(gpu.info.sm_count as usize * 16);
-    let cfg = launch_cfg((blocks.max(1) as u32, 1, 1), (THREADS, 1, 1), 0);
-    let (r, c) = (q.rows as i32, q.cols as i32);
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(&q.data)
-        .arg(&q.scales)
-        .arg(&q.global_scale)
-        .arg(&r)
-        .arg(&c)
-        .arg(out);
-    unsafe { launch(b, cfg, "nvfp4_dequantize_rows_bf16") }
+        .clamp(1, gpu.info.sm_count as usize * 16);
+    let mut args = KernelArgs::new();
+    args.buf(&q.data)
+        .buf(&q.scales)
+        .buf(&q.global_scale)
+        .i32(q.rows as i32)
+        .i32(q.cols as i32)
+        .buf(&*out);
+    let k = gpu.kernel(FAMILY, "nvfp4_dequantize_rows_bf16")?;
+    let l = Launch::new((blocks as u32, 1, 1), (THREADS, 1, 1));
+    // SAFETY: arguments match (data, scales, global_scale, rows, cols, out); sizes checked above.
+    unsafe { launch(stream, &k, l, &mut args) }
+}
+
+/// The buffers of `q` hold at least the `rows x cols` layout.
+fn check_output(q: &Nvfp4Device) -> Result<()> {
+    let (rows, cols) = (q.rows, q.cols);
+    if q.data.len() < rows * cols / 2
+        || q.scales.len() < rows * cols / 16
+        || q.global_scale.len() < rows
+    {
+        bail!(
+            "NVFP4 rows {rows} x {cols}: buffers too small (data {}, scales {}, global_scale {}; need {}, {}, {})",
+            q.data.len(),
+            q.scales.len(),
+            q.global_scale.len(),
+            rows * cols / 2,
+            rows * cols / 16,
+            rows
+        );
+    }
+    Ok(())
 }
 
 /// Host entry: quantize finite fp32 rows on the GPU and bring the result back.
@@ -168,7 +207,7 @@ pub fn quantize_rows(gpu: &Gpu, x: &[f32], rows: usize, cols: usize) -> Result<N
     }
     let dx = gpu.upload(x)?;
     let mut out = Nvfp4Device::alloc(gpu, rows, cols)?;
-    quantize_rows_into(gpu, RowsInput::F32(&dx), &mut out)?;
+    quantize_rows_into(gpu, &gpu.stream, RowsInput::F32(&dx), &mut out)?;
     out.download(gpu)
 }
 
@@ -176,87 +215,27 @@ pub fn quantize_rows(gpu: &Gpu, x: &[f32], rows: usize, cols: usize) -> Result<N
 pub fn dequantize_rows(gpu: &Gpu, q: &Nvfp4Rows) -> Result<Vec<bf16>> {
     let dq = Nvfp4Device::upload(gpu, q)?;
     let mut out = gpu.poisoned::<bf16>(q.rows * q.cols, 0xFF)?;
-    dequantize_rows_into(gpu, &dq, &mut out)?;
+    dequantize_rows_into(gpu, &gpu.stream, &dq, &mut out)?;
     gpu.download(&out)
 }
 
-/// A copy kernel with 16-byte accesses over `n16` 16-byte words (the limits probe's own copy row).
-pub fn copy_u128(gpu: &Gpu, src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>) -> Result<()> {
+/// Copy `min(src, dst)` bytes rounded down to 16 with 16-byte accesses on `stream` (the limits probe's copy
+/// kernel): a grid-stride loop, at most 8 CTAs per SM. Both buffers are 16-byte aligned (device allocations
+/// are 256-byte aligned).
+pub fn copy_u128(
+    gpu: &Gpu,
+    stream: &Stream,
+    src: &CudaSlice<u8>,
+    dst: &mut CudaSlice<u8>,
+) -> Result<()> {
     let n16 = src.len().min(dst.len()) / 16;
-    let f = gpu.function(FAMILY, "copy_u128")?;
-    let mut cfg = grid_1d(n16, THREADS);
-    cfg.grid_dim.0 = cfg.grid_dim.0.min(gpu.info.sm_count as u32 * 8);
-    let n = n16;
-    let mut b = gpu.stream.launch_builder(&f);
-    b.arg(src).arg(dst).arg(&n);
-    unsafe { launch(b, cfg, "copy_u128") }
-}
-
-fn rows_cols(t: &HostTensor) -> (usize, usize) {
-    (t.shape[0], t.shape[1])
-}
-
-/// `megamoe exec` entries of this family.
-pub fn exec_kernels() -> Vec<ExecKernel> {
-    vec![
-        ExecKernel {
-            name: "nvfp4_quantize_rows",
-            doc: "in: x F32|BF16 [rows, cols] (cols % 16 == 0, finite). out: data U8 [rows, cols/2] (e2m1, low nibble = lower col), scales F8_E4M3 [rows, cols/16], global_scale F32 [rows]",
-            run: |inputs, gpu| {
-                let x = input(inputs, "nvfp4_quantize_rows", "x", &[Dtype::F32, Dtype::BF16], &[None, None])?;
-                let (rows, cols) = rows_cols(x);
-                let xs = x.to_f32()?;
-                let q = match gpu {
-                    Some(g) => quantize_rows(g, &xs, rows, cols)?,
-                    None => nvfp4::quantize_rows(&xs, rows, cols)?,
-                };
-                Ok(nvfp4_to_tensors(&q))
-            },
-        },
-        ExecKernel {
-            name: "nvfp4_dequantize_rows",
-            doc: "in: data U8 [rows, cols/2], scales F8_E4M3|U8 [rows, cols/16], global_scale F32 [rows]. out: y BF16 [rows, cols]",
-            run: |inputs, gpu| {
-                let k = "nvfp4_dequantize_rows";
-                let data = input(inputs, k, "data", &[Dtype::U8], &[None, None])?;
-                let (rows, half_cols) = rows_cols(data);
-                let cols = half_cols * 2;
-                let scales = input(inputs, k, "scales", &[Dtype::F8_E4M3, Dtype::U8], &[Some(rows), Some(cols / 16)])?;
-                let gs = input(inputs, k, "global_scale", &[Dtype::F32], &[Some(rows)])?;
-                check_shape(rows, cols)?;
-                let q = Nvfp4Rows {
-                    rows,
-                    cols,
-                    data: data.bytes.clone(),
-                    scales: scales.bytes.clone(),
-                    global_scale: gs.to_f32()?,
-                };
-                let y: Vec<bf16> = match gpu {
-                    Some(g) => dequantize_rows(g, &q)?,
-                    None => nvfp4::dequantize_rows(&q).iter().map(|&v| bf16::from_f32(v)).collect(),
-                };
-                let mut m = TensorMap::new();
-                m.insert("y".into(), HostTensor::from_bf16(vec![rows, cols], &y));
-                Ok(m)
-            },
-        },
-    ]
-}
-
-/// The output tensors of `nvfp4_quantize_rows`.
-pub fn nvfp4_to_tensors(q: &Nvfp4Rows) -> TensorMap {
-    let mut m = TensorMap::new();
-    m.insert(
-        "data".into(),
-        HostTensor::from_u8(Dtype::U8, vec![q.rows, q.cols / 2], q.data.clone()),
-    );
-    m.insert(
-        "scales".into(),
-        HostTensor::from_u8(Dtype::F8_E4M3, vec![q.rows, q.cols / 16], q.scales.clone()),
-    );
-    m.insert(
-        "global_scale".into(),
-        HostTensor::from_f32(vec![q.rows], &q.global_scale),
-    );
-    m
+    let blocks = n16
+        .div_ceil(THREADS as usize)
+        .clamp(1, gpu.info.sm_count as usize * 8);
+    let l = Launch::new((blocks as u32, 1, 1), (THREADS, 1, 1));
+    let mut args = KernelArgs::new();
+    args.buf(src).buf(dst).u64(n16 as u64);
+    let k = gpu.kernel(FAMILY, "copy_u128")?;
+    // SAFETY: arguments match (src, dst, n); both hold at least n16 16-byte words.
+    unsafe { launch(stream, &k, l, &mut args) }
 }
