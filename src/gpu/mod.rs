@@ -9,7 +9,6 @@ pub mod arena;
 pub mod blas;
 pub mod launch;
 pub mod module;
-pub mod pdl;
 pub mod telemetry;
 pub mod timing;
 pub mod tma;
@@ -20,8 +19,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
-    ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits,
 };
 
 pub use arena::{Arena, WorkspaceLayout};
@@ -118,63 +116,13 @@ impl Gpu {
     }
 
     /// A kernel entry point of a kernel family (`kernels/<family>.cu`), loading the module on first use:
-    /// the embedded sm_90a cubin when build.rs had nvcc, else the source compiled by NVRTC.
-    pub fn function(&self, family: &str, name: &str) -> Result<CudaFunction> {
+    /// the embedded sm_90a cubin when build.rs had nvcc, else the source compiled by NVRTC. Launchers use the
+    /// cached [`Gpu::kernel`] instead.
+    fn function(&self, family: &str, name: &str) -> Result<CudaFunction> {
         let module = self.module(family)?;
         module
             .load_function(name)
             .map_err(|e| anyhow!("kernel `{name}` not found in module `{family}`: {e:?}"))
-    }
-
-    /// [`Gpu::function`] for a kernel launched with `smem_bytes` of dynamic shared memory: a clear error when the
-    /// device cannot give that much on top of the kernel's static shared memory (before any launch), and the
-    /// opt-in attribute set when static + dynamic is above the 48 KB every kernel gets without asking (the limit
-    /// applies to the sum: a 32 KB dynamic request on a kernel with 33 KB static fails to launch otherwise).
-    pub fn function_with_smem(
-        &self,
-        family: &str,
-        name: &str,
-        smem_bytes: usize,
-    ) -> Result<CudaFunction> {
-        let f = self.function(family, name)?;
-        let static_bytes = f
-            .shared_size_bytes()
-            .map_err(|e| anyhow!("{name}: reading its static shared memory: {e:?}"))?
-            as usize;
-        let total = static_bytes + smem_bytes;
-        if total > self.info.max_smem_per_block_optin {
-            bail!(
-                "kernel `{name}` needs {smem_bytes} B of dynamic + {static_bytes} B of static shared memory, \
-                 the device allows {} in all",
-                self.info.max_smem_per_block_optin
-            );
-        }
-        if total > 48 * 1024 {
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem_bytes as i32,
-            )
-            .map_err(|e| anyhow!("{name}: setting {smem_bytes} B of dynamic shared memory: {e:?}"))?;
-        }
-        Ok(f)
-    }
-
-    /// [`Gpu::function_with_smem`] for a persistent kernel whose grid assumes several resident CTAs per SM: also
-    /// asks for the largest shared-memory carveout (the default carveout is only a driver heuristic and may hold
-    /// fewer CTAs than the grid was sized for).
-    pub fn function_with_max_carveout(
-        &self,
-        family: &str,
-        name: &str,
-        smem_bytes: usize,
-    ) -> Result<CudaFunction> {
-        let f = self.function_with_smem(family, name, smem_bytes)?;
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-            100,
-        )
-        .map_err(|e| anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
-        Ok(f)
     }
 
     /// A kernel entry point, resolved once and cached (no dynamic shared memory beyond the default 48 KB).
@@ -358,55 +306,7 @@ fn driver_version() -> Option<i32> {
     (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
-/// For GPU tests: the GPU, or `None` after printing `SKIP <test>: <reason>`. With `REQUIRE_GPU=1` a missing
-/// GPU is a test failure instead (the GPU machine sets it so that no GPU test can pass by skipping).
-pub fn gpu_for_test(test: &str) -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            if std::env::var("REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("REQUIRE_GPU=1 but no GPU for {test}: {e:#}");
-            }
-            eprintln!("SKIP {test}: {e:#}");
-            None
-        }
-    }
-}
-
-/// A 1-D launch over `n` items with `block` threads per block.
-pub fn grid_1d(n: usize, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Launch config with an explicit grid, block and dynamic shared memory.
-pub fn launch_cfg(grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: grid,
-        block_dim: block,
-        shared_mem_bytes: smem,
-    }
-}
-
 /// Map a cudarc driver error (which is not `std::error::Error`-friendly everywhere) into anyhow.
 pub fn drv<T>(r: std::result::Result<T, cudarc::driver::DriverError>, what: &str) -> Result<T> {
     r.map_err(|e| anyhow!("{what}: {e:?}"))
-}
-
-/// Launch a kernel whose arguments were pushed onto `args`, naming it in the error.
-///
-/// # Safety
-/// The pushed arguments must match the kernel's parameter list and the buffers must be large enough for
-/// the launch geometry: the launchers check shapes before calling this.
-pub unsafe fn launch(
-    mut args: cudarc::driver::LaunchArgs<'_>,
-    cfg: LaunchConfig,
-    what: &str,
-) -> Result<()> {
-    args.launch(cfg)
-        .map(|_| ())
-        .map_err(|e| anyhow!("launching {what}: {e:?}"))
 }
