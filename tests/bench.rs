@@ -251,6 +251,23 @@ fn plot_series_writes_png_and_svg_on_every_axis_kind() {
     assert!(format!("{err:#}").contains("logarithmic"), "{err:#}");
 }
 
+/// The text of every `<text>` element of an SVG, trimmed and unescaped.
+fn svg_texts(svg: &str) -> Vec<String> {
+    svg.split("<text")
+        .skip(1)
+        .filter_map(|t| {
+            let body = &t[t.find('>')? + 1..];
+            let text = body[..body.find("</text>")?].trim();
+            Some(
+                text.replace("&lt;", "<")
+                    .replace("&gt;", ">")
+                    .replace("&quot;", "\"")
+                    .replace("&amp;", "&"),
+            )
+        })
+        .collect()
+}
+
 #[test]
 fn plot_rows_one_plot_per_geometry_one_line_per_variant() {
     let mut rng = seeded_rng();
@@ -280,17 +297,21 @@ fn plot_rows_one_plot_per_geometry_one_line_per_variant() {
     );
     for pair in files.chunks(2) {
         assert_png_and_svg(&pair[0], &pair[1]);
-        let svg = fs::read_to_string(&pair[1]).unwrap();
-        for name in [">fused<", ">unfused<"] {
-            assert!(svg.contains(name), "legend entry {name}");
+        let texts = svg_texts(&fs::read_to_string(&pair[1]).unwrap());
+        for name in ["fused", "unfused"] {
+            assert!(
+                texts.iter().any(|t| t == name),
+                "legend entry {name} in {texts:?}"
+            );
         }
         assert!(
-            !svg.contains("cols="),
+            !texts.iter().any(|t| t.contains("cols=")),
             "one geometry per plot: no line split by cols"
         );
     }
-    let flash = fs::read_to_string(&files[1]).unwrap();
-    assert!(flash.contains("nvfp4_quantize_rows, DSV4-Flash: median time (us) vs rows"));
+    let flash = svg_texts(&fs::read_to_string(&files[1]).unwrap());
+    let title = "nvfp4_quantize_rows, DSV4-Flash: median time (us) vs rows (NVIDIA H200)";
+    assert!(flash.iter().any(|t| t == title), "{flash:?}");
 
     // Rows of one variant at the same x that differ in a workload size (batch) become separate lines.
     let mut split = Vec::new();
@@ -305,10 +326,13 @@ fn plot_rows_one_plot_per_geometry_one_line_per_variant() {
     }
     let files = plot_rows(dir.path(), "attn", "ctx", "us_median", &split).unwrap();
     assert_eq!(files.len(), 2);
-    assert!(files[0].ends_with("attn__us_median_vs_ctx__heads-64.png"));
-    let svg = fs::read_to_string(&files[1]).unwrap();
-    for name in [">fp8 (batch=1)<", ">fp8 (batch=16)<"] {
-        assert!(svg.contains(name), "legend entry {name}");
+    assert!(files[0].ends_with("attn__us_median_vs_ctx__dsv4-flash.png"));
+    let texts = svg_texts(&fs::read_to_string(&files[1]).unwrap());
+    for name in ["fp8 (batch=1)", "fp8 (batch=16)"] {
+        assert!(
+            texts.iter().any(|t| t == name),
+            "legend entry {name} in {texts:?}"
+        );
     }
 
     let err = plot_rows(dir.path(), "nvfp4_quantize_rows", "rows", "nonsense", &rows).unwrap_err();
@@ -343,14 +367,21 @@ fn default_plot_draws_only_the_selected_variants_and_the_target_line() {
     assert_eq!(files.len(), 4, "two geometries, png + svg each");
     for pair in files.chunks(2) {
         assert_png_and_svg(&pair[0], &pair[1]);
-        let svg = fs::read_to_string(&pair[1]).unwrap();
-        assert!(svg.contains(">fused<"), "the headline variant is drawn");
+        let texts = svg_texts(&fs::read_to_string(&pair[1]).unwrap());
         assert!(
-            !svg.contains(">unfused<"),
+            texts.iter().any(|t| t == "fused"),
+            "the headline variant is drawn"
+        );
+        assert!(
+            !texts.iter().any(|t| t == "unfused"),
             "a variant outside the headline is not"
         );
         // The label appears twice: on the line and in the legend.
-        assert_eq!(svg.matches(target_label).count(), 2, "target line label");
+        assert_eq!(
+            texts.iter().filter(|t| *t == target_label).count(),
+            2,
+            "target line label in {texts:?}"
+        );
     }
     // A target goes on the plots of its metric only.
     let files = plot_rows_with(
@@ -362,8 +393,8 @@ fn default_plot_draws_only_the_selected_variants_and_the_target_line() {
         &selection,
     )
     .unwrap();
-    let svg = fs::read_to_string(&files[1]).unwrap();
-    assert!(!svg.contains(target_label));
+    let texts = svg_texts(&fs::read_to_string(&files[1]).unwrap());
+    assert!(!texts.iter().any(|t| t == target_label), "{texts:?}");
     // Asking for a variant the rows do not have is an error naming the ones present.
     let missing = PlotSelection {
         variants: vec!["nope".into()],

@@ -686,6 +686,44 @@ mod tests {
     }
 
     #[test]
+    fn one_csv_with_two_sweeps_gives_two_axes() {
+        // A ctx sweep at batch 1 and a batch sweep at ctx 65536 (tokens derived from batch).
+        let point = |variant: &str, batch: u64, ctx: u64| {
+            let mut r = Row::empty("idx", variant, &format!("batch={batch},ctx={ctx},k=512"));
+            r.batch = Some(batch);
+            r.ctx = Some(ctx);
+            r.tokens = Some(batch);
+            r
+        };
+        let mut rows = Vec::new();
+        for v in ["a", "b"] {
+            for ctx in [4096, 16384, 65536, 262144, 1048576] {
+                rows.push(point(v, 1, ctx));
+            }
+            for batch in [2, 4, 8] {
+                rows.push(point(v, batch, 65536));
+            }
+        }
+        let sweeps = sweeps_of(&rows);
+        let axes: Vec<&str> = sweeps.iter().map(|(a, _)| *a).collect();
+        assert_eq!(axes, ["ctx", "batch"]);
+        assert_eq!(sweeps[0].1.len(), 10, "the ctx lines at batch 1");
+        // The batch lines include the corner (batch 1, ctx 65536) shared with the ctx sweep.
+        assert_eq!(sweeps[1].1.len(), 8);
+        assert!(sweeps[1].1.iter().all(|r| r.ctx == Some(65536)));
+        // One sweep only: one axis, every row.
+        let single: Vec<Row> = rows
+            .iter()
+            .filter(|r| r.batch == Some(1))
+            .cloned()
+            .collect();
+        let sweeps = sweeps_of(&single);
+        assert_eq!(sweeps.len(), 1);
+        assert_eq!(sweeps[0].1.len(), single.len());
+        assert!(sweeps_of(&rows[..1]).is_empty());
+    }
+
+    #[test]
     fn gpu_directory_names() {
         let root = Path::new("results");
         assert_eq!(results_dir_for_gpu(root, "NVIDIA H200"), root.join("h200"));
