@@ -494,9 +494,9 @@ pub fn geometry_label(geometry: &[(String, String)]) -> String {
         }
     } else {
         let flash = ModelConfig::flash();
-        let (dims, rest): (Vec<&(String, String)>, Vec<&(String, String)>) = geometry
-            .iter()
-            .partition(|(k, _)| model_values(k, &flash).is_some());
+        let is_dim = |k: &str| model_values(k, &flash).is_some();
+        let dims: Vec<&(String, String)> = geometry.iter().filter(|(k, _)| is_dim(k)).collect();
+        let rest: Vec<&(String, String)> = geometry.iter().filter(|(k, _)| !is_dim(k)).collect();
         let mut text = match (dims.is_empty(), rest.is_empty()) {
             (true, _) => pairs(rest),
             (false, true) => pairs(dims),
@@ -569,7 +569,8 @@ fn series_of(x_column: &str, points: &[Point], variants: &[String]) -> Result<Ve
     let split_dims = dims_that_vary_at_fixed_x(x_column, points, &|row| label_of(row).join(","))?;
     // BTreeMap key: (legend rank of the variant, variant, split values) for a stable order.
     let rank = |v: &str| variants.iter().position(|s| s == v).unwrap_or(usize::MAX);
-    let mut by_series: BTreeMap<(usize, String, Vec<String>), Vec<(f64, f64)>> = BTreeMap::new();
+    type LineKey = (usize, String, Vec<String>);
+    let mut by_series: BTreeMap<LineKey, Vec<(f64, f64)>> = BTreeMap::new();
     for (row, x, y) in points {
         let mut parts = label_of(row);
         for d in &split_dims {

@@ -392,7 +392,7 @@ fn axis_candidates(rows: &[Row]) -> Vec<&'static str> {
         }
     }
     // Stable sort: equal counts keep the column order.
-    found.sort_by(|a, b| b.1.cmp(&a.1));
+    found.sort_by_key(|f| std::cmp::Reverse(f.1));
     found.into_iter().map(|(dim, _)| dim).collect()
 }
 

@@ -1,4 +1,5 @@
-//! Progress of long sweeps and stress runs on stderr, through `indicatif`.
+//! Progress of long sweeps and stress runs on stderr, through `indicatif`. A leaf module (it uses nothing
+//! of the crate), so the bench runner and the ops' stress suites share it without an upward import.
 //!
 //! On a terminal: one bar that redraws in place, with the step count, the rate, the estimated time left
 //! and the current step's text. When stderr is not a terminal (CI, the GPU machine logging to a file) a
