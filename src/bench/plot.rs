@@ -802,6 +802,7 @@ where
         .y_label_formatter(&tick)
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 17))
+        .max_light_lines(1)
         .light_line_style(RGBColor(238, 238, 238))
         .bold_line_style(RGBColor(210, 210, 210))
         .draw()
