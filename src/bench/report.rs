@@ -208,6 +208,13 @@ fn choose_variants(
 ) -> (Option<Vec<String>>, String) {
     let present: BTreeSet<&str> = rows.iter().map(|r| r.variant.as_str()).collect();
     let others = "every variant is in the table and the CSV; `megamoe report --variants all` plots them all.";
+    let quoted = |names: &[String]| -> String {
+        names
+            .iter()
+            .map(|v| format!("`{v}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     match asked {
         PlotVariants::All => (Some(Vec::new()), "Plots: every variant.".to_string()),
         PlotVariants::Headline => {
@@ -226,11 +233,7 @@ fn choose_variants(
             } else if chosen.len() == present.len() {
                 (Some(chosen), "Plots: every variant.".to_string())
             } else {
-                let names = chosen
-                    .iter()
-                    .map(|v| format!("`{v}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ");
+                let names = quoted(&chosen);
                 (
                     Some(chosen),
                     format!("Plots: the headline variants {names}; {others}"),
@@ -252,11 +255,7 @@ fn choose_variants(
                     ),
                 )
             } else {
-                let names = chosen
-                    .iter()
-                    .map(|v| format!("`{v}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ");
+                let names = quoted(&chosen);
                 (
                     Some(chosen),
                     format!("Plots: the variants asked for, {names}."),
