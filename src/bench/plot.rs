@@ -260,8 +260,7 @@ pub fn plot_chart(path_stem: &Path, chart: &Chart) -> Result<(PathBuf, PathBuf)>
     Ok((png, svg))
 }
 
-/// Width of the legend panel for the longest entry, and the canvas (data side + panel, tall enough for
-/// every legend row).
+/// Width of the legend panel: enough for the longest entry.
 fn legend_width(chart: &Chart) -> u32 {
     let longest = chart
         .series
@@ -273,6 +272,7 @@ fn legend_width(chart: &Chart) -> u32 {
     (LEGEND_SAMPLE as f64 + 40.0 + longest as f64 * LEGEND_CHAR_PX).clamp(160.0, 560.0) as u32
 }
 
+/// The canvas: data side + legend panel, tall enough for every legend row.
 fn canvas_size(chart: &Chart) -> (u32, u32) {
     let rows = chart.series.len() + chart.targets.len() + 2;
     let height = PLOT_SIZE.1.max(90 + rows as u32 * LEGEND_ROW);

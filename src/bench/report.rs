@@ -287,12 +287,12 @@ pub fn results_dir_for_gpu(results_root: &Path, gpu: &str) -> PathBuf {
 }
 
 /// The sweeps in a kernel's rows, each an axis and the rows of the lines along it. One CSV often holds
-/// several sweeps (a ctx sweep at batch 1 and a batch sweep at one ctx): the first axis is
-/// [`sweep_axis`] of all rows; a line is a variant at one shape apart from the axis, kept when it has two
-/// or more points along the axis; rows on no kept line choose the next axis, until every row is on a line
-/// or no further line forms. A row may be on the lines of two axes (the corner where two sweeps meet).
-/// When not even the first axis forms a line (the axis is a derived column not in the shapes), all rows
-/// go along it.
+/// several sweeps (a ctx sweep at batch 1 and a batch sweep at one ctx). A line is a variant at one shape
+/// apart from the axis, with two or more points along it. The dimension columns that vary among the rows
+/// not yet on a line are tried as axes, most distinct values first (as in [`sweep_axis`]); the first
+/// whose lines take in some of those rows becomes the next sweep, until every row is on a line or no
+/// axis forms a new one. A row may be on the lines of two axes (the corner where two sweeps meet). When
+/// no axis forms any line (e.g. shapes that are all different), every row goes along [`sweep_axis`].
 pub fn sweeps_of(rows: &[Row]) -> Vec<(&'static str, Vec<Row>)> {
     let mut out: Vec<(&'static str, Vec<Row>)> = Vec::new();
     let mut remaining: Vec<usize> = (0..rows.len()).collect();
@@ -366,7 +366,9 @@ fn rows_on_lines(rows: &[Row], axis: &str) -> Vec<usize> {
         .collect()
 }
 
-/// The dimension column a set of rows was swept along: the first of [`axis_candidates`].
+/// The dimension column a set of rows was swept along: among tokens, rows, batch, ctx and cols, the one
+/// with the most distinct values (at least two), ties broken in that order; `bytes` only when none of
+/// those varies.
 pub fn sweep_axis(rows: &[Row]) -> Option<&'static str> {
     axis_candidates(rows).first().copied()
 }
