@@ -2,7 +2,8 @@
 //!
 //! Layout (see DESIGN §1): `formats` (exact CPU codecs), `gpu` (driver runtime), `ops` (one module per
 //! kernel family: launcher + CPU reference), `model` (DSV4 config, weights, reference decode),
-//! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands).
+//! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands), `progress` (progress of
+//! long sweeps and stress runs; a leaf that ops and bench both use).
 
 pub mod bench;
 pub mod cli;
@@ -10,3 +11,4 @@ pub mod formats;
 pub mod gpu;
 pub mod model;
 pub mod ops;
+pub mod progress;

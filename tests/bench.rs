@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use megamoe::bench::config::{default_config, SweepConfig};
 use megamoe::bench::csv_out::{append_rows, read_rows, write_rows};
-use megamoe::bench::plot::{plot_rows, plot_series, Series};
+use megamoe::bench::plot::{plot_rows, plot_rows_with, plot_series, PlotSelection, Series, Target};
 use megamoe::bench::report::{report_from_csv_dir, write_report, ReportSection};
 use megamoe::bench::{fill_speedups, Limits, MatmulKind, Row, Summary, Telemetry};
 use rand::{Rng, SeedableRng};
@@ -251,8 +251,25 @@ fn plot_series_writes_png_and_svg_on_every_axis_kind() {
     assert!(format!("{err:#}").contains("logarithmic"), "{err:#}");
 }
 
+/// The text of every `<text>` element of an SVG, trimmed and unescaped.
+fn svg_texts(svg: &str) -> Vec<String> {
+    svg.split("<text")
+        .skip(1)
+        .filter_map(|t| {
+            let body = &t[t.find('>')? + 1..];
+            let text = body[..body.find("</text>")?].trim();
+            Some(
+                text.replace("&lt;", "<")
+                    .replace("&gt;", ">")
+                    .replace("&quot;", "\"")
+                    .replace("&amp;", "&"),
+            )
+        })
+        .collect()
+}
+
 #[test]
-fn plot_rows_one_line_per_variant_and_shape() {
+fn plot_rows_one_plot_per_geometry_one_line_per_variant() {
     let mut rng = seeded_rng();
     let dir = TempDir::new("plot-rows");
     let rows = sweep_rows(&mut rng);
@@ -264,22 +281,135 @@ fn plot_rows_one_line_per_variant_and_shape() {
         &rows,
     )
     .unwrap();
-    assert_eq!(files.len(), 2);
-    assert_png_and_svg(&files[0], &files[1]);
-    let svg = fs::read_to_string(&files[1]).unwrap();
-    // Two variants x two `cols` values, because rows at the same x differ in cols.
-    for name in [
-        "fused (cols=4096)",
-        "fused (cols=7168)",
-        "unfused (cols=4096)",
-        "unfused (cols=7168)",
-    ] {
-        assert!(svg.contains(name), "legend entry {name}");
+    // cols is the hidden size: 4096 is DeepSeek-V4 Flash's, 7168 Pro's; one plot (png + svg) each.
+    let names: Vec<String> = files
+        .iter()
+        .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "nvfp4_quantize_rows__us_median_vs_rows__dsv4-flash.png",
+            "nvfp4_quantize_rows__us_median_vs_rows__dsv4-flash.svg",
+            "nvfp4_quantize_rows__us_median_vs_rows__dsv4-pro.png",
+            "nvfp4_quantize_rows__us_median_vs_rows__dsv4-pro.svg",
+        ]
+    );
+    for pair in files.chunks(2) {
+        assert_png_and_svg(&pair[0], &pair[1]);
+        let texts = svg_texts(&fs::read_to_string(&pair[1]).unwrap());
+        for name in ["fused", "unfused"] {
+            assert!(
+                texts.iter().any(|t| t == name),
+                "legend entry {name} in {texts:?}"
+            );
+        }
+        assert!(
+            !texts.iter().any(|t| t.contains("cols=")),
+            "one geometry per plot: no line split by cols"
+        );
     }
+    let flash = svg_texts(&fs::read_to_string(&files[1]).unwrap());
+    let title = "nvfp4_quantize_rows, DSV4-Flash: median time (us) vs rows (NVIDIA H200)";
+    assert!(flash.iter().any(|t| t == title), "{flash:?}");
+
+    // Rows of one variant at the same x that differ in a workload size (batch) become separate lines.
+    let mut split = Vec::new();
+    for batch in [1u64, 16] {
+        for ctx in [4096u64, 65536] {
+            let mut r = Row::new("attn", "fp8", &format!("batch={batch},ctx={ctx},heads=64"))
+                .with_timing(&Summary::of(&[10.0 + batch as f64]).unwrap(), 1);
+            r.batch = Some(batch);
+            r.ctx = Some(ctx);
+            split.push(r);
+        }
+    }
+    let files = plot_rows(dir.path(), "attn", "ctx", "us_median", &split).unwrap();
+    assert_eq!(files.len(), 2);
+    assert!(files[0].ends_with("attn__us_median_vs_ctx__dsv4-flash.png"));
+    let texts = svg_texts(&fs::read_to_string(&files[1]).unwrap());
+    for name in ["fp8 (batch=1)", "fp8 (batch=16)"] {
+        assert!(
+            texts.iter().any(|t| t == name),
+            "legend entry {name} in {texts:?}"
+        );
+    }
+
     let err = plot_rows(dir.path(), "nvfp4_quantize_rows", "rows", "nonsense", &rows).unwrap_err();
     assert!(err.to_string().contains("not a numeric column"), "{err}");
     let err = plot_rows(dir.path(), "no_such_kernel", "rows", "us_median", &rows).unwrap_err();
     assert!(err.to_string().contains("no_such_kernel"), "{err}");
+}
+
+#[test]
+fn default_plot_draws_only_the_selected_variants_and_the_target_line() {
+    let mut rng = seeded_rng();
+    let dir = TempDir::new("plot-headline");
+    let rows = sweep_rows(&mut rng);
+    let target_label = "target: >= 80% of copy BW";
+    let selection = PlotSelection {
+        variants: vec!["fused".to_string()],
+        targets: vec![Target {
+            metric: "pct_copy_bw".into(),
+            value: 80.0,
+            label: target_label.into(),
+        }],
+    };
+    let files = plot_rows_with(
+        dir.path(),
+        "nvfp4_quantize_rows",
+        "rows",
+        "pct_copy_bw",
+        &rows,
+        &selection,
+    )
+    .unwrap();
+    assert_eq!(files.len(), 4, "two geometries, png + svg each");
+    for pair in files.chunks(2) {
+        assert_png_and_svg(&pair[0], &pair[1]);
+        let texts = svg_texts(&fs::read_to_string(&pair[1]).unwrap());
+        assert!(
+            texts.iter().any(|t| t == "fused"),
+            "the headline variant is drawn"
+        );
+        assert!(
+            !texts.iter().any(|t| t == "unfused"),
+            "a variant outside the headline is not"
+        );
+        // The label appears twice: on the line and in the legend.
+        assert_eq!(
+            texts.iter().filter(|t| *t == target_label).count(),
+            2,
+            "target line label in {texts:?}"
+        );
+    }
+    // A target goes on the plots of its metric only.
+    let files = plot_rows_with(
+        dir.path(),
+        "nvfp4_quantize_rows",
+        "rows",
+        "us_median",
+        &rows,
+        &selection,
+    )
+    .unwrap();
+    let texts = svg_texts(&fs::read_to_string(&files[1]).unwrap());
+    assert!(!texts.iter().any(|t| t == target_label), "{texts:?}");
+    // Asking for a variant the rows do not have is an error naming the ones present.
+    let missing = PlotSelection {
+        variants: vec!["nope".into()],
+        targets: Vec::new(),
+    };
+    let err = plot_rows_with(
+        dir.path(),
+        "nvfp4_quantize_rows",
+        "rows",
+        "us_median",
+        &rows,
+        &missing,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("fused, unfused"), "{err}");
 }
 
 #[test]
@@ -330,9 +460,9 @@ fn report_from_csv_dir_writes_tables_and_plots() {
         copies.len()
     );
     for plot in [
-        "plots/nvfp4_quantize_rows__us_median_vs_rows.png",
-        "plots/nvfp4_quantize_rows__pct_copy_bw_vs_rows.svg",
-        "plots/nvfp4_quantize_rows__speedup_vs_baseline_vs_rows.png",
+        "plots/nvfp4_quantize_rows__us_median_vs_rows__dsv4-flash.png",
+        "plots/nvfp4_quantize_rows__pct_copy_bw_vs_rows__dsv4-pro.svg",
+        "plots/nvfp4_quantize_rows__speedup_vs_baseline_vs_rows__dsv4-flash.png",
         "plots/copy__us_median_vs_bytes.png",
     ] {
         assert!(

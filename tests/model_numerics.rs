@@ -1,8 +1,11 @@
-//! The model's numeric building blocks: Hadamard, RoPE/YaRN, simulated FP8/FP4 quantization.
+//! The model's numeric building blocks: Hadamard, RoPE/YaRN, simulated FP8/FP4 quantization, the
+//! parallel map the reference runs its independent outputs on.
 
 use megamoe::formats::{e2m1, e4m3};
 use megamoe::model::config::YarnScaling;
-use megamoe::model::numerics::{fp4_sim_inplace, fp8_sim_inplace, hadamard_inplace, RopeTable};
+use megamoe::model::numerics::{
+    dot, fp4_sim_inplace, fp8_sim_inplace, hadamard_inplace, par_map, RopeTable,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -114,4 +117,27 @@ fn simulated_quantization_lands_on_the_grid_with_pow2_scales() {
             assert_eq!(*qv, e2m1::decode(e2m1::encode_rne(xv / scale)) * scale);
         }
     }
+}
+
+#[test]
+fn par_map_is_bit_identical_to_the_sequential_map_nested_or_not() {
+    // Mat-vec rows (each an f32 reduction) inside an outer loop over "tokens": the shape of the reference's
+    // parallel loops. Every output must equal the sequential computation bit for bit, in index order.
+    let mut r = rng("par_map");
+    let (tokens, rows, cols) = (13, 97, 300);
+    let w: Vec<Vec<f32>> = (0..rows)
+        .map(|_| (0..cols).map(|_| r.random_range(-1.0f32..1.0)).collect())
+        .collect();
+    let xs: Vec<Vec<f32>> = (0..tokens)
+        .map(|_| (0..cols).map(|_| r.random_range(-1.0f32..1.0)).collect())
+        .collect();
+    let sequential: Vec<Vec<u32>> = xs
+        .iter()
+        .map(|x| w.iter().map(|row| dot(row, x).to_bits()).collect())
+        .collect();
+    let parallel: Vec<Vec<u32>> =
+        par_map(tokens, |t| par_map(rows, |i| dot(&w[i], &xs[t]).to_bits()));
+    assert_eq!(parallel, sequential);
+    assert!(par_map(0, |i| i).is_empty());
+    assert_eq!(par_map(1, |i| i + 7), [7]);
 }

@@ -1,7 +1,7 @@
 //! `REPORT.md` for one GPU's results directory: provenance, the limits measured in the run, and one
 //! section per kernel with a table of its rows and its plots.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 
 use super::csv_out::read_rows;
-use super::plot::{format_number, plot_rows};
+use super::plot::{format_number, plot_rows_with, shape_pairs, PlotSelection, Target};
 use super::row::{fill_speedups, Row, DIMENSION_COLUMNS};
 
 /// One part of a report: a heading, free text, a table of rows and plot files.
@@ -59,11 +59,56 @@ pub fn write_report(results_dir_for_gpu: &Path, sections: &[ReportSection]) -> R
     Ok(path)
 }
 
-/// Build the standard report of a results directory: read every `*.csv` in `dir` (file name order),
-/// fill speedups, group rows by kernel (order of first appearance), plot `us_median` and, where
-/// present, `pct_copy_bw`, `pct_matmul` and `speedup_vs_baseline` against the kernel's sweep axis
-/// into `dir/plots/`, and write `dir/REPORT.md`. Returns the report's path.
+/// Which variants the plots of a report draw (the tables and CSVs always hold every variant).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum PlotVariants {
+    /// Each kernel's `headline` variants (the routed kernel and the baselines its targets name, from
+    /// [`crate::bench::kernels::all`]); every variant when the kernel names none or none of its headline
+    /// variants is among the rows (e.g. CSVs written before a rename).
+    #[default]
+    Headline,
+    /// Every variant.
+    All,
+    /// These variants, where a kernel has them (a kernel with none of them gets no plot).
+    Only(Vec<String>),
+}
+
+impl std::str::FromStr for PlotVariants {
+    type Err = anyhow::Error;
+
+    /// `headline`, `all`, or a comma-separated list of variant names.
+    fn from_str(s: &str) -> Result<PlotVariants> {
+        let s = s.trim();
+        Ok(match s {
+            "headline" => PlotVariants::Headline,
+            "all" => PlotVariants::All,
+            _ => {
+                let names: Vec<String> = s
+                    .split(',')
+                    .map(|v| v.trim().to_string())
+                    .filter(|v| !v.is_empty())
+                    .collect();
+                if names.is_empty() {
+                    bail!("no variant named: give `headline`, `all` or a comma-separated list");
+                }
+                PlotVariants::Only(names)
+            }
+        })
+    }
+}
+
+/// Build the standard report of a results directory with each kernel's headline plots; see
+/// [`report_from_csv_dir_with`].
 pub fn report_from_csv_dir(dir: &Path) -> Result<PathBuf> {
+    report_from_csv_dir_with(dir, &PlotVariants::Headline)
+}
+
+/// Build the report of a results directory: read every `*.csv` in `dir` (file name order), fill
+/// speedups, group rows by kernel (order of first appearance), plot `us_median` and, where present,
+/// `pct_copy_bw`, `pct_matmul` and `speedup_vs_baseline` against the kernel's sweep axis into
+/// `dir/plots/` (the `variants` chosen, one plot per geometry, the kernel's targets as lines), and write
+/// `dir/REPORT.md` with every row in its tables. Returns the report's path.
+pub fn report_from_csv_dir_with(dir: &Path, variants: &PlotVariants) -> Result<PathBuf> {
     let mut csv_files: Vec<PathBuf> = fs::read_dir(dir)
         .with_context(|| format!("reading directory {}", dir.display()))?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
@@ -85,6 +130,7 @@ pub fn report_from_csv_dir(dir: &Path) -> Result<PathBuf> {
             kernels.push(row.kernel.clone());
         }
     }
+    let registry = crate::bench::kernels::all();
     let plot_dir = dir.join("plots");
     let mut sections = Vec::new();
     for kernel in kernels {
@@ -93,29 +139,54 @@ pub fn report_from_csv_dir(dir: &Path) -> Result<PathBuf> {
             .filter(|r| r.kernel == kernel)
             .cloned()
             .collect();
-        let axis = sweep_axis(&kernel_rows);
+        let known = registry.iter().find(|k| k.name == kernel);
+        let headline: &[&str] = known.map(|k| k.headline).unwrap_or(&[]);
+        let targets: Vec<Target> = known
+            .map(|k| {
+                k.targets
+                    .iter()
+                    .map(|t| Target {
+                        metric: t.metric.to_string(),
+                        value: t.value,
+                        label: t.label.to_string(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let (selection, what) = choose_variants(&kernel_rows, headline, variants);
+        let sweeps = sweeps_of(&kernel_rows);
         let mut notes = String::new();
         let mut plots = Vec::new();
-        match axis {
-            Some(axis) => {
-                sort_rows_along(&mut kernel_rows, axis);
-                let _ = write!(notes, "Sweep axis: `{axis}`.");
+        if let Some((first, _)) = sweeps.first() {
+            sort_rows_along(&mut kernel_rows, first);
+            let axes: Vec<String> = sweeps.iter().map(|(a, _)| format!("`{a}`")).collect();
+            let word = if axes.len() == 1 { "axis" } else { "axes" };
+            let _ = write!(notes, "Sweep {word}: {}. {what}", axes.join(", "));
+        } else {
+            notes.push_str("No dimension column varies across these rows, so there is no plot.");
+        }
+        if let Some(chosen) = selection {
+            let selection = PlotSelection {
+                variants: chosen,
+                targets,
+            };
+            for (axis, sweep_rows) in &sweeps {
                 for y in [
                     "us_median",
                     "pct_copy_bw",
                     "pct_matmul",
                     "speedup_vs_baseline",
                 ] {
-                    let has_points = kernel_rows.iter().any(|r| {
-                        matches!((r.numeric(axis), r.numeric(y)), (Ok(Some(_)), Ok(Some(_))))
+                    let has_points = sweep_rows.iter().any(|r| {
+                        (selection.variants.is_empty() || selection.variants.contains(&r.variant))
+                            && matches!((r.numeric(axis), r.numeric(y)), (Ok(Some(_)), Ok(Some(_))))
                     });
                     if has_points {
-                        plots.extend(plot_rows(&plot_dir, &kernel, axis, y, &kernel_rows)?);
+                        plots.extend(plot_rows_with(
+                            &plot_dir, &kernel, axis, y, sweep_rows, &selection,
+                        )?);
                     }
                 }
-            }
-            None => {
-                notes.push_str("No dimension column varies across these rows, so there is no plot.")
             }
         }
         sections.push(ReportSection {
@@ -126,6 +197,72 @@ pub fn report_from_csv_dir(dir: &Path) -> Result<PathBuf> {
         });
     }
     write_report(dir, &sections)
+}
+
+/// The variants a kernel's plots draw (empty: all; `None`: no plot) and a sentence for the report saying
+/// which and why.
+fn choose_variants(
+    rows: &[Row],
+    headline: &[&str],
+    asked: &PlotVariants,
+) -> (Option<Vec<String>>, String) {
+    let present: BTreeSet<&str> = rows.iter().map(|r| r.variant.as_str()).collect();
+    let others = "every variant is in the table and the CSV; `megamoe report --variants all` plots them all.";
+    let quoted = |names: &[String]| -> String {
+        names
+            .iter()
+            .map(|v| format!("`{v}`"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match asked {
+        PlotVariants::All => (Some(Vec::new()), "Plots: every variant.".to_string()),
+        PlotVariants::Headline => {
+            let chosen: Vec<String> = headline
+                .iter()
+                .filter(|v| present.contains(**v))
+                .map(|v| v.to_string())
+                .collect();
+            if chosen.is_empty() {
+                let why = if headline.is_empty() {
+                    "the kernel names no headline variants"
+                } else {
+                    "none of its headline variants is among these rows"
+                };
+                (Some(Vec::new()), format!("Plots: every variant ({why})."))
+            } else if chosen.len() == present.len() {
+                (Some(chosen), "Plots: every variant.".to_string())
+            } else {
+                let names = quoted(&chosen);
+                (
+                    Some(chosen),
+                    format!("Plots: the headline variants {names}; {others}"),
+                )
+            }
+        }
+        PlotVariants::Only(list) => {
+            let chosen: Vec<String> = list
+                .iter()
+                .filter(|v| present.contains(v.as_str()))
+                .cloned()
+                .collect();
+            if chosen.is_empty() {
+                (
+                    None,
+                    format!(
+                        "No plot: none of the variants asked for ({}) is among these rows.",
+                        list.join(", ")
+                    ),
+                )
+            } else {
+                let names = quoted(&chosen);
+                (
+                    Some(chosen),
+                    format!("Plots: the variants asked for, {names}."),
+                )
+            }
+        }
+    }
 }
 
 /// Where one GPU's results live: `results_root/<gpu name without the vendor word "NVIDIA", in lowercase,
@@ -149,14 +286,101 @@ pub fn results_dir_for_gpu(results_root: &Path, gpu: &str) -> PathBuf {
     results_root.join(if name.is_empty() { "unknown-gpu" } else { name })
 }
 
-/// The dimension column a set of rows was swept along: among tokens, rows, batch, ctx and cols,
-/// the one with the most distinct values (at least two), ties broken in that order; `bytes` only
-/// when none of those varies. `bytes` comes last because it is usually derived from the real axis
-/// (and then has even more distinct values when a second dimension varies too).
+/// The sweeps in a kernel's rows, each an axis and the rows of the lines along it. One CSV often holds
+/// several sweeps (a ctx sweep at batch 1 and a batch sweep at one ctx). A line is a variant at one shape
+/// apart from the axis, with two or more points along it. The dimension columns that vary among the rows
+/// not yet on a line are tried as axes, most distinct values first (as in [`sweep_axis`]); the first
+/// whose lines take in some of those rows becomes the next sweep, until every row is on a line or no
+/// axis forms a new one. A row may be on the lines of two axes (the corner where two sweeps meet). When
+/// no axis forms any line (e.g. shapes that are all different), every row goes along [`sweep_axis`].
+pub fn sweeps_of(rows: &[Row]) -> Vec<(&'static str, Vec<Row>)> {
+    let mut out: Vec<(&'static str, Vec<Row>)> = Vec::new();
+    let mut remaining: Vec<usize> = (0..rows.len()).collect();
+    'next_sweep: while !remaining.is_empty() {
+        let rest: Vec<Row> = remaining.iter().map(|&i| rows[i].clone()).collect();
+        let candidates = axis_candidates(&rest);
+        for &axis in &candidates {
+            if out.iter().any(|(a, _)| *a == axis) {
+                continue;
+            }
+            let taken = rows_on_lines(rows, axis);
+            if taken.iter().any(|i| remaining.contains(i)) {
+                remaining.retain(|i| !taken.contains(i));
+                out.push((axis, taken.iter().map(|&i| rows[i].clone()).collect()));
+                continue 'next_sweep;
+            }
+        }
+        if out.is_empty() {
+            if let Some(&axis) = candidates.first() {
+                let along: Vec<Row> = rows
+                    .iter()
+                    .filter(|r| matches!(r.numeric(axis), Ok(Some(_))))
+                    .cloned()
+                    .collect();
+                out.push((axis, along));
+            }
+        }
+        break;
+    }
+    out
+}
+
+/// Indices of the rows on a line along `axis` with two or more points. A line is a variant at one shape
+/// apart from the axis key (for shapes that are not `key=value` lists: at one value of each other
+/// dimension column).
+fn rows_on_lines(rows: &[Row], axis: &str) -> Vec<usize> {
+    let line_of = |r: &Row| -> (String, Vec<(String, String)>, Vec<u64>) {
+        let pairs = shape_pairs(&r.shape);
+        if pairs.is_empty() {
+            // No key=value shape: the other dimension columns say where the row sits.
+            let dims = DIMENSION_COLUMNS
+                .iter()
+                .filter(|d| **d != axis && **d != "bytes")
+                .map(|d| r.numeric(d).ok().flatten().map_or(u64::MAX, f64::to_bits))
+                .collect();
+            return (
+                r.variant.clone(),
+                vec![(String::new(), r.shape.clone())],
+                dims,
+            );
+        }
+        // The shape's parameters; dimension columns derived from the axis (tokens = batch x next_n)
+        // change along a line, so they do not identify it.
+        let shape = pairs.into_iter().filter(|(k, _)| k != axis).collect();
+        (r.variant.clone(), shape, Vec::new())
+    };
+    let x_of = |r: &Row| r.numeric(axis).ok().flatten().map(f64::to_bits);
+    let mut lines: BTreeMap<_, BTreeSet<u64>> = BTreeMap::new();
+    for r in rows {
+        if let Some(x) = x_of(r) {
+            lines.entry(line_of(r)).or_default().insert(x);
+        }
+    }
+    (0..rows.len())
+        .filter(|&i| {
+            x_of(&rows[i]).is_some()
+                && lines
+                    .get(&line_of(&rows[i]))
+                    .is_some_and(|xs| xs.len() >= 2)
+        })
+        .collect()
+}
+
+/// The dimension column a set of rows was swept along: among tokens, rows, batch, ctx and cols, the one
+/// with the most distinct values (at least two), ties broken in that order; `bytes` only when none of
+/// those varies.
 pub fn sweep_axis(rows: &[Row]) -> Option<&'static str> {
-    let mut best: Option<(&'static str, usize)> = None;
+    axis_candidates(rows).first().copied()
+}
+
+/// The dimension columns that vary among `rows` (at least two values), most distinct values first,
+/// ties broken in the order tokens, rows, batch, ctx, cols; `bytes` only when none of those varies.
+/// `bytes` comes last because it is usually derived from the real axis (and then has even more
+/// distinct values when a second dimension varies too).
+fn axis_candidates(rows: &[Row]) -> Vec<&'static str> {
+    let mut found: Vec<(&'static str, usize)> = Vec::new();
     for dim in DIMENSION_COLUMNS {
-        if dim == "bytes" && best.is_some() {
+        if dim == "bytes" && !found.is_empty() {
             break;
         }
         let distinct: BTreeSet<u64> = rows
@@ -164,11 +388,13 @@ pub fn sweep_axis(rows: &[Row]) -> Option<&'static str> {
             .filter_map(|r| r.numeric(dim).ok().flatten())
             .map(f64::to_bits)
             .collect();
-        if distinct.len() >= 2 && best.is_none_or(|(_, n)| distinct.len() > n) {
-            best = Some((dim, distinct.len()));
+        if distinct.len() >= 2 {
+            found.push((dim, distinct.len()));
         }
     }
-    best.map(|(dim, _)| dim)
+    // Stable sort: equal counts keep the column order.
+    found.sort_by_key(|f| std::cmp::Reverse(f.1));
+    found.into_iter().map(|(dim, _)| dim).collect()
 }
 
 /// Order rows by the other dimensions, then the axis, then variant, so tables read as sweeps.
@@ -413,6 +639,89 @@ mod tests {
             .map(|(v, m, n)| (v.to_string(), *m, *n))
             .collect();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn plot_variants_follow_the_headline_with_fallbacks() {
+        let rows = vec![
+            row("routed", 1, 8),
+            row("baseline", 1, 8),
+            row("loser", 1, 8),
+        ];
+        let (chosen, note) =
+            choose_variants(&rows, &["routed", "baseline"], &PlotVariants::Headline);
+        assert_eq!(
+            chosen,
+            Some(vec!["routed".to_string(), "baseline".to_string()])
+        );
+        assert!(note.contains("--variants all"), "{note}");
+        // Old CSVs whose names match no headline variant, or a kernel without a headline: all variants.
+        let (chosen, note) = choose_variants(&rows, &["renamed"], &PlotVariants::Headline);
+        assert_eq!(chosen, Some(Vec::new()));
+        assert!(note.contains("none of its headline variants"), "{note}");
+        assert_eq!(
+            choose_variants(&rows, &[], &PlotVariants::Headline).0,
+            Some(Vec::new())
+        );
+        assert_eq!(
+            choose_variants(&rows, &["routed"], &PlotVariants::All).0,
+            Some(Vec::new())
+        );
+        let only: PlotVariants = "loser, nope".parse().unwrap();
+        assert_eq!(
+            only,
+            PlotVariants::Only(vec!["loser".into(), "nope".into()])
+        );
+        assert_eq!(
+            choose_variants(&rows, &["routed"], &only).0,
+            Some(vec!["loser".to_string()])
+        );
+        let none: PlotVariants = "nope".parse().unwrap();
+        assert_eq!(choose_variants(&rows, &[], &none).0, None);
+        assert_eq!("all".parse::<PlotVariants>().unwrap(), PlotVariants::All);
+        assert_eq!(
+            "headline".parse::<PlotVariants>().unwrap(),
+            PlotVariants::Headline
+        );
+        assert!(" , ".parse::<PlotVariants>().is_err());
+    }
+
+    #[test]
+    fn one_csv_with_two_sweeps_gives_two_axes() {
+        // A ctx sweep at batch 1 and a batch sweep at ctx 65536 (tokens derived from batch).
+        let point = |variant: &str, batch: u64, ctx: u64| {
+            let mut r = Row::empty("idx", variant, &format!("batch={batch},ctx={ctx},k=512"));
+            r.batch = Some(batch);
+            r.ctx = Some(ctx);
+            r.tokens = Some(batch);
+            r
+        };
+        let mut rows = Vec::new();
+        for v in ["a", "b"] {
+            for ctx in [4096, 16384, 65536, 262144, 1048576] {
+                rows.push(point(v, 1, ctx));
+            }
+            for batch in [2, 4, 8] {
+                rows.push(point(v, batch, 65536));
+            }
+        }
+        let sweeps = sweeps_of(&rows);
+        let axes: Vec<&str> = sweeps.iter().map(|(a, _)| *a).collect();
+        assert_eq!(axes, ["ctx", "batch"]);
+        assert_eq!(sweeps[0].1.len(), 10, "the ctx lines at batch 1");
+        // The batch lines include the corner (batch 1, ctx 65536) shared with the ctx sweep.
+        assert_eq!(sweeps[1].1.len(), 8);
+        assert!(sweeps[1].1.iter().all(|r| r.ctx == Some(65536)));
+        // One sweep only: one axis, every row.
+        let single: Vec<Row> = rows
+            .iter()
+            .filter(|r| r.batch == Some(1))
+            .cloned()
+            .collect();
+        let sweeps = sweeps_of(&single);
+        assert_eq!(sweeps.len(), 1);
+        assert_eq!(sweeps[0].1.len(), single.len());
+        assert!(sweeps_of(&rows[..1]).is_empty());
     }
 
     #[test]

@@ -143,7 +143,11 @@ pub fn run(
                         }
                     }
                     Err(e) => {
-                        eprintln!("FAILED {} {v} {}: {e:#}", k.name, s.shape_label(value));
+                        progress.println(&format!(
+                            "FAILED {} {v} {}: {e:#}",
+                            k.name,
+                            s.shape_label(value)
+                        ));
                         failures.push(format!("{} {v} {}: {e:#}", k.name, s.shape_label(value)));
                     }
                 }

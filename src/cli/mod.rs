@@ -54,6 +54,10 @@ enum Command {
     Report {
         #[arg(long, default_value = "results/h200")]
         dir: PathBuf,
+        /// Variants the plots draw: `headline` (each kernel's routed kernel and the baselines its targets
+        /// name), `all`, or a comma-separated list. Tables and CSVs always keep every variant.
+        #[arg(long, default_value = "headline")]
+        variants: crate::bench::report::PlotVariants,
     },
     /// Stress tests: deadlock and edge-size suites, each launch under a host-side watchdog.
     Stress {
@@ -155,8 +159,8 @@ pub fn main() -> Result<()> {
         }
         Command::Run(args) | Command::Bench(args) => bench(cli.gpu, args),
         Command::Stress { suite } => stress(cli.gpu, suite),
-        Command::Report { dir } => {
-            let p = runner::report_dir(&dir)?;
+        Command::Report { dir, variants } => {
+            let p = crate::bench::report::report_from_csv_dir_with(&dir, &variants)?;
             println!("wrote {}", p.display());
             Ok(())
         }

@@ -135,43 +135,19 @@ pub fn rms(x: &[f32]) -> f64 {
     (x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len().max(1) as f64).sqrt()
 }
 
-thread_local! {
-    static IN_WORKER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Number of worker threads for the reference (all cores).
+/// Number of worker threads the reference runs on (rayon's global pool: all cores unless
+/// `RAYON_NUM_THREADS` says otherwise).
 pub fn num_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    rayon::current_num_threads()
 }
 
-/// Runs `f(i)` for i in 0..n over the available cores (contiguous chunks), collecting results in order.
-/// Nested calls (from inside a worker) run sequentially, so an outer loop over tokens and an inner
-/// mat-vec never oversubscribe the cores.
-pub fn par_map<T: Send, F: Fn(usize) -> T + Sync>(n: usize, f: F) -> Vec<T> {
-    let threads = num_threads().min(n.max(1));
-    if threads <= 1 || n < 2 || IN_WORKER.with(|w| w.get()) {
-        return (0..n).map(&f).collect();
-    }
-    let chunk = n.div_ceil(threads);
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                s.spawn(move || {
-                    IN_WORKER.with(|w| w.set(true));
-                    let lo = (t * chunk).min(n);
-                    let hi = ((t + 1) * chunk).min(n);
-                    (lo..hi).map(f).collect::<Vec<T>>()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("worker thread panicked"))
-            .collect()
-    })
+/// `f(i)` for i in 0..n on rayon's pool, results in index order. Every `f(i)` is computed whole by one
+/// thread, so the result is bit-identical to the sequential `(0..n).map(f)` whatever the thread count:
+/// only independent outputs are spread over threads, never the terms of one reduction. Nested calls (an
+/// outer loop over tokens, an inner mat-vec) share the pool by work stealing instead of oversubscribing it.
+pub fn par_map<T: Send, F: Fn(usize) -> T + Sync + Send>(n: usize, f: F) -> Vec<T> {
+    use rayon::prelude::*;
+    (0..n).into_par_iter().map(f).collect()
 }
 
 /// RoPE table of one layer: per pair i the angular frequency f_i (arch §3.1).

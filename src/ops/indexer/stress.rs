@@ -40,6 +40,7 @@ use super::reference::{self, IndexerShape, KeyCacheHost, KeyFormat, HEAD_DIM, NU
 use super::{IndexerWorkspace, KeyCacheGpu, QueryBatch, TopkOutput, TopkPath, TopkWorkspace};
 use crate::gpu::arena::{self, Arena};
 use crate::gpu::Gpu;
+use crate::progress::Progress;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -607,7 +608,9 @@ pub fn run_stress(gpu: &Gpu, opts: &StressOptions) -> Result<StressReport> {
     {
         cx.fail("policy", "an infinite w was accepted".into());
     }
+    let mut progress = Progress::new("indexer stress", 1 + opts.formats.len() * 2 * opts.ks.len());
     let mut alive = stress_topk(&mut cx)?;
+    progress.tick("top-k alone");
     'e2e: for &format in &opts.formats {
         for next_n in [1usize, 2] {
             for &k in &opts.ks {
@@ -615,6 +618,10 @@ pub fn run_stress(gpu: &Gpu, opts: &StressOptions) -> Result<StressReport> {
                     break 'e2e;
                 }
                 alive = stress_e2e(&mut cx, format, next_n, k)?;
+                progress.tick(&format!(
+                    "end to end {} next_n={next_n} k={k}",
+                    format.name()
+                ));
             }
         }
     }
