@@ -13,18 +13,17 @@
 //! - [`plot`]: line plots without system fonts (an embedded DejaVu Sans).
 //! - [`report`]: `REPORT.md` for one GPU's results directory.
 //! - [`config`]: the TOML schema of `bench-configs/*.toml` sweeps.
-//! - [`progress`]: progress of long sweeps on stderr (a bar on a terminal, plain lines in logs).
 //! - [`env`]: git commit and UTC timestamp of a run.
 
 pub mod config;
 pub mod csv_out;
 pub mod env;
+pub mod hook;
 pub mod kernels;
 pub mod limits;
 pub mod plot;
 pub mod probe;
 /// Progress lives at the crate root (a leaf, so ops such as the indexer stress run use it too).
-pub use crate::progress;
 pub mod report;
 pub mod row;
 pub mod runner;

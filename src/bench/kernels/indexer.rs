@@ -8,7 +8,7 @@
 use anyhow::{bail, Result};
 
 use crate::bench::config::Sweep;
-use crate::bench::runner::{BenchCtx, BenchKernel, PlotTarget};
+use crate::bench::hook::{BenchCtx, BenchKernel, PlotTarget};
 use crate::bench::{MatmulKind, Row, Summary};
 use crate::ops::indexer::bench::{bench_inputs, time_variant, traffic_bytes, VARIANTS};
 use crate::ops::indexer::{KeyFormat, HEAD_DIM, NUM_HEADS};

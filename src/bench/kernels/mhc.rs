@@ -7,7 +7,7 @@ use anyhow::Result;
 
 use super::norm_quant::to_row;
 use crate::bench::config::Sweep;
-use crate::bench::runner::{BenchCtx, BenchKernel, PlotTarget};
+use crate::bench::hook::{BenchCtx, BenchKernel, PlotTarget};
 use crate::bench::{MatmulKind, Row};
 use crate::ops::mhc::bench::{bench_mhc, MHC_VARIANTS};
 

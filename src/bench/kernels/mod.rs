@@ -9,7 +9,7 @@ pub mod norm_quant;
 pub mod nvfp4;
 pub mod sparse_attn;
 
-use super::runner::BenchKernel;
+use super::hook::BenchKernel;
 
 /// Every kernel the sweep runner knows. A kernel family adds its entries here.
 pub fn all() -> Vec<BenchKernel> {

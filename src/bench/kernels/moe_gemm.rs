@@ -5,7 +5,7 @@
 use anyhow::Result;
 
 use crate::bench::config::Sweep;
-use crate::bench::runner::{BenchCtx, BenchKernel, PlotTarget};
+use crate::bench::hook::{BenchCtx, BenchKernel, PlotTarget};
 use crate::bench::{MatmulKind, Row, Summary};
 use crate::ops::moe_gemm::bench::{measure, Layer, Measured, ModelShape, VARIANTS};
 

@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 
 use crate::bench::config::Sweep;
-use crate::bench::runner::{BenchCtx, BenchKernel, PlotTarget, MAX_SIZE};
+use crate::bench::hook::{BenchCtx, BenchKernel, PlotTarget, MAX_SIZE};
 use crate::bench::{MatmulKind, Row, Summary};
 use crate::ops::nvfp4::bench::{self as hooks, CopyMethod, Measured};
 

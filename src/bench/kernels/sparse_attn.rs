@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 
 use crate::bench::config::Sweep;
-use crate::bench::runner::{BenchCtx, BenchKernel, PlotTarget};
+use crate::bench::hook::{BenchCtx, BenchKernel, PlotTarget};
 use crate::bench::{MatmulKind, Row, Summary};
 use crate::ops::sparse_attn::bench::{
     time_point, variant_of, work, BenchShape, LayerKind, BASELINE, KERNEL, VARIANTS,
