@@ -19,12 +19,15 @@ pub fn kernels() -> Vec<BenchKernel> {
         run_point: mhc_point,
         params: &["tokens", "d"],
         check_point: None,
-        // The decode boundary inside a captured graph (per boundary) and the op-by-op chain it is raced against.
+        // The decode boundary inside a captured graph (per boundary) and the op-by-op chain it is raced against;
+        // plain launches for prefill sizes (the tensor-core mix from 128 tokens).
         headline: &[
             "graph16_fused_nvfp4",
             "graph16_unfused_nvfp4",
             "graph16_fused_fp8",
             "graph16_unfused_fp8",
+            "fused_nvfp4",
+            "unfused_nvfp4",
         ],
         targets: &[
             PlotTarget {
