@@ -52,8 +52,8 @@
 //   - moe_gemm_finish_l1_rows_kc* (prefill): persistent CTAs over contiguous row ranges, a per-thread cp.async
 //     ring of the next rows' partials, h in registers, 8 elements of a 16-block per thread and the division-free
 //     e2m1 encoder. Bit-identical to the per-row finish (shared l1_swiglu_h and quantization rules).
-//   - moe_gemm_finish_l2_combine_{rowwarps,cols2,cols2_tok,cols}: the per-token combine in routing order; which
-//     one runs is FinishL2Kernel::for_tokens (all bit-identical; cols only for an odd N).
+//   - moe_gemm_finish_l2_combine_{rowwarps,cols2,cols2_tok}: the per-token combine in routing order; which
+//     one runs is FinishL2Kernel::for_tokens (all bit-identical).
 //
 // Rounding points: products exact (bf16 x bf16 of exact values), fp32 accumulation (tensor-core order),
 // split partials added in split order in fp32, scale = gsa * gsb (fp32), out = acc * scale (fp32), then the
@@ -1122,13 +1122,16 @@ MOE_FINISH_L1_ROWS_THR2(4, 2, 2)
 
 // L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
 // fp32 sum taken in routing order j = 0, 1, ... (deterministic). The routing weight was applied in L1 (DSV4 applies
-// it to h before w2). grid = (tokens, ceil(N / 256)), block = 256, one column per thread. The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
-// kFinishMaxTopk, launcher check). The loads of up to 8 rows x 4 splits are predicated and independent, meant to be
-// in flight together; ptxas interleaves them with their predicated adds instead (~12 dependent round trips at 1
-// token under ncu), so this kernel runs only for an odd N (_rowwarps / _cols2 / _cols2_tok below are routed
-// otherwise). Order: per row j the splits
-// in split order starting from 0 (as reduce_splits), then y over j = 0, 1, ... (routing order) (the order of
-// the CPU reference).
+// it to h before w2). The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
+// kFinishMaxTopk, launcher check). Three kernels (FinishL2Kernel::for_tokens picks one), all with the same fp32
+// operations on the same values in the same order per column, so bit-identical outputs (the order of the CPU
+// reference):
+// * acc of a valid slot j (rows[tok, j] owned by an expert): +0.0 plus its splits in split order (FADD), as
+//   reduce_splits;
+// * y = fma(acc_j, fl(sa_j * sb_j), y) (__fmul_rn / __fmaf_rn) for the valid j in routing order, from y = +0.0. A
+//   slot a kernel masks instead of skipping enters as fma(+0, +0, y) = y + (+0) = y, because y is never -0.0 (it
+//   starts at +0.0 and round-to-nearest gives -0 only for (-0) + (-0)); no valid slot leaves y = +0.0;
+// * out = bf16(y), round to nearest even (__float2bfloat16_rn, or cvt.rn.bf16x2.f32 per element).
 constexpr int kFinishMaxTopk = 32;
 
 // The L2 combines' per-token slot table in shared memory: slot j < topk gets its routed row, the row's expert (-1:
@@ -1145,66 +1148,13 @@ __device__ __forceinline__ void stage_token_slots(const Grouping& grp, const flo
     }
     __syncthreads();
 }
-extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combine_cols(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    __nv_bfloat16* __restrict__ out) {
-    __shared__ int s_row[kFinishMaxTopk];
-    __shared__ int s_exp[kFinishMaxTopk];
-    __shared__ float s_sa[kFinishMaxTopk];
-    const int tok = blockIdx.x;
-    stage_token_slots(Grouping{group, capacity, experts, rows_total}, gsa, token_rows, topk, tok, s_row, s_exp, s_sa);
-    const int n = blockIdx.y * blockDim.x + threadIdx.x;
-    if (n >= N) return;
-    constexpr int kRowsPerPass = 8, kSplitsPerPass = 4;
-    float y = 0.f;
-    for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
-        bool valid[kRowsPerPass];
-        float acc[kRowsPerPass], sb[kRowsPerPass];
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) {
-            const int j = j0 + u;
-            valid[u] = j < topk && s_exp[min(j, kFinishMaxTopk - 1)] >= 0;
-            acc[u] = 0.f;
-            sb[u] = valid[u] ? gsb[(size_t)s_exp[j] * N + n] : 0.f;
-        }
-        for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
-            float p[kRowsPerPass][kSplitsPerPass];
-#pragma unroll
-            for (int u = 0; u < kRowsPerPass; ++u)
-#pragma unroll
-                for (int v = 0; v < kSplitsPerPass; ++v)
-                    p[u][v] = (valid[u] && s0 + v < splits)
-                                  ? partial[((size_t)(s0 + v) * rows_total + s_row[j0 + u]) * N + n]
-                                  : 0.f;
-#pragma unroll
-            for (int u = 0; u < kRowsPerPass; ++u)
-#pragma unroll
-                for (int v = 0; v < kSplitsPerPass; ++v)
-                    if (valid[u] && s0 + v < splits) acc[u] += p[u][v];
-        }
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u)
-            if (valid[u]) y += acc[u] * (s_sa[j0 + u] * sb[u]);
-    }
-    out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
-}
-
 // The L2 finish with one warp per routed row (FinishL2Kernel::RowWarps, bench `nvfp4_l2rowwarps` forces it).
-// Why: in moe_gemm_finish_l2_combine_cols one thread holds a column's 8 rows x 4 splits, each load and add under
-// its own validity predicate; with 7 predicate registers ptxas interleaves them (load, add, recompute, load, ...),
-// so at 1 token (ncu) the kernel took 9.6-10.0 us: ~12 dependent L2 round trips (long_sb on
-// 12 predicated FADDs), for 16 CTAs. Here grid = (tokens, ceil(N / 32)), block 256 = 8 warps: in pass j0 warp u
-// owns routed slot j = j0 + u and lane l column n = 32 * blockIdx.y + l (coalesced 128-byte loads). A warp's
-// validity is warp-uniform (a branch, not a predicate per load); its split loads use clamped addresses (always
-// inside the workspace) so all of them are in flight at once. Then warp 0 combines the 8 slots in order.
-// Bit-identical to _cols (the same fp32 operations on the same values in the same order):
-// * acc of slot j: _cols adds the splits in split order starting from +0.0 (FADDs); here the same FADD chain
-//   (a clamped load past `splits` is not added).
-// * y: _cols computes y = fma(acc_j, s_sa[j] * sb_j, y) (ptxas contracts `y += acc * (sa * sb)` into one FFMA;
-//   checked in its SASS) for valid j in routing order, from y = +0.0. Warp 0 does exactly that with __fmaf_rn
-//   and __fmul_rn. For an invalid slot both factors are stored as +0.0: fma(+0, +0, y) = y + (+0) = y, because y
-//   is never -0.0 (it starts at +0.0 and round-to-nearest gives -0 only for (-0) + (-0)).
+// grid = (tokens, ceil(N / 32)), block 256 = 8 warps: in pass j0 warp u owns routed slot j = j0 + u and lane l column
+// n = 32 * blockIdx.y + l (coalesced 128-byte loads). A warp's validity is warp-uniform (a branch, not a predicate
+// per load); its split loads use clamped addresses (always inside the workspace) so all of them are in flight at
+// once (a thread that holds a column's 8 rows x 4 splits, each load and add under its own validity predicate, gets
+// them interleaved by ptxas: ~12 dependent L2 round trips at decode sizes). Then warp 0 combines the 8 slots in
+// routing order (a clamped load past `splits` is not added; an invalid slot's factors are stored as +0.0).
 extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_rowwarps(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
@@ -1251,22 +1201,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
 }
 
 // The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2; bench
-// `nvfp4_l2cols2` forces it). Why: both other column kernels are short of the bytes: _cols serializes its predicated loads (9.8-10.1 us at 1 token; 667 us at 4096 tokens = 403 MB of
-// partials at 0.6 TB/s) and _rowwarps fixes the decode chain (4.5 us) but spends two barriers and a serial
-// combine per 32 columns (1,440 us at 4096 tokens). Here grid = (tokens, ceil(N / 512)), block 256, thread ->
+// `nvfp4_l2cols2` forces it). Why: at many tokens the combine is bound by the partials' bytes, and RowWarps spends
+// two barriers and a serial combine per 32 columns. Here grid = (tokens, ceil(N / 512)), block 256, thread ->
 // columns n0, n0 + 1 (float2 loads of partials and gsb, one 4-byte BF16 store). Warp 0 compacts the token's
 // valid slots (routing order kept: position = popc of the valid lanes below) into shared memory, one barrier;
 // then per pass of 8 compacted slots every load is unconditional (a slot past the valid count reloads the last
 // valid row, is masked to +0.0 and never counted), so the 8 float2 partial loads and 8 gsb loads of a split
-// issue together. (A float4 version held ~120 values live and ptxas issued its loads two at a time next to their
-// adds; with float2, 64 registers, the SASS issues all 8 partial loads of a split back to back.)
-// Bit-identical to _cols (per column, the same fp32 operations on the same values in the same order):
-// * acc of a valid slot: +0.0 plus the splits in split order (FADD), as _cols. A masked slot adds +0.0 to +0.0.
-// * y: _cols computes y = fma(acc_j, fl(sa_j * sb_j), y) for valid j in routing order (ptxas contracts its
-//   `y += acc * (sa * sb)`; SASS checked): here __fmul_rn / __fmaf_rn over the compacted slots, i.e. the valid j in
-//   routing order. A masked slot is fma(+0, +0, y) = y + (+0) = y, because y is never -0.0 (it starts at +0.0 and
-//   round-to-nearest gives -0 only for (-0) + (-0)).
-// * No valid slot: y stays +0.0, as in _cols.
+// issue together. (With float4, ~120 values live, ptxas issues the loads two at a time next to their adds; with
+// float2, 64 registers, the SASS issues all 8 partial loads of a split back to back.)
+// Order: the L2 epilogue's (above): acc of a valid slot by FADDs in split order (a masked slot adds +0.0 to +0.0),
+// y by __fmul_rn / __fmaf_rn over the compacted slots, i.e. the valid j in routing order.
 // Launcher: N % 2 == 0 (8-byte aligned float2 rows of partials and gsb, 4-byte aligned BF16 output).
 // The token's valid slots, compacted in routing order by warp 0 (rows, experts, gsa) into shared memory; returns
 // their count after a barrier. topk <= kFinishMaxTopk = 32 (launcher).
@@ -1336,8 +1280,8 @@ __device__ __forceinline__ void l2_cols2_columns(const float* __restrict__ parti
             }
         }
     }
-    // __floats2bfloat162_rn (cvt.rn.bf16x2.f32) rounds each element as __float2bfloat16_rn does in _cols (RNE, the
-    // same NaN result); here y need not be exact in BF16.
+    // __floats2bfloat162_rn (cvt.rn.bf16x2.f32) rounds each element as __float2bfloat16_rn does (RNE, the same NaN
+    // result); here y need not be exact in BF16.
     *reinterpret_cast<uint32_t*>(out + (size_t)tok * N + n0) = pack_bf16x2(y[0], y[1]);
 }
 
