@@ -172,7 +172,6 @@ pub fn launch_partial_prefill(
     }
 }
 
-
 /// Segment pairs per warp step of `moe_gemm_prefill_act_rs` (`act_rs::kPairsNvfp4` = `kPairsBf16` in the .cu): a warp
 /// step converts 2 x 4 = 8 segments of 128 K, a CTA of 8 warps 64.
 const ACT_RS_SEGMENTS_PER_WARP_STEP: usize = 8;
@@ -351,7 +350,6 @@ pub fn sw128_desc(smem_addr: u32) -> u64 {
     ((smem_addr & 0x3FFFF) >> 4) as u64 | (1u64 << 16) | ((1024u64 >> 4) << 32) | (1u64 << 62)
 }
 
-
 /// RS kernel, weight side: the physical K (0..128 inside a 128-K stage) that lane `t` of a quad feeds at
 /// logical k `2t + b` (`hi_k == false`, fragment registers a0 / a1) or `2t + 8 + b` (`hi_k == true`, a2 / a3) of
 /// k16 slice `s` (0..8): pair `P_i` of code word `4t + j` with `s = 2j + h`, `i = 2h + hi_k` (kernel header).
@@ -370,7 +368,6 @@ pub fn rs_activation_physical_k(l: usize) -> usize {
     32 * t + 8 * j + i + 4 * b
 }
 
-
 /// CPU mirror of the RS pre-pass (`moe_gemm_prefill_act_rs`) for NVFP4 activations: the BF16 bits it writes for the
 /// first `rows` rows of `codes` ([rows][k / 2], low nibble first) and `scales` ([rows][k / 16] e4m3). Logical
 /// position `l` of 128-K segment `s` of a row holds physical K `p = 128 s + rs_activation_physical_k(l)` as
@@ -385,9 +382,7 @@ pub fn rs_prepass_nvfp4_like_kernel(
     k: usize,
 ) -> Vec<u16> {
     assert!(
-        k.is_multiple_of(STAGE_K)
-            && codes.len() >= rows * k / 2
-            && scales.len() >= rows * k / 16
+        k.is_multiple_of(STAGE_K) && codes.len() >= rows * k / 2 && scales.len() >= rows * k / 16
     );
     let perm: Vec<usize> = (0..STAGE_K).map(rs_activation_physical_k).collect();
     // (scale code, e2m1 code) -> output bits: 256 x 16 products instead of one per element.
@@ -455,7 +450,6 @@ mod tests {
         assert!(seen.iter().all(|&s| s));
     }
 
-
     #[test]
     fn descriptor_fields_sit_where_the_ptx_isa_puts_them() {
         let d = sw128_desc(0x1_2400);
@@ -467,7 +461,6 @@ mod tests {
         // The K advance adds 2 per 32 bytes without carrying out of the address field.
         assert_eq!((d + 6) & 0x3FFF, (0x1_2400 + 96) >> 4);
     }
-
 
     /// The pre-pass mirror (written from values and [`rs_activation_physical_k`]) against the kernel header's
     /// formulation with the kernel's arithmetic: output chunk c = 4j + i of a segment, 32-bit slot s =
