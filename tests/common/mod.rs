@@ -4,8 +4,8 @@
 #![allow(dead_code)]
 
 pub mod indexer;
-pub mod norm;
 pub mod moe;
+pub mod norm;
 
 use megamoe::gpu::Gpu;
 use rand::SeedableRng;
