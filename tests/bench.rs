@@ -545,6 +545,10 @@ fn every_committed_config_names_registered_kernels_and_variants() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs");
     let mut checked = 0;
     for dir in [root.clone(), root.join("profile"), root.join("ab")] {
+        // bench-configs/ab/ holds only undecided A/B configs: absent when none is open.
+        if dir == root.join("ab") && !dir.exists() {
+            continue;
+        }
         let mut files: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().path())
