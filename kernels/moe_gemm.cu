@@ -88,7 +88,7 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
     return (code & 8) ? -mag : mag;
 }
 
-// D += A . B on m16n8k16 fragments, fp32 accumulation; A and B bf16, or f16 with kHalf (v3th).
+// D += A . B on m16n8k16 fragments, fp32 accumulation; A and B bf16, or f16 with kHalf.
 #define MOE_MMA_16816(T)                                                                                            \
     "mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
 template <bool kHalf = false>
@@ -111,7 +111,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// pack_bf16x2, or with kHalf f16 (v3th: e2m1 * e4m3 values lie in [2^-10, 2688] with <= 5 significant bits, exact
+// pack_bf16x2, or with kHalf f16 (e2m1 * e4m3 values lie in [2^-10, 2688] with <= 5 significant bits, exact
 // in f16 too).
 template <bool kHalf = false>
 __device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
@@ -123,26 +123,18 @@ __device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
     }
 }
 
-// Byte distance between the 128-K chunks of one weight row: 64 code and 8 scale bytes in the plain [E*N][K/2],
-// [E*N][K/16] layout; one 18 KiB block (kTiledBlock) in the prefill tiling (kernels/moe_gemm_prefill.cu,
-// moe_gemm_prefill_tile_weights_rs: block (tile, 128-K stage), codes of tile row r at 64 r, its 8 scale bytes at
-// 16384 + 8 r), which the v3t entries read.
+// Byte distance between the 128-K chunks of one weight row in the weights' tiling (kernels/moe_gemm_prefill.cu,
+// moe_gemm_prefill_tile_weights_rs: one 18 KiB block per (256-row tile, 128-K stage), codes of tile row r at 64 r,
+// its 8 scale bytes at 16384 + 8 r), for codes and scales alike.
 constexpr int kTiledBlock = 18432;
-template <bool kTiled>
-struct ChunkStride {
-    static constexpr int kCodes = kTiled ? kTiledBlock : 64;
-    static constexpr int kScales = kTiled ? kTiledBlock : 8;
-};
 
-template <bool kTiled = false>
 __device__ __forceinline__ void load_stage(WChunk (&w)[kChunksPerStage], const uint8_t* codes, const uint8_t* scales,
                                            size_t codes_8rows, size_t scales_8rows) {
 #pragma unroll
     for (int c = 0; c < kChunksPerStage; ++c) {
-        w[c].row_lo = ldg_stream(codes + c * ChunkStride<kTiled>::kCodes);
-        w[c].row_hi = ldg_stream(codes + codes_8rows + c * ChunkStride<kTiled>::kCodes);
-        w[c].scales = ldg_u16(scales + c * ChunkStride<kTiled>::kScales) |
-                      (ldg_u16(scales + scales_8rows + c * ChunkStride<kTiled>::kScales) << 16);
+        w[c].row_lo = ldg_stream(codes + c * kTiledBlock);
+        w[c].row_hi = ldg_stream(codes + codes_8rows + c * kTiledBlock);
+        w[c].scales = ldg_u16(scales + c * kTiledBlock) | (ldg_u16(scales + scales_8rows + c * kTiledBlock) << 16);
     }
 }
 
@@ -198,7 +190,7 @@ __device__ __forceinline__ void copy_raw_activations(uint8_t* raw, const void* a
 }
 
 // Raw tile -> permuted, swizzled BF16 in s_act: the permuted, swizzled layout of the header (zeros for tokens >= ntok).
-// kHalf (v3th, NVFP4 A only: the launcher refuses BF16 A): the same values as f16.
+// kHalf (NVFP4 A only: the launcher refuses BF16 A): the same values as f16.
 template <int TN, bool kHalf = false>
 __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint8_t* raw, int act_is_nvfp4, int ntok) {
     for (int q = threadIdx.x; q < TN * 64; q += kThreads) {
@@ -239,9 +231,9 @@ __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint
 // buffer costs 36 registers instead of 72, which lets the 1- and 2-token-tile entries run 3 CTAs (24 warps) per
 // SM instead of 2 (ncu round 1: nt1 v2 = 118 registers, occupancy limited to 25% by registers).
 namespace {
-// kHalf (v3th): weights dequantized to f16 with e2m1_word_to_f16x2_tiny and scales_f16x2 (e2m1 * s * 2^-14) and f16
+// kHalf: weights dequantized to f16 with e2m1_word_to_f16x2_tiny and scales_f16x2 (e2m1 * s * 2^-14) and f16
 // MMAs; the activations in s_act are f16 then. Same fragments, pairing and mma order.
-template <int NT, bool kTiled = false, bool kHalf = false>
+template <int NT, bool kHalf = false>
 __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChunk (&w)[kChunksPerStage],
                                                       const uint4* s_act, int g, int t, bool load_next,
                                                       const uint8_t* next_codes, const uint8_t* next_scales,
@@ -291,22 +283,21 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
         // Chunk c has been consumed: refill its slot with chunk c of the next stage (the addresses load_stage
         // would use). Issued after the j loop so the old and new chunk are never live together.
         if (load_next) {
-            w[c].row_lo = ldg_stream(next_codes + c * ChunkStride<kTiled>::kCodes);
-            w[c].row_hi = ldg_stream(next_codes + codes_8rows + c * ChunkStride<kTiled>::kCodes);
-            w[c].scales = ldg_u16(next_scales + c * ChunkStride<kTiled>::kScales) |
-                          (ldg_u16(next_scales + scales_8rows + c * ChunkStride<kTiled>::kScales) << 16);
+            w[c].row_lo = ldg_stream(next_codes + c * kTiledBlock);
+            w[c].row_hi = ldg_stream(next_codes + codes_8rows + c * kTiledBlock);
+            w[c].scales = ldg_u16(next_scales + c * kTiledBlock) |
+                          (ldg_u16(next_scales + scales_8rows + c * kTiledBlock) << 16);
         }
     }
 }
 
-// kTiled (v3t): w_codes points at the prefill-tiled weights (w_scales unused); only the weight addresses change.
-// kHalf (v3th): f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-14 instead of sum * 2^-9.
-template <int NT, bool kTiled = false, bool kHalf = false>
-__device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_codes,
-                                                 const uint8_t* __restrict__ w_scales, int N, int K,
-                                                 const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
-                                                 int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
-                                                 int splits) {
+// w_tiled: the weights' tiling (codes and block scales, see kTiledBlock; N % 256 == 0).
+// kHalf: f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-14 instead of sum * 2^-9.
+template <int NT, bool kHalf = false>
+__device__ __forceinline__ void decode_body(const uint8_t* __restrict__ w_tiled, int N, int K,
+                                            const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
+                                            int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
+                                            int splits) {
     constexpr int TN = NT * 8;
     extern __shared__ uint4 s_dyn[];  // s_act (TN * 64 units of 16 B), then the raw tile (TN * 1024 B)
     uint4* s_act = s_dyn;
@@ -331,7 +322,6 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
     const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
     const int k_split = K / splits;
     const int stages = k_split / kStageK;
-    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
 
     struct ItemPos {
         int row0, ntok, split, n;
@@ -357,15 +347,10 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         const int kbase = p.split * k_split;
         p.n = n_tile * kBlockN + warp * 16 + g;
         const size_t wrow = (size_t)lo * N + p.n;
-        if constexpr (kTiled) {
-            // Block of (256-row tile wrow / 256, 128-K stage kbase / 128); row wrow % 256 inside it (N % 256 == 0).
-            const uint8_t* blk = w_codes + ((wrow / 256) * (size_t)(K / kChunkK) + kbase / kChunkK) * kTiledBlock;
-            p.codes = blk + (wrow % 256) * 64 + 16 * t;
-            p.scales = blk + 16384 + (wrow % 256) * 8 + 2 * t;
-        } else {
-            p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
-            p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
-        }
+        // Block of (256-row tile wrow / 256, 128-K stage kbase / 128); row wrow % 256 inside it (N % 256 == 0).
+        const uint8_t* blk = w_tiled + ((wrow / 256) * (size_t)(K / kChunkK) + kbase / kChunkK) * kTiledBlock;
+        p.codes = blk + (wrow % 256) * 64 + 16 * t;
+        p.scales = blk + 16384 + (wrow % 256) * 8 + 2 * t;
         return p;
     };
 
@@ -378,11 +363,11 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
     WChunk wbuf[kChunksPerStage];
     copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
     // Rows g and g + 8: 8 rows apart (plain: 8 row pitches; tiled: 8 x 64 code / 8 x 8 scale bytes in the block).
-    const size_t codes_8rows = kTiled ? 8 * 64 : 8 * codes_row, scales_8rows = kTiled ? 8 * 8 : 8 * scales_row;
+    const size_t codes_8rows = 8 * 64, scales_8rows = 8 * 8;
     // A 512-K stage: 4 chunks further (plain: 256 code / 32 scale bytes; tiled: 4 blocks).
-    constexpr int kStageCodes = kTiled ? kChunksPerStage * kTiledBlock : kStageK / 2;
-    constexpr int kStageScales = kTiled ? kChunksPerStage * kTiledBlock : kStageK / 16;
-    load_stage<kTiled>(wbuf, cur.codes, cur.scales, codes_8rows, scales_8rows);
+    constexpr int kStageCodes = kChunksPerStage * kTiledBlock;
+    constexpr int kStageScales = kChunksPerStage * kTiledBlock;
+    load_stage(wbuf, cur.codes, cur.scales, codes_8rows, scales_8rows);
     int st = 0;
     for (;;) {
         const bool last_stage = st + 1 == stages;
@@ -398,7 +383,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         if (has_next)         // the next step's raw tile streams in while this step computes
             copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
                                      nxt.split * k_split + next_st * kStageK);
-        compute_stage_rolling<NT, kTiled, kHalf>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
+        compute_stage_rolling<NT, kHalf>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
                                           nxt.scales + next_st * kStageScales, codes_8rows, scales_8rows);
 
         if (last_stage) {
@@ -427,7 +412,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
 }  // namespace
 
 // Entry points: moe_gemm_decode_<OPERANDS>_nt<NT> on the weights' tiling (DeviceExpertWeights::tiled; w_codes = the
-// tiled blocks, w_scales ignored; N % 256 == 0): a warp's 8 rows of a 128-K chunk are 512 contiguous bytes.
+// tiled blocks, w_scales unused (null); N % 256 == 0): a warp's 8 rows of a 128-K chunk are 512 contiguous bytes.
 // * bf16_operands: BF16 weight fragments and activations; either activation format.
 // * f16_operands: f16 weight fragments built by e2m1_word_to_f16x2_tiny (~11 integer ops per 8 codes instead of
 //   15), the two block scales of a row as one exact e4m3x2 -> f16x2 (broadcast by HMUL2's operand selector), f16
@@ -442,8 +427,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3<NT, true, HALF>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial,      \
-                                         splits);                                                                    \
+        decode_body<NT, HALF>(w_codes, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);                  \
     }
 
 MOE_GEMM_DECODE_ENTRY(bf16_operands, false, 1, 3)
