@@ -52,8 +52,8 @@
 //   - moe_gemm_finish_l1_rows_kc* (prefill): persistent CTAs over contiguous row ranges, a per-thread cp.async
 //     ring of the next rows' partials, h in registers, 8 elements of a 16-block per thread and the division-free
 //     e2m1 encoder. Bit-identical to the per-row finish (shared l1_swiglu_h and quantization rules).
-//   - moe_gemm_finish_l2_combine_{rowwarps,cols2,cols2_tok,cols}: the per-token combine in routing order; which
-//     one runs is FinishL2Kernel::for_tokens (all bit-identical; cols only for an odd N).
+//   - moe_gemm_finish_l2_combine_{rowwarps,cols2,cols2_tok}: the per-token combine in routing order; which
+//     one runs is FinishL2Kernel::for_tokens (all bit-identical).
 //
 // Rounding points: products exact (bf16 x bf16 of exact values), fp32 accumulation (tensor-core order),
 // split partials added in split order in fp32, scale = gsa * gsb (fp32), out = acc * scale (fp32), then the
@@ -88,7 +88,7 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
     return (code & 8) ? -mag : mag;
 }
 
-// D += A . B on m16n8k16 fragments, fp32 accumulation; A and B bf16, or f16 with kHalf (v3th).
+// D += A . B on m16n8k16 fragments, fp32 accumulation; A and B bf16, or f16 with kHalf.
 #define MOE_MMA_16816(T)                                                                                            \
     "mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
 template <bool kHalf = false>
@@ -111,7 +111,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// pack_bf16x2, or with kHalf f16 (v3th: e2m1 * e4m3 values lie in [2^-10, 2688] with <= 5 significant bits, exact
+// pack_bf16x2, or with kHalf f16 (e2m1 * e4m3 values lie in [2^-10, 2688] with <= 5 significant bits, exact
 // in f16 too).
 template <bool kHalf = false>
 __device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
@@ -123,26 +123,18 @@ __device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
     }
 }
 
-// Byte distance between the 128-K chunks of one weight row: 64 code and 8 scale bytes in the plain [E*N][K/2],
-// [E*N][K/16] layout; one 18 KiB block (kTiledBlock) in the prefill tiling (kernels/moe_gemm_prefill.cu,
-// moe_gemm_prefill_tile_weights_rs: block (tile, 128-K stage), codes of tile row r at 64 r, its 8 scale bytes at
-// 16384 + 8 r), which the v3t entries read.
+// Byte distance between the 128-K chunks of one weight row in the weights' tiling (kernels/moe_gemm_prefill.cu,
+// moe_gemm_prefill_tile_weights_rs: one 18 KiB block per (256-row tile, 128-K stage), codes of tile row r at 64 r,
+// its 8 scale bytes at 16384 + 8 r), for codes and scales alike.
 constexpr int kTiledBlock = 18432;
-template <bool kTiled>
-struct ChunkStride {
-    static constexpr int kCodes = kTiled ? kTiledBlock : 64;
-    static constexpr int kScales = kTiled ? kTiledBlock : 8;
-};
 
-template <bool kTiled = false>
 __device__ __forceinline__ void load_stage(WChunk (&w)[kChunksPerStage], const uint8_t* codes, const uint8_t* scales,
                                            size_t codes_8rows, size_t scales_8rows) {
 #pragma unroll
     for (int c = 0; c < kChunksPerStage; ++c) {
-        w[c].row_lo = ldg_stream(codes + c * ChunkStride<kTiled>::kCodes);
-        w[c].row_hi = ldg_stream(codes + codes_8rows + c * ChunkStride<kTiled>::kCodes);
-        w[c].scales = ldg_u16(scales + c * ChunkStride<kTiled>::kScales) |
-                      (ldg_u16(scales + scales_8rows + c * ChunkStride<kTiled>::kScales) << 16);
+        w[c].row_lo = ldg_stream(codes + c * kTiledBlock);
+        w[c].row_hi = ldg_stream(codes + codes_8rows + c * kTiledBlock);
+        w[c].scales = ldg_u16(scales + c * kTiledBlock) | (ldg_u16(scales + scales_8rows + c * kTiledBlock) << 16);
     }
 }
 
@@ -198,7 +190,7 @@ __device__ __forceinline__ void copy_raw_activations(uint8_t* raw, const void* a
 }
 
 // Raw tile -> permuted, swizzled BF16 in s_act: the permuted, swizzled layout of the header (zeros for tokens >= ntok).
-// kHalf (v3th, NVFP4 A only: the launcher refuses BF16 A): the same values as f16.
+// kHalf (NVFP4 A only: the launcher refuses BF16 A): the same values as f16.
 template <int TN, bool kHalf = false>
 __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint8_t* raw, int act_is_nvfp4, int ntok) {
     for (int q = threadIdx.x; q < TN * 64; q += kThreads) {
@@ -239,9 +231,9 @@ __device__ __forceinline__ void convert_raw_activations(uint4* s_act, const uint
 // buffer costs 36 registers instead of 72, which lets the 1- and 2-token-tile entries run 3 CTAs (24 warps) per
 // SM instead of 2 (ncu round 1: nt1 v2 = 118 registers, occupancy limited to 25% by registers).
 namespace {
-// kHalf (v3th): weights dequantized to f16 with e2m1_word_to_f16x2_tiny and scales_f16x2 (e2m1 * s * 2^-14) and f16
+// kHalf: weights dequantized to f16 with e2m1_word_to_f16x2_tiny and scales_f16x2 (e2m1 * s * 2^-14) and f16
 // MMAs; the activations in s_act are f16 then. Same fragments, pairing and mma order.
-template <int NT, bool kTiled = false, bool kHalf = false>
+template <int NT, bool kHalf = false>
 __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChunk (&w)[kChunksPerStage],
                                                       const uint4* s_act, int g, int t, bool load_next,
                                                       const uint8_t* next_codes, const uint8_t* next_scales,
@@ -291,22 +283,21 @@ __device__ __forceinline__ void compute_stage_rolling(float (&acc)[NT][4], WChun
         // Chunk c has been consumed: refill its slot with chunk c of the next stage (the addresses load_stage
         // would use). Issued after the j loop so the old and new chunk are never live together.
         if (load_next) {
-            w[c].row_lo = ldg_stream(next_codes + c * ChunkStride<kTiled>::kCodes);
-            w[c].row_hi = ldg_stream(next_codes + codes_8rows + c * ChunkStride<kTiled>::kCodes);
-            w[c].scales = ldg_u16(next_scales + c * ChunkStride<kTiled>::kScales) |
-                          (ldg_u16(next_scales + scales_8rows + c * ChunkStride<kTiled>::kScales) << 16);
+            w[c].row_lo = ldg_stream(next_codes + c * kTiledBlock);
+            w[c].row_hi = ldg_stream(next_codes + codes_8rows + c * kTiledBlock);
+            w[c].scales = ldg_u16(next_scales + c * kTiledBlock) |
+                          (ldg_u16(next_scales + scales_8rows + c * kTiledBlock) << 16);
         }
     }
 }
 
-// kTiled (v3t): w_codes points at the prefill-tiled weights (w_scales unused); only the weight addresses change.
-// kHalf (v3th): f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-14 instead of sum * 2^-9.
-template <int NT, bool kTiled = false, bool kHalf = false>
-__device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_codes,
-                                                 const uint8_t* __restrict__ w_scales, int N, int K,
-                                                 const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
-                                                 int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
-                                                 int splits) {
+// w_tiled: the weights' tiling (codes and block scales, see kTiledBlock; N % 256 == 0).
+// kHalf: f16 operands (compute_stage_rolling); the accumulators hold sum * 2^-14 instead of sum * 2^-9.
+template <int NT, bool kHalf = false>
+__device__ __forceinline__ void decode_body(const uint8_t* __restrict__ w_tiled, int N, int K,
+                                            const void* __restrict__ act, const uint8_t* __restrict__ act_scales,
+                                            int act_is_nvfp4, Grouping grp, float* __restrict__ partial,
+                                            int splits) {
     constexpr int TN = NT * 8;
     extern __shared__ uint4 s_dyn[];  // s_act (TN * 64 units of 16 B), then the raw tile (TN * 1024 B)
     uint4* s_act = s_dyn;
@@ -331,7 +322,6 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
     const long long items = (long long)s_tile_prefix[E] * n_tiles * splits;
     const int k_split = K / splits;
     const int stages = k_split / kStageK;
-    const size_t codes_row = (size_t)K / 2, scales_row = (size_t)K / 16;
 
     struct ItemPos {
         int row0, ntok, split, n;
@@ -357,15 +347,10 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         const int kbase = p.split * k_split;
         p.n = n_tile * kBlockN + warp * 16 + g;
         const size_t wrow = (size_t)lo * N + p.n;
-        if constexpr (kTiled) {
-            // Block of (256-row tile wrow / 256, 128-K stage kbase / 128); row wrow % 256 inside it (N % 256 == 0).
-            const uint8_t* blk = w_codes + ((wrow / 256) * (size_t)(K / kChunkK) + kbase / kChunkK) * kTiledBlock;
-            p.codes = blk + (wrow % 256) * 64 + 16 * t;
-            p.scales = blk + 16384 + (wrow % 256) * 8 + 2 * t;
-        } else {
-            p.codes = w_codes + wrow * codes_row + kbase / 2 + 16 * t;
-            p.scales = w_scales + wrow * scales_row + kbase / 16 + 2 * t;
-        }
+        // Block of (256-row tile wrow / 256, 128-K stage kbase / 128); row wrow % 256 inside it (N % 256 == 0).
+        const uint8_t* blk = w_tiled + ((wrow / 256) * (size_t)(K / kChunkK) + kbase / kChunkK) * kTiledBlock;
+        p.codes = blk + (wrow % 256) * 64 + 16 * t;
+        p.scales = blk + 16384 + (wrow % 256) * 8 + 2 * t;
         return p;
     };
 
@@ -378,11 +363,11 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
     WChunk wbuf[kChunksPerStage];
     copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, cur.row0, cur.ntok, cur.split * k_split);
     // Rows g and g + 8: 8 rows apart (plain: 8 row pitches; tiled: 8 x 64 code / 8 x 8 scale bytes in the block).
-    const size_t codes_8rows = kTiled ? 8 * 64 : 8 * codes_row, scales_8rows = kTiled ? 8 * 8 : 8 * scales_row;
+    const size_t codes_8rows = 8 * 64, scales_8rows = 8 * 8;
     // A 512-K stage: 4 chunks further (plain: 256 code / 32 scale bytes; tiled: 4 blocks).
-    constexpr int kStageCodes = kTiled ? kChunksPerStage * kTiledBlock : kStageK / 2;
-    constexpr int kStageScales = kTiled ? kChunksPerStage * kTiledBlock : kStageK / 16;
-    load_stage<kTiled>(wbuf, cur.codes, cur.scales, codes_8rows, scales_8rows);
+    constexpr int kStageCodes = kChunksPerStage * kTiledBlock;
+    constexpr int kStageScales = kChunksPerStage * kTiledBlock;
+    load_stage(wbuf, cur.codes, cur.scales, codes_8rows, scales_8rows);
     int st = 0;
     for (;;) {
         const bool last_stage = st + 1 == stages;
@@ -398,7 +383,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         if (has_next)         // the next step's raw tile streams in while this step computes
             copy_raw_activations<TN>(s_raw, act, act_scales, act_is_nvfp4, K, nxt.row0, nxt.ntok,
                                      nxt.split * k_split + next_st * kStageK);
-        compute_stage_rolling<NT, kTiled, kHalf>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
+        compute_stage_rolling<NT, kHalf>(acc, wbuf, s_act, g, t, has_next, nxt.codes + next_st * kStageCodes,
                                           nxt.scales + next_st * kStageScales, codes_8rows, scales_8rows);
 
         if (last_stage) {
@@ -427,7 +412,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
 }  // namespace
 
 // Entry points: moe_gemm_decode_<OPERANDS>_nt<NT> on the weights' tiling (DeviceExpertWeights::tiled; w_codes = the
-// tiled blocks, w_scales ignored; N % 256 == 0): a warp's 8 rows of a 128-K chunk are 512 contiguous bytes.
+// tiled blocks, w_scales unused (null); N % 256 == 0): a warp's 8 rows of a 128-K chunk are 512 contiguous bytes.
 // * bf16_operands: BF16 weight fragments and activations; either activation format.
 // * f16_operands: f16 weight fragments built by e2m1_word_to_f16x2_tiny (~11 integer ops per 8 codes instead of
 //   15), the two block scales of a row as one exact e4m3x2 -> f16x2 (broadcast by HMUL2's operand selector), f16
@@ -442,8 +427,7 @@ __device__ __forceinline__ void moe_gemm_body_v3(const uint8_t* __restrict__ w_c
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
-        moe_gemm_body_v3<NT, true, HALF>(w_codes, w_scales, N, K, act, act_scales, act_is_nvfp4, grp, partial,      \
-                                         splits);                                                                    \
+        decode_body<NT, HALF>(w_codes, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);                  \
     }
 
 MOE_GEMM_DECODE_ENTRY(bf16_operands, false, 1, 3)
@@ -1122,13 +1106,16 @@ MOE_FINISH_L1_ROWS_THR2(4, 2, 2)
 
 // L2 epilogue: out[tok, n] = bf16( sum_{j < topk, rows[tok, j] >= 0} acc(rows[tok,j], n) * (gsa * gsb) ) with the
 // fp32 sum taken in routing order j = 0, 1, ... (deterministic). The routing weight was applied in L1 (DSV4 applies
-// it to h before w2). grid = (tokens, ceil(N / 256)), block = 256, one column per thread. The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
-// kFinishMaxTopk, launcher check). The loads of up to 8 rows x 4 splits are predicated and independent, meant to be
-// in flight together; ptxas interleaves them with their predicated adds instead (~12 dependent round trips at 1
-// token under ncu), so this kernel runs only for an odd N (_rowwarps / _cols2 / _cols2_tok below are routed
-// otherwise). Order: per row j the splits
-// in split order starting from 0 (as reduce_splits), then y over j = 0, 1, ... (routing order) (the order of
-// the CPU reference).
+// it to h before w2). The token's routed rows, experts and gsa are resolved once per CTA into shared memory (topk <=
+// kFinishMaxTopk, launcher check). Three kernels (FinishL2Kernel::for_tokens picks one), all with the same fp32
+// operations on the same values in the same order per column, so bit-identical outputs (the order of the CPU
+// reference):
+// * acc of a valid slot j (rows[tok, j] owned by an expert): +0.0 plus its splits in split order (FADD), as
+//   reduce_splits;
+// * y = fma(acc_j, fl(sa_j * sb_j), y) (__fmul_rn / __fmaf_rn) for the valid j in routing order, from y = +0.0. A
+//   slot a kernel masks instead of skipping enters as fma(+0, +0, y) = y + (+0) = y, because y is never -0.0 (it
+//   starts at +0.0 and round-to-nearest gives -0 only for (-0) + (-0)); no valid slot leaves y = +0.0;
+// * out = bf16(y), round to nearest even (__float2bfloat16_rn, or cvt.rn.bf16x2.f32 per element).
 constexpr int kFinishMaxTopk = 32;
 
 // The L2 combines' per-token slot table in shared memory: slot j < topk gets its routed row, the row's expert (-1:
@@ -1145,66 +1132,13 @@ __device__ __forceinline__ void stage_token_slots(const Grouping& grp, const flo
     }
     __syncthreads();
 }
-extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_l2_combine_cols(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    __nv_bfloat16* __restrict__ out) {
-    __shared__ int s_row[kFinishMaxTopk];
-    __shared__ int s_exp[kFinishMaxTopk];
-    __shared__ float s_sa[kFinishMaxTopk];
-    const int tok = blockIdx.x;
-    stage_token_slots(Grouping{group, capacity, experts, rows_total}, gsa, token_rows, topk, tok, s_row, s_exp, s_sa);
-    const int n = blockIdx.y * blockDim.x + threadIdx.x;
-    if (n >= N) return;
-    constexpr int kRowsPerPass = 8, kSplitsPerPass = 4;
-    float y = 0.f;
-    for (int j0 = 0; j0 < topk; j0 += kRowsPerPass) {
-        bool valid[kRowsPerPass];
-        float acc[kRowsPerPass], sb[kRowsPerPass];
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u) {
-            const int j = j0 + u;
-            valid[u] = j < topk && s_exp[min(j, kFinishMaxTopk - 1)] >= 0;
-            acc[u] = 0.f;
-            sb[u] = valid[u] ? gsb[(size_t)s_exp[j] * N + n] : 0.f;
-        }
-        for (int s0 = 0; s0 < splits; s0 += kSplitsPerPass) {
-            float p[kRowsPerPass][kSplitsPerPass];
-#pragma unroll
-            for (int u = 0; u < kRowsPerPass; ++u)
-#pragma unroll
-                for (int v = 0; v < kSplitsPerPass; ++v)
-                    p[u][v] = (valid[u] && s0 + v < splits)
-                                  ? partial[((size_t)(s0 + v) * rows_total + s_row[j0 + u]) * N + n]
-                                  : 0.f;
-#pragma unroll
-            for (int u = 0; u < kRowsPerPass; ++u)
-#pragma unroll
-                for (int v = 0; v < kSplitsPerPass; ++v)
-                    if (valid[u] && s0 + v < splits) acc[u] += p[u][v];
-        }
-#pragma unroll
-        for (int u = 0; u < kRowsPerPass; ++u)
-            if (valid[u]) y += acc[u] * (s_sa[j0 + u] * sb[u]);
-    }
-    out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
-}
-
 // The L2 finish with one warp per routed row (FinishL2Kernel::RowWarps, bench `nvfp4_l2rowwarps` forces it).
-// Why: in moe_gemm_finish_l2_combine_cols one thread holds a column's 8 rows x 4 splits, each load and add under
-// its own validity predicate; with 7 predicate registers ptxas interleaves them (load, add, recompute, load, ...),
-// so at 1 token (ncu) the kernel took 9.6-10.0 us: ~12 dependent L2 round trips (long_sb on
-// 12 predicated FADDs), for 16 CTAs. Here grid = (tokens, ceil(N / 32)), block 256 = 8 warps: in pass j0 warp u
-// owns routed slot j = j0 + u and lane l column n = 32 * blockIdx.y + l (coalesced 128-byte loads). A warp's
-// validity is warp-uniform (a branch, not a predicate per load); its split loads use clamped addresses (always
-// inside the workspace) so all of them are in flight at once. Then warp 0 combines the 8 slots in order.
-// Bit-identical to _cols (the same fp32 operations on the same values in the same order):
-// * acc of slot j: _cols adds the splits in split order starting from +0.0 (FADDs); here the same FADD chain
-//   (a clamped load past `splits` is not added).
-// * y: _cols computes y = fma(acc_j, s_sa[j] * sb_j, y) (ptxas contracts `y += acc * (sa * sb)` into one FFMA;
-//   checked in its SASS) for valid j in routing order, from y = +0.0. Warp 0 does exactly that with __fmaf_rn
-//   and __fmul_rn. For an invalid slot both factors are stored as +0.0: fma(+0, +0, y) = y + (+0) = y, because y
-//   is never -0.0 (it starts at +0.0 and round-to-nearest gives -0 only for (-0) + (-0)).
+// grid = (tokens, ceil(N / 32)), block 256 = 8 warps: in pass j0 warp u owns routed slot j = j0 + u and lane l column
+// n = 32 * blockIdx.y + l (coalesced 128-byte loads). A warp's validity is warp-uniform (a branch, not a predicate
+// per load); its split loads use clamped addresses (always inside the workspace) so all of them are in flight at
+// once (a thread that holds a column's 8 rows x 4 splits, each load and add under its own validity predicate, gets
+// them interleaved by ptxas: ~12 dependent L2 round trips at decode sizes). Then warp 0 combines the 8 slots in
+// routing order (a clamped load past `splits` is not added; an invalid slot's factors are stored as +0.0).
 extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_rowwarps(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
@@ -1251,22 +1185,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
 }
 
 // The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2; bench
-// `nvfp4_l2cols2` forces it). Why: both other column kernels are short of the bytes: _cols serializes its predicated loads (9.8-10.1 us at 1 token; 667 us at 4096 tokens = 403 MB of
-// partials at 0.6 TB/s) and _rowwarps fixes the decode chain (4.5 us) but spends two barriers and a serial
-// combine per 32 columns (1,440 us at 4096 tokens). Here grid = (tokens, ceil(N / 512)), block 256, thread ->
+// `nvfp4_l2cols2` forces it). Why: at many tokens the combine is bound by the partials' bytes, and RowWarps spends
+// two barriers and a serial combine per 32 columns. Here grid = (tokens, ceil(N / 512)), block 256, thread ->
 // columns n0, n0 + 1 (float2 loads of partials and gsb, one 4-byte BF16 store). Warp 0 compacts the token's
 // valid slots (routing order kept: position = popc of the valid lanes below) into shared memory, one barrier;
 // then per pass of 8 compacted slots every load is unconditional (a slot past the valid count reloads the last
 // valid row, is masked to +0.0 and never counted), so the 8 float2 partial loads and 8 gsb loads of a split
-// issue together. (A float4 version held ~120 values live and ptxas issued its loads two at a time next to their
-// adds; with float2, 64 registers, the SASS issues all 8 partial loads of a split back to back.)
-// Bit-identical to _cols (per column, the same fp32 operations on the same values in the same order):
-// * acc of a valid slot: +0.0 plus the splits in split order (FADD), as _cols. A masked slot adds +0.0 to +0.0.
-// * y: _cols computes y = fma(acc_j, fl(sa_j * sb_j), y) for valid j in routing order (ptxas contracts its
-//   `y += acc * (sa * sb)`; SASS checked): here __fmul_rn / __fmaf_rn over the compacted slots, i.e. the valid j in
-//   routing order. A masked slot is fma(+0, +0, y) = y + (+0) = y, because y is never -0.0 (it starts at +0.0 and
-//   round-to-nearest gives -0 only for (-0) + (-0)).
-// * No valid slot: y stays +0.0, as in _cols.
+// issue together. (With float4, ~120 values live, ptxas issues the loads two at a time next to their adds; with
+// float2, 64 registers, the SASS issues all 8 partial loads of a split back to back.)
+// Order: the L2 epilogue's (above): acc of a valid slot by FADDs in split order (a masked slot adds +0.0 to +0.0),
+// y by __fmul_rn / __fmaf_rn over the compacted slots, i.e. the valid j in routing order.
 // Launcher: N % 2 == 0 (8-byte aligned float2 rows of partials and gsb, 4-byte aligned BF16 output).
 // The token's valid slots, compacted in routing order by warp 0 (rows, experts, gsa) into shared memory; returns
 // their count after a barrier. topk <= kFinishMaxTopk = 32 (launcher).
@@ -1336,8 +1264,8 @@ __device__ __forceinline__ void l2_cols2_columns(const float* __restrict__ parti
             }
         }
     }
-    // __floats2bfloat162_rn (cvt.rn.bf16x2.f32) rounds each element as __float2bfloat16_rn does in _cols (RNE, the
-    // same NaN result); here y need not be exact in BF16.
+    // __floats2bfloat162_rn (cvt.rn.bf16x2.f32) rounds each element as __float2bfloat16_rn does (RNE, the same NaN
+    // result); here y need not be exact in BF16.
     *reinterpret_cast<uint32_t*>(out + (size_t)tok * N + n0) = pack_bf16x2(y[0], y[1]);
 }
 

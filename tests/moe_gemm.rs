@@ -269,6 +269,20 @@ fn bad_groupings_and_shapes_are_errors() {
     assert!(mg::check_gemm_shape(100, 512).is_err());
     assert!(mg::check_gemm_shape(128, 100).is_err());
     assert!(mg::check_gemm_shape(4096, 7168).is_ok());
+    // N % 256 == 0 (the weights' 256-row tiling): N = 128 or 384 is refused with a message that says why.
+    for n in [128, 384] {
+        let err = mg::check_gemm_shape(n, 512).unwrap_err();
+        assert!(format!("{err:#}").contains("256"), "{err:#}");
+    }
+    assert!(mg::check_gemm_shape(256, 512).is_ok());
+    // Every DSV4 expert shape qualifies: W13 (N = 2 x moe_inter_dim, K = dim) and W2 (N = dim, K = moe_inter_dim).
+    for cfg in [
+        megamoe::model::config::ModelConfig::flash(),
+        megamoe::model::config::ModelConfig::pro(),
+    ] {
+        mg::check_gemm_shape(2 * cfg.moe_inter_dim, cfg.dim).unwrap();
+        mg::check_gemm_shape(cfg.dim, cfg.moe_inter_dim).unwrap();
+    }
     let mut w = ExpertWeights::quantize_per_row(&[0.25f32; 2 * 16], 1, 2, 16).unwrap();
     w.rows.scales[1] = 0x7F;
     assert!(w.validate().is_err());
@@ -428,12 +442,12 @@ fn check_plain(
 }
 
 /// The decode-mainloop comparisons' inputs: experts of 0..65 rows (two empty), N = 512 (two 256-row tiles, so a
-/// CTA's 128 rows sit in either half of a tile block), K = 2048; the weights uploaded (tiled at upload) and a copy
-/// whose tiling was dropped (the decode mainloop must refuse it); the routing as a masked (capacity 65) and as a
-/// contiguous grouping.
+/// CTA's 128 rows sit in either half of a tile block), K = 2048; the weights uploaded (tiled at upload) and a set
+/// whose tiling buffer is too short (the decode mainloop must refuse it); the routing as a masked (capacity 65) and
+/// as a contiguous grouping.
 struct DecodeFixture {
     w: ExpertWeights,
-    plain: DeviceExpertWeights,
+    short_tiling: DeviceExpertWeights,
     tiled: DeviceExpertWeights,
     batches: Vec<(Option<usize>, RoutedBatch)>,
 }
@@ -444,8 +458,13 @@ impl DecodeFixture {
         let e = counts.len();
         let w = quantized_weights(rng, e, 512, 2048);
         let tiled = DeviceExpertWeights::upload(gpu, &w).unwrap();
-        let mut plain = DeviceExpertWeights::upload(gpu, &w).unwrap();
-        plain.tiled = None;
+        let short_tiling = DeviceExpertWeights {
+            experts: w.experts,
+            n: w.n,
+            k: w.k,
+            tiled: gpu.zeros::<u8>(16).unwrap(),
+            global: gpu.upload(&w.rows.global).unwrap(),
+        };
         let tokens: usize = counts.iter().sum();
         let choices: Vec<usize> = counts
             .iter()
@@ -461,7 +480,7 @@ impl DecodeFixture {
             .collect();
         DecodeFixture {
             w,
-            plain,
+            short_tiling,
             tiled,
             batches,
         }
@@ -493,7 +512,7 @@ impl DecodeFixture {
 /// and compared bit for bit with the BF16-operand mainloop on the same tiled weights: the order of the MMAs is the same,
 /// so the partials are expected to be identical; the test asserts that. Masked and contiguous groupings
 /// ([`DecodeFixture`]), every token tile, split counts 1 / 2 / 4, empty experts, experts of 1..65 rows; the partials
-/// NaN-poisoned before each launch. Also: BF16 activations and weights without the tiled copy are refused before
+/// NaN-poisoned before each launch. Also: BF16 activations and weights with a too short tiling are refused before
 /// any launch.
 #[test]
 #[ignore = "needs an H100/H200"]
@@ -502,7 +521,7 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
     let gpu = common::gpu(name);
     let mut rng = seeded(name);
     let fx = DecodeFixture::new(&gpu, &mut rng);
-    let (w, dw, dw_plain) = (&fx.w, &fx.tiled, &fx.plain);
+    let (w, dw, dw_short) = (&fx.w, &fx.tiled, &fx.short_tiling);
     let (n, k) = (w.n, w.k);
     let sms = gpu.info.sm_count as u32;
     for (cap, rb) in &fx.batches {
@@ -552,7 +571,7 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
                 &got[1],
             );
         }
-        // Refused before any launch: BF16 activations, and weights without the tiled copy.
+        // Refused before any launch: BF16 activations, and weights with a too short tiling.
         let cfg = GemmConfig {
             token_tile: 8,
             splits: 1,
@@ -576,7 +595,7 @@ fn gpu_decode_f16_operands_match_the_reference_and_bf16_operands() {
         let err = mg::launch_partial_mma_with(
             &gpu,
             &gpu.stream,
-            dw_plain,
+            dw_short,
             &da.view(),
             &dg,
             &cfg,
@@ -1280,7 +1299,7 @@ fn exec_cpu_reference_on_a_safetensors_file() {
     use megamoe::ops::exec::{self, HostTensor, TensorMap};
     use safetensors::Dtype;
     let mut rng = seeded("exec_cpu_reference_on_a_safetensors_file");
-    let (e, n, k) = (3, 128, 512);
+    let (e, n, k) = (3, 256, 512);
     let w = quantized_weights(&mut rng, e, n, k);
     let rb = RoutedBatch::from_choices(5, e, 1, vec![0, 2, 2, 0, 2], None).unwrap();
     let a = gathered_activations(&mut rng, &rb, k, true);
@@ -1549,10 +1568,8 @@ impl FinishDevice {
                 experts: inp.experts,
                 n,
                 k,
-                codes: gpu.zeros::<u8>(inp.experts * n * k / 2).unwrap(),
-                scales: gpu.zeros::<u8>(inp.experts * n * k / 16).unwrap(),
+                tiled: gpu.zeros::<u8>(1).unwrap(),
                 global: gpu.upload(&inp.gsb).unwrap(),
-                tiled: None,
             },
             ws: {
                 let ws = Ws::new(gpu, splits, rows, n);
@@ -2091,10 +2108,10 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
     eprintln!("{name}: {rows} rows, Rows == PerRow bit for bit after the prefill mainloop");
 }
 
-// ------------------------------------ L2 combine kernels: each against the default bit for bit, and the CPU reference
+// ----------------------------------- L2 combine kernels: each against RowWarps bit for bit, and the CPU reference
 
 /// Every L2 combine kernel on synthetic split partials `[splits, rows, n]` into 0xFF-poisoned outputs, against the
-/// default (`Cols`) bit for bit, and the default against the f64 combine of the fp32 split sums (tolerance: the
+/// first (`RowWarps`) bit for bit, and that one against the f64 combine of the fp32 split sums (tolerance: the
 /// bf16 rounding of the output, 2^-8 relative, plus 16 fp32 ulps of the absolute terms). Unowned rows hold NaN
 /// partials (as the mainloop's poisoned workspace): a kernel that added one would fail. A few routed slots are
 /// replaced by -1 and (masked) by a padding slot: both kernels must skip them.
@@ -2159,10 +2176,8 @@ fn check_l2_combine_kernels(
         experts,
         n,
         k,
-        codes: gpu.zeros::<u8>(experts * n * k / 2).unwrap(),
-        scales: gpu.zeros::<u8>(experts * n * k / 16).unwrap(),
+        tiled: gpu.zeros::<u8>(1).unwrap(),
         global: gpu.upload(&gsb).unwrap(),
-        tiled: None,
     };
     let ws = Ws::new(gpu, splits, rows, n);
     ws.write_partial(gpu, &partial);
@@ -2208,12 +2223,12 @@ fn check_l2_combine_kernels(
         gpu.synchronize().unwrap();
         gpu.download(&y).unwrap()
     };
-    let want = run(mg::FinishL2Kernel::Cols);
+    let want = run(mg::FinishL2Kernel::RowWarps);
     for &kernel in &mg::FinishL2Kernel::ALL[1..] {
         let got = run(kernel);
         if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
             panic!(
-                "{label}: {kernel:?} token {} col {}: {:#06x}, Cols {:#06x}; {} of {} differ",
+                "{label}: {kernel:?} token {} col {}: {:#06x}, RowWarps {:#06x}; {} of {} differ",
                 i / n,
                 i % n,
                 got[i].to_bits(),
@@ -2252,7 +2267,7 @@ fn check_l2_combine_kernels(
         }
     }
     eprintln!(
-        "{label}: {:?} == Cols bit for bit; Cols vs f64 max rel err {max_rel:e}",
+        "{label}: {:?} == RowWarps bit for bit; RowWarps vs f64 max rel err {max_rel:e}",
         &mg::FinishL2Kernel::ALL[1..]
     );
 }
@@ -2274,7 +2289,7 @@ fn gpu_l2_combine_kernels_bit_identical() {
     }
 }
 
-/// The L2 finish kernels against each other, bit for bit (every FinishL2Kernel vs the default Cols, which the
+/// The L2 finish kernels against each other, bit for bit (every FinishL2Kernel vs RowWarps, which the
 /// L1/L2 tests above check against the f64 reference), on synthetic split-K partials that reach the corners the
 /// model shapes do not: 1-9 splits (RowWarps loads 8 per pass: 9 takes two passes), topk 1, 6, 9 and 13 (two
 /// passes of 8 slots), slots that are -1 or point at padding rows, empty experts, N not a multiple of 32 (a
@@ -2388,10 +2403,8 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
             experts,
             n,
             k: 64,
-            codes: gpu.upload(&[0u8; 1]).unwrap(),
-            scales: gpu.upload(&[0u8; 1]).unwrap(),
+            tiled: gpu.upload(&[0u8; 1]).unwrap(),
             global: gpu.upload(&gsb).unwrap(),
-            tiled: None,
         };
         let gsa: Vec<f32> = (0..rows_total.max(1))
             .map(|_| rng.random_range(0.001f32..2.0))
@@ -2463,7 +2476,7 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
         for (k, got) in outs.iter().enumerate().skip(1) {
             if let Some(i) = (0..tokens * n).find(|&i| got[i].to_bits() != outs[0][i].to_bits()) {
                 panic!(
-                    "{label}: {:?} vs Cols at token {} col {}: {:#06x} vs {:#06x} (seed {seed})",
+                    "{label}: {:?} vs RowWarps at token {} col {}: {:#06x} vs {:#06x} (seed {seed})",
                     mg::FinishL2Kernel::ALL[k],
                     i / n,
                     i % n,

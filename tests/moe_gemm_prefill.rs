@@ -12,7 +12,6 @@
 use half::bf16;
 use megamoe::gpu::Gpu;
 use megamoe::ops::moe_gemm::prefill;
-use megamoe::ops::moe_gemm::prefill::PrefillKernel;
 use megamoe::ops::moe_gemm::reference::{
     apply_global_scales, grouped_gemm_acc_f64, Activations, ExpertWeights, Nvfp4Rows,
 };
@@ -22,7 +21,6 @@ use megamoe::ops::moe_gemm::{
 use rand::Rng;
 
 mod common;
-use common::assert_bit_identical;
 use common::moe::{gathered_activations, quantized_weights, seeded, DevA, Ws, U};
 
 /// Top-1 routing giving expert i exactly `counts[i]` rows (contiguous layout).
@@ -96,23 +94,13 @@ fn check_accumulator(
     );
 }
 
-/// Which launch a check uses.
+/// Which launch a check uses (both run the activation pre-pass and the RS mainloop on the tiled weights).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
-    /// `mg::launch_partial` with a config it must route to the prefill kernel (128 x 128 tile).
+    /// `mg::launch_partial` with a config it must route to the prefill kernel.
     Routed,
-    /// `prefill::launch_partial_prefill_with` and `PrefillKernel::Ss128` (128 x 128 tile).
-    Tile128,
-    /// ... with `PrefillKernel::Ss256` (128 x 256 tile, m64n256k16).
-    Tile256,
-    /// ... with `PrefillKernel::RsTma` (activation pre-pass + the RS mainloop fed by TMA; both A formats).
-    RsTma,
-    /// ... with `PrefillKernel::RsWtma` (the weights in the TMA ring too, narrow wgmmas and activation boxes for
-    /// token tiles of <= 96 rows).
-    RsWtma,
-    /// ... with `PrefillKernel::RsWtmaTiled` (the routed RS mainloop: RsWtma with each stage's weights one bulk copy
-    /// of the pre-tiled block, made at upload).
-    RsWtmaTiled,
+    /// `prefill::launch_partial_prefill` (the prefill path forced, whatever the routing rule says).
+    Forced,
 }
 
 /// Run the prefill mainloop (forced, or through `launch_partial`'s routing), check the accumulator, then the
@@ -140,11 +128,7 @@ fn check_prefill(
         w.k,
         match mode {
             Mode::Routed => "via launch_partial",
-            Mode::Tile128 => "forced, tile 128x128",
-            Mode::Tile256 => "forced, tile 128x256",
-            Mode::RsTma => "forced, RS 256x128 via TMA",
-            Mode::RsWtma => "forced, RS 256x(32..128), weights via TMA",
-            Mode::RsWtmaTiled => "forced, RS 256x(32..128), tiled weights",
+            Mode::Forced => "forced",
         }
     );
     let ws = Ws::prefill(gpu, rows, w.n, w.k); // poisoned: an unwritten element cannot pass
@@ -160,15 +144,7 @@ fn check_prefill(
         );
         mg::launch_partial(gpu, &gpu.stream, dw, &da.view(), &dg, &cfg, &ws).unwrap();
     } else {
-        let kernel = match mode {
-            Mode::Tile128 => PrefillKernel::Ss128,
-            Mode::Tile256 => PrefillKernel::Ss256,
-            Mode::RsWtma => PrefillKernel::RsWtma,
-            Mode::RsWtmaTiled => PrefillKernel::RsWtmaTiled,
-            _ => PrefillKernel::RsTma,
-        };
-        prefill::launch_partial_prefill_with(gpu, &gpu.stream, dw, &da.view(), &dg, &ws, kernel)
-            .unwrap();
+        prefill::launch_partial_prefill(gpu, &gpu.stream, dw, &da.view(), &dg, &ws).unwrap();
     }
     let mut out = gpu.poisoned::<bf16>((rows * w.n).max(1), 0xFF).unwrap();
     mg::launch_finish_bf16(gpu, &gpu.stream, &ws, &dg, dw, &da.view(), &mut out).unwrap();
@@ -224,38 +200,31 @@ fn gpu_prefill_token_counts_both_a_formats() {
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    // RsWtmaTiled is the routed kernel (run this test under compute-sanitizer racecheck for its ring protocol).
-    for mode in [
-        Mode::Tile128,
-        Mode::Tile256,
-        Mode::RsTma,
-        Mode::RsWtma,
-        Mode::RsWtmaTiled,
-    ] {
-        check_prefill_both_a_formats(
-            &gpu,
-            &format!("counts {counts:?}"),
-            &w,
-            &dw,
-            &rb,
-            mode,
-            &mut rng,
-        );
-    }
-    // The shortest K the family accepts (K % 512 == 0, checked at weight upload): 8 SS stages of 64, 4 RS stages of
-    // 128 (one more than the 3 stages its prologue puts in flight); RS needs N % 256.
+    // Run this test under compute-sanitizer racecheck for the mainloop's ring protocol.
+    check_prefill_both_a_formats(
+        &gpu,
+        &format!("counts {counts:?}"),
+        &w,
+        &dw,
+        &rb,
+        Mode::Forced,
+        &mut rng,
+    );
+    // The shortest K the family accepts (K % 512 == 0, checked at weight upload): 4 stages of 128, one more than
+    // the 3 stages the mainloop's prologue puts in flight.
     let k = 512;
     let rb = batch_with_counts(&[130, 0, 5]);
-    for (n, mode) in [
-        (128, Mode::Tile128),
-        (256, Mode::RsTma),
-        (256, Mode::RsWtma),
-        (256, Mode::RsWtmaTiled),
-    ] {
-        let w = quantized_weights(&mut rng, 3, n, k);
-        let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-        check_prefill_both_a_formats(&gpu, &format!("short K {k}"), &w, &dw, &rb, mode, &mut rng);
-    }
+    let w = quantized_weights(&mut rng, 3, n, k);
+    let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
+    check_prefill_both_a_formats(
+        &gpu,
+        &format!("short K {k}"),
+        &w,
+        &dw,
+        &rb,
+        Mode::Forced,
+        &mut rng,
+    );
 }
 
 #[test]
@@ -264,7 +233,7 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
     let gpu = common::gpu("gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial");
     let mut rng = seeded("gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial");
     // One expert with 4096 rows (32 token tiles), one tiny, one empty.
-    let w = quantized_weights(&mut rng, 3, 128, 512);
+    let w = quantized_weights(&mut rng, 3, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&[4096, 5, 0]);
     check_prefill(
@@ -277,26 +246,16 @@ fn gpu_prefill_4096_rows_and_6_of_256_routing_through_launch_partial() {
         Mode::Routed,
         &mut rng,
     );
-    // N % 256 == 0: launch_partial routes to the 128 x 256 tile (the default), N = 128 above to the 128 x 128.
-    assert_eq!(PrefillKernel::default_for(256, 512), PrefillKernel::RsWtma);
-    assert_eq!(PrefillKernel::default_for(256, 640), PrefillKernel::RsTma);
-    assert_eq!(PrefillKernel::default_for(256, 576), PrefillKernel::Ss256);
-    assert_eq!(PrefillKernel::default_for(128, 512), PrefillKernel::Ss128);
-    assert_eq!(PrefillKernel::default_for(384, 512), PrefillKernel::Ss128);
     let w = quantized_weights(&mut rng, 2, 256, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&[200, 70]);
     check_prefill_both_a_formats(&gpu, "routed N 256", &w, &dw, &rb, Mode::Routed, &mut rng);
-    // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles), small N and K for the CPU reference:
-    // through launch_partial at N = 128 (the SS 128 x 128 tile), and forced through the RS kernel at N = 256 (one
-    // n tile per expert token tile).
+    // 4096 tokens routed top-6 of 256 (~96 rows per expert, ragged tiles of every narrow width), small N and K for
+    // the CPU reference: through launch_partial at N = 256 (one n tile per expert token tile) and forced at N = 512
+    // (two); ~256 / ~512 work items, more than the SMs, so every CTA runs several items and its ring counters run on
+    // across them.
     let rb = RoutedBatch::random(&mut rng, 4096, 256, 6, None).unwrap();
-    for (n, mode) in [
-        (128, Mode::Routed),
-        (256, Mode::RsTma),
-        (256, Mode::RsWtma),
-        (256, Mode::RsWtmaTiled),
-    ] {
+    for (n, mode) in [(256, Mode::Routed), (512, Mode::Forced)] {
         let w = quantized_weights(&mut rng, 256, n, 512);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
         check_prefill_both_a_formats(&gpu, "4096 tokens, 6 of 256", &w, &dw, &rb, mode, &mut rng);
@@ -309,49 +268,21 @@ fn gpu_prefill_flash_and_pro_shapes() {
     let gpu = common::gpu("gpu_prefill_flash_and_pro_shapes");
     let mut rng = seeded("gpu_prefill_flash_and_pro_shapes");
     // Flash L1 (N = 2 * 2048, K = 4096), Flash L2 (N = 4096, K = 2048), Pro L2 (N = 7168, K = 3072); few rows so
-    // the f64 reference stays a few seconds. Row counts cross a tile edge. The routed 128-wide tile and the
-    // 256-wide tile each see a full-size K.
+    // the f64 reference stays a few seconds. Row counts cross a tile edge; every shape with both A formats.
     for (label, n, k, counts, nvfp4, mode) in [
         (
             "Flash L1",
             4096usize,
             4096usize,
-            vec![129usize, 3],
+            vec![3usize, 129],
             true,
-            Mode::Tile128,
+            Mode::Forced,
         ),
-        (
-            "Flash L2",
-            4096,
-            2048,
-            vec![70, 0, 65],
-            false,
-            Mode::Tile256,
-        ),
-        ("Pro L2", 7168, 3072, vec![130], true, Mode::Tile256),
-        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsTma),
-        ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsTma),
-        ("Pro L2", 7168, 3072, vec![130], true, Mode::RsTma),
-        ("Flash L1", 4096, 4096, vec![3, 129], true, Mode::RsWtma),
-        ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::RsWtma),
-        ("Pro L2", 7168, 3072, vec![130, 70], false, Mode::RsWtma),
-        (
-            "Flash L1",
-            4096,
-            4096,
-            vec![3, 129],
-            true,
-            Mode::RsWtmaTiled,
-        ),
-        (
-            "Flash L2",
-            4096,
-            2048,
-            vec![70, 0, 65],
-            false,
-            Mode::RsWtmaTiled,
-        ),
-        ("Pro L2", 7168, 3072, vec![130, 70], true, Mode::RsWtmaTiled),
+        ("Flash L1", 4096, 4096, vec![129, 3], false, Mode::Routed),
+        ("Flash L2", 4096, 2048, vec![70, 0, 65], false, Mode::Forced),
+        ("Flash L2", 4096, 2048, vec![65, 70], true, Mode::Routed),
+        ("Pro L2", 7168, 3072, vec![130, 70], true, Mode::Forced),
+        ("Pro L2", 7168, 3072, vec![130], false, Mode::Forced),
     ] {
         let w = quantized_weights(&mut rng, counts.len(), n, k);
         let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
@@ -365,105 +296,57 @@ fn gpu_prefill_flash_and_pro_shapes() {
 fn gpu_prefill_rejects_masked_groupings_and_bad_shapes() {
     let gpu = common::gpu("gpu_prefill_rejects_masked_groupings_and_bad_shapes");
     let mut rng = seeded("gpu_prefill_rejects_masked_groupings_and_bad_shapes");
-    let w = quantized_weights(&mut rng, 2, 128, 512);
+    let n = 256;
+    let w = quantized_weights(&mut rng, 2, n, 512);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let masked = RoutedBatch::from_choices(3, 2, 1, vec![0, 1, 1], Some(4)).unwrap();
     let a = gathered_activations(&mut rng, &masked, 512, false);
     let da = DevA::upload(&gpu, &a);
     let dg = DeviceGrouping::upload(&gpu, &masked.grouping).unwrap();
-    let ws = Ws::new(&gpu, 1, masked.grouping.rows_total(), 128);
+    let ws = Ws::new(&gpu, 1, masked.grouping.rows_total(), n);
     let err =
         prefill::launch_partial_prefill(&gpu, &gpu.stream, &dw, &da.view(), &dg, &ws).unwrap_err();
     assert!(err.to_string().contains("contiguous"), "{err}");
     let contiguous = batch_with_counts(&[2, 1]);
     let dg = DeviceGrouping::upload(&gpu, &contiguous.grouping).unwrap();
-    let ws2 = Ws::new(&gpu, 2, 3, 128);
+    let ws2 = Ws::new(&gpu, 2, 3, n);
     let err =
         prefill::launch_partial_prefill(&gpu, &gpu.stream, &dw, &da.view(), &dg, &ws2).unwrap_err();
     assert!(err.to_string().contains("workspace"), "{err}");
     assert!(prefill::check_shape(192, 512).is_err());
-    assert!(prefill::check_shape(128, 96).is_err());
-    // The 256-wide tile needs N % 256 == 0 (N = 128 here).
-    let ws3 = Ws::new(&gpu, 1, 3, 128);
-    for kernel in [PrefillKernel::Ss256, PrefillKernel::RsTma] {
-        let err = prefill::launch_partial_prefill_with(
-            &gpu,
-            &gpu.stream,
-            &dw,
-            &da.view(),
-            &dg,
-            &ws3,
-            kernel,
-        )
-        .unwrap_err();
-        assert!(err.to_string().contains("tile width"), "{kernel:?}: {err}");
-    }
+    assert!(prefill::check_shape(128, 512).is_err());
+    assert!(prefill::check_shape(256, 96).is_err());
+    // Weights whose N is not a multiple of 256 are refused at upload (no tiling, no launch can see them).
+    let w128 = quantized_weights(&mut rng, 2, 128, 512);
+    let err = DeviceExpertWeights::upload(&gpu, &w128).err().unwrap();
+    assert!(format!("{err:#}").contains("256"), "{err:#}");
 }
 
-/// The RS kernel with the weights in its TMA ring (`RsWtma`) must write the same partials, bit for bit, as the RS
-/// kernel it derives from (`RsTma`), and so must `RsWtmaTiled` on the re-laid weights: same fragments, same wgmma
-/// order per output column; only where the weights wait,
-/// how many token columns a wgmma computes and how many activation rows a stage loads differ. Many stages (K 4096:
-/// 32 stages, 8 laps of the 4-slot ring), several work items per CTA (more items than SMs), token tiles of every
-/// narrow width (1..32, 33..64, 65..96, 97..128 rows), empty experts, both A formats.
+/// The mainloop's edges in one launch, against the f64 reference: many stages (K 4096: 32 stages, 8 laps of the
+/// 4-slot ring), token tiles of every narrow width (1..32, 33..64, 65..96, 97..128 rows: N = 32 / 64 / 96 / 128
+/// wgmmas and activation boxes), tile edges, empty experts, two n tiles, both A formats. A block or byte the
+/// weights' tiling missed would read as code 0 / scale 0 and give O(1) errors in its rows.
 #[test]
 #[ignore = "needs an H100/H200"]
-fn gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma() {
-    let gpu = common::gpu("gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma");
-    let mut rng = seeded("gpu_prefill_rs_wtma_partials_bit_identical_to_rs_tma");
+fn gpu_prefill_narrow_token_tiles_and_many_stages() {
+    let gpu = common::gpu("gpu_prefill_narrow_token_tiles_and_many_stages");
+    let mut rng = seeded("gpu_prefill_narrow_token_tiles_and_many_stages");
     let counts = [
         130usize, 0, 97, 256, 1, 0, 300, 64, 129, 7, 0, 200, 128, 90, 3, 511, 32, 33, 65, 96,
     ];
-    let (n, k) = (1024, 4096);
+    let (n, k) = (512, 4096);
     let w = quantized_weights(&mut rng, counts.len(), n, k);
     let dw = DeviceExpertWeights::upload(&gpu, &w).unwrap();
     let rb = batch_with_counts(&counts);
-    let rows = rb.grouping.rows_total();
-    let dg = DeviceGrouping::upload(&gpu, &rb.grouping).unwrap();
-    // The tiling made at upload is what RsWtmaTiled reads. A block or byte the tiling missed would stay 0 (code 0,
-    // scale 0) and change the partials of its rows against RsTma's (random weights): the comparison below catches it.
-    // With it present, the routed prefill kernel is the tiled one; without it, RsWtma.
-    assert_eq!(PrefillKernel::routed_for(&dw), PrefillKernel::RsWtmaTiled);
-    let mut untiled = DeviceExpertWeights::upload(&gpu, &w).unwrap();
-    untiled.tiled = None;
-    assert_eq!(PrefillKernel::routed_for(&untiled), PrefillKernel::RsWtma);
-    for nvfp4 in [false, true] {
-        let a = gathered_activations(&mut rng, &rb, k, nvfp4);
-        let da = DevA::upload(&gpu, &a);
-        let mut got = Vec::new();
-        for kernel in [
-            PrefillKernel::RsTma,
-            PrefillKernel::RsWtma,
-            PrefillKernel::RsWtmaTiled,
-        ] {
-            let ws = Ws::prefill(&gpu, rows, n, k);
-            prefill::launch_partial_prefill_with(
-                &gpu,
-                &gpu.stream,
-                &dw,
-                &da.view(),
-                &dg,
-                &ws,
-                kernel,
-            )
-            .unwrap();
-            gpu.synchronize().unwrap();
-            got.push(ws.partial_host(&gpu));
-        }
-        let label = if nvfp4 { "NVFP4 A" } else { "BF16 A" };
-        assert!(
-            got[0].iter().all(|x| x.is_finite()),
-            "{label}: RsTma left unwritten (NaN-poisoned) partials"
-        );
-        for (i, name) in [(1, "RsWtma"), (2, "RsWtmaTiled")] {
-            assert_bit_identical(
-                label,
-                &format!("{name} differs from RsTma"),
-                &got[0],
-                &got[i],
-            );
-        }
-    }
+    check_prefill_both_a_formats(
+        &gpu,
+        "narrow tiles, K 4096",
+        &w,
+        &dw,
+        &rb,
+        Mode::Forced,
+        &mut rng,
+    );
 }
 
 /// One check of the RS activation pre-pass (`moe_gemm_prefill_act_rs` via `prefill::permute_activations_for_rs`)

@@ -113,13 +113,13 @@ fn finish_l1_for(variant: &str, dg: &DeviceGrouping, i_dim: usize) -> FinishL1Ke
     }
 }
 
-/// The L2 combine kernel of a variant at `tokens` tokens of `n` columns.
-fn finish_l2_for(variant: &str, tokens: usize, n: usize) -> FinishL2Kernel {
+/// The L2 combine kernel of a variant at `tokens` tokens.
+fn finish_l2_for(variant: &str, tokens: usize) -> FinishL2Kernel {
     match variant {
         "nvfp4_l2rowwarps" => FinishL2Kernel::RowWarps,
         "nvfp4_l2cols2" => FinishL2Kernel::Cols2,
         "nvfp4_l2cols2tok" => FinishL2Kernel::Cols2Tok,
-        _ => FinishL2Kernel::for_tokens(tokens, n),
+        _ => FinishL2Kernel::for_tokens(tokens),
     }
 }
 
@@ -188,7 +188,27 @@ fn fill_small_positive(gpu: &Gpu, buf: &mut CudaSlice<u8>, seed: u32) -> Result<
     fill_weights(gpu, &mut none, buf, seed)
 }
 
-/// Synthetic NVFP4 expert weights filled on the device, global scale 2^-6 per row.
+/// Plain synthetic NVFP4 codes `[E, N, K/2]` and block scales `[E, N, K/16]` filled on the device (hash bytes:
+/// valid codes, block scales in [0.25, 0.94]).
+fn synthetic_plain(
+    gpu: &Gpu,
+    experts: usize,
+    n: usize,
+    k: usize,
+    seed: u32,
+) -> Result<(CudaSlice<u8>, CudaSlice<u8>)> {
+    check_gemm_shape(n, k)?;
+    let mut codes = gpu.zeros::<u8>(experts * n * k / 2)?;
+    let mut scales = gpu.zeros::<u8>(experts * n * k / 16)?;
+    fill_weights(gpu, &mut codes, &mut scales, seed)?;
+    Ok((codes, scales))
+}
+
+/// The global scale of every synthetic weight row.
+const SYNTHETIC_GLOBAL: f32 = 1.0 / 64.0;
+
+/// Synthetic NVFP4 expert weights filled on the device and tiled (the plain fill is dropped), global scale 2^-6
+/// per row.
 pub fn synthetic_weights(
     gpu: &Gpu,
     experts: usize,
@@ -196,22 +216,9 @@ pub fn synthetic_weights(
     k: usize,
     seed: u32,
 ) -> Result<DeviceExpertWeights> {
-    check_gemm_shape(n, k)?;
-    let mut codes = gpu.zeros::<u8>(experts * n * k / 2)?;
-    let mut scales = gpu.zeros::<u8>(experts * n * k / 16)?;
-    fill_weights(gpu, &mut codes, &mut scales, seed)?;
-    let global = gpu.upload(&vec![1.0f32 / 64.0; experts * n])?;
-    let mut w = DeviceExpertWeights {
-        experts,
-        n,
-        k,
-        codes,
-        scales,
-        global,
-        tiled: None,
-    };
-    w.retile(gpu)?;
-    Ok(w)
+    let (codes, scales) = synthetic_plain(gpu, experts, n, k, seed)?;
+    let global = gpu.upload(&vec![SYNTHETIC_GLOBAL; experts * n])?;
+    DeviceExpertWeights::from_plain(gpu, &codes, &scales, global, experts, n, k)
 }
 
 struct Point {
@@ -361,7 +368,7 @@ pub fn measure(
             bytes = w.bytes_per_expert() * p.active.len()
                 + p.pairs() * (p.k / 2 + p.k / 16 + 4)
                 + p.tokens * p.n * 2;
-            let finish = finish_l2_for(variant, p.tokens, p.n);
+            let finish = finish_l2_for(variant, p.tokens);
             samples = gpu.time_us(plan(bytes as u64), || {
                 let a = h.as_activations();
                 launch_variant(gpu, &stream, variant, &w, &a, &dg, &cfg, &ws)?;
@@ -398,7 +405,10 @@ fn cublaslt_point(
         other => bail!("moe_gemm: unknown variant `{other}` (known: {VARIANTS:?})"),
     };
     let dq = gpu.kernel(FAMILY, "moe_gemm_dequant_rows_bf16")?;
-    let one = synthetic_weights(gpu, 1, n, k, 23)?; // one expert's NVFP4 weights, dequantized into each copy
+    // One expert's NVFP4 weights in the plain row-major layout the dequant kernel reads (the baseline's own copy:
+    // DeviceExpertWeights keeps only the tiling), dequantized into each expert's BF16 copy.
+    let (one_codes, one_scales) = synthetic_plain(gpu, 1, n, k, 23)?;
+    let one_global = gpu.upload(&vec![SYNTHETIC_GLOBAL; n])?;
     let mut per_expert = Vec::new();
     for &e in &p.active {
         let m = p.rb.grouping.expert_rows(e).len();
@@ -411,9 +421,9 @@ fn cublaslt_point(
         let mut abuf = gpu.zeros::<u8>(m_run * k * kind.bytes())?;
         if kind == GemmInput::Bf16 {
             let mut args = KernelArgs::new();
-            args.buf(&one.codes)
-                .buf(&one.scales)
-                .buf(&one.global)
+            args.buf(&one_codes)
+                .buf(&one_scales)
+                .buf(&one_global)
                 .u64(n as u64)
                 .i32(k as i32)
                 .buf(&wbuf);

@@ -448,7 +448,7 @@ fn check_finish_l1(
 /// L2 epilogue: `out[t, n] = bf16(sum_j acc(rows[t, j], n) * gsa * gsb)` in routing order (deterministic).
 /// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows; topk <= [`FINISH_MAX_TOPK`]. The
 /// combine kernel is [`FinishL2Kernel::for_tokens`]: RowWarps up to [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above,
-/// Cols2Tok from [`L2_COLS2TOK_MIN_TOKENS`] (Cols for an odd N); all give the same bits.
+/// Cols2Tok from [`L2_COLS2TOK_MIN_TOKENS`]; all give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_finish_l2(
     gpu: &Gpu,
@@ -471,7 +471,7 @@ pub fn launch_finish_l2(
         token_rows,
         topk,
         out,
-        FinishL2Kernel::for_tokens(token_rows.len() / topk.max(1), w2.n),
+        FinishL2Kernel::for_tokens(token_rows.len() / topk.max(1)),
     )
 }
 
@@ -479,17 +479,13 @@ pub fn launch_finish_l2(
 /// [`FinishL2Kernel::for_tokens`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishL2Kernel {
-    /// `moe_gemm_finish_l2_combine_cols`: one column per thread; the token's rows, experts and gsa staged in shared
-    /// memory by `topk` threads, a barrier, then the column loads, each of the 8 rows x 4 splits loads of a pass and
-    /// its add under its own validity predicate, which ptxas interleaves (~12 dependent round trips). Routed only for
-    /// an odd N, which the float2 kernels do not take.
-    Cols,
     /// `moe_gemm_finish_l2_combine_rowwarps`: grid `tokens x ceil(N / 32)`, one warp per routed row (slot) and
     /// 32 columns per CTA, each warp's split loads in flight together, then warp 0 combines the slots in routing
     /// order. The default up to [`L2_ROWWARPS_MAX_TOKENS`] tokens (bench variant `nvfp4_l2rowwarps` forces it).
     RowWarps,
     /// `moe_gemm_finish_l2_combine_cols2`: 2 columns per thread (float2 loads), the token's valid slots compacted
-    /// by warp 0, every load of a pass unconditional. Needs N % 2 == 0 (checked before the launch). The default
+    /// by warp 0, every load of a pass unconditional. Needs N % 2 == 0 (every N the GEMM takes; checked before the
+    /// launch). The default
     /// above [`L2_ROWWARPS_MAX_TOKENS`] and below [`L2_COLS2TOK_MIN_TOKENS`] tokens (bench variant `nvfp4_l2cols2`
     /// forces it).
     Cols2,
@@ -511,22 +507,18 @@ pub const L2_COLS2TOK_MIN_TOKENS: usize = 512;
 pub const L2_ROWWARPS_MAX_TOKENS: usize = 8;
 
 impl FinishL2Kernel {
-    /// Every L2 combine kernel, Cols first (the tests compare the others against it bit for bit).
+    /// Every L2 combine kernel, RowWarps first (the tests compare the others against it bit for bit).
     pub const ALL: &'static [FinishL2Kernel] = &[
-        FinishL2Kernel::Cols,
         FinishL2Kernel::RowWarps,
         FinishL2Kernel::Cols2,
         FinishL2Kernel::Cols2Tok,
     ];
 
-    /// The kernel [`launch_finish_l2`] runs for `tokens` tokens of `n` output columns: RowWarps up to
-    /// [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above, Cols2Tok from [`L2_COLS2TOK_MIN_TOKENS`] (Cols when N is odd,
-    /// which neither Cols2 kernel takes).
-    pub fn for_tokens(tokens: usize, n: usize) -> FinishL2Kernel {
+    /// The kernel [`launch_finish_l2`] runs for `tokens` tokens: RowWarps up to [`L2_ROWWARPS_MAX_TOKENS`] tokens,
+    /// Cols2 above, Cols2Tok from [`L2_COLS2TOK_MIN_TOKENS`].
+    pub fn for_tokens(tokens: usize) -> FinishL2Kernel {
         if tokens <= L2_ROWWARPS_MAX_TOKENS {
             FinishL2Kernel::RowWarps
-        } else if !n.is_multiple_of(2) {
-            FinishL2Kernel::Cols
         } else if tokens >= L2_COLS2TOK_MIN_TOKENS {
             FinishL2Kernel::Cols2Tok
         } else {
@@ -537,7 +529,6 @@ impl FinishL2Kernel {
     /// The kernel's entry point in kernels/moe_gemm.cu.
     pub fn entry(self) -> &'static str {
         match self {
-            FinishL2Kernel::Cols => "moe_gemm_finish_l2_combine_cols",
             FinishL2Kernel::RowWarps => "moe_gemm_finish_l2_combine_rowwarps",
             FinishL2Kernel::Cols2 => "moe_gemm_finish_l2_combine_cols2",
             FinishL2Kernel::Cols2Tok => "moe_gemm_finish_l2_combine_cols2_tok",
@@ -585,8 +576,8 @@ pub fn launch_finish_l2_with(
         "moe_gemm L2: {tokens} tokens exceed the grid"
     );
     let name = kernel.entry();
-    // Columns and threads per CTA: Cols one column per thread (256), RowWarps one per lane of each slot warp (32 of
-    // 256 threads), Cols2 2 per thread (512 of 256 threads), Cols2Tok all N (N % 2 == 0 for their float2 rows).
+    // Columns and threads per CTA: RowWarps one per lane of each slot warp (32 of 256 threads), Cols2 2 per thread
+    // (512 of 256 threads), Cols2Tok all N (N % 2 == 0 for their float2 rows).
     if matches!(kernel, FinishL2Kernel::Cols2 | FinishL2Kernel::Cols2Tok) {
         ensure!(
             w2.n.is_multiple_of(2),
@@ -595,7 +586,6 @@ pub fn launch_finish_l2_with(
         );
     }
     let (cols_per_cta, block) = match kernel {
-        FinishL2Kernel::Cols => (THREADS as usize, THREADS),
         FinishL2Kernel::RowWarps => (32, THREADS),
         FinishL2Kernel::Cols2 => (512, THREADS),
         FinishL2Kernel::Cols2Tok => (w2.n.max(1), THREADS),

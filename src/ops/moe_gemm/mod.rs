@@ -2,7 +2,7 @@
 //!
 //! * B: NVFP4 expert weights `[E, N, K]` (e2m1 codes, e4m3 scale per 16 along K, fp32 global scale per
 //!   (expert, row)); uploaded once with [`DeviceExpertWeights::upload`], which validates them (no NaN scale,
-//!   finite positive global scales) and re-lays once into the tiling both routed mainloops read
+//!   finite positive global scales) and keeps them on the device only in the tiling both routed mainloops read
 //!   ([`DeviceExpertWeights::tiled`]: one contiguous block per 256-row tile and 128-K stage; `N % 256 == 0`).
 //! * A: BF16 rows (gsa = 1) or NVFP4 rows with a per-row fp32 `gsa[m]` (the fused norm + quant output).
 //! * Grouping: masked (decode; per-expert slots of fixed capacity, device-side counts, graph-capturable) or
@@ -43,8 +43,10 @@ use reference::{ExpertWeights, Grouping, NVFP4_BLOCK};
 
 /// Kernel family name (kernels/moe_gemm.cu).
 pub const FAMILY: &str = "moe_gemm";
-/// Weight rows per CTA: N must be a multiple of it.
+/// Weight rows per CTA of the decode mainloop.
 pub const BLOCK_N: usize = 128;
+/// N must be a multiple of it: the weights' tiling (256-row tiles, [`prefill::TILE_N`]) that both mainloops read.
+pub const N_MULTIPLE: usize = prefill::TILE_N;
 /// K per pipeline stage: K / splits must be a multiple of it.
 pub const STAGE_K: usize = 512;
 /// Token tiles compiled (MMA N = 8 per n-tile).
@@ -53,11 +55,13 @@ pub const TOKEN_TILES: [usize; 4] = [8, 16, 32, 64];
 pub const MAX_EXPERTS: usize = 512;
 const THREADS: u32 = 256;
 
-/// `N % 128 == 0`, `K % 512 == 0`: the tile shapes of the kernel (all DSV4 shapes qualify).
+/// `N % 256 == 0`, `K % 512 == 0`: the weights' tiling (256-row tiles, 128-K stages) and the decode mainloop's
+/// 512-K stage (every DSV4 expert shape qualifies: N = 2 x moe_intermediate_size or hidden_size, K the other,
+/// 4096 / 2048 for Flash and 7168 / 3072 for Pro).
 pub fn check_gemm_shape(n: usize, k: usize) -> Result<()> {
     ensure!(
-        n > 0 && n.is_multiple_of(BLOCK_N),
-        "moe_gemm: N = {n} must be a positive multiple of {BLOCK_N}"
+        n > 0 && n.is_multiple_of(N_MULTIPLE),
+        "moe_gemm: N = {n} must be a positive multiple of {N_MULTIPLE} (the weights' 256-row tiling)"
     );
     ensure!(
         k > 0 && k.is_multiple_of(STAGE_K),
@@ -83,56 +87,62 @@ fn as_i32(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| anyhow!("moe_gemm: {what} = {v} does not fit an i32"))
 }
 
-/// NVFP4 expert weights on the device.
+/// NVFP4 expert weights on the device, `N % 256 == 0` and `K % 512 == 0` ([`check_gemm_shape`]).
 pub struct DeviceExpertWeights {
     pub experts: usize,
     pub n: usize,
     pub k: usize,
-    pub codes: CudaSlice<u8>,
-    pub scales: CudaSlice<u8>,
+    /// The e2m1 codes and e4m3 block scales in the tiling both routed mainloops read (one contiguous block per
+    /// 256-row tile and 128-K stage, [`prefill::tile_weights_for_rs`]; [`prefill::tiled_bytes`] bytes, as many as
+    /// the plain codes plus scales). The only device copy of them: nothing reads the plain row-major layout.
+    pub tiled: CudaSlice<u8>,
     /// fp32 global scale per (expert, row), `[E, N]`.
     pub global: CudaSlice<f32>,
-    /// The same codes and block scales re-laid at upload (one contiguous block per 256-row tile and 128-K stage,
-    /// [`prefill::tile_weights_for_rs`]) when the shape takes it (`N % 256 == 0`: every DSV4 expert shape), else
-    /// None. Both routed mainloops read it (the decode mainloop needs it; the prefill mainloop
-    /// `PrefillKernel::RsWtmaTiled`). Derived from `codes` / `scales` at upload: re-tile after changing them. The
-    /// plain copy stays for the prefill fallbacks of other shapes, so the weight memory is doubled.
-    pub tiled: Option<CudaSlice<u8>>,
 }
 
 impl DeviceExpertWeights {
-    /// Validate (sizes, no NaN block scale, finite positive global scales, tile shape) and upload.
+    /// Validate (sizes, no NaN block scale, finite positive global scales, tile shape), upload and tile (the plain
+    /// codes and scales are freed after the tiling).
     pub fn upload(gpu: &Gpu, w: &ExpertWeights) -> Result<DeviceExpertWeights> {
         w.validate()?;
-        check_gemm_shape(w.n, w.k)?;
-        ensure!(
-            w.experts >= 1 && w.experts <= MAX_EXPERTS,
-            "moe_gemm: {} experts (1..={MAX_EXPERTS})",
-            w.experts
-        );
-        let mut d = DeviceExpertWeights {
-            experts: w.experts,
-            n: w.n,
-            k: w.k,
-            codes: gpu.upload(&w.rows.codes)?,
-            scales: gpu.upload(&w.rows.scales)?,
-            global: gpu.upload(&w.rows.global)?,
-            tiled: None,
-        };
-        d.retile(gpu)?;
-        Ok(d)
+        let codes = gpu.upload(&w.rows.codes)?;
+        let scales = gpu.upload(&w.rows.scales)?;
+        let global = gpu.upload(&w.rows.global)?;
+        Self::from_plain(gpu, &codes, &scales, global, w.experts, w.n, w.k)
     }
 
-    /// (Re)build [`DeviceExpertWeights::tiled`] from `codes` / `scales` (weight preparation, on the GPU's own
-    /// stream; the launches that read it are ordered after it on that stream or after a synchronize). None for
-    /// shapes the tiling does not take (`N % 256 != 0`).
-    pub fn retile(&mut self, gpu: &Gpu) -> Result<()> {
-        self.tiled = if prefill::tiling_fits(self.n, self.k) {
-            Some(prefill::tile_weights_for_rs(gpu, self)?)
-        } else {
-            None
-        };
-        Ok(())
+    /// Tile plain device codes `[E, N, K/2]` and block scales `[E, N, K/16]` (weights made on the device, e.g. the
+    /// bench's synthetic ones; not validated) into the weights' tiling, on the GPU's own stream (the launches that
+    /// read it are ordered after it on that stream or after a synchronize). The plain buffers are only read by
+    /// that copy: the caller may drop them when they live on the GPU's stream (cudarc frees a buffer
+    /// asynchronously on its own stream, so after the copy).
+    pub fn from_plain(
+        gpu: &Gpu,
+        codes: &CudaSlice<u8>,
+        scales: &CudaSlice<u8>,
+        global: CudaSlice<f32>,
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<DeviceExpertWeights> {
+        check_gemm_shape(n, k)?;
+        ensure!(
+            (1..=MAX_EXPERTS).contains(&experts),
+            "moe_gemm: {experts} experts (1..={MAX_EXPERTS})"
+        );
+        ensure!(
+            global.len() >= experts * n,
+            "moe_gemm: {} global scales for {experts} x {n} weight rows",
+            global.len()
+        );
+        let tiled = prefill::tile_weights_for_rs(gpu, &gpu.stream, codes, scales, experts, n, k)?;
+        Ok(DeviceExpertWeights {
+            experts,
+            n,
+            k,
+            tiled,
+            global,
+        })
     }
 
     /// Bytes one expert's weights occupy (codes + block scales + global scales): what a kernel streams per expert.
@@ -440,6 +450,7 @@ fn check_partial_launch(
     ws: &Workspace,
 ) -> Result<()> {
     cfg.check(w.k)?;
+    check_weights(w)?;
     a.check()?;
     let (a_rows, a_k) = a.rows_k();
     ensure!(a_k == w.k, "moe_gemm: A has K = {a_k}, weights K = {}", w.k);
@@ -467,6 +478,23 @@ fn check_partial_launch(
     check_partial_len(ws)
 }
 
+/// The weights' shape and the length of their tiling (the fields are public: checked at every launch).
+fn check_weights(w: &DeviceExpertWeights) -> Result<()> {
+    check_gemm_shape(w.n, w.k)?;
+    let need = prefill::tiled_bytes(w.experts, w.n, w.k);
+    ensure!(
+        w.tiled.len() >= need && w.global.len() >= w.experts * w.n,
+        "moe_gemm: weights hold {} tiled bytes and {} global scales, {} x {} x {} needs {need} and {}",
+        w.tiled.len(),
+        w.global.len(),
+        w.experts,
+        w.n,
+        w.k,
+        w.experts * w.n
+    );
+    Ok(())
+}
+
 /// The partials buffer holds the `[splits, rows_total, N]` the workspace's fields claim.
 fn check_partial_len(ws: &Workspace) -> Result<()> {
     ensure!(
@@ -481,7 +509,7 @@ fn check_partial_len(ws: &Workspace) -> Result<()> {
 }
 
 /// The swap-AB mma.sync decode mainloop (kernels/moe_gemm.cu, `moe_gemm_decode_<operands>_nt*`) on the weights'
-/// tiling ([`DeviceExpertWeights::tiled`], required: `N % 256 == 0`) for every grouping and config;
+/// tiling ([`DeviceExpertWeights::tiled`]) for every grouping and config;
 /// [`launch_partial`] routes prefill shapes to the wgmma kernel instead. The operand type is
 /// [`DecodeOperands::routed_for`]. Shared memory: the permuted activation tile (token_tile x 512 x 2 B) plus the raw
 /// cp.async tile, sized for BF16 A (the same again). Graph-safe: the grid is `cfg.ctas` and every per-expert count
@@ -533,7 +561,7 @@ impl DecodeOperands {
 }
 
 /// [`launch_partial_mma`] with a chosen operand type; refuses what the F16 mainloop does not take (BF16
-/// activations, weights without their tiled copy) before any launch.
+/// activations) before any launch.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_partial_mma_with(
     gpu: &Gpu,
@@ -546,12 +574,6 @@ pub fn launch_partial_mma_with(
     operands: DecodeOperands,
 ) -> Result<()> {
     check_partial_launch(w, a, grp, cfg, ws)?;
-    let Some(tiled) = &w.tiled else {
-        bail!(
-            "moe_gemm decode: needs the weights' tiling (N % 256 == 0; N = {}, or `tiled` was dropped)",
-            w.n
-        );
-    };
     if operands == DecodeOperands::F16 {
         ensure!(
             a.is_nvfp4(),
@@ -576,7 +598,8 @@ pub fn launch_partial_mma_with(
         as_i32(grp.rows_total, "rows")?,
     );
     let mut args = KernelArgs::new();
-    args.buf(tiled).buf(&w.scales).i32(n).i32(k);
+    // The entry's w_scales argument is unused (the tiled blocks hold the scales): null.
+    args.buf(&w.tiled).null().i32(n).i32(k);
     push_activations(&mut args, a);
     args.buf(&grp.group)
         .i32(cap)
