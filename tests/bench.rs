@@ -534,7 +534,12 @@ fn default_config_covers_every_family_at_flash_shapes() {
         ("copy", "bytes")
     );
     for s in &config.sweeps {
-        for (param, flash) in [("d", 4096), ("hidden", 4096), ("experts", 256), ("heads", 64)] {
+        for (param, flash) in [
+            ("d", 4096),
+            ("hidden", 4096),
+            ("experts", 256),
+            ("heads", 64),
+        ] {
             if s.has_param(param) {
                 assert_eq!(s.param_u64(param).unwrap(), flash, "{}: {param}", s.kernel);
             }
@@ -544,7 +549,10 @@ fn default_config_covers_every_family_at_flash_shapes() {
     megamoe::bench::runner::plan(&config, &registry, &[]).unwrap();
     for s in config.sweeps.iter().filter(|s| s.kernel != "copy") {
         let k = registry.iter().find(|k| k.name == s.kernel).unwrap();
-        let variants = s.variants.as_ref().expect("default sweeps name their variants");
+        let variants = s
+            .variants
+            .as_ref()
+            .expect("default sweeps name their variants");
         assert!(
             k.headline.iter().any(|h| variants.iter().any(|v| v == h)),
             "{}: the default suite runs a headline variant",
