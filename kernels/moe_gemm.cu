@@ -1,6 +1,6 @@
 // NVFP4 MoE grouped GEMM for Hopper (sm_90a): D[m, n] = gsa[m] * gsb[e, n] * sum_k A[m, k] * B[e, n, k].
 //
-// Design (see src/ops/moe_gemm/mod.rs for the launcher contract, DESIGN.md §3 for the numerics)
+// Design (see src/ops/moe_gemm/mod.rs for the launcher contract, docs/numerics.md for the numerics)
 // ---------------------------------------------------------------------------------------------
 // * Hopper has no FP4 tensor cores. An NVFP4 element e2m1 * s_e4m3 has at most 5 significant bits and lies in
 //   [2^-10, 2688], so it is exact in BF16. We dequantize weights in registers to BF16 (block scale included) and
@@ -536,7 +536,7 @@ __device__ __forceinline__ float block_max_l1_one_barrier(float v, float* s_red)
 // row's routing weight. One source for every L1 finish (pass 1 and the rows kernel), so their h cannot drift apart.
 // (ptxas contracts the `1.f +` with the last multiply of expf into one FFMA; the same expression in every caller.)
 // l1_swiglu_h_tail: everything after the two scale products (gte = accg * (sa*scg), up = accu * (sa*scu)); split
-// out so that RowsThr2 can form those products with one FFMA each (its comment) and share the rest, bit for bit.
+// out so that the rows kernel can form those products with one FFMA each (its comment) and share the rest, bit for bit.
 __device__ __forceinline__ float l1_swiglu_h_tail(float gte, float up, float rw) {
     gte = fminf(gte, 10.f);
     up = fminf(fmaxf(up, -10.f), 10.f);
@@ -598,7 +598,7 @@ __device__ __forceinline__ float finish_l1_swiglu_to_smem(
 }
 
 // The 4 codes of chunk x (x | y << 4 | z << 8 | w << 12) with mm::nvfp4_element's bits, without its IEEE division
-// (FinishL1Kernel::RowsThr): the division-free encoder of common/e2m1_thresholds.cuh (7 thresholds per lane from
+// (the rows kernels): the division-free encoder of common/e2m1_thresholds.cuh (7 thresholds per lane from
 // `scale`, then a 3-compare binary search per element), falling back to mm::nvfp4_element itself wherever that
 // encoder's identities do not hold or its result could differ. Why each case gives nvfp4_element's code:
 // * fast path: 2^-100 <= scale <= 2^100 (so scale > 0, finite, and the FMA thresholds are the exact ones:
@@ -631,7 +631,7 @@ __device__ __forceinline__ uint32_t nvfp4_codes4_thr(const float4 x, float scale
 // 16-block (lanes 4*(lane/4) + 0..3, all named in `mask`) share the block amax by two xor-shuffles; the lane with
 // c % 4 == 0 stores the block scale byte, every lane its 2 code bytes (the rules are in the comment of
 // the comment below finish_l1_nvfp4_q4_pass). One source for the q4 pass and the rows kernels. kThresholdEncoder:
-// the codes by nvfp4_codes4_thr (RowsThr; the same bits) instead of 4 x mm::nvfp4_element.
+// the codes by nvfp4_codes4_thr (the same bits) instead of 4 x mm::nvfp4_element.
 template <bool kThresholdEncoder = false>
 __device__ __forceinline__ void nvfp4_quant_chunk4(const float4 x, float gs, unsigned mask, int c,
                                                    uint8_t* __restrict__ codes_row, uint8_t* __restrict__ scales_row) {
@@ -724,16 +724,16 @@ __device__ __forceinline__ void finish_l1_write_padding_row(int row, int I, uint
     } else {
         for (int i = threadIdx.x; i < I / 16; i += blockDim.x) scales_row[i] = sc;
     }
-    // h: I % 4 == 0 -> float4 stores of +0 (q4 stores make_float4(h[0..3]) with h = 0.f).
+    // h: I % 4 == 0 -> float4 stores of +0 (the quantization pass stores make_float4(h[0..3]) with h = 0.f).
     if (h_out != nullptr) {
         float4* h_row = reinterpret_cast<float4*>(h_out + (size_t)row * I);
         for (int i = threadIdx.x; i < I / 4; i += blockDim.x) h_row[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
-// pad1b: a padding row (uniform per CTA: the whole block returns, so no barrier is left half-reached) takes
-// finish_l1_write_padding_row; a real row runs the q4 finish with the one-barrier row amax
-// (block_max_l1_one_barrier, same value). Bit-identical to q4 on every row.
+// The per-row finish: a padding row (uniform per CTA: the whole block returns, so no barrier is left half-reached)
+// takes finish_l1_write_padding_row; a real row runs SwiGLU to shared memory, the one-barrier row amax
+// (block_max_l1_one_barrier) and the four-elements-per-lane quantization pass (finish_l1_nvfp4_q4_pass).
 __device__ __forceinline__ void finish_l1_pad_body(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
@@ -762,7 +762,7 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
 }
 
 // ---- The prefill L1 finish: the rows design (FinishL1Kernel::Rows builds on it, below) ---------------------------
-// Why (pad1b's SASS at Flash 4096 tokens, 24,576 rows, 0.40 ms = ~1.1 TB/s of partials): pad1b runs one CTA per
+// Why not the per-row finish at prefill sizes (Flash 4096 tokens, 24,576 rows): it runs one CTA per
 // row; every CTA walks a chain of dependent memory steps before its math (the contiguous expert lookup, a binary
 // search of ~8 dependent loads; gsa / routing; the row's 16 KB of partials; then gsb, which ptxas loads after the
 // split loop's adds), then SwiGLU, a 512-thread barrier, the quantization, and exits. At 2 CTAs per SM only
@@ -781,15 +781,15 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
 // * h stays in registers (no shared h row); the row amax takes one barrier per row: row i's per-warp slots are
 //   s_red[i & 1]. A thread writes the same parity again for row i + 2 only after passing row i + 1's barrier, which
 //   every thread reaches only after it has read row i's slots, so no second barrier is needed.
-// Bit-identical to pad1b / q4 (the same fp32 operations on the same values):
+// Bit-identical to the per-row finish (the same fp32 operations on the same values):
 // * split sums: acc = +0 + p_0 + p_1 + ... in split order, component-wise (reduce_splits4_gate_up's order).
 // * h: l1_swiglu_h, the function of pass 1, with the same sa (gsa[row], 1 without gsa), gsb and routing weight.
-//   A row owned by no expert gets h = +0 (pass 1: h[i] = 0.f); its quantization then yields q4's bytes for an
+//   A row owned by no expert gets h = +0 (pass 1: h[i] = 0.f); its quantization then yields the per-row finish's bytes for an
 //   all-zero row (codes 0, block scales 0, gs 1.0: the derivation at finish_l1_write_padding_row).
 // * row amax: each thread folds fmaxf(amax, max4 |h|) from amax = 0 as pass 1 does; the block maximum of non-NaN
 //   values >= +0 is one well-defined float whatever the grouping (block_max_l1_one_barrier's comment), so gs =
 //   mm::nvfp4_global_scale(amax) has the same bits.
-// * quantization: nvfp4_quant_chunk4, the function of the q4 pass, on the same chunk <-> lane mapping
+// * quantization: nvfp4_quant_chunk4, the function of the per-row quantization pass, on the same chunk <-> lane mapping
 //   (blockDim % 32 == 0, so c % 32 == lane and a 16-block's 4 chunks sit on 4 consecutive lanes; the shuffle mask
 //   is the same prefix argument with 256 for 512 threads: the lanes of a warp with c < I / 4 are a prefix whose
 //   length is a multiple of 4).
@@ -805,7 +805,7 @@ __device__ __forceinline__ void cp_async_wait_group() {
 }
 
 // ---- The prefill L1 finish, 8 elements per thread (FinishL1Kernel::Rows: moe_gemm_finish_l1_rows_kc*) -----------
-// RowsThr's SASS (kc2, Flash I = 2048, 8 h elements per thread and row) spends ~94 thread-instructions per element
+// The rows design with 4 elements per thread (kc2, Flash I = 2048) spends ~94 thread-instructions per element
 // (ncu: 147 M warp-instructions for 50.3 M elements), issue-bound. About a third of that is per-16-block work done
 // by all 4 lanes of a block (block amax shuffles and their variable-mask convergence code, the block-scale
 // division, e4m3 round trip, the 7 thresholds and their range check: ~60 per 4-element chunk). Here:
@@ -819,19 +819,19 @@ __device__ __forceinline__ void cp_async_wait_group() {
 //   finish_l1_rows2_swiglu), and the split loop is gone from that path.
 // * the shuffle mask is the full warp (no per-iteration mask / convergence code): a warp whose first pair is in
 //   the row runs the quantization on all lanes (lanes past the row carry h = 0 and store nothing).
-// Bit-identical to RowsThr (and so to pad1b / q4), per output:
+// Bit-identical to the 4-elements-per-thread rows design (and so to the per-row finish), per output:
 // * h, h_out, row amax, gs: l1_swiglu_h (or its tail, finish_l1_rows2_swiglu) on the same split sums / scales, the
-//   same fmaxf fold (order-free on non-NaN values >= 0; RowsThr's comment) and mm::nvfp4_global_scale.
+//   same fmaxf fold (order-free on non-NaN values >= 0; block_max_l1_one_barrier's comment) and mm::nvfp4_global_scale.
 // * block amax: max(0, 16 |h|) of one block; fmaxf on non-NaN values is exact and order-free, fmaxf(a, NaN) = a, so
-//   max(0, own 8) then one xor-1 fmaxf is RowsThr's max(0, own 4) then two shuffles. Lanes p and p ^ 1 share b
+//   max(0, own 8) then one xor-1 fmaxf is the 4-element form's max(0, own 4) then two shuffles. Lanes p and p ^ 1 share b
 //   (p - lane and 256 j are multiples of 32); pairs = I / 8 is even (I % 16 == 0), so both are in the row or both
 //   out, and an out-of-row lane never feeds an in-row one.
 // * block scale byte, scale: the same functions of (bmax, gs) as nvfp4_quant_chunk4.
 // * codes: nvfp4_codes8_thr = nvfp4_codes4_thr on each quarter (its comment); stored at byte 2 * unit like
-//   RowsThr's chunk c = unit; the scale byte of block b by the lane with p even.
-// Ring: own-copy like RowsThr (a thread reads back only what it copied; cp.async.wait_group orders it), unit slot
+//   the 4-element form's chunk c = unit; the scale byte of block b by the lane with p even.
+// Ring: own-copy (a thread reads back only what it copied; cp.async.wait_group orders it), unit slot
 // (k = 2 j + hh, g) of thread tid at [((slot * KU + k) * 2 + g) * 256 + tid] (conflict-free). Dynamic smem =
-// kStages * KU * 2 * 256 * 16 bytes (launcher: FinishL1RowsKind::thr2_ring_bytes). Requirements as RowsThr.
+// kStages * KU * 2 * 256 * 16 bytes (launcher: FinishL1RowsKind). Requirements as the rows design above.
 
 template <bool B>
 struct BoolConst {
@@ -885,7 +885,7 @@ __device__ __forceinline__ void finish_l1_rows2_body(
     constexpr int T = kFinishL1RowsThreads;
     extern __shared__ uint4 s_ring[];  // [kStages][KU][2 (gate, up)][256] 16-byte units
     // s_meta[i]: row metadata, one 16-byte load per row: (expert as int bits, sa, routing weight, unused).
-    // s_red[2][8]: per-warp amax, by row parity (RowsThr's comment). Both from the entry (declared there once, not
+    // s_red[2][8]: per-warp amax, by row parity (the rows design's comment above). Both from the entry (declared there once, not
     // per instantiation of this body: the entry holds two).
     static_assert(T / 32 == 8, "2 float4 slots per parity");
     const int tid = threadIdx.x, lane = tid & 31;
@@ -924,7 +924,7 @@ __device__ __forceinline__ void finish_l1_rows2_body(
         cp_async_commit();
     };
     const float* src_thr = partial + (size_t)first * N + 4 * u00;
-    // The first kStages - 1 rows are copied before their experts are known (RowsThr's comment).
+    // The first kStages - 1 rows are copied before their experts are known (the rows design's comment above).
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) issue(src_thr + (size_t)i * N, i, i < nrows);
     __syncthreads();  // s_meta
@@ -973,7 +973,7 @@ __device__ __forceinline__ void finish_l1_rows2_body(
 #pragma unroll
         for (int k = 0; k < KU; ++k) h[k] = make_float4(0.f, 0.f, 0.f, 0.f);
         // h of the thread's units; kFused: the FFMA form (l1_swiglu_h_fused1's identity), else l1_swiglu_h on
-        // 0 + p_0 + p_1 + ... (RowsThr's split order).
+        // 0 + p_0 + p_1 + ... (the rows design's split order).
         auto swiglu_units = [&](auto fused_tag) {
             constexpr bool kFused = decltype(fused_tag)::value;
 #pragma unroll
@@ -1027,7 +1027,7 @@ __device__ __forceinline__ void finish_l1_rows2_body(
                 swiglu_units(BoolConst<false>{});
             }
         }
-        // own8[j] = max(0, |h| of pair j's 8 elements): both the thread's share of the row amax (RowsThr folds
+        // own8[j] = max(0, |h| of pair j's 8 elements): both the thread's share of the row amax (the per-row finish folds
         // fmaxf(amax, max4 |h|) from 0 over the same values: the same maximum, order-free) and its share of the
         // block amax below. Pairs past the row have h = +0, own8 = +0, which changes neither maximum.
         float own8[KP];
@@ -1044,7 +1044,7 @@ __device__ __forceinline__ void finish_l1_rows2_body(
                 *reinterpret_cast<float4*>(hrow + 8) = x1;
             }
         }
-        // Row amax: warp tree, then the 8 warp slots of this row's parity (one barrier; RowsThr's header).
+        // Row amax: warp tree, then the 8 warp slots of this row's parity (one barrier; the rows design's header above).
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         float* red = s_red[i & 1];
@@ -1076,7 +1076,7 @@ __device__ __forceinline__ void finish_l1_rows2_body(
     }
 }
 
-// RowsThr2 entries: the splits == 1 path is its own instantiation inside the entry (CTA-uniform branch).
+// The rows entries: the splits == 1 path is its own instantiation inside the entry (CTA-uniform branch).
 #define MOE_FINISH_L1_ROWS_THR2(KC, STAGES, MINB)                                                                    \
     extern "C" __global__ void __launch_bounds__(kFinishL1RowsThreads, MINB) moe_gemm_finish_l1_rows_kc##KC( \
         const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total,   \
@@ -1096,7 +1096,7 @@ __device__ __forceinline__ void finish_l1_rows2_body(
         }                                                                                                             \
     }
 // (KC, ring stages, CTAs per SM): FINISH_L1_ROWS_KINDS' thr2_stages / thr2_ctas_per_sm in src/ops/moe_gemm/mod.rs
-// must match. KC keeps RowsThr's meaning (I / 4 <= KC * 256); ring = stages * ceil(KC / 2) * 16 KB: kc1, kc2
+// must match. KC keeps the rows design's meaning (I / 4 <= KC * 256); ring = stages * ceil(KC / 2) * 16 KB: kc1, kc2
 // 4 x 16 KB, kc3, kc4 2 x 32 KB. kc3 (Pro) at 2 CTAs per SM: 16 h + 32 gsb registers per thread need 128 registers
 // (held to 80 for 3 CTAs, ptxas spilled 80 bytes: 61 LDL/STL in the loop).
 MOE_FINISH_L1_ROWS_THR2(1, 4, 3)

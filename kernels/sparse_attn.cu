@@ -457,7 +457,7 @@ __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float
 // registers), in code that is small and stores whole 16-byte chunks. The epilogue runs once per warp; finish()'s
 // unrolled form (an inlined sincosf and a branch per rope pair, 2 rows x 32 n-tiles) is ~7,900 straight-line SASS
 // instructions, which at Pro batch 128 stall mostly on instruction fetch
-// (results/h200/profile/ncu-sparse_attn-session7-start-hot.txt). Here:
+// (results/h200/archive/profile/ncu-sparse_attn-session7-start-hot.txt). Here:
 //   * cos / sin of the 32 rope pairs come from rope_cs, filled once per CTA in the prologue with the same
 //     sincosf(__fmul_rn(pos, freq)) finish() evaluates per pair (every head shares the query position);
 //   * the rope is one warp-uniform branch: rope dims 448..511 are n-tiles 24..31 of warp group 1 only
@@ -471,7 +471,7 @@ __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float
 //     warp instruction writes (g = h & 7) land in 8 different bank groups. a.n_splits is uniform over the CTA, so
 //     every thread reaches both barriers;
 //   * split partials are stored directly (store_split_partial): staging them through shared memory costs two more
-//     barriers, which show at batch 1-4 where a CTA has one or two tiles (results/h200/session7-ab).
+//     barriers, which show at batch 1-4 where a CTA has one or two tiles (results/h200/archive/session7-ab).
 __device__ __forceinline__ void finish_staged(WarpState& st, const DecodeArgs& a, float* red_sum, const float2* rope_cs,
                                               uint8_t* stage, int b, int hg, int split, int wm, int wh, int g, int tq,
                                               int tid) {

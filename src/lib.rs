@@ -1,6 +1,6 @@
 //! megamoe: kernels, CPU references and benchmarks for DeepSeek-V4-class MoE inference on Hopper.
 //!
-//! Layout (see DESIGN §1): `formats` (exact CPU codecs), `gpu` (driver runtime), `ops` (one module per
+//! Layout (docs/design.md): `formats` (exact CPU codecs), `gpu` (driver runtime), `ops` (one module per
 //! kernel family: launcher + CPU reference), `model` (DSV4 config, weights, reference decode),
 //! `bench` (sweeps, CSV, plots, report), `cli` (the `megamoe` binary's commands), `progress` (progress of
 //! long sweeps and stress runs; a leaf that ops and bench both use).

@@ -1058,7 +1058,7 @@ fn cost_models_agree_at_target_shapes_and_cover_every_tile() {
     }
 }
 
-/// The routed path at every point of results/h200/session5-ab/sparse_attn_decode.csv (H200, 132 SMs): the plan
+/// The routed path at every point of results/h200/archive/session5-ab/sparse_attn_decode.csv (H200, 132 SMs): the plan
 /// (`SplitPlan::fp8`) and the merge (`combine_for`) at each measured point, printed and pinned, with the winner
 /// the data names (see `HEADS_PER_THREAD_MIN_SPLITS` and `SplitPlan::fp8`): the heads-per-thread merge won at
 /// 3+ splits and lost at 2; the fitted plan differs from the estimated one only at HCA 1M batch 1, where it won.

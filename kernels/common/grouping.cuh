@@ -1,5 +1,4 @@
-// Grouped row layout shared by the MoE GEMM kernel families (moe_gemm decode mainloop + finish kernels,
-// moe_gemm_gemv). Moved here from kernels/moe_gemm.cu in session 12 (SASS of moe_gemm unchanged, cuobjdump diff).
+// Grouped row layout shared by the MoE GEMM kernels (the decode mainloop and the finish kernels).
 #pragma once
 
 namespace {

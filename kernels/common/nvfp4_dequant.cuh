@@ -44,7 +44,7 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t code) {
     return b | (b << 16);
 }
 
-// ---- F16 weight fragments (decode mainloop v3th; NVFP4 activations only) ---------------------------------------
+// ---- F16 weight fragments (the f16-operand decode mainloop; NVFP4 activations only) ---------------------------
 // An e2m1 code s|e1 e0 m placed in the HIGH byte of an f16 as s at bit 7 and e1 e0 m at bits 3..1 is an f16 with
 // exponent field e1 e0 and top mantissa bit m: 2^(e-15) * (1 + m/2) for e >= 1, and the subnormal m * 2^-15 for
 // e = 0, i.e. exactly e2m1 * 2^-14 in both cases (e2m1: 2^(e-1) * (1 + m/2), and m * 0.5 for e = 0), with the low

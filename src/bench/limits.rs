@@ -1,4 +1,4 @@
-//! The denominators every row is measured against, taken in the same run (DESIGN §6).
+//! The denominators every row is measured against, taken in the same run (docs/measurement.md).
 //!
 //! The GPU measurements that fill [`Limits`] (device-to-device copy, cuBLASLt BF16 / FP8 GEMM) live
 //! in the GPU runtime; this is only the data they produce.

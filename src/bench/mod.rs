@@ -1,4 +1,4 @@
-//! Measurement harness (DESIGN §6), the GPU-independent half.
+//! Measurement harness (docs/measurement.md), the GPU-independent half.
 //!
 //! Everything here works on plain numbers: timing samples arrive as `Vec<f64>` of microseconds from
 //! the GPU runtime (`crate::gpu`), and this module turns them into one CSV schema for every kernel,

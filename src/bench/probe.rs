@@ -1,5 +1,5 @@
 //! The limits probe (`megamoe limits`): the denominators every sweep row is divided by, measured on the GPU
-//! in the same run (DESIGN §6): device-to-device copy bandwidth (bytes read + written, buffers far larger
+//! in the same run (docs/measurement.md): device-to-device copy bandwidth (bytes read + written, buffers far larger
 //! than L2), and the BF16 and FP8 dense matmul rates through cuBLASLt on random data.
 
 use anyhow::Result;

@@ -1,4 +1,4 @@
-//! One CSV schema for every kernel (DESIGN §6): [`Row`].
+//! One CSV schema for every kernel (docs/measurement.md): [`Row`].
 //!
 //! Units: times in microseconds; `bytes` = bytes the kernel must move to/from HBM (read + written);
 //! `flops` = arithmetic operations (a multiply-add counts 2); `gbps` = 1e9 bytes/s; `tflops` =

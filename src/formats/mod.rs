@@ -1,4 +1,4 @@
-//! Exact CPU codecs for every storage format the kernels read or write (DESIGN §3).
+//! Exact CPU codecs for every storage format the kernels read or write (docs/numerics.md).
 //!
 //! Scalar codecs: [`e2m1`], [`e4m3`], [`ue8m0`], [`bf16`]. Every GPU kernel that rounds to one of these
 //! formats implements the same rule, and the tests compare GPU and CPU bit for bit.

@@ -77,7 +77,7 @@ impl Gpu {
         }
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| anyhow!("creating a CUDA context on GPU {ordinal}: {e:?}"))?;
-        // Before any allocation: no per-slice events, no implicit cross-stream waits (DESIGN §6, graph capture).
+        // Before any allocation: no per-slice events, no implicit cross-stream waits (docs/measurement.md, graph capture).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx
             .new_stream()

@@ -1,5 +1,5 @@
 //! Device-time measurement: CUDA events around each repetition (after warm-up), an optional L2 flush
-//! outside the timed region, and CUDA-graph capture + replay for launch-overhead-free timing (DESIGN §6).
+//! outside the timed region, and CUDA-graph capture + replay for launch-overhead-free timing (docs/measurement.md).
 
 use anyhow::{anyhow, Result};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};

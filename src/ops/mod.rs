@@ -1,4 +1,4 @@
-//! Kernel families. Each reads the same way (DESIGN §1): `kernels/<family>.cu` (device code) ->
+//! Kernel families. Each reads the same way (docs/design.md): `kernels/<family>.cu` (device code) ->
 //! `ops/<family>/mod.rs` (launcher: checks before any launch, config choice, launch) ->
 //! `ops/<family>/reference.rs` or `formats` (CPU reference) -> `tests/<family>.rs` -> `bench-configs/<family>.toml`.
 

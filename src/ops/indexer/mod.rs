@@ -59,7 +59,7 @@ pub const TOPK_FINAL_MAX_CTAS_PER_ROW: u32 = 64;
 /// (heavy ties) take its one-CTA radix-select fallback.
 pub const TOPK_BUCKET_CAP: usize = 4096;
 /// Largest k for which [`topk`] launches the chain through its PDL entry points ([`TopkPath::Pdl`]). Decided by
-/// results/h200/session6-ab/indexer.csv (variants `fused` = plain chain, `fused_pdl`): PDL won at every k = 512
+/// results/h200/archive/session6-ab/indexer.csv (variants `fused` = plain chain, `fused_pdl`): PDL won at every k = 512
 /// point and lost at k = 1024 from batch 16 at 1M context, where dependent CTAs launched early hold SM slots the
 /// running kernel still needs.
 pub const TOPK_PDL_MAX_K: usize = 512;

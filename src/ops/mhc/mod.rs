@@ -365,7 +365,7 @@ pub enum MhcPrePath {
 ///   at 1 token (D 4096 NVFP4: 7.3 vs 8.3) and ties at 8; from 16 tokens it loses (11.0 vs 10.3; 64: 27.7 vs
 ///   15.3): the finish grid (two CTAs per token) is resident and waiting while the mix runs and holds the SM
 ///   resources the mix's CTAs would use.
-/// * Tensor-core mix vs the FFMA two-launch path (plain launches, NVFP4, results/h200/session14-ab/mhc-c7c9893.csv):
+/// * Tensor-core mix vs the FFMA two-launch path (plain launches, NVFP4, results/h200/archive/session14-ab/mhc-c7c9893.csv):
 ///   the tensor-core mix wins at every measured token count from 128, the smallest measured (D 4096: 20.5 vs
 ///   27.3 us at 128 tokens, 2137 vs 7620 at 65536; D 7168 alike; FP8 alike). 64 .. 127 tokens were not measured
 ///   with it, so the decode-tuned FFMA paths keep them.

@@ -166,7 +166,7 @@ pub enum FinishL1Kernel {
 impl FinishL1Kernel {
     /// The routed L1 finish: [`FinishL1Kernel::Rows`] for a contiguous grouping (prefill) when an instantiation
     /// takes `i_dim`, else [`FinishL1Kernel::PerRow`] (the masked / decode layout, whose padding rows it writes
-    /// directly). Rows won at every contiguous point (results/h200/session9-ab/ and session12-ab3/; the forcing
+    /// directly). Rows won at every contiguous point (results/h200/archive/session9-ab/ and session12-ab3/; the forcing
     /// variant `nvfp4_finish_per_row` keeps the contiguous side measurable).
     pub fn for_grouping(grp: &DeviceGrouping, i_dim: usize) -> FinishL1Kernel {
         if grp.capacity == 0 && FinishL1Kernel::Rows.entry(i_dim).is_some() {
@@ -497,12 +497,12 @@ pub enum FinishL2Kernel {
 }
 
 /// Fewest tokens for which [`FinishL2Kernel::for_tokens`] picks [`FinishL2Kernel::Cols2Tok`] over Cols2: the fewest
-/// measured tokens where Cols2Tok won (Flash and Pro L2; results/h200/session11-ab/, variants `nvfp4_l2cols2` and
+/// measured tokens where Cols2Tok won (Flash and Pro L2; results/h200/archive/session11-ab/, variants `nvfp4_l2cols2` and
 /// `nvfp4_l2cols2tok`); between 64 and 512 tokens nothing was measured, so Cols2 stays there.
 pub const L2_COLS2TOK_MIN_TOKENS: usize = 512;
 
 /// Most tokens for which [`FinishL2Kernel::for_tokens`] picks [`FinishL2Kernel::RowWarps`]: the largest measured
-/// count where RowWarps won (results/h200/session8-ab/, variant `nvfp4_l2rowwarps`); above it its two barriers and
+/// count where RowWarps won (results/h200/archive/session8-ab/, variant `nvfp4_l2rowwarps`); above it its two barriers and
 /// serial slot combine per 32 columns cost more than its parallel split loads save.
 pub const L2_ROWWARPS_MAX_TOKENS: usize = 8;
 

@@ -278,7 +278,7 @@ impl GemmConfig {
     /// then [`MAINLOOP_CTAS_PER_SM_SMALL_TILE`] x SMs for tiles <= 16 (the mainloop holds 3 CTAs per SM there; the
     /// splits stay those chosen for 2 slots per SM, the configuration measured on the H200), SMs above. Forcing 1 / 2
     /// / 4 / 8 splits at every decode point (variants `nvfp4_splits<s>`) beat this choice by more than 2% only at 1
-    /// token of L2: results/h200/session15-ab/moe_gemm_l1-splits-daad962.csv and moe_gemm_l2-splits-daad962.csv.
+    /// token of L2: results/h200/archive/session15-ab/moe_gemm_l1-splits-daad962.csv and moe_gemm_l2-splits-daad962.csv.
     pub fn choose(
         sm_count: usize,
         rows_per_active_expert: f64,

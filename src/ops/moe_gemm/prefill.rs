@@ -48,7 +48,7 @@ const ACT_BOX_ROWS: [usize; 4] = [32, 64, 96, 128];
 /// [`super::launch_partial`] routes a contiguous grouping here from this mean number of rows per expert
 /// (`rows_total / experts`; Flash top-6 of 256 crosses it at 256 tokens, Pro top-6 of 384 at 384). The RS kernel
 /// beat the mma.sync decode kernel at every contiguous point measured, from 6.75 rows per expert (Flash 288 tokens)
-/// up, L1 and L2, Flash and Pro (results/h200/session10-ab2/, variant `nvfp4_decode`, now
+/// up, L1 and L2, Flash and Pro (results/h200/archive/session10-ab2/, variant `nvfp4_decode`, now
 /// `nvfp4_decode_mainloop`); below 6 rows per expert nothing was measured on a contiguous grouping (the bench runs
 /// the masked layout up to 256 tokens).
 pub const MIN_MEAN_ROWS_PER_EXPERT: usize = 6;

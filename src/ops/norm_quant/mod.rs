@@ -501,9 +501,9 @@ pub const RESIDENT_NVFP4_MAX_D: usize = 8 * RESIDENT_D_MULTIPLE;
 /// with `d % 1024 == 0`, FP8 [`RowsPath::ResidentFp8`] and NVFP4 (`d <= 8192`) [`RowsPath::ResidentNvfp4`];
 /// [`RowsPath::PerRow`] otherwise (BF16 output, fewer rows, other D).
 ///
-/// Decided on the H200 (BF16 in, D 4096 and 7168, rows 1 .. 65536; results/h200/session4-ab/rmsnorm_quant.csv
+/// Decided on the H200 (BF16 in, D 4096 and 7168, rows 1 .. 65536; results/h200/archive/session4-ab/rmsnorm_quant.csv
 /// for the resident FP8 kernel and the resident-wave rule against the per-row paths,
-/// results/h200/session6-ab/rmsnorm_quant.csv for the NVFP4 kernel with D compiled in): the resident kernels win
+/// results/h200/archive/session6-ab/rmsnorm_quant.csv for the NVFP4 kernel with D compiled in): the resident kernels win
 /// every measured point from 4096 rows on for both formats and both D, and lose at 1-64 rows (their per-CTA
 /// weight staging has few rows to amortize over); 1024 rows is mixed and rows between 1024 and 4096 were not
 /// measured, so the switch sits at 4096. NVFP4 above 8192 (no DSV4 shape) takes the row loop.

@@ -168,7 +168,7 @@ impl SplitPlan {
     /// the prior estimates ([`PlanCosts::ESTIMATED`]) cut [`HEADS_PER_THREAD_MIN_SPLITS`] or more splits (so both
     /// merge with the heads-per-thread combine, whose cost `FITTED` models); else the estimates' plan.
     ///
-    /// Decided by results/h200/session5-ab/sparse_attn_decode.csv (the same decode kernel and combine under both
+    /// Decided by results/h200/archive/session5-ab/sparse_attn_decode.csv (the same decode kernel and combine under both
     /// plans): the plans differ at one measured point, HCA 1M batch 1 (130 tiles): estimates 33 splits x 4 tiles
     /// 35.6 us, fitted 65 x 2 31.8 us; at HCA 1M batch 4 / 16 / 64 and every Flash / Pro batch point the two
     /// plans are equal. Where the fitted model would add a split to a plan of 1 or 2 splits, or cut to 2 splits,
@@ -269,7 +269,7 @@ impl PlanCosts {
         combine: 4.0,
         combine_per_split: 0.3,
     };
-    /// Fitted to ncu durations of the FP8 decode kernel, one wave each (results/h200/session5-start/sparse_attn.log): tiles per
+    /// Fitted to ncu durations of the FP8 decode kernel, one wave each (results/h200/archive/session5-start/sparse_attn.log): tiles per
     /// split 1 -> 12.8 us (Flash / Pro batch 1), 3 -> 21.5 (Pro batch 8), 5 -> 31.1 (Flash batch 64), 18 -> 91.2
     /// (Pro batch 64): slope 4.6 us per tile, intercept 8.2 us (residuals <= 0.5 us). The combine is the
     /// heads-per-thread merge: ~3 us (launch + one L2 round trip + the merge math) plus ~1 us (one more L2 round
@@ -411,7 +411,7 @@ pub fn heads_per_thread(n_splits: usize) -> (usize, usize) {
 
 /// Fewest splits the routed path merges with [`Combine::HeadsPerThread`] (fewer: [`Combine::WarpPerHead`]).
 ///
-/// Decided by results/h200/session5-ab/sparse_attn_decode.csv (the same decode kernel and plan, warp-per-head vs
+/// Decided by results/h200/archive/session5-ab/sparse_attn_decode.csv (the same decode kernel and plan, warp-per-head vs
 /// heads-per-thread merge): with 3+ splits heads-per-thread was faster at all 24 points (e.g. Flash CSA 64K
 /// batch 1, 10 splits, 22.9 vs 19.7 us; HCA 1M batch 1, 33 splits, 44.3 vs 35.6); with 2 splits (its
 /// four-heads-per-thread entry) slower at 6 of 8 points (Pro batch 32 at 64K 56.1 vs 58.2, Flash batch 64
