@@ -11,3 +11,4 @@ pub mod norm_quant;
 pub mod nvfp4;
 pub mod registry;
 pub mod sparse_attn;
+pub mod weights;
