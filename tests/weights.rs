@@ -252,13 +252,19 @@ fn slices(rng: &mut impl Rng, s: &TensorSpec) -> Vec<(usize, usize)> {
     v
 }
 
+/// The GPU, the test's seeded RNG (replay with WEIGHTS_SEED) and a synthetic-weights seed drawn from it.
+fn gpu_rng_and_seed(test: &str) -> (megamoe::gpu::Gpu, impl Rng, u64) {
+    let gpu = common::gpu(test);
+    let mut rng = common::seeded(test, "WEIGHTS_SEED");
+    let seed: u64 = rng.random();
+    (gpu, rng, seed)
+}
+
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_every_flash_tensor_kind_matches_the_cpu_oracle() {
     let test = "gpu_every_flash_tensor_kind_matches_the_cpu_oracle";
-    let gpu = common::gpu(test);
-    let mut rng = common::seeded(test, "WEIGHTS_SEED");
-    let seed: u64 = rng.random();
+    let (gpu, mut rng, seed) = gpu_rng_and_seed(test);
     let cfg = ModelConfig::flash();
     let reps = representatives(&cfg);
     let mut pairs = std::collections::BTreeSet::new();
@@ -322,9 +328,7 @@ fn gpu_every_flash_tensor_kind_matches_the_cpu_oracle() {
 #[ignore = "needs an H100/H200"]
 fn gpu_one_gib_fill_matches_the_cpu_oracle_at_sample_points() {
     let test = "gpu_one_gib_fill_matches_the_cpu_oracle_at_sample_points";
-    let gpu = common::gpu(test);
-    let mut rng = common::seeded(test, "WEIGHTS_SEED");
-    let seed: u64 = rng.random();
+    let (gpu, mut rng, seed) = gpu_rng_and_seed(test);
     let s = tensor_manifest(&ModelConfig::flash())
         .into_iter()
         .find(|s| s.name == "embed.weight")
