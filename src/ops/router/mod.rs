@@ -45,6 +45,8 @@ pub const DIM_MULTIPLE: usize = 256;
 /// Tokens per CTA of the logits kernel (`kLogitTokens`).
 const LOGIT_TOKENS: usize = 8;
 const LOGIT_THREADS: u32 = 256;
+/// Warps of a logits CTA (`kLogitWarps`): they take the 256-element chunks of D round-robin.
+const LOGIT_WARPS: usize = 8;
 const SELECT_THREADS: u32 = 1024;
 
 /// The sizes of one routing call.
@@ -93,6 +95,15 @@ impl RouterShape {
     fn select_smem(&self) -> usize {
         self.experts * self.tokens.div_ceil(32) * 4
     }
+}
+
+/// Depth of the f32 summation tree of one GPU logit for hidden size `dim` (kernels/router.cu): each lane adds
+/// 8 products per chunk it owns (at most ceil(chunks / 8) chunks, chunks = D / 256), 5 butterfly levels across the
+/// warp, then 7 adds of the 8 warp sums (counted as 8). An f32 sum of depth n is within
+/// `n u / (1 - n u) * sum |terms|` of the exact sum (u = 2^-24; the BF16 x BF16 products are exact): the error bound
+/// the tests derive their tolerances from.
+pub fn logit_sum_depth(dim: usize) -> usize {
+    8 * (dim / DIM_MULTIPLE).div_ceil(LOGIT_WARPS) + 5 + 8
 }
 
 /// How the experts are chosen.
@@ -334,5 +345,13 @@ mod tests {
             capacity: 1,
         };
         assert_eq!(s.select_smem(), 128 * 1024);
+    }
+
+    #[test]
+    fn logit_sum_depth_counts_lane_chunks_butterfly_and_warp_sums() {
+        // Flash D = 4096: 16 chunks, 2 per warp (16 products per lane); Pro D = 7168: 28 chunks, up to 4 per warp.
+        assert_eq!(logit_sum_depth(4096), 16 + 5 + 8);
+        assert_eq!(logit_sum_depth(7168), 32 + 5 + 8);
+        assert_eq!(logit_sum_depth(256), 8 + 5 + 8);
     }
 }
