@@ -247,6 +247,9 @@ fn gpu_routing_replays_as_a_graph_with_new_hidden_vectors() {
     let mut c = Case::random(&mut rng, t, e, d, scale);
     let mut dc = DevCase::upload(&gpu, &c);
     let mut run = DevRun::new(&gpu, &c.shape(t));
+    // One plain call first: the kernels are resolved (and their attributes set) outside the capture.
+    route(&gpu, &gpu.stream, &dc.inputs(false), &run.ws, &mut run.out).unwrap();
+    gpu.synchronize().unwrap();
     let graph = {
         let inputs = dc.inputs(false);
         let (ws, out) = (&run.ws, &mut run.out);

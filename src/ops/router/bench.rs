@@ -84,6 +84,8 @@ pub fn route_tokens(
             gpu.time_us(plan(bytes), || route(gpu, &gpu.stream, &inp, &ws, &mut out))?
         }
         RouterLaunch::Graph => {
+            // One plain call first: the kernels are resolved outside the capture.
+            route(gpu, &gpu.stream, &inp, &ws, &mut out)?;
             let graph = gpu.capture(|| route(gpu, &gpu.stream, &inp, &ws, &mut out))?;
             graph
                 .launch()
