@@ -394,3 +394,65 @@ fn gpu_grouping_feeds_moe_gemm_masked_decode() {
         "moe feed: L2 output is all zero"
     );
 }
+
+/// A capacity below the largest count: three experts every token prefers (bias +10) keep their first
+/// `capacity` tokens in token order; the later pairs get no row (token_rows -1), the counts stop at the capacity
+/// and `dropped` counts the rest. Expected: the full layout (capacity T) with each expert's slots cut at the
+/// capacity and renumbered.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_capacity_below_the_largest_count_drops_the_latest_tokens() {
+    let gpu = common::gpu("gpu_capacity_below_the_largest_count_drops_the_latest_tokens");
+    let mut rng = fx::seeded("gpu_capacity_below_the_largest_count_drops_the_latest_tokens");
+    let (e, d, scale) = SHAPES[0];
+    let (t, cap) = (64usize, 16usize);
+    let mut c = Case::random(&mut rng, t, e, d, scale);
+    for &hot in &[3usize, 100, 255] {
+        c.bias[hot] = 10.0;
+    }
+    let full = fx::run(&gpu, &c, t);
+    let want = fx::cpu_routing(&c);
+    fx::check("capacity T", &c, &full, &want, t);
+    let got = fx::run(&gpu, &c, cap);
+    assert_eq!(
+        got.experts, full.experts,
+        "selection does not depend on capacity"
+    );
+    let mut dropped = 0;
+    for p in 0..t * TOPK {
+        let r = full.token_rows[p] as usize;
+        let (ex, rank) = (r / t, r % t);
+        let want_row = if rank < cap {
+            (ex * cap + rank) as i32
+        } else {
+            dropped += 1;
+            -1
+        };
+        assert_eq!(got.token_rows[p], want_row, "token_rows[{p}]");
+    }
+    for ex in 0..e {
+        assert_eq!(
+            got.counts[ex],
+            full.counts[ex].min(cap as i32),
+            "counts[{ex}]"
+        );
+        for r in 0..cap {
+            let (gs, fs) = (ex * cap + r, ex * t + r);
+            assert_eq!(
+                got.row_token[gs], full.row_token[fs],
+                "row_token slot ({ex}, {r})"
+            );
+            assert_eq!(
+                got.row_weight[gs].to_bits(),
+                full.row_weight[fs].to_bits(),
+                "row_weight slot ({ex}, {r})"
+            );
+        }
+    }
+    assert_eq!(got.dropped, dropped);
+    assert_eq!(
+        dropped,
+        3 * (t - cap) as i32,
+        "the three hot experts each drop T - capacity pairs"
+    );
+}
