@@ -103,16 +103,13 @@ fn score_slope_is_at_most_one_half() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_routes_random_tokens_at_flash_and_pro_shapes() {
-    let gpu = common::gpu("gpu_routes_random_tokens_at_flash_and_pro_shapes");
-    let mut rng = fx::seeded("gpu_routes_random_tokens_at_flash_and_pro_shapes");
+    let (gpu, mut rng) = fx::gpu_test("gpu_routes_random_tokens_at_flash_and_pro_shapes");
     let mut reordered = 0;
     let mut tokens_seen = 0;
     for (e, d, scale) in SHAPES {
         for t in [1, 2, 7, 64] {
             let c = Case::random(&mut rng, t, e, d, scale);
-            let want = fx::cpu_routing(&c);
-            let got = fx::run(&gpu, &c, t);
-            let seen = fx::check(&format!("E {e} D {d} T {t}"), &c, &got, &want, t);
+            let seen = fx::route_and_check(&gpu, &format!("E {e} D {d} T {t}"), &c, t);
             println!(
                 "E {e} D {d} T {t}: {} tokens reordered within the bound, worst logit diff {:.3} of its bound",
                 seen.reordered_tokens, seen.worst_logit_ratio
@@ -129,14 +126,11 @@ fn gpu_routes_random_tokens_at_flash_and_pro_shapes() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_hash_layers_route_by_token_id() {
-    let gpu = common::gpu("gpu_hash_layers_route_by_token_id");
-    let mut rng = fx::seeded("gpu_hash_layers_route_by_token_id");
+    let (gpu, mut rng) = fx::gpu_test("gpu_hash_layers_route_by_token_id");
     for (e, d, scale) in SHAPES {
         for t in [1, 7, 64] {
             let c = Case::random(&mut rng, t, e, d, scale).with_hash(&mut rng, 1000);
-            let want = fx::cpu_routing(&c);
-            let got = fx::run(&gpu, &c, t);
-            let seen = fx::check(&format!("hash E {e} D {d} T {t}"), &c, &got, &want, t);
+            let seen = fx::route_and_check(&gpu, &format!("hash E {e} D {d} T {t}"), &c, t);
             assert_eq!(seen.reordered_tokens, 0);
         }
         // Token 1 of 3 has an id outside the vocabulary.
@@ -162,8 +156,7 @@ fn gpu_hash_layers_route_by_token_id() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_exact_ties_go_to_the_lower_expert_index() {
-    let gpu = common::gpu("gpu_exact_ties_go_to_the_lower_expert_index");
-    let mut rng = fx::seeded("gpu_exact_ties_go_to_the_lower_expert_index");
+    let (gpu, mut rng) = fx::gpu_test("gpu_exact_ties_go_to_the_lower_expert_index");
     for (e, d, scale) in SHAPES {
         for (winners, copies) in [(0usize, 9usize), (4, 5)] {
             let mut c = Case::random(&mut rng, 7, e, d, scale);
@@ -210,8 +203,7 @@ fn gpu_exact_ties_go_to_the_lower_expert_index() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_near_ties_stay_within_the_summation_bound() {
-    let gpu = common::gpu("gpu_near_ties_stay_within_the_summation_bound");
-    let mut rng = fx::seeded("gpu_near_ties_stay_within_the_summation_bound");
+    let (gpu, mut rng) = fx::gpu_test("gpu_near_ties_stay_within_the_summation_bound");
     let mut reordered = 0;
     let mut tokens = 0;
     for (e, d, scale) in SHAPES {
@@ -222,9 +214,7 @@ fn gpu_near_ties_stay_within_the_summation_bound() {
                 for (b, s) in c.bias.iter_mut().zip(&scores) {
                     *b = 1.0 - s + rng.random_range(-1e-6..1e-6);
                 }
-                let want = fx::cpu_routing(&c);
-                let got = fx::run(&gpu, &c, t);
-                let seen = fx::check(&format!("near ties E {e} T {t}"), &c, &got, &want, t);
+                let seen = fx::route_and_check(&gpu, &format!("near ties E {e} T {t}"), &c, t);
                 reordered += seen.reordered_tokens;
                 tokens += t;
             }
@@ -240,8 +230,7 @@ fn gpu_near_ties_stay_within_the_summation_bound() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_routing_replays_as_a_graph_with_new_hidden_vectors() {
-    let gpu = common::gpu("gpu_routing_replays_as_a_graph_with_new_hidden_vectors");
-    let mut rng = fx::seeded("gpu_routing_replays_as_a_graph_with_new_hidden_vectors");
+    let (gpu, mut rng) = fx::gpu_test("gpu_routing_replays_as_a_graph_with_new_hidden_vectors");
     let (e, d, scale) = SHAPES[1];
     let t = 7;
     let mut c = Case::random(&mut rng, t, e, d, scale);
@@ -276,8 +265,7 @@ fn gpu_routing_replays_as_a_graph_with_new_hidden_vectors() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_grouping_feeds_moe_gemm_masked_decode() {
-    let gpu = common::gpu("gpu_grouping_feeds_moe_gemm_masked_decode");
-    let mut rng = fx::seeded("gpu_grouping_feeds_moe_gemm_masked_decode");
+    let (gpu, mut rng) = fx::gpu_test("gpu_grouping_feeds_moe_gemm_masked_decode");
     let (e, d, i_dim, t) = (16usize, 512usize, 512usize, 7usize);
     let cap = t;
     let c = Case::random(&mut rng, t, e, d, 1.5);
@@ -402,8 +390,8 @@ fn gpu_grouping_feeds_moe_gemm_masked_decode() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_capacity_below_the_largest_count_drops_the_latest_tokens() {
-    let gpu = common::gpu("gpu_capacity_below_the_largest_count_drops_the_latest_tokens");
-    let mut rng = fx::seeded("gpu_capacity_below_the_largest_count_drops_the_latest_tokens");
+    let (gpu, mut rng) =
+        fx::gpu_test("gpu_capacity_below_the_largest_count_drops_the_latest_tokens");
     let (e, d, scale) = SHAPES[0];
     let (t, cap) = (64usize, 16usize);
     let mut c = Case::random(&mut rng, t, e, d, scale);

@@ -33,6 +33,11 @@ pub fn seeded(test: &str) -> ChaCha8Rng {
     super::seeded(test, "ROUTER_SEED")
 }
 
+/// The GPU and the seeded RNG of a router GPU test.
+pub fn gpu_test(test: &str) -> (Gpu, ChaCha8Rng) {
+    (super::gpu(test), seeded(test))
+}
+
 /// One routing problem on the host.
 #[derive(Clone)]
 pub struct Case {
@@ -370,6 +375,13 @@ pub fn check_grouping(label: &str, g: &GpuRouting, rb: &RoutedBatch) {
     }
     super::assert_bit_identical(label, "row_weight", &want_w, &g.row_weight);
     assert_eq!(g.dropped, 0, "{label}: dropped pairs");
+}
+
+/// Route `c` on the GPU with `capacity` (at least every count) and [`check`] it against the CPU model.
+pub fn route_and_check(gpu: &Gpu, label: &str, c: &Case, capacity: usize) -> Checked {
+    let want = cpu_routing(c);
+    let got = run(gpu, c, capacity);
+    check(label, c, &got, &want, capacity)
 }
 
 /// The largest count of the CPU's selections (a capacity that drops nothing).
