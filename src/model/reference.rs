@@ -629,37 +629,38 @@ impl Model {
 
     // ---- MoE -----------------------------------------------------------------------------------
 
-    /// Routing (arch §3.9).
+    /// Routing (arch §3.9): gate logits (f32 matvec of the gate weight with `f`), then [`route_from_logits`]
+    /// with the layer's selection rule (tid2eid row of `token` in the first `num_hash_layers` layers, else the
+    /// biased top-k).
     pub fn route(&self, layer: usize, f: &[f32], token: u32) -> Result<Routing> {
         let cfg = self.config();
         let p = format!("layers.{layer}.ffn.gate");
         let logits = self.weights.matvec(&format!("{p}.weight"), f)?;
-        let scores: Vec<f32> = logits.iter().map(|&x| softplus(x).sqrt()).collect();
         let k = cfg.n_activated_experts;
-        let experts = if cfg.is_hash_layer(layer) {
+        if cfg.is_hash_layer(layer) {
             if token as usize >= cfg.vocab_size {
                 bail!("token {token} outside the vocabulary");
             }
-            self.weights.i64_row(
+            let experts = self.weights.i64_row(
                 &format!("{p}.tid2eid"),
                 token as usize,
                 cfg.n_routed_experts,
-            )?
+            )?;
+            Ok(route_from_logits(
+                &logits,
+                RouteSelection::Hash(&experts),
+                k,
+                cfg.route_scale,
+            ))
         } else {
             let bias = self.weights.vector(&format!("{p}.bias"))?;
-            let biased: Vec<f32> = scores.iter().zip(&bias).map(|(s, b)| s + b).collect();
-            top_k_lower_index_wins(&biased, k)
-        };
-        let sum: f32 = experts.iter().map(|&e| scores[e]).sum();
-        let weights = experts
-            .iter()
-            .map(|&e| scores[e] / sum * cfg.route_scale)
-            .collect();
-        Ok(Routing {
-            scores,
-            experts,
-            weights,
-        })
+            Ok(route_from_logits(
+                &logits,
+                RouteSelection::Biased(&bias),
+                k,
+                cfg.route_scale,
+            ))
+        }
     }
 
     /// One SwiGLU expert with the clamp: w2( bf16(weight * silu(min(g, L)) * clamp(u, -L, L)) ).
@@ -1071,6 +1072,50 @@ pub fn sinkhorn(logits: &[f32], n: usize, iters: usize, eps: f32) -> Vec<f32> {
 
 /// Indices of the k largest values, descending by value; equal values: the lower index first. NaN
 /// sorts below every number.
+/// How a layer picks its experts from the scores (arch §3.9).
+#[derive(Clone, Copy, Debug)]
+pub enum RouteSelection<'a> {
+    /// The token's tid2eid row, in table order (hash layers).
+    Hash(&'a [usize]),
+    /// The top-k of `score + bias[e]`, descending, the lower expert index first on equal values (a NaN sorts
+    /// as -inf); the bias only selects, it never enters the weights.
+    Biased(&'a [f32]),
+}
+
+/// Routing of one token from its gate logits: `scores = sqrt(softplus(logit))` (f32), the experts of
+/// `selection` (top-`k` for [`RouteSelection::Biased`]), and `weights[j] = scores[e_j] / sum * route_scale` where
+/// `sum` adds the chosen experts' scores in selection order (f32).
+pub fn route_from_logits(
+    logits: &[f32],
+    selection: RouteSelection<'_>,
+    k: usize,
+    route_scale: f32,
+) -> Routing {
+    let scores: Vec<f32> = logits.iter().map(|&x| softplus(x).sqrt()).collect();
+    let experts = match selection {
+        RouteSelection::Hash(e) => e.to_vec(),
+        RouteSelection::Biased(bias) => {
+            let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+            top_k_lower_index_wins(&biased, k)
+        }
+    };
+    let weights = route_weights(&scores, &experts, route_scale);
+    Routing {
+        scores,
+        experts,
+        weights,
+    }
+}
+
+/// `scores[e_j] / sum * route_scale` for the chosen `experts`, `sum` their scores added in selection order (f32).
+pub fn route_weights(scores: &[f32], experts: &[usize], route_scale: f32) -> Vec<f32> {
+    let sum: f32 = experts.iter().map(|&e| scores[e]).sum();
+    experts
+        .iter()
+        .map(|&e| scores[e] / sum * route_scale)
+        .collect()
+}
+
 pub fn top_k_lower_index_wins(values: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..values.len()).collect();
     idx.sort_by(|&a, &b| {

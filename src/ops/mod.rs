@@ -10,5 +10,6 @@ pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
 pub mod registry;
+pub mod router;
 pub mod sparse_attn;
 pub mod weights;

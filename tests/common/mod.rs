@@ -6,6 +6,7 @@
 pub mod indexer;
 pub mod moe;
 pub mod norm;
+pub mod router;
 
 use megamoe::gpu::Gpu;
 use rand::SeedableRng;

@@ -7,6 +7,7 @@ pub mod mhc;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
+pub mod router;
 pub mod sparse_attn;
 pub mod weights;
 
@@ -22,5 +23,6 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(sparse_attn::kernels());
     v.extend(indexer::kernels());
     v.extend(weights::kernels());
+    v.extend(router::kernels());
     v
 }

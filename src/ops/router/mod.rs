@@ -1,0 +1,357 @@
+//! The MoE router of DeepSeek-V4 decode on the GPU (kernels/router.cu): gate logits, `sqrt(softplus)` scores,
+//! top-6 selection (biased score, or the token's tid2eid row in the hash layers), renormalized route-scaled
+//! weights, and the masked grouping that `moe_gemm`'s decode launchers read, all on the device.
+//!
+//! Contract, for T tokens of hidden size D and E experts:
+//! * `logits[t, e] = sum_i gate[e, i] * x[t, i]` (BF16 inputs, f32 sums; the tree is stated in kernels/router.cu),
+//!   `s = sqrt(softplus(logit))`.
+//! * Selection per token: hash layers take `tid2eid[token_id]` in table order; the others take the top-[`TOPK`]
+//!   of `s_e + bias_e`, descending, the lower expert index first on equal values (the CPU model's
+//!   `top_k_lower_index_wins`). `weights[j] = s_{e_j} / (s_{e_0} + ... + s_{e_5}) * route_scale` (the sum in
+//!   selection order). The CPU oracle is `model::reference::route_from_logits` ([`reference`]).
+//! * Grouping (masked layout of [`moe_gemm`](crate::ops::moe_gemm)): `counts[e]` rows of expert e, its slots
+//!   `e * capacity + r` in token order; `row_token[slot]` / `row_weight[slot]` (token -1 and weight 0 for an
+//!   empty slot; `row_weight` is the L1 finish's `routing`), `token_rows[t, j]` (the L2 combine's table) the slot
+//!   of pair (t, j). A pair whose rank in its expert reaches `capacity` gets no row (`token_rows` -1, not in
+//!   `counts`) and is counted in `dropped`; a capacity of at least T never drops a biased-selection pair.
+//!
+//! Graph-safe: both grids come from T and E, every output element is written on every call, nothing on the
+//! host reads a result, and the one scratch buffer (the logits) is carved by the caller from an
+//! [`Arena`](crate::gpu::arena::Arena).
+//!
+//! Rooms: `reference.rs` (glue to the CPU model), `bench.rs` (measurement hooks).
+
+pub mod bench;
+pub mod reference;
+
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+use crate::gpu::arena::{Arena, WorkspaceLayout};
+use crate::gpu::launch::{launch, DevBuf, DeviceBuf, KernelArgs, Launch, Stream};
+use crate::gpu::Gpu;
+
+/// Kernel family name (kernels/router.cu).
+pub const FAMILY: &str = "router";
+/// Experts chosen per token (`kTopk`; DSV4 `num_experts_per_tok`).
+pub const TOPK: usize = 6;
+/// Most experts (`kMaxExperts`: 16 per lane of the selecting warp).
+pub const MAX_EXPERTS: usize = 512;
+/// Most tokens per call: the select kernel's token masks (E x T / 32 words) stay within 128 KB of shared memory.
+pub const MAX_TOKENS: usize = 2048;
+/// D must be a multiple of it (`kChunk`: a warp's pass, 32 lanes x 8 BF16).
+pub const DIM_MULTIPLE: usize = 256;
+/// Tokens per CTA of the logits kernel (`kLogitTokens`).
+const LOGIT_TOKENS: usize = 8;
+const LOGIT_THREADS: u32 = 256;
+/// Warps of a logits CTA (`kLogitWarps`): they take the 256-element chunks of D round-robin.
+const LOGIT_WARPS: usize = 8;
+const SELECT_THREADS: u32 = 1024;
+
+/// The sizes of one routing call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouterShape {
+    pub tokens: usize,
+    pub experts: usize,
+    pub dim: usize,
+    /// Slots per expert of the masked grouping.
+    pub capacity: usize,
+}
+
+impl RouterShape {
+    /// `1 <= T <= MAX_TOKENS`, `TOPK <= E <= MAX_EXPERTS`, `D % 256 == 0`, `capacity >= 1`, `E * capacity` an i32.
+    pub fn check(&self) -> Result<()> {
+        let RouterShape {
+            tokens,
+            experts,
+            dim,
+            capacity,
+        } = *self;
+        ensure!(
+            (1..=MAX_TOKENS).contains(&tokens),
+            "router: {tokens} tokens (1..={MAX_TOKENS})"
+        );
+        ensure!(
+            (TOPK..=MAX_EXPERTS).contains(&experts),
+            "router: {experts} experts ({TOPK}..={MAX_EXPERTS})"
+        );
+        ensure!(
+            dim > 0 && dim.is_multiple_of(DIM_MULTIPLE) && dim <= i32::MAX as usize,
+            "router: D = {dim} must be a positive multiple of {DIM_MULTIPLE}"
+        );
+        ensure!(capacity >= 1, "router: capacity must be >= 1");
+        ensure!(
+            experts * capacity <= i32::MAX as usize,
+            "router: {experts} x {capacity} slots exceed the kernels' int index"
+        );
+        Ok(())
+    }
+    /// Slots of the masked grouping: `E * capacity`.
+    pub fn rows_total(&self) -> usize {
+        self.experts * self.capacity
+    }
+    /// Dynamic shared memory of the select kernel: one 32-bit token mask word per (expert, 32 tokens).
+    fn select_smem(&self) -> usize {
+        self.experts * self.tokens.div_ceil(32) * 4
+    }
+}
+
+/// Depth of the f32 summation tree of one GPU logit for hidden size `dim` (kernels/router.cu): each lane adds
+/// 8 products per chunk it owns (at most ceil(chunks / 8) chunks, chunks = D / 256), 5 butterfly levels across the
+/// warp, then 7 adds of the 8 warp sums (counted as 8). An f32 sum of depth n is within
+/// `n u / (1 - n u) * sum |terms|` of the exact sum (u = 2^-24; the BF16 x BF16 products are exact): the error bound
+/// the tests derive their tolerances from.
+pub fn logit_sum_depth(dim: usize) -> usize {
+    8 * (dim / DIM_MULTIPLE).div_ceil(LOGIT_WARPS) + 5 + 8
+}
+
+/// How the experts are chosen.
+pub enum Selection<'a> {
+    /// Top-6 of `score + bias` (`bias`: f32 `[E]`).
+    Biased { bias: &'a CudaSlice<f32> },
+    /// The hash layers: `tid2eid[token_ids[t]]` (`token_ids`: i32 `[T]`; `tid2eid`: i32 `[vocab, 6]`).
+    Hash {
+        token_ids: &'a CudaSlice<i32>,
+        tid2eid: &'a CudaSlice<i32>,
+        vocab: usize,
+    },
+}
+
+/// The device inputs of one routing call.
+pub struct RouterInputs<'a> {
+    /// Hidden vectors, BF16 `[T, D]` (16-byte aligned).
+    pub x: &'a CudaSlice<bf16>,
+    /// Gate weight, BF16 `[E, D]` (16-byte aligned).
+    pub gate: &'a CudaSlice<bf16>,
+    pub selection: Selection<'a>,
+    /// `routed_scaling_factor` (1.5 Flash, 2.5 Pro).
+    pub route_scale: f32,
+}
+
+/// The caller-owned scratch of a routing call: the logits `[T, E]` f32 (written by the first launch, read by the
+/// second; the tests read them too).
+#[derive(Debug, Clone, Copy)]
+pub struct RouterWorkspace {
+    pub tokens: usize,
+    pub experts: usize,
+    pub logits: DevBuf<f32>,
+}
+
+/// Device bytes of the [`RouterWorkspace`] of `shape`.
+pub fn workspace_bytes(shape: &RouterShape) -> usize {
+    RouterWorkspace::layout(shape).bytes()
+}
+
+impl RouterWorkspace {
+    pub fn layout(shape: &RouterShape) -> WorkspaceLayout {
+        let mut l = WorkspaceLayout::new();
+        l.add::<f32>(shape.tokens * shape.experts);
+        l
+    }
+    pub fn carve(arena: &mut Arena, shape: &RouterShape) -> Result<RouterWorkspace> {
+        Ok(RouterWorkspace {
+            tokens: shape.tokens,
+            experts: shape.experts,
+            logits: arena.carve::<f32>(shape.tokens * shape.experts, "router logits")?,
+        })
+    }
+}
+
+/// The outputs of a routing call (owned buffers, so the grouping can be handed to `moe_gemm`'s
+/// [`DeviceGrouping`](crate::ops::moe_gemm::DeviceGrouping), whose `group` is the `counts` here).
+pub struct RouterOutputs {
+    pub shape: RouterShape,
+    /// Chosen experts `[T, 6]` in selection order (-1: a hash pair routed nowhere).
+    pub topk_experts: CudaSlice<i32>,
+    /// Their weights `[T, 6]` (0 where the expert is -1).
+    pub topk_weights: CudaSlice<f32>,
+    /// Slot of pair (t, j) `[T, 6]`, -1 when it got none (exactly T x 6 long: `moe_gemm`'s L2 combine table).
+    pub token_rows: CudaSlice<i32>,
+    /// Rows per expert `[E]` (the masked grouping's counts).
+    pub counts: CudaSlice<i32>,
+    /// Token of each slot `[E * capacity]`, -1 for an empty slot (the activation gather's table).
+    pub row_token: CudaSlice<i32>,
+    /// Routing weight of each slot `[E * capacity]`, 0 for an empty slot (the L1 finish's `routing`).
+    pub row_weight: CudaSlice<f32>,
+    /// Pairs that got no slot `[1]`.
+    pub dropped: CudaSlice<i32>,
+}
+
+impl RouterOutputs {
+    /// Output buffers for `shape`, every byte `poison` (0xFF: NaN and -1), so an unwritten element shows up.
+    pub fn alloc(gpu: &Gpu, shape: &RouterShape, poison: u8) -> Result<RouterOutputs> {
+        shape.check()?;
+        let pairs = shape.tokens * TOPK;
+        Ok(RouterOutputs {
+            shape: *shape,
+            topk_experts: gpu.poisoned(pairs, poison)?,
+            topk_weights: gpu.poisoned(pairs, poison)?,
+            token_rows: gpu.poisoned(pairs, poison)?,
+            counts: gpu.poisoned(shape.experts, poison)?,
+            row_token: gpu.poisoned(shape.rows_total(), poison)?,
+            row_weight: gpu.poisoned(shape.rows_total(), poison)?,
+            dropped: gpu.poisoned(1, poison)?,
+        })
+    }
+}
+
+fn check_len<T>(b: &impl DeviceBuf<T>, need: usize, what: &str) -> Result<()> {
+    ensure!(
+        b.elems() >= need,
+        "router: {what} has {} elements, needs {need}",
+        b.elems()
+    );
+    Ok(())
+}
+
+/// The checks of [`route`] (every buffer against `out.shape`), before any launch.
+fn check_route(inputs: &RouterInputs, ws: &RouterWorkspace, out: &RouterOutputs) -> Result<()> {
+    let s = out.shape;
+    s.check()?;
+    check_len(inputs.x, s.tokens * s.dim, "x [T, D]")?;
+    check_len(inputs.gate, s.experts * s.dim, "gate [E, D]")?;
+    ensure!(
+        inputs.route_scale.is_finite(),
+        "router: route_scale {} is not finite",
+        inputs.route_scale
+    );
+    match &inputs.selection {
+        Selection::Biased { bias } => check_len(*bias, s.experts, "bias [E]")?,
+        Selection::Hash {
+            token_ids,
+            tid2eid,
+            vocab,
+        } => {
+            ensure!(
+                (1..=i32::MAX as usize / TOPK).contains(vocab),
+                "router: vocab = {vocab}"
+            );
+            check_len(*token_ids, s.tokens, "token_ids [T]")?;
+            check_len(*tid2eid, vocab * TOPK, "tid2eid [vocab, 6]")?;
+        }
+    }
+    ensure!(
+        ws.tokens == s.tokens && ws.experts == s.experts,
+        "router: workspace is for {} tokens x {} experts, the call is {} x {}",
+        ws.tokens,
+        ws.experts,
+        s.tokens,
+        s.experts
+    );
+    check_len(&ws.logits, s.tokens * s.experts, "workspace logits")?;
+    let pairs = s.tokens * TOPK;
+    ensure!(
+        out.token_rows.len() == pairs,
+        "router: token_rows has {} elements, must be exactly T x {TOPK} = {pairs} (the L2 combine reads T from it)",
+        out.token_rows.len()
+    );
+    check_len(&out.topk_experts, pairs, "topk_experts")?;
+    check_len(&out.topk_weights, pairs, "topk_weights")?;
+    check_len(&out.counts, s.experts, "counts")?;
+    check_len(&out.row_token, s.rows_total(), "row_token")?;
+    check_len(&out.row_weight, s.rows_total(), "row_weight")?;
+    check_len(&out.dropped, 1, "dropped")?;
+    Ok(())
+}
+
+/// Route `out.shape.tokens` tokens on `stream`: the logits launch (grid E x ceil(T / 8)) into `ws`, then the
+/// one-CTA select-and-group launch into `out`. Every check runs before the first launch.
+pub fn route(
+    gpu: &Gpu,
+    stream: &Stream,
+    inputs: &RouterInputs,
+    ws: &RouterWorkspace,
+    out: &mut RouterOutputs,
+) -> Result<()> {
+    check_route(inputs, ws, out)?;
+    let s = out.shape;
+    let smem = s.select_smem();
+    let k_logits = gpu.kernel(FAMILY, "router_logits")?;
+    let k_select = gpu.kernel_with_smem(FAMILY, "router_select_group", smem)?;
+
+    let mut args = KernelArgs::new();
+    args.buf(inputs.x)
+        .buf(inputs.gate)
+        .i32(s.tokens as i32)
+        .i32(s.experts as i32)
+        .i32(s.dim as i32)
+        .buf(&ws.logits);
+    let grid = (s.experts as u32, s.tokens.div_ceil(LOGIT_TOKENS) as u32, 1);
+    // SAFETY: arguments in the kernel's order (x, gate, tokens, experts, dim, logits); x, gate and the logits
+    // were checked against [T, D], [E, D] and [T, E]; D % 256 == 0 and device allocations are 256-byte aligned,
+    // so every 16-byte load is aligned.
+    unsafe {
+        launch(
+            stream,
+            &k_logits,
+            Launch::new(grid, (LOGIT_THREADS, 1, 1)),
+            &mut args,
+        )?
+    };
+
+    let mut args = KernelArgs::new();
+    args.buf(&ws.logits);
+    match &inputs.selection {
+        Selection::Biased { bias } => {
+            args.buf(*bias).null().null().i32(0).i32(0);
+        }
+        Selection::Hash {
+            token_ids,
+            tid2eid,
+            vocab,
+        } => {
+            args.null()
+                .buf(*token_ids)
+                .buf(*tid2eid)
+                .i32(*vocab as i32)
+                .i32(1);
+        }
+    }
+    args.i32(s.tokens as i32)
+        .i32(s.experts as i32)
+        .i32(s.capacity as i32)
+        .f32(inputs.route_scale)
+        .buf(&out.topk_experts)
+        .buf(&out.topk_weights)
+        .buf(&out.token_rows)
+        .buf(&out.counts)
+        .buf(&out.row_token)
+        .buf(&out.row_weight)
+        .buf(&out.dropped);
+    // SAFETY: arguments in the kernel's order (logits, bias, token_ids, tid2eid, vocab, hash, tokens, experts,
+    // capacity, route_scale, outputs...); every buffer was checked against the shape; the dynamic shared memory
+    // holds the E x ceil(T / 32) masks and the kernel was resolved for it.
+    unsafe {
+        launch(
+            stream,
+            &k_select,
+            Launch::new((1, 1, 1), (SELECT_THREADS, 1, 1)).smem(smem),
+            &mut args,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn select_masks_fit_the_shared_memory_the_launcher_allows() {
+        let s = RouterShape {
+            tokens: MAX_TOKENS,
+            experts: MAX_EXPERTS,
+            dim: 256,
+            capacity: 1,
+        };
+        assert_eq!(s.select_smem(), 128 * 1024);
+    }
+
+    #[test]
+    fn logit_sum_depth_counts_lane_chunks_butterfly_and_warp_sums() {
+        // Flash D = 4096: 16 chunks, 2 per warp (16 products per lane); Pro D = 7168: 28 chunks, up to 4 per warp.
+        assert_eq!(logit_sum_depth(4096), 16 + 5 + 8);
+        assert_eq!(logit_sum_depth(7168), 32 + 5 + 8);
+        assert_eq!(logit_sum_depth(256), 8 + 5 + 8);
+    }
+}
