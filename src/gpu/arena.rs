@@ -129,3 +129,29 @@ pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
     super::drv(stream.synchronize(), "stream synchronize")?;
     Ok(host)
 }
+
+/// Copy `host` into the start of a device buffer of any owner, ordered on `stream` (after the work already
+/// enqueued there, before any launched later), then wait for the stream. A synchronous `cuMemcpyHtoD` from pageable
+/// memory would not do: it may return before its DMA lands and is not ordered with a non-blocking stream, so a
+/// kernel launched right after it can read the old bytes.
+pub fn upload<T: cudarc::driver::DeviceRepr>(
+    stream: &Stream,
+    dst: &impl DeviceBuf<T>,
+    host: &[T],
+) -> Result<()> {
+    if host.len() > dst.elems() {
+        bail!(
+            "uploading {} elements into a {}-element buffer",
+            host.len(),
+            dst.elems()
+        );
+    }
+    if host.is_empty() {
+        return Ok(());
+    }
+    let r = unsafe {
+        cudarc::driver::result::memcpy_htod_async(dst.device_addr(), host, stream.cu_stream())
+    };
+    super::drv(r, "host->device copy into a device buffer")?;
+    super::drv(stream.synchronize(), "stream synchronize")
+}

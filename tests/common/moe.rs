@@ -3,7 +3,7 @@
 
 use half::bf16;
 use megamoe::gpu::arena::{self, Arena};
-use megamoe::gpu::launch::DeviceBuf;
+use megamoe::gpu::launch::{DevBuf, DeviceBuf};
 use megamoe::gpu::Gpu;
 use megamoe::ops::moe_gemm::reference::{quantize_rows_nvfp4, Activations, ExpertWeights};
 use megamoe::ops::moe_gemm::{
@@ -89,28 +89,25 @@ impl Ws {
     }
 }
 
-/// Copy a device buffer of any owner back to the host (waits for the stream first).
-pub fn download<T: Copy + Default>(gpu: &Gpu, b: &impl DeviceBuf<T>) -> Vec<T> {
-    gpu.synchronize().unwrap();
-    let mut host = vec![T::default(); b.elems()];
-    gpu.stream.context().bind_to_thread().unwrap();
-    // SAFETY: `host` has exactly the buffer's elements; the stream is idle, so no kernel writes it meanwhile.
-    unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut host, b.device_addr()) }.unwrap();
-    host
+/// Copy a device buffer of any owner back to the host, ordered on the GPU's stream.
+pub fn download<T: Copy + Default + cudarc::driver::DeviceRepr>(
+    gpu: &Gpu,
+    b: &impl DeviceBuf<T>,
+) -> Vec<T> {
+    // SAFETY: `b` stays allocated; the view is only read by the copy, which waits for the stream.
+    let view: DevBuf<T> = unsafe { DevBuf::from_raw(b.device_addr(), b.elems()) };
+    arena::download(&gpu.stream, &view).unwrap()
 }
 
-/// Copy `host` into the start of a device buffer of any owner (after the stream's work, synchronously).
-pub fn upload_into<T: Copy>(gpu: &Gpu, b: &impl DeviceBuf<T>, host: &[T]) {
-    assert!(
-        host.len() <= b.elems(),
-        "upload_into: {} > {}",
-        host.len(),
-        b.elems()
-    );
-    gpu.synchronize().unwrap();
-    gpu.stream.context().bind_to_thread().unwrap();
-    // SAFETY: the buffer holds at least host.len() elements; the stream is idle.
-    unsafe { cudarc::driver::result::memcpy_htod_sync(b.device_addr(), host) }.unwrap();
+/// Copy `host` into the start of a device buffer of any owner, ordered on the GPU's stream (a synchronous
+/// `cuMemcpyHtoD` from pageable memory is not ordered with that non-blocking stream: a kernel launched right after
+/// it read stale bytes on the H100).
+pub fn upload_into<T: Copy + cudarc::driver::DeviceRepr>(
+    gpu: &Gpu,
+    b: &impl DeviceBuf<T>,
+    host: &[T],
+) {
+    arena::upload(&gpu.stream, b, host).unwrap();
 }
 
 /// Roughly normal values with a per-row magnitude spread of 10^[-2, 2] (exercises per-row global scales and
