@@ -132,25 +132,29 @@ impl<T> DeviceBuf<T> for DevBuf<T> {
 #[derive(Clone, Debug)]
 pub struct Kernel {
     pub(super) f: CudaFunction,
-    pub(super) name: &'static str,
+    pub(super) name: String,
     pub(super) smem_allowed: usize,
+    /// The largest shared-memory carveout was asked for (persistent kernels sized for several CTAs per SM).
+    pub(super) max_carveout: bool,
 }
 
 impl Kernel {
-    pub fn name(&self) -> &'static str {
-        self.name
+    pub fn name(&self) -> &str {
+        &self.name
     }
     pub fn function(&self) -> &CudaFunction {
         &self.f
     }
 }
 
-/// Kernel parameters for `cuLaunchKernelEx`. Each parameter lives in its own 8-byte-aligned storage; the driver
-/// copies each with the size the kernel's signature gives it (a pointer 8 bytes, an `int`/`float` 4 read from
-/// the low bytes, little-endian; a `__grid_constant__ CUtensorMap` its 128 bytes).
+/// Kernel parameters for `cuLaunchKernelEx`, in one 8-byte-aligned buffer: each parameter starts at its own
+/// 8-byte slot; the driver copies each with the size the kernel's signature gives it (a pointer 8 bytes, an
+/// `int`/`float` 4 read from the low bytes, little-endian; a `__grid_constant__ CUtensorMap` its 128 bytes).
 #[derive(Default)]
 pub struct KernelArgs {
-    slots: Vec<Box<[u64]>>,
+    data: Vec<u64>,
+    /// Index in `data` of each parameter's first slot.
+    starts: Vec<usize>,
 }
 
 impl KernelArgs {
@@ -185,29 +189,31 @@ impl KernelArgs {
         self.u64(v.to_bits() as u64)
     }
     pub fn u64(&mut self, v: u64) -> &mut Self {
-        self.slots.push(Box::new([v]));
+        self.starts.push(self.data.len());
+        self.data.push(v);
         self
     }
     /// A plain-data parameter passed by value (a param struct, a `CUtensorMap`).
     pub fn pod<P: Copy>(&mut self, v: &P) -> &mut Self {
-        let n = std::mem::size_of::<P>().div_ceil(8).max(1);
-        let mut slot = vec![0u64; n].into_boxed_slice();
-        // SAFETY: `slot` has at least size_of::<P>() bytes; P is Copy (plain data), copied bytewise.
+        let first = self.data.len();
+        self.starts.push(first);
+        self.data
+            .resize(first + std::mem::size_of::<P>().div_ceil(8).max(1), 0);
+        // SAFETY: `data[first..]` holds at least size_of::<P>() bytes; P is Copy (plain data), copied bytewise.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 v as *const P as *const u8,
-                slot.as_mut_ptr() as *mut u8,
+                self.data[first..].as_mut_ptr() as *mut u8,
                 std::mem::size_of::<P>(),
             )
         };
-        self.slots.push(slot);
         self
     }
     pub fn len(&self) -> usize {
-        self.slots.len()
+        self.starts.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.starts.is_empty()
     }
 }
 
@@ -268,10 +274,12 @@ pub unsafe fn launch(stream: &Stream, k: &Kernel, l: Launch, args: &mut KernelAr
         l.smem,
         k.smem_allowed
     );
+    // Pointers into `args.data`, taken after every push (the buffer no longer moves).
+    let base = args.data.as_mut_ptr();
     let mut params: Vec<*mut std::ffi::c_void> = args
-        .slots
-        .iter_mut()
-        .map(|s| s.as_mut_ptr() as *mut std::ffi::c_void)
+        .starts
+        .iter()
+        .map(|&i| base.add(i) as *mut std::ffi::c_void)
         .collect();
     let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(1);
     if l.pdl {
@@ -305,4 +313,31 @@ pub unsafe fn launch(stream: &Stream, k: &Kernel, l: Launch, args: &mut KernelAr
         std::ptr::null_mut(),
     );
     drv(r.result(), &format!("launching {}", k.name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KernelArgs;
+
+    /// Each parameter starts on its own 8-byte slot: scalars in the low bytes, a by-value struct over as many
+    /// slots as it needs, in push order.
+    #[test]
+    fn kernel_args_lay_out_one_slot_per_scalar_and_whole_slots_per_struct() {
+        #[derive(Clone, Copy)]
+        #[repr(C)]
+        struct Three {
+            a: u64,
+            b: u32,
+            c: u16,
+        }
+        let mut a = KernelArgs::new();
+        a.i32(-1).pod(&Three { a: 7, b: 9, c: 3 }).f32(1.5).u64(u64::MAX);
+        assert_eq!(a.len(), 4);
+        assert_eq!(a.starts, vec![0, 1, 3, 4]);
+        assert_eq!(a.data[0], 0xFFFF_FFFF);
+        assert_eq!(a.data[1], 7);
+        assert_eq!(a.data[2], 9 | 3 << 32);
+        assert_eq!(a.data[3], 1.5f32.to_bits() as u64);
+        assert_eq!(a.data[4], u64::MAX);
+    }
 }

@@ -46,8 +46,9 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub info: DeviceInfo,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    /// Resolved entry points by (family, name), with the largest dynamic shared memory allowed so far.
-    kernels: Mutex<HashMap<(String, String), Arc<Kernel>>>,
+    /// Resolved entry points by family, then name (looked up with `&str`s: no allocation on the launch path), with
+    /// the largest dynamic shared memory allowed so far.
+    kernels: Mutex<HashMap<String, HashMap<String, Arc<Kernel>>>>,
 }
 
 /// Why no GPU could be opened, in words a user can act on.
@@ -162,16 +163,18 @@ impl Gpu {
         max_carveout: bool,
     ) -> Result<Arc<Kernel>> {
         use cudarc::driver::sys::CUfunction_attribute as A;
-        let key = (family.to_string(), name.to_string());
         let mut map = self.kernels.lock().unwrap();
-        if let Some(k) = map.get(&key) {
-            if k.smem_allowed >= smem_bytes && !max_carveout {
+        // The launch path: found, allowing enough shared memory and the carveout asked for. No allocation, no
+        // driver call.
+        let cached = map.get(family).and_then(|m| m.get(name));
+        if let Some(k) = cached {
+            if k.smem_allowed >= smem_bytes && (k.max_carveout || !max_carveout) {
                 return Ok(k.clone());
             }
         }
-        let f = match map.get(&key) {
-            Some(k) => k.f.clone(),
-            None => self.function(family, name)?,
+        let (f, allowed_before, carveout_before) = match cached {
+            Some(k) => (k.f.clone(), k.smem_allowed, k.max_carveout),
+            None => (self.function(family, name)?, 0, false),
         };
         let static_bytes = f
             .shared_size_bytes()
@@ -185,7 +188,7 @@ impl Gpu {
                 self.info.max_smem_per_block_optin
             );
         }
-        let allowed = map.get(&key).map_or(0, |k| k.smem_allowed).max(smem_bytes);
+        let allowed = allowed_before.max(smem_bytes);
         if static_bytes + allowed > 48 * 1024 {
             f.set_attribute(
                 A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -193,17 +196,20 @@ impl Gpu {
             )
             .map_err(|e| anyhow!("{name}: allowing {allowed} B of dynamic shared memory: {e:?}"))?;
         }
-        if max_carveout {
+        let max_carveout = max_carveout || carveout_before;
+        if max_carveout && !carveout_before {
             f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
                 .map_err(|e| anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
         }
-        // The name lives as long as the cache entry: leak one copy per distinct entry point (a bounded set).
         let k = Arc::new(Kernel {
             f,
-            name: Box::leak(name.to_string().into_boxed_str()),
+            name: name.to_string(),
             smem_allowed: allowed.max(48 * 1024 - static_bytes.min(48 * 1024)),
+            max_carveout,
         });
-        map.insert(key, k.clone());
+        map.entry(family.to_string())
+            .or_default()
+            .insert(name.to_string(), k.clone());
         Ok(k)
     }
 

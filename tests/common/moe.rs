@@ -100,8 +100,8 @@ pub fn download<T: Copy + Default + cudarc::driver::DeviceRepr>(
 }
 
 /// Copy `host` into the start of a device buffer of any owner, ordered on the GPU's stream (a synchronous
-/// `cuMemcpyHtoD` from pageable memory is not ordered with that non-blocking stream: a kernel launched right after
-/// it read stale bytes on the H100).
+/// `cuMemcpyHtoD` from pageable memory may return before its DMA lands and is not ordered with that non-blocking
+/// stream, so a kernel launched right after it could read stale bytes).
 pub fn upload_into<T: Copy + cudarc::driver::DeviceRepr>(
     gpu: &Gpu,
     b: &impl DeviceBuf<T>,

@@ -550,7 +550,7 @@ pub enum DecodeOperands {
 impl DecodeOperands {
     /// [`DecodeOperands::F16`] for NVFP4 activations, [`DecodeOperands::Bf16`] for BF16 ones. F16 was faster at
     /// every decode point measured (Flash and Pro, L1 and L2, 1-256 tokens): results/h200/moe_gemm_l1.csv and
-    /// moe_gemm_l2.csv, variants `nvfp4` (F16) and `nvfp4_bf16ops` (BF16; now `nvfp4_decode_bf16_operands`).
+    /// moe_gemm_l2.csv, variants `nvfp4` (F16) and `nvfp4_bf16ops` (BF16, the bench's `nvfp4_decode_bf16_operands`).
     pub fn routed_for(a: &DeviceActivations) -> DecodeOperands {
         if a.is_nvfp4() {
             DecodeOperands::F16
