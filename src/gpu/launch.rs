@@ -331,7 +331,10 @@ mod tests {
             c: u16,
         }
         let mut a = KernelArgs::new();
-        a.i32(-1).pod(&Three { a: 7, b: 9, c: 3 }).f32(1.5).u64(u64::MAX);
+        a.i32(-1)
+            .pod(&Three { a: 7, b: 9, c: 3 })
+            .f32(1.5)
+            .u64(u64::MAX);
         assert_eq!(a.len(), 4);
         assert_eq!(a.starts, vec![0, 1, 3, 4]);
         assert_eq!(a.data[0], 0xFFFF_FFFF);

@@ -4,7 +4,7 @@
 
 use megamoe::formats::bf16;
 use megamoe::gpu::arena::{self, Arena};
-use megamoe::gpu::launch::{DevBuf, DeviceBuf};
+use megamoe::gpu::launch::DevBuf;
 use megamoe::gpu::Gpu;
 use megamoe::ops::mhc::MhcWorkspace;
 use megamoe::ops::norm_quant::reference as r;
@@ -196,14 +196,11 @@ pub fn poison_partials(gpu: &Gpu, ws: &MhcWorkspace) {
 }
 
 /// Download a workspace buffer (waits for the stream).
-pub fn download_dev<T: Copy + Default>(gpu: &Gpu, b: &DevBuf<T>) -> Vec<T> {
-    let mut v = vec![T::default(); b.len()];
-    unsafe {
-        cudarc::driver::result::memcpy_dtoh_async(&mut v, b.device_addr(), gpu.stream.cu_stream())
-            .unwrap()
-    };
-    gpu.synchronize().unwrap();
-    v
+pub fn download_dev<T: Copy + Default + cudarc::driver::DeviceRepr>(
+    gpu: &Gpu,
+    b: &DevBuf<T>,
+) -> Vec<T> {
+    arena::download(&gpu.stream, b).unwrap()
 }
 
 /// A device f32 buffer downloaded.

@@ -247,6 +247,12 @@ impl FinishL1RowsKind {
             .find(|k| chunks <= k.chunks_per_thread * FINISH_L1_ROWS_THREADS)
     }
 
+    /// [`FinishL1RowsKind::for_i_dim`], or the error a launcher reports before any launch.
+    fn required(i_dim: usize) -> Result<FinishL1RowsKind> {
+        FinishL1RowsKind::for_i_dim(i_dim)
+            .ok_or_else(|| anyhow!("moe_gemm L1: the rows finish takes I <= 4096, I = {i_dim}"))
+    }
+
     /// Dynamic shared memory: the ring, stages x 2 ceil(KC / 2) units x (gate, up) x 256 threads x 16 bytes.
     pub fn ring_bytes(&self) -> usize {
         self.stages * self.chunks_per_thread.div_ceil(2) * 2 * 2 * FINISH_L1_ROWS_THREADS * 16
@@ -276,8 +282,7 @@ pub fn launch_finish_l1_with(
 ) -> Result<()> {
     if kernel == FinishL1Kernel::Rows {
         let i_dim = w13.n / 2;
-        let kind = FinishL1RowsKind::for_i_dim(i_dim)
-            .ok_or_else(|| anyhow!("moe_gemm L1: the rows finish takes I <= 4096, I = {i_dim}"))?;
+        let kind = FinishL1RowsKind::required(i_dim)?;
         let rows_per_cta = kind.default_rows_per_cta(grp.rows_total, gpu.info.sm_count as usize);
         return launch_finish_l1_rows_with(
             gpu,
@@ -340,8 +345,7 @@ pub fn launch_finish_l1_rows_with(
 ) -> Result<()> {
     check_finish_l1(ws, grp, w13, routing, out)?;
     let i_dim = w13.n / 2;
-    let kind = FinishL1RowsKind::for_i_dim(i_dim)
-        .ok_or_else(|| anyhow!("moe_gemm L1: the rows finish takes I <= 4096, I = {i_dim}"))?;
+    let kind = FinishL1RowsKind::required(i_dim)?;
     let entry = kind.entry;
     ensure!(
         ws.splits >= 1,
