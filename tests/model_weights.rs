@@ -126,7 +126,8 @@ fn manifest_shapes_match_the_flash_checkpoint() {
 #[test]
 fn synthetic_weights_are_a_pure_function_of_seed_name_index() {
     let seed = test_seed("weights");
-    let w = Weights::synthetic(ModelConfig::small(), seed, CachePolicy::Nothing).unwrap();
+    let cfg = ModelConfig::small();
+    let w = Weights::synthetic(cfg.clone(), seed, CachePolicy::Nothing).unwrap();
     // A row slice equals the same rows of the whole tensor, whatever was read before.
     let name = "layers.4.attn.wq_b.weight";
     let whole = w.matrix(name).unwrap();
@@ -156,14 +157,15 @@ fn synthetic_weights_are_a_pure_function_of_seed_name_index() {
     assert_ne!(w2.matrix(name).unwrap().data, whole.data);
     let rms =
         |v: &[f32]| (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
-    let target = 1.0 / (128f64).sqrt();
+    // wq_b's fan-in is q_lora_rank, expert w2's is moe_inter_dim.
+    let target = 1.0 / (cfg.q_lora_rank as f64).sqrt();
     let r = rms(&whole.data);
     assert!(
         r > target / 2.0 && r < target * 2.0,
         "wq_b rms {r} vs target {target}"
     );
     let r = rms(&e_all.data);
-    let target = 1.0 / (128f64).sqrt();
+    let target = 1.0 / (cfg.moe_inter_dim as f64).sqrt();
     assert!(
         r > target / 2.0 && r < target * 2.0,
         "expert w2 rms {r} vs target {target}"

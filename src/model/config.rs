@@ -157,35 +157,38 @@ impl ModelConfig {
     }
 
     /// A small geometry with the structure of the real models, decodable in milliseconds per token on 2
-    /// cores: layers 0-1 sliding-window only, then CSA (m = 4) and HCA (m = 128) alternating; hash routing
-    /// in layers 0-2; 4 mHC streams; attention sink; grouped output projection (2 groups of 4 heads);
-    /// head_dim 512 (448 + 64 RoPE) and the 128-token window and 128-dim indexer heads are kept, because
-    /// the FP8 tiles (64), the Hadamard (128) and the ring size (128) depend on them. HCA keeps m = 128,
-    /// so HCA entries appear at t = 127, 255, ... and CSA entries every 4 tokens; `index_topk` = 8 makes
-    /// the indexer actually select (more than 8 CSA entries exist after 32 tokens).
+    /// cores, and the smallest one every GPU kernel family accepts, so the engine's layer-by-layer parity
+    /// runs on it: layers 0-1 sliding-window only, then CSA (m = 4) and HCA (m = 128) alternating; hash
+    /// routing in layers 0-2; 4 mHC streams; attention sink; grouped output projection (8 groups of 8
+    /// heads). Kept at the real models' values because kernels depend on them: head_dim 512 (448 + 64
+    /// RoPE; FP8 tiles of 64), 64 attention heads (sparse_attn's heads per CTA), 64 indexer heads of 128
+    /// (the indexer's fixed head count, the Hadamard size), the 128-token window (ring size). Sized for
+    /// the kernels' tilings: dim and moe_inter_dim 512 (moe_gemm: N % 256, K % 512). HCA keeps m = 128, so
+    /// HCA entries appear at t = 127, 255, ... and CSA entries every 4 tokens; `index_topk` = 8 makes the
+    /// indexer actually select (more than 8 CSA entries exist after 32 tokens).
     pub fn small() -> Self {
         ModelConfig {
             name: "small".into(),
             vocab_size: 512,
-            dim: 256,
+            dim: 512,
             n_layers: 6,
-            n_heads: 8,
+            n_heads: 64,
             head_dim: 512,
             rope_head_dim: 64,
             q_lora_rank: 128,
-            o_groups: 2,
+            o_groups: 8,
             o_lora_rank: 128,
             window_size: 128,
             compress_ratios: vec![0, 0, 4, 128, 4, 128],
             mtp_compress_ratios: vec![0],
             csa_ratio: 4,
-            index_n_heads: 4,
+            index_n_heads: 64,
             index_head_dim: 128,
             index_topk: 8,
             n_routed_experts: 16,
             n_shared_experts: 1,
             n_activated_experts: 6,
-            moe_inter_dim: 128,
+            moe_inter_dim: 512,
             num_hash_layers: 3,
             route_scale: 1.5,
             swiglu_limit: 10.0,
