@@ -455,11 +455,13 @@ impl Blas {
             .block_scaled_plans
             .lock()
             .map_err(|_| anyhow!("cuBLASLt plan cache poisoned by an earlier panic"))?;
-        if !plans.contains_key(&shape) {
-            let plan = self.block_scaled_plan(shape)?;
-            plans.insert(shape, plan);
-        }
-        f(&plans[&shape])
+        let plan = match plans.entry(shape) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(self.block_scaled_plan(shape)?)
+            }
+        };
+        f(plan)
     }
 
     /// Workspace bytes the block-scaled GEMM of `shape` needs (the algorithm cuBLASLt's heuristic picked, at most
