@@ -399,6 +399,22 @@ impl Blas {
                 S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as i32,
                 "B_SCALE_MODE = VEC128_32F",
             )?;
+            // The heuristic refuses a block scale mode whose scale pointer is unset ("requires a custom pointer"):
+            // stand-in pointers for the query (a live device allocation, never read by the heuristic); every call
+            // sets its own before its matmul.
+            let stand_in = self.workspace.device_addr() as *const c_void;
+            for attr in [
+                A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            ] {
+                result::set_matmul_desc_attribute(
+                    desc,
+                    attr,
+                    &stand_in as *const *const c_void as *const c_void,
+                    size_of::<*const c_void>(),
+                )
+                .map_err(|e| block_scaled_refusal("scale pointer", e))?;
+            }
             plan.layout_w = cb(
                 result::create_matrix_layout(e4m3, k as u64, n as u64, k as i64),
                 "layout W",
