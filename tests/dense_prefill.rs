@@ -59,23 +59,17 @@ fn weight_scales_convert_exactly_into_the_padded_k_major_layout() {
 
 #[test]
 fn the_gemm_shape_rules_and_scale_tensor_sizes() {
-    let ok = BlockScaledShape {
-        m: 8,
-        n: 512,
-        k: 4096,
-    };
+    let shape = |m, n, k| BlockScaledShape { m, n, k };
+    let ok = shape(8, 512, 4096);
     ok.check().unwrap();
-    assert_eq!(ok.k_blocks(), 32);
-    assert_eq!(ok.act_scales_len(), 32 * 8);
-    assert_eq!(ok.weight_scales_len(), 4 * 32);
-    let odd = BlockScaledShape {
-        m: 4,
-        n: 16,
-        k: 640,
-    };
+    assert_eq!(
+        (ok.k_blocks(), ok.act_scales_len(), ok.weight_scales_len()),
+        (32, 32 * 8, 4 * 32)
+    );
+    // L = 5 pads to L4 = 8 in the weight scales' rows.
+    let odd = shape(4, 16, 640);
     odd.check().unwrap();
-    assert_eq!(odd.k_blocks_padded(), 8);
-    assert_eq!(odd.weight_scales_len(), 8);
+    assert_eq!((odd.k_blocks_padded(), odd.weight_scales_len()), (8, 8));
     for bad in [
         BlockScaledShape { m: 0, ..ok },
         BlockScaledShape { m: 6, ..ok },
@@ -262,53 +256,84 @@ fn run(gpu: &Gpu, blas: &Blas, c: &Case, rng: &mut ChaCha8Rng, m: usize, label: 
 
 // ---- GPU --------------------------------------------------------------------------------------------------------
 
+/// The GPU, a cuBLASLt handle, the test's fresh RNG and one weight (`prefix` of `cfg`) of a fresh seed.
+struct Fixture {
+    gpu: Gpu,
+    blas: Blas,
+    rng: ChaCha8Rng,
+    c: Case,
+}
+
+fn fixture(test: &str, cfg: ModelConfig, prefix: &str) -> Fixture {
+    let gpu = common::gpu(test);
+    let blas = Blas::new(&gpu).unwrap();
+    let mut rng = common::seeded(test, "DENSE_PREFILL_SEED");
+    let c = case(&gpu, &mut rng, cfg, prefix);
+    Fixture { gpu, blas, rng, c }
+}
+
+/// The linear `prefix` of `cfg` at each token count of `ms`, fresh activations each.
+fn check_token_counts(test: &str, cfg: ModelConfig, prefix: &str, ms: &[usize]) {
+    let mut f = fixture(test, cfg, prefix);
+    for &m in ms {
+        run(
+            &f.gpu,
+            &f.blas,
+            &f.c,
+            &mut f.rng,
+            m,
+            &format!("{test} m={m}"),
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs an H100/H200"]
 fn flash_wq_a_at_decode_and_small_token_counts() {
-    let gpu = common::gpu("flash_wq_a_at_decode_and_small_token_counts");
-    let blas = Blas::new(&gpu).unwrap();
-    let mut rng = common::seeded("dense_prefill_small", "DENSE_PREFILL_SEED");
-    let c = case(&gpu, &mut rng, ModelConfig::flash(), "layers.0.attn.wq_a");
     // 1 and 3: only the staged tail; 6: in place + tail; 128: in place.
-    for m in [1, 3, 6, 128] {
-        run(&gpu, &blas, &c, &mut rng, m, &format!("flash wq_a m={m}"));
-    }
+    check_token_counts(
+        "flash_wq_a_at_decode_and_small_token_counts",
+        ModelConfig::flash(),
+        "layers.0.attn.wq_a",
+        &[1, 3, 6, 128],
+    );
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn flash_wkv_at_prefill_token_counts() {
-    let gpu = common::gpu("flash_wkv_at_prefill_token_counts");
-    let blas = Blas::new(&gpu).unwrap();
-    let mut rng = common::seeded("dense_prefill_large", "DENSE_PREFILL_SEED");
-    let c = case(&gpu, &mut rng, ModelConfig::flash(), "layers.0.attn.wkv");
-    for m in [4096, 4097] {
-        run(&gpu, &blas, &c, &mut rng, m, &format!("flash wkv m={m}"));
-    }
+    check_token_counts(
+        "flash_wkv_at_prefill_token_counts",
+        ModelConfig::flash(),
+        "layers.0.attn.wkv",
+        &[4096, 4097],
+    );
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn pro_shared_expert_w2_at_130_tokens() {
-    let gpu = common::gpu("pro_shared_expert_w2_at_130_tokens");
-    let blas = Blas::new(&gpu).unwrap();
-    let mut rng = common::seeded("dense_prefill_pro", "DENSE_PREFILL_SEED");
-    let c = case(
-        &gpu,
-        &mut rng,
+    check_token_counts(
+        "pro_shared_expert_w2_at_130_tokens",
         ModelConfig::pro(),
         "layers.0.ffn.shared_experts.w2",
+        &[130],
     );
-    run(&gpu, &blas, &c, &mut rng, 130, "pro shared w2 m=130");
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn bad_input_is_refused_before_any_launch() {
-    let gpu = common::gpu("bad_input_is_refused_before_any_launch");
-    let blas = Blas::new(&gpu).unwrap();
-    let mut rng = common::seeded("dense_prefill_bad", "DENSE_PREFILL_SEED");
-    let c = case(&gpu, &mut rng, ModelConfig::flash(), "layers.0.attn.wq_a");
+    let Fixture {
+        gpu,
+        blas,
+        mut rng,
+        c,
+    } = fixture(
+        "bad_input_is_refused_before_any_launch",
+        ModelConfig::flash(),
+        "layers.0.attn.wq_a",
+    );
     let m = 8;
     let a = acts(&gpu, &mut rng, m, c.k);
     let (_arena, ws) = workspace(&gpu, &blas, m, c.n, c.k);
@@ -317,63 +342,15 @@ fn bad_input_is_refused_before_any_launch() {
     let w = c.dev.view();
     let short_y = gpu.zeros::<bf16>(m * c.n - 1).unwrap();
     let short_scales = gpu.zeros::<u8>(m * c.k / 128 - 1).unwrap();
+    let call =
+        |m: usize, scales: &cudarc::driver::CudaSlice<u8>, y: &cudarc::driver::CudaSlice<bf16>| {
+            fp8_linear_prefill(&gpu, &gpu.stream, &blas, m, &a.codes, scales, &w, &ws, y)
+        };
     for (what, r) in [
-        (
-            "m = 0",
-            fp8_linear_prefill(
-                &gpu,
-                &gpu.stream,
-                &blas,
-                0,
-                &a.codes,
-                &a.scales,
-                &w,
-                &ws,
-                &y,
-            ),
-        ),
-        (
-            "m beyond the workspace",
-            fp8_linear_prefill(
-                &gpu,
-                &gpu.stream,
-                &blas,
-                m + 1,
-                &a.codes,
-                &a.scales,
-                &w,
-                &ws,
-                &y,
-            ),
-        ),
-        (
-            "short y",
-            fp8_linear_prefill(
-                &gpu,
-                &gpu.stream,
-                &blas,
-                m,
-                &a.codes,
-                &a.scales,
-                &w,
-                &ws,
-                &short_y,
-            ),
-        ),
-        (
-            "short scales",
-            fp8_linear_prefill(
-                &gpu,
-                &gpu.stream,
-                &blas,
-                m,
-                &a.codes,
-                &short_scales,
-                &w,
-                &ws,
-                &y,
-            ),
-        ),
+        ("m = 0", call(0, &a.scales, &y)),
+        ("m beyond the workspace", call(m + 1, &a.scales, &y)),
+        ("short y", call(m, &a.scales, &short_y)),
+        ("short scales", call(m, &short_scales, &y)),
     ] {
         assert!(r.is_err(), "{what} accepted");
         println!("{what}: {:#}", r.unwrap_err());
@@ -389,10 +366,16 @@ fn bad_input_is_refused_before_any_launch() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn a_captured_graph_replays_with_new_activations() {
-    let gpu = common::gpu("a_captured_graph_replays_with_new_activations");
-    let blas = Blas::new(&gpu).unwrap();
-    let mut rng = common::seeded("dense_prefill_graph", "DENSE_PREFILL_SEED");
-    let c = case(&gpu, &mut rng, ModelConfig::flash(), "layers.0.attn.wq_a");
+    let Fixture {
+        gpu,
+        blas,
+        mut rng,
+        c,
+    } = fixture(
+        "a_captured_graph_replays_with_new_activations",
+        ModelConfig::flash(),
+        "layers.0.attn.wq_a",
+    );
     // 5 tokens: one in-place GEMM of 4 rows and the staged tail, every piece of the launcher in the graph.
     let m = 5;
     let stream = gpu.new_stream().unwrap();
