@@ -12,7 +12,7 @@ use half::bf16;
 use megamoe::formats::{fp8, ue8m0};
 use megamoe::gpu::arena::Arena;
 use megamoe::gpu::blas::{
-    weight_scales_f32, Blas, BlockScaledShape, BLOCK_SCALED_MIN_CUBLASLT, BLOCK_SCALED_ROW_MULTIPLE,
+    Blas, BlockScaledShape, BLOCK_SCALED_MIN_CUBLASLT, BLOCK_SCALED_ROW_MULTIPLE,
 };
 use megamoe::gpu::timing::capture_on;
 use megamoe::gpu::{fill_bytes_on, Gpu};
@@ -20,7 +20,7 @@ use megamoe::model::config::ModelConfig;
 use megamoe::model::numerics::{bf16_round_slice, fp8_act_quant, par_map};
 use megamoe::model::weights::{CachePolicy, Weights};
 use megamoe::ops::dense::prefill::{
-    fp8_linear_prefill, rows_in_place, DeviceFp8Weight, Fp8LinearWorkspace,
+    fp8_linear_prefill, rows_in_place, weight_scales_f32, DeviceFp8Weight, Fp8LinearWorkspace,
 };
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;

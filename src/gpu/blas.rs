@@ -290,27 +290,6 @@ impl BlockScaledShape {
     }
 }
 
-/// The weight's ue8m0 128x128 block scales (row-major `[ceil(n/128), k/128]` codes, the checkpoint's `.scale`
-/// tensor) as the f32 tensor [`Blas::fp8_block_scaled_gemm`] reads: `[ceil(n/128), L4]`, pad columns 0. Exact:
-/// code c is `2^(c - 127)` ([`crate::formats::ue8m0::decode`]).
-pub fn weight_scales_f32(codes: &[u8], n: usize, k: usize) -> Result<Vec<f32>> {
-    let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
-    if codes.len() != nb * kb {
-        bail!(
-            "weight scales: {} codes for a [{n}, {k}] weight (want {nb} x {kb})",
-            codes.len()
-        );
-    }
-    let kb4 = kb.div_ceil(4) * 4;
-    let mut out = vec![0f32; nb * kb4];
-    for (dst, src) in out.chunks_exact_mut(kb4).zip(codes.chunks_exact(kb.max(1))) {
-        for (d, &c) in dst.iter_mut().zip(src) {
-            *d = crate::formats::ue8m0::decode(c);
-        }
-    }
-    Ok(out)
-}
-
 /// One shape's matmul descriptor, layouts and algorithm (built once, reused by every call of that shape).
 struct BlockScaledPlan {
     desc: sys::cublasLtMatmulDesc_t,

@@ -30,8 +30,9 @@ use anyhow::{bail, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
+use crate::formats::ue8m0;
 use crate::gpu::arena::{Arena, WorkspaceLayout};
-use crate::gpu::blas::{weight_scales_f32, Blas, BlockScaledShape, BLOCK_SCALED_ROW_MULTIPLE};
+use crate::gpu::blas::{Blas, BlockScaledShape, BLOCK_SCALED_ROW_MULTIPLE};
 use crate::gpu::launch::{launch, DevBuf, DeviceBuf, KernelArgs, Launch, Stream};
 use crate::gpu::{drv, Gpu};
 
@@ -43,6 +44,27 @@ const CONVERT_THREADS: u32 = 256;
 /// `m` rounded down to the GEMM's row multiple: the rows multiplied in place.
 pub fn rows_in_place(m: usize) -> usize {
     m - m % BLOCK_SCALED_ROW_MULTIPLE
+}
+
+/// The weight's ue8m0 128x128 block scales (row-major `[ceil(n/128), k/128]` codes, the checkpoint's `.scale`
+/// tensor) as the f32 tensor [`Blas::fp8_block_scaled_gemm`] reads: `[ceil(n/128), L4]`, pad columns 0. Exact:
+/// code c is `2^(c - 127)` ([`ue8m0::decode`]).
+pub fn weight_scales_f32(codes: &[u8], n: usize, k: usize) -> Result<Vec<f32>> {
+    let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
+    if codes.len() != nb * kb {
+        bail!(
+            "weight scales: {} codes for a [{n}, {k}] weight (want {nb} x {kb})",
+            codes.len()
+        );
+    }
+    let kb4 = kb.div_ceil(4) * 4;
+    let mut out = vec![0f32; nb * kb4];
+    for (dst, src) in out.chunks_exact_mut(kb4).zip(codes.chunks_exact(kb.max(1))) {
+        for (d, &c) in dst.iter_mut().zip(src) {
+            *d = ue8m0::decode(c);
+        }
+    }
+    Ok(out)
 }
 
 /// A dense FP8 weight on the device as the GEMM reads it: e4m3 codes `[n, k]` and f32 128x128 block scales in
