@@ -55,6 +55,7 @@ fn weight_scales_convert_exactly_into_the_padded_k_major_layout() {
         assert_eq!(one[0].to_bits(), ue8m0::decode(c).to_bits(), "code {c}");
     }
     assert!(weight_scales_f32(&all[..14], n, k).is_err());
+    assert!(weight_scales_f32(&[], 0, k).is_err());
 }
 
 #[test]

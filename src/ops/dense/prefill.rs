@@ -51,6 +51,9 @@ pub fn rows_in_place(m: usize) -> usize {
 /// code c is `2^(c - 127)` ([`ue8m0::decode`]).
 pub fn weight_scales_f32(codes: &[u8], n: usize, k: usize) -> Result<Vec<f32>> {
     let (nb, kb) = (n.div_ceil(128), k.div_ceil(128));
+    if n == 0 || k == 0 {
+        bail!("weight scales: empty weight [{n}, {k}]");
+    }
     if codes.len() != nb * kb {
         bail!(
             "weight scales: {} codes for a [{n}, {k}] weight (want {nb} x {kb})",
@@ -59,7 +62,7 @@ pub fn weight_scales_f32(codes: &[u8], n: usize, k: usize) -> Result<Vec<f32>> {
     }
     let kb4 = kb.div_ceil(4) * 4;
     let mut out = vec![0f32; nb * kb4];
-    for (dst, src) in out.chunks_exact_mut(kb4).zip(codes.chunks_exact(kb.max(1))) {
+    for (dst, src) in out.chunks_exact_mut(kb4).zip(codes.chunks_exact(kb)) {
         for (d, &c) in dst.iter_mut().zip(src) {
             *d = ue8m0::decode(c);
         }
