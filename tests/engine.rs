@@ -9,7 +9,7 @@ use megamoe::engine::plan::{
     ALLOC_GRANULE,
 };
 use megamoe::engine::{resolve_model, DeviceWeights, WeightSource};
-use megamoe::formats::{indexer_key, kv, mxfp4};
+use megamoe::formats::{indexer_key, kv, mxfp4, nvfp4};
 use megamoe::gpu::arena;
 use megamoe::model::checkpoint::{write_checkpoint, Checkpoint};
 use megamoe::model::{CachePolicy, LayerKind, ModelConfig, Weights};
@@ -223,6 +223,38 @@ fn requests_that_cannot_run_fail_with_their_numbers() {
     assert!(err.contains("unknown model \"flsh\""), "{err}");
     assert_eq!(resolve_model("pro").unwrap(), ModelConfig::pro());
     assert!(resolve_model("/nonexistent/config.json").is_err());
+}
+
+/// The engine's expert rows (`[w1; w3]` for L1, `w2` for L2, converted to NVFP4) hold exactly the values the CPU
+/// model multiplies: the NVFP4 dequantization equals `Weights::dequant_rows` of each part bit for bit, and the
+/// synthetic weights convert without an inexact block (their scales span one binade).
+#[test]
+fn expert_rows_in_the_moe_gemm_layout_are_the_model_weights() {
+    let cfg = ModelConfig::small();
+    let w = Weights::synthetic(cfg.clone(), 3, CachePolicy::Nothing).unwrap();
+    let i = cfg.moe_inter_dim;
+    for (layer, e) in [(0usize, 0usize), (3, 5), (5, 15)] {
+        for (l1, parts) in [(true, vec!["w1", "w3"]), (false, vec!["w2"])] {
+            let (q, report) = megamoe::engine::weights::expert_nvfp4(&w, layer, e, l1).unwrap();
+            assert!(report.is_lossless());
+            assert_eq!(
+                (q.rows, q.cols),
+                if l1 { (2 * i, cfg.dim) } else { (cfg.dim, i) }
+            );
+            let got = nvfp4::dequantize_rows(&q);
+            let mut want = Vec::new();
+            for p in parts {
+                let name = format!("layers.{layer}.ffn.experts.{e}.{p}.weight");
+                let rows = w.spec(&name).unwrap().shape[0];
+                want.extend(w.dequant_rows(&name, 0, rows).unwrap().data);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&got) == bits(&want),
+                "layer {layer} expert {e} l1 {l1}"
+            );
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------------ GPU

@@ -16,7 +16,8 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::CudaSlice;
 
 use super::plan::MemoryPlan;
-use crate::formats::mxfp4::Mxfp4Matrix;
+use crate::formats::mxfp4::{ConversionReport, Mxfp4Matrix};
+use crate::formats::nvfp4::Nvfp4Rows;
 use crate::formats::{mxfp4, nvfp4};
 use crate::gpu::arena;
 use crate::gpu::launch::{DevBuf, DeviceBuf, Stream};
@@ -315,16 +316,15 @@ impl<T> SubBuf<T> for CudaSlice<T> {
     }
 }
 
-/// CPU twin of one resident expert (tests): the moe_gemm weights slot `slot` of `layer` must hold, from the CPU
-/// `Weights` (same source): the MXFP4 rows of `[w1; w3]` (L1) or `w2` (L2) converted by
-/// `formats::mxfp4::to_nvfp4` and tiled by `prefill::tile_weights_like_kernel`. Returns (tiled bytes, global
-/// scales, inexact 16-blocks).
-pub fn expected_expert(
+/// One expert's moe_gemm rows on the CPU: the MXFP4 rows of `[w1; w3]` (L1, gate rows first) or `w2` (L2) of
+/// logical expert `expert` in `layer`, read through `weights`, converted by `formats::mxfp4::to_nvfp4` (what the
+/// device converter must equal bit for bit), with the conversion's report.
+pub fn expert_nvfp4(
     weights: &Weights,
     layer: usize,
-    slot: usize,
+    expert: usize,
     l1: bool,
-) -> Result<(Vec<u8>, Vec<f32>, usize)> {
+) -> Result<(Nvfp4Rows, ConversionReport)> {
     let names: &[&str] = if l1 {
         &["w1.weight", "w3.weight"]
     } else {
@@ -332,7 +332,7 @@ pub fn expected_expert(
     };
     let (mut data, mut scales, mut rows, mut cols) = (Vec::new(), Vec::new(), 0, 0);
     for w in names {
-        let name = expert_name(layer, slot, w);
+        let name = expert_name(layer, expert, w);
         let spec = weights.spec(&name)?;
         rows += spec.shape[0];
         cols = spec.shape[1] * 2;
@@ -340,7 +340,19 @@ pub fn expected_expert(
         scales.extend(weights.raw(&scale_name(&name))?);
     }
     let m = Mxfp4Matrix::from_parts(rows, cols, data, scales)?;
-    let (q, report) = mxfp4::to_nvfp4(&m);
-    let tiled = prefill::tile_weights_like_kernel(&q.data, &q.scales, 1, rows, cols);
+    Ok(mxfp4::to_nvfp4(&m))
+}
+
+/// CPU twin of one resident expert slot (tests): slot `slot` of `layer` holds logical expert `slot`, i.e.
+/// [`expert_nvfp4`] tiled by `prefill::tile_weights_like_kernel`. Returns (tiled bytes, global scales, inexact
+/// 16-blocks).
+pub fn expected_expert(
+    weights: &Weights,
+    layer: usize,
+    slot: usize,
+    l1: bool,
+) -> Result<(Vec<u8>, Vec<f32>, usize)> {
+    let (q, report) = expert_nvfp4(weights, layer, slot, l1)?;
+    let tiled = prefill::tile_weights_like_kernel(&q.data, &q.scales, 1, q.rows, q.cols);
     Ok((tiled, q.global_scale, report.inexact_blocks.len()))
 }
