@@ -20,13 +20,7 @@ const GIB: usize = 1 << 30;
 const H200_FREE: usize = 139 * GIB;
 
 fn request(batch: usize, context: usize, free: usize) -> PlanRequest {
-    PlanRequest {
-        batch,
-        context,
-        prompt_len: context.min(4096),
-        free_bytes: free,
-        index_keys: IndexKeyFormat::Fp8,
-    }
+    PlanRequest::new(batch, context, context.min(4096), free)
 }
 
 /// Cache bytes of one sequence of `ctx` tokens, restated from the formats and `CompressorState` (kv + score rows).

@@ -60,6 +60,19 @@ pub struct PlanRequest {
     pub index_keys: IndexKeyFormat,
 }
 
+impl PlanRequest {
+    /// A request with FP8 indexer keys (132 B a key; the indexer kernels read both formats).
+    pub fn new(batch: usize, context: usize, prompt_len: usize, free_bytes: usize) -> PlanRequest {
+        PlanRequest {
+            batch,
+            context,
+            prompt_len,
+            free_bytes,
+            index_keys: IndexKeyFormat::Fp8,
+        }
+    }
+}
+
 /// A model geometry by the name a command takes: `flash`, `pro`, `small`, or the path of a `config.json` (a file
 /// that exists, or any name ending in `.json`).
 pub fn resolve_model(name: &str) -> Result<ModelConfig> {
