@@ -24,6 +24,8 @@
 // otherwise (an unaligned `out`, the last partial chunk) byte by byte. Little-endian bytes, as stored.
 #include <cstdint>
 
+#include "common/formats.cuh"
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -208,4 +210,100 @@ extern "C" __global__ void __launch_bounds__(kThreads)
     weights_fill_i64_tid2eid(uint8_t* __restrict__ out, uint64_t first, uint64_t count, uint64_t key,
                              uint64_t k, uint64_t n_experts) {
     fill_slice(out, first, count, key, I64Tid2eid{key, k, n_experts});
+}
+
+// =====================================================================================================================
+// MXFP4 -> NVFP4 conversion of routed-expert weights (launcher: src/ops/weights/convert.rs). The CPU oracle is
+// formats::mxfp4::to_nvfp4, matched bit for bit (tests/engine.rs):
+// * input: `rows` rows of `cols` e2m1 codes, packed two a byte (low nibble = lower K index), and one ue8m0 scale per
+//   32 along K (the checkpoint's I8 [out, in/2] and F8_E8M0 [out, in/32] tensors);
+// * per row, E_max = the largest block exponent e (scale code - 127) among the 16-element halves that hold a nonzero
+//   magnitude (code & 7 != 0); global scale G = 2^(E_max - 8), or 1.0 for a row without one;
+// * each half keeps its codes and gets the e4m3 scale 2^t, t = e - E_max + 8 <= 8: e2m1 * 2^t * G = e2m1 * 2^e
+//   exactly when 2^t is an e4m3 value, i.e. t >= -9 (e4m3's smallest subnormal 2^-9). A half of zero magnitudes
+//   gets scale 0 (its codes, signed zeros, are kept);
+// * a nonzero half with t < -9 is inexact: it is counted (counters[0]), gets the scale 2^-9 and each element is
+//   re-rounded to e2m1_encode(e2m1 * 2^(t + 9)). The product is a power-of-two scaling of a value of at most two
+//   significant bits: exact while normal; below f32's normal range it is far under e2m1's first threshold 0.25 and
+//   encodes to a signed zero whether or not it is flushed, so the code equals the CPU's;
+// * scale codes above 252 (NaN, or 6 * scale overflowing f32; Mxfp4Matrix::validate rejects them) are counted in
+//   counters[1] per 32-block: the launcher's caller refuses such weights.
+// One warp per row: pass 1 reduces E_max over the row's halves, pass 2 writes the halves. Codes move as 8-byte
+// words (the launcher checks 8-byte alignment of both code buffers; cols % 32 == 0).
+// =====================================================================================================================
+namespace {
+
+constexpr int kConvertWarps = 8;
+constexpr int kNoExponent = -100000;  // below every block exponent (>= -127)
+constexpr uint32_t kMagnitudeBits = 0x77777777u;  // the three magnitude bits of each of 8 packed codes
+
+// formats::pow2_f32: the exact f32 2^n, subnormals included; 0 below 2^-149 (n <= 127 here).
+__device__ __forceinline__ float pow2_exact(int n) {
+    if (n >= -126) return __uint_as_float(static_cast<uint32_t>(n + 127) << 23);
+    if (n >= -149) return __uint_as_float(1u << (n + 149));
+    return 0.0f;
+}
+
+// Re-round the 8 codes of one 32-bit word by `factor` (the inexact path).
+__device__ __forceinline__ uint32_t rescale_codes(uint32_t w, float factor) {
+    uint32_t out = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const uint8_t c = static_cast<uint8_t>((w >> (4 * j)) & 0xFu);
+        out |= static_cast<uint32_t>(mm::e2m1_encode(__fmul_rn(mm::e2m1_decode(c), factor))) << (4 * j);
+    }
+    return out;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kConvertWarps * 32)
+    weights_mxfp4_to_nvfp4(const uint8_t* __restrict__ mx_codes, const uint8_t* __restrict__ mx_scales, int rows,
+                           int cols, uint8_t* __restrict__ nv_codes, uint8_t* __restrict__ nv_scales,
+                           float* __restrict__ global, unsigned long long* __restrict__ counters) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * kConvertWarps + (threadIdx.x >> 5);
+    if (row >= rows) return;  // whole warps leave together: the shuffles below see full warps
+    const int halves = cols / 16;
+    const uint2* const in = reinterpret_cast<const uint2*>(mx_codes + static_cast<size_t>(row) * (cols / 2));
+    const uint8_t* const sc = mx_scales + static_cast<size_t>(row) * (cols / 32);
+    int e_max = kNoExponent;
+    unsigned long long bad_scales = 0;
+    for (int h = lane; h < halves; h += 32) {
+        const uint2 w = in[h];
+        const int code = sc[h / 2];
+        if ((h & 1) == 0 && code > 252) ++bad_scales;
+        if (((w.x | w.y) & kMagnitudeBits) != 0) e_max = max(e_max, code - 127);
+    }
+    e_max = __reduce_max_sync(0xffffffffu, e_max);
+    uint2* const out = reinterpret_cast<uint2*>(nv_codes + static_cast<size_t>(row) * (cols / 2));
+    uint8_t* const out_sc = nv_scales + static_cast<size_t>(row) * halves;
+    const uint8_t smallest = mm::e4m3_encode(pow2_exact(-9));
+    unsigned long long inexact = 0;
+    for (int h = lane; h < halves; h += 32) {
+        uint2 w = in[h];
+        uint8_t s = 0;
+        if (((w.x | w.y) & kMagnitudeBits) != 0) {
+            const int t = static_cast<int>(sc[h / 2]) - 127 - e_max + 8;
+            if (t >= -9) {
+                s = mm::e4m3_encode(pow2_exact(t));
+            } else {
+                ++inexact;
+                s = smallest;
+                const float factor = pow2_exact(t + 9);
+                w = make_uint2(rescale_codes(w.x, factor), rescale_codes(w.y, factor));
+            }
+        }
+        out[h] = w;
+        out_sc[h] = s;
+    }
+    if (lane == 0) global[row] = e_max == kNoExponent ? 1.0f : pow2_exact(e_max - 8);
+    // Warp sums in 32 bits: a row has fewer than 2^27 halves, so they cannot overflow; the totals are u64.
+    unsigned int ni = static_cast<unsigned int>(inexact), nb = static_cast<unsigned int>(bad_scales);
+    ni = __reduce_add_sync(0xffffffffu, ni);
+    nb = __reduce_add_sync(0xffffffffu, nb);
+    if (lane == 0) {
+        if (ni != 0) atomicAdd(counters, static_cast<unsigned long long>(ni));
+        if (nb != 0) atomicAdd(counters + 1, static_cast<unsigned long long>(nb));
+    }
 }

@@ -5,6 +5,8 @@
 //! rounding boundary +- a few ulp. Each randomized test prints its seed; set FORMATS_SEED=<seed> to
 //! replay one.
 
+mod common;
+
 use megamoe::formats::{bf16, e2m1, e4m3, fp8, indexer_key, kv, mxfp4, nvfp4, pow2_f32, ue8m0};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -634,41 +636,11 @@ fn mxfp4_quantize_follows_dsv4_rule() {
 // ---------------------------------------------------------------------------------------------------
 // (g) MXFP4 -> NVFP4
 
-/// A random MXFP4 matrix whose nonzero blocks span `span` binades per row (at most), with some all-zero
-/// 16-halves and all-zero 32-blocks at wild exponents (which must not matter).
-fn random_mxfp4(rng: &mut ChaCha8Rng, rows: usize, cols: usize, span: i32) -> mxfp4::Mxfp4Matrix {
-    let mut data = vec![0u8; rows * cols / 2];
-    let mut scales = Vec::new();
-    for r in 0..rows {
-        let top = rng.random_range(-100..100);
-        for b in 0..cols / 32 {
-            let kind = rng.random_range(0..10);
-            let e = if kind == 0 {
-                rng.random_range(-127..=125) // an all-zero block: any exponent
-            } else {
-                top - rng.random_range(0..=span)
-            };
-            scales.push((e + 127) as u8);
-            for j in 0..32 {
-                let zero_half = kind == 1 && j < 16;
-                let code: u8 = if kind == 0 || zero_half {
-                    rng.random_range(0..2) * 8 // +0 or -0
-                } else {
-                    rng.random_range(0..16)
-                };
-                let k = b * 32 + j;
-                data[(r * cols + k) / 2] |= if k % 2 == 0 { code } else { code << 4 };
-            }
-        }
-    }
-    mxfp4::Mxfp4Matrix::from_parts(rows, cols, data, scales).unwrap()
-}
-
 #[test]
 fn mxfp4_to_nvfp4_is_lossless_within_17_binades() {
     let mut rng = seeded("mxfp4_to_nvfp4_is_lossless_within_17_binades");
     for (rows, cols) in [(1usize, 32usize), (7, 64), (129, 2048)] {
-        let m = random_mxfp4(&mut rng, rows, cols, mxfp4::MAX_EXACT_GAP);
+        let m = common::random_mxfp4(&mut rng, rows, cols, mxfp4::MAX_EXACT_GAP);
         let (q, report) = mxfp4::to_nvfp4(&m);
         q.validate().unwrap();
         assert!(report.is_lossless(), "{:?}", &report.inexact_blocks[..1]);
@@ -699,7 +671,7 @@ fn mxfp4_to_nvfp4_is_lossless_within_17_binades() {
 fn mxfp4_to_nvfp4_reports_wider_spans() {
     let mut rng = seeded("mxfp4_to_nvfp4_reports_wider_spans");
     let (rows, cols) = (33usize, 1024usize);
-    let m = random_mxfp4(&mut rng, rows, cols, 26);
+    let m = common::random_mxfp4(&mut rng, rows, cols, 26);
     let (q, report) = mxfp4::to_nvfp4(&m);
     // expected: exactly the nonzero 16-halves more than 17 binades below the row's top nonzero one
     let mut expected = Vec::new();

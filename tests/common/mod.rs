@@ -9,7 +9,7 @@ pub mod norm;
 pub mod router;
 
 use megamoe::gpu::Gpu;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 pub mod sparse_attn;
@@ -100,4 +100,39 @@ pub fn assert_rel_l2(label: &str, got: &[f32], want: &[f64], tol: f64) {
         got[at],
         want[at]
     );
+}
+
+/// A random MXFP4 matrix whose nonzero blocks span `span` binades per row (at most), with some all-zero
+/// 16-halves and all-zero 32-blocks at wild exponents (which must not matter).
+pub fn random_mxfp4(
+    rng: &mut ChaCha8Rng,
+    rows: usize,
+    cols: usize,
+    span: i32,
+) -> megamoe::formats::mxfp4::Mxfp4Matrix {
+    let mut data = vec![0u8; rows * cols / 2];
+    let mut scales = Vec::new();
+    for r in 0..rows {
+        let top = rng.random_range(-100..100);
+        for b in 0..cols / 32 {
+            let kind = rng.random_range(0..10);
+            let e = if kind == 0 {
+                rng.random_range(-127..=125) // an all-zero block: any exponent
+            } else {
+                top - rng.random_range(0..=span)
+            };
+            scales.push((e + 127) as u8);
+            for j in 0..32 {
+                let zero_half = kind == 1 && j < 16;
+                let code: u8 = if kind == 0 || zero_half {
+                    rng.random_range(0..2) * 8 // +0 or -0
+                } else {
+                    rng.random_range(0..16)
+                };
+                let k = b * 32 + j;
+                data[(r * cols + k) / 2] |= if k % 2 == 0 { code } else { code << 4 };
+            }
+        }
+    }
+    megamoe::formats::mxfp4::Mxfp4Matrix::from_parts(rows, cols, data, scales).unwrap()
 }

@@ -299,14 +299,49 @@ pub fn tile_weights_for_rs(
 ) -> Result<CudaSlice<u8>> {
     check_shape(n, k)?;
     ensure!(experts >= 1, "moe_gemm tiling: {experts} experts");
+    let out = gpu.zeros::<u8>(tiled_bytes(experts, n, k))?;
+    tile_weights_into(gpu, stream, codes, scales, experts, n, k, &out)?;
+    Ok(out)
+}
+
+/// [`tile_weights_for_rs`] into a caller-owned buffer of at least [`tiled_bytes`]`(experts, n, k)` bytes, 16-byte
+/// aligned (the engine tiles one expert at a time into its slot of a layer's buffer: expert `e`'s blocks are the
+/// contiguous bytes `[e, e + 1) x tiled_bytes(1, n, k)`).
+#[allow(clippy::too_many_arguments)]
+pub fn tile_weights_into(
+    gpu: &Gpu,
+    stream: &Stream,
+    codes: &impl DeviceBuf<u8>,
+    scales: &impl DeviceBuf<u8>,
+    experts: usize,
+    n: usize,
+    k: usize,
+    out: &impl DeviceBuf<u8>,
+) -> Result<()> {
+    check_shape(n, k)?;
+    ensure!(experts >= 1, "moe_gemm tiling: {experts} experts");
     ensure!(
-        codes.len() >= experts * n * k / 2 && scales.len() >= experts * n * k / 16,
+        codes.elems() >= experts * n * k / 2 && scales.elems() >= experts * n * k / 16,
         "moe_gemm tiling: {} code and {} scale bytes for {experts} x {n} x {k} weights",
-        codes.len(),
-        scales.len()
+        codes.elems(),
+        scales.elems()
     );
     let bytes = tiled_bytes(experts, n, k);
-    let out = gpu.zeros::<u8>(bytes)?;
+    ensure!(
+        out.elems() >= bytes && out.device_addr().is_multiple_of(16),
+        "moe_gemm tiling: the output ({} bytes at {:#x}) must hold {bytes} bytes, 16-byte aligned",
+        out.elems(),
+        out.device_addr()
+    );
+    for (what, addr) in [
+        ("codes", codes.device_addr()),
+        ("scales", scales.device_addr()),
+    ] {
+        ensure!(
+            addr.is_multiple_of(16),
+            "moe_gemm tiling: the {what} at {addr:#x} are not 16-byte aligned"
+        );
+    }
     let kern = gpu.kernel(FAMILY, "moe_gemm_prefill_tile_weights_rs")?;
     let mut args = KernelArgs::new();
     args.buf(codes)
@@ -314,7 +349,7 @@ pub fn tile_weights_for_rs(
         .i32(as_i32(experts, "experts")?)
         .i32(as_i32(n, "N")?)
         .i32(as_i32(k, "K")?)
-        .buf(&out);
+        .buf(out);
     let units = bytes / 16;
     // SAFETY: arguments in the kernel's order; `out` holds every block, the inputs E x N x K weights (checked).
     unsafe {
@@ -323,9 +358,33 @@ pub fn tile_weights_for_rs(
             &kern,
             Launch::new((units.div_ceil(256).min(1 << 20) as u32, 1, 1), (256, 1, 1)),
             &mut args,
-        )?;
+        )
     }
-    Ok(out)
+}
+
+/// CPU mirror of the tiling (`moe_gemm_prefill_tile_weights_rs`): plain codes `[E, N, K/2]` and scales
+/// `[E, N, K/16]` into the [`tiled_bytes`] bytes both mainloops read (what a test compares device weights with).
+pub fn tile_weights_like_kernel(
+    codes: &[u8],
+    scales: &[u8],
+    experts: usize,
+    n: usize,
+    k: usize,
+) -> Vec<u8> {
+    let stages = k / STAGE_K;
+    let mut out = vec![0u8; tiled_bytes(experts, n, k)];
+    for tile in 0..experts * (n / TILE_N) {
+        for st in 0..stages {
+            let block = &mut out[(tile * stages + st) * TILED_BLOCK_BYTES..][..TILED_BLOCK_BYTES];
+            for r in 0..TILE_N {
+                let row = tile * TILE_N + r;
+                block[64 * r..64 * r + 64].copy_from_slice(&codes[row * (k / 2) + st * 64..][..64]);
+                block[TILE_N * 64 + 8 * r..TILE_N * 64 + 8 * r + 8]
+                    .copy_from_slice(&scales[row * (k / 16) + st * 8..][..8]);
+            }
+        }
+    }
+    out
 }
 
 // ------------------------------------------------------------------------------------ CPU mirrors of the device

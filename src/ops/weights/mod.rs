@@ -8,7 +8,7 @@
 //! hashes only element indices. [`fill`] checks the range, the output length and the (init, dtype) pair before
 //! any launch, runs on the caller's stream and allocates nothing.
 //!
-//! Rooms: `bench.rs` (the measurement hook).
+//! Rooms: `bench.rs` (the measurement hook), `convert.rs` (MXFP4 -> NVFP4 expert weights on the device).
 
 use anyhow::{bail, Result};
 
@@ -17,6 +17,7 @@ use crate::gpu::Gpu;
 use crate::model::weights::{tensor_key, StoredDtype, SyntheticInit, TensorSpec};
 
 pub mod bench;
+pub mod convert;
 
 const FAMILY: &str = "weights";
 /// Threads per CTA (`kThreads` in kernels/weights.cu, its `__launch_bounds__`).

@@ -1,0 +1,27 @@
+//! The engine: the whole DeepSeek-V4 model on one GPU (issue #25; docs/engine.md). A layer between the commands and
+//! the ops: `cli -> engine -> ops -> (formats, gpu)`, using `model` for geometries, manifests and checkpoints.
+//!
+//! * [`plan`]: the memory plan of a run, pure host arithmetic checked before any GPU work: dense weights as stored,
+//!   routed experts in moe_gemm's NVFP4 layout, the KV cache pool, the step workspace budget, and the mapping of
+//!   logical experts onto the physical slots that fit ([`plan::ExpertMap`]).
+//! * [`weights`]: the weights on the device per the plan, from the GPU generator or a checkpoint, with the routed
+//!   experts converted MXFP4 -> NVFP4 on the device.
+
+pub mod plan;
+pub mod weights;
+
+pub use plan::{resolve_model, ExpertMap, IndexKeyFormat, MemoryPlan, PlanRequest};
+pub use weights::{DeviceWeights, WeightSource};
+
+use crate::gpu::Gpu;
+use anyhow::{anyhow, Result};
+
+/// Free device memory now (what a [`PlanRequest`] is built with).
+pub fn free_device_bytes(gpu: &Gpu) -> Result<usize> {
+    let (free, _total) = gpu
+        .stream
+        .context()
+        .mem_get_info()
+        .map_err(|e| anyhow!("querying free device memory: {e:?}"))?;
+    Ok(free)
+}
