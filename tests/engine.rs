@@ -113,8 +113,18 @@ fn pro_and_small_plans() {
     assert_eq!(plan.map.slots, 16);
     assert_eq!(plan.map.table(), (0..16).collect::<Vec<i32>>());
     assert!(plan.map.to_string().contains("identity"));
-    // each of the four expert buffers of a layer is one granule-rounded allocation
-    assert_eq!(plan.expert_layer_bytes(16), 4 * ALLOC_GRANULE);
+    // each of the four expert buffers of a layer (L1 / L2 tiled codes + scales, their global scales) is one
+    // granule-rounded allocation: 16 experts of [2I, D] and [D, I] NVFP4 (9/16 byte per value with the e4m3
+    // scales per 16) and one f32 global scale per row
+    let (d, i) = (small.dim, small.moe_inter_dim);
+    let granules = |b: usize| b.div_ceil(ALLOC_GRANULE) * ALLOC_GRANULE;
+    assert_eq!(
+        plan.expert_layer_bytes(16),
+        granules(16 * 2 * i * d * 9 / 16)
+            + granules(16 * 2 * i * 4)
+            + granules(16 * d * i * 9 / 16)
+            + granules(16 * d * 4)
+    );
     assert_eq!(
         plan.cache_bytes(),
         4 * cache_bytes_by_hand(&small, 1024, indexer_key::FP8_ENTRY_BYTES)
