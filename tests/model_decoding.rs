@@ -1,12 +1,11 @@
 //! Decoding hygiene (seeds Part A1/A2): stop set, repetition penalty over prompt + generated tokens,
-//! sampler modes; the tokenizer from a small tokenizer.json written here; the chat prompt ids.
+//! sampler modes; the chat prompt ids (the tokenizer and the rendered prompts: tests/tokenizer.rs).
 
 use anyhow::Result;
-use megamoe::model::chat::{self, build_prompt, build_text_prompt, Role, SpecialTokens, Turn};
+use megamoe::model::chat::{self, build_prompt, Role, SpecialTokens, Turn};
 use megamoe::model::sampler::{
     apply_repetition_penalty, generate, LogitsSource, Sampler, SamplerConfig, StopReason, StopSet,
 };
-use megamoe::model::tokenizer::Tokenizer;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -296,93 +295,11 @@ fn sampler_modes_top_k_top_p_temperature_seed() {
         .is_err());
 }
 
-/// A small byte-level tokenizer.json: the 256 byte symbols, a few merges, the DSV4 special tokens.
-fn write_tokenizer(dir: &std::path::Path) -> std::path::PathBuf {
-    // GPT-2 byte map, built independently of the library's table.
-    let mut chars = Vec::new();
-    let mut next = 256u32;
-    for b in 0..256u32 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
-        chars.push(if printable {
-            char::from_u32(b).unwrap()
-        } else {
-            let c = char::from_u32(next).unwrap();
-            next += 1;
-            c
-        });
-    }
-    let mut vocab = serde_json::Map::new();
-    for (i, c) in chars.iter().enumerate() {
-        vocab.insert(c.to_string(), serde_json::json!(i + 3));
-    }
-    let merges = [
-        "h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d",
-    ];
-    for (i, m) in merges.iter().enumerate() {
-        vocab.insert(m.replace(' ', ""), serde_json::json!(300 + i));
-    }
-    let added = serde_json::json!([
-        {"id": 0, "content": chat::BOS_TEXT, "special": true},
-        {"id": 1, "content": chat::EOS_TEXT, "special": true},
-        {"id": 2, "content": "<｜▁pad▁｜>", "special": true},
-        {"id": 400, "content": chat::USER_TEXT, "special": true},
-        {"id": 401, "content": chat::ASSISTANT_TEXT, "special": true},
-        {"id": 402, "content": chat::THINK_TEXT, "special": true},
-        {"id": 403, "content": chat::END_THINK_TEXT, "special": true},
-    ]);
-    let json = serde_json::json!({
-        "version": "1.0",
-        "added_tokens": added,
-        "normalizer": null,
-        "model": {"type": "BPE", "vocab": vocab, "merges": merges, "dropout": null},
-    });
-    let path = dir.join("tokenizer.json");
-    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
-    path
-}
-
+/// The chat prompt over the DSV4 ids: BOS, system, `<User>` turns, an earlier reply as
+/// `<Assistant></think>{reply}<eos>`, then `<Assistant>` and `</think>` (chat) or `<think>` (thinking). The same
+/// prompts rendered as text against the real tokenizer: tests/tokenizer.rs.
 #[test]
-fn tokenizer_from_tokenizer_json_and_chat_prompt() {
-    let dir = std::env::temp_dir().join(format!("megamoe-tok-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let tok = Tokenizer::from_file(&write_tokenizer(&dir)).unwrap();
-    let ids = tok.encode("hello world").unwrap();
-    assert_eq!(
-        ids,
-        vec![303, 308],
-        "merges apply by rank: 'hello', 'Ġworld'"
-    );
-    assert_eq!(tok.decode(&ids).unwrap(), "hello world");
-    let text = "hello<｜User｜> 12345 héllo\n\n  wörld!?";
-    let ids = tok.encode(text).unwrap();
-    assert!(ids.contains(&400));
-    assert_eq!(
-        tok.decode(&ids).unwrap(),
-        text,
-        "byte-level round trip incl. multi-byte UTF-8"
-    );
-    assert_eq!(tok.token_id(chat::USER_TEXT), Some(400));
-
-    let sp = SpecialTokens::from_tokenizer(&tok).unwrap();
-    let chat_ids = build_text_prompt(&tok, "sys", "hello", false).unwrap();
-    let mut expect = vec![0];
-    expect.extend(tok.encode("sys").unwrap());
-    expect.push(400);
-    expect.push(303);
-    expect.extend([401, 403]);
-    assert_eq!(
-        chat_ids, expect,
-        "BOS system <User> user <Assistant></think>"
-    );
-    let think_ids = build_text_prompt(&tok, "sys", "hello", true).unwrap();
-    assert_eq!(
-        &think_ids[think_ids.len() - 2..],
-        &[401, 402],
-        "thinking mode ends with <Assistant><think>"
-    );
-
-    // Multi-turn over the DSV4 ids: an earlier reply is `<Assistant></think>{reply}<eos>`.
+fn chat_prompt_over_dsv4_ids() {
     let sp4 = SpecialTokens::dsv4();
     let turns = [
         Turn {
@@ -403,31 +320,15 @@ fn tokenizer_from_tokenizer_json_and_chat_prompt() {
         p,
         vec![0, 128803, 10, 11, 128804, 128822, 12, 1, 128803, 13, 128804, 128822]
     );
+    let think = build_prompt(&sp4, &[7], &turns[..1], true).unwrap();
+    assert_eq!(think, vec![0, 7, 128803, 10, 11, 128804, 128821]);
     assert!(
         build_prompt(&sp4, &[], &turns[..2], false).is_err(),
         "must end with a user turn"
     );
-    assert_ne!(sp, sp4);
-
-    // Stop set from the tokenizer's ids.
-    let stop = StopSet::dsv4_chat(1, Some(&tok));
-    assert_eq!(stop.ids(), vec![1, 400]);
-    std::fs::remove_dir_all(&dir).ok();
-}
-
-#[test]
-fn tokenizer_errors_are_clear() {
-    assert!(Tokenizer::from_json_str("{}")
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("model"));
-    let no_bytes = r#"{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}}"#;
-    let t = Tokenizer::from_json_str(no_bytes).unwrap();
-    assert!(t
-        .encode("b")
-        .unwrap_err()
-        .to_string()
-        .contains("not in the vocabulary"));
-    assert!(t.decode(&[5]).is_err());
+    assert!(build_prompt(&sp4, &[], &[], false).is_err(), "needs a turn");
+    assert!(
+        build_prompt(&sp4, &[], &turns[1..], false).is_err(),
+        "user first"
+    );
 }

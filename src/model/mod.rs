@@ -31,7 +31,7 @@
 //! `slow_residual_rms_stays_bounded_over_256_steps`).
 //!
 //! Not implemented: the MTP layer (optional for decode; its tensors are ignored when a checkpoint has
-//! them), tool-call/DSML prompt parts, and the exact DeepSeek pre-tokenizer regex (see [`tokenizer`]).
+//! them) and the tool-call/DSML prompt parts (their tokens are in the tokenizer; see [`tokenizer`]).
 
 pub mod chat;
 pub mod checkpoint;
