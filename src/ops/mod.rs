@@ -3,6 +3,7 @@
 //! `ops/<family>/reference.rs` or `formats` (CPU reference) -> `tests/<family>.rs` -> `bench-configs/<family>.toml`.
 
 pub mod exec;
+pub mod head;
 pub mod indexer;
 pub mod inputs;
 pub mod mhc;
@@ -11,5 +12,6 @@ pub mod norm_quant;
 pub mod nvfp4;
 pub mod registry;
 pub mod router;
+pub mod sampler;
 pub mod sparse_attn;
 pub mod weights;

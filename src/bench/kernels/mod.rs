@@ -2,12 +2,14 @@
 //! measures one point. Each family's adapter (sweep parameters -> the family's measurement hook in
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
+pub mod head;
 pub mod indexer;
 pub mod mhc;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
 pub mod router;
+pub mod sampler;
 pub mod sparse_attn;
 pub mod weights;
 
@@ -24,5 +26,7 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(indexer::kernels());
     v.extend(weights::kernels());
     v.extend(router::kernels());
+    v.extend(head::kernels());
+    v.extend(sampler::kernels());
     v
 }
