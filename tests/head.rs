@@ -57,7 +57,10 @@ fn mhc_head_reference_plus_norm_is_model_head_hidden() {
     let w = Weights::synthetic(ModelConfig::small(), 5, CachePolicy::All).unwrap();
     let h = HeadTensors::read(&w).unwrap();
     let d = m.config().dim;
-    let mut rng = common::seeded("mhc_head_reference_plus_norm_is_model_head_hidden", "HEAD_SEED");
+    let mut rng = common::seeded(
+        "mhc_head_reference_plus_norm_is_model_head_hidden",
+        "HEAD_SEED",
+    );
     let x = random_streams(&mut rng, 3, d);
     let want = head_hidden_rows(&m, &x).unwrap();
     for t in 0..3 {
@@ -73,6 +76,49 @@ fn mhc_head_reference_plus_norm_is_model_head_hidden() {
     }
 }
 
+/// The `head_embed` exec entry's CPU path gives `Model::embed` of each id (zeros for an empty row) and refuses an
+/// out-of-vocabulary id before any work.
+#[test]
+fn exec_head_embed_cpu_path_is_model_embed() {
+    use megamoe::ops::exec::{HostTensor, TensorMap};
+    let m = small_model(11);
+    let cfg = m.config().clone();
+    let h = HeadTensors::read(&m.weights).unwrap();
+    let entry = megamoe::ops::registry::exec_kernels()
+        .into_iter()
+        .find(|k| k.name == "head_embed")
+        .expect("head_embed exec entry");
+    let ids = [3i32, -1, cfg.vocab_size as i32 - 1];
+    let mut inp = TensorMap::new();
+    let id_bytes = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    inp.insert(
+        "ids".into(),
+        HostTensor::from_u8(safetensors::Dtype::I32, vec![ids.len()], id_bytes),
+    );
+    inp.insert(
+        "embed".into(),
+        HostTensor::from_bf16(vec![cfg.vocab_size, cfg.dim], &h.embed),
+    );
+    let out = (entry.run)(&inp, None).unwrap();
+    let x = out["X"].to_f32().unwrap();
+    assert_eq!(out["X"].shape, vec![ids.len(), STREAMS, cfg.dim]);
+    for (t, want) in embed_rows(&m, &ids).unwrap().into_iter().enumerate() {
+        let row = STREAMS * cfg.dim;
+        assert_eq!(&x[t * row..(t + 1) * row], &want.unwrap()[..], "row {t}");
+    }
+    let bad = [cfg.vocab_size as i32];
+    inp.insert(
+        "ids".into(),
+        HostTensor::from_u8(
+            safetensors::Dtype::I32,
+            vec![1],
+            bad[0].to_le_bytes().to_vec(),
+        ),
+    );
+    let err = (entry.run)(&inp, None).unwrap_err().to_string();
+    assert!(err.contains("outside the vocabulary"), "{err}");
+}
+
 // ---- GPU ------------------------------------------------------------------------------------------------------
 
 /// The BF16 rows the LM head reads (`out.normed`), widened.
@@ -80,7 +126,11 @@ fn download_bf16(gpu: &Gpu, out: &MhcPreOutputs) -> Vec<f32> {
     let QuantBufs::Bf16 { y } = &out.normed.q else {
         panic!("the final norm writes BF16")
     };
-    gpu.download(y).unwrap().iter().map(|v| v.to_f32()).collect()
+    gpu.download(y)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_f32())
+        .collect()
 }
 
 /// Checks `x` `[T, 4, D]` against the model's rows: bit for bit, poison (0xFFFF) where the kernel must not write.
@@ -129,7 +179,9 @@ fn gpu_embed_matches_model_embed() {
                 ids[tokens / 2] = if tokens > 8 { i32::MAX } else { v as i32 };
             }
             let dev_ids = gpu.upload(&ids).unwrap();
-            let x = gpu.poisoned::<bf16>(tokens * STREAMS * d, common::POISON).unwrap();
+            let x = gpu
+                .poisoned::<bf16>(tokens * STREAMS * d, common::POISON)
+                .unwrap();
             let err = gpu.zeros::<u32>(1).unwrap();
             let shape = EmbedShape {
                 tokens,
@@ -140,7 +192,11 @@ fn gpu_embed_matches_model_embed() {
             let label = format!("embed T={tokens} oov={with_oov}");
             check_embedding(&label, &m, &ids, &gpu.download(&x).unwrap());
             let e = gpu.download(&err).unwrap()[0];
-            assert_eq!(e, if with_oov { ERR_OOV_ID } else { 0 }, "{label}: error word");
+            assert_eq!(
+                e,
+                if with_oov { ERR_OOV_ID } else { 0 },
+                "{label}: error word"
+            );
         }
     }
 }
@@ -158,7 +214,9 @@ fn gpu_embed_full_vocab_rows() {
     let ids: Vec<i32> = vec![v as i32 - 1, 0, rng.random_range(0..v as i32), 128_803, 1];
     let dt = gpu.upload(&table).unwrap();
     let di = gpu.upload(&ids).unwrap();
-    let x = gpu.poisoned::<bf16>(ids.len() * STREAMS * d, common::POISON).unwrap();
+    let x = gpu
+        .poisoned::<bf16>(ids.len() * STREAMS * d, common::POISON)
+        .unwrap();
     let err = gpu.zeros::<u32>(1).unwrap();
     let shape = EmbedShape {
         tokens: ids.len(),
@@ -251,7 +309,9 @@ fn gpu_graph_replays_follow_device_ids() {
     let h = HeadTensors::read(&m.weights).unwrap();
     let table = gpu.upload(&h.embed).unwrap();
     let mut ids_dev = gpu.upload(&vec![0i32; tokens]).unwrap();
-    let x = gpu.poisoned::<bf16>(tokens * STREAMS * d, common::POISON).unwrap();
+    let x = gpu
+        .poisoned::<bf16>(tokens * STREAMS * d, common::POISON)
+        .unwrap();
     let err = gpu.zeros::<u32>(1).unwrap();
     let mut f = final_norm_setup(&gpu, &m, tokens);
     let shape = EmbedShape {

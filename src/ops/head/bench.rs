@@ -61,7 +61,8 @@ pub fn measure(
             let run = || embed_tokens(gpu, &stream, &ids, &table, &shape, &x, &error);
             run()?;
             let g = gpu.capture(run)?;
-            g.launch().map_err(|e| anyhow!("head graph launch: {e:?}"))?;
+            g.launch()
+                .map_err(|e| anyhow!("head graph launch: {e:?}"))?;
             let bytes = embed_bytes(&shape);
             Ok(Measured {
                 samples_us: gpu.time_graph_us(&g, plan, 20)?,
@@ -71,21 +72,21 @@ pub fn measure(
         "final_norm" => {
             let hp = random_mhc_params(dim, HC_HEAD_MIX, seed ^ 4);
             let nw = random_weight(dim, seed ^ 5);
-            let w = MhcWeights::upload_head(gpu, &hp.mix_fn, 0.5, &[0.1, -0.1, 0.2, 0.0], &nw, dim)?;
+            let w =
+                MhcWeights::upload_head(gpu, &hp.mix_fn, 0.5, &[0.1, -0.1, 0.2, 0.0], &nw, dim)?;
             let x = upload_checked_bf16(
                 gpu,
                 "X",
                 &inputs::activation_rows(tokens * STREAMS, dim, seed),
             )?;
-            let mut arena = crate::gpu::arena::Arena::new(
-                gpu,
-                MhcWorkspace::workspace_bytes(tokens, dim),
-            )?;
+            let mut arena =
+                crate::gpu::arena::Arena::new(gpu, MhcWorkspace::workspace_bytes(tokens, dim))?;
             let ws = MhcWorkspace::carve(&mut arena, tokens, dim)?;
             let mut out = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Bf16, tokens, dim)?;
             final_norm(gpu, &stream, &x, &w, RMS_EPS, &ws, &mut out)?;
             let g = gpu.capture(|| final_norm(gpu, &stream, &x, &w, RMS_EPS, &ws, &mut out))?;
-            g.launch().map_err(|e| anyhow!("head graph launch: {e:?}"))?;
+            g.launch()
+                .map_err(|e| anyhow!("head graph launch: {e:?}"))?;
             Ok(Measured {
                 samples_us: gpu.time_graph_us(&g, plan, 20)?,
                 bytes: final_norm_bytes(tokens, dim),

@@ -11,10 +11,13 @@
 //! Graph-safe: grids come from the shape (T, D), the ids and the error word stay on the device, and nothing on
 //! the host reads a result.
 //!
-//! Rooms: `reference.rs` (glue to the CPU model), `bench.rs` (measurement hooks).
+//! Rooms: `reference.rs` (glue to the CPU model), `bench.rs` (measurement hooks), `exec.rs` (`megamoe exec`).
 
 pub mod bench;
+pub mod exec;
 pub mod reference;
+
+pub use exec::exec_kernels;
 
 use anyhow::{ensure, Result};
 use half::bf16;
@@ -105,11 +108,7 @@ pub fn embed_tokens(
         .i32(dim as i32)
         .buf(x)
         .buf(error);
-    let grid = (
-        tokens as u32,
-        (dim / 8).div_ceil(EMBED_THREADS) as u32,
-        1,
-    );
+    let grid = (tokens as u32, (dim / 8).div_ceil(EMBED_THREADS) as u32, 1);
     // SAFETY: arguments in the kernel's order (ids, T, table, vocab, D, x, error); every buffer was checked
     // against the shape, the table and x are 16-byte aligned and D % 8 == 0, so every 16-byte access is aligned
     // and in bounds (the kernel reads ids[t] only for t < T and rows id < vocab).

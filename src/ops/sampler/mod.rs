@@ -74,10 +74,7 @@ impl SamplerParams {
     pub fn from_config(c: &SamplerConfig, max_new_tokens: usize) -> Result<SamplerParams> {
         c.validate()?;
         let fits = |v: usize, what: &str| -> Result<u32> {
-            ensure!(
-                v <= i32::MAX as usize,
-                "sampler: {what} = {v} exceeds i32"
-            );
+            ensure!(v <= i32::MAX as usize, "sampler: {what} = {v} exceeds i32");
             Ok(v as u32)
         };
         Ok(SamplerParams {

@@ -20,7 +20,11 @@ pub struct CpuSequence {
 }
 
 impl CpuSequence {
-    pub fn new(config: SamplerConfig, max_new_tokens: usize, prompt: &[u32]) -> Result<CpuSequence> {
+    pub fn new(
+        config: SamplerConfig,
+        max_new_tokens: usize,
+        prompt: &[u32],
+    ) -> Result<CpuSequence> {
         Ok(CpuSequence {
             sampler: Sampler::new(config)?,
             max_new_tokens,
