@@ -25,8 +25,8 @@
 //   id = the first element, in key order, where the running f64 sum of p exceeds u (none: the last kept element).
 // "The first element in key order where a running sum reaches a threshold" (the k-th key, the top-p end, the draw)
 // is found without a sort by a radix descent over the 49-bit key: 7 levels of 7-bit digits; at each level one pass
-// over the row histograms the weight (and count) of the elements under the current key prefix by digit, and one
-// thread walks the 128 digits from the top. Weight sums are f64 (shared-memory atomics, so their order varies at the
+// over the row histograms the weight, count and largest key of the elements under the current key prefix by digit,
+// and one thread walks the 128 digits from the top; a chosen digit holding one element ends the descent early. Weight sums are f64 (shared-memory atomics, so their order varies at the
 // 1e-16 level; the CPU sums sequentially): the chosen id equals the CPU's unless u or top_p lies within ~1e-15
 // relative of a boundary of the running sum. Counts are exact.
 //
@@ -68,10 +68,11 @@ struct SamplerParams {
 struct SamplerSmem {
     double mass[HIST_COPIES][BUCKETS];
     uint32_t count[HIST_COPIES][BUCKETS];
+    unsigned long long top[HIST_COPIES][BUCKETS];  // the largest key per digit (the element when count == 1)
     double red_d[WARPS];
     unsigned long long red_k[WARPS];
     int flag;
-    unsigned long long prefix;  // descent result
+    unsigned long long found;  // the key, once a chosen digit holds a single element (0: not yet)
     double above;
 };
 
@@ -162,25 +163,53 @@ __device__ uint64_t descend(const Row& row, uint64_t lo, double thr, Weight weig
         for (int i = threadIdx.x; i < HIST_COPIES * BUCKETS; i += THREADS) {
             (&s.mass[0][0])[i] = 0.0;
             (&s.count[0][0])[i] = 0u;
+            (&s.top[0][0])[i] = 0ull;
         }
         __syncthreads();
+        // Each thread sums its run of equal digits in registers and adds a run to shared memory when the digit
+        // changes: at the top levels nearly every element of a row shares one or two digits (sign and exponent),
+        // so per-element shared atomics would serialize on one address.
+        int run_digit = -1;
+        double run_mass = 0.0;
+        uint32_t run_count = 0;
+        unsigned long long run_top = 0;
         for (int i = threadIdx.x; i < row.V; i += THREADS) {
             const uint64_t k = row.key(i);
             if (k < lo || (level > 0 && (k >> (shift + DIGIT_BITS)) != prefix)) continue;
             const int d = (int)((k >> shift) & (BUCKETS - 1));
-            atomicAdd(&s.mass[copy][d], weight(i, k));
-            atomicAdd(&s.count[copy][d], 1u);
+            if (d != run_digit) {
+                if (run_count != 0) {
+                    atomicAdd(&s.mass[copy][run_digit], run_mass);
+                    atomicAdd(&s.count[copy][run_digit], run_count);
+                    atomicMax(&s.top[copy][run_digit], run_top);
+                }
+                run_digit = d;
+                run_mass = 0.0;
+                run_count = 0;
+                run_top = 0;
+            }
+            run_mass += weight(i, k);
+            run_count += 1;
+            run_top = max(run_top, (unsigned long long)k);
+        }
+        if (run_count != 0) {
+            atomicAdd(&s.mass[copy][run_digit], run_mass);
+            atomicAdd(&s.count[copy][run_digit], run_count);
+            atomicMax(&s.top[copy][run_digit], run_top);
         }
         __syncthreads();
         if (threadIdx.x < BUCKETS) {  // fold the copies into copy 0, in copy order
             double m = 0.0;
             uint32_t c = 0;
+            unsigned long long t = 0;
             for (int h = 0; h < HIST_COPIES; ++h) {
                 m += s.mass[h][threadIdx.x];
                 c += s.count[h][threadIdx.x];
+                t = max(t, s.top[h][threadIdx.x]);
             }
             s.mass[0][threadIdx.x] = m;
             s.count[0][threadIdx.x] = c;
+            s.top[0][threadIdx.x] = t;
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -205,12 +234,17 @@ __device__ uint64_t descend(const Row& row, uint64_t lo, double thr, Weight weig
             }
             s.flag = chosen;
             s.above = acc;
+            // A chosen digit with one element: that element is the answer (the later levels would only spell
+            // out its key).
+            s.found = (chosen >= 0 && s.count[0][chosen] == 1) ? s.top[0][chosen] : 0ull;
         }
         __syncthreads();
         const int chosen = s.flag;
         above = s.above;
+        const unsigned long long found = s.found;
         __syncthreads();
         if (chosen < 0) return 0;  // level 0: the whole set's sum does not reach thr
+        if (found != 0) return found;
         prefix = (prefix << DIGIT_BITS) | (uint64_t)chosen;
     }
     return prefix;
