@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::head as fx;
+
 use half::bf16;
 use megamoe::gpu::arena::Arena;
 use megamoe::gpu::Gpu;
@@ -121,6 +123,15 @@ fn exec_head_embed_cpu_path_is_model_embed() {
 
 // ---- GPU ------------------------------------------------------------------------------------------------------
 
+/// A small synthetic model (seeded by `rng`) and its embedding table on the device.
+fn model_and_table(gpu: &Gpu, rng: &mut impl Rng) -> (Model, cudarc::driver::CudaSlice<bf16>) {
+    let m = small_model(rng.random());
+    let table = gpu
+        .upload(&HeadTensors::read(&m.weights).unwrap().embed)
+        .unwrap();
+    (m, table)
+}
+
 /// The BF16 rows the LM head reads (`out.normed`), widened.
 fn download_bf16(gpu: &Gpu, out: &MhcPreOutputs) -> Vec<f32> {
     let QuantBufs::Bf16 { y } = &out.normed.q else {
@@ -163,11 +174,9 @@ fn check_embedding(label: &str, m: &Model, ids: &[i32], x: &[bf16]) {
 fn gpu_embed_matches_model_embed() {
     let gpu = common::gpu("gpu_embed_matches_model_embed");
     let mut rng = common::seeded("gpu_embed_matches_model_embed", "HEAD_SEED");
-    let m = small_model(rng.random());
+    let (m, table) = model_and_table(&gpu, &mut rng);
     let cfg = m.config().clone();
     let (v, d) = (cfg.vocab_size, cfg.dim);
-    let h = HeadTensors::read(&m.weights).unwrap();
-    let table = gpu.upload(&h.embed).unwrap();
     for tokens in [1usize, 8, 37] {
         for with_oov in [false, true] {
             let mut ids: Vec<i32> = (0..tokens).map(|_| rng.random_range(0..v as i32)).collect();
@@ -179,10 +188,7 @@ fn gpu_embed_matches_model_embed() {
                 ids[tokens / 2] = if tokens > 8 { i32::MAX } else { v as i32 };
             }
             let dev_ids = gpu.upload(&ids).unwrap();
-            let x = gpu
-                .poisoned::<bf16>(tokens * STREAMS * d, common::POISON)
-                .unwrap();
-            let err = gpu.zeros::<u32>(1).unwrap();
+            let (x, err) = fx::embed_outputs(&gpu, tokens, d);
             let shape = EmbedShape {
                 tokens,
                 vocab: v,
@@ -208,30 +214,25 @@ fn gpu_embed_full_vocab_rows() {
     let gpu = common::gpu("gpu_embed_full_vocab_rows");
     let mut rng = common::seeded("gpu_embed_full_vocab_rows", "HEAD_SEED");
     let (v, d) = (ModelConfig::flash().vocab_size, 512usize);
-    let table: Vec<bf16> = (0..v * d)
-        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
-        .collect();
-    let ids: Vec<i32> = vec![v as i32 - 1, 0, rng.random_range(0..v as i32), 128_803, 1];
+    let table = fx::random_table(&mut rng, v, d);
+    let ids: Vec<i32> = vec![
+        v as i32 - 1,
+        0,
+        rng.random_range(0..v as i32),
+        128_803,
+        1,
+        -1,
+    ];
     let dt = gpu.upload(&table).unwrap();
     let di = gpu.upload(&ids).unwrap();
-    let x = gpu
-        .poisoned::<bf16>(ids.len() * STREAMS * d, common::POISON)
-        .unwrap();
-    let err = gpu.zeros::<u32>(1).unwrap();
+    let (x, err) = fx::embed_outputs(&gpu, ids.len(), d);
     let shape = EmbedShape {
         tokens: ids.len(),
         vocab: v,
         dim: d,
     };
     embed_tokens(&gpu, &gpu.stream, &di, &dt, &shape, &x, &err).unwrap();
-    let got = gpu.download(&x).unwrap();
-    for (t, &id) in ids.iter().enumerate() {
-        let row = &table[id as usize * d..(id as usize + 1) * d];
-        for s in 0..STREAMS {
-            let o = (t * STREAMS + s) * d;
-            assert_eq!(&got[o..o + d], row, "row {t} (id {id}) stream {s}");
-        }
-    }
+    fx::assert_rows_are_table_rows("full vocab", &ids, &table, d, &gpu.download(&x).unwrap());
     assert_eq!(gpu.download(&err).unwrap()[0], 0);
 }
 
@@ -303,16 +304,11 @@ fn gpu_final_norm_matches_model_head_hidden() {
 fn gpu_graph_replays_follow_device_ids() {
     let gpu = common::gpu("gpu_graph_replays_follow_device_ids");
     let mut rng = common::seeded("gpu_graph_replays_follow_device_ids", "HEAD_SEED");
-    let m = small_model(rng.random());
+    let (m, table) = model_and_table(&gpu, &mut rng);
     let cfg = m.config().clone();
     let (v, d, tokens) = (cfg.vocab_size, cfg.dim, 4usize);
-    let h = HeadTensors::read(&m.weights).unwrap();
-    let table = gpu.upload(&h.embed).unwrap();
     let mut ids_dev = gpu.upload(&vec![0i32; tokens]).unwrap();
-    let x = gpu
-        .poisoned::<bf16>(tokens * STREAMS * d, common::POISON)
-        .unwrap();
-    let err = gpu.zeros::<u32>(1).unwrap();
+    let (x, err) = fx::embed_outputs(&gpu, tokens, d);
     let mut f = final_norm_setup(&gpu, &m, tokens);
     let shape = EmbedShape {
         tokens,

@@ -7,12 +7,13 @@
 
 mod common;
 
-use half::bf16;
+use common::head as fx;
+
 use megamoe::gpu::arena::{download, Arena};
 use megamoe::gpu::Gpu;
 use megamoe::model::chat;
 use megamoe::model::sampler::{counter_uniform, Sampler, SamplerConfig, StopSet};
-use megamoe::ops::head::{embed_tokens, EmbedShape, STREAMS};
+use megamoe::ops::head::{embed_tokens, EmbedShape};
 use megamoe::ops::sampler::reference::CpuSequence;
 use megamoe::ops::sampler::{
     sample_step, state_bytes, workspace_bytes, SamplerParams, SamplerShape, SamplerState,
@@ -199,6 +200,24 @@ fn prompt_from(rng: &mut impl Rng, logits: &[f32], v: usize) -> Vec<u32> {
     p
 }
 
+/// `steps` steps of `run`: the first on `first`, the others on fresh [`random_logits`].
+fn steps_on_fresh_logits(
+    gpu: &Gpu,
+    rng: &mut impl Rng,
+    run: &mut Run,
+    first: Vec<f32>,
+    steps: usize,
+    label: &str,
+) {
+    let mut l = first;
+    for step in 0..steps {
+        if step > 0 {
+            l = random_logits(rng, run.shape.batch, run.shape.vocab);
+        }
+        run.step(gpu, &l, &format!("{label} step {step}"));
+    }
+}
+
 fn seeded_configs(rng: &mut impl Rng, configs: Vec<SamplerConfig>) -> Vec<SamplerConfig> {
     configs
         .into_iter()
@@ -224,11 +243,7 @@ fn gpu_batch_of_mixed_options_matches_cpu_step_by_step() {
         .map(|i| prompt_from(&mut rng, &first[i * VOCAB..(i + 1) * VOCAB], VOCAB))
         .collect();
     let mut run = Run::new(&gpu, &configs, 64, &prompts, VOCAB);
-    run.step(&gpu, &first, "batch 8 step 0");
-    for step in 1..12 {
-        let l = random_logits(&mut rng, b, VOCAB);
-        run.step(&gpu, &l, &format!("batch 8 step {step}"));
-    }
+    steps_on_fresh_logits(&gpu, &mut rng, &mut run, first, 12, "batch 8");
 }
 
 #[test]
@@ -240,11 +255,14 @@ fn gpu_each_option_alone_at_batch_1() {
         let first = random_logits(&mut rng, 1, VOCAB);
         let prompt = prompt_from(&mut rng, &first, VOCAB);
         let mut run = Run::new(&gpu, std::slice::from_ref(&c), 64, &[prompt], VOCAB);
-        run.step(&gpu, &first, &format!("batch 1 {c:?} step 0"));
-        for step in 1..6 {
-            let l = random_logits(&mut rng, 1, VOCAB);
-            run.step(&gpu, &l, &format!("batch 1 {c:?} step {step}"));
-        }
+        steps_on_fresh_logits(
+            &gpu,
+            &mut rng,
+            &mut run,
+            first,
+            6,
+            &format!("batch 1 {c:?}"),
+        );
     }
 }
 
@@ -398,14 +416,9 @@ fn gpu_graph_sampling_feeds_the_next_embedding() {
     let d = 256;
     let prompts: Vec<Vec<u32>> = (0..b).map(|_| vec![2, 3, 4]).collect();
     let mut run = Run::new(&gpu, &configs, 64, &prompts, VOCAB);
-    let table: Vec<bf16> = (0..VOCAB * d)
-        .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)))
-        .collect();
+    let table = fx::random_table(&mut rng, VOCAB, d);
     let dt = gpu.upload(&table).unwrap();
-    let x = gpu
-        .poisoned::<bf16>(b * STREAMS * d, common::POISON)
-        .unwrap();
-    let err = gpu.zeros::<u32>(1).unwrap();
+    let (x, err) = fx::embed_outputs(&gpu, b, d);
     let eshape = EmbedShape {
         tokens: b,
         vocab: VOCAB,
@@ -439,21 +452,7 @@ fn gpu_graph_sampling_feeds_the_next_embedding() {
         let label = format!("graph replay {replay}");
         run.compare(&gpu, &l, VOCAB, &label);
         let next = download(&stream, &run.state.next).unwrap();
-        let xs = gpu.download(&x).unwrap();
-        for (t, &id) in next.iter().enumerate() {
-            for s in 0..STREAMS {
-                let got = &xs[(t * STREAMS + s) * d..(t * STREAMS + s + 1) * d];
-                if id < 0 {
-                    assert!(
-                        got.iter().all(|v| v.to_f32() == 0.0),
-                        "{label}: row {t} not empty"
-                    );
-                } else {
-                    let want = &table[id as usize * d..(id as usize + 1) * d];
-                    assert_eq!(got, want, "{label}: row {t} (id {id}) stream {s}");
-                }
-            }
-        }
+        fx::assert_rows_are_table_rows(&label, &next, &table, d, &gpu.download(&x).unwrap());
     }
     assert_eq!(download(&stream, &run.state.error).unwrap()[0], 0);
     assert_eq!(gpu.download(&err).unwrap()[0], 0);
