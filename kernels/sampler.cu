@@ -15,7 +15,7 @@
 //   the CPU sorts by (l desc, index asc). Here the same order is a key: key_i = ord(l_i) << 17 | (2^17 - 1 - i),
 //   ord() the order-preserving map of f32 bits (-0 canonicalized to +0: the CPU's partial_cmp calls them equal), so
 //   "descending key" is exactly the CPU's order and every key is distinct (V <= 2^17).
-//   T == 0: the id of the largest key (argmax, the lower id wins ties).
+//   T == 0 or top-k 1: the id of the largest key (argmax, the lower id wins ties).
 //   top-k (0 < k < V): the set is key >= the k-th largest key.
 //   e_i = exp((double)((l_i - mx) / T)) (f32 subtract and divide, f64 exp; mx = the largest l), Z = sum e_i,
 //   q_i = e_i / Z (f64).
@@ -30,7 +30,7 @@
 // 1e-16 level; the CPU sums sequentially): the chosen id equals the CPU's unless u or top_p lies within ~1e-15
 // relative of a boundary of the running sum. Counts are exact.
 //
-// Cost: one CTA per sequence reads the row once per pass: greedy 1 pass; temperature 3 (max, e, q) + 1 (p) + up
+// Cost: one CTA per sequence reads the row once per pass: greedy and top-k 1: 1 pass; temperature 3 (max, e, q) + 1 (p) + up
 // to 7 (draw), + up to 7 with top-k, + up to 8 with top-p (fewer when a chosen digit holds one element). Correct
 // first; a multi-CTA histogram per level is the way to make the full-vocabulary paths fast.
 //
@@ -313,7 +313,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) sampler_step(
     kmax = block_max_u64(kmax, s);
     int id = key_index(kmax);
 
-    if (p.temperature != 0.f) {
+    // Greedy, or top-k 1 (a one-element distribution: the CPU returns it without a draw): the argmax.
+    if (p.temperature != 0.f && p.top_k != 1) {
         double* w = weights + (long)b * V;
         const float T = p.temperature, mx = row.value(id);
         // The top-k set: key >= the k-th largest key (the element where the count reaches k).
