@@ -30,9 +30,9 @@
 // 1e-16 level; the CPU sums sequentially): the chosen id equals the CPU's unless u or top_p lies within ~1e-15
 // relative of a boundary of the running sum. Counts are exact.
 //
-// Cost: one CTA per sequence reads the row once per pass: greedy and top-k 1: 1 pass; temperature 3 (max, e, q) + 1 (p) + up
-// to 7 (draw), + up to 7 with top-k, + up to 8 with top-p (fewer when a chosen digit holds one element). Correct
-// first; a multi-CTA histogram per level is the way to make the full-vocabulary paths fast.
+// Cost: one CTA per sequence reads the row once per pass: greedy and top-k 1: 1 pass; temperature 3 (max, e, q)
+// + 1 (p) + up to 7 (draw), + up to 7 with top-k, + up to 8 with top-p (fewer when a chosen digit holds one
+// element). Correct first; a multi-CTA histogram per level is the way to make the full-vocabulary paths fast.
 //
 // Penalty history per sequence: counts[b][V] (u16: occurrences among the last `window` history tokens, prompt
 // included), ring[b][ring_cap] (history token n at slot n % window), hist_len[b]. The host seeds them from the
