@@ -408,6 +408,13 @@ impl Model {
 
     /// hc_head + final norm + FP32 logits (arch §3.5).
     pub fn head(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let u = self.head_hidden(x)?;
+        self.weights.matvec("head.weight", &u)
+    }
+
+    /// The head before the LM head matvec: `hc_head` of the 4 streams `x` [hc * dim], then RMSNorm with
+    /// `norm.weight` (BF16 values): the row the LM head reads.
+    pub fn head_hidden(&self, x: &[f32]) -> Result<Vec<f32>> {
         let cfg = self.config();
         let (hc, d) = (cfg.hc_mult, cfg.dim);
         let scale = self.weights.vector("hc_head_scale")?;
@@ -422,8 +429,11 @@ impl Model {
             }
         }
         bf16_round_slice(&mut u);
-        let u = rms_norm_bf16(&u, &self.weights.vector("norm.weight")?, cfg.norm_eps);
-        self.weights.matvec("head.weight", &u)
+        Ok(rms_norm_bf16(
+            &u,
+            &self.weights.vector("norm.weight")?,
+            cfg.norm_eps,
+        ))
     }
 
     // ---- attention pieces ----------------------------------------------------------------------
@@ -734,7 +744,8 @@ impl Model {
         Ok(out)
     }
 
-    fn embed(&self, token: u32) -> Result<Vec<f32>> {
+    /// The residual streams of one token: its `embed.weight` row (BF16 values) repeated `hc_mult` times.
+    pub fn embed(&self, token: u32) -> Result<Vec<f32>> {
         let row = self.weights.embedding_row(token)?;
         Ok(row.repeat(self.config().hc_mult))
     }

@@ -162,15 +162,36 @@ impl Sampler {
             return Ok(dist[0].0);
         }
         let u: f64 = self.rng.random::<f64>();
-        let mut acc = 0.0f64;
-        for &(id, p) in &dist {
-            acc += p as f64;
-            if u < acc {
-                return Ok(id);
-            }
-        }
-        Ok(dist.last().expect("non-empty").0)
+        Ok(pick(&dist, u))
     }
+
+    /// The id [`Sampler::sample`] chooses when its uniform draw is `u` (in [0, 1)), without touching the
+    /// seeded generator: the form whose draws a device sampler can share ([`counter_uniform`]).
+    pub fn sample_with_uniform(&self, logits: &[f32], history: &[u32], u: f64) -> Result<u32> {
+        Ok(pick(&self.distribution(logits, history)?, u))
+    }
+}
+
+/// The first id of `dist` (in its order) whose running f64 sum of probabilities exceeds `u`; the last id
+/// when none does.
+fn pick(dist: &[(u32, f32)], u: f64) -> u32 {
+    let mut acc = 0.0f64;
+    for &(id, p) in dist {
+        acc += p as f64;
+        if u < acc {
+            return id;
+        }
+    }
+    dist.last().expect("non-empty").0
+}
+
+/// A counter-based uniform draw in [0, 1): the 53 high bits of
+/// `element_bits(splitmix64(seed), step)` times 2^-53 (exact). Step `n` of a sequence (its n-th generated
+/// token) uses `step = n`, so a device sampler computes the same draw from (seed, step) with no generator
+/// state to carry (kernels/sampler.cu `counter_uniform` is its twin).
+pub fn counter_uniform(seed: u64, step: u64) -> f64 {
+    use super::weights::{element_bits, splitmix64};
+    (element_bits(splitmix64(seed), step) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
 /// Why generation ended.

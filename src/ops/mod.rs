@@ -4,6 +4,7 @@
 
 pub mod dense;
 pub mod exec;
+pub mod head;
 pub mod indexer;
 pub mod inputs;
 pub mod mhc;
@@ -12,5 +13,6 @@ pub mod norm_quant;
 pub mod nvfp4;
 pub mod registry;
 pub mod router;
+pub mod sampler;
 pub mod sparse_attn;
 pub mod weights;

@@ -3,12 +3,14 @@
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
 pub mod dense_prefill;
+pub mod head;
 pub mod indexer;
 pub mod mhc;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
 pub mod router;
+pub mod sampler;
 pub mod sparse_attn;
 pub mod weights;
 
@@ -26,5 +28,7 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(weights::kernels());
     v.extend(router::kernels());
     v.extend(dense_prefill::kernels());
+    v.extend(head::kernels());
+    v.extend(sampler::kernels());
     v
 }
