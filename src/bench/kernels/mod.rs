@@ -7,6 +7,7 @@ pub mod mhc;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
+pub mod qkv_prep;
 pub mod router;
 pub mod sparse_attn;
 pub mod weights;
@@ -24,5 +25,6 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(indexer::kernels());
     v.extend(weights::kernels());
     v.extend(router::kernels());
+    v.extend(qkv_prep::kernels());
     v
 }
