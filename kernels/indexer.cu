@@ -60,6 +60,7 @@
 #include <stdint.h>
 #include "common/formats.cuh"
 #include "common/wgmma.cuh"
+#include "common/hadamard.cuh"
 
 namespace {
 
@@ -70,27 +71,6 @@ constexpr unsigned FULL = 0xffffffffu;
 // ------------------------------------------------------------------------------------------------------------
 // Key writer
 // ------------------------------------------------------------------------------------------------------------
-
-// Hadamard of the warp's key, lane holds x[4l..4l+3] in v[0..3]; returns the transformed values.
-__device__ __forceinline__ void hadamard128_warp(float v[4], int lane) {
-    float a0 = __fadd_rn(v[0], v[1]), a1 = __fsub_rn(v[0], v[1]);
-    float a2 = __fadd_rn(v[2], v[3]), a3 = __fsub_rn(v[2], v[3]);
-    v[0] = __fadd_rn(a0, a2);
-    v[2] = __fsub_rn(a0, a2);
-    v[1] = __fadd_rn(a1, a3);
-    v[3] = __fsub_rn(a1, a3);
-#pragma unroll
-    for (int m = 1; m <= 16; m <<= 1) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float p = __shfl_xor_sync(FULL, v[i], m);
-            v[i] = (lane & m) ? __fsub_rn(p, v[i]) : __fadd_rn(v[i], p);
-        }
-    }
-    const float s = __uint_as_float(0x3DB504F3u);  // 1/sqrt(128) in f32
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = __fmul_rn(v[i], s);
-}
 
 __device__ __forceinline__ bool load_raw_key(const float* __restrict__ raw, const int* __restrict__ slots, int n,
                                              int num_slots, int key, int lane, float v[4], int& slot) {
@@ -114,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_fp8(const f
     float v[4];
     int slot;
     if (!load_raw_key(raw, slots, n, num_slots, key, lane, v, slot)) return;  // warp-uniform
-    hadamard128_warp(v, lane);
+    mm::hadamard128_warp(v, lane);
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, m));
@@ -136,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_mxfp4(const
     float v[4];
     int slot;
     if (!load_raw_key(raw, slots, n, num_slots, key, lane, v, slot)) return;
-    hadamard128_warp(v, lane);
+    mm::hadamard128_warp(v, lane);
     // Block of 32 dims = 8 consecutive lanes.
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll

@@ -63,6 +63,7 @@
 #include <stdint.h>
 
 #include "formats.cuh"
+#include "kv_entry.cuh"
 #include "wgmma.cuh"
 
 namespace sa {
@@ -103,6 +104,9 @@ constexpr int kB16RedSum = kB16RedMax + kRedBytes;
 constexpr int kB16Idx = kB16RedSum + kRedBytes;
 constexpr int kB16SmemBytes = kB16Idx + kIdxBytes;  // 210688
 
+static_assert(kEntryBytes == mm::kKvEntryBytes && kRopeOffset == mm::kKvRopeOffset &&
+                  kScaleOffset == mm::kKvScaleOffset && kAmaxFloor == mm::kKvAmaxFloor,
+              "the entry constants of common/kv_entry.cuh");
 static_assert(kB16SmemBytes <= 232448, "BF16 kernel exceeds the sm_90 opt-in shared memory");
 
 // ---------------------------------------------------------------------------------------------------------
@@ -155,36 +159,9 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_scaled(uint32_t two_codes, 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Entry quantization, one warp per 512-dim vector: lane l holds dims [16l, 16l+16). Lanes 0..27 cover the
-// seven nope tiles (4 lanes per tile), lanes 28..31 the 64 rope dims. Same rule as reference::encode_entry:
-// scale code = ue8m0_pow2_scale_for(max(amax, 1e-4), 448), code = e4m3_rne(x / scale) with an IEEE division.
+// Entry quantization, one warp per 512-dim vector: common/kv_entry.cuh (shared with kernels/qkv_prep.cu).
 // ---------------------------------------------------------------------------------------------------------
-struct LaneQuant {
-    uint32_t codes[4];  // 16 e4m3 codes (lanes < 28)
-    uint8_t scale_code;
-    float scale;
-};
-
-__device__ __forceinline__ LaneQuant quantize_lane(const float (&x)[16], int lane) {
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    // The 4 lanes of one tile are 4l..4l+3: xor 1 and 2 stay inside the group.
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    LaneQuant r;
-    r.scale_code = mm::ue8m0_pow2_scale_for(fmaxf(amax, kAmaxFloor), 448.f);
-    r.scale = mm::ue8m0_decode(r.scale_code);
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        uint32_t v = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v |= uint32_t(mm::e4m3_encode(__fdiv_rn(x[4 * w + i], r.scale))) << (8 * i);
-        r.codes[w] = v;
-    }
-    (void)lane;
-    return r;
-}
+using LaneQuant = mm::KvLaneQuant;
 
 template <typename T>
 __device__ __forceinline__ float to_f32(T v);
@@ -205,22 +182,8 @@ __device__ __forceinline__ void kv_write_body(uint8_t* __restrict__ pool, int n_
     const T* row = src + (size_t)warp * kDim + 16 * lane;
 #pragma unroll
     for (int i = 0; i < 16; ++i) x[i] = to_f32(row[i]);
-    LaneQuant q = quantize_lane(x, lane);
-    uint8_t* e = pool + (size_t)idx * kEntryBytes;
-    if (lane < 28) {
-        uint2* dst = reinterpret_cast<uint2*>(e + 16 * lane);
-        dst[0] = make_uint2(q.codes[0], q.codes[1]);
-        dst[1] = make_uint2(q.codes[2], q.codes[3]);
-        if ((lane & 3) == 0) e[kScaleOffset + (lane >> 2)] = q.scale_code;
-    } else {
-        uint32_t w[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = pack_bf16x2(x[2 * i], x[2 * i + 1]);
-        uint2* dst = reinterpret_cast<uint2*>(e + kRopeOffset + 32 * (lane - 28));
-#pragma unroll
-        for (int i = 0; i < 4; ++i) dst[i] = make_uint2(w[2 * i], w[2 * i + 1]);
-        if (lane == 28) e[kEntryBytes - 1] = 0;  // pad byte
-    }
+    const LaneQuant q = mm::kv_quantize_lane(x);
+    mm::kv_entry_store_lane(pool + (size_t)idx * kEntryBytes, q, x, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1065,7 +1028,7 @@ extern "C" __global__ void __launch_bounds__(128, 6) sparse_attn_combine_heads_p
 namespace sa {
 
 // =============================================================================================================
-// The FP8 q prologue: the same values bit for bit as quantizing like a KV entry (quantize_lane), cheaper:
+// The FP8 q prologue: the same values bit for bit as quantizing like a KV entry (mm::kv_quantize_lane), cheaper:
 //   * q codes by multiplication: e4m3(x / s) with s = 2^(c-127) the UE8M0 scale (code c in 1..254, from
 //     ue8m0_pow2_scale_for) equals e4m3(x * 2^(127-c)): x / 2^k and x * 2^-k are the same real number, and both
 //     IEEE operations round it once to nearest-even (no FTZ in this build), so the f32 inputs of the e4m3

@@ -20,7 +20,11 @@ pub fn bf16_round_slice(x: &mut [f32]) {
 
 /// RMSNorm in FP32: y = w * x / sqrt(mean(x^2) + eps), then rounded to BF16 (the input dtype).
 pub fn rms_norm_bf16(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    let inv = inv_rms(x, eps);
+    rms_scale_bf16(x, weight, inv_rms(x, eps))
+}
+
+/// The scaling step of [`rms_norm_bf16`] with the factor `inv` given: `bf16(w * (x * inv))`, two f32 products.
+pub fn rms_scale_bf16(x: &[f32], weight: &[f32], inv: f32) -> Vec<f32> {
     x.iter()
         .zip(weight)
         .map(|(&v, &w)| bf16_round(w * (v * inv)))

@@ -19,7 +19,8 @@
 use super::config::{LayerKind, ModelConfig};
 use super::numerics::{
     bf16_round, bf16_round_slice, dot, fp4_sim_inplace, fp8_act_quant, fp8_sim_inplace,
-    hadamard_inplace, inv_rms, par_map, rms_norm_bf16, sigmoid, silu, softplus, RopeTable,
+    hadamard_inplace, inv_rms, par_map, rms_norm_bf16, rms_scale_bf16, sigmoid, silu, softplus,
+    RopeTable,
 };
 use super::weights::Weights;
 use anyhow::{bail, Result};
@@ -283,16 +284,7 @@ pub struct Model {
 impl Model {
     pub fn new(weights: Weights) -> Result<Self> {
         let cfg = &weights.config;
-        let ropes = (0..cfg.n_layers)
-            .map(|l| match cfg.layer_kind(l) {
-                LayerKind::SlidingWindow => RopeTable::new(cfg.rope_head_dim, cfg.rope_theta, None),
-                _ => RopeTable::new(
-                    cfg.rope_head_dim,
-                    cfg.compress_rope_theta,
-                    cfg.yarn.as_ref(),
-                ),
-            })
-            .collect();
+        let ropes = (0..cfg.n_layers).map(|l| layer_rope(cfg, l)).collect();
         Ok(Model { weights, ropes })
     }
 
@@ -457,43 +449,28 @@ impl Model {
             cfg.norm_eps,
         );
         let mut q = self.fp8_linear(&format!("{p}.wq_b.weight"), &qr)?;
-        for h in 0..cfg.n_heads {
-            let qh = &mut q[h * hd..(h + 1) * hd];
-            // Per-head RMS normalization without weight, over all head dims.
-            let inv = inv_rms(qh, cfg.norm_eps);
-            for v in qh.iter_mut() {
-                *v = bf16_round(*v * inv);
-            }
-            rope.apply(&mut qh[nope..], t, false);
-            bf16_round_slice(&mut qh[nope..]);
-        }
+        q_heads_finish(&mut q, hd, nope, rope, t, cfg.norm_eps);
         let kv_raw = self.fp8_linear(&format!("{p}.wkv.weight"), a)?;
-        let mut kv = rms_norm_bf16(
+        let mut kv = window_kv_rope(
             &kv_raw,
             &self.weights.vector(&format!("{p}.kv_norm.weight"))?,
+            nope,
+            rope,
+            t,
             cfg.norm_eps,
         );
-        rope.apply(&mut kv[nope..], t, false);
-        bf16_round_slice(&mut kv[nope..]);
         fp8_sim_inplace(&mut kv[..nope], 64)?;
 
         let indexer = if matches!(cfg.layer_kind(layer), LayerKind::Csa { .. }) {
             let di = cfg.index_head_dim;
             let rd = cfg.rope_head_dim;
             let mut qi = self.fp8_linear(&format!("{p}.indexer.wq_b.weight"), &qr)?;
-            for h in 0..cfg.index_n_heads {
-                let qh = &mut qi[h * di..(h + 1) * di];
-                rope.apply(&mut qh[di - rd..], t, false);
-                bf16_round_slice(&mut qh[di - rd..]);
-                hadamard_inplace(qh);
-                bf16_round_slice(qh);
+            for qh in qi.chunks_exact_mut(di) {
+                indexer_q_rotate(qh, rd, rope, t);
                 fp4_sim_inplace(qh, 32)?;
             }
             let mut w = self.bf16_linear(&format!("{p}.indexer.weights_proj.weight"), a)?;
-            let s = 1.0 / ((di * cfg.index_n_heads) as f32).sqrt();
-            for v in &mut w {
-                *v = bf16_round(*v * s);
-            }
+            indexer_head_weights(&mut w, indexer_weight_scale(di, cfg.index_n_heads));
             Some((qi, w))
         } else {
             None
@@ -1139,4 +1116,97 @@ pub fn top_k_lower_index_wins(values: &[f32], k: usize) -> Vec<usize> {
     });
     idx.truncate(k);
     idx
+}
+
+/// The RoPE table of layer `layer` (arch §3.1): θ = `rope_theta` without YaRN on sliding-window-only layers,
+/// `compress_rope_theta` with the YaRN blend on the compressed ones.
+pub fn layer_rope(cfg: &ModelConfig, layer: usize) -> RopeTable {
+    match cfg.layer_kind(layer) {
+        LayerKind::SlidingWindow => RopeTable::new(cfg.rope_head_dim, cfg.rope_theta, None),
+        _ => RopeTable::new(
+            cfg.rope_head_dim,
+            cfg.compress_rope_theta,
+            cfg.yarn.as_ref(),
+        ),
+    }
+}
+
+// ---- attention-side per-token steps after the dense linears (arch §3.6, §3.8) -----------------------------------
+// `Model::attn_projections` runs these; the GPU kernels of src/ops/qkv_prep are checked against them.
+
+/// Per-head query finish of one token (arch §3.6, after `wq_b`): for every head of `head_dim` values, RMS
+/// normalization without weight over all its dims (factor [`inv_rms`], f64 sum), then [`q_head_scale_rope`].
+pub fn q_heads_finish(
+    q: &mut [f32],
+    head_dim: usize,
+    nope: usize,
+    rope: &RopeTable,
+    t: usize,
+    eps: f32,
+) {
+    for qh in q.chunks_exact_mut(head_dim) {
+        let inv = inv_rms(qh, eps);
+        q_head_scale_rope(qh, nope, inv, rope, t);
+    }
+}
+
+/// One query head given its RMS factor `inv`: every value `bf16(q * inv)` (one f32 product), RoPE at `t` on
+/// dims `nope..`, those rounded to BF16 again.
+pub fn q_head_scale_rope(qh: &mut [f32], nope: usize, inv: f32, rope: &RopeTable, t: usize) {
+    for v in qh.iter_mut() {
+        *v = bf16_round(*v * inv);
+    }
+    rope.apply(&mut qh[nope..], t, false);
+    bf16_round_slice(&mut qh[nope..]);
+}
+
+/// The window KV vector of one token before its FP8 storage (arch §3.6): `rms_norm_bf16(kv_raw, kv_norm)`,
+/// RoPE at `t` on dims `nope..`, those rounded to BF16. The caller FP8-simulates dims `..nope` per 64.
+pub fn window_kv_rope(
+    kv_raw: &[f32],
+    kv_norm: &[f32],
+    nope: usize,
+    rope: &RopeTable,
+    t: usize,
+    eps: f32,
+) -> Vec<f32> {
+    window_kv_rope_with(kv_raw, kv_norm, inv_rms(kv_raw, eps), nope, rope, t)
+}
+
+/// [`window_kv_rope`] with the RMS factor `inv` given ([`rms_scale_bf16`]).
+pub fn window_kv_rope_with(
+    kv_raw: &[f32],
+    kv_norm: &[f32],
+    inv: f32,
+    nope: usize,
+    rope: &RopeTable,
+    t: usize,
+) -> Vec<f32> {
+    let mut kv = rms_scale_bf16(kv_raw, kv_norm, inv);
+    rope.apply(&mut kv[nope..], t, false);
+    bf16_round_slice(&mut kv[nope..]);
+    kv
+}
+
+/// One indexer query head before its FP4 simulation (arch §3.8): RoPE at `t` on the last `rope_dims` dims,
+/// those rounded to BF16, the orthonormal Hadamard over the head ([`hadamard_inplace`]), all rounded to BF16.
+/// The caller then FP4-simulates the head per 32.
+pub fn indexer_q_rotate(qh: &mut [f32], rope_dims: usize, rope: &RopeTable, t: usize) {
+    let n = qh.len();
+    rope.apply(&mut qh[n - rope_dims..], t, false);
+    bf16_round_slice(&mut qh[n - rope_dims..]);
+    hadamard_inplace(qh);
+    bf16_round_slice(qh);
+}
+
+/// The indexer head-weight scale `1 / sqrt(index_head_dim * index_n_heads)` in f32 (arch §3.8).
+pub fn indexer_weight_scale(head_dim: usize, n_heads: usize) -> f32 {
+    1.0 / ((head_dim * n_heads) as f32).sqrt()
+}
+
+/// The indexer head weights from the `weights_proj` output: `bf16(w * scale)` (one f32 product).
+pub fn indexer_head_weights(w: &mut [f32], scale: f32) {
+    for v in w {
+        *v = bf16_round(*v * scale);
+    }
 }

@@ -11,6 +11,7 @@ pub mod mhc;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
+pub mod qkv_prep;
 pub mod registry;
 pub mod router;
 pub mod sampler;

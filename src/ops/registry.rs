@@ -19,6 +19,7 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
     v.extend(crate::ops::sparse_attn::exec::exec_kernels());
     v.extend(crate::ops::indexer::exec_kernels());
     v.extend(crate::ops::head::exec_kernels());
+    v.extend(crate::ops::qkv_prep::exec_kernels());
     v
 }
 

@@ -9,6 +9,7 @@ pub mod mhc;
 pub mod moe_gemm;
 pub mod norm_quant;
 pub mod nvfp4;
+pub mod qkv_prep;
 pub mod router;
 pub mod sampler;
 pub mod sparse_attn;
@@ -30,5 +31,6 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(dense_prefill::kernels());
     v.extend(head::kernels());
     v.extend(sampler::kernels());
+    v.extend(qkv_prep::kernels());
     v
 }

@@ -1,0 +1,314 @@
+//! The attention side between the dense linears and the attention / indexer kernels (DSV4 §3.6, §3.8):
+//! `kernels/qkv_prep.cu` (design, rounding points and the identities the indexer output rests on at its top).
+//! The CPU oracle is `Model::attn_projections` through its per-token steps in `model::reference`
+//! ([`q_heads_finish`](crate::model::reference::q_heads_finish),
+//! [`window_kv_rope`](crate::model::reference::window_kv_rope),
+//! [`indexer_q_rotate`](crate::model::reference::indexer_q_rotate),
+//! [`indexer_head_weights`](crate::model::reference::indexer_head_weights)); [`reference`] runs them over rows.
+//!
+//! For `rows` token rows (a capacity) with positions `positions[rows]` i32 read on the device (a position < 0
+//! marks an empty row, which writes nothing):
+//! * [`q_lora_norm`]: `qa [rows, q_lora]` BF16 (wq_a out) -> `qr = rms_norm_bf16(qa, q_norm)` as the FP8 1x128
+//!   activation wq_b and the indexer's wq_b read (norm_quant's FP8 row kernel; it writes every row).
+//! * [`q_heads`]: `q [rows, heads, 512]` BF16 (wq_b out) -> per-head RMS without weight, RoPE on dims 448..511,
+//!   BF16 -> `q_out [rows, heads, 512]` BF16, the layout `sparse_attn::decode` reads; `rstd [rows, heads]` f32.
+//! * [`kv_entries`]: `kv [rows, 512]` BF16 (wkv out) -> RMSNorm(kv_norm), RoPE, FP8 entry (584 B,
+//!   `formats::kv`) at pool entry `seq_base[row / tokens_per_seq] + position % window`; `rstd [rows]` f32.
+//! * [`indexer_q`]: `qi [rows, index_heads, 128]` BF16 (indexer wq_b out) and `w [rows, index_heads]` BF16
+//!   (weights_proj out) -> the indexer's query: e4m3 codes `[rows, index_heads, 128]` and f32 head weights
+//!   `[rows, index_heads]` with the per-head power-of-two q scale folded in (`indexer::QueryBatch` layout).
+//!
+//! Every launcher takes the stream it enqueues on, allocates nothing (no workspace), and shapes its grid from the
+//! row capacity only: a captured call replays with new positions, pool bases and data in the same buffers.
+
+pub mod bench;
+pub mod exec;
+pub mod reference;
+
+pub use exec::exec_kernels;
+
+use anyhow::{ensure, Result};
+use half::bf16;
+
+use crate::gpu::launch::{launch, DeviceBuf, KernelArgs, Launch, Stream};
+use crate::gpu::Gpu;
+use crate::ops::norm_quant::{self, OutFormat, RowsIn, RowsOut};
+
+/// Kernel family name (kernels/qkv_prep.cu).
+pub const FAMILY: &str = "qkv_prep";
+/// Dims of a query head and of a KV vector.
+pub const HEAD_DIM: usize = 512;
+/// Leading dims without RoPE (FP8 in the KV entry).
+pub const NOPE_DIM: usize = 448;
+/// Trailing dims with RoPE; the kernels take `ROPE_DIM / 2` f64 frequencies (`RopeTable::freqs`).
+pub const ROPE_DIM: usize = 64;
+/// Dims of an indexer head (its last `ROPE_DIM` carry RoPE).
+pub const INDEX_HEAD_DIM: usize = 128;
+/// Bytes of one KV cache entry.
+pub const ENTRY_BYTES: usize = crate::formats::kv::ENTRY_BYTES;
+/// Heads (warps) per CTA of the per-head kernels.
+const HEADS_PER_CTA: usize = 8;
+/// The grid's y limit: the per-head kernels put rows on y.
+pub const MAX_ROWS: usize = 65_535;
+
+fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
+    ensure!(
+        got == want,
+        "qkv_prep: `{what}` has {got} elements, expected {want}"
+    );
+    Ok(())
+}
+
+fn check_align<T>(what: &str, b: &impl DeviceBuf<T>, align: u64) -> Result<()> {
+    ensure!(
+        b.device_addr().is_multiple_of(align),
+        "qkv_prep: `{what}` at {:#x} is not {align}-byte aligned",
+        b.device_addr()
+    );
+    Ok(())
+}
+
+/// Row-count and head-count rules of the per-head kernels: `1 <= rows <= 65535`, `heads >= 1` (and the element
+/// counts fit the kernels' index arithmetic).
+pub fn check_rows_heads(rows: usize, heads: usize) -> Result<()> {
+    ensure!(
+        (1..=MAX_ROWS).contains(&rows),
+        "qkv_prep: rows = {rows} must be in 1..={MAX_ROWS}"
+    );
+    ensure!(
+        (1..=4096).contains(&heads),
+        "qkv_prep: heads = {heads} must be in 1..=4096"
+    );
+    Ok(())
+}
+
+fn check_eps(eps: f32) -> Result<()> {
+    ensure!(
+        eps.is_finite() && eps > 0.0,
+        "qkv_prep: eps must be finite and > 0, got {eps}"
+    );
+    Ok(())
+}
+
+/// The per-head kernels' launch: (ceil(heads / 8), rows) CTAs of 8 warps.
+fn per_head_launch(rows: usize, heads: usize) -> Launch {
+    Launch::new(
+        (heads.div_ceil(HEADS_PER_CTA) as u32, rows as u32, 1),
+        (32 * HEADS_PER_CTA as u32, 1, 1),
+    )
+}
+
+/// `qr = rms_norm_bf16(qa, q_norm)` of `out.rows` rows of `q_lora = out.d` written as FP8 1x128 (e4m3 codes
+/// `[rows, q_lora]`, ue8m0 scale codes `[rows, q_lora / 128]`, the rstd `[rows]`): norm_quant's row kernel
+/// ([`norm_quant::rmsnorm_quant_into`]), the activation format of the FP8 linears wq_b and indexer wq_b read.
+/// Writes every row (positions are not read).
+pub fn q_lora_norm(
+    gpu: &Gpu,
+    stream: &Stream,
+    qa: &impl DeviceBuf<bf16>,
+    q_norm: &impl DeviceBuf<bf16>,
+    eps: f32,
+    out: &RowsOut,
+) -> Result<()> {
+    ensure!(
+        out.format == OutFormat::Fp8,
+        "qkv_prep: q_lora_norm writes FP8 (the wq_b activation), not {}",
+        out.format.name()
+    );
+    norm_quant::rmsnorm_quant_into(gpu, stream, RowsIn::Bf16(qa), q_norm, eps, out)
+}
+
+/// Per-head query finish of `rows` rows of `heads` heads: `q_in [rows, heads, 512]` BF16 -> `q_out` (same
+/// layout, BF16) and the per-head RMS factor `rstd [rows, heads]` f32. Rows with `positions[row] < 0` write
+/// nothing. `freqs`: the layer's `RopeTable::freqs` (32 f64). `q_in` and `q_out` 16-byte aligned, not
+/// overlapping.
+#[allow(clippy::too_many_arguments)]
+pub fn q_heads(
+    gpu: &Gpu,
+    stream: &Stream,
+    q_in: &impl DeviceBuf<bf16>,
+    positions: &impl DeviceBuf<i32>,
+    freqs: &impl DeviceBuf<f64>,
+    rows: usize,
+    heads: usize,
+    eps: f32,
+    q_out: &impl DeviceBuf<bf16>,
+    rstd: &impl DeviceBuf<f32>,
+) -> Result<()> {
+    check_rows_heads(rows, heads)?;
+    check_eps(eps)?;
+    check_len("q_in", q_in.elems(), rows * heads * HEAD_DIM)?;
+    check_len("q_out", q_out.elems(), rows * heads * HEAD_DIM)?;
+    check_len("positions", positions.elems(), rows)?;
+    check_len("freqs", freqs.elems(), ROPE_DIM / 2)?;
+    check_len("rstd", rstd.elems(), rows * heads)?;
+    check_align("q_in", q_in, 16)?;
+    check_align("q_out", q_out, 16)?;
+    let k = gpu.kernel(FAMILY, "qkv_prep_q_heads")?;
+    let mut a = KernelArgs::new();
+    a.buf(q_in)
+        .buf(positions)
+        .buf(freqs)
+        .i32(heads as i32)
+        .f32(eps)
+        .buf(q_out)
+        .buf(rstd);
+    // SAFETY: argument list of qkv_prep_q_heads; every buffer holds the element counts checked above, the grid
+    // covers rows x heads and the kernel guards head < heads.
+    unsafe { launch(stream, &k, per_head_launch(rows, heads), &mut a) }
+}
+
+/// Where [`kv_entries`] writes: the window ring of each sequence in a pool of 584-byte entries.
+pub struct WindowRing<'a, P: DeviceBuf<u8>, B: DeviceBuf<i32>> {
+    /// The KV pool, `n_entries x 584` bytes.
+    pub pool: &'a P,
+    /// Pool index of ring slot 0 of each sequence (`rows / tokens_per_seq` values, read on the device; a
+    /// negative base skips the sequence's rows).
+    pub seq_base: &'a B,
+    /// Consecutive rows per sequence: row `r` belongs to sequence `r / tokens_per_seq`. Its rows' positions are
+    /// distinct and span less than `window` (consecutive decode / MTP tokens), so no two rows share a slot.
+    pub tokens_per_seq: usize,
+    /// Ring length (DSV4 `window_size`, 128): row `r` goes to entry `seq_base[seq] + positions[r] % window`.
+    pub window: usize,
+}
+
+/// Window KV of `rows` rows: `kv_in [rows, 512]` BF16 -> RMSNorm with `kv_norm` (BF16 `[512]`), RoPE on dims
+/// 448..511 at the row's position, BF16, FP8 entry into the ring slot ([`WindowRing`]); `rstd [rows]` f32.
+/// A row with position < 0, a negative sequence base or an entry outside the pool writes nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_entries(
+    gpu: &Gpu,
+    stream: &Stream,
+    kv_in: &impl DeviceBuf<bf16>,
+    kv_norm: &impl DeviceBuf<bf16>,
+    positions: &impl DeviceBuf<i32>,
+    freqs: &impl DeviceBuf<f64>,
+    rows: usize,
+    eps: f32,
+    ring: &WindowRing<'_, impl DeviceBuf<u8>, impl DeviceBuf<i32>>,
+    rstd: &impl DeviceBuf<f32>,
+) -> Result<()> {
+    check_rows_heads(rows, 1)?;
+    check_eps(eps)?;
+    check_len("kv_in", kv_in.elems(), rows * HEAD_DIM)?;
+    check_len("kv_norm", kv_norm.elems(), HEAD_DIM)?;
+    check_len("positions", positions.elems(), rows)?;
+    check_len("freqs", freqs.elems(), ROPE_DIM / 2)?;
+    check_len("rstd", rstd.elems(), rows)?;
+    check_align("kv_in", kv_in, 16)?;
+    check_align("kv_norm", kv_norm, 16)?;
+    check_ring(rows, ring.tokens_per_seq, ring.window)?;
+    check_len(
+        "seq_base",
+        ring.seq_base.elems(),
+        rows / ring.tokens_per_seq,
+    )?;
+    let pool_bytes = ring.pool.elems();
+    ensure!(
+        pool_bytes.is_multiple_of(ENTRY_BYTES),
+        "qkv_prep: the pool has {pool_bytes} bytes, not a multiple of {ENTRY_BYTES}"
+    );
+    let n_entries = pool_bytes / ENTRY_BYTES;
+    ensure!(
+        n_entries <= i32::MAX as usize,
+        "qkv_prep: {n_entries} pool entries do not fit i32 indices"
+    );
+    check_align("pool", ring.pool, 8)?;
+    let k = gpu.kernel(FAMILY, "qkv_prep_kv_entries")?;
+    let mut a = KernelArgs::new();
+    a.buf(kv_in)
+        .buf(kv_norm)
+        .buf(positions)
+        .buf(ring.seq_base)
+        .i32(rows as i32)
+        .i32(ring.tokens_per_seq as i32)
+        .i32(ring.window as i32)
+        .buf(freqs)
+        .f32(eps)
+        .buf(ring.pool)
+        .i32(n_entries as i32)
+        .buf(rstd);
+    // SAFETY: argument list of qkv_prep_kv_entries; the buffers hold the counts checked above, the kernel
+    // bounds-checks every destination entry against n_entries and guards row < rows.
+    unsafe {
+        launch(
+            stream,
+            &k,
+            Launch::new((rows.div_ceil(8) as u32, 1, 1), (256, 1, 1)),
+            &mut a,
+        )
+    }
+}
+
+/// The ring rules of [`kv_entries`]: `1 <= tokens_per_seq <= window`, `rows % tokens_per_seq == 0`,
+/// `1 <= window <= 2^30`.
+pub fn check_ring(rows: usize, tokens_per_seq: usize, window: usize) -> Result<()> {
+    ensure!(
+        (1..=1 << 30).contains(&window),
+        "qkv_prep: window = {window} must be in 1..=2^30"
+    );
+    ensure!(
+        (1..=window).contains(&tokens_per_seq),
+        "qkv_prep: tokens_per_seq = {tokens_per_seq} must be in 1..=window ({window}): more rows of one sequence \
+         would share ring slots"
+    );
+    ensure!(
+        rows.is_multiple_of(tokens_per_seq),
+        "qkv_prep: rows = {rows} is not a multiple of tokens_per_seq = {tokens_per_seq}"
+    );
+    Ok(())
+}
+
+/// Indexer query of `rows` rows of `heads` indexer heads: `qi [rows, heads, 128]` BF16 and `w_in [rows, heads]`
+/// BF16 -> e4m3 codes `q_codes [rows, heads, 128]` and f32 `w_out [rows, heads]` (`indexer::QueryBatch`'s q and
+/// w for next_n = 1, rows = sequences; for next_n = 2 the caller orders rows `b * 2 + t`). `w_scale` is
+/// `model::reference::indexer_weight_scale(128, heads)`. Rows with position < 0 write nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn indexer_q(
+    gpu: &Gpu,
+    stream: &Stream,
+    qi: &impl DeviceBuf<bf16>,
+    w_in: &impl DeviceBuf<bf16>,
+    positions: &impl DeviceBuf<i32>,
+    freqs: &impl DeviceBuf<f64>,
+    rows: usize,
+    heads: usize,
+    w_scale: f32,
+    q_codes: &impl DeviceBuf<u8>,
+    w_out: &impl DeviceBuf<f32>,
+) -> Result<()> {
+    check_rows_heads(rows, heads)?;
+    ensure!(
+        w_scale.is_finite() && w_scale > 0.0,
+        "qkv_prep: w_scale must be finite and > 0, got {w_scale}"
+    );
+    check_len("qi", qi.elems(), rows * heads * INDEX_HEAD_DIM)?;
+    check_len("w_in", w_in.elems(), rows * heads)?;
+    check_len("positions", positions.elems(), rows)?;
+    check_len("freqs", freqs.elems(), ROPE_DIM / 2)?;
+    check_len("q_codes", q_codes.elems(), rows * heads * INDEX_HEAD_DIM)?;
+    check_len("w_out", w_out.elems(), rows * heads)?;
+    check_align("qi", qi, 8)?;
+    check_align("q_codes", q_codes, 4)?;
+    let k = gpu.kernel(FAMILY, "qkv_prep_indexer_q")?;
+    let mut a = KernelArgs::new();
+    a.buf(qi)
+        .buf(w_in)
+        .buf(positions)
+        .buf(freqs)
+        .i32(heads as i32)
+        .f32(w_scale)
+        .buf(q_codes)
+        .buf(w_out);
+    // SAFETY: argument list of qkv_prep_indexer_q; buffers hold the counts checked above, the grid covers rows x
+    // heads and the kernel guards head < heads.
+    unsafe { launch(stream, &k, per_head_launch(rows, heads), &mut a) }
+}
+
+/// One empty launch (the bench's launch floor).
+pub fn launch_floor(gpu: &Gpu, stream: &Stream) -> Result<()> {
+    let k = gpu.kernel(FAMILY, "qkv_prep_launch_floor")?;
+    let mut a = KernelArgs::new();
+    // SAFETY: the kernel takes no arguments and touches no memory.
+    unsafe { launch(stream, &k, Launch::new((1, 1, 1), (32, 1, 1)), &mut a) }
+}

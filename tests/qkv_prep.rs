@@ -1,0 +1,605 @@
+//! qkv_prep: the attention-side prep kernels against the model's own per-token steps (`model::reference`),
+//! and the host glue (entry = the model's FP8-simulated KV, the indexer query encoding, the ring slot rule).
+//!
+//! Exactness: RoPE, the BF16 roundings, the Hadamard, the FP8 / FP4 simulations and the encodings are
+//! order-free, so the kernels' outputs are compared bit for bit with the model's steps run with the kernel's own
+//! RMS factor (`rstd`, an output). The one sum (the RMS over 512 values) is checked on its own: the kernel's f32
+//! sum vs the model's f64 `inv_rms`, and the outputs against the model's full steps within the bound that one
+//! factor difference allows (stated beside each check).
+
+mod common;
+
+use common::{assert_bit_identical, gpu, seeded, POISON};
+use half::bf16;
+use megamoe::formats::{bf16 as fbf16, e4m3, fp8, kv, ue8m0};
+use megamoe::gpu::Gpu;
+use megamoe::model::config::ModelConfig;
+use megamoe::model::numerics::{fp8_sim_inplace, inv_rms, rms_scale_bf16, RopeTable};
+use megamoe::model::reference::{indexer_weight_scale, layer_rope, window_kv_rope};
+use megamoe::ops::inputs::activation_rows;
+use megamoe::ops::norm_quant::{HostQuant, NormOutputs, OutFormat};
+use megamoe::ops::qkv_prep::{
+    self, bench::Problem, check_ring, check_rows_heads, reference as r, WindowRing, ENTRY_BYTES,
+    HEAD_DIM, INDEX_HEAD_DIM, NOPE_DIM,
+};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+const REPLAY_VAR: &str = "QKV_PREP_SEED";
+const EPS: f32 = 1e-6;
+const WINDOW: usize = 128;
+/// Positions every GPU test includes: 0, window - 1, window, and 2^20 - 1 (where an f32 angle would be off by
+/// up to 2^-5 rad); -1 marks an empty row.
+const EDGE_POSITIONS: [i32; 5] = [0, 127, 128, (1 << 20) - 1, -1];
+
+/// The RoPE tables of a sliding-window layer (θ 10000) and a compressed layer (θ 160000 + YaRN).
+fn ropes() -> [RopeTable; 2] {
+    let cfg = ModelConfig::flash();
+    let compressed = cfg.compress_ratios.iter().position(|&m| m > 0).unwrap();
+    let swa = cfg.compress_ratios.iter().position(|&m| m == 0).unwrap();
+    [layer_rope(&cfg, swa), layer_rope(&cfg, compressed)]
+}
+
+/// BF16-representable activation-like values (per-16 block scales spread over 2^±3, rows over 2^±6).
+fn bf16_rows(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    activation_rows(rows, cols, rng.random())
+        .into_iter()
+        .map(fbf16::round)
+        .collect()
+}
+
+/// `rows` positions: the edge positions first (as many as fit), then random ones below 2^20.
+fn positions(rows: usize, rng: &mut ChaCha8Rng) -> Vec<i32> {
+    (0..rows)
+        .map(|i| {
+            EDGE_POSITIONS
+                .get(i)
+                .copied()
+                .unwrap_or_else(|| rng.random_range(0..1 << 20))
+        })
+        .collect()
+}
+
+fn bf16_upload(gpu: &Gpu, v: &[f32]) -> cudarc::driver::CudaSlice<bf16> {
+    gpu.upload(&fbf16::to_bf16_vec(v)).unwrap()
+}
+
+/// |rstd / inv_rms - 1| <= 2e-6 for the 512-value RMS: the kernel's f32 sum of squares (16 fused multiply-adds
+/// per lane, then a 5-level tree) has a relative error below (16 + 5) * 2^-24 = 1.25e-6 (all terms positive);
+/// the square root halves it, the divide, add, sqrt and reciprocal add 2 * 2^-24 after that, and the model's f64
+/// value rounded to f32 another 2^-24: 1.25e-6 / 2 + 3 * 6e-8 < 1e-6, checked at 2e-6.
+const RSTD_512_BOUND: f64 = 2e-6;
+
+fn assert_rstd_close(label: &str, gpu_rstd: f32, cpu_inv: f32) {
+    assert_rstd_within(label, gpu_rstd, cpu_inv, RSTD_512_BOUND);
+}
+
+fn assert_rstd_within(label: &str, gpu_rstd: f32, cpu_inv: f32, bound: f64) {
+    let rel = (gpu_rstd as f64 / cpu_inv as f64 - 1.0).abs();
+    assert!(
+        rel <= bound,
+        "{label}: rstd {gpu_rstd} vs the model's inv_rms {cpu_inv} (rel {rel:.2e})"
+    );
+}
+
+/// The bound between the model's value and the kernel's value of one output of `bf16(v * inv)` computed with
+/// two factors within 2e-6 of each other (`assert_rstd_close`). The products differ by < 2^-18 relative, so their
+/// BF16 roundings differ by at most one step: one BF16 ulp <= 2^-7 * max(|model|, |kernel|). Rope dims then
+/// rotate a pair whose inputs are each off by <= 2^-7 of the input pair's largest element (<= sqrt(2) * M, M the
+/// larger |output| of the model's pair): the rotation moves an output by <= 2 * 2^-7 * sqrt(2) M, and the two
+/// final BF16 roundings may differ by one more ulp (<= 2^-7 * sqrt(2) M): in all < 0.034 M, checked at 2^-4 M.
+fn bf16_step_bound(d: usize, model: &[f32], got: &[f32], i: usize) -> f32 {
+    if d >= NOPE_DIM {
+        let j = i - i % 2;
+        (2.0f32).powi(-4) * model[j].abs().max(model[j + 1].abs())
+    } else {
+        (2.0f32).powi(-7) * model[i].abs().max(got[i].abs())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// CPU: the host glue
+// ---------------------------------------------------------------------------------------------------------
+
+/// An encoded entry of the model's window KV (before its FP8 simulation) decodes exactly to the model's stored
+/// KV (`fp8_sim` per 64 of the nope dims, BF16 rope dims): the entry is the model's cache value.
+#[test]
+fn kv_entry_decodes_to_the_models_fp8_kv() {
+    let test = "kv_entry_decodes_to_the_models_fp8_kv";
+    let mut rng = seeded(test, REPLAY_VAR);
+    for rope in &ropes() {
+        let raw = bf16_rows(16, HEAD_DIM, &mut rng);
+        let w: Vec<f32> = bf16_rows(1, HEAD_DIM, &mut rng);
+        for (i, row) in raw.chunks_exact(HEAD_DIM).enumerate() {
+            let t = positions(16, &mut rng)[i].max(0) as usize;
+            let mut model = window_kv_rope(row, &w, NOPE_DIM, rope, t, EPS);
+            fp8_sim_inplace(&mut model[..NOPE_DIM], 64).unwrap();
+            let entry = r::kv_entry_row(row, &w, t, rope, EPS).unwrap();
+            let decoded = kv::decode_entry(&entry).unwrap();
+            assert_bit_identical(test, "decoded entry vs the model's kv", &model, &decoded);
+        }
+    }
+}
+
+/// The indexer query encoding: per head, the codes times the folded power of two are the model's FP4-simulated
+/// q exactly, the weight is the model's weight times that power of two exactly, and the folded scale is the
+/// largest one with every code <= 384 (the head's largest block reaches [192, 384]).
+#[test]
+fn indexer_query_is_the_models_query_with_the_scale_folded() {
+    let test = "indexer_query_is_the_models_query_with_the_scale_folded";
+    let mut rng = seeded(test, REPLAY_VAR);
+    for heads in [64usize, 4] {
+        let scale = indexer_weight_scale(INDEX_HEAD_DIM, heads);
+        for rope in &ropes() {
+            for t in [
+                0usize,
+                127,
+                128,
+                (1 << 20) - 1,
+                rng.random_range(0..1 << 20),
+            ] {
+                let qi = bf16_rows(heads, INDEX_HEAD_DIM, &mut rng);
+                let w: Vec<f32> = (0..heads)
+                    .map(|_| fbf16::round(rng.random_range(-4.0f32..4.0)))
+                    .collect();
+                let (model_q, model_w) = r::indexer_model_row(&qi, &w, t, rope, scale).unwrap();
+                let (codes, w_out) = r::indexer_query_row(&qi, &w, t, rope, scale).unwrap();
+                for h in 0..heads {
+                    let fold = w_out[h] / model_w[h];
+                    assert!(
+                        model_w[h] == 0.0 || (fold.is_finite() && fold.log2().fract() == 0.0),
+                        "{test}: head {h}: w {} is not the model's {} times a power of two",
+                        w_out[h],
+                        model_w[h]
+                    );
+                    let hq = &codes[h * INDEX_HEAD_DIM..(h + 1) * INDEX_HEAD_DIM];
+                    let mq = &model_q[h * INDEX_HEAD_DIM..(h + 1) * INDEX_HEAD_DIM];
+                    let decoded: Vec<f32> = hq.iter().map(|&c| e4m3::decode(c) * fold).collect();
+                    assert_bit_identical(test, "codes x fold vs the model's q", mq, &decoded);
+                    let top = hq
+                        .iter()
+                        .map(|&c| e4m3::decode(c).abs())
+                        .fold(0.0, f32::max);
+                    assert!(
+                        (192.0..=384.0).contains(&top),
+                        "{test}: head {h}: largest code {top} outside [192, 384]"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ring_slot_rule() {
+    let base = [0, 128, -1, 1000];
+    // One token per sequence: slot = base + position % 128.
+    assert_eq!(r::ring_slot(&base, 1, WINDOW, 2048, 0, 0), Some(0));
+    assert_eq!(r::ring_slot(&base, 1, WINDOW, 2048, 0, 127), Some(127));
+    assert_eq!(r::ring_slot(&base, 1, WINDOW, 2048, 1, 128), Some(128));
+    assert_eq!(
+        r::ring_slot(&base, 1, WINDOW, 2048, 3, (1 << 20) - 1),
+        Some(1127)
+    );
+    // Empty row, skipped sequence, entry outside the pool.
+    assert_eq!(r::ring_slot(&base, 1, WINDOW, 2048, 1, -1), None);
+    assert_eq!(r::ring_slot(&base, 1, WINDOW, 2048, 2, 5), None);
+    assert_eq!(r::ring_slot(&base, 1, WINDOW, 1100, 3, 127), None);
+    // Two tokens per sequence: rows 2, 3 belong to sequence 1.
+    assert_eq!(r::ring_slot(&base, 2, WINDOW, 2048, 3, 129), Some(129));
+}
+
+#[test]
+fn launcher_shape_rules() {
+    assert!(check_rows_heads(1, 64).is_ok());
+    assert!(check_rows_heads(65_535, 128).is_ok());
+    let e = check_rows_heads(0, 64).unwrap_err().to_string();
+    assert!(e.contains("rows = 0"), "{e}");
+    assert!(check_rows_heads(65_536, 64).is_err());
+    assert!(check_rows_heads(1, 0).is_err());
+    assert!(check_ring(64, 1, 128).is_ok());
+    assert!(check_ring(64, 2, 128).is_ok());
+    let e = check_ring(64, 3, 128).unwrap_err().to_string();
+    assert!(e.contains("not a multiple"), "{e}");
+    let e = check_ring(256, 256, 128).unwrap_err().to_string();
+    assert!(e.contains("share ring slots"), "{e}");
+    assert!(check_ring(1, 1, 0).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// GPU
+// ---------------------------------------------------------------------------------------------------------
+
+/// The q_lora RMSNorm (norm_quant's FP8 row kernel) at the Flash and Pro q_lora ranks: the FP8 1x128 codes and
+/// scales are the model's `fp8_act_quant(rms_norm_bf16(qa, q_norm))` input to wq_b, run with the kernel's rstd,
+/// bit for bit; the rstd within 4e-6 of the model's f64 `inv_rms` (the CTA of roundup32(d / 32) threads sums 32
+/// products per thread, then a 5-level warp tree and 1 or 2 warp partials: (32 + 5 + 2) * 2^-24 = 2.3e-6 before
+/// the square root halves it, plus 3 * 2^-24 of the final operations: < 1.4e-6, checked at 4e-6).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn q_lora_norm_is_the_models_wq_b_input() {
+    let test = "q_lora_norm_is_the_models_wq_b_input";
+    let gpu = gpu(test);
+    let mut rng = seeded(test, REPLAY_VAR);
+    for d in [
+        ModelConfig::flash().q_lora_rank,
+        ModelConfig::pro().q_lora_rank,
+    ] {
+        for rows in [1usize, 2, 64] {
+            let label = format!("{test} q_lora {d} rows {rows}");
+            let qa = bf16_rows(rows, d, &mut rng);
+            let w = bf16_rows(1, d, &mut rng);
+            let (dqa, dw) = (bf16_upload(&gpu, &qa), bf16_upload(&gpu, &w));
+            let out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Fp8, rows, d).unwrap();
+            qkv_prep::q_lora_norm(&gpu, &gpu.stream, &dqa, &dw, EPS, &out.view()).unwrap();
+            let h = out.download(&gpu).unwrap();
+            let HostQuant::Fp8(got) = h.q else {
+                panic!("{label}: not FP8 output")
+            };
+            let mut y = Vec::with_capacity(rows * d);
+            for (row, x) in qa.chunks_exact(d).enumerate() {
+                assert_rstd_within(&label, h.rstd[row], inv_rms(x, EPS), 4e-6);
+                y.extend(rms_scale_bf16(x, &w, h.rstd[row]));
+            }
+            let want = fp8::quantize_act_1x128(&y, rows, d).unwrap();
+            assert_bit_identical(&label, "fp8 codes", &want.data, &got.data);
+            assert_bit_identical(&label, "ue8m0 scales", &want.scales, &got.scales);
+        }
+    }
+}
+
+/// q heads: Flash (64) and Pro (128) heads, M = 1, 2, 64, both RoPE tables, poisoned outputs.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn q_heads_match_the_model() {
+    let test = "q_heads_match_the_model";
+    let gpu = gpu(test);
+    let mut rng = seeded(test, REPLAY_VAR);
+    for heads in [64usize, 128] {
+        for rows in [1usize, 2, 64] {
+            for rope in &ropes() {
+                let label = format!("{test} heads {heads} rows {rows}");
+                let q = bf16_rows(rows * heads, HEAD_DIM, &mut rng);
+                let pos = positions(rows, &mut rng);
+                let dq = bf16_upload(&gpu, &q);
+                let (dp, df) = (gpu.upload(&pos).unwrap(), gpu.upload(&rope.freqs).unwrap());
+                let dout = gpu
+                    .poisoned::<bf16>(rows * heads * HEAD_DIM, POISON)
+                    .unwrap();
+                let drstd = gpu.poisoned::<f32>(rows * heads, POISON).unwrap();
+                qkv_prep::q_heads(
+                    &gpu,
+                    &gpu.stream,
+                    &dq,
+                    &dp,
+                    &df,
+                    rows,
+                    heads,
+                    EPS,
+                    &dout,
+                    &drstd,
+                )
+                .unwrap();
+                let out: Vec<bf16> = gpu.download(&dout).unwrap();
+                let rstd = gpu.download(&drstd).unwrap();
+                let row_len = heads * HEAD_DIM;
+                for (row, &p) in pos.iter().enumerate() {
+                    let got_bits = &out[row * row_len..(row + 1) * row_len];
+                    let got_rstd = &rstd[row * heads..(row + 1) * heads];
+                    if p < 0 {
+                        assert!(
+                            got_bits.iter().all(|v| v.to_bits() == 0xFFFF)
+                                && got_rstd.iter().all(|v| v.to_bits() == u32::MAX),
+                            "{label}: empty row {row} was written"
+                        );
+                        continue;
+                    }
+                    let src = &q[row * row_len..(row + 1) * row_len];
+                    let got: Vec<f32> = got_bits.iter().map(|v| v.to_f32()).collect();
+                    for (h, qh) in src.chunks_exact(HEAD_DIM).enumerate() {
+                        assert_rstd_close(&label, got_rstd[h], inv_rms(qh, EPS));
+                    }
+                    // Order-free given the factor: bit for bit.
+                    let want = r::q_heads_row_with(src, got_rstd, p as usize, rope);
+                    assert_bit_identical(
+                        &label,
+                        "q vs the model's steps at the kernel's rstd",
+                        &want,
+                        &got,
+                    );
+                    // The model's own factor: within bf16_step_bound.
+                    let model = r::q_heads_row(src, p as usize, rope, EPS);
+                    for (i, (&m, &g)) in model.iter().zip(&got).enumerate() {
+                        let bound = bf16_step_bound(i % HEAD_DIM, &model, &got, i);
+                        assert!(
+                            (m - g).abs() <= bound,
+                            "{label}: row {row} element {i}: model {m}, kernel {g}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Window KV entries: M = 1, 2, 64, one and two tokens per sequence, one skipped sequence (base -1), a pool
+/// poisoned with 0xFF: every written entry is the model's, every other byte untouched.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn kv_entries_match_the_model() {
+    let test = "kv_entries_match_the_model";
+    let gpu = gpu(test);
+    let mut rng = seeded(test, REPLAY_VAR);
+    for rows in [1usize, 2, 64] {
+        for tokens_per_seq in [1usize, 2] {
+            if !rows.is_multiple_of(tokens_per_seq) {
+                continue;
+            }
+            for rope in &ropes() {
+                let label = format!("{test} rows {rows} tokens/seq {tokens_per_seq}");
+                let seqs = rows / tokens_per_seq;
+                let kv_in = bf16_rows(rows, HEAD_DIM, &mut rng);
+                let w = bf16_rows(1, HEAD_DIM, &mut rng);
+                // Consecutive positions per sequence; the edge positions start the first sequences.
+                let mut pos: Vec<i32> = Vec::with_capacity(rows);
+                for s in 0..seqs {
+                    let start = EDGE_POSITIONS
+                        .get(s)
+                        .copied()
+                        .unwrap_or_else(|| rng.random_range(0..1 << 20));
+                    for t in 0..tokens_per_seq {
+                        pos.push(if start < 0 { -1 } else { start + t as i32 });
+                    }
+                }
+                // Rings in reverse order, sequence 1 skipped (when there is one).
+                let n_entries = (seqs + 1) * WINDOW;
+                let base: Vec<i32> = (0..seqs)
+                    .map(|s| {
+                        if s == 1 {
+                            -1
+                        } else {
+                            ((seqs - s) * WINDOW) as i32
+                        }
+                    })
+                    .collect();
+                let pool = gpu.poisoned::<u8>(n_entries * ENTRY_BYTES, POISON).unwrap();
+                let drstd = gpu.poisoned::<f32>(rows, POISON).unwrap();
+                let (dkv, dw) = (bf16_upload(&gpu, &kv_in), bf16_upload(&gpu, &w));
+                let (dp, df, db) = (
+                    gpu.upload(&pos).unwrap(),
+                    gpu.upload(&rope.freqs).unwrap(),
+                    gpu.upload(&base).unwrap(),
+                );
+                let ring = WindowRing {
+                    pool: &pool,
+                    seq_base: &db,
+                    tokens_per_seq,
+                    window: WINDOW,
+                };
+                qkv_prep::kv_entries(
+                    &gpu,
+                    &gpu.stream,
+                    &dkv,
+                    &dw,
+                    &dp,
+                    &df,
+                    rows,
+                    EPS,
+                    &ring,
+                    &drstd,
+                )
+                .unwrap();
+                let got = gpu.download(&pool).unwrap();
+                let rstd = gpu.download(&drstd).unwrap();
+                let mut want = vec![POISON; n_entries * ENTRY_BYTES];
+                for (row, &p) in pos.iter().enumerate() {
+                    let Some(slot) = r::ring_slot(&base, tokens_per_seq, WINDOW, n_entries, row, p)
+                    else {
+                        assert_eq!(
+                            rstd[row].to_bits(),
+                            u32::MAX,
+                            "{label}: row {row} wrote rstd"
+                        );
+                        continue;
+                    };
+                    let src = &kv_in[row * HEAD_DIM..(row + 1) * HEAD_DIM];
+                    assert_rstd_close(&label, rstd[row], inv_rms(src, EPS));
+                    let e = r::kv_entry_row_with(src, &w, rstd[row], p as usize, rope).unwrap();
+                    want[slot * ENTRY_BYTES..(slot + 1) * ENTRY_BYTES].copy_from_slice(&e);
+                    // The model's own factor: the decoded values within one FP8 / BF16 rounding step.
+                    let model =
+                        kv::decode_entry(&r::kv_entry_row(src, &w, p as usize, rope, EPS).unwrap())
+                            .unwrap();
+                    let mine = kv::decode_entry(&e).unwrap();
+                    for d in 0..HEAD_DIM {
+                        let (m, g) = (model[d], mine[d]);
+                        let bound = if d < NOPE_DIM {
+                            // One BF16 step of the input moves an e4m3 rounding by at most one e4m3 ulp
+                            // (<= 2^-3 |v| for normals, 2^-9 * scale for subnormals) and the tile scale by at
+                            // most one binade (the coarser grid's ulp is still <= 2^-3 |v|, its subnormal step
+                            // 2^-8 * the finer scale).
+                            let s = ue8m0::decode(e[kv::RECORD_BYTES + d / kv::TILE]);
+                            0.125 * m.abs().max(g.abs()) + s * (2.0f32).powi(-7)
+                        } else {
+                            bf16_step_bound(d, &model, &mine, d)
+                        };
+                        assert!(
+                            (m - g).abs() <= bound,
+                            "{label}: row {row} dim {d}: model {m}, kernel {g}"
+                        );
+                    }
+                }
+                assert_bit_identical(&label, "pool bytes", &want, &got);
+            }
+        }
+    }
+}
+
+/// Indexer query: 64 heads (Flash and Pro) and 4 (a partial CTA), M = 1, 2, 64, poisoned outputs; all
+/// order-free, so bit for bit with the host encoding of the model's steps.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn indexer_q_matches_the_model() {
+    let test = "indexer_q_matches_the_model";
+    let gpu = gpu(test);
+    let mut rng = seeded(test, REPLAY_VAR);
+    for heads in [64usize, 4] {
+        let scale = indexer_weight_scale(INDEX_HEAD_DIM, heads);
+        for rows in [1usize, 2, 64] {
+            for rope in &ropes() {
+                let label = format!("{test} heads {heads} rows {rows}");
+                let qi = bf16_rows(rows * heads, INDEX_HEAD_DIM, &mut rng);
+                let w: Vec<f32> = (0..rows * heads)
+                    .map(|_| fbf16::round(rng.random_range(-4.0f32..4.0)))
+                    .collect();
+                let pos = positions(rows, &mut rng);
+                let (dq, dw) = (bf16_upload(&gpu, &qi), bf16_upload(&gpu, &w));
+                let (dp, df) = (gpu.upload(&pos).unwrap(), gpu.upload(&rope.freqs).unwrap());
+                let dcodes = gpu
+                    .poisoned::<u8>(rows * heads * INDEX_HEAD_DIM, POISON)
+                    .unwrap();
+                let dwo = gpu.poisoned::<f32>(rows * heads, POISON).unwrap();
+                qkv_prep::indexer_q(
+                    &gpu,
+                    &gpu.stream,
+                    &dq,
+                    &dw,
+                    &dp,
+                    &df,
+                    rows,
+                    heads,
+                    scale,
+                    &dcodes,
+                    &dwo,
+                )
+                .unwrap();
+                let codes = gpu.download(&dcodes).unwrap();
+                let w_out = gpu.download(&dwo).unwrap();
+                let row_len = heads * INDEX_HEAD_DIM;
+                let mut want_codes = vec![POISON; rows * row_len];
+                let mut want_w = vec![f32::from_bits(u32::MAX); rows * heads];
+                for (row, &p) in pos.iter().enumerate().filter(|(_, &p)| p >= 0) {
+                    let (c, wo) = r::indexer_query_row(
+                        &qi[row * row_len..(row + 1) * row_len],
+                        &w[row * heads..(row + 1) * heads],
+                        p as usize,
+                        rope,
+                        scale,
+                    )
+                    .unwrap();
+                    want_codes[row * row_len..(row + 1) * row_len].copy_from_slice(&c);
+                    want_w[row * heads..(row + 1) * heads].copy_from_slice(&wo);
+                }
+                assert_bit_identical(&label, "q codes", &want_codes, &codes);
+                assert_bit_identical(&label, "w", &want_w, &w_out);
+            }
+        }
+    }
+}
+
+/// The decode-sized call (Flash, 8 tokens) captured once in a graph, replayed after new positions and ring bases
+/// are written to the device: the outputs follow the new positions.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn graph_replay_follows_device_positions() {
+    let test = "graph_replay_follows_device_positions";
+    let gpu = gpu(test);
+    let mut rng = seeded(test, REPLAY_VAR);
+    let (rows, heads, index_heads) = (8usize, 64usize, 64usize);
+    let mut p = Problem::new(&gpu, rows, heads, index_heads, rng.random()).unwrap();
+    let cfg = ModelConfig::flash();
+    let rope = layer_rope(
+        &cfg,
+        cfg.compress_ratios.iter().position(|&m| m > 0).unwrap(),
+    );
+    p.run(&gpu, "all").unwrap();
+    let graph = gpu.capture(|| p.run(&gpu, "all")).unwrap();
+    let host_bf16 = |s: &cudarc::driver::CudaSlice<bf16>| -> Vec<f32> {
+        gpu.download(s)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_f32())
+            .collect()
+    };
+    let (q_in, kv_in, qi_in, w_in) = (
+        host_bf16(&p.q_in),
+        host_bf16(&p.kv_in),
+        host_bf16(&p.qi_in),
+        host_bf16(&p.w_in),
+    );
+    let kv_norm = host_bf16(&p.kv_norm);
+    for round in 0..3 {
+        let pos: Vec<i32> = (0..rows)
+            .map(|i| match (round, i) {
+                (_, 0) => [0, 127, (1 << 20) - 1][round],
+                (1, 5) => -1,
+                _ => rng.random_range(0..1 << 20),
+            })
+            .collect();
+        let base: Vec<i32> = (0..rows)
+            .map(|i| (((i + round) % rows) * WINDOW) as i32)
+            .collect();
+        gpu.write(&gpu.stream, &mut p.positions, &pos).unwrap();
+        gpu.write(&gpu.stream, &mut p.seq_base, &base).unwrap();
+        gpu.fill_bytes(&mut p.pool, POISON).unwrap();
+        gpu.fill_bytes(&mut p.q_out, POISON).unwrap();
+        graph.launch().unwrap();
+        gpu.synchronize().unwrap();
+        let label = format!("{test} round {round}");
+        let q_out = host_bf16(&p.q_out);
+        let q_rstd = gpu.download(&p.q_rstd).unwrap();
+        let kv_rstd = gpu.download(&p.kv_rstd).unwrap();
+        let pool = gpu.download(&p.pool).unwrap();
+        let codes = gpu.download(&p.q_codes).unwrap();
+        let w_out = gpu.download(&p.w_out).unwrap();
+        for (row, &t) in pos.iter().enumerate() {
+            let ql = heads * HEAD_DIM;
+            if t < 0 {
+                assert!(
+                    q_out[row * ql..(row + 1) * ql].iter().all(|v| v.is_nan()),
+                    "{label}: empty row written"
+                );
+                continue;
+            }
+            let t = t as usize;
+            let want = r::q_heads_row_with(
+                &q_in[row * ql..(row + 1) * ql],
+                &q_rstd[row * heads..(row + 1) * heads],
+                t,
+                &rope,
+            );
+            assert_bit_identical(&label, "q", &want, &q_out[row * ql..(row + 1) * ql]);
+            let slot = base[row] as usize + t % WINDOW;
+            let e = r::kv_entry_row_with(
+                &kv_in[row * HEAD_DIM..(row + 1) * HEAD_DIM],
+                &kv_norm,
+                kv_rstd[row],
+                t,
+                &rope,
+            )
+            .unwrap();
+            assert_bit_identical(
+                &label,
+                "entry",
+                &e,
+                &pool[slot * ENTRY_BYTES..(slot + 1) * ENTRY_BYTES],
+            );
+            let il = index_heads * INDEX_HEAD_DIM;
+            let (c, wo) = r::indexer_query_row(
+                &qi_in[row * il..(row + 1) * il],
+                &w_in[row * index_heads..(row + 1) * index_heads],
+                t,
+                &rope,
+                p.w_scale,
+            )
+            .unwrap();
+            assert_bit_identical(&label, "indexer q", &c, &codes[row * il..(row + 1) * il]);
+            assert_bit_identical(
+                &label,
+                "indexer w",
+                &wo,
+                &w_out[row * index_heads..(row + 1) * index_heads],
+            );
+        }
+    }
+}
