@@ -59,6 +59,7 @@
 // (base += blockDim, the element test is inside). No global lock, no inter-CTA wait.
 #include <stdint.h>
 #include "common/formats.cuh"
+#include "common/index_key.cuh"
 #include "common/wgmma.cuh"
 
 namespace {
@@ -71,26 +72,7 @@ constexpr unsigned FULL = 0xffffffffu;
 // Key writer
 // ------------------------------------------------------------------------------------------------------------
 
-// Hadamard of the warp's key, lane holds x[4l..4l+3] in v[0..3]; returns the transformed values.
-__device__ __forceinline__ void hadamard128_warp(float v[4], int lane) {
-    float a0 = __fadd_rn(v[0], v[1]), a1 = __fsub_rn(v[0], v[1]);
-    float a2 = __fadd_rn(v[2], v[3]), a3 = __fsub_rn(v[2], v[3]);
-    v[0] = __fadd_rn(a0, a2);
-    v[2] = __fsub_rn(a0, a2);
-    v[1] = __fadd_rn(a1, a3);
-    v[3] = __fsub_rn(a1, a3);
-#pragma unroll
-    for (int m = 1; m <= 16; m <<= 1) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float p = __shfl_xor_sync(FULL, v[i], m);
-            v[i] = (lane & m) ? __fsub_rn(p, v[i]) : __fadd_rn(v[i], p);
-        }
-    }
-    const float s = __uint_as_float(0x3DB504F3u);  // 1/sqrt(128) in f32
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = __fmul_rn(v[i], s);
-}
+using index_key::hadamard128_warp;  // kernels/common/index_key.cuh
 
 __device__ __forceinline__ bool load_raw_key(const float* __restrict__ raw, const int* __restrict__ slots, int n,
                                              int num_slots, int key, int lane, float v[4], int& slot) {
@@ -115,15 +97,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_fp8(const f
     int slot;
     if (!load_raw_key(raw, slots, n, num_slots, key, lane, v, slot)) return;  // warp-uniform
     hadamard128_warp(v, lane);
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, m));
-    const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.f);
-    uint32_t word = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) word |= (uint32_t)mm::e4m3_encode(__fdiv_rn(v[i], scale)) << (8 * i);
-    reinterpret_cast<uint32_t*>(codes + (size_t)slot * DIM)[lane] = word;
-    if (lane == 0) scales[slot] = scale;
+    index_key::store_fp8(v, lane, codes, scales, slot);
 }
 
 // raw [n][128] f32 keys; writes codes[slot][64] packed e2m1 and scales[slot][4] ue8m0.
@@ -137,19 +111,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_mxfp4(const
     int slot;
     if (!load_raw_key(raw, slots, n, num_slots, key, lane, v, slot)) return;
     hadamard128_warp(v, lane);
-    // Block of 32 dims = 8 consecutive lanes.
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-    for (int m = 4; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, m));
-    const float floor = __uint_as_float(0x01C00000u);  // 6 * 2^-126, DSV4's FP4 amax floor
-    const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, floor), 6.f);
-    const float s = mm::ue8m0_decode(sc);
-    uint32_t e[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) e[i] = mm::e2m1_encode(__fdiv_rn(v[i], s));
-    const uint16_t packed = (uint16_t)(e[0] | (e[1] << 4) | (e[2] << 8) | (e[3] << 12));
-    reinterpret_cast<uint16_t*>(codes + (size_t)slot * (DIM / 2))[lane] = packed;
-    if ((lane & 7) == 0) scales[(size_t)slot * 4 + lane / 8] = sc;
+    index_key::store_mxfp4(v, lane, codes, scales, slot);
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -63,20 +63,22 @@
 #include <stdint.h>
 
 #include "formats.cuh"
+#include "kv_entry.cuh"
 #include "wgmma.cuh"
 
 namespace sa {
 
-constexpr int kDim = 512;
-constexpr int kNope = 448;
-constexpr int kTiles = 7;
-constexpr int kEntryBytes = 584;
-constexpr int kRopeOffset = 448;
-constexpr int kScaleOffset = 576;
+// The entry layout and its warp writer (kernels/common/kv_entry.cuh).
+using kv_entry::kDim;
+using kv_entry::kNope;
+using kv_entry::kTiles;
+using kv_entry::kEntryBytes;
+using kv_entry::kRopeOffset;
+using kv_entry::kScaleOffset;
 constexpr int kBlockN = 64;        // candidates per KV tile
 constexpr int kHeadsPerCta = 64;   // heads per CTA (head group)
 constexpr int kThreads = 256;
-constexpr float kAmaxFloor = 1e-4f;
+using kv_entry::kAmaxFloor;
 constexpr float kLog2e = 1.4426950408889634f;
 // 1/sqrt(512) * log2(e): scores go straight to the log2 domain used by exp2f.
 constexpr float kScoreScaleLog2 = 0.044194173824159216f * 1.4426950408889634f;
@@ -141,10 +143,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t& r0, uint32_t& r1, ui
                  : "r"(smem_addr(p)));
 }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-}
+using kv_entry::pack_bf16x2;
 
 // Two e4m3 codes (low byte first) times a power-of-two scale -> two BF16 (exact: e4m3 -> f16 -> f32 is exact,
 // the pow2 multiply is exact, and the result has <= 4 significant bits).
@@ -155,36 +154,11 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_scaled(uint32_t two_codes, 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Entry quantization, one warp per 512-dim vector: lane l holds dims [16l, 16l+16). Lanes 0..27 cover the
-// seven nope tiles (4 lanes per tile), lanes 28..31 the 64 rope dims. Same rule as reference::encode_entry:
-// scale code = ue8m0_pow2_scale_for(max(amax, 1e-4), 448), code = e4m3_rne(x / scale) with an IEEE division.
+// Entry quantization: kv_entry::quantize_lane / store_entry_warp (kernels/common/kv_entry.cuh), one warp per
+// 512-dim vector, lane l holding dims [16l, 16l+16).
 // ---------------------------------------------------------------------------------------------------------
-struct LaneQuant {
-    uint32_t codes[4];  // 16 e4m3 codes (lanes < 28)
-    uint8_t scale_code;
-    float scale;
-};
-
-__device__ __forceinline__ LaneQuant quantize_lane(const float (&x)[16], int lane) {
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    // The 4 lanes of one tile are 4l..4l+3: xor 1 and 2 stay inside the group.
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    LaneQuant r;
-    r.scale_code = mm::ue8m0_pow2_scale_for(fmaxf(amax, kAmaxFloor), 448.f);
-    r.scale = mm::ue8m0_decode(r.scale_code);
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        uint32_t v = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v |= uint32_t(mm::e4m3_encode(__fdiv_rn(x[4 * w + i], r.scale))) << (8 * i);
-        r.codes[w] = v;
-    }
-    (void)lane;
-    return r;
-}
+using kv_entry::LaneQuant;
+using kv_entry::quantize_lane;
 
 template <typename T>
 __device__ __forceinline__ float to_f32(T v);
@@ -205,22 +179,7 @@ __device__ __forceinline__ void kv_write_body(uint8_t* __restrict__ pool, int n_
     const T* row = src + (size_t)warp * kDim + 16 * lane;
 #pragma unroll
     for (int i = 0; i < 16; ++i) x[i] = to_f32(row[i]);
-    LaneQuant q = quantize_lane(x, lane);
-    uint8_t* e = pool + (size_t)idx * kEntryBytes;
-    if (lane < 28) {
-        uint2* dst = reinterpret_cast<uint2*>(e + 16 * lane);
-        dst[0] = make_uint2(q.codes[0], q.codes[1]);
-        dst[1] = make_uint2(q.codes[2], q.codes[3]);
-        if ((lane & 3) == 0) e[kScaleOffset + (lane >> 2)] = q.scale_code;
-    } else {
-        uint32_t w[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = pack_bf16x2(x[2 * i], x[2 * i + 1]);
-        uint2* dst = reinterpret_cast<uint2*>(e + kRopeOffset + 32 * (lane - 28));
-#pragma unroll
-        for (int i = 0; i < 4; ++i) dst[i] = make_uint2(w[2 * i], w[2 * i + 1]);
-        if (lane == 28) e[kEntryBytes - 1] = 0;  // pad byte
-    }
+    kv_entry::store_entry_warp(pool, idx, x, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------
