@@ -226,7 +226,8 @@ __device__ __forceinline__ void decode_body(const float* __restrict__ kv_in, con
     finalize_store<D, STORE>(pooled, (long long)j * m, slot, f);
 }
 
-// Block j of a prompt of *n_tokens tokens (one sequence; CTA j, D threads): pool_softmax over the block's tokens
+// Block j of a prompt of *n_tokens tokens (one sequence; CTA j < grid = max_tokens / m, so every token read is
+// < max_tokens whatever the device count; D threads): pool_softmax over the block's tokens
 // (and, for CSA with j > 0, the previous block's tokens through channel half 0), then finalize and store.
 template <int D, bool OVERLAP, int STORE>
 __device__ __forceinline__ void prefill_body(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
@@ -310,18 +311,20 @@ extern "C" __global__ void __launch_bounds__(128) compressor_prefill_csa_index_m
 // The state of one sequence after a prefill of *n_tokens tokens, exactly as that many decode steps leave it
 // (Model::prefill's seed_state on an empty state): done = (n / m) * m; CSA with a complete block: rows 0..m =
 // tokens done-m..done; tokens done..n at row (CSA) m + t - done, (HCA) t - done; every other row empty (kv 0,
-// score -inf). With n = 0 it writes the empty state. Grid = (coff*m rows), block 256 threads over W channels.
+// score -inf). With n = 0 it writes the empty state; n is clamped to [0, max_tokens]. Grid = (coff*m rows), block
+// 256 threads over W channels.
 extern "C" __global__ void __launch_bounds__(256) compressor_seed_state(const float* __restrict__ kv_in,
                                                                        const float* __restrict__ gate_in,
                                                                        const float* __restrict__ ape,
-                                                                       const int* __restrict__ n_tokens, int ratio,
-                                                                       int width, int overlap,
+                                                                       const int* __restrict__ n_tokens,
+                                                                       int max_tokens, int ratio, int width,
+                                                                       int overlap,
                                                                        float* __restrict__ state) {
     const int m = ratio;
     const int rows = (overlap ? 2 : 1) * m;
     const int r = blockIdx.x;
     if (r >= rows) return;
-    const int n = max(*n_tokens, 0);
+    const int n = min(max(*n_tokens, 0), max_tokens);
     const int done = (n / m) * m;
     int t = -1;
     if (overlap && r < m) {
