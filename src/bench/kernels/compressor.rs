@@ -42,7 +42,9 @@ fn shape(s: &Sweep, batch: u64) -> Result<CompressorShape> {
         "hca_main" => CompressorKind::HcaMain,
         "csa_index_fp8" => CompressorKind::CsaIndex(KeyFormat::Fp8),
         "csa_index_mxfp4" => CompressorKind::CsaIndex(KeyFormat::Mxfp4),
-        k => bail!("compressor: unknown kind `{k}` (csa_main, hca_main, csa_index_fp8, csa_index_mxfp4)"),
+        k => bail!(
+            "compressor: unknown kind `{k}` (csa_main, hca_main, csa_index_fp8, csa_index_mxfp4)"
+        ),
     };
     let shape = CompressorShape {
         kind,
@@ -63,10 +65,21 @@ fn decode_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, batch: u64) -> Res
         v => bail!("compressor_decode: unknown variant `{v}`"),
     };
     let sh = shape(s, batch)?;
-    let m = hooks::decode_point(ctx.gpu, |b| ctx.plan(b), &sh, batch as usize, step, ctx.seed)?;
+    let m = hooks::decode_point(
+        ctx.gpu,
+        |b| ctx.plan(b),
+        &sh,
+        batch as usize,
+        step,
+        ctx.seed,
+    )?;
     let sum = Summary::of(&m.samples_us)?;
-    Ok(vec![Row::new("compressor_decode", variant, &s.shape_label(batch))
-        .with_timing(&sum, m.samples_us.len() as u64)
-        .with_work(Some(m.bytes), None)
-        .with_tokens(batch)])
+    Ok(vec![Row::new(
+        "compressor_decode",
+        variant,
+        &s.shape_label(batch),
+    )
+    .with_timing(&sum, m.samples_us.len() as u64)
+    .with_work(Some(m.bytes), None)
+    .with_tokens(batch)])
 }

@@ -6,7 +6,8 @@
 use anyhow::{anyhow, ensure, Result};
 
 use super::{
-    decode_step, dev, CompressorShape, CompressorWeights, DecodeIo, EntryCache, EntrySlots, ROPE_DIMS,
+    decode_step, dev, CompressorShape, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
+    ROPE_DIMS,
 };
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::Gpu;

@@ -229,9 +229,11 @@ impl EntryCache {
     pub fn n_slots(&self) -> usize {
         match self {
             EntryCache::Kv { entries } => entries.len() / KV_ENTRY_BYTES,
-            EntryCache::Index { format, codes, scales } => {
-                (codes.len() / format.code_bytes()).min(scales.len() / KEY_SCALE_BYTES)
-            }
+            EntryCache::Index {
+                format,
+                codes,
+                scales,
+            } => (codes.len() / format.code_bytes()).min(scales.len() / KEY_SCALE_BYTES),
         }
     }
     fn check(&self, kind: CompressorKind) -> Result<()> {
@@ -322,7 +324,11 @@ pub fn check_decode(shape: &CompressorShape, w: &CompressorWeights, io: &DecodeI
     check_len(&io.kv, b * shape.width(), "kv [B, W]")?;
     check_len(&io.gate, b * shape.width(), "gate [B, W]")?;
     check_len(&io.positions, b, "positions [B]")?;
-    check_len(&io.state, b * shape.state_floats(), "state [B, state_floats]")?;
+    check_len(
+        &io.state,
+        b * shape.state_floats(),
+        "state [B, state_floats]",
+    )?;
     check_len(&io.slots.base, b, "base [B]")?;
     check_len(&io.slots.capacity, b, "capacity [B]")?;
     if let Some(p) = &io.pooled {
@@ -487,12 +493,18 @@ mod tests {
             kind: CompressorKind::CsaMain,
             ratio: 4,
         };
-        assert_eq!((csa.width(), csa.rows(), csa.state_floats()), (1024, 8, 2 * 8 * 1024));
+        assert_eq!(
+            (csa.width(), csa.rows(), csa.state_floats()),
+            (1024, 8, 2 * 8 * 1024)
+        );
         let hca = CompressorShape {
             kind: CompressorKind::HcaMain,
             ratio: 128,
         };
-        assert_eq!((hca.width(), hca.rows(), hca.state_floats()), (512, 128, 2 * 128 * 512));
+        assert_eq!(
+            (hca.width(), hca.rows(), hca.state_floats()),
+            (512, 128, 2 * 128 * 512)
+        );
         let idx = CompressorShape {
             kind: CompressorKind::CsaIndex(KeyFormat::Mxfp4),
             ratio: 4,

@@ -45,14 +45,20 @@ pub struct LayerCompressor {
 }
 
 /// The compressor `kind` of `layer` of `model` (CSA main / indexer need a CSA layer, HCA main an HCA layer).
-pub fn layer_compressor(model: &Model, layer: usize, kind: CompressorKind) -> Result<LayerCompressor> {
+pub fn layer_compressor(
+    model: &Model,
+    layer: usize,
+    kind: CompressorKind,
+) -> Result<LayerCompressor> {
     let cfg = model.config();
     let lk = cfg.layer_kind(layer);
     let (ratio, which, prefix) = match (lk, kind) {
         (LayerKind::Csa { ratio }, CompressorKind::CsaMain)
-        | (LayerKind::Hca { ratio }, CompressorKind::HcaMain) => {
-            (ratio, Which::Main, format!("layers.{layer}.attn.compressor"))
-        }
+        | (LayerKind::Hca { ratio }, CompressorKind::HcaMain) => (
+            ratio,
+            Which::Main,
+            format!("layers.{layer}.attn.compressor"),
+        ),
         (LayerKind::Csa { ratio }, CompressorKind::CsaIndex(_)) => (
             ratio,
             Which::Indexer,
