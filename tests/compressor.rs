@@ -135,6 +135,126 @@ fn finalized_entries_survive_their_cache_formats() {
 
 // ---- GPU fixture ----------------------------------------------------------------------------------------------
 
+/// A poisoned entry cache of the compressor's kind: a KV pool or an indexer key cache of `batch * slots` entries.
+struct TestCache {
+    kind: CompressorKind,
+    kv_pool: Option<CudaSlice<u8>>,
+    keys: Option<KeyCacheGpu>,
+}
+
+impl TestCache {
+    fn new(gpu: &Gpu, kind: CompressorKind, batch: usize, slots: usize) -> TestCache {
+        let (kv_pool, keys) = match kind {
+            CompressorKind::CsaIndex(f) => (
+                None,
+                Some(KeyCacheGpu::filled(gpu, f, batch, slots, POISON).unwrap()),
+            ),
+            _ => (
+                Some(
+                    gpu.poisoned::<u8>(batch * slots * kind.entry_bytes(), POISON)
+                        .unwrap(),
+                ),
+                None,
+            ),
+        };
+        TestCache {
+            kind,
+            kv_pool,
+            keys,
+        }
+    }
+
+    fn entry_cache(&self) -> EntryCache {
+        match (&self.kv_pool, &self.keys) {
+            (Some(p), _) => EntryCache::kv(p),
+            (None, Some(k)) => EntryCache::index(k),
+            _ => unreachable!(),
+        }
+    }
+
+    /// The stored bytes of every slot.
+    fn entries(&self, gpu: &Gpu) -> Vec<Vec<u8>> {
+        let (codes, scales) = match (&self.kv_pool, &self.keys) {
+            (Some(p), _) => (gpu.download(p).unwrap(), Vec::new()),
+            (None, Some(k)) => (
+                gpu.download(&k.codes).unwrap(),
+                gpu.download(&k.scales).unwrap(),
+            ),
+            _ => unreachable!(),
+        };
+        let n = codes.len() / (self.kind.entry_bytes() - if self.keys.is_some() { 4 } else { 0 });
+        (0..n)
+            .map(|s| entry_bytes_at(self.kind, &codes, &scales, s))
+            .collect()
+    }
+
+    /// Every slot not in `written` is still all poison.
+    fn check_poisoned_except(&self, gpu: &Gpu, label: &str, written: &[usize]) {
+        for (s, e) in self.entries(gpu).iter().enumerate() {
+            if !written.contains(&s) {
+                assert!(e.iter().all(|&x| x == POISON), "{label}: slot {s} written");
+            }
+        }
+    }
+}
+
+/// The score row of token t (Model::compressor_inputs: the gate plus the position bias row t mod m).
+fn score_row(lc: &LayerCompressor, gate: &[f32], t: usize) -> Vec<f32> {
+    let (w, m) = (lc.shape.width(), lc.shape.ratio);
+    (0..w).map(|c| gate[c] + lc.ape[(t % m) * w + c]).collect()
+}
+
+/// Pooled channels of entry j: within POOLED_ULPS of the CPU's; returns how many differ at all.
+fn compare_pooled(label: &str, j: usize, cpu: &[f32], gpu: &[f32]) -> usize {
+    let mut differ = 0;
+    for (c, (&a, &b)) in cpu.iter().zip(gpu).enumerate() {
+        let u = ulps(a, b);
+        assert!(
+            u <= POOLED_ULPS,
+            "{label}: entry {j} pooled[{c}] cpu {a} gpu {b} ({u} ulps)"
+        );
+        differ += (u > 0) as usize;
+    }
+    differ
+}
+
+/// The stored entry j decodes to finalize_entry of the GPU's pooled values (and of the CPU's, when equal).
+fn check_entry(
+    label: &str,
+    model: &Model,
+    layer: usize,
+    lc: &LayerCompressor,
+    j: usize,
+    pooled: (&[f32], &[f32]),
+    stored: &[u8],
+) {
+    let (cpu, gpu) = pooled;
+    let kind = lc.shape.kind;
+    let fin = model.finalize_entry(layer, lc.which, j, gpu).unwrap();
+    let got = decode_stored(kind, stored).unwrap();
+    assert_bit_identical(
+        label,
+        &format!("entry {j}"),
+        &expected_stored(kind, &fin).unwrap(),
+        &got,
+    );
+    if cpu == gpu {
+        assert_eq!(
+            model.finalize_entry(layer, lc.which, j, cpu).unwrap(),
+            fin,
+            "{label}: entry {j}"
+        );
+    }
+}
+
+fn assert_pooled_fraction(label: &str, differ: usize, compared: usize) {
+    println!("{label}: {differ} of {compared} pooled channels differ from the CPU (<= {POOLED_ULPS} ulps)");
+    assert!(
+        differ as f64 <= POOLED_DIFF_FRACTION * compared as f64,
+        "{label}: {differ} of {compared} pooled channels differ"
+    );
+}
+
 /// The device side of `batch` sequences of one compressor, with the CPU states beside it.
 struct Rig {
     model: Model,
@@ -153,13 +273,12 @@ struct Rig {
     caps: Vec<i32>,
     pooled: CudaSlice<f32>,
     error: CudaSlice<u32>,
-    kv_pool: Option<CudaSlice<u8>>,
-    keys: Option<KeyCacheGpu>,
+    cache: TestCache,
     cpu: Vec<CompressorState>,
     /// Sequences whose state was poisoned and must stay so (always at position -1).
     idle: Vec<bool>,
-    /// (sequence, j) of every entry emitted within capacity.
-    emitted: Vec<(usize, usize)>,
+    /// Slots of every entry emitted within capacity.
+    written: Vec<usize>,
     pooled_compared: usize,
     pooled_differ: usize,
 }
@@ -193,19 +312,6 @@ impl Rig {
                 st.extend(host_state(s));
             }
         }
-        let (kv_pool, keys) = match kind {
-            CompressorKind::CsaIndex(f) => (
-                None,
-                Some(KeyCacheGpu::filled(gpu, f, batch, slots_per_seq, POISON).unwrap()),
-            ),
-            _ => (
-                Some(
-                    gpu.poisoned::<u8>(batch * slots_per_seq * kind.entry_bytes(), POISON)
-                        .unwrap(),
-                ),
-                None,
-            ),
-        };
         Rig {
             layer,
             w,
@@ -226,23 +332,14 @@ impl Rig {
             caps: caps.to_vec(),
             pooled: gpu.poisoned(batch * shape.dim(), POISON).unwrap(),
             error: gpu.poisoned(1, 0).unwrap(),
-            kv_pool,
-            keys,
+            cache: TestCache::new(gpu, kind, batch, slots_per_seq),
             cpu,
             idle: idle.to_vec(),
-            emitted: Vec::new(),
+            written: Vec::new(),
             pooled_compared: 0,
             pooled_differ: 0,
             model,
             lc,
-        }
-    }
-
-    fn cache(&self) -> EntryCache {
-        match (&self.kv_pool, &self.keys) {
-            (Some(p), _) => EntryCache::kv(p),
-            (None, Some(k)) => EntryCache::index(k),
-            _ => unreachable!(),
         }
     }
 
@@ -257,7 +354,7 @@ impl Rig {
                 base: dev(&self.base),
                 capacity: dev(&self.capacity),
             },
-            cache: self.cache(),
+            cache: self.cache.entry_cache(),
             pooled: Some(dev(&self.pooled)),
             error: dev(&self.error),
         }
@@ -290,13 +387,17 @@ impl Rig {
         err_before: u32,
     ) {
         let shape = self.lc.shape;
-        let (w, m, d) = (shape.width(), shape.ratio, shape.dim());
+        let (w, m, d, sf) = (
+            shape.width(),
+            shape.ratio,
+            shape.dim(),
+            shape.state_floats(),
+        );
         let state = gpu.download(&self.state).unwrap();
         let pooled = gpu.download(&self.pooled).unwrap();
+        let entries = self.cache.entries(gpu);
         let mut err_want = err_before;
-        for b in 0..self.batch {
-            let t = pos[b];
-            let sf = shape.state_floats();
+        for (b, &t) in pos.iter().enumerate() {
             let got_state = &state[b * sf..(b + 1) * sf];
             if self.idle[b] {
                 assert!(t < 0);
@@ -308,44 +409,25 @@ impl Rig {
             }
             if t >= 0 {
                 let t = t as usize;
-                // The score is the gate plus the position bias row t mod m (Model::compressor_inputs).
-                let g: Vec<f32> = (0..w)
-                    .map(|c| gate[b * w + c] + self.lc.ape[(t % m) * w + c])
-                    .collect();
+                let g = score_row(&self.lc, &gate[b * w..(b + 1) * w], t);
                 if let Some(cpu_pooled) = self.cpu[b].push(t, &kv[b * w..(b + 1) * w], &g) {
                     let j = (t + 1) / m - 1;
                     let gp = &pooled[b * d..(b + 1) * d];
-                    let mut differ = 0;
-                    for c in 0..d {
-                        let u = ulps(cpu_pooled[c], gp[c]);
-                        assert!(
-                            u <= POOLED_ULPS,
-                            "{label}: seq {b} t {t} pooled[{c}] cpu {} gpu {} ({u} ulps)",
-                            cpu_pooled[c],
-                            gp[c]
-                        );
-                        differ += (u > 0) as usize;
-                    }
+                    let label = format!("{label} seq {b}");
+                    self.pooled_differ += compare_pooled(&label, j, &cpu_pooled, gp);
                     self.pooled_compared += d;
-                    self.pooled_differ += differ;
                     if j < self.caps[b] as usize {
-                        self.emitted.push((b, j));
-                        let fin = self
-                            .model
-                            .finalize_entry(self.layer, self.lc.which, j, gp)
-                            .unwrap();
-                        let want = expected_stored(shape.kind, &fin).unwrap();
-                        let got =
-                            decode_stored(shape.kind, &self.entry(gpu, b * self.slots_per_seq + j))
-                                .unwrap();
-                        assert_bit_identical(label, &format!("seq {b} entry {j}"), &want, &got);
-                        if differ == 0 {
-                            let fin_cpu = self
-                                .model
-                                .finalize_entry(self.layer, self.lc.which, j, &cpu_pooled)
-                                .unwrap();
-                            assert_eq!(fin_cpu, fin);
-                        }
+                        let slot = b * self.slots_per_seq + j;
+                        self.written.push(slot);
+                        check_entry(
+                            &label,
+                            &self.model,
+                            self.layer,
+                            &self.lc,
+                            j,
+                            (&cpu_pooled, gp),
+                            &entries[slot],
+                        );
                     } else {
                         err_want = 1;
                     }
@@ -361,71 +443,28 @@ impl Rig {
         let err = gpu.download(&self.error).unwrap()[0];
         assert_eq!(err, err_want, "{label}: error word");
     }
-
-    fn entry(&self, gpu: &Gpu, slot: usize) -> Vec<u8> {
-        let kind = self.lc.shape.kind;
-        match (&self.kv_pool, &self.keys) {
-            (Some(p), _) => entry_bytes_at(kind, &gpu.download(p).unwrap(), &[], slot),
-            (None, Some(k)) => entry_bytes_at(
-                kind,
-                &gpu.download(&k.codes).unwrap(),
-                &gpu.download(&k.scales).unwrap(),
-                slot,
-            ),
-            _ => unreachable!(),
-        }
-    }
-
-    /// Every slot no emission wrote is still all poison.
-    fn check_unwritten_poisoned(&self, gpu: &Gpu, label: &str) {
-        for b in 0..self.batch {
-            for j in 0..self.slots_per_seq {
-                if self.emitted.contains(&(b, j)) {
-                    continue;
-                }
-                let e = self.entry(gpu, b * self.slots_per_seq + j);
-                assert!(
-                    e.iter().all(|&x| x == POISON),
-                    "{label}: slot of seq {b} entry {j} written"
-                );
-            }
-        }
-    }
-
-    fn check_pooled_fraction(&self, label: &str) {
-        let frac = self.pooled_differ as f64 / self.pooled_compared.max(1) as f64;
-        println!(
-            "{label}: {} of {} pooled channels differ from the CPU (<= {POOLED_ULPS} ulps)",
-            self.pooled_differ, self.pooled_compared
-        );
-        assert!(self.pooled_compared > 0, "{label}: nothing emitted");
-        assert!(
-            frac <= POOLED_DIFF_FRACTION,
-            "{label}: {frac} of the pooled channels differ"
-        );
-    }
 }
 
-/// Drive `steps` decode steps: sequence b is at position step - start[b] (negative: an empty row), idle
-/// sequences always at -1. With `graph`, one step is captured and replayed with the new inputs and positions.
+/// Drive `steps` decode steps: sequence b is at position step - start[b] (negative: an empty row; `i32::MAX`:
+/// idle, always -1, its state poisoned). With `graph`, one step is captured and replayed with the new inputs and
+/// positions written between replays.
 fn run_decode(
     label: &str,
     layer: usize,
     kind: CompressorKind,
-    caps: &[i32],
-    start: &[i32],
+    seqs: &[(i32, i32)],
     steps: i32,
     graph: bool,
 ) {
     let gpu = common::gpu(label);
     let mut rng = common::seeded(label, "COMPRESSOR_SEED");
-    let idle: Vec<bool> = start.iter().map(|&s| s == i32::MAX).collect();
-    let mut rig = Rig::new(&gpu, small_model(rng.random()), layer, kind, caps, &idle);
+    let caps: Vec<i32> = seqs.iter().map(|s| s.1).collect();
+    let idle: Vec<bool> = seqs.iter().map(|s| s.0 == i32::MAX).collect();
+    let mut rig = Rig::new(&gpu, small_model(rng.random()), layer, kind, &caps, &idle);
     let shape = rig.lc.shape;
     let positions_at = |step: i32| -> Vec<i32> {
-        start
-            .iter()
-            .map(|&s| {
+        seqs.iter()
+            .map(|&(s, _)| {
                 if s == i32::MAX {
                     -1
                 } else {
@@ -460,43 +499,35 @@ fn run_decode(
         rig.check_step(&gpu, &format!("{label} step {step}"), &pos, &kv, &gate, err);
         err = gpu.download(&rig.error).unwrap()[0];
     }
-    rig.check_unwritten_poisoned(&gpu, label);
-    rig.check_pooled_fraction(label);
+    rig.cache.check_poisoned_except(&gpu, label, &rig.written);
+    assert!(rig.pooled_compared > 0, "{label}: nothing emitted");
+    assert_pooled_fraction(label, rig.pooled_differ, rig.pooled_compared);
 }
 
 // ---- GPU: decode ------------------------------------------------------------------------------------------------
 
-/// CSA (m = 4): sequence 0 covers t = 0 ..= 4m-1 (four emissions, capacity 4) from step 0; sequence 1 starts 2
-/// steps later (empty rows first) with capacity 2, so its third entry sets the error bit and writes nothing;
-/// sequence 2 stays idle with a poisoned state.
-const CSA_CAPS: [i32; 3] = [4, 2, 3];
-const CSA_START: [i32; 3] = [0, 2, i32::MAX];
+/// CSA (m = 4), (start step, capacity) per sequence: sequence 0 covers t = 0 ..= 4m-1 (four emissions, capacity
+/// 4); sequence 1 starts 2 steps later (empty rows first) with capacity 2, so its third entry sets the error bit
+/// and writes nothing; sequence 2 stays idle with a poisoned state.
+const CSA_SEQS: [(i32, i32); 3] = [(0, 4), (2, 2), (i32::MAX, 3)];
 const CSA_STEPS: i32 = 4 * 4;
+
+fn csa_decode(label: &str, kind: CompressorKind, graph: bool) {
+    run_decode(label, CSA_LAYER, kind, &CSA_SEQS, CSA_STEPS, graph);
+}
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_decode_csa_main_matches_cpu_state_and_entries() {
-    run_decode(
-        "gpu_decode_csa_main",
-        CSA_LAYER,
-        CompressorKind::CsaMain,
-        &CSA_CAPS,
-        &CSA_START,
-        CSA_STEPS,
-        false,
-    );
+    csa_decode("gpu_decode_csa_main", CompressorKind::CsaMain, false);
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_decode_csa_index_fp8_matches_cpu_state_and_keys() {
-    run_decode(
+    csa_decode(
         "gpu_decode_csa_index_fp8",
-        CSA_LAYER,
         CompressorKind::CsaIndex(KeyFormat::Fp8),
-        &CSA_CAPS,
-        &CSA_START,
-        CSA_STEPS,
         false,
     );
 }
@@ -504,19 +535,15 @@ fn gpu_decode_csa_index_fp8_matches_cpu_state_and_keys() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_decode_csa_index_mxfp4_matches_cpu_state_and_keys() {
-    run_decode(
+    csa_decode(
         "gpu_decode_csa_index_mxfp4",
-        CSA_LAYER,
         CompressorKind::CsaIndex(KeyFormat::Mxfp4),
-        &CSA_CAPS,
-        &CSA_START,
-        CSA_STEPS,
         false,
     );
 }
 
-/// HCA (m = 128) across two emissions and one token past them: t = 0 ..= 2m + 1 for sequence 0; sequence 1
-/// starts 5 steps later with capacity 1 (its second emission is refused).
+/// HCA (m = 128) across two emissions and one token past them: t = 0 ..= 2m + 6 for sequence 0 (capacity 2);
+/// sequence 1 starts 5 steps later with capacity 1 (its second emission is refused).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_decode_hca_main_matches_cpu_across_two_emissions() {
@@ -524,9 +551,8 @@ fn gpu_decode_hca_main_matches_cpu_across_two_emissions() {
         "gpu_decode_hca_main",
         HCA_LAYER,
         CompressorKind::HcaMain,
-        &[2, 1],
-        &[0, 5],
-        2 * 128 + 2 + 5,
+        &[(0, 2), (5, 1)],
+        2 * 128 + 7,
         false,
     );
 }
@@ -535,21 +561,14 @@ fn gpu_decode_hca_main_matches_cpu_across_two_emissions() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_decode_graph_replays_with_new_positions() {
-    run_decode(
-        "gpu_decode_graph",
-        CSA_LAYER,
-        CompressorKind::CsaMain,
-        &CSA_CAPS,
-        &CSA_START,
-        CSA_STEPS,
-        true,
-    );
+    csa_decode("gpu_decode_graph", CompressorKind::CsaMain, true);
 }
 
 // ---- GPU: prefill -------------------------------------------------------------------------------------------------
 
 /// Prefill of n tokens against n CPU pushes (Model::prefill's state equals n decode steps'): every block's entry
-/// and pooled values, the seeded state, the error bit past capacity, unwritten slots poisoned.
+/// and pooled values, the seeded state, the error bit past capacity, unwritten slots poisoned (entries start at
+/// slot 1: slot 0 must stay poisoned).
 fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: usize) {
     let gpu = common::gpu(label);
     let mut rng = common::seeded(label, "COMPRESSOR_SEED");
@@ -567,30 +586,12 @@ fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: u
         .map(|_| rng.random_range(-3.0f32..3.0))
         .collect();
     let blocks_cap = max_tokens / m;
-    let slots = blocks_cap + 1;
-    let (kv_pool, keys) = match kind {
-        CompressorKind::CsaIndex(f) => (
-            None,
-            Some(KeyCacheGpu::filled(&gpu, f, 1, slots, POISON).unwrap()),
-        ),
-        _ => (
-            Some(
-                gpu.poisoned::<u8>(slots * kind.entry_bytes(), POISON)
-                    .unwrap(),
-            ),
-            None,
-        ),
-    };
-    let cache = match (&kv_pool, &keys) {
-        (Some(p), _) => EntryCache::kv(p),
-        (None, Some(k)) => EntryCache::index(k),
-        _ => unreachable!(),
-    };
+    let cache = TestCache::new(&gpu, kind, 1, blocks_cap + 1);
     let kv_d = gpu.upload(&kv).unwrap();
     let gate_d = gpu.upload(&gate).unwrap();
     let n_d = gpu.upload(&[n as i32]).unwrap();
     let state = gpu.poisoned::<f32>(shape.state_floats(), POISON).unwrap();
-    let base = gpu.upload(&[1i32]).unwrap(); // entries from slot 1: slot 0 must stay poisoned
+    let base = gpu.upload(&[1i32]).unwrap();
     let capacity = gpu.upload(&[cap as i32]).unwrap();
     let pooled = gpu.poisoned::<f32>(blocks_cap * d, POISON).unwrap();
     let error = gpu.poisoned::<u32>(1, 0).unwrap();
@@ -604,7 +605,7 @@ fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: u
             base: dev(&base),
             capacity: dev(&capacity),
         },
-        cache,
+        cache: cache.entry_cache(),
         pooled: Some(dev(&pooled)),
         error: dev(&error),
     };
@@ -614,12 +615,8 @@ fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: u
     let mut cpu = CompressorState::new(m, kind.overlap(), d);
     let mut cpu_pooled = Vec::new();
     for t in 0..n {
-        let g: Vec<f32> = (0..w)
-            .map(|c| gate[t * w + c] + lc.ape[(t % m) * w + c])
-            .collect();
-        if let Some(p) = cpu.push(t, &kv[t * w..(t + 1) * w], &g) {
-            cpu_pooled.push(p);
-        }
+        let g = score_row(&lc, &gate[t * w..(t + 1) * w], t);
+        cpu_pooled.extend(cpu.push(t, &kv[t * w..(t + 1) * w], &g));
     }
     assert_eq!(cpu_pooled.len(), n / m);
     assert_bit_identical(
@@ -629,48 +626,26 @@ fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: u
         &gpu.download(&state).unwrap(),
     );
     let gp = gpu.download(&pooled).unwrap();
-    let (codes, scales) = match (&kv_pool, &keys) {
-        (Some(p), _) => (gpu.download(p).unwrap(), Vec::new()),
-        (None, Some(k)) => (
-            gpu.download(&k.codes).unwrap(),
-            gpu.download(&k.scales).unwrap(),
-        ),
-        _ => unreachable!(),
-    };
-    let (mut differ, mut compared) = (0usize, 0usize);
-    for (j, cp_j) in cpu_pooled.iter().enumerate() {
-        let g = &gp[j * d..(j + 1) * d];
-        for c in 0..d {
-            let u = ulps(cp_j[c], g[c]);
-            assert!(
-                u <= POOLED_ULPS,
-                "{label}: block {j} pooled[{c}] cpu {} gpu {}",
-                cp_j[c],
-                g[c]
-            );
-            differ += (u > 0) as usize;
-        }
-        compared += d;
+    let entries = cache.entries(&gpu);
+    let mut differ = 0;
+    for (j, cpu_j) in cpu_pooled.iter().enumerate() {
+        let gpu_j = &gp[j * d..(j + 1) * d];
+        differ += compare_pooled(label, j, cpu_j, gpu_j);
         if j < cap {
-            let fin = model.finalize_entry(layer, lc.which, j, g).unwrap();
-            let got = decode_stored(kind, &entry_bytes_at(kind, &codes, &scales, 1 + j)).unwrap();
-            assert_bit_identical(
+            check_entry(
                 label,
-                &format!("entry {j}"),
-                &expected_stored(kind, &fin).unwrap(),
-                &got,
+                &model,
+                layer,
+                &lc,
+                j,
+                (cpu_j, gpu_j),
+                &entries[1 + j],
             );
         }
     }
-    println!("{label}: {differ} of {compared} pooled channels differ from the CPU");
-    assert!(differ as f64 <= POOLED_DIFF_FRACTION * compared as f64);
+    assert_pooled_fraction(label, differ, cpu_pooled.len() * d);
     let written: Vec<usize> = (0..cpu_pooled.len().min(cap)).map(|j| 1 + j).collect();
-    for s in 0..slots {
-        if !written.contains(&s) {
-            let e = entry_bytes_at(kind, &codes, &scales, s);
-            assert!(e.iter().all(|&x| x == POISON), "{label}: slot {s} written");
-        }
-    }
+    cache.check_poisoned_except(&gpu, label, &written);
     let err = gpu.download(&error).unwrap()[0];
     assert_eq!(err, (n / m > cap) as u32, "{label}: error word");
 }
