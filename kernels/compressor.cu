@@ -67,7 +67,7 @@ struct Finalize {
     unsigned* error;      // bit 0: an emitted entry fell outside the sequence's capacity or the cache
 };
 
-// Pooling of channel c over the sources (kv, score) at src_kv[s * stride] / src_sc[s * stride], s < n, in order.
+// Pooling of one channel over n sources in order; src(s, kv, score) yields source s (pool_softmax's order).
 template <typename Src>
 __device__ __forceinline__ float pool_channel(int n, Src src) {
     float mx = -INFINITY;
@@ -272,41 +272,27 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ kv_in, co
 
 // Decode step, grid = batch capacity, block = d threads. kv_in/gate_in [B, W]; ape [m, W]; positions [B];
 // state [B, 2, coff*m, W]; base/capacity [B]; pooled_out [B, d] or null (a test probe).
-extern "C" __global__ void __launch_bounds__(512) compressor_decode_csa_main(COMPRESSOR_DECODE_PARAMS) {
-    decode_body<kMainDim, true, STORE_KV_ENTRY>(kv_in, gate_in, ape, positions, ratio, state, base, capacity,
-                                                pooled_out, COMPRESSOR_FINALIZE);
-}
-extern "C" __global__ void __launch_bounds__(512) compressor_decode_hca_main(COMPRESSOR_DECODE_PARAMS) {
-    decode_body<kMainDim, false, STORE_KV_ENTRY>(kv_in, gate_in, ape, positions, ratio, state, base, capacity,
-                                                 pooled_out, COMPRESSOR_FINALIZE);
-}
-extern "C" __global__ void __launch_bounds__(128) compressor_decode_csa_index_fp8(COMPRESSOR_DECODE_PARAMS) {
-    decode_body<kIndexDim, true, STORE_INDEX_FP8>(kv_in, gate_in, ape, positions, ratio, state, base, capacity,
-                                                  pooled_out, COMPRESSOR_FINALIZE);
-}
-extern "C" __global__ void __launch_bounds__(128) compressor_decode_csa_index_mxfp4(COMPRESSOR_DECODE_PARAMS) {
-    decode_body<kIndexDim, true, STORE_INDEX_MXFP4>(kv_in, gate_in, ape, positions, ratio, state, base, capacity,
-                                                    pooled_out, COMPRESSOR_FINALIZE);
-}
-
+#define COMPRESSOR_DECODE_ENTRY(NAME, D, OVERLAP, STORE)                                                       \
+    extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_DECODE_PARAMS) {                          \
+        decode_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, positions, ratio, state, base, capacity, pooled_out, \
+                                       COMPRESSOR_FINALIZE);                                                     \
+    }
 // Prefill blocks of one sequence, grid = the most blocks (token capacity / m), block = d threads. kv_in/gate_in
 // [n, W] (raw gate: ape is added here); n_tokens [1]; base/capacity [1]; pooled_out [blocks, d] or null.
-extern "C" __global__ void __launch_bounds__(512) compressor_prefill_csa_main(COMPRESSOR_PREFILL_PARAMS) {
-    prefill_body<kMainDim, true, STORE_KV_ENTRY>(kv_in, gate_in, ape, n_tokens, ratio, base, capacity, pooled_out,
-                                                 COMPRESSOR_FINALIZE);
-}
-extern "C" __global__ void __launch_bounds__(512) compressor_prefill_hca_main(COMPRESSOR_PREFILL_PARAMS) {
-    prefill_body<kMainDim, false, STORE_KV_ENTRY>(kv_in, gate_in, ape, n_tokens, ratio, base, capacity, pooled_out,
-                                                  COMPRESSOR_FINALIZE);
-}
-extern "C" __global__ void __launch_bounds__(128) compressor_prefill_csa_index_fp8(COMPRESSOR_PREFILL_PARAMS) {
-    prefill_body<kIndexDim, true, STORE_INDEX_FP8>(kv_in, gate_in, ape, n_tokens, ratio, base, capacity,
-                                                   pooled_out, COMPRESSOR_FINALIZE);
-}
-extern "C" __global__ void __launch_bounds__(128) compressor_prefill_csa_index_mxfp4(COMPRESSOR_PREFILL_PARAMS) {
-    prefill_body<kIndexDim, true, STORE_INDEX_MXFP4>(kv_in, gate_in, ape, n_tokens, ratio, base, capacity,
-                                                     pooled_out, COMPRESSOR_FINALIZE);
-}
+#define COMPRESSOR_PREFILL_ENTRY(NAME, D, OVERLAP, STORE)                                                      \
+    extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_PREFILL_PARAMS) {                         \
+        prefill_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, n_tokens, ratio, base, capacity, pooled_out,       \
+                                        COMPRESSOR_FINALIZE);                                                    \
+    }
+
+COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_main, kMainDim, true, STORE_KV_ENTRY)
+COMPRESSOR_DECODE_ENTRY(compressor_decode_hca_main, kMainDim, false, STORE_KV_ENTRY)
+COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)
+COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_index_mxfp4, kIndexDim, true, STORE_INDEX_MXFP4)
+COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_main, kMainDim, true, STORE_KV_ENTRY)
+COMPRESSOR_PREFILL_ENTRY(compressor_prefill_hca_main, kMainDim, false, STORE_KV_ENTRY)
+COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)
+COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_index_mxfp4, kIndexDim, true, STORE_INDEX_MXFP4)
 
 // The state of one sequence after a prefill of *n_tokens tokens, exactly as that many decode steps leave it
 // (Model::prefill's seed_state on an empty state): done = (n / m) * m; CSA with a complete block: rows 0..m =

@@ -311,6 +311,29 @@ fn check_weights(shape: &CompressorShape, w: &CompressorWeights) -> Result<()> {
     check_len(&w.freqs, ROPE_DIMS / 2, "RoPE frequencies")
 }
 
+/// The parameters the decode and prefill kernels share after their inputs, in their order: norm_w, freqs, eps,
+/// base, capacity, n_slots, out_codes, out_scales, pooled_out, error.
+fn push_finalize_args(
+    a: &mut KernelArgs,
+    w: &CompressorWeights,
+    slots: &EntrySlots,
+    cache: &EntryCache,
+    pooled: &Option<DevBuf<f32>>,
+    error: &DevBuf<u32>,
+) {
+    a.buf(&w.norm)
+        .buf(&w.freqs)
+        .f32(w.eps)
+        .buf(&slots.base)
+        .buf(&slots.capacity);
+    cache.push_args(a);
+    match pooled {
+        Some(p) => a.buf(p),
+        None => a.null(),
+    };
+    a.buf(error);
+}
+
 /// The checks of [`decode_step`], before any launch.
 pub fn check_decode(shape: &CompressorShape, w: &CompressorWeights, io: &DecodeIo) -> Result<()> {
     shape.check()?;
@@ -355,18 +378,8 @@ pub fn decode_step(
         .buf(&w.ape)
         .buf(&io.positions)
         .i32(shape.ratio as i32)
-        .buf(&io.state)
-        .buf(&w.norm)
-        .buf(&w.freqs)
-        .f32(w.eps)
-        .buf(&io.slots.base)
-        .buf(&io.slots.capacity);
-    io.cache.push_args(&mut a);
-    match &io.pooled {
-        Some(p) => a.buf(p),
-        None => a.null(),
-    };
-    a.buf(&io.error);
+        .buf(&io.state);
+    push_finalize_args(&mut a, w, &io.slots, &io.cache, &io.pooled, &io.error);
     // SAFETY: arguments in the kernel's order (COMPRESSOR_DECODE_PARAMS); every buffer was checked against the
     // batch and the shape; the kernel reads base/capacity/positions for b < batch only and bounds every slot by
     // the cache's entry count.
@@ -437,18 +450,8 @@ pub fn prefill(
             .buf(&io.gate)
             .buf(&w.ape)
             .buf(&io.n_tokens)
-            .i32(shape.ratio as i32)
-            .buf(&w.norm)
-            .buf(&w.freqs)
-            .f32(w.eps)
-            .buf(&io.slots.base)
-            .buf(&io.slots.capacity);
-        io.cache.push_args(&mut a);
-        match &io.pooled {
-            Some(p) => a.buf(p),
-            None => a.null(),
-        };
-        a.buf(&io.error);
+            .i32(shape.ratio as i32);
+        push_finalize_args(&mut a, w, &io.slots, &io.cache, &io.pooled, &io.error);
         // SAFETY: arguments in the kernel's order (COMPRESSOR_PREFILL_PARAMS); kv/gate hold max_tokens rows and
         // CTA j < max_tokens / m reads tokens < (j + 1) * m <= max_tokens; slots are bounded by the cache's entry
         // count.
