@@ -1,21 +1,26 @@
 //! The KV compressors (src/ops/compressor, kernels/compressor.cu) against the CPU model: the GPU state driven side
 //! by side with `model::reference::CompressorState::push` over many positions, compared bit for bit after every
 //! step (no sum is involved: rows are copies and one f32 add of the position bias); the pooled values of every
-//! emission against `push`'s within a few ulps (tolerance below); every emitted entry, decoded with `formats`,
+//! emission against `push`'s within the propagated exp bound (below); every emitted entry, decoded with `formats`,
 //! exactly `Model::finalize_entry` of the GPU's own pooled values (the finalize is exact, see below); slots not
 //! emitted stay poisoned; the capacity error bit; a captured step replayed with new positions; prefill against
 //! the same pushes. Weights (ape, norm, RoPE frequencies) are the synthetic small model's real compressor
 //! weights; kv and gate are fresh random values.
 //!
 //! Tolerances. Pooling (`pool_softmax`) is the same sequence of f32 operations on both sides except exp: the
-//! kernel rounds the f64 exp to f32, the host calls expf (glibc, < 0.502 ulp); they differ only where the exact
-//! value sits within ~0.002 ulp of an f32 rounding boundary, i.e. in a small fraction of the exps. One differing
-//! exp (1 ulp) moves num and den by at most 1 ulp of a term each, so a pooled value moves by a few ulps: the bound
-//! is 8 ulps, and at most 2% of the pooled channels may differ at all (counted and printed). The finalize
-//! (BF16, RMSNorm with the sum of squares in f64 -- exact for BF16 inputs unless the values span more than
-//! ~2^18 in magnitude, and even then equal after the f32 rounding of inv except with probability ~2^-29 --,
-//! RoPE with the shared f64-angle helper, FP8 / Hadamard + FP4) is compared exactly against the GPU's pooled
-//! values, and the entry against the CPU's pooled values where the two pooled vectors are equal.
+//! kernel rounds the f64 exp to f32 (correctly rounded but for a band of ~2^-29 ulp), the host calls glibc's expf
+//! (a double evaluation with relative error 1.69 * 2^-34 before its final rounding, i.e. within ~2^-11 ulp), so an
+//! exp differs (by 1 ulp) only where the exact value sits within ~2^-11 ulp of an f32 rounding midpoint: a
+//! fraction ~2^-10 of the exps. Once one e differs, num and den differ by that term's ulp plus one rounding of
+//! each later partial sum, each partial bounded by sum_s e_s |kv_s| <= den * max|kv|; so
+//! |pooled_gpu - pooled_cpu| <= 2 n 2^-23 max|kv| + 2 ulp(pooled) for n sources (here n = coff*m rows, |kv| <= 1).
+//! An absolute bound, not an ulp count: num can cancel (kv of both signs), so a 1-ulp term change can be many
+//! ulps of a small pooled value. The channels that differ at all are counted and bounded by n 2^-8 of them (4x
+//! the expected n 2^-10): a systematic difference (an FMA contraction, a wrong order) changes most channels.
+//! The finalize (BF16, RMSNorm with the sum of squares in f64 -- exact for BF16 inputs unless the values span
+//! more than ~2^18 in magnitude, and even then equal after the f32 rounding of inv except with probability
+//! ~2^-29 --, RoPE with the shared f64-angle helper, FP8 / Hadamard + FP4) is compared exactly against the GPU's
+//! pooled values, and against the CPU's pooled values where the two pooled vectors are equal.
 
 mod common;
 
@@ -37,8 +42,8 @@ use rand_chacha::ChaCha8Rng;
 /// Layers of ModelConfig::small(): 2 is CSA (m = 4), 3 is HCA (m = 128).
 const CSA_LAYER: usize = 2;
 const HCA_LAYER: usize = 3;
-const POOLED_ULPS: u32 = 8;
-const POOLED_DIFF_FRACTION: f64 = 0.02;
+/// Largest |kv| the tests draw (the pooled tolerance scales with it).
+const KV_MAX: f32 = 1.0;
 
 fn small_model(seed: u64) -> Model {
     Model::new(Weights::synthetic(ModelConfig::small(), seed, CachePolicy::All).unwrap()).unwrap()
@@ -204,16 +209,17 @@ fn score_row(lc: &LayerCompressor, gate: &[f32], t: usize) -> Vec<f32> {
     (0..w).map(|c| gate[c] + lc.ape[(t % m) * w + c]).collect()
 }
 
-/// Pooled channels of entry j: within POOLED_ULPS of the CPU's; returns how many differ at all.
-fn compare_pooled(label: &str, j: usize, cpu: &[f32], gpu: &[f32]) -> usize {
+/// Pooled channels of entry j over `n` sources: within the propagated exp bound of the CPU's (module docs);
+/// returns how many differ at all.
+fn compare_pooled(label: &str, j: usize, n: usize, cpu: &[f32], gpu: &[f32]) -> usize {
+    let abs_tol = 2.0 * n as f32 * KV_MAX * f32::EPSILON;
     let mut differ = 0;
     for (c, (&a, &b)) in cpu.iter().zip(gpu).enumerate() {
-        let u = ulps(a, b);
         assert!(
-            u <= POOLED_ULPS,
-            "{label}: entry {j} pooled[{c}] cpu {a} gpu {b} ({u} ulps)"
+            (a - b).abs() <= abs_tol || ulps(a, b) <= 2,
+            "{label}: entry {j} pooled[{c}] cpu {a} gpu {b} (tolerance {abs_tol} + 2 ulps)"
         );
-        differ += (u > 0) as usize;
+        differ += (a.to_bits() != b.to_bits()) as usize;
     }
     differ
 }
@@ -247,11 +253,14 @@ fn check_entry(
     }
 }
 
-fn assert_pooled_fraction(label: &str, differ: usize, compared: usize) {
-    println!("{label}: {differ} of {compared} pooled channels differ from the CPU (<= {POOLED_ULPS} ulps)");
+fn assert_pooled_fraction(label: &str, n: usize, differ: usize, compared: usize) {
+    println!(
+        "{label}: {differ} of {compared} pooled channels differ from the CPU ({n} sources each)"
+    );
+    let allowed = (n as f64 / 256.0).min(1.0);
     assert!(
-        differ as f64 <= POOLED_DIFF_FRACTION * compared as f64,
-        "{label}: {differ} of {compared} pooled channels differ"
+        differ as f64 <= allowed * compared as f64,
+        "{label}: {differ} of {compared} pooled channels differ (allowed fraction {allowed})"
     );
 }
 
@@ -368,7 +377,7 @@ impl Rig {
         pos: &[i32],
     ) -> (Vec<f32>, Vec<f32>) {
         let n = self.batch * self.lc.shape.width();
-        let kv: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let kv: Vec<f32> = (0..n).map(|_| rng.random_range(-KV_MAX..KV_MAX)).collect();
         let gate: Vec<f32> = (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect();
         gpu.write(&gpu.stream, &mut self.kv, &kv).unwrap();
         gpu.write(&gpu.stream, &mut self.gate, &gate).unwrap();
@@ -414,7 +423,7 @@ impl Rig {
                     let j = (t + 1) / m - 1;
                     let gp = &pooled[b * d..(b + 1) * d];
                     let label = format!("{label} seq {b}");
-                    self.pooled_differ += compare_pooled(&label, j, &cpu_pooled, gp);
+                    self.pooled_differ += compare_pooled(&label, j, shape.rows(), &cpu_pooled, gp);
                     self.pooled_compared += d;
                     if j < self.caps[b] as usize {
                         let slot = b * self.slots_per_seq + j;
@@ -501,7 +510,7 @@ fn run_decode(
     }
     rig.cache.check_poisoned_except(&gpu, label, &rig.written);
     assert!(rig.pooled_compared > 0, "{label}: nothing emitted");
-    assert_pooled_fraction(label, rig.pooled_differ, rig.pooled_compared);
+    assert_pooled_fraction(label, shape.rows(), rig.pooled_differ, rig.pooled_compared);
 }
 
 // ---- GPU: decode ------------------------------------------------------------------------------------------------
@@ -580,7 +589,7 @@ fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: u
         CompressorWeights::upload(&gpu, &shape, &lc.ape, &lc.norm, &lc.freqs, lc.eps).unwrap();
     let max_tokens = n + m; // a token capacity above n: the device count decides
     let kv: Vec<f32> = (0..max_tokens * w)
-        .map(|_| rng.random_range(-1.0f32..1.0))
+        .map(|_| rng.random_range(-KV_MAX..KV_MAX))
         .collect();
     let gate: Vec<f32> = (0..max_tokens * w)
         .map(|_| rng.random_range(-3.0f32..3.0))
@@ -630,7 +639,7 @@ fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: u
     let mut differ = 0;
     for (j, cpu_j) in cpu_pooled.iter().enumerate() {
         let gpu_j = &gp[j * d..(j + 1) * d];
-        differ += compare_pooled(label, j, cpu_j, gpu_j);
+        differ += compare_pooled(label, j, shape.rows(), cpu_j, gpu_j);
         if j < cap {
             check_entry(
                 label,
@@ -643,7 +652,7 @@ fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: u
             );
         }
     }
-    assert_pooled_fraction(label, differ, cpu_pooled.len() * d);
+    assert_pooled_fraction(label, shape.rows(), differ, cpu_pooled.len() * d);
     let written: Vec<usize> = (0..cpu_pooled.len().min(cap)).map(|j| 1 + j).collect();
     cache.check_poisoned_except(&gpu, label, &written);
     let err = gpu.download(&error).unwrap()[0];

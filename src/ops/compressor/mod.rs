@@ -523,6 +523,28 @@ mod tests {
         .is_err());
     }
 
+    /// Every entry point a launcher resolves is one nvcc compiled (the names come from ptxas, so the macro-made
+    /// entry points are listed; without cubins the list holds literal names only).
+    #[cfg(has_cubins)]
+    #[test]
+    fn every_launched_entry_point_is_compiled() {
+        let src = crate::gpu::module::find(FAMILY).unwrap();
+        let mut names = vec!["compressor_seed_state".to_string()];
+        for kind in [
+            CompressorKind::CsaMain,
+            CompressorKind::HcaMain,
+            CompressorKind::CsaIndex(KeyFormat::Fp8),
+            CompressorKind::CsaIndex(KeyFormat::Mxfp4),
+        ] {
+            names.push(kind.decode_kernel());
+            names.push(kind.prefill_kernel());
+        }
+        for n in &names {
+            assert!(src.functions.contains(&n.as_str()), "{n} not compiled");
+        }
+        assert_eq!(src.functions.len(), names.len());
+    }
+
     #[test]
     fn kernel_names_match_the_entry_points() {
         assert_eq!(
