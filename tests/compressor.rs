@@ -352,6 +352,12 @@ impl Rig {
         }
     }
 
+    /// (W, m, d, state floats per sequence).
+    fn dims(&self) -> (usize, usize, usize, usize) {
+        let s = self.lc.shape;
+        (s.width(), s.ratio, s.dim(), s.state_floats())
+    }
+
     fn io(&self) -> DecodeIo {
         DecodeIo {
             batch: self.batch,
@@ -396,12 +402,7 @@ impl Rig {
         err_before: u32,
     ) {
         let shape = self.lc.shape;
-        let (w, m, d, sf) = (
-            shape.width(),
-            shape.ratio,
-            shape.dim(),
-            shape.state_floats(),
-        );
+        let (w, m, d, sf) = self.dims();
         let state = gpu.download(&self.state).unwrap();
         let pooled = gpu.download(&self.pooled).unwrap();
         let entries = self.cache.entries(gpu);
@@ -452,16 +453,98 @@ impl Rig {
         let err = gpu.download(&self.error).unwrap()[0];
         assert_eq!(err, err_want, "{label}: error word");
     }
+
+    /// Prefill sequence b with `n` fresh tokens (one `prefill` call on its state and slots, then `n` CPU pushes)
+    /// and check the seeded state, every block's pooled values and entry, and the error bit.
+    fn prefill(&mut self, gpu: &Gpu, rng: &mut ChaCha8Rng, label: &str, b: usize, n: usize) {
+        let shape = self.lc.shape;
+        let (w, m, d, sf) = self.dims();
+        let max_tokens = n + m; // a token capacity above n: the device count decides
+        let kv: Vec<f32> = (0..max_tokens * w)
+            .map(|_| rng.random_range(-KV_MAX..KV_MAX))
+            .collect();
+        let gate: Vec<f32> = (0..max_tokens * w)
+            .map(|_| rng.random_range(-3.0f32..3.0))
+            .collect();
+        let (kv_d, gate_d) = (gpu.upload(&kv).unwrap(), gpu.upload(&gate).unwrap());
+        let n_d = gpu.upload(&[n as i32]).unwrap();
+        let pooled = gpu.poisoned::<f32>(max_tokens / m * d, POISON).unwrap();
+        let io = PrefillIo {
+            max_tokens,
+            kv: dev(&kv_d),
+            gate: dev(&gate_d),
+            n_tokens: dev(&n_d),
+            state: dev(&self.state).sub(b * sf, sf),
+            slots: EntrySlots {
+                base: dev(&self.base).sub(b, 1),
+                capacity: dev(&self.capacity).sub(b, 1),
+            },
+            cache: self.cache.entry_cache(),
+            pooled: Some(dev(&pooled)),
+            error: dev(&self.error),
+        };
+        let err_before = gpu.download(&self.error).unwrap()[0];
+        cp::prefill(gpu, &gpu.stream, &shape, &self.w, &io).unwrap();
+        gpu.synchronize().unwrap();
+
+        let cpu = &mut self.cpu[b];
+        assert_eq!(
+            host_state(cpu),
+            host_state(&CompressorState::new(m, shape.kind.overlap(), d))
+        );
+        let mut cpu_pooled = Vec::new();
+        for t in 0..n {
+            let g = score_row(&self.lc, &gate[t * w..(t + 1) * w], t);
+            cpu_pooled.extend(cpu.push(t, &kv[t * w..(t + 1) * w], &g));
+        }
+        assert_eq!(cpu_pooled.len(), n / m);
+        let state = gpu.download(&self.state).unwrap();
+        assert_bit_identical(
+            label,
+            &format!("seq {b} seeded state"),
+            &host_state(cpu),
+            &state[b * sf..(b + 1) * sf],
+        );
+        let gp = gpu.download(&pooled).unwrap();
+        let entries = self.cache.entries(gpu);
+        let cap = self.caps[b] as usize;
+        for (j, cpu_j) in cpu_pooled.iter().enumerate() {
+            let gpu_j = &gp[j * d..(j + 1) * d];
+            self.pooled_differ += compare_pooled(label, j, shape.rows(), cpu_j, gpu_j);
+            self.pooled_compared += d;
+            if j < cap {
+                let slot = b * self.slots_per_seq + j;
+                self.written.push(slot);
+                check_entry(
+                    label,
+                    &self.model,
+                    self.layer,
+                    &self.lc,
+                    j,
+                    (cpu_j, gpu_j),
+                    &entries[slot],
+                );
+            }
+        }
+        let err = gpu.download(&self.error).unwrap()[0];
+        assert_eq!(
+            err,
+            err_before | (n / m > cap) as u32,
+            "{label}: error word after the prefill"
+        );
+    }
 }
 
-/// Drive `steps` decode steps: sequence b is at position step - start[b] (negative: an empty row; `i32::MAX`:
-/// idle, always -1, its state poisoned). With `graph`, one step is captured and replayed with the new inputs and
-/// positions written between replays.
+/// Prefill every sequence that is not idle with `prefill` tokens (none when 0), then drive `steps` decode steps:
+/// sequence b, given as (start step, capacity), is at position prefill + step - start (before its start: an
+/// empty row, -1; start `i32::MAX`: idle, always -1, its state poisoned). With `graph`, one step is captured and
+/// replayed with the new inputs and positions written between replays.
 fn run_decode(
     label: &str,
     layer: usize,
     kind: CompressorKind,
     seqs: &[(i32, i32)],
+    prefill: usize,
     steps: i32,
     graph: bool,
 ) {
@@ -477,11 +560,21 @@ fn run_decode(
                 if s == i32::MAX {
                     -1
                 } else {
-                    (step - s).max(-1)
+                    let t = step - s;
+                    if t < 0 {
+                        -1
+                    } else {
+                        t + prefill as i32
+                    }
                 }
             })
             .collect()
     };
+    if prefill > 0 {
+        for b in (0..rig.batch).filter(|&b| !idle[b]) {
+            rig.prefill(&gpu, &mut rng, &format!("{label} prefill"), b, prefill);
+        }
+    }
     let cuda_graph = if graph {
         // Resolve the kernel with a plain call on empty rows first (nothing changes), then capture.
         let pos = vec![-1; rig.batch];
@@ -496,7 +589,7 @@ fn run_decode(
     } else {
         None
     };
-    let mut err = 0;
+    let mut err = gpu.download(&rig.error).unwrap()[0];
     for step in 0..steps {
         let pos = positions_at(step);
         let (kv, gate) = rig.write_inputs(&gpu, &mut rng, &pos);
@@ -509,7 +602,6 @@ fn run_decode(
         err = gpu.download(&rig.error).unwrap()[0];
     }
     rig.cache.check_poisoned_except(&gpu, label, &rig.written);
-    assert!(rig.pooled_compared > 0, "{label}: nothing emitted");
     assert_pooled_fraction(label, shape.rows(), rig.pooled_differ, rig.pooled_compared);
 }
 
@@ -522,7 +614,7 @@ const CSA_SEQS: [(i32, i32); 3] = [(0, 4), (2, 2), (i32::MAX, 3)];
 const CSA_STEPS: i32 = 4 * 4;
 
 fn csa_decode(label: &str, kind: CompressorKind, graph: bool) {
-    run_decode(label, CSA_LAYER, kind, &CSA_SEQS, CSA_STEPS, graph);
+    run_decode(label, CSA_LAYER, kind, &CSA_SEQS, 0, CSA_STEPS, graph);
 }
 
 #[test]
@@ -561,6 +653,7 @@ fn gpu_decode_hca_main_matches_cpu_across_two_emissions() {
         HCA_LAYER,
         CompressorKind::HcaMain,
         &[(0, 2), (5, 1)],
+        0,
         2 * 128 + 7,
         false,
     );
@@ -573,140 +666,89 @@ fn gpu_decode_graph_replays_with_new_positions() {
     csa_decode("gpu_decode_graph", CompressorKind::CsaMain, true);
 }
 
-// ---- GPU: prefill -------------------------------------------------------------------------------------------------
+// ---- GPU: prefill ----------------------------------------------------------------------------------------------
 
 /// Prefill of n tokens against n CPU pushes (Model::prefill's state equals n decode steps'): every block's entry
-/// and pooled values, the seeded state, the error bit past capacity, unwritten slots poisoned (entries start at
-/// slot 1: slot 0 must stay poisoned).
-fn run_prefill(label: &str, layer: usize, kind: CompressorKind, n: usize, cap: usize) {
-    let gpu = common::gpu(label);
-    let mut rng = common::seeded(label, "COMPRESSOR_SEED");
-    let model = small_model(rng.random());
-    let lc = layer_compressor(&model, layer, kind).unwrap();
-    let shape = lc.shape;
-    let (w, m, d) = (shape.width(), shape.ratio, shape.dim());
-    let wts =
-        CompressorWeights::upload(&gpu, &shape, &lc.ape, &lc.norm, &lc.freqs, lc.eps).unwrap();
-    let max_tokens = n + m; // a token capacity above n: the device count decides
-    let kv: Vec<f32> = (0..max_tokens * w)
-        .map(|_| rng.random_range(-KV_MAX..KV_MAX))
-        .collect();
-    let gate: Vec<f32> = (0..max_tokens * w)
-        .map(|_| rng.random_range(-3.0f32..3.0))
-        .collect();
-    let blocks_cap = max_tokens / m;
-    let cache = TestCache::new(&gpu, kind, 1, blocks_cap + 1);
-    let kv_d = gpu.upload(&kv).unwrap();
-    let gate_d = gpu.upload(&gate).unwrap();
-    let n_d = gpu.upload(&[n as i32]).unwrap();
-    let state = gpu.poisoned::<f32>(shape.state_floats(), POISON).unwrap();
-    let base = gpu.upload(&[1i32]).unwrap();
-    let capacity = gpu.upload(&[cap as i32]).unwrap();
-    let pooled = gpu.poisoned::<f32>(blocks_cap * d, POISON).unwrap();
-    let error = gpu.poisoned::<u32>(1, 0).unwrap();
-    let io = PrefillIo {
-        max_tokens,
-        kv: dev(&kv_d),
-        gate: dev(&gate_d),
-        n_tokens: dev(&n_d),
-        state: dev(&state),
-        slots: EntrySlots {
-            base: dev(&base),
-            capacity: dev(&capacity),
-        },
-        cache: cache.entry_cache(),
-        pooled: Some(dev(&pooled)),
-        error: dev(&error),
-    };
-    cp::prefill(&gpu, &gpu.stream, &shape, &wts, &io).unwrap();
-    gpu.synchronize().unwrap();
-
-    let mut cpu = CompressorState::new(m, kind.overlap(), d);
-    let mut cpu_pooled = Vec::new();
-    for t in 0..n {
-        let g = score_row(&lc, &gate[t * w..(t + 1) * w], t);
-        cpu_pooled.extend(cpu.push(t, &kv[t * w..(t + 1) * w], &g));
-    }
-    assert_eq!(cpu_pooled.len(), n / m);
-    assert_bit_identical(
+/// and pooled values, the seeded state, the error bit past capacity, unwritten slots poisoned; then `steps`
+/// decode steps continuing from position n.
+fn prefill_then_decode(
+    label: &str,
+    layer: usize,
+    kind: CompressorKind,
+    n: usize,
+    cap: i32,
+    steps: i32,
+) {
+    run_decode(
         label,
-        "seeded state",
-        &host_state(&cpu),
-        &gpu.download(&state).unwrap(),
+        layer,
+        kind,
+        &[(0, cap), (i32::MAX, 1)],
+        n,
+        steps,
+        false,
     );
-    let gp = gpu.download(&pooled).unwrap();
-    let entries = cache.entries(&gpu);
-    let mut differ = 0;
-    for (j, cpu_j) in cpu_pooled.iter().enumerate() {
-        let gpu_j = &gp[j * d..(j + 1) * d];
-        differ += compare_pooled(label, j, shape.rows(), cpu_j, gpu_j);
-        if j < cap {
-            check_entry(
-                label,
-                &model,
-                layer,
-                &lc,
-                j,
-                (cpu_j, gpu_j),
-                &entries[1 + j],
-            );
-        }
-    }
-    assert_pooled_fraction(label, shape.rows(), differ, cpu_pooled.len() * d);
-    let written: Vec<usize> = (0..cpu_pooled.len().min(cap)).map(|j| 1 + j).collect();
-    cache.check_poisoned_except(&gpu, label, &written);
-    let err = gpu.download(&error).unwrap()[0];
-    assert_eq!(err, (n / m > cap) as u32, "{label}: error word");
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_prefill_csa_main_matches_cpu() {
     // 5 blocks and 3 tokens of a sixth; capacity 4 refuses the fifth entry.
-    run_prefill(
+    prefill_then_decode(
         "gpu_prefill_csa_main",
         CSA_LAYER,
         CompressorKind::CsaMain,
         23,
         4,
+        0,
+    );
+    // 2 blocks and 3 tokens, then decode t = 11..=20: the first emission pools the 3 seeded rows and the 4 rows of
+    // the previous block that the prefill left in the state.
+    prefill_then_decode(
+        "gpu_prefill_csa_main_then_decode",
+        CSA_LAYER,
+        CompressorKind::CsaMain,
+        11,
+        5,
+        10,
     );
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_prefill_csa_index_matches_cpu() {
-    run_prefill(
-        "gpu_prefill_csa_index_fp8",
-        CSA_LAYER,
-        CompressorKind::CsaIndex(KeyFormat::Fp8),
-        22,
-        8,
-    );
-    run_prefill(
-        "gpu_prefill_csa_index_mxfp4",
-        CSA_LAYER,
-        CompressorKind::CsaIndex(KeyFormat::Mxfp4),
-        20,
-        8,
-    );
+    for (name, f) in [("fp8", KeyFormat::Fp8), ("mxfp4", KeyFormat::Mxfp4)] {
+        let kind = CompressorKind::CsaIndex(f);
+        prefill_then_decode(
+            &format!("gpu_prefill_csa_index_{name}"),
+            CSA_LAYER,
+            kind,
+            22,
+            8,
+            6,
+        );
+    }
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_prefill_hca_main_matches_cpu() {
-    run_prefill(
+    // Two blocks and 5 tokens; capacity 1 refuses the second entry.
+    prefill_then_decode(
         "gpu_prefill_hca_main",
         HCA_LAYER,
         CompressorKind::HcaMain,
         2 * 128 + 5,
-        2,
+        1,
+        0,
     );
-    // Fewer tokens than one block: no entry, the state holds the tokens.
-    run_prefill(
+    // Fewer tokens than one block, then decode across the first emission (t = 100..=130).
+    prefill_then_decode(
         "gpu_prefill_hca_main_short",
         HCA_LAYER,
         CompressorKind::HcaMain,
         100,
         2,
+        31,
     );
 }
