@@ -26,6 +26,9 @@
 //! Numerics (kernels/compressor.cu states the identities): the state and the stored codes are exact functions of
 //! the pooled values; pooling rounds like `pool_softmax` except exp (f64 exp rounded to f32 vs the host's expf,
 //! which agree except near an f32 rounding boundary); the RMSNorm sum is in f64 and exact for these inputs.
+//!
+//! No `megamoe exec` entry: the CPU side of the finalize is `Model::finalize_entry`, bound to a model's weights
+//! and layer, so an exec on user tensors would need a second CPU derivation of it.
 
 pub mod bench;
 pub mod reference;
@@ -413,8 +416,10 @@ pub struct PrefillIo {
     pub error: DevBuf<u32>,
 }
 
-/// Prefill of one sequence from an empty state: every complete block's entry (grid max_tokens / m), then the
-/// state seeded exactly as n decode steps leave it (grid coff*m rows). Two launches on `stream`.
+/// Prefill of one sequence whose prompt starts at position 0 (its state is overwritten, whatever it held): every
+/// complete block's entry (grid max_tokens / m), then the state seeded exactly as n decode steps leave it (grid
+/// coff*m rows). Two launches on `stream`; for a sequence of a batch pass its state slice
+/// (`state.sub(b * state_floats, state_floats)`) and its base / capacity elements.
 pub fn prefill(
     gpu: &Gpu,
     stream: &Stream,
