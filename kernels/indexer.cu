@@ -59,8 +59,8 @@
 // (base += blockDim, the element test is inside). No global lock, no inter-CTA wait.
 #include <stdint.h>
 #include "common/formats.cuh"
+#include "common/index_key.cuh"
 #include "common/wgmma.cuh"
-#include "common/hadamard.cuh"
 
 namespace {
 
@@ -71,6 +71,8 @@ constexpr unsigned FULL = 0xffffffffu;
 // ------------------------------------------------------------------------------------------------------------
 // Key writer
 // ------------------------------------------------------------------------------------------------------------
+
+using mm::hadamard128_warp;  // kernels/common/hadamard.cuh
 
 __device__ __forceinline__ bool load_raw_key(const float* __restrict__ raw, const int* __restrict__ slots, int n,
                                              int num_slots, int key, int lane, float v[4], int& slot) {
@@ -94,16 +96,8 @@ extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_fp8(const f
     float v[4];
     int slot;
     if (!load_raw_key(raw, slots, n, num_slots, key, lane, v, slot)) return;  // warp-uniform
-    mm::hadamard128_warp(v, lane);
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, m));
-    const float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.f);
-    uint32_t word = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) word |= (uint32_t)mm::e4m3_encode(__fdiv_rn(v[i], scale)) << (8 * i);
-    reinterpret_cast<uint32_t*>(codes + (size_t)slot * DIM)[lane] = word;
-    if (lane == 0) scales[slot] = scale;
+    hadamard128_warp(v, lane);
+    index_key::store_fp8(v, lane, codes, scales, slot);
 }
 
 // raw [n][128] f32 keys; writes codes[slot][64] packed e2m1 and scales[slot][4] ue8m0.
@@ -116,20 +110,8 @@ extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_mxfp4(const
     float v[4];
     int slot;
     if (!load_raw_key(raw, slots, n, num_slots, key, lane, v, slot)) return;
-    mm::hadamard128_warp(v, lane);
-    // Block of 32 dims = 8 consecutive lanes.
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-    for (int m = 4; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, m));
-    const float floor = __uint_as_float(0x01C00000u);  // 6 * 2^-126, DSV4's FP4 amax floor
-    const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, floor), 6.f);
-    const float s = mm::ue8m0_decode(sc);
-    uint32_t e[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) e[i] = mm::e2m1_encode(__fdiv_rn(v[i], s));
-    const uint16_t packed = (uint16_t)(e[0] | (e[1] << 4) | (e[2] << 8) | (e[3] << 12));
-    reinterpret_cast<uint16_t*>(codes + (size_t)slot * (DIM / 2))[lane] = packed;
-    if ((lane & 7) == 0) scales[(size_t)slot * 4 + lane / 8] = sc;
+    hadamard128_warp(v, lane);
+    index_key::store_mxfp4(v, lane, codes, scales, slot);
 }
 
 // ------------------------------------------------------------------------------------------------------------

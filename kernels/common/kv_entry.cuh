@@ -74,4 +74,11 @@ __device__ __forceinline__ void kv_entry_store_lane(uint8_t* e, const KvLaneQuan
     }
 }
 
+// Quantize the warp's vector (lane l: dims [16l, 16l+16) in x) and store it as entry `idx` of `pool`. All 32
+// lanes take part (the tile amax shuffles).
+__device__ __forceinline__ void kv_entry_store_warp(uint8_t* pool, int idx, const float (&x)[16], int lane) {
+    const KvLaneQuant q = kv_quantize_lane(x);
+    kv_entry_store_lane(pool + (size_t)idx * kKvEntryBytes, q, x, lane);
+}
+
 }  // namespace mm

@@ -270,7 +270,7 @@ impl Proj {
 
 /// Which compressor of a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Which {
+pub enum Which {
     Main,
     Indexer,
 }
@@ -479,7 +479,7 @@ impl Model {
     }
 
     /// The compressor projections of one token: (kv, gate incl. ape row t mod m), both f32.
-    fn compressor_inputs(
+    pub fn compressor_inputs(
         &self,
         layer: usize,
         which: Which,
@@ -504,7 +504,7 @@ impl Model {
 
     /// Pooled f32 entry j -> stored entry: BF16, RMSNorm, RoPE at j*m, then FP8 (main) or
     /// Hadamard + FP4 (indexer).
-    fn finalize_entry(
+    pub fn finalize_entry(
         &self,
         layer: usize,
         which: Which,

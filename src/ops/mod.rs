@@ -3,6 +3,7 @@
 //! `ops/<family>/reference.rs` or `formats` (CPU reference) -> `tests/<family>.rs` -> `bench-configs/<family>.toml`.
 
 pub mod dense;
+pub mod compressor;
 pub mod exec;
 pub mod head;
 pub mod indexer;

@@ -4,6 +4,7 @@
 
 pub mod dense_prefill;
 pub mod head;
+pub mod compressor;
 pub mod indexer;
 pub mod mhc;
 pub mod moe_gemm;
@@ -32,5 +33,6 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(head::kernels());
     v.extend(sampler::kernels());
     v.extend(qkv_prep::kernels());
+    v.extend(compressor::kernels());
     v
 }

@@ -1,0 +1,333 @@
+// KV compressors of DeepSeek-V4 (dsv4-architecture §3.7) on the device: the decode-time state update with the
+// block emission, the blockwise prefill, and the state seeding after a prefill. The CPU oracle is
+// model::reference::{CompressorState, pool_softmax} + Model::{compressor_inputs, finalize_entry}.
+//
+// Shapes. A compressor has ratio m, d output channels (main: head_dim 512; indexer: index_head_dim 128) and is
+// overlapping (CSA, coff = 2) or not (HCA, coff = 1). Its inputs per token are kv and gate, f32 [coff*d] each
+// (BF16 linears of the attention input), and the learned position bias ape f32 [m, coff*d]; the score of a token
+// at position t is gate + ape[t mod m] (one f32 add).
+//
+// State (one sequence, f32, exactly CompressorState's fields): kv plane [coff*m, coff*d] then score plane
+// [coff*m, coff*d]; W = coff*d channels per row, rows_per_seq = coff*m, state floats per sequence =
+// 2 * coff*m * coff*d. Token t writes row (CSA) m + t%m, (HCA) t%m. An empty row holds kv 0, score -inf.
+// After an emission the state is canonical: CSA moves rows m..2m to 0..m (the next block's "previous block")
+// and empties rows m..2m; HCA empties every row.
+//
+// Emission (t + 1 ≡ 0 mod m, entry j = (t+1)/m - 1):
+//   pooled[c] = Σ_s softmax_s(score_s[off_s + c]) kv_s[off_s + c], sources in order: CSA rows 0..m with
+//     off 0 (the previous block's first channel half), rows m..2m with off d; HCA rows 0..m with off 0.
+//     Computed exactly like pool_softmax: max by a left fold, then num += e*kv, den += e in source order, each
+//     product/sum rounded separately (no FMA), out = num / den. e = exp(score - max) is formed as the f64 exp
+//     rounded to f32; the host's expf (glibc) is correctly rounded in all but rare cases, and so is this, so
+//     the two agree except where exp's value sits within ~1e-3 f32 ulp of a rounding boundary.
+//   finalize: x = bf16(pooled); inv = 1 / sqrt(Σ x² / d + eps) with the sum of the squares in f64 (each
+//     square of a BF16 value is exact in f64, and so is the sum while it fits 53 bits: then the block tree's
+//     order does not matter and inv equals model::numerics::inv_rms bit for bit); y = bf16(w * (x * inv));
+//     RoPE at position j*m on the last 64 dims (mm::rope_rotate_pair, the layer's f64 freqs), BF16 again.
+//   store, main: the 584-byte KV entry (mm::kv_entry_store_warp: FP8 per 64 nope dims + BF16 rope dims;
+//     decoding it gives finalize_entry's fp8_sim values exactly).
+//   store, indexer: Hadamard (index_key::hadamard128_warp) -> BF16 -> FP4 rule per 32 dims; MXFP4 cache: the
+//     FP4 codes and scales themselves (decode = finalize_entry's values exactly); FP8 cache: the FP4-simulated
+//     values e2m1 * 2^e (exact f32) encoded as a 132-byte FP8 key (= formats::indexer_key::encode_fp8 of
+//     finalize_entry's values).
+//   slot = base[b] + j, written only when 0 <= j < capacity[b] and 0 <= slot < n_slots; otherwise nothing is
+//     written and bit 0 of *error is set (atomicOr; the host reads it after the step).
+//
+// Graph safety: grids come from the batch capacity (decode) or the most blocks of a prompt (prefill); positions,
+// token counts, bases and capacities are read on the device. A decode row with position < 0 changes nothing.
+// One CTA per (sequence) or (block), d threads: thread c owns channel c (and d + c for CSA) of every row, so the
+// state update, the pooling reads and the post-emission reset of one sequence touch each address from one
+// thread only and need no barrier among them.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "common/formats.cuh"
+#include "common/index_key.cuh"
+#include "common/kv_entry.cuh"
+#include "common/rope.cuh"
+
+namespace {
+
+constexpr int kRopeDims = 64;
+constexpr int kMainDim = 512;
+constexpr int kIndexDim = 128;
+
+enum Store { STORE_KV_ENTRY = 0, STORE_INDEX_FP8 = 1, STORE_INDEX_MXFP4 = 2 };
+
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// Everything the finalize + store step needs besides the pooled value.
+struct Finalize {
+    const float* norm_w;  // [d] the compressor's norm.weight
+    const double* freqs;  // [32] the layer's RoPE frequencies
+    float eps;
+    uint8_t* out_codes;   // main: entries [n_slots, 584]; indexer: codes [n_slots, 128 (FP8) or 64 (MXFP4)]
+    void* out_scales;     // indexer: f32 [n_slots] (FP8) or ue8m0 [n_slots, 4] (MXFP4); main: unused
+    int n_slots;
+    unsigned* error;      // bit 0: an emitted entry fell outside the sequence's capacity or the cache
+};
+
+// Pooling of one channel over n sources in order; src(s, kv, score) yields source s (pool_softmax's order).
+template <typename Src>
+__device__ __forceinline__ float pool_channel(int n, Src src) {
+    float mx = -INFINITY;
+    for (int s = 0; s < n; ++s) {
+        float kv, sc;
+        src(s, kv, sc);
+        mx = fmaxf(mx, sc);
+    }
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < n; ++s) {
+        float kv, sc;
+        src(s, kv, sc);
+        const float e = static_cast<float>(exp(static_cast<double>(__fsub_rn(sc, mx))));
+        num = __fadd_rn(num, __fmul_rn(e, kv));
+        den = __fadd_rn(den, e);
+    }
+    return __fdiv_rn(num, den);
+}
+
+// f64 block sum over D threads (D / 32 warps), the result broadcast to every thread.
+template <int D>
+__device__ __forceinline__ double block_sum_f64(double v, double* red) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    double s = 0.0;
+#pragma unroll
+    for (int w = 0; w < D / 32; ++w) s += red[w];
+    return s;
+}
+
+// Finalize entry j of pooled channel values (thread c holds pooled[c]) and store it at `slot` (already checked).
+// Every thread of the CTA calls it (barriers inside).
+template <int D, int STORE>
+__device__ __forceinline__ void finalize_store(float pooled, long long rope_pos, int slot, const Finalize& f) {
+    __shared__ float k[D];
+    __shared__ double red[D / 32];
+    const int c = threadIdx.x;
+    const float x = bf16_round(pooled);
+    const double ss = block_sum_f64<D>(static_cast<double>(x) * static_cast<double>(x), red);
+    const float inv = static_cast<float>(__ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(__ddiv_rn(ss, (double)D), (double)f.eps))));
+    k[c] = bf16_round(__fmul_rn(f.norm_w[c], __fmul_rn(x, inv)));
+    __syncthreads();
+    if (c < kRopeDims / 2) {
+        float& x0 = k[D - kRopeDims + 2 * c];
+        float& x1 = k[D - kRopeDims + 2 * c + 1];
+        float a = x0, b = x1;
+        mm::rope_rotate_pair(a, b, rope_pos, f.freqs[c], false);
+        x0 = bf16_round(a);
+        x1 = bf16_round(b);
+    }
+    __syncthreads();
+    if (slot < 0 || c >= 32) return;  // the store is one warp's
+    const int lane = c;
+    if constexpr (STORE == STORE_KV_ENTRY) {
+        static_assert(D == 512, "the KV entry holds 512 dims");
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = k[16 * lane + i];
+        mm::kv_entry_store_warp(f.out_codes, slot, v, lane);
+    } else {
+        static_assert(D == index_key::kDim, "an indexer key holds 128 dims");
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = k[4 * lane + i];
+        index_key::hadamard128_warp(v, lane);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = bf16_round(v[i]);
+        if constexpr (STORE == STORE_INDEX_MXFP4) {
+            index_key::store_mxfp4(v, lane, f.out_codes, static_cast<uint8_t*>(f.out_scales), slot);
+        } else {
+            uint32_t e[4];
+            uint8_t sc;
+            index_key::mxfp4_quantize(v, e, sc);
+            const float s = mm::ue8m0_decode(sc);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[i] = __fmul_rn(mm::e2m1_decode((uint8_t)e[i]), s);
+            index_key::store_fp8(v, lane, f.out_codes, static_cast<float*>(f.out_scales), slot);
+        }
+    }
+}
+
+// The slot of entry j of sequence b, or -1 (and the error bit) when it is outside the capacity or the cache.
+__device__ __forceinline__ int entry_slot(int j, int base, int capacity, const Finalize& f) {
+    const long long slot = (long long)base + j;
+    if (j < 0 || j >= capacity || base < 0 || slot >= f.n_slots) {
+        if (threadIdx.x == 0) atomicOr(f.error, 1u);
+        return -1;
+    }
+    return (int)slot;
+}
+
+// One decode step of one sequence (CTA b, D threads).
+template <int D, bool OVERLAP, int STORE>
+__device__ __forceinline__ void decode_body(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
+                                            const float* __restrict__ ape, const int* __restrict__ positions,
+                                            int ratio, float* __restrict__ state, const int* __restrict__ base,
+                                            const int* __restrict__ capacity, float* __restrict__ pooled_out,
+                                            const Finalize& f) {
+    constexpr int kCoff = OVERLAP ? 2 : 1;
+    constexpr int W = kCoff * D;
+    const int b = blockIdx.x;
+    const int c = threadIdx.x;
+    const int t = positions[b];
+    if (t < 0) return;  // an empty batch row (CTA-uniform)
+    const int m = ratio;
+    const int rows = kCoff * m;
+    float* kv_st = state + (size_t)b * 2 * rows * W;
+    float* sc_st = kv_st + (size_t)rows * W;
+    const int r_new = OVERLAP ? m + t % m : t % m;
+#pragma unroll
+    for (int h = 0; h < kCoff; ++h) {
+        const int ch = h * D + c;
+        kv_st[(size_t)r_new * W + ch] = kv_in[(size_t)b * W + ch];
+        sc_st[(size_t)r_new * W + ch] = __fadd_rn(gate_in[(size_t)b * W + ch], ape[(size_t)(t % m) * W + ch]);
+    }
+    if ((t + 1) % m != 0) return;  // CTA-uniform
+    // Every address read below was written by this thread (now or in an earlier step): no barrier needed.
+    float pooled;
+    if (OVERLAP) {
+        pooled = pool_channel(2 * m, [&](int s, float& kv, float& sc) {
+            const size_t i = (size_t)s * W + (s < m ? c : D + c);
+            kv = kv_st[i];
+            sc = sc_st[i];
+        });
+    } else {
+        pooled = pool_channel(m, [&](int s, float& kv, float& sc) {
+            const size_t i = (size_t)s * W + c;
+            kv = kv_st[i];
+            sc = sc_st[i];
+        });
+    }
+    if (pooled_out != nullptr) pooled_out[(size_t)b * D + c] = pooled;
+    // Canonical state for the next block (each thread resets the channels it owns).
+#pragma unroll
+    for (int h = 0; h < kCoff; ++h) {
+        const int ch = h * D + c;
+        if (OVERLAP) {
+            for (int r = 0; r < m; ++r) {
+                kv_st[(size_t)r * W + ch] = kv_st[(size_t)(m + r) * W + ch];
+                sc_st[(size_t)r * W + ch] = sc_st[(size_t)(m + r) * W + ch];
+                kv_st[(size_t)(m + r) * W + ch] = 0.f;
+                sc_st[(size_t)(m + r) * W + ch] = -INFINITY;
+            }
+        } else {
+            for (int r = 0; r < m; ++r) {
+                kv_st[(size_t)r * W + ch] = 0.f;
+                sc_st[(size_t)r * W + ch] = -INFINITY;
+            }
+        }
+    }
+    const int j = (t + 1) / m - 1;
+    const int slot = entry_slot(j, base[b], capacity[b], f);
+    finalize_store<D, STORE>(pooled, (long long)j * m, slot, f);
+}
+
+// Block j of a prompt of *n_tokens tokens (one sequence; CTA j < grid = max_tokens / m, so every token read is
+// < max_tokens whatever the device count; D threads): pool_softmax over the block's tokens
+// (and, for CSA with j > 0, the previous block's tokens through channel half 0), then finalize and store.
+template <int D, bool OVERLAP, int STORE>
+__device__ __forceinline__ void prefill_body(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
+                                             const float* __restrict__ ape, const int* __restrict__ n_tokens,
+                                             int ratio, const int* __restrict__ base, const int* __restrict__ capacity,
+                                             float* __restrict__ pooled_out, const Finalize& f) {
+    constexpr int W = (OVERLAP ? 2 : 1) * D;
+    const int j = blockIdx.x;
+    const int c = threadIdx.x;
+    const int m = ratio;
+    const int n = *n_tokens;
+    if (n <= 0 || j >= n / m) return;  // CTA-uniform
+    auto token = [&](int t, int ch, float& kv, float& sc) {
+        kv = kv_in[(size_t)t * W + ch];
+        sc = __fadd_rn(gate_in[(size_t)t * W + ch], ape[(size_t)(t % m) * W + ch]);
+    };
+    float pooled;
+    if (OVERLAP && j > 0) {
+        pooled = pool_channel(2 * m, [&](int s, float& kv, float& sc) {
+            if (s < m) token((j - 1) * m + s, c, kv, sc);
+            else token(j * m + s - m, D + c, kv, sc);
+        });
+    } else {
+        pooled = pool_channel(m, [&](int s, float& kv, float& sc) { token(j * m + s, OVERLAP ? D + c : c, kv, sc); });
+    }
+    if (pooled_out != nullptr) pooled_out[(size_t)j * D + c] = pooled;
+    const int slot = entry_slot(j, *base, *capacity, f);
+    finalize_store<D, STORE>(pooled, (long long)j * m, slot, f);
+}
+
+}  // namespace
+
+#define COMPRESSOR_DECODE_PARAMS                                                                                 \
+    const float *kv_in, const float *gate_in, const float *ape, const int *positions, int ratio, float *state,   \
+        const float *norm_w, const double *freqs, float eps, const int *base, const int *capacity, int n_slots, \
+        uint8_t *out_codes, void *out_scales, float *pooled_out, unsigned *error
+#define COMPRESSOR_PREFILL_PARAMS                                                                               \
+    const float *kv_in, const float *gate_in, const float *ape, const int *n_tokens, int ratio,                \
+        const float *norm_w, const double *freqs, float eps, const int *base, const int *capacity, int n_slots, \
+        uint8_t *out_codes, void *out_scales, float *pooled_out, unsigned *error
+#define COMPRESSOR_FINALIZE Finalize{norm_w, freqs, eps, out_codes, out_scales, n_slots, error}
+
+// Decode step, grid = batch capacity, block = d threads. kv_in/gate_in [B, W]; ape [m, W]; positions [B];
+// state [B, 2, coff*m, W]; base/capacity [B]; pooled_out [B, d] or null (a test probe).
+#define COMPRESSOR_DECODE_ENTRY(NAME, D, OVERLAP, STORE)                                                       \
+    extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_DECODE_PARAMS) {                          \
+        decode_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, positions, ratio, state, base, capacity, pooled_out, \
+                                       COMPRESSOR_FINALIZE);                                                     \
+    }
+// Prefill blocks of one sequence, grid = the most blocks (token capacity / m), block = d threads. kv_in/gate_in
+// [n, W] (raw gate: ape is added here); n_tokens [1]; base/capacity [1]; pooled_out [blocks, d] or null.
+#define COMPRESSOR_PREFILL_ENTRY(NAME, D, OVERLAP, STORE)                                                      \
+    extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_PREFILL_PARAMS) {                         \
+        prefill_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, n_tokens, ratio, base, capacity, pooled_out,       \
+                                        COMPRESSOR_FINALIZE);                                                    \
+    }
+
+COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_main, kMainDim, true, STORE_KV_ENTRY)
+COMPRESSOR_DECODE_ENTRY(compressor_decode_hca_main, kMainDim, false, STORE_KV_ENTRY)
+COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)
+COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_index_mxfp4, kIndexDim, true, STORE_INDEX_MXFP4)
+COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_main, kMainDim, true, STORE_KV_ENTRY)
+COMPRESSOR_PREFILL_ENTRY(compressor_prefill_hca_main, kMainDim, false, STORE_KV_ENTRY)
+COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)
+COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_index_mxfp4, kIndexDim, true, STORE_INDEX_MXFP4)
+
+// The state of one sequence after a prefill of *n_tokens tokens, exactly as that many decode steps leave it
+// (Model::prefill's seed_state on an empty state): done = (n / m) * m; CSA with a complete block: rows 0..m =
+// tokens done-m..done; tokens done..n at row (CSA) m + t - done, (HCA) t - done; every other row empty (kv 0,
+// score -inf). With n = 0 it writes the empty state; n is clamped to [0, max_tokens]. Grid = (coff*m rows), block
+// 256 threads over W channels.
+extern "C" __global__ void __launch_bounds__(256) compressor_seed_state(const float* __restrict__ kv_in,
+                                                                       const float* __restrict__ gate_in,
+                                                                       const float* __restrict__ ape,
+                                                                       const int* __restrict__ n_tokens,
+                                                                       int max_tokens, int ratio, int width,
+                                                                       int overlap,
+                                                                       float* __restrict__ state) {
+    const int m = ratio;
+    const int rows = (overlap ? 2 : 1) * m;
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const int n = min(max(*n_tokens, 0), max_tokens);
+    const int done = (n / m) * m;
+    int t = -1;
+    if (overlap && r < m) {
+        if (done > 0) t = done - m + r;
+    } else {
+        const int tt = done + (overlap ? r - m : r);
+        if (tt < n) t = tt;
+    }
+    float* kv_row = state + (size_t)r * width;
+    float* sc_row = state + (size_t)rows * width + (size_t)r * width;
+    for (int ch = threadIdx.x; ch < width; ch += blockDim.x) {
+        if (t >= 0) {
+            kv_row[ch] = kv_in[(size_t)t * width + ch];
+            sc_row[ch] = __fadd_rn(gate_in[(size_t)t * width + ch], ape[(size_t)(t % m) * width + ch]);
+        } else {
+            kv_row[ch] = 0.f;
+            sc_row[ch] = -INFINITY;
+        }
+    }
+}

@@ -1,0 +1,564 @@
+//! The KV compressors of DeepSeek-V4 (dsv4-architecture §3.7) on the GPU (kernels/compressor.cu): the
+//! decode-time state update that emits a compressed entry every `m` tokens, the blockwise prefill, and the state
+//! seeding after a prefill. CPU oracle: `model::reference::{CompressorState, pool_softmax}` and
+//! `Model::{compressor_inputs, finalize_entry}` (glue in [`reference`]).
+//!
+//! Contract, for a compressor of ratio m and d channels ([`CompressorKind`]: CSA main m = 4, d = 512,
+//! overlapping; HCA main m = 128, d = 512; CSA indexer m = 4, d = 128, overlapping), W = coff*d (coff = 2 when
+//! overlapping):
+//! * Inputs per token: kv and gate f32 `[W]` (the BF16 linears of the attention input); the layer's `ape` f32
+//!   `[m, W]` is added to the gate here (score = gate + ape[t mod m]).
+//! * Device state per sequence ([`CompressorShape::state_floats`] f32): CompressorState's `kv` then `score`, each
+//!   `[coff*m, W]` row-major, bit for bit the CPU state after the same tokens ([`reference::host_state`]). An empty
+//!   state is kv 0, score -inf ([`prefill`] with 0 tokens, or [`reference::host_state`] of a new state).
+//! * Decode ([`decode_step`]): `positions[b]` (device) is sequence b's position t; t < 0 leaves everything of
+//!   row b untouched. When (t + 1) % m == 0 the kernel pools, finalizes and stores entry j = (t+1)/m - 1 at slot
+//!   `base[b] + j` of the cache, only if `j < capacity[b]` and the slot is inside the cache; otherwise it writes no
+//!   entry and sets bit 0 of `error` (never cleared by the kernels; the host reads it after the step).
+//! * Prefill ([`prefill`], one sequence): entries j < n/m of a prompt of `n_tokens` (device) tokens at
+//!   `base[0] + j` (same capacity rule), then the state exactly as n decode steps leave it.
+//! * Cache formats: main = 584-byte FP8 KV entries (`formats::kv`, the pool `sparse_attn` reads); indexer = the
+//!   indexer family's key cache ([`KeyCacheGpu`], FP8 132 B or MXFP4 68 B; its logits read sequence b's keys at
+//!   `b * capacity + j`, so set `base[b] = b * capacity`).
+//! * Graph-safe: grids from the batch capacity / the token capacity, positions, token counts, bases and
+//!   capacities read on the device, no scratch (the state is the caller's), nothing read back.
+//!
+//! Numerics (kernels/compressor.cu states the identities): the state and the stored codes are exact functions of
+//! the pooled values; pooling rounds like `pool_softmax` except exp (f64 exp rounded to f32 vs the host's expf,
+//! which agree except near an f32 rounding boundary); the RMSNorm sum is in f64 and exact for these inputs.
+//!
+//! No `megamoe exec` entry: the CPU side of the finalize is `Model::finalize_entry`, bound to a model's weights
+//! and layer, so an exec on user tensors would need a second CPU derivation of it.
+
+pub mod bench;
+pub mod reference;
+
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
+
+use crate::formats::kv::ENTRY_BYTES as KV_ENTRY_BYTES;
+use crate::gpu::launch::{launch, DevBuf, DeviceBuf, KernelArgs, Launch, Stream};
+use crate::gpu::Gpu;
+use crate::ops::indexer::{reference::SCALE_BYTES as KEY_SCALE_BYTES, KeyCacheGpu, KeyFormat};
+
+/// Kernel family name (kernels/compressor.cu).
+pub const FAMILY: &str = "compressor";
+/// Channels of a main compressor (head_dim; the KV entry's 512 dims).
+pub const MAIN_DIM: usize = 512;
+/// Channels of the indexer compressor (index_head_dim).
+pub const INDEX_DIM: usize = 128;
+/// RoPE dims at the end of every entry (rope_head_dim): the kernels take `ROPE_DIMS / 2` f64 frequencies.
+pub const ROPE_DIMS: usize = 64;
+/// Block size of the seeding kernel.
+const SEED_THREADS: u32 = 256;
+
+/// Which compressor: its channel count, overlap and entry format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompressorKind {
+    /// CSA layer, main compressor: overlapping, d = 512, 584-byte KV entries.
+    CsaMain,
+    /// HCA layer, main compressor: no overlap, d = 512, 584-byte KV entries.
+    HcaMain,
+    /// CSA layer, indexer compressor: overlapping, d = 128, indexer keys in the given cache format.
+    CsaIndex(KeyFormat),
+}
+
+impl CompressorKind {
+    pub fn dim(self) -> usize {
+        match self {
+            CompressorKind::CsaMain | CompressorKind::HcaMain => MAIN_DIM,
+            CompressorKind::CsaIndex(_) => INDEX_DIM,
+        }
+    }
+    pub fn overlap(self) -> bool {
+        !matches!(self, CompressorKind::HcaMain)
+    }
+    /// Bytes of one stored entry (KV entry, or indexer key in its format).
+    pub fn entry_bytes(self) -> usize {
+        match self {
+            CompressorKind::CsaIndex(f) => f.entry_bytes(),
+            _ => KV_ENTRY_BYTES,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            CompressorKind::CsaMain => "csa_main",
+            CompressorKind::HcaMain => "hca_main",
+            CompressorKind::CsaIndex(KeyFormat::Fp8) => "csa_index_fp8",
+            CompressorKind::CsaIndex(KeyFormat::Mxfp4) => "csa_index_mxfp4",
+        }
+    }
+    fn decode_kernel(self) -> String {
+        format!("compressor_decode_{}", self.name())
+    }
+    fn prefill_kernel(self) -> String {
+        format!("compressor_prefill_{}", self.name())
+    }
+}
+
+/// One compressor's geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompressorShape {
+    pub kind: CompressorKind,
+    /// m: tokens per compressed entry.
+    pub ratio: usize,
+}
+
+impl CompressorShape {
+    pub fn dim(&self) -> usize {
+        self.kind.dim()
+    }
+    pub fn coff(&self) -> usize {
+        if self.kind.overlap() {
+            2
+        } else {
+            1
+        }
+    }
+    /// W = coff * d: channels of one token's kv / gate and of one state row.
+    pub fn width(&self) -> usize {
+        self.coff() * self.dim()
+    }
+    /// Rows of the state: coff * m.
+    pub fn rows(&self) -> usize {
+        self.coff() * self.ratio
+    }
+    /// f32 of one sequence's state: the kv plane then the score plane, `[rows, W]` each.
+    pub fn state_floats(&self) -> usize {
+        2 * self.rows() * self.width()
+    }
+    /// `1 <= m`, and the state of one sequence indexable by the kernels' 32-bit row offsets.
+    pub fn check(&self) -> Result<()> {
+        ensure!(self.ratio >= 1, "compressor: ratio m = 0");
+        ensure!(
+            self.state_floats() <= i32::MAX as usize,
+            "compressor: ratio {} makes a state of {} floats per sequence",
+            self.ratio,
+            self.state_floats()
+        );
+        Ok(())
+    }
+}
+
+/// A layer's constant device inputs of one compressor.
+pub struct CompressorWeights {
+    /// Learned position bias, f32 `[m, W]`.
+    pub ape: CudaSlice<f32>,
+    /// The compressor's `norm.weight`, f32 `[d]`.
+    pub norm: CudaSlice<f32>,
+    /// The layer's RoPE frequencies (`RopeTable::freqs`), f64 `[ROPE_DIMS / 2]`.
+    pub freqs: CudaSlice<f64>,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+}
+
+impl CompressorWeights {
+    /// Upload host values after checking their lengths against `shape`.
+    pub fn upload(
+        gpu: &Gpu,
+        shape: &CompressorShape,
+        ape: &[f32],
+        norm: &[f32],
+        freqs: &[f64],
+        eps: f32,
+    ) -> Result<CompressorWeights> {
+        shape.check()?;
+        ensure!(
+            ape.len() == shape.ratio * shape.width(),
+            "compressor: ape has {} values, expected m x W = {} x {}",
+            ape.len(),
+            shape.ratio,
+            shape.width()
+        );
+        ensure!(
+            norm.len() == shape.dim(),
+            "compressor: norm weight has {} values, expected d = {}",
+            norm.len(),
+            shape.dim()
+        );
+        ensure!(
+            freqs.len() == ROPE_DIMS / 2,
+            "compressor: {} RoPE frequencies, expected {}",
+            freqs.len(),
+            ROPE_DIMS / 2
+        );
+        ensure!(
+            eps.is_finite() && eps >= 0.0,
+            "compressor: eps {eps} must be finite and >= 0"
+        );
+        Ok(CompressorWeights {
+            ape: gpu.upload(ape)?,
+            norm: gpu.upload(norm)?,
+            freqs: gpu.upload(freqs)?,
+            eps,
+        })
+    }
+}
+
+/// A [`DevBuf`] over an owned slice (valid while the slice lives).
+pub fn dev<T>(s: &CudaSlice<T>) -> DevBuf<T> {
+    // SAFETY: the address and length are the slice's own; callers use the view while the slice lives.
+    unsafe { DevBuf::from_raw(s.device_addr(), s.len()) }
+}
+
+/// Where emitted entries go.
+#[derive(Clone, Copy, Debug)]
+pub enum EntryCache {
+    /// A pool of 584-byte KV entries (`n_slots * 584` bytes).
+    Kv { entries: DevBuf<u8> },
+    /// An indexer key cache: codes `[n_slots, 128 | 64]`, scales `[n_slots, 4 bytes]` (f32 or 4 ue8m0).
+    Index {
+        format: KeyFormat,
+        codes: DevBuf<u8>,
+        scales: DevBuf<u8>,
+    },
+}
+
+impl EntryCache {
+    pub fn kv(entries: &CudaSlice<u8>) -> EntryCache {
+        EntryCache::Kv {
+            entries: dev(entries),
+        }
+    }
+    /// The whole key cache (slots `0..batch * capacity`).
+    pub fn index(cache: &KeyCacheGpu) -> EntryCache {
+        EntryCache::Index {
+            format: cache.format,
+            codes: dev(&cache.codes),
+            scales: dev(&cache.scales),
+        }
+    }
+    /// Entries the cache holds.
+    pub fn n_slots(&self) -> usize {
+        match self {
+            EntryCache::Kv { entries } => entries.len() / KV_ENTRY_BYTES,
+            EntryCache::Index {
+                format,
+                codes,
+                scales,
+            } => (codes.len() / format.code_bytes()).min(scales.len() / KEY_SCALE_BYTES),
+        }
+    }
+    fn check(&self, kind: CompressorKind) -> Result<()> {
+        match (self, kind) {
+            (EntryCache::Kv { .. }, CompressorKind::CsaMain | CompressorKind::HcaMain) => {}
+            (EntryCache::Index { format, .. }, CompressorKind::CsaIndex(f)) => ensure!(
+                *format == f,
+                "compressor: a {} key cache for a {} compressor",
+                format.name(),
+                kind.name()
+            ),
+            _ => anyhow::bail!(
+                "compressor: the {} compressor cannot write this cache kind ({self:?})",
+                kind.name()
+            ),
+        }
+        ensure!(
+            self.n_slots() >= 1 && self.n_slots() <= i32::MAX as usize,
+            "compressor: cache of {} entries (1..=i32::MAX)",
+            self.n_slots()
+        );
+        Ok(())
+    }
+    fn push_args(&self, a: &mut KernelArgs) {
+        match self {
+            EntryCache::Kv { entries } => {
+                a.i32(self.n_slots() as i32).buf(entries).null();
+            }
+            EntryCache::Index { codes, scales, .. } => {
+                a.i32(self.n_slots() as i32).buf(codes).buf(scales);
+            }
+        }
+    }
+}
+
+/// Per-sequence entry placement, read on the device: entry j of sequence b goes to slot `base[b] + j` when
+/// `j < capacity[b]`.
+#[derive(Clone, Copy, Debug)]
+pub struct EntrySlots {
+    pub base: DevBuf<i32>,
+    pub capacity: DevBuf<i32>,
+}
+
+/// The device buffers of one decode step of `batch` sequences.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeIo {
+    pub batch: usize,
+    /// f32 `[batch, W]` each.
+    pub kv: DevBuf<f32>,
+    pub gate: DevBuf<f32>,
+    /// i32 `[batch]`: each sequence's position (< 0: an empty row).
+    pub positions: DevBuf<i32>,
+    /// f32 `[batch, state_floats]`.
+    pub state: DevBuf<f32>,
+    pub slots: EntrySlots,
+    pub cache: EntryCache,
+    /// Optional probe: the pooled f32 values `[batch, d]` of the rows that emitted (tests).
+    pub pooled: Option<DevBuf<f32>>,
+    /// u32 `[1]`: bit 0 set when an entry fell outside its capacity or the cache.
+    pub error: DevBuf<u32>,
+}
+
+fn check_len<T>(b: &impl DeviceBuf<T>, need: usize, what: &str) -> Result<()> {
+    ensure!(
+        b.elems() >= need,
+        "compressor: {what} has {} elements, needs {need}",
+        b.elems()
+    );
+    Ok(())
+}
+
+fn check_weights(shape: &CompressorShape, w: &CompressorWeights) -> Result<()> {
+    check_len(&w.ape, shape.ratio * shape.width(), "ape [m, W]")?;
+    check_len(&w.norm, shape.dim(), "norm weight [d]")?;
+    check_len(&w.freqs, ROPE_DIMS / 2, "RoPE frequencies")
+}
+
+/// The parameters the decode and prefill kernels share after their inputs, in their order: norm_w, freqs, eps,
+/// base, capacity, n_slots, out_codes, out_scales, pooled_out, error.
+fn push_finalize_args(
+    a: &mut KernelArgs,
+    w: &CompressorWeights,
+    slots: &EntrySlots,
+    cache: &EntryCache,
+    pooled: &Option<DevBuf<f32>>,
+    error: &DevBuf<u32>,
+) {
+    a.buf(&w.norm)
+        .buf(&w.freqs)
+        .f32(w.eps)
+        .buf(&slots.base)
+        .buf(&slots.capacity);
+    cache.push_args(a);
+    match pooled {
+        Some(p) => a.buf(p),
+        None => a.null(),
+    };
+    a.buf(error);
+}
+
+/// The checks of [`decode_step`], before any launch.
+pub fn check_decode(shape: &CompressorShape, w: &CompressorWeights, io: &DecodeIo) -> Result<()> {
+    shape.check()?;
+    check_weights(shape, w)?;
+    ensure!(
+        (1..=65535).contains(&io.batch),
+        "compressor: batch {} (1..=65535)",
+        io.batch
+    );
+    let b = io.batch;
+    check_len(&io.kv, b * shape.width(), "kv [B, W]")?;
+    check_len(&io.gate, b * shape.width(), "gate [B, W]")?;
+    check_len(&io.positions, b, "positions [B]")?;
+    check_len(
+        &io.state,
+        b * shape.state_floats(),
+        "state [B, state_floats]",
+    )?;
+    check_len(&io.slots.base, b, "base [B]")?;
+    check_len(&io.slots.capacity, b, "capacity [B]")?;
+    if let Some(p) = &io.pooled {
+        check_len(p, b * shape.dim(), "pooled probe [B, d]")?;
+    }
+    check_len(&io.error, 1, "error word")?;
+    io.cache.check(shape.kind)
+}
+
+/// One decode step of `io.batch` sequences: one launch, grid = batch, d threads per CTA (module docs for the
+/// contract). Every check runs before the launch.
+pub fn decode_step(
+    gpu: &Gpu,
+    stream: &Stream,
+    shape: &CompressorShape,
+    w: &CompressorWeights,
+    io: &DecodeIo,
+) -> Result<()> {
+    check_decode(shape, w, io)?;
+    let k = gpu.kernel(FAMILY, &shape.kind.decode_kernel())?;
+    let mut a = KernelArgs::new();
+    a.buf(&io.kv)
+        .buf(&io.gate)
+        .buf(&w.ape)
+        .buf(&io.positions)
+        .i32(shape.ratio as i32)
+        .buf(&io.state);
+    push_finalize_args(&mut a, w, &io.slots, &io.cache, &io.pooled, &io.error);
+    // SAFETY: arguments in the kernel's order (COMPRESSOR_DECODE_PARAMS); every buffer was checked against the
+    // batch and the shape; the kernel reads base/capacity/positions for b < batch only and bounds every slot by
+    // the cache's entry count.
+    unsafe {
+        launch(
+            stream,
+            &k,
+            Launch::new((io.batch as u32, 1, 1), (shape.dim() as u32, 1, 1)),
+            &mut a,
+        )
+    }
+}
+
+/// The device buffers of the prefill of one sequence.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillIo {
+    /// Token capacity: kv/gate rows, and the grid (max_tokens / m blocks).
+    pub max_tokens: usize,
+    /// f32 `[max_tokens, W]` each (the raw gate, without ape).
+    pub kv: DevBuf<f32>,
+    pub gate: DevBuf<f32>,
+    /// i32 `[1]`: the prompt's token count n, read on the device (a value above max_tokens acts as max_tokens).
+    pub n_tokens: DevBuf<i32>,
+    /// f32 `[state_floats]`: the sequence's state, fully overwritten.
+    pub state: DevBuf<f32>,
+    /// `[1]` each.
+    pub slots: EntrySlots,
+    pub cache: EntryCache,
+    /// Optional probe: pooled f32 `[max_tokens / m, d]`.
+    pub pooled: Option<DevBuf<f32>>,
+    pub error: DevBuf<u32>,
+}
+
+/// Prefill of one sequence whose prompt starts at position 0 (its state is overwritten, whatever it held): every
+/// complete block's entry (grid max_tokens / m), then the state seeded exactly as n decode steps leave it (grid
+/// coff*m rows). Two launches on `stream`; for a sequence of a batch pass its state slice
+/// (`state.sub(b * state_floats, state_floats)`) and its base / capacity elements.
+pub fn prefill(
+    gpu: &Gpu,
+    stream: &Stream,
+    shape: &CompressorShape,
+    w: &CompressorWeights,
+    io: &PrefillIo,
+) -> Result<()> {
+    shape.check()?;
+    check_weights(shape, w)?;
+    ensure!(
+        (1..=i32::MAX as usize / shape.width()).contains(&io.max_tokens),
+        "compressor: prefill token capacity {}",
+        io.max_tokens
+    );
+    let n = io.max_tokens;
+    check_len(&io.kv, n * shape.width(), "kv [n, W]")?;
+    check_len(&io.gate, n * shape.width(), "gate [n, W]")?;
+    check_len(&io.n_tokens, 1, "n_tokens [1]")?;
+    check_len(&io.state, shape.state_floats(), "state")?;
+    check_len(&io.slots.base, 1, "base [1]")?;
+    check_len(&io.slots.capacity, 1, "capacity [1]")?;
+    let blocks = n / shape.ratio;
+    if let Some(p) = &io.pooled {
+        check_len(p, blocks * shape.dim(), "pooled probe [blocks, d]")?;
+    }
+    check_len(&io.error, 1, "error word")?;
+    io.cache.check(shape.kind)?;
+    let k_blocks = gpu.kernel(FAMILY, &shape.kind.prefill_kernel())?;
+    let k_seed = gpu.kernel(FAMILY, "compressor_seed_state")?;
+    if blocks > 0 {
+        let mut a = KernelArgs::new();
+        a.buf(&io.kv)
+            .buf(&io.gate)
+            .buf(&w.ape)
+            .buf(&io.n_tokens)
+            .i32(shape.ratio as i32);
+        push_finalize_args(&mut a, w, &io.slots, &io.cache, &io.pooled, &io.error);
+        // SAFETY: arguments in the kernel's order (COMPRESSOR_PREFILL_PARAMS); kv/gate hold max_tokens rows and
+        // CTA j < max_tokens / m reads tokens < (j + 1) * m <= max_tokens; slots are bounded by the cache's entry
+        // count.
+        unsafe {
+            launch(
+                stream,
+                &k_blocks,
+                Launch::new((blocks as u32, 1, 1), (shape.dim() as u32, 1, 1)),
+                &mut a,
+            )?
+        };
+    }
+    let mut a = KernelArgs::new();
+    a.buf(&io.kv)
+        .buf(&io.gate)
+        .buf(&w.ape)
+        .buf(&io.n_tokens)
+        .i32(n as i32)
+        .i32(shape.ratio as i32)
+        .i32(shape.width() as i32)
+        .i32(shape.kind.overlap() as i32)
+        .buf(&io.state);
+    // SAFETY: arguments in the kernel's order; the state holds coff*m rows of W (checked); the kernel clamps n to
+    // max_tokens, the rows kv/gate hold.
+    unsafe {
+        launch(
+            stream,
+            &k_seed,
+            Launch::new((shape.rows() as u32, 1, 1), (SEED_THREADS, 1, 1)),
+            &mut a,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_of_the_three_compressors() {
+        let csa = CompressorShape {
+            kind: CompressorKind::CsaMain,
+            ratio: 4,
+        };
+        assert_eq!(
+            (csa.width(), csa.rows(), csa.state_floats()),
+            (1024, 8, 2 * 8 * 1024)
+        );
+        let hca = CompressorShape {
+            kind: CompressorKind::HcaMain,
+            ratio: 128,
+        };
+        assert_eq!(
+            (hca.width(), hca.rows(), hca.state_floats()),
+            (512, 128, 2 * 128 * 512)
+        );
+        let idx = CompressorShape {
+            kind: CompressorKind::CsaIndex(KeyFormat::Mxfp4),
+            ratio: 4,
+        };
+        assert_eq!((idx.width(), idx.rows()), (256, 8));
+        assert_eq!(idx.kind.entry_bytes(), 68);
+        assert_eq!(csa.kind.entry_bytes(), 584);
+        assert!(CompressorShape {
+            kind: CompressorKind::HcaMain,
+            ratio: 0
+        }
+        .check()
+        .is_err());
+    }
+
+    /// Every entry point a launcher resolves is one nvcc compiled (the names come from ptxas, so the macro-made
+    /// entry points are listed; without cubins the list holds literal names only).
+    #[cfg(has_cubins)]
+    #[test]
+    fn every_launched_entry_point_is_compiled() {
+        let src = crate::gpu::module::find(FAMILY).unwrap();
+        let mut names = vec!["compressor_seed_state".to_string()];
+        for kind in [
+            CompressorKind::CsaMain,
+            CompressorKind::HcaMain,
+            CompressorKind::CsaIndex(KeyFormat::Fp8),
+            CompressorKind::CsaIndex(KeyFormat::Mxfp4),
+        ] {
+            names.push(kind.decode_kernel());
+            names.push(kind.prefill_kernel());
+        }
+        for n in &names {
+            assert!(src.functions.contains(&n.as_str()), "{n} not compiled");
+        }
+        assert_eq!(src.functions.len(), names.len());
+    }
+
+    #[test]
+    fn kernel_names_match_the_entry_points() {
+        assert_eq!(
+            CompressorKind::CsaIndex(KeyFormat::Fp8).decode_kernel(),
+            "compressor_decode_csa_index_fp8"
+        );
+        assert_eq!(
+            CompressorKind::HcaMain.prefill_kernel(),
+            "compressor_prefill_hca_main"
+        );
+    }
+}
