@@ -2,6 +2,7 @@
 //! `ops/<family>/mod.rs` (launcher: checks before any launch, config choice, launch) ->
 //! `ops/<family>/reference.rs` or `formats` (CPU reference) -> `tests/<family>.rs` -> `bench-configs/<family>.toml`.
 
+pub mod dense;
 pub mod exec;
 pub mod indexer;
 pub mod inputs;

@@ -2,6 +2,7 @@
 //! measures one point. Each family's adapter (sweep parameters -> the family's measurement hook in
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
+pub mod dense;
 pub mod indexer;
 pub mod mhc;
 pub mod moe_gemm;
@@ -24,5 +25,6 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(indexer::kernels());
     v.extend(weights::kernels());
     v.extend(router::kernels());
+    v.extend(dense::kernels());
     v
 }
