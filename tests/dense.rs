@@ -507,3 +507,93 @@ fn gpu_fp8_linear_replays_as_a_graph_with_new_activations() {
     let again = fx::download_bf16(&gpu, &y);
     common::assert_bit_identical("graph vs plain call", "y", &last, &again);
 }
+
+/// `megamoe exec dense_fp8_linear --cpu` on a checkpoint tensor of the small geometry gives the model's
+/// `fp8_linear` bit for bit (the same dequantized values summed by the same `dot`); a misshapen scale is a clear
+/// error. `dense_bf16_linear --cpu` gives `Weights::matvec`.
+#[test]
+fn exec_entries_run_the_model_math_on_the_cpu() {
+    use megamoe::ops::exec::{HostTensor, TensorMap};
+    use safetensors::Dtype;
+    let mut rng = fx::seeded("exec_entries_run_the_model_math_on_the_cpu");
+    let model = fx::model(ModelConfig::small(), &mut rng);
+    let kernels = megamoe::ops::registry::exec_kernels();
+    let find = |n: &str| kernels.iter().find(|k| k.name == n).unwrap();
+    let name = format!("layers.{LAYER}.attn.wq_a.weight");
+    let spec = model.weights.spec(&name).unwrap().clone();
+    let (n, k) = (spec.shape[0], spec.shape[1]);
+    let m = 3;
+    let x = fx::activations(&mut rng, m, k);
+    let mut inp = TensorMap::new();
+    inp.insert(
+        "x".into(),
+        HostTensor::from_bf16(vec![m, k], &fx::to_bf16(&x)),
+    );
+    inp.insert(
+        "w".into(),
+        HostTensor::from_u8(
+            Dtype::F8_E4M3,
+            vec![n, k],
+            model.weights.raw(&name).unwrap(),
+        ),
+    );
+    let scale = format!("layers.{LAYER}.attn.wq_a.scale");
+    let sbytes = model.weights.raw(&scale).unwrap();
+    inp.insert(
+        "w_scale".into(),
+        HostTensor::from_u8(Dtype::F8_E8M0, vec![n / 128, k / 128], sbytes.clone()),
+    );
+    let out = (find("dense_fp8_linear").run)(&inp, None).unwrap();
+    let want = fp8_linear_rows(&model, &name, &x, m).unwrap();
+    assert_eq!(out["y"].to_f32().unwrap(), want);
+    inp.insert(
+        "w_scale".into(),
+        HostTensor::from_u8(
+            Dtype::U8,
+            vec![n / 128 + 1, k / 128],
+            vec![127; (n / 128 + 1) * (k / 128)],
+        ),
+    );
+    let err = format!(
+        "{:#}",
+        (find("dense_fp8_linear").run)(&inp, None).unwrap_err()
+    );
+    assert!(err.contains("w_scale"), "{err}");
+
+    let bname = format!("layers.{LAYER}.attn.indexer.weights_proj.weight");
+    let bspec = model.weights.spec(&bname).unwrap().clone();
+    let raw = model.weights.raw(&bname).unwrap();
+    let wb: Vec<bf16> = raw
+        .chunks_exact(2)
+        .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    let xb = fx::activations(&mut rng, m, bspec.shape[1]);
+    let mut inp = TensorMap::new();
+    inp.insert(
+        "x".into(),
+        HostTensor::from_bf16(vec![m, bspec.shape[1]], &fx::to_bf16(&xb)),
+    );
+    inp.insert("w".into(), HostTensor::from_bf16(bspec.shape.clone(), &wb));
+    let out = (find("dense_bf16_linear").run)(&inp, None).unwrap();
+    assert_eq!(
+        out["y"].to_f32().unwrap(),
+        matvec_rows(&model.weights, &bname, &xb, m).unwrap()
+    );
+}
+
+/// Every sweep of bench-configs/dense.toml names the `dense` kernel with a shape its launcher accepts.
+#[test]
+fn bench_config_points_are_shapes_the_launchers_take() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs/dense.toml");
+    let cfg = megamoe::bench::config::SweepConfig::from_path(&path).unwrap();
+    let kernels = megamoe::bench::kernels::all();
+    let k = kernels.iter().find(|k| k.name == "dense").unwrap();
+    assert!(cfg.sweeps.len() >= 22);
+    for s in &cfg.sweeps {
+        assert_eq!(s.kernel, "dense");
+        s.variants_from(k.variants).unwrap();
+        for &v in &s.values {
+            (k.check_point.unwrap())(s, v).unwrap();
+        }
+    }
+}

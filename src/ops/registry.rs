@@ -18,6 +18,7 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
     v.extend(crate::ops::moe_gemm::exec_kernels());
     v.extend(crate::ops::sparse_attn::exec::exec_kernels());
     v.extend(crate::ops::indexer::exec_kernels());
+    v.extend(crate::ops::dense::exec::exec_kernels());
     v
 }
 

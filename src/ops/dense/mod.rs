@@ -24,9 +24,10 @@
 //! before the first call ([`DenseWorkspace::carve`] zeroes them) and every call leaves them zero. One call at a time
 //! per workspace (calls on one stream serialize, so one workspace serves every linear of a decode step).
 //!
-//! Rooms: `reference.rs` (glue to the CPU model), `bench.rs` (measurement hooks).
+//! Rooms: `reference.rs` (glue to the CPU model), `bench.rs` (measurement hooks), `exec.rs` (`megamoe exec`).
 
 pub mod bench;
+pub mod exec;
 pub mod reference;
 
 use anyhow::{ensure, Result};
