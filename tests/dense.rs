@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::dense::{self as fx, DevFp8Rows, DevFp8Weight};
+use common::dense::{self as fx, DevFp8};
 use half::bf16;
 use megamoe::formats::fp8::{dequantize_weight_128x128, quantize_weight_128x128};
 use megamoe::model::config::ModelConfig;
@@ -34,9 +34,8 @@ fn shape(kind: DenseKind, rows: usize, n: usize, k: usize, jobs: usize) -> Dense
     }
 }
 
-fn fp8_names(cfg: &ModelConfig) -> Vec<String> {
+fn fp8_names() -> Vec<String> {
     let a = format!("layers.{LAYER}.attn");
-    let _ = cfg;
     vec![
         format!("{a}.wq_a.weight"),
         format!("{a}.wq_b.weight"),
@@ -166,21 +165,21 @@ fn reference_glue_is_the_models_per_row_call() {
 // ---- GPU ----------------------------------------------------------------------------------------------------
 
 fn run_fp8(gpu: &megamoe::gpu::Gpu, model: &Model, name: &str, m: usize, rng: &mut ChaCha8Rng) {
-    let w = DevFp8Weight::from_model(gpu, model, name);
-    let x = fx::activations(rng, m, w.k);
-    let dx = DevFp8Rows::upload(gpu, &x, m, w.k);
-    let (_arena, ws) = fx::workspace(gpu, &[shape(DenseKind::Fp8, m, w.n, w.k, 1)]);
-    let y = fx::bf16_out(gpu, m * w.n);
-    fp8_linear(gpu, &gpu.stream, &dx.view(), &w.view(), &ws, &y).unwrap();
+    let w = DevFp8::from_model(gpu, model, name);
+    let x = fx::activations(rng, m, w.cols);
+    let dx = DevFp8::quantized(gpu, &x, m, w.cols);
+    let (_arena, ws) = fx::workspace(gpu, &[shape(DenseKind::Fp8, m, w.rows, w.cols, 1)]);
+    let y = fx::bf16_out(gpu, m * w.rows);
+    fp8_linear(gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
     let got = fx::download_bf16(gpu, &y);
     let want = fp8_linear_rows(model, name, &x, m).unwrap();
-    let terms = abs_term_sums(&model.weights, name, 0, w.n, &quantized_rows(&x, m), m).unwrap();
+    let terms = abs_term_sums(&model.weights, name, 0, w.rows, &quantized_rows(&x, m), m).unwrap();
     fx::assert_close(
         &format!("{} {name} M={m}", model.config().name),
         &got,
         &want,
         &terms,
-        w.k,
+        w.cols,
         true,
     );
 }
@@ -188,58 +187,61 @@ fn run_fp8(gpu: &megamoe::gpu::Gpu, model: &Model, name: &str, m: usize, rng: &m
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_fp8_linear_matches_the_model_at_flash_and_pro_shapes() {
-    let (gpu, mut rng) = fx::gpu_test("gpu_fp8_linear_matches_the_model_at_flash_and_pro_shapes");
-    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
-        let model = fx::model(cfg.clone(), &mut rng);
-        for name in fp8_names(&cfg) {
-            for m in [1, 3, 64] {
-                run_fp8(&gpu, &model, &name, m, &mut rng);
+    fx::on_flash_and_pro(
+        "gpu_fp8_linear_matches_the_model_at_flash_and_pro_shapes",
+        |gpu, rng, _cfg, model| {
+            for name in fp8_names() {
+                for m in [1, 3, 64] {
+                    run_fp8(gpu, model, &name, m, rng);
+                }
             }
-        }
-    }
+        },
+    );
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
-    let (gpu, mut rng) = fx::gpu_test("gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes");
-    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
-        let model = fx::model(cfg.clone(), &mut rng);
-        let name = format!("layers.{LAYER}.attn.wo_a.weight");
-        let w = DevFp8Weight::from_model(&gpu, &model, &name);
-        let (groups, r) = (cfg.o_groups, cfg.o_lora_rank);
-        let gw = w.k;
-        for m in [1, 3, 64] {
-            let o = fx::activations(&mut rng, m, groups * gw);
-            let d_o = gpu.upload(&fx::to_bf16(&o)).unwrap();
-            let (_arena, ws) = fx::workspace(&gpu, &[shape(DenseKind::Fp8Bf16x, m, r, gw, groups)]);
-            let z = fx::bf16_out(&gpu, m * groups * r);
-            wo_a_grouped(&gpu, &gpu.stream, &d_o, m, &w.view(), groups, &ws, &z).unwrap();
-            let got = fx::download_bf16(&gpu, &z);
-            let want = wo_a_rows(&model.weights, &name, &o, m, groups, r).unwrap();
-            let mut terms = vec![0f64; m * groups * r];
-            for g in 0..groups {
-                let og: Vec<f32> = (0..m)
-                    .flat_map(|row| {
-                        o[(row * groups + g) * gw..(row * groups + g + 1) * gw].to_vec()
-                    })
-                    .collect();
-                let t = abs_term_sums(&model.weights, &name, g * r, r, &og, m).unwrap();
-                for row in 0..m {
-                    terms[row * groups * r + g * r..row * groups * r + (g + 1) * r]
-                        .copy_from_slice(&t[row * r..(row + 1) * r]);
+    fx::on_flash_and_pro(
+        "gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes",
+        |gpu, rng, cfg, model| {
+            let name = format!("layers.{LAYER}.attn.wo_a.weight");
+            let w = DevFp8::from_model(gpu, model, &name);
+            let (groups, r) = (cfg.o_groups, cfg.o_lora_rank);
+            let gw = w.cols;
+            for m in [1, 3, 64] {
+                let o = fx::activations(rng, m, groups * gw);
+                let d_o = gpu.upload(&fx::to_bf16(&o)).unwrap();
+                let (_arena, ws) =
+                    fx::workspace(gpu, &[shape(DenseKind::Fp8Bf16x, m, r, gw, groups)]);
+                let z = fx::bf16_out(gpu, m * groups * r);
+                wo_a_grouped(gpu, &gpu.stream, &d_o, m, &w.weight(), groups, &ws, &z).unwrap();
+                let got = fx::download_bf16(gpu, &z);
+                let want = wo_a_rows(&model.weights, &name, &o, m, groups, r).unwrap();
+                let mut terms = vec![0f64; m * groups * r];
+                for g in 0..groups {
+                    let og: Vec<f32> = (0..m)
+                        .flat_map(|row| {
+                            o[(row * groups + g) * gw..(row * groups + g + 1) * gw].to_vec()
+                        })
+                        .collect();
+                    let t = abs_term_sums(&model.weights, &name, g * r, r, &og, m).unwrap();
+                    for row in 0..m {
+                        terms[row * groups * r + g * r..row * groups * r + (g + 1) * r]
+                            .copy_from_slice(&t[row * r..(row + 1) * r]);
+                    }
                 }
+                fx::assert_close(
+                    &format!("{} wo_a M={m}", cfg.name),
+                    &got,
+                    &want,
+                    &terms,
+                    gw,
+                    true,
+                );
             }
-            fx::assert_close(
-                &format!("{} wo_a M={m}", cfg.name),
-                &got,
-                &want,
-                &terms,
-                gw,
-                true,
-            );
-        }
-    }
+        },
+    );
 }
 
 /// The shared expert against `Model::expert(prefix, fp8_act_quant(x), 1.0)`. g and u may each round to the
@@ -250,140 +252,140 @@ fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes() {
-    let (gpu, mut rng) =
-        fx::gpu_test("gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes");
-    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
-        let model = fx::model(cfg.clone(), &mut rng);
-        let p = format!("layers.{LAYER}.ffn.shared_experts");
-        let w1 = DevFp8Weight::from_model(&gpu, &model, &format!("{p}.w1.weight"));
-        let w3 = DevFp8Weight::from_model(&gpu, &model, &format!("{p}.w3.weight"));
-        let w2 = DevFp8Weight::from_model(&gpu, &model, &format!("{p}.w2.weight"));
-        let (d, inter) = (cfg.dim, cfg.moe_inter_dim);
-        for m in [1, 3, 64] {
-            // Larger inputs so that the clamp at swiglu_limit (10) is reached by some g and u.
-            let x: Vec<f32> = fx::activations(&mut rng, m, d)
-                .iter()
-                .map(|v| bf16::from_f32(v * 4.0).to_f32())
-                .collect();
-            let dx = DevFp8Rows::upload(&gpu, &x, m, d);
-            let (_arena, ws) = fx::workspace(
-                &gpu,
-                &[
-                    shape(DenseKind::Swiglu, m, inter, d, 1),
-                    shape(DenseKind::Fp8, m, d, inter, 1),
-                ],
-            );
-            let hc = gpu.poisoned::<u8>(m * inter, common::POISON).unwrap();
-            let hs = gpu.poisoned::<u8>(m * inter / 128, common::POISON).unwrap();
-            let y = fx::bf16_out(&gpu, m * d);
-            let scratch = SharedExpertScratch {
-                h_codes: &hc,
-                h_scales: &hs,
-            };
-            shared_expert(
-                &gpu,
-                &gpu.stream,
-                &dx.view(),
-                &w1.view(),
-                &w3.view(),
-                &w2.view(),
-                cfg.swiglu_limit,
-                &ws,
-                &scratch,
-                &y,
-            )
-            .unwrap();
-            let got = fx::download_bf16(&gpu, &y);
-            let want = shared_expert_rows(&model, &p, &x, m).unwrap();
-            let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
-            common::assert_rel_l2(
-                &format!("{} shared expert M={m}", cfg.name),
-                &got,
-                &want64,
-                3e-2,
-            );
-            // h itself: no NaN scale or code (every block written).
-            let hsc = gpu.download(&hs).unwrap();
-            assert!(hsc.iter().all(|&s| s != 0xFF), "an h scale was not written");
-        }
-    }
+    fx::on_flash_and_pro(
+        "gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes",
+        |gpu, rng, cfg, model| {
+            let p = format!("layers.{LAYER}.ffn.shared_experts");
+            let w1 = DevFp8::from_model(gpu, model, &format!("{p}.w1.weight"));
+            let w3 = DevFp8::from_model(gpu, model, &format!("{p}.w3.weight"));
+            let w2 = DevFp8::from_model(gpu, model, &format!("{p}.w2.weight"));
+            let (d, inter) = (cfg.dim, cfg.moe_inter_dim);
+            for m in [1, 3, 64] {
+                // Larger inputs so that the clamp at swiglu_limit (10) is reached by some g and u.
+                let x: Vec<f32> = fx::activations(rng, m, d)
+                    .iter()
+                    .map(|v| bf16::from_f32(v * 4.0).to_f32())
+                    .collect();
+                let dx = DevFp8::quantized(gpu, &x, m, d);
+                let (_arena, ws) = fx::workspace(
+                    gpu,
+                    &[
+                        shape(DenseKind::Swiglu, m, inter, d, 1),
+                        shape(DenseKind::Fp8, m, d, inter, 1),
+                    ],
+                );
+                let hc = gpu.poisoned::<u8>(m * inter, common::POISON).unwrap();
+                let hs = gpu.poisoned::<u8>(m * inter / 128, common::POISON).unwrap();
+                let y = fx::bf16_out(gpu, m * d);
+                let scratch = SharedExpertScratch {
+                    h_codes: &hc,
+                    h_scales: &hs,
+                };
+                shared_expert(
+                    gpu,
+                    &gpu.stream,
+                    &dx.act(),
+                    &w1.weight(),
+                    &w3.weight(),
+                    &w2.weight(),
+                    cfg.swiglu_limit,
+                    &ws,
+                    &scratch,
+                    &y,
+                )
+                .unwrap();
+                let got = fx::download_bf16(gpu, &y);
+                let want = shared_expert_rows(model, &p, &x, m).unwrap();
+                let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+                common::assert_rel_l2(
+                    &format!("{} shared expert M={m}", cfg.name),
+                    &got,
+                    &want64,
+                    3e-2,
+                );
+                // h itself: no NaN scale or code (every block written).
+                let hsc = gpu.download(&hs).unwrap();
+                assert!(hsc.iter().all(|&s| s != 0xFF), "an h scale was not written");
+            }
+        },
+    );
 }
 
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head() {
-    let (gpu, mut rng) =
-        fx::gpu_test("gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head");
-    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
-        let model = fx::model(cfg.clone(), &mut rng);
-        let a = format!("layers.{LAYER}.attn");
-        let sets: Vec<(Vec<String>, Vec<usize>)> = vec![
-            (
-                vec![
-                    format!("{a}.compressor.wkv.weight"),
-                    format!("{a}.compressor.wgate.weight"),
-                ],
-                vec![1, 3, 64],
-            ),
-            (
-                vec![
-                    format!("{a}.indexer.compressor.wkv.weight"),
-                    format!("{a}.indexer.compressor.wgate.weight"),
-                ],
-                vec![1, 3, 64],
-            ),
-            (
-                vec![format!("{a}.indexer.weights_proj.weight")],
-                vec![1, 3, 64],
-            ),
-            (vec!["head.weight".to_string()], vec![1, 3]),
-        ];
-        let d = cfg.dim;
-        for (names, ms) in sets {
-            let n = model.weights.spec(&names[0]).unwrap().shape[0];
-            let dws: Vec<_> = names
-                .iter()
-                .map(|nm| {
-                    let raw = model.weights.raw(nm).unwrap();
-                    let v: Vec<bf16> = raw
-                        .chunks_exact(2)
-                        .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+    fx::on_flash_and_pro(
+        "gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head",
+        |gpu, rng, cfg, model| {
+            let a = format!("layers.{LAYER}.attn");
+            let sets: Vec<(Vec<String>, Vec<usize>)> = vec![
+                (
+                    vec![
+                        format!("{a}.compressor.wkv.weight"),
+                        format!("{a}.compressor.wgate.weight"),
+                    ],
+                    vec![1, 3, 64],
+                ),
+                (
+                    vec![
+                        format!("{a}.indexer.compressor.wkv.weight"),
+                        format!("{a}.indexer.compressor.wgate.weight"),
+                    ],
+                    vec![1, 3, 64],
+                ),
+                (
+                    vec![format!("{a}.indexer.weights_proj.weight")],
+                    vec![1, 3, 64],
+                ),
+                (vec!["head.weight".to_string()], vec![1, 3]),
+            ];
+            let d = cfg.dim;
+            for (names, ms) in sets {
+                let n = model.weights.spec(&names[0]).unwrap().shape[0];
+                let dws: Vec<_> = names
+                    .iter()
+                    .map(|nm| {
+                        let raw = model.weights.raw(nm).unwrap();
+                        let v: Vec<bf16> = raw
+                            .chunks_exact(2)
+                            .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                            .collect();
+                        gpu.upload(&v).unwrap()
+                    })
+                    .collect();
+                for m in ms {
+                    let x = fx::activations(rng, m, d);
+                    let dx = gpu.upload(&fx::to_bf16(&x)).unwrap();
+                    let ys: Vec<_> = names
+                        .iter()
+                        .map(|_| gpu.poisoned::<f32>(m * n, common::POISON).unwrap())
                         .collect();
-                    gpu.upload(&v).unwrap()
-                })
-                .collect();
-            for m in ms {
-                let x = fx::activations(&mut rng, m, d);
-                let dx = gpu.upload(&fx::to_bf16(&x)).unwrap();
-                let ys: Vec<_> = names
-                    .iter()
-                    .map(|_| gpu.poisoned::<f32>(m * n, common::POISON).unwrap())
-                    .collect();
-                let jobs: Vec<Bf16Job> = dws
-                    .iter()
-                    .zip(&ys)
-                    .map(|(w, y)| Bf16Job { w, n, y })
-                    .collect();
-                let (_arena, ws) =
-                    fx::workspace(&gpu, &[shape(DenseKind::Bf16, m, n, d, names.len())]);
-                bf16_linear(&gpu, &gpu.stream, &dx, m, d, &jobs, &ws).unwrap();
-                gpu.synchronize().unwrap();
-                for (nm, y) in names.iter().zip(&ys) {
-                    let got = gpu.download(y).unwrap();
-                    let want = matvec_rows(&model.weights, nm, &x, m).unwrap();
-                    let terms = abs_term_sums(&model.weights, nm, 0, n, &x, m).unwrap();
-                    fx::assert_close(
-                        &format!("{} {nm} M={m}", cfg.name),
-                        &got,
-                        &want,
-                        &terms,
-                        d,
-                        false,
-                    );
+                    let jobs: Vec<Bf16Job> = dws
+                        .iter()
+                        .zip(&ys)
+                        .map(|(w, y)| Bf16Job { w, n, y })
+                        .collect();
+                    let (_arena, ws) =
+                        fx::workspace(gpu, &[shape(DenseKind::Bf16, m, n, d, names.len())]);
+                    bf16_linear(gpu, &gpu.stream, &dx, m, d, &jobs, &ws).unwrap();
+                    gpu.synchronize().unwrap();
+                    for (nm, y) in names.iter().zip(&ys) {
+                        let got = gpu.download(y).unwrap();
+                        let want = matvec_rows(&model.weights, nm, &x, m).unwrap();
+                        let terms = abs_term_sums(&model.weights, nm, 0, n, &x, m).unwrap();
+                        fx::assert_close(
+                            &format!("{} {nm} M={m}", cfg.name),
+                            &got,
+                            &want,
+                            &terms,
+                            d,
+                            false,
+                        );
+                    }
                 }
             }
-        }
-    }
+        },
+    );
 }
 
 /// Shapes at the edges of the rules: the smallest FP8 weight (128 x 128), K not a multiple of a split's slice, BF16
@@ -398,14 +400,14 @@ fn gpu_edge_shapes_match_the_cpu() {
         let wv = fx::activations(&mut rng, n, k);
         let wq = quantize_weight_128x128(&wv, n, k).unwrap();
         let wd = dequantize_weight_128x128(&wq);
-        let w = DevFp8Weight::from_parts(&gpu, &wq.data, &wq.scales, n, k);
+        let w = DevFp8::from_parts(&gpu, &wq.data, &wq.scales, n, k);
         for m in [1, 9, 33, 64] {
             let x = fx::activations(&mut rng, m, k);
             let xq = quantized_rows(&x, m);
-            let dx = DevFp8Rows::upload(&gpu, &x, m, k);
+            let dx = DevFp8::quantized(&gpu, &x, m, k);
             let (_arena, ws) = fx::workspace(&gpu, &[shape(DenseKind::Fp8, m, n, k, 1)]);
             let y = fx::bf16_out(&gpu, m * n);
-            fp8_linear(&gpu, &gpu.stream, &dx.view(), &w.view(), &ws, &y).unwrap();
+            fp8_linear(&gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
             let got = fx::download_bf16(&gpu, &y);
             let (want, terms) = cpu_dense(&wd, &xq, m, n, k, true);
             fx::assert_close(&format!("fp8 {n}x{k} M={m}"), &got, &want, &terms, k, true);
@@ -474,36 +476,43 @@ fn gpu_fp8_linear_replays_as_a_graph_with_new_activations() {
     let cfg = ModelConfig::flash();
     let model = fx::model(cfg.clone(), &mut rng);
     let name = format!("layers.{LAYER}.attn.wq_a.weight");
-    let w = DevFp8Weight::from_model(&gpu, &model, &name);
+    let w = DevFp8::from_model(&gpu, &model, &name);
     let m = 8;
-    let s = shape(DenseKind::Fp8, m, w.n, w.k, 1);
+    let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
     assert!(plan(&s, gpu.info.sm_count as usize).unwrap().splits > 1);
-    let mut x = fx::activations(&mut rng, m, w.k);
-    let mut dx = DevFp8Rows::upload(&gpu, &x, m, w.k);
+    let mut x = fx::activations(&mut rng, m, w.cols);
+    let mut dx = DevFp8::quantized(&gpu, &x, m, w.cols);
     let (_arena, ws) = fx::workspace(&gpu, &[s]);
-    let mut y = fx::bf16_out(&gpu, m * w.n);
+    let mut y = fx::bf16_out(&gpu, m * w.rows);
     // One plain call first: the kernel is resolved (and its shared-memory attribute set) outside the capture.
-    fp8_linear(&gpu, &gpu.stream, &dx.view(), &w.view(), &ws, &y).unwrap();
+    fp8_linear(&gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
     gpu.synchronize().unwrap();
     let graph = {
-        let (xv, wv) = (dx.view(), w.view());
+        let (xv, wv) = (dx.act(), w.weight());
         gpu.capture(|| fp8_linear(&gpu, &gpu.stream, &xv, &wv, &ws, &y))
             .unwrap()
     };
     let mut last = Vec::new();
     for replay in 0..3 {
-        x = fx::activations(&mut rng, m, w.k);
+        x = fx::activations(&mut rng, m, w.cols);
         dx.write(&gpu, &x);
         gpu.fill_bytes(&mut y, common::POISON).unwrap();
         graph.launch().unwrap();
         last = fx::download_bf16(&gpu, &y);
         let want = fp8_linear_rows(&model, &name, &x, m).unwrap();
         let terms =
-            abs_term_sums(&model.weights, &name, 0, w.n, &quantized_rows(&x, m), m).unwrap();
-        fx::assert_close(&format!("replay {replay}"), &last, &want, &terms, w.k, true);
+            abs_term_sums(&model.weights, &name, 0, w.rows, &quantized_rows(&x, m), m).unwrap();
+        fx::assert_close(
+            &format!("replay {replay}"),
+            &last,
+            &want,
+            &terms,
+            w.cols,
+            true,
+        );
     }
     gpu.fill_bytes(&mut y, common::POISON).unwrap();
-    fp8_linear(&gpu, &gpu.stream, &dx.view(), &w.view(), &ws, &y).unwrap();
+    fp8_linear(&gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
     let again = fx::download_bf16(&gpu, &y);
     common::assert_bit_identical("graph vs plain call", "y", &last, &again);
 }

@@ -57,78 +57,70 @@ pub fn to_bf16(v: &[f32]) -> Vec<bf16> {
     v.iter().map(|&x| bf16::from_f32(x)).collect()
 }
 
-/// An FP8 weight on the device.
-pub struct DevFp8Weight {
-    pub codes: CudaSlice<u8>,
-    pub scales: CudaSlice<u8>,
-    pub n: usize,
-    pub k: usize,
-}
-
-impl DevFp8Weight {
-    /// The checkpoint tensor `name` (`...weight`) and its `.scale` companion.
-    pub fn from_model(gpu: &Gpu, m: &Model, name: &str) -> DevFp8Weight {
-        let spec = m.weights.spec(name).unwrap();
-        let (n, k) = (spec.shape[0], spec.shape[1]);
-        let scale = name.strip_suffix(".weight").unwrap().to_string() + ".scale";
-        Self::from_parts(
-            gpu,
-            &m.weights.raw(name).unwrap(),
-            &m.weights.raw(&scale).unwrap(),
-            n,
-            k,
-        )
-    }
-    pub fn from_parts(gpu: &Gpu, codes: &[u8], scales: &[u8], n: usize, k: usize) -> DevFp8Weight {
-        DevFp8Weight {
-            codes: gpu.upload(codes).unwrap(),
-            scales: gpu.upload(scales).unwrap(),
-            n,
-            k,
-        }
-    }
-    pub fn view(&self) -> Fp8Weight<'_> {
-        Fp8Weight {
-            codes: &self.codes,
-            scales: &self.scales,
-            n: self.n,
-            k: self.k,
-        }
-    }
-}
-
-/// FP8 1x128 rows on the device, quantized on the host with the DSV4 rule norm_quant's FP8 output uses
-/// (`formats::fp8::quantize_act_1x128`).
-pub struct DevFp8Rows {
+/// FP8 codes + ue8m0 scales on the device: a weight (`[rows, cols]` codes, 128x128-block scales) or activation rows
+/// (`[rows, cols]` codes, 1x128 scales), viewed as the launcher's [`Fp8Weight`] or [`Fp8Rows`].
+pub struct DevFp8 {
     pub codes: CudaSlice<u8>,
     pub scales: CudaSlice<u8>,
     pub rows: usize,
-    pub k: usize,
+    pub cols: usize,
 }
 
-impl DevFp8Rows {
-    pub fn upload(gpu: &Gpu, x: &[f32], rows: usize, k: usize) -> DevFp8Rows {
-        let q = quantize_act_1x128(x, rows, k).unwrap();
-        DevFp8Rows {
-            codes: gpu.upload(&q.data).unwrap(),
-            scales: gpu.upload(&q.scales).unwrap(),
+impl DevFp8 {
+    pub fn from_parts(gpu: &Gpu, codes: &[u8], scales: &[u8], rows: usize, cols: usize) -> DevFp8 {
+        DevFp8 {
+            codes: gpu.upload(codes).unwrap(),
+            scales: gpu.upload(scales).unwrap(),
             rows,
-            k,
+            cols,
         }
     }
-    /// New values into the same buffers (graph replays), ordered on the GPU's stream.
+    /// The checkpoint weight `name` (`...weight`) and its `.scale` companion.
+    pub fn from_model(gpu: &Gpu, m: &Model, name: &str) -> DevFp8 {
+        let spec = m.weights.spec(name).unwrap();
+        let scale = name.strip_suffix(".weight").unwrap().to_string() + ".scale";
+        let (codes, scales) = (m.weights.raw(name).unwrap(), m.weights.raw(&scale).unwrap());
+        Self::from_parts(gpu, &codes, &scales, spec.shape[0], spec.shape[1])
+    }
+    /// Activation rows quantized on the host with the DSV4 rule norm_quant's FP8 output uses
+    /// (`formats::fp8::quantize_act_1x128`).
+    pub fn quantized(gpu: &Gpu, x: &[f32], rows: usize, cols: usize) -> DevFp8 {
+        let q = quantize_act_1x128(x, rows, cols).unwrap();
+        Self::from_parts(gpu, &q.data, &q.scales, rows, cols)
+    }
+    /// New activation values into the same buffers (graph replays), ordered on the GPU's stream.
     pub fn write(&mut self, gpu: &Gpu, x: &[f32]) {
-        let q = quantize_act_1x128(x, self.rows, self.k).unwrap();
+        let q = quantize_act_1x128(x, self.rows, self.cols).unwrap();
         gpu.write(&gpu.stream, &mut self.codes, &q.data).unwrap();
         gpu.write(&gpu.stream, &mut self.scales, &q.scales).unwrap();
     }
-    pub fn view(&self) -> Fp8Rows<'_> {
+    pub fn weight(&self) -> Fp8Weight<'_> {
+        Fp8Weight {
+            codes: &self.codes,
+            scales: &self.scales,
+            n: self.rows,
+            k: self.cols,
+        }
+    }
+    pub fn act(&self) -> Fp8Rows<'_> {
         Fp8Rows {
             codes: &self.codes,
             scales: &self.scales,
             rows: self.rows,
-            k: self.k,
+            k: self.cols,
         }
+    }
+}
+
+/// Runs `body` on the GPU for DSV4-Flash and -Pro, each with its CPU model on fresh synthetic weights.
+pub fn on_flash_and_pro(
+    test: &str,
+    mut body: impl FnMut(&Gpu, &mut ChaCha8Rng, &ModelConfig, &Model),
+) {
+    let (gpu, mut rng) = gpu_test(test);
+    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
+        let m = model(cfg.clone(), &mut rng);
+        body(&gpu, &mut rng, &cfg, &m);
     }
 }
 
