@@ -115,6 +115,23 @@ fn plans_cover_k_and_fit_shared_memory() {
     }
 }
 
+/// The LM head at 1..8 rows keeps two CTAs per SM: its K slice is halved until a CTA needs at most half the shared
+/// memory (the partials, 4 bytes x splits x vocab, are far below 1/16 of the weight).
+#[test]
+fn lm_head_plans_at_small_m_fit_two_ctas_per_sm() {
+    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
+        for m in [1, 8] {
+            let s = shape(DenseKind::Bf16, m, cfg.vocab_size, cfg.dim, 1);
+            let p = plan(&s, 132).unwrap();
+            assert!(
+                p.smem <= 113 * 1024 && p.splits >= 2,
+                "{} M={m}: {p:?}",
+                cfg.name
+            );
+        }
+    }
+}
+
 #[test]
 fn bf16_ulp_and_tolerance_are_what_their_docs_say() {
     assert_eq!(bf16_ulp(1.0), 2f64.powi(-7));

@@ -188,7 +188,8 @@ fn smem_bytes(kind: DenseKind, mt: usize, kc: usize) -> usize {
 /// The launch plan of `s` on a GPU of `sm_count` SMs. Split-K when the row tiles alone give fewer CTAs than SMs:
 /// about 2 CTAs per SM, K slices a multiple of the granule, capped so that the partials (f32, written and read
 /// once, mostly in L2) stay within twice the weight bytes, and at least as many splits as the shared memory for
-/// the staged x needs.
+/// the staged x needs; then slices halved while a CTA needs more than half the shared memory and the partials stay
+/// under 1/16 of the weight bytes (two resident CTAs per SM).
 pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
     s.check()?;
     let mt = s.rows.div_ceil(8).next_power_of_two();
@@ -214,8 +215,22 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
     let splits = splits_smem
         .max(splits_occ.min(splits_cap))
         .min(s.k.div_ceil(gran));
-    let kc = (s.k.div_ceil(splits).div_ceil(gran) * gran).min(kc_max);
-    let splits = s.k.div_ceil(kc);
+    let mut kc = (s.k.div_ceil(splits).div_ceil(gran) * gran).min(kc_max);
+    let mut splits = s.k.div_ceil(kc);
+    // Two resident CTAs per SM hide one CTA's prologue behind the other's stream: halve the slice while a CTA needs
+    // more than half the shared memory and the partials stay under 1/16 of the weight bytes (the LM head at small M).
+    let weight_bytes = s.jobs * s.kind.weights_per_warp() * s.n * s.k * esize;
+    while smem_bytes(s.kind, mt, kc) > SMEM_BUDGET / 2 && kc > gran {
+        let kc_half = (kc / 2).div_ceil(gran) * gran;
+        let splits_half = s.k.div_ceil(kc_half);
+        let partial_bytes =
+            4 * splits_half * s.rows * s.kind.weights_per_warp() * s.tiles() * TILE_ROWS * s.jobs;
+        if 16 * partial_bytes > weight_bytes {
+            break;
+        }
+        kc = kc_half;
+        splits = splits_half;
+    }
     Ok(DensePlan {
         mt,
         kc,
