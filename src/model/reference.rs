@@ -330,7 +330,8 @@ impl Model {
 
     // ---- linears -------------------------------------------------------------------------------
 
-    fn fp8_linear(&self, name: &str, x: &[f32]) -> Result<Vec<f32>> {
+    /// `bf16(W . fp8_act_quant(x))` for an FP8 weight `name` (the GPU oracle of `ops::dense::fp8_linear`).
+    pub fn fp8_linear(&self, name: &str, x: &[f32]) -> Result<Vec<f32>> {
         let mut y = self.weights.matvec(name, &fp8_act_quant(x)?)?;
         bf16_round_slice(&mut y);
         Ok(y)
@@ -651,7 +652,7 @@ impl Model {
     }
 
     /// One SwiGLU expert with the clamp: w2( bf16(weight * silu(min(g, L)) * clamp(u, -L, L)) ).
-    fn expert(&self, prefix: &str, f_q: &[f32], weight: f32) -> Result<Vec<f32>> {
+    pub fn expert(&self, prefix: &str, f_q: &[f32], weight: f32) -> Result<Vec<f32>> {
         let lim = self.config().swiglu_limit;
         let mut g = self.weights.matvec(&format!("{prefix}.w1.weight"), f_q)?;
         let mut u = self.weights.matvec(&format!("{prefix}.w3.weight"), f_q)?;

@@ -2,8 +2,8 @@
 //! `ops/<family>/mod.rs` (launcher: checks before any launch, config choice, launch) ->
 //! `ops/<family>/reference.rs` or `formats` (CPU reference) -> `tests/<family>.rs` -> `bench-configs/<family>.toml`.
 
-pub mod dense;
 pub mod compressor;
+pub mod dense;
 pub mod exec;
 pub mod head;
 pub mod indexer;

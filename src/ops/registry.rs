@@ -20,6 +20,7 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
     v.extend(crate::ops::indexer::exec_kernels());
     v.extend(crate::ops::head::exec_kernels());
     v.extend(crate::ops::qkv_prep::exec_kernels());
+    v.extend(crate::ops::dense::exec::exec_kernels());
     v
 }
 

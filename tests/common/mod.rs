@@ -3,6 +3,7 @@
 //! Family fixtures live beside this file (`tests/common/<family>.rs`), declared below.
 #![allow(dead_code)]
 
+pub mod dense;
 pub mod head;
 pub mod indexer;
 pub mod moe;

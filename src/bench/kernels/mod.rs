@@ -2,9 +2,10 @@
 //! measures one point. Each family's adapter (sweep parameters -> the family's measurement hook in
 //! `ops::<family>::bench` -> CSV rows) lives here, in the bench layer, so no op module imports the runner.
 
+pub mod compressor;
+pub mod dense;
 pub mod dense_prefill;
 pub mod head;
-pub mod compressor;
 pub mod indexer;
 pub mod mhc;
 pub mod moe_gemm;
@@ -34,5 +35,6 @@ pub fn all() -> Vec<BenchKernel> {
     v.extend(sampler::kernels());
     v.extend(qkv_prep::kernels());
     v.extend(compressor::kernels());
+    v.extend(dense::kernels());
     v
 }

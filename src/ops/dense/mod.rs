@@ -1,3 +1,680 @@
-//! The model's dense linears on the GPU: [`prefill`] is the FP8 block-scaled linear through cuBLASLt.
+//! Decode dense linears of DeepSeek-V4 on the GPU (kernels/dense.cu): `y[M, N] = x[M, K] . W[N, K]^T` for
+//! M = 1..=64 activation rows, the weight streamed once from HBM.
+//!
+//! Contract (the CPU oracles are the model's own functions, see [`reference`]):
+//! * [`fp8_linear`]: W e4m3 codes `[N, K]` with the checkpoint's ue8m0 128x128 block scales `[N/128, K/128]`; x the
+//!   FP8 1x128 rows that `norm_quant`'s `OutFormat::Fp8` writes (e4m3 codes `[M, K]`, ue8m0 scale codes
+//!   `[M, K/128]`); `y = bf16(sum_k dequant(W)[n, k] * dequant(x)[m, k])`, BF16 `[M, N]`. `Model::fp8_linear`.
+//! * [`wo_a_grouped`]: the grouped output projection's first half: group g of G reads BF16 `o[m, g*K .. (g+1)*K]`
+//!   (not quantized) and rows `g*R .. (g+1)*R` of the FP8 `wo_a` `[G*R, K]`; `z[m, g*R + r] = bf16(sum)`, BF16
+//!   `[M, G*R]`. `Model::out_proj`'s `matvec_rows` loop. The weight stays FP8 in memory.
+//! * [`swiglu_fp8`]: the shared expert's first half: g = bf16(w1 . x), u = bf16(w3 . x) (x FP8 1x128, read once for
+//!   both), clamped (`g <= L`, `-L <= u <= L` when L > 0), `h = bf16(silu(g) * u)`, written as FP8 1x128 (codes
+//!   `[M, I]` + ue8m0 scales `[M, I/128]`, the `formats::fp8` rule). [`shared_expert`] = it + [`fp8_linear`] with w2:
+//!   `Model::expert(prefix, x, 1.0)`.
+//! * [`bf16_linear`]: W BF16 `[N_j, K]` for up to [`MAX_JOBS`] weights sharing one BF16 x `[M, K]` (one launch
+//!   reads x once): `y_j = x . W_j^T`, f32 `[M, N_j]` (the model's `matvec`; callers round).
+//!
+//! Shape rules (checked before any launch, with the reason in the message): 1 <= M <= [`MAX_ROWS`]; FP8 weights:
+//! N % 128 == 0 and K % 128 == 0 (one CTA = one 128-row scale block; scale blocks along K); BF16: N >= 1 (any),
+//! K % 32 == 0 (16-byte rows); all device buffers 16-byte aligned.
+//!
+//! Graph-safe: grids and split-K come from the capacities (M, N, K) and the SM count, never from device data. Split-K
+//! partials and the per-tile arrival counters live in the caller's [`DenseWorkspace`]; the counters must be zero
+//! before the first call ([`DenseWorkspace::carve`] zeroes them) and every call leaves them zero. One call at a time
+//! per workspace (calls on one stream serialize, so one workspace serves every linear of a decode step).
+//!
+//! Prefill sizes (M up to 16K) go through cuBLASLt's block-scaled FP8 GEMM: [`prefill`].
+//!
+//! Rooms: `reference.rs` (glue to the CPU model), `bench.rs` (measurement hooks), `exec.rs` (`megamoe exec`),
+//! `prefill.rs` (the cuBLASLt path).
 
+pub mod bench;
+pub mod exec;
 pub mod prefill;
+pub mod reference;
+
+use anyhow::{ensure, Result};
+use half::bf16;
+
+use crate::gpu::arena::{self, Arena, WorkspaceLayout};
+use crate::gpu::launch::{launch, DevBuf, DeviceBuf, KernelArgs, Launch, Stream};
+use crate::gpu::Gpu;
+
+/// Kernel family name (kernels/dense.cu).
+pub const FAMILY: &str = "dense";
+/// Most activation rows per call (the kernels' token capacity, 8 MMA token groups).
+pub const MAX_ROWS: usize = 64;
+/// Most weights (or wo_a groups) per launch (`kMaxJobs`).
+pub const MAX_JOBS: usize = 16;
+/// Rows per CTA (`kTileRows`; one FP8 scale row block).
+pub const TILE_ROWS: usize = 128;
+const THREADS: u32 = 256;
+/// The per-CTA weight ring (`kRingBytes`), also the epilogue's buffer.
+const RING_BYTES: usize = 65536;
+/// Shared memory a launch may plan on (the H100/H200 opt-in limit is 227 KB; 1 KB left for static use).
+const SMEM_BUDGET: usize = 226 * 1024;
+
+/// What a launch computes (the kernel's `Mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseKind {
+    /// FP8 weight, FP8 1x128 x, BF16 y.
+    Fp8,
+    /// FP8 weight, BF16 x, BF16 y (the grouped wo_a).
+    Fp8Bf16x,
+    /// BF16 weight, BF16 x, f32 y.
+    Bf16,
+    /// FP8 w1 and w3, FP8 x, FP8 1x128 h.
+    Swiglu,
+}
+
+impl DenseKind {
+    fn prefix(self) -> &'static str {
+        match self {
+            DenseKind::Fp8 => "dense_fp8",
+            DenseKind::Fp8Bf16x => "dense_fp8_bf16x",
+            DenseKind::Bf16 => "dense_bf16",
+            DenseKind::Swiglu => "dense_swiglu",
+        }
+    }
+    fn weight_fp8(self) -> bool {
+        self != DenseKind::Bf16
+    }
+    /// Weights one warp streams (w1 and w3 for SwiGLU).
+    fn weights_per_warp(self) -> usize {
+        if self == DenseKind::Swiglu {
+            2
+        } else {
+            1
+        }
+    }
+    /// Bytes of staged x per lane per step (16-bit values): 32 with FP8 weights, 16 with BF16 weights.
+    fn x_pad(self) -> usize {
+        if self.weight_fp8() {
+            16
+        } else {
+            64
+        }
+    }
+    /// Granule of a split's K slice: a scale block (FP8) or 64 columns (BF16, keeps the staged rows bank-aligned).
+    fn k_granule(self) -> usize {
+        if self.weight_fp8() {
+            128
+        } else {
+            64
+        }
+    }
+}
+
+/// The sizes of one launch: `rows` (M) activation rows, `jobs` weights (or wo_a groups) of `n` rows each (the
+/// largest for BF16 jobs of different heights) and `k` columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenseShape {
+    pub kind: DenseKind,
+    pub rows: usize,
+    pub n: usize,
+    pub k: usize,
+    pub jobs: usize,
+}
+
+impl DenseShape {
+    /// The shape rules of the module docs.
+    pub fn check(&self) -> Result<()> {
+        let DenseShape {
+            kind,
+            rows,
+            n,
+            k,
+            jobs,
+        } = *self;
+        ensure!(
+            (1..=MAX_ROWS).contains(&rows),
+            "dense: {rows} activation rows (1..={MAX_ROWS})"
+        );
+        ensure!(
+            (1..=MAX_JOBS).contains(&jobs),
+            "dense: {jobs} weights in one launch (1..={MAX_JOBS})"
+        );
+        ensure!(n >= 1 && k >= 1, "dense: empty weight {n} x {k}");
+        if kind.weight_fp8() {
+            ensure!(
+                n.is_multiple_of(TILE_ROWS) && k.is_multiple_of(128),
+                "dense: FP8 weight [{n}, {k}]: N and K must be multiples of 128 (128x128 scale blocks, one per CTA row tile)"
+            );
+        } else {
+            ensure!(
+                k.is_multiple_of(32),
+                "dense: BF16 weight [{n}, {k}]: K must be a multiple of 32 (16-byte rows, 32 columns per step)"
+            );
+        }
+        ensure!(
+            n * jobs <= i32::MAX as usize && k <= i32::MAX as usize / 2,
+            "dense: [{n}, {k}] x {jobs} exceeds the kernels' int indices"
+        );
+        Ok(())
+    }
+    fn tiles(&self) -> usize {
+        self.n.div_ceil(TILE_ROWS)
+    }
+}
+
+/// How a shape is launched: token groups of 8 (`mt`), K slice per CTA (`kc`), `splits` = ceil(K / kc), dynamic
+/// shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DensePlan {
+    pub mt: usize,
+    pub kc: usize,
+    pub splits: usize,
+    pub smem: usize,
+}
+
+impl DensePlan {
+    /// f32 partial sums of one call (0 without split-K).
+    pub fn partial_floats(&self, s: &DenseShape) -> usize {
+        if self.splits == 1 {
+            0
+        } else {
+            self.splits * s.rows * s.kind.weights_per_warp() * s.tiles() * TILE_ROWS * s.jobs
+        }
+    }
+    /// Arrival counters of one call.
+    pub fn counters(&self, s: &DenseShape) -> usize {
+        s.tiles() * s.jobs
+    }
+}
+
+/// Dynamic shared memory of a CTA: the weight ring, the staged x slice (16-bit, padded rows), x and weight scales.
+fn smem_bytes(kind: DenseKind, mt: usize, kc: usize) -> usize {
+    let tok = mt * 8;
+    RING_BYTES + tok * (2 * kc + kind.x_pad()) + 4 * (tok + kind.weights_per_warp()) * (kc / 128)
+}
+
+/// The launch plan of `s` on a GPU of `sm_count` SMs. Split-K when the row tiles alone give fewer CTAs than SMs:
+/// about 2 CTAs per SM, K slices a multiple of the granule, capped so that the partials (f32, written and read
+/// once, mostly in L2) stay within twice the weight bytes, and at least as many splits as the shared memory for
+/// the staged x needs; then slices halved while a CTA needs more than half the shared memory and the partials stay
+/// under 1/16 of the weight bytes (two resident CTAs per SM).
+pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
+    s.check()?;
+    let mt = s.rows.div_ceil(8).next_power_of_two();
+    let gran = s.kind.k_granule();
+    let mut kc_max = s.k.div_ceil(gran) * gran;
+    while kc_max > gran && smem_bytes(s.kind, mt, kc_max) > SMEM_BUDGET {
+        kc_max -= gran;
+    }
+    ensure!(
+        smem_bytes(s.kind, mt, kc_max) <= SMEM_BUDGET,
+        "dense: no K slice fits shared memory"
+    );
+    let splits_smem = s.k.div_ceil(kc_max);
+    let ctas = s.tiles() * s.jobs;
+    let sms = sm_count.max(1);
+    let splits_occ = if ctas >= sms {
+        1
+    } else {
+        (2 * sms).div_ceil(ctas)
+    };
+    let esize = if s.kind.weight_fp8() { 1 } else { 2 };
+    let splits_cap = (2 * s.k * esize / (4 * s.rows)).max(1);
+    let splits = splits_smem
+        .max(splits_occ.min(splits_cap))
+        .min(s.k.div_ceil(gran));
+    let mut kc = (s.k.div_ceil(splits).div_ceil(gran) * gran).min(kc_max);
+    let mut splits = s.k.div_ceil(kc);
+    // Two resident CTAs per SM hide one CTA's prologue behind the other's stream: halve the slice while a CTA needs
+    // more than half the shared memory and the partials stay under 1/16 of the weight bytes (the LM head at small M).
+    let weight_bytes = s.jobs * s.kind.weights_per_warp() * s.n * s.k * esize;
+    while smem_bytes(s.kind, mt, kc) > SMEM_BUDGET / 2 && kc > gran {
+        let kc_half = (kc / 2).div_ceil(gran) * gran;
+        let splits_half = s.k.div_ceil(kc_half);
+        let partial_bytes =
+            4 * splits_half * s.rows * s.kind.weights_per_warp() * s.tiles() * TILE_ROWS * s.jobs;
+        if 16 * partial_bytes > weight_bytes {
+            break;
+        }
+        kc = kc_half;
+        splits = splits_half;
+    }
+    Ok(DensePlan {
+        mt,
+        kc,
+        splits,
+        smem: smem_bytes(s.kind, mt, kc),
+    })
+}
+
+/// The caller-owned scratch of the dense launchers: split-K partial sums and per-tile arrival counters (zero between
+/// calls). One workspace sized for every shape a decode step uses serves all of them in stream order.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseWorkspace {
+    pub part: DevBuf<f32>,
+    pub count: DevBuf<u32>,
+}
+
+/// (partial floats, counters) the shapes need on a GPU of `sm_count` SMs (the largest of each).
+fn workspace_need(shapes: &[DenseShape], sm_count: usize) -> Result<(usize, usize)> {
+    let (mut floats, mut counters) = (1, 1);
+    for s in shapes {
+        let p = plan(s, sm_count)?;
+        floats = floats.max(p.partial_floats(s));
+        counters = counters.max(p.counters(s));
+    }
+    Ok((floats, counters))
+}
+
+/// The [`DenseWorkspace`] layout for calls of `shapes`.
+pub fn workspace_layout(shapes: &[DenseShape], sm_count: usize) -> Result<WorkspaceLayout> {
+    let (floats, counters) = workspace_need(shapes, sm_count)?;
+    let mut l = WorkspaceLayout::new();
+    l.add::<f32>(floats).add::<u32>(counters);
+    Ok(l)
+}
+
+impl DenseWorkspace {
+    /// Carve the workspace for `shapes` and zero its counters on `stream`.
+    pub fn carve(
+        arena: &mut Arena,
+        stream: &Stream,
+        shapes: &[DenseShape],
+        sm_count: usize,
+    ) -> Result<DenseWorkspace> {
+        let (floats, counters) = workspace_need(shapes, sm_count)?;
+        let ws = DenseWorkspace {
+            part: arena.carve::<f32>(floats, "dense split-K partials")?,
+            count: arena.carve::<u32>(counters, "dense tile counters")?,
+        };
+        arena::fill(stream, &ws.count, 0)?;
+        Ok(ws)
+    }
+}
+
+/// An FP8 weight on the device: e4m3 codes `[n, k]`, ue8m0 128x128 scale codes `[n/128, k/128]`.
+pub struct Fp8Weight<'a> {
+    pub codes: &'a dyn DeviceBuf<u8>,
+    pub scales: &'a dyn DeviceBuf<u8>,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// FP8 1x128 activation rows on the device (norm_quant's `OutFormat::Fp8`): e4m3 codes `[rows, k]`, ue8m0 scale
+/// codes `[rows, k/128]`.
+pub struct Fp8Rows<'a> {
+    pub codes: &'a dyn DeviceBuf<u8>,
+    pub scales: &'a dyn DeviceBuf<u8>,
+    pub rows: usize,
+    pub k: usize,
+}
+
+/// One BF16 weight of a [`bf16_linear`] launch and its f32 output `[M, n]`.
+pub struct Bf16Job<'a> {
+    pub w: &'a dyn DeviceBuf<bf16>,
+    pub n: usize,
+    pub y: &'a dyn DeviceBuf<f32>,
+}
+
+/// The kernels' parameter block (`DenseParams` in kernels/dense.cu, same field order; 704 bytes).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DenseParams {
+    w: [u64; MAX_JOBS],
+    w_scale: [u64; MAX_JOBS],
+    y: [u64; MAX_JOBS],
+    x: u64,
+    x_scale: u64,
+    part: u64,
+    count: u64,
+    n: [i32; MAX_JOBS],
+    x_col: [i32; MAX_JOBS],
+    part_off: [i32; MAX_JOBS],
+    count_off: [i32; MAX_JOBS],
+    m: i32,
+    k: i32,
+    ldx: i32,
+    ldy: i32,
+    kc: i32,
+    splits: i32,
+    swiglu_limit: f32,
+    reserved: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<DenseParams>() == 704);
+
+fn check_len<T>(b: &dyn DeviceBuf<T>, need: usize, what: &str) -> Result<()> {
+    ensure!(
+        b.elems() >= need,
+        "dense: {what} has {} elements, needs {need}",
+        b.elems()
+    );
+    ensure!(
+        b.device_addr().is_multiple_of(16),
+        "dense: {what} is not 16-byte aligned"
+    );
+    Ok(())
+}
+
+fn check_fp8_weight(w: &Fp8Weight, what: &str) -> Result<()> {
+    check_len(
+        w.codes,
+        w.n * w.k,
+        &format!("{what} codes [{}, {}]", w.n, w.k),
+    )?;
+    check_len(
+        w.scales,
+        w.n.div_ceil(128) * w.k.div_ceil(128),
+        &format!("{what} scales"),
+    )
+}
+
+fn check_fp8_rows(x: &Fp8Rows, k: usize) -> Result<()> {
+    ensure!(x.k == k, "dense: x has {} columns, the weight {k}", x.k);
+    check_len(x.codes, x.rows * x.k, "x codes [M, K]")?;
+    check_len(x.scales, x.rows * x.k.div_ceil(128), "x scales [M, K/128]")
+}
+
+/// Everything one launch needs besides the plan.
+struct LaunchSpec {
+    shape: DenseShape,
+    p: DenseParams,
+}
+
+fn blank_params() -> DenseParams {
+    DenseParams {
+        w: [0; MAX_JOBS],
+        w_scale: [0; MAX_JOBS],
+        y: [0; MAX_JOBS],
+        x: 0,
+        x_scale: 0,
+        part: 0,
+        count: 0,
+        n: [0; MAX_JOBS],
+        x_col: [0; MAX_JOBS],
+        part_off: [0; MAX_JOBS],
+        count_off: [0; MAX_JOBS],
+        m: 0,
+        k: 0,
+        ldx: 0,
+        ldy: 0,
+        kc: 0,
+        splits: 0,
+        swiglu_limit: 0.0,
+        reserved: 0,
+    }
+}
+
+/// Plan, check the workspace, fill the split-K fields and launch (every other check done by the caller).
+fn run(gpu: &Gpu, stream: &Stream, spec: LaunchSpec, ws: &DenseWorkspace) -> Result<()> {
+    let s = spec.shape;
+    let pl = plan(&s, gpu.info.sm_count as usize)?;
+    let per_job_floats = pl.partial_floats(&s) / s.jobs;
+    ensure!(
+        ws.part.len() >= pl.partial_floats(&s) && ws.count.len() >= pl.counters(&s),
+        "dense: workspace holds {} partials and {} counters, this call needs {} and {} (carve it for this shape)",
+        ws.part.len(),
+        ws.count.len(),
+        pl.partial_floats(&s),
+        pl.counters(&s)
+    );
+    ensure!(
+        pl.partial_floats(&s) <= i32::MAX as usize,
+        "dense: split-K partials exceed the kernels' int offsets"
+    );
+    let mut p = spec.p;
+    p.part = ws.part.device_addr();
+    p.count = ws.count.device_addr();
+    for j in 0..s.jobs {
+        p.part_off[j] = (j * per_job_floats) as i32;
+        p.count_off[j] = (j * s.tiles()) as i32;
+    }
+    p.m = s.rows as i32;
+    p.k = s.k as i32;
+    p.kc = pl.kc as i32;
+    p.splits = pl.splits as i32;
+    let name = format!("{}_m{}", s.kind.prefix(), pl.mt * 8);
+    let kernel = gpu.kernel_with_smem(FAMILY, &name, pl.smem)?;
+    let l = Launch::new(
+        (s.tiles() as u32, pl.splits as u32, s.jobs as u32),
+        (THREADS, 1, 1),
+    )
+    .smem(pl.smem);
+    let mut args = KernelArgs::new();
+    args.pod(&p);
+    // SAFETY: every buffer was checked against the shape by the public launcher; the workspace against the plan.
+    unsafe { launch(stream, &kernel, l, &mut args) }
+}
+
+/// `y[M, N] = bf16(x_q . dequant(W)^T)`: FP8 1x128 rows `x` (norm_quant's FP8 output), FP8 128x128-block weight,
+/// BF16 `y` `[x.rows, w.n]`. Oracle: `Model::fp8_linear`.
+pub fn fp8_linear(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &Fp8Rows,
+    w: &Fp8Weight,
+    ws: &DenseWorkspace,
+    y: &dyn DeviceBuf<bf16>,
+) -> Result<()> {
+    let shape = DenseShape {
+        kind: DenseKind::Fp8,
+        rows: x.rows,
+        n: w.n,
+        k: w.k,
+        jobs: 1,
+    };
+    shape.check()?;
+    check_fp8_weight(w, "W")?;
+    check_fp8_rows(x, w.k)?;
+    check_len(y, x.rows * w.n, "y [M, N]")?;
+    let mut p = blank_params();
+    p.w[0] = w.codes.device_addr();
+    p.w_scale[0] = w.scales.device_addr();
+    p.y[0] = y.device_addr();
+    p.n[0] = w.n as i32;
+    p.x = x.codes.device_addr();
+    p.x_scale = x.scales.device_addr();
+    p.ldx = w.k as i32;
+    p.ldy = w.n as i32;
+    run(gpu, stream, LaunchSpec { shape, p }, ws)
+}
+
+/// The grouped wo_a: `z[m, g*R + r] = bf16(sum_k wo_a[g*R + r, k] * o[m, g*K + k])` for g < `groups`, with
+/// `w` = wo_a `[groups*R, K]` FP8 (R = w.n / groups, a multiple of 128), `o` BF16 `[rows, groups*K]`, `z` BF16
+/// `[rows, groups*R]`. Oracle: `Model::out_proj`'s per-group `matvec_rows` (BF16-rounded).
+#[allow(clippy::too_many_arguments)]
+pub fn wo_a_grouped(
+    gpu: &Gpu,
+    stream: &Stream,
+    o: &dyn DeviceBuf<bf16>,
+    rows: usize,
+    w: &Fp8Weight,
+    groups: usize,
+    ws: &DenseWorkspace,
+    z: &dyn DeviceBuf<bf16>,
+) -> Result<()> {
+    ensure!(
+        (1..=MAX_JOBS).contains(&groups) && w.n.is_multiple_of(groups),
+        "dense: wo_a with {groups} groups over {} rows (1..={MAX_JOBS} groups dividing the rows)",
+        w.n
+    );
+    let r = w.n / groups;
+    let shape = DenseShape {
+        kind: DenseKind::Fp8Bf16x,
+        rows,
+        n: r,
+        k: w.k,
+        jobs: groups,
+    };
+    shape.check()?;
+    check_fp8_weight(w, "wo_a")?;
+    check_len(o, rows * groups * w.k, "o [M, groups*K]")?;
+    check_len(z, rows * w.n, "z [M, groups*R]")?;
+    let mut p = blank_params();
+    let (wa, sa, za) = (
+        w.codes.device_addr(),
+        w.scales.device_addr(),
+        z.device_addr(),
+    );
+    for g in 0..groups {
+        p.w[g] = wa + (g * r * w.k) as u64;
+        p.w_scale[g] = sa + ((g * r / 128) * (w.k / 128)) as u64;
+        p.y[g] = za + (g * r * 2) as u64;
+        p.n[g] = r as i32;
+        p.x_col[g] = (g * w.k) as i32;
+    }
+    p.x = o.device_addr();
+    p.ldx = (groups * w.k) as i32;
+    p.ldy = w.n as i32;
+    run(gpu, stream, LaunchSpec { shape, p }, ws)
+}
+
+/// The shared expert's gate/up half: `h = bf16(silu(min(g, L)) * clamp(u, -L, L))` with `g = bf16(w1 . x)`,
+/// `u = bf16(w3 . x)` (no clamp when L <= 0), written as FP8 1x128 rows (`h_codes` `[M, I]`, `h_scales` `[M, I/128]`).
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_fp8(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &Fp8Rows,
+    w1: &Fp8Weight,
+    w3: &Fp8Weight,
+    swiglu_limit: f32,
+    ws: &DenseWorkspace,
+    h_codes: &dyn DeviceBuf<u8>,
+    h_scales: &dyn DeviceBuf<u8>,
+) -> Result<()> {
+    ensure!(
+        w1.n == w3.n && w1.k == w3.k,
+        "dense: w1 [{}, {}] and w3 [{}, {}] differ",
+        w1.n,
+        w1.k,
+        w3.n,
+        w3.k
+    );
+    ensure!(
+        swiglu_limit.is_finite(),
+        "dense: swiglu_limit {swiglu_limit} is not finite"
+    );
+    let shape = DenseShape {
+        kind: DenseKind::Swiglu,
+        rows: x.rows,
+        n: w1.n,
+        k: w1.k,
+        jobs: 1,
+    };
+    shape.check()?;
+    check_fp8_weight(w1, "w1")?;
+    check_fp8_weight(w3, "w3")?;
+    check_fp8_rows(x, w1.k)?;
+    check_len(h_codes, x.rows * w1.n, "h codes [M, I]")?;
+    check_len(h_scales, x.rows * w1.n / 128, "h scales [M, I/128]")?;
+    let mut p = blank_params();
+    p.w[0] = w1.codes.device_addr();
+    p.w[1] = w3.codes.device_addr();
+    p.w_scale[0] = w1.scales.device_addr();
+    p.w_scale[1] = w3.scales.device_addr();
+    p.y[0] = h_codes.device_addr();
+    p.y[1] = h_scales.device_addr();
+    p.n[0] = w1.n as i32;
+    p.x = x.codes.device_addr();
+    p.x_scale = x.scales.device_addr();
+    p.ldx = w1.k as i32;
+    p.ldy = w1.n as i32;
+    p.swiglu_limit = swiglu_limit;
+    run(gpu, stream, LaunchSpec { shape, p }, ws)
+}
+
+/// The scratch between the two launches of [`shared_expert`]: h as FP8 1x128 rows.
+pub struct SharedExpertScratch<'a> {
+    pub h_codes: &'a dyn DeviceBuf<u8>,
+    pub h_scales: &'a dyn DeviceBuf<u8>,
+}
+
+/// The shared expert, `Model::expert(prefix, x, 1.0)`: [`swiglu_fp8`] then [`fp8_linear`] with w2 `[D, I]` into
+/// BF16 `y` `[M, D]`. Two launches; every check runs before the first.
+#[allow(clippy::too_many_arguments)]
+pub fn shared_expert(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &Fp8Rows,
+    w1: &Fp8Weight,
+    w3: &Fp8Weight,
+    w2: &Fp8Weight,
+    swiglu_limit: f32,
+    ws: &DenseWorkspace,
+    h: &SharedExpertScratch,
+    y: &dyn DeviceBuf<bf16>,
+) -> Result<()> {
+    ensure!(
+        w2.k == w1.n,
+        "dense: w2 has {} columns, w1 {} rows",
+        w2.k,
+        w1.n
+    );
+    let h_rows = Fp8Rows {
+        codes: h.h_codes,
+        scales: h.h_scales,
+        rows: x.rows,
+        k: w1.n,
+    };
+    DenseShape {
+        kind: DenseKind::Fp8,
+        rows: x.rows,
+        n: w2.n,
+        k: w2.k,
+        jobs: 1,
+    }
+    .check()?;
+    check_fp8_weight(w2, "w2")?;
+    check_len(y, x.rows * w2.n, "y [M, D]")?;
+    swiglu_fp8(
+        gpu,
+        stream,
+        x,
+        w1,
+        w3,
+        swiglu_limit,
+        ws,
+        h.h_codes,
+        h.h_scales,
+    )?;
+    fp8_linear(gpu, stream, &h_rows, w2, ws, y)
+}
+
+/// `y_j[M, n_j] = x[M, K] . W_j^T` in f32 for every job (BF16 weights sharing the BF16 `x`), one launch.
+pub fn bf16_linear(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &dyn DeviceBuf<bf16>,
+    rows: usize,
+    k: usize,
+    jobs: &[Bf16Job],
+    ws: &DenseWorkspace,
+) -> Result<()> {
+    let n_max = jobs.iter().map(|j| j.n).max().unwrap_or(0);
+    let shape = DenseShape {
+        kind: DenseKind::Bf16,
+        rows,
+        n: n_max,
+        k,
+        jobs: jobs.len(),
+    };
+    shape.check()?;
+    check_len(x, rows * k, "x [M, K]")?;
+    let mut p = blank_params();
+    for (j, job) in jobs.iter().enumerate() {
+        ensure!(job.n >= 1, "dense: BF16 weight {j} has no rows");
+        check_len(job.w, job.n * k, &format!("W{j} [{}, {k}]", job.n))?;
+        check_len(job.y, rows * job.n, &format!("y{j} [M, {}]", job.n))?;
+        p.w[j] = job.w.device_addr();
+        p.y[j] = job.y.device_addr();
+        p.n[j] = job.n as i32;
+    }
+    // The kernel takes one output stride (ldy = n) for all jobs: jobs of different heights get one launch each.
+    if jobs.iter().any(|j| j.n != n_max) {
+        for job in jobs {
+            bf16_linear(gpu, stream, x, rows, k, std::slice::from_ref(job), ws)?;
+        }
+        return Ok(());
+    }
+    p.x = x.device_addr();
+    p.ldx = k as i32;
+    p.ldy = n_max as i32;
+    run(gpu, stream, LaunchSpec { shape, p }, ws)
+}

@@ -1,0 +1,626 @@
+//! Decode dense linears (ops::dense): CPU tests of the shape rules, the launch plan and the reference glue; GPU tests
+//! of every linear at the DSV4-Flash and -Pro shapes against the CPU model's own functions (`Model::fp8_linear`,
+//! `Model::expert`, `Weights::matvec` / `matvec_rows` as `Model::out_proj` uses them) on fresh seeds with poisoned
+//! outputs, edge shapes, and a graph replay. Tolerance: `ops::dense::reference::tolerance` (its comment derives it:
+//! the GPU and the CPU sum the same exact products in different orders, then round once to BF16).
+
+mod common;
+
+use common::dense::{self as fx, DevFp8};
+use half::bf16;
+use megamoe::formats::fp8::{dequantize_weight_128x128, quantize_weight_128x128};
+use megamoe::model::config::ModelConfig;
+use megamoe::model::numerics::{bf16_round, dot, fp8_act_quant};
+use megamoe::model::reference::Model;
+use megamoe::ops::dense::reference::{
+    abs_term_sums, bf16_ulp, fp8_linear_rows, matvec_rows, shared_expert_rows, tolerance, wo_a_rows,
+};
+use megamoe::ops::dense::{
+    bf16_linear, fp8_linear, plan, shared_expert, wo_a_grouped, Bf16Job, DenseKind, DenseShape,
+    SharedExpertScratch, MAX_ROWS,
+};
+use rand_chacha::ChaCha8Rng;
+
+/// The CSA layer both geometries have at index 2 (compressor with the overlap, indexer).
+const LAYER: usize = 2;
+
+fn shape(kind: DenseKind, rows: usize, n: usize, k: usize, jobs: usize) -> DenseShape {
+    DenseShape {
+        kind,
+        rows,
+        n,
+        k,
+        jobs,
+    }
+}
+
+fn fp8_names() -> Vec<String> {
+    let a = format!("layers.{LAYER}.attn");
+    vec![
+        format!("{a}.wq_a.weight"),
+        format!("{a}.wq_b.weight"),
+        format!("{a}.wkv.weight"),
+        format!("{a}.wo_b.weight"),
+        format!("{a}.indexer.wq_b.weight"),
+        format!("layers.{LAYER}.ffn.shared_experts.w1.weight"),
+        format!("layers.{LAYER}.ffn.shared_experts.w2.weight"),
+    ]
+}
+
+fn quantized_rows(x: &[f32], rows: usize) -> Vec<f32> {
+    let k = x.len() / rows;
+    (0..rows)
+        .flat_map(|r| fp8_act_quant(&x[r * k..(r + 1) * k]).unwrap())
+        .collect()
+}
+
+// ---- CPU ----------------------------------------------------------------------------------------------------
+
+#[test]
+fn shape_rules_refuse_what_the_kernels_cannot_take() {
+    let err = |s: DenseShape| format!("{:#}", s.check().unwrap_err());
+    assert!(err(shape(DenseKind::Fp8, 0, 128, 128, 1)).contains("activation rows"));
+    assert!(err(shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1)).contains("activation rows"));
+    assert!(err(shape(DenseKind::Fp8, 1, 192, 128, 1)).contains("multiples of 128"));
+    assert!(err(shape(DenseKind::Fp8, 1, 128, 192, 1)).contains("multiples of 128"));
+    assert!(err(shape(DenseKind::Swiglu, 1, 64, 128, 1)).contains("multiples of 128"));
+    assert!(err(shape(DenseKind::Bf16, 1, 64, 48, 1)).contains("multiple of 32"));
+    assert!(err(shape(DenseKind::Fp8Bf16x, 1, 128, 128, 17)).contains("weights in one launch"));
+    shape(DenseKind::Bf16, 1, 1, 32, 1).check().unwrap();
+    shape(DenseKind::Fp8, 64, 128, 128, 1).check().unwrap();
+}
+
+/// Every DSV4 shape at every M: the slices cover K exactly once, are whole granules (or the tail), the staged x
+/// fits shared memory, the token groups cover M, and K is split when the row tiles alone leave SMs idle.
+#[test]
+fn plans_cover_k_and_fit_shared_memory() {
+    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
+        let (d, q, r) = (cfg.dim, cfg.q_lora_rank, cfg.o_lora_rank);
+        let gw = cfg.heads_per_group() * cfg.head_dim;
+        let shapes = [
+            (DenseKind::Fp8, q, d, 1),
+            (DenseKind::Fp8, cfg.n_heads * cfg.head_dim, q, 1),
+            (DenseKind::Fp8, cfg.head_dim, d, 1),
+            (DenseKind::Fp8, d, cfg.o_groups * r, 1),
+            (DenseKind::Fp8, cfg.index_n_heads * cfg.index_head_dim, q, 1),
+            (DenseKind::Fp8, d, cfg.moe_inter_dim, 1),
+            (DenseKind::Swiglu, cfg.moe_inter_dim, d, 1),
+            (DenseKind::Fp8Bf16x, r, gw, cfg.o_groups),
+            (DenseKind::Bf16, 2 * cfg.head_dim, d, 2),
+            (DenseKind::Bf16, cfg.index_n_heads, d, 1),
+            (DenseKind::Bf16, cfg.vocab_size, d, 1),
+        ];
+        for (kind, n, k, jobs) in shapes {
+            for m in 1..=MAX_ROWS {
+                let s = shape(kind, m, n, k, jobs);
+                let p = plan(&s, 132).unwrap();
+                let label = format!("{} {s:?}: {p:?}", cfg.name);
+                assert!(
+                    p.mt * 8 >= m && p.mt.is_power_of_two() && p.mt <= 8,
+                    "{label}"
+                );
+                assert!(p.kc * p.splits >= k && p.kc * (p.splits - 1) < k, "{label}");
+                let gran = if kind == DenseKind::Bf16 { 64 } else { 128 };
+                assert!(p.kc.is_multiple_of(gran) || p.kc == k, "{label}");
+                assert!(p.smem <= 227 * 1024, "{label}");
+                // Split-K whenever the row tiles alone leave SMs idle, K has two granules and the partials
+                // (f32, M rows) stay within twice the weight bytes at two splits.
+                let esize = if kind == DenseKind::Bf16 { 2 } else { 1 };
+                let splittable = k.div_ceil(gran) >= 2 && 2 * k * esize / (4 * m) >= 2;
+                if n.div_ceil(128) * jobs < 132 && splittable {
+                    assert!(p.splits >= 2, "{label}");
+                }
+            }
+        }
+    }
+}
+
+/// The LM head at 1..8 rows keeps two CTAs per SM: its K slice is halved until a CTA needs at most half the shared
+/// memory (the partials, 4 bytes x splits x vocab, are far below 1/16 of the weight).
+#[test]
+fn lm_head_plans_at_small_m_fit_two_ctas_per_sm() {
+    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
+        for m in [1, 8] {
+            let s = shape(DenseKind::Bf16, m, cfg.vocab_size, cfg.dim, 1);
+            let p = plan(&s, 132).unwrap();
+            assert!(
+                p.smem <= 113 * 1024 && p.splits >= 2,
+                "{} M={m}: {p:?}",
+                cfg.name
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_ulp_and_tolerance_are_what_their_docs_say() {
+    assert_eq!(bf16_ulp(1.0), 2f64.powi(-7));
+    assert_eq!(bf16_ulp(-1.5), 2f64.powi(-7));
+    assert_eq!(bf16_ulp(0.75), 2f64.powi(-8));
+    assert_eq!(bf16_ulp(300.0), 2.0);
+    // Two neighbouring BF16 values from sums that agree exactly are within the bound; twice the ulp is not.
+    let t = tolerance(1.0, 0.0, 4096, true);
+    assert!(t >= 2f64.powi(-7) && t < 2.0 * 2f64.powi(-7));
+    assert_eq!(
+        tolerance(1.0, 1.0, 1024, false),
+        6.0 * 1024.0 / 16_777_216.0
+    );
+}
+
+/// The oracle glue calls the model: `fp8_linear_rows` row r equals `Model::fp8_linear` of row r, and the grouped
+/// `wo_a_rows` equals `matvec_rows` per group, on the small geometry.
+#[test]
+fn reference_glue_is_the_models_per_row_call() {
+    let mut rng = fx::seeded("reference_glue_is_the_models_per_row_call");
+    let m = fx::model(ModelConfig::small(), &mut rng);
+    let cfg = m.config().clone();
+    let name = format!("layers.{LAYER}.attn.wq_a.weight");
+    let x = fx::activations(&mut rng, 3, cfg.dim);
+    let y = fp8_linear_rows(&m, &name, &x, 3).unwrap();
+    for r in 0..3 {
+        let want = m
+            .fp8_linear(&name, &x[r * cfg.dim..(r + 1) * cfg.dim])
+            .unwrap();
+        assert_eq!(
+            &y[r * cfg.q_lora_rank..(r + 1) * cfg.q_lora_rank],
+            &want[..]
+        );
+    }
+    let gw = cfg.heads_per_group() * cfg.head_dim;
+    let o = fx::activations(&mut rng, 2, cfg.o_groups * gw);
+    let wo = format!("layers.{LAYER}.attn.wo_a.weight");
+    let z = wo_a_rows(&m.weights, &wo, &o, 2, cfg.o_groups, cfg.o_lora_rank).unwrap();
+    let g1 = m
+        .weights
+        .matvec_rows(&wo, cfg.o_lora_rank, cfg.o_lora_rank, &o[gw..2 * gw])
+        .unwrap();
+    let r = cfg.o_lora_rank;
+    for i in 0..r {
+        assert_eq!(z[r + i], bf16_round(g1[i]));
+    }
+}
+
+// ---- GPU ----------------------------------------------------------------------------------------------------
+
+fn run_fp8(gpu: &megamoe::gpu::Gpu, model: &Model, name: &str, m: usize, rng: &mut ChaCha8Rng) {
+    let w = DevFp8::from_model(gpu, model, name);
+    let x = fx::activations(rng, m, w.cols);
+    let dx = DevFp8::quantized(gpu, &x, m, w.cols);
+    let (_arena, ws) = fx::workspace(gpu, &[shape(DenseKind::Fp8, m, w.rows, w.cols, 1)]);
+    let y = fx::bf16_out(gpu, m * w.rows);
+    fp8_linear(gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
+    let got = fx::download_bf16(gpu, &y);
+    let want = fp8_linear_rows(model, name, &x, m).unwrap();
+    let terms = abs_term_sums(&model.weights, name, 0, w.rows, &quantized_rows(&x, m), m).unwrap();
+    fx::assert_close(
+        &format!("{} {name} M={m}", model.config().name),
+        &got,
+        &want,
+        &terms,
+        w.cols,
+        true,
+    );
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_fp8_linear_matches_the_model_at_flash_and_pro_shapes() {
+    fx::on_flash_and_pro(
+        "gpu_fp8_linear_matches_the_model_at_flash_and_pro_shapes",
+        |gpu, rng, _cfg, model| {
+            for name in fp8_names() {
+                for m in [1, 3, 64] {
+                    run_fp8(gpu, model, &name, m, rng);
+                }
+            }
+        },
+    );
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
+    fx::on_flash_and_pro(
+        "gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes",
+        |gpu, rng, cfg, model| {
+            let name = format!("layers.{LAYER}.attn.wo_a.weight");
+            let w = DevFp8::from_model(gpu, model, &name);
+            let (groups, r) = (cfg.o_groups, cfg.o_lora_rank);
+            let gw = w.cols;
+            for m in [1, 3, 64] {
+                let o = fx::activations(rng, m, groups * gw);
+                let d_o = gpu.upload(&fx::to_bf16(&o)).unwrap();
+                let (_arena, ws) =
+                    fx::workspace(gpu, &[shape(DenseKind::Fp8Bf16x, m, r, gw, groups)]);
+                let z = fx::bf16_out(gpu, m * groups * r);
+                wo_a_grouped(gpu, &gpu.stream, &d_o, m, &w.weight(), groups, &ws, &z).unwrap();
+                let got = fx::download_bf16(gpu, &z);
+                let want = wo_a_rows(&model.weights, &name, &o, m, groups, r).unwrap();
+                let mut terms = vec![0f64; m * groups * r];
+                for g in 0..groups {
+                    let og: Vec<f32> = (0..m)
+                        .flat_map(|row| {
+                            o[(row * groups + g) * gw..(row * groups + g + 1) * gw].to_vec()
+                        })
+                        .collect();
+                    let t = abs_term_sums(&model.weights, &name, g * r, r, &og, m).unwrap();
+                    for row in 0..m {
+                        terms[row * groups * r + g * r..row * groups * r + (g + 1) * r]
+                            .copy_from_slice(&t[row * r..(row + 1) * r]);
+                    }
+                }
+                fx::assert_close(
+                    &format!("{} wo_a M={m}", cfg.name),
+                    &got,
+                    &want,
+                    &terms,
+                    gw,
+                    true,
+                );
+            }
+        },
+    );
+}
+
+/// The shared expert against `Model::expert(prefix, fp8_act_quant(x), 1.0)`. g and u may each round to the
+/// neighbouring BF16 value of the CPU's (different summation order), which moves h by ~2^-8 relative and can move an
+/// FP8 code of h by one step (2^-3 relative) for the elements near a rounding boundary (about 2^-8 / 2^-4 = 1/16
+/// of them): the output's relative L2 error is then about sqrt(1/16) * 2^-4 ~ 1.6e-2 at worst; 3e-2 is allowed. A
+/// layout or scale bug gives O(1).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes() {
+    fx::on_flash_and_pro(
+        "gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes",
+        |gpu, rng, cfg, model| {
+            let p = format!("layers.{LAYER}.ffn.shared_experts");
+            let w1 = DevFp8::from_model(gpu, model, &format!("{p}.w1.weight"));
+            let w3 = DevFp8::from_model(gpu, model, &format!("{p}.w3.weight"));
+            let w2 = DevFp8::from_model(gpu, model, &format!("{p}.w2.weight"));
+            let (d, inter) = (cfg.dim, cfg.moe_inter_dim);
+            for m in [1, 3, 64] {
+                // Larger inputs so that the clamp at swiglu_limit (10) is reached by some g and u.
+                let x: Vec<f32> = fx::activations(rng, m, d)
+                    .iter()
+                    .map(|v| bf16::from_f32(v * 4.0).to_f32())
+                    .collect();
+                let dx = DevFp8::quantized(gpu, &x, m, d);
+                let (_arena, ws) = fx::workspace(
+                    gpu,
+                    &[
+                        shape(DenseKind::Swiglu, m, inter, d, 1),
+                        shape(DenseKind::Fp8, m, d, inter, 1),
+                    ],
+                );
+                let hc = gpu.poisoned::<u8>(m * inter, common::POISON).unwrap();
+                let hs = gpu.poisoned::<u8>(m * inter / 128, common::POISON).unwrap();
+                let y = fx::bf16_out(gpu, m * d);
+                let scratch = SharedExpertScratch {
+                    h_codes: &hc,
+                    h_scales: &hs,
+                };
+                shared_expert(
+                    gpu,
+                    &gpu.stream,
+                    &dx.act(),
+                    &w1.weight(),
+                    &w3.weight(),
+                    &w2.weight(),
+                    cfg.swiglu_limit,
+                    &ws,
+                    &scratch,
+                    &y,
+                )
+                .unwrap();
+                let got = fx::download_bf16(gpu, &y);
+                let want = shared_expert_rows(model, &p, &x, m).unwrap();
+                let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+                common::assert_rel_l2(
+                    &format!("{} shared expert M={m}", cfg.name),
+                    &got,
+                    &want64,
+                    3e-2,
+                );
+                // h itself: no NaN scale or code (every block written).
+                let hsc = gpu.download(&hs).unwrap();
+                assert!(hsc.iter().all(|&s| s != 0xFF), "an h scale was not written");
+            }
+        },
+    );
+}
+
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head() {
+    fx::on_flash_and_pro(
+        "gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head",
+        |gpu, rng, cfg, model| {
+            let a = format!("layers.{LAYER}.attn");
+            let sets: Vec<(Vec<String>, Vec<usize>)> = vec![
+                (
+                    vec![
+                        format!("{a}.compressor.wkv.weight"),
+                        format!("{a}.compressor.wgate.weight"),
+                    ],
+                    vec![1, 3, 64],
+                ),
+                (
+                    vec![
+                        format!("{a}.indexer.compressor.wkv.weight"),
+                        format!("{a}.indexer.compressor.wgate.weight"),
+                    ],
+                    vec![1, 3, 64],
+                ),
+                (
+                    vec![format!("{a}.indexer.weights_proj.weight")],
+                    vec![1, 3, 64],
+                ),
+                (vec!["head.weight".to_string()], vec![1, 3]),
+            ];
+            let d = cfg.dim;
+            for (names, ms) in sets {
+                let n = model.weights.spec(&names[0]).unwrap().shape[0];
+                let dws: Vec<_> = names
+                    .iter()
+                    .map(|nm| {
+                        let raw = model.weights.raw(nm).unwrap();
+                        let v: Vec<bf16> = raw
+                            .chunks_exact(2)
+                            .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                            .collect();
+                        gpu.upload(&v).unwrap()
+                    })
+                    .collect();
+                for m in ms {
+                    let x = fx::activations(rng, m, d);
+                    let dx = gpu.upload(&fx::to_bf16(&x)).unwrap();
+                    let ys: Vec<_> = names
+                        .iter()
+                        .map(|_| gpu.poisoned::<f32>(m * n, common::POISON).unwrap())
+                        .collect();
+                    let jobs: Vec<Bf16Job> = dws
+                        .iter()
+                        .zip(&ys)
+                        .map(|(w, y)| Bf16Job { w, n, y })
+                        .collect();
+                    let (_arena, ws) =
+                        fx::workspace(gpu, &[shape(DenseKind::Bf16, m, n, d, names.len())]);
+                    bf16_linear(gpu, &gpu.stream, &dx, m, d, &jobs, &ws).unwrap();
+                    gpu.synchronize().unwrap();
+                    for (nm, y) in names.iter().zip(&ys) {
+                        let got = gpu.download(y).unwrap();
+                        let want = matvec_rows(&model.weights, nm, &x, m).unwrap();
+                        let terms = abs_term_sums(&model.weights, nm, 0, n, &x, m).unwrap();
+                        fx::assert_close(
+                            &format!("{} {nm} M={m}", cfg.name),
+                            &got,
+                            &want,
+                            &terms,
+                            d,
+                            false,
+                        );
+                    }
+                }
+            }
+        },
+    );
+}
+
+/// Shapes at the edges of the rules: the smallest FP8 weight (128 x 128), K not a multiple of a split's slice, BF16
+/// heights of 1 and 130 (not a multiple of the 128-row tile, 16-row warp tile), K = 32 and 96 (a 32-column tail
+/// slice), and M values between the token buckets. Synthetic weights through `formats::fp8` (the checkpoint's
+/// rule); oracle: its dequantization and `numerics::dot`.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_edge_shapes_match_the_cpu() {
+    let (gpu, mut rng) = fx::gpu_test("gpu_edge_shapes_match_the_cpu");
+    for (n, k) in [(128, 128), (384, 640), (256, 1920)] {
+        let wv = fx::activations(&mut rng, n, k);
+        let wq = quantize_weight_128x128(&wv, n, k).unwrap();
+        let wd = dequantize_weight_128x128(&wq);
+        let w = DevFp8::from_parts(&gpu, &wq.data, &wq.scales, n, k);
+        for m in [1, 9, 33, 64] {
+            let x = fx::activations(&mut rng, m, k);
+            let xq = quantized_rows(&x, m);
+            let dx = DevFp8::quantized(&gpu, &x, m, k);
+            let (_arena, ws) = fx::workspace(&gpu, &[shape(DenseKind::Fp8, m, n, k, 1)]);
+            let y = fx::bf16_out(&gpu, m * n);
+            fp8_linear(&gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
+            let got = fx::download_bf16(&gpu, &y);
+            let (want, terms) = cpu_dense(&wd, &xq, m, n, k, true);
+            fx::assert_close(&format!("fp8 {n}x{k} M={m}"), &got, &want, &terms, k, true);
+        }
+    }
+    for (n, k) in [(1, 32), (130, 96), (64, 4096), (130, 4160)] {
+        let wv = fx::activations(&mut rng, n, k);
+        let dw = gpu.upload(&fx::to_bf16(&wv)).unwrap();
+        for m in [1, 9, 64] {
+            let x = fx::activations(&mut rng, m, k);
+            let dx = gpu.upload(&fx::to_bf16(&x)).unwrap();
+            let y = gpu.poisoned::<f32>(m * n, common::POISON).unwrap();
+            let (_arena, ws) = fx::workspace(&gpu, &[shape(DenseKind::Bf16, m, n, k, 1)]);
+            let jobs = [Bf16Job { w: &dw, n, y: &y }];
+            bf16_linear(&gpu, &gpu.stream, &dx, m, k, &jobs, &ws).unwrap();
+            gpu.synchronize().unwrap();
+            let got = gpu.download(&y).unwrap();
+            let (want, terms) = cpu_dense(&wv, &x, m, n, k, false);
+            fx::assert_close(
+                &format!("bf16 {n}x{k} M={m}"),
+                &got,
+                &want,
+                &terms,
+                k,
+                false,
+            );
+        }
+    }
+}
+
+/// `y[m, r] = dot(W[r], x[m])` (rounded to BF16 when `round`) and the sums of |terms|.
+fn cpu_dense(
+    w: &[f32],
+    x: &[f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    round: bool,
+) -> (Vec<f32>, Vec<f64>) {
+    let mut y = Vec::with_capacity(m * n);
+    let mut t = Vec::with_capacity(m * n);
+    for row in 0..m {
+        let xr = &x[row * k..(row + 1) * k];
+        for r in 0..n {
+            let wr = &w[r * k..(r + 1) * k];
+            let v = dot(wr, xr);
+            y.push(if round { bf16_round(v) } else { v });
+            t.push(
+                wr.iter()
+                    .zip(xr)
+                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                    .sum(),
+            );
+        }
+    }
+    (y, t)
+}
+
+/// wq_a (split-K: 8 row tiles on 132 SMs) captured once for the 8-row bucket; new x written on the device and the
+/// output poisoned between replays, each replay checked against the model, and a plain call bit-identical to the
+/// last replay (the split-K sum order does not depend on which CTA arrives last; the counters are reset each call).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_fp8_linear_replays_as_a_graph_with_new_activations() {
+    let (gpu, mut rng) = fx::gpu_test("gpu_fp8_linear_replays_as_a_graph_with_new_activations");
+    let cfg = ModelConfig::flash();
+    let model = fx::model(cfg.clone(), &mut rng);
+    let name = format!("layers.{LAYER}.attn.wq_a.weight");
+    let w = DevFp8::from_model(&gpu, &model, &name);
+    let m = 8;
+    let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+    assert!(plan(&s, gpu.info.sm_count as usize).unwrap().splits > 1);
+    let mut x = fx::activations(&mut rng, m, w.cols);
+    let mut dx = DevFp8::quantized(&gpu, &x, m, w.cols);
+    let (_arena, ws) = fx::workspace(&gpu, &[s]);
+    let mut y = fx::bf16_out(&gpu, m * w.rows);
+    // One plain call first: the kernel is resolved (and its shared-memory attribute set) outside the capture.
+    fp8_linear(&gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
+    gpu.synchronize().unwrap();
+    let graph = {
+        let (xv, wv) = (dx.act(), w.weight());
+        gpu.capture(|| fp8_linear(&gpu, &gpu.stream, &xv, &wv, &ws, &y))
+            .unwrap()
+    };
+    let mut last = Vec::new();
+    for replay in 0..3 {
+        x = fx::activations(&mut rng, m, w.cols);
+        dx.write(&gpu, &x);
+        gpu.fill_bytes(&mut y, common::POISON).unwrap();
+        graph.launch().unwrap();
+        last = fx::download_bf16(&gpu, &y);
+        let want = fp8_linear_rows(&model, &name, &x, m).unwrap();
+        let terms =
+            abs_term_sums(&model.weights, &name, 0, w.rows, &quantized_rows(&x, m), m).unwrap();
+        fx::assert_close(
+            &format!("replay {replay}"),
+            &last,
+            &want,
+            &terms,
+            w.cols,
+            true,
+        );
+    }
+    gpu.fill_bytes(&mut y, common::POISON).unwrap();
+    fp8_linear(&gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
+    let again = fx::download_bf16(&gpu, &y);
+    common::assert_bit_identical("graph vs plain call", "y", &last, &again);
+}
+
+/// `megamoe exec dense_fp8_linear --cpu` on a checkpoint tensor of the small geometry gives the model's
+/// `fp8_linear` bit for bit (the same dequantized values summed by the same `dot`); a misshapen scale is a clear
+/// error. `dense_bf16_linear --cpu` gives `Weights::matvec`.
+#[test]
+fn exec_entries_run_the_model_math_on_the_cpu() {
+    use megamoe::ops::exec::{HostTensor, TensorMap};
+    use safetensors::Dtype;
+    let mut rng = fx::seeded("exec_entries_run_the_model_math_on_the_cpu");
+    let model = fx::model(ModelConfig::small(), &mut rng);
+    let kernels = megamoe::ops::registry::exec_kernels();
+    let find = |n: &str| kernels.iter().find(|k| k.name == n).unwrap();
+    let name = format!("layers.{LAYER}.attn.wq_a.weight");
+    let spec = model.weights.spec(&name).unwrap().clone();
+    let (n, k) = (spec.shape[0], spec.shape[1]);
+    let m = 3;
+    let x = fx::activations(&mut rng, m, k);
+    let mut inp = TensorMap::new();
+    inp.insert(
+        "x".into(),
+        HostTensor::from_bf16(vec![m, k], &fx::to_bf16(&x)),
+    );
+    inp.insert(
+        "w".into(),
+        HostTensor::from_u8(
+            Dtype::F8_E4M3,
+            vec![n, k],
+            model.weights.raw(&name).unwrap(),
+        ),
+    );
+    let scale = format!("layers.{LAYER}.attn.wq_a.scale");
+    let sbytes = model.weights.raw(&scale).unwrap();
+    inp.insert(
+        "w_scale".into(),
+        HostTensor::from_u8(Dtype::F8_E8M0, vec![n / 128, k / 128], sbytes.clone()),
+    );
+    let out = (find("dense_fp8_linear").run)(&inp, None).unwrap();
+    let want = fp8_linear_rows(&model, &name, &x, m).unwrap();
+    assert_eq!(out["y"].to_f32().unwrap(), want);
+    inp.insert(
+        "w_scale".into(),
+        HostTensor::from_u8(
+            Dtype::U8,
+            vec![n / 128 + 1, k / 128],
+            vec![127; (n / 128 + 1) * (k / 128)],
+        ),
+    );
+    let err = format!(
+        "{:#}",
+        (find("dense_fp8_linear").run)(&inp, None).unwrap_err()
+    );
+    assert!(err.contains("w_scale"), "{err}");
+
+    let bname = format!("layers.{LAYER}.attn.indexer.weights_proj.weight");
+    let bspec = model.weights.spec(&bname).unwrap().clone();
+    let raw = model.weights.raw(&bname).unwrap();
+    let wb: Vec<bf16> = raw
+        .chunks_exact(2)
+        .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    let xb = fx::activations(&mut rng, m, bspec.shape[1]);
+    let mut inp = TensorMap::new();
+    inp.insert(
+        "x".into(),
+        HostTensor::from_bf16(vec![m, bspec.shape[1]], &fx::to_bf16(&xb)),
+    );
+    inp.insert("w".into(), HostTensor::from_bf16(bspec.shape.clone(), &wb));
+    let out = (find("dense_bf16_linear").run)(&inp, None).unwrap();
+    assert_eq!(
+        out["y"].to_f32().unwrap(),
+        matvec_rows(&model.weights, &bname, &xb, m).unwrap()
+    );
+}
+
+/// Every sweep of bench-configs/dense.toml names the `dense` kernel with a shape its launcher accepts.
+#[test]
+fn bench_config_points_are_shapes_the_launchers_take() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-configs/dense.toml");
+    let cfg = megamoe::bench::config::SweepConfig::from_path(&path).unwrap();
+    let kernels = megamoe::bench::kernels::all();
+    let k = kernels.iter().find(|k| k.name == "dense").unwrap();
+    assert!(cfg.sweeps.len() >= 22);
+    for s in &cfg.sweeps {
+        assert_eq!(s.kernel, "dense");
+        s.variants_from(k.variants).unwrap();
+        for &v in &s.values {
+            (k.check_point.unwrap())(s, v).unwrap();
+        }
+    }
+}
