@@ -22,7 +22,7 @@
 #        samples from a short kernel)
 set -uo pipefail
 B="$(cd "$(dirname "$0")" && pwd)"
-[ -x "$B/megamoe" ] || [ -f "$B/megamoe.gz" ] || B="$(pwd)/gpu-bundle"
+[ -x "$B/megamoe" ] || [ -f "$B/executables.tar.xz" ] || B="$(pwd)/gpu-bundle"
 what="${1:-all}"; shift || true
 # want STEP: STEP is one of the comma-separated steps asked for (all = tests, stress, bench).
 want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [[ ",$what," == *",all,"* ]]; }; }
@@ -35,7 +35,13 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
 done
 py_cublas="$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null)"
 for d in $(ls -d "$py_cublas"/nvidia/*/lib 2>/dev/null); do export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"; done
-for f in "$B"/megamoe.gz "$B"/tests/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done  # gpu-bundle.sh ships them compressed
+# gpu-bundle.sh ships the executables as one xz archive.
+if [ -f "$B/executables.tar.xz" ]; then
+  tar -C "$B" -xJf "$B/executables.tar.xz" 2>/dev/null ||
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$B/executables.tar.xz" "$B" ||
+    { echo "cannot unpack $B/executables.tar.xz"; exit 1; }
+  rm -f "$B/executables.tar.xz"
+fi
 status=0
 # libtest arguments of every test run: the GPU tests (#[ignore = "needs an H100/H200"]) included, the slow CPU
 # runs (tests named slow_*, ignored by design) left out.
