@@ -137,9 +137,20 @@ pub fn check_norm_outputs(
         "{label}: exact given GPU rstd; rstd differs from the CPU in {rstd_diff_rows}/{rows} rows (max {max_ulps} ulp), \
          {code_diffs_cpu_rstd} output bytes differ from the all-CPU reference (all in those rows)"
     );
-    // A 1-ulp rstd change moves a value across a rounding boundary rarely: bound the damage to 1% of a row.
+    // A 1-ulp rstd change (a relative 2^-23 move of every value) changes an output byte only where a value sits
+    // that close to a rounding boundary (rare: 1% of a row is generous), or where a block's amax sits that close to
+    // a scale boundary: then the block's scale moves one step and every code of the block may be re-rounded
+    // (NVFP4: 8 code bytes + 1 scale byte per 16 values; FP8: 128 code bytes + 1 scale). Allow one such block
+    // flip per row beside the 1%, and a second one (the two scale boundaries nearest the row's largest blocks).
+    // An NVFP4 row of 1024 once showed 26 differing bytes with a 1-ulp rstd, above the earlier bound of
+    // 1% + 8 = 18, with no kernel fault: the outputs were exact given the GPU's rstd (checked above).
+    let block_bytes = match format {
+        OutFormat::Nvfp4 => 9,
+        OutFormat::Fp8 => 129,
+        OutFormat::Bf16 => 0,
+    };
     assert!(
-        code_diffs_cpu_rstd <= rstd_diff_rows * d / 100 + 8,
+        code_diffs_cpu_rstd <= rstd_diff_rows * (d / 100 + 8 + 2 * block_bytes),
         "{label}: too many differences vs the CPU rstd"
     );
 }
