@@ -58,8 +58,8 @@ pub fn bf16_round_f64(x: f64) -> f32 {
     bf16_round(f32::from_bits(trunc.to_bits() | 1))
 }
 
-/// `1 / sqrt(x)` correctly rounded to f32 (round to nearest even; CUDA's `__frsqrt_rn`) for `x` a BF16 value
-/// >= 2^-126: computed as f64 square root and division, then rounded to f32. The f64 value is within 2^-52
+/// `1 / sqrt(x)` correctly rounded to f32 (round to nearest even; CUDA's `__frsqrt_rn`) for `x` a BF16 value at
+/// least 2^-126: computed as f64 square root and division, then rounded to f32. The f64 value is within 2^-52
 /// relative of the exact one, and no such `x` has `1 / sqrt(x)` that close to an f32 midpoint (checked for every
 /// positive normal BF16 value in tests/model_numerics.rs).
 pub fn rsqrt_f32_rn(x: f32) -> f32 {
