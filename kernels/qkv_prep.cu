@@ -73,8 +73,8 @@ __device__ __forceinline__ void load16(const __nv_bfloat16* row, int lane, float
     load8(row + 16 * lane + 8, v + 8);
 }
 
-// The query head's RMS factor r = bf16(rsqrt(bf16(bf16(sum bf16(q_i^2)) / 512) + eps)) (see the top of the file);
-// a BF16 value, identical in every lane.
+// The query head's RMS factor r = bf16(rsqrt(bf16(bf16(sum_i bf16(q_i^2) / 512) + eps))), the sum in f32 (see the
+// top of the file); a BF16 value, identical in every lane.
 __device__ __forceinline__ float warp_q_rms_scale_bf16(const float (&v)[16], float eps) {
     float ss = 0.f;
 #pragma unroll

@@ -259,7 +259,7 @@ fn q_lora_norm_is_the_models_wq_b_input() {
 /// the f64 sum's own 511 * 2^-53. Scaling by 1/512 is exact.
 const Q_MEAN_SUM_BOUND: f64 = 21.0 / (1u64 << 24) as f64;
 
-/// Heads (of the ~25,700 `q_heads_match_the_model` checks) whose mean may round to the other BF16 neighbour than
+/// Heads (of the ~25,300 `q_heads_match_the_model` checks) whose mean may round to the other BF16 neighbour than
 /// the model's. Each needs the exact mean within `Q_MEAN_SUM_BOUND` of a BF16 midpoint, about 4e-4 of random
 /// heads, and then the f32 sum's actual error (typically a few 2^-24) must reach across it: a host emulation of
 /// the kernel's order found none in 16,000 activation-like heads. 8 is a cap against a systematic difference;
