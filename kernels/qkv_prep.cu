@@ -5,8 +5,9 @@
 //
 // Entry points (M token rows, a capacity; row m's position is positions[m], read on the device; a position < 0
 // marks an empty row: its warps return before any store)
-//   qkv_prep_q_heads      q [M, H, 512] BF16 (wq_b out) -> per-head RMS without weight, RoPE on dims 448..511 ->
-//                         q [M, H, 512] BF16 (sparse_attn's q layout) + the per-head RMS factor [M, H] f32.
+//   qkv_prep_q_heads      q [M, H, 512] BF16 (wq_b out) -> per-head RMS without weight in the official BF16 op
+//                         order, RoPE on dims 448..511 -> q [M, H, 512] BF16 (sparse_attn's q layout) + the
+//                         per-head RMS factor [M, H] (a BF16 value, stored as f32).
 //   qkv_prep_kv_entries   kv [M, 512] BF16 (wkv out) -> RMSNorm(kv_norm), RoPE on dims 448..511, BF16 -> one
 //                         584-byte FP8 entry (common/kv_entry.cuh, = fp8_sim per 64 of the nope dims) in the
 //                         window ring slot seq_base[m / tokens_per_seq] + position % window, + the RMS factor [M].
@@ -21,11 +22,20 @@
 // dims, a 32-block is 8 consecutive lanes.
 //
 // Rounding points (each an IEEE f32 operation with _rn intrinsics, no contraction; the CPU steps are the same):
-//   RMS factor  rstd = 1 / sqrt(ss / D + eps), ss the f32 sum of squares (fmaf per lane, then the xor-butterfly
-//               warp sum of common/norm_row.cuh). Only this sum's order differs from the CPU's inv_rms (f64 sum,
-//               then rounded to f32): the tests compare the CPU steps run with the kernel's rstd bit for bit and
-//               bound |rstd - inv_rms| separately.
-//   q head      y = bf16(q * rstd); rope dims: common/rope.cuh on the BF16 values, then BF16.
+//   q factor    The official `q *= rsqrt(q.square().mean(-1) + eps)` with every op rounded to BF16
+//               (model::numerics::head_rms_scale_bf16): s_i = bf16(q_i * q_i) (the f32 product of two BF16
+//               values is exact), ss = their f32 sum (16 adds per lane in dim order, then the xor-butterfly warp
+//               sum of common/norm_row.cuh), m = bf16(ss * (1/512)) (a power of two: exact while ss / 512 stays
+//               normal; below that m + eps is eps anyway), e = bf16(m + eps), r = bf16(__frsqrt_rn(e)) (the
+//               correctly rounded f32 rsqrt, as the CPU's rsqrt_f32_rn). The CPU sums in f64: the two sums are
+//               within 20 * 2^-24 relative (20 roundings on a term's path, all terms >= 0), so m is the CPU's
+//               unless the exact mean lies that close to a BF16 rounding midpoint (the tests count those heads
+//               and demand r within one BF16 step there); every other step is the CPU's bit for bit.
+//   q head      y = bf16(q * r) (one rounding: the product of two BF16 values is exact); rope dims:
+//               common/rope.cuh on the BF16 values, then BF16.
+//   kv factor   rstd = 1 / sqrt(ss / D + eps), ss the f32 sum of squares (fmaf per lane, then the warp sum). Only
+//               this sum's order differs from the CPU's inv_rms (f64 sum, then rounded to f32): the tests compare
+//               the CPU steps run with the kernel's rstd bit for bit and bound |rstd - inv_rms| separately.
 //   kv          y = bf16(w * (x * rstd)); rope dims as above; the entry encoder sees these BF16 values.
 //   indexer q   rope dims as above; Hadamard (f32 butterfly, * f32(1/sqrt(128))); BF16; FP4 sim per 32:
 //               scale code sc_b = ue8m0(max(amax_b, 6 * 2^-126) / 6), f = e2m1(x / 2^sc_b) * 2^sc_b.
@@ -63,7 +73,18 @@ __device__ __forceinline__ void load16(const __nv_bfloat16* row, int lane, float
     load8(row + 16 * lane + 8, v + 8);
 }
 
-// 1 / sqrt(ss / D + eps) of the warp's 512-vector; identical in every lane.
+// The query head's RMS factor r = bf16(rsqrt(bf16(bf16(sum_i bf16(q_i^2) / 512) + eps))), the sum in f32 (see the
+// top of the file); a BF16 value, identical in every lane.
+__device__ __forceinline__ float warp_q_rms_scale_bf16(const float (&v)[16], float eps) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) ss = __fadd_rn(ss, bf16r(__fmul_rn(v[i], v[i])));
+    ss = warp_sum(ss);
+    const float mean = bf16r(__fmul_rn(ss, 1.f / (float)kDim));
+    return bf16r(__frsqrt_rn(bf16r(__fadd_rn(mean, eps))));
+}
+
+// 1 / sqrt(ss / D + eps) of the warp's 512-vector (the window KV's RMSNorm factor); identical in every lane.
 __device__ __forceinline__ float warp_rstd(const float (&v)[16], float eps) {
     float ss = 0.f;
 #pragma unroll
@@ -86,7 +107,8 @@ __device__ __forceinline__ void rope_lane16(float (&v)[16], int lane, long long 
 
 }  // namespace qp
 
-// q_in / q_out [rows, heads, 512] BF16, rstd [rows, heads] f32, positions [rows], freqs [32] f64.
+// q_in / q_out [rows, heads, 512] BF16, rstd [rows, heads] f32 (the BF16 factor r), positions [rows], freqs [32]
+// f64.
 // Grid (ceil(heads / 8), rows), 256 threads; warp w of CTA (x, m) is head 8x + w of row m.
 extern "C" __global__ void __launch_bounds__(256) qkv_prep_q_heads(const __nv_bfloat16* __restrict__ q_in,
                                                                    const int* __restrict__ positions,
@@ -102,14 +124,14 @@ extern "C" __global__ void __launch_bounds__(256) qkv_prep_q_heads(const __nv_bf
     const size_t vec = (size_t)m * heads + head;
     float v[16];
     qp::load16(q_in + vec * qp::kDim, lane, v);
-    const float rstd = qp::warp_rstd(v, eps);
+    const float r = qp::warp_q_rms_scale_bf16(v, eps);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = qp::bf16r(__fmul_rn(v[i], rstd));
+    for (int i = 0; i < 16; ++i) v[i] = qp::bf16r(__fmul_rn(v[i], r));
     qp::rope_lane16(v, lane, pos, freqs);
     __nv_bfloat16* dst = q_out + vec * qp::kDim + 16 * lane;
     store8_bf16(dst, v);  // exact: every value is BF16 already
     store8_bf16(dst + 8, v + 8);
-    if (lane == 0) rstd_out[vec] = rstd;
+    if (lane == 0) rstd_out[vec] = r;
 }
 
 // kv_in [rows, 512] BF16, kv_norm [512] BF16, positions [rows], seq_base [rows / tokens_per_seq] (the pool index of

@@ -38,6 +38,56 @@ pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
     (1.0 / ((ss / x.len() as f64) + eps as f64).sqrt()) as f32
 }
 
+/// Rounds an f64 to the nearest BF16 (ties to even) in one step, returned as f32. (`half::bf16::from_f64` drops
+/// the f64's low 32 mantissa bits before it rounds, so a value just above a BF16 midpoint would round as a tie.)
+/// The f64 goes to f32 by round-to-odd first: f32 keeps 16 more bits than BF16, so the second rounding sees the
+/// same side of every BF16 midpoint as the exact value does, and is the correct one.
+pub fn bf16_round_f64(x: f64) -> f32 {
+    let t = x as f32;
+    if t as f64 == x || x.is_nan() {
+        return bf16_round(t);
+    }
+    // Inexact: the f32 truncation of x (toward zero), then its last bit set.
+    let trunc = if t.is_infinite() {
+        f32::MAX.copysign(t)
+    } else if (t as f64).abs() > x.abs() {
+        f32::from_bits(t.to_bits() - 1)
+    } else {
+        t
+    };
+    bf16_round(f32::from_bits(trunc.to_bits() | 1))
+}
+
+/// `1 / sqrt(x)` correctly rounded to f32 (round to nearest even; CUDA's `__frsqrt_rn`) for `x` a BF16 value at
+/// least 2^-126: computed as f64 square root and division, then rounded to f32. The f64 value is within 2^-52
+/// relative of the exact one, and no such `x` has `1 / sqrt(x)` that close to an f32 midpoint (checked for every
+/// positive normal BF16 value in tests/model_numerics.rs).
+pub fn rsqrt_f32_rn(x: f32) -> f32 {
+    (1.0 / (x as f64).sqrt()) as f32
+}
+
+/// The RMS factor of one attention query head in DeepSeek-V4's own operation order: the official code runs
+/// `q *= torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)` on a BF16 head `q`, and PyTorch computes each op
+/// on a BF16 tensor in f32 and rounds its result to BF16. So, for the head `x` (BF16 values):
+/// 1. `s_i = bf16(x_i * x_i)` (the f32 product of two BF16 values is exact: one rounding);
+/// 2. `m = bf16(sum(s) / n)`: the sum in f64 (exact while the squares span fewer than 36 binades), divided by
+///    `n` (exact for a power of two such as 512) and rounded once ([`bf16_round_f64`]). PyTorch accumulates in
+///    f32 in its own order: with at most k roundings on any term's path that sum is within k 2^-24 relative of
+///    the exact one (all terms are >= 0), so its BF16 mean differs from this one only where the exact sum lies
+///    within k 2^-24 relative of a BF16 rounding midpoint (BF16 steps are 2^-8 to 2^-7 relative apart);
+/// 3. `e = bf16(m + eps)`, the sum in f32 (eps as f32);
+/// 4. `r = bf16(rsqrt(e))`, the reciprocal square root correctly rounded to f32 ([`rsqrt_f32_rn`]), then BF16.
+///
+/// Returns `r` (a BF16 value). The head is then `bf16(x_i * r)`: one rounding, since the f32 product of two BF16
+/// values is exact. Against the f64 factor [`inv_rms`], `r` moves a query value by about one BF16 step on some
+/// inputs; this order is the one the official inference code computes.
+pub fn head_rms_scale_bf16(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| bf16_round(v * v) as f64).sum();
+    let m = bf16_round_f64(ss / x.len() as f64);
+    let e = bf16_round(m + eps);
+    bf16_round(rsqrt_f32_rn(e))
+}
+
 /// FP8 e4m3 simulated quantization in place, per `block` contiguous values (arch §2): the DSV4 rule of
 /// [`crate::formats::fp8::fp8_sim`] (scale 2^ceil(log2(amax/448)), amax floored at 1e-4, real e4m3
 /// round trip). Non-finite input is an error.

@@ -19,8 +19,8 @@
 use super::config::{LayerKind, ModelConfig};
 use super::numerics::{
     bf16_round, bf16_round_slice, dot, fp4_sim_inplace, fp8_act_quant, fp8_sim_inplace,
-    hadamard_inplace, inv_rms, par_map, rms_norm_bf16, rms_scale_bf16, sigmoid, silu, softplus,
-    RopeTable,
+    hadamard_inplace, head_rms_scale_bf16, inv_rms, par_map, rms_norm_bf16, rms_scale_bf16,
+    sigmoid, silu, softplus, RopeTable,
 };
 use super::weights::Weights;
 use anyhow::{bail, Result};
@@ -1136,7 +1136,8 @@ pub fn layer_rope(cfg: &ModelConfig, layer: usize) -> RopeTable {
 // `Model::attn_projections` runs these; the GPU kernels of src/ops/qkv_prep are checked against them.
 
 /// Per-head query finish of one token (arch §3.6, after `wq_b`): for every head of `head_dim` values, RMS
-/// normalization without weight over all its dims (factor [`inv_rms`], f64 sum), then [`q_head_scale_rope`].
+/// normalization without weight over all its dims in the official BF16 operation order (factor
+/// [`head_rms_scale_bf16`]: squares, mean, `+ eps` and rsqrt each rounded to BF16), then [`q_head_scale_rope`].
 pub fn q_heads_finish(
     q: &mut [f32],
     head_dim: usize,
@@ -1146,13 +1147,13 @@ pub fn q_heads_finish(
     eps: f32,
 ) {
     for qh in q.chunks_exact_mut(head_dim) {
-        let inv = inv_rms(qh, eps);
-        q_head_scale_rope(qh, nope, inv, rope, t);
+        let r = head_rms_scale_bf16(qh, eps);
+        q_head_scale_rope(qh, nope, r, rope, t);
     }
 }
 
-/// One query head given its RMS factor `inv`: every value `bf16(q * inv)` (one f32 product), RoPE at `t` on
-/// dims `nope..`, those rounded to BF16 again.
+/// One query head given its RMS factor `inv`: every value `bf16(q * inv)` (one f32 product, exact when `inv` is
+/// a BF16 value such as [`head_rms_scale_bf16`]'s), RoPE at `t` on dims `nope..`, those rounded to BF16 again.
 pub fn q_head_scale_rope(qh: &mut [f32], nope: usize, inv: f32, rope: &RopeTable, t: usize) {
     for v in qh.iter_mut() {
         *v = bf16_round(*v * inv);

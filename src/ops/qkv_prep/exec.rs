@@ -1,7 +1,9 @@
 //! `megamoe exec` entries of the qkv_prep family. BF16 inputs may be given as F32 (rounded to BF16 first, on
 //! both paths); `positions` I32 `[rows]` (< 0 = empty row: its outputs stay zero); `freqs` F64 `[32]` (the
-//! layer's `RopeTable::freqs`). The CPU path runs the model's steps (with the f64 RMS factor); the GPU path the
-//! kernels (f32 sum of squares), so RMS-normalized outputs may differ in a BF16 rounding.
+//! layer's `RopeTable::freqs`). The CPU path runs the model's steps; the GPU path the kernels. Both compute the
+//! query heads' RMS factor in the official BF16 op order and differ only where a head's mean of squares sits at
+//! a BF16 rounding midpoint (f64 vs f32 sum); the KV's f32 factor comes from an f64 sum on the CPU and an f32
+//! sum on the GPU, so its outputs may differ in a BF16 rounding.
 
 use anyhow::{bail, Result};
 use safetensors::Dtype;
@@ -20,7 +22,7 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
     vec![
         ExecKernel {
             name: "qkv_q_heads",
-            doc: "Per-head q RMS (no weight) + RoPE on dims 448..511. in: q F32|BF16 [rows, heads, 512], positions I32 [rows], freqs F64 [32]. out: q BF16 [rows, heads, 512], rstd F32 [rows, heads] (CPU: the f64 factor)",
+            doc: "Per-head q RMS (no weight) + RoPE on dims 448..511. in: q F32|BF16 [rows, heads, 512], positions I32 [rows], freqs F64 [32]. out: q BF16 [rows, heads, 512], rstd F32 [rows, heads] (the BF16 factor r: q = bf16(q_in * r) before RoPE)",
             run: run_q_heads,
         },
         ExecKernel {
@@ -94,7 +96,7 @@ fn run_q_heads(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                 out[row * row_len..(row + 1) * row_len]
                     .copy_from_slice(&r::q_heads_row(src, p as usize, &rope, EPS));
                 for (h, qh) in src.chunks_exact(HEAD_DIM).enumerate() {
-                    rstd[row * heads + h] = crate::model::numerics::inv_rms(qh, EPS);
+                    rstd[row * heads + h] = crate::model::numerics::head_rms_scale_bf16(qh, EPS);
                 }
             }
             (out, rstd)

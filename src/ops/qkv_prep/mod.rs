@@ -10,8 +10,10 @@
 //! marks an empty row, which writes nothing):
 //! * [`q_lora_norm`]: `qa [rows, q_lora]` BF16 (wq_a out) -> `qr = rms_norm_bf16(qa, q_norm)` as the FP8 1x128
 //!   activation wq_b and the indexer's wq_b read (norm_quant's FP8 row kernel; it writes every row).
-//! * [`q_heads`]: `q [rows, heads, 512]` BF16 (wq_b out) -> per-head RMS without weight, RoPE on dims 448..511,
-//!   BF16 -> `q_out [rows, heads, 512]` BF16, the layout `sparse_attn::decode` reads; `rstd [rows, heads]` f32.
+//! * [`q_heads`]: `q [rows, heads, 512]` BF16 (wq_b out) -> per-head RMS without weight in the official BF16 op
+//!   order ([`head_rms_scale_bf16`](crate::model::numerics::head_rms_scale_bf16)), RoPE on dims 448..511, BF16
+//!   -> `q_out [rows, heads, 512]` BF16, the layout `sparse_attn::decode` reads; the factor `rstd [rows, heads]`
+//!   (a BF16 value stored as f32).
 //! * [`kv_entries`]: `kv [rows, 512]` BF16 (wkv out) -> RMSNorm(kv_norm), RoPE, FP8 entry (584 B,
 //!   `formats::kv`) at pool entry `seq_base[row / tokens_per_seq] + position % window`; `rstd [rows]` f32.
 //! * [`indexer_q`]: `qi [rows, index_heads, 128]` BF16 (indexer wq_b out) and `w [rows, index_heads]` BF16
@@ -119,8 +121,10 @@ pub fn q_lora_norm(
 }
 
 /// Per-head query finish of `rows` rows of `heads` heads: `q_in [rows, heads, 512]` BF16 -> `q_out` (same
-/// layout, BF16) and the per-head RMS factor `rstd [rows, heads]` f32. Rows with `positions[row] < 0` write
-/// nothing. `freqs`: the layer's `RopeTable::freqs` (32 f64). `q_in` and `q_out` 16-byte aligned, not
+/// layout, BF16) and the per-head RMS factor `rstd [rows, heads]` f32: the BF16 value
+/// `r = bf16(rsqrt(bf16(bf16(mean(bf16(q^2))) + eps)))` of the official op order
+/// ([`head_rms_scale_bf16`](crate::model::numerics::head_rms_scale_bf16); the mean's sum in f32), and
+/// `q_out = bf16(q_in * r)` before RoPE. Rows with `positions[row] < 0` write nothing. `freqs`: the layer's `RopeTable::freqs` (32 f64). `q_in` and `q_out` 16-byte aligned, not
 /// overlapping.
 #[allow(clippy::too_many_arguments)]
 pub fn q_heads(

@@ -32,7 +32,8 @@ pub fn ring_slot(
     (slot < n_entries).then_some(slot)
 }
 
-/// The model's query heads of one row ([`q_heads_finish`]: the per-head factor `inv_rms` in f64).
+/// The model's query heads of one row ([`q_heads_finish`]: the per-head factor
+/// [`head_rms_scale_bf16`](crate::model::numerics::head_rms_scale_bf16), the official BF16 op order).
 pub fn q_heads_row(q_row: &[f32], position: usize, rope: &RopeTable, eps: f32) -> Vec<f32> {
     let mut q = q_row.to_vec();
     q_heads_finish(&mut q, HEAD_DIM, NOPE_DIM, rope, position, eps);
@@ -40,7 +41,8 @@ pub fn q_heads_row(q_row: &[f32], position: usize, rope: &RopeTable, eps: f32) -
 }
 
 /// The model's query-head steps of one row with the per-head factors `rstd[h]` given ([`q_head_scale_rope`]):
-/// what the kernel computes after its f32 sum of squares.
+/// what the kernel computes after its factor (which differs from the model's only where its f32 sum of squares
+/// and the model's f64 one round the mean to different BF16 values).
 pub fn q_heads_row_with(
     q_row: &[f32],
     rstd: &[f32],
