@@ -54,9 +54,34 @@
 //   * Split-KV: with n_splits > 1 each CTA writes O/l (f32) and lse = m + log2(l); a combine kernel (a second
 //     launch) merges them. With n_splits == 1 the CTA finishes itself (sink, inverse RoPE, BF16 store).
 //
-// Budget per 64-entry tile and 64 heads: bytes 64 * 584 = 37.4 KB; MMA 64x64x512 (QK) + 64x512x64 (PV) =
-// 8.4 MFLOP -> ~224 FLOP/B, at the H200's ridge (measured 805 TFLOP/s BF16 / 4.25 TB/s = 190 FLOP/B): per SM a
-// tile is ~1.2 us of its HBM share and ~1.4 us of BF16 tensor time at the cuBLASLt rate.
+// Cycle budget per 64-entry tile (64 entries x 64 query rows; derivation, rates and the design it implies:
+// docs/deep-dive-2026-12-06-sparse-attn-budget.md). Rates per SM: issue 4 warp-instr/clk; tensor 4096 BF16 /
+// 8192 FP8 FLOP/clk (measured cuBLASLt 787-806 / 1386-1438 TFLOP/s = the time ceiling); FMA pipe 128, ALU (F2FP
+// included) 64, MUFU 16 lanes/clk; shared memory 128 B/clk, assumed to carry wgmma operand reads; HBM 4.27 TB/s /
+// 132 = 16.3 B/clk at 1.98 GHz.
+//   bytes      entries 64 x 584 = 37,376 B (scales inside the entry) -> 2,290 clk of the SM's HBM share (Flash);
+//              Pro / next_n 2 rows share each tile through L2: 1,145 / 573 clk; + q 64 KB and out 64 KB (BF16) or
+//              128 KB (f32 partial) per work item.
+//   wgmma      QK^T 64x64x512 BF16: 32 x m64n64k16 in one warp group = 1,024 clk (today: 2 groups x 32 x
+//              m64n32k16); P.V 64x512x64 BF16: 2 groups x 4 x m64n256k16 = 1,024 clk. Total 2,048 clk = 1.38-1.41 us
+//              at the measured BF16 rate. (FP8 QK^T nope: 14 x m64n64k32 + 4 BF16 rope = 576 clk, + 448 FMA clk
+//              of per-block scale fix-up.)
+//   dequant    28,672 e4m3 -> BF16 per tile; SASS today per element: 0.5 F2FP unpack + 1 HADD2.F32 + 1 FMUL +
+//              0.5 F2FP pack + shifts / STS (~4.0 instr): 3,560 warp-instr = 890 issue clk, 680 ALU, 448 FMA.
+//   softmax    4,096 MUFU.EX2 = 256 clk; ~16 K FMA/ALU lanes; 4 SHFL per thread; O rescale 32,768 FMUL = 256 clk;
+//              exchanges: P (8 KB) and the row scale through shared memory, stage full / empty mbarriers.
+//   smem       today 344 KiB (q read by both groups) = 2,752 clk; one QK^T group + P.V RS/SS: 272 KiB = 2,176 clk.
+//   binding    tensor 2,048 ~ shared memory 2,176 ~ HBM 2,290 (Flash, every SM streaming) clk; at the
+//              measured BF16 rate the tile is 1.38-1.41 us vs HBM 1.16 us (Flash) / 0.58 (Pro): tensor + the shared-
+//              memory port bind at batch >= 64 (both shapes), fixed per-call costs (launch, q prologue, first-tile
+//              latency, combine) at batch <= 32, the latency chain at batch 1-8.
+//   today      3.11 us = ~6,160 clk per tile (results/h200/sparse_attn_decode.csv, one-wave unsplit points): QK^T
+//              smem-bound ~2,000 || dequant, then softmax + row-max exchange ~700, then P.V alone ~1,150, barriers
+//              and raw-load latency ~1,500: the tensor cores ~33% busy. FlashMLA (issue #26, same H200): ~4.1 us per
+//              tile at 64 heads, ~2.8 at 128.
+//   predicted  new loop (producer warp group + two consumer groups in seesaw, BF16 products): ~1.75 us (1.55-2.0)
+//              = ~2,600-3,000 clk per tile; Flash b128 ~33 us (FlashMLA 50), Pro b64 ~47 (57), Pro b128 ~80 (107;
+//              FP8 QK^T lever -> ~67).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
