@@ -53,7 +53,8 @@
 //     ring of the next rows' partials, h in registers, 8 elements of a 16-block per thread and the division-free
 //     e2m1 encoder. Bit-identical to the per-row finish (shared l1_swiglu_h and quantization rules).
 //   - moe_gemm_finish_l2_combine_{rowwarps,cols2,cols2_tok}: the per-token combine in routing order; which
-//     one runs is FinishL2Kernel::for_tokens (all bit-identical).
+//     one runs is FinishL2Kernel::for_tokens (all bit-identical); an optional BF16 addend (the shared expert) is
+//     added to the routed f32 sum before the one BF16 rounding.
 //
 // Rounding points: products exact (bf16 x bf16 of exact values), fp32 accumulation (tensor-core order),
 // split partials added in split order in fp32, scale = gsa * gsb (fp32), out = acc * scale (fp32), then the
@@ -1115,6 +1116,9 @@ MOE_FINISH_L1_ROWS_THR2(4, 2, 2)
 // * y = fma(acc_j, fl(sa_j * sb_j), y) (__fmul_rn / __fmaf_rn) for the valid j in routing order, from y = +0.0. A
 //   slot a kernel masks instead of skipping enters as fma(+0, +0, y) = y + (+0) = y, because y is never -0.0 (it
 //   starts at +0.0 and round-to-nearest gives -0 only for (-0) + (-0)); no valid slot leaves y = +0.0;
+// * with an addend (a nullable BF16 [tokens, N], the shared expert's output): y = __fadd_rn(y, float(addend[tok, n]))
+//   once, after the routed sum (the CPU model's order: the routed experts summed, then the shared expert added);
+//   without one y is left as is (no add of +0.0, so the routed-only output keeps its bits);
 // * out = bf16(y), round to nearest even (__float2bfloat16_rn, or cvt.rn.bf16x2.f32 per element).
 constexpr int kFinishMaxTopk = 32;
 
@@ -1142,7 +1146,7 @@ __device__ __forceinline__ void stage_token_slots(const Grouping& grp, const flo
 extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_rowwarps(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    __nv_bfloat16* __restrict__ out) {
+    const __nv_bfloat16* __restrict__ addend, __nv_bfloat16* __restrict__ out) {
     constexpr int kSlots = 8, kSplitsPerPass = 8;
     __shared__ int s_row[kFinishMaxTopk];
     __shared__ int s_exp[kFinishMaxTopk];
@@ -1181,7 +1185,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
         }
         __syncthreads();  // s_acc / s_scale are rewritten by the next pass
     }
-    if (u == 0 && col_ok) out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+    if (u == 0 && col_ok) {
+        if (addend != nullptr) y = __fadd_rn(y, __bfloat162float(addend[(size_t)tok * N + n]));
+        out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+    }
 }
 
 // The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2; bench
@@ -1225,6 +1232,7 @@ __device__ __forceinline__ int l2_stage_valid_slots(const Grouping& grp, const f
 __device__ __forceinline__ void l2_cols2_columns(const float* __restrict__ partial, int splits, int rows_total, int N,
                                                  const float* __restrict__ gsb, const int* s_row, const int* s_exp,
                                                  const float* s_sa, int valid, int tok, int n0,
+                                                 const __nv_bfloat16* __restrict__ addend,
                                                  __nv_bfloat16* __restrict__ out) {
     constexpr int kSlots = 8, kCols = 2;
     const size_t split_stride2 = (size_t)rows_total * N / kCols;  // float2 units (N % 2 == 0)
@@ -1264,6 +1272,11 @@ __device__ __forceinline__ void l2_cols2_columns(const float* __restrict__ parti
             }
         }
     }
+    if (addend != nullptr) {  // 4-byte aligned: n0 even, N even, the addend's base 4-byte aligned (launcher)
+        const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(addend + (size_t)tok * N + n0);
+        y[0] = __fadd_rn(y[0], __low2float(a));
+        y[1] = __fadd_rn(y[1], __high2float(a));
+    }
     // __floats2bfloat162_rn (cvt.rn.bf16x2.f32) rounds each element as __float2bfloat16_rn does (RNE, the same NaN
     // result); here y need not be exact in BF16.
     *reinterpret_cast<uint32_t*>(out + (size_t)tok * N + n0) = pack_bf16x2(y[0], y[1]);
@@ -1272,7 +1285,7 @@ __device__ __forceinline__ void l2_cols2_columns(const float* __restrict__ parti
 extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_cols2(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    __nv_bfloat16* __restrict__ out) {
+    const __nv_bfloat16* __restrict__ addend, __nv_bfloat16* __restrict__ out) {
     __shared__ int s_row[kFinishMaxTopk];  // the valid slots, compacted in routing order
     __shared__ int s_exp[kFinishMaxTopk];
     __shared__ float s_sa[kFinishMaxTopk];
@@ -1282,7 +1295,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
     const int valid = l2_stage_valid_slots(grp, gsa, token_rows, topk, tok, s_row, s_exp, s_sa, &s_valid);
     const int n0 = 2 * (blockIdx.y * blockDim.x + threadIdx.x);
     if (n0 >= N) return;  // no barrier below
-    l2_cols2_columns(partial, splits, rows_total, N, gsb, s_row, s_exp, s_sa, valid, tok, n0, out);
+    l2_cols2_columns(partial, splits, rows_total, N, gsb, s_row, s_exp, s_sa, valid, tok, n0, addend, out);
 }
 
 // Cols2 with one CTA per token over all N columns (FinishL2Kernel::Cols2Tok; bench `nvfp4_l2cols2tok` forces it):
@@ -1294,7 +1307,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
 extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_cols2_tok(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    __nv_bfloat16* __restrict__ out) {
+    const __nv_bfloat16* __restrict__ addend, __nv_bfloat16* __restrict__ out) {
     __shared__ int s_row[kFinishMaxTopk];
     __shared__ int s_exp[kFinishMaxTopk];
     __shared__ float s_sa[kFinishMaxTopk];
@@ -1303,7 +1316,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
     const int tok = blockIdx.x;
     const int valid = l2_stage_valid_slots(grp, gsa, token_rows, topk, tok, s_row, s_exp, s_sa, &s_valid);
     for (int n0 = 2 * threadIdx.x; n0 < N; n0 += 2 * blockDim.x)
-        l2_cols2_columns(partial, splits, rows_total, N, gsb, s_row, s_exp, s_sa, valid, tok, n0, out);
+        l2_cols2_columns(partial, splits, rows_total, N, gsb, s_row, s_exp, s_sa, valid, tok, n0, addend, out);
 }
 
 // Benchmark weights without a host round trip: codes are hash bytes (every nibble is a valid e2m1 code), block

@@ -19,6 +19,8 @@
 //     when rank >= capacity (the pair is dropped and counted). counts[e] = min(popcount, capacity).
 //     Phase 3: every one of the E * capacity slots is written exactly once: the r-th set bit of expert e's mask
 //     gives the token of slot (e, r), its weight the token's weight for e; empty slots get token -1, weight 0.
+//     With a slot map (router_select_group_slots) phases 2 and 3 group by physical slot slot_of[e] instead, one
+//     row per pair (two picks of one token on one slot are two rows); see select_group below.
 // Nothing shapes a launch from the result: grids come from T and E alone, so both launches replay in a graph.
 
 #include <cuda_bf16.h>
@@ -111,22 +113,39 @@ extern "C" __global__ void __launch_bounds__(kLogitThreads) router_logits(
   }
 }
 
-// Selection, weights and the masked grouping of T tokens (one CTA of 1024 threads; dynamic shared memory:
-// E * ceil(T / 32) 32-bit token masks). hash != 0: experts from tid2eid[token_ids[t] * 6 + j] (a token id outside
-// [0, vocab), an entry outside [0, E) or a repeat of an earlier entry of the row routes that pair nowhere: expert
-// -1, weight 0, counted in `dropped`); bias is then unused. Outputs: topk_experts / topk_weights [T, 6],
-// token_rows [T, 6], counts [E], row_token / row_weight [E * capacity], dropped [1] (pairs with no row).
-extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group(
+// The pair p = t * 6 + j's physical slot: slot_of[topk_experts[p]] when in [0, slots), else -1 (a pair routed
+// nowhere, or a table value outside the slots: no row, counted in `dropped`). topk_experts was written by this CTA
+// before a barrier.
+__device__ __forceinline__ int pair_slot(const int* topk_experts, const int* __restrict__ slot_of, int slots, int p) {
+  const int e = topk_experts[p];
+  const int s = e >= 0 ? slot_of[e] : -1;
+  return (s >= 0 && s < slots) ? s : -1;
+}
+
+// Selection, weights and the masked grouping of T tokens (one CTA of 1024 threads). hash != 0: experts from
+// tid2eid[token_ids[t] * 6 + j] (a token id outside [0, vocab), an entry outside [0, E) or a repeat of an earlier
+// entry of the row routes that pair nowhere: expert -1, weight 0, counted in `dropped`); bias is then unused.
+// Outputs: topk_experts / topk_weights [T, 6] (logical experts), token_rows [T, 6], counts [slots],
+// row_token / row_weight [slots * capacity], dropped [1] (pairs with no row).
+// kMapped == false (router_select_group): slots == experts, slot e = expert e; dynamic shared memory E * ceil(T / 32)
+// 32-bit token masks (bit t of word (e, t / 32): token t chose e; a token chooses an expert at most once).
+// kMapped == true (router_select_group_slots): pair (t, j) goes to slot slot_of[e_j]; two picks of one token may
+// share a slot, so a slot gets one row per pair, in pair order (t, then j). Dynamic shared memory slots * ceil(T / 32)
+// 32-bit counters: word (s, w) = the pairs of tokens 32w .. 32w + 31 in slot s. The rank of pair p in slot s = the
+// counters of s's earlier words + the pairs of p's own 32-token word before p in slot s (at most 191 looked at);
+// the r-th row of slot s is found the same way. With slot_of the identity it writes what kMapped == false writes.
+template <bool kMapped>
+__device__ __forceinline__ void select_group(
     const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,
-    const int* __restrict__ tid2eid, int vocab, int hash, int tokens, int experts, int capacity,
-    float route_scale, int* topk_experts, float* topk_weights, int* __restrict__ token_rows,
-    int* __restrict__ counts, int* __restrict__ row_token, float* __restrict__ row_weight,
-    int* __restrict__ dropped) {
-  extern __shared__ uint32_t s_mask[];  // [experts][words]
+    const int* __restrict__ tid2eid, int vocab, int hash, const int* __restrict__ slot_of, int slots, int tokens,
+    int experts, int capacity, float route_scale, int* topk_experts, float* topk_weights,
+    int* __restrict__ token_rows, int* __restrict__ counts, int* __restrict__ row_token,
+    float* __restrict__ row_weight, int* __restrict__ dropped) {
+  extern __shared__ uint32_t s_mask[];  // [slots][words]: token masks (identity) or pair counters (mapped)
   __shared__ int s_dropped;
   const int words = (tokens + 31) / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = threadIdx.x; i < experts * words; i += blockDim.x) s_mask[i] = 0u;
+  for (int i = threadIdx.x; i < slots * words; i += blockDim.x) s_mask[i] = 0u;
   if (threadIdx.x == 0) s_dropped = 0;
   __syncthreads();
 
@@ -179,54 +198,131 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
     if (lane < kTopk) {
       topk_experts[t * kTopk + lane] = my_e;
       topk_weights[t * kTopk + lane] = my_e >= 0 ? my_s / sum * route_scale : 0.0f;
-      if (my_e >= 0) atomicOr(&s_mask[my_e * words + t / 32], 1u << (t % 32));
+      if constexpr (kMapped) {
+        const int s = my_e >= 0 ? slot_of[my_e] : -1;
+        if (s >= 0 && s < slots) atomicAdd(&s_mask[s * words + t / 32], 1u);
+      } else {
+        if (my_e >= 0) atomicOr(&s_mask[my_e * words + t / 32], 1u << (t % 32));
+      }
     }
   }
   __syncthreads();
 
-  // Phase 2: the row of every (token, k) pair and the per-expert counts.
-  for (int p = threadIdx.x; p < tokens * kTopk; p += blockDim.x) {
-    const int t = p / kTopk;
-    const int e = topk_experts[p];
-    int row = -1;
-    if (e >= 0) {
-      const uint32_t* m = s_mask + e * words;
-      int rank = __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
-      for (int w = 0; w < t / 32; ++w) rank += __popc(m[w]);
-      row = rank < capacity ? e * capacity + rank : -1;
+  if constexpr (kMapped) {
+    // Phase 2: the row of every pair and the per-slot counts.
+    for (int p = threadIdx.x; p < tokens * kTopk; p += blockDim.x) {
+      const int s = pair_slot(topk_experts, slot_of, slots, p);
+      int row = -1;
+      if (s >= 0) {
+        const int w0 = p / kTopk / 32;
+        int rank = 0;
+        for (int w = 0; w < w0; ++w) rank += (int)s_mask[s * words + w];
+        for (int q = w0 * 32 * kTopk; q < p; ++q) rank += pair_slot(topk_experts, slot_of, slots, q) == s;
+        row = rank < capacity ? s * capacity + rank : -1;
+      }
+      if (row < 0) atomicAdd(&s_dropped, 1);
+      token_rows[p] = row;
     }
-    if (row < 0) atomicAdd(&s_dropped, 1);
-    token_rows[p] = row;
-  }
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-    int n = 0;
-    for (int w = 0; w < words; ++w) n += __popc(s_mask[e * words + w]);
-    counts[e] = min(n, capacity);
-  }
-
-  // Phase 3: every slot, written once.
-  for (int s = threadIdx.x; s < experts * capacity; s += blockDim.x) {
-    const int e = s / capacity;
-    int r = s - e * capacity;
-    int tok = -1;
-    for (int w = 0; w < words && tok < 0; ++w) {
-      uint32_t m = s_mask[e * words + w];
-      const int n = __popc(m);
-      if (r < n) {
-        for (; r > 0; --r) m &= m - 1u;  // clear the r lowest set bits
-        tok = w * 32 + __ffs(m) - 1;
-      } else {
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+      int n = 0;
+      for (int w = 0; w < words; ++w) n += (int)s_mask[s * words + w];
+      counts[s] = min(n, capacity);
+    }
+    // Phase 3: every row, written once: row r of slot s is the r-th pair (in pair order) whose slot is s.
+    for (int i = threadIdx.x; i < slots * capacity; i += blockDim.x) {
+      const int s = i / capacity;
+      int r = i - s * capacity;
+      int tok = -1;
+      float wgt = 0.0f;
+      for (int w = 0; w < words; ++w) {
+        const int n = (int)s_mask[s * words + w];
+        if (r < n) {
+          const int q_end = min(32 * (w + 1), tokens) * kTopk;
+          for (int q = 32 * w * kTopk; q < q_end; ++q) {
+            if (pair_slot(topk_experts, slot_of, slots, q) == s) {
+              if (r == 0) {
+                tok = q / kTopk;
+                wgt = topk_weights[q];
+                break;
+              }
+              --r;
+            }
+          }
+          break;
+        }
         r -= n;
       }
+      row_token[i] = tok;
+      row_weight[i] = wgt;
     }
-    float wgt = 0.0f;
-    if (tok >= 0) {
-      for (int j = 0; j < kTopk; ++j)
-        if (topk_experts[tok * kTopk + j] == e) wgt = topk_weights[tok * kTopk + j];
+  } else {
+    // Phase 2: the row of every (token, k) pair and the per-expert counts.
+    for (int p = threadIdx.x; p < tokens * kTopk; p += blockDim.x) {
+      const int t = p / kTopk;
+      const int e = topk_experts[p];
+      int row = -1;
+      if (e >= 0) {
+        const uint32_t* m = s_mask + e * words;
+        int rank = __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
+        for (int w = 0; w < t / 32; ++w) rank += __popc(m[w]);
+        row = rank < capacity ? e * capacity + rank : -1;
+      }
+      if (row < 0) atomicAdd(&s_dropped, 1);
+      token_rows[p] = row;
     }
-    row_token[s] = tok;
-    row_weight[s] = wgt;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+      int n = 0;
+      for (int w = 0; w < words; ++w) n += __popc(s_mask[e * words + w]);
+      counts[e] = min(n, capacity);
+    }
+
+    // Phase 3: every slot, written once.
+    for (int s = threadIdx.x; s < experts * capacity; s += blockDim.x) {
+      const int e = s / capacity;
+      int r = s - e * capacity;
+      int tok = -1;
+      for (int w = 0; w < words && tok < 0; ++w) {
+        uint32_t m = s_mask[e * words + w];
+        const int n = __popc(m);
+        if (r < n) {
+          for (; r > 0; --r) m &= m - 1u;  // clear the r lowest set bits
+          tok = w * 32 + __ffs(m) - 1;
+        } else {
+          r -= n;
+        }
+      }
+      float wgt = 0.0f;
+      if (tok >= 0) {
+        for (int j = 0; j < kTopk; ++j)
+          if (topk_experts[tok * kTopk + j] == e) wgt = topk_weights[tok * kTopk + j];
+      }
+      row_token[s] = tok;
+      row_weight[s] = wgt;
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) dropped[0] = s_dropped;
+}
+
+// The identity grouping (slot = expert): slots == experts, dynamic shared memory E * ceil(T / 32) words.
+extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group(
+    const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,
+    const int* __restrict__ tid2eid, int vocab, int hash, int tokens, int experts, int capacity,
+    float route_scale, int* topk_experts, float* topk_weights, int* __restrict__ token_rows,
+    int* __restrict__ counts, int* __restrict__ row_token, float* __restrict__ row_weight,
+    int* __restrict__ dropped) {
+  select_group<false>(logits, bias, token_ids, tid2eid, vocab, hash, nullptr, experts, tokens, experts, capacity,
+                      route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
+}
+
+// The grouping by physical slot: slot_of [E] (values outside [0, slots) route the pair nowhere), counts [slots],
+// row_token / row_weight [slots * capacity]; dynamic shared memory slots * ceil(T / 32) words.
+extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group_slots(
+    const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,
+    const int* __restrict__ tid2eid, int vocab, int hash, const int* __restrict__ slot_of, int slots, int tokens,
+    int experts, int capacity, float route_scale, int* topk_experts, float* topk_weights,
+    int* __restrict__ token_rows, int* __restrict__ counts, int* __restrict__ row_token,
+    float* __restrict__ row_weight, int* __restrict__ dropped) {
+  select_group<true>(logits, bias, token_ids, tid2eid, vocab, hash, slot_of, slots, tokens, experts, capacity,
+                     route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }

@@ -29,6 +29,51 @@ use common::moe::{gathered_activations, quantized_weights, random_rows, seeded, 
 
 // ------------------------------------------------------------------------------------------------- CPU checks
 
+/// The CPU model of the L2 combine's f32 order (`combine_l2_like_kernel`): valid slots in routing order, a -1 slot
+/// and a padding row skipped (its NaN partials never read), splits summed, scaled by gsa * gsb, and the shared
+/// addend added in f32 after the routed sum, before the one BF16 rounding: 1 + 2^-20 - 1 keeps 2^-20, where a
+/// BF16 rounding of the routed sum first would leave 0.
+#[test]
+fn l2_combine_model_adds_the_addend_to_the_f32_routed_sum() {
+    // Experts 0 and 1, capacity 2, one row each: rows 0 (e0) and 2 (e1) owned, rows 1 and 3 padding.
+    let g = Grouping::Masked {
+        capacity: 2,
+        counts: vec![1, 1],
+    };
+    let (splits, n, rows) = (2usize, 1usize, 4usize);
+    let mut partial = vec![f32::NAN; splits * rows * n];
+    // Row 2: 0.75 + 0.25 = 1.0; row 0: 2^-21 + 2^-21 = 2^-20.
+    partial[2] = 0.75;
+    partial[rows + 2] = 0.25;
+    partial[0] = 2f32.powi(-21);
+    partial[rows] = 2f32.powi(-21);
+    let gsa = [0.5f32, 1.0, 2.0, 1.0];
+    let gsb = [2.0f32, 0.5];
+    let token_rows = [2, 1, -1, 0];
+    let y = |add: Option<&[bf16]>| {
+        mg::reference::combine_l2_like_kernel(
+            &partial,
+            splits,
+            n,
+            Some(&gsa),
+            &gsb,
+            &token_rows,
+            4,
+            &g,
+            add,
+        )
+    };
+    assert_eq!(y(None), vec![bf16::from_f32(1.0 + 2f32.powi(-20))]);
+    assert_eq!(
+        y(Some(&[bf16::from_f32(-1.0)])),
+        vec![bf16::from_f32(2f32.powi(-20))]
+    );
+    assert_ne!(
+        bf16::from_f32(1.0 + 2f32.powi(-20)).to_f32() - 1.0,
+        2f32.powi(-20)
+    );
+}
+
 #[test]
 fn nvfp4_element_times_block_scale_is_exact_in_bf16() {
     // DESIGN §3: e2m1 * e4m3 has <= 5 significant bits and lies in [2^-10, 2688]: exact in BF16.
@@ -944,7 +989,19 @@ fn check_l1_l2(
     let mut y = gpu.poisoned::<bf16>(tokens * hidden, 0xFF).unwrap();
     let l1a = l1.as_activations();
     mg::launch_partial(gpu, &gpu.stream, &d2, &l1a, &dg, &cfg2, &ws2).unwrap();
-    mg::launch_finish_l2(gpu, &gpu.stream, &ws2, &dg, &d2, &l1a, &dtr, topk, &mut y).unwrap();
+    mg::launch_finish_l2(
+        gpu,
+        &gpu.stream,
+        &ws2,
+        &dg,
+        &d2,
+        &l1a,
+        &dtr,
+        topk,
+        None,
+        &mut y,
+    )
+    .unwrap();
     // Every L2 combine kernel on the same partials, into its own poisoned output: bit-identical to the routed
     // launch_finish_l2 (which picks one of them by the token count).
     for &kernel in mg::FinishL2Kernel::ALL {
@@ -958,6 +1015,7 @@ fn check_l1_l2(
             &l1a,
             &dtr,
             topk,
+            None,
             &mut y_k,
             kernel,
         )
@@ -1047,7 +1105,7 @@ fn decode_step(
     mg::launch_finish_l1(gpu, stream, ws1, dg, d13, a, droute, l1)?;
     let h = l1.as_activations();
     mg::launch_partial(gpu, stream, d2, &h, dg, cfg2, ws2)?;
-    mg::launch_finish_l2(gpu, stream, ws2, dg, d2, &h, dtr, topk, y)
+    mg::launch_finish_l2(gpu, stream, ws2, dg, d2, &h, dtr, topk, None, y)
 }
 
 /// Top-`topk` choices giving expert e exactly `counts[e]` of `tokens * topk` pairs, each token `topk` distinct
@@ -2114,7 +2172,9 @@ fn gpu_l1_finish_rows_after_the_prefill_mainloop() {
 /// first (`RowWarps`) bit for bit, and that one against the f64 combine of the fp32 split sums (tolerance: the
 /// bf16 rounding of the output, 2^-8 relative, plus 16 fp32 ulps of the absolute terms). Unowned rows hold NaN
 /// partials (as the mainloop's poisoned workspace): a kernel that added one would fail. A few routed slots are
-/// replaced by -1 and (masked) by a padding slot: both kernels must skip them.
+/// replaced by -1 and (masked) by a padding slot: both kernels must skip them. With `shared`, also every kernel
+/// with a BF16 addend (the shared expert's output, fresh values of the outputs' size, into 0xFF-poisoned outputs),
+/// and without one, bit for bit against `combine_l2_like_kernel`, the CPU model of the kernels' f32 order.
 #[allow(clippy::too_many_arguments)]
 fn check_l2_combine_kernels(
     gpu: &Gpu,
@@ -2126,6 +2186,7 @@ fn check_l2_combine_kernels(
     splits: usize,
     padding: Option<usize>,
     nvfp4_a: bool,
+    shared: bool,
 ) {
     let topk = 6;
     let rb = routed_top6_two_empty_experts(rng, tokens, experts, padding);
@@ -2205,7 +2266,9 @@ fn check_l2_combine_kernels(
         "{label}: the launcher writes nothing for 0 tokens"
     );
     let dtr = gpu.upload(&token_rows).unwrap();
-    let run = |kernel: mg::FinishL2Kernel| -> Vec<bf16> {
+    let run_with = |kernel: mg::FinishL2Kernel,
+                    addend: Option<&cudarc::driver::CudaSlice<bf16>>|
+     -> Vec<bf16> {
         let mut y = gpu.poisoned::<bf16>(tokens * n, 0xFF).unwrap();
         mg::launch_finish_l2_with(
             gpu,
@@ -2216,6 +2279,7 @@ fn check_l2_combine_kernels(
             &a,
             &dtr,
             topk,
+            addend.map(|b| b as &dyn megamoe::gpu::launch::DeviceBuf<bf16>),
             &mut y,
             kernel,
         )
@@ -2223,6 +2287,7 @@ fn check_l2_combine_kernels(
         gpu.synchronize().unwrap();
         gpu.download(&y).unwrap()
     };
+    let run = |kernel: mg::FinishL2Kernel| run_with(kernel, None);
     let want = run(mg::FinishL2Kernel::RowWarps);
     for &kernel in &mg::FinishL2Kernel::ALL[1..] {
         let got = run(kernel);
@@ -2270,6 +2335,79 @@ fn check_l2_combine_kernels(
         "{label}: {:?} == RowWarps bit for bit; RowWarps vs f64 max rel err {max_rel:e}",
         &mg::FinishL2Kernel::ALL[1..]
     );
+    if !shared {
+        return;
+    }
+    // The shared expert's output: BF16 of the routed output's magnitude and either sign, so the add carries
+    // and cancels.
+    let addend: Vec<bf16> = (0..tokens * n)
+        .map(|i| {
+            let y = want[i].to_f32();
+            let mag = if y.is_finite() && y != 0.0 {
+                y.abs()
+            } else {
+                1.0
+            };
+            bf16::from_f32(rng.random_range(-2.0f32..2.0) * mag)
+        })
+        .collect();
+    let d_add = gpu.upload(&addend).unwrap();
+    let gsa_model = nvfp4_a.then_some(&gsa[..]);
+    let model = |add: Option<&[bf16]>| {
+        mg::reference::combine_l2_like_kernel(
+            &partial,
+            splits,
+            n,
+            gsa_model,
+            &gsb,
+            &token_rows,
+            topk,
+            g,
+            add,
+        )
+    };
+    let (want_plain, want_shared) = (model(None), model(Some(&addend)));
+    for &kernel in mg::FinishL2Kernel::ALL {
+        assert_bit_identical(
+            &format!("{label} {kernel:?}"),
+            "routed only vs the f32 model",
+            &want_plain,
+            &run(kernel),
+        );
+        assert_bit_identical(
+            &format!("{label} {kernel:?}"),
+            "routed + shared vs the f32 model",
+            &want_shared,
+            &run_with(kernel, Some(&d_add)),
+        );
+    }
+    eprintln!(
+        "{label}: every kernel with and without the shared addend == the f32 model bit for bit"
+    );
+}
+
+/// The shared expert's BF16 output added in the L2 combine: every combine kernel at Flash (N 4096) and Pro
+/// (N 7168) hidden sizes, 1 / 7 / 64 tokens, masked and contiguous, NVFP4 and BF16 activations, with and without
+/// the addend, bit for bit against the CPU model of the kernels' f32 order (routed sum in routing order, then the
+/// addend, then one BF16 rounding); poisoned outputs.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_l2_combine_adds_the_shared_expert() {
+    let name = "gpu_l2_combine_adds_the_shared_expert";
+    let gpu = common::gpu(name);
+    let mut rng = seeded(name);
+    for n in [4096usize, 7168] {
+        for (tokens, splits, padding, nvfp4_a) in [
+            (1usize, 4usize, Some(2), true),
+            (7, 2, None, true),
+            (64, 1, Some(2), true),
+            (7, 3, Some(1), false),
+        ] {
+            check_l2_combine_kernels(
+                &gpu, name, &mut rng, n, 16, tokens, splits, padding, nvfp4_a, true,
+            );
+        }
+    }
 }
 
 /// Flash (N 4096) and Pro (N 7168) hidden sizes, 1 / 2 / 7 / 64 tokens with 1-5 splits (5: a second 4-split pass),
@@ -2282,10 +2420,21 @@ fn gpu_l2_combine_kernels_bit_identical() {
     let mut rng = seeded(name);
     for n in [4096usize, 7168] {
         for (tokens, splits) in [(1usize, 4usize), (2, 3), (7, 5), (64, 1)] {
-            check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, tokens, splits, Some(2), true);
+            check_l2_combine_kernels(
+                &gpu,
+                name,
+                &mut rng,
+                n,
+                16,
+                tokens,
+                splits,
+                Some(2),
+                true,
+                false,
+            );
         }
-        check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, 7, 2, None, true);
-        check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, 2, 4, Some(1), false);
+        check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, 7, 2, None, true, false);
+        check_l2_combine_kernels(&gpu, name, &mut rng, n, 16, 2, 4, Some(1), false, false);
     }
 }
 
@@ -2444,6 +2593,7 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
                 &a,
                 &dtr,
                 topk,
+                None,
                 &mut y,
                 kernel,
             );

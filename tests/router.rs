@@ -8,12 +8,14 @@ mod common;
 
 use common::router::{self as fx, Case, DevCase, DevRun};
 use half::bf16;
-use megamoe::model::reference::{route_from_logits, RouteSelection};
+use megamoe::engine::ExpertMap;
+use megamoe::model::reference::{route_from_logits, RouteSelection, Routing};
+use megamoe::ops::moe_gemm::reference::Grouping;
 use megamoe::ops::moe_gemm::{
     self as mg, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output,
     RoutedBatch,
 };
-use megamoe::ops::router::{route, RouterShape, MAX_EXPERTS, MAX_TOKENS, TOPK};
+use megamoe::ops::router::{reference, route, RouterShape, MAX_EXPERTS, MAX_TOKENS, TOPK};
 use rand::Rng;
 
 /// DSV4-Flash and -Pro: (experts, hidden, route scale).
@@ -23,12 +25,7 @@ const SHAPES: [(usize, usize, f32); 2] = [(256, 4096, 1.5), (384, 7168, 2.5)];
 
 #[test]
 fn shape_rules_refuse_what_the_kernels_cannot_take() {
-    let ok = RouterShape {
-        tokens: 64,
-        experts: 384,
-        dim: 7168,
-        capacity: 64,
-    };
+    let ok = RouterShape::identity(64, 384, 7168, 64);
     ok.check().unwrap();
     for (bad, what) in [
         (RouterShape { tokens: 0, ..ok }, "tokens"),
@@ -55,6 +52,14 @@ fn shape_rules_refuse_what_the_kernels_cannot_take() {
             "D",
         ),
         (RouterShape { capacity: 0, ..ok }, "capacity"),
+        (RouterShape { slots: 0, ..ok }, "slots"),
+        (
+            RouterShape {
+                slots: MAX_EXPERTS + 1,
+                ..ok
+            },
+            "slots",
+        ),
     ] {
         let e = bad.check().unwrap_err().to_string();
         assert!(e.contains(what), "{bad:?}: {e}");
@@ -80,6 +85,69 @@ fn cpu_oracle_breaks_ties_by_the_lower_expert_index() {
     let r2 = route_from_logits(&logits, RouteSelection::Biased(&b2), 6, 1.0);
     assert_eq!(r2.experts[0], 3);
     assert!(r2.weights[0] < r2.weights[1]);
+}
+
+/// The oracle's grouping by physical slot (`reference::grouping_by_slot`, the layout `router_select_group_slots`
+/// must write): 16 logical experts on 11 slots (e % 11, the engine's map), so experts e and e + 11 share slot e;
+/// a token that picks both gets two rows of that slot, in pair order; with the identity map the layout is the
+/// plain per-expert grouping.
+#[test]
+fn cpu_oracle_groups_pairs_by_physical_slot() {
+    let slot_of: Vec<usize> = ExpertMap {
+        logical: 16,
+        slots: 11,
+    }
+    .table()
+    .into_iter()
+    .map(|s| s as usize)
+    .collect();
+    let routing = |experts: Vec<usize>| Routing {
+        scores: vec![],
+        experts,
+        weights: vec![],
+    };
+    // Token 0: slots [0, 0, 3, 5, 3, 2]; token 1: slots [0, 1, 2, 3, 4, 5].
+    let rs = [
+        routing(vec![0, 11, 3, 5, 14, 2]),
+        routing(vec![11, 1, 2, 3, 4, 5]),
+    ];
+    let cap = 4;
+    let rb = reference::grouping_by_slot(&rs, &slot_of, 11, cap).unwrap();
+    let counts = match &rb.grouping {
+        Grouping::Masked { counts, .. } => counts.clone(),
+        _ => unreachable!(),
+    };
+    assert_eq!(counts, vec![3, 1, 2, 3, 1, 2, 0, 0, 0, 0, 0]);
+    let row = |s: usize, r: usize| (s * cap + r) as i32;
+    assert_eq!(
+        rb.token_rows,
+        vec![
+            row(0, 0),
+            row(0, 1),
+            row(3, 0),
+            row(5, 0),
+            row(3, 1),
+            row(2, 0),
+            row(0, 2),
+            row(1, 0),
+            row(2, 1),
+            row(3, 2),
+            row(4, 0),
+            row(5, 1),
+        ]
+    );
+    assert_eq!(&rb.row_token[0..cap], &[0, 0, 1, -1]);
+    assert_eq!(&rb.row_token[3 * cap..4 * cap], &[0, 0, 1, -1]);
+    assert_eq!(rb.row_token.len(), 11 * cap);
+    // A slot over its capacity is an error of the oracle (the GPU drops instead; tested on the GPU).
+    assert!(reference::grouping_by_slot(&rs, &slot_of, 11, 2).is_err());
+    // The identity map gives the plain grouping.
+    let id: Vec<usize> = (0..16).collect();
+    let a = reference::grouping_by_slot(&rs, &id, 16, cap).unwrap();
+    let b = reference::grouping(&rs, 16, cap).unwrap();
+    assert_eq!(a.token_rows, b.token_rows);
+    assert_eq!(a.row_token, b.row_token);
+    assert_eq!(a.grouping, b.grouping);
 }
 
 /// The bound's slope claim (tests/common/router.rs): |d sqrt(softplus(x)) / dx| <= 0.5 and the relative slope
@@ -225,36 +293,157 @@ fn gpu_near_ties_stay_within_the_summation_bound() {
     );
 }
 
-/// The routing captured once in a CUDA graph; new hidden vectors written on the device between replays and the
-/// outputs poisoned, every replay checked against the CPU.
+/// The grouping by physical slot (`router_select_group_slots`) with the engine's map e % slots, 16 experts on 11
+/// slots (D 512) and Flash's 256 on 226 (D 4096), biased and hash selection, T in {1, 7, 64}: the selection and
+/// weights against the CPU model as without a map, the grouping exactly the oracle's `grouping_by_slot` of the
+/// GPU's selection (capacity 2T: two logical experts per slot at most, nothing dropped). The same case through the
+/// slots kernel with the identity table (slots = E) writes bit for bit what the identity kernel writes.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_slot_map_groups_by_physical_slot() {
+    let (gpu, mut rng) = fx::gpu_test("gpu_slot_map_groups_by_physical_slot");
+    for (e, slots, d, scale) in [(16usize, 11usize, 512usize, 1.5f32), (256, 226, 4096, 1.5)] {
+        for t in [1usize, 7, 64] {
+            for hash in [false, true] {
+                let mut c = Case::random(&mut rng, t, e, d, scale);
+                if hash {
+                    c = c.with_hash(&mut rng, 1000);
+                }
+                let label = format!("E {e} on {slots} slots, T {t}, hash {hash}");
+                let mapped = c.clone().with_slots(slots);
+                let seen = fx::route_and_check(&gpu, &label, &mapped, 2 * t);
+                if hash {
+                    assert_eq!(seen.reordered_tokens, 0, "{label}");
+                }
+                let plain = fx::run(&gpu, &c, t);
+                let identity = fx::run(&gpu, &c.clone().with_slots(e), t);
+                assert_same_routing(&format!("{label}: identity table"), &plain, &identity);
+            }
+        }
+    }
+}
+
+/// A table value outside `0..slots` routes its pairs nowhere: hash routing (so the pairs are known), expert x of
+/// token 0's row mapped to slot `slots`; every pair of x gets no row and is counted in `dropped`, the others keep
+/// the oracle's grouping of the selection without them (x's pairs moved to a scratch slot and cut away).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_slot_outside_the_slots_drops_its_pairs() {
+    let (gpu, mut rng) = fx::gpu_test("gpu_slot_outside_the_slots_drops_its_pairs");
+    let (e, slots, d, t) = (16usize, 11usize, 512usize, 7usize);
+    let mut c = Case::random(&mut rng, t, e, d, 1.5)
+        .with_hash(&mut rng, 100)
+        .with_slots(slots);
+    let (ids, table, _) = c.hash.clone().unwrap();
+    let x = table[ids[0] as usize * TOPK] as usize;
+    c.slot_map.as_mut().unwrap().0[x] = slots as i32;
+    let got = fx::run(&gpu, &c, 2 * t);
+    let want = fx::cpu_routing(&c);
+    // The oracle with x on an extra slot `slots`, then that slot's rows removed.
+    let mut slot_of: Vec<usize> = c
+        .slot_map
+        .as_ref()
+        .unwrap()
+        .0
+        .iter()
+        .map(|&s| s as usize)
+        .collect();
+    slot_of[x] = slots;
+    let rb = reference::grouping_by_slot(&want.routings, &slot_of, slots + 1, 2 * t).unwrap();
+    let cap = 2 * t;
+    let mut dropped = 0;
+    for p in 0..t * TOPK {
+        assert_eq!(
+            got.experts[p],
+            want.routings[p / TOPK].experts[p % TOPK] as i32,
+            "experts[{p}]"
+        );
+        let want_row = if want.routings[p / TOPK].experts[p % TOPK] == x {
+            dropped += 1;
+            -1
+        } else {
+            rb.token_rows[p]
+        };
+        assert_eq!(got.token_rows[p], want_row, "token_rows[{p}]");
+    }
+    assert!(dropped >= 1);
+    assert_eq!(got.dropped, dropped, "dropped");
+    assert_eq!(got.counts.len(), slots);
+    assert_eq!(
+        &got.row_token[..],
+        &rb.row_token[..slots * cap],
+        "row_token"
+    );
+    let n: i32 = got.counts.iter().sum();
+    assert_eq!(n, (t * TOPK) as i32 - dropped, "counts");
+}
+
+/// Every output of two routing calls bit for bit (logits included).
+fn assert_same_routing(label: &str, a: &fx::GpuRouting, b: &fx::GpuRouting) {
+    common::assert_bit_identical(label, "logits", &a.logits, &b.logits);
+    assert_eq!(a.experts, b.experts, "{label}: experts");
+    common::assert_bit_identical(label, "weights", &a.weights, &b.weights);
+    assert_eq!(a.token_rows, b.token_rows, "{label}: token_rows");
+    assert_eq!(a.counts, b.counts, "{label}: counts");
+    assert_eq!(a.row_token, b.row_token, "{label}: row_token");
+    common::assert_bit_identical(label, "row_weight", &a.row_weight, &b.row_weight);
+    assert_eq!(a.dropped, b.dropped, "{label}: dropped");
+}
+
+/// The routing captured once in a CUDA graph, without a slot map and with one (Pro's 384 experts on 331 slots,
+/// e % 331, capacity 2T); new hidden vectors written on the device between replays and the outputs poisoned,
+/// every replay checked against the CPU.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_routing_replays_as_a_graph_with_new_hidden_vectors() {
     let (gpu, mut rng) = fx::gpu_test("gpu_routing_replays_as_a_graph_with_new_hidden_vectors");
     let (e, d, scale) = SHAPES[1];
     let t = 7;
-    let mut c = Case::random(&mut rng, t, e, d, scale);
-    let mut dc = DevCase::upload(&gpu, &c);
-    let mut run = DevRun::new(&gpu, &c.shape(t));
+    for slots in [None, Some(331)] {
+        let c = Case::random(&mut rng, t, e, d, scale);
+        let (c, cap) = match slots {
+            None => (c, t),
+            Some(s) => (c.with_slots(s), 2 * t),
+        };
+        replay_routing_graph(&gpu, &mut rng, c, cap, &format!("slots {slots:?}"));
+    }
+}
+
+fn replay_routing_graph(
+    gpu: &megamoe::gpu::Gpu,
+    rng: &mut impl Rng,
+    mut c: Case,
+    cap: usize,
+    label: &str,
+) {
+    let (t, e, d, scale) = (c.tokens, c.experts, c.dim, c.route_scale);
+    let mut dc = DevCase::upload(gpu, &c);
+    let mut run = DevRun::new(gpu, &c.shape(cap));
     // One plain call first: the kernels are resolved (and their attributes set) outside the capture.
-    route(&gpu, &gpu.stream, &dc.inputs(false), &run.ws, &mut run.out).unwrap();
+    route(gpu, &gpu.stream, &dc.inputs(false), &run.ws, &mut run.out).unwrap();
     gpu.synchronize().unwrap();
     let graph = {
         let inputs = dc.inputs(false);
         let (ws, out) = (&run.ws, &mut run.out);
-        gpu.capture(|| route(&gpu, &gpu.stream, &inputs, ws, out))
+        gpu.capture(|| route(gpu, &gpu.stream, &inputs, ws, out))
             .unwrap()
     };
     for replay in 0..4 {
-        let fresh = Case::random(&mut rng, t, e, d, scale);
+        let fresh = Case::random(rng, t, e, d, scale);
         c.x = fresh.x;
         gpu.write(&gpu.stream, &mut dc.x, &c.x).unwrap();
-        run.poison_outputs(&gpu);
+        run.poison_outputs(gpu);
         graph.launch().unwrap();
         gpu.synchronize().unwrap();
-        let got = run.download(&gpu);
+        let got = run.download(gpu);
         let want = fx::cpu_routing(&c);
-        fx::check(&format!("graph replay {replay}"), &c, &got, &want, t);
+        fx::check(
+            &format!("{label}: graph replay {replay}"),
+            &c,
+            &got,
+            &want,
+            cap,
+        );
     }
 }
 
@@ -327,6 +516,7 @@ fn gpu_grouping_feeds_moe_gemm_masked_decode() {
             &a2,
             token_rows,
             TOPK,
+            None,
             &mut y,
         )
         .unwrap();

@@ -13,7 +13,9 @@
 //! side) moves by at most `max_e bound_e + 48 u` relative.
 
 use half::bf16;
+use megamoe::engine::ExpertMap;
 use megamoe::gpu::arena::Arena;
+use megamoe::gpu::launch::DeviceBuf;
 use megamoe::gpu::Gpu;
 use megamoe::model::reference::{route_weights, Routing};
 use megamoe::ops::inputs::normalish;
@@ -50,6 +52,8 @@ pub struct Case {
     pub route_scale: f32,
     /// Hash layers: (token ids, tid2eid [vocab, 6], vocab).
     pub hash: Option<(Vec<i32>, Vec<i32>, usize)>,
+    /// A slot map: (slot of each logical expert [E], slots); `None` routes expert e to slot e.
+    pub slot_map: Option<(Vec<i32>, usize)>,
 }
 
 fn to_bf16(v: impl IntoIterator<Item = f32>) -> Vec<bf16> {
@@ -76,7 +80,21 @@ impl Case {
             bias: (0..experts).map(|_| rng.random_range(-0.1..0.1)).collect(),
             route_scale,
             hash: None,
+            slot_map: None,
         }
+    }
+    /// The engine's map onto `slots` physical slots (`ExpertMap::table`: expert e on slot e % slots).
+    pub fn with_slots(mut self, slots: usize) -> Case {
+        let map = ExpertMap {
+            logical: self.experts,
+            slots,
+        };
+        self.slot_map = Some((map.table(), slots));
+        self
+    }
+    /// Physical slots of the grouping (E without a map).
+    pub fn slots(&self) -> usize {
+        self.slot_map.as_ref().map_or(self.experts, |m| m.1)
     }
     /// A tid2eid table of `vocab` rows of 6 distinct experts and random token ids.
     pub fn with_hash(mut self, rng: &mut impl Rng, vocab: usize) -> Case {
@@ -93,10 +111,8 @@ impl Case {
     }
     pub fn shape(&self, capacity: usize) -> RouterShape {
         RouterShape {
-            tokens: self.tokens,
-            experts: self.experts,
-            dim: self.dim,
-            capacity,
+            slots: self.slots(),
+            ..RouterShape::identity(self.tokens, self.experts, self.dim, capacity)
         }
     }
 }
@@ -108,6 +124,7 @@ pub struct DevCase {
     pub bias: cudarc::driver::CudaSlice<f32>,
     pub ids: cudarc::driver::CudaSlice<i32>,
     pub table: cudarc::driver::CudaSlice<i32>,
+    pub slot_of: Option<cudarc::driver::CudaSlice<i32>>,
     pub vocab: usize,
     pub route_scale: f32,
 }
@@ -121,6 +138,7 @@ impl DevCase {
             bias: gpu.upload(&c.bias).unwrap(),
             ids: gpu.upload(&ids).unwrap(),
             table: gpu.upload(&table).unwrap(),
+            slot_of: c.slot_map.as_ref().map(|m| gpu.upload(&m.0).unwrap()),
             vocab,
             route_scale: c.route_scale,
         }
@@ -139,6 +157,7 @@ impl DevCase {
                 Selection::Biased { bias: &self.bias }
             },
             route_scale: self.route_scale,
+            slot_of: self.slot_of.as_ref().map(|b| b as &dyn DeviceBuf<i32>),
         }
     }
 }
@@ -281,8 +300,8 @@ pub struct Checked {
 /// Compare a GPU routing with the CPU model's: logits within their bound, the selection exact (hash: always;
 /// biased: except an order the bound allows, counted), weights within the bound of the selection the GPU made
 /// (the CPU's weights when the selections agree, the oracle's `route_weights` of the GPU's selection otherwise),
-/// and the whole grouping exactly equal to the layout of the GPU's selection (`RoutedBatch::from_choices`, with
-/// `capacity` at least every count: nothing dropped).
+/// and the whole grouping exactly equal to the layout of the GPU's selection (`cpu::grouping`, or
+/// `cpu::grouping_by_slot` with the case's slot map; `capacity` at least every count: nothing dropped).
 pub fn check(label: &str, c: &Case, g: &GpuRouting, want: &CpuRouting, capacity: usize) -> Checked {
     let (t_n, e_n) = (c.tokens, c.experts);
     let mut seen = Checked::default();
@@ -298,7 +317,7 @@ pub fn check(label: &str, c: &Case, g: &GpuRouting, want: &CpuRouting, capacity:
             seen.worst_logit_ratio = seen.worst_logit_ratio.max(d / b.max(f64::MIN_POSITIVE));
         }
     }
-    let mut choices = Vec::with_capacity(t_n * TOPK);
+    let mut choices = Vec::with_capacity(t_n);
     for t in 0..t_n {
         let r = &want.routings[t];
         let ge: Vec<i32> = g.experts[t * TOPK..(t + 1) * TOPK].to_vec();
@@ -352,9 +371,19 @@ pub fn check(label: &str, c: &Case, g: &GpuRouting, want: &CpuRouting, capacity:
                 "{label}: token {t}: weight {j} GPU {a} want {b} (rel tol {rel_tol:.2e})"
             );
         }
-        choices.extend(gsel);
+        choices.push(Routing {
+            experts: gsel,
+            weights: vec![],
+            scores: vec![],
+        });
     }
-    let rb = RoutedBatch::from_choices(t_n, e_n, TOPK, choices, Some(capacity)).unwrap();
+    let rb = match &c.slot_map {
+        None => cpu::grouping(&choices, e_n, capacity).unwrap(),
+        Some((table, slots)) => {
+            let slot_of: Vec<usize> = table.iter().map(|&s| s as usize).collect();
+            cpu::grouping_by_slot(&choices, &slot_of, *slots, capacity).unwrap()
+        }
+    };
     check_grouping(label, g, &rb);
     seen
 }

@@ -36,12 +36,12 @@ fn shape(s: &Sweep, tokens: u64) -> Result<RouterShape> {
             s.axis
         );
     }
-    let shape = RouterShape {
-        tokens: tokens as usize,
-        experts: s.param_u64("experts")? as usize,
-        dim: s.param_u64("d")? as usize,
-        capacity: tokens as usize,
-    };
+    let shape = RouterShape::identity(
+        tokens as usize,
+        s.param_u64("experts")? as usize,
+        s.param_u64("d")? as usize,
+        tokens as usize,
+    );
     shape.check()?;
     Ok(shape)
 }

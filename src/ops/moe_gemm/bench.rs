@@ -381,6 +381,7 @@ pub fn measure(
                     &a,
                     &token_rows,
                     p.topk,
+                    None,
                     &mut y,
                     finish,
                 )

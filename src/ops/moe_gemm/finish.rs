@@ -11,7 +11,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::{DeviceActivations, DeviceExpertWeights, DeviceGrouping, Workspace, FAMILY, THREADS};
-use crate::gpu::launch::{launch, KernelArgs, Launch, Stream};
+use crate::gpu::launch::{launch, DeviceBuf, KernelArgs, Launch, Stream};
 use crate::gpu::Gpu;
 
 /// Block of the per-row L1 finish (`__launch_bounds__(512)`): 4 columns per thread, so I = 2048 is one pass.
@@ -449,8 +449,12 @@ fn check_finish_l1(
     Ok(())
 }
 
-/// L2 epilogue: `out[t, n] = bf16(sum_j acc(rows[t, j], n) * gsa * gsb)` in routing order (deterministic).
-/// `token_rows` is `[tokens, topk]`, -1 where a token has fewer routed rows; topk <= [`FINISH_MAX_TOPK`]. The
+/// L2 epilogue: `out[t, n] = bf16(sum_j acc(rows[t, j], n) * gsa * gsb [+ addend[t, n]])` in routing order
+/// (deterministic): the routed terms summed in f32 (`y = fma(acc_j, fl(gsa * gsb), y)` from +0.0 over the valid j),
+/// then, with an addend (BF16 `[tokens, N]`, 4-byte aligned; the shared expert's output),
+/// `y = fl(y + f32(addend[t, n]))` once, then the one BF16 rounding (the CPU model's `Model::moe`: routed sum, then
+/// the shared expert, then BF16). Without an addend nothing is added (the routed-only bits). `token_rows` is
+/// `[tokens, topk]`, -1 where a token has fewer routed rows; topk <= [`FINISH_MAX_TOPK`]. The
 /// combine kernel is [`FinishL2Kernel::for_tokens`]: RowWarps up to [`L2_ROWWARPS_MAX_TOKENS`] tokens, Cols2 above,
 /// Cols2Tok from [`L2_COLS2TOK_MIN_TOKENS`]; all give the same bits.
 #[allow(clippy::too_many_arguments)]
@@ -463,6 +467,7 @@ pub fn launch_finish_l2(
     a: &DeviceActivations,
     token_rows: &CudaSlice<i32>,
     topk: usize,
+    addend: Option<&dyn DeviceBuf<bf16>>,
     out: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     launch_finish_l2_with(
@@ -474,6 +479,7 @@ pub fn launch_finish_l2(
         a,
         token_rows,
         topk,
+        addend,
         out,
         FinishL2Kernel::for_tokens(token_rows.len() / topk.max(1)),
     )
@@ -551,6 +557,7 @@ pub fn launch_finish_l2_with(
     a: &DeviceActivations,
     token_rows: &CudaSlice<i32>,
     topk: usize,
+    addend: Option<&dyn DeviceBuf<bf16>>,
     out: &mut CudaSlice<bf16>,
     kernel: FinishL2Kernel,
 ) -> Result<()> {
@@ -568,6 +575,20 @@ pub fn launch_finish_l2_with(
         out.len(),
         w2.n
     );
+    if let Some(add) = addend {
+        ensure!(
+            add.elems() >= tokens * w2.n,
+            "moe_gemm L2: addend has {} elements, needs {tokens} x {}",
+            add.elems(),
+            w2.n
+        );
+        // Cols2 / Cols2Tok read it as bf16x2 at even columns of even-N rows.
+        ensure!(
+            add.device_addr().is_multiple_of(4),
+            "moe_gemm L2: addend address {:#x} is not 4-byte aligned",
+            add.device_addr()
+        );
+    }
     if tokens == 0 {
         return Ok(());
     }
@@ -605,11 +626,14 @@ pub fn launch_finish_l2_with(
         .i32(grp.rows_total as i32)
         .i32(w2.n as i32);
     a.push_gsa(&mut args);
-    args.buf(&w2.global)
-        .buf(token_rows)
-        .i32(topk as i32)
-        .buf(out);
-    // SAFETY: arguments in the kernel's order; the partials, token_rows and output were checked against the shape.
+    args.buf(&w2.global).buf(token_rows).i32(topk as i32);
+    match addend {
+        Some(add) => args.u64(add.device_addr()),
+        None => args.null(),
+    };
+    args.buf(out);
+    // SAFETY: arguments in the kernel's order; the partials, token_rows, addend and output were checked against the
+    // shape (the addend's alignment too).
     unsafe { launch(stream, &kern, Launch::new(grid, (block, 1, 1)), &mut args) }
 }
 

@@ -498,3 +498,49 @@ pub fn dequant_word_like_kernel_f16(word: u32, scale_code: u8) -> [f32; 8] {
     }
     out
 }
+
+/// The L2 combine as the kernels compute it, in f32 and in their order (kernels/moe_gemm.cu, "L2 epilogue"), so a
+/// kernel's output must equal it bit for bit: for each valid slot j of token t in routing order (`token_rows[t, j]
+/// >= 0` and owned by an expert e) `acc = +0.0 + partial[0, r, n] + partial[1, r, n] + ...` (split order),
+/// `y = fma(acc, fl(gsa[r] * gsb[e, n]), y)` from `y = +0.0` (`gsa` 1 when `None`: BF16 activations); then with an
+/// `addend` (BF16 `[tokens, n]`, the shared expert's output) `y = fl(y + addend[t, n])`; `out = bf16(y)` (RNE).
+/// `partial` is `[splits, rows, n]` with `rows = g.rows_total()`, `gsb` `[experts, n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn combine_l2_like_kernel(
+    partial: &[f32],
+    splits: usize,
+    n: usize,
+    gsa: Option<&[f32]>,
+    gsb: &[f32],
+    token_rows: &[i32],
+    topk: usize,
+    g: &Grouping,
+    addend: Option<&[bf16]>,
+) -> Vec<bf16> {
+    let rows = g.rows_total();
+    let tokens = token_rows.len() / topk;
+    let mut out = Vec::with_capacity(tokens * n);
+    for t in 0..tokens {
+        // The valid slots (row, expert) in routing order.
+        let valid: Vec<(usize, usize)> = token_rows[t * topk..(t + 1) * topk]
+            .iter()
+            .filter_map(|&r| {
+                let r = usize::try_from(r).ok()?;
+                Some((r, g.expert_of_row(r)?))
+            })
+            .collect();
+        for c in 0..n {
+            let mut y = 0f32;
+            for &(r, e) in &valid {
+                let acc = (0..splits).fold(0f32, |s, sp| s + partial[(sp * rows + r) * n + c]);
+                let sa = gsa.map_or(1.0, |v| v[r]);
+                y = acc.mul_add(sa * gsb[e * n + c], y);
+            }
+            if let Some(a) = addend {
+                y += a[t * n + c].to_f32();
+            }
+            out.push(bf16::from_f32(y));
+        }
+    }
+    out
+}

@@ -53,12 +53,7 @@ pub fn route_tokens(
     dim: usize,
     seed: u64,
 ) -> Result<Measured> {
-    let shape = RouterShape {
-        tokens,
-        experts,
-        dim,
-        capacity: tokens,
-    };
+    let shape = RouterShape::identity(tokens, experts, dim, tokens);
     shape.check()?;
     let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
     let x = gpu.upload(&to_bf16(inputs::activation_rows(tokens, dim, seed)))?;
@@ -74,6 +69,7 @@ pub fn route_tokens(
         gate: &gate,
         selection: Selection::Biased { bias: &bias },
         route_scale: 1.5,
+        slot_of: None,
     };
     let mut arena = Arena::new(gpu, workspace_bytes(&shape))?;
     let ws = RouterWorkspace::carve(&mut arena, &shape)?;

@@ -9,15 +9,20 @@
 //!   of `s_e + bias_e`, descending, the lower expert index first on equal values (the CPU model's
 //!   `top_k_lower_index_wins`). `weights[j] = s_{e_j} / (s_{e_0} + ... + s_{e_5}) * route_scale` (the sum in
 //!   selection order). The CPU oracle is `model::reference::route_from_logits` ([`reference`]).
-//! * Grouping (masked layout of [`moe_gemm`](crate::ops::moe_gemm)): `counts[e]` rows of expert e, its slots
-//!   `e * capacity + r` in token order; `row_token[slot]` / `row_weight[slot]` (token -1 and weight 0 for an
-//!   empty slot; `row_weight` is the L1 finish's `routing`), `token_rows[t, j]` (the L2 combine's table) the slot
-//!   of pair (t, j). A pair whose rank in its expert reaches `capacity` gets no row (`token_rows` -1, not in
-//!   `counts`) and is counted in `dropped`; a capacity of at least T never drops a biased-selection pair.
+//! * Grouping (masked layout of [`moe_gemm`](crate::ops::moe_gemm)) by physical slot: logical expert e (the
+//!   selection above, reported in `topk_experts`) goes to slot `slot_of[e]`, the identity when no map is given
+//!   (then `slots == E`). `counts[s]` rows of slot s, its rows `s * capacity + r` in pair order (token t, then
+//!   selection position j); `row_token[row]` / `row_weight[row]` (token -1 and weight 0 for an empty row;
+//!   `row_weight` is the L1 finish's `routing`), `token_rows[t, j]` (the L2 combine's table) the row of pair
+//!   (t, j). Two picks of one token on one slot are two rows of that slot (moe_gemm computes both). A pair whose
+//!   rank in its slot reaches `capacity` gets no row (`token_rows` -1, not in `counts`) and is counted in
+//!   `dropped`; so is a pair whose `slot_of` value lies outside `0..slots` (the table's values are read on the
+//!   device and trusted otherwise). Without a map, a capacity of at least T never drops a biased-selection pair
+//!   (with one, `6 T` never does).
 //!
-//! Graph-safe: both grids come from T and E, every output element is written on every call, nothing on the
-//! host reads a result, and the one scratch buffer (the logits) is carved by the caller from an
-//! [`Arena`](crate::gpu::arena::Arena).
+//! Graph-safe: both grids come from T and E (the select kernel's shared memory from T and slots), every output
+//! element is written on every call, nothing on the host reads a result, and the one scratch buffer (the logits)
+//! is carved by the caller from an [`Arena`](crate::gpu::arena::Arena).
 //!
 //! Rooms: `reference.rs` (glue to the CPU model), `bench.rs` (measurement hooks).
 
@@ -55,18 +60,32 @@ pub struct RouterShape {
     pub tokens: usize,
     pub experts: usize,
     pub dim: usize,
-    /// Slots per expert of the masked grouping.
+    /// Rows per physical slot of the masked grouping.
     pub capacity: usize,
+    /// Physical expert slots of the grouping (`counts` has `slots` entries): `experts` without a slot map.
+    pub slots: usize,
 }
 
 impl RouterShape {
-    /// `1 <= T <= MAX_TOKENS`, `TOPK <= E <= MAX_EXPERTS`, `D % 256 == 0`, `capacity >= 1`, `E * capacity` an i32.
+    /// The shape without a slot map (`slots == experts`).
+    pub fn identity(tokens: usize, experts: usize, dim: usize, capacity: usize) -> RouterShape {
+        RouterShape {
+            tokens,
+            experts,
+            dim,
+            capacity,
+            slots: experts,
+        }
+    }
+    /// `1 <= T <= MAX_TOKENS`, `TOPK <= E <= MAX_EXPERTS`, `D % 256 == 0`, `capacity >= 1`,
+    /// `1 <= slots <= MAX_EXPERTS`, `slots * capacity` an i32.
     pub fn check(&self) -> Result<()> {
         let RouterShape {
             tokens,
             experts,
             dim,
             capacity,
+            slots,
         } = *self;
         ensure!(
             (1..=MAX_TOKENS).contains(&tokens),
@@ -82,18 +101,23 @@ impl RouterShape {
         );
         ensure!(capacity >= 1, "router: capacity must be >= 1");
         ensure!(
-            experts * capacity <= i32::MAX as usize,
-            "router: {experts} x {capacity} slots exceed the kernels' int index"
+            (1..=MAX_EXPERTS).contains(&slots),
+            "router: {slots} slots (1..={MAX_EXPERTS})"
+        );
+        ensure!(
+            slots * capacity <= i32::MAX as usize,
+            "router: {slots} slots x {capacity} rows exceed the kernels' int index"
         );
         Ok(())
     }
-    /// Slots of the masked grouping: `E * capacity`.
+    /// Rows of the masked grouping: `slots * capacity`.
     pub fn rows_total(&self) -> usize {
-        self.experts * self.capacity
+        self.slots * self.capacity
     }
-    /// Dynamic shared memory of the select kernel: one 32-bit token mask word per (expert, 32 tokens).
+    /// Dynamic shared memory of the select kernel: one 32-bit word per (slot, 32 tokens) (a token mask, or with a
+    /// slot map a pair counter).
     fn select_smem(&self) -> usize {
-        self.experts * self.tokens.div_ceil(32) * 4
+        self.slots * self.tokens.div_ceil(32) * 4
     }
 }
 
@@ -127,6 +151,10 @@ pub struct RouterInputs<'a> {
     pub selection: Selection<'a>,
     /// `routed_scaling_factor` (1.5 Flash, 2.5 Pro).
     pub route_scale: f32,
+    /// Physical slot of each logical expert, i32 `[E]` (`engine::plan::ExpertMap::table`), values meant to lie in
+    /// `0..shape.slots` (one outside routes its pairs nowhere, counted in `dropped`). `None`: slot = expert, and
+    /// `shape.slots` must equal E.
+    pub slot_of: Option<&'a dyn DeviceBuf<i32>>,
 }
 
 /// The caller-owned scratch of a routing call: the logits `[T, E]` f32 (written by the first launch, read by the
@@ -162,17 +190,17 @@ impl RouterWorkspace {
 /// [`DeviceGrouping`](crate::ops::moe_gemm::DeviceGrouping), whose `group` is the `counts` here).
 pub struct RouterOutputs {
     pub shape: RouterShape,
-    /// Chosen experts `[T, 6]` in selection order (-1: a hash pair routed nowhere).
+    /// Chosen logical experts `[T, 6]` in selection order (-1: a hash pair routed nowhere).
     pub topk_experts: CudaSlice<i32>,
     /// Their weights `[T, 6]` (0 where the expert is -1).
     pub topk_weights: CudaSlice<f32>,
-    /// Slot of pair (t, j) `[T, 6]`, -1 when it got none (exactly T x 6 long: `moe_gemm`'s L2 combine table).
+    /// Row of pair (t, j) `[T, 6]`, -1 when it got none (exactly T x 6 long: `moe_gemm`'s L2 combine table).
     pub token_rows: CudaSlice<i32>,
-    /// Rows per expert `[E]` (the masked grouping's counts).
+    /// Rows per physical slot `[slots]` (the masked grouping's counts).
     pub counts: CudaSlice<i32>,
-    /// Token of each slot `[E * capacity]`, -1 for an empty slot (the activation gather's table).
+    /// Token of each row `[slots * capacity]`, -1 for an empty row (the activation gather's table).
     pub row_token: CudaSlice<i32>,
-    /// Routing weight of each slot `[E * capacity]`, 0 for an empty slot (the L1 finish's `routing`).
+    /// Routing weight of each row `[slots * capacity]`, 0 for an empty row (the L1 finish's `routing`).
     pub row_weight: CudaSlice<f32>,
     /// Pairs that got no slot `[1]`.
     pub dropped: CudaSlice<i32>,
@@ -188,7 +216,7 @@ impl RouterOutputs {
             topk_experts: gpu.poisoned(pairs, poison)?,
             topk_weights: gpu.poisoned(pairs, poison)?,
             token_rows: gpu.poisoned(pairs, poison)?,
-            counts: gpu.poisoned(shape.experts, poison)?,
+            counts: gpu.poisoned(shape.slots, poison)?,
             row_token: gpu.poisoned(shape.rows_total(), poison)?,
             row_weight: gpu.poisoned(shape.rows_total(), poison)?,
             dropped: gpu.poisoned(1, poison)?,
@@ -231,6 +259,20 @@ fn check_route(inputs: &RouterInputs, ws: &RouterWorkspace, out: &RouterOutputs)
             check_len(*tid2eid, vocab * TOPK, "tid2eid [vocab, 6]")?;
         }
     }
+    match inputs.slot_of {
+        None => ensure!(
+            s.slots == s.experts,
+            "router: without a slot map slots ({}) must equal the experts ({})",
+            s.slots,
+            s.experts
+        ),
+        Some(t) => ensure!(
+            t.elems() == s.experts,
+            "router: slot_of has {} elements, must be exactly E = {}",
+            t.elems(),
+            s.experts
+        ),
+    }
     ensure!(
         ws.tokens == s.tokens && ws.experts == s.experts,
         "router: workspace is for {} tokens x {} experts, the call is {} x {}",
@@ -248,7 +290,7 @@ fn check_route(inputs: &RouterInputs, ws: &RouterWorkspace, out: &RouterOutputs)
     );
     check_len(&out.topk_experts, pairs, "topk_experts")?;
     check_len(&out.topk_weights, pairs, "topk_weights")?;
-    check_len(&out.counts, s.experts, "counts")?;
+    check_len(&out.counts, s.slots, "counts")?;
     check_len(&out.row_token, s.rows_total(), "row_token")?;
     check_len(&out.row_weight, s.rows_total(), "row_weight")?;
     check_len(&out.dropped, 1, "dropped")?;
@@ -256,7 +298,8 @@ fn check_route(inputs: &RouterInputs, ws: &RouterWorkspace, out: &RouterOutputs)
 }
 
 /// Route `out.shape.tokens` tokens on `stream`: the logits launch (grid E x ceil(T / 8)) into `ws`, then the
-/// one-CTA select-and-group launch into `out`. Every check runs before the first launch.
+/// one-CTA select-and-group launch into `out` (`router_select_group`, or `router_select_group_slots` with
+/// `inputs.slot_of`). Every check runs before the first launch.
 pub fn route(
     gpu: &Gpu,
     stream: &Stream,
@@ -268,7 +311,12 @@ pub fn route(
     let s = out.shape;
     let smem = s.select_smem();
     let k_logits = gpu.kernel(FAMILY, "router_logits")?;
-    let k_select = gpu.kernel_with_smem(FAMILY, "router_select_group", smem)?;
+    let select_name = if inputs.slot_of.is_some() {
+        "router_select_group_slots"
+    } else {
+        "router_select_group"
+    };
+    let k_select = gpu.kernel_with_smem(FAMILY, select_name, smem)?;
 
     let mut args = KernelArgs::new();
     args.buf(inputs.x)
@@ -308,6 +356,9 @@ pub fn route(
                 .i32(1);
         }
     }
+    if let Some(t) = inputs.slot_of {
+        args.u64(t.device_addr()).i32(s.slots as i32);
+    }
     args.i32(s.tokens as i32)
         .i32(s.experts as i32)
         .i32(s.capacity as i32)
@@ -319,9 +370,9 @@ pub fn route(
         .buf(&out.row_token)
         .buf(&out.row_weight)
         .buf(&out.dropped);
-    // SAFETY: arguments in the kernel's order (logits, bias, token_ids, tid2eid, vocab, hash, tokens, experts,
-    // capacity, route_scale, outputs...); every buffer was checked against the shape; the dynamic shared memory
-    // holds the E x ceil(T / 32) masks and the kernel was resolved for it.
+    // SAFETY: arguments in the kernel's order (logits, bias, token_ids, tid2eid, vocab, hash, [slot_of, slots,]
+    // tokens, experts, capacity, route_scale, outputs...); every buffer was checked against the shape (slot_of: E
+    // entries); the dynamic shared memory holds the slots x ceil(T / 32) words and the kernel was resolved for it.
     unsafe {
         launch(
             stream,
@@ -338,12 +389,7 @@ mod tests {
 
     #[test]
     fn select_masks_fit_the_shared_memory_the_launcher_allows() {
-        let s = RouterShape {
-            tokens: MAX_TOKENS,
-            experts: MAX_EXPERTS,
-            dim: 256,
-            capacity: 1,
-        };
+        let s = RouterShape::identity(MAX_TOKENS, MAX_EXPERTS, 256, 1);
         assert_eq!(s.select_smem(), 128 * 1024);
     }
 

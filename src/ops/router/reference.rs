@@ -43,3 +43,20 @@ pub fn grouping(routings: &[Routing], experts: usize, capacity: usize) -> Result
     let choices: Vec<usize> = routings.iter().flat_map(|r| r.experts.clone()).collect();
     RoutedBatch::from_choices(routings.len(), experts, TOPK, choices, Some(capacity))
 }
+
+/// The masked grouping by physical slot (the layout `router_select_group_slots` writes): pair (t, j) of logical
+/// expert `e` goes to slot `slot_of[e]`, one row per pair in pair order (two picks of one token on one slot are two
+/// rows). `slot_of` has one entry per logical expert, each below `slots`; `slots >= TOPK` (the layout builder's
+/// rule); an error when a slot gets more than `capacity` rows.
+pub fn grouping_by_slot(
+    routings: &[Routing],
+    slot_of: &[usize],
+    slots: usize,
+    capacity: usize,
+) -> Result<RoutedBatch> {
+    let choices: Vec<usize> = routings
+        .iter()
+        .flat_map(|r| r.experts.iter().map(|&e| slot_of[e]))
+        .collect();
+    RoutedBatch::from_choices(routings.len(), slots, TOPK, choices, Some(capacity))
+}
