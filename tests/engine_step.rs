@@ -8,11 +8,19 @@ use megamoe::engine::cache::LayerCacheLayout;
 use megamoe::engine::plan::{LayerCachePlan, PlanRequest};
 use megamoe::engine::step::{self, DecodeState, StepShape, STREAMS};
 use megamoe::engine::{DeviceWeights, MemoryPlan, WeightSource};
+use megamoe::gpu::timing::capture_on;
+use megamoe::gpu::Gpu;
+use megamoe::model::numerics::cosine;
 use megamoe::model::weights::element_bits;
 use megamoe::model::{CachePolicy, LayerKind, Model, ModelConfig, Weights};
+use megamoe::ops::dense;
 use megamoe::ops::inputs::fresh_seed;
+use megamoe::ops::mhc::MhcWorkspace;
 use megamoe::ops::sampler::{SamplerState, SamplerWorkspace};
 use std::collections::HashSet;
+
+/// SMs of an H100 SXM (the dense split plan depends on the count).
+const H100_SMS: usize = 132;
 
 /// The small structure with a 16-token window and HCA m = 16, so ring wrap and compressed emissions of both
 /// kinds happen within 40 tokens.
@@ -152,9 +160,13 @@ fn step_workspace_holds_its_parts() {
             let s = shape.sampler(&cfg);
             let parts = SamplerState::layout(&s).bytes()
                 + SamplerWorkspace::layout(&s).bytes()
+                + MhcWorkspace::workspace_bytes(batch, cfg.dim)
+                + dense::workspace_layout(&[step::lm_head_shape(&cfg, &shape)], H100_SMS)
+                    .unwrap()
+                    .bytes()
                 + 4
                 + 4 * batch * cfg.vocab_size;
-            let bytes = step::workspace_bytes(&cfg, &shape);
+            let bytes = step::workspace_bytes(&cfg, &shape, H100_SMS).unwrap();
             assert!(bytes >= parts, "{bytes} < {parts}");
             assert_eq!(shape.residual_elems(&cfg), batch * STREAMS * cfg.dim);
         }
@@ -168,20 +180,32 @@ fn step_workspace_holds_its_parts() {
     .is_err());
 }
 
+/// The small geometry's device weights and CPU model on one seed, with a decode state of `batch` x `context`.
+fn small_rig(
+    gpu: &Gpu,
+    label: &str,
+    batch: usize,
+    context: usize,
+) -> (u64, DeviceWeights, Model, DecodeState) {
+    let cfg = ModelConfig::small();
+    let seed = fresh_seed(label, "MEGAMOE_SEED");
+    let req = PlanRequest::new(batch, context, 16, 8 << 30);
+    let plan = MemoryPlan::new(&cfg, &req).unwrap();
+    let w = DeviceWeights::load(gpu, &plan, &WeightSource::Synthetic { seed }).unwrap();
+    let m = Model::new(Weights::synthetic(cfg, seed, CachePolicy::All).unwrap()).unwrap();
+    let state = DecodeState::new(gpu, &w, StepShape { batch, context }).unwrap();
+    (seed, w, m, state)
+}
+
 /// The device state of the small geometry: positions beyond the caches are refused before any copy, and the
 /// embedding writes `Model::embed` of each sequence's token into all four streams, bit for bit (a row gather).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn embedding_matches_the_cpu_model() {
     let gpu = gpu("engine_step_embed");
-    let cfg = ModelConfig::small();
-    let seed = fresh_seed("engine_step_embed", "MEGAMOE_SEED");
     let (batch, context) = (3, 256);
-    let req = PlanRequest::new(batch, context, 16, 8 << 30);
-    let plan = MemoryPlan::new(&cfg, &req).unwrap();
-    let w = DeviceWeights::load(&gpu, &plan, &WeightSource::Synthetic { seed }).unwrap();
-    let m = Model::new(Weights::synthetic(cfg.clone(), seed, CachePolicy::All).unwrap()).unwrap();
-    let state = DecodeState::new(&gpu, &w, StepShape { batch, context }).unwrap();
+    let (seed, w, m, state) = small_rig(&gpu, "engine_step_embed", batch, context);
+    let cfg = ModelConfig::small();
     let s = &gpu.stream;
     assert!(state.set_positions(s, &[0, context as i32, 1]).is_err());
     state.set_positions(s, &[0, 5, -1]).unwrap();
@@ -200,5 +224,84 @@ fn embedding_matches_the_cpu_model() {
         for (i, (&g, &c)) in row.iter().zip(&e).enumerate() {
             assert_eq!(g.to_bits(), c.to_bits(), "seq {b} value {i}");
         }
+    }
+}
+
+/// Residuals `[B, 4, D]` the CPU model produced: sequence b's `residual_out` of the last layer after `b + 2`
+/// decode steps of its own tokens (real mHC streams, not random values).
+fn cpu_residuals(m: &Model, seed: u64, batch: usize) -> Vec<f32> {
+    let vocab = m.config().vocab_size;
+    (0..batch)
+        .flat_map(|b| {
+            let mut st = m.new_state();
+            let toks = tokens(seed ^ (b as u64 + 1), b + 2, vocab);
+            let out = toks
+                .iter()
+                .map(|&t| m.decode_step(&mut st, t).unwrap())
+                .last()
+                .unwrap();
+            out.layers.last().unwrap().residual_out.clone()
+        })
+        .collect()
+}
+
+/// Cosine of each sequence's GPU logits against `Model::head` of the same residual (BF16 values, as the state
+/// stores them). 0.999: the final norm sums in f32 trees where the CPU uses f64, so `u` may differ by 1 BF16 ulp
+/// in a few channels; the LM head sums 512 products in f32.
+fn assert_head_matches(m: &Model, x: &[f32], logits: &[f32], batch: usize, what: &str) {
+    let cfg = m.config();
+    let row = STREAMS * cfg.dim;
+    for b in 0..batch {
+        let xb: Vec<f32> = x[b * row..][..row]
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let want = m.head(&xb).unwrap();
+        let got = &logits[b * cfg.vocab_size..][..cfg.vocab_size];
+        let c = cosine(got, &want);
+        assert!(c >= 0.999, "{what}: sequence {b}: logits cosine {c}");
+    }
+}
+
+/// The head (hc_head + final norm, LM head) on residuals from the CPU model's trace.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn head_matches_the_cpu_model() {
+    let gpu = gpu("engine_step_head");
+    let batch = 3;
+    let (seed, w, m, mut state) = small_rig(&gpu, "engine_step_head", batch, 256);
+    let x = cpu_residuals(&m, seed, batch);
+    let s = gpu.stream.clone();
+    state.load_residual(&s, &x).unwrap();
+    state.head(&gpu, &s, &w).unwrap();
+    let logits = state.read_logits(&s).unwrap();
+    assert_head_matches(&m, &x, &logits, batch, "head");
+}
+
+/// The composable part of a step (embedding, then the head) captured once in a CUDA graph and replayed with new
+/// token ids written between replays: each replay's logits are those of `Model::head(Model::embed(token))`.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn embed_and_head_replay_in_a_graph() {
+    let gpu = gpu("engine_step_graph");
+    let batch = 2;
+    let (seed, w, m, mut state) = small_rig(&gpu, "engine_step_graph", batch, 256);
+    let stream = gpu.new_stream().unwrap();
+    let vocab = m.config().vocab_size;
+    state.set_tokens(&stream, &[0, 1]).unwrap();
+    let graph = capture_on(&stream, || {
+        state.embed(&gpu, &stream, &w)?;
+        state.head(&gpu, &stream, &w)
+    })
+    .unwrap();
+    for rep in 0..4u64 {
+        let ids = tokens(seed ^ (rep + 7), batch, vocab);
+        state.set_tokens(&stream, &ids).unwrap();
+        graph.launch().unwrap();
+        stream.synchronize().unwrap();
+        let logits = state.read_logits(&stream).unwrap();
+        let x: Vec<f32> = ids.iter().flat_map(|&t| m.embed(t).unwrap()).collect();
+        assert_head_matches(&m, &x, &logits, batch, &format!("replay {rep}"));
+        assert_eq!(state.read_error(&stream).unwrap(), 0);
     }
 }

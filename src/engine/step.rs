@@ -5,18 +5,23 @@
 //! pool ([`KvPool`]), the sampler's state, and one [`Arena`] carved once for the step's workspaces. Every launch
 //! reads its counts and positions from the device, so a step can be captured into a CUDA graph and replayed.
 //!
-//! What runs today: the state, the embedding (step 0 of the table), and the parity I/O hooks (load a residual
-//! from the CPU model's trace, read one back). [`DecodeState::decode_layer`] is not composed yet: it fails with
-//! the list of what it still needs, and so does [`DecodeState::decode_step`] past the embedding.
+//! What runs today: the state, the embedding (step 0 of the table), the head (final norm, LM head, sampler:
+//! steps 17-19), and the parity I/O hooks (load a residual from the CPU model's trace, read the residual and the
+//! logits back). [`DecodeState::decode_layer`] (steps 1-16) is not composed yet: it fails with what it still
+//! needs, so [`DecodeState::decode_step`] fails at the first layer.
 
 use crate::engine::cache::KvPool;
 use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
 use crate::gpu::{DevBuf, Gpu, Stream};
+use crate::model::weights::StoredDtype;
 use crate::model::ModelConfig;
+use crate::ops::dense::{self, Bf16Job, DenseKind, DenseShape, DenseWorkspace};
 use crate::ops::head::{self, EmbedShape};
-use crate::ops::sampler::{SamplerShape, SamplerState, SamplerWorkspace};
+use crate::ops::mhc::{MhcPreOutputs, MhcWeights, MhcWorkspace};
+use crate::ops::norm_quant::{OutFormat, QuantView};
+use crate::ops::sampler::{self, SamplerShape, SamplerState, SamplerWorkspace};
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -62,27 +67,52 @@ impl StepShape {
     }
 }
 
-/// The step's arena: every workspace and per-step buffer, carved in this order by [`StepWorkspace::carve`].
-pub fn step_layout(cfg: &ModelConfig, shape: &StepShape) -> WorkspaceLayout {
+/// The LM head's linear: `[B, D] x head.weight [vocab, D]^T -> f32 [B, vocab]`.
+pub fn lm_head_shape(cfg: &ModelConfig, shape: &StepShape) -> DenseShape {
+    DenseShape {
+        kind: DenseKind::Bf16,
+        rows: shape.batch,
+        n: cfg.vocab_size,
+        k: cfg.dim,
+        jobs: 1,
+    }
+}
+
+/// The step's arena: every workspace and per-step buffer, carved in this order by [`StepWorkspace::carve`]
+/// (`sm_count`: the dense linears' split plan depends on it).
+pub fn step_layout(
+    cfg: &ModelConfig,
+    shape: &StepShape,
+    sm_count: usize,
+) -> Result<WorkspaceLayout> {
     let s = shape.sampler(cfg);
     let mut l = WorkspaceLayout::new();
-    for part in [SamplerState::layout(&s), SamplerWorkspace::layout(&s)] {
+    for part in [
+        SamplerState::layout(&s),
+        SamplerWorkspace::layout(&s),
+        MhcWorkspace::layout(shape.batch, cfg.dim),
+        dense::workspace_layout(&[lm_head_shape(cfg, shape)], sm_count)?,
+    ] {
         l.add_bytes(part.bytes());
     }
     // The step's error word (embedding ids out of range) and the logits f32 [B, vocab].
     l.add::<u32>(1).add::<f32>(shape.batch * cfg.vocab_size);
-    l
+    Ok(l)
 }
 
 /// Bytes of the step's arena.
-pub fn workspace_bytes(cfg: &ModelConfig, shape: &StepShape) -> usize {
-    step_layout(cfg, shape).bytes()
+pub fn workspace_bytes(cfg: &ModelConfig, shape: &StepShape, sm_count: usize) -> Result<usize> {
+    Ok(step_layout(cfg, shape, sm_count)?.bytes())
 }
 
 /// The buffers carved from the step's arena.
 pub struct StepWorkspace {
     pub sampler: SamplerState,
     pub sampler_ws: SamplerWorkspace,
+    /// The final norm's (`hc_head`) split-K partials.
+    pub head_mhc: MhcWorkspace,
+    /// The LM head's split-K partials and tile counters.
+    pub lm_head: DenseWorkspace,
     /// u32 `[1]`: set by the embedding when an id is outside the vocabulary.
     pub error: DevBuf<u32>,
     /// f32 `[B, vocab]`: the LM head's output, the sampler's input.
@@ -90,11 +120,19 @@ pub struct StepWorkspace {
 }
 
 impl StepWorkspace {
-    pub fn carve(arena: &mut Arena, cfg: &ModelConfig, shape: &StepShape) -> Result<StepWorkspace> {
+    pub fn carve(
+        arena: &mut Arena,
+        stream: &Stream,
+        cfg: &ModelConfig,
+        shape: &StepShape,
+        sm_count: usize,
+    ) -> Result<StepWorkspace> {
         let s = shape.sampler(cfg);
         Ok(StepWorkspace {
             sampler: SamplerState::carve(arena, &s)?,
             sampler_ws: SamplerWorkspace::carve(arena, &s)?,
+            head_mhc: MhcWorkspace::carve(arena, shape.batch, cfg.dim)?,
+            lm_head: DenseWorkspace::carve(arena, stream, &[lm_head_shape(cfg, shape)], sm_count)?,
             error: arena.carve(1, "step error word")?,
             logits: arena.carve(shape.batch * cfg.vocab_size, "logits")?,
         })
@@ -112,6 +150,30 @@ pub struct DecodeState {
     pub caches: KvPool,
     pub arena: Arena,
     pub ws: StepWorkspace,
+    /// The final norm's weights (`hc_head_fn`, `hc_head_scale`, `hc_head_base`, `norm.weight`) and outputs.
+    pub head_weights: MhcWeights,
+    pub head_out: MhcPreOutputs,
+}
+
+/// A dense tensor as f32 on the host (F32 or BF16 storage), read back from the device pool.
+fn host_vector(stream: &Stream, weights: &DeviceWeights, name: &str) -> Result<Vec<f32>> {
+    let Some(t) = weights.plan.dense_tensor(name) else {
+        bail!("the model has no tensor {name}")
+    };
+    let n = t.spec.numel();
+    let raw = weights.bytes(name)?;
+    let bytes = arena::download(stream, &raw)?;
+    Ok(match t.spec.dtype {
+        StoredDtype::F32 => bytes[..4 * n]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        StoredDtype::BF16 => bytes[..2 * n]
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        d => bail!("{name} is stored as {d:?}, expected F32 or BF16"),
+    })
 }
 
 impl DecodeState {
@@ -125,16 +187,44 @@ impl DecodeState {
             .collect();
         let keys: IndexKeyFormat = weights.plan.request.index_keys;
         let caches = KvPool::new(gpu, &cfg, &plans, shape.batch, keys)?;
-        let mut arena = Arena::new(gpu, workspace_bytes(&cfg, &shape))?;
-        let ws = StepWorkspace::carve(&mut arena, &cfg, &shape)?;
+        let sm_count = gpu.info.sm_count as usize;
+        let mut arena = Arena::new(gpu, workspace_bytes(&cfg, &shape, sm_count)?)?;
+        let ws = StepWorkspace::carve(&mut arena, &gpu.stream, &cfg, &shape, sm_count)?;
+        // The mHC launchers take owned weights, so the head's small tensors are read back from the pool and
+        // uploaded once (views into the pool once `MhcWeights` takes `DevBuf`s).
+        let s = &gpu.stream;
+        let base = host_vector(s, weights, "hc_head_base")?;
+        let base: [f32; STREAMS] = base.as_slice().try_into().map_err(|_| {
+            anyhow::anyhow!("hc_head_base has {} values, expected {STREAMS}", base.len())
+        })?;
+        let scale = host_vector(s, weights, "hc_head_scale")?;
+        ensure!(
+            scale.len() == 1,
+            "hc_head_scale has {} values, expected 1",
+            scale.len()
+        );
+        let head_weights = MhcWeights::upload_head(
+            gpu,
+            &host_vector(s, weights, "hc_head_fn")?,
+            scale[0],
+            &base,
+            &host_vector(s, weights, "norm.weight")?,
+            cfg.dim,
+        )?;
+        let head_out = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Bf16, shape.batch, cfg.dim)?;
+        let positions = gpu.upload(&vec![-1i32; shape.batch])?;
+        // The set-up above ran on the GPU's stream; a step may run on another.
+        gpu.synchronize()?;
         ws.sampler.clear(&gpu.stream)?;
         arena::fill(&gpu.stream, &ws.error, 0)?;
         Ok(DecodeState {
             x: gpu.zeros(shape.residual_elems(&cfg))?,
-            positions: gpu.upload(&vec![-1i32; shape.batch])?,
+            positions,
             caches,
             arena,
             ws,
+            head_weights,
+            head_out,
             shape,
             config: cfg,
         })
@@ -214,14 +304,70 @@ impl DecodeState {
         )
     }
 
+    /// Steps 17-18: `hc_head` + final norm of `x` -> `u` BF16 `[B, D]`, then the LM head `logits = head.weight u`
+    /// into `ws.logits` f32 `[B, vocab]`.
+    pub fn head(&mut self, gpu: &Gpu, stream: &Stream, weights: &DeviceWeights) -> Result<()> {
+        let cfg = &self.config;
+        head::final_norm(
+            gpu,
+            stream,
+            &self.x,
+            &self.head_weights,
+            cfg.norm_eps,
+            &self.ws.head_mhc,
+            &mut self.head_out,
+        )?;
+        let QuantView::Bf16 { y: u } = self.head_out.normed.view().q else {
+            bail!("the final norm's outputs must be BF16")
+        };
+        let lm = weights.typed::<bf16>("head.weight")?;
+        let job = Bf16Job {
+            w: &lm,
+            n: cfg.vocab_size,
+            y: &self.ws.logits,
+        };
+        dense::bf16_linear(
+            gpu,
+            stream,
+            &u,
+            self.shape.batch,
+            cfg.dim,
+            &[job],
+            &self.ws.lm_head,
+        )
+    }
+
+    /// Step 19: samples every running slot from `ws.logits`; the ids land in the sampler's `next`, which the
+    /// next step's embedding reads.
+    pub fn sample(&self, gpu: &Gpu, stream: &Stream) -> Result<()> {
+        sampler::sample_step(
+            gpu,
+            stream,
+            &self.ws.logits,
+            &self.ws.sampler,
+            &self.ws.sampler_ws,
+        )
+    }
+
     /// One decode step: embedding, every layer, final norm, LM head, sampling (steps 0-19). Fails at the first
     /// layer until [`DecodeState::decode_layer`] is composed.
-    pub fn decode_step(&self, gpu: &Gpu, stream: &Stream, weights: &DeviceWeights) -> Result<()> {
+    pub fn decode_step(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<()> {
         self.embed(gpu, stream, weights)?;
         for layer in 0..self.config.n_layers {
             self.decode_layer(gpu, stream, layer)?;
         }
-        bail!("decode_step: the head (final norm, LM head, sampler) is not composed yet")
+        self.head(gpu, stream, weights)?;
+        self.sample(gpu, stream)
+    }
+
+    /// The logits `[B, vocab]` (waits for `stream`).
+    pub fn read_logits(&self, stream: &Stream) -> Result<Vec<f32>> {
+        arena::download(stream, &self.ws.logits)
     }
 
     // ---- parity hooks: feed a layer the CPU model's inputs, read its outputs back ----
