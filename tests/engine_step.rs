@@ -148,6 +148,34 @@ fn candidates_follow_the_cpu_model() {
     }
 }
 
+/// The batch's candidate rows: each active row is its sequence's list followed by -1, an idle slot is empty, and
+/// a list longer than the stride is refused.
+#[test]
+fn candidate_rows_pack_each_sequence() {
+    let cfg = compact_config();
+    let lay = layouts(&cfg, 3, 64)[3]; // HCA, m = 16
+    let sel: Vec<Vec<usize>> = vec![vec![], vec![0, 1], vec![0]];
+    let positions = [5, 40, -1];
+    let stride = cfg.window_size + 4;
+    let (rows, lengths) = lay.candidate_rows(&positions, &sel, stride).unwrap();
+    assert_eq!(lengths, vec![6, 16 + 2, 0]);
+    for b in 0..3 {
+        let row = &rows[b * stride..][..stride];
+        let n = lengths[b] as usize;
+        if positions[b] >= 0 {
+            assert_eq!(
+                &row[..n],
+                lay.candidates(b, positions[b] as usize, &sel[b]).as_slice()
+            );
+        }
+        assert!(row[n..].iter().all(|&e| e == -1));
+    }
+    assert!(lay.candidate_rows(&positions, &sel, 17).is_err());
+    assert!(lay
+        .candidate_rows(&positions[..2], &sel[..2], stride)
+        .is_err());
+}
+
 #[test]
 fn step_workspace_holds_its_parts() {
     for cfg in [ModelConfig::small(), ModelConfig::flash()] {

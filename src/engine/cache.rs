@@ -104,6 +104,40 @@ impl LayerCacheLayout {
         c.extend(selected.iter().map(|&j| self.compressed_slot(b, j) as i32));
         c
     }
+    /// The candidate rows of a batch as `sparse_attn::decode` reads them: `[batch, stride]` pool indices (row `b`
+    /// = [`candidates`](Self::candidates) of `positions[b]` and `selected[b]`, the rest of the row -1) and the
+    /// lengths `[batch]`; a sequence with a negative position gets length 0. What the device's candidate builder
+    /// must write (the parity hook's input until it exists).
+    pub fn candidate_rows(
+        &self,
+        positions: &[i32],
+        selected: &[Vec<usize>],
+        stride: usize,
+    ) -> Result<(Vec<i32>, Vec<i32>)> {
+        ensure!(
+            positions.len() == self.batch && selected.len() == self.batch,
+            "{} positions and {} selections for a batch of {}",
+            positions.len(),
+            selected.len(),
+            self.batch
+        );
+        let mut rows = vec![-1i32; self.batch * stride];
+        let mut lengths = vec![0i32; self.batch];
+        for (b, (&p, sel)) in positions.iter().zip(selected).enumerate() {
+            if p < 0 {
+                continue;
+            }
+            let c = self.candidates(b, p as usize, sel);
+            ensure!(
+                c.len() <= stride,
+                "sequence {b} at position {p} has {} candidates, the stride is {stride}",
+                c.len()
+            );
+            rows[b * stride..][..c.len()].copy_from_slice(&c);
+            lengths[b] = c.len() as i32;
+        }
+        Ok((rows, lengths))
+    }
     /// Checks a sequence's position fits the layer's capacity (a compressed entry emitted at `pos` must have a
     /// slot).
     pub fn check_position(&self, pos: usize) -> Result<()> {
