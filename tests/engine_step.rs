@@ -321,6 +321,9 @@ fn embed_and_head_replay_in_a_graph() {
     let stream = gpu.new_stream().unwrap();
     let vocab = m.config().vocab_size;
     state.set_tokens(&stream, &[0, 1]).unwrap();
+    // One eager run first: kernels are resolved (modules loaded, attributes set) outside the capture.
+    state.embed(&gpu, &stream, &w).unwrap();
+    state.head(&gpu, &stream, &w).unwrap();
     let graph = capture_on(&stream, || {
         state.embed(&gpu, &stream, &w)?;
         state.head(&gpu, &stream, &w)
