@@ -7,7 +7,9 @@
 //! * [`weights`]: the weights on the device per the plan, from the GPU generator or a checkpoint, with the routed
 //!   experts converted MXFP4 -> NVFP4 on the device.
 
+pub mod cache;
 pub mod plan;
+pub mod step;
 pub mod weights;
 
 pub use plan::{resolve_model, ExpertMap, IndexKeyFormat, MemoryPlan, PlanRequest};

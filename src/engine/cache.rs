@@ -1,0 +1,273 @@
+//! The KV cache pool of a decode batch: per layer, one pool of 584-byte entries (`formats::kv`) holding every
+//! sequence's window ring and compressed entries, the CSA indexer key cache, and the compressor states, sized by
+//! [`LayerCachePlan`].
+//!
+//! Layout of layer `l` for `batch` sequences (all host arithmetic in [`LayerCacheLayout`], the device buffers in
+//! [`LayerCaches`]):
+//!
+//! * KV pool, `batch x (window_entries + compressed_entries)` entries: sequence `b` owns the block starting at
+//!   `b x per_seq`; its window ring first (position `p` at `window_base(b) + p mod window_entries`, the rule of
+//!   `qkv_prep::kv_entries`), then its compressed entries (entry `j` at `compressed_base(b) + j`, the rule of
+//!   `compressor::EntrySlots` with `capacity = compressed_entries`). `sparse_attn::decode` reads candidates as pool
+//!   indices, so one pool per layer serves every sequence.
+//! * Indexer keys (CSA), `batch x index_keys` rows of each plane (`indexer::KeyCacheGpu`'s `[batch, capacity]`):
+//!   key `j` of sequence `b` at `b x index_keys + j`.
+//! * Compressor states, f32 `[batch, compressor_floats]` (kv rows then score rows, `compressor::reference::
+//!   host_state`), and the indexer compressor's `[batch, index_compressor_floats]`.
+//!
+//! The window ring holds `min(window_size, context)` entries: with a context shorter than the window the ring
+//! never wraps, since positions stay below `context`.
+
+use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
+use crate::formats::kv;
+use crate::gpu::Gpu;
+use crate::model::reference::CompressorState;
+use crate::model::{LayerKind, ModelConfig};
+use crate::ops::compressor::reference::host_state;
+use crate::ops::indexer::{KeyCacheGpu, KeyFormat};
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
+
+/// The indexer's key format for a plan's.
+pub fn key_format(f: IndexKeyFormat) -> KeyFormat {
+    match f {
+        IndexKeyFormat::Fp8 => KeyFormat::Fp8,
+        IndexKeyFormat::Mxfp4 => KeyFormat::Mxfp4,
+    }
+}
+
+/// Where one layer's caches of each sequence live (see the module docs). Pure host arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerCacheLayout {
+    pub plan: LayerCachePlan,
+    pub batch: usize,
+}
+
+impl LayerCacheLayout {
+    /// Pool entries one sequence owns: its window ring, then its compressed entries.
+    pub fn per_seq(&self) -> usize {
+        self.plan.window_entries + self.plan.compressed_entries
+    }
+    /// Entries of the layer's pool.
+    pub fn n_entries(&self) -> usize {
+        self.batch * self.per_seq()
+    }
+    /// Pool index of ring slot 0 of sequence `b` (`qkv_prep::WindowRing::seq_base`).
+    pub fn window_base(&self, b: usize) -> usize {
+        b * self.per_seq()
+    }
+    /// Pool index of the window entry of position `pos` of sequence `b`.
+    pub fn window_slot(&self, b: usize, pos: usize) -> usize {
+        self.window_base(b) + pos % self.plan.window_entries
+    }
+    /// Pool index of compressed entry 0 of sequence `b` (`compressor::EntrySlots::base`).
+    pub fn compressed_base(&self, b: usize) -> usize {
+        self.window_base(b) + self.plan.window_entries
+    }
+    /// Pool index of compressed entry `j` of sequence `b`.
+    pub fn compressed_slot(&self, b: usize, j: usize) -> usize {
+        self.compressed_base(b) + j
+    }
+    /// Row of indexer key `j` of sequence `b` in the key planes (`EntrySlots::base` of the indexer compressor is
+    /// `b x index_keys`).
+    pub fn key_slot(&self, b: usize, j: usize) -> usize {
+        b * self.plan.index_keys + j
+    }
+    /// The compression ratio (0 for sliding-window layers).
+    pub fn ratio(&self) -> usize {
+        match self.plan.kind {
+            LayerKind::SlidingWindow => 0,
+            LayerKind::Csa { ratio } | LayerKind::Hca { ratio } => ratio,
+        }
+    }
+    /// Compressed entries a sequence holds once position `pos` has been processed (the compressor emits an entry
+    /// after every `ratio`-th token: `(pos + 1) / ratio`).
+    pub fn compressed_after(&self, pos: usize) -> usize {
+        match self.ratio() {
+            0 => 0,
+            r => (pos + 1) / r,
+        }
+    }
+    /// Pool indices of the window candidates of the query at `pos` of sequence `b`, oldest first: positions
+    /// `max(0, pos + 1 - window) ..= pos` (`Model::window_positions`, with the ring length as the window).
+    pub fn window_candidates(&self, b: usize, pos: usize) -> Vec<i32> {
+        let w = self.plan.window_entries;
+        (pos.saturating_sub(w - 1)..=pos)
+            .map(|p| self.window_slot(b, p) as i32)
+            .collect()
+    }
+    /// The full candidate list of the query at `pos` of sequence `b` as `sparse_attn::decode` reads it: the
+    /// window candidates, then compressed entries `selected` (indices into the sequence's compressed entries:
+    /// the indexer's top-k for CSA, `0..compressed_after(pos)` for HCA).
+    pub fn candidates(&self, b: usize, pos: usize, selected: &[usize]) -> Vec<i32> {
+        let mut c = self.window_candidates(b, pos);
+        c.extend(selected.iter().map(|&j| self.compressed_slot(b, j) as i32));
+        c
+    }
+    /// The candidate rows of a batch as `sparse_attn::decode` reads them: `[batch, stride]` pool indices (row `b`
+    /// = [`candidates`](Self::candidates) of `positions[b]` and `selected[b]`, the rest of the row -1) and the
+    /// lengths `[batch]`; a sequence with a negative position gets length 0. What the device's candidate builder
+    /// must write (the parity hook's input until it exists).
+    pub fn candidate_rows(
+        &self,
+        positions: &[i32],
+        selected: &[Vec<usize>],
+        stride: usize,
+    ) -> Result<(Vec<i32>, Vec<i32>)> {
+        ensure!(
+            positions.len() == self.batch && selected.len() == self.batch,
+            "{} positions and {} selections for a batch of {}",
+            positions.len(),
+            selected.len(),
+            self.batch
+        );
+        let mut rows = vec![-1i32; self.batch * stride];
+        let mut lengths = vec![0i32; self.batch];
+        for (b, (&p, sel)) in positions.iter().zip(selected).enumerate() {
+            if p < 0 {
+                continue;
+            }
+            let c = self.candidates(b, p as usize, sel);
+            ensure!(
+                c.len() <= stride,
+                "sequence {b} at position {p} has {} candidates, the stride is {stride}",
+                c.len()
+            );
+            rows[b * stride..][..c.len()].copy_from_slice(&c);
+            lengths[b] = c.len() as i32;
+        }
+        Ok((rows, lengths))
+    }
+    /// Checks a sequence's position fits the layer's capacity (a compressed entry emitted at `pos` must have a
+    /// slot).
+    pub fn check_position(&self, pos: usize) -> Result<()> {
+        ensure!(
+            self.compressed_after(pos) <= self.plan.compressed_entries,
+            "position {pos} needs {} compressed entries, the cache holds {}",
+            self.compressed_after(pos),
+            self.plan.compressed_entries
+        );
+        Ok(())
+    }
+}
+
+/// The device caches of one layer for the whole batch (layout in [`LayerCacheLayout`]).
+pub struct LayerCaches {
+    pub layout: LayerCacheLayout,
+    /// KV pool, `n_entries x 584` bytes.
+    pub pool: CudaSlice<u8>,
+    /// i32 `[batch]`: `window_base(b)`.
+    pub window_base: CudaSlice<i32>,
+    /// i32 `[batch]` each: `compressed_base(b)` and `compressed_entries` (empty for sliding-window layers).
+    pub compressed_base: CudaSlice<i32>,
+    pub compressed_capacity: CudaSlice<i32>,
+    /// f32 `[batch, compressor_floats]` (empty for sliding-window layers).
+    pub state: CudaSlice<f32>,
+    /// CSA only: the indexer key cache, its compressor state and its entry slots (`key_slot`).
+    pub index: Option<IndexCaches>,
+}
+
+/// The CSA indexer's caches of one layer.
+pub struct IndexCaches {
+    pub keys: KeyCacheGpu,
+    pub state: CudaSlice<f32>,
+    pub base: CudaSlice<i32>,
+    pub capacity: CudaSlice<i32>,
+}
+
+/// The caches of every layer.
+pub struct KvPool {
+    pub layers: Vec<LayerCaches>,
+}
+
+/// Initial compressor state of one sequence (kv zeros, scores -inf), repeated `batch` times.
+fn initial_states(ratio: usize, overlap: bool, dim: usize, batch: usize) -> Vec<f32> {
+    let one = host_state(&CompressorState::new(ratio, overlap, dim));
+    one.repeat(batch)
+}
+
+fn to_i32(v: impl IntoIterator<Item = usize>) -> Result<Vec<i32>> {
+    v.into_iter()
+        .map(|x| i32::try_from(x).map_err(|_| anyhow::anyhow!("cache index {x} exceeds i32")))
+        .collect()
+}
+
+impl KvPool {
+    /// Allocates the caches of `batch` sequences per `plans` (one per layer, from `MemoryPlan::cache_layers`),
+    /// every KV entry zeroed and every compressor state empty.
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        plans: &[LayerCachePlan],
+        batch: usize,
+        keys: IndexKeyFormat,
+    ) -> Result<KvPool> {
+        ensure!(batch >= 1, "a decode batch needs at least one sequence");
+        ensure!(
+            plans.len() == cfg.n_layers,
+            "{} cache plans for {} layers",
+            plans.len(),
+            cfg.n_layers
+        );
+        let mut layers = Vec::with_capacity(plans.len());
+        for plan in plans {
+            let layout = LayerCacheLayout { plan: *plan, batch };
+            ensure!(
+                plan.window_entries >= 1,
+                "a layer needs a window of at least one entry"
+            );
+            let _ = to_i32([layout.n_entries()])?;
+            let seqs = 0..batch;
+            let window_base = gpu.upload(&to_i32(seqs.clone().map(|b| layout.window_base(b)))?)?;
+            let (compressed_base, compressed_capacity, state) = match plan.kind {
+                LayerKind::SlidingWindow => (gpu.zeros(1)?, gpu.zeros(1)?, gpu.zeros(1)?),
+                LayerKind::Csa { ratio } | LayerKind::Hca { ratio } => {
+                    let overlap = matches!(plan.kind, LayerKind::Csa { .. });
+                    let st = initial_states(ratio, overlap, cfg.head_dim, batch);
+                    ensure!(
+                        st.len() == batch * plan.compressor_floats,
+                        "compressor state of {} floats, the plan says {}",
+                        st.len() / batch,
+                        plan.compressor_floats
+                    );
+                    (
+                        gpu.upload(&to_i32(seqs.clone().map(|b| layout.compressed_base(b)))?)?,
+                        gpu.upload(&to_i32(seqs.clone().map(|_| plan.compressed_entries))?)?,
+                        gpu.upload(&st)?,
+                    )
+                }
+            };
+            let index = match plan.kind {
+                LayerKind::Csa { ratio } if plan.index_keys > 0 => {
+                    let format = key_format(keys);
+                    let rows = batch * plan.index_keys;
+                    let st = initial_states(ratio, true, cfg.index_head_dim, batch);
+                    Some(IndexCaches {
+                        keys: KeyCacheGpu {
+                            format,
+                            batch,
+                            capacity: plan.index_keys,
+                            codes: gpu.zeros(rows * format.code_bytes())?,
+                            scales: gpu
+                                .zeros(rows * crate::ops::indexer::reference::SCALE_BYTES)?,
+                        },
+                        state: gpu.upload(&st)?,
+                        base: gpu.upload(&to_i32(seqs.clone().map(|b| layout.key_slot(b, 0)))?)?,
+                        capacity: gpu.upload(&to_i32(seqs.clone().map(|_| plan.index_keys))?)?,
+                    })
+                }
+                _ => None,
+            };
+            layers.push(LayerCaches {
+                layout,
+                pool: gpu.zeros(layout.n_entries() * kv::ENTRY_BYTES)?,
+                window_base,
+                compressed_base,
+                compressed_capacity,
+                state,
+                index,
+            });
+        }
+        Ok(KvPool { layers })
+    }
+}

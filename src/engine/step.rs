@@ -1,0 +1,401 @@
+//! The decode step of a batch of sequences (docs/engine.md, "The decode step").
+//!
+//! [`DecodeState`] is everything a step reads and writes on the device: the residual `x` (4 mHC streams, BF16
+//! `[B, 4, D]`), the positions `[B]` i32, the token ids that feed the embedding (the sampler's `next`), the KV
+//! pool ([`KvPool`]), the sampler's state, and one [`Arena`] carved once for the step's workspaces. Every launch
+//! reads its counts and positions from the device, so a step can be captured into a CUDA graph and replayed.
+//!
+//! What runs today: the state, the embedding (step 0 of the table), the head (final norm, LM head, sampler:
+//! steps 17-19), and the parity I/O hooks (load a residual from the CPU model's trace, read the residual and the
+//! logits back). [`DecodeState::decode_layer`] (steps 1-16) is not composed yet: it fails with what it still
+//! needs, so [`DecodeState::decode_step`] fails at the first layer.
+
+use crate::engine::cache::KvPool;
+use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
+use crate::engine::weights::DeviceWeights;
+use crate::gpu::arena::{self, Arena, WorkspaceLayout};
+use crate::gpu::{DevBuf, Gpu, Stream};
+use crate::model::weights::StoredDtype;
+use crate::model::ModelConfig;
+use crate::ops::dense::{self, Bf16Job, DenseKind, DenseShape, DenseWorkspace};
+use crate::ops::head::{self, EmbedShape};
+use crate::ops::mhc::{MhcPreOutputs, MhcWeights, MhcWorkspace};
+use crate::ops::norm_quant::{OutFormat, QuantView};
+use crate::ops::sampler::{self, SamplerShape, SamplerState, SamplerWorkspace};
+use anyhow::{bail, ensure, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+/// mHC streams of the residual.
+pub const STREAMS: usize = 4;
+/// Capacity of each sequence's repetition-penalty ring (`SamplerConfig::penalty_window` default).
+pub const PENALTY_RING: usize = 256;
+
+/// The capacity a decode state is built for: `batch` sequences of at most `context` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    pub batch: usize,
+    pub context: usize,
+}
+
+impl StepShape {
+    pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
+        ensure!(self.batch >= 1, "a decode step needs at least one sequence");
+        ensure!(
+            self.context >= 1,
+            "a decode step needs a context of at least one token"
+        );
+        ensure!(
+            self.batch * STREAMS * cfg.dim <= i32::MAX as usize,
+            "batch {} x 4 x D {} exceeds the kernels' i32 indices",
+            self.batch,
+            cfg.dim
+        );
+        Ok(())
+    }
+    /// The sampler's shape for this step.
+    pub fn sampler(&self, cfg: &ModelConfig) -> SamplerShape {
+        SamplerShape {
+            batch: self.batch,
+            vocab: cfg.vocab_size,
+            ring_cap: PENALTY_RING,
+        }
+    }
+    /// Elements of the residual `x [B, 4, D]`.
+    pub fn residual_elems(&self, cfg: &ModelConfig) -> usize {
+        self.batch * STREAMS * cfg.dim
+    }
+}
+
+/// The LM head's linear: `[B, D] x head.weight [vocab, D]^T -> f32 [B, vocab]`.
+pub fn lm_head_shape(cfg: &ModelConfig, shape: &StepShape) -> DenseShape {
+    DenseShape {
+        kind: DenseKind::Bf16,
+        rows: shape.batch,
+        n: cfg.vocab_size,
+        k: cfg.dim,
+        jobs: 1,
+    }
+}
+
+/// The step's arena: every workspace and per-step buffer, carved in this order by [`StepWorkspace::carve`]
+/// (`sm_count`: the dense linears' split plan depends on it).
+pub fn step_layout(
+    cfg: &ModelConfig,
+    shape: &StepShape,
+    sm_count: usize,
+) -> Result<WorkspaceLayout> {
+    let s = shape.sampler(cfg);
+    let mut l = WorkspaceLayout::new();
+    for part in [
+        SamplerState::layout(&s),
+        SamplerWorkspace::layout(&s),
+        MhcWorkspace::layout(shape.batch, cfg.dim),
+        dense::workspace_layout(&[lm_head_shape(cfg, shape)], sm_count)?,
+    ] {
+        l.add_bytes(part.bytes());
+    }
+    // The step's error word (embedding ids out of range) and the logits f32 [B, vocab].
+    l.add::<u32>(1).add::<f32>(shape.batch * cfg.vocab_size);
+    Ok(l)
+}
+
+/// Bytes of the step's arena.
+pub fn workspace_bytes(cfg: &ModelConfig, shape: &StepShape, sm_count: usize) -> Result<usize> {
+    Ok(step_layout(cfg, shape, sm_count)?.bytes())
+}
+
+/// The buffers carved from the step's arena.
+pub struct StepWorkspace {
+    pub sampler: SamplerState,
+    pub sampler_ws: SamplerWorkspace,
+    /// The final norm's (`hc_head`) split-K partials.
+    pub head_mhc: MhcWorkspace,
+    /// The LM head's split-K partials and tile counters.
+    pub lm_head: DenseWorkspace,
+    /// u32 `[1]`: set by the embedding when an id is outside the vocabulary.
+    pub error: DevBuf<u32>,
+    /// f32 `[B, vocab]`: the LM head's output, the sampler's input.
+    pub logits: DevBuf<f32>,
+}
+
+impl StepWorkspace {
+    pub fn carve(
+        arena: &mut Arena,
+        stream: &Stream,
+        cfg: &ModelConfig,
+        shape: &StepShape,
+        sm_count: usize,
+    ) -> Result<StepWorkspace> {
+        let s = shape.sampler(cfg);
+        Ok(StepWorkspace {
+            sampler: SamplerState::carve(arena, &s)?,
+            sampler_ws: SamplerWorkspace::carve(arena, &s)?,
+            head_mhc: MhcWorkspace::carve(arena, shape.batch, cfg.dim)?,
+            lm_head: DenseWorkspace::carve(arena, stream, &[lm_head_shape(cfg, shape)], sm_count)?,
+            error: arena.carve(1, "step error word")?,
+            logits: arena.carve(shape.batch * cfg.vocab_size, "logits")?,
+        })
+    }
+}
+
+/// The device state of a decode batch (module docs).
+pub struct DecodeState {
+    pub config: ModelConfig,
+    pub shape: StepShape,
+    /// BF16 `[B, 4, D]`: the residual streams entering the next layer.
+    pub x: CudaSlice<bf16>,
+    /// i32 `[B]`: the position each sequence's next token takes (< 0: an idle slot).
+    pub positions: CudaSlice<i32>,
+    pub caches: KvPool,
+    pub arena: Arena,
+    pub ws: StepWorkspace,
+    /// The final norm's weights (`hc_head_fn`, `hc_head_scale`, `hc_head_base`, `norm.weight`) and outputs.
+    pub head_weights: MhcWeights,
+    pub head_out: MhcPreOutputs,
+}
+
+/// A dense tensor as f32 on the host (F32 or BF16 storage), read back from the device pool.
+fn host_vector(stream: &Stream, weights: &DeviceWeights, name: &str) -> Result<Vec<f32>> {
+    let Some(t) = weights.plan.dense_tensor(name) else {
+        bail!("the model has no tensor {name}")
+    };
+    let n = t.spec.numel();
+    let raw = weights.bytes(name)?;
+    let bytes = arena::download(stream, &raw)?;
+    Ok(match t.spec.dtype {
+        StoredDtype::F32 => bytes[..4 * n]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        StoredDtype::BF16 => bytes[..2 * n]
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        d => bail!("{name} is stored as {d:?}, expected F32 or BF16"),
+    })
+}
+
+impl DecodeState {
+    /// Allocates the state of `shape` for `weights`' model: caches per the plan's layer plans re-sized to
+    /// `shape.context`, residual and positions, and the step's arena (carved once here).
+    pub fn new(gpu: &Gpu, weights: &DeviceWeights, shape: StepShape) -> Result<DecodeState> {
+        let cfg = weights.plan.config.clone();
+        shape.check(&cfg)?;
+        let plans: Vec<LayerCachePlan> = (0..cfg.n_layers)
+            .map(|l| LayerCachePlan::of(&cfg, l, shape.context))
+            .collect();
+        let keys: IndexKeyFormat = weights.plan.request.index_keys;
+        let caches = KvPool::new(gpu, &cfg, &plans, shape.batch, keys)?;
+        let sm_count = gpu.info.sm_count as usize;
+        let mut arena = Arena::new(gpu, workspace_bytes(&cfg, &shape, sm_count)?)?;
+        let ws = StepWorkspace::carve(&mut arena, &gpu.stream, &cfg, &shape, sm_count)?;
+        // The mHC launchers take owned weights, so the head's small tensors are read back from the pool and
+        // uploaded once (views into the pool once `MhcWeights` takes `DevBuf`s).
+        let s = &gpu.stream;
+        let base = host_vector(s, weights, "hc_head_base")?;
+        let base: [f32; STREAMS] = base.as_slice().try_into().map_err(|_| {
+            anyhow::anyhow!("hc_head_base has {} values, expected {STREAMS}", base.len())
+        })?;
+        let scale = host_vector(s, weights, "hc_head_scale")?;
+        ensure!(
+            scale.len() == 1,
+            "hc_head_scale has {} values, expected 1",
+            scale.len()
+        );
+        let head_weights = MhcWeights::upload_head(
+            gpu,
+            &host_vector(s, weights, "hc_head_fn")?,
+            scale[0],
+            &base,
+            &host_vector(s, weights, "norm.weight")?,
+            cfg.dim,
+        )?;
+        let head_out = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Bf16, shape.batch, cfg.dim)?;
+        let positions = gpu.upload(&vec![-1i32; shape.batch])?;
+        // The set-up above ran on the GPU's stream; a step may run on another.
+        gpu.synchronize()?;
+        ws.sampler.clear(&gpu.stream)?;
+        arena::fill(&gpu.stream, &ws.error, 0)?;
+        Ok(DecodeState {
+            x: gpu.zeros(shape.residual_elems(&cfg))?,
+            positions,
+            caches,
+            arena,
+            ws,
+            head_weights,
+            head_out,
+            shape,
+            config: cfg,
+        })
+    }
+
+    /// Sets every sequence's position (host -> device, ordered on `stream`; between graph replays the step
+    /// advances them on the device). Fails when a position needs more cache than the state holds.
+    pub fn set_positions(&self, stream: &Stream, positions: &[i32]) -> Result<()> {
+        ensure!(
+            positions.len() == self.shape.batch,
+            "{} positions for a batch of {}",
+            positions.len(),
+            self.shape.batch
+        );
+        for &p in positions.iter().filter(|&&p| p >= 0) {
+            ensure!(
+                (p as usize) < self.shape.context,
+                "position {p} is outside the context of {}",
+                self.shape.context
+            );
+            for layer in &self.caches.layers {
+                layer.layout.check_position(p as usize)?;
+            }
+        }
+        arena::upload(stream, &self.positions, positions)
+    }
+
+    /// Sets the token ids the next embedding reads (the sampler's `next`, which the sampler overwrites each step).
+    pub fn set_tokens(&self, stream: &Stream, ids: &[u32]) -> Result<()> {
+        ensure!(
+            ids.len() == self.shape.batch,
+            "{} token ids for a batch of {}",
+            ids.len(),
+            self.shape.batch
+        );
+        let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        arena::upload(stream, &self.ws.sampler.next, &ids)
+    }
+
+    /// Step 0: the embedding of the ids in the sampler's `next` into every stream of `x`.
+    pub fn embed(&self, gpu: &Gpu, stream: &Stream, weights: &DeviceWeights) -> Result<()> {
+        let cfg = &self.config;
+        let table = weights.typed::<bf16>("embed.weight")?;
+        let shape = EmbedShape {
+            tokens: self.shape.batch,
+            vocab: cfg.vocab_size,
+            dim: cfg.dim,
+        };
+        head::embed_tokens(
+            gpu,
+            stream,
+            &self.ws.sampler.next,
+            &table,
+            &shape,
+            &self.x,
+            &self.ws.error,
+        )
+    }
+
+    /// One layer: the attention half then the FFN half of docs/engine.md's table (steps 1-16), reading and
+    /// writing `x` in place.
+    ///
+    /// Not composed yet. What it needs beyond the launchers' calls: the per-layer `MhcWeights` (today uploaded
+    /// from host tensors, not views into the dense pool), a device kernel that builds each query's candidate list
+    /// (window slots `LayerCacheLayout::window_candidates` + the indexer's top-k mapped through
+    /// `compressed_slot`), and `sparse_attn::DecodeInputs` taking `DevBuf`s (it takes `CudaSlice`s of exactly
+    /// the pool's size, which the layer's pool is).
+    pub fn decode_layer(&self, _gpu: &Gpu, _stream: &Stream, layer: usize) -> Result<()> {
+        ensure!(
+            layer < self.config.n_layers,
+            "layer {layer} of {}",
+            self.config.n_layers
+        );
+        bail!(
+            "decode_layer: the layer composition (docs/engine.md steps 1-16) is not implemented yet; \
+             only the embedding and the state exist"
+        )
+    }
+
+    /// Steps 17-18: `hc_head` + final norm of `x` -> `u` BF16 `[B, D]`, then the LM head `logits = head.weight u`
+    /// into `ws.logits` f32 `[B, vocab]`.
+    pub fn head(&mut self, gpu: &Gpu, stream: &Stream, weights: &DeviceWeights) -> Result<()> {
+        let cfg = &self.config;
+        head::final_norm(
+            gpu,
+            stream,
+            &self.x,
+            &self.head_weights,
+            cfg.norm_eps,
+            &self.ws.head_mhc,
+            &mut self.head_out,
+        )?;
+        let QuantView::Bf16 { y: u } = self.head_out.normed.view().q else {
+            bail!("the final norm's outputs must be BF16")
+        };
+        let lm = weights.typed::<bf16>("head.weight")?;
+        let job = Bf16Job {
+            w: &lm,
+            n: cfg.vocab_size,
+            y: &self.ws.logits,
+        };
+        dense::bf16_linear(
+            gpu,
+            stream,
+            &u,
+            self.shape.batch,
+            cfg.dim,
+            &[job],
+            &self.ws.lm_head,
+        )
+    }
+
+    /// Step 19: samples every running slot from `ws.logits`; the ids land in the sampler's `next`, which the
+    /// next step's embedding reads.
+    pub fn sample(&self, gpu: &Gpu, stream: &Stream) -> Result<()> {
+        sampler::sample_step(
+            gpu,
+            stream,
+            &self.ws.logits,
+            &self.ws.sampler,
+            &self.ws.sampler_ws,
+        )
+    }
+
+    /// One decode step: embedding, every layer, final norm, LM head, sampling (steps 0-19). Fails at the first
+    /// layer until [`DecodeState::decode_layer`] is composed.
+    pub fn decode_step(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<()> {
+        self.embed(gpu, stream, weights)?;
+        for layer in 0..self.config.n_layers {
+            self.decode_layer(gpu, stream, layer)?;
+        }
+        self.head(gpu, stream, weights)?;
+        self.sample(gpu, stream)
+    }
+
+    /// The logits `[B, vocab]` (waits for `stream`).
+    pub fn read_logits(&self, stream: &Stream) -> Result<Vec<f32>> {
+        arena::download(stream, &self.ws.logits)
+    }
+
+    // ---- parity hooks: feed a layer the CPU model's inputs, read its outputs back ----
+
+    /// Loads the residual of every sequence from f32 host rows `[B, 4, D]` (e.g. a `LayerTrace::residual_in`
+    /// per sequence, concatenated), rounded to BF16 as the CPU model stores it.
+    pub fn load_residual(&self, stream: &Stream, x: &[f32]) -> Result<()> {
+        ensure!(
+            x.len() == self.x.len(),
+            "residual of {} values, the state holds {}",
+            x.len(),
+            self.x.len()
+        );
+        let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        arena::upload(stream, &self.x, &h)
+    }
+
+    /// The residual `[B, 4, D]` as f32 (waits for `stream`).
+    pub fn read_residual(&self, stream: &Stream) -> Result<Vec<f32>> {
+        let d: DevBuf<bf16> = crate::ops::compressor::dev(&self.x);
+        Ok(arena::download(stream, &d)?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect())
+    }
+
+    /// The step's error word (nonzero: an embedding id was outside the vocabulary).
+    pub fn read_error(&self, stream: &Stream) -> Result<u32> {
+        Ok(arena::download(stream, &self.ws.error)?[0])
+    }
+}
