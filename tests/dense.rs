@@ -623,4 +623,16 @@ fn bench_config_points_are_shapes_the_launchers_take() {
             (k.check_point.unwrap())(s, v).unwrap();
         }
     }
+    // cuBLASLt's block-scaled GEMM needs FP8 activations: a wo_a sweep that runs every variant is refused before
+    // any GPU work, with the way out in the message.
+    let wo_a = megamoe::bench::config::SweepConfig::from_toml_str(
+        "[[sweep]]\nkernel = \"dense\"\naxis = \"rows\"\nvalues = [1]\n\
+         [sweep.params]\nlinear = \"wo_a\"\ngroups = 8\nn = 1024\nk = 4096\n",
+    )
+    .unwrap();
+    let err = (k.check_point.unwrap())(&wo_a.sweeps[0], 1).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("cublaslt_block_scaled"),
+        "{err:#}"
+    );
 }

@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use crate::bench::config::Sweep;
 use crate::bench::hook::{BenchCtx, BenchKernel, PlotTarget};
 use crate::bench::{MatmulKind, Row, Summary};
-use crate::ops::dense::bench::{measure, Linear, VARIANTS};
+use crate::ops::dense::bench::{measure, variant_applies, Linear, VARIANTS};
 
 const TARGETS: &[PlotTarget] = &[
     PlotTarget {
@@ -27,7 +27,7 @@ pub fn kernels() -> Vec<BenchKernel> {
         variants: VARIANTS,
         matmul: MatmulKind::Bf16,
         run_point: dense_point,
-        headline: &["dense", "cublaslt_bf16"],
+        headline: &["dense", "cublaslt_bf16", "cublaslt_block_scaled"],
         targets: TARGETS,
         params: &["rows", "linear", "n", "k", "groups", "jobs"],
         check_point: Some(check_dense),
@@ -62,7 +62,19 @@ fn linear(s: &Sweep) -> Result<Linear> {
 }
 
 fn check_dense(s: &Sweep, rows: u64) -> Result<()> {
-    linear(s)?.shape(rows as usize).check()
+    let lin = linear(s)?;
+    lin.shape(rows as usize).check()?;
+    let variants: Vec<&str> = match &s.variants {
+        Some(v) => v.iter().map(String::as_str).collect(),
+        None => VARIANTS.to_vec(),
+    };
+    if let Some(v) = variants.iter().find(|v| !variant_applies(lin, v)) {
+        bail!(
+            "variant `{v}` runs the FP8-activation linears only (fp8, swiglu); name this sweep's variants \
+             without it (e.g. variants = [\"dense\", \"cublaslt_bf16\"])"
+        );
+    }
+    Ok(())
 }
 
 fn dense_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, rows: u64) -> Result<Vec<Row>> {

@@ -1,13 +1,15 @@
 //! Measurement hooks of the dense family: one decode linear of M rows at a DSV4 shape, timed as plain launches on the
-//! GPU's stream. Variants: `dense` (this family's launcher) and `cublaslt_bf16` (cuBLASLt BF16 GEMMs on weights
+//! GPU's stream. Variants: `dense` (this family's launcher), `cublaslt_bf16` (cuBLASLt BF16 GEMMs on weights
 //! dequantized to BF16 beforehand, outside the timing: the baseline a dequantize-then-GEMM path would run per
-//! call). Both rows carry the bytes the decode op must move (FP8 or BF16 weight + scales, x, y), so `pct_copy_bw`
+//! call) and `cublaslt_block_scaled` (cuBLASLt's block-scaled FP8 GEMM on the same FP8 bytes through
+//! [`fp8_linear_prefill`], the library baseline #24 names; FP8-activation linears only: fp8, swiglu). Both rows carry the bytes the decode op must move (FP8 or BF16 weight + scales, x, y), so `pct_copy_bw`
 //! reads as "fraction of copy bandwidth for this op". The sweep adapter is `bench::kernels::dense`.
 
 use anyhow::{bail, Result};
 use half::bf16;
 use rand::Rng;
 
+use super::prefill::{fp8_linear_prefill, DeviceFp8Weight, Fp8LinearWorkspace};
 use super::{
     bf16_linear, fp8_linear, plan as dense_plan, swiglu_fp8, wo_a_grouped, Bf16Job, DenseKind,
     DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, Fp8Weight as W,
@@ -20,7 +22,14 @@ use crate::model::weights::fp8_code;
 use crate::ops::inputs;
 
 /// Every variant a point can run.
-pub const VARIANTS: &[&str] = &["dense", "cublaslt_bf16"];
+pub const VARIANTS: &[&str] = &["dense", "cublaslt_bf16", "cublaslt_block_scaled"];
+
+/// Whether `variant` can run `linear`: cuBLASLt's block-scaled FP8 GEMM takes FP8 activations and FP8 weights, so
+/// not wo_a's BF16 o nor the BF16 weights.
+pub fn variant_applies(linear: Linear, variant: &str) -> bool {
+    variant != "cublaslt_block_scaled"
+        || matches!(linear, Linear::Fp8 { .. } | Linear::Swiglu { .. })
+}
 
 /// One decode linear.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,10 +108,16 @@ pub fn measure(
 ) -> Result<Measured> {
     let shape = linear.shape(m);
     shape.check()?;
+    if !variant_applies(linear, variant) {
+        bail!(
+            "dense: `{variant}` runs the FP8-activation linears only (fp8, swiglu), not {linear:?}"
+        );
+    }
     let bytes = linear.bytes(m);
     let samples_us = match variant {
         "dense" => time_dense(gpu, plan, linear, m, seed, bytes)?,
         "cublaslt_bf16" => time_cublaslt(gpu, plan, linear, m, bytes)?,
+        "cublaslt_block_scaled" => time_block_scaled(gpu, plan, linear, m, seed, bytes)?,
         v => bail!("dense: unknown variant `{v}` (known: {VARIANTS:?})"),
     };
     Ok(Measured { samples_us, bytes })
@@ -244,6 +259,46 @@ fn time_cublaslt(
     gpu.time_us(plan(bytes), || {
         for (mm, n, k, a, b, d) in bufs.iter_mut() {
             blas.gemm_tn(gpu, GemmInput::Bf16, *mm, *n, *k, a, b, d, 1.0)?;
+        }
+        Ok(())
+    })
+}
+
+/// cuBLASLt's block-scaled FP8 GEMM (`dense::prefill`, any M through its 4-row tail) on the FP8 weight(s) of
+/// `linear`: one GEMM for fp8, w1 and w3 for swiglu (without the SwiGLU epilogue, which cuBLASLt has not).
+fn time_block_scaled(
+    gpu: &Gpu,
+    plan: &dyn Fn(u64) -> TimingPlan,
+    linear: Linear,
+    m: usize,
+    seed: u64,
+    bytes: u64,
+) -> Result<Vec<f64>> {
+    let (n, k, count) = match linear {
+        Linear::Fp8 { n, k } => (n, k, 1u64),
+        Linear::Swiglu { inter, dim } => (inter, dim, 2),
+        other => bail!("dense: cublaslt_block_scaled does not run {other:?}"),
+    };
+    let blas = Blas::new(gpu)?;
+    // Scale code 120 = 2^-7: finite products for any codes.
+    let scale_codes = vec![120u8; n.div_ceil(128) * k.div_ceil(128)];
+    let weights = (0..count)
+        .map(|i| {
+            DeviceFp8Weight::upload(gpu, &fp8_bytes(n * k, seed ^ (2 * i)), &scale_codes, n, k)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cublas = Fp8LinearWorkspace::cublas_bytes_for(&blas, n, k, &[m])?;
+    let mut arena = Arena::for_layout(gpu, &Fp8LinearWorkspace::layout(m, n, k, cublas))?;
+    let ws = Fp8LinearWorkspace::carve(&mut arena, m, n, k, cublas)?;
+    let xc = gpu.upload(&fp8_bytes(m * k, seed ^ 1))?;
+    let xs = gpu.upload(&vec![120u8; m * k / 128])?;
+    let ys = (0..count)
+        .map(|_| gpu.zeros::<bf16>(m * n))
+        .collect::<Result<Vec<_>>>()?;
+    let views: Vec<_> = weights.iter().map(|w| w.view()).collect();
+    gpu.time_us(plan(bytes), || {
+        for (w, y) in views.iter().zip(&ys) {
+            fp8_linear_prefill(gpu, &gpu.stream, &blas, m, &xc, &xs, w, &ws, y)?;
         }
         Ok(())
     })
