@@ -6,6 +6,7 @@
 //! reads as "fraction of copy bandwidth for this op". The sweep adapter is `bench::kernels::dense`.
 
 use anyhow::{bail, Result};
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::Rng;
 
@@ -90,6 +91,17 @@ fn fp8_bytes(n: usize, seed: u64) -> Vec<u8> {
     (0..n).map(|_| fp8_code(r.random::<u8>())).collect()
 }
 
+/// Scale code 120 = 2^-7: finite products for any codes.
+const SCALE_CODE: u8 = 120;
+
+/// Seeded FP8 1x128 activation rows `[m, k]` on the device: (codes, scale codes).
+fn fp8_rows(gpu: &Gpu, m: usize, k: usize, seed: u64) -> Result<(CudaSlice<u8>, CudaSlice<u8>)> {
+    Ok((
+        gpu.upload(&fp8_bytes(m * k, seed ^ 1))?,
+        gpu.upload(&vec![SCALE_CODE; m * k / 128])?,
+    ))
+}
+
 fn bf16_vec(n: usize, seed: u64) -> Vec<bf16> {
     inputs::uniform(n, 0.05, seed)
         .into_iter()
@@ -137,15 +149,11 @@ fn time_dense(
     let layout = super::workspace_layout(&[shape], sms)?;
     let mut arena = Arena::for_layout(gpu, &layout)?;
     let ws = DenseWorkspace::carve(&mut arena, &gpu.stream, &[shape], sms)?;
-    // Scale code 120 = 2^-7: finite products for any codes.
-    let scales = |n: usize| gpu.upload(&vec![120u8; n]);
+    let scales = |n: usize| gpu.upload(&vec![SCALE_CODE; n]);
     match linear {
         Linear::Fp8 { n, k } => {
             let (wc, ws_) = (gpu.upload(&fp8_bytes(n * k, seed))?, scales(n * k / 16384)?);
-            let (xc, xs) = (
-                gpu.upload(&fp8_bytes(m * k, seed ^ 1))?,
-                scales(m * k / 128)?,
-            );
+            let (xc, xs) = fp8_rows(gpu, m, k, seed)?;
             let y = gpu.zeros::<bf16>(m * n)?;
             let w = W {
                 codes: &wc,
@@ -182,10 +190,7 @@ fn time_dense(
             let sz = inter * dim;
             let (w1c, w1s) = (gpu.upload(&fp8_bytes(sz, seed))?, scales(sz / 16384)?);
             let (w3c, w3s) = (gpu.upload(&fp8_bytes(sz, seed ^ 2))?, scales(sz / 16384)?);
-            let (xc, xs) = (
-                gpu.upload(&fp8_bytes(m * dim, seed ^ 1))?,
-                scales(m * dim / 128)?,
-            );
+            let (xc, xs) = fp8_rows(gpu, m, dim, seed)?;
             let hc = gpu.zeros::<u8>(m * inter)?;
             let hs = gpu.zeros::<u8>(m * inter / 128)?;
             let w1 = Fp8Weight {
@@ -280,8 +285,7 @@ fn time_block_scaled(
         other => bail!("dense: cublaslt_block_scaled does not run {other:?}"),
     };
     let blas = Blas::new(gpu)?;
-    // Scale code 120 = 2^-7: finite products for any codes.
-    let scale_codes = vec![120u8; n.div_ceil(128) * k.div_ceil(128)];
+    let scale_codes = vec![SCALE_CODE; n.div_ceil(128) * k.div_ceil(128)];
     let weights = (0..count)
         .map(|i| {
             DeviceFp8Weight::upload(gpu, &fp8_bytes(n * k, seed ^ (2 * i)), &scale_codes, n, k)
@@ -290,8 +294,7 @@ fn time_block_scaled(
     let cublas = Fp8LinearWorkspace::cublas_bytes_for(&blas, n, k, &[m])?;
     let mut arena = Arena::for_layout(gpu, &Fp8LinearWorkspace::layout(m, n, k, cublas))?;
     let ws = Fp8LinearWorkspace::carve(&mut arena, m, n, k, cublas)?;
-    let xc = gpu.upload(&fp8_bytes(m * k, seed ^ 1))?;
-    let xs = gpu.upload(&vec![120u8; m * k / 128])?;
+    let (xc, xs) = fp8_rows(gpu, m, k, seed)?;
     let ys = (0..count)
         .map(|_| gpu.zeros::<bf16>(m * n))
         .collect::<Result<Vec<_>>>()?;
