@@ -6,7 +6,7 @@ mod common;
 use common::gpu;
 use megamoe::engine::cache::LayerCacheLayout;
 use megamoe::engine::plan::{LayerCachePlan, PlanRequest};
-use megamoe::engine::step::{self, DecodeState, StepShape, STREAMS};
+use megamoe::engine::step::{self, DecodeState, Residual, StepShape, STREAMS};
 use megamoe::engine::{DeviceWeights, MemoryPlan, WeightSource};
 use megamoe::gpu::timing::capture_on;
 use megamoe::gpu::Gpu;
@@ -244,10 +244,14 @@ fn embedding_matches_the_cpu_model() {
     let ids = tokens(seed, batch, cfg.vocab_size);
     state.set_tokens(s, &ids).unwrap();
     state
-        .load_residual(s, &vec![f32::NAN; batch * STREAMS * cfg.dim])
+        .load_residual(
+            s,
+            Residual::Layer,
+            &vec![f32::NAN; batch * STREAMS * cfg.dim],
+        )
         .unwrap();
     state.embed(&gpu, s, &w).unwrap();
-    let x = state.read_residual(s).unwrap();
+    let x = state.read_residual(s, Residual::Layer).unwrap();
     assert_eq!(state.read_error(s).unwrap(), 0);
     for (b, &t) in ids.iter().enumerate() {
         // Model::embed: the row repeated over the 4 streams, [4, D].
@@ -304,7 +308,7 @@ fn head_matches_the_cpu_model() {
     let (seed, w, m, mut state) = small_rig(&gpu, "engine_step_head", batch, 256);
     let x = cpu_residuals(&m, seed, batch);
     let s = gpu.stream.clone();
-    state.load_residual(&s, &x).unwrap();
+    state.load_residual(&s, Residual::Layer, &x).unwrap();
     state.head(&gpu, &s, &w).unwrap();
     let logits = state.read_logits(&s).unwrap();
     assert_head_matches(&m, &x, &logits, batch, "head");

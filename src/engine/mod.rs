@@ -7,7 +7,9 @@
 //! * [`weights`]: the weights on the device per the plan, from the GPU generator or a checkpoint, with the routed
 //!   experts converted MXFP4 -> NVFP4 on the device.
 
+pub mod attn;
 pub mod cache;
+pub mod ffn;
 pub mod plan;
 pub mod step;
 pub mod weights;

@@ -5,12 +5,14 @@
 //! pool ([`KvPool`]), the sampler's state, and one [`Arena`] carved once for the step's workspaces. Every launch
 //! reads its counts and positions from the device, so a step can be captured into a CUDA graph and replayed.
 //!
-//! What runs today: the state, the embedding (step 0 of the table), the head (final norm, LM head, sampler:
-//! steps 17-19), and the parity I/O hooks (load a residual from the CPU model's trace, read the residual and the
-//! logits back). [`DecodeState::decode_layer`] (steps 1-16) is not composed yet: it fails with what it still
-//! needs, so [`DecodeState::decode_step`] fails at the first layer.
+//! A layer is two halves, each reading one residual buffer and writing the other (hc_post reads all four streams
+//! of a token before writing them, so it does not run in place): the attention half ([`AttnHalf`], steps 1-11)
+//! `x -> x_mid`, the FFN half ([`FfnHalf`], steps 12-16) `x_mid -> x`. The parity hooks load a residual from
+//! the CPU model's trace into either buffer and read them and the logits back.
 
-use crate::engine::cache::KvPool;
+use crate::engine::attn::AttnHalf;
+use crate::engine::cache::{KvPool, LayerCaches};
+use crate::engine::ffn::FfnHalf;
 use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
@@ -92,6 +94,8 @@ pub fn step_layout(
         SamplerWorkspace::layout(&s),
         MhcWorkspace::layout(shape.batch, cfg.dim),
         dense::workspace_layout(&[lm_head_shape(cfg, shape)], sm_count)?,
+        AttnHalf::layout(cfg, shape, sm_count)?,
+        FfnHalf::layout(cfg, shape, sm_count)?,
     ] {
         l.add_bytes(part.bytes());
     }
@@ -139,12 +143,37 @@ impl StepWorkspace {
     }
 }
 
+/// Which residual buffer a parity hook reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residual {
+    /// `x`: entering a layer (and the head), leaving its FFN half.
+    Layer,
+    /// `x_mid`: leaving a layer's attention half, entering its FFN half.
+    Mid,
+}
+
+/// What one half of a layer reads and writes besides its weights and workspaces.
+pub struct LayerIo<'a> {
+    /// BF16 `[B, 4, D]`: the residual entering the half.
+    pub x_in: &'a CudaSlice<bf16>,
+    /// BF16 `[B, 4, D]`: the residual leaving it (a different buffer from `x_in`).
+    pub x_out: &'a CudaSlice<bf16>,
+    /// i32 `[B]`: the position of each sequence's token this step.
+    pub positions: &'a CudaSlice<i32>,
+    /// i32 `[B]`: the token ids embedded this step (the hash-routed layers' `tid2eid` rows).
+    pub tokens: DevBuf<i32>,
+    /// The layer's caches (the FFN half reads none).
+    pub caches: &'a LayerCaches,
+}
+
 /// The device state of a decode batch (module docs).
 pub struct DecodeState {
     pub config: ModelConfig,
     pub shape: StepShape,
     /// BF16 `[B, 4, D]`: the residual streams entering the next layer.
     pub x: CudaSlice<bf16>,
+    /// BF16 `[B, 4, D]`: the residual between a layer's attention and FFN halves.
+    pub x_mid: CudaSlice<bf16>,
     /// i32 `[B]`: the position each sequence's next token takes (< 0: an idle slot).
     pub positions: CudaSlice<i32>,
     pub caches: KvPool,
@@ -153,6 +182,8 @@ pub struct DecodeState {
     /// The final norm's weights (`hc_head_fn`, `hc_head_scale`, `hc_head_base`, `norm.weight`) and outputs.
     pub head_weights: MhcWeights,
     pub head_out: MhcPreOutputs,
+    pub attn: AttnHalf,
+    pub ffn: FfnHalf,
 }
 
 /// A dense tensor as f32 on the host (F32 or BF16 storage), read back from the device pool.
@@ -190,6 +221,8 @@ impl DecodeState {
         let sm_count = gpu.info.sm_count as usize;
         let mut arena = Arena::new(gpu, workspace_bytes(&cfg, &shape, sm_count)?)?;
         let ws = StepWorkspace::carve(&mut arena, &gpu.stream, &cfg, &shape, sm_count)?;
+        let attn = AttnHalf::new(gpu, weights, &shape, &mut arena)?;
+        let ffn = FfnHalf::new(gpu, weights, &shape, &mut arena)?;
         // The mHC launchers take owned weights, so the head's small tensors are read back from the pool and
         // uploaded once (views into the pool once `MhcWeights` takes `DevBuf`s).
         let s = &gpu.stream;
@@ -219,7 +252,10 @@ impl DecodeState {
         arena::fill(&gpu.stream, &ws.error, 0)?;
         Ok(DecodeState {
             x: gpu.zeros(shape.residual_elems(&cfg))?,
+            x_mid: gpu.zeros(shape.residual_elems(&cfg))?,
             positions,
+            attn,
+            ffn,
             caches,
             arena,
             ws,
@@ -284,24 +320,63 @@ impl DecodeState {
         )
     }
 
-    /// One layer: the attention half then the FFN half of docs/engine.md's table (steps 1-16), reading and
-    /// writing `x` in place.
-    ///
-    /// Not composed yet. What it needs beyond the launchers' calls: the per-layer `MhcWeights` (today uploaded
-    /// from host tensors, not views into the dense pool), a device kernel that builds each query's candidate list
-    /// (window slots `LayerCacheLayout::window_candidates` + the indexer's top-k mapped through
-    /// `compressed_slot`), and `sparse_attn::DecodeInputs` taking `DevBuf`s (it takes `CudaSlice`s of exactly
-    /// the pool's size, which the layer's pool is).
-    pub fn decode_layer(&self, _gpu: &Gpu, _stream: &Stream, layer: usize) -> Result<()> {
+    /// One layer: the attention half (`x -> x_mid`) then the FFN half (`x_mid -> x`) of docs/engine.md's table
+    /// (steps 1-16).
+    pub fn decode_layer(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+    ) -> Result<()> {
+        self.attention_half(gpu, stream, weights, layer)?;
+        self.ffn_half(gpu, stream, weights, layer)
+    }
+
+    /// Steps 1-11 of `layer`: `x -> x_mid`, the layer's caches updated.
+    pub fn attention_half(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+    ) -> Result<()> {
         ensure!(
             layer < self.config.n_layers,
             "layer {layer} of {}",
             self.config.n_layers
         );
-        bail!(
-            "decode_layer: the layer composition (docs/engine.md steps 1-16) is not implemented yet; \
-             only the embedding and the state exist"
-        )
+        let io = LayerIo {
+            x_in: &self.x,
+            x_out: &self.x_mid,
+            positions: &self.positions,
+            tokens: self.ws.sampler.next,
+            caches: &self.caches.layers[layer],
+        };
+        self.attn.run(gpu, stream, weights, layer, &io)
+    }
+
+    /// Steps 12-16 of `layer`: `x_mid -> x`.
+    pub fn ffn_half(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+    ) -> Result<()> {
+        ensure!(
+            layer < self.config.n_layers,
+            "layer {layer} of {}",
+            self.config.n_layers
+        );
+        let io = LayerIo {
+            x_in: &self.x_mid,
+            x_out: &self.x,
+            positions: &self.positions,
+            tokens: self.ws.sampler.next,
+            caches: &self.caches.layers[layer],
+        };
+        self.ffn.run(gpu, stream, weights, layer, &io)
     }
 
     /// Steps 17-18: `hc_head` + final norm of `x` -> `u` BF16 `[B, D]`, then the LM head `logits = head.weight u`
@@ -349,8 +424,7 @@ impl DecodeState {
         )
     }
 
-    /// One decode step: embedding, every layer, final norm, LM head, sampling (steps 0-19). Fails at the first
-    /// layer until [`DecodeState::decode_layer`] is composed.
+    /// One decode step: embedding, every layer, final norm, LM head, sampling (steps 0-19).
     pub fn decode_step(
         &mut self,
         gpu: &Gpu,
@@ -359,7 +433,7 @@ impl DecodeState {
     ) -> Result<()> {
         self.embed(gpu, stream, weights)?;
         for layer in 0..self.config.n_layers {
-            self.decode_layer(gpu, stream, layer)?;
+            self.decode_layer(gpu, stream, weights, layer)?;
         }
         self.head(gpu, stream, weights)?;
         self.sample(gpu, stream)
@@ -374,24 +448,32 @@ impl DecodeState {
 
     /// Loads the residual of every sequence from f32 host rows `[B, 4, D]` (e.g. a `LayerTrace::residual_in`
     /// per sequence, concatenated), rounded to BF16 as the CPU model stores it.
-    pub fn load_residual(&self, stream: &Stream, x: &[f32]) -> Result<()> {
+    pub fn load_residual(&self, stream: &Stream, which: Residual, x: &[f32]) -> Result<()> {
+        let dst = self.residual(which);
         ensure!(
-            x.len() == self.x.len(),
+            x.len() == dst.len(),
             "residual of {} values, the state holds {}",
             x.len(),
-            self.x.len()
+            dst.len()
         );
         let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        arena::upload(stream, &self.x, &h)
+        arena::upload(stream, dst, &h)
     }
 
-    /// The residual `[B, 4, D]` as f32 (waits for `stream`).
-    pub fn read_residual(&self, stream: &Stream) -> Result<Vec<f32>> {
-        let d: DevBuf<bf16> = crate::ops::compressor::dev(&self.x);
+    /// A residual `[B, 4, D]` as f32 (waits for `stream`).
+    pub fn read_residual(&self, stream: &Stream, which: Residual) -> Result<Vec<f32>> {
+        let d: DevBuf<bf16> = crate::ops::compressor::dev(self.residual(which));
         Ok(arena::download(stream, &d)?
             .iter()
             .map(|v| v.to_f32())
             .collect())
+    }
+
+    fn residual(&self, which: Residual) -> &CudaSlice<bf16> {
+        match which {
+            Residual::Layer => &self.x,
+            Residual::Mid => &self.x_mid,
+        }
     }
 
     /// The step's error word (nonzero: an embedding id was outside the vocabulary).
