@@ -3,15 +3,13 @@
 
 mod common;
 
+use common::engine::{short_window_config, small_rig, tokens};
 use common::gpu;
 use megamoe::engine::cache::LayerCacheLayout;
-use megamoe::engine::plan::{LayerCachePlan, PlanRequest};
-use megamoe::engine::step::{self, DecodeState, Residual, StepShape, STREAMS};
-use megamoe::engine::{DeviceWeights, MemoryPlan, WeightSource};
+use megamoe::engine::plan::LayerCachePlan;
+use megamoe::engine::step::{self, Residual, StepShape, STREAMS};
 use megamoe::gpu::timing::capture_on;
-use megamoe::gpu::Gpu;
 use megamoe::model::numerics::cosine;
-use megamoe::model::weights::element_bits;
 use megamoe::model::{CachePolicy, LayerKind, Model, ModelConfig, Weights};
 use megamoe::ops::dense;
 use megamoe::ops::inputs::fresh_seed;
@@ -21,23 +19,6 @@ use std::collections::HashSet;
 
 /// SMs of an H100 SXM (the dense split plan depends on the count).
 const H100_SMS: usize = 132;
-
-/// The small geometry with its window and HCA ratio cut down (24 tokens, m = 8) so that ring wrap, HCA
-/// emissions and CSA top-k selection all happen within the 40 steps a CPU test can afford.
-fn short_window_config() -> ModelConfig {
-    ModelConfig {
-        name: "short-window".into(),
-        window_size: 24,
-        compress_ratios: vec![0, 0, 4, 8, 4, 8],
-        ..ModelConfig::small()
-    }
-}
-
-fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-    (0..n as u64)
-        .map(|i| (element_bits(seed, i) % vocab as u64) as u32)
-        .collect()
-}
 
 fn layouts(cfg: &ModelConfig, batch: usize, context: usize) -> Vec<LayerCacheLayout> {
     (0..cfg.n_layers)
@@ -210,23 +191,6 @@ fn step_workspace_holds_its_parts() {
     }
     .check(&cfg)
     .is_err());
-}
-
-/// The small geometry's device weights and CPU model on one seed, with a decode state of `batch` x `context`.
-fn small_rig(
-    gpu: &Gpu,
-    label: &str,
-    batch: usize,
-    context: usize,
-) -> (u64, DeviceWeights, Model, DecodeState) {
-    let cfg = ModelConfig::small();
-    let seed = fresh_seed(label, "MEGAMOE_SEED");
-    let req = PlanRequest::new(batch, context, 16, 8 << 30);
-    let plan = MemoryPlan::new(&cfg, &req).unwrap();
-    let w = DeviceWeights::load(gpu, &plan, &WeightSource::Synthetic { seed }).unwrap();
-    let m = Model::new(Weights::synthetic(cfg, seed, CachePolicy::All).unwrap()).unwrap();
-    let state = DecodeState::new(gpu, &w, StepShape { batch, context }).unwrap();
-    (seed, w, m, state)
 }
 
 /// The device state of the small geometry: positions beyond the caches are refused before any copy, and the

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod dense;
+pub mod engine;
 pub mod head;
 pub mod indexer;
 pub mod moe;
