@@ -392,3 +392,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) sampler_step(
     }
     hist_len[b] = n + 1;
 }
+
+// The end of a decode step: each slot's position moves to the token the sampler just wrote to `next`.
+// positions[b] >= 0 and next[b] >= 0 (the sequence is still running): positions[b] += 1; next[b] < 0 (the
+// sequence stopped or was never admitted): positions[b] = -1, an idle slot every later step skips. One thread
+// per slot; graph-safe (B is the capacity).
+extern "C" __global__ void __launch_bounds__(128) sampler_advance_positions(int* __restrict__ positions,
+                                                                           const int* __restrict__ next, int B) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= B) return;
+  const int p = positions[b];
+  positions[b] = (p >= 0 && next[b] >= 0) ? p + 1 : -1;
+}

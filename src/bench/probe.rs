@@ -41,33 +41,15 @@ impl Default for ProbeConfig {
     }
 }
 
-/// Random bytes that are finite, non-zero-heavy e4m3 codes drawn from N(0,1)-like values.
-fn random_e4m3(n: usize, rng: &mut impl Rng) -> Vec<u8> {
-    (0..n)
-        .map(|_| e4m3::encode_rne(rng.random_range(-4.0f32..4.0)))
-        .collect()
-}
-
-fn random_bf16_bytes(n: usize, rng: &mut impl Rng) -> Vec<u8> {
-    (0..n)
-        .flat_map(|_| {
-            bf16::from_f32(rng.random_range(-1.0f32..1.0))
-                .to_bits()
-                .to_le_bytes()
-        })
-        .collect()
-}
-
-/// Measure copy bandwidth and matmul rates. Copy: the better of cuMemcpyDtoD and a 16-byte-access copy kernel.
-pub fn measure(gpu: &Gpu, cfg: ProbeConfig, seed: u64) -> Result<(Limits, Vec<ProbeResult>)> {
+/// The copy bandwidth: the better of cuMemcpyDtoD and a 16-byte-access copy kernel over `n` bytes (read +
+/// written), `reps` timed repetitions each; one result per method.
+pub fn measure_copy(gpu: &Gpu, n: usize, reps: usize) -> Result<Vec<ProbeResult>> {
     let mut results = Vec::new();
     let plan = TimingPlan {
         warmup: 3,
-        reps: cfg.reps,
+        reps,
         flush_l2: false,
     };
-    // ---- copy ----
-    let n = cfg.copy_bytes;
     let mut src = gpu.zeros::<u8>(n)?;
     gpu.fill_bytes(&mut src, 0x3C)?;
     let mut dst = gpu.zeros::<u8>(n)?;
@@ -97,7 +79,40 @@ pub fn measure(gpu: &Gpu, cfg: ProbeConfig, seed: u64) -> Result<(Limits, Vec<Pr
     });
     drop(src);
     drop(dst);
-    let copy_bw = results.iter().map(|r| r.value).fold(0.0, f64::max);
+    Ok(results)
+}
+
+/// The best copy bandwidth of [`measure_copy`]'s results, GB/s.
+pub fn best_copy_gbps(results: &[ProbeResult]) -> f64 {
+    results.iter().map(|r| r.value).fold(0.0, f64::max)
+}
+
+/// Random bytes that are finite, non-zero-heavy e4m3 codes drawn from N(0,1)-like values.
+fn random_e4m3(n: usize, rng: &mut impl Rng) -> Vec<u8> {
+    (0..n)
+        .map(|_| e4m3::encode_rne(rng.random_range(-4.0f32..4.0)))
+        .collect()
+}
+
+fn random_bf16_bytes(n: usize, rng: &mut impl Rng) -> Vec<u8> {
+    (0..n)
+        .flat_map(|_| {
+            bf16::from_f32(rng.random_range(-1.0f32..1.0))
+                .to_bits()
+                .to_le_bytes()
+        })
+        .collect()
+}
+
+/// Measure copy bandwidth and matmul rates. Copy: the better of cuMemcpyDtoD and a 16-byte-access copy kernel.
+pub fn measure(gpu: &Gpu, cfg: ProbeConfig, seed: u64) -> Result<(Limits, Vec<ProbeResult>)> {
+    let plan = TimingPlan {
+        warmup: 3,
+        reps: cfg.reps,
+        flush_l2: false,
+    };
+    let mut results = measure_copy(gpu, cfg.copy_bytes, cfg.reps)?;
+    let copy_bw = best_copy_gbps(&results);
     // ---- matmul ----
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let d = cfg.gemm_mnk;

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod decode;
+
 use crate::bench::config::SweepConfig;
 use crate::bench::runner::{self, RunOptions};
 use crate::bench::{csv_out, probe, Limits, Row};
@@ -64,6 +66,11 @@ enum Command {
         #[command(subcommand)]
         suite: StressSuite,
     },
+    /// Decode the whole model on the GPU (synthetic weights) and report TTFT, TPOT p50/p90/p99 and tokens/s
+    /// against the byte floor of a step and the copy bandwidth measured in the same run; appends a row to
+    /// decode.csv. Bad requests (a prompt longer than the context, caches or experts that do not fit, an unknown
+    /// model) fail before any GPU work.
+    Decode(decode::DecodeArgs),
     /// Run one kernel (or, with --cpu, its CPU reference) on tensors from a safetensors file.
     Exec {
         /// Kernel name; `megamoe exec --list` shows them with their tensor names, dtypes and shapes.
@@ -159,6 +166,12 @@ pub fn main() -> Result<()> {
         }
         Command::Run(args) | Command::Bench(args) => bench(cli.gpu, args),
         Command::Stress { suite } => stress(cli.gpu, suite),
+        Command::Decode(args) => {
+            args.check()?;
+            let gpu = open_gpu(cli.gpu)?;
+            let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
+            decode::run(&gpu, &args, out).map(|_| ())
+        }
         Command::Report { dir, variants } => {
             let p = crate::bench::report::report_from_csv_dir_with(&dir, &variants)?;
             println!("wrote {}", p.display());

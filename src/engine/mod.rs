@@ -11,6 +11,8 @@ pub mod attn;
 pub mod cache;
 pub mod ffn;
 pub mod plan;
+pub mod report;
+pub mod run;
 pub mod step;
 pub mod weights;
 

@@ -424,19 +424,40 @@ impl DecodeState {
         )
     }
 
-    /// One decode step: embedding, every layer, final norm, LM head, sampling (steps 0-19).
+    /// One decode step: embedding, every layer, final norm, LM head, sampling (steps 0-19), then every running
+    /// sequence's position advances (`sampler::advance_positions`), so a replay needs no host work.
     pub fn decode_step(
         &mut self,
         gpu: &Gpu,
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
+        self.layers(gpu, stream, weights)?;
+        self.head(gpu, stream, weights)?;
+        self.sample(gpu, stream)?;
+        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
+    }
+
+    /// One prompt token of every sequence (the ids the host wrote with [`DecodeState::set_tokens`]): embedding and
+    /// every layer, filling the caches; no head or sampling (a prompt's logits are needed only at its last token,
+    /// which [`DecodeState::decode_step`] runs). Positions advance as in a decode step.
+    pub fn prompt_step(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<()> {
+        self.layers(gpu, stream, weights)?;
+        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
+    }
+
+    /// Steps 0-16: the embedding of `next` and every layer.
+    fn layers(&mut self, gpu: &Gpu, stream: &Stream, weights: &DeviceWeights) -> Result<()> {
         self.embed(gpu, stream, weights)?;
         for layer in 0..self.config.n_layers {
             self.decode_layer(gpu, stream, weights, layer)?;
         }
-        self.head(gpu, stream, weights)?;
-        self.sample(gpu, stream)
+        Ok(())
     }
 
     /// The logits `[B, vocab]` (waits for `stream`).

@@ -404,6 +404,28 @@ pub fn sample_step(
     }
 }
 
+/// The end of a decode step (kernel `sampler_advance_positions`): a slot still running (`position >= 0` and the
+/// sampler's `next >= 0`) moves to the next position; one that stopped or was never admitted (`next < 0`) becomes
+/// idle (position -1). `positions` i32 `[B]`, B = the state's slots.
+pub fn advance_positions(
+    gpu: &Gpu,
+    stream: &Stream,
+    state: &SamplerState,
+    positions: &impl DeviceBuf<i32>,
+) -> Result<()> {
+    let b = state.shape.batch;
+    ensure!(
+        positions.elems() >= b,
+        "sampler: {} positions for {b} slots",
+        positions.elems()
+    );
+    let k = gpu.kernel(FAMILY, "sampler_advance_positions")?;
+    let mut a = KernelArgs::new();
+    a.buf(positions).buf(&state.next).i32(b as i32);
+    // SAFETY: (positions, next, B): both hold at least B i32s.
+    unsafe { launch(stream, &k, Launch::over(b, 128), &mut a) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

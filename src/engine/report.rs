@@ -1,0 +1,115 @@
+//! The decode report: the byte floor of a step (what a step must read from HBM at the least) and the summary of a
+//! timed run against it.
+
+use crate::engine::plan::{LayerCachePlan, MemoryPlan};
+use crate::formats::kv;
+use crate::model::LayerKind;
+
+/// Bytes one decode step reads at the least, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepBytes {
+    /// Every dense weight once (attention, shared experts, router gates, mHC, norms, LM head), plus one embedding
+    /// row per sequence.
+    pub dense: u64,
+    /// The routed experts the batch selects, each once: `top-k x layers` experts at batch 1; at batch B at most
+    /// `B x top-k` distinct experts per layer, capped by the resident slots (the floor assumes they are distinct,
+    /// so at batch > 1 it is an upper estimate of the distinct experts and the fraction a lower one).
+    pub routed: u64,
+    /// KV cache: every sequence's window entries and selected compressed entries (584 B each), and the CSA
+    /// indexer keys its indexer scores.
+    pub kv: u64,
+}
+
+impl StepBytes {
+    pub fn total(&self) -> u64 {
+        self.dense + self.routed + self.kv
+    }
+
+    /// The floor of a step of `plan` whose sequences are at `positions` (each reads the caches of positions
+    /// `0..=p`).
+    pub fn of(plan: &MemoryPlan, positions: &[usize]) -> StepBytes {
+        let cfg = &plan.config;
+        let embed = plan
+            .dense_tensor("embed.weight")
+            .map(|t| t.bytes() as u64)
+            .unwrap_or(0);
+        let dense_all: u64 = plan.dense.iter().map(|t| t.bytes() as u64).sum();
+        let row = embed / cfg.vocab_size.max(1) as u64;
+        let dense = dense_all - embed + row * positions.len() as u64;
+        let per_expert = plan.experts.bytes_per_expert() as u64;
+        let experts_per_layer =
+            (positions.len() * cfg.n_activated_experts).min(plan.map.slots) as u64;
+        let routed = per_expert * experts_per_layer * cfg.n_layers as u64;
+        let key_bytes = plan.request.index_keys.entry_bytes() as u64;
+        let kv = positions
+            .iter()
+            .map(|&p| {
+                plan.cache_layers
+                    .iter()
+                    .map(|l| layer_kv_bytes(l, cfg.window_size, cfg.index_topk, p, key_bytes))
+                    .sum::<u64>()
+            })
+            .sum();
+        StepBytes { dense, routed, kv }
+    }
+}
+
+/// KV bytes the query at position `p` reads in one layer.
+fn layer_kv_bytes(l: &LayerCachePlan, window: usize, topk: usize, p: usize, key_bytes: u64) -> u64 {
+    let entry = kv::ENTRY_BYTES as u64;
+    let win = (p + 1).min(window).min(l.window_entries.max(1)) as u64;
+    let (selected, keys) = match l.kind {
+        LayerKind::SlidingWindow => (0, 0),
+        LayerKind::Csa { ratio } => {
+            let n = (p + 1) / ratio;
+            (n.min(topk), n)
+        }
+        LayerKind::Hca { ratio } => ((p + 1) / ratio, 0),
+    };
+    (win + selected as u64) * entry + keys as u64 * key_bytes
+}
+
+/// Percentile `q` (0..=1) of `v` by nearest rank (`v` need not be sorted).
+pub fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let i = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1;
+    s[i]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::plan::PlanRequest;
+    use crate::model::ModelConfig;
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let v: Vec<f64> = (1..=100).rev().map(|x| x as f64).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.9), 90.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&v, 1.0), 100.0);
+        assert!(percentile(&[], 0.5).is_nan());
+    }
+
+    /// The Flash floor at batch 1 is the ~11.4 GB a token reads with NVFP4 experts (issue #25's roofline), and
+    /// the KV part grows with the position as the layer kinds say.
+    #[test]
+    fn flash_floor_at_batch_one() {
+        let cfg = ModelConfig::flash();
+        let plan = MemoryPlan::new(&cfg, &PlanRequest::new(1, 4096, 16, 139 << 30)).unwrap();
+        let b = StepBytes::of(&plan, &[4095]);
+        let gb = b.total() as f64 / 1e9;
+        assert!((10.0..13.0).contains(&gb), "Flash step floor {gb:.2} GB");
+        let early = StepBytes::of(&plan, &[0]);
+        assert_eq!(early.dense, b.dense);
+        assert_eq!(early.routed, b.routed);
+        assert!(early.kv < b.kv);
+        // Position 0 reads one window entry per layer.
+        assert_eq!(early.kv, (cfg.n_layers * kv::ENTRY_BYTES) as u64);
+    }
+}

@@ -1,0 +1,199 @@
+//! Running the model: an [`Engine`] holds the weights and one decode state, feeds prompts through the layers, and
+//! replays one CUDA graph per decode step (captured once per engine: the batch and context capacity are fixed by
+//! the state, every count and position lives on the device).
+//!
+//! A step's graph is captured after one eager run of the same work (the eager run loads every kernel module and
+//! sets its attributes, which a capture must not do), so the first prompt token and the first decode step run
+//! eagerly and every later one replays.
+
+use crate::engine::step::{DecodeState, StepShape};
+use crate::engine::weights::DeviceWeights;
+use crate::gpu::arena;
+use crate::gpu::timing::capture_on;
+use crate::gpu::Gpu;
+use crate::ops::sampler::{SamplerParams, STATUS_RUNNING};
+use anyhow::{anyhow, ensure, Result};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaGraph};
+use std::time::Instant;
+
+/// The weights and one decode state, with the graphs of its prompt and decode steps.
+pub struct Engine {
+    pub weights: DeviceWeights,
+    pub state: DecodeState,
+    prompt_graph: Option<CudaGraph>,
+    step_graph: Option<CudaGraph>,
+    prompt_steps_run: usize,
+    decode_steps_run: usize,
+}
+
+/// What a prefill measured.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillTiming {
+    /// Prompt tokens per sequence (the last one is run by the first decode step).
+    pub tokens: usize,
+    /// Wall time from the first prompt token to the first sampled token (the first decode step included), in
+    /// seconds.
+    pub ttft_s: f64,
+}
+
+impl Engine {
+    /// A decode state of `shape` over `weights`.
+    pub fn new(gpu: &Gpu, weights: DeviceWeights, shape: StepShape) -> Result<Engine> {
+        let state = DecodeState::new(gpu, &weights, shape)?;
+        Ok(Engine {
+            weights,
+            state,
+            prompt_graph: None,
+            step_graph: None,
+            prompt_steps_run: 0,
+            decode_steps_run: 0,
+        })
+    }
+
+    /// Admits one prompt per slot (every slot of the batch; prompts of equal length, at least one token) with
+    /// the sampler's options and stop ids, runs all but the last prompt token through the layers (filling the
+    /// caches), then the first decode step, which samples each sequence's first token. Host work between
+    /// prompt tokens: one upload of the next ids.
+    pub fn prefill(
+        &mut self,
+        gpu: &Gpu,
+        prompts: &[Vec<u32>],
+        params: &SamplerParams,
+        stop_ids: &[u32],
+    ) -> Result<PrefillTiming> {
+        let b = self.state.shape.batch;
+        ensure!(
+            prompts.len() == b,
+            "{} prompts for a batch of {b}",
+            prompts.len()
+        );
+        let len = prompts[0].len();
+        ensure!(len >= 1, "a prompt needs at least one token");
+        ensure!(
+            prompts.iter().all(|p| p.len() == len),
+            "the prompts of one batch must have equal lengths (ragged prefill is not implemented)"
+        );
+        ensure!(
+            len < self.state.shape.context,
+            "a prompt of {len} tokens leaves no room to generate in a context of {}",
+            self.state.shape.context
+        );
+        let vocab = self.state.config.vocab_size;
+        for p in prompts {
+            if let Some(&t) = p.iter().find(|&&t| t as usize >= vocab) {
+                anyhow::bail!("prompt token {t} is outside the vocabulary of {vocab}");
+            }
+        }
+        let stream = gpu.stream.clone();
+        self.state.ws.sampler.set_stop_ids(&stream, stop_ids)?;
+        for (slot, p) in prompts.iter().enumerate() {
+            self.state.ws.sampler.admit(&stream, slot, params, p)?;
+        }
+        self.state.set_positions(&stream, &vec![0; b])?;
+        gpu.synchronize()?;
+        let t0 = Instant::now();
+        for i in 0..len {
+            let ids: Vec<u32> = prompts.iter().map(|p| p[i]).collect();
+            self.state.set_tokens(&stream, &ids)?;
+            if i + 1 < len {
+                self.prompt_step(gpu)?;
+            }
+        }
+        self.decode_step(gpu)?;
+        gpu.synchronize()?;
+        Ok(PrefillTiming {
+            tokens: len,
+            ttft_s: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// One prompt token of every sequence (ids already written): eager the first time, then a graph replay.
+    fn prompt_step(&mut self, gpu: &Gpu) -> Result<()> {
+        let stream = gpu.stream.clone();
+        if self.prompt_graph.is_none() && self.prompt_steps_run >= 1 {
+            let (state, weights) = (&mut self.state, &self.weights);
+            self.prompt_graph = Some(capture_on(&stream, || {
+                state.prompt_step(gpu, &stream, weights)
+            })?);
+        }
+        match &self.prompt_graph {
+            Some(g) => g
+                .launch()
+                .map_err(|e| anyhow!("prompt graph launch: {e:?}"))?,
+            None => self.state.prompt_step(gpu, &stream, &self.weights)?,
+        }
+        self.prompt_steps_run += 1;
+        Ok(())
+    }
+
+    /// Captures the decode step's graph if it is not yet (after at least one eager step).
+    fn capture_decode_step(&mut self, gpu: &Gpu) -> Result<()> {
+        if self.step_graph.is_none() && self.decode_steps_run >= 1 {
+            let stream = gpu.stream.clone();
+            let (state, weights) = (&mut self.state, &self.weights);
+            self.step_graph = Some(capture_on(&stream, || {
+                state.decode_step(gpu, &stream, weights)
+            })?);
+        }
+        Ok(())
+    }
+
+    /// One decode step of every sequence: eager the first time, then a graph replay.
+    pub fn decode_step(&mut self, gpu: &Gpu) -> Result<()> {
+        let stream = gpu.stream.clone();
+        self.capture_decode_step(gpu)?;
+        match &self.step_graph {
+            Some(g) => g
+                .launch()
+                .map_err(|e| anyhow!("step graph launch: {e:?}"))?,
+            None => self.state.decode_step(gpu, &stream, &self.weights)?,
+        }
+        self.decode_steps_run += 1;
+        Ok(())
+    }
+
+    /// `steps` decode steps, each between a pair of events: the device time of every step in microseconds.
+    /// Stops early (after the step that ended them) once no sequence is running.
+    pub fn timed_decode(
+        &mut self,
+        gpu: &Gpu,
+        steps: usize,
+        mut on_step: impl FnMut(usize, &[i32]) -> Result<()>,
+    ) -> Result<Vec<f64>> {
+        let stream = gpu.stream.clone();
+        let ev = || {
+            stream
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| anyhow!("event: {e:?}"))
+        };
+        let mut us = Vec::with_capacity(steps);
+        for i in 0..steps {
+            // Captured outside the event pair, so no step's time includes the host's capture.
+            self.capture_decode_step(gpu)?;
+            let (a, b): (CudaEvent, CudaEvent) = (ev()?, ev()?);
+            a.record(&stream).map_err(|e| anyhow!("{e:?}"))?;
+            self.decode_step(gpu)?;
+            b.record(&stream).map_err(|e| anyhow!("{e:?}"))?;
+            let sampled = arena::download(&stream, &self.state.ws.sampler.sampled)?;
+            us.push(a.elapsed_ms(&b).map_err(|e| anyhow!("elapsed: {e:?}"))? as f64 * 1e3);
+            on_step(i, &sampled)?;
+            if !self.any_running(gpu)? {
+                break;
+            }
+        }
+        Ok(us)
+    }
+
+    /// Whether any sequence is still running (reads the sampler's status; waits for the stream).
+    pub fn any_running(&self, gpu: &Gpu) -> Result<bool> {
+        let status = arena::download(&gpu.stream, &self.state.ws.sampler.status)?;
+        Ok(status.contains(&STATUS_RUNNING))
+    }
+
+    /// The sampler's status per slot (waits for the stream).
+    pub fn status(&self, gpu: &Gpu) -> Result<Vec<i32>> {
+        arena::download(&gpu.stream, &self.state.ws.sampler.status)
+    }
+}
