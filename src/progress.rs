@@ -115,6 +115,38 @@ impl Drop for Progress {
     }
 }
 
+/// Set by the SIGINT handler [`catch_interrupt`] installs.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_sigint(_sig: i32) {
+    // Only an atomic store: async-signal-safe.
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// From now on, Ctrl-C (SIGINT) sets a flag ([`interrupted`]) instead of killing the process, so a long run
+/// stops at the end of its current step with its results written. A second Ctrl-C still stops it at once (the
+/// handler is reset to the default after the first).
+pub fn catch_interrupt() {
+    extern "C" {
+        fn signal(signum: i32, handler: usize) -> usize;
+    }
+    const SIGINT: i32 = 2;
+    // SAFETY: `signal` from the C library the standard library links; the handler only stores an atomic. The
+    // one-shot reset comes from re-installing SIG_DFL (0) inside a wrapper.
+    extern "C" fn once(sig: i32) {
+        on_sigint(sig);
+        unsafe { signal(SIGINT, 0) };
+    }
+    unsafe {
+        signal(SIGINT, once as *const () as usize);
+    }
+}
+
+/// Whether Ctrl-C was pressed since [`catch_interrupt`].
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

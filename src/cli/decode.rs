@@ -118,6 +118,7 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<DecodeS
         args.batch, args.prompt_len
     );
     // No stop ids: every step of the timed run decodes every sequence.
+    crate::progress::catch_interrupt();
     let pre = engine.prefill(gpu, &prompts, &params, &[])?;
     let mut progress = Progress::new("decode", args.max_new_tokens);
     let tpot = engine.timed_decode(gpu, args.max_new_tokens, |i, _| {

@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 mod decode;
+mod generate;
 
 use crate::bench::config::SweepConfig;
 use crate::bench::runner::{self, RunOptions};
@@ -71,6 +72,10 @@ enum Command {
     /// decode.csv. Bad requests (a prompt longer than the context, caches or experts that do not fit, an unknown
     /// model) fail before any GPU work.
     Decode(decode::DecodeArgs),
+    /// Chat with the model on the GPU: the prompt through the chat template and DeepSeek-V4's tokenizer, the
+    /// reply streamed as it is sampled (temperature, top-k, top-p, repetition penalty), then the stop reason,
+    /// TTFT and tokens/s. Ctrl-C stops after the current token.
+    Generate(generate::GenerateArgs),
     /// Run one kernel (or, with --cpu, its CPU reference) on tensors from a safetensors file.
     Exec {
         /// Kernel name; `megamoe exec --list` shows them with their tensor names, dtypes and shapes.
@@ -171,6 +176,12 @@ pub fn main() -> Result<()> {
             let gpu = open_gpu(cli.gpu)?;
             let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
             decode::run(&gpu, &args, out).map(|_| ())
+        }
+        Command::Generate(args) => {
+            let tok = crate::model::tokenizer::Tokenizer::dsv4()?;
+            let prompt = args.check(&tok)?;
+            let gpu = open_gpu(cli.gpu)?;
+            generate::run(&gpu, &args, &tok, prompt)
         }
         Command::Report { dir, variants } => {
             let p = crate::bench::report::report_from_csv_dir_with(&dir, &variants)?;

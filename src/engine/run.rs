@@ -154,7 +154,8 @@ impl Engine {
     }
 
     /// `steps` decode steps, each between a pair of events: the device time of every step in microseconds.
-    /// Stops early (after the step that ended them) once no sequence is running.
+    /// Stops early (after the step that ended them) once no sequence is running, or on Ctrl-C
+    /// ([`crate::progress::catch_interrupt`]).
     pub fn timed_decode(
         &mut self,
         gpu: &Gpu,
@@ -179,7 +180,7 @@ impl Engine {
             let sampled = arena::download(&stream, &self.state.ws.sampler.sampled)?;
             us.push(a.elapsed_ms(&b).map_err(|e| anyhow!("elapsed: {e:?}"))? as f64 * 1e3);
             on_step(i, &sampled)?;
-            if !self.any_running(gpu)? {
+            if crate::progress::interrupted() || !self.any_running(gpu)? {
                 break;
             }
         }
@@ -190,6 +191,16 @@ impl Engine {
     pub fn any_running(&self, gpu: &Gpu) -> Result<bool> {
         let status = arena::download(&gpu.stream, &self.state.ws.sampler.status)?;
         Ok(status.contains(&STATUS_RUNNING))
+    }
+
+    /// The ids the last step sampled per slot (-1: none; waits for the stream).
+    pub fn sampled(&self, gpu: &Gpu) -> Result<Vec<i32>> {
+        arena::download(&gpu.stream, &self.state.ws.sampler.sampled)
+    }
+
+    /// The sampler's sticky error word (`sampler::ERR_*` bits; waits for the stream).
+    pub fn sampler_error(&self, gpu: &Gpu) -> Result<u32> {
+        Ok(arena::download(&gpu.stream, &self.state.ws.sampler.error)?[0])
     }
 
     /// The sampler's status per slot (waits for the stream).
