@@ -45,11 +45,23 @@ pub fn rig(
     batch: usize,
     context: usize,
 ) -> (u64, DeviceWeights, Model, DecodeState) {
+    let (seed, w, m) = rig_weights(gpu, label, cfg, batch, context);
+    let state = DecodeState::new(gpu, &w, StepShape { batch, context }).unwrap();
+    (seed, w, m, state)
+}
+
+/// [`rig`] without the decode state (for an `Engine`, which builds its own).
+pub fn rig_weights(
+    gpu: &Gpu,
+    label: &str,
+    cfg: ModelConfig,
+    batch: usize,
+    context: usize,
+) -> (u64, DeviceWeights, Model) {
     let seed = fresh_seed(label, "MEGAMOE_SEED");
     let req = PlanRequest::new(batch, context, 16, 8 << 30);
     let plan = MemoryPlan::new(&cfg, &req).unwrap();
     let w = DeviceWeights::load(gpu, &plan, &WeightSource::Synthetic { seed }).unwrap();
     let m = Model::new(Weights::synthetic(cfg, seed, CachePolicy::All).unwrap()).unwrap();
-    let state = DecodeState::new(gpu, &w, StepShape { batch, context }).unwrap();
-    (seed, w, m, state)
+    (seed, w, m)
 }
