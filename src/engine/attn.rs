@@ -7,12 +7,12 @@
 //!
 //! | step | what | launches |
 //! |---|---|---|
-//! | 1 | [`hc_pre`](AttnHalf::hc_pre): `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16, then its FP8 1x128 form | `mhc::mhc_pre`, `norm_quant::bench::quantize_bf16_rows` |
-//! | 2-5 | [`projections`](AttnHalf::projections): `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)`, `q = wq_b qr` + per-head RMS + RoPE, the window ring entry; CSA: `indexer.wq_b qr`, `weights_proj a`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
-//! | 6-7 | [`compress`](AttnHalf::compress): compressor inputs `wkv a`, `wgate a` (f32; the kernel adds `ape`), the state update and every m-th position an entry (CSA: also the indexer key) | `dense::bf16_linear`, `compressor::decode_step` |
-//! | 8 | [`select`](AttnHalf::select) (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
-//! | 9 | [`attend`](AttnHalf::attend): each sequence's candidate row (window slots oldest first, then the selected / all visible compressed entries ascending), sparse attention with the sink and the inverse RoPE | `attn_candidates`, `sparse_attn::decode` |
-//! | 10-11 | [`output`](AttnHalf::output): `z = wo_a o` grouped, `z` -> FP8 1x128, `y = wo_b z`, hc_post | `dense::wo_a_grouped`, `quantize_bf16_rows`, `dense::fp8_linear`, `mhc::mhc_post` |
+//! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16, then its FP8 1x128 form | `mhc::mhc_pre`, `norm_quant::bench::quantize_bf16_rows` |
+//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)`, `q = wq_b qr` + per-head RMS + RoPE, the window ring entry; CSA: `indexer.wq_b qr`, `weights_proj a`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
+//! | 6-7 | `compress`: compressor inputs `wkv a`, `wgate a` (f32; the kernel adds `ape`), the state update and every m-th position an entry (CSA: also the indexer key) | `dense::bf16_linear`, `compressor::decode_step` |
+//! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
+//! | 9 | `attend`: each sequence's candidate row (window slots oldest first, then the selected / all visible compressed entries ascending), sparse attention with the sink and the inverse RoPE | `attn_candidates`, `sparse_attn::decode` |
+//! | 10-11 | `output`: `z = wo_a o` grouped, `z` -> FP8 1x128, `y = wo_b z`, hc_post | `dense::wo_a_grouped`, `quantize_bf16_rows`, `dense::fp8_linear`, `mhc::mhc_post` |
 //!
 //! Graph-safe: every buffer is carved from the step's arena or allocated in [`AttnHalf::new`]; positions, lengths,
 //! visible key counts and cache slots are read on the device; nothing is read back.
