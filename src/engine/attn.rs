@@ -1,46 +1,1326 @@
 //! The attention half of a decode layer (docs/engine.md, "The decode step", steps 1-11): `x_in` -> hc_pre +
 //! attn_norm -> q/kv projections -> window ring entry, compressors, indexer top-k -> sparse attention -> output
 //! projection -> hc_post -> `x_out`.
+//!
+//! [`AttnHalf::run`] is the CPU model's `Model::decode_step` up to `residual_mid`, for a batch of sequences each at
+//! its own position (read on the device), in this order:
+//!
+//! | step | what | launches |
+//! |---|---|---|
+//! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16, then its FP8 1x128 form | `mhc::mhc_pre`, `norm_quant::bench::quantize_bf16_rows` |
+//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)`, `q = wq_b qr` + per-head RMS + RoPE, the window ring entry; CSA: `indexer.wq_b qr`, `weights_proj a`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
+//! | 6-7 | `compress`: compressor inputs `wkv a`, `wgate a` (f32; the kernel adds `ape`), the state update and every m-th position an entry (CSA: also the indexer key) | `dense::bf16_linear`, `compressor::decode_step` |
+//! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
+//! | 9 | `attend`: each sequence's candidate row (window slots oldest first, then the selected / all visible compressed entries ascending), sparse attention with the sink and the inverse RoPE | `attn_candidates`, `sparse_attn::decode` |
+//! | 10-11 | `output`: `z = wo_a o` grouped, `z` -> FP8 1x128, `y = wo_b z`, hc_post | `dense::wo_a_grouped`, `quantize_bf16_rows`, `dense::fp8_linear`, `mhc::mhc_post` |
+//!
+//! Graph-safe: every buffer is carved from the step's arena or allocated in [`AttnHalf::new`]; positions, lengths,
+//! visible key counts and cache slots are read on the device; nothing is read back.
+//!
+//! Numerics: the launchers follow `src/model` except where they differ by design: sums in other orders (f32 trees,
+//! tensor cores), sparse attention quantizes q's nope dims to FP8 per 64 (the KV entry rule) and forms the RoPE
+//! angle as one f32 product where the model uses f64, the indexer's logits run on FP8 tensor cores over FP8 keys
+//! with an f32 scale (the model scores the FP4-simulated keys in f32 with BF16 roundings), so its top-k may differ
+//! from the model's among near-tied scores.
+//!
+//! An idle slot (position < 0) writes no cache (window entry, compressor state and entries are skipped), gets an
+//! empty candidate row, and its `x_out` rows are unspecified; all sequences active is the supported case.
 
-use crate::engine::step::{LayerIo, StepShape};
+use crate::engine::cache::{LayerCacheLayout, LayerCaches};
+use crate::engine::plan::LayerCachePlan;
+use crate::engine::step::{host_vector, LayerIo, StepShape, STREAMS};
 use crate::engine::weights::DeviceWeights;
-use crate::gpu::arena::{Arena, WorkspaceLayout};
-use crate::gpu::{Gpu, Stream};
-use crate::model::ModelConfig;
-use anyhow::{bail, Result};
+use crate::gpu::arena::{self, Arena, WorkspaceLayout};
+use crate::gpu::launch::{launch, KernelArgs, Launch};
+use crate::gpu::{DevBuf, DeviceBuf, Gpu, Stream};
+use crate::model::reference::{indexer_weight_scale, layer_rope};
+use crate::model::{LayerKind, ModelConfig};
+use crate::ops::compressor::{
+    self, dev, CompressorKind, CompressorShape, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
+};
+use crate::ops::dense::{self, Bf16Job, DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight};
+use crate::ops::indexer::{self, QueryBatch, TopkWorkspace};
+use crate::ops::mhc::{self, reference::MhcParams, MhcPreOutputs, MhcWeights, MhcWorkspace};
+use crate::ops::norm_quant::{self, OutFormat, QuantView, RowsOut};
+use crate::ops::qkv_prep::{self, WindowRing};
+use crate::ops::sparse_attn::{self, DecodeInputs, DecodeShape, DecodeWorkspace, SplitPlan};
+use anyhow::{anyhow, bail, ensure, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+/// Kernel family of the attention half's glue (kernels/engine_attn.cu).
+pub const FAMILY: &str = "engine_attn";
+/// Block size of the glue kernels (`kAttnGlueThreads`).
+const GLUE_THREADS: u32 = 256;
+
+// ---- the geometry of one attention half -----------------------------------------------------------------------
+
+/// Every size the half's buffers and launches depend on, from the model and the step's shape: what
+/// [`AttnHalf::layout`] counts and [`AttnHalf::new`] carves.
+struct Sizes {
+    batch: usize,
+    dim: usize,
+    q_lora: usize,
+    heads: usize,
+    head_dim: usize,
+    /// `o_groups x o_lora_rank`: z's width.
+    o_dim: usize,
+    index_heads: usize,
+    index_dim: usize,
+    /// Each layer's cache plan (as `DecodeState` sizes its caches) and the attention group it belongs to.
+    plans: Vec<LayerCachePlan>,
+    layer_group: Vec<usize>,
+    groups: Vec<GroupShape>,
+    /// The widest main compressor's W (0 without compressed layers).
+    comp_width: usize,
+    /// CSA layers: the indexer's key capacity per sequence and k (`min(index_topk, capacity)`).
+    index: Option<(usize, usize)>,
+    dense: Vec<DenseShape>,
+    sm_count: usize,
+}
+
+/// The sparse-attention geometry of the layers that share one cache plan.
+#[derive(Clone, Copy, Debug)]
+struct GroupShape {
+    plan: LayerCachePlan,
+    shape: DecodeShape,
+    split: SplitPlan,
+}
+
+/// The longest candidate list a layer of `plan` may see: the window ring, plus CSA's top-k (at most its key
+/// capacity) or HCA's every compressed entry.
+pub fn candidate_stride(plan: &LayerCachePlan, index_topk: usize) -> usize {
+    plan.window_entries
+        + match plan.kind {
+            LayerKind::SlidingWindow => 0,
+            LayerKind::Csa { .. } => index_topk.min(plan.index_keys),
+            LayerKind::Hca { .. } => plan.compressed_entries,
+        }
+}
+
+/// The geometry the launchers hard-wire (qkv_prep, sparse_attn, the indexer), checked before any work.
+fn check_geometry(cfg: &ModelConfig) -> Result<()> {
+    ensure!(
+        cfg.hc_mult == STREAMS,
+        "the attention half runs {STREAMS} mHC streams, the model has {}",
+        cfg.hc_mult
+    );
+    ensure!(
+        cfg.head_dim == qkv_prep::HEAD_DIM && cfg.rope_head_dim == qkv_prep::ROPE_DIM,
+        "the attention kernels need head_dim {} with {} RoPE dims, the model has {} / {}",
+        qkv_prep::HEAD_DIM,
+        qkv_prep::ROPE_DIM,
+        cfg.head_dim,
+        cfg.rope_head_dim
+    );
+    let csa = (0..cfg.n_layers).any(|l| matches!(cfg.layer_kind(l), LayerKind::Csa { .. }));
+    ensure!(
+        !csa || (cfg.index_head_dim == indexer::HEAD_DIM
+            && cfg.index_n_heads == indexer::NUM_HEADS),
+        "the indexer kernels need {} heads of {} dims, the model has {} of {}",
+        indexer::NUM_HEADS,
+        indexer::HEAD_DIM,
+        cfg.index_n_heads,
+        cfg.index_head_dim
+    );
+    ensure!(
+        cfg.n_heads.is_multiple_of(cfg.o_groups),
+        "{} heads do not split into {} output groups",
+        cfg.n_heads,
+        cfg.o_groups
+    );
+    Ok(())
+}
+
+impl Sizes {
+    fn of(cfg: &ModelConfig, shape: &StepShape, sm_count: usize) -> Result<Sizes> {
+        check_geometry(cfg)?;
+        let batch = shape.batch;
+        let plans: Vec<LayerCachePlan> = (0..cfg.n_layers)
+            .map(|l| LayerCachePlan::of(cfg, l, shape.context))
+            .collect();
+        let mut groups: Vec<GroupShape> = Vec::new();
+        let mut layer_group = Vec::with_capacity(plans.len());
+        for plan in &plans {
+            if let Some(g) = groups.iter().position(|g| g.plan == *plan) {
+                layer_group.push(g);
+                continue;
+            }
+            let lay = LayerCacheLayout { plan: *plan, batch };
+            let shape = DecodeShape {
+                batch,
+                heads: cfg.n_heads,
+                stride: candidate_stride(plan, cfg.index_topk),
+                n_entries: lay.n_entries(),
+            };
+            shape.validate()?;
+            let split = SplitPlan::fp8(sm_count, &shape);
+            layer_group.push(groups.len());
+            groups.push(GroupShape {
+                plan: *plan,
+                shape,
+                split,
+            });
+        }
+        let mut index = None;
+        let mut comp_width = 0;
+        for p in &plans {
+            match p.kind {
+                LayerKind::SlidingWindow => {}
+                LayerKind::Hca { .. } => comp_width = comp_width.max(cfg.head_dim),
+                LayerKind::Csa { ratio } => {
+                    comp_width = comp_width.max(2 * cfg.head_dim);
+                    ensure!(
+                        p.index_keys >= 1,
+                        "a context of {} tokens holds no CSA indexer key (ratio {ratio}): the attention half \
+                         needs at least one",
+                        shape.context
+                    );
+                    let k = cfg.index_topk.min(p.index_keys);
+                    ensure!(
+                        index.is_none_or(|i| i == (p.index_keys, k)),
+                        "CSA layers with different key capacities"
+                    );
+                    index = Some((p.index_keys, k));
+                }
+            }
+        }
+        let fp8 = |n: usize, k: usize| DenseShape {
+            kind: DenseKind::Fp8,
+            rows: batch,
+            n,
+            k,
+            jobs: 1,
+        };
+        let bf16 = |n: usize, jobs: usize| DenseShape {
+            kind: DenseKind::Bf16,
+            rows: batch,
+            n,
+            k: cfg.dim,
+            jobs,
+        };
+        let o_dim = cfg.o_groups * cfg.o_lora_rank;
+        let mut dense = vec![
+            fp8(cfg.q_lora_rank, cfg.dim),
+            fp8(cfg.head_dim, cfg.dim),
+            fp8(cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
+            DenseShape {
+                kind: DenseKind::Fp8Bf16x,
+                rows: batch,
+                n: cfg.o_lora_rank,
+                k: cfg.heads_per_group() * cfg.head_dim,
+                jobs: cfg.o_groups,
+            },
+            fp8(cfg.dim, o_dim),
+        ];
+        for p in &plans {
+            match p.kind {
+                LayerKind::SlidingWindow => {}
+                LayerKind::Hca { .. } => dense.push(bf16(cfg.head_dim, 2)),
+                LayerKind::Csa { .. } => {
+                    dense.push(bf16(2 * cfg.head_dim, 2));
+                    dense.push(bf16(2 * cfg.index_head_dim, 2));
+                    dense.push(bf16(cfg.index_n_heads, 1));
+                    dense.push(fp8(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank));
+                }
+            }
+        }
+        for s in &dense {
+            s.check()?;
+        }
+        Ok(Sizes {
+            batch,
+            dim: cfg.dim,
+            q_lora: cfg.q_lora_rank,
+            heads: cfg.n_heads,
+            head_dim: cfg.head_dim,
+            o_dim,
+            index_heads: cfg.index_n_heads,
+            index_dim: cfg.index_head_dim,
+            plans,
+            layer_group,
+            groups,
+            comp_width,
+            index,
+            dense,
+            sm_count,
+        })
+    }
+
+    /// The arena carves of [`AttnBuffers::carve`], in its order.
+    fn layout(&self) -> WorkspaceLayout {
+        let (b, d) = (self.batch, self.dim);
+        let mut l = WorkspaceLayout::new();
+        l.add_bytes(MhcWorkspace::layout(b, d).bytes())
+            .add_bytes(RowsOut::layout(OutFormat::Fp8, b, d).bytes())
+            .add::<bf16>(b * self.q_lora)
+            .add::<bf16>(b * self.head_dim)
+            .add_bytes(RowsOut::layout(OutFormat::Fp8, b, self.q_lora).bytes())
+            .add::<bf16>(b * self.heads * self.head_dim)
+            .add::<f32>(b * self.heads)
+            .add::<f32>(b)
+            .add::<f32>(b * self.comp_width.max(1))
+            .add::<f32>(b * self.comp_width.max(1))
+            .add::<u32>(1)
+            .add::<bf16>(b * self.o_dim)
+            .add_bytes(RowsOut::layout(OutFormat::Fp8, b, self.o_dim).bytes())
+            .add::<bf16>(b * d)
+            .add_bytes(
+                dense::workspace_layout(&self.dense, self.sm_count)
+                    .expect("checked shapes")
+                    .bytes(),
+            );
+        if let Some((capacity, k)) = self.index {
+            let rows = b * self.index_heads;
+            l.add::<bf16>(rows * self.index_dim)
+                .add::<f32>(rows)
+                .add::<bf16>(rows)
+                .add::<f32>(b * 2 * self.index_dim)
+                .add::<f32>(b * 2 * self.index_dim)
+                .add::<f32>(b * capacity)
+                .add_bytes(TopkWorkspace::layout(b, k, capacity).bytes())
+                .add::<i32>(b * k)
+                .add::<f32>(b * k);
+        }
+        for g in &self.groups {
+            l.add_bytes(sparse_attn::workspace_bytes(&g.shape, g.split, false));
+        }
+        l
+    }
+}
+
+// ---- the half's buffers ---------------------------------------------------------------------------------------
+
+/// The workspaces of the half, carved once from the step's arena and shared by every layer (each sized for the
+/// largest layer kind).
+pub struct AttnBuffers {
+    /// mhc_pre's split-K partials.
+    pub mhc: MhcWorkspace,
+    /// Step 1: `a` as FP8 1x128 `[B, D]` (wq_a's and wkv's input; its rstd unused).
+    pub a_fp8: RowsOut,
+    /// Step 2: `qa = wq_a a` BF16 `[B, q_lora]`, `kv_raw = wkv a` BF16 `[B, head_dim]`.
+    pub qa: DevBuf<bf16>,
+    pub kv_raw: DevBuf<bf16>,
+    /// Step 3: `qr = q_norm(qa)` as FP8 1x128 `[B, q_lora]` and its rstd.
+    pub qr: RowsOut,
+    /// Step 4: `wq_b qr` BF16 `[B, heads, head_dim]` before the per-head RMS and RoPE.
+    pub q_raw: DevBuf<bf16>,
+    /// Step 5: the per-head RMS factors `[B, heads]` and the window KV rows' rstd `[B]`.
+    pub q_rstd: DevBuf<f32>,
+    pub kv_rstd: DevBuf<f32>,
+    /// Step 6: the main compressor's inputs `wkv a`, `wgate a`, f32 `[B, W]` (W of the widest compressor).
+    pub comp_kv: DevBuf<f32>,
+    pub comp_gate: DevBuf<f32>,
+    /// u32 `[1]`: bit 0 set by a compressor whose entry fell outside its cache (sticky; zero after `new`).
+    pub error: DevBuf<u32>,
+    /// Step 10: `z = wo_a o` BF16 `[B, o_groups x o_lora]`, its FP8 1x128 form, `y = wo_b z` BF16 `[B, D]`.
+    pub z: DevBuf<bf16>,
+    pub z_fp8: RowsOut,
+    pub y: DevBuf<bf16>,
+    /// Split-K partials and tile counters of every dense linear of the half.
+    pub dense: DenseWorkspace,
+    /// CSA layers' indexer buffers (None when the model has no CSA layer).
+    pub index: Option<IndexBuffers>,
+}
+
+/// The CSA indexer's buffers.
+pub struct IndexBuffers {
+    /// Step 4: `indexer.wq_b qr` BF16 `[B, 64, 128]`.
+    pub qi_raw: DevBuf<bf16>,
+    /// Step 5: `weights_proj a` f32 `[B, 64]` and its BF16 rounding (indexer_q's input).
+    pub w_f32: DevBuf<f32>,
+    pub w_bf16: DevBuf<bf16>,
+    /// Step 6: the indexer compressor's inputs f32 `[B, 2 x 128]`.
+    pub comp_kv: DevBuf<f32>,
+    pub comp_gate: DevBuf<f32>,
+    /// Step 8: scores `[B, capacity]` (row stride = the key capacity), the top-k scratch and its outputs `[B, k]`
+    /// (indices in score order then -1, scores).
+    pub scores: DevBuf<f32>,
+    pub score_stride: usize,
+    pub topk: TopkWorkspace,
+    pub top_idx: DevBuf<i32>,
+    pub top_score: DevBuf<f32>,
+    /// Step 5's outputs, the logits' query: e4m3 q `[B, 64, 128]`, f32 head weights `[B, 64]`, and the visible
+    /// key counts `[B]` (allocated in `new`: the indexer takes owned buffers).
+    pub query: QueryBatch,
+}
+
+impl AttnBuffers {
+    /// Carves in [`Sizes::layout`]'s order (the counters and top-k protocol buffers zeroed on `stream`).
+    fn carve(gpu: &Gpu, s: &Sizes, arena: &mut Arena) -> Result<AttnBuffers> {
+        let (b, d, stream) = (s.batch, s.dim, &gpu.stream);
+        let mhc = MhcWorkspace::carve(arena, b, d)?;
+        let a_fp8 = RowsOut::carve(arena, OutFormat::Fp8, b, d)?;
+        let qa = arena.carve(b * s.q_lora, "attn qa")?;
+        let kv_raw = arena.carve(b * s.head_dim, "attn kv_raw")?;
+        let qr = RowsOut::carve(arena, OutFormat::Fp8, b, s.q_lora)?;
+        let q_raw = arena.carve(b * s.heads * s.head_dim, "attn q before the head finish")?;
+        let q_rstd = arena.carve(b * s.heads, "attn q head rstd")?;
+        let kv_rstd = arena.carve(b, "attn kv rstd")?;
+        let comp_kv = arena.carve(b * s.comp_width.max(1), "compressor kv inputs")?;
+        let comp_gate = arena.carve(b * s.comp_width.max(1), "compressor gate inputs")?;
+        let error = arena.carve(1, "attn error word")?;
+        let z = arena.carve(b * s.o_dim, "attn z")?;
+        let z_fp8 = RowsOut::carve(arena, OutFormat::Fp8, b, s.o_dim)?;
+        let y = arena.carve(b * d, "attn y")?;
+        let dense = DenseWorkspace::carve(arena, stream, &s.dense, s.sm_count)?;
+        arena::fill(stream, &error, 0)?;
+        let index = match s.index {
+            None => None,
+            Some((capacity, k)) => {
+                let rows = b * s.index_heads;
+                Some(IndexBuffers {
+                    qi_raw: arena.carve(rows * s.index_dim, "indexer q before the rotation")?,
+                    w_f32: arena.carve(rows, "indexer weights_proj f32")?,
+                    w_bf16: arena.carve(rows, "indexer weights_proj bf16")?,
+                    comp_kv: arena.carve(b * 2 * s.index_dim, "indexer compressor kv inputs")?,
+                    comp_gate: arena
+                        .carve(b * 2 * s.index_dim, "indexer compressor gate inputs")?,
+                    scores: arena.carve(b * capacity, "indexer scores")?,
+                    score_stride: capacity,
+                    topk: TopkWorkspace::carve(arena, stream, b, k, capacity)?,
+                    top_idx: arena.carve(b * k, "indexer top-k indices")?,
+                    top_score: arena.carve(b * k, "indexer top-k scores")?,
+                    query: QueryBatch {
+                        batch: b,
+                        next_n: 1,
+                        q: gpu.zeros(rows * s.index_dim)?,
+                        w: gpu.zeros(rows)?,
+                        num_valid: gpu.zeros(b)?,
+                    },
+                })
+            }
+        };
+        Ok(AttnBuffers {
+            mhc,
+            a_fp8,
+            qa,
+            kv_raw,
+            qr,
+            q_raw,
+            q_rstd,
+            kv_rstd,
+            comp_kv,
+            comp_gate,
+            error,
+            z,
+            z_fp8,
+            y,
+            dense,
+            index,
+        })
+    }
+}
+
+/// The sparse attention of the layers sharing one cache plan: the capacity shape, its split workspace (carved from
+/// the arena) and the candidate rows (allocated in `new`: `sparse_attn::DecodeInputs` takes owned buffers).
+pub struct AttnGroup {
+    pub shape: DecodeShape,
+    pub ws: DecodeWorkspace,
+    /// i32 `[B, stride]` pool indices (-1 after each row's length) and `[B]` lengths.
+    pub candidates: CudaSlice<i32>,
+    pub lengths: CudaSlice<i32>,
+}
+
+// ---- per-layer weights ----------------------------------------------------------------------------------------
+
+/// An FP8 weight of the dense pool: e4m3 codes `[n, k]` and UE8M0 128x128 scales.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8View {
+    pub codes: DevBuf<u8>,
+    pub scales: DevBuf<u8>,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Fp8View {
+    fn of(w: &DeviceWeights, prefix: &str, n: usize, k: usize) -> Result<Fp8View> {
+        let codes = w.typed::<u8>(&format!("{prefix}.weight"))?;
+        let scales = w.typed::<u8>(&format!("{prefix}.scale"))?;
+        ensure!(
+            codes.len() == n * k && scales.len() == n.div_ceil(128) * k.div_ceil(128),
+            "{prefix}: {} codes and {} scales, expected [{n}, {k}]",
+            codes.len(),
+            scales.len()
+        );
+        Ok(Fp8View {
+            codes,
+            scales,
+            n,
+            k,
+        })
+    }
+    fn weight(&self) -> Fp8Weight<'_> {
+        Fp8Weight {
+            codes: &self.codes,
+            scales: &self.scales,
+            n: self.n,
+            k: self.k,
+        }
+    }
+}
+
+/// One compressor of a layer: its shape, the BF16 projections (views) and what its kernel reads (uploaded).
+pub struct CompressorParams {
+    pub shape: CompressorShape,
+    pub wkv: DevBuf<bf16>,
+    pub wgate: DevBuf<bf16>,
+    pub weights: CompressorWeights,
+}
+
+impl CompressorParams {
+    fn load(
+        gpu: &Gpu,
+        w: &DeviceWeights,
+        prefix: &str,
+        shape: CompressorShape,
+        freqs: &[f64],
+        eps: f32,
+    ) -> Result<CompressorParams> {
+        let s = &gpu.stream;
+        let wkv = w.typed::<bf16>(&format!("{prefix}.wkv.weight"))?;
+        let wgate = w.typed::<bf16>(&format!("{prefix}.wgate.weight"))?;
+        ensure!(
+            wkv.len() == shape.width() * w.plan.config.dim && wgate.len() == wkv.len(),
+            "{prefix}: projections of {} / {} values, expected [{}, {}]",
+            wkv.len(),
+            wgate.len(),
+            shape.width(),
+            w.plan.config.dim
+        );
+        let weights = CompressorWeights::upload(
+            gpu,
+            &shape,
+            &host_vector(s, w, &format!("{prefix}.ape"))?,
+            &host_vector(s, w, &format!("{prefix}.norm.weight"))?,
+            freqs,
+            eps,
+        )?;
+        Ok(CompressorParams {
+            shape,
+            wkv,
+            wgate,
+            weights,
+        })
+    }
+}
+
+/// The CSA indexer's weights of a layer.
+pub struct IndexerParams {
+    pub wq_b: Fp8View,
+    pub weights_proj: DevBuf<bf16>,
+    pub compressor: CompressorParams,
+    /// `indexer_weight_scale(128, 64)`.
+    pub w_scale: f32,
+}
+
+/// One layer's weights as the half's launchers read them.
+pub struct AttnLayer {
+    pub kind: LayerKind,
+    /// `hc_attn_{fn, scale, base}` and `attn_norm.weight` (uploaded: the mHC launchers take owned weights).
+    pub hc: MhcWeights,
+    pub wq_a: Fp8View,
+    pub wkv: Fp8View,
+    pub wq_b: Fp8View,
+    pub wo_a: Fp8View,
+    pub wo_b: Fp8View,
+    pub q_norm: DevBuf<bf16>,
+    pub kv_norm: DevBuf<bf16>,
+    /// The layer's RoPE frequencies (`layer_rope`): f64 for qkv_prep and the compressors, f32 for sparse_attn.
+    pub rope: CudaSlice<f64>,
+    pub rope_f32: CudaSlice<f32>,
+    /// `attn_sink` f32 `[heads]`.
+    pub sink: CudaSlice<f32>,
+    pub compressor: Option<CompressorParams>,
+    pub indexer: Option<IndexerParams>,
+    /// Index into [`AttnHalf::groups`].
+    pub group: usize,
+}
+
+impl AttnLayer {
+    fn load(gpu: &Gpu, w: &DeviceWeights, l: usize, group: usize) -> Result<AttnLayer> {
+        let cfg = &w.plan.config;
+        let s = &gpu.stream;
+        let (d, hd, eps) = (cfg.dim, cfg.head_dim, cfg.norm_eps);
+        let p = format!("layers.{l}");
+        let a = format!("{p}.attn");
+        let scale: [f32; 3] = host_vector(s, w, &format!("{p}.hc_attn_scale"))?
+            .try_into()
+            .map_err(|v: Vec<f32>| anyhow!("{p}.hc_attn_scale has {} values", v.len()))?;
+        let base: [f32; mhc::HC_MIX] = host_vector(s, w, &format!("{p}.hc_attn_base"))?
+            .try_into()
+            .map_err(|v: Vec<f32>| anyhow!("{p}.hc_attn_base has {} values", v.len()))?;
+        let params = MhcParams {
+            mix_fn: host_vector(s, w, &format!("{p}.hc_attn_fn"))?,
+            scale,
+            base,
+        };
+        let hc = MhcWeights::upload(
+            gpu,
+            &params,
+            &host_vector(s, w, &format!("{p}.attn_norm.weight"))?,
+            d,
+        )?;
+        let rope = layer_rope(cfg, l).freqs;
+        let rope_f32: Vec<f32> = rope.iter().map(|&f| f as f32).collect();
+        let kind = cfg.layer_kind(l);
+        let compressor = match kind {
+            LayerKind::SlidingWindow => None,
+            LayerKind::Csa { ratio } | LayerKind::Hca { ratio } => {
+                let ck = if matches!(kind, LayerKind::Csa { .. }) {
+                    CompressorKind::CsaMain
+                } else {
+                    CompressorKind::HcaMain
+                };
+                let shape = CompressorShape { kind: ck, ratio };
+                Some(CompressorParams::load(
+                    gpu,
+                    w,
+                    &format!("{a}.compressor"),
+                    shape,
+                    &rope,
+                    eps,
+                )?)
+            }
+        };
+        let indexer = match kind {
+            LayerKind::Csa { ratio } => {
+                let ix = format!("{a}.indexer");
+                let keys = crate::engine::cache::key_format(w.plan.request.index_keys);
+                let shape = CompressorShape {
+                    kind: CompressorKind::CsaIndex(keys),
+                    ratio,
+                };
+                let weights_proj = w.typed::<bf16>(&format!("{ix}.weights_proj.weight"))?;
+                ensure!(
+                    weights_proj.len() == cfg.index_n_heads * d,
+                    "{ix}.weights_proj has {} values",
+                    weights_proj.len()
+                );
+                Some(IndexerParams {
+                    wq_b: Fp8View::of(
+                        w,
+                        &format!("{ix}.wq_b"),
+                        cfg.index_n_heads * cfg.index_head_dim,
+                        cfg.q_lora_rank,
+                    )?,
+                    weights_proj,
+                    compressor: CompressorParams::load(
+                        gpu,
+                        w,
+                        &format!("{ix}.compressor"),
+                        shape,
+                        &rope,
+                        eps,
+                    )?,
+                    w_scale: indexer_weight_scale(cfg.index_head_dim, cfg.index_n_heads),
+                })
+            }
+            _ => None,
+        };
+        let sink = host_vector(s, w, &format!("{a}.attn_sink"))?;
+        ensure!(
+            sink.len() == cfg.n_heads,
+            "{a}.attn_sink has {} values",
+            sink.len()
+        );
+        let bf16_vec = |name: String, n: usize| -> Result<DevBuf<bf16>> {
+            let v = w.typed::<bf16>(&name)?;
+            ensure!(v.len() == n, "{name} has {} values, expected {n}", v.len());
+            Ok(v)
+        };
+        let o_dim = cfg.o_groups * cfg.o_lora_rank;
+        Ok(AttnLayer {
+            kind,
+            hc,
+            wq_a: Fp8View::of(w, &format!("{a}.wq_a"), cfg.q_lora_rank, d)?,
+            wkv: Fp8View::of(w, &format!("{a}.wkv"), hd, d)?,
+            wq_b: Fp8View::of(w, &format!("{a}.wq_b"), cfg.n_heads * hd, cfg.q_lora_rank)?,
+            wo_a: Fp8View::of(w, &format!("{a}.wo_a"), o_dim, cfg.heads_per_group() * hd)?,
+            wo_b: Fp8View::of(w, &format!("{a}.wo_b"), d, o_dim)?,
+            q_norm: bf16_vec(format!("{a}.q_norm.weight"), cfg.q_lora_rank)?,
+            kv_norm: bf16_vec(format!("{a}.kv_norm.weight"), hd)?,
+            rope: gpu.upload(&rope)?,
+            rope_f32: gpu.upload(&rope_f32)?,
+            sink: gpu.upload(&sink)?,
+            compressor,
+            indexer,
+            group,
+        })
+    }
+}
+
+// ---- the half -------------------------------------------------------------------------------------------------
 
 /// The attention half's per-layer weights (views into the dense pool, plus what the launchers need uploaded) and
-/// its workspaces (carved once from the step's arena, shared by every layer).
-pub struct AttnHalf {}
+/// its workspaces (carved once from the step's arena, shared by every layer). Every buffer is public for the
+/// parity tests.
+pub struct AttnHalf {
+    pub config: ModelConfig,
+    pub batch: usize,
+    pub layers: Vec<AttnLayer>,
+    pub bufs: AttnBuffers,
+    pub groups: Vec<AttnGroup>,
+    /// Each layer's cache plan (checked against the caches a run is handed).
+    plans: Vec<LayerCachePlan>,
+    /// Step 1's outputs (pre, post, comb, u, and `a` = RMSNorm(u) as BF16 `[B, D]`), allocated in `new`.
+    pub hc_out: MhcPreOutputs,
+    /// A view of `hc_out`'s BF16 `a`.
+    pub a: DevBuf<bf16>,
+    /// Step 5's q `[B, heads, head_dim]` BF16 (RoPE'd; sparse_attn's input) and step 9's attention output o (same
+    /// layout, inverse RoPE'd), allocated in `new` (`sparse_attn::decode` takes owned buffers).
+    pub q: CudaSlice<bf16>,
+    pub o: CudaSlice<bf16>,
+    /// The dense pool the weight views point into.
+    pool_addr: u64,
+}
 
 impl AttnHalf {
     /// The carves of [`AttnHalf::new`] for `shape` (the largest any layer of `cfg` needs).
     pub fn layout(
-        _cfg: &ModelConfig,
-        _shape: &StepShape,
-        _sm_count: usize,
+        cfg: &ModelConfig,
+        shape: &StepShape,
+        sm_count: usize,
     ) -> Result<WorkspaceLayout> {
-        Ok(WorkspaceLayout::new())
+        Ok(Sizes::of(cfg, shape, sm_count)?.layout())
     }
 
+    /// Builds every layer's weights (views into `weights`' pool; the mHC parameters, RoPE tables, sinks and
+    /// compressor parameters read back and uploaded once) and carves the workspaces from `arena` (on the GPU's
+    /// stream). `run` must be handed the same `weights`.
     pub fn new(
-        _gpu: &Gpu,
-        _weights: &DeviceWeights,
-        _shape: &StepShape,
-        _arena: &mut Arena,
+        gpu: &Gpu,
+        weights: &DeviceWeights,
+        shape: &StepShape,
+        arena: &mut Arena,
     ) -> Result<AttnHalf> {
-        Ok(AttnHalf {})
+        let cfg = weights.plan.config.clone();
+        let s = Sizes::of(&cfg, shape, gpu.info.sm_count as usize)?;
+        let used = arena.used();
+        let bufs = AttnBuffers::carve(gpu, &s, arena)?;
+        let mut groups = Vec::with_capacity(s.groups.len());
+        for g in &s.groups {
+            groups.push(AttnGroup {
+                shape: g.shape,
+                ws: DecodeWorkspace::carve(arena, &g.shape, g.split, false)?,
+                candidates: gpu.poisoned(s.batch * g.shape.stride, 0xFF)?,
+                lengths: gpu.zeros(s.batch)?,
+            });
+        }
+        ensure!(
+            arena.used() - used == s.layout().bytes(),
+            "the attention half carved {} B, its layout counts {} B",
+            arena.used() - used,
+            s.layout().bytes()
+        );
+        let layers = (0..cfg.n_layers)
+            .map(|l| AttnLayer::load(gpu, weights, l, s.layer_group[l]))
+            .collect::<Result<Vec<_>>>()?;
+        let hc_out = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Bf16, s.batch, s.dim)?;
+        let QuantView::Bf16 { y: a } = hc_out.normed.view().q else {
+            bail!("mhc_pre's outputs were allocated as BF16")
+        };
+        let qo = s.batch * s.heads * s.head_dim;
+        Ok(AttnHalf {
+            batch: s.batch,
+            layers,
+            bufs,
+            groups,
+            plans: s.plans,
+            hc_out,
+            a,
+            q: gpu.poisoned(qo, 0xFF)?,
+            o: gpu.poisoned(qo, 0xFF)?,
+            pool_addr: weights.pool().device_addr(),
+            config: cfg,
+        })
     }
 
     /// Steps 1-11 of layer `layer`: reads `io.x_in`, writes `io.x_out`, updates the layer's caches.
     pub fn run(
         &mut self,
-        _gpu: &Gpu,
-        _stream: &Stream,
-        _weights: &DeviceWeights,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
         layer: usize,
-        _io: &LayerIo,
+        io: &LayerIo,
     ) -> Result<()> {
-        bail!("the attention half of layer {layer} is not composed yet")
+        ensure!(
+            layer < self.layers.len(),
+            "layer {layer} of {}",
+            self.layers.len()
+        );
+        ensure!(
+            weights.pool().device_addr() == self.pool_addr,
+            "the attention half was built on other weights"
+        );
+        ensure!(
+            io.caches.layout.plan == self.plans[layer] && io.caches.layout.batch == self.batch,
+            "layer {layer}: caches of {:?} for a half built for {:?} x {}",
+            io.caches.layout,
+            self.plans[layer],
+            self.batch
+        );
+        self.hc_pre(gpu, stream, layer, io)?;
+        self.projections(gpu, stream, layer, io)?;
+        self.compress(gpu, stream, layer, io)?;
+        self.select(gpu, stream, layer, io)?;
+        self.attend(gpu, stream, layer, io)?;
+        self.output(gpu, stream, layer, io)
+    }
+
+    /// The sparse-attention group of `layer` (its candidate rows and lengths after a run).
+    pub fn group(&self, layer: usize) -> &AttnGroup {
+        &self.groups[self.layers[layer].group]
+    }
+
+    /// Step 1: hc_pre of `x_in` with `hc_attn_*` and attn_norm -> `a` BF16 (compressors, weights_proj) and its
+    /// FP8 1x128 form (wq_a, wkv): the model's `fp8_act_quant(a)` of the BF16 `a`, bit for bit.
+    fn hc_pre(&mut self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
+        let eps = self.config.norm_eps;
+        let hc = &self.layers[layer].hc;
+        mhc::mhc_pre(
+            gpu,
+            stream,
+            io.x_in,
+            hc,
+            eps,
+            &self.bufs.mhc,
+            &mut self.hc_out,
+        )?;
+        norm_quant::bench::quantize_bf16_rows(gpu, stream, &self.a, &self.bufs.a_fp8)
+    }
+
+    /// Steps 2-5: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` (FP8), `q = wq_b qr` finished per head
+    /// (RMS, RoPE at the position) into [`AttnHalf::q`]; the window KV entry into the ring slot of each sequence's
+    /// position; CSA: `qi = indexer.wq_b qr`, `w = bf16(weights_proj a)`, the visible key counts and the indexer
+    /// query (rotated FP8 q, head weights with the scale folded in).
+    fn projections(&self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
+        let (l, b, cfg) = (&self.layers[layer], &self.bufs, &self.config);
+        let (n, eps) = (self.batch, cfg.norm_eps);
+        let a8 = fp8_rows(&b.a_fp8)?;
+        dense::fp8_linear(gpu, stream, &a8, &l.wq_a.weight(), &b.dense, &b.qa)?;
+        dense::fp8_linear(gpu, stream, &a8, &l.wkv.weight(), &b.dense, &b.kv_raw)?;
+        qkv_prep::q_lora_norm(gpu, stream, &b.qa, &l.q_norm, eps, &b.qr)?;
+        let qr8 = fp8_rows(&b.qr)?;
+        dense::fp8_linear(gpu, stream, &qr8, &l.wq_b.weight(), &b.dense, &b.q_raw)?;
+        qkv_prep::q_heads(
+            gpu,
+            stream,
+            &b.q_raw,
+            io.positions,
+            &l.rope,
+            n,
+            cfg.n_heads,
+            eps,
+            &self.q,
+            &b.q_rstd,
+        )?;
+        let ring = WindowRing {
+            pool: &io.caches.pool,
+            seq_base: &io.caches.window_base,
+            tokens_per_seq: 1,
+            window: io.caches.layout.plan.window_entries,
+        };
+        qkv_prep::kv_entries(
+            gpu,
+            stream,
+            &b.kv_raw,
+            &l.kv_norm,
+            io.positions,
+            &l.rope,
+            n,
+            eps,
+            &ring,
+            &b.kv_rstd,
+        )?;
+        let (Some(ix), Some(ib)) = (&l.indexer, &b.index) else {
+            return Ok(());
+        };
+        dense::fp8_linear(gpu, stream, &qr8, &ix.wq_b.weight(), &b.dense, &ib.qi_raw)?;
+        let job = Bf16Job {
+            w: &ix.weights_proj,
+            n: cfg.index_n_heads,
+            y: &ib.w_f32,
+        };
+        dense::bf16_linear(gpu, stream, &self.a, n, cfg.dim, &[job], &b.dense)?;
+        indexer_inputs(
+            gpu,
+            stream,
+            &ib.w_f32,
+            &ib.w_bf16,
+            io.positions,
+            ix.compressor.shape.ratio,
+            &ib.query.num_valid,
+        )?;
+        qkv_prep::indexer_q(
+            gpu,
+            stream,
+            &ib.qi_raw,
+            &ib.w_bf16,
+            io.positions,
+            &l.rope,
+            n,
+            cfg.index_n_heads,
+            ix.w_scale,
+            &ib.query.q,
+            &ib.query.w,
+        )
+    }
+
+    /// Steps 6-7: the compressors' inputs `wkv a`, `wgate a` (f32, one launch per compressor) and their state
+    /// update, which every m-th position finalizes an entry into the sequence's compressed block of the pool (CSA:
+    /// also the indexer key into its key cache). The `ape` row of the position is added by the kernel.
+    fn compress(&self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
+        let (l, b, c) = (&self.layers[layer], &self.bufs, io.caches);
+        if let Some(main) = &l.compressor {
+            let slots = EntrySlots {
+                base: dev(&c.compressed_base),
+                capacity: dev(&c.compressed_capacity),
+            };
+            let cache = EntryCache::kv(&c.pool);
+            let inputs = (b.comp_kv, b.comp_gate);
+            self.compressor_step(gpu, stream, main, inputs, &c.state, slots, cache, io)?;
+        }
+        if let (Some(ix), Some(ib)) = (&l.indexer, &b.index) {
+            let Some(ic) = &c.index else {
+                bail!("layer {layer} is CSA but its caches hold no indexer keys")
+            };
+            let slots = EntrySlots {
+                base: dev(&ic.base),
+                capacity: dev(&ic.capacity),
+            };
+            let cache = EntryCache::index(&ic.keys);
+            let inputs = (ib.comp_kv, ib.comp_gate);
+            self.compressor_step(
+                gpu,
+                stream,
+                &ix.compressor,
+                inputs,
+                &ic.state,
+                slots,
+                cache,
+                io,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// One compressor of steps 6-7: its two BF16 linears of `a` into `inputs` (f32 `[B, W]`), then the decode
+    /// step on `state` (`[B, state_floats]`, `LayerCaches::state` or the indexer's).
+    #[allow(clippy::too_many_arguments)]
+    fn compressor_step(
+        &self,
+        gpu: &Gpu,
+        stream: &Stream,
+        c: &CompressorParams,
+        inputs: (DevBuf<f32>, DevBuf<f32>),
+        state: &CudaSlice<f32>,
+        slots: EntrySlots,
+        cache: EntryCache,
+        io: &LayerIo,
+    ) -> Result<()> {
+        let (n, w) = (self.batch, c.shape.width());
+        let (kv, gate) = (inputs.0.sub(0, n * w), inputs.1.sub(0, n * w));
+        let jobs = [
+            Bf16Job {
+                w: &c.wkv,
+                n: w,
+                y: &kv,
+            },
+            Bf16Job {
+                w: &c.wgate,
+                n: w,
+                y: &gate,
+            },
+        ];
+        dense::bf16_linear(
+            gpu,
+            stream,
+            &self.a,
+            n,
+            self.config.dim,
+            &jobs,
+            &self.bufs.dense,
+        )?;
+        let dio = DecodeIo {
+            batch: n,
+            kv,
+            gate,
+            positions: dev(io.positions),
+            state: dev(state),
+            slots,
+            cache,
+            pooled: None,
+            error: self.bufs.error,
+        };
+        compressor::decode_step(gpu, stream, &c.shape, &c.weights, &dio)
+    }
+
+    /// Step 8 (CSA): the indexer's logits over each sequence's visible keys (the counts of step 5) and their
+    /// top-k: `min(k, visible)` indices in score order, then -1.
+    fn select(&self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
+        let (Some(_), Some(ib)) = (&self.layers[layer].indexer, &self.bufs.index) else {
+            return Ok(());
+        };
+        let Some(ic) = &io.caches.index else {
+            bail!("layer {layer} is CSA but its caches hold no indexer keys")
+        };
+        indexer::logits(
+            gpu,
+            stream,
+            &ib.query,
+            &ic.keys,
+            &ib.scores,
+            ib.score_stride,
+        )?;
+        indexer::topk(
+            gpu,
+            stream,
+            &ib.scores,
+            &ib.query.num_valid,
+            &ib.topk,
+            &ib.top_idx,
+            &ib.top_score,
+        )
+    }
+
+    /// Step 9: each sequence's candidate row ([`build_candidates`]), then sparse attention over it with the
+    /// layer's sink and the inverse RoPE at the position into [`AttnHalf::o`].
+    fn attend(&mut self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
+        let l = &self.layers[layer];
+        let g = &self.groups[l.group];
+        let compressed = match (l.kind, &self.bufs.index) {
+            (LayerKind::SlidingWindow, _) => Compressed::None,
+            (LayerKind::Hca { .. }, _) => Compressed::AllVisible,
+            (LayerKind::Csa { .. }, Some(ib)) => Compressed::TopK {
+                idx: &ib.top_idx,
+                k: ib.topk.k,
+            },
+            (LayerKind::Csa { .. }, None) => bail!("layer {layer} is CSA without indexer buffers"),
+        };
+        build_candidates(
+            gpu,
+            stream,
+            io.positions,
+            io.caches,
+            compressed,
+            &g.candidates,
+            &g.lengths,
+            g.shape.stride,
+        )?;
+        let inputs = DecodeInputs {
+            q: &self.q,
+            pool: &io.caches.pool,
+            candidates: &g.candidates,
+            lengths: &g.lengths,
+            positions: io.positions,
+            sinks: &l.sink,
+            freqs: &l.rope_f32,
+        };
+        sparse_attn::decode(
+            gpu,
+            stream,
+            sparse_attn::Path::Fp8,
+            &g.shape,
+            &inputs,
+            &g.ws,
+            &mut self.o,
+        )
+    }
+
+    /// Steps 10-11: `z = wo_a o` per output group (BF16 o, FP8 weight), `z` -> FP8 1x128, `y = wo_b z`, then
+    /// hc_post of `y` with step 1's post and comb over `x_in` into `x_out`.
+    fn output(&self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
+        let (l, b, cfg) = (&self.layers[layer], &self.bufs, &self.config);
+        let n = self.batch;
+        dense::wo_a_grouped(
+            gpu,
+            stream,
+            &self.o,
+            n,
+            &l.wo_a.weight(),
+            cfg.o_groups,
+            &b.dense,
+            &b.z,
+        )?;
+        norm_quant::bench::quantize_bf16_rows(gpu, stream, &b.z, &b.z_fp8)?;
+        dense::fp8_linear(
+            gpu,
+            stream,
+            &fp8_rows(&b.z_fp8)?,
+            &l.wo_b.weight(),
+            &b.dense,
+            &b.y,
+        )?;
+        mhc::mhc_post(
+            gpu,
+            stream,
+            &b.y,
+            io.x_in,
+            &self.hc_out.post,
+            &self.hc_out.comb,
+            n,
+            cfg.dim,
+            io.x_out,
+        )
+    }
+
+    /// Fills every intermediate output of the half with 0xFF (NaN in f32 / BF16 / e4m3, -1 in i32) on `stream`, so
+    /// a test sees any that a run fails to write. The caches, the dense tile counters and the top-k protocol
+    /// buffers (which must stay zero between calls) are left alone.
+    pub fn poison(&mut self, gpu: &Gpu, stream: &Stream) -> Result<()> {
+        let b = &self.bufs;
+        let p = |d: &DevBuf<u8>| arena::fill(stream, d, 0xFF);
+        fn bytes<T>(d: &DevBuf<T>) -> DevBuf<u8> {
+            // SAFETY: the same memory, viewed as bytes.
+            unsafe { DevBuf::from_raw(d.device_addr(), d.bytes()) }
+        }
+        let rows = |r: &RowsOut| -> Vec<DevBuf<u8>> {
+            let mut v = vec![bytes(&r.rstd)];
+            match &r.q {
+                QuantView::Fp8 { data, scales } => v.extend([*data, *scales]),
+                QuantView::Bf16 { y } => v.push(bytes(y)),
+                QuantView::Nvfp4 {
+                    data,
+                    scales,
+                    global_scale,
+                } => v.extend([*data, *scales, bytes(global_scale)]),
+            }
+            v
+        };
+        let mut all: Vec<DevBuf<u8>> = vec![
+            bytes(&b.qa),
+            bytes(&b.kv_raw),
+            bytes(&b.q_raw),
+            bytes(&b.q_rstd),
+            bytes(&b.kv_rstd),
+            bytes(&b.comp_kv),
+            bytes(&b.comp_gate),
+            bytes(&b.z),
+            bytes(&b.y),
+        ];
+        for r in [&b.a_fp8, &b.qr, &b.z_fp8] {
+            all.extend(rows(r));
+        }
+        if let Some(ib) = &b.index {
+            all.extend([
+                bytes(&ib.qi_raw),
+                bytes(&ib.w_f32),
+                bytes(&ib.w_bf16),
+                bytes(&ib.comp_kv),
+                bytes(&ib.comp_gate),
+                bytes(&ib.scores),
+                bytes(&ib.top_idx),
+                bytes(&ib.top_score),
+                bytes(&dev(&ib.query.q)),
+                bytes(&dev(&ib.query.w)),
+                bytes(&dev(&ib.query.num_valid)),
+            ]);
+        }
+        for g in &self.groups {
+            all.extend([bytes(&dev(&g.candidates)), bytes(&dev(&g.lengths))]);
+        }
+        all.extend([bytes(&dev(&self.q)), bytes(&dev(&self.o))]);
+        for d in &all {
+            p(d)?;
+        }
+        // Step 1's owned outputs are poisoned on the GPU's stream: order it with `stream`'s work.
+        stream.synchronize()?;
+        self.hc_out.poison(gpu)?;
+        gpu.synchronize()
+    }
+}
+
+/// FP8 1x128 rows of a row output (the dense linears' activation view).
+fn fp8_rows(r: &RowsOut) -> Result<Fp8Rows<'_>> {
+    let QuantView::Fp8 { data, scales } = &r.q else {
+        bail!("expected FP8 rows, got {}", r.format.name())
+    };
+    Ok(Fp8Rows {
+        codes: data,
+        scales,
+        rows: r.rows,
+        k: r.d,
+    })
+}
+
+// ---- the glue launchers (kernels/engine_attn.cu) --------------------------------------------------------------
+
+/// The host twin of `attn_indexer_inputs`' counts: the indexer keys a query at each position sees, `(t + 1) /
+/// ratio` (`LayerCacheLayout::compressed_after`), 0 for an idle slot.
+pub fn visible_keys(positions: &[i32], ratio: usize) -> Vec<i32> {
+    positions
+        .iter()
+        .map(|&t| if t >= 0 { (t + 1) / ratio as i32 } else { 0 })
+        .collect()
+}
+
+/// `attn_indexer_inputs`: `w_bf16 = bf16(w_f32)` (round to nearest even, the model's `bf16_linear` rounding of
+/// weights_proj's output) and `num_valid[b] = `[`visible_keys`] of the positions, one launch.
+pub fn indexer_inputs(
+    gpu: &Gpu,
+    stream: &Stream,
+    w_f32: &impl DeviceBuf<f32>,
+    w_bf16: &impl DeviceBuf<bf16>,
+    positions: &impl DeviceBuf<i32>,
+    ratio: usize,
+    num_valid: &impl DeviceBuf<i32>,
+) -> Result<()> {
+    let (n, batch) = (w_f32.elems(), positions.elems());
+    ensure!(
+        w_bf16.elems() == n && num_valid.elems() >= batch && n <= i32::MAX as usize,
+        "attn_indexer_inputs: {n} weights into {}, {batch} positions into {} counts",
+        w_bf16.elems(),
+        num_valid.elems()
+    );
+    ensure!(ratio >= 1, "attn_indexer_inputs: ratio 0");
+    let k = gpu.kernel(FAMILY, "attn_indexer_inputs")?;
+    let mut a = KernelArgs::new();
+    a.buf(w_f32)
+        .i32(n as i32)
+        .buf(w_bf16)
+        .buf(positions)
+        .i32(batch as i32)
+        .i32(ratio as i32)
+        .buf(num_valid);
+    // SAFETY: the kernel's parameter list; it reads / writes index < n and < batch only, checked above.
+    unsafe { launch(stream, &k, Launch::over(n.max(batch), GLUE_THREADS), &mut a) }
+}
+
+/// Which compressed entries a query attends to besides its window (the candidate builder's mode).
+#[derive(Clone, Copy, Debug)]
+pub enum Compressed<'a> {
+    /// Sliding-window layers: none.
+    None,
+    /// CSA: the indexer's top-k rows `[batch, k]` (`min(k, visible)` indices in score order, then -1), which the
+    /// builder sorts ascending (the model sorts its selection).
+    TopK { idx: &'a DevBuf<i32>, k: usize },
+    /// HCA: every visible entry `0..(t + 1) / ratio`.
+    AllVisible,
+}
+
+/// `attn_candidates`: each sequence's candidate row for `sparse_attn::decode` from its position (device): the
+/// window ring slots of positions `max(0, t - W + 1) ..= t` oldest first, then the compressed entries of
+/// `compressed` as pool indices (ascending), then -1 up to `stride`; `lengths[b]` the count (0 for a position < 0).
+/// The host twin is `LayerCacheLayout::candidate_rows` (with the selections sorted). `stride` must hold the
+/// longest list the layer can produce ([`candidate_stride`]).
+#[allow(clippy::too_many_arguments)]
+pub fn build_candidates(
+    gpu: &Gpu,
+    stream: &Stream,
+    positions: &impl DeviceBuf<i32>,
+    caches: &LayerCaches,
+    compressed: Compressed<'_>,
+    candidates: &impl DeviceBuf<i32>,
+    lengths: &impl DeviceBuf<i32>,
+    stride: usize,
+) -> Result<()> {
+    let lay = &caches.layout;
+    let batch = lay.batch;
+    ensure!(
+        positions.elems() == batch && lengths.elems() >= batch,
+        "attn_candidates: {} positions and {} lengths for a batch of {batch}",
+        positions.elems(),
+        lengths.elems()
+    );
+    ensure!(
+        candidates.elems() >= batch * stride && batch * stride <= i32::MAX as usize,
+        "attn_candidates: {} candidates for {batch} rows of {stride}",
+        candidates.elems()
+    );
+    let ratio = lay.ratio();
+    let (mode, sel, k, longest) = match compressed {
+        Compressed::None => (0, None, 0, 0),
+        Compressed::TopK { idx, k } => {
+            ensure!(
+                (1..=indexer::TOPK_MAX_K).contains(&k) && idx.len() >= batch * k,
+                "attn_candidates: top-k rows of {k} in {} indices",
+                idx.len()
+            );
+            (1, Some(idx), k, k)
+        }
+        Compressed::AllVisible => (2, None, 0, lay.plan.compressed_entries),
+    };
+    ensure!(
+        mode == 0 || ratio >= 1,
+        "attn_candidates: compressed candidates on a layer without compression"
+    );
+    ensure!(
+        stride >= lay.plan.window_entries + longest,
+        "attn_candidates: stride {stride} is shorter than the window {} + {longest} compressed entries",
+        lay.plan.window_entries
+    );
+    let sort_n = if k == 0 { 0 } else { k.next_power_of_two() };
+    let smem = 4 * sort_n;
+    let kern = gpu.kernel_with_smem(FAMILY, "attn_candidates", smem)?;
+    let mut a = KernelArgs::new();
+    a.buf(positions)
+        .buf(&caches.window_base)
+        .i32(lay.plan.window_entries as i32)
+        .buf(&caches.compressed_base)
+        .i32(ratio.max(1) as i32)
+        .i32(mode);
+    match sel {
+        Some(idx) => a.buf(idx),
+        None => a.null(),
+    };
+    a.i32(k as i32)
+        .i32(sort_n as i32)
+        .buf(candidates)
+        .i32(stride as i32)
+        .buf(lengths);
+    let l = Launch::new((batch as u32, 1, 1), (GLUE_THREADS, 1, 1)).smem(smem);
+    // SAFETY: the kernel's parameter list; CTA b < batch reads positions / bases [b] (arrays of `batch`), top-k
+    // row b (`batch * k` checked), and writes row b of `stride` (`batch * stride` checked) and lengths[b].
+    unsafe { launch(stream, &kern, l, &mut a) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::cache::LayerCacheLayout;
+
+    /// The visible key counts follow the cache layout's emission rule, and the candidate stride holds the longest
+    /// list of every layer kind at the last position of the context.
+    #[test]
+    fn visible_keys_and_strides_cover_the_context() {
+        let mut cfg = ModelConfig::small();
+        cfg.window_size = 24;
+        cfg.compress_ratios = vec![0, 0, 4, 8, 4, 8];
+        let (batch, context) = (2, 64);
+        for l in 0..cfg.n_layers {
+            let plan = LayerCachePlan::of(&cfg, l, context);
+            let lay = LayerCacheLayout { plan, batch };
+            let stride = candidate_stride(&plan, cfg.index_topk);
+            if lay.ratio() > 0 {
+                let pos: Vec<i32> = (-1..context as i32).collect();
+                let got = visible_keys(&pos, lay.ratio());
+                for (&p, &g) in pos.iter().zip(&got) {
+                    let want = if p < 0 {
+                        0
+                    } else {
+                        lay.compressed_after(p as usize)
+                    };
+                    assert_eq!(g as usize, want, "layer {l} position {p}");
+                }
+            }
+            let last = context - 1;
+            let longest: Vec<usize> = match plan.kind {
+                LayerKind::SlidingWindow => vec![],
+                LayerKind::Csa { .. } => {
+                    (0..cfg.index_topk.min(lay.compressed_after(last))).collect()
+                }
+                LayerKind::Hca { .. } => (0..lay.compressed_after(last)).collect(),
+            };
+            let (rows, lengths) = lay
+                .candidate_rows(&[last as i32, 3], &[longest.clone(), vec![]], stride)
+                .unwrap();
+            assert_eq!(
+                lengths[0] as usize, stride,
+                "layer {l}: the last position fills the row"
+            );
+            assert_eq!(rows.len(), batch * stride);
+        }
     }
 }
