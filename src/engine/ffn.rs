@@ -474,7 +474,15 @@ impl FfnHalf {
         io: &LayerIo,
     ) -> Result<()> {
         let w = &self.layers[layer].mhc;
-        mhc::mhc_pre(gpu, stream, io.x_in, w, self.eps, &self.mhc_ws, &mut self.hc)?;
+        mhc::mhc_pre(
+            gpu,
+            stream,
+            io.x_in,
+            w,
+            self.eps,
+            &self.mhc_ws,
+            &mut self.hc,
+        )?;
         quantize_bf16_rows(gpu, stream, &self.f, &self.f_fp8)?;
         quantize_bf16_rows(gpu, stream, &self.f, &self.f_nvfp4)
     }

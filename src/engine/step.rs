@@ -187,7 +187,11 @@ pub struct DecodeState {
 }
 
 /// A dense tensor as f32 on the host (F32 or BF16 storage), read back from the device pool.
-pub(crate) fn host_vector(stream: &Stream, weights: &DeviceWeights, name: &str) -> Result<Vec<f32>> {
+pub(crate) fn host_vector(
+    stream: &Stream,
+    weights: &DeviceWeights,
+    name: &str,
+) -> Result<Vec<f32>> {
     let Some(t) = weights.plan.dense_tensor(name) else {
         bail!("the model has no tensor {name}")
     };
