@@ -20,6 +20,10 @@
 //!   device and trusted otherwise). Without a map, a capacity of at least T never drops a biased-selection pair
 //!   (with one, `6 T` never does).
 //!
+//! * For the engine's FFN half: [`route_counts_into`] writes the counts into the moe_gemm grouping's own buffer,
+//!   and [`gather_nvfp4_rows`] copies each token's NVFP4 activation row to the grouped rows of its picks (the A
+//!   operand of moe_gemm's decode mainloop).
+//!
 //! Graph-safe: both grids come from T and E (the select kernel's shared memory from T and slots), every output
 //! element is written on every call, nothing on the host reads a result, and the one scratch buffer (the logits)
 //! is carved by the caller from an [`Arena`](crate::gpu::arena::Arena).
