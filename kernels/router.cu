@@ -326,3 +326,28 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
   select_group<true>(logits, bias, token_ids, tid2eid, vocab, hash, slot_of, slots, tokens, experts, capacity,
                      route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }
+
+// The routed experts' activation gather: token rows of NVFP4 activations (codes [T, D/2], e4m3 block scales
+// [T, D/16], per-row global scale [T], the layout of norm_quant's NVFP4 rows) copied to the rows of the masked
+// grouping that moe_gemm's decode mainloop reads ([rows_total, ...] alike). One CTA per (token, pick) pair p:
+// row = token_rows[p] (-1 or outside [0, rows_total): the pair got no row, nothing is written) takes token p / 6's
+// row. Rows no pair owns are not written (the grouped GEMM reads only owned rows: the mainloop the first counts[s]
+// rows of slot s, the finishes gsa of owned rows). Codes move as 16-byte words (D/2 bytes: D % 128 == 0 makes the
+// row a multiple of 64 bytes), scales as 8-byte words (D/16 bytes, a multiple of 8); the launcher checks that
+// every base address is 16-byte aligned. grid = T * 6 (from T alone: graph-safe), block = 128.
+extern "C" __global__ void __launch_bounds__(128) router_gather_nvfp4_rows(
+    const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, const float* __restrict__ global,
+    const int* __restrict__ token_rows, int rows_total, int D, uint8_t* __restrict__ row_codes,
+    uint8_t* __restrict__ row_scales, float* __restrict__ row_global) {
+  const int p = blockIdx.x;
+  const int row = token_rows[p];
+  if (row < 0 || row >= rows_total) return;
+  const int t = p / kTopk;
+  const uint4* src = reinterpret_cast<const uint4*>(codes + (size_t)t * (D / 2));
+  uint4* dst = reinterpret_cast<uint4*>(row_codes + (size_t)row * (D / 2));
+  for (int i = threadIdx.x; i < D / 32; i += blockDim.x) dst[i] = src[i];
+  const uint2* ssrc = reinterpret_cast<const uint2*>(scales + (size_t)t * (D / 16));
+  uint2* sdst = reinterpret_cast<uint2*>(row_scales + (size_t)row * (D / 16));
+  for (int i = threadIdx.x; i < D / 128; i += blockDim.x) sdst[i] = ssrc[i];
+  if (threadIdx.x == 0) row_global[row] = global[t];
+}

@@ -8,6 +8,7 @@ mod common;
 
 use common::router::{self as fx, Case, DevCase, DevRun};
 use half::bf16;
+use megamoe::engine::ffn::slot_capacity;
 use megamoe::engine::ExpertMap;
 use megamoe::model::reference::{route_from_logits, RouteSelection, Routing};
 use megamoe::ops::moe_gemm::reference::Grouping;
@@ -15,7 +16,10 @@ use megamoe::ops::moe_gemm::{
     self as mg, DeviceActivations, DeviceExpertWeights, DeviceGrouping, GemmConfig, L1Output,
     RoutedBatch,
 };
-use megamoe::ops::router::{reference, route, RouterShape, MAX_EXPERTS, MAX_TOKENS, TOPK};
+use megamoe::ops::router::{
+    gather_nvfp4_rows, reference, route, route_counts_into, Nvfp4RowBufs, RouterShape, MAX_EXPERTS,
+    MAX_TOKENS, TOPK,
+};
 use rand::Rng;
 
 /// DSV4-Flash and -Pro: (experts, hidden, route scale).
@@ -633,4 +637,111 @@ fn gpu_capacity_below_the_largest_count_drops_the_latest_tokens() {
         3 * (t - cap) as i32,
         "the three hot experts each drop T - capacity pairs"
     );
+}
+
+/// The engine's path from the router to moe_gemm's A operand. `route_counts_into` writes the per-slot counts into a
+/// buffer of the caller's (the moe_gemm grouping's), equal to what `route` writes, and leaves `out.counts` as it
+/// was; `gather_nvfp4_rows` copies each token's NVFP4 row (random bytes and global scales: the gather is a copy) to
+/// every row the router gave its picks and leaves the other rows as they were: bit for bit the CPU twin
+/// `reference::gather_rows` on the router's own token_rows. Flash's 256 experts on 226 slots (D 4096, T 7,
+/// capacity 2T: picks e and e + 226 share a slot) and the small model's 16 on 16 (D 512, T 8).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_counts_into_and_the_nvfp4_gather_feed_the_grouped_rows() {
+    let (gpu, mut rng) = fx::gpu_test("gpu_counts_into_and_the_nvfp4_gather_feed_the_grouped_rows");
+    let poison = common::POISON;
+    for (e, d, slots, t) in [(256usize, 4096usize, 226usize, 7usize), (16, 512, 16, 8)] {
+        let label = format!("E {e} on {slots} slots, D {d}, T {t}");
+        let c = Case::random(&mut rng, t, e, d, 1.5).with_slots(slots);
+        let cap = slot_capacity(t, &ExpertMap { logical: e, slots });
+        let want = fx::run(&gpu, &c, cap);
+        assert_eq!(want.dropped, 0, "{label}: the capacity drops nothing");
+        let dc = DevCase::upload(&gpu, &c);
+        let mut run = DevRun::new(&gpu, &c.shape(cap));
+        let counts = gpu.poisoned::<i32>(slots, poison).unwrap();
+        route_counts_into(
+            &gpu,
+            &gpu.stream,
+            &dc.inputs(false),
+            &run.ws,
+            &mut run.out,
+            &counts,
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let got = run.download(&gpu);
+        assert_eq!(
+            gpu.download(&counts).unwrap(),
+            want.counts,
+            "{label}: counts"
+        );
+        assert!(
+            got.counts.iter().all(|&v| v == -1),
+            "{label}: out.counts was written"
+        );
+        assert_eq!(got.token_rows, want.token_rows, "{label}: token_rows");
+        assert_eq!(got.experts, want.experts, "{label}: experts");
+
+        let rows = slots * cap;
+        let codes: Vec<u8> = (0..t * d / 2).map(|_| rng.random()).collect();
+        let scales: Vec<u8> = (0..t * d / 16).map(|_| rng.random()).collect();
+        let global: Vec<f32> = (0..t).map(|_| rng.random_range(0.5f32..2.0)).collect();
+        let (dc_codes, dc_scales, dc_global) = (
+            gpu.upload(&codes).unwrap(),
+            gpu.upload(&scales).unwrap(),
+            gpu.upload(&global).unwrap(),
+        );
+        let (r_codes, r_scales, r_global) = (
+            gpu.poisoned::<u8>(rows * d / 2, poison).unwrap(),
+            gpu.poisoned::<u8>(rows * d / 16, poison).unwrap(),
+            gpu.poisoned::<f32>(rows, poison).unwrap(),
+        );
+        gather_nvfp4_rows(
+            &gpu,
+            &gpu.stream,
+            &Nvfp4RowBufs {
+                rows: t,
+                dim: d,
+                codes: &dc_codes,
+                scales: &dc_scales,
+                global: &dc_global,
+            },
+            &run.out.token_rows,
+            &Nvfp4RowBufs {
+                rows,
+                dim: d,
+                codes: &r_codes,
+                scales: &r_scales,
+                global: &r_global,
+            },
+        )
+        .unwrap();
+        gpu.synchronize().unwrap();
+        let mut w_codes = vec![poison; rows * d / 2];
+        let mut w_scales = vec![poison; rows * d / 16];
+        let mut w_global = vec![u32::from_ne_bytes([poison; 4]); rows];
+        let gbits: Vec<u32> = global.iter().map(|g| g.to_bits()).collect();
+        reference::gather_rows(&codes, d / 2, &got.token_rows, &mut w_codes);
+        reference::gather_rows(&scales, d / 16, &got.token_rows, &mut w_scales);
+        reference::gather_rows(&gbits, 1, &got.token_rows, &mut w_global);
+        common::assert_bit_identical(&label, "codes", &w_codes, &gpu.download(&r_codes).unwrap());
+        common::assert_bit_identical(
+            &label,
+            "scales",
+            &w_scales,
+            &gpu.download(&r_scales).unwrap(),
+        );
+        let g: Vec<u32> = gpu
+            .download(&r_global)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        common::assert_bit_identical(&label, "global scales", &w_global, &g);
+        let owned = w_global
+            .iter()
+            .filter(|&&v| v != u32::from_ne_bytes([poison; 4]))
+            .count();
+        assert_eq!(owned, t * TOPK, "{label}: every pick owns one gathered row");
+    }
 }

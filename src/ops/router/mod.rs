@@ -20,6 +20,10 @@
 //!   device and trusted otherwise). Without a map, a capacity of at least T never drops a biased-selection pair
 //!   (with one, `6 T` never does).
 //!
+//! * For the engine's FFN half: [`route_counts_into`] writes the counts into the moe_gemm grouping's own buffer,
+//!   and [`gather_nvfp4_rows`] copies each token's NVFP4 activation row to the grouped rows of its picks (the A
+//!   operand of moe_gemm's decode mainloop).
+//!
 //! Graph-safe: both grids come from T and E (the select kernel's shared memory from T and slots), every output
 //! element is written on every call, nothing on the host reads a result, and the one scratch buffer (the logits)
 //! is carved by the caller from an [`Arena`](crate::gpu::arena::Arena).
@@ -133,21 +137,21 @@ pub fn logit_sum_depth(dim: usize) -> usize {
 /// How the experts are chosen.
 pub enum Selection<'a> {
     /// Top-6 of `score + bias` (`bias`: f32 `[E]`).
-    Biased { bias: &'a CudaSlice<f32> },
+    Biased { bias: &'a dyn DeviceBuf<f32> },
     /// The hash layers: `tid2eid[token_ids[t]]` (`token_ids`: i32 `[T]`; `tid2eid`: i32 `[vocab, 6]`).
     Hash {
-        token_ids: &'a CudaSlice<i32>,
-        tid2eid: &'a CudaSlice<i32>,
+        token_ids: &'a dyn DeviceBuf<i32>,
+        tid2eid: &'a dyn DeviceBuf<i32>,
         vocab: usize,
     },
 }
 
-/// The device inputs of one routing call.
+/// The device inputs of one routing call (any [`DeviceBuf`]: owned slices, arena carves, views into a weight pool).
 pub struct RouterInputs<'a> {
     /// Hidden vectors, BF16 `[T, D]` (16-byte aligned).
-    pub x: &'a CudaSlice<bf16>,
+    pub x: &'a dyn DeviceBuf<bf16>,
     /// Gate weight, BF16 `[E, D]` (16-byte aligned).
-    pub gate: &'a CudaSlice<bf16>,
+    pub gate: &'a dyn DeviceBuf<bf16>,
     pub selection: Selection<'a>,
     /// `routed_scaling_factor` (1.5 Flash, 2.5 Pro).
     pub route_scale: f32,
@@ -224,7 +228,7 @@ impl RouterOutputs {
     }
 }
 
-fn check_len<T>(b: &impl DeviceBuf<T>, need: usize, what: &str) -> Result<()> {
+fn check_len<T>(b: &(impl DeviceBuf<T> + ?Sized), need: usize, what: &str) -> Result<()> {
     ensure!(
         b.elems() >= need,
         "router: {what} has {} elements, needs {need}",
@@ -239,6 +243,15 @@ fn check_route(inputs: &RouterInputs, ws: &RouterWorkspace, out: &RouterOutputs)
     s.check()?;
     check_len(inputs.x, s.tokens * s.dim, "x [T, D]")?;
     check_len(inputs.gate, s.experts * s.dim, "gate [E, D]")?;
+    for (what, addr) in [
+        ("x", inputs.x.device_addr()),
+        ("gate", inputs.gate.device_addr()),
+    ] {
+        ensure!(
+            addr.is_multiple_of(16),
+            "router: {what} at {addr:#x} is not 16-byte aligned (the logits kernel loads 16 bytes at a time)"
+        );
+    }
     ensure!(
         inputs.route_scale.is_finite(),
         "router: route_scale {} is not finite",
@@ -308,6 +321,34 @@ pub fn route(
     out: &mut RouterOutputs,
 ) -> Result<()> {
     check_route(inputs, ws, out)?;
+    launch_route(gpu, stream, inputs, ws, out, out.counts.device_addr())
+}
+
+/// [`route`] with the per-slot counts written to `counts` (`[slots]` i32) instead of `out.counts` (left
+/// untouched): for a caller whose moe_gemm grouping owns the counts buffer (`DeviceGrouping::group`), so that the
+/// router writes the counts where the grouped GEMM reads them.
+pub fn route_counts_into(
+    gpu: &Gpu,
+    stream: &Stream,
+    inputs: &RouterInputs,
+    ws: &RouterWorkspace,
+    out: &mut RouterOutputs,
+    counts: &dyn DeviceBuf<i32>,
+) -> Result<()> {
+    check_route(inputs, ws, out)?;
+    check_len(counts, out.shape.slots, "counts")?;
+    launch_route(gpu, stream, inputs, ws, out, counts.device_addr())
+}
+
+/// The two launches of [`route`] (checked by the caller), the counts written at `counts`.
+fn launch_route(
+    gpu: &Gpu,
+    stream: &Stream,
+    inputs: &RouterInputs,
+    ws: &RouterWorkspace,
+    out: &RouterOutputs,
+    counts: u64,
+) -> Result<()> {
     let s = out.shape;
     let smem = s.select_smem();
     let k_logits = gpu.kernel(FAMILY, "router_logits")?;
@@ -319,16 +360,16 @@ pub fn route(
     let k_select = gpu.kernel_with_smem(FAMILY, select_name, smem)?;
 
     let mut args = KernelArgs::new();
-    args.buf(inputs.x)
-        .buf(inputs.gate)
+    args.u64(inputs.x.device_addr())
+        .u64(inputs.gate.device_addr())
         .i32(s.tokens as i32)
         .i32(s.experts as i32)
         .i32(s.dim as i32)
         .buf(&ws.logits);
     let grid = (s.experts as u32, s.tokens.div_ceil(LOGIT_TOKENS) as u32, 1);
     // SAFETY: arguments in the kernel's order (x, gate, tokens, experts, dim, logits); x, gate and the logits
-    // were checked against [T, D], [E, D] and [T, E]; D % 256 == 0 and device allocations are 256-byte aligned,
-    // so every 16-byte load is aligned.
+    // were checked against [T, D], [E, D] and [T, E], x and gate to be 16-byte aligned; D % 256 == 0, so every
+    // 16-byte load is aligned.
     unsafe {
         launch(
             stream,
@@ -342,7 +383,7 @@ pub fn route(
     args.buf(&ws.logits);
     match &inputs.selection {
         Selection::Biased { bias } => {
-            args.buf(*bias).null().null().i32(0).i32(0);
+            args.u64(bias.device_addr()).null().null().i32(0).i32(0);
         }
         Selection::Hash {
             token_ids,
@@ -350,8 +391,8 @@ pub fn route(
             vocab,
         } => {
             args.null()
-                .buf(*token_ids)
-                .buf(*tid2eid)
+                .u64(token_ids.device_addr())
+                .u64(tid2eid.device_addr())
                 .i32(*vocab as i32)
                 .i32(1);
         }
@@ -366,13 +407,14 @@ pub fn route(
         .buf(&out.topk_experts)
         .buf(&out.topk_weights)
         .buf(&out.token_rows)
-        .buf(&out.counts)
+        .u64(counts)
         .buf(&out.row_token)
         .buf(&out.row_weight)
         .buf(&out.dropped);
     // SAFETY: arguments in the kernel's order (logits, bias, token_ids, tid2eid, vocab, hash, [slot_of, slots,]
     // tokens, experts, capacity, route_scale, outputs...); every buffer was checked against the shape (slot_of: E
-    // entries); the dynamic shared memory holds the slots x ceil(T / 32) words and the kernel was resolved for it.
+    // entries; counts: slots); the dynamic shared memory holds the slots x ceil(T / 32) words and the kernel was
+    // resolved for it.
     unsafe {
         launch(
             stream,
@@ -381,6 +423,85 @@ pub fn route(
             &mut args,
         )
     }
+}
+
+/// NVFP4 activation rows on the device in norm_quant's layout: e2m1 codes `[rows, D/2]`, e4m3 block scales
+/// `[rows, D/16]`, an f32 global scale per row `[rows]`.
+pub struct Nvfp4RowBufs<'a> {
+    pub rows: usize,
+    pub dim: usize,
+    pub codes: &'a dyn DeviceBuf<u8>,
+    pub scales: &'a dyn DeviceBuf<u8>,
+    pub global: &'a dyn DeviceBuf<f32>,
+}
+
+impl Nvfp4RowBufs<'_> {
+    fn check(&self, what: &str) -> Result<()> {
+        let (r, d) = (self.rows, self.dim);
+        check_len(self.codes, r * d / 2, &format!("{what} codes"))?;
+        check_len(self.scales, r * d / 16, &format!("{what} scales"))?;
+        check_len(self.global, r, &format!("{what} global scales"))?;
+        for addr in [self.codes.device_addr(), self.scales.device_addr()] {
+            ensure!(
+                addr.is_multiple_of(16),
+                "router gather: {what} at {addr:#x} is not 16-byte aligned"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The routed experts' activation gather (`router_gather_nvfp4_rows`): token `t`'s NVFP4 row of `tokens`
+/// (`[T, D]`) is copied to row `token_rows[t, j]` of `rows` (`[rows_total, D]`, the masked grouping's rows) for
+/// every pick `j` that got a row; rows no pair owns are left as they are (moe_gemm reads only owned rows).
+/// `token_rows` is the router's `[T, 6]` table (`RouterOutputs::token_rows`). `D % 128 == 0`. One launch of
+/// `T x 6` CTAs (graph-safe: the grid comes from T). CPU twin: [`reference::gather_rows`].
+pub fn gather_nvfp4_rows(
+    gpu: &Gpu,
+    stream: &Stream,
+    tokens: &Nvfp4RowBufs,
+    token_rows: &CudaSlice<i32>,
+    rows: &Nvfp4RowBufs,
+) -> Result<()> {
+    let d = tokens.dim;
+    ensure!(
+        d > 0 && d.is_multiple_of(128) && rows.dim == d,
+        "router gather: D = {d} (rows D = {}) must be a positive multiple of 128",
+        rows.dim
+    );
+    ensure!(
+        (1..=MAX_TOKENS).contains(&tokens.rows),
+        "router gather: {} tokens (1..={MAX_TOKENS})",
+        tokens.rows
+    );
+    ensure!(
+        token_rows.len() == tokens.rows * TOPK,
+        "router gather: token_rows has {} entries, needs T x {TOPK} = {}",
+        token_rows.len(),
+        tokens.rows * TOPK
+    );
+    ensure!(
+        rows.rows <= i32::MAX as usize && d <= i32::MAX as usize,
+        "router gather: {} rows of {d} exceed the kernel's int indices",
+        rows.rows
+    );
+    tokens.check("token rows")?;
+    rows.check("grouped rows")?;
+    let k = gpu.kernel(FAMILY, "router_gather_nvfp4_rows")?;
+    let mut a = KernelArgs::new();
+    a.u64(tokens.codes.device_addr())
+        .u64(tokens.scales.device_addr())
+        .u64(tokens.global.device_addr())
+        .buf(token_rows)
+        .i32(rows.rows as i32)
+        .i32(d as i32)
+        .u64(rows.codes.device_addr())
+        .u64(rows.scales.device_addr())
+        .u64(rows.global.device_addr());
+    let grid = ((tokens.rows * TOPK) as u32, 1, 1);
+    // SAFETY: arguments in the kernel's order; both row sets were checked against their [rows, D] extents and
+    // 16-byte alignment, token_rows against T x 6; the kernel writes only rows in [0, rows_total).
+    unsafe { launch(stream, &k, Launch::new(grid, (128, 1, 1)), &mut a) }
 }
 
 #[cfg(test)]

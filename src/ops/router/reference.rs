@@ -60,3 +60,17 @@ pub fn grouping_by_slot(
         .collect();
     RoutedBatch::from_choices(routings.len(), slots, TOPK, choices, Some(capacity))
 }
+
+/// CPU twin of [`super::gather_nvfp4_rows`] on any row type: `dst[token_rows[t * 6 + j]] = src[t]` for every pair
+/// with a row in `0..dst.len() / row_len`; other rows of `dst` untouched. `src` holds `T` rows of `row_len`
+/// elements, `token_rows` `T x 6` entries.
+pub fn gather_rows<T: Copy>(src: &[T], row_len: usize, token_rows: &[i32], dst: &mut [T]) {
+    let rows_total = dst.len() / row_len;
+    for (p, &r) in token_rows.iter().enumerate() {
+        if r < 0 || r as usize >= rows_total {
+            continue;
+        }
+        let (t, r) = (p / TOPK, r as usize);
+        dst[r * row_len..(r + 1) * row_len].copy_from_slice(&src[t * row_len..(t + 1) * row_len]);
+    }
+}
