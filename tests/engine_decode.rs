@@ -13,8 +13,8 @@ mod common;
 
 use common::engine::{rig_weights, short_window_config, tokens};
 use common::gpu;
+use megamoe::engine::io::StepShape;
 use megamoe::engine::run::Engine;
-use megamoe::engine::step::StepShape;
 use megamoe::model::numerics::cosine;
 use megamoe::model::sampler::SamplerConfig;
 use megamoe::ops::sampler::SamplerParams;

@@ -13,8 +13,9 @@ mod common;
 
 use common::engine::{small_rig, tokens};
 use megamoe::engine::ffn::slot_capacity;
+use megamoe::engine::io::{Residual, StepShape};
 use megamoe::engine::plan::PlanRequest;
-use megamoe::engine::step::{DecodeState, Residual, StepShape};
+use megamoe::engine::step::DecodeState;
 use megamoe::engine::{DeviceWeights, ExpertMap, MemoryPlan, WeightSource};
 use megamoe::formats::{fp8, nvfp4};
 use megamoe::gpu::arena;

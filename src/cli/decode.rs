@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use anyhow::{ensure, Context, Result};
 
 use crate::bench::{env, probe};
+use crate::engine::io::StepShape;
 use crate::engine::plan::{resolve_model, PlanRequest};
 use crate::engine::report::{percentile, StepBytes};
 use crate::engine::run::Engine;
-use crate::engine::step::StepShape;
 use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::Gpu;
 use crate::model::sampler::SamplerConfig;

@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 
+use crate::engine::io::StepShape;
 use crate::engine::plan::{resolve_model, PlanRequest};
 use crate::engine::run::Engine;
-use crate::engine::step::StepShape;
 use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::Gpu;
 use crate::model::chat::build_text_prompt;

@@ -27,8 +27,8 @@
 //! empty candidate row, and its `x_out` rows are unspecified; all sequences active is the supported case.
 
 use crate::engine::cache::{LayerCacheLayout, LayerCaches};
+use crate::engine::io::{LayerIo, StepShape, STREAMS};
 use crate::engine::plan::LayerCachePlan;
-use crate::engine::step::{host_vector, LayerIo, StepShape, STREAMS};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
 use crate::gpu::launch::{launch, KernelArgs, Launch};
@@ -491,8 +491,8 @@ impl CompressorParams {
         let weights = CompressorWeights::upload(
             gpu,
             &shape,
-            &host_vector(s, w, &format!("{prefix}.ape"))?,
-            &host_vector(s, w, &format!("{prefix}.norm.weight"))?,
+            &w.host_f32(s, &format!("{prefix}.ape"))?,
+            &w.host_f32(s, &format!("{prefix}.norm.weight"))?,
             freqs,
             eps,
         )?;
@@ -544,21 +544,23 @@ impl AttnLayer {
         let (d, hd, eps) = (cfg.dim, cfg.head_dim, cfg.norm_eps);
         let p = format!("layers.{l}");
         let a = format!("{p}.attn");
-        let scale: [f32; 3] = host_vector(s, w, &format!("{p}.hc_attn_scale"))?
+        let scale: [f32; 3] = w
+            .host_f32(s, &format!("{p}.hc_attn_scale"))?
             .try_into()
             .map_err(|v: Vec<f32>| anyhow!("{p}.hc_attn_scale has {} values", v.len()))?;
-        let base: [f32; mhc::HC_MIX] = host_vector(s, w, &format!("{p}.hc_attn_base"))?
+        let base: [f32; mhc::HC_MIX] = w
+            .host_f32(s, &format!("{p}.hc_attn_base"))?
             .try_into()
             .map_err(|v: Vec<f32>| anyhow!("{p}.hc_attn_base has {} values", v.len()))?;
         let params = MhcParams {
-            mix_fn: host_vector(s, w, &format!("{p}.hc_attn_fn"))?,
+            mix_fn: w.host_f32(s, &format!("{p}.hc_attn_fn"))?,
             scale,
             base,
         };
         let hc = MhcWeights::upload(
             gpu,
             &params,
-            &host_vector(s, w, &format!("{p}.attn_norm.weight"))?,
+            &w.host_f32(s, &format!("{p}.attn_norm.weight"))?,
             d,
         )?;
         let rope = layer_rope(cfg, l).freqs;
@@ -618,7 +620,7 @@ impl AttnLayer {
             }
             _ => None,
         };
-        let sink = host_vector(s, w, &format!("{a}.attn_sink"))?;
+        let sink = w.host_f32(s, &format!("{a}.attn_sink"))?;
         ensure!(
             sink.len() == cfg.n_heads,
             "{a}.attn_sink has {} values",

@@ -31,8 +31,8 @@ use anyhow::{bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
+use crate::engine::io::{LayerIo, StepShape};
 use crate::engine::plan::ExpertMap;
-use crate::engine::step::{host_vector, LayerIo, StepShape};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
 use crate::gpu::{DevBuf, DeviceBuf, Gpu, Stream};
@@ -180,7 +180,7 @@ impl FfnLayer {
         let cfg = &weights.plan.config;
         let s = &gpu.stream;
         let p = format!("layers.{layer}");
-        let hc = |what: &str| host_vector(s, weights, &format!("{p}.hc_ffn_{what}"));
+        let hc = |what: &str| weights.host_f32(s, &format!("{p}.hc_ffn_{what}"));
         let (scale, base) = (hc("scale")?, hc("base")?);
         let params = MhcParams {
             mix_fn: hc("fn")?,
@@ -191,7 +191,7 @@ impl FfnLayer {
                 anyhow::anyhow!("{p}.hc_ffn_base has {} values, expected 24", base.len())
             })?,
         };
-        let norm = host_vector(s, weights, &format!("{p}.ffn_norm.weight"))?;
+        let norm = weights.host_f32(s, &format!("{p}.ffn_norm.weight"))?;
         let mhc = MhcWeights::upload(gpu, &params, &norm, cfg.dim)?;
         let f = format!("{p}.ffn");
         let gate = weights.typed::<bf16>(&format!("{f}.gate.weight"))?;

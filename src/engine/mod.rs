@@ -10,6 +10,7 @@
 pub mod attn;
 pub mod cache;
 pub mod ffn;
+pub mod io;
 pub mod plan;
 pub mod report;
 pub mod run;

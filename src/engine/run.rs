@@ -6,7 +6,8 @@
 //! sets its attributes, which a capture must not do), so the first prompt token and the first decode step run
 //! eagerly and every later one replays.
 
-use crate::engine::step::{DecodeState, StepShape};
+use crate::engine::io::StepShape;
+use crate::engine::step::DecodeState;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena;
 use crate::gpu::timing::capture_on;

@@ -11,63 +11,22 @@
 //! the CPU model's trace into either buffer and read them and the logits back.
 
 use crate::engine::attn::AttnHalf;
-use crate::engine::cache::{KvPool, LayerCaches};
+use crate::engine::cache::KvPool;
 use crate::engine::ffn::FfnHalf;
+use crate::engine::io::{LayerIo, Residual, StepShape, STREAMS};
 use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
 use crate::gpu::{DevBuf, Gpu, Stream};
-use crate::model::weights::StoredDtype;
 use crate::model::ModelConfig;
 use crate::ops::dense::{self, Bf16Job, DenseKind, DenseShape, DenseWorkspace};
 use crate::ops::head::{self, EmbedShape};
 use crate::ops::mhc::{MhcPreOutputs, MhcWeights, MhcWorkspace};
 use crate::ops::norm_quant::{OutFormat, QuantView};
-use crate::ops::sampler::{self, SamplerShape, SamplerState, SamplerWorkspace};
+use crate::ops::sampler::{self, SamplerState, SamplerWorkspace};
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-
-/// mHC streams of the residual.
-pub const STREAMS: usize = 4;
-/// Capacity of each sequence's repetition-penalty ring (`SamplerConfig::penalty_window` default).
-pub const PENALTY_RING: usize = 256;
-
-/// The capacity a decode state is built for: `batch` sequences of at most `context` tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StepShape {
-    pub batch: usize,
-    pub context: usize,
-}
-
-impl StepShape {
-    pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
-        ensure!(self.batch >= 1, "a decode step needs at least one sequence");
-        ensure!(
-            self.context >= 1,
-            "a decode step needs a context of at least one token"
-        );
-        ensure!(
-            self.batch * STREAMS * cfg.dim <= i32::MAX as usize,
-            "batch {} x 4 x D {} exceeds the kernels' i32 indices",
-            self.batch,
-            cfg.dim
-        );
-        Ok(())
-    }
-    /// The sampler's shape for this step.
-    pub fn sampler(&self, cfg: &ModelConfig) -> SamplerShape {
-        SamplerShape {
-            batch: self.batch,
-            vocab: cfg.vocab_size,
-            ring_cap: PENALTY_RING,
-        }
-    }
-    /// Elements of the residual `x [B, 4, D]`.
-    pub fn residual_elems(&self, cfg: &ModelConfig) -> usize {
-        self.batch * STREAMS * cfg.dim
-    }
-}
 
 /// The LM head's linear: `[B, D] x head.weight [vocab, D]^T -> f32 [B, vocab]`.
 pub fn lm_head_shape(cfg: &ModelConfig, shape: &StepShape) -> DenseShape {
@@ -143,29 +102,6 @@ impl StepWorkspace {
     }
 }
 
-/// Which residual buffer a parity hook reads or writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Residual {
-    /// `x`: entering a layer (and the head), leaving its FFN half.
-    Layer,
-    /// `x_mid`: leaving a layer's attention half, entering its FFN half.
-    Mid,
-}
-
-/// What one half of a layer reads and writes besides its weights and workspaces.
-pub struct LayerIo<'a> {
-    /// BF16 `[B, 4, D]`: the residual entering the half.
-    pub x_in: &'a CudaSlice<bf16>,
-    /// BF16 `[B, 4, D]`: the residual leaving it (a different buffer from `x_in`).
-    pub x_out: &'a CudaSlice<bf16>,
-    /// i32 `[B]`: the position of each sequence's token this step.
-    pub positions: &'a CudaSlice<i32>,
-    /// i32 `[B]`: the token ids embedded this step (the hash-routed layers' `tid2eid` rows).
-    pub tokens: DevBuf<i32>,
-    /// The layer's caches (the FFN half reads none).
-    pub caches: &'a LayerCaches,
-}
-
 /// The device state of a decode batch (module docs).
 pub struct DecodeState {
     pub config: ModelConfig,
@@ -184,31 +120,6 @@ pub struct DecodeState {
     pub head_out: MhcPreOutputs,
     pub attn: AttnHalf,
     pub ffn: FfnHalf,
-}
-
-/// A dense tensor as f32 on the host (F32 or BF16 storage), read back from the device pool.
-pub(crate) fn host_vector(
-    stream: &Stream,
-    weights: &DeviceWeights,
-    name: &str,
-) -> Result<Vec<f32>> {
-    let Some(t) = weights.plan.dense_tensor(name) else {
-        bail!("the model has no tensor {name}")
-    };
-    let n = t.spec.numel();
-    let raw = weights.bytes(name)?;
-    let bytes = arena::download(stream, &raw)?;
-    Ok(match t.spec.dtype {
-        StoredDtype::F32 => bytes[..4 * n]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        StoredDtype::BF16 => bytes[..2 * n]
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        d => bail!("{name} is stored as {d:?}, expected F32 or BF16"),
-    })
 }
 
 impl DecodeState {
@@ -230,11 +141,11 @@ impl DecodeState {
         // The mHC launchers take owned weights, so the head's small tensors are read back from the pool and
         // uploaded once (views into the pool once `MhcWeights` takes `DevBuf`s).
         let s = &gpu.stream;
-        let base = host_vector(s, weights, "hc_head_base")?;
+        let base = weights.host_f32(s, "hc_head_base")?;
         let base: [f32; STREAMS] = base.as_slice().try_into().map_err(|_| {
             anyhow::anyhow!("hc_head_base has {} values, expected {STREAMS}", base.len())
         })?;
-        let scale = host_vector(s, weights, "hc_head_scale")?;
+        let scale = weights.host_f32(s, "hc_head_scale")?;
         ensure!(
             scale.len() == 1,
             "hc_head_scale has {} values, expected 1",
@@ -242,10 +153,10 @@ impl DecodeState {
         );
         let head_weights = MhcWeights::upload_head(
             gpu,
-            &host_vector(s, weights, "hc_head_fn")?,
+            &weights.host_f32(s, "hc_head_fn")?,
             scale[0],
             &base,
-            &host_vector(s, weights, "norm.weight")?,
+            &weights.host_f32(s, "norm.weight")?,
             cfg.dim,
         )?;
         let head_out = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Bf16, shape.batch, cfg.dim)?;

@@ -23,7 +23,7 @@ use crate::gpu::arena;
 use crate::gpu::launch::{DevBuf, DeviceBuf, Stream};
 use crate::gpu::Gpu;
 use crate::model::checkpoint::Checkpoint;
-use crate::model::weights::{tensor_manifest, TensorSource, TensorSpec, Weights};
+use crate::model::weights::{tensor_manifest, StoredDtype, TensorSource, TensorSpec, Weights};
 use crate::ops::moe_gemm::{prefill, DeviceExpertWeights};
 use crate::ops::weights::{convert, fill};
 use crate::progress::Progress;
@@ -221,6 +221,27 @@ impl DeviceWeights {
         );
         // SAFETY: inside the pool (as `bytes`), DENSE_ALIGN-aligned, whole elements of the stored size.
         Ok(unsafe { DevBuf::from_raw(self.pool.device_addr() + t.offset as u64, t.spec.numel()) })
+    }
+
+    /// Dense tensor `name` as f32 on the host (F32 or BF16 storage), read back from the pool (set-up only: it
+    /// waits for `stream`).
+    pub fn host_f32(&self, stream: &Stream, name: &str) -> Result<Vec<f32>> {
+        let Some(t) = self.plan.dense_tensor(name) else {
+            bail!("the model has no tensor {name}")
+        };
+        let n = t.spec.numel();
+        let bytes = arena::download(stream, &self.bytes(name)?)?;
+        Ok(match t.spec.dtype {
+            StoredDtype::F32 => bytes[..4 * n]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            StoredDtype::BF16 => bytes[..2 * n]
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            d => bail!("{name} is stored as {d:?}, expected F32 or BF16"),
+        })
     }
 
     /// The whole dense pool (tests compare it byte for byte).

@@ -1,7 +1,8 @@
 //! The engine's test rig: a small model's weights on the device, its CPU twin, and a decode state.
 
+use megamoe::engine::io::StepShape;
 use megamoe::engine::plan::PlanRequest;
-use megamoe::engine::step::{DecodeState, StepShape};
+use megamoe::engine::step::DecodeState;
 use megamoe::engine::{DeviceWeights, MemoryPlan, WeightSource};
 use megamoe::gpu::Gpu;
 use megamoe::model::weights::element_bits;

@@ -1,0 +1,74 @@
+//! The shape of a decode batch and what one half of a layer reads and writes besides its weights: the types the
+//! step (`engine::step`) and the layer halves (`engine::attn`, `engine::ffn`) share.
+
+use crate::engine::cache::LayerCaches;
+use crate::gpu::DevBuf;
+use crate::model::ModelConfig;
+use crate::ops::sampler::SamplerShape;
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+/// mHC streams of the residual.
+pub const STREAMS: usize = 4;
+/// Capacity of each sequence's repetition-penalty ring (`SamplerConfig::penalty_window` default).
+pub const PENALTY_RING: usize = 256;
+
+/// The capacity a decode state is built for: `batch` sequences of at most `context` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    pub batch: usize,
+    pub context: usize,
+}
+
+impl StepShape {
+    pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
+        ensure!(self.batch >= 1, "a decode step needs at least one sequence");
+        ensure!(
+            self.context >= 1,
+            "a decode step needs a context of at least one token"
+        );
+        ensure!(
+            self.batch * STREAMS * cfg.dim <= i32::MAX as usize,
+            "batch {} x 4 x D {} exceeds the kernels' i32 indices",
+            self.batch,
+            cfg.dim
+        );
+        Ok(())
+    }
+    /// The sampler's shape for this step.
+    pub fn sampler(&self, cfg: &ModelConfig) -> SamplerShape {
+        SamplerShape {
+            batch: self.batch,
+            vocab: cfg.vocab_size,
+            ring_cap: PENALTY_RING,
+        }
+    }
+    /// Elements of the residual `x [B, 4, D]`.
+    pub fn residual_elems(&self, cfg: &ModelConfig) -> usize {
+        self.batch * STREAMS * cfg.dim
+    }
+}
+
+/// Which residual buffer a parity hook reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residual {
+    /// `x`: entering a layer (and the head), leaving its FFN half.
+    Layer,
+    /// `x_mid`: leaving a layer's attention half, entering its FFN half.
+    Mid,
+}
+
+/// What one half of a layer reads and writes besides its weights and workspaces.
+pub struct LayerIo<'a> {
+    /// BF16 `[B, 4, D]`: the residual entering the half.
+    pub x_in: &'a CudaSlice<bf16>,
+    /// BF16 `[B, 4, D]`: the residual leaving it (a different buffer from `x_in`).
+    pub x_out: &'a CudaSlice<bf16>,
+    /// i32 `[B]`: the position of each sequence's token this step.
+    pub positions: &'a CudaSlice<i32>,
+    /// i32 `[B]`: the token ids embedded this step (the hash-routed layers' `tid2eid` rows).
+    pub tokens: DevBuf<i32>,
+    /// The layer's caches (the FFN half reads none).
+    pub caches: &'a LayerCaches,
+}
