@@ -484,7 +484,7 @@ fn gpu_rmsnorm_nvfp4_row_loop_matches_reference() {
         let label = format!("row-loop quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
         let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
         let out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::bench::quantize_bf16_rows(&gpu, &gpu.stream, &dy, &out.view()).unwrap();
+        nq::quantize_bf16_rows(&gpu, &gpu.stream, &dy, &out.view()).unwrap();
         assert_same_nvfp4(&label, &out.download(&gpu).unwrap().q, &want, d);
         eprintln!("{label}: kernel and CPU reference bit-identical");
     }
@@ -712,7 +712,7 @@ fn gpu_quant_nvfp4_matches_cpu_at_exact_boundaries() {
         let label = format!("quant->nvfp4 boundary rows {rows}x{d}, seed {seed}");
         let want = HostQuant::encode(OutFormat::Nvfp4, &y, rows, d).unwrap();
         let out = NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, rows, d).unwrap();
-        nq::bench::quantize_bf16_rows(&gpu, &gpu.stream, &dy, &out.view()).unwrap();
+        nq::quantize_bf16_rows(&gpu, &gpu.stream, &dy, &out.view()).unwrap();
         let got = out.download(&gpu).unwrap();
         assert_same_nvfp4(&label, &got.q, &want, d);
         eprintln!("{label}: kernel and CPU reference bit-identical");
@@ -946,7 +946,7 @@ fn quantized_nvfp4(
 ) -> nq::HostNormOutputs {
     let out = NormOutputs::alloc_poisoned(gpu, OutFormat::Nvfp4, rows, d).unwrap();
     match kernel {
-        QuantOnly::RowLoop => nq::bench::quantize_bf16_rows(gpu, &gpu.stream, dy, &out.view()),
+        QuantOnly::RowLoop => nq::quantize_bf16_rows(gpu, &gpu.stream, dy, &out.view()),
         QuantOnly::ResidentNvfp4 => {
             nq::bench::quantize_bf16_rows_resident_nvfp4(gpu, &gpu.stream, dy, &out.view())
         }

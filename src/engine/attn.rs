@@ -7,7 +7,7 @@
 //!
 //! | step | what | launches |
 //! |---|---|---|
-//! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16, then its FP8 1x128 form | `mhc::mhc_pre`, `norm_quant::bench::quantize_bf16_rows` |
+//! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16, then its FP8 1x128 form | `mhc::mhc_pre`, `norm_quant::quantize_bf16_rows` |
 //! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)`, `q = wq_b qr` + per-head RMS + RoPE, the window ring entry; CSA: `indexer.wq_b qr`, `weights_proj a`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
 //! | 6-7 | `compress`: compressor inputs `wkv a`, `wgate a` (f32; the kernel adds `ape`), the state update and every m-th position an entry (CSA: also the indexer key) | `dense::bf16_linear`, `compressor::decode_step` |
 //! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
@@ -790,7 +790,7 @@ impl AttnHalf {
             &self.bufs.mhc,
             &mut self.hc_out,
         )?;
-        norm_quant::bench::quantize_bf16_rows(gpu, stream, &self.a, &self.bufs.a_fp8)
+        norm_quant::quantize_bf16_rows(gpu, stream, &self.a, &self.bufs.a_fp8)
     }
 
     /// Steps 2-5: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` (FP8), `q = wq_b qr` finished per head
@@ -1046,7 +1046,7 @@ impl AttnHalf {
             &b.dense,
             &b.z,
         )?;
-        norm_quant::bench::quantize_bf16_rows(gpu, stream, &b.z, &b.z_fp8)?;
+        norm_quant::quantize_bf16_rows(gpu, stream, &b.z, &b.z_fp8)?;
         dense::fp8_linear(
             gpu,
             stream,

@@ -48,7 +48,7 @@ use crate::ops::moe_gemm::reference::SWIGLU_LIMIT;
 use crate::ops::moe_gemm::{
     self, DeviceActivations, DeviceGrouping, GemmConfig, L1Output, Workspace as MoeWorkspace,
 };
-use crate::ops::norm_quant::bench::quantize_bf16_rows;
+use crate::ops::norm_quant::quantize_bf16_rows;
 use crate::ops::norm_quant::{OutFormat, QuantBufs, QuantView, RowsOut};
 use crate::ops::router::{
     self, Nvfp4RowBufs, RouterInputs, RouterOutputs, RouterShape, RouterWorkspace, Selection, TOPK,

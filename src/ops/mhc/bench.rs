@@ -16,8 +16,8 @@ use crate::gpu::timing::TimingPlan;
 use crate::gpu::Gpu;
 use crate::ops::norm_quant::bench::{random_weight, timing_rows, BenchPoint};
 use crate::ops::norm_quant::{
-    bench::quantize_bf16_rows, check_rows, reference::RMS_EPS, rmsnorm_quant_into,
-    upload_checked_bf16, OutFormat, QuantView, RowsIn, RowsOut,
+    check_rows, quantize_bf16_rows, reference::RMS_EPS, rmsnorm_quant_into, upload_checked_bf16,
+    OutFormat, QuantView, RowsIn, RowsOut,
 };
 
 /// Scratch of the op-by-op chain for up to `tokens` tokens of `d`: rho `[T]`, dots `[T, 24]` and the BF16

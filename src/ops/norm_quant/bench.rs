@@ -8,10 +8,9 @@ use anyhow::{bail, Result};
 use half::bf16;
 
 use super::{
-    check_len, check_resident, check_rows, reference, resident_block_threads, resident_grid,
-    resident_nvfp4_entry, rmsnorm_quant, rmsnorm_quant_into, row_block_threads,
-    upload_checked_bf16, NormOutputs, OutFormat, QuantView, RowsIn, RowsOut, FAMILY,
-    ROW_LOOP_NVFP4_MAX_D,
+    check_len, check_resident, check_rows, quantize_bf16_rows, reference, resident_block_threads,
+    resident_grid, resident_nvfp4_entry, rmsnorm_quant, rmsnorm_quant_into, upload_checked_bf16,
+    NormOutputs, OutFormat, QuantView, RowsIn, RowsOut, FAMILY,
 };
 use crate::gpu::arena::{Arena, WorkspaceLayout};
 use crate::gpu::launch::{launch, DeviceBuf, KernelArgs, Launch, Stream};
@@ -47,51 +46,6 @@ pub fn rmsnorm_then_quant(
     }
     rmsnorm_quant_into(gpu, stream, x, w, eps, staging)?;
     quantize_bf16_rows(gpu, stream, &y, out)
-}
-
-/// Quantize BF16 rows `y` `[rows, d]` to NVFP4 or FP8 (no norm) into `out` (its rstd untouched): the second
-/// kernel of the unfused chain. NVFP4 runs `quant_nvfp4_bf16in_row_loop` (the encoder of the fused row-loop
-/// kernel) up to [`ROW_LOOP_NVFP4_MAX_D`], `quant_nvfp4_bf16in` (one CTA per row) above; FP8 runs
-/// `quant_fp8_bf16in` (one CTA per row). The CPU quantizer's bits in every case.
-pub fn quantize_bf16_rows(
-    gpu: &Gpu,
-    stream: &Stream,
-    y: &impl DeviceBuf<bf16>,
-    out: &RowsOut,
-) -> Result<()> {
-    let (rows, d) = (out.rows, out.d);
-    check_rows(rows, d)?;
-    check_len("y", y.elems(), rows * d)?;
-    let threads = row_block_threads(d);
-    let mut a = KernelArgs::new();
-    a.buf(y);
-    match out.format {
-        OutFormat::Nvfp4 if d <= ROW_LOOP_NVFP4_MAX_D => {
-            // (y, q, scales, gsa, rows, D)
-            let k = gpu.kernel(FAMILY, "quant_nvfp4_bf16in_row_loop")?;
-            let grid = resident_grid(gpu, &k, threads, 0, rows)?;
-            out.push(&mut a, 0, false);
-            a.i32(rows as i32).i32(d as i32);
-            unsafe {
-                launch(
-                    stream,
-                    &k,
-                    Launch::new((grid, 1, 1), (threads, 1, 1)),
-                    &mut a,
-                )
-            }
-        }
-        OutFormat::Nvfp4 | OutFormat::Fp8 => {
-            // (y, [q...], D), one CTA per row
-            let name = format!("quant_{}_bf16in", out.format.name());
-            let k = gpu.kernel(FAMILY, &name)?;
-            out.push(&mut a, 0, false);
-            a.i32(d as i32);
-            let l = Launch::new((rows as u32, 1, 1), (threads, 1, 1));
-            unsafe { launch(stream, &k, l, &mut a) }
-        }
-        OutFormat::Bf16 => bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8"),
-    }
 }
 
 /// Quantize-only resident NVFP4 (`quant_nvfp4_bf16in_resident_nw<d / 1024>`): BF16 rows `y` -> NVFP4, the same

@@ -4,7 +4,7 @@
 //! -> NVFP4 (per-row global scale), FP8 e4m3 1x128 (ue8m0 scales) or BF16, one launch. BF16 in -> NVFP4 / FP8
 //! picks its kernel by shape ([`rows_path`]); [`rmsnorm_quant_with`] forces one [`RowsPath`]; every path gives
 //! the same bits. The unfused baseline the fused kernels are measured against (RMSNorm kernel -> BF16 in HBM ->
-//! quantize kernel) is [`bench::rmsnorm_then_quant`], its quantizer [`bench::quantize_bf16_rows`].
+//! quantize kernel) is [`bench::rmsnorm_then_quant`], its quantizer [`quantize_bf16_rows`].
 //!
 //! Layouts: NVFP4 codes `[rows, D/2]` (lower index in the low nibble), e4m3 scales `[rows, D/16]`, global scale
 //! `[rows]` f32; FP8 codes `[rows, D]`, ue8m0 scale codes `[rows, D/128]`; BF16 `[rows, D]`. `rstd` (the per-row
@@ -679,4 +679,49 @@ pub fn resident_block_threads(d: usize) -> u32 {
 /// Entry point of the resident NVFP4 kernel for `d` (`prefix` = `rmsnorm_nvfp4_bf16in` or `quant_nvfp4_bf16in`).
 pub(crate) fn resident_nvfp4_entry(prefix: &str, d: usize) -> String {
     format!("{prefix}_resident_nw{}", d / RESIDENT_D_MULTIPLE)
+}
+/// Quantize BF16 rows `y` `[rows, d]` to NVFP4 or FP8 (no norm) into `out` (its rstd untouched): the engine's
+/// quantizer of rows normalized elsewhere (mhc_pre's BF16 output, the attention's `z`), and the second kernel of
+/// the unfused chain [`bench::rmsnorm_then_quant`]. NVFP4 runs `quant_nvfp4_bf16in_row_loop` (the encoder of the fused row-loop
+/// kernel) up to [`ROW_LOOP_NVFP4_MAX_D`], `quant_nvfp4_bf16in` (one CTA per row) above; FP8 runs
+/// `quant_fp8_bf16in` (one CTA per row). The CPU quantizer's bits in every case.
+pub fn quantize_bf16_rows(
+    gpu: &Gpu,
+    stream: &Stream,
+    y: &impl DeviceBuf<bf16>,
+    out: &RowsOut,
+) -> Result<()> {
+    let (rows, d) = (out.rows, out.d);
+    check_rows(rows, d)?;
+    check_len("y", y.elems(), rows * d)?;
+    let threads = row_block_threads(d);
+    let mut a = KernelArgs::new();
+    a.buf(y);
+    match out.format {
+        OutFormat::Nvfp4 if d <= ROW_LOOP_NVFP4_MAX_D => {
+            // (y, q, scales, gsa, rows, D)
+            let k = gpu.kernel(FAMILY, "quant_nvfp4_bf16in_row_loop")?;
+            let grid = resident_grid(gpu, &k, threads, 0, rows)?;
+            out.push(&mut a, 0, false);
+            a.i32(rows as i32).i32(d as i32);
+            unsafe {
+                launch(
+                    stream,
+                    &k,
+                    Launch::new((grid, 1, 1), (threads, 1, 1)),
+                    &mut a,
+                )
+            }
+        }
+        OutFormat::Nvfp4 | OutFormat::Fp8 => {
+            // (y, [q...], D), one CTA per row
+            let name = format!("quant_{}_bf16in", out.format.name());
+            let k = gpu.kernel(FAMILY, &name)?;
+            out.push(&mut a, 0, false);
+            a.i32(d as i32);
+            let l = Launch::new((rows as u32, 1, 1), (threads, 1, 1));
+            unsafe { launch(stream, &k, l, &mut a) }
+        }
+        OutFormat::Bf16 => bail!("quantize_bf16_rows: the output format must be nvfp4 or fp8"),
+    }
 }
