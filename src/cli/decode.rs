@@ -125,6 +125,11 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<DecodeS
         progress.tick(&format!("step {}", i + 1));
         Ok(())
     })?;
+    let profile = if crate::progress::interrupted() {
+        Vec::new()
+    } else {
+        engine.profile_step(gpu)?
+    };
     // The floor at the median position of the timed steps.
     let mid = args.prompt_len + tpot.len() / 2;
     let bytes = StepBytes::of(&plan, &vec![mid; args.batch]);
@@ -135,6 +140,7 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<DecodeS
         copy_gbps,
     };
     print_report(gpu, &plan, args, &s);
+    print_profile(&profile, &plan);
     let out = args.out.clone().unwrap_or(default_out);
     append_csv(&out, gpu, &plan, args, &s)?;
     Ok(s)
@@ -181,6 +187,23 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, s: &DecodeSumma
         s.copy_gbps,
         s.bytes.total() as f64 / (s.copy_gbps * 1e9) * 1e6
     );
+}
+
+/// The profiled step: device time per group of kernels (summed over the layers), in step order.
+fn print_profile(groups: &[(&'static str, f64, usize)], plan: &MemoryPlan) {
+    if groups.is_empty() {
+        return;
+    }
+    let total: f64 = groups.iter().map(|g| g.1).sum();
+    println!(
+        "\none step by kernel group (a graph replay with an event after each group; {} layers):",
+        plan.config.n_layers
+    );
+    println!("{:<78} {:>10} {:>6} {:>6}", "group", "us", "runs", "%");
+    for (name, us, n) in groups {
+        println!("{name:<78} {us:>10.1} {n:>6} {:>5.1}%", 100.0 * us / total);
+    }
+    println!("{:<78} {total:>10.1}", "step (sum of groups)");
 }
 
 const CSV_HEADER: &str = "timestamp,git_commit,gpu,model,batch,context,prompt_len,steps,ttft_s,tpot_p50_us,tpot_p90_us,tpot_p99_us,tokens_per_s_seq,tokens_per_s_total,floor_bytes,dense_bytes,routed_bytes,kv_bytes,copy_gbps,pct_copy_bw,expert_slots,logical_experts";

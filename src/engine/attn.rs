@@ -764,11 +764,20 @@ impl AttnHalf {
             self.batch
         );
         self.hc_pre(gpu, stream, layer, io)?;
+        io.mark(stream, "attn: hc_pre + attn_norm + FP8 a")?;
         self.projections(gpu, stream, layer, io)?;
+        io.mark(
+            stream,
+            "attn: projections (wq_a, wkv, q_norm, wq_b, q heads, kv entry, indexer q)",
+        )?;
         self.compress(gpu, stream, layer, io)?;
+        io.mark(stream, "attn: compressors")?;
         self.select(gpu, stream, layer, io)?;
+        io.mark(stream, "attn: indexer logits + top-k")?;
         self.attend(gpu, stream, layer, io)?;
-        self.output(gpu, stream, layer, io)
+        io.mark(stream, "attn: candidates + sparse attention")?;
+        self.output(gpu, stream, layer, io)?;
+        io.mark(stream, "attn: wo_a, wo_b, hc_post")
     }
 
     /// The sparse-attention group of `layer` (its candidate rows and lengths after a run).

@@ -459,10 +459,15 @@ impl FfnHalf {
             self.layers.len()
         );
         self.hc_pre_ffn_norm(gpu, stream, layer, io)?;
+        io.mark(stream, "ffn: hc_pre + ffn_norm + FP8/NVFP4 f")?;
         self.route(gpu, stream, layer, io)?;
+        io.mark(stream, "ffn: router")?;
         self.shared_expert(gpu, stream, layer)?;
+        io.mark(stream, "ffn: shared expert")?;
         self.routed_experts(gpu, stream, weights, layer)?;
-        self.hc_post(gpu, stream, io)
+        io.mark(stream, "ffn: routed experts (L1, L2 + combine)")?;
+        self.hc_post(gpu, stream, io)?;
+        io.mark(stream, "ffn: hc_post")
     }
 
     /// Step 12: hc_pre (`hc_ffn_*`) + ffn_norm -> pre / post / comb and `f` BF16; `f` -> FP8 1x128 and NVFP4.

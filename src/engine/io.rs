@@ -3,11 +3,15 @@
 
 use crate::engine::cache::LayerCaches;
 use crate::gpu::DevBuf;
+use crate::gpu::Stream;
 use crate::model::ModelConfig;
 use crate::ops::sampler::SamplerShape;
-use anyhow::{ensure, Result};
-use cudarc::driver::CudaSlice;
+use anyhow::{anyhow, ensure, Result};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice};
 use half::bf16;
+use std::cell::RefCell;
+use std::sync::Arc;
 
 /// mHC streams of the residual.
 pub const STREAMS: usize = 4;
@@ -71,4 +75,59 @@ pub struct LayerIo<'a> {
     pub tokens: DevBuf<i32>,
     /// The layer's caches (the FFN half reads none).
     pub caches: &'a LayerCaches,
+    /// Where a profiled step records an event after each group of kernels (`None`: not profiled).
+    pub marks: Option<&'a StepMarks>,
+}
+
+impl LayerIo<'_> {
+    /// Records the end of the kernel group `what` when the step is profiled (an event record: captured into the
+    /// graph as a node, so the profile is of graph replay, not of eager launches).
+    pub fn mark(&self, stream: &Stream, what: &'static str) -> Result<()> {
+        match self.marks {
+            Some(m) => m.mark(stream, what),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The events of a profiled step: one after each group of kernels, in stream order, each with the group's name.
+/// The time of a group is the time between its event and the one before it.
+pub struct StepMarks {
+    ctx: Arc<CudaContext>,
+    events: RefCell<Vec<(&'static str, CudaEvent)>>,
+}
+
+impl StepMarks {
+    pub fn new(stream: &Stream) -> StepMarks {
+        StepMarks {
+            ctx: stream.context().clone(),
+            events: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Records an event named `what` on `stream` (the first mark is the step's start).
+    pub fn mark(&self, stream: &Stream, what: &'static str) -> Result<()> {
+        let ev = self
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| anyhow!("event: {e:?}"))?;
+        ev.record(stream)
+            .map_err(|e| anyhow!("event record: {e:?}"))?;
+        self.events.borrow_mut().push((what, ev));
+        Ok(())
+    }
+
+    /// `(group, microseconds)` of every mark after the first, in order (waits for the events).
+    pub fn durations(&self) -> Result<Vec<(&'static str, f64)>> {
+        let ev = self.events.borrow();
+        ev.windows(2)
+            .map(|w| {
+                let ms = w[0]
+                    .1
+                    .elapsed_ms(&w[1].1)
+                    .map_err(|e| anyhow!("elapsed: {e:?}"))?;
+                Ok((w[1].0, ms as f64 * 1e3))
+            })
+            .collect()
+    }
 }

@@ -6,7 +6,7 @@
 //! sets its attributes, which a capture must not do), so the first prompt token and the first decode step run
 //! eagerly and every later one replays.
 
-use crate::engine::io::StepShape;
+use crate::engine::io::{StepMarks, StepShape};
 use crate::engine::step::DecodeState;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena;
@@ -186,6 +186,38 @@ impl Engine {
             }
         }
         Ok(us)
+    }
+
+    /// One decode step replayed from a graph captured with an event after each group of kernels (the embedding,
+    /// each half's groups per layer, the head, the sampler): the device time of each group, summed over the layers
+    /// by name, in step order, with the number of times each ran. A real step: the state advances.
+    pub fn profile_step(&mut self, gpu: &Gpu) -> Result<Vec<(&'static str, f64, usize)>> {
+        let stream = gpu.stream.clone();
+        self.capture_decode_step(gpu)?;
+        let marks = StepMarks::new(&stream);
+        self.state.marks = Some(marks);
+        let (state, weights) = (&mut self.state, &self.weights);
+        let graph = capture_on(&stream, || state.decode_step(gpu, &stream, weights));
+        let marks = self.state.marks.take().expect("marks set above");
+        let graph = graph?;
+        graph
+            .launch()
+            .map_err(|e| anyhow!("profiled graph launch: {e:?}"))?;
+        stream
+            .synchronize()
+            .map_err(|e| anyhow!("profiled step: {e:?}"))?;
+        self.decode_steps_run += 1;
+        let mut groups: Vec<(&'static str, f64, usize)> = Vec::new();
+        for (name, us) in marks.durations()? {
+            match groups.iter_mut().find(|g| g.0 == name) {
+                Some(g) => {
+                    g.1 += us;
+                    g.2 += 1;
+                }
+                None => groups.push((name, us, 1)),
+            }
+        }
+        Ok(groups)
     }
 
     /// Whether any sequence is still running (reads the sampler's status; waits for the stream).

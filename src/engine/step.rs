@@ -13,7 +13,7 @@
 use crate::engine::attn::AttnHalf;
 use crate::engine::cache::KvPool;
 use crate::engine::ffn::FfnHalf;
-use crate::engine::io::{LayerIo, Residual, StepShape, STREAMS};
+use crate::engine::io::{LayerIo, Residual, StepMarks, StepShape, STREAMS};
 use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
@@ -120,6 +120,9 @@ pub struct DecodeState {
     pub head_out: MhcPreOutputs,
     pub attn: AttnHalf,
     pub ffn: FfnHalf,
+    /// Set while a step is being profiled ([`crate::engine::run::Engine::profile_step`]): every group of kernels
+    /// records an event after it.
+    pub marks: Option<StepMarks>,
 }
 
 impl DecodeState {
@@ -171,6 +174,7 @@ impl DecodeState {
             positions,
             attn,
             ffn,
+            marks: None,
             caches,
             arena,
             ws,
@@ -267,6 +271,7 @@ impl DecodeState {
             positions: &self.positions,
             tokens: self.ws.sampler.next,
             caches: &self.caches.layers[layer],
+            marks: self.marks.as_ref(),
         };
         self.attn.run(gpu, stream, weights, layer, &io)
     }
@@ -290,6 +295,7 @@ impl DecodeState {
             positions: &self.positions,
             tokens: self.ws.sampler.next,
             caches: &self.caches.layers[layer],
+            marks: self.marks.as_ref(),
         };
         self.ffn.run(gpu, stream, weights, layer, &io)
     }
@@ -349,8 +355,17 @@ impl DecodeState {
     ) -> Result<()> {
         self.layers(gpu, stream, weights)?;
         self.head(gpu, stream, weights)?;
+        self.mark(stream, "head (final norm, LM head)")?;
         self.sample(gpu, stream)?;
-        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
+        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)?;
+        self.mark(stream, "sampler")
+    }
+
+    fn mark(&self, stream: &Stream, what: &'static str) -> Result<()> {
+        match &self.marks {
+            Some(m) => m.mark(stream, what),
+            None => Ok(()),
+        }
     }
 
     /// One prompt token of every sequence (the ids the host wrote with [`DecodeState::set_tokens`]): embedding and
@@ -368,7 +383,9 @@ impl DecodeState {
 
     /// Steps 0-16: the embedding of `next` and every layer.
     fn layers(&mut self, gpu: &Gpu, stream: &Stream, weights: &DeviceWeights) -> Result<()> {
+        self.mark(stream, "start")?;
         self.embed(gpu, stream, weights)?;
+        self.mark(stream, "embed")?;
         for layer in 0..self.config.n_layers {
             self.decode_layer(gpu, stream, weights, layer)?;
         }
