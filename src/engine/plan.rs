@@ -431,8 +431,9 @@ impl MemoryPlan {
 /// `rows` token rows of the largest per-row intermediates, `rows = max(batch, min(batch * prompt_len,
 /// PREFILL_CHUNK))`. Per row: the mHC streams in and out (f32), q in f32 and BF16, the attention output (f32), the
 /// grouped o_lora output (f32), the logits (f32), the MoE fp32 partials of L1 and L2 at [`MOE_MAX_SPLITS`] splits
-/// for each of the top-k rows, and the indexer scores over the CSA entries (f32, two copies for top-k). The step
-/// plan checks its carves against this budget.
+/// for each of the top-k rows, and the indexer scores over the CSA entries (f32, two copies for top-k); and the
+/// launchers' per-layer parameter copies ([`launcher_copy_bytes`]). The step plan checks its carves against this
+/// budget.
 pub fn workspace_budget(cfg: &ModelConfig, req: &PlanRequest) -> usize {
     let rows = req
         .batch
@@ -447,7 +448,14 @@ pub fn workspace_budget(cfg: &ModelConfig, req: &PlanRequest) -> usize {
         + cfg.vocab_size * 4
         + moe * 4
         + index * 4;
-    WORKSPACE_FIXED_BYTES + rows * per_row
+    WORKSPACE_FIXED_BYTES + rows * per_row + launcher_copy_bytes(cfg)
+}
+
+/// Device copies of per-layer parameters in the forms the launchers take, made once when a decode state is built:
+/// each layer's two mHC boundaries (`mhc::MhcWeights`: the f32 mix weights `[24, 4D]` and their three BF16 planes,
+/// 960 D bytes), plus 1 MiB a layer for the smaller ones (RoPE tables, sinks, compressor `ape` and norms).
+pub fn launcher_copy_bytes(cfg: &ModelConfig) -> usize {
+    cfg.n_layers * (2 * 960 * cfg.dim + (1 << 20))
 }
 
 impl fmt::Display for MemoryPlan {
