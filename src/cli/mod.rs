@@ -21,10 +21,11 @@ use crate::gpu::{module, telemetry, Gpu};
     about = "Kernel lab for DeepSeek-V4-class MoE inference on NVIDIA Hopper (H100/H200, sm_90a)",
     long_about = "Kernel lab for DeepSeek-V4-class MoE inference on NVIDIA Hopper (sm_90a).\n\n\
 With no command, runs the default benchmark suite on GPU 0: measures the limits (copy bandwidth, BF16/FP8 \
-matmul rates), runs every sweep of the embedded bench-configs/default.toml, and writes CSV, plots and \
-REPORT.md under results/<gpu>/.\n\nExamples:\n  megamoe info\n  megamoe kernels\n  megamoe limits\n  \
+matmul rates), runs every sweep of the embedded bench-configs/default.toml, writes CSV, plots and \
+REPORT.md under results/<gpu>/, and ends with a decode report of the whole DSV4-Flash model at batch 1 \
+(`megamoe decode`).\n\nExamples:\n  megamoe info\n  megamoe kernels\n  megamoe limits\n  \
 megamoe bench --config bench-configs/norm_quant.toml --reps 20\n  megamoe exec nvfp4_quantize_rows --in x.safetensors --out q.safetensors --cpu\n  \
-megamoe report --dir results/h200"
+megamoe report --dir results/h200\n  megamoe decode --model flash --batch 1 --context 4096\n  megamoe generate \"Hello\" --model small"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -36,7 +37,8 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// The default suite: limits, every sweep of the embedded default config, report (the main job).
+    /// The main job: limits, every sweep of the embedded default config, report, then a decode report of the
+    /// whole Flash model at batch 1 (`megamoe decode` with its defaults).
     Run(BenchArgs),
     /// Device, driver, clocks, power and the kernels embedded in this binary.
     Info,
@@ -169,7 +171,16 @@ pub fn main() -> Result<()> {
             let out = out.unwrap_or_else(|| default_out(&gpu));
             measure_limits(&gpu, &out, quick).map(|_| ())
         }
-        Command::Run(args) | Command::Bench(args) => bench(cli.gpu, args),
+        Command::Run(args) => {
+            let decode = main_job_decode();
+            decode.check()?;
+            bench(cli.gpu, args.clone())?;
+            // The main job ends with the lab's headline: the whole Flash model decoding at batch 1.
+            let gpu = open_gpu(cli.gpu)?;
+            let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
+            decode::run(&gpu, &decode, out).map(|_| ())
+        }
+        Command::Bench(args) => bench(cli.gpu, args),
         Command::Stress { suite } => stress(cli.gpu, suite),
         Command::Decode(args) => {
             args.check()?;
@@ -195,6 +206,20 @@ pub fn main() -> Result<()> {
             cpu,
             list,
         } => exec(cli.gpu, kernel, input, output, cpu, list),
+    }
+}
+
+/// The main job's closing decode report: the Flash geometry at batch 1, a 4K context, a short prompt and 64
+/// timed steps.
+fn main_job_decode() -> decode::DecodeArgs {
+    decode::DecodeArgs {
+        model: "flash".into(),
+        batch: 1,
+        context: 4096,
+        prompt_len: 16,
+        max_new_tokens: 64,
+        seed: 0x5EED,
+        out: None,
     }
 }
 
