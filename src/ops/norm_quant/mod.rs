@@ -680,10 +680,11 @@ pub fn resident_block_threads(d: usize) -> u32 {
 pub(crate) fn resident_nvfp4_entry(prefix: &str, d: usize) -> String {
     format!("{prefix}_resident_nw{}", d / RESIDENT_D_MULTIPLE)
 }
+
 /// Quantize BF16 rows `y` `[rows, d]` to NVFP4 or FP8 (no norm) into `out` (its rstd untouched): the engine's
 /// quantizer of rows normalized elsewhere (mhc_pre's BF16 output, the attention's `z`), and the second kernel of
-/// the unfused chain [`bench::rmsnorm_then_quant`]. NVFP4 runs `quant_nvfp4_bf16in_row_loop` (the encoder of the fused row-loop
-/// kernel) up to [`ROW_LOOP_NVFP4_MAX_D`], `quant_nvfp4_bf16in` (one CTA per row) above; FP8 runs
+/// the unfused chain [`bench::rmsnorm_then_quant`]. NVFP4 runs `quant_nvfp4_bf16in_row_loop` (the encoder of the
+/// fused row-loop kernel) up to [`ROW_LOOP_NVFP4_MAX_D`], `quant_nvfp4_bf16in` (one CTA per row) above; FP8 runs
 /// `quant_fp8_bf16in` (one CTA per row). The CPU quantizer's bits in every case.
 pub fn quantize_bf16_rows(
     gpu: &Gpu,
