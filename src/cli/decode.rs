@@ -9,7 +9,7 @@ use anyhow::{ensure, Context, Result};
 use crate::bench::{env, probe};
 use crate::engine::io::StepShape;
 use crate::engine::plan::{resolve_model, PlanRequest};
-use crate::engine::report::{percentile, StepBytes};
+use crate::engine::report::{group_floor_bytes, percentile, StepBytes};
 use crate::engine::run::Engine;
 use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::Gpu;
@@ -140,7 +140,7 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<DecodeS
         copy_gbps,
     };
     print_report(gpu, &plan, args, &s);
-    print_profile(&profile, &plan);
+    print_profile(&profile, &plan, &vec![mid; args.batch], s.copy_gbps);
     let out = args.out.clone().unwrap_or(default_out);
     append_csv(&out, gpu, &plan, args, &s)?;
     Ok(s)
@@ -189,21 +189,40 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, s: &DecodeSumma
     );
 }
 
-/// The profiled step: device time per group of kernels (summed over the layers), in step order.
-fn print_profile(groups: &[(&'static str, f64, usize)], plan: &MemoryPlan) {
+/// The profiled step: device time per group of kernels (summed over the layers), in step order, beside the
+/// group's byte floor at the copy bandwidth of this run.
+fn print_profile(
+    groups: &[(&'static str, f64, usize)],
+    plan: &MemoryPlan,
+    positions: &[usize],
+    copy_gbps: f64,
+) {
     if groups.is_empty() {
         return;
     }
     let total: f64 = groups.iter().map(|g| g.1).sum();
     println!(
-        "\none step by kernel group (a graph replay with an event after each group; {} layers):",
+        "\none step by kernel group (a graph replay with an event after each group; {} layers; floor = the group's \
+         bytes at the copy bandwidth):",
         plan.config.n_layers
     );
-    println!("{:<78} {:>10} {:>6} {:>6}", "group", "us", "runs", "%");
+    println!(
+        "{:<74} {:>9} {:>5} {:>6} {:>9} {:>7}",
+        "group", "us", "runs", "%", "floor us", "x floor"
+    );
     for (name, us, n) in groups {
-        println!("{name:<78} {us:>10.1} {n:>6} {:>5.1}%", 100.0 * us / total);
+        let floor = group_floor_bytes(plan, name, positions) as f64 / (copy_gbps * 1e3);
+        let ratio = if floor > 0.0 {
+            format!("{:.1}", us / floor)
+        } else {
+            "-".into()
+        };
+        println!(
+            "{name:<74} {us:>9.1} {n:>5} {:>5.1}% {floor:>9.1} {ratio:>7}",
+            100.0 * us / total
+        );
     }
-    println!("{:<78} {total:>10.1}", "step (sum of groups)");
+    println!("{:<74} {total:>9.1}", "step (sum of groups)");
 }
 
 const CSV_HEADER: &str = "timestamp,git_commit,gpu,model,batch,context,prompt_len,steps,ttft_s,tpot_p50_us,tpot_p90_us,tpot_p99_us,tokens_per_s_seq,tokens_per_s_total,floor_bytes,dense_bytes,routed_bytes,kv_bytes,copy_gbps,pct_copy_bw,expert_slots,logical_experts";

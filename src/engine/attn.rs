@@ -27,7 +27,7 @@
 //! empty candidate row, and its `x_out` rows are unspecified; all sequences active is the supported case.
 
 use crate::engine::cache::{LayerCacheLayout, LayerCaches};
-use crate::engine::io::{LayerIo, StepShape, STREAMS};
+use crate::engine::io::{group, LayerIo, StepShape, STREAMS};
 use crate::engine::plan::LayerCachePlan;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
@@ -764,20 +764,20 @@ impl AttnHalf {
             self.batch
         );
         self.hc_pre(gpu, stream, layer, io)?;
-        io.mark(stream, "attn: hc_pre + attn_norm + FP8 a")?;
+        io.mark(stream, group::ATTN_HC_PRE)?;
         self.projections(gpu, stream, layer, io)?;
         io.mark(
             stream,
             "attn: projections (wq_a, wkv, q_norm, wq_b, q heads, kv entry, indexer q)",
         )?;
         self.compress(gpu, stream, layer, io)?;
-        io.mark(stream, "attn: compressors")?;
+        io.mark(stream, group::ATTN_COMPRESSORS)?;
         self.select(gpu, stream, layer, io)?;
-        io.mark(stream, "attn: indexer logits + top-k")?;
+        io.mark(stream, group::ATTN_INDEXER)?;
         self.attend(gpu, stream, layer, io)?;
-        io.mark(stream, "attn: candidates + sparse attention")?;
+        io.mark(stream, group::ATTN_SPARSE)?;
         self.output(gpu, stream, layer, io)?;
-        io.mark(stream, "attn: wo_a, wo_b, hc_post")
+        io.mark(stream, group::ATTN_OUTPUT)
     }
 
     /// The sparse-attention group of `layer` (its candidate rows and lengths after a run).

@@ -31,7 +31,7 @@ use anyhow::{bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use crate::engine::io::{LayerIo, StepShape};
+use crate::engine::io::{group, LayerIo, StepShape};
 use crate::engine::plan::ExpertMap;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
@@ -459,15 +459,15 @@ impl FfnHalf {
             self.layers.len()
         );
         self.hc_pre_ffn_norm(gpu, stream, layer, io)?;
-        io.mark(stream, "ffn: hc_pre + ffn_norm + FP8/NVFP4 f")?;
+        io.mark(stream, group::FFN_HC_PRE)?;
         self.route(gpu, stream, layer, io)?;
-        io.mark(stream, "ffn: router")?;
+        io.mark(stream, group::FFN_ROUTER)?;
         self.shared_expert(gpu, stream, layer)?;
-        io.mark(stream, "ffn: shared expert")?;
+        io.mark(stream, group::FFN_SHARED)?;
         self.routed_experts(gpu, stream, weights, layer)?;
-        io.mark(stream, "ffn: routed experts (L1, L2 + combine)")?;
+        io.mark(stream, group::FFN_ROUTED)?;
         self.hc_post(gpu, stream, io)?;
-        io.mark(stream, "ffn: hc_post")
+        io.mark(stream, group::FFN_HC_POST)
     }
 
     /// Step 12: hc_pre (`hc_ffn_*`) + ffn_norm -> pre / post / comb and `f` BF16; `f` -> FP8 1x128 and NVFP4.

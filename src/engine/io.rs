@@ -90,6 +90,25 @@ impl LayerIo<'_> {
     }
 }
 
+/// The names of the kernel groups a profiled step marks ([`StepMarks`]), in step order.
+pub mod group {
+    pub const EMBED: &str = "embed";
+    pub const ATTN_HC_PRE: &str = "attn: hc_pre + attn_norm + FP8 a";
+    pub const ATTN_PROJECTIONS: &str =
+        "attn: projections (wq_a, wkv, q_norm, wq_b, q heads, kv entry, indexer q)";
+    pub const ATTN_COMPRESSORS: &str = "attn: compressors";
+    pub const ATTN_INDEXER: &str = "attn: indexer logits + top-k";
+    pub const ATTN_SPARSE: &str = "attn: candidates + sparse attention";
+    pub const ATTN_OUTPUT: &str = "attn: wo_a, wo_b, hc_post";
+    pub const FFN_HC_PRE: &str = "ffn: hc_pre + ffn_norm + FP8/NVFP4 f";
+    pub const FFN_ROUTER: &str = "ffn: router";
+    pub const FFN_SHARED: &str = "ffn: shared expert";
+    pub const FFN_ROUTED: &str = "ffn: routed experts (L1, L2 + combine)";
+    pub const FFN_HC_POST: &str = "ffn: hc_post";
+    pub const HEAD: &str = "head (final norm, LM head)";
+    pub const SAMPLER: &str = "sampler";
+}
+
 /// The events of a profiled step: one after each group of kernels, in stream order, each with the group's name.
 /// The time of a group is the time between its event and the one before it.
 pub struct StepMarks {

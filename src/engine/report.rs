@@ -1,6 +1,7 @@
 //! The decode report: the byte floor of a step (what a step must read from HBM at the least) and the summary of a
 //! timed run against it.
 
+use crate::engine::io::group;
 use crate::engine::plan::{LayerCachePlan, MemoryPlan};
 use crate::formats::kv;
 use crate::model::LayerKind;
@@ -51,6 +52,72 @@ impl StepBytes {
             })
             .sum();
         StepBytes { dense, routed, kv }
+    }
+}
+
+/// The least bytes kernel group `name` (an [`group`] name) reads in one step of `plan` whose sequences are at
+/// `positions`, summed over the layers: the dense tensors it reads once (matched by name), and for the KV and expert
+/// groups their part of [`StepBytes`]. Activations are not counted (they are small at decode batch sizes).
+pub fn group_floor_bytes(plan: &MemoryPlan, name: &str, positions: &[usize]) -> u64 {
+    let tensors = |pats: &[&str]| -> u64 {
+        plan.dense
+            .iter()
+            .filter(|t| pats.iter().any(|p| t.spec.name.contains(p)))
+            .map(|t| t.bytes() as u64)
+            .sum()
+    };
+    let steps = StepBytes::of(plan, positions);
+    let cfg = &plan.config;
+    let key_bytes = plan.request.index_keys.entry_bytes() as u64;
+    let entry = kv::ENTRY_BYTES as u64;
+    // KV split: the indexer's keys vs the attention's entries.
+    let keys: u64 = positions
+        .iter()
+        .map(|&p| {
+            plan.cache_layers
+                .iter()
+                .map(|l| match l.kind {
+                    LayerKind::Csa { ratio } => ((p + 1) / ratio) as u64 * key_bytes,
+                    _ => 0,
+                })
+                .sum::<u64>()
+        })
+        .sum();
+    match name {
+        group::EMBED => {
+            let e = tensors(&["embed.weight"]);
+            e / cfg.vocab_size.max(1) as u64 * positions.len() as u64
+        }
+        group::ATTN_HC_PRE => tensors(&[".hc_attn_", ".attn_norm."]),
+        group::ATTN_PROJECTIONS => tensors(&[
+            ".attn.wq_a.",
+            ".attn.wkv.",
+            ".attn.wq_b.",
+            ".attn.q_norm.",
+            ".attn.kv_norm.",
+            ".attn.indexer.wq_b.",
+            ".attn.indexer.weights_proj.",
+        ]),
+        group::ATTN_COMPRESSORS => tensors(&[".compressor."]),
+        group::ATTN_INDEXER => keys,
+        group::ATTN_SPARSE => (steps.kv - keys).max(entry) + tensors(&[".attn_sink"]),
+        group::ATTN_OUTPUT => tensors(&[".attn.wo_a.", ".attn.wo_b."]),
+        group::FFN_HC_PRE => tensors(&[".hc_ffn_", ".ffn_norm."]),
+        group::FFN_ROUTER => tensors(&[".ffn.gate.weight", ".ffn.gate.bias"]),
+        group::FFN_SHARED => tensors(&[".shared_experts."]),
+        group::FFN_ROUTED => steps.routed,
+        group::HEAD => [
+            "head.weight",
+            "hc_head_fn",
+            "hc_head_scale",
+            "hc_head_base",
+            "norm.weight",
+        ]
+        .iter()
+        .filter_map(|n| plan.dense_tensor(n))
+        .map(|t| t.bytes() as u64)
+        .sum(),
+        _ => 0,
     }
 }
 
@@ -111,5 +178,42 @@ mod tests {
         assert!(early.kv < b.kv);
         // Position 0 reads one window entry per layer.
         assert_eq!(early.kv, (cfg.n_layers * kv::ENTRY_BYTES) as u64);
+    }
+
+    /// The groups' floors partition the step's floor: every dense tensor belongs to exactly one group (or is one
+    /// the step reads a row of: the embedding and tid2eid), and the KV and expert parts are split, not repeated.
+    #[test]
+    fn group_floors_add_up_to_the_step_floor() {
+        use crate::engine::io::group::*;
+        let cfg = ModelConfig::flash();
+        let plan = MemoryPlan::new(&cfg, &PlanRequest::new(1, 4096, 16, 139 << 30)).unwrap();
+        let pos = [4095];
+        let groups = [
+            EMBED,
+            ATTN_HC_PRE,
+            ATTN_PROJECTIONS,
+            ATTN_COMPRESSORS,
+            ATTN_INDEXER,
+            ATTN_SPARSE,
+            ATTN_OUTPUT,
+            FFN_HC_PRE,
+            FFN_ROUTER,
+            FFN_SHARED,
+            FFN_ROUTED,
+            FFN_HC_POST,
+            HEAD,
+            SAMPLER,
+        ];
+        let sum: u64 = groups
+            .iter()
+            .map(|g| group_floor_bytes(&plan, g, &pos))
+            .sum();
+        let tid2eid: u64 = plan
+            .dense
+            .iter()
+            .filter(|t| t.spec.name.contains("tid2eid"))
+            .map(|t| t.bytes() as u64)
+            .sum();
+        assert_eq!(sum + tid2eid, StepBytes::of(&plan, &pos).total());
     }
 }

@@ -13,7 +13,7 @@
 use crate::engine::attn::AttnHalf;
 use crate::engine::cache::KvPool;
 use crate::engine::ffn::FfnHalf;
-use crate::engine::io::{LayerIo, Residual, StepMarks, StepShape, STREAMS};
+use crate::engine::io::{group, LayerIo, Residual, StepMarks, StepShape, STREAMS};
 use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
@@ -355,10 +355,10 @@ impl DecodeState {
     ) -> Result<()> {
         self.layers(gpu, stream, weights)?;
         self.head(gpu, stream, weights)?;
-        self.mark(stream, "head (final norm, LM head)")?;
+        self.mark(stream, group::HEAD)?;
         self.sample(gpu, stream)?;
         sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)?;
-        self.mark(stream, "sampler")
+        self.mark(stream, group::SAMPLER)
     }
 
     fn mark(&self, stream: &Stream, what: &'static str) -> Result<()> {
@@ -385,7 +385,7 @@ impl DecodeState {
     fn layers(&mut self, gpu: &Gpu, stream: &Stream, weights: &DeviceWeights) -> Result<()> {
         self.mark(stream, "start")?;
         self.embed(gpu, stream, weights)?;
-        self.mark(stream, "embed")?;
+        self.mark(stream, group::EMBED)?;
         for layer in 0..self.config.n_layers {
             self.decode_layer(gpu, stream, weights, layer)?;
         }
