@@ -8,6 +8,7 @@ use anyhow::{ensure, Context, Result};
 
 use crate::bench::{env, probe};
 use crate::engine::io::StepShape;
+use crate::engine::parity;
 use crate::engine::plan::{resolve_model, PlanRequest};
 use crate::engine::report::{group_floor_bytes, percentile, StepBytes};
 use crate::engine::run::Engine;
@@ -15,6 +16,7 @@ use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::Gpu;
 use crate::model::sampler::SamplerConfig;
 use crate::model::weights::element_bits;
+use crate::model::{CachePolicy, Model, Weights};
 use crate::ops::sampler::SamplerParams;
 use crate::progress::Progress;
 
@@ -42,12 +44,23 @@ pub struct DecodeArgs {
     /// Write decode.csv (one row per run, appended) here (default: results/<gpu>).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Instead of timing: end-to-end parity with the CPU model (fed the GPU's greedy tokens) over
+    /// --max-new-tokens steps, beside the floor of the CPU model against itself with one rounding order changed;
+    /// writes parity.csv. The CPU model runs every step, so this is for the small geometry (--model small).
+    #[arg(long)]
+    pub parity: bool,
 }
 
 impl DecodeArgs {
     /// Checks that need no GPU (run before the GPU is opened).
     pub fn check(&self) -> Result<()> {
-        resolve_model(&self.model)?;
+        let cfg = resolve_model(&self.model)?;
+        ensure!(
+            !self.parity || cfg.dim <= 1024,
+            "--parity runs the CPU model every step: use --model small (the {} geometry takes seconds a token \
+             on the CPU)",
+            cfg.name
+        );
         ensure!(self.batch >= 1, "--batch must be at least 1");
         ensure!(self.prompt_len >= 1, "--prompt-len must be at least 1");
         ensure!(
@@ -88,7 +101,7 @@ impl DecodeSummary {
 }
 
 /// Runs `megamoe decode` on `gpu`; prints the report and appends a row to decode.csv.
-pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<DecodeSummary> {
+pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Option<DecodeSummary>> {
     let cfg = resolve_model(&args.model)?;
     let free = free_device_bytes(gpu)?;
     let req = PlanRequest::new(args.batch, args.context, args.prompt_len, free);
@@ -112,6 +125,10 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<DecodeS
                 .collect()
         })
         .collect();
+    if args.parity {
+        let out = args.out.clone().unwrap_or(default_out);
+        return run_parity(gpu, &mut engine, &cfg, args, &prompts, &out).map(|_| None);
+    }
     let params = SamplerParams::from_config(&SamplerConfig::greedy(), args.max_new_tokens + 1)?;
     eprintln!(
         "prefill: {} x {} prompt tokens, token by token through the decode layers",
@@ -143,7 +160,91 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<DecodeS
     print_profile(&profile, &plan, &vec![mid; args.batch], s.copy_gbps);
     let out = args.out.clone().unwrap_or(default_out);
     append_csv(&out, gpu, &plan, args, &s)?;
-    Ok(s)
+    Ok(Some(s))
+}
+
+/// `--parity`: [`parity::free_running`] against two CPU models on the same synthetic weights; prints a per-step
+/// table and the summary, writes parity.csv.
+fn run_parity(
+    gpu: &Gpu,
+    engine: &mut Engine,
+    cfg: &crate::model::ModelConfig,
+    args: &DecodeArgs,
+    prompts: &[Vec<u32>],
+    out: &std::path::Path,
+) -> Result<()> {
+    let cpu = Model::new(Weights::synthetic(
+        cfg.clone(),
+        args.seed,
+        CachePolicy::All,
+    )?)?;
+    let mut floor = Model::new(Weights::synthetic(
+        cfg.clone(),
+        args.seed,
+        CachePolicy::All,
+    )?)?;
+    floor.reverse_expert_sum = true;
+    let mut progress = Progress::new("parity", args.max_new_tokens);
+    let rows = parity::free_running(
+        gpu,
+        engine,
+        &cpu,
+        &floor,
+        prompts,
+        args.max_new_tokens,
+        |i| progress.tick(&format!("step {}", i + 1)),
+    )?;
+    println!(
+        "\n== parity: {} on {} (batch {}, prompt {}), GPU vs CPU model fed the GPU's tokens ==",
+        cfg.name, gpu.info.name, args.batch, args.prompt_len
+    );
+    println!("step  seq  cos(GPU, CPU)  cos(CPU', CPU)  GPU token  CPU argmax  CPU' argmax");
+    for r in &rows {
+        println!(
+            "{:>4}  {:>3}  {:>13.6}  {:>14.6}  {:>9}  {:>10}  {:>11}",
+            r.step, r.seq, r.cos_gpu, r.cos_floor, r.gpu_token, r.cpu_token, r.floor_token
+        );
+    }
+    let s = parity::ParitySummary::of(&rows);
+    println!(
+        "GPU vs CPU: min cosine {:.6}, mean {:.6}, greedy agreement {}/{}; floor (CPU' vs CPU): min {:.6}, mean \
+         {:.6}, agreement {}/{}",
+        s.min_cos_gpu,
+        s.mean_cos_gpu,
+        s.agree_gpu,
+        s.rows,
+        s.min_cos_floor,
+        s.mean_cos_floor,
+        s.agree_floor,
+        s.rows
+    );
+    std::fs::create_dir_all(out)?;
+    let path = out.join("parity.csv");
+    let mut f =
+        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    writeln!(
+        f,
+        "git_commit,gpu,model,seed,step,seq,cos_gpu_cpu,cos_floor_cpu,gpu_token,cpu_argmax,floor_argmax"
+    )?;
+    for r in &rows {
+        writeln!(
+            f,
+            "{},{},{},{},{},{},{:.8},{:.8},{},{},{}",
+            env::git_commit(),
+            gpu.info.name.replace(',', " "),
+            cfg.name,
+            args.seed,
+            r.step,
+            r.seq,
+            r.cos_gpu,
+            r.cos_floor,
+            r.gpu_token,
+            r.cpu_token,
+            r.floor_token
+        )?;
+    }
+    eprintln!("wrote {}", path.display());
+    Ok(())
 }
 
 fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, s: &DecodeSummary) {

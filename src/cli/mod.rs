@@ -220,6 +220,7 @@ fn main_job_decode() -> decode::DecodeArgs {
         max_new_tokens: 64,
         seed: 0x5EED,
         out: None,
+        parity: false,
     }
 }
 

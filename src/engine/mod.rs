@@ -11,6 +11,7 @@ pub mod attn;
 pub mod cache;
 pub mod ffn;
 pub mod io;
+pub mod parity;
 pub mod plan;
 pub mod report;
 pub mod run;

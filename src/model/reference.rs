@@ -279,13 +279,21 @@ pub enum Which {
 pub struct Model {
     pub weights: Weights,
     ropes: Vec<RopeTable>,
+    /// Sum the MoE output's terms (the routed experts in routing order, then the shared expert) in reverse order.
+    /// The same math with one rounding order changed: the CPU model against itself with this on is the noise floor that end-to-end
+    /// parity is judged by (two faithful implementations differ by at least this much).
+    pub reverse_expert_sum: bool,
 }
 
 impl Model {
     pub fn new(weights: Weights) -> Result<Self> {
         let cfg = &weights.config;
         let ropes = (0..cfg.n_layers).map(|l| layer_rope(cfg, l)).collect();
-        Ok(Model { weights, ropes })
+        Ok(Model {
+            weights,
+            ropes,
+            reverse_expert_sum: false,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -677,16 +685,23 @@ impl Model {
     fn moe(&self, layer: usize, f: &[f32], routing: &Routing) -> Result<Vec<f32>> {
         let cfg = self.config();
         let f_q = fp8_act_quant(f)?;
-        let mut y = vec![0f32; cfg.dim];
-        for (&e, &w) in routing.experts.iter().zip(&routing.weights) {
-            let ye = self.expert(&format!("layers.{layer}.ffn.experts.{e}"), &f_q, w)?;
-            for (a, b) in y.iter_mut().zip(&ye) {
-                *a += b;
-            }
-        }
+        // The terms of the f32 sum, in routing order then the shared expert (reversed: the floor's order).
+        let mut terms: Vec<(String, f32)> = routing
+            .experts
+            .iter()
+            .zip(&routing.weights)
+            .map(|(&e, &w)| (format!("layers.{layer}.ffn.experts.{e}"), w))
+            .collect();
         if cfg.n_shared_experts > 0 {
-            let ys = self.expert(&format!("layers.{layer}.ffn.shared_experts"), &f_q, 1.0)?;
-            for (a, b) in y.iter_mut().zip(&ys) {
+            terms.push((format!("layers.{layer}.ffn.shared_experts"), 1.0));
+        }
+        if self.reverse_expert_sum {
+            terms.reverse();
+        }
+        let mut y = vec![0f32; cfg.dim];
+        for (prefix, w) in terms {
+            let ye = self.expert(&prefix, &f_q, w)?;
+            for (a, b) in y.iter_mut().zip(&ye) {
                 *a += b;
             }
         }
