@@ -24,7 +24,9 @@
 #include <stdint.h>
 
 constexpr int kAttnGlueThreads = 256;
-constexpr int kCandSelected = 1;  // mode 0: window only
+// Candidate modes: 0 = the window only (sliding-window layers), kCandSelected = the window then the indexer's top-k
+// (CSA), kCandAllVisible = the window then every visible compressed entry (HCA).
+constexpr int kCandSelected = 1;
 constexpr int kCandAllVisible = 2;
 
 extern "C" __global__ void __launch_bounds__(kAttnGlueThreads)

@@ -16,9 +16,9 @@ use megamoe::model::sampler::{counter_uniform, Sampler, SamplerConfig, StopSet};
 use megamoe::ops::head::{embed_tokens, EmbedShape};
 use megamoe::ops::sampler::reference::CpuSequence;
 use megamoe::ops::sampler::{
-    sample_step, state_bytes, workspace_bytes, SamplerParams, SamplerShape, SamplerState,
-    SamplerWorkspace, ERR_BAD_PARAMS, ERR_NAN_LOGIT, STATUS_FAILED, STATUS_MAX_TOKENS,
-    STATUS_RUNNING, STATUS_STOPPED,
+    advance_positions, sample_step, state_bytes, workspace_bytes, SamplerParams, SamplerShape,
+    SamplerState, SamplerWorkspace, ERR_BAD_PARAMS, ERR_NAN_LOGIT, STATUS_FAILED,
+    STATUS_MAX_TOKENS, STATUS_RUNNING, STATUS_STOPPED,
 };
 use rand::Rng;
 
@@ -456,4 +456,43 @@ fn gpu_graph_sampling_feeds_the_next_embedding() {
     }
     assert_eq!(download(&stream, &run.state.error).unwrap()[0], 0);
     assert_eq!(gpu.download(&err).unwrap()[0], 0);
+}
+
+/// The end of a decode step: a running slot (position >= 0, next >= 0) moves one position on, a slot whose `next`
+/// is -1 (stopped, or never admitted) becomes idle (-1), an idle slot stays idle whatever `next` holds.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_advance_positions_moves_running_slots_and_idles_the_rest() {
+    let gpu = common::gpu("sampler_advance_positions");
+    // 300 slots: more than one 128-thread block.
+    let b = 300;
+    let shape = SamplerShape {
+        batch: b,
+        vocab: 64,
+        ring_cap: 8,
+    };
+    let mut arena = Arena::new(&gpu, state_bytes(&shape)).unwrap();
+    let state = SamplerState::carve(&mut arena, &shape).unwrap();
+    let positions: Vec<i32> = (0..b as i32)
+        .map(|i| if i % 5 == 4 { -1 } else { 7 * i })
+        .collect();
+    let next: Vec<i32> = (0..b as i32)
+        .map(|i| if i % 3 == 2 { -1 } else { i % 64 })
+        .collect();
+    megamoe::gpu::arena::upload(&gpu.stream, &state.next, &next).unwrap();
+    let pos_dev = gpu.upload(&positions).unwrap();
+    advance_positions(&gpu, &gpu.stream, &state, &pos_dev).unwrap();
+    let got = gpu.download(&pos_dev).unwrap();
+    for i in 0..b {
+        let want = if positions[i] >= 0 && next[i] >= 0 {
+            positions[i] + 1
+        } else {
+            -1
+        };
+        assert_eq!(
+            got[i], want,
+            "slot {i}: position {} next {}",
+            positions[i], next[i]
+        );
+    }
 }

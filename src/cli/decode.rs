@@ -67,9 +67,11 @@ impl DecodeArgs {
             self.max_new_tokens >= 1,
             "--max-new-tokens must be at least 1"
         );
+        // The timed steps plus the profiled one after them each take a position.
         ensure!(
-            self.prompt_len + self.max_new_tokens <= self.context,
-            "a prompt of {} tokens plus {} new tokens does not fit a context of {} (raise --context)",
+            self.prompt_len + self.max_new_tokens < self.context,
+            "a prompt of {} tokens plus {} new tokens (and the profiled step) does not fit a context of {} \
+             (raise --context)",
             self.prompt_len,
             self.max_new_tokens,
             self.context
@@ -129,7 +131,8 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Option<
         let out = args.out.clone().unwrap_or(default_out);
         return run_parity(gpu, &mut engine, &cfg, args, &prompts, &out).map(|_| None);
     }
-    let params = SamplerParams::from_config(&SamplerConfig::greedy(), args.max_new_tokens + 1)?;
+    // Every step samples: the prefill's first decode step, the timed steps and the profiled one.
+    let params = SamplerParams::from_config(&SamplerConfig::greedy(), args.max_new_tokens + 2)?;
     eprintln!(
         "prefill: {} x {} prompt tokens, token by token through the decode layers",
         args.batch, args.prompt_len
@@ -147,6 +150,11 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Option<
     } else {
         engine.profile_step(gpu)?
     };
+    let err = engine.state.read_error(&gpu.stream)?;
+    ensure!(
+        err == 0,
+        "the decode steps set error bits {err:#x} (engine::step::ERR_*): the report would not be of valid steps"
+    );
     // The floor at the median position of the timed steps.
     let mid = args.prompt_len + tpot.len() / 2;
     let bytes = StepBytes::of(&plan, &vec![mid; args.batch]);
@@ -260,7 +268,7 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, s: &DecodeSumma
     );
     println!("experts     {}", plan.map);
     println!(
-        "TTFT        {:.3} s ({} prompt tokens, token by token; graph replays after the first)",
+        "TTFT        {:.3} s ({} prompt tokens, token by token; cold: module loads and graph capture included)",
         s.ttft_s, args.prompt_len
     );
     println!(

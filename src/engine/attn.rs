@@ -766,10 +766,7 @@ impl AttnHalf {
         self.hc_pre(gpu, stream, layer, io)?;
         io.mark(stream, group::ATTN_HC_PRE)?;
         self.projections(gpu, stream, layer, io)?;
-        io.mark(
-            stream,
-            "attn: projections (wq_a, wkv, q_norm, wq_b, q heads, kv entry, indexer q)",
-        )?;
+        io.mark(stream, group::ATTN_PROJECTIONS)?;
         self.compress(gpu, stream, layer, io)?;
         io.mark(stream, group::ATTN_COMPRESSORS)?;
         self.select(gpu, stream, layer, io)?;

@@ -7,7 +7,7 @@ use crate::gpu::Stream;
 use crate::model::ModelConfig;
 use crate::ops::sampler::SamplerShape;
 use anyhow::{anyhow, ensure, Result};
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{self, CUevent_flags, CUstreamCaptureStatus};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice};
 use half::bf16;
 use std::cell::RefCell;
@@ -130,8 +130,27 @@ impl StepMarks {
             .ctx
             .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(|e| anyhow!("event: {e:?}"))?;
-        ev.record(stream)
-            .map_err(|e| anyhow!("event record: {e:?}"))?;
+        let capturing = stream
+            .capture_status()
+            .map_err(|e| anyhow!("capture status: {e:?}"))?
+            == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+        if capturing {
+            // Inside a capture a plain cuEventRecord only marks a fork/join point; the EXTERNAL flag makes it an
+            // event-record node that every replay executes, so the event can be timed after a replay.
+            // SAFETY: a live event and stream of the same context.
+            unsafe {
+                sys::cuEventRecordWithFlags(
+                    ev.cu_event(),
+                    stream.cu_stream(),
+                    sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32,
+                )
+            }
+            .result()
+            .map_err(|e| anyhow!("event record node: {e:?}"))?;
+        } else {
+            ev.record(stream)
+                .map_err(|e| anyhow!("event record: {e:?}"))?;
+        }
         self.events.borrow_mut().push((what, ev));
         Ok(())
     }

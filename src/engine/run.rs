@@ -55,7 +55,8 @@ impl Engine {
     /// Admits one prompt per slot (every slot of the batch; prompts of equal length, at least one token) with
     /// the sampler's options and stop ids, runs all but the last prompt token through the layers (filling the
     /// caches), then the first decode step, which samples each sequence's first token. Host work between
-    /// prompt tokens: one upload of the next ids.
+    /// prompt tokens: one upload of the next ids. The time to the first token is cold: it includes loading the
+    /// kernel modules (the first eager step) and capturing the prompt graph.
     pub fn prefill(
         &mut self,
         gpu: &Gpu,
@@ -64,6 +65,12 @@ impl Engine {
         stop_ids: &[u32],
     ) -> Result<PrefillTiming> {
         let b = self.state.shape.batch;
+        // The caches, compressor states and the stop count baked into the step graph are those of one batch of
+        // prompts: an engine serves one prefill.
+        ensure!(
+            self.prompt_steps_run == 0 && self.decode_steps_run == 0,
+            "this engine already ran a batch; build a new one for new prompts"
+        );
         ensure!(
             prompts.len() == b,
             "{} prompts for a batch of {b}",

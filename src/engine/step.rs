@@ -39,8 +39,14 @@ pub fn lm_head_shape(cfg: &ModelConfig, shape: &StepShape) -> DenseShape {
     }
 }
 
-/// The step's arena: every workspace and per-step buffer, carved in this order by [`StepWorkspace::carve`]
-/// (`sm_count`: the dense linears' split plan depends on it).
+/// [`DecodeState::read_error`] bit: an embedding id was outside the vocabulary.
+pub const ERR_EMBED_ID: u32 = 1;
+/// [`DecodeState::read_error`] bit: a compressor's entry fell outside its cache.
+pub const ERR_CACHE_FULL: u32 = 2;
+
+/// The step's arena: every workspace and per-step buffer ([`StepWorkspace::carve`], then the halves' carves in
+/// [`AttnHalf::new`] and [`FfnHalf::new`]; each carve is rounded on its own, so the total does not depend on the
+/// order). `sm_count`: the dense linears' split plan depends on it.
 pub fn step_layout(
     cfg: &ModelConfig,
     shape: &StepShape,
@@ -429,8 +435,18 @@ impl DecodeState {
         }
     }
 
-    /// The step's error word (nonzero: an embedding id was outside the vocabulary).
+    /// The step's error bits (waits for `stream`): [`ERR_EMBED_ID`] an embedding id was outside the vocabulary;
+    /// [`ERR_CACHE_FULL`] a compressor's entry fell outside its cache (a sequence ran past its context). Sticky.
     pub fn read_error(&self, stream: &Stream) -> Result<u32> {
-        Ok(arena::download(stream, &self.ws.error)?[0])
+        let embed = arena::download(stream, &self.ws.error)?[0];
+        let attn = arena::download(stream, &self.attn.bufs.error)?[0];
+        let mut bits = 0;
+        if embed != 0 {
+            bits |= ERR_EMBED_ID;
+        }
+        if attn != 0 {
+            bits |= ERR_CACHE_FULL;
+        }
+        Ok(bits)
     }
 }
