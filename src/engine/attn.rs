@@ -1259,6 +1259,12 @@ pub fn build_candidates(
         "attn_candidates: stride {stride} is shorter than the window {} + {longest} compressed entries",
         lay.plan.window_entries
     );
+    ensure!(
+        caches.window_base.len() >= batch && (mode == 0 || caches.compressed_base.len() >= batch),
+        "attn_candidates: the caches' base arrays hold {} / {} entries for a batch of {batch}",
+        caches.window_base.len(),
+        caches.compressed_base.len()
+    );
     let sort_n = if k == 0 { 0 } else { k.next_power_of_two() };
     let smem = 4 * sort_n;
     let kern = gpu.kernel_with_smem(FAMILY, "attn_candidates", smem)?;

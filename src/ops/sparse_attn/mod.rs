@@ -123,7 +123,9 @@ impl DecodeShape {
 }
 
 /// Device inputs of a decode-attention call (shapes in the module doc). `lengths[b]` in `0..=stride` (larger
-/// values are clamped to `stride` on the device, negative ones read as 0), `positions[b] >= 0`.
+/// values are clamped to `stride` on the device, negative ones read as 0), `positions[b] >= 0` for every row with
+/// candidates; a row of length 0 attends to nothing (its output is the empty softmax's zeros, whose inverse RoPE is
+/// zeros at any position), which is how the engine's idle slots (position -1) pass through.
 pub struct DecodeInputs<'a> {
     pub q: &'a CudaSlice<bf16>,
     pub pool: &'a CudaSlice<u8>,
