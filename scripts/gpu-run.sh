@@ -4,7 +4,9 @@
 # --include-ignored; a GPU test without a GPU fails, and REQUIRE_GPU=1 makes the older SKIP path fail too) except
 # the slow CPU-only runs named `slow_*` (the `model` step runs the one it needs), the limits probe, the benchmark
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
-#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|<several, comma-separated>] [extra args for `megamoe bench`]
+#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|<several, comma-separated>] [extra args for `megamoe bench`]
+#   decode: `megamoe decode` of the small model (report + --parity) and of Flash at batch 1 (DECODE_FLASH=0 skips it;
+#           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -25,7 +27,7 @@ B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || [ -f "$B/executables.tar.xz" ] || B="$(pwd)/gpu-bundle"
 what="${1:-all}"; shift || true
 # want STEP: STEP is one of the comma-separated steps asked for (all = tests, stress, bench).
-want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [[ ",$what," == *",all,"* ]]; }; }
+want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [ "$1" != decode ] && [[ ",$what," == *",all,"* ]]; }; }
 out="${OUT:-$(pwd)/gpu-out}"
 work="$(mktemp -d)/h200"
 mkdir -p "$work/tests"
@@ -106,6 +108,25 @@ if want bench; then
     tail -n 2 "$work/bench-${name//\//-}.log"; [ $rc -eq 0 ] || { echo "bench $name: rc $rc"; status=1; }
   done
   "$B/megamoe" report --dir "$work" 2>&1 | tail -n 1
+fi
+if want decode; then
+  # The engine: the small model's decode report and its end-to-end parity with the CPU model, then the Flash
+  # decode report at batch 1 (DECODE_FLASH=0 skips it: filling Flash's synthetic experts takes minutes),
+  # each under its own limit; decode.csv and parity.csv land beside the logs.
+  step "decode: small"
+  timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 16 \
+    --max-new-tokens 64 --out "$work" > "$work/decode-small.log" 2>&1 || { echo "decode small failed"; status=1; }
+  tail -n 30 "$work/decode-small.log"
+  step "decode: small parity"
+  timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 8 \
+    --max-new-tokens 48 --parity --out "$work" > "$work/parity-small.log" 2>&1 || { echo "parity failed"; status=1; }
+  tail -n 2 "$work/parity-small.log"
+  if [ "${DECODE_FLASH:-1}" != 0 ]; then
+    step "decode: flash batch 1, context 4096"
+    timeout "${DECODE_FLASH_TIMEOUT:-420}" "$B/megamoe" decode --model flash --context 4096 --prompt-len 16 \
+      --max-new-tokens 64 --out "$work" > "$work/decode-flash.log" 2>&1 || { echo "decode flash failed"; status=1; }
+    tail -n 40 "$work/decode-flash.log"
+  fi
 fi
 if want model && [ -x "$B/tests/model_reference" ]; then
   # The CPU reference model's Flash one-token decode, timed on this machine's cores (test executable added
