@@ -5,8 +5,8 @@
 # the slow CPU-only runs named `slow_*` (the `model` step runs the one it needs), the limits probe, the benchmark
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|<several, comma-separated>] [extra args for `megamoe bench`]
-#   decode: `megamoe decode` of the small model (report + --parity) and of Flash at batch 1 (DECODE_FLASH=0 skips it;
-#           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT)
+#   decode: `megamoe decode` of the small model (report + --parity) and Flash's context and batch sweeps
+#           (DECODE_FLASH=0 skips them; DECODE_CONTEXTS, DECODE_BATCHES, DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -122,10 +122,13 @@ if want decode; then
     --max-new-tokens 48 --parity --out "$work" > "$work/parity-small.log" 2>&1 || { echo "parity failed"; status=1; }
   tail -n 2 "$work/parity-small.log"
   if [ "${DECODE_FLASH:-1}" != 0 ]; then
-    step "decode: flash batch 1, context 4096"
-    timeout "${DECODE_FLASH_TIMEOUT:-420}" "$B/megamoe" decode --model flash --context 4096 --prompt-len 16 \
-      --max-new-tokens 64 --out "$work" > "$work/decode-flash.log" 2>&1 || { echo "decode flash failed"; status=1; }
-    tail -n 40 "$work/decode-flash.log"
+    # One weight load for the sweeps: contexts 4K..1M at batch 1, batches 1..64 at 4K, each point timed
+    # at the end of its context (--at-context: zero-filled caches below the timed positions).
+    step "decode: flash sweeps (context at batch 1, batch at 4K)"
+    timeout "${DECODE_FLASH_TIMEOUT:-540}" "$B/megamoe" decode --model flash --at-context \
+      --context "${DECODE_CONTEXTS:-4096,32768,131072,524288,1048576}" --batch "${DECODE_BATCHES:-1,2,4,8,16,32,64}" \
+      --max-new-tokens 32 --out "$work" > "$work/decode-flash.log" 2>&1 || { echo "decode flash failed"; status=1; }
+    grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash.log" | head -n 60
   fi
 fi
 if want model && [ -x "$B/tests/model_reference" ]; then

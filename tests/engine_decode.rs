@@ -30,7 +30,7 @@ fn greedy_decode_tracks_the_cpu_model() {
     let mut floor =
         Model::new(Weights::synthetic(cfg.clone(), seed, CachePolicy::All).unwrap()).unwrap();
     floor.reverse_expert_sum = true;
-    let mut engine = Engine::new(&gpu, w, StepShape { batch, context }).unwrap();
+    let mut engine = Engine::new(&gpu, &w, StepShape { batch, context }).unwrap();
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| tokens(seed ^ (0x77 + b as u64), prompt_len, cfg.vocab_size))
         .collect();
@@ -95,7 +95,7 @@ fn graph_replay_equals_eager_steps() {
     }
     drop(eager);
 
-    let mut engine = Engine::new(&gpu, w, StepShape { batch, context }).unwrap();
+    let mut engine = Engine::new(&gpu, &w, StepShape { batch, context }).unwrap();
     engine.prefill(&gpu, &prompts, &params, &[]).unwrap();
     for (step, want) in eager_logits.iter().enumerate() {
         if step > 0 {

@@ -26,12 +26,19 @@ pub struct DecodeArgs {
     /// `flash`, `pro`, `small`, or the path of a checkpoint's config.json.
     #[arg(long, default_value = "flash")]
     pub model: String,
-    /// Sequences decoded together.
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
-    /// Context capacity of every sequence (prompt + generated tokens), which sizes the caches.
-    #[arg(long, default_value_t = 4096)]
-    pub context: usize,
+    /// Sequences decoded together; a comma-separated list sweeps them (one weight load for every point; with a
+    /// --context list too, the sweep is L-shaped: see `DecodeArgs::points`).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub batch: Vec<usize>,
+    /// Context capacity of every sequence (prompt + generated tokens), which sizes the caches; a comma-separated
+    /// list sweeps them.
+    #[arg(long, value_delimiter = ',', default_value = "4096")]
+    pub context: Vec<usize>,
+    /// Time the steps at the end of each context instead of after a prompt: every sequence starts at position
+    /// `context - max_new_tokens - 2` with the caches below it zero-filled (the steps read the bytes of a full
+    /// context, not a real prompt's values; no TTFT). How a 128K or 1M context is timed without prefilling it.
+    #[arg(long)]
+    pub at_context: bool,
     /// Prompt tokens per sequence (random ids), run through the layers before the first decode step.
     #[arg(long, default_value_t = 16)]
     pub prompt_len: usize,
@@ -52,6 +59,16 @@ pub struct DecodeArgs {
 }
 
 impl DecodeArgs {
+    /// The (batch, context) points of the run: one list sweeps it at the other's value; with lists for both the
+    /// sweep is L-shaped (every context at the first batch, then every other batch at the first context: the
+    /// context sweep at batch 1 and the batch sweep at 4K of one weight load), not a full grid.
+    pub fn points(&self) -> Vec<(usize, usize)> {
+        let (b0, c0) = (self.batch[0], self.context[0]);
+        let mut v: Vec<(usize, usize)> = self.context.iter().map(|&c| (b0, c)).collect();
+        v.extend(self.batch.iter().skip(1).map(|&b| (b, c0)));
+        v
+    }
+
     /// Checks that need no GPU (run before the GPU is opened).
     pub fn check(&self) -> Result<()> {
         let cfg = resolve_model(&self.model)?;
@@ -61,21 +78,29 @@ impl DecodeArgs {
              on the CPU)",
             cfg.name
         );
-        ensure!(self.batch >= 1, "--batch must be at least 1");
+        ensure!(
+            !self.batch.is_empty() && self.batch.iter().all(|&b| b >= 1),
+            "--batch must list sizes of at least 1"
+        );
+        ensure!(
+            !self.parity || (self.batch.len() == 1 && self.context.len() == 1 && !self.at_context),
+            "--parity runs one point (one --batch, one --context, a real prompt)"
+        );
         ensure!(self.prompt_len >= 1, "--prompt-len must be at least 1");
         ensure!(
             self.max_new_tokens >= 1,
             "--max-new-tokens must be at least 1"
         );
         // The timed steps plus the profiled one after them each take a position.
-        ensure!(
-            self.prompt_len + self.max_new_tokens < self.context,
-            "a prompt of {} tokens plus {} new tokens (and the profiled step) does not fit a context of {} \
-             (raise --context)",
-            self.prompt_len,
-            self.max_new_tokens,
-            self.context
-        );
+        for &c in &self.context {
+            let first = if self.at_context { 1 } else { self.prompt_len };
+            ensure!(
+                first + self.max_new_tokens < c,
+                "a prompt of {first} tokens plus {} new tokens (and the profiled step) does not fit a context of \
+                 {c} (raise --context)",
+                self.max_new_tokens,
+            );
+        }
         Ok(())
     }
 }
@@ -83,9 +108,12 @@ impl DecodeArgs {
 /// What a decode run measured.
 pub struct DecodeSummary {
     pub tpot_us: Vec<f64>,
-    pub ttft_s: f64,
+    /// `None` when the run started at the end of the context (no prompt).
+    pub ttft_s: Option<f64>,
     pub bytes: StepBytes,
     pub copy_gbps: f64,
+    /// One profiled step: (kernel group, us summed over the layers, runs, the group's byte floor in us).
+    pub profile: Vec<(&'static str, f64, usize, f64)>,
 }
 
 impl DecodeSummary {
@@ -102,44 +130,100 @@ impl DecodeSummary {
     }
 }
 
-/// Runs `megamoe decode` on `gpu`; prints the report and appends a row to decode.csv.
-pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Option<DecodeSummary>> {
+/// One point of a run: its shape and what was measured.
+pub struct DecodePoint {
+    pub batch: usize,
+    pub context: usize,
+    /// Position of the first timed step.
+    pub start: usize,
+    pub summary: DecodeSummary,
+}
+
+/// Runs `megamoe decode` on `gpu`: every (batch, context) point on one load of the weights (planned for the
+/// largest); prints each report and appends a row per point to decode.csv. `--parity` runs its one point instead.
+pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<DecodePoint>> {
     let cfg = resolve_model(&args.model)?;
     let free = free_device_bytes(gpu)?;
-    let req = PlanRequest::new(args.batch, args.context, args.prompt_len, free);
-    let plan = MemoryPlan::new(&cfg, &req)
-        .with_context(|| format!("planning {} on {}", cfg.name, gpu.info.name))?;
+    // One plan serves every point: the one that leaves the fewest expert slots (the largest caches).
+    let mut plan: Option<MemoryPlan> = None;
+    for &(batch, context) in &args.points() {
+        let req = PlanRequest::new(batch, context, args.prompt_len.min(context), free);
+        let p = MemoryPlan::new(&cfg, &req).with_context(|| {
+            format!(
+                "planning {} at batch {batch}, context {context} on {}",
+                cfg.name, gpu.info.name
+            )
+        })?;
+        if plan.as_ref().is_none_or(|q| p.map.slots < q.map.slots) {
+            plan = Some(p);
+        }
+    }
+    let plan = plan.expect("at least one point");
     eprintln!("{}", plan.map);
     eprintln!("measuring the copy bandwidth ...");
     let copy_gbps = probe::best_copy_gbps(&probe::measure_copy(gpu, 1 << 30, 10)?);
     let weights = DeviceWeights::load(gpu, &plan, &WeightSource::Synthetic { seed: args.seed })?;
-    let shape = StepShape {
-        batch: args.batch,
-        context: args.context,
-    };
-    let mut engine = Engine::new(gpu, weights, shape)?;
-    let prompts: Vec<Vec<u32>> = (0..args.batch)
-        .map(|b| {
-            (0..args.prompt_len as u64)
-                .map(|i| {
-                    (element_bits(args.seed ^ (0xB0 + b as u64), i) % cfg.vocab_size as u64) as u32
-                })
-                .collect()
-        })
-        .collect();
-    if args.parity {
-        let out = args.out.clone().unwrap_or(default_out);
-        return run_parity(gpu, &mut engine, &cfg, args, &prompts, &out).map(|_| None);
-    }
-    // Every step samples: the prefill's first decode step, the timed steps and the profiled one.
-    let params = SamplerParams::from_config(&SamplerConfig::greedy(), args.max_new_tokens + 2)?;
-    eprintln!(
-        "prefill: {} x {} prompt tokens, token by token through the decode layers",
-        args.batch, args.prompt_len
-    );
-    // No stop ids: every step of the timed run decodes every sequence.
+    let out = args.out.clone().unwrap_or(default_out);
     crate::progress::catch_interrupt();
-    let pre = engine.prefill(gpu, &prompts, &params, &[])?;
+    let mut points = Vec::new();
+    for (batch, context) in args.points() {
+        if crate::progress::interrupted() {
+            return Ok(points);
+        }
+        let shape = StepShape { batch, context };
+        let mut engine = Engine::new(gpu, &weights, shape)?;
+        let prompts: Vec<Vec<u32>> = (0..batch)
+            .map(|b| {
+                (0..args.prompt_len as u64)
+                    .map(|i| {
+                        (element_bits(args.seed ^ (0xB0 + b as u64), i) % cfg.vocab_size as u64)
+                            as u32
+                    })
+                    .collect()
+            })
+            .collect();
+        if args.parity {
+            run_parity(gpu, &mut engine, &cfg, args, &prompts, &out)?;
+            return Ok(points);
+        }
+        let point = time_point(gpu, &mut engine, &plan, args, &prompts, copy_gbps)?;
+        print_report(gpu, &plan, args, &point);
+        append_csv(&out, gpu, &plan, args, &point)?;
+        points.push(point);
+    }
+    Ok(points)
+}
+
+/// One point: prefill (or start at the end of the context), the timed steps, one profiled step, the checks.
+fn time_point(
+    gpu: &Gpu,
+    engine: &mut Engine,
+    plan: &MemoryPlan,
+    args: &DecodeArgs,
+    prompts: &[Vec<u32>],
+    copy_gbps: f64,
+) -> Result<DecodePoint> {
+    let StepShape { batch, context } = engine.state.shape;
+    // Every step samples: the first decode step, the timed steps and the profiled one.
+    let params = SamplerParams::from_config(&SamplerConfig::greedy(), args.max_new_tokens + 2)?;
+    let (start, ttft_s) = if args.at_context {
+        let start = context - args.max_new_tokens - 2;
+        eprintln!("batch {batch}, context {context}: starting at position {start} (caches zero-filled below it)");
+        let first: Vec<u32> = prompts
+            .iter()
+            .map(|p| p.first().copied().unwrap_or(0))
+            .collect();
+        engine.start_at(gpu, start, &first, &params)?;
+        (start + 1, None)
+    } else {
+        eprintln!(
+            "batch {batch}, context {context}: prefill of {} prompt tokens, token by token through the decode layers",
+            args.prompt_len
+        );
+        // No stop ids: every step of the timed run decodes every sequence.
+        let pre = engine.prefill(gpu, prompts, &params, &[])?;
+        (args.prompt_len, Some(pre.ttft_s))
+    };
     let mut progress = Progress::new("decode", args.max_new_tokens);
     let tpot = engine.timed_decode(gpu, args.max_new_tokens, |i, _| {
         progress.tick(&format!("step {}", i + 1));
@@ -156,19 +240,27 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Option<
         "the decode steps set error bits {err:#x} (engine::step::ERR_*): the report would not be of valid steps"
     );
     // The floor at the median position of the timed steps.
-    let mid = args.prompt_len + tpot.len() / 2;
-    let bytes = StepBytes::of(&plan, &vec![mid; args.batch]);
-    let s = DecodeSummary {
-        tpot_us: tpot,
-        ttft_s: pre.ttft_s,
-        bytes,
-        copy_gbps,
-    };
-    print_report(gpu, &plan, args, &s);
-    print_profile(&profile, &plan, &vec![mid; args.batch], s.copy_gbps);
-    let out = args.out.clone().unwrap_or(default_out);
-    append_csv(&out, gpu, &plan, args, &s)?;
-    Ok(Some(s))
+    let mid = start + tpot.len() / 2;
+    let positions = vec![mid; batch];
+    Ok(DecodePoint {
+        batch,
+        context,
+        start,
+        summary: DecodeSummary {
+            tpot_us: tpot,
+            ttft_s,
+            bytes: StepBytes::of(plan, &positions),
+            copy_gbps,
+            profile: profile
+                .into_iter()
+                .map(|(name, us, n)| {
+                    let floor_us =
+                        group_floor_bytes(plan, name, &positions) as f64 / (copy_gbps * 1e3);
+                    (name, us, n, floor_us)
+                })
+                .collect(),
+        },
+    })
 }
 
 /// `--parity`: [`parity::free_running`] against two CPU models on the same synthetic weights; prints a per-step
@@ -204,7 +296,7 @@ fn run_parity(
     )?;
     println!(
         "\n== parity: {} on {} (batch {}, prompt {}), GPU vs CPU model fed the GPU's tokens ==",
-        cfg.name, gpu.info.name, args.batch, args.prompt_len
+        cfg.name, gpu.info.name, args.batch[0], args.prompt_len
     );
     println!("step  seq  cos(GPU, CPU)  cos(CPU', CPU)  GPU token  CPU argmax  CPU' argmax");
     for r in &rows {
@@ -255,22 +347,30 @@ fn run_parity(
     Ok(())
 }
 
-fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, s: &DecodeSummary) {
-    let cfg = &plan.config;
+fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint) {
+    let (cfg, s) = (&plan.config, &p.summary);
     let (p50, p90, p99) = (
         s.p50_us(),
         percentile(&s.tpot_us, 0.9),
         percentile(&s.tpot_us, 0.99),
     );
     println!(
-        "\n== decode: {} on {} (batch {}, context {}, prompt {}) ==",
-        cfg.name, gpu.info.name, args.batch, args.context, args.prompt_len
+        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}) ==",
+        cfg.name, gpu.info.name, p.batch, p.context, p.start
     );
     println!("experts     {}", plan.map);
-    println!(
-        "TTFT        {:.3} s ({} prompt tokens, token by token; cold: module loads and graph capture included)",
-        s.ttft_s, args.prompt_len
-    );
+    match s.ttft_s {
+        Some(t) => println!(
+            "TTFT        {t:.3} s ({} prompt tokens, token by token; cold: module loads and graph capture \
+             included)",
+            args.prompt_len
+        ),
+        None => println!(
+            "TTFT        - (started at position {} with zero-filled caches: the steps read a full context's \
+             bytes, not a real prompt's values)",
+            p.start - 1
+        ),
+    }
     println!(
         "TPOT        p50 {:.1} us  p90 {:.1} us  p99 {:.1} us  ({} steps, one graph replay each, event timing)",
         p50,
@@ -281,7 +381,7 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, s: &DecodeSumma
     println!(
         "tokens/s    {:.1} per sequence, {:.1} aggregate",
         s.tokens_per_s(),
-        s.tokens_per_s() * args.batch as f64
+        s.tokens_per_s() * p.batch as f64
     );
     println!(
         "bytes/step  {:.2} GB floor (dense {:.2}, routed experts {:.2}, KV {:.3})",
@@ -296,31 +396,25 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, s: &DecodeSumma
         s.copy_gbps,
         s.bytes.total() as f64 / (s.copy_gbps * 1e9) * 1e6
     );
+    print_profile(&s.profile, cfg.n_layers);
 }
 
 /// The profiled step: device time per group of kernels (summed over the layers), in step order, beside the
 /// group's byte floor at the copy bandwidth of this run.
-fn print_profile(
-    groups: &[(&'static str, f64, usize)],
-    plan: &MemoryPlan,
-    positions: &[usize],
-    copy_gbps: f64,
-) {
+fn print_profile(groups: &[(&'static str, f64, usize, f64)], layers: usize) {
     if groups.is_empty() {
         return;
     }
     let total: f64 = groups.iter().map(|g| g.1).sum();
     println!(
-        "\none step by kernel group (a graph replay with an event after each group; {} layers; floor = the group's \
-         bytes at the copy bandwidth):",
-        plan.config.n_layers
+        "\none step by kernel group (a graph replay with an event after each group; {layers} layers; floor = the \
+         group's bytes at the copy bandwidth):"
     );
     println!(
         "{:<74} {:>9} {:>5} {:>6} {:>9} {:>7}",
         "group", "us", "runs", "%", "floor us", "x floor"
     );
-    for (name, us, n) in groups {
-        let floor = group_floor_bytes(plan, name, positions) as f64 / (copy_gbps * 1e3);
+    for &(name, us, n, floor) in groups {
         let ratio = if floor > 0.0 {
             format!("{:.1}", us / floor)
         } else {
@@ -334,15 +428,16 @@ fn print_profile(
     println!("{:<74} {total:>9.1}", "step (sum of groups)");
 }
 
-const CSV_HEADER: &str = "timestamp,git_commit,gpu,model,batch,context,prompt_len,steps,ttft_s,tpot_p50_us,tpot_p90_us,tpot_p99_us,tokens_per_s_seq,tokens_per_s_total,floor_bytes,dense_bytes,routed_bytes,kv_bytes,copy_gbps,pct_copy_bw,expert_slots,logical_experts";
+const CSV_HEADER: &str = "timestamp,git_commit,gpu,model,batch,context,start_position,prompt_len,steps,ttft_s,tpot_p50_us,tpot_p90_us,tpot_p99_us,tokens_per_s_seq,tokens_per_s_total,floor_bytes,dense_bytes,routed_bytes,kv_bytes,copy_gbps,pct_copy_bw,expert_slots,logical_experts";
 
 fn append_csv(
     dir: &std::path::Path,
     gpu: &Gpu,
     plan: &MemoryPlan,
     args: &DecodeArgs,
-    s: &DecodeSummary,
+    p: &DecodePoint,
 ) -> Result<()> {
+    let s = &p.summary;
     std::fs::create_dir_all(dir)?;
     let path = dir.join("decode.csv");
     let new = !path.exists();
@@ -357,21 +452,26 @@ fn append_csv(
     let cfg = &plan.config;
     writeln!(
         f,
-        "{},{},{},{},{},{},{},{},{:.4},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{:.1},{:.2},{},{}",
+        "{},{},{},{},{},{},{},{},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{:.1},{:.2},{},{}",
         env::timestamp_utc(),
         env::git_commit(),
         gpu.info.name.replace(',', " "),
         cfg.name,
-        args.batch,
-        args.context,
-        args.prompt_len,
+        p.batch,
+        p.context,
+        p.start,
+        if s.ttft_s.is_some() {
+            args.prompt_len
+        } else {
+            0
+        },
         s.tpot_us.len(),
-        s.ttft_s,
+        s.ttft_s.map(|t| format!("{t:.4}")).unwrap_or_default(),
         s.p50_us(),
         percentile(&s.tpot_us, 0.9),
         percentile(&s.tpot_us, 0.99),
         s.tokens_per_s(),
-        s.tokens_per_s() * args.batch as f64,
+        s.tokens_per_s() * p.batch as f64,
         s.bytes.total(),
         s.bytes.dense,
         s.bytes.routed,
@@ -383,4 +483,50 @@ fn append_csv(
     )?;
     eprintln!("appended a row to {}", path.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(batch: &[usize], context: &[usize]) -> DecodeArgs {
+        DecodeArgs {
+            model: "small".into(),
+            batch: batch.to_vec(),
+            context: context.to_vec(),
+            at_context: true,
+            prompt_len: 16,
+            max_new_tokens: 8,
+            seed: 1,
+            out: None,
+            parity: false,
+        }
+    }
+
+    #[test]
+    fn sweeps_are_l_shaped() {
+        assert_eq!(args(&[1], &[4096]).points(), vec![(1, 4096)]);
+        assert_eq!(
+            args(&[1], &[4096, 32768]).points(),
+            vec![(1, 4096), (1, 32768)]
+        );
+        assert_eq!(
+            args(&[1, 8, 64], &[4096, 131072]).points(),
+            vec![(1, 4096), (1, 131072), (8, 4096), (64, 4096)]
+        );
+    }
+
+    /// At the end of a context the run takes max_new_tokens + 2 positions (the start step, the timed steps, the
+    /// profiled one): 8 new tokens need a context of 10.
+    #[test]
+    fn every_context_must_hold_the_timed_steps() {
+        assert!(args(&[1], &[4096, 9]).check().is_err());
+        assert!(args(&[1], &[4096, 10]).check().is_ok());
+        let mut prompt = args(&[1], &[25]);
+        prompt.at_context = false;
+        // A prompt of 16 + 8 timed steps + the profiled one: 25 positions.
+        assert!(prompt.check().is_ok());
+        prompt.context = vec![24];
+        assert!(prompt.check().is_err());
+    }
 }

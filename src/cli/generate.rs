@@ -111,7 +111,7 @@ pub fn run(gpu: &Gpu, args: &GenerateArgs, tok: &Tokenizer, prompt: Vec<u32>) ->
     let weights = DeviceWeights::load(gpu, &plan, &source)?;
     let mut engine = Engine::new(
         gpu,
-        weights,
+        &weights,
         StepShape {
             batch: 1,
             context: args.context,

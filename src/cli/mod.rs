@@ -214,8 +214,9 @@ pub fn main() -> Result<()> {
 fn main_job_decode() -> decode::DecodeArgs {
     decode::DecodeArgs {
         model: "flash".into(),
-        batch: 1,
-        context: 4096,
+        batch: vec![1],
+        context: vec![4096],
+        at_context: false,
         prompt_len: 16,
         max_new_tokens: 64,
         seed: 0x5EED,

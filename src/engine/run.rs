@@ -18,9 +18,10 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaGraph};
 use std::time::Instant;
 
-/// The weights and one decode state, with the graphs of its prompt and decode steps.
-pub struct Engine {
-    pub weights: DeviceWeights,
+/// One decode state over borrowed weights (several engines, e.g. the points of a sweep, share one load), with the
+/// graphs of its prompt and decode steps.
+pub struct Engine<'w> {
+    pub weights: &'w DeviceWeights,
     pub state: DecodeState,
     prompt_graph: Option<CudaGraph>,
     step_graph: Option<CudaGraph>,
@@ -38,10 +39,10 @@ pub struct PrefillTiming {
     pub ttft_s: f64,
 }
 
-impl Engine {
+impl<'w> Engine<'w> {
     /// A decode state of `shape` over `weights`.
-    pub fn new(gpu: &Gpu, weights: DeviceWeights, shape: StepShape) -> Result<Engine> {
-        let state = DecodeState::new(gpu, &weights, shape)?;
+    pub fn new(gpu: &Gpu, weights: &'w DeviceWeights, shape: StepShape) -> Result<Engine<'w>> {
+        let state = DecodeState::new(gpu, weights, shape)?;
         Ok(Engine {
             weights,
             state,
@@ -116,11 +117,50 @@ impl Engine {
         })
     }
 
+    /// Starts every sequence at `position` without a prompt (for timing a long context without prefilling it):
+    /// each slot is admitted with the one-token history `[tokens[b]]`, positions are set to `position`, and the
+    /// first decode step runs there. The caches below `position` are as [`DecodeState::new`] built them (zero
+    /// entries and keys, empty compressor states), so later steps read the bytes of a `position`-token context but
+    /// not a real prompt's values.
+    pub fn start_at(
+        &mut self,
+        gpu: &Gpu,
+        position: usize,
+        tokens: &[u32],
+        params: &SamplerParams,
+    ) -> Result<()> {
+        let b = self.state.shape.batch;
+        ensure!(
+            self.prompt_steps_run == 0 && self.decode_steps_run == 0,
+            "this engine already ran a batch; build a new one"
+        );
+        ensure!(
+            tokens.len() == b,
+            "{} tokens for a batch of {b}",
+            tokens.len()
+        );
+        ensure!(
+            position < self.state.shape.context,
+            "position {position} is outside the context of {}",
+            self.state.shape.context
+        );
+        let pos =
+            i32::try_from(position).map_err(|_| anyhow!("position {position} exceeds i32"))?;
+        let stream = gpu.stream.clone();
+        self.state.ws.sampler.set_stop_ids(&stream, &[])?;
+        for (slot, &t) in tokens.iter().enumerate() {
+            self.state.ws.sampler.admit(&stream, slot, params, &[t])?;
+        }
+        self.state.set_positions(&stream, &vec![pos; b])?;
+        self.state.set_tokens(&stream, tokens)?;
+        self.decode_step(gpu)
+    }
+
     /// One prompt token of every sequence (ids already written): eager the first time, then a graph replay.
     fn prompt_step(&mut self, gpu: &Gpu) -> Result<()> {
         let stream = gpu.stream.clone();
         if self.prompt_graph.is_none() && self.prompt_steps_run >= 1 {
-            let (state, weights) = (&mut self.state, &self.weights);
+            let (state, weights) = (&mut self.state, self.weights);
             self.prompt_graph = Some(capture_on(&stream, || {
                 state.prompt_step(gpu, &stream, weights)
             })?);
@@ -129,7 +169,7 @@ impl Engine {
             Some(g) => g
                 .launch()
                 .map_err(|e| anyhow!("prompt graph launch: {e:?}"))?,
-            None => self.state.prompt_step(gpu, &stream, &self.weights)?,
+            None => self.state.prompt_step(gpu, &stream, self.weights)?,
         }
         self.prompt_steps_run += 1;
         Ok(())
@@ -139,7 +179,7 @@ impl Engine {
     fn capture_decode_step(&mut self, gpu: &Gpu) -> Result<()> {
         if self.step_graph.is_none() && self.decode_steps_run >= 1 {
             let stream = gpu.stream.clone();
-            let (state, weights) = (&mut self.state, &self.weights);
+            let (state, weights) = (&mut self.state, self.weights);
             self.step_graph = Some(capture_on(&stream, || {
                 state.decode_step(gpu, &stream, weights)
             })?);
@@ -155,7 +195,7 @@ impl Engine {
             Some(g) => g
                 .launch()
                 .map_err(|e| anyhow!("step graph launch: {e:?}"))?,
-            None => self.state.decode_step(gpu, &stream, &self.weights)?,
+            None => self.state.decode_step(gpu, &stream, self.weights)?,
         }
         self.decode_steps_run += 1;
         Ok(())
@@ -203,7 +243,7 @@ impl Engine {
         self.capture_decode_step(gpu)?;
         let marks = StepMarks::new(&stream);
         self.state.marks = Some(marks);
-        let (state, weights) = (&mut self.state, &self.weights);
+        let (state, weights) = (&mut self.state, self.weights);
         let graph = capture_on(&stream, || state.decode_step(gpu, &stream, weights));
         let marks = self.state.marks.take().expect("marks set above");
         let graph = graph?;
