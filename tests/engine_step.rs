@@ -309,3 +309,31 @@ fn embed_and_head_replay_in_a_graph() {
         assert_eq!(state.read_error(&stream).unwrap(), 0);
     }
 }
+
+/// The step's arena (every workspace the step and both halves carve) fits the memory plan's workspace budget, so
+/// a decode state built after the experts filled the rest of the device does not run out: Flash and Pro at the
+/// batch and context corners of the issue's sweeps.
+#[test]
+fn step_arena_fits_the_plan_budget() {
+    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
+        for (batch, context) in [(1, 4096), (1, 1 << 20), (64, 4096)] {
+            let req = megamoe::engine::plan::PlanRequest::new(batch, context, 16, 1 << 50);
+            let plan = megamoe::engine::MemoryPlan::new(&cfg, &req).unwrap();
+            let arena =
+                step::workspace_bytes(&cfg, &StepShape { batch, context }, H100_SMS).unwrap();
+            println!(
+                "{} batch {batch} context {context}: arena {:.3} GB, budget {:.3} GB",
+                cfg.name,
+                arena as f64 / 1e9,
+                plan.workspace_bytes as f64 / 1e9
+            );
+            assert!(
+                arena <= plan.workspace_bytes,
+                "{} batch {batch} context {context}: the step's arena ({arena} B) exceeds the plan's workspace \
+                 budget ({} B)",
+                cfg.name,
+                plan.workspace_bytes
+            );
+        }
+    }
+}
