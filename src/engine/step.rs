@@ -108,6 +108,13 @@ impl StepWorkspace {
     }
 }
 
+/// The two halves of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Half {
+    Attention,
+    Ffn,
+}
+
 /// The device state of a decode batch (module docs).
 pub struct DecodeState {
     pub config: ModelConfig,
@@ -266,20 +273,7 @@ impl DecodeState {
         weights: &DeviceWeights,
         layer: usize,
     ) -> Result<()> {
-        ensure!(
-            layer < self.config.n_layers,
-            "layer {layer} of {}",
-            self.config.n_layers
-        );
-        let io = LayerIo {
-            x_in: &self.x,
-            x_out: &self.x_mid,
-            positions: &self.positions,
-            tokens: self.ws.sampler.next,
-            caches: &self.caches.layers[layer],
-            marks: self.marks.as_ref(),
-        };
-        self.attn.run(gpu, stream, weights, layer, &io)
+        self.run_half(Half::Attention, gpu, stream, weights, layer)
     }
 
     /// Steps 12-16 of `layer`: `x_mid -> x`.
@@ -290,20 +284,38 @@ impl DecodeState {
         weights: &DeviceWeights,
         layer: usize,
     ) -> Result<()> {
+        self.run_half(Half::Ffn, gpu, stream, weights, layer)
+    }
+
+    fn run_half(
+        &mut self,
+        half: Half,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+    ) -> Result<()> {
         ensure!(
             layer < self.config.n_layers,
             "layer {layer} of {}",
             self.config.n_layers
         );
+        let (x_in, x_out) = match half {
+            Half::Attention => (&self.x, &self.x_mid),
+            Half::Ffn => (&self.x_mid, &self.x),
+        };
         let io = LayerIo {
-            x_in: &self.x_mid,
-            x_out: &self.x,
+            x_in,
+            x_out,
             positions: &self.positions,
             tokens: self.ws.sampler.next,
             caches: &self.caches.layers[layer],
             marks: self.marks.as_ref(),
         };
-        self.ffn.run(gpu, stream, weights, layer, &io)
+        match half {
+            Half::Attention => self.attn.run(gpu, stream, weights, layer, &io),
+            Half::Ffn => self.ffn.run(gpu, stream, weights, layer, &io),
+        }
     }
 
     /// Steps 17-18: `hc_head` + final norm of `x` -> `u` BF16 `[B, D]`, then the LM head `logits = head.weight u`
