@@ -1,16 +1,16 @@
 //! `megamoe decode`: the whole model decoding on one GPU, timed against the bandwidth limit measured in the same
 //! run.
 
-use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 
+use crate::bench::stats::percentile_of_sorted;
 use crate::bench::{env, probe};
 use crate::engine::io::StepShape;
 use crate::engine::parity;
 use crate::engine::plan::{resolve_model, PlanRequest};
-use crate::engine::report::{group_floor_bytes, percentile, StepBytes};
+use crate::engine::report::{group_floor_bytes, StepBytes};
 use crate::engine::run::Engine;
 use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::Gpu;
@@ -117,8 +117,14 @@ pub struct DecodeSummary {
 }
 
 impl DecodeSummary {
+    /// The `p`-quantile of the step times (the bench's percentile rule, `bench::stats`).
+    pub fn tpot_quantile_us(&self, p: f64) -> f64 {
+        let mut sorted = self.tpot_us.clone();
+        sorted.sort_by(f64::total_cmp);
+        percentile_of_sorted(&sorted, p).unwrap_or(f64::NAN)
+    }
     pub fn p50_us(&self) -> f64 {
-        percentile(&self.tpot_us, 0.5)
+        self.tpot_quantile_us(0.5)
     }
     /// Tokens per second of one sequence at the median step time.
     pub fn tokens_per_s(&self) -> f64 {
@@ -224,11 +230,7 @@ fn time_point(
         let pre = engine.prefill(gpu, prompts, &params, &[])?;
         (args.prompt_len, Some(pre.ttft_s))
     };
-    let mut progress = Progress::new("decode", args.max_new_tokens);
-    let tpot = engine.timed_decode(gpu, args.max_new_tokens, |i, _| {
-        progress.tick(&format!("step {}", i + 1));
-        Ok(())
-    })?;
+    let tpot = engine.timed_decode(gpu, args.max_new_tokens)?;
     let profile = if crate::progress::interrupted() {
         Vec::new()
     } else {
@@ -320,29 +322,24 @@ fn run_parity(
     );
     std::fs::create_dir_all(out)?;
     let path = out.join("parity.csv");
-    let mut f =
-        std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-    writeln!(
-        f,
-        "git_commit,gpu,model,seed,step,seq,cos_gpu_cpu,cos_floor_cpu,gpu_token,cpu_argmax,floor_argmax"
-    )?;
+    let mut w =
+        csv::Writer::from_path(&path).with_context(|| format!("creating {}", path.display()))?;
     for r in &rows {
-        writeln!(
-            f,
-            "{},{},{},{},{},{},{:.8},{:.8},{},{},{}",
-            env::git_commit(),
-            gpu.info.name.replace(',', " "),
-            cfg.name,
-            args.seed,
-            r.step,
-            r.seq,
-            r.cos_gpu,
-            r.cos_floor,
-            r.gpu_token,
-            r.cpu_token,
-            r.floor_token
-        )?;
+        w.serialize(ParityCsvRow {
+            git_commit: env::git_commit(),
+            gpu: gpu.info.name.clone(),
+            model: cfg.name.clone(),
+            seed: args.seed,
+            step: r.step,
+            seq: r.seq,
+            cos_gpu_cpu: r.cos_gpu,
+            cos_floor_cpu: r.cos_floor,
+            gpu_token: r.gpu_token,
+            cpu_argmax: r.cpu_token,
+            floor_argmax: r.floor_token,
+        })?;
     }
+    w.flush()?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }
@@ -351,8 +348,8 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
     let (cfg, s) = (&plan.config, &p.summary);
     let (p50, p90, p99) = (
         s.p50_us(),
-        percentile(&s.tpot_us, 0.9),
-        percentile(&s.tpot_us, 0.99),
+        s.tpot_quantile_us(0.9),
+        s.tpot_quantile_us(0.99),
     );
     println!(
         "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}) ==",
@@ -428,7 +425,49 @@ fn print_profile(groups: &[(&'static str, f64, usize, f64)], layers: usize) {
     println!("{:<74} {total:>9.1}", "step (sum of groups)");
 }
 
-const CSV_HEADER: &str = "timestamp,git_commit,gpu,model,batch,context,start_position,prompt_len,steps,ttft_s,tpot_p50_us,tpot_p90_us,tpot_p99_us,tokens_per_s_seq,tokens_per_s_total,floor_bytes,dense_bytes,routed_bytes,kv_bytes,copy_gbps,pct_copy_bw,expert_slots,logical_experts";
+/// One row of parity.csv.
+#[derive(serde::Serialize)]
+struct ParityCsvRow {
+    git_commit: String,
+    gpu: String,
+    model: String,
+    seed: u64,
+    step: usize,
+    seq: usize,
+    cos_gpu_cpu: f64,
+    cos_floor_cpu: f64,
+    gpu_token: u32,
+    cpu_argmax: u32,
+    floor_argmax: u32,
+}
+
+/// One row of decode.csv (one point of a run).
+#[derive(serde::Serialize)]
+struct DecodeCsvRow {
+    timestamp: String,
+    git_commit: String,
+    gpu: String,
+    model: String,
+    batch: usize,
+    context: usize,
+    start_position: usize,
+    prompt_len: usize,
+    steps: usize,
+    ttft_s: Option<f64>,
+    tpot_p50_us: f64,
+    tpot_p90_us: f64,
+    tpot_p99_us: f64,
+    tokens_per_s_seq: f64,
+    tokens_per_s_total: f64,
+    floor_bytes: u64,
+    dense_bytes: u64,
+    routed_bytes: u64,
+    kv_bytes: u64,
+    copy_gbps: f64,
+    pct_copy_bw: f64,
+    expert_slots: usize,
+    logical_experts: usize,
+}
 
 fn append_csv(
     dir: &std::path::Path,
@@ -441,46 +480,42 @@ fn append_csv(
     std::fs::create_dir_all(dir)?;
     let path = dir.join("decode.csv");
     let new = !path.exists();
-    let mut f = std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
-    if new {
-        writeln!(f, "{CSV_HEADER}")?;
-    }
-    let cfg = &plan.config;
-    writeln!(
-        f,
-        "{},{},{},{},{},{},{},{},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{:.1},{:.2},{},{}",
-        env::timestamp_utc(),
-        env::git_commit(),
-        gpu.info.name.replace(',', " "),
-        cfg.name,
-        p.batch,
-        p.context,
-        p.start,
-        if s.ttft_s.is_some() {
+    let mut w = csv::WriterBuilder::new().has_headers(new).from_writer(file);
+    w.serialize(DecodeCsvRow {
+        timestamp: env::timestamp_utc(),
+        git_commit: env::git_commit(),
+        gpu: gpu.info.name.clone(),
+        model: plan.config.name.clone(),
+        batch: p.batch,
+        context: p.context,
+        start_position: p.start,
+        prompt_len: if s.ttft_s.is_some() {
             args.prompt_len
         } else {
             0
         },
-        s.tpot_us.len(),
-        s.ttft_s.map(|t| format!("{t:.4}")).unwrap_or_default(),
-        s.p50_us(),
-        percentile(&s.tpot_us, 0.9),
-        percentile(&s.tpot_us, 0.99),
-        s.tokens_per_s(),
-        s.tokens_per_s() * p.batch as f64,
-        s.bytes.total(),
-        s.bytes.dense,
-        s.bytes.routed,
-        s.bytes.kv,
-        s.copy_gbps,
-        100.0 * s.roofline_fraction(),
-        plan.map.slots,
-        plan.map.logical,
-    )?;
+        steps: s.tpot_us.len(),
+        ttft_s: s.ttft_s,
+        tpot_p50_us: s.p50_us(),
+        tpot_p90_us: s.tpot_quantile_us(0.9),
+        tpot_p99_us: s.tpot_quantile_us(0.99),
+        tokens_per_s_seq: s.tokens_per_s(),
+        tokens_per_s_total: s.tokens_per_s() * p.batch as f64,
+        floor_bytes: s.bytes.total(),
+        dense_bytes: s.bytes.dense,
+        routed_bytes: s.bytes.routed,
+        kv_bytes: s.bytes.kv,
+        copy_gbps: s.copy_gbps,
+        pct_copy_bw: 100.0 * s.roofline_fraction(),
+        expert_slots: plan.map.slots,
+        logical_experts: plan.map.logical,
+    })?;
+    w.flush()?;
     eprintln!("appended a row to {}", path.display());
     Ok(())
 }

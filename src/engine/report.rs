@@ -136,32 +136,11 @@ fn layer_kv_bytes(l: &LayerCachePlan, window: usize, topk: usize, p: usize, key_
     (win + selected as u64) * entry + keys as u64 * key_bytes
 }
 
-/// Percentile `q` (0..=1) of `v` by nearest rank (`v` need not be sorted).
-pub fn percentile(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let i = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1;
-    s[i]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::engine::plan::PlanRequest;
     use crate::model::ModelConfig;
-
-    #[test]
-    fn percentiles_by_nearest_rank() {
-        let v: Vec<f64> = (1..=100).rev().map(|x| x as f64).collect();
-        assert_eq!(percentile(&v, 0.5), 50.0);
-        assert_eq!(percentile(&v, 0.9), 90.0);
-        assert_eq!(percentile(&v, 0.99), 99.0);
-        assert_eq!(percentile(&v, 1.0), 100.0);
-        assert!(percentile(&[], 0.5).is_nan());
-    }
 
     /// The Flash floor at batch 1 is the ~11.4 GB a token reads with NVFP4 experts (issue #25's roofline), and
     /// the KV part grows with the position as the layer kinds say.

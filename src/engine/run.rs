@@ -10,12 +10,11 @@ use crate::engine::io::{StepMarks, StepShape};
 use crate::engine::step::DecodeState;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena;
-use crate::gpu::timing::capture_on;
+use crate::gpu::timing::{capture_on, TimingPlan};
 use crate::gpu::Gpu;
 use crate::ops::sampler::{SamplerParams, STATUS_RUNNING};
 use anyhow::{anyhow, ensure, Result};
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaGraph};
+use cudarc::driver::CudaGraph;
 use std::time::Instant;
 
 /// One decode state over borrowed weights (several engines, e.g. the points of a sweep, share one load), with the
@@ -65,19 +64,7 @@ impl<'w> Engine<'w> {
         params: &SamplerParams,
         stop_ids: &[u32],
     ) -> Result<PrefillTiming> {
-        let b = self.state.shape.batch;
-        // The caches, compressor states and the stop count baked into the step graph are those of one batch of
-        // prompts: an engine serves one prefill.
-        ensure!(
-            self.prompt_steps_run == 0 && self.decode_steps_run == 0,
-            "this engine already ran a batch; build a new one for new prompts"
-        );
-        ensure!(
-            prompts.len() == b,
-            "{} prompts for a batch of {b}",
-            prompts.len()
-        );
-        let len = prompts[0].len();
+        let len = prompts.first().map_or(0, |p| p.len());
         ensure!(len >= 1, "a prompt needs at least one token");
         ensure!(
             prompts.iter().all(|p| p.len() == len),
@@ -95,11 +82,7 @@ impl<'w> Engine<'w> {
             }
         }
         let stream = gpu.stream.clone();
-        self.state.ws.sampler.set_stop_ids(&stream, stop_ids)?;
-        for (slot, p) in prompts.iter().enumerate() {
-            self.state.ws.sampler.admit(&stream, slot, params, p)?;
-        }
-        self.state.set_positions(&stream, &vec![0; b])?;
+        self.admit(gpu, prompts, params, stop_ids, 0)?;
         gpu.synchronize()?;
         let t0 = Instant::now();
         for i in 0..len {
@@ -129,16 +112,6 @@ impl<'w> Engine<'w> {
         tokens: &[u32],
         params: &SamplerParams,
     ) -> Result<()> {
-        let b = self.state.shape.batch;
-        ensure!(
-            self.prompt_steps_run == 0 && self.decode_steps_run == 0,
-            "this engine already ran a batch; build a new one"
-        );
-        ensure!(
-            tokens.len() == b,
-            "{} tokens for a batch of {b}",
-            tokens.len()
-        );
         ensure!(
             position < self.state.shape.context,
             "position {position} is outside the context of {}",
@@ -146,14 +119,39 @@ impl<'w> Engine<'w> {
         );
         let pos =
             i32::try_from(position).map_err(|_| anyhow!("position {position} exceeds i32"))?;
-        let stream = gpu.stream.clone();
-        self.state.ws.sampler.set_stop_ids(&stream, &[])?;
-        for (slot, &t) in tokens.iter().enumerate() {
-            self.state.ws.sampler.admit(&stream, slot, params, &[t])?;
-        }
-        self.state.set_positions(&stream, &vec![pos; b])?;
-        self.state.set_tokens(&stream, tokens)?;
+        let histories: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
+        self.admit(gpu, &histories, params, &[], pos)?;
+        self.state.set_tokens(&gpu.stream, tokens)?;
         self.decode_step(gpu)
+    }
+
+    /// Admits one history per slot (every slot of the batch) into the sampler with `params` and `stop_ids`, and
+    /// sets every position to `position`. The caches, compressor states and the stop count baked into the step
+    /// graph are those of one batch: an engine serves one admission.
+    fn admit(
+        &mut self,
+        gpu: &Gpu,
+        histories: &[Vec<u32>],
+        params: &SamplerParams,
+        stop_ids: &[u32],
+        position: i32,
+    ) -> Result<()> {
+        let b = self.state.shape.batch;
+        ensure!(
+            self.prompt_steps_run == 0 && self.decode_steps_run == 0,
+            "this engine already ran a batch; build a new one"
+        );
+        ensure!(
+            histories.len() == b,
+            "{} prompts for a batch of {b}",
+            histories.len()
+        );
+        let stream = &gpu.stream;
+        self.state.ws.sampler.set_stop_ids(stream, stop_ids)?;
+        for (slot, h) in histories.iter().enumerate() {
+            self.state.ws.sampler.admit(stream, slot, params, h)?;
+        }
+        self.state.set_positions(stream, &vec![position; b])
     }
 
     /// One prompt token of every sequence (ids already written): eager the first time, then a graph replay.
@@ -201,37 +199,28 @@ impl<'w> Engine<'w> {
         Ok(())
     }
 
-    /// `steps` decode steps, each between a pair of events: the device time of every step in microseconds.
-    /// Stops early (after the step that ended them) once no sequence is running, or on Ctrl-C
-    /// ([`crate::progress::catch_interrupt`]).
-    pub fn timed_decode(
-        &mut self,
-        gpu: &Gpu,
-        steps: usize,
-        mut on_step: impl FnMut(usize, &[i32]) -> Result<()>,
-    ) -> Result<Vec<f64>> {
-        let stream = gpu.stream.clone();
-        let ev = || {
-            stream
-                .context()
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| anyhow!("event: {e:?}"))
+    /// `steps` decode steps replayed back to back through the shared event-pair timing loop
+    /// ([`Gpu::time_us_on`]; no host work between steps): the device time of each step in microseconds. Every
+    /// sequence must keep running for all of them (the caller sizes the sampler's budget and the context).
+    pub fn timed_decode(&mut self, gpu: &Gpu, steps: usize) -> Result<Vec<f64>> {
+        // Captured before the timing loop, so no step's time includes the host's capture.
+        self.capture_decode_step(gpu)?;
+        let Some(graph) = &self.step_graph else {
+            anyhow::bail!(
+                "timed decode needs the first decode step run (prefill or start_at) before it"
+            );
         };
-        let mut us = Vec::with_capacity(steps);
-        for i in 0..steps {
-            // Captured outside the event pair, so no step's time includes the host's capture.
-            self.capture_decode_step(gpu)?;
-            let (a, b): (CudaEvent, CudaEvent) = (ev()?, ev()?);
-            a.record(&stream).map_err(|e| anyhow!("{e:?}"))?;
-            self.decode_step(gpu)?;
-            b.record(&stream).map_err(|e| anyhow!("{e:?}"))?;
-            let sampled = arena::download(&stream, &self.state.ws.sampler.sampled)?;
-            us.push(a.elapsed_ms(&b).map_err(|e| anyhow!("elapsed: {e:?}"))? as f64 * 1e3);
-            on_step(i, &sampled)?;
-            if crate::progress::interrupted() || !self.any_running(gpu)? {
-                break;
-            }
-        }
+        let plan = TimingPlan {
+            warmup: 0,
+            reps: steps,
+            flush_l2: false,
+        };
+        let us = gpu.time_us_on(&gpu.stream, plan, || {
+            graph
+                .launch()
+                .map_err(|e| anyhow!("step graph launch: {e:?}"))
+        })?;
+        self.decode_steps_run += steps;
         Ok(us)
     }
 
