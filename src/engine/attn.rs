@@ -40,11 +40,11 @@ use crate::ops::compressor::{
 };
 use crate::ops::dense::{self, Bf16Job, DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight};
 use crate::ops::indexer::{self, QueryBatch, TopkWorkspace};
-use crate::ops::mhc::{self, reference::MhcParams, MhcPreOutputs, MhcWeights, MhcWorkspace};
+use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace};
 use crate::ops::norm_quant::{self, OutFormat, QuantView, RowsOut};
 use crate::ops::qkv_prep::{self, WindowRing};
 use crate::ops::sparse_attn::{self, DecodeInputs, DecodeShape, DecodeWorkspace, SplitPlan};
-use anyhow::{anyhow, bail, ensure, Result};
+use anyhow::{bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -544,25 +544,7 @@ impl AttnLayer {
         let (d, hd, eps) = (cfg.dim, cfg.head_dim, cfg.norm_eps);
         let p = format!("layers.{l}");
         let a = format!("{p}.attn");
-        let scale: [f32; 3] = w
-            .host_f32(s, &format!("{p}.hc_attn_scale"))?
-            .try_into()
-            .map_err(|v: Vec<f32>| anyhow!("{p}.hc_attn_scale has {} values", v.len()))?;
-        let base: [f32; mhc::HC_MIX] = w
-            .host_f32(s, &format!("{p}.hc_attn_base"))?
-            .try_into()
-            .map_err(|v: Vec<f32>| anyhow!("{p}.hc_attn_base has {} values", v.len()))?;
-        let params = MhcParams {
-            mix_fn: w.host_f32(s, &format!("{p}.hc_attn_fn"))?,
-            scale,
-            base,
-        };
-        let hc = MhcWeights::upload(
-            gpu,
-            &params,
-            &w.host_f32(s, &format!("{p}.attn_norm.weight"))?,
-            d,
-        )?;
+        let hc = w.mhc_boundary(gpu, l, "attn")?;
         let rope = layer_rope(cfg, l).freqs;
         let rope_f32: Vec<f32> = rope.iter().map(|&f| f as f32).collect();
         let kind = cfg.layer_kind(l);

@@ -42,7 +42,6 @@ use crate::ops::compressor::dev;
 use crate::ops::dense::{
     self, DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, SharedExpertScratch,
 };
-use crate::ops::mhc::reference::MhcParams;
 use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace};
 use crate::ops::moe_gemm::reference::SWIGLU_LIMIT;
 use crate::ops::moe_gemm::{
@@ -180,19 +179,7 @@ impl FfnLayer {
         let cfg = &weights.plan.config;
         let s = &gpu.stream;
         let p = format!("layers.{layer}");
-        let hc = |what: &str| weights.host_f32(s, &format!("{p}.hc_ffn_{what}"));
-        let (scale, base) = (hc("scale")?, hc("base")?);
-        let params = MhcParams {
-            mix_fn: hc("fn")?,
-            scale: scale.as_slice().try_into().map_err(|_| {
-                anyhow::anyhow!("{p}.hc_ffn_scale has {} values, expected 3", scale.len())
-            })?,
-            base: base.as_slice().try_into().map_err(|_| {
-                anyhow::anyhow!("{p}.hc_ffn_base has {} values, expected 24", base.len())
-            })?,
-        };
-        let norm = weights.host_f32(s, &format!("{p}.ffn_norm.weight"))?;
-        let mhc = MhcWeights::upload(gpu, &params, &norm, cfg.dim)?;
+        let mhc = weights.mhc_boundary(gpu, layer, "ffn")?;
         let f = format!("{p}.ffn");
         let gate = weights.typed::<bf16>(&format!("{f}.gate.weight"))?;
         let selection = if cfg.is_hash_layer(layer) {

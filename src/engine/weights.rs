@@ -24,6 +24,7 @@ use crate::gpu::launch::{DevBuf, DeviceBuf, Stream};
 use crate::gpu::Gpu;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::weights::{tensor_manifest, StoredDtype, TensorSource, TensorSpec, Weights};
+use crate::ops::mhc::{self, reference::MhcParams, MhcWeights};
 use crate::ops::moe_gemm::{prefill, DeviceExpertWeights};
 use crate::ops::weights::{convert, fill};
 use crate::progress::Progress;
@@ -242,6 +243,34 @@ impl DeviceWeights {
                 .collect(),
             d => bail!("{name} is stored as {d:?}, expected F32 or BF16"),
         })
+    }
+
+    /// Layer `layer`'s mHC boundary `which` (`"attn"` or `"ffn"`) in the launchers' form: `hc_{which}_fn`,
+    /// `_scale`, `_base` and the sub-layer's `{which}_norm.weight`, read back from the pool and uploaded (set-up
+    /// only: it waits for the GPU's stream).
+    pub fn mhc_boundary(&self, gpu: &Gpu, layer: usize, which: &str) -> Result<MhcWeights> {
+        let s = &gpu.stream;
+        let p = format!("layers.{layer}");
+        let hc = |what: &str| self.host_f32(s, &format!("{p}.hc_{which}_{what}"));
+        let (scale, base) = (hc("scale")?, hc("base")?);
+        let params = MhcParams {
+            mix_fn: hc("fn")?,
+            scale: scale.as_slice().try_into().map_err(|_| {
+                anyhow!(
+                    "{p}.hc_{which}_scale has {} values, expected 3",
+                    scale.len()
+                )
+            })?,
+            base: base.as_slice().try_into().map_err(|_| {
+                anyhow!(
+                    "{p}.hc_{which}_base has {} values, expected {}",
+                    base.len(),
+                    mhc::HC_MIX
+                )
+            })?,
+        };
+        let norm = self.host_f32(s, &format!("{p}.{which}_norm.weight"))?;
+        MhcWeights::upload(gpu, &params, &norm, self.plan.config.dim)
     }
 
     /// The whole dense pool (tests compare it byte for byte).
