@@ -45,6 +45,14 @@ if [ -f "$B/executables.tar.xz" ]; then
   rm -f "$B/executables.tar.xz"
 fi
 status=0
+# pack: one archive of everything so far. Also run when an outer `timeout` stops the script (TERM), so a call that
+# runs past its limit still brings back what finished.
+pack() {
+  mkdir -p "$out"
+  tar czf "$out/results.tar.gz" -C "$(dirname "$work")" h200
+  echo "packed $(du -h "$out/results.tar.gz" | cut -f1) -> $out/results.tar.gz (status $status)"
+}
+trap 'echo "stopped by a signal: packing what finished"; status=124; pack; exit 124' TERM INT
 # libtest arguments of every test run: the GPU tests (#[ignore = "needs an H100/H200"]) included, the slow CPU
 # runs (tests named slow_*, ignored by design) left out.
 test_args=(--test-threads=1 --include-ignored --skip slow_)
@@ -114,14 +122,16 @@ if want decode; then
   # decode report at batch 1 (DECODE_FLASH=0 skips it: filling Flash's synthetic experts takes minutes),
   # each under its own limit; decode.csv and parity.csv land beside the logs.
   step "decode: small"
+  small_ok=1
   timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 16 \
-    --max-new-tokens 64 --out "$work" > "$work/decode-small.log" 2>&1 || { echo "decode small failed"; status=1; }
+    --max-new-tokens 64 --out "$work" > "$work/decode-small.log" 2>&1 || { echo "decode small failed"; status=1; small_ok=0; }
   tail -n 30 "$work/decode-small.log"
   step "decode: small parity"
   timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 8 \
     --max-new-tokens 48 --parity --out "$work" > "$work/parity-small.log" 2>&1 || { echo "parity failed"; status=1; }
   tail -n 2 "$work/parity-small.log"
-  if [ "${DECODE_FLASH:-1}" != 0 ]; then
+  # Flash's weight fill takes minutes: spend them only once the small model decodes.
+  if [ "${DECODE_FLASH:-1}" != 0 ] && [ "$small_ok" = 1 ]; then
     # One weight load for the issue's sweeps: contexts 4K..1M at batch 1, batches 1..64 at 4K, each point timed
     # at the end of its context (--at-context: zero-filled caches below the timed positions).
     step "decode: flash sweeps (context at batch 1, batch at 4K)"
@@ -171,7 +181,5 @@ if want profile; then
   done
   rm -rf "$work/profile-bench"
 fi
-mkdir -p "$out"
-tar czf "$out/results.tar.gz" -C "$(dirname "$work")" h200
-echo "packed $(du -h "$out/results.tar.gz" | cut -f1) -> $out/results.tar.gz (status $status)"
+pack
 exit $status

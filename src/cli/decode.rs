@@ -130,6 +130,10 @@ impl DecodeSummary {
     pub fn tokens_per_s(&self) -> f64 {
         1e6 / self.p50_us()
     }
+    /// The step time the byte floor allows: every byte the step must read, at the copy bandwidth.
+    pub fn floor_us(&self) -> f64 {
+        self.bytes.total() as f64 / (self.copy_gbps * 1e3)
+    }
     /// The median step's read rate over the copy bandwidth.
     pub fn roofline_fraction(&self) -> f64 {
         self.bytes.total() as f64 / (self.p50_us() * 1e-6) / (self.copy_gbps * 1e9)
@@ -197,7 +201,92 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<Dec
         append_csv(&out, gpu, &plan, args, &point)?;
         points.push(point);
     }
+    plot_sweeps(&out, &plan.config.name, &gpu.info.name, &points)?;
     Ok(points)
+}
+
+/// The sweeps as plots beside decode.csv, each measured line drawn with the byte floor's line: tokens/s (all
+/// sequences) against the batch at each context swept over several batches, and the step time against the
+/// context at each batch swept over several contexts. A run of fewer than two points along an axis draws
+/// nothing for it.
+fn plot_sweeps(
+    dir: &std::path::Path,
+    model: &str,
+    gpu_name: &str,
+    points: &[DecodePoint],
+) -> Result<()> {
+    use crate::bench::plot::{plot_series, Series};
+    let along = |fixed: &dyn Fn(&DecodePoint) -> usize, x: &dyn Fn(&DecodePoint) -> usize| {
+        let mut groups: std::collections::BTreeMap<usize, Vec<&DecodePoint>> = Default::default();
+        for p in points {
+            groups.entry(fixed(p)).or_default().push(p);
+        }
+        groups.retain(|_, v| {
+            v.sort_by_key(|p| x(p));
+            v.dedup_by_key(|p| x(p));
+            v.len() >= 2
+        });
+        groups
+    };
+    for (context, pts) in along(&|p| p.context, &|p| p.batch) {
+        let measured = pts
+            .iter()
+            .map(|p| (p.batch as f64, p.summary.tokens_per_s() * p.batch as f64))
+            .collect();
+        let floor = pts
+            .iter()
+            .map(|p| (p.batch as f64, 1e6 / p.summary.floor_us() * p.batch as f64))
+            .collect();
+        let (png, _) = plot_series(
+            &dir.join(format!("decode-{model}-batch-at-{context}")),
+            &format!("{model} decode on {gpu_name}: tokens/s against batch, context {context}"),
+            "batch (sequences)",
+            "tokens/s, all sequences",
+            &[
+                Series {
+                    name: "measured (median step)".into(),
+                    points: measured,
+                },
+                Series {
+                    name: "byte floor at the copy bandwidth".into(),
+                    points: floor,
+                },
+            ],
+            true,
+            true,
+        )?;
+        eprintln!("plot: {}", png.display());
+    }
+    for (batch, pts) in along(&|p| p.batch, &|p| p.context) {
+        let measured = pts
+            .iter()
+            .map(|p| (p.context as f64, p.summary.p50_us() / 1e3))
+            .collect();
+        let floor = pts
+            .iter()
+            .map(|p| (p.context as f64, p.summary.floor_us() / 1e3))
+            .collect();
+        let (png, _) = plot_series(
+            &dir.join(format!("decode-{model}-context-at-batch-{batch}")),
+            &format!("{model} decode on {gpu_name}: step time against context, batch {batch}"),
+            "context (tokens)",
+            "ms per step",
+            &[
+                Series {
+                    name: "measured (median step)".into(),
+                    points: measured,
+                },
+                Series {
+                    name: "byte floor at the copy bandwidth".into(),
+                    points: floor,
+                },
+            ],
+            true,
+            false,
+        )?;
+        eprintln!("plot: {}", png.display());
+    }
+    Ok(())
 }
 
 /// One point: prefill (or start at the end of the context), the timed steps, one profiled step, the checks.
