@@ -112,6 +112,8 @@ pub struct DecodeSummary {
     pub ttft_s: Option<f64>,
     pub bytes: StepBytes,
     pub copy_gbps: f64,
+    /// Kernels one step launches (the step graph's kernel nodes).
+    pub kernels: usize,
     /// One profiled step: (kernel group, us summed over the layers, runs, the group's byte floor in us).
     pub profile: Vec<(&'static str, f64, usize, f64)>,
 }
@@ -320,6 +322,9 @@ fn time_point(
         (args.prompt_len, Some(pre.ttft_s))
     };
     let tpot = engine.timed_decode(gpu, args.max_new_tokens)?;
+    let kernels = engine
+        .decode_kernel_count()?
+        .expect("timed_decode captures the step graph");
     let profile = if crate::progress::interrupted() {
         Vec::new()
     } else {
@@ -342,6 +347,7 @@ fn time_point(
             ttft_s,
             bytes: StepBytes::of(plan, &positions),
             copy_gbps,
+            kernels,
             profile: profile
                 .into_iter()
                 .map(|(name, us, n)| {
@@ -480,7 +486,13 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         "roofline    {:.1}% of the copy bandwidth measured in this run ({:.0} GB/s): floor {:.1} us a step",
         100.0 * s.roofline_fraction(),
         s.copy_gbps,
-        s.bytes.total() as f64 / (s.copy_gbps * 1e9) * 1e6
+        s.floor_us()
+    );
+    println!(
+        "kernels     {} a step ({:.1} a layer over {} layers, with the embedding, head and sampler)",
+        s.kernels,
+        s.kernels as f64 / cfg.n_layers as f64,
+        cfg.n_layers
     );
     print_profile(&s.profile, cfg.n_layers);
 }
@@ -554,6 +566,7 @@ struct DecodeCsvRow {
     kv_bytes: u64,
     copy_gbps: f64,
     pct_copy_bw: f64,
+    kernels_per_step: usize,
     expert_slots: usize,
     logical_experts: usize,
 }
@@ -601,6 +614,7 @@ fn append_csv(
         kv_bytes: s.bytes.kv,
         copy_gbps: s.copy_gbps,
         pct_copy_bw: 100.0 * s.roofline_fraction(),
+        kernels_per_step: s.kernels,
         expert_slots: plan.map.slots,
         logical_experts: plan.map.logical,
     })?;

@@ -185,6 +185,15 @@ impl<'w> Engine<'w> {
         Ok(())
     }
 
+    /// The kernels one decode step launches (the captured step graph's kernel nodes); `None` before the graph is
+    /// captured (after the first step).
+    pub fn decode_kernel_count(&self) -> Result<Option<usize>> {
+        self.step_graph
+            .as_ref()
+            .map(crate::gpu::timing::graph_kernel_count)
+            .transpose()
+    }
+
     /// One decode step of every sequence: eager the first time, then a graph replay.
     pub fn decode_step(&mut self, gpu: &Gpu) -> Result<()> {
         let stream = gpu.stream.clone();

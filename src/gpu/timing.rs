@@ -133,6 +133,38 @@ pub fn capture_on(
     }
 }
 
+/// The kernel nodes of a captured graph (what one replay launches; memsets, copies and event records are not
+/// counted).
+pub fn graph_kernel_count(graph: &CudaGraph) -> Result<usize> {
+    use cudarc::driver::sys::{cuGraphGetNodes, cuGraphNodeGetType, CUgraphNodeType, CUresult};
+    let g = graph.cu_graph();
+    let mut n = 0usize;
+    // SAFETY: `g` is the live graph `graph` owns; the first call only reads the node count, the second writes
+    // at most `n` handles into a buffer of `n`.
+    let r = unsafe { cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) };
+    if r != CUresult::CUDA_SUCCESS {
+        return Err(anyhow!("cuGraphGetNodes: {r:?}"));
+    }
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    let r = unsafe { cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n) };
+    if r != CUresult::CUDA_SUCCESS {
+        return Err(anyhow!("cuGraphGetNodes: {r:?}"));
+    }
+    let mut kernels = 0;
+    for &node in &nodes[..n] {
+        let mut t = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` is one of the handles the graph just returned.
+        let r = unsafe { cuGraphNodeGetType(node, &mut t) };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(anyhow!("cuGraphNodeGetType: {r:?}"));
+        }
+        if t == CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            kernels += 1;
+        }
+    }
+    Ok(kernels)
+}
+
 impl Gpu {
     /// Time replays of a captured graph: `inner` replays between each event pair, sample = time / inner.
     pub fn time_graph_us(
