@@ -485,6 +485,49 @@ fn report_from_csv_dir_writes_tables_and_plots() {
 }
 
 #[test]
+fn report_gives_the_engine_csvs_their_own_section() {
+    let mut rng = seeded_rng();
+    let dir = TempDir::new("report-engine");
+    write_rows(&dir.path().join("a_quant.csv"), &sweep_rows(&mut rng)).unwrap();
+    // decode.csv and parity.csv have their own columns (a subset of decode.csv's here, and a column the
+    // report does not show), so the bench rows' header check must not see them.
+    fs::write(
+        dir.path().join("decode.csv"),
+        "model,batch,context,tpot_p50_us,tokens_per_s_total,pct_copy_bw,extra\n\
+         flash,1,4096,3412.5,293.04,81.25,x\n\
+         flash,64,4096,9876.0,6480.2,55.5,y\n",
+    )
+    .unwrap();
+    fs::write(dir.path().join("parity.csv"), "step,cosine\n0,0.9991\n").unwrap();
+    let md = fs::read_to_string(report_from_csv_dir(dir.path()).unwrap()).unwrap();
+    assert!(md.contains("## nvfp4_quantize_rows"), "{md}");
+    assert!(md.contains("## decode: the whole model on the GPU"), "{md}");
+    assert!(
+        md.contains("| model | batch | context | TPOT p50 us | tok/s total | % copy bw |"),
+        "{md}"
+    );
+    assert_eq!(md.lines().filter(|l| l.starts_with("| flash |")).count(), 2);
+    assert!(
+        !md.contains("| x |"),
+        "unlisted columns are not shown:\n{md}"
+    );
+    assert!(
+        md.contains("| step | cosine |") && md.contains("| 0 | 0.9991 |"),
+        "{md}"
+    );
+
+    // The engine's CSVs alone make a report too.
+    let only = TempDir::new("report-engine-only");
+    fs::copy(
+        dir.path().join("decode.csv"),
+        only.path().join("decode.csv"),
+    )
+    .unwrap();
+    let md = fs::read_to_string(report_from_csv_dir(only.path()).unwrap()).unwrap();
+    assert!(md.contains("## decode: the whole model"), "{md}");
+}
+
+#[test]
 fn write_report_with_hand_made_sections() {
     let mut rng = seeded_rng();
     let dir = TempDir::new("report-hand");

@@ -114,8 +114,14 @@ pub fn report_from_csv_dir_with(dir: &Path, variants: &PlotVariants) -> Result<P
         .filter_map(|entry| entry.ok().map(|e| e.path()))
         .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "csv"))
         .collect();
+    // The engine's CSVs have their own columns; they get their own section below.
+    csv_files.retain(|p| {
+        !ENGINE_CSVS
+            .iter()
+            .any(|n| p.file_name().is_some_and(|f| f == *n))
+    });
     csv_files.sort();
-    if csv_files.is_empty() {
+    if csv_files.is_empty() && !ENGINE_CSVS.iter().any(|n| dir.join(n).exists()) {
         bail!("no *.csv files in {}", dir.display());
     }
     let mut rows = Vec::new();
@@ -196,7 +202,117 @@ pub fn report_from_csv_dir_with(dir: &Path, variants: &PlotVariants) -> Result<P
             plots,
         });
     }
-    write_report(dir, &sections)
+    let path = write_report(dir, &sections)?;
+    let engine = engine_section(dir)?;
+    if !engine.is_empty() {
+        let mut md = fs::read_to_string(&path)?;
+        md.push_str(&engine);
+        fs::write(&path, md).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(path)
+}
+
+/// The CSVs `megamoe decode` writes (one row per point, one per parity step).
+const ENGINE_CSVS: [&str; 2] = ["decode.csv", "parity.csv"];
+
+/// The columns of decode.csv and parity.csv shown in the report, with their headings.
+const DECODE_COLUMNS: &[(&str, &str)] = &[
+    ("model", "model"),
+    ("batch", "batch"),
+    ("context", "context"),
+    ("start_position", "first timed position"),
+    ("prompt_len", "prompt"),
+    ("ttft_s", "TTFT s"),
+    ("tpot_p50_us", "TPOT p50 us"),
+    ("tpot_p99_us", "TPOT p99 us"),
+    ("tokens_per_s_seq", "tok/s per seq"),
+    ("tokens_per_s_total", "tok/s total"),
+    ("floor_bytes", "floor bytes"),
+    ("pct_copy_bw", "% copy bw"),
+    ("kernels_per_step", "kernels/step"),
+    ("expert_slots", "expert slots"),
+    ("gpu", "gpu"),
+    ("git_commit", "commit"),
+];
+
+/// The engine's section of REPORT.md: decode.csv's rows as a table (the columns of [`DECODE_COLUMNS`] that the
+/// file has), the sweep plots `megamoe decode` drew beside it, and parity.csv's rows; empty when neither file
+/// exists.
+fn engine_section(dir: &Path) -> Result<String> {
+    let mut md = String::new();
+    let decode = dir.join("decode.csv");
+    if decode.exists() {
+        md.push_str("\n## decode: the whole model on the GPU (`megamoe decode`)\n\n");
+        md.push_str(
+            "One row per point. Rows with no prompt started at the end of the context with zero-filled caches \
+             (`--at-context`): their steps read a full context's bytes. `% copy bw` is the step's byte floor over \
+             the median step time, against the copy bandwidth measured in the same run.\n\n",
+        );
+        md.push_str(&csv_table(&decode, DECODE_COLUMNS)?);
+        let mut plots: Vec<PathBuf> = fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.extension().is_some_and(|e| e == "png")
+                    && p.file_name()
+                        .and_then(|f| f.to_str())
+                        .is_some_and(|f| f.starts_with("decode-"))
+            })
+            .collect();
+        plots.sort();
+        for p in plots {
+            let name = p.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+            let _ = writeln!(md, "\n![{name}](<{name}>)");
+        }
+    }
+    let parity = dir.join("parity.csv");
+    if parity.exists() {
+        md.push_str("\n## decode parity: the GPU against the CPU model fed the GPU's tokens\n\n");
+        let header = csv::Reader::from_path(&parity)
+            .with_context(|| format!("opening {}", parity.display()))?
+            .headers()?
+            .clone();
+        let columns: Vec<(&str, &str)> = header.iter().map(|h| (h, h)).collect();
+        md.push_str(&csv_table(&parity, &columns)?);
+    }
+    Ok(md)
+}
+
+/// A markdown table of the `columns` (name, heading) of a CSV file that the file has, every row.
+fn csv_table(path: &Path, columns: &[(&str, &str)]) -> Result<String> {
+    let mut reader =
+        csv::Reader::from_path(path).with_context(|| format!("opening {}", path.display()))?;
+    let header = reader.headers()?.clone();
+    let present: Vec<(usize, &str)> = columns
+        .iter()
+        .filter_map(|(name, heading)| {
+            header
+                .iter()
+                .position(|h| h == *name)
+                .map(|i| (i, *heading))
+        })
+        .collect();
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "| {} |",
+        present.iter().map(|p| p.1).collect::<Vec<_>>().join(" | ")
+    );
+    let _ = writeln!(md, "|{}", "---|".repeat(present.len()));
+    for record in reader.records() {
+        let record = record.with_context(|| format!("reading {}", path.display()))?;
+        let cells: Vec<String> = present
+            .iter()
+            .map(|(i, _)| {
+                let cell = record.get(*i).unwrap_or("");
+                match cell.parse::<f64>() {
+                    Ok(v) if cell.contains('.') => format_number(v),
+                    _ => cell.to_string(),
+                }
+            })
+            .collect();
+        let _ = writeln!(md, "| {} |", cells.join(" | "));
+    }
+    Ok(md)
 }
 
 /// The variants a kernel's plots draw (empty: all; `None`: no plot) and a sentence for the report saying
