@@ -113,15 +113,6 @@ extern "C" __global__ void __launch_bounds__(kLogitThreads) router_logits(
   }
 }
 
-// The pair p = t * 6 + j's physical slot: slot_of[topk_experts[p]] when in [0, slots), else -1 (a pair routed
-// nowhere, or a table value outside the slots: no row, counted in `dropped`). topk_experts was written by this CTA
-// before a barrier.
-__device__ __forceinline__ int pair_slot(const int* topk_experts, const int* __restrict__ slot_of, int slots, int p) {
-  const int e = topk_experts[p];
-  const int s = e >= 0 ? slot_of[e] : -1;
-  return (s >= 0 && s < slots) ? s : -1;
-}
-
 // Selection, weights and the masked grouping of T tokens (one CTA of 1024 threads). hash != 0: experts from
 // tid2eid[token_ids[t] * 6 + j] (a token id outside [0, vocab), an entry outside [0, E) or a repeat of an earlier
 // entry of the row routes that pair nowhere: expert -1, weight 0, counted in `dropped`); bias is then unused.
@@ -130,10 +121,12 @@ __device__ __forceinline__ int pair_slot(const int* topk_experts, const int* __r
 // kMapped == false (router_select_group): slots == experts, slot e = expert e; dynamic shared memory E * ceil(T / 32)
 // 32-bit token masks (bit t of word (e, t / 32): token t chose e; a token chooses an expert at most once).
 // kMapped == true (router_select_group_slots): pair (t, j) goes to slot slot_of[e_j]; two picks of one token may
-// share a slot, so a slot gets one row per pair, in pair order (t, then j). Dynamic shared memory slots * ceil(T / 32)
-// 32-bit counters: word (s, w) = the pairs of tokens 32w .. 32w + 31 in slot s. The rank of pair p in slot s = the
-// counters of s's earlier words + the pairs of p's own 32-token word before p in slot s (at most 191 looked at);
-// the r-th row of slot s is found the same way. With slot_of the identity it writes what kMapped == false writes.
+// share a slot, so a slot gets one row per pair, in pair order (t, then j). Dynamic shared memory: slots * ceil(T / 32)
+// 32-bit counters (word (s, w) = the pairs of tokens 32w .. 32w + 31 in slot s), then each slot's total [slots],
+// then each pair's slot [T * 6] (-1: no slot). The rank of pair p in slot s = the counters of s's earlier words + the
+// pairs of p's own 32-token word before p in slot s (at most 191 shared-memory reads); the pair then writes its own
+// row (row_token, row_weight), and the rows at or past a slot's count are written empty, so every row is written
+// exactly once in O(rows + pairs) work. With slot_of the identity it writes what kMapped == false writes.
 template <bool kMapped>
 __device__ __forceinline__ void select_group(
     const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,
@@ -144,6 +137,9 @@ __device__ __forceinline__ void select_group(
   extern __shared__ uint32_t s_mask[];  // [slots][words]: token masks (identity) or pair counters (mapped)
   __shared__ int s_dropped;
   const int words = (tokens + 31) / 32;
+  // Mapped only: each slot's total pairs [slots], then each pair's slot [tokens * 6] (after the counters).
+  int* s_slot_total = reinterpret_cast<int*>(s_mask + slots * words);
+  int* s_pair_slot = s_slot_total + slots;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = threadIdx.x; i < slots * words; i += blockDim.x) s_mask[i] = 0u;
   if (threadIdx.x == 0) s_dropped = 0;
@@ -199,8 +195,10 @@ __device__ __forceinline__ void select_group(
       topk_experts[t * kTopk + lane] = my_e;
       topk_weights[t * kTopk + lane] = my_e >= 0 ? my_s / sum * route_scale : 0.0f;
       if constexpr (kMapped) {
-        const int s = my_e >= 0 ? slot_of[my_e] : -1;
-        if (s >= 0 && s < slots) atomicAdd(&s_mask[s * words + t / 32], 1u);
+        int s = my_e >= 0 ? slot_of[my_e] : -1;
+        s = (s >= 0 && s < slots) ? s : -1;
+        s_pair_slot[t * kTopk + lane] = s;
+        if (s >= 0) atomicAdd(&s_mask[s * words + t / 32], 1u);
       } else {
         if (my_e >= 0) atomicOr(&s_mask[my_e * words + t / 32], 1u << (t % 32));
       }
@@ -209,51 +207,40 @@ __device__ __forceinline__ void select_group(
   __syncthreads();
 
   if constexpr (kMapped) {
-    // Phase 2: the row of every pair and the per-slot counts.
+    // Phase 2: each slot's total and count.
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+      int n = 0;
+      for (int w = 0; w < words; ++w) n += (int)s_mask[s * words + w];
+      s_slot_total[s] = n;
+      counts[s] = min(n, capacity);
+    }
+    // Phase 3a: the row of every pair; the pair writes that row (token, weight).
     for (int p = threadIdx.x; p < tokens * kTopk; p += blockDim.x) {
-      const int s = pair_slot(topk_experts, slot_of, slots, p);
+      const int s = s_pair_slot[p];
       int row = -1;
       if (s >= 0) {
         const int w0 = p / kTopk / 32;
         int rank = 0;
         for (int w = 0; w < w0; ++w) rank += (int)s_mask[s * words + w];
-        for (int q = w0 * 32 * kTopk; q < p; ++q) rank += pair_slot(topk_experts, slot_of, slots, q) == s;
+        for (int q = w0 * 32 * kTopk; q < p; ++q) rank += s_pair_slot[q] == s;
         row = rank < capacity ? s * capacity + rank : -1;
       }
-      if (row < 0) atomicAdd(&s_dropped, 1);
+      if (row < 0) {
+        atomicAdd(&s_dropped, 1);
+      } else {
+        row_token[row] = p / kTopk;
+        row_weight[row] = topk_weights[p];
+      }
       token_rows[p] = row;
     }
-    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
-      int n = 0;
-      for (int w = 0; w < words; ++w) n += (int)s_mask[s * words + w];
-      counts[s] = min(n, capacity);
-    }
-    // Phase 3: every row, written once: row r of slot s is the r-th pair (in pair order) whose slot is s.
+    __syncthreads();  // s_slot_total (phase 2) is read below
+    // Phase 3b: the rows no pair owns (rank >= the slot's count) are written empty.
     for (int i = threadIdx.x; i < slots * capacity; i += blockDim.x) {
       const int s = i / capacity;
-      int r = i - s * capacity;
-      int tok = -1;
-      float wgt = 0.0f;
-      for (int w = 0; w < words; ++w) {
-        const int n = (int)s_mask[s * words + w];
-        if (r < n) {
-          const int q_end = min(32 * (w + 1), tokens) * kTopk;
-          for (int q = 32 * w * kTopk; q < q_end; ++q) {
-            if (pair_slot(topk_experts, slot_of, slots, q) == s) {
-              if (r == 0) {
-                tok = q / kTopk;
-                wgt = topk_weights[q];
-                break;
-              }
-              --r;
-            }
-          }
-          break;
-        }
-        r -= n;
+      if (i - s * capacity >= min(s_slot_total[s], capacity)) {
+        row_token[i] = -1;
+        row_weight[i] = 0.0f;
       }
-      row_token[i] = tok;
-      row_weight[i] = wgt;
     }
   } else {
     // Phase 2: the row of every (token, k) pair and the per-expert counts.
@@ -316,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
 }
 
 // The grouping by physical slot: slot_of [E] (values outside [0, slots) route the pair nowhere), counts [slots],
-// row_token / row_weight [slots * capacity]; dynamic shared memory slots * ceil(T / 32) words.
+// row_token / row_weight [slots * capacity]; dynamic shared memory slots * ceil(T / 32) + slots + T * 6 words.
 extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group_slots(
     const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,
     const int* __restrict__ tid2eid, int vocab, int hash, const int* __restrict__ slot_of, int slots, int tokens,

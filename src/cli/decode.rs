@@ -35,8 +35,9 @@ pub struct DecodeArgs {
     #[arg(long, value_delimiter = ',', default_value = "4096")]
     pub context: Vec<usize>,
     /// Time the steps at the end of each context instead of after a prompt: every sequence starts at position
-    /// `context - max_new_tokens - 2` with the caches below it zero-filled (the steps read the bytes of a full
-    /// context, not a real prompt's values; no TTFT). How a 128K or 1M context is timed without prefilling it.
+    /// `context - max_new_tokens - 2` with zero KV entries and random indexer keys below it (the steps read the
+    /// bytes of a full context and the top-k selects among distinct scores, but the values are not a real
+    /// prompt's; no TTFT). How a 128K or 1M context is timed without prefilling it.
     #[arg(long)]
     pub at_context: bool,
     /// Prompt tokens per sequence (random ids), run through the layers before the first decode step.
@@ -305,7 +306,7 @@ fn time_point(
     let params = SamplerParams::from_config(&SamplerConfig::greedy(), args.max_new_tokens + 2)?;
     let (start, ttft_s) = if args.at_context {
         let start = context - args.max_new_tokens - 2;
-        eprintln!("batch {batch}, context {context}: starting at position {start} (caches zero-filled below it)");
+        eprintln!("batch {batch}, context {context}: starting at position {start} (zero KV entries and random indexer keys below it)");
         let first: Vec<u32> = prompts
             .iter()
             .map(|p| p.first().copied().unwrap_or(0))
@@ -458,7 +459,7 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
             args.prompt_len
         ),
         None => println!(
-            "TTFT        - (started at position {} with zero-filled caches: the steps read a full context's \
+            "TTFT        - (started at position {} with synthetic caches: the steps read a full context's \
              bytes, not a real prompt's values)",
             p.start - 1
         ),

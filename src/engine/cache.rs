@@ -270,4 +270,48 @@ impl KvPool {
         }
         Ok(KvPool { layers })
     }
+
+    /// Fills every CSA layer's indexer key cache with synthetic keys (random FP8 / FP4 codes and positive
+    /// scales from `seed`), for a run that starts at a position without a prompt. The indexer's top-k reads
+    /// scores, and over an all-zero cache every score ties, which sends the top-k to its slow path for exact
+    /// ties: distinct keys make its cost that of a real context. The KV entries stay zero (sparse attention's
+    /// cost does not depend on the values it reads).
+    pub fn fill_synthetic_index_keys(&self, gpu: &Gpu, seed: u64) -> Result<()> {
+        use crate::model::weights::{StoredDtype, SyntheticInit, TensorSpec};
+        for (l, layer) in self.layers.iter().enumerate() {
+            let Some(index) = &layer.index else { continue };
+            let keys = &index.keys;
+            let (codes, scales) = match keys.format {
+                KeyFormat::Fp8 => (
+                    (StoredDtype::F8E4M3, SyntheticInit::Fp8Codes),
+                    // One f32 scale per key.
+                    (
+                        StoredDtype::F32,
+                        SyntheticInit::Uniform {
+                            amp: 0.25,
+                            offset: 1.0,
+                        },
+                    ),
+                ),
+                KeyFormat::Mxfp4 => (
+                    (StoredDtype::I8, SyntheticInit::Fp4Codes),
+                    // Four UE8M0 block scales per key, 2^0 or 2^-1.
+                    (StoredDtype::F8E8M0, SyntheticInit::Scale { exp_base: 0 }),
+                ),
+            };
+            for (what, (dtype, init), buf) in [
+                ("codes", codes, &keys.codes),
+                ("scales", scales, &keys.scales),
+            ] {
+                let spec = TensorSpec {
+                    name: format!("engine.synthetic_index_keys.{l}.{what}"),
+                    dtype,
+                    shape: vec![buf.len() / dtype.size()],
+                    init,
+                };
+                crate::ops::weights::fill(gpu, &gpu.stream, seed, &spec, 0, spec.numel(), buf)?;
+            }
+        }
+        Ok(())
+    }
 }

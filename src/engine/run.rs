@@ -102,9 +102,11 @@ impl<'w> Engine<'w> {
 
     /// Starts every sequence at `position` without a prompt (for timing a long context without prefilling it):
     /// each slot is admitted with the one-token history `[tokens[b]]`, positions are set to `position`, and the
-    /// first decode step runs there. The caches below `position` are as [`DecodeState::new`] built them (zero
-    /// entries and keys, empty compressor states), so later steps read the bytes of a `position`-token context but
-    /// not a real prompt's values.
+    /// first decode step runs there. Below `position` the KV entries are zero and the compressor states empty, as
+    /// [`DecodeState::new`] built them, and the indexer keys are synthetic
+    /// ([`KvPool::fill_synthetic_index_keys`](crate::engine::cache::KvPool::fill_synthetic_index_keys): zero keys
+    /// would make every score tie), so later steps read the bytes of a `position`-token context and select among
+    /// distinct scores, but not a real prompt's values.
     pub fn start_at(
         &mut self,
         gpu: &Gpu,
@@ -121,6 +123,9 @@ impl<'w> Engine<'w> {
             i32::try_from(position).map_err(|_| anyhow!("position {position} exceeds i32"))?;
         let histories: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
         self.admit(gpu, &histories, params, &[], pos)?;
+        self.state
+            .caches
+            .fill_synthetic_index_keys(gpu, 0x5EED_0000 ^ position as u64)?;
         self.state.set_tokens(&gpu.stream, tokens)?;
         self.decode_step(gpu)
     }

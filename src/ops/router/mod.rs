@@ -120,8 +120,10 @@ impl RouterShape {
     }
     /// Dynamic shared memory of the select kernel: one 32-bit word per (slot, 32 tokens) (a token mask, or with a
     /// slot map a pair counter).
+    /// The select kernel's dynamic shared memory: `slots * ceil(T / 32)` token masks or pair counters, then (used
+    /// by the slot-mapped grouping) each slot's total and each pair's slot (kernels/router.cu, select_group).
     fn select_smem(&self) -> usize {
-        self.slots * self.tokens.div_ceil(32) * 4
+        (self.slots * self.tokens.div_ceil(32) + self.slots + self.tokens * TOPK) * 4
     }
 }
 
@@ -511,7 +513,10 @@ mod tests {
     #[test]
     fn select_masks_fit_the_shared_memory_the_launcher_allows() {
         let s = RouterShape::identity(MAX_TOKENS, MAX_EXPERTS, 256, 1);
-        assert_eq!(s.select_smem(), 128 * 1024);
+        // 128 KiB of masks + 2 KiB of slot totals + 48 KiB of pair slots, within the 227 KiB an H100/H200 CTA
+        // may opt into.
+        assert_eq!(s.select_smem(), 128 * 1024 + 2 * 1024 + 48 * 1024);
+        assert!(s.select_smem() <= 227 * 1024);
     }
 
     #[test]
