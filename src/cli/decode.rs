@@ -116,7 +116,9 @@ pub struct DecodeSummary {
     /// Kernels one step launches (the step graph's kernel nodes).
     pub kernels: usize,
     /// One profiled step: (kernel group, us summed over the layers, runs, the group's byte floor in us).
-    pub profile: Vec<(&'static str, f64, usize, f64)>,
+    pub profile: Vec<(String, f64, usize, f64)>,
+    /// The same step by kernel: (entry point, us summed over its launches, launches).
+    pub kernel_profile: Vec<(String, f64, usize)>,
 }
 
 impl DecodeSummary {
@@ -327,10 +329,12 @@ fn time_point(
         .decode_kernel_count()?
         .expect("timed_decode captures the step graph");
     let profile = if crate::progress::interrupted() {
-        Vec::new()
+        None
     } else {
-        engine.profile_step(gpu)?
+        Some(engine.profile_step(gpu)?)
     };
+    let (groups, kernel_profile) =
+        profile.map_or((Vec::new(), Vec::new()), |p| (p.groups, p.kernels));
     let err = engine.state.read_error(&gpu.stream)?;
     ensure!(
         err == 0,
@@ -349,14 +353,15 @@ fn time_point(
             bytes: StepBytes::of(plan, &positions),
             copy_gbps,
             kernels,
-            profile: profile
+            profile: groups
                 .into_iter()
                 .map(|(name, us, n)| {
                     let floor_us =
-                        group_floor_bytes(plan, name, &positions) as f64 / (copy_gbps * 1e3);
+                        group_floor_bytes(plan, &name, &positions) as f64 / (copy_gbps * 1e3);
                     (name, us, n, floor_us)
                 })
                 .collect(),
+            kernel_profile,
         },
     })
 }
@@ -496,11 +501,12 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         cfg.n_layers
     );
     print_profile(&s.profile, cfg.n_layers);
+    print_kernel_profile(&s.kernel_profile);
 }
 
 /// The profiled step: device time per group of kernels (summed over the layers), in step order, beside the
 /// group's byte floor at the copy bandwidth of this run.
-fn print_profile(groups: &[(&'static str, f64, usize, f64)], layers: usize) {
+fn print_profile(groups: &[(String, f64, usize, f64)], layers: usize) {
     if groups.is_empty() {
         return;
     }
@@ -513,7 +519,8 @@ fn print_profile(groups: &[(&'static str, f64, usize, f64)], layers: usize) {
         "{:<74} {:>9} {:>5} {:>6} {:>9} {:>7}",
         "group", "us", "runs", "%", "floor us", "x floor"
     );
-    for &(name, us, n, floor) in groups {
+    for (name, us, n, floor) in groups {
+        let (us, n, floor) = (*us, *n, *floor);
         let ratio = if floor > 0.0 {
             format!("{:.1}", us / floor)
         } else {
@@ -525,6 +532,37 @@ fn print_profile(groups: &[(&'static str, f64, usize, f64)], layers: usize) {
         );
     }
     println!("{:<74} {total:>9.1}", "step (sum of groups)");
+}
+
+/// The profiled step by kernel, the most time first: each entry point's time (from the end of the kernel before
+/// it, so the launch gap counts) summed over its launches.
+fn print_kernel_profile(kernels: &[(String, f64, usize)]) {
+    if kernels.is_empty() {
+        return;
+    }
+    let total: f64 = kernels.iter().map(|k| k.1).sum();
+    let mut sorted: Vec<&(String, f64, usize)> = kernels.iter().collect();
+    sorted.sort_by(|a, b| b.1.total_cmp(&a.1));
+    println!(
+        "
+the same step by kernel (an event after every kernel; a kernel's time runs from the end of the one before          it, so the gap between them counts; the event nodes' own cost inflates both tables):"
+    );
+    println!(
+        "{:<52} {:>9} {:>8} {:>10} {:>6}",
+        "kernel", "us", "launches", "us/launch", "%"
+    );
+    for (name, us, n) in sorted {
+        println!(
+            "{name:<52} {us:>9.1} {n:>8} {:>10.2} {:>5.1}%",
+            us / *n as f64,
+            100.0 * us / total
+        );
+    }
+    println!(
+        "{:<52} {total:>9.1} {:>8}",
+        "step (sum of kernels)",
+        kernels.iter().map(|k| k.2).sum::<usize>()
+    );
 }
 
 /// One row of parity.csv.

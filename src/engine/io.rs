@@ -6,12 +6,9 @@ use crate::gpu::DevBuf;
 use crate::gpu::Stream;
 use crate::model::ModelConfig;
 use crate::ops::sampler::SamplerShape;
-use anyhow::{anyhow, ensure, Result};
-use cudarc::driver::sys::{self, CUevent_flags, CUstreamCaptureStatus};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice};
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
 use half::bf16;
-use std::cell::RefCell;
-use std::sync::Arc;
 
 /// mHC streams of the residual.
 pub const STREAMS: usize = 4;
@@ -109,63 +106,6 @@ pub mod group {
     pub const SAMPLER: &str = "sampler";
 }
 
-/// The events of a profiled step: one after each group of kernels, in stream order, each with the group's name.
-/// The time of a group is the time between its event and the one before it.
-pub struct StepMarks {
-    ctx: Arc<CudaContext>,
-    events: RefCell<Vec<(&'static str, CudaEvent)>>,
-}
-
-impl StepMarks {
-    pub fn new(stream: &Stream) -> StepMarks {
-        StepMarks {
-            ctx: stream.context().clone(),
-            events: RefCell::new(Vec::new()),
-        }
-    }
-
-    /// Records an event named `what` on `stream` (the first mark is the step's start).
-    pub fn mark(&self, stream: &Stream, what: &'static str) -> Result<()> {
-        let ev = self
-            .ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| anyhow!("event: {e:?}"))?;
-        let capturing = stream
-            .capture_status()
-            .map_err(|e| anyhow!("capture status: {e:?}"))?
-            == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
-        if capturing {
-            // Inside a capture a plain cuEventRecord only marks a fork/join point; the EXTERNAL flag makes it an
-            // event-record node that every replay executes, so the event can be timed after a replay.
-            // SAFETY: a live event and stream of the same context.
-            unsafe {
-                sys::cuEventRecordWithFlags(
-                    ev.cu_event(),
-                    stream.cu_stream(),
-                    sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32,
-                )
-            }
-            .result()
-            .map_err(|e| anyhow!("event record node: {e:?}"))?;
-        } else {
-            ev.record(stream)
-                .map_err(|e| anyhow!("event record: {e:?}"))?;
-        }
-        self.events.borrow_mut().push((what, ev));
-        Ok(())
-    }
-
-    /// `(group, microseconds)` of every mark after the first, in order (waits for the events).
-    pub fn durations(&self) -> Result<Vec<(&'static str, f64)>> {
-        let ev = self.events.borrow();
-        ev.windows(2)
-            .map(|w| {
-                let ms = w[0]
-                    .1
-                    .elapsed_ms(&w[1].1)
-                    .map_err(|e| anyhow!("elapsed: {e:?}"))?;
-                Ok((w[1].0, ms as f64 * 1e3))
-            })
-            .collect()
-    }
-}
+/// The events of a profiled step: one after each group of kernels, in stream order, each with the group's name
+/// (the time of a group is the time between its event and the one before it).
+pub type StepMarks = crate::gpu::timing::EventMarks;

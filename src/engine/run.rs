@@ -239,15 +239,23 @@ impl<'w> Engine<'w> {
     }
 
     /// One decode step replayed from a graph captured with an event after each group of kernels (the embedding,
-    /// each half's groups per layer, the head, the sampler): the device time of each group, summed over the layers
-    /// by name, in step order, with the number of times each ran. A real step: the state advances.
-    pub fn profile_step(&mut self, gpu: &Gpu) -> Result<Vec<(&'static str, f64, usize)>> {
+    /// each half's groups per layer, the head, the sampler) and one after every kernel: the device time of each
+    /// group and of each kernel (from the end of the kernel before it, the gap included), summed over the layers
+    /// by name, in step order, with the number of times each ran. Both sets of events are in the one graph, so
+    /// each time includes the event nodes' own cost. A real step: the state advances.
+    pub fn profile_step(&mut self, gpu: &Gpu) -> Result<ProfiledStep> {
         let stream = gpu.stream.clone();
         self.capture_decode_step(gpu)?;
-        let marks = StepMarks::new(&stream);
-        self.state.marks = Some(marks);
+        self.state.marks = Some(StepMarks::new(&stream));
+        let kernel_marks = std::rc::Rc::new(StepMarks::new(&stream));
         let (state, weights) = (&mut self.state, self.weights);
-        let graph = capture_on(&stream, || state.decode_step(gpu, &stream, weights));
+        let graph = crate::gpu::launch::with_launch_marks(kernel_marks.clone(), || {
+            capture_on(&stream, || {
+                // The start of the first kernel's interval.
+                kernel_marks.mark(&stream, "start")?;
+                state.decode_step(gpu, &stream, weights)
+            })
+        });
         let marks = self.state.marks.take().expect("marks set above");
         let graph = graph?;
         graph
@@ -257,17 +265,10 @@ impl<'w> Engine<'w> {
             .synchronize()
             .map_err(|e| anyhow!("profiled step: {e:?}"))?;
         self.decode_steps_run += 1;
-        let mut groups: Vec<(&'static str, f64, usize)> = Vec::new();
-        for (name, us) in marks.durations()? {
-            match groups.iter_mut().find(|g| g.0 == name) {
-                Some(g) => {
-                    g.1 += us;
-                    g.2 += 1;
-                }
-                None => groups.push((name, us, 1)),
-            }
-        }
-        Ok(groups)
+        Ok(ProfiledStep {
+            groups: sum_by_name(marks.durations()?),
+            kernels: sum_by_name(kernel_marks.durations()?),
+        })
     }
 
     /// Whether any sequence is still running (reads the sampler's status; waits for the stream).
@@ -290,4 +291,26 @@ impl<'w> Engine<'w> {
     pub fn status(&self, gpu: &Gpu) -> Result<Vec<i32>> {
         arena::download(&gpu.stream, &self.state.ws.sampler.status)
     }
+}
+
+/// What [`Engine::profile_step`] measured: `(name, microseconds summed over the runs, runs)` per kernel group and
+/// per kernel, in the order each name first ran.
+pub struct ProfiledStep {
+    pub groups: Vec<(String, f64, usize)>,
+    pub kernels: Vec<(String, f64, usize)>,
+}
+
+/// Sums `(name, us)` intervals by name, in first-seen order, counting the runs.
+fn sum_by_name(intervals: Vec<(String, f64)>) -> Vec<(String, f64, usize)> {
+    let mut out: Vec<(String, f64, usize)> = Vec::new();
+    for (name, us) in intervals {
+        match out.iter_mut().find(|g| g.0 == name) {
+            Some(g) => {
+                g.1 += us;
+                g.2 += 1;
+            }
+            None => out.push((name, us, 1)),
+        }
+    }
+    out
 }

@@ -253,6 +253,25 @@ impl Launch {
     }
 }
 
+thread_local! {
+    /// Marks every launch of this thread records into, while [`with_launch_marks`] runs.
+    static LAUNCH_MARKS: std::cell::RefCell<Option<std::rc::Rc<super::timing::EventMarks>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `work` with an event recorded after every kernel this thread launches through [`launch`], named by the
+/// kernel's entry point: captured into a graph, a replay then gives each kernel's time from the end of the one
+/// before it (its launch gap included). Launches outside [`launch`] (cuBLASLt) fall into the next kernel's time.
+pub fn with_launch_marks<R>(
+    marks: std::rc::Rc<super::timing::EventMarks>,
+    work: impl FnOnce() -> R,
+) -> R {
+    let before = LAUNCH_MARKS.with(|m| m.borrow_mut().replace(marks));
+    let r = work();
+    LAUNCH_MARKS.with(|m| *m.borrow_mut() = before);
+    r
+}
+
 /// Launch `k` on `stream`. Errors name the kernel. Checks that the dynamic shared memory was allowed and that
 /// no grid dimension is zero (a zero grid is a launcher bug that the driver reports only as "invalid value").
 ///
@@ -312,7 +331,12 @@ pub unsafe fn launch(stream: &Stream, k: &Kernel, l: Launch, args: &mut KernelAr
         params.as_mut_ptr(),
         std::ptr::null_mut(),
     );
-    drv(r.result(), &format!("launching {}", k.name))
+    drv(r.result(), &format!("launching {}", k.name))?;
+    let marks = LAUNCH_MARKS.with(|m| m.borrow().clone());
+    match marks {
+        Some(m) => m.mark(stream, k.name.as_str()),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
