@@ -768,12 +768,7 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
     // (thread (de, dq) resolves its own entry's index: the same resolve_candidate value idx slot 0 gets, so the
     // same bytes as a load after the barrier would read), then the q quantization while both are in flight.
     uint4 raw[8][2];
-#pragma unroll
-    for (int hh = 0; hh < 8; ++hh) {
-        const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
-        raw[hh][0] = *reinterpret_cast<const uint4*>(src);
-        raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
-    }
+    load_q_rows(raw, a, b, hg, warp, lane);
     if (tid < kBlockN) {
 #pragma unroll
         for (int t = 0; t < 3; ++t) idxs[t * kBlockN + tid] = resolve_candidate(a, b, len, (t_begin + t) * kBlockN + tid);
@@ -785,36 +780,7 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
         sincosf(__fmul_rn(static_cast<float>(a.positions[b]), __ldg(a.freqs + tid)), &sn, &cs);
         reinterpret_cast<float2*>(smem + kFp8RopeCs)[tid] = make_float2(cs, sn);
     }
-    {
-#pragma unroll
-        for (int hh = 0; hh < 8; ++hh) {
-            const int hrow = 8 * warp + hh;
-            uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
-            uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
-            const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
-                                    raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
-            float x[16];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                x[2 * i] = __uint_as_float(wv[i] << 16);
-                x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
-            }
-            const LaneQuant lq = quantize_lane_pow2_mul(x);
-            if (lane < 28) {
-                uint32_t o[8];
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
-                    o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
-                }
-                *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
-                *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
-            } else {
-                *dst0 = raw[hh][0];
-                *dst1 = raw[hh][1];
-            }
-        }
-    }
+    store_q_image(raw, qsw, warp, lane);
 
     WarpState st;
 #pragma unroll

@@ -379,6 +379,52 @@ __device__ __forceinline__ LaneQuant quantize_lane_pow2_mul(const float (&x)[16]
     return r;
 }
 
+// The q prologue of the FP8 kernels, in two steps so that a kernel can issue other loads between them. Warp w of
+// the 8 math warps owns heads 8w..8w+7 of the CTA's head group; lane l holds dims 16l..16l+15 of each.
+// load_q_rows: the raw BF16 q rows (no dependency on anything, issued first).
+__device__ __forceinline__ void load_q_rows(uint4 (&raw)[8][2], const DecodeArgs& a, int b, int hg, int warp, int lane) {
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) {
+        const __nv_bfloat16* src = a.q + ((size_t)b * a.heads + hg * kHeadsPerCta + 8 * warp + hh) * kDim + 16 * lane;
+        raw[hh][0] = *reinterpret_cast<const uint4*>(src);
+        raw[hh][1] = *reinterpret_cast<const uint4*>(src + 8);
+    }
+}
+
+// store_q_image: q quantized per (head, 64-tile) like a KV entry (quantize_lane_pow2_mul: UE8M0 scale, e4m3 codes),
+// held as the exact BF16 values codes x scale (nope dims, lanes 0..27) and the BF16 rope dims as given (lanes
+// 28..31), stored in the swizzled layout at qsw (generic-proxy stores: the caller fences before wgmma reads them).
+__device__ __forceinline__ void store_q_image(const uint4 (&raw)[8][2], uint8_t* qsw, int warp, int lane) {
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) {
+        const int hrow = 8 * warp + hh;
+        uint4* dst0 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane));
+        uint4* dst1 = reinterpret_cast<uint4*>(qsw + sw_off(hrow, 2 * lane + 1));
+        const uint32_t wv[8] = {raw[hh][0].x, raw[hh][0].y, raw[hh][0].z, raw[hh][0].w,
+                                raw[hh][1].x, raw[hh][1].y, raw[hh][1].z, raw[hh][1].w};
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            x[2 * i] = __uint_as_float(wv[i] << 16);
+            x[2 * i + 1] = __uint_as_float(wv[i] & 0xFFFF0000u);
+        }
+        const LaneQuant lq = quantize_lane_pow2_mul(x);
+        if (lane < 28) {
+            uint32_t o[8];
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                o[2 * w] = e4m3x2_to_bf16x2_scaled(lq.codes[w], lq.scale);
+                o[2 * w + 1] = e4m3x2_to_bf16x2_scaled(lq.codes[w] >> 16, lq.scale);
+            }
+            *dst0 = make_uint4(o[0], o[1], o[2], o[3]);
+            *dst1 = make_uint4(o[4], o[5], o[6], o[7]);
+        } else {
+            *dst0 = raw[hh][0];
+            *dst1 = raw[hh][1];
+        }
+    }
+}
+
 }  // namespace sa
 
 // The argument list of every decode-attention entry point (the Rust launcher `launch_attention` passes it).
