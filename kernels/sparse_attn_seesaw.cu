@@ -26,8 +26,10 @@
 //     group holds rows 16 wm + g, +8 (g = lane / 4): the warp layout of sparse_attn_decode_fp8, so the epilogue
 //     (finish_staged, row_sums with pair barriers 1..4) is that kernel's code.
 //   * producer group (threads 256..383): thread p converts quarter q = p % 4 of entries e = p / 4 and e + 32 of
-//     every tile (load_raw_regs / dequant_regs, the exact e4m3 x 2^k -> BF16 images), one tile of raw loads in
-//     registers ahead of the stage it converts into, and writes the tile's resolved candidate indices (the mask).
+//     every tile (load_raw_regs_based / dequant_regs, the exact e4m3 x 2^k -> BF16 images), one tile of raw loads
+//     (2 x 19 x 8 B = 76 registers) in flight ahead of the stage it converts into, and writes the tile's resolved
+//     candidate indices (the mask). ptxas (nvcc 13, sm_90a): 0 spills; the producer's code uses R0..R101 of its
+//     104, the consumers' R0..R191 of their 200; 32-byte stack = sincosf's slow path, as in sparse_attn_decode_fp8.
 //
 // Seesaw, per tile t (owner G = t & 1, other group H = 1 - G), both groups keep the same running row max m:
 //   owner G:   S_t = q K_t^T (32 x m64n64k16, SS)  ->  m_t = max(m_{t-1}, rowmax S_t), alpha_t = 2^(m_{t-1} - m_t),
@@ -40,7 +42,11 @@
 //   publish m / P of t] -> [retire P.V(t-1), release stage t-1] -> [rescale O, issue P.V(t) RS]. While G runs its
 //   softmax, H's QK^T(t+1) and G's P.V(t-1) are queued on the tensor cores; while H runs softmax(t+1), G's P.V(t) and
 //   QK^T(t+2) are. The m chain (softmax t needs m_{t-1}) is the one serial dependency between the groups.
-//   A list with an odd tile count ends with the other group's trailing step alone (the loop's last pass).
+//   Passes: a first pass (group 0: tile 0 alone; group 1: tile 1 folding in tile 0), steady passes t < n_it (own and
+//   other, straight-line: the P.V of t stays in flight across the loop's back edge), and a last pass that folds in
+//   the other group's tile n_it - 1 when it is the other's. Every wgmma wait count is compile-time in each pass
+//   and everything is retired between the passes' branches (ptxas serializes all wgmma of a kernel when a path may
+//   touch an in-flight accumulator: C7514 / C7520; checked: no such report, HGMMA issued back to back).
 //
 // Barriers
 //   full[s]  (mbarrier, count 128): the producer's 128 threads arrive after writing stage s and its indices
