@@ -8,7 +8,7 @@ use crate::bench::config::Sweep;
 use crate::bench::hook::{BenchCtx, BenchKernel, PlotTarget};
 use crate::bench::{MatmulKind, Row, Summary};
 use crate::ops::sparse_attn::bench::{
-    time_point, variant_of, work, BenchShape, LayerKind, BASELINE, KERNEL, VARIANTS,
+    time_point, variant_of, work, BenchShape, LayerKind, BASELINE, KERNEL, KERNEL_GRAPH, VARIANTS,
 };
 
 /// Drawn by default: the routed path and the baseline its target is stated against.
@@ -27,7 +27,7 @@ pub fn kernels() -> Vec<BenchKernel> {
         variants: &VARIANTS,
         matmul: MatmulKind::Bf16,
         run_point,
-        params: &["ctx", "batch", "kind", "topk", "heads"],
+        params: &["ctx", "batch", "kind", "topk", "heads", "graph"],
         check_point: None,
         headline: &HEADLINE,
         targets: &TARGETS,
@@ -35,7 +35,8 @@ pub fn kernels() -> Vec<BenchKernel> {
 }
 
 /// One sweep point: axis `ctx` (params `batch`) or `batch` (params `ctx`); params `kind` ("csa" with `topk`,
-/// or "hca") and `heads`.
+/// or "hca") and `heads`; optional `graph` (1: a second row, kernel `sparse_attn_decode_graph`, with the time of
+/// the same call replayed from a CUDA graph beside the event-timed `sparse_attn_decode` row).
 fn run_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, value: u64) -> Result<Vec<Row>> {
     let kind = match s.param_str("kind")? {
         "csa" => LayerKind::Csa {
@@ -57,16 +58,24 @@ fn run_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, value: u64) -> Result
         batch,
         heads,
     };
+    let graph = s.has_param("graph") && s.param_u64("graph")? == 1;
     let (bytes, _) = work(batch, heads, point.candidates(), v);
-    let t = time_point(ctx.gpu, variant, point, ctx.plan(bytes), ctx.seed)?;
+    let t = time_point(ctx.gpu, variant, point, ctx.plan(bytes), ctx.seed, graph)?;
     // The runner pairs variants through identical shape labels (the sweep's, not the plan's split count).
-    let mut row = Row::new(KERNEL, variant, &s.shape_label(value))
-        .with_batch(batch as u64)
-        .with_ctx(context as u64)
-        .with_timing(&Summary::of(&t.samples_us)?, t.samples_us.len() as u64)
-        .with_work(Some(t.bytes), Some(t.flops));
-    if variant != BASELINE {
-        row = row.with_baseline(BASELINE);
+    let row = |kernel: &str, samples: &[f64]| -> Result<Row> {
+        let mut row = Row::new(kernel, variant, &s.shape_label(value))
+            .with_batch(batch as u64)
+            .with_ctx(context as u64)
+            .with_timing(&Summary::of(samples)?, samples.len() as u64)
+            .with_work(Some(t.bytes), Some(t.flops));
+        if variant != BASELINE {
+            row = row.with_baseline(BASELINE);
+        }
+        Ok(row)
+    };
+    let mut rows = vec![row(KERNEL, &t.samples_us)?];
+    if let Some(g) = &t.graph_samples_us {
+        rows.push(row(KERNEL_GRAPH, g)?);
     }
-    Ok(vec![row])
+    Ok(rows)
 }

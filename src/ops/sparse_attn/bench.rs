@@ -77,7 +77,7 @@ pub fn decode_bf16_staging(
     launch_attention(
         stream,
         &attn,
-        BF16_SMEM_BYTES,
+        (BF16_SMEM_BYTES, 256),
         shape,
         inp,
         Some(staging),
@@ -127,14 +127,19 @@ impl Variant {
     }
 }
 
-/// Kernel name of the bench rows.
+/// Kernel name of the bench rows (event-timed calls).
 pub const KERNEL: &str = "sparse_attn_decode";
+/// Kernel name of the graph-replay rows of a sweep with `graph = 1`: the same call captured once in a CUDA graph
+/// and replayed ([`PointTiming::graph_samples_us`]), so the launch floor shows against [`KERNEL`]'s event time.
+pub const KERNEL_GRAPH: &str = "sparse_attn_decode_graph";
 /// Variants in the order they are timed: `fp8` (the routed path), the two forcing variants of the combine rule
-/// ([`super::HEADS_PER_THREAD_MIN_SPLITS`]) and `bf16_staging`, the baseline of the others.
-pub const VARIANTS: [&str; 4] = [
+/// ([`super::HEADS_PER_THREAD_MIN_SPLITS`]), `fp8_seesaw` (the warp-specialized main loop, A/B against `fp8`) and
+/// `bf16_staging`, the baseline of the others.
+pub const VARIANTS: [&str; 5] = [
     "fp8",
     "fp8_combine_warp_per_head",
     "fp8_combine_heads_per_thread",
+    "fp8_seesaw",
     "bf16_staging",
 ];
 /// The baseline the FP8 variants are measured against.
@@ -146,6 +151,7 @@ pub fn variant_of(name: &str) -> Result<Variant> {
         "fp8" => Variant::Path(Path::Fp8),
         "fp8_combine_warp_per_head" => Variant::Path(Path::Fp8WarpPerHeadCombine),
         "fp8_combine_heads_per_thread" => Variant::Path(Path::Fp8HeadsPerThreadCombine),
+        "fp8_seesaw" => Variant::Path(Path::Fp8Seesaw),
         "bf16_staging" => Variant::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",
@@ -203,8 +209,11 @@ impl BenchShape {
 /// What [`time_point`] measured.
 #[derive(Debug, Clone)]
 pub struct PointTiming {
-    /// Microseconds per call, one sample per timed rep.
+    /// Microseconds per call, one sample per timed rep (an event pair around each call).
     pub samples_us: Vec<f64>,
+    /// With `graph`: microseconds per replay of the call captured in a CUDA graph (an event pair around
+    /// [`GRAPH_REPLAYS`] replays, divided by them), one sample per timed rep.
+    pub graph_samples_us: Option<Vec<f64>>,
     pub bytes: u64,
     pub flops: u64,
     pub candidates: usize,
@@ -212,15 +221,21 @@ pub struct PointTiming {
     pub plan: SplitPlan,
 }
 
+/// Replays of the captured call between one event pair in the graph timing (the other families' graph benches use
+/// the same count).
+pub const GRAPH_REPLAYS: usize = 20;
+
 /// Time one variant at one point on random data from `seed`: every sequence gets `candidates_per_query`
 /// distinct valid entries of a shared pool, all lists full. The workspace is carved once, outside the timed
-/// region.
+/// region. With `graph`, the call is also captured once in a CUDA graph (after the event-timed calls resolved its
+/// kernels) and its replays timed.
 pub fn time_point(
     gpu: &Gpu,
     variant: &str,
     point: BenchShape,
     plan: TimingPlan,
     seed: u64,
+    graph: bool,
 ) -> Result<PointTiming> {
     use rand::{Rng, SeedableRng};
     let BenchShape {
@@ -278,9 +293,16 @@ pub fn time_point(
     let (_arena, ws) = DecodeWorkspace::with_arena(gpu, &shape, split, v.staging())?;
     let stream = gpu.stream.clone();
     let samples_us = gpu.time_us(plan, || v.run(gpu, &stream, &shape, &inp, &ws, &mut out))?;
+    let graph_samples_us = if graph {
+        let g = gpu.capture(|| v.run(gpu, &stream, &shape, &inp, &ws, &mut out))?;
+        Some(gpu.time_graph_us(&g, plan, GRAPH_REPLAYS)?)
+    } else {
+        None
+    };
     let (bytes, flops) = work(batch, heads, cands, v);
     Ok(PointTiming {
         samples_us,
+        graph_samples_us,
         bytes,
         flops,
         candidates: cands,
