@@ -59,8 +59,49 @@ fn greedy_decode_tracks_the_cpu_model() {
     );
 }
 
+/// The eager twin of `Engine::prefill` then `steps - 1` more decode steps on a fresh state, with programmatic
+/// dependent launch `pdl`: the logits of every decode step.
+fn eager_logits(
+    gpu: &megamoe::gpu::Gpu,
+    w: &megamoe::engine::DeviceWeights,
+    shape: StepShape,
+    prompts: &[Vec<u32>],
+    params: &SamplerParams,
+    steps: usize,
+    pdl: bool,
+) -> Vec<Vec<f32>> {
+    let mut eager = megamoe::engine::step::DecodeState::new(gpu, w, shape).unwrap();
+    eager.pdl = pdl;
+    let s = gpu.stream.clone();
+    for (slot, p) in prompts.iter().enumerate() {
+        eager.ws.sampler.admit(&s, slot, params, p).unwrap();
+    }
+    eager.set_positions(&s, &vec![0; shape.batch]).unwrap();
+    let prompt_len = prompts[0].len();
+    for i in 0..prompt_len {
+        let ids: Vec<u32> = prompts.iter().map(|p| p[i]).collect();
+        eager.set_tokens(&s, &ids).unwrap();
+        if i + 1 < prompt_len {
+            eager.prompt_step(gpu, &s, w).unwrap();
+        }
+    }
+    let mut logits = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        eager.decode_step(gpu, &s, w).unwrap();
+        logits.push(eager.read_logits(&s).unwrap());
+    }
+    logits
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 /// A graph replay computes what the eager step computes: two engines on the same weights and prompts, one
-/// replaying its captured step graph, one forced eager, give bit-identical logits every step.
+/// replaying its captured step graph, one forced eager, give bit-identical logits every step. Both launch every
+/// kernel with programmatic dependent launch (the default); a third, eager with PDL off, must give the same bits
+/// too: PDL changes when a kernel is scheduled, never what it computes (kernels/common/pdl.cuh). If only that
+/// comparison fails, look for a kernel that touches global memory before its `pdl_enter()` / griddepcontrol.wait.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn graph_replay_equals_eager_steps() {
@@ -68,46 +109,30 @@ fn graph_replay_equals_eager_steps() {
     let cfg = short_window_config();
     let (batch, context, prompt_len, steps) = (2, 48, 4, 8);
     let (seed, w, _m) = rig_weights(&gpu, "engine_decode_graph", cfg.clone(), batch, context);
-    let mut eager =
-        megamoe::engine::step::DecodeState::new(&gpu, &w, StepShape { batch, context }).unwrap();
+    let shape = StepShape { batch, context };
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| tokens(seed ^ (0x99 + b as u64), prompt_len, cfg.vocab_size))
         .collect();
     let params = SamplerParams::from_config(&SamplerConfig::greedy(), steps + 1).unwrap();
-    // The eager twin of Engine::prefill.
-    let s = gpu.stream.clone();
-    for (slot, p) in prompts.iter().enumerate() {
-        eager.ws.sampler.admit(&s, slot, &params, p).unwrap();
+    let eager = eager_logits(&gpu, &w, shape, &prompts, &params, steps, true);
+    let eager_plain = eager_logits(&gpu, &w, shape, &prompts, &params, steps, false);
+    for (step, (on, off)) in eager.iter().zip(&eager_plain).enumerate() {
+        assert!(
+            same_bits(on, off),
+            "step {step}: eager logits with PDL differ from those without PDL"
+        );
     }
-    eager.set_positions(&s, &vec![0; batch]).unwrap();
-    for i in 0..prompt_len {
-        let ids: Vec<u32> = prompts.iter().map(|p| p[i]).collect();
-        eager.set_tokens(&s, &ids).unwrap();
-        if i + 1 < prompt_len {
-            eager.prompt_step(&gpu, &s, &w).unwrap();
-        }
-    }
-    eager.decode_step(&gpu, &s, &w).unwrap();
-    let mut eager_logits = vec![eager.read_logits(&s).unwrap()];
-    for _ in 1..steps {
-        eager.decode_step(&gpu, &s, &w).unwrap();
-        eager_logits.push(eager.read_logits(&s).unwrap());
-    }
-    drop(eager);
 
-    let mut engine = Engine::new(&gpu, &w, StepShape { batch, context }).unwrap();
+    let mut engine = Engine::new(&gpu, &w, shape).unwrap();
+    assert!(engine.state.pdl, "PDL is on by default");
     engine.prefill(&gpu, &prompts, &params, &[]).unwrap();
-    for (step, want) in eager_logits.iter().enumerate() {
+    for (step, want) in eager.iter().enumerate() {
         if step > 0 {
             engine.decode_step(&gpu).unwrap();
         }
         let got = engine.state.read_logits(&gpu.stream).unwrap();
-        let same = got
-            .iter()
-            .zip(want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(
-            same,
+            same_bits(&got, want),
             "step {step}: graph replay logits differ from the eager step's"
         );
     }

@@ -57,6 +57,31 @@ pub struct DecodeArgs {
     /// writes parity.csv. The CPU model runs every step, so this is for the small geometry (--model small).
     #[arg(long)]
     pub parity: bool,
+    /// Programmatic dependent launch for every kernel of a step, `on` (the default) or `off`: each kernel is
+    /// scheduled while the one before it runs and waits on the device for its completion (same results, bit for
+    /// bit). `off` exists to measure the launch gaps PDL removes (the A/B of scripts/gpu-run.sh): kernels are
+    /// launched as before engine-wide PDL, where only the mHC mix/finish pair and the indexer's top-k chain use
+    /// their own. decode.csv records it in its `pdl` column.
+    #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub pdl: bool,
+}
+
+/// `on` / `off` as a bool (the `--pdl` value).
+fn on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("`{s}`: expected on or off")),
+    }
+}
+
+/// How decode.csv and the report write a PDL setting.
+fn on_off_name(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
+    }
 }
 
 impl DecodeArgs {
@@ -187,6 +212,7 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<Dec
         }
         let shape = StepShape { batch, context };
         let mut engine = Engine::new(gpu, &weights, shape)?;
+        engine.set_pdl(args.pdl)?;
         let prompts: Vec<Vec<u32>> = (0..batch)
             .map(|b| {
                 (0..args.prompt_len as u64)
@@ -453,10 +479,20 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         s.tpot_quantile_us(0.99),
     );
     println!(
-        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}) ==",
-        cfg.name, gpu.info.name, p.batch, p.context, p.start
+        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}, PDL {}) ==",
+        cfg.name,
+        gpu.info.name,
+        p.batch,
+        p.context,
+        p.start,
+        on_off_name(args.pdl)
     );
     println!("experts     {}", plan.map);
+    println!(
+        "PDL         {} (programmatic dependent launch of every kernel of the timed steps; --pdl; the profiled \
+         step below runs without it)",
+        on_off_name(args.pdl)
+    );
     match s.ttft_s {
         Some(t) => println!(
             "TTFT        {t:.3} s ({} prompt tokens, token by token; cold: module loads and graph capture \
@@ -581,6 +617,29 @@ struct ParityCsvRow {
     floor_argmax: u32,
 }
 
+/// A decode.csv written before the `pdl` column (its last) existed gets the column, empty in its rows, so the
+/// rows appended now line up with its header.
+fn add_missing_pdl_column(path: &std::path::Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let header = text.lines().next().unwrap_or("");
+    if header.is_empty() || header.split(',').next_back() == Some("pdl") {
+        return Ok(());
+    }
+    let mut out = String::with_capacity(text.len() + text.lines().count() + 4);
+    for (i, line) in text.lines().enumerate() {
+        out.push_str(line);
+        out.push_str(if i == 0 { ",pdl\n" } else { ",\n" });
+    }
+    std::fs::write(path, out)
+        .with_context(|| format!("adding the pdl column to {}", path.display()))?;
+    eprintln!(
+        "{}: added the pdl column (empty in its earlier rows)",
+        path.display()
+    );
+    Ok(())
+}
+
 /// One row of decode.csv (one point of a run).
 #[derive(serde::Serialize)]
 struct DecodeCsvRow {
@@ -608,6 +667,9 @@ struct DecodeCsvRow {
     kernels_per_step: usize,
     expert_slots: usize,
     logical_experts: usize,
+    /// `on` / `off`: programmatic dependent launch of every kernel (`--pdl`); empty in rows written before the
+    /// column existed.
+    pdl: &'static str,
 }
 
 fn append_csv(
@@ -621,6 +683,9 @@ fn append_csv(
     std::fs::create_dir_all(dir)?;
     let path = dir.join("decode.csv");
     let new = !path.exists();
+    if !new {
+        add_missing_pdl_column(&path)?;
+    }
     let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -656,6 +721,7 @@ fn append_csv(
         kernels_per_step: s.kernels,
         expert_slots: plan.map.slots,
         logical_experts: plan.map.logical,
+        pdl: on_off_name(args.pdl),
     })?;
     w.flush()?;
     eprintln!("appended a row to {}", path.display());
@@ -677,7 +743,45 @@ mod tests {
             seed: 1,
             out: None,
             parity: false,
+            pdl: true,
         }
+    }
+
+    /// `--pdl` takes on / off, on by default.
+    #[test]
+    fn pdl_is_on_unless_asked_off() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            decode: DecodeArgs,
+        }
+        let parse =
+            |a: &[&str]| Cli::try_parse_from(std::iter::once("decode").chain(a.iter().copied()));
+        assert!(parse(&[]).unwrap().decode.pdl);
+        assert!(parse(&["--pdl", "on"]).unwrap().decode.pdl);
+        assert!(!parse(&["--pdl", "off"]).unwrap().decode.pdl);
+        assert!(parse(&["--pdl", "maybe"]).is_err());
+    }
+
+    /// A decode.csv from before the pdl column gets it (empty in the old rows); one with it is left alone.
+    #[test]
+    fn an_old_decode_csv_gets_the_pdl_column() {
+        let dir = std::env::temp_dir().join(format!("megamoe-decode-csv-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("decode.csv");
+        std::fs::write(&path, "a,b\n1,2\n3,\n").unwrap();
+        add_missing_pdl_column(&path).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "a,b,pdl\n1,2,\n3,,\n"
+        );
+        add_missing_pdl_column(&path).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "a,b,pdl\n1,2,\n3,,\n"
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

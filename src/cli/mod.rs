@@ -222,6 +222,7 @@ fn main_job_decode() -> decode::DecodeArgs {
         seed: 0x5EED,
         out: None,
         parity: false,
+        pdl: true,
     }
 }
 

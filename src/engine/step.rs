@@ -17,6 +17,7 @@ use crate::engine::io::{group, LayerIo, Residual, StepMarks, StepShape, STREAMS}
 use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
+use crate::gpu::launch::with_pdl;
 use crate::gpu::{DevBuf, Gpu, Stream};
 use crate::model::ModelConfig;
 use crate::ops::dense::{self, Bf16Job, DenseKind, DenseShape, DenseWorkspace};
@@ -136,6 +137,12 @@ pub struct DecodeState {
     /// Set while a step is being profiled ([`crate::engine::run::Engine::profile_step`]): every group of kernels
     /// records an event after it.
     pub marks: Option<StepMarks>,
+    /// Programmatic dependent launch for every kernel of a step, a layer half, a prompt step ([`with_pdl`]): each
+    /// kernel is scheduled while the one before it runs and waits on the device for its completion, so the
+    /// results are those of plain launches (bit for bit) and the launch gaps between kernels shrink; a captured
+    /// step graph then carries programmatic edges. Default true; false for the A/B (`megamoe decode --pdl off`),
+    /// which leaves PDL only to the launchers that choose it themselves (the mHC pair, the top-k chain).
+    pub pdl: bool,
 }
 
 impl DecodeState {
@@ -188,6 +195,7 @@ impl DecodeState {
             attn,
             ffn,
             marks: None,
+            pdl: true,
             caches,
             arena,
             ws,
@@ -300,6 +308,19 @@ impl DecodeState {
             "layer {layer} of {}",
             self.config.n_layers
         );
+        with_pdl(self.pdl, || {
+            self.run_half_launches(half, gpu, stream, weights, layer)
+        })
+    }
+
+    fn run_half_launches(
+        &mut self,
+        half: Half,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+    ) -> Result<()> {
         let (x_in, x_out) = match half {
             Half::Attention => (&self.x, &self.x_mid),
             Half::Ffn => (&self.x_mid, &self.x),
@@ -364,8 +385,18 @@ impl DecodeState {
     }
 
     /// One decode step: embedding, every layer, final norm, LM head, sampling (steps 0-19), then every running
-    /// sequence's position advances (`sampler::advance_positions`), so a replay needs no host work.
+    /// sequence's position advances (`sampler::advance_positions`), so a replay needs no host work. Every kernel
+    /// is launched with PDL when [`DecodeState::pdl`] is set.
     pub fn decode_step(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<()> {
+        with_pdl(self.pdl, || self.decode_step_launches(gpu, stream, weights))
+    }
+
+    fn decode_step_launches(
         &mut self,
         gpu: &Gpu,
         stream: &Stream,
@@ -388,15 +419,18 @@ impl DecodeState {
 
     /// One prompt token of every sequence (the ids the host wrote with [`DecodeState::set_tokens`]): embedding and
     /// every layer, filling the caches; no head or sampling (a prompt's logits are needed only at its last token,
-    /// which [`DecodeState::decode_step`] runs). Positions advance as in a decode step.
+    /// which [`DecodeState::decode_step`] runs). Positions advance as in a decode step. PDL as in
+    /// [`DecodeState::decode_step`].
     pub fn prompt_step(
         &mut self,
         gpu: &Gpu,
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        self.layers(gpu, stream, weights)?;
-        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
+        with_pdl(self.pdl, || {
+            self.layers(gpu, stream, weights)?;
+            sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
+        })
     }
 
     /// Steps 0-16: the embedding of `next` and every layer.
