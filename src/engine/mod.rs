@@ -6,9 +6,12 @@
 //!   logical experts onto the physical slots that fit ([`plan::ExpertMap`]).
 //! * [`weights`]: the weights on the device per the plan, from the GPU generator or a checkpoint, with the routed
 //!   experts converted MXFP4 -> NVFP4 on the device.
+//! * [`ep`]: expert parallelism's host rules (docs/multi-gpu.md): which rank owns which routed expert, the pairs a
+//!   rank computes, the deterministic combine, and a CPU model of several ranks.
 
 pub mod attn;
 pub mod cache;
+pub mod ep;
 pub mod ffn;
 pub mod io;
 pub mod parity;

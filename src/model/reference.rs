@@ -681,32 +681,85 @@ impl Model {
         self.fp8_linear(&format!("{prefix}.w2.weight"), &h)
     }
 
-    /// MoE output for one token: Σ routed (f32) + shared, rounded to BF16.
-    fn moe(&self, layer: usize, f: &[f32], routing: &Routing) -> Result<Vec<f32>> {
-        let cfg = self.config();
+    /// MoE output for one token: Σ routed (f32, routing order) + shared, rounded to BF16 once. With
+    /// `reverse_expert_sum` the same terms are summed in reverse order (the noise floor's model).
+    pub fn moe(&self, layer: usize, f: &[f32], routing: &Routing) -> Result<Vec<f32>> {
         let f_q = fp8_act_quant(f)?;
-        // The terms of the f32 sum, in routing order then the shared expert (reversed: the floor's order).
-        let mut terms: Vec<(String, f32)> = routing
-            .experts
-            .iter()
-            .zip(&routing.weights)
-            .map(|(&e, &w)| (format!("layers.{layer}.ffn.experts.{e}"), w))
-            .collect();
-        if cfg.n_shared_experts > 0 {
-            terms.push((format!("layers.{layer}.ffn.shared_experts"), 1.0));
-        }
+        let picks: Vec<usize> = (0..routing.experts.len()).collect();
+        let mut y = vec![0f32; self.config().dim];
         if self.reverse_expert_sum {
-            terms.reverse();
-        }
-        let mut y = vec![0f32; cfg.dim];
-        for (prefix, w) in terms {
-            let ye = self.expert(&prefix, &f_q, w)?;
-            for (a, b) in y.iter_mut().zip(&ye) {
-                *a += b;
+            self.add_shared_expert(layer, &f_q, &mut y)?;
+            for &j in picks.iter().rev() {
+                self.add_routed_pick(layer, &f_q, routing, j, &mut y)?;
             }
+        } else {
+            for &j in &picks {
+                self.add_routed_pick(layer, &f_q, routing, j, &mut y)?;
+            }
+            self.add_shared_expert(layer, &f_q, &mut y)?;
         }
         bf16_round_slice(&mut y);
         Ok(y)
+    }
+
+    /// The activation every expert of the MoE reads: `f` quantized as the model's FP8 activations
+    /// (`fp8_act_quant`, 1x128 blocks).
+    pub fn moe_input(&self, f: &[f32]) -> Result<Vec<f32>> {
+        fp8_act_quant(f)
+    }
+
+    /// The f32 sum, unrounded, of the routed picks `picks` (indices into `routing.experts`) of one token, added in
+    /// the order given to a zero row: the part of [`Model::moe`]'s sum that those picks contribute. `f_q` is
+    /// [`Model::moe_input`] of the token's FFN input. With every pick in routing order this is exactly the routed
+    /// sum `moe` adds the shared expert to.
+    pub fn routed_partial(
+        &self,
+        layer: usize,
+        f_q: &[f32],
+        routing: &Routing,
+        picks: &[usize],
+    ) -> Result<Vec<f32>> {
+        let mut y = vec![0f32; self.config().dim];
+        for &j in picks {
+            self.add_routed_pick(layer, f_q, routing, j, &mut y)?;
+        }
+        Ok(y)
+    }
+
+    /// The shared expert's output row (f32, as [`Model::moe`] adds it; zeros without a shared expert).
+    pub fn shared_expert_out(&self, layer: usize, f_q: &[f32]) -> Result<Vec<f32>> {
+        let mut y = vec![0f32; self.config().dim];
+        self.add_shared_expert(layer, f_q, &mut y)?;
+        Ok(y)
+    }
+
+    /// `y += expert(routing.experts[j], weight routing.weights[j])`, elementwise in f32.
+    fn add_routed_pick(
+        &self,
+        layer: usize,
+        f_q: &[f32],
+        routing: &Routing,
+        j: usize,
+        y: &mut [f32],
+    ) -> Result<()> {
+        let (e, w) = (routing.experts[j], routing.weights[j]);
+        let ye = self.expert(&format!("layers.{layer}.ffn.experts.{e}"), f_q, w)?;
+        for (a, b) in y.iter_mut().zip(&ye) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// `y += shared expert(f_q)`, elementwise in f32 (nothing without a shared expert).
+    fn add_shared_expert(&self, layer: usize, f_q: &[f32], y: &mut [f32]) -> Result<()> {
+        if self.config().n_shared_experts == 0 {
+            return Ok(());
+        }
+        let ys = self.expert(&format!("layers.{layer}.ffn.shared_experts"), f_q, 1.0)?;
+        for (a, b) in y.iter_mut().zip(&ys) {
+            *a += b;
+        }
+        Ok(())
     }
 
     /// The FFN half of a layer: hc_pre, norm, routing, MoE, hc_post.
