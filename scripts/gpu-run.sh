@@ -6,9 +6,9 @@
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|<several, comma-separated>] [extra args for `megamoe bench`]
 #   decode: `megamoe decode` of the small model (report + --parity), Flash's context and batch sweeps, and Flash at
-#           4K batch 1 with --pdl off (the PDL A/B)
+#           4K batch 1 with --pdl on (the PDL A/B)
 #           (DECODE_FLASH=0 skips them; DECODE_CONTEXTS, DECODE_BATCHES, DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT,
-#           DECODE_FLASH_PDL_OFF_TIMEOUT)
+#           DECODE_FLASH_PDL_ON_TIMEOUT)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -141,14 +141,15 @@ if want decode; then
       --context "${DECODE_CONTEXTS:-4096,32768,131072,524288,1048576}" --batch "${DECODE_BATCHES:-1,2,4,8,16,32,64}" \
       --max-new-tokens 32 --out "$work" > "$work/decode-flash.log" 2>&1 || { echo "decode flash failed"; status=1; }
     grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash.log" | head -n 60
-    # The PDL A/B in the same call: the sweeps' first point (4K, batch 1) again without engine-wide PDL (--pdl off:
-    # only the mHC pair and the top-k chain keep their own); decode.csv's pdl column tells the two rows apart. Its
-    # own weight load (planned for 4K, so a few more resident expert slots than the sweep's), under its own limit.
-    step "decode: flash 4K batch 1, PDL off (the A/B of the sweep's first point)"
-    timeout "${DECODE_FLASH_PDL_OFF_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
-      --context 4096 --batch 1 --pdl off --max-new-tokens 32 --out "$work" > "$work/decode-flash-pdl-off.log" 2>&1 \
-      || { echo "decode flash --pdl off failed"; status=1; }
-    grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-pdl-off.log" | head -n 8
+    # The PDL A/B in the same call: the sweeps' first point (4K, batch 1) again with engine-wide PDL (--pdl on; the
+    # sweeps run the default, off: only the mHC pair and the top-k chain use their own); decode.csv's pdl column
+    # tells the two rows apart. Its own weight load (planned for 4K, so a few more resident expert slots than the
+    # sweep's), under its own limit.
+    step "decode: flash 4K batch 1, PDL on (the A/B of the sweep's first point)"
+    timeout "${DECODE_FLASH_PDL_ON_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
+      --context 4096 --batch 1 --pdl on --max-new-tokens 32 --out "$work" > "$work/decode-flash-pdl-on.log" 2>&1 \
+      || { echo "decode flash --pdl on failed"; status=1; }
+    grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-pdl-on.log" | head -n 8
   fi
 fi
 if want model && [ -x "$B/tests/model_reference" ]; then

@@ -99,7 +99,7 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 
 /// A graph replay computes what the eager step computes: two engines on the same weights and prompts, one
 /// replaying its captured step graph, one forced eager, give bit-identical logits every step. Both launch every
-/// kernel with programmatic dependent launch (the default); a third, eager with PDL off, must give the same bits
+/// kernel with programmatic dependent launch (`pdl` on); a third, eager with PDL off, must give the same bits
 /// too: PDL changes when a kernel is scheduled, never what it computes (kernels/common/pdl.cuh). If only that
 /// comparison fails, look for a kernel that touches global memory before its `pdl_enter()` / griddepcontrol.wait.
 #[test]
@@ -124,7 +124,7 @@ fn graph_replay_equals_eager_steps() {
     }
 
     let mut engine = Engine::new(&gpu, &w, shape).unwrap();
-    assert!(engine.state.pdl, "PDL is on by default");
+    engine.set_pdl(true).unwrap();
     engine.prefill(&gpu, &prompts, &params, &[]).unwrap();
     for (step, want) in eager.iter().enumerate() {
         if step > 0 {

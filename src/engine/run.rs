@@ -52,7 +52,7 @@ impl<'w> Engine<'w> {
         })
     }
 
-    /// Sets programmatic dependent launch for every step of this engine ([`DecodeState::pdl`], on by default).
+    /// Sets programmatic dependent launch for every step of this engine ([`DecodeState::pdl`], off by default).
     /// Fails once a step graph was captured: the graph keeps the launches it was captured with.
     pub fn set_pdl(&mut self, on: bool) -> Result<()> {
         ensure!(

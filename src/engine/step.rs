@@ -140,8 +140,9 @@ pub struct DecodeState {
     /// Programmatic dependent launch for every kernel of a step, a layer half, a prompt step ([`with_pdl`]): each
     /// kernel is scheduled while the one before it runs and waits on the device for its completion, so the
     /// results are those of plain launches (bit for bit) and the launch gaps between kernels shrink; a captured
-    /// step graph then carries programmatic edges. Default true; false for the A/B (`megamoe decode --pdl off`),
-    /// which leaves PDL only to the launchers that choose it themselves (the mHC pair, the top-k chain).
+    /// step graph then carries programmatic edges. Default false (only the launchers that choose PDL themselves use
+    /// it: the mHC pair, the top-k chain) until a GPU run has checked the bit-identity and measured the gain;
+    /// `megamoe decode --pdl on` turns it on.
     pub pdl: bool,
 }
 
@@ -195,7 +196,7 @@ impl DecodeState {
             attn,
             ffn,
             marks: None,
-            pdl: true,
+            pdl: false,
             caches,
             arena,
             ws,
