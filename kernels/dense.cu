@@ -57,11 +57,11 @@ constexpr float kAmaxFloor = 1e-4f;  // formats::fp8::AMAX_FLOOR
 
 enum Mode : int { kFp8 = 0, kFp8Bf16x = 1, kBf16 = 2, kSwiglu = 3 };
 
-// Mirrors ops::dense::DenseParams (#[repr(C)]): 704 bytes, passed as a __grid_constant__.
+// Mirrors ops::dense::DenseParams (#[repr(C)]): 768 bytes, passed as a __grid_constant__.
 struct DenseParams {
     const uint8_t* w[kMaxJobs];        // job z's weight [n, k] (e4m3 codes or BF16); kSwiglu: w[0] = w1, w[1] = w3
     const uint8_t* w_scale[kMaxJobs];  // FP8: job z's ue8m0 scales [n/128, k/128]; kSwiglu: [0] w1, [1] w3
-    void* y[kMaxJobs];                 // job z's output, element (m, r) at y + m*ldy + r; kSwiglu: [0] codes, [1] scales
+    void* y[kMaxJobs];                 // job z's output, element (m, r) at y + m*ldy[z] + r; kSwiglu: [0] codes, [1] scales
     const uint8_t* x;                  // e4m3 codes or BF16, [m, ldx]
     const uint8_t* x_scale;            // FP8 x: ue8m0 codes [m, ldx/128]
     float* part;                       // split-K partial sums
@@ -70,10 +70,12 @@ struct DenseParams {
     int x_col[kMaxJobs];               // first column of x that job z reads
     int part_off[kMaxJobs];            // job z's partials start (floats)
     int count_off[kMaxJobs];           // job z's first tile counter
-    int m, k, ldx, ldy, kc, splits;
+    int ldy[kMaxJobs];                 // job z's output row stride (elements); kSwiglu: ldy[0] for codes and scales
+    int m, k, ldx, kc, splits;
     float swiglu_limit;
     int reserved;
 };
+static_assert(sizeof(DenseParams) == 768, "DenseParams must match ops::dense::DenseParams");
 
 template <int kMode>
 struct Cfg {
@@ -387,10 +389,10 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
             for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
             const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, kAmaxFloor), 448.f);
             const float scale = mm::ue8m0_decode(sc);
-            uint8_t* codes = static_cast<uint8_t*>(p.y[0]) + (size_t)tok * p.ldy + tile * kTileRows;
+            uint8_t* codes = static_cast<uint8_t*>(p.y[0]) + (size_t)tok * p.ldy[0] + tile * kTileRows;
 #pragma unroll
             for (int i = 0; i < 4; ++i) codes[lane + 32 * i] = mm::e4m3_encode(__fdiv_rn(h[i], scale));
-            if (lane == 0) static_cast<uint8_t*>(p.y[1])[tok * (p.ldy / 128) + tile] = sc;
+            if (lane == 0) static_cast<uint8_t*>(p.y[1])[tok * (p.ldy[0] / 128) + tile] = sc;
         }
     } else {
         for (int i = threadIdx.x; i < M * kTileRows; i += kThreads) {
@@ -398,9 +400,9 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
             if (row >= n) continue;
             const float v = red[tok * kRed + r];
             if constexpr (kMode == kBf16)
-                static_cast<float*>(p.y[z])[(size_t)tok * p.ldy + row] = v;
+                static_cast<float*>(p.y[z])[(size_t)tok * p.ldy[z] + row] = v;
             else
-                static_cast<__nv_bfloat16*>(p.y[z])[(size_t)tok * p.ldy + row] = __float2bfloat16_rn(v);
+                static_cast<__nv_bfloat16*>(p.y[z])[(size_t)tok * p.ldy[z] + row] = __float2bfloat16_rn(v);
         }
     }
 }

@@ -16,8 +16,8 @@ use megamoe::ops::dense::reference::{
     abs_term_sums, bf16_ulp, fp8_linear_rows, matvec_rows, shared_expert_rows, tolerance, wo_a_rows,
 };
 use megamoe::ops::dense::{
-    bf16_linear, fp8_linear, plan, shared_expert, wo_a_grouped, Bf16Job, DenseKind, DenseShape,
-    SharedExpertScratch, MAX_ROWS,
+    bf16_linear, fp8_linear, fp8_linears, plan, shared_expert, wo_a_grouped, Bf16Job, DenseKind,
+    DenseShape, Fp8Job, SharedExpertScratch, MAX_ROWS,
 };
 use rand_chacha::ChaCha8Rng;
 
@@ -217,6 +217,73 @@ fn gpu_fp8_linear_matches_the_model_at_flash_and_pro_shapes() {
     );
 }
 
+/// Several FP8 weights of different heights on the same x in one launch (the engine's wq_a + wkv and wq_b +
+/// indexer wq_b): each job's output within the same tolerance as its own call, outputs poisoned first so a job
+/// that is not written (or written at another's stride) fails.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_fp8_linears_of_different_heights_match_the_model() {
+    fx::on_flash_and_pro(
+        "gpu_fp8_linears_of_different_heights_match_the_model",
+        |gpu, rng, cfg, model| {
+            let a = format!("layers.{LAYER}.attn");
+            for names in [
+                [format!("{a}.wq_a.weight"), format!("{a}.wkv.weight")],
+                [
+                    format!("{a}.wq_b.weight"),
+                    format!("{a}.indexer.wq_b.weight"),
+                ],
+            ] {
+                let ws_: Vec<DevFp8> = names
+                    .iter()
+                    .map(|n| DevFp8::from_model(gpu, model, n))
+                    .collect();
+                let k = ws_[0].cols;
+                let n_max = ws_.iter().map(|w| w.rows).max().unwrap();
+                for m in [1, 3, 64] {
+                    let x = fx::activations(rng, m, k);
+                    let dx = DevFp8::quantized(gpu, &x, m, k);
+                    let ys: Vec<_> = ws_.iter().map(|w| fx::bf16_out(gpu, m * w.rows)).collect();
+                    let weights: Vec<_> = ws_.iter().map(|w| w.weight()).collect();
+                    let jobs: Vec<Fp8Job> = weights
+                        .iter()
+                        .zip(&ys)
+                        .map(|(w, y)| Fp8Job { w, y })
+                        .collect();
+                    let (_arena, dws) =
+                        fx::workspace(gpu, &[shape(DenseKind::Fp8, m, n_max, k, jobs.len())]);
+                    fp8_linears(gpu, &gpu.stream, &dx.act(), &jobs, &dws).unwrap();
+                    for ((name, w), y) in names.iter().zip(&ws_).zip(&ys) {
+                        let got = fx::download_bf16(gpu, y);
+                        let want = fp8_linear_rows(model, name, &x, m).unwrap();
+                        let terms = abs_term_sums(
+                            &model.weights,
+                            name,
+                            0,
+                            w.rows,
+                            &quantized_rows(&x, m),
+                            m,
+                        )
+                        .unwrap();
+                        fx::assert_close(
+                            &format!(
+                                "{} {name} M={m} (one launch with {})",
+                                cfg.name,
+                                names.join(", ")
+                            ),
+                            &got,
+                            &want,
+                            &terms,
+                            k,
+                            true,
+                        );
+                    }
+                }
+            }
+        },
+    );
+}
+
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
@@ -356,10 +423,24 @@ fn gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head() {
                     vec![1, 3, 64],
                 ),
                 (vec!["head.weight".to_string()], vec![1, 3]),
+                // Different heights in one launch (each job its own output stride): the CSA layer's BF16
+                // linears of `a`.
+                (
+                    vec![
+                        format!("{a}.compressor.wkv.weight"),
+                        format!("{a}.indexer.compressor.wkv.weight"),
+                        format!("{a}.indexer.weights_proj.weight"),
+                    ],
+                    vec![1, 3, 64],
+                ),
             ];
             let d = cfg.dim;
             for (names, ms) in sets {
-                let n = model.weights.spec(&names[0]).unwrap().shape[0];
+                let ns: Vec<usize> = names
+                    .iter()
+                    .map(|nm| model.weights.spec(nm).unwrap().shape[0])
+                    .collect();
+                let n_max = *ns.iter().max().unwrap();
                 let dws: Vec<_> = names
                     .iter()
                     .map(|nm| {
@@ -374,20 +455,21 @@ fn gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head() {
                 for m in ms {
                     let x = fx::activations(rng, m, d);
                     let dx = gpu.upload(&fx::to_bf16(&x)).unwrap();
-                    let ys: Vec<_> = names
+                    let ys: Vec<_> = ns
                         .iter()
-                        .map(|_| gpu.poisoned::<f32>(m * n, common::POISON).unwrap())
+                        .map(|&n| gpu.poisoned::<f32>(m * n, common::POISON).unwrap())
                         .collect();
                     let jobs: Vec<Bf16Job> = dws
                         .iter()
                         .zip(&ys)
-                        .map(|(w, y)| Bf16Job { w, n, y })
+                        .zip(&ns)
+                        .map(|((w, y), &n)| Bf16Job { w, n, y })
                         .collect();
                     let (_arena, ws) =
-                        fx::workspace(gpu, &[shape(DenseKind::Bf16, m, n, d, names.len())]);
+                        fx::workspace(gpu, &[shape(DenseKind::Bf16, m, n_max, d, names.len())]);
                     bf16_linear(gpu, &gpu.stream, &dx, m, d, &jobs, &ws).unwrap();
                     gpu.synchronize().unwrap();
-                    for (nm, y) in names.iter().zip(&ys) {
+                    for ((nm, y), &n) in names.iter().zip(&ys).zip(&ns) {
                         let got = gpu.download(y).unwrap();
                         let want = matvec_rows(&model.weights, nm, &x, m).unwrap();
                         let terms = abs_term_sums(&model.weights, nm, 0, n, &x, m).unwrap();

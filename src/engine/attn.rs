@@ -38,7 +38,9 @@ use crate::model::{LayerKind, ModelConfig};
 use crate::ops::compressor::{
     self, dev, CompressorKind, CompressorShape, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
 };
-use crate::ops::dense::{self, Bf16Job, DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight};
+use crate::ops::dense::{
+    self, Bf16Job, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight,
+};
 use crate::ops::indexer::{self, QueryBatch, TopkWorkspace};
 use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace};
 use crate::ops::norm_quant::{self, OutFormat, QuantView, RowsOut};
@@ -201,8 +203,11 @@ impl Sizes {
         };
         let o_dim = cfg.o_groups * cfg.o_lora_rank;
         let mut dense = vec![
-            fp8(cfg.q_lora_rank, cfg.dim),
-            fp8(cfg.head_dim, cfg.dim),
+            // wq_a and wkv in one launch (AttnHalf::projections).
+            DenseShape {
+                jobs: 2,
+                ..fp8(cfg.q_lora_rank.max(cfg.head_dim), cfg.dim)
+            },
             fp8(cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
             DenseShape {
                 kind: DenseKind::Fp8Bf16x,
@@ -221,7 +226,15 @@ impl Sizes {
                     dense.push(bf16(2 * cfg.head_dim, 2));
                     dense.push(bf16(2 * cfg.index_head_dim, 2));
                     dense.push(bf16(cfg.index_n_heads, 1));
-                    dense.push(fp8(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank));
+                    // wq_b and the indexer's wq_b in one launch.
+                    dense.push(DenseShape {
+                        jobs: 2,
+                        ..fp8(
+                            (cfg.n_heads * cfg.head_dim)
+                                .max(cfg.index_n_heads * cfg.index_head_dim),
+                            cfg.q_lora_rank,
+                        )
+                    });
                 }
             }
         }
@@ -789,11 +802,37 @@ impl AttnHalf {
         let (l, b, cfg) = (&self.layers[layer], &self.bufs, &self.config);
         let (n, eps) = (self.batch, cfg.norm_eps);
         let a8 = fp8_rows(&b.a_fp8)?;
-        dense::fp8_linear(gpu, stream, &a8, &l.wq_a.weight(), &b.dense, &b.qa)?;
-        dense::fp8_linear(gpu, stream, &a8, &l.wkv.weight(), &b.dense, &b.kv_raw)?;
+        // wq_a and wkv both read `a`: one launch.
+        let (wq_a, wkv) = (l.wq_a.weight(), l.wkv.weight());
+        let jobs = [
+            Fp8Job { w: &wq_a, y: &b.qa },
+            Fp8Job {
+                w: &wkv,
+                y: &b.kv_raw,
+            },
+        ];
+        dense::fp8_linears(gpu, stream, &a8, &jobs, &b.dense)?;
         qkv_prep::q_lora_norm(gpu, stream, &b.qa, &l.q_norm, eps, &b.qr)?;
         let qr8 = fp8_rows(&b.qr)?;
-        dense::fp8_linear(gpu, stream, &qr8, &l.wq_b.weight(), &b.dense, &b.q_raw)?;
+        // wq_b and (CSA) the indexer's wq_b both read `qr`: one launch.
+        let wq_b = l.wq_b.weight();
+        match (&l.indexer, &b.index) {
+            (Some(ix), Some(ib)) => {
+                let iwq_b = ix.wq_b.weight();
+                let jobs = [
+                    Fp8Job {
+                        w: &wq_b,
+                        y: &b.q_raw,
+                    },
+                    Fp8Job {
+                        w: &iwq_b,
+                        y: &ib.qi_raw,
+                    },
+                ];
+                dense::fp8_linears(gpu, stream, &qr8, &jobs, &b.dense)?;
+            }
+            _ => dense::fp8_linear(gpu, stream, &qr8, &wq_b, &b.dense, &b.q_raw)?,
+        }
         qkv_prep::q_heads(
             gpu,
             stream,
@@ -827,7 +866,6 @@ impl AttnHalf {
         let (Some(ix), Some(ib)) = (&l.indexer, &b.index) else {
             return Ok(());
         };
-        dense::fp8_linear(gpu, stream, &qr8, &ix.wq_b.weight(), &b.dense, &ib.qi_raw)?;
         let job = Bf16Job {
             w: &ix.weights_proj,
             n: cfg.index_n_heads,

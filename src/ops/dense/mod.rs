@@ -327,17 +327,18 @@ struct DenseParams {
     x_col: [i32; MAX_JOBS],
     part_off: [i32; MAX_JOBS],
     count_off: [i32; MAX_JOBS],
+    /// Job z's output row stride in elements (the shared expert's SwiGLU half: `ldy[0]` for codes and scales).
+    ldy: [i32; MAX_JOBS],
     m: i32,
     k: i32,
     ldx: i32,
-    ldy: i32,
     kc: i32,
     splits: i32,
     swiglu_limit: f32,
     reserved: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<DenseParams>() == 704);
+const _: () = assert!(std::mem::size_of::<DenseParams>() == 768);
 
 fn check_len<T>(b: &dyn DeviceBuf<T>, need: usize, what: &str) -> Result<()> {
     ensure!(
@@ -393,7 +394,7 @@ fn blank_params() -> DenseParams {
         m: 0,
         k: 0,
         ldx: 0,
-        ldy: 0,
+        ldy: [0; MAX_JOBS],
         kc: 0,
         splits: 0,
         swiglu_limit: 0.0,
@@ -452,26 +453,61 @@ pub fn fp8_linear(
     ws: &DenseWorkspace,
     y: &dyn DeviceBuf<bf16>,
 ) -> Result<()> {
+    fp8_linears(gpu, stream, x, &[Fp8Job { w, y }], ws)
+}
+
+/// One weight of [`fp8_linears`] and its output `y` `[M, w.n]` BF16.
+pub struct Fp8Job<'a> {
+    pub w: &'a Fp8Weight<'a>,
+    pub y: &'a dyn DeviceBuf<bf16>,
+}
+
+/// [`fp8_linear`] of several weights that read the same FP8 rows `x` (e.g. wq_a and wkv of `a`), in one launch:
+/// `y_j = bf16(x_q . dequant(W_j)^T)`, each job with its own height (a multiple of 128) and output stride. The grid
+/// covers the tallest job; a CTA past its job's rows returns at once. Each job's result is bit for bit that of its
+/// own [`fp8_linear`] call whenever the launch plans the same K slices for it (the plan depends on the launch's
+/// total CTAs, so a job's split-K partition, and with it the f32 summation order, may differ from its solo call).
+pub fn fp8_linears(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &Fp8Rows,
+    jobs: &[Fp8Job],
+    ws: &DenseWorkspace,
+) -> Result<()> {
+    ensure!(!jobs.is_empty(), "dense: fp8_linears without a weight");
+    let k = jobs[0].w.k;
     let shape = DenseShape {
         kind: DenseKind::Fp8,
         rows: x.rows,
-        n: w.n,
-        k: w.k,
-        jobs: 1,
+        n: jobs.iter().map(|j| j.w.n).max().unwrap_or(0),
+        k,
+        jobs: jobs.len(),
     };
     shape.check()?;
-    check_fp8_weight(w, "W")?;
-    check_fp8_rows(x, w.k)?;
-    check_len(y, x.rows * w.n, "y [M, N]")?;
+    check_fp8_rows(x, k)?;
     let mut p = blank_params();
-    p.w[0] = w.codes.device_addr();
-    p.w_scale[0] = w.scales.device_addr();
-    p.y[0] = y.device_addr();
-    p.n[0] = w.n as i32;
+    for (j, job) in jobs.iter().enumerate() {
+        ensure!(
+            job.w.k == k,
+            "dense: weight {j} has {} columns, weight 0 {k} (the jobs of one launch read the same x)",
+            job.w.k
+        );
+        ensure!(
+            job.w.n.is_multiple_of(TILE_ROWS),
+            "dense: FP8 weight {j} has {} rows, not a multiple of {TILE_ROWS}",
+            job.w.n
+        );
+        check_fp8_weight(job.w, &format!("W{j}"))?;
+        check_len(job.y, x.rows * job.w.n, &format!("y{j} [M, {}]", job.w.n))?;
+        p.w[j] = job.w.codes.device_addr();
+        p.w_scale[j] = job.w.scales.device_addr();
+        p.y[j] = job.y.device_addr();
+        p.n[j] = job.w.n as i32;
+        p.ldy[j] = job.w.n as i32;
+    }
     p.x = x.codes.device_addr();
     p.x_scale = x.scales.device_addr();
-    p.ldx = w.k as i32;
-    p.ldy = w.n as i32;
+    p.ldx = k as i32;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
 }
 
@@ -518,10 +554,10 @@ pub fn wo_a_grouped(
         p.y[g] = za + (g * r * 2) as u64;
         p.n[g] = r as i32;
         p.x_col[g] = (g * w.k) as i32;
+        p.ldy[g] = w.n as i32;
     }
     p.x = o.device_addr();
     p.ldx = (groups * w.k) as i32;
-    p.ldy = w.n as i32;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
 }
 
@@ -575,7 +611,7 @@ pub fn swiglu_fp8(
     p.x = x.codes.device_addr();
     p.x_scale = x.scales.device_addr();
     p.ldx = w1.k as i32;
-    p.ldy = w1.n as i32;
+    p.ldy[0] = w1.n as i32;
     p.swiglu_limit = swiglu_limit;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
 }
@@ -665,16 +701,10 @@ pub fn bf16_linear(
         p.w[j] = job.w.device_addr();
         p.y[j] = job.y.device_addr();
         p.n[j] = job.n as i32;
+        p.ldy[j] = job.n as i32;
     }
-    // The kernel takes one output stride (ldy = n) for all jobs: jobs of different heights get one launch each.
-    if jobs.iter().any(|j| j.n != n_max) {
-        for job in jobs {
-            bf16_linear(gpu, stream, x, rows, k, std::slice::from_ref(job), ws)?;
-        }
-        return Ok(());
-    }
+    // One launch whatever the heights: the grid covers the tallest job, each job has its own output stride.
     p.x = x.device_addr();
     p.ldx = k as i32;
-    p.ldy = n_max as i32;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
 }
