@@ -247,7 +247,6 @@ fn plot_sweeps(
     gpu_name: &str,
     points: &[DecodePoint],
 ) -> Result<()> {
-    use crate::bench::plot::{plot_series, Series};
     let along = |fixed: &dyn Fn(&DecodePoint) -> usize, x: &dyn Fn(&DecodePoint) -> usize| {
         let mut groups: std::collections::BTreeMap<usize, Vec<&DecodePoint>> = Default::default();
         for p in points {
@@ -269,25 +268,14 @@ fn plot_sweeps(
             .iter()
             .map(|p| (p.batch as f64, 1e6 / p.summary.floor_us() * p.batch as f64))
             .collect();
-        let (png, _) = plot_series(
+        against_floor(
             &dir.join(format!("decode-{model}-batch-at-{context}")),
             &format!("{model} decode on {gpu_name}: tokens/s against batch, context {context}"),
-            "batch (sequences)",
-            "tokens/s, all sequences",
-            &[
-                Series {
-                    name: "measured (median step)".into(),
-                    points: measured,
-                },
-                Series {
-                    name: "byte floor at the copy bandwidth".into(),
-                    points: floor,
-                },
-            ],
-            true,
+            ("batch (sequences)", "tokens/s, all sequences"),
+            measured,
+            floor,
             true,
         )?;
-        eprintln!("plot: {}", png.display());
     }
     for (batch, pts) in along(&|p| p.batch, &|p| p.context) {
         let measured = pts
@@ -298,26 +286,40 @@ fn plot_sweeps(
             .iter()
             .map(|p| (p.context as f64, p.summary.floor_us() / 1e3))
             .collect();
-        let (png, _) = plot_series(
+        against_floor(
             &dir.join(format!("decode-{model}-context-at-batch-{batch}")),
             &format!("{model} decode on {gpu_name}: step time against context, batch {batch}"),
-            "context (tokens)",
-            "ms per step",
-            &[
-                Series {
-                    name: "measured (median step)".into(),
-                    points: measured,
-                },
-                Series {
-                    name: "byte floor at the copy bandwidth".into(),
-                    points: floor,
-                },
-            ],
-            true,
+            ("context (tokens)", "ms per step"),
+            measured,
+            floor,
             false,
         )?;
-        eprintln!("plot: {}", png.display());
     }
+    Ok(())
+}
+
+/// One sweep plot: the measured line beside the byte floor's line (log x; log y when `log_y`).
+fn against_floor(
+    stem: &std::path::Path,
+    title: &str,
+    (x_label, y_label): (&str, &str),
+    measured: Vec<(f64, f64)>,
+    floor: Vec<(f64, f64)>,
+    log_y: bool,
+) -> Result<()> {
+    use crate::bench::plot::{plot_series, Series};
+    let series = [
+        Series {
+            name: "measured (median step)".into(),
+            points: measured,
+        },
+        Series {
+            name: "byte floor at the copy bandwidth".into(),
+            points: floor,
+        },
+    ];
+    let (png, _) = plot_series(stem, title, x_label, y_label, &series, true, log_y)?;
+    eprintln!("plot: {}", png.display());
     Ok(())
 }
 
