@@ -279,40 +279,31 @@ __device__ __forceinline__ void pv_step(WarpState& st, const __nv_bfloat16* ps, 
     }
 }
 
-// Final step of a BF16 baseline CTA (sparse_attn_decode_bf16; its split branch is store_split_partial's code,
-// inline): full row sums, then either the finished output (sink, 1/Z,
-// inverse RoPE, BF16) or the split partial (O/l, lse = m + log2 l).
+// Final step of a BF16 baseline CTA (sparse_attn_decode_bf16): full row sums, then either the split partial
+// (store_split_partial, the FP8 kernels' code) or the finished output (sink, 1/Z, inverse RoPE, BF16).
 __device__ __forceinline__ void finish(WarpState& st, const DecodeArgs& a, float* red_sum, int b, int hg, int split,
                                        int wm, int wh, int g, int tq) {
     float l[2];
     row_sums(st, red_sum, wm, wh, g, tq, l);
     const int row0 = 16 * wm + g;
-
+    if (a.n_splits != 1) {
+        store_split_partial(st, a, l, b, hg, split, row0, wh, tq);
+        return;
+    }
     const int pos = a.positions[b];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int h = hg * kHeadsPerCta + row0 + 8 * r;
         const bool empty = (st.m[r] == -INFINITY);
-        if (a.n_splits == 1) {
-            const float z = empty ? 1.f : l[r] + exp2f(a.sinks[h] * kLog2e - st.m[r]);
-            const float inv = empty ? 0.f : 1.f / z;
-            __nv_bfloat16* orow = a.out + ((size_t)b * a.heads + h) * kDim + 256 * wh;
+        const float z = empty ? 1.f : l[r] + exp2f(a.sinks[h] * kLog2e - st.m[r]);
+        const float inv = empty ? 0.f : 1.f / z;
+        __nv_bfloat16* orow = a.out + ((size_t)b * a.heads + h) * kDim + 256 * wh;
 #pragma unroll
-            for (int nt = 0; nt < 32; ++nt) {
-                float x = st.o[nt][2 * r] * inv, y = st.o[nt][2 * r + 1] * inv;
-                const int dim = 256 * wh + 8 * nt + 2 * tq;
-                if (dim >= kNope) inverse_rope_pair(x, y, pos, __ldg(a.freqs + (dim - kNope) / 2));
-                *reinterpret_cast<uint32_t*>(orow + 8 * nt + 2 * tq) = pack_bf16x2(x, y);
-            }
-        } else {
-            const float inv = empty ? 0.f : 1.f / l[r];
-            const size_t prow = ((size_t)b * a.n_splits + split) * a.heads + h;
-            float* orow = a.part_o + prow * kDim + 256 * wh;
-#pragma unroll
-            for (int nt = 0; nt < 32; ++nt)
-                *reinterpret_cast<float2*>(orow + 8 * nt + 2 * tq) =
-                    make_float2(st.o[nt][2 * r] * inv, st.o[nt][2 * r + 1] * inv);
-            if (wh == 0 && tq == 0) a.part_lse[prow] = empty ? -INFINITY : st.m[r] + log2f(l[r]);
+        for (int nt = 0; nt < 32; ++nt) {
+            float x = st.o[nt][2 * r] * inv, y = st.o[nt][2 * r + 1] * inv;
+            const int dim = 256 * wh + 8 * nt + 2 * tq;
+            if (dim >= kNope) inverse_rope_pair(x, y, pos, __ldg(a.freqs + (dim - kNope) / 2));
+            *reinterpret_cast<uint32_t*>(orow + 8 * nt + 2 * tq) = pack_bf16x2(x, y);
         }
     }
 }
