@@ -5,10 +5,10 @@
 # the slow CPU-only runs named `slow_*` (the `model` step runs the one it needs), the limits probe, the benchmark
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|<several, comma-separated>] [extra args for `megamoe bench`]
-#   decode: `megamoe decode` of the small model (report + --parity), Flash's context and batch sweeps, and Flash at
-#           4K batch 1 with --pdl on (the PDL A/B)
-#           (DECODE_FLASH=0 skips them; DECODE_CONTEXTS, DECODE_BATCHES, DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT,
-#           DECODE_FLASH_PDL_ON_TIMEOUT)
+#   decode: `megamoe decode` of the small model (report + --parity), Flash's context and batch sweeps, Flash at
+#           4K batch 1 with --pdl on (the PDL A/B), Flash's TTFT on a 4K-token prompt, then REPORT.md
+#           (DECODE_FLASH=0 skips the Flash runs, DECODE_TTFT=0 the TTFT run; DECODE_CONTEXTS, DECODE_BATCHES,
+#           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT, DECODE_FLASH_PDL_ON_TIMEOUT, DECODE_TTFT_TIMEOUT)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -150,7 +150,18 @@ if want decode; then
       --context 4096 --batch 1 --pdl on --max-new-tokens 32 --out "$work" > "$work/decode-flash-pdl-on.log" 2>&1 \
       || { echo "decode flash --pdl on failed"; status=1; }
     grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-pdl-on.log" | head -n 8
+    # TTFT on a real prompt (the 4K-token prompt at batch 1): prefill runs token by token through the
+    # prompt step's graph, so this takes ~4096 steps; DECODE_TTFT=0 skips it.
+    if [ "${DECODE_TTFT:-1}" != 0 ]; then
+      step "decode: flash TTFT, 4K-token prompt, batch 1"
+      timeout "${DECODE_TTFT_TIMEOUT:-150}" "$B/megamoe" decode --model flash --context 8192 --batch 1 \
+        --prompt-len 4096 --max-new-tokens 16 --out "$work" > "$work/decode-flash-ttft.log" 2>&1 \
+        || { echo "decode flash TTFT failed"; status=1; }
+      grep -E "^== decode|^TTFT|^TPOT" "$work/decode-flash-ttft.log" | head -n 4
+    fi
   fi
+  # REPORT.md of this run's directory (its decode section, and any bench rows beside it).
+  "$B/megamoe" report --dir "$work" 2>&1 | tail -n 1
 fi
 if want model && [ -x "$B/tests/model_reference" ]; then
   # The CPU reference model's Flash one-token decode, timed on this machine's cores (test executable added
