@@ -223,8 +223,8 @@ impl Sizes {
                 LayerKind::SlidingWindow => {}
                 LayerKind::Hca { .. } => dense.push(bf16(cfg.head_dim, 2)),
                 LayerKind::Csa { .. } => {
-                    dense.push(bf16(2 * cfg.head_dim, 2));
-                    dense.push(bf16(2 * cfg.index_head_dim, 2));
+                    // Both compressors' wkv and wgate in one launch (AttnHalf::compress).
+                    dense.push(bf16((2 * cfg.head_dim).max(2 * cfg.index_head_dim), 4));
                     dense.push(bf16(cfg.index_n_heads, 1));
                     // wq_b and the indexer's wq_b in one launch.
                     dense.push(DenseShape {
@@ -896,19 +896,24 @@ impl AttnHalf {
         )
     }
 
-    /// Steps 6-7: the compressors' inputs `wkv a`, `wgate a` (f32, one launch per compressor) and their state
-    /// update, which every m-th position finalizes an entry into the sequence's compressed block of the pool (CSA:
-    /// also the indexer key into its key cache). The `ape` row of the position is added by the kernel.
+    /// Steps 6-7: the compressors' inputs `wkv a`, `wgate a` (f32; every compressor of the layer in one BF16
+    /// launch: the CSA layer's main and indexer compressors have different widths, each job has its own height and
+    /// output stride) and their state update, which every m-th position finalizes an entry into the sequence's
+    /// compressed block of the pool (CSA: also the indexer key into its key cache). The `ape` row of the position
+    /// is added by the kernel.
     fn compress(&self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
         let (l, b, c) = (&self.layers[layer], &self.bufs, io.caches);
+        let n = self.batch;
+        // (compressor, its kv / gate inputs, its state, entry slots, cache) of each compressor of the layer.
+        let mut steps = Vec::with_capacity(2);
         if let Some(main) = &l.compressor {
             let slots = EntrySlots {
                 base: dev(&c.compressed_base),
                 capacity: dev(&c.compressed_capacity),
             };
-            let cache = EntryCache::kv(&c.pool);
-            let inputs = (b.comp_kv, b.comp_gate);
-            self.compressor_step(gpu, stream, main, inputs, &c.state, slots, cache, io)?;
+            let w = main.shape.width();
+            let inputs = (b.comp_kv.sub(0, n * w), b.comp_gate.sub(0, n * w));
+            steps.push((main, inputs, &c.state, slots, EntryCache::kv(&c.pool)));
         }
         if let (Some(ix), Some(ib)) = (&l.indexer, &b.index) {
             let Some(ic) = &c.index else {
@@ -918,71 +923,53 @@ impl AttnHalf {
                 base: dev(&ic.base),
                 capacity: dev(&ic.capacity),
             };
-            let cache = EntryCache::index(&ic.keys);
-            let inputs = (ib.comp_kv, ib.comp_gate);
-            self.compressor_step(
-                gpu,
-                stream,
+            let w = ix.compressor.shape.width();
+            let inputs = (ib.comp_kv.sub(0, n * w), ib.comp_gate.sub(0, n * w));
+            steps.push((
                 &ix.compressor,
                 inputs,
                 &ic.state,
                 slots,
+                EntryCache::index(&ic.keys),
+            ));
+        }
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let jobs: Vec<Bf16Job> = steps
+            .iter()
+            .flat_map(|(cp, (kv, gate), ..)| {
+                let w = cp.shape.width();
+                [
+                    Bf16Job {
+                        w: &cp.wkv,
+                        n: w,
+                        y: kv,
+                    },
+                    Bf16Job {
+                        w: &cp.wgate,
+                        n: w,
+                        y: gate,
+                    },
+                ]
+            })
+            .collect();
+        dense::bf16_linear(gpu, stream, &self.a, n, self.config.dim, &jobs, &b.dense)?;
+        for (cp, (kv, gate), state, slots, cache) in steps {
+            let dio = DecodeIo {
+                batch: n,
+                kv,
+                gate,
+                positions: dev(io.positions),
+                state: dev(state),
+                slots,
                 cache,
-                io,
-            )?;
+                pooled: None,
+                error: b.error,
+            };
+            compressor::decode_step(gpu, stream, &cp.shape, &cp.weights, &dio)?;
         }
         Ok(())
-    }
-
-    /// One compressor of steps 6-7: its two BF16 linears of `a` into `inputs` (f32 `[B, W]`), then the decode
-    /// step on `state` (`[B, state_floats]`, `LayerCaches::state` or the indexer's).
-    #[allow(clippy::too_many_arguments)]
-    fn compressor_step(
-        &self,
-        gpu: &Gpu,
-        stream: &Stream,
-        c: &CompressorParams,
-        inputs: (DevBuf<f32>, DevBuf<f32>),
-        state: &CudaSlice<f32>,
-        slots: EntrySlots,
-        cache: EntryCache,
-        io: &LayerIo,
-    ) -> Result<()> {
-        let (n, w) = (self.batch, c.shape.width());
-        let (kv, gate) = (inputs.0.sub(0, n * w), inputs.1.sub(0, n * w));
-        let jobs = [
-            Bf16Job {
-                w: &c.wkv,
-                n: w,
-                y: &kv,
-            },
-            Bf16Job {
-                w: &c.wgate,
-                n: w,
-                y: &gate,
-            },
-        ];
-        dense::bf16_linear(
-            gpu,
-            stream,
-            &self.a,
-            n,
-            self.config.dim,
-            &jobs,
-            &self.bufs.dense,
-        )?;
-        let dio = DecodeIo {
-            batch: n,
-            kv,
-            gate,
-            positions: dev(io.positions),
-            state: dev(state),
-            slots,
-            cache,
-            pooled: None,
-            error: self.bufs.error,
-        };
-        compressor::decode_step(gpu, stream, &c.shape, &c.weights, &dio)
     }
 
     /// Step 8 (CSA): the indexer's logits over each sequence's visible keys (the counts of step 5) and their
