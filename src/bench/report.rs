@@ -244,9 +244,9 @@ fn engine_section(dir: &Path) -> Result<String> {
     if decode.exists() {
         md.push_str("\n## decode: the whole model on the GPU (`megamoe decode`)\n\n");
         md.push_str(
-            "One row per point. Rows with no prompt started at the end of the context with zero-filled caches \
-             (`--at-context`): their steps read a full context's bytes. `% copy bw` is the step's byte floor over \
-             the median step time, against the copy bandwidth measured in the same run.\n\n",
+            "One row per point. Rows with no prompt started at the end of the context with synthetic caches \
+             (`--at-context`, docs/engine.md): their steps read a full context's bytes. `% copy bw` is the step's \
+             byte floor over the median step time, against the copy bandwidth measured in the same run.\n\n",
         );
         md.push_str(&csv_table(&decode, DECODE_COLUMNS)?);
         let mut plots: Vec<PathBuf> = fs::read_dir(dir)?
