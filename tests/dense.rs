@@ -16,8 +16,8 @@ use megamoe::ops::dense::reference::{
     abs_term_sums, bf16_ulp, fp8_linear_rows, matvec_rows, shared_expert_rows, tolerance, wo_a_rows,
 };
 use megamoe::ops::dense::{
-    bf16_linear, fp8_linear, fp8_linears, plan, shared_expert, wo_a_grouped, Bf16Job, DenseKind,
-    DenseShape, Fp8Job, SharedExpertScratch, MAX_ROWS,
+    bf16_linear, fp8_linear, fp8_linears, plan, shared_expert, with_min_slice, wo_a_grouped,
+    Bf16Job, DenseKind, DenseShape, Fp8Job, MinSliceColumns, SharedExpertScratch, MAX_ROWS,
 };
 use rand_chacha::ChaCha8Rng;
 
@@ -117,6 +117,21 @@ fn plans_cover_k_and_fit_shared_memory() {
 
 /// The LM head at 1..8 rows keeps two CTAs per SM: its K slice is halved until a CTA needs at most half the shared
 /// memory (the partials, 4 bytes x splits x vocab, are far below 1/16 of the weight).
+/// The forcing variant of the split-K rule (bench `dense_slices_*`): K slices of at least the asked columns, still
+/// covering K and fitting shared memory; outside `with_min_slice` the routed rule is back.
+#[test]
+fn min_slice_plans_cover_k_with_wider_slices() {
+    let wq_a = shape(DenseKind::Fp8, 1, 1024, 4096, 1);
+    let routed = plan(&wq_a, 132).unwrap();
+    for min in [512, 1024] {
+        let p = with_min_slice(MinSliceColumns(min), || plan(&wq_a, 132).unwrap());
+        assert!(p.kc >= min && p.kc % 128 == 0, "{p:?}");
+        assert_eq!(p.splits, 4096usize.div_ceil(p.kc), "{p:?}");
+        assert!(p.splits < routed.splits, "{p:?} vs the routed {routed:?}");
+    }
+    assert_eq!(plan(&wq_a, 132).unwrap(), routed);
+}
+
 #[test]
 fn lm_head_plans_at_small_m_fit_two_ctas_per_sm() {
     for cfg in [ModelConfig::flash(), ModelConfig::pro()] {

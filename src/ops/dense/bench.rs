@@ -1,5 +1,7 @@
 //! Measurement hooks of the dense family: one decode linear of M rows at a DSV4 shape, timed as plain launches on the
-//! GPU's stream. Variants: `dense` (this family's launcher), `cublaslt_bf16` (cuBLASLt BF16 GEMMs on weights
+//! GPU's stream. Variants: `dense` (this family's launcher), `dense_slices_512` / `dense_slices_1024` (the same
+//! launcher with its split-K rule forced to K slices of at least that many columns: the A/B of that rule,
+//! [`MinSliceColumns`]), `cublaslt_bf16` (cuBLASLt BF16 GEMMs on weights
 //! dequantized to BF16 beforehand, outside the timing: the baseline a dequantize-then-GEMM path would run per
 //! call) and `cublaslt_block_scaled` (cuBLASLt's block-scaled FP8 GEMM on the same FP8 bytes through
 //! [`fp8_linear_prefill`], the library baseline #24 names; FP8-activation linears only: fp8, swiglu). Both rows carry the bytes the decode op must move (FP8 or BF16 weight + scales, x, y), so `pct_copy_bw`
@@ -12,8 +14,8 @@ use rand::Rng;
 
 use super::prefill::{fp8_linear_prefill, DeviceFp8Weight, Fp8LinearWorkspace};
 use super::{
-    bf16_linear, fp8_linear, plan as dense_plan, swiglu_fp8, wo_a_grouped, Bf16Job, DenseKind,
-    DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, Fp8Weight as W,
+    bf16_linear, fp8_linear, plan as dense_plan, swiglu_fp8, with_min_slice, wo_a_grouped, Bf16Job,
+    DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, Fp8Weight as W, MinSliceColumns,
 };
 use crate::gpu::arena::Arena;
 use crate::gpu::blas::{Blas, GemmInput};
@@ -23,7 +25,13 @@ use crate::model::weights::fp8_code;
 use crate::ops::inputs;
 
 /// Every variant a point can run.
-pub const VARIANTS: &[&str] = &["dense", "cublaslt_bf16", "cublaslt_block_scaled"];
+pub const VARIANTS: &[&str] = &[
+    "dense",
+    "dense_slices_512",
+    "dense_slices_1024",
+    "cublaslt_bf16",
+    "cublaslt_block_scaled",
+];
 
 /// Whether `variant` can run `linear`: cuBLASLt's block-scaled FP8 GEMM takes FP8 activations and FP8 weights, so
 /// not wo_a's BF16 o nor the BF16 weights.
@@ -128,6 +136,14 @@ pub fn measure(
     let bytes = linear.bytes(m);
     let samples_us = match variant {
         "dense" => time_dense(gpu, plan, linear, m, seed, bytes)?,
+        // Forcing variants of the split-K rule (ops::dense::MinSliceColumns): the routed kernel with K slices of at
+        // least 512 / 1024 columns.
+        "dense_slices_512" => with_min_slice(MinSliceColumns(512), || {
+            time_dense(gpu, plan, linear, m, seed, bytes)
+        })?,
+        "dense_slices_1024" => with_min_slice(MinSliceColumns(1024), || {
+            time_dense(gpu, plan, linear, m, seed, bytes)
+        })?,
         "cublaslt_bf16" => time_cublaslt(gpu, plan, linear, m, bytes)?,
         "cublaslt_block_scaled" => time_block_scaled(gpu, plan, linear, m, seed, bytes)?,
         v => bail!("dense: unknown variant `{v}` (known: {VARIANTS:?})"),

@@ -189,6 +189,28 @@ fn smem_bytes(kind: DenseKind, mt: usize, kc: usize) -> usize {
     RING_BYTES + tok * (2 * kc + kind.x_pad()) + 4 * (tok + kind.weights_per_warp()) * (kc / 128)
 }
 
+/// A forcing variant of [`plan`]'s split-K rule, for the A/B that decides it (bench variants `dense_slices_512`,
+/// `dense_slices_1024`, bench-configs/ab/dense_slices.toml): K slices of at least this many columns, so each CTA
+/// streams at least 128 rows x this many columns of weight, and no halving of the slice for a second resident CTA.
+/// The routed rule (occupancy: ~2 CTAs per SM) gives small-N weights at M = 1 slices of 128 columns (16 KB a CTA
+/// for wq_a), whose fixed per-CTA cost the first engine profile points at (docs/deep-dive-2026-12-07-engine-first-
+/// profile.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MinSliceColumns(pub usize);
+
+thread_local! {
+    static MIN_SLICE: std::cell::Cell<Option<MinSliceColumns>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `work` with [`plan`] forced to K slices of at least `min` columns on this thread (the workspace must be
+/// carved inside `work` too, since the plan sizes it). Bench variants only; nests, the innermost wins.
+pub fn with_min_slice<R>(min: MinSliceColumns, work: impl FnOnce() -> R) -> R {
+    let before = MIN_SLICE.with(|m| m.replace(Some(min)));
+    let r = work();
+    MIN_SLICE.with(|m| m.set(before));
+    r
+}
+
 /// The launch plan of `s` on a GPU of `sm_count` SMs. Split-K when the row tiles alone give fewer CTAs than SMs:
 /// about 2 CTAs per SM, K slices a multiple of the granule, capped so that the partials (f32, written and read
 /// once, mostly in L2) stay within twice the weight bytes, and at least as many splits as the shared memory for
@@ -220,6 +242,15 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
         .max(splits_occ.min(splits_cap))
         .min(s.k.div_ceil(gran));
     let mut kc = (s.k.div_ceil(splits).div_ceil(gran) * gran).min(kc_max);
+    if let Some(MinSliceColumns(min)) = MIN_SLICE.with(|m| m.get()) {
+        let kc = kc.max(min.div_ceil(gran) * gran).min(kc_max);
+        return Ok(DensePlan {
+            mt,
+            kc,
+            splits: s.k.div_ceil(kc),
+            smem: smem_bytes(s.kind, mt, kc),
+        });
+    }
     let mut splits = s.k.div_ceil(kc);
     // Two resident CTAs per SM hide one CTA's prologue behind the other's stream: halve the slice while a CTA needs
     // more than half the shared memory and the partials stay under 1/16 of the weight bytes (the LM head at small M).
