@@ -6,7 +6,7 @@
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|<several, comma-separated>] [extra args for `megamoe bench`]
 #   decode: `megamoe decode` of the small model (report + --parity), Flash's context and batch sweeps, Flash at
-#           4K batch 1 with --pdl on (the PDL A/B), Flash's TTFT on a 4K-token prompt, then REPORT.md
+#           4K batch 1 with --pdl on and with --overlap-shared on (the two A/Bs), Flash's TTFT on a 4K-token prompt, then REPORT.md
 #           (DECODE_FLASH=0 skips the Flash runs, DECODE_TTFT=0 the TTFT run; DECODE_CONTEXTS, DECODE_BATCHES,
 #           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT, DECODE_FLASH_PDL_ON_TIMEOUT, DECODE_TTFT_TIMEOUT)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
@@ -157,6 +157,12 @@ if want decode; then
       --context 4096 --batch 1 --pdl on --max-new-tokens 32 --out "$work" > "$work/decode-flash-pdl-on.log" 2>&1 \
       || { echo "decode flash --pdl on failed"; status=1; }
     grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-pdl-on.log" | head -n 8
+    # The shared-expert overlap A/B, the same way (--overlap-shared on against the sweep's first point).
+    step "decode: flash 4K batch 1, shared expert overlapped (the A/B of the sweep's first point)"
+    timeout "${DECODE_FLASH_PDL_ON_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
+      --context 4096 --batch 1 --overlap-shared on --max-new-tokens 32 --out "$work" \
+      > "$work/decode-flash-overlap-on.log" 2>&1 || { echo "decode flash --overlap-shared on failed"; status=1; }
+    grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-overlap-on.log" | head -n 8
     # TTFT on a real prompt (the 4K-token prompt at batch 1): prefill runs token by token through the
     # prompt step's graph, so this takes ~4096 steps; DECODE_TTFT=0 skips it.
     if [ "${DECODE_TTFT:-1}" != 0 ]; then

@@ -100,7 +100,8 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 /// A graph replay computes what the eager step computes: two engines on the same weights and prompts, one
 /// replaying its captured step graph, one forced eager, give bit-identical logits every step. Both launch every
 /// kernel with programmatic dependent launch (`pdl` on); a third, eager with PDL off, must give the same bits
-/// too: PDL changes when a kernel is scheduled, never what it computes (kernels/common/pdl.cuh). If only that
+/// too: PDL changes when a kernel is scheduled, never what it computes (kernels/common/pdl.cuh). A fourth engine
+/// replays graphs with the shared expert on the FFN's second stream and must give the same bits again. If only that
 /// comparison fails, look for a kernel that touches global memory before its `pdl_enter()` / griddepcontrol.wait.
 #[test]
 #[ignore = "needs an H100/H200"]
@@ -134,6 +135,23 @@ fn graph_replay_equals_eager_steps() {
         assert!(
             same_bits(&got, want),
             "step {step}: graph replay logits differ from the eager step's"
+        );
+    }
+
+    // The shared expert on the FFN's second stream (a parallel branch of the step graph that rejoins before the
+    // combine): the same kernels on the same inputs, so the same bits.
+    let mut overlapped = Engine::new(&gpu, &w, shape).unwrap();
+    overlapped.set_pdl(true).unwrap();
+    overlapped.set_overlap_shared(true).unwrap();
+    overlapped.prefill(&gpu, &prompts, &params, &[]).unwrap();
+    for (step, want) in eager.iter().enumerate() {
+        if step > 0 {
+            overlapped.decode_step(&gpu).unwrap();
+        }
+        let got = overlapped.state.read_logits(&gpu.stream).unwrap();
+        assert!(
+            same_bits(&got, want),
+            "step {step}: logits with the shared expert overlapped differ from the in-line eager step's"
         );
     }
 }

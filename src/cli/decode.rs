@@ -65,6 +65,12 @@ pub struct DecodeArgs {
     /// decode.csv records it in its `pdl` column.
     #[arg(long, default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
     pub pdl: bool,
+    /// Run each layer's shared expert on a second stream beside the router and the routed experts, joined before
+    /// the combine that adds it: `on` or `off` (the default, until a GPU run has measured it; `on` is the
+    /// candidate of that A/B, which scripts/gpu-run.sh runs). The same results bit for bit (the same kernels on the
+    /// same inputs; only their overlap changes). decode.csv records it in its `overlap_shared` column.
+    #[arg(long, default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
+    pub overlap_shared: bool,
 }
 
 /// `on` / `off` as a bool (the `--pdl` value).
@@ -214,6 +220,7 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<Dec
         let shape = StepShape { batch, context };
         let mut engine = Engine::new(gpu, &weights, shape)?;
         engine.set_pdl(args.pdl)?;
+        engine.set_overlap_shared(args.overlap_shared)?;
         let prompts: Vec<Vec<u32>> = (0..batch)
             .map(|b| {
                 (0..args.prompt_len as u64)
@@ -482,13 +489,15 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         s.tpot_quantile_us(0.99),
     );
     println!(
-        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}, PDL {}) ==",
+        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}, PDL {}, shared expert \
+         overlapped {}) ==",
         cfg.name,
         gpu.info.name,
         p.batch,
         p.context,
         p.start,
-        on_off_name(args.pdl)
+        on_off_name(args.pdl),
+        on_off_name(args.overlap_shared)
     );
     println!("experts     {}", plan.map);
     println!(
@@ -620,25 +629,45 @@ struct ParityCsvRow {
     floor_argmax: u32,
 }
 
-/// A decode.csv written before the `pdl` column (its last) existed gets the column, empty in its rows, so the
-/// rows appended now line up with its header.
-fn add_missing_pdl_column(path: &std::path::Path) -> Result<()> {
+/// The columns added at the end of decode.csv after its first rows were committed, in order.
+const LATER_COLUMNS: [&str; 2] = ["pdl", "overlap_shared"];
+
+/// A decode.csv written before some of [`LATER_COLUMNS`] existed gets them, empty in its rows, so the rows appended
+/// now line up with its header.
+fn add_missing_columns(path: &std::path::Path) -> Result<()> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let header = text.lines().next().unwrap_or("");
-    if header.is_empty() || header.split(',').next_back() == Some("pdl") {
+    if header.is_empty() {
         return Ok(());
     }
-    let mut out = String::with_capacity(text.len() + text.lines().count() + 4);
+    let cols: Vec<&str> = header.split(',').collect();
+    // How many of the later columns the header already ends with.
+    let have = (0..=LATER_COLUMNS.len())
+        .rev()
+        .find(|&j| cols.ends_with(&LATER_COLUMNS[..j]))
+        .unwrap_or(0);
+    let missing = &LATER_COLUMNS[have..];
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let empty = ",".repeat(missing.len());
+    let mut out = String::with_capacity(text.len() + text.lines().count() * missing.len() + 32);
     for (i, line) in text.lines().enumerate() {
         out.push_str(line);
-        out.push_str(if i == 0 { ",pdl\n" } else { ",\n" });
+        if i == 0 {
+            out.push(',');
+            out.push_str(&missing.join(","));
+        } else {
+            out.push_str(&empty);
+        }
+        out.push('\n');
     }
-    std::fs::write(path, out)
-        .with_context(|| format!("adding the pdl column to {}", path.display()))?;
+    std::fs::write(path, out).with_context(|| format!("adding columns to {}", path.display()))?;
     eprintln!(
-        "{}: added the pdl column (empty in its earlier rows)",
-        path.display()
+        "{}: added the columns {} (empty in its earlier rows)",
+        path.display(),
+        missing.join(", ")
     );
     Ok(())
 }
@@ -673,6 +702,9 @@ struct DecodeCsvRow {
     /// `on` / `off`: programmatic dependent launch of every kernel (`--pdl`); empty in rows written before the
     /// column existed.
     pdl: &'static str,
+    /// `on` / `off`: the shared expert on a second stream (`--overlap-shared`); empty in rows written before the
+    /// column existed.
+    overlap_shared: &'static str,
 }
 
 fn append_csv(
@@ -687,7 +719,7 @@ fn append_csv(
     let path = dir.join("decode.csv");
     let new = !path.exists();
     if !new {
-        add_missing_pdl_column(&path)?;
+        add_missing_columns(&path)?;
     }
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -725,6 +757,7 @@ fn append_csv(
         expert_slots: plan.map.slots,
         logical_experts: plan.map.logical,
         pdl: on_off_name(args.pdl),
+        overlap_shared: on_off_name(args.overlap_shared),
     })?;
     w.flush()?;
     eprintln!("appended a row to {}", path.display());
@@ -747,6 +780,7 @@ mod tests {
             out: None,
             parity: false,
             pdl: false,
+            overlap_shared: false,
         }
     }
 
@@ -767,22 +801,24 @@ mod tests {
         assert!(parse(&["--pdl", "maybe"]).is_err());
     }
 
-    /// A decode.csv from before the pdl column gets it (empty in the old rows); one with it is left alone.
+    /// A decode.csv from before the later columns gets them (empty in the old rows); one with them is left alone.
     #[test]
-    fn an_old_decode_csv_gets_the_pdl_column() {
+    fn an_old_decode_csv_gets_the_later_columns() {
         let dir = std::env::temp_dir().join(format!("megamoe-decode-csv-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("decode.csv");
         std::fs::write(&path, "a,b\n1,2\n3,\n").unwrap();
-        add_missing_pdl_column(&path).unwrap();
+        add_missing_columns(&path).unwrap();
+        let want = "a,b,pdl,overlap_shared\n1,2,,\n3,,,\n";
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), want);
+        add_missing_columns(&path).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), want);
+        // A file that has the first later column gets only the second.
+        std::fs::write(&path, "a,pdl\n1,on\n").unwrap();
+        add_missing_columns(&path).unwrap();
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
-            "a,b,pdl\n1,2,\n3,,\n"
-        );
-        add_missing_pdl_column(&path).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(&path).unwrap(),
-            "a,b,pdl\n1,2,\n3,,\n"
+            "a,pdl,overlap_shared\n1,on,\n"
         );
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -222,7 +222,9 @@ fn main_job_decode() -> decode::DecodeArgs {
         seed: 0x5EED,
         out: None,
         parity: false,
-        pdl: true,
+        // Both off, as `megamoe decode`'s defaults, until a GPU run has checked and measured them.
+        pdl: false,
+        overlap_shared: false,
     }
 }
 
