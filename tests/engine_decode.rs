@@ -124,34 +124,26 @@ fn graph_replay_equals_eager_steps() {
         );
     }
 
-    let mut engine = Engine::new(&gpu, &w, shape).unwrap();
-    engine.set_pdl(true).unwrap();
-    engine.prefill(&gpu, &prompts, &params, &[]).unwrap();
-    for (step, want) in eager.iter().enumerate() {
-        if step > 0 {
-            engine.decode_step(&gpu).unwrap();
+    // Graph replays of an engine against the eager steps, bit for bit: plain, then with the shared expert on the
+    // FFN's second stream (a parallel branch of the step graph that rejoins before the combine: the same kernels
+    // on the same inputs, so the same bits).
+    for (overlap, what) in [
+        (false, "graph replay logits differ from the eager step's"),
+        (
+            true,
+            "logits with the shared expert overlapped differ from the in-line eager step's",
+        ),
+    ] {
+        let mut engine = Engine::new(&gpu, &w, shape).unwrap();
+        engine.set_pdl(true).unwrap();
+        engine.set_overlap_shared(overlap).unwrap();
+        engine.prefill(&gpu, &prompts, &params, &[]).unwrap();
+        for (step, want) in eager.iter().enumerate() {
+            if step > 0 {
+                engine.decode_step(&gpu).unwrap();
+            }
+            let got = engine.state.read_logits(&gpu.stream).unwrap();
+            assert!(same_bits(&got, want), "step {step}: {what}");
         }
-        let got = engine.state.read_logits(&gpu.stream).unwrap();
-        assert!(
-            same_bits(&got, want),
-            "step {step}: graph replay logits differ from the eager step's"
-        );
-    }
-
-    // The shared expert on the FFN's second stream (a parallel branch of the step graph that rejoins before the
-    // combine): the same kernels on the same inputs, so the same bits.
-    let mut overlapped = Engine::new(&gpu, &w, shape).unwrap();
-    overlapped.set_pdl(true).unwrap();
-    overlapped.set_overlap_shared(true).unwrap();
-    overlapped.prefill(&gpu, &prompts, &params, &[]).unwrap();
-    for (step, want) in eager.iter().enumerate() {
-        if step > 0 {
-            overlapped.decode_step(&gpu).unwrap();
-        }
-        let got = overlapped.state.read_logits(&gpu.stream).unwrap();
-        assert!(
-            same_bits(&got, want),
-            "step {step}: logits with the shared expert overlapped differ from the in-line eager step's"
-        );
     }
 }

@@ -310,34 +310,23 @@ impl DecodeState {
             self.config.n_layers
         );
         with_pdl(self.pdl, || {
-            self.run_half_launches(half, gpu, stream, weights, layer)
+            let (x_in, x_out) = match half {
+                Half::Attention => (&self.x, &self.x_mid),
+                Half::Ffn => (&self.x_mid, &self.x),
+            };
+            let io = LayerIo {
+                x_in,
+                x_out,
+                positions: &self.positions,
+                tokens: self.ws.sampler.next,
+                caches: &self.caches.layers[layer],
+                marks: self.marks.as_ref(),
+            };
+            match half {
+                Half::Attention => self.attn.run(gpu, stream, weights, layer, &io),
+                Half::Ffn => self.ffn.run(gpu, stream, weights, layer, &io),
+            }
         })
-    }
-
-    fn run_half_launches(
-        &mut self,
-        half: Half,
-        gpu: &Gpu,
-        stream: &Stream,
-        weights: &DeviceWeights,
-        layer: usize,
-    ) -> Result<()> {
-        let (x_in, x_out) = match half {
-            Half::Attention => (&self.x, &self.x_mid),
-            Half::Ffn => (&self.x_mid, &self.x),
-        };
-        let io = LayerIo {
-            x_in,
-            x_out,
-            positions: &self.positions,
-            tokens: self.ws.sampler.next,
-            caches: &self.caches.layers[layer],
-            marks: self.marks.as_ref(),
-        };
-        match half {
-            Half::Attention => self.attn.run(gpu, stream, weights, layer, &io),
-            Half::Ffn => self.ffn.run(gpu, stream, weights, layer, &io),
-        }
     }
 
     /// Steps 17-18: `hc_head` + final norm of `x` -> `u` BF16 `[B, D]`, then the LM head `logits = head.weight u`
@@ -394,21 +383,14 @@ impl DecodeState {
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        with_pdl(self.pdl, || self.decode_step_launches(gpu, stream, weights))
-    }
-
-    fn decode_step_launches(
-        &mut self,
-        gpu: &Gpu,
-        stream: &Stream,
-        weights: &DeviceWeights,
-    ) -> Result<()> {
-        self.layers(gpu, stream, weights)?;
-        self.head(gpu, stream, weights)?;
-        self.mark(stream, group::HEAD)?;
-        self.sample(gpu, stream)?;
-        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)?;
-        self.mark(stream, group::SAMPLER)
+        with_pdl(self.pdl, || {
+            self.layers(gpu, stream, weights)?;
+            self.head(gpu, stream, weights)?;
+            self.mark(stream, group::HEAD)?;
+            self.sample(gpu, stream)?;
+            sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)?;
+            self.mark(stream, group::SAMPLER)
+        })
     }
 
     fn mark(&self, stream: &Stream, what: &'static str) -> Result<()> {
