@@ -14,10 +14,10 @@ mod common;
 use common::engine::{rig_weights, short_window_config, tokens};
 use common::gpu;
 use megamoe::engine::io::StepShape;
-use megamoe::engine::parity::{free_running, ParitySummary};
+use megamoe::engine::parity::{free_running, ParityModels, ParitySummary};
 use megamoe::engine::run::Engine;
 use megamoe::model::sampler::SamplerConfig;
-use megamoe::model::{CachePolicy, Model, Weights};
+use megamoe::model::{CachePolicy, Model, MoeSum, RoutedActivations, Weights};
 use megamoe::ops::sampler::SamplerParams;
 
 #[test]
@@ -27,19 +27,38 @@ fn greedy_decode_tracks_the_cpu_model() {
     let cfg = short_window_config();
     let (batch, context, prompt_len, steps) = (2, 64, 6, 30);
     let (seed, w, cpu) = rig_weights(&gpu, "engine_decode_greedy", cfg.clone(), batch, context);
-    let mut floor =
-        Model::new(Weights::synthetic(cfg.clone(), seed, CachePolicy::All).unwrap()).unwrap();
-    floor.reverse_expert_sum = true;
+    let model = |moe_sum, routed_activations| {
+        let mut m =
+            Model::new(Weights::synthetic(cfg.clone(), seed, CachePolicy::All).unwrap()).unwrap();
+        (m.moe_sum, m.routed_activations) = (moe_sum, routed_activations);
+        m
+    };
+    let formats = model(MoeSum::F32, RoutedActivations::Nvfp4);
+    let floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Fp8);
     let mut engine = Engine::new(&gpu, &w, StepShape { batch, context }).unwrap();
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| tokens(seed ^ (0x77 + b as u64), prompt_len, cfg.vocab_size))
         .collect();
-    let rows = free_running(&gpu, &mut engine, &cpu, &floor, &prompts, steps, |_| {}).unwrap();
-    println!("step  seq  cos(GPU,CPU)  cos(CPU',CPU)  GPU  CPU  CPU'");
+    let models = ParityModels {
+        cpu: &cpu,
+        formats: &formats,
+        floor: &floor,
+    };
+    let rows = free_running(&gpu, &mut engine, &models, &prompts, steps, |_| {}).unwrap();
+    println!("step  seq  cos(GPU,CPU)  cos(GPU,CPU4)  cos(CPU4,CPU)  cos(CPU',CPU)  GPU  CPU  CPU4  CPU'");
     for r in &rows {
         println!(
-            "{:>4}  {:>3}  {:.6}      {:.6}       {:>5} {:>5} {:>5}",
-            r.step, r.seq, r.cos_gpu, r.cos_floor, r.gpu_token, r.cpu_token, r.floor_token
+            "{:>4}  {:>3}  {:.6}      {:.6}       {:.6}       {:.6}       {:>5} {:>5} {:>5} {:>5}",
+            r.step,
+            r.seq,
+            r.cos_gpu,
+            r.cos_gpu_formats,
+            r.cos_formats,
+            r.cos_floor,
+            r.gpu_token,
+            r.cpu_token,
+            r.formats_token,
+            r.floor_token
         );
     }
     let s = ParitySummary::of(&rows);

@@ -224,9 +224,9 @@ fn simulated_ranks_equal_the_single_rank_moe() {
             // Per element, the sum of the terms' magnitudes (the f32 reassociation bound's scale).
             let mut abs_sum = vec![0f32; single.len()];
             for (t, (x, r)) in f.iter().zip(&routing).enumerate() {
-                let f_q = model.moe_input(x).unwrap();
+                let (f_r, f_q) = (model.routed_input(x).unwrap(), model.moe_input(x).unwrap());
                 let mut terms: Vec<Vec<f32>> = (0..r.experts.len())
-                    .map(|j| model.routed_partial(layer, &f_q, r, &[j]).unwrap())
+                    .map(|j| model.routed_partial(layer, &f_r, r, &[j]).unwrap())
                     .collect();
                 terms.push(model.shared_expert_out(layer, &f_q).unwrap());
                 for term in terms {

@@ -23,9 +23,9 @@ use megamoe::engine::{DeviceWeights, ExpertMap, MemoryPlan, WeightSource};
 use megamoe::formats::{fp8, nvfp4};
 use megamoe::gpu::arena;
 use megamoe::gpu::Gpu;
-use megamoe::model::numerics::{bf16_round, cosine, fp8_act_quant, silu};
+use megamoe::model::numerics::{cosine, fp8_act_quant};
 use megamoe::model::reference::Routing;
-use megamoe::model::{CachePolicy, Model, ModelConfig, StepOutput, Weights};
+use megamoe::model::{CachePolicy, Model, ModelConfig, RoutedActivations, StepOutput, Weights};
 use megamoe::ops::inputs::fresh_seed;
 use megamoe::ops::moe_gemm::RoutedBatch;
 use megamoe::ops::norm_quant::QuantView;
@@ -129,10 +129,27 @@ fn cpu_slots(m: &Model, seed: u64, batch: &StepBatch) -> Vec<Slot> {
     slots
 }
 
-/// `Model::moe` with logical expert `e` reading the weights of logical expert `e % slots` (the [`ExpertMap`] rule,
-/// slot `s` holding logical expert `s`; `slots == E` is the model itself): f quantized to FP8 1x128 once, each
-/// routed expert `Model::expert` (BF16 g and u, BF16 h, FP8 h into w2, BF16 output) times its weight, summed in f32
-/// in routing order, then the shared expert, then one BF16 rounding.
+/// `Model::moe_as` in the formats `routed` with logical expert `e` reading the weights of logical expert
+/// `e % slots` (the [`ExpertMap`] rule, slot `s` holding logical expert `s`; `slots == E` is the model itself).
+#[allow(clippy::too_many_arguments)]
+fn moe_mapped(
+    m: &Model,
+    layer: usize,
+    f: &[f32],
+    experts: &[usize],
+    weights: &[f32],
+    slots: usize,
+    routed: RoutedActivations,
+) -> Vec<f32> {
+    let routing = Routing {
+        scores: Vec::new(),
+        experts: experts.iter().map(|&e| e % slots).collect(),
+        weights: weights.to_vec(),
+    };
+    m.moe_as(layer, f, &routing, routed).unwrap()
+}
+
+/// The model's MoE (FP8 activations, the checkpoint's formats) with the expert map.
 fn moe_cpu(
     m: &Model,
     layer: usize,
@@ -141,26 +158,7 @@ fn moe_cpu(
     weights: &[f32],
     slots: usize,
 ) -> Vec<f32> {
-    let cfg = m.config();
-    let f_q = fp8_act_quant(f).unwrap();
-    let mut y = vec![0f32; cfg.dim];
-    for (&e, &w) in experts.iter().zip(weights) {
-        let ye = m
-            .expert(
-                &format!("layers.{layer}.ffn.experts.{}", e % slots),
-                &f_q,
-                w,
-            )
-            .unwrap();
-        y.iter_mut().zip(&ye).for_each(|(a, b)| *a += b);
-    }
-    if cfg.n_shared_experts > 0 {
-        let ys = m
-            .expert(&format!("layers.{layer}.ffn.shared_experts"), &f_q, 1.0)
-            .unwrap();
-        y.iter_mut().zip(&ys).for_each(|(a, b)| *a += b);
-    }
-    y.iter().map(|&v| bf16_round(v)).collect()
+    moe_mapped(m, layer, f, experts, weights, slots, RoutedActivations::Fp8)
 }
 
 /// One row through NVFP4 with a per-row global scale (`formats::nvfp4`, the rule of norm_quant's quantizer and of
@@ -169,11 +167,9 @@ fn nvfp4_round_trip(x: &[f32]) -> Vec<f32> {
     nvfp4::dequantize_rows(&nvfp4::quantize_rows(x, 1, x.len()).unwrap())
 }
 
-/// [`moe_cpu`] in the GPU's formats: the routed experts read f as NVFP4 (not FP8), compute g and u in f32 (no BF16
-/// rounding), `h = silu(min(g, L)) clamp(u, -L, L) w` in f32 quantized to NVFP4 (not BF16 then FP8), and keep each
-/// expert's w2 output in f32 (moe_gemm's combine adds the unrounded products); the shared expert is the model's
-/// (FP8 f, BF16 output: `dense::shared_expert`'s contract). The weights are the model's (the synthetic MXFP4 experts
-/// convert to NVFP4 exactly: `DeviceWeights::inexact_blocks` is 0).
+/// The model's MoE in the GPU's formats (`RoutedActivations::Nvfp4`: NVFP4 f and h, f32 g, u and w2 outputs;
+/// the shared expert as the model) with the expert map. The weights are the model's (the synthetic MXFP4
+/// experts convert to NVFP4 exactly: `DeviceWeights::inexact_blocks` is 0).
 fn moe_like_gpu(
     m: &Model,
     layer: usize,
@@ -182,33 +178,15 @@ fn moe_like_gpu(
     weights: &[f32],
     slots: usize,
 ) -> Vec<f32> {
-    let cfg = m.config();
-    let lim = cfg.swiglu_limit;
-    let f_nv = nvfp4_round_trip(f);
-    let mut y = vec![0f32; cfg.dim];
-    for (&e, &w) in experts.iter().zip(weights) {
-        let p = format!("layers.{layer}.ffn.experts.{}", e % slots);
-        let g = m.weights.matvec(&format!("{p}.w1.weight"), &f_nv).unwrap();
-        let u = m.weights.matvec(&format!("{p}.w3.weight"), &f_nv).unwrap();
-        let h: Vec<f32> = g
-            .iter()
-            .zip(&u)
-            .map(|(&g, &u)| silu(g.min(lim)) * u.clamp(-lim, lim) * w)
-            .collect();
-        let ye = m
-            .weights
-            .matvec(&format!("{p}.w2.weight"), &nvfp4_round_trip(&h))
-            .unwrap();
-        y.iter_mut().zip(&ye).for_each(|(a, b)| *a += b);
-    }
-    if cfg.n_shared_experts > 0 {
-        let f_q = fp8_act_quant(f).unwrap();
-        let ys = m
-            .expert(&format!("layers.{layer}.ffn.shared_experts"), &f_q, 1.0)
-            .unwrap();
-        y.iter_mut().zip(&ys).for_each(|(a, b)| *a += b);
-    }
-    y.iter().map(|&v| bf16_round(v)).collect()
+    moe_mapped(
+        m,
+        layer,
+        f,
+        experts,
+        weights,
+        slots,
+        RoutedActivations::Nvfp4,
+    )
 }
 
 /// The CPU's 6th minus 7th largest `score + bias` (a biased layer's selection margin).

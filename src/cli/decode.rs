@@ -16,7 +16,7 @@ use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::Gpu;
 use crate::model::sampler::SamplerConfig;
 use crate::model::weights::element_bits;
-use crate::model::{CachePolicy, Model, Weights};
+use crate::model::{CachePolicy, Model, MoeSum, RoutedActivations, Weights};
 use crate::ops::sampler::SamplerParams;
 use crate::progress::Progress;
 
@@ -53,8 +53,9 @@ pub struct DecodeArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Instead of timing: end-to-end parity with the CPU model (fed the GPU's greedy tokens) over
-    /// --max-new-tokens steps, beside the floor of the CPU model against itself with one rounding order changed;
-    /// writes parity.csv. The CPU model runs every step, so this is for the small geometry (--model small).
+    /// --max-new-tokens steps, beside the CPU model in the GPU's NVFP4 expert activations and the floor of the
+    /// CPU model against itself with one rounding changed; writes parity.csv. The CPU models run every step, so
+    /// this is for the small geometry (--model small).
     #[arg(long)]
     pub parity: bool,
     /// Programmatic dependent launch for every kernel of a step, `on` or `off` (the default): with `on` each
@@ -412,50 +413,78 @@ fn run_parity(
     prompts: &[Vec<u32>],
     out: &std::path::Path,
 ) -> Result<()> {
-    let cpu = Model::new(Weights::synthetic(
-        cfg.clone(),
-        args.seed,
-        CachePolicy::All,
-    )?)?;
-    let mut floor = Model::new(Weights::synthetic(
-        cfg.clone(),
-        args.seed,
-        CachePolicy::All,
-    )?)?;
-    floor.reverse_expert_sum = true;
+    let model = |moe_sum, routed_activations| -> Result<Model> {
+        let mut m = Model::new(Weights::synthetic(
+            cfg.clone(),
+            args.seed,
+            CachePolicy::All,
+        )?)?;
+        (m.moe_sum, m.routed_activations) = (moe_sum, routed_activations);
+        Ok(m)
+    };
+    let cpu = model(MoeSum::F32, RoutedActivations::Fp8)?;
+    let formats = model(MoeSum::F32, RoutedActivations::Nvfp4)?;
+    let floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Fp8)?;
+    let models = parity::ParityModels {
+        cpu: &cpu,
+        formats: &formats,
+        floor: &floor,
+    };
     let mut progress = Progress::new("parity", args.max_new_tokens);
-    let rows = parity::free_running(
-        gpu,
-        engine,
-        &cpu,
-        &floor,
-        prompts,
-        args.max_new_tokens,
-        |i| progress.tick(&format!("step {}", i + 1)),
-    )?;
+    let rows = parity::free_running(gpu, engine, &models, prompts, args.max_new_tokens, |i| {
+        progress.tick(&format!("step {}", i + 1))
+    })?;
     println!(
-        "\n== parity: {} on {} (batch {}, prompt {}), GPU vs CPU model fed the GPU's tokens ==",
+        "\n== parity: {} on {} (batch {}, prompt {}), GPU vs CPU models fed the GPU's tokens ==",
         cfg.name, gpu.info.name, args.batch[0], args.prompt_len
     );
-    println!("step  seq  cos(GPU, CPU)  cos(CPU', CPU)  GPU token  CPU argmax  CPU' argmax");
+    println!(
+        "CPU: the model; CPU4: the model with the routed experts in the GPU's NVFP4 activations; CPU': the \
+         model with its MoE summed in BF16 (the noise floor)"
+    );
+    println!(
+        "step  seq  cos(GPU,CPU)  cos(GPU,CPU4)  cos(CPU4,CPU)  cos(CPU',CPU)    GPU   CPU  CPU4  CPU'"
+    );
     for r in &rows {
         println!(
-            "{:>4}  {:>3}  {:>13.6}  {:>14.6}  {:>9}  {:>10}  {:>11}",
-            r.step, r.seq, r.cos_gpu, r.cos_floor, r.gpu_token, r.cpu_token, r.floor_token
+            "{:>4}  {:>3}  {:>12.6}  {:>13.6}  {:>13.6}  {:>13.6}  {:>5} {:>5} {:>5} {:>5}",
+            r.step,
+            r.seq,
+            r.cos_gpu,
+            r.cos_gpu_formats,
+            r.cos_formats,
+            r.cos_floor,
+            r.gpu_token,
+            r.cpu_token,
+            r.formats_token,
+            r.floor_token
         );
     }
     let s = parity::ParitySummary::of(&rows);
-    println!(
-        "GPU vs CPU: min cosine {:.6}, mean {:.6}, greedy agreement {}/{}; floor (CPU' vs CPU): min {:.6}, mean \
-         {:.6}, agreement {}/{}",
-        s.min_cos_gpu,
-        s.mean_cos_gpu,
-        s.agree_gpu,
-        s.rows,
+    let line = |what: &str, min: f64, mean: f64, agree: usize| {
+        println!(
+            "{what:<44} min cosine {min:.6}, mean {mean:.6}, greedy agreement {agree}/{}",
+            s.rows
+        )
+    };
+    line("GPU vs CPU:", s.min_cos_gpu, s.mean_cos_gpu, s.agree_gpu);
+    line(
+        "GPU vs CPU4 (the implementation):",
+        s.min_cos_gpu_formats,
+        s.mean_cos_gpu_formats,
+        s.agree_gpu_formats,
+    );
+    line(
+        "CPU4 vs CPU (the NVFP4 activations' cost):",
+        s.min_cos_formats,
+        s.mean_cos_formats,
+        s.agree_formats,
+    );
+    line(
+        "CPU' vs CPU (the floor):",
         s.min_cos_floor,
         s.mean_cos_floor,
         s.agree_floor,
-        s.rows
     );
     std::fs::create_dir_all(out)?;
     let path = out.join("parity.csv");
@@ -470,9 +499,12 @@ fn run_parity(
             step: r.step,
             seq: r.seq,
             cos_gpu_cpu: r.cos_gpu,
+            cos_gpu_cpu_nvfp4: r.cos_gpu_formats,
+            cos_cpu_nvfp4_cpu: r.cos_formats,
             cos_floor_cpu: r.cos_floor,
             gpu_token: r.gpu_token,
             cpu_argmax: r.cpu_token,
+            cpu_nvfp4_argmax: r.formats_token,
             floor_argmax: r.floor_token,
         })?;
     }
@@ -623,9 +655,12 @@ struct ParityCsvRow {
     step: usize,
     seq: usize,
     cos_gpu_cpu: f64,
+    cos_gpu_cpu_nvfp4: f64,
+    cos_cpu_nvfp4_cpu: f64,
     cos_floor_cpu: f64,
     gpu_token: u32,
     cpu_argmax: u32,
+    cpu_nvfp4_argmax: u32,
     floor_argmax: u32,
 }
 

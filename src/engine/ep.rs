@@ -176,7 +176,7 @@ pub fn combine_partials(partials: &[Vec<f32>], shared: &[f32]) -> Result<Vec<f32
 
 /// Rank `rank`'s partial MoE rows `[T, D]` (f32): per token, [`Model::routed_partial`] over the token's picks in
 /// [`dispatch_pairs`] for this rank (routing order); a token with no owned pick gets a zero row. `f_q[t]` is
-/// [`Model::moe_input`] of token t's FFN input.
+/// [`Model::routed_input`] of token t's FFN input.
 pub fn rank_partials(
     model: &Model,
     layer: usize,
@@ -221,16 +221,17 @@ pub fn simulate_moe(
     routing: &[Routing],
     partition: &ExpertPartition,
 ) -> Result<Vec<f32>> {
-    let f_q: Vec<Vec<f32>> = f
+    let f_r: Vec<Vec<f32>> = f
         .iter()
-        .map(|x| model.moe_input(x))
+        .map(|x| model.routed_input(x))
         .collect::<Result<_>>()?;
     let partials: Vec<Vec<f32>> = (0..partition.world())
-        .map(|rank| rank_partials(model, layer, &f_q, routing, partition, rank))
+        .map(|rank| rank_partials(model, layer, &f_r, routing, partition, rank))
         .collect::<Result<_>>()?;
     let mut shared = Vec::with_capacity(f.len() * model.config().dim);
-    for x in &f_q {
-        shared.extend(model.shared_expert_out(layer, x)?);
+    for x in f {
+        let x = model.moe_input(x)?;
+        shared.extend(model.shared_expert_out(layer, &x)?);
     }
     combine_partials(&partials, &shared)
 }

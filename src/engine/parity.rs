@@ -1,18 +1,49 @@
 //! End-to-end parity of the GPU engine with the CPU model (issue #25's "free running" check).
 //!
-//! The GPU decodes greedily on its own; the CPU model is fed the tokens the GPU chose, so every step compares the
-//! logits of the same history. Beside each comparison stands the noise floor: the CPU model against itself with one
-//! rounding order changed (`Model::reverse_expert_sum`, the MoE output's terms summed in reverse order). Two faithful
-//! implementations of this model differ at least that much (a 1-ulp change flips near-tied router choices and
-//! grows layer by layer), so the GPU is judged against the floor, not against bit equality.
+//! The GPU decodes greedily on its own; the CPU models are fed the tokens the GPU chose, so every step compares
+//! the logits of the same history. Three CPU models run beside it on the same weights ([`ParityModels`]):
+//! * the model itself (the checkpoint's formats);
+//! * the model in the GPU's formats: the routed experts read NVFP4 activations (f and h), which moe_gemm does by
+//!   design where the checkpoint uses FP8 (`RoutedActivations::Nvfp4`). The GPU's implementation is judged
+//!   against this one; its distance from the model is the cost of the format, measured on the CPU;
+//! * the noise floor: the model with one rounding changed (`MoeSum::Bf16Accumulator`, the MoE's terms added
+//!   into a BF16 accumulator). Two faithful implementations of this model differ at least that much (a 1-ulp
+//!   change flips near-tied router choices and grows layer by layer), so the GPU is judged against the floor,
+//!   not against bit equality.
 
 use crate::engine::run::Engine;
 use crate::gpu::Gpu;
 use crate::model::numerics::cosine;
 use crate::model::sampler::SamplerConfig;
-use crate::model::Model;
+use crate::model::{Model, MoeSum, RoutedActivations};
 use crate::ops::sampler::SamplerParams;
 use anyhow::{ensure, Result};
+
+/// The CPU models a parity run compares with (module docs). All three on the same weights.
+pub struct ParityModels<'a> {
+    pub cpu: &'a Model,
+    pub formats: &'a Model,
+    pub floor: &'a Model,
+}
+
+impl ParityModels<'_> {
+    fn check(&self) -> Result<()> {
+        let (c, f, n) = (self.cpu, self.formats, self.floor);
+        ensure!(
+            (c.moe_sum, c.routed_activations) == (MoeSum::F32, RoutedActivations::Fp8),
+            "parity: the CPU model must be the model itself"
+        );
+        ensure!(
+            (f.moe_sum, f.routed_activations) == (MoeSum::F32, RoutedActivations::Nvfp4),
+            "parity: the formats model must be the model with RoutedActivations::Nvfp4"
+        );
+        ensure!(
+            (n.moe_sum, n.routed_activations) == (MoeSum::Bf16Accumulator, RoutedActivations::Fp8),
+            "parity: the floor model must be the model with MoeSum::Bf16Accumulator"
+        );
+        Ok(())
+    }
+}
 
 /// One sequence at one step.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,12 +52,17 @@ pub struct ParityRow {
     pub seq: usize,
     /// Cosine of the GPU's logits with the CPU model's.
     pub cos_gpu: f64,
-    /// Cosine of the CPU model with one rounding order changed with the CPU model (the floor).
+    /// Cosine of the GPU's logits with the CPU model in the GPU's formats (the implementation's distance).
+    pub cos_gpu_formats: f64,
+    /// Cosine of the CPU model in the GPU's formats with the CPU model (the formats' cost).
+    pub cos_formats: f64,
+    /// Cosine of the CPU model with one rounding changed with the CPU model (the floor).
     pub cos_floor: f64,
     /// The GPU's greedy token (the history every model continues with).
     pub gpu_token: u32,
-    /// The CPU model's argmax and the floor model's.
+    /// The argmax of the CPU model, of the formats model and of the floor model.
     pub cpu_token: u32,
+    pub formats_token: u32,
     pub floor_token: u32,
 }
 
@@ -41,44 +77,41 @@ pub fn argmax(v: &[f32]) -> usize {
     best
 }
 
-/// Prefills `prompts` on the GPU and on both CPU models, then runs `steps` greedy decode steps, comparing after
-/// each: one [`ParityRow`] per sequence and step. `cpu` and `floor` must be the same weights, `floor` with
-/// `reverse_expert_sum` on. The CPU models' cost is the bound on what this can afford (the small geometry).
+/// Prefills `prompts` on the GPU and on the CPU models, then runs `steps` greedy decode steps, comparing after
+/// each: one [`ParityRow`] per sequence and step. The CPU models' cost is the bound on what this can afford (the
+/// small geometry).
 pub fn free_running(
     gpu: &Gpu,
     engine: &mut Engine,
-    cpu: &Model,
-    floor: &Model,
+    models: &ParityModels,
     prompts: &[Vec<u32>],
     steps: usize,
     mut on_step: impl FnMut(usize),
 ) -> Result<Vec<ParityRow>> {
-    ensure!(
-        floor.reverse_expert_sum && !cpu.reverse_expert_sum,
-        "parity: the floor model must be the CPU model with reverse_expert_sum on"
-    );
-    let vocab = cpu.config().vocab_size;
+    models.check()?;
+    let cpu_models = [models.cpu, models.formats, models.floor];
+    let vocab = models.cpu.config().vocab_size;
     let params = SamplerParams::from_config(&SamplerConfig::greedy(), steps + 1)?;
     engine.prefill(gpu, prompts, &params, &[])?;
-    let mut states: Vec<_> = prompts
+    // Per sequence, per CPU model: its state and its latest logits.
+    let mut cpus: Vec<Vec<_>> = prompts
         .iter()
-        .map(|_| (cpu.new_state(), floor.new_state()))
-        .collect();
-    let mut logits: Vec<(Vec<f32>, Vec<f32>)> = prompts
-        .iter()
-        .zip(states.iter_mut())
-        .map(|(p, (a, b))| -> Result<_> {
-            Ok((
-                cpu.prefill(a, p, false)?.logits,
-                floor.prefill(b, p, false)?.logits,
-            ))
+        .map(|p| {
+            cpu_models
+                .iter()
+                .map(|m| -> Result<_> {
+                    let mut st = m.new_state();
+                    let logits = m.prefill(&mut st, p, false)?.logits;
+                    Ok((st, logits))
+                })
+                .collect::<Result<_>>()
         })
         .collect::<Result<_>>()?;
     let mut rows = Vec::with_capacity(steps * prompts.len());
     for step in 0..steps {
         let g_all = engine.state.read_logits(&gpu.stream)?;
         let sampled = engine.sampled(gpu)?;
-        for (b, ((sa, sb), (la, lb))) in states.iter_mut().zip(logits.iter_mut()).enumerate() {
+        for (b, seq) in cpus.iter_mut().enumerate() {
             let g = &g_all[b * vocab..][..vocab];
             ensure!(
                 g.iter().all(|v| v.is_finite()),
@@ -89,18 +122,23 @@ pub fn free_running(
                 "parity: step {step} sequence {b}: the GPU sampled nothing"
             );
             let t = sampled[b] as u32;
+            let (cpu, formats, floor) = (&seq[0].1, &seq[1].1, &seq[2].1);
             rows.push(ParityRow {
                 step,
                 seq: b,
-                cos_gpu: cosine(g, la),
-                cos_floor: cosine(lb, la),
+                cos_gpu: cosine(g, cpu),
+                cos_gpu_formats: cosine(g, formats),
+                cos_formats: cosine(formats, cpu),
+                cos_floor: cosine(floor, cpu),
                 gpu_token: t,
-                cpu_token: argmax(la) as u32,
-                floor_token: argmax(lb) as u32,
+                cpu_token: argmax(cpu) as u32,
+                formats_token: argmax(formats) as u32,
+                floor_token: argmax(floor) as u32,
             });
             if step + 1 < steps {
-                *la = cpu.decode_step(sa, t)?.logits;
-                *lb = floor.decode_step(sb, t)?.logits;
+                for (m, (st, logits)) in cpu_models.iter().zip(seq.iter_mut()) {
+                    *logits = m.decode_step(st, t)?.logits;
+                }
             }
         }
         if step + 1 < steps {
@@ -116,10 +154,17 @@ pub fn free_running(
 pub struct ParitySummary {
     pub min_cos_gpu: f64,
     pub mean_cos_gpu: f64,
+    pub min_cos_gpu_formats: f64,
+    pub mean_cos_gpu_formats: f64,
+    pub min_cos_formats: f64,
+    pub mean_cos_formats: f64,
     pub min_cos_floor: f64,
     pub mean_cos_floor: f64,
-    /// Rows where the CPU model's argmax is the GPU's token, and where the floor model's is the CPU's.
+    /// Rows where the GPU's token is the CPU model's argmax, the formats model's argmax; where the formats
+    /// model's and the floor model's argmax are the CPU model's.
     pub agree_gpu: usize,
+    pub agree_gpu_formats: usize,
+    pub agree_formats: usize,
     pub agree_floor: usize,
     pub rows: usize,
 }
@@ -127,13 +172,22 @@ pub struct ParitySummary {
 impl ParitySummary {
     pub fn of(rows: &[ParityRow]) -> ParitySummary {
         let n = rows.len().max(1) as f64;
+        let min = |f: fn(&ParityRow) -> f64| rows.iter().map(f).fold(1.0, f64::min);
+        let mean = |f: fn(&ParityRow) -> f64| rows.iter().map(f).sum::<f64>() / n;
+        let count = |f: fn(&ParityRow) -> bool| rows.iter().filter(|r| f(r)).count();
         ParitySummary {
-            min_cos_gpu: rows.iter().map(|r| r.cos_gpu).fold(1.0, f64::min),
-            mean_cos_gpu: rows.iter().map(|r| r.cos_gpu).sum::<f64>() / n,
-            min_cos_floor: rows.iter().map(|r| r.cos_floor).fold(1.0, f64::min),
-            mean_cos_floor: rows.iter().map(|r| r.cos_floor).sum::<f64>() / n,
-            agree_gpu: rows.iter().filter(|r| r.cpu_token == r.gpu_token).count(),
-            agree_floor: rows.iter().filter(|r| r.floor_token == r.cpu_token).count(),
+            min_cos_gpu: min(|r| r.cos_gpu),
+            mean_cos_gpu: mean(|r| r.cos_gpu),
+            min_cos_gpu_formats: min(|r| r.cos_gpu_formats),
+            mean_cos_gpu_formats: mean(|r| r.cos_gpu_formats),
+            min_cos_formats: min(|r| r.cos_formats),
+            mean_cos_formats: mean(|r| r.cos_formats),
+            min_cos_floor: min(|r| r.cos_floor),
+            mean_cos_floor: mean(|r| r.cos_floor),
+            agree_gpu: count(|r| r.cpu_token == r.gpu_token),
+            agree_gpu_formats: count(|r| r.formats_token == r.gpu_token),
+            agree_formats: count(|r| r.formats_token == r.cpu_token),
+            agree_floor: count(|r| r.floor_token == r.cpu_token),
             rows: rows.len(),
         }
     }
@@ -150,16 +204,16 @@ mod tests {
         assert_eq!(argmax(&[5.0]), 0);
     }
 
-    /// The floor model computes the same model: on a short history its logits stay within a small distance of
-    /// the CPU model's (often bit-equal: a reordered f32 sum rounds to the same BF16 output until a router near-tie
-    /// flips, which longer runs reach).
+    /// The floor model computes the same model with one rounding changed: on a short history its logits stay
+    /// close to the CPU model's, yet not bit-equal (a floor of exactly 1.0 would measure nothing: the rounding
+    /// it changes must take effect).
     #[test]
-    fn reversed_expert_sum_stays_close() {
+    fn bf16_accumulated_moe_stays_close_and_differs() {
         let cfg = ModelConfig::small();
         let w = Weights::synthetic(cfg.clone(), 7, CachePolicy::All).unwrap();
         let a = Model::new(w).unwrap();
         let mut b = Model::new(Weights::synthetic(cfg, 7, CachePolicy::All).unwrap()).unwrap();
-        b.reverse_expert_sum = true;
+        b.moe_sum = MoeSum::Bf16Accumulator;
         let toks = [3u32, 17, 99, 234, 5, 411, 8, 60];
         let (mut sa, mut sb) = (a.new_state(), b.new_state());
         let la = a.prefill(&mut sa, &toks, false).unwrap().logits;
@@ -170,5 +224,6 @@ mod tests {
             toks.len()
         );
         assert!(c > 0.99, "the floor models diverge: cosine {c}");
+        assert!(la != lb, "the floor model's rounding changed nothing");
     }
 }

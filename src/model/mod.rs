@@ -48,5 +48,7 @@ pub(crate) mod codecs {
 }
 
 pub use config::{LayerKind, ModelConfig};
-pub use reference::{DecodeState, LayerTrace, Model, PrefillOutput, StepOutput};
+pub use reference::{
+    DecodeState, LayerTrace, Model, MoeSum, PrefillOutput, RoutedActivations, StepOutput,
+};
 pub use weights::{CachePolicy, Weights};

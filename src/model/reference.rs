@@ -275,14 +275,59 @@ pub enum Which {
     Indexer,
 }
 
+/// How [`Model::moe`] adds its terms (the routed experts in routing order, then the shared expert).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MoeSum {
+    /// The model: every term added in f32, the sum rounded to BF16 once.
+    #[default]
+    F32,
+    /// Each term added into a BF16 accumulator, rounded after every add (a framework that keeps the MoE output
+    /// in the activation dtype does this). The same math with one rounding changed: the CPU model against itself
+    /// with this on is the noise floor that end-to-end parity is judged by.
+    Bf16Accumulator,
+}
+
+/// The formats the routed experts compute in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RoutedActivations {
+    /// The checkpoint's: `f` as FP8 1x128 (`fp8_act_quant`), g and u rounded to BF16, `h` rounded to BF16 and
+    /// quantized to FP8 1x128 for w2 (`Model::expert`).
+    #[default]
+    Fp8,
+    /// moe_gemm's (the GPU's routed-expert kernels): `f` as NVFP4 with a per-row global scale, g and u in f32,
+    /// `h = silu(min(g, L)) clamp(u, -L, L) w` in f32 quantized to NVFP4 for w2, w2's output kept in f32. The
+    /// shared expert is unchanged (FP8, `dense::shared_expert`'s contract). The GPU is held to this model where
+    /// its formats differ from the checkpoint's by design.
+    Nvfp4,
+}
+
 /// The reference model: weights plus per-layer RoPE tables.
 pub struct Model {
     pub weights: Weights,
     ropes: Vec<RopeTable>,
-    /// Sum the MoE output's terms (the routed experts in routing order, then the shared expert) in reverse order.
-    /// The same math with one rounding order changed: the CPU model against itself with this on is the noise floor that end-to-end
-    /// parity is judged by (two faithful implementations differ by at least this much).
-    pub reverse_expert_sum: bool,
+    /// How the MoE output's terms are summed (`MoeSum::F32` is the model; the other is the noise floor).
+    pub moe_sum: MoeSum,
+    /// The routed experts' formats (`RoutedActivations::Fp8` is the model).
+    pub routed_activations: RoutedActivations,
+}
+
+/// The activation routed experts in the formats `routed` read: `f` through FP8 1x128 or through NVFP4.
+fn routed_input(f: &[f32], routed: RoutedActivations) -> Result<Vec<f32>> {
+    match routed {
+        RoutedActivations::Fp8 => fp8_act_quant(f),
+        RoutedActivations::Nvfp4 => nvfp4_round_trip(f),
+    }
+}
+
+/// One row through NVFP4 with its per-row global scale (`formats::nvfp4`: norm_quant's quantizer and moe_gemm's
+/// L1 finish) and back.
+fn nvfp4_round_trip(x: &[f32]) -> Result<Vec<f32>> {
+    use crate::formats::nvfp4;
+    Ok(nvfp4::dequantize_rows(&nvfp4::quantize_rows(
+        x,
+        1,
+        x.len(),
+    )?))
 }
 
 impl Model {
@@ -292,7 +337,8 @@ impl Model {
         Ok(Model {
             weights,
             ropes,
-            reverse_expert_sum: false,
+            moe_sum: MoeSum::F32,
+            routed_activations: RoutedActivations::Fp8,
         })
     }
 
@@ -681,37 +727,74 @@ impl Model {
         self.fp8_linear(&format!("{prefix}.w2.weight"), &h)
     }
 
-    /// MoE output for one token: Σ routed (f32, routing order) + shared, rounded to BF16 once. With
-    /// `reverse_expert_sum` the same terms are summed in reverse order (the noise floor's model).
+    /// One routed expert in moe_gemm's formats ([`RoutedActivations::Nvfp4`]): `f_nv` is `f` through NVFP4
+    /// ([`Model::routed_input`]); g, u and h in f32, h through NVFP4 before w2, the output unrounded.
+    fn expert_nvfp4(&self, prefix: &str, f_nv: &[f32], weight: f32) -> Result<Vec<f32>> {
+        let lim = self.config().swiglu_limit;
+        let g = self.weights.matvec(&format!("{prefix}.w1.weight"), f_nv)?;
+        let u = self.weights.matvec(&format!("{prefix}.w3.weight"), f_nv)?;
+        let h: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| {
+                let (g, u) = if lim > 0.0 {
+                    (g.min(lim), u.clamp(-lim, lim))
+                } else {
+                    (g, u)
+                };
+                silu(g) * u * weight
+            })
+            .collect();
+        self.weights
+            .matvec(&format!("{prefix}.w2.weight"), &nvfp4_round_trip(&h)?)
+    }
+
+    /// MoE output for one token: Σ routed (routing order) + shared, in f32, rounded to BF16 once (with
+    /// [`MoeSum::Bf16Accumulator`] rounded after every add: the noise floor's model). The routed experts read
+    /// [`Model::routed_input`], the shared expert [`Model::moe_input`].
     pub fn moe(&self, layer: usize, f: &[f32], routing: &Routing) -> Result<Vec<f32>> {
-        let f_q = fp8_act_quant(f)?;
-        let picks: Vec<usize> = (0..routing.experts.len()).collect();
+        self.moe_as(layer, f, routing, self.routed_activations)
+    }
+
+    /// [`Model::moe`] with the routed experts in the formats `routed` (whatever the model's own setting).
+    pub fn moe_as(
+        &self,
+        layer: usize,
+        f: &[f32],
+        routing: &Routing,
+        routed: RoutedActivations,
+    ) -> Result<Vec<f32>> {
+        let f_q = self.moe_input(f)?;
+        let f_r = routed_input(f, routed)?;
         let mut y = vec![0f32; self.config().dim];
-        if self.reverse_expert_sum {
-            self.add_shared_expert(layer, &f_q, &mut y)?;
-            for &j in picks.iter().rev() {
-                self.add_routed_pick(layer, &f_q, routing, j, &mut y)?;
+        let round_each = self.moe_sum == MoeSum::Bf16Accumulator;
+        for j in 0..routing.experts.len() {
+            self.add_routed_pick(layer, &f_r, routing, j, routed, &mut y)?;
+            if round_each {
+                bf16_round_slice(&mut y);
             }
-        } else {
-            for &j in &picks {
-                self.add_routed_pick(layer, &f_q, routing, j, &mut y)?;
-            }
-            self.add_shared_expert(layer, &f_q, &mut y)?;
         }
+        self.add_shared_expert(layer, &f_q, &mut y)?;
         bf16_round_slice(&mut y);
         Ok(y)
     }
 
-    /// The activation every expert of the MoE reads: `f` quantized as the model's FP8 activations
-    /// (`fp8_act_quant`, 1x128 blocks).
+    /// The activation the shared expert reads (and, with [`RoutedActivations::Fp8`], every expert): `f`
+    /// quantized as the model's FP8 activations (`fp8_act_quant`, 1x128 blocks).
     pub fn moe_input(&self, f: &[f32]) -> Result<Vec<f32>> {
         fp8_act_quant(f)
     }
 
+    /// The activation the routed experts read, per [`Model::routed_activations`]: [`Model::moe_input`], or `f`
+    /// through NVFP4 with its per-row global scale and back.
+    pub fn routed_input(&self, f: &[f32]) -> Result<Vec<f32>> {
+        routed_input(f, self.routed_activations)
+    }
+
     /// The f32 sum, unrounded, of the routed picks `picks` (indices into `routing.experts`) of one token, added in
     /// the order given to a zero row: the part of [`Model::moe`]'s sum that those picks contribute. `f_q` is
-    /// [`Model::moe_input`] of the token's FFN input. With every pick in routing order this is exactly the routed
-    /// sum `moe` adds the shared expert to.
+    /// [`Model::routed_input`] of the token's FFN input. With every pick in routing order this is exactly the
+    /// routed sum `moe` adds the shared expert to (with [`MoeSum::F32`]).
     pub fn routed_partial(
         &self,
         layer: usize,
@@ -721,7 +804,7 @@ impl Model {
     ) -> Result<Vec<f32>> {
         let mut y = vec![0f32; self.config().dim];
         for &j in picks {
-            self.add_routed_pick(layer, f_q, routing, j, &mut y)?;
+            self.add_routed_pick(layer, f_q, routing, j, self.routed_activations, &mut y)?;
         }
         Ok(y)
     }
@@ -733,17 +816,23 @@ impl Model {
         Ok(y)
     }
 
-    /// `y += expert(routing.experts[j], weight routing.weights[j])`, elementwise in f32.
+    /// `y += expert(routing.experts[j], weight routing.weights[j])` in the formats `routed`, elementwise in f32;
+    /// `f_q` is the routed input in those formats.
     fn add_routed_pick(
         &self,
         layer: usize,
         f_q: &[f32],
         routing: &Routing,
         j: usize,
+        routed: RoutedActivations,
         y: &mut [f32],
     ) -> Result<()> {
         let (e, w) = (routing.experts[j], routing.weights[j]);
-        let ye = self.expert(&format!("layers.{layer}.ffn.experts.{e}"), f_q, w)?;
+        let prefix = format!("layers.{layer}.ffn.experts.{e}");
+        let ye = match routed {
+            RoutedActivations::Fp8 => self.expert(&prefix, f_q, w)?,
+            RoutedActivations::Nvfp4 => self.expert_nvfp4(&prefix, f_q, w)?,
+        };
         for (a, b) in y.iter_mut().zip(&ye) {
             *a += b;
         }
