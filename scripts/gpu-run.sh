@@ -18,7 +18,7 @@
 #        SKIP_INDEXER_STRESS=1 (stress: only the SANITIZE_TESTS runs), BENCH_TIMEOUT (per config), REPS,
 #        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all top-level configs when
 #        unset; an A/B config bench-configs/ab/X.toml runs only when named as "ab/X"),
-#        TESTS (tests: space-separated test executable names to run; all when unset), PROFILE_TIMEOUT
+#        TESTS (tests: space-separated "exe[:filter]" specs, run in that order; all executables when unset), PROFILE_TIMEOUT
 #        (per family), PROFILES (profile families to run; CONFIGS when unset, all when both are),
 #        PROFILE_SOURCE=1 (profile: also export the per-SASS-instruction source page with warp-stall samples,
 #        ncu-<family>-hot.txt; scripts/ncu-regions.py splits a kernel's samples from that page into before / inside /
@@ -62,12 +62,20 @@ step() { echo "=== $*"; }
 { nvidia-smi; nvidia-smi -q -d CLOCK,POWER,PERFORMANCE; } > "$work/nvidia-smi.txt" 2>&1
 step info;    "$B/megamoe" info 2>&1 | tee "$work/info.txt" || status=1
 step kernels; "$B/megamoe" kernels 2>&1 | tee "$work/kernels.txt"
+# Which NCCL this machine could load (the multi-GPU issue's transport), for the record.
+{ ldconfig -p 2>/dev/null | grep -i nccl; ls -d "$py_cublas"/nvidia/nccl* 2>/dev/null; ls "$py_cublas"/nvidia/nccl*/lib 2>/dev/null; } \
+  > "$work/nccl.txt" 2>&1 || true
 if want tests; then
-  for t in "$B"/tests/*; do
-    n="$(basename "$t")"
-    if [ -n "${TESTS:-}" ] && ! [[ " $TESTS " == *" $n "* ]]; then continue; fi
-    step "test $n"
-    timeout "${TEST_TIMEOUT:-600}" "$t" "${test_args[@]}" > "$work/tests/$n.log" 2>&1; rc=$?
+  # TESTS="exe[:filter] ...": those executables in that order (a libtest name filter after the colon); every
+  # executable when unset.
+  specs="${TESTS:-$(cd "$B/tests" && ls)}"
+  for spec in $specs; do
+    n="${spec%%:*}"; filter=""; [[ "$spec" == *:* ]] && filter="${spec#*:}"
+    t="$B/tests/$n"
+    [ -x "$t" ] || { echo "FAILED: no test executable $n in the bundle"; status=1; continue; }
+    step "test $n ${filter}"
+    # shellcheck disable=SC2086
+    timeout "${TEST_TIMEOUT:-600}" "$t" "${test_args[@]}" $filter > "$work/tests/$n.log" 2>&1; rc=$?
     tail -n 3 "$work/tests/$n.log"
     [ $rc -eq 0 ] || { echo "FAILED: $n (rc $rc)"; status=1; grep -E "panicked|FAILED|failed|SKIP" "$work/tests/$n.log" | head -20; }
   done
