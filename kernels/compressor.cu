@@ -35,9 +35,10 @@
 //
 // Graph safety: grids come from the batch capacity (decode) or the most blocks of a prompt (prefill); positions,
 // token counts, bases and capacities are read on the device. A decode row with position < 0 changes nothing.
-// One CTA per (sequence) or (block), d threads: thread c owns channel c (and d + c for CSA) of every row, so the
-// state update, the pooling reads and the post-emission reset of one sequence touch each address from one
-// thread only and need no barrier among them.
+// Decode: one cluster of d / 64 CTAs per sequence (each owns 64 channels of each channel half: their state
+// update, pooling and reset; cluster rank 0 finalizes the row), see decode_body. Prefill: one CTA per block, d
+// threads: thread c owns channel c (and d + c for CSA).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -46,6 +47,8 @@
 #include "common/kv_entry.cuh"
 #include "common/rope.cuh"
 #include "common/pdl.cuh"
+
+namespace cg = cooperative_groups;
 
 namespace {
 
@@ -163,9 +166,11 @@ __device__ __forceinline__ int entry_slot(int j, int base, int capacity, const F
     return (int)slot;
 }
 
-// One decode step of one sequence (CTA b, D threads).
+// The one-CTA decode step (CTA b, D threads: thread c owns channel c, and d + c for CSA, of every row), the
+// kernel before decode_body spread the emission over a cluster; kept as the bit-exactness reference of
+// decode_body (tests/compressor.rs compares the two bit for bit) and as the A/B baseline.
 template <int D, bool OVERLAP, int STORE>
-__device__ __forceinline__ void decode_body(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
+__device__ __forceinline__ void decode_body_one_cta(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
                                             const float* __restrict__ ape, const int* __restrict__ positions,
                                             int ratio, float* __restrict__ state, const int* __restrict__ base,
                                             const int* __restrict__ capacity, float* __restrict__ pooled_out,
@@ -227,6 +232,114 @@ __device__ __forceinline__ void decode_body(const float* __restrict__ kv_in, con
     finalize_store<D, STORE>(pooled, (long long)j * m, slot, f);
 }
 
+// ---- decode: one cluster of D / kSliceDims CTAs per sequence ------------------------------------------------------
+// CTA (slice r = cluster rank, sequence b = blockIdx.y), D threads, owns the channels c0 + [0, 64) of each channel
+// half (c0 = 64 r; channels c and D + c for CSA): the state update, the pooling and the post-emission reset of
+// those channels touch only addresses this CTA owns. The pooling of one channel is spread over TPC = D / 64
+// threads (part p takes the sources s = p mod TPC) in two steps, each bit-identical to pool_channel's serial loop:
+//   max:  each part folds fmaxf over its sources from -inf, then the TPC partial maxima are folded. fmaxf returns
+//         the numeric operand when one is NaN, so a fold from -inf is the maximum of -inf and the non-NaN sources
+//         in any order and grouping (exact; signed zeros aside, and sc - (+0) and sc - (-0) give the same exp).
+//   sums: per chunk of kChunk sources, every thread forms e = f32(exp(f64(sc - mx))) and e * kv (rounded, as in
+//         pool_channel) of its sources into shared memory; then part 0 adds them into num and den in source
+//         order, each sum rounded: pool_channel's operations in pool_channel's order.
+// The finalize (RMSNorm over the row, RoPE, the entry's FP8 / the key's Hadamard + FP4) needs the whole row: every
+// CTA writes its 64 pooled values into the shared memory of cluster rank 0 (distributed shared memory), the cluster
+// barrier makes them visible, and rank 0 runs finalize_store with thread c = channel c, as the one-CTA kernel did.
+// Grid (D / 64, batch), cluster (D / 64, 1, 1) (8 CTAs for the main compressors, 2 for the indexer); every branch
+// before the cluster barrier is uniform over the cluster (it depends on b only).
+constexpr int kSliceDims = 64;   // channels per CTA (per channel half)
+constexpr int kChunk = 32;       // sources per shared-memory chunk of the sums
+
+template <int D, bool OVERLAP, int STORE>
+__device__ __forceinline__ void decode_body(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
+                                            const float* __restrict__ ape, const int* __restrict__ positions,
+                                            int ratio, float* __restrict__ state, const int* __restrict__ base,
+                                            const int* __restrict__ capacity, float* __restrict__ pooled_out,
+                                            const Finalize& f) {
+    constexpr int kCoff = OVERLAP ? 2 : 1;
+    constexpr int W = kCoff * D;
+    constexpr int TPC = D / kSliceDims;  // threads per channel = CTAs per cluster
+    static_assert(D % kSliceDims == 0 && TPC >= kCoff, "a CTA's D threads cover its 64 x coff state channels");
+    __shared__ float part_max[TPC][kSliceDims];
+    __shared__ float e_sh[kChunk][kSliceDims];
+    __shared__ float p_sh[kChunk][kSliceDims];
+    __shared__ float pooled_row[D];  // rank 0's copy is the row the finalize reads
+    cg::cluster_group cluster = cg::this_cluster();
+    const int r = (int)cluster.block_rank();
+    const int c0 = r * kSliceDims;
+    const int b = blockIdx.y;
+    const int tid = threadIdx.x;
+    const int cl = tid % kSliceDims, part = tid / kSliceDims;
+    const int c = c0 + cl;
+    const int t = positions[b];
+    if (t < 0) return;  // an empty batch row (uniform over the cluster)
+    const int m = ratio;
+    const int rows = kCoff * m;
+    float* kv_st = state + (size_t)b * 2 * rows * W;
+    float* sc_st = kv_st + (size_t)rows * W;
+    const int r_new = OVERLAP ? m + t % m : t % m;
+    if (part < kCoff) {
+        const int ch = part * D + c;
+        kv_st[(size_t)r_new * W + ch] = kv_in[(size_t)b * W + ch];
+        sc_st[(size_t)r_new * W + ch] = __fadd_rn(gate_in[(size_t)b * W + ch], ape[(size_t)(t % m) * W + ch]);
+    }
+    if ((t + 1) % m != 0) return;  // uniform over the cluster
+    __syncthreads();  // the new row is read by other threads of this CTA below
+    const int n = OVERLAP ? 2 * m : m;
+    // source s of channel c: row s, channel half 1 for the second block of an overlapping compressor
+    auto src_index = [&](int s) -> size_t { return (size_t)s * W + ((OVERLAP && s >= m) ? D + c : c); };
+    float mx = -INFINITY;
+    for (int s = part; s < n; s += TPC) mx = fmaxf(mx, sc_st[src_index(s)]);
+    part_max[part][cl] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+#pragma unroll
+    for (int q = 0; q < TPC; ++q) mx = fmaxf(mx, part_max[q][cl]);
+    float num = 0.f, den = 0.f;
+    for (int s0 = 0; s0 < n; s0 += kChunk) {
+        const int len = min(kChunk, n - s0);
+        for (int i = part; i < len; i += TPC) {
+            const size_t at = src_index(s0 + i);
+            const float e = static_cast<float>(exp(static_cast<double>(__fsub_rn(sc_st[at], mx))));
+            e_sh[i][cl] = e;
+            p_sh[i][cl] = __fmul_rn(e, kv_st[at]);
+        }
+        __syncthreads();
+        if (part == 0) {
+            for (int i = 0; i < len; ++i) {
+                num = __fadd_rn(num, p_sh[i][cl]);
+                den = __fadd_rn(den, e_sh[i][cl]);
+            }
+        }
+        __syncthreads();  // e_sh / p_sh are rewritten by the next chunk; the last one orders the reads below
+    }
+    if (part == 0) {
+        const float pooled = __fdiv_rn(num, den);
+        if (pooled_out != nullptr) pooled_out[(size_t)b * D + c] = pooled;
+        cluster.map_shared_rank(pooled_row, 0)[c] = pooled;
+    }
+    // Canonical state for the next block: every read of the state above precedes the last __syncthreads. Item
+    // (row rr, half h) of channel c moves / empties rows rr and m + rr only: the items are independent.
+    for (int i = part; i < m * kCoff; i += TPC) {
+        const int rr = i / kCoff, ch = (i % kCoff) * D + c;
+        if (OVERLAP) {
+            kv_st[(size_t)rr * W + ch] = kv_st[(size_t)(m + rr) * W + ch];
+            sc_st[(size_t)rr * W + ch] = sc_st[(size_t)(m + rr) * W + ch];
+            kv_st[(size_t)(m + rr) * W + ch] = 0.f;
+            sc_st[(size_t)(m + rr) * W + ch] = -INFINITY;
+        } else {
+            kv_st[(size_t)rr * W + ch] = 0.f;
+            sc_st[(size_t)rr * W + ch] = -INFINITY;
+        }
+    }
+    cluster.sync();  // every CTA's pooled values are in rank 0's pooled_row (release / acquire at cluster scope)
+    if (r != 0) return;
+    const int j = (t + 1) / m - 1;
+    const int slot = entry_slot(j, base[b], capacity[b], f);
+    finalize_store<D, STORE>(pooled_row[tid], (long long)j * m, slot, f);
+}
+
 // Block j of a prompt of *n_tokens tokens (one sequence; CTA j < grid = max_tokens / m, so every token read is
 // < max_tokens whatever the device count; D threads): pool_softmax over the block's tokens
 // (and, for CSA with j > 0, the previous block's tokens through channel half 0), then finalize and store.
@@ -271,13 +384,22 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ kv_in, co
         uint8_t *out_codes, void *out_scales, float *pooled_out, unsigned *error
 #define COMPRESSOR_FINALIZE Finalize{norm_w, freqs, eps, out_codes, out_scales, n_slots, error}
 
-// Decode step, grid = batch capacity, block = d threads. kv_in/gate_in [B, W]; ape [m, W]; positions [B];
-// state [B, 2, coff*m, W]; base/capacity [B]; pooled_out [B, d] or null (a test probe).
+// Decode step, grid (d / 64, batch capacity) in clusters of (d / 64, 1, 1), block = d threads. kv_in/gate_in
+// [B, W]; ape [m, W]; positions [B]; state [B, 2, coff*m, W]; base/capacity [B]; pooled_out [B, d] or null (a
+// test probe).
 #define COMPRESSOR_DECODE_ENTRY(NAME, D, OVERLAP, STORE)                                                       \
-    extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_DECODE_PARAMS) {                          \
+    extern "C" __global__ void __launch_bounds__(D) __cluster_dims__(D / kSliceDims, 1, 1)                    \
+        NAME(COMPRESSOR_DECODE_PARAMS) {                                                                      \
         pdl_enter();                                                                                          \
         decode_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, positions, ratio, state, base, capacity, pooled_out, \
                                        COMPRESSOR_FINALIZE);                                                     \
+    }
+// The one-CTA reference (decode_body_one_cta): grid = batch capacity, block = d threads, same parameters.
+#define COMPRESSOR_DECODE_ONE_CTA_ENTRY(NAME, D, OVERLAP, STORE)                                               \
+    extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_DECODE_PARAMS) {                          \
+        pdl_enter();                                                                                          \
+        decode_body_one_cta<D, OVERLAP, STORE>(kv_in, gate_in, ape, positions, ratio, state, base, capacity,  \
+                                               pooled_out, COMPRESSOR_FINALIZE);                               \
     }
 // Prefill blocks of one sequence, grid = the most blocks (token capacity / m), block = d threads. kv_in/gate_in
 // [n, W] (raw gate: ape is added here); n_tokens [1]; base/capacity [1]; pooled_out [blocks, d] or null.
@@ -292,6 +414,10 @@ COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_main, kMainDim, true, STORE_KV_ENT
 COMPRESSOR_DECODE_ENTRY(compressor_decode_hca_main, kMainDim, false, STORE_KV_ENTRY)
 COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)
 COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_index_mxfp4, kIndexDim, true, STORE_INDEX_MXFP4)
+COMPRESSOR_DECODE_ONE_CTA_ENTRY(compressor_decode_csa_main_one_cta, kMainDim, true, STORE_KV_ENTRY)
+COMPRESSOR_DECODE_ONE_CTA_ENTRY(compressor_decode_hca_main_one_cta, kMainDim, false, STORE_KV_ENTRY)
+COMPRESSOR_DECODE_ONE_CTA_ENTRY(compressor_decode_csa_index_fp8_one_cta, kIndexDim, true, STORE_INDEX_FP8)
+COMPRESSOR_DECODE_ONE_CTA_ENTRY(compressor_decode_csa_index_mxfp4_one_cta, kIndexDim, true, STORE_INDEX_MXFP4)
 COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_main, kMainDim, true, STORE_KV_ENTRY)
 COMPRESSOR_PREFILL_ENTRY(compressor_prefill_hca_main, kMainDim, false, STORE_KV_ENTRY)
 COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)

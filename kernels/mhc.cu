@@ -393,6 +393,16 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
     }
 }
 
+// Quantized copies of the BF16 RMSNorm(u) (rows of the whole launch; null when not written): FP8 codes [T, D] and
+// ue8m0 scales [T, D/128]; NVFP4 codes [T, D/2], e4m3 scales [T, D/16], global scales [T].
+struct QuantCopies {
+    uint8_t* q8 = nullptr;
+    uint8_t* s8 = nullptr;
+    uint8_t* q4 = nullptr;
+    uint8_t* s4 = nullptr;
+    float* g4 = nullptr;
+};
+
 // Grid (T, HEAD ? 1 : 2). blockIdx.y == 1: the coefficient CTA (post + Sinkhorn -> comb), which runs
 // concurrently with blockIdx.y == 0: pre, u = sum pre_i X_i, RMSNorm(u) + quant (u does not need C).
 // HEAD: NMIX = 4, no post / Sinkhorn (hc_head).
@@ -402,12 +412,17 @@ __device__ __forceinline__ void apply_pre_chunk(const __nv_bfloat16* __restrict_
 // All threads of the CTA must call this with the same (t, coef_task); it ends without a trailing barrier.
 // PDL (only the mhc_pre_finish_pdl_* entry points): let the next PDL kernel be scheduled, then wait for the
 // mix kernel (griddep_wait) before the first read of the partials. PDL = false: unchanged.
-template <int KIND, bool HEAD, bool LANES, bool PDL = false>
+// COPY_FP8 / COPY_NVFP4 (KIND_BF16 only): also write the FP8 1x128 / NVFP4 (per-row global scale) form of the BF16
+// RMSNorm(u) into `copies`, with the codec of common/norm_row.cuh (quant_row_fp8 / quant_row_nvfp4) applied to the
+// BF16 values just stored: the bits of norm_quant's quantize_bf16_rows of that BF16 output.
+template <int KIND, bool HEAD, bool LANES, bool PDL = false, bool COPY_FP8 = false, bool COPY_NVFP4 = false>
 __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, int S, int T,
                                int D, const float* __restrict__ hc_scale, const float* __restrict__ hc_base,
                                const __nv_bfloat16* __restrict__ w, float eps, float* pre_out, float* post_out,
                                float* comb_out, __nv_bfloat16* u_out, uint8_t* q, uint8_t* scales, float* gsa,
-                               __nv_bfloat16* bf, float* rstd, int t, bool coef_task) {
+                               __nv_bfloat16* bf, float* rstd, int t, bool coef_task,
+                               const QuantCopies& copies = QuantCopies{}) {
+    static_assert(KIND == KIND_BF16 || !(COPY_FP8 || COPY_NVFP4), "quantized copies are of the BF16 output");
     constexpr int NMIX = HEAD ? 4 : 24;
     __shared__ float red[MAX_WARPS];
     __shared__ float wsum[MAX_WARPS * (NMIX + 1)];
@@ -472,6 +487,10 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     o.bf = bf + (long)t * D;
     o.rstd = rstd + t;
     norm_quant_row<KIND, true, LANES>(v, nchunks, D, w, eps, o, red);  // LANES = true: the early weight load
+    // v now holds the BF16 values of RMSNorm(u) (zeros past nchunks); block_sum's trailing barrier freed `red`.
+    if (COPY_FP8) quant_row_fp8(v, nchunks, copies.q8 + (long)t * D, copies.s8 + (long)t * (D / 128));
+    if (COPY_NVFP4)
+        quant_row_nvfp4(v, nchunks, copies.q4 + (long)t * (D / 2), copies.s4 + (long)t * (D / 16), copies.g4 + t, red);
 }
 
 }  // namespace
@@ -553,6 +572,53 @@ extern "C" __global__ void mhc_pre_finish_pdl_bf16(MHC_PRE_COMMON, __nv_bfloat16
     mhc_pre_finish<KIND_BF16, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
                                                  nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
 }
+
+// ---- BF16 output plus its quantized copies (the engine's boundaries: the attention half's FP8 `a`, the FFN half's
+// FP8 + NVFP4 `f`) -------------------------------------------------------------------------------------------------
+// As mhc_pre_finish_bf16 / mhc_pre_finish_pdl_bf16 (same grid, same BF16 bits), plus: _q8 the FP8 1x128 copy, _q4 the
+// NVFP4 copy (per-row global scale), _q8q4 both, each equal bit for bit to norm_quant's quantize_bf16_rows of the
+// BF16 output. Every copy pointer is passed (null where not written). The _pdl_ ones follow mhc_pre_finish_pdl_*'s
+// protocol (listed in src/gpu/launch.rs PDL_OWN_PROTOCOL).
+#define MHC_COPIES_PARAMS uint8_t *q8, uint8_t *s8, uint8_t *q4, uint8_t *s4, float *g4
+__device__ __forceinline__ QuantCopies copies_of(uint8_t* q8, uint8_t* s8, uint8_t* q4, uint8_t* s4, float* g4) {
+    QuantCopies c;
+    c.q8 = q8; c.s8 = s8; c.q4 = q4; c.s4 = s4; c.g4 = g4;
+    return c;
+}
+extern "C" __global__ void mhc_pre_finish_bf16_q8(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
+    pdl_enter();
+    mhc_pre_finish<KIND_BF16, false, true, false, true, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
+                                                          u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
+                                                          blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
+}
+extern "C" __global__ void mhc_pre_finish_bf16_q4(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
+    pdl_enter();
+    mhc_pre_finish<KIND_BF16, false, true, false, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
+                                                          u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
+                                                          blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
+}
+extern "C" __global__ void mhc_pre_finish_bf16_q8q4(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
+    pdl_enter();
+    mhc_pre_finish<KIND_BF16, false, true, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
+                                                          u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
+                                                          blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
+}
+extern "C" __global__ void mhc_pre_finish_pdl_bf16_q8(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
+    mhc_pre_finish<KIND_BF16, false, true, true, true, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
+                                                          u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
+                                                          blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
+}
+extern "C" __global__ void mhc_pre_finish_pdl_bf16_q4(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
+    mhc_pre_finish<KIND_BF16, false, true, true, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
+                                                          u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
+                                                          blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
+}
+extern "C" __global__ void mhc_pre_finish_pdl_bf16_q8q4(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
+    mhc_pre_finish<KIND_BF16, false, true, true, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
+                                                          u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
+                                                          blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
+}
+#undef MHC_COPIES_PARAMS
 
 // hc_head: grid (T, 1); part from mhc_mix_partial4; hc_scale [1], hc_base [4]; outputs pre [T,4], u, y = RMSNorm(u) BF16.
 extern "C" __global__ void mhc_head_finish_bf16(const __nv_bfloat16* X, const float* part, int S, int T, int D,

@@ -666,6 +666,101 @@ fn gpu_decode_graph_replays_with_new_positions() {
     csa_decode("gpu_decode_graph", CompressorKind::CsaMain, true);
 }
 
+/// The cluster decode kernel (`decode_step`: d / 64 CTAs per sequence, rank 0 finalizes) against the former
+/// one-CTA kernel (`DecodeGrid::OneCta`), bit for bit: two rigs with the same model and the same inputs at every
+/// step, compared after every step on the whole state, the pooled probe, every cache slot and the error word.
+/// Exact equality is the criterion: the cluster kernel does pool_channel's f32 operations in pool_channel's order
+/// (kernels/compressor.cu, decode_body), and the finalize is the same code on the same pooled row. Sequences: five
+/// at staggered starts (so emissions of different sequences land on different steps and a step mixes emitting and
+/// updating sequences), one idle (position -1, poisoned state), one whose capacity refuses its later entries. Every
+/// kind; CSA over 6 blocks, HCA over two emissions and a few tokens past them.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_decode_cluster_equals_one_cta_kernel_bitwise() {
+    let label = "gpu_decode_cluster_equals_one_cta_kernel_bitwise";
+    let gpu = common::gpu(label);
+    let mut rng = common::seeded(label, "COMPRESSOR_SEED");
+    let model_seed: u64 = rng.random();
+    let seqs: [(i32, i32); 6] = [(0, 8), (1, 1), (2, 8), (3, 8), (i32::MAX, 2), (5, 8)];
+    let caps: Vec<i32> = seqs.iter().map(|s| s.1).collect();
+    let idle: Vec<bool> = seqs.iter().map(|s| s.0 == i32::MAX).collect();
+    for (layer, kind, steps) in [
+        (CSA_LAYER, CompressorKind::CsaMain, 6 * 4 + 5),
+        (
+            CSA_LAYER,
+            CompressorKind::CsaIndex(KeyFormat::Fp8),
+            6 * 4 + 5,
+        ),
+        (
+            CSA_LAYER,
+            CompressorKind::CsaIndex(KeyFormat::Mxfp4),
+            6 * 4 + 5,
+        ),
+        (HCA_LAYER, CompressorKind::HcaMain, 2 * 128 + 7),
+    ] {
+        let label = format!("{label} {kind:?}");
+        let mut a = Rig::new(&gpu, small_model(model_seed), layer, kind, &caps, &idle);
+        let mut b = Rig::new(&gpu, small_model(model_seed), layer, kind, &caps, &idle);
+        let shape = a.lc.shape;
+        let mut emitted = 0usize;
+        for step in 0..steps {
+            let pos: Vec<i32> = seqs
+                .iter()
+                .map(|&(s, _)| {
+                    if s == i32::MAX || step < s {
+                        -1
+                    } else {
+                        step - s
+                    }
+                })
+                .collect();
+            let (kv, gate) = a.write_inputs(&gpu, &mut rng, &pos);
+            gpu.write(&gpu.stream, &mut b.kv, &kv).unwrap();
+            gpu.write(&gpu.stream, &mut b.gate, &gate).unwrap();
+            gpu.write(&gpu.stream, &mut b.positions, &pos).unwrap();
+            cp::decode_step(&gpu, &gpu.stream, &shape, &a.w, &a.io()).unwrap();
+            cp::decode_step_with(
+                &gpu,
+                &gpu.stream,
+                &shape,
+                &b.w,
+                &b.io(),
+                cp::DecodeGrid::OneCta,
+            )
+            .unwrap();
+            gpu.synchronize().unwrap();
+            let at = format!("step {step}");
+            let (sa, sb) = (
+                gpu.download(&a.state).unwrap(),
+                gpu.download(&b.state).unwrap(),
+            );
+            assert_bit_identical(&label, &format!("{at} state"), &sb, &sa);
+            let (pa, pb) = (
+                gpu.download(&a.pooled).unwrap(),
+                gpu.download(&b.pooled).unwrap(),
+            );
+            assert_bit_identical(&label, &format!("{at} pooled"), &pb, &pa);
+            let (ea, eb) = (a.cache.entries(&gpu), b.cache.entries(&gpu));
+            for (slot, (x, y)) in ea.iter().zip(&eb).enumerate() {
+                assert_bit_identical(&label, &format!("{at} slot {slot}"), y, x);
+            }
+            let (era, erb) = (
+                gpu.download(&a.error).unwrap()[0],
+                gpu.download(&b.error).unwrap()[0],
+            );
+            assert_eq!(era, erb, "{label}: {at} error word");
+            emitted += pos
+                .iter()
+                .filter(|&&t| t >= 0 && (t as usize + 1).is_multiple_of(shape.ratio))
+                .count();
+        }
+        assert!(emitted > 0, "{label}: no emission was compared");
+        eprintln!(
+            "{label}: {steps} steps, {emitted} emissions, bit-identical to the one-CTA kernel"
+        );
+    }
+}
+
 // ---- GPU: prefill ----------------------------------------------------------------------------------------------
 
 /// Prefill of n tokens against n CPU pushes (Model::prefill's state equals n decode steps'): every block's entry

@@ -1588,6 +1588,115 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
     }
 }
 
+// ---- quantized copies of the BF16 output (mhc_pre_copies: mhc_pre_finish[_pdl]_bf16_{q8,q4,q8q4}) ---------------
+
+/// `mhc_pre_copies_with` on every launch path and every copy set, at batch 1 and 64 (the engine's decode batches'
+/// edges; 64 is also a full 32-token mix tile pair) and D 512 (the small test model: a 32-thread finish CTA with
+/// half its chunk slots empty) and 4096 (Flash): with every output and copy poisoned first,
+/// * the BF16 RMSNorm(u), u, pre, post, comb, rstd and the partials equal bit for bit those of `mhc_pre_with`
+///   without copies (the copies must not change the finish's other outputs);
+/// * each copy equals bit for bit `quantize_bf16_rows` of that BF16 output (the two kernels the copies replace in
+///   the engine), and the CPU codec (`HostQuant::encode`) of it: exact equality, because the copy is the same
+///   deterministic function (common/norm_row.cuh's codec) of the same BF16 values;
+/// * the copies' rstd stays untouched (poisoned), as `quantize_bf16_rows` leaves it.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_mhc_pre_copies_equal_quantize_bf16_rows_bitwise() {
+    let gpu = common::gpu("gpu_mhc_pre_copies_equal_quantize_bf16_rows_bitwise");
+    let seed = fresh_seed("gpu_mhc_pre_copies_equal_quantize_bf16_rows_bitwise");
+    let paths = [
+        hc::MhcPrePath::PdlPair,
+        hc::MhcPrePath::TwoLaunch,
+        hc::MhcPrePath::TensorMix,
+    ];
+    let sets = [(true, false), (false, true), (true, true)];
+    for &d in &[512usize, 4096] {
+        for &tokens in &[1usize, 64] {
+            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 7919 + d as u64));
+            let w = MhcWeights::upload(&gpu, &c.p, &c.nw, d).unwrap();
+            let (_arena, ws) = norm::mhc_ws(&gpu, tokens, d);
+            let dx = nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap();
+            let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
+            for path in paths {
+                let want = run_pre_path(&gpu, &dx, &w, &ws, &mut out, path);
+                let HostQuant::Bf16(y) = &want.normed.q else {
+                    panic!("BF16 outputs were allocated")
+                };
+                // quantize_bf16_rows of the BF16 output, per format (the engine's former second kernel)
+                let mut quantized = Vec::new();
+                for format in [OutFormat::Fp8, OutFormat::Nvfp4] {
+                    let q = nq::NormOutputs::alloc_poisoned(&gpu, format, tokens, d).unwrap();
+                    let ybuf = match &out.normed.q {
+                        nq::QuantBufs::Bf16 { y } => y,
+                        _ => unreachable!(),
+                    };
+                    nq::quantize_bf16_rows(&gpu, &gpu.stream, ybuf, &q.view()).unwrap();
+                    let h = q.download(&gpu).unwrap().q;
+                    let cpu = HostQuant::encode(format, y, tokens, d).unwrap();
+                    assert!(
+                        h == cpu,
+                        "T={tokens} D={d} {path:?}: quantize_bf16_rows->{} differs from the CPU codec (seed {seed})",
+                        format.name()
+                    );
+                    quantized.push((format, h));
+                }
+                for (with_fp8, with_nvfp4) in sets {
+                    let label = format!(
+                        "mhc_pre_copies T={tokens} D={d} {path:?} fp8 {with_fp8} nvfp4 {with_nvfp4} seed {seed}"
+                    );
+                    let c8 =
+                        nq::NormOutputs::alloc_poisoned(&gpu, OutFormat::Fp8, tokens, d).unwrap();
+                    let c4 =
+                        nq::NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+                    let (v8, v4) = (c8.view(), c4.view());
+                    let copies = hc::NormCopies {
+                        fp8: with_fp8.then_some(&v8),
+                        nvfp4: with_nvfp4.then_some(&v4),
+                    };
+                    out.poison(&gpu).unwrap();
+                    norm::poison_partials(&gpu, &ws);
+                    hc::mhc_pre_copies_with(
+                        &gpu,
+                        &gpu.stream,
+                        &dx,
+                        &w,
+                        r::RMS_EPS,
+                        &ws,
+                        &mut out,
+                        copies,
+                        path,
+                    )
+                    .unwrap();
+                    let got = MhcSnapshot::take(&gpu, &out, &ws, path);
+                    got.assert_same(&want, &label);
+                    for (format, copy, on) in [
+                        (OutFormat::Fp8, &c8, with_fp8),
+                        (OutFormat::Nvfp4, &c4, with_nvfp4),
+                    ] {
+                        let h = copy.download(&gpu).unwrap();
+                        if on {
+                            let reference =
+                                &quantized.iter().find(|(f, _)| *f == format).unwrap().1;
+                            assert!(
+                                &h.q == reference,
+                                "{label}: the {} copy differs from quantize_bf16_rows of the BF16 output",
+                                format.name()
+                            );
+                        }
+                        // never written: the copies' rstd
+                        assert!(
+                            h.rstd.iter().all(|v| v.to_bits() == u32::MAX),
+                            "{label}: the {} copy's rstd was written",
+                            format.name()
+                        );
+                    }
+                    eprintln!("{label}: copies bit-identical to quantize_bf16_rows");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_mhc_pdl_pair_waits_for_the_producer_of_x_and_replays_in_a_graph() {

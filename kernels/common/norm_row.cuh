@@ -92,6 +92,82 @@ struct RowOut {
     float* rstd;            // one f32 (written by thread 0)
 };
 
+// The quantizers of norm_quant_row, over a row held in registers (v[k] = chunk tid + k*blockDim, zeros when
+// invalid; the values are what gets encoded, BF16 values in every caller): ONE codec, shared by the row kernels
+// (kernels/norm_quant.cu, through norm_quant_row) and the mHC finish's quantized copies of its BF16 output
+// (kernels/mhc.cu). All threads of the block must call them; q / scales (/ gsa) point at this row.
+// FP8 1x128: 128-block amax over a 16-lane half warp, ue8m0 scale, e4m3 codes (satfinite).
+__device__ __forceinline__ void quant_row_fp8(const float (&v)[CH][8], int nchunks, uint8_t* q, uint8_t* scales) {
+    const int tid = threadIdx.x, bd = blockDim.x;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+        const int c = tid + k * bd;
+        float amax = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[k][e]));
+        // A 128-block is chunks 16b..16b+15 = the 16 lanes of a half warp (bd % 32 == 0). All lanes
+        // shuffle (invalid chunks are whole half warps: nchunks % 16 == 0).
+#pragma unroll
+        for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        if (c < nchunks) {
+            const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
+            // 1/2^(sc-127) = 2^(127-sc) is code 254-sc (code 0 = 2^-127 for sc = 254): exact, so
+            // x * inv equals the IEEE x / scale (same real number, one rounding).
+            const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));
+            // Pairs through cvt.rn.satfinite.e4m3x2.f32 (the rule of mm::e4m3_encode, two at a time);
+            // .x goes to the low byte.
+            uint32_t w4[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p)
+                w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k][2 * p] * inv, v[k][2 * p + 1] * inv),
+                                                           __NV_SATFINITE, __NV_E4M3);
+            *reinterpret_cast<uint2*>(q + c * 8) =
+                make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
+            if ((c & 15) == 0) scales[c >> 4] = sc;
+        }
+    }
+}
+
+// NVFP4 with a per-row global scale: row amax (block_max; uses red, whose previous use must have ended with a
+// barrier) -> gs, 16-block amax over lanes (2i, 2i+1), e4m3 block scale, e2m1 codes (division-free thresholds).
+__device__ __forceinline__ void quant_row_nvfp4(const float (&v)[CH][8], int nchunks, uint8_t* q, uint8_t* scales,
+                                                float* gsa, float* red) {
+    const int tid = threadIdx.x, bd = blockDim.x;
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < CH; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[k][e]));
+    const float amax_row = block_max(amax, red);
+    const float gs = mm::nvfp4_global_scale(amax_row);
+    if (tid == 0) *gsa = gs;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+        const int c = tid + k * bd;
+        float ab = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ab = fmaxf(ab, fabsf(v[k][e]));
+        ab = fmaxf(ab, __shfl_xor_sync(0xffffffffu, ab, 1));  // 16-block = chunks (2i, 2i+1)
+        if (c < nchunks) {
+            const uint8_t s = mm::nvfp4_block_scale(ab, gs);
+            const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
+            uint32_t packed = 0;
+#ifdef NQ_E2M1_BY_DIVISION
+#pragma unroll
+            for (int e = 0; e < 8; ++e) packed |= (uint32_t)mm::nvfp4_element(v[k][e], scale) << (4 * e);
+#else
+            if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
+                const E2m1Thresholds thr = e2m1_thresholds(scale);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) packed |= e2m1_code_thr(v[k][e], thr) << (4 * e);
+            }
+#endif
+            *reinterpret_cast<uint32_t*>(q + c * 4) = packed;
+            if ((c & 1) == 0) scales[c >> 1] = s;
+        }
+    }
+}
+
 // RMSNorm (NORM) and quantization of one row held in registers: v[k] is chunk tid + k*blockDim (valid
 // when < nchunks; invalid chunks hold zeros). All threads of the block must call this.
 // WEARLY: load the weight before the sum-of-squares reduction (every caller passes true: its L2 latency then
@@ -144,67 +220,9 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
             if (c < nchunks) store8_bf16(o.bf + c * 8, v[k]);
         }
     } else if (KIND == KIND_FP8) {
-#pragma unroll
-        for (int k = 0; k < CH; ++k) {
-            const int c = tid + k * bd;
-            float amax = 0.f;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[k][e]));
-            // A 128-block is chunks 16b..16b+15 = the 16 lanes of a half warp (bd % 32 == 0). All lanes
-            // shuffle (invalid chunks are whole half warps: nchunks % 16 == 0).
-#pragma unroll
-            for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-            if (c < nchunks) {
-                const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
-                // 1/2^(sc-127) = 2^(127-sc) is code 254-sc (code 0 = 2^-127 for sc = 254): exact, so
-                // x * inv equals the IEEE x / scale (same real number, one rounding).
-                const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));
-                // Pairs through cvt.rn.satfinite.e4m3x2.f32 (the rule of mm::e4m3_encode, two at a time);
-                // .x goes to the low byte.
-                uint32_t w4[4];
-#pragma unroll
-                for (int p = 0; p < 4; ++p)
-                    w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k][2 * p] * inv, v[k][2 * p + 1] * inv),
-                                                               __NV_SATFINITE, __NV_E4M3);
-                *reinterpret_cast<uint2*>(o.q + c * 8) =
-                    make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
-                if ((c & 15) == 0) o.scales[c >> 4] = sc;
-            }
-        }
+        quant_row_fp8(v, nchunks, o.q, o.scales);
     } else {  // NVFP4
-        float amax = 0.f;
-#pragma unroll
-        for (int k = 0; k < CH; ++k)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[k][e]));
-        const float amax_row = block_max(amax, red);
-        const float gs = mm::nvfp4_global_scale(amax_row);
-        if (tid == 0) *o.gsa = gs;
-#pragma unroll
-        for (int k = 0; k < CH; ++k) {
-            const int c = tid + k * bd;
-            float ab = 0.f;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) ab = fmaxf(ab, fabsf(v[k][e]));
-            ab = fmaxf(ab, __shfl_xor_sync(0xffffffffu, ab, 1));  // 16-block = chunks (2i, 2i+1)
-            if (c < nchunks) {
-                const uint8_t s = mm::nvfp4_block_scale(ab, gs);
-                const float scale = __fmul_rn(mm::e4m3_decode(s), gs);
-                uint32_t packed = 0;
-#ifdef NQ_E2M1_BY_DIVISION
-#pragma unroll
-                for (int e = 0; e < 8; ++e) packed |= (uint32_t)mm::nvfp4_element(v[k][e], scale) << (4 * e);
-#else
-                if (scale != 0.f) {  // scale 0: every code is 0 (formats rule)
-                    const E2m1Thresholds thr = e2m1_thresholds(scale);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) packed |= e2m1_code_thr(v[k][e], thr) << (4 * e);
-                }
-#endif
-                *reinterpret_cast<uint32_t*>(o.q + c * 4) = packed;
-                if ((c & 1) == 0) o.scales[c >> 1] = s;
-            }
-        }
+        quant_row_nvfp4(v, nchunks, o.q, o.scales, o.gsa, red);
     }
 }
 }  // namespace

@@ -7,7 +7,7 @@
 //!
 //! | step | what | launches |
 //! |---|---|---|
-//! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16, then its FP8 1x128 form | `mhc::mhc_pre`, `norm_quant::quantize_bf16_rows` |
+//! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16 and its FP8 1x128 form (written by the finish kernel) | `mhc::mhc_pre_copies` |
 //! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)`, `q = wq_b qr` + per-head RMS + RoPE, the window ring entry; CSA: `indexer.wq_b qr`, `weights_proj a`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
 //! | 6-7 | `compress`: compressor inputs `wkv a`, `wgate a` (f32; the kernel adds `ape`), the state update and every m-th position an entry (CSA: also the indexer key) | `dense::bf16_linear`, `compressor::decode_step` |
 //! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
@@ -782,7 +782,12 @@ impl AttnHalf {
     fn hc_pre(&mut self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
         let eps = self.config.norm_eps;
         let hc = &self.layers[layer].hc;
-        mhc::mhc_pre(
+        // One finish kernel writes `a` BF16 and its FP8 copy (the bits of quantize_bf16_rows of `a`).
+        let copies = mhc::NormCopies {
+            fp8: Some(&self.bufs.a_fp8),
+            nvfp4: None,
+        };
+        mhc::mhc_pre_copies(
             gpu,
             stream,
             io.x_in,
@@ -790,8 +795,8 @@ impl AttnHalf {
             eps,
             &self.bufs.mhc,
             &mut self.hc_out,
-        )?;
-        norm_quant::quantize_bf16_rows(gpu, stream, &self.a, &self.bufs.a_fp8)
+            copies,
+        )
     }
 
     /// Steps 2-5: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` (FP8), `q = wq_b qr` finished per head

@@ -6,9 +6,10 @@
 //! later optimization):
 //!
 //! * 12 `hc_pre_ffn_norm`: `mhc::mhc_pre` with `hc_ffn_*` and `ffn_norm` -> pre / post / comb and `f` BF16 `[B, D]`
-//!   (the CPU model's `rms_norm_bf16` output, the router gate's input); then `f` quantized twice by norm_quant's
-//!   BF16-row quantizer: FP8 1x128 (the shared expert's input, the CPU's `fp8_act_quant(f)` bit for bit) and NVFP4
-//!   with a per-row global scale (the routed experts' input).
+//!   (the CPU model's `rms_norm_bf16` output, the router gate's input), and in the same finish kernel
+//!   (`mhc::mhc_pre_copies`) `f` quantized twice with norm_quant's BF16-row codec: FP8 1x128 (the shared expert's
+//!   input, the CPU's `fp8_act_quant(f)` bit for bit) and NVFP4 with a per-row global scale (the routed experts'
+//!   input), the bits of `quantize_bf16_rows` of `f`.
 //! * 13 `route`: `router::route` (hash layers: the `tid2eid` row of `io.tokens`; the others: biased top-6), with
 //!   `slot_of` = the plan's [`ExpertMap`] table, writing the masked grouping by physical slot: counts (straight into
 //!   the moe_gemm grouping's buffer), per-row token and weight, the `[B, 6]` row table.
@@ -47,7 +48,6 @@ use crate::ops::moe_gemm::reference::SWIGLU_LIMIT;
 use crate::ops::moe_gemm::{
     self, DeviceActivations, DeviceGrouping, GemmConfig, L1Output, Workspace as MoeWorkspace,
 };
-use crate::ops::norm_quant::quantize_bf16_rows;
 use crate::ops::norm_quant::{OutFormat, QuantBufs, QuantView, RowsOut};
 use crate::ops::router::{
     self, Nvfp4RowBufs, RouterInputs, RouterOutputs, RouterShape, RouterWorkspace, Selection, TOPK,
@@ -494,7 +494,12 @@ impl FfnHalf {
         io: &LayerIo,
     ) -> Result<()> {
         let w = &self.layers[layer].mhc;
-        mhc::mhc_pre(
+        // One finish kernel writes `f` BF16 and both copies (the bits of quantize_bf16_rows of `f`).
+        let copies = mhc::NormCopies {
+            fp8: Some(&self.f_fp8),
+            nvfp4: Some(&self.f_nvfp4),
+        };
+        mhc::mhc_pre_copies(
             gpu,
             stream,
             io.x_in,
@@ -502,9 +507,8 @@ impl FfnHalf {
             self.eps,
             &self.mhc_ws,
             &mut self.hc,
-        )?;
-        quantize_bf16_rows(gpu, stream, &self.f, &self.f_fp8)?;
-        quantize_bf16_rows(gpu, stream, &self.f, &self.f_nvfp4)
+            copies,
+        )
     }
 
     /// Step 13: gate logits of `f`, top-6 (biased) or the token's tid2eid row (hash layers), weights, and the masked

@@ -142,6 +142,9 @@ pub const PDL_OWN_PROTOCOL: &[&str] = &[
     "mhc_pre_finish_pdl_nvfp4",
     "mhc_pre_finish_pdl_fp8",
     "mhc_pre_finish_pdl_bf16",
+    "mhc_pre_finish_pdl_bf16_q8",
+    "mhc_pre_finish_pdl_bf16_q4",
+    "mhc_pre_finish_pdl_bf16_q8q4",
 ];
 
 /// A kernel entry point resolved from its module, with the dynamic shared memory its attribute allows.

@@ -1,7 +1,8 @@
 //! Sweep adapter of the compressor family: `compressor_decode` (axis `batch`, parameter `kind` = csa_main |
 //! hca_main | csa_index_fp8 | csa_index_mxfp4 and `ratio`), one captured decode step per point through
 //! `ops::compressor::bench`: `emit` (every sequence completes a block: pool, finalize, store, reset) and `update`
-//! (the state row write only). Bytes per point are `ops::compressor::bench::step_bytes`, so `pct_copy_bw` is
+//! (the state row write only), each also as `*_one_cta` (the former one-CTA-per-sequence kernel, the A/B baseline of
+//! the cluster kernel the engine runs). Bytes per point are `ops::compressor::bench::step_bytes`, so `pct_copy_bw` is
 //! the step's traffic against the copy bandwidth measured in the same run. No #24 target names the compressor:
 //! the rows carry the measured limits only.
 
@@ -11,13 +12,13 @@ use crate::bench::config::Sweep;
 use crate::bench::hook::{BenchCtx, BenchKernel};
 use crate::bench::{MatmulKind, Row, Summary};
 use crate::ops::compressor::bench::{self as hooks, StepKind};
-use crate::ops::compressor::{CompressorKind, CompressorShape};
+use crate::ops::compressor::{CompressorKind, CompressorShape, DecodeGrid};
 use crate::ops::indexer::KeyFormat;
 
 pub fn kernels() -> Vec<BenchKernel> {
     vec![BenchKernel {
         name: "compressor_decode",
-        variants: &["emit", "update"],
+        variants: &["emit", "update", "emit_one_cta", "update_one_cta"],
         matmul: MatmulKind::NotMatmul,
         run_point: decode_point,
         headline: &["emit"],
@@ -59,9 +60,11 @@ fn check_decode(s: &Sweep, batch: u64) -> Result<()> {
 }
 
 fn decode_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, batch: u64) -> Result<Vec<Row>> {
-    let step = match variant {
-        "emit" => StepKind::Emit,
-        "update" => StepKind::Update,
+    let (step, grid) = match variant {
+        "emit" => (StepKind::Emit, DecodeGrid::Cluster),
+        "update" => (StepKind::Update, DecodeGrid::Cluster),
+        "emit_one_cta" => (StepKind::Emit, DecodeGrid::OneCta),
+        "update_one_cta" => (StepKind::Update, DecodeGrid::OneCta),
         v => bail!("compressor_decode: unknown variant `{v}`"),
     };
     let sh = shape(s, batch)?;
@@ -71,6 +74,7 @@ fn decode_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, batch: u64) -> Res
         &sh,
         batch as usize,
         step,
+        grid,
         ctx.seed,
     )?;
     let sum = Summary::of(&m.samples_us)?;

@@ -1,13 +1,14 @@
 //! Measurement hooks of the compressor family: one decode step of `batch` sequences (the graph form the engine
 //! replays), either with every sequence completing a block (`emit`: state update + pooling + finalize + store +
-//! state reset, the worst step) or with none (`update`: the state row write only, the m - 1 steps in m). The
-//! sweep adapter is `bench::kernels::compressor`.
+//! state reset, the worst step) or with none (`update`: the state row write only, the m - 1 steps in m), launched
+//! as the engine's cluster kernel or the former one-CTA kernel ([`DecodeGrid`], the A/B). The sweep adapter is
+//! `bench::kernels::compressor`.
 
 use anyhow::{anyhow, ensure, Result};
 
 use super::{
-    decode_step, dev, CompressorShape, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
-    ROPE_DIMS,
+    decode_step_with, dev, CompressorShape, CompressorWeights, DecodeGrid, DecodeIo, EntryCache,
+    EntrySlots, ROPE_DIMS,
 };
 use crate::gpu::timing::TimingPlan;
 use crate::gpu::Gpu;
@@ -49,13 +50,15 @@ pub fn step_bytes(s: &CompressorShape, batch: usize, step: StepKind) -> u64 {
     (batch * per_seq + d * f + ROPE_DIMS / 2 * 8) as u64
 }
 
-/// Time one captured decode step of `batch` sequences on seeded inputs (graph replays, 20 per event pair).
+/// Time one captured decode step of `batch` sequences on seeded inputs (graph replays, 20 per event pair),
+/// launched as `grid`.
 pub fn decode_point(
     gpu: &Gpu,
     plan: impl Fn(u64) -> TimingPlan,
     shape: &CompressorShape,
     batch: usize,
     step: StepKind,
+    grid: DecodeGrid,
     seed: u64,
 ) -> Result<Measured> {
     shape.check()?;
@@ -113,8 +116,8 @@ pub fn decode_point(
         error: dev(&error),
     };
     // One plain call first: the kernel is resolved outside the capture.
-    decode_step(gpu, &gpu.stream, shape, &weights, &io)?;
-    let graph = gpu.capture(|| decode_step(gpu, &gpu.stream, shape, &weights, &io))?;
+    decode_step_with(gpu, &gpu.stream, shape, &weights, &io, grid)?;
+    let graph = gpu.capture(|| decode_step_with(gpu, &gpu.stream, shape, &weights, &io, grid))?;
     graph
         .launch()
         .map_err(|e| anyhow!("compressor graph launch: {e:?}"))?;

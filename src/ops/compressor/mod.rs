@@ -364,8 +364,17 @@ pub fn check_decode(shape: &CompressorShape, w: &CompressorWeights, io: &DecodeI
     io.cache.check(shape.kind)
 }
 
-/// One decode step of `io.batch` sequences: one launch, grid = batch, d threads per CTA (module docs for the
-/// contract). Every check runs before the launch.
+/// Channels of one decode CTA (`kSliceDims` in kernels/compressor.cu): a sequence's step runs as one cluster of
+/// `d / DECODE_SLICE_DIMS` CTAs (8 for the main compressors, 2 for the indexer), fixed by the kernel
+/// (`__cluster_dims__`).
+pub const DECODE_SLICE_DIMS: usize = 64;
+/// Most sequences of one decode launch (the sequence is grid.y).
+pub const DECODE_MAX_BATCH: usize = 65535;
+
+/// One decode step of `io.batch` sequences: one launch, grid `(d / 64, batch)` in clusters of `(d / 64, 1, 1)`
+/// CTAs of d threads: each CTA updates and pools 64 channels, cluster rank 0 finalizes and stores the entry
+/// (module docs for the contract; kernels/compressor.cu for why the split gives the one-CTA kernel's bits).
+/// Every check runs before the launch.
 pub fn decode_step(
     gpu: &Gpu,
     stream: &Stream,
@@ -373,8 +382,45 @@ pub fn decode_step(
     w: &CompressorWeights,
     io: &DecodeIo,
 ) -> Result<()> {
+    decode_step_with(gpu, stream, shape, w, io, DecodeGrid::Cluster)
+}
+
+/// How [`decode_step_with`] launches a decode step. Both give the same bits (tests/compressor.rs compares them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeGrid {
+    /// [`decode_step`]'s: a cluster of `d / 64` CTAs per sequence (`compressor_decode_<kind>`).
+    Cluster,
+    /// The former one-CTA-per-sequence kernel (`compressor_decode_<kind>_one_cta`, grid = batch): the
+    /// bit-exactness reference and the A/B baseline.
+    OneCta,
+}
+
+/// [`decode_step`] with an explicit [`DecodeGrid`].
+pub fn decode_step_with(
+    gpu: &Gpu,
+    stream: &Stream,
+    shape: &CompressorShape,
+    w: &CompressorWeights,
+    io: &DecodeIo,
+    grid: DecodeGrid,
+) -> Result<()> {
     check_decode(shape, w, io)?;
-    let k = gpu.kernel(FAMILY, &shape.kind.decode_kernel())?;
+    ensure!(
+        io.batch <= DECODE_MAX_BATCH,
+        "compressor decode: batch {} is above {DECODE_MAX_BATCH} sequences per launch",
+        io.batch
+    );
+    let (name, grid) = match grid {
+        DecodeGrid::Cluster => (
+            shape.kind.decode_kernel(),
+            ((shape.dim() / DECODE_SLICE_DIMS) as u32, io.batch as u32, 1),
+        ),
+        DecodeGrid::OneCta => (
+            format!("{}_one_cta", shape.kind.decode_kernel()),
+            (io.batch as u32, 1, 1),
+        ),
+    };
+    let k = gpu.kernel(FAMILY, &name)?;
     let mut a = KernelArgs::new();
     a.buf(&io.kv)
         .buf(&io.gate)
@@ -390,7 +436,7 @@ pub fn decode_step(
         launch(
             stream,
             &k,
-            Launch::new((io.batch as u32, 1, 1), (shape.dim() as u32, 1, 1)),
+            Launch::new(grid, (shape.dim() as u32, 1, 1)),
             &mut a,
         )
     }
@@ -542,6 +588,7 @@ mod tests {
             CompressorKind::CsaIndex(KeyFormat::Mxfp4),
         ] {
             names.push(kind.decode_kernel());
+            names.push(format!("{}_one_cta", kind.decode_kernel()));
             names.push(kind.prefill_kernel());
         }
         for n in &names {

@@ -32,7 +32,7 @@ use crate::gpu::launch::{launch, DevBuf, DeviceBuf, KernelArgs, Launch, Stream};
 use crate::gpu::Gpu;
 use crate::ops::norm_quant::{
     check_eps, check_len, check_rows, row_block_threads, upload_checked_bf16, upload_checked_f32,
-    NormOutputs, OutFormat, QuantView,
+    NormOutputs, OutFormat, QuantView, RowsOut,
 };
 
 /// Kernel family of the FFMA mixes, the finish kernels, hc_post and the op-by-op chain (kernels/mhc.cu).
@@ -409,8 +409,124 @@ pub fn mhc_pre_with(
     out: &mut MhcPreOutputs,
     path: MhcPrePath,
 ) -> Result<()> {
+    mhc_pre_copies_with(gpu, stream, x, w, eps, ws, out, NormCopies::NONE, path)
+}
+
+/// Quantized copies of the BF16 `RMSNorm(u)` that the finish kernel of [`mhc_pre_copies`] writes beside it, from
+/// the BF16 values it has just stored: `fp8` (FP8 1x128, ue8m0 scales) and `nvfp4` (NVFP4 with a per-row global
+/// scale), each `[T, D]` in the layouts of `ops::norm_quant`, and each bit for bit what
+/// [`crate::ops::norm_quant::quantize_bf16_rows`] writes from that BF16 output (one codec: common/norm_row.cuh's
+/// `quant_row_fp8` / `quant_row_nvfp4`). Their `rstd` is not written (as `quantize_bf16_rows` leaves it).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NormCopies<'a> {
+    pub fp8: Option<&'a RowsOut>,
+    pub nvfp4: Option<&'a RowsOut>,
+}
+
+impl NormCopies<'_> {
+    /// No copies: [`mhc_pre_with`].
+    pub const NONE: NormCopies<'static> = NormCopies {
+        fp8: None,
+        nvfp4: None,
+    };
+
+    /// The finish kernel's name suffix: `""`, `"_q8"`, `"_q4"` or `"_q8q4"`.
+    fn suffix(&self) -> &'static str {
+        match (self.fp8.is_some(), self.nvfp4.is_some()) {
+            (false, false) => "",
+            (true, false) => "_q8",
+            (false, true) => "_q4",
+            (true, true) => "_q8q4",
+        }
+    }
+
+    /// Each copy is `[tokens, d]` in its own format, and copies need the BF16 output.
+    fn check(&self, out: &MhcPreOutputs) -> Result<()> {
+        if self.suffix().is_empty() {
+            return Ok(());
+        }
+        if out.normed.format != OutFormat::Bf16 {
+            bail!(
+                "mhc_pre: quantized copies are of the BF16 RMSNorm(u); the outputs are {}",
+                out.normed.format.name()
+            );
+        }
+        for (what, copy, format) in [
+            ("fp8", self.fp8, OutFormat::Fp8),
+            ("nvfp4", self.nvfp4, OutFormat::Nvfp4),
+        ] {
+            let Some(c) = copy else { continue };
+            if c.format != format || c.rows != out.tokens || c.d != out.d {
+                bail!(
+                    "mhc_pre: the {what} copy is {} [{}, {}], the call needs {} [{}, {}]",
+                    c.format.name(),
+                    c.rows,
+                    c.d,
+                    format.name(),
+                    out.tokens,
+                    out.d
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The copy parameters from row `t0` on: `(q8, s8, q4, s4, g4)`, null where absent.
+    fn push(&self, a: &mut KernelArgs, t0: usize) {
+        if self.suffix().is_empty() {
+            return;
+        }
+        match self.fp8 {
+            Some(c) => c.push(a, t0, false),
+            None => {
+                a.null().null();
+            }
+        }
+        match self.nvfp4 {
+            Some(c) => c.push(a, t0, false),
+            None => {
+                a.null().null().null();
+            }
+        }
+    }
+}
+
+/// [`mhc_pre`] (the automatic launch path) that also writes `copies` of the BF16 `RMSNorm(u)` in its finish kernel
+/// (`mhc_pre_finish[_pdl]_bf16_{q8,q4,q8q4}`): one launch instead of `mhc_pre` + one [`quantize_bf16_rows`]
+/// per copy, with the same bits. `out` must be BF16.
+///
+/// [`quantize_bf16_rows`]: crate::ops::norm_quant::quantize_bf16_rows
+#[allow(clippy::too_many_arguments)]
+pub fn mhc_pre_copies(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &impl DeviceBuf<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    ws: &MhcWorkspace,
+    out: &mut MhcPreOutputs,
+    copies: NormCopies,
+) -> Result<()> {
+    let path = mhc_pre_auto_path(out.tokens);
+    mhc_pre_copies_with(gpu, stream, x, w, eps, ws, out, copies, path)
+}
+
+/// [`mhc_pre_copies`] with an explicit launch path.
+#[allow(clippy::too_many_arguments)]
+pub fn mhc_pre_copies_with(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &impl DeviceBuf<bf16>,
+    w: &MhcWeights,
+    eps: f32,
+    ws: &MhcWorkspace,
+    out: &mut MhcPreOutputs,
+    copies: NormCopies,
+    path: MhcPrePath,
+) -> Result<()> {
     check_boundary(x, w, eps, out, HC_MIX, "mhc_pre")?;
     ws.check(out.tokens, out.d)?;
+    copies.check(out)?;
     let (tokens, d) = (out.tokens, out.d);
     let splits = partial_splits(path, tokens, d);
     // Per chunk (one chunk up to MHC_LAUNCH_MAX_TOKENS tokens): the mix, then the finish on its partials.
@@ -423,7 +539,10 @@ pub fn mhc_pre_with(
         MhcPrePath::TwoLaunch | MhcPrePath::TensorMix => ("mhc_pre_finish", false),
         MhcPrePath::PdlPair => ("mhc_pre_finish_pdl", true),
     };
-    let finish = gpu.kernel(FAMILY, &format!("{finish}_{}", out.normed.format.name()))?;
+    let finish = gpu.kernel(
+        FAMILY,
+        &format!("{finish}_{}{}", out.normed.format.name(), copies.suffix()),
+    )?;
     let normed = out.normed.view();
     for chunk in mhc_token_chunks(tokens) {
         match path {
@@ -445,6 +564,7 @@ pub fn mhc_pre_with(
         let mut a = KernelArgs::new();
         finish_args(&mut a, x, w, eps, ws, splits, out, chunk);
         normed.push(&mut a, chunk.0, true);
+        copies.push(&mut a, chunk.0);
         let l = Launch::new((chunk.1 as u32, 2, 1), (row_block_threads(d), 1, 1)).pdl(pdl);
         unsafe { launch(stream, &finish, l, &mut a) }?;
     }
