@@ -200,7 +200,7 @@ fn seed_sequence(
             let e = kv::encode_entry(v.try_into().unwrap()).unwrap();
             arena::upload(s, &pool.sub(slot * kv::ENTRY_BYTES, kv::ENTRY_BYTES), &e).unwrap();
         };
-        for p in t.saturating_sub(lay.plan.window_entries)..t {
+        for p in t.saturating_sub(lay.plan.window)..t {
             put_entry(lay.window_slot(b, p), &c.window[p % cfg.window_size]);
         }
         for (j, e) in c.compressed.iter().enumerate() {
@@ -639,7 +639,10 @@ fn candidate_rows_match_the_host_twin() {
                 LayerKind::Csa { .. } => Compressed::TopK { idx: &dtop, k },
                 LayerKind::Hca { .. } => Compressed::AllVisible,
             };
-            build_candidates(&gpu, &s, &dpos, lc, compressed, &cand, &lens, stride).unwrap();
+            build_candidates(
+                &gpu, &s, &dpos, lc, &lc.rows, compressed, &cand, &lens, stride,
+            )
+            .unwrap();
             s.synchronize().unwrap();
             let what = format!("layer {l} trial {trial} positions {positions:?}");
             assert_eq!(gpu.download(&lens).unwrap(), want_len, "{what}: lengths");

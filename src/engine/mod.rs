@@ -16,6 +16,7 @@ pub mod ffn;
 pub mod io;
 pub mod parity;
 pub mod plan;
+pub mod prefill;
 pub mod report;
 pub mod run;
 pub mod step;
