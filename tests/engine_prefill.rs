@@ -632,7 +632,7 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
     }
 
     // (c) decode steps after the prefill, both fed the token-by-token engine's tokens.
-    let mut agree = vec![0usize; BATCH];
+    let mut agree = [0usize; BATCH];
     for step in 0..DECODE_STEPS {
         let ids: Vec<u32> = single
             .sampled(&gpu)
