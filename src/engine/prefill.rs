@@ -98,6 +98,8 @@ pub struct PrefillState {
     pub tables: Vec<RowTables>,
     /// Programmatic dependent launch for the chunk's kernels (as `DecodeState::pdl`).
     pub pdl: bool,
+    /// Tokens a sequence holds (the decode state's context).
+    context: usize,
 }
 
 impl PrefillState {
@@ -161,6 +163,7 @@ impl PrefillState {
             ffn,
             tables,
             pdl: false,
+            context,
             rows,
             config: cfg,
         })
@@ -207,6 +210,11 @@ impl PrefillState {
             );
         }
         let last = pos0 + toks.len() - 1;
+        ensure!(
+            last < self.context,
+            "position {last} is outside the context of {}",
+            self.context
+        );
         for l in &caches.layers {
             l.layout.check_position(last)?;
         }
