@@ -54,12 +54,13 @@ use rand::Rng;
 use std::time::Instant;
 
 const BATCH: usize = 3;
-const CONTEXT: usize = 64;
+const CONTEXT: usize = 128;
 /// Decode steps compared per sequence.
 const STEPS: usize = 40;
-/// Positions each sequence starts at (its CPU state seeds the GPU caches): the last reaches 62 of the 64-token
-/// context, the ring of 24 wraps, HCA (m = 8) emits, CSA (m = 4) selects 8 of up to 15 keys.
-const OFFSETS: [usize; BATCH] = [0, 11, 23];
+/// Positions each sequence starts at (its CPU state seeds the GPU caches): the last reaches 89 of the 128-token
+/// context, the window of 24 slides, its ring of 87 entries (window + 63, room for a prefill chunk) wraps at 87,
+/// HCA (m = 8) emits, CSA (m = 4) selects 8 of up to 22 keys.
+const OFFSETS: [usize; BATCH] = [0, 11, 50];
 /// The cosine every intermediate must reach (module docs).
 const COS: f64 = 0.999;
 /// o, y and x_mid of a row whose CSA selection differs from the CPU's by a near tie.
