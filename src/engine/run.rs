@@ -105,6 +105,9 @@ impl<'w> Engine<'w> {
             "set PDL before the first step: a captured graph keeps the launches it was captured with"
         );
         self.state.pdl = on;
+        if let Some(ps) = &mut self.prefill_state {
+            ps.pdl = on;
+        }
         Ok(())
     }
 
