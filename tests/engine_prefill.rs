@@ -304,6 +304,85 @@ fn indexer_key_map_scores_one_sequences_keys_per_row() {
     }
 }
 
+// ---- GPU: a chunk's candidate rows ------------------------------------------------------------------------------
+
+/// `attn_candidates` with a chunk's row tables (every row sequence 1 of 2) against the host twin
+/// `row_candidate_rows`, for every layer kind: chunks of 32 rows at random starts (the 87-entry ring of the
+/// short-window geometry wraps inside most of them), the last rows padded with copies, random top-k rows in score
+/// order (-1 padded): rows and lengths equal exactly, each row's window the last 24 positions in their ring slots.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn chunk_candidate_rows_match_the_host_twin() {
+    use megamoe::engine::attn::{build_candidates, candidate_stride, Compressed};
+    use megamoe::engine::cache::RowTables;
+    use megamoe::ops::compressor::dev;
+    use rand::seq::SliceRandom;
+    use rand::Rng;
+    let label = "engine_prefill_candidates";
+    let gpu = gpu(label);
+    let cfg = short_window_config();
+    let (_, _w, _m, state) = common::engine::rig(&gpu, label, cfg.clone(), 2, CONTEXT);
+    let mut rng = common::seeded(label, "MEGAMOE_SEED");
+    let s = gpu.stream.clone();
+    let rows = CHUNK;
+    for (l, lc) in state.caches.layers.iter().enumerate() {
+        let lay = lc.layout;
+        let stride = candidate_stride(&lay.plan, cfg.index_topk);
+        let k = cfg.index_topk.min(lay.plan.index_keys.max(1));
+        let tables = RowTables::upload(&gpu, &lay, &[1; CHUNK]).unwrap();
+        for trial in 0..16 {
+            let real = rng.random_range(1..=rows);
+            let p0 = rng.random_range(0..CONTEXT - real);
+            let positions: Vec<i32> = (0..rows).map(|i| (p0 + i.min(real - 1)) as i32).collect();
+            let mut top = vec![-1i32; rows * k];
+            let mut selected: Vec<Vec<usize>> = vec![vec![]; rows];
+            for (r, &p) in positions.iter().enumerate() {
+                let visible = lay.compressed_after(p as usize);
+                let mut sel: Vec<usize> = (0..visible).collect();
+                match lay.plan.kind {
+                    LayerKind::SlidingWindow => sel.clear(),
+                    LayerKind::Hca { .. } => {}
+                    LayerKind::Csa { .. } => {
+                        sel.shuffle(&mut rng);
+                        sel.truncate(k);
+                        for (i, &j) in sel.iter().enumerate() {
+                            top[r * k + i] = j as i32;
+                        }
+                        sel.sort_unstable();
+                    }
+                }
+                selected[r] = sel;
+            }
+            let (want, want_len) = lay
+                .row_candidate_rows(&[1; CHUNK], &positions, &selected, stride)
+                .unwrap();
+            let dpos = gpu.upload(&positions).unwrap();
+            let top_buf = gpu.upload(&top).unwrap();
+            let dtop = dev(&top_buf);
+            let cand = gpu.poisoned::<i32>(rows * stride, common::POISON).unwrap();
+            let lens = gpu.poisoned::<i32>(rows, common::POISON).unwrap();
+            let compressed = match lay.plan.kind {
+                LayerKind::SlidingWindow => Compressed::None,
+                LayerKind::Csa { .. } => Compressed::TopK { idx: &dtop, k },
+                LayerKind::Hca { .. } => Compressed::AllVisible,
+            };
+            build_candidates(
+                &gpu, &s, &dpos, lc, &tables, compressed, &cand, &lens, stride,
+            )
+            .unwrap();
+            s.synchronize().unwrap();
+            let what = format!("layer {l} trial {trial} chunk {p0}+{real}");
+            assert_eq!(gpu.download(&lens).unwrap(), want_len, "{what}: lengths");
+            assert_eq!(gpu.download(&cand).unwrap(), want, "{what}: rows");
+        }
+        println!(
+            "layer {l} ({:?}): 16 random chunks of sequence 1, candidate rows of stride {stride} equal to the host \
+             twin (ring {}, window {})",
+            lay.plan.kind, lay.plan.window_entries, lay.plan.window
+        );
+    }
+}
+
 // ---- GPU: a whole chunked prefill -------------------------------------------------------------------------------
 
 /// Prompt of 105 tokens, C = 32: the first 104 go in chunks 32, 32, 32, 8 (the last padded with 24 copies of its
