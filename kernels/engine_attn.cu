@@ -9,9 +9,10 @@
 //     compressor has emitted (t + 1) / m of them after this step's update; `LayerCacheLayout::compressed_after`).
 //   Grid ceil(max(n, batch) / 256), block 256.
 //
-// attn_candidates: each sequence's candidate row for sparse_attn (host twin `LayerCacheLayout::candidate_rows`):
-//   row b = the window slots of positions max(0, t - W + 1) ..= t oldest first (window_base[b] + p mod W), then the
-//   compressed entries as pool indices compressed_base[b] + j:
+// attn_candidates: each row's candidate row for sparse_attn (host twin `LayerCacheLayout::row_candidate_rows`; the
+//   tables are per row, `RowTables`: a decode batch's row b is sequence b, a prefill chunk's rows all one sequence):
+//   row b = the window slots of positions max(0, t - W + 1) ..= t oldest first (window_base[b] + p mod R, R >= W the
+//   ring length), then the compressed entries as pool indices compressed_base[b] + j:
 //     mode 0 (sliding window): none;
 //     mode 1 (CSA): the indexer's top-k row `selected[b * k ..]` (min(k, visible) indices in score order, then -1),
 //              sorted ascending (the model sorts `compressed_sel`) by a bitonic sort of sort_n = next_pow2(k) ints in
@@ -63,7 +64,7 @@ __device__ void bitonic_sort_ascending(int* s, int n) {
 }
 
 extern "C" __global__ void __launch_bounds__(kAttnGlueThreads)
-    attn_candidates(const int* __restrict__ positions, const int* __restrict__ window_base, int window,
+    attn_candidates(const int* __restrict__ positions, const int* __restrict__ window_base, int window, int ring,
                     const int* __restrict__ compressed_base, int ratio, int mode, const int* __restrict__ selected,
                     int k, int sort_n, int* __restrict__ candidates, int stride, int* __restrict__ lengths) {
     pdl_enter();
@@ -98,7 +99,7 @@ extern "C" __global__ void __launch_bounds__(kAttnGlueThreads)
         int c = -1;
         if (i < n) {
             if (i < n_win) {
-                c = window_base[b] + (first + i) % window;
+                c = window_base[b] + (first + i) % ring;
             } else {
                 const int j = i - n_win;
                 c = compressed_base[b] + (mode == kCandSelected ? sel[j] : j);

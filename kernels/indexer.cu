@@ -18,6 +18,10 @@
 // barrier (histogram, select, MXFP4 logits, baselines), a persistent FP8-logits CTA skips empty tiles on both
 // sides of its mbarrier ring, and the final pass's CTAs always take part in their row's arrival protocol.
 // The writer reads its slots on the device and skips a slot outside the cache.
+// Key-sequence map (the routed logits kernels' key_seq, null = identity): query sequence b scores the keys of
+// cache sequence key_seq[b], so several query sequences (the engine's prefill chunk: C rows of one sequence, each
+// with its own num_valid) can share one cache sequence; the launcher checks its length, the values must be valid
+// sequences of the cache (the tensor maps cover only its planes).
 // Budget at 1M context, batch 1 (262,144 keys, 34.6 MB): HBM floor 8.1 us at 4.25 TB/s; the top-k reads the
 // 1 MB of scores twice (histogram, select) plus a few KB per row in the final pass.
 //
@@ -147,7 +151,8 @@ __device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t p) {
 template <int NEXT_N>
 __device__ __forceinline__ void logits_mxfp4_body(const uint8_t* __restrict__ q, const float* __restrict__ w,
                                                   const uint8_t* __restrict__ codes, const void* __restrict__ scales_v,
-                                                  const int* __restrict__ num_valid, int capacity,
+                                                  const int* __restrict__ num_valid,
+                                                  const int* __restrict__ key_seq, int capacity,
                                                   float* __restrict__ scores, int score_stride) {
     __shared__ __align__(16) uint2 q_frag[NEXT_N][8][4][32];
     __shared__ __align__(16) float w_s[NEXT_N][HEADS];
@@ -171,7 +176,8 @@ __device__ __forceinline__ void logits_mxfp4_body(const uint8_t* __restrict__ q,
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    const size_t seq_slot0 = (size_t)b * capacity;
+    // The key sequence of query sequence b: key_seq[b] (several query sequences may share one), null = b.
+    const size_t seq_slot0 = (size_t)(key_seq != nullptr ? key_seq[b] : b) * capacity;
 
     for (int tile = cta_begin + warp * LG_WARP_KEYS; tile < cta_end; tile += LG_WARPS * LG_WARP_KEYS) {
         uint32_t a[LG_MT][4][4];
@@ -246,10 +252,10 @@ __device__ __forceinline__ void logits_mxfp4_body(const uint8_t* __restrict__ q,
 #define INDEXER_LOGITS_MXFP4_ENTRY(NAME, NEXT_N, MIN_BLOCKS)                                                    \
     extern "C" __global__ void __launch_bounds__(LG_WARPS * 32, MIN_BLOCKS)                                     \
         NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
-             const void* __restrict__ scales, const int* __restrict__ num_valid, int capacity,                   \
-             float* __restrict__ scores, int score_stride) {                                                     \
+             const void* __restrict__ scales, const int* __restrict__ num_valid,                                 \
+             const int* __restrict__ key_seq, int capacity, float* __restrict__ scores, int score_stride) {      \
         pdl_enter();                                                                                             \
-        logits_mxfp4_body<NEXT_N>(q, w, codes, scales, num_valid, capacity, scores, score_stride);              \
+        logits_mxfp4_body<NEXT_N>(q, w, codes, scales, num_valid, key_seq, capacity, scores, score_stride);     \
     }
 
 INDEXER_LOGITS_MXFP4_ENTRY(indexer_logits_mxfp4_n1, 1, 2)
@@ -1275,7 +1281,8 @@ __device__ __forceinline__ void lt_consumer_bar() { asm volatile("bar.sync 1, %0
 template <int NEXT_N, int STAGES>
 __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, const LtTensorMap* scales_map,
                                                 const uint8_t* __restrict__ q, const float* __restrict__ w,
-                                                const int* __restrict__ num_valid, int capacity,
+                                                const int* __restrict__ num_valid,
+                                                const int* __restrict__ key_seq, int capacity,
                                                 float* __restrict__ scores, int score_stride, int tiles_per_seq,
                                                 int total_tiles) {
     constexpr int NACC = NEXT_N * 32;
@@ -1323,7 +1330,10 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
             if (pass > 0) lt_mbar_wait(empty_s + 8 * stage, (uint32_t)(pass - 1) & 1u);
             const uint32_t full = full_s + 8 * stage;
             lt_mbar_arrive_expect_tx(full, LT_TX_BYTES);
-            const int slot0 = b * capacity + key0;  // < batch * capacity <= INT_MAX (launcher)
+            // The key sequence of query sequence b (key_seq[b], null = b): < the cache's sequences, so
+            // slot0 < cache batch * capacity <= INT_MAX (launcher).
+            const int kb = key_seq != nullptr ? key_seq[b] : b;
+            const int slot0 = kb * capacity + key0;
             lt_tma_2d(keys_s + stage * LW_TILE_BYTES, codes_map, 0, slot0, full, codes_policy);
             // Box start aligned down to 4 floats = 16 bytes (see the header: the TMA faults otherwise).
             lt_tma_1d(scale_s + stage * LT_SCALE_STAGE_BYTES, scales_map, slot0 & ~3, full);
@@ -1389,7 +1399,8 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
         const int r0 = warp * 16 + g;  // this thread's rows: r0 (e < 2) and r0 + 8 (e >= 2)
         float row_scale[2];
         // Row r's scale is element (slot0 & 3) + r of the stage's box (the box starts at slot0 & ~3).
-        const int scale0 = stage * (LT_SCALE_STAGE_BYTES / 4) + ((b * capacity + key0) & 3);
+        const int kb = key_seq != nullptr ? key_seq[b] : b;
+        const int scale0 = stage * (LT_SCALE_STAGE_BYTES / 4) + ((kb * capacity + key0) & 3);
         row_scale[0] = scale_gen[scale0 + r0];
         row_scale[1] = scale_gen[scale0 + r0 + 8];
         __syncwarp();
@@ -1428,15 +1439,17 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
 // FP8 logits (see logits_tma_body). grid = persistent CTAs (<= 3 per SM), block LT_THREADS = 160, dynamic smem
 // lt_smem_bytes<NEXT_N, STAGES>(). codes_map: 2D u8 tensor map {128, batch * capacity}, row stride 128 B, box
 // {128, 64}, 128B swizzle; scales_map: 1D f32 tensor map {batch * capacity}, box {68} (16-byte aligned bases).
-// tiles_per_seq = ceil(capacity / 64), total_tiles = batch * tiles_per_seq (the item list of the whole capacity).
+// tiles_per_seq = ceil(capacity / 64), total_tiles = batch * tiles_per_seq (the item list of the whole capacity of
+// every query sequence; batch = the query sequences, key_seq maps each to its cache sequence).
 #define INDEXER_LOGITS_TMA_ENTRY(NAME, NEXT_N, STAGES)                                                          \
     extern "C" __global__ void __launch_bounds__(LT_THREADS, 3)                                                 \
         NAME(const __grid_constant__ LtTensorMap codes_map, const __grid_constant__ LtTensorMap scales_map,      \
              const uint8_t* __restrict__ q, const float* __restrict__ w, const int* __restrict__ num_valid,      \
-             int capacity, float* __restrict__ scores, int score_stride, int tiles_per_seq, int total_tiles) {   \
+             const int* __restrict__ key_seq, int capacity, float* __restrict__ scores, int score_stride,        \
+             int tiles_per_seq, int total_tiles) {                                                               \
         pdl_enter();                                                                                             \
-        logits_tma_body<NEXT_N, STAGES>(&codes_map, &scales_map, q, w, num_valid, capacity, scores, score_stride, \
-                                        tiles_per_seq, total_tiles);                                             \
+        logits_tma_body<NEXT_N, STAGES>(&codes_map, &scales_map, q, w, num_valid, key_seq, capacity, scores,    \
+                                        score_stride, tiles_per_seq, total_tiles);                               \
     }
 
 // Stages: 3 CTAs x lt_smem_bytes must fit 228 KB per SM with 1 KB reserved per CTA: next_n 1 with 7 stages =

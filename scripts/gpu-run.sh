@@ -171,8 +171,10 @@ if want decode; then
       --context 4096 --batch 1 --overlap-shared on --max-new-tokens 32 --out "$work" \
       > "$work/decode-flash-overlap-on.log" 2>&1 || { echo "decode flash --overlap-shared on failed"; status=1; }
     grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-overlap-on.log" | head -n 8
-    # TTFT on a real prompt (the 4K-token prompt at batch 1): prefill runs token by token through the
-    # prompt step's graph, so this takes ~4096 steps; DECODE_TTFT=0 skips it.
+    # TTFT on a real prompt (the 4K-token prompt at batch 1): prefill runs in chunks of 64 prompt tokens
+    # through the decode kernels (--prefill-chunk, default 64; decode.csv's prefill_chunk column; 64 chunks, eager
+    # launches); --prefill-chunk 1 would be token by token through the prompt step's graph (~4096 steps, ~45 s).
+    # DECODE_TTFT=0 skips it.
     if [ "${DECODE_TTFT:-1}" != 0 ]; then
       step "decode: flash TTFT, 4K-token prompt, batch 1"
       timeout "${DECODE_TTFT_TIMEOUT:-150}" "$B/megamoe" decode --model flash --context 8192 --batch 1 \

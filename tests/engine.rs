@@ -27,7 +27,9 @@ fn request(batch: usize, context: usize, free: usize) -> PlanRequest {
 fn cache_bytes_by_hand(cfg: &ModelConfig, ctx: usize, key_bytes: usize) -> usize {
     (0..cfg.n_layers)
         .map(|l| {
-            let window = cfg.window_size.min(ctx) * kv::ENTRY_BYTES;
+            // The ring: the window plus room for a prefill chunk's entries (plan::LayerCachePlan::window_entries).
+            let window = (cfg.window_size + megamoe::engine::plan::PREFILL_CHUNK_MAX - 1).min(ctx)
+                * kv::ENTRY_BYTES;
             window
                 + match cfg.layer_kind(l) {
                     LayerKind::SlidingWindow => 0,

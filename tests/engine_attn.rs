@@ -54,12 +54,13 @@ use rand::Rng;
 use std::time::Instant;
 
 const BATCH: usize = 3;
-const CONTEXT: usize = 64;
+const CONTEXT: usize = 128;
 /// Decode steps compared per sequence.
 const STEPS: usize = 40;
-/// Positions each sequence starts at (its CPU state seeds the GPU caches): the last reaches 62 of the 64-token
-/// context, the ring of 24 wraps, HCA (m = 8) emits, CSA (m = 4) selects 8 of up to 15 keys.
-const OFFSETS: [usize; BATCH] = [0, 11, 23];
+/// Positions each sequence starts at (its CPU state seeds the GPU caches): the last reaches 89 of the 128-token
+/// context, the window of 24 slides, its ring of 87 entries (window + 63, room for a prefill chunk) wraps at 87,
+/// HCA (m = 8) emits, CSA (m = 4) selects 8 of up to 22 keys.
+const OFFSETS: [usize; BATCH] = [0, 11, 50];
 /// The cosine every intermediate must reach (module docs).
 const COS: f64 = 0.999;
 /// o, y and x_mid of a row whose CSA selection differs from the CPU's by a near tie.
@@ -200,7 +201,7 @@ fn seed_sequence(
             let e = kv::encode_entry(v.try_into().unwrap()).unwrap();
             arena::upload(s, &pool.sub(slot * kv::ENTRY_BYTES, kv::ENTRY_BYTES), &e).unwrap();
         };
-        for p in t.saturating_sub(lay.plan.window_entries)..t {
+        for p in t.saturating_sub(lay.plan.window)..t {
             put_entry(lay.window_slot(b, p), &c.window[p % cfg.window_size]);
         }
         for (j, e) in c.compressed.iter().enumerate() {
@@ -639,7 +640,10 @@ fn candidate_rows_match_the_host_twin() {
                 LayerKind::Csa { .. } => Compressed::TopK { idx: &dtop, k },
                 LayerKind::Hca { .. } => Compressed::AllVisible,
             };
-            build_candidates(&gpu, &s, &dpos, lc, compressed, &cand, &lens, stride).unwrap();
+            build_candidates(
+                &gpu, &s, &dpos, lc, &lc.rows, compressed, &cand, &lens, stride,
+            )
+            .unwrap();
             s.synchronize().unwrap();
             let what = format!("layer {l} trial {trial} positions {positions:?}");
             assert_eq!(gpu.download(&lens).unwrap(), want_len, "{what}: lengths");

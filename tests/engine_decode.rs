@@ -155,6 +155,8 @@ fn graph_replay_equals_eager_steps() {
     ] {
         let mut engine = Engine::new(&gpu, &w, shape).unwrap();
         engine.set_pdl(true).unwrap();
+        // Token by token, as the eager twin prefills (a chunked prefill is compared in tests/engine_prefill.rs).
+        engine.set_prefill_chunk(1).unwrap();
         engine.set_overlap_shared(overlap).unwrap();
         engine.prefill(&gpu, &prompts, &params, &[]).unwrap();
         for (step, want) in eager.iter().enumerate() {

@@ -72,6 +72,23 @@ pub struct DecodeArgs {
     /// same inputs; only their overlap changes). decode.csv records it in its `overlap_shared` column.
     #[arg(long, default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
     pub overlap_shared: bool,
+    /// Prompt tokens per prefill chunk, 1..=64: each sequence's prompt goes through the layers in chunks of this
+    /// many rows of the decode kernels (weights read once per chunk); 1 = token by token (one prompt-step graph
+    /// replay per token, the whole batch at once). decode.csv records it in its `prefill_chunk` column.
+    #[arg(long, default_value_t = crate::engine::prefill::DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
+}
+
+/// How a prefill of chunk `chunk` runs, for the report.
+fn prefill_how(chunk: usize) -> String {
+    if chunk <= 1 {
+        "token by token through the decode layers (--prefill-chunk 1)".into()
+    } else {
+        format!(
+            "in chunks of {chunk} rows of one sequence through the decode layers (--prefill-chunk; eager \
+             launches)"
+        )
+    }
 }
 
 /// `on` / `off` as a bool (the `--pdl` value).
@@ -121,6 +138,7 @@ impl DecodeArgs {
             "--parity runs one point (one --batch, one --context, a real prompt)"
         );
         ensure!(self.prompt_len >= 1, "--prompt-len must be at least 1");
+        crate::engine::prefill::check_chunk(self.prefill_chunk)?;
         ensure!(
             self.max_new_tokens >= 1,
             "--max-new-tokens must be at least 1"
@@ -222,6 +240,7 @@ pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<Dec
         let mut engine = Engine::new(gpu, &weights, shape)?;
         engine.set_pdl(args.pdl)?;
         engine.set_overlap_shared(args.overlap_shared)?;
+        engine.set_prefill_chunk(args.prefill_chunk)?;
         let prompts: Vec<Vec<u32>> = (0..batch)
             .map(|b| {
                 (0..args.prompt_len as u64)
@@ -354,8 +373,9 @@ fn time_point(
         (start + 1, None)
     } else {
         eprintln!(
-            "batch {batch}, context {context}: prefill of {} prompt tokens, token by token through the decode layers",
-            args.prompt_len
+            "batch {batch}, context {context}: prefill of {} prompt tokens, {}",
+            args.prompt_len,
+            prefill_how(args.prefill_chunk)
         );
         // No stop ids: every step of the timed run decodes every sequence.
         let pre = engine.prefill(gpu, prompts, &params, &[])?;
@@ -539,9 +559,9 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
     );
     match s.ttft_s {
         Some(t) => println!(
-            "TTFT        {t:.3} s ({} prompt tokens, token by token; cold: module loads and graph capture \
-             included)",
-            args.prompt_len
+            "TTFT        {t:.3} s ({} prompt tokens, {}; cold: module loads and graph capture included)",
+            args.prompt_len,
+            prefill_how(args.prefill_chunk)
         ),
         None => println!(
             "TTFT        - (started at position {} with synthetic caches: the steps read a full context's \
@@ -665,7 +685,7 @@ struct ParityCsvRow {
 }
 
 /// The columns added at the end of decode.csv after its first rows were committed, in order.
-const LATER_COLUMNS: [&str; 2] = ["pdl", "overlap_shared"];
+const LATER_COLUMNS: [&str; 3] = ["pdl", "overlap_shared", "prefill_chunk"];
 
 /// A decode.csv written before some of [`LATER_COLUMNS`] existed gets them, empty in its rows, so the rows appended
 /// now line up with its header.
@@ -740,6 +760,9 @@ struct DecodeCsvRow {
     /// `on` / `off`: the shared expert on a second stream (`--overlap-shared`); empty in rows written before the
     /// column existed.
     overlap_shared: &'static str,
+    /// Prompt tokens per prefill chunk (`--prefill-chunk`; 1 = token by token); empty without a prompt
+    /// (`--at-context`) and in rows written before the column existed (token by token then).
+    prefill_chunk: Option<usize>,
 }
 
 fn append_csv(
@@ -793,6 +816,7 @@ fn append_csv(
         logical_experts: plan.map.logical,
         pdl: on_off_name(args.pdl),
         overlap_shared: on_off_name(args.overlap_shared),
+        prefill_chunk: s.ttft_s.map(|_| args.prefill_chunk),
     })?;
     w.flush()?;
     eprintln!("appended a row to {}", path.display());
@@ -816,6 +840,7 @@ mod tests {
             parity: false,
             pdl: false,
             overlap_shared: false,
+            prefill_chunk: 64,
         }
     }
 
@@ -844,16 +869,16 @@ mod tests {
         let path = dir.join("decode.csv");
         std::fs::write(&path, "a,b\n1,2\n3,\n").unwrap();
         add_missing_columns(&path).unwrap();
-        let want = "a,b,pdl,overlap_shared\n1,2,,\n3,,,\n";
+        let want = "a,b,pdl,overlap_shared,prefill_chunk\n1,2,,,\n3,,,,\n";
         assert_eq!(std::fs::read_to_string(&path).unwrap(), want);
         add_missing_columns(&path).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), want);
-        // A file that has the first later column gets only the second.
+        // A file that has the first later column gets only the others.
         std::fs::write(&path, "a,pdl\n1,on\n").unwrap();
         add_missing_columns(&path).unwrap();
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
-            "a,pdl,overlap_shared\n1,on,\n"
+            "a,pdl,overlap_shared,prefill_chunk\n1,on,,\n"
         );
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -58,6 +58,10 @@ pub struct GenerateArgs {
     /// Seed of the sampler's draws (and of the synthetic weights).
     #[arg(long, default_value_t = 0x5EED)]
     pub seed: u64,
+    /// Prompt tokens per prefill chunk, 1..=64 (1 = token by token); the TTFT in the summary is the chunked
+    /// prefill's.
+    #[arg(long, default_value_t = crate::engine::prefill::DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
 }
 
 impl GenerateArgs {
@@ -77,6 +81,7 @@ impl GenerateArgs {
     pub fn check(&self, tok: &Tokenizer) -> Result<Vec<u32>> {
         resolve_model(&self.model)?;
         self.sampler().validate()?;
+        crate::engine::prefill::check_chunk(self.prefill_chunk)?;
         ensure!(
             self.max_new_tokens >= 1,
             "--max-new-tokens must be at least 1"
@@ -117,6 +122,7 @@ pub fn run(gpu: &Gpu, args: &GenerateArgs, tok: &Tokenizer, prompt: Vec<u32>) ->
             context: args.context,
         },
     )?;
+    engine.set_prefill_chunk(args.prefill_chunk)?;
     let stop = StopSet::dsv4_chat(cfg.eos_token_id, Some(tok));
     let params = SamplerParams::from_config(&args.sampler(), args.max_new_tokens)?;
     progress::catch_interrupt();
@@ -180,11 +186,12 @@ pub fn run(gpu: &Gpu, args: &GenerateArgs, tok: &Tokenizer, prompt: Vec<u32>) ->
     };
     let after_first = generated.len().saturating_sub(1);
     eprintln!(
-        "[{} | {} prompt tokens, {} generated | stop: {reason} | TTFT {:.3} s | {:.1} tokens/s after the first | {:.1} s total]",
+        "[{} | {} prompt tokens, {} generated | stop: {reason} | TTFT {:.3} s (prefill chunk {}) | {:.1} tokens/s after the first | {:.1} s total]",
         cfg.name,
         prompt.len(),
         generated.len(),
         pre.ttft_s,
+        args.prefill_chunk,
         if decode_s > 0.0 { after_first as f64 / decode_s } else { 0.0 },
         t0.elapsed().as_secs_f64()
     );

@@ -225,6 +225,7 @@ fn main_job_decode() -> decode::DecodeArgs {
         // Both off, as `megamoe decode`'s defaults, until a GPU run has checked and measured them.
         pdl: false,
         overlap_shared: false,
+        prefill_chunk: crate::engine::prefill::DEFAULT_PREFILL_CHUNK,
     }
 }
 

@@ -26,7 +26,7 @@
 //! An idle slot (position < 0) writes no cache (window entry, compressor state and entries are skipped), gets an
 //! empty candidate row, and its `x_out` rows are unspecified; all sequences active is the supported case.
 
-use crate::engine::cache::{LayerCacheLayout, LayerCaches};
+use crate::engine::cache::{LayerCacheLayout, LayerCaches, RowTables};
 use crate::engine::io::{group, LayerIo, StepShape, STREAMS};
 use crate::engine::plan::LayerCachePlan;
 use crate::engine::weights::DeviceWeights;
@@ -60,7 +60,10 @@ const GLUE_THREADS: u32 = 256;
 /// Every size the half's buffers and launches depend on, from the model and the step's shape: what
 /// [`AttnHalf::layout`] counts and [`AttnHalf::new`] carves.
 struct Sizes {
+    /// Rows of the half: the decode batch, or a prefill chunk's capacity.
     batch: usize,
+    /// Sequences of the caches the half reads (the decode batch; `batch` for a decode half).
+    pool_batch: usize,
     dim: usize,
     q_lora: usize,
     heads: usize,
@@ -89,10 +92,10 @@ struct GroupShape {
     split: SplitPlan,
 }
 
-/// The longest candidate list a layer of `plan` may see: the window ring, plus CSA's top-k (at most its key
-/// capacity) or HCA's every compressed entry.
+/// The longest candidate list a layer of `plan` may see: the window, plus CSA's top-k (at most its key capacity) or
+/// HCA's every compressed entry.
 pub fn candidate_stride(plan: &LayerCachePlan, index_topk: usize) -> usize {
-    plan.window_entries
+    plan.window
         + match plan.kind {
             LayerKind::SlidingWindow => 0,
             LayerKind::Csa { .. } => index_topk.min(plan.index_keys),
@@ -135,9 +138,15 @@ fn check_geometry(cfg: &ModelConfig) -> Result<()> {
 }
 
 impl Sizes {
-    fn of(cfg: &ModelConfig, shape: &StepShape, sm_count: usize) -> Result<Sizes> {
+    fn of(
+        cfg: &ModelConfig,
+        shape: &StepShape,
+        pool_batch: usize,
+        sm_count: usize,
+    ) -> Result<Sizes> {
         check_geometry(cfg)?;
         let batch = shape.batch;
+        ensure!(pool_batch >= 1, "caches of no sequence");
         let plans: Vec<LayerCachePlan> = (0..cfg.n_layers)
             .map(|l| LayerCachePlan::of(cfg, l, shape.context))
             .collect();
@@ -148,7 +157,10 @@ impl Sizes {
                 layer_group.push(g);
                 continue;
             }
-            let lay = LayerCacheLayout { plan: *plan, batch };
+            let lay = LayerCacheLayout {
+                plan: *plan,
+                batch: pool_batch,
+            };
             let shape = DecodeShape {
                 batch,
                 heads: cfg.n_heads,
@@ -243,6 +255,7 @@ impl Sizes {
         }
         Ok(Sizes {
             batch,
+            pool_batch,
             dim: cfg.dim,
             q_lora: cfg.q_lora_rank,
             heads: cfg.n_heads,
@@ -654,7 +667,10 @@ impl AttnLayer {
 /// parity tests.
 pub struct AttnHalf {
     pub config: ModelConfig,
+    /// Rows of every launch (the decode batch or a prefill chunk's capacity).
     pub batch: usize,
+    /// Sequences of the caches a run is handed (= `batch` for a decode half).
+    pub pool_batch: usize,
     pub layers: Vec<AttnLayer>,
     pub bufs: AttnBuffers,
     pub groups: Vec<AttnGroup>,
@@ -679,7 +695,17 @@ impl AttnHalf {
         shape: &StepShape,
         sm_count: usize,
     ) -> Result<WorkspaceLayout> {
-        Ok(Sizes::of(cfg, shape, sm_count)?.layout())
+        Ok(Sizes::of(cfg, shape, shape.batch, sm_count)?.layout())
+    }
+
+    /// The carves of [`AttnHalf::new_rows`]: `shape.batch` rows over caches of `pool_batch` sequences.
+    pub fn layout_rows(
+        cfg: &ModelConfig,
+        shape: &StepShape,
+        pool_batch: usize,
+        sm_count: usize,
+    ) -> Result<WorkspaceLayout> {
+        Ok(Sizes::of(cfg, shape, pool_batch, sm_count)?.layout())
     }
 
     /// Builds every layer's weights (views into `weights`' pool; the mHC parameters, RoPE tables, sinks and
@@ -691,8 +717,20 @@ impl AttnHalf {
         shape: &StepShape,
         arena: &mut Arena,
     ) -> Result<AttnHalf> {
+        Self::new_rows(gpu, weights, shape, shape.batch, arena)
+    }
+
+    /// A half of `shape.batch` rows over the caches of `pool_batch` sequences (a prefill chunk's half: its rows
+    /// read the caches through the [`RowTables`] a run is handed).
+    pub fn new_rows(
+        gpu: &Gpu,
+        weights: &DeviceWeights,
+        shape: &StepShape,
+        pool_batch: usize,
+        arena: &mut Arena,
+    ) -> Result<AttnHalf> {
         let cfg = weights.plan.config.clone();
-        let s = Sizes::of(&cfg, shape, gpu.info.sm_count as usize)?;
+        let s = Sizes::of(&cfg, shape, pool_batch, gpu.info.sm_count as usize)?;
         let used = arena.used();
         let bufs = AttnBuffers::carve(gpu, &s, arena)?;
         let mut groups = Vec::with_capacity(s.groups.len());
@@ -720,6 +758,7 @@ impl AttnHalf {
         let qo = s.batch * s.heads * s.head_dim;
         Ok(AttnHalf {
             batch: s.batch,
+            pool_batch: s.pool_batch,
             layers,
             bufs,
             groups,
@@ -752,12 +791,26 @@ impl AttnHalf {
             "the attention half was built on other weights"
         );
         ensure!(
-            io.caches.layout.plan == self.plans[layer] && io.caches.layout.batch == self.batch,
+            io.caches.layout.plan == self.plans[layer] && io.caches.layout.batch == self.pool_batch,
             "layer {layer}: caches of {:?} for a half built for {:?} x {}",
             io.caches.layout,
             self.plans[layer],
+            self.pool_batch
+        );
+        ensure!(
+            io.rows.rows() == self.batch,
+            "layer {layer}: row tables of {} rows for a half of {}",
+            io.rows.rows(),
             self.batch
         );
+        if let Some(n) = io.chunk_rows {
+            ensure!(
+                (1..=self.batch).contains(&n) && io.rows.single_sequence().is_some(),
+                "layer {layer}: a prefill chunk of {n} real rows in {} rows of sequences {:?}",
+                self.batch,
+                io.rows.seqs
+            );
+        }
         self.hc_pre(gpu, stream, layer, io)?;
         io.mark(stream, group::ATTN_HC_PRE)?;
         self.projections(gpu, stream, layer, io)?;
@@ -850,9 +903,12 @@ impl AttnHalf {
             &self.q,
             &b.q_rstd,
         )?;
+        // One row per ring entry, each at its row's sequence base (a chunk's rows all at its sequence's: their
+        // positions are consecutive and span at most PREFILL_CHUNK_MAX <= ring - window + 1, so no two share a
+        // slot and no entry the chunk's earlier queries read is overwritten; plan::LayerCachePlan::window_entries).
         let ring = WindowRing {
             pool: &io.caches.pool,
-            seq_base: &io.caches.window_base,
+            seq_base: &io.rows.window_base,
             tokens_per_seq: 1,
             window: io.caches.layout.plan.window_entries,
         };
@@ -907,14 +963,14 @@ impl AttnHalf {
     /// compressed block of the pool (CSA: also the indexer key into its key cache). The `ape` row of the position
     /// is added by the kernel.
     fn compress(&self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
-        let (l, b, c) = (&self.layers[layer], &self.bufs, io.caches);
+        let (l, b, c, r) = (&self.layers[layer], &self.bufs, io.caches, io.rows);
         let n = self.batch;
         // (compressor, its kv / gate inputs, its state, entry slots, cache) of each compressor of the layer.
         let mut steps = Vec::with_capacity(2);
         if let Some(main) = &l.compressor {
             let slots = EntrySlots {
-                base: dev(&c.compressed_base),
-                capacity: dev(&c.compressed_capacity),
+                base: dev(&r.compressed_base),
+                capacity: dev(&r.compressed_capacity),
             };
             let w = main.shape.width();
             let inputs = (b.comp_kv.sub(0, n * w), b.comp_gate.sub(0, n * w));
@@ -925,8 +981,8 @@ impl AttnHalf {
                 bail!("layer {layer} is CSA but its caches hold no indexer keys")
             };
             let slots = EntrySlots {
-                base: dev(&ic.base),
-                capacity: dev(&ic.capacity),
+                base: dev(&r.key_base),
+                capacity: dev(&r.key_capacity),
             };
             let w = ix.compressor.shape.width();
             let inputs = (ib.comp_kv.sub(0, n * w), ib.comp_gate.sub(0, n * w));
@@ -972,7 +1028,13 @@ impl AttnHalf {
                 pooled: None,
                 error: b.error,
             };
-            compressor::decode_step(gpu, stream, &cp.shape, &cp.weights, &dio)?;
+            match io.chunk_rows {
+                None => compressor::decode_step(gpu, stream, &cp.shape, &cp.weights, &dio)?,
+                Some(real) => {
+                    let seq = r.single_sequence().expect("checked in run");
+                    compress_chunk(gpu, stream, cp, &dio, seq, real)?
+                }
+            }
         }
         Ok(())
     }
@@ -986,11 +1048,15 @@ impl AttnHalf {
         let Some(ic) = &io.caches.index else {
             bail!("layer {layer} is CSA but its caches hold no indexer keys")
         };
-        indexer::logits(
+        // A chunk's rows all score its sequence's keys (each row up to its own visible count); a decode batch's
+        // row b scores sequence b's (the identity, no map).
+        let key_seq = io.chunk_rows.map(|_| &io.rows.key_seq);
+        indexer::logits_mapped(
             gpu,
             stream,
             &ib.query,
             &ic.keys,
+            key_seq,
             &ib.scores,
             ib.score_stride,
         )?;
@@ -1024,6 +1090,7 @@ impl AttnHalf {
             stream,
             io.positions,
             io.caches,
+            io.rows,
             compressed,
             &g.candidates,
             &g.lengths,
@@ -1165,6 +1232,47 @@ fn fp8_rows(r: &RowsOut) -> Result<Fp8Rows<'_>> {
     })
 }
 
+/// A prefill chunk's compressor step (one compressor of a layer): the decode kernel once per real row in row
+/// (= position) order, each launch with batch 1 over row `i`'s inputs, position and table entries and the
+/// sequence's state. A compressor's state update is sequential in the positions of one sequence, and each launch
+/// is exactly the decode step of that token, so the chunk leaves the state and the emitted entries as `real`
+/// decode steps of the sequence do (given the same inputs). The padding rows (copies of the last real row) are
+/// skipped: a second update with the last token would advance the state twice.
+fn compress_chunk(
+    gpu: &Gpu,
+    stream: &Stream,
+    cp: &CompressorParams,
+    dio: &DecodeIo,
+    seq: usize,
+    real: usize,
+) -> Result<()> {
+    let (w, floats) = (cp.shape.width(), cp.shape.state_floats());
+    ensure!(
+        real <= dio.batch && dio.state.len() >= (seq + 1) * floats,
+        "compressor chunk: {real} rows of {} over a state of {} floats for sequence {seq}",
+        dio.batch,
+        dio.state.len()
+    );
+    for i in 0..real {
+        let one = DecodeIo {
+            batch: 1,
+            kv: dio.kv.sub(i * w, w),
+            gate: dio.gate.sub(i * w, w),
+            positions: dio.positions.sub(i, 1),
+            state: dio.state.sub(seq * floats, floats),
+            slots: EntrySlots {
+                base: dio.slots.base.sub(i, 1),
+                capacity: dio.slots.capacity.sub(i, 1),
+            },
+            cache: dio.cache,
+            pooled: None,
+            error: dio.error,
+        };
+        compressor::decode_step(gpu, stream, &cp.shape, &cp.weights, &one)?;
+    }
+    Ok(())
+}
+
 // ---- the glue launchers (kernels/engine_attn.cu) --------------------------------------------------------------
 
 /// The host twin of `attn_indexer_inputs`' counts: the indexer keys a query at each position sees, `(t + 1) /
@@ -1220,24 +1328,26 @@ pub enum Compressed<'a> {
     AllVisible,
 }
 
-/// `attn_candidates`: each sequence's candidate row for `sparse_attn::decode` from its position (device): the
-/// window ring slots of positions `max(0, t - W + 1) ..= t` oldest first, then the compressed entries of
-/// `compressed` as pool indices (ascending), then -1 up to `stride`; `lengths[b]` the count (0 for a position < 0).
-/// The host twin is `LayerCacheLayout::candidate_rows` (with the selections sorted). `stride` must hold the
-/// longest list the layer can produce ([`candidate_stride`]).
+/// `attn_candidates`: each row's candidate row for `sparse_attn::decode` from its position (device) and its
+/// sequence's bases (`rows`): the window ring slots (`p mod window_entries`) of positions `max(0, t - W + 1) ..=
+/// t` oldest first (W the attention window), then the compressed entries of `compressed` as pool indices
+/// (ascending), then -1 up to `stride`; `lengths[b]` the count (0 for a position < 0). The host twin is
+/// `LayerCacheLayout::row_candidate_rows` (with the selections sorted). `stride` must hold the longest list the
+/// layer can produce ([`candidate_stride`]).
 #[allow(clippy::too_many_arguments)]
 pub fn build_candidates(
     gpu: &Gpu,
     stream: &Stream,
     positions: &impl DeviceBuf<i32>,
     caches: &LayerCaches,
+    rows: &RowTables,
     compressed: Compressed<'_>,
     candidates: &impl DeviceBuf<i32>,
     lengths: &impl DeviceBuf<i32>,
     stride: usize,
 ) -> Result<()> {
     let lay = &caches.layout;
-    let batch = lay.batch;
+    let batch = rows.rows();
     ensure!(
         positions.elems() == batch && lengths.elems() >= batch,
         "attn_candidates: {} positions and {} lengths for a batch of {batch}",
@@ -1267,24 +1377,31 @@ pub fn build_candidates(
         "attn_candidates: compressed candidates on a layer without compression"
     );
     ensure!(
-        stride >= lay.plan.window_entries + longest,
+        stride >= lay.plan.window + longest,
         "attn_candidates: stride {stride} is shorter than the window {} + {longest} compressed entries",
+        lay.plan.window
+    );
+    ensure!(
+        (1..=lay.plan.window_entries).contains(&lay.plan.window),
+        "attn_candidates: a window of {} in a ring of {}",
+        lay.plan.window,
         lay.plan.window_entries
     );
     ensure!(
-        caches.window_base.len() >= batch && (mode == 0 || caches.compressed_base.len() >= batch),
-        "attn_candidates: the caches' base arrays hold {} / {} entries for a batch of {batch}",
-        caches.window_base.len(),
-        caches.compressed_base.len()
+        rows.window_base.len() >= batch && rows.compressed_base.len() >= batch,
+        "attn_candidates: the row tables hold {} / {} entries for {batch} rows",
+        rows.window_base.len(),
+        rows.compressed_base.len()
     );
     let sort_n = if k == 0 { 0 } else { k.next_power_of_two() };
     let smem = 4 * sort_n;
     let kern = gpu.kernel_with_smem(FAMILY, "attn_candidates", smem)?;
     let mut a = KernelArgs::new();
     a.buf(positions)
-        .buf(&caches.window_base)
+        .buf(&rows.window_base)
+        .i32(lay.plan.window as i32)
         .i32(lay.plan.window_entries as i32)
-        .buf(&caches.compressed_base)
+        .buf(&rows.compressed_base)
         .i32(ratio.max(1) as i32)
         .i32(mode);
     match sel {

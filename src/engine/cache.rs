@@ -15,17 +15,25 @@
 //! * Compressor states, f32 `[batch, compressor_floats]` (kv rows then score rows, `compressor::reference::
 //!   host_state`), and the indexer compressor's `[batch, index_compressor_floats]`.
 //!
-//! The window ring holds `min(window_size, context)` entries: with a context shorter than the window the ring
-//! never wraps, since positions stay below `context`.
+//! The window ring holds `min(context, window_size + PREFILL_CHUNK_MAX - 1)` entries (`LayerCachePlan::
+//! window_entries`), more than the attention window (`LayerCachePlan::window`) so that a prefill chunk can write all
+//! its window entries before its attention: with a context no longer than the ring, the ring never wraps, since
+//! positions stay below `context`.
+//!
+//! Every per-sequence table a layer half reads (the window ring's base, the compressed entries' base and capacity,
+//! the indexer keys' base and capacity, the key sequence of the indexer's logits) is indexed by the half's row,
+//! not by the sequence: [`RowTables`]. The decode batch's tables are the identity (row `b` = sequence `b`,
+//! [`LayerCaches::rows`]); a prefill chunk's tables point every row at the one sequence it prefills.
 
 use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
 use crate::formats::kv;
-use crate::gpu::Gpu;
+use crate::gpu::arena;
+use crate::gpu::{Gpu, Stream};
 use crate::model::reference::CompressorState;
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::compressor::reference::host_state;
 use crate::ops::indexer::{KeyCacheGpu, KeyFormat};
-use anyhow::{ensure, Result};
+use anyhow::{bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 
 /// The indexer's key format for a plan's.
@@ -89,9 +97,10 @@ impl LayerCacheLayout {
         }
     }
     /// Pool indices of the window candidates of the query at `pos` of sequence `b`, oldest first: positions
-    /// `max(0, pos + 1 - window) ..= pos` (`Model::window_positions`, with the ring length as the window).
+    /// `max(0, pos + 1 - window) ..= pos` (`Model::window_positions`) in their ring slots (`pos mod
+    /// window_entries`; the ring is at least as long as the window).
     pub fn window_candidates(&self, b: usize, pos: usize) -> Vec<i32> {
-        let w = self.plan.window_entries;
+        let w = self.plan.window;
         (pos.saturating_sub(w - 1)..=pos)
             .map(|p| self.window_slot(b, p) as i32)
             .collect()
@@ -115,28 +124,70 @@ impl LayerCacheLayout {
         stride: usize,
     ) -> Result<(Vec<i32>, Vec<i32>)> {
         ensure!(
-            positions.len() == self.batch && selected.len() == self.batch,
-            "{} positions and {} selections for a batch of {}",
+            positions.len() == self.batch,
+            "{} positions for a batch of {}",
             positions.len(),
-            selected.len(),
             self.batch
         );
-        let mut rows = vec![-1i32; self.batch * stride];
-        let mut lengths = vec![0i32; self.batch];
-        for (b, (&p, sel)) in positions.iter().zip(selected).enumerate() {
+        let seqs: Vec<usize> = (0..self.batch).collect();
+        self.row_candidate_rows(&seqs, positions, selected, stride)
+    }
+    /// [`candidate_rows`](Self::candidate_rows) of rows that read sequences `seqs` (row `i` = the query of
+    /// sequence `seqs[i]` at `positions[i]`): what `attn_candidates` writes with [`RowTables`] of `seqs` (a prefill
+    /// chunk: every row one sequence, consecutive positions).
+    pub fn row_candidate_rows(
+        &self,
+        seqs: &[usize],
+        positions: &[i32],
+        selected: &[Vec<usize>],
+        stride: usize,
+    ) -> Result<(Vec<i32>, Vec<i32>)> {
+        let n = seqs.len();
+        ensure!(
+            positions.len() == n && selected.len() == n,
+            "{} positions and {} selections for {n} rows",
+            positions.len(),
+            selected.len()
+        );
+        let mut rows = vec![-1i32; n * stride];
+        let mut lengths = vec![0i32; n];
+        for (r, ((&p, sel), &b)) in positions.iter().zip(selected).zip(seqs).enumerate() {
             if p < 0 {
                 continue;
             }
+            ensure!(
+                b < self.batch,
+                "row {r} reads sequence {b} of {}",
+                self.batch
+            );
             let c = self.candidates(b, p as usize, sel);
             ensure!(
                 c.len() <= stride,
-                "sequence {b} at position {p} has {} candidates, the stride is {stride}",
+                "row {r} at position {p} has {} candidates, the stride is {stride}",
                 c.len()
             );
-            rows[b * stride..][..c.len()].copy_from_slice(&c);
-            lengths[b] = c.len() as i32;
+            rows[r * stride..][..c.len()].copy_from_slice(&c);
+            lengths[r] = c.len() as i32;
         }
         Ok((rows, lengths))
+    }
+    /// The row tables of rows that read sequences `seqs` (row `i` -> sequence `seqs[i]`): what [`RowTables`]
+    /// uploads. The identity `0..batch` is the decode batch's; `[s; C]` a prefill chunk of sequence `s`.
+    pub fn row_tables(&self, seqs: &[usize]) -> Result<HostRowTables> {
+        ensure!(!seqs.is_empty(), "row tables of no rows");
+        if let Some(&s) = seqs.iter().find(|&&s| s >= self.batch) {
+            bail!("row of sequence {s} in caches of {} sequences", self.batch);
+        }
+        let _ = to_i32([self.n_entries(), self.batch * self.plan.index_keys])?;
+        let col = |f: &dyn Fn(usize) -> usize| seqs.iter().map(|&s| f(s) as i32).collect();
+        Ok(HostRowTables {
+            window_base: col(&|s| self.window_base(s)),
+            compressed_base: col(&|s| self.compressed_base(s)),
+            compressed_capacity: col(&|_| self.plan.compressed_entries),
+            key_base: col(&|s| self.key_slot(s, 0)),
+            key_capacity: col(&|_| self.plan.index_keys),
+            key_seq: col(&|s| s),
+        })
     }
     /// Checks a sequence's position fits the layer's capacity (a compressed entry emitted at `pos` must have a
     /// slot).
@@ -151,28 +202,103 @@ impl LayerCacheLayout {
     }
 }
 
+/// The per-row tables of one layer on the host ([`LayerCacheLayout::row_tables`]), each `[rows]` i32.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostRowTables {
+    /// `window_base(seq)`: the ring's slot 0 (`qkv_prep::WindowRing::seq_base`, `attn_candidates`).
+    pub window_base: Vec<i32>,
+    /// `compressed_base(seq)` and `compressed_entries` (`compressor::EntrySlots` of the main compressor).
+    pub compressed_base: Vec<i32>,
+    pub compressed_capacity: Vec<i32>,
+    /// `key_slot(seq, 0)` and `index_keys` (`EntrySlots` of the indexer compressor).
+    pub key_base: Vec<i32>,
+    pub key_capacity: Vec<i32>,
+    /// The sequence whose indexer keys the row's query scores (`indexer::logits_mapped`'s `key_seq`).
+    pub key_seq: Vec<i32>,
+}
+
+/// The per-row tables of one layer on the device (module docs): row `i` of a half reads the caches of sequence
+/// `seqs[i]`. Uploaded outside any graph; a captured half reads them by address.
+pub struct RowTables {
+    /// The sequence of each row (host copy of what the tables encode).
+    pub seqs: Vec<usize>,
+    pub window_base: CudaSlice<i32>,
+    pub compressed_base: CudaSlice<i32>,
+    pub compressed_capacity: CudaSlice<i32>,
+    pub key_base: CudaSlice<i32>,
+    pub key_capacity: CudaSlice<i32>,
+    pub key_seq: CudaSlice<i32>,
+}
+
+impl RowTables {
+    /// The tables of rows reading `seqs` in caches of `layout`.
+    pub fn upload(gpu: &Gpu, layout: &LayerCacheLayout, seqs: &[usize]) -> Result<RowTables> {
+        let h = layout.row_tables(seqs)?;
+        Ok(RowTables {
+            seqs: seqs.to_vec(),
+            window_base: gpu.upload(&h.window_base)?,
+            compressed_base: gpu.upload(&h.compressed_base)?,
+            compressed_capacity: gpu.upload(&h.compressed_capacity)?,
+            key_base: gpu.upload(&h.key_base)?,
+            key_capacity: gpu.upload(&h.key_capacity)?,
+            key_seq: gpu.upload(&h.key_seq)?,
+        })
+    }
+    /// Points the same rows at `seqs` (as many as before; host -> device on `stream`, outside any capture).
+    pub fn rewrite(
+        &mut self,
+        stream: &Stream,
+        layout: &LayerCacheLayout,
+        seqs: &[usize],
+    ) -> Result<()> {
+        ensure!(
+            seqs.len() == self.seqs.len(),
+            "row tables of {} rows rewritten with {}",
+            self.seqs.len(),
+            seqs.len()
+        );
+        let h = layout.row_tables(seqs)?;
+        for (d, v) in [
+            (&self.window_base, &h.window_base),
+            (&self.compressed_base, &h.compressed_base),
+            (&self.compressed_capacity, &h.compressed_capacity),
+            (&self.key_base, &h.key_base),
+            (&self.key_capacity, &h.key_capacity),
+            (&self.key_seq, &h.key_seq),
+        ] {
+            arena::upload(stream, d, v)?;
+        }
+        self.seqs = seqs.to_vec();
+        Ok(())
+    }
+    /// Rows of the tables.
+    pub fn rows(&self) -> usize {
+        self.seqs.len()
+    }
+    /// The one sequence every row reads, if they all read one (a prefill chunk; also a decode batch of one).
+    pub fn single_sequence(&self) -> Option<usize> {
+        let s = *self.seqs.first()?;
+        self.seqs.iter().all(|&t| t == s).then_some(s)
+    }
+}
+
 /// The device caches of one layer for the whole batch (layout in [`LayerCacheLayout`]).
 pub struct LayerCaches {
     pub layout: LayerCacheLayout,
     /// KV pool, `n_entries x 584` bytes.
     pub pool: CudaSlice<u8>,
-    /// i32 `[batch]`: `window_base(b)`.
-    pub window_base: CudaSlice<i32>,
-    /// i32 `[batch]` each: `compressed_base(b)` and `compressed_entries` (empty for sliding-window layers).
-    pub compressed_base: CudaSlice<i32>,
-    pub compressed_capacity: CudaSlice<i32>,
     /// f32 `[batch, compressor_floats]` (empty for sliding-window layers).
     pub state: CudaSlice<f32>,
-    /// CSA only: the indexer key cache, its compressor state and its entry slots (`key_slot`).
+    /// CSA only: the indexer key cache and its compressor state.
     pub index: Option<IndexCaches>,
+    /// The decode batch's row tables: the identity (row `b` reads sequence `b`).
+    pub rows: RowTables,
 }
 
 /// The CSA indexer's caches of one layer.
 pub struct IndexCaches {
     pub keys: KeyCacheGpu,
     pub state: CudaSlice<f32>,
-    pub base: CudaSlice<i32>,
-    pub capacity: CudaSlice<i32>,
 }
 
 /// The caches of every layer.
@@ -216,11 +342,17 @@ impl KvPool {
                 plan.window_entries >= 1,
                 "a layer needs a window of at least one entry"
             );
+            ensure!(
+                plan.window_entries >= plan.window,
+                "a ring of {} entries for a window of {}",
+                plan.window_entries,
+                plan.window
+            );
             let _ = to_i32([layout.n_entries()])?;
-            let seqs = 0..batch;
-            let window_base = gpu.upload(&to_i32(seqs.clone().map(|b| layout.window_base(b)))?)?;
-            let (compressed_base, compressed_capacity, state) = match plan.kind {
-                LayerKind::SlidingWindow => (gpu.zeros(1)?, gpu.zeros(1)?, gpu.zeros(1)?),
+            let seqs: Vec<usize> = (0..batch).collect();
+            let rows = RowTables::upload(gpu, &layout, &seqs)?;
+            let state = match plan.kind {
+                LayerKind::SlidingWindow => gpu.zeros(1)?,
                 LayerKind::Csa { ratio } | LayerKind::Hca { ratio } => {
                     let overlap = matches!(plan.kind, LayerKind::Csa { .. });
                     let st = initial_states(ratio, overlap, cfg.head_dim, batch);
@@ -230,11 +362,7 @@ impl KvPool {
                         st.len() / batch,
                         plan.compressor_floats
                     );
-                    (
-                        gpu.upload(&to_i32(seqs.clone().map(|b| layout.compressed_base(b)))?)?,
-                        gpu.upload(&to_i32(seqs.clone().map(|_| plan.compressed_entries))?)?,
-                        gpu.upload(&st)?,
-                    )
+                    gpu.upload(&st)?
                 }
             };
             let index = match plan.kind {
@@ -252,8 +380,6 @@ impl KvPool {
                                 .zeros(rows * crate::ops::indexer::reference::SCALE_BYTES)?,
                         },
                         state: gpu.upload(&st)?,
-                        base: gpu.upload(&to_i32(seqs.clone().map(|b| layout.key_slot(b, 0)))?)?,
-                        capacity: gpu.upload(&to_i32(seqs.clone().map(|_| plan.index_keys))?)?,
                     })
                 }
                 _ => None,
@@ -261,11 +387,9 @@ impl KvPool {
             layers.push(LayerCaches {
                 layout,
                 pool: gpu.zeros(layout.n_entries() * kv::ENTRY_BYTES)?,
-                window_base,
-                compressed_base,
-                compressed_capacity,
                 state,
                 index,
+                rows,
             });
         }
         Ok(KvPool { layers })

@@ -1,7 +1,7 @@
 //! The shape of a decode batch and what one half of a layer reads and writes besides its weights: the types the
 //! step (`engine::step`) and the layer halves (`engine::attn`, `engine::ffn`) share.
 
-use crate::engine::cache::LayerCaches;
+use crate::engine::cache::{LayerCaches, RowTables};
 use crate::gpu::DevBuf;
 use crate::gpu::Stream;
 use crate::model::ModelConfig;
@@ -72,6 +72,14 @@ pub struct LayerIo<'a> {
     pub tokens: DevBuf<i32>,
     /// The layer's caches (the FFN half reads none).
     pub caches: &'a LayerCaches,
+    /// Which sequence's caches each row reads and writes: the caches' identity tables for a decode batch, a
+    /// prefill chunk's tables (every row one sequence) for a chunk.
+    pub rows: &'a RowTables,
+    /// `Some(n)`: the rows are one prefill chunk of one sequence (consecutive positions, `rows.seqs` all that
+    /// sequence) whose first `n` rows are real and the rest copies of row `n - 1` (same token and position): the
+    /// compressors run row by row over the `n` real rows, the indexer's rows score that sequence's keys. `None`:
+    /// a decode batch (row `b` = sequence `b`).
+    pub chunk_rows: Option<usize>,
     /// Where a profiled step records an event after each group of kernels (`None`: not profiled).
     pub marks: Option<&'a StepMarks>,
 }

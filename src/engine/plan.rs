@@ -28,6 +28,9 @@ pub const RESERVE_BYTES: usize = 1 << 30;
 pub const WORKSPACE_FIXED_BYTES: usize = 256 << 20;
 /// Tokens per prefill chunk: the step workspace holds at least this many token rows.
 pub const PREFILL_CHUNK: usize = 256;
+/// Most rows of one prefill chunk ([`crate::engine::prefill`]): the decode dense linears' row capacity
+/// (`ops::dense::MAX_ROWS`). Every window ring is sized for a chunk this long ([`LayerCachePlan::window_entries`]).
+pub const PREFILL_CHUNK_MAX: usize = 64;
 /// K splits the MoE decode mainloop may use at most (its fp32 partials are `splits x rows x N`).
 pub const MOE_MAX_SPLITS: usize = 8;
 
@@ -216,7 +219,15 @@ impl fmt::Display for ExpertMap {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerCachePlan {
     pub kind: LayerKind,
-    /// Ring of 584-byte KV entries: `min(window_size, context)`.
+    /// The attention window: a query at position `q` attends to positions `max(0, q + 1 - window) ..= q` of the
+    /// ring (`min(window_size, context)`).
+    pub window: usize,
+    /// Ring of 584-byte KV entries: `min(context, window_size + PREFILL_CHUNK_MAX - 1)` (position `p` in slot
+    /// `p mod window_entries`). Longer than the window so that a prefill chunk of up to [`PREFILL_CHUNK_MAX`]
+    /// tokens can write all its entries before its attention without overwriting a position its earliest query
+    /// still reads: the chunk's last position `p0 + C - 1` shares a slot with `p0 + C - 1 - R`, which is below
+    /// the earliest query's window start `p0 + 1 - window` exactly when `R >= window + C - 1`. Decode reads only
+    /// the last `window` positions of the ring.
     pub window_entries: usize,
     /// Compressed 584-byte entries: `context / ratio` (0 for sliding-window layers).
     pub compressed_entries: usize,
@@ -249,7 +260,8 @@ impl LayerCachePlan {
         };
         LayerCachePlan {
             kind,
-            window_entries: cfg.window_size.min(context),
+            window: cfg.window_size.min(context),
+            window_entries: ring_entries(cfg.window_size, context),
             compressed_entries: compressed,
             index_keys: keys,
             compressor_floats: comp,
@@ -263,6 +275,12 @@ impl LayerCachePlan {
             + self.index_keys * keys.entry_bytes()
             + (self.compressor_floats + self.index_compressor_floats) * 4
     }
+}
+
+/// The window ring length of a layer with attention window `window_size` in a context of `context` tokens
+/// ([`LayerCachePlan::window_entries`]).
+pub fn ring_entries(window_size: usize, context: usize) -> usize {
+    (window_size + PREFILL_CHUNK_MAX - 1).min(context)
 }
 
 /// The whole memory plan (see the module docs).
@@ -429,15 +447,19 @@ impl MemoryPlan {
 
 /// The step workspace budget (what the decode and prefill steps carve from their one arena): the fixed part plus
 /// `rows` token rows of the largest per-row intermediates, `rows = max(batch, min(batch * prompt_len,
-/// PREFILL_CHUNK))`. Per row: the mHC streams in and out (f32), q in f32 and BF16, the attention output (f32), the
+/// PREFILL_CHUNK))` for the decode step, plus `min(prompt_len, PREFILL_CHUNK_MAX)` rows for the chunked prefill's
+/// own state ([`crate::engine::prefill::PrefillState`], which also keeps its own launcher copies). Per row: the mHC streams in and out (f32), q in f32 and BF16, the attention output (f32), the
 /// grouped o_lora output (f32), the logits (f32), the MoE fp32 partials of L1 and L2 at [`MOE_MAX_SPLITS`] splits
 /// for each of the top-k rows, and the indexer scores over the CSA entries (f32, two copies for top-k); and the
 /// launchers' per-layer parameter copies ([`launcher_copy_bytes`]). The step plan checks its carves against this
 /// budget.
 pub fn workspace_budget(cfg: &ModelConfig, req: &PlanRequest) -> usize {
+    let chunk = req.prompt_len.min(PREFILL_CHUNK_MAX);
     let rows = req
         .batch
-        .max((req.batch * req.prompt_len).min(PREFILL_CHUNK));
+        .max((req.batch * req.prompt_len).min(PREFILL_CHUNK))
+        + chunk;
+    let copies = if chunk > 1 { 2 } else { 1 };
     let q = cfg.n_heads * cfg.head_dim;
     let moe = cfg.n_activated_experts * MOE_MAX_SPLITS * (2 * cfg.moe_inter_dim + cfg.dim);
     let index = 2 * req.context / cfg.csa_ratio.max(1);
@@ -448,7 +470,7 @@ pub fn workspace_budget(cfg: &ModelConfig, req: &PlanRequest) -> usize {
         + cfg.vocab_size * 4
         + moe * 4
         + index * 4;
-    WORKSPACE_FIXED_BYTES + rows * per_row + launcher_copy_bytes(cfg)
+    WORKSPACE_FIXED_BYTES + rows * per_row + copies * launcher_copy_bytes(cfg)
 }
 
 /// Device copies of per-layer parameters in the forms the launchers take, made once when a decode state is built:

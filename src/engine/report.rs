@@ -124,7 +124,7 @@ pub fn group_floor_bytes(plan: &MemoryPlan, name: &str, positions: &[usize]) -> 
 /// KV bytes the query at position `p` reads in one layer.
 fn layer_kv_bytes(l: &LayerCachePlan, window: usize, topk: usize, p: usize, key_bytes: u64) -> u64 {
     let entry = kv::ENTRY_BYTES as u64;
-    let win = (p + 1).min(window).min(l.window_entries.max(1)) as u64;
+    let win = (p + 1).min(window).min(l.window.max(1)) as u64;
     let (selected, keys) = match l.kind {
         LayerKind::SlidingWindow => (0, 0),
         LayerKind::Csa { ratio } => {

@@ -7,6 +7,7 @@
 //! eagerly and every later one replays.
 
 use crate::engine::io::{StepMarks, StepShape};
+use crate::engine::prefill::{self, PrefillState, DEFAULT_PREFILL_CHUNK};
 use crate::engine::step::DecodeState;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena;
@@ -26,6 +27,10 @@ pub struct Engine<'w> {
     step_graph: Option<CudaGraph>,
     prompt_steps_run: usize,
     decode_steps_run: usize,
+    /// Prompt tokens per prefill chunk ([`Engine::set_prefill_chunk`]; 1 = token by token).
+    prefill_chunk: usize,
+    /// The chunked prefill's state, built by the first [`Engine::prefill`] with a chunk above 1.
+    pub prefill_state: Option<PrefillState>,
 }
 
 /// What a prefill measured.
@@ -49,7 +54,47 @@ impl<'w> Engine<'w> {
             step_graph: None,
             prompt_steps_run: 0,
             decode_steps_run: 0,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            prefill_state: None,
         })
+    }
+
+    /// Sets the prompt tokens per prefill chunk (1..=64, default 64; `--prefill-chunk`): 1 feeds the prompt token
+    /// by token through replays of the prompt step's graph (every sequence of the batch at once); above 1, each
+    /// sequence's prompt goes through the layers in chunks of that many rows ([`crate::engine::prefill`]). Fails
+    /// once a prefill ran.
+    pub fn set_prefill_chunk(&mut self, chunk: usize) -> Result<()> {
+        prefill::check_chunk(chunk)?;
+        ensure!(
+            self.prompt_steps_run == 0 && self.decode_steps_run == 0,
+            "set the prefill chunk before the first step"
+        );
+        self.prefill_chunk = chunk;
+        Ok(())
+    }
+
+    /// The prompt tokens per prefill chunk.
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
+    /// Builds the chunked prefill's state for prompts of `len` tokens if it is not built yet: `min(chunk, len -
+    /// 1)` rows (the prompt's last token goes through the first decode step). Returns the rows; 1 or 0 means
+    /// token by token (no state). [`Engine::prefill`] calls it; a test calls it first to poison the state.
+    pub fn prepare_prefill(&mut self, gpu: &Gpu, len: usize) -> Result<usize> {
+        let rows = self.prefill_chunk.min(len.saturating_sub(1));
+        if rows > 1 && self.prefill_state.as_ref().is_none_or(|p| p.rows != rows) {
+            let mut ps = PrefillState::new(
+                gpu,
+                self.weights,
+                &self.state.caches,
+                self.state.shape.context,
+                rows,
+            )?;
+            ps.pdl = self.state.pdl;
+            self.prefill_state = Some(ps);
+        }
+        Ok(rows)
     }
 
     /// Sets programmatic dependent launch for every step of this engine ([`DecodeState::pdl`], off by default).
@@ -60,6 +105,9 @@ impl<'w> Engine<'w> {
             "set PDL before the first step: a captured graph keeps the launches it was captured with"
         );
         self.state.pdl = on;
+        if let Some(ps) = &mut self.prefill_state {
+            ps.pdl = on;
+        }
         Ok(())
     }
 
@@ -77,9 +125,16 @@ impl<'w> Engine<'w> {
 
     /// Admits one prompt per slot (every slot of the batch; prompts of equal length, at least one token) with
     /// the sampler's options and stop ids, runs all but the last prompt token through the layers (filling the
-    /// caches), then the first decode step, which samples each sequence's first token. Host work between
-    /// prompt tokens: one upload of the next ids. The time to the first token is cold: it includes loading the
-    /// kernel modules (the first eager step) and capturing the prompt graph.
+    /// caches), then the first decode step, which samples each sequence's first token.
+    ///
+    /// With a prefill chunk above 1 ([`Engine::set_prefill_chunk`], the default) each sequence's first `len - 1`
+    /// tokens go through the layers in chunks of up to `chunk` rows, one sequence after the other (eager launches;
+    /// [`PrefillState::run_chunk`]); with chunk 1, token by token for the whole batch at once (one replay of the
+    /// prompt step's graph per token; host work between tokens: one upload of the next ids).
+    ///
+    /// The time to the first token is cold: it includes loading the kernel modules (the first eager chunk or
+    /// step) and capturing the prompt and decode graphs; building the chunked prefill's state (its halves' weight
+    /// copies, the arena) happens before the clock starts, like the admission.
     pub fn prefill(
         &mut self,
         gpu: &Gpu,
@@ -106,20 +161,52 @@ impl<'w> Engine<'w> {
         }
         let stream = gpu.stream.clone();
         self.admit(gpu, prompts, params, stop_ids, 0)?;
+        let rows = self.prepare_prefill(gpu, len)?;
         gpu.synchronize()?;
         let t0 = Instant::now();
-        for i in 0..len {
-            let ids: Vec<u32> = prompts.iter().map(|p| p[i]).collect();
+        if rows > 1 {
+            let ps = self.prefill_state.as_mut().expect("built above");
+            for (seq, p) in prompts.iter().enumerate() {
+                for (start, n) in prefill::chunks(len - 1, rows) {
+                    ps.run_chunk(
+                        gpu,
+                        &stream,
+                        self.weights,
+                        &self.state.caches,
+                        seq,
+                        &p[start..start + n],
+                        start,
+                    )?;
+                    self.prompt_steps_run += 1;
+                }
+            }
+            // The last prompt token of every sequence: the first decode step, at position len - 1.
+            self.state
+                .set_positions(&stream, &vec![(len - 1) as i32; prompts.len()])?;
+            let ids: Vec<u32> = prompts.iter().map(|p| p[len - 1]).collect();
             self.state.set_tokens(&stream, &ids)?;
-            if i + 1 < len {
-                self.prompt_step(gpu)?;
+        } else {
+            for i in 0..len {
+                let ids: Vec<u32> = prompts.iter().map(|p| p[i]).collect();
+                self.state.set_tokens(&stream, &ids)?;
+                if i + 1 < len {
+                    self.prompt_step(gpu)?;
+                }
             }
         }
         self.decode_step(gpu)?;
         gpu.synchronize()?;
+        let ttft_s = t0.elapsed().as_secs_f64();
+        if let Some(ps) = self.prefill_state.as_ref().filter(|_| rows > 1) {
+            let e = ps.read_error(&stream)?;
+            ensure!(
+                e == 0,
+                "the chunked prefill's error bits are {e:#x} (1: embedding id, 2: compressor cache full)"
+            );
+        }
         Ok(PrefillTiming {
             tokens: len,
-            ttft_s: t0.elapsed().as_secs_f64(),
+            ttft_s,
         })
     }
 

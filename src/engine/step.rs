@@ -320,6 +320,8 @@ impl DecodeState {
                 positions: &self.positions,
                 tokens: self.ws.sampler.next,
                 caches: &self.caches.layers[layer],
+                rows: &self.caches.layers[layer].rows,
+                chunk_rows: None,
                 marks: self.marks.as_ref(),
             };
             match half {

@@ -328,12 +328,45 @@ pub fn logits(
     scores: &impl DeviceBuf<f32>,
     score_stride: usize,
 ) -> Result<()> {
-    ensure!(
-        cache.batch == q.batch,
-        "cache has {} sequences, queries {}",
-        cache.batch,
-        q.batch
-    );
+    logits_mapped(
+        gpu,
+        stream,
+        q,
+        cache,
+        None::<&DevBuf<i32>>,
+        scores,
+        score_stride,
+    )
+}
+
+/// [`logits`] with a key-sequence map: query sequence `b` (rows `b * next_n + t`) scores the keys of cache
+/// sequence `key_seq[b]` (i32 `[q.batch]`, read on the device; every value must be in `0..cache.batch`), each row
+/// up to its own `num_valid`. `None` is the identity (`cache.batch == q.batch`). With a map, several query
+/// sequences may share one cache sequence: the engine's prefill chunk runs C query rows (batch C, next_n 1) of
+/// one sequence, row `i` seeing the keys emitted up to its position.
+pub fn logits_mapped(
+    gpu: &Gpu,
+    stream: &Stream,
+    q: &QueryBatch,
+    cache: &KeyCacheGpu,
+    key_seq: Option<&impl DeviceBuf<i32>>,
+    scores: &impl DeviceBuf<f32>,
+    score_stride: usize,
+) -> Result<()> {
+    match key_seq {
+        None => ensure!(
+            cache.batch == q.batch,
+            "cache has {} sequences, queries {}",
+            cache.batch,
+            q.batch
+        ),
+        Some(m) => ensure!(
+            m.elems() >= q.batch && cache.batch >= 1,
+            "key_seq holds {} entries for {} query sequences",
+            m.elems(),
+            q.batch
+        ),
+    }
     ensure!(
         q.num_valid.len() >= q.rows(),
         "num_valid holds {} entries, expected {}",
@@ -358,7 +391,7 @@ pub fn logits(
         cache.capacity
     );
     match cache.format {
-        KeyFormat::Fp8 => logits_fp8(gpu, stream, q, cache, scores, score_stride),
+        KeyFormat::Fp8 => logits_fp8(gpu, stream, q, cache, key_seq, scores, score_stride),
         KeyFormat::Mxfp4 => {
             ensure!(
                 q.batch <= 65_535,
@@ -375,8 +408,12 @@ pub fn logits(
                 .buf(&q.w)
                 .buf(&cache.codes)
                 .buf(&cache.scales)
-                .buf(&q.num_valid)
-                .i32(cache.capacity as i32)
+                .buf(&q.num_valid);
+            match key_seq {
+                Some(m) => a.buf(m),
+                None => a.null(),
+            };
+            a.i32(cache.capacity as i32)
                 .buf(scores)
                 .i32(score_stride as i32);
             // A CTA whose first key is at or past its sequence's num_valid returns before its only barrier.
@@ -399,6 +436,7 @@ fn logits_fp8(
     stream: &Stream,
     q: &QueryBatch,
     cache: &KeyCacheGpu,
+    key_seq: Option<&impl DeviceBuf<i32>>,
     scores: &impl DeviceBuf<f32>,
     score_stride: usize,
 ) -> Result<()> {
@@ -450,8 +488,12 @@ fn logits_fp8(
         .pod(&scales_map)
         .buf(&q.q)
         .buf(&q.w)
-        .buf(&q.num_valid)
-        .i32(cache.capacity as i32)
+        .buf(&q.num_valid);
+    match key_seq {
+        Some(m) => a.buf(m),
+        None => a.null(),
+    };
+    a.i32(cache.capacity as i32)
         .buf(scores)
         .i32(score_stride as i32)
         .i32(tiles_per_seq as i32)

@@ -170,9 +170,13 @@ pub struct WindowRing<'a, P: DeviceBuf<u8>, B: DeviceBuf<i32>> {
     /// negative base skips the sequence's rows).
     pub seq_base: &'a B,
     /// Consecutive rows per sequence: row `r` belongs to sequence `r / tokens_per_seq`. Its rows' positions are
-    /// distinct and span less than `window` (consecutive decode / MTP tokens), so no two rows share a slot.
+    /// distinct and span less than the ring length `window` (consecutive decode / MTP tokens), so no two rows share
+    /// a slot. (The engine's prefill chunk passes `tokens_per_seq = 1` with a per-row `seq_base` that repeats one
+    /// sequence's base: its C consecutive positions span less than its ring, `engine::plan::ring_entries`.)
     pub tokens_per_seq: usize,
-    /// Ring length (DSV4 `window_size`, 128): row `r` goes to entry `seq_base[seq] + positions[r] % window`.
+    /// Ring length: row `r` goes to entry `seq_base[seq] + positions[r] % window`. At least the attention window
+    /// (DSV4 `window_size`, 128); the engine's rings are `window_size + 63` long so a prefill chunk fits beside the
+    /// window (`engine::plan::LayerCachePlan::window_entries`).
     pub window: usize,
 }
 

@@ -1,0 +1,753 @@
+//! Chunked prefill (`engine::prefill`, docs/engine.md "Chunked prefill"): the host arithmetic it adds (row tables,
+//! the window ring longer than the window, chunk padding) on the CPU; on the GPU the indexer's key-sequence map,
+//! then a whole chunked prefill against the CPU model and against the GPU's own token-by-token prefill (caches,
+//! logits, and the decode steps after it).
+//!
+//! Why the GPU comparisons are not bit-exact: a chunk runs the same kernels as a decode step, at M = C rows
+//! instead of one row per sequence. The kernels' per-row arithmetic does not read other rows, but their split
+//! plans come from the launch's capacities: the dense linears' split-K (`ops::dense`, from M, N, K and the SM
+//! count), the routed experts' K splits and the sparse attention's split over candidates (`SplitPlan::fp8`, from the
+//! batch), so the f32 partial sums of a row can be added in another order at M = 32 than at M = 1 or 2. A 1-ulp
+//! difference can then flip a BF16 / FP8 rounding, and, rarely, a near-tied router or indexer choice, which grows
+//! through the later layers and positions. So the caches are compared by cosine (the issue's 0.999 per-intermediate
+//! floor) with the exactly-equal entries counted and printed, and the logits against the CPU model with the
+//! decode path's end-to-end floor (tests/engine_decode.rs: 0.98), printed beside the token-by-token prefill's.
+
+mod common;
+
+use common::engine::{rig_weights, short_window_config, tokens};
+use common::gpu;
+use common::indexer::{random_queries, ref_score, seeded, wait, written_cache, LOGITS_TOL};
+use megamoe::engine::cache::{LayerCacheLayout, LayerCaches};
+use megamoe::engine::io::StepShape;
+use megamoe::engine::plan::{LayerCachePlan, MemoryPlan, PlanRequest, PREFILL_CHUNK_MAX};
+use megamoe::engine::prefill::{check_chunk, chunk_rows, chunks, PrefillState};
+use megamoe::engine::run::Engine;
+use megamoe::engine::step;
+use megamoe::formats::kv;
+use megamoe::gpu::arena;
+use megamoe::model::numerics::cosine;
+use megamoe::model::sampler::SamplerConfig;
+use megamoe::model::{CachePolicy, LayerKind, Model, ModelConfig, Weights};
+use megamoe::ops::indexer::reference::{self, KeyFormat, HEAD_DIM};
+use megamoe::ops::indexer::{self, KeyCacheGpu, QueryBatch};
+use megamoe::ops::sampler::SamplerParams;
+
+const H100_SMS: usize = 132;
+
+// ---- CPU: the host arithmetic -----------------------------------------------------------------------------------
+
+#[test]
+fn chunks_cover_the_prompt_in_order() {
+    assert_eq!(chunks(99, 32), vec![(0, 32), (32, 32), (64, 32), (96, 3)]);
+    assert_eq!(chunks(64, 64), vec![(0, 64)]);
+    assert_eq!(chunks(3, 1), vec![(0, 1), (1, 1), (2, 1)]);
+    assert!(chunks(0, 8).is_empty());
+    for (len, c) in [(1, 1), (5, 2), (100, 7), (4095, 64)] {
+        let mut next = 0;
+        for (start, n) in chunks(len, c) {
+            assert_eq!(start, next);
+            assert!((1..=c).contains(&n));
+            next += n;
+        }
+        assert_eq!(next, len);
+    }
+}
+
+#[test]
+fn chunk_rows_pad_with_the_last_real_row() {
+    let (ids, pos) = chunk_rows(&[7, 8, 9], 96, 5).unwrap();
+    assert_eq!(ids, vec![7, 8, 9, 9, 9]);
+    assert_eq!(pos, vec![96, 97, 98, 98, 98]);
+    assert_eq!(chunk_rows(&[1, 2], 0, 2).unwrap(), (vec![1, 2], vec![0, 1]));
+    assert!(chunk_rows(&[], 0, 4).is_err());
+    assert!(chunk_rows(&[1, 2, 3], 0, 2).is_err());
+}
+
+#[test]
+fn chunk_sizes_are_checked() {
+    assert!(check_chunk(0).is_err());
+    assert!(check_chunk(1).is_ok());
+    assert!(check_chunk(PREFILL_CHUNK_MAX).is_ok());
+    let e = check_chunk(PREFILL_CHUNK_MAX + 1).unwrap_err().to_string();
+    assert!(e.contains("1..=64"), "{e}");
+}
+
+/// The ring holds `min(context, window + 63)` entries and the window stays `min(window_size, context)`; for every
+/// chunk start and length up to the longest chunk, the chunk's own entries (written before its attention) never
+/// land in a slot that one of its queries reads for another position. Checked by simulation of the slots.
+#[test]
+fn the_ring_holds_a_chunk_beside_the_window() {
+    for (cfg, context) in [
+        (short_window_config(), 128),
+        (short_window_config(), 40),
+        (short_window_config(), 500),
+        (ModelConfig::small(), 4096),
+        (ModelConfig::flash(), 4096),
+        (ModelConfig::flash(), 100),
+    ] {
+        let plan = LayerCachePlan::of(&cfg, 0, context);
+        assert_eq!(plan.window, cfg.window_size.min(context));
+        assert_eq!(
+            plan.window_entries,
+            (cfg.window_size + PREFILL_CHUNK_MAX - 1).min(context)
+        );
+        let lay = LayerCacheLayout { plan, batch: 2 };
+        let ring = plan.window_entries;
+        for c in [1, 2, 31, 32, PREFILL_CHUNK_MAX] {
+            for p0 in (0..context.saturating_sub(c)).step_by(7) {
+                let last = (p0 + c - 1).min(context - 1);
+                // The slot each position of the chunk writes.
+                let written: Vec<(usize, usize)> =
+                    (p0..=last).map(|p| (lay.window_slot(1, p), p)).collect();
+                for q in p0..=last {
+                    let cand = lay.window_candidates(1, q);
+                    assert_eq!(cand.len(), (q + 1).min(plan.window));
+                    let first = (q + 1).saturating_sub(plan.window);
+                    for (i, &slot) in cand.iter().enumerate() {
+                        let p = first + i;
+                        assert_eq!(slot as usize, lay.window_base(1) + p % ring);
+                        for &(s, wp) in &written {
+                            assert!(
+                                s != slot as usize || wp == p,
+                                "{} context {context}: chunk {p0}+{c}: query {q} reads position {p} in slot \
+                                 {slot}, which the chunk's position {wp} overwrote",
+                                cfg.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A chunk's row tables point every row at its sequence; the decode batch's are the identity; a chunk's candidate
+/// rows are, row by row, the decode batch's candidates of that sequence at that position.
+#[test]
+fn chunk_row_tables_and_candidates_are_the_sequences() {
+    let cfg = short_window_config();
+    let context = 128;
+    for l in 0..cfg.n_layers {
+        let plan = LayerCachePlan::of(&cfg, l, context);
+        let lay = LayerCacheLayout { plan, batch: 3 };
+        let id = lay.row_tables(&[0, 1, 2]).unwrap();
+        for b in 0..3 {
+            assert_eq!(id.window_base[b] as usize, lay.window_base(b));
+            assert_eq!(id.compressed_base[b] as usize, lay.compressed_base(b));
+            assert_eq!(id.compressed_capacity[b] as usize, plan.compressed_entries);
+            assert_eq!(id.key_base[b] as usize, lay.key_slot(b, 0));
+            assert_eq!(id.key_capacity[b] as usize, plan.index_keys);
+            assert_eq!(id.key_seq[b] as usize, b);
+        }
+        let ch = lay.row_tables(&[2; 5]).unwrap();
+        for r in 0..5 {
+            assert_eq!(ch.window_base[r] as usize, lay.window_base(2));
+            assert_eq!(ch.compressed_base[r] as usize, lay.compressed_base(2));
+            assert_eq!(ch.key_base[r] as usize, lay.key_slot(2, 0));
+            assert_eq!(ch.key_seq[r], 2);
+        }
+        assert!(lay.row_tables(&[3]).is_err());
+        assert!(lay.row_tables(&[]).is_err());
+
+        // A chunk of sequence 2 at positions 80..=111 (the ring of 87 wraps inside it) plus two padding rows.
+        let stride = megamoe::engine::attn::candidate_stride(&plan, cfg.index_topk);
+        let positions: Vec<i32> = (80..112).chain([111, 111]).collect();
+        let selected: Vec<Vec<usize>> = positions
+            .iter()
+            .map(|&p| {
+                let n = lay.compressed_after(p as usize);
+                match plan.kind {
+                    LayerKind::SlidingWindow => vec![],
+                    LayerKind::Hca { .. } => (0..n).collect(),
+                    LayerKind::Csa { .. } => {
+                        (0..n).rev().step_by(3).take(cfg.index_topk).rev().collect()
+                    }
+                }
+            })
+            .collect();
+        let seqs = vec![2; positions.len()];
+        let (rows, lens) = lay
+            .row_candidate_rows(&seqs, &positions, &selected, stride)
+            .unwrap();
+        for (r, (&p, sel)) in positions.iter().zip(&selected).enumerate() {
+            let want = lay.candidates(2, p as usize, sel);
+            assert_eq!(lens[r] as usize, want.len(), "layer {l} row {r}");
+            assert_eq!(
+                &rows[r * stride..][..want.len()],
+                &want[..],
+                "layer {l} row {r}"
+            );
+            assert!(rows[r * stride + want.len()..(r + 1) * stride]
+                .iter()
+                .all(|&c| c == -1));
+            assert_eq!(
+                want.len(),
+                (p as usize + 1).min(plan.window) + sel.len(),
+                "layer {l} row {r}: the window, not the ring, bounds the candidates"
+            );
+        }
+    }
+}
+
+/// The decode step's arena plus the chunked prefill's fit the memory plan's workspace budget (Flash and Pro, a 4K
+/// prompt at batch 1 and a short one at batch 64).
+#[test]
+fn prefill_arena_fits_the_plan_budget() {
+    for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
+        for (batch, context, prompt) in [(1, 8192, 4096), (64, 4096, 16), (1, 4096, 2)] {
+            let req = PlanRequest::new(batch, context, prompt, 1 << 50);
+            let plan = MemoryPlan::new(&cfg, &req).unwrap();
+            let decode =
+                step::workspace_bytes(&cfg, &StepShape { batch, context }, H100_SMS).unwrap();
+            let rows = PREFILL_CHUNK_MAX.min(prompt - 1);
+            let pre = if rows > 1 {
+                PrefillState::layout(&cfg, rows, batch, context, H100_SMS)
+                    .unwrap()
+                    .bytes()
+            } else {
+                0
+            };
+            println!(
+                "{} batch {batch} context {context} prompt {prompt}: decode arena {:.3} GB + prefill arena \
+                 {:.3} GB, budget {:.3} GB",
+                cfg.name,
+                decode as f64 / 1e9,
+                pre as f64 / 1e9,
+                plan.workspace_bytes as f64 / 1e9
+            );
+            assert!(decode + pre <= plan.workspace_bytes);
+        }
+    }
+}
+
+// ---- GPU: the indexer's key-sequence map ------------------------------------------------------------------------
+
+/// `indexer::logits_mapped` with every query row mapped to one sequence of a 3-sequence cache, each row with its
+/// own visible count (0, inside the first tile, tile edges, across tiles): each row's scores equal (bit for bit)
+/// the identity launch's scores of the same query placed in that sequence's row, match the f64 reference within
+/// the FP8 logits tolerance ([`LOGITS_TOL`]), and nothing past a row's count is written. FP8 (the TMA path) and
+/// MXFP4 keys. The cache's slots past each sequence's keys hold NaN, so a row that read past its count or another
+/// sequence's keys would show.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn indexer_key_map_scores_one_sequences_keys_per_row() {
+    let gpu = gpu("engine_prefill_key_map");
+    let (_seed, mut rng) = seeded("engine_prefill_key_map");
+    let s = &gpu.stream;
+    let (cap, seq) = (300, 1usize);
+    let lens = [cap, 257, 40];
+    let nv: Vec<i32> = vec![0, 1, 63, 64, 65, 128, 200, 257];
+    let rows = nv.len();
+    for format in [KeyFormat::Fp8, KeyFormat::Mxfp4] {
+        let label = format!("key map {}", format.name());
+        let mut host = written_cache(&mut rng, format, &lens, cap);
+        common::indexer::poison_cache_tails(&mut host, &lens);
+        let cache = KeyCacheGpu::upload(&gpu, &host).unwrap();
+        let (q, w) = random_queries(&mut rng, rows);
+        let qb = QueryBatch::upload(&gpu, rows, 1, &q, &w, &nv).unwrap();
+        let key_seq = gpu.upload(&vec![seq as i32; rows]).unwrap();
+        let stride = cap.next_multiple_of(4) + 4;
+        let out = gpu.poisoned::<f32>(rows * stride, common::POISON).unwrap();
+        indexer::logits_mapped(&gpu, s, &qb, &cache, Some(&key_seq), &out, stride).unwrap();
+        wait(&gpu, &label);
+        let got = gpu.download(&out).unwrap();
+        let q_f64 = common::indexer::decode_q(&q);
+        let mut worst = 0f64;
+        for (r, &n) in nv.iter().enumerate() {
+            let n = n as usize;
+            // One by one: the same query as sequence `seq`'s row of an identity launch (the other rows see none).
+            let mut q1 = vec![0u8; host.batch * 64 * HEAD_DIM];
+            let mut w1 = vec![0f32; host.batch * 64];
+            q1[seq * 64 * HEAD_DIM..][..64 * HEAD_DIM]
+                .copy_from_slice(&q[r * 64 * HEAD_DIM..][..64 * HEAD_DIM]);
+            w1[seq * 64..][..64].copy_from_slice(&w[r * 64..][..64]);
+            let mut nv1 = vec![0i32; host.batch];
+            nv1[seq] = n as i32;
+            let qb1 = QueryBatch::upload(&gpu, host.batch, 1, &q1, &w1, &nv1).unwrap();
+            let (one, stride1) = common::indexer::logits_poisoned(&gpu, &label, &qb1, &cache);
+            assert_eq!(stride1, stride);
+            let row = &got[r * stride..][..stride];
+            let want = &one[seq * stride..][..stride];
+            for j in 0..stride {
+                if j >= n {
+                    assert_eq!(
+                        row[j].to_bits(),
+                        u32::MAX,
+                        "{label} row {r} (nv {n}) j {j}: written"
+                    );
+                    continue;
+                }
+                assert_eq!(
+                    row[j].to_bits(),
+                    want[j].to_bits(),
+                    "{label} row {r} j {j}: mapped {} vs one by one {}",
+                    row[j],
+                    want[j]
+                );
+                let (refv, mag) = ref_score(&q_f64, &w, &host, r, host.slot(seq, j));
+                let err = (row[j] as f64 - refv).abs();
+                assert!(
+                    row[j].is_finite() && err <= LOGITS_TOL * mag + 1e-30,
+                    "{label} row {r} j {j}: gpu {} ref {refv} err {err:e} (mag {mag:e})",
+                    row[j]
+                );
+                if mag > 0.0 {
+                    worst = worst.max(err / mag);
+                }
+            }
+        }
+        println!(
+            "{label}: {rows} rows of sequence {seq} (visible {nv:?}) equal the one-by-one launches bit for bit; \
+             max |gpu - ref| / mag = {worst:.3e} (tol {LOGITS_TOL:e})"
+        );
+    }
+}
+
+// ---- GPU: a chunk's candidate rows ------------------------------------------------------------------------------
+
+/// `attn_candidates` with a chunk's row tables (every row sequence 1 of 2) against the host twin
+/// `row_candidate_rows`, for every layer kind: chunks of 32 rows at random starts (the 87-entry ring of the
+/// short-window geometry wraps inside most of them), the last rows padded with copies, random top-k rows in score
+/// order (-1 padded): rows and lengths equal exactly, each row's window the last 24 positions in their ring slots.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn chunk_candidate_rows_match_the_host_twin() {
+    use megamoe::engine::attn::{build_candidates, candidate_stride, Compressed};
+    use megamoe::engine::cache::RowTables;
+    use megamoe::ops::compressor::dev;
+    use rand::seq::SliceRandom;
+    use rand::Rng;
+    let label = "engine_prefill_candidates";
+    let gpu = gpu(label);
+    let cfg = short_window_config();
+    let (_, _w, _m, state) = common::engine::rig(&gpu, label, cfg.clone(), 2, CONTEXT);
+    let mut rng = common::seeded(label, "MEGAMOE_SEED");
+    let s = gpu.stream.clone();
+    let rows = CHUNK;
+    for (l, lc) in state.caches.layers.iter().enumerate() {
+        let lay = lc.layout;
+        let stride = candidate_stride(&lay.plan, cfg.index_topk);
+        let k = cfg.index_topk.min(lay.plan.index_keys.max(1));
+        let tables = RowTables::upload(&gpu, &lay, &[1; CHUNK]).unwrap();
+        for trial in 0..16 {
+            let real = rng.random_range(1..=rows);
+            let p0 = rng.random_range(0..CONTEXT - real);
+            let positions: Vec<i32> = (0..rows).map(|i| (p0 + i.min(real - 1)) as i32).collect();
+            let mut top = vec![-1i32; rows * k];
+            let mut selected: Vec<Vec<usize>> = vec![vec![]; rows];
+            for (r, &p) in positions.iter().enumerate() {
+                let visible = lay.compressed_after(p as usize);
+                let mut sel: Vec<usize> = (0..visible).collect();
+                match lay.plan.kind {
+                    LayerKind::SlidingWindow => sel.clear(),
+                    LayerKind::Hca { .. } => {}
+                    LayerKind::Csa { .. } => {
+                        sel.shuffle(&mut rng);
+                        sel.truncate(k);
+                        for (i, &j) in sel.iter().enumerate() {
+                            top[r * k + i] = j as i32;
+                        }
+                        sel.sort_unstable();
+                    }
+                }
+                selected[r] = sel;
+            }
+            let (want, want_len) = lay
+                .row_candidate_rows(&[1; CHUNK], &positions, &selected, stride)
+                .unwrap();
+            let dpos = gpu.upload(&positions).unwrap();
+            let top_buf = gpu.upload(&top).unwrap();
+            let dtop = dev(&top_buf);
+            let cand = gpu.poisoned::<i32>(rows * stride, common::POISON).unwrap();
+            let lens = gpu.poisoned::<i32>(rows, common::POISON).unwrap();
+            let compressed = match lay.plan.kind {
+                LayerKind::SlidingWindow => Compressed::None,
+                LayerKind::Csa { .. } => Compressed::TopK { idx: &dtop, k },
+                LayerKind::Hca { .. } => Compressed::AllVisible,
+            };
+            build_candidates(
+                &gpu, &s, &dpos, lc, &tables, compressed, &cand, &lens, stride,
+            )
+            .unwrap();
+            s.synchronize().unwrap();
+            let what = format!("layer {l} trial {trial} chunk {p0}+{real}");
+            assert_eq!(gpu.download(&lens).unwrap(), want_len, "{what}: lengths");
+            assert_eq!(gpu.download(&cand).unwrap(), want, "{what}: rows");
+        }
+        println!(
+            "layer {l} ({:?}): 16 random chunks of sequence 1, candidate rows of stride {stride} equal to the host \
+             twin (ring {}, window {})",
+            lay.plan.kind, lay.plan.window_entries, lay.plan.window
+        );
+    }
+}
+
+// ---- GPU: a whole chunked prefill -------------------------------------------------------------------------------
+
+/// Prompt of 105 tokens, C = 32: the first 104 go in chunks 32, 32, 32, 8 (the last padded with 24 copies of its
+/// last row, position 103, where CSA (m = 4) and HCA (m = 8) both emit: a padding row that updated a compressor
+/// would emit again or corrupt the state); the 87-entry ring (window 24 + 63) wraps inside the third chunk
+/// (positions 64..95); the first decode step runs position 104.
+const PROMPT: usize = 105;
+const CHUNK: usize = 32;
+const CONTEXT: usize = 128;
+const BATCH: usize = 2;
+/// Decode steps compared after the prefill (teacher-forced with the token-by-token engine's tokens).
+const DECODE_STEPS: usize = 8;
+
+fn argmax(v: &[f32]) -> usize {
+    megamoe::engine::parity::argmax(v)
+}
+
+/// Host copies of one layer's caches (pool, compressor state, index keys and their state).
+struct CacheCopy {
+    pool: Vec<u8>,
+    state: Vec<f32>,
+    key_codes: Vec<u8>,
+    key_scales: Vec<u8>,
+    key_state: Vec<f32>,
+}
+
+fn copy_caches(gpu: &megamoe::gpu::Gpu, lc: &LayerCaches) -> CacheCopy {
+    let (key_codes, key_scales, key_state) = match &lc.index {
+        Some(ic) => (
+            gpu.download(&ic.keys.codes).unwrap(),
+            gpu.download(&ic.keys.scales).unwrap(),
+            gpu.download(&ic.state).unwrap(),
+        ),
+        None => (vec![], vec![], vec![]),
+    };
+    CacheCopy {
+        pool: gpu.download(&lc.pool).unwrap(),
+        state: gpu.download(&lc.state).unwrap(),
+        key_codes,
+        key_scales,
+        key_state,
+    }
+}
+
+/// Decoded f32 values of `slots` of a pool and how many of them are byte-identical between two pools.
+fn entries(a: &[u8], b: &[u8], slots: &[usize]) -> (Vec<f32>, Vec<f32>, usize) {
+    let (mut va, mut vb, mut same) = (Vec::new(), Vec::new(), 0);
+    for &s in slots {
+        let (ea, eb) = (
+            &a[s * kv::ENTRY_BYTES..][..kv::ENTRY_BYTES],
+            &b[s * kv::ENTRY_BYTES..][..kv::ENTRY_BYTES],
+        );
+        same += usize::from(ea == eb);
+        va.extend(kv::decode_entry(ea).unwrap());
+        vb.extend(kv::decode_entry(eb).unwrap());
+    }
+    (va, vb, same)
+}
+
+/// Cosine over the entries finite in both, and whether the non-finite ones (the compressor scores' -inf of rows
+/// not yet filled) sit at the same places with the same values.
+fn state_cosine(a: &[f32], b: &[f32]) -> (f64, bool) {
+    let mut same_mask = true;
+    let (mut fa, mut fb) = (Vec::new(), Vec::new());
+    for (&x, &y) in a.iter().zip(b) {
+        if x.is_finite() && y.is_finite() {
+            fa.push(x);
+            fb.push(y);
+        } else if x.to_bits() != y.to_bits() {
+            same_mask = false;
+        }
+    }
+    (
+        if fa.is_empty() { 1.0 } else { cosine(&fa, &fb) },
+        same_mask,
+    )
+}
+
+/// The largest difference over the cells finite in both.
+fn finite_max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// A chunked prefill (C = 32) of 2 sequences against the CPU model and against the GPU's token-by-token prefill
+/// (C = 1) on the same weights: (a) the first sampled step's logits (position 104) against `Model::prefill`'s,
+/// cosine >= 0.98 (the decode path's end-to-end floor, tests/engine_decode.rs; the token-by-token prefill's cosine
+/// is printed beside it) and an argmax that is the CPU's, the token-by-token prefill's, or within 2% of the CPU's
+/// logit range of the CPU's best; (b) every
+/// cache after the prefill against the token-by-token engine's: window entries of the last 24 positions,
+/// compressed entries, index keys, compressor states, cosine >= 0.999 per layer and kind (module docs: the split
+/// plans differ with M), nothing written past the emitted entries, the same non-finite state cells; (c) 8 decode
+/// steps after it, both fed the token-by-token engine's tokens: logits cosine >= 0.995 and the same argmax in at
+/// least 7 of 8 steps per sequence.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
+    let label = "engine_prefill_chunked";
+    let gpu = gpu(label);
+    let cfg = short_window_config();
+    let (seed, w, cpu) = rig_weights(&gpu, label, cfg.clone(), BATCH, CONTEXT);
+    let mut floor =
+        Model::new(Weights::synthetic(cfg.clone(), seed, CachePolicy::All).unwrap()).unwrap();
+    floor.reverse_expert_sum = true;
+    let shape = StepShape {
+        batch: BATCH,
+        context: CONTEXT,
+    };
+    let prompts: Vec<Vec<u32>> = (0..BATCH)
+        .map(|b| tokens(seed ^ (0x1F + b as u64), PROMPT, cfg.vocab_size))
+        .collect();
+    let params = SamplerParams::from_config(&SamplerConfig::greedy(), DECODE_STEPS + 2).unwrap();
+    let s = gpu.stream.clone();
+
+    let mut chunked = Engine::new(&gpu, &w, shape).unwrap();
+    chunked.set_prefill_chunk(CHUNK).unwrap();
+    assert_eq!(chunked.prepare_prefill(&gpu, PROMPT).unwrap(), CHUNK);
+    chunked
+        .prefill_state
+        .as_mut()
+        .unwrap()
+        .poison(&gpu)
+        .unwrap();
+    let mut single = Engine::new(&gpu, &w, shape).unwrap();
+    single.set_prefill_chunk(1).unwrap();
+    for e in [&chunked, &single] {
+        arena::fill(&s, &e.state.ws.logits, 0xFF).unwrap();
+    }
+    let t_chunked = chunked.prefill(&gpu, &prompts, &params, &[]).unwrap();
+    let t_single = single.prefill(&gpu, &prompts, &params, &[]).unwrap();
+    println!(
+        "prefill of {PROMPT} tokens x {BATCH} sequences: chunked (C = {CHUNK}) {:.3} s, token by token {:.3} s \
+         (cold, eager chunks; small model)",
+        t_chunked.ttft_s, t_single.ttft_s
+    );
+    for e in [&chunked, &single] {
+        assert_eq!(
+            e.state.read_error(&s).unwrap(),
+            0,
+            "decode state error bits"
+        );
+    }
+    assert_eq!(
+        chunked
+            .prefill_state
+            .as_ref()
+            .unwrap()
+            .read_error(&s)
+            .unwrap(),
+        0
+    );
+
+    // (a) logits at position PROMPT - 1 against the CPU model.
+    let vocab = cfg.vocab_size;
+    let g_chunk = chunked.state.read_logits(&s).unwrap();
+    let g_single = single.state.read_logits(&s).unwrap();
+    for b in 0..BATCH {
+        let c = cpu
+            .prefill(&mut cpu.new_state(), &prompts[b], false)
+            .unwrap()
+            .logits;
+        let f = floor
+            .prefill(&mut floor.new_state(), &prompts[b], false)
+            .unwrap()
+            .logits;
+        let gc = &g_chunk[b * vocab..][..vocab];
+        let gs = &g_single[b * vocab..][..vocab];
+        assert!(
+            gc.iter().all(|v| v.is_finite()),
+            "seq {b}: non-finite logits"
+        );
+        let (cos_c, cos_s, cos_f) = (cosine(gc, &c), cosine(gs, &c), cosine(&f, &c));
+        let top = argmax(&c);
+        let (lo, hi) = c
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+        // The CPU's logit of the chunked prefill's choice, below the CPU's best, as a fraction of its logit range.
+        let (gc_top, gs_top) = (argmax(gc), argmax(gs));
+        let shortfall = (c[top] - c[gc_top]) / (hi - lo);
+        println!(
+            "seq {b}: cos(chunked, CPU) {cos_c:.6}  cos(token by token, CPU) {cos_s:.6}  cos(CPU', CPU) {cos_f:.6}  \
+             cos(chunked, token by token) {:.6}  argmax chunked {gc_top} token-by-token {gs_top} CPU {top} (the \
+             chunked choice's CPU logit is {shortfall:.4} of the CPU's range below its best)",
+            cosine(gc, gs),
+        );
+        assert!(
+            cos_c >= 0.98,
+            "seq {b}: logits cosine {cos_c:.6} below 0.98"
+        );
+        // Top-1: the decode path itself picks the CPU's argmax in 41 of 48 free-running steps on the small geometry
+        // (results/h100/parity.csv), so exact agreement is not the bar; the chunked choice must be the CPU's or the
+        // token-by-token prefill's, or a near-best token under the CPU.
+        assert!(
+            gc_top == top || gc_top == gs_top || shortfall <= 0.02,
+            "seq {b}: chunked argmax {gc_top} (CPU {top}, token by token {gs_top}, shortfall {shortfall:.4})"
+        );
+    }
+
+    // (b) the caches against the token-by-token engine's.
+    let last = PROMPT - 1;
+    println!("layer kind        what              cosine     max|d|     same entries");
+    for l in 0..cfg.n_layers {
+        let (a, b) = (
+            &chunked.state.caches.layers[l],
+            &single.state.caches.layers[l],
+        );
+        let lay = a.layout;
+        let (ca, cb) = (copy_caches(&gpu, a), copy_caches(&gpu, b));
+        let kind = lay.plan.kind;
+        let check = |what: &str, va: &[f32], vb: &[f32], same: String, floor: f64| {
+            let cos = cosine(va, vb);
+            println!(
+                "{l:>5} {:<11} {what:<17} {cos:.6}  {:.3e}  {same}",
+                format!("{kind:?}"),
+                max_abs(va, vb)
+            );
+            assert!(
+                va.iter().chain(vb).all(|v| v.is_finite()) && cos >= floor,
+                "layer {l} {what}: cosine {cos:.6} below {floor}"
+            );
+        };
+        let win: Vec<usize> = (0..BATCH)
+            .flat_map(|b| (last + 1 - lay.plan.window..=last).map(move |p| lay.window_slot(b, p)))
+            .collect();
+        let (va, vb, same) = entries(&ca.pool, &cb.pool, &win);
+        check(
+            "window entries",
+            &va,
+            &vb,
+            format!("{same}/{}", win.len()),
+            0.999,
+        );
+        if lay.ratio() > 0 {
+            let n = lay.compressed_after(last);
+            let comp: Vec<usize> = (0..BATCH)
+                .flat_map(|b| (0..n).map(move |j| lay.compressed_slot(b, j)))
+                .collect();
+            let (va, vb, same) = entries(&ca.pool, &cb.pool, &comp);
+            check(
+                "compressed",
+                &va,
+                &vb,
+                format!("{same}/{}", comp.len()),
+                0.999,
+            );
+            for b in 0..BATCH {
+                for j in n..lay.plan.compressed_entries {
+                    let s = lay.compressed_slot(b, j) * kv::ENTRY_BYTES;
+                    assert!(
+                        ca.pool[s..s + kv::ENTRY_BYTES].iter().all(|&x| x == 0),
+                        "layer {l} seq {b}: compressed entry {j} written past the {n} emitted"
+                    );
+                }
+            }
+            let (cos, mask) = state_cosine(&ca.state, &cb.state);
+            println!(
+                "{l:>5} {:<11} compressor state  {cos:.6}  {:.3e}  -inf cells equal: {mask}",
+                format!("{kind:?}"),
+                finite_max_abs(&ca.state, &cb.state)
+            );
+            assert!(cos >= 0.999, "layer {l}: compressor state cosine {cos:.6}");
+            assert!(mask, "layer {l}: the compressor states' -inf cells differ");
+        }
+        if let Some(ic) = &a.index {
+            assert_eq!(ic.keys.format, KeyFormat::Fp8);
+            let n = lay.compressed_after(last);
+            let key = |codes: &[u8], scales: &[u8], slot: usize| -> Vec<f32> {
+                let sc = f32::from_le_bytes(scales[slot * 4..slot * 4 + 4].try_into().unwrap());
+                (0..HEAD_DIM)
+                    .map(|d| reference::fp8_value(&codes[slot * HEAD_DIM..], sc, d) as f32)
+                    .collect()
+            };
+            let (mut va, mut vb, mut same) = (Vec::new(), Vec::new(), 0);
+            for b in 0..BATCH {
+                for j in 0..n {
+                    let slot = lay.key_slot(b, j);
+                    let (ka, kb) = (
+                        key(&ca.key_codes, &ca.key_scales, slot),
+                        key(&cb.key_codes, &cb.key_scales, slot),
+                    );
+                    same += usize::from(ka == kb);
+                    va.extend(ka);
+                    vb.extend(kb);
+                }
+                for j in n..lay.plan.index_keys {
+                    let slot = lay.key_slot(b, j);
+                    assert!(
+                        ca.key_codes[slot * HEAD_DIM..][..HEAD_DIM]
+                            .iter()
+                            .all(|&x| x == 0),
+                        "layer {l} seq {b}: index key {j} written past the {n} emitted"
+                    );
+                }
+            }
+            check(
+                "index keys",
+                &va,
+                &vb,
+                format!("{same}/{}", BATCH * n),
+                0.999,
+            );
+            let (cos, mask) = state_cosine(&ca.key_state, &cb.key_state);
+            println!(
+                "{l:>5} {:<11} index comp state  {cos:.6}  {:.3e}  -inf cells equal: {mask}",
+                format!("{kind:?}"),
+                finite_max_abs(&ca.key_state, &cb.key_state)
+            );
+            assert!(
+                cos >= 0.999 && mask,
+                "layer {l}: indexer compressor state cosine {cos:.6} / mask {mask}"
+            );
+        }
+    }
+
+    // (c) decode steps after the prefill, both fed the token-by-token engine's tokens.
+    let mut agree = [0usize; BATCH];
+    for step in 0..DECODE_STEPS {
+        let ids: Vec<u32> = single
+            .sampled(&gpu)
+            .unwrap()
+            .iter()
+            .map(|&t| {
+                assert!(t >= 0, "step {step}: a sequence stopped");
+                t as u32
+            })
+            .collect();
+        for e in [&mut chunked, &mut single] {
+            e.state.set_tokens(&s, &ids).unwrap();
+            arena::fill(&s, &e.state.ws.logits, 0xFF).unwrap();
+            e.decode_step(&gpu).unwrap();
+        }
+        let (gc, gs) = (
+            chunked.state.read_logits(&s).unwrap(),
+            single.state.read_logits(&s).unwrap(),
+        );
+        for b in 0..BATCH {
+            let (x, y) = (&gc[b * vocab..][..vocab], &gs[b * vocab..][..vocab]);
+            let cos = cosine(x, y);
+            let same = argmax(x) == argmax(y);
+            agree[b] += usize::from(same);
+            println!(
+                "decode step {step} seq {b}: cos(chunked, token by token) {cos:.6} argmax {} / {}",
+                argmax(x),
+                argmax(y)
+            );
+            assert!(
+                cos >= 0.995,
+                "decode step {step} seq {b}: logits cosine {cos:.6}"
+            );
+        }
+    }
+    for (b, &a) in agree.iter().enumerate() {
+        assert!(
+            a + 1 >= DECODE_STEPS,
+            "seq {b}: the argmax agreed in {a}/{DECODE_STEPS} decode steps"
+        );
+    }
+}
