@@ -28,7 +28,7 @@ use megamoe::formats::kv;
 use megamoe::gpu::arena;
 use megamoe::model::numerics::cosine;
 use megamoe::model::sampler::SamplerConfig;
-use megamoe::model::{CachePolicy, LayerKind, Model, ModelConfig, Weights};
+use megamoe::model::{CachePolicy, LayerKind, Model, ModelConfig, MoeSum, Weights};
 use megamoe::ops::indexer::reference::{self, KeyFormat, HEAD_DIM};
 use megamoe::ops::indexer::{self, KeyCacheGpu, QueryBatch};
 use megamoe::ops::sampler::SamplerParams;
@@ -496,7 +496,7 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
     let (seed, w, cpu) = rig_weights(&gpu, label, cfg.clone(), BATCH, CONTEXT);
     let mut floor =
         Model::new(Weights::synthetic(cfg.clone(), seed, CachePolicy::All).unwrap()).unwrap();
-    floor.reverse_expert_sum = true;
+    floor.moe_sum = MoeSum::Bf16Accumulator;
     let shape = StepShape {
         batch: BATCH,
         context: CONTEXT,
