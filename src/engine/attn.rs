@@ -390,6 +390,7 @@ impl AttnBuffers {
         let z_fp8 = RowsOut::carve(arena, OutFormat::Fp8, b, s.o_dim)?;
         let y = arena.carve(b * d, "attn y")?;
         let dense = DenseWorkspace::carve(arena, stream, &s.dense, s.sm_count)?;
+        dense.prepare(gpu)?;
         arena::fill(stream, &error, 0)?;
         let index = match s.index {
             None => None,
@@ -450,13 +451,15 @@ pub struct AttnGroup {
 
 // ---- per-layer weights ----------------------------------------------------------------------------------------
 
-/// An FP8 weight of the dense pool: e4m3 codes `[n, k]` and UE8M0 128x128 scales.
+/// An FP8 weight of the dense pool: e4m3 codes `[n, k]` and UE8M0 128x128 scales, and the scales as f32 (the
+/// dense tensor-core route's, built at load: `DeviceWeights::scales_f32`).
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8View {
     pub codes: DevBuf<u8>,
     pub scales: DevBuf<u8>,
     pub n: usize,
     pub k: usize,
+    pub scales_f32: Option<DevBuf<f32>>,
 }
 
 impl Fp8View {
@@ -474,6 +477,7 @@ impl Fp8View {
             scales,
             n,
             k,
+            scales_f32: w.scales_f32(&format!("{prefix}.weight")),
         })
     }
     fn weight(&self) -> Fp8Weight<'_> {
@@ -482,6 +486,7 @@ impl Fp8View {
             scales: &self.scales,
             n: self.n,
             k: self.k,
+            scales_f32: self.scales_f32.as_ref().map(|s| s as &dyn DeviceBuf<f32>),
         }
     }
 }

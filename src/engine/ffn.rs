@@ -135,6 +135,8 @@ struct PoolFp8 {
     scales: DevBuf<u8>,
     n: usize,
     k: usize,
+    /// The scales as f32 (the dense tensor-core route's: `DeviceWeights::scales_f32`).
+    scales_f32: Option<DevBuf<f32>>,
 }
 
 impl PoolFp8 {
@@ -144,6 +146,7 @@ impl PoolFp8 {
             scales: weights.typed::<u8>(&format!("{prefix}.scale"))?,
             n,
             k,
+            scales_f32: weights.scales_f32(&format!("{prefix}.weight")),
         })
     }
     fn weight(&self) -> Fp8Weight<'_> {
@@ -152,6 +155,7 @@ impl PoolFp8 {
             scales: &self.scales,
             n: self.n,
             k: self.k,
+            scales_f32: self.scales_f32.as_ref().map(|s| s as &dyn DeviceBuf<f32>),
         }
     }
 }
@@ -364,6 +368,7 @@ impl FfnHalf {
         let f_nvfp4 = RowsOut::carve(arena, OutFormat::Nvfp4, b, d)?;
         let router_ws = RouterWorkspace::carve(arena, &z.router_logits_shape())?;
         let dense_ws = DenseWorkspace::carve(arena, &gpu.stream, &z.shared_shapes(), sm_count)?;
+        dense_ws.prepare(gpu)?;
         let h_shared_codes = arena.carve::<u8>(b * i, "shared expert h codes")?;
         let h_shared_scales = arena.carve::<u8>(b * i / 128, "shared expert h scales")?;
         let shared_out = arena.carve::<bf16>(b * d, "shared expert output")?;

@@ -160,6 +160,7 @@ impl DecodeState {
         let sm_count = gpu.info.sm_count as usize;
         let mut arena = Arena::new(gpu, workspace_bytes(&cfg, &shape, sm_count)?)?;
         let ws = StepWorkspace::carve(&mut arena, &gpu.stream, &cfg, &shape, sm_count)?;
+        ws.lm_head.prepare(gpu)?;
         let attn = AttnHalf::new(gpu, weights, &shape, &mut arena)?;
         let ffn = FfnHalf::new(gpu, weights, &shape, &mut arena)?;
         // The mHC launchers take owned weights, so the head's small tensors are read back from the pool and

@@ -24,6 +24,7 @@ use crate::gpu::launch::{DevBuf, DeviceBuf, Stream};
 use crate::gpu::Gpu;
 use crate::model::checkpoint::Checkpoint;
 use crate::model::weights::{tensor_manifest, StoredDtype, TensorSource, TensorSpec, Weights};
+use crate::ops::dense::prefill::weight_scales_f32;
 use crate::ops::mhc::{self, reference::MhcParams, MhcWeights};
 use crate::ops::moe_gemm::{prefill, DeviceExpertWeights};
 use crate::ops::weights::{convert, fill};
@@ -65,6 +66,12 @@ pub struct DeviceWeights {
     pub inexact_blocks: u64,
     /// All 16-element blocks converted.
     pub converted_blocks: u64,
+    /// Every FP8 dense weight's 128x128 block scales as f32 in the block-scaled GEMM's layout (`[ceil(n/128), L4]`,
+    /// `ops::dense::prefill::weight_scales_f32`, exact), one small side allocation (a few KB a weight) built at load:
+    /// what the dense linears' tensor-core route reads ([`DeviceWeights::scales_f32`]).
+    scales_f32: CudaSlice<f32>,
+    /// Weight name (`...weight`) -> (first element, elements) in `scales_f32`.
+    scales_f32_index: HashMap<String, (usize, usize)>,
 }
 
 /// The staging buffers one expert GEMM passes through: MXFP4 codes + scales in, NVFP4 codes + scales out (the
@@ -108,6 +115,7 @@ impl DeviceWeights {
             let dst = Self::view(&pool, t.offset, t.bytes());
             write_tensor(gpu, &stream, source, &t.spec, &dst)?;
         }
+        let (scales_f32, scales_f32_index) = fp8_scales_f32(gpu, &stream, &pool, plan)?;
         progress.tick("dense weights");
 
         let (l1, l2) = (plan.experts.l1, plan.experts.l2);
@@ -176,6 +184,8 @@ impl DeviceWeights {
             experts,
             inexact_blocks: counts[convert::COUNTER_INEXACT],
             converted_blocks: (per_layer_blocks * slots * cfg.n_layers) as u64,
+            scales_f32,
+            scales_f32_index,
         };
         progress.println(&w.conversion_summary());
         Ok(w)
@@ -273,10 +283,59 @@ impl DeviceWeights {
         MhcWeights::upload(gpu, &params, &norm, self.plan.config.dim)
     }
 
+    /// The f32 block scales of the FP8 dense weight `weight` (its `...weight` name) in the block-scaled GEMM's layout
+    /// `[ceil(n/128), L4]` (valid while `self` lives); None for a tensor that is not an FP8 weight with a `.scale`.
+    pub fn scales_f32(&self, weight: &str) -> Option<DevBuf<f32>> {
+        let &(first, len) = self.scales_f32_index.get(weight)?;
+        assert!(
+            first + len <= self.scales_f32.len(),
+            "f32 scales past their buffer"
+        );
+        // SAFETY: inside `scales_f32`, which lives as long as `self`; 256-byte aligned (see `fp8_scales_f32`).
+        Some(unsafe { DevBuf::from_raw(self.scales_f32.device_addr() + (first * 4) as u64, len) })
+    }
+
     /// The whole dense pool (tests compare it byte for byte).
     pub fn pool(&self) -> &CudaSlice<u8> {
         &self.pool
     }
+}
+
+/// Every FP8 dense weight of `plan` with a `.scale` companion: its ue8m0 codes read back from the pool (set-up only:
+/// each read waits for `stream`), converted on the host (`weight_scales_f32`, exact) and uploaded together, each
+/// weight's at a 256-byte aligned offset. Returns the buffer and the weight name -> (first element, elements) map.
+fn fp8_scales_f32(
+    gpu: &Gpu,
+    stream: &Stream,
+    pool: &CudaSlice<u8>,
+    plan: &MemoryPlan,
+) -> Result<(CudaSlice<f32>, HashMap<String, (usize, usize)>)> {
+    const ALIGN_ELEMS: usize = 64;
+    let mut host: Vec<f32> = Vec::new();
+    let mut index = HashMap::new();
+    for t in &plan.dense {
+        if t.spec.dtype != StoredDtype::F8E4M3 || t.spec.shape.len() != 2 {
+            continue;
+        }
+        let Some(prefix) = t.spec.name.strip_suffix(".weight") else {
+            continue;
+        };
+        let Some(st) = plan.dense_tensor(&format!("{prefix}.scale")) else {
+            continue;
+        };
+        let (n, k) = (t.spec.shape[0], t.spec.shape[1]);
+        let codes = arena::download(stream, &DeviceWeights::view(pool, st.offset, st.bytes()))?;
+        let f = weight_scales_f32(&codes[..st.spec.numel().min(codes.len())], n, k)
+            .with_context(|| format!("{}: f32 block scales", t.spec.name))?;
+        let first = host.len();
+        index.insert(t.spec.name.clone(), (first, f.len()));
+        host.extend_from_slice(&f);
+        host.resize(host.len().div_ceil(ALIGN_ELEMS) * ALIGN_ELEMS, 0.0);
+    }
+    if host.is_empty() {
+        host.push(0.0);
+    }
+    Ok((gpu.upload(&host)?, index))
 }
 
 /// Write tensor `spec`'s stored bytes to `dst` (exactly `spec.nbytes()` bytes) on `stream`.

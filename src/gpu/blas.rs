@@ -2,7 +2,8 @@
 //! model: `D[M,N] = A[M,K] . B[N,K]^T`, row-major with both operands K-major ("TN" in cuBLAS's column-major
 //! terms, which FP8 requires), fp32 accumulation, BF16 output. A and B are BF16 or FP8 e4m3 (per-tensor fp32
 //! scales for FP8, [`Blas::gemm_tn_on`]), or FP8 e4m3 with DeepSeek block scales ([`Blas::fp8_block_scaled_gemm`]:
-//! 1x128 f32 scales on the activations, 128x128 f32 scales on the weight).
+//! 1x128 f32 scales on the activations, 128x128 f32 scales on the weight), or BF16 with an f32 output
+//! ([`Blas::bf16_gemm_f32`]: the decode dense route's BF16 linears, `ops::dense::route`).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -45,12 +46,26 @@ pub struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     block_scaled_plans: Mutex<HashMap<BlockScaledShape, BlockScaledPlan>>,
+    bf16_f32_plans: Mutex<HashMap<Bf16GemmShape, Bf16F32Plan>>,
 }
+
+// SAFETY: the cuBLASLt handle may be used from any host thread and by concurrent calls on different streams, each
+// with its own workspace (cuBLAS documentation, "Thread Safety"); the only mutable per-call state (the block-scaled
+// descriptors' scale pointers) is set and consumed under the plan cache's lock. The plans' raw descriptors are only
+// touched behind those locks.
+unsafe impl Send for Blas {}
+unsafe impl Sync for Blas {}
 
 impl Drop for Blas {
     fn drop(&mut self) {
         let plans = std::mem::take(
             self.block_scaled_plans
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        drop(plans);
+        let plans = std::mem::take(
+            self.bf16_f32_plans
                 .get_mut()
                 .unwrap_or_else(|p| p.into_inner()),
         );
@@ -77,6 +92,7 @@ impl Blas {
             handle,
             workspace,
             block_scaled_plans: Mutex::new(HashMap::new()),
+            bf16_f32_plans: Mutex::new(HashMap::new()),
         })
     }
 
@@ -561,6 +577,254 @@ impl Blas {
                     stream.cu_stream() as _,
                 )
                 .map_err(|e| block_scaled_refusal("block-scaled matmul", e))
+            }
+        })
+    }
+}
+
+// ---- BF16 x BF16 -> f32 (the decode dense route's BF16 linears) ----------------------------------------------
+
+/// Largest workspace a BF16 -> f32 plan may ask for (the heuristic's preference cap; the same cap as the
+/// block-scaled plans, so a caller that carves [`BLOCK_SCALED_MAX_WORKSPACE`] bytes serves both).
+pub const BF16_F32_MAX_WORKSPACE: usize = BLOCK_SCALED_MAX_WORKSPACE;
+
+/// The shape of one `y[m, n] = x[m, k] . W[n, k]^T` with BF16 `x` and `W` (row-major, K contiguous) and an f32 `y`
+/// (row-major `[m, n]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bf16GemmShape {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Bf16GemmShape {
+    /// Positive sizes; `k` a multiple of 8 (16-byte BF16 rows, cuBLASLt's alignment for the tensor-core
+    /// kernels); `n` any (the f32 output rows are `4 n` bytes apart: `n` a multiple of 4 keeps them 16-byte
+    /// aligned, which cuBLASLt's heuristic takes into account, not a requirement).
+    pub fn check(&self) -> Result<()> {
+        let Bf16GemmShape { m, n, k } = *self;
+        if m == 0 || n == 0 || k == 0 {
+            bail!("BF16 GEMM: empty shape m={m} n={n} k={k}");
+        }
+        if !k.is_multiple_of(8) {
+            bail!("BF16 GEMM: k = {k} must be a multiple of 8 (16-byte rows)");
+        }
+        if m > i32::MAX as usize || n > i32::MAX as usize || k > i32::MAX as usize {
+            bail!("BF16 GEMM: {self:?} is too large");
+        }
+        Ok(())
+    }
+}
+
+/// One BF16 -> f32 shape's descriptor, layouts and algorithm (built once, reused by every call of that shape;
+/// nothing in it changes per call).
+struct Bf16F32Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layout_w: sys::cublasLtMatrixLayout_t,
+    layout_x: sys::cublasLtMatrixLayout_t,
+    layout_y: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+    workspace_bytes: usize,
+}
+
+impl Drop for Bf16F32Plan {
+    fn drop(&mut self) {
+        unsafe {
+            if !self.layout_w.is_null() {
+                let _ = result::destroy_matrix_layout(self.layout_w);
+            }
+            if !self.layout_x.is_null() {
+                let _ = result::destroy_matrix_layout(self.layout_x);
+            }
+            if !self.layout_y.is_null() {
+                let _ = result::destroy_matrix_layout(self.layout_y);
+            }
+            let _ = result::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+impl Blas {
+    fn bf16_f32_plan(&self, shape: Bf16GemmShape) -> Result<Bf16F32Plan> {
+        shape.check()?;
+        let Bf16GemmShape { m, n, k } = shape;
+        let bf = sys::cudaDataType_t::CUDA_R_16BF;
+        unsafe {
+            let desc = cb(
+                result::create_matmul_desc(
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cudaDataType_t::CUDA_R_32F,
+                ),
+                "matmul desc",
+            )?;
+            // From here every created object is owned by `plan` (destroyed on any early return).
+            let mut plan = Bf16F32Plan {
+                desc,
+                layout_w: std::ptr::null_mut(),
+                layout_x: std::ptr::null_mut(),
+                layout_y: std::ptr::null_mut(),
+                algo: std::mem::zeroed(),
+                workspace_bytes: 0,
+            };
+            let set_i32 = |attr, v: i32, what: &str| {
+                cb(
+                    result::set_matmul_desc_attribute(
+                        desc,
+                        attr,
+                        &v as *const i32 as *const c_void,
+                        size_of::<i32>(),
+                    ),
+                    what,
+                )
+            };
+            use sys::cublasLtMatmulDescAttributes_t as A;
+            // Column-major view: y^T[n, m] = W[n, k] (stored K-major -> op T) x x^T[k, m] (op N).
+            set_i32(A::CUBLASLT_MATMUL_DESC_TRANSA, 1, "TRANSA")?;
+            set_i32(A::CUBLASLT_MATMUL_DESC_TRANSB, 0, "TRANSB")?;
+            plan.layout_w = cb(
+                result::create_matrix_layout(bf, k as u64, n as u64, k as i64),
+                "layout W",
+            )?;
+            plan.layout_x = cb(
+                result::create_matrix_layout(bf, k as u64, m as u64, k as i64),
+                "layout x",
+            )?;
+            plan.layout_y = cb(
+                result::create_matrix_layout(
+                    sys::cudaDataType_t::CUDA_R_32F,
+                    n as u64,
+                    m as u64,
+                    n as i64,
+                ),
+                "layout y",
+            )?;
+            let pref = cb(result::create_matmul_pref(), "pref")?;
+            let cap = BF16_F32_MAX_WORKSPACE;
+            let r = result::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &cap as *const usize as *const c_void,
+                size_of::<usize>(),
+            );
+            let heur = r.and_then(|_| {
+                result::get_matmul_algo_heuristic(
+                    self.handle,
+                    desc,
+                    plan.layout_w,
+                    plan.layout_x,
+                    plan.layout_y,
+                    plan.layout_y,
+                    pref,
+                )
+            });
+            let _ = result::destroy_matmul_pref(pref);
+            let heur = cb(
+                heur,
+                &format!("no BF16 -> f32 algorithm for m={m} n={n} k={k}"),
+            )?;
+            plan.algo = heur.algo;
+            plan.workspace_bytes = heur.workspaceSize;
+            Ok(plan)
+        }
+    }
+
+    /// Run `f` with the BF16 -> f32 plan of `shape` (built on first use; later calls only look it up).
+    fn with_bf16_f32_plan<R>(
+        &self,
+        shape: Bf16GemmShape,
+        f: impl FnOnce(&Bf16F32Plan) -> Result<R>,
+    ) -> Result<R> {
+        let mut plans = self
+            .bf16_f32_plans
+            .lock()
+            .map_err(|_| anyhow!("cuBLASLt plan cache poisoned by an earlier panic"))?;
+        let plan = match plans.entry(shape) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.bf16_f32_plan(shape)?),
+        };
+        f(plan)
+    }
+
+    /// Workspace bytes the BF16 -> f32 GEMM of `shape` needs (at most [`BF16_F32_MAX_WORKSPACE`]); builds and
+    /// caches the shape's plan. Host-only: may run before a capture.
+    pub fn bf16_f32_workspace_bytes(&self, shape: Bf16GemmShape) -> Result<usize> {
+        self.with_bf16_f32_plan(shape, |p| Ok(p.workspace_bytes))
+    }
+
+    /// `y[m, n] = sum_k x[m, k] * W[n, k]` on `stream`: BF16 operands, f32 accumulation (BF16 products are exact in
+    /// f32; the tensor cores accumulate BF16 MMAs in f32), f32 output, one cuBLASLt matmul (layouts:
+    /// [`Bf16GemmShape`]). `workspace` is the caller's (at least [`Blas::bf16_f32_workspace_bytes`], 256-byte
+    /// aligned): nothing is allocated, so the call can be captured in a CUDA graph; the plan of a shape is built on
+    /// its first call (host work only) and cached. Every check comes before anything is enqueued.
+    #[allow(clippy::too_many_arguments)]
+    pub fn bf16_gemm_f32(
+        &self,
+        stream: &Stream,
+        shape: Bf16GemmShape,
+        x: &dyn DeviceBuf<bf16>,
+        w: &dyn DeviceBuf<bf16>,
+        workspace: &dyn DeviceBuf<u8>,
+        y: &dyn DeviceBuf<f32>,
+    ) -> Result<()> {
+        shape.check()?;
+        let Bf16GemmShape { m, n, k } = shape;
+        for (what, have, need) in [
+            ("x", x.elems(), m * k),
+            ("W", w.elems(), n * k),
+            ("y", y.elems(), m * n),
+        ] {
+            if have < need {
+                bail!("BF16 GEMM m={m} n={n} k={k}: {what} holds {have} elements, needs {need}");
+            }
+        }
+        for (what, addr) in [
+            ("x", x.device_addr()),
+            ("W", w.device_addr()),
+            ("y", y.device_addr()),
+        ] {
+            if !addr.is_multiple_of(16) {
+                bail!("BF16 GEMM: {what} at {addr:#x} is not 16-byte aligned");
+            }
+        }
+        if !workspace.device_addr().is_multiple_of(256) {
+            bail!(
+                "BF16 GEMM: the workspace at {:#x} is not 256-byte aligned",
+                workspace.device_addr()
+            );
+        }
+        self.with_bf16_f32_plan(shape, |plan| {
+            if workspace.elems() < plan.workspace_bytes {
+                bail!(
+                    "BF16 GEMM m={m} n={n} k={k}: the workspace holds {} bytes, the algorithm needs {} \
+                     (Blas::bf16_f32_workspace_bytes)",
+                    workspace.elems(),
+                    plan.workspace_bytes
+                );
+            }
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let py = y.device_addr() as *mut c_void;
+            unsafe {
+                cb(
+                    result::matmul(
+                        self.handle,
+                        plan.desc,
+                        &alpha as *const f32 as *const c_void,
+                        &beta as *const f32 as *const c_void,
+                        w.device_addr() as *const c_void,
+                        plan.layout_w,
+                        x.device_addr() as *const c_void,
+                        plan.layout_x,
+                        py as *const c_void,
+                        plan.layout_y,
+                        py,
+                        plan.layout_y,
+                        &plan.algo,
+                        workspace.device_addr() as *mut c_void,
+                        workspace.elems(),
+                        stream.cu_stream() as _,
+                    ),
+                    "BF16 -> f32 matmul",
+                )
             }
         })
     }

@@ -49,6 +49,8 @@ pub struct Gpu {
     /// Resolved entry points by family, then name (looked up with `&str`s: no allocation on the launch path), with
     /// the largest dynamic shared memory allowed so far.
     kernels: Mutex<HashMap<String, HashMap<String, Arc<Kernel>>>>,
+    /// The cuBLASLt handle of the launchers' tensor-core routes ([`Gpu::blas`]), created on first use.
+    blas: std::sync::OnceLock<blas::Blas>,
 }
 
 /// Why no GPU could be opened, in words a user can act on.
@@ -113,7 +115,22 @@ impl Gpu {
             info,
             modules: Mutex::new(HashMap::new()),
             kernels: Mutex::new(HashMap::new()),
+            blas: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The cuBLASLt handle the launchers' tensor-core routes share (`ops::dense`'s route: one handle per GPU; each
+    /// concurrent call brings its own workspace, carved from its caller's arena), created on the first call. The
+    /// creation allocates (the handle's own workspace, used by [`blas::Blas::gemm_tn`] only), so the first call must
+    /// come before any graph capture: the dense launchers' callers make it when they carve a workspace with a
+    /// tensor-core region (`DenseWorkspace::prepare`), and an eager call precedes every capture anyway.
+    pub fn blas(&self) -> Result<&blas::Blas> {
+        if let Some(b) = self.blas.get() {
+            return Ok(b);
+        }
+        let b = blas::Blas::new(self)?;
+        // Another thread may have won the race: its handle is kept, this one dropped.
+        Ok(self.blas.get_or_init(|| b))
     }
 
     /// A kernel entry point of a kernel family (`kernels/<family>.cu`), loading the module on first use:

@@ -100,6 +100,7 @@ impl DevFp8 {
             scales: &self.scales,
             n: self.rows,
             k: self.cols,
+            scales_f32: None,
         }
     }
     pub fn act(&self) -> Fp8Rows<'_> {

@@ -176,6 +176,7 @@ fn time_dense(
                 scales: &ws_,
                 n,
                 k,
+                scales_f32: None,
             };
             let x = Fp8Rows {
                 codes: &xc,
@@ -197,6 +198,7 @@ fn time_dense(
                 scales: &ws_,
                 n,
                 k,
+                scales_f32: None,
             };
             gpu.time_us(plan(bytes), || {
                 wo_a_grouped(gpu, &gpu.stream, &o, m, &w, groups, &ws, &z)
@@ -214,12 +216,14 @@ fn time_dense(
                 scales: &w1s,
                 n: inter,
                 k: dim,
+                scales_f32: None,
             };
             let w3 = Fp8Weight {
                 codes: &w3c,
                 scales: &w3s,
                 n: inter,
                 k: dim,
+                scales_f32: None,
             };
             let x = Fp8Rows {
                 codes: &xc,

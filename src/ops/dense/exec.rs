@@ -96,6 +96,7 @@ fn run_fp8(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
                 scales: &ws_,
                 n,
                 k,
+                scales_f32: None,
             };
             fp8_linear(g, &g.stream, &xr, &wr, &ws, &y)?;
             g.synchronize()?;

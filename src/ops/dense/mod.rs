@@ -26,20 +26,39 @@
 //!
 //! Prefill sizes (M up to 16K) go through cuBLASLt's block-scaled FP8 GEMM: [`prefill`].
 //!
+//! The tensor-core route ([`route`]): from some M on, the GEMV's time grows with M while cuBLASLt's stays flat, so
+//! [`fp8_linear`] / [`fp8_linears`] (and the shared expert's w2) may run as cuBLASLt's block-scaled FP8 GEMM
+//! ([`prefill::fp8_linears_prefill`], one GEMM per job; needs the weight's f32 block scales,
+//! [`Fp8Weight::scales_f32`]) and [`bf16_linear`] as cuBLASLt BF16 GEMMs with an f32 output
+//! ([`crate::gpu::blas::Blas::bf16_gemm_f32`], one per job). The route is decided per launch from the shape by the
+//! rule in [`route`] under the route the workspace was carved with ([`DenseWorkspace::path`]); the default route
+//! is the GEMV everywhere ([`route::DEFAULT_ROUTE`]). The cuBLASLt handle is the GPU's ([`Gpu::blas`]); its workspace
+//! and the FP8 route's scratch are carved in the caller's [`DenseWorkspace`] (one call at a time per workspace, as
+//! for the split-K partials), so concurrent calls on other streams (the overlapped shared expert) each use their
+//! own. PDL: cuBLASLt's kernels are launched without our PDL attribute. That is safe: a PDL kernel after one of them
+//! starts with `griddepcontrol.wait`, which waits for the full completion (and memory flush) of its prerequisite
+//! grid whether or not that grid triggers early, and a cuBLASLt kernel after one of ours is an ordinary stream-ordered
+//! launch.
+//!
 //! Rooms: `reference.rs` (glue to the CPU model), `bench.rs` (measurement hooks), `exec.rs` (`megamoe exec`),
-//! `prefill.rs` (the cuBLASLt path).
+//! `prefill.rs` (the cuBLASLt path), `route.rs` (the GEMV / tensor-core rule).
 
 pub mod bench;
 pub mod exec;
 pub mod prefill;
 pub mod reference;
+pub mod route;
+
+pub use route::{with_route, DensePath, DenseRoute};
 
 use anyhow::{ensure, Result};
 use half::bf16;
 
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
+use crate::gpu::blas::{Bf16GemmShape, BlockScaledShape, BLOCK_SCALED_MAX_WORKSPACE};
 use crate::gpu::launch::{launch, DevBuf, DeviceBuf, KernelArgs, Launch, Stream};
 use crate::gpu::Gpu;
+use prefill::{Fp8LinearWorkspace, Fp8PrefillJob, Fp8WeightView};
 
 /// Kernel family name (kernels/dense.cu).
 pub const FAMILY: &str = "dense";
@@ -275,56 +294,118 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
 }
 
 /// The caller-owned scratch of the dense launchers: split-K partial sums and per-tile arrival counters (zero between
-/// calls). One workspace sized for every shape a decode step uses serves all of them in stream order.
+/// calls), and, when a shape it was carved for takes the tensor-core route, that route's scratch (cuBLASLt's
+/// workspace and the FP8 GEMM's activation scales and tail staging). One workspace sized for every shape a decode
+/// step uses serves all of them in stream order.
 #[derive(Debug, Clone, Copy)]
 pub struct DenseWorkspace {
     pub part: DevBuf<f32>,
     pub count: DevBuf<u32>,
+    /// The tensor-core route's scratch: [`ROUTE_CUBLAS_BYTES`] of cuBLASLt workspace for BF16 GEMMs, or an
+    /// [`Fp8LinearWorkspace`] laid out from its start ([`Fp8LinearWorkspace::within`]); empty when no shape it was
+    /// carved for takes the route.
+    pub tc: DevBuf<u8>,
+    /// The route in force when it was carved ([`route::with_route`]): every launch on it follows this route's rule.
+    pub route: DenseRoute,
 }
 
-/// (partial floats, counters) the shapes need on a GPU of `sm_count` SMs (the largest of each).
-fn workspace_need(shapes: &[DenseShape], sm_count: usize) -> Result<(usize, usize)> {
-    let (mut floats, mut counters) = (1, 1);
+/// cuBLASLt workspace bytes of the tensor-core route, carved per [`DenseWorkspace`] that has the route: the cap
+/// the plans are built under (`BLOCK_SCALED_MAX_WORKSPACE`, also the BF16 plans' cap), so whatever algorithm
+/// cuBLASLt's heuristic picks for a shape fits without asking it at layout time (the layouts are host arithmetic,
+/// computed without a GPU). The same 32 MiB the bench's cuBLASLt baselines ran with, so the route runs the
+/// algorithms they measured; at most one such region per workspace (attention half, FFN half, LM head, and the
+/// chunked prefill's two halves), and none on the GEMV route.
+pub const ROUTE_CUBLAS_BYTES: usize = BLOCK_SCALED_MAX_WORKSPACE;
+
+/// Bytes of tensor-core scratch a call of `s` takes (0 when `route` sends it to the GEMV).
+fn tc_bytes(s: &DenseShape, route: DenseRoute) -> usize {
+    if route::path_for(route, s) == DensePath::Gemv {
+        return 0;
+    }
+    match s.kind {
+        DenseKind::Fp8 => Fp8LinearWorkspace::layout(s.rows, s.n, s.k, ROUTE_CUBLAS_BYTES).bytes(),
+        _ => ROUTE_CUBLAS_BYTES,
+    }
+}
+
+/// (partial floats, counters, tensor-core bytes) the shapes need on a GPU of `sm_count` SMs under `route` (the
+/// largest of each).
+fn workspace_need(
+    shapes: &[DenseShape],
+    sm_count: usize,
+    route: DenseRoute,
+) -> Result<(usize, usize, usize)> {
+    let (mut floats, mut counters, mut tc) = (1, 1, 0);
     for s in shapes {
         let p = plan(s, sm_count)?;
         floats = floats.max(p.partial_floats(s));
         counters = counters.max(p.counters(s));
+        tc = tc.max(tc_bytes(s, route));
     }
-    Ok((floats, counters))
+    Ok((floats, counters, tc))
 }
 
-/// The [`DenseWorkspace`] layout for calls of `shapes`.
+/// The [`DenseWorkspace`] layout for calls of `shapes` under the route in force ([`route::route_in_force`]: the
+/// GEMV by default, whose layout has no tensor-core region).
 pub fn workspace_layout(shapes: &[DenseShape], sm_count: usize) -> Result<WorkspaceLayout> {
-    let (floats, counters) = workspace_need(shapes, sm_count)?;
+    let (floats, counters, tc) = workspace_need(shapes, sm_count, route::route_in_force())?;
     let mut l = WorkspaceLayout::new();
-    l.add::<f32>(floats).add::<u32>(counters);
+    l.add::<f32>(floats).add::<u32>(counters).add::<u8>(tc);
     Ok(l)
 }
 
 impl DenseWorkspace {
-    /// Carve the workspace for `shapes` and zero its counters on `stream`.
+    /// Carve the workspace for `shapes` under the route in force ([`route::route_in_force`], recorded in the
+    /// workspace) and zero its counters on `stream`.
     pub fn carve(
         arena: &mut Arena,
         stream: &Stream,
         shapes: &[DenseShape],
         sm_count: usize,
     ) -> Result<DenseWorkspace> {
-        let (floats, counters) = workspace_need(shapes, sm_count)?;
+        let route = route::route_in_force();
+        let (floats, counters, tc) = workspace_need(shapes, sm_count, route)?;
         let ws = DenseWorkspace {
             part: arena.carve::<f32>(floats, "dense split-K partials")?,
             count: arena.carve::<u32>(counters, "dense tile counters")?,
+            tc: arena.carve::<u8>(tc, "dense tensor-core route scratch")?,
+            route,
         };
         arena::fill(stream, &ws.count, 0)?;
         Ok(ws)
     }
+
+    /// Creates the GPU's cuBLASLt handle ([`Gpu::blas`]) when this workspace has the tensor-core route: call it
+    /// where the workspace is set up, so that no launch inside a graph capture is the first (the creation
+    /// allocates).
+    pub fn prepare(&self, gpu: &Gpu) -> Result<()> {
+        if !self.tc.is_empty() {
+            gpu.blas()?;
+        }
+        Ok(())
+    }
+
+    /// The engine a launch of `shape` on this workspace takes: the rule of its route ([`route::path_for`]), and only
+    /// when the launch's jobs are `tc_ready`: for FP8 linears every weight has its f32 block scales
+    /// ([`Fp8Weight::scales_f32`]), for BF16 linears every job's f32 output rows are 16-byte multiples (`n % 4 == 0`;
+    /// the shape shows the tallest job's only).
+    pub fn path(&self, shape: &DenseShape, tc_ready: bool) -> DensePath {
+        match route::path_for(self.route, shape) {
+            DensePath::TensorCores if !tc_ready => DensePath::Gemv,
+            p => p,
+        }
+    }
 }
 
-/// An FP8 weight on the device: e4m3 codes `[n, k]`, ue8m0 128x128 scale codes `[n/128, k/128]`.
+/// An FP8 weight on the device: e4m3 codes `[n, k]`, ue8m0 128x128 scale codes `[n/128, k/128]`, and optionally
+/// the same scales as f32 in the block-scaled GEMM's layout `[ceil(n/128), L4]` ([`prefill::weight_scales_f32`];
+/// the engine builds them at load), which the tensor-core route needs (without them the GEMV runs).
 pub struct Fp8Weight<'a> {
     pub codes: &'a dyn DeviceBuf<u8>,
     pub scales: &'a dyn DeviceBuf<u8>,
     pub n: usize,
     pub k: usize,
+    pub scales_f32: Option<&'a dyn DeviceBuf<f32>>,
 }
 
 /// FP8 1x128 activation rows on the device (norm_quant's `OutFormat::Fp8`): e4m3 codes `[rows, k]`, ue8m0 scale
@@ -394,7 +475,15 @@ fn check_fp8_weight(w: &Fp8Weight, what: &str) -> Result<()> {
         w.scales,
         w.n.div_ceil(128) * w.k.div_ceil(128),
         &format!("{what} scales"),
-    )
+    )?;
+    if let Some(s) = w.scales_f32 {
+        check_len(
+            s,
+            w.n.div_ceil(128) * w.k.div_ceil(128).div_ceil(4) * 4,
+            &format!("{what} f32 scales [n/128, L4]"),
+        )?;
+    }
+    Ok(())
 }
 
 fn check_fp8_rows(x: &Fp8Rows, k: usize) -> Result<()> {
@@ -536,10 +625,126 @@ pub fn fp8_linears(
         p.n[j] = job.w.n as i32;
         p.ldy[j] = job.w.n as i32;
     }
+    let scales_f32 = jobs.iter().all(|j| j.w.scales_f32.is_some());
+    if ws.path(&shape, scales_f32) == DensePath::TensorCores {
+        return fp8_linears_tensor_cores(gpu, stream, x, jobs, ws);
+    }
     p.x = x.codes.device_addr();
     p.x_scale = x.scales.device_addr();
     p.ldx = k as i32;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
+}
+
+/// A non-owning typed view of a launcher's `&dyn` buffer (valid while the call runs).
+fn view<T>(b: &dyn DeviceBuf<T>) -> DevBuf<T> {
+    // SAFETY: the caller's buffer, used only during this call.
+    unsafe { DevBuf::from_raw(b.device_addr(), b.elems()) }
+}
+
+/// [`fp8_linears`] on the tensor-core route (checked by the caller): cuBLASLt's block-scaled FP8 GEMM, one per job,
+/// on the activation scales converted once ([`prefill::fp8_linears_prefill`]); its scratch is laid out in `ws.tc`.
+fn fp8_linears_tensor_cores(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &Fp8Rows,
+    jobs: &[Fp8Job],
+    ws: &DenseWorkspace,
+) -> Result<()> {
+    let n_max = jobs.iter().map(|j| j.w.n).max().unwrap_or(0);
+    let pws = Fp8LinearWorkspace::within(&ws.tc, x.rows, n_max, x.k, ROUTE_CUBLAS_BYTES).map_err(
+        |e| {
+            e.context(
+                "dense: the workspace's tensor-core region does not fit this call (carve it for this shape under \
+                 the same route)",
+            )
+        },
+    )?;
+    let pjobs = jobs
+        .iter()
+        .map(|j| {
+            let scales = j.w.scales_f32.ok_or_else(|| {
+                anyhow::anyhow!("dense: the tensor-core route needs f32 weight scales")
+            })?;
+            Ok(Fp8PrefillJob {
+                w: Fp8WeightView {
+                    n: j.w.n,
+                    k: j.w.k,
+                    codes: view(j.w.codes),
+                    scales: view(scales),
+                },
+                y: view(j.y),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Checked here too (the block-scaled GEMM's own rules: n a multiple of 16, k of 128), before any launch.
+    for j in &pjobs {
+        BlockScaledShape {
+            m: prefill::rows_in_place(x.rows).max(4),
+            n: j.w.n,
+            k: j.w.k,
+        }
+        .check()?;
+    }
+    prefill::fp8_linears_prefill(
+        gpu,
+        stream,
+        gpu.blas()?,
+        x.rows,
+        &view(x.codes),
+        &view(x.scales),
+        &pjobs,
+        &pws,
+    )
+}
+
+/// [`bf16_linear`] on the tensor-core route (checked by the caller): one cuBLASLt BF16 GEMM with an f32 output per
+/// job, in order, on the workspace's cuBLASLt region. Every plan and its workspace need is checked before the first
+/// GEMM.
+fn bf16_linear_tensor_cores(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &dyn DeviceBuf<bf16>,
+    rows: usize,
+    k: usize,
+    jobs: &[Bf16Job],
+    ws: &DenseWorkspace,
+) -> Result<()> {
+    let blas = gpu.blas()?;
+    ensure!(
+        ws.tc.len() >= ROUTE_CUBLAS_BYTES,
+        "dense: the workspace's tensor-core region holds {} bytes, the BF16 route needs {ROUTE_CUBLAS_BYTES} (carve \
+         it for this shape under the same route)",
+        ws.tc.len()
+    );
+    let cublas = ws.tc.sub(0, ROUTE_CUBLAS_BYTES);
+    for job in jobs {
+        let need = blas.bf16_f32_workspace_bytes(Bf16GemmShape {
+            m: rows,
+            n: job.n,
+            k,
+        })?;
+        ensure!(
+            need <= cublas.len(),
+            "dense: cuBLASLt asks {need} bytes of workspace for m={rows} n={} k={k}, the route carved {}",
+            job.n,
+            cublas.len()
+        );
+    }
+    for job in jobs {
+        blas.bf16_gemm_f32(
+            stream,
+            Bf16GemmShape {
+                m: rows,
+                n: job.n,
+                k,
+            },
+            x,
+            job.w,
+            &cublas,
+            job.y,
+        )?;
+    }
+    Ok(())
 }
 
 /// The grouped wo_a: `z[m, g*R + r] = bf16(sum_k wo_a[g*R + r, k] * o[m, g*K + k])` for g < `groups`, with
@@ -733,6 +938,10 @@ pub fn bf16_linear(
         p.y[j] = job.y.device_addr();
         p.n[j] = job.n as i32;
         p.ldy[j] = job.n as i32;
+    }
+    let rows_aligned = jobs.iter().all(|j| j.n.is_multiple_of(4));
+    if ws.path(&shape, rows_aligned) == DensePath::TensorCores {
+        return bf16_linear_tensor_cores(gpu, stream, x, rows, k, jobs, ws);
     }
     // One launch whatever the heights: the grid covers the tallest job, each job has its own output stride.
     p.x = x.device_addr();

@@ -31,7 +31,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use crate::formats::ue8m0;
-use crate::gpu::arena::{Arena, WorkspaceLayout};
+use crate::gpu::arena::{Arena, WorkspaceLayout, ALIGN};
 use crate::gpu::blas::{Blas, BlockScaledShape, BLOCK_SCALED_ROW_MULTIPLE};
 use crate::gpu::launch::{launch, DevBuf, DeviceBuf, KernelArgs, Launch, Stream};
 use crate::gpu::{drv, Gpu};
@@ -196,6 +196,54 @@ impl Fp8LinearWorkspace {
         w
     }
 
+    /// [`Fp8LinearWorkspace::carve`]'s buffers laid out in `region` (in [`Fp8LinearWorkspace::layout`]'s order and
+    /// rounding: it must hold `layout(max_m, n, k, cublas_bytes).bytes()` bytes from a 256-byte aligned start), for
+    /// a caller that keeps one byte region for the calls of several shapes in stream order (the decode route's
+    /// `DenseWorkspace`). `n` is the tallest weight the calls take.
+    pub fn within(
+        region: &DevBuf<u8>,
+        max_m: usize,
+        n: usize,
+        k: usize,
+        cublas_bytes: usize,
+    ) -> Result<Fp8LinearWorkspace> {
+        check_nk(n, k)?;
+        if max_m == 0 {
+            bail!("Fp8LinearWorkspace: max_m = 0");
+        }
+        let need = Self::layout(max_m, n, k, cublas_bytes).bytes();
+        if region.len() < need || !region.device_addr().is_multiple_of(ALIGN as u64) {
+            bail!(
+                "Fp8LinearWorkspace for m <= {max_m}, [{n}, {k}]: a region of {} bytes at {:#x}, needs {need} bytes \
+                 {ALIGN}-byte aligned",
+                region.len(),
+                region.device_addr()
+            );
+        }
+        let (l, r) = (k / 128, BLOCK_SCALED_ROW_MULTIPLE);
+        let mut at = 0usize;
+        let mut take = |bytes: usize| {
+            let addr = region.device_addr() + at as u64;
+            at += bytes.div_ceil(ALIGN) * ALIGN;
+            addr
+        };
+        let act_len = l * rows_in_place(max_m).max(r);
+        // SAFETY: each view lies inside `region` (the layout's byte count was checked above), which the caller keeps
+        // allocated while the workspace is used.
+        unsafe {
+            Ok(Fp8LinearWorkspace {
+                max_m,
+                n,
+                k,
+                act_scales: DevBuf::from_raw(take(4 * act_len), act_len),
+                tail_scales: DevBuf::from_raw(take(4 * l * r), l * r),
+                tail_x: DevBuf::from_raw(take(r * k), r * k),
+                tail_y: DevBuf::from_raw(take(2 * r * n), r * n),
+                cublas: DevBuf::from_raw(take(cublas_bytes), cublas_bytes),
+            })
+        }
+    }
+
     /// Scratch for up to `max_m` tokens of an `[n, k]` weight with `cublas_bytes` of cuBLASLt workspace
     /// ([`Fp8LinearWorkspace::cublas_bytes_for`]).
     pub fn carve(
@@ -239,8 +287,46 @@ pub fn fp8_linear_prefill(
     ws: &Fp8LinearWorkspace,
     y: &impl DeviceBuf<bf16>,
 ) -> Result<()> {
-    let (n, k) = (w.n, w.k);
-    check_nk(n, k)?;
+    // SAFETY: a view of the caller's buffer, used during this call only.
+    let y = unsafe { DevBuf::<bf16>::from_raw(y.device_addr(), y.elems()) };
+    fp8_linears_prefill(
+        gpu,
+        stream,
+        blas,
+        m,
+        x,
+        x_scales,
+        &[Fp8PrefillJob { w: *w, y }],
+        ws,
+    )
+}
+
+/// One weight of [`fp8_linears_prefill`] and its BF16 output `[m, w.n]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8PrefillJob {
+    pub w: Fp8WeightView,
+    pub y: DevBuf<bf16>,
+}
+
+/// [`fp8_linear_prefill`] of several weights of the same `k` that read the same activation rows (the decode
+/// route's `fp8_linears`): the activation scales are converted (and a tail staged) once, then one GEMM per job in
+/// order. The workspace must be for `k` and at least the tallest job's `n`. Every check comes before the first
+/// launch.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_linears_prefill(
+    gpu: &Gpu,
+    stream: &Stream,
+    blas: &Blas,
+    m: usize,
+    x: &impl DeviceBuf<u8>,
+    x_scales: &impl DeviceBuf<u8>,
+    jobs: &[Fp8PrefillJob],
+    ws: &Fp8LinearWorkspace,
+) -> Result<()> {
+    if jobs.is_empty() {
+        bail!("fp8_linear_prefill: no weight");
+    }
+    let k = jobs[0].w.k;
     let l = k / 128;
     let r = BLOCK_SCALED_ROW_MULTIPLE;
     if m == 0 || m > ws.max_m {
@@ -249,47 +335,69 @@ pub fn fp8_linear_prefill(
             ws.max_m
         );
     }
-    if (ws.n, ws.k) != (n, k) {
-        bail!(
-            "fp8_linear_prefill: the workspace is for [{}, {}], the weight is [{n}, {k}]",
-            ws.n,
-            ws.k
-        );
-    }
-    let shape_w = BlockScaledShape { m: r, n, k };
+    let main = rows_in_place(m);
+    let tail = m - main;
     for (what, have, need) in [
         ("x", x.elems(), m * k),
         ("x scales", x_scales.elems(), m * l),
-        ("y", y.elems(), m * n),
-        ("W codes", w.codes.elems(), n * k),
-        ("W scales", w.scales.elems(), shape_w.weight_scales_len()),
     ] {
         if have < need {
+            bail!("fp8_linear_prefill m={m} k={k}: {what} holds {have} elements, needs {need}");
+        }
+    }
+    if !x.device_addr().is_multiple_of(16) {
+        bail!(
+            "fp8_linear_prefill: x at {:#x} is not 16-byte aligned",
+            x.device_addr()
+        );
+    }
+    for (j, job) in jobs.iter().enumerate() {
+        let (w, y) = (&job.w, &job.y);
+        let n = w.n;
+        check_nk(n, k)?;
+        if w.k != k {
             bail!(
-                "fp8_linear_prefill m={m} n={n} k={k}: {what} holds {have} elements, needs {need}"
+                "fp8_linear_prefill: weight {j} has {} columns, weight 0 {k}",
+                w.k
             );
         }
-    }
-    for (what, addr) in [
-        ("x", x.device_addr()),
-        ("y", y.device_addr()),
-        ("W codes", w.codes.device_addr()),
-        ("W scales", w.scales.device_addr()),
-    ] {
-        if !addr.is_multiple_of(16) {
-            bail!("fp8_linear_prefill: {what} at {addr:#x} is not 16-byte aligned");
+        if n > ws.n || k != ws.k {
+            bail!(
+                "fp8_linear_prefill: the workspace is for [{}, {}], weight {j} is [{n}, {k}]",
+                ws.n,
+                ws.k
+            );
         }
-    }
-    let main = rows_in_place(m);
-    let tail = m - main;
-    // The plans (and so the cuBLASLt version and configuration) and their workspace needs, before any launch.
-    let need = Fp8LinearWorkspace::cublas_bytes_for(blas, n, k, &[m])?;
-    if ws.cublas.elems() < need {
-        bail!(
-            "fp8_linear_prefill m={m} n={n} k={k}: the cuBLASLt workspace holds {} bytes, needs {need} \
-             (Fp8LinearWorkspace::cublas_bytes_for)",
-            ws.cublas.elems()
-        );
+        let shape_w = BlockScaledShape { m: r, n, k };
+        for (what, have, need) in [
+            ("y", y.elems(), m * n),
+            ("W codes", w.codes.elems(), n * k),
+            ("W scales", w.scales.elems(), shape_w.weight_scales_len()),
+        ] {
+            if have < need {
+                bail!(
+                    "fp8_linear_prefill m={m} n={n} k={k}: {what} of job {j} holds {have} elements, needs {need}"
+                );
+            }
+        }
+        for (what, addr) in [
+            ("y", y.device_addr()),
+            ("W codes", w.codes.device_addr()),
+            ("W scales", w.scales.device_addr()),
+        ] {
+            if !addr.is_multiple_of(16) {
+                bail!("fp8_linear_prefill: {what} of job {j} at {addr:#x} is not 16-byte aligned");
+            }
+        }
+        // The plans (and so the cuBLASLt version and configuration) and their workspace needs, before any launch.
+        let need = Fp8LinearWorkspace::cublas_bytes_for(blas, n, k, &[m])?;
+        if ws.cublas.elems() < need {
+            bail!(
+                "fp8_linear_prefill m={m} n={n} k={k}: the cuBLASLt workspace holds {} bytes, needs {need} \
+                 (Fp8LinearWorkspace::cublas_bytes_for)",
+                ws.cublas.elems()
+            );
+        }
     }
     let convert = gpu.kernel(FAMILY, "dense_prefill_act_scales_f32")?;
     let convert_scales = |codes_addr: u64, rows: usize, rows_pad: usize, out: &DevBuf<f32>| {
@@ -315,16 +423,22 @@ pub fn fp8_linear_prefill(
     if main > 0 {
         let act = ws.act_scales.sub(0, l * main);
         convert_scales(x_scales.device_addr(), main, main, &act)?;
-        blas.fp8_block_scaled_gemm(
-            stream,
-            BlockScaledShape { m: main, n, k },
-            x,
-            &act,
-            &w.codes,
-            &w.scales,
-            &ws.cublas,
-            y,
-        )?;
+        for job in jobs {
+            blas.fp8_block_scaled_gemm(
+                stream,
+                BlockScaledShape {
+                    m: main,
+                    n: job.w.n,
+                    k,
+                },
+                x,
+                &act,
+                &job.w.codes,
+                &job.w.scales,
+                &ws.cublas,
+                &job.y,
+            )?;
+        }
     }
     if tail > 0 {
         let cs = stream.cu_stream();
@@ -357,27 +471,31 @@ pub fn fp8_linear_prefill(
             r,
             &ws.tail_scales,
         )?;
-        blas.fp8_block_scaled_gemm(
-            stream,
-            BlockScaledShape { m: r, n, k },
-            &ws.tail_x,
-            &ws.tail_scales,
-            &w.codes,
-            &w.scales,
-            &ws.cublas,
-            &ws.tail_y,
-        )?;
-        // SAFETY: the first `tail` rows of the staged result into rows main..m of y (in bounds, checked above).
-        unsafe {
-            drv(
-                cudarc::driver::result::memcpy_dtod_async(
-                    y.device_addr() + (main * n * 2) as u64,
-                    ws.tail_y.device_addr(),
-                    tail * n * 2,
-                    cs,
-                ),
-                "copy of the tail output rows",
+        for job in jobs {
+            let n = job.w.n;
+            let tail_y = ws.tail_y.sub(0, r * n);
+            blas.fp8_block_scaled_gemm(
+                stream,
+                BlockScaledShape { m: r, n, k },
+                &ws.tail_x,
+                &ws.tail_scales,
+                &job.w.codes,
+                &job.w.scales,
+                &ws.cublas,
+                &tail_y,
             )?;
+            // SAFETY: the first `tail` rows of the staged result into rows main..m of y (in bounds, checked above).
+            unsafe {
+                drv(
+                    cudarc::driver::result::memcpy_dtod_async(
+                        job.y.device_addr() + (main * n * 2) as u64,
+                        tail_y.device_addr(),
+                        tail * n * 2,
+                        cs,
+                    ),
+                    "copy of the tail output rows",
+                )?;
+            }
         }
     }
     Ok(())
