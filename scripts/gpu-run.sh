@@ -6,7 +6,9 @@
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|<several, comma-separated>] [extra args for `megamoe bench`]
 #   decode: `megamoe decode` of the small model (report + --parity), Flash's context and batch sweeps, Flash at
-#           4K batch 1 with --pdl on and with --overlap-shared on (the two A/Bs), Flash's TTFT on a 4K-token prompt, then REPORT.md
+#           4K batch 1 with --pdl on and with --overlap-shared on (the two A/Bs), Flash 4K batch 64 with
+#           --dense-route auto (the dense route's A/B), Flash's TTFT on a 4K-token prompt (GEMV, then --dense-route
+#           auto), then REPORT.md
 #           (DECODE_FLASH=0 skips the Flash runs, DECODE_TTFT=0 the TTFT run; DECODE_CONTEXTS, DECODE_BATCHES,
 #           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT, DECODE_FLASH_PDL_ON_TIMEOUT, DECODE_TTFT_TIMEOUT)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
@@ -171,6 +173,15 @@ if want decode; then
       --context 4096 --batch 1 --overlap-shared on --max-new-tokens 32 --out "$work" \
       > "$work/decode-flash-overlap-on.log" 2>&1 || { echo "decode flash --overlap-shared on failed"; status=1; }
     grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-overlap-on.log" | head -n 8
+    # The dense route's A/B: the batch sweep's last point (4K, batch 64) again with --dense-route auto (the BF16
+    # linears on cuBLASLt's tensor cores from 16 rows and the LM head always, the FP8 linears on the block-scaled
+    # FP8 GEMM from 32 rows; src/ops/dense/route.rs) against the sweep's default GEMV row; decode.csv's dense_route
+    # column tells them apart.
+    step "decode: flash 4K batch 64, dense linears on the tensor cores (--dense-route auto; the A/B of the sweep's batch-64 point)"
+    timeout "${DECODE_FLASH_PDL_ON_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
+      --context 4096 --batch 64 --dense-route auto --max-new-tokens 32 --out "$work" \
+      > "$work/decode-flash-dense-auto.log" 2>&1 || { echo "decode flash --dense-route auto failed"; status=1; }
+    grep -E "^== decode|^tokens/s|^roofline|^TPOT|^dense" "$work/decode-flash-dense-auto.log" | head -n 8
     # TTFT on a real prompt (the issue's 4K-token prompt at batch 1): prefill runs in chunks of 64 prompt tokens
     # through the decode kernels (--prefill-chunk, default 64; decode.csv's prefill_chunk column; 64 chunks, eager
     # launches); --prefill-chunk 1 would be token by token through the prompt step's graph (~4096 steps, ~45 s).
@@ -181,6 +192,13 @@ if want decode; then
         --prompt-len 4096 --max-new-tokens 16 --out "$work" > "$work/decode-flash-ttft.log" 2>&1 \
         || { echo "decode flash TTFT failed"; status=1; }
       grep -E "^== decode|^TTFT|^TPOT" "$work/decode-flash-ttft.log" | head -n 4
+      # The same prompt with the chunks' dense linears on the tensor cores (64-row chunks: every routed linear
+      # takes them; decode.csv's dense_route column).
+      step "decode: flash TTFT, 4K-token prompt, batch 1, --dense-route auto"
+      timeout "${DECODE_TTFT_TIMEOUT:-150}" "$B/megamoe" decode --model flash --context 8192 --batch 1 \
+        --prompt-len 4096 --max-new-tokens 16 --dense-route auto --out "$work" > "$work/decode-flash-ttft-dense-auto.log" 2>&1 \
+        || { echo "decode flash TTFT --dense-route auto failed"; status=1; }
+      grep -E "^== decode|^TTFT|^TPOT|^dense" "$work/decode-flash-ttft-dense-auto.log" | head -n 5
     fi
   fi
   # REPORT.md of this run's directory (its decode section, and any bench rows beside it).

@@ -17,6 +17,7 @@ use crate::gpu::Gpu;
 use crate::model::sampler::SamplerConfig;
 use crate::model::weights::element_bits;
 use crate::model::{CachePolicy, Model, MoeSum, RoutedActivations, Weights};
+use crate::ops::dense::route::DenseRoute;
 use crate::ops::sampler::SamplerParams;
 use crate::progress::Progress;
 
@@ -77,6 +78,15 @@ pub struct DecodeArgs {
     /// replay per token, the whole batch at once). decode.csv records it in its `prefill_chunk` column.
     #[arg(long, default_value_t = crate::engine::prefill::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
+    /// Which engine runs the dense linears (the decode step's and the chunked prefill's): `gemv` (the default: this
+    /// family's CUDA-core GEMV for every linear), `auto` (the measured rule of src/ops/dense/route.rs: the BF16
+    /// linears on cuBLASLt's tensor cores from 16 rows and the LM head at every batch, the FP8 linears on cuBLASLt's
+    /// block-scaled FP8 GEMM from 32 rows) or `tensor-cores` (every linear that has a tensor-core route, at any
+    /// batch). `gemv` stays the default until a GPU run has checked the tensor-core route (tests/dense.rs) and
+    /// measured `auto` (scripts/gpu-run.sh runs that A/B); then `auto` becomes the default. decode.csv records it
+    /// in its `dense_route` column.
+    #[arg(long, default_value = "gemv", value_parser = DenseRoute::parse)]
+    pub dense_route: DenseRoute,
 }
 
 /// How a prefill of chunk `chunk` runs, for the report.
@@ -207,7 +217,13 @@ pub struct DecodePoint {
 
 /// Runs `megamoe decode` on `gpu`: every (batch, context) point on one load of the weights (planned for the
 /// largest); prints each report and appends a row per point to decode.csv. `--parity` runs its one point instead.
+/// The whole run is on this thread under `--dense-route` (`ops::dense::with_route`): every engine's dense
+/// workspaces are carved, and so its linears routed, by it.
 pub fn run(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<DecodePoint>> {
+    crate::ops::dense::with_route(args.dense_route, || run_routed(gpu, args, default_out))
+}
+
+fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<DecodePoint>> {
     let cfg = resolve_model(&args.model)?;
     let free = free_device_bytes(gpu)?;
     // One plan serves every point: the one that leaves the fewest expert slots (the largest caches).
@@ -557,6 +573,11 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
          step below runs without it)",
         on_off_name(args.pdl)
     );
+    println!(
+        "dense       --dense-route {} (gemv: the CUDA-core GEMV for every dense linear; auto: cuBLASLt's tensor \
+         cores where src/ops/dense/route.rs's rule says)",
+        args.dense_route.name()
+    );
     match s.ttft_s {
         Some(t) => println!(
             "TTFT        {t:.3} s ({} prompt tokens, {}; cold: module loads and graph capture included)",
@@ -685,7 +706,7 @@ struct ParityCsvRow {
 }
 
 /// The columns added at the end of decode.csv after its first rows were committed, in order.
-const LATER_COLUMNS: [&str; 3] = ["pdl", "overlap_shared", "prefill_chunk"];
+const LATER_COLUMNS: [&str; 4] = ["pdl", "overlap_shared", "prefill_chunk", "dense_route"];
 
 /// A decode.csv written before some of [`LATER_COLUMNS`] existed gets them, empty in its rows, so the rows appended
 /// now line up with its header.
@@ -763,6 +784,9 @@ struct DecodeCsvRow {
     /// Prompt tokens per prefill chunk (`--prefill-chunk`; 1 = token by token); empty without a prompt
     /// (`--at-context`) and in rows written before the column existed (token by token then).
     prefill_chunk: Option<usize>,
+    /// `gemv` / `auto` / `tensor-cores`: the dense linears' route (`--dense-route`); empty in rows written before the
+    /// column existed (the GEMV then).
+    dense_route: &'static str,
 }
 
 fn append_csv(
@@ -817,6 +841,7 @@ fn append_csv(
         pdl: on_off_name(args.pdl),
         overlap_shared: on_off_name(args.overlap_shared),
         prefill_chunk: s.ttft_s.map(|_| args.prefill_chunk),
+        dense_route: args.dense_route.name(),
     })?;
     w.flush()?;
     eprintln!("appended a row to {}", path.display());
@@ -841,6 +866,7 @@ mod tests {
             pdl: false,
             overlap_shared: false,
             prefill_chunk: 64,
+            dense_route: DenseRoute::Gemv,
         }
     }
 
@@ -859,6 +885,22 @@ mod tests {
         assert!(parse(&["--pdl", "on"]).unwrap().decode.pdl);
         assert!(!parse(&["--pdl", "off"]).unwrap().decode.pdl);
         assert!(parse(&["--pdl", "maybe"]).is_err());
+        assert_eq!(parse(&[]).unwrap().decode.dense_route, DenseRoute::Gemv);
+        assert_eq!(
+            parse(&["--dense-route", "auto"])
+                .unwrap()
+                .decode
+                .dense_route,
+            DenseRoute::Auto
+        );
+        assert_eq!(
+            parse(&["--dense-route", "gemv"])
+                .unwrap()
+                .decode
+                .dense_route,
+            DenseRoute::Gemv
+        );
+        assert!(parse(&["--dense-route", "fast"]).is_err());
     }
 
     /// A decode.csv from before the later columns gets them (empty in the old rows); one with them is left alone.
@@ -869,7 +911,7 @@ mod tests {
         let path = dir.join("decode.csv");
         std::fs::write(&path, "a,b\n1,2\n3,\n").unwrap();
         add_missing_columns(&path).unwrap();
-        let want = "a,b,pdl,overlap_shared,prefill_chunk\n1,2,,,\n3,,,,\n";
+        let want = "a,b,pdl,overlap_shared,prefill_chunk,dense_route\n1,2,,,,\n3,,,,,\n";
         assert_eq!(std::fs::read_to_string(&path).unwrap(), want);
         add_missing_columns(&path).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), want);
@@ -878,7 +920,14 @@ mod tests {
         add_missing_columns(&path).unwrap();
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
-            "a,pdl,overlap_shared,prefill_chunk\n1,on,,\n"
+            "a,pdl,overlap_shared,prefill_chunk,dense_route\n1,on,,,\n"
+        );
+        // One written before the dense route's column gets that one only.
+        std::fs::write(&path, "a,pdl,overlap_shared,prefill_chunk\n1,on,off,64\n").unwrap();
+        add_missing_columns(&path).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "a,pdl,overlap_shared,prefill_chunk,dense_route\n1,on,off,64,\n"
         );
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -226,6 +226,8 @@ fn main_job_decode() -> decode::DecodeArgs {
         pdl: false,
         overlap_shared: false,
         prefill_chunk: crate::engine::prefill::DEFAULT_PREFILL_CHUNK,
+        // The GEMV, `megamoe decode`'s default, until a GPU run has checked and measured the tensor-core route.
+        dense_route: crate::ops::dense::route::DEFAULT_ROUTE,
     }
 }
 
