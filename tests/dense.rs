@@ -2,22 +2,28 @@
 //! of every linear at the DSV4-Flash and -Pro shapes against the CPU model's own functions (`Model::fp8_linear`,
 //! `Model::expert`, `Weights::matvec` / `matvec_rows` as `Model::out_proj` uses them) on fresh seeds with poisoned
 //! outputs, edge shapes, and a graph replay. Tolerance: `ops::dense::reference::tolerance` (its comment derives it:
-//! the GPU and the CPU sum the same exact products in different orders, then round once to BF16).
+//! the GPU and the CPU sum the same exact products in different orders, then round once to BF16). The tensor-core
+//! route (`ops::dense::route`, the `gpu_routed_*` tests): every routed launcher at 16, 32, 33 and 64 rows on the
+//! Flash and small geometries, the route taken asserted, with the tensor-core prefill test's tolerance
+//! ([`assert_tensor_core_close`]).
 
 mod common;
 
 use common::dense::{self as fx, DevFp8};
 use half::bf16;
 use megamoe::formats::fp8::{dequantize_weight_128x128, quantize_weight_128x128};
+use megamoe::gpu::arena;
 use megamoe::model::config::ModelConfig;
 use megamoe::model::numerics::{bf16_round, dot, fp8_act_quant};
 use megamoe::model::reference::Model;
+use megamoe::ops::dense::prefill::{rows_in_place, Fp8LinearWorkspace};
 use megamoe::ops::dense::reference::{
     abs_term_sums, bf16_ulp, fp8_linear_rows, matvec_rows, shared_expert_rows, tolerance, wo_a_rows,
 };
 use megamoe::ops::dense::{
-    bf16_linear, fp8_linear, fp8_linears, plan, shared_expert, with_min_slice, wo_a_grouped,
-    Bf16Job, DenseKind, DenseShape, Fp8Job, MinSliceColumns, SharedExpertScratch, MAX_ROWS,
+    bf16_linear, fp8_linear, fp8_linears, plan, route, shared_expert, with_min_slice, with_route,
+    wo_a_grouped, workspace_layout, Bf16Job, DenseKind, DensePath, DenseRoute, DenseShape,
+    DenseWorkspace, Fp8Job, MinSliceColumns, SharedExpertScratch, MAX_ROWS, ROUTE_CUBLAS_BYTES,
 };
 use rand_chacha::ChaCha8Rng;
 
@@ -732,4 +738,585 @@ fn bench_config_points_are_shapes_the_launchers_take() {
         format!("{err:#}").contains("cublaslt_block_scaled"),
         "{err:#}"
     );
+}
+
+// ---- the tensor-core route (ops::dense::route) --------------------------------------------------------------------
+
+/// The rows of the routed GPU tests: 16 (the BF16 threshold), 32 (the FP8 threshold; a multiple of 4, so no tail),
+/// 33 (32 rows in place plus the block-scaled GEMM's staged 4-row tail), 64 (the most).
+const ROUTED_ROWS: [usize; 4] = [16, 32, 33, 64];
+
+/// The tolerance of the tensor-core prefill test (tests/dense_prefill.rs, `check`), per element:
+/// `|got - want| <= ulp + (2^-10 + 2 K 2^-24) * S`, `S = sum_k |x_k w_k|`, plus a relative L2 error below 1e-2 over
+/// the output. Why: both sides compute the same exact products (e4m3 x e4m3 x powers of two; BF16 x BF16) and differ
+/// only in how they sum them. The CPU's f32 sums over K terms are within K 2^-24 S of the exact sum; cuBLASLt's FP8
+/// tensor cores accumulate each 128-term block with about 14 significant bits (DeepSeek-V3 report, 3.3.2) before
+/// the f32 promotion with the scales, at most 2^-11 S per block's share, and the f32 sums over blocks (and any split
+/// K) add K 2^-24 S: together within (2^-10 + 2 K 2^-24) S. The BF16 GEMM accumulates in f32 and is well inside the
+/// same bound. `ulp`: one BF16 ulp of the value when the output is BF16 (the two sums may round to neighbouring BF16
+/// values), 0 for the f32 outputs. A wrong layout, scale or row gives errors of the order of the values.
+fn assert_tensor_core_close(
+    label: &str,
+    got: &[f32],
+    want: &[f32],
+    abs_terms: &[f64],
+    k: usize,
+    bf16_out: bool,
+) {
+    assert_eq!(got.len(), want.len(), "{label}: lengths differ");
+    common::assert_all_written(label, got);
+    let rel = 2f64.powi(-10) + 2.0 * k as f64 * 2f64.powi(-24);
+    let mut worst = (0.0f64, 0usize);
+    for i in 0..want.len() {
+        let (g, w) = (got[i] as f64, want[i] as f64);
+        let ulp = if bf16_out && w != 0.0 {
+            bf16_ulp(want[i])
+        } else {
+            0.0
+        };
+        let tol = ulp + rel * abs_terms[i];
+        let err = (g - w).abs();
+        assert!(
+            err <= tol,
+            "{label}: element {i}: got {g}, the CPU model gives {w} (|diff| {err:.3e} > bound {tol:.3e}, \
+             sum|x w| {:.3e})",
+            abs_terms[i]
+        );
+        if tol > 0.0 && err / tol > worst.0 {
+            worst = (err / tol, i);
+        }
+    }
+    println!(
+        "{label}: worst error {:.2} of its bound at {}",
+        worst.0, worst.1
+    );
+    let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    common::assert_rel_l2(label, got, &want64, 1e-2);
+}
+
+/// The route a launch of `shape` on `ws` takes is `want`, and the measured rule (`DenseRoute::Auto`) sends the
+/// shape where its table says (ops::dense::route: FP8 from 32 rows, BF16 from 16 rows or with 2^28 elements).
+fn assert_route(label: &str, ws: &DenseWorkspace, shape: &DenseShape, want: DensePath) {
+    assert_eq!(ws.path(shape, true), want, "{label}: the route taken");
+    let auto = match shape.kind {
+        DenseKind::Fp8 => shape.rows >= route::FP8_TC_MIN_ROWS,
+        DenseKind::Bf16 => {
+            shape.rows >= route::BF16_TC_MIN_ROWS
+                || shape.n * shape.k >= route::BF16_TC_ALWAYS_ELEMENTS
+        }
+        _ => false,
+    };
+    let auto = if auto {
+        DensePath::TensorCores
+    } else {
+        DensePath::Gemv
+    };
+    assert_eq!(route::auto_path(shape), auto, "{label}: the rule's table");
+}
+
+/// Evidence that the GEMV did not run a launch of `shape` on the freshly poisoned `ws`: when its plan splits K, its
+/// partials would have been written; they are still the poison.
+fn assert_gemv_untouched(
+    gpu: &megamoe::gpu::Gpu,
+    label: &str,
+    ws: &DenseWorkspace,
+    shape: &DenseShape,
+) {
+    let p = plan(shape, gpu.info.sm_count as usize).unwrap();
+    if p.splits > 1 {
+        let part = arena::download(&gpu.stream, &ws.part.sub(0, p.partial_floats(shape))).unwrap();
+        assert!(
+            part.iter().all(|v| v.to_bits() == u32::MAX),
+            "{label}: the GEMV's split-K partials were written: the launch took the GEMV"
+        );
+    }
+}
+
+/// Evidence that the FP8 tensor-core route ran a launch of `m` rows of K = `k` on the freshly poisoned `ws`: the f32
+/// activation scales it converts (the first region of `ws.tc`, `Fp8LinearWorkspace::within`) are written.
+fn assert_fp8_route_ran(
+    gpu: &megamoe::gpu::Gpu,
+    label: &str,
+    ws: &DenseWorkspace,
+    m: usize,
+    k: usize,
+) {
+    let n = (k / 128) * rows_in_place(m).max(4);
+    let bytes = arena::download(&gpu.stream, &ws.tc.sub(0, 4 * n)).unwrap();
+    let bad = bytes
+        .chunks_exact(4)
+        .filter(|b| !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite())
+        .count();
+    assert_eq!(
+        bad, 0,
+        "{label}: {bad} of {n} f32 activation scales of the tensor-core route are unwritten"
+    );
+}
+
+fn run_fp8_routed(
+    gpu: &megamoe::gpu::Gpu,
+    model: &Model,
+    name: &str,
+    m: usize,
+    rng: &mut ChaCha8Rng,
+) {
+    let label = format!("{} {name} M={m} tensor cores", model.config().name);
+    let w = DevFp8::from_model(gpu, model, name);
+    let x = fx::activations(rng, m, w.cols);
+    let dx = DevFp8::quantized(gpu, &x, m, w.cols);
+    let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+    let (_arena, ws) = fx::workspace_on(gpu, &[s], DenseRoute::TensorCores);
+    assert_route(&label, &ws, &s, DensePath::TensorCores);
+    let y = fx::bf16_out(gpu, m * w.rows);
+    fp8_linear(gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
+    let got = fx::download_bf16(gpu, &y);
+    assert_gemv_untouched(gpu, &label, &ws, &s);
+    assert_fp8_route_ran(gpu, &label, &ws, m, w.cols);
+    let want = fp8_linear_rows(model, name, &x, m).unwrap();
+    let terms = abs_term_sums(&model.weights, name, 0, w.rows, &quantized_rows(&x, m), m).unwrap();
+    assert_tensor_core_close(&label, &got, &want, &terms, w.cols, true);
+}
+
+/// The DSV4-Flash and small geometries, each with its CPU model on fresh synthetic weights.
+fn on_flash_and_small(
+    test: &str,
+    mut body: impl FnMut(&megamoe::gpu::Gpu, &mut ChaCha8Rng, &ModelConfig, &Model),
+) {
+    let (gpu, mut rng) = fx::gpu_test(test);
+    for cfg in [ModelConfig::flash(), ModelConfig::small()] {
+        let m = fx::model(cfg.clone(), &mut rng);
+        body(&gpu, &mut rng, &cfg, &m);
+    }
+}
+
+/// `fp8_linear` on the tensor-core route (forced, so that 16 rows run it too) for every FP8 linear the route takes
+/// (wq_a, wq_b, wkv, wo_b, the indexer's wq_b, the shared expert's w2) at 16, 32, 33 and 64 rows, against
+/// `Model::fp8_linear`, outputs and workspace poisoned first; the route taken is asserted (and evidenced: the GEMV's
+/// partials untouched, the route's activation scales written).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_routed_fp8_linear_matches_the_model_on_the_tensor_cores() {
+    on_flash_and_small(
+        "gpu_routed_fp8_linear_matches_the_model_on_the_tensor_cores",
+        |gpu, rng, _cfg, model| {
+            for name in fp8_names() {
+                if name.contains("shared_experts.w1") {
+                    // w1 runs in the SwiGLU half, which stays on the GEMV.
+                    continue;
+                }
+                for m in ROUTED_ROWS {
+                    run_fp8_routed(gpu, model, &name, m, rng);
+                }
+            }
+        },
+    );
+}
+
+/// `fp8_linears` of two weights of different heights on one x (wq_a + wkv, wq_b + the indexer's wq_b) on the
+/// tensor-core route: one GEMM per job on the scales converted once, each job within the tolerance, every output
+/// poisoned first (a job written at another's height fails).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_routed_fp8_linears_of_different_heights_match_the_model() {
+    on_flash_and_small(
+        "gpu_routed_fp8_linears_of_different_heights_match_the_model",
+        |gpu, rng, cfg, model| {
+            let a = format!("layers.{LAYER}.attn");
+            for names in [
+                [format!("{a}.wq_a.weight"), format!("{a}.wkv.weight")],
+                [
+                    format!("{a}.wq_b.weight"),
+                    format!("{a}.indexer.wq_b.weight"),
+                ],
+            ] {
+                let ws_: Vec<DevFp8> = names
+                    .iter()
+                    .map(|n| DevFp8::from_model(gpu, model, n))
+                    .collect();
+                let k = ws_[0].cols;
+                let n_max = ws_.iter().map(|w| w.rows).max().unwrap();
+                for m in ROUTED_ROWS {
+                    let label = format!("{} {} M={m} tensor cores", cfg.name, names.join(" + "));
+                    let x = fx::activations(rng, m, k);
+                    let dx = DevFp8::quantized(gpu, &x, m, k);
+                    let ys: Vec<_> = ws_.iter().map(|w| fx::bf16_out(gpu, m * w.rows)).collect();
+                    let weights: Vec<_> = ws_.iter().map(|w| w.weight()).collect();
+                    let jobs: Vec<Fp8Job> = weights
+                        .iter()
+                        .zip(&ys)
+                        .map(|(w, y)| Fp8Job { w, y })
+                        .collect();
+                    let s = shape(DenseKind::Fp8, m, n_max, k, jobs.len());
+                    let (_arena, dws) = fx::workspace_on(gpu, &[s], DenseRoute::TensorCores);
+                    assert_route(&label, &dws, &s, DensePath::TensorCores);
+                    fp8_linears(gpu, &gpu.stream, &dx.act(), &jobs, &dws).unwrap();
+                    gpu.synchronize().unwrap();
+                    assert_gemv_untouched(gpu, &label, &dws, &s);
+                    assert_fp8_route_ran(gpu, &label, &dws, m, k);
+                    for ((name, w), y) in names.iter().zip(&ws_).zip(&ys) {
+                        let got = fx::download_bf16(gpu, y);
+                        let want = fp8_linear_rows(model, name, &x, m).unwrap();
+                        let terms = abs_term_sums(
+                            &model.weights,
+                            name,
+                            0,
+                            w.rows,
+                            &quantized_rows(&x, m),
+                            m,
+                        )
+                        .unwrap();
+                        assert_tensor_core_close(
+                            &format!("{label}: {name}"),
+                            &got,
+                            &want,
+                            &terms,
+                            k,
+                            true,
+                        );
+                    }
+                }
+            }
+        },
+    );
+}
+
+/// Under the measured rule (`DenseRoute::Auto`) an FP8 launch below 32 rows stays on the GEMV and one of 32 or more
+/// takes the tensor cores; a weight without f32 scales stays on the GEMV whatever the route (and its result is the
+/// GEMV's, within the GEMV's own tolerance).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_auto_route_follows_the_rule_and_needs_f32_scales() {
+    let (gpu, mut rng) = fx::gpu_test("gpu_auto_route_follows_the_rule_and_needs_f32_scales");
+    let model = fx::model(ModelConfig::small(), &mut rng);
+    let name = format!("layers.{LAYER}.attn.wq_a.weight");
+    let w = DevFp8::from_model(&gpu, &model, &name);
+    for m in ROUTED_ROWS {
+        let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+        let want = if m >= route::FP8_TC_MIN_ROWS {
+            DensePath::TensorCores
+        } else {
+            DensePath::Gemv
+        };
+        let (_arena, ws) = fx::workspace_on(&gpu, &[s], DenseRoute::Auto);
+        assert_route(&format!("auto M={m}"), &ws, &s, want);
+        assert_eq!(
+            ws.path(&s, false),
+            DensePath::Gemv,
+            "no f32 scales: the GEMV"
+        );
+        assert_eq!(
+            ws.tc.is_empty(),
+            want == DensePath::Gemv,
+            "the route's scratch"
+        );
+        // Without f32 scales the launch is the GEMV's, on the same workspace.
+        let bare = DevFp8::from_parts(
+            &gpu,
+            &gpu.download(&w.codes).unwrap(),
+            &gpu.download(&w.scales).unwrap(),
+            w.rows,
+            w.cols,
+        );
+        let x = fx::activations(&mut rng, m, w.cols);
+        let dx = DevFp8::quantized(&gpu, &x, m, w.cols);
+        let y = fx::bf16_out(&gpu, m * w.rows);
+        fp8_linear(&gpu, &gpu.stream, &dx.act(), &bare.weight(), &ws, &y).unwrap();
+        let got = fx::download_bf16(&gpu, &y);
+        let want = fp8_linear_rows(&model, &name, &x, m).unwrap();
+        let terms =
+            abs_term_sums(&model.weights, &name, 0, w.rows, &quantized_rows(&x, m), m).unwrap();
+        fx::assert_close(
+            &format!("auto M={m}, no f32 scales (GEMV)"),
+            &got,
+            &want,
+            &terms,
+            w.cols,
+            true,
+        );
+    }
+}
+
+/// `bf16_linear` on the tensor-core route (forced at 16..64 rows; the LM head, which the rule sends there at every M,
+/// also at 1 row): the compressors' wkv + wgate (two jobs), the indexer compressor's, weights_proj, three jobs of
+/// different heights, and the LM head (at 1 and 16 rows: its CPU oracle is 0.5 G multiply-adds a row), each job one
+/// cuBLASLt GEMM with an f32 output, against `Weights::matvec`.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_routed_bf16_linear_matches_matvec_on_the_tensor_cores() {
+    on_flash_and_small(
+        "gpu_routed_bf16_linear_matches_matvec_on_the_tensor_cores",
+        |gpu, rng, cfg, model| {
+            let a = format!("layers.{LAYER}.attn");
+            let sets: Vec<(Vec<String>, Vec<usize>)> = vec![
+                (
+                    vec![
+                        format!("{a}.compressor.wkv.weight"),
+                        format!("{a}.compressor.wgate.weight"),
+                    ],
+                    ROUTED_ROWS.to_vec(),
+                ),
+                (
+                    vec![
+                        format!("{a}.indexer.compressor.wkv.weight"),
+                        format!("{a}.indexer.compressor.wgate.weight"),
+                    ],
+                    ROUTED_ROWS.to_vec(),
+                ),
+                (
+                    vec![format!("{a}.indexer.weights_proj.weight")],
+                    ROUTED_ROWS.to_vec(),
+                ),
+                (
+                    vec![
+                        format!("{a}.compressor.wkv.weight"),
+                        format!("{a}.indexer.compressor.wkv.weight"),
+                        format!("{a}.indexer.weights_proj.weight"),
+                    ],
+                    ROUTED_ROWS.to_vec(),
+                ),
+                (vec!["head.weight".to_string()], vec![1, 16]),
+            ];
+            let d = cfg.dim;
+            for (names, ms) in sets {
+                let ns: Vec<usize> = names
+                    .iter()
+                    .map(|nm| model.weights.spec(nm).unwrap().shape[0])
+                    .collect();
+                let n_max = *ns.iter().max().unwrap();
+                let dws: Vec<_> = names
+                    .iter()
+                    .map(|nm| {
+                        let raw = model.weights.raw(nm).unwrap();
+                        let v: Vec<bf16> = raw
+                            .chunks_exact(2)
+                            .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                            .collect();
+                        gpu.upload(&v).unwrap()
+                    })
+                    .collect();
+                for m in ms {
+                    let label = format!("{} {} M={m} tensor cores", cfg.name, names.join(" + "));
+                    let x = fx::activations(rng, m, d);
+                    let dx = gpu.upload(&fx::to_bf16(&x)).unwrap();
+                    let ys: Vec<_> = ns
+                        .iter()
+                        .map(|&n| gpu.poisoned::<f32>(m * n, common::POISON).unwrap())
+                        .collect();
+                    let jobs: Vec<Bf16Job> = dws
+                        .iter()
+                        .zip(&ys)
+                        .zip(&ns)
+                        .map(|((w, y), &n)| Bf16Job { w, n, y })
+                        .collect();
+                    let s = shape(DenseKind::Bf16, m, n_max, d, names.len());
+                    let (_arena, ws) = fx::workspace_on(gpu, &[s], DenseRoute::TensorCores);
+                    assert_route(&label, &ws, &s, DensePath::TensorCores);
+                    bf16_linear(gpu, &gpu.stream, &dx, m, d, &jobs, &ws).unwrap();
+                    gpu.synchronize().unwrap();
+                    assert_gemv_untouched(gpu, &label, &ws, &s);
+                    for ((nm, y), &n) in names.iter().zip(&ys).zip(&ns) {
+                        let got = gpu.download(y).unwrap();
+                        let want = matvec_rows(&model.weights, nm, &x, m).unwrap();
+                        let terms = abs_term_sums(&model.weights, nm, 0, n, &x, m).unwrap();
+                        assert_tensor_core_close(
+                            &format!("{label}: {nm}"),
+                            &got,
+                            &want,
+                            &terms,
+                            d,
+                            false,
+                        );
+                    }
+                }
+            }
+        },
+    );
+}
+
+/// The shared expert with its w2 on the tensor-core route (the SwiGLU half stays on the GEMV) at 16, 32, 33 and 64
+/// rows, against `Model::expert`, with the GEMV test's tolerance (relative L2 3e-2: its comment derives it from h's
+/// FP8 codes moving by one step near rounding boundaries; the tensor cores' block sums move g, u and y by less).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_routed_shared_expert_matches_the_model() {
+    on_flash_and_small(
+        "gpu_routed_shared_expert_matches_the_model",
+        |gpu, rng, cfg, model| {
+            let p = format!("layers.{LAYER}.ffn.shared_experts");
+            let w1 = DevFp8::from_model(gpu, model, &format!("{p}.w1.weight"));
+            let w3 = DevFp8::from_model(gpu, model, &format!("{p}.w3.weight"));
+            let w2 = DevFp8::from_model(gpu, model, &format!("{p}.w2.weight"));
+            let (d, inter) = (cfg.dim, cfg.moe_inter_dim);
+            for m in ROUTED_ROWS {
+                let label = format!("{} shared expert M={m}, w2 on the tensor cores", cfg.name);
+                let x: Vec<f32> = fx::activations(rng, m, d)
+                    .iter()
+                    .map(|v| bf16::from_f32(v * 4.0).to_f32())
+                    .collect();
+                let dx = DevFp8::quantized(gpu, &x, m, d);
+                let shapes = [
+                    shape(DenseKind::Swiglu, m, inter, d, 1),
+                    shape(DenseKind::Fp8, m, d, inter, 1),
+                ];
+                let (_arena, ws) = fx::workspace_on(gpu, &shapes, DenseRoute::TensorCores);
+                assert_route(&label, &ws, &shapes[0], DensePath::Gemv);
+                assert_route(&label, &ws, &shapes[1], DensePath::TensorCores);
+                let hc = gpu.poisoned::<u8>(m * inter, common::POISON).unwrap();
+                let hs = gpu.poisoned::<u8>(m * inter / 128, common::POISON).unwrap();
+                let y = fx::bf16_out(gpu, m * d);
+                let scratch = SharedExpertScratch {
+                    h_codes: &hc,
+                    h_scales: &hs,
+                };
+                shared_expert(
+                    gpu,
+                    &gpu.stream,
+                    &dx.act(),
+                    &w1.weight(),
+                    &w3.weight(),
+                    &w2.weight(),
+                    cfg.swiglu_limit,
+                    &ws,
+                    &scratch,
+                    &y,
+                )
+                .unwrap();
+                let got = fx::download_bf16(gpu, &y);
+                assert_fp8_route_ran(gpu, &label, &ws, m, inter);
+                let want = shared_expert_rows(model, &p, &x, m).unwrap();
+                let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+                common::assert_rel_l2(&label, &got, &want64, 3e-2);
+            }
+        },
+    );
+}
+
+/// The tensor-core route inside a CUDA graph: wq_a at 33 rows (in place + staged tail: the scale converter, two
+/// GEMMs, the tail copies) and weights_proj at 33 rows (a BF16 GEMM) captured once after one eager call (which
+/// creates the cuBLASLt plans and loads the converter's module outside the capture), replayed with new activations
+/// and poisoned outputs, each replay checked against the model, and a plain call bit-identical to the last replay.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_routed_linears_replay_as_a_graph_with_new_activations() {
+    let (gpu, mut rng) = fx::gpu_test("gpu_routed_linears_replay_as_a_graph_with_new_activations");
+    let cfg = ModelConfig::flash();
+    let model = fx::model(cfg.clone(), &mut rng);
+    let fname = format!("layers.{LAYER}.attn.wq_a.weight");
+    let bname = format!("layers.{LAYER}.attn.indexer.weights_proj.weight");
+    let w = DevFp8::from_model(&gpu, &model, &fname);
+    let bn = model.weights.spec(&bname).unwrap().shape[0];
+    let raw = model.weights.raw(&bname).unwrap();
+    let bw: Vec<bf16> = raw
+        .chunks_exact(2)
+        .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    let dbw = gpu.upload(&bw).unwrap();
+    let (m, d) = (33, cfg.dim);
+    let shapes = [
+        shape(DenseKind::Fp8, m, w.rows, w.cols, 1),
+        shape(DenseKind::Bf16, m, bn, d, 1),
+    ];
+    let (_arena, ws) = fx::workspace_on(&gpu, &shapes, DenseRoute::Auto);
+    assert_route("graph fp8", &ws, &shapes[0], DensePath::TensorCores);
+    assert_route("graph bf16", &ws, &shapes[1], DensePath::TensorCores);
+    let mut x = fx::activations(&mut rng, m, w.cols);
+    let mut dx = DevFp8::quantized(&gpu, &x, m, w.cols);
+    let mut xb = fx::activations(&mut rng, m, d);
+    let mut dxb = gpu.upload(&fx::to_bf16(&xb)).unwrap();
+    let mut y = fx::bf16_out(&gpu, m * w.rows);
+    let mut yb = gpu.poisoned::<f32>(m * bn, common::POISON).unwrap();
+    let work = |dx: &DevFp8,
+                dxb: &cudarc::driver::CudaSlice<bf16>,
+                y: &cudarc::driver::CudaSlice<bf16>,
+                yb: &cudarc::driver::CudaSlice<f32>| {
+        fp8_linear(&gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, y)?;
+        bf16_linear(
+            &gpu,
+            &gpu.stream,
+            dxb,
+            m,
+            d,
+            &[Bf16Job {
+                w: &dbw,
+                n: bn,
+                y: yb,
+            }],
+            &ws,
+        )
+    };
+    work(&dx, &dxb, &y, &yb).unwrap();
+    gpu.synchronize().unwrap();
+    let graph = gpu.capture(|| work(&dx, &dxb, &y, &yb)).unwrap();
+    let (mut last, mut last_b) = (Vec::new(), Vec::new());
+    for replay in 0..3 {
+        x = fx::activations(&mut rng, m, w.cols);
+        dx.write(&gpu, &x);
+        xb = fx::activations(&mut rng, m, d);
+        gpu.write(&gpu.stream, &mut dxb, &fx::to_bf16(&xb)).unwrap();
+        gpu.fill_bytes(&mut y, common::POISON).unwrap();
+        gpu.fill_bytes(&mut yb, common::POISON).unwrap();
+        graph.launch().unwrap();
+        last = fx::download_bf16(&gpu, &y);
+        last_b = gpu.download(&yb).unwrap();
+        let want = fp8_linear_rows(&model, &fname, &x, m).unwrap();
+        let terms =
+            abs_term_sums(&model.weights, &fname, 0, w.rows, &quantized_rows(&x, m), m).unwrap();
+        assert_tensor_core_close(
+            &format!("replay {replay}: wq_a"),
+            &last,
+            &want,
+            &terms,
+            w.cols,
+            true,
+        );
+        let want_b = matvec_rows(&model.weights, &bname, &xb, m).unwrap();
+        let terms_b = abs_term_sums(&model.weights, &bname, 0, bn, &xb, m).unwrap();
+        assert_tensor_core_close(
+            &format!("replay {replay}: weights_proj"),
+            &last_b,
+            &want_b,
+            &terms_b,
+            d,
+            false,
+        );
+    }
+    gpu.fill_bytes(&mut y, common::POISON).unwrap();
+    gpu.fill_bytes(&mut yb, common::POISON).unwrap();
+    work(&dx, &dxb, &y, &yb).unwrap();
+    let again = fx::download_bf16(&gpu, &y);
+    let again_b = gpu.download(&yb).unwrap();
+    common::assert_bit_identical("graph vs plain call", "wq_a y", &last, &again);
+    common::assert_bit_identical("graph vs plain call", "weights_proj y", &last_b, &again_b);
+}
+
+/// The workspace layout follows the route in force: the GEMV's (the default) has no tensor-core region, so the
+/// engine's arenas are unchanged by default; the measured rule adds one only where a shape takes the tensor cores
+/// (cuBLASLt's workspace cap, plus the FP8 route's scales and tail staging).
+#[test]
+fn workspace_layouts_carry_the_tensor_core_region_only_on_that_route() {
+    let sms = 132;
+    let gemv_only = [shape(DenseKind::Fp8, 8, 1024, 4096, 2)];
+    let fp8_64 = [shape(DenseKind::Fp8, 64, 1024, 4096, 2)];
+    let head = [shape(DenseKind::Bf16, 1, 129280, 4096, 1)];
+    let bytes =
+        |route, s: &[DenseShape]| with_route(route, || workspace_layout(s, sms).unwrap().bytes());
+    for s in [&gemv_only[..], &fp8_64[..], &head[..]] {
+        assert_eq!(
+            bytes(DenseRoute::Gemv, s),
+            workspace_layout(s, sms).unwrap().bytes()
+        );
+    }
+    assert_eq!(
+        bytes(DenseRoute::Auto, &gemv_only),
+        bytes(DenseRoute::Gemv, &gemv_only)
+    );
+    let fp8_extra = bytes(DenseRoute::Auto, &fp8_64) - bytes(DenseRoute::Gemv, &fp8_64);
+    assert_eq!(
+        fp8_extra,
+        Fp8LinearWorkspace::layout(64, 1024, 4096, ROUTE_CUBLAS_BYTES).bytes()
+    );
+    let head_extra = bytes(DenseRoute::Auto, &head) - bytes(DenseRoute::Gemv, &head);
+    assert_eq!(head_extra, ROUTE_CUBLAS_BYTES);
+    // Forced, the 8-row FP8 launch takes the tensor cores too.
+    assert!(bytes(DenseRoute::TensorCores, &gemv_only) > bytes(DenseRoute::Gemv, &gemv_only));
 }

@@ -10,8 +10,9 @@ use megamoe::gpu::Gpu;
 use megamoe::model::config::ModelConfig;
 use megamoe::model::reference::Model;
 use megamoe::model::weights::{CachePolicy, Weights};
+use megamoe::ops::dense::prefill::weight_scales_f32;
 use megamoe::ops::dense::reference::first_outside;
-use megamoe::ops::dense::{DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight};
+use megamoe::ops::dense::{with_route, DenseRoute, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight};
 use megamoe::ops::inputs::normalish;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -64,6 +65,9 @@ pub struct DevFp8 {
     pub scales: CudaSlice<u8>,
     pub rows: usize,
     pub cols: usize,
+    /// A weight's scales as f32 in the block-scaled GEMM's layout (`prefill::weight_scales_f32`): what the dense
+    /// tensor-core route reads; None for activation rows.
+    pub scales_f32: Option<CudaSlice<f32>>,
 }
 
 impl DevFp8 {
@@ -73,6 +77,21 @@ impl DevFp8 {
             scales: gpu.upload(scales).unwrap(),
             rows,
             cols,
+            scales_f32: None,
+        }
+    }
+    /// A weight (`[rows, cols]` codes, 128x128-block scale codes) with its f32 scales for the tensor-core route.
+    pub fn weight_from_parts(
+        gpu: &Gpu,
+        codes: &[u8],
+        scales: &[u8],
+        rows: usize,
+        cols: usize,
+    ) -> DevFp8 {
+        let f = weight_scales_f32(scales, rows, cols).unwrap();
+        DevFp8 {
+            scales_f32: Some(gpu.upload(&f).unwrap()),
+            ..Self::from_parts(gpu, codes, scales, rows, cols)
         }
     }
     /// The checkpoint weight `name` (`...weight`) and its `.scale` companion.
@@ -80,7 +99,7 @@ impl DevFp8 {
         let spec = m.weights.spec(name).unwrap();
         let scale = name.strip_suffix(".weight").unwrap().to_string() + ".scale";
         let (codes, scales) = (m.weights.raw(name).unwrap(), m.weights.raw(&scale).unwrap());
-        Self::from_parts(gpu, &codes, &scales, spec.shape[0], spec.shape[1])
+        Self::weight_from_parts(gpu, &codes, &scales, spec.shape[0], spec.shape[1])
     }
     /// Activation rows quantized on the host with the DSV4 rule norm_quant's FP8 output uses
     /// (`formats::fp8::quantize_act_1x128`).
@@ -100,7 +119,10 @@ impl DevFp8 {
             scales: &self.scales,
             n: self.rows,
             k: self.cols,
-            scales_f32: None,
+            scales_f32: self
+                .scales_f32
+                .as_ref()
+                .map(|s| s as &dyn megamoe::gpu::DeviceBuf<f32>),
         }
     }
     pub fn act(&self) -> Fp8Rows<'_> {
@@ -133,6 +155,17 @@ pub fn workspace(gpu: &Gpu, shapes: &[DenseShape]) -> (Arena, DenseWorkspace) {
     // Poison the partials: a split that is summed without being written shows up as NaN.
     arena.poison(&gpu.stream, POISON).unwrap();
     let ws = DenseWorkspace::carve(&mut arena, &gpu.stream, shapes, sms).unwrap();
+    (arena, ws)
+}
+
+/// [`workspace`] laid out and carved under `route` (`ops::dense::with_route`): the route its launches take.
+pub fn workspace_on(
+    gpu: &Gpu,
+    shapes: &[DenseShape],
+    route: DenseRoute,
+) -> (Arena, DenseWorkspace) {
+    let (arena, ws) = with_route(route, || workspace(gpu, shapes));
+    ws.prepare(gpu).unwrap();
     (arena, ws)
 }
 
