@@ -321,6 +321,31 @@ fn assert_device_weights_equal(
         let view = dw.bytes(&t.spec.name).unwrap();
         assert_eq!(arena::download(&g.stream, &view).unwrap(), want);
     }
+    // Every FP8 dense weight's f32 block scales (the dense tensor-core route's), bit for bit the host conversion of
+    // its checkpoint scale codes.
+    let mut fp8 = 0;
+    for t in &dw.plan.dense {
+        let Some(prefix) = t.spec.name.strip_suffix(".weight") else {
+            continue;
+        };
+        if t.spec.dtype != megamoe::model::weights::StoredDtype::F8E4M3 {
+            assert!(dw.scales_f32(&t.spec.name).is_none(), "{}", t.spec.name);
+            continue;
+        }
+        let (n, k) = (t.spec.shape[0], t.spec.shape[1]);
+        let codes = cpu.raw(&format!("{prefix}.scale")).unwrap();
+        let want = megamoe::ops::dense::prefill::weight_scales_f32(&codes, n, k).unwrap();
+        let got = arena::download(&g.stream, &dw.scales_f32(&t.spec.name).unwrap()).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "{label}: {} f32 block scales",
+            t.spec.name
+        );
+        fp8 += 1;
+    }
+    assert!(fp8 > 0, "{label}: no FP8 dense weight");
     let mut inexact = 0;
     for (layer, le) in dw.experts.iter().enumerate() {
         for (l1, w) in [(true, &le.l1), (false, &le.l2)] {

@@ -753,8 +753,8 @@ impl Blas {
 
     /// `y[m, n] = sum_k x[m, k] * W[n, k]` on `stream`: BF16 operands, f32 accumulation (BF16 products are exact in
     /// f32; the tensor cores accumulate BF16 MMAs in f32), f32 output, one cuBLASLt matmul (layouts:
-    /// [`Bf16GemmShape`]). `workspace` is the caller's (at least [`Blas::bf16_f32_workspace_bytes`], 256-byte
-    /// aligned): nothing is allocated, so the call can be captured in a CUDA graph; the plan of a shape is built on
+    /// [`Bf16GemmShape`]; `x`, `W` and `y` 256-byte aligned). `workspace` is the caller's (at least
+    /// [`Blas::bf16_f32_workspace_bytes`], 256-byte aligned): nothing is allocated, so the call can be captured in a CUDA graph; the plan of a shape is built on
     /// its first call (host work only) and cached. Every check comes before anything is enqueued.
     #[allow(clippy::too_many_arguments)]
     pub fn bf16_gemm_f32(
@@ -777,13 +777,17 @@ impl Blas {
                 bail!("BF16 GEMM m={m} n={n} k={k}: {what} holds {have} elements, needs {need}");
             }
         }
+        // The plans are chosen with the heuristic's default minimum operand alignment (256 bytes, as the bench's
+        // cuBLASLt baselines were), so the operands must be that aligned: every allocation and arena carve is.
         for (what, addr) in [
             ("x", x.device_addr()),
             ("W", w.device_addr()),
             ("y", y.device_addr()),
         ] {
-            if !addr.is_multiple_of(16) {
-                bail!("BF16 GEMM: {what} at {addr:#x} is not 16-byte aligned");
+            if !addr.is_multiple_of(256) {
+                bail!(
+                    "BF16 GEMM: {what} at {addr:#x} is not 256-byte aligned (the plans assume it)"
+                );
             }
         }
         if !workspace.device_addr().is_multiple_of(256) {
