@@ -71,7 +71,7 @@ pub struct DeviceWeights {
     /// what the dense linears' tensor-core route reads ([`DeviceWeights::scales_f32`]).
     scales_f32: CudaSlice<f32>,
     /// Weight name (`...weight`) -> (first element, elements) in `scales_f32`.
-    scales_f32_index: HashMap<String, (usize, usize)>,
+    scales_f32_index: ScaleIndex,
 }
 
 /// The staging buffers one expert GEMM passes through: MXFP4 codes + scales in, NVFP4 codes + scales out (the
@@ -301,6 +301,9 @@ impl DeviceWeights {
     }
 }
 
+/// Weight name -> (first element, elements) of its f32 block scales in [`DeviceWeights`]' side allocation.
+type ScaleIndex = HashMap<String, (usize, usize)>;
+
 /// Every FP8 dense weight of `plan` with a `.scale` companion: its ue8m0 codes read back from the pool (set-up only:
 /// each read waits for `stream`), converted on the host (`weight_scales_f32`, exact) and uploaded together, each
 /// weight's at a 256-byte aligned offset. Returns the buffer and the weight name -> (first element, elements) map.
@@ -309,7 +312,7 @@ fn fp8_scales_f32(
     stream: &Stream,
     pool: &CudaSlice<u8>,
     plan: &MemoryPlan,
-) -> Result<(CudaSlice<f32>, HashMap<String, (usize, usize)>)> {
+) -> Result<(CudaSlice<f32>, ScaleIndex)> {
     const ALIGN_ELEMS: usize = 64;
     let mut host: Vec<f32> = Vec::new();
     let mut index = HashMap::new();
