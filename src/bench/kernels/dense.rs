@@ -70,8 +70,9 @@ fn check_dense(s: &Sweep, rows: u64) -> Result<()> {
     };
     if let Some(v) = variants.iter().find(|v| !variant_applies(lin, v)) {
         bail!(
-            "variant `{v}` runs the FP8-activation linears only (fp8, swiglu); name this sweep's variants \
-             without it (e.g. variants = [\"dense\", \"cublaslt_bf16\"])"
+            "variant `{v}` does not run this linear (cublaslt_block_scaled: fp8 and swiglu only; \
+             dense_tensor_cores: fp8 and bf16 only); name this sweep's variants without it (e.g. variants = \
+             [\"dense\", \"cublaslt_bf16\"])"
         );
     }
     Ok(())

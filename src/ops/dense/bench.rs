@@ -4,7 +4,9 @@
 //! [`MinSliceColumns`]), `cublaslt_bf16` (cuBLASLt BF16 GEMMs on weights
 //! dequantized to BF16 beforehand, outside the timing: the baseline a dequantize-then-GEMM path would run per
 //! call) and `cublaslt_block_scaled` (cuBLASLt's block-scaled FP8 GEMM on the same FP8 bytes through
-//! [`fp8_linear_prefill`], the library baseline #24 names; FP8-activation linears only: fp8, swiglu). Both rows carry the bytes the decode op must move (FP8 or BF16 weight + scales, x, y), so `pct_copy_bw`
+//! [`fp8_linear_prefill`], the library baseline #24 names; FP8-activation linears only: fp8, swiglu) and
+//! `dense_tensor_cores` (this family's launcher on its tensor-core route, forced: `DenseRoute::TensorCores`, the
+//! route's whole cost at every M, scale conversion and tail staging included; fp8 and bf16 only). Both rows carry the bytes the decode op must move (FP8 or BF16 weight + scales, x, y), so `pct_copy_bw`
 //! reads as "fraction of copy bandwidth for this op". The sweep adapter is `bench::kernels::dense`.
 
 use anyhow::{bail, Result};
@@ -12,7 +14,8 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::Rng;
 
-use super::prefill::{fp8_linear_prefill, DeviceFp8Weight, Fp8LinearWorkspace};
+use super::prefill::{fp8_linear_prefill, weight_scales_f32, DeviceFp8Weight, Fp8LinearWorkspace};
+use super::route::{with_route, DenseRoute};
 use super::{
     bf16_linear, fp8_linear, plan as dense_plan, swiglu_fp8, with_min_slice, wo_a_grouped, Bf16Job,
     DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, Fp8Weight as W, MinSliceColumns,
@@ -31,13 +34,18 @@ pub const VARIANTS: &[&str] = &[
     "dense_slices_1024",
     "cublaslt_bf16",
     "cublaslt_block_scaled",
+    "dense_tensor_cores",
 ];
 
 /// Whether `variant` can run `linear`: cuBLASLt's block-scaled FP8 GEMM takes FP8 activations and FP8 weights, so
 /// not wo_a's BF16 o nor the BF16 weights.
+/// `dense_tensor_cores`: the linears that have a tensor-core route (fp8, bf16; not the SwiGLU half nor wo_a).
 pub fn variant_applies(linear: Linear, variant: &str) -> bool {
-    variant != "cublaslt_block_scaled"
-        || matches!(linear, Linear::Fp8 { .. } | Linear::Swiglu { .. })
+    match variant {
+        "cublaslt_block_scaled" => matches!(linear, Linear::Fp8 { .. } | Linear::Swiglu { .. }),
+        "dense_tensor_cores" => matches!(linear, Linear::Fp8 { .. } | Linear::Bf16 { .. }),
+        _ => true,
+    }
 }
 
 /// One decode linear.
@@ -129,9 +137,7 @@ pub fn measure(
     let shape = linear.shape(m);
     shape.check()?;
     if !variant_applies(linear, variant) {
-        bail!(
-            "dense: `{variant}` runs the FP8-activation linears only (fp8, swiglu), not {linear:?}"
-        );
+        bail!("dense: `{variant}` does not run {linear:?} (cublaslt_block_scaled: fp8 and swiglu only; dense_tensor_cores: fp8 and bf16 only)");
     }
     let bytes = linear.bytes(m);
     let samples_us = match variant {
@@ -146,6 +152,11 @@ pub fn measure(
         })?,
         "cublaslt_bf16" => time_cublaslt(gpu, plan, linear, m, bytes)?,
         "cublaslt_block_scaled" => time_block_scaled(gpu, plan, linear, m, seed, bytes)?,
+        // The launcher on its tensor-core route (ops::dense::route), forced at every M: the workspace is carved
+        // inside, so it records the route.
+        "dense_tensor_cores" => with_route(DenseRoute::TensorCores, || {
+            time_dense(gpu, plan, linear, m, seed, bytes)
+        })?,
         v => bail!("dense: unknown variant `{v}` (known: {VARIANTS:?})"),
     };
     Ok(Measured { samples_us, bytes })
@@ -165,10 +176,18 @@ fn time_dense(
     let layout = super::workspace_layout(&[shape], sms)?;
     let mut arena = Arena::for_layout(gpu, &layout)?;
     let ws = DenseWorkspace::carve(&mut arena, &gpu.stream, &[shape], sms)?;
+    // The cuBLASLt handle, when the workspace has the tensor-core route, before the timing.
+    ws.prepare(gpu)?;
     let scales = |n: usize| gpu.upload(&vec![SCALE_CODE; n]);
     match linear {
         Linear::Fp8 { n, k } => {
             let (wc, ws_) = (gpu.upload(&fp8_bytes(n * k, seed))?, scales(n * k / 16384)?);
+            // The f32 scales the tensor-core route reads (the GEMV ignores them).
+            let wsf = gpu.upload(&weight_scales_f32(
+                &vec![SCALE_CODE; n.div_ceil(128) * k.div_ceil(128)],
+                n,
+                k,
+            )?)?;
             let (xc, xs) = fp8_rows(gpu, m, k, seed)?;
             let y = gpu.zeros::<bf16>(m * n)?;
             let w = W {
@@ -176,7 +195,7 @@ fn time_dense(
                 scales: &ws_,
                 n,
                 k,
-                scales_f32: None,
+                scales_f32: Some(&wsf),
             };
             let x = Fp8Rows {
                 codes: &xc,
