@@ -231,6 +231,7 @@ const DECODE_COLUMNS: &[(&str, &str)] = &[
     ("pct_copy_bw", "% copy bw"),
     ("kernels_per_step", "kernels/step"),
     ("expert_slots", "expert slots"),
+    ("dense_route", "dense route"),
     ("gpu", "gpu"),
     ("git_commit", "commit"),
 ];
