@@ -62,6 +62,11 @@ pub struct GenerateArgs {
     /// prefill's.
     #[arg(long, default_value_t = crate::engine::prefill::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
+    /// Which engine runs the dense linears: `gemv` (the default until a GPU run has checked the tensor-core route),
+    /// `auto` (cuBLASLt's tensor cores where src/ops/dense/route.rs's rule says) or `tensor-cores` (see `megamoe
+    /// decode --help`).
+    #[arg(long, default_value = "gemv", value_parser = crate::ops::dense::DenseRoute::parse)]
+    pub dense_route: crate::ops::dense::DenseRoute,
 }
 
 impl GenerateArgs {
@@ -100,7 +105,13 @@ impl GenerateArgs {
 }
 
 /// Runs `megamoe generate` (`prompt` = the ids [`GenerateArgs::check`] returned).
+/// Runs under `--dense-route` (`ops::dense::with_route`: the engine's dense workspaces are carved, and its linears
+/// routed, by it).
 pub fn run(gpu: &Gpu, args: &GenerateArgs, tok: &Tokenizer, prompt: Vec<u32>) -> Result<()> {
+    crate::ops::dense::with_route(args.dense_route, || run_routed(gpu, args, tok, prompt))
+}
+
+fn run_routed(gpu: &Gpu, args: &GenerateArgs, tok: &Tokenizer, prompt: Vec<u32>) -> Result<()> {
     let cfg = resolve_model(&args.model)?;
     let checkpoint = match &args.checkpoint {
         Some(dir) => Some(Checkpoint::open(dir, &cfg)?),
