@@ -14,7 +14,7 @@ mod common;
 use common::engine::{rig_weights, short_window_config, tokens};
 use common::gpu;
 use megamoe::engine::io::StepShape;
-use megamoe::engine::parity::{free_running, ParityModels, ParitySummary};
+use megamoe::engine::parity::{free_running, table, ParityModels, ParitySummary};
 use megamoe::engine::run::Engine;
 use megamoe::model::sampler::SamplerConfig;
 use megamoe::model::{CachePolicy, Model, MoeSum, RoutedActivations, Weights};
@@ -45,22 +45,7 @@ fn greedy_decode_tracks_the_cpu_model() {
         floor: &floor,
     };
     let rows = free_running(&gpu, &mut engine, &models, &prompts, steps, |_| {}).unwrap();
-    println!("step  seq  cos(GPU,CPU)  cos(GPU,CPU4)  cos(CPU4,CPU)  cos(CPU',CPU)  GPU  CPU  CPU4  CPU'");
-    for r in &rows {
-        println!(
-            "{:>4}  {:>3}  {:.6}      {:.6}       {:.6}       {:.6}       {:>5} {:>5} {:>5} {:>5}",
-            r.step,
-            r.seq,
-            r.cos_gpu,
-            r.cos_gpu_formats,
-            r.cos_formats,
-            r.cos_floor,
-            r.gpu_token,
-            r.cpu_token,
-            r.formats_token,
-            r.floor_token
-        );
-    }
+    print!("{}", table(&rows));
     let s = ParitySummary::of(&rows);
     println!("{s:?}");
     // The GPU's greedy choice is the argmax of its own logits (checked inside free_running: every row sampled);

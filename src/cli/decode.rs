@@ -478,24 +478,7 @@ fn run_parity(
         "CPU: the model; CPU4: the model with the routed experts in the GPU's NVFP4 activations; CPU': the \
          model with its MoE summed in BF16 (the noise floor)"
     );
-    println!(
-        "step  seq  cos(GPU,CPU)  cos(GPU,CPU4)  cos(CPU4,CPU)  cos(CPU',CPU)    GPU   CPU  CPU4  CPU'"
-    );
-    for r in &rows {
-        println!(
-            "{:>4}  {:>3}  {:>12.6}  {:>13.6}  {:>13.6}  {:>13.6}  {:>5} {:>5} {:>5} {:>5}",
-            r.step,
-            r.seq,
-            r.cos_gpu,
-            r.cos_gpu_formats,
-            r.cos_formats,
-            r.cos_floor,
-            r.gpu_token,
-            r.cpu_token,
-            r.formats_token,
-            r.floor_token
-        );
-    }
+    print!("{}", parity::table(&rows));
     let s = parity::ParitySummary::of(&rows);
     let line = |what: &str, min: f64, mean: f64, agree: usize| {
         println!(

@@ -66,6 +66,30 @@ pub struct ParityRow {
     pub floor_token: u32,
 }
 
+/// The rows as a text table, one line per sequence and step, under a header naming the models (CPU, CPU4 the
+/// GPU's formats, CPU' the floor: module docs).
+pub fn table(rows: &[ParityRow]) -> String {
+    let mut t = String::from(
+        "step  seq  cos(GPU,CPU)  cos(GPU,CPU4)  cos(CPU4,CPU)  cos(CPU',CPU)    GPU   CPU  CPU4  CPU'\n",
+    );
+    for r in rows {
+        t.push_str(&format!(
+            "{:>4}  {:>3}  {:>12.6}  {:>13.6}  {:>13.6}  {:>13.6}  {:>5} {:>5} {:>5} {:>5}\n",
+            r.step,
+            r.seq,
+            r.cos_gpu,
+            r.cos_gpu_formats,
+            r.cos_formats,
+            r.cos_floor,
+            r.gpu_token,
+            r.cpu_token,
+            r.formats_token,
+            r.floor_token
+        ));
+    }
+    t
+}
+
 /// Index of the largest value (the lower index on ties, as the greedy sampler).
 pub fn argmax(v: &[f32]) -> usize {
     let mut best = 0;

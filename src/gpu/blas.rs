@@ -45,8 +45,8 @@ impl GemmInput {
 pub struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    block_scaled_plans: Mutex<HashMap<BlockScaledShape, BlockScaledPlan>>,
-    bf16_f32_plans: Mutex<HashMap<Bf16GemmShape, Bf16F32Plan>>,
+    block_scaled_plans: Mutex<HashMap<BlockScaledShape, GemmPlan>>,
+    bf16_f32_plans: Mutex<HashMap<Bf16GemmShape, GemmPlan>>,
 }
 
 // SAFETY: the cuBLASLt handle may be used from any host thread and by concurrent calls on different streams, each
@@ -227,6 +227,61 @@ impl Blas {
     }
 }
 
+impl Blas {
+    /// Creates `plan`'s layouts for `y[m, n] = x[m, k] . W[n, k]^T` (row-major, both operands K-major: in cuBLAS's
+    /// column-major terms y^T[n, m] = W (op T) x x^T (op N)), operands of type `input`, output `output`, and takes
+    /// the heuristic's first algorithm within `cap` bytes of workspace. The heuristic's refusal comes back as the
+    /// inner error, for the caller to word.
+    ///
+    /// # Safety
+    /// `plan.desc` is a live descriptor with its transposes and attributes set.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn layouts_and_algo(
+        &self,
+        plan: &mut GemmPlan,
+        input: sys::cudaDataType,
+        output: sys::cudaDataType,
+        (m, n, k): (usize, usize, usize),
+        cap: usize,
+    ) -> Result<std::result::Result<(), result::CublasError>> {
+        plan.layout_w = cb(
+            result::create_matrix_layout(input, k as u64, n as u64, k as i64),
+            "layout W",
+        )?;
+        plan.layout_x = cb(
+            result::create_matrix_layout(input, k as u64, m as u64, k as i64),
+            "layout x",
+        )?;
+        plan.layout_y = cb(
+            result::create_matrix_layout(output, n as u64, m as u64, n as i64),
+            "layout y",
+        )?;
+        let pref = cb(result::create_matmul_pref(), "pref")?;
+        let r = result::set_matmul_pref_attribute(
+            pref,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &cap as *const usize as *const c_void,
+            size_of::<usize>(),
+        );
+        let heur = r.and_then(|_| {
+            result::get_matmul_algo_heuristic(
+                self.handle,
+                plan.desc,
+                plan.layout_w,
+                plan.layout_x,
+                plan.layout_y,
+                plan.layout_y,
+                pref,
+            )
+        });
+        let _ = result::destroy_matmul_pref(pref);
+        Ok(heur.map(|h| {
+            plan.algo = h.algo;
+            plan.workspace_bytes = h.workspaceSize;
+        }))
+    }
+}
+
 // ---- block-scaled FP8 (DeepSeek 1x128 x 128x128) --------------------------------------------------------------
 
 /// The oldest cuBLASLt with the 128-element block-scaling modes (`CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F`,
@@ -306,8 +361,9 @@ impl BlockScaledShape {
     }
 }
 
-/// One shape's matmul descriptor, layouts and algorithm (built once, reused by every call of that shape).
-struct BlockScaledPlan {
+/// One GEMM shape's matmul descriptor, layouts and algorithm (built once, reused by every call of that shape):
+/// the block-scaled FP8 plans and the BF16 -> f32 plans.
+struct GemmPlan {
     desc: sys::cublasLtMatmulDesc_t,
     layout_w: sys::cublasLtMatrixLayout_t,
     layout_x: sys::cublasLtMatrixLayout_t,
@@ -316,12 +372,29 @@ struct BlockScaledPlan {
     workspace_bytes: usize,
 }
 
-impl Drop for BlockScaledPlan {
+impl GemmPlan {
+    /// A plan owning `desc` and nothing else yet (every object created later is destroyed with it).
+    fn owning(desc: sys::cublasLtMatmulDesc_t) -> GemmPlan {
+        GemmPlan {
+            desc,
+            layout_w: std::ptr::null_mut(),
+            layout_x: std::ptr::null_mut(),
+            layout_y: std::ptr::null_mut(),
+            // SAFETY: a plain C struct of integers; overwritten by the heuristic's pick before any use.
+            algo: unsafe { std::mem::zeroed() },
+            workspace_bytes: 0,
+        }
+    }
+}
+
+impl Drop for GemmPlan {
     fn drop(&mut self) {
         unsafe {
-            let _ = result::destroy_matrix_layout(self.layout_w);
-            let _ = result::destroy_matrix_layout(self.layout_x);
-            let _ = result::destroy_matrix_layout(self.layout_y);
+            for l in [self.layout_w, self.layout_x, self.layout_y] {
+                if !l.is_null() {
+                    let _ = result::destroy_matrix_layout(l);
+                }
+            }
             let _ = result::destroy_matmul_desc(self.desc);
         }
     }
@@ -339,7 +412,7 @@ fn block_scaled_refusal(what: &str, e: result::CublasError) -> anyhow::Error {
 }
 
 impl Blas {
-    fn block_scaled_plan(&self, shape: BlockScaledShape) -> Result<BlockScaledPlan> {
+    fn block_scaled_plan(&self, shape: BlockScaledShape) -> Result<GemmPlan> {
         shape.check()?;
         let v = cublaslt_version();
         if v < BLOCK_SCALED_MIN_CUBLASLT {
@@ -361,14 +434,7 @@ impl Blas {
                 "matmul desc",
             )?;
             // From here every created object is owned by `plan` (destroyed on any early return).
-            let mut plan = BlockScaledPlan {
-                desc,
-                layout_w: std::ptr::null_mut(),
-                layout_x: std::ptr::null_mut(),
-                layout_y: std::ptr::null_mut(),
-                algo: std::mem::zeroed(),
-                workspace_bytes: 0,
-            };
+            let mut plan = GemmPlan::owning(desc);
             let set_i32 = |attr, v: i32, what: &str| {
                 result::set_matmul_desc_attribute(
                     desc,
@@ -410,48 +476,14 @@ impl Blas {
                 )
                 .map_err(|e| block_scaled_refusal("scale pointer", e))?;
             }
-            plan.layout_w = cb(
-                result::create_matrix_layout(e4m3, k as u64, n as u64, k as i64),
-                "layout W",
-            )?;
-            plan.layout_x = cb(
-                result::create_matrix_layout(e4m3, k as u64, m as u64, k as i64),
-                "layout x",
-            )?;
-            plan.layout_y = cb(
-                result::create_matrix_layout(
-                    sys::cudaDataType_t::CUDA_R_16BF,
-                    n as u64,
-                    m as u64,
-                    n as i64,
-                ),
-                "layout y",
-            )?;
-            let pref = cb(result::create_matmul_pref(), "pref")?;
-            let cap = BLOCK_SCALED_MAX_WORKSPACE;
-            let r = result::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &cap as *const usize as *const c_void,
-                size_of::<usize>(),
-            );
-            let heur = r.and_then(|_| {
-                result::get_matmul_algo_heuristic(
-                    self.handle,
-                    desc,
-                    plan.layout_w,
-                    plan.layout_x,
-                    plan.layout_y,
-                    plan.layout_y,
-                    pref,
-                )
-            });
-            let _ = result::destroy_matmul_pref(pref);
-            let heur = heur.map_err(|e| {
-                block_scaled_refusal(&format!("no algorithm for m={m} n={n} k={k}"), e)
-            })?;
-            plan.algo = heur.algo;
-            plan.workspace_bytes = heur.workspaceSize;
+            self.layouts_and_algo(
+                &mut plan,
+                e4m3,
+                sys::cudaDataType_t::CUDA_R_16BF,
+                (m, n, k),
+                BLOCK_SCALED_MAX_WORKSPACE,
+            )?
+            .map_err(|e| block_scaled_refusal(&format!("no algorithm for m={m} n={n} k={k}"), e))?;
             Ok(plan)
         }
     }
@@ -460,7 +492,7 @@ impl Blas {
     fn with_block_scaled_plan<R>(
         &self,
         shape: BlockScaledShape,
-        f: impl FnOnce(&BlockScaledPlan) -> Result<R>,
+        f: impl FnOnce(&GemmPlan) -> Result<R>,
     ) -> Result<R> {
         let mut plans = self
             .block_scaled_plans
@@ -616,36 +648,8 @@ impl Bf16GemmShape {
     }
 }
 
-/// One BF16 -> f32 shape's descriptor, layouts and algorithm (built once, reused by every call of that shape;
-/// nothing in it changes per call).
-struct Bf16F32Plan {
-    desc: sys::cublasLtMatmulDesc_t,
-    layout_w: sys::cublasLtMatrixLayout_t,
-    layout_x: sys::cublasLtMatrixLayout_t,
-    layout_y: sys::cublasLtMatrixLayout_t,
-    algo: sys::cublasLtMatmulAlgo_t,
-    workspace_bytes: usize,
-}
-
-impl Drop for Bf16F32Plan {
-    fn drop(&mut self) {
-        unsafe {
-            if !self.layout_w.is_null() {
-                let _ = result::destroy_matrix_layout(self.layout_w);
-            }
-            if !self.layout_x.is_null() {
-                let _ = result::destroy_matrix_layout(self.layout_x);
-            }
-            if !self.layout_y.is_null() {
-                let _ = result::destroy_matrix_layout(self.layout_y);
-            }
-            let _ = result::destroy_matmul_desc(self.desc);
-        }
-    }
-}
-
 impl Blas {
-    fn bf16_f32_plan(&self, shape: Bf16GemmShape) -> Result<Bf16F32Plan> {
+    fn bf16_f32_plan(&self, shape: Bf16GemmShape) -> Result<GemmPlan> {
         shape.check()?;
         let Bf16GemmShape { m, n, k } = shape;
         let bf = sys::cudaDataType_t::CUDA_R_16BF;
@@ -658,14 +662,7 @@ impl Blas {
                 "matmul desc",
             )?;
             // From here every created object is owned by `plan` (destroyed on any early return).
-            let mut plan = Bf16F32Plan {
-                desc,
-                layout_w: std::ptr::null_mut(),
-                layout_x: std::ptr::null_mut(),
-                layout_y: std::ptr::null_mut(),
-                algo: std::mem::zeroed(),
-                workspace_bytes: 0,
-            };
+            let mut plan = GemmPlan::owning(desc);
             let set_i32 = |attr, v: i32, what: &str| {
                 cb(
                     result::set_matmul_desc_attribute(
@@ -681,49 +678,17 @@ impl Blas {
             // Column-major view: y^T[n, m] = W[n, k] (stored K-major -> op T) x x^T[k, m] (op N).
             set_i32(A::CUBLASLT_MATMUL_DESC_TRANSA, 1, "TRANSA")?;
             set_i32(A::CUBLASLT_MATMUL_DESC_TRANSB, 0, "TRANSB")?;
-            plan.layout_w = cb(
-                result::create_matrix_layout(bf, k as u64, n as u64, k as i64),
-                "layout W",
+            let r = self.layouts_and_algo(
+                &mut plan,
+                bf,
+                sys::cudaDataType_t::CUDA_R_32F,
+                (m, n, k),
+                BF16_F32_MAX_WORKSPACE,
             )?;
-            plan.layout_x = cb(
-                result::create_matrix_layout(bf, k as u64, m as u64, k as i64),
-                "layout x",
-            )?;
-            plan.layout_y = cb(
-                result::create_matrix_layout(
-                    sys::cudaDataType_t::CUDA_R_32F,
-                    n as u64,
-                    m as u64,
-                    n as i64,
-                ),
-                "layout y",
-            )?;
-            let pref = cb(result::create_matmul_pref(), "pref")?;
-            let cap = BF16_F32_MAX_WORKSPACE;
-            let r = result::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &cap as *const usize as *const c_void,
-                size_of::<usize>(),
-            );
-            let heur = r.and_then(|_| {
-                result::get_matmul_algo_heuristic(
-                    self.handle,
-                    desc,
-                    plan.layout_w,
-                    plan.layout_x,
-                    plan.layout_y,
-                    plan.layout_y,
-                    pref,
-                )
-            });
-            let _ = result::destroy_matmul_pref(pref);
-            let heur = cb(
-                heur,
+            cb(
+                r,
                 &format!("no BF16 -> f32 algorithm for m={m} n={n} k={k}"),
             )?;
-            plan.algo = heur.algo;
-            plan.workspace_bytes = heur.workspaceSize;
             Ok(plan)
         }
     }
@@ -732,7 +697,7 @@ impl Blas {
     fn with_bf16_f32_plan<R>(
         &self,
         shape: Bf16GemmShape,
-        f: impl FnOnce(&Bf16F32Plan) -> Result<R>,
+        f: impl FnOnce(&GemmPlan) -> Result<R>,
     ) -> Result<R> {
         let mut plans = self
             .bf16_f32_plans

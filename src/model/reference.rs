@@ -311,6 +311,16 @@ pub struct Model {
     pub routed_activations: RoutedActivations,
 }
 
+/// `silu(min(g, L)) * clamp(u, -L, L)` with the SwiGLU limit `lim` (no clamp when `lim <= 0`).
+fn clamped_swiglu(g: f32, u: f32, lim: f32) -> f32 {
+    let (g, u) = if lim > 0.0 {
+        (g.min(lim), u.clamp(-lim, lim))
+    } else {
+        (g, u)
+    };
+    silu(g) * u
+}
+
 /// The activation routed experts in the formats `routed` read: `f` through FP8 1x128 or through NVFP4.
 fn routed_input(f: &[f32], routed: RoutedActivations) -> Result<Vec<f32>> {
     match routed {
@@ -715,14 +725,7 @@ impl Model {
         let h: Vec<f32> = g
             .iter()
             .zip(&u)
-            .map(|(&g, &u)| {
-                let (g, u) = if lim > 0.0 {
-                    (g.min(lim), u.clamp(-lim, lim))
-                } else {
-                    (g, u)
-                };
-                bf16_round(weight * (silu(g) * u))
-            })
+            .map(|(&g, &u)| bf16_round(weight * clamped_swiglu(g, u, lim)))
             .collect();
         self.fp8_linear(&format!("{prefix}.w2.weight"), &h)
     }
@@ -736,14 +739,7 @@ impl Model {
         let h: Vec<f32> = g
             .iter()
             .zip(&u)
-            .map(|(&g, &u)| {
-                let (g, u) = if lim > 0.0 {
-                    (g.min(lim), u.clamp(-lim, lim))
-                } else {
-                    (g, u)
-                };
-                silu(g) * u * weight
-            })
+            .map(|(&g, &u)| clamped_swiglu(g, u, lim) * weight)
             .collect();
         self.weights
             .matvec(&format!("{prefix}.w2.weight"), &nvfp4_round_trip(&h)?)
