@@ -5,12 +5,11 @@
 # the slow CPU-only runs named `slow_*` (the `model` step runs the one it needs), the limits probe, the benchmark
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
 #   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|<several, comma-separated>] [extra args for `megamoe bench`]
-#   decode: `megamoe decode` of the small model (report + --parity), Flash's context and batch sweeps, Flash at
-#           4K batch 1 with --pdl on and with --overlap-shared on (the two A/Bs), Flash 4K batch 64 with
-#           --dense-route auto (the dense route's A/B), Flash's TTFT on a 4K-token prompt (GEMV, then --dense-route
-#           auto), then REPORT.md
+#   decode: `megamoe decode` of the small model (report + --parity), `generate` on Flash, Flash's context and
+#           batch sweeps, Flash 4K batch 64 with --dense-route gemv (the route's baseline), Flash's TTFT on a
+#           4K-token prompt, then REPORT.md
 #           (DECODE_FLASH=0 skips the Flash runs, DECODE_TTFT=0 the TTFT run; DECODE_CONTEXTS, DECODE_BATCHES,
-#           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT, DECODE_FLASH_PDL_ON_TIMEOUT, DECODE_TTFT_TIMEOUT)
+#           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT, DECODE_FLASH_AB_TIMEOUT, DECODE_TTFT_TIMEOUT)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -142,15 +141,16 @@ if want decode; then
   timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 8 \
     --max-new-tokens 48 --parity --out "$work" > "$work/parity-small.log" 2>&1 || { echo "parity failed"; status=1; }
   tail -n 2 "$work/parity-small.log"
-  # `megamoe generate` end to end on the small model: chat template, tokenizer, streamed reply, stop reason, TTFT
-  # (synthetic weights: the text is gibberish; what is checked is that it runs and reports).
-  step "generate: small"
-  MEGAMOE_TOKENIZER="$B/tokenizer.json" timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" generate --model small \
-    --context 512 --max-new-tokens 24 --temperature 0 "Explain mixture-of-experts decoding in one sentence." \
-    > "$work/generate-small.log" 2>&1 || { echo "generate small failed"; status=1; }
-  tail -n 3 "$work/generate-small.log"
   # Flash's weight fill takes minutes: spend them only once the small model decodes.
   if [ "${DECODE_FLASH:-1}" != 0 ] && [ "$small_ok" = 1 ]; then
+    # `megamoe generate` end to end on Flash (the real tokenizer's ids need the real vocabulary; the small model's
+    # 512 refuses them before any GPU work): chat template, tokenizer, streamed reply, stop reason, TTFT (synthetic
+    # weights: the text is gibberish; what is checked is that it runs and reports).
+    step "generate: flash"
+    MEGAMOE_TOKENIZER="$B/tokenizer.json" timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" generate --model flash \
+      --context 512 --max-new-tokens 24 --temperature 0 "Explain mixture-of-experts decoding in one sentence." \
+      > "$work/generate-flash.log" 2>&1 || { echo "generate flash failed"; status=1; }
+    tail -n 3 "$work/generate-flash.log"
     # One weight load for the issue's sweeps: contexts 4K..1M at batch 1, batches 1..64 at 4K, each point timed
     # at the end of its context (--at-context: zero-filled caches below the timed positions).
     step "decode: flash sweeps (context at batch 1, batch at 4K)"
@@ -158,30 +158,14 @@ if want decode; then
       --context "${DECODE_CONTEXTS:-4096,32768,131072,524288,1048576}" --batch "${DECODE_BATCHES:-1,2,4,8,16,32,64}" \
       --max-new-tokens 32 --out "$work" > "$work/decode-flash.log" 2>&1 || { echo "decode flash failed"; status=1; }
     grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash.log" | head -n 60
-    # The PDL A/B in the same call: the sweeps' first point (4K, batch 1) again with engine-wide PDL (--pdl on; the
-    # sweeps run the default, off: only the mHC pair and the top-k chain use their own); decode.csv's pdl column
-    # tells the two rows apart. Its own weight load (planned for 4K, so a few more resident expert slots than the
-    # sweep's), under its own limit.
-    step "decode: flash 4K batch 1, PDL on (the A/B of the sweep's first point)"
-    timeout "${DECODE_FLASH_PDL_ON_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
-      --context 4096 --batch 1 --pdl on --max-new-tokens 32 --out "$work" > "$work/decode-flash-pdl-on.log" 2>&1 \
-      || { echo "decode flash --pdl on failed"; status=1; }
-    grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-pdl-on.log" | head -n 8
-    # The shared-expert overlap A/B, the same way (--overlap-shared on against the sweep's first point).
-    step "decode: flash 4K batch 1, shared expert overlapped (the A/B of the sweep's first point)"
-    timeout "${DECODE_FLASH_PDL_ON_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
-      --context 4096 --batch 1 --overlap-shared on --max-new-tokens 32 --out "$work" \
-      > "$work/decode-flash-overlap-on.log" 2>&1 || { echo "decode flash --overlap-shared on failed"; status=1; }
-    grep -E "^== decode|^tokens/s|^roofline|^TPOT" "$work/decode-flash-overlap-on.log" | head -n 8
-    # The dense route's A/B: the batch sweep's last point (4K, batch 64) again with --dense-route auto (the BF16
-    # linears on cuBLASLt's tensor cores from 16 rows and the LM head always, the FP8 linears on the block-scaled
-    # FP8 GEMM from 32 rows; src/ops/dense/route.rs) against the sweep's default GEMV row; decode.csv's dense_route
+    # The dense route's baseline: the batch sweep's last point (4K, batch 64) with --dense-route gemv (the CUDA-core
+    # GEMV for every linear) beside the sweep's default auto row (src/ops/dense/route.rs); decode.csv's dense_route
     # column tells them apart.
-    step "decode: flash 4K batch 64, dense linears on the tensor cores (--dense-route auto; the A/B of the sweep's batch-64 point)"
-    timeout "${DECODE_FLASH_PDL_ON_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
-      --context 4096 --batch 64 --dense-route auto --max-new-tokens 32 --out "$work" \
-      > "$work/decode-flash-dense-auto.log" 2>&1 || { echo "decode flash --dense-route auto failed"; status=1; }
-    grep -E "^== decode|^tokens/s|^roofline|^TPOT|^dense" "$work/decode-flash-dense-auto.log" | head -n 8
+    step "decode: flash 4K batch 64, dense linears on the GEMV (--dense-route gemv; the baseline of the sweep's batch-64 point)"
+    timeout "${DECODE_FLASH_AB_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
+      --context 4096 --batch 64 --dense-route gemv --max-new-tokens 32 --out "$work" \
+      > "$work/decode-flash-dense-gemv.log" 2>&1 || { echo "decode flash --dense-route gemv failed"; status=1; }
+    grep -E "^== decode|^tokens/s|^roofline|^TPOT|^dense" "$work/decode-flash-dense-gemv.log" | head -n 8
     # TTFT on a real prompt (the issue's 4K-token prompt at batch 1): prefill runs in chunks of 64 prompt tokens
     # through the decode kernels (--prefill-chunk, default 64; decode.csv's prefill_chunk column; 64 chunks, eager
     # launches); --prefill-chunk 1 would be token by token through the prompt step's graph (~4096 steps, ~45 s).
@@ -192,13 +176,6 @@ if want decode; then
         --prompt-len 4096 --max-new-tokens 16 --out "$work" > "$work/decode-flash-ttft.log" 2>&1 \
         || { echo "decode flash TTFT failed"; status=1; }
       grep -E "^== decode|^TTFT|^TPOT" "$work/decode-flash-ttft.log" | head -n 4
-      # The same prompt with the chunks' dense linears on the tensor cores (64-row chunks: every routed linear
-      # takes them; decode.csv's dense_route column).
-      step "decode: flash TTFT, 4K-token prompt, batch 1, --dense-route auto"
-      timeout "${DECODE_TTFT_TIMEOUT:-150}" "$B/megamoe" decode --model flash --context 8192 --batch 1 \
-        --prompt-len 4096 --max-new-tokens 16 --dense-route auto --out "$work" > "$work/decode-flash-ttft-dense-auto.log" 2>&1 \
-        || { echo "decode flash TTFT --dense-route auto failed"; status=1; }
-      grep -E "^== decode|^TTFT|^TPOT|^dense" "$work/decode-flash-ttft-dense-auto.log" | head -n 5
     fi
   fi
   # REPORT.md of this run's directory (its decode section, and any bench rows beside it).

@@ -78,14 +78,13 @@ pub struct DecodeArgs {
     /// replay per token, the whole batch at once). decode.csv records it in its `prefill_chunk` column.
     #[arg(long, default_value_t = crate::engine::prefill::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
-    /// Which engine runs the dense linears (the decode step's and the chunked prefill's): `gemv` (the default: this
-    /// family's CUDA-core GEMV for every linear), `auto` (the measured rule of src/ops/dense/route.rs: the BF16
-    /// linears on cuBLASLt's tensor cores from 16 rows and the LM head at every batch, the FP8 linears on cuBLASLt's
-    /// block-scaled FP8 GEMM from 32 rows) or `tensor-cores` (every linear that has a tensor-core route, at any
-    /// batch). `gemv` stays the default until a GPU run has checked the tensor-core route (tests/dense.rs) and
-    /// measured `auto` (scripts/gpu-run.sh runs that A/B); then `auto` becomes the default. decode.csv records it
-    /// in its `dense_route` column.
-    #[arg(long, default_value = "gemv", value_parser = DenseRoute::parse)]
+    /// Which engine runs the dense linears (the decode step's and the chunked prefill's): `auto` (the default: the
+    /// measured rule of src/ops/dense/route.rs, the BF16 linears on cuBLASLt's tensor cores from 16 rows and the
+    /// LM head at every batch, the FP8 linears on cuBLASLt's block-scaled FP8 GEMM from 32 rows), `gemv` (this
+    /// family's CUDA-core GEMV for every linear) or `tensor-cores` (every linear that has a tensor-core route, at
+    /// any batch). `auto` won its A/B (results/h100/PERF-LOG.md): Flash batch 1 10.54 -> 10.42 ms a token (the LM
+    /// head), the 4K-token TTFT 4.40 -> 4.12 s. decode.csv records it in its `dense_route` column.
+    #[arg(long, default_value = "auto", value_parser = DenseRoute::parse)]
     pub dense_route: DenseRoute,
 }
 
@@ -868,7 +867,7 @@ mod tests {
         assert!(parse(&["--pdl", "on"]).unwrap().decode.pdl);
         assert!(!parse(&["--pdl", "off"]).unwrap().decode.pdl);
         assert!(parse(&["--pdl", "maybe"]).is_err());
-        assert_eq!(parse(&[]).unwrap().decode.dense_route, DenseRoute::Gemv);
+        assert_eq!(parse(&[]).unwrap().decode.dense_route, DenseRoute::Auto);
         assert_eq!(
             parse(&["--dense-route", "auto"])
                 .unwrap()

@@ -62,10 +62,9 @@ pub struct GenerateArgs {
     /// prefill's.
     #[arg(long, default_value_t = crate::engine::prefill::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
-    /// Which engine runs the dense linears: `gemv` (the default until a GPU run has checked the tensor-core route),
-    /// `auto` (cuBLASLt's tensor cores where src/ops/dense/route.rs's rule says) or `tensor-cores` (see `megamoe
-    /// decode --help`).
-    #[arg(long, default_value = "gemv", value_parser = crate::ops::dense::DenseRoute::parse)]
+    /// Which engine runs the dense linears: `auto` (the default: cuBLASLt's tensor cores where
+    /// src/ops/dense/route.rs's measured rule says), `gemv` or `tensor-cores` (see `megamoe decode --help`).
+    #[arg(long, default_value = "auto", value_parser = crate::ops::dense::DenseRoute::parse)]
     pub dense_route: crate::ops::dense::DenseRoute,
 }
 

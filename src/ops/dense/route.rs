@@ -55,8 +55,9 @@ pub enum DensePath {
     TensorCores,
 }
 
-/// The route when nothing is set: the GEMV, until a GPU run has checked the tensor-core route
-/// (tests/dense.rs, `gpu_routed_*`) and measured it in the engine (scripts/gpu-run.sh's `--dense-route auto` points).
+/// The route when nothing is set: the GEMV, this family's own kernel (its benches and the engine's per-layer tests
+/// are built on it). The engine's commands default to [`DenseRoute::Auto`] (`megamoe decode --dense-route`), which
+/// won its A/B in the engine (results/h100/PERF-LOG.md).
 pub const DEFAULT_ROUTE: DenseRoute = DenseRoute::Gemv;
 
 /// BF16 linears take the tensor cores from this many rows (see the module's table).
