@@ -387,6 +387,44 @@ impl GemmPlan {
     }
 }
 
+impl GemmPlan {
+    /// Enqueues `y = x . W^T` (alpha 1, beta 0) on `stream` with this plan's descriptor, layouts and algorithm.
+    ///
+    /// # Safety
+    /// The addresses are device buffers of the plan's shape (checked by the caller); the workspace holds at least
+    /// `workspace_bytes`.
+    unsafe fn run(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        stream: &Stream,
+        x: u64,
+        w: u64,
+        (workspace, workspace_len): (u64, usize),
+        y: u64,
+    ) -> std::result::Result<(), result::CublasError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let py = y as *mut c_void;
+        result::matmul(
+            handle,
+            self.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            w as *const c_void,
+            self.layout_w,
+            x as *const c_void,
+            self.layout_x,
+            py as *const c_void,
+            self.layout_y,
+            py,
+            self.layout_y,
+            &self.algo,
+            workspace as *mut c_void,
+            workspace_len,
+            stream.cu_stream() as _,
+        )
+    }
+}
+
 impl Drop for GemmPlan {
     fn drop(&mut self) {
         unsafe {
@@ -588,27 +626,15 @@ impl Blas {
                     )
                     .map_err(|e| block_scaled_refusal(what, e))?;
                 }
-                let (alpha, beta) = (1.0f32, 0.0f32);
-                let py = y.device_addr() as *mut c_void;
-                result::matmul(
+                plan.run(
                     self.handle,
-                    plan.desc,
-                    &alpha as *const f32 as *const c_void,
-                    &beta as *const f32 as *const c_void,
-                    w.device_addr() as *const c_void,
-                    plan.layout_w,
-                    x.device_addr() as *const c_void,
-                    plan.layout_x,
-                    py as *const c_void,
-                    plan.layout_y,
-                    py,
-                    plan.layout_y,
-                    &plan.algo,
-                    workspace.device_addr() as *mut c_void,
-                    workspace.elems(),
-                    stream.cu_stream() as _,
+                    stream,
+                    x.device_addr(),
+                    w.device_addr(),
+                    (workspace.device_addr(), workspace.elems()),
+                    y.device_addr(),
                 )
-                .map_err(|e| block_scaled_refusal("block-scaled matmul", e))
+                    .map_err(|e| block_scaled_refusal("block-scaled matmul", e))
             }
         })
     }
@@ -770,28 +796,16 @@ impl Blas {
                     plan.workspace_bytes
                 );
             }
-            let (alpha, beta) = (1.0f32, 0.0f32);
-            let py = y.device_addr() as *mut c_void;
             unsafe {
                 cb(
-                    result::matmul(
-                        self.handle,
-                        plan.desc,
-                        &alpha as *const f32 as *const c_void,
-                        &beta as *const f32 as *const c_void,
-                        w.device_addr() as *const c_void,
-                        plan.layout_w,
-                        x.device_addr() as *const c_void,
-                        plan.layout_x,
-                        py as *const c_void,
-                        plan.layout_y,
-                        py,
-                        plan.layout_y,
-                        &plan.algo,
-                        workspace.device_addr() as *mut c_void,
-                        workspace.elems(),
-                        stream.cu_stream() as _,
-                    ),
+                    plan.run(
+                    self.handle,
+                    stream,
+                    x.device_addr(),
+                    w.device_addr(),
+                    (workspace.device_addr(), workspace.elems()),
+                    y.device_addr(),
+                ),
                     "BF16 -> f32 matmul",
                 )
             }
