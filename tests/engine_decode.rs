@@ -128,21 +128,13 @@ fn graph_replay_equals_eager_steps() {
         );
     }
 
-    // Graph replays of an engine against the eager steps, bit for bit: plain, then with the shared expert on the
-    // FFN's second stream (a parallel branch of the step graph that rejoins before the combine: the same kernels
-    // on the same inputs, so the same bits).
-    for (overlap, what) in [
-        (false, "graph replay logits differ from the eager step's"),
-        (
-            true,
-            "logits with the shared expert overlapped differ from the in-line eager step's",
-        ),
-    ] {
+    // Graph replays of an engine against the eager steps, bit for bit.
+    {
+        let what = "graph replay logits differ from the eager step's";
         let mut engine = Engine::new(&gpu, &w, shape).unwrap();
         engine.set_pdl(true).unwrap();
         // Token by token, as the eager twin prefills (a chunked prefill is compared in tests/engine_prefill.rs).
         engine.set_prefill_chunk(1).unwrap();
-        engine.set_overlap_shared(overlap).unwrap();
         engine.prefill(&gpu, &prompts, &params, &[]).unwrap();
         for (step, want) in eager.iter().enumerate() {
             if step > 0 {
@@ -157,11 +149,10 @@ fn graph_replay_equals_eager_steps() {
 /// The dense linears on cuBLASLt's tensor cores in the whole engine (`DenseRoute::TensorCores`, forced, so that at
 /// batch 2 every FP8 and BF16 linear takes the route; the SwiGLU half and wo_a stay on the GEMV): what the dense
 /// tests cannot see, the composition (each half's workspace carved with the route's region, the f32 weight scales
-/// built at load and wired, cuBLASLt inside the step graph, the overlapped shared expert's calls on the second stream
-/// with their own region). Checks: (1) the first decode step's logits (the same prompt, so the same history) against
+/// built at load and wired, cuBLASLt inside the step graph). Checks: (1) the first decode step's logits (the same prompt, so the same history) against
 /// the GEMV engine's: cosine >= 0.99 (the two sum the same products in other orders, the FP8 tensor cores with ~14-bit
 /// block sums, which can flip a near-tied router choice in some layer and move the logits by ~1e-3 in cosine; a wrong
-/// scale, layout or buffer gives a cosine far below); (2) graph replays (shared expert in line, then overlapped) against the eager steps of the
+/// scale, layout or buffer gives a cosine far below); (2) graph replays against the eager steps of the
 /// same route: cosine >= 0.99999 each step, bit equality printed (cuBLASLt's algorithm for a shape is fixed by its
 /// cached plan, so equal bits are expected; a miss with a cosine near 1 points at a non-deterministic reduction in
 /// the chosen algorithm, not at the route).
@@ -196,11 +187,10 @@ fn tensor_core_route_tracks_the_gemv_and_replays() {
             c0 >= 0.99,
             "first decode step: logits on the tensor-core route at cosine {c0:.6} from the GEMV's"
         );
-        for overlap in [false, true] {
+        {
             let mut engine = Engine::new(&gpu, &w, shape).unwrap();
             engine.set_pdl(true).unwrap();
             engine.set_prefill_chunk(1).unwrap();
-            engine.set_overlap_shared(overlap).unwrap();
             engine.prefill(&gpu, &prompts, &params, &[]).unwrap();
             for (step, want) in tc.iter().enumerate() {
                 if step > 0 {
@@ -209,12 +199,12 @@ fn tensor_core_route_tracks_the_gemv_and_replays() {
                 let got = engine.state.read_logits(&gpu.stream).unwrap();
                 let c = cosine(&got, want);
                 println!(
-                    "overlap {overlap} step {step}: graph vs eager cosine {c:.9}, bit-identical {}",
+                    "step {step}: graph vs eager cosine {c:.9}, bit-identical {}",
                     same_bits(&got, want)
                 );
                 assert!(
                     c >= 0.99999,
-                    "overlap {overlap} step {step}: the tensor-core route's graph replay at cosine {c:.9} from \
+                    "step {step}: the tensor-core route's graph replay at cosine {c:.9} from \
                      its eager step"
                 );
             }

@@ -67,12 +67,6 @@ pub struct DecodeArgs {
     /// decode.csv records it in its `pdl` column.
     #[arg(long, default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
     pub pdl: bool,
-    /// Run each layer's shared expert on a second stream beside the router and the routed experts, joined before
-    /// the combine that adds it: `on` or `off` (the default, until a GPU run has measured it; `on` is the
-    /// candidate of that A/B, which scripts/gpu-run.sh runs). The same results bit for bit (the same kernels on the
-    /// same inputs; only their overlap changes). decode.csv records it in its `overlap_shared` column.
-    #[arg(long, default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
-    pub overlap_shared: bool,
     /// Prompt tokens per prefill chunk, 1..=64: each sequence's prompt goes through the layers in chunks of this
     /// many rows of the decode kernels (weights read once per chunk); 1 = token by token (one prompt-step graph
     /// replay per token, the whole batch at once). decode.csv records it in its `prefill_chunk` column.
@@ -254,7 +248,6 @@ fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<
         let shape = StepShape { batch, context };
         let mut engine = Engine::new(gpu, &weights, shape)?;
         engine.set_pdl(args.pdl)?;
-        engine.set_overlap_shared(args.overlap_shared)?;
         engine.set_prefill_chunk(args.prefill_chunk)?;
         let prompts: Vec<Vec<u32>> = (0..batch)
             .map(|b| {
@@ -539,15 +532,13 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         s.tpot_quantile_us(0.99),
     );
     println!(
-        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}, PDL {}, shared expert \
-         overlapped {}) ==",
+        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}, PDL {}) ==",
         cfg.name,
         gpu.info.name,
         p.batch,
         p.context,
         p.start,
-        on_off_name(args.pdl),
-        on_off_name(args.overlap_shared)
+        on_off_name(args.pdl)
     );
     println!("experts     {}", plan.map);
     println!(
@@ -760,8 +751,8 @@ struct DecodeCsvRow {
     /// `on` / `off`: programmatic dependent launch of every kernel (`--pdl`); empty in rows written before the
     /// column existed.
     pdl: &'static str,
-    /// `on` / `off`: the shared expert on a second stream (`--overlap-shared`); empty in rows written before the
-    /// column existed.
+    /// `on` / `off`: the shared expert on a second stream. The variant lost its A/B and was removed, so new rows
+    /// say `off`; the column stays for the rows that measured it (and is empty in rows from before it existed).
     overlap_shared: &'static str,
     /// Prompt tokens per prefill chunk (`--prefill-chunk`; 1 = token by token); empty without a prompt
     /// (`--at-context`) and in rows written before the column existed (token by token then).
@@ -821,7 +812,7 @@ fn append_csv(
         expert_slots: plan.map.slots,
         logical_experts: plan.map.logical,
         pdl: on_off_name(args.pdl),
-        overlap_shared: on_off_name(args.overlap_shared),
+        overlap_shared: on_off_name(false),
         prefill_chunk: s.ttft_s.map(|_| args.prefill_chunk),
         dense_route: args.dense_route.name(),
     })?;
@@ -846,7 +837,6 @@ mod tests {
             out: None,
             parity: false,
             pdl: false,
-            overlap_shared: false,
             prefill_chunk: 64,
             dense_route: DenseRoute::Gemv,
         }

@@ -224,7 +224,6 @@ fn main_job_decode() -> decode::DecodeArgs {
         parity: false,
         // Both off, as `megamoe decode`'s defaults, until a GPU run has checked and measured them.
         pdl: false,
-        overlap_shared: false,
         prefill_chunk: crate::engine::prefill::DEFAULT_PREFILL_CHUNK,
         // The GEMV, `megamoe decode`'s default, until a GPU run has checked and measured the tensor-core route.
         dense_route: crate::ops::dense::route::DEFAULT_ROUTE,

@@ -2,8 +2,8 @@
 //! -> router (logical -> physical expert slots) -> routed experts (moe_gemm L1, L2) + shared expert -> hc_post ->
 //! `x_out`.
 //!
-//! For the B tokens of a step, in stream order (one stream; the shared expert on a second stream beside 13-14 is a
-//! later optimization):
+//! For the B tokens of a step, in stream order on one stream (the shared expert on a second stream beside 13-14
+//! measured no gain, results/h100/PERF-LOG.md, and was removed):
 //!
 //! * 12 `hc_pre_ffn_norm`: `mhc::mhc_pre` with `hc_ffn_*` and `ffn_norm` -> pre / post / comb and `f` BF16 `[B, D]`
 //!   (the CPU model's `rms_norm_bf16` output, the router gate's input), and in the same finish kernel
@@ -286,17 +286,6 @@ pub struct FfnHalf {
     h_shared_scales: DevBuf<u8>,
     /// The shared expert's output BF16 `[B, D]` (the L2 combine's addend).
     pub shared_out: DevBuf<bf16>,
-
-    /// Run the shared expert on [`FfnHalf::side`] beside the router and the routed experts' gather / L1 / L2
-    /// mainloops, joined before the L2 combine that adds it (default false until a GPU run has measured it;
-    /// `megamoe decode --overlap-shared on`). A profiled step runs it in line whatever this says: its group marks
-    /// and per-kernel events are in stream order on one stream.
-    pub overlap_shared: bool,
-    /// The second stream of [`FfnHalf::overlap_shared`]. Its work is ordered by events: it waits for `f`'s FP8 rows
-    /// (fork) and the main stream waits for `shared_out` (join), so inside a capture it is a parallel branch of the
-    /// step graph that rejoins before the capture ends. Nothing else the step runs touches the shared expert's
-    /// buffers (`dense_ws`, `h_shared_*`, `shared_out`).
-    side: Stream,
 }
 
 impl FfnHalf {
@@ -439,12 +428,6 @@ impl FfnHalf {
             ws_l1,
             ws_l2,
             h: L1Output::new(gpu, rows, i, false)?,
-            overlap_shared: false,
-            side: gpu
-                .stream
-                .context()
-                .new_stream()
-                .map_err(|e| anyhow::anyhow!("the FFN's second stream: {e:?}"))?,
             moe_out: gpu.poisoned::<bf16>(b * d, 0xFF)?,
             dense_ws,
             h_shared_codes,
@@ -469,22 +452,11 @@ impl FfnHalf {
         );
         self.hc_pre_ffn_norm(gpu, stream, layer, io)?;
         io.mark(stream, group::FFN_HC_PRE)?;
-        let overlap = self.overlap_shared && io.marks.is_none();
-        if overlap {
-            // Fork: the shared expert waits for f, then runs beside the router and the routed mainloops.
-            self.side
-                .join(stream)
-                .map_err(|e| anyhow::anyhow!("fork to the FFN's second stream: {e:?}"))?;
-            self.shared_expert(gpu, &self.side, layer)?;
-        }
         self.route(gpu, stream, layer, io)?;
         io.mark(stream, group::FFN_ROUTER)?;
-        if !overlap {
-            self.shared_expert(gpu, stream, layer)?;
-        }
+        self.shared_expert(gpu, stream, layer)?;
         io.mark(stream, group::FFN_SHARED)?;
-        let join = overlap.then(|| self.side.clone());
-        self.routed_experts(gpu, stream, weights, layer, join.as_ref())?;
+        self.routed_experts(gpu, stream, weights, layer)?;
         io.mark(stream, group::FFN_ROUTED)?;
         self.hc_post(gpu, stream, io)?;
         io.mark(stream, group::FFN_HC_POST)
@@ -580,16 +552,12 @@ impl FfnHalf {
     /// Step 14: f's NVFP4 token rows gathered into the grouping's rows, L1 (gate + up, SwiGLU with the clamp, the
     /// routing weight, NVFP4 h), L2 (down) and the combine over each token's rows in routing order plus the shared
     /// expert's output (when the model has one), rounded once to BF16 -> `moe_out`.
-    ///
-    /// `join`: the stream the shared expert runs on when it overlaps ([`FfnHalf::overlap_shared`]); the combine
-    /// waits for it.
     fn routed_experts(
         &mut self,
         gpu: &Gpu,
         stream: &Stream,
         weights: &DeviceWeights,
         layer: usize,
-        join: Option<&Stream>,
     ) -> Result<()> {
         let experts = &weights.experts[layer];
         let (b, d, rows) = (self.tokens, self.dim, self.grouping.rows_total);
@@ -657,12 +625,6 @@ impl FfnHalf {
             &self.l2_config,
             &self.ws_l2,
         )?;
-        if let Some(side) = join {
-            // Join: the combine adds shared_out.
-            stream
-                .join(side)
-                .map_err(|e| anyhow::anyhow!("join the FFN's second stream: {e:?}"))?;
-        }
         let addend = self.layers[layer]
             .shared
             .as_ref()

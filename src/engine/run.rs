@@ -111,18 +111,6 @@ impl<'w> Engine<'w> {
         Ok(())
     }
 
-    /// Runs the FFN's shared expert on a second stream beside the routed experts
-    /// ([`FfnHalf::overlap_shared`](crate::engine::ffn::FfnHalf::overlap_shared), off by default). Fails once a step
-    /// graph was captured, like [`Engine::set_pdl`].
-    pub fn set_overlap_shared(&mut self, on: bool) -> Result<()> {
-        ensure!(
-            self.prompt_graph.is_none() && self.step_graph.is_none(),
-            "set the shared-expert overlap before the first step: a captured graph keeps its streams"
-        );
-        self.state.ffn.overlap_shared = on;
-        Ok(())
-    }
-
     /// Admits one prompt per slot (every slot of the batch; prompts of equal length, at least one token) with
     /// the sampler's options and stop ids, runs all but the last prompt token through the layers (filling the
     /// caches), then the first decode step, which samples each sequence's first token.
