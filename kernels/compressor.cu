@@ -46,7 +46,6 @@
 #include "common/index_key.cuh"
 #include "common/kv_entry.cuh"
 #include "common/rope.cuh"
-#include "common/pdl.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -390,14 +389,12 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ kv_in, co
 #define COMPRESSOR_DECODE_ENTRY(NAME, D, OVERLAP, STORE)                                                       \
     extern "C" __global__ void __launch_bounds__(D) __cluster_dims__(D / kSliceDims, 1, 1)                    \
         NAME(COMPRESSOR_DECODE_PARAMS) {                                                                      \
-        pdl_enter();                                                                                          \
         decode_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, positions, ratio, state, base, capacity, pooled_out, \
                                        COMPRESSOR_FINALIZE);                                                     \
     }
 // The one-CTA reference (decode_body_one_cta): grid = batch capacity, block = d threads, same parameters.
 #define COMPRESSOR_DECODE_ONE_CTA_ENTRY(NAME, D, OVERLAP, STORE)                                               \
     extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_DECODE_PARAMS) {                          \
-        pdl_enter();                                                                                          \
         decode_body_one_cta<D, OVERLAP, STORE>(kv_in, gate_in, ape, positions, ratio, state, base, capacity,  \
                                                pooled_out, COMPRESSOR_FINALIZE);                               \
     }
@@ -405,7 +402,6 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ kv_in, co
 // [n, W] (raw gate: ape is added here); n_tokens [1]; base/capacity [1]; pooled_out [blocks, d] or null.
 #define COMPRESSOR_PREFILL_ENTRY(NAME, D, OVERLAP, STORE)                                                      \
     extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_PREFILL_PARAMS) {                         \
-        pdl_enter();                                                                                          \
         prefill_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, n_tokens, ratio, base, capacity, pooled_out,       \
                                         COMPRESSOR_FINALIZE);                                                    \
     }
@@ -435,7 +431,6 @@ extern "C" __global__ void __launch_bounds__(256) compressor_seed_state(const fl
                                                                        int max_tokens, int ratio, int width,
                                                                        int overlap,
                                                                        float* __restrict__ state) {
-    pdl_enter();
     const int m = ratio;
     const int rows = (overlap ? 2 : 1) * m;
     const int r = blockIdx.x;

@@ -44,7 +44,6 @@
 
 #include "common/cp_async.cuh"
 #include "common/formats.cuh"
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -411,7 +410,6 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
 
 #define DENSE_ENTRY(name, mode, mt)                                                                  \
     extern "C" __global__ void __launch_bounds__(kThreads, 1) name(const __grid_constant__ DenseParams p) { \
-        pdl_enter();                                                                                 \
         dense_body<mode, mt>(p);                                                                     \
     }
 #define DENSE_ENTRIES(prefix, mode)     \

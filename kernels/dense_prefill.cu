@@ -14,11 +14,9 @@
 #include <stdint.h>
 
 #include "common/formats.cuh"
-#include "common/pdl.cuh"
 
 extern "C" __global__ void dense_prefill_act_scales_f32(const uint8_t* __restrict__ codes, float* __restrict__ out,
                                                         int m, int m_pad, int k_blocks) {
-    pdl_enter();
     const long long total = (long long)m_pad * k_blocks;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {

@@ -23,7 +23,6 @@
 #include <cuda_bf16.h>
 #include <limits.h>
 #include <stdint.h>
-#include "common/pdl.cuh"
 
 constexpr int kAttnGlueThreads = 256;
 // Candidate modes: 0 = the window only (sliding-window layers), kCandSelected = the window then the indexer's top-k
@@ -34,7 +33,6 @@ constexpr int kCandAllVisible = 2;
 extern "C" __global__ void __launch_bounds__(kAttnGlueThreads)
     attn_indexer_inputs(const float* __restrict__ w_f32, int n, __nv_bfloat16* __restrict__ w_bf16,
                         const int* __restrict__ positions, int batch, int ratio, int* __restrict__ num_valid) {
-    pdl_enter();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) w_bf16[i] = __float2bfloat16_rn(w_f32[i]);
     if (i < batch) {
@@ -67,7 +65,6 @@ extern "C" __global__ void __launch_bounds__(kAttnGlueThreads)
     attn_candidates(const int* __restrict__ positions, const int* __restrict__ window_base, int window, int ring,
                     const int* __restrict__ compressed_base, int ratio, int mode, const int* __restrict__ selected,
                     int k, int sort_n, int* __restrict__ candidates, int stride, int* __restrict__ lengths) {
-    pdl_enter();
     extern __shared__ int sel[];  // sort_n ints (mode kCandSelected)
     __shared__ int n_selected;
     const int b = blockIdx.x;

@@ -12,7 +12,6 @@
 // src/ops/mhc `hc_head`): the same math, reused through the head launcher `final_norm`.
 #include <cuda_bf16.h>
 #include <stdint.h>
-#include "common/pdl.cuh"
 
 constexpr uint32_t HEAD_ERR_OOV_ID = 1u;  // an id >= vocab was seen (src/ops/head ERR_OOV_ID)
 
@@ -20,7 +19,6 @@ extern "C" __global__ void __launch_bounds__(256) head_embed(const int* __restri
                                                             const __nv_bfloat16* __restrict__ table, int vocab,
                                                             int D, __nv_bfloat16* __restrict__ X,
                                                             uint32_t* __restrict__ error) {
-    pdl_enter();
     const int t = blockIdx.x;
     if (t >= T) return;
     const int chunk = blockIdx.y * blockDim.x + threadIdx.x;  // 8 BF16 per chunk

@@ -65,7 +65,6 @@
 #include "common/formats.cuh"
 #include "common/index_key.cuh"
 #include "common/wgmma.cuh"
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -96,7 +95,6 @@ extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_fp8(const f
                                                                        const int* __restrict__ slots, int n,
                                                                        int num_slots, uint8_t* __restrict__ codes,
                                                                        float* __restrict__ scales) {
-    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int key = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     float v[4];
@@ -111,7 +109,6 @@ extern "C" __global__ void __launch_bounds__(256) indexer_write_keys_mxfp4(const
                                                                          const int* __restrict__ slots, int n,
                                                                          int num_slots, uint8_t* __restrict__ codes,
                                                                          uint8_t* __restrict__ scales) {
-    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int key = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     float v[4];
@@ -254,7 +251,6 @@ __device__ __forceinline__ void logits_mxfp4_body(const uint8_t* __restrict__ q,
         NAME(const uint8_t* __restrict__ q, const float* __restrict__ w, const uint8_t* __restrict__ codes,      \
              const void* __restrict__ scales, const int* __restrict__ num_valid,                                 \
              const int* __restrict__ key_seq, int capacity, float* __restrict__ scores, int score_stride) {      \
-        pdl_enter();                                                                                             \
         logits_mxfp4_body<NEXT_N>(q, w, codes, scales, num_valid, key_seq, capacity, scores, score_stride);     \
     }
 
@@ -557,17 +553,12 @@ struct GlobalCompSrc {
 //     the dependent's wait is for full completion). Their dependents are then resident and parked in the wait
 //     when they finish. No deadlock: a grid is launched only after EVERY CTA of the previous grid issued the
 //     trigger (is resident) or exited, so the parked CTAs never keep a CTA of an earlier grid from starting.
-//   * The final pass triggers only after its wait (common/pdl.cuh's pdl_enter() is its first statement, then the
-//     body's own wait, a no-op the second time): its successor (the next call's logits, or whatever the engine
-//     runs next) may be scheduled once select has completed, and waits in its own pdl_enter() for the final pass
-//     to complete. So the final pass's zeroing of hist / counters / arrivals finishes before the next call's hist
-//     starts: hist waits for the logits to complete, and the logits waited for the final pass.
+//   * The final pass waits first (its body's griddepcontrol.wait) and never triggers; whatever the engine runs
+//     next (the next call's logits included) is launched plainly, so it starts only once the final pass has
+//     completed: its zeroing of hist / counters / arrivals finishes before the next call's hist starts.
 //   * hist's predecessor may be any kernel (top-k alone): hist waits before reading num_valid or scores.
-//   * Engine-wide PDL (src/gpu/launch.rs `with_pdl`): every other entry point starts with pdl_enter() (wait, then
-//     trigger), so any kernel before or after this chain touches memory only after its predecessor completed.
-//     hist_pdl and select_pdl keep their trigger-first order (common/pdl.cuh is not called there: they are listed
-//     in src/gpu/launch.rs PDL_OWN_PROTOCOL); the cascade they allow is bounded by the chain (hist, select, final
-//     resident together) because the final pass waits before it triggers.
+//   * Every other entry point of this file is launched plainly; the cascade hist and select allow is bounded by
+//     the chain (hist, select, final resident together) because the final pass does not trigger.
 // ------------------------------------------------------------------------------------------------------------
 namespace {
 __device__ __forceinline__ void topk_pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
@@ -580,7 +571,6 @@ extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_hist(cons
                                                                            int score_stride,
                                                                            const int* __restrict__ num_valid,
                                                                            uint32_t* __restrict__ hist) {
-    pdl_enter();
     __shared__ uint32_t h[TKS_BINS];
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
@@ -870,7 +860,6 @@ extern "C" __global__ void __launch_bounds__(TKF_THREADS) indexer_topk_final(
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
     float* __restrict__ out_score) {
-    pdl_enter();
     topk_final_body<false>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
                             out_idx, out_score);
 }
@@ -880,7 +869,6 @@ extern "C" __global__ void __launch_bounds__(TKF_THREADS) indexer_topk_final_pdl
     uint32_t* __restrict__ counters, uint32_t* __restrict__ arrivals, const unsigned long long* __restrict__ above,
     const unsigned long long* __restrict__ bucket, int bucket_stride, int* __restrict__ out_idx,
     float* __restrict__ out_score) {
-    pdl_enter();
     topk_final_body<true>(score_stride, num_valid, k, hist, counters, arrivals, above, bucket, bucket_stride,
                            out_idx, out_score);
 }
@@ -1018,7 +1006,6 @@ extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_select(
     const float* __restrict__ scores, int score_stride, const int* __restrict__ num_valid, int k,
     const uint32_t* __restrict__ hist, uint32_t* __restrict__ counters, unsigned long long* __restrict__ above,
     unsigned long long* __restrict__ bucket, int bucket_stride) {
-    pdl_enter();
     topk_select_body<false>(scores, score_stride, num_valid, k, hist, counters, above, bucket, bucket_stride);
 }
 // indexer_topk_select for a PDL launch (see "Top-k PDL entry points").
@@ -1037,7 +1024,6 @@ extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_select_pd
 extern "C" __global__ void indexer_baseline_dequant(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
                                                     int fp4, const int* __restrict__ num_valid, int next_n, int capacity,
                                                     float* __restrict__ out) {
-    pdl_enter();
     const int b = blockIdx.y;
     const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     int n_seq = 0;
@@ -1060,7 +1046,6 @@ extern "C" __global__ void indexer_baseline_dequant(const uint8_t* __restrict__ 
 extern "C" __global__ void __launch_bounds__(256) indexer_baseline_logits_f32(
     const uint8_t* __restrict__ q, const float* __restrict__ w, const float* __restrict__ keys,
     const int* __restrict__ num_valid, int next_n, int capacity, float* __restrict__ scores, int score_stride) {
-    pdl_enter();
     extern __shared__ __align__(16) float sm[];
     float* ks = sm;              // [64][129] padded
     float* qs = sm + 64 * 129;   // [64][129]
@@ -1108,7 +1093,6 @@ extern "C" __global__ void __launch_bounds__(256) indexer_baseline_logits_f32(
 extern "C" __global__ void indexer_baseline_sort_init(const float* __restrict__ scores, int score_stride,
                                                       const int* __restrict__ num_valid, int npad,
                                                       unsigned long long* __restrict__ comps) {
-    pdl_enter();
     const int row = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= npad) return;
@@ -1120,7 +1104,6 @@ extern "C" __global__ void indexer_baseline_sort_init(const float* __restrict__ 
 // One bitonic compare-exchange step (size, stride) over every row, descending. grid (ceil(npad/2/256), rows).
 extern "C" __global__ void indexer_baseline_bitonic_step(unsigned long long* __restrict__ comps, int npad, int size,
                                                          int stride) {
-    pdl_enter();
     const int row = blockIdx.y;
     const int p = blockIdx.x * blockDim.x + threadIdx.x;  // pair index
     if (p >= npad / 2) return;
@@ -1139,7 +1122,6 @@ extern "C" __global__ void indexer_baseline_bitonic_step(unsigned long long* __r
 extern "C" __global__ void indexer_baseline_sort_gather(const unsigned long long* __restrict__ comps, int npad,
                                                         int score_stride, const int* __restrict__ num_valid, int k,
                                                         int* __restrict__ out_idx, float* __restrict__ out_score) {
-    pdl_enter();
     const int row = blockIdx.y;
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= k) return;
@@ -1447,7 +1429,6 @@ __device__ __forceinline__ void logits_tma_body(const LtTensorMap* codes_map, co
              const uint8_t* __restrict__ q, const float* __restrict__ w, const int* __restrict__ num_valid,      \
              const int* __restrict__ key_seq, int capacity, float* __restrict__ scores, int score_stride,        \
              int tiles_per_seq, int total_tiles) {                                                               \
-        pdl_enter();                                                                                             \
         logits_tma_body<NEXT_N, STAGES>(&codes_map, &scales_map, q, w, num_valid, key_seq, capacity, scores,    \
                                         score_stride, tiles_per_seq, total_tiles);                               \
     }

@@ -27,7 +27,6 @@
 // reciprocals; u BF16; the RMSNorm + quantizer of common/norm_row.cuh. Only the fp32 sums (F.x, sum of squares)
 // have a reduction order different from the reference.
 #include "common/norm_row.cuh"
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -112,11 +111,8 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // then waits in its own griddepcontrol.wait). Without the attribute both instructions are no-ops, so the
 // *_pdl kernels are also correct under a plain launch. Only loads of constant weights (never written by any
 // kernel: F, hc_scale, hc_base) may be issued before the wait; every output store comes after it.
-// Engine-wide PDL (src/gpu/launch.rs `with_pdl`): every other entry point of this file starts with pdl_enter()
-// (common/pdl.cuh: wait, then trigger). mhc_mix_partial24_pdl and mhc_pre_finish_pdl_* keep this protocol (the
-// trigger and the F copies precede their wait, which is what they are for), so they do not call pdl_enter() and
-// are listed in src/gpu/launch.rs PDL_OWN_PROTOCOL. Mixing the two is correct: each kernel of either kind touches
-// non-constant memory only after a wait for its predecessor's completion, and every CTA waits before it exits.
+// Only mhc_mix_partial24_pdl and mhc_pre_finish_pdl_* follow this protocol (the trigger and the F copies precede
+// their wait, which is what they are for); every other entry point of this file is launched plainly.
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -499,7 +495,6 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
 // part [T, NMIX+1, S] f32.
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial4(const __nv_bfloat16* X, const float* F,
                                                                   float* part, int T, int D4) {
-    pdl_enter();
     mhc_mix_partial<4>(X, F, part, T, D4);
 }
 
@@ -510,14 +505,12 @@ extern "C" __global__ void __launch_bounds__(128) mhc_post_mix_partial24(const _
                                                                         const float* post, const float* comb,
                                                                         __nv_bfloat16* Xout, const float* F,
                                                                         float* part, int T, int D) {
-    pdl_enter();
     mhc_post_mix_partial<24>(y, X, post, comb, Xout, F, part, T, D);
 }
 
 // Staged split-K mixes (cp.async staging): grid (S = 4D/128, ceil(T/32)), any block multiple of 32 (128 used).
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_staged(const __nv_bfloat16* X, const float* F,
                                                                       float* part, int T, int D4) {
-    pdl_enter();
     __shared__ MixSmem sm;
     mix_tile_smem<24>(X, F, part, T, D4, gridDim.x, blockIdx.x, blockIdx.y, sm);
 }
@@ -530,17 +523,14 @@ extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_staged(const
 // (the Sinkhorn on 16 lanes)
 extern "C" __global__ void mhc_pre_finish_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
                                                  float* rstd) {
-    pdl_enter();
     mhc_pre_finish<KIND_NVFP4, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
                                             scales, gsa, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
 }
 extern "C" __global__ void mhc_pre_finish_fp8(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* rstd) {
-    pdl_enter();
     mhc_pre_finish<KIND_FP8, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u, q,
                                           scales, nullptr, nullptr, rstd, blockIdx.x, blockIdx.y == 1);
 }
 extern "C" __global__ void mhc_pre_finish_bf16(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd) {
-    pdl_enter();
     mhc_pre_finish<KIND_BF16, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb, u,
                                            nullptr, nullptr, nullptr, y, rstd, blockIdx.x, blockIdx.y == 1);
 }
@@ -586,19 +576,16 @@ __device__ __forceinline__ QuantCopies copies_of(uint8_t* q8, uint8_t* s8, uint8
     return c;
 }
 extern "C" __global__ void mhc_pre_finish_bf16_q8(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
-    pdl_enter();
     mhc_pre_finish<KIND_BF16, false, true, false, true, false>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
                                                           u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
                                                           blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
 }
 extern "C" __global__ void mhc_pre_finish_bf16_q4(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
-    pdl_enter();
     mhc_pre_finish<KIND_BF16, false, true, false, false, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
                                                           u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
                                                           blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
 }
 extern "C" __global__ void mhc_pre_finish_bf16_q8q4(MHC_PRE_COMMON, __nv_bfloat16* y, float* rstd, MHC_COPIES_PARAMS) {
-    pdl_enter();
     mhc_pre_finish<KIND_BF16, false, true, false, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, post, comb,
                                                           u, nullptr, nullptr, nullptr, y, rstd, blockIdx.x,
                                                           blockIdx.y == 1, copies_of(q8, s8, q4, s4, g4));
@@ -625,7 +612,6 @@ extern "C" __global__ void mhc_head_finish_bf16(const __nv_bfloat16* X, const fl
                                                 const float* hc_scale, const float* hc_base,
                                                 const __nv_bfloat16* w, float eps, float* pre, __nv_bfloat16* u,
                                                 __nv_bfloat16* y, float* rstd) {
-    pdl_enter();
     mhc_pre_finish<KIND_BF16, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, nullptr, nullptr, u,
                                           nullptr, nullptr, nullptr, y, rstd, blockIdx.x, false);
 }
@@ -634,7 +620,6 @@ extern "C" __global__ void mhc_head_finish_bf16(const __nv_bfloat16* X, const fl
 extern "C" __global__ void __launch_bounds__(64) mhc_post(const __nv_bfloat16* y, const __nv_bfloat16* X,
                                                          const float* post, const float* comb,
                                                          __nv_bfloat16* Xout, int D) {
-    pdl_enter();
     const int t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= D / 8) return;
@@ -664,7 +649,6 @@ extern "C" __global__ void __launch_bounds__(64) mhc_post(const __nv_bfloat16* y
 // quant kernels above. One CTA per token for the reductions, no split-K.
 extern "C" __global__ void __launch_bounds__(256) mhc_unfused_rms(const __nv_bfloat16* X, float* rho, int D4,
                                                                  float eps) {
-    pdl_enter();
     __shared__ float red[MAX_WARPS];
     const int t = blockIdx.x;
     float ss = 0.f;
@@ -681,7 +665,6 @@ extern "C" __global__ void __launch_bounds__(256) mhc_unfused_rms(const __nv_bfl
 // dots [T, 24] = F . x (raw; rho applied by the Sinkhorn kernel).
 extern "C" __global__ void __launch_bounds__(256) mhc_unfused_gemv(const __nv_bfloat16* X, const float* F,
                                                                   float* dots, int D4) {
-    pdl_enter();
     __shared__ float red[24][8];
     const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[24];
@@ -712,7 +695,6 @@ extern "C" __global__ void __launch_bounds__(256) mhc_unfused_gemv(const __nv_bf
 // One warp per token: pre, post, comb from rho and dots.
 extern "C" __global__ void mhc_unfused_sinkhorn(const float* rho, const float* dots, const float* hc_scale,
                                                 const float* hc_base, float* pre, float* post, float* comb) {
-    pdl_enter();
     const int t = blockIdx.x, lane = threadIdx.x;
     const float r = rho[t];
     if (lane < 4) {
@@ -732,7 +714,6 @@ extern "C" __global__ void mhc_unfused_sinkhorn(const float* rho, const float* d
 // u = sum_i pre_i X_i -> BF16. grid (ceil(D/8/64), T), block 64.
 extern "C" __global__ void __launch_bounds__(64) mhc_unfused_apply(const __nv_bfloat16* X, const float* pre,
                                                                   __nv_bfloat16* u, int D) {
-    pdl_enter();
     const int t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= D / 8) return;

@@ -55,7 +55,6 @@
 #include "common/cp_async.cuh"
 #include <cuda_bf16.h>
 #include <stdint.h>
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -111,7 +110,6 @@ __device__ __forceinline__ float sq8(uint4 r, float acc) {
 extern "C" __global__ void __launch_bounds__(kThreads, 2)
     mhc_mix_tc_partial24(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ Fp,
                          float* __restrict__ part, int T, int D4) {
-    pdl_enter();
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));

@@ -64,7 +64,6 @@
 #include "common/nvfp4_dequant.cuh"
 #include "common/e2m1_thresholds.cuh"
 #include "common/grouping.cuh"
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -428,7 +427,6 @@ __device__ __forceinline__ void decode_body(const uint8_t* __restrict__ w_tiled,
         const uint8_t* __restrict__ w_codes, const uint8_t* __restrict__ w_scales, int N, int K,                     \
         const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, const int* group,  \
         int capacity, int experts, int rows_total, float* __restrict__ partial, int splits) {                       \
-        pdl_enter();                                                                                                \
         Grouping grp{group, capacity, experts, rows_total};                                                          \
         decode_body<NT, HALF>(w_codes, N, K, act, act_scales, act_is_nvfp4, grp, partial, splits);                  \
     }
@@ -466,7 +464,6 @@ __device__ __forceinline__ float block_max(float v, float* s_red) {
 extern "C" __global__ void __launch_bounds__(kThreads) moe_gemm_finish_bf16(
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, __nv_bfloat16* __restrict__ out) {
-    pdl_enter();
     Grouping grp{group, capacity, experts, rows_total};
     const int row = blockIdx.x;
     const int e = grp.expert_of_row(row);
@@ -759,7 +756,6 @@ extern "C" __global__ void __launch_bounds__(kFinishL1Threads) moe_gemm_finish_l
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int I,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,
     uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs, float* __restrict__ h_out) {
-    pdl_enter();
     extern __shared__ float s_h[];
     __shared__ __align__(16) float s_red[32];  // block_max_l1_one_barrier reads the 16 slots as float4
     finish_l1_pad_body(partial, splits, group, capacity, experts, rows_total, I, gsa, gsb, routing, h_codes,
@@ -1088,7 +1084,6 @@ __device__ __forceinline__ void finish_l1_rows2_body(
         int I, const float* __restrict__ gsa, const float* __restrict__ gsb, const float* __restrict__ routing,       \
         uint8_t* __restrict__ h_codes, uint8_t* __restrict__ h_scales, float* __restrict__ h_gs,                      \
         float* __restrict__ h_out, int rows_per_cta) {                                                                \
-        pdl_enter();                                                                                                  \
         __shared__ float4 s_meta[kFinishL1RowsMaxRowsPerCta];                                                         \
         __shared__ __align__(16) float s_red[2][kFinishL1RowsThreads / 32];                                           \
         if (splits == 1) {                                                                                            \
@@ -1152,7 +1147,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
     const __nv_bfloat16* __restrict__ addend, __nv_bfloat16* __restrict__ out) {
-    pdl_enter();
     constexpr int kSlots = 8, kSplitsPerPass = 8;
     __shared__ int s_row[kFinishMaxTopk];
     __shared__ int s_exp[kFinishMaxTopk];
@@ -1292,7 +1286,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
     const __nv_bfloat16* __restrict__ addend, __nv_bfloat16* __restrict__ out) {
-    pdl_enter();
     __shared__ int s_row[kFinishMaxTopk];  // the valid slots, compacted in routing order
     __shared__ int s_exp[kFinishMaxTopk];
     __shared__ float s_sa[kFinishMaxTopk];
@@ -1315,7 +1308,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
     const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
     const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
     const __nv_bfloat16* __restrict__ addend, __nv_bfloat16* __restrict__ out) {
-    pdl_enter();
     __shared__ int s_row[kFinishMaxTopk];
     __shared__ int s_exp[kFinishMaxTopk];
     __shared__ float s_sa[kFinishMaxTopk];
@@ -1332,7 +1324,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_col
 extern "C" __global__ void moe_gemm_fill_bench_weights(uint8_t* __restrict__ codes, unsigned long long n_codes,
                                                        uint8_t* __restrict__ scales, unsigned long long n_scales,
                                                        unsigned int seed) {
-    pdl_enter();
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n_codes + n_scales; i += stride) {
         unsigned int h = (unsigned int)(i * 0x9E3779B97F4A7C15ull >> 32) ^ seed;
@@ -1346,7 +1337,6 @@ extern "C" __global__ void moe_gemm_fill_bench_weights(uint8_t* __restrict__ cod
 extern "C" __global__ void moe_gemm_dequant_rows_bf16(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
                                                       const float* __restrict__ global, long long rows, int K,
                                                       __nv_bfloat16* __restrict__ out) {
-    pdl_enter();
     const long long pairs = rows * (long long)(K / 2);
     for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < pairs; p += (long long)gridDim.x * blockDim.x) {
         const long long r = p / (K / 2);

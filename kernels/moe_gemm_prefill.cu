@@ -32,7 +32,6 @@
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "common/nvfp4_dequant.cuh"
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -404,7 +403,6 @@ __device__ __forceinline__ void bf16_step(const uint8_t* ci, uint8_t* co, int le
 extern "C" __global__ void __launch_bounds__(act_rs::kThreads, act_rs::kCtasPerSm) moe_gemm_prefill_act_rs(
     const void* __restrict__ act, const uint8_t* __restrict__ act_scales, int act_is_nvfp4, int rows, int K,
     __nv_bfloat16* __restrict__ out) {
-    pdl_enter();
     const int segments = rows * (K / 128);
     const int lane = threadIdx.x & 31;
     const int l = lane & 15, t = l >> 2, j = l & 3;
@@ -613,7 +611,6 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_r
     const __grid_constant__ TmaDesc act64, const __grid_constant__ TmaDesc act96,
     const __grid_constant__ TmaDesc act128, float restore, const int* __restrict__ offsets, int experts,
     int rows_total, float* __restrict__ partial) {
-    pdl_enter();
     extern __shared__ uint8_t rs_tiled_smem_raw[];
     __shared__ int s_tile_prefix[kMaxExperts + 1];
     __shared__ int s_warp_sum[rs::kThreads / 32];
@@ -669,7 +666,6 @@ extern "C" __global__ void __launch_bounds__(rs::kThreads, 1) moe_gemm_prefill_r
 extern "C" __global__ void moe_gemm_prefill_tile_weights_rs(const uint8_t* __restrict__ codes,
                                                             const uint8_t* __restrict__ scales, int experts, int N,
                                                             int K, uint8_t* __restrict__ tiled) {
-    pdl_enter();
     constexpr int kUnits = rs::kTiledBlock / 16;  // 1152
     const int stages = K / rs::kStageK;
     const long long blocks = (long long)experts * (N / rs::kTileRows) * stages;

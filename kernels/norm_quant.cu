@@ -30,7 +30,6 @@
 // with IEEE ops; t = x*rstd, y = w*t (fp32, no FMA), y -> BF16; quantizers see the BF16 y. Only the fp32
 // sum of squares has a reduction order different from the reference.
 #include "common/norm_row.cuh"
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -462,7 +461,6 @@ __device__ void rmsnorm_fp8_rows_resident(const __nv_bfloat16* __restrict__ x, c
 // x [rows, D] BF16, D % 1024 == 0; block D/32; dynamic shared memory D * 4 bytes.
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_fp8_bf16in_resident(const __nv_bfloat16* x, const __nv_bfloat16* w,
         uint8_t* q, uint8_t* scales, float* rstd, int rows, int D, float eps) {
-    pdl_enter();
     rmsnorm_fp8_rows_resident(x, w, q, scales, rstd, rows, D, eps);
 }
 
@@ -719,12 +717,10 @@ __device__ __forceinline__ void rmsnorm_nvfp4_rows_resident(const __nv_bfloat16*
     extern "C" __global__ void __maxnreg__(64) rmsnorm_nvfp4_bf16in_resident_nw##NW(                          \
         const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd,      \
         int rows, float eps) {                                                                                     \
-        pdl_enter();                                                                                               \
         rmsnorm_nvfp4_rows_resident<NW, true>(x, w, q, scales, gsa, rstd, rows, eps);                                    \
     }                                                                                                              \
     extern "C" __global__ void __maxnreg__(64) quant_nvfp4_bf16in_resident_nw##NW(                            \
         const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa, int rows) {                               \
-        pdl_enter();                                                                                               \
         rmsnorm_nvfp4_rows_resident<NW, false>(x, nullptr, q, scales, gsa, nullptr, rows, 0.f);                          \
     }
 NQ_RESIDENT_NVFP4_ENTRIES(1)
@@ -750,33 +746,27 @@ constexpr int kRowMaxThreads = 1024;
 
 extern "C" __global__ void rmsnorm_fp8_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                         float* rstd, int D, float eps) {
-    pdl_enter();
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
 }
 extern "C" __global__ void rmsnorm_bf16_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
                                          int D, float eps) {
-    pdl_enter();
     rmsnorm_rows<__nv_bfloat16, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(kRowMaxThreads) rmsnorm_nvfp4_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q,
                                            uint8_t* scales, float* gsa, float* rstd, int D, float eps) {
-    pdl_enter();
     rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
 }
 extern "C" __global__ void __launch_bounds__(kRowMaxThreads) rmsnorm_nvfp4_f32in(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                           float* gsa, float* rstd, int D, float eps) {
-    pdl_enter();
     rmsnorm_rows<float, KIND_NVFP4, true>(x, w, q, scales, gsa, nullptr, rstd, D, eps);
 }
 extern "C" __global__ void rmsnorm_fp8_f32in(const float* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                         float* rstd, int D, float eps) {
-    pdl_enter();
     rmsnorm_rows<float, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
 }
 extern "C" __global__ void __launch_bounds__(kRowMaxThreads) rmsnorm_bf16_f32in(const float* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
                                          int D, float eps) {
-    pdl_enter();
     rmsnorm_rows<float, KIND_BF16, true>(x, w, nullptr, nullptr, nullptr, y, rstd, D, eps);
 }
 
@@ -789,25 +779,21 @@ extern "C" __global__ void __launch_bounds__(kRowMaxThreads) rmsnorm_bf16_f32in(
 // The row loop with the packed-pair NVFP4 encoder, prmt code placement and FMA thresholds.
 extern "C" __global__ void __maxnreg__(ROW_LOOP_NVFP4_MAX_REGS) rmsnorm_nvfp4_bf16in_row_loop(const __nv_bfloat16* x,
         const __nv_bfloat16* w, uint8_t* q, uint8_t* scales, float* gsa, float* rstd, int rows, int D, float eps) {
-    pdl_enter();
     rmsnorm_rows_loop<__nv_bfloat16, KIND_NVFP4, true, true>(x, w, q, scales, gsa, rstd, rows, D, eps);
 }
 // Quantize-only row-loop NVFP4 (BF16 rows in): the unfused chain's NVFP4 quantizer and the encoder's exact-boundary
 // GPU test; same grid rule.
 extern "C" __global__ void __maxnreg__(ROW_LOOP_QUANT_MAX_REGS) quant_nvfp4_bf16in_row_loop(const __nv_bfloat16* x, uint8_t* q,
                                                                          uint8_t* scales, float* gsa, int rows, int D) {
-    pdl_enter();
     rmsnorm_rows_loop<__nv_bfloat16, KIND_NVFP4, false, true>(x, nullptr, q, scales, gsa, nullptr, rows, D, 0.f);
 }
 
 // Stand-alone FP8 quantizer of BF16 rows (the second kernel of the unfused baseline chain; its NVFP4
 // counterpart is quant_nvfp4_bf16in_row_loop).
 extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
-    pdl_enter();
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
 }
 // Stand-alone NVFP4 quantizer of BF16 rows, one CTA per row: the unfused chain's quantizer above the row-loop D limit.
 extern "C" __global__ void quant_nvfp4_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, float* gsa, int D) {
-    pdl_enter();
     rmsnorm_rows<__nv_bfloat16, KIND_NVFP4, false>(x, nullptr, q, scales, gsa, nullptr, nullptr, D, 0.f);
 }

@@ -9,7 +9,6 @@
 // One CTA per row. Pass 1 reduces the row amax; pass 2 gives each thread whole 16-element blocks (two 32-byte
 // reads of fp32 or one of bf16), so a block's scale, codes and 8 output bytes are produced by one thread.
 #include "common/formats.cuh"
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -72,14 +71,12 @@ __device__ void quantize_row(const T* __restrict__ x, int cols, uint8_t* __restr
 extern "C" __global__ void __launch_bounds__(kThreads) nvfp4_quantize_rows_f32(
     const float* __restrict__ x, int rows, int cols, uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
     float* __restrict__ global_scale) {
-    pdl_enter();
     if (blockIdx.x < rows) quantize_row(x, cols, data, scales, global_scale);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) nvfp4_quantize_rows_bf16(
     const __nv_bfloat16* __restrict__ x, int rows, int cols, uint8_t* __restrict__ data,
     uint8_t* __restrict__ scales, float* __restrict__ global_scale) {
-    pdl_enter();
     if (blockIdx.x < rows) quantize_row(x, cols, data, scales, global_scale);
 }
 
@@ -88,7 +85,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) nvfp4_quantize_rows_bf16(
 extern "C" __global__ void __launch_bounds__(kThreads) nvfp4_dequantize_rows_bf16(
     const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ global_scale,
     int rows, int cols, __nv_bfloat16* __restrict__ out) {
-    pdl_enter();
     const size_t quads = (size_t)rows * cols / 4;
     for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < quads; q += (size_t)gridDim.x * blockDim.x) {
         const size_t e = q * 4;  // first element
@@ -110,6 +106,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) nvfp4_dequantize_rows_bf1
 // Device-to-device copy with 16-byte accesses: the reference kernel of the limits probe's "copy" row beside
 // cuMemcpyDtoD (bytes read + written).
 extern "C" __global__ void __launch_bounds__(kThreads) copy_u128(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
-    pdl_enter();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) dst[i] = src[i];
 }

@@ -25,7 +25,6 @@
 
 #include <cuda_bf16.h>
 #include <stdint.h>
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -71,7 +70,6 @@ __device__ __forceinline__ unsigned long long select_key(float v, int e) {
 extern "C" __global__ void __launch_bounds__(kLogitThreads) router_logits(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate, int tokens, int experts,
     int dim, float* __restrict__ logits) {
-  pdl_enter();
   __shared__ float s_part[kLogitWarps][kLogitTokens];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int e = blockIdx.x;
@@ -300,7 +298,6 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
     float route_scale, int* topk_experts, float* topk_weights, int* __restrict__ token_rows,
     int* __restrict__ counts, int* __restrict__ row_token, float* __restrict__ row_weight,
     int* __restrict__ dropped) {
-  pdl_enter();
   select_group<false>(logits, bias, token_ids, tid2eid, vocab, hash, nullptr, experts, tokens, experts, capacity,
                       route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }
@@ -313,7 +310,6 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
     int experts, int capacity, float route_scale, int* topk_experts, float* topk_weights,
     int* __restrict__ token_rows, int* __restrict__ counts, int* __restrict__ row_token,
     float* __restrict__ row_weight, int* __restrict__ dropped) {
-  pdl_enter();
   select_group<true>(logits, bias, token_ids, tid2eid, vocab, hash, slot_of, slots, tokens, experts, capacity,
                      route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }
@@ -330,7 +326,6 @@ extern "C" __global__ void __launch_bounds__(128) router_gather_nvfp4_rows(
     const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, const float* __restrict__ global,
     const int* __restrict__ token_rows, int rows_total, int D, uint8_t* __restrict__ row_codes,
     uint8_t* __restrict__ row_scales, float* __restrict__ row_global) {
-  pdl_enter();
   const int p = blockIdx.x;
   const int row = token_rows[p];
   if (row < 0 || row >= rows_total) return;

@@ -38,7 +38,6 @@
 // included), ring[b][ring_cap] (history token n at slot n % window), hist_len[b]. The host seeds them from the
 // prompt (src/ops/sampler `HistoryTables`).
 #include <stdint.h>
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -261,7 +260,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) sampler_step(
     int n_stop, int* __restrict__ status, int* __restrict__ steps, int* __restrict__ hist_len, int* __restrict__ sampled,
     int* __restrict__ next, int* __restrict__ ring, int ring_cap, uint16_t* __restrict__ counts,
     double* __restrict__ weights, uint32_t* __restrict__ error) {
-    pdl_enter();
     __shared__ SamplerSmem s;
     const int b = blockIdx.x;
     const SamplerParams p = params[b];
@@ -401,7 +399,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) sampler_step(
 // per slot; graph-safe (B is the capacity).
 extern "C" __global__ void __launch_bounds__(128) sampler_advance_positions(int* __restrict__ positions,
                                                                            const int* __restrict__ next, int B) {
-  pdl_enter();
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= B) return;
   const int p = positions[b];

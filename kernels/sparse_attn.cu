@@ -95,7 +95,6 @@
 #include "kv_entry.cuh"
 #include "sparse_attn_common.cuh"
 #include "wgmma.cuh"
-#include "common/pdl.cuh"
 
 namespace sa {
 
@@ -462,7 +461,6 @@ __device__ __forceinline__ void decode_bf16_body(const DecodeArgs& a) {
 // Quantize n f32 vectors [n, 512] into pool entries dst_index[i]. One warp per vector.
 extern "C" __global__ void __launch_bounds__(256) kv_write_entries_f32(uint8_t* pool, int n_entries,
                                                                         const float* src, const int* dst_index, int n) {
-    pdl_enter();
     sa::kv_write_body<float>(pool, n_entries, src, dst_index, n);
 }
 
@@ -470,13 +468,11 @@ extern "C" __global__ void __launch_bounds__(256) kv_write_entries_f32(uint8_t* 
 extern "C" __global__ void __launch_bounds__(256) kv_write_entries_bf16(uint8_t* pool, int n_entries,
                                                                          const __nv_bfloat16* src,
                                                                          const int* dst_index, int n) {
-    pdl_enter();
     sa::kv_write_body<__nv_bfloat16>(pool, n_entries, src, dst_index, n);
 }
 
 // grid (heads/64, n_splits, batch), block 256, dynamic smem sa::kB16SmemBytes. Reads `staging`.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_bf16(SA_DECODE_PARAMS) {
-    pdl_enter();
     sa::decode_bf16_body(SA_DECODE_ARGS);
 }
 
@@ -485,7 +481,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_bf16(SA_
 extern "C" __global__ void __launch_bounds__(256) sparse_attn_gather_bf16(__nv_bfloat16* staging, const uint8_t* pool,
                                                                           int n_entries, const int* candidates,
                                                                           int stride, const int* lengths) {
-    pdl_enter();
     const int b = blockIdx.y;
     const int j = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -518,7 +513,6 @@ extern "C" __global__ void __launch_bounds__(256)
     sparse_attn_combine_warp_per_head(__nv_bfloat16* out, const float* part_o, const float* part_lse,
                                       const float* sinks, const int* positions, const float* freqs, int heads,
                                       int n_splits) {
-    pdl_enter();
     const int b = blockIdx.y;
     const int h = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -727,18 +721,15 @@ __device__ __forceinline__ void combine_heads_per_thread_body(__nv_bfloat16* out
 #define SA_COMBINE_ARGS out, part_o, part_lse, sinks, positions, freqs, heads, n_splits
 // One head per thread (n_splits >= 5), grid (heads, batch), block 128.
 extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_heads_per_thread_1(SA_COMBINE_PARAMS) {
-    pdl_enter();
     sa::combine_heads_per_thread_body<1>(SA_COMBINE_ARGS);
 }
 // Two heads per thread (n_splits 3..4), grid (heads / 2, batch), block 128.
 extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_heads_per_thread_2(SA_COMBINE_PARAMS) {
-    pdl_enter();
     sa::combine_heads_per_thread_body<2>(SA_COMBINE_ARGS);
 }
 // Four heads per thread (n_splits 2), grid (heads / 4, batch), block 128. 6 CTAs per SM (up to 80 registers):
 // at 64 the four heads' statistics and accumulators spilled.
 extern "C" __global__ void __launch_bounds__(128, 6) sparse_attn_combine_heads_per_thread_4(SA_COMBINE_PARAMS) {
-    pdl_enter();
     sa::combine_heads_per_thread_body<4>(SA_COMBINE_ARGS);
 }
 
@@ -865,6 +856,5 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 // The FP8 path (Path::Fp8, bench "fp8"). grid (heads/64, n_splits, batch), block 256, dynamic smem
 // sa::kFp8SmemBytes; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for the combine.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8(SA_DECODE_PARAMS) {
-    pdl_enter();
     sa::decode_fp8_body(SA_DECODE_ARGS);
 }

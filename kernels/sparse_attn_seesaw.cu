@@ -101,7 +101,6 @@
 #include "sparse_attn_common.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
-#include "common/pdl.cuh"
 
 namespace sa {
 
@@ -529,6 +528,5 @@ __device__ __forceinline__ void decode_seesaw_body(const DecodeArgs& a) {
 // Path::Fp8Seesaw (bench "fp8_seesaw"). grid (heads/64, n_splits, batch), block 384, dynamic smem sa::kSsSmemBytes;
 // n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for sparse_attn.cu's combines.
 extern "C" __global__ void __launch_bounds__(384, 1) sparse_attn_decode_fp8_seesaw(SA_DECODE_PARAMS) {
-    pdl_enter();
     sa::decode_seesaw_body(SA_DECODE_ARGS);
 }

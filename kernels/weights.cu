@@ -25,7 +25,6 @@
 #include <cstdint>
 
 #include "common/formats.cuh"
-#include "common/pdl.cuh"
 
 namespace {
 
@@ -175,48 +174,41 @@ __device__ __forceinline__ void fill_slice(uint8_t* __restrict__ out, uint64_t f
 
 extern "C" __global__ void __launch_bounds__(kThreads)
     weights_fill_fp8_codes(uint8_t* __restrict__ out, uint64_t first, uint64_t count, uint64_t key) {
-    pdl_enter();
     fill_slice(out, first, count, key, Fp8Codes{});
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads)
     weights_fill_fp4_codes(uint8_t* __restrict__ out, uint64_t first, uint64_t count, uint64_t key) {
-    pdl_enter();
     fill_slice(out, first, count, key, Fp4Codes{});
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads)
     weights_fill_ue8m0_scale(uint8_t* __restrict__ out, uint64_t first, uint64_t count, uint64_t key,
                              int exp_base) {
-    pdl_enter();
     fill_slice(out, first, count, key, Ue8m0Scale{exp_base});
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads)
     weights_fill_bf16_uniform(uint8_t* __restrict__ out, uint64_t first, uint64_t count, uint64_t key,
                               float amp, float offset) {
-    pdl_enter();
     fill_slice(out, first, count, key, Bf16Uniform{amp, offset});
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads)
     weights_fill_f32_uniform(uint8_t* __restrict__ out, uint64_t first, uint64_t count, uint64_t key,
                              float amp, float offset) {
-    pdl_enter();
     fill_slice(out, first, count, key, F32Uniform{amp, offset});
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads)
     weights_fill_f32_hc_base(uint8_t* __restrict__ out, uint64_t first, uint64_t count, uint64_t key,
                              uint64_t hc, float amp, float diag) {
-    pdl_enter();
     fill_slice(out, first, count, key, F32HcBase{hc, amp, diag});
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads)
     weights_fill_i64_tid2eid(uint8_t* __restrict__ out, uint64_t first, uint64_t count, uint64_t key,
                              uint64_t k, uint64_t n_experts) {
-    pdl_enter();
     fill_slice(out, first, count, key, I64Tid2eid{key, k, n_experts});
 }
 
@@ -269,7 +261,6 @@ extern "C" __global__ void __launch_bounds__(kConvertWarps * 32)
     weights_mxfp4_to_nvfp4(const uint8_t* __restrict__ mx_codes, const uint8_t* __restrict__ mx_scales, int rows,
                            int cols, uint8_t* __restrict__ nv_codes, uint8_t* __restrict__ nv_scales,
                            float* __restrict__ global, unsigned long long* __restrict__ counters) {
-    pdl_enter();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * kConvertWarps + (threadIdx.x >> 5);
     if (row >= rows) return;  // whole warps leave together: the shuffles below see full warps

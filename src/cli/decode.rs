@@ -59,14 +59,6 @@ pub struct DecodeArgs {
     /// this is for the small geometry (--model small).
     #[arg(long)]
     pub parity: bool,
-    /// Programmatic dependent launch for every kernel of a step, `on` or `off` (the default): with `on` each
-    /// kernel is scheduled while the one before it runs and waits on the device for its completion (the same
-    /// results, bit for bit, by construction). Off by default until a GPU run has checked that bit-identity
-    /// (tests/engine_decode.rs) and measured the gain: `on` is the candidate of that A/B (scripts/gpu-run.sh runs
-    /// it), and with `off` only the mHC mix/finish pair and the indexer's top-k chain use their own PDL.
-    /// decode.csv records it in its `pdl` column.
-    #[arg(long, default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
-    pub pdl: bool,
     /// Prompt tokens per prefill chunk, 1..=64: each sequence's prompt goes through the layers in chunks of this
     /// many rows of the decode kernels (weights read once per chunk); 1 = token by token (one prompt-step graph
     /// replay per token, the whole batch at once). decode.csv records it in its `prefill_chunk` column.
@@ -94,16 +86,7 @@ fn prefill_how(chunk: usize) -> String {
     }
 }
 
-/// `on` / `off` as a bool (the `--pdl` value).
-fn on_off(s: &str) -> Result<bool, String> {
-    match s {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err(format!("`{s}`: expected on or off")),
-    }
-}
-
-/// How decode.csv and the report write a PDL setting.
+/// How decode.csv writes an on / off column.
 fn on_off_name(on: bool) -> &'static str {
     if on {
         "on"
@@ -247,7 +230,6 @@ fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<
         }
         let shape = StepShape { batch, context };
         let mut engine = Engine::new(gpu, &weights, shape)?;
-        engine.set_pdl(args.pdl)?;
         engine.set_prefill_chunk(args.prefill_chunk)?;
         let prompts: Vec<Vec<u32>> = (0..batch)
             .map(|b| {
@@ -532,20 +514,10 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         s.tpot_quantile_us(0.99),
     );
     println!(
-        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}, PDL {}) ==",
-        cfg.name,
-        gpu.info.name,
-        p.batch,
-        p.context,
-        p.start,
-        on_off_name(args.pdl)
+        "\n== decode: {} on {} (batch {}, context {}, timed steps from position {}) ==",
+        cfg.name, gpu.info.name, p.batch, p.context, p.start,
     );
     println!("experts     {}", plan.map);
-    println!(
-        "PDL         {} (programmatic dependent launch of every kernel of the timed steps; --pdl; the profiled \
-         step below runs without it)",
-        on_off_name(args.pdl)
-    );
     println!(
         "dense       --dense-route {} (gemv: the CUDA-core GEMV for every dense linear; auto: cuBLASLt's tensor \
          cores where src/ops/dense/route.rs's rule says)",
@@ -748,8 +720,8 @@ struct DecodeCsvRow {
     kernels_per_step: usize,
     expert_slots: usize,
     logical_experts: usize,
-    /// `on` / `off`: programmatic dependent launch of every kernel (`--pdl`); empty in rows written before the
-    /// column existed.
+    /// `on` / `off`: programmatic dependent launch of every kernel. The variant lost its A/B and was removed, so
+    /// new rows say `off`; the column stays for the rows that measured it (empty in rows from before it existed).
     pdl: &'static str,
     /// `on` / `off`: the shared expert on a second stream. The variant lost its A/B and was removed, so new rows
     /// say `off`; the column stays for the rows that measured it (and is empty in rows from before it existed).
@@ -811,7 +783,7 @@ fn append_csv(
         kernels_per_step: s.kernels,
         expert_slots: plan.map.slots,
         logical_experts: plan.map.logical,
-        pdl: on_off_name(args.pdl),
+        pdl: on_off_name(false),
         overlap_shared: on_off_name(false),
         prefill_chunk: s.ttft_s.map(|_| args.prefill_chunk),
         dense_route: args.dense_route.name(),
@@ -836,15 +808,14 @@ mod tests {
             seed: 1,
             out: None,
             parity: false,
-            pdl: false,
             prefill_chunk: 64,
             dense_route: DenseRoute::Gemv,
         }
     }
 
-    /// `--pdl` takes on / off, off by default.
+    /// `--dense-route` takes gemv / auto / tensor-cores, auto by default.
     #[test]
-    fn pdl_is_off_unless_asked_on() {
+    fn dense_route_defaults_to_auto() {
         use clap::Parser;
         #[derive(clap::Parser)]
         struct Cli {
@@ -853,10 +824,6 @@ mod tests {
         }
         let parse =
             |a: &[&str]| Cli::try_parse_from(std::iter::once("decode").chain(a.iter().copied()));
-        assert!(!parse(&[]).unwrap().decode.pdl);
-        assert!(parse(&["--pdl", "on"]).unwrap().decode.pdl);
-        assert!(!parse(&["--pdl", "off"]).unwrap().decode.pdl);
-        assert!(parse(&["--pdl", "maybe"]).is_err());
         assert_eq!(parse(&[]).unwrap().decode.dense_route, DenseRoute::Auto);
         assert_eq!(
             parse(&["--dense-route", "auto"])

@@ -222,8 +222,6 @@ fn main_job_decode() -> decode::DecodeArgs {
         seed: 0x5EED,
         out: None,
         parity: false,
-        // Both off, as `megamoe decode`'s defaults, until a GPU run has checked and measured them.
-        pdl: false,
         prefill_chunk: crate::engine::prefill::DEFAULT_PREFILL_CHUNK,
         // The GEMV, `megamoe decode`'s default, until a GPU run has checked and measured the tensor-core route.
         dense_route: crate::ops::dense::route::DEFAULT_ROUTE,

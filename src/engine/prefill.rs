@@ -27,7 +27,6 @@ use crate::engine::io::{LayerIo, StepShape};
 use crate::engine::plan::PREFILL_CHUNK_MAX;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
-use crate::gpu::launch::with_pdl;
 use crate::gpu::{DevBuf, Gpu, Stream};
 use crate::model::ModelConfig;
 use crate::ops::compressor::dev;
@@ -96,8 +95,6 @@ pub struct PrefillState {
     pub ffn: FfnHalf,
     /// Per layer: every row -> the sequence being prefilled.
     pub tables: Vec<RowTables>,
-    /// Programmatic dependent launch for the chunk's kernels (as `DecodeState::pdl`).
-    pub pdl: bool,
     /// Tokens a sequence holds (the decode state's context).
     context: usize,
 }
@@ -162,7 +159,6 @@ impl PrefillState {
             attn,
             ffn,
             tables,
-            pdl: false,
             context,
             rows,
             config: cfg,
@@ -222,44 +218,42 @@ impl PrefillState {
         arena::upload(stream, &self.tokens, &ids)?;
         arena::upload(stream, &self.positions, &pos)?;
         let real = toks.len();
-        with_pdl(self.pdl, || {
-            let table = weights.typed::<bf16>("embed.weight")?;
-            let shape = EmbedShape {
-                tokens: self.rows,
-                vocab: self.config.vocab_size,
-                dim: self.config.dim,
+        let table = weights.typed::<bf16>("embed.weight")?;
+        let shape = EmbedShape {
+            tokens: self.rows,
+            vocab: self.config.vocab_size,
+            dim: self.config.dim,
+        };
+        head::embed_tokens(
+            gpu,
+            stream,
+            &self.tokens,
+            &table,
+            &shape,
+            &self.x,
+            &self.error,
+        )?;
+        for (layer, caches) in caches.layers.iter().enumerate() {
+            let rows = &self.tables[layer];
+            let attn_io = LayerIo {
+                x_in: &self.x,
+                x_out: &self.x_mid,
+                positions: &self.positions,
+                tokens: dev(&self.tokens),
+                caches,
+                rows,
+                chunk_rows: Some(real),
+                marks: None,
             };
-            head::embed_tokens(
-                gpu,
-                stream,
-                &self.tokens,
-                &table,
-                &shape,
-                &self.x,
-                &self.error,
-            )?;
-            for (layer, caches) in caches.layers.iter().enumerate() {
-                let rows = &self.tables[layer];
-                let attn_io = LayerIo {
-                    x_in: &self.x,
-                    x_out: &self.x_mid,
-                    positions: &self.positions,
-                    tokens: dev(&self.tokens),
-                    caches,
-                    rows,
-                    chunk_rows: Some(real),
-                    marks: None,
-                };
-                self.attn.run(gpu, stream, weights, layer, &attn_io)?;
-                let ffn_io = LayerIo {
-                    x_in: &self.x_mid,
-                    x_out: &self.x,
-                    ..attn_io
-                };
-                self.ffn.run(gpu, stream, weights, layer, &ffn_io)?;
-            }
-            Ok(())
-        })
+            self.attn.run(gpu, stream, weights, layer, &attn_io)?;
+            let ffn_io = LayerIo {
+                x_in: &self.x_mid,
+                x_out: &self.x,
+                ..attn_io
+            };
+            self.ffn.run(gpu, stream, weights, layer, &ffn_io)?;
+        }
+        Ok(())
     }
 
     /// Fills the chunk's residuals and every intermediate output of both halves with 0xFF (NaN in BF16 / f32,

@@ -84,31 +84,15 @@ impl<'w> Engine<'w> {
     pub fn prepare_prefill(&mut self, gpu: &Gpu, len: usize) -> Result<usize> {
         let rows = self.prefill_chunk.min(len.saturating_sub(1));
         if rows > 1 && self.prefill_state.as_ref().is_none_or(|p| p.rows != rows) {
-            let mut ps = PrefillState::new(
+            self.prefill_state = Some(PrefillState::new(
                 gpu,
                 self.weights,
                 &self.state.caches,
                 self.state.shape.context,
                 rows,
-            )?;
-            ps.pdl = self.state.pdl;
-            self.prefill_state = Some(ps);
+            )?);
         }
         Ok(rows)
-    }
-
-    /// Sets programmatic dependent launch for every step of this engine ([`DecodeState::pdl`], off by default).
-    /// Fails once a step graph was captured: the graph keeps the launches it was captured with.
-    pub fn set_pdl(&mut self, on: bool) -> Result<()> {
-        ensure!(
-            self.prompt_graph.is_none() && self.step_graph.is_none(),
-            "set PDL before the first step: a captured graph keeps the launches it was captured with"
-        );
-        self.state.pdl = on;
-        if let Some(ps) = &mut self.prefill_state {
-            ps.pdl = on;
-        }
-        Ok(())
     }
 
     /// Admits one prompt per slot (every slot of the batch; prompts of equal length, at least one token) with
@@ -341,15 +325,9 @@ impl<'w> Engine<'w> {
     /// group and of each kernel (from the end of the kernel before it, the gap included), summed over the layers
     /// by name, in step order, with the number of times each ran. Both sets of events are in the one graph, so
     /// each time includes the event nodes' own cost. A real step: the state advances.
-    ///
-    /// The profiled step runs without PDL whatever [`DecodeState::pdl`] says: an event-record node sits between
-    /// every two kernels, so there is no kernel-to-kernel edge for PDL to relax (and a programmatic edge from an
-    /// event node is not a kernel-to-kernel one); plain launches keep the tables comparable between `--pdl` on
-    /// and off. The step graph the timed steps replay is not affected.
     pub fn profile_step(&mut self, gpu: &Gpu) -> Result<ProfiledStep> {
         let stream = gpu.stream.clone();
         self.capture_decode_step(gpu)?;
-        let pdl = std::mem::replace(&mut self.state.pdl, false);
         self.state.marks = Some(StepMarks::new(&stream));
         let kernel_marks = std::rc::Rc::new(StepMarks::new(&stream));
         let (state, weights) = (&mut self.state, self.weights);
@@ -361,7 +339,6 @@ impl<'w> Engine<'w> {
             })
         });
         let marks = self.state.marks.take().expect("marks set above");
-        self.state.pdl = pdl;
         let graph = graph?;
         graph
             .launch()

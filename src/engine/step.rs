@@ -17,7 +17,6 @@ use crate::engine::io::{group, LayerIo, Residual, StepMarks, StepShape, STREAMS}
 use crate::engine::plan::{IndexKeyFormat, LayerCachePlan};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
-use crate::gpu::launch::with_pdl;
 use crate::gpu::{DevBuf, Gpu, Stream};
 use crate::model::ModelConfig;
 use crate::ops::dense::{self, Bf16Job, DenseKind, DenseShape, DenseWorkspace};
@@ -137,13 +136,6 @@ pub struct DecodeState {
     /// Set while a step is being profiled ([`crate::engine::run::Engine::profile_step`]): every group of kernels
     /// records an event after it.
     pub marks: Option<StepMarks>,
-    /// Programmatic dependent launch for every kernel of a step, a layer half, a prompt step ([`with_pdl`]): each
-    /// kernel is scheduled while the one before it runs and waits on the device for its completion, so the
-    /// results are those of plain launches (bit for bit) and the launch gaps between kernels shrink; a captured
-    /// step graph then carries programmatic edges. Default false (only the launchers that choose PDL themselves use
-    /// it: the mHC pair, the top-k chain) until a GPU run has checked the bit-identity and measured the gain;
-    /// `megamoe decode --pdl on` turns it on.
-    pub pdl: bool,
 }
 
 impl DecodeState {
@@ -197,7 +189,6 @@ impl DecodeState {
             attn,
             ffn,
             marks: None,
-            pdl: false,
             caches,
             arena,
             ws,
@@ -310,26 +301,24 @@ impl DecodeState {
             "layer {layer} of {}",
             self.config.n_layers
         );
-        with_pdl(self.pdl, || {
-            let (x_in, x_out) = match half {
-                Half::Attention => (&self.x, &self.x_mid),
-                Half::Ffn => (&self.x_mid, &self.x),
-            };
-            let io = LayerIo {
-                x_in,
-                x_out,
-                positions: &self.positions,
-                tokens: self.ws.sampler.next,
-                caches: &self.caches.layers[layer],
-                rows: &self.caches.layers[layer].rows,
-                chunk_rows: None,
-                marks: self.marks.as_ref(),
-            };
-            match half {
-                Half::Attention => self.attn.run(gpu, stream, weights, layer, &io),
-                Half::Ffn => self.ffn.run(gpu, stream, weights, layer, &io),
-            }
-        })
+        let (x_in, x_out) = match half {
+            Half::Attention => (&self.x, &self.x_mid),
+            Half::Ffn => (&self.x_mid, &self.x),
+        };
+        let io = LayerIo {
+            x_in,
+            x_out,
+            positions: &self.positions,
+            tokens: self.ws.sampler.next,
+            caches: &self.caches.layers[layer],
+            rows: &self.caches.layers[layer].rows,
+            chunk_rows: None,
+            marks: self.marks.as_ref(),
+        };
+        match half {
+            Half::Attention => self.attn.run(gpu, stream, weights, layer, &io),
+            Half::Ffn => self.ffn.run(gpu, stream, weights, layer, &io),
+        }
     }
 
     /// Steps 17-18: `hc_head` + final norm of `x` -> `u` BF16 `[B, D]`, then the LM head `logits = head.weight u`
@@ -378,22 +367,19 @@ impl DecodeState {
     }
 
     /// One decode step: embedding, every layer, final norm, LM head, sampling (steps 0-19), then every running
-    /// sequence's position advances (`sampler::advance_positions`), so a replay needs no host work. Every kernel
-    /// is launched with PDL when [`DecodeState::pdl`] is set.
+    /// sequence's position advances (`sampler::advance_positions`), so a replay needs no host work..
     pub fn decode_step(
         &mut self,
         gpu: &Gpu,
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        with_pdl(self.pdl, || {
-            self.layers(gpu, stream, weights)?;
-            self.head(gpu, stream, weights)?;
-            self.mark(stream, group::HEAD)?;
-            self.sample(gpu, stream)?;
-            sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)?;
-            self.mark(stream, group::SAMPLER)
-        })
+        self.layers(gpu, stream, weights)?;
+        self.head(gpu, stream, weights)?;
+        self.mark(stream, group::HEAD)?;
+        self.sample(gpu, stream)?;
+        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)?;
+        self.mark(stream, group::SAMPLER)
     }
 
     fn mark(&self, stream: &Stream, what: &'static str) -> Result<()> {
@@ -405,18 +391,15 @@ impl DecodeState {
 
     /// One prompt token of every sequence (the ids the host wrote with [`DecodeState::set_tokens`]): embedding and
     /// every layer, filling the caches; no head or sampling (a prompt's logits are needed only at its last token,
-    /// which [`DecodeState::decode_step`] runs). Positions advance as in a decode step. PDL as in
-    /// [`DecodeState::decode_step`].
+    /// which [`DecodeState::decode_step`] runs). Positions advance as in a decode step.
     pub fn prompt_step(
         &mut self,
         gpu: &Gpu,
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        with_pdl(self.pdl, || {
-            self.layers(gpu, stream, weights)?;
-            sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
-        })
+        self.layers(gpu, stream, weights)?;
+        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
     }
 
     /// Steps 0-16: the embedding of `next` and every layer.

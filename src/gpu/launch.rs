@@ -1,7 +1,8 @@
 //! The one way a kernel is launched: a [`Kernel`] resolved once per (family, entry point) and cached on the
 //! [`Gpu`](super::Gpu), its parameters pushed into [`KernelArgs`], and [`launch`] on a caller-chosen stream
-//! through `cuLaunchKernelEx`, with programmatic dependent launch (PDL) as an option of [`Launch`] or, for every
-//! kernel that starts with `pdl_enter()`, of the calling thread ([`with_pdl`]).
+//! through `cuLaunchKernelEx`, with programmatic dependent launch (PDL) as an option of [`Launch`], chosen by the
+//! launchers whose kernels carry their own `griddepcontrol` protocol (the mHC mix / finish pair and the indexer's
+//! top-k chain; kernels/mhc.cu and kernels/indexer.cu state each protocol).
 //!
 //! Device buffers enter a launch through [`DeviceBuf`]: owned `CudaSlice`s, cudarc views, and [`DevBuf`]s carved
 //! from a caller-owned [`Arena`](super::arena::Arena) all give a device address and an element count, so a
@@ -129,24 +130,6 @@ impl<T> DeviceBuf<T> for DevBuf<T> {
     }
 }
 
-/// The entry points that do NOT start with `pdl_enter()` (kernels/common/pdl.cuh) because they have their own
-/// `griddepcontrol` protocol, whose point is work BEFORE the wait: the trigger (`launch_dependents`) first, and for
-/// the mHC mix the weight tile's copies (kernels/mhc.cu and kernels/indexer.cu "Top-k PDL entry points" state
-/// each protocol). Their launchers choose PDL for them ([`Launch::pdl`]); [`with_pdl`] never adds it. Every other
-/// `extern "C" __global__` entry point of kernels/*.cu starts with `pdl_enter()` (tests/pdl_coverage.rs checks
-/// both directions against the sources).
-pub const PDL_OWN_PROTOCOL: &[&str] = &[
-    "indexer_topk_hist_pdl",
-    "indexer_topk_select_pdl",
-    "mhc_mix_partial24_pdl",
-    "mhc_pre_finish_pdl_nvfp4",
-    "mhc_pre_finish_pdl_fp8",
-    "mhc_pre_finish_pdl_bf16",
-    "mhc_pre_finish_pdl_bf16_q8",
-    "mhc_pre_finish_pdl_bf16_q4",
-    "mhc_pre_finish_pdl_bf16_q8q4",
-];
-
 /// A kernel entry point resolved from its module, with the dynamic shared memory its attribute allows.
 #[derive(Clone, Debug)]
 pub struct Kernel {
@@ -155,19 +138,11 @@ pub struct Kernel {
     pub(super) smem_allowed: usize,
     /// The largest shared-memory carveout was asked for (persistent kernels sized for several CTAs per SM).
     pub(super) max_carveout: bool,
-    /// The kernel's first statement is `pdl_enter()` (not in [`PDL_OWN_PROTOCOL`]): a PDL launch of it is correct
-    /// after any predecessor, so [`with_pdl`] may add the attribute.
-    pub(super) enters_pdl: bool,
 }
 
 impl Kernel {
     pub fn name(&self) -> &str {
         &self.name
-    }
-    /// Whether the kernel starts with `pdl_enter()` (not in [`PDL_OWN_PROTOCOL`]): [`with_pdl`] may add the PDL
-    /// attribute to its launches.
-    pub fn enters_pdl(&self) -> bool {
-        self.enters_pdl
     }
     pub fn function(&self) -> &CudaFunction {
         &self.f
@@ -299,35 +274,6 @@ pub fn with_launch_marks<R>(
     r
 }
 
-thread_local! {
-    /// Whether [`launch`] adds the PDL attribute to every kernel that starts with `pdl_enter()`, while [`with_pdl`]
-    /// runs.
-    static PDL_ON: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `work` with programmatic dependent launch set (`on`) or not for every kernel this thread launches through
-/// [`launch`] that starts with `pdl_enter()` ([`Kernel::enters_pdl`]); kernels of [`PDL_OWN_PROTOCOL`] keep their
-/// launcher's [`Launch::pdl`]. Nests: the innermost call decides, and the previous setting returns after `work`.
-///
-/// Contract (kernels/common/pdl.cuh): such a kernel may be scheduled while the previous kernel of the stream
-/// still runs, and its first statement waits until every prerequisite grid has completed and its memory is
-/// visible, then lets the next kernel be scheduled. So results are exactly those of plain launches (every
-/// read and write of a kernel is ordered after its predecessor, RAW and WAR), and only the launch latency and the
-/// ramp-up of kernel N+1 overlap kernel N. Captured into a graph (stream capture), the launches become
-/// programmatic edges. Launches outside [`launch`] (cuBLASLt, memsets, event records) are unaffected; a PDL kernel
-/// after one of them waits for it as after any predecessor.
-pub fn with_pdl<R>(on: bool, work: impl FnOnce() -> R) -> R {
-    let before = PDL_ON.with(|p| p.replace(on));
-    let r = work();
-    PDL_ON.with(|p| p.set(before));
-    r
-}
-
-/// Whether [`with_pdl`] has PDL on for this thread now.
-pub fn pdl_on() -> bool {
-    PDL_ON.with(|p| p.get())
-}
-
 /// Launch `k` on `stream`. Errors name the kernel. Checks that the dynamic shared memory was allowed and that
 /// no grid dimension is zero (a zero grid is a launcher bug that the driver reports only as "invalid value").
 ///
@@ -357,7 +303,7 @@ pub unsafe fn launch(stream: &Stream, k: &Kernel, l: Launch, args: &mut KernelAr
         .map(|&i| base.add(i) as *mut std::ffi::c_void)
         .collect();
     let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(1);
-    if l.pdl || (k.enters_pdl && pdl_on()) {
+    if l.pdl {
         // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
         let mut a: sys::CUlaunchAttribute = std::mem::zeroed();
         a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -397,21 +343,7 @@ pub unsafe fn launch(stream: &Stream, k: &Kernel, l: Launch, args: &mut KernelAr
 
 #[cfg(test)]
 mod tests {
-    use super::{pdl_on, with_pdl, KernelArgs};
-
-    /// The innermost `with_pdl` decides, and the setting before it returns afterwards.
-    #[test]
-    fn with_pdl_nests_and_restores() {
-        assert!(!pdl_on(), "PDL is off outside with_pdl");
-        let r = with_pdl(true, || {
-            assert!(pdl_on());
-            with_pdl(false, || assert!(!pdl_on()));
-            assert!(pdl_on());
-            7
-        });
-        assert_eq!(r, 7);
-        assert!(!pdl_on());
-    }
+    use super::KernelArgs;
 
     /// Each parameter starts on its own 8-byte slot: scalars in the low bytes, a by-value struct over as many
     /// slots as it needs, in push order.

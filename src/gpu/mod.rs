@@ -223,7 +223,6 @@ impl Gpu {
             name: name.to_string(),
             smem_allowed: allowed.max(48 * 1024 - static_bytes.min(48 * 1024)),
             max_carveout,
-            enters_pdl: !launch::PDL_OWN_PROTOCOL.contains(&name),
         });
         map.entry(family.to_string())
             .or_default()

@@ -35,7 +35,7 @@
 //! is the GEMV everywhere ([`route::DEFAULT_ROUTE`]). The cuBLASLt handle is the GPU's ([`Gpu::blas`]); its workspace
 //! and the FP8 route's scratch are carved in the caller's [`DenseWorkspace`] (one call at a time per workspace, as
 //! for the split-K partials), so concurrent calls on other streams (the overlapped shared expert) each use their
-//! own. PDL: cuBLASLt's kernels are launched without our PDL attribute. That is safe: a PDL kernel after one of them
+//! own. PDL: cuBLASLt's kernels are launched without our PDL attribute. That is safe: a PDL kernel (the mHC pair's) after one of them
 //! starts with `griddepcontrol.wait`, which waits for the full completion (and memory flush) of its prerequisite
 //! grid whether or not that grid triggers early, and a cuBLASLt kernel after one of ours is an ordinary stream-ordered
 //! launch.
