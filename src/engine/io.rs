@@ -116,4 +116,4 @@ pub mod group {
 
 /// The events of a profiled step: one after each group of kernels, in stream order, each with the group's name
 /// (the time of a group is the time between its event and the one before it).
-pub type StepMarks = crate::gpu::timing::EventMarks;
+pub type StepMarks = crate::gpu::marks::EventMarks;

@@ -257,7 +257,7 @@ impl Launch {
 
 thread_local! {
     /// Marks every launch of this thread records into, while [`with_launch_marks`] runs.
-    static LAUNCH_MARKS: std::cell::RefCell<Option<std::rc::Rc<super::timing::EventMarks>>> =
+    static LAUNCH_MARKS: std::cell::RefCell<Option<std::rc::Rc<super::marks::EventMarks>>> =
         const { std::cell::RefCell::new(None) };
 }
 
@@ -265,7 +265,7 @@ thread_local! {
 /// kernel's entry point: captured into a graph, a replay then gives each kernel's time from the end of the one
 /// before it (its launch gap included). Launches outside [`launch`] (cuBLASLt) fall into the next kernel's time.
 pub fn with_launch_marks<R>(
-    marks: std::rc::Rc<super::timing::EventMarks>,
+    marks: std::rc::Rc<super::marks::EventMarks>,
     work: impl FnOnce() -> R,
 ) -> R {
     let before = LAUNCH_MARKS.with(|m| m.borrow_mut().replace(marks));

@@ -8,6 +8,7 @@
 pub mod arena;
 pub mod blas;
 pub mod launch;
+pub mod marks;
 pub mod module;
 pub mod telemetry;
 pub mod timing;

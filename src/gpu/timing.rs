@@ -28,21 +28,72 @@ impl Default for TimingPlan {
     }
 }
 
-/// A buffer twice the size of L2; writing it evicts whatever a kernel could reuse from L2.
+/// What an L2 flush leaves behind (the A/B knob `MEGAMOE_L2_FLUSH`, docs/measurement.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum L2FlushKind {
+    /// Write the buffer, then read it back (`l2_flush_read`, kernels/measure.cu): L2 ends full of clean lines, so
+    /// the timed kernel's misses evict without writing back, as in a decode step, where the kernel before a weight
+    /// stream wrote only its small output. The default.
+    Clean,
+    /// Write the buffer only (`MEGAMOE_L2_FLUSH=dirty`): L2 ends full of dirty lines, and the timed kernel's first
+    /// ~L2-size of misses also pay their write-back.
+    Dirty,
+}
+
+impl L2FlushKind {
+    /// `MEGAMOE_L2_FLUSH`: `dirty`, or `clean` / unset.
+    pub fn from_env() -> Result<L2FlushKind> {
+        match std::env::var("MEGAMOE_L2_FLUSH").as_deref() {
+            Err(_) | Ok("") | Ok("clean") => Ok(L2FlushKind::Clean),
+            Ok("dirty") => Ok(L2FlushKind::Dirty),
+            Ok(other) => Err(anyhow!(
+                "MEGAMOE_L2_FLUSH={other}: expected `clean` (the default) or `dirty`"
+            )),
+        }
+    }
+}
+
+/// A buffer twice the size of L2; writing it evicts whatever a kernel could reuse from L2, and reading it back
+/// ([`L2FlushKind::Clean`]) leaves the lines clean.
 pub struct L2Flush {
     buf: CudaSlice<u8>,
+    kind: L2FlushKind,
+    read: Arc<super::launch::Kernel>,
+    sink: CudaSlice<u32>,
+    sms: u32,
 }
 
 impl L2Flush {
     pub fn new(gpu: &Gpu) -> Result<L2Flush> {
-        let bytes = (gpu.info.l2_bytes * 2).max(128 << 20);
+        let bytes = (gpu.info.l2_bytes * 2).max(128 << 20).next_multiple_of(16);
         Ok(L2Flush {
             buf: gpu.zeros::<u8>(bytes)?,
+            kind: L2FlushKind::from_env()?,
+            read: gpu.kernel("measure", "l2_flush_read")?,
+            sink: gpu.zeros::<u32>(1)?,
+            sms: gpu.info.sm_count.max(1) as u32,
         })
     }
-    /// Overwrite the buffer on `stream` (a memset: no kernel launch).
+    /// Overwrite the buffer on `stream` (a memset), then, for [`L2FlushKind::Clean`], read it back.
     pub fn flush(&mut self, stream: &Stream) -> Result<()> {
-        super::fill_bytes_on(stream, &mut self.buf, 0x5A)
+        super::fill_bytes_on(stream, &mut self.buf, 0x5A)?;
+        if self.kind == L2FlushKind::Dirty {
+            return Ok(());
+        }
+        let mut a = super::launch::KernelArgs::new();
+        a.buf(&self.buf)
+            .u64((self.buf.len() / 16) as u64)
+            .buf(&self.sink);
+        // SAFETY: `l2_flush_read(const uint4* p, size_t n, uint32_t* sink)`: p holds n 16-byte words (the length
+        // is a multiple of 16), sink one word; grid-stride loop.
+        unsafe {
+            super::launch::launch(
+                stream,
+                &self.read,
+                super::launch::Launch::new((4 * self.sms, 1, 1), (256, 1, 1)),
+                &mut a,
+            )
+        }
     }
 }
 
@@ -130,69 +181,6 @@ pub fn capture_on(
         let g = g.ok_or_else(|| anyhow!("graph capture recorded no work"))?;
         g.upload().map_err(|e| anyhow!("graph upload: {e:?}"))?;
         Ok(g)
-    }
-}
-
-/// Named events recorded on a stream, in stream order: the time of a mark is the time between its event and the
-/// one before it (the first mark is the start). Recorded inside a stream capture, each event becomes an
-/// event-record node that every replay executes, so the marks time a graph's replay.
-pub struct EventMarks {
-    ctx: Arc<cudarc::driver::CudaContext>,
-    events: std::cell::RefCell<Vec<(String, cudarc::driver::CudaEvent)>>,
-}
-
-impl EventMarks {
-    pub fn new(stream: &Stream) -> EventMarks {
-        EventMarks {
-            ctx: stream.context().clone(),
-            events: Default::default(),
-        }
-    }
-
-    /// Records an event named `what` on `stream`.
-    pub fn mark(&self, stream: &Stream, what: impl Into<String>) -> Result<()> {
-        use cudarc::driver::sys::{self, CUstreamCaptureStatus};
-        let ev = self
-            .ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| anyhow!("event: {e:?}"))?;
-        let capturing = stream
-            .capture_status()
-            .map_err(|e| anyhow!("capture status: {e:?}"))?
-            == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
-        if capturing {
-            // Inside a capture a plain cuEventRecord only marks a fork/join point; the EXTERNAL flag makes it an
-            // event-record node that every replay executes, so the event can be timed after a replay.
-            // SAFETY: a live event and stream of the same context.
-            unsafe {
-                sys::cuEventRecordWithFlags(
-                    ev.cu_event(),
-                    stream.cu_stream(),
-                    sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32,
-                )
-            }
-            .result()
-            .map_err(|e| anyhow!("event record node: {e:?}"))?;
-        } else {
-            ev.record(stream)
-                .map_err(|e| anyhow!("event record: {e:?}"))?;
-        }
-        self.events.borrow_mut().push((what.into(), ev));
-        Ok(())
-    }
-
-    /// `(name, microseconds)` of every mark after the first, in order (waits for the events).
-    pub fn durations(&self) -> Result<Vec<(String, f64)>> {
-        let ev = self.events.borrow();
-        ev.windows(2)
-            .map(|w| {
-                let ms = w[0]
-                    .1
-                    .elapsed_ms(&w[1].1)
-                    .map_err(|e| anyhow!("elapsed: {e:?}"))?;
-                Ok((w[1].0.clone(), ms as f64 * 1e3))
-            })
-            .collect()
     }
 }
 
