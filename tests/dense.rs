@@ -23,7 +23,8 @@ use megamoe::ops::dense::reference::{
 use megamoe::ops::dense::{
     bf16_linear, fp8_linear, fp8_linears, plan, route, shared_expert, with_min_slice, with_route,
     wo_a_grouped, workspace_layout, Bf16Job, DenseKind, DensePath, DenseRoute, DenseShape,
-    DenseWorkspace, Fp8Job, MinSliceColumns, SharedExpertScratch, MAX_ROWS, ROUTE_CUBLAS_BYTES,
+    DenseWorkspace, Fp8Job, MinSliceColumns, SharedExpertScratch, MAX_CALL_ROWS, MAX_ROWS,
+    ROUTE_CUBLAS_BYTES,
 };
 use rand_chacha::ChaCha8Rng;
 
@@ -66,7 +67,20 @@ fn quantized_rows(x: &[f32], rows: usize) -> Vec<f32> {
 fn shape_rules_refuse_what_the_kernels_cannot_take() {
     let err = |s: DenseShape| format!("{:#}", s.check().unwrap_err());
     assert!(err(shape(DenseKind::Fp8, 0, 128, 128, 1)).contains("activation rows"));
-    assert!(err(shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1)).contains("activation rows"));
+    assert!(err(shape(DenseKind::Fp8, MAX_CALL_ROWS + 1, 128, 128, 1)).contains("activation rows"));
+    // A call above the GEMV's rows is a valid shape (tensor cores or GEMV pieces), but no one GEMV launch plans it.
+    shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1)
+        .check()
+        .unwrap();
+    let e = format!(
+        "{:#}",
+        plan(&shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1), 132).unwrap_err()
+    );
+    assert!(e.contains("GEMV launch of 65 rows"), "{e}");
+    assert_eq!(
+        shape(DenseKind::Swiglu, 300, 128, 128, 1).gemv_piece().rows,
+        MAX_ROWS
+    );
     assert!(err(shape(DenseKind::Fp8, 1, 192, 128, 1)).contains("multiples of 128"));
     assert!(err(shape(DenseKind::Fp8, 1, 128, 192, 1)).contains("multiples of 128"));
     assert!(err(shape(DenseKind::Swiglu, 1, 64, 128, 1)).contains("multiples of 128"));

@@ -25,6 +25,15 @@
 //! 1x128, and do not round g, u and each expert's output to BF16 as the model does; mHC mixes and the router's
 //! logits are f32 sums in other orders.
 //!
+//! Prefill chunks of more than `dense::MAX_ROWS` rows ([`FfnHalf::contiguous`]; docs/engine.md "Chunked prefill"):
+//! the router still writes its masked grouping by slot (counts into [`ContiguousRows::masked_counts`]), then one
+//! glue kernel ([`contiguous_grouping`], kernels/engine_ffn.cu) rewrites it as the contiguous grouping (offsets per
+//! slot, the pairs' rows and the rows' weights, `6 C` rows): moe_gemm's launcher then takes its prefill (wgmma)
+//! mainloop once the chunk has at least 6 rows per slot on average (C >= slots; `moe_gemm::prefill::routes_here`), one
+//! K split, so each resident expert's weights are read once per chunk; the masked layout would need `slots x C`
+//! rows. The shared expert's fused SwiGLU half runs as GEMV pieces of 64 rows (`dense` module docs), its w2 on the
+//! tensor cores. The decode step (at most 64 rows) keeps the masked grouping.
+//!
 //! Idle slots (position < 0): the FFN half reads no position and no cache, so an idle slot's row is computed like
 //! any other (its residual row in, its residual row out) and takes rows of the grouping; it changes no other row.
 
@@ -36,6 +45,7 @@ use crate::engine::io::{group, LayerIo, StepShape};
 use crate::engine::plan::ExpertMap;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
+use crate::gpu::launch::{launch, KernelArgs, Launch};
 use crate::gpu::{DevBuf, DeviceBuf, Gpu, Stream};
 use crate::model::weights::StoredDtype;
 use crate::model::ModelConfig;
@@ -83,6 +93,51 @@ pub fn tid2eid_i32(bytes: &[u8], experts: usize) -> Result<Vec<i32>> {
             Ok(e as i32)
         })
         .collect()
+}
+
+/// Whether the FFN half of `tokens` rows routes through the contiguous grouping (prefill chunks above the decode
+/// step's 64 rows; module docs).
+pub fn uses_contiguous_grouping(tokens: usize) -> bool {
+    tokens > dense::MAX_ROWS
+}
+
+/// Host twin of `ffn_contiguous_grouping` (kernels/engine_ffn.cu): the router's masked grouping (`counts[slots]`,
+/// rows `s * capacity + k`, the pairs' rows `masked_rows[pairs]` with -1 for none, the rows' weights) -> the
+/// contiguous one: `(offsets[slots + 1], rows[pairs], weight[pairs])`, slot s owning rows `offsets[s]..offsets[s +
+/// 1]` in its masked order, weight 0 on rows no slot owns.
+pub fn contiguous_grouping_host(
+    counts: &[i32],
+    capacity: usize,
+    masked_rows: &[i32],
+    masked_weight: &[f32],
+) -> (Vec<i32>, Vec<i32>, Vec<f32>) {
+    let pairs = masked_rows.len();
+    let c: Vec<i32> = counts
+        .iter()
+        .map(|&n| n.clamp(0, capacity as i32))
+        .collect();
+    let mut offsets = vec![0i32; counts.len() + 1];
+    for s in 0..counts.len() {
+        offsets[s + 1] = offsets[s] + c[s];
+    }
+    let mut weight = vec![0f32; pairs];
+    let rows = masked_rows
+        .iter()
+        .map(|&r| {
+            if r < 0 {
+                return -1;
+            }
+            let (s, k) = (r as usize / capacity, r as usize % capacity);
+            if s < counts.len() && (k as i32) < c[s] && ((offsets[s] as usize + k) < pairs) {
+                let out = offsets[s] as usize + k;
+                weight[out] = masked_weight[r as usize];
+                out as i32
+            } else {
+                -1
+            }
+        })
+        .collect();
+    (offsets, rows, weight)
 }
 
 /// The sizes of the FFN half that do not depend on the expert map (what the step's arena holds for it).
@@ -266,6 +321,10 @@ pub struct FfnHalf {
     /// The masked grouping by physical slot (`group` = the per-slot counts the router writes).
     pub grouping: DeviceGrouping,
 
+    /// A prefill chunk's contiguous grouping (more than `dense::MAX_ROWS` rows; module docs); `None` in the decode
+    /// step, which reads the router's masked grouping.
+    pub contiguous: Option<ContiguousRows>,
+
     // Step 14.
     /// f's NVFP4 rows gathered into the grouping's rows `[slots x capacity, D]` (only owned rows are written).
     pub a_codes: CudaSlice<u8>,
@@ -273,6 +332,8 @@ pub struct FfnHalf {
     pub a_global: CudaSlice<f32>,
     /// fp32 partials of L1, then of L2 (one buffer: L2's mainloop runs after L1's finish has read it).
     _partials: CudaSlice<f32>,
+    /// The prefill mainloop's pre-pass activations (contiguous grouping only; L1's, then L2's); empty otherwise.
+    _act_rs: Option<CudaSlice<bf16>>,
     ws_l1: MoeWorkspace,
     ws_l2: MoeWorkspace,
     /// h: L1's output, NVFP4 `[slots x capacity, I]` (L2's input).
@@ -286,6 +347,17 @@ pub struct FfnHalf {
     h_shared_scales: DevBuf<u8>,
     /// The shared expert's output BF16 `[B, D]` (the L2 combine's addend).
     pub shared_out: DevBuf<bf16>,
+}
+
+/// The contiguous grouping of a prefill chunk, written from the router's masked one by [`contiguous_grouping`]
+/// (the grouping's offsets are `FfnHalf::grouping.group`).
+pub struct ContiguousRows {
+    /// The router's per-slot counts `[slots]` (its masked grouping).
+    pub masked_counts: CudaSlice<i32>,
+    /// Row of pair (t, j) in the contiguous grouping `[T, 6]`, -1 for none (the gather's and the L2 combine's table).
+    pub token_rows: CudaSlice<i32>,
+    /// Routing weight of each contiguous row `[6 T]` (0 for a row no slot owns; the L1 finish's `routing`).
+    pub row_weight: CudaSlice<f32>,
 }
 
 impl FfnHalf {
@@ -372,25 +444,53 @@ impl FfnHalf {
             slots: map.slots,
         };
         rshape.check()?;
-        let rows = rshape.rows_total();
         let pairs = b * TOPK;
+        let contiguous = uses_contiguous_grouping(b);
+        // The grouping's rows: slots x capacity (masked), or one row per pair (contiguous).
+        let rows = if contiguous {
+            pairs
+        } else {
+            rshape.rows_total()
+        };
         let active = map.slots.min(pairs);
         let per_active = pairs as f64 / active as f64;
-        let l1_config = GemmConfig::choose(sm_count, per_active, active, 2 * i, d);
-        let l2_config = GemmConfig::choose(sm_count, per_active, active, d, i);
+        let mut l1_config = GemmConfig::choose(sm_count, per_active, active, 2 * i, d);
+        let mut l2_config = GemmConfig::choose(sm_count, per_active, active, d, i);
+        if contiguous {
+            // One K split: what moe_gemm's prefill mainloop takes (`prefill::routes_here`).
+            l1_config.splits = 1;
+            l2_config.splits = 1;
+        }
         let partials = gpu.poisoned::<f32>(
             (l1_config.splits * rows * 2 * i).max(l2_config.splits * rows * d),
             0xFF,
         )?;
+        let act_rs = if contiguous {
+            Some(gpu.poisoned::<bf16>(rows * d.max(i), 0xFF)?)
+        } else {
+            None
+        };
         let moe_ws = |c: &GemmConfig, n: usize| MoeWorkspace {
             splits: c.splits,
             rows_total: rows,
             n,
             partial: dev(&partials),
-            // SAFETY: an empty view, never dereferenced: the masked grouping never takes the prefill mainloop.
-            act_rs: unsafe { DevBuf::from_raw(0, 0) },
+            act_rs: match &act_rs {
+                Some(a) => dev(a),
+                // SAFETY: an empty view, never dereferenced: the masked grouping never takes the prefill mainloop.
+                None => unsafe { DevBuf::from_raw(0, 0) },
+            },
         };
         let (ws_l1, ws_l2) = (moe_ws(&l1_config, 2 * i), moe_ws(&l2_config, d));
+        let contiguous_rows = if contiguous {
+            Some(ContiguousRows {
+                masked_counts: gpu.poisoned::<i32>(map.slots, 0xFF)?,
+                token_rows: gpu.poisoned::<i32>(pairs, 0xFF)?,
+                row_weight: gpu.poisoned::<f32>(pairs, 0xFF)?,
+            })
+        } else {
+            None
+        };
         let hc = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Bf16, b, d)?;
         let QuantBufs::Bf16 { y } = &hc.normed.q else {
             bail!("the FFN boundary's normalized rows must be BF16")
@@ -416,15 +516,18 @@ impl FfnHalf {
             router_ws,
             route: RouterOutputs::alloc(gpu, &rshape, 0xFF)?,
             grouping: DeviceGrouping {
-                capacity,
+                capacity: if contiguous { 0 } else { capacity },
                 experts: map.slots,
                 rows_total: rows,
-                group: gpu.poisoned::<i32>(map.slots, 0xFF)?,
+                // counts [slots] (masked) or offsets [slots + 1] (contiguous).
+                group: gpu.poisoned::<i32>(map.slots + usize::from(contiguous), 0xFF)?,
             },
+            contiguous: contiguous_rows,
             a_codes: gpu.poisoned::<u8>(rows * d / 2, 0xFF)?,
             a_scales: gpu.poisoned::<u8>(rows * d / 16, 0xFF)?,
             a_global: gpu.poisoned::<f32>(rows, 0xFF)?,
             _partials: partials,
+            _act_rs: act_rs,
             ws_l1,
             ws_l2,
             h: L1Output::new(gpu, rows, i, false)?,
@@ -507,14 +610,25 @@ impl FfnHalf {
             route_scale: self.route_scale,
             slot_of: Some(&self.slot_of as &dyn DeviceBuf<i32>),
         };
+        let Some(c) = &mut self.contiguous else {
+            return router::route_counts_into(
+                gpu,
+                stream,
+                &inputs,
+                &self.router_ws,
+                &mut self.route,
+                &self.grouping.group,
+            );
+        };
         router::route_counts_into(
             gpu,
             stream,
             &inputs,
             &self.router_ws,
             &mut self.route,
-            &self.grouping.group,
-        )
+            &c.masked_counts,
+        )?;
+        contiguous_grouping(gpu, stream, &self.route, c, &self.grouping)
     }
 
     /// Step 15: the shared expert on the FP8 `f` -> `shared_out` BF16 (`Model::expert(shared, f_q, 1.0)`).
@@ -569,6 +683,10 @@ impl FfnHalf {
         else {
             bail!("the routed experts' input must be NVFP4 rows")
         };
+        let (token_rows, row_weight) = match &self.contiguous {
+            Some(c) => (&c.token_rows, &c.row_weight),
+            None => (&self.route.token_rows, &self.route.row_weight),
+        };
         router::gather_nvfp4_rows(
             gpu,
             stream,
@@ -579,7 +697,7 @@ impl FfnHalf {
                 scales: &scales,
                 global: &global_scale,
             },
-            &self.route.token_rows,
+            token_rows,
             &Nvfp4RowBufs {
                 rows,
                 dim: d,
@@ -612,7 +730,7 @@ impl FfnHalf {
             grp,
             &experts.l1,
             &a,
-            &self.route.row_weight,
+            row_weight,
             &mut self.h,
         )?;
         let h = self.h.as_activations();
@@ -636,7 +754,7 @@ impl FfnHalf {
             grp,
             &experts.l2,
             &h,
-            &self.route.token_rows,
+            token_rows,
             TOPK,
             addend,
             &mut self.moe_out,
@@ -676,6 +794,11 @@ impl FfnHalf {
         gpu.fill_bytes(&mut r.row_weight, 0xFF)?;
         gpu.fill_bytes(&mut r.dropped, 0xFF)?;
         gpu.fill_bytes(&mut self.grouping.group, 0xFF)?;
+        if let Some(c) = &mut self.contiguous {
+            gpu.fill_bytes(&mut c.masked_counts, 0xFF)?;
+            gpu.fill_bytes(&mut c.token_rows, 0xFF)?;
+            gpu.fill_bytes(&mut c.row_weight, 0xFF)?;
+        }
         gpu.fill_bytes(&mut self.a_codes, 0xFF)?;
         gpu.fill_bytes(&mut self.a_scales, 0xFF)?;
         gpu.fill_bytes(&mut self.a_global, 0xFF)?;
@@ -688,6 +811,65 @@ impl FfnHalf {
         arena::fill(s, &self.h_shared_scales, 0xFF)?;
         arena::fill(s, &self.shared_out, 0xFF)
     }
+}
+
+/// Kernel family of the FFN half's glue (kernels/engine_ffn.cu).
+pub const FAMILY: &str = "engine_ffn";
+
+/// `ffn_contiguous_grouping` (kernels/engine_ffn.cu; host twin [`contiguous_grouping_host`]): the router's masked
+/// grouping in `route` (counts in `c.masked_counts`) -> the contiguous grouping: offsets `[slots + 1]` into
+/// `grp.group`, the pairs' rows into `c.token_rows`, the rows' weights into `c.row_weight`. One CTA of 1024 threads
+/// (graph-safe: the grid is fixed, every count is read on the device).
+pub fn contiguous_grouping(
+    gpu: &Gpu,
+    stream: &Stream,
+    route: &RouterOutputs,
+    c: &ContiguousRows,
+    grp: &DeviceGrouping,
+) -> Result<()> {
+    let s = route.shape;
+    let pairs = s.tokens * TOPK;
+    ensure!(
+        grp.capacity == 0 && grp.experts == s.slots && grp.rows_total == pairs,
+        "contiguous grouping: a grouping of {} slots x capacity {} over {} rows for {} slots and {pairs} pairs",
+        grp.experts,
+        grp.capacity,
+        grp.rows_total,
+        s.slots
+    );
+    ensure!(
+        (1..=router::MAX_EXPERTS).contains(&s.slots) && s.capacity >= 1,
+        "contiguous grouping: {} slots (1..={}), capacity {}",
+        s.slots,
+        router::MAX_EXPERTS,
+        s.capacity
+    );
+    ensure!(
+        c.masked_counts.len() >= s.slots
+            && route.token_rows.len() == pairs
+            && route.row_weight.len() >= s.rows_total()
+            && grp.group.len() > s.slots
+            && c.token_rows.len() == pairs
+            && c.row_weight.len() >= pairs
+            && pairs <= i32::MAX as usize,
+        "contiguous grouping: buffers do not match {} tokens x {TOPK} picks on {} slots",
+        s.tokens,
+        s.slots
+    );
+    let k = gpu.kernel(FAMILY, "ffn_contiguous_grouping")?;
+    let mut a = KernelArgs::new();
+    a.buf(&c.masked_counts)
+        .i32(s.slots as i32)
+        .i32(s.capacity as i32)
+        .buf(&route.token_rows)
+        .buf(&route.row_weight)
+        .i32(pairs as i32)
+        .buf(&grp.group)
+        .buf(&c.token_rows)
+        .buf(&c.row_weight);
+    // SAFETY: arguments in the kernel's order; counts hold `slots` values, the masked tables `pairs` and `slots x
+    // capacity`, the outputs `slots + 1` and `pairs` (checked above); the kernel bounds every row it writes by `pairs`.
+    unsafe { launch(stream, &k, Launch::new((1, 1, 1), (1024, 1, 1)), &mut a) }
 }
 
 fn poison_rows(s: &Stream, v: &RowsOut) -> Result<()> {
@@ -748,6 +930,93 @@ mod tests {
                 .unwrap();
             assert_eq!(slot_capacity(1, &m), per_slot, "{slots} slots");
         }
+    }
+
+    /// The host twin of `ffn_contiguous_grouping` on router-like masked groupings (pairs in order, each slot's rows
+    /// in pair order, -1 for a pair with no row): the contiguous grouping is the stable sort of the pairs by slot,
+    /// i.e. slot s's rows are `offsets[s]..offsets[s + 1]` in pair order, every owned row is one pair's, weights
+    /// follow their rows and the rows no slot owns weigh 0.
+    #[test]
+    fn contiguous_grouping_is_the_stable_sort_by_slot() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (tokens, logical, slots) in [
+            (1, 16, 16),
+            (7, 16, 11),
+            (300, 16, 16),
+            (512, 256, 226),
+            (65, 6, 6),
+        ] {
+            let map = ExpertMap { logical, slots };
+            let cap = slot_capacity(tokens, &map);
+            let pairs = tokens * TOPK;
+            let mut counts = vec![0i32; slots];
+            let mut masked_rows = vec![-1i32; pairs];
+            let mut masked_weight = vec![f32::NAN; slots * cap];
+            let mut pair_slot = vec![usize::MAX; pairs];
+            for t in 0..tokens {
+                // 6 distinct logical experts; a hash layer's repeat (every 5th token) leaves its pair without a row.
+                let mut picks: Vec<usize> = Vec::new();
+                while picks.len() < TOPK {
+                    let e = (next() % logical as u64) as usize;
+                    if !picks.contains(&e) {
+                        picks.push(e);
+                    }
+                }
+                for (j, &e) in picks.iter().enumerate() {
+                    let i = t * TOPK + j;
+                    if t % 5 == 4 && j == 5 {
+                        continue;
+                    }
+                    let s = map.physical(e);
+                    let rank = counts[s] as usize;
+                    assert!(rank < cap, "slot_capacity holds every pick");
+                    counts[s] += 1;
+                    masked_rows[i] = (s * cap + rank) as i32;
+                    masked_weight[s * cap + rank] = i as f32 + 0.5;
+                    pair_slot[i] = s;
+                }
+            }
+            let (offsets, rows, weight) =
+                contiguous_grouping_host(&counts, cap, &masked_rows, &masked_weight);
+            assert_eq!(offsets.len(), slots + 1);
+            assert_eq!(offsets[0], 0);
+            for s in 0..slots {
+                assert_eq!(offsets[s + 1] - offsets[s], counts[s]);
+            }
+            let owned = offsets[slots] as usize;
+            assert!(owned <= pairs);
+            // The stable sort of the owned pairs by slot.
+            let mut want: Vec<usize> = (0..pairs).filter(|&i| masked_rows[i] >= 0).collect();
+            want.sort_by_key(|&i| pair_slot[i]);
+            assert_eq!(want.len(), owned);
+            let mut seen = vec![false; owned];
+            for (row, &i) in want.iter().enumerate() {
+                assert_eq!(
+                    rows[i] as usize, row,
+                    "{tokens} tokens on {slots} slots: pair {i}"
+                );
+                assert!(!seen[row]);
+                seen[row] = true;
+                assert_eq!(weight[row], i as f32 + 0.5);
+            }
+            for i in 0..pairs {
+                if masked_rows[i] < 0 {
+                    assert_eq!(rows[i], -1);
+                }
+            }
+            assert!(weight[owned..].iter().all(|&w| w == 0.0));
+        }
+        // A count above the capacity is clamped; a row past its slot's count gets none.
+        let (off, rows, _) = contiguous_grouping_host(&[5, 1], 2, &[0, 1, 2, 3], &[1.0; 4]);
+        assert_eq!(off, vec![0, 2, 3]);
+        assert_eq!(rows, vec![0, 1, 2, -1]);
+        assert!(uses_contiguous_grouping(65) && !uses_contiguous_grouping(64));
     }
 
     #[test]

@@ -28,9 +28,15 @@ pub const RESERVE_BYTES: usize = 1 << 30;
 pub const WORKSPACE_FIXED_BYTES: usize = 256 << 20;
 /// Tokens per prefill chunk: the step workspace holds at least this many token rows.
 pub const PREFILL_CHUNK: usize = 256;
-/// Most rows of one prefill chunk ([`crate::engine::prefill`]): the decode dense linears' row capacity
-/// (`ops::dense::MAX_ROWS`). Every window ring is sized for a chunk this long ([`LayerCachePlan::window_entries`]).
-pub const PREFILL_CHUNK_MAX: usize = 64;
+/// Most rows of one prefill chunk ([`crate::engine::prefill`]). Every window ring is sized for a chunk this long
+/// ([`LayerCachePlan::window_entries`]: `window + 511` entries, 16.0 MB a sequence for Flash, 43 layers x 639 x 584
+/// B, against 4.8 MB at the window + 63 of 64-row chunks; counted in [`MemoryPlan::cache_bytes`]). Why 512: a chunk
+/// reads every resident expert once (C x 6 picks cover nearly all of them from C ~ 256 on Flash), so the routed
+/// experts' bytes per prompt token fall as 1 / C, while the ring grows by C a layer a sequence, paid at every
+/// decode batch; at 512 the experts' bytes of a 4K prompt (8 reads of the resident experts, ~0.2 s at 3.3 TB/s) are
+/// below its row-by-row compressor launches (docs/engine.md, "Chunked prefill"), and 64 sequences' rings grow by
+/// 0.7 GB. The router groups at most 2,048 tokens a call (`router::MAX_TOKENS`).
+pub const PREFILL_CHUNK_MAX: usize = 512;
 /// K splits the MoE decode mainloop may use at most (its fp32 partials are `splits x rows x N`).
 pub const MOE_MAX_SPLITS: usize = 8;
 

@@ -36,15 +36,18 @@ use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-/// The default prefill chunk (`--prefill-chunk`): the most rows the decode linears take.
+/// The default prefill chunk (`--prefill-chunk`): the longest ([`PREFILL_CHUNK_MAX`]). A chunk reads every
+/// resident expert's weights once and every dense weight once (or once per 64 rows for the GEMV pieces), so the
+/// fewer the chunks the fewer the bytes; the row-by-row compressors cost the same at any C.
 pub const DEFAULT_PREFILL_CHUNK: usize = PREFILL_CHUNK_MAX;
 
 /// Checks a prefill chunk size: 1 (token by token, the decode step's prompt path) ..= [`PREFILL_CHUNK_MAX`].
 pub fn check_chunk(chunk: usize) -> Result<()> {
     ensure!(
         (1..=PREFILL_CHUNK_MAX).contains(&chunk),
-        "--prefill-chunk {chunk}: a chunk runs as rows of the decode kernels, which take 1..={PREFILL_CHUNK_MAX} \
-         rows (1 = token by token); longer chunks need the prefill kernels (docs/engine.md, chunked prefill phase 2)"
+        "--prefill-chunk {chunk}: chunks take 1..={PREFILL_CHUNK_MAX} rows (1 = token by token): every window ring \
+         holds window + {} entries so that a chunk's entries fit beside the window (docs/engine.md, chunked prefill)",
+        PREFILL_CHUNK_MAX - 1
     );
     Ok(())
 }
