@@ -220,10 +220,13 @@ fn chunk_row_tables_and_candidates_are_the_sequences() {
     }
 }
 
-/// The decode step's arena plus the chunked prefill's fit the memory plan's workspace budget (Flash and Pro, a 4K
-/// prompt at batch 1 and a short one at batch 64).
+/// The decode step's arena plus the chunked prefill's (its arena and its FFN's grouping buffers, which `FfnHalf::new`
+/// allocates outside the arena: at 512 rows the contiguous grouping's 3,072 rows) fit the memory plan's workspace
+/// budget (Flash and Pro, a 4K prompt at batch 1 and a short one at batch 64). The masked grouping at 512 rows
+/// would hold `slots x 512` rows: printed beside it, the reason for the contiguous one.
 #[test]
 fn prefill_arena_fits_the_plan_budget() {
+    use megamoe::engine::ffn::GroupingSizes;
     for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
         for (batch, context, prompt) in [(1, 8192, 4096), (64, 4096, 16), (1, 4096, 2)] {
             let req = PlanRequest::new(batch, context, prompt, 1 << 50);
@@ -231,24 +234,77 @@ fn prefill_arena_fits_the_plan_budget() {
             let decode =
                 step::workspace_bytes(&cfg, &StepShape { batch, context }, H100_SMS).unwrap();
             let rows = PREFILL_CHUNK_MAX.min(prompt - 1);
-            let pre = if rows > 1 {
-                PrefillState::layout(&cfg, rows, batch, context, H100_SMS)
-                    .unwrap()
-                    .bytes()
+            let (pre, grouping) = if rows > 1 {
+                let g = GroupingSizes::of(&cfg, rows, &plan.map, H100_SMS);
+                assert_eq!(g.contiguous, rows > 64);
+                (
+                    PrefillState::layout(&cfg, rows, batch, context, H100_SMS)
+                        .unwrap()
+                        .bytes(),
+                    g.bytes(&cfg),
+                )
             } else {
-                0
+                (0, 0)
             };
             println!(
                 "{} batch {batch} context {context} prompt {prompt}: decode arena {:.3} GB + prefill arena \
-                 {:.3} GB, budget {:.3} GB",
+                 {:.3} GB + prefill grouping {:.3} GB ({rows} rows), budget {:.3} GB",
                 cfg.name,
                 decode as f64 / 1e9,
                 pre as f64 / 1e9,
+                grouping as f64 / 1e9,
                 plan.workspace_bytes as f64 / 1e9
             );
-            assert!(decode + pre <= plan.workspace_bytes);
+            assert!(decode + pre + grouping <= plan.workspace_bytes);
         }
+        // The masked grouping at 512 rows, for comparison (not built: 512 > 64 takes the contiguous one).
+        let map = MemoryPlan::new(&cfg, &PlanRequest::new(1, 8192, 4096, 1 << 50))
+            .unwrap()
+            .map;
+        let contiguous = GroupingSizes::of(&cfg, 512, &map, H100_SMS);
+        let masked = GroupingSizes {
+            contiguous: false,
+            rows: map.slots * contiguous.capacity,
+            ..contiguous
+        };
+        println!(
+            "{}: 512 rows on {} slots: contiguous grouping {:.3} GB ({} rows), masked {:.3} GB ({} rows, one split)",
+            cfg.name,
+            map.slots,
+            contiguous.bytes(&cfg) as f64 / 1e9,
+            contiguous.rows,
+            masked.bytes(&cfg) as f64 / 1e9,
+            masked.rows
+        );
+        assert!(masked.bytes(&cfg) > 20 * contiguous.bytes(&cfg));
     }
+}
+
+/// The memory plan counts the longer rings: each layer's window ring is `window + 511` entries of 584 bytes (Flash:
+/// 639 a layer, 16.0 MB a sequence over 43 layers), cut to the context.
+#[test]
+fn the_plan_counts_rings_of_window_plus_511() {
+    let cfg = ModelConfig::flash();
+    let plan = MemoryPlan::new(&cfg, &PlanRequest::new(1, 8192, 4096, 1 << 50)).unwrap();
+    let ring: usize = plan
+        .cache_layers
+        .iter()
+        .map(|l| l.window_entries * kv::ENTRY_BYTES)
+        .sum();
+    assert_eq!(ring, 43 * (128 + 511) * 584);
+    println!(
+        "Flash: window rings {:.2} MB of the {:.2} MB a sequence holds at context 8192",
+        ring as f64 / 1e6,
+        plan.cache_bytes_per_sequence() as f64 / 1e6
+    );
+    let without: usize = plan
+        .cache_layers
+        .iter()
+        .map(|l| l.bytes(plan.request.index_keys) - l.window_entries * kv::ENTRY_BYTES)
+        .sum();
+    assert_eq!(plan.cache_bytes_per_sequence(), ring + without);
+    // A context shorter than the ring holds the context.
+    assert_eq!(LayerCachePlan::of(&cfg, 0, 300).window_entries, 300);
 }
 
 // ---- GPU: the indexer's key-sequence map ------------------------------------------------------------------------

@@ -140,6 +140,87 @@ pub fn contiguous_grouping_host(
     (offsets, rows, weight)
 }
 
+/// The routed experts' grouping of an FFN half of `tokens` rows over an expert map: what [`FfnHalf::new`] allocates
+/// outside the step's arena (it depends on the map), and its moe_gemm launch configurations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupingSizes {
+    pub tokens: usize,
+    /// The contiguous grouping ([`uses_contiguous_grouping`]): one row per pair; else masked, `slots x capacity`.
+    pub contiguous: bool,
+    /// The router's masked rows per slot ([`slot_capacity`]).
+    pub capacity: usize,
+    /// The grouping's rows (the gathered activations, h, the partials' rows).
+    pub rows: usize,
+    pub slots: usize,
+    pub logical: usize,
+    pub l1: GemmConfig,
+    pub l2: GemmConfig,
+}
+
+impl GroupingSizes {
+    pub fn of(cfg: &ModelConfig, tokens: usize, map: &ExpertMap, sm_count: usize) -> GroupingSizes {
+        let (d, i) = (cfg.dim, cfg.moe_inter_dim);
+        let pairs = tokens * TOPK;
+        let contiguous = uses_contiguous_grouping(tokens);
+        let capacity = slot_capacity(tokens, map);
+        let rows = if contiguous {
+            pairs
+        } else {
+            map.slots * capacity
+        };
+        let active = map.slots.min(pairs);
+        let per_active = pairs as f64 / active.max(1) as f64;
+        let mut l1 = GemmConfig::choose(sm_count, per_active, active, 2 * i, d);
+        let mut l2 = GemmConfig::choose(sm_count, per_active, active, d, i);
+        if contiguous {
+            // One K split: what moe_gemm's prefill mainloop takes (`prefill::routes_here`).
+            l1.splits = 1;
+            l2.splits = 1;
+        }
+        GroupingSizes {
+            tokens,
+            contiguous,
+            capacity,
+            rows,
+            slots: map.slots,
+            logical: map.logical,
+            l1,
+            l2,
+        }
+    }
+
+    /// f32 elements of the partials (L1's, then L2's, in one buffer).
+    pub fn partial_floats(&self, cfg: &ModelConfig) -> usize {
+        let (d, i) = (cfg.dim, cfg.moe_inter_dim);
+        (self.l1.splits * self.rows * 2 * i).max(self.l2.splits * self.rows * d)
+    }
+
+    /// Device bytes [`FfnHalf::new`] allocates outside the arena for this grouping: the router's outputs (its masked
+    /// tables), the grouping's counts or offsets, the contiguous tables, the gathered NVFP4 rows, the partials, the
+    /// prefill mainloop's pre-pass activations (contiguous), h, the MoE output and the slot table.
+    pub fn bytes(&self, cfg: &ModelConfig) -> usize {
+        let (d, i, b) = (cfg.dim, cfg.moe_inter_dim, self.tokens);
+        let pairs = b * TOPK;
+        let router = pairs * 12 + self.slots * 4 + self.slots * self.capacity * 8 + 4;
+        let group = (self.slots + 1) * 4;
+        let contiguous = if self.contiguous {
+            self.slots * 4 + pairs * 8 + self.rows * d.max(i) * 2
+        } else {
+            0
+        };
+        let gathered = self.rows * (d / 2 + d / 16 + 4);
+        let h = self.rows * (i / 2 + i / 16 + 4);
+        router
+            + group
+            + contiguous
+            + gathered
+            + h
+            + self.partial_floats(cfg) * 4
+            + b * d * 2
+            + self.logical * 4
+    }
+}
+
 /// The sizes of the FFN half that do not depend on the expert map (what the step's arena holds for it).
 #[derive(Clone, Copy, Debug)]
 struct ArenaSizes {
@@ -445,26 +526,11 @@ impl FfnHalf {
         };
         rshape.check()?;
         let pairs = b * TOPK;
-        let contiguous = uses_contiguous_grouping(b);
-        // The grouping's rows: slots x capacity (masked), or one row per pair (contiguous).
-        let rows = if contiguous {
-            pairs
-        } else {
-            rshape.rows_total()
-        };
-        let active = map.slots.min(pairs);
-        let per_active = pairs as f64 / active as f64;
-        let mut l1_config = GemmConfig::choose(sm_count, per_active, active, 2 * i, d);
-        let mut l2_config = GemmConfig::choose(sm_count, per_active, active, d, i);
-        if contiguous {
-            // One K split: what moe_gemm's prefill mainloop takes (`prefill::routes_here`).
-            l1_config.splits = 1;
-            l2_config.splits = 1;
-        }
-        let partials = gpu.poisoned::<f32>(
-            (l1_config.splits * rows * 2 * i).max(l2_config.splits * rows * d),
-            0xFF,
-        )?;
+        let sizes = GroupingSizes::of(cfg, b, &map, sm_count);
+        debug_assert_eq!(sizes.capacity, capacity);
+        let (contiguous, rows) = (sizes.contiguous, sizes.rows);
+        let (l1_config, l2_config) = (sizes.l1, sizes.l2);
+        let partials = gpu.poisoned::<f32>(sizes.partial_floats(cfg), 0xFF)?;
         let act_rs = if contiguous {
             Some(gpu.poisoned::<bf16>(rows * d.max(i), 0xFF)?)
         } else {
