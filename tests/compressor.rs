@@ -864,8 +864,18 @@ fn gpu_chunk_equals_decode_steps_bitwise() {
     let model_seed: u64 = rng.random();
     for (layer, kind, tokens, longest) in [
         (CSA_LAYER, CompressorKind::CsaMain, 4 * 13 + 3, 13),
-        (CSA_LAYER, CompressorKind::CsaIndex(KeyFormat::Fp8), 4 * 13 + 3, 13),
-        (CSA_LAYER, CompressorKind::CsaIndex(KeyFormat::Mxfp4), 4 * 13 + 3, 13),
+        (
+            CSA_LAYER,
+            CompressorKind::CsaIndex(KeyFormat::Fp8),
+            4 * 13 + 3,
+            13,
+        ),
+        (
+            CSA_LAYER,
+            CompressorKind::CsaIndex(KeyFormat::Mxfp4),
+            4 * 13 + 3,
+            13,
+        ),
         (HCA_LAYER, CompressorKind::HcaMain, 3 * 128 + 37, 150),
     ] {
         let label = format!("{label} {kind:?}");
@@ -878,7 +888,9 @@ fn gpu_chunk_equals_decode_steps_bitwise() {
         let mut chunks = 0usize;
         while p0 < tokens {
             let n = rng.random_range(1..=longest).min(tokens - p0);
-            let kv: Vec<f32> = (0..n * w).map(|_| rng.random_range(-KV_MAX..KV_MAX)).collect();
+            let kv: Vec<f32> = (0..n * w)
+                .map(|_| rng.random_range(-KV_MAX..KV_MAX))
+                .collect();
             let gate: Vec<f32> = (0..n * w).map(|_| rng.random_range(-3.0f32..3.0)).collect();
             for i in 0..n {
                 gpu.write(&gpu.stream, &mut a.kv, &kv[i * w..(i + 1) * w])

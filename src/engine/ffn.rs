@@ -51,7 +51,7 @@ use crate::model::weights::StoredDtype;
 use crate::model::ModelConfig;
 use crate::ops::compressor::dev;
 use crate::ops::dense::{
-    self, DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, SharedExpertScratch,
+    self, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight, SharedExpertScratch,
 };
 use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace};
 use crate::ops::moe_gemm::reference::SWIGLU_LIMIT;
@@ -203,8 +203,9 @@ impl GroupingSizes {
         let pairs = b * TOPK;
         let router = pairs * 12 + self.slots * 4 + self.slots * self.capacity * 8 + 4;
         let group = (self.slots + 1) * 4;
+        // The contiguous tables, the pre-pass activations and the shared expert's g and u.
         let contiguous = if self.contiguous {
-            self.slots * 4 + pairs * 8 + self.rows * d.max(i) * 2
+            self.slots * 4 + pairs * 8 + self.rows * d.max(i) * 2 + 2 * b * i * 2
         } else {
             0
         };
@@ -239,10 +240,11 @@ impl ArenaSizes {
             experts: cfg.n_routed_experts,
         }
     }
-    /// The shared expert's two dense launches (w1/w3 + SwiGLU, then w2).
-    fn shared_shapes(&self) -> [DenseShape; 2] {
+    /// The shared expert's dense launches: w1/w3 + SwiGLU (the fused GEMV), then w2; above `dense::MAX_ROWS` rows
+    /// also w1 and w3 as one `fp8_linears` launch on the tensor cores ([`FfnHalf::shared_expert`]).
+    fn shared_shapes(&self) -> Vec<DenseShape> {
         let (b, d, i) = (self.tokens, self.dim, self.inter);
-        [
+        let mut v = vec![
             DenseShape {
                 kind: DenseKind::Swiglu,
                 rows: b,
@@ -257,7 +259,17 @@ impl ArenaSizes {
                 k: i,
                 jobs: 1,
             },
-        ]
+        ];
+        if uses_contiguous_grouping(b) {
+            v.push(DenseShape {
+                kind: DenseKind::Fp8,
+                rows: b,
+                n: i,
+                k: d,
+                jobs: 2,
+            });
+        }
+        v
     }
     /// The router's logits scratch depends on T and E only (not on the slots).
     fn router_logits_shape(&self) -> RouterShape {
@@ -428,6 +440,9 @@ pub struct FfnHalf {
     h_shared_scales: DevBuf<u8>,
     /// The shared expert's output BF16 `[B, D]` (the L2 combine's addend).
     pub shared_out: DevBuf<bf16>,
+    /// A prefill chunk's (more than `dense::MAX_ROWS` rows) shared-expert g and u, BF16 `[2, B, I]`: w1 and w3 on the
+    /// tensor cores, then [`swiglu_fp8_rows`]; `None` in the decode step (the fused GEMV).
+    pub shared_gu: Option<CudaSlice<bf16>>,
 }
 
 /// The contiguous grouping of a prefill chunk, written from the router's masked one by [`contiguous_grouping`]
@@ -602,6 +617,11 @@ impl FfnHalf {
             h_shared_codes,
             h_shared_scales,
             shared_out,
+            shared_gu: if contiguous && cfg.n_shared_experts > 0 {
+                Some(gpu.poisoned::<bf16>(2 * b * i, 0xFF)?)
+            } else {
+                None
+            },
         })
     }
 
@@ -711,6 +731,42 @@ impl FfnHalf {
             rows: self.tokens,
             k: self.dim,
         };
+        if let Some(gu) = &self.shared_gu {
+            if w1.scales_f32.is_some() && w3.scales_f32.is_some() {
+                // A prefill chunk: w1 and w3 on the tensor cores (one fp8_linears launch, BF16 g and u), the SwiGLU and
+                // h's FP8 1x128 quantization as the fused GEMV's epilogue does them, w2 on the tensor cores.
+                let (b, i) = (self.tokens, w1.n);
+                let (g, u) = (dev(gu).sub(0, b * i), dev(gu).sub(b * i, b * i));
+                let (w1w, w3w) = (w1.weight(), w3.weight());
+                let jobs = [Fp8Job { w: &w1w, y: &g }, Fp8Job { w: &w3w, y: &u }];
+                dense::fp8_linears(gpu, stream, &x, &jobs, &self.dense_ws)?;
+                swiglu_fp8_rows(
+                    gpu,
+                    stream,
+                    &g,
+                    &u,
+                    b,
+                    i,
+                    self.swiglu_limit,
+                    &self.h_shared_codes,
+                    &self.h_shared_scales,
+                )?;
+                let h = Fp8Rows {
+                    codes: &self.h_shared_codes,
+                    scales: &self.h_shared_scales,
+                    rows: b,
+                    k: i,
+                };
+                return dense::fp8_linear(
+                    gpu,
+                    stream,
+                    &h,
+                    &w2.weight(),
+                    &self.dense_ws,
+                    &self.shared_out,
+                );
+            }
+        }
         let scratch = SharedExpertScratch {
             h_codes: &self.h_shared_codes,
             h_scales: &self.h_shared_scales,
@@ -873,6 +929,9 @@ impl FfnHalf {
         gpu.fill_bytes(&mut self.h.scales, 0xFF)?;
         gpu.fill_bytes(&mut self.h.global, 0xFF)?;
         gpu.fill_bytes(&mut self.moe_out, 0xFF)?;
+        if let Some(gu) = &mut self.shared_gu {
+            gpu.fill_bytes(gu, 0xFF)?;
+        }
         arena::fill(s, &self.h_shared_codes, 0xFF)?;
         arena::fill(s, &self.h_shared_scales, 0xFF)?;
         arena::fill(s, &self.shared_out, 0xFF)
@@ -936,6 +995,55 @@ pub fn contiguous_grouping(
     // SAFETY: arguments in the kernel's order; counts hold `slots` values, the masked tables `pairs` and `slots x
     // capacity`, the outputs `slots + 1` and `pairs` (checked above); the kernel bounds every row it writes by `pairs`.
     unsafe { launch(stream, &k, Launch::new((1, 1, 1), (1024, 1, 1)), &mut a) }
+}
+
+/// `ffn_swiglu_fp8_rows` (kernels/engine_ffn.cu): `h = bf16(silu(min(g, L)) * clamp(u, -L, L))` (no clamp when L
+/// <= 0) from BF16 g and u `[rows, inter]`, written as FP8 1x128 rows (codes `[rows, inter]`, ue8m0 scales `[rows,
+/// inter / 128]`): the fused GEMV's epilogue (`dense::swiglu_fp8`) on the same g and u. One warp per 128-block.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_fp8_rows(
+    gpu: &Gpu,
+    stream: &Stream,
+    g: &DevBuf<bf16>,
+    u: &DevBuf<bf16>,
+    rows: usize,
+    inter: usize,
+    limit: f32,
+    codes: &DevBuf<u8>,
+    scales: &DevBuf<u8>,
+) -> Result<()> {
+    ensure!(
+        inter.is_multiple_of(128) && rows >= 1 && rows * inter <= i32::MAX as usize,
+        "swiglu rows: {rows} x {inter} (I a multiple of 128)"
+    );
+    ensure!(limit.is_finite(), "swiglu rows: limit {limit}");
+    ensure!(
+        g.len() >= rows * inter
+            && u.len() >= rows * inter
+            && codes.len() >= rows * inter
+            && scales.len() >= rows * inter / 128,
+        "swiglu rows: buffers shorter than {rows} x {inter}"
+    );
+    let warps = rows * inter / 128;
+    let k = gpu.kernel(FAMILY, "ffn_swiglu_fp8_rows")?;
+    let mut a = KernelArgs::new();
+    a.buf(g)
+        .buf(u)
+        .i32(rows as i32)
+        .i32(inter as i32)
+        .f32(limit)
+        .buf(codes)
+        .buf(scales);
+    // SAFETY: arguments in the kernel's order; every buffer holds rows x inter (scales rows x inter / 128) elements
+    // and the kernel's warps past rows x inter / 128 return.
+    unsafe {
+        launch(
+            stream,
+            &k,
+            Launch::new((warps.div_ceil(8) as u32, 1, 1), (256, 1, 1)),
+            &mut a,
+        )
+    }
 }
 
 fn poison_rows(s: &Stream, v: &RowsOut) -> Result<()> {

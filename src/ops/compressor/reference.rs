@@ -192,7 +192,10 @@ pub fn chunk_host(
         } else {
             return None;
         };
-        Some((&old.kv[row * w..(row + 1) * w], &old.score[row * w..(row + 1) * w]))
+        Some((
+            &old.kv[row * w..(row + 1) * w],
+            &old.score[row * w..(row + 1) * w],
+        ))
     };
     let empty_kv = vec![0f32; w];
     let empty_sc = vec![f32::NEG_INFINITY; w];
