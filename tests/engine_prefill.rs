@@ -69,16 +69,16 @@ fn chunk_sizes_are_checked() {
     assert!(check_chunk(0).is_err());
     assert!(check_chunk(1).is_ok());
     assert!(check_chunk(PREFILL_CHUNK_MAX).is_ok());
-    assert_eq!(PREFILL_CHUNK_MAX, 512);
+    assert_eq!(PREFILL_CHUNK_MAX, 1024);
     assert!(check_chunk(256).is_ok());
     let e = check_chunk(PREFILL_CHUNK_MAX + 1).unwrap_err().to_string();
-    assert!(e.contains("1..=512"), "{e}");
+    assert!(e.contains("1..=1024"), "{e}");
 }
 
-/// The ring holds `min(context, window + 511)` entries and the window stays `min(window_size, context)`; for every
-/// chunk start and length up to the longest chunk (512), the chunk's own entries (written before its attention)
+/// The ring holds `min(context, window + 1023)` entries and the window stays `min(window_size, context)`; for every
+/// chunk start and length up to the longest chunk (1024), the chunk's own entries (written before its attention)
 /// never land in a slot that one of its queries reads for another position. Checked by simulation of the slots,
-/// on contexts where the ring wraps (the short window's 535-entry ring in a context of 1,500; Flash's 639 in 4K).
+/// on contexts where the ring wraps (the short window's 1047-entry ring in a context of 2,500; Flash's 1151 in 4K).
 /// Also: a ring one entry shorter fails the check for the longest chunk (the bound is tight).
 #[test]
 fn the_ring_holds_a_chunk_beside_the_window() {
@@ -103,7 +103,7 @@ fn the_ring_holds_a_chunk_beside_the_window() {
     for (cfg, context) in [
         (short_window_config(), 128),
         (short_window_config(), 40),
-        (short_window_config(), 1500),
+        (short_window_config(), 2500),
         (ModelConfig::small(), 4096),
         (ModelConfig::flash(), 4096),
         (ModelConfig::flash(), 100),
@@ -116,7 +116,7 @@ fn the_ring_holds_a_chunk_beside_the_window() {
         );
         let lay = LayerCacheLayout { plan, batch: 2 };
         let ring = plan.window_entries;
-        for c in [1, 2, 31, 32, 64, 65, 300, PREFILL_CHUNK_MAX] {
+        for c in [1, 2, 31, 32, 64, 65, 300, 512, PREFILL_CHUNK_MAX] {
             let step = if c > 64 { 61 } else { 7 };
             for p0 in (0..context.saturating_sub(c)).step_by(step) {
                 let last = (p0 + c - 1).min(context - 1);
@@ -221,9 +221,9 @@ fn chunk_row_tables_and_candidates_are_the_sequences() {
 }
 
 /// The decode step's arena plus the chunked prefill's (its arena and its FFN's grouping buffers, which `FfnHalf::new`
-/// allocates outside the arena: at 512 rows the contiguous grouping's 3,072 rows) fit the memory plan's workspace
-/// budget (Flash and Pro, a 4K prompt at batch 1 and a short one at batch 64). The masked grouping at 512 rows
-/// would hold `slots x 512` rows: printed beside it, the reason for the contiguous one.
+/// allocates outside the arena: at 1024 rows the contiguous grouping's 6,144 rows) fit the memory plan's workspace
+/// budget (Flash and Pro, a 4K prompt at batch 1 and a short one at batch 64). The masked grouping at 1024 rows
+/// would hold `slots x 1024` rows: printed beside it, the reason for the contiguous one.
 #[test]
 fn prefill_arena_fits_the_plan_budget() {
     use megamoe::engine::ffn::GroupingSizes;
@@ -257,18 +257,19 @@ fn prefill_arena_fits_the_plan_budget() {
             );
             assert!(decode + pre + grouping <= plan.workspace_bytes);
         }
-        // The masked grouping at 512 rows, for comparison (not built: 512 > 64 takes the contiguous one).
+        // The masked grouping at the longest chunk, for comparison (not built: above 64 rows the contiguous one).
         let map = MemoryPlan::new(&cfg, &PlanRequest::new(1, 8192, 4096, 1 << 50))
             .unwrap()
             .map;
-        let contiguous = GroupingSizes::of(&cfg, 512, &map, H100_SMS);
+        let contiguous = GroupingSizes::of(&cfg, PREFILL_CHUNK_MAX, &map, H100_SMS);
         let masked = GroupingSizes {
             contiguous: false,
             rows: map.slots * contiguous.capacity,
             ..contiguous
         };
         println!(
-            "{}: 512 rows on {} slots: contiguous grouping {:.3} GB ({} rows), masked {:.3} GB ({} rows, one split)",
+            "{}: {PREFILL_CHUNK_MAX} rows on {} slots: contiguous grouping {:.3} GB ({} rows), masked {:.3} GB ({} \
+             rows, one split)",
             cfg.name,
             map.slots,
             contiguous.bytes(&cfg) as f64 / 1e9,
@@ -280,10 +281,10 @@ fn prefill_arena_fits_the_plan_budget() {
     }
 }
 
-/// The memory plan counts the longer rings: each layer's window ring is `window + 511` entries of 584 bytes (Flash:
-/// 639 a layer, 16.0 MB a sequence over 43 layers), cut to the context.
+/// The memory plan counts the longer rings: each layer's window ring is `window + 1023` entries of 584 bytes
+/// (Flash: 1151 a layer, 28.9 MB a sequence over 43 layers), cut to the context.
 #[test]
-fn the_plan_counts_rings_of_window_plus_511() {
+fn the_plan_counts_rings_of_window_plus_1023() {
     let cfg = ModelConfig::flash();
     let plan = MemoryPlan::new(&cfg, &PlanRequest::new(1, 8192, 4096, 1 << 50)).unwrap();
     let ring: usize = plan
@@ -291,7 +292,7 @@ fn the_plan_counts_rings_of_window_plus_511() {
         .iter()
         .map(|l| l.window_entries * kv::ENTRY_BYTES)
         .sum();
-    assert_eq!(ring, 43 * (128 + 511) * 584);
+    assert_eq!(ring, 43 * (128 + PREFILL_CHUNK_MAX - 1) * 584);
     println!(
         "Flash: window rings {:.2} MB of the {:.2} MB a sequence holds at context 8192",
         ring as f64 / 1e6,
@@ -394,12 +395,12 @@ fn indexer_key_map_scores_one_sequences_keys_per_row() {
 
 /// Rows of the candidate test's chunks (above the decode kernels' 64) and its context (the ring wraps).
 const CAND_ROWS: usize = 300;
-const CAND_CONTEXT: usize = 1200;
+const CAND_CONTEXT: usize = 2000;
 
 /// `attn_candidates` with a chunk's row tables (every row sequence 1 of 2) against the host twin
 /// `row_candidate_rows`, for every layer kind: chunks of [`CAND_ROWS`] rows at random starts in a context of
-/// [`CAND_CONTEXT`] (the 535-entry ring of the short-window geometry, window 24 + 511, wraps inside about half of
-/// them), the last rows padded with copies, random top-k rows in score order (-1 padded): rows and lengths equal
+/// [`CAND_CONTEXT`] (the 1047-entry ring of the short-window geometry, window 24 + 1023; every other chunk starts
+/// fewer than its length before the ring's end, so the ring wraps inside it), the last rows padded with copies, random top-k rows in score order (-1 padded): rows and lengths equal
 /// exactly, each row's window the last 24 positions in their ring slots.
 #[test]
 #[ignore = "needs an H100/H200"]
@@ -424,7 +425,12 @@ fn chunk_candidate_rows_match_the_host_twin() {
         let tables = RowTables::upload(&gpu, &lay, &seqs).unwrap();
         for trial in 0..16 {
             let real = rng.random_range(1..=rows);
-            let p0 = rng.random_range(0..CAND_CONTEXT - real);
+            let ring = lay.plan.window_entries;
+            let p0 = if trial % 2 == 0 && real > 1 && ring + 1 < CAND_CONTEXT - real {
+                ring - rng.random_range(1..real)
+            } else {
+                rng.random_range(0..CAND_CONTEXT - real)
+            };
             let positions: Vec<i32> = (0..rows).map(|i| (p0 + i.min(real - 1)) as i32).collect();
             let mut top = vec![-1i32; rows * k];
             let mut selected: Vec<Vec<usize>> = vec![vec![]; rows];
@@ -479,7 +485,7 @@ fn chunk_candidate_rows_match_the_host_twin() {
 
 /// Prompt of 105 tokens, C = 32: the first 104 go in chunks 32, 32, 32, 8 (the last padded with 24 copies of its
 /// last row, position 103, where CSA (m = 4) and HCA (m = 8) both emit: a padding row that updated a compressor
-/// would emit again or corrupt the state); the ring (window 24 + 511, cut to the context of 128) does not wrap (the
+/// would emit again or corrupt the state); the ring (window 24 + 1023, cut to the context of 128) does not wrap (the
 /// candidate test and the ring simulation cover the wrap); the first decode step runs position 104.
 const PROMPT: usize = 105;
 const CHUNK: usize = 32;

@@ -67,7 +67,7 @@ pub struct DecodeArgs {
     /// decode.csv records it in its `pdl` column.
     #[arg(long, default_value = "off", value_parser = on_off, action = clap::ArgAction::Set)]
     pub pdl: bool,
-    /// Prompt tokens per prefill chunk, 1..=512 (default 512, the fewest chunks: each reads every resident expert
+    /// Prompt tokens per prefill chunk, 1..=1024 (default 1024, the fewest chunks: each reads every resident expert
     /// and dense weight once): each sequence's prompt goes through the layers in chunks of this many rows (above 64
     /// rows the dense linears on cuBLASLt's tensor cores and the routed experts on moe_gemm's prefill mainloop;
     /// docs/engine.md "Chunked prefill"); 1 = token by token (one prompt-step graph replay per token, the whole
