@@ -30,7 +30,7 @@ pub const WORKSPACE_FIXED_BYTES: usize = 256 << 20;
 pub const PREFILL_CHUNK: usize = 256;
 /// Most rows of one prefill chunk ([`crate::engine::prefill`]). Every window ring is sized for a chunk this long
 /// ([`LayerCachePlan::window_entries`]: `window + 1023` entries; Flash: 43 layers x 1151 x 584 B = 28.9 MB a
-/// sequence, against 4.8 MB at the window + 63 of 64-row chunks; counted in [`MemoryPlan::cache_bytes`]: +1.5 GB at
+/// sequence, where a ring of window + 63 would hold 4.8 MB; counted in [`MemoryPlan::cache_bytes`]: +1.5 GB at
 /// batch 64). Why 1024: a chunk reads every resident expert once (C x 6 picks cover nearly all of them from C ~ 256
 /// on Flash), so the routed experts' bytes of a prompt fall as 1 / C, while their tensor-core work does not; at
 /// 1024 rows a chunk's expert work (Flash: 13.3 TFLOP, ~25-30 ms at the prefill mainloop's measured rate) is about
