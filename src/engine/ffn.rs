@@ -31,8 +31,10 @@
 //! slot, the pairs' rows and the rows' weights, `6 C` rows): moe_gemm's launcher then takes its prefill (wgmma)
 //! mainloop once the chunk has at least 6 rows per slot on average (C >= slots; `moe_gemm::prefill::routes_here`), one
 //! K split, so each resident expert's weights are read once per chunk; the masked layout would need `slots x C`
-//! rows. The shared expert's fused SwiGLU half runs as GEMV pieces of 64 rows (`dense` module docs), its w2 on the
-//! tensor cores. The decode step (at most 64 rows) keeps the masked grouping.
+//! rows. The shared expert runs w1 and w3 as one tensor-core `fp8_linears` launch (BF16 g and u), the fused GEMV's
+//! SwiGLU epilogue as a glue kernel ([`swiglu_fp8_rows`]) and w2 on the tensor cores (without f32 weight scales:
+//! the fused GEMV in pieces of 64 rows, `dense` module docs). The decode step (at most 64 rows) keeps the masked
+//! grouping and the fused GEMV.
 //!
 //! Idle slots (position < 0): the FFN half reads no position and no cache, so an idle slot's row is computed like
 //! any other (its residual row in, its residual row out) and takes rows of the grouping; it changes no other row.
@@ -419,7 +421,8 @@ pub struct FfnHalf {
     pub contiguous: Option<ContiguousRows>,
 
     // Step 14.
-    /// f's NVFP4 rows gathered into the grouping's rows `[slots x capacity, D]` (only owned rows are written).
+    /// f's NVFP4 rows gathered into the grouping's rows `[rows_total, D]` (`slots x capacity` masked, `6 B`
+    /// contiguous; only owned rows are written).
     pub a_codes: CudaSlice<u8>,
     pub a_scales: CudaSlice<u8>,
     pub a_global: CudaSlice<f32>,
@@ -429,7 +432,7 @@ pub struct FfnHalf {
     _act_rs: Option<CudaSlice<bf16>>,
     ws_l1: MoeWorkspace,
     ws_l2: MoeWorkspace,
-    /// h: L1's output, NVFP4 `[slots x capacity, I]` (L2's input).
+    /// h: L1's output, NVFP4 `[rows_total, I]` (L2's input).
     pub h: L1Output,
     /// The MoE output BF16 `[B, D]`: routed experts + shared expert, rounded once.
     pub moe_out: CudaSlice<bf16>,

@@ -1029,3 +1029,44 @@ pub fn bf16_linear(
     p.ldx = k as i32;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
 }
+
+#[cfg(test)]
+mod piece_tests {
+    use super::*;
+
+    /// A GEMV piece starting at row r0 reads x and writes y r0 rows further, by each kind's row strides (bytes).
+    #[test]
+    fn pieces_move_x_and_y_by_their_row_strides() {
+        let mut p = blank_params();
+        p.x = 1 << 20;
+        p.x_scale = 2 << 20;
+        p.y = [3 << 20; MAX_JOBS];
+        p.ldx = 4096;
+        p.ldy = [1024; MAX_JOBS];
+        p.ldy[1] = 512;
+        let r0 = 64u64;
+        // FP8 x (1 byte a code, ldx / 128 scale codes a row), BF16 y.
+        let q = shift_rows(DenseKind::Fp8, &p, 2, 64);
+        assert_eq!(q.x - p.x, r0 * 4096);
+        assert_eq!(q.x_scale - p.x_scale, r0 * 32);
+        assert_eq!(
+            (q.y[0] - p.y[0], q.y[1] - p.y[1]),
+            (r0 * 1024 * 2, r0 * 512 * 2)
+        );
+        assert_eq!(q.y[2], p.y[2], "only the launch's jobs move");
+        // wo_a: BF16 x, BF16 y; no x scales.
+        let q = shift_rows(DenseKind::Fp8Bf16x, &p, 1, 64);
+        assert_eq!((q.x - p.x, q.x_scale), (r0 * 4096 * 2, p.x_scale));
+        assert_eq!(q.y[0] - p.y[0], r0 * 1024 * 2);
+        // BF16 linear: f32 y.
+        let q = shift_rows(DenseKind::Bf16, &p, 2, 64);
+        assert_eq!(q.x - p.x, r0 * 4096 * 2);
+        assert_eq!(q.y[1] - p.y[1], r0 * 512 * 4);
+        // SwiGLU: FP8 x; y[0] the h codes (ldy[0] bytes a row), y[1] its scales (ldy[0] / 128 a row).
+        let q = shift_rows(DenseKind::Swiglu, &p, 1, 64);
+        assert_eq!((q.x - p.x, q.x_scale - p.x_scale), (r0 * 4096, r0 * 32));
+        assert_eq!((q.y[0] - p.y[0], q.y[1] - p.y[1]), (r0 * 1024, r0 * 8));
+        // Every piece of a 64-multiple start stays 16-byte aligned for the engine's shapes (K, N multiples of 128).
+        assert!((q.x_scale - p.x_scale).is_multiple_of(16) && (q.y[1] - p.y[1]).is_multiple_of(8));
+    }
+}
