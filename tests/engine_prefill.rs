@@ -1010,3 +1010,88 @@ fn swiglu_rows_match_the_host_rule() {
     );
     assert!(code_diff * 100 <= n && scale_diff * 100 <= nb);
 }
+
+/// `ffn_contiguous_grouping` on the router's own output against its host twin, exactly: 300 tokens of 16 experts on 11
+/// slots (the slot map puts up to 2 picks of a token on one slot), biased and hash selections (hash rows repeat no
+/// expert, but the map folds two onto a slot), capacity `ffn::slot_capacity`: offsets, every pair's row and every
+/// row's weight equal the twin's (`contiguous_grouping_host` of the downloaded masked grouping), and the offsets end
+/// at the pairs that got a row. Outputs are poisoned before.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn contiguous_grouping_matches_its_host_twin() {
+    use common::router::{Case, DevCase, DevRun};
+    use megamoe::engine::ffn::{
+        contiguous_grouping, contiguous_grouping_host, slot_capacity, ContiguousRows,
+    };
+    use megamoe::engine::plan::ExpertMap;
+    use megamoe::ops::moe_gemm::DeviceGrouping;
+    use megamoe::ops::router::{route_counts_into, TOPK};
+    let label = "engine_prefill_contiguous_grouping";
+    let gpu = gpu(label);
+    let mut rng = common::seeded(label, "MEGAMOE_SEED");
+    let (tokens, experts, slots) = (300usize, 16usize, 11usize);
+    for hash in [false, true] {
+        let mut case = Case::random(&mut rng, tokens, experts, 256, 1.5).with_slots(slots);
+        if hash {
+            case = case.with_hash(&mut rng, 1000);
+        }
+        let map = ExpertMap {
+            logical: experts,
+            slots,
+        };
+        let cap = slot_capacity(tokens, &map);
+        let shape = case.shape(cap);
+        let dc = DevCase::upload(&gpu, &case);
+        let mut r = DevRun::new(&gpu, &shape);
+        let pairs = tokens * TOPK;
+        let c = ContiguousRows {
+            masked_counts: gpu.poisoned::<i32>(slots, common::POISON).unwrap(),
+            token_rows: gpu.poisoned::<i32>(pairs, common::POISON).unwrap(),
+            row_weight: gpu.poisoned::<f32>(pairs, common::POISON).unwrap(),
+        };
+        let grp = DeviceGrouping {
+            capacity: 0,
+            experts: slots,
+            rows_total: pairs,
+            group: gpu.poisoned::<i32>(slots + 1, common::POISON).unwrap(),
+        };
+        route_counts_into(
+            &gpu,
+            &gpu.stream,
+            &dc.inputs(hash),
+            &r.ws,
+            &mut r.out,
+            &c.masked_counts,
+        )
+        .unwrap();
+        contiguous_grouping(&gpu, &gpu.stream, &r.out, &c, &grp).unwrap();
+        gpu.synchronize().unwrap();
+        let counts = gpu.download(&c.masked_counts).unwrap();
+        let masked_rows = gpu.download(&r.out.token_rows).unwrap();
+        let masked_weight = gpu.download(&r.out.row_weight).unwrap();
+        let (offsets, rows, weight) =
+            contiguous_grouping_host(&counts, cap, &masked_rows, &masked_weight);
+        assert_eq!(
+            gpu.download(&grp.group).unwrap(),
+            offsets,
+            "hash {hash}: offsets"
+        );
+        assert_eq!(
+            gpu.download(&c.token_rows).unwrap(),
+            rows,
+            "hash {hash}: rows"
+        );
+        let got_w = gpu.download(&c.row_weight).unwrap();
+        assert_eq!(
+            got_w.iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
+            weight.iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
+            "hash {hash}: weights"
+        );
+        let owned = masked_rows.iter().filter(|&&r| r >= 0).count();
+        assert_eq!(offsets[slots] as usize, owned, "hash {hash}");
+        println!(
+            "contiguous grouping (hash {hash}): {tokens} tokens x {TOPK} on {slots} slots, {owned} rows, offsets {:?}",
+            &offsets
+        );
+    }
+}
