@@ -1,17 +1,21 @@
 //! Chunked prefill (`engine::prefill`, docs/engine.md "Chunked prefill"): the host arithmetic it adds (row tables,
-//! the window ring longer than the window, chunk padding) on the CPU; on the GPU the indexer's key-sequence map,
-//! then a whole chunked prefill against the CPU model and against the GPU's own token-by-token prefill (caches,
-//! logits, and the decode steps after it).
+//! the window ring of window + 1023, chunk padding, the memory it takes) on the CPU; on the GPU the indexer's
+//! key-sequence map, a chunk's candidate rows over a wrapping ring, the long chunks' FFN glue (the contiguous
+//! grouping, the shared expert's SwiGLU rows), then whole chunked prefills against the CPU model and against the
+//! GPU's own reference prefill (caches, logits, and the decode steps after it): chunks of 32 against token by token,
+//! chunks of 256 (the long-chunk paths) against chunks of 64.
 //!
-//! Why the GPU comparisons are not bit-exact: a chunk runs the same kernels as a decode step, at M = C rows
-//! instead of one row per sequence. The kernels' per-row arithmetic does not read other rows, but their split
+//! Why the GPU comparisons are not bit-exact: at C <= 64 a chunk runs the same kernels as a decode step, at M = C
+//! rows instead of one row per sequence. The kernels' per-row arithmetic does not read other rows, but their split
 //! plans come from the launch's capacities: the dense linears' split-K (`ops::dense`, from M, N, K and the SM
 //! count), the routed experts' K splits and the sparse attention's split over candidates (`SplitPlan::fp8`, from the
-//! batch), so the f32 partial sums of a row can be added in another order at M = 32 than at M = 1 or 2. A 1-ulp
-//! difference can then flip a BF16 / FP8 rounding, and, rarely, a near-tied router or indexer choice, which grows
-//! through the later layers and positions. So the caches are compared by cosine (the 0.999 per-intermediate
-//! floor) with the exactly-equal entries counted and printed, and the logits against the CPU model with the
-//! decode path's end-to-end floor (tests/engine_decode.rs: 0.98), printed beside the token-by-token prefill's.
+//! batch), so the f32 partial sums of a row can be added in another order at M = 32 than at M = 1 or 2. Above 64 rows
+//! the dense linears sum on cuBLASLt's tensor cores and the routed experts in moe_gemm's prefill mainloop: other
+//! orders again. A 1-ulp difference can then flip a BF16 / FP8 rounding, and, rarely, a near-tied router or indexer
+//! choice, which grows through the later layers and positions. So the caches are compared by cosine (the issue's
+//! 0.999 per-intermediate floor) with the exactly-equal entries counted and printed, and the logits against the CPU
+//! model with the decode path's end-to-end floor (tests/engine_decode.rs: 0.98), printed beside the reference
+//! prefill's. (The compressors are exact: `compressor::chunk` is n decode steps bit for bit, tests/compressor.rs.)
 
 mod common;
 
