@@ -319,6 +319,8 @@ fn gpu_fp8_linears_of_different_heights_match_the_model() {
     );
 }
 
+/// The grouped wo_a against `Model::out_proj`'s per-group rows, at M = 1, 3, 64 and 100 (above the GEMV's 64 rows:
+/// two launches of 64 and 36 rows, `dense::row_pieces`).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
@@ -329,7 +331,7 @@ fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
             let w = DevFp8::from_model(gpu, model, &name);
             let (groups, r) = (cfg.o_groups, cfg.o_lora_rank);
             let gw = w.cols;
-            for m in [1, 3, 64] {
+            for m in [1, 3, 64, 100] {
                 let o = fx::activations(rng, m, groups * gw);
                 let d_o = gpu.upload(&fx::to_bf16(&o)).unwrap();
                 let (_arena, ws) =
@@ -368,7 +370,8 @@ fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
 /// neighbouring BF16 value of the CPU's (different summation order), which moves h by ~2^-8 relative and can move an
 /// FP8 code of h by one step (2^-3 relative) for the elements near a rounding boundary (about 2^-8 / 2^-4 = 1/16
 /// of them): the output's relative L2 error is then about sqrt(1/16) * 2^-4 ~ 1.6e-2 at worst; 3e-2 is allowed. A
-/// layout or scale bug gives O(1).
+/// layout or scale bug gives O(1). M = 100 is above the GEMV's 64 rows: the SwiGLU half in pieces of 64 and 36 rows,
+/// w2 on the tensor cores (the weights carry f32 scales).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes() {
@@ -380,7 +383,7 @@ fn gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes() {
             let w3 = DevFp8::from_model(gpu, model, &format!("{p}.w3.weight"));
             let w2 = DevFp8::from_model(gpu, model, &format!("{p}.w2.weight"));
             let (d, inter) = (cfg.dim, cfg.moe_inter_dim);
-            for m in [1, 3, 64] {
+            for m in [1, 3, 64, 100] {
                 // Larger inputs so that the clamp at swiglu_limit (10) is reached by some g and u.
                 let x: Vec<f32> = fx::activations(rng, m, d)
                     .iter()
