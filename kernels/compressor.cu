@@ -371,6 +371,112 @@ __device__ __forceinline__ void prefill_body(const float* __restrict__ kv_in, co
     finalize_store<D, STORE>(pooled, (long long)j * m, slot, f);
 }
 
+// ---- a chunk of one sequence, continuing its state (the engine's chunked prefill) ----------------------------------
+// n tokens at positions p0 .. p0 + n - 1 (p0 = positions[0], read on the device; p0 < 0 or n <= 0: nothing), rows
+// 0..n of kv_in / gate_in [n, W], after the p0 tokens the sequence's state holds as p0 decode steps left it. Token t
+// of channel ch, (kv, score), for done0 = (p0 / m) m:
+//   t >= p0:                  input row t - p0, score = gate + ape[t mod m] (the decode step's f32 add);
+//   done0 <= t < p0:          the state's row (CSA) m + t - done0, (HCA) t - done0 (the current block);
+//   done0 - m <= t < done0:   (CSA) the state's row t - done0 + m (the previous block, rows 0..m);
+//   t < 0:                    empty (kv 0, score -inf), as a new state's rows are.
+// Entries (compressor_chunk_entries_*): CTA i emits entry j = p0 / m + i when its block ends inside the chunk ((j + 1)
+// m <= p0 + n), pooling the sources in the decode step's order (CSA: tokens (j - 1) m + s through channel half 0,
+// then j m + s through half 1, 2m sources even for j = 0, whose first m are empty as in decode; HCA: j m + s), then
+// the decode step's finalize and store: the entries of n decode steps bit for bit. Grid n / m + 1 (the most
+// emissions a chunk of n holds), block d threads, thread c = channel c.
+// State (compressor_chunk_state): afterwards the state is what n more decode steps leave, done1 = ((p0 + n) / m) m:
+// CSA row r < m = token done1 - m + r (empty when done1 = 0), row m + r = token done1 + r while < p0 + n; HCA row r =
+// token done1 + r while < p0 + n; every other row empty. A new row reads an old row only at its own row index or at
+// r + m from row r < m (the block that straddles p0), so CTA r owns rows r and m + r, and each thread reads its
+// channel's sources before it writes them. Runs after the entries kernel (which reads the old state). Grid m, block
+// 256 over W channels.
+template <bool OVERLAP>
+struct ChunkTokens {
+    const float* kv_in;
+    const float* gate_in;
+    const float* ape;
+    const float* state;  // kv plane [rows, W] then score plane [rows, W]
+    int m, W, p0, done0;
+    __device__ __forceinline__ void get(int t, int ch, float& kv, float& sc) const {
+        const int rows = (OVERLAP ? 2 : 1) * m;
+        int row = -1;
+        if (t >= p0) {
+            kv = kv_in[(size_t)(t - p0) * W + ch];
+            sc = __fadd_rn(gate_in[(size_t)(t - p0) * W + ch], ape[(size_t)(t % m) * W + ch]);
+            return;
+        }
+        if (t >= done0) {
+            row = OVERLAP ? m + t - done0 : t - done0;
+        } else if (OVERLAP && t >= 0 && t >= done0 - m) {
+            row = t - done0 + m;
+        }
+        if (row < 0) {
+            kv = 0.f;
+            sc = -INFINITY;
+            return;
+        }
+        kv = state[(size_t)row * W + ch];
+        sc = state[(size_t)rows * W + (size_t)row * W + ch];
+    }
+};
+
+template <int D, bool OVERLAP, int STORE>
+__device__ __forceinline__ void chunk_entries_body(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
+                                                   const float* __restrict__ ape, const int* __restrict__ positions,
+                                                   int n, int ratio, const float* __restrict__ state,
+                                                   const int* __restrict__ base, const int* __restrict__ capacity,
+                                                   const Finalize& f) {
+    constexpr int W = (OVERLAP ? 2 : 1) * D;
+    const int m = ratio;
+    const int p0 = positions[0];
+    if (p0 < 0 || n <= 0) return;  // CTA-uniform
+    const int j = p0 / m + (int)blockIdx.x;
+    if ((long long)(j + 1) * m > (long long)p0 + n) return;  // the block does not end inside the chunk (CTA-uniform)
+    const int c = threadIdx.x;
+    const ChunkTokens<OVERLAP> tok{kv_in, gate_in, ape, state, m, W, p0, (p0 / m) * m};
+    float pooled;
+    if (OVERLAP) {
+        pooled = pool_channel(2 * m, [&](int s, float& kv, float& sc) {
+            if (s < m) tok.get((j - 1) * m + s, c, kv, sc);
+            else tok.get(j * m + s - m, D + c, kv, sc);
+        });
+    } else {
+        pooled = pool_channel(m, [&](int s, float& kv, float& sc) { tok.get(j * m + s, c, kv, sc); });
+    }
+    const int slot = entry_slot(j, *base, *capacity, f);
+    finalize_store<D, STORE>(pooled, (long long)j * m, slot, f);
+}
+
+template <bool OVERLAP>
+__device__ __forceinline__ void chunk_state_body(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
+                                                 const float* __restrict__ ape, const int* __restrict__ positions,
+                                                 int n, int ratio, int width, float* state) {
+    const int m = ratio;
+    const int p0 = positions[0];
+    if (p0 < 0 || n <= 0) return;  // CTA-uniform
+    const int r = blockIdx.x;
+    if (r >= m) return;
+    const int rows = (OVERLAP ? 2 : 1) * m;
+    const int end = p0 + n;
+    const int done1 = (end / m) * m;
+    const ChunkTokens<OVERLAP> tok{kv_in, gate_in, ape, state, m, width, p0, (p0 / m) * m};
+    // Row r's token, and (CSA) row m + r's; -1: empty.
+    const int ta = OVERLAP ? (done1 > 0 ? done1 - m + r : -1) : (done1 + r < end ? done1 + r : -1);
+    const int tb = done1 + r < end ? done1 + r : -1;
+    for (int ch = threadIdx.x; ch < width; ch += blockDim.x) {
+        float kva = 0.f, sca = -INFINITY, kvb = 0.f, scb = -INFINITY;
+        if (ta >= 0) tok.get(ta, ch, kva, sca);
+        if (OVERLAP && tb >= 0) tok.get(tb, ch, kvb, scb);
+        // Every old value this thread needs is read above: rows r and m + r of channel ch are only its own.
+        state[(size_t)r * width + ch] = kva;
+        state[(size_t)rows * width + (size_t)r * width + ch] = sca;
+        if (OVERLAP) {
+            state[(size_t)(m + r) * width + ch] = kvb;
+            state[(size_t)rows * width + (size_t)(m + r) * width + ch] = scb;
+        }
+    }
+}
+
 }  // namespace
 
 #define COMPRESSOR_DECODE_PARAMS                                                                                 \
@@ -414,6 +520,37 @@ COMPRESSOR_DECODE_ONE_CTA_ENTRY(compressor_decode_csa_main_one_cta, kMainDim, tr
 COMPRESSOR_DECODE_ONE_CTA_ENTRY(compressor_decode_hca_main_one_cta, kMainDim, false, STORE_KV_ENTRY)
 COMPRESSOR_DECODE_ONE_CTA_ENTRY(compressor_decode_csa_index_fp8_one_cta, kIndexDim, true, STORE_INDEX_FP8)
 COMPRESSOR_DECODE_ONE_CTA_ENTRY(compressor_decode_csa_index_mxfp4_one_cta, kIndexDim, true, STORE_INDEX_MXFP4)
+// A chunk's entries (chunk_entries_body): grid n / m + 1, block d threads. kv_in/gate_in [n, W] (raw gate); positions
+// [>= 1] (positions[0] = the chunk's first position); state: the sequence's [2, coff*m, W] (read only); base/capacity
+// [1] (the sequence's).
+#define COMPRESSOR_CHUNK_ENTRIES_ENTRY(NAME, D, OVERLAP, STORE)                                                \
+    extern "C" __global__ void __launch_bounds__(D) NAME(                                                       \
+        const float *kv_in, const float *gate_in, const float *ape, const int *positions, int n, int ratio,   \
+        const float *state, const float *norm_w, const double *freqs, float eps, const int *base,             \
+        const int *capacity, int n_slots, uint8_t *out_codes, void *out_scales, unsigned *error) {            \
+        chunk_entries_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, positions, n, ratio, state, base, capacity,  \
+                                              Finalize{norm_w, freqs, eps, out_codes, out_scales, n_slots, error}); \
+    }
+
+COMPRESSOR_CHUNK_ENTRIES_ENTRY(compressor_chunk_entries_csa_main, kMainDim, true, STORE_KV_ENTRY)
+COMPRESSOR_CHUNK_ENTRIES_ENTRY(compressor_chunk_entries_hca_main, kMainDim, false, STORE_KV_ENTRY)
+COMPRESSOR_CHUNK_ENTRIES_ENTRY(compressor_chunk_entries_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)
+COMPRESSOR_CHUNK_ENTRIES_ENTRY(compressor_chunk_entries_csa_index_mxfp4, kIndexDim, true, STORE_INDEX_MXFP4)
+
+// A chunk's state update (chunk_state_body): grid m, block 256. overlap selects the CSA layout.
+extern "C" __global__ void __launch_bounds__(256) compressor_chunk_state(const float* __restrict__ kv_in,
+                                                                        const float* __restrict__ gate_in,
+                                                                        const float* __restrict__ ape,
+                                                                        const int* __restrict__ positions, int n,
+                                                                        int ratio, int width, int overlap,
+                                                                        float* state) {
+    if (overlap) {
+        chunk_state_body<true>(kv_in, gate_in, ape, positions, n, ratio, width, state);
+    } else {
+        chunk_state_body<false>(kv_in, gate_in, ape, positions, n, ratio, width, state);
+    }
+}
+
 COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_main, kMainDim, true, STORE_KV_ENTRY)
 COMPRESSOR_PREFILL_ENTRY(compressor_prefill_hca_main, kMainDim, false, STORE_KV_ENTRY)
 COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)

@@ -166,16 +166,25 @@ if want decode; then
       --context 4096 --batch 64 --dense-route gemv --max-new-tokens 32 --out "$work" \
       > "$work/decode-flash-dense-gemv.log" 2>&1 || { echo "decode flash --dense-route gemv failed"; status=1; }
     grep -E "^== decode|^tokens/s|^roofline|^TPOT|^dense" "$work/decode-flash-dense-gemv.log" | head -n 8
-    # TTFT on a real prompt (the issue's 4K-token prompt at batch 1): prefill runs in chunks of 64 prompt tokens
-    # through the decode kernels (--prefill-chunk, default 64; decode.csv's prefill_chunk column; 64 chunks, eager
-    # launches); --prefill-chunk 1 would be token by token through the prompt step's graph (~4096 steps, ~45 s).
-    # DECODE_TTFT=0 skips it.
+    # TTFT on a real prompt (the issue's 4K-token prompt at batch 1): prefill runs in chunks of 1024 prompt tokens
+    # (--prefill-chunk 1024, the default and the maximum: 4 chunks, eager launches; above 64 rows the dense linears
+    # on cuBLASLt and the routed experts on moe_gemm's prefill mainloop; decode.csv's prefill_chunk column), then
+    # the baseline at 64 (the decode kernels' paths, the phase-1 number) on the same machine; --prefill-chunk 1 would
+    # be token by token through the prompt step's graph (~4096 steps, ~45 s). DECODE_TTFT=0 skips both,
+    # DECODE_TTFT_BASELINE=0 the baseline.
     if [ "${DECODE_TTFT:-1}" != 0 ]; then
-      step "decode: flash TTFT, 4K-token prompt, batch 1"
+      step "decode: flash TTFT, 4K-token prompt, batch 1, --prefill-chunk 1024"
       timeout "${DECODE_TTFT_TIMEOUT:-150}" "$B/megamoe" decode --model flash --context 8192 --batch 1 \
-        --prompt-len 4096 --max-new-tokens 16 --out "$work" > "$work/decode-flash-ttft.log" 2>&1 \
+        --prompt-len 4096 --prefill-chunk 1024 --max-new-tokens 16 --out "$work" > "$work/decode-flash-ttft.log" 2>&1 \
         || { echo "decode flash TTFT failed"; status=1; }
       grep -E "^== decode|^TTFT|^TPOT" "$work/decode-flash-ttft.log" | head -n 4
+      if [ "${DECODE_TTFT_BASELINE:-1}" != 0 ]; then
+        step "decode: flash TTFT, 4K-token prompt, batch 1, --prefill-chunk 64 (the baseline)"
+        timeout "${DECODE_TTFT_TIMEOUT:-150}" "$B/megamoe" decode --model flash --context 8192 --batch 1 \
+          --prompt-len 4096 --prefill-chunk 64 --max-new-tokens 16 --out "$work" \
+          > "$work/decode-flash-ttft-64.log" 2>&1 || { echo "decode flash TTFT (chunk 64) failed"; status=1; }
+        grep -E "^== decode|^TTFT|^TPOT" "$work/decode-flash-ttft-64.log" | head -n 4
+      fi
     fi
   fi
   # REPORT.md of this run's directory (its decode section, and any bench rows beside it).

@@ -847,3 +847,105 @@ fn gpu_prefill_hca_main_matches_cpu() {
         31,
     );
 }
+
+// ---- GPU: a chunk continuing a sequence (the engine's chunked prefill) ------------------------------------------
+
+/// `compressor::chunk` against the decode step, bit for bit: one sequence driven token by token through
+/// `decode_step` (rig a) and through chunks of random lengths (rig b, 1 ..= 2m + 5 tokens for CSA, 1 ..= 150 for HCA:
+/// chunks inside one block, ending on a block edge, spanning several) at the same positions with the same inputs;
+/// after every chunk the states, every cache slot and the error words equal exactly (the chunk's contract: the same
+/// pooling in the same order, copies for the state). Unwritten slots stay poisoned on both sides.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_chunk_equals_decode_steps_bitwise() {
+    let label = "gpu_chunk_equals_decode_steps_bitwise";
+    let gpu = common::gpu(label);
+    let mut rng = common::seeded(label, "COMPRESSOR_SEED");
+    let model_seed: u64 = rng.random();
+    for (layer, kind, tokens, longest) in [
+        (CSA_LAYER, CompressorKind::CsaMain, 4 * 13 + 3, 13),
+        (
+            CSA_LAYER,
+            CompressorKind::CsaIndex(KeyFormat::Fp8),
+            4 * 13 + 3,
+            13,
+        ),
+        (
+            CSA_LAYER,
+            CompressorKind::CsaIndex(KeyFormat::Mxfp4),
+            4 * 13 + 3,
+            13,
+        ),
+        (HCA_LAYER, CompressorKind::HcaMain, 3 * 128 + 37, 150),
+    ] {
+        let label = format!("{label} {kind:?}");
+        let caps = [(tokens / 4 + 2) as i32];
+        let mut a = Rig::new(&gpu, small_model(model_seed), layer, kind, &caps, &[false]);
+        let b = Rig::new(&gpu, small_model(model_seed), layer, kind, &caps, &[false]);
+        let shape = a.lc.shape;
+        let w = shape.width();
+        let mut p0 = 0usize;
+        let mut chunks = 0usize;
+        while p0 < tokens {
+            let n = rng.random_range(1..=longest).min(tokens - p0);
+            let kv: Vec<f32> = (0..n * w)
+                .map(|_| rng.random_range(-KV_MAX..KV_MAX))
+                .collect();
+            let gate: Vec<f32> = (0..n * w).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            for i in 0..n {
+                gpu.write(&gpu.stream, &mut a.kv, &kv[i * w..(i + 1) * w])
+                    .unwrap();
+                gpu.write(&gpu.stream, &mut a.gate, &gate[i * w..(i + 1) * w])
+                    .unwrap();
+                gpu.write(&gpu.stream, &mut a.positions, &[(p0 + i) as i32])
+                    .unwrap();
+                cp::decode_step(&gpu, &gpu.stream, &shape, &a.w, &a.io()).unwrap();
+            }
+            // The chunk's inputs, padded with poisoned rows that it must not read.
+            let rows = n + 3;
+            let mut ckv = gpu.poisoned::<f32>(rows * w, POISON).unwrap();
+            let mut cgate = gpu.poisoned::<f32>(rows * w, POISON).unwrap();
+            gpu.write(&gpu.stream, &mut ckv, &kv).unwrap();
+            gpu.write(&gpu.stream, &mut cgate, &gate).unwrap();
+            let pos: Vec<i32> = (0..rows).map(|i| (p0 + i.min(n - 1)) as i32).collect();
+            let cpos = gpu.upload(&pos).unwrap();
+            let io = cp::ChunkIo {
+                n,
+                kv: dev(&ckv),
+                gate: dev(&cgate),
+                positions: dev(&cpos),
+                state: dev(&b.state),
+                slots: EntrySlots {
+                    base: dev(&b.base),
+                    capacity: dev(&b.capacity),
+                },
+                cache: b.cache.entry_cache(),
+                error: dev(&b.error),
+            };
+            cp::chunk(&gpu, &gpu.stream, &shape, &b.w, &io).unwrap();
+            gpu.synchronize().unwrap();
+            let at = format!("chunk {chunks} ({p0}+{n})");
+            let (sa, sb) = (
+                gpu.download(&a.state).unwrap(),
+                gpu.download(&b.state).unwrap(),
+            );
+            assert_bit_identical(&label, &format!("{at} state"), &sb, &sa);
+            let (ea, eb) = (a.cache.entries(&gpu), b.cache.entries(&gpu));
+            for (slot, (x, y)) in ea.iter().zip(&eb).enumerate() {
+                assert_bit_identical(&label, &format!("{at} slot {slot}"), y, x);
+            }
+            assert_eq!(
+                gpu.download(&a.error).unwrap()[0],
+                gpu.download(&b.error).unwrap()[0],
+                "{label}: {at} error word"
+            );
+            p0 += n;
+            chunks += 1;
+        }
+        eprintln!(
+            "{label}: {tokens} tokens in {chunks} chunks, {} entries: states and caches bit-identical to the decode \
+             steps'",
+            tokens / shape.ratio
+        );
+    }
+}

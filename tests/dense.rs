@@ -23,7 +23,8 @@ use megamoe::ops::dense::reference::{
 use megamoe::ops::dense::{
     bf16_linear, fp8_linear, fp8_linears, plan, route, shared_expert, with_min_slice, with_route,
     wo_a_grouped, workspace_layout, Bf16Job, DenseKind, DensePath, DenseRoute, DenseShape,
-    DenseWorkspace, Fp8Job, MinSliceColumns, SharedExpertScratch, MAX_ROWS, ROUTE_CUBLAS_BYTES,
+    DenseWorkspace, Fp8Job, MinSliceColumns, SharedExpertScratch, MAX_CALL_ROWS, MAX_ROWS,
+    ROUTE_CUBLAS_BYTES,
 };
 use rand_chacha::ChaCha8Rng;
 
@@ -66,7 +67,20 @@ fn quantized_rows(x: &[f32], rows: usize) -> Vec<f32> {
 fn shape_rules_refuse_what_the_kernels_cannot_take() {
     let err = |s: DenseShape| format!("{:#}", s.check().unwrap_err());
     assert!(err(shape(DenseKind::Fp8, 0, 128, 128, 1)).contains("activation rows"));
-    assert!(err(shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1)).contains("activation rows"));
+    assert!(err(shape(DenseKind::Fp8, MAX_CALL_ROWS + 1, 128, 128, 1)).contains("activation rows"));
+    // A call above the GEMV's rows is a valid shape (tensor cores or GEMV pieces), but no one GEMV launch plans it.
+    shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1)
+        .check()
+        .unwrap();
+    let e = format!(
+        "{:#}",
+        plan(&shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1), 132).unwrap_err()
+    );
+    assert!(e.contains("GEMV launch of 65 rows"), "{e}");
+    assert_eq!(
+        shape(DenseKind::Swiglu, 300, 128, 128, 1).gemv_piece().rows,
+        MAX_ROWS
+    );
     assert!(err(shape(DenseKind::Fp8, 1, 192, 128, 1)).contains("multiples of 128"));
     assert!(err(shape(DenseKind::Fp8, 1, 128, 192, 1)).contains("multiples of 128"));
     assert!(err(shape(DenseKind::Swiglu, 1, 64, 128, 1)).contains("multiples of 128"));
@@ -305,6 +319,8 @@ fn gpu_fp8_linears_of_different_heights_match_the_model() {
     );
 }
 
+/// The grouped wo_a against `Model::out_proj`'s per-group rows, at M = 1, 3, 64 and 100 (above the GEMV's 64 rows:
+/// two launches of 64 and 36 rows, `dense::row_pieces`).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
@@ -315,7 +331,7 @@ fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
             let w = DevFp8::from_model(gpu, model, &name);
             let (groups, r) = (cfg.o_groups, cfg.o_lora_rank);
             let gw = w.cols;
-            for m in [1, 3, 64] {
+            for m in [1, 3, 64, 100] {
                 let o = fx::activations(rng, m, groups * gw);
                 let d_o = gpu.upload(&fx::to_bf16(&o)).unwrap();
                 let (_arena, ws) =
@@ -354,7 +370,8 @@ fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
 /// neighbouring BF16 value of the CPU's (different summation order), which moves h by ~2^-8 relative and can move an
 /// FP8 code of h by one step (2^-3 relative) for the elements near a rounding boundary (about 2^-8 / 2^-4 = 1/16
 /// of them): the output's relative L2 error is then about sqrt(1/16) * 2^-4 ~ 1.6e-2 at worst; 3e-2 is allowed. A
-/// layout or scale bug gives O(1).
+/// layout or scale bug gives O(1). M = 100 is above the GEMV's 64 rows: the SwiGLU half in pieces of 64 and 36 rows,
+/// w2 on the tensor cores (the weights carry f32 scales).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes() {
@@ -366,7 +383,7 @@ fn gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes() {
             let w3 = DevFp8::from_model(gpu, model, &format!("{p}.w3.weight"));
             let w2 = DevFp8::from_model(gpu, model, &format!("{p}.w2.weight"));
             let (d, inter) = (cfg.dim, cfg.moe_inter_dim);
-            for m in [1, 3, 64] {
+            for m in [1, 3, 64, 100] {
                 // Larger inputs so that the clamp at swiglu_limit (10) is reached by some g and u.
                 let x: Vec<f32> = fx::activations(rng, m, d)
                     .iter()

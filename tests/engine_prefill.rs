@@ -1,17 +1,21 @@
 //! Chunked prefill (`engine::prefill`, docs/engine.md "Chunked prefill"): the host arithmetic it adds (row tables,
-//! the window ring longer than the window, chunk padding) on the CPU; on the GPU the indexer's key-sequence map,
-//! then a whole chunked prefill against the CPU model and against the GPU's own token-by-token prefill (caches,
-//! logits, and the decode steps after it).
+//! the window ring of window + 1023, chunk padding, the memory it takes) on the CPU; on the GPU the indexer's
+//! key-sequence map, a chunk's candidate rows over a wrapping ring, the long chunks' FFN glue (the contiguous
+//! grouping, the shared expert's SwiGLU rows), then whole chunked prefills against the CPU model and against the
+//! GPU's own reference prefill (caches, logits, and the decode steps after it): chunks of 32 against token by token,
+//! chunks of 256 (the long-chunk paths) against chunks of 64.
 //!
-//! Why the GPU comparisons are not bit-exact: a chunk runs the same kernels as a decode step, at M = C rows
-//! instead of one row per sequence. The kernels' per-row arithmetic does not read other rows, but their split
+//! Why the GPU comparisons are not bit-exact: at C <= 64 a chunk runs the same kernels as a decode step, at M = C
+//! rows instead of one row per sequence. The kernels' per-row arithmetic does not read other rows, but their split
 //! plans come from the launch's capacities: the dense linears' split-K (`ops::dense`, from M, N, K and the SM
 //! count), the routed experts' K splits and the sparse attention's split over candidates (`SplitPlan::fp8`, from the
-//! batch), so the f32 partial sums of a row can be added in another order at M = 32 than at M = 1 or 2. A 1-ulp
-//! difference can then flip a BF16 / FP8 rounding, and, rarely, a near-tied router or indexer choice, which grows
-//! through the later layers and positions. So the caches are compared by cosine (the issue's 0.999 per-intermediate
-//! floor) with the exactly-equal entries counted and printed, and the logits against the CPU model with the
-//! decode path's end-to-end floor (tests/engine_decode.rs: 0.98), printed beside the token-by-token prefill's.
+//! batch), so the f32 partial sums of a row can be added in another order at M = 32 than at M = 1 or 2. Above 64 rows
+//! the dense linears sum on cuBLASLt's tensor cores and the routed experts in moe_gemm's prefill mainloop: other
+//! orders again. A 1-ulp difference can then flip a BF16 / FP8 rounding, and, rarely, a near-tied router or indexer
+//! choice, which grows through the later layers and positions. So the caches are compared by cosine (the issue's
+//! 0.999 per-intermediate floor) with the exactly-equal entries counted and printed, and the logits against the CPU
+//! model with the decode path's end-to-end floor (tests/engine_decode.rs: 0.98), printed beside the reference
+//! prefill's. (The compressors are exact: `compressor::chunk` is n decode steps bit for bit, tests/compressor.rs.)
 
 mod common;
 
@@ -69,19 +73,41 @@ fn chunk_sizes_are_checked() {
     assert!(check_chunk(0).is_err());
     assert!(check_chunk(1).is_ok());
     assert!(check_chunk(PREFILL_CHUNK_MAX).is_ok());
+    assert_eq!(PREFILL_CHUNK_MAX, 1024);
+    assert!(check_chunk(256).is_ok());
     let e = check_chunk(PREFILL_CHUNK_MAX + 1).unwrap_err().to_string();
-    assert!(e.contains("1..=64"), "{e}");
+    assert!(e.contains("1..=1024"), "{e}");
 }
 
-/// The ring holds `min(context, window + 63)` entries and the window stays `min(window_size, context)`; for every
-/// chunk start and length up to the longest chunk, the chunk's own entries (written before its attention) never
-/// land in a slot that one of its queries reads for another position. Checked by simulation of the slots.
+/// The ring holds `min(context, window + 1023)` entries and the window stays `min(window_size, context)`; for every
+/// chunk start and length up to the longest chunk (1024), the chunk's own entries (written before its attention)
+/// never land in a slot that one of its queries reads for another position. Checked by simulation of the slots,
+/// on contexts where the ring wraps (the short window's 1047-entry ring in a context of 2,500; Flash's 1151 in 4K).
+/// Also: a ring one entry shorter fails the check for the longest chunk (the bound is tight).
 #[test]
 fn the_ring_holds_a_chunk_beside_the_window() {
+    use std::collections::HashMap;
+    // The first conflict of chunk (p0, c) in a ring of `ring` slots after `base`, window `window`: (query, read
+    // position, overwriting position).
+    let conflict = |ring: usize, window: usize, context: usize, p0: usize, c: usize| {
+        let last = (p0 + c - 1).min(context - 1);
+        let written: HashMap<usize, usize> = (p0..=last).map(|p| (p % ring, p)).collect();
+        for q in p0..=last {
+            let first = (q + 1).saturating_sub(window);
+            for p in first..=q {
+                if let Some(&wp) = written.get(&(p % ring)) {
+                    if wp != p {
+                        return Some((q, p, wp));
+                    }
+                }
+            }
+        }
+        None
+    };
     for (cfg, context) in [
         (short_window_config(), 128),
         (short_window_config(), 40),
-        (short_window_config(), 500),
+        (short_window_config(), 2500),
         (ModelConfig::small(), 4096),
         (ModelConfig::flash(), 4096),
         (ModelConfig::flash(), 100),
@@ -94,30 +120,38 @@ fn the_ring_holds_a_chunk_beside_the_window() {
         );
         let lay = LayerCacheLayout { plan, batch: 2 };
         let ring = plan.window_entries;
-        for c in [1, 2, 31, 32, PREFILL_CHUNK_MAX] {
-            for p0 in (0..context.saturating_sub(c)).step_by(7) {
+        for c in [1, 2, 31, 32, 64, 65, 300, 512, PREFILL_CHUNK_MAX] {
+            let step = if c > 64 { 61 } else { 7 };
+            for p0 in (0..context.saturating_sub(c)).step_by(step) {
                 let last = (p0 + c - 1).min(context - 1);
-                // The slot each position of the chunk writes.
-                let written: Vec<(usize, usize)> =
-                    (p0..=last).map(|p| (lay.window_slot(1, p), p)).collect();
-                for q in p0..=last {
+                // The layout's slots and candidate lists are the ring arithmetic simulated above.
+                for q in [p0, (p0 + last) / 2, last] {
                     let cand = lay.window_candidates(1, q);
                     assert_eq!(cand.len(), (q + 1).min(plan.window));
                     let first = (q + 1).saturating_sub(plan.window);
                     for (i, &slot) in cand.iter().enumerate() {
-                        let p = first + i;
-                        assert_eq!(slot as usize, lay.window_base(1) + p % ring);
-                        for &(s, wp) in &written {
-                            assert!(
-                                s != slot as usize || wp == p,
-                                "{} context {context}: chunk {p0}+{c}: query {q} reads position {p} in slot \
-                                 {slot}, which the chunk's position {wp} overwrote",
-                                cfg.name
-                            );
-                        }
+                        assert_eq!(slot as usize, lay.window_base(1) + (first + i) % ring);
                     }
+                    assert_eq!(lay.window_slot(1, q), lay.window_base(1) + q % ring);
+                }
+                if let Some((q, p, wp)) = conflict(ring, plan.window, context, p0, c) {
+                    panic!(
+                        "{} context {context}: chunk {p0}+{c}: query {q} reads position {p}, which the chunk's \
+                         position {wp} overwrote",
+                        cfg.name
+                    );
                 }
             }
+        }
+        // Tight: one slot fewer and the longest chunk overwrites a position its first query reads.
+        if ring < context {
+            let p0 = context - PREFILL_CHUNK_MAX - 1;
+            assert!(
+                conflict(ring - 1, plan.window, context, p0, PREFILL_CHUNK_MAX).is_some(),
+                "{} context {context}: a ring of {} would do",
+                cfg.name,
+                ring - 1
+            );
         }
     }
 }
@@ -150,7 +184,7 @@ fn chunk_row_tables_and_candidates_are_the_sequences() {
         assert!(lay.row_tables(&[3]).is_err());
         assert!(lay.row_tables(&[]).is_err());
 
-        // A chunk of sequence 2 at positions 80..=111 (the ring of 87 wraps inside it) plus two padding rows.
+        // A chunk of sequence 2 at positions 80..=111 plus two padding rows.
         let stride = megamoe::engine::attn::candidate_stride(&plan, cfg.index_topk);
         let positions: Vec<i32> = (80..112).chain([111, 111]).collect();
         let selected: Vec<Vec<usize>> = positions
@@ -190,10 +224,13 @@ fn chunk_row_tables_and_candidates_are_the_sequences() {
     }
 }
 
-/// The decode step's arena plus the chunked prefill's fit the memory plan's workspace budget (Flash and Pro, a 4K
-/// prompt at batch 1 and a short one at batch 64).
+/// The decode step's arena plus the chunked prefill's (its arena and its FFN's grouping buffers, which `FfnHalf::new`
+/// allocates outside the arena: at 1024 rows the contiguous grouping's 6,144 rows) fit the memory plan's workspace
+/// budget (Flash and Pro, a 4K prompt at batch 1 and a short one at batch 64). The masked grouping at 1024 rows
+/// would hold `slots x 1024` rows: printed beside it, the reason for the contiguous one.
 #[test]
 fn prefill_arena_fits_the_plan_budget() {
+    use megamoe::engine::ffn::GroupingSizes;
     for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
         for (batch, context, prompt) in [(1, 8192, 4096), (64, 4096, 16), (1, 4096, 2)] {
             let req = PlanRequest::new(batch, context, prompt, 1 << 50);
@@ -201,24 +238,78 @@ fn prefill_arena_fits_the_plan_budget() {
             let decode =
                 step::workspace_bytes(&cfg, &StepShape { batch, context }, H100_SMS).unwrap();
             let rows = PREFILL_CHUNK_MAX.min(prompt - 1);
-            let pre = if rows > 1 {
-                PrefillState::layout(&cfg, rows, batch, context, H100_SMS)
-                    .unwrap()
-                    .bytes()
+            let (pre, grouping) = if rows > 1 {
+                let g = GroupingSizes::of(&cfg, rows, &plan.map, H100_SMS);
+                assert_eq!(g.contiguous, rows > 64);
+                (
+                    PrefillState::layout(&cfg, rows, batch, context, H100_SMS)
+                        .unwrap()
+                        .bytes(),
+                    g.bytes(&cfg),
+                )
             } else {
-                0
+                (0, 0)
             };
             println!(
                 "{} batch {batch} context {context} prompt {prompt}: decode arena {:.3} GB + prefill arena \
-                 {:.3} GB, budget {:.3} GB",
+                 {:.3} GB + prefill grouping {:.3} GB ({rows} rows), budget {:.3} GB",
                 cfg.name,
                 decode as f64 / 1e9,
                 pre as f64 / 1e9,
+                grouping as f64 / 1e9,
                 plan.workspace_bytes as f64 / 1e9
             );
-            assert!(decode + pre <= plan.workspace_bytes);
+            assert!(decode + pre + grouping <= plan.workspace_bytes);
         }
+        // The masked grouping at the longest chunk, for comparison (not built: above 64 rows the contiguous one).
+        let map = MemoryPlan::new(&cfg, &PlanRequest::new(1, 8192, 4096, 1 << 50))
+            .unwrap()
+            .map;
+        let contiguous = GroupingSizes::of(&cfg, PREFILL_CHUNK_MAX, &map, H100_SMS);
+        let masked = GroupingSizes {
+            contiguous: false,
+            rows: map.slots * contiguous.capacity,
+            ..contiguous
+        };
+        println!(
+            "{}: {PREFILL_CHUNK_MAX} rows on {} slots: contiguous grouping {:.3} GB ({} rows), masked {:.3} GB ({} \
+             rows, one split)",
+            cfg.name,
+            map.slots,
+            contiguous.bytes(&cfg) as f64 / 1e9,
+            contiguous.rows,
+            masked.bytes(&cfg) as f64 / 1e9,
+            masked.rows
+        );
+        assert!(masked.bytes(&cfg) > 20 * contiguous.bytes(&cfg));
     }
+}
+
+/// The memory plan counts the longer rings: each layer's window ring is `window + 1023` entries of 584 bytes
+/// (Flash: 1151 a layer, 28.9 MB a sequence over 43 layers), cut to the context.
+#[test]
+fn the_plan_counts_rings_of_window_plus_1023() {
+    let cfg = ModelConfig::flash();
+    let plan = MemoryPlan::new(&cfg, &PlanRequest::new(1, 8192, 4096, 1 << 50)).unwrap();
+    let ring: usize = plan
+        .cache_layers
+        .iter()
+        .map(|l| l.window_entries * kv::ENTRY_BYTES)
+        .sum();
+    assert_eq!(ring, 43 * (128 + PREFILL_CHUNK_MAX - 1) * 584);
+    println!(
+        "Flash: window rings {:.2} MB of the {:.2} MB a sequence holds at context 8192",
+        ring as f64 / 1e6,
+        plan.cache_bytes_per_sequence() as f64 / 1e6
+    );
+    let without: usize = plan
+        .cache_layers
+        .iter()
+        .map(|l| l.bytes(plan.request.index_keys) - l.window_entries * kv::ENTRY_BYTES)
+        .sum();
+    assert_eq!(plan.cache_bytes_per_sequence(), ring + without);
+    // A context shorter than the ring holds the context.
+    assert_eq!(LayerCachePlan::of(&cfg, 0, 300).window_entries, 300);
 }
 
 // ---- GPU: the indexer's key-sequence map ------------------------------------------------------------------------
@@ -306,10 +397,15 @@ fn indexer_key_map_scores_one_sequences_keys_per_row() {
 
 // ---- GPU: a chunk's candidate rows ------------------------------------------------------------------------------
 
+/// Rows of the candidate test's chunks (above the decode kernels' 64) and its context (the ring wraps).
+const CAND_ROWS: usize = 300;
+const CAND_CONTEXT: usize = 2000;
+
 /// `attn_candidates` with a chunk's row tables (every row sequence 1 of 2) against the host twin
-/// `row_candidate_rows`, for every layer kind: chunks of 32 rows at random starts (the 87-entry ring of the
-/// short-window geometry wraps inside most of them), the last rows padded with copies, random top-k rows in score
-/// order (-1 padded): rows and lengths equal exactly, each row's window the last 24 positions in their ring slots.
+/// `row_candidate_rows`, for every layer kind: chunks of [`CAND_ROWS`] rows at random starts in a context of
+/// [`CAND_CONTEXT`] (the 1047-entry ring of the short-window geometry, window 24 + 1023; every other chunk starts
+/// fewer than its length before the ring's end, so the ring wraps inside it), the last rows padded with copies, random top-k rows in score order (-1 padded): rows and lengths equal
+/// exactly, each row's window the last 24 positions in their ring slots.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn chunk_candidate_rows_match_the_host_twin() {
@@ -321,18 +417,24 @@ fn chunk_candidate_rows_match_the_host_twin() {
     let label = "engine_prefill_candidates";
     let gpu = gpu(label);
     let cfg = short_window_config();
-    let (_, _w, _m, state) = common::engine::rig(&gpu, label, cfg.clone(), 2, CONTEXT);
+    let (_, _w, _m, state) = common::engine::rig(&gpu, label, cfg.clone(), 2, CAND_CONTEXT);
     let mut rng = common::seeded(label, "MEGAMOE_SEED");
     let s = gpu.stream.clone();
-    let rows = CHUNK;
+    let rows = CAND_ROWS;
+    let seqs = vec![1usize; rows];
     for (l, lc) in state.caches.layers.iter().enumerate() {
         let lay = lc.layout;
         let stride = candidate_stride(&lay.plan, cfg.index_topk);
         let k = cfg.index_topk.min(lay.plan.index_keys.max(1));
-        let tables = RowTables::upload(&gpu, &lay, &[1; CHUNK]).unwrap();
+        let tables = RowTables::upload(&gpu, &lay, &seqs).unwrap();
         for trial in 0..16 {
             let real = rng.random_range(1..=rows);
-            let p0 = rng.random_range(0..CONTEXT - real);
+            let ring = lay.plan.window_entries;
+            let p0 = if trial % 2 == 0 && real > 1 && ring + 1 < CAND_CONTEXT - real {
+                ring - rng.random_range(1..real)
+            } else {
+                rng.random_range(0..CAND_CONTEXT - real)
+            };
             let positions: Vec<i32> = (0..rows).map(|i| (p0 + i.min(real - 1)) as i32).collect();
             let mut top = vec![-1i32; rows * k];
             let mut selected: Vec<Vec<usize>> = vec![vec![]; rows];
@@ -354,7 +456,7 @@ fn chunk_candidate_rows_match_the_host_twin() {
                 selected[r] = sel;
             }
             let (want, want_len) = lay
-                .row_candidate_rows(&[1; CHUNK], &positions, &selected, stride)
+                .row_candidate_rows(&seqs, &positions, &selected, stride)
                 .unwrap();
             let dpos = gpu.upload(&positions).unwrap();
             let top_buf = gpu.upload(&top).unwrap();
@@ -387,8 +489,8 @@ fn chunk_candidate_rows_match_the_host_twin() {
 
 /// Prompt of 105 tokens, C = 32: the first 104 go in chunks 32, 32, 32, 8 (the last padded with 24 copies of its
 /// last row, position 103, where CSA (m = 4) and HCA (m = 8) both emit: a padding row that updated a compressor
-/// would emit again or corrupt the state); the 87-entry ring (window 24 + 63) wraps inside the third chunk
-/// (positions 64..95); the first decode step runs position 104.
+/// would emit again or corrupt the state); the ring (window 24 + 1023, cut to the context of 128) does not wrap (the
+/// candidate test and the ring simulation cover the wrap); the first decode step runs position 104.
 const PROMPT: usize = 105;
 const CHUNK: usize = 32;
 const CONTEXT: usize = 128;
@@ -477,56 +579,123 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// A chunked prefill (C = 32) of 2 sequences against the CPU model and against the GPU's token-by-token prefill
-/// (C = 1) on the same weights: (a) the first sampled step's logits (position 104) against `Model::prefill`'s,
-/// cosine >= 0.98 (the decode path's end-to-end floor, tests/engine_decode.rs; the token-by-token prefill's cosine
-/// is printed beside it) and an argmax that is the CPU's, the token-by-token prefill's, or within 2% of the CPU's
-/// logit range of the CPU's best; (b) every
-/// cache after the prefill against the token-by-token engine's: window entries of the last 24 positions,
-/// compressed entries, index keys, compressor states, cosine >= 0.999 per layer and kind (module docs: the split
-/// plans differ with M), nothing written past the emitted entries, the same non-finite state cells; (c) 8 decode
-/// steps after it, both fed the token-by-token engine's tokens: logits cosine >= 0.995 and the same argmax in at
-/// least 7 of 8 steps per sequence.
+/// A chunked prefill (C = 32) of 2 sequences of 105 tokens against the CPU model and against the GPU's
+/// token-by-token prefill (C = 1) on the same weights ([`compare_prefills`] for what is checked).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
-    let label = "engine_prefill_chunked";
+    compare_prefills(
+        "engine_prefill_chunked",
+        Prefills {
+            prompt: PROMPT,
+            chunk: CHUNK,
+            reference_chunk: 1,
+            context: CONTEXT,
+        },
+    );
+}
+
+/// Chunks above the decode kernels' 64 rows: 2 sequences of 300 tokens, the first 299 in chunks of 256 and 43 (the
+/// last padded with 213 copies of its last row, position 298), against the CPU model and against the GPU's own
+/// chunked prefill at C = 64 (chunks 64 x 4 + 43, the decode kernels' paths) on the same weights
+/// ([`compare_prefills`]). At 256 rows the chunk takes the new paths: the FP8 / BF16 linears on cuBLASLt's tensor
+/// cores, the shared expert's SwiGLU half and wo_a as GEMV pieces of 64 rows, the routed experts through the
+/// contiguous grouping (`ffn_contiguous_grouping`) and moe_gemm's prefill (wgmma) mainloop with one K split. Those
+/// change only the order of f32 sums against the C = 64 run (the tensor cores' block sums, the mainloop's K order;
+/// the NVFP4 activations' pre-pass to BF16 is exact), so the tolerances are those of the C = 32 test: a 1-ulp
+/// difference may flip a BF16 / FP8 rounding or a near-tied router / indexer choice (module docs).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn long_chunks_match_the_cpu_model_and_64_row_chunks() {
+    compare_prefills(
+        "engine_prefill_long_chunks",
+        Prefills {
+            prompt: 300,
+            chunk: 256,
+            reference_chunk: 64,
+            context: 320,
+        },
+    );
+}
+
+/// What [`compare_prefills`] runs: prompts of `prompt` tokens, the tested engine in chunks of `chunk`, the
+/// reference engine in chunks of `reference_chunk` (1: token by token), caches of `context` tokens.
+struct Prefills {
+    prompt: usize,
+    chunk: usize,
+    reference_chunk: usize,
+    context: usize,
+}
+
+/// A chunked prefill (C = `p.chunk`) of 2 sequences against the CPU model and against a reference prefill of the
+/// GPU (C = `p.reference_chunk`; 1 = token by token) on the same weights: (a) the first sampled step's logits
+/// (position `prompt - 1`) against `Model::prefill`'s, cosine >= 0.98 (the decode path's end-to-end floor,
+/// tests/engine_decode.rs; the reference prefill's cosine is printed beside it) and an argmax that is the CPU's, the
+/// reference prefill's, or within 2% of the CPU's logit range of the CPU's best; (b) every cache after the prefill
+/// against the reference engine's: window entries of the last 24 positions, compressed entries, index keys,
+/// compressor states, cosine >= 0.999 per layer and kind (module docs: the split plans differ with M), nothing
+/// written past the emitted entries, the same non-finite state cells; (c) 8 decode steps after it, both fed the
+/// reference engine's tokens: logits cosine >= 0.995 and the same argmax in at least 7 of 8 steps per sequence.
+/// The tested engine's chunk state is poisoned (0xFF) before it runs. Above 64 rows it must take the contiguous
+/// grouping and (with at least 6 rows per expert slot) moe_gemm's prefill mainloop, checked before the run.
+fn compare_prefills(label: &str, p: Prefills) {
+    let (prompt_len, chunk, context) = (p.prompt, p.chunk, p.context);
     let gpu = gpu(label);
     let cfg = short_window_config();
-    let (seed, w, cpu) = rig_weights(&gpu, label, cfg.clone(), BATCH, CONTEXT);
+    let (seed, w, cpu) = rig_weights(&gpu, label, cfg.clone(), BATCH, context);
     let mut floor =
         Model::new(Weights::synthetic(cfg.clone(), seed, CachePolicy::All).unwrap()).unwrap();
     floor.moe_sum = MoeSum::Bf16Accumulator;
     let shape = StepShape {
         batch: BATCH,
-        context: CONTEXT,
+        context,
     };
     let prompts: Vec<Vec<u32>> = (0..BATCH)
-        .map(|b| tokens(seed ^ (0x1F + b as u64), PROMPT, cfg.vocab_size))
+        .map(|b| tokens(seed ^ (0x1F + b as u64), prompt_len, cfg.vocab_size))
         .collect();
     let params = SamplerParams::from_config(&SamplerConfig::greedy(), DECODE_STEPS + 2).unwrap();
     let s = gpu.stream.clone();
 
     let mut chunked = Engine::new(&gpu, &w, shape).unwrap();
-    chunked.set_prefill_chunk(CHUNK).unwrap();
-    assert_eq!(chunked.prepare_prefill(&gpu, PROMPT).unwrap(), CHUNK);
+    chunked.set_prefill_chunk(chunk).unwrap();
+    assert_eq!(chunked.prepare_prefill(&gpu, prompt_len).unwrap(), chunk);
     chunked
         .prefill_state
         .as_mut()
         .unwrap()
         .poison(&gpu)
         .unwrap();
+    {
+        let ffn = &chunked.prefill_state.as_ref().unwrap().ffn;
+        let prefill_mainloop = megamoe::ops::moe_gemm::prefill::routes_here(
+            &w.experts[0].l1,
+            &ffn.grouping,
+            &ffn.l1_config,
+        );
+        println!(
+            "C = {chunk}: contiguous grouping {}, moe_gemm prefill mainloop {prefill_mainloop} ({} rows on {} slots)",
+            ffn.contiguous.is_some(),
+            ffn.grouping.rows_total,
+            ffn.grouping.experts
+        );
+        assert_eq!(ffn.contiguous.is_some(), chunk > 64);
+        assert_eq!(
+            prefill_mainloop,
+            chunk > 64 && chunk >= ffn.grouping.experts,
+            "C = {chunk}: the routed experts' mainloop"
+        );
+    }
     let mut single = Engine::new(&gpu, &w, shape).unwrap();
-    single.set_prefill_chunk(1).unwrap();
+    single.set_prefill_chunk(p.reference_chunk).unwrap();
     for e in [&chunked, &single] {
         arena::fill(&s, &e.state.ws.logits, 0xFF).unwrap();
     }
     let t_chunked = chunked.prefill(&gpu, &prompts, &params, &[]).unwrap();
     let t_single = single.prefill(&gpu, &prompts, &params, &[]).unwrap();
     println!(
-        "prefill of {PROMPT} tokens x {BATCH} sequences: chunked (C = {CHUNK}) {:.3} s, token by token {:.3} s \
+        "prefill of {prompt_len} tokens x {BATCH} sequences: chunked (C = {chunk}) {:.3} s, reference (C = {}) {:.3} s \
          (cold, eager chunks; small model)",
-        t_chunked.ttft_s, t_single.ttft_s
+        t_chunked.ttft_s, p.reference_chunk, t_single.ttft_s
     );
     for e in [&chunked, &single] {
         assert_eq!(
@@ -545,7 +714,7 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
         0
     );
 
-    // (a) logits at position PROMPT - 1 against the CPU model.
+    // (a) logits at position prompt - 1 against the CPU model.
     let vocab = cfg.vocab_size;
     let g_chunk = chunked.state.read_logits(&s).unwrap();
     let g_single = single.state.read_logits(&s).unwrap();
@@ -573,8 +742,8 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
         let (gc_top, gs_top) = (argmax(gc), argmax(gs));
         let shortfall = (c[top] - c[gc_top]) / (hi - lo);
         println!(
-            "seq {b}: cos(chunked, CPU) {cos_c:.6}  cos(token by token, CPU) {cos_s:.6}  cos(CPU', CPU) {cos_f:.6}  \
-             cos(chunked, token by token) {:.6}  argmax chunked {gc_top} token-by-token {gs_top} CPU {top} (the \
+            "seq {b}: cos(chunked, CPU) {cos_c:.6}  cos(reference, CPU) {cos_s:.6}  cos(CPU', CPU) {cos_f:.6}  \
+             cos(chunked, reference) {:.6}  argmax chunked {gc_top} reference {gs_top} CPU {top} (the \
              chunked choice's CPU logit is {shortfall:.4} of the CPU's range below its best)",
             cosine(gc, gs),
         );
@@ -584,15 +753,15 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
         );
         // Top-1: the decode path itself picks the CPU's argmax in 41 of 48 free-running steps on the small geometry
         // (results/h100/parity.csv), so exact agreement is not the bar; the chunked choice must be the CPU's or the
-        // token-by-token prefill's, or a near-best token under the CPU.
+        // reference prefill's, or a near-best token under the CPU.
         assert!(
             gc_top == top || gc_top == gs_top || shortfall <= 0.02,
-            "seq {b}: chunked argmax {gc_top} (CPU {top}, token by token {gs_top}, shortfall {shortfall:.4})"
+            "seq {b}: chunked argmax {gc_top} (CPU {top}, reference {gs_top}, shortfall {shortfall:.4})"
         );
     }
 
-    // (b) the caches against the token-by-token engine's.
-    let last = PROMPT - 1;
+    // (b) the caches against the reference engine's.
+    let last = prompt_len - 1;
     println!("layer kind        what              cosine     max|d|     same entries");
     for l in 0..cfg.n_layers {
         let (a, b) = (
@@ -707,7 +876,7 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
         }
     }
 
-    // (c) decode steps after the prefill, both fed the token-by-token engine's tokens.
+    // (c) decode steps after the prefill, both fed the reference engine's tokens.
     let mut agree = [0usize; BATCH];
     for step in 0..DECODE_STEPS {
         let ids: Vec<u32> = single
@@ -734,7 +903,7 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
             let same = argmax(x) == argmax(y);
             agree[b] += usize::from(same);
             println!(
-                "decode step {step} seq {b}: cos(chunked, token by token) {cos:.6} argmax {} / {}",
+                "decode step {step} seq {b}: cos(chunked, reference) {cos:.6} argmax {} / {}",
                 argmax(x),
                 argmax(y)
             );
@@ -748,6 +917,185 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
         assert!(
             a + 1 >= DECODE_STEPS,
             "seq {b}: the argmax agreed in {a}/{DECODE_STEPS} decode steps"
+        );
+    }
+}
+
+// ---- GPU: the FFN glue of long chunks ---------------------------------------------------------------------------
+
+/// `ffn_swiglu_fp8_rows` (a long chunk's shared expert between its two tensor-core GEMMs) against the host rule, on
+/// 300 rows x 512 of random BF16 g and u in [-12, 12] with the model's clamp (L = 10 on the small geometry: about
+/// 8% of g and 17% of u are clamped): h = bf16(silu(min(g, L)) * clamp(u, -L, L)), FP8 1x128 (formats::fp8). The kernel's
+/// sigmoid uses the device expf (<= 2 ulp) where the host uses its own exp, so a BF16 h may differ by an ulp where
+/// the product sits near a rounding edge: the blocks' scales and the codes must be equal in at least 99% of places,
+/// and every code that differs must decode within one e4m3 step (2^-3 relative, plus half the block's smallest
+/// step) of the host's. Unwritten codes (0xFF poison) would fail the count.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn swiglu_rows_match_the_host_rule() {
+    use megamoe::engine::ffn::swiglu_fp8_rows;
+    use megamoe::formats::{e4m3, fp8, ue8m0};
+    use megamoe::model::numerics::{bf16_round, silu};
+    use megamoe::ops::compressor::dev;
+    use rand::Rng;
+    let label = "engine_prefill_swiglu_rows";
+    let gpu = gpu(label);
+    let mut rng = common::seeded(label, "MEGAMOE_SEED");
+    let (rows, inter) = (300usize, 512usize);
+    let lim = ModelConfig::small().swiglu_limit;
+    let draw = |rng: &mut rand_chacha::ChaCha8Rng| -> Vec<half::bf16> {
+        (0..rows * inter)
+            .map(|_| half::bf16::from_f32(rng.random_range(-12.0f32..12.0)))
+            .collect()
+    };
+    let (g, u) = (draw(&mut rng), draw(&mut rng));
+    let (dg, du) = (gpu.upload(&g).unwrap(), gpu.upload(&u).unwrap());
+    let codes = gpu.poisoned::<u8>(rows * inter, common::POISON).unwrap();
+    let scales = gpu
+        .poisoned::<u8>(rows * inter / 128, common::POISON)
+        .unwrap();
+    swiglu_fp8_rows(
+        &gpu,
+        &gpu.stream,
+        &dev(&dg),
+        &dev(&du),
+        rows,
+        inter,
+        lim,
+        &dev(&codes),
+        &dev(&scales),
+    )
+    .unwrap();
+    gpu.synchronize().unwrap();
+    let (gc, gs) = (
+        gpu.download(&codes).unwrap(),
+        gpu.download(&scales).unwrap(),
+    );
+    let (mut code_diff, mut scale_diff) = (0usize, 0usize);
+    for r in 0..rows {
+        for blk in 0..inter / 128 {
+            let at = r * inter + blk * 128;
+            let h: Vec<f32> = (0..128)
+                .map(|i| {
+                    let (mut gv, mut uv) = (g[at + i].to_f32(), u[at + i].to_f32());
+                    if lim > 0.0 {
+                        gv = gv.min(lim);
+                        uv = uv.clamp(-lim, lim);
+                    }
+                    bf16_round(silu(gv) * uv)
+                })
+                .collect();
+            let mut want = vec![0u8; 128];
+            let sc = fp8::quantize_block(&h, &mut want);
+            let got_sc = gs[r * inter / 128 + blk];
+            scale_diff += usize::from(got_sc != sc);
+            let (s_want, s_got) = (ue8m0::decode(sc), ue8m0::decode(got_sc));
+            for i in 0..128 {
+                if gc[at + i] == want[i] && got_sc == sc {
+                    continue;
+                }
+                code_diff += 1;
+                let (a, b) = (
+                    e4m3::decode(gc[at + i]) * s_got,
+                    e4m3::decode(want[i]) * s_want,
+                );
+                assert!(
+                    a.is_finite() && (a - b).abs() <= 0.125 * b.abs() + s_want * 2f32.powi(-10),
+                    "row {r} element {}: gpu {a} host {b} (h {})",
+                    blk * 128 + i,
+                    h[i]
+                );
+            }
+        }
+    }
+    let (n, nb) = (rows * inter, rows * inter / 128);
+    println!(
+        "swiglu rows {rows} x {inter} (L = {lim}): codes differing {code_diff}/{n}, scales differing {scale_diff}/{nb}"
+    );
+    assert!(code_diff * 100 <= n && scale_diff * 100 <= nb);
+}
+
+/// `ffn_contiguous_grouping` on the router's own output against its host twin, exactly: 300 tokens of 16 experts on 11
+/// slots (the slot map puts up to 2 picks of a token on one slot), biased and hash selections (hash rows repeat no
+/// expert, but the map folds two onto a slot), capacity `ffn::slot_capacity`: offsets, every pair's row and every
+/// row's weight equal the twin's (`contiguous_grouping_host` of the downloaded masked grouping), and the offsets end
+/// at the pairs that got a row. Outputs are poisoned before.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn contiguous_grouping_matches_its_host_twin() {
+    use common::router::{Case, DevCase, DevRun};
+    use megamoe::engine::ffn::{
+        contiguous_grouping, contiguous_grouping_host, slot_capacity, ContiguousRows,
+    };
+    use megamoe::engine::plan::ExpertMap;
+    use megamoe::ops::moe_gemm::DeviceGrouping;
+    use megamoe::ops::router::{route_counts_into, TOPK};
+    let label = "engine_prefill_contiguous_grouping";
+    let gpu = gpu(label);
+    let mut rng = common::seeded(label, "MEGAMOE_SEED");
+    let (tokens, experts, slots) = (300usize, 16usize, 11usize);
+    for hash in [false, true] {
+        let mut case = Case::random(&mut rng, tokens, experts, 256, 1.5).with_slots(slots);
+        if hash {
+            case = case.with_hash(&mut rng, 1000);
+        }
+        let map = ExpertMap {
+            logical: experts,
+            slots,
+        };
+        let cap = slot_capacity(tokens, &map);
+        let shape = case.shape(cap);
+        let dc = DevCase::upload(&gpu, &case);
+        let mut r = DevRun::new(&gpu, &shape);
+        let pairs = tokens * TOPK;
+        let c = ContiguousRows {
+            masked_counts: gpu.poisoned::<i32>(slots, common::POISON).unwrap(),
+            token_rows: gpu.poisoned::<i32>(pairs, common::POISON).unwrap(),
+            row_weight: gpu.poisoned::<f32>(pairs, common::POISON).unwrap(),
+        };
+        let grp = DeviceGrouping {
+            capacity: 0,
+            experts: slots,
+            rows_total: pairs,
+            group: gpu.poisoned::<i32>(slots + 1, common::POISON).unwrap(),
+        };
+        route_counts_into(
+            &gpu,
+            &gpu.stream,
+            &dc.inputs(hash),
+            &r.ws,
+            &mut r.out,
+            &c.masked_counts,
+        )
+        .unwrap();
+        contiguous_grouping(&gpu, &gpu.stream, &r.out, &c, &grp).unwrap();
+        gpu.synchronize().unwrap();
+        let counts = gpu.download(&c.masked_counts).unwrap();
+        let masked_rows = gpu.download(&r.out.token_rows).unwrap();
+        let masked_weight = gpu.download(&r.out.row_weight).unwrap();
+        let (offsets, rows, weight) =
+            contiguous_grouping_host(&counts, cap, &masked_rows, &masked_weight);
+        assert_eq!(
+            gpu.download(&grp.group).unwrap(),
+            offsets,
+            "hash {hash}: offsets"
+        );
+        assert_eq!(
+            gpu.download(&c.token_rows).unwrap(),
+            rows,
+            "hash {hash}: rows"
+        );
+        let got_w = gpu.download(&c.row_weight).unwrap();
+        assert_eq!(
+            got_w.iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
+            weight.iter().map(|w| w.to_bits()).collect::<Vec<_>>(),
+            "hash {hash}: weights"
+        );
+        let owned = masked_rows.iter().filter(|&&r| r >= 0).count();
+        assert_eq!(offsets[slots] as usize, owned, "hash {hash}");
+        println!(
+            "contiguous grouping (hash {hash}): {tokens} tokens x {TOPK} on {slots} slots, {owned} rows, offsets {:?}",
+            &offsets
         );
     }
 }

@@ -59,9 +59,11 @@ pub struct DecodeArgs {
     /// this is for the small geometry (--model small).
     #[arg(long)]
     pub parity: bool,
-    /// Prompt tokens per prefill chunk, 1..=64: each sequence's prompt goes through the layers in chunks of this
-    /// many rows of the decode kernels (weights read once per chunk); 1 = token by token (one prompt-step graph
-    /// replay per token, the whole batch at once). decode.csv records it in its `prefill_chunk` column.
+    /// Prompt tokens per prefill chunk, 1..=1024 (default 1024, the fewest chunks: each reads every resident expert
+    /// and dense weight once): each sequence's prompt goes through the layers in chunks of this many rows (above 64
+    /// rows the dense linears on cuBLASLt's tensor cores and the routed experts on moe_gemm's prefill mainloop;
+    /// docs/engine.md "Chunked prefill"); 1 = token by token (one prompt-step graph replay per token, the whole
+    /// batch at once). decode.csv records it in its `prefill_chunk` column.
     #[arg(long, default_value_t = crate::engine::prefill::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
     /// Which engine runs the dense linears (the decode step's and the chunked prefill's): `auto` (the default: the
@@ -80,8 +82,7 @@ fn prefill_how(chunk: usize) -> String {
         "token by token through the decode layers (--prefill-chunk 1)".into()
     } else {
         format!(
-            "in chunks of {chunk} rows of one sequence through the decode layers (--prefill-chunk; eager \
-             launches)"
+            "in chunks of {chunk} rows of one sequence through the layers (--prefill-chunk; eager launches)"
         )
     }
 }

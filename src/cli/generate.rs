@@ -58,8 +58,8 @@ pub struct GenerateArgs {
     /// Seed of the sampler's draws (and of the synthetic weights).
     #[arg(long, default_value_t = 0x5EED)]
     pub seed: u64,
-    /// Prompt tokens per prefill chunk, 1..=64 (1 = token by token); the TTFT in the summary is the chunked
-    /// prefill's.
+    /// Prompt tokens per prefill chunk, 1..=1024 (default 1024; 1 = token by token); the TTFT in the summary is the
+    /// chunked prefill's.
     #[arg(long, default_value_t = crate::engine::prefill::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
     /// Which engine runs the dense linears: `auto` (the default: cuBLASLt's tensor cores where

@@ -1237,12 +1237,12 @@ fn fp8_rows(r: &RowsOut) -> Result<Fp8Rows<'_>> {
     })
 }
 
-/// A prefill chunk's compressor step (one compressor of a layer): the decode kernel once per real row in row
-/// (= position) order, each launch with batch 1 over row `i`'s inputs, position and table entries and the
-/// sequence's state. A compressor's state update is sequential in the positions of one sequence, and each launch
-/// is exactly the decode step of that token, so the chunk leaves the state and the emitted entries as `real`
-/// decode steps of the sequence do (given the same inputs). The padding rows (copies of the last real row) are
-/// skipped: a second update with the last token would advance the state twice.
+/// A prefill chunk's compressor step (one compressor of a layer): `compressor::chunk` over the chunk's `real` rows
+/// (row i at position p0 + i, p0 = row 0's position, read on the device) continuing the sequence's state: the
+/// entries whose blocks end in the chunk, then the state as `real` decode steps leave it, in two launches; the
+/// kernels' contract is that of `real` decode steps bit for bit (kernels/compressor.cu; host twin
+/// `compressor::reference::chunk_host`, checked against the CPU state's pushes). The padding rows (copies of the
+/// last real row) are not read: a second update with the last token would advance the state twice.
 fn compress_chunk(
     gpu: &Gpu,
     stream: &Stream,
@@ -1253,29 +1253,25 @@ fn compress_chunk(
 ) -> Result<()> {
     let (w, floats) = (cp.shape.width(), cp.shape.state_floats());
     ensure!(
-        real <= dio.batch && dio.state.len() >= (seq + 1) * floats,
+        (1..=dio.batch).contains(&real) && dio.state.len() >= (seq + 1) * floats,
         "compressor chunk: {real} rows of {} over a state of {} floats for sequence {seq}",
         dio.batch,
         dio.state.len()
     );
-    for i in 0..real {
-        let one = DecodeIo {
-            batch: 1,
-            kv: dio.kv.sub(i * w, w),
-            gate: dio.gate.sub(i * w, w),
-            positions: dio.positions.sub(i, 1),
-            state: dio.state.sub(seq * floats, floats),
-            slots: EntrySlots {
-                base: dio.slots.base.sub(i, 1),
-                capacity: dio.slots.capacity.sub(i, 1),
-            },
-            cache: dio.cache,
-            pooled: None,
-            error: dio.error,
-        };
-        compressor::decode_step(gpu, stream, &cp.shape, &cp.weights, &one)?;
-    }
-    Ok(())
+    let io = compressor::ChunkIo {
+        n: real,
+        kv: dio.kv.sub(0, real * w),
+        gate: dio.gate.sub(0, real * w),
+        positions: dio.positions.sub(0, 1),
+        state: dio.state.sub(seq * floats, floats),
+        slots: EntrySlots {
+            base: dio.slots.base.sub(0, 1),
+            capacity: dio.slots.capacity.sub(0, 1),
+        },
+        cache: dio.cache,
+        error: dio.error,
+    };
+    compressor::chunk(gpu, stream, &cp.shape, &cp.weights, &io)
 }
 
 // ---- the glue launchers (kernels/engine_attn.cu) --------------------------------------------------------------

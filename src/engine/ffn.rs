@@ -25,6 +25,17 @@
 //! 1x128, and do not round g, u and each expert's output to BF16 as the model does; mHC mixes and the router's
 //! logits are f32 sums in other orders.
 //!
+//! Prefill chunks of more than `dense::MAX_ROWS` rows ([`FfnHalf::contiguous`]; docs/engine.md "Chunked prefill"):
+//! the router still writes its masked grouping by slot (counts into [`ContiguousRows::masked_counts`]), then one
+//! glue kernel ([`contiguous_grouping`], kernels/engine_ffn.cu) rewrites it as the contiguous grouping (offsets per
+//! slot, the pairs' rows and the rows' weights, `6 C` rows): moe_gemm's launcher then takes its prefill (wgmma)
+//! mainloop once the chunk has at least 6 rows per slot on average (C >= slots; `moe_gemm::prefill::routes_here`), one
+//! K split, so each resident expert's weights are read once per chunk; the masked layout would need `slots x C`
+//! rows. The shared expert runs w1 and w3 as one tensor-core `fp8_linears` launch (BF16 g and u), the fused GEMV's
+//! SwiGLU epilogue as a glue kernel ([`swiglu_fp8_rows`]) and w2 on the tensor cores (without f32 weight scales:
+//! the fused GEMV in pieces of 64 rows, `dense` module docs). The decode step (at most 64 rows) keeps the masked
+//! grouping and the fused GEMV.
+//!
 //! Idle slots (position < 0): the FFN half reads no position and no cache, so an idle slot's row is computed like
 //! any other (its residual row in, its residual row out) and takes rows of the grouping; it changes no other row.
 
@@ -36,12 +47,13 @@ use crate::engine::io::{group, LayerIo, StepShape};
 use crate::engine::plan::ExpertMap;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
+use crate::gpu::launch::{launch, KernelArgs, Launch};
 use crate::gpu::{DevBuf, DeviceBuf, Gpu, Stream};
 use crate::model::weights::StoredDtype;
 use crate::model::ModelConfig;
 use crate::ops::compressor::dev;
 use crate::ops::dense::{
-    self, DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, SharedExpertScratch,
+    self, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight, SharedExpertScratch,
 };
 use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace};
 use crate::ops::moe_gemm::reference::SWIGLU_LIMIT;
@@ -85,6 +97,133 @@ pub fn tid2eid_i32(bytes: &[u8], experts: usize) -> Result<Vec<i32>> {
         .collect()
 }
 
+/// Whether the FFN half of `tokens` rows routes through the contiguous grouping (prefill chunks above the decode
+/// step's 64 rows; module docs).
+pub fn uses_contiguous_grouping(tokens: usize) -> bool {
+    tokens > dense::MAX_ROWS
+}
+
+/// Host twin of `ffn_contiguous_grouping` (kernels/engine_ffn.cu): the router's masked grouping (`counts[slots]`,
+/// rows `s * capacity + k`, the pairs' rows `masked_rows[pairs]` with -1 for none, the rows' weights) -> the
+/// contiguous one: `(offsets[slots + 1], rows[pairs], weight[pairs])`, slot s owning rows `offsets[s]..offsets[s +
+/// 1]` in its masked order, weight 0 on rows no slot owns.
+pub fn contiguous_grouping_host(
+    counts: &[i32],
+    capacity: usize,
+    masked_rows: &[i32],
+    masked_weight: &[f32],
+) -> (Vec<i32>, Vec<i32>, Vec<f32>) {
+    let pairs = masked_rows.len();
+    let c: Vec<i32> = counts
+        .iter()
+        .map(|&n| n.clamp(0, capacity as i32))
+        .collect();
+    let mut offsets = vec![0i32; counts.len() + 1];
+    for s in 0..counts.len() {
+        offsets[s + 1] = offsets[s] + c[s];
+    }
+    let mut weight = vec![0f32; pairs];
+    let rows = masked_rows
+        .iter()
+        .map(|&r| {
+            if r < 0 {
+                return -1;
+            }
+            let (s, k) = (r as usize / capacity, r as usize % capacity);
+            if s < counts.len() && (k as i32) < c[s] && ((offsets[s] as usize + k) < pairs) {
+                let out = offsets[s] as usize + k;
+                weight[out] = masked_weight[r as usize];
+                out as i32
+            } else {
+                -1
+            }
+        })
+        .collect();
+    (offsets, rows, weight)
+}
+
+/// The routed experts' grouping of an FFN half of `tokens` rows over an expert map: what [`FfnHalf::new`] allocates
+/// outside the step's arena (it depends on the map), and its moe_gemm launch configurations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupingSizes {
+    pub tokens: usize,
+    /// The contiguous grouping ([`uses_contiguous_grouping`]): one row per pair; else masked, `slots x capacity`.
+    pub contiguous: bool,
+    /// The router's masked rows per slot ([`slot_capacity`]).
+    pub capacity: usize,
+    /// The grouping's rows (the gathered activations, h, the partials' rows).
+    pub rows: usize,
+    pub slots: usize,
+    pub logical: usize,
+    pub l1: GemmConfig,
+    pub l2: GemmConfig,
+}
+
+impl GroupingSizes {
+    pub fn of(cfg: &ModelConfig, tokens: usize, map: &ExpertMap, sm_count: usize) -> GroupingSizes {
+        let (d, i) = (cfg.dim, cfg.moe_inter_dim);
+        let pairs = tokens * TOPK;
+        let contiguous = uses_contiguous_grouping(tokens);
+        let capacity = slot_capacity(tokens, map);
+        let rows = if contiguous {
+            pairs
+        } else {
+            map.slots * capacity
+        };
+        let active = map.slots.min(pairs);
+        let per_active = pairs as f64 / active.max(1) as f64;
+        let mut l1 = GemmConfig::choose(sm_count, per_active, active, 2 * i, d);
+        let mut l2 = GemmConfig::choose(sm_count, per_active, active, d, i);
+        if contiguous {
+            // One K split: what moe_gemm's prefill mainloop takes (`prefill::routes_here`).
+            l1.splits = 1;
+            l2.splits = 1;
+        }
+        GroupingSizes {
+            tokens,
+            contiguous,
+            capacity,
+            rows,
+            slots: map.slots,
+            logical: map.logical,
+            l1,
+            l2,
+        }
+    }
+
+    /// f32 elements of the partials (L1's, then L2's, in one buffer).
+    pub fn partial_floats(&self, cfg: &ModelConfig) -> usize {
+        let (d, i) = (cfg.dim, cfg.moe_inter_dim);
+        (self.l1.splits * self.rows * 2 * i).max(self.l2.splits * self.rows * d)
+    }
+
+    /// Device bytes [`FfnHalf::new`] allocates outside the arena for this grouping: the router's outputs (its masked
+    /// tables), the grouping's counts or offsets, the contiguous tables, the gathered NVFP4 rows, the partials, the
+    /// prefill mainloop's pre-pass activations (contiguous), h, the MoE output and the slot table.
+    pub fn bytes(&self, cfg: &ModelConfig) -> usize {
+        let (d, i, b) = (cfg.dim, cfg.moe_inter_dim, self.tokens);
+        let pairs = b * TOPK;
+        let router = pairs * 12 + self.slots * 4 + self.slots * self.capacity * 8 + 4;
+        let group = (self.slots + 1) * 4;
+        // The contiguous tables, the pre-pass activations and the shared expert's g and u.
+        let contiguous = if self.contiguous {
+            self.slots * 4 + pairs * 8 + self.rows * d.max(i) * 2 + 2 * b * i * 2
+        } else {
+            0
+        };
+        let gathered = self.rows * (d / 2 + d / 16 + 4);
+        let h = self.rows * (i / 2 + i / 16 + 4);
+        router
+            + group
+            + contiguous
+            + gathered
+            + h
+            + self.partial_floats(cfg) * 4
+            + b * d * 2
+            + self.logical * 4
+    }
+}
+
 /// The sizes of the FFN half that do not depend on the expert map (what the step's arena holds for it).
 #[derive(Clone, Copy, Debug)]
 struct ArenaSizes {
@@ -103,10 +242,11 @@ impl ArenaSizes {
             experts: cfg.n_routed_experts,
         }
     }
-    /// The shared expert's two dense launches (w1/w3 + SwiGLU, then w2).
-    fn shared_shapes(&self) -> [DenseShape; 2] {
+    /// The shared expert's dense launches: w1/w3 + SwiGLU (the fused GEMV), then w2; above `dense::MAX_ROWS` rows
+    /// also w1 and w3 as one `fp8_linears` launch on the tensor cores ([`FfnHalf::shared_expert`]).
+    fn shared_shapes(&self) -> Vec<DenseShape> {
         let (b, d, i) = (self.tokens, self.dim, self.inter);
-        [
+        let mut v = vec![
             DenseShape {
                 kind: DenseKind::Swiglu,
                 rows: b,
@@ -121,7 +261,17 @@ impl ArenaSizes {
                 k: i,
                 jobs: 1,
             },
-        ]
+        ];
+        if uses_contiguous_grouping(b) {
+            v.push(DenseShape {
+                kind: DenseKind::Fp8,
+                rows: b,
+                n: i,
+                k: d,
+                jobs: 2,
+            });
+        }
+        v
     }
     /// The router's logits scratch depends on T and E only (not on the slots).
     fn router_logits_shape(&self) -> RouterShape {
@@ -266,16 +416,23 @@ pub struct FfnHalf {
     /// The masked grouping by physical slot (`group` = the per-slot counts the router writes).
     pub grouping: DeviceGrouping,
 
+    /// A prefill chunk's contiguous grouping (more than `dense::MAX_ROWS` rows; module docs); `None` in the decode
+    /// step, which reads the router's masked grouping.
+    pub contiguous: Option<ContiguousRows>,
+
     // Step 14.
-    /// f's NVFP4 rows gathered into the grouping's rows `[slots x capacity, D]` (only owned rows are written).
+    /// f's NVFP4 rows gathered into the grouping's rows `[rows_total, D]` (`slots x capacity` masked, `6 B`
+    /// contiguous; only owned rows are written).
     pub a_codes: CudaSlice<u8>,
     pub a_scales: CudaSlice<u8>,
     pub a_global: CudaSlice<f32>,
     /// fp32 partials of L1, then of L2 (one buffer: L2's mainloop runs after L1's finish has read it).
     _partials: CudaSlice<f32>,
+    /// The prefill mainloop's pre-pass activations (contiguous grouping only; L1's, then L2's); empty otherwise.
+    _act_rs: Option<CudaSlice<bf16>>,
     ws_l1: MoeWorkspace,
     ws_l2: MoeWorkspace,
-    /// h: L1's output, NVFP4 `[slots x capacity, I]` (L2's input).
+    /// h: L1's output, NVFP4 `[rows_total, I]` (L2's input).
     pub h: L1Output,
     /// The MoE output BF16 `[B, D]`: routed experts + shared expert, rounded once.
     pub moe_out: CudaSlice<bf16>,
@@ -286,6 +443,20 @@ pub struct FfnHalf {
     h_shared_scales: DevBuf<u8>,
     /// The shared expert's output BF16 `[B, D]` (the L2 combine's addend).
     pub shared_out: DevBuf<bf16>,
+    /// A prefill chunk's (more than `dense::MAX_ROWS` rows) shared-expert g and u, BF16 `[2, B, I]`: w1 and w3 on the
+    /// tensor cores, then [`swiglu_fp8_rows`]; `None` in the decode step (the fused GEMV).
+    pub shared_gu: Option<CudaSlice<bf16>>,
+}
+
+/// The contiguous grouping of a prefill chunk, written from the router's masked one by [`contiguous_grouping`]
+/// (the grouping's offsets are `FfnHalf::grouping.group`).
+pub struct ContiguousRows {
+    /// The router's per-slot counts `[slots]` (its masked grouping).
+    pub masked_counts: CudaSlice<i32>,
+    /// Row of pair (t, j) in the contiguous grouping `[T, 6]`, -1 for none (the gather's and the L2 combine's table).
+    pub token_rows: CudaSlice<i32>,
+    /// Routing weight of each contiguous row `[6 T]` (0 for a row no slot owns; the L1 finish's `routing`).
+    pub row_weight: CudaSlice<f32>,
 }
 
 impl FfnHalf {
@@ -372,25 +543,38 @@ impl FfnHalf {
             slots: map.slots,
         };
         rshape.check()?;
-        let rows = rshape.rows_total();
         let pairs = b * TOPK;
-        let active = map.slots.min(pairs);
-        let per_active = pairs as f64 / active as f64;
-        let l1_config = GemmConfig::choose(sm_count, per_active, active, 2 * i, d);
-        let l2_config = GemmConfig::choose(sm_count, per_active, active, d, i);
-        let partials = gpu.poisoned::<f32>(
-            (l1_config.splits * rows * 2 * i).max(l2_config.splits * rows * d),
-            0xFF,
-        )?;
+        let sizes = GroupingSizes::of(cfg, b, &map, sm_count);
+        debug_assert_eq!(sizes.capacity, capacity);
+        let (contiguous, rows) = (sizes.contiguous, sizes.rows);
+        let (l1_config, l2_config) = (sizes.l1, sizes.l2);
+        let partials = gpu.poisoned::<f32>(sizes.partial_floats(cfg), 0xFF)?;
+        let act_rs = if contiguous {
+            Some(gpu.poisoned::<bf16>(rows * d.max(i), 0xFF)?)
+        } else {
+            None
+        };
         let moe_ws = |c: &GemmConfig, n: usize| MoeWorkspace {
             splits: c.splits,
             rows_total: rows,
             n,
             partial: dev(&partials),
-            // SAFETY: an empty view, never dereferenced: the masked grouping never takes the prefill mainloop.
-            act_rs: unsafe { DevBuf::from_raw(0, 0) },
+            act_rs: match &act_rs {
+                Some(a) => dev(a),
+                // SAFETY: an empty view, never dereferenced: the masked grouping never takes the prefill mainloop.
+                None => unsafe { DevBuf::from_raw(0, 0) },
+            },
         };
         let (ws_l1, ws_l2) = (moe_ws(&l1_config, 2 * i), moe_ws(&l2_config, d));
+        let contiguous_rows = if contiguous {
+            Some(ContiguousRows {
+                masked_counts: gpu.poisoned::<i32>(map.slots, 0xFF)?,
+                token_rows: gpu.poisoned::<i32>(pairs, 0xFF)?,
+                row_weight: gpu.poisoned::<f32>(pairs, 0xFF)?,
+            })
+        } else {
+            None
+        };
         let hc = MhcPreOutputs::alloc_poisoned(gpu, OutFormat::Bf16, b, d)?;
         let QuantBufs::Bf16 { y } = &hc.normed.q else {
             bail!("the FFN boundary's normalized rows must be BF16")
@@ -416,15 +600,18 @@ impl FfnHalf {
             router_ws,
             route: RouterOutputs::alloc(gpu, &rshape, 0xFF)?,
             grouping: DeviceGrouping {
-                capacity,
+                capacity: if contiguous { 0 } else { capacity },
                 experts: map.slots,
                 rows_total: rows,
-                group: gpu.poisoned::<i32>(map.slots, 0xFF)?,
+                // counts [slots] (masked) or offsets [slots + 1] (contiguous).
+                group: gpu.poisoned::<i32>(map.slots + usize::from(contiguous), 0xFF)?,
             },
+            contiguous: contiguous_rows,
             a_codes: gpu.poisoned::<u8>(rows * d / 2, 0xFF)?,
             a_scales: gpu.poisoned::<u8>(rows * d / 16, 0xFF)?,
             a_global: gpu.poisoned::<f32>(rows, 0xFF)?,
             _partials: partials,
+            _act_rs: act_rs,
             ws_l1,
             ws_l2,
             h: L1Output::new(gpu, rows, i, false)?,
@@ -433,6 +620,11 @@ impl FfnHalf {
             h_shared_codes,
             h_shared_scales,
             shared_out,
+            shared_gu: if contiguous && cfg.n_shared_experts > 0 {
+                Some(gpu.poisoned::<bf16>(2 * b * i, 0xFF)?)
+            } else {
+                None
+            },
         })
     }
 
@@ -507,14 +699,25 @@ impl FfnHalf {
             route_scale: self.route_scale,
             slot_of: Some(&self.slot_of as &dyn DeviceBuf<i32>),
         };
+        let Some(c) = &mut self.contiguous else {
+            return router::route_counts_into(
+                gpu,
+                stream,
+                &inputs,
+                &self.router_ws,
+                &mut self.route,
+                &self.grouping.group,
+            );
+        };
         router::route_counts_into(
             gpu,
             stream,
             &inputs,
             &self.router_ws,
             &mut self.route,
-            &self.grouping.group,
-        )
+            &c.masked_counts,
+        )?;
+        contiguous_grouping(gpu, stream, &self.route, c, &self.grouping)
     }
 
     /// Step 15: the shared expert on the FP8 `f` -> `shared_out` BF16 (`Model::expert(shared, f_q, 1.0)`).
@@ -531,6 +734,42 @@ impl FfnHalf {
             rows: self.tokens,
             k: self.dim,
         };
+        if let Some(gu) = &self.shared_gu {
+            if w1.scales_f32.is_some() && w3.scales_f32.is_some() {
+                // A prefill chunk: w1 and w3 on the tensor cores (one fp8_linears launch, BF16 g and u), the SwiGLU and
+                // h's FP8 1x128 quantization as the fused GEMV's epilogue does them, w2 on the tensor cores.
+                let (b, i) = (self.tokens, w1.n);
+                let (g, u) = (dev(gu).sub(0, b * i), dev(gu).sub(b * i, b * i));
+                let (w1w, w3w) = (w1.weight(), w3.weight());
+                let jobs = [Fp8Job { w: &w1w, y: &g }, Fp8Job { w: &w3w, y: &u }];
+                dense::fp8_linears(gpu, stream, &x, &jobs, &self.dense_ws)?;
+                swiglu_fp8_rows(
+                    gpu,
+                    stream,
+                    &g,
+                    &u,
+                    b,
+                    i,
+                    self.swiglu_limit,
+                    &self.h_shared_codes,
+                    &self.h_shared_scales,
+                )?;
+                let h = Fp8Rows {
+                    codes: &self.h_shared_codes,
+                    scales: &self.h_shared_scales,
+                    rows: b,
+                    k: i,
+                };
+                return dense::fp8_linear(
+                    gpu,
+                    stream,
+                    &h,
+                    &w2.weight(),
+                    &self.dense_ws,
+                    &self.shared_out,
+                );
+            }
+        }
         let scratch = SharedExpertScratch {
             h_codes: &self.h_shared_codes,
             h_scales: &self.h_shared_scales,
@@ -569,6 +808,10 @@ impl FfnHalf {
         else {
             bail!("the routed experts' input must be NVFP4 rows")
         };
+        let (token_rows, row_weight) = match &self.contiguous {
+            Some(c) => (&c.token_rows, &c.row_weight),
+            None => (&self.route.token_rows, &self.route.row_weight),
+        };
         router::gather_nvfp4_rows(
             gpu,
             stream,
@@ -579,7 +822,7 @@ impl FfnHalf {
                 scales: &scales,
                 global: &global_scale,
             },
-            &self.route.token_rows,
+            token_rows,
             &Nvfp4RowBufs {
                 rows,
                 dim: d,
@@ -612,7 +855,7 @@ impl FfnHalf {
             grp,
             &experts.l1,
             &a,
-            &self.route.row_weight,
+            row_weight,
             &mut self.h,
         )?;
         let h = self.h.as_activations();
@@ -636,7 +879,7 @@ impl FfnHalf {
             grp,
             &experts.l2,
             &h,
-            &self.route.token_rows,
+            token_rows,
             TOPK,
             addend,
             &mut self.moe_out,
@@ -676,6 +919,11 @@ impl FfnHalf {
         gpu.fill_bytes(&mut r.row_weight, 0xFF)?;
         gpu.fill_bytes(&mut r.dropped, 0xFF)?;
         gpu.fill_bytes(&mut self.grouping.group, 0xFF)?;
+        if let Some(c) = &mut self.contiguous {
+            gpu.fill_bytes(&mut c.masked_counts, 0xFF)?;
+            gpu.fill_bytes(&mut c.token_rows, 0xFF)?;
+            gpu.fill_bytes(&mut c.row_weight, 0xFF)?;
+        }
         gpu.fill_bytes(&mut self.a_codes, 0xFF)?;
         gpu.fill_bytes(&mut self.a_scales, 0xFF)?;
         gpu.fill_bytes(&mut self.a_global, 0xFF)?;
@@ -684,9 +932,120 @@ impl FfnHalf {
         gpu.fill_bytes(&mut self.h.scales, 0xFF)?;
         gpu.fill_bytes(&mut self.h.global, 0xFF)?;
         gpu.fill_bytes(&mut self.moe_out, 0xFF)?;
+        if let Some(gu) = &mut self.shared_gu {
+            gpu.fill_bytes(gu, 0xFF)?;
+        }
         arena::fill(s, &self.h_shared_codes, 0xFF)?;
         arena::fill(s, &self.h_shared_scales, 0xFF)?;
         arena::fill(s, &self.shared_out, 0xFF)
+    }
+}
+
+/// Kernel family of the FFN half's glue (kernels/engine_ffn.cu).
+pub const FAMILY: &str = "engine_ffn";
+
+/// `ffn_contiguous_grouping` (kernels/engine_ffn.cu; host twin [`contiguous_grouping_host`]): the router's masked
+/// grouping in `route` (counts in `c.masked_counts`) -> the contiguous grouping: offsets `[slots + 1]` into
+/// `grp.group`, the pairs' rows into `c.token_rows`, the rows' weights into `c.row_weight`. One CTA of 1024 threads
+/// (graph-safe: the grid is fixed, every count is read on the device).
+pub fn contiguous_grouping(
+    gpu: &Gpu,
+    stream: &Stream,
+    route: &RouterOutputs,
+    c: &ContiguousRows,
+    grp: &DeviceGrouping,
+) -> Result<()> {
+    let s = route.shape;
+    let pairs = s.tokens * TOPK;
+    ensure!(
+        grp.capacity == 0 && grp.experts == s.slots && grp.rows_total == pairs,
+        "contiguous grouping: a grouping of {} slots x capacity {} over {} rows for {} slots and {pairs} pairs",
+        grp.experts,
+        grp.capacity,
+        grp.rows_total,
+        s.slots
+    );
+    ensure!(
+        (1..=router::MAX_EXPERTS).contains(&s.slots) && s.capacity >= 1,
+        "contiguous grouping: {} slots (1..={}), capacity {}",
+        s.slots,
+        router::MAX_EXPERTS,
+        s.capacity
+    );
+    ensure!(
+        c.masked_counts.len() >= s.slots
+            && route.token_rows.len() == pairs
+            && route.row_weight.len() >= s.rows_total()
+            && grp.group.len() > s.slots
+            && c.token_rows.len() == pairs
+            && c.row_weight.len() >= pairs
+            && pairs <= i32::MAX as usize,
+        "contiguous grouping: buffers do not match {} tokens x {TOPK} picks on {} slots",
+        s.tokens,
+        s.slots
+    );
+    let k = gpu.kernel(FAMILY, "ffn_contiguous_grouping")?;
+    let mut a = KernelArgs::new();
+    a.buf(&c.masked_counts)
+        .i32(s.slots as i32)
+        .i32(s.capacity as i32)
+        .buf(&route.token_rows)
+        .buf(&route.row_weight)
+        .i32(pairs as i32)
+        .buf(&grp.group)
+        .buf(&c.token_rows)
+        .buf(&c.row_weight);
+    // SAFETY: arguments in the kernel's order; counts hold `slots` values, the masked tables `pairs` and `slots x
+    // capacity`, the outputs `slots + 1` and `pairs` (checked above); the kernel bounds every row it writes by `pairs`.
+    unsafe { launch(stream, &k, Launch::new((1, 1, 1), (1024, 1, 1)), &mut a) }
+}
+
+/// `ffn_swiglu_fp8_rows` (kernels/engine_ffn.cu): `h = bf16(silu(min(g, L)) * clamp(u, -L, L))` (no clamp when L
+/// <= 0) from BF16 g and u `[rows, inter]`, written as FP8 1x128 rows (codes `[rows, inter]`, ue8m0 scales `[rows,
+/// inter / 128]`): the fused GEMV's epilogue (`dense::swiglu_fp8`) on the same g and u. One warp per 128-block.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_fp8_rows(
+    gpu: &Gpu,
+    stream: &Stream,
+    g: &DevBuf<bf16>,
+    u: &DevBuf<bf16>,
+    rows: usize,
+    inter: usize,
+    limit: f32,
+    codes: &DevBuf<u8>,
+    scales: &DevBuf<u8>,
+) -> Result<()> {
+    ensure!(
+        inter.is_multiple_of(128) && rows >= 1 && rows * inter <= i32::MAX as usize,
+        "swiglu rows: {rows} x {inter} (I a multiple of 128)"
+    );
+    ensure!(limit.is_finite(), "swiglu rows: limit {limit}");
+    ensure!(
+        g.len() >= rows * inter
+            && u.len() >= rows * inter
+            && codes.len() >= rows * inter
+            && scales.len() >= rows * inter / 128,
+        "swiglu rows: buffers shorter than {rows} x {inter}"
+    );
+    let warps = rows * inter / 128;
+    let k = gpu.kernel(FAMILY, "ffn_swiglu_fp8_rows")?;
+    let mut a = KernelArgs::new();
+    a.buf(g)
+        .buf(u)
+        .i32(rows as i32)
+        .i32(inter as i32)
+        .f32(limit)
+        .buf(codes)
+        .buf(scales);
+    // SAFETY: arguments in the kernel's order; every buffer holds rows x inter (scales rows x inter / 128) elements
+    // and the kernel's warps past rows x inter / 128 return.
+    unsafe {
+        launch(
+            stream,
+            &k,
+            Launch::new((warps.div_ceil(8) as u32, 1, 1), (256, 1, 1)),
+            &mut a,
+        )
     }
 }
 
@@ -748,6 +1107,93 @@ mod tests {
                 .unwrap();
             assert_eq!(slot_capacity(1, &m), per_slot, "{slots} slots");
         }
+    }
+
+    /// The host twin of `ffn_contiguous_grouping` on router-like masked groupings (pairs in order, each slot's rows
+    /// in pair order, -1 for a pair with no row): the contiguous grouping is the stable sort of the pairs by slot,
+    /// i.e. slot s's rows are `offsets[s]..offsets[s + 1]` in pair order, every owned row is one pair's, weights
+    /// follow their rows and the rows no slot owns weigh 0.
+    #[test]
+    fn contiguous_grouping_is_the_stable_sort_by_slot() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (tokens, logical, slots) in [
+            (1, 16, 16),
+            (7, 16, 11),
+            (300, 16, 16),
+            (512, 256, 226),
+            (65, 6, 6),
+        ] {
+            let map = ExpertMap { logical, slots };
+            let cap = slot_capacity(tokens, &map);
+            let pairs = tokens * TOPK;
+            let mut counts = vec![0i32; slots];
+            let mut masked_rows = vec![-1i32; pairs];
+            let mut masked_weight = vec![f32::NAN; slots * cap];
+            let mut pair_slot = vec![usize::MAX; pairs];
+            for t in 0..tokens {
+                // 6 distinct logical experts; a hash layer's repeat (every 5th token) leaves its pair without a row.
+                let mut picks: Vec<usize> = Vec::new();
+                while picks.len() < TOPK {
+                    let e = (next() % logical as u64) as usize;
+                    if !picks.contains(&e) {
+                        picks.push(e);
+                    }
+                }
+                for (j, &e) in picks.iter().enumerate() {
+                    let i = t * TOPK + j;
+                    if t % 5 == 4 && j == 5 {
+                        continue;
+                    }
+                    let s = map.physical(e);
+                    let rank = counts[s] as usize;
+                    assert!(rank < cap, "slot_capacity holds every pick");
+                    counts[s] += 1;
+                    masked_rows[i] = (s * cap + rank) as i32;
+                    masked_weight[s * cap + rank] = i as f32 + 0.5;
+                    pair_slot[i] = s;
+                }
+            }
+            let (offsets, rows, weight) =
+                contiguous_grouping_host(&counts, cap, &masked_rows, &masked_weight);
+            assert_eq!(offsets.len(), slots + 1);
+            assert_eq!(offsets[0], 0);
+            for s in 0..slots {
+                assert_eq!(offsets[s + 1] - offsets[s], counts[s]);
+            }
+            let owned = offsets[slots] as usize;
+            assert!(owned <= pairs);
+            // The stable sort of the owned pairs by slot.
+            let mut want: Vec<usize> = (0..pairs).filter(|&i| masked_rows[i] >= 0).collect();
+            want.sort_by_key(|&i| pair_slot[i]);
+            assert_eq!(want.len(), owned);
+            let mut seen = vec![false; owned];
+            for (row, &i) in want.iter().enumerate() {
+                assert_eq!(
+                    rows[i] as usize, row,
+                    "{tokens} tokens on {slots} slots: pair {i}"
+                );
+                assert!(!seen[row]);
+                seen[row] = true;
+                assert_eq!(weight[row], i as f32 + 0.5);
+            }
+            for i in 0..pairs {
+                if masked_rows[i] < 0 {
+                    assert_eq!(rows[i], -1);
+                }
+            }
+            assert!(weight[owned..].iter().all(|&w| w == 0.0));
+        }
+        // A count above the capacity is clamped; a row past its slot's count gets none.
+        let (off, rows, _) = contiguous_grouping_host(&[5, 1], 2, &[0, 1, 2, 3], &[1.0; 4]);
+        assert_eq!(off, vec![0, 2, 3]);
+        assert_eq!(rows, vec![0, 1, 2, -1]);
+        assert!(uses_contiguous_grouping(65) && !uses_contiguous_grouping(64));
     }
 
     #[test]

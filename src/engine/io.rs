@@ -77,7 +77,8 @@ pub struct LayerIo<'a> {
     pub rows: &'a RowTables,
     /// `Some(n)`: the rows are one prefill chunk of one sequence (consecutive positions, `rows.seqs` all that
     /// sequence) whose first `n` rows are real and the rest copies of row `n - 1` (same token and position): the
-    /// compressors run row by row over the `n` real rows, the indexer's rows score that sequence's keys. `None`:
+    /// compressors run over the `n` real rows in one chunk launch (`compressor::chunk`), the indexer's rows score that
+    /// sequence's keys. `None`:
     /// a decode batch (row `b` = sequence `b`).
     pub chunk_rows: Option<usize>,
     /// Where a profiled step records an event after each group of kernels (`None`: not profiled).

@@ -6,8 +6,8 @@
 //!   logical experts onto the physical slots that fit ([`plan::ExpertMap`]).
 //! * [`weights`]: the weights on the device per the plan, from the GPU generator or a checkpoint, with the routed
 //!   experts converted MXFP4 -> NVFP4 on the device.
-//! * [`prefill`]: chunked prefill (phase 1): a prompt chunk of one sequence as C rows of the decode halves, over
-//!   the decode state's caches through per-row tables.
+//! * [`prefill`]: chunked prefill: a prompt chunk of one sequence (up to 1024 tokens) as C rows of the layer
+//!   halves, over the decode state's caches through per-row tables.
 //! * [`ep`]: expert parallelism's host rules (docs/multi-gpu.md): which rank owns which routed expert, the pairs a
 //!   rank computes, the deterministic combine, and a CPU model of several ranks.
 

@@ -28,9 +28,16 @@ pub const RESERVE_BYTES: usize = 1 << 30;
 pub const WORKSPACE_FIXED_BYTES: usize = 256 << 20;
 /// Tokens per prefill chunk: the step workspace holds at least this many token rows.
 pub const PREFILL_CHUNK: usize = 256;
-/// Most rows of one prefill chunk ([`crate::engine::prefill`]): the decode dense linears' row capacity
-/// (`ops::dense::MAX_ROWS`). Every window ring is sized for a chunk this long ([`LayerCachePlan::window_entries`]).
-pub const PREFILL_CHUNK_MAX: usize = 64;
+/// Most rows of one prefill chunk ([`crate::engine::prefill`]). Every window ring is sized for a chunk this long
+/// ([`LayerCachePlan::window_entries`]: `window + 1023` entries; Flash: 43 layers x 1151 x 584 B = 28.9 MB a
+/// sequence, where a ring of window + 63 would hold 4.8 MB; counted in [`MemoryPlan::cache_bytes`]: +1.5 GB at
+/// batch 64). Why 1024: a chunk reads every resident expert once (C x 6 picks cover nearly all of them from C ~ 256
+/// on Flash), so the routed experts' bytes of a prompt fall as 1 / C, while their tensor-core work does not; at
+/// 1024 rows a chunk's expert work (Flash: 13.3 TFLOP, ~25-30 ms at the prefill mainloop's measured rate) is about
+/// its expert bytes' read (73 GB resident on an H100, 138 GB on an H200: 24 / 34 ms at 3.0 / 4.0 TB/s), so longer
+/// chunks would save little and cost ring memory at every decode batch. The router groups at most 2,048 tokens a
+/// call (`router::MAX_TOKENS`).
+pub const PREFILL_CHUNK_MAX: usize = 1024;
 /// K splits the MoE decode mainloop may use at most (its fp32 partials are `splits x rows x N`).
 pub const MOE_MAX_SPLITS: usize = 8;
 
@@ -448,29 +455,36 @@ impl MemoryPlan {
 /// The step workspace budget (what the decode and prefill steps carve from their one arena): the fixed part plus
 /// `rows` token rows of the largest per-row intermediates, `rows = max(batch, min(batch * prompt_len,
 /// PREFILL_CHUNK))` for the decode step, plus `min(prompt_len, PREFILL_CHUNK_MAX)` rows for the chunked prefill's
-/// own state ([`crate::engine::prefill::PrefillState`], which also keeps its own launcher copies). Per row: the mHC streams in and out (f32), q in f32 and BF16, the attention output (f32), the
-/// grouped o_lora output (f32), the logits (f32), the MoE fp32 partials of L1 and L2 at [`MOE_MAX_SPLITS`] splits
-/// for each of the top-k rows, and the indexer scores over the CSA entries (f32, two copies for top-k); and the
-/// launchers' per-layer parameter copies ([`launcher_copy_bytes`]). The step plan checks its carves against this
-/// budget.
+/// own state ([`crate::engine::prefill::PrefillState`], which also keeps its own launcher copies). Per row: the mHC
+/// streams in and out (f32), q in f32 and BF16, the attention output (f32), the grouped o_lora output (f32), the
+/// logits (f32), the MoE fp32 partials of L1 and L2 for each of the top-k rows (decode rows: at [`MOE_MAX_SPLITS`]
+/// splits; prefill rows, above 64 a chunk: one split, the contiguous grouping, plus the prefill mainloop's BF16
+/// pre-pass and the shared expert's g and u), and the indexer scores over the CSA entries (f32, two copies for
+/// top-k); and the launchers' per-layer parameter copies ([`launcher_copy_bytes`]). The step plan checks its carves
+/// against this budget.
 pub fn workspace_budget(cfg: &ModelConfig, req: &PlanRequest) -> usize {
     let chunk = req.prompt_len.min(PREFILL_CHUNK_MAX);
     let rows = req
         .batch
-        .max((req.batch * req.prompt_len).min(PREFILL_CHUNK))
-        + chunk;
+        .max((req.batch * req.prompt_len).min(PREFILL_CHUNK));
     let copies = if chunk > 1 { 2 } else { 1 };
     let q = cfg.n_heads * cfg.head_dim;
-    let moe = cfg.n_activated_experts * MOE_MAX_SPLITS * (2 * cfg.moe_inter_dim + cfg.dim);
+    let (d, i) = (cfg.dim, cfg.moe_inter_dim);
+    let k = cfg.n_activated_experts;
     let index = 2 * req.context / cfg.csa_ratio.max(1);
-    let per_row = 2 * cfg.hc_dim() * 4
+    let common = 2 * cfg.hc_dim() * 4
         + q * 6
         + q * 4
         + cfg.o_groups * cfg.o_lora_rank * 4
         + cfg.vocab_size * 4
-        + moe * 4
         + index * 4;
-    WORKSPACE_FIXED_BYTES + rows * per_row + copies * launcher_copy_bytes(cfg)
+    let moe_decode = k * MOE_MAX_SPLITS * (2 * i + d) * 4;
+    let moe_prefill = k * ((2 * i).max(d) * 4 + d.max(i) * 2) + 2 * i * 2;
+    let per_chunk_row = common + if chunk > 64 { moe_prefill } else { moe_decode };
+    WORKSPACE_FIXED_BYTES
+        + rows * (common + moe_decode)
+        + chunk * per_chunk_row
+        + copies * launcher_copy_bytes(cfg)
 }
 
 /// Device copies of per-layer parameters in the forms the launchers take, made once when a decode state is built:

@@ -1,23 +1,26 @@
-//! Chunked prefill, phase 1 (docs/engine.md, "Chunked prefill"): a chunk of up to C prompt tokens of ONE sequence
-//! goes through each layer as C rows of the decode halves ([`AttnHalf`] built with [`AttnHalf::new_rows`] over the
-//! decode state's caches, [`FfnHalf`] at batch C), with the decode kernels (the dense GEMVs take M <= 64), so
-//! every weight is read once per chunk instead of once per token.
+//! Chunked prefill (docs/engine.md, "Chunked prefill"): a chunk of up to C prompt tokens of ONE sequence goes
+//! through each layer as C rows of the layer halves ([`AttnHalf`] built with [`AttnHalf::new_rows`] over the decode
+//! state's caches, [`FfnHalf`] at batch C), so every weight is read once per chunk instead of once per token. C is at
+//! most [`PREFILL_CHUNK_MAX`] (1024); above 64 rows the halves take their long-chunk paths: the FP8 / BF16 dense
+//! linears on cuBLASLt's tensor cores, the grouped wo_a as 64-row GEMV pieces, the shared expert's SwiGLU between
+//! two tensor-core GEMMs, the routed experts through the contiguous grouping and moe_gemm's prefill mainloop.
 //!
 //! What makes C rows of one sequence work in halves written for one row per sequence:
 //! * [`RowTables`]: every per-sequence table a half reads (ring base, compressed base / capacity, indexer key base
 //!   / capacity, the indexer's key sequence) is indexed by row; a chunk's tables point every row at the sequence it
 //!   prefills ([`PrefillState::tables`], rewritten when the sequence changes, outside any graph).
-//! * The window ring is longer than the window (`LayerCachePlan::window_entries` >= window + 63), so the chunk's
+//! * The window ring is longer than the window (`LayerCachePlan::window_entries` >= window + C - 1), so the chunk's
 //!   window entries can all be written before its attention.
 //! * The indexer's logits take a key-sequence map (`indexer::logits_mapped`): the chunk's rows score the one
 //!   sequence's keys, each up to its own visible count (causality: row at position q sees `(q + 1) / m` keys).
-//! * The compressors run row by row (`attn::compress_chunk`): the decode kernel once per real row, batch 1.
+//! * The compressors run once per chunk (`attn::compress_chunk`, `compressor::chunk`): the chunk's entries, then the
+//!   state as its real rows' decode steps leave it, continuing the sequence's state.
 //! * The rows past the prompt's end in the last chunk are copies of its last real row (same token, same position):
-//!   their window entry is the same bytes in the same slot, their compressor update is skipped, their outputs are
+//!   their window entry is the same bytes in the same slot, the compressors do not read them, their outputs are
 //!   never read.
 //!
-//! Launches are eager (phase 1): a chunk uploads its ids and positions and the host knows the real row count; the
-//! decode step's graph is untouched. The prompt's last token is not part of a chunk: the first decode step runs it
+//! Launches are eager: a chunk uploads its ids and positions and the host knows the real row count; the decode
+//! step's graph is untouched. The prompt's last token is not part of a chunk: the first decode step runs it
 //! (embedding, layers, head, sampling), as the token-by-token prefill does.
 
 use crate::engine::attn::AttnHalf;
@@ -35,15 +38,18 @@ use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-/// The default prefill chunk (`--prefill-chunk`): the most rows the decode linears take.
+/// The default prefill chunk (`--prefill-chunk`): the longest ([`PREFILL_CHUNK_MAX`]). A chunk reads every
+/// resident expert's weights and every dense weight once (wo_a once per 64 rows), so the fewer the chunks the fewer
+/// the bytes; the tensor-core work is the same at any C.
 pub const DEFAULT_PREFILL_CHUNK: usize = PREFILL_CHUNK_MAX;
 
 /// Checks a prefill chunk size: 1 (token by token, the decode step's prompt path) ..= [`PREFILL_CHUNK_MAX`].
 pub fn check_chunk(chunk: usize) -> Result<()> {
     ensure!(
         (1..=PREFILL_CHUNK_MAX).contains(&chunk),
-        "--prefill-chunk {chunk}: a chunk runs as rows of the decode kernels, which take 1..={PREFILL_CHUNK_MAX} \
-         rows (1 = token by token); longer chunks need the prefill kernels (docs/engine.md, chunked prefill phase 2)"
+        "--prefill-chunk {chunk}: chunks take 1..={PREFILL_CHUNK_MAX} rows (1 = token by token): every window ring \
+         holds window + {} entries so that a chunk's entries fit beside the window (docs/engine.md, chunked prefill)",
+        PREFILL_CHUNK_MAX - 1
     );
     Ok(())
 }

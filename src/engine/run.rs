@@ -59,7 +59,7 @@ impl<'w> Engine<'w> {
         })
     }
 
-    /// Sets the prompt tokens per prefill chunk (1..=64, default 64; `--prefill-chunk`): 1 feeds the prompt token
+    /// Sets the prompt tokens per prefill chunk (1..=1024, default 1024; `--prefill-chunk`): 1 feeds the prompt token
     /// by token through replays of the prompt step's graph (every sequence of the batch at once); above 1, each
     /// sequence's prompt goes through the layers in chunks of that many rows ([`crate::engine::prefill`]). Fails
     /// once a prefill ran.

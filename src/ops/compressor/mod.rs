@@ -17,6 +17,9 @@
 //!   entry and sets bit 0 of `error` (never cleared by the kernels; the host reads it after the step).
 //! * Prefill ([`prefill`], one sequence): entries j < n/m of a prompt of `n_tokens` (device) tokens at
 //!   `base[0] + j` (same capacity rule), then the state exactly as n decode steps leave it.
+//! * Chunk ([`chunk`], one sequence): n tokens at positions `p0..p0 + n` (`positions[0]` = p0, device) continuing
+//!   the sequence's state: the entries and the state of n decode steps, bit for bit (the same pooling in the same
+//!   order; the state moves are copies), in two launches instead of n (the engine's chunked prefill).
 //! * Cache formats: main = 584-byte FP8 KV entries (`formats::kv`, the pool `sparse_attn` reads); indexer = the
 //!   indexer family's key cache ([`KeyCacheGpu`], FP8 132 B or MXFP4 68 B; its logits read sequence b's keys at
 //!   `b * capacity + j`, so set `base[b] = b * capacity`).
@@ -93,6 +96,9 @@ impl CompressorKind {
     }
     fn prefill_kernel(self) -> String {
         format!("compressor_prefill_{}", self.name())
+    }
+    fn chunk_kernel(self) -> String {
+        format!("compressor_chunk_entries_{}", self.name())
     }
 }
 
@@ -537,6 +543,104 @@ pub fn prefill(
     }
 }
 
+/// The device buffers of a chunk of one sequence ([`chunk`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ChunkIo {
+    /// Tokens of the chunk (its real rows; the host knows it): rows `0..n` of `kv` / `gate`.
+    pub n: usize,
+    /// f32 `[>= n, W]` each (the raw gate: `ape` is added by the kernels).
+    pub kv: DevBuf<f32>,
+    pub gate: DevBuf<f32>,
+    /// i32 `[>= 1]`: `positions[0]` is the chunk's first position p0 (< 0: the chunk changes nothing); row i is at
+    /// position p0 + i.
+    pub positions: DevBuf<i32>,
+    /// f32 `[state_floats]`: the sequence's state, as p0 decode steps left it; updated in place.
+    pub state: DevBuf<f32>,
+    /// `[>= 1]` each: the sequence's entry base and capacity (element 0 is read).
+    pub slots: EntrySlots,
+    pub cache: EntryCache,
+    pub error: DevBuf<u32>,
+}
+
+/// A chunk of `io.n` tokens of one sequence at positions `p0..p0 + n` (p0 = `positions[0]`, read on the device)
+/// continuing its state: every entry whose block ends in the chunk (`compressor_chunk_entries_<kind>`, grid n / m +
+/// 1, one CTA an entry, d threads), then the state as n more decode steps leave it (`compressor_chunk_state`, grid m,
+/// 256 threads). Exactly n [`decode_step`]s of the sequence, bit for bit (kernels/compressor.cu; host twin
+/// [`reference::chunk_host`]), in two launches. Every check runs before the first launch.
+pub fn chunk(
+    gpu: &Gpu,
+    stream: &Stream,
+    shape: &CompressorShape,
+    w: &CompressorWeights,
+    io: &ChunkIo,
+) -> Result<()> {
+    shape.check()?;
+    check_weights(shape, w)?;
+    let n = io.n;
+    ensure!(
+        (1..=i32::MAX as usize / shape.width()).contains(&n),
+        "compressor chunk: {n} tokens"
+    );
+    check_len(&io.kv, n * shape.width(), "kv [n, W]")?;
+    check_len(&io.gate, n * shape.width(), "gate [n, W]")?;
+    check_len(&io.positions, 1, "positions [1]")?;
+    check_len(&io.state, shape.state_floats(), "state")?;
+    check_len(&io.slots.base, 1, "base [1]")?;
+    check_len(&io.slots.capacity, 1, "capacity [1]")?;
+    check_len(&io.error, 1, "error word")?;
+    io.cache.check(shape.kind)?;
+    let k_entries = gpu.kernel(FAMILY, &shape.kind.chunk_kernel())?;
+    let k_state = gpu.kernel(FAMILY, "compressor_chunk_state")?;
+    // The decode kernels' finalize parameters without the pooled probe.
+    let mut a = KernelArgs::new();
+    a.buf(&io.kv)
+        .buf(&io.gate)
+        .buf(&w.ape)
+        .buf(&io.positions)
+        .i32(n as i32)
+        .i32(shape.ratio as i32)
+        .buf(&io.state)
+        .buf(&w.norm)
+        .buf(&w.freqs)
+        .f32(w.eps)
+        .buf(&io.slots.base)
+        .buf(&io.slots.capacity);
+    io.cache.push_args(&mut a);
+    a.buf(&io.error);
+    let blocks = n / shape.ratio + 1;
+    // SAFETY: arguments in the kernel's order (kv_in, gate_in, ape, positions, n, ratio, state, norm_w, freqs, eps,
+    // base, capacity, n_slots, out_codes, out_scales, error); kv/gate hold n rows and the kernel reads rows < n
+    // only; the state holds state_floats; slots are bounded by the cache's entry count.
+    unsafe {
+        launch(
+            stream,
+            &k_entries,
+            Launch::new((blocks as u32, 1, 1), (shape.dim() as u32, 1, 1)),
+            &mut a,
+        )?
+    };
+    let mut a = KernelArgs::new();
+    a.buf(&io.kv)
+        .buf(&io.gate)
+        .buf(&w.ape)
+        .buf(&io.positions)
+        .i32(n as i32)
+        .i32(shape.ratio as i32)
+        .i32(shape.width() as i32)
+        .i32(shape.kind.overlap() as i32)
+        .buf(&io.state);
+    // SAFETY: arguments in the kernel's order; CTA r < m touches state rows r and m + r (< coff * m) of W channels
+    // and input rows < n.
+    unsafe {
+        launch(
+            stream,
+            &k_state,
+            Launch::new((shape.ratio as u32, 1, 1), (SEED_THREADS, 1, 1)),
+            &mut a,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -580,7 +684,10 @@ mod tests {
     #[test]
     fn every_launched_entry_point_is_compiled() {
         let src = crate::gpu::module::find(FAMILY).unwrap();
-        let mut names = vec!["compressor_seed_state".to_string()];
+        let mut names = vec![
+            "compressor_seed_state".to_string(),
+            "compressor_chunk_state".to_string(),
+        ];
         for kind in [
             CompressorKind::CsaMain,
             CompressorKind::HcaMain,
@@ -590,6 +697,7 @@ mod tests {
             names.push(kind.decode_kernel());
             names.push(format!("{}_one_cta", kind.decode_kernel()));
             names.push(kind.prefill_kernel());
+            names.push(kind.chunk_kernel());
         }
         for n in &names {
             assert!(src.functions.contains(&n.as_str()), "{n} not compiled");

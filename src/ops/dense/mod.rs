@@ -15,7 +15,7 @@
 //! * [`bf16_linear`]: W BF16 `[N_j, K]` for up to [`MAX_JOBS`] weights sharing one BF16 x `[M, K]` (one launch
 //!   reads x once): `y_j = x . W_j^T`, f32 `[M, N_j]` (the model's `matvec`; callers round).
 //!
-//! Shape rules (checked before any launch, with the reason in the message): 1 <= M <= [`MAX_ROWS`]; FP8 weights:
+//! Shape rules (checked before any launch, with the reason in the message): 1 <= M <= [`MAX_CALL_ROWS`]; FP8 weights:
 //! N % 128 == 0 and K % 128 == 0 (one CTA = one 128-row scale block; scale blocks along K); BF16: N >= 1 (any),
 //! K % 32 == 0 (16-byte rows); all device buffers 16-byte aligned.
 //!
@@ -25,6 +25,13 @@
 //! per workspace (calls on one stream serialize, so one workspace serves every linear of a decode step).
 //!
 //! Prefill sizes (M up to 16K) go through cuBLASLt's block-scaled FP8 GEMM: [`prefill`].
+//!
+//! Calls of more than [`MAX_ROWS`] rows (the chunked prefill's chunks, `engine::prefill`): the FP8 and BF16 linears
+//! take the tensor-core route whatever the route in force ([`route::path_for`]; the GEMV cannot take them in one
+//! launch), and what has no tensor-core route (the shared expert's fused SwiGLU half, the grouped wo_a with BF16 x on
+//! FP8 weights, an FP8 weight without f32 scales) runs as GEMV launches of at most [`MAX_ROWS`] rows each, in order
+//! on the stream, each piece streaming the whole weight again ([`row_pieces`]). Calls of up to [`MAX_ROWS`] rows (the
+//! decode step) are unchanged.
 //!
 //! The tensor-core route ([`route`]): from some M on, the GEMV's time grows with M while cuBLASLt's stays flat, so
 //! [`fp8_linear`] / [`fp8_linears`] (and the shared expert's w2) may run as cuBLASLt's block-scaled FP8 GEMM
@@ -62,8 +69,18 @@ use prefill::{Fp8LinearWorkspace, Fp8PrefillJob, Fp8WeightView};
 
 /// Kernel family name (kernels/dense.cu).
 pub const FAMILY: &str = "dense";
-/// Most activation rows per call (the kernels' token capacity, 8 MMA token groups).
+/// Most activation rows per GEMV launch (the kernels' token capacity, 8 MMA token groups).
 pub const MAX_ROWS: usize = 64;
+/// Most activation rows per launcher call: above [`MAX_ROWS`] a call takes the tensor-core route or runs as GEMV
+/// pieces of [`MAX_ROWS`] rows (module docs).
+pub const MAX_CALL_ROWS: usize = 16384;
+
+/// `(first row, rows)` of each GEMV launch of a call of `rows` rows: pieces of [`MAX_ROWS`], the last one shorter.
+pub fn row_pieces(rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..rows)
+        .step_by(MAX_ROWS)
+        .map(move |r0| (r0, MAX_ROWS.min(rows - r0)))
+}
 /// Most weights (or wo_a groups) per launch (`kMaxJobs`).
 pub const MAX_JOBS: usize = 16;
 /// Rows per CTA (`kTileRows`; one FP8 scale row block).
@@ -98,6 +115,10 @@ impl DenseKind {
     }
     fn weight_fp8(self) -> bool {
         self != DenseKind::Bf16
+    }
+    /// Whether x is FP8 1x128 rows (codes and ue8m0 scales); else BF16.
+    fn x_fp8(self) -> bool {
+        matches!(self, DenseKind::Fp8 | DenseKind::Swiglu)
     }
     /// Weights one warp streams (w1 and w3 for SwiGLU).
     fn weights_per_warp(self) -> usize {
@@ -147,8 +168,8 @@ impl DenseShape {
             jobs,
         } = *self;
         ensure!(
-            (1..=MAX_ROWS).contains(&rows),
-            "dense: {rows} activation rows (1..={MAX_ROWS})"
+            (1..=MAX_CALL_ROWS).contains(&rows),
+            "dense: {rows} activation rows (1..={MAX_CALL_ROWS})"
         );
         ensure!(
             (1..=MAX_JOBS).contains(&jobs),
@@ -174,6 +195,13 @@ impl DenseShape {
     }
     fn tiles(&self) -> usize {
         self.n.div_ceil(TILE_ROWS)
+    }
+    /// The shape of one GEMV launch of this call: at most [`MAX_ROWS`] rows ([`row_pieces`]).
+    pub fn gemv_piece(&self) -> DenseShape {
+        DenseShape {
+            rows: self.rows.min(MAX_ROWS),
+            ..*self
+        }
     }
 }
 
@@ -237,6 +265,11 @@ pub fn with_min_slice<R>(min: MinSliceColumns, work: impl FnOnce() -> R) -> R {
 /// under 1/16 of the weight bytes (two resident CTAs per SM).
 pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
     s.check()?;
+    ensure!(
+        s.rows <= MAX_ROWS,
+        "dense: a GEMV launch of {} rows (1..={MAX_ROWS}; larger calls run in pieces, DenseShape::gemv_piece)",
+        s.rows
+    );
     let mt = s.rows.div_ceil(8).next_power_of_two();
     let gran = s.kind.k_granule();
     let mut kc_max = s.k.div_ceil(gran) * gran;
@@ -337,9 +370,11 @@ fn workspace_need(
 ) -> Result<(usize, usize, usize)> {
     let (mut floats, mut counters, mut tc) = (1, 1, 0);
     for s in shapes {
-        let p = plan(s, sm_count)?;
-        floats = floats.max(p.partial_floats(s));
-        counters = counters.max(p.counters(s));
+        // A call of more than MAX_ROWS rows on the GEMV runs in pieces of MAX_ROWS, one at a time.
+        let g = s.gemv_piece();
+        let p = plan(&g, sm_count)?;
+        floats = floats.max(p.partial_floats(&g));
+        counters = counters.max(p.counters(&g));
         tc = tc.max(tc_bytes(s, route));
     }
     Ok((floats, counters, tc))
@@ -522,8 +557,54 @@ fn blank_params() -> DenseParams {
     }
 }
 
-/// Plan, check the workspace, fill the split-K fields and launch (every other check done by the caller).
+/// The GEMV launches of a call (every other check done by the caller): one launch up to [`MAX_ROWS`] rows, else one
+/// per [`row_pieces`] piece, in order, each with its x and y moved to the piece's first row (each piece streams the
+/// whole weight again).
 fn run(gpu: &Gpu, stream: &Stream, spec: LaunchSpec, ws: &DenseWorkspace) -> Result<()> {
+    if spec.shape.rows <= MAX_ROWS {
+        return run_one(gpu, stream, spec, ws);
+    }
+    for (r0, m) in row_pieces(spec.shape.rows) {
+        let piece = LaunchSpec {
+            shape: DenseShape {
+                rows: m,
+                ..spec.shape
+            },
+            p: shift_rows(spec.shape.kind, &spec.p, spec.shape.jobs, r0),
+        };
+        run_one(gpu, stream, piece, ws)?;
+    }
+    Ok(())
+}
+
+/// `p` with x (and its scales) and every job's y moved `r0` rows down (the kernel's row strides: x `ldx` elements,
+/// FP8 x scales `ldx / 128` codes, y `ldy[z]` elements; the SwiGLU half's y[1] scales `ldy[0] / 128` codes).
+fn shift_rows(kind: DenseKind, p: &DenseParams, jobs: usize, r0: usize) -> DenseParams {
+    let mut q = *p;
+    let (r0, ldx) = (r0 as u64, p.ldx as u64);
+    let x_elem = if kind.x_fp8() { 1 } else { 2 };
+    q.x += r0 * ldx * x_elem;
+    if kind.x_fp8() {
+        q.x_scale += r0 * ldx / 128;
+    }
+    match kind {
+        DenseKind::Swiglu => {
+            let ldy = p.ldy[0] as u64;
+            q.y[0] += r0 * ldy;
+            q.y[1] += r0 * ldy / 128;
+        }
+        _ => {
+            let y_elem = if kind == DenseKind::Bf16 { 4 } else { 2 };
+            for z in 0..jobs {
+                q.y[z] += r0 * p.ldy[z] as u64 * y_elem;
+            }
+        }
+    }
+    q
+}
+
+/// Plan, check the workspace, fill the split-K fields and launch one GEMV of at most [`MAX_ROWS`] rows.
+fn run_one(gpu: &Gpu, stream: &Stream, spec: LaunchSpec, ws: &DenseWorkspace) -> Result<()> {
     let s = spec.shape;
     let pl = plan(&s, gpu.info.sm_count as usize)?;
     let per_job_floats = pl.partial_floats(&s) / s.jobs;
@@ -947,4 +1028,45 @@ pub fn bf16_linear(
     p.x = x.device_addr();
     p.ldx = k as i32;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
+}
+
+#[cfg(test)]
+mod piece_tests {
+    use super::*;
+
+    /// A GEMV piece starting at row r0 reads x and writes y r0 rows further, by each kind's row strides (bytes).
+    #[test]
+    fn pieces_move_x_and_y_by_their_row_strides() {
+        let mut p = blank_params();
+        p.x = 1 << 20;
+        p.x_scale = 2 << 20;
+        p.y = [3 << 20; MAX_JOBS];
+        p.ldx = 4096;
+        p.ldy = [1024; MAX_JOBS];
+        p.ldy[1] = 512;
+        let r0 = 64u64;
+        // FP8 x (1 byte a code, ldx / 128 scale codes a row), BF16 y.
+        let q = shift_rows(DenseKind::Fp8, &p, 2, 64);
+        assert_eq!(q.x - p.x, r0 * 4096);
+        assert_eq!(q.x_scale - p.x_scale, r0 * 32);
+        assert_eq!(
+            (q.y[0] - p.y[0], q.y[1] - p.y[1]),
+            (r0 * 1024 * 2, r0 * 512 * 2)
+        );
+        assert_eq!(q.y[2], p.y[2], "only the launch's jobs move");
+        // wo_a: BF16 x, BF16 y; no x scales.
+        let q = shift_rows(DenseKind::Fp8Bf16x, &p, 1, 64);
+        assert_eq!((q.x - p.x, q.x_scale), (r0 * 4096 * 2, p.x_scale));
+        assert_eq!(q.y[0] - p.y[0], r0 * 1024 * 2);
+        // BF16 linear: f32 y.
+        let q = shift_rows(DenseKind::Bf16, &p, 2, 64);
+        assert_eq!(q.x - p.x, r0 * 4096 * 2);
+        assert_eq!(q.y[1] - p.y[1], r0 * 512 * 4);
+        // SwiGLU: FP8 x; y[0] the h codes (ldy[0] bytes a row), y[1] its scales (ldy[0] / 128 a row).
+        let q = shift_rows(DenseKind::Swiglu, &p, 1, 64);
+        assert_eq!((q.x - p.x, q.x_scale - p.x_scale), (r0 * 4096, r0 * 32));
+        assert_eq!((q.y[0] - p.y[0], q.y[1] - p.y[1]), (r0 * 1024, r0 * 8));
+        // Every piece of a 64-multiple start stays 16-byte aligned for the engine's shapes (K, N multiples of 128).
+        assert!((q.x_scale - p.x_scale).is_multiple_of(16) && (q.y[1] - p.y[1]).is_multiple_of(8));
+    }
 }

@@ -29,6 +29,9 @@
 //! * The shared expert's SwiGLU half (`swiglu_fp8`, its fused epilogue has no cuBLASLt twin) and the grouped wo_a
 //!   (BF16 activations on an FP8 weight) stay on the GEMV.
 //!
+//! Above [`super::MAX_ROWS`] rows (chunked prefill), every linear with a tensor-core route takes it whatever the
+//! route in force ([`path_for`]); the rest run as GEMV pieces of [`super::MAX_ROWS`] rows ([`super::row_pieces`]).
+//!
 //! The route in force is a per-thread setting ([`with_route`], like `with_min_slice`), read when a
 //! [`super::DenseWorkspace`] is laid out and carved: the workspace records it ([`super::DenseWorkspace::route`]) and
 //! carries the tensor-core route's scratch only when a shape it was carved for takes that route, so every launch on
@@ -123,6 +126,15 @@ pub fn auto_path(shape: &super::DenseShape) -> DensePath {
 /// The engine `route` sends `shape` to (before the FP8 route's need for f32 weight scales, which only the launch
 /// sees: [`super::DenseWorkspace::path`]).
 pub fn path_for(route: DenseRoute, shape: &super::DenseShape) -> DensePath {
+    // Above the GEMV's row capacity (a prefill chunk) the GEMV runs in pieces that each stream the weight again:
+    // the tensor cores take every shape they can, whatever the route.
+    if shape.rows > super::MAX_ROWS {
+        return if has_tensor_core_route(shape) {
+            DensePath::TensorCores
+        } else {
+            DensePath::Gemv
+        };
+    }
     match route {
         DenseRoute::Gemv => DensePath::Gemv,
         DenseRoute::TensorCores if has_tensor_core_route(shape) => DensePath::TensorCores,
@@ -217,6 +229,40 @@ mod tests {
             G
         );
         assert_eq!(BF16_TC_ALWAYS_ELEMENTS, 268_435_456);
+    }
+
+    /// Above the GEMV's 64 rows every route sends the FP8 and BF16 linears to the tensor cores (the GEMV would run
+    /// in pieces), and the SwiGLU half and wo_a to the GEMV pieces; at 64 rows and below nothing changed.
+    #[test]
+    fn calls_above_the_gemv_rows_take_the_tensor_cores_where_they_can() {
+        use DensePath::{Gemv as G, TensorCores as T};
+        for route in [DenseRoute::Gemv, DenseRoute::Auto, DenseRoute::TensorCores] {
+            for rows in [65, 256, 512, 4096] {
+                assert_eq!(path_for(route, &s(DenseKind::Fp8, rows, 1024, 4096, 2)), T);
+                assert_eq!(path_for(route, &s(DenseKind::Bf16, rows, 64, 4096, 1)), T);
+                assert_eq!(
+                    path_for(route, &s(DenseKind::Swiglu, rows, 2048, 4096, 1)),
+                    G
+                );
+                assert_eq!(
+                    path_for(route, &s(DenseKind::Fp8Bf16x, rows, 1024, 4096, 8)),
+                    G
+                );
+                // A BF16 weight the tensor cores cannot take: GEMV pieces.
+                assert_eq!(path_for(route, &s(DenseKind::Bf16, rows, 130, 96, 1)), G);
+            }
+            assert_eq!(
+                path_for(route, &s(DenseKind::Fp8, 64, 1024, 4096, 2)) == T,
+                route != DenseRoute::Gemv
+            );
+        }
+        let pieces: Vec<_> = super::super::row_pieces(150).collect();
+        assert_eq!(pieces, vec![(0, 64), (64, 64), (128, 22)]);
+        assert_eq!(
+            super::super::row_pieces(64).collect::<Vec<_>>(),
+            vec![(0, 64)]
+        );
+        assert_eq!(super::super::row_pieces(512).count(), 8);
     }
 
     #[test]

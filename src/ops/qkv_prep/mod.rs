@@ -175,8 +175,8 @@ pub struct WindowRing<'a, P: DeviceBuf<u8>, B: DeviceBuf<i32>> {
     /// sequence's base: its C consecutive positions span less than its ring, `engine::plan::ring_entries`.)
     pub tokens_per_seq: usize,
     /// Ring length: row `r` goes to entry `seq_base[seq] + positions[r] % window`. At least the attention window
-    /// (DSV4 `window_size`, 128); the engine's rings are `window_size + 63` long so a prefill chunk fits beside the
-    /// window (`engine::plan::LayerCachePlan::window_entries`).
+    /// (DSV4 `window_size`, 128); the engine's rings are `window_size + PREFILL_CHUNK_MAX - 1` long (+ 1023) so a
+    /// prefill chunk fits beside the window (`engine::plan::LayerCachePlan::window_entries`).
     pub window: usize,
 }
 
