@@ -106,8 +106,7 @@ pub fn nccl_version() -> Result<String> {
     let mut v: std::ffi::c_int = 0;
     // SAFETY: NCCL is loadable (checked); ncclGetVersion writes one int.
     let r = unsafe { cudarc::nccl::sys::ncclGetVersion(&mut v) };
-    r.result()
-        .map_err(|e| nccl_error("ncclGetVersion", e))?;
+    r.result().map_err(|e| nccl_error("ncclGetVersion", e))?;
     // NCCL_VERSION_CODE: major * 10000 + minor * 100 + patch since 2.9.
     Ok(format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100))
 }

@@ -60,8 +60,8 @@ impl RankEnv {
                 .ok_or_else(|| anyhow!("{ENV_RANK} is set but {ENV_WORLD} is not"))?;
             (rank, world, 0)
         } else if let Some(rank) = num("RANK")? {
-            let world = num("WORLD_SIZE")?
-                .ok_or_else(|| anyhow!("RANK is set but WORLD_SIZE is not"))?;
+            let world =
+                num("WORLD_SIZE")?.ok_or_else(|| anyhow!("RANK is set but WORLD_SIZE is not"))?;
             (rank, world, num("LOCAL_RANK")?.unwrap_or(0))
         } else {
             return Ok(None);
@@ -69,7 +69,7 @@ impl RankEnv {
         ensure!(world >= 1, "a world of 0 ranks");
         ensure!(rank < world, "rank {rank} outside a world of {world}");
         let nccl_id = match var(ENV_NCCL_ID) {
-            Some(h) => Some(id_from_hex(&h).with_context(|| format!("{ENV_NCCL_ID}"))?),
+            Some(h) => Some(id_from_hex(&h).context(ENV_NCCL_ID)?),
             None => None,
         };
         ensure!(
@@ -226,12 +226,26 @@ pub fn launch(ranks: usize, args: &[OsString]) -> Result<()> {
             }
         };
         for (pipe, to_err) in [
-            (child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>), false),
-            (child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>), true),
+            (
+                child
+                    .stdout
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+                false,
+            ),
+            (
+                child
+                    .stderr
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+                true,
+            ),
         ] {
             if let Some(pipe) = pipe {
                 let lock = out_lock.clone();
-                printers.push(std::thread::spawn(move || prefix_lines(rank, pipe, to_err, &lock)));
+                printers.push(std::thread::spawn(move || {
+                    prefix_lines(rank, pipe, to_err, &lock)
+                }));
             }
         }
         children.push((rank, child));
@@ -242,7 +256,9 @@ pub fn launch(ranks: usize, args: &[OsString]) -> Result<()> {
     }
     match failed {
         None => Ok(()),
-        Some((rank, status)) => bail!("rank {rank} failed ({status}); the other ranks were stopped"),
+        Some((rank, status)) => {
+            bail!("rank {rank} failed ({status}); the other ranks were stopped")
+        }
     }
 }
 
@@ -259,7 +275,7 @@ fn prefix_lines(rank: usize, pipe: Box<dyn Read + Send>, to_err: bool, lock: &Mu
 }
 
 /// Waits for every child (polling each by pid); when one exits unsuccessfully, stops the others and returns it.
-fn wait_all(children: &mut Vec<(usize, Child)>) -> Option<(usize, String)> {
+fn wait_all(children: &mut [(usize, Child)]) -> Option<(usize, String)> {
     let mut done: HashMap<usize, bool> = HashMap::new();
     loop {
         for (rank, child) in children.iter_mut() {
@@ -296,6 +312,121 @@ fn stop_all(children: &mut [(usize, Child)]) {
         if let Ok(None) = child.try_wait() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn a_child_gets_its_rank_world_id_one_gpu_and_nvls_off() {
+        let id: [u8; NCCL_ID_BYTES] = std::array::from_fn(|i| (i * 7) as u8);
+        let (env, note) = child_env(2, 4, &id, None);
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        assert_eq!(get(ENV_RANK).as_deref(), Some("2"));
+        assert_eq!(get(ENV_WORLD).as_deref(), Some("4"));
+        assert_eq!(get(ENV_DEVICES).as_deref(), Some("2"));
+        assert_eq!(get(ENV_NVLS).as_deref(), Some("0"));
+        assert_eq!(id_from_hex(&get(ENV_NCCL_ID).unwrap()).unwrap(), id);
+        assert_eq!(env.len(), 5);
+        assert!(note.is_none());
+        // A user's NVLS setting is overridden, and said so; "0" needs no note.
+        let (env, note) = child_env(0, 2, &id, Some("1"));
+        assert!(env.contains(&(ENV_NVLS.to_string(), "0".to_string())));
+        assert!(note.unwrap().contains("NCCL_NVLS_ENABLE=1 is overridden"));
+        assert!(child_env(0, 2, &id, Some("0")).1.is_none());
+        // What the child reads back is what the parent wrote.
+        let (env, _) = child_env(3, 4, &id, None);
+        let got = RankEnv::from_vars(|k| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            got,
+            RankEnv {
+                rank: 3,
+                world: 4,
+                device: 0,
+                nccl_id: Some(id)
+            }
+        );
+    }
+
+    #[test]
+    fn rank_environment_is_read_or_refused_with_the_variable_named() {
+        assert_eq!(RankEnv::from_vars(vars(&[])).unwrap(), None);
+        let one = RankEnv::from_vars(vars(&[(ENV_RANK, "0"), (ENV_WORLD, "1")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!((one.rank, one.world, one.nccl_id), (0, 1, None));
+        let hex = id_to_hex(&[0xAB; NCCL_ID_BYTES]);
+        let tr = RankEnv::from_vars(vars(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            (ENV_NCCL_ID, &hex),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((tr.rank, tr.world, tr.device), (1, 2, 1));
+        let err =
+            |pairs: &[(&str, &str)]| format!("{:#}", RankEnv::from_vars(vars(pairs)).unwrap_err());
+        assert!(err(&[(ENV_RANK, "0")]).contains(ENV_WORLD));
+        assert!(err(&[(ENV_RANK, "x"), (ENV_WORLD, "2")]).contains("MEGAMOE_RANK=\"x\""));
+        assert!(err(&[(ENV_RANK, "2"), (ENV_WORLD, "2")]).contains("outside a world of 2"));
+        assert!(err(&[(ENV_RANK, "0"), (ENV_WORLD, "2")]).contains(ENV_NCCL_ID));
+        assert!(
+            err(&[(ENV_RANK, "0"), (ENV_WORLD, "2"), (ENV_NCCL_ID, "abc")]).contains("256 hex")
+        );
+    }
+
+    #[test]
+    fn ranks_and_gpus_are_checked_before_any_gpu_work() {
+        assert!(check_ranks(1, 16).is_ok());
+        assert!(check_ranks(4, 256).is_ok());
+        assert!(check_ranks(0, 16).is_err());
+        let e = format!("{:#}", check_ranks(3, 256).unwrap_err());
+        assert!(e.contains("--ranks 3") && e.contains("split evenly"), "{e}");
+        assert!(check_gpus(2, 8, None).is_ok());
+        let e = format!("{:#}", check_gpus(4, 2, None).unwrap_err());
+        assert!(e.contains("needs 4 GPUs") && e.contains("has 2"), "{e}");
+        let e = format!(
+            "{:#}",
+            check_gpus(2, 0, Some("no CUDA driver")).unwrap_err()
+        );
+        assert!(e.contains("has none (no CUDA driver)"), "{e}");
+    }
+
+    #[test]
+    fn nccl_ids_round_trip_through_hex() {
+        let id: [u8; NCCL_ID_BYTES] = std::array::from_fn(|i| (255 - i) as u8);
+        let h = id_to_hex(&id);
+        assert_eq!(h.len(), 256);
+        assert_eq!(id_from_hex(&h).unwrap(), id);
+        let mut bad = h.clone();
+        bad.replace_range(10..12, "zz");
+        assert!(format!("{:#}", id_from_hex(&bad).unwrap_err()).contains("non-hex pair at 10"));
+    }
+
+    #[test]
+    fn a_world_of_one_needs_no_nccl_and_more_ranks_say_why_it_is_missing() {
+        let c = crate::dist::comm::Communicator::single();
+        assert_eq!((c.rank, c.world), (0, 1));
+        if !comm::nccl_loadable() {
+            let e = format!("{:#}", comm::nccl_check().unwrap_err());
+            assert!(
+                e.contains("NCCL could not be loaded") && e.contains("libnccl.so.2"),
+                "{e}"
+            );
         }
     }
 }

@@ -127,7 +127,11 @@ pub fn run_rank(env: &RankEnv, run: &EpDecodeRun) -> Result<EpDecodeReport> {
             .push(arena::download(&s, &state.ws.sampler.sampled)?);
     }
     let err = state.read_error(&s)?;
-    ensure!(err == 0, "rank {}: the step's error bits {err:#x}", env.rank);
+    ensure!(
+        err == 0,
+        "rank {}: the step's error bits {err:#x}",
+        env.rank
+    );
     if env.rank == 0 {
         print!("{}", describe(run, env, &plan, &report));
     }

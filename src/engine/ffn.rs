@@ -717,9 +717,7 @@ impl FfnHalf {
 
     /// Whether layer `layer` has a shared expert (then [`FfnHalf::shared_out`] is the combine's addend).
     pub fn has_shared_expert(&self, layer: usize) -> bool {
-        self.layers
-            .get(layer)
-            .is_some_and(|l| l.shared.is_some())
+        self.layers.get(layer).is_some_and(|l| l.shared.is_some())
     }
 
     /// Steps 12, 13, 15 and 14 of layer `layer` as in [`FfnHalf::run`], except that the routed experts' L2 finish

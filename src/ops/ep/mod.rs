@@ -158,5 +158,12 @@ pub fn combine(
     let blocks = elems.div_ceil(THREADS as usize).min(4096) as u32;
     // SAFETY: arguments in the kernel's order (elems as a 64-bit integer); every buffer was checked to hold what the
     // grid-stride loop reads or writes.
-    unsafe { launch(stream, &kern, Launch::new((blocks, 1, 1), (THREADS, 1, 1)), &mut args) }
+    unsafe {
+        launch(
+            stream,
+            &kern,
+            Launch::new((blocks, 1, 1), (THREADS, 1, 1)),
+            &mut args,
+        )
+    }
 }
