@@ -300,6 +300,10 @@ mod tests {
         assert_eq!(y, vec![1.0]);
         let y = combine_partials(&[vec![tiny], vec![tiny], vec![p0]], &[0.0]).unwrap();
         assert_eq!(y, vec![1.0 + 2f32.powi(-7)]);
+        // The sum starts from p_0 itself, as the device combine does: a -0.0 partial plus a -0.0 shared output
+        // stays -0.0 (the fused single-GPU epilogue's bits), where 0 + p_0 would give +0.0.
+        let y = combine_partials(&[vec![-0.0]], &[-0.0]).unwrap();
+        assert_eq!(y[0].to_bits(), (-0.0f32).to_bits());
         assert!(combine_partials(&[], &[0.0]).is_err());
         assert!(combine_partials(&[vec![0.0, 1.0]], &[0.0]).is_err());
     }

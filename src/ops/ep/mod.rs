@@ -87,7 +87,15 @@ pub fn finish_l2_partial(
     }
     let gsa = match a {
         DeviceActivations::Bf16 { .. } => 0,
-        DeviceActivations::Nvfp4 { global, .. } => global.device_addr(),
+        DeviceActivations::Nvfp4 { global, .. } => {
+            ensure!(
+                global.len() >= grp.rows_total,
+                "ep L2 partial: {} activation row scales for {} rows",
+                global.len(),
+                grp.rows_total
+            );
+            global.device_addr()
+        }
     };
     let kern = gpu.kernel(FAMILY, "ep_finish_l2_partial")?;
     let mut args = KernelArgs::new();
