@@ -76,8 +76,8 @@ pub struct DecodeArgs {
     /// contiguous blocks, everything else replicated, one all-gather per layer. N > 1 spawns N copies of this
     /// command with MEGAMOE_RANK, MEGAMOE_WORLD, MEGAMOE_NCCL_ID, CUDA_VISIBLE_DEVICES=rank and NCCL_NVLS_ENABLE=0
     /// (and fails before any GPU work when the machine has fewer GPUs); 1 runs the same code path in this process
-    /// without NCCL. One point (one --batch, one --context), a real prompt, eager steps; rank 0 prints the report
-    /// (no decode.csv row).
+    /// without NCCL. One point (one --batch, one --context), a real prompt fed token by token (--prefill-chunk is
+    /// not used), eager steps on --dense-route; rank 0 prints the report (no decode.csv row).
     #[arg(long)]
     pub ranks: Option<usize>,
 }
@@ -172,6 +172,11 @@ pub fn run_ranks(args: &DecodeArgs, gpu: usize) -> Result<()> {
         seed: args.seed,
     };
     use crate::dist::launch::{self, RankEnv};
+    // A rank runs its dense linears on the requested route, as the single-GPU run does (every rank the same route:
+    // the replicas must compute the same bits).
+    let ranked = |env: &RankEnv| {
+        crate::ops::dense::with_route(args.dense_route, || crate::dist::run_rank(env, &run))
+    };
     match RankEnv::from_env()? {
         Some(env) => {
             ensure!(
@@ -179,7 +184,7 @@ pub fn run_ranks(args: &DecodeArgs, gpu: usize) -> Result<()> {
                 "this rank's environment says a world of {}, --ranks says {n}",
                 env.world
             );
-            crate::dist::run_rank(&env, &run).map(|_| ())
+            ranked(&env).map(|_| ())
         }
         None if n == 1 => {
             let env = RankEnv {
@@ -188,7 +193,7 @@ pub fn run_ranks(args: &DecodeArgs, gpu: usize) -> Result<()> {
                 device: gpu,
                 nccl_id: None,
             };
-            crate::dist::run_rank(&env, &run).map(|_| ())
+            ranked(&env).map(|_| ())
         }
         None => {
             let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
