@@ -445,3 +445,46 @@ fn exec_on_the_gpu_writes_what_the_cpu_reference_writes() {
     }
     assert_eq!(read_safetensors(&g).unwrap(), read_safetensors(&c).unwrap());
 }
+
+/// `megamoe decode --ranks N`: bad counts and points are refused before any GPU work; more ranks than the machine has
+/// GPUs is a clear error from the parent, which counts the GPUs before it opens any (16 ranks: more GPUs than any lent
+/// machine has).
+#[test]
+fn decode_ranks_are_checked_before_any_gpu_work() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["decode", "--model", "small", "--ranks", "0"],
+            "--ranks must be at least 1",
+        ),
+        (
+            &["decode", "--model", "small", "--ranks", "3"],
+            "split evenly",
+        ),
+        (
+            &[
+                "decode", "--model", "small", "--ranks", "2", "--batch", "1,2",
+            ],
+            "--ranks runs one point",
+        ),
+        (
+            &["decode", "--model", "small", "--ranks", "2", "--parity"],
+            "--ranks runs one point",
+        ),
+        (
+            &["decode", "--model", "small", "--ranks", "16"],
+            "--ranks 16 needs 16 GPUs",
+        ),
+    ];
+    for (args, want) in cases {
+        let (code, _out, err) = run(args);
+        assert_ne!(code, 0, "megamoe {args:?} must fail");
+        assert!(
+            !err.contains("panicked"),
+            "megamoe {args:?} panicked: {err}"
+        );
+        assert!(
+            err.contains(want),
+            "megamoe {args:?}: expected {want:?} in: {err}"
+        );
+    }
+}

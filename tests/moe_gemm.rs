@@ -1032,6 +1032,7 @@ fn check_l1_l2(
             );
         }
     }
+    check_ep_partial_finish(gpu, label, (&ws2, &dg, &d2, &l1a, &dtr), topk, &y, rng);
     gpu.synchronize().unwrap();
     check_l2_against_reference(
         gpu,
@@ -2641,4 +2642,59 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
             tokens * n
         );
     }
+}
+
+/// Expert parallelism's f32 L2 finish (`ops::ep::finish_l2_partial`, kernels/ep_combine.cu) on the partials of a
+/// routed L2 launch whose output (no addend) is `y`: rounded to BF16 it is `y` bit for bit; with a random BF16 addend,
+/// `ops::ep::combine` of it at W = 1 is `launch_finish_l2`'s output with that addend bit for bit (the single-GPU
+/// engine's fused epilogue, which the expert-parallel step at world 1 must reproduce).
+fn check_ep_partial_finish(
+    gpu: &Gpu,
+    label: &str,
+    (ws2, dg, d2, l1a, dtr): (
+        &mg::Workspace,
+        &DeviceGrouping,
+        &DeviceExpertWeights,
+        &mg::DeviceActivations,
+        &cudarc::driver::CudaSlice<i32>,
+    ),
+    topk: usize,
+    y: &cudarc::driver::CudaSlice<bf16>,
+    rng: &mut impl Rng,
+) {
+    let elems = y.len();
+    let s = &gpu.stream;
+    let partial = gpu.poisoned::<f32>(elems, 0xFF).unwrap();
+    megamoe::ops::ep::finish_l2_partial(gpu, s, ws2, dg, d2, l1a, dtr, topk, &partial).unwrap();
+    let (p, want) = (gpu.download(&partial).unwrap(), gpu.download(y).unwrap());
+    if let Some(i) = (0..elems).find(|&i| bf16::from_f32(p[i]).to_bits() != want[i].to_bits()) {
+        panic!(
+            "{label}: ep f32 finish element {i}: bf16({}) = {:#06x}, the fused epilogue {:#06x}",
+            p[i],
+            bf16::from_f32(p[i]).to_bits(),
+            want[i].to_bits()
+        );
+    }
+    let add: Vec<bf16> = (0..elems)
+        .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)))
+        .collect();
+    let dadd = gpu.upload(&add).unwrap();
+    let mut fused = gpu.poisoned::<bf16>(elems, 0xFF).unwrap();
+    mg::launch_finish_l2(gpu, s, ws2, dg, d2, l1a, dtr, topk, Some(&dadd), &mut fused).unwrap();
+    let combined = gpu.poisoned::<bf16>(elems, 0xFF).unwrap();
+    megamoe::ops::ep::combine(gpu, s, &partial, 1, elems, Some(&dadd), &combined).unwrap();
+    let (f, c) = (
+        gpu.download(&fused).unwrap(),
+        gpu.download(&combined).unwrap(),
+    );
+    if let Some(i) = (0..elems).find(|&i| f[i].to_bits() != c[i].to_bits()) {
+        panic!(
+            "{label}: ep combine at W = 1 element {i}: {:#06x}, the fused epilogue with the addend {:#06x}",
+            c[i].to_bits(),
+            f[i].to_bits()
+        );
+    }
+    println!(
+        "{label}: ep f32 finish and W = 1 combine equal the fused L2 epilogue on {elems} elements"
+    );
 }

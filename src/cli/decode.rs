@@ -74,6 +74,14 @@ pub struct DecodeArgs {
     /// head), the 4K-token TTFT 4.40 -> 4.12 s. decode.csv records it in its `dense_route` column.
     #[arg(long, default_value = "auto", value_parser = DenseRoute::parse)]
     pub dense_route: DenseRoute,
+    /// Expert parallelism over N GPUs, one process (rank) per GPU (docs/multi-gpu.md): the routed experts split in
+    /// contiguous blocks, everything else replicated, one all-gather per layer. N > 1 spawns N copies of this
+    /// command with MEGAMOE_RANK, MEGAMOE_WORLD, MEGAMOE_NCCL_ID, CUDA_VISIBLE_DEVICES=rank and NCCL_NVLS_ENABLE=0
+    /// (and fails before any GPU work when the machine has fewer GPUs); 1 runs the same code path in this process
+    /// without NCCL. One point (one --batch, one --context), a real prompt fed token by token (--prefill-chunk is
+    /// not used), eager steps on --dense-route; rank 0 prints the report (no decode.csv row).
+    #[arg(long)]
+    pub ranks: Option<usize>,
 }
 
 /// How a prefill of chunk `chunk` runs, for the report.
@@ -110,6 +118,13 @@ impl DecodeArgs {
     /// Checks that need no GPU (run before the GPU is opened).
     pub fn check(&self) -> Result<()> {
         let cfg = resolve_model(&self.model)?;
+        if let Some(n) = self.ranks {
+            crate::dist::launch::check_ranks(n, cfg.n_routed_experts)?;
+            ensure!(
+                self.batch.len() == 1 && self.context.len() == 1 && !self.at_context && !self.parity,
+                "--ranks runs one point (one --batch, one --context, a real prompt; no --at-context, no --parity)"
+            );
+        }
         ensure!(
             !self.parity || cfg.dim <= 1024,
             "--parity runs the CPU model every step: use --model small (the {} geometry takes seconds a token \
@@ -141,6 +156,50 @@ impl DecodeArgs {
             );
         }
         Ok(())
+    }
+}
+
+/// `megamoe decode --ranks N` (after [`DecodeArgs::check`]): in a rank process (MEGAMOE_RANK or torchrun's RANK
+/// set) that rank's run; with N = 1 the one rank in this process (GPU `gpu`, no NCCL); with N > 1 the parent, which
+/// counts the GPUs before any GPU work and spawns the ranks with this process's arguments.
+pub fn run_ranks(args: &DecodeArgs, gpu: usize) -> Result<()> {
+    let n = args.ranks.context("run_ranks without --ranks")?;
+    let run = crate::dist::EpDecodeRun {
+        model: args.model.clone(),
+        batch: args.batch[0],
+        context: args.context[0],
+        prompt_len: args.prompt_len,
+        max_new_tokens: args.max_new_tokens,
+        seed: args.seed,
+    };
+    use crate::dist::launch::{self, RankEnv};
+    // A rank runs its dense linears on the requested route, as the single-GPU run does (every rank the same route:
+    // the replicas must compute the same bits).
+    let ranked = |env: &RankEnv| {
+        crate::ops::dense::with_route(args.dense_route, || crate::dist::run_rank(env, &run))
+    };
+    match RankEnv::from_env()? {
+        Some(env) => {
+            ensure!(
+                env.world == n,
+                "this rank's environment says a world of {}, --ranks says {n}",
+                env.world
+            );
+            ranked(&env).map(|_| ())
+        }
+        None if n == 1 => {
+            let env = RankEnv {
+                rank: 0,
+                world: 1,
+                device: gpu,
+                nccl_id: None,
+            };
+            ranked(&env).map(|_| ())
+        }
+        None => {
+            let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+            launch::launch(n, &argv)
+        }
     }
 }
 
@@ -811,6 +870,7 @@ mod tests {
             parity: false,
             prefill_chunk: 64,
             dense_route: DenseRoute::Gemv,
+            ranks: None,
         }
     }
 

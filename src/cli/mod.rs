@@ -184,6 +184,9 @@ pub fn main() -> Result<()> {
         Command::Stress { suite } => stress(cli.gpu, suite),
         Command::Decode(args) => {
             args.check()?;
+            if args.ranks.is_some() {
+                return decode::run_ranks(&args, cli.gpu);
+            }
             let gpu = open_gpu(cli.gpu)?;
             let out = args.out.clone().unwrap_or_else(|| default_out(&gpu));
             decode::run(&gpu, &args, out).map(|_| ())
@@ -225,6 +228,7 @@ fn main_job_decode() -> decode::DecodeArgs {
         prefill_chunk: crate::engine::prefill::DEFAULT_PREFILL_CHUNK,
         // The GEMV, `megamoe decode`'s default, until a GPU run has checked and measured the tensor-core route.
         dense_route: crate::ops::dense::route::DEFAULT_ROUTE,
+        ranks: None,
     }
 }
 

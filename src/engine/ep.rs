@@ -7,7 +7,7 @@
 //!
 //! The combine's contract (the one every transport must reproduce): rank `r`'s partial row of token `t` is the
 //! f32 sum, from zero and in routing order, of the weighted expert outputs of the token's picks that `r` owns;
-//! the MoE output is `bf16( ((0 + partial_0) + partial_1) + ... + partial_{W-1} + shared )`, elementwise in f32,
+//! the MoE output is `bf16( ((partial_0 + partial_1) + ...) + partial_{W-1} + shared )`, elementwise in f32,
 //! ranks in ascending order. Every rank computes it from the same W partial rows, so the ranks' residuals stay
 //! bit-identical (their routing, and so the dispatch, must agree). With `world == 1` this is [`Model::moe`] bit
 //! for bit; with more ranks the routed terms are added in another association (see [`simulate_moe`]).
@@ -149,8 +149,10 @@ pub fn dispatch_pairs(
 }
 
 /// The deterministic combine (module docs): `partials[r]` is rank `r`'s f32 partial rows `[T, D]`, `shared` the
-/// shared expert's f32 rows `[T, D]`; returns `bf16(((0 + p_0) + ... + p_{W-1}) + shared)` elementwise, ranks
-/// ascending, as f32 values of BF16. Every rank that holds the same W partials gets the same bits.
+/// shared expert's f32 rows `[T, D]`; returns `bf16(((p_0 + p_1) + ... + p_{W-1}) + shared)` elementwise, ranks
+/// ascending, as f32 values of BF16. Every rank that holds the same W partials gets the same bits. The sum starts
+/// from `p_0` itself (not `0 + p_0`, which would turn a `-0.0` into `+0.0`), as the device combine does
+/// (kernels/ep_combine.cu, `ops::ep::combine`, its GPU twin).
 pub fn combine_partials(partials: &[Vec<f32>], shared: &[f32]) -> Result<Vec<f32>> {
     ensure!(!partials.is_empty(), "combine: no partials (world size 0)");
     for (r, p) in partials.iter().enumerate() {
@@ -161,8 +163,8 @@ pub fn combine_partials(partials: &[Vec<f32>], shared: &[f32]) -> Result<Vec<f32
             shared.len()
         );
     }
-    let mut y = vec![0f32; shared.len()];
-    for p in partials {
+    let mut y = partials[0].clone();
+    for p in &partials[1..] {
         for (a, b) in y.iter_mut().zip(p) {
             *a += b;
         }
@@ -298,6 +300,10 @@ mod tests {
         assert_eq!(y, vec![1.0]);
         let y = combine_partials(&[vec![tiny], vec![tiny], vec![p0]], &[0.0]).unwrap();
         assert_eq!(y, vec![1.0 + 2f32.powi(-7)]);
+        // The sum starts from p_0 itself, as the device combine does: a -0.0 partial plus a -0.0 shared output
+        // stays -0.0 (the fused single-GPU epilogue's bits), where 0 + p_0 would give +0.0.
+        let y = combine_partials(&[vec![-0.0]], &[-0.0]).unwrap();
+        assert_eq!(y[0].to_bits(), (-0.0f32).to_bits());
         assert!(combine_partials(&[], &[0.0]).is_err());
         assert!(combine_partials(&[vec![0.0, 1.0]], &[0.0]).is_err());
     }

@@ -1049,6 +1049,167 @@ pub fn swiglu_fp8_rows(
     }
 }
 
+/// Expert parallelism (docs/multi-gpu.md; `dist` drives these, the single-GPU [`FfnHalf::run`] does not use them):
+/// the FFN half split at the combine, so that a rank's routed sum can be exchanged between steps 14 and 16.
+/// [`FfnHalf::run_to_partial`] runs steps 12, 13, 15 and 14 with an L2 finish that writes this rank's routed sum in
+/// f32 (`ops::ep::finish_l2_partial`: no addend, no rounding); the caller gathers every rank's partial and combines
+/// them with [`FfnHalf::shared_out`] into [`FfnHalf::moe_out`] (`ops::ep::combine`), then runs
+/// [`FfnHalf::run_post`] (step 16).
+impl FfnHalf {
+    /// Replaces the router's logical expert -> slot table (i32 `[logical]`; `ExpertPartition::slot_table` of the
+    /// rank): an entry outside `0..slots` (-1) gives that expert's pairs no row (another rank computes them). Set-up
+    /// only (a host upload), not inside a step.
+    pub fn set_slot_table(&mut self, gpu: &Gpu, table: &[i32]) -> Result<()> {
+        ensure!(
+            table.len() == self.map.logical,
+            "slot table of {} entries for {} logical experts",
+            table.len(),
+            self.map.logical
+        );
+        let slots = self.map.slots as i32;
+        if let Some((e, &s)) = table.iter().enumerate().find(|(_, &s)| s >= slots) {
+            bail!("slot table: expert {e} -> slot {s}, the half has {slots} slots");
+        }
+        self.slot_of = gpu.upload(table)?;
+        Ok(())
+    }
+
+    /// Whether layer `layer` has a shared expert (then [`FfnHalf::shared_out`] is the combine's addend).
+    pub fn has_shared_expert(&self, layer: usize) -> bool {
+        self.layers.get(layer).is_some_and(|l| l.shared.is_some())
+    }
+
+    /// Steps 12, 13, 15 and 14 of layer `layer` as in [`FfnHalf::run`], except that the routed experts' L2 finish
+    /// writes `partial` (f32 `[B, D]`): the sum, in routing order and unrounded, of the weighted outputs of the pairs
+    /// whose expert the slot table maps to a slot (`+0.0` for a token with none). `shared_out` holds the shared
+    /// expert's output. `moe_out` and `io.x_out` are not written.
+    pub fn run_to_partial(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+        io: &LayerIo,
+        partial: &dyn DeviceBuf<f32>,
+    ) -> Result<()> {
+        ensure!(
+            layer < self.layers.len(),
+            "layer {layer} of {}",
+            self.layers.len()
+        );
+        ensure!(
+            partial.elems() >= self.tokens * self.dim,
+            "routed partial of {} values for [{}, {}]",
+            partial.elems(),
+            self.tokens,
+            self.dim
+        );
+        self.hc_pre_ffn_norm(gpu, stream, layer, io)?;
+        io.mark(stream, group::FFN_HC_PRE)?;
+        self.route(gpu, stream, layer, io)?;
+        io.mark(stream, group::FFN_ROUTER)?;
+        self.shared_expert(gpu, stream, layer)?;
+        io.mark(stream, group::FFN_SHARED)?;
+        self.routed_experts_partial(gpu, stream, weights, layer, partial)?;
+        io.mark(stream, group::FFN_ROUTED)
+    }
+
+    /// Step 16 after the combine wrote `moe_out`: `x_out = post (x) moe_out + comb^T x_in`.
+    pub fn run_post(&self, gpu: &Gpu, stream: &Stream, io: &LayerIo) -> Result<()> {
+        self.hc_post(gpu, stream, io)?;
+        io.mark(stream, group::FFN_HC_POST)
+    }
+
+    /// Step 14 of [`FfnHalf::run_to_partial`]: [`FfnHalf::routed_experts`]' gather, L1 and L2 mainloop, then the f32
+    /// finish into `partial`.
+    fn routed_experts_partial(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+        partial: &dyn DeviceBuf<f32>,
+    ) -> Result<()> {
+        let experts = &weights.experts[layer];
+        let (b, d, rows) = (self.tokens, self.dim, self.grouping.rows_total);
+        let QuantView::Nvfp4 {
+            data,
+            scales,
+            global_scale,
+        } = self.f_nvfp4.q
+        else {
+            bail!("the routed experts' input must be NVFP4 rows")
+        };
+        router::gather_nvfp4_rows(
+            gpu,
+            stream,
+            &Nvfp4RowBufs {
+                rows: b,
+                dim: d,
+                codes: &data,
+                scales: &scales,
+                global: &global_scale,
+            },
+            &self.route.token_rows,
+            &Nvfp4RowBufs {
+                rows,
+                dim: d,
+                codes: &self.a_codes,
+                scales: &self.a_scales,
+                global: &self.a_global,
+            },
+        )?;
+        let a = DeviceActivations::Nvfp4 {
+            rows,
+            k: d,
+            codes: &self.a_codes,
+            scales: &self.a_scales,
+            global: &self.a_global,
+        };
+        let grp = &self.grouping;
+        moe_gemm::launch_partial(
+            gpu,
+            stream,
+            &experts.l1,
+            &a,
+            grp,
+            &self.l1_config,
+            &self.ws_l1,
+        )?;
+        moe_gemm::launch_finish_l1(
+            gpu,
+            stream,
+            &self.ws_l1,
+            grp,
+            &experts.l1,
+            &a,
+            &self.route.row_weight,
+            &mut self.h,
+        )?;
+        let h = self.h.as_activations();
+        moe_gemm::launch_partial(
+            gpu,
+            stream,
+            &experts.l2,
+            &h,
+            grp,
+            &self.l2_config,
+            &self.ws_l2,
+        )?;
+        crate::ops::ep::finish_l2_partial(
+            gpu,
+            stream,
+            &self.ws_l2,
+            grp,
+            &experts.l2,
+            &h,
+            &self.route.token_rows,
+            TOPK,
+            partial,
+        )
+    }
+}
+
 fn poison_rows(s: &Stream, v: &RowsOut) -> Result<()> {
     match v.q {
         QuantView::Nvfp4 {

@@ -98,7 +98,25 @@ fn scale_name(weight: &str) -> String {
 impl DeviceWeights {
     /// Allocate every buffer of `plan` and fill it from `source` on the GPU's stream, with progress on stderr.
     pub fn load(gpu: &Gpu, plan: &MemoryPlan, source: &WeightSource<'_>) -> Result<DeviceWeights> {
+        Self::load_rank(gpu, plan, source, 0)
+    }
+
+    /// [`DeviceWeights::load`] for a rank of an expert-parallel run (docs/multi-gpu.md): the routed-expert slot `s`
+    /// holds logical expert `first_expert + s` (the rank's contiguous block, `ExpertPartition::experts_of`);
+    /// `first_expert = 0` is `load`. Every dense tensor is loaded whole (replicated).
+    pub fn load_rank(
+        gpu: &Gpu,
+        plan: &MemoryPlan,
+        source: &WeightSource<'_>,
+        first_expert: usize,
+    ) -> Result<DeviceWeights> {
         let cfg = &plan.config;
+        ensure!(
+            first_expert + plan.map.slots <= cfg.n_routed_experts,
+            "expert slots {first_expert}..{} outside the {} routed experts",
+            first_expert + plan.map.slots,
+            cfg.n_routed_experts
+        );
         let stream = gpu.stream.clone();
         let mut progress = Progress::new("weights", cfg.n_layers + 1);
         progress.println(&format!(
@@ -154,9 +172,9 @@ impl DeviceWeights {
                 l2: alloc(l2)?,
             };
             for e in 0..slots {
-                let w1 = expert_name(layer, e, "w1.weight");
-                let w3 = expert_name(layer, e, "w3.weight");
-                let w2 = expert_name(layer, e, "w2.weight");
+                let w1 = expert_name(layer, first_expert + e, "w1.weight");
+                let w3 = expert_name(layer, first_expert + e, "w3.weight");
+                let w2 = expert_name(layer, first_expert + e, "w2.weight");
                 let parts1 = [spec(&w1)?, spec(&w3)?];
                 let scales1 = [spec(&scale_name(&w1))?, spec(&scale_name(&w3))?];
                 convert_expert(gpu, &stream, source, &staging, &parts1, &scales1, &le.l1, e)?;

@@ -4,6 +4,7 @@
 
 pub mod compressor;
 pub mod dense;
+pub mod ep;
 pub mod exec;
 pub mod head;
 pub mod indexer;

@@ -1,0 +1,148 @@
+//! The expert-parallel decode step of one rank (docs/multi-gpu.md, "The per-layer step on each rank"): the engine's
+//! [`DecodeState`] runs the replicated parts unchanged (embedding, the attention half, the head, the sampler); the
+//! FFN half runs split at the combine: [`FfnHalf::run_to_partial`] with the rank's slot table (only its own experts'
+//! pairs get rows), the combine ([`Combine`]: all-gather of every rank's f32 partial, the rank-ordered sum plus the
+//! shared expert, one BF16 rounding, into `moe_out`), then [`FfnHalf::run_post`] (hc_post).
+//!
+//! With a world of one rank the slot table is the plan's expert map's, the gather is the partial itself, and the step
+//! computes the single-GPU step's bits (tests/dist_ep.rs): the f32 finish is moe_gemm's L2 epilogue without the
+//! addend, and the combine adds the shared expert to it and rounds as that epilogue does.
+//!
+//! The step is eager and on the GPU's stream (the communicator's); no host sync inside, so it is capturable, but no
+//! graph is captured yet.
+//!
+//! [`FfnHalf::run_to_partial`]: crate::engine::ffn::FfnHalf::run_to_partial
+//! [`FfnHalf::run_post`]: crate::engine::ffn::FfnHalf::run_post
+
+use anyhow::{ensure, Result};
+use half::bf16;
+
+use crate::dist::comm::{Combine, Communicator};
+use crate::engine::ep::ExpertPartition;
+use crate::engine::io::LayerIo;
+use crate::engine::step::DecodeState;
+use crate::engine::weights::DeviceWeights;
+use crate::gpu::{DeviceBuf, Gpu, Stream};
+use crate::ops::sampler;
+
+/// One rank's expert-parallel machinery over a [`DecodeState`] (module docs).
+pub struct EpStep {
+    pub comm: Communicator,
+    pub partition: ExpertPartition,
+    pub combine: Combine,
+}
+
+impl EpStep {
+    /// Sets `state`'s FFN half up for rank `comm.rank` of `comm.world`: the router's slot table becomes the rank's
+    /// ([`ExpertPartition::slot_table`] over the half's resident slots, which hold the rank's experts in order from
+    /// its first: `DeviceWeights::load_rank`), and the combine's buffers are allocated.
+    pub fn new(gpu: &Gpu, state: &mut DecodeState, comm: Communicator) -> Result<EpStep> {
+        let cfg = &state.config;
+        let partition = ExpertPartition::new(cfg.n_routed_experts, comm.world)?;
+        let slots = state.ffn.map.slots;
+        ensure!(
+            comm.world == 1 || slots <= partition.experts_per_rank(),
+            "rank {} holds {slots} expert slots, more than its {} experts",
+            comm.rank,
+            partition.experts_per_rank()
+        );
+        let table = partition.slot_table(comm.rank, slots)?;
+        state.ffn.set_slot_table(gpu, &table)?;
+        let combine = Combine::new(gpu, comm.world, state.shape.batch * cfg.dim)?;
+        Ok(EpStep {
+            comm,
+            partition,
+            combine,
+        })
+    }
+
+    /// The FFN half of `layer` (`x_mid -> x`), expert-parallel.
+    pub fn ffn_half(
+        &mut self,
+        state: &mut DecodeState,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+    ) -> Result<()> {
+        ensure!(
+            layer < state.config.n_layers,
+            "layer {layer} of {}",
+            state.config.n_layers
+        );
+        let io = LayerIo {
+            x_in: &state.x_mid,
+            x_out: &state.x,
+            positions: &state.positions,
+            tokens: state.ws.sampler.next,
+            caches: &state.caches.layers[layer],
+            rows: &state.caches.layers[layer].rows,
+            chunk_rows: None,
+            marks: state.marks.as_ref(),
+        };
+        let ffn = &mut state.ffn;
+        ffn.run_to_partial(gpu, stream, weights, layer, &io, &self.combine.partial)?;
+        let shared = ffn
+            .has_shared_expert(layer)
+            .then_some(&ffn.shared_out as &dyn DeviceBuf<bf16>);
+        self.combine
+            .run(gpu, stream, &self.comm, shared, &ffn.moe_out)?;
+        ffn.run_post(gpu, stream, &io)
+    }
+
+    /// One layer: the attention half (replicated, unchanged), then the expert-parallel FFN half.
+    pub fn decode_layer(
+        &mut self,
+        state: &mut DecodeState,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+    ) -> Result<()> {
+        state.attention_half(gpu, stream, weights, layer)?;
+        self.ffn_half(state, gpu, stream, weights, layer)
+    }
+
+    /// The embedding of the sampler's `next` and every layer.
+    fn layers(
+        &mut self,
+        state: &mut DecodeState,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<()> {
+        state.embed(gpu, stream, weights)?;
+        for layer in 0..state.config.n_layers {
+            self.decode_layer(state, gpu, stream, weights, layer)?;
+        }
+        Ok(())
+    }
+
+    /// [`DecodeState::decode_step`] with the expert-parallel FFN halves: embedding, every layer, head, sampling,
+    /// positions advanced.
+    pub fn decode_step(
+        &mut self,
+        state: &mut DecodeState,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<()> {
+        self.layers(state, gpu, stream, weights)?;
+        state.head(gpu, stream, weights)?;
+        state.sample(gpu, stream)?;
+        sampler::advance_positions(gpu, stream, &state.ws.sampler, &state.positions)
+    }
+
+    /// [`DecodeState::prompt_step`] with the expert-parallel FFN halves: embedding and every layer, positions
+    /// advanced, no head.
+    pub fn prompt_step(
+        &mut self,
+        state: &mut DecodeState,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<()> {
+        self.layers(state, gpu, stream, weights)?;
+        sampler::advance_positions(gpu, stream, &state.ws.sampler, &state.positions)
+    }
+}
