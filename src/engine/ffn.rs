@@ -788,10 +788,9 @@ impl FfnHalf {
         )
     }
 
-    /// Step 14: f's NVFP4 token rows gathered into the grouping's rows, L1 (gate + up, SwiGLU with the clamp, the
-    /// routing weight, NVFP4 h), L2 (down) and the combine over each token's rows in routing order plus the shared
-    /// expert's output (when the model has one), rounded once to BF16 -> `moe_out`.
-    fn routed_experts(
+    /// Step 14 up to its finish: f's NVFP4 token rows gathered into the grouping's rows, L1 (gate + up, SwiGLU with
+    /// the clamp, the routing weight, NVFP4 h) and the L2 (down) mainloop into `ws_l2`'s partial sums.
+    fn routed_mainloops(
         &mut self,
         gpu: &Gpu,
         stream: &Stream,
@@ -808,10 +807,7 @@ impl FfnHalf {
         else {
             bail!("the routed experts' input must be NVFP4 rows")
         };
-        let (token_rows, row_weight) = match &self.contiguous {
-            Some(c) => (&c.token_rows, &c.row_weight),
-            None => (&self.route.token_rows, &self.route.row_weight),
-        };
+        let (token_rows, row_weight) = pair_tables(&self.contiguous, &self.route);
         router::gather_nvfp4_rows(
             gpu,
             stream,
@@ -868,6 +864,21 @@ impl FfnHalf {
             &self.l2_config,
             &self.ws_l2,
         )?;
+        Ok(())
+    }
+
+    /// Step 14: [`FfnHalf::routed_mainloops`], then the combine over each token's rows in routing order plus the
+    /// shared expert's output (when the model has one), rounded once to BF16 -> `moe_out`.
+    fn routed_experts(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+    ) -> Result<()> {
+        self.routed_mainloops(gpu, stream, weights, layer)?;
+        let h = self.h.as_activations();
+        let (token_rows, _) = pair_tables(&self.contiguous, &self.route);
         let addend = self.layers[layer]
             .shared
             .as_ref()
@@ -876,8 +887,8 @@ impl FfnHalf {
             gpu,
             stream,
             &self.ws_l2,
-            grp,
-            &experts.l2,
+            &self.grouping,
+            &weights.experts[layer].l2,
             &h,
             token_rows,
             TOPK,
@@ -1120,8 +1131,7 @@ impl FfnHalf {
         io.mark(stream, group::FFN_HC_POST)
     }
 
-    /// Step 14 of [`FfnHalf::run_to_partial`]: [`FfnHalf::routed_experts`]' gather, L1 and L2 mainloop, then the f32
-    /// finish into `partial`.
+    /// Step 14 of [`FfnHalf::run_to_partial`]: [`FfnHalf::routed_mainloops`], then the f32 finish into `partial`.
     fn routed_experts_partial(
         &mut self,
         gpu: &Gpu,
@@ -1130,83 +1140,33 @@ impl FfnHalf {
         layer: usize,
         partial: &dyn DeviceBuf<f32>,
     ) -> Result<()> {
-        let experts = &weights.experts[layer];
-        let (b, d, rows) = (self.tokens, self.dim, self.grouping.rows_total);
-        let QuantView::Nvfp4 {
-            data,
-            scales,
-            global_scale,
-        } = self.f_nvfp4.q
-        else {
-            bail!("the routed experts' input must be NVFP4 rows")
-        };
-        router::gather_nvfp4_rows(
-            gpu,
-            stream,
-            &Nvfp4RowBufs {
-                rows: b,
-                dim: d,
-                codes: &data,
-                scales: &scales,
-                global: &global_scale,
-            },
-            &self.route.token_rows,
-            &Nvfp4RowBufs {
-                rows,
-                dim: d,
-                codes: &self.a_codes,
-                scales: &self.a_scales,
-                global: &self.a_global,
-            },
-        )?;
-        let a = DeviceActivations::Nvfp4 {
-            rows,
-            k: d,
-            codes: &self.a_codes,
-            scales: &self.a_scales,
-            global: &self.a_global,
-        };
-        let grp = &self.grouping;
-        moe_gemm::launch_partial(
-            gpu,
-            stream,
-            &experts.l1,
-            &a,
-            grp,
-            &self.l1_config,
-            &self.ws_l1,
-        )?;
-        moe_gemm::launch_finish_l1(
-            gpu,
-            stream,
-            &self.ws_l1,
-            grp,
-            &experts.l1,
-            &a,
-            &self.route.row_weight,
-            &mut self.h,
-        )?;
+        self.routed_mainloops(gpu, stream, weights, layer)?;
         let h = self.h.as_activations();
-        moe_gemm::launch_partial(
-            gpu,
-            stream,
-            &experts.l2,
-            &h,
-            grp,
-            &self.l2_config,
-            &self.ws_l2,
-        )?;
+        let (token_rows, _) = pair_tables(&self.contiguous, &self.route);
         crate::ops::ep::finish_l2_partial(
             gpu,
             stream,
             &self.ws_l2,
-            grp,
-            &experts.l2,
+            &self.grouping,
+            &weights.experts[layer].l2,
             &h,
-            &self.route.token_rows,
+            token_rows,
             TOPK,
             partial,
         )
+    }
+}
+
+/// The pair tables of step 14: the contiguous grouping's (a prefill chunk above 64 rows) or the router's masked
+/// one: (each pair's row, each row's routing weight). A free function over the two fields, so the caller may borrow
+/// other fields of the half mutably beside them.
+fn pair_tables<'a>(
+    contiguous: &'a Option<ContiguousRows>,
+    route: &'a RouterOutputs,
+) -> (&'a CudaSlice<i32>, &'a CudaSlice<f32>) {
+    match contiguous {
+        Some(c) => (&c.token_rows, &c.row_weight),
+        None => (&route.token_rows, &route.row_weight),
     }
 }
 
