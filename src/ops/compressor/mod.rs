@@ -377,10 +377,9 @@ pub const DECODE_SLICE_DIMS: usize = 64;
 /// Most sequences of one decode launch (the sequence is grid.y).
 pub const DECODE_MAX_BATCH: usize = 65535;
 
-/// One decode step of `io.batch` sequences: one launch, grid `(d / 64, batch)` in clusters of `(d / 64, 1, 1)`
-/// CTAs of d threads: each CTA updates and pools 64 channels, cluster rank 0 finalizes and stores the entry
-/// (module docs for the contract; kernels/compressor.cu for why the split gives the one-CTA kernel's bits).
-/// Every check runs before the launch.
+/// One decode step of `io.batch` sequences, one launch on the grid [`DecodeGrid::for_batch`] picks (module docs
+/// for the contract; kernels/compressor.cu for why the cluster's split gives the one-CTA kernel's bits). Every check
+/// runs before the launch.
 pub fn decode_step(
     gpu: &Gpu,
     stream: &Stream,
@@ -388,17 +387,34 @@ pub fn decode_step(
     w: &CompressorWeights,
     io: &DecodeIo,
 ) -> Result<()> {
-    decode_step_with(gpu, stream, shape, w, io, DecodeGrid::Cluster)
+    let grid = DecodeGrid::for_batch(io.batch, shape.dim(), gpu.info.sm_count.max(1) as usize);
+    decode_step_with(gpu, stream, shape, w, io, grid)
 }
 
 /// How [`decode_step_with`] launches a decode step. Both give the same bits (tests/compressor.rs compares them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeGrid {
-    /// [`decode_step`]'s: a cluster of `d / 64` CTAs per sequence (`compressor_decode_<kind>`).
+    /// A cluster of `d / 64` CTAs of d threads per sequence (`compressor_decode_<kind>`, grid `(d / 64, batch)`):
+    /// each CTA updates and pools 64 channels, cluster rank 0 finalizes and stores the entry.
     Cluster,
-    /// The former one-CTA-per-sequence kernel (`compressor_decode_<kind>_one_cta`, grid = batch): the
-    /// bit-exactness reference and the A/B baseline.
+    /// One CTA per sequence (`compressor_decode_<kind>_one_cta`, grid = batch).
     OneCta,
+}
+
+impl DecodeGrid {
+    /// The routed rule: [`DecodeGrid::Cluster`] while the clusters fit in one wave (`batch x d / 64 <= SMs`), else
+    /// [`DecodeGrid::OneCta`]. Measured (results/h100/compressor_decode.csv, bench-configs/ab/compressor_cluster.toml,
+    /// H100, us, cluster / one CTA): HCA main emit batch 1 14.0 / 41.0, batch 8 13.5 / 40.9, batch 64 50.5 / 45.4; CSA
+    /// main emit 6.4 / 8.0, 6.6 / 8.0, 14.3 / 8.2; update at batch 64 4.1-4.2 / 2.4-2.5 (equal below); the indexer's
+    /// (d = 128, 2 CTAs a sequence) 8.3-8.8 / 8.2-8.4 at every batch (a tie: one wave either way). At batch 64 the
+    /// main compressors' 512 clusters' CTAs need four waves on 132 SMs where the one-CTA grid needs one.
+    pub fn for_batch(batch: usize, dim: usize, sms: usize) -> DecodeGrid {
+        if batch * (dim / DECODE_SLICE_DIMS).max(1) <= sms {
+            DecodeGrid::Cluster
+        } else {
+            DecodeGrid::OneCta
+        }
+    }
 }
 
 /// [`decode_step`] with an explicit [`DecodeGrid`].
