@@ -8,9 +8,8 @@
 //
 // The FP8 kernel, the BF16 baseline and the merges share the entry constants, the online softmax, the finish /
 // inverse RoPE pieces and the split-partial layout, and the bit-identity of the two merges and of the two finish
-// paths rests on them being the same code. The pieces the FP8 kernels share with the seesaw main loop
-// (kernels/sparse_attn_seesaw.cu) live in common/sparse_attn_common.cuh, so both kernels' split partials are
-// written by one store_split_partial and merged by the combines here.
+// paths rests on them being the same code. Some of those pieces live in common/sparse_attn_common.cuh (the split
+// partials are written by its store_split_partial and merged by the combines here).
 //
 // Entry points
 //   kv_write_entries_f32 / _bf16   quantize new 512-dim vectors into pool slots (bit-exact vs the CPU codec);
@@ -21,8 +20,6 @@
 //                                  products, and an epilogue that stores the finished output in whole 16-byte
 //                                  chunks (notes above finish_staged and decode_fp8_body).
 //   sparse_attn_gather_bf16        baseline step 1: gather + dequantize candidates into a BF16 staging buffer.
-//   sparse_attn_decode_fp8_seesaw  (kernels/sparse_attn_seesaw.cu) the same math under a warp-specialized main loop:
-//                                  a producer warp group and two consumer warp groups in seesaw (Path::Fp8Seesaw).
 //   sparse_attn_decode_bf16        baseline step 2: the same attention over the BF16 staging buffer (mma.sync).
 //   sparse_attn_combine_warp_per_head
 //                                  split-KV merge (log-sum-exp with the sink), inverse RoPE, BF16 output; one
@@ -83,9 +80,12 @@
 //              smem-bound ~2,000 || dequant, then softmax + row-max exchange ~700, then P.V alone ~1,150, barriers
 //              and raw-load latency ~1,500: the tensor cores ~33% busy. FlashMLA (issue #26, same H200): ~4.1 us per
 //              tile at 64 heads, ~2.8 at 128.
-//   predicted  new loop (producer warp group + two consumer groups in seesaw, BF16 products): ~1.75 us (1.55-2.0)
-//              = ~2,600-3,000 clk per tile; Flash b128 ~33 us (FlashMLA 50), Pro b64 ~47 (57), Pro b128 ~80 (107;
-//              FP8 QK^T lever -> ~67).
+//   predicted  a warp-specialized loop (producer warp group + two consumer groups in seesaw, BF16 products):
+//              ~1.75 us (1.55-2.0) = ~2,600-3,000 clk per tile; Flash b128 ~33 us (FlashMLA 50), Pro b128 ~80 (107).
+//   measured   that loop was built and LOST at every point (H100, bde2acd, graph replay, us, this kernel / seesaw):
+//              Flash b1 14.8 / 16.1, b64 41.5 / 53.1, b128 48.3 / 56.5; Pro b1 16.1 / 17.6, b64 72.1 / 87.5, b128
+//              139.6 / 168.7 (results/h100/sparse_attn_decode.csv): 9-28% slower, so it was removed (git history
+//              keeps it; results/h100/PERF-LOG.md has the reading).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

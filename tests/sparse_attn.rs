@@ -29,16 +29,6 @@ use rand::Rng;
 
 /// The routed path as a bench variant (what the fixtures run).
 const FP8: Variant = Variant::Path(Path::Fp8);
-/// The warp-specialized seesaw main loop (issue #26) as a bench variant.
-const SEESAW: Variant = Variant::Path(Path::Fp8Seesaw);
-/// The FP8 attention kernels every FP8 GPU check runs: the same inputs, plan and merge, and the same reference
-/// (QueryPrecision::Fp8Tiles) and tolerance (`reference::tolerance`). Path::Fp8Seesaw is not bit-identical to
-/// Path::Fp8 (its running max advances per 64-entry tile instead of per pair of 32-entry halves, and its row sum is
-/// summed per consumer group before the pair sum): only the f32 summation order differs, every product and every
-/// rounding point (q and K as exact BF16 images of the FP8 values, P to BF16 for P.V, the f32 denominator, the sink
-/// in the final denominator) is the same, so the same f64-reference tolerance bounds both; the bit-identity checks
-/// below compare calls of one path (repeats, the two merges of its partials), never the two paths.
-const FP8_PATHS: [Variant; 2] = [FP8, SEESAW];
 
 // =========================================================================================================
 // CPU tests
@@ -492,7 +482,7 @@ fn auto_tiles_per_split(gpu: &Gpu, hp: &HostProblem) -> usize {
     baseline_plan(gpu.info.sm_count as usize, &hp.shape()).tiles_per_split
 }
 
-/// The FP8 paths (routed and seesaw) against the reference: lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro
+/// The FP8 path against the reference: lengths 0, 1, 127, 129 (tile edges), 640 (Flash CSA), 1152 (Pro
 /// CSA) with -1 holes, 64 and 128 heads, under one split, 1 / 2 tiles per split, its own plan and the baseline's.
 #[test]
 #[ignore = "needs an H100/H200"]
@@ -502,7 +492,8 @@ fn gpu_decode_fp8_matches_reference() {
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp64 = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152], true);
     let hp128 = HostProblem::random(&mut rng, 128, &[1152, 129, 0], true);
-    for v in FP8_PATHS {
+    {
+        let v = FP8;
         let hp = &hp64;
         check_path("fp8 h64 single-split", &gpu, hp, v, Some(1000));
         check_path("fp8 h64 split by 2 tiles", &gpu, hp, v, Some(2));
@@ -527,7 +518,8 @@ fn gpu_decode_fp8_h128_mixed_lengths() {
     let gpu = common::gpu(test);
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 128, &[640, 1152, 65, 300], true);
-    for v in FP8_PATHS {
+    {
+        let v = FP8;
         check_path("fp8 h128 mixed own plan", &gpu, &hp, v, None);
         let t = auto_tiles_per_split(&gpu, &hp);
         check_path("fp8 h128 mixed baseline plan", &gpu, &hp, v, Some(t));
@@ -542,7 +534,8 @@ fn gpu_decode_fp8_long_hca_split_kv() {
     let gpu = common::gpu(test);
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp = HostProblem::random(&mut rng, 64, &[8320], true);
-    for v in FP8_PATHS {
+    {
+        let v = FP8;
         check_path("fp8 hca 8320 own plan", &gpu, &hp, v, None);
         let t = auto_tiles_per_split(&gpu, &hp);
         check_path("fp8 hca 8320 baseline plan", &gpu, &hp, v, Some(t));
@@ -567,7 +560,8 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
         Variant::Bf16Staging,
         Some(2),
     );
-    for v in FP8_PATHS {
+    {
+        let v = FP8;
         let (fp8, _) = check_path("fp8 h64 (precision)", &gpu, &hp, v, None);
         let r = precision_per_head(&fp8, &b16);
         println!(
@@ -588,9 +582,6 @@ fn gpu_decode_bf16_staging_matches_reference_and_precision() {
 /// The FP8 paths at the edges of their pipelines: tile edges (0, 1, 127, 129), lists of 4, 10 and 18 tiles, so
 /// that the 4-slot candidate-index ring and the two BF16 tiles wrap several times, the register prefetch two tiles
 /// ahead runs off the end of a split at every phase (splits of 1, 2 and 3 tiles), and -1 holes; 64 and 128 heads.
-/// For the seesaw loop: ranges of 0, 1, 2 and 3 tiles (group 1 idle; group 1 folding in tile 0 alone; the last tile
-/// owned by group 1; the last tile folded in by group 1's last pass) and long ones, so both stages and both mbarrier
-/// phases wrap.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_decode_fp8_pipeline_edges() {
@@ -599,7 +590,8 @@ fn gpu_decode_fp8_pipeline_edges() {
     let mut rng = common::seeded(test, REPLAY_VAR);
     let hp64 = HostProblem::random(&mut rng, 64, &[0, 1, 127, 129, 640, 1152, 200], true);
     let hp128 = HostProblem::random(&mut rng, 128, &[1152, 129, 0, 65, 300, 640], true);
-    for v in FP8_PATHS {
+    {
+        let v = FP8;
         for (label, t) in [
             ("single-split", Some(1000)),
             ("split by 2 tiles", Some(2)),
@@ -707,9 +699,7 @@ fn gpu_decode_fp8_every_split_plan() {
         let r = hp.reference(FP8);
         for (name, plan) in all_plans(&gpu, hp) {
             let label = format!("h{} {name}", hp.heads);
-            for path in [Path::Fp8, Path::Fp8Seesaw] {
-                check_fp8_calls(&label, &gpu, path, hp, &r, plan, 2);
-            }
+            check_fp8_calls(&label, &gpu, Path::Fp8, hp, &r, plan, 2);
         }
     }
 }
@@ -728,7 +718,8 @@ fn gpu_decode_fp8_long_hca_many_splits() {
     let shape = hp.shape();
     let r = hp.reference(FP8);
     let sms = gpu.info.sm_count as usize;
-    for path in [Path::Fp8, Path::Fp8Seesaw] {
+    {
+        let path = Path::Fp8;
         for t in [1usize, 16, 33] {
             let plan = SplitPlan::with_tiles_per_split(&shape, t).unwrap();
             let label = format!("hca 8320 split {t} tiles");
@@ -743,7 +734,7 @@ fn gpu_decode_fp8_long_hca_many_splits() {
 }
 
 /// The two split merges (Combine::WarpPerHead, Combine::HeadsPerThread with 1 / 2 / 4 heads per thread) are
-/// bit-identical, the routed path equals both, and the seesaw kernel's partials merge within tolerance, for list lengths 0 / 1 / 127 / 129 / 640 / 1152 / 8320 with
+/// bit-identical and the routed path equals both, for list lengths 0 / 1 / 127 / 129 / 640 / 1152 / 8320 with
 /// -1 holes, 64 and 128 heads, and every plan: one split, 1 / 2 / 3 / 16 / 17 / 26 / 33 / 44 / 65 tiles per split
 /// (8320 candidates at one tile per split = 130 splits: 16 full chunks of 8 plus a partial one, and more than 32
 /// splits per lane of the lse pass; 65 / 44 / 33 tiles = 2 / 3 / 4 splits, merged by the 4- and 2-heads-per-thread
@@ -796,15 +787,6 @@ fn gpu_combines_bit_identical_and_match_reference() {
                 Variant::Path(Path::Fp8HeadsPerThreadCombine),
             );
             let routed = run_poisoned(&gpu, &dp, &shape, plan, FP8);
-            // The seesaw kernel's partials through the same merge (combine_for routes it like Path::Fp8): within
-            // tolerance of the reference, not bit-compared with Path::Fp8 (see FP8_PATHS).
-            let seesaw = run_poisoned(&gpu, &dp, &shape, plan, SEESAW);
-            assert_bf16_within_reference(
-                &format!("{label}: seesaw main loop vs reference"),
-                &shape,
-                &seesaw,
-                &r,
-            );
             assert_bf16_within_reference(
                 &format!("{label}: heads-per-thread merge vs reference"),
                 &shape,
@@ -910,16 +892,12 @@ fn gpu_decode_graph_replays_with_changed_device_inputs() {
             vec![0, 0, 0, 0],
             vec![WINDOW + 1, stride - 63, 64, 129],
         ];
-        let runs: [(Variant, Option<usize>); 11] = [
+        let runs: [(Variant, Option<usize>); 7] = [
             (FP8, None),
             (FP8, Some(1000)),
             (FP8, Some(1)),
             (FP8, Some(3)),
             (FP8, Some(5)),
-            (SEESAW, None),
-            (SEESAW, Some(1000)),
-            (SEESAW, Some(1)),
-            (SEESAW, Some(3)),
             (
                 Variant::Path(Path::Fp8HeadsPerThreadCombine),
                 Some(stride.div_ceil(128)),
@@ -1037,44 +1015,6 @@ fn swizzle_layout_mirror() {
         }
     }
     assert!(p_words.iter().all(|&n| n == 1));
-    // Seesaw kernel (kernels/sparse_attn_seesaw.cu): the owner group's lane (g, tq) of warp wm writes entries
-    // 8j + 2tq (+1), j = 0..7, of rows row0 = 16wm + g and row0 + 8 at row * 128 + ((j ^ g) << 4) + 4tq (one
-    // group's warps cover the 64 x 64 block); its producer thread p = 0..127 converts (e0 = p / 4, q = p % 4) and
-    // (e0 + 32, q): every (entry, quarter) unit of the dequant above exactly once, e0 and e0 + 32 of equal parity.
-    let mut p_words = vec![0u32; 64 * 32];
-    for wm in 0..4usize {
-        for lane in 0..32usize {
-            let (g, tq) = (lane >> 2, lane & 3);
-            for j in 0..8usize {
-                for row in [16 * wm + g, 16 * wm + g + 8] {
-                    let c = 8 * j + 2 * tq;
-                    let kernel = row * 128 + ((j ^ g) << 4) + 4 * tq;
-                    let canonical = row * 128 + (((c >> 3) ^ (row & 7)) << 4) + 2 * (c & 7);
-                    assert_eq!(kernel, canonical, "seesaw P row {row} entry {c}");
-                    p_words[kernel / 4] += 1;
-                }
-            }
-        }
-    }
-    assert!(p_words.iter().all(|&n| n == 1));
-    let mut units = [0u32; 256];
-    for p in 0..128usize {
-        let (e0, q) = (p >> 2, p & 3);
-        assert_eq!(e0 & 1, (e0 + 32) & 1);
-        units[4 * e0 + q] += 1;
-        units[4 * (e0 + 32) + q] += 1;
-    }
-    assert!(units.iter().all(|&n| n == 1));
-    // load_raw_regs_based (seesaw producer): slot i's chunk from base 8q + 32 ((i & 1) ^ odd) plus 64 (i >> 1) is
-    // load_raw_regs's chunk 8 (i >> 1) + q + 4 ((i & 1) ^ odd), in bytes.
-    for q in 0..4usize {
-        for odd in 0..2usize {
-            for i in 0..14usize {
-                let based = 8 * q + 32 * ((i & 1) ^ odd) + 64 * (i >> 1);
-                assert_eq!(based, 8 * (8 * (i >> 1) + q + 4 * ((i & 1) ^ odd)));
-            }
-        }
-    }
 }
 
 /// `heads_per_thread`: the most heads per thread (1, 2, 4) with heads * n_splits <= 8 (8 loads in flight per
@@ -1210,11 +1150,7 @@ fn fp8_routing_at_measured_points() {
             label != "hca 1M b1 (fitted plan)",
             "{label}"
         );
-        for forcing in [
-            Path::Fp8WarpPerHeadCombine,
-            Path::Fp8HeadsPerThreadCombine,
-            Path::Fp8Seesaw,
-        ] {
+        for forcing in [Path::Fp8WarpPerHeadCombine, Path::Fp8HeadsPerThreadCombine] {
             assert_eq!(Variant::Path(forcing).plan(132, &s), plan, "{label}");
         }
     }
@@ -1226,7 +1162,6 @@ fn fp8_routing_at_measured_points() {
             Combine::WarpPerHead
         };
         assert_eq!(combine_for(Path::Fp8, n), want);
-        assert_eq!(combine_for(Path::Fp8Seesaw, n), want);
         assert_eq!(
             combine_for(Path::Fp8HeadsPerThreadCombine, n),
             Combine::HeadsPerThread
@@ -1307,7 +1242,6 @@ fn bench_config_and_split_plans() {
         variant_of("fp8_combine_heads_per_thread").unwrap(),
         Variant::Path(Path::Fp8HeadsPerThreadCombine)
     );
-    assert_eq!(variant_of("fp8_seesaw").unwrap(), SEESAW);
     assert_eq!(variant_of(BASELINE).unwrap(), Variant::Bf16Staging);
     assert!(variant_of("fp8_unknown").is_err());
     let path = concat!(

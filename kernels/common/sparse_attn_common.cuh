@@ -3,12 +3,11 @@
 // epilogue (row sums, the split partial, the finished BF16 output with sink and inverse RoPE), the 128B-swizzled
 // wgmma layout with its P.V instruction, the raw-entry registers and their exact dequant, and the q quantization.
 //
-// Included by kernels/sparse_attn.cu (sparse_attn_decode_fp8, the BF16 baseline, the combines) and by
-// kernels/sparse_attn_seesaw.cu (sparse_attn_decode_fp8_seesaw). Both FP8 kernels write the same split-partial
-// layout through store_split_partial and finish through finish_staged, so the combines of sparse_attn.cu merge
-// either kernel's partials, and a kernel's unsplit output is the combine's formula on its own registers.
+// Included by kernels/sparse_attn.cu (sparse_attn_decode_fp8, the BF16 baseline, the combines). The FP8 kernel
+// writes its split partials through store_split_partial and finishes through finish_staged, so the combines merge
+// its partials, and its unsplit output is the combine's formula on its own registers.
 //
-// Warp layout the epilogue assumes (both FP8 kernels): 256 math threads = two warp groups wh = 0, 1 of 4 warps
+// Warp layout the epilogue assumes: 256 math threads = two warp groups wh = 0, 1 of 4 warps
 // wm = 0..3; thread (wm, wh, lane) holds rows 16 wm + g and 16 wm + g + 8 (g = lane / 4) and the output dims
 // 256 wh + 8 nt + 2 tq (+1) (tq = lane % 4, nt = 0..31) in WarpState::o, the m64n256 wgmma accumulator layout;
 // warps wm and wm + 4 share rows, and row_sums joins them through pair barrier wm + 1 (ids 1..4, 64 threads).
@@ -157,7 +156,7 @@ __device__ __forceinline__ void store_split_partial(const WarpState& st, const D
     }
 }
 
-// The epilogue of the FP8 kernels (sparse_attn_decode_fp8, sparse_attn_decode_fp8_seesaw): finish()'s values, bit for bit (the same operations on the same
+// The epilogue of the FP8 kernel (sparse_attn_decode_fp8): finish()'s values, bit for bit (the same operations on the same
 // registers), in code that is small and stores whole 16-byte chunks. The epilogue runs once per warp; finish()'s
 // unrolled form (an inlined sincosf and a branch per rope pair, 2 rows x 32 n-tiles) is ~7,900 straight-line SASS
 // instructions, which at Pro batch 128 stall mostly on instruction fetch
@@ -260,8 +259,7 @@ __device__ __forceinline__ uint32_t sw_off(int row, int chunk) {
 //   * P (64 heads x 64 entries, BF16) is written in the 128B-swizzled K-major layout (one 8 KiB block,
 //     1024-aligned): byte offset of (head r, entry c) = r * 128 + (((c >> 3) ^ (r & 7)) << 4) + 2 (c & 7).
 //   * Warp group wh computes O[64 heads, dims 256wh..256wh+255] += P . V with 4 x wgmma.m64n256k16
-//     (K = 16 entries each). A = P (K-major, +32 B per K=16 slice, as for q; from shared memory, or from registers
-//     in the seesaw kernel). B = the K = V tile read N-major (imm-trans-b = 1): the same swizzled bytes serve as
+//     (K = 16 entries each). A = P (K-major, +32 B per K=16 slice, as for q; from shared memory). B = the K = V tile read N-major (imm-trans-b = 1): the same swizzled bytes serve as
 //     the N-major 128B-swizzle canonical layout, with rows = K (entries, 128 B apart, 8-row groups SBO = 1024 B
 //     apart; a K=16 slice is +2048 B) and 64-dim atoms along N LBO = 8192 B apart (the k-block stride). Descriptor
 //     fields as in the PTX ISA matrix descriptor; for N-major swizzled layouts LBO is the stride between swizzle

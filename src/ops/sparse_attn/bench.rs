@@ -133,13 +133,11 @@ pub const KERNEL: &str = "sparse_attn_decode";
 /// and replayed ([`PointTiming::graph_samples_us`]), so the launch floor shows against [`KERNEL`]'s event time.
 pub const KERNEL_GRAPH: &str = "sparse_attn_decode_graph";
 /// Variants in the order they are timed: `fp8` (the routed path), the two forcing variants of the combine rule
-/// ([`super::HEADS_PER_THREAD_MIN_SPLITS`]), `fp8_seesaw` (the warp-specialized main loop, A/B against `fp8`) and
-/// `bf16_staging`, the baseline of the others.
-pub const VARIANTS: [&str; 5] = [
+/// ([`super::HEADS_PER_THREAD_MIN_SPLITS`]) and `bf16_staging`, the baseline of the others.
+pub const VARIANTS: [&str; 4] = [
     "fp8",
     "fp8_combine_warp_per_head",
     "fp8_combine_heads_per_thread",
-    "fp8_seesaw",
     "bf16_staging",
 ];
 /// The baseline the FP8 variants are measured against.
@@ -151,7 +149,6 @@ pub fn variant_of(name: &str) -> Result<Variant> {
         "fp8" => Variant::Path(Path::Fp8),
         "fp8_combine_warp_per_head" => Variant::Path(Path::Fp8WarpPerHeadCombine),
         "fp8_combine_heads_per_thread" => Variant::Path(Path::Fp8HeadsPerThreadCombine),
-        "fp8_seesaw" => Variant::Path(Path::Fp8Seesaw),
         "bf16_staging" => Variant::Bf16Staging,
         other => bail!(
             "sparse_attn: unknown bench variant `{other}` (have: {})",

@@ -1,8 +1,7 @@
 //! Sparse FP8 decode attention for DeepSeek-V4 (DSV4 §3.6, §4): each query (H = 64 or 128 heads x 512 dims)
 //! attends to its own candidate list of 584-byte FP8 KV entries (sliding window ++ selected compressed
 //! entries), with a per-head attention sink and the inverse RoPE on the output. Kernels: `kernels/sparse_attn.cu`
-//! (design notes at its top) and `kernels/sparse_attn_seesaw.cu` (the warp-specialized main loop of
-//! [`Path::Fp8Seesaw`]; both share `kernels/common/sparse_attn_common.cuh`); CPU reference: [`reference`];
+//! (design notes at its top; pieces in `kernels/common/sparse_attn_common.cuh`); CPU reference: [`reference`];
 //! measurement hooks and the BF16-staging baseline the targets are measured against: [`bench`]; `megamoe exec`:
 //! [`exec`].
 //!
@@ -50,17 +49,7 @@ const FP8_KERNEL: &str = "sparse_attn_decode_fp8";
 /// the candidate ring (206848 B), the 256-byte rope cos / sin table of its epilogue, and 1024 B of slack the
 /// kernel uses to align its wgmma tiles to 1024 bytes).
 const FP8_SMEM_BYTES: usize = 208_128;
-/// The same decode under the warp-specialized seesaw main loop (`kernels/sparse_attn_seesaw.cu`, its own
-/// translation unit, so its own kernel family).
-const SEESAW_FAMILY: &str = "sparse_attn_seesaw";
-const SEESAW_KERNEL: &str = "sparse_attn_decode_fp8_seesaw";
-/// Dynamic shared memory of `sparse_attn_decode_fp8_seesaw` (mirrors `sa::kSsSmemBytes`: q, two K = V stages, the two
-/// consumer groups' P blocks and row maxima, the row-sum exchange, the stages' candidate indices, four mbarriers,
-/// the rope table (214,816 B) and 1024 B of alignment slack).
-const SEESAW_SMEM_BYTES: usize = 215_840;
-/// Threads of a seesaw CTA: two consumer warp groups and a producer warp group.
-const SEESAW_THREADS: u32 = 384;
-/// Threads of the other decode kernels' CTAs (two warp groups).
+/// Threads of the decode kernels' CTAs (two warp groups).
 const DECODE_THREADS: u32 = 256;
 /// The split merge with one warp per head.
 const COMBINE_WARP_PER_HEAD: &str = "sparse_attn_combine_warp_per_head";
@@ -436,16 +425,11 @@ pub fn heads_per_thread(n_splits: usize) -> (usize, usize) {
 pub const HEADS_PER_THREAD_MIN_SPLITS: usize = 3;
 
 /// Which merge `path` uses for `n_splits` split partials (meaningless for 1 split: no combine runs).
-///
-/// [`Path::Fp8Seesaw`] follows [`Path::Fp8`]'s rule: its partials have the same layout (one `store_split_partial`),
-/// and the A/B against `Path::Fp8` should differ only in the main loop.
 pub fn combine_for(path: Path, n_splits: usize) -> Combine {
     match path {
-        Path::Fp8 | Path::Fp8Seesaw if n_splits >= HEADS_PER_THREAD_MIN_SPLITS => {
-            Combine::HeadsPerThread
-        }
+        Path::Fp8 if n_splits >= HEADS_PER_THREAD_MIN_SPLITS => Combine::HeadsPerThread,
         Path::Fp8HeadsPerThreadCombine => Combine::HeadsPerThread,
-        Path::Fp8 | Path::Fp8Seesaw | Path::Fp8WarpPerHeadCombine => Combine::WarpPerHead,
+        Path::Fp8 | Path::Fp8WarpPerHeadCombine => Combine::WarpPerHead,
     }
 }
 
@@ -463,13 +447,6 @@ pub enum Path {
     /// Forcing variant of the combine rule: [`Path::Fp8`] with every split merged by [`Combine::HeadsPerThread`].
     /// Bench variant `fp8_combine_heads_per_thread`.
     Fp8HeadsPerThreadCombine,
-    /// [`Path::Fp8`]'s math, plan and merge under the warp-specialized main loop of
-    /// `sparse_attn_decode_fp8_seesaw` (issue #26): a producer warp group dequantizes the FP8 entries into two BF16
-    /// stages, two consumer warp groups run QK^T, softmax and P.V on alternate tiles so that one group's softmax
-    /// overlaps the other's tensor-core work. Not bit-identical to [`Path::Fp8`] (the running max advances per
-    /// 64-entry tile, the row sum is split by group), within the same reference tolerance. Not routed: the GPU A/B
-    /// against `fp8` decides. Bench variant `fp8_seesaw`.
-    Fp8Seesaw,
 }
 
 impl Path {
@@ -479,12 +456,6 @@ impl Path {
             Path::Fp8 | Path::Fp8WarpPerHeadCombine | Path::Fp8HeadsPerThreadCombine => {
                 (FAMILY, FP8_KERNEL, FP8_SMEM_BYTES, DECODE_THREADS)
             }
-            Path::Fp8Seesaw => (
-                SEESAW_FAMILY,
-                SEESAW_KERNEL,
-                SEESAW_SMEM_BYTES,
-                SEESAW_THREADS,
-            ),
         }
     }
 }
@@ -613,7 +584,7 @@ pub(crate) fn launch_attention(
         (threads, 1, 1),
     )
     .smem(smem);
-    // SAFETY: SA_DECODE_PARAMS of kernels/sparse_attn.cu (the seesaw kernel takes the same list); every buffer
+    // SAFETY: SA_DECODE_PARAMS of kernels/sparse_attn.cu; every buffer
     // checked against the shape and plan by check_call (partials hold batch * n_splits * heads rows, staging
     // batch * stride rows).
     unsafe { launch(stream, k, l, &mut a) }
