@@ -75,10 +75,12 @@ if want tests; then
     t="$B/tests/$n"
     [ -x "$t" ] || { echo "FAILED: no test executable $n in the bundle"; status=1; continue; }
     step "test $n ${filter}"
+    # One log per spec: two filters of one executable keep both logs.
+    log="$work/tests/$n${filter:+-$filter}.log"
     # shellcheck disable=SC2086
-    timeout "${TEST_TIMEOUT:-600}" "$t" "${test_args[@]}" $filter > "$work/tests/$n.log" 2>&1; rc=$?
-    tail -n 3 "$work/tests/$n.log"
-    [ $rc -eq 0 ] || { echo "FAILED: $n (rc $rc)"; status=1; grep -E "panicked|FAILED|failed|SKIP" "$work/tests/$n.log" | head -20; }
+    timeout "${TEST_TIMEOUT:-600}" "$t" "${test_args[@]}" $filter > "$log" 2>&1; rc=$?
+    tail -n 3 "$log"
+    [ $rc -eq 0 ] || { echo "FAILED: $n (rc $rc)"; status=1; grep -E "panicked|FAILED|failed|SKIP" "$log" | head -20; }
   done
 fi
 if want stress && "$B/megamoe" stress --help >/dev/null 2>&1; then

@@ -21,10 +21,9 @@ use megamoe::ops::dense::reference::{
     abs_term_sums, bf16_ulp, fp8_linear_rows, matvec_rows, shared_expert_rows, tolerance, wo_a_rows,
 };
 use megamoe::ops::dense::{
-    bf16_linear, fp8_linear, fp8_linears, plan, route, shared_expert, with_min_slice, with_route,
-    wo_a_grouped, workspace_layout, Bf16Job, DenseKind, DensePath, DenseRoute, DenseShape,
-    DenseWorkspace, Fp8Job, MinSliceColumns, SharedExpertScratch, MAX_CALL_ROWS, MAX_ROWS,
-    ROUTE_CUBLAS_BYTES,
+    bf16_linear, fp8_linear, fp8_linears, plan, route, shared_expert, with_route, wo_a_grouped,
+    workspace_layout, Bf16Job, DenseKind, DensePath, DenseRoute, DenseShape, DenseWorkspace,
+    Fp8Job, SharedExpertScratch, MAX_CALL_ROWS, MAX_ROWS, ROUTE_CUBLAS_BYTES,
 };
 use rand_chacha::ChaCha8Rng;
 
@@ -137,19 +136,24 @@ fn plans_cover_k_and_fit_shared_memory() {
 
 /// The LM head at 1..8 rows keeps two CTAs per SM: its K slice is halved until a CTA needs at most half the shared
 /// memory (the partials, 4 bytes x splits x vocab, are far below 1/16 of the weight).
-/// The forcing variant of the split-K rule (bench `dense_slices_*`): K slices of at least the asked columns, still
-/// covering K and fitting shared memory; outside `with_min_slice` the routed rule is back.
+/// From `MIN_SLICE_ROWS` rows every CTA streams a K slice of at least `MIN_SLICE_COLUMNS` columns (still covering K
+/// and fitting shared memory); below, wq_a keeps the occupancy rule's shorter slices.
 #[test]
-fn min_slice_plans_cover_k_with_wider_slices() {
-    let wq_a = shape(DenseKind::Fp8, 1, 1024, 4096, 1);
-    let routed = plan(&wq_a, 132).unwrap();
-    for min in [512, 1024] {
-        let p = with_min_slice(MinSliceColumns(min), || plan(&wq_a, 132).unwrap());
-        assert!(p.kc >= min && p.kc % 128 == 0, "{p:?}");
-        assert_eq!(p.splits, 4096usize.div_ceil(p.kc), "{p:?}");
-        assert!(p.splits < routed.splits, "{p:?} vs the routed {routed:?}");
+fn plans_from_eight_rows_take_wide_slices() {
+    use megamoe::ops::dense::{MIN_SLICE_COLUMNS, MIN_SLICE_ROWS};
+    let one = plan(&shape(DenseKind::Fp8, 1, 1024, 4096, 1), 132).unwrap();
+    assert!(one.kc < MIN_SLICE_COLUMNS, "{one:?}");
+    for m in [MIN_SLICE_ROWS, 16, 64] {
+        for (n, k) in [(1024, 4096), (512, 4096), (4096, 8192)] {
+            let p = plan(&shape(DenseKind::Fp8, m, n, k, 1), 132).unwrap();
+            assert!(
+                p.kc >= MIN_SLICE_COLUMNS && p.kc.is_multiple_of(128),
+                "{p:?}"
+            );
+            assert_eq!(p.splits, k.div_ceil(p.kc), "{p:?}");
+            assert!(p.smem <= 227 * 1024, "{p:?}");
+        }
     }
-    assert_eq!(plan(&wq_a, 132).unwrap(), routed);
 }
 
 #[test]

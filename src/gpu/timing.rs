@@ -28,36 +28,13 @@ impl Default for TimingPlan {
     }
 }
 
-/// What an L2 flush leaves behind (the A/B knob `MEGAMOE_L2_FLUSH`, docs/measurement.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum L2FlushKind {
-    /// Write the buffer, then read it back (`l2_flush_read`, kernels/measure.cu): L2 ends full of clean lines, so
-    /// the timed kernel's misses evict without writing back, as in a decode step, where the kernel before a weight
-    /// stream wrote only its small output. The default.
-    Clean,
-    /// Write the buffer only (`MEGAMOE_L2_FLUSH=dirty`): L2 ends full of dirty lines, and the timed kernel's first
-    /// ~L2-size of misses also pay their write-back.
-    Dirty,
-}
-
-impl L2FlushKind {
-    /// `MEGAMOE_L2_FLUSH`: `dirty`, or `clean` / unset.
-    pub fn from_env() -> Result<L2FlushKind> {
-        match std::env::var("MEGAMOE_L2_FLUSH").as_deref() {
-            Err(_) | Ok("") | Ok("clean") => Ok(L2FlushKind::Clean),
-            Ok("dirty") => Ok(L2FlushKind::Dirty),
-            Ok(other) => Err(anyhow!(
-                "MEGAMOE_L2_FLUSH={other}: expected `clean` (the default) or `dirty`"
-            )),
-        }
-    }
-}
-
 /// A buffer twice the size of L2; writing it evicts whatever a kernel could reuse from L2, and reading it back
-/// ([`L2FlushKind::Clean`]) leaves the lines clean.
+/// (`l2_flush_read`, kernels/measure.cu) leaves the lines clean, so the timed kernel's misses evict without writing
+/// back, as in a decode step, where the kernel before a weight stream wrote only its small output. Measured against
+/// a write-only flush (H100, bde2acd, results/h100/PERF-LOG.md): the dirty lines cost a 34 MB decode GEMV 25-28% of
+/// its time inside the events.
 pub struct L2Flush {
     buf: CudaSlice<u8>,
-    kind: L2FlushKind,
     read: Arc<super::launch::Kernel>,
     sink: CudaSlice<u32>,
     sms: u32,
@@ -68,18 +45,14 @@ impl L2Flush {
         let bytes = (gpu.info.l2_bytes * 2).max(128 << 20).next_multiple_of(16);
         Ok(L2Flush {
             buf: gpu.zeros::<u8>(bytes)?,
-            kind: L2FlushKind::from_env()?,
             read: gpu.kernel("measure", "l2_flush_read")?,
             sink: gpu.zeros::<u32>(1)?,
             sms: gpu.info.sm_count.max(1) as u32,
         })
     }
-    /// Overwrite the buffer on `stream` (a memset), then, for [`L2FlushKind::Clean`], read it back.
+    /// Overwrite the buffer on `stream` (a memset), then read it back.
     pub fn flush(&mut self, stream: &Stream) -> Result<()> {
         super::fill_bytes_on(stream, &mut self.buf, 0x5A)?;
-        if self.kind == L2FlushKind::Dirty {
-            return Ok(());
-        }
         let mut a = super::launch::KernelArgs::new();
         a.buf(&self.buf)
             .u64((self.buf.len() / 16) as u64)

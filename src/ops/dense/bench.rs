@@ -1,7 +1,5 @@
 //! Measurement hooks of the dense family: one decode linear of M rows at a DSV4 shape, timed as plain launches on the
-//! GPU's stream. Variants: `dense` (this family's launcher), `dense_slices_512` / `dense_slices_1024` (the same
-//! launcher with its split-K rule forced to K slices of at least that many columns: the A/B of that rule,
-//! [`MinSliceColumns`]), `cublaslt_bf16` (cuBLASLt BF16 GEMMs on weights
+//! GPU's stream. Variants: `dense` (this family's launcher), `cublaslt_bf16` (cuBLASLt BF16 GEMMs on weights
 //! dequantized to BF16 beforehand, outside the timing: the baseline a dequantize-then-GEMM path would run per
 //! call) and `cublaslt_block_scaled` (cuBLASLt's block-scaled FP8 GEMM on the same FP8 bytes through
 //! [`fp8_linear_prefill`], the library baseline #24 names; FP8-activation linears only: fp8, swiglu) and
@@ -17,8 +15,8 @@ use rand::Rng;
 use super::prefill::{fp8_linear_prefill, weight_scales_f32, DeviceFp8Weight, Fp8LinearWorkspace};
 use super::route::{with_route, DenseRoute};
 use super::{
-    bf16_linear, fp8_linear, plan as dense_plan, swiglu_fp8, with_min_slice, wo_a_grouped, Bf16Job,
-    DenseKind, DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, Fp8Weight as W, MinSliceColumns,
+    bf16_linear, fp8_linear, plan as dense_plan, swiglu_fp8, wo_a_grouped, Bf16Job, DenseKind,
+    DenseShape, DenseWorkspace, Fp8Rows, Fp8Weight, Fp8Weight as W,
 };
 use crate::gpu::arena::Arena;
 use crate::gpu::blas::{Blas, GemmInput};
@@ -30,8 +28,6 @@ use crate::ops::inputs;
 /// Every variant a point can run.
 pub const VARIANTS: &[&str] = &[
     "dense",
-    "dense_slices_512",
-    "dense_slices_1024",
     "cublaslt_bf16",
     "cublaslt_block_scaled",
     "dense_tensor_cores",
@@ -142,14 +138,6 @@ pub fn measure(
     let bytes = linear.bytes(m);
     let samples_us = match variant {
         "dense" => time_dense(gpu, plan, linear, m, seed, bytes)?,
-        // Forcing variants of the split-K rule (ops::dense::MinSliceColumns): the routed kernel with K slices of at
-        // least 512 / 1024 columns.
-        "dense_slices_512" => with_min_slice(MinSliceColumns(512), || {
-            time_dense(gpu, plan, linear, m, seed, bytes)
-        })?,
-        "dense_slices_1024" => with_min_slice(MinSliceColumns(1024), || {
-            time_dense(gpu, plan, linear, m, seed, bytes)
-        })?,
         "cublaslt_bf16" => time_cublaslt(gpu, plan, linear, m, bytes)?,
         "cublaslt_block_scaled" => time_block_scaled(gpu, plan, linear, m, seed, bytes)?,
         // The launcher on its tensor-core route (ops::dense::route), forced at every M: the workspace is carved

@@ -236,27 +236,17 @@ fn smem_bytes(kind: DenseKind, mt: usize, kc: usize) -> usize {
     RING_BYTES + tok * (2 * kc + kind.x_pad()) + 4 * (tok + kind.weights_per_warp()) * (kc / 128)
 }
 
-/// A forcing variant of [`plan`]'s split-K rule, for the A/B that decides it (bench variants `dense_slices_512`,
-/// `dense_slices_1024`, bench-configs/ab/dense_slices.toml): K slices of at least this many columns, so each CTA
-/// streams at least 128 rows x this many columns of weight, and no halving of the slice for a second resident CTA.
-/// The routed rule (occupancy: ~2 CTAs per SM) gives small-N weights at M = 1 slices of 128 columns (16 KB a CTA
-/// for wq_a), whose fixed per-CTA cost the first engine profile points at (docs/deep-dive-2026-12-07-engine-first-
-/// profile.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MinSliceColumns(pub usize);
-
-thread_local! {
-    static MIN_SLICE: std::cell::Cell<Option<MinSliceColumns>> = const { std::cell::Cell::new(None) };
-}
-
-/// Runs `work` with [`plan`] forced to K slices of at least `min` columns on this thread (the workspace must be
-/// carved inside `work` too, since the plan sizes it). Bench variants only; nests, the innermost wins.
-pub fn with_min_slice<R>(min: MinSliceColumns, work: impl FnOnce() -> R) -> R {
-    let before = MIN_SLICE.with(|m| m.replace(Some(min)));
-    let r = work();
-    MIN_SLICE.with(|m| m.set(before));
-    r
-}
+/// From this many activation rows, a weight whose row tiles alone give fewer CTAs than SMs (split-K) gets K slices
+/// of at least [`MIN_SLICE_COLUMNS`] columns from [`plan`] (fewer, longer CTAs) instead of its occupancy rule's; a
+/// weight with enough row tiles (the LM head) keeps its two-CTAs-per-SM slices. Measured on an H100 (bde2acd, results/h100/dense.csv, the
+/// rule then forced as a bench variant), us, occupancy rule / slices of >= 512 / >= 1024: wq_a (FP8 1024 x 4096) M = 1
+/// 10.1 / 10.3 / 11.5, M = 8 13.3 / 11.9 / 13.2, M = 64 48.1 / 32.1 / 37.7; wkv (512 x 4096) 9.4 / 10.1 / 11.6,
+/// 12.4 / 11.6 / 13.1, 42.8 / 32.2 / 37.9; wo_b (4096 x 8192) equal within 1% at every M; the CSA compressors' two
+/// BF16 1024 x 4096 weights 14.0 / 14.1 / 14.9, 15.8 / 15.8 / 16.1, 41.2 / 32.5 / 35.5. So 512 from 8 rows; at one
+/// row the short slices keep more CTAs streaming and win by 2-7%.
+pub const MIN_SLICE_ROWS: usize = 8;
+/// The shortest K slice of a CTA from [`MIN_SLICE_ROWS`] rows on.
+pub const MIN_SLICE_COLUMNS: usize = 512;
 
 /// The launch plan of `s` on a GPU of `sm_count` SMs. Split-K when the row tiles alone give fewer CTAs than SMs:
 /// about 2 CTAs per SM, K slices a multiple of the granule, capped so that the partials (f32, written and read
@@ -294,8 +284,8 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
         .max(splits_occ.min(splits_cap))
         .min(s.k.div_ceil(gran));
     let mut kc = (s.k.div_ceil(splits).div_ceil(gran) * gran).min(kc_max);
-    if let Some(MinSliceColumns(min)) = MIN_SLICE.with(|m| m.get()) {
-        let kc = kc.max(min.div_ceil(gran) * gran).min(kc_max);
+    if s.rows >= MIN_SLICE_ROWS && ctas < sms {
+        let kc = kc.max(MIN_SLICE_COLUMNS.div_ceil(gran) * gran).min(kc_max);
         return Ok(DensePlan {
             mt,
             kc,

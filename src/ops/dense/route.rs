@@ -32,7 +32,7 @@
 //! Above [`super::MAX_ROWS`] rows (chunked prefill), every linear with a tensor-core route takes it whatever the
 //! route in force ([`path_for`]); the rest run as GEMV pieces of [`super::MAX_ROWS`] rows ([`super::row_pieces`]).
 //!
-//! The route in force is a per-thread setting ([`with_route`], like `with_min_slice`), read when a
+//! The route in force is a per-thread setting ([`with_route`]), read when a
 //! [`super::DenseWorkspace`] is laid out and carved: the workspace records it ([`super::DenseWorkspace::route`]) and
 //! carries the tensor-core route's scratch only when a shape it was carved for takes that route, so every launch on
 //! it takes the route it was sized for (graph captures included). The default is [`DEFAULT_ROUTE`].
