@@ -58,8 +58,9 @@ const CONTEXT: usize = 128;
 /// Decode steps compared per sequence.
 const STEPS: usize = 40;
 /// Positions each sequence starts at (its CPU state seeds the GPU caches): the last reaches 89 of the 128-token
-/// context, the window of 24 slides, its ring of 87 entries (window + 63, room for a prefill chunk) wraps at 87,
-/// HCA (m = 8) emits, CSA (m = 4) selects 8 of up to 22 keys.
+/// context, the window of 24 slides (its ring holds min(context, window + 1023) = 128 entries, room for a prefill
+/// chunk, so it does not wrap here: tests/engine_prefill.rs's candidate test wraps a 1047-entry ring), HCA (m = 8)
+/// emits, CSA (m = 4) selects 8 of up to 22 keys.
 const OFFSETS: [usize; BATCH] = [0, 11, 50];
 /// The cosine every intermediate must reach (module docs).
 const COS: f64 = 0.999;

@@ -47,8 +47,8 @@ pub fn flash_layers_config() -> ModelConfig {
 /// 126-129, 148-151; tests/engine_ffn.rs 3), so that each layer kind does what it does at the real geometry:
 /// * 20-23: inside the first window (no ring wrap), no HCA entry yet, a CSA entry emitted at 23 (5 -> 6 entries);
 /// * 126-129: the first HCA entry is emitted at 127 (with the 32nd CSA entry) and attended from then on, and the
-///   128-token window slides past position 0 at 128 (the ring holds window + 63 = 191 entries since chunked
-///   prefill, so at this context it wraps at 191: the ring's wrap is covered by the short-window tests);
+///   128-token window slides past position 0 at 128 (the ring holds min(context, window + 1023) entries for
+///   chunked prefill, so it does not wrap here: tests/engine_prefill.rs's candidate test wraps a ring);
 /// * 148-151: CSA sees 37-38 compressed entries (one emitted at 151) next to a full window, HCA its one entry.
 ///
 /// The indexer's top-k (512) is not selective below 2048 tokens at m = 4, so every CSA row here attends to all its
