@@ -19,8 +19,7 @@ use half::bf16;
 
 use crate::dist::comm::{Combine, Communicator};
 use crate::engine::ep::ExpertPartition;
-use crate::engine::io::LayerIo;
-use crate::engine::step::DecodeState;
+use crate::engine::step::{DecodeState, Half};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::{DeviceBuf, Gpu, Stream};
 use crate::ops::sampler;
@@ -65,22 +64,7 @@ impl EpStep {
         weights: &DeviceWeights,
         layer: usize,
     ) -> Result<()> {
-        ensure!(
-            layer < state.config.n_layers,
-            "layer {layer} of {}",
-            state.config.n_layers
-        );
-        let io = LayerIo {
-            x_in: &state.x_mid,
-            x_out: &state.x,
-            positions: &state.positions,
-            tokens: state.ws.sampler.next,
-            caches: &state.caches.layers[layer],
-            rows: &state.caches.layers[layer].rows,
-            chunk_rows: None,
-            marks: state.marks.as_ref(),
-        };
-        let ffn = &mut state.ffn;
+        let (io, _, ffn) = state.layer_parts(Half::Ffn, layer)?;
         ffn.run_to_partial(gpu, stream, weights, layer, &io, &self.combine.partial)?;
         let shared = ffn
             .has_shared_expert(layer)

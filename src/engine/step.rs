@@ -110,7 +110,7 @@ impl StepWorkspace {
 
 /// The two halves of a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Half {
+pub enum Half {
     Attention,
     Ffn,
 }
@@ -296,29 +296,52 @@ impl DecodeState {
         weights: &DeviceWeights,
         layer: usize,
     ) -> Result<()> {
+        let (io, attn, ffn) = self.layer_parts(half, layer)?;
+        match half {
+            Half::Attention => attn.run(gpu, stream, weights, layer, &io),
+            Half::Ffn => ffn.run(gpu, stream, weights, layer, &io),
+        }
+    }
+
+    /// The inputs and outputs of `half` of `layer` (the attention half reads `x` and writes `x_mid`, the FFN half
+    /// the reverse) beside the two halves themselves, borrowed apart so that a caller can run either half on them
+    /// (the expert-parallel step runs the FFN half in pieces).
+    pub fn layer_parts(
+        &mut self,
+        half: Half,
+        layer: usize,
+    ) -> Result<(LayerIo<'_>, &mut AttnHalf, &mut FfnHalf)> {
         ensure!(
             layer < self.config.n_layers,
             "layer {layer} of {}",
             self.config.n_layers
         );
+        let DecodeState {
+            x,
+            x_mid,
+            positions,
+            ws,
+            caches,
+            marks,
+            attn,
+            ffn,
+            ..
+        } = self;
         let (x_in, x_out) = match half {
-            Half::Attention => (&self.x, &self.x_mid),
-            Half::Ffn => (&self.x_mid, &self.x),
+            Half::Attention => (&*x, &*x_mid),
+            Half::Ffn => (&*x_mid, &*x),
         };
         let io = LayerIo {
             x_in,
             x_out,
-            positions: &self.positions,
-            tokens: self.ws.sampler.next,
-            caches: &self.caches.layers[layer],
-            rows: &self.caches.layers[layer].rows,
+            positions,
+            tokens: ws.sampler.next,
+            caches: &caches.layers[layer],
+            rows: &caches.layers[layer].rows,
             chunk_rows: None,
-            marks: self.marks.as_ref(),
+            marks: marks.as_ref(),
         };
-        match half {
-            Half::Attention => self.attn.run(gpu, stream, weights, layer, &io),
-            Half::Ffn => self.ffn.run(gpu, stream, weights, layer, &io),
-        }
+        Ok((io, attn, ffn))
     }
 
     /// Steps 17-18: `hc_head` + final norm of `x` -> `u` BF16 `[B, D]`, then the LM head `logits = head.weight u`

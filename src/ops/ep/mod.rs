@@ -39,44 +39,18 @@ pub fn finish_l2_partial(
     topk: usize,
     out: &dyn DeviceBuf<f32>,
 ) -> Result<()> {
-    ensure!(
-        ws.rows_total == grp.rows_total && ws.n == w2.n,
-        "ep L2 partial: workspace [{} rows, N {}] does not match the grouping ({} rows) / weights (N {})",
-        ws.rows_total,
-        ws.n,
-        grp.rows_total,
-        w2.n
-    );
-    ensure!(
-        grp.experts == w2.experts,
-        "ep L2 partial: grouping has {} experts, weights {}",
-        grp.experts,
-        w2.experts
-    );
-    ensure!(
-        ws.splits >= 1 && ws.partial.len() >= ws.splits * ws.rows_total * ws.n,
-        "ep L2 partial: workspace partials hold {} floats, [{}, {}, {}] needs more",
-        ws.partial.len(),
-        ws.splits,
-        ws.rows_total,
-        ws.n
-    );
+    crate::ops::moe_gemm::finish::check_finish(ws, grp, w2)?;
     ensure!(
         (1..=EP_MAX_TOPK).contains(&topk),
         "ep L2 partial: topk = {topk} outside 1..={EP_MAX_TOPK}"
     );
-    let tokens = token_rows.len() / topk;
-    ensure!(
-        token_rows.len() == tokens * topk,
-        "ep L2 partial: token_rows length {} is not tokens x {topk}",
-        token_rows.len()
-    );
-    ensure!(
-        out.elems() >= tokens * w2.n,
-        "ep L2 partial: output has {} elements, needs {tokens} x {}",
+    let tokens = crate::ops::moe_gemm::finish::l2_tokens(
+        "ep L2 partial",
+        token_rows.len(),
+        topk,
         out.elems(),
-        w2.n
-    );
+        w2.n,
+    )?;
     ensure!(
         grp.rows_total <= i32::MAX as usize && tokens <= u32::MAX as usize,
         "ep L2 partial: {} rows / {tokens} tokens exceed the kernel's indices",

@@ -20,7 +20,30 @@ const FINISH_L1_THREADS: u32 = 512;
 /// Most top-k rows per token the L2 combine resolves per CTA (`kFinishMaxTopk` in the kernel).
 pub const FINISH_MAX_TOPK: usize = 32;
 
-fn check_finish(ws: &Workspace, grp: &DeviceGrouping, w: &DeviceExpertWeights) -> Result<()> {
+/// The token count of an L2 combine over `token_rows` entries of `topk` picks a token (`topk >= 1`), checked to be
+/// whole and to fit an output of `out_elems` elements of `n` columns a token.
+pub fn l2_tokens(
+    what: &str,
+    token_rows: usize,
+    topk: usize,
+    out_elems: usize,
+    n: usize,
+) -> Result<usize> {
+    let tokens = token_rows / topk;
+    ensure!(
+        token_rows == tokens * topk,
+        "{what}: token_rows length {token_rows} is not tokens x {topk}"
+    );
+    ensure!(
+        out_elems >= tokens * n,
+        "{what}: output has {out_elems} elements, needs {tokens} x {n}"
+    );
+    Ok(tokens)
+}
+
+/// What every finish kernel needs of its inputs: the workspace carved for this grouping and these weights, with
+/// at least one K split and its partial sums' length (the expert-parallel partial finish checks the same).
+pub fn check_finish(ws: &Workspace, grp: &DeviceGrouping, w: &DeviceExpertWeights) -> Result<()> {
     ensure!(
         ws.rows_total == grp.rows_total && ws.n == w.n,
         "moe_gemm finish: workspace does not match the grouping/weights"
@@ -563,18 +586,7 @@ pub fn launch_finish_l2_with(
 ) -> Result<()> {
     check_finish(ws, grp, w2)?;
     ensure!(topk >= 1, "moe_gemm L2: topk must be >= 1");
-    let tokens = token_rows.len() / topk;
-    ensure!(
-        token_rows.len() == tokens * topk,
-        "moe_gemm L2: token_rows length {} is not tokens x {topk}",
-        token_rows.len()
-    );
-    ensure!(
-        out.len() >= tokens * w2.n,
-        "moe_gemm L2: output has {} elements, needs {tokens} x {}",
-        out.len(),
-        w2.n
-    );
+    let tokens = l2_tokens("moe_gemm L2", token_rows.len(), topk, out.len(), w2.n)?;
     if let Some(add) = addend {
         ensure!(
             add.elems() >= tokens * w2.n,
