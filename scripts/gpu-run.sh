@@ -19,7 +19,8 @@
 #        SKIP_INDEXER_STRESS=1 (stress: only the SANITIZE_TESTS runs), BENCH_TIMEOUT (per config), REPS,
 #        CONFIGS (bench: space-separated config names to run, e.g. "default indexer"; all top-level configs when
 #        unset; an A/B config bench-configs/ab/X.toml runs only when named as "ab/X"),
-#        TESTS (tests: space-separated "exe[:filter]" specs, run in that order; all executables when unset), PROFILE_TIMEOUT
+#        TESTS (tests: space-separated "exe[:filter]" specs, run in that order, "exe:=name" for the one test named
+#        exactly so; all executables when unset), PROFILE_TIMEOUT
 #        (per family), PROFILES (profile families to run; CONFIGS when unset, all when both are),
 #        PROFILE_SOURCE=1 (profile: also export the per-SASS-instruction source page with warp-stall samples,
 #        ncu-<family>-hot.txt; scripts/ncu-regions.py splits a kernel's samples from that page into before / inside /
@@ -72,11 +73,13 @@ if want tests; then
   specs="${TESTS:-$(cd "$B/tests" && ls)}"
   for spec in $specs; do
     n="${spec%%:*}"; filter=""; [[ "$spec" == *:* ]] && filter="${spec#*:}"
+    # `exe:=name`: only the test called exactly `name` (libtest --exact).
+    tag="${filter#=}"; [[ "$filter" == =* ]] && filter="--exact $tag"
     t="$B/tests/$n"
     [ -x "$t" ] || { echo "FAILED: no test executable $n in the bundle"; status=1; continue; }
     step "test $n ${filter}"
     # One log per spec: two filters of one executable keep both logs.
-    log="$work/tests/$n${filter:+-$filter}.log"
+    log="$work/tests/$n${tag:+-$tag}.log"
     # shellcheck disable=SC2086
     timeout "${TEST_TIMEOUT:-600}" "$t" "${test_args[@]}" $filter > "$log" 2>&1; rc=$?
     tail -n 3 "$log"
