@@ -13,6 +13,8 @@
 //!    at a rounding boundary (docs/multi-gpu.md, "Against the single-GPU result"); the count is printed; asserted:
 //!    each element within one BF16 ulp (plus 2^-12 of its rank sums' magnitude, room for cancellation inside a
 //!    rank's sum), and at most 2% of the elements differing at all.
+//! 3. The EP step captured into a CUDA graph (`EpStep::capture_decode_step`, what `megamoe decode --ranks N` replays)
+//!    gives the eager EP steps' logits and tokens bit for bit: a replay launches the same kernels on the same buffers.
 
 mod common;
 
@@ -84,6 +86,73 @@ fn run(
     }
     assert_eq!(state.read_error(&s).unwrap(), 0, "step error bits");
     out
+}
+
+/// Part 3 of the module docs: eager EP steps against the first eager step then graph replays, on two states of the
+/// same weights and prompts; every step's logits and sampled ids bit for bit.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn ep_graph_replays_equal_the_eager_ep_steps() {
+    let gpu = gpu("dist_ep_graph");
+    let cfg = short_window_config();
+    let (batch, context, prompt_len, steps) = (2, 48, 5, 8);
+    let (seed, w, _m) = rig_weights(&gpu, "dist_ep_graph", cfg.clone(), batch, context);
+    let shape = StepShape { batch, context };
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|b| tokens(seed ^ (0x61 + b as u64), prompt_len, cfg.vocab_size))
+        .collect();
+    let mut eager_state = DecodeState::new(&gpu, &w, shape).unwrap();
+    let mut eager_ep = EpStep::new(&gpu, &mut eager_state, Communicator::single()).unwrap();
+    let want = run(
+        &gpu,
+        &w,
+        &mut eager_state,
+        Some(&mut eager_ep),
+        &prompts,
+        steps,
+    );
+    drop((eager_ep, eager_state));
+
+    // The same prefill, then step 0 eager and steps 1.. as replays of one captured step.
+    let s = gpu.stream.clone();
+    let mut state = DecodeState::new(&gpu, &w, shape).unwrap();
+    state.ffn.poison(&gpu).unwrap();
+    let mut ep = EpStep::new(&gpu, &mut state, Communicator::single()).unwrap();
+    let params = SamplerParams::from_config(&SamplerConfig::greedy(), steps + 1).unwrap();
+    for (slot, p) in prompts.iter().enumerate() {
+        state.ws.sampler.admit(&s, slot, &params, p).unwrap();
+    }
+    state.set_positions(&s, &vec![0; batch]).unwrap();
+    for i in 0..prompt_len {
+        let ids: Vec<u32> = prompts.iter().map(|p| p[i]).collect();
+        state.set_tokens(&s, &ids).unwrap();
+        if i + 1 < prompt_len {
+            ep.prompt_step(&mut state, &gpu, &s, &w).unwrap();
+        }
+    }
+    let mut graph = None;
+    for (step, (wl, wt)) in want.iter().enumerate() {
+        if step == 1 {
+            graph = Some(ep.capture_decode_step(&mut state, &gpu, &s, &w).unwrap());
+        }
+        match &graph {
+            None => ep.decode_step(&mut state, &gpu, &s, &w).unwrap(),
+            Some(g) => g.launch().unwrap(),
+        }
+        let gl = state.read_logits(&s).unwrap();
+        let gt = megamoe::gpu::arena::download(&s, &state.ws.sampler.sampled).unwrap();
+        let differ = same_bits(&gl, wl);
+        println!(
+            "step {step} ({}): tokens {gt:?} eager {wt:?}; logits differing {differ} of {}",
+            if step == 0 { "eager" } else { "graph" },
+            gl.len()
+        );
+        assert!(
+            differ == 0 && &gt == wt,
+            "step {step}: the graph replay's logits or tokens differ from the eager EP step's"
+        );
+    }
+    assert_eq!(state.read_error(&s).unwrap(), 0, "step error bits");
 }
 
 #[test]

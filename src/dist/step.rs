@@ -8,8 +8,9 @@
 //! computes the single-GPU step's bits (tests/dist_ep.rs): the f32 finish is moe_gemm's L2 epilogue without the
 //! addend, and the combine adds the shared expert to it and rounds as that epilogue does.
 //!
-//! The step is eager and on the GPU's stream (the communicator's); no host sync inside, so it is capturable, but no
-//! graph is captured yet.
+//! The step runs on the GPU's stream (the communicator's) with no host sync inside, so [`EpStep::capture_decode_step`]
+//! captures it into one CUDA graph that replays with no host work, as the engine's step does (NCCL calls are
+//! captured as graph nodes from NCCL 2.9 on).
 //!
 //! [`FfnHalf::run_to_partial`]: crate::engine::ffn::FfnHalf::run_to_partial
 //! [`FfnHalf::run_post`]: crate::engine::ffn::FfnHalf::run_post
@@ -128,5 +129,18 @@ impl EpStep {
     ) -> Result<()> {
         self.layers(state, gpu, stream, weights)?;
         sampler::advance_positions(gpu, stream, &state.ws.sampler, &state.positions)
+    }
+
+    /// One decode step ([`EpStep::decode_step`]) captured into a CUDA graph on `stream` (nothing runs until the graph
+    /// is launched); each launch is one more step, reading the tokens, positions and counts the previous step left on
+    /// the device. Capture after the first eager step, so that every lazily built plan and loaded kernel exists.
+    pub fn capture_decode_step(
+        &mut self,
+        state: &mut DecodeState,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<cudarc::driver::CudaGraph> {
+        crate::gpu::timing::capture_on(stream, || self.decode_step(state, gpu, stream, weights))
     }
 }
