@@ -145,7 +145,7 @@ if want decode; then
   step "decode: small parity"
   timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 8 \
     --max-new-tokens 48 --parity --out "$work" > "$work/parity-small.log" 2>&1 || { echo "parity failed"; status=1; }
-  tail -n 2 "$work/parity-small.log"
+  tail -n 6 "$work/parity-small.log"
   # Flash's weight fill takes minutes: spend them only once the small model decodes.
   if [ "${DECODE_FLASH:-1}" != 0 ] && [ "$small_ok" = 1 ]; then
     # `megamoe generate` end to end on Flash (the real tokenizer's ids need the real vocabulary; the small model's

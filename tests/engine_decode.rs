@@ -35,6 +35,7 @@ fn greedy_decode_tracks_the_cpu_model() {
     };
     let formats = model(MoeSum::F32, RoutedActivations::Nvfp4);
     let floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Fp8);
+    let formats_floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Nvfp4);
     let mut engine = Engine::new(&gpu, &w, StepShape { batch, context }).unwrap();
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| tokens(seed ^ (0x77 + b as u64), prompt_len, cfg.vocab_size))
@@ -43,6 +44,7 @@ fn greedy_decode_tracks_the_cpu_model() {
         cpu: &cpu,
         formats: &formats,
         floor: &floor,
+        formats_floor: &formats_floor,
     };
     let rows = free_running(&gpu, &mut engine, &models, &prompts, steps, |_| {}).unwrap();
     print!("{}", table(&rows));

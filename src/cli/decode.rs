@@ -473,7 +473,7 @@ fn time_point(
     })
 }
 
-/// `--parity`: [`parity::free_running`] against two CPU models on the same synthetic weights; prints a per-step
+/// `--parity`: [`parity::free_running`] against four CPU models on the same synthetic weights; prints a per-step
 /// table and the summary, writes parity.csv.
 fn run_parity(
     gpu: &Gpu,
@@ -495,10 +495,12 @@ fn run_parity(
     let cpu = model(MoeSum::F32, RoutedActivations::Fp8)?;
     let formats = model(MoeSum::F32, RoutedActivations::Nvfp4)?;
     let floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Fp8)?;
+    let formats_floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Nvfp4)?;
     let models = parity::ParityModels {
         cpu: &cpu,
         formats: &formats,
         floor: &floor,
+        formats_floor: &formats_floor,
     };
     let mut progress = Progress::new("parity", args.max_new_tokens);
     let rows = parity::free_running(gpu, engine, &models, prompts, args.max_new_tokens, |i| {
@@ -510,7 +512,8 @@ fn run_parity(
     );
     println!(
         "CPU: the model; CPU4: the model with the routed experts in the GPU's NVFP4 activations; CPU': the \
-         model with its MoE summed in BF16 (the noise floor)"
+         model with its MoE summed in BF16 (the noise floor); CPU4': CPU4 with its MoE summed in BF16 (the floor of \
+         the GPU-vs-CPU4 comparison)"
     );
     print!("{}", parity::table(&rows));
     let s = parity::ParitySummary::of(&rows);
@@ -539,6 +542,12 @@ fn run_parity(
         s.mean_cos_floor,
         s.agree_floor,
     );
+    line(
+        "CPU4' vs CPU4 (the floor of GPU vs CPU4):",
+        s.min_cos_formats_floor,
+        s.mean_cos_formats_floor,
+        s.agree_formats_floor,
+    );
     std::fs::create_dir_all(out)?;
     let path = out.join("parity.csv");
     let mut w =
@@ -559,6 +568,8 @@ fn run_parity(
             cpu_argmax: r.cpu_token,
             cpu_nvfp4_argmax: r.formats_token,
             floor_argmax: r.floor_token,
+            cos_floor_nvfp4: r.cos_formats_floor,
+            floor_nvfp4_argmax: r.formats_floor_token,
         })?;
     }
     w.flush()?;
@@ -708,6 +719,9 @@ struct ParityCsvRow {
     cpu_argmax: u32,
     cpu_nvfp4_argmax: u32,
     floor_argmax: u32,
+    /// cos(CPU4', CPU4): the floor of the GPU-vs-CPU4 comparison (empty in rows from before it existed).
+    cos_floor_nvfp4: f64,
+    floor_nvfp4_argmax: u32,
 }
 
 /// The columns added at the end of decode.csv after its first rows were committed, in order.
