@@ -637,6 +637,22 @@ impl FfnHalf {
         layer: usize,
         io: &LayerIo,
     ) -> Result<()> {
+        self.before_routed(gpu, stream, layer, io)?;
+        self.routed_experts(gpu, stream, weights, layer)?;
+        io.mark(stream, group::FFN_ROUTED)?;
+        self.hc_post(gpu, stream, io)?;
+        io.mark(stream, group::FFN_HC_POST)
+    }
+
+    /// Steps 12, 13 and 15 of layer `layer` (hc_pre + norm, the router, the shared expert), each group marked: what
+    /// the single-GPU half and the expert-parallel one run before their routed experts.
+    fn before_routed(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        layer: usize,
+        io: &LayerIo,
+    ) -> Result<()> {
         ensure!(
             layer < self.layers.len(),
             "layer {layer} of {}",
@@ -647,11 +663,7 @@ impl FfnHalf {
         self.route(gpu, stream, layer, io)?;
         io.mark(stream, group::FFN_ROUTER)?;
         self.shared_expert(gpu, stream, layer)?;
-        io.mark(stream, group::FFN_SHARED)?;
-        self.routed_experts(gpu, stream, weights, layer)?;
-        io.mark(stream, group::FFN_ROUTED)?;
-        self.hc_post(gpu, stream, io)?;
-        io.mark(stream, group::FFN_HC_POST)
+        io.mark(stream, group::FFN_SHARED)
     }
 
     /// Step 12: hc_pre (`hc_ffn_*`) + ffn_norm -> pre / post / comb and `f` BF16; `f` -> FP8 1x128 and NVFP4.
@@ -1104,23 +1116,13 @@ impl FfnHalf {
         partial: &dyn DeviceBuf<f32>,
     ) -> Result<()> {
         ensure!(
-            layer < self.layers.len(),
-            "layer {layer} of {}",
-            self.layers.len()
-        );
-        ensure!(
             partial.elems() >= self.tokens * self.dim,
             "routed partial of {} values for [{}, {}]",
             partial.elems(),
             self.tokens,
             self.dim
         );
-        self.hc_pre_ffn_norm(gpu, stream, layer, io)?;
-        io.mark(stream, group::FFN_HC_PRE)?;
-        self.route(gpu, stream, layer, io)?;
-        io.mark(stream, group::FFN_ROUTER)?;
-        self.shared_expert(gpu, stream, layer)?;
-        io.mark(stream, group::FFN_SHARED)?;
+        self.before_routed(gpu, stream, layer, io)?;
         self.routed_experts_partial(gpu, stream, weights, layer, partial)?;
         io.mark(stream, group::FFN_ROUTED)
     }
