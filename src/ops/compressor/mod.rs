@@ -464,6 +464,31 @@ pub fn decode_step_with(
     }
 }
 
+/// The arguments of the two kernels that write a sequence's state rows from its inputs (`compressor_seed_state`,
+/// `compressor_chunk_state`): kv, gate, ape, then `at` (the prefill's token count or the chunk's first position,
+/// read on the device), the rows `n`, the ratio, W, the overlap flag and the state.
+fn state_rows_args(
+    shape: &CompressorShape,
+    w: &CompressorWeights,
+    kv: &DevBuf<f32>,
+    gate: &DevBuf<f32>,
+    at: &DevBuf<i32>,
+    n: usize,
+    state: &DevBuf<f32>,
+) -> KernelArgs {
+    let mut a = KernelArgs::new();
+    a.buf(kv)
+        .buf(gate)
+        .buf(&w.ape)
+        .buf(at)
+        .i32(n as i32)
+        .i32(shape.ratio as i32)
+        .i32(shape.width() as i32)
+        .i32(shape.kind.overlap() as i32)
+        .buf(state);
+    a
+}
+
 /// The device buffers of the prefill of one sequence.
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillIo {
@@ -537,16 +562,7 @@ pub fn prefill(
             )?
         };
     }
-    let mut a = KernelArgs::new();
-    a.buf(&io.kv)
-        .buf(&io.gate)
-        .buf(&w.ape)
-        .buf(&io.n_tokens)
-        .i32(n as i32)
-        .i32(shape.ratio as i32)
-        .i32(shape.width() as i32)
-        .i32(shape.kind.overlap() as i32)
-        .buf(&io.state);
+    let mut a = state_rows_args(shape, w, &io.kv, &io.gate, &io.n_tokens, n, &io.state);
     // SAFETY: arguments in the kernel's order; the state holds coff*m rows of W (checked); the kernel clamps n to
     // max_tokens, the rows kv/gate hold.
     unsafe {
@@ -635,16 +651,7 @@ pub fn chunk(
             &mut a,
         )?
     };
-    let mut a = KernelArgs::new();
-    a.buf(&io.kv)
-        .buf(&io.gate)
-        .buf(&w.ape)
-        .buf(&io.positions)
-        .i32(n as i32)
-        .i32(shape.ratio as i32)
-        .i32(shape.width() as i32)
-        .i32(shape.kind.overlap() as i32)
-        .buf(&io.state);
+    let mut a = state_rows_args(shape, w, &io.kv, &io.gate, &io.positions, n, &io.state);
     // SAFETY: arguments in the kernel's order; CTA r < m touches state rows r and m + r (< coff * m) of W channels
     // and input rows < n.
     unsafe {

@@ -547,13 +547,10 @@ fn blank_params() -> DenseParams {
     }
 }
 
-/// The GEMV launches of a call (every other check done by the caller): one launch up to [`MAX_ROWS`] rows, else one
-/// per [`row_pieces`] piece, in order, each with its x and y moved to the piece's first row (each piece streams the
+/// The GEMV launches of a call (every other check done by the caller): one per [`row_pieces`] piece (a single one
+/// up to [`MAX_ROWS`] rows, its shift the identity), in order, each with its x and y moved to the piece's first row (each piece streams the
 /// whole weight again).
 fn run(gpu: &Gpu, stream: &Stream, spec: LaunchSpec, ws: &DenseWorkspace) -> Result<()> {
-    if spec.shape.rows <= MAX_ROWS {
-        return run_one(gpu, stream, spec, ws);
-    }
     for (r0, m) in row_pieces(spec.shape.rows) {
         let piece = LaunchSpec {
             shape: DenseShape {
