@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 use cudarc::nccl::{result::NcclError, Comm, Id};
 use half::bf16;
@@ -239,9 +239,4 @@ impl Combine {
             }
         }
     }
-}
-
-/// Makes sure a path's parent exists (for the NCCL shim's folder).
-pub(crate) fn ensure_dir(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
 }

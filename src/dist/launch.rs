@@ -164,7 +164,7 @@ pub fn make_nccl_loadable() -> Result<()> {
         return comm::nccl_check();
     };
     let dir = std::env::temp_dir().join(format!("megamoe-nccl-{}", std::process::id()));
-    comm::ensure_dir(&dir)?;
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let link = dir.join("libnccl.so");
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(&lib, &link)

@@ -23,7 +23,6 @@ use crate::engine::ep::ExpertPartition;
 use crate::engine::step::{DecodeState, Half};
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::{DeviceBuf, Gpu, Stream};
-use crate::ops::sampler;
 
 /// One rank's expert-parallel machinery over a [`DecodeState`] (module docs).
 pub struct EpStep {
@@ -41,7 +40,7 @@ impl EpStep {
         let partition = ExpertPartition::new(cfg.n_routed_experts, comm.world)?;
         let slots = state.ffn.map.slots;
         ensure!(
-            comm.world == 1 || slots <= partition.experts_per_rank(),
+            slots <= partition.experts_per_rank(),
             "rank {} holds {slots} expert slots, more than its {} experts",
             comm.rank,
             partition.experts_per_rank()
@@ -75,36 +74,8 @@ impl EpStep {
         ffn.run_post(gpu, stream, &io)
     }
 
-    /// One layer: the attention half (replicated, unchanged), then the expert-parallel FFN half.
-    pub fn decode_layer(
-        &mut self,
-        state: &mut DecodeState,
-        gpu: &Gpu,
-        stream: &Stream,
-        weights: &DeviceWeights,
-        layer: usize,
-    ) -> Result<()> {
-        state.attention_half(gpu, stream, weights, layer)?;
-        self.ffn_half(state, gpu, stream, weights, layer)
-    }
-
-    /// The embedding of the sampler's `next` and every layer.
-    fn layers(
-        &mut self,
-        state: &mut DecodeState,
-        gpu: &Gpu,
-        stream: &Stream,
-        weights: &DeviceWeights,
-    ) -> Result<()> {
-        state.embed(gpu, stream, weights)?;
-        for layer in 0..state.config.n_layers {
-            self.decode_layer(state, gpu, stream, weights, layer)?;
-        }
-        Ok(())
-    }
-
     /// [`DecodeState::decode_step`] with the expert-parallel FFN halves: embedding, every layer, head, sampling,
-    /// positions advanced.
+    /// positions advanced (the engine's one step loop, [`DecodeState::decode_step_with`]).
     pub fn decode_step(
         &mut self,
         state: &mut DecodeState,
@@ -112,10 +83,9 @@ impl EpStep {
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        self.layers(state, gpu, stream, weights)?;
-        state.head(gpu, stream, weights)?;
-        state.sample(gpu, stream)?;
-        sampler::advance_positions(gpu, stream, &state.ws.sampler, &state.positions)
+        state.decode_step_with(gpu, stream, weights, &mut |st: &mut DecodeState, layer| {
+            self.ffn_half(st, gpu, stream, weights, layer)
+        })
     }
 
     /// [`DecodeState::prompt_step`] with the expert-parallel FFN halves: embedding and every layer, positions
@@ -127,8 +97,9 @@ impl EpStep {
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        self.layers(state, gpu, stream, weights)?;
-        sampler::advance_positions(gpu, stream, &state.ws.sampler, &state.positions)
+        state.prompt_step_with(gpu, stream, weights, &mut |st: &mut DecodeState, layer| {
+            self.ffn_half(st, gpu, stream, weights, layer)
+        })
     }
 
     /// One decode step ([`EpStep::decode_step`]) captured into a CUDA graph on `stream` (nothing runs until the graph

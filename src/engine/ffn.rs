@@ -97,11 +97,7 @@ pub fn tid2eid_i32(bytes: &[u8], experts: usize) -> Result<Vec<i32>> {
         .collect()
 }
 
-/// Whether the FFN half of `tokens` rows routes through the contiguous grouping (prefill chunks above the decode
-/// step's 64 rows; module docs).
-pub fn uses_contiguous_grouping(tokens: usize) -> bool {
-    tokens > dense::MAX_ROWS
-}
+pub use crate::engine::plan::uses_contiguous_grouping;
 
 /// Host twin of `ffn_contiguous_grouping` (kernels/engine_ffn.cu): the router's masked grouping (`counts[slots]`,
 /// rows `s * capacity + k`, the pairs' rows `masked_rows[pairs]` with -1 for none, the rows' weights) -> the
@@ -891,10 +887,9 @@ impl FfnHalf {
         self.routed_mainloops(gpu, stream, weights, layer)?;
         let h = self.h.as_activations();
         let (token_rows, _) = pair_tables(&self.contiguous, &self.route);
-        let addend = self.layers[layer]
-            .shared
-            .as_ref()
-            .map(|_| &self.shared_out as &dyn DeviceBuf<bf16>);
+        let addend = self
+            .has_shared_expert(layer)
+            .then_some(&self.shared_out as &dyn DeviceBuf<bf16>);
         moe_gemm::launch_finish_l2(
             gpu,
             stream,

@@ -480,7 +480,12 @@ pub fn workspace_budget(cfg: &ModelConfig, req: &PlanRequest) -> usize {
         + index * 4;
     let moe_decode = k * MOE_MAX_SPLITS * (2 * i + d) * 4;
     let moe_prefill = k * ((2 * i).max(d) * 4 + d.max(i) * 2) + 2 * i * 2;
-    let per_chunk_row = common + if chunk > 64 { moe_prefill } else { moe_decode };
+    let per_chunk_row = common
+        + if uses_contiguous_grouping(chunk) {
+            moe_prefill
+        } else {
+            moe_decode
+        };
     WORKSPACE_FIXED_BYTES
         + rows * (common + moe_decode)
         + chunk * per_chunk_row
@@ -540,4 +545,10 @@ impl fmt::Display for MemoryPlan {
         )?;
         write!(f, "  {}", self.map)
     }
+}
+
+/// Whether the FFN half of `tokens` rows routes through the contiguous grouping (prefill chunks above the decode
+/// step's 64 rows; engine::ffn's module docs): the memory plan and the half's buffers follow the same rule.
+pub fn uses_contiguous_grouping(tokens: usize) -> bool {
+    tokens > crate::ops::dense::MAX_ROWS
 }

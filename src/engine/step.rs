@@ -108,6 +108,9 @@ impl StepWorkspace {
     }
 }
 
+/// What runs a layer's FFN half inside the step loop ([`DecodeState::decode_step_with`]): the state and the layer.
+pub type FfnRunner<'a> = dyn FnMut(&mut DecodeState, usize) -> Result<()> + 'a;
+
 /// The two halves of a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Half {
@@ -253,19 +256,6 @@ impl DecodeState {
         )
     }
 
-    /// One layer: the attention half (`x -> x_mid`) then the FFN half (`x_mid -> x`) of docs/engine.md's table
-    /// (steps 1-16).
-    pub fn decode_layer(
-        &mut self,
-        gpu: &Gpu,
-        stream: &Stream,
-        weights: &DeviceWeights,
-        layer: usize,
-    ) -> Result<()> {
-        self.attention_half(gpu, stream, weights, layer)?;
-        self.ffn_half(gpu, stream, weights, layer)
-    }
-
     /// Steps 1-11 of `layer`: `x -> x_mid`, the layer's caches updated.
     pub fn attention_half(
         &mut self,
@@ -397,7 +387,21 @@ impl DecodeState {
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        self.layers(gpu, stream, weights)?;
+        self.decode_step_with(gpu, stream, weights, &mut |st: &mut DecodeState, layer| {
+            st.ffn_half(gpu, stream, weights, layer)
+        })
+    }
+
+    /// [`DecodeState::decode_step`] with `ffn` running each layer's FFN half (`x_mid -> x`; the expert-parallel step
+    /// runs its own): the one step loop, marks included, for both.
+    pub fn decode_step_with(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        ffn: &mut FfnRunner<'_>,
+    ) -> Result<()> {
+        self.layers(gpu, stream, weights, ffn)?;
         self.head(gpu, stream, weights)?;
         self.mark(stream, group::HEAD)?;
         self.sample(gpu, stream)?;
@@ -421,17 +425,37 @@ impl DecodeState {
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        self.layers(gpu, stream, weights)?;
+        self.prompt_step_with(gpu, stream, weights, &mut |st: &mut DecodeState, layer| {
+            st.ffn_half(gpu, stream, weights, layer)
+        })
+    }
+
+    /// [`DecodeState::prompt_step`] with `ffn` running each layer's FFN half (as [`DecodeState::decode_step_with`]).
+    pub fn prompt_step_with(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        ffn: &mut FfnRunner<'_>,
+    ) -> Result<()> {
+        self.layers(gpu, stream, weights, ffn)?;
         sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
     }
 
-    /// Steps 0-16: the embedding of `next` and every layer.
-    fn layers(&mut self, gpu: &Gpu, stream: &Stream, weights: &DeviceWeights) -> Result<()> {
+    /// Steps 0-16: the embedding of `next` and every layer (the attention half, then `ffn`).
+    fn layers(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        ffn: &mut FfnRunner<'_>,
+    ) -> Result<()> {
         self.mark(stream, "start")?;
         self.embed(gpu, stream, weights)?;
         self.mark(stream, group::EMBED)?;
         for layer in 0..self.config.n_layers {
-            self.decode_layer(gpu, stream, weights, layer)?;
+            self.attention_half(gpu, stream, weights, layer)?;
+            ffn(self, layer)?;
         }
         Ok(())
     }
