@@ -15,7 +15,6 @@ use crate::engine::run::Engine;
 use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::Gpu;
 use crate::model::sampler::SamplerConfig;
-use crate::model::weights::element_bits;
 use crate::model::{CachePolicy, Model, MoeSum, RoutedActivations, Weights};
 use crate::ops::dense::route::DenseRoute;
 use crate::ops::sampler::SamplerParams;
@@ -291,16 +290,12 @@ fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<
         let shape = StepShape { batch, context };
         let mut engine = Engine::new(gpu, &weights, shape)?;
         engine.set_prefill_chunk(args.prefill_chunk)?;
-        let prompts: Vec<Vec<u32>> = (0..batch)
-            .map(|b| {
-                (0..args.prompt_len as u64)
-                    .map(|i| {
-                        (element_bits(args.seed ^ (0xB0 + b as u64), i) % cfg.vocab_size as u64)
-                            as u32
-                    })
-                    .collect()
-            })
-            .collect();
+        let prompts = crate::engine::run::synthetic_prompts(
+            args.seed,
+            batch,
+            args.prompt_len,
+            cfg.vocab_size,
+        );
         if args.parity {
             run_parity(gpu, &mut engine, &cfg, args, &prompts, &out)?;
             return Ok(points);

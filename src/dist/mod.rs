@@ -27,7 +27,6 @@ use crate::engine::step::DecodeState;
 use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::{arena, Gpu};
 use crate::model::sampler::SamplerConfig;
-use crate::model::weights::element_bits;
 use crate::ops::sampler::SamplerParams;
 
 /// What one rank of `megamoe decode --ranks N` runs: synthetic weights of `model` (every rank the same seed, so the
@@ -94,15 +93,8 @@ pub fn run_rank(env: &RankEnv, run: &EpDecodeRun) -> Result<EpDecodeReport> {
     let mut ep = EpStep::new(&gpu, &mut state, comm)?;
     let s = gpu.stream.clone();
     let params = SamplerParams::from_config(&SamplerConfig::greedy(), run.max_new_tokens + 1)?;
-    let prompts: Vec<Vec<u32>> = (0..run.batch)
-        .map(|b| {
-            (0..run.prompt_len as u64)
-                .map(|i| {
-                    (element_bits(run.seed ^ (0xE9 + b as u64), i) % cfg.vocab_size as u64) as u32
-                })
-                .collect()
-        })
-        .collect();
+    let prompts =
+        crate::engine::run::synthetic_prompts(run.seed, run.batch, run.prompt_len, cfg.vocab_size);
     for (slot, p) in prompts.iter().enumerate() {
         state.ws.sampler.admit(&s, slot, &params, p)?;
     }

@@ -13,6 +13,7 @@ use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena;
 use crate::gpu::timing::{capture_on, TimingPlan};
 use crate::gpu::Gpu;
+use crate::model::weights::element_bits;
 use crate::ops::sampler::{SamplerParams, STATUS_RUNNING};
 use anyhow::{anyhow, ensure, Result};
 use cudarc::driver::CudaGraph;
@@ -395,4 +396,16 @@ fn sum_by_name(intervals: Vec<(String, f64)>) -> Vec<(String, f64, usize)> {
         }
     }
     out
+}
+
+/// The synthetic prompts of `megamoe decode` (one per sequence, `len` token ids below `vocab`, a pure function of the
+/// seed): the single-GPU run and the expert-parallel ranks (`--ranks`) decode the same prompts for the same seed.
+pub fn synthetic_prompts(seed: u64, batch: usize, len: usize, vocab: usize) -> Vec<Vec<u32>> {
+    (0..batch)
+        .map(|b| {
+            (0..len as u64)
+                .map(|i| (element_bits(seed ^ (0xB0 + b as u64), i) % vocab as u64) as u32)
+                .collect()
+        })
+        .collect()
 }
