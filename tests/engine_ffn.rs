@@ -97,6 +97,15 @@ const COS: f64 = 0.999;
 /// asserts it stays above this bound; after hc_post the residual kept 0.99932-0.99963 (smallest per seed), above
 /// the 0.999.
 const MOE_ORACLE_COS: f64 = 0.99;
+/// The residual after hc_post against the model's: the issue's [`COS`] where the formats alone keep it (the small
+/// model: 0.99932-0.99963, `nvfp4_activations_bound_the_moe_parity`); where they do not (the Flash geometry's
+/// d = 4096: one seed's hash layer 0 had the GPU-format simulation at 0.99867 against the model while the GPU matched
+/// the simulation to 1.000000), the GPU may sit as far again from the model as the formats do: 1 - cos up to twice
+/// the formats' `fmt` on the same rows.
+fn residual_bound(fmt: f64) -> f64 {
+    COS.min(1.0 - 2.0 * (1.0 - fmt))
+}
+
 /// A biased layer's expert set may differ from the CPU's only where the CPU's 6th and 7th largest `score + bias`
 /// are closer than this: the GPU's scores follow from its f (cosine >= F_COS with the CPU's, so logit errors
 /// ~ ||w|| ||df|| ~ 1e-3 for unit-RMS f and gate rows of RMS 1/sqrt(D)) and an f32 logit sum in another order
@@ -590,6 +599,8 @@ fn check_ffn_half(
         common::assert_all_written(&format!("{label}: x"), &x);
         let (mut t_sim, mut t_moe) = (Tally::new(), Tally::new());
         let (mut t_res_sim, mut t_res) = (Tally::new(), Tally::new());
+        // The formats' own distance from the model on the same rows: hc_post(sim) against residual_out.
+        let mut t_res_fmt = Tally::new();
         for i in 0..b {
             let tr = trace(i);
             let got_e: Vec<usize> = experts[i * TOPK..(i + 1) * TOPK]
@@ -619,12 +630,18 @@ fn check_ffn_half(
                 // when every expert is resident).
                 let res = m.hc_post(&want, &tr.residual_mid, &tr.ffn_hc);
                 t_res.add(x_row, &res);
+                t_res_fmt.add(&m.hc_post(&sim, &tr.residual_mid, &tr.ffn_hc), &res);
             }
         }
         t_sim.check(&label, "moe_out vs GPU-format sim", COS);
         t_moe.check(&label, "moe_out vs model", MOE_ORACLE_COS);
         t_res_sim.check(&label, "x vs hc_post(sim)", COS);
-        t_res.check(&label, "x vs residual_out", COS);
+        t_res_fmt.check(&label, "formats vs residual_out", 0.0);
+        t_res.check(
+            &label,
+            "x vs residual_out",
+            residual_bound(t_res_fmt.min_cos),
+        );
     }
     println!(
         "{label}: {flips_total} near-tie expert-set flips over {} biased token layers",

@@ -546,6 +546,48 @@ fn entries(a: &[u8], b: &[u8], slots: &[usize]) -> (Vec<f32>, Vec<f32>, usize) {
 
 /// Cosine over the entries finite in both, and whether the non-finite ones (the compressor scores' -inf of rows
 /// not yet filled) sit at the same places with the same values.
+/// cos(CPU', CPU) of one layer's caches after a prefill, over all sequences: the window entries of the last
+/// `window_size` positions up to `last`, the compressed entries, the indexer keys (1 where a layer has none).
+#[derive(Clone, Copy)]
+struct CacheFloor {
+    window: f64,
+    compressed: f64,
+    index_keys: f64,
+}
+
+/// The per-layer [`CacheFloor`]s of the CPU model's prefill states `cpu` and the floor model's `floor` (one per
+/// sequence): how far a legitimate change of summation order (the MoE summed in BF16) moves each cache.
+fn cpu_cache_floors(
+    cfg: &ModelConfig,
+    cpu: &[megamoe::model::DecodeState],
+    floor: &[megamoe::model::DecodeState],
+    last: usize,
+) -> Vec<CacheFloor> {
+    let w = cfg.window_size;
+    (0..cfg.n_layers)
+        .map(|l| {
+            let cos_of = |pick: &dyn Fn(&megamoe::model::LayerCache) -> Vec<f32>| {
+                let a: Vec<f32> = cpu.iter().flat_map(|s| pick(&s.layers[l])).collect();
+                let b: Vec<f32> = floor.iter().flat_map(|s| pick(&s.layers[l])).collect();
+                if a.is_empty() {
+                    1.0
+                } else {
+                    cosine(&a, &b)
+                }
+            };
+            CacheFloor {
+                window: cos_of(&|c| {
+                    (last + 1 - w..=last)
+                        .flat_map(|p| c.window[p % w].clone())
+                        .collect()
+                }),
+                compressed: cos_of(&|c| c.compressed.concat()),
+                index_keys: cos_of(&|c| c.index_keys.concat()),
+            }
+        })
+        .collect()
+}
+
 fn state_cosine(a: &[f32], b: &[f32]) -> (f64, bool) {
     let mut same_mask = true;
     let (mut fa, mut fb) = (Vec::new(), Vec::new());
@@ -611,7 +653,10 @@ fn chunked_prefill_matches_the_cpu_model_and_token_by_token() {
 /// e2m1 code (a step of 1/3 to 1/2 of the value) in a few elements of h, and the flips reach the next layer's
 /// entries; the first H100 run measured layer 1's window entries at 0.9985 with equal end-to-end quality (logits
 /// against the CPU 0.9865 / 0.9809 chunked, 0.9865 / 0.9803 for C = 64). A misplaced or missing entry instead gives
-/// a per-entry cosine near 0, so every entry's own cosine must also reach 0.9.
+/// a per-entry cosine near 0, so every entry's own cosine must also reach 0.9. The drift grows with depth (a second
+/// H100 run: layer 5's window entries at 0.9846, the logits at 0.983 chunked vs 0.985 for C = 64 against the CPU), as
+/// it does between the CPU model and CPU' (the MoE summed in BF16), so a deeper layer's floor is the lower of 0.99
+/// and 1 - 2 (1 - cos(CPU', CPU)) of the same layer and cache kind, measured in the run (`cpu_cache_floors`).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn long_chunks_match_the_cpu_model_and_64_row_chunks() {
@@ -729,15 +774,13 @@ fn compare_prefills(label: &str, p: Prefills) {
     let vocab = cfg.vocab_size;
     let g_chunk = chunked.state.read_logits(&s).unwrap();
     let g_single = single.state.read_logits(&s).unwrap();
+    let (mut cpu_states, mut floor_states) = (Vec::new(), Vec::new());
     for b in 0..BATCH {
-        let c = cpu
-            .prefill(&mut cpu.new_state(), &prompts[b], false)
-            .unwrap()
-            .logits;
-        let f = floor
-            .prefill(&mut floor.new_state(), &prompts[b], false)
-            .unwrap()
-            .logits;
+        let (mut cs, mut fs) = (cpu.new_state(), floor.new_state());
+        let c = cpu.prefill(&mut cs, &prompts[b], false).unwrap().logits;
+        let f = floor.prefill(&mut fs, &prompts[b], false).unwrap().logits;
+        cpu_states.push(cs);
+        floor_states.push(fs);
         let gc = &g_chunk[b * vocab..][..vocab];
         let gs = &g_single[b * vocab..][..vocab];
         assert!(
@@ -773,7 +816,10 @@ fn compare_prefills(label: &str, p: Prefills) {
 
     // (b) the caches against the reference engine's.
     let last = prompt_len - 1;
-    println!("layer kind        what              cosine     max|d|     same entries");
+    let cpu_floors = cpu_cache_floors(&cfg, &cpu_states, &floor_states, last);
+    println!(
+        "layer kind        what              cosine     max|d|     same entries  (floor: cos(CPU', CPU) of the kind)"
+    );
     // Every layer is printed before any failure is reported.
     let failures = std::cell::RefCell::new(Vec::<String>::new());
     for l in 0..cfg.n_layers {
@@ -784,9 +830,23 @@ fn compare_prefills(label: &str, p: Prefills) {
         let lay = a.layout;
         let (ca, cb) = (copy_caches(&gpu, a), copy_caches(&gpu, b));
         let kind = lay.plan.kind;
-        let floor = if l == 0 { 0.999 } else { p.deep_cache_cos };
+        let cf = cpu_floors[l];
+        // A layer past the first may drift as far from the reference engine as twice CPU' from CPU (module docs).
+        let floor_of = |cpu_cos: f64| {
+            if l == 0 {
+                0.999
+            } else {
+                p.deep_cache_cos.min(1.0 - 2.0 * (1.0 - cpu_cos))
+            }
+        };
         // Cosine over all the entries (>= floor) and each entry's own (>= 0.9: a misplaced entry gives ~0).
-        let check = |what: &str, va: &[f32], vb: &[f32], same: String, entries: usize| {
+        let check = |what: &str,
+                     va: &[f32],
+                     vb: &[f32],
+                     same: String,
+                     entries: usize,
+                     cpu_cos: f64| {
+            let floor = floor_of(cpu_cos);
             let cos = cosine(va, vb);
             let per = va.len() / entries.max(1);
             let min_entry = va
@@ -795,7 +855,8 @@ fn compare_prefills(label: &str, p: Prefills) {
                 .map(|(x, y)| cosine(x, y))
                 .fold(1.0f64, f64::min);
             println!(
-                "{l:>5} {:<11} {what:<17} {cos:.6}  {:.3e}  {same}  (worst entry {min_entry:.4})",
+                "{l:>5} {:<11} {what:<17} {cos:.6}  {:.3e}  {same}  (worst entry {min_entry:.4}; floor {floor:.6}, \
+                 CPU {cpu_cos:.6})",
                 format!("{kind:?}"),
                 max_abs(va, vb)
             );
@@ -815,6 +876,7 @@ fn compare_prefills(label: &str, p: Prefills) {
             &vb,
             format!("{same}/{}", win.len()),
             win.len(),
+            cf.window,
         );
         if lay.ratio() > 0 {
             let n = lay.compressed_after(last);
@@ -828,6 +890,7 @@ fn compare_prefills(label: &str, p: Prefills) {
                 &vb,
                 format!("{same}/{}", comp.len()),
                 comp.len(),
+                cf.compressed,
             );
             for b in 0..BATCH {
                 for j in n..lay.plan.compressed_entries {
@@ -839,6 +902,8 @@ fn compare_prefills(label: &str, p: Prefills) {
                 }
             }
             let (cos, mask) = state_cosine(&ca.state, &cb.state);
+            // The state's floor is that of the entries it emits.
+            let floor = floor_of(cf.compressed);
             println!(
                 "{l:>5} {:<11} compressor state  {cos:.6}  {:.3e}  -inf cells equal: {mask}",
                 format!("{kind:?}"),
@@ -887,8 +952,10 @@ fn compare_prefills(label: &str, p: Prefills) {
                 &vb,
                 format!("{same}/{}", BATCH * n),
                 BATCH * n,
+                cf.index_keys,
             );
             let (cos, mask) = state_cosine(&ca.key_state, &cb.key_state);
+            let floor = floor_of(cf.index_keys);
             println!(
                 "{l:>5} {:<11} index comp state  {cos:.6}  {:.3e}  -inf cells equal: {mask}",
                 format!("{kind:?}"),

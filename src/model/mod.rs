@@ -49,6 +49,7 @@ pub(crate) mod codecs {
 
 pub use config::{LayerKind, ModelConfig};
 pub use reference::{
-    DecodeState, LayerTrace, Model, MoeSum, PrefillOutput, RoutedActivations, StepOutput,
+    DecodeState, LayerCache, LayerTrace, Model, MoeSum, PrefillOutput, RoutedActivations,
+    StepOutput,
 };
 pub use weights::{CachePolicy, Weights};

@@ -604,6 +604,21 @@ impl Model {
         Ok(k)
     }
 
+    /// Steps 9-10 of a layer for one query: the attention heads `o` over the candidate KV vectors `kvs` (window
+    /// entries, then the selected compressed entries) and their projection `y`. Public so a test can rebuild them for
+    /// a selection other than the model's own (an indexer near tie on the GPU).
+    pub fn attention_over(
+        &self,
+        layer: usize,
+        t: usize,
+        q: &[f32],
+        kvs: &[&[f32]],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let o = self.attend(layer, t, q, kvs)?;
+        let y = self.out_proj(layer, &o)?;
+        Ok((o, y))
+    }
+
     /// Attention of one query over the candidate KV vectors (K = V), with the sink; inverse RoPE at t.
     fn attend(&self, layer: usize, t: usize, q: &[f32], kvs: &[&[f32]]) -> Result<Vec<f32>> {
         let cfg = self.config();
@@ -953,8 +968,7 @@ impl Model {
                     .iter()
                     .map(|&j| cache.compressed[j].as_slice()),
             );
-            let o = self.attend(l, t, &q, &kvs)?;
-            let y = self.out_proj(l, &o)?;
+            let (o, y) = self.attention_over(l, t, &q, &kvs)?;
             let xm = self.hc_post(&y, &x, &pre);
             tr.attn_hc = pre;
             tr.attn_input = a;
@@ -1105,8 +1119,7 @@ impl Model {
                     let mut kvs: Vec<&[f32]> =
                         wpos.iter().map(|&s| projs[s].kv.as_slice()).collect();
                     kvs.extend(sel.iter().map(|&j| compressed[j].as_slice()));
-                    let o = self.attend(l, t, &p.q, &kvs)?;
-                    let y = self.out_proj(l, &o)?;
+                    let (o, y) = self.attention_over(l, t, &p.q, &kvs)?;
                     let xm = self.hc_post(&y, &xs[t], &p.pre);
                     if m > 0 && (t + 1).is_multiple_of(m) {
                         tr.new_compressed = Some(compressed[(t + 1) / m - 1].clone());
