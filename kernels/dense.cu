@@ -23,6 +23,13 @@
 // t*L + 4j + {0,1}, logical 8+t*2+{0,1} <-> t*L + 4j + 2 + {0,1} (L = values per lane per step: 16 FP8 / 8 BF16);
 // over j this is a bijection onto the step's 4L columns. The x fragment is read with the same mapping.
 //
+// PDL (common/pdl.cuh; the launcher always sets the attribute): a CTA issues the ring's first kStages - 1 weight
+// stages and stages the weight scales, then waits for the previous kernel (pdl_wait) before it reads x or touches
+// the partials, counters or y. A predecessor that triggers at its start (norms, quantizers, q / KV prep, router
+// selection, attention) lets up to 56 KB a CTA of the weights (FP8, kStages - 1 = 7 of 8 KB per warp) arrive while
+// it runs: for wq_b at M = 1 (32 MB on 256 CTAs) about 45% of the weight bytes. The CTA triggers its own successor
+// once its last weight load is issued.
+//
 // Scales: FP8 weights are summed per 128-column block in a fresh f32 MMA accumulator, then added to the running
 // f32 sum times sw * sx (powers of two: exact products). Split-K: each CTA writes its f32 partial sums to the
 // caller's workspace; the last CTA of a tile to arrive (a release/acquire counter) adds the partials in split order
@@ -44,6 +51,7 @@
 
 #include "common/cp_async.cuh"
 #include "common/formats.cuh"
+#include "common/pdl.cuh"
 
 namespace {
 
@@ -177,7 +185,20 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
         cp_async_commit();
     }
 
-    // Stage x (zero rows past M), its scales and the weight scales of this slice.
+    // The weight scales of this slice: constant data, so (with the ring's first stages above) staged before the wait.
+    if constexpr (C::kWFp8) {
+        const int kb_all = K / 128;
+        for (int i = threadIdx.x; i < kNW * kblocks; i += kThreads) {
+            const int v = i / kblocks, b = i % kblocks;
+            const uint8_t* sb = p.w_scale[kNW == 2 ? v : z];
+            sws[v * (p.kc / 128) + b] = mm::ue8m0_decode(sb[tile * kb_all + k0 / 128 + b]);
+        }
+    }
+    // PDL: x, the partials and the counters may be the previous kernel's (common/pdl.cuh); nothing before this line
+    // reads or writes anything but weights and shared memory.
+    pdl_wait();
+
+    // Stage x (zero rows past M) and its scales.
     if constexpr (C::kXFp8) {
         const int chunks = kc / 16;
         for (int i = threadIdx.x; i < kTok * chunks; i += kThreads) {
@@ -208,14 +229,6 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
             if (m < M)
                 v = *reinterpret_cast<const uint4*>(p.x + ((size_t)m * p.ldx + p.x_col[z] + k0 + c * 8) * 2);
             *reinterpret_cast<uint4*>(xs + m * xstride + c * 16) = v;
-        }
-    }
-    if constexpr (C::kWFp8) {
-        const int kb_all = K / 128;
-        for (int i = threadIdx.x; i < kNW * kblocks; i += kThreads) {
-            const int v = i / kblocks, b = i % kblocks;
-            const uint8_t* sb = p.w_scale[kNW == 2 ? v : z];
-            sws[v * (p.kc / 128) + b] = mm::ue8m0_decode(sb[tile * kb_all + k0 / 128 + b]);
         }
     }
     __syncthreads();
@@ -315,6 +328,8 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
             }
         }
     }
+    // Every weight load of this CTA is issued: a PDL-launched successor (the next GEMV) may start its prefetch.
+    pdl_trigger();
     cp_async_wait<0>();
     __syncthreads();  // the ring is free: reused for the tile's sums
 

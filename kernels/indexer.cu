@@ -64,6 +64,7 @@
 #include <stdint.h>
 #include "common/formats.cuh"
 #include "common/index_key.cuh"
+#include "common/pdl.cuh"
 #include "common/wgmma.cuh"
 
 namespace {
@@ -560,11 +561,6 @@ struct GlobalCompSrc {
 //   * Every other entry point of this file is launched plainly; the cascade hist and select allow is bounded by
 //     the chain (hist, select, final resident together) because the final pass does not trigger.
 // ------------------------------------------------------------------------------------------------------------
-namespace {
-__device__ __forceinline__ void topk_pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void topk_pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-
-}  // namespace
 
 // hist [rows][4096] u32 (zero on entry). grid (ceil(max_n / 4096), rows), block 512.
 extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_hist(const float* __restrict__ scores,
@@ -606,9 +602,9 @@ extern "C" __global__ void __launch_bounds__(TKS_THREADS) indexer_topk_hist_pdl(
                                                                                const int* __restrict__ num_valid,
                                                                                uint32_t* __restrict__ hist) {
     __shared__ uint32_t h[TKS_BINS];
-    topk_pdl_trigger();
+    pdl_trigger();
     for (int i = threadIdx.x; i < TKS_BINS; i += TKS_THREADS) h[i] = 0;  // shared memory only before the wait
-    topk_pdl_wait();  // before reading num_valid or scores, and before any return
+    pdl_wait();  // before reading num_valid or scores, and before any return
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);
     const int base = blockIdx.x * TKS_SLICE;
@@ -831,7 +827,7 @@ __device__ __forceinline__ void topk_final_body(
     __shared__ uint32_t cnt_s[2];
     // PDL: wait before the first global access (num_valid, counters, hist, above / bucket) and before any
     // return, so that every CTA waits (see "Top-k PDL entry points").
-    if (PDL) topk_pdl_wait();
+    if (PDL) pdl_wait();
     const int S = gridDim.x, s = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     if (S < TKF_MIN_SPLIT) return;  // grid-uniform; the launcher never does this (outputs stay poisoned)
     uint64_t* const A = reinterpret_cast<uint64_t*>(smem_raw);  // above composites; the fallback's sort buffer
@@ -897,8 +893,8 @@ __device__ __forceinline__ void topk_select_body(
     __shared__ uint32_t warp_up[TKS_THREADS / 32], warp_eq[TKS_THREADS / 32];
     __shared__ uint32_t thr_bin, base_up, base_eq;
     if (PDL) {  // no global access before the wait (see "Top-k PDL entry points")
-        topk_pdl_trigger();
-        topk_pdl_wait();
+        pdl_trigger();
+        pdl_wait();
     }
     const int row = blockIdx.y;
     const int n = row_valid(num_valid, row, score_stride);

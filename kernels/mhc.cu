@@ -27,6 +27,7 @@
 // reciprocals; u BF16; the RMSNorm + quantizer of common/norm_row.cuh. Only the fp32 sums (F.x, sum of squares)
 // have a reduction order different from the reference.
 #include "common/norm_row.cuh"
+#include "common/pdl.cuh"
 
 namespace {
 
@@ -103,25 +104,16 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Programmatic dependent launch (PDL, sm_90). A kernel launched with the programmatic-stream-serialization
-// attribute may start while the previous kernel of the stream still runs; `griddepcontrol.wait` blocks until
-// every prerequisite grid has COMPLETED and its memory is visible (PTX ISA: independent of where the
-// prerequisite called launch_dependents), so everything after the wait sees the previous kernel's writes
-// exactly as with a plain launch. `launch_dependents` only lets the next PDL kernel be scheduled early (it
-// then waits in its own griddepcontrol.wait). Without the attribute both instructions are no-ops, so the
-// *_pdl kernels are also correct under a plain launch. Only loads of constant weights (never written by any
-// kernel: F, hc_scale, hc_base) may be issued before the wait; every output store comes after it.
-// Only mhc_mix_partial24_pdl and mhc_pre_finish_pdl_* follow this protocol (the trigger and the F copies precede
-// their wait, which is what they are for); every other entry point of this file is launched plainly.
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
+// Programmatic dependent launch (common/pdl.cuh states the rules). Only loads of constant weights (never written by
+// any kernel: F, hc_scale, hc_base) are issued before the wait; every output store comes after it. PDL-launched:
+// mhc_mix_partial24_pdl and mhc_pre_finish_pdl_* (the trigger and the F copies precede their wait, which is what
+// they are for). mhc_post and mhc_head_finish_bf16 are launched plainly and trigger first, so the next layer's PDL
+// mix, or the LM head's GEMV, stages its weights while they run. Every other entry point is launched plainly.
 
 // One mix tile: split s (columns [128 s, 128 s + 128) of 4D), tokens [32 tile, 32 tile + 32) & < T.
 // All threads of the CTA call it; blockDim % 32 == 0. Ends with the CTA's shared memory free to reuse
 // only after a __syncthreads (the caller's).
-// PDL (only mhc_mix_partial24_pdl): the F copies (weights) are issued before griddep_wait, X's and the
+// PDL (only mhc_mix_partial24_pdl): the F copies (weights) are issued before pdl_wait, X's and the
 // partial stores after it, so the F round trip overlaps the previous kernel's tail. PDL = false: unchanged.
 template <int NMIX, bool PDL = false>
 __device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F,
@@ -133,7 +125,7 @@ __device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* 
         const int j = i / (MIX_COLS / 4), qq = i % (MIX_COLS / 4);
         cp_async16(&sm.f[j * MIX_COLS + qq * 4], F + (long)j * D4 + c0 + qq * 4);
     }
-    if (PDL) griddep_wait();  // X may be the previous kernel's output; part may still be read by it
+    if (PDL) pdl_wait();  // X may be the previous kernel's output; part may still be read by it
     for (int i = tid; i < nt * (MIX_COLS / 8); i += bd) {
         const int t = i / (MIX_COLS / 8), qq = i % (MIX_COLS / 8);
         cp_async16(&sm.x[t * MIX_COLS + qq * 8], X + (long)(t0 + t) * D4 + c0 + qq * 8);
@@ -407,7 +399,7 @@ struct QuantCopies {
 // form; every finish entry point passes true).
 // All threads of the CTA must call this with the same (t, coef_task); it ends without a trailing barrier.
 // PDL (only the mhc_pre_finish_pdl_* entry points): let the next PDL kernel be scheduled, then wait for the
-// mix kernel (griddep_wait) before the first read of the partials. PDL = false: unchanged.
+// mix kernel (pdl_wait) before the first read of the partials. PDL = false: unchanged.
 // COPY_FP8 / COPY_NVFP4 (KIND_BF16 only): also write the FP8 1x128 / NVFP4 (per-row global scale) form of the BF16
 // RMSNorm(u) into `copies`, with the codec of common/norm_row.cuh (quant_row_fp8 / quant_row_nvfp4) applied to the
 // BF16 values just stored: the bits of norm_quant's quantize_bf16_rows of that BF16 output.
@@ -425,8 +417,8 @@ __device__ void mhc_pre_finish(const __nv_bfloat16* __restrict__ X, const float*
     __shared__ float mix[NMIX + 1];
     __shared__ float pre_s[4];
     if (PDL) {
-        griddep_launch_dependents();
-        griddep_wait();
+        pdl_trigger();
+        pdl_wait();
     }
     reduce_partials<NMIX>(part, S, t, mix, wsum);
     const float rho = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mix[NMIX], (float)(4 * D)), eps)));
@@ -546,7 +538,7 @@ extern "C" __global__ void mhc_pre_finish_bf16(MHC_PRE_COMMON, __nv_bfloat16* y,
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_pdl(const __nv_bfloat16* X, const float* F,
                                                                        float* part, int T, int D4) {
     __shared__ MixSmem sm;
-    griddep_launch_dependents();
+    pdl_trigger();
     mix_tile_smem<24, true>(X, F, part, T, D4, gridDim.x, blockIdx.x, blockIdx.y, sm);
 }
 extern "C" __global__ void mhc_pre_finish_pdl_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
@@ -612,6 +604,7 @@ extern "C" __global__ void mhc_head_finish_bf16(const __nv_bfloat16* X, const fl
                                                 const float* hc_scale, const float* hc_base,
                                                 const __nv_bfloat16* w, float eps, float* pre, __nv_bfloat16* u,
                                                 __nv_bfloat16* y, float* rstd) {
+    pdl_trigger();  // the LM head's GEMV stages its weights meanwhile (common/pdl.cuh)
     mhc_pre_finish<KIND_BF16, true, true>(X, part, S, T, D, hc_scale, hc_base, w, eps, pre, nullptr, nullptr, u,
                                           nullptr, nullptr, nullptr, y, rstd, blockIdx.x, false);
 }
@@ -620,6 +613,7 @@ extern "C" __global__ void mhc_head_finish_bf16(const __nv_bfloat16* X, const fl
 extern "C" __global__ void __launch_bounds__(64) mhc_post(const __nv_bfloat16* y, const __nv_bfloat16* X,
                                                          const float* post, const float* comb,
                                                          __nv_bfloat16* Xout, int D) {
+    pdl_trigger();  // the next PDL mix stages its F tile meanwhile (common/pdl.cuh)
     const int t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= D / 8) return;

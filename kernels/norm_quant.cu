@@ -30,6 +30,7 @@
 // with IEEE ops; t = x*rstd, y = w*t (fp32, no FMA), y -> BF16; quantizers see the BF16 y. Only the fp32
 // sum of squares has a reduction order different from the reference.
 #include "common/norm_row.cuh"
+#include "common/pdl.cuh"
 
 namespace {
 
@@ -746,6 +747,7 @@ constexpr int kRowMaxThreads = 1024;
 
 extern "C" __global__ void rmsnorm_fp8_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, uint8_t* q, uint8_t* scales,
                                         float* rstd, int D, float eps) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, true>(x, w, q, scales, nullptr, nullptr, rstd, D, eps);
 }
 extern "C" __global__ void rmsnorm_bf16_bf16in(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, float* rstd,
@@ -791,6 +793,7 @@ extern "C" __global__ void __maxnreg__(ROW_LOOP_QUANT_MAX_REGS) quant_nvfp4_bf16
 // Stand-alone FP8 quantizer of BF16 rows (the second kernel of the unfused baseline chain; its NVFP4
 // counterpart is quant_nvfp4_bf16in_row_loop).
 extern "C" __global__ void quant_fp8_bf16in(const __nv_bfloat16* x, uint8_t* q, uint8_t* scales, int D) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     rmsnorm_rows<__nv_bfloat16, KIND_FP8, false>(x, nullptr, q, scales, nullptr, nullptr, nullptr, D, 0.f);
 }
 // Stand-alone NVFP4 quantizer of BF16 rows, one CTA per row: the unfused chain's quantizer above the row-loop D limit.

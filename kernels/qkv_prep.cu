@@ -51,6 +51,7 @@
 //               in e4m3 anyway); w * 2^e is exact unless it leaves the f32 range (|w| * 2^e, e in [-126, 121]).
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include "common/pdl.cuh"
 
 #include "formats.cuh"
 #include "hadamard.cuh"
@@ -115,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(256) qkv_prep_q_heads(const __nv_bf
                                                                    const double* __restrict__ freqs, int heads,
                                                                    float eps, __nv_bfloat16* __restrict__ q_out,
                                                                    float* __restrict__ rstd_out) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.x * qp::kHeadsPerCta + (threadIdx.x >> 5);
     const int m = blockIdx.y;
@@ -144,6 +146,7 @@ extern "C" __global__ void __launch_bounds__(256) qkv_prep_kv_entries(
     const int* __restrict__ positions, const int* __restrict__ seq_base, int rows, int tokens_per_seq, int window,
     const double* __restrict__ freqs, float eps, uint8_t* __restrict__ pool, int n_entries,
     float* __restrict__ rstd_out) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     const int lane = threadIdx.x & 31;
     const int m = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (m >= rows) return;
@@ -173,6 +176,7 @@ extern "C" __global__ void __launch_bounds__(256) qkv_prep_indexer_q(const __nv_
                                                                      const double* __restrict__ freqs, int heads,
                                                                      float w_scale, uint8_t* __restrict__ q_codes,
                                                                      float* __restrict__ w_out) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.x * qp::kHeadsPerCta + (threadIdx.x >> 5);
     const int m = blockIdx.y;

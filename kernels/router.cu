@@ -25,6 +25,7 @@
 
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include "common/pdl.cuh"
 
 namespace {
 
@@ -298,6 +299,7 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
     float route_scale, int* topk_experts, float* topk_weights, int* __restrict__ token_rows,
     int* __restrict__ counts, int* __restrict__ row_token, float* __restrict__ row_weight,
     int* __restrict__ dropped) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
   select_group<false>(logits, bias, token_ids, tid2eid, vocab, hash, nullptr, experts, tokens, experts, capacity,
                       route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }
@@ -310,6 +312,7 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
     int experts, int capacity, float route_scale, int* topk_experts, float* topk_weights,
     int* __restrict__ token_rows, int* __restrict__ counts, int* __restrict__ row_token,
     float* __restrict__ row_weight, int* __restrict__ dropped) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
   select_group<true>(logits, bias, token_ids, tid2eid, vocab, hash, slot_of, slots, tokens, experts, capacity,
                      route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }

@@ -90,6 +90,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
+#include "common/pdl.cuh"
 
 #include "formats.cuh"
 #include "kv_entry.cuh"
@@ -721,15 +722,18 @@ __device__ __forceinline__ void combine_heads_per_thread_body(__nv_bfloat16* out
 #define SA_COMBINE_ARGS out, part_o, part_lse, sinks, positions, freqs, heads, n_splits
 // One head per thread (n_splits >= 5), grid (heads, batch), block 128.
 extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_heads_per_thread_1(SA_COMBINE_PARAMS) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     sa::combine_heads_per_thread_body<1>(SA_COMBINE_ARGS);
 }
 // Two heads per thread (n_splits 3..4), grid (heads / 2, batch), block 128.
 extern "C" __global__ void __launch_bounds__(128, 8) sparse_attn_combine_heads_per_thread_2(SA_COMBINE_PARAMS) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     sa::combine_heads_per_thread_body<2>(SA_COMBINE_ARGS);
 }
 // Four heads per thread (n_splits 2), grid (heads / 4, batch), block 128. 6 CTAs per SM (up to 80 registers):
 // at 64 the four heads' statistics and accumulators spilled.
 extern "C" __global__ void __launch_bounds__(128, 6) sparse_attn_combine_heads_per_thread_4(SA_COMBINE_PARAMS) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     sa::combine_heads_per_thread_body<4>(SA_COMBINE_ARGS);
 }
 
@@ -856,5 +860,6 @@ __device__ __forceinline__ void decode_fp8_body(const DecodeArgs& a) {
 // The FP8 path (Path::Fp8, bench "fp8"). grid (heads/64, n_splits, batch), block 256, dynamic smem
 // sa::kFp8SmemBytes; n_splits == 1 writes `out`, n_splits > 1 writes part_o / part_lse for the combine.
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode_fp8(SA_DECODE_PARAMS) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     sa::decode_fp8_body(SA_DECODE_ARGS);
 }

@@ -620,11 +620,16 @@ fn run_one(gpu: &Gpu, stream: &Stream, spec: LaunchSpec, ws: &DenseWorkspace) ->
     p.splits = pl.splits as i32;
     let name = format!("{}_m{}", s.kind.prefix(), pl.mt * 8);
     let kernel = gpu.kernel_with_smem(FAMILY, &name, pl.smem)?;
+    // PDL (kernels/common/pdl.cuh): the CTAs may start while the previous kernel runs, issue their first weight
+    // stages and the weight scales, and wait for it before reading x; a predecessor that triggers early (the decode
+    // step's norms, quantizers, q / KV prep, router selection, attention combine, another GEMV) overlaps its run with
+    // the prefetch. The weights must therefore be complete before the previous kernel starts (loaded, then synced).
     let l = Launch::new(
         (s.tiles() as u32, pl.splits as u32, s.jobs as u32),
         (THREADS, 1, 1),
     )
-    .smem(pl.smem);
+    .smem(pl.smem)
+    .pdl(true);
     let mut args = KernelArgs::new();
     args.pod(&p);
     // SAFETY: every buffer was checked against the shape by the public launcher; the workspace against the plan.
