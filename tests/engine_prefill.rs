@@ -822,7 +822,7 @@ fn compare_prefills(label: &str, p: Prefills) {
     );
     // Every layer is printed before any failure is reported.
     let failures = std::cell::RefCell::new(Vec::<String>::new());
-    for l in 0..cfg.n_layers {
+    for (l, cf) in cpu_floors.iter().enumerate() {
         let (a, b) = (
             &chunked.state.caches.layers[l],
             &single.state.caches.layers[l],
@@ -830,7 +830,6 @@ fn compare_prefills(label: &str, p: Prefills) {
         let lay = a.layout;
         let (ca, cb) = (copy_caches(&gpu, a), copy_caches(&gpu, b));
         let kind = lay.plan.kind;
-        let cf = cpu_floors[l];
         // A layer past the first may drift as far from the reference engine as twice CPU' from CPU (module docs).
         let floor_of = |cpu_cos: f64| {
             if l == 0 {
