@@ -14,10 +14,9 @@ mod common;
 use common::engine::{rig_weights, short_window_config, tokens};
 use common::gpu;
 use megamoe::engine::io::StepShape;
-use megamoe::engine::parity::{free_running, table, ParityModels, ParitySummary};
+use megamoe::engine::parity::{free_running, table, ParityModelSet, ParitySummary};
 use megamoe::engine::run::Engine;
 use megamoe::model::sampler::SamplerConfig;
-use megamoe::model::{CachePolicy, Model, MoeSum, RoutedActivations, Weights};
 use megamoe::ops::sampler::SamplerParams;
 
 #[test]
@@ -26,27 +25,13 @@ fn greedy_decode_tracks_the_cpu_model() {
     let gpu = gpu("engine_decode_greedy");
     let cfg = short_window_config();
     let (batch, context, prompt_len, steps) = (2, 64, 6, 30);
-    let (seed, w, cpu) = rig_weights(&gpu, "engine_decode_greedy", cfg.clone(), batch, context);
-    let model = |moe_sum, routed_activations| {
-        let mut m =
-            Model::new(Weights::synthetic(cfg.clone(), seed, CachePolicy::All).unwrap()).unwrap();
-        (m.moe_sum, m.routed_activations) = (moe_sum, routed_activations);
-        m
-    };
-    let formats = model(MoeSum::F32, RoutedActivations::Nvfp4);
-    let floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Fp8);
-    let formats_floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Nvfp4);
+    let (seed, w, _) = rig_weights(&gpu, "engine_decode_greedy", cfg.clone(), batch, context);
+    let set = ParityModelSet::synthetic(&cfg, seed).unwrap();
     let mut engine = Engine::new(&gpu, &w, StepShape { batch, context }).unwrap();
     let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|b| tokens(seed ^ (0x77 + b as u64), prompt_len, cfg.vocab_size))
         .collect();
-    let models = ParityModels {
-        cpu: &cpu,
-        formats: &formats,
-        floor: &floor,
-        formats_floor: &formats_floor,
-    };
-    let rows = free_running(&gpu, &mut engine, &models, &prompts, steps, |_| {}).unwrap();
+    let rows = free_running(&gpu, &mut engine, &set.models(), &prompts, steps, |_| {}).unwrap();
     print!("{}", table(&rows));
     let s = ParitySummary::of(&rows);
     println!("{s:?}");

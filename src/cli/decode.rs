@@ -15,7 +15,6 @@ use crate::engine::run::Engine;
 use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
 use crate::gpu::Gpu;
 use crate::model::sampler::SamplerConfig;
-use crate::model::{CachePolicy, Model, MoeSum, RoutedActivations, Weights};
 use crate::ops::dense::route::DenseRoute;
 use crate::ops::sampler::SamplerParams;
 use crate::progress::Progress;
@@ -478,25 +477,8 @@ fn run_parity(
     prompts: &[Vec<u32>],
     out: &std::path::Path,
 ) -> Result<()> {
-    let model = |moe_sum, routed_activations| -> Result<Model> {
-        let mut m = Model::new(Weights::synthetic(
-            cfg.clone(),
-            args.seed,
-            CachePolicy::All,
-        )?)?;
-        (m.moe_sum, m.routed_activations) = (moe_sum, routed_activations);
-        Ok(m)
-    };
-    let cpu = model(MoeSum::F32, RoutedActivations::Fp8)?;
-    let formats = model(MoeSum::F32, RoutedActivations::Nvfp4)?;
-    let floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Fp8)?;
-    let formats_floor = model(MoeSum::Bf16Accumulator, RoutedActivations::Nvfp4)?;
-    let models = parity::ParityModels {
-        cpu: &cpu,
-        formats: &formats,
-        floor: &floor,
-        formats_floor: &formats_floor,
-    };
+    let set = parity::ParityModelSet::synthetic(cfg, args.seed)?;
+    let models = set.models();
     let mut progress = Progress::new("parity", args.max_new_tokens);
     let rows = parity::free_running(gpu, engine, &models, prompts, args.max_new_tokens, |i| {
         progress.tick(&format!("step {}", i + 1))

@@ -49,7 +49,7 @@ pub(crate) mod codecs {
 
 pub use config::{LayerKind, ModelConfig};
 pub use reference::{
-    DecodeState, LayerCache, LayerTrace, Model, MoeSum, PrefillOutput, RoutedActivations,
-    StepOutput,
+    AttentionFormats, DecodeState, LayerCache, LayerTrace, Model, MoeSum, PrefillOutput,
+    RoutedActivations, StepOutput,
 };
 pub use weights::{CachePolicy, Weights};

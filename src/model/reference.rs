@@ -301,6 +301,20 @@ pub enum RoutedActivations {
     Nvfp4,
 }
 
+/// The formats the attention side computes in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionFormats {
+    /// The checkpoint's: each head's query in BF16 against the KV entries; the indexer keys as their FP4-simulated
+    /// values.
+    #[default]
+    Model,
+    /// The GPU kernels': each head's query through the KV entry codec before its dots (sparse_attn's FP8 path: the
+    /// nope dims FP8 per 64 with a UE8M0 scale, the rope dims BF16), and each indexer key through the FP8 key cache's
+    /// codec (`formats::indexer_key`: e4m3 codes with one f32 scale per key, off by up to 2^-4 relative from the
+    /// FP4-simulated value). The indexer query's FP8 form is exact (kernels/qkv_prep.cu), so it is not modelled.
+    Kernels,
+}
+
 /// The reference model: weights plus per-layer RoPE tables.
 pub struct Model {
     pub weights: Weights,
@@ -309,6 +323,8 @@ pub struct Model {
     pub moe_sum: MoeSum,
     /// The routed experts' formats (`RoutedActivations::Fp8` is the model).
     pub routed_activations: RoutedActivations,
+    /// The attention side's formats (`AttentionFormats::Model` is the model).
+    pub attention_formats: AttentionFormats,
 }
 
 /// `silu(min(g, L)) * clamp(u, -L, L)` with the SwiGLU limit `lim` (no clamp when `lim <= 0`).
@@ -349,11 +365,30 @@ impl Model {
             ropes,
             moe_sum: MoeSum::F32,
             routed_activations: RoutedActivations::Fp8,
+            attention_formats: AttentionFormats::Model,
         })
     }
 
     pub fn config(&self) -> &ModelConfig {
         &self.weights.config
+    }
+
+    /// This model in the GPU's formats where they differ from the checkpoint's by design: the routed experts'
+    /// ([`RoutedActivations::Nvfp4`]) and the attention side's ([`AttentionFormats::Kernels`]).
+    pub fn in_gpu_formats(mut self) -> Model {
+        self.routed_activations = RoutedActivations::Nvfp4;
+        self.attention_formats = AttentionFormats::Kernels;
+        self
+    }
+
+    /// Whether this model computes in the GPU's formats ([`Model::in_gpu_formats`]) or the checkpoint's; None when
+    /// it mixes them.
+    pub fn gpu_formats(&self) -> Option<bool> {
+        match (self.routed_activations, self.attention_formats) {
+            (RoutedActivations::Fp8, AttentionFormats::Model) => Some(false),
+            (RoutedActivations::Nvfp4, AttentionFormats::Kernels) => Some(true),
+            _ => None,
+        }
     }
 
     /// The RoPE table of a layer.
@@ -599,6 +634,11 @@ impl Model {
                 hadamard_inplace(&mut k);
                 bf16_round_slice(&mut k);
                 fp4_sim_inplace(&mut k, 32)?;
+                if self.attention_formats == AttentionFormats::Kernels {
+                    use crate::formats::indexer_key;
+                    let x: &[f32; indexer_key::DIMS] = k.as_slice().try_into()?;
+                    k = indexer_key::decode_fp8(&indexer_key::encode_fp8(x)?)?.to_vec();
+                }
             }
         }
         Ok(k)
@@ -629,7 +669,16 @@ impl Model {
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0f32; cfg.n_heads * hd];
         for h in 0..cfg.n_heads {
-            let qh = &q[h * hd..(h + 1) * hd];
+            let q_entry;
+            let qh = match self.attention_formats {
+                AttentionFormats::Model => &q[h * hd..(h + 1) * hd],
+                AttentionFormats::Kernels => {
+                    use crate::formats::kv;
+                    q_entry =
+                        kv::decode_entry(&kv::encode_entry(q[h * hd..(h + 1) * hd].try_into()?)?)?;
+                    &q_entry[..]
+                }
+            };
             let s: Vec<f32> = kvs.iter().map(|k| dot(qh, k) * scale).collect();
             let mx = s.iter().copied().fold(sink[h], f32::max);
             let e: Vec<f32> = s.iter().map(|&v| (v - mx).exp()).collect();
