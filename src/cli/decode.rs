@@ -183,7 +183,11 @@ pub fn run_ranks(args: &DecodeArgs, gpu: usize) -> Result<()> {
                 "this rank's environment says a world of {}, --ranks says {n}",
                 env.world
             );
-            ranked(&env).map(|_| ())
+            let report = ranked(&env)?;
+            if env.rank == 0 {
+                print!("{}", describe_ranks(&run, env.world, &report));
+            }
+            Ok(())
         }
         None if n == 1 => {
             let env = RankEnv {
@@ -192,13 +196,42 @@ pub fn run_ranks(args: &DecodeArgs, gpu: usize) -> Result<()> {
                 device: gpu,
                 nccl_id: None,
             };
-            ranked(&env).map(|_| ())
+            print!("{}", describe_ranks(&run, 1, &ranked(&env)?));
+            Ok(())
         }
         None => {
             let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
             launch::launch(n, &argv)
         }
     }
+}
+
+/// Rank 0's report of an expert-parallel run of `world` ranks: the first (eager) step, the median of the graph
+/// replays after it (the bench's percentile rule, `bench::stats`), the tokens per second at that median.
+fn describe_ranks(
+    run: &crate::dist::EpDecodeRun,
+    world: usize,
+    r: &crate::dist::EpDecodeReport,
+) -> String {
+    let mut sorted: Vec<f64> = r.step_ms.iter().skip(1).copied().collect();
+    sorted.sort_by(f64::total_cmp);
+    let p50 = percentile_of_sorted(&sorted, 0.5).unwrap_or(f64::NAN);
+    let first: Vec<String> = r.tokens.iter().map(|t| t[0].to_string()).collect();
+    format!(
+        "expert-parallel decode: {} on {world} rank(s), {} expert slots a rank, batch {}, context {}, prompt {}\n\
+         steps (host-timed, the first eager, the rest one CUDA graph replay each): first {:.2} ms, p50 of the rest \
+         {:.2} ms, {:.1} tokens/s\n\
+         sequence 0's greedy tokens: {}\n",
+        r.model,
+        r.slots,
+        run.batch,
+        run.context,
+        run.prompt_len,
+        r.step_ms.first().copied().unwrap_or(f64::NAN),
+        p50,
+        run.batch as f64 * 1e3 / p50,
+        first.join(" ")
+    )
 }
 
 /// What a decode run measured.

@@ -45,13 +45,16 @@ pub struct EpDecodeRun {
 /// What a rank's run measured.
 #[derive(Clone, Debug)]
 pub struct EpDecodeReport {
+    /// The model's name and the expert slots this rank holds.
+    pub model: String,
+    pub slots: usize,
     /// Milliseconds per decode step (each step synchronized), in step order.
     pub step_ms: Vec<f64>,
     /// The greedy tokens of every sequence, `[steps][batch]`.
     pub tokens: Vec<Vec<i32>>,
 }
 
-/// One rank's decode run (rank 0 prints the report): opens the rank's GPU, joins the world, plans with the rank's
+/// One rank's decode run (the CLI prints rank 0's report): opens the rank's GPU, joins the world, plans with the rank's
 /// expert slots (`E / W`, or fewer when they do not fit), loads the replicated dense weights and the rank's expert
 /// block, prefills token by token and decodes greedily through [`EpStep`] (the first step eager, then one captured
 /// graph replayed a step).
@@ -107,6 +110,8 @@ pub fn run_rank(env: &RankEnv, run: &EpDecodeRun) -> Result<EpDecodeReport> {
         }
     }
     let mut report = EpDecodeReport {
+        model: plan.config.name.clone(),
+        slots: plan.map.slots,
         step_ms: Vec::with_capacity(run.max_new_tokens),
         tokens: Vec::with_capacity(run.max_new_tokens),
     };
@@ -135,32 +140,5 @@ pub fn run_rank(env: &RankEnv, run: &EpDecodeRun) -> Result<EpDecodeReport> {
         "rank {}: the step's error bits {err:#x}",
         env.rank
     );
-    if env.rank == 0 {
-        print!("{}", describe(run, env, &plan, &report));
-    }
     Ok(report)
-}
-
-/// Rank 0's report of a run.
-pub fn describe(run: &EpDecodeRun, env: &RankEnv, plan: &MemoryPlan, r: &EpDecodeReport) -> String {
-    let mut sorted: Vec<f64> = r.step_ms.iter().skip(1).copied().collect();
-    sorted.sort_by(f64::total_cmp);
-    let p50 = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
-    let first: Vec<String> = r.tokens.iter().map(|t| t[0].to_string()).collect();
-    format!(
-        "expert-parallel decode: {} on {} rank(s), {} expert slots a rank, batch {}, context {}, prompt {}\n\
-         steps (host-timed, the first eager, the rest one CUDA graph replay each): first {:.2} ms, p50 of the rest \
-         {:.2} ms, {:.1} tokens/s\n\
-         sequence 0's greedy tokens: {}\n",
-        plan.config.name,
-        env.world,
-        plan.map.slots,
-        run.batch,
-        run.context,
-        run.prompt_len,
-        r.step_ms.first().copied().unwrap_or(f64::NAN),
-        p50,
-        run.batch as f64 * 1e3 / p50,
-        first.join(" ")
-    )
 }
