@@ -358,11 +358,7 @@ fn ranks_emulated_on_one_gpu_combine_like_the_cpu_twin_and_the_single_gpu_ffn() 
             off_by_ulp += ulp;
         }
         // Back to world 1's table for the next layer's EP run.
-        let table = ExpertPartition::new(cfg.n_routed_experts, 1)
-            .unwrap()
-            .slot_table(0, w.plan.map.slots)
-            .unwrap();
-        state.ffn.set_slot_table(&gpu, &table).unwrap();
+        state.ffn.set_slot_table(&gpu, &w.plan.map.table()).unwrap();
     }
     println!("emulated ranks: {off_by_ulp} of {total} elements one BF16 ulp from the single GPU");
     assert!(

@@ -104,7 +104,7 @@ fn partition_covers_every_expert_exactly_once() {
                     cfg.name
                 );
                 // The router's table: owned experts onto 0..E/W once each, the rest -1.
-                let table = p.slot_table(rank, e_total / w).unwrap();
+                let table = p.map_of(rank, e_total / w).unwrap().table();
                 let mut slots: Vec<i32> = table.iter().copied().filter(|&s| s >= 0).collect();
                 slots.sort();
                 assert_eq!(slots, (0..(e_total / w) as i32).collect::<Vec<_>>());
@@ -131,16 +131,8 @@ fn world_of_one_is_the_identity() {
     let (f, ids) = inputs(&mut rng, &cfg, 8);
     for cfg in configs() {
         let p = ExpertPartition::new(cfg.n_routed_experts, 1).unwrap();
-        let map = ExpertMap {
-            logical: cfg.n_routed_experts,
-            slots: cfg.n_routed_experts,
-        };
-        assert_eq!(
-            p.slot_table(0, map.slots).unwrap(),
-            map.table(),
-            "{}",
-            cfg.name
-        );
+        let map = ExpertMap::all(cfg.n_routed_experts, cfg.n_routed_experts);
+        assert_eq!(p.map_of(0, map.slots).unwrap(), map, "{}", cfg.name);
         assert!((0..cfg.n_routed_experts).all(|e| p.owner(e) == 0 && p.local_slot(0, e) == Some(e)));
     }
     let p = ExpertPartition::new(cfg.n_routed_experts, 1).unwrap();
@@ -293,9 +285,7 @@ fn bad_partitions_fail_with_their_numbers() {
     assert!(msg(ExpertPartition::new(384, 5))
         .contains("384 routed experts do not split evenly over 5 ranks"));
     let p = ExpertPartition::new(16, 4).unwrap();
-    assert!(
-        format!("{:#}", p.slot_table(4, 4).unwrap_err()).contains("rank 4 outside a world of 4")
-    );
+    assert!(format!("{:#}", p.map_of(4, 4).unwrap_err()).contains("rank 4 outside a world of 4"));
     assert!(format!("{:#}", dispatch_pairs(&[], &p, 7).unwrap_err())
         .contains("rank 7 outside a world of 4"));
     let stray = Routing {

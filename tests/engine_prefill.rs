@@ -1157,10 +1157,7 @@ fn contiguous_grouping_matches_its_host_twin() {
         if hash {
             case = case.with_hash(&mut rng, 1000);
         }
-        let map = ExpertMap {
-            logical: experts,
-            slots,
-        };
+        let map = ExpertMap::all(experts, slots);
         let cap = slot_capacity(tokens, &map);
         let shape = case.shape(cap);
         let dc = DevCase::upload(&gpu, &case);

@@ -97,14 +97,11 @@ fn cpu_oracle_breaks_ties_by_the_lower_expert_index() {
 /// plain per-expert grouping.
 #[test]
 fn cpu_oracle_groups_pairs_by_physical_slot() {
-    let slot_of: Vec<usize> = ExpertMap {
-        logical: 16,
-        slots: 11,
-    }
-    .table()
-    .into_iter()
-    .map(|s| s as usize)
-    .collect();
+    let slot_of: Vec<usize> = ExpertMap::all(16, 11)
+        .table()
+        .into_iter()
+        .map(|s| s as usize)
+        .collect();
     let routing = |experts: Vec<usize>| Routing {
         scores: vec![],
         experts,
@@ -653,7 +650,7 @@ fn gpu_counts_into_and_the_nvfp4_gather_feed_the_grouped_rows() {
     for (e, d, slots, t) in [(256usize, 4096usize, 226usize, 7usize), (16, 512, 16, 8)] {
         let label = format!("E {e} on {slots} slots, D {d}, T {t}");
         let c = Case::random(&mut rng, t, e, d, 1.5).with_slots(slots);
-        let cap = slot_capacity(t, &ExpertMap { logical: e, slots });
+        let cap = slot_capacity(t, &ExpertMap::all(e, slots));
         let want = fx::run(&gpu, &c, cap);
         assert_eq!(want.dropped, 0, "{label}: the capacity drops nothing");
         let dc = DevCase::upload(&gpu, &c);

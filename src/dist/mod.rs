@@ -80,14 +80,8 @@ pub fn run_rank(env: &RankEnv, run: &EpDecodeRun) -> Result<EpDecodeReport> {
         )
     })?;
     // The plan sized the slots for all E experts; a rank keeps only its own block (the memory left over stays free).
-    plan.map.slots = plan.map.slots.min(partition.experts_per_rank());
-    let first = partition.experts_of(env.rank).start;
-    let weights = DeviceWeights::load_rank(
-        &gpu,
-        &plan,
-        &WeightSource::Synthetic { seed: run.seed },
-        first,
-    )?;
+    plan.map = partition.map_of(env.rank, plan.map.slots.min(partition.experts_per_rank()))?;
+    let weights = DeviceWeights::load(&gpu, &plan, &WeightSource::Synthetic { seed: run.seed })?;
     let shape = StepShape {
         batch: run.batch,
         context: run.context,

@@ -32,21 +32,19 @@ pub struct EpStep {
 }
 
 impl EpStep {
-    /// Sets `state`'s FFN half up for rank `comm.rank` of `comm.world`: the router's slot table becomes the rank's
-    /// ([`ExpertPartition::slot_table`] over the half's resident slots, which hold the rank's experts in order from
-    /// its first: `DeviceWeights::load_rank`), and the combine's buffers are allocated.
+    /// Sets `state` up for rank `comm.rank` of `comm.world`: its FFN half must already route by the rank's expert map
+    /// ([`ExpertPartition::map_of`], which the plan of the weights it was built on carries: the router's slot table
+    /// and the loaded experts both follow it), and the combine's buffers are allocated.
     pub fn new(gpu: &Gpu, state: &mut DecodeState, comm: Communicator) -> Result<EpStep> {
         let cfg = &state.config;
         let partition = ExpertPartition::new(cfg.n_routed_experts, comm.world)?;
-        let slots = state.ffn.map.slots;
+        let map = state.ffn.map;
         ensure!(
-            slots <= partition.experts_per_rank(),
-            "rank {} holds {slots} expert slots, more than its {} experts",
+            map == partition.map_of(comm.rank, map.slots)?,
+            "rank {} of {}: the FFN half routes by {map}, not by the rank's block of experts",
             comm.rank,
-            partition.experts_per_rank()
+            comm.world
         );
-        let table = partition.slot_table(comm.rank, slots)?;
-        state.ffn.set_slot_table(gpu, &table)?;
         let combine = Combine::new(gpu, comm.world, state.shape.batch * cfg.dim)?;
         Ok(EpStep {
             comm,

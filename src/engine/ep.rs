@@ -1,7 +1,7 @@
 //! Expert parallelism (issue #27; docs/multi-gpu.md): the host-side rules of decoding with the routed experts
 //! spread over `world` GPUs, one process (rank) per GPU, everything else replicated. No GPU or NCCL call lives
 //! here: this module states which rank owns which expert ([`ExpertPartition`]), which (token, pick) pairs a rank
-//! computes ([`dispatch_pairs`], and [`ExpertPartition::slot_table`], the router's `slot_of` table that makes the
+//! computes ([`dispatch_pairs`], and [`ExpertPartition::map_of`], whose table is the router's `slot_of` that makes the
 //! existing router compute exactly those pairs on the device), the combine's order ([`combine_partials`]), and a
 //! CPU model of `world` ranks built on the CPU oracle's expert math ([`simulate_moe`]).
 //!
@@ -16,6 +16,7 @@ use std::ops::Range;
 
 use anyhow::{bail, ensure, Result};
 
+use crate::engine::plan::ExpertMap;
 use crate::model::numerics::bf16_round_slice;
 use crate::model::reference::{Model, Routing};
 
@@ -87,26 +88,29 @@ impl ExpertPartition {
             .then(|| e - rank * self.experts_per_rank())
     }
 
-    /// Rank `rank`'s routing table for the device router (`RouterInputs::slot_of`, one i32 per logical expert):
-    /// an owned expert's local slot taken modulo `slots` (the rank's resident slots, [`ExpertMap`]'s rule when the
-    /// rank's experts do not all fit), every other expert -1, so the router gives its pairs no row: they are not
-    /// gathered, not computed, and the L2 combine skips them. The router counts them as `dropped`; under expert
-    /// parallelism that count is `pairs - owned pairs`, not an error.
-    ///
-    /// [`ExpertMap`]: crate::engine::plan::ExpertMap
-    pub fn slot_table(&self, rank: usize, slots: usize) -> Result<Vec<i32>> {
+    /// Rank `rank`'s expert map on `slots` resident slots: its own block ([`ExpertPartition::experts_of`]), expert
+    /// `e` in slot `local_slot(rank, e) mod slots` (the wrap when the rank's experts do not all fit). Its table
+    /// ([`ExpertMap::table`], the router's `slot_of`) gives every other expert -1, so the router gives its pairs no
+    /// row: they are not gathered, not computed, and the L2 combine skips them. The router counts them as `dropped`;
+    /// under expert parallelism that count is `pairs - owned pairs`, not an error. The weights loaded for this map
+    /// (`DeviceWeights::load`) hold the block's experts in slot order.
+    pub fn map_of(&self, rank: usize, slots: usize) -> Result<ExpertMap> {
         ensure!(
             rank < self.world,
             "expert parallelism: rank {rank} outside a world of {}",
             self.world
         );
         ensure!(
-            slots >= 1,
-            "expert parallelism: a rank needs at least one slot"
+            (1..=self.experts_per_rank()).contains(&slots),
+            "expert parallelism: a rank holds 1..={} expert slots, not {slots}",
+            self.experts_per_rank()
         );
-        Ok((0..self.experts)
-            .map(|e| self.local_slot(rank, e).map_or(-1, |s| (s % slots) as i32))
-            .collect())
+        Ok(ExpertMap {
+            logical: self.experts,
+            slots,
+            first: self.experts_of(rank).start,
+            owned: self.experts_per_rank(),
+        })
     }
 }
 
@@ -283,11 +287,15 @@ mod tests {
         assert_eq!(p.owner(255), 3);
         assert_eq!(p.local_slot(1, 64), Some(0));
         assert_eq!(p.local_slot(1, 63), None);
-        let t = p.slot_table(2, 40).unwrap();
+        let t = p.map_of(2, 40).unwrap().table();
         assert_eq!(t[128], 0);
         assert_eq!(t[128 + 45], 5, "local slot 45 wraps onto slot 5 of 40");
         assert_eq!(t[0], -1);
-        assert!(p.slot_table(4, 64).is_err());
+        assert!(p.map_of(4, 64).is_err());
+        assert!(
+            p.map_of(0, 65).is_err(),
+            "more slots than the rank's experts"
+        );
     }
 
     #[test]

@@ -66,11 +66,11 @@ use crate::ops::router::{
 };
 
 /// Rows per physical slot of the masked grouping for `tokens` tokens: a token's picks are distinct logical experts
-/// (the biased top-6, or a tid2eid row, whose repeats the router drops) and at most `ceil(logical / slots)` logical
-/// experts share a slot (`e mod slots`), so a slot gets at most `min(6, ceil(logical / slots))` rows per token and
-/// no pair is ever dropped. The identity map gives `tokens`.
+/// (the biased top-6, or a tid2eid row, whose repeats the router drops) and at most
+/// [`ExpertMap::experts_per_slot`] owned experts share a slot, so a slot gets at most `min(6, that)` rows per token
+/// and no owned pair is ever dropped. The identity map gives `tokens`.
 pub fn slot_capacity(tokens: usize, map: &ExpertMap) -> usize {
-    tokens * TOPK.min(map.logical.div_ceil(map.slots.max(1)))
+    tokens * TOPK.min(map.experts_per_slot())
 }
 
 /// A hash layer's `tid2eid` as stored (I64 little-endian, `[vocab, 6]`) -> the router's i32 table; an entry outside
@@ -1074,9 +1074,10 @@ pub fn swiglu_fp8_rows(
 /// them with [`FfnHalf::shared_out`] into [`FfnHalf::moe_out`] (`ops::ep::combine`), then runs
 /// [`FfnHalf::run_post`] (step 16).
 impl FfnHalf {
-    /// Replaces the router's logical expert -> slot table (i32 `[logical]`; `ExpertPartition::slot_table` of the
-    /// rank): an entry outside `0..slots` (-1) gives that expert's pairs no row (another rank computes them). Set-up
-    /// only (a host upload), not inside a step.
+    /// Replaces the router's logical expert -> slot table (i32 `[logical]`), which the half otherwise takes from its
+    /// expert map ([`ExpertMap::table`]): an entry outside `0..slots` (-1) gives that expert's pairs no row (another
+    /// rank computes them). For tests that emulate a world of ranks on one GPU holding every expert; set-up only (a
+    /// host upload), not inside a step.
     pub fn set_slot_table(&mut self, gpu: &Gpu, table: &[i32]) -> Result<()> {
         ensure!(
             table.len() == self.map.logical,
@@ -1193,34 +1194,27 @@ mod tests {
 
     #[test]
     fn slot_capacity_covers_every_pick_of_a_slot() {
-        let id = ExpertMap {
-            logical: 16,
-            slots: 16,
-        };
+        let id = ExpertMap::all(16, 16);
         assert_eq!(slot_capacity(8, &id), 8);
         // 16 on 11: slots 0..=4 hold experts s and s + 11, so a token may put two rows on one slot.
-        let wrap = ExpertMap {
-            logical: 16,
-            slots: 11,
-        };
+        let wrap = ExpertMap::all(16, 11);
         assert_eq!(slot_capacity(8, &wrap), 16);
         // Flash on an H200: 256 on 226 slots.
-        let flash = ExpertMap {
-            logical: 256,
-            slots: 226,
-        };
+        let flash = ExpertMap::all(256, 226);
         assert_eq!(slot_capacity(64, &flash), 128);
         // Never more than the 6 picks of a token.
-        let few = ExpertMap {
-            logical: 256,
-            slots: 6,
-        };
+        let few = ExpertMap::all(256, 6);
         assert_eq!(slot_capacity(3, &few), 18);
         // Exhaustively on a small map: the most picks of one token on one slot never pass the capacity of 1 token.
         for slots in 1..=16 {
-            let m = ExpertMap { logical: 16, slots };
+            let m = ExpertMap::all(16, slots);
             let per_slot = (0..slots)
-                .map(|s| (0..16).filter(|&e| m.physical(e) == s).count().min(TOPK))
+                .map(|s| {
+                    (0..16)
+                        .filter(|&e| m.physical(e) == Some(s))
+                        .count()
+                        .min(TOPK)
+                })
                 .max()
                 .unwrap();
             assert_eq!(slot_capacity(1, &m), per_slot, "{slots} slots");
@@ -1247,7 +1241,7 @@ mod tests {
             (512, 256, 226),
             (65, 6, 6),
         ] {
-            let map = ExpertMap { logical, slots };
+            let map = ExpertMap::all(logical, slots);
             let cap = slot_capacity(tokens, &map);
             let pairs = tokens * TOPK;
             let mut counts = vec![0i32; slots];
@@ -1268,7 +1262,7 @@ mod tests {
                     if t % 5 == 4 && j == 5 {
                         continue;
                     }
-                    let s = map.physical(e);
+                    let s = map.physical(e).expect("one GPU owns every expert");
                     let rank = counts[s] as usize;
                     assert!(rank < cap, "slot_capacity holds every pick");
                     counts[s] += 1;

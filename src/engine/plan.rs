@@ -169,35 +169,71 @@ impl ExpertShapes {
     }
 }
 
-/// Logical routed experts onto the physical slots that fit: every layer keeps `slots` physical experts and logical
-/// expert `e` reads physical slot `e % slots`. Routing still chooses among all `logical` experts; each choice reads
-/// one full expert's bytes, so the bytes read per token are those of the real model (two choices of one token
-/// that land on one slot read it once: with 256 experts on 226 slots, ~1.4% of a token's layers). Slot `s` holds
-/// logical expert `s`'s weights. `slots == logical` is the identity (the whole model resident).
+/// Logical routed experts onto the physical slots that fit: every layer keeps `slots` physical experts. The GPU
+/// holds the weights of the logical experts `first .. first + owned` (all of them on one GPU; one rank's block under
+/// expert parallelism, [`crate::engine::ep::ExpertPartition::map_of`]), expert `first + i` in slot `i % slots`. When
+/// the owned experts do not all fit, routing still chooses among all of them and each choice reads one full
+/// expert's bytes, so the bytes read per token are those of the real model (two choices of one token that land on
+/// one slot read it once: with 256 experts on 226 slots, ~1.4% of a token's layers). An expert outside the owned
+/// block has no slot: the router gives its picks no row. `slots == owned == logical` is the identity (the whole
+/// model resident).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExpertMap {
     pub logical: usize,
     pub slots: usize,
+    /// The first owned logical expert.
+    pub first: usize,
+    /// How many logical experts, from `first`, this GPU owns.
+    pub owned: usize,
 }
 
 impl ExpertMap {
-    /// The physical slot logical expert `e` reads.
-    pub fn physical(&self, e: usize) -> usize {
-        e % self.slots
+    /// One GPU owning every one of `logical` experts on `slots` slots.
+    pub fn all(logical: usize, slots: usize) -> ExpertMap {
+        ExpertMap {
+            logical,
+            slots,
+            first: 0,
+            owned: logical,
+        }
     }
-    /// Every logical expert's slot, `[logical]` (what a routing kernel reads on the device).
+    /// The physical slot logical expert `e` reads, or None when this GPU does not own `e`.
+    pub fn physical(&self, e: usize) -> Option<usize> {
+        (self.first..self.first + self.owned)
+            .contains(&e)
+            .then(|| (e - self.first) % self.slots)
+    }
+    /// Every logical expert's slot, `[logical]`, -1 for one not owned (what a routing kernel reads on the device).
     pub fn table(&self) -> Vec<i32> {
-        (0..self.logical).map(|e| self.physical(e) as i32).collect()
+        (0..self.logical)
+            .map(|e| self.physical(e).map_or(-1, |s| s as i32))
+            .collect()
     }
     /// Whether every logical expert has its own slot.
     pub fn is_identity(&self) -> bool {
-        self.slots >= self.logical
+        self.owned == self.logical && self.slots >= self.logical
+    }
+    /// At most how many owned experts share one slot.
+    pub fn experts_per_slot(&self) -> usize {
+        self.owned.div_ceil(self.slots.max(1))
     }
 }
 
 impl fmt::Display for ExpertMap {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.is_identity() {
+        if self.owned < self.logical {
+            write!(
+                f,
+                "expert mapping: experts {}..={} of {} per layer on this rank, {} slots (expert e reads slot (e - {}) \
+                 mod {}); the rest have no slot here",
+                self.first,
+                self.first + self.owned - 1,
+                self.logical,
+                self.slots,
+                self.first,
+                self.slots
+            )
+        } else if self.is_identity() {
             write!(
                 f,
                 "expert mapping: all {} routed experts resident per layer (identity)",
@@ -353,10 +389,7 @@ impl MemoryPlan {
             dense,
             dense_bytes: round_up(end, DENSE_ALIGN),
             experts,
-            map: ExpertMap {
-                logical: cfg.n_routed_experts,
-                slots: cfg.n_routed_experts,
-            },
+            map: ExpertMap::all(cfg.n_routed_experts, cfg.n_routed_experts),
             cache_layers,
             workspace_bytes: workspace_budget(cfg, req),
             reserve_bytes: RESERVE_BYTES,

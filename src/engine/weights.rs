@@ -96,21 +96,12 @@ fn scale_name(weight: &str) -> String {
 }
 
 impl DeviceWeights {
-    /// Allocate every buffer of `plan` and fill it from `source` on the GPU's stream, with progress on stderr.
+    /// Allocate every buffer of `plan` and fill it from `source` on the GPU's stream, with progress on stderr. The
+    /// routed-expert slot `s` holds logical expert `plan.map.first + s` (all experts from 0 on one GPU; a rank's
+    /// contiguous block under expert parallelism, docs/multi-gpu.md). Every dense tensor is loaded whole (replicated).
     pub fn load(gpu: &Gpu, plan: &MemoryPlan, source: &WeightSource<'_>) -> Result<DeviceWeights> {
-        Self::load_rank(gpu, plan, source, 0)
-    }
-
-    /// [`DeviceWeights::load`] for a rank of an expert-parallel run (docs/multi-gpu.md): the routed-expert slot `s`
-    /// holds logical expert `first_expert + s` (the rank's contiguous block, `ExpertPartition::experts_of`);
-    /// `first_expert = 0` is `load`. Every dense tensor is loaded whole (replicated).
-    pub fn load_rank(
-        gpu: &Gpu,
-        plan: &MemoryPlan,
-        source: &WeightSource<'_>,
-        first_expert: usize,
-    ) -> Result<DeviceWeights> {
         let cfg = &plan.config;
+        let first_expert = plan.map.first;
         ensure!(
             first_expert + plan.map.slots <= cfg.n_routed_experts,
             "expert slots {first_expert}..{} outside the {} routed experts",

@@ -85,10 +85,7 @@ impl Case {
     }
     /// The engine's map onto `slots` physical slots (`ExpertMap::table`: expert e on slot e % slots).
     pub fn with_slots(mut self, slots: usize) -> Case {
-        let map = ExpertMap {
-            logical: self.experts,
-            slots,
-        };
+        let map = ExpertMap::all(self.experts, slots);
         self.slot_map = Some((map.table(), slots));
         self
     }
