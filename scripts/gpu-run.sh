@@ -4,12 +4,16 @@
 # --include-ignored; a GPU test without a GPU fails, and REQUIRE_GPU=1 makes the older SKIP path fail too) except
 # the slow CPU-only runs named `slow_*` (the `model` step runs the one it needs), the limits probe, the benchmark
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
-#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|<several, comma-separated>] [extra args for `megamoe bench`]
+#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|decode-ab|<several, comma-separated>] [extra args for `megamoe bench`]
 #   decode: `megamoe decode` of the small model (report + --parity), `generate` on Flash, Flash's context and
 #           batch sweeps, Flash 4K batch 64 with --dense-route gemv (the route's baseline), Flash's TTFT on a
 #           4K-token prompt, then REPORT.md
 #           (DECODE_FLASH=0 skips the Flash runs, DECODE_TTFT=0 the TTFT run; DECODE_CONTEXTS, DECODE_BATCHES,
 #           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT, DECODE_FLASH_AB_TIMEOUT, DECODE_TTFT_TIMEOUT)
+#   decode-ab: an engine A/B on one machine: this bundle's megamoe (the candidate) and a baseline binary
+#           (AB_BASE, default gpu-bundle-base/ beside this bundle: megamoe or megamoe.xz and COMMIT, from
+#           scripts/gpu-baseline.sh), interleaved candidate, baseline, candidate, baseline, each a Flash sweep at
+#           4K over AB_BATCHES (default 1,8,64); each side's decode.csv rows under ab-<side>/ (AB_TIMEOUT per run)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -31,7 +35,7 @@ B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || [ -f "$B/executables.tar.xz" ] || B="$(pwd)/gpu-bundle"
 what="${1:-all}"; shift || true
 # want STEP: STEP is one of the comma-separated steps asked for (all = tests, stress, bench).
-want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [ "$1" != decode ] && [[ ",$what," == *",all,"* ]]; }; }
+want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [ "$1" != decode ] && [ "$1" != decode-ab ] && [[ ",$what," == *",all,"* ]]; }; }
 out="${OUT:-$(pwd)/gpu-out}"
 work="$(mktemp -d)/h200"
 mkdir -p "$work/tests"
@@ -194,6 +198,25 @@ if want decode; then
   fi
   # REPORT.md of this run's directory (its decode section, and any bench rows beside it).
   "$B/megamoe" report --dir "$work" 2>&1 | tail -n 1
+fi
+if want decode-ab; then
+  base="${AB_BASE:-$(dirname "$B")/gpu-bundle-base}"
+  if [ -f "$base/megamoe.xz" ]; then xz -d -f "$base/megamoe.xz" && chmod +x "$base/megamoe"; fi
+  if [ -x "$base/megamoe" ]; then
+    base_commit="$(head -n1 "$base/COMMIT" 2>/dev/null || echo unknown)"
+    for round in 1 2; do
+      for side in candidate baseline; do
+        if [ "$side" = candidate ]; then bin="$B/megamoe"; c="$MEGAMOE_GIT_COMMIT"; else bin="$base/megamoe"; c="$base_commit"; fi
+        step "decode-ab: $side ($c), round $round, Flash 4K, batches ${AB_BATCHES:-1,8,64}"
+        MEGAMOE_GIT_COMMIT="$c" timeout "${AB_TIMEOUT:-150}" "$bin" decode --model flash --at-context --context 4096 \
+          --batch "${AB_BATCHES:-1,8,64}" --max-new-tokens 32 --out "$work/ab-$side" > "$work/ab-$side-$round.log" 2>&1 \
+          || { echo "decode-ab $side round $round failed"; status=1; }
+        grep -E "^== decode|^TPOT" "$work/ab-$side-$round.log" | paste - - | sed -E 's/ +/ /g' | cut -c1-160
+      done
+    done
+  else
+    echo "decode-ab: no baseline binary in $base (scripts/gpu-baseline.sh COMMIT builds one)"; status=1
+  fi
 fi
 if want model && [ -x "$B/tests/model_reference" ]; then
   # The CPU reference model's Flash one-token decode, timed on this machine's cores (test executable added
