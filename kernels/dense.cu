@@ -52,6 +52,7 @@
 #include "common/cp_async.cuh"
 #include "common/formats.cuh"
 #include "common/pdl.cuh"
+#include "common/swiglu_fp8.cuh"
 
 namespace {
 
@@ -60,7 +61,6 @@ constexpr int kWarps = 8;
 constexpr int kTileRows = 128;
 constexpr int kMaxJobs = 16;
 constexpr int kRingBytes = 65536;
-constexpr float kAmaxFloor = 1e-4f;  // formats::fp8::AMAX_FLOOR
 
 enum Mode : int { kFp8 = 0, kFp8Bf16x = 1, kBf16 = 2, kSwiglu = 3 };
 
@@ -381,32 +381,18 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
     }
 
     if constexpr (kMode == kSwiglu) {
-        // One warp per token: lane covers rows lane + 32i of the tile (one FP8 block of h per token).
-        const float lim = p.swiglu_limit;
+        // One warp per token: lane covers rows lane + 32i of the tile (one FP8 block of h per token); the rule is
+        // common/swiglu_fp8.cuh's (shared with the prefill chunk's glue kernel).
         for (int tok = warp; tok < M; tok += kWarps) {
-            float h[4];
-            float amax = 0.f;
+            float g[4], u[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int r = lane + 32 * i;
-                float gv = bf16r(red[tok * kRed + r]);
-                float uv = bf16r(red[tok * kRed + kTileRows + r]);
-                if (lim > 0.f) {
-                    gv = fminf(gv, lim);
-                    uv = fminf(fmaxf(uv, -lim), lim);
-                }
-                const float sig = __fdiv_rn(1.f, __fadd_rn(1.f, expf(-gv)));
-                h[i] = bf16r(__fmul_rn(__fmul_rn(gv, sig), uv));
-                amax = fmaxf(amax, fabsf(h[i]));
+                g[i] = bf16r(red[tok * kRed + lane + 32 * i]);
+                u[i] = bf16r(red[tok * kRed + kTileRows + lane + 32 * i]);
             }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, kAmaxFloor), 448.f);
-            const float scale = mm::ue8m0_decode(sc);
             uint8_t* codes = static_cast<uint8_t*>(p.y[0]) + (size_t)tok * p.ldy[0] + tile * kTileRows;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) codes[lane + 32 * i] = mm::e4m3_encode(__fdiv_rn(h[i], scale));
-            if (lane == 0) static_cast<uint8_t*>(p.y[1])[tok * (p.ldy[0] / 128) + tile] = sc;
+            uint8_t* scale = static_cast<uint8_t*>(p.y[1]) + tok * (p.ldy[0] / 128) + tile;
+            swiglu_fp8_block_warp(g, u, p.swiglu_limit, codes, scale);
         }
     } else {
         for (int i = threadIdx.x; i < M * kTileRows; i += kThreads) {

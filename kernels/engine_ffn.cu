@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include "common/formats.cuh"
+#include "common/swiglu_fp8.cuh"
 
 constexpr int kGroupingThreads = 1024;
 constexpr int kGroupingMaxSlots = 512;
@@ -54,10 +55,9 @@ extern "C" __global__ void __launch_bounds__(kGroupingThreads)
 // ffn_swiglu_fp8_rows: the shared expert's SwiGLU half after its two GEMMs (a prefill chunk's: w1 and w3 on the
 //   tensor cores, `dense::fp8_linears`, BF16 g and u [rows, I]): h = bf16(silu(g') * u') with g' = min(g, L) and
 //   u' = clamp(u, -L, L) when L > 0, written as FP8 1x128 rows (e4m3 codes [rows, I], ue8m0 scales [rows, I / 128]):
-//   the epilogue of dense_swiglu (kernels/dense.cu) on the same BF16 g and u, the same operations in the same order
-//   (so the GEMV's h bit for bit whenever its g and u are). One warp per (row, 128-block): lane holds the elements
-//   lane + 32 i. Grid ceil(rows * I / 128 / 8), block 256.
-constexpr float kSwigluAmaxFloor = 1e-4f;  // formats::fp8::AMAX_FLOOR (kernels/dense.cu's kAmaxFloor)
+//   dense_swiglu's epilogue rule (common/swiglu_fp8.cuh, shared with kernels/dense.cu), so the GEMV's h bit for bit
+//   whenever its g and u are. One warp per (row, 128-block): lane holds the elements lane + 32 i. Grid
+//   ceil(rows * I / 128 / 8), block 256.
 
 extern "C" __global__ void __launch_bounds__(256)
     ffn_swiglu_fp8_rows(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* __restrict__ u, int rows, int inter,
@@ -68,26 +68,11 @@ extern "C" __global__ void __launch_bounds__(256)
     if (w >= (long long)rows * blocks) return;  // warp-uniform
     const int row = (int)(w / blocks), blk = (int)(w % blocks);
     const size_t base = (size_t)row * inter + (size_t)blk * 128;
-    float h[4];
-    float amax = 0.f;
+    float gv[4], uv[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int r = lane + 32 * i;
-        float gv = __bfloat162float(g[base + r]);
-        float uv = __bfloat162float(u[base + r]);
-        if (limit > 0.f) {
-            gv = fminf(gv, limit);
-            uv = fminf(fmaxf(uv, -limit), limit);
-        }
-        const float sig = __fdiv_rn(1.f, __fadd_rn(1.f, expf(-gv)));
-        h[i] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(gv, sig), uv)));
-        amax = fmaxf(amax, fabsf(h[i]));
+        gv[i] = __bfloat162float(g[base + lane + 32 * i]);
+        uv[i] = __bfloat162float(u[base + lane + 32 * i]);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, kSwigluAmaxFloor), 448.f);
-    const float scale = mm::ue8m0_decode(sc);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) codes[base + lane + 32 * i] = mm::e4m3_encode(__fdiv_rn(h[i], scale));
-    if (lane == 0) scales[(size_t)row * blocks + blk] = sc;
+    swiglu_fp8_block_warp(gv, uv, limit, codes + base, scales + (size_t)row * blocks + blk);
 }
