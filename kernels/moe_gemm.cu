@@ -1143,10 +1143,14 @@ __device__ __forceinline__ void stage_token_slots(const Grouping& grp, const flo
 // once (a thread that holds a column's 8 rows x 4 splits, each load and add under its own validity predicate, gets
 // them interleaved by ptxas: ~12 dependent L2 round trips at decode sizes). Then warp 0 combines the 8 slots in
 // routing order (a clamped load past `splits` is not added; an invalid slot's factors are stored as +0.0).
-extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_rowwarps(
-    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
-    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
-    const __nv_bfloat16* __restrict__ addend, __nv_bfloat16* __restrict__ out) {
+// kF32Out (moe_gemm_finish_l2_partial_rowwarps, expert parallelism's rank partial, ops::moe_gemm::finish::
+// launch_finish_l2_partial): y itself, f32, no addend and no rounding, so bf16(y [+ addend]) is the BF16 entry's output.
+template <bool kF32Out>
+__device__ __forceinline__ void finish_l2_rowwarps(const float* __restrict__ partial, int splits, const int* group,
+                                                   int capacity, int experts, int rows_total, int N,
+                                                   const float* __restrict__ gsa, const float* __restrict__ gsb,
+                                                   const int* __restrict__ token_rows, int topk,
+                                                   const __nv_bfloat16* __restrict__ addend, void* __restrict__ out) {
     constexpr int kSlots = 8, kSplitsPerPass = 8;
     __shared__ int s_row[kFinishMaxTopk];
     __shared__ int s_exp[kFinishMaxTopk];
@@ -1186,10 +1190,30 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_row
         __syncthreads();  // s_acc / s_scale are rewritten by the next pass
     }
     if (u == 0 && col_ok) {
-        if (addend != nullptr) y = __fadd_rn(y, __bfloat162float(addend[(size_t)tok * N + n]));
-        out[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+        if constexpr (kF32Out) {
+            static_cast<float*>(out)[(size_t)tok * N + n] = y;
+        } else {
+            if (addend != nullptr) y = __fadd_rn(y, __bfloat162float(addend[(size_t)tok * N + n]));
+            static_cast<__nv_bfloat16*>(out)[(size_t)tok * N + n] = __float2bfloat16_rn(y);
+        }
     }
 }
+extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_combine_rowwarps(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    const __nv_bfloat16* __restrict__ addend, __nv_bfloat16* __restrict__ out) {
+    finish_l2_rowwarps<false>(partial, splits, group, capacity, experts, rows_total, N, gsa, gsb, token_rows, topk,
+                              addend, out);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gemm_finish_l2_partial_rowwarps(
+    const float* __restrict__ partial, int splits, const int* group, int capacity, int experts, int rows_total, int N,
+    const float* __restrict__ gsa, const float* __restrict__ gsb, const int* __restrict__ token_rows, int topk,
+    float* __restrict__ out) {
+    finish_l2_rowwarps<true>(partial, splits, group, capacity, experts, rows_total, N, gsa, gsb, token_rows, topk,
+                             nullptr, out);
+}
+
+
 
 // The L2 finish with 2 columns per thread and every partial load of a pass in flight (FinishL2Kernel::Cols2; bench
 // `nvfp4_l2cols2` forces it). Why: at many tokens the combine is bound by the partials' bytes, and RowWarps spends

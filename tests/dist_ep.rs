@@ -1,6 +1,6 @@
 //! The expert-parallel decode step (`dist::step::EpStep`, docs/multi-gpu.md) on one GPU.
 //!
-//! 1. World of one rank: the EP step (the FFN half split at the combine: f32 L2 finish `ops::ep::finish_l2_partial`,
+//! 1. World of one rank: the EP step (the FFN half split at the combine: f32 L2 finish `moe_gemm::finish::launch_finish_l2_partial`,
 //!    the all-gather being the partial itself, `ops::ep::combine` adding the shared expert and rounding once) gives
 //!    the single-GPU engine's logits bit for bit, every step. Why exact: the f32 finish does moe_gemm's L2 epilogue's
 //!    fp32 operations in its order (kernels/ep_combine.cu), so the partial is the value that epilogue rounds; the

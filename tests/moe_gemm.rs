@@ -2644,7 +2644,7 @@ fn gpu_l2_finish_kernels_bit_identical_on_edge_partials() {
     }
 }
 
-/// Expert parallelism's f32 L2 finish (`ops::ep::finish_l2_partial`, kernels/ep_combine.cu) on the partials of a
+/// Expert parallelism's f32 L2 finish (`moe_gemm::finish::launch_finish_l2_partial`, the RowWarps kernel's f32 form) on the partials of a
 /// routed L2 launch whose output (no addend) is `y`: rounded to BF16 it is `y` bit for bit; with a random BF16 addend,
 /// `ops::ep::combine` of it at W = 1 is `launch_finish_l2`'s output with that addend bit for bit (the single-GPU
 /// engine's fused epilogue, which the expert-parallel step at world 1 must reproduce).
@@ -2665,7 +2665,10 @@ fn check_ep_partial_finish(
     let elems = y.len();
     let s = &gpu.stream;
     let partial = gpu.poisoned::<f32>(elems, 0xFF).unwrap();
-    megamoe::ops::ep::finish_l2_partial(gpu, s, ws2, dg, d2, l1a, dtr, topk, &partial).unwrap();
+    megamoe::ops::moe_gemm::finish::launch_finish_l2_partial(
+        gpu, s, ws2, dg, d2, l1a, dtr, topk, &partial,
+    )
+    .unwrap();
     let (p, want) = (gpu.download(&partial).unwrap(), gpu.download(y).unwrap());
     if let Some(i) = (0..elems).find(|&i| bf16::from_f32(p[i]).to_bits() != want[i].to_bits()) {
         panic!(

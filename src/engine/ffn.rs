@@ -1070,7 +1070,7 @@ pub fn swiglu_fp8_rows(
 /// Expert parallelism (docs/multi-gpu.md; `dist` drives these, the single-GPU [`FfnHalf::run`] does not use them):
 /// the FFN half split at the combine, so that a rank's routed sum can be exchanged between steps 14 and 16.
 /// [`FfnHalf::run_to_partial`] runs steps 12, 13, 15 and 14 with an L2 finish that writes this rank's routed sum in
-/// f32 (`ops::ep::finish_l2_partial`: no addend, no rounding); the caller gathers every rank's partial and combines
+/// f32 (`moe_gemm::finish::launch_finish_l2_partial`: no addend, no rounding); the caller gathers every rank's partial and combines
 /// them with [`FfnHalf::shared_out`] into [`FfnHalf::moe_out`] (`ops::ep::combine`), then runs
 /// [`FfnHalf::run_post`] (step 16).
 impl FfnHalf {
@@ -1141,7 +1141,7 @@ impl FfnHalf {
         self.routed_mainloops(gpu, stream, weights, layer)?;
         let h = self.h.as_activations();
         let (token_rows, _) = pair_tables(&self.contiguous, &self.route);
-        crate::ops::ep::finish_l2_partial(
+        crate::ops::moe_gemm::finish::launch_finish_l2_partial(
             gpu,
             stream,
             &self.ws_l2,

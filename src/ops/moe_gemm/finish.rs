@@ -649,6 +649,63 @@ pub fn launch_finish_l2_with(
     unsafe { launch(stream, &kern, Launch::new(grid, (block, 1, 1)), &mut args) }
 }
 
+/// The L2 epilogue without the addend and without the BF16 rounding, for expert parallelism's rank partial
+/// (docs/multi-gpu.md): `out[t, n] = y`, f32 `[tokens, N]`, the routed sum of [`launch_finish_l2`] (the RowWarps
+/// kernel's fp32 operations, to which the other kernels are bit-identical; `moe_gemm_finish_l2_partial_rowwarps`),
+/// so `bf16(out)` is `launch_finish_l2`'s output without an addend and `bf16(out + addend)` its output with one, bit
+/// for bit. A pair whose row is `-1` in `token_rows` (under expert parallelism: a pair another rank computes) adds
+/// nothing; a token with no owned pair gets `+0.0`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_finish_l2_partial(
+    gpu: &Gpu,
+    stream: &Stream,
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    w2: &DeviceExpertWeights,
+    a: &DeviceActivations,
+    token_rows: &CudaSlice<i32>,
+    topk: usize,
+    out: &dyn DeviceBuf<f32>,
+) -> Result<()> {
+    check_finish(ws, grp, w2)?;
+    ensure!(
+        (1..=FINISH_MAX_TOPK).contains(&topk),
+        "moe_gemm L2 partial: topk = {topk} outside 1..={FINISH_MAX_TOPK}"
+    );
+    let tokens = l2_tokens(
+        "moe_gemm L2 partial",
+        token_rows.len(),
+        topk,
+        out.elems(),
+        w2.n,
+    )?;
+    ensure!(
+        tokens <= u32::MAX as usize,
+        "moe_gemm L2 partial: {tokens} tokens exceed the grid"
+    );
+    if tokens == 0 {
+        return Ok(());
+    }
+    let kern = gpu.kernel(FAMILY, "moe_gemm_finish_l2_partial_rowwarps")?;
+    let mut args = KernelArgs::new();
+    args.buf(&ws.partial)
+        .i32(ws.splits as i32)
+        .buf(&grp.group)
+        .i32(grp.capacity as i32)
+        .i32(grp.experts as i32)
+        .i32(grp.rows_total as i32)
+        .i32(w2.n as i32);
+    a.push_gsa(&mut args);
+    args.buf(&w2.global)
+        .buf(token_rows)
+        .i32(topk as i32)
+        .u64(out.device_addr());
+    // RowWarps' grid: 32 columns per CTA of 256 threads.
+    let grid = (tokens as u32, w2.n.div_ceil(32) as u32, 1);
+    // SAFETY: arguments in the kernel's order; the partials, token_rows and the output were checked against the shape.
+    unsafe { launch(stream, &kern, Launch::new(grid, (THREADS, 1, 1)), &mut args) }
+}
+
 #[cfg(test)]
 mod finish_l1_rows_kind_tests {
     use super::*;
