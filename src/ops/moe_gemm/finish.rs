@@ -61,6 +61,26 @@ pub fn check_finish(ws: &Workspace, grp: &DeviceGrouping, w: &DeviceExpertWeight
     super::check_partial_len(ws)
 }
 
+/// The arguments every finish kernel starts with, in order: the split-K partials and their split count, the
+/// grouping (group, capacity, experts, rows_total), the output width `n`, the activations' per-row global scales.
+fn partial_args(
+    ws: &Workspace,
+    grp: &DeviceGrouping,
+    n: usize,
+    a: &DeviceActivations,
+) -> KernelArgs {
+    let mut args = KernelArgs::new();
+    args.buf(&ws.partial)
+        .i32(ws.splits as i32)
+        .buf(&grp.group)
+        .i32(grp.capacity as i32)
+        .i32(grp.experts as i32)
+        .i32(grp.rows_total as i32)
+        .i32(n as i32);
+    a.push_gsa(&mut args);
+    args
+}
+
 /// Plain epilogue: `out[row, n] = bf16(acc * (gsa[row] * gsb[e, n]))`, zeros for rows owned by no expert.
 pub fn launch_finish_bf16(
     gpu: &Gpu,
@@ -83,15 +103,7 @@ pub fn launch_finish_bf16(
         return Ok(());
     }
     let kern = gpu.kernel(FAMILY, "moe_gemm_finish_bf16")?;
-    let mut args = KernelArgs::new();
-    args.buf(&ws.partial)
-        .i32(ws.splits as i32)
-        .buf(&grp.group)
-        .i32(grp.capacity as i32)
-        .i32(grp.experts as i32)
-        .i32(grp.rows_total as i32)
-        .i32(w.n as i32);
-    a.push_gsa(&mut args);
+    let mut args = partial_args(ws, grp, w.n, a);
     args.buf(&w.global).buf(out);
     // SAFETY: arguments in the kernel's order; the partials, grouping and output were checked against the shape.
     unsafe {
@@ -411,15 +423,7 @@ fn finish_l1_args(
     routing: &CudaSlice<f32>,
     out: &L1Output,
 ) -> KernelArgs {
-    let mut args = KernelArgs::new();
-    args.buf(&ws.partial)
-        .i32(ws.splits as i32)
-        .buf(&grp.group)
-        .i32(grp.capacity as i32)
-        .i32(grp.experts as i32)
-        .i32(grp.rows_total as i32)
-        .i32((w13.n / 2) as i32);
-    a.push_gsa(&mut args);
+    let mut args = partial_args(ws, grp, w13.n / 2, a);
     args.buf(&w13.global)
         .buf(routing)
         .buf(&out.codes)
@@ -629,15 +633,7 @@ pub fn launch_finish_l2_with(
     };
     let grid = (tokens as u32, w2.n.div_ceil(cols_per_cta) as u32, 1);
     let kern = gpu.kernel(FAMILY, name)?;
-    let mut args = KernelArgs::new();
-    args.buf(&ws.partial)
-        .i32(ws.splits as i32)
-        .buf(&grp.group)
-        .i32(grp.capacity as i32)
-        .i32(grp.experts as i32)
-        .i32(grp.rows_total as i32)
-        .i32(w2.n as i32);
-    a.push_gsa(&mut args);
+    let mut args = partial_args(ws, grp, w2.n, a);
     args.buf(&w2.global).buf(token_rows).i32(topk as i32);
     match addend {
         Some(add) => args.u64(add.device_addr()),
@@ -687,15 +683,7 @@ pub fn launch_finish_l2_partial(
         return Ok(());
     }
     let kern = gpu.kernel(FAMILY, "moe_gemm_finish_l2_partial_rowwarps")?;
-    let mut args = KernelArgs::new();
-    args.buf(&ws.partial)
-        .i32(ws.splits as i32)
-        .buf(&grp.group)
-        .i32(grp.capacity as i32)
-        .i32(grp.experts as i32)
-        .i32(grp.rows_total as i32)
-        .i32(w2.n as i32);
-    a.push_gsa(&mut args);
+    let mut args = partial_args(ws, grp, w2.n, a);
     args.buf(&w2.global)
         .buf(token_rows)
         .i32(topk as i32)
