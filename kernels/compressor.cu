@@ -1,5 +1,5 @@
 // KV compressors of DeepSeek-V4 (dsv4-architecture §3.7) on the device: the decode-time state update with the
-// block emission, the blockwise prefill, and the state seeding after a prefill. The CPU oracle is
+// block emission, and a chunk of one sequence continuing its state (the chunked prefill). The CPU oracle is
 // model::reference::{CompressorState, pool_softmax} + Model::{compressor_inputs, finalize_entry}.
 //
 // Shapes. A compressor has ratio m, d output channels (main: head_dim 512; indexer: index_head_dim 128) and is
@@ -33,11 +33,11 @@
 //   slot = base[b] + j, written only when 0 <= j < capacity[b] and 0 <= slot < n_slots; otherwise nothing is
 //     written and bit 0 of *error is set (atomicOr; the host reads it after the step).
 //
-// Graph safety: grids come from the batch capacity (decode) or the most blocks of a prompt (prefill); positions,
-// token counts, bases and capacities are read on the device. A decode row with position < 0 changes nothing.
+// Graph safety: grids come from the batch capacity (decode) or the chunk's rows (chunk); positions, bases and
+// capacities are read on the device. A decode row with position < 0 changes nothing.
 // Decode: one cluster of d / 64 CTAs per sequence (each owns 64 channels of each channel half: their state
-// update, pooling and reset; cluster rank 0 finalizes the row), see decode_body. Prefill: one CTA per block, d
-// threads: thread c owns channel c (and d + c for CSA).
+// update, pooling and reset; cluster rank 0 finalizes the row), see decode_body. Chunk: one CTA per entry, d
+// threads (thread c owns channel c, and d + c for CSA), then one CTA per state row pair.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -339,38 +339,6 @@ __device__ __forceinline__ void decode_body(const float* __restrict__ kv_in, con
     finalize_store<D, STORE>(pooled_row[tid], (long long)j * m, slot, f);
 }
 
-// Block j of a prompt of *n_tokens tokens (one sequence; CTA j < grid = max_tokens / m, so every token read is
-// < max_tokens whatever the device count; D threads): pool_softmax over the block's tokens
-// (and, for CSA with j > 0, the previous block's tokens through channel half 0), then finalize and store.
-template <int D, bool OVERLAP, int STORE>
-__device__ __forceinline__ void prefill_body(const float* __restrict__ kv_in, const float* __restrict__ gate_in,
-                                             const float* __restrict__ ape, const int* __restrict__ n_tokens,
-                                             int ratio, const int* __restrict__ base, const int* __restrict__ capacity,
-                                             float* __restrict__ pooled_out, const Finalize& f) {
-    constexpr int W = (OVERLAP ? 2 : 1) * D;
-    const int j = blockIdx.x;
-    const int c = threadIdx.x;
-    const int m = ratio;
-    const int n = *n_tokens;
-    if (n <= 0 || j >= n / m) return;  // CTA-uniform
-    auto token = [&](int t, int ch, float& kv, float& sc) {
-        kv = kv_in[(size_t)t * W + ch];
-        sc = __fadd_rn(gate_in[(size_t)t * W + ch], ape[(size_t)(t % m) * W + ch]);
-    };
-    float pooled;
-    if (OVERLAP && j > 0) {
-        pooled = pool_channel(2 * m, [&](int s, float& kv, float& sc) {
-            if (s < m) token((j - 1) * m + s, c, kv, sc);
-            else token(j * m + s - m, D + c, kv, sc);
-        });
-    } else {
-        pooled = pool_channel(m, [&](int s, float& kv, float& sc) { token(j * m + s, OVERLAP ? D + c : c, kv, sc); });
-    }
-    if (pooled_out != nullptr) pooled_out[(size_t)j * D + c] = pooled;
-    const int slot = entry_slot(j, *base, *capacity, f);
-    finalize_store<D, STORE>(pooled, (long long)j * m, slot, f);
-}
-
 // ---- a chunk of one sequence, continuing its state (the engine's chunked prefill) ----------------------------------
 // n tokens at positions p0 .. p0 + n - 1 (p0 = positions[0], read on the device; p0 < 0 or n <= 0: nothing), rows
 // 0..n of kv_in / gate_in [n, W], after the p0 tokens the sequence's state holds as p0 decode steps left it. Token t
@@ -483,10 +451,6 @@ __device__ __forceinline__ void chunk_state_body(const float* __restrict__ kv_in
     const float *kv_in, const float *gate_in, const float *ape, const int *positions, int ratio, float *state,   \
         const float *norm_w, const double *freqs, float eps, const int *base, const int *capacity, int n_slots, \
         uint8_t *out_codes, void *out_scales, float *pooled_out, unsigned *error
-#define COMPRESSOR_PREFILL_PARAMS                                                                               \
-    const float *kv_in, const float *gate_in, const float *ape, const int *n_tokens, int ratio,                \
-        const float *norm_w, const double *freqs, float eps, const int *base, const int *capacity, int n_slots, \
-        uint8_t *out_codes, void *out_scales, float *pooled_out, unsigned *error
 #define COMPRESSOR_FINALIZE Finalize{norm_w, freqs, eps, out_codes, out_scales, n_slots, error}
 
 // Decode step, grid (d / 64, batch capacity) in clusters of (d / 64, 1, 1), block = d threads. kv_in/gate_in
@@ -504,14 +468,6 @@ __device__ __forceinline__ void chunk_state_body(const float* __restrict__ kv_in
         decode_body_one_cta<D, OVERLAP, STORE>(kv_in, gate_in, ape, positions, ratio, state, base, capacity,  \
                                                pooled_out, COMPRESSOR_FINALIZE);                               \
     }
-// Prefill blocks of one sequence, grid = the most blocks (token capacity / m), block = d threads. kv_in/gate_in
-// [n, W] (raw gate: ape is added here); n_tokens [1]; base/capacity [1]; pooled_out [blocks, d] or null.
-#define COMPRESSOR_PREFILL_ENTRY(NAME, D, OVERLAP, STORE)                                                      \
-    extern "C" __global__ void __launch_bounds__(D) NAME(COMPRESSOR_PREFILL_PARAMS) {                         \
-        prefill_body<D, OVERLAP, STORE>(kv_in, gate_in, ape, n_tokens, ratio, base, capacity, pooled_out,       \
-                                        COMPRESSOR_FINALIZE);                                                    \
-    }
-
 COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_main, kMainDim, true, STORE_KV_ENTRY)
 COMPRESSOR_DECODE_ENTRY(compressor_decode_hca_main, kMainDim, false, STORE_KV_ENTRY)
 COMPRESSOR_DECODE_ENTRY(compressor_decode_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)
@@ -548,48 +504,5 @@ extern "C" __global__ void __launch_bounds__(256) compressor_chunk_state(const f
         chunk_state_body<true>(kv_in, gate_in, ape, positions, n, ratio, width, state);
     } else {
         chunk_state_body<false>(kv_in, gate_in, ape, positions, n, ratio, width, state);
-    }
-}
-
-COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_main, kMainDim, true, STORE_KV_ENTRY)
-COMPRESSOR_PREFILL_ENTRY(compressor_prefill_hca_main, kMainDim, false, STORE_KV_ENTRY)
-COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_index_fp8, kIndexDim, true, STORE_INDEX_FP8)
-COMPRESSOR_PREFILL_ENTRY(compressor_prefill_csa_index_mxfp4, kIndexDim, true, STORE_INDEX_MXFP4)
-
-// The state of one sequence after a prefill of *n_tokens tokens, exactly as that many decode steps leave it
-// (Model::prefill's seed_state on an empty state): done = (n / m) * m; CSA with a complete block: rows 0..m =
-// tokens done-m..done; tokens done..n at row (CSA) m + t - done, (HCA) t - done; every other row empty (kv 0,
-// score -inf). With n = 0 it writes the empty state; n is clamped to [0, max_tokens]. Grid = (coff*m rows), block
-// 256 threads over W channels.
-extern "C" __global__ void __launch_bounds__(256) compressor_seed_state(const float* __restrict__ kv_in,
-                                                                       const float* __restrict__ gate_in,
-                                                                       const float* __restrict__ ape,
-                                                                       const int* __restrict__ n_tokens,
-                                                                       int max_tokens, int ratio, int width,
-                                                                       int overlap,
-                                                                       float* __restrict__ state) {
-    const int m = ratio;
-    const int rows = (overlap ? 2 : 1) * m;
-    const int r = blockIdx.x;
-    if (r >= rows) return;
-    const int n = min(max(*n_tokens, 0), max_tokens);
-    const int done = (n / m) * m;
-    int t = -1;
-    if (overlap && r < m) {
-        if (done > 0) t = done - m + r;
-    } else {
-        const int tt = done + (overlap ? r - m : r);
-        if (tt < n) t = tt;
-    }
-    float* kv_row = state + (size_t)r * width;
-    float* sc_row = state + (size_t)rows * width + (size_t)r * width;
-    for (int ch = threadIdx.x; ch < width; ch += blockDim.x) {
-        if (t >= 0) {
-            kv_row[ch] = kv_in[(size_t)t * width + ch];
-            sc_row[ch] = __fadd_rn(gate_in[(size_t)t * width + ch], ape[(size_t)(t % m) * width + ch]);
-        } else {
-            kv_row[ch] = 0.f;
-            sc_row[ch] = -INFINITY;
-        }
     }
 }

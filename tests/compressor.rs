@@ -3,8 +3,8 @@
 //! step (no sum is involved: rows are copies and one f32 add of the position bias); the pooled values of every
 //! emission against `push`'s within the propagated exp bound (below); every emitted entry, decoded with `formats`,
 //! exactly `Model::finalize_entry` of the GPU's own pooled values (the finalize is exact, see below); slots not
-//! emitted stay poisoned; the capacity error bit; a captured step replayed with new positions; prefill against
-//! the same pushes. Weights (ape, norm, RoPE frequencies) are the synthetic small model's real compressor
+//! emitted stay poisoned; the capacity error bit; a captured step replayed with new positions; a chunk (the
+//! chunked prefill) against the same tokens' decode steps, bit for bit. Weights (ape, norm, RoPE frequencies) are the synthetic small model's real compressor
 //! weights; kv and gate are fresh random values.
 //!
 //! Tolerances. Pooling (`pool_softmax`) is the same sequence of f32 operations on both sides except exp: the
@@ -33,7 +33,7 @@ use megamoe::ops::compressor::reference::{
     decode_stored, entry_bytes_at, expected_stored, host_state, layer_compressor, LayerCompressor,
 };
 use megamoe::ops::compressor::{
-    self as cp, dev, CompressorKind, CompressorWeights, DecodeIo, EntryCache, EntrySlots, PrefillIo,
+    self as cp, dev, CompressorKind, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
 };
 use megamoe::ops::indexer::{KeyCacheGpu, KeyFormat};
 use rand::Rng;
@@ -453,98 +453,16 @@ impl Rig {
         let err = gpu.download(&self.error).unwrap()[0];
         assert_eq!(err, err_want, "{label}: error word");
     }
-
-    /// Prefill sequence b with `n` fresh tokens (one `prefill` call on its state and slots, then `n` CPU pushes)
-    /// and check the seeded state, every block's pooled values and entry, and the error bit.
-    fn prefill(&mut self, gpu: &Gpu, rng: &mut ChaCha8Rng, label: &str, b: usize, n: usize) {
-        let shape = self.lc.shape;
-        let (w, m, d, sf) = self.dims();
-        let max_tokens = n + m; // a token capacity above n: the device count decides
-        let kv: Vec<f32> = (0..max_tokens * w)
-            .map(|_| rng.random_range(-KV_MAX..KV_MAX))
-            .collect();
-        let gate: Vec<f32> = (0..max_tokens * w)
-            .map(|_| rng.random_range(-3.0f32..3.0))
-            .collect();
-        let (kv_d, gate_d) = (gpu.upload(&kv).unwrap(), gpu.upload(&gate).unwrap());
-        let n_d = gpu.upload(&[n as i32]).unwrap();
-        let pooled = gpu.poisoned::<f32>(max_tokens / m * d, POISON).unwrap();
-        let io = PrefillIo {
-            max_tokens,
-            kv: dev(&kv_d),
-            gate: dev(&gate_d),
-            n_tokens: dev(&n_d),
-            state: dev(&self.state).sub(b * sf, sf),
-            slots: EntrySlots {
-                base: dev(&self.base).sub(b, 1),
-                capacity: dev(&self.capacity).sub(b, 1),
-            },
-            cache: self.cache.entry_cache(),
-            pooled: Some(dev(&pooled)),
-            error: dev(&self.error),
-        };
-        let err_before = gpu.download(&self.error).unwrap()[0];
-        cp::prefill(gpu, &gpu.stream, &shape, &self.w, &io).unwrap();
-        gpu.synchronize().unwrap();
-
-        let cpu = &mut self.cpu[b];
-        assert_eq!(
-            host_state(cpu),
-            host_state(&CompressorState::new(m, shape.kind.overlap(), d))
-        );
-        let mut cpu_pooled = Vec::new();
-        for t in 0..n {
-            let g = score_row(&self.lc, &gate[t * w..(t + 1) * w], t);
-            cpu_pooled.extend(cpu.push(t, &kv[t * w..(t + 1) * w], &g));
-        }
-        assert_eq!(cpu_pooled.len(), n / m);
-        let state = gpu.download(&self.state).unwrap();
-        assert_bit_identical(
-            label,
-            &format!("seq {b} seeded state"),
-            &host_state(cpu),
-            &state[b * sf..(b + 1) * sf],
-        );
-        let gp = gpu.download(&pooled).unwrap();
-        let entries = self.cache.entries(gpu);
-        let cap = self.caps[b] as usize;
-        for (j, cpu_j) in cpu_pooled.iter().enumerate() {
-            let gpu_j = &gp[j * d..(j + 1) * d];
-            self.pooled_differ += compare_pooled(label, j, shape.rows(), cpu_j, gpu_j);
-            self.pooled_compared += d;
-            if j < cap {
-                let slot = b * self.slots_per_seq + j;
-                self.written.push(slot);
-                check_entry(
-                    label,
-                    &self.model,
-                    self.layer,
-                    &self.lc,
-                    j,
-                    (cpu_j, gpu_j),
-                    &entries[slot],
-                );
-            }
-        }
-        let err = gpu.download(&self.error).unwrap()[0];
-        assert_eq!(
-            err,
-            err_before | (n / m > cap) as u32,
-            "{label}: error word after the prefill"
-        );
-    }
 }
 
-/// Prefill every sequence that is not idle with `prefill` tokens (none when 0), then drive `steps` decode steps:
-/// sequence b, given as (start step, capacity), is at position prefill + step - start (before its start: an
-/// empty row, -1; start `i32::MAX`: idle, always -1, its state poisoned). With `graph`, one step is captured and
+/// Drive `steps` decode steps: sequence b, given as (start step, capacity), is at position step - start (before its
+/// start: an empty row, -1; start `i32::MAX`: idle, always -1, its state poisoned). With `graph`, one step is captured and
 /// replayed with the new inputs and positions written between replays.
 fn run_decode(
     label: &str,
     layer: usize,
     kind: CompressorKind,
     seqs: &[(i32, i32)],
-    prefill: usize,
     steps: i32,
     graph: bool,
 ) {
@@ -564,17 +482,12 @@ fn run_decode(
                     if t < 0 {
                         -1
                     } else {
-                        t + prefill as i32
+                        t
                     }
                 }
             })
             .collect()
     };
-    if prefill > 0 {
-        for b in (0..rig.batch).filter(|&b| !idle[b]) {
-            rig.prefill(&gpu, &mut rng, &format!("{label} prefill"), b, prefill);
-        }
-    }
     let cuda_graph = if graph {
         // Resolve the kernel with a plain call on empty rows first (nothing changes), then capture.
         let pos = vec![-1; rig.batch];
@@ -614,7 +527,7 @@ const CSA_SEQS: [(i32, i32); 3] = [(0, 4), (2, 2), (i32::MAX, 3)];
 const CSA_STEPS: i32 = 4 * 4;
 
 fn csa_decode(label: &str, kind: CompressorKind, graph: bool) {
-    run_decode(label, CSA_LAYER, kind, &CSA_SEQS, 0, CSA_STEPS, graph);
+    run_decode(label, CSA_LAYER, kind, &CSA_SEQS, CSA_STEPS, graph);
 }
 
 #[test]
@@ -653,7 +566,6 @@ fn gpu_decode_hca_main_matches_cpu_across_two_emissions() {
         HCA_LAYER,
         CompressorKind::HcaMain,
         &[(0, 2), (5, 1)],
-        0,
         2 * 128 + 7,
         false,
     );
@@ -759,93 +671,6 @@ fn gpu_decode_cluster_equals_one_cta_kernel_bitwise() {
             "{label}: {steps} steps, {emitted} emissions, bit-identical to the one-CTA kernel"
         );
     }
-}
-
-// ---- GPU: prefill ----------------------------------------------------------------------------------------------
-
-/// Prefill of n tokens against n CPU pushes (Model::prefill's state equals n decode steps'): every block's entry
-/// and pooled values, the seeded state, the error bit past capacity, unwritten slots poisoned; then `steps`
-/// decode steps continuing from position n.
-fn prefill_then_decode(
-    label: &str,
-    layer: usize,
-    kind: CompressorKind,
-    n: usize,
-    cap: i32,
-    steps: i32,
-) {
-    run_decode(
-        label,
-        layer,
-        kind,
-        &[(0, cap), (i32::MAX, 1)],
-        n,
-        steps,
-        false,
-    );
-}
-
-#[test]
-#[ignore = "needs an H100/H200"]
-fn gpu_prefill_csa_main_matches_cpu() {
-    // 5 blocks and 3 tokens of a sixth; capacity 4 refuses the fifth entry.
-    prefill_then_decode(
-        "gpu_prefill_csa_main",
-        CSA_LAYER,
-        CompressorKind::CsaMain,
-        23,
-        4,
-        0,
-    );
-    // 2 blocks and 3 tokens, then decode t = 11..=20: the first emission pools the 3 seeded rows and the 4 rows of
-    // the previous block that the prefill left in the state.
-    prefill_then_decode(
-        "gpu_prefill_csa_main_then_decode",
-        CSA_LAYER,
-        CompressorKind::CsaMain,
-        11,
-        5,
-        10,
-    );
-}
-
-#[test]
-#[ignore = "needs an H100/H200"]
-fn gpu_prefill_csa_index_matches_cpu() {
-    for (name, f) in [("fp8", KeyFormat::Fp8), ("mxfp4", KeyFormat::Mxfp4)] {
-        let kind = CompressorKind::CsaIndex(f);
-        prefill_then_decode(
-            &format!("gpu_prefill_csa_index_{name}"),
-            CSA_LAYER,
-            kind,
-            22,
-            8,
-            6,
-        );
-    }
-}
-
-#[test]
-#[ignore = "needs an H100/H200"]
-fn gpu_prefill_hca_main_matches_cpu() {
-    // Two blocks and 5 tokens; capacity 1 refuses the second entry.
-    prefill_then_decode(
-        "gpu_prefill_hca_main",
-        HCA_LAYER,
-        CompressorKind::HcaMain,
-        2 * 128 + 5,
-        1,
-        0,
-    );
-    // Fewer tokens than one block, then decode across the first emission (t = 100..=130).
-    prefill_then_decode(
-        "gpu_prefill_hca_main_short",
-        HCA_LAYER,
-        CompressorKind::HcaMain,
-        100,
-        2,
-        31,
-    );
 }
 
 // ---- GPU: a chunk continuing a sequence (the engine's chunked prefill) ------------------------------------------

@@ -1,6 +1,6 @@
 //! The KV compressors of DeepSeek-V4 (dsv4-architecture §3.7) on the GPU (kernels/compressor.cu): the
-//! decode-time state update that emits a compressed entry every `m` tokens, the blockwise prefill, and the state
-//! seeding after a prefill. CPU oracle: `model::reference::{CompressorState, pool_softmax}` and
+//! decode-time state update that emits a compressed entry every `m` tokens, and a chunk of one sequence continuing its
+//! state (the chunked prefill). CPU oracle: `model::reference::{CompressorState, pool_softmax}` and
 //! `Model::{compressor_inputs, finalize_entry}` (glue in [`reference`]).
 //!
 //! Contract, for a compressor of ratio m and d channels ([`CompressorKind`]: CSA main m = 4, d = 512,
@@ -10,13 +10,11 @@
 //!   `[m, W]` is added to the gate here (score = gate + ape[t mod m]).
 //! * Device state per sequence ([`CompressorShape::state_floats`] f32): CompressorState's `kv` then `score`, each
 //!   `[coff*m, W]` row-major, bit for bit the CPU state after the same tokens ([`reference::host_state`]). An empty
-//!   state is kv 0, score -inf ([`prefill`] with 0 tokens, or [`reference::host_state`] of a new state).
+//!   state is kv 0, score -inf ([`reference::host_state`] of a new state, uploaded).
 //! * Decode ([`decode_step`]): `positions[b]` (device) is sequence b's position t; t < 0 leaves everything of
 //!   row b untouched. When (t + 1) % m == 0 the kernel pools, finalizes and stores entry j = (t+1)/m - 1 at slot
 //!   `base[b] + j` of the cache, only if `j < capacity[b]` and the slot is inside the cache; otherwise it writes no
 //!   entry and sets bit 0 of `error` (never cleared by the kernels; the host reads it after the step).
-//! * Prefill ([`prefill`], one sequence): entries j < n/m of a prompt of `n_tokens` (device) tokens at
-//!   `base[0] + j` (same capacity rule), then the state exactly as n decode steps leave it.
 //! * Chunk ([`chunk`], one sequence): n tokens at positions `p0..p0 + n` (`positions[0]` = p0, device) continuing
 //!   the sequence's state: the entries and the state of n decode steps, bit for bit (the same pooling in the same
 //!   order; the state moves are copies), in two launches instead of n (the engine's chunked prefill).
@@ -52,8 +50,8 @@ pub const MAIN_DIM: usize = 512;
 pub const INDEX_DIM: usize = 128;
 /// RoPE dims at the end of every entry (rope_head_dim): the kernels take `ROPE_DIMS / 2` f64 frequencies.
 pub const ROPE_DIMS: usize = 64;
-/// Block size of the seeding kernel.
-const SEED_THREADS: u32 = 256;
+/// Block size of the chunk's state kernel (compressor_chunk_state).
+const STATE_THREADS: u32 = 256;
 
 /// Which compressor: its channel count, overlap and entry format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,9 +91,6 @@ impl CompressorKind {
     }
     fn decode_kernel(self) -> String {
         format!("compressor_decode_{}", self.name())
-    }
-    fn prefill_kernel(self) -> String {
-        format!("compressor_prefill_{}", self.name())
     }
     fn chunk_kernel(self) -> String {
         format!("compressor_chunk_entries_{}", self.name())
@@ -320,7 +315,7 @@ fn check_weights(shape: &CompressorShape, w: &CompressorWeights) -> Result<()> {
     check_len(&w.freqs, ROPE_DIMS / 2, "RoPE frequencies")
 }
 
-/// The parameters the decode and prefill kernels share after their inputs, in their order: norm_w, freqs, eps,
+/// The parameters the decode kernels take after their inputs, in their order: norm_w, freqs, eps,
 /// base, capacity, n_slots, out_codes, out_scales, pooled_out, error.
 fn push_finalize_args(
     a: &mut KernelArgs,
@@ -464,9 +459,8 @@ pub fn decode_step_with(
     }
 }
 
-/// The arguments of the two kernels that write a sequence's state rows from its inputs (`compressor_seed_state`,
-/// `compressor_chunk_state`): kv, gate, ape, then `at` (the prefill's token count or the chunk's first position,
-/// read on the device), the rows `n`, the ratio, W, the overlap flag and the state.
+/// The arguments of `compressor_chunk_state`: kv, gate, ape, then `at` (the chunk's first position, read on the
+/// device), the rows `n`, the ratio, W, the overlap flag and the state.
 fn state_rows_args(
     shape: &CompressorShape,
     w: &CompressorWeights,
@@ -487,92 +481,6 @@ fn state_rows_args(
         .i32(shape.kind.overlap() as i32)
         .buf(state);
     a
-}
-
-/// The device buffers of the prefill of one sequence.
-#[derive(Clone, Copy, Debug)]
-pub struct PrefillIo {
-    /// Token capacity: kv/gate rows, and the grid (max_tokens / m blocks).
-    pub max_tokens: usize,
-    /// f32 `[max_tokens, W]` each (the raw gate, without ape).
-    pub kv: DevBuf<f32>,
-    pub gate: DevBuf<f32>,
-    /// i32 `[1]`: the prompt's token count n, read on the device (a value above max_tokens acts as max_tokens).
-    pub n_tokens: DevBuf<i32>,
-    /// f32 `[state_floats]`: the sequence's state, fully overwritten.
-    pub state: DevBuf<f32>,
-    /// `[1]` each.
-    pub slots: EntrySlots,
-    pub cache: EntryCache,
-    /// Optional probe: pooled f32 `[max_tokens / m, d]`.
-    pub pooled: Option<DevBuf<f32>>,
-    pub error: DevBuf<u32>,
-}
-
-/// Prefill of one sequence whose prompt starts at position 0 (its state is overwritten, whatever it held): every
-/// complete block's entry (grid max_tokens / m), then the state seeded exactly as n decode steps leave it (grid
-/// coff*m rows). Two launches on `stream`; for a sequence of a batch pass its state slice
-/// (`state.sub(b * state_floats, state_floats)`) and its base / capacity elements.
-pub fn prefill(
-    gpu: &Gpu,
-    stream: &Stream,
-    shape: &CompressorShape,
-    w: &CompressorWeights,
-    io: &PrefillIo,
-) -> Result<()> {
-    shape.check()?;
-    check_weights(shape, w)?;
-    ensure!(
-        (1..=i32::MAX as usize / shape.width()).contains(&io.max_tokens),
-        "compressor: prefill token capacity {}",
-        io.max_tokens
-    );
-    let n = io.max_tokens;
-    check_len(&io.kv, n * shape.width(), "kv [n, W]")?;
-    check_len(&io.gate, n * shape.width(), "gate [n, W]")?;
-    check_len(&io.n_tokens, 1, "n_tokens [1]")?;
-    check_len(&io.state, shape.state_floats(), "state")?;
-    check_len(&io.slots.base, 1, "base [1]")?;
-    check_len(&io.slots.capacity, 1, "capacity [1]")?;
-    let blocks = n / shape.ratio;
-    if let Some(p) = &io.pooled {
-        check_len(p, blocks * shape.dim(), "pooled probe [blocks, d]")?;
-    }
-    check_len(&io.error, 1, "error word")?;
-    io.cache.check(shape.kind)?;
-    let k_blocks = gpu.kernel(FAMILY, &shape.kind.prefill_kernel())?;
-    let k_seed = gpu.kernel(FAMILY, "compressor_seed_state")?;
-    if blocks > 0 {
-        let mut a = KernelArgs::new();
-        a.buf(&io.kv)
-            .buf(&io.gate)
-            .buf(&w.ape)
-            .buf(&io.n_tokens)
-            .i32(shape.ratio as i32);
-        push_finalize_args(&mut a, w, &io.slots, &io.cache, &io.pooled, &io.error);
-        // SAFETY: arguments in the kernel's order (COMPRESSOR_PREFILL_PARAMS); kv/gate hold max_tokens rows and
-        // CTA j < max_tokens / m reads tokens < (j + 1) * m <= max_tokens; slots are bounded by the cache's entry
-        // count.
-        unsafe {
-            launch(
-                stream,
-                &k_blocks,
-                Launch::new((blocks as u32, 1, 1), (shape.dim() as u32, 1, 1)),
-                &mut a,
-            )?
-        };
-    }
-    let mut a = state_rows_args(shape, w, &io.kv, &io.gate, &io.n_tokens, n, &io.state);
-    // SAFETY: arguments in the kernel's order; the state holds coff*m rows of W (checked); the kernel clamps n to
-    // max_tokens, the rows kv/gate hold.
-    unsafe {
-        launch(
-            stream,
-            &k_seed,
-            Launch::new((shape.rows() as u32, 1, 1), (SEED_THREADS, 1, 1)),
-            &mut a,
-        )
-    }
 }
 
 /// The device buffers of a chunk of one sequence ([`chunk`]).
@@ -658,7 +566,7 @@ pub fn chunk(
         launch(
             stream,
             &k_state,
-            Launch::new((shape.ratio as u32, 1, 1), (SEED_THREADS, 1, 1)),
+            Launch::new((shape.ratio as u32, 1, 1), (STATE_THREADS, 1, 1)),
             &mut a,
         )
     }
@@ -707,10 +615,7 @@ mod tests {
     #[test]
     fn every_launched_entry_point_is_compiled() {
         let src = crate::gpu::module::find(FAMILY).unwrap();
-        let mut names = vec![
-            "compressor_seed_state".to_string(),
-            "compressor_chunk_state".to_string(),
-        ];
+        let mut names = vec!["compressor_chunk_state".to_string()];
         for kind in [
             CompressorKind::CsaMain,
             CompressorKind::HcaMain,
@@ -719,7 +624,6 @@ mod tests {
         ] {
             names.push(kind.decode_kernel());
             names.push(format!("{}_one_cta", kind.decode_kernel()));
-            names.push(kind.prefill_kernel());
             names.push(kind.chunk_kernel());
         }
         for n in &names {
@@ -735,8 +639,8 @@ mod tests {
             "compressor_decode_csa_index_fp8"
         );
         assert_eq!(
-            CompressorKind::HcaMain.prefill_kernel(),
-            "compressor_prefill_hca_main"
+            CompressorKind::HcaMain.chunk_kernel(),
+            "compressor_chunk_entries_hca_main"
         );
     }
 }
