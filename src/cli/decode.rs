@@ -247,6 +247,17 @@ pub struct DecodeSummary {
     pub profile: Vec<(String, f64, usize, f64)>,
     /// The same step by kernel: (entry point, us summed over its launches, launches).
     pub kernel_profile: Vec<(String, f64, usize)>,
+    /// After a chunked prefill: one more chunk of sequence 0 profiled (its rows, its first position, the groups
+    /// and the kernels as in the step's tables).
+    pub prefill_profile: Option<PrefillChunkProfile>,
+}
+
+/// One profiled prefill chunk ([`Engine::profile_prefill_chunk`]).
+pub struct PrefillChunkProfile {
+    pub rows: usize,
+    pub position: usize,
+    pub groups: Vec<(String, f64, usize)>,
+    pub kernels: Vec<(String, f64, usize)>,
 }
 
 impl DecodeSummary {
@@ -427,6 +438,36 @@ fn against_floor(
     Ok(())
 }
 
+/// After a chunked prefill and the timed steps: one more chunk of sequence 0 (as many rows as the prefill's chunks,
+/// tokens from its prompt, cycled) at its next position, profiled like the step, so the report can show where a
+/// chunk's time goes. None when the prefill ran token by token or the context has no room left for the chunk.
+fn profile_next_chunk(
+    gpu: &Gpu,
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+) -> Result<Option<PrefillChunkProfile>> {
+    let Some(rows) = engine.prefill_state.as_ref().map(|p| p.rows) else {
+        return Ok(None);
+    };
+    let position = gpu.download(&engine.state.positions)?[0].max(0) as usize;
+    if rows < 2 || position + rows > engine.state.shape.context {
+        eprintln!(
+            "prefill chunk profile: skipped ({rows} rows from position {position} in a context of {})",
+            engine.state.shape.context
+        );
+        return Ok(None);
+    }
+    let p = &prompts[0];
+    let toks: Vec<u32> = (0..rows).map(|i| p[i % p.len()]).collect();
+    let prof = engine.profile_prefill_chunk(gpu, 0, &toks, position)?;
+    Ok(Some(PrefillChunkProfile {
+        rows,
+        position,
+        groups: prof.groups,
+        kernels: prof.kernels,
+    }))
+}
+
 /// One point: prefill (or start at the end of the context), the timed steps, one profiled step, the checks.
 fn time_point(
     gpu: &Gpu,
@@ -469,6 +510,11 @@ fn time_point(
     };
     let (groups, kernel_profile) =
         profile.map_or((Vec::new(), Vec::new()), |p| (p.groups, p.kernels));
+    let prefill_profile = if ttft_s.is_some() && !crate::progress::interrupted() {
+        profile_next_chunk(gpu, engine, prompts)?
+    } else {
+        None
+    };
     let err = engine.state.read_error(&gpu.stream)?;
     ensure!(
         err == 0,
@@ -496,6 +542,7 @@ fn time_point(
                 })
                 .collect(),
             kernel_profile,
+            prefill_profile,
         },
     })
 }
@@ -648,7 +695,10 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         cfg.n_layers
     );
     print_profile(&s.profile, cfg.n_layers);
-    print_kernel_profile(&s.kernel_profile);
+    print_kernel_profile("step", &s.kernel_profile);
+    if let Some(c) = &s.prefill_profile {
+        print_chunk_profile(c, cfg.n_layers);
+    }
 }
 
 /// The profiled step: device time per group of kernels (summed over the layers), in step order, beside the
@@ -681,9 +731,26 @@ fn print_profile(groups: &[(String, f64, usize, f64)], layers: usize) {
     println!("{:<74} {total:>9.1}", "step (sum of groups)");
 }
 
+/// The profiled prefill chunk: its groups in order (no byte floors: a chunk's weight bytes are the step's, its KV
+/// traffic is not), then its kernels as [`print_kernel_profile`] prints the step's.
+fn print_chunk_profile(c: &PrefillChunkProfile, layers: usize) {
+    let total: f64 = c.groups.iter().map(|g| g.1).sum();
+    println!(
+        "\none prefill chunk of {} rows of sequence 0 from position {} by kernel group (eager launches with an event \
+         after each group; {layers} layers; run after the timed steps):",
+        c.rows, c.position
+    );
+    println!("{:<74} {:>9} {:>5} {:>6}", "group", "us", "runs", "%");
+    for (name, us, n) in &c.groups {
+        println!("{name:<74} {us:>9.1} {n:>5} {:>5.1}%", 100.0 * us / total);
+    }
+    println!("{:<74} {total:>9.1}", "chunk (sum of groups)");
+    print_kernel_profile("chunk", &c.kernels);
+}
+
 /// The profiled step by kernel, the most time first: each entry point's time (from the end of the kernel before
 /// it, so the launch gap counts) summed over its launches.
-fn print_kernel_profile(kernels: &[(String, f64, usize)]) {
+fn print_kernel_profile(what: &str, kernels: &[(String, f64, usize)]) {
     if kernels.is_empty() {
         return;
     }
@@ -691,8 +758,8 @@ fn print_kernel_profile(kernels: &[(String, f64, usize)]) {
     let mut sorted: Vec<&(String, f64, usize)> = kernels.iter().collect();
     sorted.sort_by(|a, b| b.1.total_cmp(&a.1));
     println!(
-        "
-the same step by kernel (an event after every kernel; a kernel's time runs from the end of the one before          it, so the gap between them counts; the event nodes' own cost inflates both tables):"
+        "\nthe same {what} by kernel (an event after every kernel; a kernel's time runs from the end of the one \
+         before it, so the gap between them counts; the event nodes' own cost inflates both tables):"
     );
     println!(
         "{:<52} {:>9} {:>8} {:>10} {:>6}",
@@ -707,7 +774,7 @@ the same step by kernel (an event after every kernel; a kernel's time runs from 
     }
     println!(
         "{:<52} {total:>9.1} {:>8}",
-        "step (sum of kernels)",
+        format!("{what} (sum of kernels)"),
         kernels.iter().map(|k| k.2).sum::<usize>()
     );
 }

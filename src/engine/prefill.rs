@@ -26,7 +26,7 @@
 use crate::engine::attn::AttnHalf;
 use crate::engine::cache::{KvPool, RowTables};
 use crate::engine::ffn::FfnHalf;
-use crate::engine::io::{LayerIo, StepShape};
+use crate::engine::io::{group, LayerIo, StepMarks, StepShape};
 use crate::engine::plan::PREFILL_CHUNK_MAX;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
@@ -103,6 +103,8 @@ pub struct PrefillState {
     pub tables: Vec<RowTables>,
     /// Tokens a sequence holds (the decode state's context).
     context: usize,
+    /// Events marking the kernel groups of a profiled chunk (`Engine::profile_prefill_chunk`); None otherwise.
+    pub marks: Option<StepMarks>,
 }
 
 impl PrefillState {
@@ -168,6 +170,7 @@ impl PrefillState {
             context,
             rows,
             config: cfg,
+            marks: None,
         })
     }
 
@@ -230,6 +233,9 @@ impl PrefillState {
             vocab: self.config.vocab_size,
             dim: self.config.dim,
         };
+        if let Some(m) = &self.marks {
+            m.mark(stream, "start")?;
+        }
         head::embed_tokens(
             gpu,
             stream,
@@ -239,6 +245,9 @@ impl PrefillState {
             &self.x,
             &self.error,
         )?;
+        if let Some(m) = &self.marks {
+            m.mark(stream, group::EMBED)?;
+        }
         for (layer, caches) in caches.layers.iter().enumerate() {
             let rows = &self.tables[layer];
             let attn_io = LayerIo {
@@ -249,7 +258,7 @@ impl PrefillState {
                 caches,
                 rows,
                 chunk_rows: Some(real),
-                marks: None,
+                marks: self.marks.as_ref(),
             };
             self.attn.run(gpu, stream, weights, layer, &attn_io)?;
             let ffn_io = LayerIo {

@@ -354,6 +354,50 @@ impl<'w> Engine<'w> {
         })
     }
 
+    /// One prefill chunk of sequence `seq`, tokens `toks` at positions `pos0..`, run eagerly with an event after
+    /// each group of kernels and one after every kernel (the prefill state's `marks` and the launch marks): the
+    /// device time of each group and of each kernel, summed over the layers by name, as in [`Engine::profile_step`].
+    /// A real chunk: the sequence's caches and compressor states advance, so it belongs after a run's timed steps
+    /// (at the sequence's next position), not inside one. Needs the chunked prefill's state (a prefill with a
+    /// chunk above 1 built it) of at least `toks.len()` rows.
+    pub fn profile_prefill_chunk(
+        &mut self,
+        gpu: &Gpu,
+        seq: usize,
+        toks: &[u32],
+        pos0: usize,
+    ) -> Result<ProfiledStep> {
+        let stream = gpu.stream.clone();
+        let ps = self
+            .prefill_state
+            .as_mut()
+            .filter(|p| p.rows >= toks.len())
+            .ok_or_else(|| {
+                anyhow!(
+                    "profiling a prefill chunk of {} rows needs a chunked prefill state of as many rows",
+                    toks.len()
+                )
+            })?;
+        ps.marks = Some(StepMarks::new(&stream));
+        let kernel_marks = std::rc::Rc::new(StepMarks::new(&stream));
+        let (weights, caches) = (self.weights, &self.state.caches);
+        let run = crate::gpu::launch::with_launch_marks(kernel_marks.clone(), || {
+            kernel_marks.mark(&stream, "start")?;
+            ps.run_chunk(gpu, &stream, weights, caches, seq, toks, pos0)
+        });
+        let marks = ps.marks.take().expect("marks set above");
+        run?;
+        stream
+            .synchronize()
+            .map_err(|e| anyhow!("profiled prefill chunk: {e:?}"))?;
+        let e = ps.read_error(&stream)?;
+        ensure!(e == 0, "the profiled prefill chunk set error bits {e:#x}");
+        Ok(ProfiledStep {
+            groups: sum_by_name(marks.durations()?),
+            kernels: sum_by_name(kernel_marks.durations()?),
+        })
+    }
+
     /// Whether any sequence is still running (reads the sampler's status; waits for the stream).
     pub fn any_running(&self, gpu: &Gpu) -> Result<bool> {
         let status = arena::download(&gpu.stream, &self.state.ws.sampler.status)?;
