@@ -694,57 +694,63 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         s.kernels as f64 / cfg.n_layers as f64,
         cfg.n_layers
     );
-    print_profile(&s.profile, cfg.n_layers);
+    print_profile(
+        &format!(
+            "one step by kernel group (a graph replay with an event after each group; {} layers; floor = the \
+             group's bytes at the copy bandwidth)",
+            cfg.n_layers
+        ),
+        &s.profile,
+    );
     print_kernel_profile("step", &s.kernel_profile);
     if let Some(c) = &s.prefill_profile {
         print_chunk_profile(c, cfg.n_layers);
     }
 }
 
-/// The profiled step: device time per group of kernels (summed over the layers), in step order, beside the
-/// group's byte floor at the copy bandwidth of this run.
-fn print_profile(groups: &[(String, f64, usize, f64)], layers: usize) {
+/// A profiled run's groups of kernels (summed over the layers), in run order, each beside its byte floor at the copy
+/// bandwidth of this run (a floor of 0, a group that reads no counted bytes or a run without floors, prints "-").
+fn print_profile(title: &str, groups: &[(String, f64, usize, f64)]) {
     if groups.is_empty() {
         return;
     }
     let total: f64 = groups.iter().map(|g| g.1).sum();
-    println!(
-        "\none step by kernel group (a graph replay with an event after each group; {layers} layers; floor = the \
-         group's bytes at the copy bandwidth):"
-    );
+    println!("\n{title}:");
     println!(
         "{:<74} {:>9} {:>5} {:>6} {:>9} {:>7}",
         "group", "us", "runs", "%", "floor us", "x floor"
     );
     for (name, us, n, floor) in groups {
         let (us, n, floor) = (*us, *n, *floor);
-        let ratio = if floor > 0.0 {
-            format!("{:.1}", us / floor)
+        let (floor, ratio) = if floor > 0.0 {
+            (format!("{floor:.1}"), format!("{:.1}", us / floor))
         } else {
-            "-".into()
+            ("-".into(), "-".into())
         };
         println!(
-            "{name:<74} {us:>9.1} {n:>5} {:>5.1}% {floor:>9.1} {ratio:>7}",
+            "{name:<74} {us:>9.1} {n:>5} {:>5.1}% {floor:>9} {ratio:>7}",
             100.0 * us / total
         );
     }
-    println!("{:<74} {total:>9.1}", "step (sum of groups)");
+    println!("{:<74} {total:>9.1}", "sum of groups");
 }
 
-/// The profiled prefill chunk: its groups in order (no byte floors: a chunk's weight bytes are the step's, its KV
-/// traffic is not), then its kernels as [`print_kernel_profile`] prints the step's.
+/// The profiled prefill chunk: its groups in order without byte floors (a chunk's weight bytes are the step's, its
+/// KV traffic is not), then its kernels.
 fn print_chunk_profile(c: &PrefillChunkProfile, layers: usize) {
-    let total: f64 = c.groups.iter().map(|g| g.1).sum();
-    println!(
-        "\none prefill chunk of {} rows of sequence 0 from position {} by kernel group (eager launches with an event \
-         after each group; {layers} layers; run after the timed steps):",
-        c.rows, c.position
+    let groups: Vec<(String, f64, usize, f64)> = c
+        .groups
+        .iter()
+        .map(|(g, us, n)| (g.clone(), *us, *n, 0.0))
+        .collect();
+    print_profile(
+        &format!(
+            "one prefill chunk of {} rows of sequence 0 from position {} by kernel group (eager launches with an \
+             event after each group; {layers} layers; run after the timed steps)",
+            c.rows, c.position
+        ),
+        &groups,
     );
-    println!("{:<74} {:>9} {:>5} {:>6}", "group", "us", "runs", "%");
-    for (name, us, n) in &c.groups {
-        println!("{name:<74} {us:>9.1} {n:>5} {:>5.1}%", 100.0 * us / total);
-    }
-    println!("{:<74} {total:>9.1}", "chunk (sum of groups)");
     print_kernel_profile("chunk", &c.kernels);
 }
 

@@ -330,28 +330,22 @@ impl<'w> Engine<'w> {
         let stream = gpu.stream.clone();
         self.capture_decode_step(gpu)?;
         self.state.marks = Some(StepMarks::new(&stream));
-        let kernel_marks = std::rc::Rc::new(StepMarks::new(&stream));
         let (state, weights) = (&mut self.state, self.weights);
-        let graph = crate::gpu::launch::with_launch_marks(kernel_marks.clone(), || {
+        let (graph, kernel_marks) = with_kernel_marks(&stream, |marked| {
             capture_on(&stream, || {
-                // The start of the first kernel's interval.
-                kernel_marks.mark(&stream, "start")?;
+                marked()?;
                 state.decode_step(gpu, &stream, weights)
             })
         });
         let marks = self.state.marks.take().expect("marks set above");
-        let graph = graph?;
-        graph
+        graph?
             .launch()
             .map_err(|e| anyhow!("profiled graph launch: {e:?}"))?;
         stream
             .synchronize()
             .map_err(|e| anyhow!("profiled step: {e:?}"))?;
         self.decode_steps_run += 1;
-        Ok(ProfiledStep {
-            groups: sum_by_name(marks.durations()?),
-            kernels: sum_by_name(kernel_marks.durations()?),
-        })
+        ProfiledStep::of(&marks, &kernel_marks)
     }
 
     /// One prefill chunk of sequence `seq`, tokens `toks` at positions `pos0..`, run eagerly with an event after
@@ -379,10 +373,9 @@ impl<'w> Engine<'w> {
                 )
             })?;
         ps.marks = Some(StepMarks::new(&stream));
-        let kernel_marks = std::rc::Rc::new(StepMarks::new(&stream));
         let (weights, caches) = (self.weights, &self.state.caches);
-        let run = crate::gpu::launch::with_launch_marks(kernel_marks.clone(), || {
-            kernel_marks.mark(&stream, "start")?;
+        let (run, kernel_marks) = with_kernel_marks(&stream, |marked| {
+            marked()?;
             ps.run_chunk(gpu, &stream, weights, caches, seq, toks, pos0)
         });
         let marks = ps.marks.take().expect("marks set above");
@@ -392,10 +385,7 @@ impl<'w> Engine<'w> {
             .map_err(|e| anyhow!("profiled prefill chunk: {e:?}"))?;
         let e = ps.read_error(&stream)?;
         ensure!(e == 0, "the profiled prefill chunk set error bits {e:#x}");
-        Ok(ProfiledStep {
-            groups: sum_by_name(marks.durations()?),
-            kernels: sum_by_name(kernel_marks.durations()?),
-        })
+        ProfiledStep::of(&marks, &kernel_marks)
     }
 
     /// Whether any sequence is still running (reads the sampler's status; waits for the stream).
@@ -425,6 +415,29 @@ impl<'w> Engine<'w> {
 pub struct ProfiledStep {
     pub groups: Vec<(String, f64, usize)>,
     pub kernels: Vec<(String, f64, usize)>,
+}
+
+impl ProfiledStep {
+    /// The group and kernel tables of a profiled run from its two sets of events (waits for them).
+    fn of(groups: &StepMarks, kernels: &StepMarks) -> Result<ProfiledStep> {
+        Ok(ProfiledStep {
+            groups: sum_by_name(groups.durations()?),
+            kernels: sum_by_name(kernels.durations()?),
+        })
+    }
+}
+
+/// Runs `work` with an event recorded after every kernel launched through `gpu::launch` (named by entry point,
+/// `with_launch_marks`); `work` calls the closure it is given once, where the first kernel's interval starts.
+/// Returns its result and the events.
+fn with_kernel_marks<R>(
+    stream: &crate::gpu::Stream,
+    work: impl FnOnce(&dyn Fn() -> Result<()>) -> R,
+) -> (R, std::rc::Rc<StepMarks>) {
+    let marks = std::rc::Rc::new(StepMarks::new(stream));
+    let start = || marks.mark(stream, "start");
+    let out = crate::gpu::launch::with_launch_marks(marks.clone(), || work(&start));
+    (out, marks)
 }
 
 /// Sums `(name, us)` intervals by name, in first-seen order, counting the runs.
