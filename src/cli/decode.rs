@@ -13,6 +13,7 @@ use crate::engine::plan::{resolve_model, PlanRequest};
 use crate::engine::report::{group_floor_bytes, StepBytes};
 use crate::engine::run::Engine;
 use crate::engine::{free_device_bytes, DeviceWeights, MemoryPlan, WeightSource};
+use crate::gpu::trace::{KernelSpan, Timeline};
 use crate::gpu::Gpu;
 use crate::model::sampler::SamplerConfig;
 use crate::ops::dense::route::DenseRoute;
@@ -33,10 +34,11 @@ pub struct DecodeArgs {
     /// list sweeps them.
     #[arg(long, value_delimiter = ',', default_value = "4096")]
     pub context: Vec<usize>,
-    /// Time the steps at the end of each context instead of after a prompt: every sequence starts at position
-    /// `context - max_new_tokens - 2` with zero KV entries and random indexer keys below it (the steps read the
-    /// bytes of a full context and the top-k selects among distinct scores, but the values are not a real
-    /// prompt's; no TTFT). How a 128K or 1M context is timed without prefilling it.
+    /// Time the steps at the end of each context instead of after a prompt: every sequence starts about
+    /// `max_new_tokens + 3` positions before the end (so that the profiled and traced steps after the timed ones
+    /// run where no compressor emits an entry), with zero KV entries and random indexer keys below it (the steps
+    /// read the bytes of a full context and the top-k selects among distinct scores, but the values are not a
+    /// real prompt's; no TTFT). How a 128K or 1M context is timed without prefilling it.
     #[arg(long)]
     pub at_context: bool,
     /// Prompt tokens per sequence (random ids), run through the layers before the first decode step.
@@ -143,11 +145,16 @@ impl DecodeArgs {
             self.max_new_tokens >= 1,
             "--max-new-tokens must be at least 1"
         );
-        // The timed steps plus the profiled one after them each take a position.
+        // The timed steps plus the profiled and the traced one after them each take a position; --at-context puts
+        // those two at the last positions of the context where no compressor emits (quiet_run).
         for &c in &self.context {
-            let first = if self.at_context { 1 } else { self.prompt_len };
+            let (first, last) = if self.at_context {
+                (1, quiet_run(&cfg, c - 1, STEPS_AFTER_TIMED))
+            } else {
+                (self.prompt_len, c - STEPS_AFTER_TIMED)
+            };
             ensure!(
-                first + self.max_new_tokens < c,
+                first + self.max_new_tokens <= last,
                 "a prompt of {first} tokens plus {} new tokens (and the profiled step) does not fit a context of \
                  {c} (raise --context)",
                 self.max_new_tokens,
@@ -245,6 +252,11 @@ pub struct DecodeSummary {
     pub kernels: usize,
     /// One profiled step: (kernel group, us summed over the layers, runs, the group's byte floor in us).
     pub profile: Vec<(String, f64, usize, f64)>,
+    /// The position the profiled step decoded (every sequence's); the traced step decoded the next one.
+    pub profile_position: usize,
+    /// The traced step's kernels in start order ([`Engine::trace_step`]); empty where this machine could not
+    /// trace.
+    pub trace: Vec<KernelSpan>,
     /// The same step by kernel: (entry point, us summed over its launches, launches).
     pub kernel_profile: Vec<(String, f64, usize)>,
     /// After a chunked prefill: one more chunk of sequence 0 profiled (its rows, its first position, the groups
@@ -346,6 +358,7 @@ fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<
         let point = time_point(gpu, &mut engine, &plan, args, &prompts, copy_gbps)?;
         print_report(gpu, &plan, args, &point);
         append_csv(&out, gpu, &plan, args, &point)?;
+        write_timeline(&out, &point)?;
         points.push(point);
     }
     plot_sweeps(&out, &plan.config.name, &gpu.info.name, &points)?;
@@ -468,6 +481,39 @@ fn profile_next_chunk(
     }))
 }
 
+/// Steps a point runs after its timed ones: the profiled step (event marks) and the traced one (CUPTI).
+const STEPS_AFTER_TIMED: usize = 2;
+
+/// The first of the last `len` consecutive positions `<= last` at which no compressor of `cfg` emits an entry
+/// (`(p + 1) % ratio != 0` for every ratio above 1), or `last + 1 - len` when there is no such run within a few
+/// positions. Emission positions of the ratios in use (4 and 128, 128 a multiple of 4) are one in four, so a run
+/// of up to 3 ends at most two positions below `last`. Saturates at 0.
+pub fn quiet_run(cfg: &crate::model::ModelConfig, last: usize, len: usize) -> usize {
+    let quiet = |p: usize| {
+        cfg.compress_ratios
+            .iter()
+            .all(|&m| m <= 1 || !(p + 1).is_multiple_of(m))
+    };
+    let first_of = |end: usize| (end + 1).saturating_sub(len);
+    (last.saturating_sub(8)..=last)
+        .rev()
+        .find(|&end| end + 1 >= len && (first_of(end)..=end).all(quiet))
+        .map_or(first_of(last), first_of)
+}
+
+/// Which compressor ratios of `cfg` emit an entry at position `p` (ascending, each once).
+fn emitting_ratios(cfg: &crate::model::ModelConfig, p: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = cfg
+        .compress_ratios
+        .iter()
+        .copied()
+        .filter(|&m| m > 1 && (p + 1).is_multiple_of(m))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 /// One point: prefill (or start at the end of the context), the timed steps, one profiled step, the checks.
 fn time_point(
     gpu: &Gpu,
@@ -481,7 +527,10 @@ fn time_point(
     // Every step samples: the first decode step, the timed steps and the profiled one.
     let params = SamplerParams::from_config(&SamplerConfig::greedy(), args.max_new_tokens + 2)?;
     let (start, ttft_s) = if args.at_context {
-        let start = context - args.max_new_tokens - 2;
+        // The profiled and the traced step (the last two) run where no compressor emits an entry: the steps most
+        // positions are (HCA emits at 1 position in 128, CSA at 1 in 4), not the one where every layer pools.
+        let start =
+            quiet_run(&plan.config, context - 1, STEPS_AFTER_TIMED) - args.max_new_tokens - 1;
         eprintln!("batch {batch}, context {context}: starting at position {start} (zero KV entries and random indexer keys below it)");
         let first: Vec<u32> = prompts
             .iter()
@@ -510,6 +559,15 @@ fn time_point(
     };
     let (groups, kernel_profile) =
         profile.map_or((Vec::new(), Vec::new()), |p| (p.groups, p.kernels));
+    let trace = if crate::progress::interrupted() {
+        Err(anyhow::anyhow!("interrupted"))
+    } else {
+        engine.trace_step(gpu)
+    };
+    let trace = trace.unwrap_or_else(|e| {
+        eprintln!("kernel timeline: not traced ({e:#})");
+        Vec::new()
+    });
     let prefill_profile = if ttft_s.is_some() && !crate::progress::interrupted() {
         profile_next_chunk(gpu, engine, prompts)?
     } else {
@@ -522,6 +580,7 @@ fn time_point(
     );
     // The floor at the median position of the timed steps.
     let mid = start + tpot.len() / 2;
+    let profile_position = start + tpot.len();
     let positions = vec![mid; batch];
     Ok(DecodePoint {
         batch,
@@ -542,6 +601,8 @@ fn time_point(
                 })
                 .collect(),
             kernel_profile,
+            profile_position,
+            trace,
             prefill_profile,
         },
     })
@@ -694,15 +755,25 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
         s.kernels as f64 / cfg.n_layers as f64,
         cfg.n_layers
     );
+    let emitting = emitting_ratios(cfg, s.profile_position);
+    let emits = if emitting.is_empty() {
+        "no compressor emits an entry".to_string()
+    } else {
+        format!("the compressors of ratio {emitting:?} emit an entry")
+    };
     print_profile(
         &format!(
-            "one step by kernel group (a graph replay with an event after each group; {} layers; floor = the \
-             group's bytes at the copy bandwidth)",
-            cfg.n_layers
+            "one step at position {} ({emits}) by kernel group (a graph replay with an event after each group; {} \
+             layers; floor = the group's bytes at the copy bandwidth)",
+            s.profile_position, cfg.n_layers
         ),
         &s.profile,
     );
-    print_kernel_profile("step", &s.kernel_profile);
+    if s.trace.is_empty() {
+        print_kernel_profile("step", &s.kernel_profile);
+    } else {
+        print_timeline(s, cfg.n_layers);
+    }
     if let Some(c) = &s.prefill_profile {
         print_chunk_profile(c, cfg.n_layers);
     }
@@ -783,6 +854,64 @@ fn print_kernel_profile(what: &str, kernels: &[(String, f64, usize)]) {
         format!("{what} (sum of kernels)"),
         kernels.iter().map(|k| k.2).sum::<usize>()
     );
+}
+
+/// The traced step by kernel: each kernel's own time as the GPU ran it, the idle time before its launches and the
+/// time it overlapped earlier kernels, beside the step's wall, busy and idle time and the timed steps' p50 (which
+/// the traced replay should match: tracing inserts nothing between kernels).
+fn print_timeline(s: &DecodeSummary, layers: usize) {
+    let t = Timeline::of(&s.trace);
+    let p50 = s.p50_us();
+    println!(
+        "\nthe next step (position {}) as the GPU ran it (a CUPTI kernel trace of one graph replay; nothing between \
+         the kernels):",
+        s.profile_position + 1
+    );
+    println!(
+        "wall {:.1} us (timed p50 {p50:.1}): kernels busy {:.1} us, idle {:.1} us ({:.2} us a launch over {} \
+         kernels, {:.1} a layer over {layers} layers)",
+        t.wall_us,
+        t.busy_us,
+        t.idle_us,
+        t.idle_us / t.kernels.max(1) as f64,
+        t.kernels,
+        t.kernels as f64 / layers.max(1) as f64,
+    );
+    // A kernel's share of the wall: the busy time it added (its own time less its overlap) and the idle time
+    // before it; the shares add up to the wall.
+    let share = |n: &crate::gpu::trace::NameTime| n.own_us - n.overlap_us + n.idle_before_us;
+    let mut rows: Vec<_> = t.by_name.iter().collect();
+    rows.sort_by(|a, b| share(b).total_cmp(&share(a)));
+    println!(
+        "{:<52} {:>8} {:>9} {:>9} {:>9} {:>9} {:>6}",
+        "kernel", "launches", "own us", "us/launch", "idle us", "overlap", "% wall"
+    );
+    for n in rows {
+        let name: String = n.name.chars().take(52).collect();
+        println!(
+            "{name:<52} {:>8} {:>9.1} {:>9.2} {:>9.1} {:>9.1} {:>5.1}%",
+            n.launches,
+            n.own_us,
+            n.own_us / n.launches as f64,
+            n.idle_before_us,
+            n.overlap_us,
+            100.0 * share(n) / t.wall_us.max(1e-9)
+        );
+    }
+}
+
+/// The traced step's kernels as `timeline-b<batch>-c<context>.csv` beside decode.csv (gpu::trace::spans_csv),
+/// when the run traced one.
+fn write_timeline(dir: &std::path::Path, p: &DecodePoint) -> Result<()> {
+    if p.summary.trace.is_empty() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("timeline-b{}-c{}.csv", p.batch, p.context));
+    std::fs::write(&path, crate::gpu::trace::spans_csv(&p.summary.trace))
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote the traced step's kernels to {}", path.display());
+    Ok(())
 }
 
 /// One row of parity.csv.
@@ -1029,6 +1158,46 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// The profiled and traced steps of an --at-context run land where no compressor emits: Flash's ratios are 4
+    /// and 128, so at the end of a 4K context position 4095 (4096 = 32 x 128) emits in every compressed layer and
+    /// 4092..=4094 in none.
+    #[test]
+    fn the_steps_after_the_timed_ones_avoid_emission_positions() {
+        let cfg = crate::model::ModelConfig::flash();
+        assert_eq!(emitting_ratios(&cfg, 4095), vec![4, 128]);
+        assert_eq!(emitting_ratios(&cfg, 4091), vec![4]);
+        assert!(emitting_ratios(&cfg, 4094).is_empty());
+        assert_eq!(quiet_run(&cfg, 4095, 1), 4094);
+        assert_eq!(quiet_run(&cfg, 4095, 2), 4093);
+        assert_eq!(quiet_run(&cfg, 4095, 3), 4092);
+        assert_eq!(quiet_run(&cfg, 4094, 2), 4093);
+        // 4091 emits: the run of two ending at or below 4092 is 4089..=4090.
+        assert_eq!(quiet_run(&cfg, 4092, 2), 4089);
+        // Every context finds its run ending at most two positions below its last.
+        for c in [4096usize, 32768, 131072, 1 << 20, 4097, 4099] {
+            let p = quiet_run(&cfg, c - 1, STEPS_AFTER_TIMED);
+            assert!(
+                p + STEPS_AFTER_TIMED + 2 >= c && p + STEPS_AFTER_TIMED <= c,
+                "context {c}: {p}"
+            );
+            for q in p..p + STEPS_AFTER_TIMED {
+                assert!(emitting_ratios(&cfg, q).is_empty(), "context {c}: {q}");
+            }
+        }
+        // A geometry without compressors: the last positions themselves; a context too short for the run: 0.
+        let mut swa = cfg.clone();
+        swa.compress_ratios.iter_mut().for_each(|m| *m = 0);
+        assert_eq!(quiet_run(&swa, 4095, 2), 4094);
+        assert_eq!(quiet_run(&swa, 0, 2), 0);
+        // --at-context with the timed steps ending right before the run fits; one more step does not.
+        let mut a = args(&[1], &[64]);
+        a.max_new_tokens =
+            quiet_run(&crate::model::ModelConfig::small(), 63, STEPS_AFTER_TIMED) - 1;
+        assert!(a.check().is_ok());
+        a.max_new_tokens += 1;
+        assert!(a.check().is_err());
+    }
+
     #[test]
     fn sweeps_are_l_shaped() {
         assert_eq!(args(&[1], &[4096]).points(), vec![(1, 4096)]);
@@ -1046,13 +1215,15 @@ mod tests {
     /// profiled one): 8 new tokens need a context of 10.
     #[test]
     fn every_context_must_hold_the_timed_steps() {
-        assert!(args(&[1], &[4096, 9]).check().is_err());
-        assert!(args(&[1], &[4096, 10]).check().is_ok());
-        let mut prompt = args(&[1], &[25]);
+        // --at-context, 8 timed steps: the first decode step, the timed ones, then the profiled and traced steps at
+        // two quiet positions (small's ratios are 4 and 128: 9..=10 for a context of 11; 10 has none late enough).
+        assert!(args(&[1], &[4096, 10]).check().is_err());
+        assert!(args(&[1], &[4096, 11]).check().is_ok());
+        let mut prompt = args(&[1], &[26]);
         prompt.at_context = false;
-        // A prompt of 16 + 8 timed steps + the profiled one: 25 positions.
+        // A prompt of 16 + 8 timed steps + the profiled and traced ones: 26 positions.
         assert!(prompt.check().is_ok());
-        prompt.context = vec![24];
+        prompt.context = vec![25];
         assert!(prompt.check().is_err());
     }
 }

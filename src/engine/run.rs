@@ -12,6 +12,7 @@ use crate::engine::step::DecodeState;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena;
 use crate::gpu::timing::{capture_on, TimingPlan};
+use crate::gpu::trace::{trace_kernels, KernelSpan};
 use crate::gpu::Gpu;
 use crate::model::weights::element_bits;
 use crate::ops::sampler::{SamplerParams, STATUS_RUNNING};
@@ -346,6 +347,37 @@ impl<'w> Engine<'w> {
             .map_err(|e| anyhow!("profiled step: {e:?}"))?;
         self.decode_steps_run += 1;
         ProfiledStep::of(&marks, &kernel_marks)
+    }
+
+    /// One decode step replayed from a graph captured for it while CUPTI records every kernel
+    /// ([`crate::gpu::trace`]): the step as the GPU runs it, launch gaps and PDL overlaps included, with nothing
+    /// inserted between its kernels. A real step: the state advances. Fails before any work where this machine
+    /// cannot trace (no libcupti, a refused trace); then the state is as it was.
+    pub fn trace_step(&mut self, gpu: &Gpu) -> Result<Vec<KernelSpan>> {
+        let stream = gpu.stream.clone();
+        self.capture_decode_step(gpu)?;
+        ensure!(
+            self.step_graph.is_some(),
+            "tracing a step needs the first decode step run (prefill or start_at) before it"
+        );
+        let (state, weights) = (&mut self.state, self.weights);
+        let ran = std::cell::Cell::new(false);
+        // A graph captured while tracing is on: whether CUPTI reports the kernel nodes of a graph instantiated
+        // before it was enabled is not something to depend on.
+        let traced = trace_kernels(|| {
+            let graph = capture_on(&stream, || state.decode_step(gpu, &stream, weights))?;
+            ran.set(true);
+            graph
+                .launch()
+                .map_err(|e| anyhow!("traced graph launch: {e:?}"))?;
+            stream
+                .synchronize()
+                .map_err(|e| anyhow!("traced step: {e:?}"))
+        });
+        if ran.get() {
+            self.decode_steps_run += 1;
+        }
+        Ok(traced?.1)
     }
 
     /// One prefill chunk of sequence `seq`, tokens `toks` at positions `pos0..`, run eagerly with an event after

@@ -1,6 +1,7 @@
 //! The GPU runtime: device discovery (an error, never a panic, when there is no driver or GPU), one
 //! context and one explicit stream, the registry of embedded kernel modules, typed launch helpers,
-//! CUDA-event timing, CUDA-graph capture and replay, an L2 flush, NVML telemetry and cuBLASLt GEMMs.
+//! CUDA-event timing, CUDA-graph capture and replay, CUPTI kernel timelines, an L2 flush, NVML telemetry and
+//! cuBLASLt GEMMs.
 //!
 //! Everything runs on a single non-default stream with cudarc's event tracking disabled (it is disabled
 //! before the first allocation), so launches carry no hidden waits and graph capture sees only our work.
@@ -13,6 +14,7 @@ pub mod module;
 pub mod telemetry;
 pub mod timing;
 pub mod tma;
+pub mod trace;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

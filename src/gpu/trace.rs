@@ -1,0 +1,335 @@
+//! Kernel timelines from CUPTI's activity API ([`trace_kernels`]): every kernel that some GPU work ran (graph
+//! kernel nodes and cuBLASLt's kernels included) with the GPU's own start and end timestamps. Unlike the event
+//! marks (`super::marks`), nothing is inserted between the kernels, so a graph replay keeps its launch gaps and
+//! its PDL overlaps, and a kernel's time is its own.
+//!
+//! CUPTI is loaded at run time (`libcupti.so.13`, CUDA 13.0's: the kernel records are read as that version's
+//! `CUpti_ActivityKernel10`); `scripts/gpu-bundle.sh` ships it beside the binary. Where it cannot be loaded or
+//! refuses to trace (some sandboxed machines), [`trace_kernels`] says why in its error and the caller goes on
+//! without a timeline. `CONCURRENT_KERNEL` records do not serialize kernels (the `KERNEL` kind would).
+
+use anyhow::{anyhow, bail, ensure, Result};
+use cudarc::cupti::sys as cupti;
+use std::sync::{Mutex, OnceLock};
+
+/// One kernel as the GPU ran it. Timestamps are the GPU's, in nanoseconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelSpan {
+    /// The kernel's entry point (as CUPTI reports it: cuBLASLt's are mangled C++ names).
+    pub name: String,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub stream: u32,
+}
+
+/// The CUPTI API version the kernel records are parsed for (cupti_version.h of CUDA 13.0: `CUPTI_API_VERSION`).
+/// Later 13.x versions keep `CUpti_ActivityKernel10` as the `CONCURRENT_KERNEL` record.
+const CUPTI_MAJOR: u32 = 13;
+const BUFFER_BYTES: usize = 8 << 20;
+const BUFFER_ALIGN: usize = 8;
+
+/// Spans of the completed buffers of the trace in progress.
+static SPANS: Mutex<Vec<KernelSpan>> = Mutex::new(Vec::new());
+/// One trace at a time (CUPTI's activity state is process-wide).
+static TRACE_LOCK: Mutex<()> = Mutex::new(());
+/// Callbacks are registered once per process.
+static CALLBACKS: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+
+fn buffer_layout() -> std::alloc::Layout {
+    std::alloc::Layout::from_size_align(BUFFER_BYTES, BUFFER_ALIGN).expect("constant layout")
+}
+
+extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max_records: *mut usize) {
+    // SAFETY: CUPTI passes valid out-pointers; the buffer is freed in buffer_completed, which CUPTI calls for
+    // every buffer it requested (at the latest on the forced flush of trace_kernels).
+    unsafe {
+        let p = std::alloc::alloc(buffer_layout());
+        *buffer = p;
+        *size = if p.is_null() { 0 } else { BUFFER_BYTES };
+        *max_records = 0; // as many as fit
+    }
+}
+
+extern "C" fn buffer_completed(
+    _ctx: cudarc::driver::sys::CUcontext,
+    _stream: u32,
+    buffer: *mut u8,
+    _size: usize,
+    valid: usize,
+) {
+    if buffer.is_null() {
+        return;
+    }
+    let spans = parse_buffer(buffer, valid);
+    if let Ok(mut s) = SPANS.lock() {
+        s.extend(spans);
+    }
+    // SAFETY: allocated by buffer_requested with this layout.
+    unsafe { std::alloc::dealloc(buffer, buffer_layout()) };
+}
+
+/// The kernel records of one completed buffer (other record kinds are skipped).
+fn parse_buffer(buffer: *mut u8, valid: usize) -> Vec<KernelSpan> {
+    let mut out = Vec::new();
+    let mut record: *mut cupti::CUpti_Activity = std::ptr::null_mut();
+    loop {
+        // SAFETY: `buffer` holds `valid` bytes of records CUPTI wrote; `record` walks them (null starts).
+        let r = unsafe { cupti::cuptiActivityGetNextRecord(buffer, valid, &mut record) };
+        if r != cupti::CUptiResult::CUPTI_SUCCESS {
+            break; // CUPTI_ERROR_MAX_LIMIT_REACHED: the end of the buffer
+        }
+        // SAFETY: every record starts with its kind.
+        let kind = unsafe { std::ptr::read_unaligned(record as *const cupti::CUpti_ActivityKind) };
+        if kind != cupti::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL {
+            continue;
+        }
+        // SAFETY: a CONCURRENT_KERNEL record of CUPTI 13 is a CUpti_ActivityKernel10 (checked version); packed,
+        // so read unaligned.
+        let k = unsafe { std::ptr::read_unaligned(record as *const cupti::CUpti_ActivityKernel10) };
+        let name = if k.name.is_null() {
+            "?".to_string()
+        } else {
+            // SAFETY: CUPTI's kernel names are NUL-terminated strings it owns for the process's life.
+            unsafe { std::ffi::CStr::from_ptr(k.name) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        out.push(KernelSpan {
+            name,
+            start_ns: k.start,
+            end_ns: k.end,
+            stream: k.streamId,
+        });
+    }
+    out
+}
+
+fn check(r: cupti::CUptiResult, what: &str) -> Result<()> {
+    ensure!(
+        r == cupti::CUptiResult::CUPTI_SUCCESS,
+        "CUPTI {what}: {r:?}"
+    );
+    Ok(())
+}
+
+/// Whether CUPTI can be loaded here, and its version is the one the records are parsed for.
+fn check_library() -> Result<()> {
+    // SAFETY: only tries to open the library.
+    ensure!(
+        unsafe { cupti::is_culib_present() },
+        "libcupti (CUDA {CUPTI_MAJOR}) not found on the library path (scripts/gpu-bundle.sh ships it under lib/)"
+    );
+    let mut v = 0u32;
+    // SAFETY: an out-pointer to a u32.
+    check(unsafe { cupti::cuptiGetVersion(&mut v) }, "version")?;
+    ensure!(
+        v / 10000 == CUPTI_MAJOR,
+        "libcupti's API version is {v}; the kernel records are read as CUPTI {CUPTI_MAJOR}.x's"
+    );
+    Ok(())
+}
+
+/// Runs `work` (which must wait for its GPU work before it returns) with CUPTI recording every kernel, and returns
+/// its result with the kernels in start order. An error before `work` runs (no CUPTI, a refused trace) says why;
+/// `work`'s own error is returned as is.
+pub fn trace_kernels<R>(work: impl FnOnce() -> Result<R>) -> Result<(R, Vec<KernelSpan>)> {
+    let _one = TRACE_LOCK
+        .lock()
+        .map_err(|_| anyhow!("a kernel trace panicked"))?;
+    check_library()?;
+    CALLBACKS
+        .get_or_init(|| {
+            // SAFETY: plain function pointers with CUPTI's signatures.
+            let r = unsafe {
+                cupti::cuptiActivityRegisterCallbacks(
+                    Some(buffer_requested),
+                    Some(buffer_completed),
+                )
+            };
+            check(r, "register callbacks").map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(|e| anyhow!(e))?;
+    SPANS
+        .lock()
+        .map_err(|_| anyhow!("span list poisoned"))?
+        .clear();
+    let kind = cupti::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
+    // SAFETY: plain API calls.
+    check(
+        unsafe { cupti::cuptiActivityEnable(kind) },
+        "enable kernel records",
+    )?;
+    let out = work();
+    let flush = unsafe {
+        cupti::cuptiActivityFlushAll(
+            cupti::CUpti_ActivityFlag::CUPTI_ACTIVITY_FLAG_FLUSH_FORCED as u32,
+        )
+    };
+    let disable = unsafe { cupti::cuptiActivityDisable(kind) };
+    let out = out?;
+    check(flush, "flush")?;
+    check(disable, "disable")?;
+    let mut spans = std::mem::take(&mut *SPANS.lock().map_err(|_| anyhow!("span list poisoned"))?);
+    if spans.is_empty() {
+        bail!("CUPTI recorded no kernel (kernel tracing may be unsupported on this machine)");
+    }
+    spans.sort_by_key(|s| (s.start_ns, s.end_ns));
+    Ok((out, spans))
+}
+
+/// A kernel timeline summarized: per kernel name, its launches, its own time, the idle time before its launches
+/// (from the latest end of any earlier kernel to its start) and the time it overlapped earlier kernels (PDL, a
+/// second stream); and the whole: wall time, busy time (the union of the spans), idle time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Timeline {
+    pub wall_us: f64,
+    pub busy_us: f64,
+    pub idle_us: f64,
+    pub kernels: usize,
+    /// Per name, in the order each first ran.
+    pub by_name: Vec<NameTime>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct NameTime {
+    pub name: String,
+    pub launches: usize,
+    /// Sum of the spans' own durations.
+    pub own_us: f64,
+    /// Sum over its launches of the idle time just before it.
+    pub idle_before_us: f64,
+    /// Sum over its launches of the time it ran beside an earlier kernel.
+    pub overlap_us: f64,
+}
+
+impl Timeline {
+    /// Summarizes spans in start order (as [`trace_kernels`] returns them).
+    pub fn of(spans: &[KernelSpan]) -> Timeline {
+        let mut by_name: Vec<NameTime> = Vec::new();
+        let mut index = std::collections::HashMap::new();
+        let (mut busy, mut idle) = (0u64, 0u64);
+        let mut frontier: Option<u64> = None; // latest end so far
+        for s in spans {
+            let own = s.end_ns.saturating_sub(s.start_ns);
+            let (gap, overlap, grow) = match frontier {
+                None => (0, 0, own),
+                Some(f) if s.start_ns >= f => (s.start_ns - f, 0, own),
+                Some(f) => (0, f.min(s.end_ns) - s.start_ns, s.end_ns.saturating_sub(f)),
+            };
+            busy += grow;
+            idle += gap;
+            frontier = Some(frontier.map_or(s.end_ns, |f| f.max(s.end_ns)));
+            let i = *index.entry(s.name.clone()).or_insert_with(|| {
+                by_name.push(NameTime {
+                    name: s.name.clone(),
+                    launches: 0,
+                    own_us: 0.0,
+                    idle_before_us: 0.0,
+                    overlap_us: 0.0,
+                });
+                by_name.len() - 1
+            });
+            let t = &mut by_name[i];
+            t.launches += 1;
+            t.own_us += own as f64 / 1e3;
+            t.idle_before_us += gap as f64 / 1e3;
+            t.overlap_us += overlap as f64 / 1e3;
+        }
+        let wall = match (spans.first(), frontier) {
+            (Some(first), Some(f)) => f - first.start_ns,
+            _ => 0,
+        };
+        Timeline {
+            wall_us: wall as f64 / 1e3,
+            busy_us: busy as f64 / 1e3,
+            idle_us: idle as f64 / 1e3,
+            kernels: spans.len(),
+            by_name,
+        }
+    }
+}
+
+/// The spans as CSV rows (`index,name,stream,start_us,end_us,duration_us,idle_before_us`), times from the first
+/// kernel's start.
+pub fn spans_csv(spans: &[KernelSpan]) -> String {
+    let mut out = String::from("index,name,stream,start_us,end_us,duration_us,idle_before_us\n");
+    let t0 = spans.first().map_or(0, |s| s.start_ns);
+    let mut frontier: Option<u64> = None;
+    for (i, s) in spans.iter().enumerate() {
+        let idle = frontier.map_or(0, |f| s.start_ns.saturating_sub(f));
+        frontier = Some(frontier.map_or(s.end_ns, |f| f.max(s.end_ns)));
+        let us = |ns: u64| (ns - t0) as f64 / 1e3;
+        out.push_str(&format!(
+            "{i},{},{},{:.3},{:.3},{:.3},{:.3}\n",
+            s.name,
+            s.stream,
+            us(s.start_ns),
+            us(s.end_ns),
+            s.end_ns.saturating_sub(s.start_ns) as f64 / 1e3,
+            idle as f64 / 1e3
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(name: &str, start: u64, end: u64) -> KernelSpan {
+        KernelSpan {
+            name: name.into(),
+            start_ns: start,
+            end_ns: end,
+            stream: 7,
+        }
+    }
+
+    /// Gaps count as idle before the kernel that follows them; an overlap (a PDL kernel starting before its
+    /// predecessor ends) counts once in busy time and as overlap of the later kernel; a kernel nested inside an
+    /// earlier one's span adds nothing to busy time.
+    #[test]
+    fn a_timeline_splits_wall_time_into_busy_and_idle() {
+        let spans = [
+            span("a", 1_000, 3_000),   // busy 2 us
+            span("b", 4_000, 9_000),   // idle 1 us before, busy 5
+            span("a", 8_000, 10_000),  // overlaps b by 1 us, adds 1 busy
+            span("c", 8_500, 9_500),   // inside: overlap 1 us, adds nothing
+            span("b", 12_000, 13_000), // idle 2 us, busy 1
+        ];
+        let t = Timeline::of(&spans);
+        assert_eq!(t.kernels, 5);
+        assert!((t.wall_us - 12.0).abs() < 1e-9);
+        assert!((t.busy_us - 9.0).abs() < 1e-9);
+        assert!((t.idle_us - 3.0).abs() < 1e-9);
+        assert!((t.busy_us + t.idle_us - t.wall_us).abs() < 1e-9);
+        let names: Vec<&str> = t.by_name.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        let a = &t.by_name[0];
+        assert_eq!(a.launches, 2);
+        assert!(
+            (a.own_us - 4.0).abs() < 1e-9
+                && (a.overlap_us - 1.0).abs() < 1e-9
+                && a.idle_before_us == 0.0
+        );
+        let b = &t.by_name[1];
+        assert!((b.own_us - 6.0).abs() < 1e-9 && (b.idle_before_us - 3.0).abs() < 1e-9);
+        let c = &t.by_name[2];
+        assert!((c.overlap_us - 1.0).abs() < 1e-9 && c.idle_before_us == 0.0);
+        let csv = spans_csv(&spans);
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 6);
+        assert_eq!(lines[2], "1,b,7,3.000,8.000,5.000,1.000");
+        assert_eq!(lines[5], "4,b,7,11.000,12.000,1.000,2.000");
+    }
+
+    #[test]
+    fn an_empty_trace_is_an_empty_timeline() {
+        let t = Timeline::of(&[]);
+        assert_eq!(
+            (t.kernels, t.wall_us, t.busy_us, t.idle_us),
+            (0, 0.0, 0.0, 0.0)
+        );
+    }
+}
