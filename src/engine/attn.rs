@@ -8,8 +8,8 @@
 //! | step | what | launches |
 //! |---|---|---|
 //! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16 and its FP8 1x128 form (written by the finish kernel) | `mhc::mhc_pre_copies` |
-//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)`, `q = wq_b qr` + per-head RMS + RoPE, the window ring entry; CSA: `indexer.wq_b qr`, `weights_proj a`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
-//! | 6-7 | `compress`: compressor inputs `wkv a`, `wgate a` (f32; the kernel adds `ape`), the state update and every m-th position an entry (CSA: also the indexer key) | `dense::bf16_linear`, `compressor::decode_step` |
+//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)`, `q = wq_b qr` + per-head RMS + RoPE, the window ring entry; every BF16 linear of `a` in one launch (CSA: `weights_proj a`; each compressor's `wkv a`, `wgate a` in f32); CSA: `indexer.wq_b qr`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
+//! | 6-7 | `compress`: each compressor's state update (the kernel adds `ape`) and every m-th position an entry (CSA: also the indexer key) | `compressor::decode_step` |
 //! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
 //! | 9 | `attend`: each sequence's candidate row (window slots oldest first, then the selected / all visible compressed entries ascending), sparse attention with the sink and the inverse RoPE | `attn_candidates`, `sparse_attn::decode` |
 //! | 10-11 | `output`: `z = wo_a o` grouped, `z` -> FP8 1x128, `y = wo_b z`, hc_post | `dense::wo_a_grouped`, `quantize_bf16_rows`, `dense::fp8_linear`, `mhc::mhc_post` |
@@ -235,9 +235,14 @@ impl Sizes {
                 LayerKind::SlidingWindow => {}
                 LayerKind::Hca { .. } => dense.push(bf16(cfg.head_dim, 2)),
                 LayerKind::Csa { .. } => {
-                    // Both compressors' wkv and wgate in one launch (AttnHalf::compress).
-                    dense.push(bf16((2 * cfg.head_dim).max(2 * cfg.index_head_dim), 4));
-                    dense.push(bf16(cfg.index_n_heads, 1));
+                    // The indexer's weights_proj and both compressors' wkv and wgate in one launch
+                    // (AttnHalf::projections).
+                    dense.push(bf16(
+                        (2 * cfg.head_dim)
+                            .max(2 * cfg.index_head_dim)
+                            .max(cfg.index_n_heads),
+                        5,
+                    ));
                     // wq_b and the indexer's wq_b in one launch.
                     dense.push(DenseShape {
                         jobs: 2,
@@ -543,6 +548,15 @@ pub struct IndexerParams {
     pub compressor: CompressorParams,
     /// `indexer_weight_scale(128, 64)`.
     pub w_scale: f32,
+}
+
+/// One compressor of a layer with the batch's rows of its inputs (its `wkv a`, `wgate a`, f32).
+struct CompressorInput<'a> {
+    params: &'a CompressorParams,
+    kv: DevBuf<f32>,
+    gate: DevBuf<f32>,
+    /// The indexer's compressor (keys into the key cache), not the main one (entries into the pool).
+    indexer: bool,
 }
 
 /// One layer's weights as the half's launchers read them.
@@ -929,15 +943,36 @@ impl AttnHalf {
             &ring,
             &b.kv_rstd,
         )?;
+        // Every BF16 linear of `a` in one launch: (CSA) the indexer's weights_proj, then each compressor's wkv and
+        // wgate (f32; their state updates run in `compress`). Jobs of different heights share one launch.
+        let mut jobs = Vec::with_capacity(5);
+        if let (Some(ix), Some(ib)) = (&l.indexer, &b.index) {
+            jobs.push(Bf16Job {
+                w: &ix.weights_proj,
+                n: cfg.index_n_heads,
+                y: &ib.w_f32,
+            });
+        }
+        let inputs = self.compressor_inputs(layer);
+        for c in &inputs {
+            let w = c.params.shape.width();
+            jobs.push(Bf16Job {
+                w: &c.params.wkv,
+                n: w,
+                y: &c.kv,
+            });
+            jobs.push(Bf16Job {
+                w: &c.params.wgate,
+                n: w,
+                y: &c.gate,
+            });
+        }
+        if !jobs.is_empty() {
+            dense::bf16_linear(gpu, stream, &self.a, n, cfg.dim, &jobs, &b.dense)?;
+        }
         let (Some(ix), Some(ib)) = (&l.indexer, &b.index) else {
             return Ok(());
         };
-        let job = Bf16Job {
-            w: &ix.weights_proj,
-            n: cfg.index_n_heads,
-            y: &ib.w_f32,
-        };
-        dense::bf16_linear(gpu, stream, &self.a, n, cfg.dim, &[job], &b.dense)?;
         indexer_inputs(
             gpu,
             stream,
@@ -962,66 +997,56 @@ impl AttnHalf {
         )
     }
 
-    /// Steps 6-7: the compressors' inputs `wkv a`, `wgate a` (f32; every compressor of the layer in one BF16
-    /// launch: the CSA layer's main and indexer compressors have different widths, each job has its own height and
-    /// output stride) and their state update, which every m-th position finalizes an entry into the sequence's
-    /// compressed block of the pool (CSA: also the indexer key into its key cache). The `ape` row of the position
-    /// is added by the kernel.
-    fn compress(&self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
-        let (l, b, c, r) = (&self.layers[layer], &self.bufs, io.caches, io.rows);
-        let n = self.batch;
-        // (compressor, its kv / gate inputs, its state, entry slots, cache) of each compressor of the layer.
-        let mut steps = Vec::with_capacity(2);
+    /// The layer's compressors (main, then the indexer's), each with the batch's rows of its BF16 linears' outputs
+    /// ([`AttnHalf::projections`] writes them, [`AttnHalf::compress`] reads them).
+    fn compressor_inputs(&self, layer: usize) -> Vec<CompressorInput<'_>> {
+        let (l, b, n) = (&self.layers[layer], &self.bufs, self.batch);
+        let mut v = Vec::with_capacity(2);
         if let Some(main) = &l.compressor {
-            let slots = EntrySlots {
-                base: dev(&r.compressed_base),
-                capacity: dev(&r.compressed_capacity),
-            };
             let w = main.shape.width();
-            let inputs = (b.comp_kv.sub(0, n * w), b.comp_gate.sub(0, n * w));
-            steps.push((main, inputs, &c.state, slots, EntryCache::kv(&c.pool)));
+            v.push(CompressorInput {
+                params: main,
+                kv: b.comp_kv.sub(0, n * w),
+                gate: b.comp_gate.sub(0, n * w),
+                indexer: false,
+            });
         }
         if let (Some(ix), Some(ib)) = (&l.indexer, &b.index) {
-            let Some(ic) = &c.index else {
-                bail!("layer {layer} is CSA but its caches hold no indexer keys")
-            };
-            let slots = EntrySlots {
-                base: dev(&r.key_base),
-                capacity: dev(&r.key_capacity),
-            };
             let w = ix.compressor.shape.width();
-            let inputs = (ib.comp_kv.sub(0, n * w), ib.comp_gate.sub(0, n * w));
-            steps.push((
-                &ix.compressor,
-                inputs,
-                &ic.state,
-                slots,
-                EntryCache::index(&ic.keys),
-            ));
+            v.push(CompressorInput {
+                params: &ix.compressor,
+                kv: ib.comp_kv.sub(0, n * w),
+                gate: ib.comp_gate.sub(0, n * w),
+                indexer: true,
+            });
         }
-        if steps.is_empty() {
-            return Ok(());
-        }
-        let jobs: Vec<Bf16Job> = steps
-            .iter()
-            .flat_map(|(cp, (kv, gate), ..)| {
-                let w = cp.shape.width();
-                [
-                    Bf16Job {
-                        w: &cp.wkv,
-                        n: w,
-                        y: kv,
-                    },
-                    Bf16Job {
-                        w: &cp.wgate,
-                        n: w,
-                        y: gate,
-                    },
-                ]
-            })
-            .collect();
-        dense::bf16_linear(gpu, stream, &self.a, n, self.config.dim, &jobs, &b.dense)?;
-        for (cp, (kv, gate), state, slots, cache) in steps {
+        v
+    }
+
+    /// Steps 6-7: each compressor's state update from its inputs (`wkv a`, `wgate a`, computed in
+    /// [`AttnHalf::projections`]; the kernel adds the position's `ape` row), which every m-th position finalizes
+    /// an entry into the sequence's compressed block of the pool (CSA: also the indexer key into its key cache).
+    fn compress(&self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
+        let (b, c, r) = (&self.bufs, io.caches, io.rows);
+        let n = self.batch;
+        for input in self.compressor_inputs(layer) {
+            let (state, slots, cache) = if input.indexer {
+                let Some(ic) = &c.index else {
+                    bail!("layer {layer} is CSA but its caches hold no indexer keys")
+                };
+                let slots = EntrySlots {
+                    base: dev(&r.key_base),
+                    capacity: dev(&r.key_capacity),
+                };
+                (&ic.state, slots, EntryCache::index(&ic.keys))
+            } else {
+                let slots = EntrySlots {
+                    base: dev(&r.compressed_base),
+                    capacity: dev(&r.compressed_capacity),
+                };
+                (&c.state, slots, EntryCache::kv(&c.pool))
+            };
+            let (cp, kv, gate) = (input.params, input.kv, input.gate);
             let dio = DecodeIo {
                 batch: n,
                 kv,

@@ -101,8 +101,8 @@ pub mod group {
     pub const EMBED: &str = "embed";
     pub const ATTN_HC_PRE: &str = "attn: hc_pre + attn_norm + FP8 a";
     pub const ATTN_PROJECTIONS: &str =
-        "attn: projections (wq_a, wkv, q_norm, wq_b, q heads, kv entry, indexer q)";
-    pub const ATTN_COMPRESSORS: &str = "attn: compressors";
+        "attn: projections (wq_a, wkv, wq_b, BF16 linears, q/kv/indexer prep)";
+    pub const ATTN_COMPRESSORS: &str = "attn: compressor state updates";
     pub const ATTN_INDEXER: &str = "attn: indexer logits + top-k";
     pub const ATTN_SPARSE: &str = "attn: candidates + sparse attention";
     pub const ATTN_OUTPUT: &str = "attn: wo_a, wo_b, hc_post";
