@@ -38,7 +38,8 @@ fn a_traced_graph_replay_lists_its_kernels_in_stream_order() {
             .synchronize()
             .map_err(|e| anyhow::anyhow!("sync: {e:?}"))
     })
-    .unwrap_or_else(|e| panic!("this machine could not trace kernels: {e:#}"));
+    .unwrap();
+    let spans = spans.unwrap_or_else(|e| panic!("this machine could not trace kernels: {e:#}"));
     let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, vec!["l2_flush_read"; FLUSHES], "{spans:#?}");
     for s in &spans {

@@ -268,6 +268,8 @@ pub struct DecodeSummary {
 pub struct PrefillChunkProfile {
     pub rows: usize,
     pub position: usize,
+    /// Its kernels as CUPTI traced them (empty where this machine could not trace).
+    pub trace: Vec<KernelSpan>,
     pub groups: Vec<(String, f64, usize)>,
     pub kernels: Vec<(String, f64, usize)>,
 }
@@ -472,17 +474,26 @@ fn profile_next_chunk(
     }
     let p = &prompts[0];
     let toks: Vec<u32> = (0..rows).map(|i| p[i % p.len()]).collect();
-    let prof = engine.profile_prefill_chunk(gpu, 0, &toks, position)?;
+    let (prof, spans) = engine.profile_prefill_chunk(gpu, 0, &toks, position)?;
     Ok(Some(PrefillChunkProfile {
         rows,
         position,
         groups: prof.groups,
         kernels: prof.kernels,
+        trace: spans_or_say(spans, "the profiled prefill chunk"),
     }))
 }
 
 /// Steps a point runs after its timed ones: the profiled step (event marks) and the traced one (CUPTI).
 const STEPS_AFTER_TIMED: usize = 2;
+
+/// A trace's kernels, or none with the reason printed (a machine that cannot trace still runs the work).
+fn spans_or_say(spans: Result<Vec<KernelSpan>>, what: &str) -> Vec<KernelSpan> {
+    spans.unwrap_or_else(|e| {
+        eprintln!("{what}: no kernel timeline ({e:#})");
+        Vec::new()
+    })
+}
 
 /// The first of the last `len` consecutive positions `<= last` at which no compressor of `cfg` emits an entry
 /// (`(p + 1) % ratio != 0` for every ratio above 1), or `last + 1 - len` when there is no such run within a few
@@ -560,14 +571,10 @@ fn time_point(
     let (groups, kernel_profile) =
         profile.map_or((Vec::new(), Vec::new()), |p| (p.groups, p.kernels));
     let trace = if crate::progress::interrupted() {
-        Err(anyhow::anyhow!("interrupted"))
-    } else {
-        engine.trace_step(gpu)
-    };
-    let trace = trace.unwrap_or_else(|e| {
-        eprintln!("kernel timeline: not traced ({e:#})");
         Vec::new()
-    });
+    } else {
+        spans_or_say(engine.trace_step(gpu)?, "the traced step")
+    };
     let prefill_profile = if ttft_s.is_some() && !crate::progress::interrupted() {
         profile_next_chunk(gpu, engine, prompts)?
     } else {
@@ -772,7 +779,16 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
     if s.trace.is_empty() {
         print_kernel_profile("step", &s.kernel_profile);
     } else {
-        print_timeline(s, cfg.n_layers);
+        print_timeline(
+            &format!(
+                "the next step (position {}) by kernel as the GPU ran it (a CUPTI kernel trace of one graph replay; \
+                 nothing between the kernels; the timed steps' p50 is {:.1} us)",
+                s.profile_position + 1,
+                s.p50_us()
+            ),
+            &s.trace,
+            cfg.n_layers,
+        );
     }
     if let Some(c) = &s.prefill_profile {
         print_chunk_profile(c, cfg.n_layers);
@@ -822,7 +838,16 @@ fn print_chunk_profile(c: &PrefillChunkProfile, layers: usize) {
         ),
         &groups,
     );
-    print_kernel_profile("chunk", &c.kernels);
+    if c.trace.is_empty() {
+        print_kernel_profile("chunk", &c.kernels);
+    } else {
+        print_timeline(
+            "the same chunk by kernel as the GPU ran it (a CUPTI kernel trace; its idle time includes the events \
+             between the groups and the kernels)",
+            &c.trace,
+            layers,
+        );
+    }
 }
 
 /// The profiled step by kernel, the most time first: each entry point's time (from the end of the kernel before
@@ -856,20 +881,14 @@ fn print_kernel_profile(what: &str, kernels: &[(String, f64, usize)]) {
     );
 }
 
-/// The traced step by kernel: each kernel's own time as the GPU ran it, the idle time before its launches and the
-/// time it overlapped earlier kernels, beside the step's wall, busy and idle time and the timed steps' p50 (which
-/// the traced replay should match: tracing inserts nothing between kernels).
-fn print_timeline(s: &DecodeSummary, layers: usize) {
-    let t = Timeline::of(&s.trace);
-    let p50 = s.p50_us();
+/// A trace by kernel name: each kernel's own time as the GPU ran it, the idle time before its launches and the
+/// time it overlapped earlier kernels, under the wall, busy and idle time of the whole.
+fn print_timeline(title: &str, spans: &[KernelSpan], layers: usize) {
+    let t = Timeline::of(spans);
+    println!("\n{title}:");
     println!(
-        "\nthe next step (position {}) as the GPU ran it (a CUPTI kernel trace of one graph replay; nothing between \
-         the kernels):",
-        s.profile_position + 1
-    );
-    println!(
-        "wall {:.1} us (timed p50 {p50:.1}): kernels busy {:.1} us, idle {:.1} us ({:.2} us a launch over {} \
-         kernels, {:.1} a layer over {layers} layers)",
+        "wall {:.1} us: kernels busy {:.1} us, idle {:.1} us ({:.2} us a launch over {} kernels, {:.1} a layer \
+         over {layers} layers)",
         t.wall_us,
         t.busy_us,
         t.idle_us,
@@ -900,17 +919,23 @@ fn print_timeline(s: &DecodeSummary, layers: usize) {
     }
 }
 
-/// The traced step's kernels as `timeline-b<batch>-c<context>.csv` beside decode.csv (gpu::trace::spans_csv),
-/// when the run traced one.
+/// The traced step's kernels as `timeline-b<batch>-c<context>.csv` beside decode.csv (gpu::trace::spans_csv), and
+/// the profiled prefill chunk's as `timeline-prefill-b<batch>-c<context>.csv`, for each the run traced.
 fn write_timeline(dir: &std::path::Path, p: &DecodePoint) -> Result<()> {
-    if p.summary.trace.is_empty() {
-        return Ok(());
+    let chunk = p.summary.prefill_profile.as_ref().map(|c| &c.trace[..]);
+    for (what, spans) in [
+        ("", &p.summary.trace[..]),
+        ("prefill-", chunk.unwrap_or(&[])),
+    ] {
+        if spans.is_empty() {
+            continue;
+        }
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join(format!("timeline-{what}b{}-c{}.csv", p.batch, p.context));
+        std::fs::write(&path, crate::gpu::trace::spans_csv(spans))
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote a kernel timeline to {}", path.display());
     }
-    std::fs::create_dir_all(dir)?;
-    let path = dir.join(format!("timeline-b{}-c{}.csv", p.batch, p.context));
-    std::fs::write(&path, crate::gpu::trace::spans_csv(&p.summary.trace))
-        .with_context(|| format!("writing {}", path.display()))?;
-    println!("wrote the traced step's kernels to {}", path.display());
     Ok(())
 }
 

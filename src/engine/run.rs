@@ -351,9 +351,9 @@ impl<'w> Engine<'w> {
 
     /// One decode step replayed from a graph captured for it while CUPTI records every kernel
     /// ([`crate::gpu::trace`]): the step as the GPU runs it, launch gaps and PDL overlaps included, with nothing
-    /// inserted between its kernels. A real step: the state advances. Fails before any work where this machine
-    /// cannot trace (no libcupti, a refused trace); then the state is as it was.
-    pub fn trace_step(&mut self, gpu: &Gpu) -> Result<Vec<KernelSpan>> {
+    /// inserted between its kernels. A real step: the state advances. The step runs even where this machine
+    /// cannot trace; then the inner result says why there are no kernels.
+    pub fn trace_step(&mut self, gpu: &Gpu) -> Result<Result<Vec<KernelSpan>>> {
         let stream = gpu.stream.clone();
         self.capture_decode_step(gpu)?;
         ensure!(
@@ -361,38 +361,35 @@ impl<'w> Engine<'w> {
             "tracing a step needs the first decode step run (prefill or start_at) before it"
         );
         let (state, weights) = (&mut self.state, self.weights);
-        let ran = std::cell::Cell::new(false);
         // A graph captured while tracing is on: whether CUPTI reports the kernel nodes of a graph instantiated
         // before it was enabled is not something to depend on.
-        let traced = trace_kernels(|| {
+        let ((), spans) = trace_kernels(|| {
             let graph = capture_on(&stream, || state.decode_step(gpu, &stream, weights))?;
-            ran.set(true);
             graph
                 .launch()
                 .map_err(|e| anyhow!("traced graph launch: {e:?}"))?;
             stream
                 .synchronize()
                 .map_err(|e| anyhow!("traced step: {e:?}"))
-        });
-        if ran.get() {
-            self.decode_steps_run += 1;
-        }
-        Ok(traced?.1)
+        })?;
+        self.decode_steps_run += 1;
+        Ok(spans)
     }
 
     /// One prefill chunk of sequence `seq`, tokens `toks` at positions `pos0..`, run eagerly with an event after
     /// each group of kernels and one after every kernel (the prefill state's `marks` and the launch marks): the
     /// device time of each group and of each kernel, summed over the layers by name, as in [`Engine::profile_step`].
-    /// A real chunk: the sequence's caches and compressor states advance, so it belongs after a run's timed steps
-    /// (at the sequence's next position), not inside one. Needs the chunked prefill's state (a prefill with a
-    /// chunk above 1 built it) of at least `toks.len()` rows.
+    /// Beside them, the chunk's kernels as CUPTI traced them (or why there are none). A real chunk: the sequence's
+    /// caches and compressor states advance, so it belongs after a run's timed steps (at the sequence's next
+    /// position), not inside one. Needs the chunked prefill's state (a prefill with a chunk above 1 built it) of
+    /// at least `toks.len()` rows.
     pub fn profile_prefill_chunk(
         &mut self,
         gpu: &Gpu,
         seq: usize,
         toks: &[u32],
         pos0: usize,
-    ) -> Result<ProfiledStep> {
+    ) -> Result<(ProfiledStep, Result<Vec<KernelSpan>>)> {
         let stream = gpu.stream.clone();
         let ps = self
             .prefill_state
@@ -407,17 +404,21 @@ impl<'w> Engine<'w> {
         ps.marks = Some(StepMarks::new(&stream));
         let (weights, caches) = (self.weights, &self.state.caches);
         let (run, kernel_marks) = with_kernel_marks(&stream, |marked| {
-            marked()?;
-            ps.run_chunk(gpu, &stream, weights, caches, seq, toks, pos0)
+            // Traced as well where this machine can: the kernels' own times (the idle time between them includes
+            // the events').
+            trace_kernels(|| {
+                marked()?;
+                ps.run_chunk(gpu, &stream, weights, caches, seq, toks, pos0)?;
+                stream
+                    .synchronize()
+                    .map_err(|e| anyhow!("profiled prefill chunk: {e:?}"))
+            })
         });
         let marks = ps.marks.take().expect("marks set above");
-        run?;
-        stream
-            .synchronize()
-            .map_err(|e| anyhow!("profiled prefill chunk: {e:?}"))?;
+        let ((), spans) = run?;
         let e = ps.read_error(&stream)?;
         ensure!(e == 0, "the profiled prefill chunk set error bits {e:#x}");
-        ProfiledStep::of(&marks, &kernel_marks)
+        Ok((ProfiledStep::of(&marks, &kernel_marks)?, spans))
     }
 
     /// Whether any sequence is still running (reads the sampler's status; waits for the stream).

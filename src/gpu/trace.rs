@@ -129,13 +129,22 @@ fn check_library() -> Result<()> {
     Ok(())
 }
 
-/// Runs `work` (which must wait for its GPU work before it returns) with CUPTI recording every kernel, and returns
-/// its result with the kernels in start order. An error before `work` runs (no CUPTI, a refused trace) says why;
-/// `work`'s own error is returned as is.
-pub fn trace_kernels<R>(work: impl FnOnce() -> Result<R>) -> Result<(R, Vec<KernelSpan>)> {
+/// Runs `work` (which must wait for its GPU work before it returns) with CUPTI recording every kernel. `work`
+/// runs whether or not this machine can trace: the result is `work`'s, beside the kernels in start order or the
+/// reason there are none (no libcupti, a refused trace, no kernel recorded). `work`'s error is returned as is.
+pub fn trace_kernels<R>(work: impl FnOnce() -> Result<R>) -> Result<(R, Result<Vec<KernelSpan>>)> {
     let _one = TRACE_LOCK
         .lock()
         .map_err(|_| anyhow!("a kernel trace panicked"))?;
+    let kind = cupti::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
+    let started = start(kind);
+    let out = work();
+    let spans = started.and_then(|()| finish(kind));
+    Ok((out?, spans))
+}
+
+/// Loads CUPTI, registers the buffer callbacks (once) and enables the kernel records.
+fn start(kind: cupti::CUpti_ActivityKind) -> Result<()> {
     check_library()?;
     CALLBACKS
         .get_or_init(|| {
@@ -154,20 +163,23 @@ pub fn trace_kernels<R>(work: impl FnOnce() -> Result<R>) -> Result<(R, Vec<Kern
         .lock()
         .map_err(|_| anyhow!("span list poisoned"))?
         .clear();
-    let kind = cupti::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
-    // SAFETY: plain API calls.
+    // SAFETY: a plain API call.
     check(
         unsafe { cupti::cuptiActivityEnable(kind) },
         "enable kernel records",
-    )?;
-    let out = work();
+    )
+}
+
+/// Flushes every buffer (forced: the incomplete ones too), disables the records and returns the spans in start
+/// order.
+fn finish(kind: cupti::CUpti_ActivityKind) -> Result<Vec<KernelSpan>> {
+    // SAFETY: plain API calls.
     let flush = unsafe {
         cupti::cuptiActivityFlushAll(
             cupti::CUpti_ActivityFlag::CUPTI_ACTIVITY_FLAG_FLUSH_FORCED as u32,
         )
     };
     let disable = unsafe { cupti::cuptiActivityDisable(kind) };
-    let out = out?;
     check(flush, "flush")?;
     check(disable, "disable")?;
     let mut spans = std::mem::take(&mut *SPANS.lock().map_err(|_| anyhow!("span list poisoned"))?);
@@ -175,7 +187,7 @@ pub fn trace_kernels<R>(work: impl FnOnce() -> Result<R>) -> Result<(R, Vec<Kern
         bail!("CUPTI recorded no kernel (kernel tracing may be unsupported on this machine)");
     }
     spans.sort_by_key(|s| (s.start_ns, s.end_ns));
-    Ok((out, spans))
+    Ok(spans)
 }
 
 /// A kernel timeline summarized: per kernel name, its launches, its own time, the idle time before its launches
