@@ -107,34 +107,26 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // Programmatic dependent launch (common/pdl.cuh states the rules). Only loads of constant weights (never written by
 // any kernel: F, hc_scale, hc_base) are issued before the wait; every output store comes after it. PDL-launched:
 // mhc_mix_partial24_pdl and mhc_pre_finish_pdl_* (the trigger and the F copies precede their wait, which is what
-// they are for). mhc_post and mhc_head_finish_bf16 are launched plainly and trigger first, so the next layer's PDL
-// mix, or the LM head's GEMV, stages its weights while they run. Every other entry point is launched plainly.
+// they are for), and mhc_post_mix_partial24_pdl (trigger, then wait). mhc_post and mhc_head_finish_bf16 are
+// launched plainly and trigger first, so the next layer's PDL mix, or the LM head's GEMV, stages its weights while
+// they run. Every other entry point is launched plainly.
 
 // One mix tile: split s (columns [128 s, 128 s + 128) of 4D), tokens [32 tile, 32 tile + 32) & < T.
 // All threads of the CTA call it; blockDim % 32 == 0. Ends with the CTA's shared memory free to reuse
 // only after a __syncthreads (the caller's).
 // PDL (only mhc_mix_partial24_pdl): the F copies (weights) are issued before pdl_wait, X's and the
 // partial stores after it, so the F round trip overlaps the previous kernel's tail. PDL = false: unchanged.
-template <int NMIX, bool PDL = false>
-__device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F,
-                              float* __restrict__ part, int T, int D4, int S, int s, int tile, MixSmem& sm) {
+// The dots of one mix tile (split s, tokens [t0, t0 + nt)) from F staged in sm.f: item i = 16 t + q (a warp holds
+// tokens 2k, 2k + 1) gets the 8 values of columns {4q..4q+3} and {64+4q..64+4q+3} of its token from x_of(t, q, xv)
+// and forms 25 fp32 dots of 8 terms (an fma chain), then an xor tree over the 16 lanes of the half warp that holds
+// token t. One body for the plain tile and the tile with hc_post fused: the same partials from the same X values.
+// The loop count is uniform across the CTA and a warp is skipped only as a whole (its first item past the tokens),
+// so the shuffles stay convergent.
+template <int NMIX, typename XOf>
+__device__ __forceinline__ void mix_tile_dots(const MixSmem& sm, float* __restrict__ part, int S, int s, int t0,
+                                              int nt, XOf x_of) {
     const int tid = threadIdx.x, bd = blockDim.x;
-    const int c0 = s * MIX_COLS, t0 = tile * MIX_TT;
-    const int nt = min(MIX_TT, T - t0);
-    for (int i = tid; i < NMIX * (MIX_COLS / 4); i += bd) {
-        const int j = i / (MIX_COLS / 4), qq = i % (MIX_COLS / 4);
-        cp_async16(&sm.f[j * MIX_COLS + qq * 4], F + (long)j * D4 + c0 + qq * 4);
-    }
-    if (PDL) pdl_wait();  // X may be the previous kernel's output; part may still be read by it
-    for (int i = tid; i < nt * (MIX_COLS / 8); i += bd) {
-        const int t = i / (MIX_COLS / 8), qq = i % (MIX_COLS / 8);
-        cp_async16(&sm.x[t * MIX_COLS + qq * 8], X + (long)(t0 + t) * D4 + c0 + qq * 8);
-    }
-    cp_async_wait_all();
-    __syncthreads();
     const int lane = tid & 31;
-    // Items i = 16 t + q; a warp holds tokens (2k, 2k+1). The loop count is uniform across the CTA and a
-    // warp is skipped only as a whole (its first item past the staged tokens), so shuffles stay convergent.
     for (int base = 0; base < MIX_TT * 16; base += bd) {
         const int i = base + tid;
         if (i - lane >= nt * 16 || i - lane >= MIX_TT * 16) continue;  // warp-uniform
@@ -142,10 +134,7 @@ __device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* 
         const bool valid = t < nt;
         float xv[8];
         if (valid) {
-            const uint2 a = *reinterpret_cast<const uint2*>(&sm.x[t * MIX_COLS + 4 * q]);
-            const uint2 b = *reinterpret_cast<const uint2*>(&sm.x[t * MIX_COLS + 64 + 4 * q]);
-            xv[0] = bf16_lo(a.x); xv[1] = bf16_hi(a.x); xv[2] = bf16_lo(a.y); xv[3] = bf16_hi(a.y);
-            xv[4] = bf16_lo(b.x); xv[5] = bf16_hi(b.x); xv[6] = bf16_lo(b.y); xv[7] = bf16_hi(b.y);
+            x_of(t, q, xv);
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) xv[e] = 0.f;
@@ -176,79 +165,91 @@ __device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* 
     }
 }
 
-// hc_post of the previous sub-layer fused into the next boundary's split-K mixes: the CTA that owns columns
-// [c0, c0 + 128) of 4D (stream k = c0 / D) computes X'[k][c] = post_k y[c] + sum_j C[j][k] X[j][c] (the op
-// order of mhc_post), stores it as BF16, and feeds the stored value to the dots. Every X' element has one
-// owner, so X' is written exactly once; the finish kernel then reads X' as the next boundary's X.
+// Issues the cp.async copies of the tile's F slice (NMIX x 128 fp32 of split s) into sm.f.
 template <int NMIX>
-__device__ void mhc_post_mix_partial(const __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ X,
-                                     const float* __restrict__ post, const float* __restrict__ comb,
-                                     __nv_bfloat16* __restrict__ Xout, const float* __restrict__ F,
-                                     float* __restrict__ part, int T, int D) {
-    __shared__ float red[MIX_THREADS / 32][NMIX + 1][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int s = blockIdx.x, D4 = 4 * D;
-    const int token = blockIdx.y * 32 + lane;
-    const bool valid = token < T;
-    const int c0 = s * MIX_COLS + warp * (MIX_COLS / 4);
-    const int k = c0 / D;  // MIX_COLS divides D: a CTA's columns lie in one stream
-    float pk = 0.f, ck[4] = {0.f, 0.f, 0.f, 0.f};
-    if (valid) {
-        pk = __ldg(post + token * 4 + k);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) ck[j] = __ldg(comb + token * 16 + 4 * j + k);
+__device__ __forceinline__ void stage_f(const float* __restrict__ F, int D4, int c0, MixSmem& sm) {
+    for (int i = threadIdx.x; i < NMIX * (MIX_COLS / 4); i += blockDim.x) {
+        const int j = i / (MIX_COLS / 4), qq = i % (MIX_COLS / 4);
+        cp_async16(&sm.f[j * MIX_COLS + qq * 4], F + (long)j * D4 + c0 + qq * 4);
     }
-    float acc[NMIX + 1];
+}
+
+template <int NMIX, bool PDL = false>
+__device__ void mix_tile_smem(const __nv_bfloat16* __restrict__ X, const float* __restrict__ F,
+                              float* __restrict__ part, int T, int D4, int S, int s, int tile, MixSmem& sm) {
+    const int tid = threadIdx.x, bd = blockDim.x;
+    const int c0 = s * MIX_COLS, t0 = tile * MIX_TT;
+    const int nt = min(MIX_TT, T - t0);
+    stage_f<NMIX>(F, D4, c0, sm);
+    if (PDL) pdl_wait();  // X may be the previous kernel's output; part may still be read by it
+    for (int i = tid; i < nt * (MIX_COLS / 8); i += bd) {
+        const int t = i / (MIX_COLS / 8), qq = i % (MIX_COLS / 8);
+        cp_async16(&sm.x[t * MIX_COLS + qq * 8], X + (long)(t0 + t) * D4 + c0 + qq * 8);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    mix_tile_dots<NMIX>(sm, part, S, s, t0, nt, [&](int t, int q, float* xv) {
+        const uint2 a = *reinterpret_cast<const uint2*>(&sm.x[t * MIX_COLS + 4 * q]);
+        const uint2 b = *reinterpret_cast<const uint2*>(&sm.x[t * MIX_COLS + 64 + 4 * q]);
+        xv[0] = bf16_lo(a.x); xv[1] = bf16_hi(a.x); xv[2] = bf16_lo(a.y); xv[3] = bf16_hi(a.y);
+        xv[4] = bf16_lo(b.x); xv[5] = bf16_hi(b.x); xv[6] = bf16_lo(b.y); xv[7] = bf16_hi(b.y);
+    });
+}
+
+// hc_post of the previous sub-layer fused into the next boundary's staged mixes: the tile's item (t, q) computes
+// X'[t][k][c] = post_k y[c] + sum_j C[j][k] X[j][c] for its 8 columns c of stream k = c0 / D (MIX_COLS divides D:
+// a split lies in one stream) with mhc_post's operations in mhc_post's order (fp32 rn, no FMA), stores X' as BF16
+// and feeds the stored values to mix_tile_dots: X' is mhc_post's bit for bit, and the partials are
+// mix_tile_smem's of X' bit for bit. Every X' element has one owner, so X' is written exactly once; the finish
+// kernel then reads X' as the boundary's X. y, X, post and comb are read straight from global memory (5 x 8 KB for
+// a 32-token tile would not fit beside F in static shared memory; at decode sizes a CTA has 16-32 active items).
+// PDL: F is staged before the wait (weights), everything else after it.
+template <int NMIX, bool PDL>
+__device__ void post_mix_tile_smem(const __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ X,
+                                   const float* __restrict__ post, const float* __restrict__ comb,
+                                   __nv_bfloat16* __restrict__ Xout, const float* __restrict__ F,
+                                   float* __restrict__ part, int T, int D, int S, int s, int tile, MixSmem& sm) {
+    const int D4 = 4 * D;
+    const int c0 = s * MIX_COLS, t0 = tile * MIX_TT;
+    const int nt = min(MIX_TT, T - t0);
+    const int k = c0 / D, cd = c0 - k * D;
+    stage_f<NMIX>(F, D4, c0, sm);
+    if (PDL) pdl_wait();  // y, X, post, comb are earlier kernels' outputs; part may still be read by one
+    cp_async_wait_all();
+    __syncthreads();
+    mix_tile_dots<NMIX>(sm, part, S, s, t0, nt, [&](int t, int q, float* xv) {
+        const int tok = t0 + t;
+        const float pk = post[tok * 4 + k];
+        float ck[4];
 #pragma unroll
-    for (int j = 0; j <= NMIX; ++j) acc[j] = 0.f;
+        for (int j = 0; j < 4; ++j) ck[j] = comb[tok * 16 + 4 * j + k];
 #pragma unroll
-    for (int it = 0; it < MIX_COLS / 4 / 8; ++it) {
-        const int c = c0 + it * 8, cd = c - k * D;
-        float xv[8];
-        if (valid) {
-            float yv[8], xs[4][8];
-            load8(y + (long)token * D + cd, yv);
+        for (int h = 0; h < 2; ++h) {
+            const int col = h * 64 + 4 * q;
+            const uint2 yu = *reinterpret_cast<const uint2*>(y + (long)tok * D + cd + col);
+            const float yv[4] = {bf16_lo(yu.x), bf16_hi(yu.x), bf16_lo(yu.y), bf16_hi(yu.y)};
+            float xs[4][4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) load8(X + ((long)token * 4 + j) * D + cd, xs[j]);
-            float o[8];
+            for (int j = 0; j < 4; ++j) {
+                const uint2 xu = *reinterpret_cast<const uint2*>(X + ((long)tok * 4 + j) * D + cd + col);
+                xs[j][0] = bf16_lo(xu.x); xs[j][1] = bf16_hi(xu.x); xs[j][2] = bf16_lo(xu.y); xs[j][3] = bf16_hi(xu.y);
+            }
+            float o[4];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
+            for (int e = 0; e < 4; ++e) {
                 float a = __fmul_rn(pk, yv[e]);
 #pragma unroll
                 for (int j = 0; j < 4; ++j) a = __fadd_rn(a, __fmul_rn(ck[j], xs[j][e]));
                 o[e] = a;
             }
-            uint4 r;
-            r.x = pack_bf16x2(o[0], o[1]); r.y = pack_bf16x2(o[2], o[3]);
-            r.z = pack_bf16x2(o[4], o[5]); r.w = pack_bf16x2(o[6], o[7]);
-            *reinterpret_cast<uint4*>(Xout + (long)token * D4 + c) = r;
-            xv[0] = bf16_lo(r.x); xv[1] = bf16_hi(r.x); xv[2] = bf16_lo(r.y); xv[3] = bf16_hi(r.y);
-            xv[4] = bf16_lo(r.z); xv[5] = bf16_hi(r.z); xv[6] = bf16_lo(r.w); xv[7] = bf16_hi(r.w);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) xv[e] = 0.f;
+            uint2 r;
+            r.x = pack_bf16x2(o[0], o[1]);
+            r.y = pack_bf16x2(o[2], o[3]);
+            *reinterpret_cast<uint2*>(Xout + (long)tok * D4 + c0 + col) = r;
+            xv[4 * h + 0] = bf16_lo(r.x); xv[4 * h + 1] = bf16_hi(r.x);
+            xv[4 * h + 2] = bf16_lo(r.y); xv[4 * h + 3] = bf16_hi(r.y);
         }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[NMIX] = fmaf(xv[e], xv[e], acc[NMIX]);
-#pragma unroll
-        for (int j = 0; j < NMIX; ++j) {
-            float fv[8];
-            load8(F + (long)j * D4 + c, fv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[j] = fmaf(fv[e], xv[e], acc[j]);
-        }
-    }
-#pragma unroll
-    for (int j = 0; j <= NMIX; ++j) red[warp][j][lane] = acc[j];
-    __syncthreads();
-    for (int i = threadIdx.x; i < (NMIX + 1) * 32; i += MIX_THREADS) {
-        const int j = i / 32, l = i % 32;
-        const int t = blockIdx.y * 32 + l;
-        if (t < T) {
-            const float v = ((red[0][j][l] + red[1][j][l]) + red[2][j][l]) + red[3][j][l];
-            part[((long)t * (NMIX + 1) + j) * gridDim.x + s] = v;
-        }
-    }
+    });
 }
 
 __device__ __forceinline__ float sigmoid_f(float z) { return __fdiv_rn(1.f, __fadd_rn(1.f, expf(-z))); }
@@ -490,21 +491,22 @@ extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial4(const __nv_bf
     mhc_mix_partial<4>(X, F, part, T, D4);
 }
 
-// Fused hc_post + next boundary's mixes: grid (S = 4D/128, ceil(T/32)), block 128. y [T, D], X [T, 4, D],
-// post [T, 4], comb [T, 16] of the previous boundary; writes Xout [T, 4, D] and part for mhc_pre_finish_*
-// (which must then be given Xout as its X).
-extern "C" __global__ void __launch_bounds__(128) mhc_post_mix_partial24(const __nv_bfloat16* y, const __nv_bfloat16* X,
-                                                                        const float* post, const float* comb,
-                                                                        __nv_bfloat16* Xout, const float* F,
-                                                                        float* part, int T, int D) {
-    mhc_post_mix_partial<24>(y, X, post, comb, Xout, F, part, T, D);
-}
-
 // Staged split-K mixes (cp.async staging): grid (S = 4D/128, ceil(T/32)), any block multiple of 32 (128 used).
 extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_staged(const __nv_bfloat16* X, const float* F,
                                                                       float* part, int T, int D4) {
     __shared__ MixSmem sm;
     mix_tile_smem<24>(X, F, part, T, D4, gridDim.x, blockIdx.x, blockIdx.y, sm);
+}
+
+// Fused hc_post + the next boundary's staged mixes (post_mix_tile_smem): grid (S = 4D/128, ceil(T/32)), block 128.
+// y [T, D], X [T, 4, D], post [T, 4], comb [T, 16] of the previous boundary; writes Xout [T, 4, D] (mhc_post's, bit
+// for bit) and part (mhc_mix_partial24_staged's of Xout, bit for bit) for mhc_pre_finish_* (given Xout as its X).
+extern "C" __global__ void __launch_bounds__(128) mhc_post_mix_partial24(const __nv_bfloat16* y, const __nv_bfloat16* X,
+                                                                        const float* post, const float* comb,
+                                                                        __nv_bfloat16* Xout, const float* F,
+                                                                        float* part, int T, int D) {
+    __shared__ MixSmem sm;
+    post_mix_tile_smem<24, false>(y, X, post, comb, Xout, F, part, T, D, gridDim.x, blockIdx.x, blockIdx.y, sm);
 }
 
 // mHC finish: grid (T, 2), block as RMSNorm. hc_scale [3], hc_base [24], w [D]; outputs pre/post [T,4],
@@ -540,6 +542,15 @@ extern "C" __global__ void __launch_bounds__(128) mhc_mix_partial24_pdl(const __
     __shared__ MixSmem sm;
     pdl_trigger();
     mix_tile_smem<24, true>(X, F, part, T, D4, gridDim.x, blockIdx.x, blockIdx.y, sm);
+}
+// The fused hc_post + mixes as the PDL pair's first kernel (the engine's decode boundaries: the sub-layer that just
+// ran leaves its hc_post to the next sub-layer's hc_pre): trigger first, F staged before the wait.
+extern "C" __global__ void __launch_bounds__(128)
+    mhc_post_mix_partial24_pdl(const __nv_bfloat16* y, const __nv_bfloat16* X, const float* post, const float* comb,
+                               __nv_bfloat16* Xout, const float* F, float* part, int T, int D) {
+    __shared__ MixSmem sm;
+    pdl_trigger();
+    post_mix_tile_smem<24, true>(y, X, post, comb, Xout, F, part, T, D, gridDim.x, blockIdx.x, blockIdx.y, sm);
 }
 extern "C" __global__ void mhc_pre_finish_pdl_nvfp4(MHC_PRE_COMMON, uint8_t* q, uint8_t* scales, float* gsa,
                                                     float* rstd) {

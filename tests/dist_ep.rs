@@ -296,6 +296,8 @@ fn ranks_emulated_on_one_gpu_combine_like_the_cpu_twin_and_the_single_gpu_ffn() 
                         rows: &state.caches.layers[layer].rows,
                         chunk_rows: None,
                         marks: None,
+                        prior_post: None,
+                        defer_post: false,
                     };
                     state
                         .ffn

@@ -310,6 +310,94 @@ fn embed_and_head_replay_in_a_graph() {
     }
 }
 
+/// Linked halves (each half leaves its hc_post to the next half's hc_pre: `prompt_step` / `decode_step`) against
+/// unlinked ones (`*_step_with` the plain FFN half: every half writes its own output) on two states of the same
+/// weights and prompts, prompt steps then greedy decode steps: every step's logits and sampled ids, and the final
+/// residual, equal bit for bit. Why exact: the linked boundary is `mhc_post` + the staged mix bit for bit
+/// (tests/mhc.rs `gpu_linked_boundary_equals_post_then_boundary_bitwise`) and nothing else changes. Batch 3 (the
+/// PDL pair's path) and 12 (two plain launches: above `MHC_PDL_MAX_TOKENS`).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn linked_halves_equal_unlinked_halves_bitwise() {
+    use megamoe::engine::step::DecodeState;
+    use megamoe::model::sampler::SamplerConfig;
+    use megamoe::ops::sampler::SamplerParams;
+    let gpu = gpu("engine_step_linked");
+    for batch in [3usize, 12] {
+        let (context, prompt_len, steps) = (64, 5, 6);
+        let (seed, w, m, _) = small_rig(&gpu, "engine_step_linked", batch, context);
+        let vocab = m.config().vocab_size;
+        let prompts: Vec<Vec<u32>> = (0..batch)
+            .map(|b| tokens(seed ^ (0x3A + b as u64), prompt_len, vocab))
+            .collect();
+        let run = |linked: bool| {
+            let s = gpu.stream.clone();
+            let mut st = DecodeState::new(&gpu, &w, StepShape { batch, context }).unwrap();
+            let params = SamplerParams::from_config(&SamplerConfig::greedy(), steps + 1).unwrap();
+            for (slot, p) in prompts.iter().enumerate() {
+                st.ws.sampler.admit(&s, slot, &params, p).unwrap();
+            }
+            st.set_positions(&s, &vec![0; batch]).unwrap();
+            let mut plain_ffn =
+                |st: &mut DecodeState, layer: usize| st.ffn_half(&gpu, &s, &w, layer);
+            for i in 0..prompt_len {
+                let ids: Vec<u32> = prompts.iter().map(|p| p[i]).collect();
+                st.set_tokens(&s, &ids).unwrap();
+                if i + 1 < prompt_len {
+                    if linked {
+                        st.prompt_step(&gpu, &s, &w).unwrap();
+                    } else {
+                        st.prompt_step_with(&gpu, &s, &w, &mut plain_ffn).unwrap();
+                    }
+                }
+            }
+            let mut out = Vec::new();
+            for _ in 0..steps {
+                if linked {
+                    st.decode_step(&gpu, &s, &w).unwrap();
+                } else {
+                    st.decode_step_with(&gpu, &s, &w, &mut plain_ffn).unwrap();
+                }
+                let logits = st.read_logits(&s).unwrap();
+                let sampled = megamoe::gpu::arena::download(&s, &st.ws.sampler.sampled).unwrap();
+                out.push((logits, sampled));
+            }
+            assert_eq!(st.read_error(&s).unwrap(), 0, "step error bits");
+            (out, st.read_residual(&s, Residual::Layer).unwrap())
+        };
+        let (want, want_x) = run(false);
+        let (got, got_x) = run(true);
+        for (step, ((gl, gt), (wl, wt))) in got.iter().zip(&want).enumerate() {
+            assert!(
+                gl.iter().all(|v| v.is_finite()),
+                "batch {batch} step {step}: non-finite logits"
+            );
+            let differ = gl
+                .iter()
+                .zip(wl)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                (differ, gt),
+                (0, wt),
+                "batch {batch} step {step}: linked logits differ in {differ} of {} (cosine {:.9}); tokens",
+                gl.len(),
+                cosine(gl, wl)
+            );
+        }
+        let differ = got_x
+            .iter()
+            .zip(&want_x)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "batch {batch}: the final residual differs in {differ} values"
+        );
+        println!("batch {batch}: {steps} linked decode steps bit-identical to unlinked ones");
+    }
+}
+
 /// The step's arena (every workspace the step and both halves carve) fits the memory plan's workspace budget, so
 /// a decode state built after the experts filled the rest of the device does not run out: Flash and Pro at the
 /// batch and context corners of the sweeps.

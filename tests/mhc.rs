@@ -11,6 +11,7 @@ use common::norm::{
     self, check_norm_outputs, download_f32, max_abs_diff, one_row, xorshift64, DS, FORMATS, ROWS,
 };
 use megamoe::formats::bf16;
+use megamoe::gpu::DevBuf;
 use megamoe::ops::mhc::reference::{self as hr, MhcParams};
 use megamoe::ops::mhc::{self as hc, MhcPreOutputs, MhcWeights};
 use megamoe::ops::norm_quant::reference as r;
@@ -1235,6 +1236,99 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
     }
 }
 
+/// The engine's linked boundary: `mhc_pre_copies_with` given the previous sub-layer's hc_post (`PriorPost`) on every
+/// launch path, at T = 1, 5 (a partial mix tile) and 64 (two tiles) and D 512 / 4096, with the engine's FP8 + NVFP4
+/// copies, against `mhc_post` then the same call without it, every output poisoned first: X' equal to mhc_post's and
+/// every output of the boundary (pre, post, comb, u, the BF16 RMSNorm(u), rstd, the partials, both copies) equal bit
+/// for bit. The fused mix (`mhc_post_mix_partial24[_pdl]`) forms X' with mhc_post's operations and feeds the stored
+/// BF16 values to the staged mix's dots, so nothing may differ; on the tensor-core path the launcher runs
+/// mhc_post itself. The prior's X and post / comb come from a real boundary (mhc_pre_token of X).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_linked_boundary_equals_post_then_boundary_bitwise() {
+    let gpu = common::gpu("gpu_linked_boundary_equals_post_then_boundary_bitwise");
+    let seed = fresh_seed("gpu_linked_boundary_equals_post_then_boundary_bitwise");
+    let paths = [
+        hc::MhcPrePath::PdlPair,
+        hc::MhcPrePath::TwoLaunch,
+        hc::MhcPrePath::TensorMix,
+    ];
+    for &d in &[512usize, 4096] {
+        for &tokens in &[1usize, 5, 64] {
+            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 31 + d as u64));
+            let y = nq::bench::random_rows(tokens, d, seed ^ 0x77);
+            let coefs: Vec<hr::MhcPre> = (0..tokens)
+                .map(|t| hr::mhc_pre_token(&c.x[t * 4 * d..(t + 1) * 4 * d], &c.p).0)
+                .collect();
+            let post: Vec<f32> = coefs.iter().flat_map(|k| k.post).collect();
+            let comb: Vec<f32> = coefs.iter().flat_map(|k| k.comb).collect();
+            let next = hc::bench::random_mhc_params(d, hr::HC_MIX, seed ^ 0x33);
+            let w = MhcWeights::upload(&gpu, &next, &c.nw, d).unwrap();
+            let (_arena, ws) = norm::mhc_ws(&gpu, tokens, d);
+            let (dy, dx) = (
+                nq::upload_checked_bf16(&gpu, "y", &y).unwrap(),
+                nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
+            );
+            let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
+            let prior = hc::PriorPost {
+                y: DevBuf::of(&dy),
+                x_prev: DevBuf::of(&dx),
+                post: DevBuf::of(&dp),
+                comb: DevBuf::of(&dc),
+            };
+            // One boundary with the engine's copies, `prior` given or not, into fresh poisoned outputs.
+            let boundary = |x_out: &cudarc::driver::CudaSlice<half::bf16>,
+                            prior: Option<&hc::PriorPost>,
+                            path: hc::MhcPrePath| {
+                let mut out =
+                    MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Bf16, tokens, d).unwrap();
+                let c8 = nq::NormOutputs::alloc_poisoned(&gpu, OutFormat::Fp8, tokens, d).unwrap();
+                let c4 =
+                    nq::NormOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
+                let (v8, v4) = (c8.view(), c4.view());
+                let copies = hc::NormCopies {
+                    fp8: Some(&v8),
+                    nvfp4: Some(&v4),
+                };
+                norm::poison_partials(&gpu, &ws);
+                hc::mhc_pre_copies_with(
+                    &gpu,
+                    &gpu.stream,
+                    x_out,
+                    &w,
+                    r::RMS_EPS,
+                    &ws,
+                    &mut out,
+                    copies,
+                    prior,
+                    path,
+                )
+                .unwrap();
+                let snap = MhcSnapshot::take(&gpu, &out, &ws, path);
+                let (h8, h4) = (c8.download(&gpu).unwrap(), c4.download(&gpu).unwrap());
+                (snap, h8.q, h4.q, gpu.download(x_out).unwrap())
+            };
+            for path in paths {
+                let label = format!("linked boundary T={tokens} D={d} {path:?} seed {seed}");
+                // Unlinked: mhc_post, then the boundary on its output.
+                let xa = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+                hc::mhc_post(&gpu, &gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xa).unwrap();
+                let (want, w8, w4, xa) = boundary(&xa, None, path);
+                // Linked.
+                let xb = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
+                let (got, g8, g4, xb) = boundary(&xb, Some(&prior), path);
+                if let Some(i) = (0..xa.len()).find(|&i| xa[i].to_bits() != xb[i].to_bits()) {
+                    panic!("{label}: X'[{i}] mhc_post {} vs linked {}", xa[i], xb[i]);
+                }
+                got.assert_same(&want, &label);
+                assert!(g8 == w8, "{label}: the FP8 copy differs");
+                assert!(g4 == w4, "{label}: the NVFP4 copy differs");
+                eprintln!("{label}: bit-identical to mhc_post + the boundary");
+            }
+        }
+    }
+}
+
 // ---- batches above one launch (MHC_LAUNCH_MAX_TOKENS = 65535 tokens, the grid.y cap) -----------------------
 
 /// The launch chunks cover a batch exactly, in order, each at most MHC_LAUNCH_MAX_TOKENS (the grid.y cap of the
@@ -1664,6 +1758,7 @@ fn gpu_mhc_pre_copies_equal_quantize_bf16_rows_bitwise() {
                         &ws,
                         &mut out,
                         copies,
+                        None,
                         path,
                     )
                     .unwrap();

@@ -42,7 +42,7 @@ use crate::ops::dense::{
     self, Bf16Job, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight,
 };
 use crate::ops::indexer::{self, QueryBatch, TopkWorkspace};
-use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace};
+use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace, PriorPost};
 use crate::ops::norm_quant::{self, OutFormat, QuantView, RowsOut};
 use crate::ops::qkv_prep::{self, WindowRing};
 use crate::ops::sparse_attn::{self, DecodeInputs, DecodeShape, DecodeWorkspace, SplitPlan};
@@ -868,7 +868,19 @@ impl AttnHalf {
             &self.bufs.mhc,
             &mut self.hc_out,
             copies,
+            io.prior_post.as_ref(),
         )
+    }
+
+    /// The hc_post this half leaves to the next half's hc_pre when `io.defer_post` (`x_in` is this half's input):
+    /// `x_out = post (x) y + comb^T x_in`, `y` the output projection's.
+    pub fn pending_post(&self, x_in: &impl DeviceBuf<bf16>) -> PriorPost {
+        PriorPost {
+            y: self.bufs.y,
+            x_prev: DevBuf::of(x_in),
+            post: DevBuf::of(&self.hc_out.post),
+            comb: DevBuf::of(&self.hc_out.comb),
+        }
     }
 
     /// Steps 2-5: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` (FP8), `q = wq_b qr` finished per head
@@ -1170,6 +1182,9 @@ impl AttnHalf {
             &b.dense,
             &b.y,
         )?;
+        if io.defer_post {
+            return Ok(());
+        }
         mhc::mhc_post(
             gpu,
             stream,

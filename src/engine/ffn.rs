@@ -55,7 +55,7 @@ use crate::ops::compressor::dev;
 use crate::ops::dense::{
     self, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight, SharedExpertScratch,
 };
-use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace};
+use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace, PriorPost};
 use crate::ops::moe_gemm::reference::SWIGLU_LIMIT;
 use crate::ops::moe_gemm::{
     self, DeviceActivations, DeviceGrouping, GemmConfig, L1Output, Workspace as MoeWorkspace,
@@ -685,7 +685,19 @@ impl FfnHalf {
             &self.mhc_ws,
             &mut self.hc,
             copies,
+            io.prior_post.as_ref(),
         )
+    }
+
+    /// The hc_post this half leaves to the next half's hc_pre when `io.defer_post` (`x_in` is this half's input):
+    /// `x_out = post (x) moe_out + comb^T x_in`.
+    pub fn pending_post(&self, x_in: &impl DeviceBuf<bf16>) -> PriorPost {
+        PriorPost {
+            y: DevBuf::of(&self.moe_out),
+            x_prev: DevBuf::of(x_in),
+            post: DevBuf::of(&self.hc.post),
+            comb: DevBuf::of(&self.hc.comb),
+        }
     }
 
     /// Step 13: gate logits of `f`, top-6 (biased) or the token's tid2eid row (hash layers), weights, and the masked
@@ -906,6 +918,9 @@ impl FfnHalf {
 
     /// Step 16: `x_out = post (x) moe_out + comb^T x_in`.
     fn hc_post(&self, gpu: &Gpu, stream: &Stream, io: &LayerIo) -> Result<()> {
+        if io.defer_post {
+            return Ok(());
+        }
         mhc::mhc_post(
             gpu,
             stream,

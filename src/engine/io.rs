@@ -5,6 +5,7 @@ use crate::engine::cache::{LayerCaches, RowTables};
 use crate::gpu::DevBuf;
 use crate::gpu::Stream;
 use crate::model::ModelConfig;
+use crate::ops::mhc::PriorPost;
 use crate::ops::sampler::SamplerShape;
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
@@ -83,6 +84,12 @@ pub struct LayerIo<'a> {
     pub chunk_rows: Option<usize>,
     /// Where a profiled step records an event after each group of kernels (`None`: not profiled).
     pub marks: Option<&'a StepMarks>,
+    /// `Some`: the sub-layer before this half left its hc_post to this half's hc_pre, which writes `x_in` as
+    /// `post (x) y + comb^T x_prev` before it mixes it (`mhc::PriorPost`: one launch fewer a boundary). `None`:
+    /// `x_in` holds the residual.
+    pub prior_post: Option<PriorPost>,
+    /// This half leaves its own hc_post to the next half's hc_pre: it does not write `x_out`.
+    pub defer_post: bool,
 }
 
 impl LayerIo<'_> {
@@ -96,21 +103,22 @@ impl LayerIo<'_> {
     }
 }
 
-/// The names of the kernel groups a profiled step marks ([`StepMarks`]), in step order.
+/// The names of the kernel groups a profiled step marks ([`StepMarks`]), in step order. In a whole step the halves
+/// are linked: each hc_post runs inside the next half's hc_pre group (the last layer's in its own group).
 pub mod group {
     pub const EMBED: &str = "embed";
-    pub const ATTN_HC_PRE: &str = "attn: hc_pre + attn_norm + FP8 a";
+    pub const ATTN_HC_PRE: &str = "attn: (hc_post +) hc_pre + attn_norm + FP8 a";
     pub const ATTN_PROJECTIONS: &str =
         "attn: projections (wq_a, wkv, wq_b, BF16 linears, q/kv/indexer prep)";
     pub const ATTN_COMPRESSORS: &str = "attn: compressor state updates";
     pub const ATTN_INDEXER: &str = "attn: indexer logits + top-k";
     pub const ATTN_SPARSE: &str = "attn: candidates + sparse attention";
-    pub const ATTN_OUTPUT: &str = "attn: wo_a, wo_b, hc_post";
-    pub const FFN_HC_PRE: &str = "ffn: hc_pre + ffn_norm + FP8/NVFP4 f";
+    pub const ATTN_OUTPUT: &str = "attn: wo_a, wo_b (hc_post unlinked)";
+    pub const FFN_HC_PRE: &str = "ffn: (hc_post +) hc_pre + ffn_norm + FP8/NVFP4 f";
     pub const FFN_ROUTER: &str = "ffn: router";
     pub const FFN_SHARED: &str = "ffn: shared expert";
     pub const FFN_ROUTED: &str = "ffn: routed experts (L1, L2 + combine)";
-    pub const FFN_HC_POST: &str = "ffn: hc_post";
+    pub const FFN_HC_POST: &str = "ffn: hc_post (unlinked: the last layer)";
     pub const HEAD: &str = "head (final norm, LM head)";
     pub const SAMPLER: &str = "sampler";
 }

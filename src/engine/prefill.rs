@@ -248,6 +248,9 @@ impl PrefillState {
         if let Some(m) = &self.marks {
             m.mark(stream, group::EMBED)?;
         }
+        // Each half leaves its hc_post to the next half's hc_pre (one launch fewer a boundary where the mHC mixes
+        // run on CUDA cores), except the last, whose output the head reads.
+        let n_layers = caches.layers.len();
         for (layer, caches) in caches.layers.iter().enumerate() {
             let rows = &self.tables[layer];
             let attn_io = LayerIo {
@@ -259,11 +262,15 @@ impl PrefillState {
                 rows,
                 chunk_rows: Some(real),
                 marks: self.marks.as_ref(),
+                prior_post: (layer > 0).then(|| self.ffn.pending_post(&self.x_mid)),
+                defer_post: true,
             };
             self.attn.run(gpu, stream, weights, layer, &attn_io)?;
             let ffn_io = LayerIo {
                 x_in: &self.x_mid,
                 x_out: &self.x,
+                prior_post: Some(self.attn.pending_post(&self.x)),
+                defer_post: layer + 1 < n_layers,
                 ..attn_io
             };
             self.ffn.run(gpu, stream, weights, layer, &ffn_io)?;

@@ -286,7 +286,30 @@ impl DecodeState {
         weights: &DeviceWeights,
         layer: usize,
     ) -> Result<()> {
-        let (io, attn, ffn) = self.layer_parts(half, layer)?;
+        self.run_half_linked(half, gpu, stream, weights, layer, false)
+    }
+
+    /// [`DecodeState::run_half`]; `linked`: the halves of a whole step, each leaving its hc_post to the next half's
+    /// hc_pre (`LayerIo::prior_post`, one launch fewer a boundary), except the last FFN half, whose output the head
+    /// reads. The pending post's `x_prev` is the previous half's input: this half's output buffer (they alternate).
+    fn run_half_linked(
+        &mut self,
+        half: Half,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+        layer: usize,
+        linked: bool,
+    ) -> Result<()> {
+        let last = layer + 1 == self.config.n_layers;
+        let (mut io, attn, ffn) = self.layer_parts(half, layer)?;
+        if linked {
+            io.prior_post = match half {
+                Half::Attention => (layer > 0).then(|| ffn.pending_post(io.x_out)),
+                Half::Ffn => Some(attn.pending_post(io.x_out)),
+            };
+            io.defer_post = half == Half::Attention || !last;
+        }
         match half {
             Half::Attention => attn.run(gpu, stream, weights, layer, &io),
             Half::Ffn => ffn.run(gpu, stream, weights, layer, &io),
@@ -330,6 +353,8 @@ impl DecodeState {
             rows: &caches.layers[layer].rows,
             chunk_rows: None,
             marks: marks.as_ref(),
+            prior_post: None,
+            defer_post: false,
         };
         Ok((io, attn, ffn))
     }
@@ -387,13 +412,13 @@ impl DecodeState {
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        self.decode_step_with(gpu, stream, weights, &mut |st: &mut DecodeState, layer| {
-            st.ffn_half(gpu, stream, weights, layer)
-        })
+        self.layers(gpu, stream, weights, None)?;
+        self.head_and_sample(gpu, stream, weights)
     }
 
     /// [`DecodeState::decode_step`] with `ffn` running each layer's FFN half (`x_mid -> x`; the expert-parallel step
-    /// runs its own): the one step loop, marks included, for both.
+    /// runs its own; every half then writes its own output, no hc_post is left to the next half): the one step
+    /// loop, marks included, for both.
     pub fn decode_step_with(
         &mut self,
         gpu: &Gpu,
@@ -401,7 +426,17 @@ impl DecodeState {
         weights: &DeviceWeights,
         ffn: &mut FfnRunner<'_>,
     ) -> Result<()> {
-        self.layers(gpu, stream, weights, ffn)?;
+        self.layers(gpu, stream, weights, Some(ffn))?;
+        self.head_and_sample(gpu, stream, weights)
+    }
+
+    /// Steps 17-19 and the positions' advance, after the layers.
+    fn head_and_sample(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        weights: &DeviceWeights,
+    ) -> Result<()> {
         self.head(gpu, stream, weights)?;
         self.mark(stream, group::HEAD)?;
         self.sample(gpu, stream)?;
@@ -425,9 +460,8 @@ impl DecodeState {
         stream: &Stream,
         weights: &DeviceWeights,
     ) -> Result<()> {
-        self.prompt_step_with(gpu, stream, weights, &mut |st: &mut DecodeState, layer| {
-            st.ffn_half(gpu, stream, weights, layer)
-        })
+        self.layers(gpu, stream, weights, None)?;
+        sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
     }
 
     /// [`DecodeState::prompt_step`] with `ffn` running each layer's FFN half (as [`DecodeState::decode_step_with`]).
@@ -438,24 +472,34 @@ impl DecodeState {
         weights: &DeviceWeights,
         ffn: &mut FfnRunner<'_>,
     ) -> Result<()> {
-        self.layers(gpu, stream, weights, ffn)?;
+        self.layers(gpu, stream, weights, Some(ffn))?;
         sampler::advance_positions(gpu, stream, &self.ws.sampler, &self.positions)
     }
 
-    /// Steps 0-16: the embedding of `next` and every layer (the attention half, then `ffn`).
+    /// Steps 0-16: the embedding of `next` and every layer: the attention half, then `ffn`, or, without one, this
+    /// state's FFN half with the halves linked (each leaves its hc_post to the next one's hc_pre,
+    /// [`DecodeState::run_half_linked`]).
     fn layers(
         &mut self,
         gpu: &Gpu,
         stream: &Stream,
         weights: &DeviceWeights,
-        ffn: &mut FfnRunner<'_>,
+        mut ffn: Option<&mut FfnRunner<'_>>,
     ) -> Result<()> {
         self.mark(stream, "start")?;
         self.embed(gpu, stream, weights)?;
         self.mark(stream, group::EMBED)?;
         for layer in 0..self.config.n_layers {
-            self.attention_half(gpu, stream, weights, layer)?;
-            ffn(self, layer)?;
+            match ffn.as_deref_mut() {
+                Some(run_ffn) => {
+                    self.attention_half(gpu, stream, weights, layer)?;
+                    run_ffn(self, layer)?;
+                }
+                None => {
+                    self.run_half_linked(Half::Attention, gpu, stream, weights, layer, true)?;
+                    self.run_half_linked(Half::Ffn, gpu, stream, weights, layer, true)?;
+                }
+            }
         }
         Ok(())
     }

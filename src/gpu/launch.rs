@@ -97,6 +97,14 @@ impl<T> DevBuf<T> {
             _elem: PhantomData,
         }
     }
+    /// A view of all of `b` (valid while `b`'s memory lives, like every `DevBuf`).
+    pub fn of(b: &impl DeviceBuf<T>) -> DevBuf<T> {
+        DevBuf {
+            addr: b.device_addr(),
+            len: b.elems(),
+            _elem: PhantomData,
+        }
+    }
     pub fn len(&self) -> usize {
         self.len
     }

@@ -198,8 +198,7 @@ impl CompressorWeights {
 
 /// A [`DevBuf`] over an owned slice (valid while the slice lives).
 pub fn dev<T>(s: &CudaSlice<T>) -> DevBuf<T> {
-    // SAFETY: the address and length are the slice's own; callers use the view while the slice lives.
-    unsafe { DevBuf::from_raw(s.device_addr(), s.len()) }
+    DevBuf::of(s)
 }
 
 /// Where emitted entries go.

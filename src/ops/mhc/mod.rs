@@ -23,7 +23,7 @@ pub mod reference;
 
 pub use exec::exec_kernels;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -409,7 +409,18 @@ pub fn mhc_pre_with(
     out: &mut MhcPreOutputs,
     path: MhcPrePath,
 ) -> Result<()> {
-    mhc_pre_copies_with(gpu, stream, x, w, eps, ws, out, NormCopies::NONE, path)
+    mhc_pre_copies_with(
+        gpu,
+        stream,
+        x,
+        w,
+        eps,
+        ws,
+        out,
+        NormCopies::NONE,
+        None,
+        path,
+    )
 }
 
 /// Quantized copies of the BF16 `RMSNorm(u)` that the finish kernel of [`mhc_pre_copies`] writes beside it, from
@@ -506,9 +517,23 @@ pub fn mhc_pre_copies(
     ws: &MhcWorkspace,
     out: &mut MhcPreOutputs,
     copies: NormCopies,
+    prior: Option<&PriorPost>,
 ) -> Result<()> {
     let path = mhc_pre_auto_path(out.tokens);
-    mhc_pre_copies_with(gpu, stream, x, w, eps, ws, out, copies, path)
+    mhc_pre_copies_with(gpu, stream, x, w, eps, ws, out, copies, prior, path)
+}
+
+/// The previous sub-layer's `hc_post`, left to the next boundary: with it, [`mhc_pre_copies`] first writes its
+/// `x` as `post (x) y + comb^T x_prev` (as [`mhc_post`], bit for bit). On the FFMA mix paths that happens inside
+/// the mix kernel (`mhc_post_mix_partial24[_pdl]`, which mixes the values it stores: one launch and one read of X
+/// fewer); on the tensor-core path [`mhc_post`] runs first. `y` `[T, D]`, `x_prev` `[T, 4, D]`, `post` `[T, 4]`,
+/// `comb` `[T, 16]` (the previous boundary's).
+#[derive(Clone, Copy, Debug)]
+pub struct PriorPost {
+    pub y: DevBuf<bf16>,
+    pub x_prev: DevBuf<bf16>,
+    pub post: DevBuf<f32>,
+    pub comb: DevBuf<f32>,
 }
 
 /// [`mhc_pre_copies`] with an explicit launch path.
@@ -522,12 +547,24 @@ pub fn mhc_pre_copies_with(
     ws: &MhcWorkspace,
     out: &mut MhcPreOutputs,
     copies: NormCopies,
+    prior: Option<&PriorPost>,
     path: MhcPrePath,
 ) -> Result<()> {
     check_boundary(x, w, eps, out, HC_MIX, "mhc_pre")?;
     ws.check(out.tokens, out.d)?;
     copies.check(out)?;
     let (tokens, d) = (out.tokens, out.d);
+    if let Some(p) = prior {
+        check_post_lens(&p.y, x, &p.post, &p.comb, tokens, d)?;
+        check_len("X of the prior hc_post", p.x_prev.elems(), tokens * 4 * d)?;
+        ensure!(
+            p.x_prev.device_addr() != x.device_addr(),
+            "mhc_pre: the prior hc_post's X and its output must be different buffers"
+        );
+        if path == MhcPrePath::TensorMix {
+            mhc_post(gpu, stream, &p.y, &p.x_prev, &p.post, &p.comb, tokens, d, x)?;
+        }
+    }
     let splits = partial_splits(path, tokens, d);
     // Per chunk (one chunk up to MHC_LAUNCH_MAX_TOKENS tokens): the mix, then the finish on its partials.
     // PDL pair: each kernel may start before its predecessor completes and waits on the device
@@ -545,9 +582,12 @@ pub fn mhc_pre_copies_with(
     )?;
     let normed = out.normed.view();
     for chunk in mhc_token_chunks(tokens) {
-        match path {
-            MhcPrePath::TensorMix => launch_tc_mix(gpu, stream, x, w, ws, splits, chunk)?,
-            MhcPrePath::TwoLaunch => launch_mix(
+        match (path, prior) {
+            (MhcPrePath::TwoLaunch | MhcPrePath::PdlPair, Some(p)) => {
+                launch_post_mix(gpu, stream, p, x, w, ws, chunk, path == MhcPrePath::PdlPair)?
+            }
+            (MhcPrePath::TensorMix, _) => launch_tc_mix(gpu, stream, x, w, ws, splits, chunk)?,
+            (MhcPrePath::TwoLaunch, None) => launch_mix(
                 gpu,
                 stream,
                 "mhc_mix_partial24_staged",
@@ -557,7 +597,7 @@ pub fn mhc_pre_copies_with(
                 chunk,
                 false,
             )?,
-            MhcPrePath::PdlPair => {
+            (MhcPrePath::PdlPair, None) => {
                 launch_mix(gpu, stream, "mhc_mix_partial24_pdl", x, w, ws, chunk, true)?
             }
         }
@@ -665,11 +705,12 @@ fn finish_args(
         .buf_at(&out.u, t0 * d);
 }
 
-/// `hc_post` of one sub-layer fused with `hc_pre` of the next: `x_out = post (x) y + comb^T x` (as [`mhc_post`],
-/// bit for bit) is computed inside the split-K mix kernel (`mhc_post_mix_partial24`), which feeds it to the next
-/// boundary's dots; then the two-launch finish kernel of [`mhc_pre`] (reading `x_out`). Two launches instead of
-/// three, and X' is not re-read for the mixes. `post`/`comb` are the previous boundary's; `y` `[T, D]`, `x` /
-/// `x_out` `[T, 4, D]`, `post` `[T, 4]`, `comb` `[T, 16]`.
+/// `hc_post` of one sub-layer fused with `hc_pre` of the next, on the two-launch path: `x_out = post (x) y +
+/// comb^T x` (as [`mhc_post`], bit for bit) is computed inside the split-K mix kernel (`mhc_post_mix_partial24`),
+/// which feeds it to the next boundary's dots; then the two-launch finish kernel of [`mhc_pre`] (reading `x_out`).
+/// Two launches instead of three, and X' is not re-read for the mixes. `post`/`comb` are the previous boundary's;
+/// `y` `[T, D]`, `x` / `x_out` `[T, 4, D]`, `post` `[T, 4]`, `comb` `[T, 16]`. [`mhc_pre_copies`] with a
+/// [`PriorPost`] is the same on the automatic path, with copies.
 #[allow(clippy::too_many_arguments)]
 pub fn mhc_post_then_pre(
     gpu: &Gpu,
@@ -684,34 +725,56 @@ pub fn mhc_post_then_pre(
     x_out: &impl DeviceBuf<bf16>,
     out: &mut MhcPreOutputs,
 ) -> Result<()> {
-    check_boundary(x, w, eps, out, HC_MIX, "mhc_post_then_pre")?;
-    ws.check(out.tokens, out.d)?;
-    let (tokens, d) = (out.tokens, out.d);
-    check_post_lens(y, x_out, post, comb, tokens, d)?;
-    let splits = mix_splits(d);
-    let mix = gpu.kernel(FAMILY, "mhc_post_mix_partial24")?;
-    let finish = gpu.kernel(
-        FAMILY,
-        &format!("mhc_pre_finish_{}", out.normed.format.name()),
-    )?;
-    let normed = out.normed.view();
-    for (t0, n) in mhc_token_chunks(tokens) {
-        // (y, X, post, comb, Xout, F, part, T, D)
-        let mut a = KernelArgs::new();
-        post_args(&mut a, y, x, post, comb, x_out, t0, d)
-            .buf(&w.mix_fn)
-            .buf_at(&ws.partials, t0 * (HC_MIX + 1) * splits)
-            .i32(n as i32)
-            .i32(d as i32);
-        let l = Launch::new((splits as u32, n.div_ceil(32) as u32, 1), (128, 1, 1));
-        unsafe { launch(stream, &mix, l, &mut a) }?;
-        let mut a = KernelArgs::new();
-        finish_args(&mut a, x_out, w, eps, ws, splits, out, (t0, n));
-        normed.push(&mut a, t0, true);
-        let l = Launch::new((n as u32, 2, 1), (row_block_threads(d), 1, 1));
-        unsafe { launch(stream, &finish, l, &mut a) }?;
-    }
-    Ok(())
+    let prior = PriorPost {
+        y: DevBuf::of(y),
+        x_prev: DevBuf::of(x),
+        post: DevBuf::of(post),
+        comb: DevBuf::of(comb),
+    };
+    mhc_pre_copies_with(
+        gpu,
+        stream,
+        x_out,
+        w,
+        eps,
+        ws,
+        out,
+        NormCopies::NONE,
+        Some(&prior),
+        MhcPrePath::TwoLaunch,
+    )
+}
+
+/// The fused hc_post + mixes kernel over tokens `[t0, t0 + n)`: parameters `(y, X, post, comb, Xout, F, part, T,
+/// D)`, grid `[S, ceil(n/32)]`, block 128; `_pdl` before the PDL finish.
+#[allow(clippy::too_many_arguments)]
+fn launch_post_mix(
+    gpu: &Gpu,
+    stream: &Stream,
+    p: &PriorPost,
+    x_out: &impl DeviceBuf<bf16>,
+    w: &MhcWeights,
+    ws: &MhcWorkspace,
+    (t0, n): (usize, usize),
+    pdl: bool,
+) -> Result<()> {
+    let (d, splits) = (w.d, mix_splits(w.d));
+    let name = if pdl {
+        "mhc_post_mix_partial24_pdl"
+    } else {
+        "mhc_post_mix_partial24"
+    };
+    let k = gpu.kernel(FAMILY, name)?;
+    let mut a = KernelArgs::new();
+    post_args(&mut a, &p.y, &p.x_prev, &p.post, &p.comb, x_out, t0, d)
+        .buf(&w.mix_fn)
+        .buf_at(&ws.partials, t0 * (HC_MIX + 1) * splits)
+        .i32(n as i32)
+        .i32(d as i32);
+    let l = Launch::new((splits as u32, n.div_ceil(32) as u32, 1), (128, 1, 1)).pdl(pdl);
+    // SAFETY: the lengths were checked by the caller (check_post_lens, check_boundary); grid as the kernel's
+    // contract (kernels/mhc.cu).
+    unsafe { launch(stream, &k, l, &mut a) }
 }
 
 /// `hc_head`: pre = sigmoid mixes (no Sinkhorn), u = sum pre_i X_i (BF16), then RMSNorm(u; norm.weight) as BF16
