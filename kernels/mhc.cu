@@ -116,6 +116,17 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // only after a __syncthreads (the caller's).
 // PDL (only mhc_mix_partial24_pdl): the F copies (weights) are issued before pdl_wait, X's and the
 // partial stores after it, so the F round trip overlaps the previous kernel's tail. PDL = false: unchanged.
+// hc_post of one element of stream k: post_k y + sum_j C[j][k] X[j] in fp32, each product and sum rounded (no FMA),
+// j in order. The one formula of mhc_post and of the linked boundary's fused mix (post_mix_tile_smem).
+__device__ __forceinline__ float post_element(float pk, const float (&ck)[4], float y, float x0, float x1, float x2,
+                                              float x3) {
+    float a = __fmul_rn(pk, y);
+    a = __fadd_rn(a, __fmul_rn(ck[0], x0));
+    a = __fadd_rn(a, __fmul_rn(ck[1], x1));
+    a = __fadd_rn(a, __fmul_rn(ck[2], x2));
+    return __fadd_rn(a, __fmul_rn(ck[3], x3));
+}
+
 // The dots of one mix tile (split s, tokens [t0, t0 + nt)) from F staged in sm.f: item i = 16 t + q (a warp holds
 // tokens 2k, 2k + 1) gets the 8 values of columns {4q..4q+3} and {64+4q..64+4q+3} of its token from x_of(t, q, xv)
 // and forms 25 fp32 dots of 8 terms (an fma chain), then an xor tree over the 16 lanes of the half warp that holds
@@ -236,12 +247,7 @@ __device__ void post_mix_tile_smem(const __nv_bfloat16* __restrict__ y, const __
             }
             float o[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float a = __fmul_rn(pk, yv[e]);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) a = __fadd_rn(a, __fmul_rn(ck[j], xs[j][e]));
-                o[e] = a;
-            }
+            for (int e = 0; e < 4; ++e) o[e] = post_element(pk, ck, yv[e], xs[0][e], xs[1][e], xs[2][e], xs[3][e]);
             uint2 r;
             r.x = pack_bf16x2(o[0], o[1]);
             r.y = pack_bf16x2(o[2], o[3]);
@@ -628,24 +634,19 @@ extern "C" __global__ void __launch_bounds__(64) mhc_post(const __nv_bfloat16* y
     const int t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= D / 8) return;
-    float yv[8], xs[4][8], p[4], cm[16];
+    float yv[8], xs[4][8];
     load8(y + (long)t * D + c * 8, yv);
 #pragma unroll
     for (int j = 0; j < 4; ++j) load8(X + ((long)t * 4 + j) * D + c * 8, xs[j]);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) p[k] = __ldg(post + t * 4 + k);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) cm[i] = __ldg(comb + t * 16 + i);
-#pragma unroll
     for (int k = 0; k < 4; ++k) {
+        const float pk = __ldg(post + t * 4 + k);
+        float ck[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ck[j] = __ldg(comb + t * 16 + 4 * j + k);
         float o[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            float acc = __fmul_rn(p[k], yv[e]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc = __fadd_rn(acc, __fmul_rn(cm[4 * j + k], xs[j][e]));
-            o[e] = acc;
-        }
+        for (int e = 0; e < 8; ++e) o[e] = post_element(pk, ck, yv[e], xs[0][e], xs[1][e], xs[2][e], xs[3][e]);
         store8_bf16(Xout + ((long)t * 4 + k) * D + c * 8, o);
     }
 }
