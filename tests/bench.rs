@@ -6,7 +6,10 @@ use std::path::{Path, PathBuf};
 
 use megamoe::bench::config::{default_config, SweepConfig};
 use megamoe::bench::csv_out::{append_rows, read_rows, write_rows};
-use megamoe::bench::plot::{plot_rows, plot_rows_with, plot_series, PlotSelection, Series, Target};
+use megamoe::bench::plot::{
+    plot_rows, plot_rows_with, plot_series, plot_timeline, timeline_lanes, PlotSelection, Series,
+    Target, TimelineBar,
+};
 use megamoe::bench::report::{report_from_csv_dir, write_report, ReportSection};
 use megamoe::bench::{fill_speedups, Limits, MatmulKind, Row, Summary, Telemetry};
 use rand::{Rng, SeedableRng};
@@ -249,6 +252,36 @@ fn plot_series_writes_png_and_svg_on_every_axis_kind() {
     }];
     let err = plot_series(&dir.path().join("z"), "t", "x", "y", &zero, true, false).unwrap_err();
     assert!(format!("{err:#}").contains("logarithmic"), "{err:#}");
+}
+
+/// A kernel timeline: overlapping bars (a PDL kernel that starts before its predecessor ends) take a second lane,
+/// a bar that starts when or after a lane's last bar ends reuses it; the plot names every group in its legend;
+/// empty and inverted bars are refused.
+#[test]
+fn timeline_stacks_overlaps_in_lanes_and_plots_every_group() {
+    let bar = |g: &str, a: f64, b: f64| TimelineBar {
+        group: g.into(),
+        start_us: a,
+        end_us: b,
+    };
+    let bars = [
+        bar("dense", 0.0, 10.0),
+        bar("qkv_prep", 9.0, 12.0), // starts inside the GEMV: lane 1
+        bar("dense", 10.0, 20.0),   // starts when the first ends: lane 0 again
+        bar("mhc", 11.0, 11.5),     // lane 0 busy until 20, lane 1 until 12: a third lane
+        bar("mhc", 12.0, 13.0),     // lane 1 is free at 12
+    ];
+    assert_eq!(timeline_lanes(&bars), vec![0, 1, 0, 2, 1]);
+    let dir = TempDir::new("timeline");
+    let (png, svg) = plot_timeline(&dir.path().join("t"), "one layer", &bars).unwrap();
+    assert_png_and_svg(&png, &svg);
+    let texts = svg_texts(&fs::read_to_string(&svg).unwrap());
+    for g in ["dense", "qkv_prep", "mhc"] {
+        assert!(texts.iter().any(|t| t == g), "legend lacks {g}: {texts:?}");
+    }
+    assert!(plot_timeline(&dir.path().join("e"), "empty", &[]).is_err());
+    let err = plot_timeline(&dir.path().join("b"), "bad", &[bar("x", 2.0, 1.0)]).unwrap_err();
+    assert!(format!("{err:#}").contains("not an interval"), "{err:#}");
 }
 
 /// The text of every `<text>` element of an SVG, trimmed and unescaped.

@@ -17,7 +17,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -1161,4 +1161,165 @@ mod tests {
             PathBuf::from("a/b.v1.png")
         );
     }
+}
+
+/// One bar of a [`plot_timeline`]: a kernel from `start_us` to `end_us`, coloured by its `group`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TimelineBar {
+    pub group: String,
+    pub start_us: f64,
+    pub end_us: f64,
+}
+
+/// The lane of each bar: the first lane whose last bar ended at or before the bar's start, so bars that overlap
+/// in time (a PDL kernel starting before its predecessor ends, a second stream) stack in separate lanes. Bars in
+/// start order.
+pub fn timeline_lanes(bars: &[TimelineBar]) -> Vec<usize> {
+    let mut lane_end: Vec<f64> = Vec::new();
+    bars.iter()
+        .map(|b| match lane_end.iter().position(|&e| e <= b.start_us) {
+            Some(l) => {
+                lane_end[l] = b.end_us;
+                l
+            }
+            None => {
+                lane_end.push(b.end_us);
+                lane_end.len() - 1
+            }
+        })
+        .collect()
+}
+
+/// A timeline (PNG + SVG, like [`plot_chart`]): each bar a box on a time axis in its lane ([`timeline_lanes`]),
+/// one colour per group (legend in the order groups first appear), so the gaps between kernels and their overlaps
+/// read at a glance. Errors: no bars, a non-finite time, or a bar ending before it starts.
+pub fn plot_timeline(
+    path_stem: &Path,
+    title: &str,
+    bars: &[TimelineBar],
+) -> Result<(PathBuf, PathBuf)> {
+    ensure!(!bars.is_empty(), "timeline `{title}`: no bars");
+    for b in bars {
+        ensure!(
+            b.start_us.is_finite() && b.end_us.is_finite() && b.end_us >= b.start_us,
+            "timeline `{title}`: bar {b:?} is not an interval"
+        );
+    }
+    ensure_font()?;
+    let mut groups: Vec<&str> = Vec::new();
+    for b in bars {
+        if !groups.contains(&b.group.as_str()) {
+            groups.push(&b.group);
+        }
+    }
+    let lanes = timeline_lanes(bars);
+    let png = with_suffix(path_stem, ".png");
+    let svg = with_suffix(path_stem, ".svg");
+    if let Some(dir) = png.parent().filter(|d| !d.as_os_str().is_empty()) {
+        fs::create_dir_all(dir).with_context(|| format!("creating directory {}", dir.display()))?;
+    }
+    let longest = groups.iter().map(|g| g.chars().count()).max().unwrap_or(0);
+    let legend_w =
+        (LEGEND_SAMPLE as f64 + 40.0 + longest as f64 * LEGEND_CHAR_PX).clamp(160.0, 560.0) as u32;
+    let size = (
+        1400 + legend_w,
+        (PLOT_SIZE.1 / 2).max(90 + (groups.len() as u32 + 2) * LEGEND_ROW),
+    );
+    let spec = TimelineSpec {
+        title,
+        bars,
+        lanes: &lanes,
+        groups: &groups,
+        legend_w,
+    };
+    {
+        let root = BitMapBackend::new(&png, size).into_drawing_area();
+        draw_timeline(root, &spec).with_context(|| format!("drawing {}", png.display()))?;
+    }
+    {
+        let root = SVGBackend::new(&svg, size).into_drawing_area();
+        draw_timeline(root, &spec).with_context(|| format!("drawing {}", svg.display()))?;
+    }
+    Ok((png, svg))
+}
+
+struct TimelineSpec<'a> {
+    title: &'a str,
+    bars: &'a [TimelineBar],
+    lanes: &'a [usize],
+    groups: &'a [&'a str],
+    legend_w: u32,
+}
+
+fn draw_timeline<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, s: &TimelineSpec) -> Result<()> {
+    let e = |err: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("{err:?}");
+    root.fill(&WHITE).map_err(e)?;
+    let body = root
+        .margin(10, 0, 0, 0)
+        .titled(s.title, ("sans-serif", 22))
+        .map_err(e)?;
+    let (body_w, _) = body.dim_in_pixel();
+    let (data_side, legend) = body.split_horizontally(body_w.saturating_sub(s.legend_w));
+    let t0 = s
+        .bars
+        .iter()
+        .map(|b| b.start_us)
+        .fold(f64::INFINITY, f64::min);
+    let t1 = s
+        .bars
+        .iter()
+        .map(|b| b.end_us)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let lanes = s.lanes.iter().max().map_or(1, |l| l + 1);
+    let mut chart = ChartBuilder::on(&data_side)
+        .margin(12)
+        .x_label_area_size(50)
+        .y_label_area_size(60)
+        .build_cartesian_2d(t0..t1.max(t0 + 1e-3), 0f64..lanes as f64)
+        .map_err(e)?;
+    let tick = |v: &f64| format_number(*v);
+    chart
+        .configure_mesh()
+        .x_desc("time (us)")
+        .y_desc("lane")
+        .x_label_formatter(&tick)
+        .y_labels(lanes + 1)
+        .y_label_formatter(&|v: &f64| format!("{}", *v as usize))
+        .label_style(("sans-serif", 15))
+        .axis_desc_style(("sans-serif", 17))
+        .disable_y_mesh()
+        .light_line_style(RGBColor(238, 238, 238))
+        .bold_line_style(RGBColor(210, 210, 210))
+        .draw()
+        .map_err(e)?;
+    let n = s.groups.len();
+    let color_of = |g: &str| series_color(s.groups.iter().position(|x| *x == g).unwrap_or(0), n);
+    chart
+        .draw_series(s.bars.iter().zip(s.lanes).map(|(b, &l)| {
+            let y = l as f64;
+            Rectangle::new(
+                [(b.start_us, y + 0.1), (b.end_us, y + 0.9)],
+                color_of(&b.group).filled(),
+            )
+        }))
+        .map_err(e)?;
+    let font = ("sans-serif", 15).into_font();
+    let mut y_at = 56;
+    for (i, g) in s.groups.iter().enumerate() {
+        legend
+            .draw(&Rectangle::new(
+                [(8, y_at - 6), (8 + LEGEND_SAMPLE, y_at + 6)],
+                series_color(i, n).filled(),
+            ))
+            .map_err(e)?;
+        legend
+            .draw(&Text::new(
+                g.to_string(),
+                (8 + LEGEND_SAMPLE + 8, y_at - 8),
+                font.clone(),
+            ))
+            .map_err(e)?;
+        y_at += LEGEND_ROW as i32;
+    }
+    Ok(())
 }

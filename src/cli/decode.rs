@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 
+use crate::bench::plot::{plot_timeline, TimelineBar};
 use crate::bench::stats::percentile_of_sorted;
 use crate::bench::{env, probe};
 use crate::engine::io::StepShape;
@@ -360,7 +361,7 @@ fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<
         let point = time_point(gpu, &mut engine, &plan, args, &prompts, copy_gbps)?;
         print_report(gpu, &plan, args, &point);
         append_csv(&out, gpu, &plan, args, &point)?;
-        write_timeline(&out, &point)?;
+        write_timeline(&out, &point, cfg.n_layers)?;
         points.push(point);
     }
     plot_sweeps(&out, &plan.config.name, &gpu.info.name, &points)?;
@@ -920,8 +921,9 @@ fn print_timeline(title: &str, spans: &[KernelSpan], layers: usize) {
 }
 
 /// The traced step's kernels as `timeline-b<batch>-c<context>.csv` beside decode.csv (gpu::trace::spans_csv), and
-/// the profiled prefill chunk's as `timeline-prefill-b<batch>-c<context>.csv`, for each the run traced.
-fn write_timeline(dir: &std::path::Path, p: &DecodePoint) -> Result<()> {
+/// the profiled prefill chunk's as `timeline-prefill-b<batch>-c<context>.csv`, for each the run traced; each with a
+/// plot (`.png` / `.svg`) of about two layers of it.
+fn write_timeline(dir: &std::path::Path, p: &DecodePoint, layers: usize) -> Result<()> {
     let chunk = p.summary.prefill_profile.as_ref().map(|c| &c.trace[..]);
     for (what, spans) in [
         ("", &p.summary.trace[..]),
@@ -934,9 +936,68 @@ fn write_timeline(dir: &std::path::Path, p: &DecodePoint) -> Result<()> {
         let path = dir.join(format!("timeline-{what}b{}-c{}.csv", p.batch, p.context));
         std::fs::write(&path, crate::gpu::trace::spans_csv(spans))
             .with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote a kernel timeline to {}", path.display());
+        // About two layers from the middle of the run, drawn: the gaps and overlaps the tables sum up.
+        let per_layer = spans.len().div_ceil(layers.max(1));
+        let k0 = (spans.len() / 2).saturating_sub(per_layer);
+        let k1 = (k0 + 2 * per_layer).min(spans.len());
+        let t0 = spans[k0].start_ns;
+        let bars: Vec<TimelineBar> = spans[k0..k1]
+            .iter()
+            .map(|s| TimelineBar {
+                group: kernel_family(&s.name).to_string(),
+                start_us: (s.start_ns - t0) as f64 / 1e3,
+                end_us: s.end_ns.saturating_sub(t0) as f64 / 1e3,
+            })
+            .collect();
+        let (png, _) = plot_timeline(
+            &dir.join(format!("timeline-{what}b{}-c{}", p.batch, p.context)),
+            &format!(
+                "{}batch {}, context {}: kernels {k0}..{k1} of {} (about two layers) as the GPU ran them",
+                if what.is_empty() { "decode step, " } else { "prefill chunk, " },
+                p.batch,
+                p.context,
+                spans.len()
+            ),
+            &bars,
+        )?;
+        println!(
+            "wrote a kernel timeline to {} and {}",
+            path.display(),
+            png.display()
+        );
     }
     Ok(())
+}
+
+/// The family a kernel's entry point belongs to, for a timeline's colours: our kernels by the prefix of their
+/// family (kernels/<family>.cu), cuBLASLt's mangled C++ names as one.
+fn kernel_family(name: &str) -> &str {
+    const FAMILIES: [&str; 16] = [
+        "dense",
+        "moe_gemm",
+        "mhc",
+        "router",
+        "sparse_attn",
+        "attn",
+        "qkv_prep",
+        "compressor",
+        "indexer",
+        "rmsnorm",
+        "quant",
+        "sampler",
+        "head",
+        "ffn",
+        "ep",
+        "norm",
+    ];
+    if name.starts_with("_Z") || name.contains("xmma") || name.contains("cublas") {
+        return "cuBLASLt";
+    }
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| name.starts_with(f))
+        .unwrap_or_else(|| name.split('_').next().unwrap_or(name))
 }
 
 /// One row of parity.csv.
@@ -1221,6 +1282,22 @@ mod tests {
         assert!(a.check().is_ok());
         a.max_new_tokens += 1;
         assert!(a.check().is_err());
+    }
+
+    #[test]
+    fn kernels_fall_into_their_families() {
+        for (name, family) in [
+            ("dense_fp8_m8", "dense"),
+            ("moe_gemm_decode_f16_operands_nt1", "moe_gemm"),
+            ("mhc_post_mix_partial24_pdl", "mhc"),
+            ("attn_candidates", "attn"),
+            ("sparse_attn_decode_fp8", "sparse_attn"),
+            ("_ZN8cublasLt19splitKreduce_kernelILi32E", "cuBLASLt"),
+            ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n", "cuBLASLt"),
+            ("weights_fill_fp8_codes", "weights"),
+        ] {
+            assert_eq!(kernel_family(name), family, "{name}");
+        }
     }
 
     #[test]
