@@ -152,10 +152,13 @@ if want decode; then
   timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 16 \
     --max-new-tokens 64 --out "$work" > "$work/decode-small.log" 2>&1 || { echo "decode small failed"; status=1; small_ok=0; }
   tail -n 30 "$work/decode-small.log"
-  step "decode: small parity"
-  timeout "${DECODE_TIMEOUT:-120}" "$B/megamoe" decode --model small --context 256 --prompt-len 8 \
-    --max-new-tokens 48 --parity --out "$work" > "$work/parity-small.log" 2>&1 || { echo "parity failed"; status=1; }
-  tail -n 6 "$work/parity-small.log"
+  # PARITY_SEEDS (default 3) seeds, each its own weights and prompts: the run ends with the spread of the GPU's
+  # distance from CPU4 against its floor's over the seeds.
+  step "decode: small parity (${PARITY_SEEDS:-3} seeds)"
+  timeout "${PARITY_TIMEOUT:-300}" "$B/megamoe" decode --model small --context 256 --prompt-len 8 \
+    --max-new-tokens 48 --parity --parity-seeds "${PARITY_SEEDS:-3}" --out "$work" > "$work/parity-small.log" 2>&1 \
+    || { echo "parity failed"; status=1; }
+  tail -n 8 "$work/parity-small.log"
   # Flash's weight fill takes minutes: spend them only once the small model decodes.
   if [ "${DECODE_FLASH:-1}" != 0 ] && [ "$small_ok" = 1 ]; then
     # `megamoe generate` end to end on Flash (the real tokenizer's ids need the real vocabulary; the small model's

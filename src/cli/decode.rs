@@ -60,6 +60,11 @@ pub struct DecodeArgs {
     /// this is for the small geometry (--model small).
     #[arg(long)]
     pub parity: bool,
+    /// With --parity: run it for this many seeds (--seed, --seed + 1, ...; each its own synthetic weights and
+    /// prompts) and end with the spread: whether the GPU's distance from CPU4 stays inside the range of the CPU
+    /// floor's distances over the same seeds.
+    #[arg(long, default_value_t = 1)]
+    pub parity_seeds: usize,
     /// Prompt tokens per prefill chunk, 1..=1024 (default 1024, the fewest chunks: each reads every resident expert
     /// and dense weight once): each sequence's prompt goes through the layers in chunks of this many rows (above 64
     /// rows the dense linears on cuBLASLt's tensor cores and the routed experts on moe_gemm's prefill mainloop;
@@ -139,6 +144,10 @@ impl DecodeArgs {
         ensure!(
             !self.parity || (self.batch.len() == 1 && self.context.len() == 1 && !self.at_context),
             "--parity runs one point (one --batch, one --context, a real prompt)"
+        );
+        ensure!(
+            self.parity_seeds >= 1 && (self.parity || self.parity_seeds == 1),
+            "--parity-seeds counts the seeds of a --parity run (at least 1)"
         );
         ensure!(self.prompt_len >= 1, "--prompt-len must be at least 1");
         crate::engine::prefill::check_chunk(self.prefill_chunk)?;
@@ -335,10 +344,14 @@ fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<
     }
     let plan = plan.expect("at least one point");
     eprintln!("{}", plan.map);
+    let out = args.out.clone().unwrap_or(default_out);
+    if args.parity {
+        run_parity_seeds(gpu, &plan, &cfg, args, &out)?;
+        return Ok(Vec::new());
+    }
     eprintln!("measuring the copy bandwidth ...");
     let copy_gbps = probe::best_copy_gbps(&probe::measure_copy(gpu, 1 << 30, 10)?);
     let weights = DeviceWeights::load(gpu, &plan, &WeightSource::Synthetic { seed: args.seed })?;
-    let out = args.out.clone().unwrap_or(default_out);
     crate::progress::catch_interrupt();
     let mut points = Vec::new();
     for (batch, context) in args.points() {
@@ -354,10 +367,6 @@ fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<
             args.prompt_len,
             cfg.vocab_size,
         );
-        if args.parity {
-            run_parity(gpu, &mut engine, &cfg, args, &prompts, &out)?;
-            return Ok(points);
-        }
         let point = time_point(gpu, &mut engine, &plan, args, &prompts, copy_gbps)?;
         print_report(gpu, &plan, args, &point);
         append_csv(&out, gpu, &plan, args, &point)?;
@@ -616,24 +625,104 @@ fn time_point(
     })
 }
 
-/// `--parity`: [`parity::free_running`] against four CPU models on the same synthetic weights; prints a per-step
-/// table and the summary, writes parity.csv.
+/// `--parity` over `--parity-seeds` seeds: [`run_parity`] for each (its own weights, engine and prompts), then, for
+/// more than one, the spread of the distances (1 - mean cosine) over the seeds.
+fn run_parity_seeds(
+    gpu: &Gpu,
+    plan: &MemoryPlan,
+    cfg: &crate::model::ModelConfig,
+    args: &DecodeArgs,
+    out: &std::path::Path,
+) -> Result<()> {
+    crate::progress::catch_interrupt();
+    let (batch, context) = (args.batch[0], args.context[0]);
+    let mut summaries = Vec::new();
+    for seed in (args.seed..).take(args.parity_seeds) {
+        if crate::progress::interrupted() {
+            break;
+        }
+        let weights = DeviceWeights::load(gpu, plan, &WeightSource::Synthetic { seed })?;
+        let mut engine = Engine::new(gpu, &weights, StepShape { batch, context })?;
+        engine.set_prefill_chunk(args.prefill_chunk)?;
+        let prompts =
+            crate::engine::run::synthetic_prompts(seed, batch, args.prompt_len, cfg.vocab_size);
+        let s = run_parity(gpu, &mut engine, cfg, args, seed, &prompts, out)?;
+        summaries.push((seed, s));
+    }
+    if summaries.len() > 1 {
+        print_parity_spread(&summaries);
+    }
+    Ok(())
+}
+
+/// The distances (1 - mean cosine) of each seed's run and their ranges: the implementation (GPU vs CPU4) against
+/// its floor (CPU4' vs CPU4) and the model's floor (CPU' vs CPU).
+fn print_parity_spread(summaries: &[(u64, parity::ParitySummary)]) {
+    let d = |c: f64| 1.0 - c;
+    println!(
+        "\n== parity over {} seeds: mean distance (1 - mean cosine) per seed ==",
+        summaries.len()
+    );
+    println!(
+        "{:>8} {:>14} {:>16} {:>7} {:>14} {:>12} {:>14}",
+        "seed", "GPU vs CPU4", "CPU4' vs CPU4", "ratio", "CPU' vs CPU", "agree GPU", "agree floor"
+    );
+    for (seed, s) in summaries {
+        let (g, f) = (d(s.mean_cos_gpu_formats), d(s.mean_cos_formats_floor));
+        println!(
+            "{seed:>8} {g:>14.3e} {f:>16.3e} {:>7.2} {:>14.3e} {:>9}/{:<2} {:>11}/{:<2}",
+            g / f,
+            d(s.mean_cos_floor),
+            s.agree_gpu_formats,
+            s.rows,
+            s.agree_formats_floor,
+            s.rows
+        );
+    }
+    let range = |f: &dyn Fn(&parity::ParitySummary) -> f64| {
+        summaries
+            .iter()
+            .map(|(_, s)| f(s))
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+                (a.min(v), b.max(v))
+            })
+    };
+    let (g0, g1) = range(&|s| d(s.mean_cos_gpu_formats));
+    let (f0, f1) = range(&|s| d(s.mean_cos_formats_floor));
+    let mean = |f: &dyn Fn(&parity::ParitySummary) -> f64| {
+        summaries.iter().map(|(_, s)| f(s)).sum::<f64>() / summaries.len() as f64
+    };
+    let (gm, fm) = (
+        mean(&|s| d(s.mean_cos_gpu_formats)),
+        mean(&|s| d(s.mean_cos_formats_floor)),
+    );
+    println!(
+        "GPU vs CPU4: mean distance {gm:.3e} (range {g0:.3e} .. {g1:.3e}); its floor CPU4' vs CPU4: {fm:.3e} \
+         ({f0:.3e} .. {f1:.3e}); ratio of the means {:.2}; the GPU's mean {} the floor's range",
+        gm / fm,
+        if gm <= f1 { "is inside" } else { "is above" }
+    );
+}
+
+/// `--parity` for one seed: [`parity::free_running`] against four CPU models on the same synthetic weights; prints
+/// a per-step table and the summary, appends its rows to parity.csv.
 fn run_parity(
     gpu: &Gpu,
     engine: &mut Engine,
     cfg: &crate::model::ModelConfig,
     args: &DecodeArgs,
+    seed: u64,
     prompts: &[Vec<u32>],
     out: &std::path::Path,
-) -> Result<()> {
-    let set = parity::ParityModelSet::synthetic(cfg, args.seed)?;
+) -> Result<parity::ParitySummary> {
+    let set = parity::ParityModelSet::synthetic(cfg, seed)?;
     let models = set.models();
     let mut progress = Progress::new("parity", args.max_new_tokens);
     let rows = parity::free_running(gpu, engine, &models, prompts, args.max_new_tokens, |i| {
         progress.tick(&format!("step {}", i + 1))
     })?;
     println!(
-        "\n== parity: {} on {} (batch {}, prompt {}), GPU vs CPU models fed the GPU's tokens ==",
+        "\n== parity: {} on {} (batch {}, prompt {}, seed {seed}), GPU vs CPU models fed the GPU's tokens ==",
         cfg.name, gpu.info.name, args.batch[0], args.prompt_len
     );
     println!(
@@ -676,14 +765,20 @@ fn run_parity(
     );
     std::fs::create_dir_all(out)?;
     let path = out.join("parity.csv");
-    let mut w =
-        csv::Writer::from_path(&path).with_context(|| format!("creating {}", path.display()))?;
+    // Appended (the header only into a new file): the seeds of a run, and runs, accumulate.
+    let new = !path.exists();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mut w = csv::WriterBuilder::new().has_headers(new).from_writer(file);
     for r in &rows {
         w.serialize(ParityCsvRow {
             git_commit: env::git_commit(),
             gpu: gpu.info.name.clone(),
             model: cfg.name.clone(),
-            seed: args.seed,
+            seed,
             step: r.step,
             seq: r.seq,
             cos_gpu_cpu: r.cos_gpu,
@@ -699,8 +794,8 @@ fn run_parity(
         })?;
     }
     w.flush()?;
-    eprintln!("wrote {}", path.display());
-    Ok(())
+    eprintln!("appended {} rows to {}", rows.len(), path.display());
+    Ok(s)
 }
 
 fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint) {
@@ -1180,6 +1275,7 @@ mod tests {
             seed: 1,
             out: None,
             parity: false,
+            parity_seeds: 1,
             prefill_chunk: 64,
             dense_route: DenseRoute::Gemv,
             ranks: None,
@@ -1281,6 +1377,19 @@ mod tests {
             quiet_run(&crate::model::ModelConfig::small(), 63, STEPS_AFTER_TIMED) - 1;
         assert!(a.check().is_ok());
         a.max_new_tokens += 1;
+        assert!(a.check().is_err());
+    }
+
+    /// --parity-seeds belongs to --parity and counts at least one seed.
+    #[test]
+    fn parity_seeds_need_parity() {
+        let mut a = args(&[1], &[256]);
+        a.parity_seeds = 3;
+        assert!(a.check().is_err(), "--parity-seeds without --parity");
+        a.parity = true;
+        a.at_context = false;
+        assert!(a.check().is_ok());
+        a.parity_seeds = 0;
         assert!(a.check().is_err());
     }
 

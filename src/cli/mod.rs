@@ -225,6 +225,7 @@ fn main_job_decode() -> decode::DecodeArgs {
         seed: 0x5EED,
         out: None,
         parity: false,
+        parity_seeds: 1,
         prefill_chunk: crate::engine::prefill::DEFAULT_PREFILL_CHUNK,
         // The GEMV, `megamoe decode`'s default, until a GPU run has checked and measured the tensor-core route.
         dense_route: crate::ops::dense::route::DEFAULT_ROUTE,
