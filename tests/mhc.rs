@@ -1160,6 +1160,46 @@ fn exec_entries_run_the_mhc_cpu_reference() {
     );
 }
 
+/// A previous boundary's hc_post inputs on the device (a random `y`, the case's X, and post / comb from
+/// `mhc_pre_token` of X: a real boundary's coefficients) and the next boundary's weights and workspace.
+struct PostCase {
+    case: MhcCase,
+    next: MhcParams,
+    w: MhcWeights,
+    _arena: megamoe::gpu::arena::Arena,
+    ws: hc::MhcWorkspace,
+    y: cudarc::driver::CudaSlice<half::bf16>,
+    x: cudarc::driver::CudaSlice<half::bf16>,
+    post: cudarc::driver::CudaSlice<f32>,
+    comb: cudarc::driver::CudaSlice<f32>,
+}
+
+impl PostCase {
+    fn new(gpu: &megamoe::gpu::Gpu, tokens: usize, d: usize, seed: u64) -> PostCase {
+        let case = mhc_case(tokens, d, seed);
+        let y = nq::bench::random_rows(tokens, d, seed ^ 0x99);
+        let coefs: Vec<hr::MhcPre> = (0..tokens)
+            .map(|t| hr::mhc_pre_token(&case.x[t * 4 * d..(t + 1) * 4 * d], &case.p).0)
+            .collect();
+        let post: Vec<f32> = coefs.iter().flat_map(|k| k.post).collect();
+        let comb: Vec<f32> = coefs.iter().flat_map(|k| k.comb).collect();
+        let next = hc::bench::random_mhc_params(d, hr::HC_MIX, seed ^ 0x55);
+        let w = MhcWeights::upload(gpu, &next, &case.nw, d).unwrap();
+        let (_arena, ws) = norm::mhc_ws(gpu, tokens, d);
+        PostCase {
+            y: nq::upload_checked_bf16(gpu, "y", &y).unwrap(),
+            x: nq::upload_checked_bf16(gpu, "X", &case.x).unwrap(),
+            post: gpu.upload(&post).unwrap(),
+            comb: gpu.upload(&comb).unwrap(),
+            case,
+            next,
+            w,
+            _arena,
+            ws,
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an H100/H200"]
 fn gpu_fused_post_then_pre_matches_post_and_reference() {
@@ -1169,37 +1209,25 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
         .iter()
         .flat_map(|&d| MHC_TOKENS.iter().map(move |&t| (d, t)))
     {
-        let c = mhc_case(tokens, d, seed ^ tokens as u64);
-        let y = nq::bench::random_rows(tokens, d, seed ^ 0x99);
-        let coefs: Vec<hr::MhcPre> = (0..tokens)
-            .map(|t| hr::mhc_pre_token(&c.x[t * 4 * d..(t + 1) * 4 * d], &c.p).0)
-            .collect();
-        let post: Vec<f32> = coefs.iter().flat_map(|k| k.post).collect();
-        let comb: Vec<f32> = coefs.iter().flat_map(|k| k.comb).collect();
-        let next = hc::bench::random_mhc_params(d, hr::HC_MIX, seed ^ 0x55);
-        let w = MhcWeights::upload(&gpu, &next, &c.nw, d).unwrap();
-        let (_arena, ws) = norm::mhc_ws(&gpu, tokens, d);
-        let (dy, dx) = (
-            nq::upload_checked_bf16(&gpu, "y", &y).unwrap(),
-            nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
-        );
-        let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
+        let pc = PostCase::new(&gpu, tokens, d, seed ^ tokens as u64);
+        let (c, next, w, ws) = (&pc.case, &pc.next, &pc.w, &pc.ws);
+        let (dy, dx, dp, dc) = (&pc.y, &pc.x, &pc.post, &pc.comb);
         // X' of the stand-alone mhc_post kernel (itself checked against the reference above).
         let xo_a = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
-        hc::mhc_post(&gpu, &gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xo_a).unwrap();
+        hc::mhc_post(&gpu, &gpu.stream, dy, dx, dp, dc, tokens, d, &xo_a).unwrap();
         // fused
         let xo_b = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
         let mut out = MhcPreOutputs::alloc_poisoned(&gpu, OutFormat::Nvfp4, tokens, d).unwrap();
         hc::mhc_post_then_pre(
             &gpu,
             &gpu.stream,
-            &dy,
-            &dx,
-            &dp,
-            &dc,
-            &w,
+            dy,
+            dx,
+            dp,
+            dc,
+            w,
             r::RMS_EPS,
-            &ws,
+            ws,
             &xo_b,
             &mut out,
         )
@@ -1216,10 +1244,10 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
             tokens,
             d,
             x: xb.iter().map(|v| v.to_f32()).collect(),
-            p: next,
+            p: next.clone(),
             nw: c.nw.clone(),
         };
-        let snap = MhcSnapshot::take(&gpu, &out, &ws, hc::MhcPrePath::TwoLaunch);
+        let snap = MhcSnapshot::take(&gpu, &out, ws, hc::MhcPrePath::TwoLaunch);
         let dots = gpu_dots(&snap.partials, snap.splits, tokens, d);
         check_mhc(
             &label,
@@ -1255,26 +1283,14 @@ fn gpu_linked_boundary_equals_post_then_boundary_bitwise() {
     ];
     for &d in &[512usize, 4096] {
         for &tokens in &[1usize, 5, 64] {
-            let c = mhc_case(tokens, d, seed ^ (tokens as u64 * 31 + d as u64));
-            let y = nq::bench::random_rows(tokens, d, seed ^ 0x77);
-            let coefs: Vec<hr::MhcPre> = (0..tokens)
-                .map(|t| hr::mhc_pre_token(&c.x[t * 4 * d..(t + 1) * 4 * d], &c.p).0)
-                .collect();
-            let post: Vec<f32> = coefs.iter().flat_map(|k| k.post).collect();
-            let comb: Vec<f32> = coefs.iter().flat_map(|k| k.comb).collect();
-            let next = hc::bench::random_mhc_params(d, hr::HC_MIX, seed ^ 0x33);
-            let w = MhcWeights::upload(&gpu, &next, &c.nw, d).unwrap();
-            let (_arena, ws) = norm::mhc_ws(&gpu, tokens, d);
-            let (dy, dx) = (
-                nq::upload_checked_bf16(&gpu, "y", &y).unwrap(),
-                nq::upload_checked_bf16(&gpu, "X", &c.x).unwrap(),
-            );
-            let (dp, dc) = (gpu.upload(&post).unwrap(), gpu.upload(&comb).unwrap());
+            let pc = PostCase::new(&gpu, tokens, d, seed ^ (tokens as u64 * 31 + d as u64));
+            let (w, ws) = (&pc.w, &pc.ws);
+            let (dy, dx, dp, dc) = (&pc.y, &pc.x, &pc.post, &pc.comb);
             let prior = hc::PriorPost {
-                y: DevBuf::of(&dy),
-                x_prev: DevBuf::of(&dx),
-                post: DevBuf::of(&dp),
-                comb: DevBuf::of(&dc),
+                y: DevBuf::of(dy),
+                x_prev: DevBuf::of(dx),
+                post: DevBuf::of(dp),
+                comb: DevBuf::of(dc),
             };
             // One boundary with the engine's copies, `prior` given or not, into fresh poisoned outputs.
             let boundary = |x_out: &cudarc::driver::CudaSlice<half::bf16>,
@@ -1290,21 +1306,21 @@ fn gpu_linked_boundary_equals_post_then_boundary_bitwise() {
                     fp8: Some(&v8),
                     nvfp4: Some(&v4),
                 };
-                norm::poison_partials(&gpu, &ws);
+                norm::poison_partials(&gpu, ws);
                 hc::mhc_pre_copies_with(
                     &gpu,
                     &gpu.stream,
                     x_out,
-                    &w,
+                    w,
                     r::RMS_EPS,
-                    &ws,
+                    ws,
                     &mut out,
                     copies,
                     prior,
                     path,
                 )
                 .unwrap();
-                let snap = MhcSnapshot::take(&gpu, &out, &ws, path);
+                let snap = MhcSnapshot::take(&gpu, &out, ws, path);
                 let (h8, h4) = (c8.download(&gpu).unwrap(), c4.download(&gpu).unwrap());
                 (snap, h8.q, h4.q, gpu.download(x_out).unwrap())
             };
@@ -1312,7 +1328,7 @@ fn gpu_linked_boundary_equals_post_then_boundary_bitwise() {
                 let label = format!("linked boundary T={tokens} D={d} {path:?} seed {seed}");
                 // Unlinked: mhc_post, then the boundary on its output.
                 let xa = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();
-                hc::mhc_post(&gpu, &gpu.stream, &dy, &dx, &dp, &dc, tokens, d, &xa).unwrap();
+                hc::mhc_post(&gpu, &gpu.stream, dy, dx, dp, dc, tokens, d, &xa).unwrap();
                 let (want, w8, w4, xa) = boundary(&xa, None, path);
                 // Linked.
                 let xb = gpu.poisoned::<half::bf16>(tokens * 4 * d, 0xFF).unwrap();

@@ -765,14 +765,8 @@ fn run_parity(
     );
     std::fs::create_dir_all(out)?;
     let path = out.join("parity.csv");
-    // Appended (the header only into a new file): the seeds of a run, and runs, accumulate.
-    let new = !path.exists();
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    let mut w = csv::WriterBuilder::new().has_headers(new).from_writer(file);
+    // Appended: the seeds of a run, and runs, accumulate.
+    let mut w = csv_appender(&path)?;
     for r in &rows {
         w.serialize(ParityCsvRow {
             git_commit: env::git_commit(),
@@ -1095,6 +1089,17 @@ fn kernel_family(name: &str) -> &str {
         .unwrap_or_else(|| name.split('_').next().unwrap_or(name))
 }
 
+/// A CSV writer appending to `path`, the header written only into a new (or empty) file.
+fn csv_appender(path: &std::path::Path) -> Result<csv::Writer<std::fs::File>> {
+    let new = std::fs::metadata(path).map_or(true, |m| m.len() == 0);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    Ok(csv::WriterBuilder::new().has_headers(new).from_writer(file))
+}
+
 /// One row of parity.csv.
 #[derive(serde::Serialize)]
 struct ParityCsvRow {
@@ -1211,16 +1216,10 @@ fn append_csv(
     let s = &p.summary;
     std::fs::create_dir_all(dir)?;
     let path = dir.join("decode.csv");
-    let new = !path.exists();
-    if !new {
+    if path.exists() {
         add_missing_columns(&path)?;
     }
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    let mut w = csv::WriterBuilder::new().has_headers(new).from_writer(file);
+    let mut w = csv_appender(&path)?;
     w.serialize(DecodeCsvRow {
         timestamp: env::timestamp_utc(),
         git_commit: env::git_commit(),

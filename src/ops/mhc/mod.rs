@@ -583,23 +583,51 @@ pub fn mhc_pre_copies_with(
     let normed = out.normed.view();
     for chunk in mhc_token_chunks(tokens) {
         match (path, prior) {
-            (MhcPrePath::TwoLaunch | MhcPrePath::PdlPair, Some(p)) => {
-                launch_post_mix(gpu, stream, p, x, w, ws, chunk, path == MhcPrePath::PdlPair)?
-            }
-            (MhcPrePath::TensorMix, _) => launch_tc_mix(gpu, stream, x, w, ws, splits, chunk)?,
-            (MhcPrePath::TwoLaunch, None) => launch_mix(
+            (MhcPrePath::TwoLaunch, Some(p)) => launch_mix(
                 gpu,
                 stream,
-                "mhc_mix_partial24_staged",
+                "mhc_post_mix_partial24",
+                Some(p),
                 x,
                 w,
                 ws,
                 chunk,
                 false,
             )?,
-            (MhcPrePath::PdlPair, None) => {
-                launch_mix(gpu, stream, "mhc_mix_partial24_pdl", x, w, ws, chunk, true)?
-            }
+            (MhcPrePath::PdlPair, Some(p)) => launch_mix(
+                gpu,
+                stream,
+                "mhc_post_mix_partial24_pdl",
+                Some(p),
+                x,
+                w,
+                ws,
+                chunk,
+                true,
+            )?,
+            (MhcPrePath::TensorMix, _) => launch_tc_mix(gpu, stream, x, w, ws, splits, chunk)?,
+            (MhcPrePath::TwoLaunch, None) => launch_mix(
+                gpu,
+                stream,
+                "mhc_mix_partial24_staged",
+                None,
+                x,
+                w,
+                ws,
+                chunk,
+                false,
+            )?,
+            (MhcPrePath::PdlPair, None) => launch_mix(
+                gpu,
+                stream,
+                "mhc_mix_partial24_pdl",
+                None,
+                x,
+                w,
+                ws,
+                chunk,
+                true,
+            )?,
         }
         let mut a = KernelArgs::new();
         finish_args(&mut a, x, w, eps, ws, splits, out, chunk);
@@ -612,13 +640,15 @@ pub fn mhc_pre_copies_with(
 }
 
 /// One split-K FFMA mix kernel (`name`: `mhc_mix_partial4` for the head's 4 mixes, `mhc_mix_partial24_staged` /
-/// `_pdl` for a boundary's 24) over tokens `[t0, t0 + n)`: parameters `(X, F, part, T, 4D)`, grid
-/// `[S, ceil(n/32)]`, block 128. `part` is the `[T, nmix+1, S]` array of the whole batch.
+/// `_pdl` for a boundary's 24; with a `prior`, `mhc_post_mix_partial24[_pdl]`, which first writes X' into `x`) over
+/// tokens `[t0, t0 + n)`: parameters `(X, F, part, T, 4D)` (with a prior `(y, X_prev, post, comb, X', F, part, T,
+/// D)`), grid `[S, ceil(n/32)]`, block 128. `part` is the `[T, nmix+1, S]` array of the whole batch.
 #[allow(clippy::too_many_arguments)]
 fn launch_mix(
     gpu: &Gpu,
     stream: &Stream,
     name: &str,
+    prior: Option<&PriorPost>,
     x: &impl DeviceBuf<bf16>,
     w: &MhcWeights,
     ws: &MhcWorkspace,
@@ -628,12 +658,19 @@ fn launch_mix(
     let (d, splits) = (w.d, mix_splits(w.d));
     let k = gpu.kernel(FAMILY, name)?;
     let mut a = KernelArgs::new();
-    a.buf_at(x, t0 * 4 * d)
-        .buf(&w.mix_fn)
-        .buf_at(&ws.partials, t0 * (w.nmix + 1) * splits)
-        .i32(n as i32)
-        .i32((4 * d) as i32);
+    match prior {
+        // (y, X, post, comb, Xout, F, part, T, D): X' is written into `x`.
+        Some(p) => post_args(&mut a, &p.y, &p.x_prev, &p.post, &p.comb, x, t0, d),
+        // (X, F, part, T, 4D)
+        None => a.buf_at(x, t0 * 4 * d),
+    }
+    .buf(&w.mix_fn)
+    .buf_at(&ws.partials, t0 * (w.nmix + 1) * splits)
+    .i32(n as i32)
+    .i32(if prior.is_some() { d } else { 4 * d } as i32);
     let l = Launch::new((splits as u32, n.div_ceil(32) as u32, 1), (128, 1, 1)).pdl(pdl);
+    // SAFETY: the lengths were checked by the callers (check_boundary, and check_post_lens with a prior); the
+    // parameter lists and grid are the kernels' (kernels/mhc.cu).
     unsafe { launch(stream, &k, l, &mut a) }
 }
 
@@ -745,38 +782,6 @@ pub fn mhc_post_then_pre(
     )
 }
 
-/// The fused hc_post + mixes kernel over tokens `[t0, t0 + n)`: parameters `(y, X, post, comb, Xout, F, part, T,
-/// D)`, grid `[S, ceil(n/32)]`, block 128; `_pdl` before the PDL finish.
-#[allow(clippy::too_many_arguments)]
-fn launch_post_mix(
-    gpu: &Gpu,
-    stream: &Stream,
-    p: &PriorPost,
-    x_out: &impl DeviceBuf<bf16>,
-    w: &MhcWeights,
-    ws: &MhcWorkspace,
-    (t0, n): (usize, usize),
-    pdl: bool,
-) -> Result<()> {
-    let (d, splits) = (w.d, mix_splits(w.d));
-    let name = if pdl {
-        "mhc_post_mix_partial24_pdl"
-    } else {
-        "mhc_post_mix_partial24"
-    };
-    let k = gpu.kernel(FAMILY, name)?;
-    let mut a = KernelArgs::new();
-    post_args(&mut a, &p.y, &p.x_prev, &p.post, &p.comb, x_out, t0, d)
-        .buf(&w.mix_fn)
-        .buf_at(&ws.partials, t0 * (HC_MIX + 1) * splits)
-        .i32(n as i32)
-        .i32(d as i32);
-    let l = Launch::new((splits as u32, n.div_ceil(32) as u32, 1), (128, 1, 1)).pdl(pdl);
-    // SAFETY: the lengths were checked by the caller (check_post_lens, check_boundary); grid as the kernel's
-    // contract (kernels/mhc.cu).
-    unsafe { launch(stream, &k, l, &mut a) }
-}
-
 /// `hc_head`: pre = sigmoid mixes (no Sinkhorn), u = sum pre_i X_i (BF16), then RMSNorm(u; norm.weight) as BF16
 /// into `out.normed` (which must be BF16). `post` and `comb` are not written. Kernels: `mhc_mix_partial4` (the
 /// broadcast-load mix, lane = token) and `mhc_head_finish_bf16`.
@@ -799,7 +804,17 @@ pub fn hc_head(
     let splits = mix_splits(d);
     let finish = gpu.kernel(FAMILY, "mhc_head_finish_bf16")?;
     for (t0, n) in mhc_token_chunks(tokens) {
-        launch_mix(gpu, stream, "mhc_mix_partial4", x, w, ws, (t0, n), false)?;
+        launch_mix(
+            gpu,
+            stream,
+            "mhc_mix_partial4",
+            None,
+            x,
+            w,
+            ws,
+            (t0, n),
+            false,
+        )?;
         // (X, part, S, T, D, hc_scale, hc_base, w, eps, pre, u, y, rstd)
         let mut a = KernelArgs::new();
         a.buf_at(x, t0 * 4 * d)
