@@ -78,27 +78,40 @@ fn parse_buffer(buffer: *mut u8, valid: usize) -> Vec<KernelSpan> {
         if r != cupti::CUptiResult::CUPTI_SUCCESS {
             break; // CUPTI_ERROR_MAX_LIMIT_REACHED: the end of the buffer
         }
-        // SAFETY: every record starts with its kind.
-        let kind = unsafe { std::ptr::read_unaligned(record as *const cupti::CUpti_ActivityKind) };
-        if kind != cupti::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL {
+        // Only the fields used are read, each as plain bytes at its offset: the record's enum fields may hold values
+        // the bindings do not know (a later CUPTI), which must never be read as Rust enums.
+        let base = record as *const u8;
+        // SAFETY: every record starts with its kind, a u32.
+        let kind = unsafe { std::ptr::read_unaligned(base as *const u32) };
+        if kind != cupti::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL as u32 {
             continue;
         }
-        // SAFETY: a CONCURRENT_KERNEL record of CUPTI 13 is a CUpti_ActivityKernel10 (checked version); packed,
-        // so read unaligned.
-        let k = unsafe { std::ptr::read_unaligned(record as *const cupti::CUpti_ActivityKernel10) };
-        let name = if k.name.is_null() {
+        type K = cupti::CUpti_ActivityKernel10;
+        // SAFETY: a CONCURRENT_KERNEL record of CUPTI 13.x begins with CUpti_ActivityKernel10's layout (checked
+        // version; later record versions append fields); packed, so read unaligned.
+        let (start_ns, end_ns, stream, name) = unsafe {
+            (
+                std::ptr::read_unaligned(base.add(std::mem::offset_of!(K, start)) as *const u64),
+                std::ptr::read_unaligned(base.add(std::mem::offset_of!(K, end)) as *const u64),
+                std::ptr::read_unaligned(base.add(std::mem::offset_of!(K, streamId)) as *const u32),
+                std::ptr::read_unaligned(
+                    base.add(std::mem::offset_of!(K, name)) as *const *const std::ffi::c_char
+                ),
+            )
+        };
+        let name = if name.is_null() {
             "?".to_string()
         } else {
             // SAFETY: CUPTI's kernel names are NUL-terminated strings it owns for the process's life.
-            unsafe { std::ffi::CStr::from_ptr(k.name) }
+            unsafe { std::ffi::CStr::from_ptr(name) }
                 .to_string_lossy()
                 .into_owned()
         };
         out.push(KernelSpan {
             name,
-            start_ns: k.start,
-            end_ns: k.end,
-            stream: k.streamId,
+            start_ns,
+            end_ns,
+            stream,
         });
     }
     out
@@ -334,6 +347,19 @@ mod tests {
         assert_eq!(lines.len(), 6);
         assert_eq!(lines[2], "1,b,7,3.000,8.000,5.000,1.000");
         assert_eq!(lines[5], "4,b,7,11.000,12.000,1.000,2.000");
+    }
+
+    /// The fields read from a kernel record sit where CUDA 13.0's cupti_activity.h puts them in
+    /// `CUpti_ActivityKernel10` (offsetof printed by gcc from the header of nvidia-cuda-cupti 13.0.85): a change of
+    /// the bindings' layout would misread every record.
+    #[test]
+    fn kernel_record_offsets_are_cupti_13s() {
+        type K = cupti::CUpti_ActivityKernel10;
+        assert_eq!(std::mem::offset_of!(K, start), 16);
+        assert_eq!(std::mem::offset_of!(K, end), 24);
+        assert_eq!(std::mem::offset_of!(K, streamId), 48);
+        assert_eq!(std::mem::offset_of!(K, name), 104);
+        assert_eq!(std::mem::size_of::<K>(), 216);
     }
 
     #[test]
