@@ -130,7 +130,9 @@ fn check_library() -> Result<()> {
     // SAFETY: only tries to open the library.
     ensure!(
         unsafe { cupti::is_culib_present() },
-        "libcupti (CUDA {CUPTI_MAJOR}) not found on the library path (scripts/gpu-bundle.sh ships it under lib/)"
+        "libcupti.so.{CUPTI_MAJOR} not found on the library path: add a CUDA {CUPTI_MAJOR} toolkit's \
+         extras/CUPTI/lib64, or the copy `scripts/install-nvcc.sh --cupti` installs, to LD_LIBRARY_PATH \
+         (gpu-run.sh does so for the bundle's copy)"
     );
     let mut v = 0u32;
     // SAFETY: an out-pointer to a u32.
