@@ -9,7 +9,7 @@ cd "$root"
 NVCC="$(scripts/install-nvcc.sh | tail -n1)"
 export NVCC REQUIRE_CUBIN=1
 # CUDA 13.0's CUPTI for `megamoe decode`'s kernel timeline (src/gpu/trace.rs reads its records as 13.x's).
-cupti="$(scripts/install-nvcc.sh --cupti | head -n1)"
+cupti="$(scripts/install-nvcc.sh --cupti | sed -n 1p)"
 [ -f "$cupti" ] || { echo "error: libcupti.so.13 not installed ($cupti)"; exit 1; }
 out="$root/gpu-bundle"
 rm -rf "$out"
