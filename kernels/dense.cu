@@ -7,6 +7,8 @@
 //  * dense_fp8_bf16x_m*: the grouped wo_a: W FP8 as above, x BF16 (not quantized), y BF16; one job per group.
 //                     bf16 MMA; W e4m3 -> f16 (exact) -> bf16 by moving the bits (exact, identity below).
 //  * dense_bf16_m*:   W BF16, x BF16, y f32 (the model's `matvec`); up to kMaxJobs weights sharing x per launch.
+//  * dense_fp8_qx_m*: dense_fp8 on BF16 x, quantized to FP8 1x128 (norm_quant's rule) as the CTA stages its slice:
+//                     the bits of quantize_bf16_rows + dense_fp8 without the quantizer's launch (wo_b of z).
 //  * dense_swiglu_m*: the shared expert's w1 and w3 (FP8) on the same FP8 x in one pass; the epilogue rounds g, u
 //                     to BF16, clamps (g <= L, -L <= u <= L), h = bf16(silu(g) * u), and writes h as FP8 1x128
 //                     (codes + ue8m0 scales, the formats::fp8 rule), ready for dense_fp8 with w2.
@@ -62,7 +64,7 @@ constexpr int kTileRows = 128;
 constexpr int kMaxJobs = 16;
 constexpr int kRingBytes = 65536;
 
-enum Mode : int { kFp8 = 0, kFp8Bf16x = 1, kBf16 = 2, kSwiglu = 3 };
+enum Mode : int { kFp8 = 0, kFp8Bf16x = 1, kBf16 = 2, kSwiglu = 3, kFp8Qx = 4 };
 
 // Mirrors ops::dense::DenseParams (#[repr(C)]): 768 bytes, passed as a __grid_constant__.
 struct DenseParams {
@@ -87,7 +89,8 @@ static_assert(sizeof(DenseParams) == 768, "DenseParams must match ops::dense::De
 template <int kMode>
 struct Cfg {
     static constexpr bool kWFp8 = kMode != kBf16;
-    static constexpr bool kXFp8 = kMode == kFp8 || kMode == kSwiglu;
+    // FP8 x on the f16 MMA path: read as FP8 rows, or (kFp8Qx) read as BF16 and quantized while staged.
+    static constexpr bool kXFp8 = kMode == kFp8 || kMode == kSwiglu || kMode == kFp8Qx;
     static constexpr int kNW = kMode == kSwiglu ? 2 : 1;    // weights a warp streams
     static constexpr int kStepK = kWFp8 ? 64 : 32;          // columns per step (4 lanes x 16 bytes)
     static constexpr int kLaneK = kStepK / 4;               // 16 FP8 or 8 BF16 values per lane per row
@@ -199,7 +202,46 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
     pdl_wait();
 
     // Stage x (zero rows past M) and its scales.
-    if constexpr (C::kXFp8) {
+    if constexpr (kMode == kFp8Qx) {
+        // BF16 x quantized to FP8 1x128 here, with norm_quant's rule (common/norm_row.cuh quant_row_fp8): per
+        // 128-block amax (fmaxf: order-free), sc = ue8m0 of max(amax, 1e-4) / 448, codes cvt.rn.satfinite.e4m3 of
+        // x * 2^(127 - sc) (exact scaling, one rounding). So the staged codes and scales are those
+        // quantize_bf16_rows would have written, and the sums those of the FP8 mode on them, bit for bit. A
+        // 128-block is 16 chunks of 8: 16 consecutive items, the lanes of a half warp (kc % 128 == 0 and the
+        // stride kThreads keep the halves aligned; every warp runs the same trip count: kTok * kc / 8 is a
+        // multiple of 32).
+        const int chunks = kc / 8;
+        for (int i = threadIdx.x; i < kTok * chunks; i += kThreads) {
+            const int m = i / chunks, c = i % chunks;
+            float v[8];
+            if (m < M) {
+                const uint4 u = *reinterpret_cast<const uint4*>(p.x + ((size_t)m * p.ldx + p.x_col[z] + k0 + c * 8) * 2);
+                const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    v[2 * e] = __uint_as_float(w4[e] << 16);
+                    v[2 * e + 1] = __uint_as_float(w4[e] & 0xFFFF0000u);
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] = 0.f;
+            }
+            float amax = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+#pragma unroll
+            for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
+            const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));
+            uint32_t h[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                h[e] = e4m3x2_to_f16x2((uint32_t)__nv_cvt_float2_to_fp8x2(
+                    make_float2(v[2 * e] * inv, v[2 * e + 1] * inv), __NV_SATFINITE, __NV_E4M3));
+            *reinterpret_cast<uint4*>(xs + m * xstride + c * 16) = make_uint4(h[0], h[1], h[2], h[3]);
+            if ((c & 15) == 0) sxs[m * (p.kc / 128) + (c >> 4)] = m < M ? mm::ue8m0_decode(sc) : 0.f;
+        }
+    } else if constexpr (C::kXFp8) {
         const int chunks = kc / 16;
         for (int i = threadIdx.x; i < kTok * chunks; i += kThreads) {
             const int m = i / chunks, c = i % chunks;
@@ -423,3 +465,4 @@ DENSE_ENTRIES(dense_fp8, kFp8)
 DENSE_ENTRIES(dense_fp8_bf16x, kFp8Bf16x)
 DENSE_ENTRIES(dense_bf16, kBf16)
 DENSE_ENTRIES(dense_swiglu, kSwiglu)
+DENSE_ENTRIES(dense_fp8_qx, kFp8Qx)

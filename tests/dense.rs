@@ -21,9 +21,10 @@ use megamoe::ops::dense::reference::{
     abs_term_sums, bf16_ulp, fp8_linear_rows, matvec_rows, shared_expert_rows, tolerance, wo_a_rows,
 };
 use megamoe::ops::dense::{
-    bf16_linear, fp8_linear, fp8_linears, plan, route, shared_expert, with_route, wo_a_grouped,
-    workspace_layout, Bf16Job, DenseKind, DensePath, DenseRoute, DenseShape, DenseWorkspace,
-    Fp8Job, SharedExpertScratch, MAX_CALL_ROWS, MAX_ROWS, ROUTE_CUBLAS_BYTES,
+    bf16_linear, fp8_linear, fp8_linear_quantizing, fp8_linears, plan, route, shared_expert,
+    with_route, wo_a_grouped, workspace_layout, Bf16Job, DenseKind, DensePath, DenseRoute,
+    DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, SharedExpertScratch, MAX_CALL_ROWS, MAX_ROWS,
+    ROUTE_CUBLAS_BYTES,
 };
 use rand_chacha::ChaCha8Rng;
 
@@ -896,6 +897,119 @@ fn run_fp8_routed(
     let want = fp8_linear_rows(model, name, &x, m).unwrap();
     let terms = abs_term_sums(&model.weights, name, 0, w.rows, &quantized_rows(&x, m), m).unwrap();
     assert_tensor_core_close(&label, &got, &want, &terms, w.cols, true);
+}
+
+/// `fp8_linear_quantizing` (BF16 x quantized by the GEMV as it stages it) against `quantize_bf16_rows` then
+/// `fp8_linear` on its FP8 rows, bit for bit: the same quantizer rule and the same plan, so the same sums. For every
+/// FP8 linear of the geometry at 1, 3, 8, 17, 64 and 100 rows (two GEMV pieces), outputs poisoned first. On the
+/// GEMV route the caller's quantizer must not run and the FP8 scratch must stay poisoned; on the tensor-core route
+/// (forced, from 16 rows) it must run, and the result is `fp8_linear`'s on the rows it wrote.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn gpu_quantizing_fp8_linear_equals_quantize_then_fp8_linear() {
+    use megamoe::ops::norm_quant::{self as nq, OutFormat, QuantBufs};
+    // The FP8 rows of an output (borrowed: a CudaSlice clone would be a device copy).
+    fn rows_of(
+        o: &nq::NormOutputs,
+    ) -> (
+        &cudarc::driver::CudaSlice<u8>,
+        &cudarc::driver::CudaSlice<u8>,
+    ) {
+        let QuantBufs::Fp8 { data, scales } = &o.q else {
+            unreachable!("FP8 rows were allocated")
+        };
+        (data, scales)
+    }
+    on_flash_and_small(
+        "gpu_quantizing_fp8_linear_equals_quantize_then_fp8_linear",
+        |gpu, rng, cfg, model| {
+            for name in fp8_names() {
+                if name.contains("shared_experts.w1") {
+                    continue; // w1 runs in the SwiGLU half
+                }
+                let w = DevFp8::from_model(gpu, model, &name);
+                for m in [1usize, 3, 8, 17, 64, 100] {
+                    let x: Vec<bf16> = fx::to_bf16(&fx::activations(rng, m, w.cols));
+                    let dz = gpu.upload(&x).unwrap();
+                    for route in [DenseRoute::Gemv, DenseRoute::TensorCores] {
+                        if route == DenseRoute::TensorCores && m < 16 {
+                            continue;
+                        }
+                        let label = format!("{} {name} M={m} {route:?}", cfg.name);
+                        let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+                        let (_arena, ws) = fx::workspace_on(gpu, &[s], route);
+                        // The reference: the quantizer kernel, then fp8_linear on its rows.
+                        let q = nq::NormOutputs::alloc_poisoned(gpu, OutFormat::Fp8, m, w.cols)
+                            .unwrap();
+                        nq::quantize_bf16_rows(gpu, &gpu.stream, &dz, &q.view()).unwrap();
+                        let (qd, qs) = rows_of(&q);
+                        let rows = Fp8Rows {
+                            codes: qd,
+                            scales: qs,
+                            rows: m,
+                            k: w.cols,
+                        };
+                        let want_y = fx::bf16_out(gpu, m * w.rows);
+                        fp8_linear(gpu, &gpu.stream, &rows, &w.weight(), &ws, &want_y).unwrap();
+                        let want = fx::download_bf16(gpu, &want_y);
+                        // Under test, with a poisoned scratch and a quantizer that records that it ran.
+                        let scratch =
+                            nq::NormOutputs::alloc_poisoned(gpu, OutFormat::Fp8, m, w.cols)
+                                .unwrap();
+                        let (sd, ss) = rows_of(&scratch);
+                        let srows = Fp8Rows {
+                            codes: sd,
+                            scales: ss,
+                            rows: m,
+                            k: w.cols,
+                        };
+                        let ran = std::cell::Cell::new(false);
+                        let y = fx::bf16_out(gpu, m * w.rows);
+                        fp8_linear_quantizing(
+                            gpu,
+                            &gpu.stream,
+                            &dz,
+                            &srows,
+                            || {
+                                ran.set(true);
+                                nq::quantize_bf16_rows(gpu, &gpu.stream, &dz, &scratch.view())
+                            },
+                            &w.weight(),
+                            &ws,
+                            &y,
+                        )
+                        .unwrap();
+                        let got = fx::download_bf16(gpu, &y);
+                        let differ = got
+                            .iter()
+                            .zip(&want)
+                            .filter(|(a, b)| a.to_bits() != b.to_bits())
+                            .count();
+                        assert_eq!(
+                            differ,
+                            0,
+                            "{label}: {differ} of {} outputs differ",
+                            got.len()
+                        );
+                        let gemv = route == DenseRoute::Gemv;
+                        assert_eq!(
+                            ran.get(),
+                            !gemv,
+                            "{label}: the caller's quantizer ran: {}",
+                            ran.get()
+                        );
+                        if gemv {
+                            let codes = gpu.download(sd).unwrap();
+                            assert!(
+                                codes.iter().all(|&b| b == common::POISON),
+                                "{label}: the GEMV route wrote the FP8 scratch"
+                            );
+                        }
+                    }
+                }
+            }
+        },
+    );
 }
 
 /// The DSV4-Flash and small geometries, each with its CPU model on fresh synthetic weights.

@@ -12,7 +12,7 @@
 //! | 6-7 | `compress`: each compressor's state update (the kernel adds `ape`) and every m-th position an entry (CSA: also the indexer key) | `compressor::decode_step` |
 //! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
 //! | 9 | `attend`: each sequence's candidate row (window slots oldest first, then the selected / all visible compressed entries ascending), sparse attention with the sink and the inverse RoPE | `attn_candidates`, `sparse_attn::decode` |
-//! | 10-11 | `output`: `z = wo_a o` grouped, `z` -> FP8 1x128, `y = wo_b z`, hc_post | `dense::wo_a_grouped`, `quantize_bf16_rows`, `dense::fp8_linear`, `mhc::mhc_post` |
+//! | 10-11 | `output`: `z = wo_a o` grouped, `z` -> FP8 1x128, `y = wo_b z`, hc_post (unless linked) | `dense::wo_a_grouped`, `dense::fp8_linear_quantizing` (the GEMV quantizes z; the tensor-core route after `quantize_bf16_rows`), `mhc::mhc_post` |
 //!
 //! Graph-safe: every buffer is carved from the step's arena or allocated in [`AttnHalf::new`]; positions, lengths,
 //! visible key counts and cache slots are read on the device; nothing is read back.
@@ -1173,11 +1173,13 @@ impl AttnHalf {
             &b.dense,
             &b.z,
         )?;
-        norm_quant::quantize_bf16_rows(gpu, stream, &b.z, &b.z_fp8)?;
-        dense::fp8_linear(
+        // `z` -> FP8 1x128 -> wo_b: on the GEMV route the GEMV quantizes z as it stages it (no quantizer launch).
+        dense::fp8_linear_quantizing(
             gpu,
             stream,
+            &b.z,
             &fp8_rows(&b.z_fp8)?,
+            || norm_quant::quantize_bf16_rows(gpu, stream, &b.z, &b.z_fp8),
             &l.wo_b.weight(),
             &b.dense,
             &b.y,

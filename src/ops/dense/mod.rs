@@ -102,6 +102,11 @@ pub enum DenseKind {
     Bf16,
     /// FP8 w1 and w3, FP8 x, FP8 1x128 h.
     Swiglu,
+    /// FP8 weight, BF16 x quantized to FP8 1x128 as it is staged (norm_quant's rule), BF16 y: [`Fp8`]'s bits on
+    /// `quantize_bf16_rows` of x, without the quantizer's launch ([`fp8_linear_quantizing`]; GEMV only).
+    ///
+    /// [`Fp8`]: DenseKind::Fp8
+    Fp8QuantX,
 }
 
 impl DenseKind {
@@ -111,6 +116,7 @@ impl DenseKind {
             DenseKind::Fp8Bf16x => "dense_fp8_bf16x",
             DenseKind::Bf16 => "dense_bf16",
             DenseKind::Swiglu => "dense_swiglu",
+            DenseKind::Fp8QuantX => "dense_fp8_qx",
         }
     }
     fn weight_fp8(self) -> bool {
@@ -705,6 +711,57 @@ pub fn fp8_linears(
     p.x = x.codes.device_addr();
     p.x_scale = x.scales.device_addr();
     p.ldx = k as i32;
+    run(gpu, stream, LaunchSpec { shape, p }, ws)
+}
+
+/// [`fp8_linear`] of BF16 rows `x` `[M, K]` quantized to FP8 1x128 on the way, with norm_quant's rule: the bits of
+/// `quantize_bf16_rows` into `x_fp8` followed by [`fp8_linear`] on it. On the GEMV route the GEMV quantizes its K
+/// slice of x as it stages it (`dense_fp8_qx_*`): no quantizer launch, and `x_fp8` is not written. On the
+/// tensor-core route cuBLASLt needs the FP8 rows: `quantize` (the caller's quantizer into `x_fp8`, so that this
+/// family does not call another) runs first.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_linear_quantizing(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &dyn DeviceBuf<bf16>,
+    x_fp8: &Fp8Rows,
+    quantize: impl FnOnce() -> Result<()>,
+    w: &Fp8Weight,
+    ws: &DenseWorkspace,
+    y: &dyn DeviceBuf<bf16>,
+) -> Result<()> {
+    let shape = DenseShape {
+        kind: DenseKind::Fp8,
+        rows: x_fp8.rows,
+        n: w.n,
+        k: w.k,
+        jobs: 1,
+    };
+    shape.check()?;
+    check_fp8_rows(x_fp8, w.k)?;
+    check_fp8_weight(w, "W")?;
+    check_len(x, shape.rows * w.k, "x [M, K] BF16")?;
+    check_len(y, shape.rows * w.n, "y [M, N]")?;
+    ensure!(
+        x.device_addr().is_multiple_of(16),
+        "dense: BF16 x must be 16-byte aligned (the GEMV reads it 8 values at a time)"
+    );
+    if ws.path(&shape, w.scales_f32.is_some()) == DensePath::TensorCores {
+        quantize()?;
+        return fp8_linear(gpu, stream, x_fp8, w, ws, y);
+    }
+    let mut p = blank_params();
+    p.w[0] = w.codes.device_addr();
+    p.w_scale[0] = w.scales.device_addr();
+    p.y[0] = y.device_addr();
+    p.n[0] = w.n as i32;
+    p.ldy[0] = w.n as i32;
+    p.x = x.device_addr();
+    p.ldx = w.k as i32;
+    let shape = DenseShape {
+        kind: DenseKind::Fp8QuantX,
+        ..shape
+    };
     run(gpu, stream, LaunchSpec { shape, p }, ws)
 }
 
