@@ -455,7 +455,7 @@ pub struct Bf16Job<'a> {
     pub y: &'a dyn DeviceBuf<f32>,
 }
 
-/// The kernels' parameter block (`DenseParams` in kernels/dense.cu, same field order; 704 bytes).
+/// The kernels' parameter block (`DenseParams` in kernels/dense.cu, same field order; 768 bytes).
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct DenseParams {
