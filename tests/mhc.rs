@@ -1237,7 +1237,7 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
         if let Some(i) = (0..xa.len()).find(|&i| xa[i].to_bits() != xb[i].to_bits()) {
             panic!("{label}: X'[{i}] mhc_post {} vs fused {}", xa[i], xb[i]);
         }
-        // The next boundary on X' (the fused mixes sum in mhc_mix_partial's order, the finish is
+        // The next boundary on X' (the fused mixes sum in the staged mix's order, the finish is
         // mhc_pre_finish_*): checked against the CPU reference from the kernel's own reduced mixes, so
         // pre/post/C (the 16-lane Sinkhorn) must match to a few f32 ulp and u/RMSNorm(u) exactly.
         let next_case = MhcCase {
