@@ -9,6 +9,8 @@
 //  * dense_bf16_m*:   W BF16, x BF16, y f32 (the model's `matvec`); up to kMaxJobs weights sharing x per launch.
 //  * dense_fp8_qx_m*: dense_fp8 on BF16 x, quantized to FP8 1x128 (norm_quant's rule) as the CTA stages its slice:
 //                     the bits of quantize_bf16_rows + dense_fp8 without the quantizer's launch (wo_b of z).
+//  * dense_fp8_normqx_m*: the same after an RMSNorm of each x row (weight and eps in the params): the bits of
+//                     norm_quant's rmsnorm_fp8_bf16in + dense_fp8 (wq_b and the indexer's wq_b of qa).
 //  * dense_swiglu_m*: the shared expert's w1 and w3 (FP8) on the same FP8 x in one pass; the epilogue rounds g, u
 //                     to BF16, clamps (g <= L, -L <= u <= L), h = bf16(silu(g) * u), and writes h as FP8 1x128
 //                     (codes + ue8m0 scales, the formats::fp8 rule), ready for dense_fp8 with w2.
@@ -64,7 +66,7 @@ constexpr int kTileRows = 128;
 constexpr int kMaxJobs = 16;
 constexpr int kRingBytes = 65536;
 
-enum Mode : int { kFp8 = 0, kFp8Bf16x = 1, kBf16 = 2, kSwiglu = 3, kFp8Qx = 4 };
+enum Mode : int { kFp8 = 0, kFp8Bf16x = 1, kBf16 = 2, kSwiglu = 3, kFp8Qx = 4, kFp8NormQx = 5 };
 
 // Mirrors ops::dense::DenseParams (#[repr(C)]): 768 bytes, passed as a __grid_constant__.
 struct DenseParams {
@@ -72,7 +74,7 @@ struct DenseParams {
     const uint8_t* w_scale[kMaxJobs];  // FP8: job z's ue8m0 scales [n/128, k/128]; kSwiglu: [0] w1, [1] w3
     void* y[kMaxJobs];                 // job z's output, element (m, r) at y + m*ldy[z] + r; kSwiglu: [0] codes, [1] scales
     const uint8_t* x;                  // e4m3 codes or BF16, [m, ldx]
-    const uint8_t* x_scale;            // FP8 x: ue8m0 codes [m, ldx/128]
+    const uint8_t* x_scale;            // FP8 x: ue8m0 codes [m, ldx/128]; kFp8NormQx: the RMSNorm weight, BF16 [ldx]
     float* part;                       // split-K partial sums
     unsigned* count;                   // per-tile arrival counters, 0 between calls
     int n[kMaxJobs];                   // rows of job z
@@ -81,7 +83,7 @@ struct DenseParams {
     int count_off[kMaxJobs];           // job z's first tile counter
     int ldy[kMaxJobs];                 // job z's output row stride (elements); kSwiglu: ldy[0] for codes and scales
     int m, k, ldx, kc, splits;
-    float swiglu_limit;
+    float scalar;                      // kSwiglu: the clamp limit L (<= 0: none); kFp8NormQx: the RMSNorm eps
     int reserved;
 };
 static_assert(sizeof(DenseParams) == 768, "DenseParams must match ops::dense::DenseParams");
@@ -90,7 +92,9 @@ template <int kMode>
 struct Cfg {
     static constexpr bool kWFp8 = kMode != kBf16;
     // FP8 x on the f16 MMA path: read as FP8 rows, or (kFp8Qx) read as BF16 and quantized while staged.
-    static constexpr bool kXFp8 = kMode == kFp8 || kMode == kSwiglu || kMode == kFp8Qx;
+    static constexpr bool kXFp8 = kMode == kFp8 || kMode == kSwiglu || kMode == kFp8Qx || kMode == kFp8NormQx;
+    // x read as BF16 and turned into FP8 1x128 rows while staged (kFp8NormQx: after an RMSNorm of the row).
+    static constexpr bool kXBf16Quantized = kMode == kFp8Qx || kMode == kFp8NormQx;
     static constexpr int kNW = kMode == kSwiglu ? 2 : 1;    // weights a warp streams
     static constexpr int kStepK = kWFp8 ? 64 : 32;          // columns per step (4 lanes x 16 bytes)
     static constexpr int kLaneK = kStepK / 4;               // 16 FP8 or 8 BF16 values per lane per row
@@ -202,7 +206,52 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
     pdl_wait();
 
     // Stage x (zero rows past M) and its scales.
-    if constexpr (kMode == kFp8Qx) {
+    if constexpr (C::kXBf16Quantized) {
+        // kFp8NormQx: each row's RMSNorm factor first, computed exactly as norm_quant's row kernel computes it for
+        // this row (rmsnorm_fp8_bf16in: norm_row.cuh's norm_quant_row over blockDim bd = row_block_threads(ldx)
+        // threads), so that rstd, and from it every staged value, is that kernel's bit for bit: thread tid of the
+        // row holds chunks c = tid + j * bd (j < CH = 4) of 8 values, sums their squares by fmaf in (j, element)
+        // order from 0, each warp of bd reduces with the xor butterfly (warp_sum), and the warp sums are added
+        // in warp order from 0; rstd = 1 / sqrt(ss / ldx + eps), IEEE ops. Here warp w of the CTA plays warp
+        // (w % nw) of rows w / nw, w / nw + 8 / nw, ... (a chunk past the row holds zeros there: skipping it
+        // adds nothing). The whole row is read (L2), not only this CTA's slice.
+        __shared__ float s_rstd[kTok];
+        if constexpr (kMode == kFp8NormQx) {
+            constexpr int kNormMaxWarps = 8;  // rows up to 8192 values: bd <= 256
+            __shared__ float s_red[kTok][kNormMaxWarps];
+            const int row_chunks = p.ldx / 8;
+            const int bd = ((row_chunks + 3) / 4 + 31) / 32 * 32;
+            const int nw = bd / 32;
+            for (int task = warp; task < M * nw; task += kWarps) {
+                const int m = task / nw, sw = task % nw;
+                const int tid = sw * 32 + lane;
+                float ss = 0.f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int c = tid + j * bd;
+                    if (c < row_chunks) {
+                        const uint4 u = *reinterpret_cast<const uint4*>(p.x + ((size_t)m * p.ldx + c * 8) * 2);
+                        const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float lo = __uint_as_float(w4[e] << 16), hi = __uint_as_float(w4[e] & 0xFFFF0000u);
+                            ss = fmaf(lo, lo, ss);
+                            ss = fmaf(hi, hi, ss);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+                if (lane == 0) s_red[m][sw] = ss;
+            }
+            __syncthreads();
+            if (threadIdx.x < M) {
+                float sum = 0.f;
+                for (int w = 0; w < nw; ++w) sum += s_red[threadIdx.x][w];
+                s_rstd[threadIdx.x] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum, (float)p.ldx), p.scalar)));
+            }
+            __syncthreads();
+        }
         // BF16 x quantized to FP8 1x128 here, with norm_quant's rule (common/norm_row.cuh quant_row_fp8): per
         // 128-block amax (fmaxf: order-free), sc = ue8m0 of max(amax, 1e-4) / 448, codes cvt.rn.satfinite.e4m3 of
         // x * 2^(127 - sc) (exact scaling, one rounding). So the staged codes and scales are those
@@ -215,12 +264,28 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
             const int m = i / chunks, c = i % chunks;
             float v[8];
             if (m < M) {
-                const uint4 u = *reinterpret_cast<const uint4*>(p.x + ((size_t)m * p.ldx + p.x_col[z] + k0 + c * 8) * 2);
+                const int col = p.x_col[z] + k0 + c * 8;
+                const uint4 u = *reinterpret_cast<const uint4*>(p.x + ((size_t)m * p.ldx + col) * 2);
                 const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     v[2 * e] = __uint_as_float(w4[e] << 16);
                     v[2 * e + 1] = __uint_as_float(w4[e] & 0xFFFF0000u);
+                }
+                if constexpr (kMode == kFp8NormQx) {
+                    // norm_quant_row: y = bf16(w * (x * rstd)), each product rounded, pairs rounded together.
+                    const float rstd = s_rstd[m];
+                    const uint4 wu = __ldg(reinterpret_cast<const uint4*>(p.x_scale + (size_t)col * 2));
+                    const uint32_t ww[4] = {wu.x, wu.y, wu.z, wu.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const __nv_bfloat162 h = __floats2bfloat162_rn(
+                            __fmul_rn(__uint_as_float(ww[e] << 16), __fmul_rn(v[2 * e], rstd)),
+                            __fmul_rn(__uint_as_float(ww[e] & 0xFFFF0000u), __fmul_rn(v[2 * e + 1], rstd)));
+                        const uint32_t r = *reinterpret_cast<const uint32_t*>(&h);
+                        v[2 * e] = __uint_as_float(r << 16);
+                        v[2 * e + 1] = __uint_as_float(r & 0xFFFF0000u);
+                    }
                 }
             } else {
 #pragma unroll
@@ -434,7 +499,7 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
             }
             uint8_t* codes = static_cast<uint8_t*>(p.y[0]) + (size_t)tok * p.ldy[0] + tile * kTileRows;
             uint8_t* scale = static_cast<uint8_t*>(p.y[1]) + tok * (p.ldy[0] / 128) + tile;
-            swiglu_fp8_block_warp(g, u, p.swiglu_limit, codes, scale);
+            swiglu_fp8_block_warp(g, u, p.scalar, codes, scale);
         }
     } else {
         for (int i = threadIdx.x; i < M * kTileRows; i += kThreads) {
@@ -466,3 +531,4 @@ DENSE_ENTRIES(dense_fp8_bf16x, kFp8Bf16x)
 DENSE_ENTRIES(dense_bf16, kBf16)
 DENSE_ENTRIES(dense_swiglu, kSwiglu)
 DENSE_ENTRIES(dense_fp8_qx, kFp8Qx)
+DENSE_ENTRIES(dense_fp8_normqx, kFp8NormQx)

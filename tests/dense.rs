@@ -21,10 +21,10 @@ use megamoe::ops::dense::reference::{
     abs_term_sums, bf16_ulp, fp8_linear_rows, matvec_rows, shared_expert_rows, tolerance, wo_a_rows,
 };
 use megamoe::ops::dense::{
-    bf16_linear, fp8_linear, fp8_linear_quantizing, fp8_linears, plan, route, shared_expert,
-    with_route, wo_a_grouped, workspace_layout, Bf16Job, DenseKind, DensePath, DenseRoute,
-    DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, SharedExpertScratch, MAX_CALL_ROWS, MAX_ROWS,
-    ROUTE_CUBLAS_BYTES,
+    bf16_linear, fp8_linear, fp8_linears, fp8_linears_of_bf16, plan, route, shared_expert,
+    with_route, wo_a_grouped, workspace_layout, Bf16Job, Bf16Rows, DenseKind, DensePath,
+    DenseRoute, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, SharedExpertScratch, MAX_CALL_ROWS,
+    MAX_ROWS, ROUTE_CUBLAS_BYTES,
 };
 use rand_chacha::ChaCha8Rng;
 
@@ -899,15 +899,17 @@ fn run_fp8_routed(
     assert_tensor_core_close(&label, &got, &want, &terms, w.cols, true);
 }
 
-/// `fp8_linear_quantizing` (BF16 x quantized by the GEMV as it stages it) against `quantize_bf16_rows` then
-/// `fp8_linear` on its FP8 rows, bit for bit: the same quantizer rule and the same plan, so the same sums. For every
-/// FP8 linear of the geometry at 1, 3, 8, 17, 64 and 100 rows (two GEMV pieces), outputs poisoned first. On the
-/// GEMV route the caller's quantizer must not run and the FP8 scratch must stay poisoned; on the tensor-core route
+/// `fp8_linears_of_bf16` (BF16 x made FP8 1x128 rows by the GEMV as it stages it) against norm_quant's kernel
+/// then `fp8_linear` on its FP8 rows, bit for bit (the same rule and the same plan, so the same sums), both ways:
+/// quantized (`Bf16Rows::Quantize` against `quantize_bf16_rows`) and normalized with a random norm weight
+/// (`Bf16Rows::NormQuantize` against `rmsnorm_quant_into`; x scaled so that rstd is far from 1). For every FP8
+/// linear of the geometry at 1, 3, 8, 17, 64 and 100 rows (two GEMV pieces), outputs poisoned first. On the GEMV
+/// route the caller's `prepare` must not run and the FP8 scratch must stay poisoned; on the tensor-core route
 /// (forced, from 16 rows) it must run, and the result is `fp8_linear`'s on the rows it wrote.
 #[test]
 #[ignore = "needs an H100/H200"]
-fn gpu_quantizing_fp8_linear_equals_quantize_then_fp8_linear() {
-    use megamoe::ops::norm_quant::{self as nq, OutFormat, QuantBufs};
+fn gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear() {
+    use megamoe::ops::norm_quant::{self as nq, OutFormat, QuantBufs, RowsIn};
     // The FP8 rows of an output (borrowed: a CudaSlice clone would be a device copy).
     fn rows_of(
         o: &nq::NormOutputs,
@@ -921,89 +923,114 @@ fn gpu_quantizing_fp8_linear_equals_quantize_then_fp8_linear() {
         (data, scales)
     }
     on_flash_and_small(
-        "gpu_quantizing_fp8_linear_equals_quantize_then_fp8_linear",
+        "gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear",
         |gpu, rng, cfg, model| {
+            let eps = cfg.norm_eps;
             for name in fp8_names() {
                 if name.contains("shared_experts.w1") {
                     continue; // w1 runs in the SwiGLU half
                 }
                 let w = DevFp8::from_model(gpu, model, &name);
+                // A norm weight of K values.
+                let nw: Vec<bf16> = fx::to_bf16(&fx::activations(rng, 1, w.cols));
+                let dnw = gpu.upload(&nw).unwrap();
                 for m in [1usize, 3, 8, 17, 64, 100] {
-                    let x: Vec<bf16> = fx::to_bf16(&fx::activations(rng, m, w.cols));
-                    let dz = gpu.upload(&x).unwrap();
-                    for route in [DenseRoute::Gemv, DenseRoute::TensorCores] {
-                        if route == DenseRoute::TensorCores && m < 16 {
-                            continue;
-                        }
-                        let label = format!("{} {name} M={m} {route:?}", cfg.name);
-                        let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
-                        let (_arena, ws) = fx::workspace_on(gpu, &[s], route);
-                        // The reference: the quantizer kernel, then fp8_linear on its rows.
-                        let q = nq::NormOutputs::alloc_poisoned(gpu, OutFormat::Fp8, m, w.cols)
-                            .unwrap();
-                        nq::quantize_bf16_rows(gpu, &gpu.stream, &dz, &q.view()).unwrap();
-                        let (qd, qs) = rows_of(&q);
-                        let rows = Fp8Rows {
-                            codes: qd,
-                            scales: qs,
-                            rows: m,
-                            k: w.cols,
-                        };
-                        let want_y = fx::bf16_out(gpu, m * w.rows);
-                        fp8_linear(gpu, &gpu.stream, &rows, &w.weight(), &ws, &want_y).unwrap();
-                        let want = fx::download_bf16(gpu, &want_y);
-                        // Under test, with a poisoned scratch and a quantizer that records that it ran.
-                        let scratch =
-                            nq::NormOutputs::alloc_poisoned(gpu, OutFormat::Fp8, m, w.cols)
+                    let x: Vec<f32> = fx::activations(rng, m, w.cols)
+                        .iter()
+                        .map(|v| v * 7.5)
+                        .collect();
+                    let dz = gpu.upload(&fx::to_bf16(&x)).unwrap();
+                    for normalize in [false, true] {
+                        for route in [DenseRoute::Gemv, DenseRoute::TensorCores] {
+                            if route == DenseRoute::TensorCores && m < 16 {
+                                continue;
+                            }
+                            let label =
+                                format!("{} {name} M={m} norm {normalize} {route:?}", cfg.name);
+                            let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+                            let (_arena, ws) = fx::workspace_on(gpu, &[s], route);
+                            // norm_quant's kernel into `q`.
+                            let prep = |q: &nq::NormOutputs| {
+                                if normalize {
+                                    nq::rmsnorm_quant_into(
+                                        gpu,
+                                        &gpu.stream,
+                                        RowsIn::Bf16(&dz),
+                                        &dnw,
+                                        eps,
+                                        &q.view(),
+                                    )
+                                } else {
+                                    nq::quantize_bf16_rows(gpu, &gpu.stream, &dz, &q.view())
+                                }
+                            };
+                            let q = nq::NormOutputs::alloc_poisoned(gpu, OutFormat::Fp8, m, w.cols)
                                 .unwrap();
-                        let (sd, ss) = rows_of(&scratch);
-                        let srows = Fp8Rows {
-                            codes: sd,
-                            scales: ss,
-                            rows: m,
-                            k: w.cols,
-                        };
-                        let ran = std::cell::Cell::new(false);
-                        let y = fx::bf16_out(gpu, m * w.rows);
-                        fp8_linear_quantizing(
-                            gpu,
-                            &gpu.stream,
-                            &dz,
-                            &srows,
-                            || {
-                                ran.set(true);
-                                nq::quantize_bf16_rows(gpu, &gpu.stream, &dz, &scratch.view())
-                            },
-                            &w.weight(),
-                            &ws,
-                            &y,
-                        )
-                        .unwrap();
-                        let got = fx::download_bf16(gpu, &y);
-                        let differ = got
-                            .iter()
-                            .zip(&want)
-                            .filter(|(a, b)| a.to_bits() != b.to_bits())
-                            .count();
-                        assert_eq!(
-                            differ,
-                            0,
-                            "{label}: {differ} of {} outputs differ",
-                            got.len()
-                        );
-                        let gemv = route == DenseRoute::Gemv;
-                        assert_eq!(
-                            ran.get(),
-                            !gemv,
-                            "{label}: the caller's quantizer ran: {}",
-                            ran.get()
-                        );
-                        if gemv {
-                            let codes = gpu.download(sd).unwrap();
-                            assert!(
-                                codes.iter().all(|&b| b == common::POISON),
-                                "{label}: the GEMV route wrote the FP8 scratch"
+                            prep(&q).unwrap();
+                            let (qd, qs) = rows_of(&q);
+                            let rows = Fp8Rows {
+                                codes: qd,
+                                scales: qs,
+                                rows: m,
+                                k: w.cols,
+                            };
+                            let want_y = fx::bf16_out(gpu, m * w.rows);
+                            fp8_linear(gpu, &gpu.stream, &rows, &w.weight(), &ws, &want_y).unwrap();
+                            let want = fx::download_bf16(gpu, &want_y);
+                            // Under test, with a poisoned scratch and a `prepare` that records that it ran.
+                            let scratch =
+                                nq::NormOutputs::alloc_poisoned(gpu, OutFormat::Fp8, m, w.cols)
+                                    .unwrap();
+                            let (sd, ss) = rows_of(&scratch);
+                            let srows = Fp8Rows {
+                                codes: sd,
+                                scales: ss,
+                                rows: m,
+                                k: w.cols,
+                            };
+                            let how = if normalize {
+                                Bf16Rows::NormQuantize { weight: &dnw, eps }
+                            } else {
+                                Bf16Rows::Quantize
+                            };
+                            let ran = std::cell::Cell::new(false);
+                            let y = fx::bf16_out(gpu, m * w.rows);
+                            let wt = w.weight();
+                            fp8_linears_of_bf16(
+                                gpu,
+                                &gpu.stream,
+                                &dz,
+                                how,
+                                &srows,
+                                || {
+                                    ran.set(true);
+                                    prep(&scratch)
+                                },
+                                &[Fp8Job { w: &wt, y: &y }],
+                                &ws,
+                            )
+                            .unwrap();
+                            let got = fx::download_bf16(gpu, &y);
+                            let differ = got
+                                .iter()
+                                .zip(&want)
+                                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                                .count();
+                            assert_eq!(
+                                differ,
+                                0,
+                                "{label}: {differ} of {} outputs differ",
+                                got.len()
                             );
+                            let gemv = route == DenseRoute::Gemv;
+                            assert_eq!(ran.get(), !gemv, "{label}: prepare ran: {}", ran.get());
+                            if gemv {
+                                let codes = gpu.download(sd).unwrap();
+                                assert!(
+                                    codes.iter().all(|&b| b == common::POISON),
+                                    "{label}: the GEMV route wrote the FP8 scratch"
+                                );
+                            }
                         }
                     }
                 }

@@ -8,11 +8,11 @@
 //! | step | what | launches |
 //! |---|---|---|
 //! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16 and its FP8 1x128 form (written by the finish kernel) | `mhc::mhc_pre_copies` |
-//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)`, `q = wq_b qr` + per-head RMS + RoPE, the window ring entry; every BF16 linear of `a` in one launch (CSA: `weights_proj a`; each compressor's `wkv a`, `wgate a` in f32); CSA: `indexer.wq_b qr`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
+//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` and `q = wq_b qr` in one launch (the GEMV normalizes qa), per-head RMS + RoPE, the window ring entry; every BF16 linear of `a` in one launch (CSA: `weights_proj a`; each compressor's `wkv a`, `wgate a` in f32); CSA: `indexer.wq_b qr`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
 //! | 6-7 | `compress`: each compressor's state update (the kernel adds `ape`) and every m-th position an entry (CSA: also the indexer key) | `compressor::decode_step` |
 //! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
 //! | 9 | `attend`: each sequence's candidate row (window slots oldest first, then the selected / all visible compressed entries ascending), sparse attention with the sink and the inverse RoPE | `attn_candidates`, `sparse_attn::decode` |
-//! | 10-11 | `output`: `z = wo_a o` grouped, `z` -> FP8 1x128, `y = wo_b z`, hc_post (unless linked) | `dense::wo_a_grouped`, `dense::fp8_linear_quantizing` (the GEMV quantizes z; the tensor-core route after `quantize_bf16_rows`), `mhc::mhc_post` |
+//! | 10-11 | `output`: `z = wo_a o` grouped, `z` -> FP8 1x128, `y = wo_b z`, hc_post (unless linked) | `dense::wo_a_grouped`, `dense::fp8_linears_of_bf16` (the GEMV quantizes z; the tensor-core route after `quantize_bf16_rows`), `mhc::mhc_post` |
 //!
 //! Graph-safe: every buffer is carved from the step's arena or allocated in [`AttnHalf::new`]; positions, lengths,
 //! visible key counts and cache slots are read on the device; nothing is read back.
@@ -39,7 +39,7 @@ use crate::ops::compressor::{
     self, dev, CompressorKind, CompressorShape, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
 };
 use crate::ops::dense::{
-    self, Bf16Job, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight,
+    self, Bf16Job, Bf16Rows, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight,
 };
 use crate::ops::indexer::{self, QueryBatch, TopkWorkspace};
 use crate::ops::mhc::{self, MhcPreOutputs, MhcWeights, MhcWorkspace, PriorPost};
@@ -901,27 +901,31 @@ impl AttnHalf {
             },
         ];
         dense::fp8_linears(gpu, stream, &a8, &jobs, &b.dense)?;
-        qkv_prep::q_lora_norm(gpu, stream, &b.qa, &l.q_norm, eps, &b.qr)?;
-        let qr8 = fp8_rows(&b.qr)?;
-        // wq_b and (CSA) the indexer's wq_b both read `qr`: one launch.
+        // `qr = q_norm(qa)` as FP8 1x128, read by wq_b and (CSA) the indexer's wq_b in one launch: on the GEMV route
+        // the GEMV normalizes and quantizes qa as it stages it (no norm launch).
         let wq_b = l.wq_b.weight();
-        match (&l.indexer, &b.index) {
-            (Some(ix), Some(ib)) => {
-                let iwq_b = ix.wq_b.weight();
-                let jobs = [
-                    Fp8Job {
-                        w: &wq_b,
-                        y: &b.q_raw,
-                    },
-                    Fp8Job {
-                        w: &iwq_b,
-                        y: &ib.qi_raw,
-                    },
-                ];
-                dense::fp8_linears(gpu, stream, &qr8, &jobs, &b.dense)?;
-            }
-            _ => dense::fp8_linear(gpu, stream, &qr8, &wq_b, &b.dense, &b.q_raw)?,
+        let iwq_b = l.indexer.as_ref().map(|ix| ix.wq_b.weight());
+        let mut jobs = vec![Fp8Job {
+            w: &wq_b,
+            y: &b.q_raw,
+        }];
+        if let (Some(w), Some(ib)) = (&iwq_b, &b.index) {
+            jobs.push(Fp8Job { w, y: &ib.qi_raw });
         }
+        let norm = Bf16Rows::NormQuantize {
+            weight: &l.q_norm,
+            eps,
+        };
+        dense::fp8_linears_of_bf16(
+            gpu,
+            stream,
+            &b.qa,
+            norm,
+            &fp8_rows(&b.qr)?,
+            || qkv_prep::q_lora_norm(gpu, stream, &b.qa, &l.q_norm, eps, &b.qr),
+            &jobs,
+            &b.dense,
+        )?;
         qkv_prep::q_heads(
             gpu,
             stream,
@@ -1174,15 +1178,16 @@ impl AttnHalf {
             &b.z,
         )?;
         // `z` -> FP8 1x128 -> wo_b: on the GEMV route the GEMV quantizes z as it stages it (no quantizer launch).
-        dense::fp8_linear_quantizing(
+        let wo_b = l.wo_b.weight();
+        dense::fp8_linears_of_bf16(
             gpu,
             stream,
             &b.z,
+            Bf16Rows::Quantize,
             &fp8_rows(&b.z_fp8)?,
             || norm_quant::quantize_bf16_rows(gpu, stream, &b.z, &b.z_fp8),
-            &l.wo_b.weight(),
+            &[Fp8Job { w: &wo_b, y: &b.y }],
             &b.dense,
-            &b.y,
         )?;
         if io.defer_post {
             return Ok(());

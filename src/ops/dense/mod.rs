@@ -103,10 +103,15 @@ pub enum DenseKind {
     /// FP8 w1 and w3, FP8 x, FP8 1x128 h.
     Swiglu,
     /// FP8 weight, BF16 x quantized to FP8 1x128 as it is staged (norm_quant's rule), BF16 y: [`Fp8`]'s bits on
-    /// `quantize_bf16_rows` of x, without the quantizer's launch ([`fp8_linear_quantizing`]; GEMV only).
+    /// `quantize_bf16_rows` of x, without the quantizer's launch ([`fp8_linears_of_bf16`]; GEMV only).
     ///
     /// [`Fp8`]: DenseKind::Fp8
     Fp8QuantX,
+    /// [`Fp8QuantX`] after an RMSNorm of each x row: [`Fp8`]'s bits on norm_quant's RMSNorm + FP8 of x.
+    ///
+    /// [`Fp8QuantX`]: DenseKind::Fp8QuantX
+    /// [`Fp8`]: DenseKind::Fp8
+    Fp8NormQuantX,
 }
 
 impl DenseKind {
@@ -117,6 +122,7 @@ impl DenseKind {
             DenseKind::Bf16 => "dense_bf16",
             DenseKind::Swiglu => "dense_swiglu",
             DenseKind::Fp8QuantX => "dense_fp8_qx",
+            DenseKind::Fp8NormQuantX => "dense_fp8_normqx",
         }
     }
     fn weight_fp8(self) -> bool {
@@ -477,7 +483,8 @@ struct DenseParams {
     ldx: i32,
     kc: i32,
     splits: i32,
-    swiglu_limit: f32,
+    /// kSwiglu: the clamp limit; kFp8NormQx: the RMSNorm eps.
+    scalar: f32,
     reserved: i32,
 }
 
@@ -548,7 +555,7 @@ fn blank_params() -> DenseParams {
         ldy: [0; MAX_JOBS],
         kc: 0,
         splits: 0,
-        swiglu_limit: 0.0,
+        scalar: 0.0,
         reserved: 0,
     }
 }
@@ -684,6 +691,110 @@ pub fn fp8_linears(
     };
     shape.check()?;
     check_fp8_rows(x, k)?;
+    let mut p = fp8_job_params(jobs, x.rows, k)?;
+    let scales_f32 = jobs.iter().all(|j| j.w.scales_f32.is_some());
+    if ws.path(&shape, scales_f32) == DensePath::TensorCores {
+        return fp8_linears_tensor_cores(gpu, stream, x, jobs, ws);
+    }
+    p.x = x.codes.device_addr();
+    p.x_scale = x.scales.device_addr();
+    p.ldx = k as i32;
+    run(gpu, stream, LaunchSpec { shape, p }, ws)
+}
+
+/// What [`fp8_linears_of_bf16`] does to its BF16 rows to get the FP8 1x128 rows the weights read.
+#[derive(Clone, Copy)]
+pub enum Bf16Rows<'a> {
+    /// Quantize them (norm_quant's `quantize_bf16_rows`).
+    Quantize,
+    /// RMSNorm each row with `weight` (BF16 `[K]`) and `eps`, then quantize (norm_quant's `rmsnorm_quant_into`
+    /// to FP8).
+    NormQuantize {
+        weight: &'a dyn DeviceBuf<bf16>,
+        eps: f32,
+    },
+}
+
+/// [`fp8_linears`] of BF16 rows `x` `[M, K]` made FP8 1x128 rows on the way as `how` says, with norm_quant's rules:
+/// the bits of norm_quant's kernel into `x_fp8` followed by [`fp8_linears`] on it. On the GEMV route the GEMV does
+/// it as each CTA stages its K slice (`dense_fp8_qx_*`, `dense_fp8_normqx_*`): no launch of norm_quant's, and
+/// `x_fp8` is not written. On the tensor-core route cuBLASLt needs the FP8 rows: `prepare` (the caller's
+/// norm_quant call writing `x_fp8`, so that this family calls no other) runs first.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_linears_of_bf16(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: &dyn DeviceBuf<bf16>,
+    how: Bf16Rows,
+    x_fp8: &Fp8Rows,
+    prepare: impl FnOnce() -> Result<()>,
+    jobs: &[Fp8Job],
+    ws: &DenseWorkspace,
+) -> Result<()> {
+    ensure!(
+        !jobs.is_empty(),
+        "dense: fp8_linears_of_bf16 without a weight"
+    );
+    let k = jobs[0].w.k;
+    let shape = DenseShape {
+        kind: DenseKind::Fp8,
+        rows: x_fp8.rows,
+        n: jobs.iter().map(|j| j.w.n).max().unwrap_or(0),
+        k,
+        jobs: jobs.len(),
+    };
+    shape.check()?;
+    check_fp8_rows(x_fp8, k)?;
+    check_len(x, shape.rows * k, "x [M, K] BF16")?;
+    ensure!(
+        x.device_addr().is_multiple_of(16),
+        "dense: BF16 x must be 16-byte aligned (the GEMV reads it 8 values at a time)"
+    );
+    let mut p = fp8_job_params(jobs, shape.rows, k)?;
+    let scales_f32 = jobs.iter().all(|j| j.w.scales_f32.is_some());
+    if ws.path(&shape, scales_f32) == DensePath::TensorCores {
+        prepare()?;
+        return fp8_linears(gpu, stream, x_fp8, jobs, ws);
+    }
+    let kind = match how {
+        Bf16Rows::Quantize => DenseKind::Fp8QuantX,
+        Bf16Rows::NormQuantize { weight, eps } => {
+            check_len(weight, k, "RMSNorm weight [K]")?;
+            ensure!(
+                weight.device_addr().is_multiple_of(16),
+                "dense: the RMSNorm weight must be 16-byte aligned"
+            );
+            ensure!(
+                eps.is_finite() && eps > 0.0,
+                "dense: RMSNorm eps {eps} must be finite and > 0"
+            );
+            ensure!(
+                k <= NORM_MAX_K,
+                "dense: an RMSNorm of {k} values per row (the GEMV's norm takes up to {NORM_MAX_K})"
+            );
+            p.x_scale = weight.device_addr();
+            p.scalar = eps;
+            DenseKind::Fp8NormQuantX
+        }
+    };
+    p.x = x.device_addr();
+    p.ldx = k as i32;
+    run(
+        gpu,
+        stream,
+        LaunchSpec {
+            shape: DenseShape { kind, ..shape },
+            p,
+        },
+        ws,
+    )
+}
+
+/// Longest row the GEMV's RMSNorm takes (`dense_fp8_normqx_*`: norm_quant's row kernel over at most 8 warps).
+pub const NORM_MAX_K: usize = 8192;
+
+/// The parameters of FP8 jobs sharing one x of `k` columns (weights, outputs, heights), checked.
+fn fp8_job_params(jobs: &[Fp8Job], rows: usize, k: usize) -> Result<DenseParams> {
     let mut p = blank_params();
     for (j, job) in jobs.iter().enumerate() {
         ensure!(
@@ -697,72 +808,14 @@ pub fn fp8_linears(
             job.w.n
         );
         check_fp8_weight(job.w, &format!("W{j}"))?;
-        check_len(job.y, x.rows * job.w.n, &format!("y{j} [M, {}]", job.w.n))?;
+        check_len(job.y, rows * job.w.n, &format!("y{j} [M, {}]", job.w.n))?;
         p.w[j] = job.w.codes.device_addr();
         p.w_scale[j] = job.w.scales.device_addr();
         p.y[j] = job.y.device_addr();
         p.n[j] = job.w.n as i32;
         p.ldy[j] = job.w.n as i32;
     }
-    let scales_f32 = jobs.iter().all(|j| j.w.scales_f32.is_some());
-    if ws.path(&shape, scales_f32) == DensePath::TensorCores {
-        return fp8_linears_tensor_cores(gpu, stream, x, jobs, ws);
-    }
-    p.x = x.codes.device_addr();
-    p.x_scale = x.scales.device_addr();
-    p.ldx = k as i32;
-    run(gpu, stream, LaunchSpec { shape, p }, ws)
-}
-
-/// [`fp8_linear`] of BF16 rows `x` `[M, K]` quantized to FP8 1x128 on the way, with norm_quant's rule: the bits of
-/// `quantize_bf16_rows` into `x_fp8` followed by [`fp8_linear`] on it. On the GEMV route the GEMV quantizes its K
-/// slice of x as it stages it (`dense_fp8_qx_*`): no quantizer launch, and `x_fp8` is not written. On the
-/// tensor-core route cuBLASLt needs the FP8 rows: `quantize` (the caller's quantizer into `x_fp8`, so that this
-/// family does not call another) runs first.
-#[allow(clippy::too_many_arguments)]
-pub fn fp8_linear_quantizing(
-    gpu: &Gpu,
-    stream: &Stream,
-    x: &dyn DeviceBuf<bf16>,
-    x_fp8: &Fp8Rows,
-    quantize: impl FnOnce() -> Result<()>,
-    w: &Fp8Weight,
-    ws: &DenseWorkspace,
-    y: &dyn DeviceBuf<bf16>,
-) -> Result<()> {
-    let shape = DenseShape {
-        kind: DenseKind::Fp8,
-        rows: x_fp8.rows,
-        n: w.n,
-        k: w.k,
-        jobs: 1,
-    };
-    shape.check()?;
-    check_fp8_rows(x_fp8, w.k)?;
-    check_fp8_weight(w, "W")?;
-    check_len(x, shape.rows * w.k, "x [M, K] BF16")?;
-    check_len(y, shape.rows * w.n, "y [M, N]")?;
-    ensure!(
-        x.device_addr().is_multiple_of(16),
-        "dense: BF16 x must be 16-byte aligned (the GEMV reads it 8 values at a time)"
-    );
-    if ws.path(&shape, w.scales_f32.is_some()) == DensePath::TensorCores {
-        quantize()?;
-        return fp8_linear(gpu, stream, x_fp8, w, ws, y);
-    }
-    let mut p = blank_params();
-    p.w[0] = w.codes.device_addr();
-    p.w_scale[0] = w.scales.device_addr();
-    p.y[0] = y.device_addr();
-    p.n[0] = w.n as i32;
-    p.ldy[0] = w.n as i32;
-    p.x = x.device_addr();
-    p.ldx = w.k as i32;
-    let shape = DenseShape {
-        kind: DenseKind::Fp8QuantX,
-        ..shape
-    };
-    run(gpu, stream, LaunchSpec { shape, p }, ws)
+    Ok(p)
 }
 
 /// A non-owning typed view of a launcher's `&dyn` buffer (valid while the call runs).
@@ -978,7 +1031,7 @@ pub fn swiglu_fp8(
     p.x_scale = x.scales.device_addr();
     p.ldx = w1.k as i32;
     p.ldy[0] = w1.n as i32;
-    p.swiglu_limit = swiglu_limit;
+    p.scalar = swiglu_limit;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
 }
 

@@ -100,9 +100,10 @@ pub fn has_tensor_core_route(shape: &super::DenseShape) -> bool {
     match shape.kind {
         super::DenseKind::Fp8 => true,
         super::DenseKind::Bf16 => shape.n.is_multiple_of(4) && shape.k.is_multiple_of(8),
-        super::DenseKind::Fp8Bf16x | super::DenseKind::Swiglu | super::DenseKind::Fp8QuantX => {
-            false
-        }
+        super::DenseKind::Fp8Bf16x
+        | super::DenseKind::Swiglu
+        | super::DenseKind::Fp8QuantX
+        | super::DenseKind::Fp8NormQuantX => false,
     }
 }
 
@@ -116,9 +117,10 @@ pub fn auto_path(shape: &super::DenseShape) -> DensePath {
             shape.rows >= BF16_TC_MIN_ROWS || shape.n * shape.k >= BF16_TC_ALWAYS_ELEMENTS
         }
         super::DenseKind::Fp8 => shape.rows >= FP8_TC_MIN_ROWS,
-        super::DenseKind::Fp8Bf16x | super::DenseKind::Swiglu | super::DenseKind::Fp8QuantX => {
-            false
-        }
+        super::DenseKind::Fp8Bf16x
+        | super::DenseKind::Swiglu
+        | super::DenseKind::Fp8QuantX
+        | super::DenseKind::Fp8NormQuantX => false,
     };
     if tc {
         DensePath::TensorCores
