@@ -1,13 +1,6 @@
-// engine_attn: the glue of the engine's attention half that no op family writes (launchers and host twins:
-// src/engine/attn.rs). Both kernels read positions and cache bases on the device, and their grids depend on the
-// batch and the capacities only, so a captured step replays with new positions.
-//
-// attn_indexer_inputs: the CSA indexer's per-step inputs besides its query:
-//   * w_bf16[i] = bf16_rn(w_f32[i]) for i < n: weights_proj's f32 output rounded to BF16 (the model's `bf16_linear`,
-//     round to nearest even), the BF16 head weights `qkv_prep::indexer_q` reads;
-//   * num_valid[b] = (t + 1) / m for t = positions[b] >= 0, else 0: the indexer keys the query at t sees (the
-//     compressor has emitted (t + 1) / m of them after this step's update; `LayerCacheLayout::compressed_after`).
-//   Grid ceil(max(n, batch) / 256), block 256.
+// engine_attn: the glue of the engine's attention half that no op family writes (launcher and host twin:
+// src/engine/attn.rs). The kernel reads positions and cache bases on the device, and its grid depends on the batch
+// and the capacities only, so a captured step replays with new positions.
 //
 // attn_candidates: each row's candidate row for sparse_attn (host twin `LayerCacheLayout::row_candidate_rows`; the
 //   tables are per row, `RowTables`: a decode batch's row b is sequence b, a prefill chunk's rows all one sequence):
@@ -29,17 +22,6 @@ constexpr int kAttnGlueThreads = 256;
 // (CSA), kCandAllVisible = the window then every visible compressed entry (HCA).
 constexpr int kCandSelected = 1;
 constexpr int kCandAllVisible = 2;
-
-extern "C" __global__ void __launch_bounds__(kAttnGlueThreads)
-    attn_indexer_inputs(const float* __restrict__ w_f32, int n, __nv_bfloat16* __restrict__ w_bf16,
-                        const int* __restrict__ positions, int batch, int ratio, int* __restrict__ num_valid) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) w_bf16[i] = __float2bfloat16_rn(w_f32[i]);
-    if (i < batch) {
-        const int t = positions[i];
-        num_valid[i] = t >= 0 ? (t + 1) / ratio : 0;
-    }
-}
 
 // Ascending bitonic sort of s[0, n) (n a power of two) by the whole CTA.
 __device__ void bitonic_sort_ascending(int* s, int n) {

@@ -13,7 +13,8 @@
 //                         window ring slot seq_base[m / tokens_per_seq] + position % window, + the RMS factor [M].
 //   qkv_prep_indexer_q    qI [M, HI, 128] BF16 (indexer wq_b out) -> RoPE on dims 64..127, BF16, Hadamard, BF16,
 //                         FP4 sim per 32 -> the indexer's e4m3 query codes [M, HI, 128]; weights_proj out
-//                         [M, HI] BF16 -> w [M, HI] f32 = bf16(w * scale) * 2^e_h (the q scale folded in).
+//                         [M, HI] f32, rounded to BF16 -> w [M, HI] f32 = bf16(w * scale) * 2^e_h (the q scale
+//                         folded in); and the rows' visible key counts num_valid [M] for the indexer.
 //   qkv_prep_launch_floor an empty kernel: the bench's launch floor, measured in the same run.
 //
 // Work split: one warp per (row, head) vector. A 512-dim vector: lane l holds dims [16l, 16l+16) (two 16-byte
@@ -168,20 +169,26 @@ extern "C" __global__ void __launch_bounds__(256) qkv_prep_kv_entries(
     if (lane == 0) rstd_out[m] = rstd;
 }
 
-// qi_in [rows, heads, 128] BF16, w_in [rows, heads] BF16, positions [rows], freqs [32] f64 -> q_codes [rows, heads,
-// 128] e4m3, w_out [rows, heads] f32 (see the top of the file). Grid (ceil(heads / 8), rows), 256 threads.
+// qi_in [rows, heads, 128] BF16, w_in [rows, heads] f32 (weights_proj's output, rounded to BF16 here as the model's
+// bf16_linear rounds it), positions [rows], freqs [32] f64 -> q_codes [rows, heads, 128] e4m3, w_out [rows, heads]
+// f32 (see the top of the file); num_valid (when not null) [rows] = (t + 1) / ratio for t = positions[row] >= 0,
+// else 0: the indexer keys the query at t sees (the compressor has emitted (t + 1) / ratio of them after this step's
+// update; LayerCacheLayout::compressed_after), written by thread 0 of the row's first CTA. Grid (ceil(heads / 8),
+// rows), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) qkv_prep_indexer_q(const __nv_bfloat16* __restrict__ qi_in,
-                                                                     const __nv_bfloat16* __restrict__ w_in,
+                                                                     const float* __restrict__ w_in,
                                                                      const int* __restrict__ positions,
                                                                      const double* __restrict__ freqs, int heads,
                                                                      float w_scale, uint8_t* __restrict__ q_codes,
-                                                                     float* __restrict__ w_out) {
+                                                                     float* __restrict__ w_out, int ratio,
+                                                                     int* __restrict__ num_valid) {
     pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.x * qp::kHeadsPerCta + (threadIdx.x >> 5);
     const int m = blockIdx.y;
-    if (head >= heads) return;
     const int pos = positions[m];
+    if (num_valid != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_valid[m] = pos >= 0 ? (pos + 1) / ratio : 0;
+    if (head >= heads) return;
     if (pos < 0) return;
     const size_t vec = (size_t)m * heads + head;
     const uint2 raw = *reinterpret_cast<const uint2*>(qi_in + vec * qp::kIndexDim + 4 * lane);
@@ -217,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(256) qkv_prep_indexer_q(const __nv_
     for (int i = 0; i < 4; ++i) word |= (uint32_t)mm::e4m3_encode(__fmul_rn(f[i], inv_head)) << (8 * i);
     reinterpret_cast<uint32_t*>(q_codes + vec * qp::kIndexDim)[lane] = word;
     if (lane == 0) {
-        const float wb = qp::bf16r(__fmul_rn(__bfloat162float(w_in[vec]), w_scale));
+        const float wb = qp::bf16r(__fmul_rn(qp::bf16r(w_in[vec]), w_scale));
         w_out[vec] = __fmul_rn(wb, mm::ue8m0_decode((uint8_t)hc));
     }
 }

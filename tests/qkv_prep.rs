@@ -504,7 +504,8 @@ fn kv_entries_match_the_model() {
 }
 
 /// Indexer query: 64 heads (Flash and Pro) and 4 (a partial CTA), M = 1, 2, 64, poisoned outputs; all
-/// order-free, so bit for bit with the host encoding of the model's steps.
+/// order-free, so bit for bit with the host encoding of the model's steps (weights_proj's f32 output rounded to BF16
+/// by the kernel); and every row's visible key count, idle rows included.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn indexer_q_matches_the_model() {
@@ -517,11 +518,15 @@ fn indexer_q_matches_the_model() {
             for rope in &ropes() {
                 let label = format!("{test} heads {heads} rows {rows}");
                 let qi = bf16_rows(rows * heads, INDEX_HEAD_DIM, &mut rng);
-                let w: Vec<f32> = (0..rows * heads)
-                    .map(|_| fbf16::round(rng.random_range(-4.0f32..4.0)))
+                // weights_proj's f32 output (not BF16 values: the kernel rounds them, as the model's bf16_linear).
+                let w_f32: Vec<f32> = (0..rows * heads)
+                    .map(|_| rng.random_range(-4.0f32..4.0))
                     .collect();
+                let w: Vec<f32> = w_f32.iter().map(|&v| fbf16::round(v)).collect();
                 let pos = positions(rows, &mut rng);
-                let (dq, dw) = (bf16_upload(&gpu, &qi), bf16_upload(&gpu, &w));
+                let (dq, dw) = (bf16_upload(&gpu, &qi), gpu.upload(&w_f32).unwrap());
+                let ratio = 4;
+                let dnv = gpu.poisoned::<i32>(rows, POISON).unwrap();
                 let (dp, df) = (gpu.upload(&pos).unwrap(), gpu.upload(&rope.freqs).unwrap());
                 let dcodes = gpu
                     .poisoned::<u8>(rows * heads * INDEX_HEAD_DIM, POISON)
@@ -539,10 +544,20 @@ fn indexer_q_matches_the_model() {
                     scale,
                     &dcodes,
                     &dwo,
+                    Some(qkv_prep::VisibleKeys {
+                        ratio,
+                        num_valid: &dnv,
+                    }),
                 )
                 .unwrap();
                 let codes = gpu.download(&dcodes).unwrap();
                 let w_out = gpu.download(&dwo).unwrap();
+                // Every row's visible key count, idle rows (position < 0) included: (t + 1) / ratio, else 0.
+                let want_nv: Vec<i32> = pos
+                    .iter()
+                    .map(|&t| if t >= 0 { (t + 1) / ratio as i32 } else { 0 })
+                    .collect();
+                assert_eq!(gpu.download(&dnv).unwrap(), want_nv, "{label}: num_valid");
                 let row_len = heads * INDEX_HEAD_DIM;
                 let mut want_codes = vec![POISON; rows * row_len];
                 let mut want_w = vec![f32::from_bits(u32::MAX); rows * heads];
@@ -589,12 +604,14 @@ fn graph_replay_follows_device_positions() {
             .map(|v| v.to_f32())
             .collect()
     };
-    let (q_in, kv_in, qi_in, w_in) = (
-        host_bf16(&p.q_in),
-        host_bf16(&p.kv_in),
-        host_bf16(&p.qi_in),
-        host_bf16(&p.w_in),
-    );
+    let (q_in, kv_in, qi_in) = (host_bf16(&p.q_in), host_bf16(&p.kv_in), host_bf16(&p.qi_in));
+    // weights_proj's f32 output, as the model rounds it.
+    let w_in: Vec<f32> = gpu
+        .download(&p.w_in)
+        .unwrap()
+        .iter()
+        .map(|&v| fbf16::round(v))
+        .collect();
     let kv_norm = host_bf16(&p.kv_norm);
     for round in 0..3 {
         let pos: Vec<i32> = (0..rows)

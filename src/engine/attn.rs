@@ -8,7 +8,7 @@
 //! | step | what | launches |
 //! |---|---|---|
 //! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16 and its FP8 1x128 form (written by the finish kernel) | `mhc::mhc_pre_copies` |
-//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` and `q = wq_b qr` in one launch (the GEMV normalizes qa), per-head RMS + RoPE, the window ring entry; every BF16 linear of `a` in one launch (CSA: `weights_proj a`; each compressor's `wkv a`, `wgate a` in f32); CSA: `indexer.wq_b qr`, the indexer query | `dense::fp8_linear`, `qkv_prep::*`, `dense::bf16_linear`, `attn_indexer_inputs` |
+//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` and `q = wq_b qr` in one launch (the GEMV normalizes qa), per-head RMS + RoPE, the window ring entry; every BF16 linear of `a` in one launch (CSA: `weights_proj a`; each compressor's `wkv a`, `wgate a` in f32); CSA: `indexer.wq_b qr`, the indexer query and the rows' visible key counts | `dense::fp8_linears`, `dense::fp8_linears_of_bf16`, `qkv_prep::*`, `dense::bf16_linear` |
 //! | 6-7 | `compress`: each compressor's state update (the kernel adds `ape`) and every m-th position an entry (CSA: also the indexer key) | `compressor::decode_step` |
 //! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
 //! | 9 | `attend`: each sequence's candidate row (window slots oldest first, then the selected / all visible compressed entries ascending), sparse attention with the sink and the inverse RoPE | `attn_candidates`, `sparse_attn::decode` |
@@ -305,7 +305,6 @@ impl Sizes {
             let rows = b * self.index_heads;
             l.add::<bf16>(rows * self.index_dim)
                 .add::<f32>(rows)
-                .add::<bf16>(rows)
                 .add::<f32>(b * 2 * self.index_dim)
                 .add::<f32>(b * 2 * self.index_dim)
                 .add::<f32>(b * capacity)
@@ -358,9 +357,8 @@ pub struct AttnBuffers {
 pub struct IndexBuffers {
     /// Step 4: `indexer.wq_b qr` BF16 `[B, 64, 128]`.
     pub qi_raw: DevBuf<bf16>,
-    /// Step 5: `weights_proj a` f32 `[B, 64]` and its BF16 rounding (indexer_q's input).
+    /// Step 5: `weights_proj a` f32 `[B, 64]` (indexer_q rounds it to BF16).
     pub w_f32: DevBuf<f32>,
-    pub w_bf16: DevBuf<bf16>,
     /// Step 6: the indexer compressor's inputs f32 `[B, 2 x 128]`.
     pub comp_kv: DevBuf<f32>,
     pub comp_gate: DevBuf<f32>,
@@ -404,7 +402,6 @@ impl AttnBuffers {
                 Some(IndexBuffers {
                     qi_raw: arena.carve(rows * s.index_dim, "indexer q before the rotation")?,
                     w_f32: arena.carve(rows, "indexer weights_proj f32")?,
-                    w_bf16: arena.carve(rows, "indexer weights_proj bf16")?,
                     comp_kv: arena.carve(b * 2 * s.index_dim, "indexer compressor kv inputs")?,
                     comp_gate: arena
                         .carve(b * 2 * s.index_dim, "indexer compressor gate inputs")?,
@@ -989,20 +986,13 @@ impl AttnHalf {
         let (Some(ix), Some(ib)) = (&l.indexer, &b.index) else {
             return Ok(());
         };
-        indexer_inputs(
-            gpu,
-            stream,
-            &ib.w_f32,
-            &ib.w_bf16,
-            io.positions,
-            ix.compressor.shape.ratio,
-            &ib.query.num_valid,
-        )?;
+        // The indexer query and head weights (weights_proj's f32 output rounded to BF16 inside), and each row's
+        // visible key count for the logits and the top-k, in one launch.
         qkv_prep::indexer_q(
             gpu,
             stream,
             &ib.qi_raw,
-            &ib.w_bf16,
+            &ib.w_f32,
             io.positions,
             &l.rope,
             n,
@@ -1010,6 +1000,10 @@ impl AttnHalf {
             ix.w_scale,
             &ib.query.q,
             &ib.query.w,
+            Some(qkv_prep::VisibleKeys {
+                ratio: ix.compressor.shape.ratio,
+                num_valid: &ib.query.num_valid,
+            }),
         )
     }
 
@@ -1246,7 +1240,6 @@ impl AttnHalf {
             all.extend([
                 bytes(&ib.qi_raw),
                 bytes(&ib.w_f32),
-                bytes(&ib.w_bf16),
                 bytes(&ib.comp_kv),
                 bytes(&ib.comp_gate),
                 bytes(&ib.scores),
@@ -1323,45 +1316,13 @@ fn compress_chunk(
 
 // ---- the glue launchers (kernels/engine_attn.cu) --------------------------------------------------------------
 
-/// The host twin of `attn_indexer_inputs`' counts: the indexer keys a query at each position sees, `(t + 1) /
-/// ratio` (`LayerCacheLayout::compressed_after`), 0 for an idle slot.
+/// The host twin of the visible key counts `qkv_prep::indexer_q` writes: the indexer keys a query at each position
+/// sees, `(t + 1) / ratio` (`LayerCacheLayout::compressed_after`), 0 for an idle slot.
 pub fn visible_keys(positions: &[i32], ratio: usize) -> Vec<i32> {
     positions
         .iter()
         .map(|&t| if t >= 0 { (t + 1) / ratio as i32 } else { 0 })
         .collect()
-}
-
-/// `attn_indexer_inputs`: `w_bf16 = bf16(w_f32)` (round to nearest even, the model's `bf16_linear` rounding of
-/// weights_proj's output) and `num_valid[b] = `[`visible_keys`] of the positions, one launch.
-pub fn indexer_inputs(
-    gpu: &Gpu,
-    stream: &Stream,
-    w_f32: &impl DeviceBuf<f32>,
-    w_bf16: &impl DeviceBuf<bf16>,
-    positions: &impl DeviceBuf<i32>,
-    ratio: usize,
-    num_valid: &impl DeviceBuf<i32>,
-) -> Result<()> {
-    let (n, batch) = (w_f32.elems(), positions.elems());
-    ensure!(
-        w_bf16.elems() == n && num_valid.elems() >= batch && n <= i32::MAX as usize,
-        "attn_indexer_inputs: {n} weights into {}, {batch} positions into {} counts",
-        w_bf16.elems(),
-        num_valid.elems()
-    );
-    ensure!(ratio >= 1, "attn_indexer_inputs: ratio 0");
-    let k = gpu.kernel(FAMILY, "attn_indexer_inputs")?;
-    let mut a = KernelArgs::new();
-    a.buf(w_f32)
-        .i32(n as i32)
-        .buf(w_bf16)
-        .buf(positions)
-        .i32(batch as i32)
-        .i32(ratio as i32)
-        .buf(num_valid);
-    // SAFETY: the kernel's parameter list; it reads / writes index < n and < batch only, checked above.
-    unsafe { launch(stream, &k, Launch::over(n.max(batch), GLUE_THREADS), &mut a) }
 }
 
 /// Which compressed entries a query attends to besides its window (the candidate builder's mode).

@@ -40,7 +40,7 @@ pub struct Problem {
     pub pool: CudaSlice<u8>,
     pub seq_base: CudaSlice<i32>,
     pub qi_in: CudaSlice<bf16>,
-    pub w_in: CudaSlice<bf16>,
+    pub w_in: CudaSlice<f32>,
     pub q_codes: CudaSlice<u8>,
     pub w_out: CudaSlice<f32>,
     pub positions: CudaSlice<i32>,
@@ -85,7 +85,7 @@ impl Problem {
                 INDEX_HEAD_DIM,
                 seed ^ 3,
             ))?,
-            w_in: up(inputs::uniform(rows * index_heads, 4.0, seed ^ 4))?,
+            w_in: gpu.upload(&inputs::uniform(rows * index_heads, 4.0, seed ^ 4))?,
             q_codes: gpu.poisoned(rows * index_heads * INDEX_HEAD_DIM, 0xFF)?,
             w_out: gpu.poisoned(rows * index_heads, 0xFF)?,
             positions: gpu.upload(&positions)?,
@@ -143,6 +143,7 @@ impl Problem {
             self.w_scale,
             &self.q_codes,
             &self.w_out,
+            None,
         )
     }
 

@@ -177,15 +177,14 @@ fn run_indexer_q(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
     let row_len = heads * INDEX_HEAD_DIM;
     let (codes, w_out) = match gpu {
         Some(g) => {
-            let (dq, dw) = (
-                g.upload(&fbf16::to_bf16_vec(&qi))?,
-                g.upload(&fbf16::to_bf16_vec(&w))?,
-            );
+            // w is BF16 values (the model's weights_proj output); the kernel takes them as f32 and rounds, which
+            // leaves a BF16 value unchanged.
+            let (dq, dw) = (g.upload(&fbf16::to_bf16_vec(&qi))?, g.upload(&w)?);
             let (dp, df) = (g.upload(&pos)?, g.upload(&rope.freqs)?);
             let dcodes = g.zeros::<u8>(rows * row_len)?;
             let dwo = g.zeros::<f32>(rows * heads)?;
             super::indexer_q(
-                g, &g.stream, &dq, &dw, &dp, &df, rows, heads, scale, &dcodes, &dwo,
+                g, &g.stream, &dq, &dw, &dp, &df, rows, heads, scale, &dcodes, &dwo, None,
             )?;
             (g.download(&dcodes)?, g.download(&dwo)?)
         }

@@ -267,16 +267,27 @@ pub fn check_ring(rows: usize, tokens_per_seq: usize, window: usize) -> Result<(
     Ok(())
 }
 
-/// Indexer query of `rows` rows of `heads` indexer heads: `qi [rows, heads, 128]` BF16 and `w_in [rows, heads]`
-/// BF16 -> e4m3 codes `q_codes [rows, heads, 128]` and f32 `w_out [rows, heads]` (`indexer::QueryBatch`'s q and
-/// w for next_n = 1, rows = sequences; for next_n = 2 the caller orders rows `b * 2 + t`). `w_scale` is
-/// `model::reference::indexer_weight_scale(128, heads)`. Rows with position < 0 write nothing.
+/// Where [`indexer_q`] also writes each row's visible key count for the indexer: `num_valid[row] = (t + 1) / ratio`
+/// for the row's position t >= 0, else 0 (the compressor has emitted `(t + 1) / ratio` keys after this step's
+/// update; the host twin is `engine::attn::visible_keys`).
+#[derive(Clone, Copy)]
+pub struct VisibleKeys<'a> {
+    pub ratio: usize,
+    pub num_valid: &'a dyn DeviceBuf<i32>,
+}
+
+/// Indexer query of `rows` rows of `heads` indexer heads: `qi [rows, heads, 128]` BF16 and `w_in [rows, heads]` f32
+/// (weights_proj's output, rounded to BF16 inside as the model's `bf16_linear` rounds it) -> e4m3 codes
+/// `q_codes [rows, heads, 128]` and f32 `w_out [rows, heads]` (`indexer::QueryBatch`'s q and w for next_n = 1,
+/// rows = sequences; for next_n = 2 the caller orders rows `b * 2 + t`), and with `visible` each row's visible key
+/// count. `w_scale` is `model::reference::indexer_weight_scale(128, heads)`. Rows with position < 0 write no q or
+/// w (their count is 0).
 #[allow(clippy::too_many_arguments)]
 pub fn indexer_q(
     gpu: &Gpu,
     stream: &Stream,
     qi: &impl DeviceBuf<bf16>,
-    w_in: &impl DeviceBuf<bf16>,
+    w_in: &impl DeviceBuf<f32>,
     positions: &impl DeviceBuf<i32>,
     freqs: &impl DeviceBuf<f64>,
     rows: usize,
@@ -284,12 +295,25 @@ pub fn indexer_q(
     w_scale: f32,
     q_codes: &impl DeviceBuf<u8>,
     w_out: &impl DeviceBuf<f32>,
+    visible: Option<VisibleKeys>,
 ) -> Result<()> {
     check_rows_heads(rows, heads)?;
     ensure!(
         w_scale.is_finite() && w_scale > 0.0,
         "qkv_prep: w_scale must be finite and > 0, got {w_scale}"
     );
+    if let Some(v) = &visible {
+        ensure!(
+            (1..=i32::MAX as usize).contains(&v.ratio),
+            "qkv_prep: the compressor ratio must be at least 1, got {}",
+            v.ratio
+        );
+        ensure!(
+            v.num_valid.elems() >= rows,
+            "qkv_prep: num_valid holds {} counts for {rows} rows",
+            v.num_valid.elems()
+        );
+    }
     check_len("qi", qi.elems(), rows * heads * INDEX_HEAD_DIM)?;
     check_len("w_in", w_in.elems(), rows * heads)?;
     check_len("positions", positions.elems(), rows)?;
@@ -308,8 +332,12 @@ pub fn indexer_q(
         .f32(w_scale)
         .buf(q_codes)
         .buf(w_out);
+    match visible {
+        Some(v) => a.i32(v.ratio as i32).u64(v.num_valid.device_addr()),
+        None => a.i32(1).null(),
+    };
     // SAFETY: argument list of qkv_prep_indexer_q; buffers hold the counts checked above, the grid covers rows x
-    // heads and the kernel guards head < heads.
+    // heads and the kernel guards head < heads; a null num_valid is not written.
     unsafe { launch(stream, &k, per_head_launch(rows, heads), &mut a) }
 }
 
