@@ -910,17 +910,17 @@ fn run_fp8_routed(
 #[ignore = "needs an H100/H200"]
 fn gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear() {
     use megamoe::ops::norm_quant::{self as nq, OutFormat, QuantBufs, RowsIn};
-    // The FP8 rows of an output (borrowed: a CudaSlice clone would be a device copy).
-    fn rows_of(
-        o: &nq::NormOutputs,
-    ) -> (
-        &cudarc::driver::CudaSlice<u8>,
-        &cudarc::driver::CudaSlice<u8>,
-    ) {
+    // The FP8 rows of an output, borrowed (a CudaSlice clone would be a device copy).
+    fn rows_of(o: &nq::NormOutputs) -> Fp8Rows<'_> {
         let QuantBufs::Fp8 { data, scales } = &o.q else {
             unreachable!("FP8 rows were allocated")
         };
-        (data, scales)
+        Fp8Rows {
+            codes: data,
+            scales,
+            rows: o.rows,
+            k: o.d,
+        }
     }
     on_flash_and_small(
         "gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear",
@@ -967,13 +967,7 @@ fn gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear() {
                             let q = nq::NormOutputs::alloc_poisoned(gpu, OutFormat::Fp8, m, w.cols)
                                 .unwrap();
                             prep(&q).unwrap();
-                            let (qd, qs) = rows_of(&q);
-                            let rows = Fp8Rows {
-                                codes: qd,
-                                scales: qs,
-                                rows: m,
-                                k: w.cols,
-                            };
+                            let rows = rows_of(&q);
                             let want_y = fx::bf16_out(gpu, m * w.rows);
                             fp8_linear(gpu, &gpu.stream, &rows, &w.weight(), &ws, &want_y).unwrap();
                             let want = fx::download_bf16(gpu, &want_y);
@@ -981,13 +975,7 @@ fn gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear() {
                             let scratch =
                                 nq::NormOutputs::alloc_poisoned(gpu, OutFormat::Fp8, m, w.cols)
                                     .unwrap();
-                            let (sd, ss) = rows_of(&scratch);
-                            let srows = Fp8Rows {
-                                codes: sd,
-                                scales: ss,
-                                rows: m,
-                                k: w.cols,
-                            };
+                            let srows = rows_of(&scratch);
                             let how = if normalize {
                                 Bf16Rows::NormQuantize { weight: &dnw, eps }
                             } else {
@@ -1011,11 +999,7 @@ fn gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear() {
                             )
                             .unwrap();
                             let got = fx::download_bf16(gpu, &y);
-                            let differ = got
-                                .iter()
-                                .zip(&want)
-                                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                                .count();
+                            let differ = common::differing_bits(&got, &want);
                             assert_eq!(
                                 differ,
                                 0,
@@ -1025,7 +1009,10 @@ fn gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear() {
                             let gemv = route == DenseRoute::Gemv;
                             assert_eq!(ran.get(), !gemv, "{label}: prepare ran: {}", ran.get());
                             if gemv {
-                                let codes = gpu.download(sd).unwrap();
+                                let QuantBufs::Fp8 { data, .. } = &scratch.q else {
+                                    unreachable!("FP8 rows were allocated")
+                                };
+                                let codes = gpu.download(data).unwrap();
                                 assert!(
                                     codes.iter().all(|&b| b == common::POISON),
                                     "{label}: the GEMV route wrote the FP8 scratch"

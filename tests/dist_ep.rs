@@ -32,14 +32,6 @@ use megamoe::model::numerics::cosine;
 use megamoe::model::sampler::SamplerConfig;
 use megamoe::ops::sampler::SamplerParams;
 
-fn same_bits(a: &[f32], b: &[f32]) -> usize {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count()
-}
-
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -141,7 +133,7 @@ fn ep_graph_replays_equal_the_eager_ep_steps() {
         }
         let gl = state.read_logits(&s).unwrap();
         let gt = megamoe::gpu::arena::download(&s, &state.ws.sampler.sampled).unwrap();
-        let differ = same_bits(&gl, wl);
+        let differ = common::differing_bits(&gl, wl);
         println!(
             "step {step} ({}): tokens {gt:?} eager {wt:?}; logits differing {differ} of {}",
             if step == 0 { "eager" } else { "graph" },
@@ -177,7 +169,7 @@ fn ep_decode_at_world_one_equals_the_single_gpu_engine_bit_for_bit() {
     let got = run(&gpu, &w, &mut state, Some(&mut ep), &prompts, steps);
     let mut bad = 0;
     for (step, ((gl, gt), (wl, wt))) in got.iter().zip(&want).enumerate() {
-        let differ = same_bits(gl, wl);
+        let differ = common::differing_bits(gl, wl);
         println!(
             "step {step}: tokens EP {gt:?} single {wt:?}; logits differing {differ} of {}, cosine {:.9}, max abs {:e}",
             gl.len(),
@@ -247,7 +239,7 @@ fn ranks_emulated_on_one_gpu_combine_like_the_cpu_twin_and_the_single_gpu_ffn() 
         let got_x = state.read_residual(&s, Residual::Layer).unwrap();
         let got_moe: Vec<bf16> = gpu.download(&state.ffn.moe_out).unwrap();
         let p0 = gpu.download(&ep.combine.partial).unwrap();
-        let differ_x = same_bits(&got_x, &want_x);
+        let differ_x = common::differing_bits(&got_x, &want_x);
         let differ_moe = got_moe
             .iter()
             .zip(&want_moe)

@@ -372,11 +372,7 @@ fn linked_halves_equal_unlinked_halves_bitwise() {
                 gl.iter().all(|v| v.is_finite()),
                 "batch {batch} step {step}: non-finite logits"
             );
-            let differ = gl
-                .iter()
-                .zip(wl)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            let differ = common::differing_bits(gl, wl);
             assert_eq!(
                 (differ, gt),
                 (0, wt),
@@ -385,11 +381,7 @@ fn linked_halves_equal_unlinked_halves_bitwise() {
                 cosine(gl, wl)
             );
         }
-        let differ = got_x
-            .iter()
-            .zip(&want_x)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        let differ = common::differing_bits(&got_x, &want_x);
         assert_eq!(
             differ, 0,
             "batch {batch}: the final residual differs in {differ} values"

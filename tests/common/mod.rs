@@ -32,6 +32,15 @@ pub fn seeded(test: &str, replay_var: &str) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(megamoe::ops::inputs::fresh_seed(test, replay_var))
 }
 
+/// How many elements of two equally long f32 slices differ in their bits (NaN payloads and signed zeros included).
+pub fn differing_bits(a: &[f32], b: &[f32]) -> usize {
+    assert_eq!(a.len(), b.len(), "differing_bits: lengths differ");
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
 /// Assert two buffers are equal bit for bit (kernels compared this way do the same exact operations in the
 /// same order). `what` names the pair in the message.
 pub fn assert_bit_identical<T: Copy + PartialEq + std::fmt::Debug>(
