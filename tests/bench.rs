@@ -549,6 +549,26 @@ fn report_gives_the_engine_csvs_their_own_section() {
         "{md}"
     );
 
+    // A traced step's timeline beside decode.csv is shown under its own heading; without one, no heading.
+    assert!(!md.contains("kernel timelines"), "{md}");
+    let bar = |g: &str, a: f64, b: f64| TimelineBar {
+        group: g.into(),
+        start_us: a,
+        end_us: b,
+    };
+    plot_timeline(
+        &dir.path().join("timeline-b1-c4096"),
+        "step",
+        &[bar("dense", 0.0, 2.0), bar("mhc", 2.5, 3.0)],
+    )
+    .unwrap();
+    let md = fs::read_to_string(report_from_csv_dir(dir.path()).unwrap()).unwrap();
+    assert!(
+        md.contains("### kernel timelines")
+            && md.contains("![timeline-b1-c4096.png](<timeline-b1-c4096.png>)"),
+        "{md}"
+    );
+
     // The engine's CSVs alone make a report too.
     let only = TempDir::new("report-engine-only");
     fs::copy(

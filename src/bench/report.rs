@@ -264,6 +264,27 @@ fn engine_section(dir: &Path) -> Result<String> {
             let name = p.file_name().and_then(|f| f.to_str()).unwrap_or_default();
             let _ = writeln!(md, "\n![{name}](<{name}>)");
         }
+        // The traced steps (and prefill chunks): about two layers each, as the GPU ran them.
+        let mut timelines: Vec<PathBuf> = fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.extension().is_some_and(|e| e == "png")
+                    && p.file_name()
+                        .and_then(|f| f.to_str())
+                        .is_some_and(|f| f.starts_with("timeline-"))
+            })
+            .collect();
+        timelines.sort();
+        if !timelines.is_empty() {
+            md.push_str(
+                "\n### kernel timelines (CUPTI: one traced step or prefill chunk, about two layers of it; the CSV \
+                 beside each PNG holds every kernel)\n",
+            );
+        }
+        for p in timelines {
+            let name = p.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+            let _ = writeln!(md, "\n![{name}](<{name}>)");
+        }
     }
     let parity = dir.join("parity.csv");
     if parity.exists() {
