@@ -26,14 +26,14 @@ mod common;
 
 use common::{assert_bit_identical, POISON};
 use cudarc::driver::CudaSlice;
-use megamoe::gpu::Gpu;
+use megamoe::gpu::{DevBuf, Gpu};
 use megamoe::model::reference::CompressorState;
 use megamoe::model::{CachePolicy, Model, ModelConfig, Weights};
 use megamoe::ops::compressor::reference::{
     decode_stored, entry_bytes_at, expected_stored, host_state, layer_compressor, LayerCompressor,
 };
 use megamoe::ops::compressor::{
-    self as cp, dev, CompressorKind, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
+    self as cp, CompressorKind, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
 };
 use megamoe::ops::indexer::{KeyCacheGpu, KeyFormat};
 use rand::Rng;
@@ -361,17 +361,17 @@ impl Rig {
     fn io(&self) -> DecodeIo {
         DecodeIo {
             batch: self.batch,
-            kv: dev(&self.kv),
-            gate: dev(&self.gate),
-            positions: dev(&self.positions),
-            state: dev(&self.state),
+            kv: DevBuf::of(&self.kv),
+            gate: DevBuf::of(&self.gate),
+            positions: DevBuf::of(&self.positions),
+            state: DevBuf::of(&self.state),
             slots: EntrySlots {
-                base: dev(&self.base),
-                capacity: dev(&self.capacity),
+                base: DevBuf::of(&self.base),
+                capacity: DevBuf::of(&self.capacity),
             },
             cache: self.cache.entry_cache(),
-            pooled: Some(dev(&self.pooled)),
-            error: dev(&self.error),
+            pooled: Some(DevBuf::of(&self.pooled)),
+            error: DevBuf::of(&self.error),
         }
     }
 
@@ -736,16 +736,16 @@ fn gpu_chunk_equals_decode_steps_bitwise() {
             let cpos = gpu.upload(&pos).unwrap();
             let io = cp::ChunkIo {
                 n,
-                kv: dev(&ckv),
-                gate: dev(&cgate),
-                positions: dev(&cpos),
-                state: dev(&b.state),
+                kv: DevBuf::of(&ckv),
+                gate: DevBuf::of(&cgate),
+                positions: DevBuf::of(&cpos),
+                state: DevBuf::of(&b.state),
                 slots: EntrySlots {
-                    base: dev(&b.base),
-                    capacity: dev(&b.capacity),
+                    base: DevBuf::of(&b.base),
+                    capacity: DevBuf::of(&b.capacity),
                 },
                 cache: b.cache.entry_cache(),
-                error: dev(&b.error),
+                error: DevBuf::of(&b.error),
             };
             cp::chunk(&gpu, &gpu.stream, &shape, &b.w, &io).unwrap();
             gpu.synchronize().unwrap();

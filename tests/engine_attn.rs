@@ -42,7 +42,6 @@ use megamoe::gpu::arena;
 use megamoe::gpu::{DevBuf, Gpu, Stream};
 use megamoe::model::numerics::{cosine, fp8_act_quant};
 use megamoe::model::{LayerCache, LayerKind, LayerTrace, Model, ModelConfig};
-use megamoe::ops::compressor::dev;
 use megamoe::ops::compressor::reference::{
     decode_stored, entry_bytes_at, expected_stored, host_state,
 };
@@ -196,7 +195,7 @@ fn seed_sequence(
     let t = cpu.position;
     for (lc, c) in state.caches.layers.iter().zip(&cpu.layers) {
         let lay = lc.layout;
-        let pool = dev(&lc.pool);
+        let pool = DevBuf::of(&lc.pool);
         let put_entry = |slot: usize, v: &[f32]| {
             let e = kv::encode_entry(v.try_into().unwrap()).unwrap();
             arena::upload(s, &pool.sub(slot * kv::ENTRY_BYTES, kv::ENTRY_BYTES), &e).unwrap();
@@ -209,20 +208,21 @@ fn seed_sequence(
         }
         if let Some(st) = &c.compressor {
             let h = host_state(st);
-            arena::upload(s, &dev(&lc.state).sub(b * h.len(), h.len()), &h).unwrap();
+            arena::upload(s, &DevBuf::of(&lc.state).sub(b * h.len(), h.len()), &h).unwrap();
         }
         if let (Some(ic), Some(st)) = (&lc.index, &c.index_compressor) {
             assert_eq!(ic.keys.format, KeyFormat::Fp8);
             for (j, key) in c.index_keys.iter().enumerate() {
                 let e = indexer_key::encode_fp8(key.as_slice().try_into().unwrap()).unwrap();
                 let slot = lay.key_slot(b, j);
-                let codes = dev(&ic.keys.codes).sub(slot * indexer_key::DIMS, indexer_key::DIMS);
+                let codes =
+                    DevBuf::of(&ic.keys.codes).sub(slot * indexer_key::DIMS, indexer_key::DIMS);
                 arena::upload(s, &codes, &e[..indexer_key::DIMS]).unwrap();
-                let scale = dev(&ic.keys.scales).sub(slot * 4, 4);
+                let scale = DevBuf::of(&ic.keys.scales).sub(slot * 4, 4);
                 arena::upload(s, &scale, &e[indexer_key::DIMS..]).unwrap();
             }
             let h = host_state(st);
-            arena::upload(s, &dev(&ic.state).sub(b * h.len(), h.len()), &h).unwrap();
+            arena::upload(s, &DevBuf::of(&ic.state).sub(b * h.len(), h.len()), &h).unwrap();
         }
     }
 }
@@ -666,7 +666,7 @@ fn candidate_rows_match_the_host_twin() {
             let (want, want_len) = lay.candidate_rows(&positions, &selected, stride).unwrap();
             let dpos = gpu.upload(&positions).unwrap();
             let top_buf: CudaSlice<i32> = gpu.upload(&top).unwrap();
-            let dtop = dev(&top_buf);
+            let dtop = DevBuf::of(&top_buf);
             let cand: CudaSlice<i32> = gpu.poisoned(BATCH * stride, POISON).unwrap();
             let lens: CudaSlice<i32> = gpu.poisoned(BATCH, POISON).unwrap();
             let compressed = match lay.plan.kind {

@@ -29,7 +29,7 @@ use megamoe::engine::prefill::{check_chunk, chunk_rows, chunks, PrefillState};
 use megamoe::engine::run::Engine;
 use megamoe::engine::step;
 use megamoe::formats::kv;
-use megamoe::gpu::arena;
+use megamoe::gpu::{arena, DevBuf};
 use megamoe::model::numerics::cosine;
 use megamoe::model::sampler::SamplerConfig;
 use megamoe::model::{CachePolicy, LayerKind, Model, ModelConfig, MoeSum, Weights};
@@ -411,7 +411,6 @@ const CAND_CONTEXT: usize = 2000;
 fn chunk_candidate_rows_match_the_host_twin() {
     use megamoe::engine::attn::{build_candidates, candidate_stride, Compressed};
     use megamoe::engine::cache::RowTables;
-    use megamoe::ops::compressor::dev;
     use rand::seq::SliceRandom;
     use rand::Rng;
     let label = "engine_prefill_candidates";
@@ -460,7 +459,7 @@ fn chunk_candidate_rows_match_the_host_twin() {
                 .unwrap();
             let dpos = gpu.upload(&positions).unwrap();
             let top_buf = gpu.upload(&top).unwrap();
-            let dtop = dev(&top_buf);
+            let dtop = DevBuf::of(&top_buf);
             let cand = gpu.poisoned::<i32>(rows * stride, common::POISON).unwrap();
             let lens = gpu.poisoned::<i32>(rows, common::POISON).unwrap();
             let compressed = match lay.plan.kind {
@@ -1054,7 +1053,6 @@ fn swiglu_rows_match_the_host_rule() {
     use megamoe::engine::ffn::swiglu_fp8_rows;
     use megamoe::formats::{e4m3, fp8, ue8m0};
     use megamoe::model::numerics::{bf16_round, silu};
-    use megamoe::ops::compressor::dev;
     use rand::Rng;
     let label = "engine_prefill_swiglu_rows";
     let gpu = gpu(label);
@@ -1075,13 +1073,13 @@ fn swiglu_rows_match_the_host_rule() {
     swiglu_fp8_rows(
         &gpu,
         &gpu.stream,
-        &dev(&dg),
-        &dev(&du),
+        &DevBuf::of(&dg),
+        &DevBuf::of(&du),
         rows,
         inter,
         lim,
-        &dev(&codes),
-        &dev(&scales),
+        &DevBuf::of(&codes),
+        &DevBuf::of(&scales),
     )
     .unwrap();
     gpu.synchronize().unwrap();

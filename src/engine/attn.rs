@@ -36,7 +36,7 @@ use crate::gpu::{DevBuf, DeviceBuf, Gpu, Stream};
 use crate::model::reference::{indexer_weight_scale, layer_rope};
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::compressor::{
-    self, dev, CompressorKind, CompressorShape, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
+    self, CompressorKind, CompressorShape, CompressorWeights, DecodeIo, EntryCache, EntrySlots,
 };
 use crate::ops::dense::{
     self, Bf16Job, Bf16Rows, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight,
@@ -1045,14 +1045,14 @@ impl AttnHalf {
                     bail!("layer {layer} is CSA but its caches hold no indexer keys")
                 };
                 let slots = EntrySlots {
-                    base: dev(&r.key_base),
-                    capacity: dev(&r.key_capacity),
+                    base: DevBuf::of(&r.key_base),
+                    capacity: DevBuf::of(&r.key_capacity),
                 };
                 (&ic.state, slots, EntryCache::index(&ic.keys))
             } else {
                 let slots = EntrySlots {
-                    base: dev(&r.compressed_base),
-                    capacity: dev(&r.compressed_capacity),
+                    base: DevBuf::of(&r.compressed_base),
+                    capacity: DevBuf::of(&r.compressed_capacity),
                 };
                 (&c.state, slots, EntryCache::kv(&c.pool))
             };
@@ -1061,8 +1061,8 @@ impl AttnHalf {
                 batch: n,
                 kv,
                 gate,
-                positions: dev(io.positions),
-                state: dev(state),
+                positions: DevBuf::of(io.positions),
+                state: DevBuf::of(state),
                 slots,
                 cache,
                 pooled: None,
@@ -1245,15 +1245,18 @@ impl AttnHalf {
                 bytes(&ib.scores),
                 bytes(&ib.top_idx),
                 bytes(&ib.top_score),
-                bytes(&dev(&ib.query.q)),
-                bytes(&dev(&ib.query.w)),
-                bytes(&dev(&ib.query.num_valid)),
+                bytes(&DevBuf::of(&ib.query.q)),
+                bytes(&DevBuf::of(&ib.query.w)),
+                bytes(&DevBuf::of(&ib.query.num_valid)),
             ]);
         }
         for g in &self.groups {
-            all.extend([bytes(&dev(&g.candidates)), bytes(&dev(&g.lengths))]);
+            all.extend([
+                bytes(&DevBuf::of(&g.candidates)),
+                bytes(&DevBuf::of(&g.lengths)),
+            ]);
         }
-        all.extend([bytes(&dev(&self.q)), bytes(&dev(&self.o))]);
+        all.extend([bytes(&DevBuf::of(&self.q)), bytes(&DevBuf::of(&self.o))]);
         for d in &all {
             p(d)?;
         }

@@ -51,7 +51,6 @@ use crate::gpu::launch::{launch, KernelArgs, Launch};
 use crate::gpu::{DevBuf, DeviceBuf, Gpu, Stream};
 use crate::model::weights::StoredDtype;
 use crate::model::ModelConfig;
-use crate::ops::compressor::dev;
 use crate::ops::dense::{
     self, DenseKind, DenseShape, DenseWorkspace, Fp8Job, Fp8Rows, Fp8Weight, SharedExpertScratch,
 };
@@ -554,9 +553,9 @@ impl FfnHalf {
             splits: c.splits,
             rows_total: rows,
             n,
-            partial: dev(&partials),
+            partial: DevBuf::of(&partials),
             act_rs: match &act_rs {
-                Some(a) => dev(a),
+                Some(a) => DevBuf::of(a),
                 // SAFETY: an empty view, never dereferenced: the masked grouping never takes the prefill mainloop.
                 None => unsafe { DevBuf::from_raw(0, 0) },
             },
@@ -575,7 +574,7 @@ impl FfnHalf {
         let QuantBufs::Bf16 { y } = &hc.normed.q else {
             bail!("the FFN boundary's normalized rows must be BF16")
         };
-        let f = dev(y);
+        let f = DevBuf::of(y);
         Ok(FfnHalf {
             tokens: b,
             dim: d,
@@ -759,7 +758,10 @@ impl FfnHalf {
                 // A prefill chunk: w1 and w3 on the tensor cores (one fp8_linears launch, BF16 g and u), the SwiGLU and
                 // h's FP8 1x128 quantization as the fused GEMV's epilogue does them, w2 on the tensor cores.
                 let (b, i) = (self.tokens, w1.n);
-                let (g, u) = (dev(gu).sub(0, b * i), dev(gu).sub(b * i, b * i));
+                let (g, u) = (
+                    DevBuf::of(gu).sub(0, b * i),
+                    DevBuf::of(gu).sub(b * i, b * i),
+                );
                 let (w1w, w3w) = (w1.weight(), w3.weight());
                 let jobs = [Fp8Job { w: &w1w, y: &g }, Fp8Job { w: &w3w, y: &u }];
                 dense::fp8_linears(gpu, stream, &x, &jobs, &self.dense_ws)?;

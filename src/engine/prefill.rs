@@ -32,7 +32,6 @@ use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
 use crate::gpu::{DevBuf, Gpu, Stream};
 use crate::model::ModelConfig;
-use crate::ops::compressor::dev;
 use crate::ops::head::{self, EmbedShape};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
@@ -257,7 +256,7 @@ impl PrefillState {
                 x_in: &self.x,
                 x_out: &self.x_mid,
                 positions: &self.positions,
-                tokens: dev(&self.tokens),
+                tokens: DevBuf::of(&self.tokens),
                 caches,
                 rows,
                 chunk_rows: Some(real),

@@ -527,7 +527,7 @@ impl DecodeState {
 
     /// A residual `[B, 4, D]` as f32 (waits for `stream`).
     pub fn read_residual(&self, stream: &Stream, which: Residual) -> Result<Vec<f32>> {
-        let d: DevBuf<bf16> = crate::ops::compressor::dev(self.residual(which));
+        let d: DevBuf<bf16> = DevBuf::of(self.residual(which));
         Ok(arena::download(stream, &d)?
             .iter()
             .map(|v| v.to_f32())

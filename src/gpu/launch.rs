@@ -98,7 +98,7 @@ impl<T> DevBuf<T> {
         }
     }
     /// A view of all of `b` (valid while `b`'s memory lives, like every `DevBuf`).
-    pub fn of(b: &impl DeviceBuf<T>) -> DevBuf<T> {
+    pub fn of(b: &(impl DeviceBuf<T> + ?Sized)) -> DevBuf<T> {
         DevBuf {
             addr: b.device_addr(),
             len: b.elems(),

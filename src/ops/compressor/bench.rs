@@ -7,11 +7,11 @@
 use anyhow::{anyhow, ensure, Result};
 
 use super::{
-    decode_step_with, dev, CompressorShape, CompressorWeights, DecodeGrid, DecodeIo, EntryCache,
+    decode_step_with, CompressorShape, CompressorWeights, DecodeGrid, DecodeIo, EntryCache,
     EntrySlots, ROPE_DIMS,
 };
 use crate::gpu::timing::TimingPlan;
-use crate::gpu::Gpu;
+use crate::gpu::{DevBuf, Gpu};
 use crate::ops::indexer::KeyCacheGpu;
 use crate::ops::inputs;
 
@@ -103,17 +103,17 @@ pub fn decode_point(
     };
     let io = DecodeIo {
         batch,
-        kv: dev(&kv),
-        gate: dev(&gate),
-        positions: dev(&positions),
-        state: dev(&state),
+        kv: DevBuf::of(&kv),
+        gate: DevBuf::of(&gate),
+        positions: DevBuf::of(&positions),
+        state: DevBuf::of(&state),
         slots: EntrySlots {
-            base: dev(&base),
-            capacity: dev(&capacity),
+            base: DevBuf::of(&base),
+            capacity: DevBuf::of(&capacity),
         },
         cache,
         pooled: None,
-        error: dev(&error),
+        error: DevBuf::of(&error),
     };
     // One plain call first: the kernel is resolved outside the capture.
     let grid = grid.unwrap_or(DecodeGrid::for_batch(

@@ -196,11 +196,6 @@ impl CompressorWeights {
     }
 }
 
-/// A [`DevBuf`] over an owned slice (valid while the slice lives).
-pub fn dev<T>(s: &CudaSlice<T>) -> DevBuf<T> {
-    DevBuf::of(s)
-}
-
 /// Where emitted entries go.
 #[derive(Clone, Copy, Debug)]
 pub enum EntryCache {
@@ -217,15 +212,15 @@ pub enum EntryCache {
 impl EntryCache {
     pub fn kv(entries: &CudaSlice<u8>) -> EntryCache {
         EntryCache::Kv {
-            entries: dev(entries),
+            entries: DevBuf::of(entries),
         }
     }
     /// The whole key cache (slots `0..batch * capacity`).
     pub fn index(cache: &KeyCacheGpu) -> EntryCache {
         EntryCache::Index {
             format: cache.format,
-            codes: dev(&cache.codes),
-            scales: dev(&cache.scales),
+            codes: DevBuf::of(&cache.codes),
+            scales: DevBuf::of(&cache.scales),
         }
     }
     /// Entries the cache holds.

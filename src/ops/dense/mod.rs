@@ -818,12 +818,6 @@ fn fp8_job_params(jobs: &[Fp8Job], rows: usize, k: usize) -> Result<DenseParams>
     Ok(p)
 }
 
-/// A non-owning typed view of a launcher's `&dyn` buffer (valid while the call runs).
-fn view<T>(b: &dyn DeviceBuf<T>) -> DevBuf<T> {
-    // SAFETY: the caller's buffer, used only during this call.
-    unsafe { DevBuf::from_raw(b.device_addr(), b.elems()) }
-}
-
 /// [`fp8_linears`] on the tensor-core route (checked by the caller): cuBLASLt's block-scaled FP8 GEMM, one per job,
 /// on the activation scales converted once ([`prefill::fp8_linears_prefill`]); its scratch is laid out in `ws.tc`.
 fn fp8_linears_tensor_cores(
@@ -852,10 +846,10 @@ fn fp8_linears_tensor_cores(
                 w: Fp8WeightView {
                     n: j.w.n,
                     k: j.w.k,
-                    codes: view(j.w.codes),
-                    scales: view(scales),
+                    codes: DevBuf::of(j.w.codes),
+                    scales: DevBuf::of(scales),
                 },
-                y: view(j.y),
+                y: DevBuf::of(j.y),
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -873,8 +867,8 @@ fn fp8_linears_tensor_cores(
         stream,
         gpu.blas()?,
         x.rows,
-        &view(x.codes),
-        &view(x.scales),
+        &DevBuf::of(x.codes),
+        &DevBuf::of(x.scales),
         &pjobs,
         &pws,
     )

@@ -160,12 +160,6 @@ pub struct RowsOut {
     pub rstd: DevBuf<f32>,
 }
 
-/// A [`DevBuf`] over an owned slice (valid while the slice lives).
-fn dev<T>(s: &CudaSlice<T>) -> DevBuf<T> {
-    // SAFETY: the address and length are the slice's own; callers use the view while the slice lives.
-    unsafe { DevBuf::from_raw(s.device_addr(), s.len()) }
-}
-
 impl RowsOut {
     /// The carves of [`RowsOut::carve`] for `rows` rows of `d` in `format`.
     pub fn layout(format: OutFormat, rows: usize, d: usize) -> WorkspaceLayout {
@@ -275,22 +269,22 @@ impl NormOutputs {
                 scales,
                 global_scale,
             } => QuantView::Nvfp4 {
-                data: dev(data),
-                scales: dev(scales),
-                global_scale: dev(global_scale),
+                data: DevBuf::of(data),
+                scales: DevBuf::of(scales),
+                global_scale: DevBuf::of(global_scale),
             },
             QuantBufs::Fp8 { data, scales } => QuantView::Fp8 {
-                data: dev(data),
-                scales: dev(scales),
+                data: DevBuf::of(data),
+                scales: DevBuf::of(scales),
             },
-            QuantBufs::Bf16 { y } => QuantView::Bf16 { y: dev(y) },
+            QuantBufs::Bf16 { y } => QuantView::Bf16 { y: DevBuf::of(y) },
         };
         RowsOut {
             rows: self.rows,
             d: self.d,
             format: self.format,
             q,
-            rstd: dev(&self.rstd),
+            rstd: DevBuf::of(&self.rstd),
         }
     }
 
