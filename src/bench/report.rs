@@ -250,39 +250,18 @@ fn engine_section(dir: &Path) -> Result<String> {
              byte floor over the median step time, against the copy bandwidth measured in the same run.\n\n",
         );
         md.push_str(&csv_table(&decode, DECODE_COLUMNS)?);
-        let mut plots: Vec<PathBuf> = fs::read_dir(dir)?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.extension().is_some_and(|e| e == "png")
-                    && p.file_name()
-                        .and_then(|f| f.to_str())
-                        .is_some_and(|f| f.starts_with("decode-"))
-            })
-            .collect();
-        plots.sort();
-        for p in plots {
-            let name = p.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+        for name in pngs_named(dir, "decode-")? {
             let _ = writeln!(md, "\n![{name}](<{name}>)");
         }
         // The traced steps (and prefill chunks): about two layers each, as the GPU ran them.
-        let mut timelines: Vec<PathBuf> = fs::read_dir(dir)?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.extension().is_some_and(|e| e == "png")
-                    && p.file_name()
-                        .and_then(|f| f.to_str())
-                        .is_some_and(|f| f.starts_with("timeline-"))
-            })
-            .collect();
-        timelines.sort();
+        let timelines = pngs_named(dir, "timeline-")?;
         if !timelines.is_empty() {
             md.push_str(
                 "\n### kernel timelines (CUPTI: one traced step or prefill chunk, about two layers of it; the CSV \
                  beside each PNG holds every kernel)\n",
             );
         }
-        for p in timelines {
-            let name = p.file_name().and_then(|f| f.to_str()).unwrap_or_default();
+        for name in timelines {
             let _ = writeln!(md, "\n![{name}](<{name}>)");
         }
     }
@@ -297,6 +276,16 @@ fn engine_section(dir: &Path) -> Result<String> {
         md.push_str(&csv_table(&parity, &columns)?);
     }
     Ok(md)
+}
+
+/// The names of the PNG files in `dir` that start with `prefix`, sorted.
+fn pngs_named(dir: &Path, prefix: &str) -> Result<Vec<String>> {
+    let mut names: Vec<String> = fs::read_dir(dir)?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|f| f.starts_with(prefix) && f.ends_with(".png"))
+        .collect();
+    names.sort();
+    Ok(names)
 }
 
 /// A markdown table of the `columns` (name, heading) of a CSV file that the file has, every row.

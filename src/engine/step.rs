@@ -264,7 +264,7 @@ impl DecodeState {
         weights: &DeviceWeights,
         layer: usize,
     ) -> Result<()> {
-        self.run_half(Half::Attention, gpu, stream, weights, layer)
+        self.run_half(Half::Attention, gpu, stream, weights, layer, false)
     }
 
     /// Steps 12-16 of `layer`: `x_mid -> x`.
@@ -275,24 +275,14 @@ impl DecodeState {
         weights: &DeviceWeights,
         layer: usize,
     ) -> Result<()> {
-        self.run_half(Half::Ffn, gpu, stream, weights, layer)
+        self.run_half(Half::Ffn, gpu, stream, weights, layer, false)
     }
 
+    /// One half of `layer`. Unlinked, it reads its input residual and writes its output one. `linked`: the halves of
+    /// a whole step, each leaving its hc_post to the next half's hc_pre (`LayerIo::prior_post`, one launch fewer a
+    /// boundary), except the last FFN half, whose output the head reads. The pending post's `x_prev` is the previous
+    /// half's input: this half's output buffer (they alternate).
     fn run_half(
-        &mut self,
-        half: Half,
-        gpu: &Gpu,
-        stream: &Stream,
-        weights: &DeviceWeights,
-        layer: usize,
-    ) -> Result<()> {
-        self.run_half_linked(half, gpu, stream, weights, layer, false)
-    }
-
-    /// [`DecodeState::run_half`]; `linked`: the halves of a whole step, each leaving its hc_post to the next half's
-    /// hc_pre (`LayerIo::prior_post`, one launch fewer a boundary), except the last FFN half, whose output the head
-    /// reads. The pending post's `x_prev` is the previous half's input: this half's output buffer (they alternate).
-    fn run_half_linked(
         &mut self,
         half: Half,
         gpu: &Gpu,
@@ -478,7 +468,7 @@ impl DecodeState {
 
     /// Steps 0-16: the embedding of `next` and every layer: the attention half, then `ffn`, or, without one, this
     /// state's FFN half with the halves linked (each leaves its hc_post to the next one's hc_pre,
-    /// [`DecodeState::run_half_linked`]).
+    /// [`DecodeState::run_half`]).
     fn layers(
         &mut self,
         gpu: &Gpu,
@@ -496,8 +486,8 @@ impl DecodeState {
                     run_ffn(self, layer)?;
                 }
                 None => {
-                    self.run_half_linked(Half::Attention, gpu, stream, weights, layer, true)?;
-                    self.run_half_linked(Half::Ffn, gpu, stream, weights, layer, true)?;
+                    self.run_half(Half::Attention, gpu, stream, weights, layer, true)?;
+                    self.run_half(Half::Ffn, gpu, stream, weights, layer, true)?;
                 }
             }
         }

@@ -680,25 +680,13 @@ pub fn fp8_linears(
     jobs: &[Fp8Job],
     ws: &DenseWorkspace,
 ) -> Result<()> {
-    ensure!(!jobs.is_empty(), "dense: fp8_linears without a weight");
-    let k = jobs[0].w.k;
-    let shape = DenseShape {
-        kind: DenseKind::Fp8,
-        rows: x.rows,
-        n: jobs.iter().map(|j| j.w.n).max().unwrap_or(0),
-        k,
-        jobs: jobs.len(),
-    };
-    shape.check()?;
-    check_fp8_rows(x, k)?;
-    let mut p = fp8_job_params(jobs, x.rows, k)?;
-    let scales_f32 = jobs.iter().all(|j| j.w.scales_f32.is_some());
-    if ws.path(&shape, scales_f32) == DensePath::TensorCores {
+    let (shape, mut p) = fp8_jobs(jobs, x)?;
+    if fp8_path(ws, &shape, jobs) == DensePath::TensorCores {
         return fp8_linears_tensor_cores(gpu, stream, x, jobs, ws);
     }
     p.x = x.codes.device_addr();
     p.x_scale = x.scales.device_addr();
-    p.ldx = k as i32;
+    p.ldx = shape.k as i32;
     run(gpu, stream, LaunchSpec { shape, p }, ws)
 }
 
@@ -731,30 +719,16 @@ pub fn fp8_linears_of_bf16(
     jobs: &[Fp8Job],
     ws: &DenseWorkspace,
 ) -> Result<()> {
-    ensure!(
-        !jobs.is_empty(),
-        "dense: fp8_linears_of_bf16 without a weight"
-    );
-    let k = jobs[0].w.k;
-    let shape = DenseShape {
-        kind: DenseKind::Fp8,
-        rows: x_fp8.rows,
-        n: jobs.iter().map(|j| j.w.n).max().unwrap_or(0),
-        k,
-        jobs: jobs.len(),
-    };
-    shape.check()?;
-    check_fp8_rows(x_fp8, k)?;
+    let (shape, mut p) = fp8_jobs(jobs, x_fp8)?;
+    let k = shape.k;
     check_len(x, shape.rows * k, "x [M, K] BF16")?;
     ensure!(
         x.device_addr().is_multiple_of(16),
         "dense: BF16 x must be 16-byte aligned (the GEMV reads it 8 values at a time)"
     );
-    let mut p = fp8_job_params(jobs, shape.rows, k)?;
-    let scales_f32 = jobs.iter().all(|j| j.w.scales_f32.is_some());
-    if ws.path(&shape, scales_f32) == DensePath::TensorCores {
+    if fp8_path(ws, &shape, jobs) == DensePath::TensorCores {
         prepare()?;
-        return fp8_linears(gpu, stream, x_fp8, jobs, ws);
+        return fp8_linears_tensor_cores(gpu, stream, x_fp8, jobs, ws);
     }
     let kind = match how {
         Bf16Rows::Quantize => DenseKind::Fp8QuantX,
@@ -793,8 +767,20 @@ pub fn fp8_linears_of_bf16(
 /// Longest row the GEMV's RMSNorm takes (`dense_fp8_normqx_*`: norm_quant's row kernel over at most 8 warps).
 pub const NORM_MAX_K: usize = 8192;
 
-/// The parameters of FP8 jobs sharing one x of `k` columns (weights, outputs, heights), checked.
-fn fp8_job_params(jobs: &[Fp8Job], rows: usize, k: usize) -> Result<DenseParams> {
+/// The launch shape of FP8 `jobs` on the FP8 rows `x` and their parameters (weights, outputs, heights), checked;
+/// x itself is the caller's to set.
+fn fp8_jobs(jobs: &[Fp8Job], x: &Fp8Rows) -> Result<(DenseShape, DenseParams)> {
+    ensure!(!jobs.is_empty(), "dense: FP8 linears without a weight");
+    let (rows, k) = (x.rows, jobs[0].w.k);
+    let shape = DenseShape {
+        kind: DenseKind::Fp8,
+        rows,
+        n: jobs.iter().map(|j| j.w.n).max().unwrap_or(0),
+        k,
+        jobs: jobs.len(),
+    };
+    shape.check()?;
+    check_fp8_rows(x, k)?;
     let mut p = blank_params();
     for (j, job) in jobs.iter().enumerate() {
         ensure!(
@@ -815,7 +801,12 @@ fn fp8_job_params(jobs: &[Fp8Job], rows: usize, k: usize) -> Result<DenseParams>
         p.n[j] = job.w.n as i32;
         p.ldy[j] = job.w.n as i32;
     }
-    Ok(p)
+    Ok((shape, p))
+}
+
+/// The route `jobs` of `shape` take: the workspace's, the tensor cores only when every weight has its f32 scales.
+fn fp8_path(ws: &DenseWorkspace, shape: &DenseShape, jobs: &[Fp8Job]) -> DensePath {
+    ws.path(shape, jobs.iter().all(|j| j.w.scales_f32.is_some()))
 }
 
 /// [`fp8_linears`] on the tensor-core route (checked by the caller): cuBLASLt's block-scaled FP8 GEMM, one per job,
