@@ -55,6 +55,7 @@
 
 #include "common/cp_async.cuh"
 #include "common/formats.cuh"
+#include "common/norm_row.cuh"
 #include "common/pdl.cuh"
 #include "common/swiglu_fp8.cuh"
 
@@ -211,8 +212,8 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
         // this row (rmsnorm_fp8_bf16in: norm_row.cuh's norm_quant_row over blockDim bd = row_block_threads(ldx)
         // threads), so that rstd, and from it every staged value, is that kernel's bit for bit: thread tid of the
         // row holds chunks c = tid + j * bd (j < CH = 4) of 8 values, sums their squares by fmaf in (j, element)
-        // order from 0, each warp of bd reduces with the xor butterfly (warp_sum), and the warp sums are added
-        // in warp order from 0; rstd = 1 / sqrt(ss / ldx + eps), IEEE ops. Here warp w of the CTA plays warp
+        // order from 0, each warp of bd reduces with warp_sum, and the warp sums are added in warp order from 0
+        // (block_sum's order); then rms_rstd and rms_apply_pair, the functions norm_quant_row calls. Here warp w of the CTA plays warp
         // (w % nw) of rows w / nw, w / nw + 8 / nw, ... (a chunk past the row holds zeros there: skipping it
         // adds nothing). The whole row is read (L2), not only this CTA's slice.
         __shared__ float s_rstd[kTok];
@@ -240,21 +241,19 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                         }
                     }
                 }
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+                ss = warp_sum(ss);
                 if (lane == 0) s_red[m][sw] = ss;
             }
             __syncthreads();
             if (threadIdx.x < M) {
                 float sum = 0.f;
                 for (int w = 0; w < nw; ++w) sum += s_red[threadIdx.x][w];
-                s_rstd[threadIdx.x] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum, (float)p.ldx), p.scalar)));
+                s_rstd[threadIdx.x] = rms_rstd(sum, p.ldx, p.scalar);
             }
             __syncthreads();
         }
-        // BF16 x quantized to FP8 1x128 here, with norm_quant's rule (common/norm_row.cuh quant_row_fp8): per
-        // 128-block amax (fmaxf: order-free), sc = ue8m0 of max(amax, 1e-4) / 448, codes cvt.rn.satfinite.e4m3 of
-        // x * 2^(127 - sc) (exact scaling, one rounding). So the staged codes and scales are those
+        // BF16 x quantized to FP8 1x128 here with norm_quant's own rule (mm::fp8_chunk8_half_warp, the function its
+        // row kernels call). So the staged codes and scales are those
         // quantize_bf16_rows would have written, and the sums those of the FP8 mode on them, bit for bit. A
         // 128-block is 16 chunks of 8: 16 consecutive items, the lanes of a half warp (kc % 128 == 0 and the
         // stride kThreads keep the halves aligned; every warp runs the same trip count: kTok * kc / 8 is a
@@ -279,31 +278,20 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                     const uint32_t ww[4] = {wu.x, wu.y, wu.z, wu.w};
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const __nv_bfloat162 h = __floats2bfloat162_rn(
-                            __fmul_rn(__uint_as_float(ww[e] << 16), __fmul_rn(v[2 * e], rstd)),
-                            __fmul_rn(__uint_as_float(ww[e] & 0xFFFF0000u), __fmul_rn(v[2 * e + 1], rstd)));
-                        const uint32_t r = *reinterpret_cast<const uint32_t*>(&h);
-                        v[2 * e] = __uint_as_float(r << 16);
-                        v[2 * e + 1] = __uint_as_float(r & 0xFFFF0000u);
+                        const uint32_t r = rms_apply_pair(bf16_lo(ww[e]), bf16_hi(ww[e]), v[2 * e], v[2 * e + 1], rstd);
+                        v[2 * e] = bf16_lo(r);
+                        v[2 * e + 1] = bf16_hi(r);
                     }
                 }
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) v[e] = 0.f;
             }
-            float amax = 0.f;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
-#pragma unroll
-            for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-            const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
-            const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));
-            uint32_t h[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                h[e] = e4m3x2_to_f16x2((uint32_t)__nv_cvt_float2_to_fp8x2(
-                    make_float2(v[2 * e] * inv, v[2 * e + 1] * inv), __NV_SATFINITE, __NV_E4M3));
-            *reinterpret_cast<uint4*>(xs + m * xstride + c * 16) = make_uint4(h[0], h[1], h[2], h[3]);
+            uint8_t sc;
+            const uint2 codes = mm::fp8_chunk8_half_warp(v, sc);
+            *reinterpret_cast<uint4*>(xs + m * xstride + c * 16) =
+                make_uint4(e4m3x2_to_f16x2(codes.x), e4m3x2_to_f16x2(codes.x >> 16), e4m3x2_to_f16x2(codes.y),
+                           e4m3x2_to_f16x2(codes.y >> 16));
             if ((c & 15) == 0) sxs[m * (p.kc / 128) + (c >> 4)] = m < M ? mm::ue8m0_decode(sc) : 0.f;
         }
     } else if constexpr (C::kXFp8) {

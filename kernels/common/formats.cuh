@@ -55,6 +55,28 @@ __device__ __forceinline__ float ue8m0_decode(uint8_t code) {
     return code == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(((uint32_t)code) << 23);
 }
 
+// ---- FP8 1x128 of activation rows (formats::fp8::quantize_act_1x128) -----------------------------------------
+// One 8-value chunk whose 128-block is the 16 chunks held by the 16 lanes of a half warp (all 32 lanes call it,
+// converged): the block amax (fmaxf: order-free), the scale code sc = ue8m0 of max(amax, 1e-4) / 448 (AMAX_FLOOR),
+// and the chunk's 8 codes cvt.rn.satfinite.e4m3 of v * 2^(127 - sc), packed low byte first (the inverse scale
+// 2^(127 - sc) is code 254 - sc, exact: v * inv is the IEEE v / scale, one rounding). The one FP8 row rule of
+// norm_quant's row kernels (common/norm_row.cuh) and of the GEMV that quantizes its x as it stages it (dense.cu).
+__device__ __forceinline__ uint2 fp8_chunk8_half_warp(const float (&v)[8], uint8_t& sc) {
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
+#pragma unroll
+    for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    sc = ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
+    const float inv = ue8m0_decode((uint8_t)(254 - sc));
+    uint32_t w4[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+        w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[2 * p] * inv, v[2 * p + 1] * inv), __NV_SATFINITE,
+                                                   __NV_E4M3);
+    return make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
+}
+
 // ---- NVFP4 quantization rule (formats::nvfp4::quantize_rows) ---------------------------------------------------
 // Per row: gs = amax_row / 2688 (= 6 * 448), or 1 if the row is all zero. Per 16-block: s = e4m3(amax_b / (6*gs)),
 // scale = s * gs, code = e2m1(x / scale) (0 if scale == 0). Dequant: (e2m1 * s) * gs, where e2m1 * s is exact.

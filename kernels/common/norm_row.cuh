@@ -102,27 +102,12 @@ __device__ __forceinline__ void quant_row_fp8(const float (&v)[CH][8], int nchun
 #pragma unroll
     for (int k = 0; k < CH; ++k) {
         const int c = tid + k * bd;
-        float amax = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[k][e]));
-        // A 128-block is chunks 16b..16b+15 = the 16 lanes of a half warp (bd % 32 == 0). All lanes
-        // shuffle (invalid chunks are whole half warps: nchunks % 16 == 0).
-#pragma unroll
-        for (int off = 1; off < 16; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        // A 128-block is chunks 16b..16b+15 = the 16 lanes of a half warp (bd % 32 == 0). All lanes call it
+        // (invalid chunks are whole half warps: nchunks % 16 == 0).
+        uint8_t sc;
+        const uint2 codes = mm::fp8_chunk8_half_warp(v[k], sc);
         if (c < nchunks) {
-            const uint8_t sc = mm::ue8m0_pow2_scale_for(fmaxf(amax, 1e-4f), 448.f);
-            // 1/2^(sc-127) = 2^(127-sc) is code 254-sc (code 0 = 2^-127 for sc = 254): exact, so
-            // x * inv equals the IEEE x / scale (same real number, one rounding).
-            const float inv = mm::ue8m0_decode((uint8_t)(254 - sc));
-            // Pairs through cvt.rn.satfinite.e4m3x2.f32 (the rule of mm::e4m3_encode, two at a time);
-            // .x goes to the low byte.
-            uint32_t w4[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p)
-                w4[p] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k][2 * p] * inv, v[k][2 * p + 1] * inv),
-                                                           __NV_SATFINITE, __NV_E4M3);
-            *reinterpret_cast<uint2*>(q + c * 8) =
-                make_uint2(w4[0] | (w4[1] << 16), w4[2] | (w4[3] << 16));
+            *reinterpret_cast<uint2*>(q + c * 8) = codes;
             if ((c & 15) == 0) scales[c >> 4] = sc;
         }
     }
@@ -168,6 +153,16 @@ __device__ __forceinline__ void quant_row_nvfp4(const float (&v)[CH][8], int nch
     }
 }
 
+// The RMSNorm factor of a row of D values whose sum of squares is ss: 1 / sqrt(ss / D + eps), IEEE ops.
+__device__ __forceinline__ float rms_rstd(float ss, int D, float eps) {
+    return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+}
+
+// Two normalized values as one BF16 pair: bf16(w * (x * rstd)), each product rounded, one paired RNE conversion.
+__device__ __forceinline__ uint32_t rms_apply_pair(float w0, float w1, float x0, float x1, float rstd) {
+    return pack_bf16x2(__fmul_rn(w0, __fmul_rn(x0, rstd)), __fmul_rn(w1, __fmul_rn(x1, rstd)));
+}
+
 // RMSNorm (NORM) and quantization of one row held in registers: v[k] is chunk tid + k*blockDim (valid
 // when < nchunks; invalid chunks hold zeros). All threads of the block must call this.
 // WEARLY: load the weight before the sum-of-squares reduction (every caller passes true: its L2 latency then
@@ -194,7 +189,7 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
 #pragma unroll
             for (int e = 0; e < 8; ++e) ss = fmaf(v[k][e], v[k][e], ss);
         ss = block_sum(ss, red);
-        const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)D), eps)));
+        const float rstd = rms_rstd(ss, D, eps);
         if (tid == 0 && o.rstd) *o.rstd = rstd;
         if (!WEARLY) load_w();
 #pragma unroll
@@ -205,8 +200,7 @@ __device__ void norm_quant_row(float (&v)[CH][8], int nchunks, int D, const __nv
                                      bf16_lo(wraw[k].z), bf16_hi(wraw[k].z), bf16_lo(wraw[k].w), bf16_hi(wraw[k].w)};
 #pragma unroll
                 for (int e = 0; e < 8; e += 2) {  // one paired RNE conversion per two values
-                    const uint32_t pk = pack_bf16x2(__fmul_rn(wv[e], __fmul_rn(v[k][e], rstd)),
-                                                    __fmul_rn(wv[e + 1], __fmul_rn(v[k][e + 1], rstd)));
+                    const uint32_t pk = rms_apply_pair(wv[e], wv[e + 1], v[k][e], v[k][e + 1], rstd);
                     v[k][e] = bf16_lo(pk);
                     v[k][e + 1] = bf16_hi(pk);
                 }
