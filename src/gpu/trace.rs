@@ -236,17 +236,10 @@ impl Timeline {
         let mut by_name: Vec<NameTime> = Vec::new();
         let mut index = std::collections::HashMap::new();
         let (mut busy, mut idle) = (0u64, 0u64);
-        let mut frontier: Option<u64> = None; // latest end so far
-        for s in spans {
+        for (s, Step { gap, overlap, grow }) in steps(spans) {
             let own = s.end_ns.saturating_sub(s.start_ns);
-            let (gap, overlap, grow) = match frontier {
-                None => (0, 0, own),
-                Some(f) if s.start_ns >= f => (s.start_ns - f, 0, own),
-                Some(f) => (0, f.min(s.end_ns) - s.start_ns, s.end_ns.saturating_sub(f)),
-            };
             busy += grow;
             idle += gap;
-            frontier = Some(frontier.map_or(s.end_ns, |f| f.max(s.end_ns)));
             let i = *index.entry(s.name.clone()).or_insert_with(|| {
                 by_name.push(NameTime {
                     name: s.name.clone(),
@@ -263,10 +256,9 @@ impl Timeline {
             t.idle_before_us += gap as f64 / 1e3;
             t.overlap_us += overlap as f64 / 1e3;
         }
-        let wall = match (spans.first(), frontier) {
-            (Some(first), Some(f)) => f - first.start_ns,
-            _ => 0,
-        };
+        let wall = spans.first().map_or(0, |first| {
+            spans.iter().map(|s| s.end_ns).max().unwrap_or(0) - first.start_ns
+        });
         Timeline {
             wall_us: wall as f64 / 1e3,
             busy_us: busy as f64 / 1e3,
@@ -277,15 +269,49 @@ impl Timeline {
     }
 }
 
+/// What one span adds to a timeline walked in start order: the idle time between the latest end so far and its
+/// start (`gap`), the time it runs beside earlier kernels (`overlap`), and the busy time it adds (`grow`, its own
+/// time less the overlap).
+struct Step {
+    gap: u64,
+    overlap: u64,
+    grow: u64,
+}
+
+/// The spans in start order, each with its [`Step`].
+fn steps(spans: &[KernelSpan]) -> impl Iterator<Item = (&KernelSpan, Step)> {
+    let mut frontier: Option<u64> = None; // the latest end so far
+    spans.iter().map(move |s| {
+        let own = s.end_ns.saturating_sub(s.start_ns);
+        let step = match frontier {
+            None => Step {
+                gap: 0,
+                overlap: 0,
+                grow: own,
+            },
+            Some(f) if s.start_ns >= f => Step {
+                gap: s.start_ns - f,
+                overlap: 0,
+                grow: own,
+            },
+            Some(f) => Step {
+                gap: 0,
+                overlap: f.min(s.end_ns) - s.start_ns,
+                grow: s.end_ns.saturating_sub(f),
+            },
+        };
+        frontier = Some(frontier.map_or(s.end_ns, |f| f.max(s.end_ns)));
+        (s, step)
+    })
+}
+
 /// The spans as CSV rows (`index,name,stream,start_us,end_us,duration_us,idle_before_us`), times from the first
 /// kernel's start.
 pub fn spans_csv(spans: &[KernelSpan]) -> String {
     let mut out = String::from("index,name,stream,start_us,end_us,duration_us,idle_before_us\n");
     let t0 = spans.first().map_or(0, |s| s.start_ns);
-    let mut frontier: Option<u64> = None;
-    for (i, s) in spans.iter().enumerate() {
-        let idle = frontier.map_or(0, |f| s.start_ns.saturating_sub(f));
-        frontier = Some(frontier.map_or(s.end_ns, |f| f.max(s.end_ns)));
+    for (i, (s, step)) in steps(spans).enumerate() {
+        let idle = step.gap;
         let us = |ns: u64| (ns - t0) as f64 / 1e3;
         out.push_str(&format!(
             "{i},{},{},{:.3},{:.3},{:.3},{:.3}\n",
