@@ -16,37 +16,37 @@
 //                     (codes + ue8m0 scales, the formats::fp8 rule), ready for dense_fp8 with w2.
 //
 // Work split: a CTA (8 warps) owns 128 rows of one job (= one weight scale row block) and a K slice of kc
-// columns (split-K when rows alone give too few CTAs). Warp w owns rows 16w .. 16w+15 of the tile; lane
-// (g = lane/4, t = lane%4) streams 16 bytes of rows g and g+8 per step through a per-warp cp.async ring
-// (kRingBytes per CTA, 8 stages of 1 KB per warp; a lane reads back only the bytes it copied, so no barrier).
-// The CTA's x slice is staged once in shared memory as f16 (FP8 x, exact) or bf16, with its scales.
+// columns (split-K when rows alone give too few CTAs). Warp w owns rows 16w .. 16w+15 of the tile and streams them
+// through a per-warp cp.async ring one step at a time: a step is the next 128-byte line of each of its 16 rows (per
+// weight), so every request is a whole L2 line (kRingBytes per CTA: 4 steps of 2 KB per warp; the SwiGLU pair
+// kRingBytesPair: 3 steps of 4 KB). The MMA side reads a step as two halves: in half hh, lane (g = lane/4,
+// t = lane%4) takes 16-byte chunk 4hh + t of rows g and g+8. The CTA's x slice is staged once in shared memory as
+// f16 (FP8 x, exact) or bf16, with its scales.
 //
 // K permutation identity: a dot product does not depend on the order of k, so the MMA's logical k index may map to
-// any permutation of the physical k, as long as A (weight) and B (x) use the same one. MMA j of a step takes, for
-// lane (g, t), the 16-bit pairs 2j and 2j+1 of the lane's own 16 bytes: logical columns t*2+{0,1} <-> physical
-// t*L + 4j + {0,1}, logical 8+t*2+{0,1} <-> t*L + 4j + 2 + {0,1} (L = values per lane per step: 16 FP8 / 8 BF16);
-// over j this is a bijection onto the step's 4L columns. The x fragment is read with the same mapping.
+// any permutation of the physical k, as long as A (weight) and B (x) use the same one. MMA j of a half step takes,
+// for lane (g, t), the 16-bit pairs 2j and 2j+1 of the lane's 16 bytes of that half: logical columns t*2+{0,1} <->
+// physical t*L + 4j + {0,1}, logical 8+t*2+{0,1} <-> t*L + 4j + 2 + {0,1} (L = values per lane per half: 16 FP8 /
+// 8 BF16); over j this is a bijection onto the half's 4L columns. The x fragment is read with the same mapping.
 //
 // PDL (common/pdl.cuh; the launcher always sets the attribute): a CTA issues the ring's first kStages - 1 weight
-// stages and stages the weight scales, then waits for the previous kernel (pdl_wait) before it reads x or touches
+// steps and stages the weight scales, then waits for the previous kernel (pdl_wait) before it reads x or touches
 // the partials, counters or y. A predecessor that triggers at its start (norms, quantizers, q / KV prep, router
-// selection, attention) lets up to 56 KB a CTA of the weights (FP8, kStages - 1 = 7 of 8 KB per warp) arrive while
-// it runs: for wq_b at M = 1 (32 MB on 256 CTAs) about 45% of the weight bytes. The CTA triggers its own successor
-// once its last weight load is issued.
+// selection, attention) lets up to 48 KB a CTA of the weights (kStages - 1 = 3 of 4 steps of 2 KB a warp) arrive
+// while it runs: for wq_b at M = 1 (32 MB on 256 CTAs) about 37% of the weight bytes. The CTA triggers its own
+// successor once its last weight load is issued.
 //
-// Scales: FP8 weights are summed per 128-column block in a fresh f32 MMA accumulator, then added to the running
-// f32 sum times sw * sx (powers of two: exact products). Split-K: each CTA writes its f32 partial sums to the
-// caller's workspace; the last CTA of a tile to arrive (a release/acquire counter) adds the partials in split order
-// 0, 1, ... (deterministic, whichever CTA is last) and resets the counter to 0 for the next call or graph replay.
+// Scales: FP8 weights are summed per 128-column block (one step) in a fresh f32 MMA accumulator, then added to the
+// running f32 sum times sw * sx (powers of two: exact products). Split-K: each CTA writes its f32 partial sums to
+// the caller's workspace; the last CTA of a tile to arrive (a release/acquire counter) adds the partials in split
+// order 0, 1, ... (deterministic, whichever CTA is last) and resets the counter to 0 for the next call or graph
+// replay.
 //
-// Expected bandwidth (to be measured): at M = 1..8 the weight bytes dominate; each SM keeps 64 KB of weight loads
-// in flight per CTA (8 warps x 8 KB), 1-2 CTAs per SM, i.e. >= 8 MB in flight on 132 SMs, above the ~4 MB an H200
-// needs, and the issue cost per 16 weight bytes is 8 cvt + ~10 other instructions per lane (< 50% of issue), so
-// ~85-90% of copy bandwidth where N/128 x splits fills the SMs (wq_b, wo_b, LM head, shared expert), less
-// (~70-80%) for the small-N shapes (wkv, wq_a) whose split-K CTAs are short and pay the prologue and the partials.
-// At M = 64 the x slice (64 x kc f16) and 8 token groups of MMAs per step (48 more instructions per 1 KB warp
-// step) and the partials (splits x M x N f32, mostly L2) cost more: ~70-80% for the large-N shapes, ~50-60% for
-// wq_a / wkv, whose reduction is done by one CTA per tile.
+// Bandwidth: at M = 1..8 the weight bytes dominate, and the loop is latency-bound, not issue-bound (Nsight Compute
+// on the H100: 15% of issue slots busy, 0.3 eligible warps per scheduler). Whole-line requests are the lever: each
+// request the SM tracks brings 128 useful bytes, not 64 (a ring of 64-byte row segments reached 48-63% of DRAM peak;
+// the PERF-LOG has the comparison). At M = 64 the x slice (64 x kc f16), 8 token groups of MMAs per half step and
+// the partials (splits x M x N f32, mostly L2) cost more.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -65,7 +65,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = 8;
 constexpr int kTileRows = 128;
 constexpr int kMaxJobs = 16;
-constexpr int kRingBytes = 65536;
+constexpr int kRingBytes = 65536;      // the per-CTA weight ring (one weight)
+constexpr int kRingBytesPair = 98304;  // the SwiGLU pair's ring: 3 steps of w1 and w3 lines a warp
 
 enum Mode : int { kFp8 = 0, kFp8Bf16x = 1, kBf16 = 2, kSwiglu = 3, kFp8Qx = 4, kFp8NormQx = 5 };
 
@@ -97,12 +98,17 @@ struct Cfg {
     // x read as BF16 and turned into FP8 1x128 rows while staged (kFp8NormQx: after an RMSNorm of the row).
     static constexpr bool kXBf16Quantized = kMode == kFp8Qx || kMode == kFp8NormQx;
     static constexpr int kNW = kMode == kSwiglu ? 2 : 1;    // weights a warp streams
-    static constexpr int kStepK = kWFp8 ? 64 : 32;          // columns per step (4 lanes x 16 bytes)
-    static constexpr int kLaneK = kStepK / 4;               // 16 FP8 or 8 BF16 values per lane per row
-    static constexpr int kMmas = kStepK / 16;               // MMAs (k16) per step per token group
-    static constexpr int kStages = kRingBytes / (kWarps * 32 * 2 * kNW * 16);
-    static constexpr int kWarpRing = kStages * 32 * 2 * kNW * 16;
-    static constexpr int kXLaneBytes = kLaneK * 2;          // staged x is 16-bit: 32 or 16 bytes per lane
+    // A step is one 128-byte line of each of the warp's 16 rows (per weight): 128 FP8 or 64 BF16 columns, consumed
+    // as two halves of 4 lanes x 16 bytes a row.
+    static constexpr int kStepK = kWFp8 ? 128 : 64;
+    static constexpr int kHalfK = kStepK / 2;               // columns per half step (4 lanes x 16 bytes)
+    static constexpr int kLaneK = kHalfK / 4;               // 16 FP8 or 8 BF16 values per lane per row per half
+    static constexpr int kMmas = kHalfK / 16;               // MMAs (k16) per half step per token group
+    static constexpr int kRing = kNW == 2 ? kRingBytesPair : kRingBytes;
+    static constexpr int kWarpStage = 16 * 128 * kNW;        // one step of a warp: 16 rows x 128 bytes per weight
+    static constexpr int kStages = kRing / (kWarps * kWarpStage);
+    static constexpr int kWarpRing = kStages * kWarpStage;
+    static constexpr int kXLaneBytes = kLaneK * 2;          // staged x is 16-bit: 32 or 16 bytes per lane per half
     // Row padding that makes the 8 token rows' LDS.128 of a quarter warp hit distinct banks.
     static constexpr int kXPad = kXLaneBytes == 32 ? 16 : 64;
 };
@@ -162,30 +168,38 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
     const int xstride = p.kc * 2 + C::kXPad;
 
     uint8_t* ring = smem;
-    uint8_t* xs = smem + kRingBytes;
+    uint8_t* xs = smem + C::kRing;
     float* sxs = reinterpret_cast<float*>(xs + kTok * xstride);  // [kTok][p.kc/128] FP8 x scales
     float* sws = sxs + kTok * (p.kc / 128);                      // [kNW][p.kc/128] weight scales
 
-    // This lane's weight rows and the ring slots it owns.
+    // The copy: a step of the warp is 16 rows x 128 bytes per weight, four cp.async rounds of 4 rows, each row a
+    // whole 128-byte line read by 8 lanes (lane L: row 4i + L/8 of the warp's 16, 16-byte chunk L%8). In shared
+    // memory row r's chunk c sits at r*128 + (c ^ 4(r & 1))*16: the compute side's LDS.128 of a quarter warp (rows
+    // 2q and 2q+1, chunks 4hh + t) then hits 8 distinct bank groups. A lane reads chunks other lanes copied, so each
+    // step waits for its own copies and then syncs the warp.
     constexpr int kEsize = C::kWFp8 ? 1 : 2;
-    const uint8_t* wrow[kNW][2];
+    const int crow = lane >> 3, cchunk = lane & 7;
+    const uint8_t* wrow[kNW][4];
 #pragma unroll
     for (int v = 0; v < kNW; ++v) {
         const uint8_t* wb = p.w[kNW == 2 ? v : z];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = min(tile * kTileRows + warp * 16 + g + 8 * h, n - 1);
-            wrow[v][h] = wb + ((size_t)row * K + k0 + t * C::kLaneK) * kEsize;
+        for (int i = 0; i < 4; ++i) {
+            const int row = min(tile * kTileRows + warp * 16 + 4 * i + crow, n - 1);
+            wrow[v][i] = wb + ((size_t)row * K + k0) * kEsize + cchunk * 16;
         }
     }
-    const uint32_t ring_lane = (uint32_t)__cvta_generic_to_shared(ring + warp * C::kWarpRing) + lane * 16;
+    const uint32_t ring_warp = (uint32_t)__cvta_generic_to_shared(ring + warp * C::kWarpRing);
     auto issue = [&](int s) {
-        const uint32_t slot = ring_lane + (s % C::kStages) * (32 * 2 * kNW * 16);
+        const uint32_t slot = ring_warp + (s % C::kStages) * C::kWarpStage;
 #pragma unroll
         for (int v = 0; v < kNW; ++v)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                cp_async16(slot + (v * 2 + h) * 512, wrow[v][h] + (size_t)s * C::kStepK * kEsize, 16);
+            for (int i = 0; i < 4; ++i) {
+                const int r = 4 * i + crow;
+                cp_async16(slot + v * 2048 + r * 128 + ((cchunk ^ ((r & 1) << 2)) << 4), wrow[v][i] + (size_t)s * 128,
+                           16);
+            }
     };
 #pragma unroll
     for (int i = 0; i < C::kStages - 1; ++i) {
@@ -340,85 +354,94 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
     const uint8_t* xlane = xs + g * xstride + t * C::kXLaneBytes;
     for (int s = 0; s < nsteps; ++s) {
         cp_async_wait<C::kStages - 2>();
-        uint4 wv[kNW][2];
-        const uint8_t* slot = ring + warp * C::kWarpRing + (s % C::kStages) * (32 * 2 * kNW * 16) + lane * 16;
+        __syncwarp();  // every lane's copies of step s have landed; every lane's reads of step s - 1 are done
+        // wv[v][hh][h]: the lane's 16 bytes of row g + 8h, chunk 4hh + t (columns hh * kHalfK + t * kLaneK ...).
+        uint4 wv[kNW][2][2];
+        const uint8_t* slot = ring + warp * C::kWarpRing + (s % C::kStages) * C::kWarpStage;
 #pragma unroll
         for (int v = 0; v < kNW; ++v)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) wv[v][h] = lds128(slot + (v * 2 + h) * 512);
-        // The slot refilled now was read into registers in the previous step.
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = g + 8 * h;
+                    wv[v][hh][h] = lds128(slot + v * 2048 + r * 128 + (((4 * hh + t) ^ ((r & 1) << 2)) << 4));
+                }
+        // The slot refilled now was read into registers in the previous step (the __syncwarp above orders it).
         if (s + C::kStages - 1 < nsteps) issue(s + C::kStages - 1);
         cp_async_commit();
 
-        // A fragments: pair word i of row h = values 2i, 2i+1 of the lane's 16 bytes.
-        uint32_t a[kNW][2][C::kLaneK / 2];
 #pragma unroll
-        for (int v = 0; v < kNW; ++v)
+        for (int hh = 0; hh < 2; ++hh) {
+            // A fragments: pair word i of row h = values 2i, 2i+1 of the lane's 16 bytes of this half.
+            uint32_t a[kNW][2][C::kLaneK / 2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint32_t wd[4] = {wv[v][h].x, wv[v][h].y, wv[v][h].z, wv[v][h].w};
-                if constexpr (C::kWFp8) {
+            for (int v = 0; v < kNW; ++v)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        uint32_t lo = e4m3x2_to_f16x2(wd[i]), hi = e4m3x2_to_f16x2(wd[i] >> 16);
-                        if constexpr (!C::kXFp8) {
-                            lo = f16x2_e4m3_to_bf16x2(lo);
-                            hi = f16x2_e4m3_to_bf16x2(hi);
+                for (int h = 0; h < 2; ++h) {
+                    const uint32_t wd[4] = {wv[v][hh][h].x, wv[v][hh][h].y, wv[v][hh][h].z, wv[v][hh][h].w};
+                    if constexpr (C::kWFp8) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            uint32_t lo = e4m3x2_to_f16x2(wd[i]), hi = e4m3x2_to_f16x2(wd[i] >> 16);
+                            if constexpr (!C::kXFp8) {
+                                lo = f16x2_e4m3_to_bf16x2(lo);
+                                hi = f16x2_e4m3_to_bf16x2(hi);
+                            }
+                            a[v][h][2 * i] = lo;
+                            a[v][h][2 * i + 1] = hi;
                         }
-                        a[v][h][2 * i] = lo;
-                        a[v][h][2 * i + 1] = hi;
-                    }
-                } else {
+                    } else {
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) a[v][h][i] = wd[i];
+                        for (int i = 0; i < 4; ++i) a[v][h][i] = wd[i];
+                    }
                 }
-            }
 
 #pragma unroll
-        for (int q = 0; q < kMT; ++q) {
-            const uint8_t* xp = xlane + q * 8 * xstride + s * C::kStepK * 2;
-            uint32_t xw[C::kLaneK / 2];
-            {
-                const uint4 x0 = lds128(xp);
-                xw[0] = x0.x, xw[1] = x0.y, xw[2] = x0.z, xw[3] = x0.w;
-                if constexpr (C::kLaneK == 16) {
-                    const uint4 x1 = lds128(xp + 16);
-                    xw[4] = x1.x, xw[5] = x1.y, xw[6] = x1.z, xw[7] = x1.w;
+            for (int q = 0; q < kMT; ++q) {
+                const uint8_t* xp = xlane + q * 8 * xstride + (s * C::kStepK + hh * C::kHalfK) * 2;
+                uint32_t xw[C::kLaneK / 2];
+                {
+                    const uint4 x0 = lds128(xp);
+                    xw[0] = x0.x, xw[1] = x0.y, xw[2] = x0.z, xw[3] = x0.w;
+                    if constexpr (C::kLaneK == 16) {
+                        const uint4 x1 = lds128(xp + 16);
+                        xw[4] = x1.x, xw[5] = x1.y, xw[6] = x1.z, xw[7] = x1.w;
+                    }
                 }
+#pragma unroll
+                for (int j = 0; j < C::kMmas; ++j)
+#pragma unroll
+                    for (int v = 0; v < kNW; ++v) {
+                        if constexpr (C::kWFp8)
+                            mma16816<C::kXFp8>(blk[q][v], a[v][0][2 * j], a[v][1][2 * j], a[v][0][2 * j + 1],
+                                               a[v][1][2 * j + 1], xw[2 * j], xw[2 * j + 1]);
+                        else
+                            mma16816<false>(acc[q][v], a[v][0][2 * j], a[v][1][2 * j], a[v][0][2 * j + 1],
+                                            a[v][1][2 * j + 1], xw[2 * j], xw[2 * j + 1]);
+                    }
             }
-#pragma unroll
-            for (int j = 0; j < C::kMmas; ++j)
-#pragma unroll
-                for (int v = 0; v < kNW; ++v) {
-                    if constexpr (C::kWFp8)
-                        mma16816<C::kXFp8>(blk[q][v], a[v][0][2 * j], a[v][1][2 * j], a[v][0][2 * j + 1],
-                                           a[v][1][2 * j + 1], xw[2 * j], xw[2 * j + 1]);
-                    else
-                        mma16816<false>(acc[q][v], a[v][0][2 * j], a[v][1][2 * j], a[v][0][2 * j + 1],
-                                        a[v][1][2 * j + 1], xw[2 * j], xw[2 * j + 1]);
-                }
         }
 
         if constexpr (C::kWFp8) {
-            if (s & 1) {  // end of a 128-column block (kc % 128 == 0, 2 steps per block)
-                const int kb = s >> 1;
+            // A step is one 128-column block (kc % 128 == 0): fold its sums in with the block's scales.
+            const int kb = s;
 #pragma unroll
-                for (int v = 0; v < kNW; ++v) {
-                    const float sw = sws[v * (p.kc / 128) + kb];
+            for (int v = 0; v < kNW; ++v) {
+                const float sw = sws[v * (p.kc / 128) + kb];
 #pragma unroll
-                    for (int q = 0; q < kMT; ++q) {
-                        float f0 = sw, f1 = sw;
-                        if constexpr (C::kXFp8) {
-                            f0 = sw * sxs[(q * 8 + t * 2) * (p.kc / 128) + kb];
-                            f1 = sw * sxs[(q * 8 + t * 2 + 1) * (p.kc / 128) + kb];
-                        }
-                        acc[q][v][0] = fmaf(blk[q][v][0], f0, acc[q][v][0]);
-                        acc[q][v][1] = fmaf(blk[q][v][1], f1, acc[q][v][1]);
-                        acc[q][v][2] = fmaf(blk[q][v][2], f0, acc[q][v][2]);
-                        acc[q][v][3] = fmaf(blk[q][v][3], f1, acc[q][v][3]);
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) blk[q][v][i] = 0.f;
+                for (int q = 0; q < kMT; ++q) {
+                    float f0 = sw, f1 = sw;
+                    if constexpr (C::kXFp8) {
+                        f0 = sw * sxs[(q * 8 + t * 2) * (p.kc / 128) + kb];
+                        f1 = sw * sxs[(q * 8 + t * 2 + 1) * (p.kc / 128) + kb];
                     }
+                    acc[q][v][0] = fmaf(blk[q][v][0], f0, acc[q][v][0]);
+                    acc[q][v][1] = fmaf(blk[q][v][1], f1, acc[q][v][1]);
+                    acc[q][v][2] = fmaf(blk[q][v][2], f0, acc[q][v][2]);
+                    acc[q][v][3] = fmaf(blk[q][v][3], f1, acc[q][v][3]);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) blk[q][v][i] = 0.f;
                 }
             }
         }

@@ -4,7 +4,7 @@
 # --include-ignored; a GPU test without a GPU fails, and REQUIRE_GPU=1 makes the older SKIP path fail too) except
 # the slow CPU-only runs named `slow_*` (the `model` step runs the one it needs), the limits probe, the benchmark
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
-#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|decode-ab|<several, comma-separated>] [extra args for `megamoe bench`]
+#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|decode-ab|bench-ab|<several, comma-separated>] [extra args for `megamoe bench`]
 #   decode: `megamoe decode` of the small model (report + --parity), `generate` on Flash, Flash's context and
 #           batch sweeps, Flash 4K batch 64 with --dense-route gemv (the route's baseline), Flash's TTFT on a
 #           4K-token prompt, then REPORT.md
@@ -14,6 +14,9 @@
 #           (AB_BASE, default gpu-bundle-base/ beside this bundle: megamoe or megamoe.xz and COMMIT, from
 #           scripts/gpu-baseline.sh), interleaved candidate, baseline, candidate, baseline, each a Flash sweep at
 #           4K over AB_BATCHES (default 1,8,64); each side's decode.csv rows under ab-<side>/ (AB_TIMEOUT per run)
+#   bench-ab: a kernel A/B on one machine with the same two binaries: the bench configs AB_CONFIGS (default
+#           ab/dense_stream; names under bench-configs/), candidate, baseline, candidate, baseline; each side's CSV
+#           rows under ab-<side>/ (BENCH_TIMEOUT per run)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -35,7 +38,7 @@ B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || [ -f "$B/executables.tar.xz" ] || B="$(pwd)/gpu-bundle"
 what="${1:-all}"; shift || true
 # want STEP: STEP is one of the comma-separated steps asked for (all = tests, stress, bench).
-want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [ "$1" != decode ] && [ "$1" != decode-ab ] && [[ ",$what," == *",all,"* ]]; }; }
+want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [ "$1" != decode ] && [ "$1" != decode-ab ] && [ "$1" != bench-ab ] && [[ ",$what," == *",all,"* ]]; }; }
 out="${OUT:-$(pwd)/gpu-out}"
 work="$(mktemp -d)/h200"
 mkdir -p "$work/tests"
@@ -208,11 +211,32 @@ if want decode; then
   # REPORT.md of this run's directory (its decode section, and any bench rows beside it).
   "$B/megamoe" report --dir "$work" 2>&1 | tail -n 1
 fi
-if want decode-ab; then
-  base="${AB_BASE:-$(dirname "$B")/gpu-bundle-base}"
-  if [ -f "$base/megamoe.xz" ]; then xz -d -f "$base/megamoe.xz" && chmod +x "$base/megamoe"; fi
+# The baseline binary of the A/B steps: AB_BASE (default gpu-bundle-base/ beside this bundle), unpacked once.
+base="${AB_BASE:-$(dirname "$B")/gpu-bundle-base}"
+if { want decode-ab || want bench-ab; } && [ -f "$base/megamoe.xz" ]; then
+  xz -d -f "$base/megamoe.xz" && chmod +x "$base/megamoe"
+fi
+base_commit="$(head -n1 "$base/COMMIT" 2>/dev/null || echo unknown)"
+if want bench-ab; then
   if [ -x "$base/megamoe" ]; then
-    base_commit="$(head -n1 "$base/COMMIT" 2>/dev/null || echo unknown)"
+    for round in 1 2; do
+      for side in candidate baseline; do
+        if [ "$side" = candidate ]; then bin="$B/megamoe"; c="$MEGAMOE_GIT_COMMIT"; else bin="$base/megamoe"; c="$base_commit"; fi
+        for name in ${AB_CONFIGS:-ab/dense_stream}; do
+          step "bench-ab: $side ($c), round $round, $name"
+          log="$work/ab-$side-${name//\//-}-$round.log"
+          MEGAMOE_GIT_COMMIT="$c" timeout "${BENCH_TIMEOUT:-600}" "$bin" bench --config "$B/bench-configs/$name.toml" \
+            --out "$work/ab-$side" > "$log" 2>&1 || { echo "bench-ab $side $name round $round failed"; status=1; }
+          tail -n 1 "$log"
+        done
+      done
+    done
+  else
+    echo "bench-ab: no baseline binary in $base (scripts/gpu-baseline.sh COMMIT builds one)"; status=1
+  fi
+fi
+if want decode-ab; then
+  if [ -x "$base/megamoe" ]; then
     for round in 1 2; do
       for side in candidate baseline; do
         if [ "$side" = candidate ]; then bin="$B/megamoe"; c="$MEGAMOE_GIT_COMMIT"; else bin="$base/megamoe"; c="$base_commit"; fi

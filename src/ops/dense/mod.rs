@@ -86,8 +86,9 @@ pub const MAX_JOBS: usize = 16;
 /// Rows per CTA (`kTileRows`; one FP8 scale row block).
 pub const TILE_ROWS: usize = 128;
 const THREADS: u32 = 256;
-/// The per-CTA weight ring (`kRingBytes`), also the epilogue's buffer.
+/// The per-CTA weight ring (`kRingBytes`; the SwiGLU pair's `kRingBytesPair`), also the epilogue's buffer.
 const RING_BYTES: usize = 65536;
+const RING_BYTES_PAIR: usize = 98304;
 /// Shared memory a launch may plan on (the H100/H200 opt-in limit is 227 KB; 1 KB left for static use).
 const SMEM_BUDGET: usize = 226 * 1024;
 
@@ -245,7 +246,12 @@ impl DensePlan {
 /// Dynamic shared memory of a CTA: the weight ring, the staged x slice (16-bit, padded rows), x and weight scales.
 fn smem_bytes(kind: DenseKind, mt: usize, kc: usize) -> usize {
     let tok = mt * 8;
-    RING_BYTES + tok * (2 * kc + kind.x_pad()) + 4 * (tok + kind.weights_per_warp()) * (kc / 128)
+    let ring = if kind.weights_per_warp() == 2 {
+        RING_BYTES_PAIR
+    } else {
+        RING_BYTES
+    };
+    ring + tok * (2 * kc + kind.x_pad()) + 4 * (tok + kind.weights_per_warp()) * (kc / 128)
 }
 
 /// From this many activation rows, a weight whose row tiles alone give fewer CTAs than SMs (split-K) gets K slices
