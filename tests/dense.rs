@@ -84,9 +84,9 @@ fn shape_rules_refuse_what_the_kernels_cannot_take() {
     assert!(err(shape(DenseKind::Fp8, 1, 192, 128, 1)).contains("multiples of 128"));
     assert!(err(shape(DenseKind::Fp8, 1, 128, 192, 1)).contains("multiples of 128"));
     assert!(err(shape(DenseKind::Swiglu, 1, 64, 128, 1)).contains("multiples of 128"));
-    assert!(err(shape(DenseKind::Bf16, 1, 64, 48, 1)).contains("multiple of 32"));
+    assert!(err(shape(DenseKind::Bf16, 1, 64, 96, 1)).contains("multiple of 64"));
     assert!(err(shape(DenseKind::Fp8Bf16x, 1, 128, 128, 17)).contains("weights in one launch"));
-    shape(DenseKind::Bf16, 1, 1, 32, 1).check().unwrap();
+    shape(DenseKind::Bf16, 1, 1, 64, 1).check().unwrap();
     shape(DenseKind::Fp8, 64, 128, 128, 1).check().unwrap();
 }
 
@@ -532,8 +532,8 @@ fn gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head() {
 }
 
 /// Shapes at the edges of the rules: the smallest FP8 weight (128 x 128), K not a multiple of a split's slice, BF16
-/// heights of 1 and 130 (not a multiple of the 128-row tile, 16-row warp tile), K = 32 and 96 (a 32-column tail
-/// slice), and M values between the token buckets. Synthetic weights through `formats::fp8` (the checkpoint's
+/// heights of 1 and 130 (not a multiple of the 128-row tile, 16-row warp tile), K = 64 and 192 (one step, a
+/// 64-column tail slice), and M values between the token buckets. Synthetic weights through `formats::fp8` (the checkpoint's
 /// rule); oracle: its dequantization and `numerics::dot`.
 #[test]
 #[ignore = "needs an H100/H200"]
@@ -556,7 +556,7 @@ fn gpu_edge_shapes_match_the_cpu() {
             fx::assert_close(&format!("fp8 {n}x{k} M={m}"), &got, &want, &terms, k, true);
         }
     }
-    for (n, k) in [(1, 32), (130, 96), (64, 4096), (130, 4160)] {
+    for (n, k) in [(1, 64), (130, 192), (64, 4096), (130, 4160)] {
         let wv = fx::activations(&mut rng, n, k);
         let dw = gpu.upload(&fx::to_bf16(&wv)).unwrap();
         for m in [1, 9, 64] {

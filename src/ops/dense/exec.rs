@@ -27,7 +27,7 @@ pub fn exec_kernels() -> Vec<ExecKernel> {
         },
         ExecKernel {
             name: "dense_bf16_linear",
-            doc: "y = x . w^T in f32. in: x F32|BF16 [M, K] (rounded to BF16), w BF16 [N, K]; 1 <= M <= 64, K % 32 == 0. out: y F32 [M, N]",
+            doc: "y = x . w^T in f32. in: x F32|BF16 [M, K] (rounded to BF16), w BF16 [N, K]; 1 <= M <= 64, K % 64 == 0. out: y F32 [M, N]",
             run: run_bf16,
         },
     ]

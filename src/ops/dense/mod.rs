@@ -17,7 +17,7 @@
 //!
 //! Shape rules (checked before any launch, with the reason in the message): 1 <= M <= [`MAX_CALL_ROWS`]; FP8 weights:
 //! N % 128 == 0 and K % 128 == 0 (one CTA = one 128-row scale block; scale blocks along K); BF16: N >= 1 (any),
-//! K % 32 == 0 (16-byte rows); all device buffers 16-byte aligned.
+//! K % 64 == 0 (128-byte row lines); all device buffers 16-byte aligned.
 //!
 //! Graph-safe: grids and split-K come from the capacities (M, N, K) and the SM count, never from device data. Split-K
 //! partials and the per-tile arrival counters live in the caller's [`DenseWorkspace`]; the counters must be zero
@@ -196,8 +196,8 @@ impl DenseShape {
             );
         } else {
             ensure!(
-                k.is_multiple_of(32),
-                "dense: BF16 weight [{n}, {k}]: K must be a multiple of 32 (16-byte rows, 32 columns per step)"
+                k.is_multiple_of(64),
+                "dense: BF16 weight [{n}, {k}]: K must be a multiple of 64 (a step reads one 128-byte line of a row)"
             );
         }
         ensure!(
