@@ -116,6 +116,12 @@ fn main() {
         fs::write(&src_path, &inlined).unwrap();
         let mut cubin_expr = "None".to_string();
         let mut report = String::from("no nvcc at build time");
+        // The report file below is rewritten by every build: one without nvcc (or a failed compile) must not leave a
+        // key that would make a later build with nvcc take its report for the cubin's.
+        let key_path = out_dir.join(format!("{stem}.key"));
+        if nvcc.is_none() {
+            let _ = fs::remove_file(&key_path);
+        }
         if let Some(nvcc) = &nvcc {
             let cubin = out_dir.join(format!("{stem}.sm_90a.cubin"));
             let mut cmd = Command::new(nvcc);
@@ -139,7 +145,6 @@ fn main() {
             // source with every include inlined, the nvcc path and the full argument list, so any change
             // that could change the cubin recompiles it, and an edit to one family leaves the others alone.
             let key = cache_key(&inlined, &cmd);
-            let key_path = out_dir.join(format!("{stem}.key"));
             let rep_path = out_dir.join(format!("{stem}.ptxas.txt"));
             // A shared cache (MEGAMOE_CUBIN_CACHE, a directory) lets several checkouts of the project reuse
             // each other's cubins: an entry is named by the same key, so it is used only for identical input.
