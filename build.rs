@@ -167,6 +167,7 @@ fn main() {
             if cached_report.is_none() {
                 let _ = fs::remove_file(&key_path);
             }
+            let fresh = cached_report.is_none();
             match cached_report.map(|r| Ok(Ok(r))).unwrap_or_else(|| {
                 cmd.output().map(|o| {
                     if o.status.success() {
@@ -178,7 +179,8 @@ fn main() {
             }) {
                 Ok(Ok(ptxas)) => {
                     fs::write(&key_path, &key).unwrap();
-                    if let Some(dir) = &shared {
+                    // Only nvcc's own output goes to the shared cache (never a report read back from it).
+                    if let (true, Some(dir)) = (fresh, &shared) {
                         let _ = fs::create_dir_all(dir);
                         let _ = fs::copy(&cubin, dir.join(format!("{key}.cubin")));
                         let _ = fs::write(dir.join(format!("{key}.ptxas.txt")), &ptxas);
