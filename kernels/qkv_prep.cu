@@ -3,18 +3,20 @@
 // through the per-token steps of src/model/reference.rs: q_heads_finish, window_kv_rope, indexer_q_rotate,
 // indexer_head_weights). The q_lora RMSNorm before wq_b is norm_quant's FP8 row kernel (no kernel here).
 //
-// Entry points (M token rows, a capacity; row m's position is positions[m], read on the device; a position < 0
-// marks an empty row: its warps return before any store)
-//   qkv_prep_q_heads      q [M, H, 512] BF16 (wq_b out) -> per-head RMS without weight in the official BF16 op
-//                         order, RoPE on dims 448..511 -> q [M, H, 512] BF16 (sparse_attn's q layout) + the
-//                         per-head RMS factor [M, H] (a BF16 value, stored as f32).
-//   qkv_prep_kv_entries   kv [M, 512] BF16 (wkv out) -> RMSNorm(kv_norm), RoPE on dims 448..511, BF16 -> one
-//                         584-byte FP8 entry (common/kv_entry.cuh, = fp8_sim per 64 of the nope dims) in the
-//                         window ring slot seq_base[m / tokens_per_seq] + position % window, + the RMS factor [M].
-//   qkv_prep_indexer_q    qI [M, HI, 128] BF16 (indexer wq_b out) -> RoPE on dims 64..127, BF16, Hadamard, BF16,
-//                         FP4 sim per 32 -> the indexer's e4m3 query codes [M, HI, 128]; weights_proj out
-//                         [M, HI] f32, rounded to BF16 -> w [M, HI] f32 = bf16(w * scale) * 2^e_h (the q scale
-//                         folded in); and the rows' visible key counts num_valid [M] for the indexer.
+// One entry point, qkv_prep_attn (M token rows, a capacity; row m's position is positions[m], read on the device; a
+// position < 0 marks an empty row: its warps return before any store), doing any of three parts over the same
+// rows, positions and RoPE table, each part a range of the grid's CTAs (one launch after the projections instead
+// of three; every warp runs the code its part's own launch ran, so the bits are those of separate launches):
+//   q heads       q [M, H, 512] BF16 (wq_b out) -> per-head RMS without weight in the official BF16 op
+//                 order, RoPE on dims 448..511 -> q [M, H, 512] BF16 (sparse_attn's q layout) + the
+//                 per-head RMS factor [M, H] (a BF16 value, stored as f32).
+//   kv entries    kv [M, 512] BF16 (wkv out) -> RMSNorm(kv_norm), RoPE on dims 448..511, BF16 -> one
+//                 584-byte FP8 entry (common/kv_entry.cuh, = fp8_sim per 64 of the nope dims) in the
+//                 window ring slot seq_base[m / tokens_per_seq] + position % window, + the RMS factor [M].
+//   indexer q     qI [M, HI, 128] BF16 (indexer wq_b out) -> RoPE on dims 64..127, BF16, Hadamard, BF16,
+//                 FP4 sim per 32 -> the indexer's e4m3 query codes [M, HI, 128]; weights_proj out
+//                 [M, HI] f32, rounded to BF16 -> w [M, HI] f32 = bf16(w * scale) * 2^e_h (the q scale
+//                 folded in); and the rows' visible key counts num_valid [M] for the indexer.
 //   qkv_prep_launch_floor an empty kernel: the bench's launch floor, measured in the same run.
 //
 // Work split: one warp per (row, head) vector. A 512-dim vector: lane l holds dims [16l, 16l+16) (two 16-byte
@@ -109,100 +111,105 @@ __device__ __forceinline__ void rope_lane16(float (&v)[16], int lane, long long 
 
 }  // namespace qp
 
-// q_in / q_out [rows, heads, 512] BF16, rstd [rows, heads] f32 (the BF16 factor r), positions [rows], freqs [32]
-// f64.
-// Grid (ceil(heads / 8), rows), 256 threads; warp w of CTA (x, m) is head 8x + w of row m.
-extern "C" __global__ void __launch_bounds__(256) qkv_prep_q_heads(const __nv_bfloat16* __restrict__ q_in,
-                                                                   const int* __restrict__ positions,
-                                                                   const double* __restrict__ freqs, int heads,
-                                                                   float eps, __nv_bfloat16* __restrict__ q_out,
-                                                                   float* __restrict__ rstd_out) {
-    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
+// Mirrors ops::qkv_prep::PrepParams (#[repr(C)]), passed as a __grid_constant__. A part with no CTAs is absent.
+struct PrepParams {
+    const int* positions;  // [rows]
+    const double* freqs;   // [32] f64, the layer's RoPE table (q heads, kv entries, indexer q)
+    // q heads: q_in / q_out [rows, heads, 512] BF16, rstd [rows, heads] f32 (the BF16 factor r).
+    const __nv_bfloat16* q_in;
+    __nv_bfloat16* q_out;
+    float* q_rstd;
+    // kv entries: kv_in [rows, 512] BF16, kv_norm [512] BF16, seq_base [rows / tokens_per_seq] (the pool index of
+    // each sequence's window ring slot 0); pool [n_entries, 584]; kv_rstd [rows] f32.
+    const __nv_bfloat16* kv_in;
+    const __nv_bfloat16* kv_norm;
+    const int* seq_base;
+    uint8_t* pool;
+    float* kv_rstd;
+    // indexer q: qi_in [rows, index_heads, 128] BF16, w_in [rows, index_heads] f32 (weights_proj's output) ->
+    // q_codes [rows, index_heads, 128] e4m3, w_out [rows, index_heads] f32; num_valid [rows] or null.
+    const __nv_bfloat16* qi_in;
+    const float* w_in;
+    uint8_t* q_codes;
+    float* w_out;
+    int* num_valid;
+    int rows, heads, index_heads, tokens_per_seq, window, n_entries, ratio;
+    float eps, w_scale;
+    int q_ctas, kv_ctas, index_ctas;  // the parts' CTA counts, in this grid order
+};
+static_assert(sizeof(PrepParams) == 168, "PrepParams must match ops::qkv_prep::PrepParams");
+
+namespace qp {
+
+// q heads, CTA (x, m) of its part's (ceil(heads / 8), rows) grid: warp w is head 8x + w of row m.
+__device__ __forceinline__ void q_heads_cta(const PrepParams& p, int x, int m) {
     const int lane = threadIdx.x & 31;
-    const int head = blockIdx.x * qp::kHeadsPerCta + (threadIdx.x >> 5);
-    const int m = blockIdx.y;
-    if (head >= heads) return;
-    const int pos = positions[m];
+    const int head = x * kHeadsPerCta + (threadIdx.x >> 5);
+    if (head >= p.heads) return;
+    const int pos = p.positions[m];
     if (pos < 0) return;  // empty row: nothing written
-    const size_t vec = (size_t)m * heads + head;
+    const size_t vec = (size_t)m * p.heads + head;
     float v[16];
-    qp::load16(q_in + vec * qp::kDim, lane, v);
-    const float r = qp::warp_q_rms_scale_bf16(v, eps);
+    load16(p.q_in + vec * kDim, lane, v);
+    const float r = warp_q_rms_scale_bf16(v, p.eps);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = qp::bf16r(__fmul_rn(v[i], r));
-    qp::rope_lane16(v, lane, pos, freqs);
-    __nv_bfloat16* dst = q_out + vec * qp::kDim + 16 * lane;
+    for (int i = 0; i < 16; ++i) v[i] = bf16r(__fmul_rn(v[i], r));
+    rope_lane16(v, lane, pos, p.freqs);
+    __nv_bfloat16* dst = p.q_out + vec * kDim + 16 * lane;
     store8_bf16(dst, v);  // exact: every value is BF16 already
     store8_bf16(dst + 8, v + 8);
-    if (lane == 0) rstd_out[vec] = r;
+    if (lane == 0) p.q_rstd[vec] = r;
 }
 
-// kv_in [rows, 512] BF16, kv_norm [512] BF16, positions [rows], seq_base [rows / tokens_per_seq] (the pool index of
-// each sequence's window ring slot 0), freqs [32] f64; pool [n_entries, 584]; rstd [rows] f32.
-// Row m belongs to sequence m / tokens_per_seq and goes to pool entry seq_base[seq] + position % window; a row with
-// position < 0, seq_base < 0 or an entry outside the pool writes nothing. Grid ceil(rows / 8), 256 threads, one warp
-// per row.
-extern "C" __global__ void __launch_bounds__(256) qkv_prep_kv_entries(
-    const __nv_bfloat16* __restrict__ kv_in, const __nv_bfloat16* __restrict__ kv_norm,
-    const int* __restrict__ positions, const int* __restrict__ seq_base, int rows, int tokens_per_seq, int window,
-    const double* __restrict__ freqs, float eps, uint8_t* __restrict__ pool, int n_entries,
-    float* __restrict__ rstd_out) {
-    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
+// kv entries, CTA x of its part's ceil(rows / 8) CTAs: one warp per row. Row m belongs to sequence
+// m / tokens_per_seq and goes to pool entry seq_base[seq] + position % window; a row with position < 0,
+// seq_base < 0 or an entry outside the pool writes nothing.
+__device__ __forceinline__ void kv_entries_cta(const PrepParams& p, int x) {
     const int lane = threadIdx.x & 31;
-    const int m = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (m >= rows) return;
-    const int pos = positions[m];
+    const int m = (x * blockDim.x + threadIdx.x) >> 5;
+    if (m >= p.rows) return;
+    const int pos = p.positions[m];
     if (pos < 0) return;
-    const int base = seq_base[m / tokens_per_seq];
+    const int base = p.seq_base[m / p.tokens_per_seq];
     if (base < 0) return;
-    const long long slot = (long long)base + pos % window;
-    if (slot >= n_entries) return;  // warp-uniform: every return above precedes the warp's shuffles
+    const long long slot = (long long)base + pos % p.window;
+    if (slot >= p.n_entries) return;  // warp-uniform: every return above precedes the warp's shuffles
     float v[16], w[16];
-    qp::load16(kv_in + (size_t)m * qp::kDim, lane, v);
-    qp::load16(kv_norm, lane, w);
-    const float rstd = qp::warp_rstd(v, eps);
+    load16(p.kv_in + (size_t)m * kDim, lane, v);
+    load16(p.kv_norm, lane, w);
+    const float rstd = warp_rstd(v, p.eps);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = qp::bf16r(__fmul_rn(w[i], __fmul_rn(v[i], rstd)));
-    qp::rope_lane16(v, lane, pos, freqs);
+    for (int i = 0; i < 16; ++i) v[i] = bf16r(__fmul_rn(w[i], __fmul_rn(v[i], rstd)));
+    rope_lane16(v, lane, pos, p.freqs);
     const mm::KvLaneQuant q = mm::kv_quantize_lane(v);
-    mm::kv_entry_store_lane(pool + slot * mm::kKvEntryBytes, q, v, lane);
-    if (lane == 0) rstd_out[m] = rstd;
+    mm::kv_entry_store_lane(p.pool + slot * mm::kKvEntryBytes, q, v, lane);
+    if (lane == 0) p.kv_rstd[m] = rstd;
 }
 
-// qi_in [rows, heads, 128] BF16, w_in [rows, heads] f32 (weights_proj's output, rounded to BF16 here as the model's
-// bf16_linear rounds it), positions [rows], freqs [32] f64 -> q_codes [rows, heads, 128] e4m3, w_out [rows, heads]
-// f32 (see the top of the file); num_valid (when not null) [rows] = (t + 1) / ratio for t = positions[row] >= 0,
-// else 0: the indexer keys the query at t sees (the compressor has emitted (t + 1) / ratio of them after this step's
-// update; LayerCacheLayout::compressed_after), written by thread 0 of the row's first CTA. Grid (ceil(heads / 8),
-// rows), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) qkv_prep_indexer_q(const __nv_bfloat16* __restrict__ qi_in,
-                                                                     const float* __restrict__ w_in,
-                                                                     const int* __restrict__ positions,
-                                                                     const double* __restrict__ freqs, int heads,
-                                                                     float w_scale, uint8_t* __restrict__ q_codes,
-                                                                     float* __restrict__ w_out, int ratio,
-                                                                     int* __restrict__ num_valid) {
-    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
+// indexer q, CTA (x, m) of its part's (ceil(index_heads / 8), rows) grid (see the top of the file); num_valid
+// (when not null) [rows] = (t + 1) / ratio for t = positions[row] >= 0, else 0: the indexer keys the query at t
+// sees (the compressor has emitted (t + 1) / ratio of them after this step's update;
+// LayerCacheLayout::compressed_after), written by thread 0 of the row's first CTA.
+__device__ __forceinline__ void indexer_q_cta(const PrepParams& p, int x, int m) {
     const int lane = threadIdx.x & 31;
-    const int head = blockIdx.x * qp::kHeadsPerCta + (threadIdx.x >> 5);
-    const int m = blockIdx.y;
-    const int pos = positions[m];
-    if (num_valid != nullptr && blockIdx.x == 0 && threadIdx.x == 0) num_valid[m] = pos >= 0 ? (pos + 1) / ratio : 0;
-    if (head >= heads) return;
+    const int head = x * kHeadsPerCta + (threadIdx.x >> 5);
+    const int pos = p.positions[m];
+    if (p.num_valid != nullptr && x == 0 && threadIdx.x == 0) p.num_valid[m] = pos >= 0 ? (pos + 1) / p.ratio : 0;
+    if (head >= p.index_heads) return;
     if (pos < 0) return;
-    const size_t vec = (size_t)m * heads + head;
-    const uint2 raw = *reinterpret_cast<const uint2*>(qi_in + vec * qp::kIndexDim + 4 * lane);
+    const size_t vec = (size_t)m * p.index_heads + head;
+    const uint2 raw = *reinterpret_cast<const uint2*>(p.qi_in + vec * kIndexDim + 4 * lane);
     float v[4] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y)};
     if (lane >= 16) {  // dims 64..127: pairs 2 (lane - 16) and 2 (lane - 16) + 1
-        const int p = 2 * (lane - 16);
-        mm::rope_rotate_pair(v[0], v[1], pos, freqs[p], false);
-        mm::rope_rotate_pair(v[2], v[3], pos, freqs[p + 1], false);
+        const int pr = 2 * (lane - 16);
+        mm::rope_rotate_pair(v[0], v[1], pos, p.freqs[pr], false);
+        mm::rope_rotate_pair(v[2], v[3], pos, p.freqs[pr + 1], false);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = qp::bf16r(v[i]);
+        for (int i = 0; i < 4; ++i) v[i] = bf16r(v[i]);
     }
     mm::hadamard128_warp(v, lane);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = qp::bf16r(v[i]);
+    for (int i = 0; i < 4; ++i) v[i] = bf16r(v[i]);
     // FP4 simulation per 32 dims = 8 consecutive lanes (xor 4, 2, 1 stay inside the group).
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
@@ -222,11 +229,33 @@ extern "C" __global__ void __launch_bounds__(256) qkv_prep_indexer_q(const __nv_
     uint32_t word = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) word |= (uint32_t)mm::e4m3_encode(__fmul_rn(f[i], inv_head)) << (8 * i);
-    reinterpret_cast<uint32_t*>(q_codes + vec * qp::kIndexDim)[lane] = word;
+    reinterpret_cast<uint32_t*>(p.q_codes + vec * kIndexDim)[lane] = word;
     if (lane == 0) {
-        const float wb = qp::bf16r(__fmul_rn(qp::bf16r(w_in[vec]), w_scale));
-        w_out[vec] = __fmul_rn(wb, mm::ue8m0_decode((uint8_t)hc));
+        const float wb = bf16r(__fmul_rn(bf16r(p.w_in[vec]), p.w_scale));
+        p.w_out[vec] = __fmul_rn(wb, mm::ue8m0_decode((uint8_t)hc));
     }
+}
+
+}  // namespace qp
+
+// Grid (q_ctas + kv_ctas + index_ctas), 256 threads. The per-head parts' CTAs are laid out row-major over their own
+// (x, row) grids: CTA i of the q part is (i % ceil(heads / 8), i / ceil(heads / 8)).
+extern "C" __global__ void __launch_bounds__(256) qkv_prep_attn(const __grid_constant__ PrepParams p) {
+    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
+    int b = blockIdx.x;
+    if (b < p.q_ctas) {
+        const int xs = (p.heads + qp::kHeadsPerCta - 1) / qp::kHeadsPerCta;
+        qp::q_heads_cta(p, b % xs, b / xs);
+        return;
+    }
+    b -= p.q_ctas;
+    if (b < p.kv_ctas) {
+        qp::kv_entries_cta(p, b);
+        return;
+    }
+    b -= p.kv_ctas;
+    const int xs = (p.index_heads + qp::kHeadsPerCta - 1) / qp::kHeadsPerCta;
+    qp::indexer_q_cta(p, b % xs, b / xs);
 }
 
 // The launch floor of the bench (one empty CTA).

@@ -580,8 +580,9 @@ fn indexer_q_matches_the_model() {
     }
 }
 
-/// The decode-sized call (Flash, 8 tokens) captured once in a graph, replayed after new positions and ring bases
-/// are written to the device: the outputs follow the new positions.
+/// The decode-sized call (Flash, 8 tokens; the three parts in one `prep` launch, as the engine runs them) captured
+/// once in a graph, replayed after new positions and ring bases are written to the device: the outputs follow the
+/// new positions, each part bit for bit the model's steps.
 #[test]
 #[ignore = "needs an H100/H200"]
 fn graph_replay_follows_device_positions() {

@@ -8,7 +8,7 @@
 //! | step | what | launches |
 //! |---|---|---|
 //! | 1 | `hc_pre`: `a` = RMSNorm(hc_pre(x_in); attn_norm) as BF16 and its FP8 1x128 form (written by the finish kernel) | `mhc::mhc_pre_copies` |
-//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` and `q = wq_b qr` in one launch (the GEMV normalizes qa), per-head RMS + RoPE, the window ring entry; every BF16 linear of `a` in one launch (CSA: `weights_proj a`; each compressor's `wkv a`, `wgate a` in f32); CSA: `indexer.wq_b qr`, the indexer query and the rows' visible key counts | `dense::fp8_linears`, `dense::fp8_linears_of_bf16`, `qkv_prep::*`, `dense::bf16_linear` |
+//! | 2-5 | `projections`: `qa = wq_a a`, `kv_raw = wkv a`, `qr = q_norm(qa)` and `q = wq_b qr` in one launch (the GEMV normalizes qa; CSA: with `indexer.wq_b qr`); every BF16 linear of `a` in one launch (CSA: `weights_proj a`; each compressor's `wkv a`, `wgate a` in f32); then one launch for the per-head RMS + RoPE of q, the window ring entry and (CSA) the indexer query with the rows' visible key counts | `dense::fp8_linears`, `dense::fp8_linears_of_bf16`, `dense::bf16_linear`, `qkv_prep::prep` |
 //! | 6-7 | `compress`: each compressor's state update (the kernel adds `ape`) and every m-th position an entry (CSA: also the indexer key) | `compressor::decode_step` |
 //! | 8 | `select` (CSA): logits over the sequence's visible keys, top-k | `indexer::{logits, topk}` |
 //! | 9 | `attend`: each sequence's candidate row (window slots oldest first, then the selected / all visible compressed entries ascending), sparse attention with the sink and the inverse RoPE | `attn_candidates`, `sparse_attn::decode` |
@@ -923,39 +923,6 @@ impl AttnHalf {
             &jobs,
             &b.dense,
         )?;
-        qkv_prep::q_heads(
-            gpu,
-            stream,
-            &b.q_raw,
-            io.positions,
-            &l.rope,
-            n,
-            cfg.n_heads,
-            eps,
-            &self.q,
-            &b.q_rstd,
-        )?;
-        // One row per ring entry, each at its row's sequence base (a chunk's rows all at its sequence's: their
-        // positions are consecutive and span at most PREFILL_CHUNK_MAX <= ring - window + 1, so no two share a
-        // slot and no entry the chunk's earlier queries read is overwritten; plan::LayerCachePlan::window_entries).
-        let ring = WindowRing {
-            pool: &io.caches.pool,
-            seq_base: &io.rows.window_base,
-            tokens_per_seq: 1,
-            window: io.caches.layout.plan.window_entries,
-        };
-        qkv_prep::kv_entries(
-            gpu,
-            stream,
-            &b.kv_raw,
-            &l.kv_norm,
-            io.positions,
-            &l.rope,
-            n,
-            eps,
-            &ring,
-            &b.kv_rstd,
-        )?;
         // Every BF16 linear of `a` in one launch: (CSA) the indexer's weights_proj, then each compressor's wkv and
         // wgate (f32; their state updates run in `compress`). Jobs of different heights share one launch.
         let mut jobs = Vec::with_capacity(5);
@@ -983,27 +950,53 @@ impl AttnHalf {
         if !jobs.is_empty() {
             dense::bf16_linear(gpu, stream, &self.a, n, cfg.dim, &jobs, &b.dense)?;
         }
-        let (Some(ix), Some(ib)) = (&l.indexer, &b.index) else {
-            return Ok(());
+        // The heads' finish, the window ring entry and (CSA) the indexer query in one launch. One row per ring
+        // entry, each at its row's sequence base (a chunk's rows all at its sequence's: their positions are
+        // consecutive and span at most PREFILL_CHUNK_MAX <= ring - window + 1, so no two share a slot and no entry
+        // the chunk's earlier queries read is overwritten; plan::LayerCachePlan::window_entries).
+        let ring = WindowRing {
+            pool: &io.caches.pool,
+            seq_base: &io.rows.window_base,
+            tokens_per_seq: 1,
+            window: io.caches.layout.plan.window_entries,
         };
-        // The indexer query and head weights (weights_proj's f32 output rounded to BF16 inside), and each row's
-        // visible key count for the logits and the top-k, in one launch.
-        qkv_prep::indexer_q(
+        let index = match (&l.indexer, &b.index) {
+            (Some(ix), Some(ib)) => Some(qkv_prep::IndexerQ {
+                qi: &ib.qi_raw,
+                w_in: &ib.w_f32,
+                heads: cfg.index_n_heads,
+                w_scale: ix.w_scale,
+                q_codes: &ib.query.q,
+                w_out: &ib.query.w,
+                visible: Some(qkv_prep::VisibleKeys {
+                    ratio: ix.compressor.shape.ratio,
+                    num_valid: &ib.query.num_valid,
+                }),
+            }),
+            _ => None,
+        };
+        qkv_prep::prep(
             gpu,
             stream,
-            &ib.qi_raw,
-            &ib.w_f32,
-            io.positions,
-            &l.rope,
-            n,
-            cfg.index_n_heads,
-            ix.w_scale,
-            &ib.query.q,
-            &ib.query.w,
-            Some(qkv_prep::VisibleKeys {
-                ratio: ix.compressor.shape.ratio,
-                num_valid: &ib.query.num_valid,
-            }),
+            &qkv_prep::Prep {
+                rows: n,
+                positions: io.positions,
+                freqs: &l.rope,
+                eps,
+                q: Some(qkv_prep::QHeads {
+                    q_in: &b.q_raw,
+                    heads: cfg.n_heads,
+                    q_out: &self.q,
+                    rstd: &b.q_rstd,
+                }),
+                kv: Some(qkv_prep::KvEntries {
+                    kv_in: &b.kv_raw,
+                    kv_norm: &l.kv_norm,
+                    ring: &ring,
+                    rstd: &b.kv_rstd,
+                }),
+                index,
+            },
         )
     }
 

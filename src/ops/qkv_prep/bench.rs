@@ -8,7 +8,8 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::{
-    indexer_q, kv_entries, launch_floor, q_heads, WindowRing, ENTRY_BYTES, HEAD_DIM, INDEX_HEAD_DIM,
+    indexer_q, kv_entries, launch_floor, prep, q_heads, IndexerQ, KvEntries, Prep, QHeads,
+    WindowRing, ENTRY_BYTES, HEAD_DIM, INDEX_HEAD_DIM,
 };
 use crate::formats::bf16::to_bf16_vec;
 use crate::gpu::timing::TimingPlan;
@@ -17,7 +18,7 @@ use crate::model::config::ModelConfig;
 use crate::model::reference::{indexer_weight_scale, layer_rope};
 use crate::ops::inputs;
 
-/// The measured variants: each kernel alone, the three in one graph, and the empty launch.
+/// The measured variants: each part alone, the three parts in one launch (`all`, the engine's), and the empty launch.
 pub const VARIANTS: &[&str] = &["q_heads", "kv_entries", "indexer_q", "all", "launch_floor"];
 
 /// DSV4's RMSNorm epsilon.
@@ -147,17 +148,54 @@ impl Problem {
         )
     }
 
+    /// The three parts in one [`prep`] launch, as the engine's projections run them.
+    pub fn run_all(&self, gpu: &Gpu) -> Result<()> {
+        let ring = WindowRing {
+            pool: &self.pool,
+            seq_base: &self.seq_base,
+            tokens_per_seq: 1,
+            window: WINDOW,
+        };
+        prep(
+            gpu,
+            &gpu.stream,
+            &Prep {
+                rows: self.rows,
+                positions: &self.positions,
+                freqs: &self.freqs,
+                eps: EPS,
+                q: Some(QHeads {
+                    q_in: &self.q_in,
+                    heads: self.heads,
+                    q_out: &self.q_out,
+                    rstd: &self.q_rstd,
+                }),
+                kv: Some(KvEntries {
+                    kv_in: &self.kv_in,
+                    kv_norm: &self.kv_norm,
+                    ring: &ring,
+                    rstd: &self.kv_rstd,
+                }),
+                index: Some(IndexerQ {
+                    qi: &self.qi_in,
+                    w_in: &self.w_in,
+                    heads: self.index_heads,
+                    w_scale: self.w_scale,
+                    q_codes: &self.q_codes,
+                    w_out: &self.w_out,
+                    visible: None,
+                }),
+            },
+        )
+    }
+
     /// The launches of `variant` (one of [`VARIANTS`]).
     pub fn run(&self, gpu: &Gpu, variant: &str) -> Result<()> {
         match variant {
             "q_heads" => self.run_q_heads(gpu),
             "kv_entries" => self.run_kv_entries(gpu),
             "indexer_q" => self.run_indexer_q(gpu),
-            "all" => {
-                self.run_q_heads(gpu)?;
-                self.run_kv_entries(gpu)?;
-                self.run_indexer_q(gpu)
-            }
+            "all" => self.run_all(gpu),
             "launch_floor" => launch_floor(gpu, &gpu.stream),
             v => bail!("qkv_prep: unknown variant `{v}` ({})", VARIANTS.join(", ")),
         }

@@ -61,15 +61,6 @@ fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
     Ok(())
 }
 
-fn check_align<T>(what: &str, b: &impl DeviceBuf<T>, align: u64) -> Result<()> {
-    ensure!(
-        b.device_addr().is_multiple_of(align),
-        "qkv_prep: `{what}` at {:#x} is not {align}-byte aligned",
-        b.device_addr()
-    );
-    Ok(())
-}
-
 /// Row-count and head-count rules of the per-head kernels: `1 <= rows <= 65535`, `heads >= 1` (and the element
 /// counts fit the kernels' index arithmetic).
 pub fn check_rows_heads(rows: usize, heads: usize) -> Result<()> {
@@ -92,14 +83,6 @@ fn check_eps(eps: f32) -> Result<()> {
     Ok(())
 }
 
-/// The per-head kernels' launch: (ceil(heads / 8), rows) CTAs of 8 warps.
-fn per_head_launch(rows: usize, heads: usize) -> Launch {
-    Launch::new(
-        (heads.div_ceil(HEADS_PER_CTA) as u32, rows as u32, 1),
-        (32 * HEADS_PER_CTA as u32, 1, 1),
-    )
-}
-
 /// `qr = rms_norm_bf16(qa, q_norm)` of `out.rows` rows of `q_lora = out.d` written as FP8 1x128 (e4m3 codes
 /// `[rows, q_lora]`, ue8m0 scale codes `[rows, q_lora / 128]`, the rstd `[rows]`): norm_quant's row kernel
 /// ([`norm_quant::rmsnorm_quant_into`]), the activation format of the FP8 linears wq_b and indexer wq_b read.
@@ -120,12 +103,229 @@ pub fn q_lora_norm(
     norm_quant::rmsnorm_quant_into(gpu, stream, RowsIn::Bf16(qa), q_norm, eps, out)
 }
 
+/// The q-heads part of a [`prep`] launch: `q_in [rows, heads, 512]` BF16 -> `q_out` (same layout, BF16) and the
+/// per-head RMS factor `rstd [rows, heads]` f32 ([`q_heads`] has the rule).
+#[derive(Clone, Copy)]
+pub struct QHeads<'a> {
+    pub q_in: &'a dyn DeviceBuf<bf16>,
+    pub heads: usize,
+    pub q_out: &'a dyn DeviceBuf<bf16>,
+    pub rstd: &'a dyn DeviceBuf<f32>,
+}
+
+/// The kv-entries part of a [`prep`] launch: `kv_in [rows, 512]` BF16 with `kv_norm [512]` BF16 into the window
+/// ring, `rstd [rows]` f32 ([`kv_entries`] has the rule).
+#[derive(Clone, Copy)]
+pub struct KvEntries<'a> {
+    pub kv_in: &'a dyn DeviceBuf<bf16>,
+    pub kv_norm: &'a dyn DeviceBuf<bf16>,
+    pub ring: &'a WindowRing<'a>,
+    pub rstd: &'a dyn DeviceBuf<f32>,
+}
+
+/// The indexer-query part of a [`prep`] launch ([`indexer_q`] has the rule).
+#[derive(Clone, Copy)]
+pub struct IndexerQ<'a> {
+    pub qi: &'a dyn DeviceBuf<bf16>,
+    pub w_in: &'a dyn DeviceBuf<f32>,
+    pub heads: usize,
+    pub w_scale: f32,
+    pub q_codes: &'a dyn DeviceBuf<u8>,
+    pub w_out: &'a dyn DeviceBuf<f32>,
+    pub visible: Option<VisibleKeys<'a>>,
+}
+
+/// One `qkv_prep_attn` launch over `rows` rows at `positions` with the layer's RoPE table `freqs` (32 f64): any of
+/// the three parts, each a range of the grid's CTAs. The engine's projections run all three in one launch; each
+/// part's own launcher ([`q_heads`], [`kv_entries`], [`indexer_q`]) is this with the others absent. Every warp runs
+/// the code of its part alone, so a merged launch writes the bits of the separate ones.
+#[derive(Clone, Copy)]
+pub struct Prep<'a> {
+    pub rows: usize,
+    pub positions: &'a dyn DeviceBuf<i32>,
+    pub freqs: &'a dyn DeviceBuf<f64>,
+    pub eps: f32,
+    pub q: Option<QHeads<'a>>,
+    pub kv: Option<KvEntries<'a>>,
+    pub index: Option<IndexerQ<'a>>,
+}
+
+/// The kernel's parameter block (`PrepParams` in kernels/qkv_prep.cu, same field order; 168 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PrepParams {
+    positions: u64,
+    freqs: u64,
+    q_in: u64,
+    q_out: u64,
+    q_rstd: u64,
+    kv_in: u64,
+    kv_norm: u64,
+    seq_base: u64,
+    pool: u64,
+    kv_rstd: u64,
+    qi_in: u64,
+    w_in: u64,
+    q_codes: u64,
+    w_out: u64,
+    num_valid: u64,
+    rows: i32,
+    heads: i32,
+    index_heads: i32,
+    tokens_per_seq: i32,
+    window: i32,
+    n_entries: i32,
+    ratio: i32,
+    eps: f32,
+    w_scale: f32,
+    q_ctas: i32,
+    kv_ctas: i32,
+    index_ctas: i32,
+}
+const _: () = assert!(std::mem::size_of::<PrepParams>() == 168);
+
+fn check_align<T>(what: &str, b: &dyn DeviceBuf<T>, align: u64) -> Result<()> {
+    ensure!(
+        b.device_addr().is_multiple_of(align),
+        "qkv_prep: `{what}` at {:#x} is not {align}-byte aligned",
+        b.device_addr()
+    );
+    Ok(())
+}
+
+/// Checks every part of `p` (the rules of [`q_heads`], [`kv_entries`], [`indexer_q`]) and launches them as one grid.
+pub fn prep(gpu: &Gpu, stream: &Stream, p: &Prep) -> Result<()> {
+    let rows = p.rows;
+    check_rows_heads(rows, 1)?;
+    check_len("positions", p.positions.elems(), rows)?;
+    check_len("freqs", p.freqs.elems(), ROPE_DIM / 2)?;
+    let mut k = PrepParams {
+        positions: p.positions.device_addr(),
+        freqs: p.freqs.device_addr(),
+        rows: rows as i32,
+        eps: p.eps,
+        ratio: 1,
+        tokens_per_seq: 1,
+        window: 1,
+        ..Default::default()
+    };
+    if p.q.is_some() || p.kv.is_some() {
+        check_eps(p.eps)?;
+    }
+    if let Some(q) = &p.q {
+        check_rows_heads(rows, q.heads)?;
+        check_len("q_in", q.q_in.elems(), rows * q.heads * HEAD_DIM)?;
+        check_len("q_out", q.q_out.elems(), rows * q.heads * HEAD_DIM)?;
+        check_len("rstd", q.rstd.elems(), rows * q.heads)?;
+        check_align("q_in", q.q_in, 16)?;
+        check_align("q_out", q.q_out, 16)?;
+        k.q_in = q.q_in.device_addr();
+        k.q_out = q.q_out.device_addr();
+        k.q_rstd = q.rstd.device_addr();
+        k.heads = q.heads as i32;
+        k.q_ctas = (q.heads.div_ceil(HEADS_PER_CTA) * rows) as i32;
+    }
+    if let Some(kv) = &p.kv {
+        let ring = kv.ring;
+        check_len("kv_in", kv.kv_in.elems(), rows * HEAD_DIM)?;
+        check_len("kv_norm", kv.kv_norm.elems(), HEAD_DIM)?;
+        check_len("kv rstd", kv.rstd.elems(), rows)?;
+        check_align("kv_in", kv.kv_in, 16)?;
+        check_align("kv_norm", kv.kv_norm, 16)?;
+        check_ring(rows, ring.tokens_per_seq, ring.window)?;
+        check_len(
+            "seq_base",
+            ring.seq_base.elems(),
+            rows / ring.tokens_per_seq,
+        )?;
+        let pool_bytes = ring.pool.elems();
+        ensure!(
+            pool_bytes.is_multiple_of(ENTRY_BYTES),
+            "qkv_prep: the pool has {pool_bytes} bytes, not a multiple of {ENTRY_BYTES}"
+        );
+        let n_entries = pool_bytes / ENTRY_BYTES;
+        ensure!(
+            n_entries <= i32::MAX as usize,
+            "qkv_prep: {n_entries} pool entries do not fit i32 indices"
+        );
+        check_align("pool", ring.pool, 8)?;
+        k.kv_in = kv.kv_in.device_addr();
+        k.kv_norm = kv.kv_norm.device_addr();
+        k.seq_base = ring.seq_base.device_addr();
+        k.pool = ring.pool.device_addr();
+        k.kv_rstd = kv.rstd.device_addr();
+        k.tokens_per_seq = ring.tokens_per_seq as i32;
+        k.window = ring.window as i32;
+        k.n_entries = n_entries as i32;
+        k.kv_ctas = rows.div_ceil(8) as i32;
+    }
+    if let Some(ix) = &p.index {
+        check_rows_heads(rows, ix.heads)?;
+        ensure!(
+            ix.w_scale.is_finite() && ix.w_scale > 0.0,
+            "qkv_prep: w_scale must be finite and > 0, got {}",
+            ix.w_scale
+        );
+        if let Some(v) = &ix.visible {
+            ensure!(
+                (1..=i32::MAX as usize).contains(&v.ratio),
+                "qkv_prep: the compressor ratio must be at least 1, got {}",
+                v.ratio
+            );
+            ensure!(
+                v.num_valid.elems() >= rows,
+                "qkv_prep: num_valid holds {} counts for {rows} rows",
+                v.num_valid.elems()
+            );
+            k.ratio = v.ratio as i32;
+            k.num_valid = v.num_valid.device_addr();
+        }
+        check_len("qi", ix.qi.elems(), rows * ix.heads * INDEX_HEAD_DIM)?;
+        check_len("w_in", ix.w_in.elems(), rows * ix.heads)?;
+        check_len(
+            "q_codes",
+            ix.q_codes.elems(),
+            rows * ix.heads * INDEX_HEAD_DIM,
+        )?;
+        check_len("w_out", ix.w_out.elems(), rows * ix.heads)?;
+        check_align("qi", ix.qi, 8)?;
+        check_align("q_codes", ix.q_codes, 4)?;
+        k.qi_in = ix.qi.device_addr();
+        k.w_in = ix.w_in.device_addr();
+        k.q_codes = ix.q_codes.device_addr();
+        k.w_out = ix.w_out.device_addr();
+        k.w_scale = ix.w_scale;
+        k.index_heads = ix.heads as i32;
+        k.index_ctas = (ix.heads.div_ceil(HEADS_PER_CTA) * rows) as i32;
+    }
+    let ctas = k.q_ctas as usize + k.kv_ctas as usize + k.index_ctas as usize;
+    ensure!(ctas >= 1, "qkv_prep: a launch with no part");
+    ensure!(
+        ctas <= i32::MAX as usize,
+        "qkv_prep: {ctas} CTAs do not fit one grid"
+    );
+    let kernel = gpu.kernel(FAMILY, "qkv_prep_attn")?;
+    let mut a = KernelArgs::new();
+    a.pod(&k);
+    // SAFETY: the parameter block of qkv_prep_attn; every buffer holds the element counts checked above, each part's
+    // CTAs cover its (heads, rows) or rows, the kernel guards head < heads and row < rows and bounds-checks every
+    // pool entry against n_entries; a null num_valid is not written.
+    unsafe {
+        launch(
+            stream,
+            &kernel,
+            Launch::new((ctas as u32, 1, 1), (32 * HEADS_PER_CTA as u32, 1, 1)),
+            &mut a,
+        )
+    }
+}
+
 /// Per-head query finish of `rows` rows of `heads` heads: `q_in [rows, heads, 512]` BF16 -> `q_out` (same
 /// layout, BF16) and the per-head RMS factor `rstd [rows, heads]` f32: the BF16 value
 /// `r = bf16(rsqrt(bf16(bf16(mean(bf16(q^2))) + eps)))` of the official op order
 /// ([`head_rms_scale_bf16`](crate::model::numerics::head_rms_scale_bf16); the mean's sum in f32), and
-/// `q_out = bf16(q_in * r)` before RoPE. Rows with `positions[row] < 0` write nothing. `freqs`: the layer's `RopeTable::freqs` (32 f64). `q_in` and `q_out` 16-byte aligned, not
-/// overlapping.
+/// `q_out = bf16(q_in * r)` before RoPE. Rows with `positions[row] < 0` write nothing. `freqs`: the layer's
+/// `RopeTable::freqs` (32 f64). `q_in` and `q_out` 16-byte aligned, not overlapping. A [`prep`] launch of this part.
 #[allow(clippy::too_many_arguments)]
 pub fn q_heads(
     gpu: &Gpu,
@@ -139,36 +339,35 @@ pub fn q_heads(
     q_out: &impl DeviceBuf<bf16>,
     rstd: &impl DeviceBuf<f32>,
 ) -> Result<()> {
-    check_rows_heads(rows, heads)?;
-    check_eps(eps)?;
-    check_len("q_in", q_in.elems(), rows * heads * HEAD_DIM)?;
-    check_len("q_out", q_out.elems(), rows * heads * HEAD_DIM)?;
-    check_len("positions", positions.elems(), rows)?;
-    check_len("freqs", freqs.elems(), ROPE_DIM / 2)?;
-    check_len("rstd", rstd.elems(), rows * heads)?;
-    check_align("q_in", q_in, 16)?;
-    check_align("q_out", q_out, 16)?;
-    let k = gpu.kernel(FAMILY, "qkv_prep_q_heads")?;
-    let mut a = KernelArgs::new();
-    a.buf(q_in)
-        .buf(positions)
-        .buf(freqs)
-        .i32(heads as i32)
-        .f32(eps)
-        .buf(q_out)
-        .buf(rstd);
-    // SAFETY: argument list of qkv_prep_q_heads; every buffer holds the element counts checked above, the grid
-    // covers rows x heads and the kernel guards head < heads.
-    unsafe { launch(stream, &k, per_head_launch(rows, heads), &mut a) }
+    let q = QHeads {
+        q_in,
+        heads,
+        q_out,
+        rstd,
+    };
+    prep(
+        gpu,
+        stream,
+        &Prep {
+            rows,
+            positions,
+            freqs,
+            eps,
+            q: Some(q),
+            kv: None,
+            index: None,
+        },
+    )
 }
 
 /// Where [`kv_entries`] writes: the window ring of each sequence in a pool of 584-byte entries.
-pub struct WindowRing<'a, P: DeviceBuf<u8>, B: DeviceBuf<i32>> {
+#[derive(Clone, Copy)]
+pub struct WindowRing<'a> {
     /// The KV pool, `n_entries x 584` bytes.
-    pub pool: &'a P,
+    pub pool: &'a dyn DeviceBuf<u8>,
     /// Pool index of ring slot 0 of each sequence (`rows / tokens_per_seq` values, read on the device; a
     /// negative base skips the sequence's rows).
-    pub seq_base: &'a B,
+    pub seq_base: &'a dyn DeviceBuf<i32>,
     /// Consecutive rows per sequence: row `r` belongs to sequence `r / tokens_per_seq`. Its rows' positions are
     /// distinct and span less than the ring length `window` (consecutive decode / MTP tokens), so no two rows share
     /// a slot. (The engine's prefill chunk passes `tokens_per_seq = 1` with a per-row `seq_base` that repeats one
@@ -182,7 +381,8 @@ pub struct WindowRing<'a, P: DeviceBuf<u8>, B: DeviceBuf<i32>> {
 
 /// Window KV of `rows` rows: `kv_in [rows, 512]` BF16 -> RMSNorm with `kv_norm` (BF16 `[512]`), RoPE on dims
 /// 448..511 at the row's position, BF16, FP8 entry into the ring slot ([`WindowRing`]); `rstd [rows]` f32.
-/// A row with position < 0, a negative sequence base or an entry outside the pool writes nothing.
+/// A row with position < 0, a negative sequence base or an entry outside the pool writes nothing. A [`prep`]
+/// launch of this part.
 #[allow(clippy::too_many_arguments)]
 pub fn kv_entries(
     gpu: &Gpu,
@@ -193,59 +393,28 @@ pub fn kv_entries(
     freqs: &impl DeviceBuf<f64>,
     rows: usize,
     eps: f32,
-    ring: &WindowRing<'_, impl DeviceBuf<u8>, impl DeviceBuf<i32>>,
+    ring: &WindowRing<'_>,
     rstd: &impl DeviceBuf<f32>,
 ) -> Result<()> {
-    check_rows_heads(rows, 1)?;
-    check_eps(eps)?;
-    check_len("kv_in", kv_in.elems(), rows * HEAD_DIM)?;
-    check_len("kv_norm", kv_norm.elems(), HEAD_DIM)?;
-    check_len("positions", positions.elems(), rows)?;
-    check_len("freqs", freqs.elems(), ROPE_DIM / 2)?;
-    check_len("rstd", rstd.elems(), rows)?;
-    check_align("kv_in", kv_in, 16)?;
-    check_align("kv_norm", kv_norm, 16)?;
-    check_ring(rows, ring.tokens_per_seq, ring.window)?;
-    check_len(
-        "seq_base",
-        ring.seq_base.elems(),
-        rows / ring.tokens_per_seq,
-    )?;
-    let pool_bytes = ring.pool.elems();
-    ensure!(
-        pool_bytes.is_multiple_of(ENTRY_BYTES),
-        "qkv_prep: the pool has {pool_bytes} bytes, not a multiple of {ENTRY_BYTES}"
-    );
-    let n_entries = pool_bytes / ENTRY_BYTES;
-    ensure!(
-        n_entries <= i32::MAX as usize,
-        "qkv_prep: {n_entries} pool entries do not fit i32 indices"
-    );
-    check_align("pool", ring.pool, 8)?;
-    let k = gpu.kernel(FAMILY, "qkv_prep_kv_entries")?;
-    let mut a = KernelArgs::new();
-    a.buf(kv_in)
-        .buf(kv_norm)
-        .buf(positions)
-        .buf(ring.seq_base)
-        .i32(rows as i32)
-        .i32(ring.tokens_per_seq as i32)
-        .i32(ring.window as i32)
-        .buf(freqs)
-        .f32(eps)
-        .buf(ring.pool)
-        .i32(n_entries as i32)
-        .buf(rstd);
-    // SAFETY: argument list of qkv_prep_kv_entries; the buffers hold the counts checked above, the kernel
-    // bounds-checks every destination entry against n_entries and guards row < rows.
-    unsafe {
-        launch(
-            stream,
-            &k,
-            Launch::new((rows.div_ceil(8) as u32, 1, 1), (256, 1, 1)),
-            &mut a,
-        )
-    }
+    let kv = KvEntries {
+        kv_in,
+        kv_norm,
+        ring,
+        rstd,
+    };
+    prep(
+        gpu,
+        stream,
+        &Prep {
+            rows,
+            positions,
+            freqs,
+            eps,
+            q: None,
+            kv: Some(kv),
+            index: None,
+        },
+    )
 }
 
 /// The ring rules of [`kv_entries`]: `1 <= tokens_per_seq <= window`, `rows % tokens_per_seq == 0`,
@@ -281,7 +450,7 @@ pub struct VisibleKeys<'a> {
 /// `q_codes [rows, heads, 128]` and f32 `w_out [rows, heads]` (`indexer::QueryBatch`'s q and w for next_n = 1,
 /// rows = sequences; for next_n = 2 the caller orders rows `b * 2 + t`), and with `visible` each row's visible key
 /// count. `w_scale` is `model::reference::indexer_weight_scale(128, heads)`. Rows with position < 0 write no q or
-/// w (their count is 0).
+/// w (their count is 0). A [`prep`] launch of this part.
 #[allow(clippy::too_many_arguments)]
 pub fn indexer_q(
     gpu: &Gpu,
@@ -297,48 +466,29 @@ pub fn indexer_q(
     w_out: &impl DeviceBuf<f32>,
     visible: Option<VisibleKeys>,
 ) -> Result<()> {
-    check_rows_heads(rows, heads)?;
-    ensure!(
-        w_scale.is_finite() && w_scale > 0.0,
-        "qkv_prep: w_scale must be finite and > 0, got {w_scale}"
-    );
-    if let Some(v) = &visible {
-        ensure!(
-            (1..=i32::MAX as usize).contains(&v.ratio),
-            "qkv_prep: the compressor ratio must be at least 1, got {}",
-            v.ratio
-        );
-        ensure!(
-            v.num_valid.elems() >= rows,
-            "qkv_prep: num_valid holds {} counts for {rows} rows",
-            v.num_valid.elems()
-        );
-    }
-    check_len("qi", qi.elems(), rows * heads * INDEX_HEAD_DIM)?;
-    check_len("w_in", w_in.elems(), rows * heads)?;
-    check_len("positions", positions.elems(), rows)?;
-    check_len("freqs", freqs.elems(), ROPE_DIM / 2)?;
-    check_len("q_codes", q_codes.elems(), rows * heads * INDEX_HEAD_DIM)?;
-    check_len("w_out", w_out.elems(), rows * heads)?;
-    check_align("qi", qi, 8)?;
-    check_align("q_codes", q_codes, 4)?;
-    let k = gpu.kernel(FAMILY, "qkv_prep_indexer_q")?;
-    let mut a = KernelArgs::new();
-    a.buf(qi)
-        .buf(w_in)
-        .buf(positions)
-        .buf(freqs)
-        .i32(heads as i32)
-        .f32(w_scale)
-        .buf(q_codes)
-        .buf(w_out);
-    match visible {
-        Some(v) => a.i32(v.ratio as i32).u64(v.num_valid.device_addr()),
-        None => a.i32(1).null(),
+    let index = IndexerQ {
+        qi,
+        w_in,
+        heads,
+        w_scale,
+        q_codes,
+        w_out,
+        visible,
     };
-    // SAFETY: argument list of qkv_prep_indexer_q; buffers hold the counts checked above, the grid covers rows x
-    // heads and the kernel guards head < heads; a null num_valid is not written.
-    unsafe { launch(stream, &k, per_head_launch(rows, heads), &mut a) }
+    prep(
+        gpu,
+        stream,
+        &Prep {
+            rows,
+            positions,
+            freqs,
+            // Not read by this part (the norms' eps).
+            eps: 1.0,
+            q: None,
+            kv: None,
+            index: Some(index),
+        },
+    )
 }
 
 /// One empty launch (the bench's launch floor).
