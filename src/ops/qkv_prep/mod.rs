@@ -150,6 +150,26 @@ pub struct Prep<'a> {
     pub index: Option<IndexerQ<'a>>,
 }
 
+impl<'a> Prep<'a> {
+    /// A launch over `rows` rows with no part yet (the caller sets `q`, `kv`, `index`).
+    pub fn over(
+        rows: usize,
+        positions: &'a dyn DeviceBuf<i32>,
+        freqs: &'a dyn DeviceBuf<f64>,
+        eps: f32,
+    ) -> Prep<'a> {
+        Prep {
+            rows,
+            positions,
+            freqs,
+            eps,
+            q: None,
+            kv: None,
+            index: None,
+        }
+    }
+}
+
 /// The kernel's parameter block (`PrepParams` in kernels/qkv_prep.cu, same field order; 168 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -345,19 +365,8 @@ pub fn q_heads(
         q_out,
         rstd,
     };
-    prep(
-        gpu,
-        stream,
-        &Prep {
-            rows,
-            positions,
-            freqs,
-            eps,
-            q: Some(q),
-            kv: None,
-            index: None,
-        },
-    )
+    let p = Prep::over(rows, positions, freqs, eps);
+    prep(gpu, stream, &Prep { q: Some(q), ..p })
 }
 
 /// Where [`kv_entries`] writes: the window ring of each sequence in a pool of 584-byte entries.
@@ -402,19 +411,8 @@ pub fn kv_entries(
         ring,
         rstd,
     };
-    prep(
-        gpu,
-        stream,
-        &Prep {
-            rows,
-            positions,
-            freqs,
-            eps,
-            q: None,
-            kv: Some(kv),
-            index: None,
-        },
-    )
+    let p = Prep::over(rows, positions, freqs, eps);
+    prep(gpu, stream, &Prep { kv: Some(kv), ..p })
 }
 
 /// The ring rules of [`kv_entries`]: `1 <= tokens_per_seq <= window`, `rows % tokens_per_seq == 0`,
@@ -475,18 +473,14 @@ pub fn indexer_q(
         w_out,
         visible,
     };
+    // eps is the norms' (not read by this part).
+    let p = Prep::over(rows, positions, freqs, 1.0);
     prep(
         gpu,
         stream,
         &Prep {
-            rows,
-            positions,
-            freqs,
-            // Not read by this part (the norms' eps).
-            eps: 1.0,
-            q: None,
-            kv: None,
             index: Some(index),
+            ..p
         },
     )
 }
