@@ -1006,7 +1006,9 @@ fn gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear() {
                                 "{label}: {differ} of {} outputs differ",
                                 got.len()
                             );
-                            let gemv = route == DenseRoute::Gemv;
+                            // The path the launcher takes: above the GEMV's 64 rows the tensor cores take the
+                            // call under either route (route.rs), and then the FP8 rows must be prepared.
+                            let gemv = ws.path(&s, wt.scales_f32.is_some()) == DensePath::Gemv;
                             assert_eq!(ran.get(), !gemv, "{label}: prepare ran: {}", ran.get());
                             if gemv {
                                 let QuantBufs::Fp8 { data, .. } = &scratch.q else {
