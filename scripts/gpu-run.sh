@@ -15,8 +15,8 @@
 #           scripts/gpu-baseline.sh), interleaved candidate, baseline, candidate, baseline, each a Flash sweep at
 #           4K over AB_BATCHES (default 1,8,64); each side's decode.csv rows under ab-<side>/ (AB_TIMEOUT per run)
 #   bench-ab: a kernel A/B on one machine with the same two binaries: the bench configs AB_CONFIGS (default
-#           ab/dense_stream; names under bench-configs/), candidate, baseline, candidate, baseline; each side's CSV
-#           rows under ab-<side>/ (BENCH_TIMEOUT per run)
+#           ab/dense_stream; names under bench-configs/), candidate, baseline, candidate, baseline; each run's CSV
+#           rows under ab-<side>-<round>/ (BENCH_TIMEOUT per run)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -225,8 +225,9 @@ if want bench-ab; then
         for name in ${AB_CONFIGS:-ab/dense_stream}; do
           step "bench-ab: $side ($c), round $round, $name"
           log="$work/ab-$side-${name//\//-}-$round.log"
+          # One directory a round: a bench run rewrites its CSVs, so a shared one would keep only the last round.
           MEGAMOE_GIT_COMMIT="$c" timeout "${BENCH_TIMEOUT:-600}" "$bin" bench --config "$B/bench-configs/$name.toml" \
-            --out "$work/ab-$side" > "$log" 2>&1 || { echo "bench-ab $side $name round $round failed"; status=1; }
+            --out "$work/ab-$side-$round" > "$log" 2>&1 || { echo "bench-ab $side $name round $round failed"; status=1; }
           tail -n 1 "$log"
         done
       done
