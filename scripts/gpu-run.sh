@@ -14,9 +14,9 @@
 #           (AB_BASE, default gpu-bundle-base/ beside this bundle: megamoe or megamoe.xz and COMMIT, from
 #           scripts/gpu-baseline.sh), interleaved candidate, baseline, candidate, baseline, each a Flash sweep at
 #           4K over AB_BATCHES (default 1,8,64); each side's decode.csv rows under ab-<side>/ (AB_TIMEOUT per run)
-#   bench-ab: a kernel A/B on one machine with the same two binaries: the bench configs AB_CONFIGS (default
-#           ab/dense_stream; names under bench-configs/), candidate, baseline, candidate, baseline; each run's CSV
-#           rows under ab-<side>-<round>/ (BENCH_TIMEOUT per run)
+#   bench-ab: a kernel A/B on one machine with the same two binaries: the bench configs AB_CONFIGS (names under
+#           bench-configs/, e.g. ab/X), candidate, baseline, candidate, baseline; each run's CSV rows under
+#           ab-<side>-<round>/ (BENCH_TIMEOUT per run)
 #   Several steps in one call (e.g. tests,stress,bench,profile) pack into ONE archive: the device tool returns only
 #   a few files per call, so one call should leave one archive.
 #   profile: Nsight Compute (ncu --clock-control none, never changing clocks) on the points in
@@ -222,7 +222,7 @@ if want bench-ab; then
     for round in 1 2; do
       for side in candidate baseline; do
         if [ "$side" = candidate ]; then bin="$B/megamoe"; c="$MEGAMOE_GIT_COMMIT"; else bin="$base/megamoe"; c="$base_commit"; fi
-        for name in ${AB_CONFIGS:-ab/dense_stream}; do
+        for name in ${AB_CONFIGS:?bench-ab needs AB_CONFIGS (bench config names under bench-configs/, e.g. ab/X)}; do
           step "bench-ab: $side ($c), round $round, $name"
           log="$work/ab-$side-${name//\//-}-$round.log"
           # One directory a round: a bench run rewrites its CSVs, so a shared one would keep only the last round.
