@@ -267,6 +267,9 @@ pub struct DecodeSummary {
     /// The traced step's kernels in start order ([`Engine::trace_step`]); empty where this machine could not
     /// trace.
     pub trace: Vec<KernelSpan>,
+    /// The traced step by the profiled step's kernel groups (each kernel's share of the wall; the groups add up to
+    /// the wall), as `profile`; empty without a trace or where the two steps' kernels do not line up.
+    pub traced_groups: Vec<(String, f64, usize, f64)>,
     /// The same step by kernel: (entry point, us summed over its launches, launches).
     pub kernel_profile: Vec<(String, f64, usize)>,
     /// After a chunked prefill: one more chunk of sequence 0 profiled (its rows, its first position, the groups
@@ -578,13 +581,17 @@ fn time_point(
     } else {
         Some(engine.profile_step(gpu)?)
     };
-    let (groups, kernel_profile) =
-        profile.map_or((Vec::new(), Vec::new()), |p| (p.groups, p.kernels));
+    let (groups, kernel_profile, kernel_groups) = profile.map_or_else(
+        || (Vec::new(), Vec::new(), Vec::new()),
+        |p| (p.groups, p.kernels, p.kernel_groups),
+    );
     let trace = if crate::progress::interrupted() {
         Vec::new()
     } else {
         spans_or_say(engine.trace_step(gpu)?, "the traced step")
     };
+    // The traced step by the profiled step's groups (both at quiet positions: the same kernels in the same order).
+    let traced_groups = crate::gpu::trace::by_group(&trace, &kernel_groups).unwrap_or_default();
     let prefill_profile = if ttft_s.is_some() && !crate::progress::interrupted() {
         profile_next_chunk(gpu, engine, prompts)?
     } else {
@@ -609,6 +616,15 @@ fn time_point(
             bytes: StepBytes::of(plan, &positions),
             copy_gbps,
             kernels,
+            traced_groups: traced_groups
+                .into_iter()
+                .map(|(name, us, _)| {
+                    let runs = groups.iter().find(|g| g.0 == name).map_or(0, |g| g.2);
+                    let floor_us =
+                        group_floor_bytes(plan, &name, &positions) as f64 / (copy_gbps * 1e3);
+                    (name, us, runs, floor_us)
+                })
+                .collect(),
             profile: groups
                 .into_iter()
                 .map(|(name, us, n)| {
@@ -878,6 +894,11 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
             ),
             &s.trace,
             cfg.n_layers,
+        );
+        print_profile(
+            "the traced step by kernel group (each kernel's share of the wall: the busy time it adds and the idle \
+             time before it, so the groups add up to the wall; floor = the group's bytes at the copy bandwidth)",
+            &s.traced_groups,
         );
     }
     if let Some(c) = &s.prefill_profile {

@@ -444,20 +444,38 @@ impl<'w> Engine<'w> {
 }
 
 /// What [`Engine::profile_step`] measured: `(name, microseconds summed over the runs, runs)` per kernel group and
-/// per kernel, in the order each name first ran.
+/// per kernel, in the order each name first ran; and every marked kernel launch in order with the group it ran in
+/// (`(entry point, group)`: what [`crate::gpu::trace::by_group`] aligns a traced step of the same kernels with).
 pub struct ProfiledStep {
     pub groups: Vec<(String, f64, usize)>,
     pub kernels: Vec<(String, f64, usize)>,
+    pub kernel_groups: Vec<(String, String)>,
 }
 
 impl ProfiledStep {
     /// The group and kernel tables of a profiled run from its two sets of events (waits for them).
     fn of(groups: &StepMarks, kernels: &StepMarks) -> Result<ProfiledStep> {
         Ok(ProfiledStep {
+            kernel_groups: kernel_groups(&groups.sequence(), &kernels.sequence()),
             groups: sum_by_name(groups.durations()?),
             kernels: sum_by_name(kernels.durations()?),
         })
     }
+}
+
+/// Each kernel mark (after the first, the start) with the group whose mark is the first recorded after it: a group's
+/// mark follows its kernels. Kernels after the last group mark are left out.
+fn kernel_groups(groups: &[(u64, String)], kernels: &[(u64, String)]) -> Vec<(String, String)> {
+    kernels
+        .iter()
+        .skip(1)
+        .filter_map(|(at, k)| {
+            groups
+                .iter()
+                .find(|(g_at, _)| g_at > at)
+                .map(|(_, g)| (k.clone(), g.clone()))
+        })
+        .collect()
 }
 
 /// Runs `work` with an event recorded after every kernel launched through `gpu::launch` (named by entry point,
@@ -498,4 +516,31 @@ pub fn synthetic_prompts(seed: u64, batch: usize, len: usize, vocab: usize) -> V
                 .collect()
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kernel_groups;
+
+    /// A kernel belongs to the group whose mark follows it first; the first kernel mark is the start; kernels after
+    /// the last group mark belong to none.
+    #[test]
+    fn kernels_take_the_group_marked_after_them() {
+        let m = |at: u64, n: &str| (at, n.to_string());
+        let groups = [m(3, "g1"), m(6, "g2")];
+        let kernels = [
+            m(0, "start"),
+            m(1, "k1"),
+            m(2, "k2"),
+            m(4, "k3"),
+            m(5, "k4"),
+            m(7, "k5"),
+        ];
+        let got = kernel_groups(&groups, &kernels);
+        let want: Vec<(String, String)> = [("k1", "g1"), ("k2", "g1"), ("k3", "g2"), ("k4", "g2")]
+            .iter()
+            .map(|(k, g)| (k.to_string(), g.to_string()))
+            .collect();
+        assert_eq!(got, want);
+    }
 }

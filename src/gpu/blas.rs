@@ -634,8 +634,9 @@ impl Blas {
                     (workspace.device_addr(), workspace.elems()),
                     y.device_addr(),
                 )
-                    .map_err(|e| block_scaled_refusal("block-scaled matmul", e))
+                    .map_err(|e| block_scaled_refusal("block-scaled matmul", e))?;
             }
+            super::launch::mark_library_launch(stream)
         })
     }
 }
@@ -807,8 +808,9 @@ impl Blas {
                     y.device_addr(),
                 ),
                     "BF16 -> f32 matmul",
-                )
+                )?
             }
+            super::launch::mark_library_launch(stream)
         })
     }
 }

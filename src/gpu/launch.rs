@@ -282,6 +282,19 @@ pub fn with_launch_marks<R>(
     r
 }
 
+/// The name a library call (cuBLASLt) records under [`with_launch_marks`]: its kernels are not launched through
+/// [`launch`], so a traced step's spans of other names between two marked kernels belong to this mark.
+pub const LIBRARY_MARK: &str = "library call";
+
+/// Records [`LIBRARY_MARK`] after a library call enqueued on `stream`, while [`with_launch_marks`] runs.
+pub fn mark_library_launch(stream: &Stream) -> Result<()> {
+    let marks = LAUNCH_MARKS.with(|m| m.borrow().clone());
+    match marks {
+        Some(m) => m.mark(stream, LIBRARY_MARK),
+        None => Ok(()),
+    }
+}
+
 /// Launch `k` on `stream`. Errors name the kernel. Checks that the dynamic shared memory was allowed and that
 /// no grid dimension is zero (a zero grid is a launcher bug that the driver reports only as "invalid value").
 ///

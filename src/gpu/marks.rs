@@ -13,13 +13,19 @@ use super::Stream;
 pub struct EventMarks {
     ctx: Arc<cudarc::driver::CudaContext>,
     events: std::cell::RefCell<Vec<(String, cudarc::driver::CudaEvent)>>,
+    /// Each mark's place in the order of every mark recorded by any `EventMarks` (interleaves two sets).
+    order: std::cell::RefCell<Vec<u64>>,
 }
+
+/// The next mark's place in the order of all marks of the process.
+static NEXT_MARK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl EventMarks {
     pub fn new(stream: &Stream) -> EventMarks {
         EventMarks {
             ctx: stream.context().clone(),
             events: Default::default(),
+            order: Default::default(),
         }
     }
 
@@ -52,7 +58,21 @@ impl EventMarks {
                 .map_err(|e| anyhow!("event record: {e:?}"))?;
         }
         self.events.borrow_mut().push((what.into(), ev));
+        self.order
+            .borrow_mut()
+            .push(NEXT_MARK.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         Ok(())
+    }
+
+    /// `(place, name)` of every mark, in order: the place orders marks of different `EventMarks` recorded in one
+    /// program order (a step's group marks against its kernel marks).
+    pub fn sequence(&self) -> Vec<(u64, String)> {
+        self.order
+            .borrow()
+            .iter()
+            .zip(self.events.borrow().iter())
+            .map(|(&o, (n, _))| (o, n.clone()))
+            .collect()
     }
 
     /// `(name, microseconds)` of every mark after the first, in order (waits for the events).

@@ -8,6 +8,7 @@
 //! refuses to trace (some sandboxed machines), [`trace_kernels`] says why in its error and the caller goes on
 //! without a timeline. `CONCURRENT_KERNEL` records do not serialize kernels (the `KERNEL` kind would).
 
+use super::launch::LIBRARY_MARK;
 use anyhow::{anyhow, bail, ensure, Result};
 use cudarc::cupti::sys as cupti;
 use std::sync::{Mutex, OnceLock};
@@ -305,6 +306,53 @@ fn steps(spans: &[KernelSpan]) -> impl Iterator<Item = (&KernelSpan, Step)> {
     })
 }
 
+/// A traced run's spans attributed to the kernel groups of a profiled run of the same kernels. `order` is every
+/// launch the profiled run marked, in order, with its group (`engine::run::ProfiledStep::kernel_groups`;
+/// [`LIBRARY_MARK`] for a library call, whose kernels are not marked one by one). Spans are matched to `order` by
+/// name in start order; the spans of a library call are those between its neighbours' matches. Each span counts its
+/// share of the wall (the busy time it adds and the idle time before it), so the groups add up to the wall.
+/// Returns `(group, us, spans)` in the order each group first ran, or `None` when the two runs' kernels do not line
+/// up (a different step shape, an emission step against a quiet one).
+pub fn by_group(
+    spans: &[KernelSpan],
+    order: &[(String, String)],
+) -> Option<Vec<(String, f64, usize)>> {
+    let mut out: Vec<(String, f64, usize)> = Vec::new();
+    let mut i = 0;
+    for (s, step) in steps(spans) {
+        let share = (step.grow + step.gap) as f64 / 1e3;
+        let entry = order.get(i)?;
+        let group = if entry.0 == LIBRARY_MARK {
+            // Library calls (one or several in a row) take the spans until the next marked kernel shows up.
+            let next = (i..order.len()).find(|&j| order[j].0 != LIBRARY_MARK);
+            match next {
+                Some(j) if order[j].0 == s.name => {
+                    i = j + 1;
+                    &order[j].1
+                }
+                _ => &entry.1,
+            }
+        } else if entry.0 == s.name {
+            i += 1;
+            &entry.1
+        } else {
+            return None;
+        };
+        match out.iter_mut().find(|g| &g.0 == group) {
+            Some(g) => {
+                g.1 += share;
+                g.2 += 1;
+            }
+            None => out.push((group.clone(), share, 1)),
+        }
+    }
+    // Every marked launch matched (library calls at the very end took the spans after the last match).
+    order[i..]
+        .iter()
+        .all(|e| e.0 == LIBRARY_MARK)
+        .then_some(out)
+}
+
 /// The spans as CSV rows (`index,name,stream,start_us,end_us,duration_us,idle_before_us`), times from the first
 /// kernel's start.
 pub fn spans_csv(spans: &[KernelSpan]) -> String {
@@ -337,6 +385,51 @@ mod tests {
             end_ns: end,
             stream: 7,
         }
+    }
+
+    /// Spans go to the group of the marked launch they match in order; consecutive library calls take the spans
+    /// until the next marked kernel; each span counts its busy time added plus the idle time before it, so the groups
+    /// add up to the wall; a run whose kernels do not line up gives no table.
+    #[test]
+    fn traced_spans_fall_into_the_profiled_groups() {
+        let g = |k: &str, g: &str| (k.to_string(), g.to_string());
+        let lib = LIBRARY_MARK;
+        let spans = [
+            span("a", 0, 10_000),
+            span("b", 12_000, 20_000),
+            span("nvjet_1", 20_000, 30_000),
+            span("nvjet_2", 29_000, 35_000), // overlaps the one before by 1 us
+            span("c", 35_000, 40_000),
+            span("nvjet_3", 41_000, 42_000),
+        ];
+        let order = [
+            g("a", "one"),
+            g("b", "one"),
+            g(lib, "two"),
+            g(lib, "two"),
+            g("c", "three"),
+            g(lib, "four"),
+        ];
+        let groups = by_group(&spans, &order).unwrap();
+        let got: Vec<(&str, f64, usize)> = groups
+            .iter()
+            .map(|(n, us, k)| (n.as_str(), *us, *k))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("one", 20.0, 2),
+                ("two", 15.0, 2),
+                ("three", 5.0, 1),
+                ("four", 2.0, 1)
+            ]
+        );
+        let wall = Timeline::of(&spans).wall_us;
+        assert_eq!(groups.iter().map(|g| g.1).sum::<f64>(), wall);
+        // A kernel the profiled run did not launch there, or one it launched that the trace lacks.
+        assert!(by_group(&spans, &[g("a", "one"), g("x", "one")]).is_none());
+        assert!(by_group(&spans[..2], &order[..3]).is_some());
+        assert!(by_group(&spans[..2], &[g("a", "one"), g("b", "one"), g("c", "one")]).is_none());
     }
 
     /// Gaps count as idle before the kernel that follows them; an overlap (a PDL kernel starting before its
