@@ -25,6 +25,12 @@ fn fresh_seed(test: &str) -> u64 {
 /// side of the 4096-token cases (inputs, reference, checks) stays under ~30 s per case on a 2-core machine.
 /// Batches above one launch (65535 tokens) are checked in gpu_mhc_launchers_split_batches_above_65535_tokens.
 const MHC_TOKENS: &[usize] = ROWS;
+/// Every launch path of the mHC boundary (the bitwise tests run each).
+const ALL_PATHS: [hc::MhcPrePath; 3] = [
+    hc::MhcPrePath::PdlPair,
+    hc::MhcPrePath::TwoLaunch,
+    hc::MhcPrePath::TensorMix,
+];
 
 fn sinkhorn_lanes_mirror(z: &[f32; 16]) -> [f32; 16] {
     let xor = |v: &[f32; 16], m: usize| -> [f32; 16] { std::array::from_fn(|l| v[l ^ m]) };
@@ -1276,11 +1282,7 @@ fn gpu_fused_post_then_pre_matches_post_and_reference() {
 fn gpu_linked_boundary_equals_post_then_boundary_bitwise() {
     let gpu = common::gpu("gpu_linked_boundary_equals_post_then_boundary_bitwise");
     let seed = fresh_seed("gpu_linked_boundary_equals_post_then_boundary_bitwise");
-    let paths = [
-        hc::MhcPrePath::PdlPair,
-        hc::MhcPrePath::TwoLaunch,
-        hc::MhcPrePath::TensorMix,
-    ];
+    let paths = ALL_PATHS;
     for &d in &[512usize, 4096] {
         for &tokens in &[1usize, 5, 64] {
             let pc = PostCase::new(&gpu, tokens, d, seed ^ (tokens as u64 * 31 + d as u64));
@@ -1714,11 +1716,7 @@ fn gpu_mhc_pre_pdl_pair_equals_two_launch_bitwise() {
 fn gpu_mhc_pre_copies_equal_quantize_bf16_rows_bitwise() {
     let gpu = common::gpu("gpu_mhc_pre_copies_equal_quantize_bf16_rows_bitwise");
     let seed = fresh_seed("gpu_mhc_pre_copies_equal_quantize_bf16_rows_bitwise");
-    let paths = [
-        hc::MhcPrePath::PdlPair,
-        hc::MhcPrePath::TwoLaunch,
-        hc::MhcPrePath::TensorMix,
-    ];
+    let paths = ALL_PATHS;
     let sets = [(true, false), (false, true), (true, true)];
     for &d in &[512usize, 4096] {
         for &tokens in &[1usize, 64] {

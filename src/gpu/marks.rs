@@ -12,9 +12,9 @@ use super::Stream;
 /// event-record node that every replay executes, so the marks time a graph's replay.
 pub struct EventMarks {
     ctx: Arc<cudarc::driver::CudaContext>,
-    events: std::cell::RefCell<Vec<(String, cudarc::driver::CudaEvent)>>,
-    /// Each mark's place in the order of every mark recorded by any `EventMarks` (interleaves two sets).
-    order: std::cell::RefCell<Vec<u64>>,
+    /// `(place, name, event)`: the place is the mark's position among every mark recorded by any `EventMarks`
+    /// (it interleaves two sets).
+    events: std::cell::RefCell<Vec<(u64, String, cudarc::driver::CudaEvent)>>,
 }
 
 /// The next mark's place in the order of all marks of the process.
@@ -25,7 +25,6 @@ impl EventMarks {
         EventMarks {
             ctx: stream.context().clone(),
             events: Default::default(),
-            order: Default::default(),
         }
     }
 
@@ -57,21 +56,18 @@ impl EventMarks {
             ev.record(stream)
                 .map_err(|e| anyhow!("event record: {e:?}"))?;
         }
-        self.events.borrow_mut().push((what.into(), ev));
-        self.order
-            .borrow_mut()
-            .push(NEXT_MARK.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let place = NEXT_MARK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.events.borrow_mut().push((place, what.into(), ev));
         Ok(())
     }
 
     /// `(place, name)` of every mark, in order: the place orders marks of different `EventMarks` recorded in one
     /// program order (a step's group marks against its kernel marks).
     pub fn sequence(&self) -> Vec<(u64, String)> {
-        self.order
+        self.events
             .borrow()
             .iter()
-            .zip(self.events.borrow().iter())
-            .map(|(&o, (n, _))| (o, n.clone()))
+            .map(|(o, n, _)| (*o, n.clone()))
             .collect()
     }
 
@@ -81,10 +77,10 @@ impl EventMarks {
         ev.windows(2)
             .map(|w| {
                 let ms = w[0]
-                    .1
-                    .elapsed_ms(&w[1].1)
+                    .2
+                    .elapsed_ms(&w[1].2)
                     .map_err(|e| anyhow!("elapsed: {e:?}"))?;
-                Ok((w[1].0.clone(), ms as f64 * 1e3))
+                Ok((w[1].1.clone(), ms as f64 * 1e3))
             })
             .collect()
     }
