@@ -895,6 +895,12 @@ fn print_report(gpu: &Gpu, plan: &MemoryPlan, args: &DecodeArgs, p: &DecodePoint
             &s.trace,
             cfg.n_layers,
         );
+        if s.traced_groups.is_empty() {
+            println!(
+                "(no traced table by kernel group: the traced step's kernels do not line up with the profiled \
+                 step's launches)"
+            );
+        }
         print_profile(
             "the traced step by kernel group (each kernel's share of the wall: the busy time it adds and the idle \
              time before it, so the groups add up to the wall; floor = the group's bytes at the copy bandwidth)",
