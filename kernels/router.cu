@@ -21,6 +21,8 @@
 //     gives the token of slot (e, r), its weight the token's weight for e; empty slots get token -1, weight 0.
 //     With a slot map (router_select_group_slots) phases 2 and 3 group by physical slot slot_of[e] instead, one
 //     row per pair (two picks of one token on one slot are two rows); see select_group below.
+// Both launches are PDL-launched (common/pdl.cuh): the logits CTAs load their gate rows and the selection CTA stages
+// the bias and slot tables while the kernel before each still runs.
 // Nothing shapes a launch from the result: grids come from T and E alone, so both launches replay in a graph.
 
 #include <cuda_bf16.h>
@@ -35,6 +37,8 @@ constexpr int kLogitThreads = 256;
 constexpr int kLogitWarps = kLogitThreads / 32;
 constexpr int kLogitTokens = 8;
 constexpr int kChunk = 256;  // D elements per warp pass: 32 lanes x 8 BF16 (one 16-byte load each)
+// Gate chunks a logits warp loads before its PDL wait: all of them up to D = 8192 (Flash 2 a warp, Pro 4).
+constexpr int kPreChunks = 4;
 constexpr int kSelectThreads = 1024;
 constexpr int kExpertsPerLane = kMaxExperts / 32;
 
@@ -67,10 +71,14 @@ __device__ __forceinline__ unsigned long long select_key(float v, int e) {
 }  // namespace
 
 // logits [T, E] f32 = x [T, D] BF16 . gate [E, D]^T BF16. Grid (E, ceil(T / 8)), block 256. D % 256 == 0, x and
-// gate 16-byte aligned (the launcher checks).
+// gate 16-byte aligned (the launcher checks). PDL-launched (common/pdl.cuh): it triggers first (the selection's CTA
+// stages its tables meanwhile), loads the first kPreChunks of its warp's gate chunks (weights: constant) into
+// registers, then waits for the kernel before it (which wrote x). The chunks are summed in the same order either
+// way, so the logits do not depend on where the wait falls.
 extern "C" __global__ void __launch_bounds__(kLogitThreads) router_logits(
     const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ gate, int tokens, int experts,
     int dim, float* __restrict__ logits) {
+  pdl_trigger();
   __shared__ float s_part[kLogitWarps][kLogitTokens];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int e = blockIdx.x;
@@ -78,13 +86,21 @@ extern "C" __global__ void __launch_bounds__(kLogitThreads) router_logits(
   const int nt = min(kLogitTokens, tokens - t0);
   const int chunks = dim / kChunk;
   const __nv_bfloat16* wrow = gate + (size_t)e * dim;
+  uint4 wpre[kPreChunks];
+#pragma unroll
+  for (int i = 0; i < kPreChunks; ++i) {
+    const int c = warp + i * kLogitWarps;
+    if (c < chunks) wpre[i] = *reinterpret_cast<const uint4*>(wrow + c * kChunk + lane * 8);
+  }
+  pdl_wait();
   float acc[kLogitTokens];
 #pragma unroll
   for (int t = 0; t < kLogitTokens; ++t) acc[t] = 0.0f;
-  for (int c = warp; c < chunks; c += kLogitWarps) {
+  // One chunk of the warp: 8 weights of the lane against the same 8 columns of each token, in element order.
+  auto chunk = [&](const uint4 wv, const int c) {
     const int col = c * kChunk + lane * 8;
     float wf[8];
-    unpack8(*reinterpret_cast<const uint4*>(wrow + col), wf);
+    unpack8(wv, wf);
 #pragma unroll
     for (int t = 0; t < kLogitTokens; ++t) {
       if (t < nt) {
@@ -94,7 +110,14 @@ extern "C" __global__ void __launch_bounds__(kLogitThreads) router_logits(
         for (int i = 0; i < 8; ++i) acc[t] += wf[i] * xf[i];
       }
     }
+  };
+#pragma unroll
+  for (int i = 0; i < kPreChunks; ++i) {
+    const int c = warp + i * kLogitWarps;
+    if (c < chunks) chunk(wpre[i], c);
   }
+  for (int c = warp + kPreChunks * kLogitWarps; c < chunks; c += kLogitWarps)
+    chunk(*reinterpret_cast<const uint4*>(wrow + c * kChunk + lane * 8), c);
 #pragma unroll
   for (int t = 0; t < kLogitTokens; ++t) {
 #pragma unroll
@@ -124,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(kLogitThreads) router_logits(
 // kMapped == true (router_select_group_slots): pair (t, j) goes to slot slot_of[e_j]; two picks of one token may
 // share a slot, so a slot gets one row per pair, in pair order (t, then j). Dynamic shared memory: slots * ceil(T / 32)
 // 32-bit counters (word (s, w) = the pairs of tokens 32w .. 32w + 31 in slot s), then each slot's total [slots],
-// then each pair's slot [T * 6] (-1: no slot). The rank of pair p in slot s = the counters of s's earlier words + the
+// then each pair's slot [T * 6] (-1: no slot), then the staged bias [E] and slot_of [E]. The rank of pair p in slot s = the counters of s's earlier words + the
 // pairs of p's own 32-token word before p in slot s (at most 191 shared-memory reads); the pair then writes its own
 // row (row_token, row_weight), and the rows at or past a slot's count are written empty, so every row is written
 // exactly once in O(rows + pairs) work. With slot_of the identity it writes what kMapped == false writes.
@@ -141,9 +164,20 @@ __device__ __forceinline__ void select_group(
   // Mapped only: each slot's total pairs [slots], then each pair's slot [tokens * 6] (after the counters).
   int* s_slot_total = reinterpret_cast<int*>(s_mask + slots * words);
   int* s_pair_slot = s_slot_total + slots;
+  // The layer's constant tables, staged before the PDL wait: the selection bias [experts] (biased layers) and
+  // (mapped) slot_of [experts].
+  float* s_bias = reinterpret_cast<float*>(s_pair_slot + tokens * kTopk);
+  int* s_slot_of = reinterpret_cast<int*>(s_bias + experts);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = threadIdx.x; i < slots * words; i += blockDim.x) s_mask[i] = 0u;
   if (threadIdx.x == 0) s_dropped = 0;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    if (!hash) s_bias[e] = bias[e];
+    if constexpr (kMapped) s_slot_of[e] = slot_of[e];
+  }
+  // Everything above reads weights and tables no kernel writes (common/pdl.cuh); the logits, token ids and every
+  // output come after the wait.
+  pdl_wait();
   __syncthreads();
 
   // Phase 1: one warp per token.
@@ -168,7 +202,7 @@ __device__ __forceinline__ void select_group(
 #pragma unroll
       for (int i = 0; i < kExpertsPerLane; ++i) {
         const int e = lane + 32 * i;
-        key[i] = e < experts ? select_key(route_score(lg[e]) + bias[e], e) : 0ull;
+        key[i] = e < experts ? select_key(route_score(lg[e]) + s_bias[e], e) : 0ull;
       }
       for (int j = 0; j < kTopk; ++j) {
         unsigned long long best = 0ull;
@@ -196,7 +230,7 @@ __device__ __forceinline__ void select_group(
       topk_experts[t * kTopk + lane] = my_e;
       topk_weights[t * kTopk + lane] = my_e >= 0 ? my_s / sum * route_scale : 0.0f;
       if constexpr (kMapped) {
-        int s = my_e >= 0 ? slot_of[my_e] : -1;
+        int s = my_e >= 0 ? s_slot_of[my_e] : -1;
         s = (s >= 0 && s < slots) ? s : -1;
         s_pair_slot[t * kTopk + lane] = s;
         if (s >= 0) atomicAdd(&s_mask[s * words + t / 32], 1u);
@@ -292,27 +326,29 @@ __device__ __forceinline__ void select_group(
   if (threadIdx.x == 0) dropped[0] = s_dropped;
 }
 
-// The identity grouping (slot = expert): slots == experts, dynamic shared memory E * ceil(T / 32) words.
+// The identity grouping (slot = expert): slots == experts. Both selection kernels are PDL-launched after the logits
+// (the tables staged before the wait, see select_group) and trigger first; dynamic shared memory as for the mapped
+// kernel below (the launcher computes one size for both).
 extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group(
     const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,
     const int* __restrict__ tid2eid, int vocab, int hash, int tokens, int experts, int capacity,
     float route_scale, int* topk_experts, float* topk_weights, int* __restrict__ token_rows,
     int* __restrict__ counts, int* __restrict__ row_token, float* __restrict__ row_weight,
     int* __restrict__ dropped) {
-    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
+    pdl_trigger();  // a PDL-launched successor may become resident meanwhile
   select_group<false>(logits, bias, token_ids, tid2eid, vocab, hash, nullptr, experts, tokens, experts, capacity,
                       route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }
 
 // The grouping by physical slot: slot_of [E] (values outside [0, slots) route the pair nowhere), counts [slots],
-// row_token / row_weight [slots * capacity]; dynamic shared memory slots * ceil(T / 32) + slots + T * 6 words.
+// row_token / row_weight [slots * capacity]; dynamic shared memory slots * ceil(T / 32) + slots + T * 6 + 2 E words.
 extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group_slots(
     const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,
     const int* __restrict__ tid2eid, int vocab, int hash, const int* __restrict__ slot_of, int slots, int tokens,
     int experts, int capacity, float route_scale, int* topk_experts, float* topk_weights,
     int* __restrict__ token_rows, int* __restrict__ counts, int* __restrict__ row_token,
     float* __restrict__ row_weight, int* __restrict__ dropped) {
-    pdl_trigger();  // a PDL-launched successor (the decode GEMV) stages its weights meanwhile
+    pdl_trigger();  // a PDL-launched successor may become resident meanwhile
   select_group<true>(logits, bias, token_ids, tid2eid, vocab, hash, slot_of, slots, tokens, experts, capacity,
                      route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }

@@ -118,12 +118,12 @@ impl RouterShape {
     pub fn rows_total(&self) -> usize {
         self.slots * self.capacity
     }
-    /// Dynamic shared memory of the select kernel: one 32-bit word per (slot, 32 tokens) (a token mask, or with a
-    /// slot map a pair counter).
     /// The select kernel's dynamic shared memory: `slots * ceil(T / 32)` token masks or pair counters, then (used
-    /// by the slot-mapped grouping) each slot's total and each pair's slot (kernels/router.cu, select_group).
+    /// by the slot-mapped grouping) each slot's total and each pair's slot, then the staged bias and slot tables
+    /// (`E` words each; kernels/router.cu, select_group).
     fn select_smem(&self) -> usize {
-        (self.slots * self.tokens.div_ceil(32) + self.slots + self.tokens * TOPK) * 4
+        (self.slots * self.tokens.div_ceil(32) + self.slots + self.tokens * TOPK + 2 * self.experts)
+            * 4
     }
 }
 
@@ -314,7 +314,8 @@ fn check_route(inputs: &RouterInputs, ws: &RouterWorkspace, out: &RouterOutputs)
 
 /// Route `out.shape.tokens` tokens on `stream`: the logits launch (grid E x ceil(T / 8)) into `ws`, then the
 /// one-CTA select-and-group launch into `out` (`router_select_group`, or `router_select_group_slots` with
-/// `inputs.slot_of`). Every check runs before the first launch.
+/// `inputs.slot_of`), both PDL-launched (each stages its weights or tables while the kernel before it runs).
+/// Every check runs before the first launch.
 pub fn route(
     gpu: &Gpu,
     stream: &Stream,
@@ -376,7 +377,7 @@ fn launch_route(
         launch(
             stream,
             &k_logits,
-            Launch::new(grid, (LOGIT_THREADS, 1, 1)),
+            Launch::new(grid, (LOGIT_THREADS, 1, 1)).pdl(true),
             &mut args,
         )?
     };
@@ -421,7 +422,9 @@ fn launch_route(
         launch(
             stream,
             &k_select,
-            Launch::new((1, 1, 1), (SELECT_THREADS, 1, 1)).smem(smem),
+            Launch::new((1, 1, 1), (SELECT_THREADS, 1, 1))
+                .smem(smem)
+                .pdl(true),
             &mut args,
         )
     }
@@ -513,9 +516,12 @@ mod tests {
     #[test]
     fn select_masks_fit_the_shared_memory_the_launcher_allows() {
         let s = RouterShape::identity(MAX_TOKENS, MAX_EXPERTS, 256, 1);
-        // 128 KiB of masks + 2 KiB of slot totals + 48 KiB of pair slots, within the 227 KiB an H100/H200 CTA
-        // may opt into.
-        assert_eq!(s.select_smem(), 128 * 1024 + 2 * 1024 + 48 * 1024);
+        // 128 KiB of masks + 2 KiB of slot totals + 48 KiB of pair slots + 4 KiB of staged bias and slot tables,
+        // within the 227 KiB an H100/H200 CTA may opt into.
+        assert_eq!(
+            s.select_smem(),
+            128 * 1024 + 2 * 1024 + 48 * 1024 + 4 * 1024
+        );
         assert!(s.select_smem() <= 227 * 1024);
     }
 
