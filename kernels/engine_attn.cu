@@ -23,10 +23,52 @@ constexpr int kAttnGlueThreads = 256;
 constexpr int kCandSelected = 1;
 constexpr int kCandAllVisible = 2;
 
-// Ascending bitonic sort of s[0, n) (n a power of two) by the whole CTA.
+// Most sort_n / kAttnGlueThreads: the launcher refuses sort_n > kAttnGlueThreads * kSortPerThread (2048).
+constexpr int kSortPerThread = 8;
+
+// Ascending bitonic sort of s[0, n) (n a power of two, n <= 2048) by the whole CTA; s filled and a barrier passed
+// before the call. Thread t owns elements i = t + 256 j. The compare-exchange of stage (size, half) pairs i with
+// i ^ half and keeps the smaller value iff (i & half == 0) == (i & size == 0). For half < 32 the two elements sit in
+// lanes t and t ^ half of one warp with the same j, so those stages run in registers with shuffles and no barrier
+// (every size up to 32 entirely; the last five stages of each larger size); the stages with half >= 32 go through
+// shared memory, one barrier each. Lanes past n (only when n < 32) exchange among themselves: half < n keeps i and
+// i ^ half on the same side of n. n = 512: 15 barriers instead of 45.
+__device__ __forceinline__ int bitonic_keep(int a, int b, int i, int size, int half) {
+    return ((i & half) == 0) == ((i & size) == 0) ? min(a, b) : max(a, b);
+}
+
+// The stages with half < 32 of every size from size_lo to size_hi (powers of two), on registers; s read before and
+// written after, then one barrier.
+__device__ void bitonic_warp_stages(int* s, int n, int size_lo, int size_hi) {
+    int v[kSortPerThread];
+#pragma unroll
+    for (int j = 0; j < kSortPerThread; ++j) {
+        const int i = threadIdx.x + j * kAttnGlueThreads;
+        v[j] = i < n ? s[i] : 0;
+    }
+    for (int size = size_lo; size <= size_hi; size <<= 1) {
+        for (int half = min(size >> 1, 16); half > 0; half >>= 1) {
+#pragma unroll
+            for (int j = 0; j < kSortPerThread; ++j) {
+                if (j * kAttnGlueThreads < n) {  // uniform over the CTA: every lane of the warp shuffles
+                    const int i = threadIdx.x + j * kAttnGlueThreads;
+                    v[j] = bitonic_keep(v[j], __shfl_xor_sync(0xFFFFFFFFu, v[j], half), i, size, half);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kSortPerThread; ++j) {
+        const int i = threadIdx.x + j * kAttnGlueThreads;
+        if (i < n) s[i] = v[j];
+    }
+    __syncthreads();
+}
+
 __device__ void bitonic_sort_ascending(int* s, int n) {
-    for (int size = 2; size <= n; size <<= 1) {
-        for (int half = size >> 1; half > 0; half >>= 1) {
+    bitonic_warp_stages(s, n, 2, min(n, 32));
+    for (int size = 64; size <= n; size <<= 1) {
+        for (int half = size >> 1; half >= 32; half >>= 1) {
             for (int i = threadIdx.x; i < n; i += blockDim.x) {
                 const int j = i ^ half;
                 if (j > i) {
@@ -40,6 +82,7 @@ __device__ void bitonic_sort_ascending(int* s, int n) {
             }
             __syncthreads();
         }
+        bitonic_warp_stages(s, n, size, size);
     }
 }
 

@@ -623,23 +623,39 @@ fn check_layer(
 #[test]
 #[ignore = "needs an H100/H200"]
 fn candidate_rows_match_the_host_twin() {
-    let label = "engine_attn_candidates";
+    check_candidate_rows("engine_attn_candidates", short_window_config(), CONTEXT, 32);
+}
+
+/// [`candidate_rows_match_the_host_twin`] with a top-k of 1,000 (a sort of 1,024 entries: every shared-memory and
+/// shuffle stage of the kernel's bitonic sort; Flash sorts 512, Pro 1,024) over a 4K context, so that rows hold from
+/// none to all 1,000 selected entries.
+#[test]
+#[ignore = "needs an H100/H200"]
+fn candidate_rows_match_the_host_twin_at_a_long_top_k() {
+    let cfg = ModelConfig {
+        index_topk: 1000,
+        ..short_window_config()
+    };
+    check_candidate_rows("engine_attn_candidates_long", cfg, 4096, 8);
+}
+
+/// The device candidate rows of every layer of `cfg` against the host twin over `trials` random batches.
+fn check_candidate_rows(label: &str, cfg: ModelConfig, context: usize, trials: usize) {
     let gpu = gpu(label);
-    let cfg = short_window_config();
-    let (_, _w, _m, state) = rig(&gpu, label, cfg.clone(), BATCH, CONTEXT);
+    let (_, _w, _m, state) = rig(&gpu, label, cfg.clone(), BATCH, context);
     let mut rng = seeded(label, "MEGAMOE_SEED");
     let s = gpu.stream.clone();
     for (l, lc) in state.caches.layers.iter().enumerate() {
         let lay = lc.layout;
         let stride = candidate_stride(&lay.plan, cfg.index_topk);
         let k = cfg.index_topk.min(lay.plan.index_keys.max(1));
-        for trial in 0..32 {
+        for trial in 0..trials {
             let positions: Vec<i32> = (0..BATCH)
                 .map(|_| {
                     if rng.random_range(0..8) == 0 {
                         -1
                     } else {
-                        rng.random_range(0..CONTEXT as i32)
+                        rng.random_range(0..context as i32)
                     }
                 })
                 .collect();
@@ -684,7 +700,8 @@ fn candidate_rows_match_the_host_twin() {
             assert_eq!(gpu.download(&cand).unwrap(), want, "{what}: rows");
         }
         println!(
-            "layer {l} ({:?}): 32 random batches, candidate rows of stride {stride} equal to the host twin",
+            "layer {l} ({:?}, top-k {k}): {trials} random batches, candidate rows of stride {stride} equal to the \
+             host twin",
             lay.plan.kind
         );
     }

@@ -1333,6 +1333,10 @@ pub enum Compressed<'a> {
     AllVisible,
 }
 
+/// The longest top-k row `attn_candidates` sorts, rounded up to a power of two (kernels/engine_attn.cu:
+/// `kAttnGlueThreads * kSortPerThread`).
+const MAX_SORTED_SELECTION: usize = 2048;
+
 /// `attn_candidates`: each row's candidate row for `sparse_attn::decode` from its position (device) and its
 /// sequence's bases (`rows`): the window ring slots (`p mod window_entries`) of positions `max(0, t - W + 1) ..=
 /// t` oldest first (W the attention window), then the compressed entries of `compressed` as pool indices
@@ -1399,6 +1403,11 @@ pub fn build_candidates(
         rows.compressed_base.len()
     );
     let sort_n = if k == 0 { 0 } else { k.next_power_of_two() };
+    ensure!(
+        sort_n <= MAX_SORTED_SELECTION,
+        "attn_candidates: a top-k of {k} sorts {sort_n} entries; the kernel sorts at most {MAX_SORTED_SELECTION} \
+         (8 a thread)"
+    );
     let smem = 4 * sort_n;
     let kern = gpu.kernel_with_smem(FAMILY, "attn_candidates", smem)?;
     let mut a = KernelArgs::new();
