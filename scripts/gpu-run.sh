@@ -8,7 +8,8 @@
 #   decode: `megamoe decode` of the small model (report + --parity), `generate` on Flash, Flash's context and
 #           batch sweeps, Flash 4K batch 64 with --dense-route gemv (the route's baseline), Flash's TTFT on a
 #           4K-token prompt, then REPORT.md
-#           (DECODE_FLASH=0 skips the Flash runs, DECODE_TTFT=0 the TTFT run; DECODE_CONTEXTS, DECODE_BATCHES,
+#           (DECODE_FLASH=0 skips the Flash runs, DECODE_TTFT=0 the TTFT run, DECODE_GEMV_BASELINE=0 the batch-64
+#           GEMV run; DECODE_CONTEXTS, DECODE_BATCHES,
 #           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT, DECODE_FLASH_AB_TIMEOUT, DECODE_TTFT_TIMEOUT)
 #   decode-ab: an engine A/B on one machine: this bundle's megamoe (the candidate) and a baseline binary
 #           (AB_BASE, default gpu-bundle-base/ beside this bundle: megamoe or megamoe.xz and COMMIT, from
@@ -182,11 +183,14 @@ if want decode; then
     # The dense route's baseline: the batch sweep's last point (4K, batch 64) with --dense-route gemv (the CUDA-core
     # GEMV for every linear) beside the sweep's default auto row (src/ops/dense/route.rs); decode.csv's dense_route
     # column tells them apart.
-    step "decode: flash 4K batch 64, dense linears on the GEMV (--dense-route gemv; the baseline of the sweep's batch-64 point)"
-    timeout "${DECODE_FLASH_AB_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
-      --context 4096 --batch 64 --dense-route gemv --max-new-tokens 32 --out "$work" \
-      > "$work/decode-flash-dense-gemv.log" 2>&1 || { echo "decode flash --dense-route gemv failed"; status=1; }
-    grep -E "^== decode|^tokens/s|^roofline|^TPOT|^dense" "$work/decode-flash-dense-gemv.log" | head -n 8
+    # DECODE_GEMV_BASELINE=0 skips it.
+    if [ "${DECODE_GEMV_BASELINE:-1}" != 0 ]; then
+      step "decode: flash 4K batch 64, dense linears on the GEMV (--dense-route gemv; the baseline of the sweep's batch-64 point)"
+      timeout "${DECODE_FLASH_AB_TIMEOUT:-${DECODE_FLASH_TIMEOUT:-540}}" "$B/megamoe" decode --model flash --at-context \
+        --context 4096 --batch 64 --dense-route gemv --max-new-tokens 32 --out "$work" \
+        > "$work/decode-flash-dense-gemv.log" 2>&1 || { echo "decode flash --dense-route gemv failed"; status=1; }
+      grep -E "^== decode|^tokens/s|^roofline|^TPOT|^dense" "$work/decode-flash-dense-gemv.log" | head -n 8
+    fi
     # TTFT on a real prompt (the 4K-token prompt at batch 1): prefill runs in chunks of 1024 prompt tokens
     # (--prefill-chunk 1024, the default and the maximum: 4 chunks, eager launches; above 64 rows the dense linears
     # on cuBLASLt and the routed experts on moe_gemm's prefill mainloop; decode.csv's prefill_chunk column), then
