@@ -176,9 +176,11 @@ __device__ __forceinline__ void select_group(
     if constexpr (kMapped) s_slot_of[e] = slot_of[e];
   }
   // Everything above reads weights and tables no kernel writes (common/pdl.cuh); the logits, token ids and every
-  // output come after the wait.
-  pdl_wait();
+  // output come after the wait. The trigger follows the tables' arrival: a PDL-launched successor (the shared
+  // expert's GEMV, whose weight prefetch fills the memory queues) starts only once they are in shared memory.
   __syncthreads();
+  pdl_trigger();
+  pdl_wait();
 
   // Phase 1: one warp per token.
   for (int t = warp; t < tokens; t += blockDim.x / 32) {
@@ -327,7 +329,7 @@ __device__ __forceinline__ void select_group(
 }
 
 // The identity grouping (slot = expert): slots == experts. Both selection kernels are PDL-launched after the logits
-// (the tables staged before the wait, see select_group) and trigger first; dynamic shared memory as for the mapped
+// (the tables staged, then the trigger, then the wait: see select_group); dynamic shared memory as for the mapped
 // kernel below (the launcher computes one size for both).
 extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group(
     const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,
@@ -335,7 +337,6 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
     float route_scale, int* topk_experts, float* topk_weights, int* __restrict__ token_rows,
     int* __restrict__ counts, int* __restrict__ row_token, float* __restrict__ row_weight,
     int* __restrict__ dropped) {
-    pdl_trigger();  // a PDL-launched successor may become resident meanwhile
   select_group<false>(logits, bias, token_ids, tid2eid, vocab, hash, nullptr, experts, tokens, experts, capacity,
                       route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }
@@ -348,7 +349,6 @@ extern "C" __global__ void __launch_bounds__(kSelectThreads) router_select_group
     int experts, int capacity, float route_scale, int* topk_experts, float* topk_weights,
     int* __restrict__ token_rows, int* __restrict__ counts, int* __restrict__ row_token,
     float* __restrict__ row_weight, int* __restrict__ dropped) {
-    pdl_trigger();  // a PDL-launched successor may become resident meanwhile
   select_group<true>(logits, bias, token_ids, tid2eid, vocab, hash, slot_of, slots, tokens, experts, capacity,
                      route_scale, topk_experts, topk_weights, token_rows, counts, row_token, row_weight, dropped);
 }

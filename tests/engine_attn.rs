@@ -40,7 +40,7 @@ use megamoe::engine::DeviceWeights;
 use megamoe::formats::{e4m3, indexer_key, kv, ue8m0};
 use megamoe::gpu::arena;
 use megamoe::gpu::{DevBuf, Gpu, Stream};
-use megamoe::model::numerics::{cosine, fp8_act_quant};
+use megamoe::model::numerics::{cosine, fp8_act_quant, rms_norm_bf16};
 use megamoe::model::{LayerCache, LayerKind, LayerTrace, Model, ModelConfig};
 use megamoe::ops::compressor::reference::{
     decode_stored, entry_bytes_at, expected_stored, host_state,
@@ -482,7 +482,14 @@ fn check_layer(
     let kind = cfg.layer_kind(l);
     let a = down_bf16(s, &attn.a);
     let a8 = dequant_fp8(s, &attn.bufs.a_fp8);
-    let qr8 = dequant_fp8(s, &attn.bufs.qr);
+    // qr is not in memory on the GEMV route (wq_b's launch normalizes and quantizes qa as it stages it, the bits of
+    // norm_quant's rmsnorm_fp8_bf16in: tests/dense.rs), so the column is that rule applied to the GPU's qa.
+    let qa = down_bf16(s, &attn.bufs.qa);
+    let q_norm = cpu
+        .m
+        .weights
+        .vector(&format!("layers.{l}.attn.q_norm.weight"))
+        .unwrap();
     let q = widen(&gpu.download(&attn.q).unwrap());
     let o = widen(&gpu.download(&attn.o).unwrap());
     let y = down_bf16(s, &attn.bufs.y);
@@ -523,7 +530,13 @@ fn check_layer(
         );
         // Steps 3-5: qr (FP8, the wq_b input), q, the window entry of the position.
         let qr_want = fp8_act_quant(&tr.qr).unwrap();
-        st.check("qr", &row(&qr8, cfg.q_lora_rank), &qr_want, COS, &what);
+        let qr_got = fp8_act_quant(&rms_norm_bf16(
+            &row(&qa, cfg.q_lora_rank),
+            &q_norm,
+            cfg.norm_eps,
+        ))
+        .unwrap();
+        st.check("qr", &qr_got, &qr_want, COS, &what);
         st.check("q", &row(&q, heads * hd), &tr.q, COS, &what);
         let slot = lay.window_slot(b, p);
         let entry = kv::decode_entry(&pool[slot * kv::ENTRY_BYTES..][..kv::ENTRY_BYTES]).unwrap();

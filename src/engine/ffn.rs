@@ -10,14 +10,15 @@
 //!   (`mhc::mhc_pre_copies`) `f` quantized twice with norm_quant's BF16-row codec: FP8 1x128 (the shared expert's
 //!   input, the CPU's `fp8_act_quant(f)` bit for bit) and NVFP4 with a per-row global scale (the routed experts'
 //!   input), the bits of `quantize_bf16_rows` of `f`.
-//! * 15 `shared_expert`: `dense::shared_expert` (FP8 w1 / w3 + SwiGLU + FP8 h, then w2) -> BF16 `[B, D]`. Runs before
-//!   14 because its output is 14's combine addend, and before 13 because it reads only `f`: its GEMVs stage their
-//!   weights under PDL while hc_pre finishes, and the router's two small kernels then run on an idle memory system
-//!   (after the router, the GEMV's weight prefetch had queued ahead of every table load of the selection).
 //! * 13 `route`: `router::route` (hash layers: the `tid2eid` row of `io.tokens`; the others: biased top-6), with
 //!   `slot_of` = the plan's [`ExpertMap`] table, writing the masked grouping by physical slot: counts (straight into
-//!   the moe_gemm grouping's buffer), per-row token and weight, the `[B, 6]` row table. Its two launches are
-//!   PDL-launched: the logits stage the gate rows during w2's tail, the selection its bias and slot tables.
+//!   the moe_gemm grouping's buffer), per-row token and weight, the `[B, 6]` row table. Both launches are
+//!   PDL-launched: the logits load their gate rows while hc_pre finishes; the selection stages its bias and slot
+//!   tables, then lets the shared expert's GEMV in (its weight prefetch overlaps the selection), then waits.
+//! * 15 `shared_expert`: `dense::shared_expert` (FP8 w1 / w3 + SwiGLU + FP8 h, then w2) -> BF16 `[B, D]`. Runs before
+//!   14 because its output is 14's combine addend. After the router, not before: run first (an A/B,
+//!   results/h100/PERF-LOG.md session 25) it cut the selection's wall time by half but lost as much where its own
+//!   prefetch had hidden under the selection.
 //! * 14 `routed_experts`: `router::gather_nvfp4_rows` (f's NVFP4 token rows into the grouping's rows), moe_gemm decode
 //!   L1 (`[w1; w3]`, SwiGLU with the clamp, routing weight, NVFP4 h) and L2 (`w2`), the L2 combine adding the shared
 //!   expert's output in f32 before the one BF16 rounding (the CPU model's `moe`) -> `moe_out` BF16 `[B, D]`.
@@ -642,7 +643,7 @@ impl FfnHalf {
         io.mark(stream, group::FFN_HC_POST)
     }
 
-    /// Steps 12, 15 and 13 of layer `layer` (hc_pre + norm, the shared expert, the router), each group marked: what
+    /// Steps 12, 13 and 15 of layer `layer` (hc_pre + norm, the router, the shared expert), each group marked: what
     /// the single-GPU half and the expert-parallel one run before their routed experts.
     fn before_routed(
         &mut self,
@@ -658,10 +659,10 @@ impl FfnHalf {
         );
         self.hc_pre_ffn_norm(gpu, stream, layer, io)?;
         io.mark(stream, group::FFN_HC_PRE)?;
-        self.shared_expert(gpu, stream, layer)?;
-        io.mark(stream, group::FFN_SHARED)?;
         self.route(gpu, stream, layer, io)?;
-        io.mark(stream, group::FFN_ROUTER)
+        io.mark(stream, group::FFN_ROUTER)?;
+        self.shared_expert(gpu, stream, layer)?;
+        io.mark(stream, group::FFN_SHARED)
     }
 
     /// Step 12: hc_pre (`hc_ffn_*`) + ffn_norm -> pre / post / comb and `f` BF16; `f` -> FP8 1x128 and NVFP4.
