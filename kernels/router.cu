@@ -147,10 +147,11 @@ extern "C" __global__ void __launch_bounds__(kLogitThreads) router_logits(
 // kMapped == true (router_select_group_slots): pair (t, j) goes to slot slot_of[e_j]; two picks of one token may
 // share a slot, so a slot gets one row per pair, in pair order (t, then j). Dynamic shared memory: slots * ceil(T / 32)
 // 32-bit counters (word (s, w) = the pairs of tokens 32w .. 32w + 31 in slot s), then each slot's total [slots],
-// then each pair's slot [T * 6] (-1: no slot), then the staged bias [E] and slot_of [E]. The rank of pair p in slot s = the counters of s's earlier words + the
-// pairs of p's own 32-token word before p in slot s (at most 191 shared-memory reads); the pair then writes its own
-// row (row_token, row_weight), and the rows at or past a slot's count are written empty, so every row is written
-// exactly once in O(rows + pairs) work. With slot_of the identity it writes what kMapped == false writes.
+// then each pair's slot [T * 6] (-1: no slot), then the staged bias [E] and slot_of [E]. The rank of pair p in slot
+// s = the counters of s's earlier words + the pairs of p's own 32-token word before p in slot s (at most 191
+// shared-memory reads); the pair then writes its own row (row_token, row_weight), and the rows at or past a slot's
+// count are written empty, so every row is written exactly once in O(rows + pairs) work. With slot_of the identity
+// it writes what kMapped == false writes.
 template <bool kMapped>
 __device__ __forceinline__ void select_group(
     const float* __restrict__ logits, const float* __restrict__ bias, const int* __restrict__ token_ids,

@@ -16,9 +16,9 @@
 //!   PDL-launched: the logits load their gate rows while hc_pre finishes; the selection stages its bias and slot
 //!   tables, then lets the shared expert's GEMV in (its weight prefetch overlaps the selection), then waits.
 //! * 15 `shared_expert`: `dense::shared_expert` (FP8 w1 / w3 + SwiGLU + FP8 h, then w2) -> BF16 `[B, D]`. Runs before
-//!   14 because its output is 14's combine addend. After the router, not before: run first (an A/B,
-//!   results/h100/PERF-LOG.md session 25) it cut the selection's wall time by half but lost as much where its own
-//!   prefetch had hidden under the selection.
+//!   14 because its output is 14's combine addend. After the router, not before: run first, it halved the
+//!   selection's wall time but lost as much itself, its weight prefetch no longer hidden under the selection (the
+//!   A/B's numbers: results/h100/PERF-LOG.md).
 //! * 14 `routed_experts`: `router::gather_nvfp4_rows` (f's NVFP4 token rows into the grouping's rows), moe_gemm decode
 //!   L1 (`[w1; w3]`, SwiGLU with the clamp, routing weight, NVFP4 h) and L2 (`w2`), the L2 combine adding the shared
 //!   expert's output in f32 before the one BF16 rounding (the CPU model's `moe`) -> `moe_out` BF16 `[B, D]`.
