@@ -130,6 +130,13 @@ fn plans_cover_k_and_fit_shared_memory() {
                 if n.div_ceil(128) * jobs < 132 && splittable {
                     assert!(p.splits >= 2, "{label}");
                 }
+                // Flash's split-K for occupancy never spills into a second wave of its two CTAs per SM. (The LM
+                // head's many waves split only to fit two CTAs per SM, see below; Pro's wo_b, 56 tiles of K 16,384,
+                // cannot: at the 4 splits of one wave its x slice leaves room for one CTA per SM, so its slices are
+                // halved to 8 splits, 1.7 waves of two.)
+                if cfg.name == "flash" && n.div_ceil(128) * jobs < 132 {
+                    assert!(n.div_ceil(128) * jobs * p.splits <= 2 * 132, "{label}");
+                }
             }
         }
     }

@@ -267,7 +267,7 @@ pub const MIN_SLICE_ROWS: usize = 8;
 pub const MIN_SLICE_COLUMNS: usize = 512;
 
 /// The launch plan of `s` on a GPU of `sm_count` SMs. Split-K when the row tiles alone give fewer CTAs than SMs:
-/// about 2 CTAs per SM, K slices a multiple of the granule, capped so that the partials (f32, written and read
+/// at most 2 CTAs per SM (one wave), K slices a multiple of the granule, capped so that the partials (f32, written and read
 /// once, mostly in L2) stay within twice the weight bytes, and at least as many splits as the shared memory for
 /// the staged x needs; then slices halved while a CTA needs more than half the shared memory and the partials stay
 /// under 1/16 of the weight bytes (two resident CTAs per SM).
@@ -291,11 +291,10 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
     let splits_smem = s.k.div_ceil(kc_max);
     let ctas = s.tiles() * s.jobs;
     let sms = sm_count.max(1);
-    let splits_occ = if ctas >= sms {
-        1
-    } else {
-        (2 * sms).div_ceil(ctas)
-    };
+    // As many splits as fit two CTAs per SM in one wave (rounded down): rounding up would leave a second, partial
+    // wave of CTAs that starts only when the first ones finish (the grouped wo_a: 64 tiles, 5 splits = 320 CTAs on
+    // 264 slots, where 4 splits fit).
+    let splits_occ = if ctas >= sms { 1 } else { (2 * sms / ctas).max(1) };
     let esize = if s.kind.weight_fp8() { 1 } else { 2 };
     let splits_cap = (2 * s.k * esize / (4 * s.rows)).max(1);
     let splits = splits_smem
