@@ -2,7 +2,8 @@
 # Build everything a GPU run needs into gpu-bundle/ (git-ignored; the device call carries it):
 # the release `megamoe` binary and every test executable, all with REQUIRE_CUBIN=1 (every kernel compiled to an
 # sm_90a cubin and embedded), CUDA 13.0's libcupti (lib/), plus gpu-run.sh, the commit id and the bench configs.
-#   env: TESTS (space-separated test executable names to bundle; all with GPU tests when unset)
+#   env: TESTS (space-separated test executable names to bundle; all with GPU tests when unset), BUNDLE_DIR (where
+#        to build it, default gpu-bundle/; e.g. gpu-bundle-<name>/ for the candidate of an A/B beside another bundle)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -11,7 +12,7 @@ export NVCC REQUIRE_CUBIN=1
 # CUDA 13.0's CUPTI for `megamoe decode`'s kernel timeline (src/gpu/trace.rs reads its records as 13.x's).
 cupti="$(scripts/install-nvcc.sh --cupti | sed -n 1p)"
 [ -f "$cupti" ] || { echo "error: libcupti.so.13 not installed ($cupti)"; exit 1; }
-out="$root/gpu-bundle"
+out="${BUNDLE_DIR:-$root/gpu-bundle}"
 rm -rf "$out"
 mkdir -p "$out/tests"
 cargo build --release --bin megamoe
