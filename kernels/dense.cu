@@ -37,10 +37,16 @@
 // successor once its last weight load is issued.
 //
 // Scales: FP8 weights are summed per 128-column block (one step) in a fresh f32 MMA accumulator, then added to the
-// running f32 sum times sw * sx (powers of two: exact products). Split-K: each CTA writes its f32 partial sums to
-// the caller's workspace; the last CTA of a tile to arrive (a release/acquire counter) adds the partials in split
-// order 0, 1, ... (deterministic, whichever CTA is last) and resets the counter to 0 for the next call or graph
-// replay.
+// running f32 sum times sw * sx (powers of two: exact products). Split-K, two ways to the same bits:
+//  * cluster (p.cluster, splits <= 8, launched with cluster dims (1, splits, 1): rank = split): each CTA leaves its
+//    f32 sums in its own shared memory, the cluster barrier publishes them, and rank 0 adds the ranks' sums in split
+//    order 0, 1, ... from 0.f through distributed shared memory, then a second barrier lets the other ranks exit
+//    (their shared memory must outlive rank 0's reads). No global partials, fence, counter atomic or L2 round trip.
+//    Rank 0 also stores 0 to the tile's counter (the launcher's route tests read it as evidence the GEMV ran).
+//  * global (more splits than a portable cluster holds): each CTA writes its f32 partial sums to the caller's
+//    workspace; the last CTA of a tile to arrive (a release/acquire counter) adds the partials in split order 0, 1,
+//    ... from 0.f (deterministic, whichever CTA is last) and resets the counter to 0 for the next call or replay.
+// Both add the same f32 values in the same order, so a shape's bits do not depend on the path.
 //
 // Bandwidth: at M = 1..8 the weight bytes dominate, and the loop is latency-bound, not issue-bound (Nsight Compute
 // on the H100: 15% of issue slots busy, 0.3 eligible warps per scheduler). Whole-line requests are the lever: each
@@ -48,6 +54,7 @@
 // the PERF-LOG has the comparison). At M = 64 the x slice (64 x kc f16), 8 token groups of MMAs per half step and
 // the partials (splits x M x N f32, mostly L2) cost more.
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -86,7 +93,7 @@ struct DenseParams {
     int ldy[kMaxJobs];                 // job z's output row stride (elements); kSwiglu: ldy[0] for codes and scales
     int m, k, ldx, kc, splits;
     float scalar;                      // kSwiglu: the clamp limit L (<= 0: none); kFp8NormQx: the RMSNorm eps
-    int reserved;
+    int cluster;                       // 1: a tile's splits are one thread-block cluster (rank = split), see below
 };
 static_assert(sizeof(DenseParams) == 768, "DenseParams must match ops::dense::DenseParams");
 
@@ -466,6 +473,32 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                     red[tok * kRed + v * kTileRows + r] = acc[q][v][i];
                 }
         __syncthreads();
+    } else if (p.cluster) {
+        // Every branch above is uniform over the cluster (it spans the splits of one tile of one job).
+        namespace cg = cooperative_groups;
+        cg::cluster_group cluster = cg::this_cluster();
+#pragma unroll
+        for (int q = 0; q < kMT; ++q)
+#pragma unroll
+            for (int v = 0; v < kNW; ++v)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int tok = q * 8 + t * 2 + (i & 1), r = warp * 16 + g + 8 * (i >> 1);
+                    red[tok * kRed + v * kTileRows + r] = acc[q][v][i];
+                }
+        cluster.sync();  // every rank's sums are in its shared memory (release / acquire at cluster scope)
+        if (split != 0) {
+            cluster.sync();  // rank 0 has read them
+            return;
+        }
+        // Each element is read (from every rank) and then overwritten by the same thread of rank 0.
+        for (int i = threadIdx.x; i < M * kRed; i += kThreads) {
+            float sum = 0.f;
+            for (int sp = 0; sp < p.splits; ++sp) sum += cluster.map_shared_rank(red, sp)[i];
+            red[i] = sum;
+        }
+        if (threadIdx.x == 0) p.count[p.count_off[z] + tile] = 0u;
+        cluster.sync();  // the other ranks may exit; rank 0's sums are visible to all its threads
     } else {
         const int npad = (n + kTileRows - 1) / kTileRows * kTileRows;
         float* part = p.part + p.part_off[z];
