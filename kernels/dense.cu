@@ -29,12 +29,12 @@
 // physical t*L + 4j + {0,1}, logical 8+t*2+{0,1} <-> t*L + 4j + 2 + {0,1} (L = values per lane per half: 16 FP8 /
 // 8 BF16); over j this is a bijection onto the half's 4L columns. The x fragment is read with the same mapping.
 //
-// PDL (common/pdl.cuh; the launcher always sets the attribute): a CTA issues the ring's first kStages - 1 weight
-// steps and stages the weight scales, then waits for the previous kernel (pdl_wait) before it reads x or touches
-// the partials, counters or y. A predecessor that triggers at its start (norms, quantizers, q / KV prep, router
-// selection, attention) lets up to 48 KB a CTA of the weights (kStages - 1 = 3 of 4 steps of 2 KB a warp) arrive
-// while it runs: for wq_b at M = 1 (32 MB on 256 CTAs) about 37% of the weight bytes. The CTA triggers its own
-// successor once its last weight load is issued.
+// PDL (common/pdl.cuh; the launcher always sets the attribute): a CTA issues the ring's kStages weight steps (all
+// of its slots) and stages the weight scales, then waits for the previous kernel (pdl_wait) before it reads x or
+// touches the partials, counters or y. A predecessor that triggers at its start (norms, quantizers, q / KV prep,
+// router selection, attention) lets up to 64 KB a CTA of the weights (4 steps of 2 KB a warp) arrive while it
+// runs: for wq_b at M = 1 (32 MB on 256 CTAs) about half the weight bytes, and all of a slice of <= 4 steps. The
+// CTA triggers its own successor once its last weight load is issued.
 //
 // Scales: FP8 weights are summed per 128-column block (one step) in a fresh f32 MMA accumulator, then added to the
 // running f32 sum times sw * sx (powers of two: exact products). Split-K, two ways to the same bits:
@@ -208,8 +208,11 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                            16);
             }
     };
+    // Every slot of the ring is filled before the wait: a slice of at most kStages steps is then all in flight while
+    // the previous kernel runs, and the steady state keeps kStages steps in flight (each slot is refilled right
+    // after the step it held is read into registers).
 #pragma unroll
-    for (int i = 0; i < C::kStages - 1; ++i) {
+    for (int i = 0; i < C::kStages; ++i) {
         if (i < nsteps) issue(i);
         cp_async_commit();
     }
@@ -360,8 +363,8 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
 
     const uint8_t* xlane = xs + g * xstride + t * C::kXLaneBytes;
     for (int s = 0; s < nsteps; ++s) {
-        cp_async_wait<C::kStages - 2>();
-        __syncwarp();  // every lane's copies of step s have landed; every lane's reads of step s - 1 are done
+        cp_async_wait<C::kStages - 1>();
+        __syncwarp();  // every lane's copies of step s have landed
         // wv[v][hh][h]: the lane's 16 bytes of row g + 8h, chunk 4hh + t (columns hh * kHalfK + t * kLaneK ...).
         uint4 wv[kNW][2][2];
         const uint8_t* slot = ring + warp * C::kWarpRing + (s % C::kStages) * C::kWarpStage;
@@ -374,8 +377,9 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                     const int r = g + 8 * h;
                     wv[v][hh][h] = lds128(slot + v * 2048 + r * 128 + (((4 * hh + t) ^ ((r & 1) << 2)) << 4));
                 }
-        // The slot refilled now was read into registers in the previous step (the __syncwarp above orders it).
-        if (s + C::kStages - 1 < nsteps) issue(s + C::kStages - 1);
+        // The slot just read is refilled with step s + kStages once every lane's reads of it are done.
+        __syncwarp();
+        if (s + C::kStages < nsteps) issue(s + C::kStages);
         cp_async_commit();
 
 #pragma unroll
