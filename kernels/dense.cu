@@ -466,7 +466,8 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
     constexpr int kRed = kNW * kTileRows;
     float* red = reinterpret_cast<float*>(smem);
     __shared__ int s_last;
-    if (p.splits == 1) {
+    if (p.splits == 1 || p.cluster) {
+        // This CTA's sums into its own shared memory: the tile's result, or (cluster) rank `split`'s share of it.
 #pragma unroll
         for (int q = 0; q < kMT; ++q)
 #pragma unroll
@@ -476,20 +477,13 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                     const int tok = q * 8 + t * 2 + (i & 1), r = warp * 16 + g + 8 * (i >> 1);
                     red[tok * kRed + v * kTileRows + r] = acc[q][v][i];
                 }
+    }
+    if (p.splits == 1) {
         __syncthreads();
     } else if (p.cluster) {
         // Every branch above is uniform over the cluster (it spans the splits of one tile of one job).
         namespace cg = cooperative_groups;
         cg::cluster_group cluster = cg::this_cluster();
-#pragma unroll
-        for (int q = 0; q < kMT; ++q)
-#pragma unroll
-            for (int v = 0; v < kNW; ++v)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int tok = q * 8 + t * 2 + (i & 1), r = warp * 16 + g + 8 * (i >> 1);
-                    red[tok * kRed + v * kTileRows + r] = acc[q][v][i];
-                }
         cluster.sync();  // every rank's sums are in its shared memory (release / acquire at cluster scope)
         if (split != 0) {
             cluster.sync();  // rank 0 has read them
