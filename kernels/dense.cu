@@ -29,24 +29,18 @@
 // physical t*L + 4j + {0,1}, logical 8+t*2+{0,1} <-> t*L + 4j + 2 + {0,1} (L = values per lane per half: 16 FP8 /
 // 8 BF16); over j this is a bijection onto the half's 4L columns. The x fragment is read with the same mapping.
 //
-// PDL (common/pdl.cuh; the launcher always sets the attribute): a CTA issues the ring's kStages weight steps (all
-// of its slots) and stages the weight scales, then waits for the previous kernel (pdl_wait) before it reads x or
-// touches the partials, counters or y. A predecessor that triggers at its start (norms, quantizers, q / KV prep,
-// router selection, attention) lets up to 64 KB a CTA of the weights (4 steps of 2 KB a warp) arrive while it
-// runs: for wq_b at M = 1 (32 MB on 256 CTAs) about half the weight bytes, and all of a slice of <= 4 steps. The
-// CTA triggers its own successor once its last weight load is issued.
+// PDL (common/pdl.cuh; the launcher always sets the attribute): a CTA issues the ring's first kStages - 1 weight
+// steps and stages the weight scales, then waits for the previous kernel (pdl_wait) before it reads x or touches
+// the partials, counters or y. A predecessor that triggers at its start (norms, quantizers, q / KV prep, router
+// selection, attention) lets up to 48 KB a CTA of the weights (kStages - 1 = 3 of 4 steps of 2 KB a warp) arrive
+// while it runs: for wq_b at M = 1 (32 MB on 256 CTAs) about 37% of the weight bytes. The CTA triggers its own
+// successor once its last weight load is issued.
 //
 // Scales: FP8 weights are summed per 128-column block (one step) in a fresh f32 MMA accumulator, then added to the
-// running f32 sum times sw * sx (powers of two: exact products). Split-K, two ways to the same bits:
-//  * cluster (p.cluster, splits <= 8, launched with cluster dims (1, splits, 1): rank = split): each CTA leaves its
-//    f32 sums in its own shared memory, the cluster barrier publishes them, and rank 0 adds the ranks' sums in split
-//    order 0, 1, ... from 0.f through distributed shared memory, then a second barrier lets the other ranks exit
-//    (their shared memory must outlive rank 0's reads). No global partials, fence, counter atomic or L2 round trip.
-//    Rank 0 also stores 0 to the tile's counter (the launcher's route tests read it as evidence the GEMV ran).
-//  * global (more splits than a portable cluster holds): each CTA writes its f32 partial sums to the caller's
-//    workspace; the last CTA of a tile to arrive (a release/acquire counter) adds the partials in split order 0, 1,
-//    ... from 0.f (deterministic, whichever CTA is last) and resets the counter to 0 for the next call or replay.
-// Both add the same f32 values in the same order, so a shape's bits do not depend on the path.
+// running f32 sum times sw * sx (powers of two: exact products). Split-K: each CTA writes its f32 partial sums to
+// the caller's workspace; the last CTA of a tile to arrive (a release/acquire counter) adds the partials in split
+// order 0, 1, ... (deterministic, whichever CTA is last) and resets the counter to 0 for the next call or graph
+// replay.
 //
 // Bandwidth: at M = 1..8 the weight bytes dominate, and the loop is latency-bound, not issue-bound (Nsight Compute
 // on the H100: 15% of issue slots busy, 0.3 eligible warps per scheduler). Whole-line requests are the lever: each
@@ -54,7 +48,6 @@
 // the PERF-LOG has the comparison). At M = 64 the x slice (64 x kc f16), 8 token groups of MMAs per half step and
 // the partials (splits x M x N f32, mostly L2) cost more.
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -93,7 +86,7 @@ struct DenseParams {
     int ldy[kMaxJobs];                 // job z's output row stride (elements); kSwiglu: ldy[0] for codes and scales
     int m, k, ldx, kc, splits;
     float scalar;                      // kSwiglu: the clamp limit L (<= 0: none); kFp8NormQx: the RMSNorm eps
-    int cluster;                       // 1: a tile's splits are one thread-block cluster (rank = split), see below
+    int reserved;
 };
 static_assert(sizeof(DenseParams) == 768, "DenseParams must match ops::dense::DenseParams");
 
@@ -208,11 +201,8 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                            16);
             }
     };
-    // Every slot of the ring is filled before the wait: a slice of at most kStages steps is then all in flight while
-    // the previous kernel runs, and the steady state keeps kStages steps in flight (each slot is refilled right
-    // after the step it held is read into registers).
 #pragma unroll
-    for (int i = 0; i < C::kStages; ++i) {
+    for (int i = 0; i < C::kStages - 1; ++i) {
         if (i < nsteps) issue(i);
         cp_async_commit();
     }
@@ -363,8 +353,8 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
 
     const uint8_t* xlane = xs + g * xstride + t * C::kXLaneBytes;
     for (int s = 0; s < nsteps; ++s) {
-        cp_async_wait<C::kStages - 1>();
-        __syncwarp();  // every lane's copies of step s have landed
+        cp_async_wait<C::kStages - 2>();
+        __syncwarp();  // every lane's copies of step s have landed; every lane's reads of step s - 1 are done
         // wv[v][hh][h]: the lane's 16 bytes of row g + 8h, chunk 4hh + t (columns hh * kHalfK + t * kLaneK ...).
         uint4 wv[kNW][2][2];
         const uint8_t* slot = ring + warp * C::kWarpRing + (s % C::kStages) * C::kWarpStage;
@@ -377,9 +367,8 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                     const int r = g + 8 * h;
                     wv[v][hh][h] = lds128(slot + v * 2048 + r * 128 + (((4 * hh + t) ^ ((r & 1) << 2)) << 4));
                 }
-        // The slot just read is refilled with step s + kStages once every lane's reads of it are done.
-        __syncwarp();
-        if (s + C::kStages < nsteps) issue(s + C::kStages);
+        // The slot refilled now was read into registers in the previous step (the __syncwarp above orders it).
+        if (s + C::kStages - 1 < nsteps) issue(s + C::kStages - 1);
         cp_async_commit();
 
 #pragma unroll
@@ -466,8 +455,7 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
     constexpr int kRed = kNW * kTileRows;
     float* red = reinterpret_cast<float*>(smem);
     __shared__ int s_last;
-    if (p.splits == 1 || p.cluster) {
-        // This CTA's sums into its own shared memory: the tile's result, or (cluster) rank `split`'s share of it.
+    if (p.splits == 1) {
 #pragma unroll
         for (int q = 0; q < kMT; ++q)
 #pragma unroll
@@ -477,26 +465,7 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
                     const int tok = q * 8 + t * 2 + (i & 1), r = warp * 16 + g + 8 * (i >> 1);
                     red[tok * kRed + v * kTileRows + r] = acc[q][v][i];
                 }
-    }
-    if (p.splits == 1) {
         __syncthreads();
-    } else if (p.cluster) {
-        // Every branch above is uniform over the cluster (it spans the splits of one tile of one job).
-        namespace cg = cooperative_groups;
-        cg::cluster_group cluster = cg::this_cluster();
-        cluster.sync();  // every rank's sums are in its shared memory (release / acquire at cluster scope)
-        if (split != 0) {
-            cluster.sync();  // rank 0 has read them
-            return;
-        }
-        // Each element is read (from every rank) and then overwritten by the same thread of rank 0.
-        for (int i = threadIdx.x; i < M * kRed; i += kThreads) {
-            float sum = 0.f;
-            for (int sp = 0; sp < p.splits; ++sp) sum += cluster.map_shared_rank(red, sp)[i];
-            red[i] = sum;
-        }
-        if (threadIdx.x == 0) p.count[p.count_off[z] + tile] = 0u;
-        cluster.sync();  // the other ranks may exit; rank 0's sums are visible to all its threads
     } else {
         const int npad = (n + kTileRows - 1) / kTileRows * kTileRows;
         float* part = p.part + p.part_off[z];

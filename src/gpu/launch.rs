@@ -238,14 +238,7 @@ pub struct Launch {
     /// Programmatic stream serialization: the kernel may start before the previous kernel of the stream ends
     /// and waits (`griddepcontrol.wait`) before reading its outputs.
     pub pdl: bool,
-    /// Thread-block cluster dimensions, for a kernel that forms clusters at launch rather than with
-    /// `__cluster_dims__`; `(1, 1, 1)` launches without the attribute. Each grid dimension must be a multiple of its
-    /// cluster dimension, and a portable cluster holds at most [`MAX_PORTABLE_CLUSTER`] CTAs.
-    pub cluster: (u32, u32, u32),
 }
-
-/// The most CTAs a cluster may hold without the non-portable size attribute (CUDA's portable cluster size on sm_90).
-pub const MAX_PORTABLE_CLUSTER: u32 = 8;
 
 impl Launch {
     pub fn new(grid: (u32, u32, u32), block: (u32, u32, u32)) -> Launch {
@@ -254,7 +247,6 @@ impl Launch {
             block,
             smem: 0,
             pdl: false,
-            cluster: (1, 1, 1),
         }
     }
     /// A 1-D grid covering `n` items with `block` threads each (at least one CTA).
@@ -267,10 +259,6 @@ impl Launch {
     }
     pub fn pdl(mut self, on: bool) -> Launch {
         self.pdl = on;
-        self
-    }
-    pub fn cluster(mut self, dims: (u32, u32, u32)) -> Launch {
-        self.cluster = dims;
         self
     }
 }
@@ -328,20 +316,6 @@ pub unsafe fn launch(stream: &Stream, k: &Kernel, l: Launch, args: &mut KernelAr
         l.smem,
         k.smem_allowed
     );
-    let (cx, cy, cz) = l.cluster;
-    anyhow::ensure!(
-        cx >= 1
-            && cy >= 1
-            && cz >= 1
-            && l.grid.0 % cx == 0
-            && l.grid.1 % cy == 0
-            && l.grid.2 % cz == 0
-            && cx * cy * cz <= MAX_PORTABLE_CLUSTER,
-        "launching {}: cluster {:?} does not tile grid {:?} or holds more than {MAX_PORTABLE_CLUSTER} CTAs",
-        k.name,
-        l.cluster,
-        l.grid
-    );
     // Pointers into `args.data`, taken after every push (the buffer no longer moves).
     let base = args.data.as_mut_ptr();
     let mut params: Vec<*mut std::ffi::c_void> = args
@@ -349,16 +323,7 @@ pub unsafe fn launch(stream: &Stream, k: &Kernel, l: Launch, args: &mut KernelAr
         .iter()
         .map(|&i| base.add(i) as *mut std::ffi::c_void)
         .collect();
-    let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
-    if l.cluster != (1, 1, 1) {
-        // SAFETY: as below.
-        let mut a: sys::CUlaunchAttribute = std::mem::zeroed();
-        a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        a.value.clusterDim.x = cx;
-        a.value.clusterDim.y = cy;
-        a.value.clusterDim.z = cz;
-        attrs.push(a);
-    }
+    let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(1);
     if l.pdl {
         // SAFETY: a zeroed CUlaunchAttribute is a valid "no attribute" value; id and value are then set.
         let mut a: sys::CUlaunchAttribute = std::mem::zeroed();

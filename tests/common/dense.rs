@@ -169,20 +169,6 @@ pub fn workspace_on(
     (arena, ws)
 }
 
-/// [`workspace_on`] with its tile counters poisoned too (every bit set), for a launch that must not take the GEMV:
-/// a split-K GEMV launch on it would change them (the cluster path stores 0, the global path adds its arrivals and,
-/// never seeing its last arrival, leaves its output unwritten), so counters still poisoned afterwards are evidence
-/// that no such launch ran. Not for a workspace a GEMV launch must use.
-pub fn workspace_witnessing_gemv(
-    gpu: &Gpu,
-    shapes: &[DenseShape],
-    route: DenseRoute,
-) -> (Arena, DenseWorkspace) {
-    let (arena, ws) = workspace_on(gpu, shapes, route);
-    megamoe::gpu::arena::fill(&gpu.stream, &ws.count, 0xFF).unwrap();
-    (arena, ws)
-}
-
 pub fn bf16_out(gpu: &Gpu, n: usize) -> CudaSlice<bf16> {
     gpu.poisoned::<bf16>(n, POISON).unwrap()
 }

@@ -228,20 +228,10 @@ pub struct DensePlan {
     pub smem: usize,
 }
 
-/// The most splits of a tile that add their sums inside one thread-block cluster (distributed shared memory)
-/// instead of through global partials: CUDA's portable cluster size.
-pub const CLUSTER_MAX_SPLITS: usize = crate::gpu::launch::MAX_PORTABLE_CLUSTER as usize;
-
 impl DensePlan {
-    /// Whether a tile's splits form one cluster and add their sums in distributed shared memory (kernels/dense.cu:
-    /// the same values added in the same order as the global path, so the same bits): split-K with at most
-    /// [`CLUSTER_MAX_SPLITS`] splits.
-    pub fn clustered(&self) -> bool {
-        (2..=CLUSTER_MAX_SPLITS).contains(&self.splits)
-    }
-    /// f32 partial sums of one call in the workspace (0 without split-K or when the splits are one cluster).
+    /// f32 partial sums of one call (0 without split-K).
     pub fn partial_floats(&self, s: &DenseShape) -> usize {
-        if self.splits == 1 || self.clustered() {
+        if self.splits == 1 {
             0
         } else {
             self.splits * s.rows * s.kind.weights_per_warp() * s.tiles() * TILE_ROWS * s.jobs
@@ -500,8 +490,7 @@ struct DenseParams {
     splits: i32,
     /// kSwiglu: the clamp limit; kFp8NormQx: the RMSNorm eps.
     scalar: f32,
-    /// 1: a tile's splits are one cluster ([`DensePlan::clustered`]), launched with cluster dims (1, splits, 1).
-    cluster: i32,
+    reserved: i32,
 }
 
 const _: () = assert!(std::mem::size_of::<DenseParams>() == 768);
@@ -572,7 +561,7 @@ fn blank_params() -> DenseParams {
         kc: 0,
         splits: 0,
         scalar: 0.0,
-        cluster: 0,
+        reserved: 0,
     }
 }
 
@@ -647,7 +636,6 @@ fn run_one(gpu: &Gpu, stream: &Stream, spec: LaunchSpec, ws: &DenseWorkspace) ->
     p.k = s.k as i32;
     p.kc = pl.kc as i32;
     p.splits = pl.splits as i32;
-    p.cluster = pl.clustered() as i32;
     let name = format!("{}_m{}", s.kind.prefix(), pl.mt * 8);
     let kernel = gpu.kernel_with_smem(FAMILY, &name, pl.smem)?;
     // PDL (kernels/common/pdl.cuh): the CTAs may start while the previous kernel runs, issue their first weight
@@ -659,8 +647,7 @@ fn run_one(gpu: &Gpu, stream: &Stream, spec: LaunchSpec, ws: &DenseWorkspace) ->
         (THREADS, 1, 1),
     )
     .smem(pl.smem)
-    .pdl(true)
-    .cluster((1, if pl.clustered() { pl.splits as u32 } else { 1 }, 1));
+    .pdl(true);
     let mut args = KernelArgs::new();
     args.pod(&p);
     // SAFETY: every buffer was checked against the shape by the public launcher; the workspace against the plan.
