@@ -13,8 +13,11 @@
 #           DECODE_TIMEOUT, DECODE_FLASH_TIMEOUT, DECODE_FLASH_AB_TIMEOUT, DECODE_TTFT_TIMEOUT)
 #   decode-ab: an engine A/B on one machine: this bundle's megamoe (the candidate) and a baseline binary
 #           (AB_BASE, default gpu-bundle-base/ beside this bundle: megamoe or megamoe.xz and COMMIT, from
-#           scripts/gpu-baseline.sh), interleaved candidate, baseline, candidate, baseline, each a Flash sweep at
-#           4K over AB_BATCHES (default 1,8,64); each side's decode.csv rows under ab-<side>/ (AB_TIMEOUT per run)
+#           scripts/gpu-baseline.sh), mirrored candidate, baseline, baseline, candidate (a linear drift of the
+#           machine cancels in each side's mean), each a Flash sweep at 4K over AB_BATCHES (default 1,8,64); each
+#           side's decode.csv rows under ab-<side>/ (AB_TIMEOUT per run). AB_BASE may name several baseline
+#           directories (space-separated, e.g. a chain of changes): the sides run in order, then in reverse, and
+#           each baseline's rows land under ab-<its commit>/.
 #   bench-ab: a kernel A/B on one machine with the same two binaries: the bench configs AB_CONFIGS (names under
 #           bench-configs/, e.g. ab/X), candidate, baseline, candidate, baseline; each run's CSV rows under
 #           ab-<side>-<round>/ (BENCH_TIMEOUT per run)
@@ -215,11 +218,15 @@ if want decode; then
   # REPORT.md of this run's directory (its decode section, and any bench rows beside it).
   "$B/megamoe" report --dir "$work" 2>&1 | tail -n 1
 fi
-# The baseline binary of the A/B steps: AB_BASE (default gpu-bundle-base/ beside this bundle), unpacked once.
-base="${AB_BASE:-$(dirname "$B")/gpu-bundle-base}"
-if { want decode-ab || want bench-ab; } && [ -f "$base/megamoe.xz" ]; then
-  xz -d -f "$base/megamoe.xz" && chmod +x "$base/megamoe"
-fi
+# The baseline binaries of the A/B steps: AB_BASE (default gpu-bundle-base/ beside this bundle; decode-ab takes
+# several, bench-ab the first), each unpacked once.
+bases="${AB_BASE:-$(dirname "$B")/gpu-bundle-base}"
+for d in $bases; do
+  if { want decode-ab || want bench-ab; } && [ -f "$d/megamoe.xz" ]; then
+    xz -d -f "$d/megamoe.xz" && chmod +x "$d/megamoe"
+  fi
+done
+base="${bases%% *}"
 base_commit="$(head -n1 "$base/COMMIT" 2>/dev/null || echo unknown)"
 if want bench-ab; then
   if [ -x "$base/megamoe" ]; then
@@ -241,19 +248,31 @@ if want bench-ab; then
   fi
 fi
 if want decode-ab; then
-  if [ -x "$base/megamoe" ]; then
+  # Sides: the candidate, then each baseline (named "baseline" when there is one, by its commit when several).
+  sides=("$B/megamoe|$MEGAMOE_GIT_COMMIT|candidate")
+  nb=0; for d in $bases; do nb=$((nb + 1)); done
+  missing=0
+  for d in $bases; do
+    [ -x "$d/megamoe" ] || { echo "decode-ab: no baseline binary in $d (scripts/gpu-baseline.sh COMMIT builds one)"; missing=1; }
+    c="$(head -n1 "$d/COMMIT" 2>/dev/null || echo unknown)"
+    if [ "$nb" -eq 1 ]; then name=baseline; else name="$c"; fi
+    sides+=("$d/megamoe|$c|$name")
+  done
+  if [ "$missing" -eq 0 ]; then
     for round in 1 2; do
-      for side in candidate baseline; do
-        if [ "$side" = candidate ]; then bin="$B/megamoe"; c="$MEGAMOE_GIT_COMMIT"; else bin="$base/megamoe"; c="$base_commit"; fi
-        step "decode-ab: $side ($c), round $round, Flash 4K, batches ${AB_BATCHES:-1,8,64}"
+      order=("${sides[@]}")
+      if [ "$round" -eq 2 ]; then order=(); for ((i = ${#sides[@]} - 1; i >= 0; i--)); do order+=("${sides[$i]}"); done; fi
+      for side in "${order[@]}"; do
+        IFS='|' read -r bin c name <<< "$side"
+        step "decode-ab: $name ($c), round $round, Flash 4K, batches ${AB_BATCHES:-1,8,64}"
         MEGAMOE_GIT_COMMIT="$c" timeout "${AB_TIMEOUT:-150}" "$bin" decode --model flash --at-context --context 4096 \
-          --batch "${AB_BATCHES:-1,8,64}" --max-new-tokens 32 --out "$work/ab-$side" > "$work/ab-$side-$round.log" 2>&1 \
-          || { echo "decode-ab $side round $round failed"; status=1; }
-        grep -E "^== decode|^TPOT" "$work/ab-$side-$round.log" | paste - - | sed -E 's/ +/ /g' | cut -c1-160
+          --batch "${AB_BATCHES:-1,8,64}" --max-new-tokens 32 --out "$work/ab-$name" > "$work/ab-$name-$round.log" 2>&1 \
+          || { echo "decode-ab $name round $round failed"; status=1; }
+        grep -E "^== decode|^TPOT" "$work/ab-$name-$round.log" | paste - - | sed -E 's/ +/ /g' | cut -c1-160
       done
     done
   else
-    echo "decode-ab: no baseline binary in $base (scripts/gpu-baseline.sh COMMIT builds one)"; status=1
+    status=1
   fi
 fi
 if want model && [ -x "$B/tests/model_reference" ]; then
