@@ -220,13 +220,13 @@ if want decode; then
 fi
 # The baseline binaries of the A/B steps: AB_BASE (default gpu-bundle-base/ beside this bundle; decode-ab takes
 # several, bench-ab the first), each unpacked once.
-bases="${AB_BASE:-$(dirname "$B")/gpu-bundle-base}"
-for d in $bases; do
+read -ra bases <<< "${AB_BASE:-$(dirname "$B")/gpu-bundle-base}"
+for d in "${bases[@]}"; do
   if { want decode-ab || want bench-ab; } && [ -f "$d/megamoe.xz" ]; then
     xz -d -f "$d/megamoe.xz" && chmod +x "$d/megamoe"
   fi
 done
-base="${bases%% *}"
+base="${bases[0]}"
 base_commit="$(head -n1 "$base/COMMIT" 2>/dev/null || echo unknown)"
 if want bench-ab; then
   if [ -x "$base/megamoe" ]; then
@@ -250,12 +250,11 @@ fi
 if want decode-ab; then
   # Sides: the candidate, then each baseline (named "baseline" when there is one, by its commit when several).
   sides=("$B/megamoe|$MEGAMOE_GIT_COMMIT|candidate")
-  nb=0; for d in $bases; do nb=$((nb + 1)); done
   missing=0
-  for d in $bases; do
+  for d in "${bases[@]}"; do
     [ -x "$d/megamoe" ] || { echo "decode-ab: no baseline binary in $d (scripts/gpu-baseline.sh COMMIT builds one)"; missing=1; }
     c="$(head -n1 "$d/COMMIT" 2>/dev/null || echo unknown)"
-    if [ "$nb" -eq 1 ]; then name=baseline; else name="$c"; fi
+    if [ "${#bases[@]}" -eq 1 ]; then name=baseline; else name="$c"; fi
     sides+=("$d/megamoe|$c|$name")
   done
   if [ "$missing" -eq 0 ]; then

@@ -294,11 +294,7 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
     // As many splits as fit two CTAs per SM in one wave (rounded down): rounding up would leave a second, partial
     // wave of CTAs that starts only when the first ones finish (the grouped wo_a: 64 tiles, 5 splits = 320 CTAs on
     // 264 slots, where 4 splits fit).
-    let splits_occ = if ctas >= sms {
-        1
-    } else {
-        (2 * sms / ctas).max(1)
-    };
+    let splits_occ = if ctas >= sms { 1 } else { 2 * sms / ctas };
     let esize = if s.kind.weight_fp8() { 1 } else { 2 };
     let splits_cap = (2 * s.k * esize / (4 * s.rows)).max(1);
     let splits = splits_smem
