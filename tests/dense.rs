@@ -32,13 +32,7 @@ use rand_chacha::ChaCha8Rng;
 const LAYER: usize = 2;
 
 fn shape(kind: DenseKind, rows: usize, n: usize, k: usize, jobs: usize) -> DenseShape {
-    DenseShape {
-        kind,
-        rows,
-        n,
-        k,
-        jobs,
-    }
+    DenseShape::new(kind, rows, n, k, jobs)
 }
 
 fn fp8_names() -> Vec<String> {
@@ -139,6 +133,44 @@ fn plans_cover_k_and_fit_shared_memory() {
                 }
             }
         }
+    }
+}
+
+/// A launch of jobs of different heights plans by the tiles that hold rows (the shorter jobs' tail tiles exit at
+/// once). The CSA layers' BF16 launch (the indexer's weights_proj, 64 rows, then both compressors' wkv and wgate,
+/// 1,024 and 256 rows) has 21 busy tiles of a 5 x 8 grid: at one row its busy CTAs fill one wave of two per SM,
+/// about twice the splits the whole grid's 40 tiles would get.
+#[test]
+fn mixed_height_launches_plan_by_their_busy_tiles() {
+    let cfg = ModelConfig::flash();
+    let (w, wi) = (2 * cfg.head_dim, 2 * cfg.index_head_dim);
+    let s = DenseShape::of_heights(
+        DenseKind::Bf16,
+        1,
+        cfg.dim,
+        &[cfg.index_n_heads, w, w, wi, wi],
+    );
+    assert_eq!((s.n, s.jobs, s.busy_tiles), (1024, 5, 21));
+    s.check().unwrap();
+    let p = plan(&s, 132).unwrap();
+    let whole_grid = plan(&shape(DenseKind::Bf16, 1, 1024, cfg.dim, 5), 132).unwrap();
+    assert!(p.splits * s.busy_tiles <= 2 * 132, "{p:?}");
+    assert!(
+        p.splits >= 2 * whole_grid.splits - 1,
+        "{p:?} vs {whole_grid:?}"
+    );
+    // Jobs of one height: every tile busy, the same shape as `new`.
+    assert_eq!(
+        DenseShape::of_heights(DenseKind::Fp8, 8, 4096, &[1024, 1024]),
+        shape(DenseKind::Fp8, 8, 1024, 4096, 2)
+    );
+    // A busy count outside jobs ..= jobs x tiles is refused.
+    for busy in [4, 41] {
+        let bad = DenseShape {
+            busy_tiles: busy,
+            ..s
+        };
+        assert!(bad.check().is_err(), "{bad:?}");
     }
 }
 

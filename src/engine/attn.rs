@@ -199,59 +199,43 @@ impl Sizes {
                 }
             }
         }
-        let fp8 = |n: usize, k: usize| DenseShape {
-            kind: DenseKind::Fp8,
-            rows: batch,
-            n,
-            k,
-            jobs: 1,
-        };
-        let bf16 = |n: usize, jobs: usize| DenseShape {
-            kind: DenseKind::Bf16,
-            rows: batch,
-            n,
-            k: cfg.dim,
-            jobs,
-        };
+        // Every launch of AttnHalf::projections and AttnHalf::output, jobs in launch order.
+        let fp8 =
+            |heights: &[usize], k: usize| DenseShape::of_heights(DenseKind::Fp8, batch, k, heights);
+        let bf16 =
+            |heights: &[usize]| DenseShape::of_heights(DenseKind::Bf16, batch, cfg.dim, heights);
         let o_dim = cfg.o_groups * cfg.o_lora_rank;
         let mut dense = vec![
-            // wq_a and wkv in one launch (AttnHalf::projections).
-            DenseShape {
-                jobs: 2,
-                ..fp8(cfg.q_lora_rank.max(cfg.head_dim), cfg.dim)
-            },
-            fp8(cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
-            DenseShape {
-                kind: DenseKind::Fp8Bf16x,
-                rows: batch,
-                n: cfg.o_lora_rank,
-                k: cfg.heads_per_group() * cfg.head_dim,
-                jobs: cfg.o_groups,
-            },
-            fp8(cfg.dim, o_dim),
+            // wq_a and wkv in one launch.
+            fp8(&[cfg.q_lora_rank, cfg.head_dim], cfg.dim),
+            fp8(&[cfg.n_heads * cfg.head_dim], cfg.q_lora_rank),
+            DenseShape::new(
+                DenseKind::Fp8Bf16x,
+                batch,
+                cfg.o_lora_rank,
+                cfg.heads_per_group() * cfg.head_dim,
+                cfg.o_groups,
+            ),
+            fp8(&[cfg.dim], o_dim),
         ];
         for p in &plans {
             match p.kind {
                 LayerKind::SlidingWindow => {}
-                LayerKind::Hca { .. } => dense.push(bf16(cfg.head_dim, 2)),
+                // The compressor's wkv and wgate in one launch.
+                LayerKind::Hca { .. } => dense.push(bf16(&[cfg.head_dim, cfg.head_dim])),
                 LayerKind::Csa { .. } => {
-                    // The indexer's weights_proj and both compressors' wkv and wgate in one launch
-                    // (AttnHalf::projections).
-                    dense.push(bf16(
-                        (2 * cfg.head_dim)
-                            .max(2 * cfg.index_head_dim)
-                            .max(cfg.index_n_heads),
-                        5,
-                    ));
+                    // The indexer's weights_proj, then both compressors' wkv and wgate (overlapping windows:
+                    // twice the head width) in one launch.
+                    let (w, wi) = (2 * cfg.head_dim, 2 * cfg.index_head_dim);
+                    dense.push(bf16(&[cfg.index_n_heads, w, w, wi, wi]));
                     // wq_b and the indexer's wq_b in one launch.
-                    dense.push(DenseShape {
-                        jobs: 2,
-                        ..fp8(
-                            (cfg.n_heads * cfg.head_dim)
-                                .max(cfg.index_n_heads * cfg.index_head_dim),
-                            cfg.q_lora_rank,
-                        )
-                    });
+                    dense.push(fp8(
+                        &[
+                            cfg.n_heads * cfg.head_dim,
+                            cfg.index_n_heads * cfg.index_head_dim,
+                        ],
+                        cfg.q_lora_rank,
+                    ));
                 }
             }
         }

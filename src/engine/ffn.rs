@@ -246,29 +246,11 @@ impl ArenaSizes {
     fn shared_shapes(&self) -> Vec<DenseShape> {
         let (b, d, i) = (self.tokens, self.dim, self.inter);
         let mut v = vec![
-            DenseShape {
-                kind: DenseKind::Swiglu,
-                rows: b,
-                n: i,
-                k: d,
-                jobs: 1,
-            },
-            DenseShape {
-                kind: DenseKind::Fp8,
-                rows: b,
-                n: d,
-                k: i,
-                jobs: 1,
-            },
+            DenseShape::new(DenseKind::Swiglu, b, i, d, 1),
+            DenseShape::new(DenseKind::Fp8, b, d, i, 1),
         ];
         if uses_contiguous_grouping(b) {
-            v.push(DenseShape {
-                kind: DenseKind::Fp8,
-                rows: b,
-                n: i,
-                k: d,
-                jobs: 2,
-            });
+            v.push(DenseShape::new(DenseKind::Fp8, b, i, d, 2));
         }
         v
     }

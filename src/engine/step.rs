@@ -30,13 +30,7 @@ use half::bf16;
 
 /// The LM head's linear: `[B, D] x head.weight [vocab, D]^T -> f32 [B, vocab]`.
 pub fn lm_head_shape(cfg: &ModelConfig, shape: &StepShape) -> DenseShape {
-    DenseShape {
-        kind: DenseKind::Bf16,
-        rows: shape.batch,
-        n: cfg.vocab_size,
-        k: cfg.dim,
-        jobs: 1,
-    }
+    DenseShape::new(DenseKind::Bf16, shape.batch, cfg.vocab_size, cfg.dim, 1)
 }
 
 /// [`DecodeState::read_error`] bit: an embedding id was outside the vocabulary.

@@ -82,13 +82,7 @@ impl Linear {
             Linear::Swiglu { inter, dim } => (DenseKind::Swiglu, inter, dim, 1),
             Linear::Bf16 { n, k, jobs } => (DenseKind::Bf16, n, k, jobs),
         };
-        DenseShape {
-            kind,
-            rows: m,
-            n,
-            k,
-            jobs,
-        }
+        DenseShape::new(kind, m, n, k, jobs)
     }
 }
 

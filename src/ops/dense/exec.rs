@@ -62,13 +62,7 @@ fn run_fp8(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
         &[None, Some(k)],
     )?;
     let n = wt.shape[0];
-    let shape = DenseShape {
-        kind: DenseKind::Fp8,
-        rows: m,
-        n,
-        k,
-        jobs: 1,
-    };
+    let shape = DenseShape::new(DenseKind::Fp8, m, n, k, 1);
     shape.check()?;
     let st = input(
         inputs,
@@ -123,13 +117,7 @@ fn run_bf16(inputs: &TensorMap, gpu: Option<&Gpu>) -> Result<TensorMap> {
     let (x, m, k) = bf16_rows(inputs, kn)?;
     let wt = input(inputs, kn, "w", &[Dtype::BF16], &[None, Some(k)])?;
     let n = wt.shape[0];
-    let shape = DenseShape {
-        kind: DenseKind::Bf16,
-        rows: m,
-        n,
-        k,
-        jobs: 1,
-    };
+    let shape = DenseShape::new(DenseKind::Bf16, m, n, k, 1);
     shape.check()?;
     let w = wt.to_f32()?;
     ensure!(

@@ -160,7 +160,9 @@ impl DenseKind {
 }
 
 /// The sizes of one launch: `rows` (M) activation rows, `jobs` weights (or wo_a groups) of `n` rows each (the
-/// largest for BF16 jobs of different heights) and `k` columns.
+/// largest, for jobs of different heights) and `k` columns. The grid has a row tile of every job for each of the
+/// `ceil(n / 128)` tiles; `busy_tiles` counts those that hold rows of their job (the others exit at once), which is
+/// what [`plan`]'s occupancy rule counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DenseShape {
     pub kind: DenseKind,
@@ -168,9 +170,32 @@ pub struct DenseShape {
     pub n: usize,
     pub k: usize,
     pub jobs: usize,
+    pub busy_tiles: usize,
 }
 
 impl DenseShape {
+    /// `jobs` weights of `n` rows each: every tile of the grid holds rows.
+    pub fn new(kind: DenseKind, rows: usize, n: usize, k: usize, jobs: usize) -> DenseShape {
+        DenseShape {
+            kind,
+            rows,
+            n,
+            k,
+            jobs,
+            busy_tiles: jobs * n.div_ceil(TILE_ROWS),
+        }
+    }
+    /// One launch of weights of these heights (`heights[j]` rows for job `j`) sharing x: `n` the tallest.
+    pub fn of_heights(kind: DenseKind, rows: usize, k: usize, heights: &[usize]) -> DenseShape {
+        DenseShape {
+            kind,
+            rows,
+            n: heights.iter().copied().max().unwrap_or(0),
+            k,
+            jobs: heights.len(),
+            busy_tiles: heights.iter().map(|h| h.div_ceil(TILE_ROWS)).sum(),
+        }
+    }
     /// The shape rules of the module docs.
     pub fn check(&self) -> Result<()> {
         let DenseShape {
@@ -179,6 +204,7 @@ impl DenseShape {
             n,
             k,
             jobs,
+            busy_tiles,
         } = *self;
         ensure!(
             (1..=MAX_CALL_ROWS).contains(&rows),
@@ -203,6 +229,11 @@ impl DenseShape {
         ensure!(
             n * jobs <= i32::MAX as usize && k <= i32::MAX as usize / 2,
             "dense: [{n}, {k}] x {jobs} exceeds the kernels' int indices"
+        );
+        let tiles = n.div_ceil(TILE_ROWS);
+        ensure!(
+            (jobs..=jobs * tiles).contains(&busy_tiles),
+            "dense: {busy_tiles} busy row tiles in a launch of {jobs} jobs x {tiles} tiles (each job has at least one)"
         );
         Ok(())
     }
@@ -266,7 +297,7 @@ pub const MIN_SLICE_ROWS: usize = 8;
 /// The shortest K slice of a CTA from [`MIN_SLICE_ROWS`] rows on.
 pub const MIN_SLICE_COLUMNS: usize = 512;
 
-/// The launch plan of `s` on a GPU of `sm_count` SMs. Split-K when the row tiles alone give fewer CTAs than SMs:
+/// The launch plan of `s` on a GPU of `sm_count` SMs. Split-K when the busy row tiles alone give fewer CTAs than SMs:
 /// at most 2 CTAs per SM (one wave), K slices a multiple of the granule, capped so that the partials (f32, written and read
 /// once, mostly in L2) stay within twice the weight bytes, and at least as many splits as the shared memory for
 /// the staged x needs; then slices halved while a CTA needs more than half the shared memory and the partials stay
@@ -289,7 +320,8 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
         "dense: no K slice fits shared memory"
     );
     let splits_smem = s.k.div_ceil(kc_max);
-    let ctas = s.tiles() * s.jobs;
+    // The CTAs that stream rows: a launch of jobs of different heights leaves the shorter jobs' tail tiles idle.
+    let ctas = s.busy_tiles;
     let sms = sm_count.max(1);
     // As many splits as fit two CTAs per SM in one wave (rounded down): rounding up would leave a second, partial
     // wave of CTAs that starts only when the first ones finish (the grouped wo_a: 64 tiles, 5 splits = 320 CTAs on
@@ -777,13 +809,8 @@ pub const NORM_MAX_K: usize = 8192;
 fn fp8_jobs(jobs: &[Fp8Job], x: &Fp8Rows) -> Result<(DenseShape, DenseParams)> {
     ensure!(!jobs.is_empty(), "dense: FP8 linears without a weight");
     let (rows, k) = (x.rows, jobs[0].w.k);
-    let shape = DenseShape {
-        kind: DenseKind::Fp8,
-        rows,
-        n: jobs.iter().map(|j| j.w.n).max().unwrap_or(0),
-        k,
-        jobs: jobs.len(),
-    };
+    let heights: Vec<usize> = jobs.iter().map(|j| j.w.n).collect();
+    let shape = DenseShape::of_heights(DenseKind::Fp8, rows, k, &heights);
     shape.check()?;
     check_fp8_rows(x, k)?;
     let mut p = blank_params();
@@ -940,13 +967,7 @@ pub fn wo_a_grouped(
         w.n
     );
     let r = w.n / groups;
-    let shape = DenseShape {
-        kind: DenseKind::Fp8Bf16x,
-        rows,
-        n: r,
-        k: w.k,
-        jobs: groups,
-    };
+    let shape = DenseShape::new(DenseKind::Fp8Bf16x, rows, r, w.k, groups);
     shape.check()?;
     check_fp8_weight(w, "wo_a")?;
     check_len(o, rows * groups * w.k, "o [M, groups*K]")?;
@@ -996,13 +1017,7 @@ pub fn swiglu_fp8(
         swiglu_limit.is_finite(),
         "dense: swiglu_limit {swiglu_limit} is not finite"
     );
-    let shape = DenseShape {
-        kind: DenseKind::Swiglu,
-        rows: x.rows,
-        n: w1.n,
-        k: w1.k,
-        jobs: 1,
-    };
+    let shape = DenseShape::new(DenseKind::Swiglu, x.rows, w1.n, w1.k, 1);
     shape.check()?;
     check_fp8_weight(w1, "w1")?;
     check_fp8_weight(w3, "w3")?;
@@ -1058,14 +1073,7 @@ pub fn shared_expert(
         rows: x.rows,
         k: w1.n,
     };
-    DenseShape {
-        kind: DenseKind::Fp8,
-        rows: x.rows,
-        n: w2.n,
-        k: w2.k,
-        jobs: 1,
-    }
-    .check()?;
+    DenseShape::new(DenseKind::Fp8, x.rows, w2.n, w2.k, 1).check()?;
     check_fp8_weight(w2, "w2")?;
     check_len(y, x.rows * w2.n, "y [M, D]")?;
     swiglu_fp8(
@@ -1092,14 +1100,8 @@ pub fn bf16_linear(
     jobs: &[Bf16Job],
     ws: &DenseWorkspace,
 ) -> Result<()> {
-    let n_max = jobs.iter().map(|j| j.n).max().unwrap_or(0);
-    let shape = DenseShape {
-        kind: DenseKind::Bf16,
-        rows,
-        n: n_max,
-        k,
-        jobs: jobs.len(),
-    };
+    let heights: Vec<usize> = jobs.iter().map(|j| j.n).collect();
+    let shape = DenseShape::of_heights(DenseKind::Bf16, rows, k, &heights);
     shape.check()?;
     check_len(x, rows * k, "x [M, K]")?;
     let mut p = blank_params();

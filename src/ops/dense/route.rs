@@ -173,13 +173,7 @@ mod tests {
     use super::*;
 
     fn s(kind: DenseKind, rows: usize, n: usize, k: usize, jobs: usize) -> DenseShape {
-        DenseShape {
-            kind,
-            rows,
-            n,
-            k,
-            jobs,
-        }
+        DenseShape::new(kind, rows, n, k, jobs)
     }
 
     /// The rule's table at the measured rows (module docs), for DSV4-Flash's shapes.
