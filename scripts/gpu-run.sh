@@ -4,7 +4,7 @@
 # --include-ignored; a GPU test without a GPU fails, and REQUIRE_GPU=1 makes the older SKIP path fail too) except
 # the slow CPU-only runs named `slow_*` (the `model` step runs the one it needs), the limits probe, the benchmark
 # sweeps and stress tests; packs everything into one archive under $OUT (or ./gpu-out).
-#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|decode-ab|bench-ab|<several, comma-separated>] [extra args for `megamoe bench`]
+#   usage: scripts/gpu-run.sh [all|tests|bench|stress|model|profile|decode|decode-ab|bench-ab|engine-profile|<several, comma-separated>] [extra args for `megamoe bench`]
 #   decode: `megamoe decode` of the small model (report + --parity), `generate` on Flash, Flash's context and
 #           batch sweeps, Flash 4K batch 64 with --dense-route gemv (the route's baseline), Flash's TTFT on a
 #           4K-token prompt, then REPORT.md
@@ -18,6 +18,13 @@
 #           side's decode.csv rows under ab-<side>/ (AB_TIMEOUT per run). AB_BASE may name several baseline
 #           directories (space-separated, e.g. a chain of changes): the sides run in order, then in reverse, and
 #           each baseline's rows land under ab-<its commit>/.
+#   engine-profile: Nsight Compute (ncu --clock-control none --cache-control none, never changing clocks) on kernels
+#           of the engine's own decode step (Flash, 4K, batch ENGINE_NCU_BATCH, default 1), each measured alone:
+#           ENGINE_NCU_KERNELS (a regex, default the batch-1 latency kernels: the attention's candidate build, attention
+#           and combine, the mHC finishes, the router), ENGINE_NCU_SKIP matching launches skipped (past the prompt and the
+#           first steps, default 700), ENGINE_NCU_COUNT profiled (default 35: five layers of every default kernel);
+#           ncu-engine.txt (ENGINE_NCU_TIMEOUT, default 200 s). The decode's own CUPTI trace is left off (its library is
+#           not on the path), so the two profilers do not meet.
 #   bench-ab: a kernel A/B on one machine with the same two binaries: the bench configs AB_CONFIGS (names under
 #           bench-configs/, e.g. ab/X), candidate, baseline, candidate, baseline; each run's CSV rows under
 #           ab-<side>-<round>/ (BENCH_TIMEOUT per run)
@@ -42,7 +49,7 @@ B="$(cd "$(dirname "$0")" && pwd)"
 [ -x "$B/megamoe" ] || [ -f "$B/executables.tar.xz" ] || B="$(pwd)/gpu-bundle"
 what="${1:-all}"; shift || true
 # want STEP: STEP is one of the comma-separated steps asked for (all = tests, stress, bench).
-want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [ "$1" != decode ] && [ "$1" != decode-ab ] && [ "$1" != bench-ab ] && [[ ",$what," == *",all,"* ]]; }; }
+want() { [[ ",$what," == *",$1,"* ]] || { [ "$1" != model ] && [ "$1" != profile ] && [ "$1" != decode ] && [ "$1" != decode-ab ] && [ "$1" != bench-ab ] && [ "$1" != engine-profile ] && [[ ",$what," == *",all,"* ]]; }; }
 out="${OUT:-$(pwd)/gpu-out}"
 work="$(mktemp -d)/h200"
 mkdir -p "$work/tests"
@@ -273,6 +280,19 @@ if want decode-ab; then
   else
     status=1
   fi
+fi
+if want engine-profile; then
+  ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  re="${ENGINE_NCU_KERNELS:-attn_candidates|sparse_attn_decode_fp8|sparse_attn_combine|mhc_pre_finish_pdl|router_logits|router_select}"
+  step "engine-profile: ncu on the Flash decode step, batch ${ENGINE_NCU_BATCH:-1} ($re)"
+  # shellcheck disable=SC2001
+  LD_LIBRARY_PATH="$(echo "$LD_LIBRARY_PATH" | sed "s|$B/lib:||")" timeout "${ENGINE_NCU_TIMEOUT:-200}" "$ncu" \
+    --clock-control none --cache-control none -k "regex:$re" --launch-skip "${ENGINE_NCU_SKIP:-700}" \
+    --launch-count "${ENGINE_NCU_COUNT:-35}" --section SpeedOfLight --section LaunchStats --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+    "$B/megamoe" decode --model flash --context 4096 --batch "${ENGINE_NCU_BATCH:-1}" --prompt-len 16 \
+    --max-new-tokens 12 --out "$work/engine-profile" > "$work/ncu-engine.txt" 2>&1 || { echo "engine-profile failed"; status=1; }
+  grep -E "^  [a-z_0-9]+ \(|Duration" "$work/ncu-engine.txt" | paste - - | sed -E 's/ +/ /g' | cut -c1-150 | head -n 40
 fi
 if want model && [ -x "$B/tests/model_reference" ]; then
   # The CPU reference model's Flash one-token decode, timed on this machine's cores (test executable added
