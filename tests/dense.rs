@@ -148,7 +148,7 @@ fn mixed_height_launches_plan_by_their_busy_tiles() {
         DenseKind::Bf16,
         1,
         cfg.dim,
-        &[cfg.index_n_heads, w, w, wi, wi],
+        [cfg.index_n_heads, w, w, wi, wi],
     );
     assert_eq!((s.n, s.jobs, s.busy_tiles), (1024, 5, 21));
     s.check().unwrap();
@@ -168,7 +168,7 @@ fn mixed_height_launches_plan_by_their_busy_tiles() {
         cfg.index_n_heads * cfg.index_head_dim,
     ];
     for m in [1, 8] {
-        let pair = plan(&DenseShape::of_heights(DenseKind::Fp8, m, q, &both), 132).unwrap();
+        let pair = plan(&DenseShape::of_heights(DenseKind::Fp8, m, q, both), 132).unwrap();
         let alone = plan(
             &DenseShape::of_heights(DenseKind::Fp8, m, q, &both[..1]),
             132,
@@ -179,7 +179,7 @@ fn mixed_height_launches_plan_by_their_busy_tiles() {
     }
     // Jobs of one height: every tile busy, the same shape as `new`.
     assert_eq!(
-        DenseShape::of_heights(DenseKind::Fp8, 8, 4096, &[1024, 1024]),
+        DenseShape::of_heights(DenseKind::Fp8, 8, 4096, [1024, 1024]),
         shape(DenseKind::Fp8, 8, 1024, 4096, 2)
     );
     // A busy count outside jobs ..= jobs x tiles is refused.

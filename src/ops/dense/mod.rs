@@ -58,6 +58,8 @@ pub mod route;
 
 pub use route::{with_route, DensePath, DenseRoute};
 
+use std::borrow::Borrow;
+
 use anyhow::{ensure, Result};
 use half::bf16;
 
@@ -185,16 +187,22 @@ impl DenseShape {
             busy_tiles: jobs * n.div_ceil(TILE_ROWS),
         }
     }
-    /// One launch of weights of these heights (`heights[j]` rows for job `j`) sharing x: `n` the tallest.
-    pub fn of_heights(kind: DenseKind, rows: usize, k: usize, heights: &[usize]) -> DenseShape {
-        DenseShape {
-            kind,
-            rows,
-            n: heights.iter().copied().max().unwrap_or(0),
-            k,
-            jobs: heights.len(),
-            busy_tiles: heights.iter().map(|h| h.div_ceil(TILE_ROWS)).sum(),
+    /// One launch of weights of these heights (job `j` has the `j`-th) sharing x: `n` the tallest. One pass, no
+    /// allocation (the launchers call it on every launch).
+    pub fn of_heights<H: Borrow<usize>>(
+        kind: DenseKind,
+        rows: usize,
+        k: usize,
+        heights: impl IntoIterator<Item = H>,
+    ) -> DenseShape {
+        let mut s = DenseShape::new(kind, rows, 0, k, 0);
+        for h in heights {
+            let h = *h.borrow();
+            s.n = s.n.max(h);
+            s.jobs += 1;
+            s.busy_tiles += h.div_ceil(TILE_ROWS);
         }
+        s
     }
     /// The shape rules of the module docs.
     pub fn check(&self) -> Result<()> {
@@ -371,18 +379,14 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
 
 /// K splits for a launch of `ctas` busy CTAs, at least one per SM and fewer than three: with c CTAs on s SMs the
 /// busiest SM streams ceil(c / s) CTAs' bytes against a mean of c / s, and the others idle while it finishes. The
-/// fewest splits (up to 4) that bring the busiest share within 10% of the mean; 1 when one split already does
-/// or none does. CSA's wq_b + indexer wq_b at one row: 320 CTAs on 132 SMs, busiest 3 against 2.42 (1.24); 2 splits:
+/// fewest splits (up to 4) that bring the busiest share within 10% of the mean; 1 when none does. CSA's wq_b + indexer wq_b at one row: 320 CTAs on 132 SMs, busiest 3 against 2.42 (1.24); 2 splits:
 /// 5 against 4.85 (1.03), and the 64 KB slices fit three CTAs per SM.
 fn balanced_splits(ctas: usize, sms: usize) -> usize {
     if ctas >= 3 * sms {
         return 1;
     }
     let busiest = |s: usize| (ctas * s).div_ceil(sms) as f64 * sms as f64 / (ctas * s) as f64;
-    if busiest(1) <= 1.1 {
-        return 1;
-    }
-    (2..=4).find(|&s| busiest(s) <= 1.1).unwrap_or(1)
+    (1..=4).find(|&s| busiest(s) <= 1.1).unwrap_or(1)
 }
 
 /// The caller-owned scratch of the dense launchers: split-K partial sums and per-tile arrival counters (zero between
@@ -829,8 +833,7 @@ pub const NORM_MAX_K: usize = 8192;
 fn fp8_jobs(jobs: &[Fp8Job], x: &Fp8Rows) -> Result<(DenseShape, DenseParams)> {
     ensure!(!jobs.is_empty(), "dense: FP8 linears without a weight");
     let (rows, k) = (x.rows, jobs[0].w.k);
-    let heights: Vec<usize> = jobs.iter().map(|j| j.w.n).collect();
-    let shape = DenseShape::of_heights(DenseKind::Fp8, rows, k, &heights);
+    let shape = DenseShape::of_heights(DenseKind::Fp8, rows, k, jobs.iter().map(|j| j.w.n));
     shape.check()?;
     check_fp8_rows(x, k)?;
     let mut p = blank_params();
@@ -1120,8 +1123,7 @@ pub fn bf16_linear(
     jobs: &[Bf16Job],
     ws: &DenseWorkspace,
 ) -> Result<()> {
-    let heights: Vec<usize> = jobs.iter().map(|j| j.n).collect();
-    let shape = DenseShape::of_heights(DenseKind::Bf16, rows, k, &heights);
+    let shape = DenseShape::of_heights(DenseKind::Bf16, rows, k, jobs.iter().map(|j| j.n));
     shape.check()?;
     check_len(x, rows * k, "x [M, K]")?;
     let mut p = blank_params();
