@@ -333,12 +333,10 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
     let sms = sm_count.max(1);
     // As many splits as fit two CTAs per SM in one wave (rounded down): rounding up would leave a second, partial
     // wave of CTAs that starts only when the first ones finish (the grouped wo_a: 64 tiles, 5 splits = 320 CTAs on
-    // 264 slots, where 4 splits fit). From one CTA per SM on: the splits that even out the SMs' shares.
-    let splits_occ = if ctas >= sms {
-        balanced_splits(ctas, sms)
-    } else {
-        2 * sms / ctas
-    };
+    // 264 slots, where 4 splits fit). From one CTA per SM on, no split: splitting a launch of one to three busy
+    // CTAs per SM to even out the SMs' shares (CSA's wq_b + indexer wq_b, 320 CTAs, 2 splits) measured slower, and
+    // it slowed the GEMV before it (likely: the extra resident CTAs prefetch during that GEMV's stream; the perf log).
+    let splits_occ = if ctas >= sms { 1 } else { 2 * sms / ctas };
     let esize = if s.kind.weight_fp8() { 1 } else { 2 };
     let splits_cap = (2 * s.k * esize / (4 * s.rows)).max(1);
     let splits = splits_smem
@@ -375,18 +373,6 @@ pub fn plan(s: &DenseShape, sm_count: usize) -> Result<DensePlan> {
         splits,
         smem: smem_bytes(s.kind, mt, kc),
     })
-}
-
-/// K splits for a launch of `ctas` busy CTAs, at least one per SM and fewer than three: with c CTAs on s SMs the
-/// busiest SM streams ceil(c / s) CTAs' bytes against a mean of c / s, and the others idle while it finishes. The
-/// fewest splits (up to 4) that bring the busiest share within 10% of the mean; 1 when none does. CSA's wq_b + indexer wq_b at one row: 320 CTAs on 132 SMs, busiest 3 against 2.42 (1.24); 2 splits:
-/// 5 against 4.85 (1.03), and the 64 KB slices fit three CTAs per SM.
-fn balanced_splits(ctas: usize, sms: usize) -> usize {
-    if ctas >= 3 * sms {
-        return 1;
-    }
-    let busiest = |s: usize| (ctas * s).div_ceil(sms) as f64 * sms as f64 / (ctas * s) as f64;
-    (1..=4).find(|&s| busiest(s) <= 1.1).unwrap_or(1)
 }
 
 /// The caller-owned scratch of the dense launchers: split-K partial sums and per-tile arrival counters (zero between
