@@ -17,22 +17,24 @@
 //   "descending key" is exactly the CPU's order and every key is distinct (V <= 2^17).
 //   T == 0 or top-k 1: the id of the largest key (argmax, the lower id wins ties).
 //   top-k (0 < k < V): the set is key >= the k-th largest key.
-//   e_i = exp((double)((l_i - mx) / T)) (f32 subtract and divide, f64 exp; mx = the largest l), Z = sum e_i,
-//   q_i = e_i / Z (f64).
-//   top-p (< 1): the kept set ends at the first element, in key order, where the running sum of q reaches top_p
-//   (none: all kept); Z2 = sum of the kept q; p_i = (float)(q_i / Z2). top-p == 1: p_i = (float)q_i.
-//   draw u = counter_uniform(seed, steps[b]) (model::sampler::counter_uniform, bit-identical here);
-//   id = the first element, in key order, where the running f64 sum of p exceeds u (none: the last kept element).
-// "The first element in key order where a running sum reaches a threshold" (the k-th key, the top-p end, the draw)
-// is found without a sort by a radix descent over the 49-bit key: 7 levels of 7-bit digits; at each level one pass
-// over the row histograms the weight, count and largest key of the elements under the current key prefix by digit,
-// and one thread walks the 128 digits from the top; a chosen digit holding one element ends the descent early. Weight sums are f64 (shared-memory atomics, so their order varies at the
-// 1e-16 level; the CPU sums sequentially): the chosen id equals the CPU's unless u or top_p lies within ~1e-15
-// relative of a boundary of the running sum. Counts are exact.
+//   top-p (< 1): e_i = exp((double)((l_i - mx) / T)) (f32 subtract and divide, f64 exp; mx = the largest l) over the
+//   top-k set, Z = sum e_i, q_i = e_i / Z (f64); the kept set ends at the first element, in key order, where the
+//   running sum of q reaches top_p (none: all kept).
+//   The draw (model::sampler::Sampler::sample_at): the exponential race of DeepSeek's own inference code (argmax of
+//   p / E, E ~ Exp(1) per id) in the log domain: id = the largest make_key(race_key(l_i, T, race_bits(seed, step,
+//   i)), i) over the kept set, race_key = l / T + g with g = -ln(-ln U) a Gumbel draw from the id's bits, every
+//   operation an IEEE f32 op or fma in the CPU's order (ln_ieee), so the keys are the CPU's bit for bit.
+// "The first element in key order where a running sum reaches a threshold" (the k-th key, the top-p end) is found
+// without a sort by a radix descent over the 49-bit key: 7 levels of 7-bit digits; at each level one pass over the
+// row histograms the weight, count and largest key of the elements under the current key prefix by digit, and one
+// thread walks the 128 digits from the top; a chosen digit holding one element ends the descent early. Weight sums
+// are f64 (shared-memory atomics, so their order varies at the 1e-16 level; the CPU sums sequentially): the kept
+// set equals the CPU's unless top_p lies within ~1e-15 relative of a boundary of the running sum. Counts are exact.
 //
-// Cost: one CTA per sequence reads the row once per pass (the first as float4): greedy and top-k 1: 1 pass; temperature 3 (max, e, q)
-// + 1 (p) + up to 7 (draw), + up to 7 with top-k, + up to 8 with top-p (fewer when a chosen digit holds one
-// element). Correct first; a multi-CTA histogram per level is the way to make the full-vocabulary paths fast.
+// Cost: one CTA per sequence reads the row once per pass (the first as float4): greedy and top-k 1: 1 pass;
+// temperature 2 (max, race), + up to 7 with top-k, + 2 (e, q) and up to 7 with top-p (fewer when a chosen digit
+// holds one element). The max and the race split across CTAs (a last-CTA reduction) would make the plain paths
+// fast at batch 1.
 //
 // Penalty history per sequence: counts[b][V] (u16: occurrences among the last `window` history tokens, prompt
 // included), ring[b][ring_cap] (history token n at slot n % window), hist_len[b]. The host seeds them from the
@@ -83,10 +85,41 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-// model::sampler::counter_uniform: element_bits(splitmix64(seed), step) >> 11, times 2^-53 (exact).
-__device__ __forceinline__ double counter_uniform(uint64_t seed, uint64_t step) {
-    const uint64_t bits = splitmix64(splitmix64(seed) + step * 0x9E3779B97F4A7C15ull);
-    return (double)(bits >> 11) * 0x1.0p-53;
+// model::weights::element_bits.
+__device__ __forceinline__ uint64_t element_bits(uint64_t key, uint64_t index) {
+    return splitmix64(key + index * 0x9E3779B97F4A7C15ull);
+}
+
+// model::sampler::race_bits(seed, step, i) = element_bits(step_bits, i), step_bits = element_bits(splitmix64(seed),
+// step) (uniform over the CTA, computed once).
+__device__ __forceinline__ uint64_t step_bits(uint64_t seed, uint64_t step) { return element_bits(splitmix64(seed), step); }
+
+// model::sampler::ln_ieee, operation for operation (its doc has the derivation): ln x for a positive normal f32 from
+// IEEE ops and fmas only, so that the CPU computes the same bits.
+__device__ __forceinline__ float ln_ieee(float x) {
+    const uint32_t b = __float_as_uint(x);
+    int e = (int)((b >> 23) & 0xFFu) - 127;
+    float m = __uint_as_float((b & 0x007FFFFFu) | 0x3F800000u);
+    if (m > __uint_as_float(0x3FB504F3u)) {  // sqrt 2
+        m = __fmul_rn(m, 0.5f);
+        e += 1;
+    }
+    const float s = __fdiv_rn(__fsub_rn(m, 1.f), __fadd_rn(m, 1.f));
+    const float s2 = __fmul_rn(s, s);
+    float p = __fmaf_rn(s2, __uint_as_float(0x3DE38E39u), __uint_as_float(0x3E124925u));  // 1/9, 1/7
+    p = __fmaf_rn(s2, p, __uint_as_float(0x3E4CCCCDu));                                      // 1/5
+    p = __fmaf_rn(s2, p, __uint_as_float(0x3EAAAAABu));                                      // 1/3
+    p = __fmul_rn(p, s2);
+    const float two_s = __fadd_rn(s, s);
+    const float ln_m = __fmaf_rn(two_s, p, two_s);
+    return __fmaf_rn((float)e, __uint_as_float(0x3F317218u), ln_m);  // ln 2
+}
+
+// model::sampler::race_key: l / t + g, g = -ln(-ln U), U = ((bits >> 41) + 0.5) 2^-23 in (0, 1) (exact).
+__device__ __forceinline__ float race_key(float l, float t, uint64_t bits) {
+    const float u = __fmul_rn(__fadd_rn((float)(uint32_t)(bits >> 41), 0.5f), 0x1.0p-23f);
+    const float g = -ln_ieee(-ln_ieee(u));
+    return __fadd_rn(__fdiv_rn(l, t), g);
 }
 
 __device__ __forceinline__ uint32_t ord_f32(float v) {
@@ -116,16 +149,6 @@ __device__ unsigned long long block_max_u64(unsigned long long v, SamplerSmem& s
     return r;
 }
 
-__device__ unsigned long long block_min_u64(unsigned long long v, SamplerSmem& s) {
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if ((threadIdx.x & 31) == 0) s.red_k[threadIdx.x >> 5] = v;
-    __syncthreads();
-    unsigned long long r = ~0ull;
-    for (int w = 0; w < WARPS; ++w) r = min(r, s.red_k[w]);
-    __syncthreads();
-    return r;
-}
-
 __device__ double block_sum_f64(double v, SamplerSmem& s) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if ((threadIdx.x & 31) == 0) s.red_d[threadIdx.x >> 5] = v;
@@ -151,9 +174,9 @@ struct Row {
 };
 
 // The first key, in descending order among the elements with key >= lo, at which the running sum of weight(i)
-// reaches thr (GE: sum >= thr; else sum > thr). 0 (no element has key 0) when the whole set's sum does not.
-// weight(i, key) is called only for elements of the set. All threads call this; the result is uniform.
-template <bool GE, typename Weight>
+// reaches thr (sum >= thr). 0 (no element has key 0) when the whole set's sum does not. weight(i, key) is called
+// only for elements of the set. All threads call this; the result is uniform.
+template <typename Weight>
 __device__ uint64_t descend(const Row& row, uint64_t lo, double thr, Weight weight, SamplerSmem& s) {
     const int copy = (threadIdx.x >> 5) >> 1;
     uint64_t prefix = 0;
@@ -218,7 +241,7 @@ __device__ uint64_t descend(const Row& row, uint64_t lo, double thr, Weight weig
             for (int d = BUCKETS - 1; d >= 0; --d) {
                 if (s.count[0][d] == 0) continue;
                 const double next = acc + s.mass[0][d];
-                if (GE ? next >= thr : next > thr) {
+                if (next >= thr) {
                     chosen = d;
                     break;
                 }
@@ -342,55 +365,39 @@ extern "C" __global__ void __launch_bounds__(THREADS) sampler_step(
 
     // Greedy, or top-k 1 (a one-element distribution: the CPU returns it without a draw): the argmax.
     if (p.temperature != 0.f && p.top_k != 1) {
-        double* w = weights + (long)b * V;
-        const float T = p.temperature, mx = row.value(id);
-        // The top-k set: key >= the k-th largest key (the element where the count reaches k).
+        const float T = p.temperature;
+        // The kept set: key >= lo. Top-k: the k-th largest key (the element where the count reaches k).
         uint64_t lo = 0;
-        if (p.top_k > 0 && p.top_k < V)
-            lo = descend<true>(row, 0, (double)p.top_k, [](int, uint64_t) { return 1.0; }, s);
-        // e_i, Z, then q_i = e_i / Z in place.
-        double z = 0.0;
+        if (p.top_k > 0 && p.top_k < V) lo = descend(row, 0, (double)p.top_k, [](int, uint64_t) { return 1.0; }, s);
+        if (p.top_p < 1.f) {
+            // The nucleus: e_i, Z, q_i = e_i / Z in place, then the key where the running sum of q reaches top_p.
+            double* w = weights + (long)b * V;
+            const float mx = row.value(id);
+            double z = 0.0;
+            for (int i = threadIdx.x; i < V; i += THREADS) {
+                const float l = row.value(i);
+                double e = 0.0;
+                if (make_key(l, i) >= lo) {
+                    e = exp((double)__fdiv_rn(__fsub_rn(l, mx), T));
+                    z += e;
+                }
+                w[i] = e;
+            }
+            z = block_sum_f64(z, s);
+            for (int i = threadIdx.x; i < V; i += THREADS) w[i] = w[i] / z;
+            __syncthreads();
+            const uint64_t end = descend(row, lo, (double)p.top_p, [w](int i, uint64_t) { return w[i]; }, s);
+            if (end != 0) lo = end;  // none reached: all of the set kept
+        }
+        // The draw: the largest race key over the kept set (it holds the argmax, so the maximum is some element's).
+        const uint64_t sb = step_bits(p.seed, (uint64_t)step);
+        unsigned long long best = 0;
         for (int i = threadIdx.x; i < V; i += THREADS) {
             const float l = row.value(i);
-            double e = 0.0;
-            if (make_key(l, i) >= lo) {
-                e = exp((double)__fdiv_rn(__fsub_rn(l, mx), T));
-                z += e;
-            }
-            w[i] = e;
+            if (make_key(l, i) < lo) continue;
+            best = max(best, (unsigned long long)make_key(race_key(l, T, element_bits(sb, (uint64_t)i)), i));
         }
-        z = block_sum_f64(z, s);
-        for (int i = threadIdx.x; i < V; i += THREADS) w[i] = w[i] / z;
-        __syncthreads();
-        auto stored = [w](int i, uint64_t) { return w[i]; };
-        uint64_t kept_lo = lo;
-        double z2 = 1.0;
-        const bool nucleus = p.top_p < 1.f;
-        if (nucleus) {
-            const uint64_t end = descend<true>(row, lo, (double)p.top_p, stored, s);
-            if (end != 0) kept_lo = end;  // none reached: all of the set kept
-            double part = 0.0;
-            for (int i = threadIdx.x; i < V; i += THREADS)
-                if (row.key(i) >= kept_lo) part += w[i];
-            z2 = block_sum_f64(part, s);
-        }
-        // p_i = (float)(q_i / Z2) (top-p) or (float)q_i, widened back for the running sum.
-        for (int i = threadIdx.x; i < V; i += THREADS) {
-            const double q = w[i];
-            w[i] = (double)(float)(nucleus ? q / z2 : q);
-        }
-        __syncthreads();
-        const double u = counter_uniform(p.seed, (uint64_t)step);
-        uint64_t pick = descend<false>(row, kept_lo, u, stored, s);
-        if (pick == 0) {  // the running sum never exceeds u: the CPU returns the last kept element
-            unsigned long long kmin = ~0ull;
-            for (int i = threadIdx.x; i < V; i += THREADS) {
-                const uint64_t k = row.key(i);
-                if (k >= kept_lo) kmin = min(kmin, (unsigned long long)k);
-            }
-            pick = block_min_u64(kmin, s);
-        }
-        id = key_index(pick);
+        id = key_index(block_max_u64(best, s));
     }
     __syncthreads();  // every read of counts is done before thread 0 updates them
     if (threadIdx.x != 0) return;

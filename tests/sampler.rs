@@ -1,5 +1,5 @@
 //! The sampler family (src/ops/sampler, kernels/sampler.cu) against the CPU model's sampler
-//! (`model::sampler::Sampler::sample_with_uniform` with `counter_uniform` draws, stepped like `generate` by
+//! (`model::sampler::Sampler::sample_at`, the exponential race at the sequence's step, stepped like `generate` by
 //! `ops::sampler::reference::CpuSequence`): every sampled id, next id, status and step count equal, step after
 //! step, for greedy and every option (per sequence in one batch, and alone at batch 1), the edge cases (equal,
 //! -inf and NaN logits, top-k 1, top-p 1 and tiny, penalties over the prompt, stop tokens, the token budget), and
@@ -12,7 +12,7 @@ use common::head as fx;
 use megamoe::gpu::arena::{download, Arena};
 use megamoe::gpu::Gpu;
 use megamoe::model::chat;
-use megamoe::model::sampler::{counter_uniform, Sampler, SamplerConfig, StopSet};
+use megamoe::model::sampler::{ln_ieee, race_key, Sampler, SamplerConfig, StopSet};
 use megamoe::ops::head::{embed_tokens, EmbedShape};
 use megamoe::ops::sampler::reference::CpuSequence;
 use megamoe::ops::sampler::{
@@ -52,14 +52,78 @@ fn option_sets() -> Vec<SamplerConfig> {
 
 // ---- CPU ------------------------------------------------------------------------------------------------------
 
+/// The race draws from the distribution: over 40,000 steps each kept id's count is within 4.5 binomial standard
+/// deviations of its probability (plain temperature at two values, top-k, top-p), and an id outside the kept set is
+/// never drawn. The seed is fixed, so the test is deterministic; 4.5 sigma over ~30 counts leaves a chance below
+/// 1e-4 that a correct race fails it.
 #[test]
-fn counter_draws_are_uniform_and_stable() {
-    let u: Vec<f64> = (0..4096).map(|s| counter_uniform(7, s)).collect();
-    assert!(u.iter().all(|&v| (0.0..1.0).contains(&v)));
-    let mean = u.iter().sum::<f64>() / u.len() as f64;
-    assert!((mean - 0.5).abs() < 0.03, "mean {mean}");
-    assert_ne!(counter_uniform(7, 0), counter_uniform(8, 0));
-    assert_eq!(counter_uniform(7, 3), counter_uniform(7, 3));
+fn race_draws_follow_the_distribution() {
+    let logits = [2.0f32, 1.0, 0.5, 0.0, -1.0, 3.0, -30.0, 1.0];
+    let n = 40_000u64;
+    for c in [
+        cfg(1.0, 0, 1.0, 1.0, 0),
+        cfg(0.6, 0, 1.0, 1.0, 0),
+        cfg(1.3, 3, 1.0, 1.0, 0),
+        cfg(0.9, 0, 0.8, 1.0, 0),
+    ] {
+        let s = Sampler::new(c.clone()).unwrap();
+        let d = s.distribution(&logits, &[]).unwrap();
+        let mut hits = [0u64; 8];
+        for step in 0..n {
+            hits[s.sample_at(&logits, &[], step).unwrap() as usize] += 1;
+        }
+        for &(id, p) in &d {
+            let p = p as f64;
+            let sd = (n as f64 * p * (1.0 - p)).sqrt();
+            let dev = (hits[id as usize] as f64 - n as f64 * p).abs();
+            assert!(
+                dev <= 4.5 * sd + 1.0,
+                "{c:?}: id {id} p {p:.5} drawn {}",
+                hits[id as usize]
+            );
+        }
+        for (id, &h) in hits.iter().enumerate() {
+            if !d.iter().any(|x| x.0 == id as u32) {
+                assert_eq!(h, 0, "{c:?}: id {id} is outside the kept set");
+            }
+        }
+        // `sample` is `sample_at` at its own step count.
+        let mut seq = Sampler::new(c.clone()).unwrap();
+        for step in 0..16 {
+            assert_eq!(
+                seq.sample(&logits, &[]).unwrap(),
+                s.sample_at(&logits, &[], step).unwrap()
+            );
+        }
+    }
+}
+
+/// The draw's logarithm (IEEE ops and fmas only, the GPU's twin) is within 4 f32 ulps of ln over the inputs the race
+/// gives it (U in [2^-24, 1), -ln U in [2^-24, 17]) and beyond; the race key is finite at both ends of the bits.
+#[test]
+fn race_logarithm_is_accurate_and_keys_finite() {
+    let mut x = 1e-30f32;
+    while x < 1e30 {
+        for y in [x, x * 1.000_001, 1.0 - x.min(0.5), 1.0 + x.min(0.5)] {
+            let want = (y as f64).ln();
+            let got = ln_ieee(y) as f64;
+            let ulp = (want.abs().max(f32::MIN_POSITIVE as f64) as f32).to_bits();
+            let ulp = (f32::from_bits(ulp + 1) - f32::from_bits(ulp)) as f64;
+            assert!(
+                (got - want).abs() <= 4.0 * ulp.max(f32::EPSILON as f64 * 1e-7),
+                "ln {y}: {got} vs {want}"
+            );
+        }
+        x *= 1.37;
+    }
+    assert_eq!(ln_ieee(1.0), 0.0);
+    for bits in [0u64, u64::MAX, 1 << 41, (1u64 << 63) - 1] {
+        let k = race_key(1.5, 0.7, bits);
+        assert!(
+            k.is_finite() && (1.5f32 / 0.7 - 3.0..1.5f32 / 0.7 + 17.0).contains(&k),
+            "{bits:#x}: {k}"
+        );
+    }
 }
 
 /// The CPU twin picks what `Sampler::sample_with_uniform` picks, stops on a stop-set member without appending
@@ -85,18 +149,15 @@ fn cpu_sequence_steps_like_generate() {
     assert_eq!(seq.step(&logits, &stop), (3, 3));
     assert_eq!(seq.step(&logits, &stop), (-1, -1));
     assert_eq!(seq.status, STATUS_MAX_TOKENS);
-    let s = Sampler::new(cfg(1.0, 0, 1.0, 1.0, 0)).unwrap();
-    let d = s.distribution(&logits, &[]).unwrap();
-    // u just below the first id's mass picks it; just above picks the next.
-    let p0 = d[0].1 as f64;
-    assert_eq!(
-        s.sample_with_uniform(&logits, &[], p0 * 0.999).unwrap(),
-        d[0].0
-    );
-    assert_eq!(
-        s.sample_with_uniform(&logits, &[], p0 * 1.001).unwrap(),
-        d[1].0
-    );
+    // With a temperature, step n draws `sample_at` step n (the count of generated tokens).
+    let c = cfg(1.0, 0, 1.0, 1.0, 0);
+    let s = Sampler::new(c.clone()).unwrap();
+    let mut seq = CpuSequence::new(c, 8, &[1]).unwrap();
+    for step in 0..8 {
+        let want = s.sample_at(&logits, &seq.history, step).unwrap() as i32;
+        let (sampled, _) = seq.step(&logits, &StopSet::new());
+        assert_eq!(sampled, want, "step {step}");
+    }
 }
 
 // ---- GPU ------------------------------------------------------------------------------------------------------

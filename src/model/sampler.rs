@@ -3,9 +3,8 @@
 //! with the reason reported (seeds Part A1); and the generation loop over any logits source.
 
 use super::reference::{DecodeState, Model};
+use super::weights::{element_bits, splitmix64};
 use anyhow::{bail, Result};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 
 /// Sampling parameters.
@@ -87,23 +86,31 @@ pub fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f3
     }
 }
 
-/// A seeded sampler.
+/// The penalized logits and the (id, probability) pairs of the distribution drawn from.
+type Kept = (Vec<f32>, Vec<(u32, f32)>);
+
+/// A seeded sampler. Its n-th draw ([`Sampler::sample`]) is [`Sampler::sample_at`] step n: the draws are a pure
+/// function of (seed, step), so a device sampler makes the same ones with no generator state to carry.
 pub struct Sampler {
     pub config: SamplerConfig,
-    rng: ChaCha8Rng,
+    step: u64,
 }
 
 impl Sampler {
     pub fn new(config: SamplerConfig) -> Result<Self> {
         config.validate()?;
-        let rng = ChaCha8Rng::seed_from_u64(config.seed);
-        Ok(Sampler { config, rng })
+        Ok(Sampler { config, step: 0 })
     }
 
     /// The distribution the sampler draws from (after penalty, temperature, top-k, top-p), as
     /// (id, probability) pairs sorted by descending probability (lower id first on ties). Greedy gives
     /// the single argmax with probability 1.
     pub fn distribution(&self, logits: &[f32], history: &[u32]) -> Result<Vec<(u32, f32)>> {
+        Ok(self.kept(logits, history)?.1)
+    }
+
+    /// The penalized logits and [`Sampler::distribution`].
+    fn kept(&self, logits: &[f32], history: &[u32]) -> Result<Kept> {
         if logits.is_empty() {
             bail!("sampling from an empty logit vector");
         }
@@ -116,7 +123,7 @@ impl Sampler {
         let mut order: Vec<usize> = (0..l.len()).collect();
         order.sort_by(|&a, &b| l[b].partial_cmp(&l[a]).expect("no NaN").then(a.cmp(&b)));
         if c.temperature == 0.0 {
-            return Ok(vec![(order[0] as u32, 1.0)]);
+            return Ok((l, vec![(order[0] as u32, 1.0)]));
         }
         if c.top_k > 0 {
             order.truncate(c.top_k);
@@ -148,50 +155,111 @@ impl Sampler {
                 *p /= z;
             }
         }
-        Ok(order
+        let dist = order
             .iter()
             .zip(&probs)
             .map(|(&i, &p)| (i as u32, p as f32))
-            .collect())
+            .collect();
+        Ok((l, dist))
     }
 
-    /// Draws the next id.
+    /// Draws the next id: [`Sampler::sample_at`] at this sampler's step, then the step advances.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Result<u32> {
-        let dist = self.distribution(logits, history)?;
+        let id = self.sample_at(logits, history, self.step)?;
+        self.step += 1;
+        Ok(id)
+    }
+
+    /// The id drawn at generation step `step` (the sequence's count of generated tokens): the exponential race
+    /// of DeepSeek's own inference code (deepseek-ai/DeepSeek-V3 `inference/generate.py`, `sample`: `argmax(p /
+    /// E)` with E ~ Exp(1) per id), a draw from [`Sampler::distribution`] that needs no sort and no running sum.
+    /// In the log domain: the id of the largest [`race_key`] over the kept ids (lower id on ties), each id's
+    /// Gumbel draw from [`race_bits`]`(seed, step, id)`. Greedy and one-id distributions need no draw.
+    pub fn sample_at(&self, logits: &[f32], history: &[u32], step: u64) -> Result<u32> {
+        let (l, dist) = self.kept(logits, history)?;
         if dist.len() == 1 {
             return Ok(dist[0].0);
         }
-        let u: f64 = self.rng.random::<f64>();
-        Ok(pick(&dist, u))
-    }
-
-    /// The id [`Sampler::sample`] chooses when its uniform draw is `u` (in [0, 1)), without touching the
-    /// seeded generator: the form whose draws a device sampler can share ([`counter_uniform`]).
-    pub fn sample_with_uniform(&self, logits: &[f32], history: &[u32], u: f64) -> Result<u32> {
-        Ok(pick(&self.distribution(logits, history)?, u))
+        let (t, seed) = (self.config.temperature, self.config.seed);
+        let best = dist
+            .iter()
+            .map(|&(id, _)| {
+                let key = race_key(l[id as usize], t, race_bits(seed, step, id as u64));
+                order_key(key, id)
+            })
+            .max()
+            .expect("a non-empty distribution");
+        Ok(order_id(best))
     }
 }
 
-/// The first id of `dist` (in its order) whose running f64 sum of probabilities exceeds `u`; the last id
-/// when none does.
-fn pick(dist: &[(u32, f32)], u: f64) -> u32 {
-    let mut acc = 0.0f64;
-    for &(id, p) in dist {
-        acc += p as f64;
-        if u < acc {
-            return id;
-        }
-    }
-    dist.last().expect("non-empty").0
+/// The 64 random bits of id `id` at step `step` of a sequence seeded `seed`:
+/// `element_bits(element_bits(splitmix64(seed), step), id)` (kernels/sampler.cu `race_bits` is its twin).
+pub fn race_bits(seed: u64, step: u64, id: u64) -> u64 {
+    element_bits(element_bits(splitmix64(seed), step), id)
 }
 
-/// A counter-based uniform draw in [0, 1): the 53 high bits of
-/// `element_bits(splitmix64(seed), step)` times 2^-53 (exact). Step `n` of a sequence (its n-th generated
-/// token) uses `step = n`, so a device sampler computes the same draw from (seed, step) with no generator
-/// state to carry (kernels/sampler.cu `counter_uniform` is its twin).
-pub fn counter_uniform(seed: u64, step: u64) -> f64 {
-    use super::weights::{element_bits, splitmix64};
-    (element_bits(splitmix64(seed), step) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+/// Bits of the f32 constants of [`ln_ieee`] (shared with kernels/sampler.cu): 1/3, 1/5, 1/7, 1/9, ln 2, sqrt 2.
+const LN_C3: u32 = 0x3EAA_AAAB;
+const LN_C5: u32 = 0x3E4C_CCCD;
+const LN_C7: u32 = 0x3E12_4925;
+const LN_C9: u32 = 0x3DE3_8E39;
+const LN_2: u32 = 0x3F31_7218;
+const SQRT_2: u32 = 0x3FB5_04F3;
+
+/// ln x for a positive normal f32 from IEEE basic operations and fused multiply-adds only, so that the CPU and the
+/// GPU (kernels/sampler.cu `ln_ieee`, the same operations with `__f*_rn`) compute the same bits: x = m 2^e with m
+/// in [sqrt(1/2), sqrt 2), ln m = 2 atanh s = 2s (1 + s^2/3 + s^4/5 + s^6/7 + s^8/9), s = (m - 1) / (m + 1) (|s| <=
+/// 0.172: the first omitted term is below 2^-28 of the sum), ln x = e ln 2 + ln m. Within a few f32 ulps of ln x;
+/// what the draw needs is the agreement, which holds bit for bit.
+pub fn ln_ieee(x: f32) -> f32 {
+    let b = x.to_bits();
+    let mut e = ((b >> 23) & 0xFF) as i32 - 127;
+    let mut m = f32::from_bits((b & 0x007F_FFFF) | 0x3F80_0000);
+    if m > f32::from_bits(SQRT_2) {
+        m *= 0.5;
+        e += 1;
+    }
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    let c = |bits: u32| f32::from_bits(bits);
+    let p = s2.mul_add(c(LN_C9), c(LN_C7));
+    let p = s2.mul_add(p, c(LN_C5));
+    let p = s2.mul_add(p, c(LN_C3));
+    let p = p * s2;
+    let two_s = s + s;
+    let ln_m = two_s.mul_add(p, two_s);
+    (e as f32).mul_add(c(LN_2), ln_m)
+}
+
+/// The race key of a (penalized) logit `l` at temperature `t` with the id's random bits: `l / t + g`, g = -ln(-ln
+/// U) a Gumbel draw, U = ((bits >> 41) + 0.5) / 2^23 in [2^-24, 1 - 2^-24] (exact: 24 significant bits), every
+/// operation f32 IEEE. U's 23 bits bound g to [-2.9, 16.7]: an id whose `l / t` is more than ~19.5 below the
+/// largest never wins (its probability is below e^-19.5 = 3e-9 each).
+pub fn race_key(l: f32, t: f32, bits: u64) -> f32 {
+    let u = ((bits >> 41) as f32 + 0.5) * f32::from_bits(0x3400_0000); // 2^-23
+    let g = -ln_ieee(-ln_ieee(u));
+    l / t + g
+}
+
+/// A total order on (value, id) pairs: larger value first, then the lower id; -0 and +0 equal (the CPU's
+/// `partial_cmp`). kernels/sampler.cu `make_key` is its twin (ids below 2^17).
+pub fn order_key(v: f32, id: u32) -> u64 {
+    let mut u = v.to_bits();
+    if u == 0x8000_0000 {
+        u = 0;
+    }
+    let ord = if u & 0x8000_0000 != 0 {
+        !u
+    } else {
+        u | 0x8000_0000
+    };
+    ((ord as u64) << 17) | (((1u32 << 17) - 1 - id) as u64)
+}
+
+/// The id of an [`order_key`].
+pub fn order_id(key: u64) -> u32 {
+    (1u32 << 17) - 1 - (key & ((1 << 17) - 1)) as u32
 }
 
 /// Why generation ended.

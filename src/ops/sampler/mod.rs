@@ -2,10 +2,11 @@
 //! [`model::sampler`](crate::model::sampler) on the same f32 logits and the same draws.
 //!
 //! Contract, per sequence b of a batch (one launch of [`sample_step`], one CTA per sequence):
-//! * The choice is `Sampler::sample_with_uniform(logits[b], history_b, counter_uniform(seed_b, steps[b]))` of the
-//!   sequence's [`SamplerConfig`](crate::model::sampler::SamplerConfig): greedy (temperature 0, argmax, the lower
-//!   id on ties), temperature, top-k, top-p and the repetition penalty over the last `penalty_window` tokens of
-//!   the history (prompt included). Options are per sequence ([`SamplerParams`]).
+//! * The choice is `Sampler::sample_at(logits[b], history_b, steps[b])` of the sequence's
+//!   [`SamplerConfig`](crate::model::sampler::SamplerConfig): greedy (temperature 0, argmax, the lower id on ties),
+//!   temperature, top-k, top-p and the repetition penalty over the last `penalty_window` tokens of the history
+//!   (prompt included); the draw is the exponential race over the kept ids (`race_key`, the Gumbel draws of
+//!   `race_bits(seed_b, steps[b], id)`). Options are per sequence ([`SamplerParams`]).
 //! * The loop of `model::sampler::generate`: a sequence whose `steps` reached `max_new_tokens` stops
 //!   ([`STATUS_MAX_TOKENS`]) without sampling; a sampled member of the stop set stops it ([`STATUS_STOPPED`],
 //!   the id in `sampled`, not appended); otherwise the id is appended (steps + 1, penalty history updated) and
@@ -13,9 +14,10 @@
 //!   an empty row). A finished sequence writes -1 to `sampled` and `next` and nothing else.
 //! * A NaN logit (the CPU bails) or parameters the kernel cannot honour mark the sequence [`STATUS_FAILED`] and set
 //!   a bit of the sticky device error word ([`ERR_NAN_LOGIT`], [`ERR_BAD_PARAMS`]).
-//! * Exactness: ids equal the CPU's bit for bit in the comparisons that use exact arithmetic (the order, greedy,
-//!   top-k, counts); the probability sums are f64 in another order than the CPU's sequential sums, so a draw or
-//!   top_p within ~1e-15 (relative) of a running-sum boundary may round the other way. The tests run many seeds.
+//! * Exactness: ids equal the CPU's bit for bit wherever the arithmetic is exact or the same IEEE operations in the
+//!   same order (the order, greedy, top-k, counts, the race keys); the nucleus' probability sums are f64 in another
+//!   order than the CPU's sequential sums, so a top_p within ~1e-15 (relative) of a running-sum boundary may round
+//!   the other way. The tests run many seeds.
 //!
 //! Graph-safe: the grid is the batch capacity; every per-sequence input (params, status, counters, the penalty
 //! history, the draws' step counter) lives in [`SamplerState`] on the device; nothing on the host reads a result.

@@ -1,11 +1,11 @@
 //! The CPU twin of the sampler's device state machine: one sequence's `model::sampler::generate` loop, one step
-//! at a time, with the counter-based draws the kernel uses. The choice itself is the CPU model's
-//! (`Sampler::sample_with_uniform`, `counter_uniform`); only the bookkeeping of the device buffers lives here.
+//! at a time, with the draws the kernel makes (a pure function of the seed and the step). The choice itself is the
+//! CPU model's (`Sampler::sample_at`); only the bookkeeping of the device buffers lives here.
 
 use anyhow::Result;
 
 use super::{STATUS_FAILED, STATUS_MAX_TOKENS, STATUS_RUNNING, STATUS_STOPPED};
-use crate::model::sampler::{counter_uniform, Sampler, SamplerConfig, StopSet};
+use crate::model::sampler::{Sampler, SamplerConfig, StopSet};
 
 /// One sequence as the CPU model samples it.
 pub struct CpuSequence {
@@ -43,8 +43,8 @@ impl CpuSequence {
             self.status = STATUS_MAX_TOKENS;
             return (-1, -1);
         }
-        let u = counter_uniform(self.sampler.config.seed, self.generated.len() as u64);
-        let id = match self.sampler.sample_with_uniform(logits, &self.history, u) {
+        let step = self.generated.len() as u64;
+        let id = match self.sampler.sample_at(logits, &self.history, step) {
             Ok(id) => id,
             Err(_) => {
                 // NaN logits: the CPU bails, the device marks the sequence failed.
