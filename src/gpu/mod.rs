@@ -11,6 +11,7 @@ pub mod blas;
 pub mod launch;
 pub mod marks;
 pub mod module;
+pub mod prefetch;
 pub mod telemetry;
 pub mod timing;
 pub mod tma;
