@@ -488,3 +488,39 @@ fn decode_ranks_are_checked_before_any_gpu_work() {
         );
     }
 }
+
+/// `trace-diff` without a GPU: two timelines of the same launches give the wall move, the kernel that moved and the
+/// launch-by-launch table; a file that is not a timeline, or one that is missing, is a clear error.
+#[test]
+fn trace_diff_compares_two_timelines_and_refuses_what_is_not_one() {
+    let header = "index,name,stream,start_us,end_us,duration_us,idle_before_us\n";
+    let base = tmp("trace-base.csv");
+    let cand = tmp("trace-cand.csv");
+    std::fs::write(
+        &base,
+        format!("{header}0,gemv,7,0.000,10.000,10.000,0.000\n1,norm,7,10.000,12.000,2.000,0.000\n"),
+    )
+    .unwrap();
+    std::fs::write(
+        &cand,
+        format!("{header}0,gemv,7,0.000,7.000,7.000,0.000\n1,norm,7,7.000,9.000,2.000,0.000\n"),
+    )
+    .unwrap();
+    let (code, out, err) = run(&["trace-diff", base.to_str().unwrap(), cand.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("wall 12.0 -> 9.0 us (-3.0)"), "{out}");
+    assert!(
+        out.contains("the launches whose advance moved most"),
+        "{out}"
+    );
+    let gemv = out.lines().find(|l| l.starts_with("gemv")).unwrap();
+    assert!(gemv.contains("-3.0"), "{gemv}");
+    let bad = tmp("trace-bad.csv");
+    std::fs::write(&bad, "kernel,us\ngemv,10\n").unwrap();
+    let (code, _, err) = run(&["trace-diff", base.to_str().unwrap(), bad.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("not a kernel timeline"), "{err}");
+    let (code, _, err) = run(&["trace-diff", base.to_str().unwrap(), "/nonexistent/t.csv"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("reading /nonexistent/t.csv"), "{err}");
+}

@@ -1013,11 +1013,8 @@ fn print_timeline(title: &str, spans: &[KernelSpan], layers: usize) {
         t.kernels,
         t.kernels as f64 / layers.max(1) as f64,
     );
-    // A kernel's share of the wall: the busy time it added (its own time less its overlap) and the idle time
-    // before it; the shares add up to the wall.
-    let share = |n: &crate::gpu::trace::NameTime| n.own_us - n.overlap_us + n.idle_before_us;
     let mut rows: Vec<_> = t.by_name.iter().collect();
-    rows.sort_by(|a, b| share(b).total_cmp(&share(a)));
+    rows.sort_by(|a, b| b.share_us().total_cmp(&a.share_us()));
     println!(
         "{:<52} {:>8} {:>9} {:>9} {:>9} {:>9} {:>6}",
         "kernel", "launches", "own us", "us/launch", "idle us", "overlap", "% wall"
@@ -1031,7 +1028,7 @@ fn print_timeline(title: &str, spans: &[KernelSpan], layers: usize) {
             n.own_us / n.launches as f64,
             n.idle_before_us,
             n.overlap_us,
-            100.0 * share(n) / t.wall_us.max(1e-9)
+            100.0 * n.share_us() / t.wall_us.max(1e-9)
         );
     }
 }

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 mod decode;
 mod generate;
+mod trace_diff;
 
 use crate::bench::config::SweepConfig;
 use crate::bench::runner::{self, RunOptions};
@@ -25,7 +26,7 @@ matmul rates), runs every sweep of the embedded bench-configs/default.toml, writ
 REPORT.md under results/<gpu>/, and ends with a decode report of the whole DSV4-Flash model at batch 1 \
 (`megamoe decode`).\n\nExamples:\n  megamoe info\n  megamoe kernels\n  megamoe limits\n  \
 megamoe bench --config bench-configs/norm_quant.toml --reps 20\n  megamoe exec nvfp4_quantize_rows --in x.safetensors --out q.safetensors --cpu\n  \
-megamoe report --dir results/h200\n  megamoe decode --model flash --batch 1 --context 4096\n  megamoe generate \"Hello\" --model small"
+megamoe report --dir results/h200\n  megamoe trace-diff base/timeline-b1-c4096.csv cand/timeline-b1-c4096.csv\n  megamoe decode --model flash --batch 1 --context 4096\n  megamoe generate \"Hello\" --model small"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -78,6 +79,20 @@ enum Command {
     /// reply streamed as it is sampled (temperature, top-k, top-p, repetition penalty), then the stop reason,
     /// TTFT and tokens/s. Ctrl-C stops after the current token.
     Generate(generate::GenerateArgs),
+    /// Compare two traced steps (`timeline-*.csv`, written by `megamoe decode`; e.g. an A/B's baseline and
+    /// candidate): each kernel's share of the wall in both (its wall advance: the busy time it added, its own time
+    /// less its overlap with earlier kernels, and the idle time before it; the shares add up to the wall), largest
+    /// move first; when both steps ran the same launches in the same order, also the launches that moved most.
+    /// No GPU needed.
+    TraceDiff {
+        /// The baseline's timeline CSV.
+        base: PathBuf,
+        /// The candidate's timeline CSV.
+        candidate: PathBuf,
+        /// Rows of each table.
+        #[arg(long, default_value_t = 20)]
+        top: usize,
+    },
     /// Run one kernel (or, with --cpu, its CPU reference) on tensors from a safetensors file.
     Exec {
         /// Kernel name; `megamoe exec --list` shows them with their tensor names, dtypes and shapes.
@@ -202,6 +217,11 @@ pub fn main() -> Result<()> {
             println!("wrote {}", p.display());
             Ok(())
         }
+        Command::TraceDiff {
+            base,
+            candidate,
+            top,
+        } => trace_diff::run(&base, &candidate, top),
         Command::Exec {
             kernel,
             input,

@@ -231,6 +231,14 @@ pub struct NameTime {
     pub overlap_us: f64,
 }
 
+impl NameTime {
+    /// Its share of the wall (its wall advance): the busy time it added (its own time less its overlap) and the idle
+    /// time before it. The shares of a timeline add up to its wall.
+    pub fn share_us(&self) -> f64 {
+        self.own_us - self.overlap_us + self.idle_before_us
+    }
+}
+
 impl Timeline {
     /// Summarizes spans in start order (as [`trace_kernels`] returns them).
     pub fn of(spans: &[KernelSpan]) -> Timeline {
@@ -374,6 +382,118 @@ pub fn spans_csv(spans: &[KernelSpan]) -> String {
     out
 }
 
+/// The spans of a `spans_csv` file (`megamoe decode`'s `timeline-*.csv`), in its row order; times in ns from the
+/// first kernel's start (the file's microseconds to the nearest nanosecond).
+pub fn parse_spans_csv(text: &str) -> Result<Vec<KernelSpan>> {
+    let mut lines = text.lines();
+    let header = lines.next().unwrap_or_default();
+    ensure!(
+        header.trim() == "index,name,stream,start_us,end_us,duration_us,idle_before_us",
+        "not a kernel timeline (its header is {header:?}; `megamoe decode` writes timeline-*.csv)"
+    );
+    let mut spans = Vec::new();
+    for (n, line) in lines.enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split(',').collect();
+        ensure!(
+            f.len() == 7,
+            "timeline row {}: {} fields, expected 7",
+            n + 1,
+            f.len()
+        );
+        let ns = |v: &str, what: &str| -> Result<u64> {
+            let us: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| anyhow!("timeline row {}: {what} {v:?} is not a number", n + 1))?;
+            ensure!(us >= 0.0, "timeline row {}: negative {what} {us}", n + 1);
+            Ok((us * 1e3).round() as u64)
+        };
+        let (start_ns, end_ns) = (ns(f[3], "start_us")?, ns(f[4], "end_us")?);
+        ensure!(
+            end_ns >= start_ns,
+            "timeline row {}: ends before it starts",
+            n + 1
+        );
+        spans.push(KernelSpan {
+            name: f[1].to_string(),
+            start_ns,
+            end_ns,
+            stream: f[2].trim().parse().map_err(|_| {
+                anyhow!("timeline row {}: stream {:?} is not a number", n + 1, f[2])
+            })?,
+        });
+    }
+    ensure!(!spans.is_empty(), "the timeline has no kernels");
+    Ok(spans)
+}
+
+/// One kernel name's share of the wall in two timelines (an A/B's baseline and candidate); a name missing from one
+/// side has 0 launches and 0 us there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShareDelta {
+    pub name: String,
+    pub launches: (usize, usize),
+    pub share_us: (f64, f64),
+}
+
+impl ShareDelta {
+    pub fn delta_us(&self) -> f64 {
+        self.share_us.1 - self.share_us.0
+    }
+}
+
+/// Per kernel name, the baseline's and the candidate's share of the wall, largest move first (names in the order
+/// they first ran break ties). The deltas add up to the difference of the walls.
+pub fn share_deltas(base: &Timeline, cand: &Timeline) -> Vec<ShareDelta> {
+    let mut out: Vec<ShareDelta> = base
+        .by_name
+        .iter()
+        .map(|n| ShareDelta {
+            name: n.name.clone(),
+            launches: (n.launches, 0),
+            share_us: (n.share_us(), 0.0),
+        })
+        .collect();
+    for n in &cand.by_name {
+        match out.iter_mut().find(|d| d.name == n.name) {
+            Some(d) => {
+                d.launches.1 = n.launches;
+                d.share_us.1 = n.share_us();
+            }
+            None => out.push(ShareDelta {
+                name: n.name.clone(),
+                launches: (0, n.launches),
+                share_us: (0.0, n.share_us()),
+            }),
+        }
+    }
+    out.sort_by(|a, b| b.delta_us().abs().total_cmp(&a.delta_us().abs()));
+    out
+}
+
+/// When both timelines launch the same kernels in the same order (the same step, two builds), each launch's wall
+/// advance in each, by launch index; `None` when the sequences differ (a kernel added or removed).
+pub fn launch_advances(
+    base: &[KernelSpan],
+    cand: &[KernelSpan],
+) -> Option<Vec<(String, f64, f64)>> {
+    if base.len() != cand.len() || base.iter().zip(cand).any(|(a, b)| a.name != b.name) {
+        return None;
+    }
+    let advance = |spans: &[KernelSpan]| -> Vec<f64> {
+        steps(spans)
+            .map(|(_, st)| (st.grow + st.gap) as f64 / 1e3)
+            .collect()
+    };
+    let (a, b) = (advance(base), advance(cand));
+    Some(
+        base.iter()
+            .zip(a.into_iter().zip(b))
+            .map(|(s, (x, y))| (s.name.clone(), x, y))
+            .collect(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -468,6 +588,59 @@ mod tests {
         assert_eq!(lines.len(), 6);
         assert_eq!(lines[2], "1,b,7,3.000,8.000,5.000,1.000");
         assert_eq!(lines[5], "4,b,7,11.000,12.000,1.000,2.000");
+    }
+
+    /// A timeline CSV reads back as the spans it was written from (times from the first start); the share deltas of
+    /// two timelines add up to the difference of their walls, a kernel on one side only counts 0 on the other, and a
+    /// launch-by-launch comparison exists only for the same launches in the same order; bad files are refused.
+    #[test]
+    fn timeline_csv_round_trips_and_two_steps_compare_by_share() {
+        let base = [
+            span("a", 1_000, 3_000),
+            span("b", 4_000, 9_000),
+            span("a", 8_000, 10_000),
+        ];
+        let back = parse_spans_csv(&spans_csv(&base)).unwrap();
+        let shifted: Vec<KernelSpan> = base
+            .iter()
+            .map(|s| span(&s.name, s.start_ns - 1_000, s.end_ns - 1_000))
+            .collect();
+        assert_eq!(back, shifted);
+        let cand = [
+            span("a", 0, 2_000),
+            span("b", 2_500, 6_000),
+            span("a", 5_000, 7_000),
+        ];
+        let (ta, tb) = (Timeline::of(&back), Timeline::of(&cand));
+        let d = share_deltas(&ta, &tb);
+        let sum: f64 = d.iter().map(|x| x.delta_us()).sum();
+        assert!((sum - (tb.wall_us - ta.wall_us)).abs() < 1e-9, "{d:?}");
+        // b: 1 us idle + 5 us -> 0.5 us idle + 3.5 us, the largest move, listed first.
+        assert_eq!(d[0].name, "b");
+        assert!((d[0].delta_us() + 2.0).abs() < 1e-9);
+        let per_launch = launch_advances(&back, &cand).unwrap();
+        assert_eq!(per_launch.len(), 3);
+        assert!((per_launch[1].1 - 6.0).abs() < 1e-9 && (per_launch[1].2 - 4.0).abs() < 1e-9);
+        let other = [
+            span("a", 0, 2_000),
+            span("c", 2_000, 3_000),
+            span("a", 3_000, 4_000),
+        ];
+        assert!(launch_advances(&back, &other).is_none());
+        let d = share_deltas(&ta, &Timeline::of(&other));
+        let c = d.iter().find(|x| x.name == "c").unwrap();
+        assert_eq!((c.launches, c.share_us.0), ((0, 1), 0.0));
+        assert!(parse_spans_csv("kernel,us\na,1\n").is_err());
+        let header = "index,name,stream,start_us,end_us,duration_us,idle_before_us\n";
+        assert!(parse_spans_csv(header).is_err(), "no kernels");
+        assert!(
+            parse_spans_csv(&format!("{header}0,a,7,2.0,1.0,0,0\n")).is_err(),
+            "ends first"
+        );
+        assert!(
+            parse_spans_csv(&format!("{header}0,a,7,x,1.0,0,0\n")).is_err(),
+            "not a number"
+        );
     }
 
     /// The fields read from a kernel record sit where CUDA 13.0's cupti_activity.h puts them in
