@@ -32,7 +32,6 @@ use crate::engine::plan::LayerCachePlan;
 use crate::engine::weights::DeviceWeights;
 use crate::gpu::arena::{self, Arena, WorkspaceLayout};
 use crate::gpu::launch::{launch, KernelArgs, Launch};
-use crate::gpu::prefetch::{prefetch_l2, ByteRange};
 use crate::gpu::{DevBuf, DeviceBuf, Gpu, Stream};
 use crate::model::reference::{indexer_weight_scale, layer_rope};
 use crate::model::{LayerKind, ModelConfig};
@@ -812,19 +811,9 @@ impl AttnHalf {
                 io.rows.seqs
             );
         }
-        // L2 prefetch at the head of the two latency-bound stretches of the half (gpu::prefetch): wq_a and wkv
-        // (6.3 MB on Flash) while hc_pre's mix and finish run, wo_a (33.5 MB on Flash, within the L2 of an H100 or
-        // H200) while the compressors, the indexer and sparse attention run.
-        let l = &self.layers[layer];
-        let (q_path, out_path) = (
-            [ByteRange::of(&l.wq_a.codes), ByteRange::of(&l.wkv.codes)],
-            [ByteRange::of(&l.wo_a.codes)],
-        );
-        prefetch_l2(gpu, stream, &q_path)?;
         self.hc_pre(gpu, stream, layer, io)?;
         io.mark(stream, group::ATTN_HC_PRE)?;
         self.projections(gpu, stream, layer, io)?;
-        prefetch_l2(gpu, stream, &out_path)?;
         io.mark(stream, group::ATTN_PROJECTIONS)?;
         self.compress(gpu, stream, layer, io)?;
         io.mark(stream, group::ATTN_COMPRESSORS)?;

@@ -11,7 +11,6 @@ pub mod blas;
 pub mod launch;
 pub mod marks;
 pub mod module;
-pub mod prefetch;
 pub mod telemetry;
 pub mod timing;
 pub mod tma;
