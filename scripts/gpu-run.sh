@@ -22,11 +22,12 @@
 #           of the engine's own decode step (Flash, 4K, batch ENGINE_NCU_BATCH, default 1), each measured alone:
 #           ENGINE_NCU_KERNELS (a regex, default the batch-1 latency kernels: the attention's candidate build, attention
 #           and combine, the mHC finishes, the router), ENGINE_NCU_SKIP matching launches skipped (past the prompt and the
-#           first steps, default 700), ENGINE_NCU_COUNT profiled (default 35: five layers of every default kernel);
-#           ncu-engine.txt (ENGINE_NCU_TIMEOUT, default 300 s). Application replay (ENGINE_NCU_REPLAY, default
-#           application: the deterministic decode runs once a metric pass): kernel replay saves and restores all of
-#           the engine's ~75 GB of device memory around every pass, ~40 s a kernel. The decode's own CUPTI trace is
-#           left off (its library is not on the path), so the two profilers do not meet.
+#           first steps, default 700), ENGINE_NCU_COUNT profiled (default 21: three layers of every default kernel);
+#           ncu-engine.txt (ENGINE_NCU_TIMEOUT, default 240 s). The decode holds ENGINE_NCU_SLOTS expert slots a layer
+#           (default 8, `decode --expert-slots`): ncu's kernel replay saves and restores all of the device memory in use
+#           around every pass (~40 s a kernel with the ~75 GB of a full H100 plan; application replay reran the ~100 s
+#           decode once a pass). The decode's own CUPTI trace is left off (its library is not on the path), so the two
+#           profilers do not meet.
 #   bench-ab: a kernel A/B on one machine with the same two binaries: the bench configs AB_CONFIGS (names under
 #           bench-configs/, e.g. ab/X), candidate, baseline, candidate, baseline; each run's CSV rows under
 #           ab-<side>-<round>/ (BENCH_TIMEOUT per run)
@@ -288,12 +289,12 @@ if want engine-profile; then
   re="${ENGINE_NCU_KERNELS:-attn_candidates|sparse_attn_decode_fp8|sparse_attn_combine|mhc_pre_finish_pdl|router_logits|router_select}"
   step "engine-profile: ncu on the Flash decode step, batch ${ENGINE_NCU_BATCH:-1} ($re)"
   # shellcheck disable=SC2001
-  LD_LIBRARY_PATH="$(echo "$LD_LIBRARY_PATH" | sed "s|$B/lib:||")" timeout "${ENGINE_NCU_TIMEOUT:-300}" "$ncu" \
-    --clock-control none --cache-control none --replay-mode "${ENGINE_NCU_REPLAY:-application}" \
-    -k "regex:$re" --launch-skip "${ENGINE_NCU_SKIP:-700}" \
-    --launch-count "${ENGINE_NCU_COUNT:-35}" --section SpeedOfLight --section LaunchStats --section Occupancy \
+  LD_LIBRARY_PATH="$(echo "$LD_LIBRARY_PATH" | sed "s|$B/lib:||")" timeout "${ENGINE_NCU_TIMEOUT:-240}" "$ncu" \
+    --clock-control none --cache-control none -k "regex:$re" --launch-skip "${ENGINE_NCU_SKIP:-700}" \
+    --launch-count "${ENGINE_NCU_COUNT:-21}" --section SpeedOfLight --section LaunchStats --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
     "$B/megamoe" decode --model flash --context 4096 --batch "${ENGINE_NCU_BATCH:-1}" --prompt-len 16 \
+    --expert-slots "${ENGINE_NCU_SLOTS:-8}" \
     --max-new-tokens 12 --out "$work/engine-profile" > "$work/ncu-engine.txt" 2>&1 || { echo "engine-profile failed"; status=1; }
   grep -E "^  [a-z_0-9]+ \(|Duration" "$work/ncu-engine.txt" | paste - - | sed -E 's/ +/ /g' | cut -c1-150 | head -n 40
 fi

@@ -97,6 +97,29 @@ fn flash_plan_on_one_h200_maps_experts_onto_the_slots_that_fit() {
     assert!(plan.dense_bytes >= end && plan.dense_bytes < end + 256);
 }
 
+/// `--expert-slots`: a cap below what fits holds the slot count there and frees the rest of the memory; a cap above
+/// it changes nothing; a cap below the experts a token reads, or above every routed expert, is refused.
+#[test]
+fn an_expert_slot_cap_lowers_the_slots_and_only_within_range() {
+    let cfg = ModelConfig::flash();
+    let free = MemoryPlan::new(&cfg, &request(1, 4096, H200_FREE)).unwrap();
+    let capped = |n| {
+        MemoryPlan::new(
+            &cfg,
+            &PlanRequest {
+                max_expert_slots: Some(n),
+                ..request(1, 4096, H200_FREE)
+            },
+        )
+    };
+    let eight = capped(8).unwrap();
+    assert_eq!(eight.map.slots, 8);
+    assert!(eight.expert_bytes() < free.expert_bytes() / 10);
+    assert_eq!(capped(255).unwrap().map.slots, free.map.slots);
+    assert!(capped(cfg.n_activated_experts - 1).is_err());
+    assert!(capped(cfg.n_routed_experts + 1).is_err());
+}
+
 #[test]
 fn pro_and_small_plans() {
     let pro = ModelConfig::pro();

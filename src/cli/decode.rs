@@ -88,6 +88,11 @@ pub struct DecodeArgs {
     /// not used), eager steps on --dense-route; rank 0 prints the report (no decode.csv row).
     #[arg(long)]
     pub ranks: Option<usize>,
+    /// At most N physical expert slots a layer (default: as many as the free memory holds; the logical experts
+    /// wrap onto them either way, and the bytes a token reads stay the real model's). Fewer leave device memory
+    /// to other work: Nsight Compute's kernel replay saves and restores all of it around every pass.
+    #[arg(long, value_name = "N")]
+    pub expert_slots: Option<usize>,
 }
 
 /// How a prefill of chunk `chunk` runs, for the report.
@@ -129,6 +134,19 @@ impl DecodeArgs {
             ensure!(
                 self.batch.len() == 1 && self.context.len() == 1 && !self.at_context && !self.parity,
                 "--ranks runs one point (one --batch, one --context, a real prompt; no --at-context, no --parity)"
+            );
+        }
+        if let Some(n) = self.expert_slots {
+            ensure!(
+                self.ranks.is_none(),
+                "--expert-slots caps one GPU's slots; with --ranks every rank holds its block of the experts"
+            );
+            ensure!(
+                (cfg.n_activated_experts..=cfg.n_routed_experts).contains(&n),
+                "--expert-slots {n}: {} takes {} (the experts a token reads) to {} (every routed expert)",
+                cfg.name,
+                cfg.n_activated_experts,
+                cfg.n_routed_experts
             );
         }
         ensure!(
@@ -334,7 +352,10 @@ fn run_routed(gpu: &Gpu, args: &DecodeArgs, default_out: PathBuf) -> Result<Vec<
     // One plan serves every point: the one that leaves the fewest expert slots (the largest caches).
     let mut plan: Option<MemoryPlan> = None;
     for &(batch, context) in &args.points() {
-        let req = PlanRequest::new(batch, context, args.prompt_len.min(context), free);
+        let req = PlanRequest {
+            max_expert_slots: args.expert_slots,
+            ..PlanRequest::new(batch, context, args.prompt_len.min(context), free)
+        };
         let p = MemoryPlan::new(&cfg, &req).with_context(|| {
             format!(
                 "planning {} at batch {batch}, context {context} on {}",
@@ -1302,6 +1323,7 @@ mod tests {
             prefill_chunk: 64,
             dense_route: DenseRoute::Gemv,
             ranks: None,
+            expert_slots: None,
         }
     }
 
@@ -1401,6 +1423,26 @@ mod tests {
         assert!(a.check().is_ok());
         a.max_new_tokens += 1;
         assert!(a.check().is_err());
+    }
+
+    /// --expert-slots takes the activated experts up to every routed one, and not beside --ranks.
+    #[test]
+    fn expert_slots_are_checked_before_any_gpu_work() {
+        let small = crate::model::ModelConfig::small();
+        let mut a = args(&[1], &[256]);
+        for (n, ok) in [
+            (small.n_activated_experts - 1, false),
+            (small.n_activated_experts, true),
+            (small.n_routed_experts, true),
+            (small.n_routed_experts + 1, false),
+        ] {
+            a.expert_slots = Some(n);
+            assert_eq!(a.check().is_ok(), ok, "--expert-slots {n}");
+        }
+        a.expert_slots = Some(small.n_activated_experts);
+        a.ranks = Some(2);
+        a.at_context = false;
+        assert!(a.check().is_err(), "--expert-slots with --ranks");
     }
 
     /// --parity-seeds belongs to --parity and counts at least one seed.

@@ -250,6 +250,7 @@ fn main_job_decode() -> decode::DecodeArgs {
         // The GEMV, `megamoe decode`'s default, until a GPU run has checked and measured the tensor-core route.
         dense_route: crate::ops::dense::route::DEFAULT_ROUTE,
         ranks: None,
+        expert_slots: None,
     }
 }
 

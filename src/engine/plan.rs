@@ -68,6 +68,8 @@ pub struct PlanRequest {
     pub prompt_len: usize,
     pub free_bytes: usize,
     pub index_keys: IndexKeyFormat,
+    /// At most this many physical expert slots a layer (`decode --expert-slots`); `None`: as many as fit.
+    pub max_expert_slots: Option<usize>,
 }
 
 impl PlanRequest {
@@ -79,6 +81,7 @@ impl PlanRequest {
             prompt_len,
             free_bytes,
             index_keys: IndexKeyFormat::Fp8,
+            max_expert_slots: None,
         }
     }
 }
@@ -397,6 +400,15 @@ impl MemoryPlan {
         let fixed = plan.fixed_bytes();
         let per_slot = plan.experts.bytes_per_expert();
         let min_slots = cfg.n_activated_experts.max(1);
+        if let Some(cap) = req.max_expert_slots {
+            ensure!(
+                (min_slots..=cfg.n_routed_experts).contains(&cap),
+                "{cap} expert slots a layer: {} takes {min_slots} (the experts a token reads) to {} (every \
+                 routed expert)",
+                cfg.name,
+                cfg.n_routed_experts
+            );
+        }
         let min_need = fixed + plan.expert_layer_bytes(min_slots) * cfg.n_layers;
         if min_need > req.free_bytes {
             bail!(
@@ -418,7 +430,9 @@ impl MemoryPlan {
         // The largest slot count whose granule-rounded buffers fit (expert_layer_bytes is monotone in slots;
         // start from the unrounded estimate and step down past the rounding).
         let room = req.free_bytes - fixed;
-        let mut slots = (room / cfg.n_layers / per_slot.max(1)).min(cfg.n_routed_experts);
+        let mut slots = (room / cfg.n_layers / per_slot.max(1))
+            .min(cfg.n_routed_experts)
+            .min(req.max_expert_slots.unwrap_or(usize::MAX));
         while slots > min_slots && plan.expert_layer_bytes(slots) * cfg.n_layers > room {
             slots -= 1;
         }
