@@ -88,6 +88,10 @@ fn bad_config_is_reported_before_touching_the_gpu() {
     let (code, _o, err) = run(&["bench", "--config", "/nonexistent/x.toml"]);
     assert_ne!(code, 0);
     assert!(err.contains("/nonexistent/x.toml"), "{err}");
+    // --warm-l2 rows must not land among the flushed rows of results/<gpu>: refused without --out, before any GPU.
+    let (code, _o, err) = run(&["bench", "--config", "bench-configs/dense.toml", "--warm-l2"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--warm-l2") && err.contains("--out"), "{err}");
 }
 
 #[test]

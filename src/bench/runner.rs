@@ -20,6 +20,12 @@ pub struct RunOptions {
     pub kernels: Vec<String>,
     pub reps: Option<u32>,
     pub seed: u64,
+    /// No sweep flushes L2 between repetitions (`bench --warm-l2`): each point timed with what the repetition
+    /// before it left in L2, the bound of what keeping its bytes in L2 could buy. Its rows carry no mark of it, so
+    /// [`check`] wants them in a directory of their own.
+    pub warm_l2: bool,
+    /// An output directory was named (`--out`), not the default results/<gpu>.
+    pub out_named: bool,
 }
 
 /// Run every sweep of `config` (restricted to `opts.kernels` when non-empty; nothing when it sweeps none of
@@ -48,6 +54,9 @@ pub fn run(
         let mut settings = s.settings(&config.defaults);
         if let Some(r) = opts.reps {
             settings.reps = r;
+        }
+        if opts.warm_l2 {
+            settings.flush_l2 = false;
         }
         for &value in &s.values {
             for v in variants {
@@ -168,6 +177,12 @@ pub fn plan<'a>(
 pub fn check(configs: &[(String, SweepConfig)], opts: &RunOptions) -> Result<()> {
     if opts.reps == Some(0) {
         bail!("--reps must be at least 1");
+    }
+    if opts.warm_l2 && !opts.out_named {
+        bail!(
+            "--warm-l2 rows carry no mark of the warm L2: name a directory of their own with --out, apart from \
+             the flushed rows of results/<gpu>"
+        );
     }
     let registry = crate::bench::kernels::all();
     for k in &opts.kernels {

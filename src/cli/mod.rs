@@ -163,6 +163,11 @@ struct BenchArgs {
     /// Use the embedded default suite plus every bench-configs/*.toml next to the binary or in the repo.
     #[arg(long)]
     all_configs: bool,
+    /// Leave L2 warm between repetitions (no sweep flushes it): each point's time with its working set left in L2
+    /// by the repetition before, beside a flushed run the most that keeping its bytes in L2 could buy. Needs --out
+    /// (the rows carry no mark of it).
+    #[arg(long)]
+    warm_l2: bool,
 }
 
 fn open_gpu(ordinal: usize) -> Result<Gpu> {
@@ -178,6 +183,7 @@ pub fn main() -> Result<()> {
         reps: None,
         seed: 0x5EED,
         all_configs: false,
+        warm_l2: false,
     })) {
         Command::Info => info(cli.gpu),
         Command::Kernels => kernels(),
@@ -451,6 +457,8 @@ fn bench(ordinal: usize, args: BenchArgs) -> Result<()> {
         kernels: args.kernel.clone(),
         reps: args.reps,
         seed: args.seed,
+        warm_l2: args.warm_l2,
+        out_named: args.out.is_some(),
     };
     // Every config error (file, schema, kernel, variant, parameter, size, options) before the GPU is touched.
     runner::check(&configs, &opts)?;
