@@ -216,10 +216,6 @@ __device__ __forceinline__ void dense_body(const DenseParams& p) {
             sws[v * (p.kc / 128) + b] = mm::ue8m0_decode(sb[tile * kb_all + k0 / 128 + b]);
         }
     }
-    // A slice of at most kStages - 1 steps (the small launches: wq_a + wkv, the shared expert's w2 at one row) has
-    // issued every weight load above: let a PDL-launched successor (the next GEMV) start its prefetch now, not after
-    // the main loop (the trigger there is then a repeat, which changes nothing).
-    if (nsteps <= C::kStages - 1) pdl_trigger();
     // PDL: x, the partials and the counters may be the previous kernel's (common/pdl.cuh); nothing before this line
     // reads or writes anything but weights and shared memory.
     pdl_wait();
