@@ -31,10 +31,6 @@ use rand_chacha::ChaCha8Rng;
 /// The CSA layer both geometries have at index 2 (compressor with the overlap, indexer).
 const LAYER: usize = 2;
 
-fn shape(kind: DenseKind, rows: usize, n: usize, k: usize, jobs: usize) -> DenseShape {
-    DenseShape::new(kind, rows, n, k, jobs)
-}
-
 fn fp8_names() -> Vec<String> {
     let a = format!("layers.{LAYER}.attn");
     vec![
@@ -60,28 +56,46 @@ fn quantized_rows(x: &[f32], rows: usize) -> Vec<f32> {
 #[test]
 fn shape_rules_refuse_what_the_kernels_cannot_take() {
     let err = |s: DenseShape| format!("{:#}", s.check().unwrap_err());
-    assert!(err(shape(DenseKind::Fp8, 0, 128, 128, 1)).contains("activation rows"));
-    assert!(err(shape(DenseKind::Fp8, MAX_CALL_ROWS + 1, 128, 128, 1)).contains("activation rows"));
+    assert!(err(DenseShape::new(DenseKind::Fp8, 0, 128, 128, 1)).contains("activation rows"));
+    assert!(err(DenseShape::new(
+        DenseKind::Fp8,
+        MAX_CALL_ROWS + 1,
+        128,
+        128,
+        1
+    ))
+    .contains("activation rows"));
     // A call above the GEMV's rows is a valid shape (tensor cores or GEMV pieces), but no one GEMV launch plans it.
-    shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1)
+    DenseShape::new(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1)
         .check()
         .unwrap();
     let e = format!(
         "{:#}",
-        plan(&shape(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1), 132).unwrap_err()
+        plan(
+            &DenseShape::new(DenseKind::Fp8, MAX_ROWS + 1, 128, 128, 1),
+            132
+        )
+        .unwrap_err()
     );
     assert!(e.contains("GEMV launch of 65 rows"), "{e}");
     assert_eq!(
-        shape(DenseKind::Swiglu, 300, 128, 128, 1).gemv_piece().rows,
+        DenseShape::new(DenseKind::Swiglu, 300, 128, 128, 1)
+            .gemv_piece()
+            .rows,
         MAX_ROWS
     );
-    assert!(err(shape(DenseKind::Fp8, 1, 192, 128, 1)).contains("multiples of 128"));
-    assert!(err(shape(DenseKind::Fp8, 1, 128, 192, 1)).contains("multiples of 128"));
-    assert!(err(shape(DenseKind::Swiglu, 1, 64, 128, 1)).contains("multiples of 128"));
-    assert!(err(shape(DenseKind::Bf16, 1, 64, 96, 1)).contains("multiple of 64"));
-    assert!(err(shape(DenseKind::Fp8Bf16x, 1, 128, 128, 17)).contains("weights in one launch"));
-    shape(DenseKind::Bf16, 1, 1, 64, 1).check().unwrap();
-    shape(DenseKind::Fp8, 64, 128, 128, 1).check().unwrap();
+    assert!(err(DenseShape::new(DenseKind::Fp8, 1, 192, 128, 1)).contains("multiples of 128"));
+    assert!(err(DenseShape::new(DenseKind::Fp8, 1, 128, 192, 1)).contains("multiples of 128"));
+    assert!(err(DenseShape::new(DenseKind::Swiglu, 1, 64, 128, 1)).contains("multiples of 128"));
+    assert!(err(DenseShape::new(DenseKind::Bf16, 1, 64, 96, 1)).contains("multiple of 64"));
+    assert!(err(DenseShape::new(DenseKind::Fp8Bf16x, 1, 128, 128, 17))
+        .contains("weights in one launch"));
+    DenseShape::new(DenseKind::Bf16, 1, 1, 64, 1)
+        .check()
+        .unwrap();
+    DenseShape::new(DenseKind::Fp8, 64, 128, 128, 1)
+        .check()
+        .unwrap();
 }
 
 /// Every DSV4 shape at every M: the slices cover K exactly once, are whole granules (or the tail), the staged x
@@ -106,7 +120,7 @@ fn plans_cover_k_and_fit_shared_memory() {
         ];
         for (kind, n, k, jobs) in shapes {
             for m in 1..=MAX_ROWS {
-                let s = shape(kind, m, n, k, jobs);
+                let s = DenseShape::new(kind, m, n, k, jobs);
                 let p = plan(&s, 132).unwrap();
                 let label = format!("{} {s:?}: {p:?}", cfg.name);
                 assert!(
@@ -153,7 +167,7 @@ fn mixed_height_launches_plan_by_their_busy_tiles() {
     assert_eq!((s.n, s.jobs, s.busy_tiles), (1024, 5, 21));
     s.check().unwrap();
     let p = plan(&s, 132).unwrap();
-    let whole_grid = plan(&shape(DenseKind::Bf16, 1, 1024, cfg.dim, 5), 132).unwrap();
+    let whole_grid = plan(&DenseShape::new(DenseKind::Bf16, 1, 1024, cfg.dim, 5), 132).unwrap();
     assert!(p.splits * s.busy_tiles <= 2 * 132, "{p:?}");
     assert!(
         p.splits >= 2 * whole_grid.splits - 1,
@@ -173,7 +187,7 @@ fn mixed_height_launches_plan_by_their_busy_tiles() {
     // Jobs of one height: every tile busy, the same shape as `new`.
     assert_eq!(
         DenseShape::of_heights(DenseKind::Fp8, 8, 4096, [1024, 1024]),
-        shape(DenseKind::Fp8, 8, 1024, 4096, 2)
+        DenseShape::new(DenseKind::Fp8, 8, 1024, 4096, 2)
     );
     // A busy count outside jobs ..= jobs x tiles is refused.
     for busy in [4, 41] {
@@ -192,11 +206,11 @@ fn mixed_height_launches_plan_by_their_busy_tiles() {
 #[test]
 fn plans_from_eight_rows_take_wide_slices() {
     use megamoe::ops::dense::{MIN_SLICE_COLUMNS, MIN_SLICE_ROWS};
-    let one = plan(&shape(DenseKind::Fp8, 1, 1024, 4096, 1), 132).unwrap();
+    let one = plan(&DenseShape::new(DenseKind::Fp8, 1, 1024, 4096, 1), 132).unwrap();
     assert!(one.kc < MIN_SLICE_COLUMNS, "{one:?}");
     for m in [MIN_SLICE_ROWS, 16, 64] {
         for (n, k) in [(1024, 4096), (512, 4096), (4096, 8192)] {
-            let p = plan(&shape(DenseKind::Fp8, m, n, k, 1), 132).unwrap();
+            let p = plan(&DenseShape::new(DenseKind::Fp8, m, n, k, 1), 132).unwrap();
             assert!(
                 p.kc >= MIN_SLICE_COLUMNS && p.kc.is_multiple_of(128),
                 "{p:?}"
@@ -211,7 +225,7 @@ fn plans_from_eight_rows_take_wide_slices() {
 fn lm_head_plans_at_small_m_fit_two_ctas_per_sm() {
     for cfg in [ModelConfig::flash(), ModelConfig::pro()] {
         for m in [1, 8] {
-            let s = shape(DenseKind::Bf16, m, cfg.vocab_size, cfg.dim, 1);
+            let s = DenseShape::new(DenseKind::Bf16, m, cfg.vocab_size, cfg.dim, 1);
             let p = plan(&s, 132).unwrap();
             assert!(
                 p.smem <= 113 * 1024 && p.splits >= 2,
@@ -276,7 +290,10 @@ fn run_fp8(gpu: &megamoe::gpu::Gpu, model: &Model, name: &str, m: usize, rng: &m
     let w = DevFp8::from_model(gpu, model, name);
     let x = fx::activations(rng, m, w.cols);
     let dx = DevFp8::quantized(gpu, &x, m, w.cols);
-    let (_arena, ws) = fx::workspace(gpu, &[shape(DenseKind::Fp8, m, w.rows, w.cols, 1)]);
+    let (_arena, ws) = fx::workspace(
+        gpu,
+        &[DenseShape::new(DenseKind::Fp8, m, w.rows, w.cols, 1)],
+    );
     let y = fx::bf16_out(gpu, m * w.rows);
     fp8_linear(gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
     let got = fx::download_bf16(gpu, &y);
@@ -340,8 +357,10 @@ fn gpu_fp8_linears_of_different_heights_match_the_model() {
                         .zip(&ys)
                         .map(|(w, y)| Fp8Job { w, y })
                         .collect();
-                    let (_arena, dws) =
-                        fx::workspace(gpu, &[shape(DenseKind::Fp8, m, n_max, k, jobs.len())]);
+                    let (_arena, dws) = fx::workspace(
+                        gpu,
+                        &[DenseShape::new(DenseKind::Fp8, m, n_max, k, jobs.len())],
+                    );
                     fp8_linears(gpu, &gpu.stream, &dx.act(), &jobs, &dws).unwrap();
                     for ((name, w), y) in names.iter().zip(&ws_).zip(&ys) {
                         let got = fx::download_bf16(gpu, y);
@@ -389,8 +408,10 @@ fn gpu_wo_a_grouped_matches_out_proj_at_flash_and_pro_shapes() {
             for m in [1, 3, 64, 100] {
                 let o = fx::activations(rng, m, groups * gw);
                 let d_o = gpu.upload(&fx::to_bf16(&o)).unwrap();
-                let (_arena, ws) =
-                    fx::workspace(gpu, &[shape(DenseKind::Fp8Bf16x, m, r, gw, groups)]);
+                let (_arena, ws) = fx::workspace(
+                    gpu,
+                    &[DenseShape::new(DenseKind::Fp8Bf16x, m, r, gw, groups)],
+                );
                 let z = fx::bf16_out(gpu, m * groups * r);
                 wo_a_grouped(gpu, &gpu.stream, &d_o, m, &w.weight(), groups, &ws, &z).unwrap();
                 let got = fx::download_bf16(gpu, &z);
@@ -448,8 +469,8 @@ fn gpu_shared_expert_matches_the_model_at_flash_and_pro_shapes() {
                 let (_arena, ws) = fx::workspace(
                     gpu,
                     &[
-                        shape(DenseKind::Swiglu, m, inter, d, 1),
-                        shape(DenseKind::Fp8, m, d, inter, 1),
+                        DenseShape::new(DenseKind::Swiglu, m, inter, d, 1),
+                        DenseShape::new(DenseKind::Fp8, m, d, inter, 1),
                     ],
                 );
                 let hc = gpu.poisoned::<u8>(m * inter, common::POISON).unwrap();
@@ -558,8 +579,10 @@ fn gpu_bf16_linear_matches_matvec_for_compressor_indexer_and_head() {
                         .zip(&ns)
                         .map(|((w, y), &n)| Bf16Job { w, n, y })
                         .collect();
-                    let (_arena, ws) =
-                        fx::workspace(gpu, &[shape(DenseKind::Bf16, m, n_max, d, names.len())]);
+                    let (_arena, ws) = fx::workspace(
+                        gpu,
+                        &[DenseShape::new(DenseKind::Bf16, m, n_max, d, names.len())],
+                    );
                     bf16_linear(gpu, &gpu.stream, &dx, m, d, &jobs, &ws).unwrap();
                     gpu.synchronize().unwrap();
                     for ((nm, y), &n) in names.iter().zip(&ys).zip(&ns) {
@@ -598,7 +621,7 @@ fn gpu_edge_shapes_match_the_cpu() {
             let x = fx::activations(&mut rng, m, k);
             let xq = quantized_rows(&x, m);
             let dx = DevFp8::quantized(&gpu, &x, m, k);
-            let (_arena, ws) = fx::workspace(&gpu, &[shape(DenseKind::Fp8, m, n, k, 1)]);
+            let (_arena, ws) = fx::workspace(&gpu, &[DenseShape::new(DenseKind::Fp8, m, n, k, 1)]);
             let y = fx::bf16_out(&gpu, m * n);
             fp8_linear(&gpu, &gpu.stream, &dx.act(), &w.weight(), &ws, &y).unwrap();
             let got = fx::download_bf16(&gpu, &y);
@@ -613,7 +636,7 @@ fn gpu_edge_shapes_match_the_cpu() {
             let x = fx::activations(&mut rng, m, k);
             let dx = gpu.upload(&fx::to_bf16(&x)).unwrap();
             let y = gpu.poisoned::<f32>(m * n, common::POISON).unwrap();
-            let (_arena, ws) = fx::workspace(&gpu, &[shape(DenseKind::Bf16, m, n, k, 1)]);
+            let (_arena, ws) = fx::workspace(&gpu, &[DenseShape::new(DenseKind::Bf16, m, n, k, 1)]);
             let jobs = [Bf16Job { w: &dw, n, y: &y }];
             bf16_linear(&gpu, &gpu.stream, &dx, m, k, &jobs, &ws).unwrap();
             gpu.synchronize().unwrap();
@@ -671,7 +694,7 @@ fn gpu_fp8_linear_replays_as_a_graph_with_new_activations() {
     let name = format!("layers.{LAYER}.attn.wq_a.weight");
     let w = DevFp8::from_model(&gpu, &model, &name);
     let m = 8;
-    let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+    let s = DenseShape::new(DenseKind::Fp8, m, w.rows, w.cols, 1);
     assert!(plan(&s, gpu.info.sm_count as usize).unwrap().splits > 1);
     let mut x = fx::activations(&mut rng, m, w.cols);
     let mut dx = DevFp8::quantized(&gpu, &x, m, w.cols);
@@ -936,7 +959,7 @@ fn run_fp8_routed(
     let w = DevFp8::from_model(gpu, model, name);
     let x = fx::activations(rng, m, w.cols);
     let dx = DevFp8::quantized(gpu, &x, m, w.cols);
-    let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+    let s = DenseShape::new(DenseKind::Fp8, m, w.rows, w.cols, 1);
     let (_arena, ws) = fx::workspace_on(gpu, &[s], DenseRoute::TensorCores);
     assert_route(&label, &ws, &s, DensePath::TensorCores);
     let y = fx::bf16_out(gpu, m * w.rows);
@@ -997,7 +1020,7 @@ fn gpu_fp8_linears_of_bf16_equal_norm_quant_then_fp8_linear() {
                             }
                             let label =
                                 format!("{} {name} M={m} norm {normalize} {route:?}", cfg.name);
-                            let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+                            let s = DenseShape::new(DenseKind::Fp8, m, w.rows, w.cols, 1);
                             let (_arena, ws) = fx::workspace_on(gpu, &[s], route);
                             // norm_quant's kernel into `q`.
                             let prep = |q: &nq::NormOutputs| {
@@ -1147,7 +1170,7 @@ fn gpu_routed_fp8_linears_of_different_heights_match_the_model() {
                         .zip(&ys)
                         .map(|(w, y)| Fp8Job { w, y })
                         .collect();
-                    let s = shape(DenseKind::Fp8, m, n_max, k, jobs.len());
+                    let s = DenseShape::new(DenseKind::Fp8, m, n_max, k, jobs.len());
                     let (_arena, dws) = fx::workspace_on(gpu, &[s], DenseRoute::TensorCores);
                     assert_route(&label, &dws, &s, DensePath::TensorCores);
                     fp8_linears(gpu, &gpu.stream, &dx.act(), &jobs, &dws).unwrap();
@@ -1192,7 +1215,7 @@ fn gpu_auto_route_follows_the_rule_and_needs_f32_scales() {
     let name = format!("layers.{LAYER}.attn.wq_a.weight");
     let w = DevFp8::from_model(&gpu, &model, &name);
     for m in ROUTED_ROWS {
-        let s = shape(DenseKind::Fp8, m, w.rows, w.cols, 1);
+        let s = DenseShape::new(DenseKind::Fp8, m, w.rows, w.cols, 1);
         let want = if m >= route::FP8_TC_MIN_ROWS {
             DensePath::TensorCores
         } else {
@@ -1309,7 +1332,7 @@ fn gpu_routed_bf16_linear_matches_matvec_on_the_tensor_cores() {
                         .zip(&ns)
                         .map(|((w, y), &n)| Bf16Job { w, n, y })
                         .collect();
-                    let s = shape(DenseKind::Bf16, m, n_max, d, names.len());
+                    let s = DenseShape::new(DenseKind::Bf16, m, n_max, d, names.len());
                     let (_arena, ws) = fx::workspace_on(gpu, &[s], DenseRoute::TensorCores);
                     assert_route(&label, &ws, &s, DensePath::TensorCores);
                     bf16_linear(gpu, &gpu.stream, &dx, m, d, &jobs, &ws).unwrap();
@@ -1356,8 +1379,8 @@ fn gpu_routed_shared_expert_matches_the_model() {
                     .collect();
                 let dx = DevFp8::quantized(gpu, &x, m, d);
                 let shapes = [
-                    shape(DenseKind::Swiglu, m, inter, d, 1),
-                    shape(DenseKind::Fp8, m, d, inter, 1),
+                    DenseShape::new(DenseKind::Swiglu, m, inter, d, 1),
+                    DenseShape::new(DenseKind::Fp8, m, d, inter, 1),
                 ];
                 let (_arena, ws) = fx::workspace_on(gpu, &shapes, DenseRoute::TensorCores);
                 assert_route(&label, &ws, &shapes[0], DensePath::Gemv);
@@ -1414,8 +1437,8 @@ fn gpu_routed_linears_replay_as_a_graph_with_new_activations() {
     let dbw = gpu.upload(&bw).unwrap();
     let (m, d) = (33, cfg.dim);
     let shapes = [
-        shape(DenseKind::Fp8, m, w.rows, w.cols, 1),
-        shape(DenseKind::Bf16, m, bn, d, 1),
+        DenseShape::new(DenseKind::Fp8, m, w.rows, w.cols, 1),
+        DenseShape::new(DenseKind::Bf16, m, bn, d, 1),
     ];
     let (_arena, ws) = fx::workspace_on(&gpu, &shapes, DenseRoute::Auto);
     assert_route("graph fp8", &ws, &shapes[0], DensePath::TensorCores);
@@ -1496,9 +1519,9 @@ fn gpu_routed_linears_replay_as_a_graph_with_new_activations() {
 #[test]
 fn workspace_layouts_carry_the_tensor_core_region_only_on_that_route() {
     let sms = 132;
-    let gemv_only = [shape(DenseKind::Fp8, 8, 1024, 4096, 2)];
-    let fp8_64 = [shape(DenseKind::Fp8, 64, 1024, 4096, 2)];
-    let head = [shape(DenseKind::Bf16, 1, 129280, 4096, 1)];
+    let gemv_only = [DenseShape::new(DenseKind::Fp8, 8, 1024, 4096, 2)];
+    let fp8_64 = [DenseShape::new(DenseKind::Fp8, 64, 1024, 4096, 2)];
+    let head = [DenseShape::new(DenseKind::Bf16, 1, 129280, 4096, 1)];
     let bytes =
         |route, s: &[DenseShape]| with_route(route, || workspace_layout(s, sms).unwrap().bytes());
     for s in [&gemv_only[..], &fp8_64[..], &head[..]] {

@@ -172,10 +172,6 @@ mod tests {
     use super::super::{DenseKind, DenseShape};
     use super::*;
 
-    fn s(kind: DenseKind, rows: usize, n: usize, k: usize, jobs: usize) -> DenseShape {
-        DenseShape::new(kind, rows, n, k, jobs)
-    }
-
     /// The rule's table at the measured rows (module docs), for DSV4-Flash's shapes.
     #[test]
     fn auto_follows_the_measured_table() {
@@ -184,28 +180,34 @@ mod tests {
         let cases: [(DenseShape, [DensePath; 8]); 8] = [
             // wq_a, wq_b, wo_b: FP8 from 32 rows.
             (
-                s(DenseKind::Fp8, 1, 1024, 4096, 1),
+                DenseShape::new(DenseKind::Fp8, 1, 1024, 4096, 1),
                 [G, G, G, G, G, T, T, T],
             ),
             (
-                s(DenseKind::Fp8, 1, 32768, 1024, 1),
+                DenseShape::new(DenseKind::Fp8, 1, 32768, 1024, 1),
                 [G, G, G, G, G, T, T, T],
             ),
             (
-                s(DenseKind::Fp8, 1, 4096, 8192, 2),
+                DenseShape::new(DenseKind::Fp8, 1, 4096, 8192, 2),
                 [G, G, G, G, G, T, T, T],
             ),
             // weights_proj, compressors: BF16 from 16 rows.
-            (s(DenseKind::Bf16, 1, 64, 4096, 1), [G, G, G, T, T, T, T, T]),
             (
-                s(DenseKind::Bf16, 1, 1024, 4096, 2),
+                DenseShape::new(DenseKind::Bf16, 1, 64, 4096, 1),
+                [G, G, G, T, T, T, T, T],
+            ),
+            (
+                DenseShape::new(DenseKind::Bf16, 1, 1024, 4096, 2),
                 [G, G, G, T, T, T, T, T],
             ),
             // The LM head: always.
-            (s(DenseKind::Bf16, 1, 129280, 4096, 1), [T; 8]),
+            (DenseShape::new(DenseKind::Bf16, 1, 129280, 4096, 1), [T; 8]),
             // The SwiGLU half and wo_a: never.
-            (s(DenseKind::Swiglu, 1, 2048, 4096, 1), [G; 8]),
-            (s(DenseKind::Fp8Bf16x, 1, 1024, 4096, 8), [G; 8]),
+            (DenseShape::new(DenseKind::Swiglu, 1, 2048, 4096, 1), [G; 8]),
+            (
+                DenseShape::new(DenseKind::Fp8Bf16x, 1, 1024, 4096, 8),
+                [G; 8],
+            ),
         ];
         for (shape, want) in cases {
             for (&m, &w) in rows.iter().zip(&want) {
@@ -222,10 +224,19 @@ mod tests {
             }
         }
         // Pro's LM head too; a BF16 weight whose f32 rows are not 16-byte multiples has no tensor-core route.
-        assert_eq!(auto_path(&s(DenseKind::Bf16, 1, 129280, 7168, 1)), T);
-        assert_eq!(auto_path(&s(DenseKind::Bf16, 64, 130, 96, 1)), G);
         assert_eq!(
-            path_for(DenseRoute::TensorCores, &s(DenseKind::Bf16, 64, 1, 32, 1)),
+            auto_path(&DenseShape::new(DenseKind::Bf16, 1, 129280, 7168, 1)),
+            T
+        );
+        assert_eq!(
+            auto_path(&DenseShape::new(DenseKind::Bf16, 64, 130, 96, 1)),
+            G
+        );
+        assert_eq!(
+            path_for(
+                DenseRoute::TensorCores,
+                &DenseShape::new(DenseKind::Bf16, 64, 1, 32, 1)
+            ),
             G
         );
         assert_eq!(BF16_TC_ALWAYS_ELEMENTS, 268_435_456);
@@ -238,21 +249,36 @@ mod tests {
         use DensePath::{Gemv as G, TensorCores as T};
         for route in [DenseRoute::Gemv, DenseRoute::Auto, DenseRoute::TensorCores] {
             for rows in [65, 256, 512, 4096] {
-                assert_eq!(path_for(route, &s(DenseKind::Fp8, rows, 1024, 4096, 2)), T);
-                assert_eq!(path_for(route, &s(DenseKind::Bf16, rows, 64, 4096, 1)), T);
                 assert_eq!(
-                    path_for(route, &s(DenseKind::Swiglu, rows, 2048, 4096, 1)),
+                    path_for(route, &DenseShape::new(DenseKind::Fp8, rows, 1024, 4096, 2)),
+                    T
+                );
+                assert_eq!(
+                    path_for(route, &DenseShape::new(DenseKind::Bf16, rows, 64, 4096, 1)),
+                    T
+                );
+                assert_eq!(
+                    path_for(
+                        route,
+                        &DenseShape::new(DenseKind::Swiglu, rows, 2048, 4096, 1)
+                    ),
                     G
                 );
                 assert_eq!(
-                    path_for(route, &s(DenseKind::Fp8Bf16x, rows, 1024, 4096, 8)),
+                    path_for(
+                        route,
+                        &DenseShape::new(DenseKind::Fp8Bf16x, rows, 1024, 4096, 8)
+                    ),
                     G
                 );
                 // A BF16 weight the tensor cores cannot take: GEMV pieces.
-                assert_eq!(path_for(route, &s(DenseKind::Bf16, rows, 130, 96, 1)), G);
+                assert_eq!(
+                    path_for(route, &DenseShape::new(DenseKind::Bf16, rows, 130, 96, 1)),
+                    G
+                );
             }
             assert_eq!(
-                path_for(route, &s(DenseKind::Fp8, 64, 1024, 4096, 2)) == T,
+                path_for(route, &DenseShape::new(DenseKind::Fp8, 64, 1024, 4096, 2)) == T,
                 route != DenseRoute::Gemv
             );
         }
