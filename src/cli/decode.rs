@@ -141,13 +141,7 @@ impl DecodeArgs {
                 self.ranks.is_none(),
                 "--expert-slots caps one GPU's slots; with --ranks every rank holds its block of the experts"
             );
-            ensure!(
-                (cfg.n_activated_experts..=cfg.n_routed_experts).contains(&n),
-                "--expert-slots {n}: {} takes {} (the experts a token reads) to {} (every routed expert)",
-                cfg.name,
-                cfg.n_activated_experts,
-                cfg.n_routed_experts
-            );
+            crate::engine::plan::check_expert_slots(&cfg, n)?;
         }
         ensure!(
             !self.parity || cfg.dim <= 1024,

@@ -86,6 +86,19 @@ impl PlanRequest {
     }
 }
 
+/// A cap on the physical expert slots a layer (`decode --expert-slots`): from the experts a token reads to every
+/// routed expert.
+pub fn check_expert_slots(cfg: &ModelConfig, slots: usize) -> Result<()> {
+    let min = cfg.n_activated_experts.max(1);
+    ensure!(
+        (min..=cfg.n_routed_experts).contains(&slots),
+        "--expert-slots {slots}: {} takes {min} (the experts a token reads) to {} (every routed expert)",
+        cfg.name,
+        cfg.n_routed_experts
+    );
+    Ok(())
+}
+
 /// A model geometry by the name a command takes: `flash`, `pro`, `small`, or the path of a `config.json` (a file
 /// that exists, or any name ending in `.json`).
 pub fn resolve_model(name: &str) -> Result<ModelConfig> {
@@ -401,13 +414,7 @@ impl MemoryPlan {
         let per_slot = plan.experts.bytes_per_expert();
         let min_slots = cfg.n_activated_experts.max(1);
         if let Some(cap) = req.max_expert_slots {
-            ensure!(
-                (min_slots..=cfg.n_routed_experts).contains(&cap),
-                "{cap} expert slots a layer: {} takes {min_slots} (the experts a token reads) to {} (every \
-                 routed expert)",
-                cfg.name,
-                cfg.n_routed_experts
-            );
+            check_expert_slots(cfg, cap)?;
         }
         let min_need = fixed + plan.expert_layer_bytes(min_slots) * cfg.n_layers;
         if min_need > req.free_bytes {
