@@ -65,6 +65,7 @@
 #include "common/formats.cuh"
 #include "common/index_key.cuh"
 #include "common/pdl.cuh"
+#include "common/topk_order.cuh"
 #include "common/wgmma.cuh"
 
 namespace {
@@ -337,20 +338,11 @@ namespace {
 
 constexpr int TOPK_MAX_K = 2048;
 
-__device__ __forceinline__ uint32_t order_key(float s) {
-    if (isnan(s)) s = -INFINITY;
-    if (s == 0.f) s = 0.f;  // -0 ranks with +0
-    const uint32_t b = __float_as_uint(s);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_to_score(uint32_t k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
-}
-
-__device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t idx) {
-    return ((uint64_t)key << 32) | (uint32_t)~idx;
-}
+// The order (order_key, key_to_score, composite) is common/topk_order.cuh's, shared with the engine's fused
+// short-row top-k.
+using topk_order::composite;
+using topk_order::key_to_score;
+using topk_order::order_key;
 
 struct SelectShared {
     uint32_t hist[256];

@@ -719,3 +719,202 @@ fn check_candidate_rows(label: &str, cfg: ModelConfig, context: usize, trials: u
         );
     }
 }
+
+/// The one-launch CSA top-k + candidate build (`Compressed::Scores`, `attn_candidates_topk`) against the long-row
+/// path on the same inputs (`indexer::topk`'s three launches, then `Compressed::TopK`), bit for bit: the top-k rows
+/// (indices and scores) and the candidate rows with their lengths. The top-k rows also equal the exact reference
+/// order (`check_topk_exact`) and the candidate rows the host twin. Inputs per trial: random positions (one in
+/// eight idle), visible counts drawn from the edges (0, 1, k - 1, k, k + 1, the whole row) and at random, and score
+/// rows that are continuous, heavy with ties (8 distinct values), or salted with NaN, +-0 and +-inf. Every output
+/// is poisoned first. Context 4096: the CSA layers of the short-window config hold 1,024 keys a sequence (a sort of
+/// 1,024 in the fused kernel); a second pass cuts the stride to 20 keys (a sort of 32 with lanes past the row).
+#[test]
+#[ignore = "needs an H100/H200"]
+fn fused_topk_candidates_match_the_indexer_chain() {
+    use megamoe::engine::attn::{fuses_topk, FUSED_TOPK_MAX_KEYS};
+    use megamoe::gpu::arena::Arena;
+    use megamoe::ops::indexer::{self, reference, TopkWorkspace};
+    let label = "engine_attn_fused_topk";
+    let cfg = short_window_config();
+    let context = 4096;
+    let gpu = gpu(label);
+    let (_, _w, _m, state) = rig(&gpu, label, cfg.clone(), BATCH, context);
+    let mut rng = seeded(label, "MEGAMOE_SEED");
+    let s = gpu.stream.clone();
+    let mut checked = 0;
+    for (l, lc) in state.caches.layers.iter().enumerate() {
+        let lay = lc.layout;
+        if !matches!(lay.plan.kind, LayerKind::Csa { .. }) {
+            continue;
+        }
+        let cand_stride = candidate_stride(&lay.plan, cfg.index_topk);
+        for score_stride in [lay.plan.index_keys, 20] {
+            assert!(fuses_topk(score_stride) && score_stride <= FUSED_TOPK_MAX_KEYS);
+            let k = cfg.index_topk.min(score_stride);
+            let mut arena =
+                Arena::new(&gpu, TopkWorkspace::workspace_bytes(BATCH, k, score_stride)).unwrap();
+            let ws = TopkWorkspace::carve(&mut arena, &s, BATCH, k, score_stride).unwrap();
+            for trial in 0..12 {
+                let positions: Vec<i32> = (0..BATCH)
+                    .map(|_| {
+                        if rng.random_range(0..8) == 0 {
+                            -1
+                        } else {
+                            rng.random_range(0..context as i32)
+                        }
+                    })
+                    .collect();
+                let edges = [0, 1, k.saturating_sub(1), k, k + 1, score_stride];
+                let num_valid: Vec<i32> = (0..BATCH)
+                    .map(|_| {
+                        let v = if rng.random_range(0..2) == 0 {
+                            edges[rng.random_range(0..edges.len())]
+                        } else {
+                            rng.random_range(0..=score_stride)
+                        };
+                        v.min(score_stride) as i32
+                    })
+                    .collect();
+                let scores: Vec<f32> = (0..BATCH * score_stride)
+                    .map(|_| match trial % 3 {
+                        0 => rng.random_range(-4.0f32..4.0),
+                        1 => rng.random_range(0..8) as f32 * 0.5,
+                        _ => match rng.random_range(0..16) {
+                            0 => f32::NAN,
+                            1 => -0.0,
+                            2 => 0.0,
+                            3 => f32::INFINITY,
+                            4 => f32::NEG_INFINITY,
+                            _ => rng.random_range(-1.0f32..1.0),
+                        },
+                    })
+                    .collect();
+                let dpos = gpu.upload(&positions).unwrap();
+                let dscores: CudaSlice<f32> = gpu.upload(&scores).unwrap();
+                let dvalid: CudaSlice<i32> = gpu.upload(&num_valid).unwrap();
+                let (dscores, dvalid) = (DevBuf::of(&dscores), DevBuf::of(&dvalid));
+                let poisoned_i32 =
+                    |n: usize| -> CudaSlice<i32> { gpu.poisoned(n, POISON).unwrap() };
+                let poisoned_f32 =
+                    |n: usize| -> CudaSlice<f32> { gpu.poisoned(n, POISON).unwrap() };
+                // The long-row path.
+                let (chain_idx, chain_score) = (poisoned_i32(BATCH * k), poisoned_f32(BATCH * k));
+                let (chain_cand, chain_len) =
+                    (poisoned_i32(BATCH * cand_stride), poisoned_i32(BATCH));
+                let chain_idx_buf = DevBuf::of(&chain_idx);
+                indexer::topk(
+                    &gpu,
+                    &s,
+                    &dscores,
+                    &dvalid,
+                    &ws,
+                    &chain_idx_buf,
+                    &DevBuf::of(&chain_score),
+                )
+                .unwrap();
+                build_candidates(
+                    &gpu,
+                    &s,
+                    &dpos,
+                    lc,
+                    &lc.rows,
+                    Compressed::TopK {
+                        idx: &chain_idx_buf,
+                        k,
+                    },
+                    &chain_cand,
+                    &chain_len,
+                    cand_stride,
+                )
+                .unwrap();
+                // The fused launch.
+                let (idx, score) = (poisoned_i32(BATCH * k), poisoned_f32(BATCH * k));
+                let (cand, len) = (poisoned_i32(BATCH * cand_stride), poisoned_i32(BATCH));
+                let (idx_buf, score_buf) = (DevBuf::of(&idx), DevBuf::of(&score));
+                build_candidates(
+                    &gpu,
+                    &s,
+                    &dpos,
+                    lc,
+                    &lc.rows,
+                    Compressed::Scores {
+                        scores: &dscores,
+                        score_stride,
+                        num_valid: &dvalid,
+                        k,
+                        idx: &idx_buf,
+                        score: &score_buf,
+                    },
+                    &cand,
+                    &len,
+                    cand_stride,
+                )
+                .unwrap();
+                s.synchronize().unwrap();
+                let what = format!(
+                    "layer {l} stride {score_stride} trial {trial} positions {positions:?} num_valid {num_valid:?}"
+                );
+                let got_idx = gpu.download(&idx).unwrap();
+                let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                assert_eq!(
+                    got_idx,
+                    gpu.download(&chain_idx).unwrap(),
+                    "{what}: top-k indices"
+                );
+                assert_eq!(
+                    bits(gpu.download(&score).unwrap()),
+                    bits(gpu.download(&chain_score).unwrap()),
+                    "{what}: top-k scores"
+                );
+                assert_eq!(
+                    gpu.download(&len).unwrap(),
+                    gpu.download(&chain_len).unwrap(),
+                    "{what}: lengths"
+                );
+                assert_eq!(
+                    gpu.download(&cand).unwrap(),
+                    gpu.download(&chain_cand).unwrap(),
+                    "{what}: rows"
+                );
+                // The references: the exact top-k order, and the host twin of the candidate rows.
+                let mut selected: Vec<Vec<usize>> = vec![vec![]; BATCH];
+                for b in 0..BATCH {
+                    let nv = num_valid[b] as usize;
+                    let row = &scores[b * score_stride..b * score_stride + nv];
+                    let got = &got_idx[b * k..(b + 1) * k];
+                    if let Err(e) = reference::check_topk_exact(row, k, got) {
+                        panic!("{what}: row {b}: {e}");
+                    }
+                    if positions[b] >= 0 {
+                        let mut sel: Vec<usize> = got
+                            .iter()
+                            .filter(|&&i| i >= 0)
+                            .map(|&i| i as usize)
+                            .collect();
+                        sel.sort_unstable();
+                        selected[b] = sel;
+                    }
+                }
+                let (want, want_len) = lay
+                    .candidate_rows(&positions, &selected, cand_stride)
+                    .unwrap();
+                assert_eq!(
+                    gpu.download(&len).unwrap(),
+                    want_len,
+                    "{what}: lengths (host twin)"
+                );
+                assert_eq!(
+                    gpu.download(&cand).unwrap(),
+                    want,
+                    "{what}: rows (host twin)"
+                );
+                checked += 1;
+            }
+            println!(
+                "layer {l}: score rows of {score_stride}, top-k {k}: 12 random batches, the fused launch equals \
+                 indexer::topk + attn_candidates and the references"
+            );
+        }
+    }
+    assert!(checked > 0, "the config has no CSA layer");
+}

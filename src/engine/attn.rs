@@ -1077,6 +1077,9 @@ impl AttnHalf {
             &ib.scores,
             ib.score_stride,
         )?;
+        if fuses_topk(ib.score_stride) {
+            return Ok(()); // step 9's candidate build takes the top-k (Compressed::Scores)
+        }
         indexer::topk(
             gpu,
             stream,
@@ -1093,14 +1096,31 @@ impl AttnHalf {
     fn attend(&mut self, gpu: &Gpu, stream: &Stream, layer: usize, io: &LayerIo) -> Result<()> {
         let l = &self.layers[layer];
         let g = &self.groups[l.group];
-        let compressed = match (l.kind, &self.bufs.index) {
-            (LayerKind::SlidingWindow, _) => Compressed::None,
-            (LayerKind::Hca { .. }, _) => Compressed::AllVisible,
-            (LayerKind::Csa { .. }, Some(ib)) => Compressed::TopK {
+        let num_valid = self
+            .bufs
+            .index
+            .as_ref()
+            .map(|ib| DevBuf::of(&ib.query.num_valid));
+        let compressed = match (l.kind, &self.bufs.index, &num_valid) {
+            (LayerKind::SlidingWindow, ..) => Compressed::None,
+            (LayerKind::Hca { .. }, ..) => Compressed::AllVisible,
+            (LayerKind::Csa { .. }, Some(ib), Some(nv)) if fuses_topk(ib.score_stride) => {
+                Compressed::Scores {
+                    scores: &ib.scores,
+                    score_stride: ib.score_stride,
+                    num_valid: nv,
+                    k: ib.topk.k,
+                    idx: &ib.top_idx,
+                    score: &ib.top_score,
+                }
+            }
+            (LayerKind::Csa { .. }, Some(ib), _) => Compressed::TopK {
                 idx: &ib.top_idx,
                 k: ib.topk.k,
             },
-            (LayerKind::Csa { .. }, None) => bail!("layer {layer} is CSA without indexer buffers"),
+            (LayerKind::Csa { .. }, None, _) => {
+                bail!("layer {layer} is CSA without indexer buffers")
+            }
         };
         build_candidates(
             gpu,
@@ -1315,6 +1335,31 @@ pub enum Compressed<'a> {
     TopK { idx: &'a DevBuf<i32>, k: usize },
     /// HCA: every visible entry `0..(t + 1) / ratio`.
     AllVisible,
+    /// CSA with score rows of at most [`FUSED_TOPK_MAX_KEYS`] keys ([`fuses_topk`]): the indexer's scores `[batch,
+    /// score_stride]` and visible counts `[batch]`; the builder takes each row's top-k itself
+    /// (`attn_candidates_topk`, one launch for `indexer::topk`'s three and the candidate build) and writes the top-k
+    /// rows `idx` / `score` `[batch, k]` with `indexer::topk`'s contract, bit for bit.
+    Scores {
+        scores: &'a DevBuf<f32>,
+        score_stride: usize,
+        num_valid: &'a DevBuf<i32>,
+        k: usize,
+        idx: &'a DevBuf<i32>,
+        score: &'a DevBuf<f32>,
+    },
+}
+
+/// The longest score row `attn_candidates_topk` selects from (`kTopkThreads * kTopkPerThread` entries sorted in one
+/// CTA's shared memory): a CSA layer whose indexer holds at most this many keys a sequence takes [`Compressed::Scores`]
+/// (Flash and Pro at 4K context: 1,024 keys), a longer one `indexer::topk` then [`Compressed::TopK`].
+pub const FUSED_TOPK_MAX_KEYS: usize = 4096;
+
+/// Block size of `attn_candidates_topk` (`kTopkThreads`).
+const FUSED_TOPK_THREADS: u32 = 1024;
+
+/// Whether a CSA layer with score rows of `score_stride` keys takes its top-k inside the candidate build.
+pub fn fuses_topk(score_stride: usize) -> bool {
+    score_stride <= FUSED_TOPK_MAX_KEYS
 }
 
 /// The longest top-k row `attn_candidates` sorts, rounded up to a power of two (kernels/engine_attn.cu:
@@ -1355,6 +1400,7 @@ pub fn build_candidates(
     let ratio = lay.ratio();
     let (mode, sel, k, longest) = match compressed {
         Compressed::None => (0, None, 0, 0),
+        Compressed::Scores { k, .. } => (1, None, k, k),
         Compressed::TopK { idx, k } => {
             ensure!(
                 (1..=indexer::TOPK_MAX_K).contains(&k) && idx.len() >= batch * k,
@@ -1386,6 +1432,27 @@ pub fn build_candidates(
         rows.window_base.len(),
         rows.compressed_base.len()
     );
+    if let Compressed::Scores {
+        scores,
+        score_stride,
+        num_valid,
+        k,
+        idx,
+        score,
+    } = compressed
+    {
+        let fused = FusedTopk {
+            scores,
+            score_stride,
+            num_valid,
+            k,
+            idx,
+            score,
+        };
+        return fused.launch(
+            gpu, stream, positions, caches, rows, candidates, lengths, stride,
+        );
+    }
     let sort_n = if k == 0 { 0 } else { k.next_power_of_two() };
     ensure!(
         sort_n <= MAX_SORTED_SELECTION,
@@ -1415,6 +1482,79 @@ pub fn build_candidates(
     // SAFETY: the kernel's parameter list; CTA b < batch reads positions / bases [b] (arrays of `batch`), top-k
     // row b (`batch * k` checked), and writes row b of `stride` (`batch * stride` checked) and lengths[b].
     unsafe { launch(stream, &kern, l, &mut a) }
+}
+
+/// [`Compressed::Scores`]' inputs and top-k outputs: `attn_candidates_topk`'s launch (the common checks of
+/// [`build_candidates`] passed).
+struct FusedTopk<'a> {
+    scores: &'a DevBuf<f32>,
+    score_stride: usize,
+    num_valid: &'a DevBuf<i32>,
+    k: usize,
+    idx: &'a DevBuf<i32>,
+    score: &'a DevBuf<f32>,
+}
+
+impl FusedTopk<'_> {
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        stream: &Stream,
+        positions: &impl DeviceBuf<i32>,
+        caches: &LayerCaches,
+        rows: &RowTables,
+        candidates: &impl DeviceBuf<i32>,
+        lengths: &impl DeviceBuf<i32>,
+        stride: usize,
+    ) -> Result<()> {
+        let (lay, batch, k) = (&caches.layout, rows.rows(), self.k);
+        ensure!(
+            (1..=FUSED_TOPK_MAX_KEYS).contains(&self.score_stride),
+            "attn_candidates_topk: score rows of {} keys; the one-CTA top-k takes 1..={FUSED_TOPK_MAX_KEYS} (longer \
+             rows go through indexer::topk)",
+            self.score_stride
+        );
+        ensure!(
+            (1..=indexer::TOPK_MAX_K).contains(&k)
+                && self.idx.len() >= batch * k
+                && self.score.len() >= batch * k,
+            "attn_candidates_topk: top-k rows of {k} in {} indices / {} scores for {batch} rows",
+            self.idx.len(),
+            self.score.len()
+        );
+        ensure!(
+            self.scores.len() >= batch * self.score_stride && self.num_valid.len() >= batch,
+            "attn_candidates_topk: {} scores and {} visible counts for {batch} rows of {}",
+            self.scores.len(),
+            self.num_valid.len(),
+            self.score_stride
+        );
+        let sort_n = self.score_stride.next_power_of_two();
+        let smem = 8 * sort_n;
+        let kern = gpu.kernel_with_smem(FAMILY, "attn_candidates_topk", smem)?;
+        let mut a = KernelArgs::new();
+        a.buf(positions)
+            .buf(&rows.window_base)
+            .i32(lay.plan.window as i32)
+            .i32(lay.plan.window_entries as i32)
+            .buf(&rows.compressed_base)
+            .buf(self.scores)
+            .i32(self.score_stride as i32)
+            .buf(self.num_valid)
+            .i32(k as i32)
+            .i32(sort_n as i32)
+            .buf(self.idx)
+            .buf(self.score)
+            .buf(candidates)
+            .i32(stride as i32)
+            .buf(lengths);
+        let l = Launch::new((batch as u32, 1, 1), (FUSED_TOPK_THREADS, 1, 1)).smem(smem);
+        // SAFETY: the kernel's parameter list; CTA b < batch reads positions / bases / num_valid [b] (`batch` each),
+        // score row b (`batch * score_stride` checked), writes top-k row b (`batch * k` checked), candidate row b
+        // (`batch * stride`, checked by the caller) and lengths[b].
+        unsafe { launch(stream, &kern, l, &mut a) }
+    }
 }
 
 #[cfg(test)]
