@@ -652,6 +652,19 @@ fn candidate_rows_match_the_host_twin_at_a_long_top_k() {
     check_candidate_rows("engine_attn_candidates_long", cfg, 4096, 8);
 }
 
+/// A batch's positions below `context`, one in eight idle (-1).
+fn random_positions(rng: &mut impl Rng, context: usize) -> Vec<i32> {
+    (0..BATCH)
+        .map(|_| {
+            if rng.random_range(0..8) == 0 {
+                -1
+            } else {
+                rng.random_range(0..context as i32)
+            }
+        })
+        .collect()
+}
+
 /// The device candidate rows of every layer of `cfg` against the host twin over `trials` random batches.
 fn check_candidate_rows(label: &str, cfg: ModelConfig, context: usize, trials: usize) {
     let gpu = gpu(label);
@@ -663,15 +676,7 @@ fn check_candidate_rows(label: &str, cfg: ModelConfig, context: usize, trials: u
         let stride = candidate_stride(&lay.plan, cfg.index_topk);
         let k = cfg.index_topk.min(lay.plan.index_keys.max(1));
         for trial in 0..trials {
-            let positions: Vec<i32> = (0..BATCH)
-                .map(|_| {
-                    if rng.random_range(0..8) == 0 {
-                        -1
-                    } else {
-                        rng.random_range(0..context as i32)
-                    }
-                })
-                .collect();
+            let positions = random_positions(&mut rng, context);
             // Per sequence: the selection in "score order" (random) and sorted (the host twin's input).
             let mut top = vec![-1i32; BATCH * k];
             let mut selected: Vec<Vec<usize>> = vec![vec![]; BATCH];
@@ -755,15 +760,7 @@ fn fused_topk_candidates_match_the_indexer_chain() {
                 Arena::new(&gpu, TopkWorkspace::workspace_bytes(BATCH, k, score_stride)).unwrap();
             let ws = TopkWorkspace::carve(&mut arena, &s, BATCH, k, score_stride).unwrap();
             for trial in 0..12 {
-                let positions: Vec<i32> = (0..BATCH)
-                    .map(|_| {
-                        if rng.random_range(0..8) == 0 {
-                            -1
-                        } else {
-                            rng.random_range(0..context as i32)
-                        }
-                    })
-                    .collect();
+                let positions = random_positions(&mut rng, context);
                 let edges = [0, 1, k.saturating_sub(1), k, k + 1, score_stride];
                 let num_valid: Vec<i32> = (0..BATCH)
                     .map(|_| {

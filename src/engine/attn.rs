@@ -1461,14 +1461,8 @@ pub fn build_candidates(
     );
     let smem = 4 * sort_n;
     let kern = gpu.kernel_with_smem(FAMILY, "attn_candidates", smem)?;
-    let mut a = KernelArgs::new();
-    a.buf(positions)
-        .buf(&rows.window_base)
-        .i32(lay.plan.window as i32)
-        .i32(lay.plan.window_entries as i32)
-        .buf(&rows.compressed_base)
-        .i32(ratio.max(1) as i32)
-        .i32(mode);
+    let mut a = window_args(positions, lay, rows);
+    a.i32(ratio.max(1) as i32).i32(mode);
     match sel {
         Some(idx) => a.buf(idx),
         None => a.null(),
@@ -1482,6 +1476,22 @@ pub fn build_candidates(
     // SAFETY: the kernel's parameter list; CTA b < batch reads positions / bases [b] (arrays of `batch`), top-k
     // row b (`batch * k` checked), and writes row b of `stride` (`batch * stride` checked) and lengths[b].
     unsafe { launch(stream, &kern, l, &mut a) }
+}
+
+/// The leading arguments of both candidate kernels: positions, the window bases, the window and its ring length,
+/// the compressed bases.
+fn window_args(
+    positions: &impl DeviceBuf<i32>,
+    lay: &LayerCacheLayout,
+    rows: &RowTables,
+) -> KernelArgs {
+    let mut a = KernelArgs::new();
+    a.buf(positions)
+        .buf(&rows.window_base)
+        .i32(lay.plan.window as i32)
+        .i32(lay.plan.window_entries as i32)
+        .buf(&rows.compressed_base);
+    a
 }
 
 /// [`Compressed::Scores`]' inputs and top-k outputs: `attn_candidates_topk`'s launch (the common checks of
@@ -1533,13 +1543,8 @@ impl FusedTopk<'_> {
         let sort_n = self.score_stride.next_power_of_two();
         let smem = 8 * sort_n;
         let kern = gpu.kernel_with_smem(FAMILY, "attn_candidates_topk", smem)?;
-        let mut a = KernelArgs::new();
-        a.buf(positions)
-            .buf(&rows.window_base)
-            .i32(lay.plan.window as i32)
-            .i32(lay.plan.window_entries as i32)
-            .buf(&rows.compressed_base)
-            .buf(self.scores)
+        let mut a = window_args(positions, lay, rows);
+        a.buf(self.scores)
             .i32(self.score_stride as i32)
             .buf(self.num_valid)
             .i32(k as i32)
