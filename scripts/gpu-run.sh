@@ -26,7 +26,8 @@
 #           ncu-engine.txt (ENGINE_NCU_TIMEOUT, default 240 s). The decode holds ENGINE_NCU_SLOTS expert slots a layer
 #           (default 8, `decode --expert-slots`): ncu's kernel replay saves and restores all of the device memory in use
 #           around every pass (~40 s a kernel with the ~75 GB of a full H100 plan; application replay reran the ~100 s
-#           decode once a pass). The decode's own CUPTI trace is left off (its library is not on the path), so the two
+#           decode once a pass). PROFILE_SOURCE=1 adds the per-instruction stall page (ncu-engine-hot.txt, as for
+#           `profile`). The decode's own CUPTI trace is left off (its library is not on the path), so the two
 #           profilers do not meet.
 #   bench-ab: a kernel A/B on one machine with the same two binaries: the bench configs AB_CONFIGS (names under
 #           bench-configs/, e.g. ab/X), candidate, baseline, candidate, baseline; each run's CSV rows under
@@ -284,8 +285,22 @@ if want decode-ab; then
     status=1
   fi
 fi
+# With PROFILE_SOURCE=1, after an ncu run that saved $work/ncu-NAME.ncu-rep: its details appended to ncu-NAME.txt,
+# its per-SASS-instruction page (warp-stall samples per instruction: which load a warp waits on) exported as
+# ncu-NAME-source.csv.gz and summarized by ncu-hot.py into ncu-NAME-hot.txt; the report itself deleted.
+ncu_source_page() {
+  local name="$1"
+  [ -f "$work/ncu-$name.ncu-rep" ] || return 0
+  "$ncu" -i "$work/ncu-$name.ncu-rep" >> "$work/ncu-$name.txt" 2>&1
+  timeout 120 "$ncu" -i "$work/ncu-$name.ncu-rep" --page source --print-source sass --csv \
+    > "$work/ncu-$name-source.csv" 2>&1 || echo "ncu $name: source export failed (see ncu-$name-source.csv)"
+  rm -f "$work/ncu-$name.ncu-rep"
+  python3 "$B/ncu-hot.py" "$work/ncu-$name-source.csv" 40 > "$work/ncu-$name-hot.txt" 2>&1 \
+    && gzip -f "$work/ncu-$name-source.csv"
+}
 if want engine-profile; then
   ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  rep=(); [ -n "${PROFILE_SOURCE:-}" ] && rep=(-o "$work/ncu-engine" -f)
   re="${ENGINE_NCU_KERNELS:-attn_candidates|sparse_attn_decode_fp8|sparse_attn_combine|mhc_pre_finish_pdl|router_logits|router_select}"
   step "engine-profile: ncu on the Flash decode step, batch ${ENGINE_NCU_BATCH:-1} ($re)"
   # shellcheck disable=SC2001
@@ -293,9 +308,10 @@ if want engine-profile; then
     --clock-control none --cache-control none -k "regex:$re" --launch-skip "${ENGINE_NCU_SKIP:-700}" \
     --launch-count "${ENGINE_NCU_COUNT:-21}" --section SpeedOfLight --section LaunchStats --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
-    "$B/megamoe" decode --model flash --context 4096 --batch "${ENGINE_NCU_BATCH:-1}" --prompt-len 16 \
+    "${rep[@]}" "$B/megamoe" decode --model flash --context 4096 --batch "${ENGINE_NCU_BATCH:-1}" --prompt-len 16 \
     --expert-slots "${ENGINE_NCU_SLOTS:-8}" \
     --max-new-tokens 12 --out "$work/engine-profile" > "$work/ncu-engine.txt" 2>&1 || { echo "engine-profile failed"; status=1; }
+  [ -n "${PROFILE_SOURCE:-}" ] && ncu_source_page engine
   grep -E "^  [a-z_0-9]+ \(|Duration" "$work/ncu-engine.txt" | paste - - | sed -E 's/ +/ /g' | cut -c1-150 | head -n 40
 fi
 if want model && [ -x "$B/tests/model_reference" ]; then
@@ -326,14 +342,7 @@ if want profile; then
     timeout "${PROFILE_TIMEOUT:-200}" "$ncu" --clock-control none $sections ${NCU_EXTRA:-} "${details[@]}" -k "regex:$re" "${rep[@]}" \
       --launch-count "${launches:-8}" "$B/megamoe" bench --config "$c" --out "$work/profile-bench" \
       > "$work/ncu-$name.txt" 2>&1 || { echo "ncu $name failed"; status=1; }
-    if [ -n "${PROFILE_SOURCE:-}" ] && [ -f "$work/ncu-$name.ncu-rep" ]; then
-      "$ncu" -i "$work/ncu-$name.ncu-rep" >> "$work/ncu-$name.txt" 2>&1
-      timeout 120 "$ncu" -i "$work/ncu-$name.ncu-rep" --page source --print-source sass --csv \
-        > "$work/ncu-$name-source.csv" 2>&1 || echo "ncu $name: source export failed (see ncu-$name-source.csv)"
-      rm -f "$work/ncu-$name.ncu-rep"
-      python3 "$B/ncu-hot.py" "$work/ncu-$name-source.csv" 40 > "$work/ncu-$name-hot.txt" 2>&1 \
-        && gzip -f "$work/ncu-$name-source.csv"
-    fi
+    [ -n "${PROFILE_SOURCE:-}" ] && ncu_source_page "$name"
     grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput" "$work/ncu-$name.txt" | paste - - - | head -n 20
   done
   rm -rf "$work/profile-bench"
