@@ -144,6 +144,8 @@ pub struct Kernel {
     pub(super) f: CudaFunction,
     pub(super) name: String,
     pub(super) smem_allowed: usize,
+    /// The largest shared-memory carveout was asked for (persistent kernels sized for several CTAs per SM).
+    pub(super) max_carveout: bool,
 }
 
 impl Kernel {

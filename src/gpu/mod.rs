@@ -155,36 +155,46 @@ impl Gpu {
     /// the device cannot give that much on top of the kernel's static shared memory; the opt-in attribute is set
     /// when static + dynamic passes the 48 KB every kernel gets without asking (the limit applies to the sum).
     /// Resolved once per (family, name); the attribute is raised only when a larger request comes.
-    ///
-    /// Every kernel also asks for the largest shared-memory carveout. The SM's split between L1 and shared memory
-    /// is one setting for all the CTAs it holds, and the driver's default picks it per kernel from its needs, so
-    /// two consecutive kernels of a decode step usually want different splits (an mHC finish a few KB, a GEMV two
-    /// CTAs of ~81 KB, sparse attention 208 KB). A PDL-launched kernel whose split differs from the one an SM runs
-    /// cannot place CTAs there until that SM drains; with one split everywhere it can, and its weight prefetch
-    /// starts under the kernel before it. The persistent indexer logits also need it for their resident CTAs.
     pub fn kernel_with_smem(
         &self,
         family: &str,
         name: &str,
         smem_bytes: usize,
     ) -> Result<Arc<Kernel>> {
+        self.resolve(family, name, smem_bytes, false)
+    }
+
+    /// [`Gpu::kernel_with_smem`] for a persistent kernel whose grid assumes several resident CTAs per SM: also asks
+    /// for the largest shared-memory carveout (the default is a driver heuristic that may hold fewer CTAs).
+    pub fn kernel_with_max_carveout(
+        &self,
+        family: &str,
+        name: &str,
+        smem_bytes: usize,
+    ) -> Result<Arc<Kernel>> {
+        self.resolve(family, name, smem_bytes, true)
+    }
+
+    fn resolve(
+        &self,
+        family: &str,
+        name: &str,
+        smem_bytes: usize,
+        max_carveout: bool,
+    ) -> Result<Arc<Kernel>> {
         use cudarc::driver::sys::CUfunction_attribute as A;
         let mut map = self.kernels.lock().unwrap();
-        // The launch path: found, allowing enough shared memory. No allocation, no driver call.
+        // The launch path: found, allowing enough shared memory and the carveout asked for. No allocation, no
+        // driver call.
         let cached = map.get(family).and_then(|m| m.get(name));
         if let Some(k) = cached {
-            if k.smem_allowed >= smem_bytes {
+            if k.smem_allowed >= smem_bytes && (k.max_carveout || !max_carveout) {
                 return Ok(k.clone());
             }
         }
-        let (f, allowed_before) = match cached {
-            Some(k) => (k.f.clone(), k.smem_allowed),
-            None => {
-                let f = self.function(family, name)?;
-                f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-                    .map_err(|e| anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
-                (f, 0)
-            }
+        let (f, allowed_before, carveout_before) = match cached {
+            Some(k) => (k.f.clone(), k.smem_allowed, k.max_carveout),
+            None => (self.function(family, name)?, 0, false),
         };
         let static_bytes = f
             .shared_size_bytes()
@@ -206,10 +216,16 @@ impl Gpu {
             )
             .map_err(|e| anyhow!("{name}: allowing {allowed} B of dynamic shared memory: {e:?}"))?;
         }
+        let max_carveout = max_carveout || carveout_before;
+        if max_carveout && !carveout_before {
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                .map_err(|e| anyhow!("{name}: setting the shared-memory carveout: {e:?}"))?;
+        }
         let k = Arc::new(Kernel {
             f,
             name: name.to_string(),
             smem_allowed: allowed.max(48 * 1024 - static_bytes.min(48 * 1024)),
+            max_carveout,
         });
         map.entry(family.to_string())
             .or_default()

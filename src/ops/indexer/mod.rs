@@ -479,9 +479,8 @@ fn logits_fp8(
         CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
     )?;
     let smem = fp8_smem_bytes(q.next_n, stages);
-    // The persistent grid assumes FP8_CTAS_PER_SM resident CTAs: the largest shared-memory carveout, which every
-    // kernel asks for (Gpu::kernel_with_smem).
-    let k = gpu.kernel_with_smem(FAMILY, name, smem)?;
+    // The persistent grid assumes FP8_CTAS_PER_SM resident CTAs: the largest shared-memory carveout.
+    let k = gpu.kernel_with_max_carveout(FAMILY, name, smem)?;
     let persistent = (gpu.info.sm_count.max(1) as usize) * FP8_CTAS_PER_SM;
     let grid_x = total_tiles.min(persistent) as u32;
     let mut a = KernelArgs::new();
