@@ -34,7 +34,7 @@ use common::engine::{
 use common::{gpu, seeded, POISON};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use megamoe::engine::attn::{build_candidates, candidate_stride, Compressed};
+use megamoe::engine::attn::{build_candidates, candidate_stride, Compressed, ScoreRows};
 use megamoe::engine::cache::{LayerCacheLayout, LayerCaches};
 use megamoe::engine::io::{Residual, STREAMS};
 use megamoe::engine::step::DecodeState;
@@ -819,44 +819,44 @@ fn fused_topk_candidates_match_the_indexer_chain() {
                     &DevBuf::of(&chain_score),
                 )
                 .unwrap();
-                build_candidates(
-                    &gpu,
-                    &s,
-                    &dpos,
-                    lc,
-                    &lc.rows,
+                let build = |compressed, cand, len| {
+                    build_candidates(
+                        &gpu,
+                        &s,
+                        &dpos,
+                        lc,
+                        &lc.rows,
+                        compressed,
+                        cand,
+                        len,
+                        cand_stride,
+                    )
+                    .unwrap()
+                };
+                build(
                     Compressed::TopK {
                         idx: &chain_idx_buf,
                         k,
                     },
                     &chain_cand,
                     &chain_len,
-                    cand_stride,
-                )
-                .unwrap();
+                );
                 // The fused launch.
                 let (idx, score) = (poisoned_i32(BATCH * k), poisoned_f32(BATCH * k));
                 let (cand, len) = (poisoned_i32(BATCH * cand_stride), poisoned_i32(BATCH));
                 let (idx_buf, score_buf) = (DevBuf::of(&idx), DevBuf::of(&score));
-                build_candidates(
-                    &gpu,
-                    &s,
-                    &dpos,
-                    lc,
-                    &lc.rows,
-                    Compressed::Scores {
+                build(
+                    Compressed::Scores(ScoreRows {
                         scores: &dscores,
                         score_stride,
                         num_valid: &dvalid,
                         k,
                         idx: &idx_buf,
                         score: &score_buf,
-                    },
+                    }),
                     &cand,
                     &len,
-                    cand_stride,
-                )
-                .unwrap();
+                );
                 s.synchronize().unwrap();
                 let what = format!(
                     "layer {l} stride {score_stride} trial {trial} positions {positions:?} num_valid {num_valid:?}"

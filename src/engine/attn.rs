@@ -1105,14 +1105,14 @@ impl AttnHalf {
             (LayerKind::SlidingWindow, ..) => Compressed::None,
             (LayerKind::Hca { .. }, ..) => Compressed::AllVisible,
             (LayerKind::Csa { .. }, Some(ib), Some(nv)) if fuses_topk(ib.score_stride) => {
-                Compressed::Scores {
+                Compressed::Scores(ScoreRows {
                     scores: &ib.scores,
                     score_stride: ib.score_stride,
                     num_valid: nv,
                     k: ib.topk.k,
                     idx: &ib.top_idx,
                     score: &ib.top_score,
-                }
+                })
             }
             (LayerKind::Csa { .. }, Some(ib), _) => Compressed::TopK {
                 idx: &ib.top_idx,
@@ -1335,18 +1335,23 @@ pub enum Compressed<'a> {
     TopK { idx: &'a DevBuf<i32>, k: usize },
     /// HCA: every visible entry `0..(t + 1) / ratio`.
     AllVisible,
-    /// CSA with score rows of at most [`FUSED_TOPK_MAX_KEYS`] keys ([`fuses_topk`]): the indexer's scores `[batch,
-    /// score_stride]` and visible counts `[batch]`; the builder takes each row's top-k itself
-    /// (`attn_candidates_topk`, one launch for `indexer::topk`'s three and the candidate build) and writes the top-k
-    /// rows `idx` / `score` `[batch, k]` with `indexer::topk`'s contract, bit for bit.
-    Scores {
-        scores: &'a DevBuf<f32>,
-        score_stride: usize,
-        num_valid: &'a DevBuf<i32>,
-        k: usize,
-        idx: &'a DevBuf<i32>,
-        score: &'a DevBuf<f32>,
-    },
+    /// CSA with score rows of at most [`FUSED_TOPK_MAX_KEYS`] keys ([`fuses_topk`]): the builder takes each row's
+    /// top-k itself ([`ScoreRows`]).
+    Scores(ScoreRows<'a>),
+}
+
+/// A CSA layer's indexer scores `[batch, score_stride]` and visible counts `[batch]`, from which
+/// `attn_candidates_topk` takes each row's top-k inside the candidate build (one launch for `indexer::topk`'s three
+/// and `attn_candidates`), and where it writes the top-k rows `idx` / `score` `[batch, k]` with `indexer::topk`'s
+/// contract, bit for bit.
+#[derive(Clone, Copy, Debug)]
+pub struct ScoreRows<'a> {
+    pub scores: &'a DevBuf<f32>,
+    pub score_stride: usize,
+    pub num_valid: &'a DevBuf<i32>,
+    pub k: usize,
+    pub idx: &'a DevBuf<i32>,
+    pub score: &'a DevBuf<f32>,
 }
 
 /// The longest score row `attn_candidates_topk` selects from (`kTopkThreads * kTopkPerThread` entries sorted in one
@@ -1400,7 +1405,7 @@ pub fn build_candidates(
     let ratio = lay.ratio();
     let (mode, sel, k, longest) = match compressed {
         Compressed::None => (0, None, 0, 0),
-        Compressed::Scores { k, .. } => (1, None, k, k),
+        Compressed::Scores(ScoreRows { k, .. }) => (1, None, k, k),
         Compressed::TopK { idx, k } => {
             ensure!(
                 (1..=indexer::TOPK_MAX_K).contains(&k) && idx.len() >= batch * k,
@@ -1432,23 +1437,7 @@ pub fn build_candidates(
         rows.window_base.len(),
         rows.compressed_base.len()
     );
-    if let Compressed::Scores {
-        scores,
-        score_stride,
-        num_valid,
-        k,
-        idx,
-        score,
-    } = compressed
-    {
-        let fused = FusedTopk {
-            scores,
-            score_stride,
-            num_valid,
-            k,
-            idx,
-            score,
-        };
+    if let Compressed::Scores(fused) = compressed {
         return fused.launch(
             gpu, stream, positions, caches, rows, candidates, lengths, stride,
         );
@@ -1494,18 +1483,8 @@ fn window_args(
     a
 }
 
-/// [`Compressed::Scores`]' inputs and top-k outputs: `attn_candidates_topk`'s launch (the common checks of
-/// [`build_candidates`] passed).
-struct FusedTopk<'a> {
-    scores: &'a DevBuf<f32>,
-    score_stride: usize,
-    num_valid: &'a DevBuf<i32>,
-    k: usize,
-    idx: &'a DevBuf<i32>,
-    score: &'a DevBuf<f32>,
-}
-
-impl FusedTopk<'_> {
+impl ScoreRows<'_> {
+    /// `attn_candidates_topk`'s launch (the common checks of [`build_candidates`] passed).
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
