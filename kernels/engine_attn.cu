@@ -145,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(kAttnGlueThreads)
 }
 
 // attn_candidates_topk: the CSA candidate row straight from the indexer's scores, for score rows of at most
-// kTopkMaxKeys entries: one CTA per row b does what indexer_topk_{hist,select,final} + attn_candidates (mode
+// kTopkThreads * kTopkPerThread entries: one CTA per row b does what indexer_topk_{hist,select,final} + attn_candidates (mode
 // kCandSelected) do in four launches, with the same outputs bit for bit:
 //   * the top-k row: kk = min(k, nv) indices in composite order (score descending, the lower index first; NaN as
 //     -inf, -0 as +0: common/topk_order.cuh), nv = num_valid[b] clamped to [0, score_stride], then -1; top_score the

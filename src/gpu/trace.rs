@@ -361,10 +361,13 @@ pub fn by_group(
         .then_some(out)
 }
 
+/// The header of a timeline CSV ([`spans_csv`] writes it, [`parse_spans_csv`] wants it).
+const SPANS_CSV_HEADER: &str = "index,name,stream,start_us,end_us,duration_us,idle_before_us";
+
 /// The spans as CSV rows (`index,name,stream,start_us,end_us,duration_us,idle_before_us`), times from the first
 /// kernel's start.
 pub fn spans_csv(spans: &[KernelSpan]) -> String {
-    let mut out = String::from("index,name,stream,start_us,end_us,duration_us,idle_before_us\n");
+    let mut out = format!("{SPANS_CSV_HEADER}\n");
     let t0 = spans.first().map_or(0, |s| s.start_ns);
     for (i, (s, step)) in steps(spans).enumerate() {
         let idle = step.gap;
@@ -388,7 +391,7 @@ pub fn parse_spans_csv(text: &str) -> Result<Vec<KernelSpan>> {
     let mut lines = text.lines();
     let header = lines.next().unwrap_or_default();
     ensure!(
-        header.trim() == "index,name,stream,start_us,end_us,duration_us,idle_before_us",
+        header.trim() == SPANS_CSV_HEADER,
         "not a kernel timeline (its header is {header:?}; `megamoe decode` writes timeline-*.csv)"
     );
     let mut spans = Vec::new();
@@ -631,8 +634,8 @@ mod tests {
         let c = d.iter().find(|x| x.name == "c").unwrap();
         assert_eq!((c.launches, c.share_us.0), ((0, 1), 0.0));
         assert!(parse_spans_csv("kernel,us\na,1\n").is_err());
-        let header = "index,name,stream,start_us,end_us,duration_us,idle_before_us\n";
-        assert!(parse_spans_csv(header).is_err(), "no kernels");
+        let header = format!("{SPANS_CSV_HEADER}\n");
+        assert!(parse_spans_csv(&header).is_err(), "no kernels");
         assert!(
             parse_spans_csv(&format!("{header}0,a,7,2.0,1.0,0,0\n")).is_err(),
             "ends first"
