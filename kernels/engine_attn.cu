@@ -14,7 +14,7 @@
 //   then -1 up to the row stride; lengths[b] = the count (clamped to the stride). t < 0 (an idle slot): length 0, the
 //   row all -1. Grid (batch), block 256, dynamic shared memory sort_n * 4 bytes (mode 1).
 // attn_candidates_topk: a CSA row's top-k and candidate row in one launch, from the indexer's scores (rows of at most
-//   4,096 keys; the notes above the kernel), where longer rows take indexer_topk_* and attn_candidates.
+//   4,096 keys; the notes above the kernel), where the long-row path takes indexer_topk_* and attn_candidates.
 #include <cuda_bf16.h>
 #include <limits.h>
 #include <stdint.h>
@@ -144,93 +144,87 @@ extern "C" __global__ void __launch_bounds__(kAttnGlueThreads)
     if (threadIdx.x == 0) lengths[b] = n;
 }
 
-// attn_candidates_topk: the CSA candidate row straight from the indexer's scores (short rows): one CTA per row b does what indexer_topk_{hist,select,final} + attn_candidates (mode
-// kCandSelected) do in four launches:
-//   * the selection: the kk = min(k, nv) entries with the largest composites (score descending, the lower index first
-//     on equal scores; NaN as -inf, -0 as +0: common/topk_order.cuh), nv = num_valid[b] clamped to [0,
-//     score_stride] -- the set indexer::topk selects;
-//   * the top-k row: the selected indices in ASCENDING index order (not indexer::topk's score order: the order the
-//     candidate row and the model use), each with its score as key_to_score gives it, then -1 / -inf up to k;
-//   * the candidate row: the window slots oldest first, then compressed_base[b] + the selected indices ascending
-//     (t >= 0 only), then -1 up to the stride; lengths[b] the count clamped to the stride -- attn_candidates' row
-//     for that selection, bit for bit.
-// How: the row's composites go to shared memory in index order; when 0 < kk < nv, block_select (the indexer's radix
-// select, common/topk_order.cuh) finds the bucket bound: composites are unique, so exactly the kk entries with
-// (c >> shift) >= (prefix >> shift) are selected. Each selected entry's place in both rows is the number of selected
-// entries of lower index: a block-wide prefix count in index order, one round per kTopkThreads entries (thread tid
-// owns entry tid + kTopkThreads r, block_select's order too). No sort, no atomics on the outputs' order: the rows do
-// not depend on scheduling. A full sort of the 1,024-key row (the first form of this kernel) took 14.6 us under
-// Nsight Compute, issue-bound on 1,024 threads' compare-exchanges (results/h100/PERF-LOG.md, session 29).
-// Grid (batch), block kTopkThreads, dynamic shared memory 8 * score_stride bytes (the launcher routes rows of at most
-// 4,096 keys here: 32 KB). Launched plainly (as attn_candidates).
+// attn_candidates_topk: the CSA candidate row straight from the indexer's scores, for score rows of at most
+// kTopkThreads * kTopkPerThread entries: one CTA per row b does what indexer_topk_{hist,select,final} + attn_candidates (mode
+// kCandSelected) do in four launches, with the same outputs bit for bit:
+//   * the top-k row: kk = min(k, nv) indices in composite order (score descending, the lower index first; NaN as
+//     -inf, -0 as +0: common/topk_order.cuh), nv = num_valid[b] clamped to [0, score_stride], then -1; top_score the
+//     key's score (key_to_score), -inf past kk;
+//   * the candidate row: the window slots oldest first, then compressed_base[b] + the kk selected indices ascending
+//     (t >= 0 only), then -1 up to the stride; lengths[b] the count clamped to the stride.
+// How: the composites of the row's nv scores (0 past nv, below every real one) are sorted in shared memory,
+// complemented so that an ascending bitonic sort puts the largest first (sort_n = next_pow2(score_stride)
+// <= kTopkThreads * kTopkPerThread). Then the kk-th largest composite thr is the threshold: composites are unique,
+// so exactly the kk entries with composite >= thr are selected, and each one's place in the ascending row is the
+// number of selected entries of lower index: a block-wide prefix count over index order, one round per 1024
+// entries (the thread owns entry tid + 1024 r in round r, as in the sort). No atomics: the outputs do not depend
+// on scheduling.
+// Grid (batch), block kTopkThreads, dynamic shared memory 8 * sort_n bytes. Launched plainly (as attn_candidates).
 constexpr int kTopkThreads = 1024;
+constexpr int kTopkPerThread = 4;
 constexpr int kTopkWarps = kTopkThreads / 32;
-
-// block_select's source: the row's composites in shared memory.
-struct SmemCompSrc {
-    const uint64_t* c;
-    __device__ uint64_t comp(int i) const { return c[i]; }
-};
 
 extern "C" __global__ void __launch_bounds__(kTopkThreads)
     attn_candidates_topk(const int* __restrict__ positions, const int* __restrict__ window_base, int window,
                          int ring, const int* __restrict__ compressed_base, const float* __restrict__ scores,
-                         int score_stride, const int* __restrict__ num_valid, int k, int* __restrict__ top_idx,
-                         float* __restrict__ top_score, int* __restrict__ candidates, int stride,
-                         int* __restrict__ lengths) {
-    extern __shared__ uint64_t keys[];  // score_stride composites, index order
-    __shared__ topk_order::SelectShared sh;
+                         int score_stride, const int* __restrict__ num_valid, int k, int sort_n,
+                         int* __restrict__ top_idx, float* __restrict__ top_score, int* __restrict__ candidates,
+                         int stride, int* __restrict__ lengths) {
+    extern __shared__ unsigned long long keys[];  // sort_n complemented composites
     __shared__ int warp_count[kTopkWarps];
     const int b = blockIdx.x;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int t = positions[b];
     const int nv = min(max(num_valid[b], 0), score_stride);
     const float* row_scores = scores + (long)b * score_stride;
-    for (int i = tid; i < nv; i += kTopkThreads)
-        keys[i] = topk_order::composite(topk_order::order_key(row_scores[i]), (uint32_t)i);
+    unsigned long long mine[kTopkPerThread];  // the thread's own composites, entry tid + kTopkThreads r
+#pragma unroll
+    for (int r = 0; r < kTopkPerThread; ++r) {
+        const int i = tid + r * kTopkThreads;
+        mine[r] = i < nv ? topk_order::composite(topk_order::order_key(row_scores[i]), (uint32_t)i) : 0ull;
+        if (i < sort_n) keys[i] = ~mine[r];
+    }
+    __syncthreads();
+    bitonic_sort_ascending<unsigned long long, kTopkThreads, kTopkPerThread>(keys, sort_n);
     const int kk = min(k, nv);
-    for (int j = kk + tid; j < k; j += kTopkThreads) {
-        top_idx[(long)b * k + j] = -1;
-        top_score[(long)b * k + j] = -INFINITY;
+    for (int j = tid; j < k; j += kTopkThreads) {
+        if (j < kk) {
+            const unsigned long long c = ~keys[j];
+            top_idx[(long)b * k + j] = topk_order::composite_index(c);
+            top_score[(long)b * k + j] = topk_order::key_to_score((uint32_t)(c >> 32));
+        } else {
+            top_idx[(long)b * k + j] = -1;
+            top_score[(long)b * k + j] = -INFINITY;
+        }
     }
     const int n_win = t >= 0 ? min(t + 1, window) : 0;
-    const int n = min(n_win + (t >= 0 ? kk : 0), stride);
+    const int n_comp = t >= 0 ? kk : 0;
+    const int n = min(n_win + n_comp, stride);
     int* row = candidates + (long)b * stride;
     write_window_and_tail(row, stride, n_win, n, t + 1 - n_win, t >= 0 ? window_base[b] : 0, ring);
     if (tid == 0) lengths[b] = n;
-    if (kk == 0) return;  // uniform over the CTA: no barrier follows for it
-    __syncthreads();      // keys written
-    const bool all = kk == nv;
-    uint64_t prefix = 0;
-    int shift = 0;
-    if (!all) topk_order::block_select(SmemCompSrc{keys}, nv, kk, sh, prefix, shift);  // uniform
-    const uint64_t bound = all ? 0 : prefix >> shift;
+    if (n_comp == 0) return;  // uniform over the CTA: no barrier follows for it
+    const unsigned long long thr = ~keys[kk - 1];
     const int base = compressed_base[b];
     int before = 0;  // selected entries in the rounds before this one
     const int rounds = (nv + kTopkThreads - 1) / kTopkThreads;  // uniform over the CTA
-    for (int r = 0; r < rounds; ++r) {
+#pragma unroll
+    for (int r = 0; r < kTopkPerThread; ++r) {
+        if (r >= rounds) break;
         const int i = tid + r * kTopkThreads;
-        uint64_t c = 0;
-        bool sel = false;
-        if (i < nv) {
-            c = keys[i];
-            sel = all || (c >> shift) >= bound;
-        }
+        const bool sel = i < nv && mine[r] >= thr;
         const unsigned ballot = __ballot_sync(0xFFFFFFFFu, sel);
         if (lane == 0) warp_count[warp] = __popc(ballot);
         __syncthreads();
         int rank = before + __popc(ballot & ((1u << lane) - 1u));
         int total = 0;
         for (int w = 0; w < kTopkWarps; ++w) {  // broadcast reads
-            const int cnt = warp_count[w];
-            if (w < warp) rank += cnt;
-            total += cnt;
+            const int c = warp_count[w];
+            if (w < warp) rank += c;
+            total += c;
         }
-        if (sel) {  // rank < kk: exactly kk entries are selected
-            top_idx[(long)b * k + rank] = i;
-            top_score[(long)b * k + rank] = topk_order::key_to_score((uint32_t)(c >> 32));
-            if (n_win + rank < n) row[n_win + rank] = base + i;
-        }
+        const int pos = n_win + rank;
+        if (sel && pos < n) row[pos] = base + i;
         before += total;
         __syncthreads();  // warp_count is rewritten by the next round
     }

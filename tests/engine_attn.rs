@@ -13,9 +13,8 @@
 //!   so values differ by BF16 / FP8 rounding flips; sparse attention quantizes q's nope dims to FP8 per 64 (the KV
 //!   entry rule, cosine >= 0.999 per head in tests/sparse_attn.rs) and forms its RoPE angle as an f32 product.
 //! * Exact: the FP8 form of `a` equals `fp8_act_quant` of the GPU's BF16 `a`; the indexer's top-k equals the exact
-//!   top-k of the GPU's own scores (on the fused route, `fuses_topk`, as the same set in ascending index order);
-//!   candidate lists (window slots and compressed entries); the entries emitted so far (written slots of the
-//!   compressed block and of the key cache, nothing past them; the compressor error word 0).
+//!   top-k of the GPU's own scores; candidate lists (window slots and compressed entries); the entries emitted so far
+//!   (written slots of the compressed block and of the key cache, nothing past them; the compressor error word 0).
 //! * Indexer scores: cosine >= 0.99 only (reported; a row of fewer than 8 scores is recorded, not held to it, since
 //!   one near-zero score of opposite sign makes a one-key row's cosine -1): the GPU scores FP8 keys with an f32
 //!   scale per key on FP8 tensor cores, where the model scores the FP4-simulated keys in f32 with BF16 roundings
@@ -35,9 +34,7 @@ use common::engine::{
 use common::{gpu, seeded, POISON};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use megamoe::engine::attn::{
-    build_candidates, candidate_stride, fuses_topk, Compressed, ScoreRows,
-};
+use megamoe::engine::attn::{build_candidates, candidate_stride, Compressed, ScoreRows};
 use megamoe::engine::cache::{LayerCacheLayout, LayerCaches};
 use megamoe::engine::io::{Residual, STREAMS};
 use megamoe::engine::step::DecodeState;
@@ -51,7 +48,7 @@ use megamoe::ops::compressor::reference::{
     decode_stored, entry_bytes_at, expected_stored, host_state,
 };
 use megamoe::ops::compressor::CompressorKind;
-use megamoe::ops::indexer::reference::{check_topk_exact, topk as topk_reference};
+use megamoe::ops::indexer::reference::check_topk_exact;
 use megamoe::ops::indexer::KeyFormat;
 use megamoe::ops::norm_quant::{QuantView, RowsOut};
 use rand::seq::SliceRandom;
@@ -246,32 +243,6 @@ fn assert_emitted(pool: &[u8], lay: &LayerCacheLayout, b: usize, emitted: usize,
             "{what}: compressed entry {j} written = {written}, {emitted} emitted"
         );
     }
-}
-
-/// The layer's top-k row is that of the GPU's own scores `gs`: exactly (`check_topk_exact`: score order) from
-/// `indexer::topk`, as the same set in ascending index order from the fused candidate build (`fused`, its contract).
-fn check_top_row(gs: &[f32], k: usize, got: &[i32], fused: bool, what: &str) {
-    if !fused {
-        if let Err(e) = check_topk_exact(gs, k, got) {
-            panic!("{what}: the top-k is not that of the GPU's scores: {e}");
-        }
-        return;
-    }
-    let mut want: Vec<i32> = topk_reference(gs, k)
-        .into_iter()
-        .filter(|&i| i >= 0)
-        .collect();
-    want.sort_unstable();
-    let kk = want.len();
-    assert_eq!(
-        got[..kk],
-        want[..],
-        "{what}: the fused top-k row is not the GPU scores' top-k, ascending"
-    );
-    assert!(
-        got[kk..].iter().all(|&i| i == -1),
-        "{what}: the fused top-k row past {kk}"
-    );
 }
 
 /// Checks a CSA row's GPU selection `got` (pool indices of the compressed part) against the CPU's: equal, or a near
@@ -631,13 +602,9 @@ fn check_layer(
                     -1.0
                 };
                 st.check("scores", gs, &tr.index_scores, min, &what);
-                check_top_row(
-                    gs,
-                    k,
-                    &top[b * k..(b + 1) * k],
-                    fuses_topk(ib.score_stride),
-                    &what,
-                );
+                if let Err(e) = check_topk_exact(gs, k, &top[b * k..(b + 1) * k]) {
+                    panic!("{what}: the top-k is not that of the GPU's scores: {e}");
+                }
                 check_selection(&lay, b, &got_row[n_win..n], tr, gs, &what)
             }
             _ => {
@@ -769,18 +736,17 @@ fn check_candidate_rows(label: &str, cfg: ModelConfig, context: usize, trials: u
 }
 
 /// The one-launch CSA top-k + candidate build (`Compressed::Scores`, `attn_candidates_topk`) against the long-row
-/// path on the same inputs (`indexer::topk`'s three launches, then `Compressed::TopK`): the candidate rows and their
-/// lengths bit for bit, and the top-k rows as the same (index, score bits) pairs, the fused row in ascending index
-/// order (its contract) where `indexer::topk` writes score order; both then -1 / -inf. The fused selection also
-/// equals the exact reference top-k (`reference::topk`) and its candidate rows the host twin. Inputs per trial:
-/// random positions (one in eight idle), visible counts drawn from the edges (0, 1, k - 1, k, k + 1, the whole row)
-/// and at random, and score rows that are continuous, heavy with ties (8 distinct values: the radix select runs to
-/// its index digits), or salted with NaN, +-0 and +-inf. Every output is poisoned first. Context 4096: the CSA
-/// layers of the short-window config hold 1,024 keys a sequence; a second pass cuts the rows to 20 keys.
+/// path on the same inputs (`indexer::topk`'s three launches, then `Compressed::TopK`), bit for bit: the top-k rows
+/// (indices and scores) and the candidate rows with their lengths. The top-k rows also equal the exact reference
+/// order (`check_topk_exact`) and the candidate rows the host twin. Inputs per trial: random positions (one in
+/// eight idle), visible counts drawn from the edges (0, 1, k - 1, k, k + 1, the whole row) and at random, and score
+/// rows that are continuous, heavy with ties (8 distinct values), or salted with NaN, +-0 and +-inf. Every output
+/// is poisoned first. Context 4096: the CSA layers of the short-window config hold 1,024 keys a sequence (a sort of
+/// 1,024 in the fused kernel); a second pass cuts the stride to 20 keys (a sort of 32 with lanes past the row).
 #[test]
 #[ignore = "needs an H100/H200"]
 fn fused_topk_candidates_match_the_indexer_chain() {
-    use megamoe::engine::attn::FUSED_TOPK_MAX_KEYS;
+    use megamoe::engine::attn::{fuses_topk, FUSED_TOPK_MAX_KEYS};
     use megamoe::gpu::arena::Arena;
     use megamoe::ops::indexer::{self, reference, TopkWorkspace};
     let label = "engine_attn_fused_topk";
@@ -895,6 +861,18 @@ fn fused_topk_candidates_match_the_indexer_chain() {
                 let what = format!(
                     "layer {l} stride {score_stride} trial {trial} positions {positions:?} num_valid {num_valid:?}"
                 );
+                let got_idx = gpu.download(&idx).unwrap();
+                let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                assert_eq!(
+                    got_idx,
+                    gpu.download(&chain_idx).unwrap(),
+                    "{what}: top-k indices"
+                );
+                assert_eq!(
+                    bits(gpu.download(&score).unwrap()),
+                    bits(gpu.download(&chain_score).unwrap()),
+                    "{what}: top-k scores"
+                );
                 assert_eq!(
                     gpu.download(&len).unwrap(),
                     gpu.download(&chain_len).unwrap(),
@@ -905,46 +883,23 @@ fn fused_topk_candidates_match_the_indexer_chain() {
                     gpu.download(&chain_cand).unwrap(),
                     "{what}: rows"
                 );
-                // The top-k rows: the chain's (index, score bits) pairs sorted by index are the fused row's.
-                let pairs = |i: Vec<i32>, sc: Vec<f32>| -> Vec<(i32, u32)> {
-                    i.iter().zip(&sc).map(|(&i, s)| (i, s.to_bits())).collect()
-                };
-                let got = pairs(gpu.download(&idx).unwrap(), gpu.download(&score).unwrap());
-                let chain = pairs(
-                    gpu.download(&chain_idx).unwrap(),
-                    gpu.download(&chain_score).unwrap(),
-                );
+                // The references: the exact top-k order, and the host twin of the candidate rows.
                 let mut selected: Vec<Vec<usize>> = vec![vec![]; BATCH];
                 for b in 0..BATCH {
-                    let (got, chain) = (&got[b * k..(b + 1) * k], &chain[b * k..(b + 1) * k]);
-                    let kk = chain.iter().take_while(|p| p.0 >= 0).count();
-                    let mut want = chain[..kk].to_vec();
-                    want.sort_unstable();
-                    assert_eq!(
-                        &got[..kk],
-                        &want[..],
-                        "{what}: row {b}: top-k pairs in index order"
-                    );
-                    let pad = (-1, f32::NEG_INFINITY.to_bits());
-                    assert!(
-                        got[kk..].iter().chain(&chain[kk..]).all(|&p| p == pad),
-                        "{what}: row {b}: top-k rows past {kk}"
-                    );
-                    // The exact reference selection.
                     let nv = num_valid[b] as usize;
                     let row = &scores[b * score_stride..b * score_stride + nv];
-                    let mut exact: Vec<i32> = reference::topk(row, k)
-                        .into_iter()
-                        .filter(|&i| i >= 0)
-                        .collect();
-                    exact.sort_unstable();
-                    let sel: Vec<i32> = got[..kk].iter().map(|p| p.0).collect();
-                    assert_eq!(
-                        sel, exact,
-                        "{what}: row {b}: the selection against reference::topk"
-                    );
+                    let got = &got_idx[b * k..(b + 1) * k];
+                    if let Err(e) = reference::check_topk_exact(row, k, got) {
+                        panic!("{what}: row {b}: {e}");
+                    }
                     if positions[b] >= 0 {
-                        selected[b] = sel.iter().map(|&i| i as usize).collect();
+                        let mut sel: Vec<usize> = got
+                            .iter()
+                            .filter(|&&i| i >= 0)
+                            .map(|&i| i as usize)
+                            .collect();
+                        sel.sort_unstable();
+                        selected[b] = sel;
                     }
                 }
                 let (want, want_len) = lay

@@ -1342,8 +1342,8 @@ pub enum Compressed<'a> {
 
 /// A CSA layer's indexer scores `[batch, score_stride]` and visible counts `[batch]`, from which
 /// `attn_candidates_topk` takes each row's top-k inside the candidate build (one launch for `indexer::topk`'s three
-/// and `attn_candidates`), and where it writes the top-k rows `idx` / `score` `[batch, k]`: the set `indexer::topk`
-/// selects, in ascending index order (not its score order), each index with its score, then -1 / -inf.
+/// and `attn_candidates`), and where it writes the top-k rows `idx` / `score` `[batch, k]` with `indexer::topk`'s
+/// contract, bit for bit.
 #[derive(Clone, Copy, Debug)]
 pub struct ScoreRows<'a> {
     pub scores: &'a DevBuf<f32>,
@@ -1354,10 +1354,9 @@ pub struct ScoreRows<'a> {
     pub score: &'a DevBuf<f32>,
 }
 
-/// The longest score row `attn_candidates_topk` selects from (one CTA's radix select over the row's composites in
-/// 8 bytes of shared memory a key: 32 KB): a CSA layer whose indexer holds at most this many keys a sequence (Flash
-/// and Pro up to 16K context; 1,024 at 4K) takes [`Compressed::Scores`], a longer one `indexer::topk` then
-/// [`Compressed::TopK`]. Measured only at 1,024 keys (results/h100/PERF-LOG.md, session 29).
+/// The longest score row `attn_candidates_topk` selects from (`kTopkThreads * kTopkPerThread` entries sorted in one
+/// CTA's shared memory): a CSA layer whose indexer holds at most this many keys a sequence takes [`Compressed::Scores`]
+/// (Flash and Pro at 4K context: 1,024 keys), a longer one `indexer::topk` then [`Compressed::TopK`].
 pub const FUSED_TOPK_MAX_KEYS: usize = 4096;
 
 /// Block size of `attn_candidates_topk` (`kTopkThreads`).
@@ -1520,13 +1519,15 @@ impl ScoreRows<'_> {
             self.num_valid.len(),
             self.score_stride
         );
-        let smem = 8 * self.score_stride;
+        let sort_n = self.score_stride.next_power_of_two();
+        let smem = 8 * sort_n;
         let kern = gpu.kernel_with_smem(FAMILY, "attn_candidates_topk", smem)?;
         let mut a = window_args(positions, lay, rows);
         a.buf(self.scores)
             .i32(self.score_stride as i32)
             .buf(self.num_valid)
             .i32(k as i32)
+            .i32(sort_n as i32)
             .buf(self.idx)
             .buf(self.score)
             .buf(candidates)
