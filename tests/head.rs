@@ -51,8 +51,8 @@ fn embed_rows_follow_model_embed_with_empty_and_oov_rows() {
 }
 
 /// The GPU's final norm is mHC's hc_head (its CPU reference `hc_head_token`) + RMSNorm: on the model's own head
-/// tensors it gives `Model::head_hidden` up to the f32 dot order (mhc_dots vs the model's matvec), i.e. within a
-/// BF16 rounding step of the normalized row.
+/// tensors it gives `Model::head_hidden` up to the f32 dot order (mhc_dots vs the model's matvec), i.e. within
+/// [`within_final_norm_bound`].
 #[test]
 fn mhc_head_reference_plus_norm_is_model_head_hidden() {
     let m = small_model(5);
@@ -71,7 +71,7 @@ fn mhc_head_reference_plus_norm_is_model_head_hidden() {
         for c in 0..d {
             let (a, b) = (y[c], want[t * d + c]);
             assert!(
-                (a - b).abs() <= b.abs() * 2f32.powi(-7) + 1e-6,
+                within_final_norm_bound(a, b),
                 "token {t} col {c}: {a} vs the model's {b}"
             );
         }
@@ -259,17 +259,25 @@ fn final_norm_setup(gpu: &Gpu, m: &Model, tokens: usize) -> FinalNorm {
     }
 }
 
-/// The GPU's normalized rows against `Model::head_hidden`. Tolerance: the GPU's pre-mix weights differ from the
-/// model's by the f32 dot order (~1e-7 relative), which can move u across a BF16 rounding boundary (one BF16 ulp,
-/// 2^-8 relative) and, through the row's rms, every y by far less; then y itself rounds to BF16. So each value is
-/// within 2^-7 relative (two BF16 ulps) + 1e-6, and the row's relative L2 error within 2^-8.
+/// How far one normalized value may sit from `Model::head_hidden`'s: the pre-mix weights differ from the model's by
+/// the f32 dot order (~1e-7 relative), which can move u across a BF16 rounding boundary: one ulp of u, up to 2^-7
+/// relative at the bottom of a binade (2^-8 at its top). The norm carries that to y (the row's rms moves far less),
+/// and y's own BF16 rounding can then land one ulp of y (again up to 2^-7 relative) the other way: 2^-6 relative
+/// and 1e-6 absolute. The bound was 2^-7, one ulp counted at the top of a binade; seed 1796772492346755555 of the CPU
+/// test below gave 0.08251953 against 0.083496094, two ulps of y (2^-6.4 relative).
+fn within_final_norm_bound(got: f32, want: f32) -> bool {
+    (got - want).abs() <= want.abs() * 2f32.powi(-6) + 1e-6
+}
+
+/// The GPU's normalized rows against `Model::head_hidden`: each value within [`within_final_norm_bound`], and the
+/// row's relative L2 error within 2^-8 (flips are rare).
 fn check_final_norm(label: &str, m: &Model, x: &[f32], y: &[f32]) {
     let want = head_hidden_rows(m, x).unwrap();
     assert_eq!(want.len(), y.len(), "{label}: rows");
     common::assert_all_written(label, y);
     for (i, (&g, &w)) in y.iter().zip(&want).enumerate() {
         assert!(
-            (g - w).abs() <= w.abs() * 2f32.powi(-7) + 1e-6,
+            within_final_norm_bound(g, w),
             "{label}: value {i}: GPU {g} vs the model's {w}"
         );
     }
